@@ -1,0 +1,207 @@
+"""compile_train_step and compile_predict: the public entry points.
+
+    trace -> autodiff -> optimizer -> fuse -> plan -> Executable (per feed signature)
+
+A TrainStep keeps one Executable per feed signature (the last partial batch of an epoch gets
+its own), all bound to the same parameter and optimizer-state buffers.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import numpy as np
+
+from .backends import get_backend
+from .compile.build import build_predict_graph, build_train_graph
+from .compile.executable import COPY_ROLES, INFERENCE, STATIC_ROLES, TRAIN, Executable, GraphKey
+from .compile.feed import Signature, check_feed, check_labels, signature_of
+from .compile.fuse import fuse
+from .compile.plan import Plan, make_plan
+from .errors import StateDictError
+from .ir.graph import PARAM, Graph, Value
+from .nn.module import Module
+
+PRECISIONS = ("fp32", "tf32")
+LABEL_OPS = ("cross_entropy", "cross_entropy_train", "nll_loss")
+
+
+def _input_names(n: int, with_target: bool) -> tuple[str, ...]:
+    xs = ("x",) if n - with_target == 1 else tuple(f"x{i}" for i in range(n - with_target))
+    return xs + (("y",) if with_target else ())
+
+
+class _CompiledModel:
+    """What train and predict steps share: the backend, its context, the model's parameters
+    moved onto the device once, and a cache of Executables by GraphKey."""
+
+    mode = ""
+
+    def __init__(self, model: Module, example_inputs, device: str, graph: bool | None,
+                 precision: str, with_target: bool):
+        if not isinstance(model, Module):
+            raise TypeError(f"model must be a stepgraph.nn.Module, got {type(model).__name__}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if device == "cpu" and precision != "fp32":
+            raise ValueError("precision='tf32' needs device='cuda'")
+        self.model = model
+        self.backend = get_backend(device)
+        self.device = device
+        self.use_graph = (device == "cuda") if graph is None else bool(graph)
+        if self.use_graph and device != "cuda":
+            raise ValueError("graph=True needs device='cuda' (the CPU backend runs eagerly)")
+        self.ctx = self.backend.make_context(precision) if device == "cuda" else None
+        self.precision = precision
+        example_inputs = tuple(example_inputs)
+        self.signature = signature_of(_input_names(len(example_inputs), with_target),
+                                      example_inputs)
+        model.name_parameters()
+        self.params = dict(model.named_parameters())
+        for p in self.params.values():
+            if not self.backend.owns(p.data):
+                host = p.numpy()
+                p.data = self.backend.empty(host.shape, str(host.dtype))
+                self.backend.copy_into(p.data, host)
+        self.executables: dict[GraphKey, Executable] = {}
+
+    def build_graph(self, signature: Signature) -> Graph:
+        raise NotImplementedError
+
+    def bind(self, v: Value) -> Any:
+        if v.role == PARAM:
+            return self.params[v.name].data
+        raise KeyError(v.name)
+
+    def executable(self, signature: Signature) -> Executable:
+        key = GraphKey(self.mode, hash(signature), STATIC_ROLES[self.mode],
+                       COPY_ROLES[self.mode], signature)
+        exe = self.executables.get(key)
+        if exe is None:
+            plan = self.plan(signature)
+            exe = Executable(plan, self.backend, self.bind, self.ctx, self.mode, key)
+            self.executables[key] = exe
+        return exe
+
+    def plan(self, signature: Signature) -> Plan:
+        return make_plan(fuse(self.build_graph(signature)))
+
+    def _prepare(self, arrays) -> Executable:
+        signature = check_feed(self.signature, arrays)
+        exe = self.executable(signature)
+        exe.feed(arrays)
+        return exe
+
+
+class TrainStep(_CompiledModel):
+    """One training step as one call: `loss = step(x, y)`."""
+
+    mode = TRAIN
+
+    def __init__(self, model, loss, optimizer, example_inputs, device="cpu", graph=None,
+                 seed=0, precision="fp32"):
+        super().__init__(model, example_inputs, device, graph, precision, with_target=True)
+        self.loss_fn, self.optimizer, self.seed = loss, optimizer, int(seed)
+        self.state: dict[str, Any] = {}
+        first = self.executable(self.signature)
+        self.classes = _label_classes(first.plan.graph, first.plan.graph.inputs[-1])
+        optimizer.attach(self._write_schedule)
+
+    def build_graph(self, signature: Signature) -> Graph:
+        return build_train_graph(self.model, self.loss_fn, self.optimizer, signature, self.seed)
+
+    def bind(self, v: Value) -> Any:
+        if v.role == PARAM:
+            return super().bind(v)
+        if v.name not in self.state:
+            host = self.optimizer.initial_state(v)
+            self.state[v.name] = self.backend.empty(v.shape, v.dtype)
+            self.backend.copy_into(self.state[v.name], host)
+        return self.state[v.name]
+
+    def _write_schedule(self, vector: np.ndarray) -> None:
+        from .optim.optimizer import SCHEDULE_KEY
+        self.backend.copy_into(self.state[SCHEDULE_KEY], vector)
+
+    def __call__(self, *arrays):
+        """Run one step on (inputs..., target); returns the loss (float() reads it)."""
+        if self.classes is not None:
+            check_labels(self.signature[-1].name, arrays[-1] if arrays else None, self.classes)
+        exe = self._prepare(arrays)
+        exe.run(self.use_graph)
+        return self.backend.scalar_result(exe.outputs["loss"])
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Parameters (PyTorch keys), optimizer state and the step counter, as NumPy arrays."""
+        out = dict(self.model.state_dict())
+        out.update((k, self.backend.to_numpy(v)) for k, v in sorted(self.state.items()))
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore what state_dict() returned, in place (compiled graphs keep their buffers)."""
+        missing = [k for k in self.state if k not in state_dict]
+        if missing:
+            raise StateDictError(f"state_dict lacks optimizer state {missing}")
+        for k, buf in self.state.items():
+            if tuple(np.shape(state_dict[k])) != tuple(buf.shape):
+                raise StateDictError(f"{k}: expected shape {tuple(buf.shape)}, "
+                                     f"got {np.shape(state_dict[k])}")
+        self.model.load_state_dict({k: v for k, v in state_dict.items() if k not in self.state})
+        for k, buf in self.state.items():
+            self.backend.copy_into(buf, np.ascontiguousarray(state_dict[k], dtype=buf.dtype))
+        from .optim.optimizer import SCHEDULE_KEY
+        self.optimizer._lr = float(np.asarray(state_dict[SCHEDULE_KEY])[0])
+
+
+class Predictor(_CompiledModel):
+    """The model's forward pass in eval mode, reading the same parameter buffers."""
+
+    mode = INFERENCE
+
+    def __init__(self, model, example_inputs, device="cpu", graph=None, precision="fp32"):
+        super().__init__(model, example_inputs, device, graph, precision, with_target=False)
+        self.executable(self.signature)
+
+    def build_graph(self, signature: Signature) -> Graph:
+        return build_predict_graph(self.model, signature)
+
+    def __call__(self, *arrays):
+        """The model's output for this batch, as a new array on the step's device."""
+        exe = self._prepare(arrays)
+        exe.run(self.use_graph)
+        return self.backend.copy_result(exe.outputs["output"])
+
+
+def _label_classes(graph: Graph, target: Value) -> int | None:
+    for n in graph.nodes:
+        if n.op in LABEL_OPS and n.inputs[1] is target:
+            return n.inputs[0].shape[1]
+    return None
+
+
+_train_cache: "weakref.WeakKeyDictionary[Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def compile_train_step(model: Module, loss, optimizer, example_inputs, device: str = "cpu",
+                       graph: bool | None = None, seed: int = 0,
+                       precision: str = "fp32") -> TrainStep:
+    """Compile forward + loss + backward + optimizer update into one callable step.
+
+    Compiling the same model, loss and optimizer with the same options again returns the same
+    step (a new one would start from fresh optimizer state). `graph` defaults to True on CUDA.
+    """
+    key = (id(loss), id(optimizer), signature_of(_input_names(len(example_inputs), True),
+                                                 example_inputs), device, graph, seed, precision)
+    per_model = _train_cache.setdefault(model, {})
+    step = per_model.get(key)
+    if step is None or step.optimizer is not optimizer:
+        step = TrainStep(model, loss, optimizer, example_inputs, device, graph, seed, precision)
+        per_model[key] = step
+    return step
+
+
+def compile_predict(model: Module, example_inputs, device: str = "cpu", graph: bool | None = None,
+                    precision: str = "fp32") -> Predictor:
+    """Compile the model's eval-mode forward pass; it reads the same parameter buffers as any
+    train step of the model, so it always sees the latest trained values."""
+    return Predictor(model, example_inputs, device, graph, precision)

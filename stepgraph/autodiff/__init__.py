@@ -1,0 +1,3 @@
+from .vjp import append_backward
+
+__all__ = ["append_backward"]

@@ -1,0 +1,99 @@
+"""One VJP rule per op. A rule emits ordinary nodes and returns one gradient per input (None
+where the input needs none). `wants(i)` says whether input i needs a gradient, so no node is
+emitted for gradients nobody reads (e.g. the data input of the first layer)."""
+from __future__ import annotations
+
+from typing import Callable
+
+from ..ir.graph import Node, Value
+from ..ir.ops import GRAD_FROM_OUTPUT
+
+Emit = Callable[..., list[Value]]   # emit(op, inputs, **attrs) -> outputs
+VJPS: dict[str, Callable] = {}
+
+
+def vjp(op: str):
+    def register(rule):
+        VJPS[op] = rule
+        return rule
+    return register
+
+
+@vjp("linear")
+def _linear(emit: Emit, node: Node, dy: list, wants) -> list:
+    (g,), (x, w) = dy, node.inputs[:2]
+    dx = emit("matmul", [g, w])[0] if wants(0) else None
+    dw = emit("matmul", [g, x], trans_a=True)[0] if wants(1) else None
+    grads = [dx, dw]
+    if len(node.inputs) == 3:
+        grads.append(emit("reduce_sum", [g], axes=(0,))[0] if wants(2) else None)
+    return grads
+
+
+@vjp("act")
+def _act(emit: Emit, node: Node, dy: list, wants) -> list:
+    kind = node.attrs["kind"]
+    saved = node.outputs[0] if kind in GRAD_FROM_OUTPUT else node.inputs[0]
+    return [emit("act_grad", [dy[0], saved], kind=kind, slope=node.attrs["slope"])[0]]
+
+
+@vjp("conv2d")
+def _conv2d(emit: Emit, node: Node, dy: list, wants) -> list:
+    (g,), (x, w) = dy, node.inputs[:2]
+    geometry = dict(stride=node.attrs["stride"], padding=node.attrs["padding"])
+    dx = emit("conv2d_grad_input", [g, w], input_shape=x.shape, **geometry)[0] if wants(0) else None
+    dw = emit("conv2d_grad_weight", [g, x], weight_shape=w.shape, **geometry)[0] if wants(1) else None
+    grads = [dx, dw]
+    if len(node.inputs) == 3:
+        grads.append(emit("reduce_sum", [g], axes=(0, 2, 3))[0] if wants(2) else None)
+    return grads
+
+
+@vjp("maxpool2d")
+def _maxpool2d(emit: Emit, node: Node, dy: list, wants) -> list:
+    return [emit("maxpool2d_grad", [dy[0], node.outputs[1]], input_shape=node.inputs[0].shape,
+                 kernel=node.attrs["kernel"], stride=node.attrs["stride"])[0]]
+
+
+@vjp("reshape")
+def _reshape(emit: Emit, node: Node, dy: list, wants) -> list:
+    return [emit("reshape", [dy[0]], shape=node.inputs[0].shape)[0]]
+
+
+@vjp("dropout")
+def _dropout(emit: Emit, node: Node, dy: list, wants) -> list:
+    dx = emit("dropout_grad", [dy[0], node.outputs[1]], p=node.attrs["p"],
+              per_channel=node.attrs["per_channel"])[0]
+    return [dx, None]
+
+
+@vjp("log_softmax")
+def _log_softmax(emit: Emit, node: Node, dy: list, wants) -> list:
+    return [emit("log_softmax_grad", [dy[0], node.outputs[0]])[0]]
+
+
+@vjp("cross_entropy")
+def _cross_entropy(emit: Emit, node: Node, dy: list, wants) -> list:
+    logits, labels = node.inputs
+    return [emit("cross_entropy_grad", [dy[0], logits, node.outputs[1], labels])[0], None]
+
+
+@vjp("nll_loss")
+def _nll_loss(emit: Emit, node: Node, dy: list, wants) -> list:
+    logp, labels = node.inputs
+    return [emit("nll_loss_grad", [dy[0], labels], classes=logp.shape[1])[0], None]
+
+
+@vjp("mse")
+def _mse(emit: Emit, node: Node, dy: list, wants) -> list:
+    pred, target = node.inputs
+    dpred = emit("mse_grad", [dy[0], pred, target])[0] if wants(0) else None
+    dtarget = None
+    if wants(1):  # d/dtarget = -d/dpred
+        dtarget = emit("mse_grad", [dy[0], target, pred])[0]
+    return [dpred, dtarget]
+
+
+@vjp("add")
+def _add(emit: Emit, node: Node, dy: list, wants) -> list:
+    return [dy[0] if wants(0) else None, dy[0] if wants(1) else None]

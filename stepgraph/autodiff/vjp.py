@@ -1,0 +1,57 @@
+"""Reverse-mode autodiff as a Graph -> Graph transform.
+
+Walks the forward nodes backwards, calls each op's VJP rule (rules.py), and appends the nodes
+the rules emit to the same graph. Gradients reaching a value from several uses are summed
+with `add` nodes. The result is ordinary graph code: the planner, the fusion passes and the
+CUDA graph see the backward like any other nodes.
+"""
+from __future__ import annotations
+
+from ..ir.graph import Graph, Node, Value
+from ..ir.trace import Tracer
+from .rules import VJPS
+
+
+def _needs_grad(graph: Graph, wrt: list[Value]) -> set[Value]:
+    """Values that depend on any of `wrt` (only their gradients are worth computing)."""
+    needs = set(wrt)
+    for node in graph.nodes:
+        if any(v in needs for v in node.inputs):
+            needs.update(node.outputs)
+    return needs
+
+
+def append_backward(tracer: Tracer, loss: Value, wrt: list[Value]) -> list[Value]:
+    """Append the gradient of scalar `loss` w.r.t. each of `wrt`; returns them in order."""
+    if loss.shape != ():
+        raise ValueError(f"the loss must be a scalar, got shape {loss.shape}")
+    graph = tracer.graph
+    forward: list[Node] = list(graph.nodes)
+    needs = _needs_grad(graph, wrt)
+    grads: dict[Value, Value] = {}
+
+    def accumulate(v: Value, g: Value):
+        grads[v] = tracer.emit("add", [grads[v], g])[0] if v in grads else g
+
+    tracer.label = "loss seed"
+    grads[loss] = tracer.emit("fill", [], value=1.0, shape=(), dtype=loss.dtype)[0]
+    for node in reversed(forward):
+        dys = [grads.get(v) for v in node.outputs]
+        if dys[0] is None or not any(v in needs for v in node.inputs):
+            continue
+        rule = VJPS.get(node.op)
+        if rule is None:
+            raise NotImplementedError(f"no VJP rule for op {node.op!r}")
+        tracer.label = f"{node.label} bwd" if node.label else "bwd"
+
+        def emit(op, inputs, **attrs):
+            return tracer.emit(op, inputs, **attrs)
+
+        dxs = rule(emit, node, dys, lambda i, node=node: node.inputs[i] in needs)
+        for v, g in zip(node.inputs, dxs):
+            if g is not None and v in needs:
+                accumulate(v, g)
+    missing = [v for v in wrt if v not in grads]
+    if missing:
+        raise ValueError(f"the loss does not depend on {missing}")
+    return [grads[v] for v in wrt]

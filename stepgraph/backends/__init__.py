@@ -1,0 +1,35 @@
+"""Backends run a Plan. They are passed explicitly: `get_backend("cpu" | "cuda")`."""
+from __future__ import annotations
+
+from ..errors import BackendUnavailableError
+from .base import Backend
+
+_instances: dict[str, Backend] = {}
+
+
+def get_backend(device: str) -> Backend:
+    """The backend for a device name; one instance per process (it owns a stream and caches)."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device not in _instances:
+        if device == "cpu":
+            from .numpy import NumpyBackend
+            _instances[device] = NumpyBackend()
+        else:
+            try:
+                from .cuda.backend import CudaBackend
+            except ImportError as err:
+                raise BackendUnavailableError(
+                    f"device='cuda' needs CuPy and nvmath-python: pip install -e '.[cuda]' ({err})"
+                ) from err
+            _instances[device] = CudaBackend()
+    return _instances[device]
+
+
+def cuda_available() -> bool:
+    """True when CuPy is installed and sees a GPU."""
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, no driver, no device: all mean "no"
+        return False

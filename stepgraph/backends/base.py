@@ -1,0 +1,48 @@
+"""The backend interface: what a device must provide to run a Plan.
+
+A backend owns memory (one arena per plan, fixed buffers for externals) and a table of op
+implementations. Every implementation has the signature `impl(node, ins, outs, ctx)`: it reads
+`ins` and writes into the preallocated `outs` (and into the inputs the node `mutates`); it never
+allocates the result, so the same code runs eagerly and under CUDA-graph capture.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable
+
+import numpy as np
+
+from ..ir.graph import Node
+
+OpImpl = Callable[[Node, list, list, Any], None]
+
+
+class Backend(ABC):
+    name: str
+    impls: dict[str, OpImpl]
+
+    @abstractmethod
+    def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
+        """A fresh device array (only outside a step: externals, arenas)."""
+
+    @abstractmethod
+    def to_numpy(self, array) -> np.ndarray:
+        """A host copy of a device array (syncs)."""
+
+    @abstractmethod
+    def copy_into(self, dst, src) -> None:
+        """Copy a host or device array into the fixed buffer dst (asynchronous where possible)."""
+
+    @abstractmethod
+    def view(self, arena, offset: int, shape: tuple[int, ...], dtype: str) -> Any:
+        """The array at byte `offset` of `arena` with the given shape and dtype."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Wait for all queued work."""
+
+    def run_node(self, node: Node, ins: list, outs: list, ctx=None) -> None:
+        impl = self.impls.get(node.op)
+        if impl is None:
+            raise NotImplementedError(f"backend {self.name!r} has no implementation of op {node.op!r}")
+        impl(node, ins, outs, ctx)

@@ -1,0 +1,47 @@
+"""NVRTC compilation of the `.cu` files in kernels/, memoised per process.
+
+CuPy keeps compiled cubins in its on-disk kernel cache (~/.cupy/kernel_cache), so a kernel is
+compiled once per machine. `compile_to_cubin` compiles without a GPU, for CI.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+KERNEL_DIR = Path(__file__).parent / "kernels"
+NVRTC_OPTIONS = ("-std=c++17", f"-I{KERNEL_DIR}")
+
+
+def kernel_sources() -> list[Path]:
+    return sorted(KERNEL_DIR.glob("*.cu"))
+
+
+@functools.cache
+def module(filename: str, name_expressions: tuple[str, ...] = ()):
+    """The compiled RawModule of kernels/<filename> (templates named in name_expressions)."""
+    import cupy as cp
+
+    source = (KERNEL_DIR / filename).read_text()
+    return cp.RawModule(code=source, options=NVRTC_OPTIONS,
+                        name_expressions=name_expressions or None)
+
+
+def kernel(filename: str, name: str):
+    """One kernel function of kernels/<filename>; `name` may be a template instantiation."""
+    if "<" in name:
+        return module(filename, (name,)).get_function(name)
+    return module(filename).get_function(name)
+
+
+def compile_to_cubin(path: Path, arch: str = "sm_90") -> bytes:
+    """Compile one .cu file with NVRTC for `arch`; needs libnvrtc but no GPU. Raises on errors."""
+    from cupy.cuda import nvrtc
+
+    headers = sorted(KERNEL_DIR.glob("*.cuh"))
+    prog = nvrtc.createProgram(path.read_text(), path.name,
+                               [h.read_text() for h in headers], [h.name for h in headers])
+    try:
+        nvrtc.compileProgram(prog, [f"-arch={arch}", "-std=c++17", "-ftz=true"])
+    except nvrtc.NVRTCError as err:
+        raise RuntimeError(f"{path.name}: {err}\n{nvrtc.getProgramLog(prog)}") from err
+    return nvrtc.getCUBIN(prog)

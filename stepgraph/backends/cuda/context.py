@@ -1,0 +1,20 @@
+"""What every CUDA launcher receives: the stream, the precision and the GEMM machinery."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+PRECISIONS = ("fp32", "tf32")
+
+
+@dataclass
+class CudaContext:
+    stream: Any                    # cupy.cuda.Stream every launch goes to (never the default one)
+    precision: str = "fp32"        # "fp32" exact float32 GEMMs; "tf32" opts in to TF32
+    gemm: Any = None               # backends.cuda.gemm.GemmCache: planned cuBLASLt calls by shape
+    capturing: bool = False        # True while a CUDA graph is being captured: no syncs, no allocs
+    extras: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")

@@ -1,0 +1,3 @@
+from .backend import NumpyBackend
+
+__all__ = ["NumpyBackend"]

@@ -1,0 +1,45 @@
+"""The reference backend: NumPy arrays on the CPU, one function per op (kernels.py)."""
+from __future__ import annotations
+
+import numpy as np
+
+from ...errors import ShapeError
+from ..base import Backend
+from .kernels import IMPLS
+
+
+class NumpyBackend(Backend):
+    name = "numpy"
+    device = "cpu"
+
+    def __init__(self):
+        self.impls = IMPLS
+
+    def empty(self, shape, dtype):
+        return np.empty(shape, dtype=dtype)
+
+    def to_numpy(self, array) -> np.ndarray:
+        return np.array(array, copy=True)
+
+    def copy_into(self, dst, src) -> None:
+        src = src if isinstance(src, np.ndarray) else np.from_dlpack(src)
+        if src.shape != dst.shape or src.dtype != dst.dtype:
+            raise ShapeError(f"cannot copy {src.dtype}{list(src.shape)} into "
+                             f"{dst.dtype}{list(dst.shape)}")
+        np.copyto(dst, src)
+
+    def view(self, arena, offset, shape, dtype):
+        return np.ndarray(shape, dtype=dtype, buffer=arena, offset=offset)
+
+    def owns(self, array) -> bool:
+        return isinstance(array, np.ndarray)
+
+    def scalar_result(self, buffer):
+        """The step's loss: on the CPU a plain copy costs nothing."""
+        return buffer.dtype.type(buffer)
+
+    def copy_result(self, buffer):
+        return buffer.copy()
+
+    def synchronize(self) -> None:
+        pass

@@ -1,0 +1,376 @@
+"""Reference implementations, one function per op (the contracts are in ir/ops.py).
+
+Each writes its results into the preallocated `outs` (and into the inputs its node mutates),
+exactly as a device kernel would. Scalars that PyTorch computes in Python floats (bias
+corrections, schedules) are computed here in float64 and cast once.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from ... import rng
+from ...ir.graph import Node
+
+IMPLS: dict = {}
+
+
+def impl(op: str):
+    def register(fn):
+        IMPLS[op] = fn
+        return fn
+    return register
+
+
+# ---- activations ---------------------------------------------------------------------------
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    # numpy has no erf; math.erf per element in float64 is exact enough and fast at our sizes.
+    return np.vectorize(math.erf, otypes=[np.float64])(x.astype(np.float64))
+
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def act_forward(z: np.ndarray, kind: str, slope: float = 0.01) -> np.ndarray:
+    if kind == "relu":
+        return np.maximum(z, 0)
+    if kind == "leaky_relu":
+        return np.where(z > 0, z, z * z.dtype.type(slope))
+    if kind == "sigmoid":
+        return 1 / (1 + np.exp(-z))
+    if kind == "tanh":
+        return np.tanh(z)
+    if kind == "gelu":
+        return (0.5 * z * (1 + _erf(z / math.sqrt(2.0)))).astype(z.dtype)
+    if kind == "gelu_tanh":
+        return 0.5 * z * (1 + np.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z**3)))
+    raise ValueError(f"unknown activation {kind!r}")
+
+
+def act_derivative(saved: np.ndarray, kind: str, slope: float = 0.01) -> np.ndarray:
+    """d act / d z, from y for relu/sigmoid/tanh and from z otherwise (ops.GRAD_FROM_OUTPUT)."""
+    one = saved.dtype.type(1)
+    if kind == "relu":
+        return (saved > 0).astype(saved.dtype)
+    if kind == "leaky_relu":
+        return np.where(saved > 0, one, saved.dtype.type(slope))
+    if kind == "sigmoid":
+        return saved * (1 - saved)
+    if kind == "tanh":
+        return 1 - saved * saved
+    if kind == "gelu":
+        z = saved.astype(np.float64)
+        cdf = 0.5 * (1 + _erf(z / math.sqrt(2.0)))
+        pdf = np.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+        return (cdf + z * pdf).astype(saved.dtype)
+    if kind == "gelu_tanh":
+        z = saved
+        inner = _SQRT_2_OVER_PI * (z + 0.044715 * z**3)
+        t = np.tanh(inner)
+        return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * z * z)
+    raise ValueError(f"unknown activation {kind!r}")
+
+
+@impl("act")
+def act(node: Node, ins, outs, ctx):
+    outs[0][...] = act_forward(ins[0], node.attrs["kind"], node.attrs.get("slope", 0.01))
+
+
+@impl("act_grad")
+def act_grad(node: Node, ins, outs, ctx):
+    dy, saved = ins
+    outs[0][...] = dy * act_derivative(saved, node.attrs["kind"], node.attrs.get("slope", 0.01))
+
+
+@impl("act_bias_grad")
+def act_bias_grad(node: Node, ins, outs, ctx):
+    dy, saved = ins
+    kind = node.attrs["kind"]
+    dz = dy if kind == "none" else dy * act_derivative(saved, kind, node.attrs.get("slope", 0.01))
+    outs[0][...] = dz
+    outs[1][...] = dz.sum(axis=0)
+
+
+# ---- dense ---------------------------------------------------------------------------------
+
+@impl("matmul")
+def matmul(node: Node, ins, outs, ctx):
+    a, b = ins
+    a = a.T if node.attrs.get("trans_a") else a
+    b = b.T if node.attrs.get("trans_b") else b
+    np.matmul(a, b, out=outs[0])
+
+
+@impl("linear")
+def linear(node: Node, ins, outs, ctx):
+    x, w = ins[0], ins[1]
+    z = x @ w.T
+    if len(ins) == 3:
+        z += ins[2]
+    kind = node.attrs.get("act")
+    outs[0][...] = z if kind is None else act_forward(z, kind, node.attrs.get("slope", 0.01))
+    if node.attrs.get("save_preact"):
+        outs[1][...] = z
+
+
+@impl("reduce_sum")
+def reduce_sum(node: Node, ins, outs, ctx):
+    outs[0][...] = ins[0].sum(axis=tuple(node.attrs["axes"]))
+
+
+@impl("add")
+def add(node: Node, ins, outs, ctx):
+    np.add(ins[0], ins[1], out=outs[0])
+
+
+@impl("fill")
+def fill(node: Node, ins, outs, ctx):
+    outs[0][...] = node.attrs["value"]
+
+
+# ---- convolution and pooling ---------------------------------------------------------------
+
+def _pad(x: np.ndarray, ph: int, pw: int) -> np.ndarray:
+    return np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw))) if ph or pw else x
+
+
+def _windows(xp: np.ndarray, kh: int, kw: int, sh: int, sw: int) -> np.ndarray:
+    """(N, C, Ho, Wo, kh, kw) strided view of the windows of a padded NCHW array."""
+    return sliding_window_view(xp, (kh, kw), axis=(2, 3))[:, :, ::sh, ::sw]
+
+
+@impl("conv2d")
+def conv2d(node: Node, ins, outs, ctx):
+    x, w = ins[0], ins[1]
+    (sh, sw), (ph, pw) = node.attrs["stride"], node.attrs["padding"]
+    win = _windows(_pad(x, ph, pw), w.shape[2], w.shape[3], sh, sw)
+    y = np.einsum("nchwij,ocij->nohw", win, w, optimize=True)
+    if len(ins) == 3:
+        y += ins[2][None, :, None, None]
+    outs[0][...] = y
+
+
+@impl("conv2d_grad_weight")
+def conv2d_grad_weight(node: Node, ins, outs, ctx):
+    dy, x = ins
+    (sh, sw), (ph, pw) = node.attrs["stride"], node.attrs["padding"]
+    _, _, kh, kw = node.attrs["weight_shape"]
+    win = _windows(_pad(x, ph, pw), kh, kw, sh, sw)
+    outs[0][...] = np.einsum("nchwij,nohw->ocij", win, dy, optimize=True)
+
+
+@impl("conv2d_grad_input")
+def conv2d_grad_input(node: Node, ins, outs, ctx):
+    dy, w = ins
+    (sh, sw), (ph, pw) = node.attrs["stride"], node.attrs["padding"]
+    n, c, h, wd = node.attrs["input_shape"]
+    _, _, kh, kw = w.shape
+    _, _, ho, wo = dy.shape
+    dxp = np.zeros((n, c, h + 2 * ph, wd + 2 * pw), dtype=dy.dtype)
+    # Scatter each kernel tap's contribution: kh*kw strided adds, no Python loop over pixels.
+    contrib = np.einsum("nohw,ocij->ncijhw", dy, w, optimize=True)
+    for i in range(kh):
+        for j in range(kw):
+            dxp[:, :, i:i + sh * ho:sh, j:j + sw * wo:sw] += contrib[:, :, i, j]
+    outs[0][...] = dxp[:, :, ph:ph + h, pw:pw + wd]
+
+
+@impl("maxpool2d")
+def maxpool2d(node: Node, ins, outs, ctx):
+    x = ins[0]
+    (kh, kw), (sh, sw) = node.attrs["kernel"], node.attrs["stride"]
+    win = _windows(x, kh, kw, sh, sw)
+    n, c, ho, wo = win.shape[:4]
+    flat = win.reshape(n, c, ho, wo, kh * kw)
+    arg = flat.argmax(axis=-1)  # first maximum in row-major window order, as PyTorch
+    outs[0][...] = np.take_along_axis(flat, arg[..., None], axis=-1)[..., 0]
+    rows = np.arange(ho)[:, None] * sh + arg // kw
+    cols = np.arange(wo)[None, :] * sw + arg % kw
+    outs[1][...] = rows * x.shape[3] + cols
+
+
+@impl("maxpool2d_grad")
+def maxpool2d_grad(node: Node, ins, outs, ctx):
+    dy, idx = ins
+    n, c, h, w = node.attrs["input_shape"]
+    dx = np.zeros((n * c, h * w), dtype=dy.dtype)
+    planes = np.repeat(np.arange(n * c), idx[0, 0].size)
+    np.add.at(dx, (planes, idx.reshape(-1)), dy.reshape(-1))
+    outs[0][...] = dx.reshape(n, c, h, w)
+
+
+# ---- dropout -------------------------------------------------------------------------------
+
+@impl("dropout")
+def dropout(node: Node, ins, outs, ctx):
+    x, step = ins
+    a = node.attrs
+    y, mask = outs
+    mask[...] = rng.dropout_keep_mask(mask.size, a["p"], a["seed"], a["site"],
+                                      int(step)).reshape(mask.shape)
+    y[...] = x * _broadcast_mask(mask, x) * x.dtype.type(1.0 / (1.0 - a["p"]))
+
+
+def _broadcast_mask(mask: np.ndarray, like: np.ndarray) -> np.ndarray:
+    return mask.reshape(mask.shape + (1,) * (like.ndim - mask.ndim))
+
+
+@impl("dropout_grad")
+def dropout_grad(node: Node, ins, outs, ctx):
+    dy, mask = ins
+    outs[0][...] = dy * _broadcast_mask(mask, dy) * dy.dtype.type(1.0 / (1.0 - node.attrs["p"]))
+
+
+# ---- softmax and losses --------------------------------------------------------------------
+
+def _logsumexp(x: np.ndarray) -> np.ndarray:
+    m = x.max(axis=1, keepdims=True)
+    return (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True)))[:, 0]
+
+
+@impl("log_softmax")
+def log_softmax(node: Node, ins, outs, ctx):
+    x = ins[0]
+    outs[0][...] = x - _logsumexp(x)[:, None]
+
+
+@impl("log_softmax_grad")
+def log_softmax_grad(node: Node, ins, outs, ctx):
+    dy, y = ins
+    outs[0][...] = dy - np.exp(y) * dy.sum(axis=1, keepdims=True)
+
+
+def _picked(x: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    return x[np.arange(x.shape[0]), labels]
+
+
+@impl("cross_entropy")
+def cross_entropy(node: Node, ins, outs, ctx):
+    logits, labels = ins
+    lse = _logsumexp(logits)
+    outs[0][...] = (lse - _picked(logits, labels)).mean()
+    outs[1][...] = lse
+
+
+def _softmax_minus_onehot(logits, lse, labels, scale):
+    g = np.exp(logits - lse[:, None])
+    g[np.arange(len(labels)), labels] -= 1
+    return g * scale
+
+
+@impl("cross_entropy_grad")
+def cross_entropy_grad(node: Node, ins, outs, ctx):
+    dloss, logits, lse, labels = ins
+    outs[0][...] = _softmax_minus_onehot(logits, lse, labels, dloss / logits.shape[0])
+
+
+@impl("cross_entropy_train")
+def cross_entropy_train(node: Node, ins, outs, ctx):
+    logits, labels = ins
+    lse = _logsumexp(logits)
+    outs[0][...] = (lse - _picked(logits, labels)).mean()
+    outs[1][...] = _softmax_minus_onehot(logits, lse, labels, logits.dtype.type(1 / len(labels)))
+
+
+@impl("nll_loss")
+def nll_loss(node: Node, ins, outs, ctx):
+    logp, labels = ins
+    outs[0][...] = -_picked(logp, labels).mean()
+
+
+@impl("nll_loss_grad")
+def nll_loss_grad(node: Node, ins, outs, ctx):
+    dloss, labels = ins
+    g = outs[0]
+    g[...] = 0
+    g[np.arange(len(labels)), labels] = -dloss / len(labels)
+
+
+@impl("mse")
+def mse(node: Node, ins, outs, ctx):
+    pred, target = ins
+    outs[0][...] = np.mean((pred - target) ** 2)
+
+
+@impl("mse_grad")
+def mse_grad(node: Node, ins, outs, ctx):
+    dloss, pred, target = ins
+    outs[0][...] = dloss * 2 * (pred - target) / pred.size
+
+
+# ---- optimizer -----------------------------------------------------------------------------
+
+@impl("step_increment")
+def step_increment(node: Node, ins, outs, ctx):
+    ins[0][...] += 1
+
+
+@impl("lr_schedule")
+def lr_schedule(node: Node, ins, outs, ctx):
+    from ...optim.schedules import schedule_lr
+
+    step, schedule = ins
+    outs[0][...] = schedule_lr(schedule, int(step))
+
+
+@impl("global_norm")
+def global_norm(node: Node, ins, outs, ctx):
+    total = sum(float(np.sum(g.astype(np.float64) ** 2)) for g in ins)
+    outs[0][...] = math.sqrt(total)
+
+
+def _update_groups(node: Node, ins):
+    """Split an update op's inputs: (lr, step, clip coefficient, params, grads, state slots)."""
+    a = node.attrs
+    n, k = a["n_params"], a["n_scalars"]
+    lr, step = float(ins[0]), int(ins[1])
+    coef = 1.0
+    if k == 3:
+        coef = min(1.0, a["max_norm"] / (float(ins[2]) + 1e-6))
+    params, grads = ins[k:k + n], ins[k + n:k + 2 * n]
+    slots = [ins[k + (2 + s) * n:k + (3 + s) * n] for s in range(a["n_slots"])]
+    return lr, step, coef, params, grads, slots
+
+
+@impl("sgd_update")
+def sgd_update(node: Node, ins, outs, ctx):
+    a = node.attrs
+    lr, step, coef, params, grads, slots = _update_groups(node, ins)
+    for i, (p, g) in enumerate(zip(params, grads)):
+        t = p.dtype.type
+        d = g * t(coef) if coef != 1.0 else g.copy()
+        if a["weight_decay"]:
+            d = d + t(a["weight_decay"]) * p
+        if a["momentum"]:
+            buf = slots[0][i]
+            if step == 1:
+                buf[...] = d
+            else:
+                buf *= t(a["momentum"])
+                buf += t(1 - a["dampening"]) * d
+            d = d + t(a["momentum"]) * buf if a["nesterov"] else buf
+        p -= t(lr) * d
+
+
+@impl("adam_update")
+def adam_update(node: Node, ins, outs, ctx):
+    a = node.attrs
+    lr, step, coef, params, grads, (exp_avg, exp_avg_sq) = _update_groups(node, ins)
+    b1, b2 = a["beta1"], a["beta2"]
+    step_size = lr / (1 - b1**step)
+    bc2_sqrt = math.sqrt(1 - b2**step)
+    for p, g, m, v in zip(params, grads, exp_avg, exp_avg_sq):
+        t = p.dtype.type
+        d = g * t(coef) if coef != 1.0 else g
+        if a["weight_decay"] and a["decoupled"]:
+            p *= t(1 - lr * a["weight_decay"])
+        elif a["weight_decay"]:
+            d = d + t(a["weight_decay"]) * p
+        m += (d - m) * t(1 - b1)           # PyTorch: exp_avg.lerp_(grad, 1 - beta1)
+        v *= t(b2)
+        v += t(1 - b2) * d * d
+        denom = np.sqrt(v) / t(bc2_sqrt) + t(a["eps"])
+        p -= t(step_size) * (m / denom)

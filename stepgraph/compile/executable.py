@@ -1,0 +1,79 @@
+"""An Executable is a Plan bound to memory on one backend: the fixed buffers of one feed
+signature. It runs the plan op by op (eager) or, on a backend that can capture, records it
+once as a CUDA graph and then replays it.
+
+Policies per mode (DESIGN.md, "Roles and the graph cache"): every external has a fixed buffer
+before capture; inputs are copied from the feed into theirs each call; params and state are
+bound to buffers shared by every executable of a model and are never overwritten by a feed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import CaptureError
+from ..ir.graph import INPUT, PARAM, STATE, Value
+from .plan import VIEW_OPS, Plan
+
+TRAIN, INFERENCE = "train", "inference"
+STATIC_ROLES = {TRAIN: (INPUT, PARAM, STATE), INFERENCE: (INPUT, PARAM)}
+COPY_ROLES = {TRAIN: (INPUT,), INFERENCE: (INPUT,)}
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """What a captured graph depends on: replaying it under any other key would be wrong."""
+    mode: str
+    plan_key: int
+    static_roles: tuple[str, ...]
+    copy_roles: tuple[str, ...]
+    signature: tuple
+
+
+class Executable:
+    def __init__(self, plan: Plan, backend, bind: Callable[[Value], Any], ctx, mode: str,
+                 key: GraphKey):
+        self.plan, self.backend, self.ctx, self.mode, self.key = plan, backend, ctx, mode, key
+        self.arena = backend.empty((max(plan.arena_bytes, 1),), "uint8")
+        buffers: dict[Value, Any] = {}
+        for v in plan.graph.inputs:
+            buffers[v] = backend.empty(v.shape, v.dtype)
+        for v in plan.graph.params + plan.graph.state:
+            buffers[v] = bind(v)
+        for v, slot in plan.slots.items():
+            buffers[v] = backend.view(self.arena, slot.offset, v.shape, v.dtype)
+        for v, root in plan.views.items():
+            buffers[v] = buffers[root].reshape(v.shape)
+        self.buffers = buffers
+        self.input_buffers = [buffers[v] for v in plan.graph.inputs]
+        self.outputs = {k: buffers[v] for k, v in plan.graph.outputs.items()}
+        self.calls = [(n, [buffers[v] for v in n.inputs], [buffers[v] for v in n.outputs])
+                      for n in plan.steps if n.op not in VIEW_OPS]
+        self.captured = None
+        self.runs = 0
+
+    def _check_static(self) -> None:
+        for v in self.plan.graph.externals:
+            if v.role in STATIC_ROLES[self.mode] and self.buffers.get(v) is None:
+                raise CaptureError(f"{v.role} {v.name!r} has no fixed buffer to capture")
+
+    def feed(self, arrays) -> None:
+        for buf, a in zip(self.input_buffers, arrays):
+            self.backend.copy_into(buf, a)
+
+    def run_eager(self) -> None:
+        run = self.backend.run_node
+        for node, ins, outs in self.calls:
+            run(node, ins, outs, self.ctx)
+
+    def run(self, use_graph: bool) -> None:
+        """One step. With use_graph, the first run is eager (warm-up: it plans GEMMs and
+        builds device tables on the same buffers), the second captures, later ones replay."""
+        self.runs += 1
+        if not use_graph or self.runs == 1:
+            self.run_eager()
+            return
+        if self.captured is None:
+            self._check_static()
+            self.captured = self.backend.capture(self.run_eager, self.ctx)
+        self.captured.launch()

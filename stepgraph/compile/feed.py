@@ -1,0 +1,67 @@
+"""Feed signatures and validation: what a step accepts, checked before anything is copied.
+
+A signature is the shapes and dtypes of the arrays a step is called with. The batch (first)
+axis may change from call to call (the last partial batch of an epoch); everything else must
+match the example inputs exactly: nothing is silently broadcast or cast.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import LabelError, ShapeError
+
+
+@dataclass(frozen=True)
+class FeedSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+Signature = tuple[FeedSpec, ...]
+
+
+def describe(array) -> tuple[tuple[int, ...], str]:
+    """Shape and dtype of a NumPy, CuPy or DLPack array without copying it."""
+    if not hasattr(array, "shape") or not hasattr(array, "dtype"):
+        raise ShapeError(f"expected an array (NumPy, CuPy or DLPack), got {type(array).__name__}")
+    return tuple(int(d) for d in array.shape), str(np.dtype(array.dtype))
+
+
+def signature_of(names: tuple[str, ...], arrays) -> Signature:
+    return tuple(FeedSpec(n, *describe(a)) for n, a in zip(names, arrays))
+
+
+def check_feed(expected: Signature, arrays) -> Signature:
+    """The signature of `arrays`, after checking it against the example signature."""
+    if len(arrays) != len(expected):
+        raise ShapeError(f"expected {len(expected)} inputs "
+                         f"({', '.join(s.name for s in expected)}), got {len(arrays)}")
+    got = signature_of(tuple(s.name for s in expected), arrays)
+    batch = got[0].shape[0] if got[0].shape else None
+    for want, have in zip(expected, got):
+        if have.dtype != want.dtype:
+            raise ShapeError(f"input {want.name!r}: expected dtype {want.dtype}, got {have.dtype}")
+        if len(have.shape) != len(want.shape):
+            raise ShapeError(f"input {want.name!r}: expected rank {len(want.shape)} "
+                             f"{want.shape}, got rank {len(have.shape)} {have.shape}")
+        if have.shape[1:] != want.shape[1:]:
+            raise ShapeError(f"input {want.name!r}: expected shape (batch, "
+                             f"{', '.join(map(str, want.shape[1:]))}), got {have.shape}")
+        if have.shape and (have.shape[0] != batch or batch == 0):
+            raise ShapeError(f"input {want.name!r}: batch size {have.shape[0]} does not match "
+                             f"{got[0].name!r} batch size {batch}")
+    return got
+
+
+def check_labels(name: str, labels, classes: int) -> None:
+    """Class labels must lie in [0, classes). Checked on host arrays only: a device array
+    would need a sync, which a step must not do; kernels write NaN for an invalid label."""
+    if not isinstance(labels, np.ndarray) or labels.size == 0:
+        return
+    lo, hi = int(labels.min()), int(labels.max())
+    if lo < 0 or hi >= classes:
+        raise LabelError(f"input {name!r}: labels must be in [0, {classes}), "
+                         f"got values in [{lo}, {hi}]")

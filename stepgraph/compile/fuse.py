@@ -1,0 +1,128 @@
+"""Fusion passes: pattern rewrites on a whole train-step graph (forward, backward, update).
+
+Each pass takes a graph and returns a new one; `fuse` runs them in order, then drops dead nodes.
+The multi-tensor optimizer update needs no pass: the optimizer emits it as one op.
+"""
+from __future__ import annotations
+
+from ..ir.graph import Graph, Node, Value
+
+
+def _rebuild(graph: Graph, nodes: list[Node], subst: dict[Value, Value]) -> Graph:
+    """A copy of `graph` with `nodes`, every input and output renamed through `subst`."""
+    for n in nodes:
+        n.inputs = [subst.get(v, v) for v in n.inputs]
+    outputs = {k: subst.get(v, v) for k, v in graph.outputs.items()}
+    return Graph(nodes, graph.inputs, graph.params, graph.state, outputs)
+
+
+def _join(*labels: str) -> str:
+    return "+".join(dict.fromkeys(l.split(" ")[0] for l in labels if l))
+
+
+def fuse_linear_activation(graph: Graph) -> Graph:
+    """linear(x, w, b) -> z; act(z) -> y   =>   linear(x, w, b, act) -> y [, z].
+    z stays an output (save_preact) when something else reads it: act_grad for leaky_relu/gelu."""
+    users = graph.consumers()
+    fused: dict[Node, Node] = {}          # act node -> the linear node that absorbs it
+    for n in graph.nodes:
+        if n.op != "linear" or n.attrs.get("act") is not None:
+            continue
+        acts = [u for u in users.get(n.outputs[0], []) if u.op == "act"]
+        if len(acts) != 1:
+            continue
+        act = acts[0]
+        others = [u for u in users[n.outputs[0]] if u is not act]
+        save = bool(others) or n.outputs[0] in graph.outputs.values()
+        n.attrs = dict(n.attrs, act=act.attrs["kind"], slope=act.attrs["slope"], save_preact=save)
+        n.outputs = [act.outputs[0]] + ([n.outputs[0]] if save else [])
+        n.label = _join(n.label, act.label)
+        fused[act] = n
+    return _rebuild(graph, [n for n in graph.nodes if n not in fused], {})
+
+
+def fuse_activation_bias_grad(graph: Graph) -> Graph:
+    """act_grad(dy, s) -> dz; reduce_sum(dz, axes=(0,)) -> db   =>   act_bias_grad -> (dz, db)."""
+    users = graph.consumers()
+    drop: set[Node] = set()
+    for n in graph.nodes:
+        if n.op != "act_grad" or len(n.outputs[0].shape) != 2:
+            continue
+        sums = [u for u in users.get(n.outputs[0], [])
+                if u.op == "reduce_sum" and tuple(u.attrs["axes"]) == (0,)]
+        if not sums:
+            continue
+        n.op = "act_bias_grad"
+        n.outputs = [n.outputs[0], sums[0].outputs[0]]
+        drop.add(sums[0])
+    return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
+
+
+def _is_unit_seed(graph: Graph, v: Value) -> bool:
+    p = graph.producers().get(v)
+    return p is not None and p.op == "fill" and p.attrs["value"] == 1.0
+
+
+def fuse_cross_entropy(graph: Graph) -> Graph:
+    """cross_entropy fwd + its grad seeded with 1   =>   cross_entropy_train -> (loss, dlogits)."""
+    users = graph.consumers()
+    drop: set[Node] = set()
+    for n in graph.nodes:
+        if n.op != "cross_entropy":
+            continue
+        grads = [u for u in users.get(n.outputs[1], []) if u.op == "cross_entropy_grad"]
+        if len(grads) != 1 or not _is_unit_seed(graph, grads[0].inputs[0]):
+            continue
+        n.op = "cross_entropy_train"
+        n.outputs = [n.outputs[0], grads[0].outputs[0]]
+        drop.add(grads[0])
+    return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
+
+
+def fuse_log_softmax_nll(graph: Graph) -> Graph:
+    """log_softmax -> nll_loss, with nll_loss_grad (seed 1) -> log_softmax_grad, where nothing
+    else reads the log-probabilities   =>   cross_entropy_train (the same function)."""
+    users = graph.consumers()
+    producers = graph.producers()
+    drop: set[Node] = set()
+    for nll in graph.nodes:
+        if nll.op != "nll_loss":
+            continue
+        ls = producers.get(nll.inputs[0])
+        if ls is None or ls.op != "log_softmax" or nll.inputs[0] in graph.outputs.values():
+            continue
+        logp_users = users[nll.inputs[0]]
+        back = [u for u in logp_users if u.op == "log_softmax_grad"]
+        if len(logp_users) != 2 or len(back) != 1:
+            continue
+        seed_grad = producers.get(back[0].inputs[0])
+        if seed_grad is None or seed_grad.op != "nll_loss_grad" or \
+                not _is_unit_seed(graph, seed_grad.inputs[0]):
+            continue
+        nll.op = "cross_entropy_train"
+        nll.inputs = [ls.inputs[0], nll.inputs[1]]
+        nll.outputs = [nll.outputs[0], back[0].outputs[0]]
+        nll.label = _join(ls.label, nll.label)
+        drop.update((ls, back[0], seed_grad))
+    return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
+
+
+def eliminate_dead_code(graph: Graph) -> Graph:
+    """Drop nodes whose outputs nobody reads (nodes that mutate state are always live)."""
+    live: set[Value] = set(graph.outputs.values())
+    kept: list[Node] = []
+    for n in reversed(graph.nodes):
+        if n.mutates or any(v in live for v in n.outputs):
+            kept.append(n)
+            live.update(n.inputs)
+    return _rebuild(graph, kept[::-1], {})
+
+
+PASSES = (fuse_linear_activation, fuse_activation_bias_grad, fuse_cross_entropy,
+          fuse_log_softmax_nll, eliminate_dead_code)
+
+
+def fuse(graph: Graph, passes=PASSES) -> Graph:
+    for p in passes:
+        graph = p(graph)
+    return graph

@@ -1,0 +1,32 @@
+"""Typed errors. Each says what mismatched: which input, expected vs got."""
+
+
+class StepgraphError(Exception):
+    """Base class of every error stepgraph raises on purpose."""
+
+
+class ShapeError(StepgraphError, ValueError):
+    """A value's shape, rank or dtype does not match what the graph expects."""
+
+
+class LabelError(StepgraphError, ValueError):
+    """Class labels outside [0, classes)."""
+
+
+class PlanError(StepgraphError):
+    """The graph cannot be scheduled or placed in memory."""
+
+
+class CaptureError(StepgraphError):
+    """A CUDA graph cannot be captured (an external without a fixed buffer, a sync inside)."""
+
+
+class StateDictError(StepgraphError, KeyError):
+    """A state_dict has missing or unexpected keys, or tensors of the wrong shape."""
+
+    def __str__(self):  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class BackendUnavailableError(StepgraphError, RuntimeError):
+    """The requested device has no working backend on this machine."""

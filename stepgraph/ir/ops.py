@@ -1,0 +1,325 @@
+"""The op table: every op's name, meaning and shape rule.
+
+Each op is one registration below; its docstring is the op's contract, which the numpy reference
+(`backends/numpy/kernels.py`) and the CUDA launchers (`backends/cuda/launchers.py`) implement.
+Shapes follow PyTorch: NCHW images, Linear weights (out, in). "Rows" are the batch axis.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..errors import ShapeError
+from .graph import Value
+
+Shape = tuple[int, ...]
+OutSpec = tuple[Shape, str]
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    infer: Callable[[list[Value], dict], list[OutSpec]]
+    doc: str
+    # Input positions written in place, as a function of attrs (multi-tensor updates).
+    mutates: Callable[[dict], tuple[int, ...]] = lambda attrs: ()
+
+
+OPS: dict[str, OpDef] = {}
+
+ACTIVATIONS = ("relu", "leaky_relu", "sigmoid", "tanh", "gelu", "gelu_tanh")
+# Activations whose derivative is computed from the output y; the others need the input z.
+GRAD_FROM_OUTPUT = ("relu", "sigmoid", "tanh")
+
+
+def defop(name: str, mutates=None):
+    def register(infer):
+        OPS[name] = OpDef(name, infer, (infer.__doc__ or "").strip(),
+                          mutates or (lambda attrs: ()))
+        return infer
+    return register
+
+
+def infer_outputs(op: str, inputs: list[Value], attrs: dict) -> list[OutSpec]:
+    if op not in OPS:
+        raise KeyError(f"unknown op {op!r}")
+    return OPS[op].infer(inputs, attrs)
+
+
+def _need(cond: bool, op: str, what: str):
+    if not cond:
+        raise ShapeError(f"{op}: {what}")
+
+
+def _f32(v: Value) -> bool:
+    return v.dtype in ("float32", "float64")
+
+
+# ---- dense ---------------------------------------------------------------------------------
+
+@defop("matmul")
+def _matmul(ins, attrs):
+    """c = op(a) @ op(b), op = transpose when attrs trans_a / trans_b. 2-D only."""
+    a, b = ins
+    _need(len(a.shape) == 2 and len(b.shape) == 2, "matmul", f"2-D operands, got {a.shape} @ {b.shape}")
+    m, k = a.shape[::-1] if attrs.get("trans_a") else a.shape
+    k2, n = b.shape[::-1] if attrs.get("trans_b") else b.shape
+    _need(k == k2, "matmul", f"inner dims differ: {a.shape} @ {b.shape} with {attrs}")
+    return [((m, n), a.dtype)]
+
+
+@defop("linear")
+def _linear(ins, attrs):
+    """y = act(x @ w.T + b); x (N, K), w (M, K), b (M,) optional; act = attrs["act"] or None.
+    With attrs["save_preact"] a second output z = x @ w.T + b (what act_grad needs)."""
+    x, w = ins[0], ins[1]
+    _need(len(x.shape) == 2, "linear", f"input must be (batch, features), got {x.shape}")
+    _need(x.shape[1] == w.shape[1], "linear",
+          f"input has {x.shape[1]} features, weight expects {w.shape[1]}")
+    if len(ins) == 3:
+        _need(ins[2].shape == (w.shape[0],), "linear", f"bias shape {ins[2].shape}")
+    out = ((x.shape[0], w.shape[0]), x.dtype)
+    return [out, out] if attrs.get("save_preact") else [out]
+
+
+@defop("act")
+def _act(ins, attrs):
+    """y = kind(x) elementwise; kind in ACTIVATIONS, leaky_relu uses attrs["slope"];
+    gelu is the exact erf form, gelu_tanh the tanh approximation."""
+    _need(attrs["kind"] in ACTIVATIONS, "act", f"unknown activation {attrs['kind']}")
+    return [(ins[0].shape, ins[0].dtype)]
+
+
+@defop("act_grad")
+def _act_grad(ins, attrs):
+    """dx = dy * kind'(.) where saved = y for GRAD_FROM_OUTPUT kinds, else the input z."""
+    dy, saved = ins
+    _need(dy.shape == saved.shape, "act_grad", f"{dy.shape} vs {saved.shape}")
+    return [(dy.shape, dy.dtype)]
+
+
+@defop("act_bias_grad")
+def _act_bias_grad(ins, attrs):
+    """Fused: dz = act_grad(dy, saved) (kind "none": dz = dy); db = dz.sum(axis 0). (N,M)->(N,M),(M,)"""
+    dy = ins[0]
+    return [(dy.shape, dy.dtype), ((dy.shape[1],), dy.dtype)]
+
+
+@defop("reduce_sum")
+def _reduce_sum(ins, attrs):
+    """y = x.sum(axis=attrs["axes"]) (no keepdims)."""
+    x = ins[0]
+    axes = tuple(attrs["axes"])
+    return [(tuple(d for i, d in enumerate(x.shape) if i not in axes), x.dtype)]
+
+
+@defop("add")
+def _add(ins, attrs):
+    """c = a + b, same shapes (no broadcasting)."""
+    a, b = ins
+    _need(a.shape == b.shape and a.dtype == b.dtype, "add", f"{a!r} + {b!r}")
+    return [(a.shape, a.dtype)]
+
+
+@defop("fill")
+def _fill(ins, attrs):
+    """y = attrs["value"] everywhere; shape attrs["shape"], dtype attrs["dtype"]. No inputs."""
+    return [(tuple(attrs["shape"]), attrs["dtype"])]
+
+
+@defop("reshape")
+def _reshape(ins, attrs):
+    """y = x viewed with attrs["shape"] (same element count, contiguous: no copy)."""
+    x = ins[0]
+    shape = tuple(attrs["shape"])
+    n = 1
+    for d in shape:
+        n *= d
+    _need(n == x.size, "reshape", f"cannot view {x.shape} as {shape}")
+    return [(shape, x.dtype)]
+
+
+# ---- convolution and pooling ---------------------------------------------------------------
+
+def conv_out(size: int, k: int, stride: int, pad: int) -> int:
+    return (size + 2 * pad - k) // stride + 1
+
+
+@defop("conv2d")
+def _conv2d(ins, attrs):
+    """y = cross-correlation of x (N,C,H,W) with w (O,C,kh,kw) + b (O,); attrs stride, padding
+    (pairs), zero padding; y (N,O,Ho,Wo)."""
+    x, w = ins[0], ins[1]
+    _need(len(x.shape) == 4, "conv2d", f"input must be (N, C, H, W), got {x.shape}")
+    _need(x.shape[1] == w.shape[1], "conv2d",
+          f"input has {x.shape[1]} channels, weight expects {w.shape[1]}")
+    (sh, sw), (ph, pw) = attrs["stride"], attrs["padding"]
+    ho = conv_out(x.shape[2], w.shape[2], sh, ph)
+    wo = conv_out(x.shape[3], w.shape[3], sw, pw)
+    _need(ho > 0 and wo > 0, "conv2d", f"kernel {w.shape[2:]} larger than padded input {x.shape[2:]}")
+    return [((x.shape[0], w.shape[0], ho, wo), x.dtype)]
+
+
+@defop("conv2d_grad_input")
+def _conv2d_grad_input(ins, attrs):
+    """dx (attrs input_shape) of conv2d given dy and w."""
+    return [(tuple(attrs["input_shape"]), ins[0].dtype)]
+
+
+@defop("conv2d_grad_weight")
+def _conv2d_grad_weight(ins, attrs):
+    """dw (attrs weight_shape) of conv2d given dy and x."""
+    return [(tuple(attrs["weight_shape"]), ins[0].dtype)]
+
+
+@defop("maxpool2d")
+def _maxpool2d(ins, attrs):
+    """y = max over kernel windows (attrs kernel, stride pairs; no padding, floor mode);
+    idx (int32) = h*W + w of the first maximum in each window, within its (n, c) plane."""
+    x = ins[0]
+    _need(len(x.shape) == 4, "maxpool2d", f"input must be (N, C, H, W), got {x.shape}")
+    (kh, kw), (sh, sw) = attrs["kernel"], attrs["stride"]
+    ho, wo = conv_out(x.shape[2], kh, sh, 0), conv_out(x.shape[3], kw, sw, 0)
+    _need(ho > 0 and wo > 0, "maxpool2d", f"window larger than input {x.shape[2:]}")
+    shape = (x.shape[0], x.shape[1], ho, wo)
+    return [(shape, x.dtype), (shape, "int32")]
+
+
+@defop("maxpool2d_grad")
+def _maxpool2d_grad(ins, attrs):
+    """dx (attrs input_shape): each dy element added at its idx in its (n, c) plane."""
+    return [(tuple(attrs["input_shape"]), ins[0].dtype)]
+
+
+# ---- dropout -------------------------------------------------------------------------------
+
+@defop("dropout")
+def _dropout(ins, attrs):
+    """y = x * mask / (1 - p); mask (uint8) keeps an element when its Philox4x32-10 uniform
+    >= p (see rng.py: key = attrs seed, counter = (index >> 2, site, step lo, step hi)).
+    ins = (x, step); with attrs per_channel the mask is (N, C) and spans each plane."""
+    x = ins[0]
+    mshape = x.shape[:2] if attrs.get("per_channel") else x.shape
+    return [(x.shape, x.dtype), (mshape, "uint8")]
+
+
+@defop("dropout_grad")
+def _dropout_grad(ins, attrs):
+    """dx = dy * mask / (1 - p), mask broadcast over planes when per_channel."""
+    return [(ins[0].shape, ins[0].dtype)]
+
+
+# ---- softmax and losses --------------------------------------------------------------------
+
+@defop("log_softmax")
+def _log_softmax(ins, attrs):
+    """y = x - logsumexp(x, axis 1), x (N, C)."""
+    _need(len(ins[0].shape) == 2, "log_softmax", f"input must be (batch, classes), got {ins[0].shape}")
+    return [(ins[0].shape, ins[0].dtype)]
+
+
+@defop("log_softmax_grad")
+def _log_softmax_grad(ins, attrs):
+    """dx = dy - exp(y) * dy.sum(axis 1, keepdims)."""
+    return [(ins[0].shape, ins[0].dtype)]
+
+
+def _check_labels(op, logits, labels):
+    _need(len(logits.shape) == 2, op, f"logits must be (batch, classes), got {logits.shape}")
+    _need(labels.shape == (logits.shape[0],), op,
+          f"labels must be ({logits.shape[0]},) for logits {logits.shape}, got {labels.shape}")
+    _need(labels.dtype in ("int32", "int64"), op, f"labels must be integers, got {labels.dtype}")
+
+
+@defop("cross_entropy")
+def _cross_entropy(ins, attrs):
+    """loss = mean_i(lse_i - logits[i, labels_i]); second output lse (N,) = logsumexp rows."""
+    _check_labels("cross_entropy", *ins)
+    return [((), ins[0].dtype), ((ins[0].shape[0],), ins[0].dtype)]
+
+
+@defop("cross_entropy_grad")
+def _cross_entropy_grad(ins, attrs):
+    """dlogits = dloss * (exp(logits - lse) - onehot(labels)) / N; ins (dloss, logits, lse, labels)."""
+    return [(ins[1].shape, ins[1].dtype)]
+
+
+@defop("cross_entropy_train")
+def _cross_entropy_train(ins, attrs):
+    """Fused forward and backward with dloss = 1: (loss, dlogits) from (logits, labels)."""
+    _check_labels("cross_entropy", *ins)
+    return [((), ins[0].dtype), (ins[0].shape, ins[0].dtype)]
+
+
+@defop("nll_loss")
+def _nll_loss(ins, attrs):
+    """loss = -mean_i(logp[i, labels_i])."""
+    _check_labels("nll_loss", *ins)
+    return [((), ins[0].dtype)]
+
+
+@defop("nll_loss_grad")
+def _nll_loss_grad(ins, attrs):
+    """dlogp (N, attrs classes) = -dloss / N at (i, labels_i), zero elsewhere; ins (dloss, labels)."""
+    dloss, labels = ins
+    return [((labels.shape[0], attrs["classes"]), dloss.dtype)]
+
+
+@defop("mse")
+def _mse(ins, attrs):
+    """loss = mean((pred - target)^2) over all elements."""
+    pred, target = ins
+    _need(pred.shape == target.shape, "mse", f"pred {pred.shape} vs target {target.shape}")
+    return [((), pred.dtype)]
+
+
+@defop("mse_grad")
+def _mse_grad(ins, attrs):
+    """dpred = dloss * 2 (pred - target) / numel; ins (dloss, pred, target)."""
+    return [(ins[1].shape, ins[1].dtype)]
+
+
+# ---- optimizer -----------------------------------------------------------------------------
+
+@defop("step_increment", mutates=lambda attrs: (0,))
+def _step_increment(ins, attrs):
+    """step += 1 (int64 scalar state), in place."""
+    return []
+
+
+@defop("lr_schedule")
+def _lr_schedule(ins, attrs):
+    """lr = schedule_lr(schedule, step): ins (step int64 scalar, schedule float32 (6,) =
+    [base_lr, warmup_steps, total_steps, min_lr, step_size, gamma]); optim/schedules.py has
+    the formulas, computed in double."""
+    return [((), "float32")]
+
+
+@defop("global_norm")
+def _global_norm(ins, attrs):
+    """norm = sqrt(sum over every input of sum(g^2))."""
+    return [((), ins[0].dtype)]
+
+
+def _update_mutates(attrs) -> tuple[int, ...]:
+    # inputs: n_scalars scalars (lr, step[, norm]), then params, grads and n_slots groups of
+    # per-parameter state (momentum buffers; Adam's exp_avg, exp_avg_sq), n_params each.
+    n, k = attrs["n_params"], attrs["n_scalars"]
+    written = list(range(k, k + n))
+    for s in range(attrs["n_slots"]):
+        written += range(k + (2 + s) * n, k + (3 + s) * n)
+    return tuple(written)
+
+
+@defop("sgd_update", mutates=_update_mutates)
+def _sgd_update(ins, attrs):
+    """PyTorch SGD over every parameter in one op. ins = lr, step[, norm], params, grads,
+    momentum buffers. Grads are scaled by min(1, max_norm / (norm + 1e-6)) when clipping."""
+    return []
+
+
+@defop("adam_update", mutates=_update_mutates)
+def _adam_update(ins, attrs):
+    """PyTorch Adam (decoupled=False) or AdamW (decoupled=True) over every parameter.
+    ins = lr, step[, norm], params, grads, exp_avg, exp_avg_sq."""
+    return []

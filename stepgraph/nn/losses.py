@@ -1,0 +1,34 @@
+"""Losses with PyTorch semantics and mean reduction. Each maps (prediction, target) tensors to
+a scalar tensor while being traced."""
+from __future__ import annotations
+
+from ..errors import ShapeError
+from ..ir.trace import Tensor
+
+
+def _label(t: Tensor, name: str) -> None:
+    t.tracer.label = name
+
+
+def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
+    """Softmax cross-entropy of (N, C) logits against integer labels (N,)."""
+    _label(logits, "cross_entropy")
+    return logits.tracer.op_all("cross_entropy", [logits, labels])[0]
+
+
+def nll_loss(log_probs: Tensor, labels: Tensor) -> Tensor:
+    """Negative log-likelihood of (N, C) log-probabilities against integer labels (N,)."""
+    _label(log_probs, "nll_loss")
+    return log_probs.tracer.op("nll_loss", [log_probs, labels])
+
+
+def mse(pred: Tensor, target: Tensor) -> Tensor:
+    """Mean squared error over all elements."""
+    if pred.shape != target.shape:
+        raise ShapeError(f"mse: prediction {pred.shape} and target {target.shape} differ")
+    _label(pred, "mse")
+    return pred.tracer.op("mse", [pred, target])
+
+
+# Losses whose target is a class index: the train step checks labels are in [0, classes).
+CLASS_TARGET_LOSSES = (cross_entropy, nll_loss)
