@@ -128,8 +128,13 @@ class TrainStep(_CompiledModel):
         if self.classes is not None:
             check_labels(self.signature[-1].name, arrays[-1] if arrays else None, self.classes)
         exe = self._prepare(arrays)
+        previous = exe.last_loss() if exe.last_loss else None
+        if previous is not None:
+            previous.detach()      # it still points at the buffer this run overwrites
         exe.run(self.use_graph)
-        return self.backend.scalar_result(exe.outputs["loss"])
+        loss = self.backend.scalar_result(exe.outputs["loss"])
+        exe.last_loss = weakref.ref(loss) if hasattr(loss, "detach") else None
+        return loss
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Parameters (PyTorch keys), optimizer state and the step counter, as NumPy arrays."""
