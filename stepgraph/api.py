@@ -17,10 +17,12 @@ from .compile.build import build_predict_graph, build_train_graph
 from .compile.executable import COPY_ROLES, INFERENCE, STATIC_ROLES, TRAIN, Executable, GraphKey
 from .compile.feed import Signature, check_feed, check_labels, signature_of
 from .compile.fuse import fuse
+from .compile.history import HISTORY_PREFIX, LossHandle
 from .compile.plan import Plan, make_plan
 from .errors import StateDictError
 from .ir.graph import PARAM, Graph, Value
 from .nn.module import Module
+from .optim.optimizer import SCHEDULE_KEY, STEP_KEY
 
 PRECISIONS = ("fp32", "tf32")
 LABEL_OPS = ("cross_entropy", "cross_entropy_train", "nll_loss")
@@ -103,6 +105,7 @@ class TrainStep(_CompiledModel):
         super().__init__(model, example_inputs, device, graph, precision, with_target=True)
         self.loss_fn, self.optimizer, self.seed = loss, optimizer, int(seed)
         self.state: dict[str, Any] = {}
+        self._host_step: int | None = None
         first = self.executable(self.signature)
         self.classes = _label_classes(first.plan.graph, first.plan.graph.inputs[-1])
         optimizer.attach(self._write_schedule)
@@ -120,7 +123,6 @@ class TrainStep(_CompiledModel):
         return self.state[v.name]
 
     def _write_schedule(self, vector: np.ndarray) -> None:
-        from .optim.optimizer import SCHEDULE_KEY
         self.backend.copy_into(self.state[SCHEDULE_KEY], vector)
 
     def __call__(self, *arrays):
@@ -128,33 +130,36 @@ class TrainStep(_CompiledModel):
         if self.classes is not None:
             check_labels(self.signature[-1].name, arrays[-1] if arrays else None, self.classes)
         exe = self._prepare(arrays)
-        previous = exe.last_loss() if exe.last_loss else None
-        if previous is not None:
-            previous.detach()      # it still points at the buffer this run overwrites
+        if self._host_step is None:   # mirror the device counter once; then count on the host
+            self._host_step = int(self.backend.to_numpy(self.state[STEP_KEY]))
         exe.run(self.use_graph)
-        loss = self.backend.scalar_result(exe.outputs["loss"])
-        exe.last_loss = weakref.ref(loss) if hasattr(loss, "detach") else None
-        return loss
+        self._host_step += 1
+        return LossHandle(self._host_step, self.state[HISTORY_PREFIX + "loss"],
+                          self.state[HISTORY_PREFIX + "step"], self.backend.to_numpy)
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Parameters (PyTorch keys), optimizer state and the step counter, as NumPy arrays."""
         out = dict(self.model.state_dict())
-        out.update((k, self.backend.to_numpy(v)) for k, v in sorted(self.state.items()))
+        out.update((k, self.backend.to_numpy(v)) for k, v in sorted(self._training_state()))
         return out
+
+    def _training_state(self):
+        return [(k, v) for k, v in self.state.items() if not k.startswith(HISTORY_PREFIX)]
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore what state_dict() returned, in place (compiled graphs keep their buffers)."""
-        missing = [k for k in self.state if k not in state_dict]
+        state = dict(self._training_state())
+        missing = [k for k in state if k not in state_dict]
         if missing:
             raise StateDictError(f"state_dict lacks optimizer state {missing}")
-        for k, buf in self.state.items():
+        for k, buf in state.items():
             if tuple(np.shape(state_dict[k])) != tuple(buf.shape):
                 raise StateDictError(f"{k}: expected shape {tuple(buf.shape)}, "
                                      f"got {np.shape(state_dict[k])}")
-        self.model.load_state_dict({k: v for k, v in state_dict.items() if k not in self.state})
-        for k, buf in self.state.items():
+        self.model.load_state_dict({k: v for k, v in state_dict.items() if k not in state})
+        for k, buf in state.items():
             self.backend.copy_into(buf, np.ascontiguousarray(state_dict[k], dtype=buf.dtype))
-        from .optim.optimizer import SCHEDULE_KEY
+        self._host_step = None
         self.optimizer._lr = float(np.asarray(state_dict[SCHEDULE_KEY])[0])
 
 

@@ -8,6 +8,7 @@ from ..ir.graph import Graph
 from ..ir.trace import Tracer
 from ..nn.module import Module
 from .feed import Signature
+from .history import emit_record_loss
 
 
 @contextmanager
@@ -36,6 +37,7 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
     params = list(tracer.graph.params)
     grads = append_backward(tracer, loss.value, params)
     optimizer.emit(tracer, params, grads)
+    emit_record_loss(tracer, loss.value)
     tracer.graph.outputs = {"loss": loss.value}
     return tracer.graph
 

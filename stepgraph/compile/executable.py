@@ -51,7 +51,6 @@ class Executable:
                       for n in plan.steps if n.op not in VIEW_OPS]
         self.captured = None
         self.runs = 0
-        self.last_loss = None      # weakref to the loss object the last run returned
 
     def _check_static(self) -> None:
         for v in self.plan.graph.externals:

@@ -316,6 +316,14 @@ def lr_schedule(node: Node, ins, outs, ctx):
     outs[0][...] = schedule_lr(schedule, int(step))
 
 
+@impl("record_loss")
+def record_loss(node: Node, ins, outs, ctx):
+    loss, step, history_loss, history_step = ins
+    slot = int(step) % history_loss.shape[0]
+    history_loss[slot] = loss
+    history_step[slot] = step
+
+
 @impl("global_norm")
 def global_norm(node: Node, ins, outs, ctx):
     total = sum(float(np.sum(g.astype(np.float64) ** 2)) for g in ins)
