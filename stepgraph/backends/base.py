@@ -8,6 +8,7 @@ allocates the result, so the same code runs eagerly and under CUDA-graph capture
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import numpy as np
@@ -40,6 +41,10 @@ class Backend(ABC):
     @abstractmethod
     def synchronize(self) -> None:
         """Wait for all queued work."""
+
+    def annotate(self, name: str):
+        """A named range around device work (NVTX on CUDA), for profilers."""
+        return nullcontext()
 
     def run_node(self, node: Node, ins: list, outs: list, ctx=None) -> None:
         impl = self.impls.get(node.op)

@@ -9,6 +9,7 @@ bound to buffers shared by every executable of a model and are never overwritten
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Any, Callable
 
 from ..errors import CaptureError
@@ -16,6 +17,9 @@ from ..ir.graph import INPUT, PARAM, STATE, Value
 from .plan import VIEW_OPS, Plan
 
 TRAIN, INFERENCE = "train", "inference"
+LOSS_OPS = ("cross_entropy", "cross_entropy_train", "nll_loss", "mse")
+UPDATE_OPS = ("step_increment", "lr_schedule", "global_norm", "sgd_update", "adam_update",
+              "record_loss")
 STATIC_ROLES = {TRAIN: (INPUT, PARAM, STATE), INFERENCE: (INPUT, PARAM)}
 COPY_ROLES = {TRAIN: (INPUT,), INFERENCE: (INPUT,)}
 
@@ -28,6 +32,15 @@ class GraphKey:
     static_roles: tuple[str, ...]
     copy_roles: tuple[str, ...]
     signature: tuple
+
+
+def phase_of(node) -> str:
+    """forward, loss, backward or optimizer: the NVTX range and profile group of a node."""
+    if node.op in UPDATE_OPS:
+        return "optimizer"
+    if node.op in LOSS_OPS:
+        return "loss"
+    return "backward" if node.label.endswith(" bwd") else "forward"
 
 
 class Executable:
@@ -49,6 +62,8 @@ class Executable:
         self.outputs = {k: buffers[v] for k, v in plan.graph.outputs.items()}
         self.calls = [(n, [buffers[v] for v in n.inputs], [buffers[v] for v in n.outputs])
                       for n in plan.steps if n.op not in VIEW_OPS]
+        self.phases = [(phase, list(calls))
+                       for phase, calls in groupby(self.calls, key=lambda c: phase_of(c[0]))]
         self.captured = None
         self.runs = 0
 
@@ -62,9 +77,12 @@ class Executable:
             self.backend.copy_into(buf, a)
 
     def run_eager(self) -> None:
-        run = self.backend.run_node
-        for node, ins, outs in self.calls:
-            run(node, ins, outs, self.ctx)
+        run, annotate = self.backend.run_node, self.backend.annotate
+        for phase, calls in self.phases:
+            with annotate(phase):
+                for node, ins, outs in calls:
+                    with annotate(node.label or node.op):
+                        run(node, ins, outs, self.ctx)
 
     def run(self, use_graph: bool) -> None:
         """One step. With use_graph, the first run is eager (warm-up: it plans GEMMs and

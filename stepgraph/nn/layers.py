@@ -17,7 +17,7 @@ class Linear(Module):
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self):
-        return f"{self.in_features}, {self.out_features}"
+        return f"{self.in_features},{self.out_features}"
 
 
 class Conv2d(Module):
@@ -35,7 +35,7 @@ class Conv2d(Module):
         return F.conv2d(x, self.weight, self.bias, self.stride, self.padding)
 
     def extra_repr(self):
-        return f"{self.in_channels}, {self.out_channels}, {self.kernel_size[0]}"
+        return f"{self.in_channels},{self.out_channels},{self.kernel_size[0]}"
 
 
 class MaxPool2d(Module):
@@ -142,6 +142,7 @@ class Sequential(Module):
 
     def forward(self, x):
         for name, m in self._modules.items():
-            x.tracer.label = f"{name}:{type(m).__name__}({m.extra_repr()})"
+            extra = m.extra_repr()
+            x.tracer.label = type(m).__name__ + (f"({extra})" if extra else "")
             x = m(x)
         return x
