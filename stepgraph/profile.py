@@ -1,0 +1,157 @@
+"""`stepgraph profile`: where a training step's time goes, op by op, on the GPU.
+
+Runs the plan op by op with CUDA events around each op (eager), counts the kernels each op
+launches (by capturing it alone into a graph and counting nodes), then times the whole-step
+graph replay and compares it with the sum of op times: the difference is what launch
+overhead and host gaps cost in eager mode, and what the graph removes.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import dataclass
+
+from .compile.executable import Executable, phase_of
+
+
+@dataclass(frozen=True)
+class OpTiming:
+    label: str           # the op as the user wrote it, e.g. "Linear(784,512)+ReLU forward"
+    op: str
+    kernels: int | None  # graph nodes the op alone captures into
+    us: float            # median device time
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    workload: str
+    device: str
+    ops: list[OpTiming]
+    eager_step_us: float
+    graph_step_us: float
+    graph_nodes: int | None
+    arena_bytes: int
+
+    @property
+    def sum_op_us(self) -> float:
+        return sum(o.us for o in self.ops)
+
+    @property
+    def kernels(self) -> int | None:
+        counts = [o.kernels for o in self.ops]
+        return None if None in counts else sum(counts)
+
+    def table(self) -> str:
+        total = self.sum_op_us or 1.0
+        lines = [f"stepgraph profile: {self.workload} on {self.device}",
+                 f"{'op':<44}{'kernels':>8}{'time µs':>10}{'share':>8}"]
+        for o in sorted(self.ops, key=lambda o: -o.us):
+            k = "?" if o.kernels is None else str(o.kernels)
+            lines.append(f"{o.label[:43]:<44}{k:>8}{o.us:>10.1f}{o.us / total:>8.1%}")
+        lines += [
+            f"sum of op times        {self.sum_op_us:10.1f} µs over {len(self.ops)} ops, "
+            f"{self.kernels if self.kernels is not None else '?'} kernels",
+            f"eager step (wall)      {self.eager_step_us:10.1f} µs",
+            f"graph replay           {self.graph_step_us:10.1f} µs, "
+            f"{self.graph_nodes if self.graph_nodes is not None else '?'} graph nodes",
+            f"launch and host gaps   {self.eager_step_us - self.sum_op_us:10.1f} µs in eager mode",
+            f"arena                  {self.arena_bytes / 2**20:10.2f} MiB",
+        ]
+        return "\n".join(lines)
+
+
+def _time_ops(exe: Executable, iters: int) -> list[float]:
+    """Median device µs of each op, from events recorded on the step's stream."""
+    import cupy as cp
+
+    stream, run = exe.ctx.stream, exe.backend.run_node
+    marks = [[cp.cuda.Event() for _ in range(len(exe.calls) + 1)] for _ in range(iters)]
+    for events in marks:
+        events[0].record(stream)
+        for (node, ins, outs), end in zip(exe.calls, events[1:]):
+            with exe.backend.annotate(node.label or node.op):
+                run(node, ins, outs, exe.ctx)
+            end.record(stream)
+    stream.synchronize()
+    per_op = [[cp.cuda.get_elapsed_time(ev[i], ev[i + 1]) * 1e3 for ev in marks]
+              for i in range(len(exe.calls))]
+    return [statistics.median(t) for t in per_op]
+
+
+def _kernels_per_op(exe: Executable) -> list[int | None]:
+    from .backends.cuda.graph import capture
+
+    counts = []
+    for node, ins, outs in exe.calls:
+        captured = capture(lambda: exe.backend.run_node(node, ins, outs, exe.ctx), exe.ctx)
+        counts.append(captured.node_count)
+    return counts
+
+
+def _time_step(run, stream, iters: int) -> float:
+    import cupy as cp
+
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    run()
+    start.record(stream)
+    for _ in range(iters):
+        run()
+    end.record(stream)
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) * 1e3 / iters
+
+
+def profile_executable(exe: Executable, workload: str, iters: int = 50) -> StepProfile:
+    """Profile one compiled executable whose inputs are already fed (this trains it)."""
+    import cupy as cp
+
+    exe.run(use_graph=False)  # warm-up: plans GEMMs, builds device tables
+    times = _time_ops(exe, iters)
+    kernels = _kernels_per_op(exe)
+    ops = [OpTiming(f"{n.label or n.op} {phase_of(n)}", n.op, k, t)
+           for (n, _, _), k, t in zip(exe.calls, kernels, times)]
+    eager = _time_step(exe.run_eager, exe.ctx.stream, iters)
+    exe.run(use_graph=True)
+    graph_us = _time_step(lambda: exe.run(use_graph=True), exe.ctx.stream, iters * 4)
+    name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode()
+    return StepProfile(workload, name, ops, eager, graph_us, exe.captured.node_count,
+                       exe.plan.arena_bytes)
+
+
+def build_workload(name: str, precision: str = "fp32"):
+    """A compiled train step of a BENCHMARKS.md workload on random data resident on the GPU."""
+    import cupy as cp
+    import numpy as np
+
+    from . import compile_train_step, losses, models, optim
+
+    rng = np.random.default_rng(0)
+    if name == "mlp":
+        model, loss, opt, shape = models.mlp(), losses.cross_entropy, optim.AdamW(lr=1e-3), (128, 784)
+    elif name == "cnn":
+        model, loss, opt = models.cnn(), losses.nll_loss, optim.SGD(lr=0.01, momentum=0.5)
+        shape = (64, 1, 28, 28)
+    else:
+        raise ValueError(f"unknown workload {name!r} (profile supports mlp and cnn)")
+    x = cp.asarray(rng.random(shape, dtype=np.float32))
+    y = cp.asarray(rng.integers(0, 10, shape[0]))
+    step = compile_train_step(model, loss=loss, optimizer=opt, example_inputs=(x, y),
+                              device="cuda", graph=True, precision=precision)
+    return step, (x, y)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="stepgraph profile", description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", default="mlp", choices=("mlp", "cnn"))
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "tf32"))
+    parser.add_argument("--iters", type=int, default=50)
+    args = parser.parse_args(argv)
+    from .backends import cuda_available
+    if not cuda_available():
+        print("stepgraph profile needs a CUDA GPU (CuPy found none)")
+        return 2
+    step, feed = build_workload(args.workload, args.precision)
+    exe = step.executable(step.signature)
+    exe.feed(feed)
+    print(profile_executable(exe, args.workload, args.iters).table())
+    return 0
