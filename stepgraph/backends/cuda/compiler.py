@@ -33,13 +33,18 @@ def kernel(filename: str, name: str):
     return module(filename).get_function(name)
 
 
-def compile_to_cubin(path: Path, arch: str = "sm_90") -> bytes:
-    """Compile one .cu file with NVRTC for `arch`; needs libnvrtc but no GPU. Raises on errors."""
+def compile_to_cubin(path: Path, arch: str = "sm_90",
+                     name_expressions: tuple[str, ...] = ()) -> bytes:
+    """Compile one .cu file with NVRTC for `arch`, instantiating the templates named in
+    `name_expressions`; needs libnvrtc but no GPU. Raises RuntimeError with the log."""
     from cupy.cuda import nvrtc
 
     headers = sorted(KERNEL_DIR.glob("*.cuh"))
     prog = nvrtc.createProgram(path.read_text(), path.name,
-                               [h.read_text() for h in headers], [h.name for h in headers])
+                               [h.read_text().encode() for h in headers],
+                               [h.name.encode() for h in headers])
+    for name in name_expressions:
+        nvrtc.addNameExpression(prog, name)
     try:
         nvrtc.compileProgram(prog, [f"-arch={arch}", "-std=c++17", "-ftz=true"])
     except nvrtc.NVRTCError as err:
