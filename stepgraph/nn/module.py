@@ -19,8 +19,14 @@ def to_numpy(array) -> np.ndarray:
     if isinstance(array, np.ndarray):
         return array.copy()
     if hasattr(array, "get"):             # CuPy
+        _device_synchronize()   # steps run on a private stream: wait for every one of them
         return array.get()
     return np.from_dlpack(array).copy()
+
+
+def _device_synchronize() -> None:
+    import cupy
+    cupy.cuda.Device().synchronize()
 
 
 class Parameter:
@@ -48,8 +54,10 @@ class Parameter:
             raise StateDictError(f"{self.name}: expected shape {self.shape}, got {values.shape}")
         if isinstance(self.data, np.ndarray):
             self.data[...] = values
-        else:
+        else:                                # no step may still be reading the old values
+            _device_synchronize()
             self.data.set(np.ascontiguousarray(values))
+            _device_synchronize()
 
     def __repr__(self):
         return f"Parameter({self.name or '?'}, shape={self.shape})"

@@ -6,6 +6,7 @@ compiled once per machine. `compile_to_cubin` compiles without a GPU, for CI.
 from __future__ import annotations
 
 import functools
+import hashlib
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
@@ -17,11 +18,21 @@ def kernel_sources() -> list[Path]:
 
 
 @functools.cache
+def _headers_digest() -> str:
+    digest = hashlib.sha256()
+    for header in sorted(KERNEL_DIR.glob("*.cuh")):
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+@functools.cache
 def module(filename: str, name_expressions: tuple[str, ...] = ()):
     """The compiled RawModule of kernels/<filename> (templates named in name_expressions)."""
     import cupy as cp
 
-    source = (KERNEL_DIR / filename).read_text()
+    # CuPy's disk cache keys on the source text alone: name the headers' hash in it, so an
+    # edited .cuh recompiles every file that includes it.
+    source = f"// headers {_headers_digest()}\n" + (KERNEL_DIR / filename).read_text()
     return cp.RawModule(code=source, options=NVRTC_OPTIONS,
                         name_expressions=name_expressions or None)
 
