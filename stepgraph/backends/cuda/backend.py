@@ -1,0 +1,198 @@
+"""The cuda backend: CuPy memory, NVRTC kernels (launchers.py, conv.py) and cuBLASLt (gemm.py).
+
+All device work of the backend goes to one private non-blocking stream (the default stream
+cannot be captured): feed copies, every op of every plan, result copies. Contexts made by
+`make_context` share that stream and one GemmCache, so work stays ordered without host syncs.
+CuPy is imported when a CudaBackend is created, so importing this module needs no GPU.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ...errors import BackendUnavailableError, CaptureError, PlanError, ShapeError
+from ..base import Backend
+
+# DLPack device types that name CUDA device memory (kDLCUDA, kDLCUDAManaged).
+_DLPACK_CUDA = (2, 13)
+
+
+@dataclass
+class _Staging:
+    """Pinned host buffer of one destination, and the event of the last copy out of it."""
+
+    memory: Any
+    host: np.ndarray
+    event: Any = None
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    device = "cuda"
+
+    def __init__(self, device: int = 0):
+        cp = _import_cupy()
+        try:
+            count = cp.cuda.runtime.getDeviceCount()
+        except Exception as err:   # no driver, driver too old, no device: all say the same
+            raise BackendUnavailableError(
+                f"device='cuda' found no usable NVIDIA GPU ({err})") from err
+        if not 0 <= device < count:
+            raise BackendUnavailableError(
+                f"device='cuda' wants GPU {device}, but {count} GPU(s) are visible")
+        try:
+            import nvmath.bindings.cublasLt  # noqa: F401
+        except ImportError as err:
+            raise BackendUnavailableError(
+                "device='cuda' needs nvmath-python for cuBLASLt: pip install -e '.[cuda]' "
+                f"({err})") from err
+        from . import conv, gemm, launchers, linear
+
+        self._cp = cp
+        self.device_id = device
+        cp.cuda.Device(device).use()
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        try:
+            self.gemm = gemm.GemmCache()
+        except Exception as err:
+            raise BackendUnavailableError(f"device='cuda': cuBLASLt is not usable ({err})") from err
+        self.impls = {**launchers.IMPLS, **linear.IMPLS, **conv.IMPLS}
+        self._staging: dict[tuple, _Staging] = {}
+
+    # ---- contexts and capture ------------------------------------------------------------
+
+    def make_context(self, precision: str = "fp32"):
+        """A CudaContext on the backend's stream, sharing its GemmCache (keyed by precision)."""
+        from .context import CudaContext
+
+        return CudaContext(stream=self.stream, precision=precision, gemm=self.gemm)
+
+    def capture(self, run, ctx):
+        """Record run() as one CUDA graph on ctx.stream (graph.py)."""
+        from .graph import capture
+
+        return capture(run, ctx)
+
+    def annotate(self, name: str):
+        if not self._cp.cuda.nvtx.available:
+            return nullcontext()
+        return _nvtx_range(self._cp.cuda.nvtx, name)
+
+    # ---- memory --------------------------------------------------------------------------
+
+    def empty(self, shape, dtype):
+        return self._cp.empty(tuple(shape), dtype=dtype)
+
+    def view(self, arena, offset: int, shape, dtype):
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        if offset < 0 or offset + nbytes > arena.nbytes:
+            raise PlanError(f"view of {nbytes} bytes at offset {offset} overruns the "
+                            f"{arena.nbytes}-byte arena")
+        return self._cp.ndarray(tuple(shape), dtype=dtype, memptr=arena.data + offset)
+
+    def owns(self, array) -> bool:
+        return isinstance(array, self._cp.ndarray) and array.device.id == self.device_id
+
+    def to_numpy(self, array) -> np.ndarray:
+        if isinstance(array, np.ndarray):
+            return array.copy()
+        return array.get(stream=self.stream)   # blocking: waits for the copy, in stream order
+
+    def copy_result(self, buffer):
+        """A new device array holding buffer's current value (ordered after the step)."""
+        with self.stream:
+            return buffer.copy()
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    # ---- copies --------------------------------------------------------------------------
+
+    def copy_into(self, dst, src) -> None:
+        """Copy src into the fixed buffer dst on the backend's stream, without host sync:
+        NumPy (or any host array) through a pinned staging buffer kept per destination;
+        CuPy, DLPack or __cuda_array_interface__ device arrays device-to-device."""
+        cp = self._cp
+        if isinstance(src, cp.ndarray):
+            self._copy_device(dst, src)
+        elif isinstance(src, np.ndarray):
+            self._copy_host(dst, src)
+        elif hasattr(src, "__dlpack_device__") and src.__dlpack_device__()[0] in _DLPACK_CUDA:
+            with self.stream:    # the producer orders its work before our stream (DLPack)
+                src = cp.from_dlpack(src)
+            self._copy_device(dst, src, ordered=True)
+        elif hasattr(src, "__dlpack_device__"):
+            self._copy_host(dst, np.from_dlpack(src))
+        elif hasattr(src, "__cuda_array_interface__"):
+            self._copy_device(dst, cp.asarray(src))
+        else:
+            self._copy_host(dst, np.asarray(src))
+
+    def _check(self, dst, src) -> None:
+        if tuple(src.shape) != tuple(dst.shape) or np.dtype(src.dtype) != np.dtype(dst.dtype):
+            raise ShapeError(f"cannot copy {np.dtype(src.dtype)}{list(src.shape)} into a "
+                             f"{np.dtype(dst.dtype)}{list(dst.shape)} buffer")
+        if not dst.flags.c_contiguous:
+            raise ShapeError(f"copy_into: destination {dst.shape} must be contiguous")
+
+    def _copy_host(self, dst, src: np.ndarray) -> None:
+        self._check(dst, src)
+        if self.stream.is_capturing():
+            raise CaptureError("copy_into: a host-to-device copy cannot be captured; feed "
+                               "inputs before replaying the graph")
+        if dst.nbytes == 0:
+            return
+        cp = self._cp
+        key = (dst.data.ptr, dst.nbytes, str(dst.dtype), tuple(dst.shape))
+        stage = self._staging.get(key)
+        if stage is None:
+            memory = cp.cuda.alloc_pinned_memory(dst.nbytes)
+            host = np.frombuffer(memory, dtype=dst.dtype, count=dst.size).reshape(dst.shape)
+            stage = self._staging[key] = _Staging(memory, host)
+        if stage.event is not None:
+            stage.event.synchronize()    # the previous copy out of this buffer has finished
+        np.copyto(stage.host, src)
+        cp.cuda.runtime.memcpyAsync(dst.data.ptr, stage.host.ctypes.data, dst.nbytes,
+                                    cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+        if stage.event is None:
+            stage.event = cp.cuda.Event(disable_timing=True)
+        stage.event.record(self.stream)
+
+    def _copy_device(self, dst, src, ordered: bool = False) -> None:
+        self._check(dst, src)
+        cp = self._cp
+        if not ordered and not self.stream.is_capturing():
+            # src was written on the caller's current stream: order our copy after it.
+            current = cp.cuda.get_current_stream()
+            if current.ptr != self.stream.ptr:
+                self.stream.wait_event(current.record())
+        if src.data.ptr == dst.data.ptr and src.strides == dst.strides:
+            return
+        if src.flags.c_contiguous:
+            cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, dst.nbytes,
+                                        cp.cuda.runtime.memcpyDefault, self.stream.ptr)
+        else:
+            with self.stream:
+                cp.copyto(dst, src)     # strided source: an elementwise copy kernel
+
+
+def _import_cupy():
+    try:
+        import cupy
+    except ImportError as err:
+        raise BackendUnavailableError(
+            f"device='cuda' needs CuPy: pip install -e '.[cuda]' ({err})") from err
+    return cupy
+
+
+@contextmanager
+def _nvtx_range(nvtx, name: str):
+    nvtx.RangePush(name)
+    try:
+        yield
+    finally:
+        nvtx.RangePop()

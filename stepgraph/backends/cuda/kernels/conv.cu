@@ -1,0 +1,113 @@
+// Convolution as GEMM: the im2col / col2im layout kernels around the cuBLASLt GEMMs (conv.py).
+// x (N,C,H,W), w (O,C,kh,kw), y (N,O,Ho,Wo). A patch row is ck = (c*kh + i)*kw + j (w's own
+// layout, so w is the row-major (O, C*kh*kw) matrix as it is); an output pixel is p = oh*Wo + ow.
+// Every kernel handles one chunk of nb samples (pointers already offset to the chunk), is a
+// grid-stride loop over 64-bit indices, and writes each element it owns once: no atomics, so
+// results are deterministic.
+
+struct Geometry {
+    int C, H, W, kh, kw, sh, sw, ph, pw, Ho, Wo;
+};
+
+// Kernels take the geometry as plain ints (the launcher passes eleven int32 scalars).
+#define GEOMETRY_PARAMS int C, int H, int W, int kh, int kw, int sh, int sw, int ph, int pw, \
+                        int Ho, int Wo
+#define GEOMETRY_INIT {C, H, W, kh, kw, sh, sw, ph, pw, Ho, Wo}
+
+// x[b, c, oh*sh - ph + i, ow*sw - pw + j], zero outside the image.
+template <typename T>
+__device__ __forceinline__ T patch_value(const T* __restrict__ x, const Geometry& g, long long b,
+                                         int ck, int p) {
+    const int j = ck % g.kw;
+    const int i = (ck / g.kw) % g.kh;
+    const int c = ck / (g.kw * g.kh);
+    const int h = (p / g.Wo) * g.sh - g.ph + i;
+    const int w = (p % g.Wo) * g.sw - g.pw + j;
+    if (h < 0 || h >= g.H || w < 0 || w >= g.W) return T(0);
+    return x[((b * g.C + c) * g.H + h) * g.W + w];
+}
+
+// cols (nb, CK, P) = the patches of x; then, when n_bias > 0, y (nb, O, P) = b[o] broadcast
+// (the forward GEMM accumulates onto it: y = w @ cols + b in two launches).
+template <typename T>
+__global__ void conv2d_im2col_kernel(const T* __restrict__ x, T* __restrict__ cols,
+                                     const T* __restrict__ bias, T* __restrict__ y,
+                                     long long n_cols, long long n_bias, int O,
+                                     GEOMETRY_PARAMS) {
+    const Geometry g = GEOMETRY_INIT;
+    const int P = g.Ho * g.Wo;
+    const int CK = g.C * g.kh * g.kw;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n_cols + n_bias;
+         e += stride) {
+        if (e < n_cols) {
+            const int p = (int)(e % P);
+            const long long t = e / P;
+            cols[e] = patch_value(x, g, t / CK, (int)(t % CK), p);
+        } else {
+            const long long f = e - n_cols;
+            y[f] = bias[(f / P) % O];
+        }
+    }
+}
+
+// The operands of the weight gradient, batch folded into the GEMM's K dimension:
+// cols_t (CK, nb*P) = patches of x, dy_t (O, nb*P) = dy with the sample axis moved inside,
+// so dw (O, CK) = dy_t @ cols_t^T sums over the batch in one GEMM.
+template <typename T>
+__global__ void conv2d_grad_weight_gather_kernel(const T* __restrict__ x, const T* __restrict__ dy,
+                                                 T* __restrict__ cols_t, T* __restrict__ dy_t,
+                                                 int nb, int O, GEOMETRY_PARAMS) {
+    const Geometry g = GEOMETRY_INIT;
+    const int P = g.Ho * g.Wo;
+    const long long Q = (long long)nb * P;
+    const long long n_cols = (long long)g.C * g.kh * g.kw * Q;
+    const long long total = n_cols + O * Q;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += stride) {
+        const long long f = e < n_cols ? e : e - n_cols;
+        const long long q = f % Q;        // column: (sample b, pixel p)
+        const long long row = f / Q;      // ck, or o
+        const long long b = q / P;
+        const int p = (int)(q % P);
+        if (e < n_cols) {
+            cols_t[f] = patch_value(x, g, b, (int)row, p);
+        } else {
+            dy_t[f] = dy[(b * O + row) * P + p];
+        }
+    }
+}
+
+// dx (nb, C, H, W) = col2im(dcols (nb, CK, P)): each input pixel gathers, in a fixed order, the
+// patch entries that read it.
+template <typename T>
+__global__ void conv2d_col2im_kernel(const T* __restrict__ dcols, T* __restrict__ dx, int nb,
+                                     GEOMETRY_PARAMS) {
+    const Geometry g = GEOMETRY_INIT;
+    const int P = g.Ho * g.Wo;
+    const int CK = g.C * g.kh * g.kw;
+    const long long total = (long long)nb * g.C * g.H * g.W;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += stride) {
+        const int w = (int)(e % g.W);
+        const int h = (int)((e / g.W) % g.H);
+        const int c = (int)((e / ((long long)g.W * g.H)) % g.C);
+        const long long b = e / ((long long)g.W * g.H * g.C);
+        const T* col = dcols + b * CK * P;
+        T acc = T(0);
+        for (int i = 0; i < g.kh; ++i) {
+            const int hp = h + g.ph - i;
+            if (hp < 0 || hp % g.sh) continue;
+            const int oh = hp / g.sh;
+            if (oh >= g.Ho) continue;
+            for (int j = 0; j < g.kw; ++j) {
+                const int wp = w + g.pw - j;
+                if (wp < 0 || wp % g.sw) continue;
+                const int ow = wp / g.sw;
+                if (ow >= g.Wo) continue;
+                acc += col[(long long)((c * g.kh + i) * g.kw + j) * P + oh * g.Wo + ow];
+            }
+        }
+        dx[e] = acc;
+    }
+}

@@ -1,0 +1,156 @@
+// Elementwise ops: activations and their gradients, add, fill, dropout (elementwise and
+// per-channel, Philox4x32-10 masks identical to the numpy backend's). float32 only.
+// Grid-stride loops over groups of 4 elements: a group is one float4 when the launcher says
+// every pointer is 16-byte aligned (`vec`), else 4 scalar accesses; y may alias x.
+#include "elementwise.cuh"
+#include "philox.cuh"
+
+#define GRID_STRIDE_GROUPS(g, n)                                                  \
+    for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x;          \
+         g < (((n) + 3) >> 2); g += (long long)gridDim.x * blockDim.x)
+
+extern "C" __global__ void act_forward_kernel(const float* x, float* y, long long n, int kind,
+                                              float slope, int vec) {
+    GRID_STRIDE_GROUPS(g, n) {
+        const long long i = g << 2;
+        if (vec && i + 4 <= n) {
+            float4 v = reinterpret_cast<const float4*>(x)[g];
+            v.x = act_value(v.x, kind, slope);
+            v.y = act_value(v.y, kind, slope);
+            v.z = act_value(v.z, kind, slope);
+            v.w = act_value(v.w, kind, slope);
+            reinterpret_cast<float4*>(y)[g] = v;
+        } else {
+            for (long long j = i; j < i + 4 && j < n; ++j) y[j] = act_value(x[j], kind, slope);
+        }
+    }
+}
+
+// dx = dy * act'(saved) (numpy: the derivative first, then the product).
+extern "C" __global__ void act_backward_kernel(const float* dy, const float* saved, float* dx,
+                                               long long n, int kind, float slope, int vec) {
+    GRID_STRIDE_GROUPS(g, n) {
+        const long long i = g << 2;
+        if (vec && i + 4 <= n) {
+            const float4 d = reinterpret_cast<const float4*>(dy)[g];
+            const float4 s = reinterpret_cast<const float4*>(saved)[g];
+            float4 r;
+            r.x = __fmul_rn(d.x, act_derivative(s.x, kind, slope));
+            r.y = __fmul_rn(d.y, act_derivative(s.y, kind, slope));
+            r.z = __fmul_rn(d.z, act_derivative(s.z, kind, slope));
+            r.w = __fmul_rn(d.w, act_derivative(s.w, kind, slope));
+            reinterpret_cast<float4*>(dx)[g] = r;
+        } else {
+            for (long long j = i; j < i + 4 && j < n; ++j)
+                dx[j] = __fmul_rn(dy[j], act_derivative(saved[j], kind, slope));
+        }
+    }
+}
+
+extern "C" __global__ void add_forward_kernel(const float* a, const float* b, float* c,
+                                              long long n, int vec) {
+    GRID_STRIDE_GROUPS(g, n) {
+        const long long i = g << 2;
+        if (vec && i + 4 <= n) {
+            const float4 u = reinterpret_cast<const float4*>(a)[g];
+            const float4 v = reinterpret_cast<const float4*>(b)[g];
+            reinterpret_cast<float4*>(c)[g] = make_float4(u.x + v.x, u.y + v.y, u.z + v.z,
+                                                          u.w + v.w);
+        } else {
+            for (long long j = i; j < i + 4 && j < n; ++j) c[j] = a[j] + b[j];
+        }
+    }
+}
+
+template <typename T>
+__global__ void fill_forward_kernel(T* y, long long n, T value) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        y[i] = value;
+}
+
+// Explicit instantiations: NVRTC compiles them even without name_expressions (CI test).
+template __global__ void fill_forward_kernel<float>(float*, long long, float);
+template __global__ void fill_forward_kernel<double>(double*, long long, double);
+template __global__ void fill_forward_kernel<int>(int*, long long, int);
+template __global__ void fill_forward_kernel<long long>(long long*, long long, long long);
+template __global__ void fill_forward_kernel<unsigned char>(unsigned char*, long long,
+                                                            unsigned char);
+
+// One Philox call gives the words of the 4 elements of a group (counter word 0 = i >> 2), so a
+// thread handles exactly one group. y = x * mask * scale with scale = float32(1 / (1 - p)).
+extern "C" __global__ void dropout_forward_kernel(const float* x, const long long* step,
+                                                  float* y, unsigned char* mask, long long n,
+                                                  unsigned long long seed, unsigned int site,
+                                                  unsigned int threshold, float scale, int vec) {
+    const long long t = *step;
+    GRID_STRIDE_GROUPS(g, n) {
+        const long long i = g << 2;
+        const uint4 w = dropout_words((unsigned long long)g, site, t, seed);
+        const float k0 = dropout_keep(w.x, threshold) ? 1.f : 0.f;
+        const float k1 = dropout_keep(w.y, threshold) ? 1.f : 0.f;
+        const float k2 = dropout_keep(w.z, threshold) ? 1.f : 0.f;
+        const float k3 = dropout_keep(w.w, threshold) ? 1.f : 0.f;
+        if (vec && i + 4 <= n) {
+            const float4 v = reinterpret_cast<const float4*>(x)[g];
+            reinterpret_cast<float4*>(y)[g] = make_float4(
+                __fmul_rn(__fmul_rn(v.x, k0), scale), __fmul_rn(__fmul_rn(v.y, k1), scale),
+                __fmul_rn(__fmul_rn(v.z, k2), scale), __fmul_rn(__fmul_rn(v.w, k3), scale));
+            reinterpret_cast<uchar4*>(mask)[g] = make_uchar4(
+                (unsigned char)k0, (unsigned char)k1, (unsigned char)k2, (unsigned char)k3);
+        } else {
+            const float keep[4] = {k0, k1, k2, k3};
+            for (int k = 0; k < 4 && i + k < n; ++k) {
+                y[i + k] = __fmul_rn(__fmul_rn(x[i + k], keep[k]), scale);
+                mask[i + k] = (unsigned char)keep[k];
+            }
+        }
+    }
+}
+
+extern "C" __global__ void dropout_backward_kernel(const float* dy, const unsigned char* mask,
+                                                   float* dx, long long n, float scale, int vec) {
+    GRID_STRIDE_GROUPS(g, n) {
+        const long long i = g << 2;
+        if (vec && i + 4 <= n) {
+            const float4 d = reinterpret_cast<const float4*>(dy)[g];
+            const uchar4 m = reinterpret_cast<const uchar4*>(mask)[g];
+            reinterpret_cast<float4*>(dx)[g] = make_float4(
+                __fmul_rn(__fmul_rn(d.x, (float)m.x), scale),
+                __fmul_rn(__fmul_rn(d.y, (float)m.y), scale),
+                __fmul_rn(__fmul_rn(d.z, (float)m.z), scale),
+                __fmul_rn(__fmul_rn(d.w, (float)m.w), scale));
+        } else {
+            for (long long j = i; j < i + 4 && j < n; ++j)
+                dx[j] = __fmul_rn(__fmul_rn(dy[j], (float)mask[j]), scale);
+        }
+    }
+}
+
+// Dropout2d: one mask element per (n, c) plane of `plane` elements; mask element m draws
+// Philox word m & 3 of group m >> 2. Each thread evaluates its element's plane decision, and
+// the thread of a plane's first element writes the mask. Launchers keep n below 2^31.
+extern "C" __global__ void dropout_channel_forward_kernel(
+        const float* x, const long long* step, float* y, unsigned char* mask, int n, int plane,
+        unsigned long long seed, unsigned int site, unsigned int threshold, float scale) {
+    const long long t = *step;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const unsigned int m = (unsigned int)i / (unsigned int)plane;
+        const uint4 w = dropout_words(m >> 2, site, t, seed);
+        const float keep = dropout_keep(philox_word(w, m & 3u), threshold) ? 1.f : 0.f;
+        y[i] = __fmul_rn(__fmul_rn(x[i], keep), scale);
+        if ((unsigned int)i == m * (unsigned int)plane) mask[m] = (unsigned char)keep;
+    }
+}
+
+extern "C" __global__ void dropout_channel_backward_kernel(const float* dy,
+                                                           const unsigned char* mask,
+                                                           float* dx, int n, int plane,
+                                                           float scale) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const float keep = (float)mask[(unsigned int)i / (unsigned int)plane];
+        dx[i] = __fmul_rn(__fmul_rn(dy[i], keep), scale);
+    }
+}

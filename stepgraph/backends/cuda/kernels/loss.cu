@@ -1,0 +1,215 @@
+// Softmax and losses over (N, C) rows: log_softmax and its gradient, cross-entropy (forward,
+// gradient and the fused train kernel: loss and dlogits in one launch), nll_loss, mse.
+// Row kernels: a row is handled by a group of blockDim.x threads (a multiple of 32, usually one
+// warp), blockDim.y rows per block, rows strided over the grid. Scalar losses are means:
+// float64 partial sums in a fixed order (one block), or, over several blocks, per-row values
+// summed in index order by the last block to finish (reduce.cuh arrive_last): deterministic.
+// Labels are int or long long (templates); a label outside [0, C) gives a NaN loss.
+#include "reduce.cuh"
+
+#define NEG_INF __int_as_float(0xff800000)
+#define QUIET_NAN __int_as_float(0x7fc00000)
+
+// Every thread of the block calls this (row reductions synchronise); rows past N pass cols = 0.
+__device__ __forceinline__ float row_logsumexp(const float* xr, int cols, float* smem) {
+    float m = NEG_INF;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) m = fmaxf(m, xr[c]);
+    m = row_max(m, smem);
+    float s = 0.f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) s += expf(xr[c] - m);
+    s = row_sum(s, smem);
+    return m + logf(s);
+}
+
+template <typename L>
+__device__ __forceinline__ float picked_logit(const float* xr, L label, int C) {
+    return (label >= 0 && label < C) ? xr[label] : QUIET_NAN;
+}
+
+// Row loops visit rows base by base: every thread of a block runs the same number of
+// iterations (rows past N pass cols = 0), so row reductions may synchronise inside them.
+__device__ __forceinline__ long long first_row_base() {
+    return (long long)blockIdx.x * blockDim.y;
+}
+__device__ __forceinline__ long long row_base_stride() {
+    return (long long)gridDim.x * blockDim.y;
+}
+
+extern "C" __global__ void log_softmax_forward_kernel(const float* x, float* y, int N, int C) {
+    __shared__ float smem[32];
+    for (long long base = first_row_base(); base < N; base += row_base_stride()) {
+        const int row = (int)base + threadIdx.y;
+        const bool valid = row < N;
+        const float* xr = x + (long long)row * C;
+        const float lse = row_logsumexp(xr, valid ? C : 0, smem);
+        if (valid)
+            for (int c = threadIdx.x; c < C; c += blockDim.x)
+                y[(long long)row * C + c] = xr[c] - lse;
+    }
+}
+
+// dx = dy - exp(y) * sum(dy) per row.
+extern "C" __global__ void log_softmax_backward_kernel(const float* dy, const float* y,
+                                                       float* dx, int N, int C) {
+    __shared__ float smem[32];
+    for (long long base = first_row_base(); base < N; base += row_base_stride()) {
+        const int row = (int)base + threadIdx.y;
+        const bool valid = row < N;
+        const long long r0 = (long long)row * C;
+        const int cols = valid ? C : 0;
+        float s = 0.f;
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) s += dy[r0 + c];
+        s = row_sum(s, smem);
+        for (int c = threadIdx.x; c < cols; c += blockDim.x)
+            dx[r0 + c] = dy[r0 + c] - __fmul_rn(expf(y[r0 + c]), s);
+    }
+}
+
+// loss = mean(lse - logits[i, label_i]); lse (N,). With one block the row groups' leaders
+// accumulate their rows and the block sums them; with several, the last block re-reads lse.
+template <typename L>
+__global__ void __launch_bounds__(1024)
+cross_entropy_forward_kernel(const float* x, const L* labels, float* loss, float* lse,
+                             unsigned int* counter, int N, int C) {
+    __shared__ float smem[32];
+    __shared__ double dsmem[32];
+    __shared__ unsigned int last_flag;
+    double acc = 0.0;
+    for (long long base = first_row_base(); base < N; base += row_base_stride()) {
+        const int row = (int)base + threadIdx.y;
+        const bool valid = row < N;
+        const float* xr = x + (long long)row * C;
+        const float l = row_logsumexp(xr, valid ? C : 0, smem);
+        if (valid && threadIdx.x == 0) {
+            lse[row] = l;
+            acc += (double)(l - picked_logit(xr, labels[row], C));
+        }
+    }
+    if (gridDim.x > 1) {
+        if (!arrive_last(counter, &last_flag)) return;
+        acc = 0.0;
+        for (int i = flat_thread(); i < N; i += blockDim.x * blockDim.y)
+            acc += (double)(__ldcg(lse + i) - picked_logit(x + (long long)i * C, labels[i], C));
+    }
+    acc = block_sum(acc, dsmem);
+    if (flat_thread() == 0) *loss = (float)(acc / N);
+}
+
+// dlogits = (exp(logits - lse) - onehot) * (dloss / N), one thread per element.
+template <typename L>
+__global__ void cross_entropy_backward_kernel(const float* dloss, const float* x,
+                                              const float* lse, const L* labels, float* dx,
+                                              int N, int C) {
+    const float scale = *dloss / (float)N;
+    const long long total = (long long)N * C;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int row = (int)(i / C), c = (int)(i - (long long)row * C);
+        float g = expf(x[i] - lse[row]);
+        if ((long long)labels[row] == c) g -= 1.f;
+        dx[i] = __fmul_rn(g, scale);
+    }
+}
+
+// Fused forward and backward with dloss = 1 (scale = float32(1 / N)): loss and dlogits in one
+// launch. Several blocks park each row's loss in rowloss (N floats, launcher scratch); a
+// single block keeps them in registers.
+template <typename L>
+__global__ void __launch_bounds__(1024)
+cross_entropy_train_kernel(const float* x, const L* labels, float* loss, float* dx, float* rowloss,
+                           unsigned int* counter, int N, int C, float scale) {
+    __shared__ float smem[32];
+    __shared__ double dsmem[32];
+    __shared__ unsigned int last_flag;
+    double acc = 0.0;
+    for (long long base = first_row_base(); base < N; base += row_base_stride()) {
+        const int row = (int)base + threadIdx.y;
+        const bool valid = row < N;
+        const long long r0 = (long long)row * C;
+        const float l = row_logsumexp(x + r0, valid ? C : 0, smem);
+        if (valid) {
+            const L label = labels[row];
+            for (int c = threadIdx.x; c < C; c += blockDim.x) {
+                float g = expf(x[r0 + c] - l);
+                if ((long long)label == c) g -= 1.f;
+                dx[r0 + c] = __fmul_rn(g, scale);
+            }
+            if (threadIdx.x == 0) {
+                const float rl = l - picked_logit(x + r0, label, C);
+                if (gridDim.x > 1) rowloss[row] = rl;
+                else acc += (double)rl;
+            }
+        }
+    }
+    if (gridDim.x > 1) {
+        if (!arrive_last(counter, &last_flag)) return;
+        for (int i = flat_thread(); i < N; i += blockDim.x * blockDim.y)
+            acc += (double)__ldcg(rowloss + i);
+    }
+    acc = block_sum(acc, dsmem);
+    if (flat_thread() == 0) *loss = (float)(acc / N);
+}
+
+// loss = -mean(logp[i, label_i]): one block (N gathers).
+template <typename L>
+__global__ void __launch_bounds__(1024)
+nll_loss_forward_kernel(const float* logp, const L* labels, float* loss, int N, int C) {
+    __shared__ double dsmem[32];
+    double acc = 0.0;
+    for (int i = threadIdx.x; i < N; i += blockDim.x)
+        acc += (double)picked_logit(logp + (long long)i * C, labels[i], C);
+    acc = block_sum(acc, dsmem);
+    if (threadIdx.x == 0) *loss = -(float)(acc / N);
+}
+
+// dlogp = -dloss / N at (i, label_i), zero elsewhere.
+template <typename L>
+__global__ void nll_loss_backward_kernel(const float* dloss, const L* labels, float* dx, int N,
+                                         int C) {
+    const float g = -*dloss / (float)N;
+    const long long total = (long long)N * C;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int row = (int)(i / C), c = (int)(i - (long long)row * C);
+        dx[i] = (long long)labels[row] == c ? g : 0.f;
+    }
+}
+
+// loss = mean((pred - target)^2): one block, float64 partial sums of the float32 squares.
+extern "C" __global__ void __launch_bounds__(1024)
+mse_forward_kernel(const float* pred, const float* target, float* loss, long long n) {
+    __shared__ double dsmem[32];
+    double acc = 0.0;
+    for (long long i = threadIdx.x; i < n; i += blockDim.x) {
+        const float d = pred[i] - target[i];
+        acc += (double)__fmul_rn(d, d);
+    }
+    acc = block_sum(acc, dsmem);
+    if (threadIdx.x == 0) *loss = (float)(acc / (double)n);
+}
+
+// dpred = dloss * 2 * (pred - target) / n, in the numpy reference's order.
+extern "C" __global__ void mse_backward_kernel(const float* dloss, const float* pred,
+                                               const float* target, float* dx, long long n) {
+    const float two_dloss = *dloss * 2.f;
+    const float count = (float)n;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        dx[i] = __fdiv_rn(__fmul_rn(two_dloss, pred[i] - target[i]), count);
+}
+
+#define LABEL_INSTANTIATIONS(L)                                                              \
+    template __global__ void cross_entropy_forward_kernel<L>(const float*, const L*, float*,  \
+                                                             float*, unsigned int*, int, int); \
+    template __global__ void cross_entropy_backward_kernel<L>(                                \
+        const float*, const float*, const float*, const L*, float*, int, int);                \
+    template __global__ void cross_entropy_train_kernel<L>(                                   \
+        const float*, const L*, float*, float*, float*, unsigned int*, int, int, float);      \
+    template __global__ void nll_loss_forward_kernel<L>(const float*, const L*, float*, int,  \
+                                                        int);                                 \
+    template __global__ void nll_loss_backward_kernel<L>(const float*, const L*, float*, int, \
+                                                         int);
+
+// Explicit instantiations: compiled by the NVRTC CI test without name_expressions.
+LABEL_INSTANTIATIONS(int)
+LABEL_INSTANTIATIONS(long long)

@@ -1,0 +1,204 @@
+// Optimizer kernels: the step counter, the LR schedule, and SGD / Adam / AdamW as ONE
+// multi-tensor launch over every parameter. Nothing a step needs is a host scalar: lr, step
+// and the clipping norm are read from device memory, so a captured graph stays valid when
+// they change. Formulas, operation order and rounding follow the numpy reference
+// (PyTorch's); __f*_rn keep the compiler from fusing a product and a sum into one FMA.
+
+// step += 1 (int64 scalar state); one thread.
+extern "C" __global__ void step_increment_kernel(long long* step) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) *step += 1;
+}
+
+// history_loss[step % R] = loss; history_step[step % R] = step: the step's loss stays on the
+// device, readable for R steps, without a copy issued from the host (compile/history.py).
+extern "C" __global__ void record_loss_kernel(const float* loss, const long long* step,
+                                              float* history_loss, long long* history_step,
+                                              long long length) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    const long long t = *step;
+    const long long slot = t % length;
+    history_loss[slot] = *loss;
+    history_step[slot] = t;
+}
+
+// lr = schedule(step) from the (6,) float32 vector [base_lr, warmup_steps, total_steps,
+// min_lr, step_size, gamma] (optim/schedules.py), in float64 and cast once; one thread.
+extern "C" __global__ void lr_schedule_kernel(const long long* step, const float* schedule,
+                                              float* lr) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    const double base = schedule[0], warmup = schedule[1], total = schedule[2];
+    const double min_lr = schedule[3], step_size = schedule[4], gamma = schedule[5];
+    const long long t = *step;
+    double r = base;
+    if (warmup > 0.0 && (double)t <= warmup) {
+        r = base * (double)t / warmup;
+    } else if (total > 0.0) {
+        const double span = total - warmup;
+        const double e = fmin(fmax((double)t - 1.0 - warmup, 0.0), span);
+        r = min_lr + (base - min_lr) * (1.0 + cos(3.141592653589793 * e / span)) / 2.0;
+    } else if (step_size > 0.0) {
+        // Python's (t - 1) // int(step_size): floor division (t = 0 gives -1).
+        const long long s = (long long)step_size, a = t - 1;
+        const long long k = a >= 0 ? a / s : -((-a + s - 1) / s);
+        r = base * pow(gamma, (double)k);
+    }
+    *lr = (float)r;
+}
+
+// One row of the device table built once per update node by launchers.py: the tensors of one
+// parameter (slots unused by the optimizer are null) and whether all of them are 16-byte
+// aligned (float4 path).
+struct UpdateEntry {
+    float* p;
+    const float* g;
+    float* s0;  // SGD momentum buffer / Adam exp_avg
+    float* s1;  // Adam exp_avg_sq
+    long long n;
+    long long aligned;
+};
+
+// Block k updates chunk blocks[k] = (parameter, chunk index): elements
+// [chunk * index, min(chunk * (index + 1), n)). chunk is a multiple of 4, so float4 groups
+// never straddle a chunk and stay aligned.
+__device__ __forceinline__ void chunk_range(const int2 job, const UpdateEntry& e, int chunk,
+                                            long long* start, long long* end) {
+    *start = (long long)job.y * chunk;
+    *end = min(*start + chunk, e.n);
+}
+
+// Gradient clipping coefficient min(1, max_norm / (norm + 1e-6)) in float64, as the reference.
+__device__ __forceinline__ float clip_coef(int clip, const float* norm, double max_norm) {
+    return clip ? (float)fmin(1.0, max_norm / ((double)*norm + 1e-6)) : 1.f;
+}
+
+struct SgdScalars {
+    float lr, coef, momentum, one_minus_dampening, weight_decay;
+    int first, has_momentum, has_weight_decay, nesterov;
+};
+
+// torch.optim.SGD: d = g (* coef); d += wd * p; buf = d at step 1 else momentum * buf +
+// (1 - dampening) * d; d = d + momentum * buf (nesterov) or buf; p -= lr * d.
+__device__ __forceinline__ void sgd_element(float& p, float g, float& buf, const SgdScalars& s) {
+    float d = s.coef != 1.f ? __fmul_rn(g, s.coef) : g;
+    if (s.has_weight_decay) d = __fadd_rn(d, __fmul_rn(s.weight_decay, p));
+    if (s.has_momentum) {
+        buf = s.first ? d
+                      : __fadd_rn(__fmul_rn(buf, s.momentum), __fmul_rn(s.one_minus_dampening, d));
+        d = s.nesterov ? __fadd_rn(d, __fmul_rn(s.momentum, buf)) : buf;
+    }
+    p = __fsub_rn(p, __fmul_rn(s.lr, d));
+}
+
+extern "C" __global__ void sgd_update_kernel(const UpdateEntry* entries, const int2* blocks,
+                                             int chunk, const float* lr, const long long* step,
+                                             const float* norm, int clip, double max_norm,
+                                             float momentum, float one_minus_dampening,
+                                             float weight_decay, int has_momentum,
+                                             int has_weight_decay, int nesterov) {
+    __shared__ SgdScalars s;
+    if (threadIdx.x == 0) {
+        s.lr = *lr;
+        s.coef = clip_coef(clip, norm, max_norm);
+        s.first = *step == 1;  // PyTorch's momentum buffer starts as the first gradient
+        s.momentum = momentum;
+        s.one_minus_dampening = one_minus_dampening;
+        s.weight_decay = weight_decay;
+        s.has_momentum = has_momentum;
+        s.has_weight_decay = has_weight_decay;
+        s.nesterov = nesterov;
+    }
+    __syncthreads();
+    const int2 job = blocks[blockIdx.x];
+    const UpdateEntry e = entries[job.x];
+    long long start, end;
+    chunk_range(job, e, chunk, &start, &end);
+    const long long stride = 4 * (long long)blockDim.x;
+    for (long long i = start + 4 * (long long)threadIdx.x; i < end; i += stride) {
+        if (e.aligned && i + 4 <= end) {
+            float4 p = *reinterpret_cast<float4*>(e.p + i);
+            const float4 g = *reinterpret_cast<const float4*>(e.g + i);
+            float4 b = s.has_momentum ? *reinterpret_cast<float4*>(e.s0 + i)
+                                      : make_float4(0.f, 0.f, 0.f, 0.f);
+            sgd_element(p.x, g.x, b.x, s);
+            sgd_element(p.y, g.y, b.y, s);
+            sgd_element(p.z, g.z, b.z, s);
+            sgd_element(p.w, g.w, b.w, s);
+            *reinterpret_cast<float4*>(e.p + i) = p;
+            if (s.has_momentum) *reinterpret_cast<float4*>(e.s0 + i) = b;
+        } else {
+            for (long long j = i; j < i + 4 && j < end; ++j) {
+                float b = s.has_momentum ? e.s0[j] : 0.f;
+                sgd_element(e.p[j], e.g[j], b, s);
+                if (s.has_momentum) e.s0[j] = b;
+            }
+        }
+    }
+}
+
+struct AdamScalars {
+    float coef, decay, weight_decay, one_minus_beta1, beta2, one_minus_beta2, eps;
+    float step_size, bias2_sqrt;
+    int has_weight_decay, decoupled;
+};
+
+// torch.optim.Adam / AdamW: m = lerp(m, d, 1 - b1); v = b2 v + (1 - b2) d^2;
+// p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps). Adam adds wd * p to d; AdamW
+// first scales p by (1 - lr * wd).
+__device__ __forceinline__ void adam_element(float& p, float g, float& m, float& v,
+                                             const AdamScalars& s) {
+    float d = s.coef != 1.f ? __fmul_rn(g, s.coef) : g;
+    if (s.has_weight_decay && s.decoupled) p = __fmul_rn(p, s.decay);
+    else if (s.has_weight_decay) d = __fadd_rn(d, __fmul_rn(s.weight_decay, p));
+    m = __fadd_rn(m, __fmul_rn(__fsub_rn(d, m), s.one_minus_beta1));
+    v = __fmul_rn(v, s.beta2);
+    v = __fadd_rn(v, __fmul_rn(__fmul_rn(s.one_minus_beta2, d), d));
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), s.bias2_sqrt), s.eps);
+    p = __fsub_rn(p, __fmul_rn(s.step_size, __fdiv_rn(m, denom)));
+}
+
+extern "C" __global__ void adam_update_kernel(const UpdateEntry* entries, const int2* blocks,
+                                              int chunk, const float* lr, const long long* step,
+                                              const float* norm, int clip, double max_norm,
+                                              double beta1, double beta2, double weight_decay,
+                                              float eps, int decoupled) {
+    __shared__ AdamScalars s;
+    if (threadIdx.x == 0) {
+        // Bias corrections and the decoupled decay in float64 (Python floats in PyTorch).
+        const double lr_d = (double)*lr, t = (double)*step;
+        s.coef = clip_coef(clip, norm, max_norm);
+        s.step_size = (float)(lr_d / (1.0 - pow(beta1, t)));
+        s.bias2_sqrt = (float)sqrt(1.0 - pow(beta2, t));
+        s.decay = (float)(1.0 - lr_d * weight_decay);
+        s.weight_decay = (float)weight_decay;
+        s.one_minus_beta1 = (float)(1.0 - beta1);
+        s.beta2 = (float)beta2;
+        s.one_minus_beta2 = (float)(1.0 - beta2);
+        s.eps = eps;
+        s.has_weight_decay = weight_decay != 0.0;
+        s.decoupled = decoupled;
+    }
+    __syncthreads();
+    const int2 job = blocks[blockIdx.x];
+    const UpdateEntry e = entries[job.x];
+    long long start, end;
+    chunk_range(job, e, chunk, &start, &end);
+    const long long stride = 4 * (long long)blockDim.x;
+    for (long long i = start + 4 * (long long)threadIdx.x; i < end; i += stride) {
+        if (e.aligned && i + 4 <= end) {
+            float4 p = *reinterpret_cast<float4*>(e.p + i);
+            const float4 g = *reinterpret_cast<const float4*>(e.g + i);
+            float4 m = *reinterpret_cast<float4*>(e.s0 + i);
+            float4 v = *reinterpret_cast<float4*>(e.s1 + i);
+            adam_element(p.x, g.x, m.x, v.x, s);
+            adam_element(p.y, g.y, m.y, v.y, s);
+            adam_element(p.z, g.z, m.z, v.z, s);
+            adam_element(p.w, g.w, m.w, v.w, s);
+            *reinterpret_cast<float4*>(e.p + i) = p;
+            *reinterpret_cast<float4*>(e.s0 + i) = m;
+            *reinterpret_cast<float4*>(e.s1 + i) = v;
+        } else {
+            for (long long j = i; j < i + 4 && j < end; ++j) adam_element(e.p[j], e.g[j], e.s0[j],
+                                                                          e.s1[j], s);
+        }
+    }
+}

@@ -1,0 +1,63 @@
+// Max pooling over NCHW planes (no padding, floor mode): the forward writes the max and the
+// plane-local index h * W + w of the FIRST maximum in row-major window order (numpy argmax,
+// PyTorch); the backward gathers, one thread per input element, so overlapping windows
+// (stride < kernel) need no atomics and sum in a fixed order. Launchers keep sizes < 2^31.
+
+// Shapes: `planes` = N * C planes of (H, W) in, (Ho, Wo) out; window (kh, kw), stride (sh, sw).
+#define POOL_SHAPE_ARGS int planes, int H, int W, int Ho, int Wo, int kh, int kw, int sh, int sw
+
+extern "C" __global__ void maxpool2d_forward_kernel(const float* x, float* y, int* idx,
+                                                    POOL_SHAPE_ARGS) {
+    const long long total = (long long)planes * Ho * Wo;
+    for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total;
+         g += (long long)gridDim.x * blockDim.x) {
+        const int o = (int)g;
+        const int wo = o % Wo, t = o / Wo;
+        const int ho = t % Ho, p = t / Ho;
+        const float* plane = x + (long long)p * H * W;
+        const int h0 = ho * sh, w0 = wo * sw;
+        int best_at = h0 * W + w0;
+        float best = plane[best_at];
+        for (int i = 0; i < kh; ++i) {
+            for (int j = 0; j < kw; ++j) {
+                const int at = (h0 + i) * W + w0 + j;
+                const float v = plane[at];
+                // Strictly greater keeps the first maximum; the first NaN wins, as argmax.
+                if (v > best || (v != v && best == best)) {
+                    best = v;
+                    best_at = at;
+                }
+            }
+        }
+        y[o] = best;
+        idx[o] = best_at;
+    }
+}
+
+// dx[p, h, w] = sum of dy over the windows containing (h, w) whose argmax is (h, w), taken in
+// row-major window order: the order in which the numpy reference's np.add.at accumulates.
+extern "C" __global__ void maxpool2d_backward_kernel(const float* dy, const int* idx, float* dx,
+                                                     POOL_SHAPE_ARGS) {
+    const long long total = (long long)planes * H * W;
+    for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total;
+         g += (long long)gridDim.x * blockDim.x) {
+        const int i = (int)g;
+        const int w = i % W, t = i / W;
+        const int h = t % H, p = t / H;
+        // Windows ho with ho * sh <= h <= ho * sh + kh - 1 (and likewise along w).
+        const int ho_lo = h < kh ? 0 : (h - kh) / sh + 1;
+        const int ho_hi = min(h / sh, Ho - 1);
+        const int wo_lo = w < kw ? 0 : (w - kw) / sw + 1;
+        const int wo_hi = min(w / sw, Wo - 1);
+        const int here = h * W + w;
+        const long long base = (long long)p * Ho * Wo;
+        float acc = 0.f;
+        for (int ho = ho_lo; ho <= ho_hi; ++ho) {
+            for (int wo = wo_lo; wo <= wo_hi; ++wo) {
+                const long long o = base + (long long)ho * Wo + wo;
+                if (idx[o] == here) acc += dy[o];
+            }
+        }
+        dx[i] = acc;
+    }
+}

@@ -1,0 +1,111 @@
+// Reductions: reduce_sum (column sums = bias gradients, per-channel sums of NCHW = conv bias
+// gradients), the fused activation-gradient + bias-gradient act_bias_grad, and global_norm
+// over many tensors. Deterministic: each sum has a fixed owner and a fixed combination order;
+// partial sums are float64.
+#include "elementwise.cuh"
+#include "reduce.cuh"
+
+#define COLUMN_TILE 32   // columns per block (one warp wide: coalesced row segments)
+#define COLUMN_ROWS 16   // row lanes per block (blockDim.y); launchers use (32, 16) blocks
+
+// Each column's threads combine their row partials in a fixed order (y = 0, 1, ...).
+__device__ __forceinline__ void finish_columns(double acc, float* out, int col, int cols) {
+    __shared__ double part[COLUMN_ROWS][COLUMN_TILE + 1];
+    part[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && col < cols) {
+        double s = 0.0;
+        for (int k = 0; k < COLUMN_ROWS; ++k) s += part[k][threadIdx.x];
+        out[col] = (float)s;
+    }
+}
+
+// y[c] = sum_r x[r, c] for x (rows, cols). Grid: ceil(cols / 32) blocks of (32, 16) threads.
+extern "C" __global__ void __launch_bounds__(512)
+reduce_sum_columns_kernel(const float* x, float* y, int rows, int cols) {
+    const int col = blockIdx.x * COLUMN_TILE + threadIdx.x;
+    double acc = 0.0;
+    if (col < cols)
+        for (int r = threadIdx.y; r < rows; r += COLUMN_ROWS) acc += x[(long long)r * cols + col];
+    finish_columns(acc, y, col, cols);
+}
+
+// y[b] = sum over a, c of x[a, b, c] for x viewed as (outer, mid, inner): one block per b.
+// Thread j walks the flat (a, c) index j, j + blockDim, ... with division-free increments.
+extern "C" __global__ void reduce_sum_planes_kernel(const float* x, float* y, int outer, int mid,
+                                                    int inner) {
+    __shared__ double smem[32];
+    const int b = blockIdx.x;
+    const int da = blockDim.x / inner, dc = blockDim.x % inner;
+    int a = threadIdx.x / inner, c = threadIdx.x % inner;
+    double acc = 0.0;
+    while (a < outer) {
+        acc += x[((long long)a * mid + b) * inner + c];
+        a += da;
+        c += dc;
+        if (c >= inner) {
+            c -= inner;
+            ++a;
+        }
+    }
+    acc = block_sum(acc, smem);
+    if (threadIdx.x == 0) y[b] = (float)acc;
+}
+
+// dz = dy * act'(saved) (kind ACT_NONE: dz = dy) and db = dz summed over rows, in one pass.
+// Same (32, 16) column layout as reduce_sum_columns_kernel.
+extern "C" __global__ void __launch_bounds__(512)
+act_bias_backward_kernel(const float* dy, const float* saved, float* dz, float* db, int rows,
+                         int cols, int kind, float slope) {
+    const int col = blockIdx.x * COLUMN_TILE + threadIdx.x;
+    double acc = 0.0;
+    if (col < cols) {
+        for (int r = threadIdx.y; r < rows; r += COLUMN_ROWS) {
+            const long long i = (long long)r * cols + col;
+            const float v = kind == ACT_NONE
+                                ? dy[i] : __fmul_rn(dy[i], act_derivative(saved[i], kind, slope));
+            dz[i] = v;
+            acc += v;
+        }
+    }
+    finish_columns(acc, db, col, cols);
+}
+
+// One row of the device table built once per node by launchers.global_norm_forward.
+struct NormEntry {
+    const float* data;
+    long long n;
+    long long aligned;  // data is 16-byte aligned: float4 loads
+};
+
+// out = sqrt(sum over tensors of sum(g^2)), in float64 like the numpy reference. Block k sums
+// chunk blocks[k] = (tensor, chunk index) into partials[k]; the last block to finish adds the
+// partials in index order.
+extern "C" __global__ void global_norm_forward_kernel(const NormEntry* entries,
+                                                      const int2* blocks, double* partials,
+                                                      unsigned int* counter, float* out,
+                                                      int chunk) {
+    __shared__ double smem[32];
+    __shared__ unsigned int last_flag;
+    const int2 job = blocks[blockIdx.x];
+    const NormEntry e = entries[job.x];
+    const long long start = (long long)job.y * chunk;
+    const long long end = min(start + chunk, e.n);
+    double acc = 0.0;
+    const long long stride = 4 * (long long)blockDim.x;
+    for (long long i = start + 4 * (long long)threadIdx.x; i < end; i += stride) {
+        if (e.aligned && i + 4 <= end) {
+            const float4 v = *reinterpret_cast<const float4*>(e.data + i);
+            acc += (double)v.x * v.x + (double)v.y * v.y + (double)v.z * v.z + (double)v.w * v.w;
+        } else {
+            for (long long j = i; j < i + 4 && j < end; ++j) acc += (double)e.data[j] * e.data[j];
+        }
+    }
+    acc = block_sum(acc, smem);
+    if (threadIdx.x == 0) partials[blockIdx.x] = acc;
+    if (!arrive_last(counter, &last_flag)) return;
+    acc = 0.0;
+    for (int k = threadIdx.x; k < gridDim.x; k += blockDim.x) acc += __ldcg(partials + k);
+    acc = block_sum(acc, smem);
+    if (threadIdx.x == 0) *out = (float)sqrt(acc);
+}

@@ -1,0 +1,85 @@
+// Deterministic warp, row and block reductions (fixed combination order, no atomics on floats),
+// shared by reduce.cu, loss.cu and optim.cu. Every block size used with them is a multiple of 32.
+#pragma once
+
+#define FULL_MASK 0xffffffffu
+
+// Butterfly reductions: every lane ends with the same value (a + b == b + a exactly), so all
+// lanes of a warp agree bit for bit.
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+__device__ __forceinline__ int flat_thread() {
+    return threadIdx.x + threadIdx.y * blockDim.x;
+}
+
+// Sum of v over the whole block; the result is valid in warp 0 (thread 0 writes it out).
+// smem holds at least 32 values. Every thread of the block must call it.
+template <typename T>
+__device__ __forceinline__ T block_sum(T v, T* smem) {
+    const int tid = flat_thread();
+    const int warps = (blockDim.x * blockDim.y) >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // an earlier call may still be reading smem
+    if ((tid & 31) == 0) smem[tid >> 5] = v;
+    __syncthreads();
+    T total = T(0);
+    if (tid < 32) total = warp_sum(tid < warps ? smem[tid] : T(0));
+    return total;
+}
+
+// Rows handled by groups of blockDim.x threads (a multiple of 32), blockDim.y rows per block.
+// The result is returned to every thread of the row group. Every thread of the block must
+// call these (a uniform branch on blockDim.x skips shared memory for one-warp rows).
+__device__ __forceinline__ float row_max(float v, float* smem) {
+    v = warp_max(v);
+    if (blockDim.x == 32) return v;
+    const int per_row = blockDim.x >> 5, first = threadIdx.y * per_row;
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) smem[first + (threadIdx.x >> 5)] = v;
+    __syncthreads();
+    float r = smem[first];
+    for (int k = 1; k < per_row; ++k) r = fmaxf(r, smem[first + k]);
+    return r;
+}
+
+__device__ __forceinline__ float row_sum(float v, float* smem) {
+    v = warp_sum(v);
+    if (blockDim.x == 32) return v;
+    const int per_row = blockDim.x >> 5, first = threadIdx.y * per_row;
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) smem[first + (threadIdx.x >> 5)] = v;
+    __syncthreads();
+    float r = smem[first];
+    for (int k = 1; k < per_row; ++k) r += smem[first + k];
+    return r;
+}
+
+// The "last block finishes" pattern: after each block has written its part, the block that
+// arrives last at `counter` sees every other block's writes and does the final pass in a fixed
+// order, so the result is deterministic whichever block is last. It resets the counter for the
+// next launch (graph replays included): counter starts at 0. Returns true in every thread of
+// the last block.
+__device__ __forceinline__ bool arrive_last(unsigned int* counter, unsigned int* flag_smem) {
+    if (gridDim.x == 1) return true;
+    __threadfence();  // publish this thread's writes before the block signals arrival
+    __syncthreads();
+    if (flat_thread() == 0) *flag_smem = atomicAdd(counter, 1u) == gridDim.x - 1 ? 1u : 0u;
+    __syncthreads();
+    const bool last = *flag_smem != 0u;
+    // Every block has arrived, so the counter can be reset now. Readers of the other blocks'
+    // writes use __ldcg (L2), never a possibly stale L1 line.
+    if (last && flat_thread() == 0) *counter = 0u;
+    if (last) __threadfence();
+    return last;
+}

@@ -1,0 +1,679 @@
+"""Launchers of the NVRTC kernels in kernels/*.cu, and the cuda op table `IMPLS` of every op
+that is not a GEMM (those are in linear.py and conv.py).
+
+Each launcher checks its preconditions (CuPy arrays, float32 unless stated, C-contiguous,
+shapes), computes the grid and launches one kernel on ctx.stream: no host sync, no allocation.
+Three kinds of node keep device memory that is made once, at the first EAGER call on a set of
+buffers, and reused by every later call and by a captured graph (Executable warms up eagerly
+before capture; `PREPARE` builds the same memory without launching anything):
+- sgd_update / adam_update / global_norm: a table of tensor pointers and sizes, and per-block
+  work items (global_norm also a float64 partial per block and an arrival counter);
+- cross_entropy / cross_entropy_train over more than one block: an arrival counter (and N
+  floats of per-row losses for the train kernel). Without it a capture falls back to one block.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+from typing import Any, Callable
+
+import cupy as cp  # imports without a GPU; kernels compile at their first launch
+import numpy as np
+
+from ... import rng
+from ...errors import CaptureError, ShapeError
+from ...ir.graph import Node
+from . import compiler
+
+BLOCK = 256                   # threads of a 1-D elementwise block
+MAX_BLOCKS = 8192             # grid-stride loops cover the rest
+MAX_INT = 2**31 - 1           # kernels index (N, C) and NCHW shapes with 32-bit ints
+UPDATE_CHUNK = 4096           # elements per block of a multi-tensor kernel (a multiple of 4)
+SINGLE_BLOCK_ELEMENTS = 1 << 15   # cross-entropy over at most this many logits: one block
+ACT_CODES = {"none": -1, "relu": 0, "leaky_relu": 1, "sigmoid": 2, "tanh": 3, "gelu": 4,
+             "gelu_tanh": 5}      # the ACT_* codes of kernels/elementwise.cuh
+LABEL_CTYPES = {np.dtype("int32"): "int", np.dtype("int64"): "long long"}
+FILL_CTYPES = {np.dtype("float32"): "float", np.dtype("float64"): "double",
+               np.dtype("int32"): "int", np.dtype("int64"): "long long",
+               np.dtype("uint8"): "unsigned char"}
+
+
+# ---- shared helpers ------------------------------------------------------------------------
+
+@functools.cache
+def _kernel(filename: str, name: str):
+    return compiler.kernel(filename, name)
+
+
+def _launch(ctx, filename: str, name: str, grid: tuple, block: tuple, args: tuple) -> None:
+    _kernel(filename, name)(grid, block, args, stream=ctx.stream)
+
+
+def _check(what: str, a, dtype: str | None = "float32", shape: tuple | None = None) -> None:
+    if not isinstance(a, cp.ndarray):
+        raise ShapeError(f"{what}: expected a CuPy array, got {type(a).__name__}")
+    if dtype is not None and a.dtype != np.dtype(dtype):
+        raise ShapeError(f"{what}: the cuda kernels take {dtype}, got {a.dtype}")
+    if not a.flags.c_contiguous:
+        raise ShapeError(f"{what}: must be C-contiguous (strides {a.strides})")
+    if shape is not None and tuple(a.shape) != tuple(shape):
+        raise ShapeError(f"{what}: expected shape {tuple(shape)}, got {tuple(a.shape)}")
+
+
+def _check_scalar(what: str, a, dtype: str) -> None:
+    _check(what, a, dtype)
+    if a.size != 1:
+        raise ShapeError(f"{what}: expected a scalar, got shape {tuple(a.shape)}")
+
+
+def _check_int32(what: str, n: int) -> None:
+    if n > MAX_INT:
+        raise ShapeError(f"{what}: {n} elements exceed the kernels' 32-bit indexing")
+
+
+def _aligned(*arrays, to: int = 16) -> bool:
+    return all(a.data.ptr % to == 0 for a in arrays)
+
+
+def _grid(work: int, block: int = BLOCK) -> tuple[int]:
+    return (max(1, min((work + block - 1) // block, MAX_BLOCKS)),)
+
+
+def _slope(attrs: dict) -> float:
+    slope = attrs.get("slope")
+    return 0.01 if slope is None else float(slope)
+
+
+def _act_code(kind: str, allow_none: bool = False) -> int:
+    if kind not in ACT_CODES or (kind == "none" and not allow_none):
+        raise ValueError(f"unknown activation {kind!r}; expected one of {sorted(ACT_CODES)}")
+    return ACT_CODES[kind]
+
+
+def _capturing(ctx) -> bool:
+    return bool(getattr(ctx, "capturing", False)) or ctx.stream.is_capturing()
+
+
+# Device memory made once per (node, buffers): node -> {key: value}. Weak on the node, so it
+# lives exactly as long as the plan that owns the node (and any graph captured from it).
+_NODE_MEMORY: "weakref.WeakKeyDictionary[Node, dict]" = weakref.WeakKeyDictionary()
+
+
+def _node_memory(node: Node, key: tuple, ctx, build: Callable[[], Any], required: bool = True):
+    """The memory built for (node, key), building it now if this is an eager call. During a
+    capture a missing one is a CaptureError (required) or None (the caller has a fallback)."""
+    memory = _NODE_MEMORY.setdefault(node, {})
+    if key not in memory:
+        if _capturing(ctx):
+            if not required:
+                return None
+            raise CaptureError(
+                f"{node.op}: its device tables are built at the first eager run on these buffers;"
+                " run the step eagerly once (or call launchers.PREPARE) before capturing")
+        with ctx.stream:   # allocation and upload ordered before the kernels that read them
+            memory[key] = build()
+    return memory[key]
+
+
+def _buffers_key(arrays) -> tuple:
+    return tuple((a.data.ptr, a.size) for a in arrays)
+
+
+# ---- elementwise.cu ------------------------------------------------------------------------
+
+def act_forward(ctx, x, y, kind: str, slope: float = 0.01) -> None:
+    """y = kind(x) elementwise; y may be x (in place)."""
+    code = _act_code(kind)
+    _check("act input", x)
+    _check("act output", y, shape=x.shape)
+    n = x.size
+    if n:
+        _launch(ctx, "elementwise.cu", "act_forward_kernel", _grid((n + 3) // 4), (BLOCK,),
+                (x, y, np.int64(n), np.int32(code), np.float32(slope), np.int32(_aligned(x, y))))
+
+
+def act_backward(ctx, dy, saved, dx, kind: str, slope: float = 0.01) -> None:
+    """dx = dy * kind'(saved): saved is y for relu/sigmoid/tanh, the input z otherwise."""
+    code = _act_code(kind)
+    _check("act_grad dy", dy)
+    _check("act_grad saved", saved, shape=dy.shape)
+    _check("act_grad dx", dx, shape=dy.shape)
+    n = dy.size
+    if n:
+        _launch(ctx, "elementwise.cu", "act_backward_kernel", _grid((n + 3) // 4), (BLOCK,),
+                (dy, saved, dx, np.int64(n), np.int32(code), np.float32(slope),
+                 np.int32(_aligned(dy, saved, dx))))
+
+
+def add_forward(ctx, a, b, c) -> None:
+    """c = a + b, same shapes; c may be a or b."""
+    _check("add a", a)
+    _check("add b", b, shape=a.shape)
+    _check("add output", c, shape=a.shape)
+    n = a.size
+    if n:
+        _launch(ctx, "elementwise.cu", "add_forward_kernel", _grid((n + 3) // 4), (BLOCK,),
+                (a, b, c, np.int64(n), np.int32(_aligned(a, b, c))))
+
+
+def fill_forward(ctx, y, value) -> None:
+    """y[...] = value, for every stepgraph dtype."""
+    _check("fill output", y, dtype=None)
+    ctype = FILL_CTYPES.get(y.dtype)
+    if ctype is None:
+        raise ShapeError(f"fill: unsupported dtype {y.dtype}")
+    if y.size:
+        _launch(ctx, "elementwise.cu", f"fill_forward_kernel<{ctype}>", _grid(y.size), (BLOCK,),
+                (y, np.int64(y.size), y.dtype.type(value)))
+
+
+def _dropout_constants(p: float) -> tuple[np.uint32, np.float32]:
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    # As the numpy reference: integer threshold on 24 bits, scale = float32(1 / (1 - p)).
+    return np.uint32(rng.keep_threshold(p)), np.float32(1.0 / (1.0 - p))
+
+
+def _mask_shape(x, per_channel: bool) -> tuple:
+    if per_channel and x.ndim < 2:
+        raise ShapeError(f"dropout per_channel needs (N, C, ...) input, got {tuple(x.shape)}")
+    return tuple(x.shape[:2]) if per_channel else tuple(x.shape)
+
+
+def dropout_forward(ctx, x, step, y, mask, p: float, seed: int, site: int,
+                    per_channel: bool = False) -> None:
+    """y = x * mask / (1 - p) with the Philox mask of (seed, site, step) (rng.py); step is the
+    int64 device counter. per_channel: mask (N, C), one decision per plane (Dropout2d)."""
+    threshold, scale = _dropout_constants(p)
+    if not 0 <= site < 2**32:
+        raise ValueError(f"dropout site must fit in 32 bits, got {site}")
+    _check("dropout input", x)
+    _check_scalar("dropout step", step, "int64")
+    _check("dropout output", y, shape=x.shape)
+    _check("dropout mask", mask, "uint8", _mask_shape(x, per_channel))
+    n = x.size
+    if not n:
+        return
+    key = (np.uint64(seed & (2**64 - 1)), np.uint32(site), threshold, scale)
+    if per_channel:
+        _check_int32("dropout per_channel", n)
+        plane = n // mask.size
+        _launch(ctx, "elementwise.cu", "dropout_channel_forward_kernel", _grid(n), (BLOCK,),
+                (x, step, y, mask, np.int32(n), np.int32(plane)) + key)
+    else:
+        vec = _aligned(x, y) and _aligned(mask, to=4)
+        _launch(ctx, "elementwise.cu", "dropout_forward_kernel", _grid((n + 3) // 4), (BLOCK,),
+                (x, step, y, mask, np.int64(n)) + key + (np.int32(vec),))
+
+
+def dropout_backward(ctx, dy, mask, dx, p: float, per_channel: bool = False) -> None:
+    """dx = dy * mask / (1 - p), the mask broadcast over each plane when per_channel."""
+    _, scale = _dropout_constants(p)
+    _check("dropout_grad dy", dy)
+    _check("dropout_grad mask", mask, "uint8", _mask_shape(dy, per_channel))
+    _check("dropout_grad dx", dx, shape=dy.shape)
+    n = dy.size
+    if not n:
+        return
+    if per_channel:
+        _check_int32("dropout_grad per_channel", n)
+        _launch(ctx, "elementwise.cu", "dropout_channel_backward_kernel", _grid(n), (BLOCK,),
+                (dy, mask, dx, np.int32(n), np.int32(n // mask.size), scale))
+    else:
+        vec = _aligned(dy, dx) and _aligned(mask, to=4)
+        _launch(ctx, "elementwise.cu", "dropout_backward_kernel", _grid((n + 3) // 4), (BLOCK,),
+                (dy, mask, dx, np.int64(n), scale, np.int32(vec)))
+
+
+# ---- reduce.cu -----------------------------------------------------------------------------
+
+COLUMN_BLOCK = (32, 16)   # reduce.cu COLUMN_TILE x COLUMN_ROWS
+
+
+def reduce_sum_columns(ctx, x, y, rows: int, cols: int) -> None:
+    """y (cols,) = x viewed as (rows, cols) summed over rows."""
+    _launch(ctx, "reduce.cu", "reduce_sum_columns_kernel", ((cols + 31) // 32,), COLUMN_BLOCK,
+            (x, y, np.int32(rows), np.int32(cols)))
+
+
+def reduce_sum_planes(ctx, x, y, outer: int, mid: int, inner: int) -> None:
+    """y (mid,) = x viewed as (outer, mid, inner) summed over outer and inner."""
+    _launch(ctx, "reduce.cu", "reduce_sum_planes_kernel", (mid,), (BLOCK,),
+            (x, y, np.int32(outer), np.int32(mid), np.int32(inner)))
+
+
+def _kept_block(shape: tuple, axes) -> tuple[int, int, int]:
+    """(outer, kept, inner) sizes when the axes NOT reduced are one contiguous run."""
+    nd = len(shape)
+    axes = sorted({a % nd for a in axes}) if nd else []
+    kept = [i for i in range(nd) if i not in axes]
+    if kept and kept != list(range(kept[0], kept[-1] + 1)):
+        raise NotImplementedError(
+            f"reduce_sum over axes {tuple(axes)} of {shape}: the kept axes must be contiguous")
+    lo, hi = (kept[0], kept[-1] + 1) if kept else (nd, nd)
+    return math.prod(shape[:lo]), math.prod(shape[lo:hi]), math.prod(shape[hi:])
+
+
+def reduce_sum_forward(ctx, x, y, axes) -> None:
+    """y = x.sum(axis=axes): column sums (bias grads) or sums over (outer, inner) per kept
+    index (axes (0, 2, 3) of NCHW: conv bias grads)."""
+    _check("reduce_sum input", x)
+    outer, mid, inner = _kept_block(tuple(x.shape), axes)
+    _check("reduce_sum output", y)
+    if y.size != mid:
+        raise ShapeError(f"reduce_sum output: expected {mid} elements, got shape {y.shape}")
+    _check_int32("reduce_sum", x.size)
+    if x.size == 0:               # nothing to add up: zeros (also keeps inner > 0 below)
+        fill_forward(ctx, y, 0.0)
+        return
+    if inner == 1 and mid > 1:    # one block per 32 columns; a full sum takes the planes path
+        reduce_sum_columns(ctx, x, y, outer, mid)
+    else:
+        reduce_sum_planes(ctx, x, y, outer, mid, inner)
+
+
+def act_bias_backward(ctx, dy, saved, dz, db, kind: str, slope: float = 0.01) -> None:
+    """dz = dy * kind'(saved) (kind "none": dz = dy) and db = dz.sum(axis 0), in one pass."""
+    code = _act_code(kind, allow_none=True)
+    _check("act_bias_grad dy", dy)
+    if dy.ndim != 2:
+        raise ShapeError(f"act_bias_grad dy: expected (N, M), got {tuple(dy.shape)}")
+    _check("act_bias_grad saved", saved, shape=dy.shape)
+    _check("act_bias_grad dz", dz, shape=dy.shape)
+    _check("act_bias_grad db", db, shape=(dy.shape[1],))
+    _check_int32("act_bias_grad", dy.size)
+    rows, cols = dy.shape
+    if cols:
+        _launch(ctx, "reduce.cu", "act_bias_backward_kernel", ((cols + 31) // 32,), COLUMN_BLOCK,
+                (dy, saved, dz, db, np.int32(rows), np.int32(cols), np.int32(code),
+                 np.float32(slope)))
+
+
+def _chunk_jobs(sizes: list[int]) -> np.ndarray:
+    """(tensor, chunk) work items of a multi-tensor kernel, at least one per tensor."""
+    jobs = [(t, c) for t, n in enumerate(sizes) for c in range(max(1, -(-n // UPDATE_CHUNK)))]
+    if len(jobs) > MAX_INT:
+        raise ShapeError(f"multi-tensor kernel: {len(jobs)} blocks exceed the grid limit")
+    return np.array(jobs, dtype=np.int32).reshape(-1, 2)
+
+
+def _build_norm_tables(tensors) -> dict:
+    entries = np.array([(t.data.ptr, t.size, _aligned(t)) for t in tensors], dtype=np.int64)
+    jobs = _chunk_jobs([t.size for t in tensors])
+    return dict(entries=cp.asarray(entries), jobs=cp.asarray(jobs),
+                partials=cp.zeros(len(jobs), np.float64), counter=cp.zeros(1, np.uint32))
+
+
+def global_norm_forward(ctx, node: Node, tensors, out) -> None:
+    """out = sqrt(sum over tensors of sum(t^2)), float64 accumulation, deterministic."""
+    if not tensors:
+        raise ShapeError("global_norm: needs at least one tensor")
+    _check_scalar("global_norm output", out, "float32")
+    key = ("global_norm",) + _buffers_key(tensors)
+    tables = _node_memory(node, key, ctx, lambda: _checked_norm_tables(tensors))
+    _launch(ctx, "reduce.cu", "global_norm_forward_kernel", (len(tables["partials"]),), (BLOCK,),
+            (tables["entries"], tables["jobs"], tables["partials"], tables["counter"], out,
+             np.int32(UPDATE_CHUNK)))
+
+
+def _checked_norm_tables(tensors) -> dict:
+    for i, t in enumerate(tensors):
+        _check(f"global_norm input {i}", t)
+    return _build_norm_tables(tensors)
+
+
+# ---- pool.cu -------------------------------------------------------------------------------
+
+def _pool_args(x_shape: tuple, y_shape: tuple, kernel, stride) -> tuple:
+    n, c, h, w = x_shape
+    (kh, kw), (sh, sw) = kernel, stride
+    return tuple(np.int32(v) for v in (n * c, h, w, y_shape[2], y_shape[3], kh, kw, sh, sw))
+
+
+def _pool_out_shape(x_shape: tuple, kernel, stride) -> tuple:
+    if len(x_shape) != 4:
+        raise ShapeError(f"maxpool2d: input must be (N, C, H, W), got {x_shape}")
+    (kh, kw), (sh, sw) = kernel, stride
+    ho, wo = (x_shape[2] - kh) // sh + 1, (x_shape[3] - kw) // sw + 1
+    if ho <= 0 or wo <= 0 or min(kh, kw, sh, sw) <= 0:
+        raise ShapeError(f"maxpool2d: window {kernel} stride {stride} on input {x_shape}")
+    return (x_shape[0], x_shape[1], ho, wo)
+
+
+def maxpool2d_forward(ctx, x, y, idx, kernel, stride) -> None:
+    """y = window maxima, idx (int32) = plane-local h * W + w of each window's first maximum."""
+    _check("maxpool2d input", x)
+    y_shape = _pool_out_shape(tuple(x.shape), kernel, stride)
+    _check("maxpool2d output", y, shape=y_shape)
+    _check("maxpool2d indices", idx, "int32", y_shape)
+    _check_int32("maxpool2d", x.size)
+    if y.size:
+        _launch(ctx, "pool.cu", "maxpool2d_forward_kernel", _grid(y.size), (BLOCK,),
+                (x, y, idx) + _pool_args(tuple(x.shape), y_shape, kernel, stride))
+
+
+def maxpool2d_backward(ctx, dy, idx, dx, kernel, stride) -> None:
+    """dx = each dy added at its idx (windows may overlap: gathered, fixed order)."""
+    _check("maxpool2d_grad dx", dx)
+    y_shape = _pool_out_shape(tuple(dx.shape), kernel, stride)
+    _check("maxpool2d_grad dy", dy, shape=y_shape)
+    _check("maxpool2d_grad indices", idx, "int32", y_shape)
+    _check_int32("maxpool2d_grad", dx.size)
+    if dx.size:
+        _launch(ctx, "pool.cu", "maxpool2d_backward_kernel", _grid(dx.size), (BLOCK,),
+                (dy, idx, dx) + _pool_args(tuple(dx.shape), y_shape, kernel, stride))
+
+
+# ---- loss.cu -------------------------------------------------------------------------------
+
+def _row_block(cols: int, threads: int) -> tuple[int, int]:
+    """(threads per row, rows per block) for `threads` threads a block: one warp per row up
+    to 1024 columns, more threads for longer rows."""
+    per_row = 32 if cols <= 1024 else 128 if cols <= 8192 else 256
+    return per_row, max(1, threads // per_row)
+
+
+def _row_grid(n_rows: int, rows_per_block: int) -> tuple[int]:
+    return (max(1, min(-(-n_rows // rows_per_block), MAX_BLOCKS)),)
+
+
+def _check_logits(what: str, x, labels=None) -> tuple[int, int]:
+    _check(f"{what} logits", x)
+    if x.ndim != 2:
+        raise ShapeError(f"{what}: expected (batch, classes), got {tuple(x.shape)}")
+    _check_int32(what, x.size)
+    if labels is not None:
+        _check(f"{what} labels", labels, dtype=None, shape=(x.shape[0],))
+        if labels.dtype not in LABEL_CTYPES:
+            raise ShapeError(f"{what} labels: expected int32 or int64, got {labels.dtype}")
+    return x.shape
+
+
+def log_softmax_forward(ctx, x, y) -> None:
+    """y = x - logsumexp(x, axis 1)."""
+    n, c = _check_logits("log_softmax", x)
+    _check("log_softmax output", y, shape=x.shape)
+    if x.size:
+        block = _row_block(c, BLOCK)
+        _launch(ctx, "loss.cu", "log_softmax_forward_kernel", _row_grid(n, block[1]), block,
+                (x, y, np.int32(n), np.int32(c)))
+
+
+def log_softmax_backward(ctx, dy, y, dx) -> None:
+    """dx = dy - exp(y) * dy.sum(axis 1)."""
+    n, c = _check_logits("log_softmax_grad", dy)
+    _check("log_softmax_grad y", y, shape=dy.shape)
+    _check("log_softmax_grad dx", dx, shape=dy.shape)
+    if dy.size:
+        block = _row_block(c, BLOCK)
+        _launch(ctx, "loss.cu", "log_softmax_backward_kernel", _row_grid(n, block[1]), block,
+                (dy, y, dx, np.int32(n), np.int32(c)))
+
+
+def _loss_layout(node: Node, ctx, n: int, c: int, rowloss: bool):
+    """(grid, block, scratch) of a cross-entropy kernel: one block of 1024 threads for small
+    inputs (no scratch), else one block per 256 threads' rows with the node's scratch."""
+    single = _row_block(c, 1024)
+    if n * c <= SINGLE_BLOCK_ELEMENTS or n <= single[1]:
+        return (1,), single, None
+    key = ("cross_entropy", n, rowloss)
+
+    def build():
+        return dict(counter=cp.zeros(1, np.uint32),
+                    rowloss=cp.empty(n if rowloss else 1, np.float32))
+
+    scratch = _node_memory(node, key, ctx, build, required=False)
+    if scratch is None:      # capture without a warm-up: one block is slower, still exact
+        return (1,), single, None
+    block = _row_block(c, BLOCK)
+    return _row_grid(n, block[1]), block, scratch
+
+
+def _scratch_args(scratch, fallback) -> tuple:
+    if scratch is None:      # unused by a one-block launch; any valid pointer will do
+        return fallback, fallback
+    return scratch["rowloss"], scratch["counter"]
+
+
+def cross_entropy_forward(ctx, node: Node, logits, labels, loss, lse) -> None:
+    """loss = mean(lse - logits[i, label_i]) and lse (N,) = logsumexp of each row."""
+    n, c = _check_logits("cross_entropy", logits, labels)
+    _check_scalar("cross_entropy loss", loss, "float32")
+    _check("cross_entropy lse", lse, shape=(n,))
+    grid, block, scratch = _loss_layout(node, ctx, n, c, rowloss=False)
+    counter = _scratch_args(scratch, loss)[1]
+    _launch(ctx, "loss.cu", f"cross_entropy_forward_kernel<{LABEL_CTYPES[labels.dtype]}>",
+            grid, block, (logits, labels, loss, lse, counter, np.int32(n), np.int32(c)))
+
+
+def cross_entropy_backward(ctx, dloss, logits, lse, labels, dx) -> None:
+    """dlogits = dloss * (softmax(logits) - onehot(labels)) / N."""
+    n, c = _check_logits("cross_entropy_grad", logits, labels)
+    _check_scalar("cross_entropy_grad dloss", dloss, "float32")
+    _check("cross_entropy_grad lse", lse, shape=(n,))
+    _check("cross_entropy_grad dx", dx, shape=logits.shape)
+    if logits.size:
+        _launch(ctx, "loss.cu", f"cross_entropy_backward_kernel<{LABEL_CTYPES[labels.dtype]}>",
+                _grid(logits.size), (BLOCK,),
+                (dloss, logits, lse, labels, dx, np.int32(n), np.int32(c)))
+
+
+def cross_entropy_train(ctx, node: Node, logits, labels, loss, dx) -> None:
+    """Fused forward and backward with dloss = 1: loss and dlogits in one launch."""
+    n, c = _check_logits("cross_entropy_train", logits, labels)
+    _check_scalar("cross_entropy_train loss", loss, "float32")
+    _check("cross_entropy_train dlogits", dx, shape=logits.shape)
+    grid, block, scratch = _loss_layout(node, ctx, n, c, rowloss=True)
+    rowloss, counter = _scratch_args(scratch, loss)
+    scale = np.float32(1.0 / max(n, 1))    # the reference's float32(1 / N)
+    _launch(ctx, "loss.cu", f"cross_entropy_train_kernel<{LABEL_CTYPES[labels.dtype]}>",
+            grid, block,
+            (logits, labels, loss, dx, rowloss, counter, np.int32(n), np.int32(c), scale))
+
+
+def nll_loss_forward(ctx, logp, labels, loss) -> None:
+    """loss = -mean(logp[i, label_i]) (one block)."""
+    n, c = _check_logits("nll_loss", logp, labels)
+    _check_scalar("nll_loss loss", loss, "float32")
+    _launch(ctx, "loss.cu", f"nll_loss_forward_kernel<{LABEL_CTYPES[labels.dtype]}>", (1,),
+            (1024,), (logp, labels, loss, np.int32(n), np.int32(c)))
+
+
+def nll_loss_backward(ctx, dloss, labels, dx) -> None:
+    """dlogp (N, C) = -dloss / N at (i, label_i), zero elsewhere."""
+    n, c = _check_logits("nll_loss_grad", dx, labels)
+    _check_scalar("nll_loss_grad dloss", dloss, "float32")
+    if dx.size:
+        _launch(ctx, "loss.cu", f"nll_loss_backward_kernel<{LABEL_CTYPES[labels.dtype]}>",
+                _grid(dx.size), (BLOCK,), (dloss, labels, dx, np.int32(n), np.int32(c)))
+
+
+def mse_forward(ctx, pred, target, loss) -> None:
+    """loss = mean((pred - target)^2) over every element (one block)."""
+    _check("mse pred", pred)
+    _check("mse target", target, shape=pred.shape)
+    _check_scalar("mse loss", loss, "float32")
+    _launch(ctx, "loss.cu", "mse_forward_kernel", (1,), (1024,),
+            (pred, target, loss, np.int64(pred.size)))
+
+
+def mse_backward(ctx, dloss, pred, target, dx) -> None:
+    """dpred = dloss * 2 * (pred - target) / numel."""
+    _check_scalar("mse_grad dloss", dloss, "float32")
+    _check("mse_grad pred", pred)
+    _check("mse_grad target", target, shape=pred.shape)
+    _check("mse_grad dx", dx, shape=pred.shape)
+    if pred.size:
+        _launch(ctx, "loss.cu", "mse_backward_kernel", _grid(pred.size), (BLOCK,),
+                (dloss, pred, target, dx, np.int64(pred.size)))
+
+
+# ---- optim.cu ------------------------------------------------------------------------------
+
+def step_increment(ctx, step) -> None:
+    """step += 1 on the device (int64 scalar)."""
+    _check_scalar("step_increment step", step, "int64")
+    _launch(ctx, "optim.cu", "step_increment_kernel", (1,), (32,), (step,))
+
+
+def lr_schedule(ctx, step, schedule, lr) -> None:
+    """lr = schedule(step) from the (6,) float32 schedule vector (optim/schedules.py)."""
+    _check_scalar("lr_schedule step", step, "int64")
+    _check("lr_schedule schedule", schedule, shape=(6,))
+    _check_scalar("lr_schedule lr", lr, "float32")
+    _launch(ctx, "optim.cu", "lr_schedule_kernel", (1,), (32,), (step, schedule, lr))
+
+
+def record_loss(ctx, loss, step, history_loss, history_step) -> None:
+    """history_loss[step % R] = loss, history_step[step % R] = step (compile/history.py)."""
+    _check_scalar("record_loss loss", loss, "float32")
+    _check_scalar("record_loss step", step, "int64")
+    _check("record_loss history_loss", history_loss)
+    _check("record_loss history_step", history_step, "int64", shape=history_loss.shape)
+    _launch(ctx, "optim.cu", "record_loss_kernel", (1,), (32,),
+            (loss, step, history_loss, history_step, np.int64(history_loss.size)))
+
+
+def _update_groups(node: Node, ins: list):
+    """(lr, step, norm or None, params, grads, slots) of an update op's inputs (ops.py)."""
+    a = node.attrs
+    n, k, s = a["n_params"], a["n_scalars"], a["n_slots"]
+    if k not in (2, 3) or len(ins) != k + (2 + s) * n:
+        raise ShapeError(f"{node.op}: {len(ins)} inputs do not match n_params={n}, "
+                         f"n_scalars={k}, n_slots={s}")
+    if k == 3 and a.get("max_norm") is None:
+        raise ShapeError(f"{node.op}: a norm input needs attrs max_norm")
+    slots = [ins[k + (2 + j) * n:k + (3 + j) * n] for j in range(s)]
+    return ins[0], ins[1], (ins[2] if k == 3 else None), ins[k:k + n], ins[k + n:k + 2 * n], slots
+
+
+def _build_update_tables(op: str, params, grads, slots) -> dict:
+    rows = []
+    for i, (p, g) in enumerate(zip(params, grads)):
+        tensors = [p, g] + [group[i] for group in slots]
+        for what, t in zip(("param", "grad", "slot 0", "slot 1"), tensors):
+            _check(f"{op} {what} {i}", t, shape=p.shape)
+        ptrs = [t.data.ptr for t in tensors] + [0] * (4 - len(tensors))
+        rows.append(ptrs + [p.size, int(_aligned(*tensors))])
+    jobs = _chunk_jobs([p.size for p in params])
+    return dict(entries=cp.asarray(np.array(rows, dtype=np.int64).reshape(-1, 6)),
+                jobs=cp.asarray(jobs))
+
+
+def _update_tables(node: Node, ins: list, ctx):
+    lr, step, norm, params, grads, slots = _update_groups(node, ins)
+    _check_scalar(f"{node.op} lr", lr, "float32")
+    _check_scalar(f"{node.op} step", step, "int64")
+    if norm is not None:
+        _check_scalar(f"{node.op} norm", norm, "float32")
+    key = ("update",) + _buffers_key(ins)
+    tables = _node_memory(node, key, ctx,
+                          lambda: _build_update_tables(node.op, params, grads, slots))
+    clip = (norm if norm is not None else lr, np.int32(norm is not None),
+            np.float64(node.attrs.get("max_norm") or 0.0))
+    return tables, (tables["entries"], tables["jobs"], np.int32(UPDATE_CHUNK), lr, step) + clip
+
+
+def sgd_update(ctx, node: Node, ins: list) -> None:
+    """torch.optim.SGD over every parameter in one launch (ins layout: ops.py sgd_update)."""
+    a = node.attrs
+    momentum = float(a.get("momentum") or 0.0)
+    if momentum and a["n_slots"] < 1:
+        raise ShapeError("sgd_update: momentum needs a momentum buffer slot (n_slots=1)")
+    if not a["n_params"]:
+        return
+    tables, args = _update_tables(node, ins, ctx)
+    args += (np.float32(momentum), np.float32(1.0 - float(a.get("dampening") or 0.0)),
+             np.float32(a.get("weight_decay") or 0.0), np.int32(bool(momentum)),
+             np.int32(bool(a.get("weight_decay"))), np.int32(bool(a.get("nesterov"))))
+    _launch(ctx, "optim.cu", "sgd_update_kernel", (len(tables["jobs"]),), (BLOCK,), args)
+
+
+def adam_update(ctx, node: Node, ins: list) -> None:
+    """torch.optim.Adam (decoupled=False) / AdamW (True) over every parameter in one launch."""
+    a = node.attrs
+    if a["n_slots"] != 2:
+        raise ShapeError(
+            f"adam_update: needs n_slots=2 (exp_avg, exp_avg_sq), got {a['n_slots']}")
+    if not a["n_params"]:
+        return
+    tables, args = _update_tables(node, ins, ctx)
+    args += (np.float64(a["beta1"]), np.float64(a["beta2"]),
+             np.float64(a.get("weight_decay") or 0.0), np.float32(a["eps"]),
+             np.int32(bool(a.get("decoupled"))))
+    _launch(ctx, "optim.cu", "adam_update_kernel", (len(tables["jobs"]),), (BLOCK,), args)
+
+
+# ---- the op table --------------------------------------------------------------------------
+
+IMPLS: dict[str, Callable] = {
+    "act": lambda node, ins, outs, ctx: act_forward(
+        ctx, ins[0], outs[0], node.attrs["kind"], _slope(node.attrs)),
+    "act_grad": lambda node, ins, outs, ctx: act_backward(
+        ctx, ins[0], ins[1], outs[0], node.attrs["kind"], _slope(node.attrs)),
+    "act_bias_grad": lambda node, ins, outs, ctx: act_bias_backward(
+        ctx, ins[0], ins[1] if len(ins) > 1 else ins[0], outs[0], outs[1],
+        node.attrs.get("kind") or "none", _slope(node.attrs)),
+    "reduce_sum": lambda node, ins, outs, ctx: reduce_sum_forward(
+        ctx, ins[0], outs[0], node.attrs["axes"]),
+    "add": lambda node, ins, outs, ctx: add_forward(ctx, ins[0], ins[1], outs[0]),
+    "fill": lambda node, ins, outs, ctx: fill_forward(ctx, outs[0], node.attrs["value"]),
+    "dropout": lambda node, ins, outs, ctx: dropout_forward(
+        ctx, ins[0], ins[1], outs[0], outs[1], node.attrs["p"], node.attrs["seed"],
+        node.attrs["site"], bool(node.attrs.get("per_channel"))),
+    "dropout_grad": lambda node, ins, outs, ctx: dropout_backward(
+        ctx, ins[0], ins[1], outs[0], node.attrs["p"], bool(node.attrs.get("per_channel"))),
+    "maxpool2d": lambda node, ins, outs, ctx: maxpool2d_forward(
+        ctx, ins[0], outs[0], outs[1], node.attrs["kernel"], node.attrs["stride"]),
+    "maxpool2d_grad": lambda node, ins, outs, ctx: maxpool2d_backward(
+        ctx, ins[0], ins[1], outs[0], node.attrs["kernel"], node.attrs["stride"]),
+    "log_softmax": lambda node, ins, outs, ctx: log_softmax_forward(ctx, ins[0], outs[0]),
+    "log_softmax_grad": lambda node, ins, outs, ctx: log_softmax_backward(
+        ctx, ins[0], ins[1], outs[0]),
+    "cross_entropy": lambda node, ins, outs, ctx: cross_entropy_forward(
+        ctx, node, ins[0], ins[1], outs[0], outs[1]),
+    "cross_entropy_grad": lambda node, ins, outs, ctx: cross_entropy_backward(
+        ctx, ins[0], ins[1], ins[2], ins[3], outs[0]),
+    "cross_entropy_train": lambda node, ins, outs, ctx: cross_entropy_train(
+        ctx, node, ins[0], ins[1], outs[0], outs[1]),
+    "nll_loss": lambda node, ins, outs, ctx: nll_loss_forward(ctx, ins[0], ins[1], outs[0]),
+    "nll_loss_grad": lambda node, ins, outs, ctx: nll_loss_backward(
+        ctx, ins[0], ins[1], outs[0]),
+    "mse": lambda node, ins, outs, ctx: mse_forward(ctx, ins[0], ins[1], outs[0]),
+    "mse_grad": lambda node, ins, outs, ctx: mse_backward(ctx, ins[0], ins[1], ins[2], outs[0]),
+    "step_increment": lambda node, ins, outs, ctx: step_increment(ctx, ins[0]),
+    "lr_schedule": lambda node, ins, outs, ctx: lr_schedule(ctx, ins[0], ins[1], outs[0]),
+    "record_loss": lambda node, ins, outs, ctx: record_loss(ctx, *ins),
+    "global_norm": lambda node, ins, outs, ctx: global_norm_forward(ctx, node, ins, outs[0]),
+    "sgd_update": lambda node, ins, outs, ctx: sgd_update(ctx, node, ins),
+    "adam_update": lambda node, ins, outs, ctx: adam_update(ctx, node, ins),
+}
+
+
+# ---- device memory made before capture -----------------------------------------------------
+
+def _prepare_cross_entropy(node: Node, ins, outs, ctx) -> None:
+    n, c = _check_logits(node.op, ins[0], ins[1])
+    _loss_layout(node, ctx, n, c, rowloss=node.op == "cross_entropy_train")
+
+
+def _prepare_global_norm(node: Node, ins, outs, ctx) -> None:
+    key = ("global_norm",) + _buffers_key(ins)
+    _node_memory(node, key, ctx, lambda: _checked_norm_tables(ins))
+
+
+def _prepare_update(node: Node, ins, outs, ctx) -> None:
+    if node.attrs["n_params"]:
+        _update_tables(node, ins, ctx)
+
+
+# Ops whose device tables or scratch can be built without launching anything, for a caller
+# that wants them made before a capture without an eager warm-up run (same signature as IMPLS).
+PREPARE: dict[str, Callable] = {
+    "cross_entropy": _prepare_cross_entropy,
+    "cross_entropy_train": _prepare_cross_entropy,
+    "global_norm": _prepare_global_norm,
+    "sgd_update": _prepare_update,
+    "adam_update": _prepare_update,
+}
