@@ -1,0 +1,32 @@
+# `make train` and `make test` each create .venv on a fresh machine and install what they need
+# once: a stamp file in .venv records each install and is redone only when pyproject.toml changes.
+
+PYTHON ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+PIP := $(VPY) -m pip
+TRAIN_ARGS ?=
+PYTEST_ARGS ?= -q
+
+.PHONY: train test clean
+
+train: $(VENV)/.stamp-train
+	$(VENV)/bin/stepgraph train $(TRAIN_ARGS)
+
+test: $(VENV)/.stamp-test
+	$(VPY) -m pytest $(PYTEST_ARGS)
+
+$(VPY):
+	$(PYTHON) -m venv $(VENV)
+
+# The cuda extra only where a GPU answers; plain `-e .` runs everything on the CPU.
+$(VENV)/.stamp-train: pyproject.toml | $(VPY)
+	if nvidia-smi >/dev/null 2>&1; then $(PIP) install -e ".[cuda]"; else $(PIP) install -e .; fi
+	touch $@
+
+$(VENV)/.stamp-test: pyproject.toml | $(VPY)
+	$(PIP) install -e ".[test]"
+	touch $@
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache

@@ -1,0 +1,104 @@
+"""Mini-batches over in-memory arrays, optionally resident on the GPU.
+
+The order of epoch e is a pure function of (seed, e), so a run resumed at epoch e sees exactly
+the batches an uninterrupted run would have seen. Each epoch gathers the dataset once into its
+shuffled order; batches are then contiguous slices (views, no copy). On cuda the whole dataset is
+put on the GPU once and the gather and slicing happen there.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import StepgraphError
+
+LAYOUTS = ("flat", "image")
+
+
+class LoaderError(StepgraphError, ValueError):
+    """Loader arguments that cannot work (mismatched lengths, bad batch size or seed)."""
+
+
+def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The sample order of one epoch: a permutation of range(n) fixed by (seed, epoch)."""
+    if seed < 0 or epoch < 0:
+        raise LoaderError(f"seed and epoch must be >= 0, got seed={seed}, epoch={epoch}")
+    return np.random.default_rng((seed, epoch)).permutation(n)
+
+
+def with_layout(x: np.ndarray, layout: str) -> np.ndarray:
+    """Images (N, C, H, W) as `flat` (N, C*H*W) or unchanged as `image`."""
+    if layout not in LAYOUTS:
+        raise LoaderError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return x.reshape(x.shape[0], -1) if layout == "flat" else x
+
+
+def cupy_or_none():
+    """The cupy module if it imports, else None."""
+    try:
+        import cupy
+    except ImportError:
+        return None
+    return cupy
+
+
+def to_device(array: np.ndarray, device: str) -> Any:
+    """`array` on `device`: unchanged on cpu; a CuPy copy on cuda when CuPy is installed."""
+    cp = cupy_or_none() if device == "cuda" else None
+    return array if cp is None else cp.asarray(array)
+
+
+@dataclass
+class BatchLoader:
+    """Yields (x, y) batches of `batch_size`; the last, smaller batch is kept unless drop_last.
+
+    `device="cuda"` keeps x and y on the GPU (when CuPy is available) and yields CuPy views.
+    """
+
+    x: Any
+    y: Any
+    batch_size: int
+    shuffle: bool = True
+    seed: int = 0
+    drop_last: bool = False
+    device: str = "cpu"
+
+    def __post_init__(self):
+        if len(self.x) != len(self.y):
+            raise LoaderError(f"x has {len(self.x)} samples but y has {len(self.y)}")
+        if self.batch_size < 1:
+            raise LoaderError(f"batch_size must be >= 1, got {self.batch_size}")
+        self.x = to_device(self.x, self.device)
+        self.y = to_device(self.y, self.device)
+
+    def __len__(self) -> int:
+        n = len(self.x)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    @property
+    def on_gpu(self) -> bool:
+        return not isinstance(self.x, np.ndarray)
+
+    def epoch(self, epoch: int) -> Iterator[tuple[Any, Any]]:
+        """The batches of epoch `epoch` (0-based), in that epoch's order."""
+        x, y = self._ordered(epoch)
+        for i in range(len(self)):
+            sl = slice(i * self.batch_size, (i + 1) * self.batch_size)
+            yield x[sl], y[sl]
+
+    def _ordered(self, epoch: int) -> tuple[Any, Any]:
+        if not self.shuffle:
+            return self.x, self.y
+        order = epoch_order(self.seed, epoch, len(self.x))
+        if not self.on_gpu:
+            return self.x[order], self.y[order]
+        cp = cupy_or_none()
+        # Steps may run on their own stream: let the previous epoch's reads of the old gathered
+        # arrays finish before the pool can reuse them, and the gather finish before they start.
+        cp.cuda.Device().synchronize()
+        gathered = self.x[cp.asarray(order)], self.y[cp.asarray(order)]
+        cp.cuda.Device().synchronize()
+        return gathered

@@ -1,0 +1,330 @@
+"""The training loop behind `stepgraph train`.
+
+    dataset -> model for its shape -> compiled train step + predict -> epochs of
+    (steps, evaluation, checkpoint, metrics) -> plot, final test accuracy
+
+The step runs without host syncs; the loop reads the loss only every LOG_EVERY steps and at
+the end of an epoch. A checkpoint after every epoch holds the step's full state and the epoch
+number; the data order is a pure function of (seed, epoch), so `resume` continues exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import stepgraph as sg
+
+from . import checkpoint as ckpt
+from . import losses, models, nn, optim
+from .data import DATASETS, BatchLoader, Dataset, load_dataset, to_device, with_layout
+from .errors import BackendUnavailableError, StepgraphError
+from .nn import init as nn_init
+
+MODELS = ("mlp", "cnn")
+DEVICES = ("auto", "cpu", "cuda")
+DEFAULT_EPOCHS = {"digits": 20, "mnist": 5}
+DEFAULT_BATCH_SIZE = {"digits": 32, "mnist": 64}
+DEFAULT_DATA_DIR = "data/mnist"
+LOG_EVERY = 20              # read the loss (a host sync) every this many steps
+EVAL_BATCH = 1000
+TRAIN_EVAL_LIMIT = 10_000   # train accuracy is measured on at most this many training samples
+# A resume must match the checkpoint on these; epochs may grow, the device may change.
+RESUME_KEYS = ("model", "data", "batch_size", "lr", "seed")
+METRICS_NAME = "metrics.json"
+PLOT_NAME = "metrics.png"
+
+
+class TrainConfigError(StepgraphError, ValueError):
+    """A training option has an invalid value."""
+
+
+class TrainingDivergedError(StepgraphError, ArithmeticError):
+    """The loss became NaN or infinite."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Options of one training run (the `stepgraph train` flags)."""
+
+    model: str = "mlp"
+    data: str = "digits"
+    data_dir: str | None = None
+    epochs: int | None = None       # None: DEFAULT_EPOCHS[data]
+    batch_size: int | None = None   # None: DEFAULT_BATCH_SIZE[data]
+    lr: float = 1e-3
+    device: str = "auto"
+    seed: int = 0
+    out: str | None = None          # None: runs/<data>-<model>
+    resume: bool = False
+    progress: bool = True           # tqdm bars on stderr
+
+    def validate(self) -> None:
+        """Raise TrainConfigError naming the first invalid option."""
+        choices = {"model": MODELS, "data": DATASETS, "device": DEVICES}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise TrainConfigError(f"--{name} must be one of {', '.join(allowed)}, "
+                                       f"got {getattr(self, name)!r}")
+        positive = {"epochs": self.total_epochs, "batch-size": self.batch}
+        for name, value in positive.items():
+            if value < 1:
+                raise TrainConfigError(f"--{name} must be >= 1, got {value}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise TrainConfigError(f"--lr must be a positive number, got {self.lr}")
+        if self.seed < 0:
+            raise TrainConfigError(f"--seed must be >= 0, got {self.seed}")
+
+    @property
+    def total_epochs(self) -> int:
+        return DEFAULT_EPOCHS[self.data] if self.epochs is None else self.epochs
+
+    @property
+    def batch(self) -> int:
+        return DEFAULT_BATCH_SIZE[self.data] if self.batch_size is None else self.batch_size
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.out) if self.out else Path("runs") / f"{self.data}-{self.model}"
+
+    def record(self) -> dict:
+        """The config as plain JSON values, with defaults resolved."""
+        return {**dataclasses.asdict(self), "epochs": self.total_epochs,
+                "batch_size": self.batch, "out": str(self.out_dir)}
+
+
+@dataclass
+class EpochMetrics:
+    epoch: int                  # 1-based
+    loss: float                 # mean of the losses read during the epoch
+    train_accuracy: float
+    test_accuracy: float
+    steps_per_s: float
+    seconds: float
+
+
+@dataclass
+class ModelSpec:
+    """A model, the loss that fits its output, and the input layout it takes."""
+
+    module: Any
+    loss: Callable
+    layout: str                 # "flat" (N, features) or "image" (N, C, H, W)
+
+
+@dataclass
+class TrainResult:
+    test_accuracy: float
+    history: list[EpochMetrics]
+    out_dir: Path
+    device: str
+    step: Any = field(repr=False)
+    model: Any = field(repr=False)
+
+
+def resolve_device(device: str) -> str:
+    """`auto` -> cuda when a GPU backend works here, else cpu; `cuda` must be available."""
+    if device == "auto":
+        return "cuda" if sg.cuda_available() else "cpu"
+    if device == "cuda" and not sg.cuda_available():
+        raise BackendUnavailableError(
+            "--device cuda: no usable GPU (needs an NVIDIA GPU and `pip install -e \".[cuda]\"`)")
+    return device
+
+
+def small_mlp(features: int, classes: int):
+    """An MLP for small flat inputs (digits: 64 features)."""
+    return nn.Sequential(nn.Linear(features, 256), nn.ReLU(), nn.Dropout(0.1),
+                         nn.Linear(256, classes))
+
+
+def small_cnn(classes: int):
+    """A CNN for 8x8 images: two 3x3 conv + pool stages leave a 32x2x2 map."""
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(32 * 2 * 2, 64), nn.ReLU(), nn.Linear(64, classes))
+
+
+def build_model(name: str, dataset: Dataset) -> ModelSpec:
+    """The model `name` sized for the dataset's images, with its loss and input layout."""
+    mnist_like = dataset.image_shape == (1, 28, 28) and dataset.classes == 10
+    if name == "mlp":
+        module = models.mlp() if mnist_like else small_mlp(dataset.features, dataset.classes)
+        return ModelSpec(module, losses.cross_entropy, "flat")
+    if name == "cnn" and mnist_like:
+        return ModelSpec(models.cnn(), losses.nll_loss, "image")    # ends in LogSoftmax
+    if name == "cnn" and dataset.image_shape == (1, 8, 8):
+        return ModelSpec(small_cnn(dataset.classes), losses.cross_entropy, "image")
+    raise TrainConfigError(f"no {name} model for images of shape {dataset.image_shape}")
+
+
+def seed_init(seed: int) -> None:
+    """Make parameter initialisation reproducible: modules draw from nn.init's generator."""
+    nn_init.manual_seed(seed)
+
+
+def evaluate(predict, x, y: np.ndarray, batch_size: int = EVAL_BATCH) -> float:
+    """Accuracy of argmax(predict(x)) against labels y, predicting in batches."""
+    correct = 0
+    for i in range(0, len(y), batch_size):
+        logits = sg.to_numpy(predict(x[i:i + batch_size]))
+        correct += int((logits.argmax(axis=1) == y[i:i + batch_size]).sum())
+    return correct / len(y)
+
+
+def run_epoch(step, loader: BatchLoader, epoch: int, bar) -> tuple[float, float]:
+    """Train one epoch; return (mean of the losses read, seconds). Reads the loss rarely."""
+    losses_read = []
+    n = len(loader)
+    start = time.perf_counter()
+    for i, (x, y) in enumerate(loader.epoch(epoch)):
+        loss = step(x, y)
+        if (i + 1) % LOG_EVERY == 0 or i + 1 == n:
+            value = float(loss)   # syncs
+            if not math.isfinite(value):
+                raise TrainingDivergedError(f"loss is {value} at epoch {epoch + 1}, step {i + 1}")
+            losses_read.append(value)
+            elapsed = time.perf_counter() - start
+            bar.set_postfix_str(f"loss={value:.4f} steps/s={(i + 1) / elapsed:.0f}",
+                                refresh=False)
+        bar.update(1)
+    return float(np.mean(losses_read)), time.perf_counter() - start
+
+
+@dataclass
+class Session:
+    """Everything an epoch needs, built once per run."""
+
+    config: TrainConfig
+    device: str
+    model: Any
+    step: Any
+    predict: Any
+    loader: BatchLoader
+    eval_sets: dict[str, tuple[Any, np.ndarray]]
+
+
+def build_session(config: TrainConfig, log: Callable[[str], None]) -> Session:
+    """Load the data, build and compile the model: everything but the epochs."""
+    device = resolve_device(config.device)
+    dataset = load_dataset(config.data, config.data_dir or DEFAULT_DATA_DIR)
+    seed_init(config.seed)
+    spec = build_model(config.model, dataset)
+    x_train = with_layout(dataset.x_train, spec.layout)
+    x_test = with_layout(dataset.x_test, spec.layout)
+    log(f"stepgraph: {config.model} on {config.data} ({len(x_train)} train, {len(x_test)} test "
+        f"samples), device {device}")
+    loader = BatchLoader(x_train, dataset.y_train, config.batch, seed=config.seed, device=device)
+    example = (x_train[:config.batch], dataset.y_train[:config.batch])
+    step = sg.compile_train_step(spec.module, loss=spec.loss, optimizer=optim.AdamW(lr=config.lr),
+                                 example_inputs=example, device=device,
+                                 graph=(device == "cuda"), seed=config.seed)
+    predict = sg.compile_predict(spec.module, example_inputs=(x_test[:EVAL_BATCH],),
+                                 device=device)
+    n_eval = min(len(x_train), TRAIN_EVAL_LIMIT)
+    eval_sets = {"train": (to_device(x_train[:n_eval], device), dataset.y_train[:n_eval]),
+                 "test": (to_device(x_test, device), dataset.y_test)}
+    return Session(config, device, spec.module, step, predict, loader, eval_sets)
+
+
+def read_resume_checkpoint(config: TrainConfig) -> ckpt.Checkpoint:
+    """The run's checkpoint, after checking it was written by a compatible configuration."""
+    saved = ckpt.load_checkpoint(config.out_dir / ckpt.CHECKPOINT_NAME)
+    ckpt.check_compatible(saved.config, config.record(), RESUME_KEYS)
+    return saved
+
+
+def restore(session: Session, saved: ckpt.Checkpoint) -> list[EpochMetrics]:
+    """Load the checkpoint into the step; return the metrics of its finished epochs."""
+    session.step.load_state_dict(saved.state)
+    metrics_path = session.config.out_dir / METRICS_NAME
+    if not metrics_path.is_file():
+        return []
+    records = json.loads(metrics_path.read_text()).get("epochs", [])
+    return [EpochMetrics(**r) for r in records[:saved.epoch]]
+
+
+def write_metrics(session: Session, history: list[EpochMetrics]) -> Path:
+    path = session.config.out_dir / METRICS_NAME
+    record = {"config": session.config.record(), "device": session.device,
+              "epochs": [dataclasses.asdict(m) for m in history],
+              "test_accuracy": history[-1].test_accuracy if history else None}
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path
+
+
+def write_plot(history: list[EpochMetrics], path: Path, title: str) -> Path:
+    """Loss and accuracy per epoch as a PNG (matplotlib's Agg canvas; no display needed)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    epochs = [m.epoch for m in history]
+    fig = Figure(figsize=(10, 4))
+    FigureCanvasAgg(fig)
+    ax_loss, ax_acc = fig.subplots(1, 2)
+    ax_loss.plot(epochs, [m.loss for m in history], marker="o")
+    ax_loss.set(xlabel="epoch", ylabel="train loss", title="loss")
+    ax_acc.plot(epochs, [m.train_accuracy for m in history], marker="o", label="train")
+    ax_acc.plot(epochs, [m.test_accuracy for m in history], marker="o", label="test")
+    ax_acc.set(xlabel="epoch", ylabel="accuracy", title="accuracy")
+    ax_acc.legend()
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def train_epoch(session: Session, epoch: int) -> EpochMetrics:
+    """One epoch of training followed by evaluation on the train and test sets."""
+    from tqdm import tqdm
+
+    total = session.config.total_epochs
+    with tqdm(total=len(session.loader), desc=f"epoch {epoch + 1}/{total}", unit="step",
+              disable=not session.config.progress, dynamic_ncols=True) as bar:
+        loss, seconds = run_epoch(session.step, session.loader, epoch, bar)
+        acc = {name: evaluate(session.predict, x, y) for name, (x, y) in session.eval_sets.items()}
+        steps_per_s = len(session.loader) / seconds
+        bar.set_postfix_str(f"loss={loss:.4f} train_acc={acc['train']:.4f} "
+                            f"test_acc={acc['test']:.4f} steps/s={steps_per_s:.0f}")
+    return EpochMetrics(epoch + 1, loss, acc["train"], acc["test"], steps_per_s, seconds)
+
+
+def train(config: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
+    """Train, evaluate after every epoch, and write metrics, plot and checkpoint to config.out_dir.
+
+    With `config.resume` the run continues from the checkpoint in out_dir up to config.epochs
+    in total, producing the same parameters as an uninterrupted run.
+    """
+    config.validate()
+    saved = read_resume_checkpoint(config) if config.resume else None    # fail before compiling
+    session = build_session(config, log)
+    out_dir = config.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start, history = 0, []
+    if saved is not None:
+        start, history = saved.epoch, restore(session, saved)
+        log(f"resuming from {out_dir / ckpt.CHECKPOINT_NAME} after epoch {start}")
+    for epoch in range(start, config.total_epochs):
+        history.append(train_epoch(session, epoch))
+        state = ckpt.Checkpoint(session.step.state_dict(), epoch + 1, config.seed, config.record())
+        ckpt.save_checkpoint(out_dir / ckpt.CHECKPOINT_NAME, state)
+        write_metrics(session, history)
+    if history and history[-1].epoch == config.total_epochs:
+        accuracy = history[-1].test_accuracy
+    else:   # nothing left to train, or metrics of earlier epochs lost: measure now
+        accuracy = evaluate(session.predict, *session.eval_sets["test"])
+    if history:
+        write_plot(history, out_dir / PLOT_NAME, f"{config.data} {config.model} ({session.device})")
+    return TrainResult(accuracy, history, out_dir, session.device, session.step, session.model)

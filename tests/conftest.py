@@ -1,0 +1,87 @@
+"""Shared pytest setup: the `cuda` marker skips cleanly on machines without a usable GPU."""
+from __future__ import annotations
+
+import functools
+import gzip
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+CUDA_MARKER = "cuda"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", f"{CUDA_MARKER}: needs an NVIDIA GPU with CuPy; skipped when none is available")
+
+
+def stepgraph_probe() -> bool | None:
+    """stepgraph.cuda_available(), or None when the core cannot answer (not importable yet)."""
+    try:
+        import stepgraph
+
+        return bool(stepgraph.cuda_available())
+    except Exception:   # the core may be missing or mid-edit: fall back to asking CuPy
+        return None
+
+
+@functools.cache
+def gpu_unavailable_reason() -> str | None:
+    """None when a GPU is usable here, else why not (probed once per session)."""
+    usable = stepgraph_probe()
+    if usable is not None:
+        return None if usable else "stepgraph.cuda_available() is False"
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as err:    # no cupy, no driver, or no device: all mean "no GPU"
+        return f"no usable GPU ({type(err).__name__}: {err})"
+    return None if count > 0 else "no CUDA device found"
+
+
+def pytest_collection_modifyitems(config, items):
+    cuda_items = [item for item in items if item.get_closest_marker(CUDA_MARKER)]
+    if not cuda_items:
+        return
+    reason = gpu_unavailable_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for item in cuda_items:
+        item.add_marker(skip)
+
+
+def write_idx(path, array: np.ndarray) -> None:
+    """Write `array` (uint8) as an IDX file; gzipped when the name ends in .gz."""
+    header = bytes([0, 0, 0x08, array.ndim]) + np.array(array.shape, dtype=">u4").tobytes()
+    payload = header + np.ascontiguousarray(array, dtype=np.uint8).tobytes()
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "wb") as f:
+        f.write(payload)
+
+
+@pytest.fixture
+def fake_mnist(tmp_path):
+    """A tiny MNIST-shaped dataset in IDX files (train gzipped, test raw): (dir, arrays).
+
+    Each class lights its own 2-row band of the 28x28 image, so a model can learn it.
+    """
+    rng = np.random.default_rng(0)
+    arrays = {}
+    for split, n in (("train", 120), ("t10k", 40)):
+        labels = rng.integers(0, 10, size=n).astype(np.uint8)
+        images = rng.integers(0, 60, size=(n, 28, 28)).astype(np.uint8)
+        for i, label in enumerate(labels):
+            images[i, 2 * label + 4:2 * label + 6, 4:24] = 255
+        arrays[split] = (images, labels)
+    directory = tmp_path / "mnist"
+    directory.mkdir()
+    write_idx(directory / "train-images-idx3-ubyte.gz", arrays["train"][0])
+    write_idx(directory / "train-labels-idx1-ubyte.gz", arrays["train"][1])
+    write_idx(directory / "t10k-images-idx3-ubyte", arrays["t10k"][0])
+    write_idx(directory / "t10k-labels-idx1-ubyte", arrays["t10k"][1])
+    return directory, arrays
