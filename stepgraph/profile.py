@@ -1,9 +1,9 @@
 """`stepgraph profile`: where a training step's time goes, op by op, on the GPU.
 
-Runs the plan op by op with CUDA events around each op (eager), counts the kernels each op
-launches (by capturing it alone into a graph and counting nodes), then times the whole-step
-graph replay and compares it with the sum of op times: the difference is what launch
-overhead and host gaps cost in eager mode, and what the graph removes.
+Times each op of the plan alone on the device and counts the kernels it launches (by
+capturing it into a graph and counting nodes), then times the eager step and the whole-step
+graph replay and compares them with the sum of op times: the eager excess is what launches
+and host gaps cost, which the graph removes.
 """
 from __future__ import annotations
 
@@ -54,38 +54,40 @@ class StepProfile:
             f"eager step (wall)      {self.eager_step_us:10.1f} µs",
             f"graph replay           {self.graph_step_us:10.1f} µs, "
             f"{self.graph_nodes if self.graph_nodes is not None else '?'} graph nodes",
-            f"launch and host gaps   {self.eager_step_us - self.sum_op_us:10.1f} µs in eager mode",
+            f"launch and host gaps   {self.eager_step_us - self.sum_op_us:10.1f} µs in eager mode, "
+            f"{self.graph_step_us - self.sum_op_us:.1f} µs in the graph",
             f"arena                  {self.arena_bytes / 2**20:10.2f} MiB",
         ]
         return "\n".join(lines)
 
 
-def _time_ops(exe: Executable, iters: int) -> list[float]:
-    """Median device µs of each op, from events recorded on the step's stream."""
+def _profile_ops(exe: Executable, repeats: int) -> list[tuple[int | None, float]]:
+    """(kernels, median device µs) of each op. Each op is captured alone, `repeats` times in
+    a row, into one graph: its node count over `repeats` is the op's kernel count, and the
+    replay time over `repeats` is its device time without host launch gaps (eager event
+    timings would mostly measure the host). Repeating an update op trains the model further:
+    a profile is not a training run."""
     import cupy as cp
 
-    stream, run = exe.ctx.stream, exe.backend.run_node
-    marks = [[cp.cuda.Event() for _ in range(len(exe.calls) + 1)] for _ in range(iters)]
-    for events in marks:
-        events[0].record(stream)
-        for (node, ins, outs), end in zip(exe.calls, events[1:]):
-            with exe.backend.annotate(node.label or node.op):
-                run(node, ins, outs, exe.ctx)
-            end.record(stream)
-    stream.synchronize()
-    per_op = [[cp.cuda.get_elapsed_time(ev[i], ev[i + 1]) * 1e3 for ev in marks]
-              for i in range(len(exe.calls))]
-    return [statistics.median(t) for t in per_op]
-
-
-def _kernels_per_op(exe: Executable) -> list[int | None]:
     from .backends.cuda.graph import capture
 
-    counts = []
+    stream, results = exe.ctx.stream, []
     for node, ins, outs in exe.calls:
-        captured = capture(lambda: exe.backend.run_node(node, ins, outs, exe.ctx), exe.ctx)
-        counts.append(captured.node_count)
-    return counts
+        def run_op(node=node, ins=ins, outs=outs):
+            for _ in range(repeats):
+                exe.backend.run_node(node, ins, outs, exe.ctx)
+        captured = capture(run_op, exe.ctx)
+        times = []
+        for _ in range(5):
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record(stream)
+            captured.launch()
+            end.record(stream)
+            end.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / repeats)
+        nodes = captured.node_count
+        results.append((None if nodes is None else nodes // repeats, statistics.median(times)))
+    return results
 
 
 def _time_step(run, stream, iters: int) -> float:
@@ -106,10 +108,8 @@ def profile_executable(exe: Executable, workload: str, iters: int = 50) -> StepP
     import cupy as cp
 
     exe.run(use_graph=False)  # warm-up: plans GEMMs, builds device tables
-    times = _time_ops(exe, iters)
-    kernels = _kernels_per_op(exe)
     ops = [OpTiming(f"{n.label or n.op} {phase_of(n)}", n.op, k, t)
-           for (n, _, _), k, t in zip(exe.calls, kernels, times)]
+           for (n, _, _), (k, t) in zip(exe.calls, _profile_ops(exe, repeats=20))]
     eager = _time_step(exe.run_eager, exe.ctx.stream, iters)
     exe.run(use_graph=True)
     graph_us = _time_step(lambda: exe.run(use_graph=True), exe.ctx.stream, iters * 4)

@@ -31,7 +31,8 @@ import numpy as np
 from ...errors import ShapeError, StepgraphError
 
 WORKSPACE_BYTES = 32 << 20
-HEURISTIC_RESULTS = 8
+HEURISTIC_RESULTS = 16
+AUTOTUNE_REPEATS = 10     # timed calls per candidate algorithm
 
 # Epilogues by what they read or write besides A, B and D.
 BIAS_EPILOGUES = frozenset({"BIAS", "RELU_BIAS", "RELU_AUX_BIAS", "GELU_BIAS", "GELU_AUX_BIAS",
@@ -136,13 +137,19 @@ class PlannedGemm:
     workspace_size: int
     pointer_buf: np.ndarray = field(default_factory=lambda: np.zeros((), np.int64))
     launched: bool = False                 # True once a call went through
+    tuned: bool = False                    # True once the candidates have been timed
+
+    def algo_address(self, index: int) -> int:
+        """Address of the algo struct of heuristic result `index`."""
+        return (self.heuristic.ctypes.data + index * self.heuristic.itemsize
+                + self.heuristic.dtype.fields["algo"][1])
 
 
 class GemmCache:
     """Planned cuBLASLt GEMMs by GemmSpec, with one handle and one workspace for all of them
     (calls on one stream run one after another, so they can share the workspace)."""
 
-    def __init__(self, workspace_bytes: int = WORKSPACE_BYTES):
+    def __init__(self, workspace_bytes: int = WORKSPACE_BYTES, autotune: bool = True):
         import cupy as cp
         from nvmath.bindings import cublasLt
 
@@ -150,6 +157,7 @@ class GemmCache:
         self.handle = cublasLt.create()
         self.workspace = cp.empty(workspace_bytes, dtype=cp.uint8)
         self.workspace_bytes = workspace_bytes
+        self.autotune = autotune
         self._plans: dict[GemmSpec, PlannedGemm] = {}
         self._unsupported: dict[GemmSpec, str] = {}
         # Host scalars (pointer mode HOST: read when the call is enqueued, so capture-safe).
@@ -205,10 +213,16 @@ class GemmCache:
         beta = self._one[spec.dtype] if spec.accumulate else self._zero[spec.dtype]
         c_ptr = d_ptr if spec.accumulate else 0
         a_lay, b_lay, d_lay = p.layouts
-        try:
+
+        def call(algo_ptr: int) -> None:
             lt.matmul(self.handle, p.desc, alpha.ctypes.data, a_ptr, a_lay, b_ptr, b_lay,
-                      beta.ctypes.data, c_ptr, d_lay, d_ptr, d_lay, p.algo_ptr,
+                      beta.ctypes.data, c_ptr, d_lay, d_ptr, d_lay, algo_ptr,
                       self.workspace.data.ptr, self.workspace_bytes, stream_ptr)
+
+        if self.autotune and not p.tuned and not spec.accumulate and len(p.heuristic) > 1:
+            self._autotune(p, call, stream_ptr)
+        try:
+            call(p.algo_ptr)
         except lt.cuBLASLtError as err:
             if p.launched:
                 raise
@@ -217,6 +231,38 @@ class GemmCache:
             self._drop(spec, f"cuBLASLt refused {spec}: {err}")
             raise GemmUnsupportedError(self._unsupported[spec]) from err
         p.launched = True
+
+    def _autotune(self, p: PlannedGemm, call, stream_ptr: int) -> None:
+        """Time every candidate the heuristic offered on the real operands and keep the
+        fastest. The heuristic's first choice is often a split-K algorithm that launches
+        several kernels, slower than a one-kernel tile for the small GEMMs of a step. Runs at
+        the first (eager) call, never during capture: it syncs the stream. Specs that
+        accumulate into D are not tuned (repeated calls would change D)."""
+        import cupy as cp
+
+        stream = cp.cuda.ExternalStream(stream_ptr)
+        if stream.is_capturing():
+            return
+        best, best_time = p.algo_ptr, float("inf")
+        for i in range(len(p.heuristic)):
+            algo = p.algo_address(i)
+            if p.heuristic[i]["state"] != 0 or \
+                    p.heuristic[i]["workspace_size"] > self.workspace_bytes - 256:
+                continue
+            try:
+                call(algo)                       # warm-up; an algorithm may refuse the call
+            except self._lt.cuBLASLtError:
+                continue
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record(stream)
+            for _ in range(AUTOTUNE_REPEATS):
+                call(algo)
+            end.record(stream)
+            end.synchronize()
+            elapsed = cp.cuda.get_elapsed_time(start, end)
+            if elapsed < best_time:
+                best, best_time = algo, elapsed
+        p.algo_ptr, p.tuned = best, True
 
     def _drop(self, spec: GemmSpec, reason: str) -> None:
         p = self._plans.pop(spec)

@@ -29,7 +29,7 @@ from . import compiler
 BLOCK = 256                   # threads of a 1-D elementwise block
 MAX_BLOCKS = 8192             # grid-stride loops cover the rest
 MAX_INT = 2**31 - 1           # kernels index (N, C) and NCHW shapes with 32-bit ints
-UPDATE_CHUNK = 4096           # elements per block of a multi-tensor kernel (a multiple of 4)
+UPDATE_CHUNK = 1024           # elements per block of a multi-tensor kernel: one float4 per thread
 SINGLE_BLOCK_ELEMENTS = 1 << 15   # cross-entropy over at most this many logits: one block
 ACT_CODES = {"none": -1, "relu": 0, "leaky_relu": 1, "sigmoid": 2, "tanh": 3, "gelu": 4,
              "gelu_tanh": 5}      # the ACT_* codes of kernels/elementwise.cuh
@@ -239,7 +239,8 @@ def reduce_sum_columns(ctx, x, y, rows: int, cols: int) -> None:
 
 def reduce_sum_planes(ctx, x, y, outer: int, mid: int, inner: int) -> None:
     """y (mid,) = x viewed as (outer, mid, inner) summed over outer and inner."""
-    _launch(ctx, "reduce.cu", "reduce_sum_planes_kernel", (mid,), (BLOCK,),
+    # One block per kept channel: give each the most threads, the channels are few.
+    _launch(ctx, "reduce.cu", "reduce_sum_planes_kernel", (mid,), (1024,),
             (x, y, np.int32(outer), np.int32(mid), np.int32(inner)))
 
 

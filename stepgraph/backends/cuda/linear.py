@@ -12,6 +12,7 @@ Backward GEMMs arrive as matmul nodes (autodiff/rules.py) and need no copies eit
 from __future__ import annotations
 
 from . import gemm
+from .small_matmul import is_small, small_matmul_forward
 
 # cuBLASLt's GELU epilogue is the tanh approximation, so it serves gelu_tanh only; exact (erf)
 # gelu takes the BIAS epilogue and the activation kernel. Set False to run gelu_tanh through
@@ -71,6 +72,9 @@ def linear_forward(node, ins, outs, ctx) -> None:
     y = outs[0]
     z = outs[1] if node.attrs.get("save_preact") else None
 
+    if x.dtype == "float32" and is_small(x.shape[0], w.shape[0], x.shape[1]):
+        small_matmul_forward(ctx, x, w, y, trans_b=True, bias=bias, z=z, act=kind, slope=slope)
+        return
     if kind is None:
         gemm.matmul(ctx, x, w, y, trans_b=True, epilogue=_epilogue("DEFAULT", bias), bias=bias)
         if z is not None:
@@ -92,8 +96,13 @@ def linear_forward(node, ins, outs, ctx) -> None:
 
 def matmul_forward(node, ins, outs, ctx) -> None:
     """c = op(a) @ op(b) with attrs trans_a / trans_b (ops.py, "matmul")."""
-    gemm.matmul(ctx, ins[0], ins[1], outs[0], trans_a=bool(node.attrs.get("trans_a")),
-                trans_b=bool(node.attrs.get("trans_b")))
+    a, b, c = ins[0], ins[1], outs[0]
+    trans_a, trans_b = bool(node.attrs.get("trans_a")), bool(node.attrs.get("trans_b"))
+    k = a.shape[0] if trans_a else a.shape[1]
+    if a.dtype == "float32" and is_small(c.shape[0], c.shape[1], k):
+        small_matmul_forward(ctx, a, b, c, trans_a=trans_a, trans_b=trans_b)
+        return
+    gemm.matmul(ctx, a, b, c, trans_a=trans_a, trans_b=trans_b)
 
 
 IMPLS = {

@@ -1,0 +1,51 @@
+// GEMMs too small to fill the GPU: C (m, n) = op(A) @ op(B) [+ bias along n] [activation].
+// cuBLASLt spends 5-10 µs on a 128x10x512 product (a grid of one or two tiles plus split-K
+// kernels); here every output element has one owner that runs its whole dot product, so one
+// launch does it in a few µs and the sum order is fixed (deterministic).
+// Operands are addressed through strides, so transposed operands need no copy:
+// A(i, k) = a[i * a_i + k * a_k], B(k, j) = b[k * b_k + j * b_j], C row-major.
+#include "elementwise.cuh"
+#include "reduce.cuh"
+
+// Bias, saved pre-activation and activation of one output, as linear's epilogue defines them.
+__device__ __forceinline__ void finish_output(float acc, long long idx, int j, const float* bias,
+                                              float* c, float* z, int act, float slope) {
+    if (bias) acc += bias[j];
+    if (z) z[idx] = acc;
+    c[idx] = act == ACT_NONE ? acc : act_value(acc, act, slope);
+}
+
+// Short dot products (k up to a few dozen): one thread per output.
+extern "C" __global__ void small_matmul_thread_kernel(
+        const float* a, const float* b, const float* bias, float* c, float* z, int m, int n,
+        int k, long long a_i, long long a_k, long long b_k, long long b_j, int act, float slope) {
+    const long long total = (long long)m * n;
+    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total;
+         idx += (long long)gridDim.x * blockDim.x) {
+        const int i = (int)(idx / n), j = (int)(idx % n);
+        const float* ap = a + i * a_i;
+        const float* bp = b + j * b_j;
+        float acc = 0.f;
+        for (int kk = 0; kk < k; ++kk) acc = fmaf(ap[kk * a_k], bp[kk * b_k], acc);
+        finish_output(acc, idx, j, bias, c, z, act, slope);
+    }
+}
+
+// Long dot products: one warp per output, lanes stride over k, then a fixed shuffle tree.
+extern "C" __global__ void small_matmul_warp_kernel(
+        const float* a, const float* b, const float* bias, float* c, float* z, int m, int n,
+        int k, long long a_i, long long a_k, long long b_k, long long b_j, int act, float slope) {
+    const long long total = (long long)m * n;
+    const int lane = threadIdx.x & 31;
+    const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
+    for (long long idx = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5; idx < total;
+         idx += warps) {
+        const int i = (int)(idx / n), j = (int)(idx % n);
+        const float* ap = a + i * a_i;
+        const float* bp = b + j * b_j;
+        float acc = 0.f;
+        for (int kk = lane; kk < k; kk += 32) acc = fmaf(ap[kk * a_k], bp[kk * b_k], acc);
+        acc = warp_sum(acc);
+        if (lane == 0) finish_output(acc, idx, j, bias, c, z, act, slope);
+    }
+}

@@ -1,0 +1,77 @@
+"""The small-GEMM kernel against the numpy reference, and cuBLASLt on the same shapes (both
+paths of linear.py), fresh random inputs and NaN-poisoned outputs."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.cuda
+cp = pytest.importorskip("cupy")
+pytest.importorskip("nvmath")
+
+from stepgraph.backends import cuda_available  # noqa: E402
+
+if not cuda_available():
+    pytest.skip("no GPU visible to CuPy", allow_module_level=True)
+
+from stepgraph.backends import get_backend  # noqa: E402
+from stepgraph.backends.cuda import linear, small_matmul  # noqa: E402
+from stepgraph.backends.numpy.kernels import IMPLS as NUMPY_IMPLS  # noqa: E402
+from stepgraph.ir.graph import Node, Value  # noqa: E402
+from stepgraph.ir.ops import infer_outputs  # noqa: E402
+
+ACTS = (None, "relu", "leaky_relu", "sigmoid", "tanh", "gelu", "gelu_tanh")
+
+
+@pytest.fixture(params=["small", "cublaslt"])
+def path(request, monkeypatch):
+    monkeypatch.setattr(small_matmul, "SMALL_MACS", 1 << 40 if request.param == "small" else 0)
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    return get_backend("cuda").make_context("fp32")
+
+
+def run_both(ctx, op, arrays, **attrs):
+    ins = [Value(a.shape, str(a.dtype)) for a in arrays]
+    node = Node(op, ins, [Value(s, d) for s, d in infer_outputs(op, ins, attrs)], attrs)
+    want = [np.empty(v.shape, v.dtype) for v in node.outputs]
+    NUMPY_IMPLS[op](node, arrays, want, None)
+    with ctx.stream:
+        dev = [cp.asarray(a) for a in arrays]
+        got = [cp.full(v.shape, np.nan, v.dtype) for v in node.outputs]
+    linear.IMPLS[op](node, dev, got, ctx)
+    ctx.stream.synchronize()
+    return want, [g.get() for g in got]
+
+
+def rel(got, want):
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+@pytest.mark.parametrize("m,k,n", [(128, 512, 10), (1, 7, 3), (64, 50, 10), (33, 1, 17),
+                                   (10, 128, 512)])
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_matmul(ctx, path, m, k, n, trans_a, trans_b):
+    rng = np.random.default_rng([m, k, n, trans_a, trans_b])
+    a = rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32)
+    b = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
+    (want,), (got,) = run_both(ctx, "matmul", [a, b], trans_a=trans_a, trans_b=trans_b)
+    assert np.isfinite(got).all() and rel(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("save_preact", [False, True])
+def test_linear(ctx, path, act, bias, save_preact):
+    rng = np.random.default_rng([len(str(act)), bias, save_preact])
+    x = rng.standard_normal((37, 50)).astype(np.float32)
+    w = rng.standard_normal((10, 50)).astype(np.float32)
+    ins = [x, w] + ([rng.standard_normal(10).astype(np.float32)] if bias else [])
+    want, got = run_both(ctx, "linear", ins, act=act, slope=0.2, save_preact=save_preact)
+    tol = 2e-3 if (act == "gelu_tanh" and path == "cublaslt") else 1e-5
+    for g, w_ in zip(got, want):
+        assert np.isfinite(g).all() and rel(g, w_) < tol
