@@ -1,0 +1,6 @@
+"""`python -m stepgraph.bench [--workloads mlp,cnn,big] [--precision fp32] [--peers ...]`."""
+
+from stepgraph.bench.harness import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

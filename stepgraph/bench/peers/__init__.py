@@ -1,0 +1,114 @@
+"""The systems the benchmark compares, and the interface each of them implements.
+
+A peer module has one `prepare(spec) -> PreparedStep` function per row it contributes. It imports
+its library lazily or at module level (an ImportError means "missing"), builds the model from
+`spec.workload`, loads `spec.parameters`, copies `spec.batches` to the device and returns a
+step function that runs one whole training step without any host synchronisation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from stepgraph.bench.workloads import Batch, LayerParams, Workload
+
+
+class Unsupported(Exception):
+    """The peer cannot run this workload, precision or device; the message says why ('n/a')."""
+
+
+@dataclass
+class RunSpec:
+    """What a peer is asked to run."""
+
+    workload: Workload
+    precision: str  # "fp32" | "tf32" | "bf16"
+    device: str  # "cuda" | "cpu" (the CPU only for smoke tests)
+    batches: list[Batch]
+    parameters: list[LayerParams]
+    seed: int = 0
+
+
+@dataclass
+class MemoryReading:
+    """Device memory a peer used, and what kind of figure the library could give."""
+
+    bytes: int
+    kind: str  # "peak" (high-water mark) or "resident" (held after the timed steps)
+
+
+def _no_memory_reading() -> MemoryReading | None:
+    return None
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass
+class PreparedStep:
+    """A ready-to-time training step. `run_step(i)` trains on batch i and returns a loss handle
+    without synchronising; `read_loss` turns a handle into a float (that one may sync)."""
+
+    run_step: Callable[[int], Any]
+    synchronize: Callable[[], None]
+    read_loss: Callable[[Any], float]
+    memory: Callable[[], MemoryReading | None] = _no_memory_reading
+    close: Callable[[], None] = _nothing
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """One row of the table: a display name and where its `prepare` function lives."""
+
+    name: str
+    module: str  # under stepgraph.bench.peers
+    entry: str  # function name in that module
+    library: str  # the distribution whose version the report names
+    is_stepgraph: bool = False
+
+
+PEERS: tuple[PeerInfo, ...] = (
+    PeerInfo("stepgraph eager", "stepgraph_runner", "prepare_eager", "stepgraph", True),
+    PeerInfo("stepgraph graph", "stepgraph_runner", "prepare_graph", "stepgraph", True),
+    PeerInfo("torch eager", "torch_eager", "prepare", "torch"),
+    PeerInfo("torch graph", "torch_graph", "prepare", "torch"),
+    PeerInfo("torch compile", "torch_compile", "prepare", "torch"),
+    PeerInfo("jax jit", "jax_jit", "prepare", "jax"),
+    PeerInfo("tinygrad jit", "tinygrad_jit", "prepare", "tinygrad"),
+)
+
+# Short names accepted by --peers, besides the display names.
+PEER_ALIASES: dict[str, str] = {
+    "stepgraph": "stepgraph eager,stepgraph graph",
+    "stepgraph_eager": "stepgraph eager",
+    "stepgraph_graph": "stepgraph graph",
+    "torch": "torch eager,torch graph,torch compile",
+    "torch_eager": "torch eager",
+    "torch_graph": "torch graph",
+    "torch_compile": "torch compile",
+    "jax": "jax jit",
+    "jax_jit": "jax jit",
+    "tinygrad": "tinygrad jit",
+    "tinygrad_jit": "tinygrad jit",
+}
+
+
+def select_peers(names: list[str] | None) -> list[PeerInfo]:
+    """The peers called `names` (display names or PEER_ALIASES keys) in table order; None: all."""
+    if not names:
+        return list(PEERS)
+    wanted: set[str] = set()
+    for name in names:
+        key = name.strip()
+        expanded = PEER_ALIASES.get(key.replace(" ", "_").replace("-", "_").lower(), key)
+        wanted.update(part.strip() for part in expanded.split(","))
+    known = {p.name for p in PEERS}
+    unknown = sorted(wanted - known)
+    if unknown:
+        choices = ", ".join(sorted(PEER_ALIASES))
+        raise ValueError(f"unknown peer(s) {', '.join(unknown)}; expected one of {choices}")
+    return [p for p in PEERS if p.name in wanted]

@@ -1,0 +1,129 @@
+"""stepgraph itself, eager (the plan run op by op) and graph (one CUDA Graph replay per step),
+through the public API of DESIGN.md only: stepgraph.models / losses / optim and
+`sg.compile_train_step`. Inputs are CuPy arrays already on the GPU (NumPy on the CPU backend).
+"""
+
+from __future__ import annotations
+
+from stepgraph.bench.peers import MemoryReading, PreparedStep, RunSpec, Unsupported
+from stepgraph.bench.workloads import ConvNet, DenseNet, LayerParams, OptimizerSpec, Workload
+
+
+def prepare_eager(spec: RunSpec) -> PreparedStep:
+    """stepgraph with graph=False: the compiled plan launched op by op each step."""
+    return _prepare(spec, graph=False)
+
+
+def prepare_graph(spec: RunSpec) -> PreparedStep:
+    """stepgraph with graph=True: the compiled plan captured once, one replay per step."""
+    if spec.device != "cuda":
+        raise Unsupported("graph mode needs the cuda backend")
+    return _prepare(spec, graph=True)
+
+
+def _build_model(workload: Workload):
+    from stepgraph import models
+    model = workload.model
+    if isinstance(model, ConvNet):
+        return models.cnn(dropout=model.dropout)
+    if isinstance(model, DenseNet) and model.activation == "relu" and model.depth == 2:
+        return models.mlp(in_features=model.in_features, hidden=model.hidden,
+                          classes=model.classes, dropout=model.dropout)
+    if isinstance(model, DenseNet) and model.activation == "gelu" and model.dropout == 0:
+        return models.big(width=model.hidden, depth=model.depth, classes=model.classes)
+    raise Unsupported(f"no stepgraph.models constructor for {model}")
+
+
+def _build_optimizer(spec: OptimizerSpec):
+    from stepgraph import optim
+    if spec.kind == "adamw":
+        # betas/eps left at their defaults, which are PyTorch's (0.9, 0.999) and 1e-8.
+        return optim.AdamW(lr=spec.lr, weight_decay=spec.weight_decay)
+    if spec.kind == "sgd":
+        return optim.SGD(lr=spec.lr, momentum=spec.momentum)
+    raise ValueError(f"unknown optimizer kind {spec.kind!r}")
+
+
+def _load_shared_parameters(model, parameters: list[LayerParams]) -> str:
+    """Load the peers' shared initial values when the state_dict lines up layer by layer;
+    otherwise keep stepgraph's own PyTorch-default init (same distribution, other draw)."""
+    state = model.state_dict()
+    prefixes = [key[:-len(".weight")] for key in state if key.endswith(".weight")]
+    if len(prefixes) != len(parameters):
+        return "own PyTorch-default init (state_dict layers do not line up)"
+    update = {}
+    for prefix, init in zip(prefixes, parameters):
+        weight, bias = state.get(prefix + ".weight"), state.get(prefix + ".bias")
+        if weight is None or bias is None or tuple(weight.shape) != init.weight.shape \
+                or tuple(bias.shape) != init.bias.shape:
+            return "own PyTorch-default init (state_dict shapes differ)"
+        update[prefix + ".weight"], update[prefix + ".bias"] = init.weight, init.bias
+    model.load_state_dict({**state, **update})
+    return "shared initial parameters"
+
+
+def _array_module(device: str):
+    if device == "cuda":
+        import cupy
+        return cupy
+    import numpy
+    return numpy
+
+
+def _memory_reader(device: str):
+    """Bytes the CuPy pool holds for this peer after the steps (stepgraph allocates through it)."""
+    if device != "cuda":
+        return lambda: None
+    import cupy
+    pool = cupy.get_default_memory_pool()
+    before = pool.used_bytes()
+
+    def read() -> MemoryReading | None:
+        used = pool.used_bytes() - before
+        # Nothing through the pool means stepgraph allocated elsewhere: no figure, not zero.
+        return MemoryReading(used, "resident") if used > 0 else None
+
+    return read
+
+
+def _synchronizer(device: str):
+    if device != "cuda":
+        return lambda: None
+    import cupy
+    # stepgraph runs on its own stream: a device-wide sync waits for it too.
+    return cupy.cuda.runtime.deviceSynchronize
+
+
+def _release(device: str) -> None:
+    import gc
+    gc.collect()
+    if device == "cuda":
+        import cupy
+        cupy.cuda.runtime.deviceSynchronize()
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
+def _prepare(spec: RunSpec, graph: bool) -> PreparedStep:
+    if spec.precision not in ("fp32", "tf32"):
+        raise Unsupported(f"stepgraph has no {spec.precision} yet (fp32 and tf32 only)")
+    import stepgraph as sg
+    from stepgraph import losses
+    xp = _array_module(spec.device)
+    memory = _memory_reader(spec.device)
+    model = _build_model(spec.workload)
+    init_note = _load_shared_parameters(model, spec.parameters)
+    batches = [(xp.asarray(b.x), xp.asarray(b.y)) for b in spec.batches]
+    step = sg.compile_train_step(model, loss=getattr(losses, spec.workload.loss),
+                                 optimizer=_build_optimizer(spec.workload.optimizer),
+                                 example_inputs=batches[0], device=spec.device, graph=graph,
+                                 seed=spec.seed, precision=spec.precision)
+
+    def run_step(i: int):
+        return step(*batches[i])
+
+    def close() -> None:
+        batches.clear()
+        _release(spec.device)
+
+    return PreparedStep(run_step, _synchronizer(spec.device), lambda loss: float(loss), memory,
+                        close, [f"graph={graph}", init_note])
