@@ -342,11 +342,29 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
                 print(f"stepgraph bench: {name} {precision} {peer.name} ...", file=sys.stderr,
                       flush=True)
                 results.append(measure_peer(peer, spec, config))
+                if config.device == "cuda":
+                    restore_primary_context()
                 print(f"  -> {describe_result(results[-1])}", file=sys.stderr, flush=True)
     fill_speed_vs_best_peer(results)
     return BenchReport(datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        device_name, platform.node(), platform.python_version(),
                        library_versions(), config, describe_workloads(config), results)
+
+
+def restore_primary_context() -> None:
+    """Make the device's primary CUDA context current again. tinygrad creates and makes
+    current a context of its own; CuPy, PyTorch and JAX handles made in the primary context
+    then fail in the next peer ('invalid resource handle', cuDNN stream mismatch)."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return
+    err, device = driver.cuDeviceGet(0)
+    if err == driver.CUresult.CUDA_SUCCESS:
+        err, context = driver.cuDevicePrimaryCtxRetain(device)
+        if err == driver.CUresult.CUDA_SUCCESS:
+            driver.cuCtxSetCurrent(context)
+            driver.cuDevicePrimaryCtxRelease(device)
 
 
 def describe_workloads(config: BenchConfig) -> dict[str, dict[str, Any]]:
