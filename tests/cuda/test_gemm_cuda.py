@@ -165,7 +165,23 @@ CONVS = [
     (2, 2, 4, 4, 3, 4, 4, (1, 1), (0, 0), True),      # kernel covers the image: P = 1
     (2, 2, 9, 9, 3, 2, 2, (3, 3), (0, 0), False),     # stride > kernel: unread pixels
     (1, 3, 6, 5, 2, 5, 5, (1, 1), (2, 2), True),      # padding larger than half
+    (1, 1, 13, 11, 3, 3, 2, (2, 2), (1, 0), True),    # batch 1, C = 1, odd sizes, 3x2 kernel
+    (3, 6, 11, 9, 9, 2, 5, (2, 1), (1, 2), False),    # 9 channels: a partial group of 4
+    (2, 3, 20, 15, 5, 3, 3, (1, 1), (1, 1), True),    # 300 output pixels: two uneven passes
+    (2, 2, 7, 8, 3, 3, 3, (1, 1), (3, 3), True),      # windows wholly in the padding
+    (64, 1, 28, 28, 10, 5, 5, (1, 1), (0, 0), True),  # the benchmark CNN's conv1
+    (64, 10, 12, 12, 20, 5, 5, (1, 1), (0, 0), True),  # and its conv2
 ]
+CONV_IDS = ["x".join(map(str, cfg[:7])) + f"-s{cfg[7][0]}{cfg[7][1]}p{cfg[8][0]}{cfg[8][1]}"
+            + ("b" if cfg[9] else "") for cfg in CONVS]
+BENCH_CONVS = CONVS[-2:]
+
+
+@pytest.fixture(params=["gemm", "direct"])
+def conv_path(request, monkeypatch):
+    """Both implementations of every conv op: im2col + cuBLASLt, and the direct kernels."""
+    monkeypatch.setattr(conv, "PATH", request.param)
+    return request.param
 
 
 def conv_arrays(cfg, seed):
@@ -176,38 +192,119 @@ def conv_arrays(cfg, seed):
     return x, wt, (b if bias else None), attrs
 
 
-@pytest.mark.parametrize("cfg", CONVS)
-def test_conv2d_forward_matches_numpy(backend, ctx, cfg):
+def conv_grad_inputs(cfg, seed):
+    """x, w, dy (fresh, of the forward's output shape) and the attrs of one config."""
+    x, w, _, attrs = conv_arrays(cfg, seed)
+    y_shape = infer_outputs("conv2d", [Value(x.shape, "float32"), Value(w.shape, "float32")],
+                            attrs)[0][0]
+    return x, w, random(np.random.default_rng(seed + 1), *y_shape), attrs
+
+
+def conv_tol(ctx, path):
+    return TOL["fp32"] if path == "direct" else TOL[ctx.precision]   # direct is exact FP32
+
+
+@pytest.mark.parametrize("cfg", CONVS, ids=CONV_IDS)
+def test_conv2d_forward_matches_numpy(backend, ctx, conv_path, cfg):
     x, w, b, attrs = conv_arrays(cfg, 1)
     arrays = [x, w] if b is None else [x, w, b]
     ref, got = run_both(backend, ctx, make_node("conv2d", arrays, **attrs), arrays)
-    check(ref, got, TOL[ctx.precision], f"conv2d {cfg}")
+    check(ref, got, conv_tol(ctx, conv_path), f"conv2d {conv_path} {cfg}")
 
 
-@pytest.mark.parametrize("cfg", CONVS)
-def test_conv2d_grad_input_matches_numpy(backend, ctx, cfg):
-    x, w, _, attrs = conv_arrays(cfg, 2)
-    y_shape = infer_outputs("conv2d", [Value(x.shape, "float32"), Value(w.shape, "float32")],
-                            attrs)[0][0]
-    dy = random(np.random.default_rng(3), *y_shape)
+@pytest.mark.parametrize("cfg", CONVS, ids=CONV_IDS)
+def test_conv2d_grad_input_matches_numpy(backend, ctx, conv_path, cfg):
+    x, w, dy, attrs = conv_grad_inputs(cfg, 2)
     node = make_node("conv2d_grad_input", [dy, w], input_shape=x.shape, **attrs)
     ref, got = run_both(backend, ctx, node, [dy, w])
-    check(ref, got, TOL[ctx.precision], f"conv2d_grad_input {cfg}")
+    check(ref, got, conv_tol(ctx, conv_path), f"conv2d_grad_input {conv_path} {cfg}")
 
 
-@pytest.mark.parametrize("cfg", CONVS)
-def test_conv2d_grad_weight_matches_numpy(backend, ctx, cfg):
-    x, w, _, attrs = conv_arrays(cfg, 4)
-    y_shape = infer_outputs("conv2d", [Value(x.shape, "float32"), Value(w.shape, "float32")],
-                            attrs)[0][0]
-    dy = random(np.random.default_rng(5), *y_shape)
+@pytest.mark.parametrize("cfg", CONVS, ids=CONV_IDS)
+def test_conv2d_grad_weight_matches_numpy(backend, ctx, conv_path, cfg):
+    x, w, dy, attrs = conv_grad_inputs(cfg, 4)
     node = make_node("conv2d_grad_weight", [dy, x], weight_shape=w.shape, **attrs)
     ref, got = run_both(backend, ctx, node, [dy, x])
-    check(ref, got, TOL[ctx.precision], f"conv2d_grad_weight {cfg}")
+    check(ref, got, conv_tol(ctx, conv_path), f"conv2d_grad_weight {conv_path} {cfg}")
+
+
+@pytest.mark.parametrize("tile", conv.GRAD_WEIGHT_TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("cfg", [CONVS[2], CONVS[9], CONVS[10], CONVS[13]],
+                         ids=[CONV_IDS[2], CONV_IDS[9], CONV_IDS[10], CONV_IDS[13]])
+def test_conv2d_direct_grad_weight_every_tile(backend, ctx32, monkeypatch, cfg, tile):
+    """Each (channels, taps) tile of the weight-gradient kernel, partial tiles included."""
+    monkeypatch.setattr(conv, "PATH", "direct")
+    monkeypatch.setattr(conv, "GRAD_WEIGHT_TILES", (tile,))
+    x, w, dy, attrs = conv_grad_inputs(cfg, 12)
+    node = make_node("conv2d_grad_weight", [dy, x], weight_shape=w.shape, **attrs)
+    check(*run_both(backend, ctx32, node, [dy, x]), 1e-5, f"grad_weight tile {tile} {cfg}")
+
+
+@pytest.mark.parametrize("op", ["conv2d", "conv2d_grad_input", "conv2d_grad_weight"])
+def test_conv2d_direct_float64(backend, ctx32, monkeypatch, op):
+    monkeypatch.setattr(conv, "PATH", "direct")
+    x, w, dy, attrs = conv_grad_inputs(CONVS[2], 14)
+    x, w, dy = x.astype(np.float64), w.astype(np.float64), dy.astype(np.float64)
+    b = random(np.random.default_rng(15), w.shape[0], dtype="float64")
+    arrays, extra = {"conv2d": ([x, w, b], {}),
+                     "conv2d_grad_input": ([dy, w], {"input_shape": x.shape}),
+                     "conv2d_grad_weight": ([dy, x], {"weight_shape": w.shape})}[op]
+    node = make_node(op, arrays, **attrs, **extra)
+    check(*run_both(backend, ctx32, node, arrays), 1e-12, f"{op} float64 direct")
+
+
+@pytest.mark.parametrize("cfg", BENCH_CONVS, ids=CONV_IDS[-2:])
+def test_conv_direct_is_one_launch_and_chosen_for_small_convs(backend, monkeypatch, cfg):
+    """The rule picks the direct kernels for the benchmark CNN's convs: each op is one launch
+    of conv_direct.cu, no GEMM, no scratch, and bitwise the same on a second run."""
+    ctx = backend.make_context("fp32")                # fresh scratch pool
+    launched = []
+    kernel = conv.compiler.kernel
+    monkeypatch.setattr(conv.compiler, "kernel",
+                        lambda f, name: launched.append((f, name)) or kernel(f, name))
+    monkeypatch.setattr(conv.gemm, "matmul", lambda *a, **k: pytest.fail("GEMM on direct path"))
+    x, w, dy, attrs = conv_grad_inputs(cfg, 16)
+    b = random(np.random.default_rng(17), w.shape[0])
+    calls = [("conv2d", [x, w, b], {}),
+             ("conv2d_grad_input", [dy, w], {"input_shape": x.shape}),
+             ("conv2d_grad_weight", [dy, x], {"weight_shape": w.shape})]
+    for op, arrays, extra in calls:
+        node = make_node(op, arrays, **attrs, **extra)
+        assert conv.use_direct(op, conv._geometry(x.shape, w.shape, attrs), x.dtype)
+        conv.PREPARE[op](node, [cp.asarray(a) for a in arrays], None, ctx)
+        launched.clear()
+        ref, first = run_both(backend, ctx, node, arrays)
+        assert [f for f, _ in launched] == [conv.DIRECT_SOURCE], f"{op}: {launched}"
+        _, second = run_both(backend, ctx, node, arrays)
+        check(ref, first, 1e-5, f"{op} direct")
+        np.testing.assert_array_equal(first[0], second[0], err_msg=f"{op}: not deterministic")
+    assert "conv_scratch" not in ctx.extras
+
+
+def test_conv_selection_rule():
+    """Small convs go direct; big ones, or ones whose weights overflow shared memory, and
+    weight gradients with very long sums stay on im2col + GEMM."""
+    geom = conv.Geometry
+    bench1, bench2 = geom(64, 1, 28, 28, 10, 5, 5, 1, 1, 0, 0), geom(64, 10, 12, 12, 20, 5, 5,
+                                                                     1, 1, 0, 0)
+    resnet = geom(128, 64, 32, 32, 64, 3, 3, 1, 1, 1, 1)            # 4.8 G multiply-adds
+    wide = geom(1, 128, 8, 8, 4, 3, 3, 1, 1, 1, 1)                    # C*kh*kw = 1152
+    tall = geom(1, 4, 8, 8, 200, 3, 3, 1, 1, 1, 1)                    # O*kh*kw = 1800
+    long_sum = geom(512, 1, 32, 32, 1, 1, 1, 1, 1, 0, 0)              # N*Ho*Wo = 2^19
+    for op in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight"):
+        assert conv.use_direct(op, bench1, "float32") and conv.use_direct(op, bench2, "float32")
+        for g in (resnet, wide, tall):
+            assert not conv.use_direct(op, g, "float32"), (op, g)
+        assert not conv.use_direct(op, bench1, "float16")
+    assert conv.use_direct("conv2d", long_sum, "float32")
+    assert not conv.use_direct("conv2d_grad_weight", long_sum, "float32")
+    assert conv.grad_weight_tile(bench2) == (4, 4) and conv.grad_weight_tile(bench1) == (1, 2)
+    assert conv.grad_weight_block(bench1) == (192, 1) and conv.grad_weight_block(bench2) == (64, 4)
 
 
 def test_conv2d_in_chunks(backend, monkeypatch):
     """A batch larger than the scratch limit runs in chunks (short last chunk included)."""
+    monkeypatch.setattr(conv, "PATH", "gemm")
     ctx = backend.make_context("fp32")      # fresh scratch pool
     cfg = (5, 3, 7, 6, 4, 3, 3, (1, 1), (1, 1), True)
     x, w, b, attrs = conv_arrays(cfg, 6)
@@ -223,8 +320,9 @@ def test_conv2d_in_chunks(backend, monkeypatch):
 
 
 @pytest.mark.parametrize("op", ["conv2d", "conv2d_grad_input", "conv2d_grad_weight"])
-def test_conv_prepare_takes_all_scratch(backend, op):
+def test_conv_prepare_takes_all_scratch(backend, monkeypatch, op):
     """After PREPARE, running the node allocates nothing more (so it could be captured)."""
+    monkeypatch.setattr(conv, "PATH", "gemm")
     ctx = backend.make_context("fp32")
     x, w, b, attrs = conv_arrays(CONVS[0], 9)
     dy = random(np.random.default_rng(10), 2, 5, 9, 7)
@@ -273,7 +371,7 @@ def test_backend_views_and_copies(backend):
 
 # ---- capture -------------------------------------------------------------------------------
 
-def test_gemms_replay_inside_cuda_graph(backend):
+def test_gemms_replay_inside_cuda_graph(backend, conv_path):
     """Linear (fused epilogue), a transposed matmul and a conv are captured after one eager
     warm-up, and every replay sees the new input data copied into the same buffers."""
     ctx = backend.make_context("fp32")

@@ -54,3 +54,15 @@ def test_launchers_name_existing_kernels():
     assert {"elementwise.cu", "reduce.cu", "pool.cu", "loss.cu", "optim.cu"} <= set(kernels)
     for filename, names in sorted(kernels.items()):
         assert compiler.compile_to_cubin(compiler.KERNEL_DIR / filename, "sm_90", tuple(names))
+
+
+def test_conv_launchers_name_existing_kernels():
+    """conv.py names its kernels from template parts (dtype, tile), so it lists every name it
+    may launch (im2col path and direct path); each one is instantiated here."""
+    from stepgraph.backends.cuda import conv
+
+    kernels = conv.kernel_names()
+    assert {"conv.cu", "conv_direct.cu"} <= set(kernels)
+    for filename, names in sorted(kernels.items()):
+        assert compiler.compile_to_cubin(compiler.KERNEL_DIR / filename, "sm_90",
+                                         tuple(sorted(names)))

@@ -12,6 +12,18 @@ graph's pointers stay valid; shared by every conv node, which run one after anot
 context's stream). A node takes its scratch on its first, eager call: run an eager warm-up
 before capture. A batch needing more than SCRATCH_CHUNK_BYTES runs in chunks of samples
 (two launches per chunk).
+
+Small convolutions skip all of that: kernels/conv_direct.cu computes each op in ONE launch,
+no scratch, where launches, patch traffic and skinny GEMMs would cost more than the arithmetic
+(the MNIST example CNN's convs: 20-40 us each as im2col + GEMM). Selection (`use_direct`), per op:
+  direct  iff  C*kh*kw <= 1024 and O*kh*kw <= 1024    (a block's slice of w fits shared memory)
+          and  x, y have <= 2^30 elements              (32-bit offsets in the kernels)
+          and  N*O*Ho*Wo * C*kh*kw <= 2^26 multiply-adds (about 10 us of direct work on an
+               H100/H200; above it cuBLASLt's throughput pays for the im2col traffic)
+          and, for grad_weight, N*Ho*Wo <= 2^18       (one block sums each weight's products)
+  else im2col + GEMM. `PATH` = "direct" / "gemm" forces one (tests).
+The direct kernels are exact FP32 (FMA) whatever ctx.precision says: TF32 only speeds GEMMs.
+Each output has one owner summing in a fixed order, so they are deterministic like the GEMMs.
 """
 from __future__ import annotations
 
@@ -27,6 +39,20 @@ SCRATCH_CHUNK_BYTES = 256 << 20
 BLOCK = 256
 MAX_BLOCKS = 1 << 15     # grid-stride loops cover the rest
 _CTYPES = {"float32": "float", "float64": "double"}
+GEMM_PATH_KERNELS = ("conv2d_im2col_kernel", "conv2d_grad_weight_gather_kernel",
+                     "conv2d_col2im_kernel")
+
+PATH = "auto"                 # "auto" (use_direct's rule), "direct" or "gemm": tests force one
+DIRECT_SOURCE = "conv_direct.cu"
+DIRECT_MAX_TAPS = 1024        # conv_direct.cu's MAX_TAPS: a block's slice of w in shared memory
+DIRECT_MAX_MACS = 1 << 26     # multiply-adds of one op, N*O*Ho*Wo*C*kh*kw
+DIRECT_MAX_SUM = 1 << 18      # grad_weight: products per weight (N*Ho*Wo), summed by one block
+DIRECT_MAX_ELEMENTS = 1 << 30  # per tensor: the direct kernels' offsets are 32-bit ints
+DIRECT_BLOCK = 128            # threads of a forward / grad_input block
+DIRECT_CHANNELS = 4           # channels per thread: output channels (forward), input (grad_input)
+GRAD_WEIGHT_THREADS = 256     # at most, per grad_weight block
+GRAD_WEIGHT_TILES = ((4, 4), (2, 4), (2, 2), (1, 2), (1, 1))   # (out channels, taps) per block
+GRAD_WEIGHT_MIN_BLOCKS = 128  # the largest tile that still gives about one block per SM wins
 
 
 @dataclass(frozen=True)
@@ -58,6 +84,11 @@ class Geometry:
     @property
     def p(self) -> int:
         return self.ho * self.wo
+
+    @property
+    def macs(self) -> int:
+        """Multiply-adds of the forward (and of each gradient)."""
+        return self.n * self.o * self.p * self.ck
 
     @property
     def pointwise(self) -> bool:
@@ -178,6 +209,119 @@ def conv2d_col2im(ctx, g: Geometry, dcols, dx) -> None:
     _launch(ctx, "conv2d_col2im_kernel", dx.dtype, nb * g.c * g.h * g.w, args)
 
 
+# ---- direct kernels (kernels/conv_direct.cu) ------------------------------------------------
+
+def direct_unsupported(g: Geometry, dtype) -> str | None:
+    """Why the direct kernels cannot run this convolution at all, or None if they can."""
+    if str(dtype) not in _CTYPES:
+        return f"dtype {dtype} (want one of {list(_CTYPES)})"
+    if max(g.ck, g.o * g.kh * g.kw) > DIRECT_MAX_TAPS:
+        return (f"C*kh*kw = {g.ck} or O*kh*kw = {g.o * g.kh * g.kw} exceeds "
+                f"{DIRECT_MAX_TAPS} (the weights staged in shared memory)")
+    if max(g.n * g.c * g.h * g.w, g.n * g.o * g.p) > DIRECT_MAX_ELEMENTS:
+        return f"a tensor of more than {DIRECT_MAX_ELEMENTS} elements (32-bit offsets)"
+    return None
+
+
+def use_direct(op: str, g: Geometry, dtype) -> bool:
+    """Whether `op` runs as one direct kernel (the rule in the module docstring) rather than
+    im2col + GEMM; `PATH` overrides the rule."""
+    if PATH != "auto":
+        if PATH not in ("direct", "gemm"):
+            raise ValueError(f"conv.PATH must be 'auto', 'direct' or 'gemm', got {PATH!r}")
+        return PATH == "direct"
+    if direct_unsupported(g, dtype) is not None or g.macs > DIRECT_MAX_MACS:
+        return False
+    return op != "conv2d_grad_weight" or g.n * g.p <= DIRECT_MAX_SUM
+
+
+def _direct_name(kind: str, ctype: str, tile: tuple[int, ...]) -> str:
+    return f"conv2d_direct_{kind}_kernel<{', '.join([ctype, *map(str, tile)])}>"
+
+
+def _direct_kernel(name: str, g: Geometry, kind: str, tile: tuple[int, ...], arrays: dict):
+    """The kernel of one direct launcher, after checking that it can run on these arrays."""
+    dtype = next(iter(arrays.values())).dtype
+    why = direct_unsupported(g, dtype)
+    if why is not None:
+        raise ShapeError(f"{name}: the direct kernels cannot run this convolution: {why}")
+    for what, arr in arrays.items():
+        if arr.dtype != dtype:
+            raise ShapeError(f"{name}: {what} is {arr.dtype}, the other operands {dtype}")
+    return compiler.kernel(DIRECT_SOURCE, _direct_name(kind, _CTYPES[str(dtype)], tile))
+
+
+def grad_weight_tile(g: Geometry) -> tuple[int, int]:
+    """(output channels, taps) of dw per block: the largest tile that still gives
+    GRAD_WEIGHT_MIN_BLOCKS blocks (fewer loads per multiply-add), else the smallest."""
+    for ob, tb in GRAD_WEIGHT_TILES:
+        if -(-g.o // ob) * -(-g.ck // tb) >= GRAD_WEIGHT_MIN_BLOCKS:
+            return ob, tb
+    return GRAD_WEIGHT_TILES[-1]
+
+
+def grad_weight_block(g: Geometry) -> tuple[int, int]:
+    """(bx, by) of a grad_weight block: bx threads over the output pixels, in as few equal
+    passes as GRAD_WEIGHT_THREADS allows (a multiple of 32: whole warps for the reduction),
+    by over the samples with the threads left over."""
+    passes = -(-g.p // GRAD_WEIGHT_THREADS)
+    bx = -(-g.p // (passes * 32)) * 32
+    return bx, max(1, min(GRAD_WEIGHT_THREADS // bx, g.n))
+
+
+def conv2d_direct_forward(ctx, g: Geometry, x, w, bias, y) -> None:
+    """y (N, O, Ho, Wo) = conv2d(x, w) + bias (None: no bias), one launch: a thread per output
+    pixel and DIRECT_CHANNELS output channels, the block's weights in shared memory."""
+    arrays = {"x": x, "weight": w, "y": y} | ({} if bias is None else {"bias": bias})
+    kern = _direct_kernel("conv2d_direct_forward", g, "forward", (DIRECT_CHANNELS,), arrays)
+    pixels = g.n * g.p
+    if pixels == 0 or g.o == 0:
+        return
+    grid = (-(-pixels // DIRECT_BLOCK), -(-g.o // DIRECT_CHANNELS))
+    args = (x, w, w if bias is None else bias, y, np.int32(bias is not None), np.int32(g.n),
+            np.int32(g.o)) + g.kernel_args()
+    kern(grid, (DIRECT_BLOCK,), args, stream=ctx.stream)
+
+
+def conv2d_direct_grad_input(ctx, g: Geometry, dy, w, dx) -> None:
+    """dx (N, C, H, W) of conv2d given dy and w, one launch: a thread per input pixel and
+    DIRECT_CHANNELS input channels gathers the taps that read it."""
+    arrays = {"dy": dy, "weight": w, "dx": dx}
+    kern = _direct_kernel("conv2d_direct_grad_input", g, "grad_input", (DIRECT_CHANNELS,), arrays)
+    pixels = g.n * g.h * g.w
+    if pixels == 0 or g.c == 0:
+        return
+    grid = (-(-pixels // DIRECT_BLOCK), -(-g.c // DIRECT_CHANNELS))
+    args = (dy, w, dx, np.int32(g.n), np.int32(g.o)) + g.kernel_args()
+    kern(grid, (DIRECT_BLOCK,), args, stream=ctx.stream)
+
+
+def conv2d_direct_grad_weight(ctx, g: Geometry, dy, x, dw) -> None:
+    """dw (O, C, kh, kw) of conv2d given dy and x, one launch: a block per tile of dw
+    (grad_weight_tile) sums over the batch and the output pixels, reducing in a fixed order."""
+    ob, tb = grad_weight_tile(g)
+    arrays = {"dy": dy, "x": x, "dw": dw}
+    kern = _direct_kernel("conv2d_direct_grad_weight", g, "grad_weight", (ob, tb), arrays)
+    if g.o * g.ck == 0:
+        return
+    grid = (-(-g.ck // tb), -(-g.o // ob))
+    args = (dy, x, dw, np.int32(g.n), np.int32(g.o)) + g.kernel_args()
+    kern(grid, grad_weight_block(g), args, stream=ctx.stream)
+
+
+def kernel_names() -> dict[str, set[str]]:
+    """{.cu file: every kernel name this module may launch}, template instantiations included
+    (the NVRTC compile test instantiates each)."""
+    names: dict[str, set[str]] = {"conv.cu": set(), DIRECT_SOURCE: set()}
+    for ctype in _CTYPES.values():
+        names["conv.cu"].update(f"{kernel}<{ctype}>" for kernel in GEMM_PATH_KERNELS)
+        names[DIRECT_SOURCE].update(
+            [_direct_name("forward", ctype, (DIRECT_CHANNELS,)),
+             _direct_name("grad_input", ctype, (DIRECT_CHANNELS,))]
+            + [_direct_name("grad_weight", ctype, tile) for tile in GRAD_WEIGHT_TILES])
+    return names
+
+
 # ---- op impls ------------------------------------------------------------------------------
 
 def conv2d_forward(node, ins, outs, ctx) -> None:
@@ -195,6 +339,9 @@ def conv2d_forward(node, ins, outs, ctx) -> None:
     g = _geometry(x.shape, w.shape, node.attrs)
     bias = _contiguous(ins[2], "bias", (g.o,)) if len(ins) == 3 else None
     y = _contiguous(outs[0], "y", (g.n, g.o, g.ho, g.wo))
+    if use_direct(node.op, g, x.dtype):
+        conv2d_direct_forward(ctx, g, x, w, bias, y)
+        return
     w2 = w.reshape(g.o, g.ck)
     nb, shapes = _chunk_plan(node.op, g, x.itemsize)
     cols = _scratch(ctx, shapes, x.dtype)[0] if shapes else None
@@ -220,6 +367,9 @@ def conv2d_grad_input(node, ins, outs, ctx) -> None:
     g = _geometry(tuple(node.attrs["input_shape"]), w.shape, node.attrs)
     dy = _contiguous(ins[0], "dy", (g.n, g.o, g.ho, g.wo))
     dx = _contiguous(outs[0], "dx", (g.n, g.c, g.h, g.w))
+    if use_direct(node.op, g, dy.dtype):
+        conv2d_direct_grad_input(ctx, g, dy, w, dx)
+        return
     w2 = w.reshape(g.o, g.ck)
     nb, shapes = _chunk_plan(node.op, g, dy.itemsize)
     dcols = _scratch(ctx, shapes, dy.dtype)[0] if shapes else None
@@ -247,6 +397,9 @@ def conv2d_grad_weight(node, ins, outs, ctx) -> None:
     g = _geometry(x.shape, tuple(node.attrs["weight_shape"]), node.attrs)
     dy = _contiguous(ins[0], "dy", (g.n, g.o, g.ho, g.wo))
     dw = _contiguous(outs[0], "dw", (g.o, g.c, g.kh, g.kw))
+    if use_direct(node.op, g, x.dtype):
+        conv2d_direct_grad_weight(ctx, g, dy, x, dw)
+        return
     dw2 = dw.reshape(g.o, g.ck)
     nb, shapes = _chunk_plan(node.op, g, x.itemsize)
     cols_t, dy_t = _scratch(ctx, shapes, x.dtype)
@@ -268,6 +421,8 @@ def prepare_scratch(node, ins, outs, ctx) -> None:
         g = _geometry(ins[1].shape, tuple(node.attrs["weight_shape"]), node.attrs)
     else:
         g = _geometry(ins[0].shape, ins[1].shape, node.attrs)
+    if use_direct(node.op, g, ins[0].dtype):
+        return                                  # one kernel, no scratch
     _, shapes = _chunk_plan(node.op, g, ins[0].itemsize)
     if shapes:
         _scratch(ctx, shapes, ins[0].dtype)
