@@ -5,17 +5,7 @@ The multi-tensor optimizer update needs no pass: the optimizer emits it as one o
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 from ..ir.graph import Graph, Node, Value
-
-
-def _copy(graph: Graph) -> Graph:
-    """The same program over the same Values, in fresh Node objects: passes rewrite nodes in
-    place, and the graph they were given must still compute what it did."""
-    nodes = [replace(n, inputs=list(n.inputs), outputs=list(n.outputs), attrs=dict(n.attrs))
-             for n in graph.nodes]
-    return Graph(nodes, graph.inputs, graph.params, graph.state, dict(graph.outputs))
 
 
 def _rebuild(graph: Graph, nodes: list[Node], subst: dict[Value, Value]) -> Graph:
@@ -33,7 +23,6 @@ def _join(*labels: str) -> str:
 def fuse_linear_activation(graph: Graph) -> Graph:
     """linear(x, w, b) -> z; act(z) -> y   =>   linear(x, w, b, act) -> y [, z].
     z stays an output (save_preact) when something else reads it: act_grad for leaky_relu/gelu."""
-    graph = _copy(graph)
     users = graph.consumers()
     fused: dict[Node, Node] = {}          # act node -> the linear node that absorbs it
     for n in graph.nodes:
@@ -54,7 +43,6 @@ def fuse_linear_activation(graph: Graph) -> Graph:
 
 def fuse_activation_bias_grad(graph: Graph) -> Graph:
     """act_grad(dy, s) -> dz; reduce_sum(dz, axes=(0,)) -> db   =>   act_bias_grad -> (dz, db)."""
-    graph = _copy(graph)
     users = graph.consumers()
     drop: set[Node] = set()
     for n in graph.nodes:
@@ -70,27 +58,6 @@ def fuse_activation_bias_grad(graph: Graph) -> Graph:
     return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
 
 
-def fuse_dropout_into_bias_grad(graph: Graph) -> Graph:
-    """dropout_grad(dy, mask) -> g; act_bias_grad(g, s) -> (dz, db), g read by nothing else
-    =>   act_bias_grad(dy, s, mask): the mask is applied as dy is read, one pass fewer."""
-    graph = _copy(graph)
-    users = graph.consumers()
-    producers = graph.producers()
-    drop: set[Node] = set()
-    for n in graph.nodes:
-        if n.op != "act_bias_grad" or len(n.inputs) != 2:
-            continue
-        d = producers.get(n.inputs[0])
-        if d is None or d.op != "dropout_grad" or d.attrs.get("per_channel") or \
-                len(users[d.outputs[0]]) != 1 or d.outputs[0] in graph.outputs.values():
-            continue
-        n.inputs = [d.inputs[0], n.inputs[1], d.inputs[1]]
-        n.attrs = dict(n.attrs, p=d.attrs["p"])
-        n.label = _join(n.label, d.label) + " bwd"
-        drop.add(d)
-    return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
-
-
 def _is_unit_seed(graph: Graph, v: Value) -> bool:
     p = graph.producers().get(v)
     return p is not None and p.op == "fill" and p.attrs["value"] == 1.0
@@ -98,7 +65,6 @@ def _is_unit_seed(graph: Graph, v: Value) -> bool:
 
 def fuse_cross_entropy(graph: Graph) -> Graph:
     """cross_entropy fwd + its grad seeded with 1   =>   cross_entropy_train -> (loss, dlogits)."""
-    graph = _copy(graph)
     users = graph.consumers()
     drop: set[Node] = set()
     for n in graph.nodes:
@@ -116,7 +82,6 @@ def fuse_cross_entropy(graph: Graph) -> Graph:
 def fuse_log_softmax_nll(graph: Graph) -> Graph:
     """log_softmax -> nll_loss, with nll_loss_grad (seed 1) -> log_softmax_grad, where nothing
     else reads the log-probabilities   =>   cross_entropy_train (the same function)."""
-    graph = _copy(graph)
     users = graph.consumers()
     producers = graph.producers()
     drop: set[Node] = set()
@@ -144,7 +109,6 @@ def fuse_log_softmax_nll(graph: Graph) -> Graph:
 
 def eliminate_dead_code(graph: Graph) -> Graph:
     """Drop nodes whose outputs nobody reads (nodes that mutate state are always live)."""
-    graph = _copy(graph)
     live: set[Value] = set(graph.outputs.values())
     kept: list[Node] = []
     for n in reversed(graph.nodes):
@@ -154,8 +118,7 @@ def eliminate_dead_code(graph: Graph) -> Graph:
     return _rebuild(graph, kept[::-1], {})
 
 
-PASSES = (fuse_linear_activation, fuse_activation_bias_grad, fuse_dropout_into_bias_grad,
-          fuse_cross_entropy,
+PASSES = (fuse_linear_activation, fuse_activation_bias_grad, fuse_cross_entropy,
           fuse_log_softmax_nll, eliminate_dead_code)
 
 

@@ -100,9 +100,7 @@ def _act_grad(ins, attrs):
 
 @defop("act_bias_grad")
 def _act_bias_grad(ins, attrs):
-    """Fused: dz = act_grad(dy, saved) (kind "none": dz = dy); db = dz.sum(axis 0). (N,M)->(N,M),(M,)
-    With a third input mask (uint8, the dropout that followed the activation), dy is first
-    dropout_grad(dy, mask) with attrs p."""
+    """Fused: dz = act_grad(dy, saved) (kind "none": dz = dy); db = dz.sum(axis 0). (N,M)->(N,M),(M,)"""
     dy = ins[0]
     return [(dy.shape, dy.dtype), ((dy.shape[1],), dy.dtype)]
 

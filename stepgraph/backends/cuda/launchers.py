@@ -274,10 +274,8 @@ def reduce_sum_forward(ctx, x, y, axes) -> None:
         reduce_sum_planes(ctx, x, y, outer, mid, inner)
 
 
-def act_bias_backward(ctx, dy, saved, dz, db, kind: str, slope: float = 0.01, mask=None,
-                      p: float = 0.0) -> None:
-    """dz = dy * kind'(saved) (kind "none": dz = dy) and db = dz.sum(axis 0), in one pass;
-    with a dropout mask, dy is first dy * mask / (1 - p)."""
+def act_bias_backward(ctx, dy, saved, dz, db, kind: str, slope: float = 0.01) -> None:
+    """dz = dy * kind'(saved) (kind "none": dz = dy) and db = dz.sum(axis 0), in one pass."""
     code = _act_code(kind, allow_none=True)
     _check("act_bias_grad dy", dy)
     if dy.ndim != 2:
@@ -286,14 +284,11 @@ def act_bias_backward(ctx, dy, saved, dz, db, kind: str, slope: float = 0.01, ma
     _check("act_bias_grad dz", dz, shape=dy.shape)
     _check("act_bias_grad db", db, shape=(dy.shape[1],))
     _check_int32("act_bias_grad", dy.size)
-    if mask is not None:
-        _check("act_bias_grad mask", mask, "uint8", shape=dy.shape)
     rows, cols = dy.shape
-    keep_scale = np.float32(1.0 / (1.0 - p))       # the reference's float32(1 / (1 - p))
     if cols:
         _launch(ctx, "reduce.cu", "act_bias_backward_kernel", ((cols + 31) // 32,), COLUMN_BLOCK,
-                (dy, saved, mask if mask is not None else np.uint64(0), keep_scale, dz, db,
-                 np.int32(rows), np.int32(cols), np.int32(code), np.float32(slope)))
+                (dy, saved, dz, db, np.int32(rows), np.int32(cols), np.int32(code),
+                 np.float32(slope)))
 
 
 def _chunk_jobs(sizes: list[int]) -> np.ndarray:
@@ -620,8 +615,7 @@ IMPLS: dict[str, Callable] = {
         ctx, ins[0], ins[1], outs[0], node.attrs["kind"], _slope(node.attrs)),
     "act_bias_grad": lambda node, ins, outs, ctx: act_bias_backward(
         ctx, ins[0], ins[1] if len(ins) > 1 else ins[0], outs[0], outs[1],
-        node.attrs.get("kind") or "none", _slope(node.attrs),
-        ins[2] if len(ins) > 2 else None, node.attrs.get("p", 0.0)),
+        node.attrs.get("kind") or "none", _slope(node.attrs)),
     "reduce_sum": lambda node, ins, outs, ctx: reduce_sum_forward(
         ctx, ins[0], outs[0], node.attrs["axes"]),
     "add": lambda node, ins, outs, ctx: add_forward(ctx, ins[0], ins[1], outs[0]),

@@ -87,9 +87,7 @@ def act_grad(node: Node, ins, outs, ctx):
 
 @impl("act_bias_grad")
 def act_bias_grad(node: Node, ins, outs, ctx):
-    dy, saved = ins[:2]
-    if len(ins) == 3:                  # the dropout after the activation, fused in
-        dy = dy * ins[2] * dy.dtype.type(1.0 / (1.0 - node.attrs["p"]))
+    dy, saved = ins
     kind = node.attrs["kind"]
     dz = dy if kind == "none" else dy * act_derivative(saved, kind, node.attrs.get("slope", 0.01))
     outs[0][...] = dz

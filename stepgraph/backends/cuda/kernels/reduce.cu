@@ -53,20 +53,17 @@ extern "C" __global__ void reduce_sum_planes_kernel(const float* x, float* y, in
 }
 
 // dz = dy * act'(saved) (kind ACT_NONE: dz = dy) and db = dz summed over rows, in one pass.
-// With a dropout mask (non-null), dy is first dy * mask * keep_scale, as dropout_grad does.
 // Same (32, 16) column layout as reduce_sum_columns_kernel.
 extern "C" __global__ void __launch_bounds__(512)
-act_bias_backward_kernel(const float* dy, const float* saved, const unsigned char* mask,
-                         float keep_scale, float* dz, float* db, int rows, int cols, int kind,
-                         float slope) {
+act_bias_backward_kernel(const float* dy, const float* saved, float* dz, float* db, int rows,
+                         int cols, int kind, float slope) {
     const int col = blockIdx.x * COLUMN_TILE + threadIdx.x;
     double acc = 0.0;
     if (col < cols) {
         for (int r = threadIdx.y; r < rows; r += COLUMN_ROWS) {
             const long long i = (long long)r * cols + col;
-            const float g = mask ? (mask[i] ? __fmul_rn(dy[i], keep_scale) : 0.f) : dy[i];
             const float v = kind == ACT_NONE
-                                ? g : __fmul_rn(g, act_derivative(saved[i], kind, slope));
+                                ? dy[i] : __fmul_rn(dy[i], act_derivative(saved[i], kind, slope));
             dz[i] = v;
             acc += v;
         }
