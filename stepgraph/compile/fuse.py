@@ -5,7 +5,17 @@ The multi-tensor optimizer update needs no pass: the optimizer emits it as one o
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..ir.graph import Graph, Node, Value
+
+
+def _copy(graph: Graph) -> Graph:
+    """The same program over the same Values, in fresh Node objects: passes rewrite nodes in
+    place, and the graph they were given must still compute what it did."""
+    nodes = [replace(n, inputs=list(n.inputs), outputs=list(n.outputs), attrs=dict(n.attrs))
+             for n in graph.nodes]
+    return Graph(nodes, graph.inputs, graph.params, graph.state, dict(graph.outputs))
 
 
 def _rebuild(graph: Graph, nodes: list[Node], subst: dict[Value, Value]) -> Graph:
@@ -23,6 +33,7 @@ def _join(*labels: str) -> str:
 def fuse_linear_activation(graph: Graph) -> Graph:
     """linear(x, w, b) -> z; act(z) -> y   =>   linear(x, w, b, act) -> y [, z].
     z stays an output (save_preact) when something else reads it: act_grad for leaky_relu/gelu."""
+    graph = _copy(graph)
     users = graph.consumers()
     fused: dict[Node, Node] = {}          # act node -> the linear node that absorbs it
     for n in graph.nodes:
@@ -43,6 +54,7 @@ def fuse_linear_activation(graph: Graph) -> Graph:
 
 def fuse_activation_bias_grad(graph: Graph) -> Graph:
     """act_grad(dy, s) -> dz; reduce_sum(dz, axes=(0,)) -> db   =>   act_bias_grad -> (dz, db)."""
+    graph = _copy(graph)
     users = graph.consumers()
     drop: set[Node] = set()
     for n in graph.nodes:
@@ -65,6 +77,7 @@ def _is_unit_seed(graph: Graph, v: Value) -> bool:
 
 def fuse_cross_entropy(graph: Graph) -> Graph:
     """cross_entropy fwd + its grad seeded with 1   =>   cross_entropy_train -> (loss, dlogits)."""
+    graph = _copy(graph)
     users = graph.consumers()
     drop: set[Node] = set()
     for n in graph.nodes:
@@ -82,6 +95,7 @@ def fuse_cross_entropy(graph: Graph) -> Graph:
 def fuse_log_softmax_nll(graph: Graph) -> Graph:
     """log_softmax -> nll_loss, with nll_loss_grad (seed 1) -> log_softmax_grad, where nothing
     else reads the log-probabilities   =>   cross_entropy_train (the same function)."""
+    graph = _copy(graph)
     users = graph.consumers()
     producers = graph.producers()
     drop: set[Node] = set()
@@ -109,6 +123,7 @@ def fuse_log_softmax_nll(graph: Graph) -> Graph:
 
 def eliminate_dead_code(graph: Graph) -> Graph:
     """Drop nodes whose outputs nobody reads (nodes that mutate state are always live)."""
+    graph = _copy(graph)
     live: set[Value] = set(graph.outputs.values())
     kept: list[Node] = []
     for n in reversed(graph.nodes):
