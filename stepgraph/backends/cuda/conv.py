@@ -21,11 +21,15 @@ no scratch, where launches, patch traffic and skinny GEMMs would cost more than 
           and  N*O*Ho*Wo * C*kh*kw <= 2^26 multiply-adds (about 10 us of direct work on an
                H100/H200; above it cuBLASLt's throughput pays for the im2col traffic)
           and, for grad_weight, N*Ho*Wo <= 2^18       (one block sums each weight's products)
-  else im2col + GEMM. `PATH` = "direct" / "gemm" forces one (tests).
+  else im2col + GEMM. Where the direct kernel can run at all, the node's first eager call
+  times both paths on its real buffers and keeps the faster (`_run_faster`); the rule above
+  only decides a capture that had no eager call. `PATH` = "direct" / "gemm" forces one (tests).
 The direct kernels are exact FP32 (FMA) whatever ctx.precision says: TF32 only speeds GEMMs.
 Each output has one owner summing in a fixed order, so they are deterministic like the GEMMs.
 """
 from __future__ import annotations
+
+import weakref
 
 from dataclasses import dataclass
 
@@ -322,6 +326,37 @@ def kernel_names() -> dict[str, set[str]]:
     return names
 
 
+# ---- choosing the path ---------------------------------------------------------------------
+
+def _run_faster(node, ctx, g: Geometry, dtype, direct, via_gemm) -> None:
+    """Run the op through `direct` or `via_gemm`: PATH when forced; else, where the direct
+    kernel can run, whichever was faster when both were timed on the node's real buffers at
+    its first eager call (`use_direct`'s size rule only guesses, and it guessed wrong by 10x
+    on some of the benchmark convs); during a capture with no timing yet, the rule."""
+    if PATH != "auto" or direct_unsupported(g, dtype) is not None:
+        (direct if use_direct(node.op, g, dtype) else via_gemm)()
+        return
+    chosen = ctx.extras.setdefault("conv_paths", weakref.WeakKeyDictionary())
+    if node not in chosen and not ctx.stream.is_capturing():
+        chosen[node] = _time(ctx, direct) <= _time(ctx, via_gemm)
+    use = chosen.get(node, use_direct(node.op, g, dtype))
+    (direct if use else via_gemm)()
+
+
+def _time(ctx, run, repeats: int = 5) -> float:
+    """Device ms of `repeats` runs after one warm-up run (compiles, plans, takes scratch)."""
+    import cupy as cp
+
+    run()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record(ctx.stream)
+    for _ in range(repeats):
+        run()
+    end.record(ctx.stream)
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end)
+
+
 # ---- op impls ------------------------------------------------------------------------------
 
 def conv2d_forward(node, ins, outs, ctx) -> None:
@@ -339,9 +374,11 @@ def conv2d_forward(node, ins, outs, ctx) -> None:
     g = _geometry(x.shape, w.shape, node.attrs)
     bias = _contiguous(ins[2], "bias", (g.o,)) if len(ins) == 3 else None
     y = _contiguous(outs[0], "y", (g.n, g.o, g.ho, g.wo))
-    if use_direct(node.op, g, x.dtype):
-        conv2d_direct_forward(ctx, g, x, w, bias, y)
-        return
+    _run_faster(node, ctx, g, x.dtype, lambda: conv2d_direct_forward(ctx, g, x, w, bias, y),
+                lambda: _forward_gemm(ctx, node, g, x, w, bias, y))
+
+
+def _forward_gemm(ctx, node, g: Geometry, x, w, bias, y) -> None:
     w2 = w.reshape(g.o, g.ck)
     nb, shapes = _chunk_plan(node.op, g, x.itemsize)
     cols = _scratch(ctx, shapes, x.dtype)[0] if shapes else None
@@ -367,9 +404,11 @@ def conv2d_grad_input(node, ins, outs, ctx) -> None:
     g = _geometry(tuple(node.attrs["input_shape"]), w.shape, node.attrs)
     dy = _contiguous(ins[0], "dy", (g.n, g.o, g.ho, g.wo))
     dx = _contiguous(outs[0], "dx", (g.n, g.c, g.h, g.w))
-    if use_direct(node.op, g, dy.dtype):
-        conv2d_direct_grad_input(ctx, g, dy, w, dx)
-        return
+    _run_faster(node, ctx, g, dy.dtype, lambda: conv2d_direct_grad_input(ctx, g, dy, w, dx),
+                lambda: _grad_input_gemm(ctx, node, g, dy, w, dx))
+
+
+def _grad_input_gemm(ctx, node, g: Geometry, dy, w, dx) -> None:
     w2 = w.reshape(g.o, g.ck)
     nb, shapes = _chunk_plan(node.op, g, dy.itemsize)
     dcols = _scratch(ctx, shapes, dy.dtype)[0] if shapes else None
@@ -397,9 +436,11 @@ def conv2d_grad_weight(node, ins, outs, ctx) -> None:
     g = _geometry(x.shape, tuple(node.attrs["weight_shape"]), node.attrs)
     dy = _contiguous(ins[0], "dy", (g.n, g.o, g.ho, g.wo))
     dw = _contiguous(outs[0], "dw", (g.o, g.c, g.kh, g.kw))
-    if use_direct(node.op, g, x.dtype):
-        conv2d_direct_grad_weight(ctx, g, dy, x, dw)
-        return
+    _run_faster(node, ctx, g, x.dtype, lambda: conv2d_direct_grad_weight(ctx, g, dy, x, dw),
+                lambda: _grad_weight_gemm(ctx, node, g, dy, x, dw))
+
+
+def _grad_weight_gemm(ctx, node, g: Geometry, dy, x, dw) -> None:
     dw2 = dw.reshape(g.o, g.ck)
     nb, shapes = _chunk_plan(node.op, g, x.itemsize)
     cols_t, dy_t = _scratch(ctx, shapes, x.dtype)
@@ -421,7 +462,7 @@ def prepare_scratch(node, ins, outs, ctx) -> None:
         g = _geometry(ins[1].shape, tuple(node.attrs["weight_shape"]), node.attrs)
     else:
         g = _geometry(ins[0].shape, ins[1].shape, node.attrs)
-    if use_direct(node.op, g, ins[0].dtype):
+    if PATH == "direct":
         return                                  # one kernel, no scratch
     _, shapes = _chunk_plan(node.op, g, ins[0].itemsize)
     if shapes:
