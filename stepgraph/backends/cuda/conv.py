@@ -57,6 +57,7 @@ DIRECT_CHANNELS = 4           # channels per thread: output channels (forward), 
 GRAD_WEIGHT_THREADS = 256     # at most, per grad_weight block
 GRAD_WEIGHT_TILES = ((4, 4), (2, 4), (2, 2), (1, 2), (1, 1))   # (out channels, taps) per block
 GRAD_WEIGHT_MIN_BLOCKS = 128  # the largest tile that still gives about one block per SM wins
+GRAD_WEIGHT_TARGET_BLOCKS = 1024  # tiles x sample splits: enough blocks to fill the GPU
 
 
 @dataclass(frozen=True)
@@ -300,17 +301,34 @@ def conv2d_direct_grad_input(ctx, g: Geometry, dy, w, dx) -> None:
     kern(grid, (DIRECT_BLOCK,), args, stream=ctx.stream)
 
 
+def grad_weight_splits(g: Geometry) -> int:
+    """Sample splits of the grad_weight grid: enough blocks to fill the GPU, each split
+    keeping at least a few samples."""
+    ob, tb = grad_weight_tile(g)
+    blocks = -(-g.ck // tb) * -(-g.o // ob)
+    return max(1, min(-(-GRAD_WEIGHT_TARGET_BLOCKS // blocks), g.n // 4))
+
+
 def conv2d_direct_grad_weight(ctx, g: Geometry, dy, x, dw) -> None:
-    """dw (O, C, kh, kw) of conv2d given dy and x, one launch: a block per tile of dw
-    (grad_weight_tile) sums over the batch and the output pixels, reducing in a fixed order."""
+    """dw (O, C, kh, kw) of conv2d given dy and x: a block per tile of dw (grad_weight_tile)
+    and split of the samples sums over them and the output pixels in a fixed order; with
+    several splits, a second launch adds the splits' partial sums in order (scratch)."""
     ob, tb = grad_weight_tile(g)
     arrays = {"dy": dy, "x": x, "dw": dw}
     kern = _direct_kernel("conv2d_direct_grad_weight", g, "grad_weight", (ob, tb), arrays)
     if g.o * g.ck == 0:
         return
-    grid = (-(-g.ck // tb), -(-g.o // ob))
-    args = (dy, x, dw, np.int32(g.n), np.int32(g.o)) + g.kernel_args()
+    splits = grad_weight_splits(g)
+    out = dw if splits == 1 else _scratch(ctx, [(splits, g.o * g.ck)], dw.dtype)[0]
+    grid = (-(-g.ck // tb), -(-g.o // ob), splits)
+    args = (dy, x, out, np.int32(g.n), np.int32(g.o)) + g.kernel_args()
     kern(grid, grad_weight_block(g), args, stream=ctx.stream)
+    if splits > 1:
+        total = g.o * g.ck
+        name = f"conv2d_direct_grad_weight_sum_kernel<{_CTYPES[str(dw.dtype)]}>"
+        compiler.kernel(DIRECT_SOURCE, name)(
+            (-(-total // BLOCK),), (BLOCK,), (out, dw, np.int32(total), np.int32(splits)),
+            stream=ctx.stream)
 
 
 def kernel_names() -> dict[str, set[str]]:
@@ -322,7 +340,8 @@ def kernel_names() -> dict[str, set[str]]:
         names[DIRECT_SOURCE].update(
             [_direct_name("forward", ctype, (DIRECT_CHANNELS,)),
              _direct_name("grad_input", ctype, (DIRECT_CHANNELS,))]
-            + [_direct_name("grad_weight", ctype, tile) for tile in GRAD_WEIGHT_TILES])
+            + [_direct_name("grad_weight", ctype, tile) for tile in GRAD_WEIGHT_TILES]
+            + [f"conv2d_direct_grad_weight_sum_kernel<{ctype}>"])
     return names
 
 
@@ -462,8 +481,10 @@ def prepare_scratch(node, ins, outs, ctx) -> None:
         g = _geometry(ins[1].shape, tuple(node.attrs["weight_shape"]), node.attrs)
     else:
         g = _geometry(ins[0].shape, ins[1].shape, node.attrs)
+    if node.op == "conv2d_grad_weight" and direct_unsupported(g, ins[0].dtype) is None:
+        _scratch(ctx, [(grad_weight_splits(g), g.o * g.ck)], ins[0].dtype)
     if PATH == "direct":
-        return                                  # one kernel, no scratch
+        return
     _, shapes = _chunk_plan(node.op, g, ins[0].itemsize)
     if shapes:
         _scratch(ctx, shapes, ins[0].dtype)

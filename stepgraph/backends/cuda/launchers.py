@@ -31,6 +31,7 @@ MAX_BLOCKS = 8192             # grid-stride loops cover the rest
 MAX_INT = 2**31 - 1           # kernels index (N, C) and NCHW shapes with 32-bit ints
 UPDATE_CHUNK = 1024           # elements per block of a multi-tensor kernel: one float4 per thread
 SINGLE_BLOCK_ELEMENTS = 1 << 15   # cross-entropy over at most this many logits: one block
+PLANE_TARGET_BLOCKS = 512     # reduce_sum over planes: split each plane's rows to about this
 ACT_CODES = {"none": -1, "relu": 0, "leaky_relu": 1, "sigmoid": 2, "tanh": 3, "gelu": 4,
              "gelu_tanh": 5}      # the ACT_* codes of kernels/elementwise.cuh
 LABEL_CTYPES = {np.dtype("int32"): "int", np.dtype("int64"): "long long"}
@@ -237,11 +238,20 @@ def reduce_sum_columns(ctx, x, y, rows: int, cols: int) -> None:
             (x, y, np.int32(rows), np.int32(cols)))
 
 
-def reduce_sum_planes(ctx, x, y, outer: int, mid: int, inner: int) -> None:
-    """y (mid,) = x viewed as (outer, mid, inner) summed over outer and inner."""
-    # One block per kept channel: give each the most threads, the channels are few.
-    _launch(ctx, "reduce.cu", "reduce_sum_planes_kernel", (mid,), (1024,),
-            (x, y, np.int32(outer), np.int32(mid), np.int32(inner)))
+def reduce_sum_planes(ctx, node: Node, x, y, outer: int, mid: int, inner: int) -> None:
+    """y (mid,) = x viewed as (outer, mid, inner) summed over outer and inner: blocks per
+    plane and split of the outer rows, then (several splits) one launch adding the splits'
+    float64 partial sums in order, from the node's own memory."""
+    splits = max(1, min(PLANE_TARGET_BLOCKS // max(mid, 1), outer))
+    partial = y
+    if splits > 1:
+        partial = _node_memory(node, ("reduce_sum", mid, splits), ctx,
+                               lambda: cp.empty(mid * splits, np.float64))
+    _launch(ctx, "reduce.cu", "reduce_sum_planes_kernel", (mid, splits), (BLOCK,),
+            (x, y, partial, np.int32(outer), np.int32(mid), np.int32(inner)))
+    if splits > 1:
+        _launch(ctx, "reduce.cu", "reduce_sum_splits_kernel", _grid(mid), (BLOCK,),
+                (partial, y, np.int32(mid), np.int32(splits)))
 
 
 def _kept_block(shape: tuple, axes) -> tuple[int, int, int]:
@@ -256,7 +266,7 @@ def _kept_block(shape: tuple, axes) -> tuple[int, int, int]:
     return math.prod(shape[:lo]), math.prod(shape[lo:hi]), math.prod(shape[hi:])
 
 
-def reduce_sum_forward(ctx, x, y, axes) -> None:
+def reduce_sum_forward(ctx, node: Node, x, y, axes) -> None:
     """y = x.sum(axis=axes): column sums (bias grads) or sums over (outer, inner) per kept
     index (axes (0, 2, 3) of NCHW: conv bias grads)."""
     _check("reduce_sum input", x)
@@ -271,7 +281,7 @@ def reduce_sum_forward(ctx, x, y, axes) -> None:
     if inner == 1 and mid > 1:    # one block per 32 columns; a full sum takes the planes path
         reduce_sum_columns(ctx, x, y, outer, mid)
     else:
-        reduce_sum_planes(ctx, x, y, outer, mid, inner)
+        reduce_sum_planes(ctx, node, x, y, outer, mid, inner)
 
 
 def act_bias_backward(ctx, dy, saved, dz, db, kind: str, slope: float = 0.01) -> None:
@@ -617,7 +627,7 @@ IMPLS: dict[str, Callable] = {
         ctx, ins[0], ins[1] if len(ins) > 1 else ins[0], outs[0], outs[1],
         node.attrs.get("kind") or "none", _slope(node.attrs)),
     "reduce_sum": lambda node, ins, outs, ctx: reduce_sum_forward(
-        ctx, ins[0], outs[0], node.attrs["axes"]),
+        ctx, node, ins[0], outs[0], node.attrs["axes"]),
     "add": lambda node, ins, outs, ctx: add_forward(ctx, ins[0], ins[1], outs[0]),
     "fill": lambda node, ins, outs, ctx: fill_forward(ctx, outs[0], node.attrs["value"]),
     "dropout": lambda node, ins, outs, ctx: dropout_forward(
@@ -671,7 +681,16 @@ def _prepare_update(node: Node, ins, outs, ctx) -> None:
 
 # Ops whose device tables or scratch can be built without launching anything, for a caller
 # that wants them made before a capture without an eager warm-up run (same signature as IMPLS).
+def _prepare_reduce_sum(node: Node, ins, outs, ctx) -> None:
+    outer, mid, inner = _kept_block(tuple(ins[0].shape), node.attrs["axes"])
+    splits = max(1, min(PLANE_TARGET_BLOCKS // max(mid, 1), outer))
+    if (inner > 1 or mid == 1) and splits > 1 and ins[0].size:
+        _node_memory(node, ("reduce_sum", mid, splits), ctx,
+                     lambda: cp.empty(mid * splits, np.float64))
+
+
 PREPARE: dict[str, Callable] = {
+    "reduce_sum": _prepare_reduce_sum,
     "cross_entropy": _prepare_cross_entropy,
     "cross_entropy_train": _prepare_cross_entropy,
     "global_norm": _prepare_global_norm,

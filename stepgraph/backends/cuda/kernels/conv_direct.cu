@@ -128,6 +128,11 @@ template <typename T, int OB, int TB>
 __global__ void __launch_bounds__(256)
 conv2d_direct_grad_weight_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                  T* __restrict__ dw, int N, int O, GEOMETRY_PARAMS) {
+    // blockIdx.z takes the samples [z * per_split, (z + 1) * per_split): with gridDim.z > 1
+    // the block writes its partial sums to dw + z * O * CK, and the sum kernel below adds the
+    // splits in order (a few hundred blocks cannot fill the GPU with one long sum each).
+    const int per_split = (N + gridDim.z - 1) / gridDim.z;
+    const int n_begin = blockIdx.z * per_split, n_end = min(N, n_begin + per_split);
     __shared__ T partial[32][OB * TB];               // one row per warp
     const int KK = kh * kw, CK = C * KK, P = Ho * Wo, HW = H * W;
     const int t0 = blockIdx.x * TB, o0 = blockIdx.y * OB;
@@ -160,7 +165,7 @@ conv2d_direct_grad_weight_kernel(const T* __restrict__ dy, const T* __restrict__
                         (unsigned)(ws + tap_w[t]) < (unsigned)W;
             x_at[t] = tap_off[t] + hs * W + ws;
         }
-        for (int n = threadIdx.y; n < N; n += blockDim.y) {
+        for (int n = n_begin + threadIdx.y; n < n_end; n += blockDim.y) {
             const int dy_n = n * O * P + p, x_n = n * C * HW;
             T g[OB];
 #pragma unroll
@@ -192,6 +197,19 @@ conv2d_direct_grad_weight_kernel(const T* __restrict__ dy, const T* __restrict__
         const int warps = (blockDim.x * blockDim.y) >> 5;
         T sum = T(0);
         for (int k = 0; k < warps; ++k) sum += partial[k][tid];
-        if (o0 + ob < O && t0 + t < CK) dw[(o0 + ob) * CK + t0 + t] = sum;
+        if (o0 + ob < O && t0 + t < CK)
+            dw[(long long)blockIdx.z * O * CK + (o0 + ob) * CK + t0 + t] = sum;
     }
+}
+
+// dw[e] = sum over s of partial[s, e], s ascending: the splits of the kernel above.
+template <typename T>
+__global__ void conv2d_direct_grad_weight_sum_kernel(const T* __restrict__ partial,
+                                                     T* __restrict__ dw, int elements,
+                                                     int splits) {
+    const int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= elements) return;
+    T sum = T(0);
+    for (int s = 0; s < splits; ++s) sum += partial[(long long)s * elements + e];
+    dw[e] = sum;
 }

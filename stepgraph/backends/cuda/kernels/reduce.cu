@@ -30,14 +30,17 @@ reduce_sum_columns_kernel(const float* x, float* y, int rows, int cols) {
     finish_columns(acc, y, col, cols);
 }
 
-// y[b] = sum over a, c of x[a, b, c] for x viewed as (outer, mid, inner): one block per b.
+// y[b] = sum over a, c of x[a, b, c] for x viewed as (outer, mid, inner): blocks (b, s) sum
+// the outer rows a = s, s + gridDim.y, ... of plane b. With one split the block writes y[b];
+// with several it writes partial[b * splits + s] and reduce_sum_splits_kernel adds them in
+// order (few planes, e.g. a conv's channels, cannot fill the GPU one block each).
 // Thread j walks the flat (a, c) index j, j + blockDim, ... with division-free increments.
-extern "C" __global__ void reduce_sum_planes_kernel(const float* x, float* y, int outer, int mid,
-                                                    int inner) {
+extern "C" __global__ void reduce_sum_planes_kernel(const float* x, float* y, double* partial,
+                                                    int outer, int mid, int inner) {
     __shared__ double smem[32];
-    const int b = blockIdx.x;
-    const int da = blockDim.x / inner, dc = blockDim.x % inner;
-    int a = threadIdx.x / inner, c = threadIdx.x % inner;
+    const int b = blockIdx.x, splits = gridDim.y;
+    const int da = blockDim.x / inner * splits, dc = blockDim.x % inner;
+    int a = threadIdx.x / inner * splits + blockIdx.y, c = threadIdx.x % inner;
     double acc = 0.0;
     while (a < outer) {
         acc += x[((long long)a * mid + b) * inner + c];
@@ -45,11 +48,23 @@ extern "C" __global__ void reduce_sum_planes_kernel(const float* x, float* y, in
         c += dc;
         if (c >= inner) {
             c -= inner;
-            ++a;
+            a += splits;
         }
     }
     acc = block_sum(acc, smem);
-    if (threadIdx.x == 0) y[b] = (float)acc;
+    if (threadIdx.x != 0) return;
+    if (splits == 1) y[b] = (float)acc;
+    else partial[b * splits + blockIdx.y] = acc;
+}
+
+// y[b] = sum over s of partial[b * splits + s], s ascending.
+extern "C" __global__ void reduce_sum_splits_kernel(const double* partial, float* y, int mid,
+                                                    int splits) {
+    const int b = blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= mid) return;
+    double acc = 0.0;
+    for (int s = 0; s < splits; ++s) acc += partial[b * splits + s];
+    y[b] = (float)acc;
 }
 
 // dz = dy * act'(saved) (kind ACT_NONE: dz = dy) and db = dz summed over rows, in one pass.
