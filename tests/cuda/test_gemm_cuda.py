@@ -254,10 +254,12 @@ def test_conv2d_direct_float64(backend, ctx32, monkeypatch, op):
 
 
 @pytest.mark.parametrize("cfg", BENCH_CONVS, ids=CONV_IDS[-2:])
-def test_conv_direct_is_one_launch_and_chosen_for_small_convs(backend, monkeypatch, cfg):
-    """The rule picks the direct kernels for the benchmark CNN's convs: each op is one launch
-    of conv_direct.cu, no GEMM, no scratch, and bitwise the same on a second run."""
+def test_conv_direct_path_launches_only_direct_kernels(backend, monkeypatch, cfg):
+    """On the direct path each op of the benchmark CNN's convs launches conv_direct.cu alone
+    (grad_weight: the split sums and their in-order total), no GEMM, and is bitwise the same
+    on a second run."""
     ctx = backend.make_context("fp32")                # fresh scratch pool
+    monkeypatch.setattr(conv, "PATH", "direct")
     launched = []
     kernel = conv.compiler.kernel
     monkeypatch.setattr(conv.compiler, "kernel",
@@ -274,11 +276,29 @@ def test_conv_direct_is_one_launch_and_chosen_for_small_convs(backend, monkeypat
         conv.PREPARE[op](node, [cp.asarray(a) for a in arrays], None, ctx)
         launched.clear()
         ref, first = run_both(backend, ctx, node, arrays)
-        assert [f for f, _ in launched] == [conv.DIRECT_SOURCE], f"{op}: {launched}"
+        files = [f for f, _ in launched]
+        assert set(files) == {conv.DIRECT_SOURCE}, f"{op}: {launched}"
+        assert len(files) == (2 if op == "conv2d_grad_weight" and
+                              conv.grad_weight_splits(conv._geometry(x.shape, w.shape, attrs)) > 1
+                              else 1), f"{op}: {launched}"
         _, second = run_both(backend, ctx, node, arrays)
         check(ref, first, 1e-5, f"{op} direct")
         np.testing.assert_array_equal(first[0], second[0], err_msg=f"{op}: not deterministic")
-    assert "conv_scratch" not in ctx.extras
+
+
+@pytest.mark.parametrize("cfg", BENCH_CONVS, ids=CONV_IDS[-2:])
+def test_conv_path_is_timed_at_the_first_call_and_kept(backend, monkeypatch, cfg):
+    """With PATH "auto" a node's first call times both paths once; later calls reuse the
+    choice, and either way the result matches the reference."""
+    ctx = backend.make_context("fp32")
+    x, w, dy, attrs = conv_grad_inputs(cfg, 16)
+    node = make_node("conv2d_grad_input", [dy, w], **attrs, input_shape=x.shape)
+    ref, got = run_both(backend, ctx, node, [dy, w])
+    check(ref, got, 1e-5, "conv2d_grad_input timed path")
+    assert node in ctx.extras["conv_paths"]
+    monkeypatch.setattr(conv, "_time", lambda *a, **k: pytest.fail("timed twice"))
+    ref, got = run_both(backend, ctx, node, [dy, w])
+    check(ref, got, 1e-5, "conv2d_grad_input chosen path")
 
 
 def test_conv_selection_rule():

@@ -362,18 +362,10 @@ def _run_faster(node, ctx, g: Geometry, dtype, direct, via_gemm) -> None:
     (direct if use else via_gemm)()
 
 
-def _time(ctx, run, repeats: int = 5) -> float:
-    """Device ms of `repeats` runs after one warm-up run (compiles, plans, takes scratch)."""
-    import cupy as cp
+def _time(ctx, run) -> float:
+    from .graph import time_on_device
 
-    run()
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    start.record(ctx.stream)
-    for _ in range(repeats):
-        run()
-    end.record(ctx.stream)
-    end.synchronize()
-    return cp.cuda.get_elapsed_time(start, end)
+    return time_on_device(ctx, run)
 
 
 # ---- op impls ------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import ShapeError, StepgraphError
+from ...errors import CaptureError, ShapeError, StepgraphError
 
 WORKSPACE_BYTES = 32 << 20
 HEURISTIC_RESULTS = 16
@@ -189,9 +189,10 @@ class GemmCache:
         return True
 
     def run(self, spec: GemmSpec, stream_ptr: int, a_ptr: int, b_ptr: int, d_ptr: int,
-            bias_ptr: int = 0, aux_ptr: int = 0) -> None:
+            bias_ptr: int = 0, aux_ptr: int = 0, ctx=None) -> None:
         """Enqueue D = op(A) @ op(B) [+ D] + epilogue on the stream; pointers are device
-        addresses laid out as `spec` says. No allocation, no host sync."""
+        addresses laid out as `spec` says. No allocation, no host sync, except that the
+        first call of a spec given the context `ctx` autotunes (it syncs, outside capture)."""
         if spec.epilogue in BIAS_EPILOGUES and not bias_ptr:
             raise ValueError(f"gemm: epilogue {spec.epilogue} needs a bias pointer")
         if spec.epilogue in AUX_EPILOGUES and not aux_ptr:
@@ -219,8 +220,9 @@ class GemmCache:
                       beta.ctypes.data, c_ptr, d_lay, d_ptr, d_lay, algo_ptr,
                       self.workspace.data.ptr, self.workspace_bytes, stream_ptr)
 
-        if self.autotune and not p.tuned and not spec.accumulate and len(p.heuristic) > 1:
-            self._autotune(p, call, stream_ptr)
+        if ctx is not None and self.autotune and not p.tuned and not spec.accumulate \
+                and len(p.heuristic) > 1:
+            self._autotune(p, call, ctx)
         try:
             call(p.algo_ptr)
         except lt.cuBLASLtError as err:
@@ -232,16 +234,16 @@ class GemmCache:
             raise GemmUnsupportedError(self._unsupported[spec]) from err
         p.launched = True
 
-    def _autotune(self, p: PlannedGemm, call, stream_ptr: int) -> None:
+    def _autotune(self, p: PlannedGemm, call, ctx) -> None:
         """Time every candidate the heuristic offered on the real operands and keep the
         fastest. The heuristic's first choice is often a split-K algorithm that launches
         several kernels, slower than a one-kernel tile for the small GEMMs of a step. Runs at
-        the first (eager) call, never during capture: it syncs the stream. Specs that
+        the first (eager) call, never during capture: it syncs the stream. Each candidate is
+        timed as a captured replay, so host launch costs do not decide. Specs that
         accumulate into D are not tuned (repeated calls would change D)."""
-        import cupy as cp
+        from .graph import time_on_device
 
-        stream = cp.cuda.ExternalStream(stream_ptr)
-        if stream.is_capturing():
+        if ctx.capturing or ctx.stream.is_capturing():
             return
         best, best_time = p.algo_ptr, float("inf")
         for i in range(len(p.heuristic)):
@@ -250,16 +252,9 @@ class GemmCache:
                     p.heuristic[i]["workspace_size"] > self.workspace_bytes - 256:
                 continue
             try:
-                call(algo)                       # warm-up; an algorithm may refuse the call
-            except self._lt.cuBLASLtError:
-                continue
-            start, end = cp.cuda.Event(), cp.cuda.Event()
-            start.record(stream)
-            for _ in range(AUTOTUNE_REPEATS):
-                call(algo)
-            end.record(stream)
-            end.synchronize()
-            elapsed = cp.cuda.get_elapsed_time(start, end)
+                elapsed = time_on_device(ctx, lambda: call(algo), AUTOTUNE_REPEATS)
+            except (self._lt.cuBLASLtError, CaptureError):
+                continue                         # an algorithm may refuse the call
             if elapsed < best_time:
                 best, best_time = algo, elapsed
         p.algo_ptr, p.tuned = best, True
@@ -466,7 +461,8 @@ def matmul(ctx, a, b, c, *, trans_a: bool = False, trans_b: bool = False,
             raise ShapeError(f"gemm: epilogue {epilogue} needs a contiguous {spec.dtype} "
                              f"vector of {length}, got {bias.dtype}{list(bias.shape)}")
     ctx.gemm.run(spec, ctx.stream.ptr, b.data.ptr, a.data.ptr, c.data.ptr,
-                 bias.data.ptr if bias is not None else 0, aux.data.ptr if aux is not None else 0)
+                 bias.data.ptr if bias is not None else 0, aux.data.ptr if aux is not None else 0,
+                 ctx=ctx)
 
 
 def _contiguous(arr: Any) -> bool:
