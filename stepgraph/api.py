@@ -90,9 +90,13 @@ class _CompiledModel:
 
     def _prepare(self, arrays) -> Executable:
         signature = check_feed(self.signature, arrays)
+        self._check_values(arrays)
         exe = self.executable(signature)
         exe.feed(arrays)
         return exe
+
+    def _check_values(self, arrays) -> None:
+        """Checks of a well-formed feed's values, before anything is copied or run."""
 
 
 class TrainStep(_CompiledModel):
@@ -122,13 +126,15 @@ class TrainStep(_CompiledModel):
             self.backend.copy_into(self.state[v.name], host)
         return self.state[v.name]
 
+    def _check_values(self, arrays) -> None:
+        if self.classes is not None:   # after check_feed: arrays[-1] is the target
+            check_labels(self.signature[-1].name, arrays[-1], self.classes)
+
     def _write_schedule(self, vector: np.ndarray) -> None:
         self.backend.copy_into(self.state[SCHEDULE_KEY], vector)
 
     def __call__(self, *arrays):
         """Run one step on (inputs..., target); returns the loss (float() reads it)."""
-        if self.classes is not None:
-            check_labels(self.signature[-1].name, arrays[-1] if arrays else None, self.classes)
         exe = self._prepare(arrays)
         if self._host_step is None:   # mirror the device counter once; then count on the host
             self._host_step = int(self.backend.to_numpy(self.state[STEP_KEY]))
@@ -158,7 +164,8 @@ class TrainStep(_CompiledModel):
                                      f"got {np.shape(state_dict[k])}")
         self.model.load_state_dict({k: v for k, v in state_dict.items() if k not in state})
         for k, buf in state.items():
-            self.backend.copy_into(buf, np.ascontiguousarray(state_dict[k], dtype=buf.dtype))
+            # np.array keeps 0-d state (the step counter) 0-d; ascontiguousarray makes it 1-d
+            self.backend.copy_into(buf, np.array(state_dict[k], dtype=buf.dtype, order="C"))
         self._host_step = None
         self.optimizer._lr = float(np.asarray(state_dict[SCHEDULE_KEY])[0])
 

@@ -27,7 +27,27 @@ def describe(array) -> tuple[tuple[int, ...], str]:
     """Shape and dtype of a NumPy, CuPy or DLPack array without copying it."""
     if not hasattr(array, "shape") or not hasattr(array, "dtype"):
         raise ShapeError(f"expected an array (NumPy, CuPy or DLPack), got {type(array).__name__}")
-    return tuple(int(d) for d in array.shape), str(np.dtype(array.dtype))
+    return tuple(int(d) for d in array.shape), _dtype_name(array.dtype)
+
+
+def _dtype_name(dtype) -> str:
+    try:
+        return str(np.dtype(dtype))
+    except TypeError:   # another library's dtype object, e.g. torch.float32: NumPy's names
+        try:
+            return str(np.dtype(str(dtype).rsplit(".", 1)[-1]))
+        except TypeError:
+            raise ShapeError(f"unsupported dtype {dtype}") from None
+
+
+def _host_array(array) -> np.ndarray | None:
+    """A NumPy view of an array in host memory (NumPy, or DLPack on the CPU), else None."""
+    if isinstance(array, np.ndarray):
+        return array
+    device = getattr(array, "__dlpack_device__", None)
+    if device is not None and device()[0] == 1:      # DLPack kDLCPU: no copy, no sync
+        return np.from_dlpack(array)
+    return None
 
 
 def signature_of(names: tuple[str, ...], arrays) -> Signature:
@@ -59,7 +79,8 @@ def check_feed(expected: Signature, arrays) -> Signature:
 def check_labels(name: str, labels, classes: int) -> None:
     """Class labels must lie in [0, classes). Checked on host arrays only: a device array
     would need a sync, which a step must not do; kernels write NaN for an invalid label."""
-    if not isinstance(labels, np.ndarray) or labels.size == 0:
+    labels = _host_array(labels)
+    if labels is None or labels.size == 0:
         return
     lo, hi = int(labels.min()), int(labels.max())
     if lo < 0 or hi >= classes:

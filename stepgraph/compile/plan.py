@@ -76,6 +76,12 @@ def _check_order(graph: Graph) -> None:
         for v in n.inputs:
             if v not in defined:
                 raise PlanError(f"node {i} ({n.op}) reads {v!r} before it is written")
+        for v in n.outputs:   # one writer per value: a second would share its memory slot
+            if v.is_external:
+                raise PlanError(f"node {i} ({n.op}) outputs external {v!r} "
+                                "(in-place updates are declared with `mutates`)")
+            if v in defined:
+                raise PlanError(f"node {i} ({n.op}) writes {v!r}, already written earlier")
         defined.update(n.outputs)
     for name, v in graph.outputs.items():
         if v not in defined:

@@ -40,7 +40,8 @@ class StepDecay:
 
 @dataclass(frozen=True)
 class Cosine:
-    """torch.optim.lr_scheduler.CosineAnnealingLR(T_max=total_steps, eta_min=min_lr)."""
+    """torch.optim.lr_scheduler.CosineAnnealingLR(T_max=total_steps, eta_min=min_lr) for
+    steps up to total_steps; after that the LR stays at min_lr (torch's would rise again)."""
     total_steps: int
     min_lr: float = 0.0
 

@@ -1,0 +1,113 @@
+"""Finite-difference checks of every VJP rule (DESIGN.md Style 9, second of three ways).
+
+In float64, along a random direction u and a random cotangent v:
+    <v, J u>  ==  (<v, f(x + eps u)> - <v, f(x - eps u)>) / (2 eps)
+where the left side is <J^T v, u> from the gradient nodes the op's VJP rule emits, and f is
+the op's numpy kernel. Both sides run through the planner and the numpy backend.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stepgraph.autodiff.rules import VJPS
+from stepgraph.ir.ops import ACTIVATIONS
+from tests.ops.helpers import op_forward, op_vjp, randn, seeded
+
+EPS = 1e-6
+RTOL = 1e-6      # central differences in float64: truncation ~eps^2, rounding ~1e-16/eps
+
+
+def f64(gen, *shape) -> np.ndarray:
+    return randn(gen, *shape, dtype=np.float64)
+
+
+def labels(gen, n, classes) -> np.ndarray:
+    return gen.integers(0, classes, n).astype(np.int64)
+
+
+# name -> (op, attrs, inputs(gen), differentiable input names)
+CASES = {
+    "linear": ("linear", dict(act=None),
+               lambda g: {"x": f64(g, 6, 5), "w": f64(g, 4, 5), "b": f64(g, 4)}, ("x", "w", "b")),
+    "linear-nobias": ("linear", dict(act=None),
+                      lambda g: {"x": f64(g, 6, 5), "w": f64(g, 4, 5)}, ("x", "w")),
+    **{f"act-{kind}": ("act", dict(kind=kind, slope=0.2), lambda g: {"x": 2 * f64(g, 5, 7)},
+                       ("x",)) for kind in ACTIVATIONS},
+    "conv2d-pad-stride": ("conv2d", dict(stride=(2, 1), padding=(1, 2)),
+                          lambda g: {"x": f64(g, 2, 3, 7, 6), "w": f64(g, 4, 3, 3, 2),
+                                     "b": f64(g, 4)}, ("x", "w", "b")),
+    "conv2d-nobias": ("conv2d", dict(stride=(1, 1), padding=(0, 0)),
+                      lambda g: {"x": f64(g, 2, 2, 6, 6), "w": f64(g, 3, 2, 3, 3)}, ("x", "w")),
+    "maxpool2d-k2s2": ("maxpool2d", dict(kernel=(2, 2), stride=(2, 2)),
+                       lambda g: {"x": f64(g, 2, 3, 6, 7)}, ("x",)),
+    "maxpool2d-k3s1": ("maxpool2d", dict(kernel=(3, 3), stride=(1, 1)),
+                       lambda g: {"x": f64(g, 2, 2, 6, 6)}, ("x",)),
+    "maxpool2d-k3s2": ("maxpool2d", dict(kernel=(3, 3), stride=(2, 2)),
+                       lambda g: {"x": f64(g, 2, 2, 7, 7)}, ("x",)),
+    "reshape": ("reshape", dict(shape=(4, 15)), lambda g: {"x": f64(g, 4, 3, 5)}, ("x",)),
+    "dropout": ("dropout", dict(p=0.4, seed=3, site=1, per_channel=False),
+                lambda g: {"x": f64(g, 6, 9), "step": np.array(7, np.int64)}, ("x",)),
+    "dropout2d": ("dropout", dict(p=0.4, seed=3, site=1, per_channel=True),
+                  lambda g: {"x": f64(g, 6, 4, 3, 3), "step": np.array(7, np.int64)}, ("x",)),
+    "log_softmax": ("log_softmax", {}, lambda g: {"x": 3 * f64(g, 5, 6)}, ("x",)),
+    "cross_entropy": ("cross_entropy", {}, lambda g: {"x": 3 * f64(g, 5, 6), "y": labels(g, 5, 6)},
+                      ("x",)),
+    "nll_loss": ("nll_loss", {}, lambda g: {"x": f64(g, 5, 6), "y": labels(g, 5, 6)}, ("x",)),
+    "mse": ("mse", {}, lambda g: {"p": f64(g, 4, 5), "q": f64(g, 4, 5)}, ("p", "q")),
+    "add": ("add", {}, lambda g: {"a": f64(g, 3, 4), "b": f64(g, 3, 4)}, ("a", "b")),
+}
+
+
+def directional_fd(op, attrs, arrays, name, u, v) -> float:
+    """(<v, f(x + eps u)> - <v, f(x - eps u)>) / (2 eps), f = the op's first output."""
+    plus = op_forward(op, {**arrays, name: arrays[name] + EPS * u}, **attrs)[0]
+    minus = op_forward(op, {**arrays, name: arrays[name] - EPS * u}, **attrs)[0]
+    return float(np.sum(v * (plus - minus))) / (2 * EPS)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_vjp_matches_finite_differences(case):
+    op, attrs, make_inputs, wrt = CASES[case]
+    gen = seeded(case)
+    arrays = make_inputs(gen)
+    y = op_forward(op, arrays, **attrs)[0]
+    assert y.dtype == np.float64, f"{op} lost float64"
+    v = f64(gen, *y.shape)
+    grads = op_vjp(op, arrays, v, wrt, **attrs)
+    for name in wrt:
+        assert grads[name].dtype == np.float64 and grads[name].shape == arrays[name].shape
+        u = f64(gen, *arrays[name].shape)
+        analytic = float(np.sum(grads[name] * u))
+        numeric = directional_fd(op, attrs, arrays, name, u, v)
+        assert abs(analytic - numeric) <= RTOL * max(abs(numeric), 1.0), \
+            f"{case} d/d{name}: <J^T v, u> = {analytic!r}, finite difference {numeric!r}"
+
+
+def test_every_vjp_rule_has_a_case():
+    assert {c[0] for c in CASES.values()} == set(VJPS)
+
+
+@pytest.mark.parametrize("classes", [2, 10])
+def test_fused_cross_entropy_gradient_matches_finite_differences(classes):
+    """cross_entropy_train returns (loss, dlogits) in one kernel: dlogits must be d loss."""
+    gen = seeded(f"cet{classes}")
+    arrays = {"x": 3 * f64(gen, 7, classes), "y": labels(gen, 7, classes)}
+    loss, dlogits = op_forward("cross_entropy_train", arrays)
+    assert loss.dtype == dlogits.dtype == np.float64
+    (want_loss, _) = op_forward("cross_entropy", arrays)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-14)
+    u = f64(gen, 7, classes)
+    numeric = directional_fd("cross_entropy_train", {}, arrays, "x", u, np.float64(1.0))
+    assert abs(float(np.sum(dlogits * u)) - numeric) <= RTOL * max(abs(numeric), 1.0)
+
+
+@pytest.mark.parametrize("kind", ("none",) + ACTIVATIONS)
+def test_fused_act_bias_grad_is_act_grad_and_its_row_sum(kind):
+    gen = seeded(f"abg{kind}")
+    dy, saved = f64(gen, 6, 5), f64(gen, 6, 5)
+    dz, db = op_forward("act_bias_grad", {"dy": dy, "saved": saved}, kind=kind, slope=0.2)
+    want = dy if kind == "none" else \
+        op_forward("act_grad", {"dy": dy, "saved": saved}, kind=kind, slope=0.2)[0]
+    np.testing.assert_allclose(dz, want, rtol=1e-14)
+    np.testing.assert_allclose(db, want.sum(axis=0), rtol=1e-12)

@@ -1,0 +1,218 @@
+"""Fusion passes (compile/fuse.py): each rewrite fires where it should, not where it must not,
+and fused and unfused graphs of whole train steps compute the same numbers."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stepgraph import losses, models, nn, optim
+from stepgraph.autodiff import append_backward
+from stepgraph.compile.build import build_train_graph
+from stepgraph.compile.feed import signature_of
+from stepgraph.compile.fuse import (eliminate_dead_code, fuse, fuse_activation_bias_grad,
+                                    fuse_cross_entropy, fuse_linear_activation,
+                                    fuse_log_softmax_nll)
+from stepgraph.ir.ops import ACTIVATIONS, GRAD_FROM_OUTPUT
+from stepgraph.ir.trace import Tracer
+from tests.ops.helpers import assert_close, run_graph, seeded
+
+
+def ops(graph) -> list[str]:
+    return [n.op for n in graph.nodes]
+
+
+def linear_act_graph(kind: str, bias: bool = True, backward: bool = True):
+    """x -> linear -> act -> mse(target), with its backward w.r.t. w (and b)."""
+    t = Tracer()
+    x, target = t.input((5, 4), "float32", "x"), t.input((5, 3), "float32", "target")
+    w, b = t.input((3, 4), "float32", "w"), t.input((3,), "float32", "b")
+    z = t.op("linear", [x, w] + ([b] if bias else []), act=None)
+    y = t.op("act", [z], kind=kind, slope=0.2)
+    loss = t.op("mse", [y, target])
+    t.graph.outputs = {"loss": loss.value}
+    if backward:
+        wrt = [w.value] + ([b.value] if bias else [])
+        grads = append_backward(t, loss.value, wrt)
+        t.graph.outputs.update({f"d{i}": g for i, g in enumerate(grads)})
+    return t.graph
+
+
+# ---- linear + activation -------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ACTIVATIONS)
+def test_linear_absorbs_its_activation(kind):
+    graph = fuse_linear_activation(linear_act_graph(kind))
+    (lin,) = [n for n in graph.nodes if n.op == "linear"]
+    assert "act" not in ops(graph)
+    assert lin.attrs["act"] == kind and lin.attrs["slope"] == 0.2
+    # act_grad needs the pre-activation z unless the derivative comes from the output y
+    assert lin.attrs["save_preact"] == (kind not in GRAD_FROM_OUTPUT)
+    assert len(lin.outputs) == (2 if lin.attrs["save_preact"] else 1)
+
+
+@pytest.mark.parametrize("kind", ["relu", "gelu"])
+def test_forward_only_linear_activation_saves_nothing(kind):
+    graph = fuse_linear_activation(linear_act_graph(kind, backward=False))
+    (lin,) = [n for n in graph.nodes if n.op == "linear"]
+    assert lin.attrs["act"] == kind and not lin.attrs["save_preact"]
+
+
+def test_linear_read_by_two_activations_is_not_fused():
+    t = Tracer()
+    x, w = t.input((5, 4), "float32", "x"), t.input((3, 4), "float32", "w")
+    z = t.op("linear", [x, w], act=None)
+    a, b = t.op("act", [z], kind="relu", slope=0.0), t.op("act", [z], kind="tanh", slope=0.0)
+    t.graph.outputs = {"a": a.value, "b": b.value}
+    assert ops(fuse(t.graph)) == ["linear", "act", "act"]
+
+
+def test_preactivation_that_is_a_step_output_is_kept():
+    t = Tracer()
+    x, w = t.input((5, 4), "float32", "x"), t.input((3, 4), "float32", "w")
+    z = t.op("linear", [x, w], act=None)
+    y = t.op("act", [z], kind="relu", slope=0.0)
+    t.graph.outputs = {"z": z.value, "y": y.value}
+    fused = fuse(t.graph)
+    (lin,) = fused.nodes
+    assert lin.attrs["save_preact"] and lin.outputs == [y.value, z.value]
+    gen = seeded("preact")
+    arrays = {"x": gen.standard_normal((5, 4), np.float32),
+              "w": gen.standard_normal((3, 4), np.float32)}
+    out = run_graph(fused, arrays)
+    assert_close(out["z"], arrays["x"] @ arrays["w"].T)
+    assert_close(out["y"], np.maximum(out["z"], 0))
+
+
+# ---- backward fusions ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_activation_grad_and_bias_grad_fuse(bias):
+    graph = fuse(linear_act_graph("gelu", bias=bias))
+    assert ("act_bias_grad" in ops(graph)) == bias
+    assert ("act_grad" in ops(graph)) != bias
+    if bias:   # the bias gradient comes from the fused node, not a separate reduction
+        assert "reduce_sum" not in ops(graph)
+
+
+def cross_entropy_graph(seed_value: float = 1.0):
+    """cross_entropy on inputs with its backward seeded by `seed_value` (1 is what autodiff
+    emits; anything else must block the fused kernel, which assumes dloss = 1)."""
+    t = Tracer()
+    x, y = t.input((6, 5), "float32", "x"), t.input((6,), "int64", "y")
+    loss, lse = t.emit("cross_entropy", [x.value, y.value])
+    seed = t.emit("fill", [], value=seed_value, shape=(), dtype="float32")[0]
+    (dx,) = t.emit("cross_entropy_grad", [seed, x.value, lse, y.value])
+    t.graph.outputs = {"loss": loss, "dx": dx}
+    return t.graph
+
+
+def test_cross_entropy_forward_and_backward_fuse():
+    assert ops(fuse(cross_entropy_graph())) == ["cross_entropy_train"]
+
+
+def test_cross_entropy_with_a_non_unit_seed_is_not_fused():
+    graph = fuse(cross_entropy_graph(2.0))
+    assert "cross_entropy_train" not in ops(graph)
+    gen = seeded("ce2")
+    arrays = {"x": gen.standard_normal((6, 5), np.float32), "y": gen.integers(0, 5, 6)}
+    assert_close(run_graph(graph, arrays)["dx"],
+                 2 * run_graph(fuse(cross_entropy_graph(1.0)), arrays)["dx"])
+
+
+def log_softmax_nll_graph(expose_log_probs: bool):
+    t = Tracer()
+    x, y = t.input((6, 5), "float32", "x"), t.input((6,), "int64", "y")
+    logp = t.op("log_softmax", [x])
+    loss = losses.nll_loss(logp, y)
+    (dx,) = append_backward(t, loss.value, [x.value])
+    t.graph.outputs = {"loss": loss.value, "dx": dx}
+    if expose_log_probs:
+        t.graph.outputs["logp"] = logp.value
+    return t.graph
+
+
+@pytest.mark.parametrize("expose", [False, True], ids=["fused", "log-probs-read"])
+def test_log_softmax_nll_becomes_cross_entropy_unless_log_probs_are_read(expose):
+    graph = fuse(log_softmax_nll_graph(expose))
+    if expose:
+        assert "cross_entropy_train" not in ops(graph) and "log_softmax" in ops(graph)
+    else:
+        assert ops(graph) == ["cross_entropy_train"]
+    gen = seeded(f"lsnll{expose}")
+    arrays = {"x": 3 * gen.standard_normal((6, 5), np.float32), "y": gen.integers(0, 5, 6)}
+    got, want = run_graph(graph, arrays), run_graph(log_softmax_nll_graph(expose), arrays)
+    for k in want:
+        assert_close(got[k], want[k], what=k)
+
+
+# ---- dead code and purity ------------------------------------------------------------------
+
+def test_dead_code_is_removed_but_state_updates_stay():
+    t = Tracer()
+    x = t.input((3,), "float32", "x")
+    step = t.state((), "int64", "optimizer.step")
+    t.op("act", [x], kind="tanh", slope=0.0)                  # nobody reads it
+    live = t.op("act", [x], kind="relu", slope=0.0)
+    t.emit("step_increment", [step])                          # no outputs, but mutates
+    t.graph.outputs = {"y": live.value}
+    assert ops(eliminate_dead_code(t.graph)) == ["act", "step_increment"]
+    assert eliminate_dead_code(t.graph).nodes[0].attrs["kind"] == "relu"
+
+
+PASSES = [fuse_linear_activation, fuse_activation_bias_grad, fuse_cross_entropy,
+          fuse_log_softmax_nll, eliminate_dead_code, fuse]
+
+
+@pytest.mark.parametrize("fusion", PASSES, ids=lambda p: p.__name__)
+def test_passes_leave_their_input_graph_unchanged(fusion):
+    """A pass returns a new graph: the one it was given still computes what it did."""
+    for graph in (linear_act_graph("gelu"), log_softmax_nll_graph(False), cross_entropy_graph()):
+        before = str(graph)
+        nodes = [(n.op, list(n.inputs), list(n.outputs), dict(n.attrs)) for n in graph.nodes]
+        fusion(graph)
+        assert str(graph) == before
+        assert nodes == [(n.op, n.inputs, n.outputs, n.attrs) for n in graph.nodes]
+
+
+# ---- fused and unfused train steps agree ---------------------------------------------------
+
+def mixed_model():
+    return nn.Sequential(nn.Linear(12, 16), nn.LeakyReLU(0.2), nn.Linear(16, 16), nn.GELU(),
+                         nn.Linear(16, 16, bias=False), nn.Tanh(), nn.Linear(16, 8),
+                         nn.GELU("tanh"), nn.Linear(8, 4), nn.Sigmoid(), nn.Linear(4, 5),
+                         nn.LogSoftmax(dim=1))
+
+
+STEP_MODELS = {   # model factory, loss, input shape
+    "mlp": (lambda: models.mlp(hidden=32, dropout=0.2), losses.cross_entropy, (784,)),
+    "cnn": (lambda: models.cnn(dropout=0.3), losses.nll_loss, (1, 28, 28)),
+    "mixed": (mixed_model, losses.nll_loss, (12,)),
+}
+
+
+def run_one_step(graph, params: dict, optimizer, arrays) -> tuple[float, dict]:
+    bound = {k: v.copy() for k, v in params.items()}
+    for v in graph.state:
+        bound[v.name] = np.array(optimizer.initial_state(v), dtype=v.dtype)
+    loss = run_graph(graph, arrays, bound)["loss"]
+    return float(loss), {k: bound[k] for k in params}
+
+
+@pytest.mark.parametrize("name", STEP_MODELS)
+def test_fused_and_unfused_train_steps_compute_the_same(name):
+    make_model, loss_fn, shape = STEP_MODELS[name]
+    model, opt = make_model(), optim.Adam(lr=1e-2)
+    gen = seeded(name)
+    arrays = {"x": gen.standard_normal((8, *shape)).astype(np.float32),
+              "y": gen.integers(0, 5, 8)}
+    signature = signature_of(("x", "y"), (arrays["x"], arrays["y"]))
+    unfused = build_train_graph(model, loss_fn, opt, signature, seed=3)
+    fused = fuse(build_train_graph(model, loss_fn, opt, signature, seed=3))
+    assert len(fused.nodes) < len(unfused.nodes)
+    params = model.state_dict()
+    loss_u, params_u = run_one_step(unfused, params, opt, arrays)
+    loss_f, params_f = run_one_step(fused, params, opt, arrays)
+    assert_close(loss_f, loss_u, what="loss")
+    for k in params:
+        assert not np.array_equal(params_u[k], params[k]), f"{k} was not updated"
+        assert_close(params_f[k], params_u[k], what=k)
