@@ -170,7 +170,8 @@ def test_dropout_grad(ctx, shape, per_channel):
 @pytest.mark.parametrize("shape,axes", [((1, 1), (0,)), ((5, 33), (0,)), ((130, 7), (0,)),
                                         ((3, 5, 4, 3), (0, 2, 3)), ((1, 7, 1, 1), (0, 2, 3)),
                                         ((64, 3, 9, 9), (0, 2, 3)), ((9, 13), (1,)),
-                                        ((6, 5, 3), (0, 1, 2)), ((1000,), (0,))])
+                                        ((6, 5, 3), (0, 1, 2)), ((1000,), (0,)),
+                                        ((2000, 45), (0,))])
 def test_reduce_sum(ctx, shape, axes):
     x = random(np.random.default_rng([13, *shape]), *shape)
     ref, got = run_both(ctx, make_node("reduce_sum", [x], axes=axes), [x])
@@ -179,7 +180,7 @@ def test_reduce_sum(ctx, shape, axes):
 
 
 @pytest.mark.parametrize("kind", ("none",) + ACTIVATIONS)
-@pytest.mark.parametrize("shape", [(1, 1), (5, 33), (130, 7), (64, 100), (3, 1)])
+@pytest.mark.parametrize("shape", [(1, 1), (5, 33), (130, 7), (64, 100), (3, 1), (1000, 40)])
 def test_act_bias_grad(ctx, kind, shape):
     rng = np.random.default_rng([17, *shape])
     dy, saved = random(rng, *shape), random(rng, *shape)

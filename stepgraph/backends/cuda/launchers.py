@@ -32,6 +32,8 @@ MAX_INT = 2**31 - 1           # kernels index (N, C) and NCHW shapes with 32-bit
 UPDATE_CHUNK = 1024           # elements per block of a multi-tensor kernel: one float4 per thread
 SINGLE_BLOCK_ELEMENTS = 1 << 15   # cross-entropy over at most this many logits: one block
 PLANE_TARGET_BLOCKS = 512     # reduce_sum over planes: split each plane's rows to about this
+COLUMN_TARGET_BLOCKS = 1024   # column sums (bias gradients): split tall inputs' rows to this
+COLUMN_SPLIT_ROWS = 256       # rows per split at least
 ACT_CODES = {"none": -1, "relu": 0, "leaky_relu": 1, "sigmoid": 2, "tanh": 3, "gelu": 4,
              "gelu_tanh": 5}      # the ACT_* codes of kernels/elementwise.cuh
 LABEL_CTYPES = {np.dtype("int32"): "int", np.dtype("int64"): "long long"}
@@ -232,10 +234,38 @@ def dropout_backward(ctx, dy, mask, dx, p: float, per_channel: bool = False) -> 
 COLUMN_BLOCK = (32, 16)   # reduce.cu COLUMN_TILE x COLUMN_ROWS
 
 
-def reduce_sum_columns(ctx, x, y, rows: int, cols: int) -> None:
+def _column_splits(rows: int, cols: int) -> int:
+    """Row splits of a column kernel: about COLUMN_TARGET_BLOCKS blocks for tall inputs,
+    none below COLUMN_SPLIT_ROWS rows per split (a second launch would cost more)."""
+    column_blocks = (cols + 31) // 32
+    return max(1, min(COLUMN_TARGET_BLOCKS // column_blocks, rows // COLUMN_SPLIT_ROWS))
+
+
+def _column_partials(node: Node, ctx, cols: int, splits: int):
+    """The node's float64 (cols, splits) partial sums, or a dummy pointer for one split."""
+    if splits == 1:
+        return np.uint64(0)
+    return _node_memory(node, ("columns", cols, splits), ctx,
+                        lambda: cp.empty(cols * splits, np.float64))
+
+
+def _launch_columns(ctx, node: Node, name: str, rows: int, cols: int, out, arrays: tuple,
+                    scalars: tuple) -> None:
+    """A column kernel (rows summed per column into `out`), args = arrays, the partials,
+    scalars; with row splits, then the in-order sum of the splits' partials."""
+    splits = _column_splits(rows, cols)
+    partial = _column_partials(node, ctx, cols, splits)
+    _launch(ctx, "reduce.cu", name, ((cols + 31) // 32, splits), COLUMN_BLOCK,
+            arrays + (partial,) + scalars)
+    if splits > 1:
+        _launch(ctx, "reduce.cu", "reduce_sum_splits_kernel", _grid(cols), (BLOCK,),
+                (partial, out, np.int32(cols), np.int32(splits)))
+
+
+def reduce_sum_columns(ctx, node: Node, x, y, rows: int, cols: int) -> None:
     """y (cols,) = x viewed as (rows, cols) summed over rows."""
-    _launch(ctx, "reduce.cu", "reduce_sum_columns_kernel", ((cols + 31) // 32,), COLUMN_BLOCK,
-            (x, y, np.int32(rows), np.int32(cols)))
+    _launch_columns(ctx, node, "reduce_sum_columns_kernel", rows, cols, y, (x, y),
+                    (np.int32(rows), np.int32(cols)))
 
 
 def reduce_sum_planes(ctx, node: Node, x, y, outer: int, mid: int, inner: int) -> None:
@@ -279,12 +309,13 @@ def reduce_sum_forward(ctx, node: Node, x, y, axes) -> None:
         fill_forward(ctx, y, 0.0)
         return
     if inner == 1 and mid > 1:    # one block per 32 columns; a full sum takes the planes path
-        reduce_sum_columns(ctx, x, y, outer, mid)
+        reduce_sum_columns(ctx, node, x, y, outer, mid)
     else:
         reduce_sum_planes(ctx, node, x, y, outer, mid, inner)
 
 
-def act_bias_backward(ctx, dy, saved, dz, db, kind: str, slope: float = 0.01) -> None:
+def act_bias_backward(ctx, node: Node, dy, saved, dz, db, kind: str,
+                      slope: float = 0.01) -> None:
     """dz = dy * kind'(saved) (kind "none": dz = dy) and db = dz.sum(axis 0), in one pass."""
     code = _act_code(kind, allow_none=True)
     _check("act_bias_grad dy", dy)
@@ -296,9 +327,9 @@ def act_bias_backward(ctx, dy, saved, dz, db, kind: str, slope: float = 0.01) ->
     _check_int32("act_bias_grad", dy.size)
     rows, cols = dy.shape
     if cols:
-        _launch(ctx, "reduce.cu", "act_bias_backward_kernel", ((cols + 31) // 32,), COLUMN_BLOCK,
-                (dy, saved, dz, db, np.int32(rows), np.int32(cols), np.int32(code),
-                 np.float32(slope)))
+        _launch_columns(ctx, node, "act_bias_backward_kernel", rows, cols, db,
+                        (dy, saved, dz, db), (np.int32(rows), np.int32(cols), np.int32(code),
+                                              np.float32(slope)))
 
 
 def _chunk_jobs(sizes: list[int]) -> np.ndarray:
@@ -624,7 +655,7 @@ IMPLS: dict[str, Callable] = {
     "act_grad": lambda node, ins, outs, ctx: act_backward(
         ctx, ins[0], ins[1], outs[0], node.attrs["kind"], _slope(node.attrs)),
     "act_bias_grad": lambda node, ins, outs, ctx: act_bias_backward(
-        ctx, ins[0], ins[1] if len(ins) > 1 else ins[0], outs[0], outs[1],
+        ctx, node, ins[0], ins[1] if len(ins) > 1 else ins[0], outs[0], outs[1],
         node.attrs.get("kind") or "none", _slope(node.attrs)),
     "reduce_sum": lambda node, ins, outs, ctx: reduce_sum_forward(
         ctx, node, ins[0], outs[0], node.attrs["axes"]),
@@ -683,14 +714,25 @@ def _prepare_update(node: Node, ins, outs, ctx) -> None:
 # that wants them made before a capture without an eager warm-up run (same signature as IMPLS).
 def _prepare_reduce_sum(node: Node, ins, outs, ctx) -> None:
     outer, mid, inner = _kept_block(tuple(ins[0].shape), node.attrs["axes"])
+    if not ins[0].size:
+        return
+    if inner == 1 and mid > 1:
+        _column_partials(node, ctx, mid, _column_splits(outer, mid))
+        return
     splits = max(1, min(PLANE_TARGET_BLOCKS // max(mid, 1), outer))
-    if (inner > 1 or mid == 1) and splits > 1 and ins[0].size:
+    if splits > 1:
         _node_memory(node, ("reduce_sum", mid, splits), ctx,
                      lambda: cp.empty(mid * splits, np.float64))
 
 
+def _prepare_act_bias_grad(node: Node, ins, outs, ctx) -> None:
+    rows, cols = ins[0].shape
+    _column_partials(node, ctx, cols, _column_splits(rows, cols))
+
+
 PREPARE: dict[str, Callable] = {
     "reduce_sum": _prepare_reduce_sum,
+    "act_bias_grad": _prepare_act_bias_grad,
     "cross_entropy": _prepare_cross_entropy,
     "cross_entropy_train": _prepare_cross_entropy,
     "global_norm": _prepare_global_norm,

@@ -8,26 +8,40 @@
 #define COLUMN_TILE 32   // columns per block (one warp wide: coalesced row segments)
 #define COLUMN_ROWS 16   // row lanes per block (blockDim.y); launchers use (32, 16) blocks
 
-// Each column's threads combine their row partials in a fixed order (y = 0, 1, ...).
-__device__ __forceinline__ void finish_columns(double acc, float* out, int col, int cols) {
+// Column kernels split the rows into gridDim.y contiguous ranges (tall inputs: a few dozen
+// column blocks alone cannot fill the GPU). This is the range of block row split y.
+__device__ __forceinline__ void split_rows(int rows, int* begin, int* end) {
+    const int per = (rows + gridDim.y - 1) / gridDim.y;
+    *begin = blockIdx.y * per;
+    *end = min(rows, *begin + per);
+}
+
+// Each column's threads combine their row partials in a fixed order (y = 0, 1, ...). One
+// split writes out[col]; several write partial[col * splits + split] for
+// reduce_sum_splits_kernel to add in order.
+__device__ __forceinline__ void finish_columns(double acc, float* out, double* partial, int col,
+                                               int cols) {
     __shared__ double part[COLUMN_ROWS][COLUMN_TILE + 1];
     part[threadIdx.y][threadIdx.x] = acc;
     __syncthreads();
     if (threadIdx.y == 0 && col < cols) {
         double s = 0.0;
         for (int k = 0; k < COLUMN_ROWS; ++k) s += part[k][threadIdx.x];
-        out[col] = (float)s;
+        if (gridDim.y == 1) out[col] = (float)s;
+        else partial[(long long)col * gridDim.y + blockIdx.y] = s;
     }
 }
 
 // y[c] = sum_r x[r, c] for x (rows, cols). Grid: ceil(cols / 32) blocks of (32, 16) threads.
 extern "C" __global__ void __launch_bounds__(512)
-reduce_sum_columns_kernel(const float* x, float* y, int rows, int cols) {
+reduce_sum_columns_kernel(const float* x, float* y, double* partial, int rows, int cols) {
     const int col = blockIdx.x * COLUMN_TILE + threadIdx.x;
+    int r0, r1;
+    split_rows(rows, &r0, &r1);
     double acc = 0.0;
     if (col < cols)
-        for (int r = threadIdx.y; r < rows; r += COLUMN_ROWS) acc += x[(long long)r * cols + col];
-    finish_columns(acc, y, col, cols);
+        for (int r = r0 + threadIdx.y; r < r1; r += COLUMN_ROWS) acc += x[(long long)r * cols + col];
+    finish_columns(acc, y, partial, col, cols);
 }
 
 // y[b] = sum over a, c of x[a, b, c] for x viewed as (outer, mid, inner): blocks (b, s) sum
@@ -70,12 +84,14 @@ extern "C" __global__ void reduce_sum_splits_kernel(const double* partial, float
 // dz = dy * act'(saved) (kind ACT_NONE: dz = dy) and db = dz summed over rows, in one pass.
 // Same (32, 16) column layout as reduce_sum_columns_kernel.
 extern "C" __global__ void __launch_bounds__(512)
-act_bias_backward_kernel(const float* dy, const float* saved, float* dz, float* db, int rows,
-                         int cols, int kind, float slope) {
+act_bias_backward_kernel(const float* dy, const float* saved, float* dz, float* db,
+                         double* partial, int rows, int cols, int kind, float slope) {
     const int col = blockIdx.x * COLUMN_TILE + threadIdx.x;
+    int r0, r1;
+    split_rows(rows, &r0, &r1);
     double acc = 0.0;
     if (col < cols) {
-        for (int r = threadIdx.y; r < rows; r += COLUMN_ROWS) {
+        for (int r = r0 + threadIdx.y; r < r1; r += COLUMN_ROWS) {
             const long long i = (long long)r * cols + col;
             const float v = kind == ACT_NONE
                                 ? dy[i] : __fmul_rn(dy[i], act_derivative(saved[i], kind, slope));
@@ -83,7 +99,7 @@ act_bias_backward_kernel(const float* dy, const float* saved, float* dz, float* 
             acc += v;
         }
     }
-    finish_columns(acc, db, col, cols);
+    finish_columns(acc, db, partial, col, cols);
 }
 
 // One row of the device table built once per node by launchers.global_norm_forward.
