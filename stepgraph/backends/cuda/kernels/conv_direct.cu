@@ -213,3 +213,96 @@ __global__ void conv2d_direct_grad_weight_sum_kernel(const T* __restrict__ parti
     for (int s = 0; s < splits; ++s) sum += partial[(long long)s * elements + e];
     dw[e] = sum;
 }
+
+// ---- plane kernels: one sample's planes staged in shared memory ---------------------------
+// The direct kernels above read x (or dy) from global memory once per tap, hundreds of
+// dependent loads per thread. These stage what one block needs in shared memory first: block
+// (n, g) holds sample n's whole input (forward: x[n], grad_input: dy[n]) and the weights of
+// its group g of G channels; a thread owns one pixel and G channels. Sum order as above.
+// Shared memory: C*H*W + G*C*kh*kw (forward) or O*Ho*Wo + O*G*kh*kw (grad_input) elements,
+// passed at launch; conv.py launches these only when that fits (PLANE_SMEM_BYTES).
+
+// y[n, o0 + g, ho, wo] = b + sum_{c,i,j} x[n, c, ...] * w[o0 + g, c, i, j]
+template <typename T, int G>
+__global__ void __launch_bounds__(256)
+conv2d_plane_forward_kernel(const T* __restrict__ x, const T* __restrict__ w,
+                            const T* __restrict__ bias, T* __restrict__ y, int has_bias, int N,
+                            int O, GEOMETRY_PARAMS) {
+    extern __shared__ __align__(16) unsigned char plane_smem[];
+    T* xs = reinterpret_cast<T*>(plane_smem);                    // x[n]: C*H*W
+    const int HW = H * W, CHW = C * HW, KK = kh * kw, CK = C * KK, P = Ho * Wo;
+    T* ws = xs + CHW;                                            // ws[ck * G + g]
+    const int n = blockIdx.x, o0 = blockIdx.y * G;
+    const T* xn = x + (long long)n * CHW;
+    for (int e = threadIdx.x; e < CHW; e += blockDim.x) xs[e] = xn[e];
+    for (int e = threadIdx.x; e < G * CK; e += blockDim.x) {
+        const int g = e / CK, ck = e % CK;                       // reads w coalesced
+        ws[ck * G + g] = o0 + g < O ? w[(long long)(o0 + g) * CK + ck] : T(0);
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+        const int hb = (p / Wo) * sh - ph, wb = (p % Wo) * sw - pw;
+        const int i0 = max(0, -hb), i1 = min(kh, H - hb);
+        const int j0 = max(0, -wb), j1 = min(kw, W - wb);
+        T acc[G];
+#pragma unroll
+        for (int g = 0; g < G; ++g) acc[g] = has_bias && o0 + g < O ? bias[o0 + g] : T(0);
+        for (int c = 0; c < C; ++c) {
+            for (int i = i0; i < i1; ++i) {
+                const T* xr = xs + c * HW + (hb + i) * W + wb;
+                const T* wr = ws + ((c * kh + i) * kw) * G;
+                for (int j = j0; j < j1; ++j) {
+                    const T xv = xr[j];
+#pragma unroll
+                    for (int g = 0; g < G; ++g) acc[g] += xv * wr[j * G + g];
+                }
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g)
+            if (o0 + g < O) y[((long long)n * O + o0 + g) * P + p] = acc[g];
+    }
+}
+
+// dx[n, c0 + g, h, w] = sum_{o,i,j} dy[n, o, ho, wo] * w[o, c0 + g, i, j] (the gather of
+// conv2d_direct_grad_input_kernel, from shared memory).
+template <typename T, int G>
+__global__ void __launch_bounds__(256)
+conv2d_plane_grad_input_kernel(const T* __restrict__ dy, const T* __restrict__ w,
+                               T* __restrict__ dx, int N, int O, GEOMETRY_PARAMS) {
+    extern __shared__ __align__(16) unsigned char plane_smem[];
+    T* ds = reinterpret_cast<T*>(plane_smem);                    // dy[n]: O*Ho*Wo
+    const int HW = H * W, KK = kh * kw, P = Ho * Wo, OP = O * P;
+    T* ws = ds + OP;                                             // ws[(o*KK + k) * G + g]
+    const int n = blockIdx.x, c0 = blockIdx.y * G;
+    const T* dyn = dy + (long long)n * OP;
+    for (int e = threadIdx.x; e < OP; e += blockDim.x) ds[e] = dyn[e];
+    for (int e = threadIdx.x; e < O * G * KK; e += blockDim.x) {
+        const int k = e % KK, t = e / KK;                        // t = o*G + g
+        const int g = t % G, o = t / G;
+        ws[(o * KK + k) * G + g] = c0 + g < C ? w[((long long)o * C + c0 + g) * KK + k] : T(0);
+    }
+    __syncthreads();
+    for (int r = threadIdx.x; r < HW; r += blockDim.x) {
+        const int hp = r / W + ph, wp = r % W + pw;
+        const int i0 = max(hp % sh, hp - (Ho - 1) * sh), i1 = min(kh - 1, hp);
+        const int j0 = max(wp % sw, wp - (Wo - 1) * sw), j1 = min(kw - 1, wp);
+        T acc[G];
+#pragma unroll
+        for (int g = 0; g < G; ++g) acc[g] = T(0);
+        for (int o = 0; o < O; ++o) {
+            for (int i = i0, ho = (hp - i0) / sh; i <= i1; i += sh, --ho) {
+                const T* drow = ds + (o * Ho + ho) * Wo;
+                const T* wr = ws + (o * KK + i * kw) * G;
+                for (int j = j0, wo = (wp - j0) / sw; j <= j1; j += sw, --wo) {
+                    const T gv = drow[wo];
+#pragma unroll
+                    for (int g = 0; g < G; ++g) acc[g] += gv * wr[j * G + g];
+                }
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g)
+            if (c0 + g < C) dx[((long long)n * C + c0 + g) * HW + r] = acc[g];
+    }
+}
