@@ -177,10 +177,9 @@ CONV_IDS = ["x".join(map(str, cfg[:7])) + f"-s{cfg[7][0]}{cfg[7][1]}p{cfg[8][0]}
 BENCH_CONVS = CONVS[-2:]
 
 
-@pytest.fixture(params=["gemm", "direct", "plane"])
+@pytest.fixture(params=["gemm", "direct"])
 def conv_path(request, monkeypatch):
-    """Every implementation of the conv ops: im2col + cuBLASLt, the direct kernels, and the
-    shared-memory plane kernels (forward and grad_input only)."""
+    """Both implementations of every conv op: im2col + cuBLASLt, and the direct kernels."""
     monkeypatch.setattr(conv, "PATH", request.param)
     return request.param
 
@@ -202,7 +201,7 @@ def conv_grad_inputs(cfg, seed):
 
 
 def conv_tol(ctx, path):
-    return TOL["fp32"] if path in ("direct", "plane") else TOL[ctx.precision]   # exact FP32
+    return TOL["fp32"] if path == "direct" else TOL[ctx.precision]   # direct is exact FP32
 
 
 @pytest.mark.parametrize("cfg", CONVS, ids=CONV_IDS)
@@ -223,8 +222,6 @@ def test_conv2d_grad_input_matches_numpy(backend, ctx, conv_path, cfg):
 
 @pytest.mark.parametrize("cfg", CONVS, ids=CONV_IDS)
 def test_conv2d_grad_weight_matches_numpy(backend, ctx, conv_path, cfg):
-    if conv_path == "plane":
-        pytest.skip("conv2d_grad_weight has no plane kernel")
     x, w, dy, attrs = conv_grad_inputs(cfg, 4)
     node = make_node("conv2d_grad_weight", [dy, x], weight_shape=w.shape, **attrs)
     ref, got = run_both(backend, ctx, node, [dy, x])

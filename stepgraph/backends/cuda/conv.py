@@ -21,18 +21,15 @@ no scratch, where launches, patch traffic and skinny GEMMs would cost more than 
           and  N*O*Ho*Wo * C*kh*kw <= 2^26 multiply-adds (about 10 us of direct work on an
                H100/H200; above it cuBLASLt's throughput pays for the im2col traffic)
           and, for grad_weight, N*Ho*Wo <= 2^18       (one block sums each weight's products)
-  else im2col + GEMM. A third path for conv2d and conv2d_grad_input, the plane kernels, stages
-  one sample's input planes and a group of weights in shared memory (when they fit in 48 KiB).
-  Of the paths that can run a node, its first eager call times each on the real buffers and
-  keeps the fastest (`_run_faster`); the rule above only decides a capture that had no eager
-  call. `PATH` = "direct" / "plane" / "gemm" forces one (tests).
+  else im2col + GEMM. Where the direct kernel can run at all, the node's first eager call
+  times both paths on its real buffers and keeps the faster (`_run_faster`); the rule above
+  only decides a capture that had no eager call. `PATH` = "direct" / "gemm" forces one (tests).
 The direct kernels are exact FP32 (FMA) whatever ctx.precision says: TF32 only speeds GEMMs.
 Each output has one owner summing in a fixed order, so they are deterministic like the GEMMs.
 """
 from __future__ import annotations
 
 import weakref
-from typing import Callable
 
 from dataclasses import dataclass
 
@@ -61,9 +58,6 @@ GRAD_WEIGHT_THREADS = 256     # at most, per grad_weight block
 GRAD_WEIGHT_TILES = ((4, 4), (2, 4), (2, 2), (1, 2), (1, 1))   # (out channels, taps) per block
 GRAD_WEIGHT_MIN_BLOCKS = 128  # the largest tile that still gives about one block per SM wins
 GRAD_WEIGHT_TARGET_BLOCKS = 1024  # tiles x sample splits: enough blocks to fill the GPU
-PLANE_GROUP = 4               # channels per thread of the plane kernels
-PLANE_BLOCK = 256             # at most, threads of a plane block (one per pixel, looping)
-PLANE_SMEM_BYTES = 48 << 10   # shared memory a block gets without opting in
 
 
 @dataclass(frozen=True)
@@ -337,61 +331,6 @@ def conv2d_direct_grad_weight(ctx, g: Geometry, dy, x, dw) -> None:
             stream=ctx.stream)
 
 
-def plane_unsupported(op: str, g: Geometry, dtype) -> str | None:
-    """Why the plane kernels cannot run `op` on this convolution, or None if they can."""
-    if op not in ("conv2d", "conv2d_grad_input"):
-        return f"{op} has no plane kernel"
-    if str(dtype) not in _CTYPES:
-        return f"dtype {dtype} (want one of {list(_CTYPES)})"
-    nbytes = _plane_smem_elements(op, g) * np.dtype(dtype).itemsize
-    if nbytes > PLANE_SMEM_BYTES:
-        return f"{nbytes} bytes of shared memory needed, {PLANE_SMEM_BYTES} available"
-    if max(g.n * g.c * g.h * g.w, g.n * g.o * g.p) > DIRECT_MAX_ELEMENTS:
-        return f"a tensor of more than {DIRECT_MAX_ELEMENTS} elements (32-bit offsets)"
-    return None
-
-
-def _plane_smem_elements(op: str, g: Geometry) -> int:
-    if op == "conv2d":
-        return g.c * g.h * g.w + PLANE_GROUP * g.ck
-    return g.o * g.p + g.o * PLANE_GROUP * g.kh * g.kw
-
-
-def _plane_launch(ctx, op: str, kind: str, g: Geometry, arrays: dict, groups: int,
-                  pixels: int, args: tuple) -> None:
-    dtype = next(iter(arrays.values())).dtype
-    why = plane_unsupported(op, g, dtype)
-    if why is not None:
-        raise ShapeError(f"conv2d_plane_{kind}: cannot run this convolution: {why}")
-    for what, arr in arrays.items():
-        if arr.dtype != dtype:
-            raise ShapeError(f"conv2d_plane_{kind}: {what} is {arr.dtype}, the others {dtype}")
-    if g.n == 0 or groups == 0 or pixels == 0:
-        return
-    name = f"conv2d_plane_{kind}_kernel<{_CTYPES[str(dtype)]}, {PLANE_GROUP}>"
-    threads = min(PLANE_BLOCK, -(-pixels // 32) * 32)
-    compiler.kernel(DIRECT_SOURCE, name)(
-        (g.n, groups), (threads,), args, stream=ctx.stream,
-        shared_mem=_plane_smem_elements(op, g) * np.dtype(dtype).itemsize)
-
-
-def conv2d_plane_forward(ctx, g: Geometry, x, w, bias, y) -> None:
-    """y = conv2d(x, w) + bias, one launch: block (n, group of PLANE_GROUP output channels)
-    stages x[n] and the group's weights in shared memory; a thread per output pixel."""
-    arrays = {"x": x, "weight": w, "y": y} | ({} if bias is None else {"bias": bias})
-    args = (x, w, w if bias is None else bias, y, np.int32(bias is not None), np.int32(g.n),
-            np.int32(g.o)) + g.kernel_args()
-    _plane_launch(ctx, "conv2d", "forward", g, arrays, -(-g.o // PLANE_GROUP), g.p, args)
-
-
-def conv2d_plane_grad_input(ctx, g: Geometry, dy, w, dx) -> None:
-    """dx of conv2d, one launch: block (n, group of PLANE_GROUP input channels) stages dy[n]
-    and the group's weights in shared memory; a thread per input pixel gathers its taps."""
-    args = (dy, w, dx, np.int32(g.n), np.int32(g.o)) + g.kernel_args()
-    _plane_launch(ctx, "conv2d_grad_input", "grad_input", g, {"dy": dy, "weight": w, "dx": dx},
-                  -(-g.c // PLANE_GROUP), g.h * g.w, args)
-
-
 def kernel_names() -> dict[str, set[str]]:
     """{.cu file: every kernel name this module may launch}, template instantiations included
     (the NVRTC compile test instantiates each)."""
@@ -402,39 +341,25 @@ def kernel_names() -> dict[str, set[str]]:
             [_direct_name("forward", ctype, (DIRECT_CHANNELS,)),
              _direct_name("grad_input", ctype, (DIRECT_CHANNELS,))]
             + [_direct_name("grad_weight", ctype, tile) for tile in GRAD_WEIGHT_TILES]
-            + [f"conv2d_direct_grad_weight_sum_kernel<{ctype}>"]
-            + [f"conv2d_plane_{kind}_kernel<{ctype}, {PLANE_GROUP}>"
-               for kind in ("forward", "grad_input")])
+            + [f"conv2d_direct_grad_weight_sum_kernel<{ctype}>"])
     return names
 
 
 # ---- choosing the path ---------------------------------------------------------------------
 
-def _run_faster(node, ctx, g: Geometry, dtype, paths: dict[str, Callable[[], None]]) -> None:
-    """Run the op through one of `paths` ("direct", "plane", "gemm" -> a launch function):
-    PATH when forced; else, of the paths that can run this convolution, the fastest when all
-    were timed on the node's real buffers at its first eager call (no size rule predicted
-    the benchmark convs: the direct kernel won on conv1 and lost 2.5x on conv2); during a
-    capture with no timing yet, `use_direct`'s rule."""
-    if PATH != "auto":
-        if PATH not in ("direct", "plane", "gemm"):
-            raise ValueError(f"conv.PATH must be 'auto', 'direct', 'plane' or 'gemm', got {PATH!r}")
-        paths[PATH]()
+def _run_faster(node, ctx, g: Geometry, dtype, direct, via_gemm) -> None:
+    """Run the op through `direct` or `via_gemm`: PATH when forced; else, where the direct
+    kernel can run, whichever was faster when both were timed on the node's real buffers at
+    its first eager call (`use_direct`'s size rule only guesses, and it guessed wrong by 10x
+    on some of the benchmark convs); during a capture with no timing yet, the rule."""
+    if PATH != "auto" or direct_unsupported(g, dtype) is not None:
+        (direct if use_direct(node.op, g, dtype) else via_gemm)()
         return
-    feasible = {name: run for name, run in paths.items() if _feasible(name, node.op, g, dtype)}
     chosen = ctx.extras.setdefault("conv_paths", weakref.WeakKeyDictionary())
-    if node not in chosen and len(feasible) > 1 and not ctx.stream.is_capturing():
-        chosen[node] = min(feasible, key=lambda name: _time(ctx, feasible[name]))
-    fallback = "direct" if use_direct(node.op, g, dtype) else "gemm"
-    feasible[chosen.get(node, fallback if fallback in feasible else "gemm")]()
-
-
-def _feasible(path: str, op: str, g: Geometry, dtype) -> bool:
-    if path == "direct":
-        return direct_unsupported(g, dtype) is None
-    if path == "plane":
-        return plane_unsupported(op, g, dtype) is None
-    return True
+    if node not in chosen and not ctx.stream.is_capturing():
+        chosen[node] = _time(ctx, direct) <= _time(ctx, via_gemm)
+    use = chosen.get(node, use_direct(node.op, g, dtype))
+    (direct if use else via_gemm)()
 
 
 def _time(ctx, run) -> float:
@@ -460,10 +385,8 @@ def conv2d_forward(node, ins, outs, ctx) -> None:
     g = _geometry(x.shape, w.shape, node.attrs)
     bias = _contiguous(ins[2], "bias", (g.o,)) if len(ins) == 3 else None
     y = _contiguous(outs[0], "y", (g.n, g.o, g.ho, g.wo))
-    _run_faster(node, ctx, g, x.dtype, {
-        "direct": lambda: conv2d_direct_forward(ctx, g, x, w, bias, y),
-        "plane": lambda: conv2d_plane_forward(ctx, g, x, w, bias, y),
-        "gemm": lambda: _forward_gemm(ctx, node, g, x, w, bias, y)})
+    _run_faster(node, ctx, g, x.dtype, lambda: conv2d_direct_forward(ctx, g, x, w, bias, y),
+                lambda: _forward_gemm(ctx, node, g, x, w, bias, y))
 
 
 def _forward_gemm(ctx, node, g: Geometry, x, w, bias, y) -> None:
@@ -492,10 +415,8 @@ def conv2d_grad_input(node, ins, outs, ctx) -> None:
     g = _geometry(tuple(node.attrs["input_shape"]), w.shape, node.attrs)
     dy = _contiguous(ins[0], "dy", (g.n, g.o, g.ho, g.wo))
     dx = _contiguous(outs[0], "dx", (g.n, g.c, g.h, g.w))
-    _run_faster(node, ctx, g, dy.dtype, {
-        "direct": lambda: conv2d_direct_grad_input(ctx, g, dy, w, dx),
-        "plane": lambda: conv2d_plane_grad_input(ctx, g, dy, w, dx),
-        "gemm": lambda: _grad_input_gemm(ctx, node, g, dy, w, dx)})
+    _run_faster(node, ctx, g, dy.dtype, lambda: conv2d_direct_grad_input(ctx, g, dy, w, dx),
+                lambda: _grad_input_gemm(ctx, node, g, dy, w, dx))
 
 
 def _grad_input_gemm(ctx, node, g: Geometry, dy, w, dx) -> None:
@@ -526,9 +447,8 @@ def conv2d_grad_weight(node, ins, outs, ctx) -> None:
     g = _geometry(x.shape, tuple(node.attrs["weight_shape"]), node.attrs)
     dy = _contiguous(ins[0], "dy", (g.n, g.o, g.ho, g.wo))
     dw = _contiguous(outs[0], "dw", (g.o, g.c, g.kh, g.kw))
-    _run_faster(node, ctx, g, x.dtype, {
-        "direct": lambda: conv2d_direct_grad_weight(ctx, g, dy, x, dw),
-        "gemm": lambda: _grad_weight_gemm(ctx, node, g, dy, x, dw)})
+    _run_faster(node, ctx, g, x.dtype, lambda: conv2d_direct_grad_weight(ctx, g, dy, x, dw),
+                lambda: _grad_weight_gemm(ctx, node, g, dy, x, dw))
 
 
 def _grad_weight_gemm(ctx, node, g: Geometry, dy, x, dw) -> None:
