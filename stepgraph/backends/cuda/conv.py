@@ -21,15 +21,18 @@ no scratch, where launches, patch traffic and skinny GEMMs would cost more than 
           and  N*O*Ho*Wo * C*kh*kw <= 2^26 multiply-adds (about 10 us of direct work on an
                H100/H200; above it cuBLASLt's throughput pays for the im2col traffic)
           and, for grad_weight, N*Ho*Wo <= 2^18       (one block sums each weight's products)
-  else im2col + GEMM. Where the direct kernel can run at all, the node's first eager call
-  times both paths on its real buffers and keeps the faster (`_run_faster`); the rule above
-  only decides a capture that had no eager call. `PATH` = "direct" / "gemm" forces one (tests).
+  else im2col + GEMM. Where the direct kernels can run at all, the node's first eager call
+  times every path on its real buffers and keeps the fastest (`_run_faster`); the rule above
+  only decides a capture that had no eager call. The direct forward and grad_input kernels
+  come in two widths: 4 channels a thread ("direct") or one ("direct_narrow", four times the
+  threads). `PATH` = one of PATHS forces a path (tests).
 The direct kernels are exact FP32 (FMA) whatever ctx.precision says: TF32 only speeds GEMMs.
 Each output has one owner summing in a fixed order, so they are deterministic like the GEMMs.
 """
 from __future__ import annotations
 
 import weakref
+from typing import Callable
 
 from dataclasses import dataclass
 
@@ -46,7 +49,8 @@ _CTYPES = {"float32": "float", "float64": "double"}
 GEMM_PATH_KERNELS = ("conv2d_im2col_kernel", "conv2d_grad_weight_gather_kernel",
                      "conv2d_col2im_kernel")
 
-PATH = "auto"                 # "auto" (use_direct's rule), "direct" or "gemm": tests force one
+PATHS = ("direct", "direct_narrow", "gemm")
+PATH = "auto"                 # "auto" (timed per node) or one of PATHS: tests force one
 DIRECT_SOURCE = "conv_direct.cu"
 DIRECT_MAX_TAPS = 1024        # conv_direct.cu's MAX_TAPS: a block's slice of w in shared memory
 DIRECT_MAX_MACS = 1 << 26     # multiply-adds of one op, N*O*Ho*Wo*C*kh*kw
@@ -54,6 +58,7 @@ DIRECT_MAX_SUM = 1 << 18      # grad_weight: products per weight (N*Ho*Wo), summ
 DIRECT_MAX_ELEMENTS = 1 << 30  # per tensor: the direct kernels' offsets are 32-bit ints
 DIRECT_BLOCK = 128            # threads of a forward / grad_input block
 DIRECT_CHANNELS = 4           # channels per thread: output channels (forward), input (grad_input)
+NARROW_CHANNELS = 1           # the "direct_narrow" path: 4x the threads, for few pixels
 GRAD_WEIGHT_THREADS = 256     # at most, per grad_weight block
 GRAD_WEIGHT_TILES = ((4, 4), (2, 4), (2, 2), (1, 2), (1, 1))   # (out channels, taps) per block
 GRAD_WEIGHT_MIN_BLOCKS = 128  # the largest tile that still gives about one block per SM wins
@@ -232,9 +237,9 @@ def use_direct(op: str, g: Geometry, dtype) -> bool:
     """Whether `op` runs as one direct kernel (the rule in the module docstring) rather than
     im2col + GEMM; `PATH` overrides the rule."""
     if PATH != "auto":
-        if PATH not in ("direct", "gemm"):
-            raise ValueError(f"conv.PATH must be 'auto', 'direct' or 'gemm', got {PATH!r}")
-        return PATH == "direct"
+        if PATH not in PATHS:
+            raise ValueError(f"conv.PATH must be 'auto' or one of {PATHS}, got {PATH!r}")
+        return PATH != "gemm"
     if direct_unsupported(g, dtype) is not None or g.macs > DIRECT_MAX_MACS:
         return False
     return op != "conv2d_grad_weight" or g.n * g.p <= DIRECT_MAX_SUM
@@ -274,29 +279,31 @@ def grad_weight_block(g: Geometry) -> tuple[int, int]:
     return bx, max(1, min(GRAD_WEIGHT_THREADS // bx, g.n))
 
 
-def conv2d_direct_forward(ctx, g: Geometry, x, w, bias, y) -> None:
+def conv2d_direct_forward(ctx, g: Geometry, x, w, bias, y,
+                          channels: int = DIRECT_CHANNELS) -> None:
     """y (N, O, Ho, Wo) = conv2d(x, w) + bias (None: no bias), one launch: a thread per output
     pixel and DIRECT_CHANNELS output channels, the block's weights in shared memory."""
     arrays = {"x": x, "weight": w, "y": y} | ({} if bias is None else {"bias": bias})
-    kern = _direct_kernel("conv2d_direct_forward", g, "forward", (DIRECT_CHANNELS,), arrays)
+    kern = _direct_kernel("conv2d_direct_forward", g, "forward", (channels,), arrays)
     pixels = g.n * g.p
     if pixels == 0 or g.o == 0:
         return
-    grid = (-(-pixels // DIRECT_BLOCK), -(-g.o // DIRECT_CHANNELS))
+    grid = (-(-pixels // DIRECT_BLOCK), -(-g.o // channels))
     args = (x, w, w if bias is None else bias, y, np.int32(bias is not None), np.int32(g.n),
             np.int32(g.o)) + g.kernel_args()
     kern(grid, (DIRECT_BLOCK,), args, stream=ctx.stream)
 
 
-def conv2d_direct_grad_input(ctx, g: Geometry, dy, w, dx) -> None:
+def conv2d_direct_grad_input(ctx, g: Geometry, dy, w, dx,
+                             channels: int = DIRECT_CHANNELS) -> None:
     """dx (N, C, H, W) of conv2d given dy and w, one launch: a thread per input pixel and
     DIRECT_CHANNELS input channels gathers the taps that read it."""
     arrays = {"dy": dy, "weight": w, "dx": dx}
-    kern = _direct_kernel("conv2d_direct_grad_input", g, "grad_input", (DIRECT_CHANNELS,), arrays)
+    kern = _direct_kernel("conv2d_direct_grad_input", g, "grad_input", (channels,), arrays)
     pixels = g.n * g.h * g.w
     if pixels == 0 or g.c == 0:
         return
-    grid = (-(-pixels // DIRECT_BLOCK), -(-g.c // DIRECT_CHANNELS))
+    grid = (-(-pixels // DIRECT_BLOCK), -(-g.c // channels))
     args = (dy, w, dx, np.int32(g.n), np.int32(g.o)) + g.kernel_args()
     kern(grid, (DIRECT_BLOCK,), args, stream=ctx.stream)
 
@@ -338,8 +345,8 @@ def kernel_names() -> dict[str, set[str]]:
     for ctype in _CTYPES.values():
         names["conv.cu"].update(f"{kernel}<{ctype}>" for kernel in GEMM_PATH_KERNELS)
         names[DIRECT_SOURCE].update(
-            [_direct_name("forward", ctype, (DIRECT_CHANNELS,)),
-             _direct_name("grad_input", ctype, (DIRECT_CHANNELS,))]
+            [_direct_name(kind, ctype, (channels,)) for kind in ("forward", "grad_input")
+             for channels in (DIRECT_CHANNELS, NARROW_CHANNELS)]
             + [_direct_name("grad_weight", ctype, tile) for tile in GRAD_WEIGHT_TILES]
             + [f"conv2d_direct_grad_weight_sum_kernel<{ctype}>"])
     return names
@@ -347,19 +354,24 @@ def kernel_names() -> dict[str, set[str]]:
 
 # ---- choosing the path ---------------------------------------------------------------------
 
-def _run_faster(node, ctx, g: Geometry, dtype, direct, via_gemm) -> None:
-    """Run the op through `direct` or `via_gemm`: PATH when forced; else, where the direct
-    kernel can run, whichever was faster when both were timed on the node's real buffers at
-    its first eager call (`use_direct`'s size rule only guesses, and it guessed wrong by 10x
-    on some of the benchmark convs); during a capture with no timing yet, the rule."""
-    if PATH != "auto" or direct_unsupported(g, dtype) is not None:
-        (direct if use_direct(node.op, g, dtype) else via_gemm)()
+def _run_faster(node, ctx, g: Geometry, dtype, paths: dict[str, Callable[[], None]]) -> None:
+    """Run the op through one of `paths` (path name -> launch function): PATH when forced;
+    else, where the direct kernels can run, the fastest path when each was timed on the
+    node's real buffers at its first eager call (no size rule predicted the benchmark convs:
+    the direct kernel won 4x on conv1's forward and lost 2.5x on conv2's grad_input); during
+    a capture with no timing yet, `use_direct`'s rule."""
+    if PATH != "auto":
+        if PATH not in PATHS:
+            raise ValueError(f"conv.PATH must be 'auto' or one of {PATHS}, got {PATH!r}")
+        paths.get(PATH, paths["direct"])()    # grad_weight has one direct kernel
+        return
+    if direct_unsupported(g, dtype) is not None:
+        paths["gemm"]()
         return
     chosen = ctx.extras.setdefault("conv_paths", weakref.WeakKeyDictionary())
     if node not in chosen and not ctx.stream.is_capturing():
-        chosen[node] = _time(ctx, direct) <= _time(ctx, via_gemm)
-    use = chosen.get(node, use_direct(node.op, g, dtype))
-    (direct if use else via_gemm)()
+        chosen[node] = min(paths, key=lambda name: _time(ctx, paths[name]))
+    paths[chosen.get(node, "direct" if use_direct(node.op, g, dtype) else "gemm")]()
 
 
 def _time(ctx, run) -> float:
@@ -385,8 +397,10 @@ def conv2d_forward(node, ins, outs, ctx) -> None:
     g = _geometry(x.shape, w.shape, node.attrs)
     bias = _contiguous(ins[2], "bias", (g.o,)) if len(ins) == 3 else None
     y = _contiguous(outs[0], "y", (g.n, g.o, g.ho, g.wo))
-    _run_faster(node, ctx, g, x.dtype, lambda: conv2d_direct_forward(ctx, g, x, w, bias, y),
-                lambda: _forward_gemm(ctx, node, g, x, w, bias, y))
+    _run_faster(node, ctx, g, x.dtype, {
+        "direct": lambda: conv2d_direct_forward(ctx, g, x, w, bias, y),
+        "direct_narrow": lambda: conv2d_direct_forward(ctx, g, x, w, bias, y, NARROW_CHANNELS),
+        "gemm": lambda: _forward_gemm(ctx, node, g, x, w, bias, y)})
 
 
 def _forward_gemm(ctx, node, g: Geometry, x, w, bias, y) -> None:
@@ -415,8 +429,10 @@ def conv2d_grad_input(node, ins, outs, ctx) -> None:
     g = _geometry(tuple(node.attrs["input_shape"]), w.shape, node.attrs)
     dy = _contiguous(ins[0], "dy", (g.n, g.o, g.ho, g.wo))
     dx = _contiguous(outs[0], "dx", (g.n, g.c, g.h, g.w))
-    _run_faster(node, ctx, g, dy.dtype, lambda: conv2d_direct_grad_input(ctx, g, dy, w, dx),
-                lambda: _grad_input_gemm(ctx, node, g, dy, w, dx))
+    _run_faster(node, ctx, g, dy.dtype, {
+        "direct": lambda: conv2d_direct_grad_input(ctx, g, dy, w, dx),
+        "direct_narrow": lambda: conv2d_direct_grad_input(ctx, g, dy, w, dx, NARROW_CHANNELS),
+        "gemm": lambda: _grad_input_gemm(ctx, node, g, dy, w, dx)})
 
 
 def _grad_input_gemm(ctx, node, g: Geometry, dy, w, dx) -> None:
@@ -447,8 +463,9 @@ def conv2d_grad_weight(node, ins, outs, ctx) -> None:
     g = _geometry(x.shape, tuple(node.attrs["weight_shape"]), node.attrs)
     dy = _contiguous(ins[0], "dy", (g.n, g.o, g.ho, g.wo))
     dw = _contiguous(outs[0], "dw", (g.o, g.c, g.kh, g.kw))
-    _run_faster(node, ctx, g, x.dtype, lambda: conv2d_direct_grad_weight(ctx, g, dy, x, dw),
-                lambda: _grad_weight_gemm(ctx, node, g, dy, x, dw))
+    _run_faster(node, ctx, g, x.dtype, {
+        "direct": lambda: conv2d_direct_grad_weight(ctx, g, dy, x, dw),
+        "gemm": lambda: _grad_weight_gemm(ctx, node, g, dy, x, dw)})
 
 
 def _grad_weight_gemm(ctx, node, g: Geometry, dy, x, dw) -> None:

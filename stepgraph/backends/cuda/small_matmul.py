@@ -12,7 +12,10 @@ from ...errors import ShapeError
 from . import compiler
 
 SMALL_MACS = 1 << 21        # multiply-adds under which the direct kernel wins (H200)
-THREAD_K = 48               # dot products up to this long: one thread each, else one warp
+THREAD_K = 48               # dot products up to this long: one thread each, else one warp,
+WARP_MAX_OUTPUTS = 4096     # but only for few outputs: with many, a thread per output keeps
+                            # the loads of neighbouring outputs coalesced (a warp's lanes stride
+                            # over k, which is uncoalesced for a transposed operand)
 BLOCK = 256
 MAX_BLOCKS = 4096
 ACT_CODES = {None: -1, "relu": 0, "leaky_relu": 1, "sigmoid": 2, "tanh": 3, "gelu": 4,
@@ -45,7 +48,7 @@ def small_matmul_forward(ctx, a, b, c, *, trans_a=False, trans_b=False, bias=Non
         raise ShapeError(f"small_matmul bias: expected ({n},), got {bias.shape}")
     if z is not None and (tuple(z.shape) != (m, n) or not z.flags.c_contiguous):
         raise ShapeError(f"small_matmul z: expected contiguous ({m}, {n}), got {z.shape}")
-    per_thread = k <= THREAD_K
+    per_thread = k <= THREAD_K or m * n > WARP_MAX_OUTPUTS
     threads = m * n if per_thread else m * n * 32
     grid = (max(1, min(-(-threads // BLOCK), MAX_BLOCKS)),)
     name = "small_matmul_thread_kernel" if per_thread else "small_matmul_warp_kernel"
