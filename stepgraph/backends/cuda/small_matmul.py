@@ -13,7 +13,7 @@ from . import compiler
 
 SMALL_MACS = 1 << 21        # multiply-adds under which the direct kernel wins (H200)
 THREAD_K = 48               # dot products up to this long: one thread each, else one warp,
-WARP_MAX_OUTPUTS = 4096     # but only for few outputs: with many, a thread per output keeps
+WARP_MAX_OUTPUTS = 8192     # but only for few outputs: with many, a thread per output keeps
                             # the loads of neighbouring outputs coalesced (a warp's lanes stride
                             # over k, which is uncoalesced for a transposed operand)
 BLOCK = 256
