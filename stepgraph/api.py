@@ -53,7 +53,7 @@ class _CompiledModel:
         self.use_graph = (device == "cuda") if graph is None else bool(graph)
         if self.use_graph and device != "cuda":
             raise ValueError("graph=True needs device='cuda' (the CPU backend runs eagerly)")
-        self.ctx = self.backend.make_context(precision) if device == "cuda" else None
+        self.ctx = self.backend.make_context(precision)
         self.precision = precision
         example_inputs = tuple(example_inputs)
         self.signature = signature_of(_input_names(len(example_inputs), with_target),

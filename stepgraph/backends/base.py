@@ -42,6 +42,22 @@ class Backend(ABC):
     def synchronize(self) -> None:
         """Wait for all queued work."""
 
+    @abstractmethod
+    def owns(self, array) -> bool:
+        """Whether `array` already lives in this backend's memory (else it is copied in)."""
+
+    @abstractmethod
+    def copy_result(self, buffer) -> Any:
+        """A new array holding `buffer`'s value, which the next step may overwrite."""
+
+    def make_context(self, precision: str):
+        """What every op impl receives as `ctx` (None on backends that need nothing)."""
+        return None
+
+    def capture(self, run, ctx):
+        """Record `run()` once for replay (`.launch()`); only backends with graphs can."""
+        raise NotImplementedError(f"backend {self.name!r} cannot capture a step")
+
     def annotate(self, name: str):
         """A named range around device work (NVTX on CUDA), for profilers."""
         return nullcontext()
