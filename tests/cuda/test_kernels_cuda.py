@@ -452,7 +452,7 @@ def test_update_tables_must_exist_before_capture(ctx):
     with pytest.raises(CaptureError):
         launchers.IMPLS["sgd_update"](node, to_device(ctx, ins), [], cold)
     dev = to_device(ctx, ins)
-    launchers.PREPARE["sgd_update"](node, dev, [], ctx)      # builds, launches nothing
+    launchers.IMPLS["sgd_update"](node, dev, [], ctx)        # eager: builds the tables
     launchers.IMPLS["sgd_update"](node, dev, [], cold)       # now found: no error
 
 

@@ -481,28 +481,8 @@ def _grad_weight_gemm(ctx, node, g: Geometry, dy, x, dw) -> None:
         gemm.matmul(ctx, dt, ct, dw2, trans_b=True, accumulate=n0 > 0)
 
 
-def prepare_scratch(node, ins, outs, ctx) -> None:
-    """Take the node's scratch now, launching nothing: for a caller that captures without an
-    eager warm-up (launchers.PREPARE's contract). GEMMs plan on first use, capture included."""
-    if node.op == "conv2d_grad_input":
-        g = _geometry(tuple(node.attrs["input_shape"]), ins[1].shape, node.attrs)
-    elif node.op == "conv2d_grad_weight":
-        g = _geometry(ins[1].shape, tuple(node.attrs["weight_shape"]), node.attrs)
-    else:
-        g = _geometry(ins[0].shape, ins[1].shape, node.attrs)
-    if node.op == "conv2d_grad_weight" and direct_unsupported(g, ins[0].dtype) is None:
-        _scratch(ctx, [(grad_weight_splits(g), g.o * g.ck)], ins[0].dtype)
-    if PATH == "direct":
-        return
-    _, shapes = _chunk_plan(node.op, g, ins[0].itemsize)
-    if shapes:
-        _scratch(ctx, shapes, ins[0].dtype)
-
-
 IMPLS = {
     "conv2d": conv2d_forward,
     "conv2d_grad_input": conv2d_grad_input,
     "conv2d_grad_weight": conv2d_grad_weight,
 }
-
-PREPARE = dict.fromkeys(IMPLS, prepare_scratch)

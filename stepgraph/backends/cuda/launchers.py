@@ -3,13 +3,14 @@ that is not a GEMM (those are in linear.py and conv.py).
 
 Each launcher checks its preconditions (CuPy arrays, float32 unless stated, C-contiguous,
 shapes), computes the grid and launches one kernel on ctx.stream: no host sync, no allocation.
-Three kinds of node keep device memory that is made once, at the first EAGER call on a set of
-buffers, and reused by every later call and by a captured graph (Executable warms up eagerly
-before capture; `PREPARE` builds the same memory without launching anything):
+Some nodes keep device memory that is made once, at the first EAGER call on a set of buffers,
+and reused by every later call and by a captured graph (Executable warms up eagerly before
+capture):
 - sgd_update / adam_update / global_norm: a table of tensor pointers and sizes, and per-block
   work items (global_norm also a float64 partial per block and an arrival counter);
 - cross_entropy / cross_entropy_train over more than one block: an arrival counter (and N
-  floats of per-row losses for the train kernel). Without it a capture falls back to one block.
+  floats of per-row losses for the train kernel). Without it a capture falls back to one block;
+- reduce_sum and act_bias_grad split over rows: the splits' float64 partial sums.
 """
 from __future__ import annotations
 
@@ -113,7 +114,7 @@ def _node_memory(node: Node, key: tuple, ctx, build: Callable[[], Any], required
                 return None
             raise CaptureError(
                 f"{node.op}: its device tables are built at the first eager run on these buffers;"
-                " run the step eagerly once (or call launchers.PREPARE) before capturing")
+                " run the step eagerly once before capturing")
         with ctx.stream:   # allocation and upload ordered before the kernels that read them
             memory[key] = build()
     return memory[key]
@@ -692,50 +693,3 @@ IMPLS: dict[str, Callable] = {
     "adam_update": lambda node, ins, outs, ctx: adam_update(ctx, node, ins),
 }
 
-
-# ---- device memory made before capture -----------------------------------------------------
-
-def _prepare_cross_entropy(node: Node, ins, outs, ctx) -> None:
-    n, c = _check_logits(node.op, ins[0], ins[1])
-    _loss_layout(node, ctx, n, c, rowloss=node.op == "cross_entropy_train")
-
-
-def _prepare_global_norm(node: Node, ins, outs, ctx) -> None:
-    key = ("global_norm",) + _buffers_key(ins)
-    _node_memory(node, key, ctx, lambda: _checked_norm_tables(ins))
-
-
-def _prepare_update(node: Node, ins, outs, ctx) -> None:
-    if node.attrs["n_params"]:
-        _update_tables(node, ins, ctx)
-
-
-# Ops whose device tables or scratch can be built without launching anything, for a caller
-# that wants them made before a capture without an eager warm-up run (same signature as IMPLS).
-def _prepare_reduce_sum(node: Node, ins, outs, ctx) -> None:
-    outer, mid, inner = _kept_block(tuple(ins[0].shape), node.attrs["axes"])
-    if not ins[0].size:
-        return
-    if inner == 1 and mid > 1:
-        _column_partials(node, ctx, mid, _column_splits(outer, mid))
-        return
-    splits = max(1, min(PLANE_TARGET_BLOCKS // max(mid, 1), outer))
-    if splits > 1:
-        _node_memory(node, ("reduce_sum", mid, splits), ctx,
-                     lambda: cp.empty(mid * splits, np.float64))
-
-
-def _prepare_act_bias_grad(node: Node, ins, outs, ctx) -> None:
-    rows, cols = ins[0].shape
-    _column_partials(node, ctx, cols, _column_splits(rows, cols))
-
-
-PREPARE: dict[str, Callable] = {
-    "reduce_sum": _prepare_reduce_sum,
-    "act_bias_grad": _prepare_act_bias_grad,
-    "cross_entropy": _prepare_cross_entropy,
-    "cross_entropy_train": _prepare_cross_entropy,
-    "global_norm": _prepare_global_norm,
-    "sgd_update": _prepare_update,
-    "adam_update": _prepare_update,
-}
