@@ -49,9 +49,12 @@ conv2d_direct_forward_kernel(const T* __restrict__ x, const T* __restrict__ w,
 #pragma unroll
     for (int ob = 0; ob < OB; ++ob) acc[ob] = has_bias && o0 + ob < O ? bias[o0 + ob] : T(0);
     for (int c = 0; c < C; ++c) {
+#pragma unroll 5
         for (int i = i0; i < i1; ++i) {
             const int row = ((n * C + c) * H + hb + i) * W + wb;  // + j: inside the image
             const Pack<T, OB>* wr = ws + (c * kh + i) * kw;
+            // Unrolled: a row's loads issue together instead of one dependent load per tap.
+#pragma unroll 5
             for (int j = j0; j < j1; ++j) {
                 const T xv = x[row + j];
                 const Pack<T, OB> wv = wr[j];
@@ -100,9 +103,11 @@ conv2d_direct_grad_input_kernel(const T* __restrict__ dy, const T* __restrict__ 
     for (int cb = 0; cb < CB; ++cb) acc[cb] = T(0);
     for (int o = 0; o < O; ++o) {
         const Pack<T, CB>* taps_o = ws + o * KK;         // w[o, c0 : c0+CB, :, :]
+#pragma unroll 5
         for (int i = i0, ho = (hp - i0) / sh; i <= i1; i += sh, --ho) {
             const int row = ((n * O + o) * Ho + ho) * Wo;
             const Pack<T, CB>* wr = taps_o + i * kw;
+#pragma unroll 5
             for (int j = j0, wo = (wp - j0) / sw; j <= j1; j += sw, --wo) {
                 const T g = dy[row + wo];
                 const Pack<T, CB> wv = wr[j];
