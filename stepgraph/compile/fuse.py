@@ -70,6 +70,37 @@ def fuse_activation_bias_grad(graph: Graph) -> Graph:
     return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
 
 
+def fuse_pool_relu(graph: Graph) -> Graph:
+    """maxpool2d -> y; act(relu)(y) -> r   =>   maxpool2d(relu) -> r (a max is taken before
+    the clamp either way), and in the backward act_grad(relu)(dr, r) -> g;
+    maxpool2d_grad(g, idx)   =>   maxpool2d_grad(dr, idx, r, relu): two passes fewer."""
+    graph = _copy(graph)
+    users = graph.consumers()
+    producers = graph.producers()
+    drop: set[Node] = set()
+    for pool in graph.nodes:
+        if pool.op != "maxpool2d" or pool.attrs.get("relu"):
+            continue
+        readers = users.get(pool.outputs[0], [])
+        if len(readers) != 1 or readers[0].op != "act" or readers[0].attrs["kind"] != "relu" \
+                or pool.outputs[0] in graph.outputs.values():
+            continue
+        relu = readers[0]
+        pool.attrs = dict(pool.attrs, relu=True)
+        pool.outputs = [relu.outputs[0], pool.outputs[1]]
+        pool.label = _join(pool.label, relu.label)
+        drop.add(relu)
+        for grad in users.get(pool.outputs[1], []):       # maxpool2d_grad reads idx
+            g = producers.get(grad.inputs[0])
+            if g is not None and g.op == "act_grad" and g.inputs[1] is relu.outputs[0] \
+                    and len(users[g.outputs[0]]) == 1:
+                grad.inputs = [g.inputs[0], grad.inputs[1], relu.outputs[0]]
+                grad.attrs = dict(grad.attrs, relu=True)
+                grad.label = pool.label + " bwd"
+                drop.add(g)
+    return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
+
+
 def _is_unit_seed(graph: Graph, v: Value) -> bool:
     p = graph.producers().get(v)
     return p is not None and p.op == "fill" and p.attrs["value"] == 1.0
@@ -133,7 +164,7 @@ def eliminate_dead_code(graph: Graph) -> Graph:
     return _rebuild(graph, kept[::-1], {})
 
 
-PASSES = (fuse_linear_activation, fuse_activation_bias_grad, fuse_cross_entropy,
+PASSES = (fuse_linear_activation, fuse_pool_relu, fuse_activation_bias_grad, fuse_cross_entropy,
           fuse_log_softmax_nll, eliminate_dead_code)
 
 

@@ -175,7 +175,8 @@ def _conv2d_grad_weight(ins, attrs):
 @defop("maxpool2d")
 def _maxpool2d(ins, attrs):
     """y = max over kernel windows (attrs kernel, stride pairs; no padding, floor mode);
-    idx (int32) = h*W + w of the first maximum in each window, within its (n, c) plane."""
+    idx (int32) = h*W + w of the first maximum in each window, within its (n, c) plane.
+    With attrs relu, y = relu(max) (the ReLU that followed the pool, fused)."""
     x = ins[0]
     _need(len(x.shape) == 4, "maxpool2d", f"input must be (N, C, H, W), got {x.shape}")
     (kh, kw), (sh, sw) = attrs["kernel"], attrs["stride"]
@@ -187,7 +188,8 @@ def _maxpool2d(ins, attrs):
 
 @defop("maxpool2d_grad")
 def _maxpool2d_grad(ins, attrs):
-    """dx (attrs input_shape): each dy element added at its idx in its (n, c) plane."""
+    """dx (attrs input_shape): each dy element added at its idx in its (n, c) plane. With attrs
+    relu, ins (dy, idx, y) and only the elements with y > 0 are added (ReLU's gradient)."""
     return [(tuple(attrs["input_shape"]), ins[0].dtype)]
 
 

@@ -226,26 +226,29 @@ def pool_input(shape):
     return np.round(random(np.random.default_rng([19, *shape]), *shape) * 2) / 2
 
 
+@pytest.mark.parametrize("relu", [False, True])
 @pytest.mark.parametrize("shape,kernel,stride", POOLS)
-def test_maxpool2d(ctx, shape, kernel, stride):
+def test_maxpool2d(ctx, shape, kernel, stride, relu):
     x = pool_input(shape)
-    node = make_node("maxpool2d", [x], kernel=kernel, stride=stride)
+    node = make_node("maxpool2d", [x], kernel=kernel, stride=stride, relu=relu)
     ref, got = run_both(ctx, node, [x])
     np.testing.assert_array_equal(got[1], ref[1], err_msg=f"maxpool2d idx {shape}")
     np.testing.assert_array_equal(got[0], ref[0], err_msg=f"maxpool2d y {shape}")
 
 
+@pytest.mark.parametrize("relu", [False, True])
 @pytest.mark.parametrize("shape,kernel,stride", POOLS)
-def test_maxpool2d_grad(ctx, shape, kernel, stride):
+def test_maxpool2d_grad(ctx, shape, kernel, stride, relu):
     x = pool_input(shape)
-    fwd = make_node("maxpool2d", [x], kernel=kernel, stride=stride)
+    fwd = make_node("maxpool2d", [x], kernel=kernel, stride=stride, relu=relu)
     y_shape = fwd.outputs[0].shape
     y, idx = np.empty(y_shape, np.float32), np.empty(y_shape, np.int32)
     NUMPY_IMPLS["maxpool2d"](fwd, [x], [y, idx], None)
     dy = random(np.random.default_rng(23), *y_shape)
-    node = make_node("maxpool2d_grad", [dy, idx], kernel=kernel, stride=stride,
-                     input_shape=shape)
-    ref, got = run_both(ctx, node, [dy, idx])
+    ins = [dy, idx] + ([y] if relu else [])
+    node = make_node("maxpool2d_grad", ins, kernel=kernel, stride=stride, input_shape=shape,
+                     relu=relu)
+    ref, got = run_both(ctx, node, ins)
     assert_close(got[0], ref[0], rtol=1e-6, atol=1e-6, what=f"maxpool2d_grad {shape}")
 
 

@@ -11,7 +11,7 @@ from stepgraph.compile.build import build_train_graph
 from stepgraph.compile.feed import signature_of
 from stepgraph.compile.fuse import (eliminate_dead_code, fuse, fuse_activation_bias_grad,
                                     fuse_cross_entropy, fuse_linear_activation,
-                                    fuse_log_softmax_nll)
+                                    fuse_log_softmax_nll, fuse_pool_relu)
 from stepgraph.ir.ops import ACTIVATIONS, GRAD_FROM_OUTPUT
 from stepgraph.ir.trace import Tracer
 from tests.ops.helpers import assert_close, run_graph, seeded
@@ -159,7 +159,7 @@ def test_dead_code_is_removed_but_state_updates_stay():
     assert eliminate_dead_code(t.graph).nodes[0].attrs["kind"] == "relu"
 
 
-PASSES = [fuse_linear_activation, fuse_activation_bias_grad, fuse_cross_entropy,
+PASSES = [fuse_linear_activation, fuse_pool_relu, fuse_activation_bias_grad, fuse_cross_entropy,
           fuse_log_softmax_nll, eliminate_dead_code, fuse]
 
 
@@ -172,6 +172,40 @@ def test_passes_leave_their_input_graph_unchanged(fusion):
         fusion(graph)
         assert str(graph) == before
         assert nodes == [(n.op, n.inputs, n.outputs, n.attrs) for n in graph.nodes]
+
+
+def pool_relu_graph(relu_read_twice: bool = False):
+    """x -> maxpool2d -> relu -> mse(target), with the backward w.r.t. x (a stand-in param)."""
+    t = Tracer()
+    x = t.input((2, 3, 6, 6), "float32", "x")
+    target = t.input((2, 3, 3, 3), "float32", "target")
+    y = t.op_all("maxpool2d", [x], kernel=(2, 2), stride=(2, 2))[0]
+    r = t.op("act", [y], kind="relu", slope=0.01)
+    loss = t.op("mse", [r, target])
+    t.graph.outputs = {"loss": loss.value}
+    if relu_read_twice:
+        t.graph.outputs["pooled"] = y.value
+    (dx,) = append_backward(t, loss.value, [x.value])
+    t.graph.outputs["dx"] = dx
+    return t.graph
+
+
+def test_pool_relu_fuse_forward_and_backward():
+    fused = fuse_pool_relu(pool_relu_graph())
+    assert "act" not in ops(fused) and "act_grad" not in ops(fused)
+    pool = next(n for n in fused.nodes if n.op == "maxpool2d")
+    grad = next(n for n in fused.nodes if n.op == "maxpool2d_grad")
+    assert pool.attrs["relu"] and grad.attrs["relu"] and grad.inputs[2] is pool.outputs[0]
+    gen = seeded("pool_relu")
+    arrays = {"x": gen.standard_normal((2, 3, 6, 6)).astype(np.float32),
+              "target": gen.standard_normal((2, 3, 3, 3)).astype(np.float32)}
+    want, got = run_graph(pool_relu_graph(), arrays, {}), run_graph(fused, arrays, {})
+    for k in ("loss", "dx"):
+        assert_close(got[k], want[k], what=k)
+
+
+def test_pool_output_read_elsewhere_is_not_fused():
+    assert "act" in ops(fuse_pool_relu(pool_relu_graph(relu_read_twice=True)))
 
 
 # ---- fused and unfused train steps agree ---------------------------------------------------

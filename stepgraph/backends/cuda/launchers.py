@@ -384,8 +384,9 @@ def _pool_out_shape(x_shape: tuple, kernel, stride) -> tuple:
     return (x_shape[0], x_shape[1], ho, wo)
 
 
-def maxpool2d_forward(ctx, x, y, idx, kernel, stride) -> None:
-    """y = window maxima, idx (int32) = plane-local h * W + w of each window's first maximum."""
+def maxpool2d_forward(ctx, x, y, idx, kernel, stride, relu: bool = False) -> None:
+    """y = window maxima (relu: relu of them), idx (int32) = plane-local h * W + w of each
+    window's first maximum."""
     _check("maxpool2d input", x)
     y_shape = _pool_out_shape(tuple(x.shape), kernel, stride)
     _check("maxpool2d output", y, shape=y_shape)
@@ -393,19 +394,23 @@ def maxpool2d_forward(ctx, x, y, idx, kernel, stride) -> None:
     _check_int32("maxpool2d", x.size)
     if y.size:
         _launch(ctx, "pool.cu", "maxpool2d_forward_kernel", _grid(y.size), (BLOCK,),
-                (x, y, idx) + _pool_args(tuple(x.shape), y_shape, kernel, stride))
+                (x, y, idx, np.int32(relu)) + _pool_args(tuple(x.shape), y_shape, kernel, stride))
 
 
-def maxpool2d_backward(ctx, dy, idx, dx, kernel, stride) -> None:
-    """dx = each dy added at its idx (windows may overlap: gathered, fixed order)."""
+def maxpool2d_backward(ctx, dy, idx, dx, kernel, stride, y=None) -> None:
+    """dx = each dy added at its idx (windows may overlap: gathered, fixed order); with the
+    fused ReLU's output y, only where y > 0."""
     _check("maxpool2d_grad dx", dx)
     y_shape = _pool_out_shape(tuple(dx.shape), kernel, stride)
     _check("maxpool2d_grad dy", dy, shape=y_shape)
     _check("maxpool2d_grad indices", idx, "int32", y_shape)
+    if y is not None:
+        _check("maxpool2d_grad relu output", y, shape=y_shape)
     _check_int32("maxpool2d_grad", dx.size)
     if dx.size:
         _launch(ctx, "pool.cu", "maxpool2d_backward_kernel", _grid(dx.size), (BLOCK,),
-                (dy, idx, dx) + _pool_args(tuple(dx.shape), y_shape, kernel, stride))
+                (dy, idx, y if y is not None else np.uint64(0), dx)
+                + _pool_args(tuple(dx.shape), y_shape, kernel, stride))
 
 
 # ---- loss.cu -------------------------------------------------------------------------------
@@ -668,9 +673,11 @@ IMPLS: dict[str, Callable] = {
     "dropout_grad": lambda node, ins, outs, ctx: dropout_backward(
         ctx, ins[0], ins[1], outs[0], node.attrs["p"], bool(node.attrs.get("per_channel"))),
     "maxpool2d": lambda node, ins, outs, ctx: maxpool2d_forward(
-        ctx, ins[0], outs[0], outs[1], node.attrs["kernel"], node.attrs["stride"]),
+        ctx, ins[0], outs[0], outs[1], node.attrs["kernel"], node.attrs["stride"],
+        bool(node.attrs.get("relu"))),
     "maxpool2d_grad": lambda node, ins, outs, ctx: maxpool2d_backward(
-        ctx, ins[0], ins[1], outs[0], node.attrs["kernel"], node.attrs["stride"]),
+        ctx, ins[0], ins[1], outs[0], node.attrs["kernel"], node.attrs["stride"],
+        ins[2] if node.attrs.get("relu") else None),
     "log_softmax": lambda node, ins, outs, ctx: log_softmax_forward(ctx, ins[0], outs[0]),
     "log_softmax_grad": lambda node, ins, outs, ctx: log_softmax_backward(
         ctx, ins[0], ins[1], outs[0]),

@@ -186,7 +186,8 @@ def maxpool2d(node: Node, ins, outs, ctx):
     n, c, ho, wo = win.shape[:4]
     flat = win.reshape(n, c, ho, wo, kh * kw)
     arg = flat.argmax(axis=-1)  # first maximum in row-major window order, as PyTorch
-    outs[0][...] = np.take_along_axis(flat, arg[..., None], axis=-1)[..., 0]
+    y = np.take_along_axis(flat, arg[..., None], axis=-1)[..., 0]
+    outs[0][...] = act_forward(y, "relu") if node.attrs.get("relu") else y
     rows = np.arange(ho)[:, None] * sh + arg // kw
     cols = np.arange(wo)[None, :] * sw + arg % kw
     outs[1][...] = rows * x.shape[3] + cols
@@ -194,7 +195,9 @@ def maxpool2d(node: Node, ins, outs, ctx):
 
 @impl("maxpool2d_grad")
 def maxpool2d_grad(node: Node, ins, outs, ctx):
-    dy, idx = ins
+    dy, idx = ins[:2]
+    if node.attrs.get("relu"):                  # ReLU's gradient, from the pooled output
+        dy = dy * act_derivative(ins[2], "relu")
     n, c, h, w = node.attrs["input_shape"]
     dx = np.zeros((n * c, h * w), dtype=dy.dtype)
     planes = np.repeat(np.arange(n * c), idx[0, 0].size)

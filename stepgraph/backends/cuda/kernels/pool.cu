@@ -3,10 +3,13 @@
 // PyTorch); the backward gathers, one thread per input element, so overlapping windows
 // (stride < kernel) need no atomics and sum in a fixed order. Launchers keep sizes < 2^31.
 
+// With relu (the ReLU after the pool, fused) the forward stores relu(max) and the backward
+// adds only where that output is > 0.
+
 // Shapes: `planes` = N * C planes of (H, W) in, (Ho, Wo) out; window (kh, kw), stride (sh, sw).
 #define POOL_SHAPE_ARGS int planes, int H, int W, int Ho, int Wo, int kh, int kw, int sh, int sw
 
-extern "C" __global__ void maxpool2d_forward_kernel(const float* x, float* y, int* idx,
+extern "C" __global__ void maxpool2d_forward_kernel(const float* x, float* y, int* idx, int relu,
                                                     POOL_SHAPE_ARGS) {
     const long long total = (long long)planes * Ho * Wo;
     for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total;
@@ -29,14 +32,15 @@ extern "C" __global__ void maxpool2d_forward_kernel(const float* x, float* y, in
                 }
             }
         }
-        y[o] = best;
+        y[o] = relu && !(best > 0.f || best != best) ? 0.f : best;   // NaN passes, as np.maximum
         idx[o] = best_at;
     }
 }
 
 // dx[p, h, w] = sum of dy over the windows containing (h, w) whose argmax is (h, w), taken in
 // row-major window order: the order in which the numpy reference's np.add.at accumulates.
-extern "C" __global__ void maxpool2d_backward_kernel(const float* dy, const int* idx, float* dx,
+extern "C" __global__ void maxpool2d_backward_kernel(const float* dy, const int* idx,
+                                                     const float* y, float* dx,
                                                      POOL_SHAPE_ARGS) {
     const long long total = (long long)planes * H * W;
     for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total;
@@ -55,7 +59,7 @@ extern "C" __global__ void maxpool2d_backward_kernel(const float* dy, const int*
         for (int ho = ho_lo; ho <= ho_hi; ++ho) {
             for (int wo = wo_lo; wo <= wo_hi; ++wo) {
                 const long long o = base + (long long)ho * Wo + wo;
-                if (idx[o] == here) acc += dy[o];
+                if (idx[o] == here && (y == nullptr || y[o] > 0.f)) acc += dy[o];
             }
         }
         dx[i] = acc;
