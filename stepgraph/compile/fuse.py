@@ -101,6 +101,27 @@ def fuse_pool_relu(graph: Graph) -> Graph:
     return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
 
 
+def fuse_step_bookkeeping(graph: Graph) -> Graph:
+    """step_increment(step); lr_schedule(step, schedule) -> lr; ... record_loss(loss, step, h)
+    =>   advance_step(step, schedule, loss, h) -> lr: one launch instead of three. The loss is
+    final before the update starts, so recording it early changes nothing."""
+    graph = _copy(graph)
+    nodes = graph.nodes
+    inc = next((n for n in nodes if n.op == "step_increment"), None)
+    sched = next((n for n in nodes if n.op == "lr_schedule"), None)
+    rec = next((n for n in nodes if n.op == "record_loss"), None)
+    if inc is None or sched is None or rec is None or \
+            not (sched.inputs[0] is inc.inputs[0] is rec.inputs[1]) or \
+            not nodes.index(inc) < nodes.index(sched) < nodes.index(rec):
+        return graph
+    step, schedule = sched.inputs
+    loss, _, history_loss, history_step = rec.inputs
+    fused = Node("advance_step", [step, schedule, loss, history_loss, history_step],
+                 sched.outputs, {}, (0, 3, 4), sched.label)
+    kept = [fused if n is sched else n for n in nodes if n is not inc and n is not rec]
+    return _rebuild(graph, kept, {})
+
+
 def _is_unit_seed(graph: Graph, v: Value) -> bool:
     p = graph.producers().get(v)
     return p is not None and p.op == "fill" and p.attrs["value"] == 1.0
@@ -165,7 +186,7 @@ def eliminate_dead_code(graph: Graph) -> Graph:
 
 
 PASSES = (fuse_linear_activation, fuse_pool_relu, fuse_activation_bias_grad, fuse_cross_entropy,
-          fuse_log_softmax_nll, eliminate_dead_code)
+          fuse_log_softmax_nll, fuse_step_bookkeeping, eliminate_dead_code)
 
 
 def fuse(graph: Graph, passes=PASSES) -> Graph:

@@ -305,6 +305,14 @@ def _record_loss(ins, attrs):
     return []
 
 
+@defop("advance_step", mutates=lambda attrs: (0, 3, 4))
+def _advance_step(ins, attrs):
+    """step_increment, lr_schedule and record_loss of one step in one op: ins (step, schedule,
+    loss, history_loss, history_step); step += 1, then lr = schedule_lr(schedule, step) and
+    the loss recorded under the new step."""
+    return [((), "float32")]
+
+
 @defop("global_norm")
 def _global_norm(ins, attrs):
     """norm = sqrt(sum over every input of sum(g^2))."""

@@ -380,6 +380,28 @@ def test_record_loss_writes_the_steps_slot(ctx):
     assert (np.delete(got_step, 3) == -1).all()
 
 
+def test_advance_step_matches_its_three_ops(ctx):
+    length = 8
+    step, vector = np.array(10, np.int64), schedules.WarmupCosine(3, 20, 1e-4).vector(0.05)
+    loss = np.array(1.75, np.float32)
+    hist_loss, hist_step = np.full(length, -1.0, np.float32), np.full(length, -1, np.int64)
+    ins = [step, vector, loss, hist_loss, hist_step]
+    node = make_node("advance_step", ins)
+    want = [np.empty((), np.float32)]
+    host = [a.copy() for a in ins]
+    NUMPY_IMPLS["advance_step"](node, host, want, None)
+    dev = to_device(ctx, ins)
+    with ctx.stream:
+        lr = cp.full((), np.nan, np.float32)
+    launchers.IMPLS["advance_step"](node, dev, [lr], ctx)
+    got = to_host(ctx, dev + [lr])
+    assert int(got[0]) == 11 and int(host[0]) == 11
+    assert_close(got[5], want[0], rtol=2.5e-7, atol=0, what="advance_step lr")
+    np.testing.assert_array_equal(got[3], host[3])
+    np.testing.assert_array_equal(got[4], host[4])
+    assert got[4][11 % length] == 11 and got[3][11 % length] == np.float32(1.75)
+
+
 SCHEDULES = [schedules.Constant(), schedules.StepDecay(3, 0.5), schedules.Cosine(10, 1e-4),
              schedules.WarmupCosine(3, 10, 1e-5)]
 

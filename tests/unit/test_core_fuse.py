@@ -11,7 +11,8 @@ from stepgraph.compile.build import build_train_graph
 from stepgraph.compile.feed import signature_of
 from stepgraph.compile.fuse import (eliminate_dead_code, fuse, fuse_activation_bias_grad,
                                     fuse_cross_entropy, fuse_linear_activation,
-                                    fuse_log_softmax_nll, fuse_pool_relu)
+                                    fuse_log_softmax_nll, fuse_pool_relu,
+                                    fuse_step_bookkeeping)
 from stepgraph.ir.ops import ACTIVATIONS, GRAD_FROM_OUTPUT
 from stepgraph.ir.trace import Tracer
 from tests.ops.helpers import assert_close, run_graph, seeded
@@ -160,7 +161,7 @@ def test_dead_code_is_removed_but_state_updates_stay():
 
 
 PASSES = [fuse_linear_activation, fuse_pool_relu, fuse_activation_bias_grad, fuse_cross_entropy,
-          fuse_log_softmax_nll, eliminate_dead_code, fuse]
+          fuse_log_softmax_nll, fuse_step_bookkeeping, eliminate_dead_code, fuse]
 
 
 @pytest.mark.parametrize("fusion", PASSES, ids=lambda p: p.__name__)
@@ -202,6 +203,18 @@ def test_pool_relu_fuse_forward_and_backward():
     want, got = run_graph(pool_relu_graph(), arrays, {}), run_graph(fused, arrays, {})
     for k in ("loss", "dx"):
         assert_close(got[k], want[k], what=k)
+
+
+def test_step_bookkeeping_becomes_one_op():
+    model = models.mlp(in_features=6, hidden=8, dropout=0.0)
+    x, y = np.zeros((4, 6), np.float32), np.zeros(4, np.int64)
+    graph = build_train_graph(model, losses.cross_entropy, optim.SGD(lr=0.1),
+                              signature_of(("x", "y"), (x, y)), seed=0)
+    fused = fuse_step_bookkeeping(graph)
+    for op in ("step_increment", "lr_schedule", "record_loss"):
+        assert op in ops(graph) and op not in ops(fused)
+    assert ops(fused).count("advance_step") == 1
+    assert ops(fused).index("advance_step") < ops(fused).index("sgd_update")
 
 
 def test_pool_output_read_elsewhere_is_not_fused():

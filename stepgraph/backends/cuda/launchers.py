@@ -583,6 +583,18 @@ def record_loss(ctx, loss, step, history_loss, history_step) -> None:
             (loss, step, history_loss, history_step, np.int64(history_loss.size)))
 
 
+def advance_step(ctx, step, schedule, loss, history_loss, history_step, lr) -> None:
+    """step += 1, lr = schedule(step), loss recorded under step: one launch."""
+    _check_scalar("advance_step step", step, "int64")
+    _check("advance_step schedule", schedule, shape=(6,))
+    _check_scalar("advance_step loss", loss, "float32")
+    _check("advance_step history_loss", history_loss)
+    _check("advance_step history_step", history_step, "int64", shape=history_loss.shape)
+    _check_scalar("advance_step lr", lr, "float32")
+    _launch(ctx, "optim.cu", "advance_step_kernel", (1,), (32,),
+            (step, schedule, loss, history_loss, history_step, np.int64(history_loss.size), lr))
+
+
 def _update_groups(node: Node, ins: list):
     """(lr, step, norm or None, params, grads, slots) of an update op's inputs (ops.py)."""
     a = node.attrs
@@ -695,6 +707,7 @@ IMPLS: dict[str, Callable] = {
     "step_increment": lambda node, ins, outs, ctx: step_increment(ctx, ins[0]),
     "lr_schedule": lambda node, ins, outs, ctx: lr_schedule(ctx, ins[0], ins[1], outs[0]),
     "record_loss": lambda node, ins, outs, ctx: record_loss(ctx, *ins),
+    "advance_step": lambda node, ins, outs, ctx: advance_step(ctx, *ins, outs[0]),
     "global_norm": lambda node, ins, outs, ctx: global_norm_forward(ctx, node, ins, outs[0]),
     "sgd_update": lambda node, ins, outs, ctx: sgd_update(ctx, node, ins),
     "adam_update": lambda node, ins, outs, ctx: adam_update(ctx, node, ins),

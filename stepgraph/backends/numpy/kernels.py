@@ -327,6 +327,14 @@ def record_loss(node: Node, ins, outs, ctx):
     history_step[slot] = step
 
 
+@impl("advance_step")
+def advance_step(node: Node, ins, outs, ctx):
+    step, schedule, loss, history_loss, history_step = ins
+    step_increment(node, [step], [], ctx)
+    lr_schedule(node, [step, schedule], outs, ctx)
+    record_loss(node, [loss, step, history_loss, history_step], [], ctx)
+
+
 @impl("global_norm")
 def global_norm(node: Node, ins, outs, ctx):
     total = sum(float(np.sum(g.astype(np.float64) ** 2)) for g in ins)

@@ -9,26 +9,27 @@ extern "C" __global__ void step_increment_kernel(long long* step) {
     if (blockIdx.x == 0 && threadIdx.x == 0) *step += 1;
 }
 
-// history_loss[step % R] = loss; history_step[step % R] = step: the step's loss stays on the
-// device, readable for R steps, without a copy issued from the host (compile/history.py).
+// history_loss[t % R] = loss; history_step[t % R] = t: the step's loss stays on the device,
+// readable for R steps, without a copy issued from the host (compile/history.py).
+__device__ __forceinline__ void record(float loss, long long t, float* history_loss,
+                                       long long* history_step, long long length) {
+    const long long slot = t % length;
+    history_loss[slot] = loss;
+    history_step[slot] = t;
+}
+
 extern "C" __global__ void record_loss_kernel(const float* loss, const long long* step,
                                               float* history_loss, long long* history_step,
                                               long long length) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
-    const long long t = *step;
-    const long long slot = t % length;
-    history_loss[slot] = *loss;
-    history_step[slot] = t;
+    record(*loss, *step, history_loss, history_step, length);
 }
 
-// lr = schedule(step) from the (6,) float32 vector [base_lr, warmup_steps, total_steps,
-// min_lr, step_size, gamma] (optim/schedules.py), in float64 and cast once; one thread.
-extern "C" __global__ void lr_schedule_kernel(const long long* step, const float* schedule,
-                                              float* lr) {
-    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+// lr at step t from the (6,) float32 vector [base_lr, warmup_steps, total_steps, min_lr,
+// step_size, gamma] (optim/schedules.py), in float64 and cast once.
+__device__ __forceinline__ float scheduled_lr(const float* schedule, long long t) {
     const double base = schedule[0], warmup = schedule[1], total = schedule[2];
     const double min_lr = schedule[3], step_size = schedule[4], gamma = schedule[5];
-    const long long t = *step;
     double r = base;
     if (warmup > 0.0 && (double)t <= warmup) {
         r = base * (double)t / warmup;
@@ -42,7 +43,25 @@ extern "C" __global__ void lr_schedule_kernel(const long long* step, const float
         const long long k = a >= 0 ? a / s : -((-a + s - 1) / s);
         r = base * pow(gamma, (double)k);
     }
-    *lr = (float)r;
+    return (float)r;
+}
+
+extern "C" __global__ void lr_schedule_kernel(const long long* step, const float* schedule,
+                                              float* lr) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    *lr = scheduled_lr(schedule, *step);
+}
+
+// step_increment, lr_schedule and record_loss in one thread: the bookkeeping of a step.
+extern "C" __global__ void advance_step_kernel(long long* step, const float* schedule,
+                                               const float* loss, float* history_loss,
+                                               long long* history_step, long long length,
+                                               float* lr) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    const long long t = *step + 1;
+    *step = t;
+    *lr = scheduled_lr(schedule, t);
+    record(*loss, t, history_loss, history_step, length);
 }
 
 // One row of the device table built once per update node by launchers.py: the tensors of one
