@@ -70,6 +70,27 @@ def fuse_activation_bias_grad(graph: Graph) -> Graph:
     return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
 
 
+def fuse_conv_bias_grad(graph: Graph) -> Graph:
+    """conv2d_grad_weight(dy, x) -> dw; reduce_sum(dy, axes=(0, 2, 3)) -> db
+    =>   conv2d_grad_weight(dy, x, bias) -> (dw, db): the weight gradient reads dy anyway."""
+    graph = _copy(graph)
+    users = graph.consumers()
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    drop: set[Node] = set()
+    for n in graph.nodes:
+        if n.op != "conv2d_grad_weight" or n.attrs.get("bias"):
+            continue
+        # A later sum only: db then comes earlier than before, never later than a reader.
+        sums = [u for u in users.get(n.inputs[0], []) if u.op == "reduce_sum"
+                and tuple(u.attrs["axes"]) == (0, 2, 3) and order[u] > order[n]]
+        if not sums:
+            continue
+        n.attrs = dict(n.attrs, bias=True)
+        n.outputs = [n.outputs[0], sums[0].outputs[0]]     # both labelled "<Conv2d> bwd"
+        drop.add(sums[0])
+    return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
+
+
 def fuse_pool_relu(graph: Graph) -> Graph:
     """maxpool2d -> y; act(relu)(y) -> r   =>   maxpool2d(relu) -> r (a max is taken before
     the clamp either way), and in the backward act_grad(relu)(dr, r) -> g;
@@ -185,7 +206,8 @@ def eliminate_dead_code(graph: Graph) -> Graph:
     return _rebuild(graph, kept[::-1], {})
 
 
-PASSES = (fuse_linear_activation, fuse_pool_relu, fuse_activation_bias_grad, fuse_cross_entropy,
+PASSES = (fuse_linear_activation, fuse_pool_relu, fuse_activation_bias_grad,
+          fuse_conv_bias_grad, fuse_cross_entropy,
           fuse_log_softmax_nll, fuse_step_bookkeeping, eliminate_dead_code)
 
 

@@ -168,8 +168,11 @@ def _conv2d_grad_input(ins, attrs):
 
 @defop("conv2d_grad_weight")
 def _conv2d_grad_weight(ins, attrs):
-    """dw (attrs weight_shape) of conv2d given dy and x."""
-    return [(tuple(attrs["weight_shape"]), ins[0].dtype)]
+    """dw (attrs weight_shape) of conv2d given dy and x; with attrs bias (the conv bias's
+    gradient, fused), also db (O,) = dy summed over (N, Ho, Wo)."""
+    o = attrs["weight_shape"][0]
+    return [(tuple(attrs["weight_shape"]), ins[0].dtype)] + (
+        [((o,), ins[0].dtype)] if attrs.get("bias") else [])
 
 
 @defop("maxpool2d")

@@ -177,10 +177,11 @@ CONV_IDS = ["x".join(map(str, cfg[:7])) + f"-s{cfg[7][0]}{cfg[7][1]}p{cfg[8][0]}
 BENCH_CONVS = CONVS[-2:]
 
 
-@pytest.fixture(params=["gemm", "direct", "direct_narrow"])
+@pytest.fixture(params=["gemm", "direct", "direct_narrow", "tiled"])
 def conv_path(request, monkeypatch):
-    """Every implementation of the conv ops: im2col + cuBLASLt and the direct kernels (4
-    channels a thread, and 1: grad_weight has one direct kernel, which both names run)."""
+    """Every implementation of the conv ops: im2col + cuBLASLt, the direct kernels (4
+    channels a thread, and 1: grad_weight has one direct kernel, which both names run) and the
+    tiled kernels (stride 1; other convs fall back to direct when "tiled" is forced)."""
     monkeypatch.setattr(conv, "PATH", request.param)
     return request.param
 
@@ -222,11 +223,101 @@ def test_conv2d_grad_input_matches_numpy(backend, ctx, conv_path, cfg):
 
 
 @pytest.mark.parametrize("cfg", CONVS, ids=CONV_IDS)
-def test_conv2d_grad_weight_matches_numpy(backend, ctx, conv_path, cfg):
+@pytest.mark.parametrize("bias", [False, True], ids=["", "db"])
+def test_conv2d_grad_weight_matches_numpy(backend, ctx, conv_path, cfg, bias):
     x, w, dy, attrs = conv_grad_inputs(cfg, 4)
-    node = make_node("conv2d_grad_weight", [dy, x], weight_shape=w.shape, **attrs)
+    node = make_node("conv2d_grad_weight", [dy, x], weight_shape=w.shape, bias=bias, **attrs)
     ref, got = run_both(backend, ctx, node, [dy, x])
     check(ref, got, conv_tol(ctx, conv_path), f"conv2d_grad_weight {conv_path} {cfg}")
+
+
+STRIDE1_CONVS = [(cfg, i) for i, cfg in zip(CONV_IDS, CONVS) if cfg[7] == (1, 1)]
+
+
+@pytest.mark.parametrize("tile", conv.TILED_TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("cfg", [c for c, _ in STRIDE1_CONVS], ids=[i for _, i in STRIDE1_CONVS])
+def test_conv2d_tiled_every_tile(backend, ctx32, monkeypatch, cfg, tile):
+    """Each (channels, pixels) tile of conv2d_tiled_kernel, forward and grad_input, partial
+    channel groups and row tiles included; the tiled kernel is what ran."""
+    monkeypatch.setattr(conv, "PATH", "tiled")
+    monkeypatch.setattr(conv, "TILED_TILES", (tile,))
+    launched = []
+    kernel = conv.compiler.kernel
+    monkeypatch.setattr(conv.compiler, "kernel",
+                        lambda f, name: launched.append(f) or kernel(f, name))
+    x, w, dy, attrs = conv_grad_inputs(cfg, 18)
+    b = random(np.random.default_rng(19), w.shape[0])
+    g = conv._geometry(x.shape, w.shape, attrs)
+    for op, arrays, extra in [("conv2d", [x, w, b], {}),
+                              ("conv2d_grad_input", [dy, w], {"input_shape": x.shape})]:
+        launched.clear()
+        node = make_node(op, arrays, **attrs, **extra)
+        check(*run_both(backend, ctx32, node, arrays), 1e-5, f"{op} tiled {tile} {cfg}")
+        if conv.tiled_unsupported(op, g, x.dtype) is None:
+            assert launched == [conv.TILED_SOURCE], f"{op}: {launched}"
+
+
+@pytest.mark.parametrize("rb", conv.TILED_ROW_BLOCKS, ids=lambda rb: f"rb{rb}")
+@pytest.mark.parametrize("cfg", [c for c, _ in STRIDE1_CONVS], ids=[i for _, i in STRIDE1_CONVS])
+def test_conv2d_tiled_grad_weight_every_row_split(backend, ctx32, monkeypatch, cfg, rb):
+    """conv2d_tiled_grad_weight_kernel with rb blocks per sample (where that split exists),
+    with and without the bias gradient; the tiled kernels are what ran."""
+    monkeypatch.setattr(conv, "PATH", "tiled")
+    monkeypatch.setattr(conv, "TILED_ROW_BLOCKS", (rb,))
+    launched = []
+    kernel = conv.compiler.kernel
+    monkeypatch.setattr(conv.compiler, "kernel",
+                        lambda f, name: launched.append(f) or kernel(f, name))
+    x, w, dy, attrs = conv_grad_inputs(cfg, 24)
+    g = conv._geometry(x.shape, w.shape, attrs)
+    for bias in (False, True):
+        launched.clear()
+        node = make_node("conv2d_grad_weight", [dy, x], weight_shape=w.shape, bias=bias, **attrs)
+        check(*run_both(backend, ctx32, node, [dy, x]), 1e-5, f"grad_weight rb{rb} {cfg}")
+        if conv.tiled_grad_weight(g, rb, bias, x.itemsize) is not None:
+            assert launched == [conv.TILED_SOURCE] * 2, launched
+
+
+@pytest.mark.parametrize("op", ["conv2d", "conv2d_grad_input", "conv2d_grad_weight"])
+def test_conv2d_tiled_float64(backend, ctx32, monkeypatch, op):
+    monkeypatch.setattr(conv, "PATH", "tiled")
+    x, w, dy, attrs = conv_grad_inputs(CONVS[0], 20)
+    x, w, dy = x.astype(np.float64), w.astype(np.float64), dy.astype(np.float64)
+    b = random(np.random.default_rng(21), w.shape[0], dtype="float64")
+    arrays, extra = {"conv2d": ([x, w, b], {}),
+                     "conv2d_grad_input": ([dy, w], {"input_shape": x.shape}),
+                     "conv2d_grad_weight": ([dy, x], {"weight_shape": w.shape, "bias": True})}[op]
+    node = make_node(op, arrays, **attrs, **extra)
+    check(*run_both(backend, ctx32, node, arrays), 1e-12, f"{op} float64 tiled")
+
+
+@pytest.mark.parametrize("cfg", BENCH_CONVS, ids=CONV_IDS[-2:])
+def test_conv_tiled_path_launches_only_tiled_kernels(backend, monkeypatch, cfg):
+    """On the tiled path each op of the benchmark CNN's convs launches conv_tiled.cu alone
+    (grad_weight with db: the per-sample partials and their in-order sum), and is bitwise the
+    same on a second run."""
+    ctx = backend.make_context("fp32")                # fresh scratch pool
+    monkeypatch.setattr(conv, "PATH", "tiled")
+    launched = []
+    kernel = conv.compiler.kernel
+    monkeypatch.setattr(conv.compiler, "kernel",
+                        lambda f, name: launched.append(f) or kernel(f, name))
+    monkeypatch.setattr(conv.launchers, "reduce_sum_forward",
+                        lambda *a, **k: pytest.fail("separate bias reduction on tiled path"))
+    x, w, dy, attrs = conv_grad_inputs(cfg, 22)
+    b = random(np.random.default_rng(23), w.shape[0])
+    calls = [("conv2d", [x, w, b], {}, 1),
+             ("conv2d_grad_input", [dy, w], {"input_shape": x.shape}, 1),
+             ("conv2d_grad_weight", [dy, x], {"weight_shape": w.shape, "bias": True}, 2)]
+    for op, arrays, extra, launches in calls:
+        node = make_node(op, arrays, **attrs, **extra)
+        launched.clear()
+        ref, first = run_both(backend, ctx, node, arrays)
+        assert launched == [conv.TILED_SOURCE] * launches, f"{op}: {launched}"
+        _, second = run_both(backend, ctx, node, arrays)
+        check(ref, first, 1e-5, f"{op} tiled")
+        for a, b2 in zip(first, second):
+            np.testing.assert_array_equal(a, b2, err_msg=f"{op}: not deterministic")
 
 
 @pytest.mark.parametrize("tile", conv.GRAD_WEIGHT_TILES, ids=lambda t: f"{t[0]}x{t[1]}")

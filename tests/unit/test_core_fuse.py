@@ -10,7 +10,8 @@ from stepgraph.autodiff import append_backward
 from stepgraph.compile.build import build_train_graph
 from stepgraph.compile.feed import signature_of
 from stepgraph.compile.fuse import (eliminate_dead_code, fuse, fuse_activation_bias_grad,
-                                    fuse_cross_entropy, fuse_linear_activation,
+                                    fuse_conv_bias_grad, fuse_cross_entropy,
+                                    fuse_linear_activation,
                                     fuse_log_softmax_nll, fuse_pool_relu,
                                     fuse_step_bookkeeping)
 from stepgraph.ir.ops import ACTIVATIONS, GRAD_FROM_OUTPUT
@@ -160,14 +161,16 @@ def test_dead_code_is_removed_but_state_updates_stay():
     assert eliminate_dead_code(t.graph).nodes[0].attrs["kind"] == "relu"
 
 
-PASSES = [fuse_linear_activation, fuse_pool_relu, fuse_activation_bias_grad, fuse_cross_entropy,
-          fuse_log_softmax_nll, fuse_step_bookkeeping, eliminate_dead_code, fuse]
+PASSES = [fuse_linear_activation, fuse_pool_relu, fuse_activation_bias_grad, fuse_conv_bias_grad,
+          fuse_cross_entropy, fuse_log_softmax_nll, fuse_step_bookkeeping, eliminate_dead_code,
+          fuse]
 
 
 @pytest.mark.parametrize("fusion", PASSES, ids=lambda p: p.__name__)
 def test_passes_leave_their_input_graph_unchanged(fusion):
     """A pass returns a new graph: the one it was given still computes what it did."""
-    for graph in (linear_act_graph("gelu"), log_softmax_nll_graph(False), cross_entropy_graph()):
+    for graph in (linear_act_graph("gelu"), log_softmax_nll_graph(False), cross_entropy_graph(),
+                  conv_graph(True)):
         before = str(graph)
         nodes = [(n.op, list(n.inputs), list(n.outputs), dict(n.attrs)) for n in graph.nodes]
         fusion(graph)
@@ -202,6 +205,35 @@ def test_pool_relu_fuse_forward_and_backward():
               "target": gen.standard_normal((2, 3, 3, 3)).astype(np.float32)}
     want, got = run_graph(pool_relu_graph(), arrays, {}), run_graph(fused, arrays, {})
     for k in ("loss", "dx"):
+        assert_close(got[k], want[k], what=k)
+
+
+def conv_graph(bias: bool):
+    """x -> conv2d -> mse(target), with the backward w.r.t. w (and b)."""
+    t = Tracer()
+    x, target = t.input((2, 3, 7, 6), "float32", "x"), t.input((2, 4, 5, 4), "float32", "target")
+    w, b = t.input((4, 3, 3, 3), "float32", "w"), t.input((4,), "float32", "b")
+    y = t.op("conv2d", [x, w] + ([b] if bias else []), stride=(1, 1), padding=(0, 0))
+    loss = t.op("mse", [y, target])
+    t.graph.outputs = {"loss": loss.value}
+    grads = append_backward(t, loss.value, [w.value] + ([b.value] if bias else []))
+    t.graph.outputs.update({f"d{i}": g for i, g in enumerate(grads)})
+    return t.graph
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_conv_bias_grad_joins_the_weight_grad(bias):
+    fused = fuse_conv_bias_grad(conv_graph(bias))
+    (grad,) = [n for n in fused.nodes if n.op == "conv2d_grad_weight"]
+    assert "reduce_sum" not in ops(fused)
+    assert bool(grad.attrs.get("bias")) == bias and len(grad.outputs) == 1 + bias
+    gen = seeded("conv_bias")
+    arrays = {"x": gen.standard_normal((2, 3, 7, 6)).astype(np.float32),
+              "target": gen.standard_normal((2, 4, 5, 4)).astype(np.float32),
+              "w": gen.standard_normal((4, 3, 3, 3)).astype(np.float32),
+              "b": gen.standard_normal(4).astype(np.float32)}
+    want, got = run_graph(conv_graph(bias), arrays, {}), run_graph(fused, arrays, {})
+    for k in want:
         assert_close(got[k], want[k], what=k)
 
 

@@ -34,13 +34,13 @@ from __future__ import annotations
 import weakref
 from typing import Callable
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ...errors import CaptureError, ShapeError
 from ...ir.ops import conv_out
-from . import compiler, gemm
+from . import compiler, gemm, launchers
 
 SCRATCH_CHUNK_BYTES = 256 << 20
 BLOCK = 256
@@ -49,7 +49,7 @@ _CTYPES = {"float32": "float", "float64": "double"}
 GEMM_PATH_KERNELS = ("conv2d_im2col_kernel", "conv2d_grad_weight_gather_kernel",
                      "conv2d_col2im_kernel")
 
-PATHS = ("direct", "direct_narrow", "gemm")
+PATHS = ("direct", "direct_narrow", "tiled", "gemm")
 PATH = "auto"                 # "auto" (timed per node) or one of PATHS: tests force one
 DIRECT_SOURCE = "conv_direct.cu"
 DIRECT_MAX_TAPS = 1024        # conv_direct.cu's MAX_TAPS: a block's slice of w in shared memory
@@ -338,40 +338,263 @@ def conv2d_direct_grad_weight(ctx, g: Geometry, dy, x, dw) -> None:
             stream=ctx.stream)
 
 
+# ---- tiled kernels (kernels/conv_tiled.cu) -------------------------------------------------
+
+TILED_SOURCE = "conv_tiled.cu"
+TILED_TILES = ((2, 2), (4, 2), (2, 4))   # (channels, pixels) a thread computes: timed per node
+TILED_ROW_BLOCKS = (1, 2, 4, 8)  # grad_weight: blocks per sample (row ranges): timed per node
+TILED_MAX_KERNEL = 7           # larger windows unroll into too much code
+TILED_SHARED_BYTES = (48 << 10) - 256  # static shared arrays (alignment slack under 48 KiB)
+TILED_ITEMS = 256              # thread items a block aims at
+TILED_MAX_THREADS = 512        # conv_tiled.cu's __launch_bounds__
+TILED_MAX_PARTIAL_BYTES = 8 << 20  # grad_weight partial sums: beyond this, fewer row blocks
+GRAD_WEIGHT_ROW_TILE = 8       # dy pixels per step of conv2d_tiled_grad_weight_kernel (WT)
+SUM_THREADS = 256              # conv2d_tiled_grad_weight_sum_kernel: 32 columns x 8 slices
+
+
+def _odd(stride: int) -> int:
+    return stride | 1          # conv_tiled.cu's odd(): bank-spreading row and plane strides
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _threads(items: int) -> int:
+    return min(TILED_MAX_THREADS, max(32, _cdiv(items, 32) * 32))
+
+
+def tiled_unsupported(op: str, g: Geometry, dtype) -> str | None:
+    """Why the tiled kernels cannot run this op at all (shared-memory size aside), or None."""
+    if str(dtype) not in _CTYPES:
+        return f"dtype {dtype} (want one of {list(_CTYPES)})"
+    if (g.sh, g.sw) != (1, 1):
+        return f"stride {(g.sh, g.sw)} (the tiled kernels are stride 1)"
+    if max(g.kh, g.kw) > TILED_MAX_KERNEL:
+        return f"kernel {(g.kh, g.kw)} larger than {TILED_MAX_KERNEL}"
+    if op == "conv2d_grad_input" and (g.ph >= g.kh or g.pw >= g.kw):
+        return f"padding {(g.ph, g.pw)} not smaller than the kernel {(g.kh, g.kw)}"
+    if max(g.n * g.c * g.h * g.w, g.n * g.o * g.p) > DIRECT_MAX_ELEMENTS:
+        return f"a tensor of more than {DIRECT_MAX_ELEMENTS} elements (32-bit offsets)"
+    return None
+
+
+@dataclass(frozen=True)
+class TiledConv:
+    """One instantiation and launch of conv2d_tiled_kernel: the forward (flip False: in = x,
+    out = y) or the input gradient (flip True: in = dy, out = dx, the padding becomes
+    kernel - 1 - padding). gb output-channel groups of ob per block, px pixels per thread."""
+    n: int
+    cin: int
+    hin: int
+    win: int
+    cout: int
+    kh: int
+    kw: int
+    ph: int
+    pw: int
+    ob: int
+    px: int
+    gb: int
+    flip: bool
+
+    @property
+    def hout(self) -> int:
+        return self.hin + 2 * self.ph - self.kh + 1
+
+    @property
+    def wout(self) -> int:
+        return self.win + 2 * self.pw - self.kw + 1
+
+    @property
+    def groups(self) -> int:
+        return _cdiv(self.cout, self.ob)
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return self.n, _cdiv(self.groups, self.gb)
+
+    @property
+    def threads(self) -> int:
+        return _threads(self.gb * self.hout * _cdiv(self.wout, self.px))
+
+    def shared_bytes(self, itemsize: int) -> int:
+        wp = _cdiv(self.wout, self.px) * self.px + self.kw - 1
+        plane = _odd((self.hout + self.kh - 1) * _odd(wp))
+        return (self.gb * self.cin * self.kh * self.kw * self.ob + self.cin * plane) * itemsize
+
+    def name(self, ctype: str) -> str:
+        params = (self.cin, self.hin, self.win, self.cout, self.kh, self.kw, self.ph, self.pw,
+                  self.ob, self.px, self.gb)
+        return (f"conv2d_tiled_kernel<{ctype}, {', '.join(map(str, params))}, "
+                f"{'true' if self.flip else 'false'}>")
+
+
+def tiled_conv(g: Geometry, flip: bool, tile: tuple[int, int], itemsize: int) -> TiledConv | None:
+    """The forward (flip False) or grad_input (True) kernel of `g` with `tile`: channel groups
+    per block for about TILED_ITEMS thread items, fewer where shared memory runs out; None
+    where even one group does not fit."""
+    if flip:
+        dims = (g.o, g.ho, g.wo, g.c, g.kh, g.kw, g.kh - 1 - g.ph, g.kw - 1 - g.pw)
+    else:
+        dims = (g.c, g.h, g.w, g.o, g.kh, g.kw, g.ph, g.pw)
+    ob, px = tile
+    conv = TiledConv(g.n, *dims, ob, px, 1, flip)
+    per_group = conv.hout * _cdiv(conv.wout, px)
+    splits = min(conv.groups, max(1, _cdiv(conv.groups * per_group, TILED_ITEMS)))
+    for gb in range(_cdiv(conv.groups, splits), 0, -1):
+        conv = replace(conv, gb=gb)
+        if conv.shared_bytes(itemsize) <= TILED_SHARED_BYTES:
+            return conv
+    return None
+
+
+@dataclass(frozen=True)
+class TiledGradWeight:
+    """One instantiation and launch of conv2d_tiled_grad_weight_kernel: rb blocks per sample
+    (row ranges), r row groups per (o, c) pair in a block, db alongside dw when bias."""
+    g: Geometry
+    rb: int
+    r: int
+    bias: bool
+
+    @property
+    def rows(self) -> int:
+        return _cdiv(self.g.ho, self.rb)
+
+    @property
+    def per_part(self) -> int:
+        return self.g.o * self.g.ck + (self.g.o if self.bias else 0)
+
+    @property
+    def parts(self) -> int:
+        return self.g.n * self.rb
+
+    @property
+    def threads(self) -> int:
+        return _threads(self.g.o * self.g.c * self.r)
+
+    def shared_bytes(self, itemsize: int) -> int:
+        g, wd = self.g, _cdiv(self.g.wo, GRAD_WEIGHT_ROW_TILE) * GRAD_WEIGHT_ROW_TILE
+        x_plane = _odd((self.rows + g.kh - 1) * _odd(wd + g.kw - 1))
+        d_plane = _odd(self.rows * _odd(wd))
+        sums = self.r * self.per_part if self.r > 1 else 1
+        return (g.c * x_plane + g.o * d_plane + sums) * itemsize
+
+    def name(self, ctype: str) -> str:
+        g = self.g
+        params = (g.c, g.h, g.w, g.o, g.kh, g.kw, g.ph, g.pw, self.rb, self.r,
+                  GRAD_WEIGHT_ROW_TILE)
+        return (f"conv2d_tiled_grad_weight_kernel<{ctype}, {', '.join(map(str, params))}, "
+                f"{'true' if self.bias else 'false'}>")
+
+
+def tiled_grad_weight(g: Geometry, rb: int, bias: bool, itemsize: int) -> TiledGradWeight | None:
+    """The grad_weight kernel of `g` with rb row blocks per sample and as many row groups as
+    TILED_ITEMS and shared memory allow; None where rb leaves a block under 2 rows (unless
+    rb = 1), the partial sums exceed TILED_MAX_PARTIAL_BYTES or one row group won't fit."""
+    plan = TiledGradWeight(g, rb, 1, bias)
+    if (rb > 1 and plan.rows < 2) or _cdiv(g.ho, plan.rows) < rb or \
+            plan.parts * plan.per_part * itemsize > TILED_MAX_PARTIAL_BYTES:
+        return None
+    for r in range(max(1, min(plan.rows, TILED_ITEMS // max(1, g.o * g.c))), 0, -1):
+        plan = replace(plan, r=r)
+        if plan.shared_bytes(itemsize) <= TILED_SHARED_BYTES:
+            return plan
+    return None
+
+
+def _tiled_kernel(name: str, arrays: dict):
+    dtype = next(iter(arrays.values())).dtype
+    for what, arr in arrays.items():
+        if arr.dtype != dtype:
+            raise ShapeError(f"conv2d tiled: {what} is {arr.dtype}, the other operands {dtype}")
+    return compiler.kernel(TILED_SOURCE, name)
+
+
+def conv2d_tiled(ctx, conv: TiledConv, src, w, bias, out) -> None:
+    """y = conv2d(x, w) + bias (conv.flip False: src = x, out = y) or dx of it (flip True:
+    src = dy, out = dx, bias None): one launch of conv2d_tiled_kernel."""
+    kern = _tiled_kernel(conv.name(_CTYPES[str(src.dtype)]),
+                         {"input": src, "weight": w, "output": out}
+                         | ({} if bias is None else {"bias": bias}))
+    kern(conv.grid, (conv.threads,),
+         (src, w, w if bias is None else bias, out, np.int32(bias is not None)),
+         stream=ctx.stream)
+
+
+def conv2d_tiled_grad_weight(ctx, plan: TiledGradWeight, dy, x, dw, db) -> None:
+    """dw (and db = dy summed over N, Ho, Wo, unless None) of a stride-1 conv: each block
+    writes the partial sums of its rows of one sample to scratch, a second launch adds the
+    partials in order."""
+    ctype = _CTYPES[str(x.dtype)]
+    kern = _tiled_kernel(plan.name(ctype),
+                         {"dy": dy, "x": x, "dw": dw} | ({} if db is None else {"db": db}))
+    partial = _scratch(ctx, [(plan.parts, plan.per_part)], x.dtype)[0]
+    kern((plan.g.n, plan.rb), (plan.threads,), (dy, x, partial), stream=ctx.stream)
+    weights = plan.g.o * plan.g.ck
+    compiler.kernel(TILED_SOURCE, f"conv2d_tiled_grad_weight_sum_kernel<{ctype}>")(
+        (_cdiv(plan.per_part, 32),), (SUM_THREADS,),
+        (partial, dw, dw if db is None else db, np.int32(weights), np.int32(plan.per_part),
+         np.int32(plan.parts)), stream=ctx.stream)
+
+
+# Geometries kernel_names() instantiates the tiled kernels for (the NVRTC test): the benchmark
+# CNN's convs and a padded 3x3 one.
+TILED_NAME_GEOMETRIES = (Geometry(64, 1, 28, 28, 10, 5, 5, 1, 1, 0, 0),
+                         Geometry(64, 10, 12, 12, 20, 5, 5, 1, 1, 0, 0),
+                         Geometry(8, 16, 14, 14, 32, 3, 3, 1, 1, 1, 1))
+
+
+def _tiled_names(ctype: str, itemsize: int) -> set[str]:
+    names = {f"conv2d_tiled_grad_weight_sum_kernel<{ctype}>"}
+    for g in TILED_NAME_GEOMETRIES:
+        convs = [tiled_conv(g, flip, tile, itemsize) for tile in TILED_TILES
+                 for flip in (False, True)]
+        grads = [tiled_grad_weight(g, rb, bias, itemsize) for rb in TILED_ROW_BLOCKS
+                 for bias in (False, True)]
+        names.update(k.name(ctype) for k in convs + grads if k is not None)
+    return names
+
+
 def kernel_names() -> dict[str, set[str]]:
     """{.cu file: every kernel name this module may launch}, template instantiations included
-    (the NVRTC compile test instantiates each)."""
-    names: dict[str, set[str]] = {"conv.cu": set(), DIRECT_SOURCE: set()}
-    for ctype in _CTYPES.values():
+    (the NVRTC compile test instantiates each; the tiled kernels for TILED_NAME_GEOMETRIES)."""
+    names: dict[str, set[str]] = {"conv.cu": set(), DIRECT_SOURCE: set(), TILED_SOURCE: set()}
+    for dtype, ctype in _CTYPES.items():
         names["conv.cu"].update(f"{kernel}<{ctype}>" for kernel in GEMM_PATH_KERNELS)
         names[DIRECT_SOURCE].update(
             [_direct_name(kind, ctype, (channels,)) for kind in ("forward", "grad_input")
              for channels in (DIRECT_CHANNELS, NARROW_CHANNELS)]
             + [_direct_name("grad_weight", ctype, tile) for tile in GRAD_WEIGHT_TILES]
             + [f"conv2d_direct_grad_weight_sum_kernel<{ctype}>"])
+        names[TILED_SOURCE].update(_tiled_names(ctype, np.dtype(dtype).itemsize))
     return names
 
 
 # ---- choosing the path ---------------------------------------------------------------------
 
 def _run_faster(node, ctx, g: Geometry, dtype, paths: dict[str, Callable[[], None]]) -> None:
-    """Run the op through one of `paths` (path name -> launch function): PATH when forced;
-    else, where the direct kernels can run, the fastest path when each was timed on the
-    node's real buffers at its first eager call (no size rule predicted the benchmark convs:
-    the direct kernel won 4x on conv1's forward and lost 2.5x on conv2's grad_input); during
-    a capture with no timing yet, `use_direct`'s rule."""
+    """Run the op through one of `paths` (path name -> launch function, only the paths that can
+    run this op, "gemm" always among them): PATH when forced (a tiled path for "tiled"); else
+    the fastest when each was timed on the node's real buffers at its first eager call (no
+    size rule predicted the benchmark convs: the direct kernel won 4x on conv1's forward and
+    lost 2.5x on conv2's grad_input); during a capture with no timing yet, a tiled path if
+    there is one, else `use_direct`'s rule."""
     if PATH != "auto":
         if PATH not in PATHS:
             raise ValueError(f"conv.PATH must be 'auto' or one of {PATHS}, got {PATH!r}")
-        paths.get(PATH, paths["direct"])()    # grad_weight has one direct kernel
-        return
-    if direct_unsupported(g, dtype) is not None:
-        paths["gemm"]()
+        forced = [name for name in paths if name == PATH or name.startswith(PATH + ":")]
+        # grad_weight has one direct kernel, which both direct names run.
+        paths[forced[0] if forced else "direct" if "direct" in paths else "gemm"]()
         return
     chosen = ctx.extras.setdefault("conv_paths", weakref.WeakKeyDictionary())
-    if node not in chosen and not ctx.stream.is_capturing():
+    if node not in chosen and not ctx.stream.is_capturing() and len(paths) > 1:
         chosen[node] = min(paths, key=lambda name: _time(ctx, paths[name]))
-    paths[chosen.get(node, "direct" if use_direct(node.op, g, dtype) else "gemm")]()
+    tiled = [name for name in paths if name.startswith("tiled")]
+    default = tiled[0] if tiled else "direct" if "direct" in paths and \
+        use_direct(node.op, g, dtype) else "gemm"
+    paths[chosen.get(node, default)]()
 
 
 def _time(ctx, run) -> float:
@@ -397,10 +620,26 @@ def conv2d_forward(node, ins, outs, ctx) -> None:
     g = _geometry(x.shape, w.shape, node.attrs)
     bias = _contiguous(ins[2], "bias", (g.o,)) if len(ins) == 3 else None
     y = _contiguous(outs[0], "y", (g.n, g.o, g.ho, g.wo))
-    _run_faster(node, ctx, g, x.dtype, {
-        "direct": lambda: conv2d_direct_forward(ctx, g, x, w, bias, y),
-        "direct_narrow": lambda: conv2d_direct_forward(ctx, g, x, w, bias, y, NARROW_CHANNELS),
-        "gemm": lambda: _forward_gemm(ctx, node, g, x, w, bias, y)})
+    paths = _tiled_paths("conv2d", g, x, lambda conv: conv2d_tiled(ctx, conv, x, w, bias, y))
+    if direct_unsupported(g, x.dtype) is None:
+        paths["direct"] = lambda: conv2d_direct_forward(ctx, g, x, w, bias, y)
+        paths["direct_narrow"] = lambda: conv2d_direct_forward(ctx, g, x, w, bias, y,
+                                                               NARROW_CHANNELS)
+    paths["gemm"] = lambda: _forward_gemm(ctx, node, g, x, w, bias, y)
+    _run_faster(node, ctx, g, x.dtype, paths)
+
+
+def _tiled_paths(op: str, g: Geometry, x, run) -> dict[str, Callable[[], None]]:
+    """{"tiled:OBxPX": launch} for each of TILED_TILES whose block fits (none where the tiled
+    kernels cannot run `op`); run(conv) launches one TiledConv."""
+    if tiled_unsupported(op, g, x.dtype) is not None:
+        return {}
+    paths = {}
+    for ob, px in TILED_TILES:
+        conv = tiled_conv(g, op == "conv2d_grad_input", (ob, px), x.itemsize)
+        if conv is not None:
+            paths[f"tiled:{ob}x{px}"] = lambda conv=conv: run(conv)
+    return paths
 
 
 def _forward_gemm(ctx, node, g: Geometry, x, w, bias, y) -> None:
@@ -429,10 +668,14 @@ def conv2d_grad_input(node, ins, outs, ctx) -> None:
     g = _geometry(tuple(node.attrs["input_shape"]), w.shape, node.attrs)
     dy = _contiguous(ins[0], "dy", (g.n, g.o, g.ho, g.wo))
     dx = _contiguous(outs[0], "dx", (g.n, g.c, g.h, g.w))
-    _run_faster(node, ctx, g, dy.dtype, {
-        "direct": lambda: conv2d_direct_grad_input(ctx, g, dy, w, dx),
-        "direct_narrow": lambda: conv2d_direct_grad_input(ctx, g, dy, w, dx, NARROW_CHANNELS),
-        "gemm": lambda: _grad_input_gemm(ctx, node, g, dy, w, dx)})
+    paths = _tiled_paths("conv2d_grad_input", g, dy,
+                         lambda conv: conv2d_tiled(ctx, conv, dy, w, None, dx))
+    if direct_unsupported(g, dy.dtype) is None:
+        paths["direct"] = lambda: conv2d_direct_grad_input(ctx, g, dy, w, dx)
+        paths["direct_narrow"] = lambda: conv2d_direct_grad_input(ctx, g, dy, w, dx,
+                                                                  NARROW_CHANNELS)
+    paths["gemm"] = lambda: _grad_input_gemm(ctx, node, g, dy, w, dx)
+    _run_faster(node, ctx, g, dy.dtype, paths)
 
 
 def _grad_input_gemm(ctx, node, g: Geometry, dy, w, dx) -> None:
@@ -450,11 +693,13 @@ def _grad_input_gemm(ctx, node, g: Geometry, dy, w, dx) -> None:
 
 
 def conv2d_grad_weight(node, ins, outs, ctx) -> None:
-    """dw of conv2d given dy and x (ops.py, "conv2d_grad_weight").
+    """dw of conv2d given dy and x, and with attrs bias also db = dy summed over (N, Ho, Wo)
+    (ops.py, "conv2d_grad_weight"). The tiled kernel computes db alongside dw; the other paths
+    add a reduce_sum launch.
 
-    The batch sum goes into the GEMM's K dimension, deterministic: per chunk a gather kernel
-    writes cols_t (CK, nb*P) and dy_t (O, nb*P), then row-major dW (O, CK) = dy_t @ cols_t^T,
-    accumulating over chunks (beta = 1 after the first):
+    GEMM path: the batch sum goes into the GEMM's K dimension, deterministic: per chunk a
+    gather kernel writes cols_t (CK, nb*P) and dy_t (O, nb*P), then row-major
+    dW (O, CK) = dy_t @ cols_t^T, accumulating over chunks (beta = 1 after the first):
       cuBLASLt A = cols_t: stored (nbP, CK) ld nbP, op T -> (CK, nbP)
       cuBLASLt B = dy_t:   stored (nbP, O) ld nbP, op N
       cuBLASLt D = dW:     stored (CK, O) ld CK
@@ -463,9 +708,26 @@ def conv2d_grad_weight(node, ins, outs, ctx) -> None:
     g = _geometry(x.shape, tuple(node.attrs["weight_shape"]), node.attrs)
     dy = _contiguous(ins[0], "dy", (g.n, g.o, g.ho, g.wo))
     dw = _contiguous(outs[0], "dw", (g.o, g.c, g.kh, g.kw))
-    _run_faster(node, ctx, g, x.dtype, {
-        "direct": lambda: conv2d_direct_grad_weight(ctx, g, dy, x, dw),
-        "gemm": lambda: _grad_weight_gemm(ctx, node, g, dy, x, dw)})
+    db = _contiguous(outs[1], "db", (g.o,)) if node.attrs.get("bias") else None
+
+    def with_bias(run: Callable[[], None]) -> Callable[[], None]:
+        def both() -> None:
+            run()
+            if db is not None:
+                launchers.reduce_sum_forward(ctx, node, dy, db, (0, 2, 3))
+        return both
+
+    paths = {}
+    if tiled_unsupported(node.op, g, x.dtype) is None:
+        for rb in TILED_ROW_BLOCKS:
+            plan = tiled_grad_weight(g, rb, db is not None, x.itemsize)
+            if plan is not None:
+                paths[f"tiled:rb{rb}"] = (
+                    lambda plan=plan: conv2d_tiled_grad_weight(ctx, plan, dy, x, dw, db))
+    if direct_unsupported(g, x.dtype) is None:
+        paths["direct"] = with_bias(lambda: conv2d_direct_grad_weight(ctx, g, dy, x, dw))
+    paths["gemm"] = with_bias(lambda: _grad_weight_gemm(ctx, node, g, dy, x, dw))
+    _run_faster(node, ctx, g, x.dtype, paths)
 
 
 def _grad_weight_gemm(ctx, node, g: Geometry, dy, x, dw) -> None:

@@ -160,6 +160,8 @@ def conv2d_grad_weight(node: Node, ins, outs, ctx):
     _, _, kh, kw = node.attrs["weight_shape"]
     win = _windows(_pad(x, ph, pw), kh, kw, sh, sw)
     outs[0][...] = np.einsum("nchwij,nohw->ocij", win, dy, optimize=True)
+    if node.attrs.get("bias"):
+        outs[1][...] = dy.sum(axis=(0, 2, 3))
 
 
 @impl("conv2d_grad_input")
