@@ -235,12 +235,15 @@ STRIDE1_CONVS = [(cfg, i) for i, cfg in zip(CONV_IDS, CONVS) if cfg[7] == (1, 1)
 
 
 @pytest.mark.parametrize("tile", conv.TILED_TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("ks", conv.TILED_CHANNEL_SPLITS, ids=lambda k: f"k{k}")
 @pytest.mark.parametrize("cfg", [c for c, _ in STRIDE1_CONVS], ids=[i for _, i in STRIDE1_CONVS])
-def test_conv2d_tiled_every_tile(backend, ctx32, monkeypatch, cfg, tile):
-    """Each (channels, pixels) tile of conv2d_tiled_kernel, forward and grad_input, partial
-    channel groups and row tiles included; the tiled kernel is what ran."""
+def test_conv2d_tiled_every_tile(backend, ctx32, monkeypatch, cfg, tile, ks):
+    """Each (channels, pixels) tile and input-channel split of conv2d_tiled_kernel, forward
+    and grad_input, partial channel groups and row tiles included; where that kernel exists
+    for the shape, it is what ran."""
     monkeypatch.setattr(conv, "PATH", "tiled")
     monkeypatch.setattr(conv, "TILED_TILES", (tile,))
+    monkeypatch.setattr(conv, "TILED_CHANNEL_SPLITS", (ks,))
     launched = []
     kernel = conv.compiler.kernel
     monkeypatch.setattr(conv.compiler, "kernel",
@@ -252,18 +255,19 @@ def test_conv2d_tiled_every_tile(backend, ctx32, monkeypatch, cfg, tile):
                               ("conv2d_grad_input", [dy, w], {"input_shape": x.shape})]:
         launched.clear()
         node = make_node(op, arrays, **attrs, **extra)
-        check(*run_both(backend, ctx32, node, arrays), 1e-5, f"{op} tiled {tile} {cfg}")
-        if conv.tiled_unsupported(op, g, x.dtype) is None:
+        check(*run_both(backend, ctx32, node, arrays), 1e-5, f"{op} tiled {tile} k{ks} {cfg}")
+        if conv.tiled_unsupported(op, g, x.dtype) is None and \
+                conv.tiled_conv(g, op == "conv2d_grad_input", tile, ks, x.itemsize) is not None:
             assert launched == [conv.TILED_SOURCE], f"{op}: {launched}"
 
 
-@pytest.mark.parametrize("rb", conv.TILED_ROW_BLOCKS, ids=lambda rb: f"rb{rb}")
+@pytest.mark.parametrize("split", conv.TILED_GRAD_WEIGHT_SPLITS, ids=lambda s: f"r{s[0]}o{s[1]}")
 @pytest.mark.parametrize("cfg", [c for c, _ in STRIDE1_CONVS], ids=[i for _, i in STRIDE1_CONVS])
-def test_conv2d_tiled_grad_weight_every_row_split(backend, ctx32, monkeypatch, cfg, rb):
-    """conv2d_tiled_grad_weight_kernel with rb blocks per sample (where that split exists),
-    with and without the bias gradient; the tiled kernels are what ran."""
+def test_conv2d_tiled_grad_weight_every_split(backend, ctx32, monkeypatch, cfg, split):
+    """conv2d_tiled_grad_weight_kernel with (row ranges, channel ranges) blocks per sample
+    (where that split exists), with and without the bias gradient; the tiled kernels ran."""
     monkeypatch.setattr(conv, "PATH", "tiled")
-    monkeypatch.setattr(conv, "TILED_ROW_BLOCKS", (rb,))
+    monkeypatch.setattr(conv, "TILED_GRAD_WEIGHT_SPLITS", (split,))
     launched = []
     kernel = conv.compiler.kernel
     monkeypatch.setattr(conv.compiler, "kernel",
@@ -273,8 +277,8 @@ def test_conv2d_tiled_grad_weight_every_row_split(backend, ctx32, monkeypatch, c
     for bias in (False, True):
         launched.clear()
         node = make_node("conv2d_grad_weight", [dy, x], weight_shape=w.shape, bias=bias, **attrs)
-        check(*run_both(backend, ctx32, node, [dy, x]), 1e-5, f"grad_weight rb{rb} {cfg}")
-        if conv.tiled_grad_weight(g, rb, bias, x.itemsize) is not None:
+        check(*run_both(backend, ctx32, node, [dy, x]), 1e-5, f"grad_weight {split} {cfg}")
+        if conv.tiled_grad_weight(g, split, bias, x.itemsize) is not None:
             assert launched == [conv.TILED_SOURCE] * 2, launched
 
 

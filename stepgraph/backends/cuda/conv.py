@@ -31,6 +31,7 @@ Each output has one owner summing in a fixed order, so they are deterministic li
 """
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import Callable
 
@@ -341,8 +342,11 @@ def conv2d_direct_grad_weight(ctx, g: Geometry, dy, x, dw) -> None:
 # ---- tiled kernels (kernels/conv_tiled.cu) -------------------------------------------------
 
 TILED_SOURCE = "conv_tiled.cu"
-TILED_TILES = ((2, 2), (4, 2), (2, 4))   # (channels, pixels) a thread computes: timed per node
-TILED_ROW_BLOCKS = (1, 2, 4, 8)  # grad_weight: blocks per sample (row ranges): timed per node
+# Candidates, each timed per node: (channels, pixels) a thread computes x input-channel
+# splits (forward, grad_input); (row ranges, output-channel ranges) per sample (grad_weight).
+TILED_TILES = ((2, 2), (2, 4))
+TILED_CHANNEL_SPLITS = (1, 2, 4, 5)
+TILED_GRAD_WEIGHT_SPLITS = ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1))
 TILED_MAX_KERNEL = 7           # larger windows unroll into too much code
 TILED_SHARED_BYTES = (48 << 10) - 256  # static shared arrays (alignment slack under 48 KiB)
 TILED_ITEMS = 256              # thread items a block aims at
@@ -396,6 +400,7 @@ class TiledConv:
     ob: int
     px: int
     gb: int
+    ks: int
     flip: bool
 
     @property
@@ -415,34 +420,47 @@ class TiledConv:
         return self.n, _cdiv(self.groups, self.gb)
 
     @property
+    def slots(self) -> int:
+        """Thread items of a block (each on ks threads)."""
+        return self.gb * self.hout * _cdiv(self.wout, self.px)
+
+    @property
     def threads(self) -> int:
-        return _threads(self.gb * self.hout * _cdiv(self.wout, self.px))
+        return _threads(self.ks * self.slots)
 
     def shared_bytes(self, itemsize: int) -> int:
         wp = _cdiv(self.wout, self.px) * self.px + self.kw - 1
         plane = _odd((self.hout + self.kh - 1) * _odd(wp))
-        return (self.gb * self.cin * self.kh * self.kw * self.ob + self.cin * plane) * itemsize
+        handed = max(1, (self.ks - 1) * self.slots * self.ob * self.px)
+        return (self.gb * self.cin * self.kh * self.kw * self.ob + self.cin * plane
+                + handed) * itemsize
 
     def name(self, ctype: str) -> str:
         params = (self.cin, self.hin, self.win, self.cout, self.kh, self.kw, self.ph, self.pw,
-                  self.ob, self.px, self.gb)
+                  self.ob, self.px, self.gb, self.ks)
         return (f"conv2d_tiled_kernel<{ctype}, {', '.join(map(str, params))}, "
                 f"{'true' if self.flip else 'false'}>")
 
 
-def tiled_conv(g: Geometry, flip: bool, tile: tuple[int, int], itemsize: int) -> TiledConv | None:
-    """The forward (flip False) or grad_input (True) kernel of `g` with `tile`: channel groups
-    per block for about TILED_ITEMS thread items, fewer where shared memory runs out; None
-    where even one group does not fit."""
+def tiled_conv(g: Geometry, flip: bool, tile: tuple[int, int], ks: int,
+               itemsize: int) -> TiledConv | None:
+    """The forward (flip False) or grad_input (True) kernel of `g` with `tile` and the input
+    channels split over ks threads: channel groups per block for about TILED_ITEMS thread
+    items, fewer where shared memory runs out (ks > 1: all items in one pass of at most
+    TILED_MAX_THREADS threads); None where even one group does not fit."""
     if flip:
         dims = (g.o, g.ho, g.wo, g.c, g.kh, g.kw, g.kh - 1 - g.ph, g.kw - 1 - g.pw)
     else:
         dims = (g.c, g.h, g.w, g.o, g.kh, g.kw, g.ph, g.pw)
     ob, px = tile
-    conv = TiledConv(g.n, *dims, ob, px, 1, flip)
-    per_group = conv.hout * _cdiv(conv.wout, px)
-    splits = min(conv.groups, max(1, _cdiv(conv.groups * per_group, TILED_ITEMS)))
-    for gb in range(_cdiv(conv.groups, splits), 0, -1):
+    conv = TiledConv(g.n, *dims, ob, px, 1, ks, flip)
+    if ks > 1 and (conv.cin % ks or ks * conv.slots > TILED_MAX_THREADS):
+        return None
+    splits = min(conv.groups, max(1, _cdiv(conv.groups * conv.slots, TILED_ITEMS)))
+    gb = _cdiv(conv.groups, splits)
+    if ks > 1:
+        gb = min(gb, TILED_MAX_THREADS // (ks * conv.slots))
+    for gb in range(gb, 0, -1):
         conv = replace(conv, gb=gb)
         if conv.shared_bytes(itemsize) <= TILED_SHARED_BYTES:
             return conv
@@ -451,10 +469,12 @@ def tiled_conv(g: Geometry, flip: bool, tile: tuple[int, int], itemsize: int) ->
 
 @dataclass(frozen=True)
 class TiledGradWeight:
-    """One instantiation and launch of conv2d_tiled_grad_weight_kernel: rb blocks per sample
-    (row ranges), r row groups per (o, c) pair in a block, db alongside dw when bias."""
+    """One instantiation and launch of conv2d_tiled_grad_weight_kernel: rb x os blocks per
+    sample (row ranges x output-channel ranges), r row groups per (o, c) pair in a block, db
+    alongside dw when bias."""
     g: Geometry
     rb: int
+    os: int
     r: int
     bias: bool
 
@@ -471,33 +491,43 @@ class TiledGradWeight:
         return self.g.n * self.rb
 
     @property
+    def channels(self) -> int:
+        """Output channels of a block."""
+        return _cdiv(self.g.o, self.os)
+
+    @property
     def threads(self) -> int:
-        return _threads(self.g.o * self.g.c * self.r)
+        return _threads(self.channels * self.g.c * self.r)
 
     def shared_bytes(self, itemsize: int) -> int:
         g, wd = self.g, _cdiv(self.g.wo, GRAD_WEIGHT_ROW_TILE) * GRAD_WEIGHT_ROW_TILE
         x_plane = _odd((self.rows + g.kh - 1) * _odd(wd + g.kw - 1))
         d_plane = _odd(self.rows * _odd(wd))
-        sums = self.r * self.per_part if self.r > 1 else 1
-        return (g.c * x_plane + g.o * d_plane + sums) * itemsize
+        mine = self.channels * (g.ck + (1 if self.bias else 0))
+        sums = self.r * mine if self.r > 1 else 1
+        return (g.c * x_plane + self.channels * d_plane + sums) * itemsize
 
     def name(self, ctype: str) -> str:
         g = self.g
-        params = (g.c, g.h, g.w, g.o, g.kh, g.kw, g.ph, g.pw, self.rb, self.r,
+        params = (g.c, g.h, g.w, g.o, g.kh, g.kw, g.ph, g.pw, self.rb, self.os, self.r,
                   GRAD_WEIGHT_ROW_TILE)
         return (f"conv2d_tiled_grad_weight_kernel<{ctype}, {', '.join(map(str, params))}, "
                 f"{'true' if self.bias else 'false'}>")
 
 
-def tiled_grad_weight(g: Geometry, rb: int, bias: bool, itemsize: int) -> TiledGradWeight | None:
-    """The grad_weight kernel of `g` with rb row blocks per sample and as many row groups as
-    TILED_ITEMS and shared memory allow; None where rb leaves a block under 2 rows (unless
-    rb = 1), the partial sums exceed TILED_MAX_PARTIAL_BYTES or one row group won't fit."""
-    plan = TiledGradWeight(g, rb, 1, bias)
+def tiled_grad_weight(g: Geometry, split: tuple[int, int], bias: bool,
+                      itemsize: int) -> TiledGradWeight | None:
+    """The grad_weight kernel of `g` with split = (rb, os) blocks per sample and as many row
+    groups as TILED_ITEMS and shared memory allow; None where a split leaves a block without
+    rows or channels (or under 2 rows), the partial sums exceed TILED_MAX_PARTIAL_BYTES or
+    one row group won't fit."""
+    rb, os = split
+    plan = TiledGradWeight(g, rb, os, 1, bias)
     if (rb > 1 and plan.rows < 2) or _cdiv(g.ho, plan.rows) < rb or \
+            _cdiv(g.o, plan.channels) < os or \
             plan.parts * plan.per_part * itemsize > TILED_MAX_PARTIAL_BYTES:
         return None
-    for r in range(max(1, min(plan.rows, TILED_ITEMS // max(1, g.o * g.c))), 0, -1):
+    for r in range(max(1, min(plan.rows, TILED_ITEMS // max(1, plan.channels * g.c))), 0, -1):
         plan = replace(plan, r=r)
         if plan.shared_bytes(itemsize) <= TILED_SHARED_BYTES:
             return plan
@@ -531,7 +561,7 @@ def conv2d_tiled_grad_weight(ctx, plan: TiledGradWeight, dy, x, dw, db) -> None:
     kern = _tiled_kernel(plan.name(ctype),
                          {"dy": dy, "x": x, "dw": dw} | ({} if db is None else {"db": db}))
     partial = _scratch(ctx, [(plan.parts, plan.per_part)], x.dtype)[0]
-    kern((plan.g.n, plan.rb), (plan.threads,), (dy, x, partial), stream=ctx.stream)
+    kern((plan.g.n, plan.rb, plan.os), (plan.threads,), (dy, x, partial), stream=ctx.stream)
     weights = plan.g.o * plan.g.ck
     compiler.kernel(TILED_SOURCE, f"conv2d_tiled_grad_weight_sum_kernel<{ctype}>")(
         (_cdiv(plan.per_part, 32),), (SUM_THREADS,),
@@ -549,10 +579,10 @@ TILED_NAME_GEOMETRIES = (Geometry(64, 1, 28, 28, 10, 5, 5, 1, 1, 0, 0),
 def _tiled_names(ctype: str, itemsize: int) -> set[str]:
     names = {f"conv2d_tiled_grad_weight_sum_kernel<{ctype}>"}
     for g in TILED_NAME_GEOMETRIES:
-        convs = [tiled_conv(g, flip, tile, itemsize) for tile in TILED_TILES
-                 for flip in (False, True)]
-        grads = [tiled_grad_weight(g, rb, bias, itemsize) for rb in TILED_ROW_BLOCKS
-                 for bias in (False, True)]
+        convs = [tiled_conv(g, flip, tile, ks, itemsize) for tile in TILED_TILES
+                 for ks in TILED_CHANNEL_SPLITS for flip in (False, True)]
+        grads = [tiled_grad_weight(g, split, bias, itemsize)
+                 for split in TILED_GRAD_WEIGHT_SPLITS for bias in (False, True)]
         names.update(k.name(ctype) for k in convs + grads if k is not None)
     return names
 
@@ -630,15 +660,15 @@ def conv2d_forward(node, ins, outs, ctx) -> None:
 
 
 def _tiled_paths(op: str, g: Geometry, x, run) -> dict[str, Callable[[], None]]:
-    """{"tiled:OBxPX": launch} for each of TILED_TILES whose block fits (none where the tiled
+    """{"tiled:OBxPXkKS": launch} for each tile and channel split whose block fits (none where the tiled
     kernels cannot run `op`); run(conv) launches one TiledConv."""
     if tiled_unsupported(op, g, x.dtype) is not None:
         return {}
     paths = {}
-    for ob, px in TILED_TILES:
-        conv = tiled_conv(g, op == "conv2d_grad_input", (ob, px), x.itemsize)
+    for (ob, px), ks in itertools.product(TILED_TILES, TILED_CHANNEL_SPLITS):
+        conv = tiled_conv(g, op == "conv2d_grad_input", (ob, px), ks, x.itemsize)
         if conv is not None:
-            paths[f"tiled:{ob}x{px}"] = lambda conv=conv: run(conv)
+            paths[f"tiled:{ob}x{px}k{ks}"] = lambda conv=conv: run(conv)
     return paths
 
 
@@ -719,10 +749,10 @@ def conv2d_grad_weight(node, ins, outs, ctx) -> None:
 
     paths = {}
     if tiled_unsupported(node.op, g, x.dtype) is None:
-        for rb in TILED_ROW_BLOCKS:
-            plan = tiled_grad_weight(g, rb, db is not None, x.itemsize)
+        for rb, os in TILED_GRAD_WEIGHT_SPLITS:
+            plan = tiled_grad_weight(g, (rb, os), db is not None, x.itemsize)
             if plan is not None:
-                paths[f"tiled:rb{rb}"] = (
+                paths[f"tiled:r{rb}o{os}"] = (
                     lambda plan=plan: conv2d_tiled_grad_weight(ctx, plan, dy, x, dw, db))
     if direct_unsupported(g, x.dtype) is None:
         paths["direct"] = with_bias(lambda: conv2d_direct_grad_weight(ctx, g, dy, x, dw))

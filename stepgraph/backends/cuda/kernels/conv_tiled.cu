@@ -42,15 +42,17 @@ __device__ __forceinline__ void stage(T* dst, const T* __restrict__ src, From fr
 }
 
 // Stages dst[p][h][w] (row stride ROW, plane stride PLANE) = src[p][h0 + h - PH][w - PW] for
-// P planes of HD x WD, zero outside the HS x WS source planes; reads run along source rows.
+// P planes of HD x WD, zero outside the HS x WS source planes and for p >= planes (the source
+// has only that many); reads run along source rows.
 template <int P, int HS, int WS, int HD, int WD, int PH, int PW, int ROW, int PLANE, typename T>
-__device__ __forceinline__ void stage_planes(T* dst, const T* __restrict__ src, int h0) {
+__device__ __forceinline__ void stage_planes(T* dst, const T* __restrict__ src, int h0,
+                                             int planes = P) {
     stage<P * HD * WD>(
         dst, src,
         [=](int e) {
             const int p = e / (HD * WD), r = e % (HD * WD);
             const int h = h0 + r / WD - PH, w = r % WD - PW;
-            return (unsigned)h < (unsigned)HS && (unsigned)w < (unsigned)WS
+            return p < planes && (unsigned)h < (unsigned)HS && (unsigned)w < (unsigned)WS
                        ? (p * HS + h) * WS + w : -1;
         },
         [=](int e) {
@@ -59,15 +61,44 @@ __device__ __forceinline__ void stage_planes(T* dst, const T* __restrict__ src, 
         });
 }
 
+// acc[ob][px] += the taps of input channels [ic0, ic1) for one thread item: x0 points at
+// the item's window in the staged planes, wg at its channel group's weight packs.
+template <int KH, int KW, int ROW, int PLANE, int OB, int PX, typename T>
+__device__ __forceinline__ void accumulate_taps(T (&acc)[OB][PX], const T* x0,
+                                                const Pack<T, OB>* wg, int ic0, int ic1) {
+#pragma unroll 2
+    for (int ic = ic0; ic < ic1; ++ic) {
+#pragma unroll
+        for (int i = 0; i < KH; ++i) {
+            const T* xr = x0 + ic * PLANE + i * ROW;
+            T xv[PX + KW - 1];
+#pragma unroll
+            for (int u = 0; u < PX + KW - 1; ++u) xv[u] = xr[u];
+#pragma unroll
+            for (int j = 0; j < KW; ++j) {
+                const Pack<T, OB> wv = wg[(ic * KH + i) * KW + j];
+#pragma unroll
+                for (int ob = 0; ob < OB; ++ob) {
+#pragma unroll
+                    for (int px = 0; px < PX; ++px) acc[ob][px] += xv[px + j] * wv.v[ob];
+                }
+            }
+        }
+    }
+}
+
 // out[n, oc, ho, wo] = bias[oc] + sum_{ic, i, j} in[n, ic, ho + i - PH, wo + j - PW] * k
 // with k = w[oc, ic, i, j]                 (FLIP = false: the forward; in = x, out = y)
 // or   k = w[ic, oc, KH-1-i, KW-1-j]       (FLIP = true: dx of a stride-1 conv; in = dy,
 //                                           out = dx, PH/PW = kernel - 1 - conv padding).
 // grid (N, cdiv(groups, GB)): block (n, s) computes the output-channel groups [s*GB, s*GB+GB)
 // of OB channels; a thread item is (group, ho, PX neighbouring wo) with OB x PX accumulators.
-// Sum order: bias, then ic, i, j ascending.
+// KS > 1 splits the input channels of an item over KS threads (more warps to hide latency;
+// conv.py makes KS * GB * HOUT * cdiv(WOUT, PX) <= blockDim, one pass): splits 1.. hand their
+// sums to split 0 through shared memory. Sum order: bias, split 0's channels (ic, i, j
+// ascending), then each later split's sum in split order.
 template <typename T, int CIN, int HIN, int WIN, int COUT, int KH, int KW, int PH, int PW,
-          int OB, int PX, int GB, bool FLIP>
+          int OB, int PX, int GB, int KS, bool FLIP>
 __global__ void __launch_bounds__(512)
 conv2d_tiled_kernel(const T* __restrict__ in, const T* __restrict__ w,
                     const T* __restrict__ bias, T* __restrict__ out, int has_bias) {
@@ -76,8 +107,10 @@ conv2d_tiled_kernel(const T* __restrict__ in, const T* __restrict__ w,
     constexpr int GROUPS = cdiv(COUT, OB), WG = cdiv(WOUT, PX);   // pixel groups per row
     constexpr int HP = HOUT + KH - 1, WP = WG * PX + KW - 1;      // staged plane: the last
     constexpr int ROW = odd(WP), PLANE = odd(HP * ROW);           // tile's overhang reads 0
+    constexpr int SLOTS = GB * HOUT * WG, CPS = cdiv(CIN, KS);    // items; channels a split
     __shared__ Pack<T, OB> ws[GB * CIN * KK];
     __shared__ T xs[CIN * PLANE];
+    __shared__ T handed[KS > 1 ? (KS - 1) * SLOTS * OB * PX : 1];
 
     const int n = blockIdx.x;
     const int g0 = blockIdx.y * GB, gn = min(GB, GROUPS - g0);
@@ -111,38 +144,24 @@ conv2d_tiled_kernel(const T* __restrict__ in, const T* __restrict__ w,
     stage_planes<CIN, HIN, WIN, HP, WP, PH, PW, ROW, PLANE>(xs, in + n * CIN * HIN * WIN, 0);
     __syncthreads();
 
-    for (int item = threadIdx.x; item < gn * HOUT * WG; item += blockDim.x) {
+    // Item (g, ho, wo0): its bias-initialised (split 0) or zero accumulators, its window, its
+    // weights, and where its outputs go.
+    auto item_start = [&](int item, bool with_bias, T (&acc)[OB][PX], const T*& x0,
+                          const Pack<T, OB>*& wg) {
         const int g = item / (HOUT * WG), r = item % (HOUT * WG);
-        const int ho = r / WG, wo0 = (r % WG) * PX;
-        T acc[OB][PX];
 #pragma unroll
         for (int ob = 0; ob < OB; ++ob) {
             const int oc = oc0 + g * OB + ob;
-            const T b = has_bias && oc < COUT ? bias[oc] : T(0);
+            const T b = with_bias && has_bias && oc < COUT ? bias[oc] : T(0);
 #pragma unroll
             for (int px = 0; px < PX; ++px) acc[ob][px] = b;
         }
-        const Pack<T, OB>* wg = ws + g * CIN * KK;
-        const T* x0 = xs + ho * ROW + wo0;
-#pragma unroll 2
-        for (int ic = 0; ic < CIN; ++ic) {
-#pragma unroll
-            for (int i = 0; i < KH; ++i) {
-                const T* xr = x0 + ic * PLANE + i * ROW;
-                T xv[PX + KW - 1];
-#pragma unroll
-                for (int u = 0; u < PX + KW - 1; ++u) xv[u] = xr[u];
-#pragma unroll
-                for (int j = 0; j < KW; ++j) {
-                    const Pack<T, OB> wv = wg[ic * KK + i * KW + j];
-#pragma unroll
-                    for (int ob = 0; ob < OB; ++ob) {
-#pragma unroll
-                        for (int px = 0; px < PX; ++px) acc[ob][px] += xv[px + j] * wv.v[ob];
-                    }
-                }
-            }
-        }
+        x0 = xs + (r / WG) * ROW + (r % WG) * PX;
+        wg = ws + g * CIN * KK;
+    };
+    auto item_store = [&](int item, const T (&acc)[OB][PX]) {
+        const int g = item / (HOUT * WG), r = item % (HOUT * WG);
+        const int ho = r / WG, wo0 = (r % WG) * PX;
 #pragma unroll
         for (int ob = 0; ob < OB; ++ob) {
             const int oc = oc0 + g * OB + ob;
@@ -153,11 +172,45 @@ conv2d_tiled_kernel(const T* __restrict__ in, const T* __restrict__ w,
                 if (wo0 + px < WOUT) o[px] = acc[ob][px];
             }
         }
+    };
+
+    T acc[OB][PX];
+    const T* x0;
+    const Pack<T, OB>* wg;
+    if constexpr (KS == 1) {
+        for (int item = threadIdx.x; item < gn * HOUT * WG; item += blockDim.x) {
+            item_start(item, true, acc, x0, wg);
+            accumulate_taps<KH, KW, ROW, PLANE>(acc, x0, wg, 0, CIN);
+            item_store(item, acc);
+        }
+    } else {
+        const int ks = threadIdx.x / SLOTS, item = threadIdx.x % SLOTS;
+        const bool active = ks < KS && item < gn * HOUT * WG;
+        if (active) {
+            item_start(item, ks == 0, acc, x0, wg);
+            accumulate_taps<KH, KW, ROW, PLANE>(acc, x0, wg, ks * CPS, min(CIN, ks * CPS + CPS));
+            if (ks > 0) {
+                T* h = handed + ((ks - 1) * SLOTS + item) * OB * PX;
+#pragma unroll
+                for (int k = 0; k < OB * PX; ++k) h[k] = acc[k / PX][k % PX];
+            }
+        }
+        __syncthreads();
+        if (active && ks == 0) {
+#pragma unroll
+            for (int s = 1; s < KS; ++s) {
+                const T* h = handed + ((s - 1) * SLOTS + item) * OB * PX;
+#pragma unroll
+                for (int k = 0; k < OB * PX; ++k) acc[k / PX][k % PX] += h[k];
+            }
+            item_store(item, acc);
+        }
     }
 }
 
 // Partial weight (and bias) gradients of a stride-1 conv over RPB output rows of one sample:
-// block (n, rb) takes rows [rb*RPB, rb*RPB + RPB) of dy[n] (RPB = cdiv(HO, RB)) and writes
+// block (n, rb, os) takes rows [rb*RPB, rb*RPB + RPB) of dy[n] (RPB = cdiv(HO, RB)) and the
+// output channels [os*OPB, os*OPB + OPB) (OPB = cdiv(O, OS)), and writes, for those o,
 //   partial[n*RB + rb][(o*C + c)*KK + i*KW + j] = sum over its rows and wo of
 //                                   dy[n, o, ho, wo] * x[n, c, ho + i - PH, wo + j - PW]
 //   partial[n*RB + rb][O*C*KK + o] = sum over its rows and wo of dy[n, o, ho, wo]   (BIAS)
@@ -167,29 +220,40 @@ conv2d_tiled_kernel(const T* __restrict__ in, const T* __restrict__ w,
 // the row groups' sums meet in shared memory and are added in q order. Sum order per
 // weight: q, then ho, then wo ascending.
 template <typename T, int C, int H, int W, int O, int KH, int KW, int PH, int PW, int RB,
-          int R, int WT, bool BIAS>
+          int OS, int R, int WT, bool BIAS>
 __global__ void __launch_bounds__(512)
 conv2d_tiled_grad_weight_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                 T* __restrict__ partial) {
     constexpr int KK = KH * KW;
     constexpr int HO = H + 2 * PH - KH + 1, WO = W + 2 * PW - KW + 1;
     constexpr int RPB = cdiv(HO, RB), WD = cdiv(WO, WT) * WT;     // rows; padded dy row
+    constexpr int OPB = cdiv(O, OS);                              // output channels
     constexpr int HP = RPB + KH - 1, WP = WD + KW - 1;            // staged x plane
     constexpr int X_ROW = odd(WP), X_PLANE = odd(HP * X_ROW);
     constexpr int D_ROW = odd(WD), D_PLANE = odd(RPB * D_ROW);
-    constexpr int OCK = O * C * KK, PER = OCK + (BIAS ? O : 0);
+    constexpr int OCK = O * C * KK, PER = OCK + (BIAS ? O : 0);   // a partial's length
+    constexpr int MINE = OPB * C * KK + (BIAS ? OPB : 0);         // this block's share
     __shared__ T xs[C * X_PLANE];
-    __shared__ T ds[O * D_PLANE];
-    __shared__ T sums[R > 1 ? R * PER : 1];
+    __shared__ T ds[OPB * D_PLANE];
+    __shared__ T sums[R > 1 ? R * MINE : 1];
 
     const int n = blockIdx.x, rb = blockIdx.y, h0 = rb * RPB;
-    // x rows h0 - PH ... (padded); dy rows h0 ... (zero past HO and WO).
+    const int o0 = blockIdx.z * OPB, on = min(OPB, O - o0);
+    // x rows h0 - PH ... (padded); dy rows h0 ... of channels o0 ... (zero past HO and WO).
     stage_planes<C, H, W, HP, WP, PH, PW, X_ROW, X_PLANE>(xs, x + n * C * H * W, h0);
-    stage_planes<O, HO, WO, RPB, WD, 0, 0, D_ROW, D_PLANE>(ds, dy + n * O * HO * WO, h0);
+    stage_planes<OPB, HO, WO, RPB, WD, 0, 0, D_ROW, D_PLANE>(ds, dy + (n * O + o0) * HO * WO,
+                                                              h0, on);
     __syncthreads();
 
-    T* dst = R > 1 ? sums : partial + (n * RB + rb) * PER;
-    for (int item = threadIdx.x; item < O * C * R; item += blockDim.x) {
+    T* part = partial + (n * RB + rb) * PER;
+    // Where item (o, c)'s sums go: straight into the partial (R = 1) or row group q's slot.
+    auto weight_at = [&](int o, int c, int q) {
+        return R > 1 ? sums + q * MINE + (o * C + c) * KK : part + ((o0 + o) * C + c) * KK;
+    };
+    auto bias_at = [&](int o, int q) {
+        return R > 1 ? sums + q * MINE + OPB * C * KK + o : part + OCK + o0 + o;
+    };
+    for (int item = threadIdx.x; item < on * C * R; item += blockDim.x) {
         const int c = item % C, q = (item / C) % R, o = item / (C * R);
         T acc[KH][KW], bsum = T(0);
 #pragma unroll
@@ -221,21 +285,23 @@ conv2d_tiled_grad_weight_kernel(const T* __restrict__ dy, const T* __restrict__ 
                 }
             }
         }
-        T* out = dst + (R > 1 ? q * PER : 0);
+        T* out = weight_at(o, c, q);
 #pragma unroll
         for (int i = 0; i < KH; ++i) {
 #pragma unroll
-            for (int j = 0; j < KW; ++j) out[(o * C + c) * KK + i * KW + j] = acc[i][j];
+            for (int j = 0; j < KW; ++j) out[i * KW + j] = acc[i][j];
         }
-        if (BIAS && c == 0) out[OCK + o] = bsum;
+        if (BIAS && c == 0) *bias_at(o, q) = bsum;
     }
     if (R > 1) {
         __syncthreads();
-        for (int e = threadIdx.x; e < PER; e += blockDim.x) {
+        for (int e = threadIdx.x; e < MINE; e += blockDim.x) {
+            const bool is_weight = e < OPB * C * KK;
+            if ((is_weight ? e / (C * KK) : e - OPB * C * KK) >= on) continue;
             T s = T(0);
 #pragma unroll
-            for (int q = 0; q < R; ++q) s += sums[q * PER + e];
-            partial[(n * RB + rb) * PER + e] = s;
+            for (int q = 0; q < R; ++q) s += sums[q * MINE + e];
+            part[is_weight ? o0 * C * KK + e : OCK + o0 + e - OPB * C * KK] = s;
         }
     }
 }
