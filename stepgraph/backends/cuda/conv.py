@@ -13,21 +13,26 @@ context's stream). A node takes its scratch on its first, eager call: run an eag
 before capture. A batch needing more than SCRATCH_CHUNK_BYTES runs in chunks of samples
 (two launches per chunk).
 
-Small convolutions skip all of that: kernels/conv_direct.cu computes each op in ONE launch,
-no scratch, where launches, patch traffic and skinny GEMMs would cost more than the arithmetic
-(the MNIST example CNN's convs: 20-40 us each as im2col + GEMM). Selection (`use_direct`), per op:
-  direct  iff  C*kh*kw <= 1024 and O*kh*kw <= 1024    (a block's slice of w fits shared memory)
-          and  x, y have <= 2^30 elements              (32-bit offsets in the kernels)
-          and  N*O*Ho*Wo * C*kh*kw <= 2^26 multiply-adds (about 10 us of direct work on an
-               H100/H200; above it cuBLASLt's throughput pays for the im2col traffic)
-          and, for grad_weight, N*Ho*Wo <= 2^18       (one block sums each weight's products)
-  else im2col + GEMM. Where the direct kernels can run at all, the node's first eager call
-  times every path on its real buffers and keeps the fastest (`_run_faster`); the rule above
-  only decides a capture that had no eager call. The direct forward and grad_input kernels
-  come in two widths: 4 channels a thread ("direct") or one ("direct_narrow", four times the
-  threads). `PATH` = one of PATHS forces a path (tests).
-The direct kernels are exact FP32 (FMA) whatever ctx.precision says: TF32 only speeds GEMMs.
-Each output has one owner summing in a fixed order, so they are deterministic like the GEMMs.
+Small convolutions skip all of that. Two kernel families compute each op in one launch (the
+weight gradient: two), no im2col, no GEMM:
+  tiled  (kernels/conv_tiled.cu) stride 1, kernels up to 7x7, a kernel compiled per conv shape:
+         a block stages a sample in shared memory, threads keep register tiles; dx is the same
+         kernel over dy with the flipped weights; dw comes with db (the fused bias gradient).
+         Variants (tile, channel splits, block splits) are candidates of their own.
+  direct (kernels/conv_direct.cu) any stride, sizes as runtime ints, a thread per output pixel
+         and 4 channels ("direct") or 1 ("direct_narrow"); usable when
+           C*kh*kw <= 1024 and O*kh*kw <= 1024   (a block's slice of w fits shared memory)
+           and x, y have <= 2^30 elements         (32-bit offsets in the kernels)
+Every path that can run an op is a candidate; the node's first eager call times each on its
+real buffers (`_run_faster`, captured replays) and keeps the fastest: no size rule predicted
+the benchmark convs. A capture with no timing yet takes a tiled path, else `use_direct`'s rule:
+  direct  iff  it can run, N*O*Ho*Wo * C*kh*kw <= 2^26 multiply-adds (about 10 us of direct
+               work; above it cuBLASLt's throughput pays for the im2col traffic)
+          and, for grad_weight, N*Ho*Wo <= 2^18  (one block sums each weight's products)
+  else im2col + GEMM. `PATH` = one of PATHS forces a family (tests).
+The direct and tiled kernels are exact FP32 (FMA) whatever ctx.precision says: TF32 only speeds
+GEMMs. Each output has one owner summing in a fixed order, so they are deterministic like the
+GEMMs.
 """
 from __future__ import annotations
 
