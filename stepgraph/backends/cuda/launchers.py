@@ -32,6 +32,7 @@ MAX_BLOCKS = 8192             # grid-stride loops cover the rest
 MAX_INT = 2**31 - 1           # kernels index (N, C) and NCHW shapes with 32-bit ints
 UPDATE_CHUNK = 1024           # elements per block of a multi-tensor kernel: one float4 per thread
 SINGLE_BLOCK_ELEMENTS = 1 << 15   # cross-entropy over at most this many logits: one block
+SHORT_ROW = 32                    # cross_entropy_train in one block: a thread per row up to here
 PLANE_TARGET_BLOCKS = 512     # reduce_sum over planes: split each plane's rows to about this
 COLUMN_TARGET_BLOCKS = 1024   # column sums (bias gradients): split tall inputs' rows to this
 COLUMN_SPLIT_ROWS = 256       # rows per split at least
@@ -512,9 +513,14 @@ def cross_entropy_train(ctx, node: Node, logits, labels, loss, dx) -> None:
     n, c = _check_logits("cross_entropy_train", logits, labels)
     _check_scalar("cross_entropy_train loss", loss, "float32")
     _check("cross_entropy_train dlogits", dx, shape=logits.shape)
+    scale = np.float32(1.0 / max(n, 1))    # the reference's float32(1 / N)
+    if c <= SHORT_ROW and n * c <= SINGLE_BLOCK_ELEMENTS:
+        _launch(ctx, "loss.cu", f"cross_entropy_train_short_kernel<{LABEL_CTYPES[labels.dtype]}>",
+                (1,), (min(1024, max(32, -(-n // 32) * 32)),),
+                (logits, labels, loss, dx, np.int32(n), np.int32(c), scale))
+        return
     grid, block, scratch = _loss_layout(node, ctx, n, c, rowloss=True)
     rowloss, counter = _scratch_args(scratch, loss)
-    scale = np.float32(1.0 / max(n, 1))    # the reference's float32(1 / N)
     _launch(ctx, "loss.cu", f"cross_entropy_train_kernel<{LABEL_CTYPES[labels.dtype]}>",
             grid, block,
             (logits, labels, loss, dx, rowloss, counter, np.int32(n), np.int32(c), scale))

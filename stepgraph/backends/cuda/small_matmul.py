@@ -48,6 +48,8 @@ def small_matmul_forward(ctx, a, b, c, *, trans_a=False, trans_b=False, bias=Non
         raise ShapeError(f"small_matmul bias: expected ({n},), got {bias.shape}")
     if z is not None and (tuple(z.shape) != (m, n) or not z.flags.c_contiguous):
         raise ShapeError(f"small_matmul z: expected contiguous ({m}, {n}), got {z.shape}")
+    if m * n >= 2**31:
+        raise ShapeError(f"small_matmul: {m} x {n} outputs exceed the kernels' 32-bit indices")
     per_thread = k <= THREAD_K or m * n > WARP_MAX_OUTPUTS
     threads = m * n if per_thread else m * n * 32
     grid = (max(1, min(-(-threads // BLOCK), MAX_BLOCKS)),)

@@ -150,6 +150,35 @@ cross_entropy_train_kernel(const float* x, const L* labels, float* loss, float* 
     if (flat_thread() == 0) *loss = (float)(acc / N);
 }
 
+// cross_entropy_train_kernel for short rows (C <= 32) in one block: a thread per row. A warp
+// per row left most lanes idle on 10 classes and needed N / 32 passes, each a chain of loads
+// and shuffles; here the block covers up to 1024 rows at once. Loss: the block's float64 sum
+// of the rows' losses (fixed tree).
+template <typename L>
+__global__ void __launch_bounds__(1024)
+cross_entropy_train_short_kernel(const float* x, const L* labels, float* loss, float* dx, int N,
+                                 int C, float scale) {
+    __shared__ double dsmem[32];
+    double acc = 0.0;
+    for (int row = threadIdx.x; row < N; row += blockDim.x) {
+        const float* xr = x + (long long)row * C;
+        float m = NEG_INF;
+        for (int c = 0; c < C; ++c) m = fmaxf(m, xr[c]);
+        float s = 0.f;
+        for (int c = 0; c < C; ++c) s += expf(xr[c] - m);
+        const float l = m + logf(s);
+        const L label = labels[row];
+        for (int c = 0; c < C; ++c) {
+            float g = expf(xr[c] - l);
+            if ((long long)label == c) g -= 1.f;
+            dx[(long long)row * C + c] = __fmul_rn(g, scale);
+        }
+        acc += (double)(l - picked_logit(xr, label, C));
+    }
+    acc = block_sum(acc, dsmem);
+    if (threadIdx.x == 0) *loss = (float)(acc / N);
+}
+
 // loss = -mean(logp[i, label_i]): one block (N gathers).
 template <typename L>
 __global__ void __launch_bounds__(1024)

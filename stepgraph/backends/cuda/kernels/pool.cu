@@ -59,7 +59,12 @@ extern "C" __global__ void maxpool2d_backward_kernel(const float* dy, const int*
         for (int ho = ho_lo; ho <= ho_hi; ++ho) {
             for (int wo = wo_lo; wo <= wo_hi; ++wo) {
                 const long long o = base + (long long)ho * Wo + wo;
-                if (idx[o] == here && (y == nullptr || y[o] > 0.f)) acc += dy[o];
+                // Three independent loads, issued together (a short-circuit test would wait
+                // for idx before loading y, then for y before loading dy).
+                const int at = idx[o];
+                const float g = dy[o];
+                const bool open = y == nullptr || y[o] > 0.f;
+                if (at == here && open) acc += g;
             }
         }
         dx[i] = acc;

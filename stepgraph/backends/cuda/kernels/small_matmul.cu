@@ -15,18 +15,33 @@ __device__ __forceinline__ void finish_output(float acc, long long idx, int j, c
     c[idx] = act == ACT_NONE ? acc : act_value(acc, act, slope);
 }
 
-// Short dot products (k up to a few dozen): one thread per output.
+// Short dot products (k up to a few dozen): one thread per output. Index math in 32 bits
+// (small_matmul.py launches m * n < 2^31 outputs). The loads of TAPS consecutive k issue
+// together; the FMAs still run in k order, so the sum order is the plain loop's.
+constexpr int TAPS = 8;
+
 extern "C" __global__ void small_matmul_thread_kernel(
         const float* a, const float* b, const float* bias, float* c, float* z, int m, int n,
         int k, long long a_i, long long a_k, long long b_k, long long b_j, int act, float slope) {
-    const long long total = (long long)m * n;
-    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total;
-         idx += (long long)gridDim.x * blockDim.x) {
-        const int i = (int)(idx / n), j = (int)(idx % n);
+    const int total = m * n;
+    for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < total;
+         idx += gridDim.x * blockDim.x) {
+        const int i = idx / n, j = idx % n;
         const float* ap = a + i * a_i;
         const float* bp = b + j * b_j;
         float acc = 0.f;
-        for (int kk = 0; kk < k; ++kk) acc = fmaf(ap[kk * a_k], bp[kk * b_k], acc);
+        int kk = 0;
+        for (; kk + TAPS <= k; kk += TAPS) {
+            float av[TAPS], bv[TAPS];
+#pragma unroll
+            for (int u = 0; u < TAPS; ++u) {
+                av[u] = ap[(kk + u) * a_k];
+                bv[u] = bp[(kk + u) * b_k];
+            }
+#pragma unroll
+            for (int u = 0; u < TAPS; ++u) acc = fmaf(av[u], bv[u], acc);
+        }
+        for (; kk < k; ++kk) acc = fmaf(ap[kk * a_k], bp[kk * b_k], acc);
         finish_output(acc, idx, j, bias, c, z, act, slope);
     }
 }
