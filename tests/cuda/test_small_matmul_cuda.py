@@ -23,9 +23,10 @@ from stepgraph.ir.ops import infer_outputs  # noqa: E402
 ACTS = (None, "relu", "leaky_relu", "sigmoid", "tanh", "gelu", "gelu_tanh")
 
 
-@pytest.fixture(params=["small", "cublaslt"])
+@pytest.fixture(params=["small", "cublaslt", "tile"])
 def path(request, monkeypatch):
     monkeypatch.setattr(small_matmul, "SMALL_MACS", 1 << 40 if request.param == "small" else 0)
+    monkeypatch.setattr(linear, "PATH", "auto" if request.param == "small" else request.param)
     return request.param
 
 
@@ -75,3 +76,66 @@ def test_linear(ctx, path, act, bias, save_preact):
     tol = 2e-3 if (act == "gelu_tanh" and path == "cublaslt") else 1e-5
     for g, w_ in zip(got, want):
         assert np.isfinite(g).all() and rel(g, w_) < tol
+
+
+@pytest.mark.parametrize("splits", small_matmul.TILE_SPLITS)
+@pytest.mark.parametrize("m,k,n", [(128, 784, 512), (65, 300, 130), (3, 40, 70), (200, 33, 64)])
+@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (True, False), (False, True),
+                                             (True, True)])
+def test_tile_matmul_every_split(ctx, monkeypatch, splits, m, k, n, trans_a, trans_b):
+    """The tiled kernel with k split `splits` ways (where that split is a candidate), partial
+    tiles at every edge, each operand layout; the tiled kernel is what ran."""
+    monkeypatch.setattr(small_matmul, "SMALL_MACS", 0)
+    monkeypatch.setattr(small_matmul, "TILE_SPLITS", (splits,))
+    monkeypatch.setattr(linear, "PATH", "tile")
+    launched = []
+    kernel = small_matmul.compiler.kernel
+    monkeypatch.setattr(small_matmul.compiler, "kernel",
+                        lambda f, name: launched.append(name) or kernel(f, name))
+    rng = np.random.default_rng([m, k, n, splits, trans_a, trans_b])
+    a = rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32)
+    b = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
+    (want,), (got,) = run_both(ctx, "matmul", [a, b], trans_a=trans_a, trans_b=trans_b)
+    assert np.isfinite(got).all() and rel(got, want) < 1e-5
+    if splits in small_matmul.tile_splits(m, n, k):
+        assert launched[0] == "tile_matmul_kernel"
+        assert launched[1:] == (["tile_matmul_finish_kernel"] if splits > 1 else [])
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_tile_linear_epilogue_after_splits(ctx, monkeypatch, act):
+    """Bias, activation and the saved pre-activation applied by the split-sum kernel."""
+    monkeypatch.setattr(small_matmul, "SMALL_MACS", 0)
+    monkeypatch.setattr(small_matmul, "TILE_SPLITS", (4,))
+    monkeypatch.setattr(linear, "PATH", "tile")
+    rng = np.random.default_rng([len(str(act)), 5])
+    x = rng.standard_normal((70, 300)).astype(np.float32)
+    w = rng.standard_normal((90, 300)).astype(np.float32)
+    b = rng.standard_normal(90).astype(np.float32)
+    want, got = run_both(ctx, "linear", [x, w, b], act=act, slope=0.2,
+                         save_preact=act is not None)
+    for g, w_ in zip(got, want):
+        assert np.isfinite(g).all() and rel(g, w_) < 1e-5
+
+
+def test_linear_path_is_timed_once_and_deterministic(ctx, monkeypatch):
+    """With PATH "auto" a mid-size fp32 linear times cuBLASLt against the tiled kernel at its
+    first call, keeps the choice, and gives the same bits on every later call."""
+    monkeypatch.setattr(linear, "PATH", "auto")
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((128, 784)).astype(np.float32)
+    w = rng.standard_normal((512, 784)).astype(np.float32)
+    b = rng.standard_normal(512).astype(np.float32)
+    ins = [Value(a.shape, "float32") for a in (x, w, b)]
+    attrs = dict(act="relu", slope=0.01, save_preact=False)
+    node = Node("linear", ins, [Value(s, d) for s, d in infer_outputs("linear", ins, attrs)], attrs)
+    dev = [cp.asarray(a) for a in (x, w, b)]
+    outs = [cp.full((128, 512), np.nan, np.float32) for _ in range(2)]
+    linear.IMPLS["linear"](node, dev, [outs[0]], ctx)
+    assert node in ctx.extras["linear_paths"]
+    monkeypatch.setattr("stepgraph.backends.cuda.graph.time_on_device",
+                        lambda *a, **k: pytest.fail("timed twice"))
+    linear.IMPLS["linear"](node, dev, [outs[1]], ctx)
+    first, second = outs[0].get(), outs[1].get()
+    np.testing.assert_array_equal(first, second)
+    assert rel(first, np.maximum(x @ w.T + b, 0)) < 1e-5

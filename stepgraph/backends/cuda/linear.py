@@ -8,11 +8,19 @@ call without copies. For linear, y (N, M) = x (N, K) @ w (M, K)^T:
 Backward GEMMs arrive as matmul nodes (autodiff/rules.py) and need no copies either:
   dx = matmul(dz, w):               A = w   (K, M) ld K op N, B = dz (M, N) ld M op N, D (K, N)
   dw = matmul(dz, x, trans_a=True): A = x   (K, N) ld K op N, B = dz (M, N) ld M op T, D (K, M)
+Products of at most small_matmul.SMALL_MACS multiply-adds go to the small-GEMM kernel. In fp32
+the others have a second candidate, small_matmul's tiled kernel (64 x 64 tiles, k split over
+blocks), timed against cuBLASLt at each node's first eager call (`_run_fastest`).
 """
 from __future__ import annotations
 
+import weakref
+from typing import Callable
+
+import numpy as np
+
 from . import gemm
-from .small_matmul import is_small, small_matmul_forward
+from .small_matmul import is_small, small_matmul_forward, tile_matmul_forward, tile_splits
 
 # cuBLASLt's GELU epilogue is the tanh approximation, so it serves gelu_tanh only; exact (erf)
 # gelu takes the BIAS epilogue and the activation kernel. Set False to run gelu_tanh through
@@ -75,6 +83,13 @@ def linear_forward(node, ins, outs, ctx) -> None:
     if x.dtype == "float32" and is_small(x.shape[0], w.shape[0], x.shape[1]):
         small_matmul_forward(ctx, x, w, y, trans_b=True, bias=bias, z=z, act=kind, slope=slope)
         return
+    paths = {"cublaslt": lambda: _linear_cublaslt(ctx, x, w, y, z, bias, kind, slope)}
+    paths.update(_tile_paths(node, ctx, x, w, y, trans_a=False, trans_b=True, bias=bias, z=z,
+                             act=kind, slope=slope))
+    _run_fastest(node, ctx, paths)
+
+
+def _linear_cublaslt(ctx, x, w, y, z, bias, kind, slope) -> None:
     if kind is None:
         gemm.matmul(ctx, x, w, y, trans_b=True, epilogue=_epilogue("DEFAULT", bias), bias=bias)
         if z is not None:
@@ -102,7 +117,55 @@ def matmul_forward(node, ins, outs, ctx) -> None:
     if a.dtype == "float32" and is_small(c.shape[0], c.shape[1], k):
         small_matmul_forward(ctx, a, b, c, trans_a=trans_a, trans_b=trans_b)
         return
-    gemm.matmul(ctx, a, b, c, trans_a=trans_a, trans_b=trans_b)
+    paths = {"cublaslt": lambda: gemm.matmul(ctx, a, b, c, trans_a=trans_a, trans_b=trans_b)}
+    paths.update(_tile_paths(node, ctx, a, b, c, trans_a=trans_a, trans_b=trans_b))
+    _run_fastest(node, ctx, paths)
+
+
+# ---- choosing between cuBLASLt and the tiled kernel ------------------------------------------
+
+PATH = "auto"        # "auto" (timed per node), "cublaslt" or "tile" (tests force one)
+
+
+def _tile_paths(node, ctx, a, b, c, **kwargs) -> dict[str, Callable[[], None]]:
+    """{"tile:sS": launch} for each k split of small_matmul.tile_splits, when the tiled kernel
+    applies: float32 operands at precision fp32 (TF32 GEMMs are cuBLASLt's)."""
+    if ctx.precision != "fp32" or any(x.dtype != "float32" for x in (a, b, c)):
+        return {}
+    from . import launchers  # imported on use: written beside this file, may import later
+
+    m, n = c.shape
+    k = a.shape[0] if kwargs.get("trans_a") else a.shape[1]
+    paths = {}
+    for splits in tile_splits(m, n, k):
+        def run(splits=splits):
+            partial = None
+            if splits > 1:
+                import cupy as cp
+
+                partial = launchers._node_memory(node, ("tile_matmul", splits * m * n), ctx,
+                                                 lambda: cp.empty(splits * m * n, np.float32))
+            tile_matmul_forward(ctx, a, b, c, splits=splits, partial=partial, **kwargs)
+        paths[f"tile:s{splits}"] = run
+    return paths
+
+
+def _run_fastest(node, ctx, paths: dict[str, Callable[[], None]]) -> None:
+    """Run one of `paths` ("cublaslt" first): PATH's family when forced; else the fastest when
+    each was timed on the node's real buffers (captured replays) at its first eager call;
+    during a capture with no timing yet, cuBLASLt."""
+    if PATH != "auto":
+        if PATH not in ("cublaslt", "tile"):
+            raise ValueError(f"linear.PATH must be 'auto', 'cublaslt' or 'tile', got {PATH!r}")
+        forced = [name for name in paths if name.split(":")[0] == PATH]
+        paths[forced[0] if forced else "cublaslt"]()
+        return
+    chosen = ctx.extras.setdefault("linear_paths", weakref.WeakKeyDictionary())
+    if node not in chosen and not ctx.stream.is_capturing() and len(paths) > 1:
+        from .graph import time_on_device
+
+        chosen[node] = min(paths, key=lambda name: time_on_device(ctx, paths[name]))
+    paths[chosen.get(node, "cublaslt")]()
 
 
 IMPLS = {

@@ -1,8 +1,12 @@
-"""Launcher of kernels/small_matmul.cu: GEMMs too small for cuBLASLt to fill the GPU.
+"""Launchers of kernels/small_matmul.cu: GEMMs cuBLASLt serves poorly.
 
-linear.py routes a product here when it has at most SMALL_MACS multiply-adds: the 10-class
-output layers of the benchmark models and their gradients (128x10x512: cuBLASLt 5-10 µs,
-2 kernels). Exact float32 with one owner per output, so results are deterministic.
+- small_matmul_forward: products of at most SMALL_MACS multiply-adds, one owner thread (or
+  warp) per output: the 10-class output layers of the benchmark models and their gradients
+  (128x10x512: cuBLASLt 5-10 µs, 2 kernels). linear.py always routes these here.
+- tile_matmul_forward: mid-size products with few rows (a batch), 64 x 64 tiles with the k
+  range split over blocks (cuBLASLt's fp32 tiles are 128 x 128 or larger: a 128 x 512 output
+  keeps 4 SMs busy). linear.py times it against cuBLASLt per node.
+Exact float32, every sum in a fixed order, so results are deterministic.
 """
 from __future__ import annotations
 
@@ -33,14 +37,10 @@ def _operand(x, transposed: bool) -> tuple[int, int, int, int]:
     return (cols, rows, s1, s0) if transposed else (rows, cols, s0, s1)
 
 
-def small_matmul_forward(ctx, a, b, c, *, trans_a=False, trans_b=False, bias=None, z=None,
-                         act=None, slope=0.01) -> None:
-    """c = act(op(a) @ op(b) + bias), z = the pre-activation when given; one launch."""
+def _check_operands(a, b, c, bias, z, m, n, k, k2, trans_a, trans_b) -> None:
     for name, x in (("a", a), ("b", b), ("c", c)) + ((("bias", bias),) if bias is not None else ()):
         if x.dtype != np.float32:
             raise ShapeError(f"small_matmul {name}: float32 only, got {x.dtype}")
-    m, k, a_i, a_k = _operand(a, trans_a)
-    k2, n, b_k, b_j = _operand(b, trans_b)
     if k != k2 or tuple(c.shape) != (m, n) or not c.flags.c_contiguous:
         raise ShapeError(f"small_matmul: {a.shape}{'T' if trans_a else ''} @ "
                          f"{b.shape}{'T' if trans_b else ''} -> {c.shape}")
@@ -48,6 +48,14 @@ def small_matmul_forward(ctx, a, b, c, *, trans_a=False, trans_b=False, bias=Non
         raise ShapeError(f"small_matmul bias: expected ({n},), got {bias.shape}")
     if z is not None and (tuple(z.shape) != (m, n) or not z.flags.c_contiguous):
         raise ShapeError(f"small_matmul z: expected contiguous ({m}, {n}), got {z.shape}")
+
+
+def small_matmul_forward(ctx, a, b, c, *, trans_a=False, trans_b=False, bias=None, z=None,
+                         act=None, slope=0.01) -> None:
+    """c = act(op(a) @ op(b) + bias), z = the pre-activation when given; one launch."""
+    m, k, a_i, a_k = _operand(a, trans_a)
+    k2, n, b_k, b_j = _operand(b, trans_b)
+    _check_operands(a, b, c, bias, z, m, n, k, k2, trans_a, trans_b)
     if m * n >= 2**31:
         raise ShapeError(f"small_matmul: {m} x {n} outputs exceed the kernels' 32-bit indices")
     per_thread = k <= THREAD_K or m * n > WARP_MAX_OUTPUTS
@@ -61,3 +69,48 @@ def small_matmul_forward(ctx, a, b, c, *, trans_a=False, trans_b=False, bias=Non
          np.int32(m), np.int32(n), np.int32(k), np.int64(a_i), np.int64(a_k), np.int64(b_k),
          np.int64(b_j), np.int32(ACT_CODES[act]), np.float32(slope)),
         stream=ctx.stream)
+
+
+TILE = 64                   # kernels/small_matmul.cu TILE_M = TILE_N
+TILE_K = 16
+TILE_THREADS = 256
+TILE_SPLITS = (1, 2, 4, 8, 16)   # k ranges over blocks: candidates, timed per node
+TILE_MAX_MACS = 1 << 28     # above this cuBLASLt's large tiles fill the GPU: no candidates
+
+
+def tile_splits(m: int, n: int, k: int) -> list[int]:
+    """The candidate k splits of an (m, n, k) product (none for large products): each split
+    keeps at least two TILE_K steps, and the partial sums fit 32-bit indices."""
+    if m * n * k > TILE_MAX_MACS:
+        return []
+    return [s for s in TILE_SPLITS
+            if (s == 1 or -(-k // s) >= 2 * TILE_K) and s * m * n < 2**31]
+
+
+def tile_matmul_forward(ctx, a, b, c, *, splits: int, partial=None, trans_a=False,
+                        trans_b=False, bias=None, z=None, act=None, slope=0.01) -> None:
+    """c = act(op(a) @ op(b) + bias), z = the pre-activation when given, through 64 x 64
+    tiles with k split `splits` ways; splits > 1 needs `partial`, a float32 buffer of at
+    least splits * m * n (the second launch adds the splits in order)."""
+    m, k, a_i, a_k = _operand(a, trans_a)
+    k2, n, b_k, b_j = _operand(b, trans_b)
+    _check_operands(a, b, c, bias, z, m, n, k, k2, trans_a, trans_b)
+    if splits * m * n >= 2**31:
+        raise ShapeError(f"tile_matmul: {splits} x {m} x {n} partial sums exceed 32-bit indices")
+    if splits > 1 and (partial is None or partial.size < splits * m * n):
+        raise ShapeError(f"tile_matmul: {splits} splits need a buffer of {splits * m * n} floats")
+    null = np.uint64(0)
+    epilogue = (bias if bias is not None else null, c, z if z is not None else null)
+    grid = (-(-n // TILE), -(-m // TILE), splits)
+    compiler.kernel("small_matmul.cu", "tile_matmul_kernel")(
+        grid, (TILE_THREADS,),
+        (a, b, *epilogue, partial if splits > 1 else null, np.int32(m), np.int32(n),
+         np.int32(k), np.int32(-(-k // splits)), np.int64(a_i), np.int64(a_k), np.int64(b_k),
+         np.int64(b_j), np.int32(ACT_CODES[act]), np.float32(slope)),
+        stream=ctx.stream)
+    if splits > 1:
+        compiler.kernel("small_matmul.cu", "tile_matmul_finish_kernel")(
+            (max(1, min(-(-m * n // BLOCK), MAX_BLOCKS)),), (BLOCK,),
+            (partial, np.int32(splits), *epilogue, np.int32(m), np.int32(n),
+             np.int32(ACT_CODES[act]), np.float32(slope)),
+            stream=ctx.stream)

@@ -64,3 +64,107 @@ extern "C" __global__ void small_matmul_warp_kernel(
         if (lane == 0) finish_output(acc, idx, j, bias, c, z, act, slope);
     }
 }
+
+// Mid-size GEMMs with few rows (a batch of 128): cuBLASLt's fp32 kernels tile 128 x 128 or
+// larger, so a 128 x 512 output keeps 4 SMs busy, and its split-K variants add kernels. Here
+// a block computes a TILE_M x TILE_N tile over one range of k (blockIdx.z: the split); its
+// 256 threads keep 4 x 4 register tiles, k advances TILE_K at a time through shared memory,
+// and the next step's global loads are issued before the current step's FMAs. One split:
+// the block applies the epilogue. Several: each writes its partial tile, and
+// tile_matmul_finish_kernel adds the splits in order before the epilogue. Sum order of an
+// output: k ascending within a split, then the splits in order. Index math in 32 bits
+// (small_matmul.py checks the sizes).
+constexpr int TILE_M = 64, TILE_N = 64, TILE_K = 16, TILE_THREADS = 256;
+constexpr int TILE_PAD = 4;   // keeps float4 rows aligned and spreads the staging stores
+
+extern "C" __global__ void __launch_bounds__(TILE_THREADS)
+tile_matmul_kernel(const float* a, const float* b, const float* bias, float* c, float* z,
+                   float* partial, int m, int n, int k, int k_split, long long a_i,
+                   long long a_k, long long b_k, long long b_j, int act, float slope) {
+    __shared__ __align__(16) float as[TILE_K][TILE_M + TILE_PAD];   // as[kk][i]
+    __shared__ __align__(16) float bs[TILE_K][TILE_N + TILE_PAD];   // bs[kk][j]
+    constexpr int PER_THREAD = TILE_K * TILE_M / TILE_THREADS;     // staged values (4)
+    const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;      // rows ty*4.., cols tx*4..
+    const int i0 = blockIdx.y * TILE_M, j0 = blockIdx.x * TILE_N;
+    const int k_begin = blockIdx.z * k_split, k_end = min(k, k_begin + k_split);
+    // Consecutive threads stage along the operand's contiguous direction (k for a row-major
+    // A, i for a transposed one; likewise j or k for B), so the global loads coalesce.
+    const bool a_along_k = a_k == 1, b_along_j = b_j == 1;
+    auto a_slot = [&](int e, int& kk, int& ii) {
+        if (a_along_k) { kk = e % TILE_K; ii = e / TILE_K; } else { ii = e % TILE_M; kk = e / TILE_M; }
+    };
+    auto b_slot = [&](int e, int& kk, int& jj) {
+        if (b_along_j) { jj = e % TILE_N; kk = e / TILE_N; } else { kk = e % TILE_K; jj = e / TILE_K; }
+    };
+    float ra[PER_THREAD], rb[PER_THREAD];
+    auto load = [&](int k0) {
+#pragma unroll
+        for (int u = 0; u < PER_THREAD; ++u) {
+            int kk, ii, jj, kb;
+            a_slot(tid + u * TILE_THREADS, kk, ii);
+            b_slot(tid + u * TILE_THREADS, kb, jj);
+            ra[u] = i0 + ii < m && k0 + kk < k_end ? a[(i0 + ii) * a_i + (k0 + kk) * a_k] : 0.f;
+            rb[u] = j0 + jj < n && k0 + kb < k_end ? b[(k0 + kb) * b_k + (j0 + jj) * b_j] : 0.f;
+        }
+    };
+    auto store = [&]() {
+#pragma unroll
+        for (int u = 0; u < PER_THREAD; ++u) {
+            int kk, ii, jj, kb;
+            a_slot(tid + u * TILE_THREADS, kk, ii);
+            b_slot(tid + u * TILE_THREADS, kb, jj);
+            as[kk][ii] = ra[u];
+            bs[kb][jj] = rb[u];
+        }
+    };
+
+    float acc[4][4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+#pragma unroll
+        for (int s = 0; s < 4; ++s) acc[r][s] = 0.f;
+    }
+    if (k_begin < k_end) load(k_begin);
+    for (int k0 = k_begin; k0 < k_end; k0 += TILE_K) {
+        store();
+        __syncthreads();
+        if (k0 + TILE_K < k_end) load(k0 + TILE_K);   // in flight during the FMAs below
+#pragma unroll
+        for (int kk = 0; kk < TILE_K; ++kk) {
+            const float4 av = *reinterpret_cast<const float4*>(&as[kk][ty * 4]);
+            const float4 bv = *reinterpret_cast<const float4*>(&bs[kk][tx * 4]);
+            const float ar[4] = {av.x, av.y, av.z, av.w}, br[4] = {bv.x, bv.y, bv.z, bv.w};
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+#pragma unroll
+                for (int s = 0; s < 4; ++s) acc[r][s] = fmaf(ar[r], br[s], acc[r][s]);
+            }
+        }
+        __syncthreads();
+    }
+
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const int i = i0 + ty * 4 + r;
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            const int j = j0 + tx * 4 + s;
+            if (i >= m || j >= n) continue;
+            if (gridDim.z == 1) finish_output(acc[r][s], i * n + j, j, bias, c, z, act, slope);
+            else partial[(blockIdx.z * m + i) * n + j] = acc[r][s];
+        }
+    }
+}
+
+// c = epilogue(sum over splits s ascending of partial[s]) for tile_matmul_kernel's splits.
+extern "C" __global__ void tile_matmul_finish_kernel(const float* partial, int splits,
+                                                     const float* bias, float* c, float* z,
+                                                     int m, int n, int act, float slope) {
+    const int total = m * n;
+    for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < total;
+         idx += gridDim.x * blockDim.x) {
+        float acc = 0.f;
+        for (int s = 0; s < splits; ++s) acc += partial[s * total + idx];
+        finish_output(acc, idx, idx % n, bias, c, z, act, slope);
+    }
+}
