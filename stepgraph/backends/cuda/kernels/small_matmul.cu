@@ -88,33 +88,39 @@ tile_matmul_kernel(const float* a, const float* b, const float* bias, float* c, 
     const int i0 = blockIdx.y * TILE_M, j0 = blockIdx.x * TILE_N;
     const int k_begin = blockIdx.z * k_split, k_end = min(k, k_begin + k_split);
     // Consecutive threads stage along the operand's contiguous direction (k for a row-major
-    // A, i for a transposed one; likewise j or k for B), so the global loads coalesce.
+    // A, i for a transposed one; likewise j or k for B), so the global loads coalesce. Each
+    // thread's staging slots are fixed: their offsets are computed once, outside the k loop.
     const bool a_along_k = a_k == 1, b_along_j = b_j == 1;
-    auto a_slot = [&](int e, int& kk, int& ii) {
-        if (a_along_k) { kk = e % TILE_K; ii = e / TILE_K; } else { ii = e % TILE_M; kk = e / TILE_M; }
-    };
-    auto b_slot = [&](int e, int& kk, int& jj) {
-        if (b_along_j) { jj = e % TILE_N; kk = e / TILE_N; } else { kk = e % TILE_K; jj = e / TILE_K; }
-    };
+    long long a_at[PER_THREAD], b_at[PER_THREAD];     // global offsets at k = 0
+    int a_kk[PER_THREAD], b_kk[PER_THREAD];           // the slot's k within a step
+    int a_st[PER_THREAD], b_st[PER_THREAD];           // shared-memory offsets
+#pragma unroll
+    for (int u = 0; u < PER_THREAD; ++u) {
+        const int e = tid + u * TILE_THREADS;
+        const int kk = a_along_k ? e % TILE_K : e / TILE_M;
+        const int ii = a_along_k ? e / TILE_K : e % TILE_M;
+        a_kk[u] = i0 + ii < m ? kk : TILE_K + k;      // past k_end: a row outside reads 0
+        a_at[u] = (i0 + ii) * a_i + kk * a_k;
+        a_st[u] = kk * (TILE_M + TILE_PAD) + ii;
+        const int kb = b_along_j ? e / TILE_N : e % TILE_K;
+        const int jj = b_along_j ? e % TILE_N : e / TILE_K;
+        b_kk[u] = j0 + jj < n ? kb : TILE_K + k;
+        b_at[u] = kb * b_k + (j0 + jj) * b_j;
+        b_st[u] = kb * (TILE_N + TILE_PAD) + jj;
+    }
     float ra[PER_THREAD], rb[PER_THREAD];
     auto load = [&](int k0) {
 #pragma unroll
         for (int u = 0; u < PER_THREAD; ++u) {
-            int kk, ii, jj, kb;
-            a_slot(tid + u * TILE_THREADS, kk, ii);
-            b_slot(tid + u * TILE_THREADS, kb, jj);
-            ra[u] = i0 + ii < m && k0 + kk < k_end ? a[(i0 + ii) * a_i + (k0 + kk) * a_k] : 0.f;
-            rb[u] = j0 + jj < n && k0 + kb < k_end ? b[(k0 + kb) * b_k + (j0 + jj) * b_j] : 0.f;
+            ra[u] = k0 + a_kk[u] < k_end ? a[a_at[u] + k0 * a_k] : 0.f;
+            rb[u] = k0 + b_kk[u] < k_end ? b[b_at[u] + k0 * b_k] : 0.f;
         }
     };
     auto store = [&]() {
 #pragma unroll
         for (int u = 0; u < PER_THREAD; ++u) {
-            int kk, ii, jj, kb;
-            a_slot(tid + u * TILE_THREADS, kk, ii);
-            b_slot(tid + u * TILE_THREADS, kb, jj);
-            as[kk][ii] = ra[u];
-            bs[kb][jj] = rb[u];
+            (&as[0][0])[a_st[u]] = ra[u];
+            (&bs[0][0])[b_st[u]] = rb[u];
         }
     };
 
@@ -129,16 +135,24 @@ tile_matmul_kernel(const float* a, const float* b, const float* bias, float* c, 
         store();
         __syncthreads();
         if (k0 + TILE_K < k_end) load(k0 + TILE_K);   // in flight during the FMAs below
+        // Step kk + 1's shared-memory reads are issued before step kk's FMAs.
+        float4 av = *reinterpret_cast<const float4*>(&as[0][ty * 4]);
+        float4 bv = *reinterpret_cast<const float4*>(&bs[0][tx * 4]);
 #pragma unroll
         for (int kk = 0; kk < TILE_K; ++kk) {
-            const float4 av = *reinterpret_cast<const float4*>(&as[kk][ty * 4]);
-            const float4 bv = *reinterpret_cast<const float4*>(&bs[kk][tx * 4]);
+            float4 an = av, bn = bv;
+            if (kk + 1 < TILE_K) {
+                an = *reinterpret_cast<const float4*>(&as[kk + 1][ty * 4]);
+                bn = *reinterpret_cast<const float4*>(&bs[kk + 1][tx * 4]);
+            }
             const float ar[4] = {av.x, av.y, av.z, av.w}, br[4] = {bv.x, bv.y, bv.z, bv.w};
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
 #pragma unroll
                 for (int s = 0; s < 4; ++s) acc[r][s] = fmaf(ar[r], br[s], acc[r][s]);
             }
+            av = an;
+            bv = bn;
         }
         __syncthreads();
     }
