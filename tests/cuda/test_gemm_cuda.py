@@ -382,18 +382,24 @@ def test_conv_direct_path_launches_only_direct_kernels(backend, monkeypatch, cfg
 
 
 @pytest.mark.parametrize("cfg", BENCH_CONVS, ids=CONV_IDS[-2:])
-def test_conv_path_is_timed_at_the_first_call_and_kept(backend, monkeypatch, cfg):
-    """With PATH "auto" a node's first call times both paths once; later calls reuse the
-    choice, and either way the result matches the reference."""
+def test_conv_path_is_timed_once_per_problem_and_shared(backend, monkeypatch, cfg):
+    """With PATH "auto" the first call of a problem times every path once; later calls, of
+    any node with the same problem in any context sharing the choices, reuse it and give the
+    same bits; either way the result matches the reference."""
     ctx = backend.make_context("fp32")
+    ctx.paths = {}                                    # no choice made by earlier tests
     x, w, dy, attrs = conv_grad_inputs(cfg, 16)
     node = make_node("conv2d_grad_input", [dy, w], **attrs, input_shape=x.shape)
-    ref, got = run_both(backend, ctx, node, [dy, w])
-    check(ref, got, 1e-5, "conv2d_grad_input timed path")
-    assert node in ctx.extras["conv_paths"]
-    monkeypatch.setattr(conv, "_time", lambda *a, **k: pytest.fail("timed twice"))
-    ref, got = run_both(backend, ctx, node, [dy, w])
-    check(ref, got, 1e-5, "conv2d_grad_input chosen path")
+    ref, first = run_both(backend, ctx, node, [dy, w])
+    check(ref, first, 1e-5, "conv2d_grad_input timed path")
+    assert len(ctx.paths) == 1
+    monkeypatch.setattr(conv.autotune, "time_on_device",
+                        lambda *a, **k: pytest.fail("timed twice"))
+    twin_ctx = backend.make_context("fp32")
+    twin_ctx.paths = ctx.paths
+    twin = make_node("conv2d_grad_input", [dy, w], **attrs, input_shape=x.shape)
+    _, second = run_both(backend, twin_ctx, twin, [dy, w])
+    np.testing.assert_array_equal(first[0], second[0])
 
 
 def test_conv_selection_rule():

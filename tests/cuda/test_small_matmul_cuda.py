@@ -118,24 +118,32 @@ def test_tile_linear_epilogue_after_splits(ctx, monkeypatch, act):
         assert np.isfinite(g).all() and rel(g, w_) < 1e-5
 
 
-def test_linear_path_is_timed_once_and_deterministic(ctx, monkeypatch):
-    """With PATH "auto" a mid-size fp32 linear times cuBLASLt against the tiled kernel at its
-    first call, keeps the choice, and gives the same bits on every later call."""
+def test_linear_path_is_timed_once_per_problem_and_shared(monkeypatch):
+    """With PATH "auto" a mid-size fp32 linear times cuBLASLt against the tiled kernel at the
+    first call of its problem; another node with the same problem, in another context of the
+    backend, reuses the choice and gives the same bits."""
     monkeypatch.setattr(linear, "PATH", "auto")
+    backend = get_backend("cuda")
+    ctx = backend.make_context("fp32")
+    ctx.paths = {}                                    # no choice made by earlier tests
     rng = np.random.default_rng(9)
     x = rng.standard_normal((128, 784)).astype(np.float32)
     w = rng.standard_normal((512, 784)).astype(np.float32)
     b = rng.standard_normal(512).astype(np.float32)
     ins = [Value(a.shape, "float32") for a in (x, w, b)]
     attrs = dict(act="relu", slope=0.01, save_preact=False)
-    node = Node("linear", ins, [Value(s, d) for s, d in infer_outputs("linear", ins, attrs)], attrs)
     dev = [cp.asarray(a) for a in (x, w, b)]
-    outs = [cp.full((128, 512), np.nan, np.float32) for _ in range(2)]
-    linear.IMPLS["linear"](node, dev, [outs[0]], ctx)
-    assert node in ctx.extras["linear_paths"]
-    monkeypatch.setattr("stepgraph.backends.cuda.graph.time_on_device",
-                        lambda *a, **k: pytest.fail("timed twice"))
-    linear.IMPLS["linear"](node, dev, [outs[1]], ctx)
+    outs = []
+    for _ in range(2):
+        node = Node("linear", ins, [Value(s, d) for s, d in infer_outputs("linear", ins, attrs)],
+                    attrs)
+        outs.append(cp.full((128, 512), np.nan, np.float32))
+        linear.IMPLS["linear"](node, dev, [outs[-1]], ctx)
+        assert len(ctx.paths) == 1
+        monkeypatch.setattr(linear.autotune, "time_on_device",
+                            lambda *a, **k: pytest.fail("timed twice"))
+        twin_ctx = backend.make_context("fp32")
+        twin_ctx.paths, ctx = ctx.paths, twin_ctx
     first, second = outs[0].get(), outs[1].get()
     np.testing.assert_array_equal(first, second)
     assert rel(first, np.maximum(x @ w.T + b, 0)) < 1e-5

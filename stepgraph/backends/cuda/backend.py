@@ -60,16 +60,19 @@ class CudaBackend(Backend):
             self.gemm = gemm.GemmCache()
         except Exception as err:
             raise BackendUnavailableError(f"device='cuda': cuBLASLt is not usable ({err})") from err
+        self.paths: dict = {}        # autotune.py's choices, shared like the GemmCache
         self.impls = {**launchers.IMPLS, **linear.IMPLS, **conv.IMPLS}
         self._staging: dict[tuple, _Staging] = {}
 
     # ---- contexts and capture ------------------------------------------------------------
 
     def make_context(self, precision: str = "fp32"):
-        """A CudaContext on the backend's stream, sharing its GemmCache (keyed by precision)."""
+        """A CudaContext on the backend's stream, sharing its GemmCache (keyed by precision)
+        and its kernel choices (keyed by problem, precision included)."""
         from .context import CudaContext
 
-        return CudaContext(stream=self.stream, precision=precision, gemm=self.gemm)
+        return CudaContext(stream=self.stream, precision=precision, gemm=self.gemm,
+                           paths=self.paths)
 
     def capture(self, run, ctx):
         """Record run() as one CUDA graph on ctx.stream (graph.py)."""

@@ -1,4 +1,5 @@
-"""What every CUDA launcher receives: the stream, the precision and the GEMM machinery."""
+"""What every CUDA launcher receives: the stream, the precision, the GEMM machinery and the
+kernel choices (both shared by the backend's contexts)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ class CudaContext:
     stream: Any                    # cupy.cuda.Stream every launch goes to (never the default one)
     precision: str = "fp32"        # "fp32" exact float32 GEMMs; "tf32" opts in to TF32
     gemm: Any = None               # backends.cuda.gemm.GemmCache: planned cuBLASLt calls by shape
+    paths: dict = field(default_factory=dict)   # autotune.py's kernel choices, by problem
     capturing: bool = False        # True while a CUDA graph is being captured: no syncs, no allocs
     extras: dict = field(default_factory=dict)
 

@@ -23,9 +23,10 @@ weight gradient: two), no im2col, no GEMM:
          and 4 channels ("direct") or 1 ("direct_narrow"); usable when
            C*kh*kw <= 1024 and O*kh*kw <= 1024   (a block's slice of w fits shared memory)
            and x, y have <= 2^30 elements         (32-bit offsets in the kernels)
-Every path that can run an op is a candidate; the node's first eager call times each on its
-real buffers (`_run_faster`, captured replays) and keeps the fastest: no size rule predicted
-the benchmark convs. A capture with no timing yet takes a tiled path, else `use_direct`'s rule:
+Every path that can run an op is a candidate; the first eager call of a problem (op,
+geometry, dtype, precision) times each on its real buffers (`_run_faster`, autotune.py) and
+the backend keeps the fastest for every node with that problem: no size rule predicted the
+benchmark convs. A capture with no timing yet takes a tiled path, else `use_direct`'s rule:
   direct  iff  it can run, N*O*Ho*Wo * C*kh*kw <= 2^26 multiply-adds (about 10 us of direct
                work; above it cuBLASLt's throughput pays for the im2col traffic)
           and, for grad_weight, N*Ho*Wo <= 2^18  (one block sums each weight's products)
@@ -37,7 +38,6 @@ GEMMs.
 from __future__ import annotations
 
 import itertools
-import weakref
 from typing import Callable
 
 from dataclasses import dataclass, replace
@@ -46,7 +46,7 @@ import numpy as np
 
 from ...errors import CaptureError, ShapeError
 from ...ir.ops import conv_out
-from . import compiler, gemm, launchers
+from . import autotune, compiler, gemm, launchers
 
 SCRATCH_CHUNK_BYTES = 256 << 20
 BLOCK = 256
@@ -612,10 +612,10 @@ def kernel_names() -> dict[str, set[str]]:
 def _run_faster(node, ctx, g: Geometry, dtype, paths: dict[str, Callable[[], None]]) -> None:
     """Run the op through one of `paths` (path name -> launch function, only the paths that can
     run this op, "gemm" always among them): PATH when forced (a tiled path for "tiled"); else
-    the fastest when each was timed on the node's real buffers at its first eager call (no
-    size rule predicted the benchmark convs: the direct kernel won 4x on conv1's forward and
-    lost 2.5x on conv2's grad_input); during a capture with no timing yet, a tiled path if
-    there is one, else `use_direct`'s rule."""
+    the fastest as timed on real buffers once per problem (autotune.py: no size rule
+    predicted the benchmark convs, the direct kernel won 4x on conv1's forward and lost 2.5x on
+    conv2's grad_input); during a capture with no timing yet, a tiled path if there is one,
+    else `use_direct`'s rule."""
     if PATH != "auto":
         if PATH not in PATHS:
             raise ValueError(f"conv.PATH must be 'auto' or one of {PATHS}, got {PATH!r}")
@@ -623,19 +623,12 @@ def _run_faster(node, ctx, g: Geometry, dtype, paths: dict[str, Callable[[], Non
         # grad_weight has one direct kernel, which both direct names run.
         paths[forced[0] if forced else "direct" if "direct" in paths else "gemm"]()
         return
-    chosen = ctx.extras.setdefault("conv_paths", weakref.WeakKeyDictionary())
-    if node not in chosen and not ctx.stream.is_capturing() and len(paths) > 1:
-        chosen[node] = min(paths, key=lambda name: _time(ctx, paths[name]))
     tiled = [name for name in paths if name.startswith("tiled")]
     default = tiled[0] if tiled else "direct" if "direct" in paths and \
         use_direct(node.op, g, dtype) else "gemm"
-    paths[chosen.get(node, default)]()
-
-
-def _time(ctx, run) -> float:
-    from .graph import time_on_device
-
-    return time_on_device(ctx, run)
+    key = (node.op, g, str(dtype), ctx.precision, len(node.inputs), len(node.outputs),
+           tuple(paths))
+    autotune.run_fastest(ctx, key, paths, default)
 
 
 # ---- op impls ------------------------------------------------------------------------------
@@ -665,8 +658,8 @@ def conv2d_forward(node, ins, outs, ctx) -> None:
 
 
 def _tiled_paths(op: str, g: Geometry, x, run) -> dict[str, Callable[[], None]]:
-    """{"tiled:OBxPXkKS": launch} for each tile and channel split whose block fits (none where the tiled
-    kernels cannot run `op`); run(conv) launches one TiledConv."""
+    """{"tiled:OBxPXkKS": launch} for each tile and channel split whose block fits (none
+    where the tiled kernels cannot run `op`); run(conv) launches one TiledConv."""
     if tiled_unsupported(op, g, x.dtype) is not None:
         return {}
     paths = {}

@@ -10,16 +10,15 @@ Backward GEMMs arrive as matmul nodes (autodiff/rules.py) and need no copies eit
   dw = matmul(dz, x, trans_a=True): A = x   (K, N) ld K op N, B = dz (M, N) ld M op T, D (K, M)
 Products of at most small_matmul.SMALL_MACS multiply-adds go to the small-GEMM kernel. In fp32
 the others have a second candidate, small_matmul's tiled kernel (64 x 64 tiles, k split over
-blocks), timed against cuBLASLt at each node's first eager call (`_run_fastest`).
+blocks), timed against cuBLASLt once per problem (`_run_fastest`, autotune.py).
 """
 from __future__ import annotations
 
-import weakref
 from typing import Callable
 
 import numpy as np
 
-from . import gemm
+from . import autotune, gemm
 from .small_matmul import is_small, small_matmul_forward, tile_matmul_forward, tile_splits
 
 # cuBLASLt's GELU epilogue is the tanh approximation, so it serves gelu_tanh only; exact (erf)
@@ -86,7 +85,7 @@ def linear_forward(node, ins, outs, ctx) -> None:
     paths = {"cublaslt": lambda: _linear_cublaslt(ctx, x, w, y, z, bias, kind, slope)}
     paths.update(_tile_paths(node, ctx, x, w, y, trans_a=False, trans_b=True, bias=bias, z=z,
                              act=kind, slope=slope))
-    _run_fastest(node, ctx, paths)
+    _run_fastest(node, ctx, (x, w, y) + tuple(o for o in (bias, z) if o is not None), paths)
 
 
 def _linear_cublaslt(ctx, x, w, y, z, bias, kind, slope) -> None:
@@ -119,7 +118,7 @@ def matmul_forward(node, ins, outs, ctx) -> None:
         return
     paths = {"cublaslt": lambda: gemm.matmul(ctx, a, b, c, trans_a=trans_a, trans_b=trans_b)}
     paths.update(_tile_paths(node, ctx, a, b, c, trans_a=trans_a, trans_b=trans_b))
-    _run_fastest(node, ctx, paths)
+    _run_fastest(node, ctx, (a, b, c), paths)
 
 
 # ---- choosing between cuBLASLt and the tiled kernel ------------------------------------------
@@ -150,22 +149,19 @@ def _tile_paths(node, ctx, a, b, c, **kwargs) -> dict[str, Callable[[], None]]:
     return paths
 
 
-def _run_fastest(node, ctx, paths: dict[str, Callable[[], None]]) -> None:
-    """Run one of `paths` ("cublaslt" first): PATH's family when forced; else the fastest when
-    each was timed on the node's real buffers (captured replays) at its first eager call;
-    during a capture with no timing yet, cuBLASLt."""
+def _run_fastest(node, ctx, operands, paths: dict[str, Callable[[], None]]) -> None:
+    """Run one of `paths` ("cublaslt" first): PATH's family when forced; else the fastest as
+    timed on real buffers once per problem (autotune.py); during a capture with no timing
+    yet, cuBLASLt."""
     if PATH != "auto":
         if PATH not in ("cublaslt", "tile"):
             raise ValueError(f"linear.PATH must be 'auto', 'cublaslt' or 'tile', got {PATH!r}")
         forced = [name for name in paths if name.split(":")[0] == PATH]
         paths[forced[0] if forced else "cublaslt"]()
         return
-    chosen = ctx.extras.setdefault("linear_paths", weakref.WeakKeyDictionary())
-    if node not in chosen and not ctx.stream.is_capturing() and len(paths) > 1:
-        from .graph import time_on_device
-
-        chosen[node] = min(paths, key=lambda name: time_on_device(ctx, paths[name]))
-    paths[chosen.get(node, "cublaslt")]()
+    key = (node.op, tuple(sorted(node.attrs.items())), ctx.precision, tuple(paths),
+           tuple((x.shape, x.strides, str(x.dtype)) for x in operands))
+    autotune.run_fastest(ctx, key, paths, "cublaslt")
 
 
 IMPLS = {
