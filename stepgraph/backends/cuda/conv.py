@@ -56,7 +56,7 @@ GEMM_PATH_KERNELS = ("conv2d_im2col_kernel", "conv2d_grad_weight_gather_kernel",
                      "conv2d_col2im_kernel")
 
 PATHS = ("direct", "direct_narrow", "tiled", "gemm")
-PATH = "auto"                 # "auto" (timed per node) or one of PATHS: tests force one
+PATH = "auto"                 # "auto" (timed per problem) or one of PATHS: tests force one
 DIRECT_SOURCE = "conv_direct.cu"
 DIRECT_MAX_TAPS = 1024        # conv_direct.cu's MAX_TAPS: a block's slice of w in shared memory
 DIRECT_MAX_MACS = 1 << 26     # multiply-adds of one op, N*O*Ho*Wo*C*kh*kw
@@ -347,7 +347,7 @@ def conv2d_direct_grad_weight(ctx, g: Geometry, dy, x, dw) -> None:
 # ---- tiled kernels (kernels/conv_tiled.cu) -------------------------------------------------
 
 TILED_SOURCE = "conv_tiled.cu"
-# Candidates, each timed per node: (channels, pixels) a thread computes x input-channel
+# Candidates, each timed per problem: (channels, pixels) a thread computes x input-channel
 # splits (forward, grad_input); (row ranges, output-channel ranges) per sample (grad_weight).
 TILED_TILES = ((2, 2), (2, 4))
 TILED_CHANNEL_SPLITS = (1, 2, 4, 5)

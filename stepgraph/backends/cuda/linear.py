@@ -123,7 +123,7 @@ def matmul_forward(node, ins, outs, ctx) -> None:
 
 # ---- choosing between cuBLASLt and the tiled kernel ------------------------------------------
 
-PATH = "auto"        # "auto" (timed per node), "cublaslt" or "tile" (tests force one)
+PATH = "auto"        # "auto" (timed per problem), "cublaslt" or "tile" (tests force one)
 
 
 def _tile_paths(node, ctx, a, b, c, **kwargs) -> dict[str, Callable[[], None]]:

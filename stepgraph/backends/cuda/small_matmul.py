@@ -5,7 +5,7 @@
   (128x10x512: cuBLASLt 5-10 µs, 2 kernels). linear.py always routes these here.
 - tile_matmul_forward: mid-size products with few rows (a batch), 64 x 64 tiles with the k
   range split over blocks (cuBLASLt's fp32 tiles are 128 x 128 or larger: a 128 x 512 output
-  keeps 4 SMs busy). linear.py times it against cuBLASLt per node.
+  keeps 4 SMs busy). linear.py times it against cuBLASLt once per problem.
 Exact float32, every sum in a fixed order, so results are deterministic.
 """
 from __future__ import annotations
@@ -74,7 +74,7 @@ def small_matmul_forward(ctx, a, b, c, *, trans_a=False, trans_b=False, bias=Non
 TILE = 64                   # kernels/small_matmul.cu TILE_M = TILE_N
 TILE_K = 16
 TILE_THREADS = 256
-TILE_SPLITS = (1, 2, 4, 8, 16)   # k ranges over blocks: candidates, timed per node
+TILE_SPLITS = (1, 2, 4, 8, 16)   # k ranges over blocks: candidates, timed per problem
 TILE_MAX_MACS = 1 << 28     # above this cuBLASLt's large tiles fill the GPU: no candidates
 
 
