@@ -79,9 +79,10 @@ TILE_MAX_MACS = 1 << 28     # above this cuBLASLt's large tiles fill the GPU: no
 
 
 def tile_splits(m: int, n: int, k: int) -> list[int]:
-    """The candidate k splits of an (m, n, k) product (none for large products): each split
-    keeps at least two TILE_K steps, and the partial sums fit 32-bit indices."""
-    if m * n * k > TILE_MAX_MACS:
+    """The candidate k splits of an (m, n, k) product (none for large products, or more row
+    tiles than a grid's y extent): each split keeps at least two TILE_K steps, and the
+    partial sums fit 32-bit indices."""
+    if m * n * k > TILE_MAX_MACS or -(-m // TILE) > 65535:
         return []
     return [s for s in TILE_SPLITS
             if (s == 1 or -(-k // s) >= 2 * TILE_K) and s * m * n < 2**31]
