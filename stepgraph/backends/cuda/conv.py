@@ -560,8 +560,8 @@ def conv2d_tiled(ctx, conv: TiledConv, src, w, bias, out) -> None:
 
 def conv2d_tiled_grad_weight(ctx, plan: TiledGradWeight, dy, x, dw, db) -> None:
     """dw (and db = dy summed over N, Ho, Wo, unless None) of a stride-1 conv: each block
-    writes the partial sums of its rows of one sample to scratch, a second launch adds the
-    partials in order."""
+    writes the partial sums of its rows and channels of one sample to scratch, a second
+    launch adds the partials in a fixed order."""
     ctype = _CTYPES[str(x.dtype)]
     kern = _tiled_kernel(plan.name(ctype),
                          {"dy": dy, "x": x, "dw": dw} | ({} if db is None else {"db": db}))

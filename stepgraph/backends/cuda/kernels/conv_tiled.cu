@@ -18,8 +18,8 @@ struct alignas(sizeof(T) * K) Pack {
 __host__ __device__ constexpr int odd(int stride) { return stride | 1; }
 __host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
 
-// Staging copies keep STAGE_LOADS global loads in flight per thread: a loop that stores each
-// value before loading the next waits a full memory latency per element.
+// Staging copies issue STAGE_LOADS global loads per thread before storing any of them, so a
+// thread's loads overlap instead of each waiting for the store of the one before.
 constexpr int STAGE_LOADS = 8;
 
 // For e < TOTAL: dst[to(e)] = from(e) < 0 ? 0 : src[from(e)], loads issued in batches.
@@ -214,7 +214,7 @@ conv2d_tiled_kernel(const T* __restrict__ in, const T* __restrict__ w,
 //   partial[n*RB + rb][(o*C + c)*KK + i*KW + j] = sum over its rows and wo of
 //                                   dy[n, o, ho, wo] * x[n, c, ho + i - PH, wo + j - PW]
 //   partial[n*RB + rb][O*C*KK + o] = sum over its rows and wo of dy[n, o, ho, wo]   (BIAS)
-// and conv2d_tiled_grad_weight_sum_kernel adds the N*RB partials in order.
+// and conv2d_tiled_grad_weight_sum_kernel adds the N*RB partials in a fixed order.
 // A thread item is (o, c, q): KH x KW accumulators over the block's rows q, q + R, ..., each
 // row in tiles of WT pixels (dy rows are staged zero-padded to a multiple of WT). With R > 1
 // the row groups' sums meet in shared memory and are added in q order. Sum order per
