@@ -76,13 +76,40 @@ struct UpdateEntry {
     long long aligned;
 };
 
-// Block k updates chunk blocks[k] = (parameter, chunk index): elements
-// [chunk * index, min(chunk * (index + 1), n)). chunk is a multiple of 4, so float4 groups
-// never straddle a chunk and stay aligned.
-__device__ __forceinline__ void chunk_range(const int2 job, const UpdateEntry& e, int chunk,
-                                            long long* start, long long* end) {
-    *start = (long long)job.y * chunk;
-    *end = min(*start + chunk, e.n);
+// The multi-tensor loop both optimizers share. Block k updates chunk blocks[k] = (parameter,
+// chunk index): elements [chunk * index, min(chunk * (index + 1), n)), four a thread (one
+// float4 of each tensor where the parameter's tensors are aligned; chunk is a multiple of 4,
+// so float4 groups never straddle a chunk). element(p, g, s0, s1) updates one element in
+// place; `slots` state tensors (0, 1 or 2) are read and written back.
+template <typename Element>
+__device__ __forceinline__ void update_chunk(const UpdateEntry* entries, const int2* blocks,
+                                             int chunk, int slots, Element element) {
+    const int2 job = blocks[blockIdx.x];
+    const UpdateEntry e = entries[job.x];
+    const long long start = (long long)job.y * chunk, end = min(start + chunk, e.n);
+    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (long long i = start + 4 * (long long)threadIdx.x; i < end; i += 4LL * blockDim.x) {
+        if (e.aligned && i + 4 <= end) {
+            float4 p = *reinterpret_cast<float4*>(e.p + i);
+            const float4 g = *reinterpret_cast<const float4*>(e.g + i);
+            float4 a = slots > 0 ? *reinterpret_cast<float4*>(e.s0 + i) : zero;
+            float4 b = slots > 1 ? *reinterpret_cast<float4*>(e.s1 + i) : zero;
+            element(p.x, g.x, a.x, b.x);
+            element(p.y, g.y, a.y, b.y);
+            element(p.z, g.z, a.z, b.z);
+            element(p.w, g.w, a.w, b.w);
+            *reinterpret_cast<float4*>(e.p + i) = p;
+            if (slots > 0) *reinterpret_cast<float4*>(e.s0 + i) = a;
+            if (slots > 1) *reinterpret_cast<float4*>(e.s1 + i) = b;
+        } else {
+            for (long long j = i; j < i + 4 && j < end; ++j) {
+                float a = slots > 0 ? e.s0[j] : 0.f, b = slots > 1 ? e.s1[j] : 0.f;
+                element(e.p[j], e.g[j], a, b);
+                if (slots > 0) e.s0[j] = a;
+                if (slots > 1) e.s1[j] = b;
+            }
+        }
+    }
 }
 
 // Gradient clipping coefficient min(1, max_norm / (norm + 1e-6)) in float64, as the reference.
@@ -127,31 +154,8 @@ extern "C" __global__ void sgd_update_kernel(const UpdateEntry* entries, const i
         s.nesterov = nesterov;
     }
     __syncthreads();
-    const int2 job = blocks[blockIdx.x];
-    const UpdateEntry e = entries[job.x];
-    long long start, end;
-    chunk_range(job, e, chunk, &start, &end);
-    const long long stride = 4 * (long long)blockDim.x;
-    for (long long i = start + 4 * (long long)threadIdx.x; i < end; i += stride) {
-        if (e.aligned && i + 4 <= end) {
-            float4 p = *reinterpret_cast<float4*>(e.p + i);
-            const float4 g = *reinterpret_cast<const float4*>(e.g + i);
-            float4 b = s.has_momentum ? *reinterpret_cast<float4*>(e.s0 + i)
-                                      : make_float4(0.f, 0.f, 0.f, 0.f);
-            sgd_element(p.x, g.x, b.x, s);
-            sgd_element(p.y, g.y, b.y, s);
-            sgd_element(p.z, g.z, b.z, s);
-            sgd_element(p.w, g.w, b.w, s);
-            *reinterpret_cast<float4*>(e.p + i) = p;
-            if (s.has_momentum) *reinterpret_cast<float4*>(e.s0 + i) = b;
-        } else {
-            for (long long j = i; j < i + 4 && j < end; ++j) {
-                float b = s.has_momentum ? e.s0[j] : 0.f;
-                sgd_element(e.p[j], e.g[j], b, s);
-                if (s.has_momentum) e.s0[j] = b;
-            }
-        }
-    }
+    update_chunk(entries, blocks, chunk, s.has_momentum ? 1 : 0,
+                 [&](float& p, float g, float& buf, float&) { sgd_element(p, g, buf, s); });
 }
 
 struct AdamScalars {
@@ -197,27 +201,6 @@ extern "C" __global__ void adam_update_kernel(const UpdateEntry* entries, const 
         s.decoupled = decoupled;
     }
     __syncthreads();
-    const int2 job = blocks[blockIdx.x];
-    const UpdateEntry e = entries[job.x];
-    long long start, end;
-    chunk_range(job, e, chunk, &start, &end);
-    const long long stride = 4 * (long long)blockDim.x;
-    for (long long i = start + 4 * (long long)threadIdx.x; i < end; i += stride) {
-        if (e.aligned && i + 4 <= end) {
-            float4 p = *reinterpret_cast<float4*>(e.p + i);
-            const float4 g = *reinterpret_cast<const float4*>(e.g + i);
-            float4 m = *reinterpret_cast<float4*>(e.s0 + i);
-            float4 v = *reinterpret_cast<float4*>(e.s1 + i);
-            adam_element(p.x, g.x, m.x, v.x, s);
-            adam_element(p.y, g.y, m.y, v.y, s);
-            adam_element(p.z, g.z, m.z, v.z, s);
-            adam_element(p.w, g.w, m.w, v.w, s);
-            *reinterpret_cast<float4*>(e.p + i) = p;
-            *reinterpret_cast<float4*>(e.s0 + i) = m;
-            *reinterpret_cast<float4*>(e.s1 + i) = v;
-        } else {
-            for (long long j = i; j < i + 4 && j < end; ++j) adam_element(e.p[j], e.g[j], e.s0[j],
-                                                                          e.s1[j], s);
-        }
-    }
+    update_chunk(entries, blocks, chunk, 2,
+                 [&](float& p, float g, float& m, float& v) { adam_element(p, g, m, v, s); });
 }
