@@ -400,7 +400,8 @@ def maxpool2d_forward(ctx, x, y, idx, kernel, stride, relu: bool = False) -> Non
 
 def maxpool2d_backward(ctx, dy, idx, dx, kernel, stride, y=None) -> None:
     """dx = each dy added at its idx (windows may overlap: gathered, fixed order); with the
-    fused ReLU's output y, only where y > 0."""
+    fused ReLU's output y, only where y > 0. Windows that tile the input exactly take the
+    scatter kernel (a thread per window)."""
     _check("maxpool2d_grad dx", dx)
     y_shape = _pool_out_shape(tuple(dx.shape), kernel, stride)
     _check("maxpool2d_grad dy", dy, shape=y_shape)
@@ -408,10 +409,16 @@ def maxpool2d_backward(ctx, dy, idx, dx, kernel, stride, y=None) -> None:
     if y is not None:
         _check("maxpool2d_grad relu output", y, shape=y_shape)
     _check_int32("maxpool2d_grad", dx.size)
-    if dx.size:
-        _launch(ctx, "pool.cu", "maxpool2d_backward_kernel", _grid(dx.size), (BLOCK,),
-                (dy, idx, y if y is not None else np.uint64(0), dx)
-                + _pool_args(tuple(dx.shape), y_shape, kernel, stride))
+    if not dx.size:
+        return
+    args = (dy, idx, y if y is not None else np.uint64(0), dx) \
+        + _pool_args(tuple(dx.shape), y_shape, kernel, stride)
+    h, w = dx.shape[2:]
+    if tuple(stride) == tuple(kernel) and h % kernel[0] == 0 and w % kernel[1] == 0:
+        _launch(ctx, "pool.cu", "maxpool2d_backward_tiling_kernel", _grid(dy.size), (BLOCK,),
+                args)
+    else:
+        _launch(ctx, "pool.cu", "maxpool2d_backward_kernel", _grid(dx.size), (BLOCK,), args)
 
 
 # ---- loss.cu -------------------------------------------------------------------------------

@@ -70,3 +70,30 @@ extern "C" __global__ void maxpool2d_backward_kernel(const float* dy, const int*
         dx[i] = acc;
     }
 }
+
+// The backward when the windows tile the input exactly (stride == kernel, H % kh == 0,
+// W % kw == 0): every input pixel lies in one window, so a thread per pooled output writes its
+// whole window, dy at the argmax (where the fused ReLU let it through) and zero elsewhere:
+// a quarter of the threads of the gather above for 2x2 windows, and dy, idx, y read once.
+// 0 + dy as the gather's sum would give (-0 becomes +0, like the reference's np.add.at).
+extern "C" __global__ void maxpool2d_backward_tiling_kernel(const float* dy, const int* idx,
+                                                            const float* y, float* dx,
+                                                            POOL_SHAPE_ARGS) {
+    const long long total = (long long)planes * Ho * Wo;
+    for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total;
+         g += (long long)gridDim.x * blockDim.x) {
+        const int o = (int)g;
+        const int wo = o % Wo, t = o / Wo;
+        const int ho = t % Ho, p = t / Ho;
+        const int at = idx[o];
+        const float grad = __fadd_rn(0.f, dy[o]);
+        const bool open = y == nullptr || y[o] > 0.f;
+        float* plane = dx + (long long)p * H * W;
+        for (int i = 0; i < kh; ++i) {
+            for (int j = 0; j < kw; ++j) {
+                const int here = (ho * kh + i) * W + wo * kw + j;
+                plane[here] = open && at == here ? grad : 0.f;
+            }
+        }
+    }
+}
