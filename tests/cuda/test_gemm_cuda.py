@@ -15,7 +15,7 @@ from stepgraph.backends import cuda_available  # noqa: E402
 if not cuda_available():
     pytest.skip("no GPU visible to CuPy", allow_module_level=True)
 
-from stepgraph.backends.cuda import conv, gemm, linear  # noqa: E402
+from stepgraph.backends.cuda import conv, conv_tiled, gemm, linear  # noqa: E402
 from stepgraph.backends.cuda.backend import CudaBackend  # noqa: E402
 from stepgraph.backends.numpy.kernels import IMPLS as NUMPY_IMPLS  # noqa: E402
 from stepgraph.errors import BackendUnavailableError, PlanError, ShapeError  # noqa: E402
@@ -234,16 +234,16 @@ def test_conv2d_grad_weight_matches_numpy(backend, ctx, conv_path, cfg, bias):
 STRIDE1_CONVS = [(cfg, i) for i, cfg in zip(CONV_IDS, CONVS) if cfg[7] == (1, 1)]
 
 
-@pytest.mark.parametrize("tile", conv.TILED_TILES, ids=lambda t: f"{t[0]}x{t[1]}")
-@pytest.mark.parametrize("ks", conv.TILED_CHANNEL_SPLITS, ids=lambda k: f"k{k}")
+@pytest.mark.parametrize("tile", conv_tiled.TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("ks", conv_tiled.CHANNEL_SPLITS, ids=lambda k: f"k{k}")
 @pytest.mark.parametrize("cfg", [c for c, _ in STRIDE1_CONVS], ids=[i for _, i in STRIDE1_CONVS])
 def test_conv2d_tiled_every_tile(backend, ctx32, monkeypatch, cfg, tile, ks):
     """Each (channels, pixels) tile and input-channel split of conv2d_tiled_kernel, forward
     and grad_input, partial channel groups and row tiles included; where that kernel exists
     for the shape, it is what ran."""
     monkeypatch.setattr(conv, "PATH", "tiled")
-    monkeypatch.setattr(conv, "TILED_TILES", (tile,))
-    monkeypatch.setattr(conv, "TILED_CHANNEL_SPLITS", (ks,))
+    monkeypatch.setattr(conv_tiled, "TILES", (tile,))
+    monkeypatch.setattr(conv_tiled, "CHANNEL_SPLITS", (ks,))
     launched = []
     kernel = conv.compiler.kernel
     monkeypatch.setattr(conv.compiler, "kernel",
@@ -256,18 +256,19 @@ def test_conv2d_tiled_every_tile(backend, ctx32, monkeypatch, cfg, tile, ks):
         launched.clear()
         node = make_node(op, arrays, **attrs, **extra)
         check(*run_both(backend, ctx32, node, arrays), 1e-5, f"{op} tiled {tile} k{ks} {cfg}")
-        if conv.tiled_unsupported(op, g, x.dtype) is None and \
-                conv.tiled_conv(g, op == "conv2d_grad_input", tile, ks, x.itemsize) is not None:
-            assert launched == [conv.TILED_SOURCE], f"{op}: {launched}"
+        flip = op == "conv2d_grad_input"
+        if conv_tiled.unsupported(op, g, x.dtype) is None and \
+                conv_tiled.plan_conv(g, flip, tile, ks, x.itemsize) is not None:
+            assert launched == [conv_tiled.SOURCE], f"{op}: {launched}"
 
 
-@pytest.mark.parametrize("split", conv.TILED_GRAD_WEIGHT_SPLITS, ids=lambda s: f"r{s[0]}o{s[1]}")
+@pytest.mark.parametrize("split", conv_tiled.GRAD_WEIGHT_SPLITS, ids=lambda s: f"r{s[0]}o{s[1]}")
 @pytest.mark.parametrize("cfg", [c for c, _ in STRIDE1_CONVS], ids=[i for _, i in STRIDE1_CONVS])
 def test_conv2d_tiled_grad_weight_every_split(backend, ctx32, monkeypatch, cfg, split):
     """conv2d_tiled_grad_weight_kernel with (row ranges, channel ranges) blocks per sample
     (where that split exists), with and without the bias gradient; the tiled kernels ran."""
     monkeypatch.setattr(conv, "PATH", "tiled")
-    monkeypatch.setattr(conv, "TILED_GRAD_WEIGHT_SPLITS", (split,))
+    monkeypatch.setattr(conv_tiled, "GRAD_WEIGHT_SPLITS", (split,))
     launched = []
     kernel = conv.compiler.kernel
     monkeypatch.setattr(conv.compiler, "kernel",
@@ -278,8 +279,8 @@ def test_conv2d_tiled_grad_weight_every_split(backend, ctx32, monkeypatch, cfg, 
         launched.clear()
         node = make_node("conv2d_grad_weight", [dy, x], weight_shape=w.shape, bias=bias, **attrs)
         check(*run_both(backend, ctx32, node, [dy, x]), 1e-5, f"grad_weight {split} {cfg}")
-        if conv.tiled_grad_weight(g, split, bias, x.itemsize) is not None:
-            assert launched == [conv.TILED_SOURCE] * 2, launched
+        if conv_tiled.plan_grad_weight(g, split, bias, x.itemsize) is not None:
+            assert launched == [conv_tiled.SOURCE] * 2, launched
 
 
 @pytest.mark.parametrize("op", ["conv2d", "conv2d_grad_input", "conv2d_grad_weight"])
@@ -317,7 +318,7 @@ def test_conv_tiled_path_launches_only_tiled_kernels(backend, monkeypatch, cfg):
         node = make_node(op, arrays, **attrs, **extra)
         launched.clear()
         ref, first = run_both(backend, ctx, node, arrays)
-        assert launched == [conv.TILED_SOURCE] * launches, f"{op}: {launched}"
+        assert launched == [conv_tiled.SOURCE] * launches, f"{op}: {launched}"
         _, second = run_both(backend, ctx, node, arrays)
         check(ref, first, 1e-5, f"{op} tiled")
         for a, b2 in zip(first, second):

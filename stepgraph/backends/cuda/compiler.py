@@ -11,6 +11,7 @@ from pathlib import Path
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 NVRTC_OPTIONS = ("-std=c++17", f"-I{KERNEL_DIR}")
+FLOAT_CTYPES = {"float32": "float", "float64": "double"}   # templates' T per array dtype
 
 
 def kernel_sources() -> list[Path]:

@@ -15,7 +15,7 @@ before capture. A batch needing more than SCRATCH_CHUNK_BYTES runs in chunks of 
 
 Small convolutions skip all of that. Two kernel families compute each op in one launch (the
 weight gradient: two), no im2col, no GEMM:
-  tiled  (kernels/conv_tiled.cu) stride 1, kernels up to 7x7, a kernel compiled per conv shape:
+  tiled  (conv_tiled.py) stride 1, kernels up to 7x7, a kernel compiled per conv shape:
          a block stages a sample in shared memory, threads keep register tiles; dx is the same
          kernel over dy with the flipped weights; dw comes with db (the fused bias gradient).
          Variants (tile, channel splits, block splits) are candidates of their own.
@@ -40,18 +40,19 @@ from __future__ import annotations
 import itertools
 from typing import Callable
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
 from ...errors import CaptureError, ShapeError
 from ...ir.ops import conv_out
 from . import autotune, compiler, gemm, launchers
+from . import conv_tiled as tiled
 
 SCRATCH_CHUNK_BYTES = 256 << 20
 BLOCK = 256
 MAX_BLOCKS = 1 << 15     # grid-stride loops cover the rest
-_CTYPES = {"float32": "float", "float64": "double"}
+_CTYPES = compiler.FLOAT_CTYPES
 GEMM_PATH_KERNELS = ("conv2d_im2col_kernel", "conv2d_grad_weight_gather_kernel",
                      "conv2d_col2im_kernel")
 
@@ -344,236 +345,6 @@ def conv2d_direct_grad_weight(ctx, g: Geometry, dy, x, dw) -> None:
             stream=ctx.stream)
 
 
-# ---- tiled kernels (kernels/conv_tiled.cu) -------------------------------------------------
-
-TILED_SOURCE = "conv_tiled.cu"
-# Candidates, each timed per problem: (channels, pixels) a thread computes x input-channel
-# splits (forward, grad_input); (row ranges, output-channel ranges) per sample (grad_weight).
-TILED_TILES = ((2, 2), (2, 4))
-TILED_CHANNEL_SPLITS = (1, 2, 4, 5)
-TILED_GRAD_WEIGHT_SPLITS = ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1))
-TILED_MAX_KERNEL = 7           # larger windows unroll into too much code
-TILED_SHARED_BYTES = (48 << 10) - 256  # static shared arrays (alignment slack under 48 KiB)
-TILED_ITEMS = 256              # thread items a block aims at
-TILED_MAX_THREADS = 512        # conv_tiled.cu's __launch_bounds__
-TILED_MAX_PARTIAL_BYTES = 8 << 20  # grad_weight partial sums: beyond this, fewer row blocks
-GRAD_WEIGHT_ROW_TILE = 8       # dy pixels per step of conv2d_tiled_grad_weight_kernel (WT)
-SUM_THREADS = 256              # conv2d_tiled_grad_weight_sum_kernel: 32 columns x 8 slices
-
-
-def _odd(stride: int) -> int:
-    return stride | 1          # conv_tiled.cu's odd(): bank-spreading row and plane strides
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _threads(items: int) -> int:
-    return min(TILED_MAX_THREADS, max(32, _cdiv(items, 32) * 32))
-
-
-def tiled_unsupported(op: str, g: Geometry, dtype) -> str | None:
-    """Why the tiled kernels cannot run this op at all (shared-memory size aside), or None."""
-    if str(dtype) not in _CTYPES:
-        return f"dtype {dtype} (want one of {list(_CTYPES)})"
-    if (g.sh, g.sw) != (1, 1):
-        return f"stride {(g.sh, g.sw)} (the tiled kernels are stride 1)"
-    if max(g.kh, g.kw) > TILED_MAX_KERNEL:
-        return f"kernel {(g.kh, g.kw)} larger than {TILED_MAX_KERNEL}"
-    if op == "conv2d_grad_input" and (g.ph >= g.kh or g.pw >= g.kw):
-        return f"padding {(g.ph, g.pw)} not smaller than the kernel {(g.kh, g.kw)}"
-    if max(g.n * g.c * g.h * g.w, g.n * g.o * g.p) > DIRECT_MAX_ELEMENTS:
-        return f"a tensor of more than {DIRECT_MAX_ELEMENTS} elements (32-bit offsets)"
-    return None
-
-
-@dataclass(frozen=True)
-class TiledConv:
-    """One instantiation and launch of conv2d_tiled_kernel: the forward (flip False: in = x,
-    out = y) or the input gradient (flip True: in = dy, out = dx, the padding becomes
-    kernel - 1 - padding). gb output-channel groups of ob per block, px pixels per thread."""
-    n: int
-    cin: int
-    hin: int
-    win: int
-    cout: int
-    kh: int
-    kw: int
-    ph: int
-    pw: int
-    ob: int
-    px: int
-    gb: int
-    ks: int
-    flip: bool
-
-    @property
-    def hout(self) -> int:
-        return self.hin + 2 * self.ph - self.kh + 1
-
-    @property
-    def wout(self) -> int:
-        return self.win + 2 * self.pw - self.kw + 1
-
-    @property
-    def groups(self) -> int:
-        return _cdiv(self.cout, self.ob)
-
-    @property
-    def grid(self) -> tuple[int, int]:
-        return self.n, _cdiv(self.groups, self.gb)
-
-    @property
-    def slots(self) -> int:
-        """Thread items of a block (each on ks threads)."""
-        return self.gb * self.hout * _cdiv(self.wout, self.px)
-
-    @property
-    def threads(self) -> int:
-        return _threads(self.ks * self.slots)
-
-    def shared_bytes(self, itemsize: int) -> int:
-        wp = _cdiv(self.wout, self.px) * self.px + self.kw - 1
-        plane = _odd((self.hout + self.kh - 1) * _odd(wp))
-        handed = max(1, (self.ks - 1) * self.slots * self.ob * self.px)
-        return (self.gb * self.cin * self.kh * self.kw * self.ob + self.cin * plane
-                + handed) * itemsize
-
-    def name(self, ctype: str) -> str:
-        params = (self.cin, self.hin, self.win, self.cout, self.kh, self.kw, self.ph, self.pw,
-                  self.ob, self.px, self.gb, self.ks)
-        return (f"conv2d_tiled_kernel<{ctype}, {', '.join(map(str, params))}, "
-                f"{'true' if self.flip else 'false'}>")
-
-
-def tiled_conv(g: Geometry, flip: bool, tile: tuple[int, int], ks: int,
-               itemsize: int) -> TiledConv | None:
-    """The forward (flip False) or grad_input (True) kernel of `g` with `tile` and the input
-    channels split over ks threads: channel groups per block for about TILED_ITEMS thread
-    items, fewer where shared memory runs out (ks > 1: all items in one pass of at most
-    TILED_MAX_THREADS threads); None where even one group does not fit."""
-    if flip:
-        dims = (g.o, g.ho, g.wo, g.c, g.kh, g.kw, g.kh - 1 - g.ph, g.kw - 1 - g.pw)
-    else:
-        dims = (g.c, g.h, g.w, g.o, g.kh, g.kw, g.ph, g.pw)
-    ob, px = tile
-    conv = TiledConv(g.n, *dims, ob, px, 1, ks, flip)
-    if ks > 1 and (conv.cin % ks or ks * conv.slots > TILED_MAX_THREADS):
-        return None
-    splits = min(conv.groups, max(1, _cdiv(conv.groups * conv.slots, TILED_ITEMS)))
-    gb = _cdiv(conv.groups, splits)
-    if ks > 1:
-        gb = min(gb, TILED_MAX_THREADS // (ks * conv.slots))
-    for gb in range(gb, 0, -1):
-        conv = replace(conv, gb=gb)
-        if conv.shared_bytes(itemsize) <= TILED_SHARED_BYTES:
-            return conv
-    return None
-
-
-@dataclass(frozen=True)
-class TiledGradWeight:
-    """One instantiation and launch of conv2d_tiled_grad_weight_kernel: rb x os blocks per
-    sample (row ranges x output-channel ranges), r row groups per (o, c) pair in a block, db
-    alongside dw when bias."""
-    g: Geometry
-    rb: int
-    os: int
-    r: int
-    bias: bool
-
-    @property
-    def rows(self) -> int:
-        return _cdiv(self.g.ho, self.rb)
-
-    @property
-    def per_part(self) -> int:
-        return self.g.o * self.g.ck + (self.g.o if self.bias else 0)
-
-    @property
-    def parts(self) -> int:
-        return self.g.n * self.rb
-
-    @property
-    def channels(self) -> int:
-        """Output channels of a block."""
-        return _cdiv(self.g.o, self.os)
-
-    @property
-    def threads(self) -> int:
-        return _threads(self.channels * self.g.c * self.r)
-
-    def shared_bytes(self, itemsize: int) -> int:
-        g, wd = self.g, _cdiv(self.g.wo, GRAD_WEIGHT_ROW_TILE) * GRAD_WEIGHT_ROW_TILE
-        x_plane = _odd((self.rows + g.kh - 1) * _odd(wd + g.kw - 1))
-        d_plane = _odd(self.rows * _odd(wd))
-        mine = self.channels * (g.ck + (1 if self.bias else 0))
-        sums = self.r * mine if self.r > 1 else 1
-        return (g.c * x_plane + self.channels * d_plane + sums) * itemsize
-
-    def name(self, ctype: str) -> str:
-        g = self.g
-        params = (g.c, g.h, g.w, g.o, g.kh, g.kw, g.ph, g.pw, self.rb, self.os, self.r,
-                  GRAD_WEIGHT_ROW_TILE)
-        return (f"conv2d_tiled_grad_weight_kernel<{ctype}, {', '.join(map(str, params))}, "
-                f"{'true' if self.bias else 'false'}>")
-
-
-def tiled_grad_weight(g: Geometry, split: tuple[int, int], bias: bool,
-                      itemsize: int) -> TiledGradWeight | None:
-    """The grad_weight kernel of `g` with split = (rb, os) blocks per sample and as many row
-    groups as TILED_ITEMS and shared memory allow; None where a split leaves a block without
-    rows or channels (or under 2 rows), the partial sums exceed TILED_MAX_PARTIAL_BYTES or
-    one row group won't fit."""
-    rb, os = split
-    plan = TiledGradWeight(g, rb, os, 1, bias)
-    if (rb > 1 and plan.rows < 2) or _cdiv(g.ho, plan.rows) < rb or \
-            _cdiv(g.o, plan.channels) < os or \
-            plan.parts * plan.per_part * itemsize > TILED_MAX_PARTIAL_BYTES:
-        return None
-    for r in range(max(1, min(plan.rows, TILED_ITEMS // max(1, plan.channels * g.c))), 0, -1):
-        plan = replace(plan, r=r)
-        if plan.shared_bytes(itemsize) <= TILED_SHARED_BYTES:
-            return plan
-    return None
-
-
-def _tiled_kernel(name: str, arrays: dict):
-    dtype = next(iter(arrays.values())).dtype
-    for what, arr in arrays.items():
-        if arr.dtype != dtype:
-            raise ShapeError(f"conv2d tiled: {what} is {arr.dtype}, the other operands {dtype}")
-    return compiler.kernel(TILED_SOURCE, name)
-
-
-def conv2d_tiled(ctx, conv: TiledConv, src, w, bias, out) -> None:
-    """y = conv2d(x, w) + bias (conv.flip False: src = x, out = y) or dx of it (flip True:
-    src = dy, out = dx, bias None): one launch of conv2d_tiled_kernel."""
-    kern = _tiled_kernel(conv.name(_CTYPES[str(src.dtype)]),
-                         {"input": src, "weight": w, "output": out}
-                         | ({} if bias is None else {"bias": bias}))
-    kern(conv.grid, (conv.threads,),
-         (src, w, w if bias is None else bias, out, np.int32(bias is not None)),
-         stream=ctx.stream)
-
-
-def conv2d_tiled_grad_weight(ctx, plan: TiledGradWeight, dy, x, dw, db) -> None:
-    """dw (and db = dy summed over N, Ho, Wo, unless None) of a stride-1 conv: each block
-    writes the partial sums of its rows and channels of one sample to scratch, a second
-    launch adds the partials in a fixed order."""
-    ctype = _CTYPES[str(x.dtype)]
-    kern = _tiled_kernel(plan.name(ctype),
-                         {"dy": dy, "x": x, "dw": dw} | ({} if db is None else {"db": db}))
-    partial = _scratch(ctx, [(plan.parts, plan.per_part)], x.dtype)[0]
-    kern((plan.g.n, plan.rb, plan.os), (plan.threads,), (dy, x, partial), stream=ctx.stream)
-    weights = plan.g.o * plan.g.ck
-    compiler.kernel(TILED_SOURCE, f"conv2d_tiled_grad_weight_sum_kernel<{ctype}>")(
-        (_cdiv(plan.per_part, 32),), (SUM_THREADS,),
-        (partial, dw, dw if db is None else db, np.int32(weights), np.int32(plan.per_part),
-         np.int32(plan.parts)), stream=ctx.stream)
-
-
 # Geometries kernel_names() instantiates the tiled kernels for (the NVRTC test): the benchmark
 # CNN's convs and a padded 3x3 one.
 TILED_NAME_GEOMETRIES = (Geometry(64, 1, 28, 28, 10, 5, 5, 1, 1, 0, 0),
@@ -581,21 +352,10 @@ TILED_NAME_GEOMETRIES = (Geometry(64, 1, 28, 28, 10, 5, 5, 1, 1, 0, 0),
                          Geometry(8, 16, 14, 14, 32, 3, 3, 1, 1, 1, 1))
 
 
-def _tiled_names(ctype: str, itemsize: int) -> set[str]:
-    names = {f"conv2d_tiled_grad_weight_sum_kernel<{ctype}>"}
-    for g in TILED_NAME_GEOMETRIES:
-        convs = [tiled_conv(g, flip, tile, ks, itemsize) for tile in TILED_TILES
-                 for ks in TILED_CHANNEL_SPLITS for flip in (False, True)]
-        grads = [tiled_grad_weight(g, split, bias, itemsize)
-                 for split in TILED_GRAD_WEIGHT_SPLITS for bias in (False, True)]
-        names.update(k.name(ctype) for k in convs + grads if k is not None)
-    return names
-
-
 def kernel_names() -> dict[str, set[str]]:
     """{.cu file: every kernel name this module may launch}, template instantiations included
     (the NVRTC compile test instantiates each; the tiled kernels for TILED_NAME_GEOMETRIES)."""
-    names: dict[str, set[str]] = {"conv.cu": set(), DIRECT_SOURCE: set(), TILED_SOURCE: set()}
+    names: dict[str, set[str]] = {"conv.cu": set(), DIRECT_SOURCE: set(), tiled.SOURCE: set()}
     for dtype, ctype in _CTYPES.items():
         names["conv.cu"].update(f"{kernel}<{ctype}>" for kernel in GEMM_PATH_KERNELS)
         names[DIRECT_SOURCE].update(
@@ -603,7 +363,8 @@ def kernel_names() -> dict[str, set[str]]:
              for channels in (DIRECT_CHANNELS, NARROW_CHANNELS)]
             + [_direct_name("grad_weight", ctype, tile) for tile in GRAD_WEIGHT_TILES]
             + [f"conv2d_direct_grad_weight_sum_kernel<{ctype}>"])
-        names[TILED_SOURCE].update(_tiled_names(ctype, np.dtype(dtype).itemsize))
+        names[tiled.SOURCE].update(
+            tiled.kernel_names(TILED_NAME_GEOMETRIES, ctype, np.dtype(dtype).itemsize))
     return names
 
 
@@ -648,7 +409,8 @@ def conv2d_forward(node, ins, outs, ctx) -> None:
     g = _geometry(x.shape, w.shape, node.attrs)
     bias = _contiguous(ins[2], "bias", (g.o,)) if len(ins) == 3 else None
     y = _contiguous(outs[0], "y", (g.n, g.o, g.ho, g.wo))
-    paths = _tiled_paths("conv2d", g, x, lambda conv: conv2d_tiled(ctx, conv, x, w, bias, y))
+    paths = _tiled_paths("conv2d", g, x,
+                         lambda conv: tiled.conv2d_tiled(ctx, conv, x, w, bias, y))
     if direct_unsupported(g, x.dtype) is None:
         paths["direct"] = lambda: conv2d_direct_forward(ctx, g, x, w, bias, y)
         paths["direct_narrow"] = lambda: conv2d_direct_forward(ctx, g, x, w, bias, y,
@@ -660,11 +422,11 @@ def conv2d_forward(node, ins, outs, ctx) -> None:
 def _tiled_paths(op: str, g: Geometry, x, run) -> dict[str, Callable[[], None]]:
     """{"tiled:OBxPXkKS": launch} for each tile and channel split whose block fits (none
     where the tiled kernels cannot run `op`); run(conv) launches one TiledConv."""
-    if tiled_unsupported(op, g, x.dtype) is not None:
+    if tiled.unsupported(op, g, x.dtype) is not None:
         return {}
     paths = {}
-    for (ob, px), ks in itertools.product(TILED_TILES, TILED_CHANNEL_SPLITS):
-        conv = tiled_conv(g, op == "conv2d_grad_input", (ob, px), ks, x.itemsize)
+    for (ob, px), ks in itertools.product(tiled.TILES, tiled.CHANNEL_SPLITS):
+        conv = tiled.plan_conv(g, op == "conv2d_grad_input", (ob, px), ks, x.itemsize)
         if conv is not None:
             paths[f"tiled:{ob}x{px}k{ks}"] = lambda conv=conv: run(conv)
     return paths
@@ -697,7 +459,7 @@ def conv2d_grad_input(node, ins, outs, ctx) -> None:
     dy = _contiguous(ins[0], "dy", (g.n, g.o, g.ho, g.wo))
     dx = _contiguous(outs[0], "dx", (g.n, g.c, g.h, g.w))
     paths = _tiled_paths("conv2d_grad_input", g, dy,
-                         lambda conv: conv2d_tiled(ctx, conv, dy, w, None, dx))
+                         lambda conv: tiled.conv2d_tiled(ctx, conv, dy, w, None, dx))
     if direct_unsupported(g, dy.dtype) is None:
         paths["direct"] = lambda: conv2d_direct_grad_input(ctx, g, dy, w, dx)
         paths["direct_narrow"] = lambda: conv2d_direct_grad_input(ctx, g, dy, w, dx,
@@ -745,13 +507,16 @@ def conv2d_grad_weight(node, ins, outs, ctx) -> None:
                 launchers.reduce_sum_forward(ctx, node, dy, db, (0, 2, 3))
         return both
 
+    def tiled_grad_weight(plan: tiled.TiledGradWeight) -> None:
+        partial = _scratch(ctx, [(plan.parts, plan.per_part)], x.dtype)[0]
+        tiled.conv2d_tiled_grad_weight(ctx, plan, dy, x, dw, db, partial)
+
     paths = {}
-    if tiled_unsupported(node.op, g, x.dtype) is None:
-        for rb, os in TILED_GRAD_WEIGHT_SPLITS:
-            plan = tiled_grad_weight(g, (rb, os), db is not None, x.itemsize)
+    if tiled.unsupported(node.op, g, x.dtype) is None:
+        for rb, os in tiled.GRAD_WEIGHT_SPLITS:
+            plan = tiled.plan_grad_weight(g, (rb, os), db is not None, x.itemsize)
             if plan is not None:
-                paths[f"tiled:r{rb}o{os}"] = (
-                    lambda plan=plan: conv2d_tiled_grad_weight(ctx, plan, dy, x, dw, db))
+                paths[f"tiled:r{rb}o{os}"] = lambda plan=plan: tiled_grad_weight(plan)
     if direct_unsupported(g, x.dtype) is None:
         paths["direct"] = with_bias(lambda: conv2d_direct_grad_weight(ctx, g, dy, x, dw))
     paths["gemm"] = with_bias(lambda: _grad_weight_gemm(ctx, node, g, dy, x, dw))
