@@ -283,19 +283,6 @@ def test_conv2d_tiled_grad_weight_every_split(backend, ctx32, monkeypatch, cfg, 
             assert launched == [conv_tiled.SOURCE] * 2, launched
 
 
-@pytest.mark.parametrize("op", ["conv2d", "conv2d_grad_input", "conv2d_grad_weight"])
-def test_conv2d_tiled_float64(backend, ctx32, monkeypatch, op):
-    monkeypatch.setattr(conv, "PATH", "tiled")
-    x, w, dy, attrs = conv_grad_inputs(CONVS[0], 20)
-    x, w, dy = x.astype(np.float64), w.astype(np.float64), dy.astype(np.float64)
-    b = random(np.random.default_rng(21), w.shape[0], dtype="float64")
-    arrays, extra = {"conv2d": ([x, w, b], {}),
-                     "conv2d_grad_input": ([dy, w], {"input_shape": x.shape}),
-                     "conv2d_grad_weight": ([dy, x], {"weight_shape": w.shape, "bias": True})}[op]
-    node = make_node(op, arrays, **attrs, **extra)
-    check(*run_both(backend, ctx32, node, arrays), 1e-12, f"{op} float64 tiled")
-
-
 @pytest.mark.parametrize("cfg", BENCH_CONVS, ids=CONV_IDS[-2:])
 def test_conv_tiled_path_launches_only_tiled_kernels(backend, monkeypatch, cfg):
     """On the tiled path each op of the benchmark CNN's convs launches conv_tiled.cu alone
@@ -337,17 +324,21 @@ def test_conv2d_direct_grad_weight_every_tile(backend, ctx32, monkeypatch, cfg, 
     check(*run_both(backend, ctx32, node, [dy, x]), 1e-5, f"grad_weight tile {tile} {cfg}")
 
 
+@pytest.mark.parametrize("path,cfg", [("direct", CONVS[2]), ("tiled", CONVS[0])],
+                         ids=["direct", "tiled"])      # tiled: a stride-1 config
 @pytest.mark.parametrize("op", ["conv2d", "conv2d_grad_input", "conv2d_grad_weight"])
-def test_conv2d_direct_float64(backend, ctx32, monkeypatch, op):
-    monkeypatch.setattr(conv, "PATH", "direct")
-    x, w, dy, attrs = conv_grad_inputs(CONVS[2], 14)
+def test_conv2d_kernels_float64(backend, ctx32, monkeypatch, op, path, cfg):
+    """The direct and tiled kernels in float64 (the tiled weight gradient with its db)."""
+    monkeypatch.setattr(conv, "PATH", path)
+    x, w, dy, attrs = conv_grad_inputs(cfg, 14)
     x, w, dy = x.astype(np.float64), w.astype(np.float64), dy.astype(np.float64)
     b = random(np.random.default_rng(15), w.shape[0], dtype="float64")
     arrays, extra = {"conv2d": ([x, w, b], {}),
                      "conv2d_grad_input": ([dy, w], {"input_shape": x.shape}),
-                     "conv2d_grad_weight": ([dy, x], {"weight_shape": w.shape})}[op]
+                     "conv2d_grad_weight": ([dy, x], {"weight_shape": w.shape,
+                                                      "bias": path == "tiled"})}[op]
     node = make_node(op, arrays, **attrs, **extra)
-    check(*run_both(backend, ctx32, node, arrays), 1e-12, f"{op} float64 direct")
+    check(*run_both(backend, ctx32, node, arrays), 1e-12, f"{op} float64 {path}")
 
 
 @pytest.mark.parametrize("cfg", BENCH_CONVS, ids=CONV_IDS[-2:])
