@@ -231,23 +231,29 @@ def test_conv2d_grad_weight_matches_numpy(backend, ctx, conv_path, cfg, bias):
     check(ref, got, conv_tol(ctx, conv_path), f"conv2d_grad_weight {conv_path} {cfg}")
 
 
+@pytest.fixture
+def launched(monkeypatch):
+    """The .cu file of every kernel fetched through compiler.kernel while the test runs."""
+    files = []
+    kernel = conv.compiler.kernel
+    monkeypatch.setattr(conv.compiler, "kernel",
+                        lambda f, name: files.append(f) or kernel(f, name))
+    return files
+
+
 STRIDE1_CONVS = [(cfg, i) for i, cfg in zip(CONV_IDS, CONVS) if cfg[7] == (1, 1)]
 
 
 @pytest.mark.parametrize("tile", conv_tiled.TILES, ids=lambda t: f"{t[0]}x{t[1]}")
 @pytest.mark.parametrize("ks", conv_tiled.CHANNEL_SPLITS, ids=lambda k: f"k{k}")
 @pytest.mark.parametrize("cfg", [c for c, _ in STRIDE1_CONVS], ids=[i for _, i in STRIDE1_CONVS])
-def test_conv2d_tiled_every_tile(backend, ctx32, monkeypatch, cfg, tile, ks):
+def test_conv2d_tiled_every_tile(backend, ctx32, monkeypatch, launched, cfg, tile, ks):
     """Each (channels, pixels) tile and input-channel split of conv2d_tiled_kernel, forward
     and grad_input, partial channel groups and row tiles included; where that kernel exists
     for the shape, it is what ran."""
     monkeypatch.setattr(conv, "PATH", "tiled")
     monkeypatch.setattr(conv_tiled, "TILES", (tile,))
     monkeypatch.setattr(conv_tiled, "CHANNEL_SPLITS", (ks,))
-    launched = []
-    kernel = conv.compiler.kernel
-    monkeypatch.setattr(conv.compiler, "kernel",
-                        lambda f, name: launched.append(f) or kernel(f, name))
     x, w, dy, attrs = conv_grad_inputs(cfg, 18)
     b = random(np.random.default_rng(19), w.shape[0])
     g = conv._geometry(x.shape, w.shape, attrs)
@@ -264,15 +270,12 @@ def test_conv2d_tiled_every_tile(backend, ctx32, monkeypatch, cfg, tile, ks):
 
 @pytest.mark.parametrize("split", conv_tiled.GRAD_WEIGHT_SPLITS, ids=lambda s: f"r{s[0]}o{s[1]}")
 @pytest.mark.parametrize("cfg", [c for c, _ in STRIDE1_CONVS], ids=[i for _, i in STRIDE1_CONVS])
-def test_conv2d_tiled_grad_weight_every_split(backend, ctx32, monkeypatch, cfg, split):
+def test_conv2d_tiled_grad_weight_every_split(backend, ctx32, monkeypatch, launched, cfg,
+                                               split):
     """conv2d_tiled_grad_weight_kernel with (row ranges, channel ranges) blocks per sample
     (where that split exists), with and without the bias gradient; the tiled kernels ran."""
     monkeypatch.setattr(conv, "PATH", "tiled")
     monkeypatch.setattr(conv_tiled, "GRAD_WEIGHT_SPLITS", (split,))
-    launched = []
-    kernel = conv.compiler.kernel
-    monkeypatch.setattr(conv.compiler, "kernel",
-                        lambda f, name: launched.append(f) or kernel(f, name))
     x, w, dy, attrs = conv_grad_inputs(cfg, 24)
     g = conv._geometry(x.shape, w.shape, attrs)
     for bias in (False, True):
@@ -284,16 +287,12 @@ def test_conv2d_tiled_grad_weight_every_split(backend, ctx32, monkeypatch, cfg, 
 
 
 @pytest.mark.parametrize("cfg", BENCH_CONVS, ids=CONV_IDS[-2:])
-def test_conv_tiled_path_launches_only_tiled_kernels(backend, monkeypatch, cfg):
+def test_conv_tiled_path_launches_only_tiled_kernels(backend, monkeypatch, launched, cfg):
     """On the tiled path each op of the benchmark CNN's convs launches conv_tiled.cu alone
     (grad_weight with db: the per-sample partials and their in-order sum), and is bitwise the
     same on a second run."""
     ctx = backend.make_context("fp32")                # fresh scratch pool
     monkeypatch.setattr(conv, "PATH", "tiled")
-    launched = []
-    kernel = conv.compiler.kernel
-    monkeypatch.setattr(conv.compiler, "kernel",
-                        lambda f, name: launched.append(f) or kernel(f, name))
     monkeypatch.setattr(conv.launchers, "reduce_sum_forward",
                         lambda *a, **k: pytest.fail("separate bias reduction on tiled path"))
     x, w, dy, attrs = conv_grad_inputs(cfg, 22)
@@ -342,16 +341,12 @@ def test_conv2d_kernels_float64(backend, ctx32, monkeypatch, op, path, cfg):
 
 
 @pytest.mark.parametrize("cfg", BENCH_CONVS, ids=CONV_IDS[-2:])
-def test_conv_direct_path_launches_only_direct_kernels(backend, monkeypatch, cfg):
+def test_conv_direct_path_launches_only_direct_kernels(backend, monkeypatch, launched, cfg):
     """On the direct path each op of the benchmark CNN's convs launches conv_direct.cu alone
     (grad_weight: the split sums and their in-order total), no GEMM, and is bitwise the same
     on a second run."""
     ctx = backend.make_context("fp32")                # fresh scratch pool
     monkeypatch.setattr(conv, "PATH", "direct")
-    launched = []
-    kernel = conv.compiler.kernel
-    monkeypatch.setattr(conv.compiler, "kernel",
-                        lambda f, name: launched.append((f, name)) or kernel(f, name))
     monkeypatch.setattr(conv.gemm, "matmul", lambda *a, **k: pytest.fail("GEMM on direct path"))
     x, w, dy, attrs = conv_grad_inputs(cfg, 16)
     b = random(np.random.default_rng(17), w.shape[0])
@@ -363,11 +358,10 @@ def test_conv_direct_path_launches_only_direct_kernels(backend, monkeypatch, cfg
         assert conv.use_direct(op, conv._geometry(x.shape, w.shape, attrs), x.dtype)
         launched.clear()
         ref, first = run_both(backend, ctx, node, arrays)
-        files = [f for f, _ in launched]
-        assert set(files) == {conv.DIRECT_SOURCE}, f"{op}: {launched}"
-        assert len(files) == (2 if op == "conv2d_grad_weight" and
-                              conv.grad_weight_splits(conv._geometry(x.shape, w.shape, attrs)) > 1
-                              else 1), f"{op}: {launched}"
+        assert set(launched) == {conv.DIRECT_SOURCE}, f"{op}: {launched}"
+        splits = conv.grad_weight_splits(conv._geometry(x.shape, w.shape, attrs))
+        assert len(launched) == (2 if op == "conv2d_grad_weight" and splits > 1 else 1), \
+            f"{op}: {launched}"
         _, second = run_both(backend, ctx, node, arrays)
         check(ref, first, 1e-5, f"{op} direct")
         np.testing.assert_array_equal(first[0], second[0], err_msg=f"{op}: not deterministic")
