@@ -23,20 +23,21 @@ if TYPE_CHECKING:
     from .conv import Geometry
 
 SOURCE = "conv_tiled.cu"
-MAX_ELEMENTS = 1 << 30        # per tensor: the kernels' offsets are 32-bit ints
-BLOCK = 256                   # conv2d_tiled_grad_weight_sum_kernel: 32 columns x 8 slices
 
 # Candidates, each timed per problem: (channels, pixels) a thread computes x input-channel
 # splits (forward, grad_input); (row ranges, output-channel ranges) per sample (grad_weight).
 TILES = ((2, 2), (2, 4))
 CHANNEL_SPLITS = (1, 2, 4, 5)
 GRAD_WEIGHT_SPLITS = ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1))
-MAX_KERNEL = 7           # larger windows unroll into too much code
-SHARED_BYTES = (48 << 10) - 256  # static shared arrays (alignment slack under 48 KiB)
-ITEMS = 256              # thread items a block aims at
-MAX_THREADS = 512        # conv_tiled.cu's __launch_bounds__
-MAX_PARTIAL_BYTES = 8 << 20  # grad_weight partial sums: beyond this, fewer row blocks
-ROW_TILE = 8       # dy pixels per step of conv2d_tiled_grad_weight_kernel (WT)
+
+MAX_KERNEL = 7                    # larger windows unroll into too much code
+MAX_ELEMENTS = 1 << 30            # per tensor: the kernels' offsets are 32-bit ints
+SHARED_BYTES = (48 << 10) - 256   # static shared arrays (alignment slack under 48 KiB)
+ITEMS = 256                       # thread items a block aims at
+MAX_THREADS = 512                 # conv_tiled.cu's __launch_bounds__
+MAX_PARTIAL_BYTES = 8 << 20       # grad_weight partial sums: beyond this, no such split
+ROW_TILE = 8                      # dy pixels per step of the grad_weight kernel (WT)
+BLOCK = 256                       # the partial-sum kernel: 32 columns x 8 slices
 
 
 def _odd(stride: int) -> int:
@@ -126,7 +127,7 @@ class TiledConv:
 
 
 def plan_conv(g: Geometry, flip: bool, tile: tuple[int, int], ks: int,
-               itemsize: int) -> TiledConv | None:
+              itemsize: int) -> TiledConv | None:
     """The forward (flip False) or grad_input (True) kernel of `g` with `tile` and the input
     channels split over ks threads: channel groups per block for about ITEMS thread
     items, fewer where shared memory runs out (ks > 1: all items in one pass of at most
@@ -199,7 +200,7 @@ class TiledGradWeight:
 
 
 def plan_grad_weight(g: Geometry, split: tuple[int, int], bias: bool,
-                      itemsize: int) -> TiledGradWeight | None:
+                     itemsize: int) -> TiledGradWeight | None:
     """The grad_weight kernel of `g` with split = (rb, os) blocks per sample and as many row
     groups as ITEMS and shared memory allow; None where a split leaves a block without
     rows or channels (or under 2 rows), the partial sums exceed MAX_PARTIAL_BYTES or
@@ -256,7 +257,7 @@ def conv2d_tiled_grad_weight(ctx, plan: TiledGradWeight, dy, x, dw, db, partial)
 
 def kernel_names(geometries, ctype: str, itemsize: int) -> set[str]:
     """Every kernel name the variants of these geometries launch (the NVRTC test compiles
-    them: the kernels are instantiated per shape, so a list of shapes stands for all)."""
+    them: the kernels are instantiated per shape, so a few shapes stand for the rest)."""
     names = {f"conv2d_tiled_grad_weight_sum_kernel<{ctype}>"}
     for g in geometries:
         convs = [plan_conv(g, flip, tile, ks, itemsize) for tile in TILES
