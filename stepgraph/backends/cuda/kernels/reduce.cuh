@@ -41,28 +41,26 @@ __device__ __forceinline__ T block_sum(T v, T* smem) {
 // Rows handled by groups of blockDim.x threads (a multiple of 32), blockDim.y rows per block.
 // The result is returned to every thread of the row group. Every thread of the block must
 // call these (a uniform branch on blockDim.x skips shared memory for one-warp rows).
-__device__ __forceinline__ float row_max(float v, float* smem) {
-    v = warp_max(v);
+// row_combine takes each warp's already reduced value and combines the row group's warps in
+// order with op.
+template <typename Op>
+__device__ __forceinline__ float row_combine(float v, float* smem, Op op) {
     if (blockDim.x == 32) return v;
     const int per_row = blockDim.x >> 5, first = threadIdx.y * per_row;
     __syncthreads();
     if ((threadIdx.x & 31) == 0) smem[first + (threadIdx.x >> 5)] = v;
     __syncthreads();
     float r = smem[first];
-    for (int k = 1; k < per_row; ++k) r = fmaxf(r, smem[first + k]);
+    for (int k = 1; k < per_row; ++k) r = op(r, smem[first + k]);
     return r;
 }
 
+__device__ __forceinline__ float row_max(float v, float* smem) {
+    return row_combine(warp_max(v), smem, [](float a, float b) { return fmaxf(a, b); });
+}
+
 __device__ __forceinline__ float row_sum(float v, float* smem) {
-    v = warp_sum(v);
-    if (blockDim.x == 32) return v;
-    const int per_row = blockDim.x >> 5, first = threadIdx.y * per_row;
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) smem[first + (threadIdx.x >> 5)] = v;
-    __syncthreads();
-    float r = smem[first];
-    for (int k = 1; k < per_row; ++k) r += smem[first + k];
-    return r;
+    return row_combine(warp_sum(v), smem, [](float a, float b) { return a + b; });
 }
 
 // The "last block finishes" pattern: after each block has written its part, the block that
