@@ -21,3 +21,9 @@ def run_fastest(ctx, key: Hashable, paths: dict[str, Callable[[], None]], defaul
     if key not in chosen and not ctx.stream.is_capturing() and len(paths) > 1:
         chosen[key] = min(paths, key=lambda name: time_on_device(ctx, paths[name]))
     paths[chosen.get(key, default)]()
+
+
+def run_family(paths: dict[str, Callable[[], None]], family: str, fallback: str) -> None:
+    """Run the first path of `family` (named `family` or `family:variant`), else `fallback`:
+    how tests force one implementation."""
+    paths[next((name for name in paths if name.split(":")[0] == family), fallback)]()

@@ -380,9 +380,8 @@ def _run_faster(node, ctx, g: Geometry, dtype, paths: dict[str, Callable[[], Non
     if PATH != "auto":
         if PATH not in PATHS:
             raise ValueError(f"conv.PATH must be 'auto' or one of {PATHS}, got {PATH!r}")
-        forced = [name for name in paths if name == PATH or name.startswith(PATH + ":")]
         # grad_weight has one direct kernel, which both direct names run.
-        paths[forced[0] if forced else "direct" if "direct" in paths else "gemm"]()
+        autotune.run_family(paths, PATH, "direct" if "direct" in paths else "gemm")
         return
     tiled = [name for name in paths if name.startswith("tiled")]
     default = tiled[0] if tiled else "direct" if "direct" in paths and \

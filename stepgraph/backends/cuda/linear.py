@@ -156,8 +156,7 @@ def _run_fastest(node, ctx, operands, paths: dict[str, Callable[[], None]]) -> N
     if PATH != "auto":
         if PATH not in ("cublaslt", "tile"):
             raise ValueError(f"linear.PATH must be 'auto', 'cublaslt' or 'tile', got {PATH!r}")
-        forced = [name for name in paths if name.split(":")[0] == PATH]
-        paths[forced[0] if forced else "cublaslt"]()
+        autotune.run_family(paths, PATH, "cublaslt")
         return
     key = (node.op, tuple(sorted(node.attrs.items())), ctx.precision, tuple(paths),
            tuple((x.shape, x.strides, str(x.dtype)) for x in operands))
