@@ -1,9 +1,9 @@
 """stepgraph: compile a whole training step once, run it as one call."""
-from . import losses, nn, optim
+from . import losses, nn, ops, optim
 from .api import Predictor, TrainStep, compile_predict, compile_train_step
 from .backends import cuda_available
 from .errors import (BackendUnavailableError, CaptureError, LabelError, PlanError, ShapeError,
-                     StateDictError, StepgraphError)
+                     StateDictError, StepgraphError, UnsupportedOpError)
 from .nn.module import to_numpy
 
 __version__ = "0.1.0"
@@ -11,4 +11,4 @@ __version__ = "0.1.0"
 __all__ = ["nn", "optim", "losses", "compile_train_step", "compile_predict", "TrainStep",
            "Predictor", "cuda_available", "to_numpy", "StepgraphError", "ShapeError",
            "LabelError", "PlanError", "CaptureError", "StateDictError",
-           "BackendUnavailableError"]
+           "BackendUnavailableError", "UnsupportedOpError"]

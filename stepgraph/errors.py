@@ -30,3 +30,8 @@ class StateDictError(StepgraphError, KeyError):
 
 class BackendUnavailableError(StepgraphError, RuntimeError):
     """The requested device has no working backend on this machine."""
+
+
+class UnsupportedOpError(StepgraphError, NotImplementedError):
+    """A tensor operation or argument stepgraph cannot trace; names the op and the module path
+    (e.g. "model.layer1.0") where the model called it."""

@@ -17,6 +17,10 @@ import numpy as np
 from ...errors import BackendUnavailableError, CaptureError, PlanError, ShapeError
 from ..base import Backend
 
+# Modules of this package whose IMPLS tables (op -> impl) make up the backend's op table.
+IMPL_MODULES = ("launchers", "linear", "conv", "broadcast", "softmax", "norm", "pool",
+                "pointwise")
+
 # DLPack device types that name CUDA device memory (kDLCUDA, kDLCUDAManaged).
 _DLPACK_CUDA = (2, 13)
 
@@ -50,7 +54,9 @@ class CudaBackend(Backend):
             raise BackendUnavailableError(
                 "device='cuda' needs nvmath-python for cuBLASLt: pip install -e '.[cuda]' "
                 f"({err})") from err
-        from . import conv, gemm, launchers, linear
+        import importlib
+
+        from . import gemm
 
         self._cp = cp
         self.device_id = device
@@ -61,7 +67,9 @@ class CudaBackend(Backend):
         except Exception as err:
             raise BackendUnavailableError(f"device='cuda': cuBLASLt is not usable ({err})") from err
         self.paths: dict = {}        # autotune.py's choices, shared like the GemmCache
-        self.impls = {**launchers.IMPLS, **linear.IMPLS, **conv.IMPLS}
+        self.impls = {}
+        for family in IMPL_MODULES:
+            self.impls.update(importlib.import_module(f"{__package__}.{family}").IMPLS)
         self._staging: dict[tuple, _Staging] = {}
 
     # ---- contexts and capture ------------------------------------------------------------

@@ -1,0 +1,2 @@
+"""(cuda family broadcast: filled in below)"""
+IMPLS: dict = {}

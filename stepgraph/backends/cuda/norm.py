@@ -1,0 +1,2 @@
+"""(cuda family norm: filled in below)"""
+IMPLS: dict = {}

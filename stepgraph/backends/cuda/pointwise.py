@@ -1,0 +1,2 @@
+"""(cuda family pointwise: filled in below)"""
+IMPLS: dict = {}

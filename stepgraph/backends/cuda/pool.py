@@ -1,0 +1,2 @@
+"""(cuda family pool: filled in below)"""
+IMPLS: dict = {}

@@ -1,0 +1,1 @@
+"""(family elementwise: filled in below)"""

@@ -1,0 +1,1 @@
+"""(family norm: filled in below)"""

@@ -1,0 +1,1 @@
+"""(family pool: filled in below)"""

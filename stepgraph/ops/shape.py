@@ -1,0 +1,1 @@
+"""(family shape: filled in below)"""

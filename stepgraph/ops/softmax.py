@@ -1,0 +1,1 @@
+"""(family softmax: filled in below)"""
