@@ -5,29 +5,9 @@ The multi-tensor optimizer update needs no pass: the optimizer emits it as one o
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 from ..ir.graph import Graph, Node, Value
-
-
-def _copy(graph: Graph) -> Graph:
-    """The same program over the same Values, in fresh Node objects: passes rewrite nodes in
-    place, and the graph they were given must still compute what it did."""
-    nodes = [replace(n, inputs=list(n.inputs), outputs=list(n.outputs), attrs=dict(n.attrs))
-             for n in graph.nodes]
-    return Graph(nodes, graph.inputs, graph.params, graph.state, dict(graph.outputs))
-
-
-def _rebuild(graph: Graph, nodes: list[Node], subst: dict[Value, Value]) -> Graph:
-    """A copy of `graph` with `nodes`, every input and output renamed through `subst`."""
-    for n in nodes:
-        n.inputs = [subst.get(v, v) for v in n.inputs]
-    outputs = {k: subst.get(v, v) for k, v in graph.outputs.items()}
-    return Graph(nodes, graph.inputs, graph.params, graph.state, outputs)
-
-
-def _join(*labels: str) -> str:
-    return "+".join(dict.fromkeys(l.split(" ")[0] for l in labels if l))
+from .pointwise import fuse_pointwise
+from .rewrite import _copy, _join, _rebuild
 
 
 def fuse_linear_activation(graph: Graph) -> Graph:
@@ -208,7 +188,7 @@ def eliminate_dead_code(graph: Graph) -> Graph:
 
 PASSES = (fuse_linear_activation, fuse_pool_relu, fuse_activation_bias_grad,
           fuse_conv_bias_grad, fuse_cross_entropy,
-          fuse_log_softmax_nll, fuse_step_bookkeeping, eliminate_dead_code)
+          fuse_log_softmax_nll, fuse_step_bookkeeping, fuse_pointwise, eliminate_dead_code)
 
 
 def fuse(graph: Graph, passes=PASSES) -> Graph:

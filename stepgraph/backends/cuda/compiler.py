@@ -45,20 +45,36 @@ def kernel(filename: str, name: str):
     return module(filename).get_function(name)
 
 
+@functools.cache
+def generated_kernel(source: str, name: str):
+    """Kernel `name` of generated CUDA source (e.g. a fused pointwise program), which may
+    include the headers of kernels/; memoised per source, cached on disk by CuPy."""
+    import cupy as cp
+
+    source = f"// headers {_headers_digest()}\n" + source
+    return cp.RawModule(code=source, options=NVRTC_OPTIONS).get_function(name)
+
+
 def compile_to_cubin(path: Path, arch: str = "sm_90",
                      name_expressions: tuple[str, ...] = ()) -> bytes:
     """Compile one .cu file with NVRTC for `arch`, instantiating the templates named in
     `name_expressions`; needs libnvrtc but no GPU. Raises RuntimeError with the log."""
+    return compile_source_to_cubin(path.read_text(), path.name, arch, name_expressions)
+
+
+def compile_source_to_cubin(source: str, name: str, arch: str = "sm_90",
+                            name_expressions: tuple[str, ...] = ()) -> bytes:
+    """compile_to_cubin for source text (generated kernels); `name` labels errors."""
     from cupy.cuda import nvrtc
 
     headers = sorted(KERNEL_DIR.glob("*.cuh"))
-    prog = nvrtc.createProgram(path.read_text(), path.name,
+    prog = nvrtc.createProgram(source, name,
                                [h.read_text().encode() for h in headers],
                                [h.name.encode() for h in headers])
-    for name in name_expressions:
-        nvrtc.addNameExpression(prog, name)
+    for expr in name_expressions:
+        nvrtc.addNameExpression(prog, expr)
     try:
         nvrtc.compileProgram(prog, [f"-arch={arch}", "-std=c++17", "-ftz=true"])
     except nvrtc.NVRTCError as err:
-        raise RuntimeError(f"{path.name}: {err}\n{nvrtc.getProgramLog(prog)}") from err
+        raise RuntimeError(f"{name}: {err}\n{nvrtc.getProgramLog(prog)}") from err
     return nvrtc.getCUBIN(prog)

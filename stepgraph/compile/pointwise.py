@@ -1,0 +1,108 @@
+"""Pointwise fusion: chains and trees of elementwise nodes become one `pointwise` node.
+
+A residual block's `add` + ReLU, BatchNorm's eval-mode scale/shift, an activation's gradient
+followed by a gradient sum: each elementwise op alone is a launch and a full memory pass. This
+pass groups connected elementwise nodes that produce values of one shape into a `pointwise`
+node whose `program` (ops/pointwise.py) the backends run as one loop over the output: the CUDA
+backend generates and compiles one kernel per program. Values read only inside a group never
+reach memory; values read elsewhere (saved activations for the backward) become outputs.
+
+A group grows in program order. A node joins the group of one of its producers when its output
+has the group's shape and when every value the group produced so far that is read outside the
+group is read only after this node: the fused node runs where its last member ran, so every
+outside reader must come after that point.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..ir.graph import Graph, Node, Value
+from ..ops.pointwise import Instr, PROGRAM_OPS
+from .rewrite import _copy, _join, _rebuild
+
+
+def _eligible(n: Node) -> bool:
+    if n.op not in PROGRAM_OPS or len(n.outputs) != 1:
+        return False
+    if n.outputs[0].dtype not in ("float32", "float64"):
+        return False
+    return all(v.dtype == n.outputs[0].dtype for v in n.inputs)
+
+
+@dataclass(eq=False)
+class _Group:
+    shape: tuple[int, ...]
+    members: list[Node] = field(default_factory=list)
+    produced: set = field(default_factory=set)
+
+
+def _groups(graph: Graph) -> list[_Group]:
+    users = graph.consumers()
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    group_of: dict[Value, _Group] = {}     # value -> the group that produces it
+    groups: list[_Group] = []
+
+    def can_join(g: _Group, n: Node) -> bool:
+        inside = set(g.members) | {n}
+        return all(order[u] > order[n] for v in g.produced for u in users.get(v, [])
+                   if u not in inside)
+
+    for n in graph.nodes:
+        if not _eligible(n):
+            continue
+        shape = n.outputs[0].shape
+        candidates = [group_of[v] for v in n.inputs if v in group_of]
+        g = next((c for c in candidates if c.shape == shape and can_join(c, n)), None)
+        if g is None:
+            g = _Group(shape)
+            groups.append(g)
+        g.members.append(n)
+        g.produced.add(n.outputs[0])
+        group_of[n.outputs[0]] = g
+    return [g for g in groups if len(g.members) > 1]
+
+
+def _program(g: _Group, graph: Graph, users) -> Node:
+    """The pointwise node computing group g: inputs are the values read from outside."""
+    inputs: list[Value] = []
+    reg: dict[Value, int] = {}
+    instrs: list[Instr] = []
+
+    def register(v: Value) -> int:
+        if v not in reg:
+            inputs.append(v)
+            reg[v] = -len(inputs)          # loads are negative: input i is register -(i+1)
+        return reg[v]
+
+    for n in g.members:
+        args = tuple(reg[v] if v in g.produced else register(v) for v in n.inputs)
+        instrs.append(Instr(n.op, args, tuple(sorted(n.attrs.items()))))
+        reg[n.outputs[0]] = len(instrs) - 1
+    members = set(g.members)
+    graph_outputs = set(graph.outputs.values())
+    outputs = [n.outputs[0] for n in g.members
+               if n.outputs[0] in graph_outputs
+               or any(u not in members for u in users.get(n.outputs[0], []))]
+    attrs = dict(program=tuple(instrs), results=tuple(reg[v] for v in outputs), shape=g.shape)
+    label = _join(*(n.label for n in g.members))
+    # Registers are renumbered so loads come first: input i is register i, instruction j is
+    # register len(inputs) + j (what ops/pointwise.py and the CUDA code generator read).
+    k = len(inputs)
+    fix = lambda r: -r - 1 if r < 0 else k + r   # noqa: E731
+    attrs["program"] = tuple(Instr(i.op, tuple(map(fix, i.args)), i.attrs)
+                             for i in attrs["program"])
+    attrs["results"] = tuple(map(fix, attrs["results"]))
+    return Node("pointwise", inputs, outputs, attrs, (), label)
+
+
+def fuse_pointwise(graph: Graph) -> Graph:
+    """Groups of two or more connected elementwise nodes of one output shape => `pointwise`."""
+    graph = _copy(graph)
+    users = graph.consumers()
+    fused_at: dict[Node, Node] = {}
+    drop: set[Node] = set()
+    for g in _groups(graph):
+        fused_at[g.members[-1]] = _program(g, graph, users)
+        drop.update(g.members[:-1])
+    nodes = [fused_at.get(n, n) for n in graph.nodes if n not in drop]
+    return _rebuild(graph, nodes, {})
