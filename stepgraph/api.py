@@ -17,15 +17,16 @@ from .compile.build import build_predict_graph, build_train_graph
 from .compile.executable import COPY_ROLES, INFERENCE, STATIC_ROLES, TRAIN, Executable, GraphKey
 from .compile.feed import Signature, check_feed, check_labels, signature_of
 from .compile.fuse import fuse
+from .compile.guard import (COUNTERS_KEY, GUARD_PREFIX, HISTORY_FLAG_KEY, GuardMonitor,
+                            check_policy, label_classes)
 from .compile.history import HISTORY_PREFIX, LossHandle
 from .compile.plan import Plan, make_plan
-from .errors import StateDictError
-from .ir.graph import PARAM, Graph, Value
+from .errors import BackendUnavailableError, StateDictError
+from .ir.graph import PARAM, STATE, Graph, Value
 from .nn.module import Module
 from .optim.optimizer import SCHEDULE_KEY, STEP_KEY
 
 PRECISIONS = ("fp32", "tf32")
-LABEL_OPS = ("cross_entropy", "cross_entropy_train", "nll_loss")
 
 
 def _input_names(n: int, with_target: bool) -> tuple[str, ...]:
@@ -60,7 +61,8 @@ class _CompiledModel:
                                       example_inputs)
         model.name_parameters()
         self.params = dict(model.named_parameters())
-        for p in self.params.values():
+        self.buffers = dict(model.named_buffers())   # bound as `state` values by their keys
+        for p in [*self.params.values(), *self.buffers.values()]:
             if not self.backend.owns(p.data):
                 host = p.numpy()
                 p.data = self.backend.empty(host.shape, str(host.dtype))
@@ -73,6 +75,8 @@ class _CompiledModel:
     def bind(self, v: Value) -> Any:
         if v.role == PARAM:
             return self.params[v.name].data
+        if v.role == STATE and v.name in self.buffers:
+            return self.buffers[v.name].data
         raise KeyError(v.name)
 
     def executable(self, signature: Signature) -> Executable:
@@ -100,25 +104,41 @@ class _CompiledModel:
 
 
 class TrainStep(_CompiledModel):
-    """One training step as one call: `loss = step(x, y)`."""
+    """One training step as one call: `loss = step(x, y)`.
+
+    on_bad_batch (compile/guard.py) decides what a batch with labels outside [0, classes) or
+    a NaN/Inf loss or gradient does, checked on the device without a per-step sync:
+    "raise" (default): its update is not applied (parameters, optimizer state and the step
+    counter stay as before it, and so do they for any later call until it is reported), and
+    the next call, once the device has finished that step, or else the next read of a loss
+    raises LabelError or NonFiniteError naming the step; labels in host memory are checked
+    before the call runs and raise LabelError at once. "skip": its update is skipped and
+    counted in `skipped_steps`; training goes on. "ignore": no checks on the device.
+    """
 
     mode = TRAIN
 
     def __init__(self, model, loss, optimizer, example_inputs, device="cpu", graph=None,
-                 seed=0, precision="fp32"):
+                 seed=0, precision="fp32", on_bad_batch="raise"):
+        self.on_bad_batch = check_policy(on_bad_batch)
         super().__init__(model, example_inputs, device, graph, precision, with_target=True)
         self.loss_fn, self.optimizer, self.seed = loss, optimizer, int(seed)
         self.state: dict[str, Any] = {}
         self._host_step: int | None = None
         first = self.executable(self.signature)
-        self.classes = _label_classes(first.plan.graph, first.plan.graph.inputs[-1])
+        self.classes = label_classes(first.plan.graph, first.plan.graph.inputs[-1])
+        self._guard = None
+        if COUNTERS_KEY in self.state:
+            self._guard = GuardMonitor(self.backend, self.state[COUNTERS_KEY], on_bad_batch,
+                                       self.classes)
         optimizer.attach(self._write_schedule)
 
     def build_graph(self, signature: Signature) -> Graph:
-        return build_train_graph(self.model, self.loss_fn, self.optimizer, signature, self.seed)
+        return build_train_graph(self.model, self.loss_fn, self.optimizer, signature, self.seed,
+                                 self.on_bad_batch)
 
     def bind(self, v: Value) -> Any:
-        if v.role == PARAM:
+        if v.role == PARAM or v.name in self.buffers:   # the model's own storage
             return super().bind(v)
         if v.name not in self.state:
             host = self.optimizer.initial_state(v)
@@ -127,7 +147,8 @@ class TrainStep(_CompiledModel):
         return self.state[v.name]
 
     def _check_values(self, arrays) -> None:
-        if self.classes is not None:   # after check_feed: arrays[-1] is the target
+        # After check_feed: arrays[-1] is the target. Under "skip" the guard skips the batch.
+        if self.classes is not None and self.on_bad_batch != "skip":
             check_labels(self.signature[-1].name, arrays[-1], self.classes)
 
     def _write_schedule(self, vector: np.ndarray) -> None:
@@ -135,22 +156,52 @@ class TrainStep(_CompiledModel):
 
     def __call__(self, *arrays):
         """Run one step on (inputs..., target); returns the loss (float() reads it)."""
+        if self._guard is not None:
+            self._guard.check_call()
         exe = self._prepare(arrays)
         if self._host_step is None:   # mirror the device counter once; then count on the host
-            self._host_step = int(self.backend.to_numpy(self.state[STEP_KEY]))
+            self._host_step = self._device_calls()
         exe.run(self.use_graph)
         self._host_step += 1
+        guard = self._guard
         return LossHandle(self._host_step, self.state[HISTORY_PREFIX + "loss"],
-                          self.state[HISTORY_PREFIX + "step"], self.backend.to_numpy)
+                          self.state[HISTORY_PREFIX + "step"], self.backend.to_numpy,
+                          self.state.get(HISTORY_FLAG_KEY),
+                          guard.raise_pending if guard is not None else None)
+
+    def _device_calls(self) -> int:
+        """The device counter the loss history is keyed by: calls (guarded) or steps."""
+        if self._guard is not None:
+            return self._guard.calls()
+        return int(self.backend.to_numpy(self.state[STEP_KEY]))
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose update a guard did not apply (read from the device: syncs)."""
+        return 0 if self._guard is None else self._guard.skipped()
+
+    def profile(self, *arrays, iters: int = 50):
+        """The per-op device-time table of this step on the batch `arrays` (profile.py's
+        StepProfile; print its .table()). CUDA only. It runs the step many times; the step's
+        parameters and state are restored afterwards."""
+        if self.device != "cuda":
+            raise BackendUnavailableError(
+                "step.profile() times each op on the GPU: compile the step with device='cuda' "
+                f"(this one runs on {self.device})")
+        from .profile import profile_step
+
+        return profile_step(self, arrays, iters=iters)
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Parameters (PyTorch keys), optimizer state and the step counter, as NumPy arrays."""
+        """Parameters and buffers (PyTorch keys), optimizer state and the step counter, as
+        NumPy arrays."""
         out = dict(self.model.state_dict())
         out.update((k, self.backend.to_numpy(v)) for k, v in sorted(self._training_state()))
         return out
 
     def _training_state(self):
-        return [(k, v) for k, v in self.state.items() if not k.startswith(HISTORY_PREFIX)]
+        return [(k, v) for k, v in self.state.items()
+                if not k.startswith((HISTORY_PREFIX, GUARD_PREFIX))]
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore what state_dict() returned, in place (compiled graphs keep their buffers)."""
@@ -167,6 +218,8 @@ class TrainStep(_CompiledModel):
             # np.array keeps 0-d state (the step counter) 0-d; ascontiguousarray makes it 1-d
             self.backend.copy_into(buf, np.array(state_dict[k], dtype=buf.dtype, order="C"))
         self._host_step = None
+        if self._guard is not None:
+            self._guard.reset()
         self.optimizer._lr = float(np.asarray(state_dict[SCHEDULE_KEY])[0])
 
 
@@ -189,30 +242,27 @@ class Predictor(_CompiledModel):
         return self.backend.copy_result(exe.outputs["output"])
 
 
-def _label_classes(graph: Graph, target: Value) -> int | None:
-    for n in graph.nodes:
-        if n.op in LABEL_OPS and n.inputs[1] is target:
-            return n.inputs[0].shape[1]
-    return None
-
-
 _train_cache: "weakref.WeakKeyDictionary[Module, dict]" = weakref.WeakKeyDictionary()
 
 
 def compile_train_step(model: Module, loss, optimizer, example_inputs, device: str = "cpu",
-                       graph: bool | None = None, seed: int = 0,
-                       precision: str = "fp32") -> TrainStep:
+                       graph: bool | None = None, seed: int = 0, precision: str = "fp32",
+                       on_bad_batch: str = "raise") -> TrainStep:
     """Compile forward + loss + backward + optimizer update into one callable step.
 
     Compiling the same model, loss and optimizer with the same options again returns the same
     step (a new one would start from fresh optimizer state). `graph` defaults to True on CUDA.
+    on_bad_batch ("raise", "skip" or "ignore"): what a batch with bad labels or a non-finite
+    loss or gradient does (TrainStep's docstring).
     """
     key = (id(loss), id(optimizer), signature_of(_input_names(len(example_inputs), True),
-                                                 example_inputs), device, graph, seed, precision)
+                                                 example_inputs), device, graph, seed, precision,
+           on_bad_batch)
     per_model = _train_cache.setdefault(model, {})
     step = per_model.get(key)
     if step is None or step.optimizer is not optimizer:
-        step = TrainStep(model, loss, optimizer, example_inputs, device, graph, seed, precision)
+        step = TrainStep(model, loss, optimizer, example_inputs, device, graph, seed, precision,
+                         on_bad_batch)
         per_model[key] = step
     return step
 

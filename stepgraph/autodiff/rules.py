@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..ir.graph import Node, Value
-from ..ir.ops import GRAD_FROM_OUTPUT
+from ..ir.ops import GRAD_FROM_OUTPUT, conv_geometry
 
 Emit = Callable[..., list[Value]]   # emit(op, inputs, **attrs) -> outputs
 VJPS: dict[str, Callable] = {}
@@ -30,6 +30,22 @@ def _linear(emit: Emit, node: Node, dy: list, wants) -> list:
     return grads
 
 
+@vjp("matmul")
+def _matmul(emit: Emit, node: Node, dy: list, wants) -> list:
+    # c = op(a) @ op(b): d op(a) = g @ op(b).T and d op(b) = op(a).T @ g, transposed back
+    # where the operand entered transposed; the flags absorb every transpose.
+    (g,), (a, b) = dy, node.inputs
+    ta, tb = bool(node.attrs.get("trans_a")), bool(node.attrs.get("trans_b"))
+    da = db = None
+    if wants(0):
+        da = (emit("matmul", [b, g], trans_a=tb, trans_b=True) if ta
+              else emit("matmul", [g, b], trans_b=not tb))[0]
+    if wants(1):
+        db = (emit("matmul", [g, a], trans_a=True, trans_b=ta) if tb
+              else emit("matmul", [a, g], trans_a=not ta))[0]
+    return [da, db]
+
+
 @vjp("act")
 def _act(emit: Emit, node: Node, dy: list, wants) -> list:
     kind = node.attrs["kind"]
@@ -40,7 +56,8 @@ def _act(emit: Emit, node: Node, dy: list, wants) -> list:
 @vjp("conv2d")
 def _conv2d(emit: Emit, node: Node, dy: list, wants) -> list:
     (g,), (x, w) = dy, node.inputs[:2]
-    geometry = dict(stride=node.attrs["stride"], padding=node.attrs["padding"])
+    stride, padding, dilation, groups = conv_geometry(node.attrs)
+    geometry = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
     dx = emit("conv2d_grad_input", [g, w], input_shape=x.shape, **geometry)[0] if wants(0) else None
     dw = emit("conv2d_grad_weight", [g, x], weight_shape=w.shape, **geometry)[0] if wants(1) else None
     grads = [dx, dw]
@@ -52,7 +69,8 @@ def _conv2d(emit: Emit, node: Node, dy: list, wants) -> list:
 @vjp("maxpool2d")
 def _maxpool2d(emit: Emit, node: Node, dy: list, wants) -> list:
     return [emit("maxpool2d_grad", [dy[0], node.outputs[1]], input_shape=node.inputs[0].shape,
-                 kernel=node.attrs["kernel"], stride=node.attrs["stride"])[0]]
+                 kernel=node.attrs["kernel"], stride=node.attrs["stride"],
+                 padding=tuple(node.attrs.get("padding", (0, 0))))[0]]
 
 
 @vjp("reshape")
@@ -75,7 +93,8 @@ def _log_softmax(emit: Emit, node: Node, dy: list, wants) -> list:
 @vjp("cross_entropy")
 def _cross_entropy(emit: Emit, node: Node, dy: list, wants) -> list:
     logits, labels = node.inputs
-    return [emit("cross_entropy_grad", [dy[0], logits, node.outputs[1], labels])[0], None]
+    return [emit("cross_entropy_grad", [dy[0], logits, node.outputs[1], labels],
+                 label_smoothing=float(node.attrs.get("label_smoothing", 0.0)))[0], None]
 
 
 @vjp("nll_loss")

@@ -102,6 +102,40 @@ def fuse_pool_relu(graph: Graph) -> Graph:
     return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
 
 
+def fuse_batch_norm_relu(graph: Graph) -> Graph:
+    """batch_norm_train -> y; act(relu)(y) -> r, the ReLU y's only reader   =>
+    batch_norm_train(act="relu") -> r; and in the backward act_grad(relu)(dr, r) -> g;
+    batch_norm_grad(g, x, ...)   =>   batch_norm_grad(dr, x, ..., r, act="relu"), which masks
+    dr by r > 0 itself: one pass over the activations fewer each way."""
+    graph = _copy(graph)
+    users = graph.consumers()
+    producers = graph.producers()
+    drop: set[Node] = set()
+    for bn in graph.nodes:
+        if bn.op != "batch_norm_train" or bn.attrs.get("act", "none") != "none":
+            continue
+        readers = users.get(bn.outputs[0], [])
+        if len(readers) != 1 or readers[0].op != "act" or readers[0].attrs["kind"] != "relu" \
+                or bn.outputs[0] in graph.outputs.values():
+            continue
+        relu = readers[0]
+        bn.attrs = dict(bn.attrs, act="relu")
+        bn.outputs = [relu.outputs[0], *bn.outputs[1:]]
+        bn.label = _join(bn.label, relu.label)
+        drop.add(relu)
+        for grad in users.get(bn.outputs[1], []):        # batch_norm_grad reads save_mean
+            g = producers.get(grad.inputs[0])
+            if grad.op == "batch_norm_grad" and grad.attrs.get("act", "none") == "none" \
+                    and g is not None and g.op == "act_grad" and g.attrs["kind"] == "relu" \
+                    and g.inputs[1] is relu.outputs[0] and len(users[g.outputs[0]]) == 1 \
+                    and g.outputs[0] not in graph.outputs.values():
+                grad.inputs = [g.inputs[0], *grad.inputs[1:], relu.outputs[0]]
+                grad.attrs = dict(grad.attrs, act="relu")
+                grad.label = bn.label + " bwd"
+                drop.add(g)
+    return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
+
+
 def fuse_step_bookkeeping(graph: Graph) -> Graph:
     """step_increment(step); lr_schedule(step, schedule) -> lr; ... record_loss(loss, step, h)
     =>   advance_step(step, schedule, loss, h) -> lr: one launch instead of three. The loss is
@@ -129,7 +163,8 @@ def _is_unit_seed(graph: Graph, v: Value) -> bool:
 
 
 def fuse_cross_entropy(graph: Graph) -> Graph:
-    """cross_entropy fwd + its grad seeded with 1   =>   cross_entropy_train -> (loss, dlogits)."""
+    """cross_entropy fwd + its grad seeded with 1   =>   cross_entropy_train -> (loss, dlogits),
+    keeping the forward's attrs (label_smoothing)."""
     graph = _copy(graph)
     users = graph.consumers()
     drop: set[Node] = set()
@@ -137,7 +172,8 @@ def fuse_cross_entropy(graph: Graph) -> Graph:
         if n.op != "cross_entropy":
             continue
         grads = [u for u in users.get(n.outputs[1], []) if u.op == "cross_entropy_grad"]
-        if len(grads) != 1 or not _is_unit_seed(graph, grads[0].inputs[0]):
+        if len(grads) != 1 or not _is_unit_seed(graph, grads[0].inputs[0]) or \
+                grads[0].attrs.get("label_smoothing", 0.0) != n.attrs.get("label_smoothing", 0.0):
             continue
         n.op = "cross_entropy_train"
         n.outputs = [n.outputs[0], grads[0].outputs[0]]
@@ -186,8 +222,8 @@ def eliminate_dead_code(graph: Graph) -> Graph:
     return _rebuild(graph, kept[::-1], {})
 
 
-PASSES = (fuse_linear_activation, fuse_pool_relu, fuse_activation_bias_grad,
-          fuse_conv_bias_grad, fuse_cross_entropy,
+PASSES = (fuse_linear_activation, fuse_pool_relu, fuse_batch_norm_relu,
+          fuse_activation_bias_grad, fuse_conv_bias_grad, fuse_cross_entropy,
           fuse_log_softmax_nll, fuse_step_bookkeeping, fuse_pointwise, eliminate_dead_code)
 
 

@@ -27,7 +27,7 @@ class OpDef:
 
 OPS: dict[str, OpDef] = {}
 
-ACTIVATIONS = ("relu", "leaky_relu", "sigmoid", "tanh", "gelu", "gelu_tanh")
+ACTIVATIONS = ("relu", "leaky_relu", "sigmoid", "tanh", "gelu", "gelu_tanh", "silu")
 # Activations whose derivative is computed from the output y; the others need the input z.
 GRAD_FROM_OUTPUT = ("relu", "sigmoid", "tanh")
 
@@ -85,7 +85,7 @@ def _linear(ins, attrs):
 @defop("act")
 def _act(ins, attrs):
     """y = kind(x) elementwise; kind in ACTIVATIONS, leaky_relu uses attrs["slope"];
-    gelu is the exact erf form, gelu_tanh the tanh approximation."""
+    gelu is the exact erf form, gelu_tanh the tanh approximation, silu x * sigmoid(x)."""
     _need(attrs["kind"] in ACTIVATIONS, "act", f"unknown activation {attrs['kind']}")
     return [(ins[0].shape, ins[0].dtype)]
 
@@ -141,35 +141,48 @@ def _reshape(ins, attrs):
 
 # ---- convolution and pooling ---------------------------------------------------------------
 
-def conv_out(size: int, k: int, stride: int, pad: int) -> int:
-    return (size + 2 * pad - k) // stride + 1
+def conv_out(size: int, k: int, stride: int, pad: int, dilation: int = 1) -> int:
+    return (size + 2 * pad - dilation * (k - 1) - 1) // stride + 1
+
+
+def conv_geometry(attrs) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int], int]:
+    """(stride, padding, dilation, groups) of a conv node; nodes made before dilation and
+    groups existed mean (1, 1) and 1."""
+    return (tuple(attrs["stride"]), tuple(attrs["padding"]),
+            tuple(attrs.get("dilation", (1, 1))), int(attrs.get("groups", 1)))
 
 
 @defop("conv2d")
 def _conv2d(ins, attrs):
-    """y = cross-correlation of x (N,C,H,W) with w (O,C,kh,kw) + b (O,); attrs stride, padding
-    (pairs), zero padding; y (N,O,Ho,Wo)."""
+    """y = cross-correlation of x (N,C,H,W) with w (O,C/groups,kh,kw) + b (O,); attrs stride,
+    padding, dilation (pairs; dilation default (1, 1)), groups (default 1; output channels
+    of group g read only input channels of group g, both split in equal groups), zero
+    padding; y (N,O,Ho,Wo), Ho = (H + 2 ph - dh (kh - 1) - 1) // sh + 1 (PyTorch's)."""
     x, w = ins[0], ins[1]
+    (sh, sw), (ph, pw), (dh, dw), groups = conv_geometry(attrs)
     _need(len(x.shape) == 4, "conv2d", f"input must be (N, C, H, W), got {x.shape}")
-    _need(x.shape[1] == w.shape[1], "conv2d",
-          f"input has {x.shape[1]} channels, weight expects {w.shape[1]}")
-    (sh, sw), (ph, pw) = attrs["stride"], attrs["padding"]
-    ho = conv_out(x.shape[2], w.shape[2], sh, ph)
-    wo = conv_out(x.shape[3], w.shape[3], sw, pw)
-    _need(ho > 0 and wo > 0, "conv2d", f"kernel {w.shape[2:]} larger than padded input {x.shape[2:]}")
+    _need(groups >= 1 and x.shape[1] % groups == 0 and w.shape[0] % groups == 0, "conv2d",
+          f"groups={groups} must divide input channels {x.shape[1]} and output channels "
+          f"{w.shape[0]}")
+    _need(x.shape[1] == w.shape[1] * groups, "conv2d",
+          f"input has {x.shape[1]} channels, weight expects {w.shape[1]} x {groups} groups")
+    ho = conv_out(x.shape[2], w.shape[2], sh, ph, dh)
+    wo = conv_out(x.shape[3], w.shape[3], sw, pw, dw)
+    _need(ho > 0 and wo > 0, "conv2d",
+          f"kernel {w.shape[2:]} (dilation {(dh, dw)}) larger than padded input {x.shape[2:]}")
     return [((x.shape[0], w.shape[0], ho, wo), x.dtype)]
 
 
 @defop("conv2d_grad_input")
 def _conv2d_grad_input(ins, attrs):
-    """dx (attrs input_shape) of conv2d given dy and w."""
+    """dx (attrs input_shape) of conv2d given dy and w; attrs as conv2d's."""
     return [(tuple(attrs["input_shape"]), ins[0].dtype)]
 
 
 @defop("conv2d_grad_weight")
 def _conv2d_grad_weight(ins, attrs):
-    """dw (attrs weight_shape) of conv2d given dy and x; with attrs bias (the conv bias's
-    gradient, fused), also db (O,) = dy summed over (N, Ho, Wo)."""
+    """dw (attrs weight_shape) of conv2d given dy and x (attrs as conv2d's); with attrs bias
+    (the conv bias's gradient, fused), also db (O,) = dy summed over (N, Ho, Wo)."""
     o = attrs["weight_shape"][0]
     return [(tuple(attrs["weight_shape"]), ins[0].dtype)] + (
         [((o,), ins[0].dtype)] if attrs.get("bias") else [])
@@ -177,13 +190,18 @@ def _conv2d_grad_weight(ins, attrs):
 
 @defop("maxpool2d")
 def _maxpool2d(ins, attrs):
-    """y = max over kernel windows (attrs kernel, stride pairs; no padding, floor mode);
-    idx (int32) = h*W + w of the first maximum in each window, within its (n, c) plane.
-    With attrs relu, y = relu(max) (the ReLU that followed the pool, fused)."""
+    """y = max over kernel windows (attrs kernel, stride, padding pairs; padding default
+    (0, 0), implicit -inf padding of at most half the kernel, floor mode); idx (int32) =
+    h*W + w of the first maximum (row-major window order) in each window, within its (n, c)
+    plane: always a real element. With attrs relu, y = relu(max) (the ReLU that followed the
+    pool, fused)."""
     x = ins[0]
     _need(len(x.shape) == 4, "maxpool2d", f"input must be (N, C, H, W), got {x.shape}")
     (kh, kw), (sh, sw) = attrs["kernel"], attrs["stride"]
-    ho, wo = conv_out(x.shape[2], kh, sh, 0), conv_out(x.shape[3], kw, sw, 0)
+    ph, pw = attrs.get("padding", (0, 0))
+    _need(2 * ph <= kh and 2 * pw <= kw, "maxpool2d",
+          f"padding {(ph, pw)} must be at most half the kernel {(kh, kw)}")
+    ho, wo = conv_out(x.shape[2], kh, sh, ph), conv_out(x.shape[3], kw, sw, pw)
     _need(ho > 0 and wo > 0, "maxpool2d", f"window larger than input {x.shape[2:]}")
     shape = (x.shape[0], x.shape[1], ho, wo)
     return [(shape, x.dtype), (shape, "int32")]
@@ -218,14 +236,15 @@ def _dropout_grad(ins, attrs):
 
 @defop("log_softmax")
 def _log_softmax(ins, attrs):
-    """y = x - logsumexp(x, axis 1), x (N, C)."""
-    _need(len(ins[0].shape) == 2, "log_softmax", f"input must be (batch, classes), got {ins[0].shape}")
+    """y = x - logsumexp(x, last axis, keepdims); x any rank >= 1 (rows = product of the
+    leading dims)."""
+    _need(len(ins[0].shape) >= 1, "log_softmax", f"input must have rank >= 1, got {ins[0].shape}")
     return [(ins[0].shape, ins[0].dtype)]
 
 
 @defop("log_softmax_grad")
 def _log_softmax_grad(ins, attrs):
-    """dx = dy - exp(y) * dy.sum(axis 1, keepdims)."""
+    """dx = dy - exp(y) * dy.sum(last axis, keepdims)."""
     return [(ins[0].shape, ins[0].dtype)]
 
 
@@ -238,20 +257,24 @@ def _check_labels(op, logits, labels):
 
 @defop("cross_entropy")
 def _cross_entropy(ins, attrs):
-    """loss = mean_i(lse_i - logits[i, labels_i]); second output lse (N,) = logsumexp rows."""
+    """loss = mean_i((1-eps)(lse_i - logits[i, labels_i]) + eps (lse_i - mean_j logits[i, j]))
+    with eps = attrs label_smoothing (default 0.0, PyTorch's); second output lse (N,) =
+    logsumexp rows."""
     _check_labels("cross_entropy", *ins)
     return [((), ins[0].dtype), ((ins[0].shape[0],), ins[0].dtype)]
 
 
 @defop("cross_entropy_grad")
 def _cross_entropy_grad(ins, attrs):
-    """dlogits = dloss * (exp(logits - lse) - onehot(labels)) / N; ins (dloss, logits, lse, labels)."""
+    """dlogits = dloss * (exp(logits - lse) - (1-eps) onehot(labels) - eps/C) / N, eps = attrs
+    label_smoothing (default 0.0); ins (dloss, logits, lse, labels)."""
     return [(ins[1].shape, ins[1].dtype)]
 
 
 @defop("cross_entropy_train")
 def _cross_entropy_train(ins, attrs):
-    """Fused forward and backward with dloss = 1: (loss, dlogits) from (logits, labels)."""
+    """Fused forward and backward with dloss = 1: (loss, dlogits) from (logits, labels);
+    attrs label_smoothing as cross_entropy's."""
     _check_labels("cross_entropy", *ins)
     return [((), ins[0].dtype), (ins[0].shape, ins[0].dtype)]
 
@@ -335,12 +358,14 @@ def _update_mutates(attrs) -> tuple[int, ...]:
 @defop("sgd_update", mutates=_update_mutates)
 def _sgd_update(ins, attrs):
     """PyTorch SGD over every parameter in one op. ins = lr, step[, norm], params, grads,
-    momentum buffers. Grads are scaled by min(1, max_norm / (norm + 1e-6)) when clipping."""
+    momentum buffers[, guard flags]. Grads are scaled by min(1, max_norm / (norm + 1e-6)) when
+    clipping. With attrs guard, the last input is a guard's flags (ops/guard.py): nothing is
+    written when flags[1] (FLAG_SKIP) is set."""
     return []
 
 
 @defop("adam_update", mutates=_update_mutates)
 def _adam_update(ins, attrs):
     """PyTorch Adam (decoupled=False) or AdamW (decoupled=True) over every parameter.
-    ins = lr, step[, norm], params, grads, exp_avg, exp_avg_sq."""
+    ins = lr, step[, norm], params, grads, exp_avg, exp_avg_sq[, guard flags] (as sgd_update)."""
     return []

@@ -4,17 +4,51 @@
 """
 from __future__ import annotations
 
+import numbers
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+from ..errors import ShapeError, UnsupportedOpError
 from .graph import INPUT, PARAM, STATE, Graph, Node, Value
 from .ops import OPS, infer_outputs
 
 if TYPE_CHECKING:
-    from ..nn.module import Parameter
+    from ..nn.module import Buffer, Parameter
+
+
+def _is_scalar(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, Tensor)
+
+
+def _dim(d: int, ndim: int, what: str) -> int:
+    """A dimension index in [0, ndim), PyTorch's negative indices allowed."""
+    if not -max(ndim, 1) <= d < max(ndim, 1):
+        raise ShapeError(f"{what}: dim {d} out of range for a tensor of rank {ndim}")
+    return d % max(ndim, 1)
+
+
+def _dims(dim, ndim: int, what: str) -> tuple[int, ...]:
+    """dim=None|int|tuple as sorted non-negative axes (None or (): every axis)."""
+    if dim is None or dim == ():
+        return tuple(range(ndim))
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    axes = sorted({_dim(d, ndim, what) for d in dims})
+    if len(axes) != len(dims):
+        raise ShapeError(f"{what}: dim {dim} names an axis twice")
+    return tuple(axes)
+
+
+def _shape_args(shape) -> tuple:
+    return tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
 
 
 class Tensor:
-    """A symbolic tensor: a Value plus the tracer recording ops on it."""
+    """A symbolic tensor: a Value plus the tracer recording ops on it.
+
+    Supports PyTorch's arithmetic operators (+ - * / ** with tensors, broadcasting, or Python
+    scalars on either side), @, reshape/view/flatten, transpose/permute/.T, sum/mean, and the
+    methods relu/sigmoid/tanh/softmax/log_softmax. Any other torch.Tensor method or indexing
+    raises UnsupportedOpError naming the op and the module that called it."""
 
     def __init__(self, value: Value, tracer: Tracer):
         self.value = value
@@ -32,14 +66,237 @@ class Tensor:
     def ndim(self) -> int:
         return len(self.value.shape)
 
+    def size(self, dim: int | None = None):
+        """The shape, or the length of axis `dim`."""
+        return self.shape if dim is None else self.shape[_dim(dim, self.ndim, "size")]
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    # ---- shape ----
     def reshape(self, *shape) -> Tensor:
-        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        """A view with `shape` (one entry may be -1); no copy."""
+        shape = tuple(int(d) for d in _shape_args(shape))
+        if shape.count(-1) > 1:
+            raise ShapeError(f"reshape: only one dimension can be -1, got {shape}")
         if -1 in shape:
             known = 1
             for d in shape:
                 known *= d if d != -1 else 1
+            if known == 0 or self.value.size % known:
+                raise ShapeError(f"reshape: cannot view {self.shape} as {shape}")
             shape = tuple(self.value.size // known if d == -1 else d for d in shape)
-        return self.tracer.op("reshape", [self], shape=tuple(shape))
+        if shape == self.shape:
+            return self
+        return self.tracer.op("reshape", [self], shape=shape)
+
+    view = reshape
+
+    def contiguous(self) -> Tensor:
+        return self                 # every traced value is contiguous
+
+    def flatten(self, start_dim: int = 0, end_dim: int = -1) -> Tensor:
+        """Merge axes start_dim..end_dim (inclusive) into one, as torch.flatten."""
+        if self.ndim == 0:
+            return self.reshape(1)
+        s, e = _dim(start_dim, self.ndim, "flatten"), _dim(end_dim, self.ndim, "flatten")
+        if s > e:
+            raise ShapeError(f"flatten: start_dim {start_dim} comes after end_dim {end_dim}")
+        n = 1
+        for d in self.shape[s:e + 1]:
+            n *= d
+        return self.reshape(*self.shape[:s], n, *self.shape[e + 1:])
+
+    def permute(self, *dims) -> Tensor:
+        """Axes reordered by `dims` (materialised)."""
+        dims = tuple(_dim(d, self.ndim, "permute") for d in _shape_args(dims))
+        if sorted(dims) != list(range(self.ndim)):
+            raise ShapeError(f"permute: {dims} is not a permutation of {self.ndim} axes")
+        if dims == tuple(range(self.ndim)):
+            return self
+        return self.tracer.op("permute", [self], dims=dims)
+
+    def transpose(self, dim0: int, dim1: int) -> Tensor:
+        """Axes dim0 and dim1 swapped."""
+        dims = list(range(self.ndim))
+        a, b = _dim(dim0, self.ndim, "transpose"), _dim(dim1, self.ndim, "transpose")
+        dims[a], dims[b] = dims[b], dims[a]
+        return self.permute(*dims)
+
+    @property
+    def T(self) -> Tensor:
+        return self.permute(*reversed(range(self.ndim)))
+
+    # ---- reductions ----
+    def sum(self, dim=None, keepdim: bool = False) -> Tensor:
+        """Sum over `dim` (None: every axis; an int or a tuple of ints)."""
+        axes = _dims(dim, self.ndim, "sum")
+        y = self.tracer.op("reduce_sum", [self], axes=axes) if axes else self
+        if keepdim:
+            y = y.reshape(*(1 if i in axes else d for i, d in enumerate(self.shape)))
+        return y
+
+    def mean(self, dim=None, keepdim: bool = False) -> Tensor:
+        """Mean over `dim`: the sum divided by the number of summed elements."""
+        count = 1
+        for a in _dims(dim, self.ndim, "mean"):
+            count *= self.shape[a]
+        return self.sum(dim, keepdim) / float(count)
+
+    # ---- arithmetic ----
+    def _binary(self, other, kind: str, reverse: bool = False) -> Tensor:
+        if _is_scalar(other):
+            if reverse and kind in ("sub", "div"):
+                kind = "r" + kind
+            return self.tracer.op("scalar", [self], kind=kind, value=float(other))
+        other = self._coerce(other, kind)
+        a, b = (other, self) if reverse else (self, other)
+        return self.tracer.op("binary", [a, b], kind=kind)
+
+    def _coerce(self, other, op: str) -> Tensor:
+        """`other` as a tensor of this trace: Parameters and Buffers are traced on use."""
+        from ..nn.module import Buffer, Parameter
+        if isinstance(other, Tensor):
+            if other.tracer is not self.tracer:
+                raise UnsupportedOpError(f"{op}: the tensors belong to different traces "
+                                         f"(in {self.tracer.where()})")
+            return other
+        if isinstance(other, Parameter):
+            return self.tracer.param(other)
+        if isinstance(other, Buffer):
+            return self.tracer.buffer(other)
+        raise UnsupportedOpError(f"{op} with a {type(other).__name__} operand is not supported "
+                                 f"(in {self.tracer.where()}); use a traced tensor or a "
+                                 "Python number")
+
+    def __add__(self, other):
+        return self._binary(other, "add")
+
+    def __radd__(self, other):
+        return self._binary(other, "add", reverse=True)
+
+    def __sub__(self, other):
+        return self._binary(other, "sub")
+
+    def __rsub__(self, other):
+        return self._binary(other, "sub", reverse=True)
+
+    def __mul__(self, other):
+        return self._binary(other, "mul")
+
+    def __rmul__(self, other):
+        return self._binary(other, "mul", reverse=True)
+
+    def __truediv__(self, other):
+        return self._binary(other, "div")
+
+    def __rtruediv__(self, other):
+        return self._binary(other, "div", reverse=True)
+
+    def __neg__(self):
+        return self.tracer.op("scalar", [self], kind="mul", value=-1.0)
+
+    def __pos__(self):
+        return self
+
+    def __pow__(self, exponent):
+        if not _is_scalar(exponent):
+            self._unsupported("pow with a tensor exponent")
+        return self.tracer.op("scalar", [self], kind="pow", value=float(exponent))
+
+    pow = __pow__
+
+    def __matmul__(self, other):
+        other = self._coerce(other, "matmul")
+        if other.ndim == 1:                                   # (..., K) @ (K,) -> (...)
+            y = self @ other.reshape(other.shape[0], 1)
+            return y.reshape(*y.shape[:-1])
+        if other.ndim != 2 or self.ndim == 0:
+            self._unsupported(f"matmul of {self.shape} @ {other.shape} (only (..., K) @ (K, N))")
+        if self.ndim == 1:                                    # (K,) @ (K, N) -> (N,)
+            return (self.reshape(1, -1) @ other).reshape(other.shape[1])
+        if self.ndim == 2:
+            return self.tracer.op("matmul", [self, other])
+        lead = self.shape[:-1]                                # (..., K): rows of one matmul
+        y = self.tracer.op("matmul", [self.reshape(-1, self.shape[-1]), other])
+        return y.reshape(*lead, other.shape[1])
+
+    matmul = __matmul__
+
+    # ---- activations ----
+    def _act(self, kind: str) -> Tensor:
+        return self.tracer.op("act", [self], kind=kind, slope=0.01)
+
+    def relu(self) -> Tensor:
+        return self._act("relu")
+
+    def sigmoid(self) -> Tensor:
+        return self._act("sigmoid")
+
+    def tanh(self) -> Tensor:
+        return self._act("tanh")
+
+    def _last_axis(self, op: str, dim: int) -> Tensor:
+        # The ops work over the last axis: move `dim` there and back.
+        d = _dim(dim, self.ndim, op)
+        if d == self.ndim - 1:
+            return self.tracer.op(op, [self])
+        return self.transpose(d, -1)._last_axis(op, -1).transpose(d, -1)
+
+    def softmax(self, dim: int) -> Tensor:
+        """softmax over `dim`."""
+        return self._last_axis("softmax", dim)
+
+    def log_softmax(self, dim: int) -> Tensor:
+        """log(softmax) over `dim`."""
+        return self._last_axis("log_softmax", dim)
+
+    # ---- what cannot be traced ----
+    def __getattr__(self, name: str):
+        # Only reached for attributes Tensor lacks: the torch.Tensor methods stepgraph has no op
+        # for. Private and dunder names stay AttributeErrors (copy, pickle, hasattr probes).
+        if name.startswith("_") or name in ("value", "tracer"):
+            raise AttributeError(name)
+        self._unsupported(f"Tensor.{name}")
+
+    def _unsupported(self, op: str):
+        raise UnsupportedOpError(f"{op} is not supported by stepgraph (called in "
+                                 f"{self.tracer.where()})")
+
+    def __getitem__(self, index):
+        self._unsupported("indexing (Tensor.__getitem__)")
+
+    def __setitem__(self, index, value):
+        self._unsupported("item assignment (Tensor.__setitem__)")
+
+    def __iter__(self):
+        self._unsupported("iteration over a tensor")
+
+    def __bool__(self):
+        self._unsupported("a tensor's truth value (data-dependent control flow)")
+
+    def __lt__(self, other):
+        self._unsupported("comparison <")
+
+    def __le__(self, other):
+        self._unsupported("comparison <=")
+
+    def __gt__(self, other):
+        self._unsupported("comparison >")
+
+    def __ge__(self, other):
+        self._unsupported("comparison >=")
+
+    def __abs__(self):
+        self._unsupported("abs")
+
+    def __floordiv__(self, other):
+        self._unsupported("floor division //")
+
+    def __mod__(self, other):
+        self._unsupported("remainder %")
 
     def __repr__(self):
         return f"Tensor({self.value!r})"
@@ -54,9 +311,29 @@ class Tracer:
         self.training = training
         self.param_values: dict[int, Value] = {}   # id(Parameter) -> Value
         self.parameters: list[Parameter] = []
+        self.buffer_values: dict[int, Value] = {}  # id(Buffer) -> its state Value
         self._rng_step: Value | None = None
         self._dropout_sites = 0
         self.label = ""                            # module label for recorded nodes
+        self.module_path: list[str] = []           # paths of the modules being called
+        self.module_paths: dict[int, str] = {}     # id(module) -> path, set by the root call
+
+    # ---- where ops come from ----
+    def where(self) -> str:
+        """The path of the module whose forward is running, e.g. "model.layer1.0.conv1"."""
+        return self.module_path[-1] if self.module_path else "no module (top level)"
+
+    @contextmanager
+    def module_scope(self, path: str, label: str):
+        """Nodes recorded inside carry `label`; errors name `path`. Both restored on exit."""
+        saved = self.label
+        self.module_path.append(path)
+        self.label = label
+        try:
+            yield
+        finally:
+            self.module_path.pop()
+            self.label = saved
 
     # ---- externals ----
     def input(self, shape, dtype: str, name: str) -> Tensor:
@@ -71,6 +348,18 @@ class Tracer:
             self.param_values[id(p)] = v
             self.parameters.append(p)
             self.graph.params.append(v)
+        return Tensor(v, self)
+
+    def buffer(self, b: Buffer) -> Tensor:
+        """A module buffer as a `state` value named by its state_dict key, once per buffer:
+        compiled steps bind it to the buffer's storage, and ops may update it in place."""
+        v = self.buffer_values.get(id(b))
+        if v is None:
+            if not b.name:
+                raise ValueError(f"{b!r} has no state_dict key: register it on a module of "
+                                 "the model being traced")
+            v = self.state(b.shape, b.dtype, b.name)
+            self.buffer_values[id(b)] = v
         return Tensor(v, self)
 
     def state(self, shape, dtype: str, name: str) -> Value:

@@ -1,9 +1,11 @@
 """torch.nn-shaped layers."""
 from .init import manual_seed
-from .layers import (GELU, Conv2d, Dropout, Dropout2d, Flatten, LeakyReLU, Linear, LogSoftmax,
-                     MaxPool2d, ReLU, Sequential, Sigmoid, Tanh)
-from .module import Module, Parameter
+from .layers import (GELU, AdaptiveAvgPool2d, AvgPool2d, BatchNorm1d, BatchNorm2d, Conv2d,
+                     Dropout, Dropout2d, Flatten, Identity, LeakyReLU, Linear, LogSoftmax,
+                     MaxPool2d, ModuleList, ReLU, Sequential, Sigmoid, SiLU, Tanh)
+from .module import Buffer, Module, Parameter
 
 __all__ = ["Module", "Parameter", "Linear", "Conv2d", "MaxPool2d", "Flatten", "Dropout",
            "Dropout2d", "ReLU", "LeakyReLU", "Sigmoid", "Tanh", "GELU", "LogSoftmax",
-           "Sequential", "manual_seed"]
+           "Sequential", "SiLU", "Identity", "ModuleList", "manual_seed", "Buffer",
+           "AvgPool2d", "AdaptiveAvgPool2d", "BatchNorm1d", "BatchNorm2d"]

@@ -1,8 +1,9 @@
 """Functional ops on symbolic tensors: what modules and losses call while being traced."""
 from __future__ import annotations
 
-from ..errors import ShapeError
+from ..errors import ShapeError, UnsupportedOpError
 from ..ir.trace import Tensor
+from . import losses as _losses
 from .module import Parameter
 
 
@@ -14,34 +15,74 @@ def _p(x: Tensor, p: Parameter | None):
     return None if p is None else x.tracer.param(p)
 
 
-def linear(x: Tensor, weight: Parameter, bias: Parameter | None = None) -> Tensor:
-    ins = [x, _p(x, weight)] + ([_p(x, bias)] if bias is not None else [])
-    return x.tracer.op("linear", ins, act=None)
+def _traced(x: Tensor, t):
+    """A Parameter or Buffer argument as a tensor of x's trace; tensors pass through."""
+    return t if t is None or isinstance(t, Tensor) else x._coerce(t, "argument")
+
+
+def linear(input: Tensor, weight, bias=None) -> Tensor:
+    """y = input @ weight.T + bias over any leading dims; weight (out, in), bias (out,).
+    weight and bias may be Parameters or traced Tensors."""
+    w, b = _traced(input, weight), _traced(input, bias)
+    if input.ndim == 0:
+        raise ShapeError("linear: input must have at least one dimension")
+    x = input if input.ndim == 2 else input.reshape(-1, input.shape[-1])
+    y = x.tracer.op("linear", [x, w] + ([b] if b is not None else []), act=None)
+    return y if input.ndim == 2 else y.reshape(*input.shape[:-1], w.shape[0])
 
 
 def activation(x: Tensor, kind: str, slope: float = 0.01) -> Tensor:
     return x.tracer.op("act", [x], kind=kind, slope=float(slope))
 
 
-def conv2d(x: Tensor, weight: Parameter, bias: Parameter | None, stride, padding) -> Tensor:
-    ins = [x, _p(x, weight)] + ([_p(x, bias)] if bias is not None else [])
-    return x.tracer.op("conv2d", ins, stride=_pair(stride), padding=_pair(padding))
+# ---- activations, softmax, dropout and mse with torch.nn.functional's signatures ----------
+
+def relu(input: Tensor, inplace: bool = False) -> Tensor:
+    """max(input, 0). `inplace` is accepted for PyTorch compatibility (traced ops never
+    overwrite their input)."""
+    return activation(input, "relu")
 
 
-def max_pool2d(x: Tensor, kernel_size, stride=None) -> Tensor:
-    kernel = _pair(kernel_size)
-    return x.tracer.op_all("maxpool2d", [x], kernel=kernel,
-                           stride=_pair(stride) if stride is not None else kernel)[0]
+def leaky_relu(input: Tensor, negative_slope: float = 0.01, inplace: bool = False) -> Tensor:
+    return activation(input, "leaky_relu", negative_slope)
 
 
-def flatten(x: Tensor, start_dim: int = 1) -> Tensor:
-    size = 1
-    for d in x.shape[start_dim:]:
-        size *= d
-    return x.reshape(*x.shape[:start_dim], size)
+def gelu(input: Tensor, approximate: str = "none") -> Tensor:
+    """GELU, exact (erf) or approximate="tanh"."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+    return activation(input, "gelu" if approximate == "none" else "gelu_tanh")
 
 
-def dropout(x: Tensor, p: float, training: bool, per_channel: bool = False) -> Tensor:
+def silu(input: Tensor, inplace: bool = False) -> Tensor:
+    """input * sigmoid(input)."""
+    return activation(input, "silu")
+
+
+def sigmoid(input: Tensor) -> Tensor:
+    return activation(input, "sigmoid")
+
+
+def tanh(input: Tensor) -> Tensor:
+    return activation(input, "tanh")
+
+
+def _softmax_dim(ndim: int) -> int:
+    # PyTorch's implicit dim when none is given (deprecated there, kept for old call sites).
+    return 0 if ndim in (0, 1, 3) else 1
+
+
+def softmax(input: Tensor, dim: int | None = None) -> Tensor:
+    """softmax over `dim`."""
+    return input.softmax(_softmax_dim(input.ndim) if dim is None else dim)
+
+
+def log_softmax(input: Tensor, dim: int | None = None) -> Tensor:
+    """log(softmax) over `dim`."""
+    return input.log_softmax(_softmax_dim(input.ndim) if dim is None else dim)
+
+
+def _dropout(x: Tensor, p: float, training: bool, per_channel: bool) -> Tensor:
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
     if not training or p == 0.0:
@@ -53,7 +94,161 @@ def dropout(x: Tensor, p: float, training: bool, per_channel: bool = False) -> T
                     site=t.next_dropout_site(), per_channel=per_channel)[0]
 
 
-def log_softmax(x: Tensor, dim: int = 1) -> Tensor:
-    if x.ndim != 2 or dim not in (1, -1):
-        raise ShapeError(f"log_softmax supports (batch, classes) over dim 1, got {x.shape}, dim {dim}")
-    return x.tracer.op("log_softmax", [x])
+def dropout(input: Tensor, p: float = 0.5, training: bool = True,
+            inplace: bool = False) -> Tensor:
+    """Zero each element with probability p and scale the rest by 1/(1-p) when training."""
+    return _dropout(input, p, training, per_channel=False)
+
+
+def dropout2d(input: Tensor, p: float = 0.5, training: bool = True,
+              inplace: bool = False) -> Tensor:
+    """Zero whole channels of an (N, C, H, W) input with probability p when training."""
+    return _dropout(input, p, training, per_channel=True)
+
+
+def mse_loss(input: Tensor, target: Tensor) -> Tensor:
+    """mean((input - target)^2) over every element; the shapes must match."""
+    target = _traced(input, target)
+    if input.shape != target.shape:
+        raise ShapeError(f"mse_loss: input {input.shape} and target {target.shape} differ")
+    return input.tracer.op("mse", [input, target])
+
+
+# ---- convolution, pooling, batch norm and classification losses ---------------------------
+
+def _conv_padding(padding, kernel: tuple[int, int], dilation: tuple[int, int], stride):
+    """PyTorch's conv padding argument as a pair; "valid" is 0, "same" the symmetric padding
+    keeping the size at stride 1."""
+    if padding == "valid":
+        return (0, 0)
+    if padding == "same":
+        total = [d * (k - 1) for d, k in zip(dilation, kernel)]
+        if _pair(stride) != (1, 1) or any(t % 2 for t in total):
+            raise UnsupportedOpError(f"conv2d padding='same' with stride {stride} and kernel "
+                                     f"{kernel} (dilation {dilation}) needs asymmetric padding")
+        return (total[0] // 2, total[1] // 2)
+    return _pair(padding)
+
+
+def conv2d(input: Tensor, weight, bias=None, stride=1, padding=0, dilation=1,
+           groups: int = 1) -> Tensor:
+    """2-D cross-correlation of an (N, C, H, W) input with weight (O, C/groups, kh, kw) and
+    an optional bias (O,), zero padding, as torch.nn.functional.conv2d."""
+    w, b = _traced(input, weight), _traced(input, bias)
+    dilation = _pair(dilation)
+    padding = _conv_padding(padding, w.shape[2:], dilation, stride)
+    return input.tracer.op("conv2d", [input, w] + ([b] if b is not None else []),
+                           stride=_pair(stride), padding=padding, dilation=dilation,
+                           groups=int(groups))
+
+
+def _pool_args(op: str, kernel_size, stride, ceil_mode: bool):
+    if ceil_mode:
+        raise UnsupportedOpError(f"{op} with ceil_mode=True is not supported")
+    kernel = _pair(kernel_size)
+    return kernel, kernel if stride is None or stride == [] else _pair(stride)
+
+
+def max_pool2d(input: Tensor, kernel_size, stride=None, padding=0, dilation=1,
+               ceil_mode: bool = False, return_indices: bool = False) -> Tensor:
+    """Max over kernel windows (stride defaults to the kernel; -inf padding of at most half
+    the kernel), as torch.nn.functional.max_pool2d."""
+    kernel, stride = _pool_args("max_pool2d", kernel_size, stride, ceil_mode)
+    if _pair(dilation) != (1, 1) or return_indices:
+        raise UnsupportedOpError("max_pool2d with dilation or return_indices is not supported")
+    return input.tracer.op_all("maxpool2d", [input], kernel=kernel, stride=stride,
+                               padding=_pair(padding))[0]
+
+
+def avg_pool2d(input: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bool = False,
+               count_include_pad: bool = True, divisor_override=None) -> Tensor:
+    """Mean over kernel windows (stride defaults to the kernel; zero padding of at most half
+    the kernel, counted in the divisor when count_include_pad), as
+    torch.nn.functional.avg_pool2d."""
+    kernel, stride = _pool_args("avg_pool2d", kernel_size, stride, ceil_mode)
+    if divisor_override is not None:
+        raise UnsupportedOpError("avg_pool2d with divisor_override is not supported")
+    return input.tracer.op("avgpool2d", [input], kernel=kernel, stride=stride,
+                           padding=_pair(padding), count_include_pad=bool(count_include_pad))
+
+
+def adaptive_avg_pool2d(input: Tensor, output_size) -> Tensor:
+    """Average pooling to `output_size` (None keeps that axis). Supported where the output
+    size divides the input size: then every window is kernel = stride = input / output (1x1
+    is the mean over H and W), exactly PyTorch's windows."""
+    if input.ndim != 4:
+        raise ShapeError(f"adaptive_avg_pool2d: input must be (N, C, H, W), got {input.shape}")
+    h, w = input.shape[2:]
+    oh, ow = (None, None) if output_size is None else \
+        (output_size, output_size) if isinstance(output_size, int) else tuple(output_size)
+    oh, ow = oh or h, ow or w
+    if h % oh or w % ow:
+        raise UnsupportedOpError(f"adaptive_avg_pool2d from {(h, w)} to {(oh, ow)}: the output "
+                                 f"size must divide the input size (in {input.tracer.where()})")
+    kernel = (h // oh, w // ow)
+    return avg_pool2d(input, kernel, kernel)
+
+
+def batch_norm(input: Tensor, running_mean, running_var, weight=None, bias=None,
+               training: bool = False, momentum: float | None = 0.1, eps: float = 1e-5, *,
+               num_batches_tracked=None) -> Tensor:
+    """Batch normalisation over axis 1 of an (N, C, ...) input, as
+    torch.nn.functional.batch_norm. Training: batch statistics, and running_mean/running_var
+    (when given) updated in place with `momentum` (None: cumulative average, which needs the
+    `num_batches_tracked` counter; the counter is incremented when given). Eval: the running
+    statistics, as y = x * scale + shift with scale = weight / sqrt(running_var + eps)."""
+    t = input.tracer
+    rm, rv = _traced(input, running_mean), _traced(input, running_var)
+    w, b = _traced(input, weight), _traced(input, bias)
+    if (rm is None) != (rv is None):
+        raise ValueError("batch_norm: give both running_mean and running_var, or neither")
+    if not training:
+        if rm is None:
+            raise ValueError("batch_norm in eval mode needs running_mean and running_var")
+        return _batch_norm_eval(input, rm, rv, w, b, eps)
+    affine, track = w is not None and b is not None, rm is not None
+    ins = [input] + ([w, b] if affine else []) + (
+        [rm, rv, _batches_tracked(input, num_batches_tracked, momentum)] if track else [])
+    y = t.op_all("batch_norm_train", ins, eps=float(eps), momentum=momentum, affine=affine,
+                 track=track, act="none")[0]
+    if (w is None) != (b is None):         # one of the two: applied after the op
+        channel = (1, input.shape[1]) + (1,) * (input.ndim - 2)
+        y = y * w.reshape(channel) if w is not None else y + b.reshape(channel)
+    return y
+
+
+def _batches_tracked(input: Tensor, counter, momentum):
+    if counter is not None:
+        return _traced(input, counter)
+    if momentum is None:
+        raise ValueError("batch_norm with momentum=None (cumulative average) needs the "
+                         "num_batches_tracked counter")
+    # The op counts batches in place; without a counter to keep, it counts into a scratch one.
+    return input.tracer.op("fill", [], value=0, shape=(), dtype="int64")
+
+
+def _batch_norm_eval(x: Tensor, rm: Tensor, rv: Tensor, w, b, eps: float) -> Tensor:
+    channel = (1, x.shape[1]) + (1,) * (x.ndim - 2)
+    scale = (rv + float(eps)) ** -0.5
+    if w is not None:
+        scale = w * scale
+    shift = -(rm * scale) if b is None else b - rm * scale
+    return x * scale.reshape(channel) + shift.reshape(channel)
+
+
+def cross_entropy(input: Tensor, target: Tensor, label_smoothing: float = 0.0) -> Tensor:
+    """Mean softmax cross-entropy of (N, C) logits against integer class targets (N,), with
+    PyTorch's label smoothing."""
+    return _losses.cross_entropy(input, target, label_smoothing)
+
+
+def nll_loss(input: Tensor, target: Tensor) -> Tensor:
+    """Mean negative log-likelihood of (N, C) log-probabilities at integer targets (N,)."""
+    return _losses.nll_loss(input, target)
+
+
+def flatten(x: Tensor, start_dim: int = 1) -> Tensor:
+    size = 1
+    for d in x.shape[start_dim:]:
+        size *= d
+    return x.reshape(*x.shape[:start_dim], size)

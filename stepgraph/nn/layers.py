@@ -1,6 +1,9 @@
 """Layers with torch.nn's names, constructor arguments, parameter shapes and initialisation."""
 from __future__ import annotations
 
+import numpy as np
+
+from ..errors import ShapeError, UnsupportedOpError
 from . import functional as F
 from .init import uniform_fan_in
 from .module import Module, Parameter
@@ -22,32 +25,120 @@ class Linear(Module):
 
 class Conv2d(Module):
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0,
-                 bias: bool = True):
+                 dilation=1, groups: int = 1, bias: bool = True, padding_mode: str = "zeros"):
         super().__init__()
+        if in_channels % groups or out_channels % groups:
+            raise ValueError(f"groups={groups} must divide in_channels {in_channels} and "
+                             f"out_channels {out_channels}")
+        if padding_mode != "zeros":
+            raise UnsupportedOpError(f"Conv2d padding_mode={padding_mode!r} (only 'zeros')")
         kh, kw = F._pair(kernel_size)
-        fan_in = in_channels * kh * kw
+        fan_in = in_channels // groups * kh * kw
         self.in_channels, self.out_channels = in_channels, out_channels
-        self.kernel_size, self.stride, self.padding = (kh, kw), F._pair(stride), F._pair(padding)
-        self.weight = Parameter(uniform_fan_in((out_channels, in_channels, kh, kw), fan_in))
+        self.kernel_size, self.stride = (kh, kw), F._pair(stride)
+        self.padding = padding if isinstance(padding, str) else F._pair(padding)
+        self.dilation, self.groups = F._pair(dilation), groups
+        self.weight = Parameter(uniform_fan_in((out_channels, in_channels // groups, kh, kw),
+                                               fan_in))
         self.bias = Parameter(uniform_fan_in((out_channels,), fan_in)) if bias else None
 
     def forward(self, x):
-        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding)
+        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation,
+                        self.groups)
 
     def extra_repr(self):
         return f"{self.in_channels},{self.out_channels},{self.kernel_size[0]}"
 
 
 class MaxPool2d(Module):
-    def __init__(self, kernel_size, stride=None):
+    def __init__(self, kernel_size, stride=None, padding=0, dilation=1,
+                 return_indices: bool = False, ceil_mode: bool = False):
         super().__init__()
-        self.kernel_size, self.stride = kernel_size, stride
+        self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
+        self.dilation, self.return_indices, self.ceil_mode = dilation, return_indices, ceil_mode
 
     def forward(self, x):
-        return F.max_pool2d(x, self.kernel_size, self.stride)
+        return F.max_pool2d(x, self.kernel_size, self.stride, self.padding, self.dilation,
+                            self.ceil_mode, self.return_indices)
 
     def extra_repr(self):
         return f"{self.kernel_size}"
+
+
+class AvgPool2d(Module):
+    def __init__(self, kernel_size, stride=None, padding=0, ceil_mode: bool = False,
+                 count_include_pad: bool = True, divisor_override=None):
+        super().__init__()
+        self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
+        self.ceil_mode, self.count_include_pad = ceil_mode, count_include_pad
+        self.divisor_override = divisor_override
+
+    def forward(self, x):
+        return F.avg_pool2d(x, self.kernel_size, self.stride, self.padding, self.ceil_mode,
+                            self.count_include_pad, self.divisor_override)
+
+    def extra_repr(self):
+        return f"{self.kernel_size}"
+
+
+class AdaptiveAvgPool2d(Module):
+    """Average pooling to a fixed output size that divides the input size (1: global)."""
+
+    def __init__(self, output_size):
+        super().__init__()
+        self.output_size = output_size
+
+    def forward(self, x):
+        return F.adaptive_avg_pool2d(x, self.output_size)
+
+    def extra_repr(self):
+        return f"{self.output_size}"
+
+
+class _BatchNorm(Module):
+    """PyTorch's _BatchNorm: weight 1, bias 0 (when affine); buffers running_mean 0,
+    running_var 1, num_batches_tracked 0 (when track_running_stats), updated in place by
+    every training step; eval mode normalises with them."""
+
+    ranks: tuple[int, ...] = ()
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True):
+        super().__init__()
+        self.num_features, self.eps, self.momentum = num_features, eps, momentum
+        self.affine, self.track_running_stats = affine, track_running_stats
+        self.weight = Parameter(np.ones(num_features, np.float32)) if affine else None
+        self.bias = Parameter(np.zeros(num_features, np.float32)) if affine else None
+        track = track_running_stats
+        self.register_buffer("running_mean", np.zeros(num_features, np.float32) if track else None)
+        self.register_buffer("running_var", np.ones(num_features, np.float32) if track else None)
+        self.register_buffer("num_batches_tracked", np.array(0, np.int64) if track else None)
+
+    def forward(self, x):
+        if x.ndim not in self.ranks:
+            raise ShapeError(f"{type(self).__name__} expects a {' or '.join(map(str, self.ranks))}"
+                             f"-D input, got {x.shape}")
+        # As torch: without running statistics, eval mode normalises with the batch's too.
+        use_batch = self.training or self.running_mean is None
+        update = self.training and self.track_running_stats
+        keep = update or not self.training
+        return F.batch_norm(x, self.running_mean if keep else None,
+                            self.running_var if keep else None, self.weight, self.bias,
+                            use_batch, self.momentum, self.eps,
+                            num_batches_tracked=self.num_batches_tracked if update else None)
+
+    def extra_repr(self):
+        return f"{self.num_features}"
+
+
+class BatchNorm1d(_BatchNorm):
+    """Over (N, C) or (N, C, L) inputs."""
+    ranks = (2, 3)
+
+
+class BatchNorm2d(_BatchNorm):
+    """Over (N, C, H, W) inputs."""
+    ranks = (4,)
 
 
 class Flatten(Module):
@@ -69,7 +160,8 @@ class Dropout(Module):
         self.p = p
 
     def forward(self, x):
-        return F.dropout(x, self.p, self.training, self.per_channel)
+        drop = F.dropout2d if self.per_channel else F.dropout
+        return drop(x, self.p, self.training)
 
     def extra_repr(self):
         return f"p={self.p}"
@@ -82,6 +174,9 @@ class Dropout2d(Dropout):
 
 class _Activation(Module):
     kind = ""
+
+    def __init__(self, inplace: bool = False):
+        super().__init__()              # inplace: accepted as PyTorch does; traced ops copy
 
     def forward(self, x):
         return F.activation(x, self.kind)
@@ -97,6 +192,21 @@ class Sigmoid(_Activation):
 
 class Tanh(_Activation):
     kind = "tanh"
+
+
+class SiLU(_Activation):
+    """x * sigmoid(x)."""
+    kind = "silu"
+
+
+class Identity(Module):
+    """Returns its input; takes and ignores any constructor arguments, as PyTorch's."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+    def forward(self, x):
+        return x
 
 
 class LeakyReLU(Module):
@@ -141,8 +251,35 @@ class Sequential(Module):
         return list(self._modules.values())[i]
 
     def forward(self, x):
-        for name, m in self._modules.items():
-            extra = m.extra_repr()
-            x.tracer.label = type(m).__name__ + (f"({extra})" if extra else "")
+        for m in self._modules.values():
             x = m(x)
         return x
+
+
+class ModuleList(Module):
+    """A list of modules, registered under "0", "1", ... (state_dict keys "0.weight", ...).
+    It has no forward: the owner calls its items."""
+
+    def __init__(self, modules=None):
+        super().__init__()
+        if modules is not None:
+            self.extend(modules)
+
+    def append(self, module: Module) -> ModuleList:
+        setattr(self, str(len(self._modules)), module)
+        return self
+
+    def extend(self, modules) -> ModuleList:
+        for m in modules:
+            self.append(m)
+        return self
+
+    def __len__(self):
+        return len(self._modules)
+
+    def __iter__(self):
+        return iter(list(self._modules.values()))
+
+    def __getitem__(self, i):
+        items = list(self._modules.values())
+        return ModuleList(items[i]) if isinstance(i, slice) else items[i]

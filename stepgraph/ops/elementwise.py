@@ -1,1 +1,156 @@
-"""(family elementwise: filled in below)"""
+"""Elementwise family: broadcasting binary ops, tensor-scalar ops and expand.
+
+Broadcasting follows NumPy/PyTorch. Gradients of broadcast operands are reduced back to the
+operand's own shape by `sum_to` (reduce_sum over the broadcast axes, then reshape).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..autodiff.rules import vjp
+from ..backends.numpy.kernels import impl
+from ..ir.ops import _need, defop
+
+BINARY_KINDS = ("add", "sub", "mul", "div")
+SCALAR_KINDS = ("add", "sub", "rsub", "mul", "div", "rdiv", "pow")
+
+
+def _broadcast(op: str, a: tuple, b: tuple) -> tuple[int, ...]:
+    try:
+        return tuple(np.broadcast_shapes(a, b))
+    except ValueError:
+        _need(False, op, f"shapes {a} and {b} do not broadcast")
+
+
+# ---- shape rules ---------------------------------------------------------------------------
+
+@defop("binary")
+def _binary(ins, attrs):
+    """y = a kind b, kind in {"add", "sub", "mul", "div"}, NumPy broadcasting; out shape =
+    np.broadcast_shapes(a.shape, b.shape), dtype = a.dtype (a.dtype == b.dtype required)."""
+    a, b = ins
+    _need(attrs["kind"] in BINARY_KINDS, "binary", f"unknown kind {attrs['kind']!r}")
+    _need(a.dtype == b.dtype, "binary", f"dtypes differ: {a.dtype} vs {b.dtype}")
+    return [(_broadcast("binary", a.shape, b.shape), a.dtype)]
+
+
+@defop("scalar")
+def _scalar(ins, attrs):
+    """y = x kind value (Python float): add x+v, sub x-v, rsub v-x, mul x*v, div x/v,
+    rdiv v/x, pow x**v."""
+    _need(attrs["kind"] in SCALAR_KINDS, "scalar", f"unknown kind {attrs['kind']!r}")
+    return [(ins[0].shape, ins[0].dtype)]
+
+
+@defop("expand")
+def _expand(ins, attrs):
+    """y = np.broadcast_to(x, attrs shape), materialised."""
+    x, shape = ins[0], tuple(attrs["shape"])
+    _need(_broadcast("expand", x.shape, shape) == shape, "expand",
+          f"cannot expand {x.shape} to {shape}")
+    return [(shape, x.dtype)]
+
+
+# ---- VJPs ----------------------------------------------------------------------------------
+
+def sum_to(emit, g, shape: tuple[int, ...]):
+    """Reduce the gradient `g` of a broadcast result back to an operand of `shape`: sum over
+    the leading axes `shape` lacks and the axes where `shape` has 1, then reshape."""
+    shape = tuple(shape)
+    if tuple(g.shape) == shape:
+        return g
+    lead = len(g.shape) - len(shape)
+    axes = tuple(range(lead)) + tuple(
+        lead + i for i, d in enumerate(shape) if d == 1 and g.shape[lead + i] != 1)
+    if axes:
+        g = emit("reduce_sum", [g], axes=axes)[0]
+    if tuple(g.shape) != shape:
+        g = emit("reshape", [g], shape=shape)[0]
+    return g
+
+
+def _neg(emit, g):
+    return emit("scalar", [g], kind="mul", value=-1.0)[0]
+
+
+@vjp("binary")
+def _binary_vjp(emit, node, dy, wants) -> list:
+    (g,), (a, b), kind = dy, node.inputs, node.attrs["kind"]
+    da = db = None
+    if kind in ("add", "sub"):
+        da = sum_to(emit, g, a.shape) if wants(0) else None
+        if wants(1):
+            db = sum_to(emit, g, b.shape)
+            db = _neg(emit, db) if kind == "sub" else db
+    elif kind == "mul":
+        if wants(0):
+            da = sum_to(emit, emit("binary", [g, b], kind="mul")[0], a.shape)
+        if wants(1):
+            db = sum_to(emit, emit("binary", [g, a], kind="mul")[0], b.shape)
+    else:  # div: da = g / b; db = -g a / b^2 = -(g y) / b
+        if wants(0):
+            da = sum_to(emit, emit("binary", [g, b], kind="div")[0], a.shape)
+        if wants(1):
+            gy = emit("binary", [g, node.outputs[0]], kind="mul")[0]
+            db = _neg(emit, sum_to(emit, emit("binary", [gy, b], kind="div")[0], b.shape))
+    return [da, db]
+
+
+@vjp("scalar")
+def _scalar_vjp(emit, node, dy, wants) -> list:
+    (g,), x = dy, node.inputs[0]
+    kind, v = node.attrs["kind"], float(node.attrs["value"])
+    if kind in ("add", "sub"):
+        return [g]
+    if kind == "rsub":
+        return [_neg(emit, g)]
+    if kind in ("mul", "div"):
+        return [emit("scalar", [g], kind=kind, value=v)[0]]
+    if kind == "rdiv":  # d(v / x) = -v / x^2 = -y / x
+        gy = emit("binary", [g, node.outputs[0]], kind="mul")[0]
+        return [_neg(emit, emit("binary", [gy, x], kind="div")[0])]
+    if v == 0.0:        # x**0 is constant (PyTorch gives zeros, even at x = 0)
+        return [emit("scalar", [g], kind="mul", value=0.0)[0]]
+    slope = emit("scalar", [x], kind="pow", value=v - 1.0)[0]
+    slope = emit("scalar", [slope], kind="mul", value=v)[0]
+    return [emit("binary", [g, slope], kind="mul")[0]]
+
+
+@vjp("expand")
+def _expand_vjp(emit, node, dy, wants) -> list:
+    return [sum_to(emit, dy[0], node.inputs[0].shape)]
+
+
+# ---- numpy reference -----------------------------------------------------------------------
+
+_BINARY_UFUNCS = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
+
+
+@impl("binary")
+def _binary_impl(node, ins, outs, ctx):
+    _BINARY_UFUNCS[node.attrs["kind"]](ins[0], ins[1], out=outs[0])
+
+
+@impl("scalar")
+def _scalar_impl(node, ins, outs, ctx):
+    x, y = ins[0], outs[0]
+    kind, v = node.attrs["kind"], x.dtype.type(node.attrs["value"])
+    if kind == "add":
+        np.add(x, v, out=y)
+    elif kind == "sub":
+        np.subtract(x, v, out=y)
+    elif kind == "rsub":
+        np.subtract(v, x, out=y)
+    elif kind == "mul":
+        np.multiply(x, v, out=y)
+    elif kind == "div":
+        np.divide(x, v, out=y)
+    elif kind == "rdiv":
+        np.divide(v, x, out=y)
+    else:
+        np.power(x, v, out=y)
+
+
+@impl("expand")
+def _expand_impl(node, ins, outs, ctx):
+    outs[0][...] = np.broadcast_to(ins[0], outs[0].shape)

@@ -1,1 +1,139 @@
-"""(family norm: filled in below)"""
+"""Norm family: training-mode batch normalisation and its gradient (PyTorch's BatchNorm).
+
+Eval-mode BatchNorm needs no op: nn.functional.batch_norm composes it of binary/scalar ops
+from the running statistics. The NumPy reference accumulates statistics in float64.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..autodiff.rules import vjp
+from ..backends.numpy.kernels import impl
+from ..ir.ops import _need, defop
+
+BN_ACTS = ("none", "relu")
+
+
+def _running_positions(attrs) -> tuple[int, ...]:
+    """Input positions of running_mean, running_var, num_batches_tracked (empty without track)."""
+    first = 3 if attrs["affine"] else 1
+    return (first, first + 1, first + 2) if attrs["track"] else ()
+
+
+def _reduced_count(shape) -> int:
+    """M = N * prod(spatial): the elements each channel's statistics are taken over."""
+    return shape[0] * math.prod(shape[2:])
+
+
+@defop("batch_norm_train", mutates=_running_positions)
+def _batch_norm_train(ins, attrs):
+    """Training-mode BatchNorm over the channel axis 1 of x (N, C, *spatial), rank >= 2.
+    ins = x, then weight (C,), bias (C,) when attrs affine, then running_mean (C,), running_var
+    (C,) (float32, or x's dtype) and num_batches_tracked (int64 scalar) when attrs track.
+    attrs eps, momentum (float, or None: cumulative average), affine, track, act ("none" or
+    "relu": the ReLU that followed, fused). Per channel over M = N*prod(spatial) elements:
+    mean, biased var; save_invstd = 1/sqrt(var + eps); y = act((x - mean) * save_invstd *
+    weight + bias). Outputs y (x.shape), save_mean (C,), save_invstd (C,), all of x's dtype.
+    With track, updates in place: num_batches_tracked += 1; m = momentum, or
+    1/num_batches_tracked (after the increment) when momentum is None; running_mean =
+    (1-m) running_mean + m mean; running_var = (1-m) running_var + m var M/(M-1).
+    Statistics accumulate in float64."""
+    x = ins[0]
+    _need(len(x.shape) >= 2, "batch_norm_train", f"input must be (N, C, ...), got {x.shape}")
+    _need(attrs.get("act", "none") in BN_ACTS, "batch_norm_train",
+          f"act must be one of {BN_ACTS}, got {attrs.get('act')!r}")
+    want = 1 + 2 * bool(attrs["affine"]) + 3 * bool(attrs["track"])
+    _need(len(ins) == want, "batch_norm_train",
+          f"{want} inputs for affine={attrs['affine']}, track={attrs['track']}, got {len(ins)}")
+    _need(_reduced_count(x.shape) > 1, "batch_norm_train",
+          f"more than 1 value per channel needed in training, got input {x.shape}")
+    c = x.shape[1]
+    channel_ins = ins[1:-1] if attrs["track"] else ins[1:]
+    for v in channel_ins:
+        _need(v.shape == (c,), "batch_norm_train", f"{v!r} must be ({c},) for input {x.shape}")
+        _need(v.dtype in (x.dtype, "float32"), "batch_norm_train", f"{v!r} dtype vs {x.dtype}")
+    if attrs["track"]:
+        count = ins[-1]
+        _need(count.shape == () and count.dtype == "int64", "batch_norm_train",
+              f"num_batches_tracked must be an int64 scalar, got {count!r}")
+    return [(x.shape, x.dtype), ((c,), x.dtype), ((c,), x.dtype)]
+
+
+@defop("batch_norm_grad")
+def _batch_norm_grad(ins, attrs):
+    """Gradient of batch_norm_train. ins = dy, x, [weight when attrs affine], save_mean,
+    save_invstd, [y when attrs act is "relu"]. With act relu, dy is first masked by y > 0.
+    xhat = (x - save_mean) * save_invstd; per channel sum_dy, sum_dy_xhat over M elements;
+    dx = weight * save_invstd / M * (M dy - sum_dy - xhat sum_dy_xhat) (weight = 1 without
+    affine); outputs dx, and dweight = sum_dy_xhat, dbias = sum_dy when affine."""
+    dy, x = ins[0], ins[1]
+    affine, relu = bool(attrs["affine"]), attrs.get("act", "none") == "relu"
+    _need(len(ins) == 4 + affine + relu, "batch_norm_grad",
+          f"{4 + affine + relu} inputs for affine={affine}, act={attrs.get('act')}, got {len(ins)}")
+    _need(dy.shape == x.shape, "batch_norm_grad", f"dy {dy.shape} vs x {x.shape}")
+    c = (x.shape[1],)
+    return [(x.shape, x.dtype)] + ([(c, x.dtype), (c, x.dtype)] if affine else [])
+
+
+@vjp("batch_norm_train")
+def _batch_norm_train_vjp(emit, node, dy, wants):
+    a = node.attrs
+    affine, act = bool(a["affine"]), a.get("act", "none")
+    x, y, save_mean, save_invstd = node.inputs[0], *node.outputs
+    ins = [dy[0], x] + ([node.inputs[1]] if affine else []) + [save_mean, save_invstd] + (
+        [y] if act == "relu" else [])
+    grads = emit("batch_norm_grad", ins, affine=affine, act=act)
+    return grads + [None] * (len(node.inputs) - len(grads))   # running statistics: none
+
+
+def _channel_view(v: np.ndarray, ndim: int) -> np.ndarray:
+    """(C,) -> (1, C, 1, ...) broadcasting against an (N, C, *spatial) array."""
+    return v.reshape((1, -1) + (1,) * (ndim - 2))
+
+
+@impl("batch_norm_train")
+def _batch_norm_train_impl(node, ins, outs, ctx):
+    a, x = node.attrs, ins[0]
+    axes = (0,) + tuple(range(2, x.ndim))
+    x64 = x.astype(np.float64)
+    mean = x64.mean(axis=axes)
+    var = np.square(x64 - _channel_view(mean, x.ndim)).mean(axis=axes)
+    invstd = 1.0 / np.sqrt(var + a["eps"])
+    y = (x64 - _channel_view(mean, x.ndim)) * _channel_view(invstd, x.ndim)
+    if a["affine"]:
+        y = y * _channel_view(ins[1], x.ndim) + _channel_view(ins[2], x.ndim)
+    if a.get("act", "none") == "relu":
+        y = np.maximum(y, 0.0)
+    outs[0][...] = y
+    outs[1][...] = mean
+    outs[2][...] = invstd
+    if a["track"]:
+        running_mean, running_var, count = (ins[i] for i in _running_positions(a))
+        count[...] += 1
+        m = a["momentum"] if a["momentum"] is not None else 1.0 / int(count)
+        n = _reduced_count(x.shape)
+        running_mean[...] = (1 - m) * running_mean.astype(np.float64) + m * mean
+        running_var[...] = (1 - m) * running_var.astype(np.float64) + m * var * n / (n - 1)
+
+
+@impl("batch_norm_grad")
+def _batch_norm_grad_impl(node, ins, outs, ctx):
+    a = node.attrs
+    affine, relu = bool(a["affine"]), a.get("act", "none") == "relu"
+    dy, x = ins[0].astype(np.float64), ins[1].astype(np.float64)
+    save_mean, save_invstd = ins[2 + affine], ins[3 + affine]
+    if relu:
+        dy = dy * (ins[4 + affine] > 0)
+    axes, nd = (0,) + tuple(range(2, x.ndim)), x.ndim
+    invstd = save_invstd.astype(np.float64)
+    xhat = (x - _channel_view(save_mean.astype(np.float64), nd)) * _channel_view(invstd, nd)
+    sum_dy, sum_dy_xhat = dy.sum(axis=axes), (dy * xhat).sum(axis=axes)
+    m = _reduced_count(x.shape)
+    scale = invstd * (ins[2].astype(np.float64) if affine else 1.0) / m
+    outs[0][...] = _channel_view(scale, nd) * (
+        m * dy - _channel_view(sum_dy, nd) - xhat * _channel_view(sum_dy_xhat, nd))
+    if affine:
+        outs[1][...] = sum_dy_xhat
+        outs[2][...] = sum_dy

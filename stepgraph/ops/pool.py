@@ -1,1 +1,85 @@
-"""(family pool: filled in below)"""
+"""Pool family: average pooling (PyTorch's avg_pool2d, ceil_mode=False). Max pooling lives in
+ir/ops.py with the older ops.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from ..autodiff.rules import vjp
+from ..backends.numpy.kernels import impl
+from ..ir.ops import _need, conv_out, defop
+
+
+def _pool_geometry(op: str, shape, attrs) -> tuple[int, int]:
+    """(Ho, Wo) of a pooling window sweep over an (N, C, H, W) input, checking the attrs."""
+    _need(len(shape) == 4, op, f"input must be (N, C, H, W), got {tuple(shape)}")
+    (kh, kw), (sh, sw), (ph, pw) = attrs["kernel"], attrs["stride"], attrs["padding"]
+    _need(2 * ph <= kh and 2 * pw <= kw, op,
+          f"padding {(ph, pw)} must be at most half the kernel {(kh, kw)}")
+    ho, wo = conv_out(shape[2], kh, sh, ph), conv_out(shape[3], kw, sw, pw)
+    _need(ho > 0 and wo > 0, op, f"window {(kh, kw)} larger than padded input {shape[2:]}")
+    return ho, wo
+
+
+@defop("avgpool2d")
+def _avgpool2d(ins, attrs):
+    """y = mean over kernel windows of x (N, C, H, W); attrs kernel, stride, padding (pairs,
+    implicit zero padding of at most half the kernel, floor mode), count_include_pad (bool):
+    divide by kh*kw when true, else by the number of real (unpadded) elements in the window.
+    PyTorch's avg_pool2d with ceil_mode=False and no divisor_override."""
+    x = ins[0]
+    ho, wo = _pool_geometry("avgpool2d", x.shape, attrs)
+    return [((x.shape[0], x.shape[1], ho, wo), x.dtype)]
+
+
+@defop("avgpool2d_grad")
+def _avgpool2d_grad(ins, attrs):
+    """dx (attrs input_shape) of avgpool2d: each dy element divided by its window's divisor
+    and added to every real element of its window; ins (dy,); attrs as avgpool2d's."""
+    dy = ins[0]
+    shape = tuple(attrs["input_shape"])
+    want = (shape[0], shape[1], *_pool_geometry("avgpool2d_grad", shape, attrs))
+    _need(dy.shape == want, "avgpool2d_grad", f"dy {dy.shape} for input {shape}: expected {want}")
+    return [(shape, dy.dtype)]
+
+
+@vjp("avgpool2d")
+def _avgpool2d_vjp(emit, node, dy, wants):
+    a = node.attrs
+    return [emit("avgpool2d_grad", [dy[0]], input_shape=node.inputs[0].shape, kernel=a["kernel"],
+                 stride=a["stride"], padding=a["padding"],
+                 count_include_pad=a["count_include_pad"])[0]]
+
+
+def _divisor(shape, attrs, dtype) -> np.ndarray:
+    """(Ho, Wo) window divisors: kh*kw, or the count of real elements in each window."""
+    (kh, kw), (sh, sw), (ph, pw) = attrs["kernel"], attrs["stride"], attrs["padding"]
+    ho, wo = conv_out(shape[2], kh, sh, ph), conv_out(shape[3], kw, sw, pw)
+    if attrs["count_include_pad"]:
+        return np.full((ho, wo), kh * kw, dtype=dtype)
+    real = np.pad(np.ones(shape[2:], dtype), ((ph, ph), (pw, pw)))
+    return sliding_window_view(real, (kh, kw))[::sh, ::sw].sum(axis=(-2, -1))[:ho, :wo]
+
+
+@impl("avgpool2d")
+def _avgpool2d_impl(node, ins, outs, ctx):
+    x, a = ins[0], node.attrs
+    (kh, kw), (sh, sw), (ph, pw) = a["kernel"], a["stride"], a["padding"]
+    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw))) if ph or pw else x
+    win = sliding_window_view(xp, (kh, kw), axis=(2, 3))[:, :, ::sh, ::sw]
+    outs[0][...] = win.sum(axis=(-2, -1)) / _divisor(x.shape, a, x.dtype)
+
+
+@impl("avgpool2d_grad")
+def _avgpool2d_grad_impl(node, ins, outs, ctx):
+    dy, a = ins[0], node.attrs
+    (kh, kw), (sh, sw), (ph, pw) = a["kernel"], a["stride"], a["padding"]
+    n, c, h, w = a["input_shape"]
+    _, _, ho, wo = dy.shape
+    share = dy / _divisor((n, c, h, w), a, dy.dtype)
+    dxp = np.zeros((n, c, h + 2 * ph, w + 2 * pw), dtype=dy.dtype)
+    for i in range(kh):            # one strided add per window tap
+        for j in range(kw):
+            dxp[:, :, i:i + sh * ho:sh, j:j + sw * wo:sw] += share
+    outs[0][...] = dxp[:, :, ph:ph + h, pw:pw + w]

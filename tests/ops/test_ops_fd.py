@@ -56,6 +56,30 @@ CASES = {
     "nll_loss": ("nll_loss", {}, lambda g: {"x": f64(g, 5, 6), "y": labels(g, 5, 6)}, ("x",)),
     "mse": ("mse", {}, lambda g: {"p": f64(g, 4, 5), "q": f64(g, 4, 5)}, ("p", "q")),
     "add": ("add", {}, lambda g: {"a": f64(g, 3, 4), "b": f64(g, 3, 4)}, ("a", "b")),
+    **{f"matmul-{ta:d}{tb:d}": ("matmul", dict(trans_a=ta, trans_b=tb),
+                                lambda g, ta=ta, tb=tb: {"a": f64(g, *((4, 3) if ta else (3, 4))),
+                                                         "b": f64(g, *((5, 4) if tb else (4, 5)))},
+                                ("a", "b")) for ta in (False, True) for tb in (False, True)},
+    # elementwise and shape families (more broadcasting cases in test_tensor_ops.py)
+    **{f"binary-{kind}": ("binary", dict(kind=kind),
+                          lambda g: {"a": f64(g, 3, 1, 5), "b": 2 + f64(g, 4, 5) ** 2},
+                          ("a", "b")) for kind in ("add", "sub", "mul", "div")},
+    **{f"scalar-{kind}": ("scalar", dict(kind=kind, value=1.7),
+                          lambda g: {"x": 1 + f64(g, 3, 4) ** 2}, ("x",))
+       for kind in ("add", "sub", "rsub", "mul", "div", "rdiv", "pow")},
+    "expand": ("expand", dict(shape=(2, 3, 4)), lambda g: {"x": f64(g, 3, 1)}, ("x",)),
+    "permute": ("permute", dict(dims=(2, 0, 1)), lambda g: {"x": f64(g, 2, 3, 4)}, ("x",)),
+    "reduce_sum": ("reduce_sum", dict(axes=(0, 2)), lambda g: {"x": f64(g, 2, 3, 4)}, ("x",)),
+    "softmax": ("softmax", {}, lambda g: {"x": 3 * f64(g, 2, 3, 5)}, ("x",)),
+    "log_softmax-3d": ("log_softmax", {}, lambda g: {"x": 3 * f64(g, 2, 3, 5)}, ("x",)),
+    # norm and pool families (more cases in test_norm_pool_ops.py)
+    "batch_norm_train": ("batch_norm_train", dict(eps=1e-5, momentum=0.1, affine=True,
+                                                  track=False, act="none"),
+                         lambda g: {"x": f64(g, 4, 3, 2, 3), "w": f64(g, 3), "b": f64(g, 3)},
+                         ("x", "w", "b")),
+    "avgpool2d": ("avgpool2d", dict(kernel=(3, 3), stride=(2, 2), padding=(1, 1),
+                                    count_include_pad=False),
+                  lambda g: {"x": f64(g, 2, 3, 7, 6)}, ("x",)),
 }
 
 

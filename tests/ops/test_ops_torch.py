@@ -55,7 +55,8 @@ def op_names(body, arrays, wrt, fused) -> list[str]:
 def torch_act(kind: str):
     return {"relu": TF.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh,
             "leaky_relu": lambda z: TF.leaky_relu(z, LEAKY_SLOPE),
-            "gelu": TF.gelu, "gelu_tanh": lambda z: TF.gelu(z, approximate="tanh")}[kind]
+            "gelu": TF.gelu, "gelu_tanh": lambda z: TF.gelu(z, approximate="tanh"),
+            "silu": TF.silu}[kind]
 
 
 # ---- activations ---------------------------------------------------------------------------

@@ -108,10 +108,9 @@ def test_loss_that_does_not_depend_on_a_wrt_value_is_an_error():
 
 def test_op_without_a_vjp_rule_is_reported():
     t = Tracer()
-    a, b = t.input((3, 4), "float32", "a"), t.input((4, 3), "float32", "b")
-    c = t.op("matmul", [a, b])
-    loss = losses.mse(c, t.input((3, 3), "float32", "target"))
-    with pytest.raises(NotImplementedError, match="matmul"):
+    a = t.input((3, 4), "float32", "a")
+    loss = t.op("global_norm", [a])      # an optimizer-side op: never differentiated
+    with pytest.raises(NotImplementedError, match="global_norm"):
         append_backward(t, loss.value, [a.value])
 
 

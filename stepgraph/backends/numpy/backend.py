@@ -22,7 +22,12 @@ class NumpyBackend(Backend):
         return np.array(array, copy=True)
 
     def copy_into(self, dst, src) -> None:
-        src = src if isinstance(src, np.ndarray) else np.from_dlpack(src)
+        if not isinstance(src, np.ndarray):
+            device = getattr(src, "__dlpack_device__", None)
+            if device is not None and device()[0] != 1:    # 1: kDLCPU
+                raise ShapeError(f"cannot copy an array on DLPack device {tuple(device())} "
+                                 "into host memory: this step runs on the CPU")
+            src = np.from_dlpack(src) if device is not None else np.asarray(src)
         if src.shape != dst.shape or src.dtype != dst.dtype:
             raise ShapeError(f"cannot copy {src.dtype}{list(src.shape)} into "
                              f"{dst.dtype}{list(dst.shape)}")
@@ -30,6 +35,9 @@ class NumpyBackend(Backend):
 
     def view(self, arena, offset, shape, dtype):
         return np.ndarray(shape, dtype=dtype, buffer=arena, offset=offset)
+
+    def host_mirror(self, array):
+        return array
 
     def owns(self, array) -> bool:
         return isinstance(array, np.ndarray)

@@ -13,6 +13,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from ... import rng
 from ...ir.graph import Node
+from ...ir.ops import conv_geometry
 
 IMPLS: dict = {}
 
@@ -47,6 +48,8 @@ def act_forward(z: np.ndarray, kind: str, slope: float = 0.01) -> np.ndarray:
         return (0.5 * z * (1 + _erf(z / math.sqrt(2.0)))).astype(z.dtype)
     if kind == "gelu_tanh":
         return 0.5 * z * (1 + np.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z**3)))
+    if kind == "silu":
+        return z / (1 + np.exp(-z))
     raise ValueError(f"unknown activation {kind!r}")
 
 
@@ -71,6 +74,9 @@ def act_derivative(saved: np.ndarray, kind: str, slope: float = 0.01) -> np.ndar
         inner = _SQRT_2_OVER_PI * (z + 0.044715 * z**3)
         t = np.tanh(inner)
         return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * z * z)
+    if kind == "silu":                      # d/dz z s(z) = s(z) (1 + z (1 - s(z)))
+        s = 1 / (1 + np.exp(-saved))
+        return s * (1 + saved * (1 - s))
     raise ValueError(f"unknown activation {kind!r}")
 
 
@@ -142,12 +148,26 @@ def _windows(xp: np.ndarray, kh: int, kw: int, sh: int, sw: int) -> np.ndarray:
     return sliding_window_view(xp, (kh, kw), axis=(2, 3))[:, :, ::sh, ::sw]
 
 
+def _conv_windows(x: np.ndarray, kh: int, kw: int, attrs) -> np.ndarray:
+    """(N, groups, C/groups, Ho, Wo, kh, kw) strided view of a conv's (dilated) windows."""
+    (sh, sw), (ph, pw), (dh, dw), groups = conv_geometry(attrs)
+    span = (dh * (kh - 1) + 1, dw * (kw - 1) + 1)
+    win = sliding_window_view(_pad(x, ph, pw), span, axis=(2, 3))[:, :, ::sh, ::sw, ::dh, ::dw]
+    return win.reshape(x.shape[0], groups, x.shape[1] // groups, *win.shape[2:])
+
+
+def _split_groups(a: np.ndarray, groups: int, axis: int) -> np.ndarray:
+    """A view with `axis` (channels) split into (groups, channels per group)."""
+    return a.reshape(*a.shape[:axis], groups, a.shape[axis] // groups, *a.shape[axis + 1:])
+
+
 @impl("conv2d")
 def conv2d(node: Node, ins, outs, ctx):
     x, w = ins[0], ins[1]
-    (sh, sw), (ph, pw) = node.attrs["stride"], node.attrs["padding"]
-    win = _windows(_pad(x, ph, pw), w.shape[2], w.shape[3], sh, sw)
-    y = np.einsum("nchwij,ocij->nohw", win, w, optimize=True)
+    groups = conv_geometry(node.attrs)[3]
+    win = _conv_windows(x, w.shape[2], w.shape[3], node.attrs)
+    y = np.einsum("ngchwij,gocij->ngohw", win, _split_groups(w, groups, 0),
+                  optimize=True).reshape(outs[0].shape)
     if len(ins) == 3:
         y += ins[2][None, :, None, None]
     outs[0][...] = y
@@ -156,10 +176,11 @@ def conv2d(node: Node, ins, outs, ctx):
 @impl("conv2d_grad_weight")
 def conv2d_grad_weight(node: Node, ins, outs, ctx):
     dy, x = ins
-    (sh, sw), (ph, pw) = node.attrs["stride"], node.attrs["padding"]
+    groups = conv_geometry(node.attrs)[3]
     _, _, kh, kw = node.attrs["weight_shape"]
-    win = _windows(_pad(x, ph, pw), kh, kw, sh, sw)
-    outs[0][...] = np.einsum("nchwij,nohw->ocij", win, dy, optimize=True)
+    win = _conv_windows(x, kh, kw, node.attrs)
+    dw = np.einsum("ngchwij,ngohw->gocij", win, _split_groups(dy, groups, 1), optimize=True)
+    outs[0][...] = dw.reshape(outs[0].shape)
     if node.attrs.get("bias"):
         outs[1][...] = dy.sum(axis=(0, 2, 3))
 
@@ -167,16 +188,17 @@ def conv2d_grad_weight(node: Node, ins, outs, ctx):
 @impl("conv2d_grad_input")
 def conv2d_grad_input(node: Node, ins, outs, ctx):
     dy, w = ins
-    (sh, sw), (ph, pw) = node.attrs["stride"], node.attrs["padding"]
+    (sh, sw), (ph, pw), (dh, dw), groups = conv_geometry(node.attrs)
     n, c, h, wd = node.attrs["input_shape"]
     _, _, kh, kw = w.shape
     _, _, ho, wo = dy.shape
     dxp = np.zeros((n, c, h + 2 * ph, wd + 2 * pw), dtype=dy.dtype)
     # Scatter each kernel tap's contribution: kh*kw strided adds, no Python loop over pixels.
-    contrib = np.einsum("nohw,ocij->ncijhw", dy, w, optimize=True)
+    contrib = np.einsum("ngohw,gocij->ngcijhw", _split_groups(dy, groups, 1),
+                        _split_groups(w, groups, 0), optimize=True).reshape(n, c, kh, kw, ho, wo)
     for i in range(kh):
         for j in range(kw):
-            dxp[:, :, i:i + sh * ho:sh, j:j + sw * wo:sw] += contrib[:, :, i, j]
+            dxp[:, :, i * dh:i * dh + sh * ho:sh, j * dw:j * dw + sw * wo:sw] += contrib[:, :, i, j]
     outs[0][...] = dxp[:, :, ph:ph + h, pw:pw + wd]
 
 
@@ -184,14 +206,18 @@ def conv2d_grad_input(node: Node, ins, outs, ctx):
 def maxpool2d(node: Node, ins, outs, ctx):
     x = ins[0]
     (kh, kw), (sh, sw) = node.attrs["kernel"], node.attrs["stride"]
-    win = _windows(x, kh, kw, sh, sw)
+    ph, pw = node.attrs.get("padding", (0, 0))
+    # -inf padding is never a window's maximum: at most half a window is padding
+    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=-np.inf) \
+        if ph or pw else x
+    win = _windows(xp, kh, kw, sh, sw)
     n, c, ho, wo = win.shape[:4]
     flat = win.reshape(n, c, ho, wo, kh * kw)
     arg = flat.argmax(axis=-1)  # first maximum in row-major window order, as PyTorch
     y = np.take_along_axis(flat, arg[..., None], axis=-1)[..., 0]
     outs[0][...] = act_forward(y, "relu") if node.attrs.get("relu") else y
-    rows = np.arange(ho)[:, None] * sh + arg // kw
-    cols = np.arange(wo)[None, :] * sw + arg % kw
+    rows = np.arange(ho)[:, None] * sh + arg // kw - ph
+    cols = np.arange(wo)[None, :] * sw + arg % kw - pw
     outs[1][...] = rows * x.shape[3] + cols
 
 
@@ -239,45 +265,74 @@ def _logsumexp(x: np.ndarray) -> np.ndarray:
 @impl("log_softmax")
 def log_softmax(node: Node, ins, outs, ctx):
     x = ins[0]
-    outs[0][...] = x - _logsumexp(x)[:, None]
+    m = x.max(axis=-1, keepdims=True)
+    outs[0][...] = x - (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))
 
 
 @impl("log_softmax_grad")
 def log_softmax_grad(node: Node, ins, outs, ctx):
     dy, y = ins
-    outs[0][...] = dy - np.exp(y) * dy.sum(axis=1, keepdims=True)
+    outs[0][...] = dy - np.exp(y) * dy.sum(axis=-1, keepdims=True)
+
+
+def _valid_rows(labels: np.ndarray, classes: int) -> np.ndarray:
+    """Rows whose label lies in [0, classes): the others pick NaN and get no one-hot term, as
+    in the CUDA kernels (a guarded step then skips its update instead of failing)."""
+    return np.flatnonzero((labels >= 0) & (labels < classes))
 
 
 def _picked(x: np.ndarray, labels: np.ndarray) -> np.ndarray:
-    return x[np.arange(x.shape[0]), labels]
+    rows = _valid_rows(labels, x.shape[1])
+    if len(rows) == len(labels):
+        return x[np.arange(x.shape[0]), labels]
+    out = np.full(x.shape[0], np.nan, dtype=x.dtype)
+    out[rows] = x[rows, labels[rows]]
+    return out
+
+
+def _cross_entropy_loss(logits, labels, lse, eps: float):
+    """mean_i of (1-eps) (lse_i - x[i, y_i]) + eps (lse_i - mean_j x[i, j]) (PyTorch's)."""
+    nll = lse - _picked(logits, labels)
+    if eps:
+        t = logits.dtype.type
+        nll = t(1 - eps) * nll + t(eps) * (lse - logits.mean(axis=1))
+    return nll.mean()
 
 
 @impl("cross_entropy")
 def cross_entropy(node: Node, ins, outs, ctx):
     logits, labels = ins
     lse = _logsumexp(logits)
-    outs[0][...] = (lse - _picked(logits, labels)).mean()
+    outs[0][...] = _cross_entropy_loss(logits, labels, lse, node.attrs.get("label_smoothing", 0.0))
     outs[1][...] = lse
 
 
-def _softmax_minus_onehot(logits, lse, labels, scale):
+def _softmax_minus_onehot(logits, lse, labels, scale, eps: float = 0.0):
+    """(softmax - (1-eps) onehot - eps/C) * scale: the smoothed target's gradient."""
+    t = logits.dtype.type
     g = np.exp(logits - lse[:, None])
-    g[np.arange(len(labels)), labels] -= 1
+    rows = _valid_rows(labels, logits.shape[1])
+    g[rows, labels[rows]] -= t(1 - eps)
+    if eps:
+        g -= t(eps / logits.shape[1])
     return g * scale
 
 
 @impl("cross_entropy_grad")
 def cross_entropy_grad(node: Node, ins, outs, ctx):
     dloss, logits, lse, labels = ins
-    outs[0][...] = _softmax_minus_onehot(logits, lse, labels, dloss / logits.shape[0])
+    outs[0][...] = _softmax_minus_onehot(logits, lse, labels, dloss / logits.shape[0],
+                                         node.attrs.get("label_smoothing", 0.0))
 
 
 @impl("cross_entropy_train")
 def cross_entropy_train(node: Node, ins, outs, ctx):
     logits, labels = ins
+    eps = node.attrs.get("label_smoothing", 0.0)
     lse = _logsumexp(logits)
-    outs[0][...] = (lse - _picked(logits, labels)).mean()
-    outs[1][...] = _softmax_minus_onehot(logits, lse, labels, logits.dtype.type(1 / len(labels)))
+    outs[0][...] = _cross_entropy_loss(logits, labels, lse, eps)
+    outs[1][...] = _softmax_minus_onehot(logits, lse, labels, logits.dtype.type(1 / len(labels)),
+                                         eps)
 
 
 @impl("nll_loss")
@@ -291,7 +346,8 @@ def nll_loss_grad(node: Node, ins, outs, ctx):
     dloss, labels = ins
     g = outs[0]
     g[...] = 0
-    g[np.arange(len(labels)), labels] = -dloss / len(labels)
+    rows = _valid_rows(labels, g.shape[1])
+    g[rows, labels[rows]] = -dloss / len(labels)
 
 
 @impl("mse")
@@ -343,6 +399,13 @@ def global_norm(node: Node, ins, outs, ctx):
     outs[0][...] = math.sqrt(total)
 
 
+def _skipped(node: Node, ins) -> bool:
+    """A guarded update (attrs guard) whose guard flags (its last input) say skip."""
+    from ...ops.guard import FLAG_SKIP
+
+    return bool(node.attrs.get("guard")) and bool(ins[-1][FLAG_SKIP])
+
+
 def _update_groups(node: Node, ins):
     """Split an update op's inputs: (lr, step, clip coefficient, params, grads, state slots)."""
     a = node.attrs
@@ -358,6 +421,8 @@ def _update_groups(node: Node, ins):
 
 @impl("sgd_update")
 def sgd_update(node: Node, ins, outs, ctx):
+    if _skipped(node, ins):
+        return
     a = node.attrs
     lr, step, coef, params, grads, slots = _update_groups(node, ins)
     for i, (p, g) in enumerate(zip(params, grads)):
@@ -378,6 +443,8 @@ def sgd_update(node: Node, ins, outs, ctx):
 
 @impl("adam_update")
 def adam_update(node: Node, ins, outs, ctx):
+    if _skipped(node, ins):
+        return
     a = node.attrs
     lr, step, coef, params, grads, (exp_avg, exp_avg_sq) = _update_groups(node, ins)
     b1, b2 = a["beta1"], a["beta2"]

@@ -1,0 +1,114 @@
+"""fuse_batch_norm_relu (compile/fuse.py): BatchNorm then ReLU becomes one forward and one
+backward node where the ReLU is the BatchNorm output's only reader, nowhere else, and fused
+graphs compute what unfused ones do."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stepgraph.autodiff import append_backward
+from stepgraph.compile.fuse import PASSES, fuse, fuse_batch_norm_relu
+from stepgraph.ir.trace import Tracer
+from tests.ops.helpers import assert_close, run_graph, seeded
+
+SHAPE = (4, 3, 5, 2)
+
+
+def ops(graph) -> list[str]:
+    return [n.op for n in graph.nodes]
+
+
+def bn_relu_graph(affine: bool = True, read_bn_output: bool = False,
+                  read_relu_grad: bool = False, track: bool = True):
+    """x -> batch_norm_train -> relu -> mse(target), with the backward w.r.t. x (and the
+    affine weight and bias). read_bn_output: the pre-ReLU output is a step output too;
+    read_relu_grad: the ReLU's input gradient is a step output too."""
+    t = Tracer()
+    x, target = t.input(SHAPE, "float32", "x"), t.input(SHAPE, "float32", "target")
+    w, b = t.input((3,), "float32", "w"), t.input((3,), "float32", "b")
+    running = [t.state((3,), "float32", "rm"), t.state((3,), "float32", "rv"),
+               t.state((), "int64", "count")] if track else []
+    ins = [x.value] + ([w.value, b.value] if affine else []) + running
+    y = t.emit("batch_norm_train", ins, eps=1e-5, momentum=0.1, affine=affine, track=track,
+               act="none")[0]
+    r = t.op("act", [y], kind="relu", slope=0.01)
+    loss = t.op("mse", [r, target])
+    t.graph.outputs = {"loss": loss.value}
+    if read_bn_output:
+        t.graph.outputs["y"] = y
+    wrt = [x.value] + ([w.value, b.value] if affine else [])
+    grads = append_backward(t, loss.value, wrt)
+    t.graph.outputs.update({f"d{i}": g for i, g in enumerate(grads)})
+    if read_relu_grad:
+        (relu_grad,) = [n for n in t.graph.nodes if n.op == "act_grad"]
+        t.graph.outputs["dy"] = relu_grad.outputs[0]
+    return t.graph
+
+
+def arrays_and_state():
+    gen = seeded("bn_relu")
+    arrays = {"x": gen.standard_normal(SHAPE).astype(np.float32),
+              "target": gen.standard_normal(SHAPE).astype(np.float32),
+              "w": (1 + gen.standard_normal(3) / 2).astype(np.float32),
+              "b": gen.standard_normal(3).astype(np.float32)}
+    state = {"rm": gen.standard_normal(3).astype(np.float32),
+             "rv": (1 + gen.standard_normal(3) ** 2).astype(np.float32),
+             "count": np.array(2, np.int64)}
+    return arrays, state
+
+
+def assert_same_results(fused, unfused):
+    arrays, state = arrays_and_state()
+    state_u = {k: v.copy() for k, v in state.items()}
+    got, want = run_graph(fused, arrays, state), run_graph(unfused, arrays, state_u)
+    for k in want:
+        assert_close(got[k], want[k], what=k)
+    for k in state:   # the running statistics update the same way
+        assert_close(state[k], state_u[k], what=k)
+
+
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "noaffine"])
+def test_batch_norm_relu_fuse_forward_and_backward(affine):
+    unfused = bn_relu_graph(affine)
+    fused = fuse_batch_norm_relu(unfused)
+    assert "act" not in ops(fused) and "act_grad" not in ops(fused)
+    (bn,) = [n for n in fused.nodes if n.op == "batch_norm_train"]
+    (grad,) = [n for n in fused.nodes if n.op == "batch_norm_grad"]
+    assert bn.attrs["act"] == "relu" and grad.attrs["act"] == "relu"
+    assert grad.inputs[-1] is bn.outputs[0]          # y, for the ReLU mask
+    assert bn.mutates == ((3, 4, 5) if affine else (1, 2, 3))
+    assert_same_results(fused, unfused)
+
+
+def test_bn_output_read_elsewhere_is_not_fused():
+    graph = fuse_batch_norm_relu(bn_relu_graph(read_bn_output=True))
+    assert "act" in ops(graph) and "act_grad" in ops(graph)
+    assert all(n.attrs.get("act", "none") == "none" for n in graph.nodes
+               if n.op.startswith("batch_norm"))
+
+
+def test_relu_gradient_read_elsewhere_fuses_only_the_forward():
+    unfused = bn_relu_graph(read_relu_grad=True)
+    fused = fuse_batch_norm_relu(unfused)
+    assert "act" not in ops(fused) and "act_grad" in ops(fused)
+    (grad,) = [n for n in fused.nodes if n.op == "batch_norm_grad"]
+    assert grad.attrs["act"] == "none"
+    assert_same_results(fused, unfused)
+
+
+def test_whole_pipeline_fuses_and_agrees_without_running_statistics():
+    unfused = bn_relu_graph(track=False)
+    fused = fuse(unfused)
+    assert [n.attrs["act"] for n in fused.nodes if n.op.startswith("batch_norm")] == \
+        ["relu", "relu"]
+    assert_same_results(fused, unfused)
+
+
+def test_pass_is_in_the_pipeline_and_leaves_its_input_unchanged():
+    assert fuse_batch_norm_relu in PASSES
+    graph = bn_relu_graph()
+    before = str(graph)
+    nodes = [(n.op, list(n.inputs), list(n.outputs), dict(n.attrs)) for n in graph.nodes]
+    fuse_batch_norm_relu(graph)
+    assert str(graph) == before
+    assert nodes == [(n.op, n.inputs, n.outputs, n.attrs) for n in graph.nodes]
