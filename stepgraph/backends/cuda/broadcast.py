@@ -1,2 +1,223 @@
-"""(cuda family broadcast: filled in below)"""
-IMPLS: dict = {}
+"""Launchers of kernels/broadcast.cu: binary (NumPy broadcasting), scalar, expand and permute,
+and the cuda op table `IMPLS` of those ops.
+
+Strided launches describe their operands by a layout: the output's dims with every size-1
+dim dropped and neighbours merged where each operand walks them contiguously (a (N, C, H, W)
+plus (1, C, 1, 1) add becomes (N, C, H*W) with strides (C*H*W, H*W, 1) and (0, 1, 0)), so
+most launches index 1 to 3 dims. Launchers allocate nothing and never sync (capture-safe).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ...errors import ShapeError
+from .launchers import BLOCK, _aligned, _check, _check_int32, _grid, _launch
+
+MAX_DIMS = 6                  # broadcast.cu MAX_DIMS: dims of a layout after collapsing
+TILE = 32                     # broadcast.cu TILE: transpose tiles are TILE x TILE
+TRANSPOSE_BLOCK = (32, 8)     # (TILE, TILE_ROWS)
+TRANSPOSE_MIN_SIDE = 16       # narrower matrices waste most of a tile: strided copy instead
+MAX_GRID_YZ = 65535
+BINARY_CODES = {"add": 0, "sub": 1, "mul": 2, "div": 3}            # BINARY_* of broadcast.cu
+SCALAR_CODES = dict(BINARY_CODES, rsub=4, rdiv=5, pow=6)           # and SCALAR_*
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Collapsed dims of a contiguous output: sizes, and per operand its strides (elements)."""
+
+    sizes: tuple[int, ...]
+    strides: tuple[tuple[int, ...], ...]
+
+    def args(self) -> tuple:
+        """The kernels' DIM_PARAMS: sizes, then each operand's strides, padded to MAX_DIMS."""
+        pad = MAX_DIMS - len(self.sizes)
+        values = list(self.sizes) + [1] * pad
+        for strides in self.strides:
+            values += list(strides) + [0] * pad
+        return tuple(np.int32(v) for v in values)
+
+    def vectorised(self, out) -> bool:
+        """Groups of 4 along the innermost dim: it must hold whole groups, and out take float4s."""
+        return self.sizes[-1] % 4 == 0 and _aligned(out)
+
+
+def collapse(shape: tuple, operand_strides: list[tuple]) -> Layout:
+    """The layout of a contiguous output of `shape` whose operands have the given strides
+    (elements, one per output dim): size-1 dims dropped, dim d merged into its outer neighbour
+    when every operand's outer stride is its stride times size[d]."""
+    sizes: list[int] = []
+    strides: list[list[int]] = [[] for _ in operand_strides]
+    for d, size in enumerate(shape):
+        if size == 1:
+            continue
+        here = [s[d] for s in operand_strides]
+        if sizes and all(st[-1] == h * size for st, h in zip(strides, here)):
+            sizes[-1] *= size
+            for st, h in zip(strides, here):
+                st[-1] = h
+            continue
+        sizes.append(size)
+        for st, h in zip(strides, here):
+            st.append(h)
+    if not sizes:                               # a single element
+        return Layout((1,), tuple((0,) for _ in operand_strides))
+    return Layout(tuple(sizes), tuple(tuple(st) for st in strides))
+
+
+def broadcast_strides(shape: tuple, out_shape: tuple) -> tuple[int, ...]:
+    """Strides (elements) of a contiguous `shape` read as `out_shape` (NumPy broadcasting):
+    0 along broadcast dims."""
+    padded = (1,) * (len(out_shape) - len(shape)) + tuple(shape)
+    contiguous = [math.prod(padded[d + 1:]) for d in range(len(padded))]
+    return tuple(0 if size == 1 else stride for size, stride in zip(padded, contiguous))
+
+
+def _broadcast_shape(what: str, *shapes) -> tuple:
+    try:
+        return tuple(np.broadcast_shapes(*shapes))
+    except ValueError as err:
+        raise ShapeError(f"{what}: shapes {' and '.join(map(str, shapes))} do not broadcast"
+                         ) from err
+
+
+def _check_layout(what: str, layout: Layout, shape: tuple) -> None:
+    if len(layout.sizes) > MAX_DIMS:
+        raise ShapeError(f"{what}: output {shape} needs {len(layout.sizes)} strided dims after "
+                         f"collapsing, the kernels index at most {MAX_DIMS}")
+
+
+def _code(table: dict, kind: str, op: str) -> int:
+    if kind not in table:
+        raise ValueError(f"{op}: unknown kind {kind!r}; expected one of {sorted(table)}")
+    return table[kind]
+
+
+# ---- binary and scalar ---------------------------------------------------------------------
+
+def binary_forward(ctx, a, b, c, kind: str) -> None:
+    """c = a kind b with NumPy broadcasting (kind add, sub, mul, div; IEEE division)."""
+    code = _code(BINARY_CODES, kind, "binary")
+    _check("binary a", a)
+    _check("binary b", b)
+    shape = _broadcast_shape("binary", tuple(a.shape), tuple(b.shape))
+    _check("binary output", c, shape=shape)
+    for what, t in (("a", a), ("b", b), ("output", c)):
+        _check_int32(f"binary {what}", t.size)
+    n = c.size
+    if not n:
+        return
+    if a.shape == b.shape:
+        _launch(ctx, "broadcast.cu", "binary_forward_kernel", _grid((n + 3) // 4), (BLOCK,),
+                (a, b, c, np.int64(n), np.int32(code), np.int32(_aligned(a, b, c))))
+        return
+    layout = collapse(shape, [broadcast_strides(a.shape, shape),
+                              broadcast_strides(b.shape, shape)])
+    _check_layout("binary", layout, shape)
+    vec = layout.vectorised(c)
+    _launch(ctx, "broadcast.cu", f"binary_broadcast_kernel<{len(layout.sizes)}>",
+            _grid(n // 4 if vec else n), (BLOCK,),
+            (a, b, c, np.int32(n), np.int32(code), np.int32(vec)) + layout.args())
+
+
+def scalar_forward(ctx, x, y, kind: str, value: float) -> None:
+    """y = x kind value: x+v, x-v, v-x (rsub), x*v, x/v, v/x (rdiv), x**v (pow); the value
+    rounded to float32 first, as NumPy does with a Python float and a float32 array."""
+    code = _code(SCALAR_CODES, kind, "scalar")
+    _check("scalar input", x)
+    _check("scalar output", y, shape=x.shape)
+    n = x.size
+    if n:
+        _launch(ctx, "broadcast.cu", "scalar_forward_kernel", _grid((n + 3) // 4), (BLOCK,),
+                (x, y, np.int64(n), np.int32(code), np.float32(value),
+                 np.int32(_aligned(x, y))))
+
+
+# ---- strided copies: expand and permute ----------------------------------------------------
+
+def strided_copy(ctx, x, y, layout: Layout, what: str) -> None:
+    """y (contiguous) = x read at the layout's strides."""
+    _check_layout(what, layout, tuple(y.shape))
+    vec = layout.vectorised(y)
+    n = y.size
+    _launch(ctx, "broadcast.cu", f"strided_copy_kernel<{len(layout.sizes)}>",
+            _grid(n // 4 if vec else n), (BLOCK,),
+            (x, y, np.int32(n), np.int32(vec)) + layout.args())
+
+
+def expand_forward(ctx, x, y, shape) -> None:
+    """y = np.broadcast_to(x, shape), materialised."""
+    shape = tuple(shape)
+    _check("expand input", x)
+    if _broadcast_shape("expand", tuple(x.shape), shape) != shape:
+        raise ShapeError(f"expand: {tuple(x.shape)} does not broadcast to {shape}")
+    _check("expand output", y, shape=shape)
+    _check_int32("expand output", y.size)
+    if y.size:
+        strided_copy(ctx, x, y, collapse(shape, [broadcast_strides(x.shape, shape)]), "expand")
+
+
+def _transpose_dims(layout: Layout) -> tuple[int, int, int] | None:
+    """(batch, rows, cols) when the layout reads a contiguous (batch, rows, cols) input
+    transposed into (batch, cols, rows), and tiles pay off; else None."""
+    sizes, (strides,) = layout.sizes, layout.strides
+    if len(sizes) == 2 and strides == (1, sizes[0]):
+        batch, (cols, rows) = 1, sizes
+    elif len(sizes) == 3 and strides == (sizes[1] * sizes[2], 1, sizes[1]):
+        batch, cols, rows = sizes
+    else:
+        return None
+    if min(rows, cols) < TRANSPOSE_MIN_SIDE or -(-rows // TILE) > MAX_GRID_YZ:
+        return None
+    return batch, rows, cols
+
+
+def permute_forward(ctx, x, y, dims) -> None:
+    """y = x.transpose(dims), materialised (contiguous). Swaps of the last two dims (after
+    collapsing: 2-D transposes, (B, M, N) -> (B, N, M), NCHW -> NHWC) go through shared-memory
+    tiles; other permutations through the strided copy."""
+    dims = tuple(int(d) for d in dims)
+    _check("permute input", x)
+    if sorted(dims) != list(range(x.ndim)):
+        raise ShapeError(f"permute: dims {dims} are not a permutation of {x.ndim} axes")
+    shape = tuple(x.shape[d] for d in dims)
+    _check("permute output", y, shape=shape)
+    _check_int32("permute", x.size)
+    if not y.size:
+        return
+    contiguous = [math.prod(x.shape[d + 1:]) for d in range(x.ndim)]
+    layout = collapse(shape, [tuple(contiguous[d] for d in dims)])
+    tiles = _transpose_dims(layout)
+    if tiles is None:
+        strided_copy(ctx, x, y, layout, "permute")
+        return
+    batch, rows, cols = tiles
+    grid = (-(-cols // TILE), -(-rows // TILE), min(batch, MAX_GRID_YZ))
+    _launch(ctx, "broadcast.cu", "transpose_forward_kernel", grid, TRANSPOSE_BLOCK,
+            (x, y, np.int32(batch), np.int32(rows), np.int32(cols)))
+
+
+# ---- the op table --------------------------------------------------------------------------
+
+def kernel_names() -> dict[str, set[str]]:
+    """{file: every kernel name these launchers may launch} (the NVRTC CI test)."""
+    names = {"binary_forward_kernel", "scalar_forward_kernel", "transpose_forward_kernel"}
+    for nd in range(1, MAX_DIMS + 1):
+        names |= {f"binary_broadcast_kernel<{nd}>", f"strided_copy_kernel<{nd}>"}
+    return {"broadcast.cu": names}
+
+
+IMPLS: dict[str, Callable] = {
+    "binary": lambda node, ins, outs, ctx: binary_forward(
+        ctx, ins[0], ins[1], outs[0], node.attrs["kind"]),
+    "scalar": lambda node, ins, outs, ctx: scalar_forward(
+        ctx, ins[0], outs[0], node.attrs["kind"], node.attrs["value"]),
+    "expand": lambda node, ins, outs, ctx: expand_forward(
+        ctx, ins[0], outs[0], node.attrs["shape"]),
+    "permute": lambda node, ins, outs, ctx: permute_forward(
+        ctx, ins[0], outs[0], node.attrs["dims"]),
+}

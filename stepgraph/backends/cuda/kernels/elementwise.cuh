@@ -12,6 +12,7 @@
 #define ACT_TANH 3
 #define ACT_GELU 4
 #define ACT_GELU_TANH 5
+#define ACT_SILU 6
 
 #define SQRT_2_OVER_PI 0.7978845608028654
 #define SQRT_2PI 2.5066282746310002
@@ -38,6 +39,8 @@ __device__ __forceinline__ float act_value(float z, int kind, float slope) {
         const float inner = __fmul_rn(c, __fadd_rn(z, __fmul_rn(GELU_TANH_C, z3)));
         return __fmul_rn(0.5f * z, 1.f + tanhf(inner));
     }
+    case ACT_SILU:  // z * sigmoid(z), as the reference: z / (1 + exp(-z))
+        return __fdiv_rn(z, 1.f + expf(-z));
     default:
         return z;
     }
@@ -66,6 +69,10 @@ __device__ __forceinline__ float act_derivative(float s, int kind, float slope) 
         // numpy: 3 * 0.044715 folds in float64 first, then ((c3 * z) * z).
         const float poly = __fadd_rn(1.f, __fmul_rn(__fmul_rn(0.134145f, s), s));
         return __fadd_rn(left, __fmul_rn(slope_t, poly));
+    }
+    case ACT_SILU: {  // s * (1 + z * (1 - s)), s = sigmoid(z), in the reference's order
+        const float sig = 1.f / (1.f + expf(-s));
+        return __fmul_rn(sig, __fadd_rn(1.f, __fmul_rn(s, 1.f - sig)));
     }
     default:
         return 1.f;

@@ -1,7 +1,7 @@
 // Reductions: reduce_sum (column sums = bias gradients, per-channel sums of NCHW = conv bias
-// gradients), the fused activation-gradient + bias-gradient act_bias_grad, and global_norm
-// over many tensors. Deterministic: each sum has a fixed owner and a fixed combination order;
-// partial sums are float64.
+// gradients, any other axes through a strided fallback), the fused activation-gradient +
+// bias-gradient act_bias_grad, and global_norm over many tensors. Deterministic: each sum
+// has a fixed owner and a fixed combination order; partial sums are float64.
 #include "elementwise.cuh"
 #include "reduce.cuh"
 
@@ -79,6 +79,37 @@ extern "C" __global__ void reduce_sum_splits_kernel(const double* partial, float
     double acc = 0.0;
     for (int s = 0; s < splits; ++s) acc += partial[b * splits + s];
     y[b] = (float)acc;
+}
+
+// y = x.sum(axes) for any axes (the fallback when the kept axes are not one contiguous run,
+// e.g. (A, B, C, D) summed over (0, 2)): a thread per output element, float64 accumulation over
+// the reduced elements in row-major order (deterministic). The launcher collapses the kept axes
+// into at most 4 dims k0..k3 (sizes kn*, input strides ks*) and the reduced ones into at most 4
+// dims r0..r3 (rn*, rs*), outermost first, padded in front with size-1 dims.
+extern "C" __global__ void reduce_sum_strided_kernel(const float* x, float* y, int n,
+                                                     int kn0, int kn1, int kn2, int kn3,
+                                                     int ks0, int ks1, int ks2, int ks3,
+                                                     int rn0, int rn1, int rn2, int rn3,
+                                                     int rs0, int rs1, int rs2, int rs3) {
+    for (int o = blockIdx.x * blockDim.x + threadIdx.x; o < n; o += gridDim.x * blockDim.x) {
+        int q = o;
+        const int i3 = q % kn3;
+        q /= kn3;
+        const int i2 = q % kn2;
+        q /= kn2;
+        const int i1 = q % kn1;
+        const float* xo = x + ((long long)(q / kn1) * ks0 + (long long)i1 * ks1 +
+                               (long long)i2 * ks2 + (long long)i3 * ks3);
+        double acc = 0.0;
+        for (int j0 = 0; j0 < rn0; ++j0)
+            for (int j1 = 0; j1 < rn1; ++j1)
+                for (int j2 = 0; j2 < rn2; ++j2) {
+                    const float* xr = xo + ((long long)j0 * rs0 + (long long)j1 * rs1 +
+                                            (long long)j2 * rs2);
+                    for (int j3 = 0; j3 < rn3; ++j3) acc += xr[(long long)j3 * rs3];
+                }
+        y[o] = (float)acc;
+    }
 }
 
 // dz = dy * act'(saved) (kind ACT_NONE: dz = dy) and db = dz summed over rows, in one pass.

@@ -1,0 +1,210 @@
+// Broadcasting elementwise ops and materialising copies: binary (add/sub/mul/div with NumPy
+// broadcasting), scalar (x op value), and the strided copy behind expand (broadcast strides 0)
+// and permute (permuted strides), with a tiled transpose for permutes that swap the last two
+// dims. float32 only. Every result is one IEEE-rounded operation, as numpy's: __fadd_rn and
+// friends keep the compiler from fusing or approximating (division is __fdiv_rn, never the
+// fast reciprocal), so float32 results match numpy's bit for bit (up to -ftz denormals).
+//
+// Strided kernels take their layout as scalar arguments: up to MAX_DIMS dims (outermost first,
+// the launcher collapses dims that every operand walks contiguously and drops size-1 dims),
+// one size and one stride (elements) per operand and dim. The output is C-contiguous. NDIM is a
+// template parameter so the index arithmetic unrolls into registers. Indices are 32-bit: the
+// launchers keep every size below 2^31.
+
+#define MAX_DIMS 6
+#define DIM_PARAMS(p) int p##0, int p##1, int p##2, int p##3, int p##4, int p##5
+#define DIM_ARRAY(p) {p##0, p##1, p##2, p##3, p##4, p##5}
+
+// binary kinds (broadcast.py BINARY_CODES); scalar kinds extend them (SCALAR_CODES).
+#define BINARY_ADD 0
+#define BINARY_SUB 1
+#define BINARY_MUL 2
+#define BINARY_DIV 3
+#define SCALAR_RSUB 4
+#define SCALAR_RDIV 5
+#define SCALAR_POW 6
+
+#define GRID_STRIDE_GROUPS(g, n)                                                  \
+    for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x;          \
+         g < (((n) + 3) >> 2); g += (long long)gridDim.x * blockDim.x)
+
+__device__ __forceinline__ float binary_value(float a, float b, int kind) {
+    switch (kind) {
+    case BINARY_ADD:
+        return __fadd_rn(a, b);
+    case BINARY_SUB:
+        return __fsub_rn(a, b);
+    case BINARY_MUL:
+        return __fmul_rn(a, b);
+    default:
+        return __fdiv_rn(a, b);
+    }
+}
+
+// x op v. pow evaluates in double and rounds once: the correctly rounded float32 power
+// (numpy's powf is within an ulp of it; exponents 2, 0.5 and -1 give numpy's square, sqrt and
+// reciprocal exactly, double rounding being innocuous for those).
+__device__ __forceinline__ float scalar_value(float x, int kind, float v) {
+    switch (kind) {
+    case SCALAR_RSUB:
+        return __fsub_rn(v, x);
+    case SCALAR_RDIV:
+        return __fdiv_rn(v, x);
+    case SCALAR_POW:
+        return (float)pow((double)x, (double)v);
+    default:
+        return binary_value(x, v, kind);
+    }
+}
+
+// Flat element index i of the output -> the offsets of two operands (b may be unused).
+template <int NDIM>
+__device__ __forceinline__ void strided_offsets(unsigned int i, const int* size, const int* sa,
+                                                const int* sb, int* oa, int* ob) {
+    int a = 0, b = 0;
+#pragma unroll
+    for (int d = NDIM - 1; d > 0; --d) {
+        const unsigned int q = i / (unsigned int)size[d];
+        const int k = (int)(i - q * (unsigned int)size[d]);
+        a += k * sa[d];
+        b += k * sb[d];
+        i = q;
+    }
+    *oa = a + (int)i * sa[0];
+    *ob = b + (int)i * sb[0];
+}
+
+// Four consecutive elements of an operand along its innermost dim, of stride s (0: one value
+// broadcast; 1: a float4 where 16-byte aligned).
+__device__ __forceinline__ float4 load_group(const float* p, int off, int s) {
+    if (s == 0) {
+        const float v = p[off];
+        return make_float4(v, v, v, v);
+    }
+    if (s == 1 && (reinterpret_cast<unsigned long long>(p + off) & 15ull) == 0ull)
+        return *reinterpret_cast<const float4*>(p + off);
+    return make_float4(p[off], p[off + s], p[off + 2 * s], p[off + 3 * s]);
+}
+
+// c = a op b, same shapes. Groups of 4; one float4 per operand when every pointer is aligned.
+extern "C" __global__ void binary_forward_kernel(const float* a, const float* b, float* c,
+                                                 long long n, int kind, int vec) {
+    GRID_STRIDE_GROUPS(g, n) {
+        const long long i = g << 2;
+        if (vec && i + 4 <= n) {
+            const float4 u = reinterpret_cast<const float4*>(a)[g];
+            const float4 v = reinterpret_cast<const float4*>(b)[g];
+            reinterpret_cast<float4*>(c)[g] = make_float4(
+                binary_value(u.x, v.x, kind), binary_value(u.y, v.y, kind),
+                binary_value(u.z, v.z, kind), binary_value(u.w, v.w, kind));
+        } else {
+            for (long long j = i; j < i + 4 && j < n; ++j) c[j] = binary_value(a[j], b[j], kind);
+        }
+    }
+}
+
+// c = a op b with broadcasting: a thread per output element, or (vec: the innermost size is a
+// multiple of 4 and c is 16-byte aligned) per group of 4 elements along the innermost dim.
+template <int NDIM>
+__global__ void binary_broadcast_kernel(const float* a, const float* b, float* c, int n,
+                                        int kind, int vec, DIM_PARAMS(size), DIM_PARAMS(sa),
+                                        DIM_PARAMS(sb)) {
+    const int size[MAX_DIMS] = DIM_ARRAY(size);
+    const int stride_a[MAX_DIMS] = DIM_ARRAY(sa);
+    const int stride_b[MAX_DIMS] = DIM_ARRAY(sb);
+    const int width = vec ? 4 : 1;
+    const unsigned int units = (unsigned int)n / width;
+    for (unsigned int u = blockIdx.x * blockDim.x + threadIdx.x; u < units;
+         u += gridDim.x * blockDim.x) {
+        const unsigned int i = u * width;
+        int oa, ob;
+        strided_offsets<NDIM>(i, size, stride_a, stride_b, &oa, &ob);
+        if (vec) {
+            const float4 x = load_group(a, oa, stride_a[NDIM - 1]);
+            const float4 y = load_group(b, ob, stride_b[NDIM - 1]);
+            reinterpret_cast<float4*>(c)[u] = make_float4(
+                binary_value(x.x, y.x, kind), binary_value(x.y, y.y, kind),
+                binary_value(x.z, y.z, kind), binary_value(x.w, y.w, kind));
+        } else {
+            c[i] = binary_value(a[oa], b[ob], kind);
+        }
+    }
+}
+
+// y = x op value (the reversed kinds: value op x); y may alias x.
+extern "C" __global__ void scalar_forward_kernel(const float* x, float* y, long long n, int kind,
+                                                 float value, int vec) {
+    GRID_STRIDE_GROUPS(g, n) {
+        const long long i = g << 2;
+        if (vec && i + 4 <= n) {
+            const float4 u = reinterpret_cast<const float4*>(x)[g];
+            reinterpret_cast<float4*>(y)[g] = make_float4(
+                scalar_value(u.x, kind, value), scalar_value(u.y, kind, value),
+                scalar_value(u.z, kind, value), scalar_value(u.w, kind, value));
+        } else {
+            for (long long j = i; j < i + 4 && j < n; ++j) y[j] = scalar_value(x[j], kind, value);
+        }
+    }
+}
+
+// y (contiguous, the collapsed sizes) = x read at strides sx: expand (strides 0 on broadcast
+// dims) and permute (the input's strides in output order). vec as binary_broadcast_kernel.
+template <int NDIM>
+__global__ void strided_copy_kernel(const float* x, float* y, int n, int vec, DIM_PARAMS(size),
+                                    DIM_PARAMS(sx)) {
+    const int size[MAX_DIMS] = DIM_ARRAY(size);
+    const int stride_x[MAX_DIMS] = DIM_ARRAY(sx);
+    const int width = vec ? 4 : 1;
+    const unsigned int units = (unsigned int)n / width;
+    for (unsigned int u = blockIdx.x * blockDim.x + threadIdx.x; u < units;
+         u += gridDim.x * blockDim.x) {
+        const unsigned int i = u * width;
+        int ox, unused;
+        strided_offsets<NDIM>(i, size, stride_x, stride_x, &ox, &unused);
+        if (vec) reinterpret_cast<float4*>(y)[u] = load_group(x, ox, stride_x[NDIM - 1]);
+        else y[i] = x[ox];
+    }
+}
+
+#define TILE 32
+#define TILE_ROWS 8
+
+// y (batch, cols, rows) = x (batch, rows, cols) transposed per batch: 32 x 32 tiles through
+// shared memory (one padding column: no bank conflicts), so reads and writes both coalesce.
+// Blocks (32, 8); grid (ceil(cols / 32), ceil(rows / 32), batches strided over gridDim.z).
+extern "C" __global__ void __launch_bounds__(TILE * TILE_ROWS)
+transpose_forward_kernel(const float* x, float* y, int batch, int rows, int cols) {
+    __shared__ float tile[TILE][TILE + 1];
+    const int c0 = blockIdx.x * TILE, r0 = blockIdx.y * TILE;
+    const long long plane = (long long)rows * cols;
+    for (int z = blockIdx.z; z < batch; z += gridDim.z) {
+        const float* xb = x + z * plane;
+        float* yb = y + z * plane;
+        for (int k = threadIdx.y; k < TILE; k += TILE_ROWS) {
+            const int r = r0 + k, c = c0 + threadIdx.x;
+            if (r < rows && c < cols) tile[k][threadIdx.x] = xb[(long long)r * cols + c];
+        }
+        __syncthreads();
+        for (int k = threadIdx.y; k < TILE; k += TILE_ROWS) {
+            const int c = c0 + k, r = r0 + threadIdx.x;
+            if (c < cols && r < rows) yb[(long long)c * rows + r] = tile[threadIdx.x][k];
+        }
+        __syncthreads();   // the tile is refilled for the next batch
+    }
+}
+
+// Explicit instantiations: NVRTC compiles them even without name_expressions (CI test).
+#define NDIM_INSTANTIATIONS(D)                                                                \
+    template __global__ void binary_broadcast_kernel<D>(                                      \
+        const float*, const float*, float*, int, int, int, int, int, int, int, int, int, int, \
+        int, int, int, int, int, int, int, int, int, int, int);                               \
+    template __global__ void strided_copy_kernel<D>(const float*, float*, int, int, int, int, \
+                                                    int, int, int, int, int, int, int, int,   \
+                                                    int, int);
+
+NDIM_INSTANTIATIONS(1)
+NDIM_INSTANTIATIONS(2)
+NDIM_INSTANTIATIONS(3)
+NDIM_INSTANTIATIONS(4)
+NDIM_INSTANTIATIONS(5)
+NDIM_INSTANTIATIONS(6)

@@ -1,0 +1,50 @@
+// softmax and its gradient over the last axis of any rank, viewed as (rows, cols) rows. The
+// layout of loss.cu's log_softmax kernels: a row is handled by a group of blockDim.x threads
+// (a warp up to 1024 columns, more for longer rows), blockDim.y rows per block, rows strided
+// over the grid. Row sums and maxima combine in a fixed order (reduce.cuh): deterministic.
+#include "reduce.cuh"
+
+#define NEG_INF __int_as_float(0xff800000)
+
+// Row loops visit rows base by base: every thread of a block runs the same number of
+// iterations (rows past N pass cols = 0), so row reductions may synchronise inside them.
+__device__ __forceinline__ long long first_row_base() {
+    return (long long)blockIdx.x * blockDim.y;
+}
+__device__ __forceinline__ long long row_base_stride() {
+    return (long long)gridDim.x * blockDim.y;
+}
+
+// y = exp(x - max) / sum(exp(x - max)) per row (the division IEEE-rounded, as numpy's).
+extern "C" __global__ void softmax_forward_kernel(const float* x, float* y, int N, int C) {
+    __shared__ float smem[32];
+    for (long long base = first_row_base(); base < N; base += row_base_stride()) {
+        const int row = (int)base + threadIdx.y;
+        const int cols = row < N ? C : 0;
+        const float* xr = x + (long long)row * C;
+        float m = NEG_INF;
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) m = fmaxf(m, xr[c]);
+        m = row_max(m, smem);
+        float s = 0.f;
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) s += expf(xr[c] - m);
+        s = row_sum(s, smem);
+        for (int c = threadIdx.x; c < cols; c += blockDim.x)
+            y[(long long)row * C + c] = __fdiv_rn(expf(xr[c] - m), s);
+    }
+}
+
+// dx = y * (dy - sum(dy * y)) per row.
+extern "C" __global__ void softmax_backward_kernel(const float* dy, const float* y, float* dx,
+                                                   int N, int C) {
+    __shared__ float smem[32];
+    for (long long base = first_row_base(); base < N; base += row_base_stride()) {
+        const int row = (int)base + threadIdx.y;
+        const int cols = row < N ? C : 0;
+        const long long r0 = (long long)row * C;
+        float s = 0.f;
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) s += __fmul_rn(dy[r0 + c], y[r0 + c]);
+        s = row_sum(s, smem);
+        for (int c = threadIdx.x; c < cols; c += blockDim.x)
+            dx[r0 + c] = __fmul_rn(y[r0 + c], dy[r0 + c] - s);
+    }
+}
