@@ -13,7 +13,8 @@ DIGITS_TEST_FRACTION = 0.2
 class Dataset:
     """A labelled image dataset split into train and test.
 
-    Images are float32 in [0, 1] with shape (N, 1, H, W); labels are int64 in [0, classes).
+    Images are float32 with shape (N, C, H, W), in [0, 1] (digits, MNIST) or standardised per
+    channel (CIFAR-10); labels are int64 in [0, classes).
     """
 
     name: str

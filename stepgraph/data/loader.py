@@ -3,11 +3,13 @@
 The order of epoch e is a pure function of (seed, e), so a run resumed at epoch e sees exactly
 the batches an uninterrupted run would have seen. Each epoch gathers the dataset once into its
 shuffled order; batches are then contiguous slices (views, no copy). On cuda the whole dataset is
-put on the GPU once and the gather and slicing happen there.
+put on the GPU once and the gather and slicing happen there. An optional `transform(x, epoch,
+batch)` (augmentation, see augment.py) rewrites each batch of inputs when the epoch is gathered,
+on the device that holds them.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +58,8 @@ class BatchLoader:
     """Yields (x, y) batches of `batch_size`; the last, smaller batch is kept unless drop_last.
 
     `device="cuda"` keeps x and y on the GPU (when CuPy is available) and yields CuPy views.
+    `transform(x_batch, epoch, batch_index)` returns a batch's inputs transformed (same shape
+    and dtype); it must be a pure function of its arguments for a resume to be exact.
     """
 
     x: Any
@@ -65,6 +69,7 @@ class BatchLoader:
     seed: int = 0
     drop_last: bool = False
     device: str = "cpu"
+    transform: Callable[[Any, int, int], Any] | None = None
 
     def __post_init__(self):
         if len(self.x) != len(self.y):
@@ -90,15 +95,29 @@ class BatchLoader:
             yield x[sl], y[sl]
 
     def _ordered(self, epoch: int) -> tuple[Any, Any]:
-        if not self.shuffle:
+        if not self.shuffle and self.transform is None:
             return self.x, self.y
-        order = epoch_order(self.seed, epoch, len(self.x))
         if not self.on_gpu:
-            return self.x[order], self.y[order]
+            return self._gathered(epoch)
         cp = cupy_or_none()
         # Steps may run on their own stream: let the previous epoch's reads of the old gathered
-        # arrays finish before the pool can reuse them, and the gather finish before they start.
+        # arrays finish before the pool can reuse them (for the gather or the transform's
+        # temporaries), and the gather finish before they start.
         cp.cuda.Device().synchronize()
-        gathered = self.x[cp.asarray(order)], self.y[cp.asarray(order)]
+        gathered = self._gathered(epoch)
         cp.cuda.Device().synchronize()
         return gathered
+
+    def _gathered(self, epoch: int) -> tuple[Any, Any]:
+        """A new copy of x and y in epoch order, each batch of x transformed in place."""
+        if self.shuffle:
+            order = epoch_order(self.seed, epoch, len(self.x))
+            index = order if not self.on_gpu else cupy_or_none().asarray(order)
+            x, y = self.x[index], self.y[index]
+        else:
+            x, y = self.x.copy(), self.y
+        if self.transform is not None:
+            for i in range(len(self)):
+                sl = slice(i * self.batch_size, (i + 1) * self.batch_size)
+                x[sl] = self.transform(x[sl], epoch, i)
+        return x, y

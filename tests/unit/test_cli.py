@@ -27,7 +27,7 @@ def test_help_exits_zero(capsys):
 
 def test_no_command_and_bad_usage_exit_two(capsys):
     assert run(capsys, )[0] == 2
-    code, _, err = run(capsys, "train", "--model", "resnet")
+    code, _, err = run(capsys, "train", "--model", "vgg")
     assert code == 2 and "invalid choice" in err
 
 
