@@ -66,3 +66,48 @@ def test_conv_launchers_name_existing_kernels():
     for filename, names in sorted(kernels.items()):
         assert compiler.compile_to_cubin(compiler.KERNEL_DIR / filename, "sm_90",
                                          tuple(sorted(names)))
+
+
+@pytest.mark.parametrize("family", ["broadcast", "softmax"])
+def test_family_launchers_name_existing_kernels(family):
+    """Families whose launchers build kernel names (template dims) list them all in
+    kernel_names(); each one is instantiated here."""
+    import importlib
+
+    module = importlib.import_module(f"stepgraph.backends.cuda.{family}")
+    kernels = module.kernel_names()
+    assert f"{family}.cu" in kernels
+    for filename, names in sorted(kernels.items()):
+        assert compiler.compile_to_cubin(compiler.KERNEL_DIR / filename, "sm_90",
+                                         tuple(sorted(names)))
+
+
+def test_reduce_sum_fallback_is_launched():
+    """The any-axes reduce_sum kernel is among the names the launchers' test compiles."""
+    assert "reduce_sum_strided_kernel" in launched_kernels()["reduce.cu"]
+
+
+@pytest.mark.parametrize("family,source", [("norm", "norm.cu"), ("pool", "avgpool.cu")])
+def test_norm_and_pool_launchers_name_existing_kernels(family, source):
+    """norm.py and pool.py list every kernel they may launch (layouts, float4 variants) in
+    kernel_names(); compiling with each name proves that it exists."""
+    import importlib
+
+    module = importlib.import_module(f"stepgraph.backends.cuda.{family}")
+    kernels = module.kernel_names()
+    assert set(kernels) == {source}
+    for filename, names in sorted(kernels.items()):
+        assert compiler.compile_to_cubin(compiler.KERNEL_DIR / filename, "sm_90",
+                                         tuple(sorted(names)))
+
+
+def test_norm_layouts_name_listed_kernels():
+    """Every kernel name norm.py builds for a layout (planes, float4 planes, columns) is one
+    that kernel_names() lists, so the compile test above covers it."""
+    from stepgraph.backends.cuda import norm
+
+    listed = norm.kernel_names()["norm.cu"]
+    for columns, vec in ((False, 1), (False, 4), (True, 1)):
+        layout = norm.Layout(n=2, c=3, inner=1 if columns else 4, columns=columns, vec=vec)
+        for kind in norm.KINDS:
+            assert norm.pass_kernel(kind, layout) in listed

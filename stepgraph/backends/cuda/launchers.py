@@ -9,7 +9,8 @@ capture):
 - sgd_update / adam_update / global_norm: a table of tensor pointers and sizes, and per-block
   work items (global_norm also a float64 partial per block and an arrival counter);
 - cross_entropy / cross_entropy_train over more than one block: an arrival counter (and N
-  floats of per-row losses for the train kernel). Without it a capture falls back to one block;
+  floats of per-row losses for the train kernel and the label-smoothed forward). Without it a
+  capture falls back to one block;
 - reduce_sum and act_bias_grad split over rows: the splits' float64 partial sums.
 """
 from __future__ import annotations
@@ -36,8 +37,9 @@ SHORT_ROW = 32                    # cross_entropy_train in one block: a thread p
 PLANE_TARGET_BLOCKS = 512     # reduce_sum over planes: split each plane's rows to about this
 COLUMN_TARGET_BLOCKS = 1024   # column sums (bias gradients): split tall inputs' rows to this
 COLUMN_SPLIT_ROWS = 256       # rows per split at least
+REDUCE_DIMS = 4               # reduce_sum_strided_kernel: kept and reduced dims, 4 runs each
 ACT_CODES = {"none": -1, "relu": 0, "leaky_relu": 1, "sigmoid": 2, "tanh": 3, "gelu": 4,
-             "gelu_tanh": 5}      # the ACT_* codes of kernels/elementwise.cuh
+             "gelu_tanh": 5, "silu": 6}      # the ACT_* codes of kernels/elementwise.cuh
 LABEL_CTYPES = {np.dtype("int32"): "int", np.dtype("int64"): "long long"}
 FILL_CTYPES = {np.dtype("float32"): "float", np.dtype("float64"): "double",
                np.dtype("int32"): "int", np.dtype("int64"): "long long",
@@ -286,30 +288,74 @@ def reduce_sum_planes(ctx, node: Node, x, y, outer: int, mid: int, inner: int) -
                 (partial, y, np.int32(mid), np.int32(splits)))
 
 
-def _kept_block(shape: tuple, axes) -> tuple[int, int, int]:
-    """(outer, kept, inner) sizes when the axes NOT reduced are one contiguous run."""
+def _reduced_axes(shape: tuple, axes) -> list[int]:
     nd = len(shape)
-    axes = sorted({a % nd for a in axes}) if nd else []
+    return sorted({a % nd for a in axes}) if nd else []
+
+
+def _kept_block(shape: tuple, axes) -> tuple[int, int, int] | None:
+    """(outer, kept, inner) sizes when the axes NOT reduced are one contiguous run, else None."""
+    nd = len(shape)
+    axes = _reduced_axes(shape, axes)
     kept = [i for i in range(nd) if i not in axes]
     if kept and kept != list(range(kept[0], kept[-1] + 1)):
-        raise NotImplementedError(
-            f"reduce_sum over axes {tuple(axes)} of {shape}: the kept axes must be contiguous")
+        return None
     lo, hi = (kept[0], kept[-1] + 1) if kept else (nd, nd)
     return math.prod(shape[:lo]), math.prod(shape[lo:hi]), math.prod(shape[hi:])
 
 
+def _strided_reduction(shape: tuple, axes) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(kept sizes, kept strides, reduced sizes, reduced strides) in elements of contiguous x,
+    outermost first: size-1 axes dropped, neighbours of the same kind merged (x is contiguous,
+    so they always can be), each list padded in front to REDUCE_DIMS entries."""
+    axes = set(_reduced_axes(shape, axes))
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    groups: dict[bool, list[list[int]]] = {False: [], True: []}   # reduced? -> [size, stride]
+    last = None
+    for i, (size, stride) in enumerate(zip(shape, strides)):
+        if size == 1:
+            continue
+        reduced = i in axes
+        if last is reduced:      # the previous kept dim is this one's outer neighbour
+            groups[reduced][-1] = [groups[reduced][-1][0] * size, stride]
+        else:
+            groups[reduced].append([size, stride])
+        last = reduced
+    for reduced, dims in groups.items():
+        if len(dims) > REDUCE_DIMS:
+            raise ShapeError(f"reduce_sum over axes {sorted(axes)} of {shape}: more than "
+                             f"{REDUCE_DIMS} alternating runs of kept and reduced axes")
+        dims[:0] = [[1, 0]] * (REDUCE_DIMS - len(dims))
+    kept, red = groups[False], groups[True]
+    return [d[0] for d in kept], [d[1] for d in kept], [d[0] for d in red], [d[1] for d in red]
+
+
+def reduce_sum_strided(ctx, x, y, axes) -> None:
+    """y = x.sum(axis=axes) for any axes: a thread per output element walking the reduced
+    elements in order (the fallback when the kept axes are not contiguous)."""
+    args = [np.int32(v) for part in _strided_reduction(tuple(x.shape), axes) for v in part]
+    _launch(ctx, "reduce.cu", "reduce_sum_strided_kernel", _grid(y.size), (BLOCK,),
+            (x, y, np.int32(y.size), *args))
+
+
 def reduce_sum_forward(ctx, node: Node, x, y, axes) -> None:
-    """y = x.sum(axis=axes): column sums (bias grads) or sums over (outer, inner) per kept
-    index (axes (0, 2, 3) of NCHW: conv bias grads)."""
+    """y = x.sum(axis=axes): column sums (bias grads), sums over (outer, inner) per kept
+    index (axes (0, 2, 3) of NCHW: conv bias grads), or any other axes (strided fallback)."""
     _check("reduce_sum input", x)
-    outer, mid, inner = _kept_block(tuple(x.shape), axes)
+    block = _kept_block(tuple(x.shape), axes)
     _check("reduce_sum output", y)
-    if y.size != mid:
-        raise ShapeError(f"reduce_sum output: expected {mid} elements, got shape {y.shape}")
+    kept = math.prod(d for i, d in enumerate(x.shape)
+                     if i not in _reduced_axes(tuple(x.shape), axes))
+    if y.size != kept:
+        raise ShapeError(f"reduce_sum output: expected {kept} elements, got shape {y.shape}")
     _check_int32("reduce_sum", x.size)
     if x.size == 0:               # nothing to add up: zeros (also keeps inner > 0 below)
         fill_forward(ctx, y, 0.0)
         return
+    if block is None:
+        reduce_sum_strided(ctx, x, y, axes)
+        return
+    outer, mid, inner = block
     if inner == 1 and mid > 1:    # one block per 32 columns; a full sum takes the planes path
         reduce_sum_columns(ctx, node, x, y, outer, mid)
     else:
@@ -369,52 +415,61 @@ def _checked_norm_tables(tensors) -> dict:
 
 # ---- pool.cu -------------------------------------------------------------------------------
 
-def _pool_args(x_shape: tuple, y_shape: tuple, kernel, stride) -> tuple:
+def _pool_args(x_shape: tuple, y_shape: tuple, kernel, stride, padding=(0, 0)) -> tuple:
+    """POOL_SHAPE_ARGS of pool.cu (also avgpool.cu's)."""
     n, c, h, w = x_shape
-    (kh, kw), (sh, sw) = kernel, stride
-    return tuple(np.int32(v) for v in (n * c, h, w, y_shape[2], y_shape[3], kh, kw, sh, sw))
+    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
+    return tuple(np.int32(v) for v in (n * c, h, w, y_shape[2], y_shape[3], kh, kw, sh, sw,
+                                       ph, pw))
 
 
-def _pool_out_shape(x_shape: tuple, kernel, stride) -> tuple:
+def _pool_out_shape(x_shape: tuple, kernel, stride, padding=(0, 0), op: str = "maxpool2d"):
+    """(N, C, Ho, Wo) of a floor-mode pool; padding at most half the window (PyTorch's rule,
+    which keeps a real element in every window)."""
     if len(x_shape) != 4:
-        raise ShapeError(f"maxpool2d: input must be (N, C, H, W), got {x_shape}")
-    (kh, kw), (sh, sw) = kernel, stride
-    ho, wo = (x_shape[2] - kh) // sh + 1, (x_shape[3] - kw) // sw + 1
-    if ho <= 0 or wo <= 0 or min(kh, kw, sh, sw) <= 0:
-        raise ShapeError(f"maxpool2d: window {kernel} stride {stride} on input {x_shape}")
+        raise ShapeError(f"{op}: input must be (N, C, H, W), got {x_shape}")
+    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
+    ho, wo = (x_shape[2] + 2 * ph - kh) // sh + 1, (x_shape[3] + 2 * pw - kw) // sw + 1
+    if ho <= 0 or wo <= 0 or min(kh, kw, sh, sw) <= 0 or min(ph, pw) < 0 \
+            or 2 * ph > kh or 2 * pw > kw:
+        raise ShapeError(f"{op}: window {tuple(kernel)} stride {tuple(stride)} padding "
+                         f"{tuple(padding)} on input {x_shape}")
     return (x_shape[0], x_shape[1], ho, wo)
 
 
-def maxpool2d_forward(ctx, x, y, idx, kernel, stride, relu: bool = False) -> None:
-    """y = window maxima (relu: relu of them), idx (int32) = plane-local h * W + w of each
-    window's first maximum."""
+def maxpool2d_forward(ctx, x, y, idx, kernel, stride, relu: bool = False,
+                      padding=(0, 0)) -> None:
+    """y = window maxima (relu: relu of them; padding is -inf), idx (int32) = plane-local
+    h * W + w of each window's first maximum."""
     _check("maxpool2d input", x)
-    y_shape = _pool_out_shape(tuple(x.shape), kernel, stride)
+    y_shape = _pool_out_shape(tuple(x.shape), kernel, stride, padding)
     _check("maxpool2d output", y, shape=y_shape)
     _check("maxpool2d indices", idx, "int32", y_shape)
-    _check_int32("maxpool2d", x.size)
+    _check_int32("maxpool2d", max(x.size, y.size))
     if y.size:
         _launch(ctx, "pool.cu", "maxpool2d_forward_kernel", _grid(y.size), (BLOCK,),
-                (x, y, idx, np.int32(relu)) + _pool_args(tuple(x.shape), y_shape, kernel, stride))
+                (x, y, idx, np.int32(relu))
+                + _pool_args(tuple(x.shape), y_shape, kernel, stride, padding))
 
 
-def maxpool2d_backward(ctx, dy, idx, dx, kernel, stride, y=None) -> None:
+def maxpool2d_backward(ctx, dy, idx, dx, kernel, stride, y=None, padding=(0, 0)) -> None:
     """dx = each dy added at its idx (windows may overlap: gathered, fixed order); with the
-    fused ReLU's output y, only where y > 0. Windows that tile the input exactly take the
-    scatter kernel (a thread per window)."""
+    fused ReLU's output y, only where y > 0. Windows that tile the input exactly (no
+    padding) take the scatter kernel (a thread per window)."""
     _check("maxpool2d_grad dx", dx)
-    y_shape = _pool_out_shape(tuple(dx.shape), kernel, stride)
+    y_shape = _pool_out_shape(tuple(dx.shape), kernel, stride, padding)
     _check("maxpool2d_grad dy", dy, shape=y_shape)
     _check("maxpool2d_grad indices", idx, "int32", y_shape)
     if y is not None:
         _check("maxpool2d_grad relu output", y, shape=y_shape)
-    _check_int32("maxpool2d_grad", dx.size)
+    _check_int32("maxpool2d_grad", max(dx.size, dy.size))
     if not dx.size:
         return
     args = (dy, idx, y if y is not None else np.uint64(0), dx) \
-        + _pool_args(tuple(dx.shape), y_shape, kernel, stride)
+        + _pool_args(tuple(dx.shape), y_shape, kernel, stride, padding)
     h, w = dx.shape[2:]
-    if tuple(stride) == tuple(kernel) and h % kernel[0] == 0 and w % kernel[1] == 0:
+    if tuple(stride) == tuple(kernel) and h % kernel[0] == 0 and w % kernel[1] == 0 \
+            and tuple(padding) == (0, 0):
         _launch(ctx, "pool.cu", "maxpool2d_backward_tiling_kernel", _grid(dy.size), (BLOCK,),
                 args)
     else:
@@ -446,9 +501,18 @@ def _check_logits(what: str, x, labels=None) -> tuple[int, int]:
     return x.shape
 
 
+def _check_rows(what: str, x) -> tuple[int, int]:
+    """(rows, cols) of x (any rank >= 1) viewed as rows of its last axis."""
+    _check(what, x)
+    if x.ndim < 1:
+        raise ShapeError(f"{what}: expected rank >= 1 (rows of the last axis), got a scalar")
+    _check_int32(what, x.size)
+    return math.prod(x.shape[:-1]), x.shape[-1]
+
+
 def log_softmax_forward(ctx, x, y) -> None:
-    """y = x - logsumexp(x, axis 1)."""
-    n, c = _check_logits("log_softmax", x)
+    """y = x - logsumexp(x, last axis), any rank >= 1."""
+    n, c = _check_rows("log_softmax input", x)
     _check("log_softmax output", y, shape=x.shape)
     if x.size:
         block = _row_block(c, BLOCK)
@@ -457,8 +521,8 @@ def log_softmax_forward(ctx, x, y) -> None:
 
 
 def log_softmax_backward(ctx, dy, y, dx) -> None:
-    """dx = dy - exp(y) * dy.sum(axis 1)."""
-    n, c = _check_logits("log_softmax_grad", dy)
+    """dx = dy - exp(y) * dy.sum(last axis), any rank >= 1."""
+    n, c = _check_rows("log_softmax_grad dy", dy)
     _check("log_softmax_grad y", y, shape=dy.shape)
     _check("log_softmax_grad dx", dx, shape=dy.shape)
     if dy.size:
@@ -492,45 +556,63 @@ def _scratch_args(scratch, fallback) -> tuple:
     return scratch["rowloss"], scratch["counter"]
 
 
-def cross_entropy_forward(ctx, node: Node, logits, labels, loss, lse) -> None:
-    """loss = mean(lse - logits[i, label_i]) and lse (N,) = logsumexp of each row."""
+def _smoothing(eps: float, classes: int) -> tuple[np.float32, np.float32, np.float32]:
+    """(eps, hit, off) of label smoothing eps (loss.cu): hit = float32(1 - eps) weighs the
+    label, off = float32(eps / C) every class; (0, 1, 0) without smoothing."""
+    eps = float(eps or 0.0)
+    if not 0.0 <= eps <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {eps}")
+    return np.float32(eps), np.float32(1.0 - eps), np.float32(eps / max(classes, 1))
+
+
+def cross_entropy_forward(ctx, node: Node, logits, labels, loss, lse,
+                          label_smoothing: float = 0.0) -> None:
+    """loss = mean((1-eps)(lse - logits[i, label_i]) + eps (lse - mean_j logits[i, j])),
+    eps = label_smoothing, and lse (N,) = logsumexp of each row."""
     n, c = _check_logits("cross_entropy", logits, labels)
     _check_scalar("cross_entropy loss", loss, "float32")
     _check("cross_entropy lse", lse, shape=(n,))
-    grid, block, scratch = _loss_layout(node, ctx, n, c, rowloss=False)
-    counter = _scratch_args(scratch, loss)[1]
+    eps, hit, _ = _smoothing(label_smoothing, c)
+    # Smoothed losses over several blocks are parked per row (their means are not in lse).
+    grid, block, scratch = _loss_layout(node, ctx, n, c, rowloss=bool(eps))
+    rowloss, counter = _scratch_args(scratch, loss)
     _launch(ctx, "loss.cu", f"cross_entropy_forward_kernel<{LABEL_CTYPES[labels.dtype]}>",
-            grid, block, (logits, labels, loss, lse, counter, np.int32(n), np.int32(c)))
+            grid, block, (logits, labels, loss, lse, rowloss, counter, np.int32(n), np.int32(c),
+                          eps, hit))
 
 
-def cross_entropy_backward(ctx, dloss, logits, lse, labels, dx) -> None:
-    """dlogits = dloss * (softmax(logits) - onehot(labels)) / N."""
+def cross_entropy_backward(ctx, dloss, logits, lse, labels, dx,
+                           label_smoothing: float = 0.0) -> None:
+    """dlogits = dloss * (softmax(logits) - (1-eps) onehot(labels) - eps / C) / N."""
     n, c = _check_logits("cross_entropy_grad", logits, labels)
     _check_scalar("cross_entropy_grad dloss", dloss, "float32")
     _check("cross_entropy_grad lse", lse, shape=(n,))
     _check("cross_entropy_grad dx", dx, shape=logits.shape)
+    _, hit, off = _smoothing(label_smoothing, c)
     if logits.size:
         _launch(ctx, "loss.cu", f"cross_entropy_backward_kernel<{LABEL_CTYPES[labels.dtype]}>",
                 _grid(logits.size), (BLOCK,),
-                (dloss, logits, lse, labels, dx, np.int32(n), np.int32(c)))
+                (dloss, logits, lse, labels, dx, np.int32(n), np.int32(c), off, hit))
 
 
-def cross_entropy_train(ctx, node: Node, logits, labels, loss, dx) -> None:
+def cross_entropy_train(ctx, node: Node, logits, labels, loss, dx,
+                        label_smoothing: float = 0.0) -> None:
     """Fused forward and backward with dloss = 1: loss and dlogits in one launch."""
     n, c = _check_logits("cross_entropy_train", logits, labels)
     _check_scalar("cross_entropy_train loss", loss, "float32")
     _check("cross_entropy_train dlogits", dx, shape=logits.shape)
     scale = np.float32(1.0 / max(n, 1))    # the reference's float32(1 / N)
+    smoothing = _smoothing(label_smoothing, c)
     if c <= SHORT_ROW and n * c <= SINGLE_BLOCK_ELEMENTS:
         _launch(ctx, "loss.cu", f"cross_entropy_train_short_kernel<{LABEL_CTYPES[labels.dtype]}>",
                 (1,), (min(1024, max(32, -(-n // 32) * 32)),),
-                (logits, labels, loss, dx, np.int32(n), np.int32(c), scale))
+                (logits, labels, loss, dx, np.int32(n), np.int32(c), scale) + smoothing)
         return
     grid, block, scratch = _loss_layout(node, ctx, n, c, rowloss=True)
     rowloss, counter = _scratch_args(scratch, loss)
     _launch(ctx, "loss.cu", f"cross_entropy_train_kernel<{LABEL_CTYPES[labels.dtype]}>",
-            grid, block,
-            (logits, labels, loss, dx, rowloss, counter, np.int32(n), np.int32(c), scale))
+            grid, block, (logits, labels, loss, dx, rowloss, counter, np.int32(n), np.int32(c),
+                          scale) + smoothing)
 
 
 def nll_loss_forward(ctx, logp, labels, loss) -> None:
@@ -609,10 +691,11 @@ def advance_step(ctx, step, schedule, loss, history_loss, history_step, lr) -> N
 
 
 def _update_groups(node: Node, ins: list):
-    """(lr, step, norm or None, params, grads, slots) of an update op's inputs (ops.py)."""
+    """(lr, step, norm or None, params, grads, slots) of an update op's inputs (ops.py); a
+    guarded one's flags (attrs guard) come last, after the slots."""
     a = node.attrs
     n, k, s = a["n_params"], a["n_scalars"], a["n_slots"]
-    if k not in (2, 3) or len(ins) != k + (2 + s) * n:
+    if k not in (2, 3) or len(ins) != k + (2 + s) * n + bool(a.get("guard")):
         raise ShapeError(f"{node.op}: {len(ins)} inputs do not match n_params={n}, "
                          f"n_scalars={k}, n_slots={s}")
     if k == 3 and a.get("max_norm") is None:
@@ -645,7 +728,12 @@ def _update_tables(node: Node, ins: list, ctx):
                           lambda: _build_update_tables(node.op, params, grads, slots))
     clip = (norm if norm is not None else lr, np.int32(norm is not None),
             np.float64(node.attrs.get("max_norm") or 0.0))
-    return tables, (tables["entries"], tables["jobs"], np.int32(UPDATE_CHUNK), lr, step) + clip
+    guard = np.uint64(0)   # null: no guard; else the step's flags, whose [1] says skip
+    if node.attrs.get("guard"):
+        guard = ins[-1]
+        _check(f"{node.op} guard flags", guard, "int32", (2,))
+    return tables, (tables["entries"], tables["jobs"], np.int32(UPDATE_CHUNK), lr, step) + clip \
+        + (guard,)
 
 
 def sgd_update(ctx, node: Node, ins: list) -> None:
@@ -699,19 +787,19 @@ IMPLS: dict[str, Callable] = {
         ctx, ins[0], ins[1], outs[0], node.attrs["p"], bool(node.attrs.get("per_channel"))),
     "maxpool2d": lambda node, ins, outs, ctx: maxpool2d_forward(
         ctx, ins[0], outs[0], outs[1], node.attrs["kernel"], node.attrs["stride"],
-        bool(node.attrs.get("relu"))),
+        bool(node.attrs.get("relu")), node.attrs.get("padding", (0, 0))),
     "maxpool2d_grad": lambda node, ins, outs, ctx: maxpool2d_backward(
         ctx, ins[0], ins[1], outs[0], node.attrs["kernel"], node.attrs["stride"],
-        ins[2] if node.attrs.get("relu") else None),
+        ins[2] if node.attrs.get("relu") else None, node.attrs.get("padding", (0, 0))),
     "log_softmax": lambda node, ins, outs, ctx: log_softmax_forward(ctx, ins[0], outs[0]),
     "log_softmax_grad": lambda node, ins, outs, ctx: log_softmax_backward(
         ctx, ins[0], ins[1], outs[0]),
     "cross_entropy": lambda node, ins, outs, ctx: cross_entropy_forward(
-        ctx, node, ins[0], ins[1], outs[0], outs[1]),
+        ctx, node, ins[0], ins[1], outs[0], outs[1], node.attrs.get("label_smoothing", 0.0)),
     "cross_entropy_grad": lambda node, ins, outs, ctx: cross_entropy_backward(
-        ctx, ins[0], ins[1], ins[2], ins[3], outs[0]),
+        ctx, ins[0], ins[1], ins[2], ins[3], outs[0], node.attrs.get("label_smoothing", 0.0)),
     "cross_entropy_train": lambda node, ins, outs, ctx: cross_entropy_train(
-        ctx, node, ins[0], ins[1], outs[0], outs[1]),
+        ctx, node, ins[0], ins[1], outs[0], outs[1], node.attrs.get("label_smoothing", 0.0)),
     "nll_loss": lambda node, ins, outs, ctx: nll_loss_forward(ctx, ins[0], ins[1], outs[0]),
     "nll_loss_grad": lambda node, ins, outs, ctx: nll_loss_backward(
         ctx, ins[0], ins[1], outs[0]),

@@ -1,2 +1,281 @@
-"""(cuda family norm: filled in below)"""
-IMPLS: dict = {}
+"""Launchers of kernels/norm.cu (batch_norm_train, batch_norm_grad) and their cuda op table.
+
+x (N, C, *spatial) is viewed as (N, C, inner). Each op is a stats pass writing float64
+partial sums per (channel, split), a finalize kernel adding each channel's splits in order,
+and an elementwise pass: deterministic, no float atomics. The partial sums (and the grad's
+per-channel coefficients) live in device memory made once per node at its first eager call
+(launchers._node_memory): a captured graph must not allocate, and Executable warms up eagerly
+before capture. Launchers check their preconditions and launch on ctx.stream: no host sync.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import cupy as cp  # imports without a GPU; kernels compile at their first launch
+import numpy as np
+
+from ...errors import ShapeError
+from ...ir.graph import Node
+from .launchers import BLOCK, _aligned, _check, _check_int32, _check_scalar, _launch, \
+    _node_memory
+
+SOURCE = "norm.cu"
+COLUMN_TILE = 32             # norm.cu COLUMN_TILE: channels per block of the columns layout
+STATS_ROWS = 16              # norm.cu STATS_ROWS: row lanes of a columns stats block
+APPLY_ROWS = 8               # row lanes of a columns elementwise block (256 threads)
+COLUMN_MIN_CHANNELS = 8      # (N, C) inputs with fewer channels walk each channel's column
+STATS_TARGET_BLOCKS = 512    # stats passes: split channels' elements to about this many blocks
+APPLY_TARGET_BLOCKS = 2048   # elementwise passes: the same, with shallower blocks
+STATS_MIN_PER_SPLIT = BLOCK * 4   # packs (planes) a stats split takes at least
+APPLY_MIN_PER_SPLIT = BLOCK * 4   # packs an elementwise split takes at least
+STATS_MIN_ROWS = 256         # rows a columns stats split takes at least
+APPLY_MIN_ROWS = 64          # rows a columns elementwise split takes at least
+FINALIZE_BLOCK = 256
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the kernels walk x viewed as (n, c, inner): `columns` when inner == 1 and C is
+    wide enough (threads along C), else planes of `inner` packs of `vec` floats."""
+
+    n: int
+    c: int
+    inner: int
+    columns: bool
+    vec: int
+
+    @property
+    def count(self) -> int:
+        """Elements per channel (M)."""
+        return self.n * self.inner
+
+    def _splits(self, target: int, minimum: int) -> tuple[int, int]:
+        """(splits, per) of each channel's packs (planes) or rows (columns)."""
+        if self.columns:
+            work, blocks = self.n, -(-self.c // COLUMN_TILE)
+        else:
+            work, blocks = self.n * self.inner // self.vec, self.c
+        splits = max(1, min(-(-work // minimum), target // blocks))
+        per = max(1, -(-work // splits))
+        return max(1, -(-work // per)), per
+
+    def stats_splits(self) -> tuple[int, int]:
+        return self._splits(STATS_TARGET_BLOCKS,
+                            STATS_MIN_ROWS if self.columns else STATS_MIN_PER_SPLIT)
+
+    def apply_splits(self) -> tuple[int, int]:
+        return self._splits(APPLY_TARGET_BLOCKS,
+                            APPLY_MIN_ROWS if self.columns else APPLY_MIN_PER_SPLIT)
+
+
+def _layout(op: str, x, arrays) -> Layout:
+    """The layout of x (rank >= 2); vec 4 when inner % 4 == 0 and every array is 16-byte
+    aligned (each (n, c) row then starts on a float4)."""
+    if x.ndim < 2:
+        raise ShapeError(f"{op}: input must be (N, C, ...), got {tuple(x.shape)}")
+    n, c = x.shape[:2]
+    inner = math.prod(x.shape[2:])
+    if n * inner == 0 or c == 0:
+        raise ShapeError(f"{op}: no elements per channel in input {tuple(x.shape)}")
+    _check_int32(op, x.size)
+    columns = inner == 1 and c >= COLUMN_MIN_CHANNELS
+    vec = 4 if not columns and inner % 4 == 0 and _aligned(*arrays) else 1
+    return Layout(n, c, inner, columns, vec)
+
+
+KINDS = ("stats", "forward", "grad_stats", "backward")    # the passes of norm.cu
+
+
+def pass_kernel(kind: str, layout: Layout) -> str:
+    """The norm.cu kernel of pass `kind` (KINDS) in `layout`."""
+    if layout.columns:
+        return f"batch_norm_{kind}_columns_kernel"
+    return f"batch_norm_{kind}_planes{'_vec4' if layout.vec == 4 else ''}_kernel"
+
+
+def _launch_pass(ctx, kind: str, layout: Layout, splits: tuple[int, int], block_rows: int,
+                 arrays: tuple) -> None:
+    """One stats or elementwise pass of norm.cu over x in `layout` (kernel batch_norm_<kind>_
+    planes[_vec4] or _columns), `arrays` first, then the shape arguments."""
+    n_splits, per = splits
+    name = pass_kernel(kind, layout)
+    if layout.columns:
+        _launch(ctx, SOURCE, name, (-(-layout.c // COLUMN_TILE), n_splits),
+                (COLUMN_TILE, block_rows),
+                arrays + (np.int32(layout.n), np.int32(layout.c), np.int32(per)))
+    else:
+        inner = layout.inner // layout.vec
+        # Short channels (few elements per split) get fewer threads, a warp at least.
+        threads = min(BLOCK, max(32, -(-per // 32) * 32))
+        _launch(ctx, SOURCE, name, (layout.c, n_splits), (threads,),
+                arrays + (np.int32(layout.c), np.int32(inner), np.int32(layout.n * inner),
+                          np.int32(per)))
+
+
+def _partials(node: Node, ctx, layout: Layout, splits: int, extra: int = 0) -> dict:
+    """The node's float64 (C, splits, 2) partial sums, and `extra` floats per channel."""
+    key = ("batch_norm", node.op, layout.c, splits, extra)
+    return _node_memory(node, key, ctx, lambda: dict(
+        partial=cp.empty(layout.c * splits * 2, np.float64),
+        coef=cp.empty(max(1, layout.c * extra), np.float32)))
+
+
+NULL = np.uint64(0)   # a null pointer argument: the optional input is absent
+
+
+def _ptr(a):
+    """a, or a null pointer for an absent optional array."""
+    return NULL if a is None else a
+
+
+def _check_channels(op: str, c: int, **arrays) -> None:
+    for what, arr in arrays.items():
+        if arr is not None:
+            _check(f"{op} {what}", arr, shape=(c,))
+
+
+def _relu(attrs: dict) -> bool:
+    act = attrs.get("act") or "none"
+    if act not in ("none", "relu"):
+        raise ValueError(f"batch_norm: act must be 'none' or 'relu', got {act!r}")
+    return act == "relu"
+
+
+# ---- batch_norm_train ----------------------------------------------------------------------
+
+@dataclass
+class TrainArrays:
+    """batch_norm_train's inputs and outputs by name (ops/norm.py: x, [weight, bias],
+    [running_mean, running_var, num_batches_tracked] -> y, save_mean, save_invstd)."""
+
+    x: Any
+    y: Any
+    save_mean: Any
+    save_invstd: Any
+    weight: Any = None
+    bias: Any = None
+    running_mean: Any = None
+    running_var: Any = None
+    tracked: Any = None
+
+
+def _train_arrays(attrs: dict, ins: list, outs: list) -> TrainArrays:
+    """The node's arrays, named and checked."""
+    affine, track = bool(attrs.get("affine")), bool(attrs.get("track"))
+    want = 1 + 2 * affine + 3 * track
+    if len(ins) != want or len(outs) != 3:
+        raise ShapeError(f"batch_norm_train: affine={affine} track={track} take {want} inputs "
+                         f"and give 3 outputs, got {len(ins)} and {len(outs)}")
+    t = TrainArrays(ins[0], *outs)
+    if affine:
+        t.weight, t.bias = ins[1], ins[2]
+    if track:
+        t.running_mean, t.running_var, t.tracked = ins[1 + 2 * affine:]
+        _check_scalar("batch_norm_train num_batches_tracked", t.tracked, "int64")
+    _check("batch_norm_train input", t.x)
+    _check("batch_norm_train output", t.y, shape=t.x.shape)
+    _check_channels("batch_norm_train", t.x.shape[1] if t.x.ndim >= 2 else 0,
+                    save_mean=t.save_mean, save_invstd=t.save_invstd, weight=t.weight,
+                    bias=t.bias, running_mean=t.running_mean, running_var=t.running_var)
+    return t
+
+
+def batch_norm_train_forward(ctx, node: Node, ins: list, outs: list) -> None:
+    """y = (x - mean) * invstd (* weight + bias) (ReLU when attrs act == "relu"), batch
+    statistics per channel in float64; save_mean, save_invstd (C,); with running stats, those
+    updated in place (momentum None: cumulative average) and num_batches_tracked += 1."""
+    a = node.attrs
+    t = _train_arrays(a, ins, outs)
+    relu = _relu(a)
+    layout = _layout("batch_norm_train", t.x, (t.x, t.y))
+    stats = layout.stats_splits()
+    scratch = _partials(node, ctx, layout, stats[0])
+    _launch_pass(ctx, "stats", layout, stats, STATS_ROWS, (t.x, scratch["partial"]))
+    momentum = a.get("momentum")
+    _launch(ctx, SOURCE, "batch_norm_finalize_kernel", (1,), (FINALIZE_BLOCK,),
+            (scratch["partial"], np.int32(stats[0]), np.int32(layout.c),
+             np.float64(layout.count), np.float64(a["eps"]), t.save_mean, t.save_invstd,
+             _ptr(t.running_mean), _ptr(t.running_var), _ptr(t.tracked),
+             np.float64(momentum or 0.0), np.int32(momentum is None)))
+    _launch_pass(ctx, "forward", layout, layout.apply_splits(), APPLY_ROWS,
+                 (t.x, t.y, t.save_mean, t.save_invstd, _ptr(t.weight), _ptr(t.bias),
+                  np.int32(relu)))
+
+
+# ---- batch_norm_grad -----------------------------------------------------------------------
+
+@dataclass
+class GradArrays:
+    """batch_norm_grad's inputs and outputs by name (ops/norm.py: dy, x, [weight], save_mean,
+    save_invstd, [y] -> dx, [dweight, dbias])."""
+
+    dy: Any
+    x: Any
+    weight: Any
+    mean: Any
+    invstd: Any
+    y: Any
+    dx: Any
+    dweight: Any = None
+    dbias: Any = None
+
+
+def _grad_arrays(attrs: dict, ins: list, outs: list) -> GradArrays:
+    """The node's arrays, named and checked."""
+    affine, relu = bool(attrs.get("affine")), _relu(attrs)
+    want = 4 + affine + relu
+    if len(ins) != want or len(outs) != 1 + 2 * affine:
+        raise ShapeError(f"batch_norm_grad: affine={affine} act={attrs.get('act')!r} take "
+                         f"{want} inputs and give {1 + 2 * affine} outputs, got {len(ins)} "
+                         f"and {len(outs)}")
+    g = GradArrays(ins[0], ins[1], ins[2] if affine else None, ins[2 + affine],
+                   ins[3 + affine], ins[4 + affine] if relu else None, *outs)
+    _check("batch_norm_grad dy", g.dy)
+    for what, arr in (("x", g.x), ("dx", g.dx), ("y", g.y)):
+        if arr is not None:
+            _check(f"batch_norm_grad {what}", arr, shape=g.dy.shape)
+    _check_channels("batch_norm_grad", g.dy.shape[1] if g.dy.ndim >= 2 else 0,
+                    save_mean=g.mean, save_invstd=g.invstd, weight=g.weight,
+                    dweight=g.dweight, dbias=g.dbias)
+    return g
+
+
+def batch_norm_grad_backward(ctx, node: Node, ins: list, outs: list) -> None:
+    """dx (and dweight, dbias when affine) of batch_norm_train: g = dy (masked by y > 0 with
+    the fused ReLU), dbias = sum g, dweight = sum g * xhat per channel (float64), dx = weight *
+    invstd * (g - sum g / M - xhat * sum g xhat / M)."""
+    g = _grad_arrays(node.attrs, ins, outs)
+    layout = _layout("batch_norm_grad", g.dy,
+                     tuple(a for a in (g.dy, g.x, g.dx, g.y) if a is not None))
+    stats = layout.stats_splits()
+    scratch = _partials(node, ctx, layout, stats[0], extra=3)
+    _launch_pass(ctx, "grad_stats", layout, stats, STATS_ROWS,
+                 (g.dy, g.x, _ptr(g.y), g.mean, g.invstd, scratch["partial"]))
+    _launch(ctx, SOURCE, "batch_norm_grad_finalize_kernel", (-(-layout.c // FINALIZE_BLOCK),),
+            (FINALIZE_BLOCK,),
+            (scratch["partial"], np.int32(stats[0]), np.int32(layout.c),
+             np.float64(layout.count), _ptr(g.weight), g.invstd, scratch["coef"],
+             _ptr(g.dweight), _ptr(g.dbias)))
+    _launch_pass(ctx, "backward", layout, layout.apply_splits(), APPLY_ROWS,
+                 (g.dy, g.x, _ptr(g.y), g.mean, g.invstd, scratch["coef"], g.dx))
+
+
+# ---- names and the op table ----------------------------------------------------------------
+
+def kernel_names() -> dict[str, set[str]]:
+    """{.cu file: every kernel name this module may launch} (the NVRTC compile test)."""
+    names = {"batch_norm_finalize_kernel", "batch_norm_grad_finalize_kernel"}
+    for kind in KINDS:
+        names |= {f"batch_norm_{kind}_planes_kernel", f"batch_norm_{kind}_planes_vec4_kernel",
+                  f"batch_norm_{kind}_columns_kernel"}
+    return {SOURCE: names}
+
+
+IMPLS: dict[str, Callable] = {
+    "batch_norm_train": lambda node, ins, outs, ctx: batch_norm_train_forward(
+        ctx, node, ins, outs),
+    "batch_norm_grad": lambda node, ins, outs, ctx: batch_norm_grad_backward(
+        ctx, node, ins, outs),
+}

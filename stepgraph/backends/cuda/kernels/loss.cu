@@ -5,6 +5,10 @@
 // float64 partial sums in a fixed order (one block), or, over several blocks, per-row values
 // summed in index order by the last block to finish (reduce.cuh arrive_last): deterministic.
 // Labels are int or long long (templates); a label outside [0, C) gives a NaN loss.
+// Label smoothing eps (PyTorch's): loss_i = hit * (lse_i - x[i, y_i]) + eps * (lse_i - mean_j
+// x[i, j]) and dlogits = (softmax - hit * onehot - off) * scale, with hit = float32(1 - eps)
+// and off = float32(eps / C) from the launcher. eps == 0 (hit 1, off 0) takes the unsmoothed
+// arithmetic: the same bits as without smoothing.
 #include "reduce.cuh"
 
 #define NEG_INF __int_as_float(0xff800000)
@@ -24,6 +28,30 @@ __device__ __forceinline__ float row_logsumexp(const float* xr, int cols, float*
 template <typename L>
 __device__ __forceinline__ float picked_logit(const float* xr, L label, int C) {
     return (label >= 0 && label < C) ? xr[label] : QUIET_NAN;
+}
+
+// One row's smoothed loss from lse l, the picked logit p and the row's mean logit.
+__device__ __forceinline__ float smoothed_loss(float l, float p, float mean, float eps,
+                                               float hit) {
+    return __fadd_rn(__fmul_rn(hit, l - p), __fmul_rn(eps, l - mean));
+}
+
+// d loss_i / d x[i, c] before scaling: softmax - hit * onehot - off, in the reference's order.
+// With eps == 0 (hit 1, off 0) this is exp(x - l), minus 1 at the label: bit for bit the
+// unsmoothed gradient (g - 0 == g).
+__device__ __forceinline__ float smoothed_grad(float x, float l, bool at_label, float off,
+                                               float hit) {
+    float g = expf(x - l);
+    if (at_label) g -= hit;
+    return g - off;
+}
+
+// The mean logit of a row (row reduction: every thread of the block calls it, rows past N
+// pass cols = 0).
+__device__ __forceinline__ float row_mean(const float* xr, int cols, int C, float* smem) {
+    float s = 0.f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) s += xr[c];
+    return row_sum(s, smem) / (float)C;
 }
 
 // Row loops visit rows base by base: every thread of a block runs the same number of
@@ -65,12 +93,14 @@ extern "C" __global__ void log_softmax_backward_kernel(const float* dy, const fl
     }
 }
 
-// loss = mean(lse - logits[i, label_i]); lse (N,). With one block the row groups' leaders
-// accumulate their rows and the block sums them; with several, the last block re-reads lse.
+// loss = mean(lse - logits[i, label_i]) (smoothed: see the top); lse (N,). With one block the
+// row groups' leaders accumulate their rows and the block sums them; with several, the last
+// block re-reads lse (eps == 0) or the rows' smoothed losses parked in rowloss (N floats).
 template <typename L>
 __global__ void __launch_bounds__(1024)
 cross_entropy_forward_kernel(const float* x, const L* labels, float* loss, float* lse,
-                             unsigned int* counter, int N, int C) {
+                             float* rowloss, unsigned int* counter, int N, int C, float eps,
+                             float hit) {
     __shared__ float smem[32];
     __shared__ double dsmem[32];
     __shared__ unsigned int last_flag;
@@ -80,33 +110,42 @@ cross_entropy_forward_kernel(const float* x, const L* labels, float* loss, float
         const bool valid = row < N;
         const float* xr = x + (long long)row * C;
         const float l = row_logsumexp(xr, valid ? C : 0, smem);
+        const float mean = eps != 0.f ? row_mean(xr, valid ? C : 0, C, smem) : 0.f;
         if (valid && threadIdx.x == 0) {
             lse[row] = l;
-            acc += (double)(l - picked_logit(xr, labels[row], C));
+            if (eps == 0.f) {
+                acc += (double)(l - picked_logit(xr, labels[row], C));
+            } else {
+                const float rl = smoothed_loss(l, picked_logit(xr, labels[row], C), mean, eps,
+                                               hit);
+                if (gridDim.x > 1) rowloss[row] = rl;
+                else acc += (double)rl;
+            }
         }
     }
     if (gridDim.x > 1) {
         if (!arrive_last(counter, &last_flag)) return;
         acc = 0.0;
         for (int i = flat_thread(); i < N; i += blockDim.x * blockDim.y)
-            acc += (double)(__ldcg(lse + i) - picked_logit(x + (long long)i * C, labels[i], C));
+            acc += eps != 0.f ? (double)__ldcg(rowloss + i)
+                              : (double)(__ldcg(lse + i) -
+                                         picked_logit(x + (long long)i * C, labels[i], C));
     }
     acc = block_sum(acc, dsmem);
     if (flat_thread() == 0) *loss = (float)(acc / N);
 }
 
-// dlogits = (exp(logits - lse) - onehot) * (dloss / N), one thread per element.
+// dlogits = (exp(logits - lse) - hit * onehot - off) * (dloss / N), one thread per element.
 template <typename L>
 __global__ void cross_entropy_backward_kernel(const float* dloss, const float* x,
                                               const float* lse, const L* labels, float* dx,
-                                              int N, int C) {
+                                              int N, int C, float off, float hit) {
     const float scale = *dloss / (float)N;
     const long long total = (long long)N * C;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         const int row = (int)(i / C), c = (int)(i - (long long)row * C);
-        float g = expf(x[i] - lse[row]);
-        if ((long long)labels[row] == c) g -= 1.f;
+        const float g = smoothed_grad(x[i], lse[row], (long long)labels[row] == c, off, hit);
         dx[i] = __fmul_rn(g, scale);
     }
 }
@@ -117,7 +156,8 @@ __global__ void cross_entropy_backward_kernel(const float* dloss, const float* x
 template <typename L>
 __global__ void __launch_bounds__(1024)
 cross_entropy_train_kernel(const float* x, const L* labels, float* loss, float* dx, float* rowloss,
-                           unsigned int* counter, int N, int C, float scale) {
+                           unsigned int* counter, int N, int C, float scale, float eps,
+                           float hit, float off) {
     __shared__ float smem[32];
     __shared__ double dsmem[32];
     __shared__ unsigned int last_flag;
@@ -127,15 +167,16 @@ cross_entropy_train_kernel(const float* x, const L* labels, float* loss, float* 
         const bool valid = row < N;
         const long long r0 = (long long)row * C;
         const float l = row_logsumexp(x + r0, valid ? C : 0, smem);
+        const float mean = eps != 0.f ? row_mean(x + r0, valid ? C : 0, C, smem) : 0.f;
         if (valid) {
             const L label = labels[row];
             for (int c = threadIdx.x; c < C; c += blockDim.x) {
-                float g = expf(x[r0 + c] - l);
-                if ((long long)label == c) g -= 1.f;
+                const float g = smoothed_grad(x[r0 + c], l, (long long)label == c, off, hit);
                 dx[r0 + c] = __fmul_rn(g, scale);
             }
             if (threadIdx.x == 0) {
-                const float rl = l - picked_logit(x + r0, label, C);
+                const float p = picked_logit(x + r0, label, C);
+                const float rl = eps != 0.f ? smoothed_loss(l, p, mean, eps, hit) : l - p;
                 if (gridDim.x > 1) rowloss[row] = rl;
                 else acc += (double)rl;
             }
@@ -157,7 +198,7 @@ cross_entropy_train_kernel(const float* x, const L* labels, float* loss, float* 
 template <typename L>
 __global__ void __launch_bounds__(1024)
 cross_entropy_train_short_kernel(const float* x, const L* labels, float* loss, float* dx, int N,
-                                 int C, float scale) {
+                                 int C, float scale, float eps, float hit, float off) {
     __shared__ double dsmem[32];
     double acc = 0.0;
     for (int row = threadIdx.x; row < N; row += blockDim.x) {
@@ -169,11 +210,17 @@ cross_entropy_train_short_kernel(const float* x, const L* labels, float* loss, f
         const float l = m + logf(s);
         const L label = labels[row];
         for (int c = 0; c < C; ++c) {
-            float g = expf(xr[c] - l);
-            if ((long long)label == c) g -= 1.f;
+            const float g = smoothed_grad(xr[c], l, (long long)label == c, off, hit);
             dx[(long long)row * C + c] = __fmul_rn(g, scale);
         }
-        acc += (double)(l - picked_logit(xr, label, C));
+        const float p = picked_logit(xr, label, C);
+        if (eps == 0.f) {
+            acc += (double)(l - p);
+        } else {
+            float sum = 0.f;
+            for (int c = 0; c < C; ++c) sum += xr[c];
+            acc += (double)smoothed_loss(l, p, sum / (float)C, eps, hit);
+        }
     }
     acc = block_sum(acc, dsmem);
     if (threadIdx.x == 0) *loss = (float)(acc / N);
@@ -228,12 +275,15 @@ extern "C" __global__ void mse_backward_kernel(const float* dloss, const float* 
 }
 
 #define LABEL_INSTANTIATIONS(L)                                                              \
-    template __global__ void cross_entropy_forward_kernel<L>(const float*, const L*, float*,  \
-                                                             float*, unsigned int*, int, int); \
+    template __global__ void cross_entropy_forward_kernel<L>(                                 \
+        const float*, const L*, float*, float*, float*, unsigned int*, int, int, float, float); \
     template __global__ void cross_entropy_backward_kernel<L>(                                \
-        const float*, const float*, const float*, const L*, float*, int, int);                \
+        const float*, const float*, const float*, const L*, float*, int, int, float, float);  \
     template __global__ void cross_entropy_train_kernel<L>(                                   \
-        const float*, const L*, float*, float*, float*, unsigned int*, int, int, float);      \
+        const float*, const L*, float*, float*, float*, unsigned int*, int, int, float, float, \
+        float, float);                                                                        \
+    template __global__ void cross_entropy_train_short_kernel<L>(                             \
+        const float*, const L*, float*, float*, int, int, float, float, float, float);        \
     template __global__ void nll_loss_forward_kernel<L>(const float*, const L*, float*, int,  \
                                                         int);                                 \
     template __global__ void nll_loss_backward_kernel<L>(const float*, const L*, float*, int, \

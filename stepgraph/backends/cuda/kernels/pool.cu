@@ -1,13 +1,17 @@
-// Max pooling over NCHW planes (no padding, floor mode): the forward writes the max and the
+// Max pooling over NCHW planes (floor mode, implicit -inf padding (ph, pw) of at most half the
+// window, so every window holds a real element): the forward writes the max and the
 // plane-local index h * W + w of the FIRST maximum in row-major window order (numpy argmax,
-// PyTorch); the backward gathers, one thread per input element, so overlapping windows
-// (stride < kernel) need no atomics and sum in a fixed order. Launchers keep sizes < 2^31.
+// PyTorch) among the window's real elements; the backward gathers, one thread per input
+// element, so overlapping windows (stride < kernel) need no atomics and sum in a fixed order.
+// Launchers keep sizes < 2^31.
 
 // With relu (the ReLU after the pool, fused) the forward stores relu(max) and the backward
 // adds only where that output is > 0.
 
-// Shapes: `planes` = N * C planes of (H, W) in, (Ho, Wo) out; window (kh, kw), stride (sh, sw).
-#define POOL_SHAPE_ARGS int planes, int H, int W, int Ho, int Wo, int kh, int kw, int sh, int sw
+// Shapes: `planes` = N * C planes of (H, W) in, (Ho, Wo) out; window (kh, kw), stride (sh, sw),
+// padding (ph, pw): window (ho, wo) starts at (ho * sh - ph, wo * sw - pw).
+#define POOL_SHAPE_ARGS int planes, int H, int W, int Ho, int Wo, int kh, int kw, int sh, int sw, \
+                        int ph, int pw
 
 extern "C" __global__ void maxpool2d_forward_kernel(const float* x, float* y, int* idx, int relu,
                                                     POOL_SHAPE_ARGS) {
@@ -18,12 +22,15 @@ extern "C" __global__ void maxpool2d_forward_kernel(const float* x, float* y, in
         const int wo = o % Wo, t = o / Wo;
         const int ho = t % Ho, p = t / Ho;
         const float* plane = x + (long long)p * H * W;
-        const int h0 = ho * sh, w0 = wo * sw;
+        // The window clipped to the plane: padding is -inf, never a maximum over real values.
+        // Without padding the clip changes nothing (floor mode keeps windows inside).
+        const int h0 = max(ho * sh - ph, 0), h1 = min(ho * sh - ph + kh, H);
+        const int w0 = max(wo * sw - pw, 0), w1 = min(wo * sw - pw + kw, W);
         int best_at = h0 * W + w0;
         float best = plane[best_at];
-        for (int i = 0; i < kh; ++i) {
-            for (int j = 0; j < kw; ++j) {
-                const int at = (h0 + i) * W + w0 + j;
+        for (int h = h0; h < h1; ++h) {
+            for (int w = w0; w < w1; ++w) {
+                const int at = h * W + w;
                 const float v = plane[at];
                 // Strictly greater keeps the first maximum; the first NaN wins, as argmax.
                 if (v > best || (v != v && best == best)) {
@@ -48,11 +55,12 @@ extern "C" __global__ void maxpool2d_backward_kernel(const float* dy, const int*
         const int i = (int)g;
         const int w = i % W, t = i / W;
         const int h = t % H, p = t / H;
-        // Windows ho with ho * sh <= h <= ho * sh + kh - 1 (and likewise along w).
-        const int ho_lo = h < kh ? 0 : (h - kh) / sh + 1;
-        const int ho_hi = min(h / sh, Ho - 1);
-        const int wo_lo = w < kw ? 0 : (w - kw) / sw + 1;
-        const int wo_hi = min(w / sw, Wo - 1);
+        // Windows ho with ho * sh <= h + ph <= ho * sh + kh - 1 (and likewise along w).
+        const int hp = h + ph, wp = w + pw;
+        const int ho_lo = hp < kh ? 0 : (hp - kh) / sh + 1;
+        const int ho_hi = min(hp / sh, Ho - 1);
+        const int wo_lo = wp < kw ? 0 : (wp - kw) / sw + 1;
+        const int wo_hi = min(wp / sw, Wo - 1);
         const int here = h * W + w;
         const long long base = (long long)p * Ho * Wo;
         float acc = 0.f;
@@ -71,10 +79,11 @@ extern "C" __global__ void maxpool2d_backward_kernel(const float* dy, const int*
     }
 }
 
-// The backward when the windows tile the input exactly (stride == kernel, H % kh == 0,
-// W % kw == 0): every input pixel lies in one window, so a thread per pooled output writes its
-// whole window, dy at the argmax (where the fused ReLU let it through) and zero elsewhere:
-// a quarter of the threads of the gather above for 2x2 windows, and dy, idx, y read once.
+// The backward when the windows tile the input exactly (stride == kernel, no padding,
+// H % kh == 0, W % kw == 0): every input pixel lies in one window, so a thread per pooled
+// output writes its whole window, dy at the argmax (where the fused ReLU let it through) and
+// zero elsewhere: a quarter of the threads of the gather above for 2x2 windows, and dy, idx,
+// y read once.
 // 0 + dy as the gather's sum would give (-0 becomes +0, like the reference's np.add.at).
 extern "C" __global__ void maxpool2d_backward_tiling_kernel(const float* dy, const int* idx,
                                                             const float* y, float* dx,

@@ -1,0 +1,388 @@
+// Batch normalisation in training mode over x viewed as (N, C, inner), M = N * inner elements
+// per channel: batch_norm_train (statistics, running-stat update, normalise + affine + ReLU)
+// and batch_norm_grad (the two channel sums, dweight/dbias, dx). Deterministic: every sum is
+// float64, has a fixed owner and a fixed combination order (no float atomics):
+//   1. a stats pass: block (channel, split) writes its float64 partial sums to
+//      partial[(c * splits + split) * 2 + {0, 1}] (launcher scratch made once per node);
+//   2. a finalize kernel adds each channel's splits in order;
+//   3. an elementwise pass over x with the channel's finished values.
+// Two layouts: "planes" (a block per channel and split of its N * inner elements, threads
+// along inner; float4 packs when inner % 4 == 0 and the pointers are 16-byte aligned) and
+// "columns" (inner == 1, x (N, C): 32 channels per block, threadIdx.x along C, coalesced).
+// Launchers keep sizes < 2^31.
+#include "reduce.cuh"
+
+#define COLUMN_TILE 32   // channels per block of the columns layout (blockDim.x)
+#define STATS_ROWS 16    // row lanes of a columns stats block (blockDim.y)
+
+// ---- packs and walks -----------------------------------------------------------------------
+
+template <int V>
+struct Pack {
+    float v[V];
+};
+
+template <int V>
+__device__ __forceinline__ Pack<V> load_pack(const float* p, long long at) {
+    Pack<V> r;
+    if constexpr (V == 4) {
+        const float4 f = reinterpret_cast<const float4*>(p)[at];
+        r.v[0] = f.x;
+        r.v[1] = f.y;
+        r.v[2] = f.z;
+        r.v[3] = f.w;
+    } else {
+        r.v[0] = p[at];
+    }
+    return r;
+}
+
+template <int V>
+__device__ __forceinline__ void store_pack(float* p, long long at, const Pack<V>& r) {
+    if constexpr (V == 4)
+        reinterpret_cast<float4*>(p)[at] = make_float4(r.v[0], r.v[1], r.v[2], r.v[3]);
+    else
+        p[at] = r.v[0];
+}
+
+// Planes layout: calls f(at) for the packs of channel blockIdx.x in split blockIdx.y. The
+// channel's packs are j = n * inner + i (inner counted in packs), total of them; split s takes
+// j in [s * per, (s + 1) * per) and thread t the j = begin + t, t + blockDim.x, ... at pack
+// offset (n * C + c) * inner + i, walked with division-free increments. No early return:
+// callers reduce over the block afterwards.
+template <typename F>
+__device__ __forceinline__ void walk_channel(int C, int inner, int total, int per, F f) {
+    const int c = blockIdx.x;
+    const long long begin = (long long)blockIdx.y * per;
+    const long long end = min((long long)total, begin + per);
+    long long j = begin + threadIdx.x;
+    int n = (int)(j / inner), i = (int)(j - (long long)n * inner);
+    const int dn = blockDim.x / inner, di = blockDim.x - dn * inner;
+    for (; j < end; j += blockDim.x) {
+        f(((long long)n * C + c) * inner + i);
+        n += dn;
+        i += di;
+        if (i >= inner) {
+            i -= inner;
+            ++n;
+        }
+    }
+}
+
+// Columns layout: calls f(at) for the rows of channel blockIdx.x * 32 + threadIdx.x (if it
+// exists) in split blockIdx.y: rows [s * per, (s + 1) * per), thread row lanes threadIdx.y,
+// + blockDim.y, ...
+template <typename F>
+__device__ __forceinline__ void walk_column(int N, int C, int per, F f) {
+    const int c = blockIdx.x * COLUMN_TILE + threadIdx.x;
+    if (c >= C) return;
+    const long long r0 = (long long)blockIdx.y * per;
+    const long long r1 = min((long long)N, r0 + per);
+    for (long long r = r0 + threadIdx.y; r < r1; r += blockDim.y) f(r * C + c);
+}
+
+// partial[(c * splits + split) * 2 + {0, 1}] = (a, b) summed over the block, planes layout.
+__device__ __forceinline__ void write_plane_partials(double a, double b, double* partial) {
+    __shared__ double smem[32];
+    a = block_sum(a, smem);
+    b = block_sum(b, smem);
+    if (threadIdx.x == 0) {
+        const long long at = ((long long)blockIdx.x * gridDim.y + blockIdx.y) * 2;
+        partial[at] = a;
+        partial[at + 1] = b;
+    }
+}
+
+// The same for the columns layout: each channel's row lanes combined in order y = 0, 1, ...
+__device__ __forceinline__ void write_column_partials(double a, double b, double* partial,
+                                                      int C) {
+    __shared__ double part[2][STATS_ROWS][COLUMN_TILE + 1];
+    part[0][threadIdx.y][threadIdx.x] = a;
+    part[1][threadIdx.y][threadIdx.x] = b;
+    __syncthreads();
+    const int c = blockIdx.x * COLUMN_TILE + threadIdx.x;
+    if (threadIdx.y != 0 || c >= C) return;
+    double sa = 0.0, sb = 0.0;
+    for (int k = 0; k < STATS_ROWS; ++k) {
+        sa += part[0][k][threadIdx.x];
+        sb += part[1][k][threadIdx.x];
+    }
+    const long long at = ((long long)c * gridDim.y + blockIdx.y) * 2;
+    partial[at] = sa;
+    partial[at + 1] = sb;
+}
+
+// ---- per-element arithmetic ----------------------------------------------------------------
+// Separate roundings (no FMA contraction), in the reference's order.
+
+__device__ __forceinline__ float normalised(float v, float mean, float invstd) {
+    return __fmul_rn(v - mean, invstd);
+}
+
+// y = xhat * w + b (affine) and the fused ReLU (NaN passes, as np.maximum).
+__device__ __forceinline__ float bn_output(float v, float mean, float invstd, bool affine,
+                                           float w, float b, int relu) {
+    float z = normalised(v, mean, invstd);
+    if (affine) z = __fadd_rn(__fmul_rn(z, w), b);
+    return relu && !(z > 0.f || z != z) ? 0.f : z;
+}
+
+// dy masked by the fused ReLU's output (y == nullptr: no ReLU).
+template <int V>
+__device__ __forceinline__ Pack<V> masked_dy(const float* dy, const float* y, long long at) {
+    Pack<V> g = load_pack<V>(dy, at);
+    if (y != nullptr) {
+        const Pack<V> out = load_pack<V>(y, at);
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+            if (!(out.v[k] > 0.f)) g.v[k] = 0.f;
+    }
+    return g;
+}
+
+// dx = k * (g - mean_dy - xhat * mean_dy_xhat), coef = (k = w * invstd, mean_dy, mean_dy_xhat).
+__device__ __forceinline__ float bn_grad(float g, float xhat, float k, float a, float b) {
+    return __fmul_rn(k, __fsub_rn(g - a, __fmul_rn(xhat, b)));
+}
+
+// ---- batch_norm_train ----------------------------------------------------------------------
+
+// Partial (sum x, sum x^2) per channel and split.
+template <int V>
+__device__ __forceinline__ void stats_planes(const float* x, double* partial, int C, int inner,
+                                             int total, int per) {
+    double s = 0.0, q = 0.0;
+    walk_channel(C, inner, total, per, [&](long long at) {
+        const Pack<V> p = load_pack<V>(x, at);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const double v = p.v[k];
+            s += v;
+            q += v * v;
+        }
+    });
+    write_plane_partials(s, q, partial);
+}
+
+extern "C" __global__ void batch_norm_stats_planes_kernel(const float* x, double* partial,
+                                                          int C, int inner, int total, int per) {
+    stats_planes<1>(x, partial, C, inner, total, per);
+}
+
+extern "C" __global__ void batch_norm_stats_planes_vec4_kernel(const float* x, double* partial,
+                                                               int C, int inner, int total,
+                                                               int per) {
+    stats_planes<4>(x, partial, C, inner, total, per);
+}
+
+// Grid (ceil(C / 32), splits) of (32, STATS_ROWS) threads.
+extern "C" __global__ void __launch_bounds__(COLUMN_TILE * STATS_ROWS)
+batch_norm_stats_columns_kernel(const float* x, double* partial, int N, int C, int per) {
+    double s = 0.0, q = 0.0;
+    walk_column(N, C, per, [&](long long at) {
+        const double v = x[at];
+        s += v;
+        q += v * v;
+    });
+    write_column_partials(s, q, partial, C);
+}
+
+// One block: each channel's splits added in order; mean, biased var = E[x^2] - mean^2 (float64
+// sums of float32 values: no cancellation at float32 precision), save_mean, save_invstd
+// = 1 / sqrt(var + eps). With running stats (running_mean != nullptr): tracked += 1, m =
+// momentum or, when cumulative, 1 / tracked (after the increment); running_mean = (1 - m)
+// running_mean + m mean, running_var = (1 - m) running_var + m var M / (M - 1). One block,
+// so every thread reads *tracked before thread 0 writes it back.
+extern "C" __global__ void batch_norm_finalize_kernel(const double* partial, int splits, int C,
+                                                      double count, double eps,
+                                                      float* save_mean, float* save_invstd,
+                                                      float* running_mean, float* running_var,
+                                                      long long* tracked, double momentum,
+                                                      int cumulative) {
+    const bool track = running_mean != nullptr;
+    long long t = 0;
+    double m = momentum;
+    if (track) {
+        t = *tracked + 1;
+        if (cumulative) m = 1.0 / (double)t;
+    }
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        double s = 0.0, q = 0.0;
+        for (int k = 0; k < splits; ++k) {
+            s += partial[((long long)c * splits + k) * 2];
+            q += partial[((long long)c * splits + k) * 2 + 1];
+        }
+        const double mean = s / count;
+        double var = q / count - mean * mean;
+        if (var < 0.0) var = 0.0;      // rounding only; a NaN passes
+        save_mean[c] = (float)mean;
+        save_invstd[c] = (float)(1.0 / sqrt(var + eps));
+        if (track) {
+            running_mean[c] = (float)((1.0 - m) * (double)running_mean[c] + m * mean);
+            running_var[c] = (float)((1.0 - m) * (double)running_var[c] +
+                                     m * var * count / (count - 1.0));
+        }
+    }
+    if (!track) return;
+    __syncthreads();
+    if (threadIdx.x == 0) *tracked = t;
+}
+
+// y = normalised x (weight == nullptr: no affine), ReLU when relu.
+template <int V>
+__device__ __forceinline__ void forward_planes(const float* x, float* y, const float* mean,
+                                               const float* invstd, const float* weight,
+                                               const float* bias, int relu, int C, int inner,
+                                               int total, int per) {
+    const int c = blockIdx.x;
+    const float mu = mean[c], is = invstd[c];
+    const bool affine = weight != nullptr;
+    const float w = affine ? weight[c] : 1.f, b = affine ? bias[c] : 0.f;
+    walk_channel(C, inner, total, per, [&](long long at) {
+        Pack<V> p = load_pack<V>(x, at);
+#pragma unroll
+        for (int k = 0; k < V; ++k) p.v[k] = bn_output(p.v[k], mu, is, affine, w, b, relu);
+        store_pack<V>(y, at, p);
+    });
+}
+
+extern "C" __global__ void batch_norm_forward_planes_kernel(
+    const float* x, float* y, const float* mean, const float* invstd, const float* weight,
+    const float* bias, int relu, int C, int inner, int total, int per) {
+    forward_planes<1>(x, y, mean, invstd, weight, bias, relu, C, inner, total, per);
+}
+
+extern "C" __global__ void batch_norm_forward_planes_vec4_kernel(
+    const float* x, float* y, const float* mean, const float* invstd, const float* weight,
+    const float* bias, int relu, int C, int inner, int total, int per) {
+    forward_planes<4>(x, y, mean, invstd, weight, bias, relu, C, inner, total, per);
+}
+
+// Grid (ceil(C / 32), splits) of (32, rows) threads.
+extern "C" __global__ void batch_norm_forward_columns_kernel(
+    const float* x, float* y, const float* mean, const float* invstd, const float* weight,
+    const float* bias, int relu, int N, int C, int per) {
+    const int c = min(blockIdx.x * COLUMN_TILE + threadIdx.x, C - 1);   // loads stay in range
+    const float mu = mean[c], is = invstd[c];
+    const bool affine = weight != nullptr;
+    const float w = affine ? weight[c] : 1.f, b = affine ? bias[c] : 0.f;
+    walk_column(N, C, per, [&](long long at) {
+        y[at] = bn_output(x[at], mu, is, affine, w, b, relu);
+    });
+}
+
+// ---- batch_norm_grad -----------------------------------------------------------------------
+
+// Partial (sum g, sum g * xhat) per channel and split, g = dy masked by y > 0 (y != nullptr).
+template <int V>
+__device__ __forceinline__ void grad_stats_planes(const float* dy, const float* x,
+                                                  const float* y, const float* mean,
+                                                  const float* invstd, double* partial, int C,
+                                                  int inner, int total, int per) {
+    const int c = blockIdx.x;
+    const float mu = mean[c], is = invstd[c];
+    double s = 0.0, sx = 0.0;
+    walk_channel(C, inner, total, per, [&](long long at) {
+        const Pack<V> g = masked_dy<V>(dy, y, at);
+        const Pack<V> v = load_pack<V>(x, at);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            s += (double)g.v[k];
+            sx += (double)g.v[k] * (double)normalised(v.v[k], mu, is);
+        }
+    });
+    write_plane_partials(s, sx, partial);
+}
+
+extern "C" __global__ void batch_norm_grad_stats_planes_kernel(
+    const float* dy, const float* x, const float* y, const float* mean, const float* invstd,
+    double* partial, int C, int inner, int total, int per) {
+    grad_stats_planes<1>(dy, x, y, mean, invstd, partial, C, inner, total, per);
+}
+
+extern "C" __global__ void batch_norm_grad_stats_planes_vec4_kernel(
+    const float* dy, const float* x, const float* y, const float* mean, const float* invstd,
+    double* partial, int C, int inner, int total, int per) {
+    grad_stats_planes<4>(dy, x, y, mean, invstd, partial, C, inner, total, per);
+}
+
+extern "C" __global__ void __launch_bounds__(COLUMN_TILE * STATS_ROWS)
+batch_norm_grad_stats_columns_kernel(const float* dy, const float* x, const float* y,
+                                     const float* mean, const float* invstd, double* partial,
+                                     int N, int C, int per) {
+    const int c = min(blockIdx.x * COLUMN_TILE + threadIdx.x, C - 1);
+    const float mu = mean[c], is = invstd[c];
+    double s = 0.0, sx = 0.0;
+    walk_column(N, C, per, [&](long long at) {
+        const float g = masked_dy<1>(dy, y, at).v[0];
+        s += (double)g;
+        sx += (double)g * (double)normalised(x[at], mu, is);
+    });
+    write_column_partials(s, sx, partial, C);
+}
+
+// Each channel's splits added in order: dweight = sum g * xhat, dbias = sum g (dweight ==
+// nullptr: no affine), and coef[3c..3c+2] = (w * invstd, sum g / M, sum g * xhat / M) for the
+// dx pass (w = 1 without affine).
+extern "C" __global__ void batch_norm_grad_finalize_kernel(const double* partial, int splits,
+                                                           int C, double count,
+                                                           const float* weight,
+                                                           const float* invstd, float* coef,
+                                                           float* dweight, float* dbias) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    double s = 0.0, sx = 0.0;
+    for (int k = 0; k < splits; ++k) {
+        s += partial[((long long)c * splits + k) * 2];
+        sx += partial[((long long)c * splits + k) * 2 + 1];
+    }
+    if (dweight != nullptr) {
+        dweight[c] = (float)sx;
+        dbias[c] = (float)s;
+    }
+    const double w = weight != nullptr ? (double)weight[c] : 1.0;
+    coef[3 * c] = (float)(w * (double)invstd[c]);
+    coef[3 * c + 1] = (float)(s / count);
+    coef[3 * c + 2] = (float)(sx / count);
+}
+
+template <int V>
+__device__ __forceinline__ void backward_planes(const float* dy, const float* x, const float* y,
+                                                const float* mean, const float* invstd,
+                                                const float* coef, float* dx, int C, int inner,
+                                                int total, int per) {
+    const int c = blockIdx.x;
+    const float mu = mean[c], is = invstd[c];
+    const float k = coef[3 * c], a = coef[3 * c + 1], b = coef[3 * c + 2];
+    walk_channel(C, inner, total, per, [&](long long at) {
+        Pack<V> g = masked_dy<V>(dy, y, at);
+        const Pack<V> v = load_pack<V>(x, at);
+#pragma unroll
+        for (int e = 0; e < V; ++e) g.v[e] = bn_grad(g.v[e], normalised(v.v[e], mu, is), k, a, b);
+        store_pack<V>(dx, at, g);
+    });
+}
+
+extern "C" __global__ void batch_norm_backward_planes_kernel(
+    const float* dy, const float* x, const float* y, const float* mean, const float* invstd,
+    const float* coef, float* dx, int C, int inner, int total, int per) {
+    backward_planes<1>(dy, x, y, mean, invstd, coef, dx, C, inner, total, per);
+}
+
+extern "C" __global__ void batch_norm_backward_planes_vec4_kernel(
+    const float* dy, const float* x, const float* y, const float* mean, const float* invstd,
+    const float* coef, float* dx, int C, int inner, int total, int per) {
+    backward_planes<4>(dy, x, y, mean, invstd, coef, dx, C, inner, total, per);
+}
+
+extern "C" __global__ void batch_norm_backward_columns_kernel(
+    const float* dy, const float* x, const float* y, const float* mean, const float* invstd,
+    const float* coef, float* dx, int N, int C, int per) {
+    const int c = min(blockIdx.x * COLUMN_TILE + threadIdx.x, C - 1);
+    const float mu = mean[c], is = invstd[c];
+    const float k = coef[3 * c], a = coef[3 * c + 1], b = coef[3 * c + 2];
+    walk_column(N, C, per, [&](long long at) {
+        const float g = masked_dy<1>(dy, y, at).v[0];
+        dx[at] = bn_grad(g, normalised(x[at], mu, is), k, a, b);
+    });
+}

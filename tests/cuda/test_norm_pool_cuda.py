@@ -1,0 +1,423 @@
+"""cuda vs numpy for the norm and pool families and the extended older ops: batch_norm_train
+(affine, running statistics over 3 calls, cumulative momentum, fused ReLU; (N, C), (N, C, L),
+(N, C, H, W), both kernel layouts and the float4 path), batch_norm_grad, avgpool2d and its
+gradient, maxpool2d with padding, cross-entropy with label smoothing. Fresh random inputs
+(never zeros), cuda outputs poisoned first; one captured graph replayed."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.cuda
+
+cp = pytest.importorskip("cupy")
+
+from stepgraph.backends import cuda_available  # noqa: E402
+
+if not cuda_available():
+    pytest.skip("no GPU visible to CuPy", allow_module_level=True)
+
+import stepgraph  # noqa: E402,F401  (registers the op families)
+from stepgraph.backends.cuda import launchers, norm, pool  # noqa: E402
+from stepgraph.backends.cuda.context import CudaContext  # noqa: E402
+from stepgraph.backends.numpy.kernels import IMPLS as NUMPY_IMPLS  # noqa: E402
+from stepgraph.errors import CaptureError  # noqa: E402
+from stepgraph.ir.graph import Node, Value  # noqa: E402
+from stepgraph.ir.ops import OPS, infer_outputs  # noqa: E402
+
+CUDA_IMPLS = {**launchers.IMPLS, **norm.IMPLS, **pool.IMPLS}
+POISON = {"float32": np.nan, "float64": np.nan, "int32": -7, "int64": -7, "uint8": 7}
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    return CudaContext(stream=cp.cuda.Stream(non_blocking=True))
+
+
+def random(rng, *shape, scale=1.0, shift=0.1):
+    """float32 normal values shifted off zero, so no input is all zeros even at size 1."""
+    return (rng.standard_normal(shape) * scale + shift).astype(np.float32)
+
+
+def make_node(op, arrays, **attrs) -> Node:
+    ins = [Value(a.shape, str(a.dtype)) for a in arrays]
+    outs = [Value(s, d) for s, d in infer_outputs(op, ins, attrs)]
+    return Node(op, ins, outs, attrs, mutates=OPS[op].mutates(attrs))
+
+
+def to_device(ctx, arrays):
+    with ctx.stream:
+        return [cp.asarray(a) for a in arrays]
+
+
+def poisoned(ctx, node):
+    with ctx.stream:
+        return [cp.full(v.shape, POISON[v.dtype], v.dtype) for v in node.outputs]
+
+
+def to_host(ctx, arrays):
+    ctx.stream.synchronize()
+    return [cp.asnumpy(a) for a in arrays]
+
+
+def run_both(ctx, node, arrays):
+    """(numpy outputs, cuda outputs) of one node on copies of the same inputs."""
+    ref = [np.full(v.shape, POISON[v.dtype], v.dtype) for v in node.outputs]
+    NUMPY_IMPLS[node.op](node, [a.copy() for a in arrays], ref, None)
+    dev_out = poisoned(ctx, node)
+    CUDA_IMPLS[node.op](node, to_device(ctx, arrays), dev_out, ctx)
+    return ref, to_host(ctx, dev_out)
+
+
+def assert_close(got, want, rtol=1e-5, atol=1e-6, what=""):
+    assert got.shape == want.shape and got.dtype == want.dtype, \
+        f"{what}: {got.dtype}{got.shape} vs {want.dtype}{want.shape}"
+    assert np.isfinite(got).all() == np.isfinite(want).all(), f"{what}: not every element written"
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=what)
+
+
+# ---- batch_norm_train ----------------------------------------------------------------------
+
+# (N, C) over both layouts (columns from 8 channels), (N, C, L), (N, C, H, W): odd sizes,
+# C = 1, inner % 4 == 0 (float4 packs), and sizes that split a channel over several blocks.
+BN_SHAPES = [(6, 5), (7, 1), (16, 40), (5000, 16), (4, 3, 7), (3, 1, 9), (2, 6, 8),
+             (2, 3, 5, 5), (8, 16, 4, 4), (1, 2, 50, 50), (4, 2, 64, 64), (64, 3, 33, 33)]
+# (affine, track, momentum, act)
+BN_VARIANTS = [(True, True, 0.1, "none"), (False, True, 0.1, "none"), (True, False, 0.1, "none"),
+               (False, False, 0.1, "relu"), (True, True, None, "relu"),
+               (False, True, None, "none")]
+
+
+def bn_inputs(rng, shape, affine, track):
+    c = shape[1]
+    x = random(rng, *shape, scale=2.0, shift=3.0)       # mean far from 0: a real shift
+    ins = [x]
+    if affine:
+        ins += [random(rng, c), random(rng, c)]
+    if track:
+        ins += [random(rng, c, scale=0.1), np.abs(random(rng, c)) + 0.5,
+                np.array(3, np.int64)]
+    return ins
+
+
+def bn_node(ins, affine, track, momentum, act):
+    return make_node("batch_norm_train", ins, eps=1e-5, momentum=momentum, affine=affine,
+                     track=track, act=act)
+
+
+def check_bn_outputs(got, want, what):
+    assert_close(got[0], want[0], rtol=1e-5, atol=1e-5, what=f"{what} y")
+    assert_close(got[1], want[1], rtol=1e-6, atol=1e-6, what=f"{what} save_mean")
+    assert_close(got[2], want[2], rtol=1e-6, atol=0, what=f"{what} save_invstd")
+
+
+@pytest.mark.parametrize("affine,track,momentum,act", BN_VARIANTS)
+@pytest.mark.parametrize("shape", BN_SHAPES)
+def test_batch_norm_train(ctx, shape, affine, track, momentum, act):
+    """Three calls on fresh x each: outputs every call, running statistics (mutated inputs)
+    and num_batches_tracked after each."""
+    rng = np.random.default_rng([101, *shape, affine, track])
+    ref_ins = bn_inputs(rng, shape, affine, track)
+    node = bn_node(ref_ins, affine, track, momentum, act)
+    dev_ins = to_device(ctx, ref_ins)
+    what = f"batch_norm_train {shape} affine={affine} track={track} m={momentum} {act}"
+    for call in range(3):
+        x = random(rng, *shape, scale=2.0, shift=3.0 - call)
+        ref_ins[0][...] = x
+        dev_ins[0].set(x, stream=ctx.stream)
+        want = [np.full(v.shape, np.nan, v.dtype) for v in node.outputs]
+        NUMPY_IMPLS[node.op](node, ref_ins, want, None)
+        got = poisoned(ctx, node)
+        CUDA_IMPLS[node.op](node, dev_ins, got, ctx)
+        check_bn_outputs(to_host(ctx, got), want, f"{what} call {call}")
+        state = to_host(ctx, dev_ins)
+        for i in node.mutates:
+            if ref_ins[i].dtype == np.int64:
+                assert int(state[i]) == int(ref_ins[i]) == 4 + call
+            else:
+                assert_close(state[i], ref_ins[i], rtol=2e-6, atol=1e-7,
+                             what=f"{what} call {call} running input {i}")
+
+
+def test_batch_norm_train_is_deterministic(ctx):
+    shape = (64, 3, 33, 33)                     # several splits per channel
+    x = random(np.random.default_rng(103), *shape)
+    node = bn_node([x], False, False, 0.1, "none")
+    (dev,) = to_device(ctx, [x])
+    runs = []
+    for _ in range(3):
+        out = poisoned(ctx, node)
+        CUDA_IMPLS[node.op](node, [dev], out, ctx)
+        runs.append(to_host(ctx, out))
+    for a, b in zip(runs[0], runs[1] + runs[2]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_batch_norm_needs_its_scratch_before_capture(ctx):
+    x = random(np.random.default_rng(107), 4, 3, 5, 5)
+    node = bn_node([x], False, False, 0.1, "none")
+    dev = to_device(ctx, [x])
+    cold = CudaContext(stream=ctx.stream, capturing=True)
+    with pytest.raises(CaptureError):
+        CUDA_IMPLS[node.op](node, dev, poisoned(ctx, node), cold)
+    CUDA_IMPLS[node.op](node, dev, poisoned(ctx, node), ctx)     # eager: builds the scratch
+    out = poisoned(ctx, node)
+    CUDA_IMPLS[node.op](node, dev, out, cold)                    # now found: no error
+    assert np.isfinite(to_host(ctx, out)[0]).all()
+
+
+def test_batch_norm_float4_and_scalar_paths_agree(ctx):
+    """A misaligned view of the same data takes the scalar walk: same values."""
+    shape = (3, 4, 8, 8)
+    flat = random(np.random.default_rng(109), 1 + int(np.prod(shape)))
+    x = flat[1:].reshape(shape)
+    node = bn_node([x], False, False, 0.1, "none")
+    (dev_flat,) = to_device(ctx, [flat])
+    aligned = dev_flat[1:].copy().reshape(shape)
+    misaligned = dev_flat[1:].reshape(shape)
+    assert not launchers._aligned(misaligned) and launchers._aligned(aligned)
+    outs = []
+    for arr in (aligned, misaligned):
+        out = poisoned(ctx, node)
+        CUDA_IMPLS[node.op](node, [arr], out, ctx)
+        outs.append(to_host(ctx, out))
+    for a, b, name in zip(outs[0], outs[1], ("y", "save_mean", "save_invstd")):
+        assert_close(b, a, rtol=1e-6, atol=1e-6, what=f"float4 vs scalar {name}")
+
+
+# ---- batch_norm_grad -----------------------------------------------------------------------
+
+def bn_forward_numpy(x, weight, bias, act):
+    """(y, save_mean, save_invstd) of the numpy reference (no running statistics)."""
+    ins = [x] + ([weight, bias] if weight is not None else [])
+    node = bn_node(ins, weight is not None, False, 0.1, act)
+    outs = [np.empty(v.shape, v.dtype) for v in node.outputs]
+    NUMPY_IMPLS[node.op](node, ins, outs, None)
+    return outs
+
+
+@pytest.mark.parametrize("affine,act", [(True, "none"), (False, "none"), (True, "relu"),
+                                        (False, "relu")])
+@pytest.mark.parametrize("shape", BN_SHAPES)
+def test_batch_norm_grad(ctx, shape, affine, act):
+    rng = np.random.default_rng([113, *shape, affine])
+    c = shape[1]
+    x, dy = random(rng, *shape, scale=2.0, shift=3.0), random(rng, *shape)
+    weight, bias = (random(rng, c), random(rng, c)) if affine else (None, None)
+    y, mean, invstd = bn_forward_numpy(x, weight, bias, act)
+    ins = [dy, x] + ([weight] if affine else []) + [mean, invstd] + ([y] if act == "relu" else [])
+    node = make_node("batch_norm_grad", ins, affine=affine, act=act)
+    ref, got = run_both(ctx, node, ins)
+    what = f"batch_norm_grad {shape} affine={affine} {act}"
+    k = np.abs(invstd * (weight if affine else 1.0)).max()
+    assert_close(got[0], ref[0], rtol=1e-4, atol=2e-5 * k * np.abs(dy).max(), what=f"{what} dx")
+    if affine:
+        axes = (0,) + tuple(range(2, len(shape)))
+        sums = np.abs(dy).astype(np.float64).sum(axis=axes).max()
+        xhat = np.abs((x - mean.reshape((1, c) + (1,) * (len(shape) - 2)))
+                      * invstd.reshape((1, c) + (1,) * (len(shape) - 2))).max()
+        assert_close(got[1], ref[1], rtol=1e-5, atol=1e-6 * sums * xhat, what=f"{what} dweight")
+        assert_close(got[2], ref[2], rtol=1e-5, atol=1e-6 * sums, what=f"{what} dbias")
+
+
+# ---- avgpool2d -----------------------------------------------------------------------------
+
+# (shape, kernel, stride, padding): overlapping windows, padding, strides > kernel, one window
+# per plane (global pooling: a warp per output from 64 window elements), 1-pixel planes.
+AVG_POOLS = [((2, 3, 7, 9), (3, 3), (2, 2), (1, 1)), ((1, 1, 2, 2), (2, 2), (2, 2), (0, 0)),
+             ((2, 2, 5, 5), (2, 3), (1, 2), (1, 1)), ((3, 5, 9, 6), (3, 2), (3, 1), (1, 0)),
+             ((2, 1, 6, 6), (2, 2), (3, 3), (0, 0)), ((2, 4, 8, 8), (8, 8), (8, 8), (0, 0)),
+             ((3, 7, 7, 7), (7, 7), (1, 1), (0, 0)), ((2, 3, 12, 10), (9, 9), (2, 1), (4, 3)),
+             ((1, 2, 1, 1), (2, 2), (1, 1), (1, 1)), ((4, 16, 32, 32), (2, 2), (2, 2), (0, 0))]
+
+
+@pytest.mark.parametrize("count_include_pad", [True, False])
+@pytest.mark.parametrize("shape,kernel,stride,padding", AVG_POOLS)
+def test_avgpool2d(ctx, shape, kernel, stride, padding, count_include_pad):
+    x = random(np.random.default_rng([127, *shape]), *shape)
+    node = make_node("avgpool2d", [x], kernel=kernel, stride=stride, padding=padding,
+                     count_include_pad=count_include_pad)
+    ref, got = run_both(ctx, node, [x])
+    assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6, what=f"avgpool2d {shape} {kernel}")
+
+
+@pytest.mark.parametrize("count_include_pad", [True, False])
+@pytest.mark.parametrize("shape,kernel,stride,padding", AVG_POOLS)
+def test_avgpool2d_grad(ctx, shape, kernel, stride, padding, count_include_pad):
+    attrs = dict(kernel=kernel, stride=stride, padding=padding,
+                 count_include_pad=count_include_pad)
+    y_shape = make_node("avgpool2d", [np.empty(shape, np.float32)], **attrs).outputs[0].shape
+    dy = random(np.random.default_rng([131, *shape]), *y_shape)
+    node = make_node("avgpool2d_grad", [dy], input_shape=shape, **attrs)
+    ref, got = run_both(ctx, node, [dy])
+    assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6, what=f"avgpool2d_grad {shape} {kernel}")
+
+
+# ---- maxpool2d with padding ----------------------------------------------------------------
+
+MAX_POOLS = [((2, 3, 7, 9), (3, 3), (2, 2), (1, 1)), ((2, 2, 5, 5), (2, 3), (1, 2), (1, 1)),
+             ((3, 5, 9, 6), (3, 2), (3, 1), (1, 0)), ((1, 3, 8, 8), (2, 2), (2, 2), (1, 1)),
+             ((2, 4, 16, 16), (3, 3), (2, 2), (1, 1)), ((1, 2, 1, 1), (2, 2), (1, 1), (1, 1)),
+             ((2, 3, 6, 6), (2, 2), (2, 2), (0, 0))]
+
+
+def pool_input(shape):
+    # Values on a coarse grid so that windows hold ties: the first maximum must win.
+    return np.round(random(np.random.default_rng([137, *shape]), *shape) * 2) / 2
+
+
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("shape,kernel,stride,padding", MAX_POOLS)
+def test_maxpool2d_padding(ctx, shape, kernel, stride, padding, relu):
+    x = pool_input(shape)
+    node = make_node("maxpool2d", [x], kernel=kernel, stride=stride, padding=padding, relu=relu)
+    ref, got = run_both(ctx, node, [x])
+    np.testing.assert_array_equal(got[1], ref[1], err_msg=f"maxpool2d idx {shape} {padding}")
+    np.testing.assert_array_equal(got[0], ref[0], err_msg=f"maxpool2d y {shape} {padding}")
+
+
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("shape,kernel,stride,padding", MAX_POOLS)
+def test_maxpool2d_grad_padding(ctx, shape, kernel, stride, padding, relu):
+    x = pool_input(shape)
+    attrs = dict(kernel=kernel, stride=stride, padding=padding, relu=relu)
+    fwd = make_node("maxpool2d", [x], **attrs)
+    y_shape = fwd.outputs[0].shape
+    y, idx = np.empty(y_shape, np.float32), np.empty(y_shape, np.int32)
+    NUMPY_IMPLS["maxpool2d"](fwd, [x], [y, idx], None)
+    dy = random(np.random.default_rng(139), *y_shape)
+    ins = [dy, idx] + ([y] if relu else [])
+    node = make_node("maxpool2d_grad", ins, input_shape=shape, **attrs)
+    ref, got = run_both(ctx, node, ins)
+    assert_close(got[0], ref[0], rtol=1e-6, atol=1e-6, what=f"maxpool2d_grad {shape} {padding}")
+
+
+# ---- cross-entropy with label smoothing ----------------------------------------------------
+
+# One warp per row and wider rows; one block and many; the short-row train kernel.
+CE_ROWS = [(1, 1), (1, 10), (7, 3), (128, 10), (8, 2000), (3, 20000), (33, 1025), (4000, 10),
+           (40, 1500)]
+
+
+def logits_and_labels(n, c, label_dtype, seed):
+    rng = np.random.default_rng([seed, n, c])
+    return random(rng, n, c) * 3, rng.integers(0, c, size=n).astype(label_dtype)
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.2])
+@pytest.mark.parametrize("label_dtype", ["int32", "int64"])
+@pytest.mark.parametrize("n,c", CE_ROWS)
+def test_cross_entropy_smoothing(ctx, n, c, label_dtype, eps):
+    x, labels = logits_and_labels(n, c, label_dtype, 149)
+    node = make_node("cross_entropy", [x, labels], label_smoothing=eps)
+    ref, got = run_both(ctx, node, [x, labels])
+    assert_close(got[0], ref[0], rtol=2e-6, atol=0, what=f"cross_entropy eps={eps} {n}x{c}")
+    assert_close(got[1], ref[1], rtol=1e-6, atol=1e-6, what=f"cross_entropy lse {n}x{c}")
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.2])
+@pytest.mark.parametrize("label_dtype", ["int32", "int64"])
+@pytest.mark.parametrize("n,c", CE_ROWS)
+def test_cross_entropy_grad_smoothing(ctx, n, c, label_dtype, eps):
+    x, labels = logits_and_labels(n, c, label_dtype, 151)
+    lse = (x.max(1) + np.log(np.exp(x - x.max(1, keepdims=True)).sum(1))).astype(np.float32)
+    dloss = np.array(1.7, np.float32)
+    node = make_node("cross_entropy_grad", [dloss, x, lse, labels], label_smoothing=eps)
+    ref, got = run_both(ctx, node, [dloss, x, lse, labels])
+    assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6 / n, what=f"ce_grad eps={eps} {n}x{c}")
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.2])
+@pytest.mark.parametrize("label_dtype", ["int32", "int64"])
+@pytest.mark.parametrize("n,c", CE_ROWS)
+def test_cross_entropy_train_smoothing(ctx, n, c, label_dtype, eps):
+    x, labels = logits_and_labels(n, c, label_dtype, 157)
+    node = make_node("cross_entropy_train", [x, labels], label_smoothing=eps)
+    ref, got = run_both(ctx, node, [x, labels])
+    assert_close(got[0], ref[0], rtol=2e-6, atol=0, what=f"ce_train loss eps={eps} {n}x{c}")
+    assert_close(got[1], ref[1], rtol=1e-5, atol=1e-6 / n, what=f"ce_train dx eps={eps} {n}x{c}")
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "cross_entropy_train"])
+@pytest.mark.parametrize("n,c", [(4000, 10), (40, 1500)])
+def test_smoothed_cross_entropy_many_blocks_and_capture_fallback(ctx, op, n, c):
+    """Many blocks park smoothed row losses: the same bits every run; a capture-time call
+    without scratch takes the one-block path and still matches."""
+    x, labels = logits_and_labels(n, c, "int64", 163)
+    node = make_node(op, [x, labels], label_smoothing=0.2)
+    ins = to_device(ctx, [x, labels])
+    runs = []
+    for _ in range(3):
+        outs = poisoned(ctx, node)
+        CUDA_IMPLS[op](node, ins, outs, ctx)
+        runs.append(to_host(ctx, outs))
+    assert runs[0][0] == runs[1][0] == runs[2][0]
+    fresh = make_node(op, [x, labels], label_smoothing=0.2)
+    outs = poisoned(ctx, fresh)
+    CUDA_IMPLS[op](fresh, ins, outs, CudaContext(stream=ctx.stream, capturing=True))
+    got = to_host(ctx, outs)
+    assert_close(got[0], runs[0][0], rtol=2e-6, atol=0, what=f"{op} one-block fallback loss")
+    assert_close(got[1], runs[0][1], rtol=0, atol=0, what=f"{op} one-block fallback output")
+
+
+def test_zero_smoothing_is_the_unsmoothed_op(ctx):
+    """label_smoothing 0.0 and no attr at all run the same arithmetic: identical bits."""
+    x, labels = logits_and_labels(4000, 10, "int64", 167)
+    ins = to_device(ctx, [x, labels])
+    results = []
+    for attrs in ({}, {"label_smoothing": 0.0}):
+        node = make_node("cross_entropy_train", [x, labels], **attrs)
+        outs = poisoned(ctx, node)
+        CUDA_IMPLS[node.op](node, ins, outs, ctx)
+        results.append(to_host(ctx, outs))
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
+# ---- a captured graph ----------------------------------------------------------------------
+
+def test_captured_batch_norm_replays(ctx):
+    """batch_norm_train (running statistics, cumulative momentum, ReLU) and batch_norm_grad
+    captured once after an eager warm-up, replayed 5 times with fresh x and dy."""
+    rng = np.random.default_rng(173)
+    shape, c = (8, 6, 5, 5), 6
+    x, dy = random(rng, *shape, shift=2.0), random(rng, *shape)
+    w, b = random(rng, c), random(rng, c)
+    rm, rv, count = np.zeros(c, np.float32), np.ones(c, np.float32), np.array(0, np.int64)
+    fwd = bn_node([x, w, b, rm, rv, count], True, True, None, "relu")
+    y, mean, invstd = (np.zeros(v.shape, np.float32) for v in fwd.outputs)
+    grad_ins = [dy, x, w, mean, invstd, y]
+    bwd = make_node("batch_norm_grad", grad_ins, affine=True, act="relu")
+    dx, dw, db = (np.zeros(v.shape, np.float32) for v in bwd.outputs)
+
+    def program(impls, a, ctx_):
+        x_, dy_, w_, b_, rm_, rv_, n_, y_, m_, s_, dx_, dw_, db_ = a
+        impls[fwd.op](fwd, [x_, w_, b_, rm_, rv_, n_], [y_, m_, s_], ctx_)
+        impls[bwd.op](bwd, [dy_, x_, w_, m_, s_, y_], [dx_, dw_, db_], ctx_)
+
+    host = [x, dy, w, b, rm, rv, count, y, mean, invstd, dx, dw, db]
+    dev = to_device(ctx, [a.copy() for a in host])
+    program(NUMPY_IMPLS, host, None)
+    program(CUDA_IMPLS, dev, ctx)                          # eager warm-up: builds the scratch
+    ctx.stream.synchronize()
+    ctx.capturing = True
+    ctx.stream.begin_capture()
+    try:
+        with ctx.stream:
+            program(CUDA_IMPLS, dev, ctx)
+    finally:
+        ctx.capturing = False
+        graph = ctx.stream.end_capture()
+    for step in range(5):
+        fresh_x, fresh_dy = random(rng, *shape, shift=2.0 - step), random(rng, *shape)
+        for i, value in ((0, fresh_x), (1, fresh_dy)):
+            host[i][...] = value
+            dev[i].set(value, stream=ctx.stream)
+        program(NUMPY_IMPLS, host, None)
+        graph.launch(ctx.stream)
+    got = to_host(ctx, dev)
+    assert int(got[6]) == int(host[6]) == 6
+    for name, i, atol in (("running_mean", 4, 1e-6), ("running_var", 5, 1e-6), ("y", 7, 1e-5),
+                          ("save_invstd", 9, 0), ("dx", 10, 1e-5), ("dweight", 11, 1e-4),
+                          ("dbias", 12, 1e-4)):
+        assert_close(got[i], host[i], rtol=1e-5, atol=atol, what=f"replayed {name}")
