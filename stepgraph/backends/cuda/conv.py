@@ -23,6 +23,11 @@ weight gradient: two), no im2col, no GEMM:
          and 4 channels ("direct") or 1 ("direct_narrow"); usable when
            C*kh*kw <= 1024 and O*kh*kw <= 1024   (a block's slice of w fits shared memory)
            and x, y have <= 2^30 elements         (32-bit offsets in the kernels)
+cuDNN (conv_cudnn.py) adds a candidate per execution plan ("cudnn:<i>"), and is the only
+family that runs groups > 1 or dilation != 1 (the three above decline those). A forward with
+bias also offers each plain cuDNN plan followed by conv2d_bias_act ("cudnn:<i>+epilogue"):
+few float32 engines fuse the bias. With attrs act "relu" (the ReLU that followed, fused) every
+path applies it: in the cuDNN graph, or through that epilogue kernel.
 Every path that can run an op is a candidate; the first eager call of a problem (op,
 geometry, dtype, precision) times each on its real buffers (`_run_faster`, autotune.py) and
 the backend keeps the fastest for every node with that problem: no size rule predicted the
@@ -37,6 +42,7 @@ GEMMs.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Callable
 
@@ -44,9 +50,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...errors import CaptureError, ShapeError
+from ...errors import CaptureError, ShapeError, UnsupportedOpError
 from ...ir.ops import conv_out
-from . import autotune, compiler, gemm, launchers
+from . import autotune, compiler, conv_cudnn, gemm, launchers
 from . import conv_tiled as tiled
 
 SCRATCH_CHUNK_BYTES = 256 << 20
@@ -55,8 +61,9 @@ MAX_BLOCKS = 1 << 15     # grid-stride loops cover the rest
 _CTYPES = compiler.FLOAT_CTYPES
 GEMM_PATH_KERNELS = ("conv2d_im2col_kernel", "conv2d_grad_weight_gather_kernel",
                      "conv2d_col2im_kernel")
+EPILOGUE_KERNEL = "conv2d_bias_act_kernel"
 
-PATHS = ("direct", "direct_narrow", "tiled", "gemm")
+PATHS = ("direct", "direct_narrow", "tiled", "gemm", "cudnn")
 PATH = "auto"                 # "auto" (timed per problem) or one of PATHS: tests force one
 DIRECT_SOURCE = "conv_direct.cu"
 DIRECT_MAX_TAPS = 1024        # conv_direct.cu's MAX_TAPS: a block's slice of w in shared memory
@@ -85,14 +92,26 @@ class Geometry:
     sw: int
     ph: int
     pw: int
+    dil_h: int = 1
+    dil_w: int = 1
+    groups: int = 1
 
     @property
     def ho(self) -> int:
-        return conv_out(self.h, self.kh, self.sh, self.ph)
+        return conv_out(self.h, self.dil_h * (self.kh - 1) + 1, self.sh, self.ph)
 
     @property
     def wo(self) -> int:
-        return conv_out(self.w, self.kw, self.sw, self.pw)
+        return conv_out(self.w, self.dil_w * (self.kw - 1) + 1, self.sw, self.pw)
+
+    @property
+    def plain(self) -> bool:
+        """groups 1 and dilation 1: what the own kernels (gemm, direct, tiled) run."""
+        return (self.groups, self.dil_h, self.dil_w) == (1, 1, 1)
+
+    @property
+    def w_shape(self) -> tuple[int, int, int, int]:
+        return (self.o, self.c // self.groups, self.kh, self.kw)
 
     @property
     def ck(self) -> int:
@@ -124,11 +143,14 @@ class Geometry:
 
 def _geometry(x_shape, w_shape, attrs: dict) -> Geometry:
     (sh, sw), (ph, pw) = attrs["stride"], attrs["padding"]
+    dil_h, dil_w = attrs.get("dilation", (1, 1))
+    groups = int(attrs.get("groups", 1))
     n, c, h, w = x_shape
     o, c2, kh, kw = w_shape
-    if c != c2:
-        raise ShapeError(f"conv2d: input has {c} channels, weight expects {c2}")
-    return Geometry(n, c, h, w, o, kh, kw, sh, sw, ph, pw)
+    if c != c2 * groups or o % groups:
+        raise ShapeError(f"conv2d: input has {c} channels and weight {tuple(w_shape)}, which "
+                         f"do not make {groups} group(s) (want C = {c2} * groups, O % groups 0)")
+    return Geometry(n, c, h, w, o, kh, kw, sh, sw, ph, pw, dil_h, dil_w, groups)
 
 
 def _contiguous(arr, name: str, shape=None):
@@ -219,6 +241,15 @@ def conv2d_grad_weight_gather(ctx, g: Geometry, x, dy, cols_t, dy_t) -> None:
     _launch(ctx, "conv2d_grad_weight_gather_kernel", x.dtype, total, args)
 
 
+def conv2d_bias_act(ctx, y, bias, relu: bool) -> None:
+    """y (N, O, Ho, Wo) += bias[o] (bias None: none), then ReLU when relu, in place: the
+    epilogue of a convolution computed without them (a cuDNN plan that fuses neither)."""
+    o, p = y.shape[1], y.shape[2] * y.shape[3]
+    args = (y, y if bias is None else bias, np.int64(y.size), np.int32(o), np.int32(p),
+            np.int32(bias is not None), np.int32(relu))
+    _launch(ctx, EPILOGUE_KERNEL, y.dtype, y.size, args)
+
+
 def conv2d_col2im(ctx, g: Geometry, dcols, dx) -> None:
     """dx (nb, C, H, W) = sum of the patch entries of dcols (nb, CK, P) that read each pixel."""
     nb = dx.shape[0]
@@ -246,7 +277,7 @@ def use_direct(op: str, g: Geometry, dtype) -> bool:
     if PATH != "auto":
         if PATH not in PATHS:
             raise ValueError(f"conv.PATH must be 'auto' or one of {PATHS}, got {PATH!r}")
-        return PATH != "gemm"
+        return PATH not in ("gemm", "cudnn")
     if direct_unsupported(g, dtype) is not None or g.macs > DIRECT_MAX_MACS:
         return False
     return op != "conv2d_grad_weight" or g.n * g.p <= DIRECT_MAX_SUM
@@ -357,7 +388,8 @@ def kernel_names() -> dict[str, set[str]]:
     (the NVRTC compile test instantiates each; the tiled kernels for TILED_NAME_GEOMETRIES)."""
     names: dict[str, set[str]] = {"conv.cu": set(), DIRECT_SOURCE: set(), tiled.SOURCE: set()}
     for dtype, ctype in _CTYPES.items():
-        names["conv.cu"].update(f"{kernel}<{ctype}>" for kernel in GEMM_PATH_KERNELS)
+        names["conv.cu"].update(f"{kernel}<{ctype}>"
+                                for kernel in GEMM_PATH_KERNELS + (EPILOGUE_KERNEL,))
         names[DIRECT_SOURCE].update(
             [_direct_name(kind, ctype, (channels,)) for kind in ("forward", "grad_input")
              for channels in (DIRECT_CHANNELS, NARROW_CHANNELS)]
@@ -372,22 +404,27 @@ def kernel_names() -> dict[str, set[str]]:
 
 def _run_faster(node, ctx, g: Geometry, dtype, paths: dict[str, Callable[[], None]]) -> None:
     """Run the op through one of `paths` (path name -> launch function, only the paths that can
-    run this op, "gemm" always among them): PATH when forced (a tiled path for "tiled"); else
-    the fastest as timed on real buffers once per problem (autotune.py: no size rule
-    predicted the benchmark convs, the direct kernel won 4x on conv1's forward and lost 2.5x on
-    conv2's grad_input); during a capture with no timing yet, a tiled path if there is one,
-    else `use_direct`'s rule."""
+    run this op: "gemm" among them unless groups or dilation leave cuDNN alone): PATH when
+    forced (a tiled path for "tiled", a cuDNN plan for "cudnn"); else the fastest as timed on
+    real buffers once per problem (autotune.py: no size rule predicted the benchmark convs,
+    the direct kernel won 4x on conv1's forward and lost 2.5x on conv2's grad_input); during a
+    capture with no timing yet, a tiled path if there is one, else `use_direct`'s rule, else
+    the first cuDNN plan."""
+    if not paths:
+        raise UnsupportedOpError(f"{node.op}: no cuda path runs {g} ({dtype}): "
+                                 f"{conv_cudnn.reason(ctx, node.op, g, dtype)}")
+    first = "direct" if "direct" in paths else "gemm" if "gemm" in paths else next(iter(paths))
     if PATH != "auto":
         if PATH not in PATHS:
             raise ValueError(f"conv.PATH must be 'auto' or one of {PATHS}, got {PATH!r}")
         # grad_weight has one direct kernel, which both direct names run.
-        autotune.run_family(paths, PATH, "direct" if "direct" in paths else "gemm")
+        autotune.run_family(paths, PATH, first)
         return
     tiled = [name for name in paths if name.startswith("tiled")]
     default = tiled[0] if tiled else "direct" if "direct" in paths and \
-        use_direct(node.op, g, dtype) else "gemm"
+        use_direct(node.op, g, dtype) else "gemm" if "gemm" in paths else first
     key = (node.op, g, str(dtype), ctx.precision, len(node.inputs), len(node.outputs),
-           tuple(paths))
+           node.attrs.get("act"), tuple(paths))
     autotune.run_fastest(ctx, key, paths, default)
 
 
@@ -408,14 +445,41 @@ def conv2d_forward(node, ins, outs, ctx) -> None:
     g = _geometry(x.shape, w.shape, node.attrs)
     bias = _contiguous(ins[2], "bias", (g.o,)) if len(ins) == 3 else None
     y = _contiguous(outs[0], "y", (g.n, g.o, g.ho, g.wo))
-    paths = _tiled_paths("conv2d", g, x,
-                         lambda conv: tiled.conv2d_tiled(ctx, conv, x, w, bias, y))
-    if direct_unsupported(g, x.dtype) is None:
-        paths["direct"] = lambda: conv2d_direct_forward(ctx, g, x, w, bias, y)
-        paths["direct_narrow"] = lambda: conv2d_direct_forward(ctx, g, x, w, bias, y,
-                                                               NARROW_CHANNELS)
-    paths["gemm"] = lambda: _forward_gemm(ctx, node, g, x, w, bias, y)
+    relu = _fused_relu(node)
+    paths: dict[str, Callable[[], None]] = {}
+    if g.plain:
+        paths = _tiled_paths("conv2d", g, x,
+                             lambda conv: tiled.conv2d_tiled(ctx, conv, x, w, bias, y))
+        if direct_unsupported(g, x.dtype) is None:
+            paths["direct"] = lambda: conv2d_direct_forward(ctx, g, x, w, bias, y)
+            paths["direct_narrow"] = lambda: conv2d_direct_forward(ctx, g, x, w, bias, y,
+                                                                   NARROW_CHANNELS)
+        paths["gemm"] = lambda: _forward_gemm(ctx, node, g, x, w, bias, y)
+        if relu:
+            paths = {name: _then(run, lambda: conv2d_bias_act(ctx, y, None, True))
+                     for name, run in paths.items()}
+    paths |= conv_cudnn.conv2d_paths(ctx, g, x, w, y, bias, relu)
+    if bias is not None or relu:
+        epilogue = functools.partial(conv2d_bias_act, ctx, y, bias, relu)
+        paths |= {f"{name}+epilogue": _then(run, epilogue)
+                  for name, run in conv_cudnn.conv2d_paths(ctx, g, x, w, y).items()}
     _run_faster(node, ctx, g, x.dtype, paths)
+
+
+def _fused_relu(node) -> bool:
+    """Whether the forward applies the ReLU that followed it (attrs act "relu")."""
+    act = node.attrs.get("act")
+    if act not in (None, "none", "relu"):
+        raise UnsupportedOpError(f"{node.op}: fused activation {act!r} (the cuda conv paths "
+                                 "fuse only relu)")
+    return act == "relu"
+
+
+def _then(run: Callable[[], None], after: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        run()
+        after()
+    return both
 
 
 def _tiled_paths(op: str, g: Geometry, x, run) -> dict[str, Callable[[], None]]:
@@ -423,11 +487,12 @@ def _tiled_paths(op: str, g: Geometry, x, run) -> dict[str, Callable[[], None]]:
     where the tiled kernels cannot run `op`); run(conv) launches one TiledConv."""
     if tiled.unsupported(op, g, x.dtype) is not None:
         return {}
-    paths = {}
+    paths, ctype = {}, compiler.FLOAT_CTYPES[str(x.dtype)]
     for (ob, px), ks in itertools.product(tiled.TILES, tiled.CHANNEL_SPLITS):
         conv = tiled.plan_conv(g, op == "conv2d_grad_input", (ob, px), ks, x.itemsize)
         if conv is not None:
-            paths[f"tiled:{ob}x{px}k{ks}"] = lambda conv=conv: run(conv)
+            paths[f"tiled:{ob}x{px}k{ks}"] = autotune.compiling(
+                lambda conv=conv: run(conv), (tiled.SOURCE, conv.name(ctype)))
     return paths
 
 
@@ -457,13 +522,16 @@ def conv2d_grad_input(node, ins, outs, ctx) -> None:
     g = _geometry(tuple(node.attrs["input_shape"]), w.shape, node.attrs)
     dy = _contiguous(ins[0], "dy", (g.n, g.o, g.ho, g.wo))
     dx = _contiguous(outs[0], "dx", (g.n, g.c, g.h, g.w))
-    paths = _tiled_paths("conv2d_grad_input", g, dy,
-                         lambda conv: tiled.conv2d_tiled(ctx, conv, dy, w, None, dx))
-    if direct_unsupported(g, dy.dtype) is None:
-        paths["direct"] = lambda: conv2d_direct_grad_input(ctx, g, dy, w, dx)
-        paths["direct_narrow"] = lambda: conv2d_direct_grad_input(ctx, g, dy, w, dx,
-                                                                  NARROW_CHANNELS)
-    paths["gemm"] = lambda: _grad_input_gemm(ctx, node, g, dy, w, dx)
+    paths: dict[str, Callable[[], None]] = {}
+    if g.plain:
+        paths = _tiled_paths("conv2d_grad_input", g, dy,
+                             lambda conv: tiled.conv2d_tiled(ctx, conv, dy, w, None, dx))
+        if direct_unsupported(g, dy.dtype) is None:
+            paths["direct"] = lambda: conv2d_direct_grad_input(ctx, g, dy, w, dx)
+            paths["direct_narrow"] = lambda: conv2d_direct_grad_input(ctx, g, dy, w, dx,
+                                                                      NARROW_CHANNELS)
+        paths["gemm"] = lambda: _grad_input_gemm(ctx, node, g, dy, w, dx)
+    paths |= conv_cudnn.grad_input_paths(ctx, g, dy, w, dx)
     _run_faster(node, ctx, g, dy.dtype, paths)
 
 
@@ -496,7 +564,7 @@ def conv2d_grad_weight(node, ins, outs, ctx) -> None:
     x = _contiguous(ins[1], "x")
     g = _geometry(x.shape, tuple(node.attrs["weight_shape"]), node.attrs)
     dy = _contiguous(ins[0], "dy", (g.n, g.o, g.ho, g.wo))
-    dw = _contiguous(outs[0], "dw", (g.o, g.c, g.kh, g.kw))
+    dw = _contiguous(outs[0], "dw", g.w_shape)
     db = _contiguous(outs[1], "db", (g.o,)) if node.attrs.get("bias") else None
 
     def with_bias(run: Callable[[], None]) -> Callable[[], None]:
@@ -510,15 +578,20 @@ def conv2d_grad_weight(node, ins, outs, ctx) -> None:
         partial = _scratch(ctx, [(plan.parts, plan.per_part)], x.dtype)[0]
         tiled.conv2d_tiled_grad_weight(ctx, plan, dy, x, dw, db, partial)
 
-    paths = {}
-    if tiled.unsupported(node.op, g, x.dtype) is None:
+    paths: dict[str, Callable[[], None]] = {}
+    if g.plain and tiled.unsupported(node.op, g, x.dtype) is None:
         for rb, os in tiled.GRAD_WEIGHT_SPLITS:
             plan = tiled.plan_grad_weight(g, (rb, os), db is not None, x.itemsize)
             if plan is not None:
-                paths[f"tiled:r{rb}o{os}"] = lambda plan=plan: tiled_grad_weight(plan)
-    if direct_unsupported(g, x.dtype) is None:
+                paths[f"tiled:r{rb}o{os}"] = autotune.compiling(
+                    lambda plan=plan: tiled_grad_weight(plan),
+                    (tiled.SOURCE, plan.name(compiler.FLOAT_CTYPES[str(x.dtype)])))
+    if g.plain and direct_unsupported(g, x.dtype) is None:
         paths["direct"] = with_bias(lambda: conv2d_direct_grad_weight(ctx, g, dy, x, dw))
-    paths["gemm"] = with_bias(lambda: _grad_weight_gemm(ctx, node, g, dy, x, dw))
+    if g.plain:
+        paths["gemm"] = with_bias(lambda: _grad_weight_gemm(ctx, node, g, dy, x, dw))
+    paths |= {name: with_bias(run)
+              for name, run in conv_cudnn.grad_weight_paths(ctx, g, dy, x, dw).items()}
     _run_faster(node, ctx, g, x.dtype, paths)
 
 

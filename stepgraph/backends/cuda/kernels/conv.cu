@@ -1,4 +1,5 @@
-// Convolution as GEMM: the im2col / col2im layout kernels around the cuBLASLt GEMMs (conv.py).
+// Convolution as GEMM: the im2col / col2im layout kernels around the cuBLASLt GEMMs (conv.py),
+// and the bias / ReLU epilogue of convolutions run elsewhere (cuDNN plans without fusion).
 // x (N,C,H,W), w (O,C,kh,kw), y (N,O,Ho,Wo). A patch row is ck = (c*kh + i)*kw + j (w's own
 // layout, so w is the row-major (O, C*kh*kw) matrix as it is); an output pixel is p = oh*Wo + ow.
 // Every kernel handles one chunk of nb samples (pointers already offset to the chunk), is a
@@ -109,5 +110,18 @@ __global__ void conv2d_col2im_kernel(const T* __restrict__ dcols, T* __restrict_
             }
         }
         dx[e] = acc;
+    }
+}
+
+// y (N, O, P) += bias[o] (has_bias), then max(y, 0) (relu), in place: the epilogue of a
+// convolution computed without them (a cuDNN plan that fuses neither).
+template <typename T>
+__global__ void conv2d_bias_act_kernel(T* __restrict__ y, const T* __restrict__ bias,
+                                       long long total, int O, int P, int has_bias, int relu) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += stride) {
+        T v = y[e];
+        if (has_bias) v += bias[(e / P) % O];
+        y[e] = relu && v < T(0) ? T(0) : v;
     }
 }

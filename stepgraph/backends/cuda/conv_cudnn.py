@@ -1,0 +1,314 @@
+"""conv2d and its two gradients through cuDNN (NVIDIA's cuDNN frontend, `import cudnn`): a
+family of candidate paths beside conv.py's own kernels, and the only one that runs groups > 1
+or dilation != 1.
+
+One `cudnn.pygraph` per problem (op, geometry with dilation and groups, dtype, precision,
+fused bias / ReLU, layout), memoised for the process:
+  conv2d             conv_fprop (then bias add and ReLU in the same graph when asked: "fused")
+  conv2d_grad_input  conv_dgrad
+  conv2d_grad_weight conv_wgrad (conv.py adds db with a reduce_sum launch)
+float32 in and out, float32 accumulation. Heuristic modes A and FALLBACK rank the engine
+configurations; each that builds, up to MAX_PLANS, is a candidate path "cudnn:<i>" (i = its
+index in the ranked list) that conv.py's autotuner times against the own kernels on the real
+buffers. Filters, applied before building:
+  - precision "fp32" excludes tensor-core engines (on float32 they compute in TF32) and engines
+    that down-convert inputs or reduce in lower precision; "tf32" lets them compete;
+  - nondeterministic engines (atomics) are excluded, so every path gives the same bits on every
+    run, as the own kernels and the GEMMs do;
+  - engines compiled at run time (NVRTC inside cuDNN) are excluded: building one costs seconds
+    per problem at the first call;
+  - plans needing more than MAX_WORKSPACE_BYTES of workspace are skipped.
+The workspace comes from conv.py's grow-only scratch pool (ctx.extras["conv_scratch"]): the
+largest that a problem's plans need is taken at its first eager call, so a capture never
+allocates. Each context has one cuDNN handle (ctx.extras["cudnn_handle"]) bound to its stream
+(shared by the contexts of one stream).
+
+Without the frontend or a loadable libcudnn the family is simply absent (the path functions
+return {}), and `unavailable_reason()` says why; an op that only cuDNN runs (groups > 1,
+dilation != 1) then raises BackendUnavailableError saying to install the cuda extra.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from ...errors import BackendUnavailableError, CaptureError
+
+if TYPE_CHECKING:
+    from .conv import Geometry
+
+MAX_PLANS = 6                      # candidates per problem, in heuristic rank order
+MAX_WORKSPACE_BYTES = 256 << 20    # a plan needing more is not a candidate
+DETERMINISTIC = True               # exclude engines with the NONDETERMINISTIC note
+RUNTIME_COMPILED = False           # admit engines cuDNN compiles at plan build (NVRTC)
+LAYOUTS = ("NCHW", "NHWC")         # the graph's tensors are NCHW; NHWC is for measurements
+INSTALL_HINT = "pip install -e '.[cuda]' (nvidia-cudnn-frontend and nvidia-cudnn-cu13)"
+
+
+@functools.cache
+def _load() -> tuple[Any, str | None]:
+    """(the cudnn module, None), or (None, why it cannot be used). The frontend imports
+    without libcudnn, so asking the library's version is what proves that it loaded."""
+    try:
+        import cudnn
+
+        cudnn.backend_version()
+    except Exception as err:    # ImportError, OSError, the binding's RuntimeError: all say no
+        return None, f"{type(err).__name__}: {err}"
+    return cudnn, None
+
+
+def unavailable_reason() -> str | None:
+    """Why the cuDNN paths cannot run here (None when they can)."""
+    return _load()[1]
+
+
+def available() -> bool:
+    """Whether the cuDNN paths can run here (frontend importable and libcudnn loaded)."""
+    return _load()[0] is not None
+
+
+def needed(g: Geometry) -> bool:
+    """Whether only cuDNN runs this convolution (the own kernels: groups 1, dilation 1)."""
+    return not g.plain
+
+
+def _cudnn(op: str, g: Geometry):
+    """The cudnn module, or None when absent; raises when the op cannot run without it."""
+    cudnn, why = _load()
+    if cudnn is None and needed(g):
+        raise BackendUnavailableError(
+            f"{op} with groups={g.groups}, dilation={(g.dil_h, g.dil_w)} runs only through "
+            f"cuDNN, which is not usable here ({why}): {INSTALL_HINT}")
+    return cudnn
+
+
+# ---- problems and their plans ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Problem:
+    """What one cuDNN graph computes: the key of its memoised Plans."""
+    op: str                  # conv2d, conv2d_grad_input or conv2d_grad_weight
+    g: Geometry
+    dtype: str
+    precision: str
+    bias: bool = False       # conv2d: bias add in the graph
+    relu: bool = False       # conv2d: ReLU in the graph, after the bias
+    layout: str = "NCHW"
+    device: int = 0
+
+
+@dataclass
+class Plans:
+    """A problem's built cuDNN graph: operand uids by name, and the candidates as (index in
+    the ranked list, engine name, workspace bytes). `reason` says why there are none."""
+    graph: Any
+    uids: dict[str, int]
+    entries: list[tuple[int, str, int]]
+    reason: str = ""
+
+    @property
+    def workspace(self) -> int:
+        return max((ws for _, _, ws in self.entries), default=0)
+
+
+_PLANS: dict[Problem, Plans] = {}
+
+
+def _strides(dims: list[int], layout: str) -> list[int]:
+    n, c, h, w = dims
+    if layout == "NHWC":
+        return [h * w * c, 1, w * c, c]
+    return [c * h * w, h * w, w, 1]
+
+
+def _graph(cudnn, p: Problem, handle) -> tuple[Any, dict[str, Any]]:
+    """The problem's pygraph (validated, not yet planned) and its operand tensors by name."""
+    g, f32 = p.g, cudnn.data_type.FLOAT
+    graph = cudnn.pygraph(io_data_type=f32, intermediate_data_type=f32, compute_data_type=f32,
+                          handle=handle)
+    dims = {"x": [g.n, g.c, g.h, g.w], "w": [g.o, g.c // g.groups, g.kh, g.kw],
+            "y": [g.n, g.o, g.ho, g.wo], "b": [1, g.o, 1, 1]}
+
+    def tensor(name: str, kind: str):
+        return graph.tensor(name=name, dim=dims[kind], stride=_strides(dims[kind], p.layout),
+                            data_type=f32)
+
+    conv = {"padding": [g.ph, g.pw], "stride": [g.sh, g.sw], "dilation": [g.dil_h, g.dil_w]}
+    if p.op == "conv2d":
+        ops = {"x": tensor("x", "x"), "w": tensor("w", "w")}
+        out, kind = graph.conv_fprop(image=ops["x"], weight=ops["w"], **conv), "y"
+        if p.bias:
+            ops["b"] = tensor("b", "b")
+            out = graph.bias(input=out, bias=ops["b"])
+        if p.relu:
+            out = graph.relu(input=out)
+        name = "y"
+    elif p.op == "conv2d_grad_input":
+        ops = {"dy": tensor("dy", "y"), "w": tensor("w", "w")}
+        out, kind, name = graph.conv_dgrad(loss=ops["dy"], filter=ops["w"], **conv), "x", "dx"
+    else:
+        ops = {"x": tensor("x", "x"), "dy": tensor("dy", "y")}
+        out, kind, name = graph.conv_wgrad(image=ops["x"], loss=ops["dy"], **conv), "w", "dw"
+    out.set_output(True).set_data_type(f32)
+    out.set_dim(dims[kind]).set_stride(_strides(dims[kind], p.layout))
+    ops[name] = out
+    graph.validate()
+    graph.build_operation_graph()
+    return graph, ops
+
+
+def _build(cudnn, p: Problem, handle) -> Plans:
+    """Plan the problem's graph and build each ranked engine configuration that passes the
+    filters (module docstring), up to MAX_PLANS."""
+    try:
+        graph, ops = _graph(cudnn, p, handle)
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        notes = cudnn.numerical_note
+        barred = [notes.NONDETERMINISTIC] if DETERMINISTIC else []
+        if p.precision == "fp32":
+            barred += [notes.TENSOR_CORE, notes.DOWN_CONVERT_INPUTS,
+                       notes.REDUCED_PRECISION_REDUCTION]
+        if barred:
+            graph.deselect_numeric_notes(barred)
+        if not RUNTIME_COMPILED:
+            graph.deselect_behavior_notes([cudnn.behavior_note.RUNTIME_COMPILATION])
+        count = graph.get_execution_plan_count()
+    except Exception as err:    # the frontend raises several types for "not supported"
+        return Plans(None, {}, [], f"{type(err).__name__}: {err}")
+    plans = Plans(graph, {name: t.get_uid() for name, t in ops.items()}, [])
+    failures = []
+    for index in range(count):
+        if len(plans.entries) == MAX_PLANS:
+            break
+        try:
+            graph.build_plan_at_index(index)
+            workspace = int(graph.get_workspace_size_plan_at_index(index))
+            name = str(graph.get_plan_name_at_index(index))
+        except Exception as err:    # barred by a filter, or the engine declined
+            failures.append(f"[{index}] {type(err).__name__}: {str(err)[:200]}")
+            continue
+        if workspace > MAX_WORKSPACE_BYTES:
+            failures.append(f"[{index}] {name}: workspace {workspace} bytes")
+            continue
+        plans.entries.append((index, name, workspace))
+    if not plans.entries:
+        plans.reason = f"no plan built among {count}: " + "; ".join(failures[:4])
+    return plans
+
+
+def plans_for(ctx, p: Problem) -> Plans:
+    """The problem's Plans, built at its first call (never during a capture)."""
+    plans = _PLANS.get(p)
+    if plans is None:
+        if _capturing(ctx):
+            raise CaptureError(f"{p.op}: its cuDNN plans are built at the first eager call; run "
+                               "the step eagerly once before capturing")
+        plans = _PLANS[p] = _build(_load()[0], p, handle(ctx))
+    return plans
+
+
+def _capturing(ctx) -> bool:
+    return bool(getattr(ctx, "capturing", False)) or ctx.stream.is_capturing()
+
+
+# ---- handle, workspace, launch ---------------------------------------------------------------
+
+_HANDLES: dict[tuple[int, int], Any] = {}
+
+
+def handle(ctx):
+    """The context's cuDNN handle, bound to ctx.stream: one per (device, stream), made at the
+    first eager call and kept for the process (plans built with it outlive any context;
+    the backend's contexts share one stream, so they share it)."""
+    h = ctx.extras.get("cudnn_handle")
+    if h is None:
+        import cupy as cp
+
+        key = (cp.cuda.runtime.getDevice(), ctx.stream.ptr)
+        h = _HANDLES.get(key)
+        if h is None:
+            if _capturing(ctx):
+                raise CaptureError("a cuDNN handle is made at the first eager conv call; run "
+                                   "the step eagerly once before capturing")
+            cudnn = _load()[0]
+            h = _HANDLES[key] = cudnn.create_handle()
+            cudnn.set_stream(handle=h, stream=ctx.stream.ptr)
+        ctx.extras["cudnn_handle"] = h
+    return h
+
+
+def _workspace(ctx, nbytes: int):
+    """A uint8 device buffer of at least nbytes from the context's conv scratch pool (None
+    for 0 bytes)."""
+    if nbytes == 0:
+        return None
+    from .conv import ScratchPool    # conv.py imports this module: import on first use
+
+    pool = ctx.extras.setdefault("conv_scratch", ScratchPool())
+    return pool.get(nbytes, ctx)
+
+
+def _paths(ctx, p: Problem, arrays: dict[str, Any]) -> dict[str, Callable[[], None]]:
+    """{"cudnn:<i>": launch} for each of the problem's plans, bound to these arrays."""
+    plans = plans_for(ctx, p)
+    if not plans.entries:
+        return {}
+    if not _capturing(ctx):
+        _workspace(ctx, plans.workspace)    # the largest, taken now: a capture cannot allocate
+    operands = {plans.uids[name]: a for name, a in arrays.items()}
+
+    def launch(index: int, workspace: int) -> None:
+        plans.graph.execute_plan_at_index(operands, _workspace(ctx, workspace), index=index,
+                                          handle=handle(ctx))
+
+    return {f"cudnn:{index}": functools.partial(launch, index, ws)
+            for index, _, ws in plans.entries}
+
+
+def _problem(ctx, op: str, g: Geometry, dtype, **kw) -> Problem | None:
+    cudnn = _cudnn(op, g)
+    if cudnn is None or str(dtype) != "float32":
+        return None
+    import cupy as cp
+
+    return Problem(op, g, str(dtype), ctx.precision, device=cp.cuda.runtime.getDevice(), **kw)
+
+
+# ---- paths of the three ops ------------------------------------------------------------------
+
+def conv2d_paths(ctx, g: Geometry, x, w, y, bias=None, relu: bool = False,
+                 layout: str = "NCHW") -> dict[str, Callable[[], None]]:
+    """y = conv2d(x, w) (+ bias) (then ReLU) in one cuDNN graph per plan; {} when cuDNN is
+    absent or has no plan (raises where only cuDNN could run it: module docstring)."""
+    p = _problem(ctx, "conv2d", g, x.dtype, bias=bias is not None, relu=relu, layout=layout)
+    if p is None:
+        return {}
+    arrays = {"x": x, "w": w, "y": y} | ({} if bias is None else {"b": bias})
+    return _paths(ctx, p, arrays)
+
+
+def grad_input_paths(ctx, g: Geometry, dy, w, dx,
+                     layout: str = "NCHW") -> dict[str, Callable[[], None]]:
+    """dx of conv2d given dy and w, a cuDNN conv_dgrad per plan (see conv2d_paths)."""
+    p = _problem(ctx, "conv2d_grad_input", g, dy.dtype, layout=layout)
+    return {} if p is None else _paths(ctx, p, {"dy": dy, "w": w, "dx": dx})
+
+
+def grad_weight_paths(ctx, g: Geometry, dy, x, dw,
+                      layout: str = "NCHW") -> dict[str, Callable[[], None]]:
+    """dw of conv2d given dy and x, a cuDNN conv_wgrad per plan (see conv2d_paths)."""
+    p = _problem(ctx, "conv2d_grad_weight", g, x.dtype, layout=layout)
+    return {} if p is None else _paths(ctx, p, {"x": x, "dy": dy, "dw": dw})
+
+
+def reason(ctx, op: str, g: Geometry, dtype) -> str:
+    """Why no cuDNN path runs this problem (for the error of an op that needs one)."""
+    why = unavailable_reason()
+    if why is not None:
+        return why
+    if str(dtype) != "float32":
+        return f"dtype {dtype}: the cuDNN paths are float32"
+    p = _problem(ctx, op, g, dtype)
+    return plans_for(ctx, p).reason

@@ -1,0 +1,87 @@
+"""A residual BatchNorm network written as Module subclasses, on the GPU: cuda eager follows the
+numpy backend, the captured graph replays bit for bit what eager steps compute (parameters,
+running statistics, num_batches_tracked), the graph holds exactly the kernels of its ops, and
+eval-mode predictions read the trained buffers."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import stepgraph as sg
+from stepgraph import losses, models, optim
+from stepgraph.nn import functional as F
+
+pytestmark = pytest.mark.cuda
+cp = pytest.importorskip("cupy")
+if not sg.cuda_available():
+    pytest.skip("no CUDA GPU", allow_module_level=True)
+
+from tests.cuda.test_step_cuda import kernels_of_ops, rel  # noqa: E402
+
+WIDTHS = (8, 16, 32)
+
+
+def small_resnet():
+    return models.resnet(widths=WIDTHS)
+
+
+def ce_smooth(logits, y):
+    return F.cross_entropy(logits, y, label_smoothing=0.2)
+
+
+def batches(n, batch=16, size=16, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((batch, 3, size, size), dtype=np.float32),
+             rng.integers(0, 10, batch)) for _ in range(n)]
+
+
+def twins(devices, graph=False):
+    base = small_resnet()
+    data = batches(1)
+    steps = []
+    for device in devices:
+        model = small_resnet()
+        model.load_state_dict(base.state_dict())
+        opt = optim.SGD(lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
+        steps.append(sg.compile_train_step(model, loss=ce_smooth, optimizer=opt,
+                                           example_inputs=data[0], device=device,
+                                           graph=graph if device == "cuda" else False))
+    return steps
+
+
+def test_resnet_cuda_follows_numpy():
+    cpu, gpu = twins(["cpu", "cuda"])
+    for x, y in batches(10, seed=1):
+        lc, lg = float(cpu(x, y)), float(gpu(cp.asarray(x), cp.asarray(y)))
+        assert abs(lg - lc) <= 2e-5 * abs(lc) + 1e-6, (lc, lg)
+    ref, got = cpu.model.state_dict(), gpu.model.state_dict()
+    assert ref.keys() == got.keys()
+    for k in ref:
+        if k.endswith("num_batches_tracked"):
+            assert int(got[k]) == int(ref[k]) == 10, k
+        else:
+            assert rel(got[k], ref[k]) < 1e-4, k
+
+
+def test_resnet_graph_replay_is_bit_identical_to_eager():
+    eager, graph = twins(["cuda", "cuda"])
+    graph.use_graph = True
+    for x, y in batches(8, seed=2):
+        x, y = cp.asarray(x), cp.asarray(y)
+        assert float(eager(x, y)) == float(graph(x, y))
+    want = eager.model.state_dict()
+    for k, v in graph.model.state_dict().items():
+        assert np.array_equal(v, want[k]), k
+    (exe,) = graph.executables.values()
+    assert exe.captured is not None and exe.captured.node_count == kernels_of_ops(exe)
+
+
+def test_resnet_eval_predictions_use_running_stats():
+    cpu, gpu = twins(["cpu", "cuda"], graph=True)
+    for x, y in batches(4, seed=3):
+        cpu(x, y)
+        gpu(cp.asarray(x), cp.asarray(y))
+    x = batches(1, seed=4)[0][0]
+    want = sg.compile_predict(cpu.model, example_inputs=(x,), device="cpu")(x)
+    got = sg.compile_predict(gpu.model, example_inputs=(x,), device="cuda")(cp.asarray(x))
+    assert rel(cp.asnumpy(got), want) < 1e-4
