@@ -1,4 +1,5 @@
-"""`python -m stepgraph.bench [--workloads mlp,cnn,big] [--precision fp32] [--peers ...]`."""
+"""`python -m stepgraph.bench [--workloads mlp,cnn,big,resnet,convnet] [--precision fp32]
+[--peers ...]`."""
 
 from stepgraph.bench.harness import main
 

@@ -10,14 +10,17 @@ range of the runs around that median.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import importlib
 import json
 import math
 import platform
+import signal
 import statistics
 import sys
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -25,7 +28,16 @@ from pathlib import Path
 from typing import Any
 
 from stepgraph.bench import workloads as wl
-from stepgraph.bench.peers import PeerInfo, PreparedStep, RunSpec, Unsupported, select_peers
+from stepgraph.bench.peers import (
+    COMPILE_MODES,
+    DEFAULT_COMPILE_MODES,
+    PeerInfo,
+    PeerTimeout,
+    PreparedStep,
+    RunSpec,
+    Unsupported,
+    select_peers,
+)
 from stepgraph.errors import BackendUnavailableError
 
 SETUP_STEPS = 3  # JAX compiles on call 1, TinyJit captures on call 2, cudagraph trees record
@@ -43,7 +55,7 @@ class NoGpuError(BackendUnavailableError):
 class BenchConfig:
     """Everything one benchmark run is asked to do."""
 
-    workloads: list[str] = field(default_factory=lambda: list(wl.WORKLOAD_NAMES))
+    workloads: list[str] = field(default_factory=lambda: list(wl.DEFAULT_WORKLOADS))
     precisions: list[str] = field(default_factory=lambda: ["fp32"])
     peers: list[str] | None = None  # None: all of them
     repeats: int = 5
@@ -56,6 +68,8 @@ class BenchConfig:
     out_dir: str = "bench-out"
     device: str = "cuda"  # "cpu" only for smoke tests
     tiny: bool = False  # CPU smoke-test model sizes
+    compile_modes: tuple[str, ...] = DEFAULT_COMPILE_MODES  # torch.compile modes to try
+    peer_timeout_s: float = 240.0  # one peer's build + compile + timing; 0: no limit
 
 
 @dataclass
@@ -74,11 +88,15 @@ class PeerResult:
     repeats_us: list[float] = field(default_factory=list)
     steps_per_repeat: int = 0
     tflops: float | None = None
+    tokens_per_s: float | None = None  # workloads that train on tokens (gpt)
     speed_vs_best_peer: float | None = None  # best non-stepgraph step_us / this step_us
     setup_s: float | None = None  # build + first SETUP_STEPS steps: compile, capture, tuning
     memory_bytes: int | None = None
     memory_kind: str = ""  # "peak" or "resident"
     final_loss: float | None = None
+    kernels_per_step: int | None = None  # kernels or CUDA graph nodes one step launches
+    layout_conversions: int | None = None  # of those, NCHW<->NHWC layout transposes
+    census_source: str = ""  # how the kernels were counted
     notes: list[str] = field(default_factory=list)
     traceback: str = ""
 
@@ -218,29 +236,55 @@ def _load_prepare(peer: PeerInfo):
     return getattr(module, peer.entry)
 
 
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Raise PeerTimeout in the main thread once `seconds` have passed (0: no limit).
+
+    Best effort: the signal handler runs between Python bytecodes, so a long call into C++ (an
+    XLA or Inductor compile) finishes before the exception is raised.
+    """
+    if seconds <= 0 or not hasattr(signal, "setitimer") \
+            or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise PeerTimeout(f"no result within {seconds:g} s (--peer-timeout)")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def measure_peer(peer: PeerInfo, spec: RunSpec, config: BenchConfig) -> PeerResult:
     """Prepare, warm up and time one peer; any failure becomes the row's status and reason."""
     result = PeerResult(spec.workload.name, spec.precision, peer.name, STATUS_OK,
                         is_stepgraph=peer.is_stepgraph)
     prepared = None
     try:
-        start = time.perf_counter()
-        prepared = _load_prepare(peer)(spec)
-        for i in range(SETUP_STEPS):
-            prepared.run_step(i % len(spec.batches))
-        prepared.synchronize()
-        result.setup_s = time.perf_counter() - start
-        per_step = warm_up(prepared, len(spec.batches), config)
-        steps = steps_per_repeat(per_step, config)
-        _record_timing(result, time_repeats(prepared, len(spec.batches), steps, config.repeats),
-                       spec.workload)
-        result.notes = list(prepared.notes)
-        _record_memory(result, prepared)
+        with deadline(config.peer_timeout_s):
+            start = time.perf_counter()
+            prepared = _load_prepare(peer)(spec)
+            for i in range(SETUP_STEPS):
+                prepared.run_step(i % len(spec.batches))
+            prepared.synchronize()
+            result.setup_s = time.perf_counter() - start
+            per_step = warm_up(prepared, len(spec.batches), config)
+            steps = steps_per_repeat(per_step, config)
+            _record_timing(result, time_repeats(prepared, len(spec.batches), steps,
+                                                config.repeats), spec.workload)
+            result.notes = list(prepared.notes)
+            _record_memory(result, prepared)
+            _record_census(result, prepared)
     except Unsupported as error:
         result.status, result.reason = STATUS_NA, str(error)
     except ImportError as error:
         result.status, result.reason = STATUS_MISSING, _error_line(error)
-    except Exception as error:  # a peer must never take the whole run down
+    except (Exception, PeerTimeout) as error:  # a peer must never take the whole run down
         result.status, result.reason = STATUS_FAILED, _error_line(error)
         result.traceback = traceback.format_exc()
         print(result.traceback, file=sys.stderr)
@@ -257,6 +301,8 @@ def _record_timing(result: PeerResult, timing: Timing, workload: wl.Workload) ->
     result.step_us = timing.median_us
     result.step_us_min, result.step_us_max = min(timing.repeats_us), max(timing.repeats_us)
     result.tflops = wl.flops_per_step(workload) / (timing.median_us * 1e-6) / 1e12
+    if workload.tokens_per_step:
+        result.tokens_per_s = workload.tokens_per_step / (timing.median_us * 1e-6)
     result.final_loss = timing.final_loss
 
 
@@ -268,6 +314,18 @@ def _record_memory(result: PeerResult, prepared: PreparedStep) -> None:
         return
     if reading is not None:
         result.memory_bytes, result.memory_kind = reading.bytes, reading.kind
+
+
+def _record_census(result: PeerResult, prepared: PreparedStep) -> None:
+    try:
+        census = prepared.census()
+    except Exception as error:  # a side figure too: the timed row stands without it
+        result.notes.append(f"kernel count failed: {_error_line(error)}")
+        return
+    if census is not None:
+        result.kernels_per_step = census.kernels
+        result.layout_conversions = census.layout_conversions
+        result.census_source = census.source
 
 
 def _close(close) -> None:
@@ -323,7 +381,8 @@ def make_spec(workload: wl.Workload, precision: str, config: BenchConfig) -> Run
     """The shared data and initial parameters every peer gets for one (workload, precision)."""
     return RunSpec(workload, precision, config.device,
                    wl.make_batches(workload, config.batches, config.seed),
-                   wl.initial_parameters(workload, config.seed), config.seed)
+                   wl.initial_parameters(workload, config.seed), config.seed,
+                   tuple(config.compile_modes))
 
 
 def run_benchmark(config: BenchConfig) -> BenchReport:
@@ -375,6 +434,7 @@ def describe_workloads(config: BenchConfig) -> dict[str, dict[str, Any]]:
         described[name] = {"batch": w.batch, "input_shape": list(w.input_shape),
                            "parameters": wl.parameter_count(w),
                            "flops_per_step": wl.flops_per_step(w), "loss": w.loss,
+                           "label_smoothing": w.label_smoothing,
                            "optimizer": asdict(w.optimizer), "model": asdict(w.model)}
     return described
 
@@ -386,7 +446,14 @@ def describe_result(r: PeerResult) -> str:
     """One-line progress summary of a row."""
     if r.status != STATUS_OK:
         return f"{r.status}: {r.reason}"
-    return f"{r.step_us:.1f} us/step, setup {r.setup_s:.2f} s, loss {r.final_loss:.4f}"
+    line = f"{r.step_us:.1f} us/step, setup {r.setup_s:.2f} s, loss {r.final_loss:.4f}"
+    if r.tokens_per_s is not None:
+        line += f", {r.tokens_per_s:,.0f} tokens/s"
+    if r.kernels_per_step is not None:
+        line += f", {r.kernels_per_step} kernels"
+        if r.layout_conversions:
+            line += f" ({r.layout_conversions} layout conversions)"
+    return line
 
 
 def _fmt(value: float | None, pattern: str) -> str:
@@ -408,27 +475,41 @@ def _row_cells(r: PeerResult) -> list[str]:
     return [r.workload, r.precision, r.peer, r.status, _fmt(r.step_us, "{:.1f}"),
             "—" if spread is None else f"±{spread:.1f}%", _fmt(r.tflops, "{:.2f}"),
             _fmt(r.speed_vs_best_peer, "{:.2f}x"), _fmt(r.setup_s, "{:.2f}"), _memory_cell(r),
-            note]
+            _fmt(r.kernels_per_step, "{:d}"), _fmt(r.layout_conversions, "{:d}"), note]
 
 
 TABLE_HEADER = ["workload", "prec", "system", "status", "µs/step", "spread", "TFLOP/s",
-                "vs best peer", "setup s", "memory", "note"]
-NUMERIC_COLUMNS = {4, 5, 6, 7, 8, 9}
+                "vs best peer", "setup s", "memory", "kernels", "layout", "note"]
+NUMERIC_COLUMNS = {4, 5, 6, 7, 8, 9, 10, 11}
+
+
+def _with_tokens(cells: list[str], r: PeerResult | None) -> list[str]:
+    """The row with a tokens/s cell after TFLOP/s (the header's when r is None)."""
+    cell = "tokens/s" if r is None else _fmt(r.tokens_per_s, "{:,.0f}")
+    return cells[:7] + [cell] + cells[7:]
 
 
 def render_table(report: BenchReport) -> str:
-    """The results as an aligned plain-text table, with a header naming device and date."""
+    """The results as an aligned plain-text table, with a header naming device and date; a
+    tokens/s column when a workload trains on tokens."""
     rows = [TABLE_HEADER] + [_row_cells(r) for r in report.results]
-    widths = [max(len(row[c]) for row in rows) for c in range(len(TABLE_HEADER))]
+    numeric = NUMERIC_COLUMNS
+    if any(r.tokens_per_s is not None for r in report.results):
+        rows = [_with_tokens(rows[0], None)] + [_with_tokens(cells, r) for cells, r
+                                                 in zip(rows[1:], report.results)]
+        numeric = {c + (c >= 7) for c in NUMERIC_COLUMNS} | {7}
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     lines = [f"stepgraph bench — {report.device} — {report.date}",
              f"µs/step: median of {report.config.repeats} timed runs; "
              "vs best peer: fastest non-stepgraph µs / this µs (>1 is faster)"]
     for index, row in enumerate(rows):
-        cells = [cell.rjust(widths[c]) if c in NUMERIC_COLUMNS else cell.ljust(widths[c])
+        cells = [cell.rjust(widths[c]) if c in numeric else cell.ljust(widths[c])
                  for c, cell in enumerate(row)]
         lines.append("  ".join(cells).rstrip())
         if index == 0:
             lines.append("  ".join("-" * w for w in widths))
+    lines.append("kernels: kernels (or CUDA graph nodes) one step launches; layout: of those, "
+                 "NCHW<->NHWC conversions (how each was counted: the JSON's census_source)")
     lines.append("memory: peak allocated during the peer's run; * = held after the timed steps "
                  "(the library keeps no peak); setup s = build + compile + first "
                  f"{SETUP_STEPS} steps")
@@ -520,8 +601,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stepgraph bench",
         description="Training-step time of stepgraph and its peers on the same GPU data.")
-    parser.add_argument("--workloads", default=",".join(wl.WORKLOAD_NAMES),
-                        help="comma-separated: mlp,cnn,big (default: all)")
+    parser.add_argument("--workloads", default=",".join(wl.DEFAULT_WORKLOADS),
+                        help=f"comma-separated: {','.join(wl.WORKLOAD_NAMES)} "
+                             f"(default: {','.join(wl.DEFAULT_WORKLOADS)})")
     parser.add_argument("--precision", default="fp32",
                         help="comma-separated: fp32,tf32,bf16 (default: fp32)")
     parser.add_argument("--peers", default=None,
@@ -534,6 +616,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="pre-made device batches the steps rotate among (default: 4)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench-out", help="output folder (default: bench-out)")
+    parser.add_argument("--compile-modes", default=",".join(DEFAULT_COMPILE_MODES),
+                        help="torch.compile modes the torch compile row tries, keeping the "
+                             f"fastest: any of {','.join(COMPILE_MODES)} "
+                             f"(default: {','.join(DEFAULT_COMPILE_MODES)})")
+    parser.add_argument("--peer-timeout", type=float, default=240.0,
+                        help="seconds one peer may take (build, compile, timing) before its "
+                             "row fails and the run goes on; 0: no limit (default: 240)")
     # Smoke tests only: run the peers on the CPU at tiny sizes.
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help=argparse.SUPPRESS)
@@ -553,12 +642,20 @@ def parse_config(argv: list[str] | None) -> BenchConfig:
                              f"{', '.join(wl.PRECISIONS)}")
     if args.repeats < 1 or args.batches < 1:
         raise ValueError("--repeats and --batches must be at least 1")
+    if args.peer_timeout < 0:
+        raise ValueError("--peer-timeout must be 0 (no limit) or positive")
+    compile_modes = _csv(args.compile_modes)
+    unknown = [mode for mode in compile_modes if mode not in COMPILE_MODES]
+    if unknown or not compile_modes:
+        raise ValueError(f"unknown torch.compile mode(s) {', '.join(unknown) or '(none)'}; "
+                         f"expected some of {', '.join(COMPILE_MODES)}")
     peers = _csv(args.peers) if args.peers else None
     select_peers(peers)
     return BenchConfig(workloads=workloads, precisions=precisions, peers=peers,
                        repeats=args.repeats, target_seconds=args.target_seconds,
                        batches=args.batches, seed=args.seed, out_dir=args.out,
-                       device=args.device, tiny=args.tiny)
+                       device=args.device, tiny=args.tiny, compile_modes=tuple(compile_modes),
+                       peer_timeout_s=args.peer_timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

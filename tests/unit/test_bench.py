@@ -198,7 +198,7 @@ def test_require_device_raises_instead_of_exiting(monkeypatch):
 
 
 def test_main_rejects_bad_arguments(capsys):
-    assert harness.main(["--workloads", "resnet"]) == 2
+    assert harness.main(["--workloads", "vit"]) == 2
     assert "unknown workload" in capsys.readouterr().err
     assert harness.main(["--precision", "fp8"]) == 2
 

@@ -19,6 +19,18 @@ class Unsupported(Exception):
     """The peer cannot run this workload, precision or device; the message says why ('n/a')."""
 
 
+class PeerTimeout(BaseException):
+    """A peer ran past its time limit (`stepgraph bench --peer-timeout`): its row is 'failed'
+    and the run goes on. A BaseException, so that a peer's own `except Exception` (a
+    configuration search that skips a failing candidate) does not swallow it."""
+
+
+# "max-autotune-no-cudagraphs" is left out by default: its Triton autotuning of every GEMM and
+# conv shape takes minutes on the vision workloads (docs/BENCHMARKS.md).
+DEFAULT_COMPILE_MODES = ("reduce-overhead", "default")
+COMPILE_MODES = ("reduce-overhead", "default", "max-autotune-no-cudagraphs", "max-autotune")
+
+
 @dataclass
 class RunSpec:
     """What a peer is asked to run."""
@@ -29,6 +41,17 @@ class RunSpec:
     batches: list[Batch]
     parameters: list[LayerParams]
     seed: int = 0
+    # torch.compile modes the torch compile peer tries, keeping the fastest (torch_compile.py).
+    compile_modes: tuple[str, ...] = DEFAULT_COMPILE_MODES
+
+
+@dataclass
+class KernelCensus:
+    """What one training step launches on the device, as far as the library lets us count."""
+
+    kernels: int | None  # kernels (or CUDA graph nodes) per step; None: not counted
+    layout_conversions: int | None = None  # of those, NCHW<->NHWC transposes; None: not counted
+    source: str = ""  # how it was counted ("torch.profiler", "XLA HLO", "CUDA graph nodes", ...)
 
 
 @dataclass
@@ -47,6 +70,10 @@ def _nothing() -> None:
     return None
 
 
+def _no_census() -> KernelCensus | None:
+    return None
+
+
 @dataclass
 class PreparedStep:
     """A ready-to-time training step. `run_step(i)` trains on batch i and returns a loss handle
@@ -58,6 +85,8 @@ class PreparedStep:
     memory: Callable[[], MemoryReading | None] = _no_memory_reading
     close: Callable[[], None] = _nothing
     notes: list[str] = field(default_factory=list)
+    # Counts the kernels of one step; called once after the timed runs (it may run a step).
+    census: Callable[[], KernelCensus | None] = _no_census
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,13 @@
 """JAX: the whole training step (forward, loss, grad, optax update) in one jax.jit, with the
-params/optimizer-state/RNG carry donated so XLA updates it in place, as JAX's docs recommend.
+params/optimizer-state/BatchNorm-statistics/RNG carry donated so XLA updates it in place, as
+JAX's docs recommend. The step is compiled ahead of time (`jit(...).lower(...).compile()`, the
+same executable a first call would build) so its optimized HLO can be counted: kernels and
+layout transposes per step. The vision models live in jax_vision.py (NHWC).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -15,8 +19,24 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from jax import lax  # noqa: E402
 
-from stepgraph.bench.peers import MemoryReading, PreparedStep, RunSpec  # noqa: E402
-from stepgraph.bench.workloads import ConvNet, DenseNet, OptimizerSpec, Workload  # noqa: E402
+from stepgraph.bench.peers import (  # noqa: E402
+    KernelCensus,
+    MemoryReading,
+    PreparedStep,
+    RunSpec,
+    Unsupported,
+)
+from stepgraph.bench.census import hlo_census  # noqa: E402
+from stepgraph.bench.peers import jax_gpt, jax_vision  # noqa: E402
+from stepgraph.bench.workloads import (  # noqa: E402
+    ConvNet,
+    DenseNet,
+    GPT,
+    OptimizerSpec,
+    PlainConvNet,
+    ResNet,
+    Workload,
+)
 
 MATMUL_PRECISION = {"fp32": "highest", "tf32": "tensorfloat32", "bf16": "default"}
 
@@ -63,40 +83,75 @@ def _conv_forward(model: ConvNet, params, x, key):
 
 def _loss(workload: Workload, outputs, y):
     outputs = outputs.astype(jnp.float32)
+    if workload.loss == "cross_entropy" and workload.label_smoothing:
+        # PyTorch's label smoothing: targets (1 - eps) * one_hot + eps / classes.
+        targets = optax.smooth_labels(jax.nn.one_hot(y, outputs.shape[-1]),
+                                      workload.label_smoothing)
+        return optax.softmax_cross_entropy(outputs, targets).mean()
     if workload.loss == "cross_entropy":
         return optax.softmax_cross_entropy_with_integer_labels(outputs, y).mean()
     return -jnp.take_along_axis(outputs, y[:, None], axis=1).mean()  # nll_loss
 
 
+def _matrices(params):
+    """The weight-decay mask of nanoGPT's parameter groups: parameters of 2 or more dims."""
+    return jax.tree_util.tree_map(lambda p: p.ndim >= 2, params)
+
+
 def _optimizer(spec: OptimizerSpec) -> optax.GradientTransformation:
+    if spec.max_grad_norm is not None:   # torch's clip_grad_norm_ before the update
+        return optax.chain(optax.clip_by_global_norm(spec.max_grad_norm),
+                           _optimizer(dataclasses.replace(spec, max_grad_norm=None)))
     if spec.kind == "adamw":
         return optax.adamw(spec.lr, b1=spec.betas[0], b2=spec.betas[1], eps=spec.eps,
-                           weight_decay=spec.weight_decay)
+                           weight_decay=spec.weight_decay,
+                           mask=_matrices if spec.decay_matrices_only else None)
     if spec.kind == "sgd":
-        if spec.weight_decay:
-            raise ValueError("SGD weight decay is not wired for the JAX peer")
-        return optax.sgd(spec.lr, momentum=spec.momentum or None)
+        sgd = optax.sgd(spec.lr, momentum=spec.momentum or None, nesterov=spec.nesterov)
+        if not spec.weight_decay:
+            return sgd
+        # torch.optim.SGD adds weight_decay * p to the gradient before the momentum.
+        return optax.chain(optax.add_decayed_weights(spec.weight_decay), sgd)
     raise ValueError(f"unknown optimizer kind {spec.kind!r}")
 
 
+def _forward(workload: Workload):
+    """forward(params, state, x, key) -> (outputs, new state) for the workload's model."""
+    model = workload.model
+    if isinstance(model, GPT):
+        return lambda params, state, x, key: (jax_gpt.gpt_forward(model, params, x, key), state)
+    if isinstance(model, ResNet):
+        return lambda params, state, x, key: jax_vision.resnet_forward(model, params, state, x)
+    if isinstance(model, PlainConvNet):
+        return lambda params, state, x, key: jax_vision.plain_convnet_forward(workload, params,
+                                                                              state, x)
+    forward = _dense_forward if isinstance(model, DenseNet) else _conv_forward
+    return lambda params, state, x, key: (forward(model, params, x, key), state)
+
+
 def make_train_step(workload: Workload, precision: str):
-    """The jitted step: (params, opt_state, key), x, y -> (new carry, loss); carry donated."""
-    forward = _dense_forward if isinstance(workload.model, DenseNet) else _conv_forward
+    """The jitted step: (params, opt_state, bn_state, key), x, y -> (new carry, loss); carry
+    donated."""
+    forward = _forward(workload)
     optimizer = _optimizer(workload.optimizer)
     compute_dtype = jnp.bfloat16 if precision == "bf16" else jnp.float32
 
-    def loss_fn(params, x, y, key):
+    def loss_fn(params, state, x, y, key):
         # bf16: float32 master params cast to bfloat16 for the compute; grads come back f32.
         cast = jax.tree_util.tree_map(lambda p: p.astype(compute_dtype), params)
-        return _loss(workload, forward(workload.model, cast, x.astype(compute_dtype), key), y)
+        if not jnp.issubdtype(x.dtype, jnp.integer):   # token indices stay integers
+            x = x.astype(compute_dtype)
+        outputs, state = forward(cast, state, x, key)
+        return _loss(workload, outputs, y), state
 
     @functools.partial(jax.jit, donate_argnums=0)
     def train_step(carry, x, y):
-        params, opt_state, key = carry
+        params, opt_state, state, key = carry
         key, step_key = jax.random.split(key)
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y, step_key)
+        (loss, state), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, state, x, y,
+                                                                           step_key)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state, key), loss
+        return (optax.apply_updates(params, updates), opt_state, state, key), loss
 
     return optimizer, train_step
 
@@ -116,21 +171,49 @@ def _memory_reader(device):
     return read
 
 
+def _initial_carry(spec: RunSpec, optimizer, device):
+    """(params, optimizer state, BatchNorm state, RNG key) on the device."""
+    workload = spec.workload
+    if isinstance(workload.model, GPT):
+        params = jax.device_put(jax_gpt.initial_params(spec.parameters), device)
+        state = {}
+    elif isinstance(workload.model, (ResNet, PlainConvNet)):
+        params = jax.device_put(jax_vision.initial_params(workload, spec.parameters), device)
+        state = jax.device_put(jax_vision.initial_state(workload), device)
+    else:
+        params = jax.device_put([(p.weight, p.bias) for p in spec.parameters], device)
+        state = {}
+    key = jax.device_put(jax.random.PRNGKey(spec.seed), device)
+    return params, optimizer.init(params), state, key
+
+
+def _device_batches(spec: RunSpec, device):
+    vision = isinstance(spec.workload.model, (ResNet, PlainConvNet))
+    return [jax.device_put((jax_vision.to_nhwc(b.x) if vision else b.x, b.y), device)
+            for b in spec.batches]
+
+
 def prepare(spec: RunSpec) -> PreparedStep:
-    """jax.jit of the whole step, data and params placed on the device before timing."""
+    """jax.jit of the whole step, compiled ahead of time; data and params placed on the
+    device before timing."""
+    vision = isinstance(spec.workload.model, (ResNet, PlainConvNet))
+    if vision and spec.precision == "bf16":
+        raise Unsupported("the vision workloads are timed in fp32 and tf32")
     device = jax.devices("gpu" if spec.device == "cuda" else "cpu")[0]
     jax.config.update("jax_default_matmul_precision", MATMUL_PRECISION[spec.precision])
     memory = _memory_reader(device)
     optimizer, train_step = make_train_step(spec.workload, spec.precision)
-    params = jax.device_put([(p.weight, p.bias) for p in spec.parameters], device)
-    carry = [(params, optimizer.init(params), jax.device_put(jax.random.PRNGKey(spec.seed),
-                                                             device))]
-    batches = [jax.device_put((b.x, b.y), device) for b in spec.batches]
+    carry = [_initial_carry(spec, optimizer, device)]
+    batches = _device_batches(spec, device)
+    compiled = train_step.lower(carry[0], *batches[0]).compile()
 
     def run_step(i: int):
         x, y = batches[i]
-        carry[0], loss = train_step(carry[0], x, y)
+        carry[0], loss = compiled(carry[0], x, y)
         return loss
+
+    def census() -> KernelCensus:
+        return hlo_census(compiled.as_text())
 
     def close() -> None:
         carry.clear()
@@ -138,9 +221,11 @@ def prepare(spec: RunSpec) -> PreparedStep:
         jax.clear_caches()
 
     notes = [f"jax_default_matmul_precision={MATMUL_PRECISION[spec.precision]}",
-             "optax.adamw/sgd; carry donated"]
+             "optax.adamw/sgd; carry donated; compiled ahead of time"]
+    if vision:
+        notes.append("NHWC activations, HWIO kernels; inputs transposed on the host")
     if spec.precision == "bf16":
         notes.append("bf16: params/inputs cast to bfloat16 inside the step, float32 master "
                      "params, loss and optimizer state")
     return PreparedStep(run_step, lambda: jax.block_until_ready(carry[0]),
-                        lambda loss: float(loss), memory, close, notes)
+                        lambda loss: float(loss), memory, close, notes, census)

@@ -5,8 +5,23 @@ through the public API of DESIGN.md only: stepgraph.models / losses / optim and
 
 from __future__ import annotations
 
-from stepgraph.bench.peers import MemoryReading, PreparedStep, RunSpec, Unsupported
-from stepgraph.bench.workloads import ConvNet, DenseNet, LayerParams, OptimizerSpec, Workload
+import functools
+
+from stepgraph.bench.peers import KernelCensus, MemoryReading, PreparedStep, RunSpec, Unsupported
+from stepgraph.bench.workloads import (
+    ConvNet,
+    DenseNet,
+    GPT,
+    LayerParams,
+    OptimizerSpec,
+    PlainConvNet,
+    ResNet,
+    Workload,
+    named_parameters,
+)
+
+# Ops that only move data between layouts (the plan is NCHW throughout).
+LAYOUT_OPS = ("permute", "transpose")
 
 
 def prepare_eager(spec: RunSpec) -> PreparedStep:
@@ -21,9 +36,21 @@ def prepare_graph(spec: RunSpec) -> PreparedStep:
     return _prepare(spec, graph=True)
 
 
-def _build_model(workload: Workload):
+def build_model(workload: Workload):
+    """The workload's model from stepgraph.models (its own default initialisation)."""
     from stepgraph import models
     model = workload.model
+    if isinstance(model, GPT):
+        return models.gpt(model.vocab_size, model.block_size, model.n_layer, model.n_head,
+                          model.n_embd, model.dropout, model.bias)
+    if isinstance(model, ResNet):
+        return models.resnet(num_classes=model.classes, widths=model.widths,
+                             blocks_per_stage=model.blocks_per_stage,
+                             in_channels=workload.sample_shape[0])
+    if isinstance(model, PlainConvNet):
+        return models.convnet(stages=model.stages, classes=model.classes,
+                              in_channels=workload.sample_shape[0],
+                              image_size=workload.sample_shape[1])
     if isinstance(model, ConvNet):
         return models.cnn(dropout=model.dropout)
     if isinstance(model, DenseNet) and model.activation == "relu" and model.depth == 2:
@@ -34,20 +61,45 @@ def _build_model(workload: Workload):
     raise Unsupported(f"no stepgraph.models constructor for {model}")
 
 
-def _build_optimizer(spec: OptimizerSpec):
-    from stepgraph import optim
+def build_optimizer(spec: OptimizerSpec, model=None):
+    """The workload's stepgraph optimizer (PyTorch semantics and defaults); with
+    decay_matrices_only, AdamW over `model`'s two parameter groups (models.optimizer_groups)."""
+    from stepgraph import models, optim
+    if spec.kind == "adamw" and spec.decay_matrices_only:
+        return optim.AdamW(models.optimizer_groups(model, spec.weight_decay), lr=spec.lr,
+                           betas=spec.betas, eps=spec.eps, max_grad_norm=spec.max_grad_norm)
     if spec.kind == "adamw":
         # betas/eps left at their defaults, which are PyTorch's (0.9, 0.999) and 1e-8.
         return optim.AdamW(lr=spec.lr, weight_decay=spec.weight_decay)
     if spec.kind == "sgd":
-        return optim.SGD(lr=spec.lr, momentum=spec.momentum)
+        return optim.SGD(lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay,
+                         nesterov=spec.nesterov)
     raise ValueError(f"unknown optimizer kind {spec.kind!r}")
 
 
+def build_loss(workload: Workload):
+    """The workload's stepgraph loss, label smoothing bound in; the GPT's over all tokens."""
+    from stepgraph import losses, models
+    if isinstance(workload.model, GPT):
+        return models.next_token_loss
+    loss = getattr(losses, workload.loss)
+    if workload.label_smoothing:
+        return functools.partial(loss, label_smoothing=workload.label_smoothing)
+    return loss
+
+
 def _load_shared_parameters(model, parameters: list[LayerParams]) -> str:
-    """Load the peers' shared initial values when the state_dict lines up layer by layer;
-    otherwise keep stepgraph's own PyTorch-default init (same distribution, other draw)."""
+    """Load the peers' shared initial values: by state_dict key where the workload names its
+    layers, else when the state_dict lines up layer by layer; otherwise keep stepgraph's own
+    PyTorch-default init (same distribution, other draw)."""
     state = model.state_dict()
+    if parameters and parameters[0].name:
+        named = named_parameters(parameters)
+        if any(key not in state or tuple(state[key].shape) != value.shape
+               for key, value in named.items()):
+            return "own PyTorch-default init (state_dict keys or shapes differ)"
+        model.load_state_dict({**state, **named})
+        return "shared initial parameters (by state_dict key)"
     prefixes = [key[:-len(".weight")] for key in state if key.endswith(".weight")]
     if len(prefixes) != len(parameters):
         return "own PyTorch-default init (state_dict layers do not line up)"
@@ -107,23 +159,38 @@ def _prepare(spec: RunSpec, graph: bool) -> PreparedStep:
     if spec.precision not in ("fp32", "tf32"):
         raise Unsupported(f"stepgraph has no {spec.precision} yet (fp32 and tf32 only)")
     import stepgraph as sg
-    from stepgraph import losses
     xp = _array_module(spec.device)
     memory = _memory_reader(spec.device)
-    model = _build_model(spec.workload)
+    model = build_model(spec.workload)
     init_note = _load_shared_parameters(model, spec.parameters)
     batches = [(xp.asarray(b.x), xp.asarray(b.y)) for b in spec.batches]
-    step = sg.compile_train_step(model, loss=getattr(losses, spec.workload.loss),
-                                 optimizer=_build_optimizer(spec.workload.optimizer),
+    step = sg.compile_train_step(model, loss=build_loss(spec.workload),
+                                 optimizer=build_optimizer(spec.workload.optimizer, model),
                                  example_inputs=batches[0], device=spec.device, graph=graph,
                                  seed=spec.seed, precision=spec.precision)
 
     def run_step(i: int):
         return step(*batches[i])
 
+    def census() -> KernelCensus:
+        return _plan_census(step)
+
     def close() -> None:
         batches.clear()
         _release(spec.device)
 
     return PreparedStep(run_step, _synchronizer(spec.device), lambda loss: float(loss), memory,
-                        close, [f"graph={graph}", init_note])
+                        close, [f"graph={graph}", init_note], census)
+
+
+def _plan_census(step) -> KernelCensus:
+    """Graph nodes of the captured step (graph mode) or ops of the plan (eager), and the
+    layout-moving ops among them."""
+    exe = step.executable(step.signature)
+    layout = sum(1 for node, _, _ in exe.calls if node.op in LAYOUT_OPS)
+    captured = getattr(exe, "captured", None)
+    nodes = getattr(captured, "node_count", None)
+    if nodes is not None:
+        return KernelCensus(nodes, layout, "CUDA graph nodes of the captured step")
+    return KernelCensus(len(exe.calls), layout,
+                        "ops of the compiled plan (one or more kernels each)")

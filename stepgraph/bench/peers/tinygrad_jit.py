@@ -8,8 +8,22 @@ from __future__ import annotations
 
 import os
 
-from stepgraph.bench.peers import MemoryReading, PreparedStep, RunSpec
-from stepgraph.bench.workloads import ConvNet, DenseNet, LayerParams, OptimizerSpec
+from stepgraph.bench.peers import KernelCensus, MemoryReading, PreparedStep, RunSpec, Unsupported
+from stepgraph.bench.peers import tinygrad_gpt
+from stepgraph.bench.workloads import (
+    BlockSpec,
+    ConvNet,
+    DenseNet,
+    GPT,
+    LayerParams,
+    OptimizerSpec,
+    PlainConvNet,
+    ResNet,
+    Workload,
+    named_parameters,
+    plain_convnet_layers,
+    resnet_blocks,
+)
 
 TINYGRAD_DEVICE = {"cuda": "CUDA", "cpu": "CPU"}
 
@@ -58,6 +72,99 @@ class _ConvModel:
         return x.cast(dtypes.float32).log_softmax(axis=1)
 
 
+class _BasicBlock:
+    """tinygrad.nn Conv2d/BatchNorm BasicBlock, attributes named as torchvision's."""
+
+    def __init__(self, block: BlockSpec, model: ResNet):
+        from tinygrad import nn
+        c_in, c_out, eps, momentum = (block.in_channels, block.out_channels, model.bn_eps,
+                                      model.bn_momentum)
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=block.stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm(c_out, eps=eps, momentum=momentum)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm(c_out, eps=eps, momentum=momentum)
+        self.downsample = None
+        if block.downsample:  # a list, so that its state_dict names are downsample.0 / .1
+            self.downsample = [nn.Conv2d(c_in, c_out, 1, stride=block.stride, bias=False),
+                               nn.BatchNorm(c_out, eps=eps, momentum=momentum)]
+
+    def __call__(self, x):
+        out = self.bn2(self.conv2(self.bn1(self.conv1(x)).relu()))
+        shortcut = x if self.downsample is None else self.downsample[1](self.downsample[0](x))
+        return (out + shortcut).relu()
+
+
+class _ResNetModel:
+    """workloads.ResNet with tinygrad.nn layers (NCHW, tinygrad's layout)."""
+
+    def __init__(self, workload: Workload):
+        from tinygrad import nn
+        model = workload.model
+        self.conv1 = nn.Conv2d(workload.sample_shape[0], model.widths[0], 3, padding=1,
+                               bias=False)
+        self.bn1 = nn.BatchNorm(model.widths[0], eps=model.bn_eps, momentum=model.bn_momentum)
+        self.stage_names: list[str] = []
+        for block in resnet_blocks(model):
+            stage = block.name.split(".")[0]
+            if stage not in self.stage_names:
+                self.stage_names.append(stage)
+                setattr(self, stage, [])
+            getattr(self, stage).append(_BasicBlock(block, model))
+        self.fc = nn.Linear(model.widths[-1], model.classes)
+
+    def __call__(self, x):
+        x = self.bn1(self.conv1(x)).relu()
+        for stage in self.stage_names:
+            for block in getattr(self, stage):
+                x = block(x)
+        return self.fc(x.mean(axis=(2, 3)))
+
+
+class _PlainConvModel:
+    """workloads.PlainConvNet; `layers[i]` is the nn.Sequential's entry i."""
+
+    def __init__(self, workload: Workload):
+        from tinygrad import nn
+        self.layers: list = []
+        for layer in plain_convnet_layers(workload.model, workload.sample_shape):
+            if layer.kind == "conv":
+                self.layers.append(nn.Conv2d(layer.in_features, layer.out_features, 3,
+                                             padding=1))
+            elif layer.kind == "linear":
+                self.layers.append(nn.Linear(layer.in_features, layer.out_features))
+            else:
+                self.layers.append(layer.kind)
+
+    def __call__(self, x):
+        for layer in self.layers:
+            if layer == "relu":
+                x = x.relu()
+            elif layer == "maxpool":
+                x = x.max_pool2d((2, 2))
+            elif layer == "flatten":
+                x = x.flatten(1)
+            else:
+                x = layer(x)
+        return x
+
+
+def _vision_model(workload: Workload, parameters: list[LayerParams], device: str):
+    """The resnet/convnet model with the shared parameters loaded by state_dict key."""
+    from tinygrad import Tensor
+    from tinygrad.nn.state import get_state_dict, load_state_dict
+    if isinstance(workload.model, ResNet):
+        model, prefix = _ResNetModel(workload), ""
+    else:
+        model, prefix = _PlainConvModel(workload), "layers."
+    state = {prefix + key: Tensor(value, device=device)
+             for key, value in named_parameters(parameters).items()}
+    unknown = sorted(set(state) - set(get_state_dict(model)))
+    if unknown:
+        raise ValueError(f"shared parameters the tinygrad model lacks: {unknown}")
+    load_state_dict(model, state, strict=False, verbose=False)
+    return model
+
+
 def _optimizer(spec: OptimizerSpec, params):
     from tinygrad import nn
     if spec.kind == "adamw":
@@ -65,7 +172,7 @@ def _optimizer(spec: OptimizerSpec, params):
                               eps=spec.eps, weight_decay=spec.weight_decay)
     if spec.kind == "sgd":
         return nn.optim.SGD(params, lr=spec.lr, momentum=spec.momentum,
-                            weight_decay=spec.weight_decay)
+                            weight_decay=spec.weight_decay, nesterov=spec.nesterov)
     raise ValueError(f"unknown optimizer kind {spec.kind!r}")
 
 
@@ -77,29 +184,63 @@ def prepare(spec: RunSpec) -> PreparedStep:
     from tinygrad.helpers import ALLOW_TF32
     from tinygrad.nn.state import get_parameters
 
+    vision = isinstance(spec.workload.model, (ResNet, PlainConvNet))
+    gpt = isinstance(spec.workload.model, GPT)
+    if (vision or gpt) and spec.precision == "bf16":
+        raise Unsupported("the vision and gpt workloads are timed in fp32 and tf32")
     previous_tf32 = ALLOW_TF32.value
     ALLOW_TF32.value = 1 if spec.precision == "tf32" else 0  # read when kernels are generated
     Tensor.manual_seed(spec.seed)
     compute = dtypes.bfloat16 if spec.precision == "bf16" else dtypes.float32
     used_before = GlobalCounters.mem_used_per_device[device]
-    model_type = _DenseModel if isinstance(spec.workload.model, DenseNet) else _ConvModel
-    model = model_type(spec.workload.model, spec.parameters, device, lambda t: t.cast(compute))
-    optimizer = _optimizer(spec.workload.optimizer, get_parameters(model))
-    batches = [(Tensor(b.x, device=device).cast(compute).realize(),
+    if gpt:
+        model = tinygrad_gpt.gpt_model(spec.workload, spec.parameters, device)
+    elif vision:
+        model = _vision_model(spec.workload, spec.parameters, device)
+    else:
+        model_type = _DenseModel if isinstance(spec.workload.model, DenseNet) else _ConvModel
+        model = model_type(spec.workload.model, spec.parameters, device,
+                           lambda t: t.cast(compute))
+    params = tinygrad_gpt.parameters_of(model) if gpt else get_parameters(model)
+    optimizer = (tinygrad_gpt.gpt_optimizer(spec.workload.optimizer, params) if gpt
+                 else _optimizer(spec.workload.optimizer, params))
+    max_norm = spec.workload.optimizer.max_grad_norm
+    # Token indices stay integers; images are stored in the compute dtype.
+    batches = [(Tensor(b.x, device=device).cast(dtypes.int32 if gpt else compute).realize(),
                 Tensor(b.y, device=device).realize()) for b in spec.batches]
     cross_entropy = spec.workload.loss == "cross_entropy"
+    smoothing = spec.workload.label_smoothing
 
     @TinyJit
     def train_step(x, y):
         with Context(TRAINING=1):
             optimizer.zero_grad()
             out = model(x).cast(dtypes.float32)
-            loss = out.sparse_categorical_crossentropy(y) if cross_entropy else out.nll_loss(y)
+            loss = out.sparse_categorical_crossentropy(y, label_smoothing=smoothing) \
+                if cross_entropy else out.nll_loss(y)
             loss.backward()
+            if max_norm is not None:
+                tinygrad_gpt.clip_grad_norm(params, max_norm)
             return loss.realize(*optimizer.schedule_step())
 
+    # Kernels launched by the first call (run as is) and the second (captured by TinyJit).
+    kernels_per_call: list[int] = []
+
     def run_step(i: int):
-        return train_step(*batches[i])
+        if len(kernels_per_call) >= 2:
+            return train_step(*batches[i])
+        before = GlobalCounters.kernel_count
+        loss = train_step(*batches[i])
+        kernels_per_call.append(GlobalCounters.kernel_count - before)
+        return loss
+
+    def census() -> KernelCensus | None:
+        counted = [n for n in kernels_per_call[1:] + kernels_per_call[:1] if n > 0]
+        if not counted:
+            return None
+        # tinygrad has no layout: views and permutes are folded into the kernels' indexing.
+        return KernelCensus(counted[0], None, "tinygrad GlobalCounters.kernel_count of the "
+                                              "step TinyJit captured")
 
     def memory() -> MemoryReading:
         used = GlobalCounters.mem_used_per_device[device] - used_before
@@ -115,4 +256,4 @@ def prepare(spec: RunSpec) -> PreparedStep:
         notes.append("bf16: params cast to bfloat16 in the step, inputs stored bf16, "
                      "float32 master params, loss and optimizer state")
     return PreparedStep(run_step, Device[device].synchronize, lambda loss: float(loss.item()),
-                        memory, close, notes)
+                        memory, close, notes, census)

@@ -1,67 +1,197 @@
-"""torch.compile(mode="reduce-overhead"): Inductor kernels replayed through CUDA graphs
-(cudagraph trees) for forward + loss and the AOTAutograd backward, as the torch.compile docs
-recommend for small, launch-bound models; the optimizer step compiled on its own, as in the
-"Compiling the optimizer with torch.compile" tutorial.
+"""torch.compile on the whole training step, each mode of `spec.compile_modes` tried in turn and
+the fastest kept.
+
+The compiled function is the training step (forward + loss, backward, optimizer.step), as the
+torch.compile tutorials compile one; `zero_grad(set_to_none=True)` runs before it, outside, since
+Dynamo does not trace it (it is marked `torch._disable_dynamo`, a graph break of its own). Dynamo
+breaks the graph at `loss.backward()` (the AOTAutograd backward runs from the forward's graph)
+and around the optimizer's `_use_grad` wrapper, so one step runs three compiled regions, and in
+"reduce-overhead" mode every one of them, the optimizer update included, replays as a CUDA graph
+(cudagraph trees; `torch.compiler.cudagraph_mark_step_begin()` opens each step).
+
+The earlier configuration compiled forward + loss with mode="reduce-overhead" but the optimizer
+step with the default mode: its Inductor kernels were launched one by one from Python every step,
+after a guard check over every parameter, gradient and state tensor, where eager runs one fused
+AdamW/SGD kernel. The step stayed host-bound and did more host work than eager
+(docs/BENCHMARKS.md). The optimizer here is foreach (Inductor writes its own fused update
+kernels), capturable on CUDA so its step counter lives on the device inside the graph.
+
+Modes: spec.compile_modes (default "reduce-overhead" then "default", see peers/__init__.py). The
+search stops once SEARCH_BUDGET_S is spent, and the mode that wins on a workload's first
+precision is reused for its other precisions (one compile each instead of one per mode).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-from stepgraph.bench.peers import PreparedStep, RunSpec
+from stepgraph.bench.peers import KernelCensus, PreparedStep, RunSpec
 from stepgraph.bench.peers.torch_eager import (
     autocast,
     build_model,
     device_batches,
+    gradient_clipper,
+    layout_for,
     loss_function,
     make_optimizer,
+    profiler_census,
     release,
     set_precision,
     start_memory_count,
     synchronizer,
 )
 
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+SEARCH_BUDGET_S = 120.0  # no further mode is compiled once the search has taken this long
+PROBE_SECONDS = 0.3  # timed per mode, after its compile and CUDA graph recording steps
+PROBE_SETUP_STEPS = 3  # cudagraph trees warm up on call 1, record on call 2, replay from 3
+_chosen_modes: dict[str, str] = {}  # workload -> the mode its first searched precision kept
 
-def prepare(spec: RunSpec) -> PreparedStep:
-    """Compile forward+loss with mode="reduce-overhead" and optimizer.step with torch.compile."""
-    notes = set_precision(spec.precision)
-    memory = start_memory_count(spec.device)
+
+@dataclass
+class _Candidate:
+    """One compiled step under one mode."""
+
+    mode: str
+    run_step: Callable[[int], torch.Tensor]
+    close: Callable[[], None]
+    us: float = float("inf")
+
+
+def _compile(spec: RunSpec, mode: str, layout: str) -> _Candidate:
     torch.manual_seed(spec.seed)
-    torch._dynamo.reset()  # a fresh cache per run: earlier workloads must not count as warm-up
-    model = build_model(spec.workload, spec.parameters, spec.device).train()
+    model = build_model(spec.workload, spec.parameters, spec.device, layout).train()
+    optimizer = make_optimizer(spec.workload.optimizer, model.parameters(),
+                               capturable=spec.device == "cuda")
     loss_fn = loss_function(spec.workload)
-    # foreach (the default) rather than fused: Inductor generates its own fused update kernels.
-    optimizer = make_optimizer(spec.workload.optimizer, model.parameters())
-    batches = device_batches(spec)
+    clip = gradient_clipper(spec.workload.optimizer, model)
 
-    def forward_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    @torch.compile(mode=mode)
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with autocast(spec.precision, spec.device):
-            return loss_fn(model(x), y)
-
-    compiled_loss = torch.compile(forward_loss, mode="reduce-overhead")
-
-    @torch.compile(fullgraph=False)
-    def optimizer_step() -> None:
+            loss = loss_fn(model(x), y)
+        loss.backward()
+        clip()
         optimizer.step()
+        return loss
+
+    batches = device_batches(spec, layout)
+    mark_step = spec.device == "cuda" and mode in CUDA_GRAPH_MODES
 
     def run_step(i: int) -> torch.Tensor:
-        x, y = batches[i]
-        # Tells cudagraph trees a new iteration starts, so the previous step's graph outputs
-        # may be overwritten (the documented call for training loops).
-        torch.compiler.cudagraph_mark_step_begin()
+        if mark_step:
+            # A new iteration: the previous step's graph outputs may now be overwritten (the
+            # documented call for training loops under cudagraph trees).
+            torch.compiler.cudagraph_mark_step_begin()
         optimizer.zero_grad(set_to_none=True)
-        loss = compiled_loss(x, y)
-        loss.backward()
-        optimizer_step()
-        return loss
+        return train_step(*batches[i])
+
+    def close() -> None:
+        batches.clear()
+
+    return _Candidate(mode, run_step, close)
+
+
+def _probe(candidate: _Candidate, n_batches: int, synchronize) -> float:
+    """µs per step over about PROBE_SECONDS, after the compile and recording steps."""
+    for i in range(PROBE_SETUP_STEPS):
+        candidate.run_step(i % n_batches)
+    synchronize()
+    start = time.perf_counter()
+    candidate.run_step(0)
+    synchronize()
+    steps = max(3, min(500, int(PROBE_SECONDS / max(time.perf_counter() - start, 1e-6))))
+    start = time.perf_counter()
+    for i in range(steps):
+        candidate.run_step(i % n_batches)
+    synchronize()
+    return (time.perf_counter() - start) / steps * 1e6
+
+
+def _modes_to_try(spec: RunSpec) -> tuple[list[str], str]:
+    chosen = _chosen_modes.get(spec.workload.name)
+    if chosen in spec.compile_modes:
+        return [chosen], f'mode "{chosen}" (fastest on this workload\'s first precision)'
+    if spec.device != "cuda":  # CPU smoke tests: no CUDA graphs, one compile is enough
+        return list(spec.compile_modes[:1]), ""
+    return list(spec.compile_modes), ""
+
+
+def _search(spec: RunSpec, layout: str, synchronize) -> tuple[_Candidate, list[str]]:
+    """Compile and probe each mode; returns the fastest candidate and notes on all of them."""
+    modes, reused = _modes_to_try(spec)
+    notes = [reused] if reused else []
+    best: _Candidate | None = None
+    tried: list[str] = []
+    last_error: Exception | None = None
+    start = time.perf_counter()
+    for mode in modes:
+        if best is not None and time.perf_counter() - start > SEARCH_BUDGET_S:
+            tried.append(f"{mode} skipped (search budget {SEARCH_BUDGET_S:.0f} s spent)")
+            continue
+        compile_start = time.perf_counter()
+        try:
+            candidate = _compile(spec, mode, layout)
+            if len(modes) == 1:  # nothing to compare: the harness compiles it in its setup
+                best = candidate
+                break
+            candidate.us = _probe(candidate, len(spec.batches), synchronize)
+        except Exception as error:  # one mode failing must not hide the others
+            last_error = error
+            first_line = (str(error).strip().splitlines() or [""])[0][:120]
+            tried.append(f"{mode} failed ({type(error).__name__}: {first_line})")
+            if best is None:  # start the next mode clean; a reset would also drop the best's
+                torch._dynamo.reset()
+            continue
+        tried.append(f"{mode} {candidate.us:.0f} µs/step (compile+probe "
+                     f"{time.perf_counter() - compile_start:.0f} s)")
+        if best is None or candidate.us < best.us:
+            if best is not None:
+                best.close()
+            best = candidate
+        else:
+            candidate.close()
+    if best is None:
+        raise last_error or RuntimeError("no torch.compile mode to try")
+    if len(modes) > 1:
+        _chosen_modes[spec.workload.name] = best.mode
+    notes.append(f'torch.compile(mode="{best.mode}") on the whole step'
+                 + ("; tried: " + "; ".join(tried) if tried else ""))
+    return best, notes
+
+
+def prepare(spec: RunSpec) -> PreparedStep:
+    """The whole step under torch.compile, in the fastest of the modes tried."""
+    from torch._dynamo.utils import counters
+
+    notes = set_precision(spec.precision)
+    layout = layout_for(spec)
+    memory = start_memory_count(spec.device)
+    torch._dynamo.reset()  # a fresh cache per run: earlier workloads must not count as warm-up
+    skips_before = counters["inductor"]["cudagraph_skips"]
+    synchronize = synchronizer(spec.device)
+    best, search_notes = _search(spec, layout, synchronize)
+    notes += search_notes + [f"memory format {layout}; optimizer foreach, capturable on CUDA"]
+    skips = counters["inductor"]["cudagraph_skips"] - skips_before
+    if skips and spec.device == "cuda" and best.mode in CUDA_GRAPH_MODES:
+        notes.append(f"Inductor skipped CUDA graphs {skips} time(s) "
+                     "(TORCH_LOGS=perf_hints says why)")
+
+    def census() -> KernelCensus | None:
+        if spec.device != "cuda":
+            return None
+        return profiler_census(lambda: best.run_step(0), synchronize)
 
     def read_loss(loss: torch.Tensor) -> float:
         return float(loss.detach().clone())
 
     def close() -> None:
-        batches.clear()
+        best.close()
         torch._dynamo.reset()
         release(spec.device)
 
-    notes.append('forward+loss torch.compile(mode="reduce-overhead"); optimizer.step compiled')
-    return PreparedStep(run_step, synchronizer(spec.device), read_loss, memory, close, notes)
+    return PreparedStep(best.run_step, synchronize, read_loss, memory, close, notes, census)

@@ -1,24 +1,54 @@
 """PyTorch eager: the ordinary training loop, with the fused AdamW/SGD kernels PyTorch's optim
-docs call the fastest implementation. Also the model/optimizer/precision helpers that the other
-two PyTorch peers (torch_graph, torch_compile) share, so all three train the identical model.
+docs call the fastest implementation, and for conv nets the faster of the two memory formats
+(NCHW or channels_last, timed here once per workload and precision). Also the model/optimizer/
+precision/census helpers that the other two PyTorch peers (torch_graph, torch_compile) share, so
+all three train the identical model in the same layout.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import re
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stepgraph.bench.peers import MemoryReading, PreparedStep, RunSpec
-from stepgraph.bench.workloads import ConvNet, DenseNet, LayerParams, OptimizerSpec, Workload
+from stepgraph.bench.census import kernel_name_census
+from stepgraph.bench.peers import KernelCensus, MemoryReading, PreparedStep, RunSpec
+from stepgraph.bench.workloads import (
+    ConvNet,
+    DenseNet,
+    GPT,
+    LayerParams,
+    OptimizerSpec,
+    PlainConvNet,
+    ResNet,
+    Workload,
+)
+
+NCHW, CHANNELS_LAST = "NCHW", "channels_last"
+MEMORY_FORMATS = {NCHW: torch.contiguous_format, CHANNELS_LAST: torch.channels_last}
+CONV_MODELS = (ConvNet, ResNet, PlainConvNet)
+LAYOUT_TRIAL_SECONDS = 0.15  # timed per memory format, after the cuDNN benchmark steps
+# Layout chosen by torch eager's trial per (workload, precision); torch graph and torch compile
+# use it, so all three PyTorch rows run the same kernels' layout.
+_chosen_layouts: dict[tuple[str, str], str] = {}
 
 
-def build_model(workload: Workload, parameters: list[LayerParams], device: str) -> nn.Module:
-    """The workload's nn.Sequential, loaded with the shared initial parameters."""
+def build_model(workload: Workload, parameters: list[LayerParams], device: str,
+                layout: str = NCHW) -> nn.Module:
+    """The workload's module, loaded with the shared initial parameters, in `layout`."""
     model = workload.model
+    if isinstance(model, GPT):
+        from stepgraph.bench.peers.torch_gpt import gpt_model
+        return gpt_model(workload, parameters).to(device)
+    if isinstance(model, (ResNet, PlainConvNet)):
+        from stepgraph.bench.peers.torch_models import vision_model
+        return vision_model(workload, parameters).to(device, memory_format=MEMORY_FORMATS[layout])
     if isinstance(model, DenseNet):
         module = _dense_net(model)
     elif isinstance(model, ConvNet):
@@ -30,7 +60,7 @@ def build_model(workload: Workload, parameters: list[LayerParams], device: str) 
         for layer, init in zip(layers, parameters, strict=True):
             layer.weight.copy_(torch.from_numpy(init.weight))
             layer.bias.copy_(torch.from_numpy(init.bias))
-    return module.to(device)
+    return module.to(device, memory_format=MEMORY_FORMATS[layout])
 
 
 def _dense_net(model: DenseNet) -> nn.Sequential:
@@ -56,20 +86,32 @@ def _conv_net(model: ConvNet, in_channels: int) -> nn.Sequential:
 
 
 def loss_function(workload: Workload):
-    """F.cross_entropy on logits or F.nll_loss on log-probabilities, mean reduction."""
+    """F.cross_entropy on logits (with the workload's label smoothing) or F.nll_loss on
+    log-probabilities, mean reduction; the GPT's cross-entropy over all its positions."""
+    if isinstance(workload.model, GPT):
+        from stepgraph.bench.peers.torch_gpt import next_token_loss
+        return next_token_loss
+    if workload.loss == "cross_entropy" and workload.label_smoothing:
+        return functools.partial(F.cross_entropy, label_smoothing=workload.label_smoothing)
     return {"cross_entropy": F.cross_entropy, "nll_loss": F.nll_loss}[workload.loss]
 
 
 def make_optimizer(spec: OptimizerSpec, params, **implementation) -> torch.optim.Optimizer:
     """torch.optim.AdamW or SGD with the workload's hyper-parameters; `implementation` picks
-    fused / foreach / capturable."""
+    fused / foreach / capturable. decay_matrices_only: nanoGPT's two parameter groups."""
+    if spec.decay_matrices_only:
+        params = list(params)
+        params = [{"params": [p for p in params if p.dim() >= 2],
+                   "weight_decay": spec.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     if spec.kind == "adamw":
         return torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, eps=spec.eps,
                                  weight_decay=spec.weight_decay, **implementation)
     if spec.kind == "sgd":
         implementation.pop("capturable", None)  # SGD keeps no step counter: always capturable
         return torch.optim.SGD(params, lr=spec.lr, momentum=spec.momentum,
-                               weight_decay=spec.weight_decay, **implementation)
+                               weight_decay=spec.weight_decay, nesterov=spec.nesterov,
+                               **implementation)
     raise ValueError(f"unknown optimizer kind {spec.kind!r}")
 
 
@@ -93,10 +135,26 @@ def autocast(precision: str, device: str, cache_enabled: bool = True):
     return torch.autocast(device_type=device, dtype=torch.bfloat16, cache_enabled=cache_enabled)
 
 
-def device_batches(spec: RunSpec) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The shared batches copied to the device (labels int64, as torch's losses want)."""
-    return [(torch.from_numpy(b.x).to(spec.device), torch.from_numpy(b.y).long().to(spec.device))
-            for b in spec.batches]
+def device_batches(spec: RunSpec, layout: str = NCHW) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The shared batches copied to the device (labels int64, as torch's losses want), images
+    in `layout` (converted here, before timing, as a data loader would hand them over)."""
+    batches = []
+    for b in spec.batches:
+        x = torch.from_numpy(b.x).to(spec.device)
+        if x.dim() == 4:
+            x = x.contiguous(memory_format=MEMORY_FORMATS[layout])
+        batches.append((x, torch.from_numpy(b.y).long().to(spec.device)))
+    return batches
+
+
+def layout_for(spec: RunSpec) -> str:
+    """The memory format the torch peers use: NCHW for models without convs and on the CPU;
+    for conv nets what torch eager measured faster, or, when it has not run, channels_last
+    where cuDNN's tensor-core kernels want NHWC (tf32, bf16) and NCHW in strict fp32."""
+    if spec.device != "cuda" or not isinstance(spec.workload.model, CONV_MODELS):
+        return NCHW
+    default = NCHW if spec.precision == "fp32" else CHANNELS_LAST
+    return _chosen_layouts.get((spec.workload.name, spec.precision), default)
 
 
 def start_memory_count(device: str):
@@ -122,28 +180,121 @@ def release(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def prepare(spec: RunSpec) -> PreparedStep:
-    """PyTorch eager: zero_grad(set_to_none) + forward + loss + backward + fused optimizer step."""
-    notes = set_precision(spec.precision)
-    memory = start_memory_count(spec.device)
-    torch.manual_seed(spec.seed)
-    model = build_model(spec.workload, spec.parameters, spec.device).train()
-    loss_fn = loss_function(spec.workload)
-    optimizer = make_optimizer(spec.workload.optimizer, model.parameters(), fused=True)
-    batches = device_batches(spec)
+KERNEL_ACTIVITY = re.compile(r"kernel", re.IGNORECASE)  # Kineto's activity type of a launch
+NOT_KERNELS = ("Memcpy", "Memset")
 
-    def run_step(i: int) -> torch.Tensor:
-        x, y = batches[i]
+
+def profiler_census(run_step, synchronize) -> KernelCensus:
+    """Count the device kernels of one step with torch.profiler (CUPTI also reports the kernels
+    a CUDA graph replay launches); copies, memsets and annotations are not kernels."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_step()
+        synchronize()
+    device_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    names = [e.name for e in device_events
+             if KERNEL_ACTIVITY.search(str(getattr(e, "activity_type", "") or ""))]
+    if not names:  # a profiler without activity types: tell kernels by name
+        names = [e.name for e in device_events if not e.name.startswith(NOT_KERNELS)]
+    if not names:
+        raise RuntimeError("the profiler saw no device kernels")
+    return kernel_name_census(names, "torch.profiler kernels of one step")
+
+
+def gradient_clipper(spec: OptimizerSpec, model: nn.Module):
+    """clip_grad_norm_(model.parameters(), spec.max_grad_norm) as a function of no arguments
+    (no host sync: the norm and the scale stay on the device); a no-op without clipping."""
+    if spec.max_grad_norm is None:
+        return lambda: None
+    params = list(model.parameters())
+    return lambda: torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm)
+
+
+def train_step_function(model: nn.Module, loss_fn, optimizer, precision: str, device: str,
+                        clip=lambda: None):
+    """The ordinary eager step: zero_grad(set_to_none) + forward + loss + backward (+ clip)
+    + step."""
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
-        with autocast(spec.precision, spec.device):
+        with autocast(precision, device):
             loss = loss_fn(model(x), y)
         loss.backward()
+        clip()
         optimizer.step()
         return loss
+    return step
+
+
+def _time_steps(step, batches, synchronize, seconds: float) -> float:
+    """Seconds per step over about `seconds` (at least 3 steps), one sync at the end."""
+    synchronize()
+    start = time.perf_counter()
+    step(*batches[0])
+    synchronize()
+    steps = max(3, min(200, int(seconds / max(time.perf_counter() - start, 1e-6))))
+    start = time.perf_counter()
+    for i in range(steps):
+        step(*batches[i % len(batches)])
+    synchronize()
+    return (time.perf_counter() - start) / steps
+
+
+def _layout_trial(spec: RunSpec, layout: str) -> float:
+    """µs per eager step in `layout`, after the steps in which cudnn.benchmark picks kernels."""
+    model = build_model(spec.workload, spec.parameters, spec.device, layout).train()
+    optimizer = make_optimizer(spec.workload.optimizer, model.parameters(), fused=True)
+    step = train_step_function(model, loss_function(spec.workload), optimizer, spec.precision,
+                               spec.device)
+    batches = device_batches(spec, layout)
+    for i in range(3):
+        step(*batches[i % len(batches)])
+    seconds = _time_steps(step, batches, torch.cuda.synchronize, LAYOUT_TRIAL_SECONDS)
+    del model, optimizer, step, batches
+    release(spec.device)
+    return seconds * 1e6
+
+
+def choose_layout(spec: RunSpec) -> tuple[str, str]:
+    """Time the eager step in NCHW and channels_last (conv nets on CUDA); remember the faster
+    for the other torch peers. Returns (layout, note)."""
+    if spec.device != "cuda" or not isinstance(spec.workload.model, CONV_MODELS):
+        return NCHW, ""
+    times = {layout: _layout_trial(spec, layout) for layout in (NCHW, CHANNELS_LAST)}
+    best = min(times, key=times.get)
+    _chosen_layouts[(spec.workload.name, spec.precision)] = best
+    trial = ", ".join(f"{layout} {us:.0f} µs" for layout, us in times.items())
+    return best, f"memory format {best} (eager trial: {trial})"
+
+
+def prepare(spec: RunSpec) -> PreparedStep:
+    """PyTorch eager: zero_grad(set_to_none) + forward + loss + backward + fused optimizer step,
+    in the faster memory format."""
+    notes = set_precision(spec.precision)
+    layout, layout_note = choose_layout(spec)
+    memory = start_memory_count(spec.device)
+    torch.manual_seed(spec.seed)
+    model = build_model(spec.workload, spec.parameters, spec.device, layout).train()
+    optimizer = make_optimizer(spec.workload.optimizer, model.parameters(), fused=True)
+    step = train_step_function(model, loss_function(spec.workload), optimizer, spec.precision,
+                               spec.device, gradient_clipper(spec.workload.optimizer, model))
+    batches = device_batches(spec, layout)
+    synchronize = synchronizer(spec.device)
+
+    def run_step(i: int) -> torch.Tensor:
+        return step(*batches[i])
+
+    def census() -> KernelCensus | None:
+        if spec.device != "cuda":
+            return None
+        return profiler_census(lambda: run_step(0), synchronize)
 
     def close() -> None:
         batches.clear()
         release(spec.device)
 
-    return PreparedStep(run_step, synchronizer(spec.device), lambda loss: float(loss.detach()),
-                        memory, close, notes + ["optimizer fused=True"])
+    notes += ["optimizer fused=True"] + ([layout_note] if layout_note else [])
+    return PreparedStep(run_step, synchronize, lambda loss: float(loss.detach()), memory, close,
+                        notes, census)
