@@ -10,7 +10,18 @@ class ShapeError(StepgraphError, ValueError):
 
 
 class LabelError(StepgraphError, ValueError):
-    """Class labels outside [0, classes)."""
+    """Class labels outside [0, classes). Raised by a step's guard (`on_bad_batch="raise"`),
+    `step` is the number of the call whose batch held them (None for a check made before
+    the call ran)."""
+
+    step: int | None = None
+
+
+class NonFiniteError(StepgraphError, ArithmeticError):
+    """A training step's loss or gradients were NaN or infinite, so its update was not
+    applied (`on_bad_batch="raise"`); `step` is the number of the call that produced them."""
+
+    step: int | None = None
 
 
 class PlanError(StepgraphError):

@@ -1,5 +1,10 @@
 """`stepgraph profile`: where a training step's time goes, op by op, on the GPU.
 
+For a bench workload (`--workload mlp|cnn|resnet|convnet|gpt`) or your own step:
+`step.profile(x, y)` in Python, or `stepgraph profile --script FILE` where FILE defines
+`make_step()` returning `(step, inputs)`: a compiled CUDA train step and the tuple of arrays
+of one call.
+
 Times each op of the plan alone on the device and counts the kernels it launches (by
 capturing it into a graph and counting nodes), then times the eager step and the whole-step
 graph replay and compares them with the sum of op times: the eager excess is what launches
@@ -8,10 +13,16 @@ and host gaps cost, which the graph removes.
 from __future__ import annotations
 
 import argparse
+import runpy
 import statistics
 from dataclasses import dataclass
 
 from .compile.executable import Executable, phase_of
+
+VISION_WORKLOADS = ("resnet", "convnet")
+# Built from the benchmark's own definitions (bench/workloads.py), on its batches.
+BENCH_WORKLOADS = VISION_WORKLOADS + ("gpt",)
+WORKLOADS = ("mlp", "cnn") + BENCH_WORKLOADS
 
 
 @dataclass(frozen=True)
@@ -118,6 +129,36 @@ def profile_executable(exe: Executable, workload: str, iters: int = 50) -> StepP
                        exe.plan.arena_bytes)
 
 
+def profile_step(step, arrays, iters: int = 50, name: str | None = None) -> StepProfile:
+    """Profile a compiled CUDA train step on one batch (step.profile). Profiling runs its ops
+    many times, which would train it: its parameters and all its state are put back after."""
+    saved = step.state_dict()
+    internal = {k: step.backend.to_numpy(v) for k, v in step.state.items()
+                if k not in saved}                   # loss history, guard counters
+    exe = step._prepare(tuple(arrays))
+    try:
+        return profile_executable(exe, name or f"{type(step.model).__name__} step", iters)
+    finally:
+        step.load_state_dict(saved)
+        for k, v in internal.items():
+            step.backend.copy_into(step.state[k], v)
+        step._host_step = None
+
+
+def load_script_step(path: str):
+    """(step, inputs) from make_step() of the Python file `path`, run as a module named
+    "__stepgraph_profile__" (so its `if __name__ == "__main__":` block does not run)."""
+    namespace = runpy.run_path(path, run_name="__stepgraph_profile__")
+    make_step = namespace.get("make_step")
+    if not callable(make_step):
+        raise ValueError(f"{path} must define make_step() returning (step, inputs)")
+    made = make_step()
+    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[1], (tuple, list))):
+        raise ValueError(f"{path}: make_step() must return (step, inputs), inputs a tuple of "
+                         f"the arrays of one call; got {type(made).__name__}")
+    return made[0], tuple(made[1])
+
+
 def build_workload(name: str, precision: str = "fp32"):
     """A compiled train step of a BENCHMARKS.md workload on random data resident on the GPU."""
     import cupy as cp
@@ -131,8 +172,20 @@ def build_workload(name: str, precision: str = "fp32"):
     elif name == "cnn":
         model, loss, opt = models.cnn(), losses.nll_loss, optim.SGD(lr=0.01, momentum=0.5)
         shape = (64, 1, 28, 28)
+    elif name in BENCH_WORKLOADS:
+        # The benchmark's own definition (stepgraph bench --workloads resnet,convnet,gpt).
+        from .bench import workloads as wl
+        from .bench.peers import stepgraph_runner as runner
+        workload = wl.get_workload(name)
+        model, loss = runner.build_model(workload), runner.build_loss(workload)
+        opt = runner.build_optimizer(workload.optimizer, model)
+        batch = wl.make_batches(workload, 1)[0]
+        x, y = cp.asarray(batch.x), cp.asarray(batch.y)
+        step = compile_train_step(model, loss=loss, optimizer=opt, example_inputs=(x, y),
+                                  device="cuda", graph=True, precision=precision)
+        return step, (x, y)
     else:
-        raise ValueError(f"unknown workload {name!r} (profile supports mlp and cnn)")
+        raise ValueError(f"unknown workload {name!r} (profile supports {', '.join(WORKLOADS)})")
     x = cp.asarray(rng.random(shape, dtype=np.float32))
     y = cp.asarray(rng.integers(0, 10, shape[0]))
     step = compile_train_step(model, loss=loss, optimizer=opt, example_inputs=(x, y),
@@ -142,14 +195,27 @@ def build_workload(name: str, precision: str = "fp32"):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="stepgraph profile", description=__doc__.split("\n")[0])
-    parser.add_argument("--workload", default="mlp", choices=("mlp", "cnn"))
+    parser.add_argument("--workload", default="mlp", choices=WORKLOADS)
     parser.add_argument("--precision", default="fp32", choices=("fp32", "tf32"))
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--script", default=None,
+                        help="profile your own step: a Python file defining make_step() that "
+                        "returns (step, inputs), a compiled CUDA train step and one call's "
+                        "arrays (--workload and --precision are then ignored)")
     args = parser.parse_args(argv)
     from .backends import cuda_available
     if not cuda_available():
         print("stepgraph profile needs a CUDA GPU (CuPy found none)")
         return 2
+    if args.script:
+        from .errors import StepgraphError
+        try:
+            step, inputs = load_script_step(args.script)
+            print(step.profile(*inputs, iters=args.iters).table())
+        except (StepgraphError, ValueError, OSError) as err:
+            print(f"error: {err}")
+            return 2
+        return 0
     step, feed = build_workload(args.workload, args.precision)
     exe = step.executable(step.signature)
     exe.feed(feed)

@@ -50,6 +50,12 @@ class Backend(ABC):
     def copy_result(self, buffer) -> Any:
         """A new array holding `buffer`'s value, which the next step may overwrite."""
 
+    def host_mirror(self, array):
+        """A host array that the device side keeps up to date, without a sync, with the value
+        a guard's counters (ops/guard.py) hold (on the CPU: the array itself); None where the
+        host can only see them by syncing."""
+        return None
+
     def make_context(self, precision: str):
         """What every op impl receives as `ctx` (None on backends that need nothing)."""
         return None

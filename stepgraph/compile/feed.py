@@ -70,9 +70,12 @@ def check_feed(expected: Signature, arrays) -> Signature:
         if have.shape[1:] != want.shape[1:]:
             raise ShapeError(f"input {want.name!r}: expected shape (batch, "
                              f"{', '.join(map(str, want.shape[1:]))}), got {have.shape}")
-        if have.shape and (have.shape[0] != batch or batch == 0):
+        if have.shape and have.shape[0] != batch:
             raise ShapeError(f"input {want.name!r}: batch size {have.shape[0]} does not match "
                              f"{got[0].name!r} batch size {batch}")
+    if batch == 0:
+        raise ShapeError(f"input {got[0].name!r}: empty batch (batch size 0); a step needs at "
+                         "least one sample")
     return got
 
 

@@ -64,3 +64,103 @@ def test_check_compatible_names_every_difference():
     check_compatible(saved, {**saved, "epochs": 9}, ("model", "data", "lr"))
     with pytest.raises(CheckpointError, match="model: checkpoint 'mlp', now 'cnn'.*lr"):
         check_compatible(saved, {**saved, "model": "cnn", "lr": 0.1}, ("model", "data", "lr"))
+
+
+# ---- atomic writes, corrupt files, versions and signatures ---------------------------------
+
+def test_a_failed_write_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    import os
+
+    path = save_checkpoint(tmp_path / CHECKPOINT_NAME, Checkpoint(_state(), 1, 0))
+    good = path.read_bytes()
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+
+    def crash(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="No space"):
+        save_checkpoint(path, Checkpoint(_state(), 2, 0))
+    assert synced                                   # the data was flushed before the rename
+    assert path.read_bytes() == good and load_checkpoint(path).epoch == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_NAME]   # no temp file
+
+
+def _corrupt(path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        path.write_bytes(bytes(data[:len(data) // 2]))
+    elif how == "empty":
+        path.write_bytes(b"")
+    elif how == "bit-flip":                         # in the last tensor's bytes
+        data[-3] ^= 0x40
+        path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how, words", [("truncated", "truncated"), ("empty", "empty"),
+                                        ("bit-flip", "SHA-256")])
+def test_corrupt_checkpoints_are_refused_naming_file_and_fault(tmp_path, how, words):
+    path = save_checkpoint(tmp_path / CHECKPOINT_NAME, Checkpoint(_state(), 3, 1))
+    _corrupt(path, how)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path)
+    assert str(path) in str(info.value) and words in str(info.value)
+
+
+def test_non_finite_state_is_never_written(tmp_path):
+    path = save_checkpoint(tmp_path / CHECKPOINT_NAME, Checkpoint(_state(), 1, 0))
+    good = path.read_bytes()
+    state = _state()
+    state["0.bias"][2] = np.nan
+    state["optimizer.exp_avg.0.weight"] = np.full((4, 3), np.inf, np.float32)
+    with pytest.raises(CheckpointError, match="NaN or Inf in 0.bias, optimizer.exp_avg"):
+        save_checkpoint(path, Checkpoint(state, 2, 0))
+    assert path.read_bytes() == good
+    save_checkpoint(tmp_path / "debug.safetensors", Checkpoint(state, 2, 0),
+                    allow_non_finite=True)
+
+
+def test_version_and_signature_are_recorded(tmp_path):
+    import stepgraph as sg
+
+    signature = {"modules": ["(root): Sequential"], "state": {"w": [[2], "float32"]},
+                 "optimizer": {"type": "SGD"}, "loss": "stepgraph.losses.mse"}
+    path = save_checkpoint(tmp_path / CHECKPOINT_NAME,
+                           Checkpoint(_state(), 1, 0, signature=signature))
+    loaded = load_checkpoint(path)
+    assert loaded.version == sg.__version__ and loaded.signature == signature
+
+
+def _step_for(hidden: int, opt):
+    import stepgraph as sg
+    from stepgraph import losses, nn
+
+    nn.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, hidden), nn.ReLU(), nn.Linear(hidden, 2))
+    x, y = np.ones((4, 3), np.float32), np.array([0, 1, 0, 1])
+    return sg.compile_train_step(model, losses.cross_entropy, opt, (x, y))
+
+
+def test_signature_mismatch_explains_what_differs(tmp_path):
+    from stepgraph import optim
+    from stepgraph.checkpoint import (check_signature, signature_differences,
+                                      signature_digest, step_signature)
+
+    a, b = _step_for(8, optim.AdamW(lr=0.01)), _step_for(16, optim.SGD(lr=0.01))
+    sig_a, sig_b = step_signature(a), step_signature(b)
+    assert sig_a == step_signature(_step_for(8, optim.AdamW(lr=0.5)))   # the LR may change
+    assert signature_digest(sig_a) != signature_digest(sig_b)
+    diffs = signature_differences(sig_a, sig_b)
+    text = "; ".join(diffs)
+    assert "0.weight checkpoint (8, 3) float32, now (16, 3) float32" in text
+    assert "optimizer.exp_avg" in text and "optimizer:" in text
+    path = save_checkpoint(tmp_path / CHECKPOINT_NAME,
+                           Checkpoint(a.state_dict(), 1, 0, signature=sig_a))
+    saved = load_checkpoint(path)
+    with pytest.raises(CheckpointError, match="different step.*0.weight"):
+        check_signature(saved, sig_b, path)
+    check_signature(saved, sig_a, path)
+    saved.signature = None                      # checkpoints written before signatures
+    check_signature(saved, sig_b, path)

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable, Iterable
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 NVRTC_OPTIONS = ("-std=c++17", f"-I{KERNEL_DIR}")
 FLOAT_CTYPES = {"float32": "float", "float64": "double"}   # templates' T per array dtype
+COMPILE_THREADS = max(1, min(8, os.cpu_count() or 1))     # NVRTC compiles side by side
 
 
 def kernel_sources() -> list[Path]:
@@ -36,6 +40,44 @@ def module(filename: str, name_expressions: tuple[str, ...] = ()):
     source = f"// headers {_headers_digest()}\n" + (KERNEL_DIR / filename).read_text()
     return cp.RawModule(code=source, options=NVRTC_OPTIONS,
                         name_expressions=name_expressions or None)
+
+
+@functools.cache
+def sources_digest() -> str:
+    """A hash of every kernel source and header: cached kernel choices depend on it."""
+    digest = hashlib.sha256()
+    for path in sorted(KERNEL_DIR.glob("*.cu*")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def compile_parallel(kernels: Iterable[tuple[str, str]],
+                     compile_one: Callable[[tuple[str, str]], None] | None = None) -> None:
+    """Compile (file, kernel name) pairs ahead of their first launch on a thread pool (NVRTC
+    releases the GIL: independent variants compile side by side); later `kernel` calls find
+    them compiled. A failure is left for that launch to report. compile_one(pair) compiles
+    one (default: `kernel` on the caller's current device)."""
+    todo = list(dict.fromkeys(kernels))
+    if len(todo) < 2:
+        return
+    one = compile_one or _on_current_device(kernel)
+    with ThreadPoolExecutor(min(COMPILE_THREADS, len(todo))) as pool:
+        for future in [pool.submit(one, pair) for pair in todo]:
+            try:
+                future.result()
+            except Exception:   # the launch that needs the kernel reports it
+                pass
+
+
+def _on_current_device(compile_: Callable[[str, str], object]):
+    import cupy as cp
+
+    device = cp.cuda.Device().id
+
+    def one(pair: tuple[str, str]) -> None:
+        with cp.cuda.Device(device):    # the current device is per thread
+            compile_(*pair)
+    return one
 
 
 def kernel(filename: str, name: str):

@@ -240,24 +240,34 @@ class GemmCache:
         several kernels, slower than a one-kernel tile for the small GEMMs of a step. Runs at
         the first (eager) call, never during capture: it syncs the stream. Each candidate is
         timed as a captured replay, so host launch costs do not decide. Specs that
-        accumulate into D are not tuned (repeated calls would change D)."""
+        accumulate into D are not tuned (repeated calls would change D). The choice persists
+        on disk (autotune.choices): a later process with the same GPU, driver and cuBLASLt
+        takes it without timing, if the heuristic still offers that very algorithm."""
+        from .autotune import choices
         from .graph import time_on_device
 
         if ctx.capturing or ctx.stream.is_capturing():
             return
-        best, best_time = p.algo_ptr, float("inf")
+        disk, problem = choices(ctx, "gemm"), repr(p.spec)
+        stored = disk.get(problem, lambda value: _offered(p, value, self.workspace_bytes)) \
+            if disk is not None else None
+        if stored is not None:
+            p.algo_ptr, p.tuned = p.algo_address(stored["index"]), True
+            return
+        best, best_time = 0, float("inf")
         for i in range(len(p.heuristic)):
             algo = p.algo_address(i)
-            if p.heuristic[i]["state"] != 0 or \
-                    p.heuristic[i]["workspace_size"] > self.workspace_bytes - 256:
+            if not _usable(p, i, self.workspace_bytes):
                 continue
             try:
                 elapsed = time_on_device(ctx, lambda: call(algo), AUTOTUNE_REPEATS)
             except (self._lt.cuBLASLtError, CaptureError):
                 continue                         # an algorithm may refuse the call
             if elapsed < best_time:
-                best, best_time = algo, elapsed
-        p.algo_ptr, p.tuned = best, True
+                best, best_time = i, elapsed
+        p.algo_ptr, p.tuned = p.algo_address(best), True
+        if disk is not None and best_time < float("inf"):
+            disk.put(problem, {"index": best, "algo": p.heuristic[best]["algo"].tobytes().hex()})
 
     def _drop(self, spec: GemmSpec, reason: str) -> None:
         p = self._plans.pop(spec)
@@ -370,6 +380,21 @@ class GemmCache:
             self.close()
         except Exception:  # interpreter shutdown: the library may already be gone
             pass
+
+
+def _usable(p: PlannedGemm, index: int, workspace_bytes: int) -> bool:
+    """Whether heuristic result `index` of `p` can run with this workspace."""
+    result = p.heuristic[index]
+    return result["state"] == 0 and result["workspace_size"] <= workspace_bytes - 256
+
+
+def _offered(p: PlannedGemm, value, workspace_bytes: int) -> bool:
+    """Whether a stored choice {"index", "algo"} names an algorithm the heuristic offers now,
+    byte for byte, at that index (else the cache entry is stale or damaged)."""
+    index = value["index"]
+    return isinstance(index, int) and 0 <= index < len(p.heuristic) \
+        and _usable(p, index, workspace_bytes) \
+        and p.heuristic[index]["algo"].tobytes().hex() == value["algo"]
 
 
 def _set(setter, dtype_of, obj: int, attr, value) -> None:

@@ -1,0 +1,51 @@
+"""Cold start: a fresh process's compile + first step, with empty caches and then with the
+caches the first process left (stepgraph's kernel choices, CuPy's compiled kernels), both in
+a private directory. The second process must take every choice from disk (no timing) and be
+faster; the seconds are printed (targets: mlp <= 2 s / cnn <= 3 s cold, <= 0.5 s warm)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import stepgraph as sg
+
+pytestmark = pytest.mark.cuda
+if not sg.cuda_available():
+    pytest.skip("no CUDA GPU", allow_module_level=True)
+
+SCRIPT = """
+import json, sys, time
+start = time.perf_counter()
+import stepgraph as sg
+from stepgraph.backends.cuda import autotune
+from stepgraph.profile import build_workload
+step, (x, y) = build_workload(sys.argv[1])
+float(step(x, y))
+seconds = time.perf_counter() - start
+disk = {ns: [c.hits, c.misses, c.rejected] for (ns, _), c in autotune._caches.items()}
+print(json.dumps({"seconds": seconds, "disk": disk}))
+"""
+
+
+def first_step(name: str, cache_root) -> dict:
+    env = dict(os.environ, STEPGRAPH_CACHE_DIR=str(cache_root / "stepgraph"),
+               CUPY_CACHE_DIR=str(cache_root / "cupy"))
+    out = subprocess.run([sys.executable, "-c", SCRIPT, name], env=env, check=True,
+                         capture_output=True, text=True, timeout=300).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_second_process_reuses_the_kernel_choices(name, tmp_path):
+    cold = first_step(name, tmp_path)
+    warm = first_step(name, tmp_path)
+    print(f"\n{name}: cold start {cold['seconds']:.2f} s, warm caches {warm['seconds']:.2f} s "
+          f"(disk hits/misses/rejected: cold {cold['disk']}, warm {warm['disk']})")
+    assert sum(h for h, _, _ in cold["disk"].values()) == 0
+    assert warm["disk"] and all(m == 0 and r == 0 for _, m, r in warm["disk"].values())
+    assert sum(h for h, _, _ in warm["disk"].values()) > 0
+    assert warm["seconds"] < cold["seconds"]
