@@ -2,6 +2,7 @@
 instantiations included) exists in the compiled code. Needs CuPy and libnvrtc, but no GPU."""
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -68,7 +69,7 @@ def test_conv_launchers_name_existing_kernels():
                                          tuple(sorted(names)))
 
 
-@pytest.mark.parametrize("family", ["broadcast", "softmax"])
+@pytest.mark.parametrize("family", ["broadcast", "softmax", "embedding", "layer_norm", "shape"])
 def test_family_launchers_name_existing_kernels(family):
     """Families whose launchers build kernel names (template dims) list them all in
     kernel_names(); each one is instantiated here."""
@@ -111,3 +112,325 @@ def test_norm_layouts_name_listed_kernels():
         layout = norm.Layout(n=2, c=3, inner=1 if columns else 4, columns=columns, vec=vec)
         for kind in norm.KINDS:
             assert norm.pass_kernel(kind, layout) in listed
+
+
+def test_guard_launchers_name_existing_kernels():
+    """guards.py lists its kernels (guard.cu, and guard_advance in optim.cu)."""
+    from stepgraph.backends.cuda import guards
+
+    kernels = guards.kernel_names()
+    assert set(kernels) == {"guard.cu", "optim.cu"}
+    for filename, names in sorted(kernels.items()):
+        assert compiler.compile_to_cubin(compiler.KERNEL_DIR / filename, "sm_90",
+                                         tuple(sorted(names)))
+
+
+# ---- launch arguments against the kernels' parameters (no GPU: fake arrays, PTX) ----------
+
+PTX_BYTES = {"u32": 4, "s32": 4, "b32": 4, "f32": 4, "u64": 8, "s64": 8, "b64": 8, "f64": 8}
+
+
+def kernel_params(filename: str, kernel: str) -> list[str]:
+    """The PTX parameter types (".u64", ".f32", ...) of an extern "C" kernel."""
+    import re
+
+    from cupy.cuda import nvrtc as rtc
+
+    headers = sorted(compiler.KERNEL_DIR.glob("*.cuh"))
+    prog = rtc.createProgram((compiler.KERNEL_DIR / filename).read_text(), filename,
+                             [h.read_text().encode() for h in headers],
+                             [h.name.encode() for h in headers])
+    rtc.compileProgram(prog, ["-arch=compute_90", "-std=c++17"])
+    ptx = rtc.getPTX(prog)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    entry = re.search(rf"\.entry {kernel}\((.*?)\)", ptx, re.S)
+    assert entry, kernel
+    return re.findall(r"\.param \.(\w+)", entry.group(1))
+
+
+class FakeArray:
+    """Just enough of a CuPy array for the launchers' bookkeeping."""
+
+    def __init__(self, shape, dtype="float32", ptr=0x7000):
+        import numpy as np
+
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.size, self.ndim = int(np.prod(self.shape)), len(self.shape)
+        self.nbytes = self.size * self.dtype.itemsize
+        self.data = type("Ptr", (), {"ptr": ptr})()
+
+    def __len__(self):
+        return self.shape[0]
+
+
+def _capture_launches(monkeypatch, module):
+    """Patch out the CuPy-only parts of a launcher module; return the launches it makes."""
+    from stepgraph.backends.cuda import launchers
+
+    launched = []
+    for mod in {module, launchers}:
+        monkeypatch.setattr(mod, "_check", lambda *a, **k: None, raising=False)
+        monkeypatch.setattr(mod, "_check_scalar", lambda *a, **k: None, raising=False)
+        monkeypatch.setattr(mod, "_node_memory", lambda node, key, ctx, build, required=True:
+                            {"entries": FakeArray((4,), "int64"), "jobs": FakeArray((3, 2))},
+                            raising=False)
+        monkeypatch.setattr(mod, "_launch", lambda ctx, filename, name, grid, block, args:
+                            launched.append((filename, name, args)), raising=False)
+    return launched
+
+
+def _assert_args_match(filename, name, args):
+    import numpy as np
+
+    params = kernel_params(filename, name)
+    assert len(params) == len(args), (name, params, args)
+    for i, (param, arg) in enumerate(zip(params, args)):
+        if isinstance(arg, FakeArray):
+            assert param in ("u64", "b64"), (name, i, param)
+            continue
+        arg = np.asarray(arg)
+        assert PTX_BYTES[param] == arg.itemsize, (name, i, param, arg.dtype)
+        assert (param[0] == "f") == (arg.dtype.kind == "f"), (name, i, param, arg.dtype)
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+@pytest.mark.parametrize("op", ["sgd_update", "adam_update"])
+def test_update_launch_arguments_match_the_kernels(monkeypatch, op, guarded):
+    from stepgraph.backends.cuda import launchers
+    from stepgraph.ir.graph import Node
+
+    launched = _capture_launches(monkeypatch, launchers)
+    slots = 2 if op == "adam_update" else 1
+    attrs = dict(n_params=2, n_scalars=3, n_slots=slots, max_norm=1.0, momentum=0.9,
+                 dampening=0.0, weight_decay=0.01, nesterov=False, beta1=0.9, beta2=0.999,
+                 eps=1e-8, decoupled=True)
+    if guarded:
+        attrs["guard"] = True
+    ins = [FakeArray(()), FakeArray((), "int64"), FakeArray(())] \
+        + [FakeArray((3, 4)) for _ in range((2 + slots) * 2)] \
+        + ([FakeArray((2,), "int32")] if guarded else [])
+    getattr(launchers, op)(None, Node(op, [], [], attrs), ins)
+    (filename, name, args), = launched
+    assert (filename, name) == ("optim.cu", f"{op}_kernel")
+    _assert_args_match(filename, name, args)
+    assert (args[8] is ins[-1]) if guarded else (args[8] == 0)    # the guard flags pointer
+
+
+def test_guard_launch_arguments_match_the_kernels(monkeypatch):
+    from stepgraph import errors as sg_errors
+    from stepgraph.backends.cuda import guards
+    from stepgraph.ir.graph import Node
+
+    launched = _capture_launches(monkeypatch, guards)
+    monkeypatch.setattr(guards, "_MAILBOXES", {})
+    flags, loss = FakeArray((2,), "int32"), FakeArray(())
+    check = Node("guard_check", [], [], {"classes": 10, "ignore_index": -100})
+    guards.guard_check(None, check, [flags, loss, FakeArray((8,), "int64"), FakeArray((3, 4))])
+    advance = Node("guard_advance", [], [], {"sticky": True})
+    guards.guard_advance(None, advance, [flags, FakeArray((4,), "int64"), FakeArray((), "int64"),
+                                         FakeArray((6,)), loss, FakeArray((16,)),
+                                         FakeArray((16,), "int64"), FakeArray((16,), "int32")],
+                         FakeArray(()))
+    buffers = [FakeArray((8,)), FakeArray((), "int64")]
+    saved = FakeArray((48,), "uint8")
+    copy = {"offsets": (0, 32), "nbytes": 48}
+    guards.IMPLS["guard_save"](Node("guard_save", [], [], copy), buffers, [saved], None)
+    guards.IMPLS["guard_restore"](Node("guard_restore", [], [], copy),
+                                  [flags, saved] + buffers, [], None)
+    assert [(f, n) for f, n, _ in launched] == [("guard.cu", "guard_check_kernel"),
+                                                ("optim.cu", "guard_advance_kernel"),
+                                                ("guard.cu", "guard_copy_kernel"),
+                                                ("guard.cu", "guard_copy_kernel")]
+    assert launched[2][2][-1] == 0 and launched[3][2][-1] is flags
+    buffers = [FakeArray((8,), ptr=0x1000), FakeArray((), "int64", ptr=0x2000)]
+    saved = FakeArray((48,), "uint8", ptr=0x9000)
+    node = Node("guard_save", [], [], copy)
+    assert guards._saved_pairs(node, saved, buffers, to_saved=True) == [
+        (0x1000, 0x9000, 32), (0x2000, 0x9000 + 32, 8)]
+    assert guards._saved_pairs(node, saved, buffers, to_saved=False)[1] == (0x9020, 0x2000, 8)
+    with pytest.raises(sg_errors.ShapeError, match="overruns"):
+        guards._saved_pairs(node, FakeArray((36,), "uint8"), buffers, to_saved=True)
+    for filename, name, args in launched:
+        _assert_args_match(filename, name, args)
+
+
+def test_cross_entropy_count_kernel_is_launched():
+    """The ignore_index count kernel is among the names the launchers' test compiles."""
+    names = launched_kernels()["loss.cu"]
+    assert {"cross_entropy_count_kernel<int>", "cross_entropy_count_kernel<long long>"} <= names
+
+
+def test_layer_norm_layouts_name_listed_kernels():
+    """Every kernel name layer_norm.py picks for a row width (registers or loop, float4 or
+    not) is one that kernel_names() lists, so the compile test above covers it."""
+    from types import SimpleNamespace
+
+    from stepgraph.backends.cuda import layer_norm
+
+    listed = layer_norm.kernel_names()["layer_norm.cu"]
+    for c in (1, 33, 384, 1000, 4096, 8192, 8196, 2049, 40000):
+        for ptr in (0, 4):     # 16-byte aligned or not
+            arrays = [SimpleNamespace(data=SimpleNamespace(ptr=ptr))]
+            lay = layer_norm.row_layout(c, arrays)
+            assert lay.threads * lay.rows_per_block <= layer_norm.MAX_THREADS
+            assert lay.k == 0 or lay.k * lay.threads * lay.vec >= c
+            for direction in ("forward", "backward"):
+                assert lay.kernel(direction) in listed
+
+
+def test_new_families_are_in_the_backend_table():
+    from stepgraph.backends.cuda.backend import IMPL_MODULES
+
+    assert {"embedding", "layer_norm", "bmm", "shape"} <= set(IMPL_MODULES)
+
+
+# ---- the transformer families' launch arguments against their kernels (templates too) -----
+
+@functools.cache
+def instantiated_params(filename: str, name: str) -> tuple[str, ...]:
+    """The PTX parameter types of kernel `name` of kernels/<filename>, a template
+    instantiation ("k<int>") or an extern "C" kernel."""
+    import re
+
+    headers = sorted(compiler.KERNEL_DIR.glob("*.cuh"))
+    prog = nvrtc.createProgram((compiler.KERNEL_DIR / filename).read_text(), filename,
+                               [h.read_text().encode() for h in headers],
+                               [h.name.encode() for h in headers])
+    if "<" in name:
+        nvrtc.addNameExpression(prog, name)
+    nvrtc.compileProgram(prog, ["-arch=compute_90", "-std=c++17"])
+    lowered = nvrtc.getLoweredName(prog, name) if "<" in name else name
+    lowered = lowered.decode() if isinstance(lowered, bytes) else lowered
+    ptx = nvrtc.getPTX(prog)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    entry = re.search(rf"\.entry {re.escape(lowered)}\((.*?)\)", ptx, re.S)
+    assert entry, (filename, name, lowered)
+    return tuple(re.findall(r"\.param \.(\w+)", entry.group(1)))
+
+
+class Fake(FakeArray):
+    """FakeArray with an itemsize (slices pick their copy unit from it)."""
+
+    @property
+    def itemsize(self):
+        return self.dtype.itemsize
+
+
+def _fake_memory(node, key, ctx, build, required=True):
+    """Stand-ins for the scratch each launcher asks _node_memory for."""
+    kind = key[0]
+    if kind == "embedding_sort":
+        blocks = -(-key[1] // 1024)
+        return dict(keys=(Fake((key[1],), "int32"), Fake((key[1],), "int32")),
+                    positions=(Fake((key[1],), "int32"), Fake((key[1],), "int32")),
+                    hist=Fake((256 * blocks,), "int32"), blocks=blocks)
+    if kind == "layer_norm_grad":
+        return dict(w=Fake((key[1] * key[2],)) if key[3] else None,
+                    b=Fake((key[1] * key[2],)) if key[4] else None)
+    if kind == "cross_entropy":
+        return dict(counter=Fake((1,), "uint32"), count=Fake((1,), "int32"),
+                    rowloss=Fake((key[1],)))
+    if kind == "cross_entropy_count":
+        return Fake((1,), "int32")
+    raise AssertionError(f"unexpected scratch {key}")
+
+
+def _record_launches(monkeypatch, *modules):
+    from stepgraph.backends.cuda import launchers
+
+    launched = []
+    for mod in set(modules) | {launchers}:
+        for name, fake in (("_check", lambda *a, **k: None), ("_node_memory", _fake_memory),
+                           ("_launch", lambda ctx, filename, name, grid, block, args:
+                            launched.append((filename, name, grid, block, args)))):
+            monkeypatch.setattr(mod, name, fake, raising=False)
+    return launched
+
+
+def _assert_launches_match(launched) -> None:
+    import numpy as np
+
+    assert launched
+    for filename, name, grid, block, args in launched:
+        params = instantiated_params(filename, name)
+        assert len(params) == len(args), (name, params, args)
+        for i, (param, arg) in enumerate(zip(params, args)):
+            if isinstance(arg, FakeArray):
+                assert param in ("u64", "b64"), (name, i, param)
+                continue
+            arg = np.asarray(arg)
+            assert PTX_BYTES[param] == arg.itemsize, (name, i, param, arg.dtype)
+            assert (param[0] == "f") == (arg.dtype.kind == "f"), (name, i, param, arg.dtype)
+        threads = int(np.prod(block))
+        assert 32 <= threads <= 1024 and threads % 32 == 0, (name, block)
+        assert all(g >= 1 for g in grid) and len(grid) <= 3, (name, grid)
+
+
+@pytest.mark.parametrize("idx_dtype", ["int32", "int64"])
+@pytest.mark.parametrize("ptr", [0x7000, 0x7004])          # float4 path or not
+def test_embedding_launch_arguments_match_the_kernels(monkeypatch, idx_dtype, ptr):
+    from stepgraph.backends.cuda import embedding
+
+    launched = _record_launches(monkeypatch, embedding)
+    v, c, n = 300, 12, 2500
+    idx = Fake((5, n // 5), idx_dtype)
+    embedding.embedding_forward(None, Fake((v, c), ptr=ptr), idx, Fake((5, n // 5, c), ptr=ptr))
+    for path in ("scan", "sorted"):
+        monkeypatch.setattr(embedding, "PATH", path)
+        embedding.embedding_backward(None, object(), Fake((5, n // 5, c), ptr=ptr), idx,
+                                     Fake((v, c), ptr=ptr))
+    names = [name for _, name, _, _, _ in launched]
+    ctype = "int" if idx_dtype == "int32" else "long long"
+    assert names[0] == f"embedding_forward_kernel<{ctype}>"
+    assert names[1] == f"embedding_backward_scan_kernel<{ctype}>"
+    assert names[2:] == [f"embedding_sort_histogram_kernel<{ctype}>",      # 300: two passes
+                         "embedding_sort_scan_kernel", f"embedding_sort_scatter_kernel<{ctype}>",
+                         "embedding_sort_histogram_kernel<int>", "embedding_sort_scan_kernel",
+                         "embedding_sort_scatter_kernel<int>", "embedding_backward_sorted_kernel"]
+    assert set(names) <= embedding.kernel_names()["embedding.cu"]
+    _assert_launches_match(launched)
+
+
+@pytest.mark.parametrize("c", [1, 33, 384, 4096, 2049])
+@pytest.mark.parametrize("has_w,has_b", [(False, False), (True, False), (True, True)])
+def test_layer_norm_launch_arguments_match_the_kernels(monkeypatch, c, has_w, has_b):
+    from stepgraph.backends.cuda import layer_norm
+
+    launched = _record_launches(monkeypatch, layer_norm)
+    x, stats = Fake((3, 7, c)), [Fake((21,)), Fake((21,))]
+    w, b = (Fake((c,)) if has_w else None), (Fake((c,)) if has_b else None)
+    layer_norm.layer_norm_forward(None, x, w, b, Fake((3, 7, c)), *stats, 1e-5)
+    layer_norm.layer_norm_backward(None, object(), Fake((3, 7, c)), x, w, *stats,
+                                   Fake((3, 7, c)), Fake((c,)) if has_w else None,
+                                   Fake((c,)) if has_b else None)
+    names = [name for _, name, _, _, _ in launched]
+    assert len(names) == 2 + (has_w or has_b)
+    assert set(names) <= layer_norm.kernel_names()["layer_norm.cu"]
+    _assert_launches_match(launched)
+
+
+def test_softmax_shape_and_loss_launch_arguments_match_the_kernels(monkeypatch):
+    from stepgraph.backends.cuda import launchers, shape, softmax
+
+    launched = _record_launches(monkeypatch, softmax, shape)
+    x = Fake((2, 3, 5, 9))
+    softmax.softmax_forward(None, x, Fake(x.shape), 0.125, True)
+    softmax.softmax_backward(None, x, Fake(x.shape), Fake(x.shape), 0.5, False)
+    softmax.softmax_forward(None, x, Fake(x.shape))
+    for dtype in ("float32", "int64", "uint8"):
+        shape.slice_forward(None, Fake((4, 6, 5), dtype), Fake((4, 3, 5), dtype), 1, 2, 5)
+        shape.slice_backward(None, Fake((4, 3, 5), dtype), Fake((4, 6, 5), dtype), 1, 2)
+    shape.arange_forward(None, Fake((7,), "int64"))
+    node = object()
+    for n, c in ((5, 10), (4000, 10), (40, 1500)):
+        logits, labels = Fake((n, c)), Fake((n,), "int64")
+        launchers.cross_entropy_forward(None, node, logits, labels, Fake(()), Fake((n,)), 0.1, 3)
+        launchers.cross_entropy_backward(None, Fake(()), logits, Fake((n,)), labels,
+                                         Fake((n, c)), 0.0, node, -100)
+        launchers.cross_entropy_train(None, node, logits, labels, Fake(()), Fake((n, c)), 0.0,
+                                      -1)
+    names = [name for _, name, _, _, _ in launched]
+    assert names[:3] == ["softmax_scaled_forward_kernel", "softmax_scaled_backward_kernel",
+                         "softmax_forward_kernel"]
+    assert names.count("cross_entropy_count_kernel<long long>") == 3 + 2   # grads, train x2
+    _assert_launches_match(launched)

@@ -19,7 +19,7 @@ from ..base import Backend
 
 # Modules of this package whose IMPLS tables (op -> impl) make up the backend's op table.
 IMPL_MODULES = ("launchers", "linear", "conv", "broadcast", "softmax", "norm", "pool",
-                "pointwise")
+                "pointwise", "guards", "embedding", "layer_norm", "bmm", "shape")
 
 # DLPack device types that name CUDA device memory (kDLCUDA, kDLCUDAManaged).
 _DLPACK_CUDA = (2, 13)
@@ -87,6 +87,12 @@ class CudaBackend(Backend):
         from .graph import capture
 
         return capture(run, ctx)
+
+    def host_mirror(self, array):
+        """Mapped host memory that guard_advance posts a bad step's number to (guards.py)."""
+        from .guards import mailbox
+
+        return mailbox(array)
 
     def annotate(self, name: str):
         if not self._cp.cuda.nvtx.available:

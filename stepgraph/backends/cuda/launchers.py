@@ -6,11 +6,13 @@ shapes), computes the grid and launches one kernel on ctx.stream: no host sync, 
 Some nodes keep device memory that is made once, at the first EAGER call on a set of buffers,
 and reused by every later call and by a captured graph (Executable warms up eagerly before
 capture):
-- sgd_update / adam_update / global_norm: a table of tensor pointers and sizes, and per-block
-  work items (global_norm also a float64 partial per block and an arrival counter);
-- cross_entropy / cross_entropy_train over more than one block: an arrival counter (and N
-  floats of per-row losses for the train kernel and the label-smoothed forward). Without it a
-  capture falls back to one block;
+- sgd_update / adam_update / global_norm: a table of tensor pointers and sizes (the updates'
+  also holds each parameter's group hyperparameters), and per-block work items (global_norm
+  also a float64 partial per block and an arrival counter);
+- cross_entropy / cross_entropy_train over more than one block: an arrival counter, the kept
+  rows' count (ignore_index) and N floats of per-row losses for the train kernel and the
+  label-smoothed forward. Without it a capture falls back to one block;
+- cross_entropy_grad: the kept rows' count (without it, each block counts the labels);
 - reduce_sum and act_bias_grad split over rows: the splits' float64 partial sums.
 """
 from __future__ import annotations
@@ -540,7 +542,7 @@ def _loss_layout(node: Node, ctx, n: int, c: int, rowloss: bool):
     key = ("cross_entropy", n, rowloss)
 
     def build():
-        return dict(counter=cp.zeros(1, np.uint32),
+        return dict(counter=cp.zeros(1, np.uint32), count=cp.zeros(1, np.int32),
                     rowloss=cp.empty(n if rowloss else 1, np.float32))
 
     scratch = _node_memory(node, key, ctx, build, required=False)
@@ -556,6 +558,20 @@ def _scratch_args(scratch, fallback) -> tuple:
     return scratch["rowloss"], scratch["counter"]
 
 
+def _count_kept(ctx, labels, ignore: np.int64, count) -> None:
+    """count (device int32) = how many labels are not ignore_index (one block)."""
+    _launch(ctx, "loss.cu", f"cross_entropy_count_kernel<{LABEL_CTYPES[labels.dtype]}>", (1,),
+            (1024,), (labels, np.int32(labels.size), ignore, count))
+
+
+def _ignore(ignore_index) -> np.int64:
+    """ignore_index as the kernels take it (PyTorch's default -100 when None)."""
+    value = -100 if ignore_index is None else int(ignore_index)
+    if not -2**63 <= value < 2**63:
+        raise ValueError(f"ignore_index {value} does not fit in 64 bits")
+    return np.int64(value)
+
+
 def _smoothing(eps: float, classes: int) -> tuple[np.float32, np.float32, np.float32]:
     """(eps, hit, off) of label smoothing eps (loss.cu): hit = float32(1 - eps) weighs the
     label, off = float32(eps / C) every class; (0, 1, 0) without smoothing."""
@@ -566,9 +582,10 @@ def _smoothing(eps: float, classes: int) -> tuple[np.float32, np.float32, np.flo
 
 
 def cross_entropy_forward(ctx, node: Node, logits, labels, loss, lse,
-                          label_smoothing: float = 0.0) -> None:
+                          label_smoothing: float = 0.0, ignore_index: int = -100) -> None:
     """loss = mean((1-eps)(lse - logits[i, label_i]) + eps (lse - mean_j logits[i, j])),
-    eps = label_smoothing, and lse (N,) = logsumexp of each row."""
+    eps = label_smoothing, over the rows whose label is not ignore_index; lse (N,) =
+    logsumexp of each row."""
     n, c = _check_logits("cross_entropy", logits, labels)
     _check_scalar("cross_entropy loss", loss, "float32")
     _check("cross_entropy lse", lse, shape=(n,))
@@ -578,41 +595,59 @@ def cross_entropy_forward(ctx, node: Node, logits, labels, loss, lse,
     rowloss, counter = _scratch_args(scratch, loss)
     _launch(ctx, "loss.cu", f"cross_entropy_forward_kernel<{LABEL_CTYPES[labels.dtype]}>",
             grid, block, (logits, labels, loss, lse, rowloss, counter, np.int32(n), np.int32(c),
-                          eps, hit))
+                          eps, hit, _ignore(ignore_index)))
 
 
 def cross_entropy_backward(ctx, dloss, logits, lse, labels, dx,
-                           label_smoothing: float = 0.0) -> None:
-    """dlogits = dloss * (softmax(logits) - (1-eps) onehot(labels) - eps / C) / N."""
+                           label_smoothing: float = 0.0, node: Node | None = None,
+                           ignore_index: int = -100) -> None:
+    """dlogits = dloss * (softmax(logits) - (1-eps) onehot(labels) - eps / C) / kept, zero in
+    the rows whose label is ignore_index (kept: the other rows). With the node's count
+    scratch, one block counts the kept rows first; else every block counts them."""
     n, c = _check_logits("cross_entropy_grad", logits, labels)
     _check_scalar("cross_entropy_grad dloss", dloss, "float32")
     _check("cross_entropy_grad lse", lse, shape=(n,))
     _check("cross_entropy_grad dx", dx, shape=logits.shape)
     _, hit, off = _smoothing(label_smoothing, c)
-    if logits.size:
-        _launch(ctx, "loss.cu", f"cross_entropy_backward_kernel<{LABEL_CTYPES[labels.dtype]}>",
-                _grid(logits.size), (BLOCK,),
-                (dloss, logits, lse, labels, dx, np.int32(n), np.int32(c), off, hit))
+    if not logits.size:
+        return
+    ignore = _ignore(ignore_index)
+    count = None
+    if node is not None:
+        count = _node_memory(node, ("cross_entropy_count",), ctx,
+                             lambda: cp.zeros(1, np.int32), required=False)
+    if count is not None:
+        _count_kept(ctx, labels, ignore, count)
+    _launch(ctx, "loss.cu", f"cross_entropy_backward_kernel<{LABEL_CTYPES[labels.dtype]}>",
+            _grid(logits.size), (BLOCK,),
+            (dloss, logits, lse, labels, dx, count if count is not None else np.uint64(0),
+             np.int32(n), np.int32(c), off, hit, ignore))
 
 
 def cross_entropy_train(ctx, node: Node, logits, labels, loss, dx,
-                        label_smoothing: float = 0.0) -> None:
-    """Fused forward and backward with dloss = 1: loss and dlogits in one launch."""
+                        label_smoothing: float = 0.0, ignore_index: int = -100) -> None:
+    """Fused forward and backward with dloss = 1: loss and dlogits in one launch (several
+    blocks: after a one-block launch counting the rows not ignored, which every block needs
+    for the gradients' scale float32(1 / kept))."""
     n, c = _check_logits("cross_entropy_train", logits, labels)
     _check_scalar("cross_entropy_train loss", loss, "float32")
     _check("cross_entropy_train dlogits", dx, shape=logits.shape)
-    scale = np.float32(1.0 / max(n, 1))    # the reference's float32(1 / N)
     smoothing = _smoothing(label_smoothing, c)
+    ignore = _ignore(ignore_index)
     if c <= SHORT_ROW and n * c <= SINGLE_BLOCK_ELEMENTS:
         _launch(ctx, "loss.cu", f"cross_entropy_train_short_kernel<{LABEL_CTYPES[labels.dtype]}>",
                 (1,), (min(1024, max(32, -(-n // 32) * 32)),),
-                (logits, labels, loss, dx, np.int32(n), np.int32(c), scale) + smoothing)
+                (logits, labels, loss, dx, np.int32(n), np.int32(c)) + smoothing + (ignore,))
         return
     grid, block, scratch = _loss_layout(node, ctx, n, c, rowloss=True)
     rowloss, counter = _scratch_args(scratch, loss)
+    count = np.uint64(0)        # one block counts the kept rows itself
+    if scratch is not None:
+        count = scratch["count"]
+        _count_kept(ctx, labels, ignore, count)
     _launch(ctx, "loss.cu", f"cross_entropy_train_kernel<{LABEL_CTYPES[labels.dtype]}>",
-            grid, block, (logits, labels, loss, dx, rowloss, counter, np.int32(n), np.int32(c),
-                          scale) + smoothing)
+            grid, block, (logits, labels, loss, dx, rowloss, counter, count, np.int32(n),
+                          np.int32(c)) + smoothing + (ignore,))
 
 
 def nll_loss_forward(ctx, logp, labels, loss) -> None:
@@ -704,16 +739,40 @@ def _update_groups(node: Node, ins: list):
     return ins[0], ins[1], (ins[2] if k == 3 else None), ins[k:k + n], ins[k + n:k + 2 * n], slots
 
 
-def _build_update_tables(op: str, params, grads, slots) -> dict:
+UPDATE_HYPERPARAMETERS = ("lr_scale", "weight_decay", "beta1", "beta2")   # optim.cu UpdateEntry
+
+
+def _hyperparameters(node: Node) -> list[tuple[float, ...]]:
+    """Per parameter (lr_scale, weight_decay, beta1, beta2): from attrs tuples (optimizer
+    parameter groups, one entry a parameter) or the scalar attrs (1.0 for a missing lr_scale,
+    0.0 for a missing weight decay or beta: SGD has none)."""
+    a, n = node.attrs, node.attrs["n_params"]
+    columns = []
+    for name in UPDATE_HYPERPARAMETERS:
+        value = a.get(name)
+        if isinstance(value, (tuple, list)):
+            if len(value) != n:
+                raise ShapeError(f"{node.op}: attrs {name} has {len(value)} entries for {n} "
+                                 "parameters")
+            columns.append([float(v or 0.0) for v in value])
+        else:
+            default = 1.0 if name == "lr_scale" else 0.0
+            columns.append([default if value is None else float(value)] * n)
+    return list(zip(*columns))
+
+
+def _build_update_tables(op: str, params, grads, slots, hyper) -> dict:
     rows = []
     for i, (p, g) in enumerate(zip(params, grads)):
         tensors = [p, g] + [group[i] for group in slots]
         for what, t in zip(("param", "grad", "slot 0", "slot 1"), tensors):
             _check(f"{op} {what} {i}", t, shape=p.shape)
         ptrs = [t.data.ptr for t in tensors] + [0] * (4 - len(tensors))
-        rows.append(ptrs + [p.size, int(_aligned(*tensors))])
+        doubles = np.array(hyper[i], dtype=np.float64).view(np.int64).tolist()
+        rows.append(ptrs + [p.size, int(_aligned(*tensors))] + doubles)
     jobs = _chunk_jobs([p.size for p in params])
-    return dict(entries=cp.asarray(np.array(rows, dtype=np.int64).reshape(-1, 6)),
+    width = 6 + len(UPDATE_HYPERPARAMETERS)
+    return dict(entries=cp.asarray(np.array(rows, dtype=np.int64).reshape(-1, width)),
                 jobs=cp.asarray(jobs))
 
 
@@ -724,8 +783,8 @@ def _update_tables(node: Node, ins: list, ctx):
     if norm is not None:
         _check_scalar(f"{node.op} norm", norm, "float32")
     key = ("update",) + _buffers_key(ins)
-    tables = _node_memory(node, key, ctx,
-                          lambda: _build_update_tables(node.op, params, grads, slots))
+    tables = _node_memory(node, key, ctx, lambda: _build_update_tables(
+        node.op, params, grads, slots, _hyperparameters(node)))
     clip = (norm if norm is not None else lr, np.int32(norm is not None),
             np.float64(node.attrs.get("max_norm") or 0.0))
     guard = np.uint64(0)   # null: no guard; else the step's flags, whose [1] says skip
@@ -737,7 +796,8 @@ def _update_tables(node: Node, ins: list, ctx):
 
 
 def sgd_update(ctx, node: Node, ins: list) -> None:
-    """torch.optim.SGD over every parameter in one launch (ins layout: ops.py sgd_update)."""
+    """torch.optim.SGD over every parameter in one launch (ins layout: ops.py sgd_update);
+    lr_scale and weight_decay per parameter group from the table (_hyperparameters)."""
     a = node.attrs
     momentum = float(a.get("momentum") or 0.0)
     if momentum and a["n_slots"] < 1:
@@ -746,13 +806,13 @@ def sgd_update(ctx, node: Node, ins: list) -> None:
         return
     tables, args = _update_tables(node, ins, ctx)
     args += (np.float32(momentum), np.float32(1.0 - float(a.get("dampening") or 0.0)),
-             np.float32(a.get("weight_decay") or 0.0), np.int32(bool(momentum)),
-             np.int32(bool(a.get("weight_decay"))), np.int32(bool(a.get("nesterov"))))
+             np.int32(bool(momentum)), np.int32(bool(a.get("nesterov"))))
     _launch(ctx, "optim.cu", "sgd_update_kernel", (len(tables["jobs"]),), (BLOCK,), args)
 
 
 def adam_update(ctx, node: Node, ins: list) -> None:
-    """torch.optim.Adam (decoupled=False) / AdamW (True) over every parameter in one launch."""
+    """torch.optim.Adam (decoupled=False) / AdamW (True) over every parameter in one launch;
+    lr_scale, weight_decay, beta1 and beta2 per parameter group from the table."""
     a = node.attrs
     if a["n_slots"] != 2:
         raise ShapeError(
@@ -760,9 +820,7 @@ def adam_update(ctx, node: Node, ins: list) -> None:
     if not a["n_params"]:
         return
     tables, args = _update_tables(node, ins, ctx)
-    args += (np.float64(a["beta1"]), np.float64(a["beta2"]),
-             np.float64(a.get("weight_decay") or 0.0), np.float32(a["eps"]),
-             np.int32(bool(a.get("decoupled"))))
+    args += (np.float32(a["eps"]), np.int32(bool(a.get("decoupled"))))
     _launch(ctx, "optim.cu", "adam_update_kernel", (len(tables["jobs"]),), (BLOCK,), args)
 
 
@@ -795,11 +853,14 @@ IMPLS: dict[str, Callable] = {
     "log_softmax_grad": lambda node, ins, outs, ctx: log_softmax_backward(
         ctx, ins[0], ins[1], outs[0]),
     "cross_entropy": lambda node, ins, outs, ctx: cross_entropy_forward(
-        ctx, node, ins[0], ins[1], outs[0], outs[1], node.attrs.get("label_smoothing", 0.0)),
+        ctx, node, ins[0], ins[1], outs[0], outs[1], node.attrs.get("label_smoothing", 0.0),
+        node.attrs.get("ignore_index", -100)),
     "cross_entropy_grad": lambda node, ins, outs, ctx: cross_entropy_backward(
-        ctx, ins[0], ins[1], ins[2], ins[3], outs[0], node.attrs.get("label_smoothing", 0.0)),
+        ctx, ins[0], ins[1], ins[2], ins[3], outs[0], node.attrs.get("label_smoothing", 0.0),
+        node, node.attrs.get("ignore_index", -100)),
     "cross_entropy_train": lambda node, ins, outs, ctx: cross_entropy_train(
-        ctx, node, ins[0], ins[1], outs[0], outs[1], node.attrs.get("label_smoothing", 0.0)),
+        ctx, node, ins[0], ins[1], outs[0], outs[1], node.attrs.get("label_smoothing", 0.0),
+        node.attrs.get("ignore_index", -100)),
     "nll_loss": lambda node, ins, outs, ctx: nll_loss_forward(ctx, ins[0], ins[1], outs[0]),
     "nll_loss_grad": lambda node, ins, outs, ctx: nll_loss_backward(
         ctx, ins[0], ins[1], outs[0]),

@@ -2,6 +2,8 @@
 and the cuda op table `IMPLS` of those ops. (log_softmax, whose kernels share loss.cu with the
 cross-entropy kernels, is launched from launchers.py.) Inputs are viewed as (rows, cols):
 a warp per row up to 1024 columns, 128 or 256 threads for longer rows (launchers._row_block).
+attrs scale (default 1.0) and causal (default False) take the scaled kernels; nodes without
+them run the plain kernels, unchanged.
 """
 from __future__ import annotations
 
@@ -9,36 +11,74 @@ from typing import Callable
 
 import numpy as np
 
+from ...errors import ShapeError
 from .launchers import BLOCK, _check, _check_rows, _launch, _row_block, _row_grid
 
 
-def softmax_forward(ctx, x, y) -> None:
-    """y = softmax(x) over the last axis (x any rank >= 1)."""
+def _scaled_args(what: str, x, scale, causal: bool) -> tuple | None:
+    """(rows of the last two dims, float32 scale, causal flag) for the scaled kernels, or None
+    when the plain kernel applies (scale 1, no mask). Causal needs rank >= 2 and at most as
+    many rows as columns (else whole rows would be masked)."""
+    scale = 1.0 if scale is None else float(scale)
+    causal = bool(causal)
+    if scale == 1.0 and not causal:
+        return None
+    rows = 1
+    if causal:
+        if x.ndim < 2 or x.shape[-2] > x.shape[-1]:
+            raise ShapeError(f"{what}: causal needs (..., rows, cols) with rows <= cols, got "
+                             f"{tuple(x.shape)}")
+        rows = x.shape[-2]
+    return np.int32(max(rows, 1)), np.float32(scale), np.int32(causal)
+
+
+def softmax_forward(ctx, x, y, scale: float = 1.0, causal: bool = False) -> None:
+    """y = softmax(scale * x + mask) over the last axis (x any rank >= 1); the causal mask
+    hides column c of row r (last two dims, R rows, C columns) when c > r + (C - R), and
+    masked entries of y are 0."""
     n, c = _check_rows("softmax input", x)
     _check("softmax output", y, shape=x.shape)
-    if x.size:
-        block = _row_block(c, BLOCK)
+    scaled = _scaled_args("softmax", x, scale, causal)
+    if not x.size:
+        return
+    block = _row_block(c, BLOCK)
+    if scaled is None:
         _launch(ctx, "softmax.cu", "softmax_forward_kernel", _row_grid(n, block[1]), block,
                 (x, y, np.int32(n), np.int32(c)))
+    else:
+        _launch(ctx, "softmax.cu", "softmax_scaled_forward_kernel", _row_grid(n, block[1]),
+                block, (x, y, np.int32(n), np.int32(c)) + scaled)
 
 
-def softmax_backward(ctx, dy, y, dx) -> None:
-    """dx = y * (dy - sum(dy * y, last axis, keepdims))."""
+def softmax_backward(ctx, dy, y, dx, scale: float = 1.0, causal: bool = False) -> None:
+    """dx = scale * y * (dy - sum(dy * y, last axis, keepdims)); 0 where causal masks."""
     n, c = _check_rows("softmax_grad dy", dy)
     _check("softmax_grad y", y, shape=dy.shape)
     _check("softmax_grad dx", dx, shape=dy.shape)
-    if dy.size:
-        block = _row_block(c, BLOCK)
+    scaled = _scaled_args("softmax_grad", dy, scale, causal)
+    if not dy.size:
+        return
+    block = _row_block(c, BLOCK)
+    if scaled is None:
         _launch(ctx, "softmax.cu", "softmax_backward_kernel", _row_grid(n, block[1]), block,
                 (dy, y, dx, np.int32(n), np.int32(c)))
+    else:
+        _launch(ctx, "softmax.cu", "softmax_scaled_backward_kernel", _row_grid(n, block[1]),
+                block, (dy, y, dx, np.int32(n), np.int32(c)) + scaled)
 
 
 def kernel_names() -> dict[str, set[str]]:
     """{file: every kernel name these launchers may launch} (the NVRTC CI test)."""
-    return {"softmax.cu": {"softmax_forward_kernel", "softmax_backward_kernel"}}
+    return {"softmax.cu": {"softmax_forward_kernel", "softmax_backward_kernel",
+                           "softmax_scaled_forward_kernel", "softmax_scaled_backward_kernel"}}
+
+
+def _attrs(node) -> tuple:
+    return node.attrs.get("scale", 1.0), node.attrs.get("causal", False)
 
 
 IMPLS: dict[str, Callable] = {
-    "softmax": lambda node, ins, outs, ctx: softmax_forward(ctx, ins[0], outs[0]),
-    "softmax_grad": lambda node, ins, outs, ctx: softmax_backward(ctx, ins[0], ins[1], outs[0]),
+    "softmax": lambda node, ins, outs, ctx: softmax_forward(ctx, ins[0], outs[0], *_attrs(node)),
+    "softmax_grad": lambda node, ins, outs, ctx: softmax_backward(
+        ctx, ins[0], ins[1], outs[0], *_attrs(node)),
 }

@@ -9,6 +9,11 @@
 // x[i, j]) and dlogits = (softmax - hit * onehot - off) * scale, with hit = float32(1 - eps)
 // and off = float32(eps / C) from the launcher. eps == 0 (hit 1, off 0) takes the unsmoothed
 // arithmetic: the same bits as without smoothing.
+// ignore_index (PyTorch's, default -100): rows whose label equals it add nothing to the loss
+// and get zero gradients; the mean is over the kept rows, counted on the device (no row
+// ignored: the count is N and the arithmetic that of a plain mean, the same bits). Kernels
+// whose gradients need the count up front read it from `count` (cross_entropy_count_kernel,
+// launcher scratch) or, given null, count the labels in each block.
 #include "reduce.cuh"
 
 #define NEG_INF __int_as_float(0xff800000)
@@ -52,6 +57,45 @@ __device__ __forceinline__ float row_mean(const float* xr, int cols, int C, floa
     float s = 0.f;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) s += xr[c];
     return row_sum(s, smem) / (float)C;
+}
+
+// Whether row's label is ignore_index.
+template <typename L>
+__device__ __forceinline__ bool ignored(const L* labels, int row, long long ignore_index) {
+    return (long long)labels[row] == ignore_index;
+}
+
+// How many of the N labels are not ignore_index, in every thread of the block (every thread
+// calls it). ismem holds 32 ints, total one.
+template <typename L>
+__device__ __forceinline__ int count_kept(const L* labels, int N, long long ignore_index,
+                                          int* ismem, int* total) {
+    int k = 0;
+    for (int i = flat_thread(); i < N; i += blockDim.x * blockDim.y)
+        k += !ignored(labels, i, ignore_index);
+    k = block_sum(k, ismem);
+    if (flat_thread() == 0) *total = k;
+    __syncthreads();
+    return *total;
+}
+
+// The kept rows' count for the gradient kernels: *count, or counted by this block (null).
+template <typename L>
+__device__ __forceinline__ int kept_rows(const int* count, const L* labels, int N,
+                                         long long ignore_index) {
+    __shared__ int ismem[32];
+    __shared__ int total;
+    return count ? *count : count_kept(labels, N, ignore_index, ismem, &total);
+}
+
+// *count = how many labels are not ignore_index: one block.
+template <typename L>
+__global__ void __launch_bounds__(1024)
+cross_entropy_count_kernel(const L* labels, int N, long long ignore_index, int* count) {
+    __shared__ int ismem[32];
+    __shared__ int total;
+    const int k = count_kept(labels, N, ignore_index, ismem, &total);
+    if (flat_thread() == 0) *count = k;
 }
 
 // Row loops visit rows base by base: every thread of a block runs the same number of
@@ -100,11 +144,13 @@ template <typename L>
 __global__ void __launch_bounds__(1024)
 cross_entropy_forward_kernel(const float* x, const L* labels, float* loss, float* lse,
                              float* rowloss, unsigned int* counter, int N, int C, float eps,
-                             float hit) {
+                             float hit, long long ignore_index) {
     __shared__ float smem[32];
     __shared__ double dsmem[32];
+    __shared__ int ismem[32];
     __shared__ unsigned int last_flag;
     double acc = 0.0;
+    int kept = 0;
     for (long long base = first_row_base(); base < N; base += row_base_stride()) {
         const int row = (int)base + threadIdx.y;
         const bool valid = row < N;
@@ -113,7 +159,11 @@ cross_entropy_forward_kernel(const float* x, const L* labels, float* loss, float
         const float mean = eps != 0.f ? row_mean(xr, valid ? C : 0, C, smem) : 0.f;
         if (valid && threadIdx.x == 0) {
             lse[row] = l;
-            if (eps == 0.f) {
+            const bool skip = ignored(labels, row, ignore_index);
+            kept += !skip;
+            if (skip) {
+                if (eps != 0.f && gridDim.x > 1) rowloss[row] = 0.f;
+            } else if (eps == 0.f) {
                 acc += (double)(l - picked_logit(xr, labels[row], C));
             } else {
                 const float rl = smoothed_loss(l, picked_logit(xr, labels[row], C), mean, eps,
@@ -126,41 +176,61 @@ cross_entropy_forward_kernel(const float* x, const L* labels, float* loss, float
     if (gridDim.x > 1) {
         if (!arrive_last(counter, &last_flag)) return;
         acc = 0.0;
-        for (int i = flat_thread(); i < N; i += blockDim.x * blockDim.y)
+        kept = 0;
+        for (int i = flat_thread(); i < N; i += blockDim.x * blockDim.y) {
+            if (ignored(labels, i, ignore_index)) continue;
+            ++kept;
             acc += eps != 0.f ? (double)__ldcg(rowloss + i)
                               : (double)(__ldcg(lse + i) -
                                          picked_logit(x + (long long)i * C, labels[i], C));
+        }
     }
     acc = block_sum(acc, dsmem);
-    if (flat_thread() == 0) *loss = (float)(acc / N);
+    kept = block_sum(kept, ismem);
+    if (flat_thread() == 0) *loss = (float)(acc / kept);
 }
 
-// dlogits = (exp(logits - lse) - hit * onehot - off) * (dloss / N), one thread per element.
+// dlogits = (exp(logits - lse) - hit * onehot - off) * (dloss / kept), one thread per element;
+// ignored rows 0.
 template <typename L>
 __global__ void cross_entropy_backward_kernel(const float* dloss, const float* x,
                                               const float* lse, const L* labels, float* dx,
-                                              int N, int C, float off, float hit) {
-    const float scale = *dloss / (float)N;
+                                              const int* count, int N, int C, float off,
+                                              float hit, long long ignore_index) {
+    const float scale = *dloss / (float)kept_rows(count, labels, N, ignore_index);
     const long long total = (long long)N * C;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         const int row = (int)(i / C), c = (int)(i - (long long)row * C);
+        if (ignored(labels, row, ignore_index)) {
+            dx[i] = 0.f;
+            continue;
+        }
         const float g = smoothed_grad(x[i], lse[row], (long long)labels[row] == c, off, hit);
         dx[i] = __fmul_rn(g, scale);
     }
 }
 
-// Fused forward and backward with dloss = 1 (scale = float32(1 / N)): loss and dlogits in one
-// launch. Several blocks park each row's loss in rowloss (N floats, launcher scratch); a
-// single block keeps them in registers.
+// The gradients' scale float32(1 / kept) (float64 division, rounded once: the reference's
+// float32(1 / N) when no row is ignored).
+__device__ __forceinline__ float mean_scale(int kept) {
+    return (float)(1.0 / (double)kept);
+}
+
+// Fused forward and backward with dloss = 1 (scale = float32(1 / kept)): loss and dlogits in
+// one launch. Several blocks park each row's loss in rowloss (N floats, launcher scratch) and
+// read the kept rows' count from `count`; a single block keeps the losses in registers and
+// may count itself (count null).
 template <typename L>
 __global__ void __launch_bounds__(1024)
 cross_entropy_train_kernel(const float* x, const L* labels, float* loss, float* dx, float* rowloss,
-                           unsigned int* counter, int N, int C, float scale, float eps,
-                           float hit, float off) {
+                           unsigned int* counter, const int* count, int N, int C, float eps,
+                           float hit, float off, long long ignore_index) {
     __shared__ float smem[32];
     __shared__ double dsmem[32];
     __shared__ unsigned int last_flag;
+    const int kept = kept_rows(count, labels, N, ignore_index);
+    const float scale = mean_scale(kept);
     double acc = 0.0;
     for (long long base = first_row_base(); base < N; base += row_base_stride()) {
         const int row = (int)base + threadIdx.y;
@@ -168,7 +238,10 @@ cross_entropy_train_kernel(const float* x, const L* labels, float* loss, float* 
         const long long r0 = (long long)row * C;
         const float l = row_logsumexp(x + r0, valid ? C : 0, smem);
         const float mean = eps != 0.f ? row_mean(x + r0, valid ? C : 0, C, smem) : 0.f;
-        if (valid) {
+        if (valid && ignored(labels, row, ignore_index)) {
+            for (int c = threadIdx.x; c < C; c += blockDim.x) dx[r0 + c] = 0.f;
+            if (threadIdx.x == 0 && gridDim.x > 1) rowloss[row] = 0.f;
+        } else if (valid) {
             const L label = labels[row];
             for (int c = threadIdx.x; c < C; c += blockDim.x) {
                 const float g = smoothed_grad(x[r0 + c], l, (long long)label == c, off, hit);
@@ -188,7 +261,7 @@ cross_entropy_train_kernel(const float* x, const L* labels, float* loss, float* 
             acc += (double)__ldcg(rowloss + i);
     }
     acc = block_sum(acc, dsmem);
-    if (flat_thread() == 0) *loss = (float)(acc / N);
+    if (flat_thread() == 0) *loss = (float)(acc / kept);
 }
 
 // cross_entropy_train_kernel for short rows (C <= 32) in one block: a thread per row. A warp
@@ -198,11 +271,18 @@ cross_entropy_train_kernel(const float* x, const L* labels, float* loss, float* 
 template <typename L>
 __global__ void __launch_bounds__(1024)
 cross_entropy_train_short_kernel(const float* x, const L* labels, float* loss, float* dx, int N,
-                                 int C, float scale, float eps, float hit, float off) {
+                                 int C, float eps, float hit, float off,
+                                 long long ignore_index) {
     __shared__ double dsmem[32];
+    const int kept = kept_rows((const int*)nullptr, labels, N, ignore_index);
+    const float scale = mean_scale(kept);
     double acc = 0.0;
     for (int row = threadIdx.x; row < N; row += blockDim.x) {
         const float* xr = x + (long long)row * C;
+        if (ignored(labels, row, ignore_index)) {
+            for (int c = 0; c < C; ++c) dx[(long long)row * C + c] = 0.f;
+            continue;
+        }
         float m = NEG_INF;
         for (int c = 0; c < C; ++c) m = fmaxf(m, xr[c]);
         float s = 0.f;
@@ -223,7 +303,7 @@ cross_entropy_train_short_kernel(const float* x, const L* labels, float* loss, f
         }
     }
     acc = block_sum(acc, dsmem);
-    if (threadIdx.x == 0) *loss = (float)(acc / N);
+    if (threadIdx.x == 0) *loss = (float)(acc / kept);
 }
 
 // loss = -mean(logp[i, label_i]): one block (N gathers).
@@ -275,15 +355,18 @@ extern "C" __global__ void mse_backward_kernel(const float* dloss, const float* 
 }
 
 #define LABEL_INSTANTIATIONS(L)                                                              \
+    template __global__ void cross_entropy_count_kernel<L>(const L*, int, long long, int*);   \
     template __global__ void cross_entropy_forward_kernel<L>(                                 \
-        const float*, const L*, float*, float*, float*, unsigned int*, int, int, float, float); \
-    template __global__ void cross_entropy_backward_kernel<L>(                                \
-        const float*, const float*, const float*, const L*, float*, int, int, float, float);  \
-    template __global__ void cross_entropy_train_kernel<L>(                                   \
         const float*, const L*, float*, float*, float*, unsigned int*, int, int, float, float, \
-        float, float);                                                                        \
+        long long);                                                                           \
+    template __global__ void cross_entropy_backward_kernel<L>(                                \
+        const float*, const float*, const float*, const L*, float*, const int*, int, int,     \
+        float, float, long long);                                                             \
+    template __global__ void cross_entropy_train_kernel<L>(                                   \
+        const float*, const L*, float*, float*, float*, unsigned int*, const int*, int, int,   \
+        float, float, float, long long);                                                      \
     template __global__ void cross_entropy_train_short_kernel<L>(                             \
-        const float*, const L*, float*, float*, int, int, float, float, float, float);        \
+        const float*, const L*, float*, float*, int, int, float, float, float, long long);    \
     template __global__ void nll_loss_forward_kernel<L>(const float*, const L*, float*, int,  \
                                                         int);                                 \
     template __global__ void nll_loss_backward_kernel<L>(const float*, const L*, float*, int, \

@@ -3,6 +3,7 @@
 // and the clipping norm are read from device memory, so a captured graph stays valid when
 // they change. Formulas, operation order and rounding follow the numpy reference
 // (PyTorch's); __f*_rn keep the compiler from fusing a product and a sum into one FMA.
+// A guarded step (ops/guard.py) moves the counter and applies the update only when it passes.
 
 // step += 1 (int64 scalar state); one thread.
 extern "C" __global__ void step_increment_kernel(long long* step) {
@@ -64,9 +65,45 @@ extern "C" __global__ void advance_step_kernel(long long* step, const float* sch
     record(*loss, t, history_loss, history_step, length);
 }
 
+// A guarded step's bookkeeping (ops/guard.py, guard_advance): flags = [bits found by
+// guard_check, skip], counters = [calls, skipped, first bad call, its bits]. The step counter
+// moves only on a step that passes; with sticky ("raise"), every step after a bad one is
+// skipped until the host has reported it (and cleared counters[2]). The first bad call's
+// number is also posted to `mailbox` (mapped host memory, may be null) so the host sees it
+// without a sync; nothing is posted on a good step.
+extern "C" __global__ void guard_advance_kernel(int* flags, long long* counters, long long* step,
+                                                const float* schedule, const float* loss,
+                                                float* history_loss, long long* history_step,
+                                                int* history_flag, long long length, int sticky,
+                                                float* lr, long long* mailbox) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    const int bits = flags[0];
+    flags[0] = 0;
+    const long long calls = counters[0] + 1;
+    counters[0] = calls;
+    if (bits != 0 && counters[2] == 0) {
+        counters[3] = bits;
+        counters[2] = calls;
+        if (mailbox) *(volatile long long*)mailbox = calls;
+    }
+    const int skip = bits != 0 || (sticky && counters[2] != 0);
+    flags[1] = skip;
+    long long t = *step;
+    if (skip) {
+        counters[1] += 1;
+    } else {
+        t += 1;
+        *step = t;
+    }
+    *lr = scheduled_lr(schedule, t);
+    record(*loss, calls, history_loss, history_step, length);
+    history_flag[calls % length] = bits | (skip && bits == 0 ? 8 : 0);  // 8: GUARD_HELD
+}
+
 // One row of the device table built once per update node by launchers.py: the tensors of one
-// parameter (slots unused by the optimizer are null) and whether all of them are 16-byte
-// aligned (float4 path).
+// parameter (slots unused by the optimizer are null), whether all of them are 16-byte aligned
+// (float4 path), and the hyperparameters of the parameter's group (optimizer parameter groups;
+// without groups every row holds the optimizer's own values, and the arithmetic is the same).
 struct UpdateEntry {
     float* p;
     const float* g;
@@ -74,7 +111,17 @@ struct UpdateEntry {
     float* s1;  // Adam exp_avg_sq
     long long n;
     long long aligned;
+    double lr_scale;  // the group's lr / the optimizer's lr (the schedule scales the latter)
+    double weight_decay;
+    double beta1;  // Adam only
+    double beta2;
 };
+
+// The table row of the parameter block blockIdx.x updates.
+__device__ __forceinline__ const UpdateEntry& block_entry(const UpdateEntry* entries,
+                                                          const int2* blocks) {
+    return entries[blocks[blockIdx.x].x];
+}
 
 // The multi-tensor loop both optimizers share. Block k updates chunk blocks[k] = (parameter,
 // chunk index): elements [chunk * index, min(chunk * (index + 1), n)), four a thread (one
@@ -112,6 +159,12 @@ __device__ __forceinline__ void update_chunk(const UpdateEntry* entries, const i
     }
 }
 
+// A guarded update (guard: the step's guard flags, else null) writes nothing when guard_advance
+// marked the step skipped (flags[1]): the whole block returns before touching a tensor.
+__device__ __forceinline__ int skipped(const int* guard) {
+    return guard != nullptr && guard[1] != 0;
+}
+
 // Gradient clipping coefficient min(1, max_norm / (norm + 1e-6)) in float64, as the reference.
 __device__ __forceinline__ float clip_coef(int clip, const float* norm, double max_norm) {
     return clip ? (float)fmin(1.0, max_norm / ((double)*norm + 1e-6)) : 1.f;
@@ -119,7 +172,7 @@ __device__ __forceinline__ float clip_coef(int clip, const float* norm, double m
 
 struct SgdScalars {
     float lr, coef, momentum, one_minus_dampening, weight_decay;
-    int first, has_momentum, has_weight_decay, nesterov;
+    int first, has_momentum, has_weight_decay, nesterov, skip;
 };
 
 // torch.optim.SGD: d = g (* coef); d += wd * p; buf = d at step 1 else momentum * buf +
@@ -138,22 +191,25 @@ __device__ __forceinline__ void sgd_element(float& p, float g, float& buf, const
 extern "C" __global__ void sgd_update_kernel(const UpdateEntry* entries, const int2* blocks,
                                              int chunk, const float* lr, const long long* step,
                                              const float* norm, int clip, double max_norm,
-                                             float momentum, float one_minus_dampening,
-                                             float weight_decay, int has_momentum,
-                                             int has_weight_decay, int nesterov) {
+                                             const int* guard, float momentum,
+                                             float one_minus_dampening, int has_momentum,
+                                             int nesterov) {
     __shared__ SgdScalars s;
     if (threadIdx.x == 0) {
-        s.lr = *lr;
+        const UpdateEntry& e = block_entry(entries, blocks);
+        s.skip = skipped(guard);
+        s.lr = (float)((double)*lr * e.lr_scale);  // lr_scale 1: *lr exactly
         s.coef = clip_coef(clip, norm, max_norm);
         s.first = *step == 1;  // PyTorch's momentum buffer starts as the first gradient
         s.momentum = momentum;
         s.one_minus_dampening = one_minus_dampening;
-        s.weight_decay = weight_decay;
+        s.weight_decay = (float)e.weight_decay;
         s.has_momentum = has_momentum;
-        s.has_weight_decay = has_weight_decay;
+        s.has_weight_decay = e.weight_decay != 0.0;
         s.nesterov = nesterov;
     }
     __syncthreads();
+    if (s.skip) return;
     update_chunk(entries, blocks, chunk, s.has_momentum ? 1 : 0,
                  [&](float& p, float g, float& buf, float&) { sgd_element(p, g, buf, s); });
 }
@@ -161,7 +217,7 @@ extern "C" __global__ void sgd_update_kernel(const UpdateEntry* entries, const i
 struct AdamScalars {
     float coef, decay, weight_decay, one_minus_beta1, beta2, one_minus_beta2, eps;
     float step_size, bias2_sqrt;
-    int has_weight_decay, decoupled;
+    int has_weight_decay, decoupled, skip;
 };
 
 // torch.optim.Adam / AdamW: m = lerp(m, d, 1 - b1); v = b2 v + (1 - b2) d^2;
@@ -182,12 +238,14 @@ __device__ __forceinline__ void adam_element(float& p, float g, float& m, float&
 extern "C" __global__ void adam_update_kernel(const UpdateEntry* entries, const int2* blocks,
                                               int chunk, const float* lr, const long long* step,
                                               const float* norm, int clip, double max_norm,
-                                              double beta1, double beta2, double weight_decay,
-                                              float eps, int decoupled) {
+                                              const int* guard, float eps, int decoupled) {
     __shared__ AdamScalars s;
     if (threadIdx.x == 0) {
         // Bias corrections and the decoupled decay in float64 (Python floats in PyTorch).
-        const double lr_d = (double)*lr, t = (double)*step;
+        const UpdateEntry& e = block_entry(entries, blocks);
+        const double beta1 = e.beta1, beta2 = e.beta2, weight_decay = e.weight_decay;
+        s.skip = skipped(guard);
+        const double lr_d = (double)*lr * e.lr_scale, t = (double)*step;
         s.coef = clip_coef(clip, norm, max_norm);
         s.step_size = (float)(lr_d / (1.0 - pow(beta1, t)));
         s.bias2_sqrt = (float)sqrt(1.0 - pow(beta2, t));
@@ -201,6 +259,7 @@ extern "C" __global__ void adam_update_kernel(const UpdateEntry* entries, const 
         s.decoupled = decoupled;
     }
     __syncthreads();
+    if (s.skip) return;
     update_chunk(entries, blocks, chunk, 2,
                  [&](float& p, float g, float& m, float& v) { adam_element(p, g, m, v, s); });
 }

@@ -2,6 +2,8 @@
 // layout of loss.cu's log_softmax kernels: a row is handled by a group of blockDim.x threads
 // (a warp up to 1024 columns, more for longer rows), blockDim.y rows per block, rows strided
 // over the grid. Row sums and maxima combine in a fixed order (reduce.cuh): deterministic.
+// The scaled kernels add attrs scale and causal (softmax(scale * x + mask)): the softmax and
+// softmax_grad kernels above them stay the plain ones, so attr-less nodes keep their bits.
 #include "reduce.cuh"
 
 #define NEG_INF __int_as_float(0xff800000)
@@ -46,5 +48,57 @@ extern "C" __global__ void softmax_backward_kernel(const float* dy, const float*
         s = row_sum(s, smem);
         for (int c = threadIdx.x; c < cols; c += blockDim.x)
             dx[r0 + c] = __fmul_rn(y[r0 + c], dy[r0 + c] - s);
+    }
+}
+
+// Columns a row sees: all C, or under the causal mask (rows of the last two dims, R of them)
+// row r's columns c <= r + (C - R) (PyTorch's is_causal: tril of ones(R, C) aligned to the
+// bottom right). 0 for rows past N. The launcher keeps R <= C, so no row is fully masked.
+__device__ __forceinline__ int visible_columns(int row, int N, int C, int R, int causal) {
+    if (row >= N) return 0;
+    if (!causal) return C;
+    return min(C, row % R + (C - R) + 1);
+}
+
+// y = softmax(scale * x) over the visible columns (z = scale * x rounded to float32 first, as
+// numpy's float32 product); masked columns are written 0 exactly.
+extern "C" __global__ void softmax_scaled_forward_kernel(const float* x, float* y, int N, int C,
+                                                         int R, float scale, int causal) {
+    __shared__ float smem[32];
+    for (long long base = first_row_base(); base < N; base += row_base_stride()) {
+        const int row = (int)base + threadIdx.y;
+        const int cols = row < N ? C : 0;
+        const int limit = visible_columns(row, N, C, R, causal);
+        const float* xr = x + (long long)row * C;
+        float m = NEG_INF;
+        for (int c = threadIdx.x; c < limit; c += blockDim.x)
+            m = fmaxf(m, __fmul_rn(scale, xr[c]));
+        m = row_max(m, smem);
+        float s = 0.f;
+        for (int c = threadIdx.x; c < limit; c += blockDim.x)
+            s += expf(__fmul_rn(scale, xr[c]) - m);
+        s = row_sum(s, smem);
+        for (int c = threadIdx.x; c < cols; c += blockDim.x)
+            y[(long long)row * C + c] =
+                c < limit ? __fdiv_rn(expf(__fmul_rn(scale, xr[c]) - m), s) : 0.f;
+    }
+}
+
+// dx = scale * (y * (dy - sum(dy * y))) over the visible columns, 0 at masked ones.
+extern "C" __global__ void softmax_scaled_backward_kernel(const float* dy, const float* y,
+                                                          float* dx, int N, int C, int R,
+                                                          float scale, int causal) {
+    __shared__ float smem[32];
+    for (long long base = first_row_base(); base < N; base += row_base_stride()) {
+        const int row = (int)base + threadIdx.y;
+        const int cols = row < N ? C : 0;
+        const int limit = visible_columns(row, N, C, R, causal);
+        const long long r0 = (long long)row * C;
+        float s = 0.f;
+        for (int c = threadIdx.x; c < limit; c += blockDim.x)
+            s += __fmul_rn(dy[r0 + c], y[r0 + c]);
+        s = row_sum(s, smem);
+        for (int c = threadIdx.x; c < cols; c += blockDim.x)
+            dx[r0 + c] = c < limit ? __fmul_rn(scale, __fmul_rn(y[r0 + c], dy[r0 + c] - s)) : 0.f;
     }
 }

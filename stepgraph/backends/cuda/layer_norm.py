@@ -1,0 +1,179 @@
+"""Launchers of kernels/layer_norm.cu (layer_norm, layer_norm_grad) and their cuda op table.
+
+x (any rank >= 1) is viewed as (rows, C), normalised over C. A row group of `threads` threads
+(a multiple of 32, at most 256) handles a row, `rows_per_block` rows a block; each thread keeps
+K groups of VEC columns in registers between the passes (`Layout`). Rows too wide for that
+(more than 8 * 256 column groups) take the *_loop kernels.
+
+layer_norm_grad is one kernel for dx and the per-slot partial sums of dweight / dbias (a slot:
+one row lane of one block, visiting a fixed set of rows), then, when either is wanted, one
+finalize launch adding the slots in order in float64: deterministic, no atomics. The partial
+sums live in device memory made once per node at its first eager call
+(launchers._node_memory): a capture may not allocate, and Executable warms up eagerly before
+capture. Launchers check their preconditions and launch on ctx.stream: no host sync.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import cupy as cp  # imports without a GPU; kernels compile at their first launch
+import numpy as np
+
+from ...errors import ShapeError
+from ...ir.graph import Node
+from .launchers import BLOCK, MAX_BLOCKS, _aligned, _check, _check_int32, _grid, _launch, \
+    _node_memory, fill_forward
+
+SOURCE = "layer_norm.cu"
+MAX_THREADS = 256            # threads of a row group (the templates' __launch_bounds__)
+KS = (1, 2, 4, 8)            # register groups per thread the templates are instantiated for
+LOOP_THREADS = 256           # row group of the *_loop kernels
+SLOT_TARGET = 512            # partial-sum slots of layer_norm_grad, about
+PARTIAL_MAX = 1 << 21        # floats of one partial-sum table (slots * C) at most
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a row is spread over threads: `threads` per row, `rows_per_block` rows a block,
+    each thread holding k groups of vec columns (k == 0: the loop kernels)."""
+
+    vec: int
+    k: int
+    threads: int
+    rows_per_block: int
+
+    def kernel(self, direction: str) -> str:
+        if self.k == 0:
+            return f"layer_norm_{direction}_loop_kernel"
+        return f"layer_norm_{direction}_kernel<{self.vec}, {self.k}>"
+
+
+def row_layout(c: int, arrays) -> Layout:
+    """The layout of rows of c columns; vec 4 when c % 4 == 0 and every array is 16-byte
+    aligned."""
+    vec = 4 if c % 4 == 0 and _aligned(*arrays) else 1
+    groups = c // vec
+    for k in KS:
+        per = -(-groups // k)
+        if per <= MAX_THREADS:
+            threads = max(32, -(-per // 32) * 32)
+            return Layout(vec, k, threads, max(1, MAX_THREADS // threads))
+    return Layout(1, 0, LOOP_THREADS, 1)
+
+
+def kernel_names() -> dict[str, set[str]]:
+    """{.cu file: every kernel name this module may launch} (the NVRTC compile test)."""
+    names = {"layer_norm_forward_loop_kernel", "layer_norm_backward_loop_kernel",
+             "layer_norm_grad_finalize_kernel"}
+    for vec in (1, 4):
+        for k in KS:
+            names |= {Layout(vec, k, 32, 1).kernel(d) for d in ("forward", "backward")}
+    return {SOURCE: names}
+
+
+def _rows(what: str, x) -> tuple[int, int]:
+    _check(what, x)
+    if x.ndim < 1 or x.shape[-1] == 0:
+        raise ShapeError(f"{what}: expected (..., C) with C >= 1, got {tuple(x.shape)}")
+    _check_int32(what, x.size)
+    return math.prod(x.shape[:-1]), x.shape[-1]
+
+
+def _check_stats(what: str, rows: int, *stats) -> None:
+    for name, t in zip(("mean", "rstd"), stats):
+        _check(f"{what} {name}", t)
+        if t.size != rows:
+            raise ShapeError(f"{what} {name}: expected {rows} values (one a row), got shape "
+                             f"{tuple(t.shape)}")
+
+
+def _null(a):
+    return a if a is not None else np.uint64(0)
+
+
+def layer_norm_forward(ctx, x, weight, bias, y, mean, rstd, eps: float) -> None:
+    """y = (x - mean) * rstd [* weight] [+ bias] over the last axis; mean and rstd (rows,)
+    float32, rstd = 1 / sqrt(biased variance + eps)."""
+    rows, c = _rows("layer_norm input", x)
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None:
+            _check(f"layer_norm {name}", t, shape=(c,))
+    _check("layer_norm output", y, shape=x.shape)
+    _check_stats("layer_norm", rows, mean, rstd)
+    if not rows:
+        return
+    lay = row_layout(c, [a for a in (x, y, weight, bias) if a is not None])
+    grid = (max(1, min(-(-rows // lay.rows_per_block), MAX_BLOCKS)),)
+    _launch(ctx, SOURCE, lay.kernel("forward"), grid, (lay.threads, lay.rows_per_block),
+            (x, _null(weight), _null(bias), y, mean, rstd, np.int32(rows), np.int32(c),
+             np.float32(eps)))
+
+
+def grad_slots(rows: int, c: int, lay: Layout) -> int:
+    """Blocks of layer_norm_grad: about SLOT_TARGET slots, at most one per row lane's row,
+    and partial tables of at most PARTIAL_MAX floats."""
+    per = lay.rows_per_block
+    return max(1, min(-(-rows // per), SLOT_TARGET // per, PARTIAL_MAX // (c * per)))
+
+
+def layer_norm_backward(ctx, node: Node, dy, x, weight, mean, rstd, dx, dweight=None,
+                        dbias=None) -> None:
+    """dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy [* weight], xhat = (x -
+    mean) * rstd; dweight = sum over rows of dy * xhat and dbias = sum of dy (each optional)."""
+    rows, c = _rows("layer_norm_grad dy", dy)
+    _check("layer_norm_grad x", x, shape=dy.shape)
+    _check_stats("layer_norm_grad", rows, mean, rstd)
+    _check("layer_norm_grad dx", dx, shape=dy.shape)
+    for name, t in (("weight", weight), ("dweight", dweight), ("dbias", dbias)):
+        if t is not None:
+            _check(f"layer_norm_grad {name}", t, shape=(c,))
+    if not rows:
+        for t in (dweight, dbias):
+            if t is not None:
+                fill_forward(ctx, t, 0.0)
+        return
+    lay = row_layout(c, [a for a in (dy, x, dx, weight) if a is not None])
+    blocks = grad_slots(rows, c, lay)
+    slots = blocks * lay.rows_per_block
+    partial_w = partial_b = None
+    if dweight is not None or dbias is not None:
+        key = ("layer_norm_grad", slots, c, dweight is not None, dbias is not None)
+        tables = _node_memory(node, key, ctx, lambda: dict(
+            w=cp.empty(slots * c, np.float32) if dweight is not None else None,
+            b=cp.empty(slots * c, np.float32) if dbias is not None else None))
+        partial_w, partial_b = tables["w"], tables["b"]
+    _launch(ctx, SOURCE, lay.kernel("backward"), (blocks,), (lay.threads, lay.rows_per_block),
+            (dy, x, _null(weight), mean, rstd, dx, _null(partial_w), _null(partial_b),
+             np.int32(rows), np.int32(c)))
+    if partial_w is not None or partial_b is not None:
+        _launch(ctx, SOURCE, "layer_norm_grad_finalize_kernel", _grid(c), (BLOCK,),
+                (_null(partial_w), _null(partial_b), _null(dweight), _null(dbias),
+                 np.int32(slots), np.int32(c)))
+
+
+def _forward_impl(node: Node, ins, outs, ctx) -> None:
+    a = node.attrs
+    rest = list(ins[1:])
+    weight = rest.pop(0) if a.get("weight") else None
+    bias = rest.pop(0) if a.get("bias") else None
+    layer_norm_forward(ctx, ins[0], weight, bias, outs[0], outs[1], outs[2],
+                       a.get("eps", 1e-5))
+
+
+def _backward_impl(node: Node, ins, outs, ctx) -> None:
+    a = node.attrs
+    dy, x = ins[0], ins[1]
+    weight = ins[2] if a.get("weight") else None
+    mean, rstd = ins[-2], ins[-1]
+    rest = list(outs[1:])
+    dweight = rest.pop(0) if a.get("weight") else None
+    dbias = rest.pop(0) if a.get("bias") else None
+    layer_norm_backward(ctx, node, dy, x, weight, mean, rstd, outs[0], dweight, dbias)
+
+
+IMPLS: dict[str, Callable] = {
+    "layer_norm": _forward_impl,
+    "layer_norm_grad": _backward_impl,
+}

@@ -1,0 +1,104 @@
+"""Launchers of kernels/shape.cu (slice, slice_grad, arange) and their cuda op table.
+
+slice views x as (outer, D, inner) around the sliced dim and copies x[:, start:stop, :] into a
+contiguous output; slice_grad writes zeros with dy placed at [:, start:stop, :]. Both move
+units of 16, 8, 4 or 1 bytes (the widest dividing the inner extent in bytes and both
+pointers), so they serve every dtype. arange writes 0..n-1. Launchers check their
+preconditions and launch on ctx.stream: no host sync, no allocation.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+
+from ...errors import ShapeError
+from .launchers import BLOCK, _check, _grid, _launch
+
+SOURCE = "shape.cu"
+UNIT_CTYPES = {16: "uint4", 8: "unsigned long long", 4: "unsigned int", 1: "unsigned char"}
+ARANGE_CTYPES = {np.dtype("int64"): "long long", np.dtype("int32"): "int",
+                 np.dtype("float32"): "float", np.dtype("float64"): "double"}
+
+
+def kernel_names() -> dict[str, set[str]]:
+    """{.cu file: every kernel name this module may launch} (the NVRTC compile test)."""
+    names = {f"slice_{d}_kernel<{u}>" for u in UNIT_CTYPES.values()
+             for d in ("forward", "backward")}
+    names |= {f"arange_forward_kernel<{t}>" for t in ARANGE_CTYPES.values()}
+    return {SOURCE: names}
+
+
+def _unit(inner_bytes: int, *arrays) -> int:
+    for unit in UNIT_CTYPES:
+        if inner_bytes % unit == 0 and all(a.data.ptr % unit == 0 for a in arrays):
+            return unit
+    return 1
+
+
+def _slice_args(what: str, shape: tuple, dim: int, start: int, stop: int | None = None):
+    """(dim, start, length, outer, D, inner) of a slice along dim of an array of `shape`,
+    start and stop normalised as Python slices do."""
+    if not shape:
+        raise ShapeError(f"{what}: cannot slice a scalar")
+    if not -len(shape) <= dim < len(shape):
+        raise ShapeError(f"{what}: dim {dim} out of range for shape {shape}")
+    dim %= len(shape)
+    d = shape[dim]
+    start, stop, _ = slice(start, stop).indices(d)
+    return dim, start, max(0, stop - start), math.prod(shape[:dim]), d, math.prod(shape[dim + 1:])
+
+
+def _launch_slice(ctx, direction: str, src, dst, outer: int, length: int, d: int, inner: int,
+                  start: int) -> None:
+    unit = _unit(inner * dst.itemsize, src, dst)
+    inner_units = inner * dst.itemsize // unit
+    total = dst.nbytes // unit
+    _launch(ctx, SOURCE, f"slice_{direction}_kernel<{UNIT_CTYPES[unit]}>", _grid(total),
+            (BLOCK,), (src, dst, np.int64(total), np.int32(length), np.int64(inner_units),
+                       np.int32(d), np.int32(start)))
+
+
+def slice_forward(ctx, x, y, dim: int, start: int, stop: int | None) -> None:
+    """y = x[..., start:stop, ...] along dim, contiguous; any dtype."""
+    _check("slice input", x, dtype=None)
+    dim, start, length, outer, d, inner = _slice_args("slice", tuple(x.shape), dim, start, stop)
+    want = tuple(x.shape[:dim]) + (length,) + tuple(x.shape[dim + 1:])
+    _check("slice output", y, dtype=str(x.dtype), shape=want)
+    if y.size:
+        _launch_slice(ctx, "forward", x, y, outer, length, d, inner, start)
+
+
+def slice_backward(ctx, dy, dx, dim: int, start: int) -> None:
+    """dx = zeros of its shape with dy placed at [..., start:start + L, ...] along dim."""
+    _check("slice_grad dx", dx, dtype=None)
+    dim, start, _, outer, d, inner = _slice_args("slice_grad", tuple(dx.shape), dim, start)
+    length = dy.shape[dim] if dy.ndim == dx.ndim else -1
+    want = tuple(dx.shape[:dim]) + (length,) + tuple(dx.shape[dim + 1:])
+    _check("slice_grad dy", dy, dtype=str(dx.dtype), shape=want)
+    if start + length > d:
+        raise ShapeError(f"slice_grad: dy {tuple(dy.shape)} at start {start} overruns dim "
+                         f"{dim} of {tuple(dx.shape)}")
+    if dx.size:
+        _launch_slice(ctx, "backward", dy, dx, outer, length, d, inner, start)
+
+
+def arange_forward(ctx, y) -> None:
+    """y = 0, 1, ..., n - 1 (y (n,) int64, int32, float32 or float64)."""
+    _check("arange output", y, dtype=None)
+    if y.ndim != 1 or y.dtype not in ARANGE_CTYPES:
+        raise ShapeError(f"arange: expected a 1-D {sorted(map(str, ARANGE_CTYPES))} output, "
+                         f"got {y.dtype}{list(y.shape)}")
+    if y.size:
+        _launch(ctx, SOURCE, f"arange_forward_kernel<{ARANGE_CTYPES[y.dtype]}>", _grid(y.size),
+                (BLOCK,), (y, np.int64(y.size)))
+
+
+IMPLS: dict[str, Callable] = {
+    "slice": lambda node, ins, outs, ctx: slice_forward(
+        ctx, ins[0], outs[0], node.attrs["dim"], node.attrs["start"], node.attrs.get("stop")),
+    "slice_grad": lambda node, ins, outs, ctx: slice_backward(
+        ctx, ins[0], outs[0], node.attrs["dim"], node.attrs["start"]),
+    "arange": lambda node, ins, outs, ctx: arange_forward(ctx, outs[0]),
+}
