@@ -167,7 +167,7 @@ class TrainStep(_CompiledModel):
         return LossHandle(self._host_step, self.state[HISTORY_PREFIX + "loss"],
                           self.state[HISTORY_PREFIX + "step"], self.backend.to_numpy,
                           self.state.get(HISTORY_FLAG_KEY),
-                          guard.raise_pending if guard is not None else None)
+                          guard.check_read if guard is not None else None)
 
     def _device_calls(self) -> int:
         """The device counter the loss history is keyed by: calls (guarded) or steps."""
@@ -219,7 +219,7 @@ class TrainStep(_CompiledModel):
             self.backend.copy_into(buf, np.array(state_dict[k], dtype=buf.dtype, order="C"))
         self._host_step = None
         if self._guard is not None:
-            self._guard.reset()
+            self._guard.reset(int(np.asarray(state_dict[STEP_KEY])))
         self.optimizer._lr = float(np.asarray(state_dict[SCHEDULE_KEY])[0])
 
 

@@ -1,4 +1,4 @@
-"""The `stepgraph` command line: `stepgraph train [options]`."""
+"""The `stepgraph` command line: `stepgraph train|sample|bench|profile|cache [options]`."""
 from __future__ import annotations
 
 import argparse
@@ -21,51 +21,163 @@ def run_profile(argv: list[str]) -> int:
     return profile_main(argv)
 
 
+def run_cache(argv: list[str]) -> int:
+    from .cache import main as cache_main
+
+    return cache_main(argv)
+
+
 # Commands with their own argument parsers: everything after the name is passed on.
 DELEGATED = {"bench": (run_bench, "time a training step against PyTorch, JAX, tinygrad (GPU)"),
-             "profile": (run_profile, "per-op device times of a training step (GPU)")}
+             "profile": (run_profile, "per-op device times of a training step, a bench "
+                         "workload's or your own (--script) (GPU)"),
+             "cache": (run_cache, "show (info) or empty (clear) the on-disk kernel choices")}
 
 
 def build_parser() -> argparse.ArgumentParser:
     from .train import DATASETS, DEVICES, MODELS
+    from .train_gpt import TEXT_DATASETS, TEXT_MODELS
 
     parser = argparse.ArgumentParser(prog="stepgraph", description=DESCRIPTION)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in DELEGATED.items():
         commands.add_parser(name, help=help_text, add_help=False)
-    train = commands.add_parser("train", help="train a model and report its test accuracy",
+    train = commands.add_parser("train", help="train a model and report its test accuracy "
+                                "(gpt: its validation loss)",
                                 description="Train a model; write metrics.json, metrics.png "
                                 "and checkpoint.safetensors into --out.")
-    train.add_argument("--model", choices=MODELS, default="mlp")
-    train.add_argument("--data", choices=DATASETS, default="digits",
-                       help="digits: bundled 8x8 images; mnist: IDX files in --data-dir")
+    train.add_argument("--model", choices=MODELS + TEXT_MODELS, default="mlp",
+                       help="resnet: the CIFAR ResNet-8-style network of stepgraph.models; "
+                       "gpt: a character-level GPT (nanoGPT's) on --data text")
+    train.add_argument("--data", choices=DATASETS + TEXT_DATASETS, default=None,
+                       help="digits (the default for image models): bundled 8x8 images; mnist: "
+                       "IDX files in --data-dir; cifar10: the CIFAR-10 batches (python or "
+                       "binary version) in --data-dir; text (gpt): --text-file, or Python's "
+                       "own help topics")
     train.add_argument("--data-dir", default=None,
-                       help="directory holding the MNIST IDX files (default: data/mnist)")
+                       help="directory holding the dataset's files (default: data/mnist, "
+                       "data/cifar10)")
     train.add_argument("--epochs", type=int, default=None,
-                       help="total epochs (default: 20 for digits, 5 for mnist)")
+                       help="total epochs (default: 20 for digits, 5 for mnist, 20 for cifar10)")
     train.add_argument("--batch-size", type=int, default=None,
-                       help="default: 32 for digits, 64 for mnist")
-    train.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+                       help="default: 32 for digits, 64 for mnist, 512 for cifar10")
+    train.add_argument("--lr", type=float, default=None,
+                       help="peak learning rate (default: 1e-3 with AdamW for mlp and cnn; 0.4 "
+                       "with SGD, warmup and cosine decay for resnet)")
     train.add_argument("--device", choices=DEVICES, default="auto",
                        help="auto: cuda when a GPU is usable, else cpu")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--out", default=None, help="output directory (default: runs/DATA-MODEL)")
     train.add_argument("--resume", action="store_true",
-                       help="continue from the checkpoint in --out up to --epochs in total")
+                       help="continue from the checkpoint in --out up to --epochs (gpt: "
+                       "--steps) in total")
     train.add_argument("--no-progress", action="store_true", help="no progress bars")
+    train.add_argument("--on-bad-batch", choices=("raise", "skip"), default="raise",
+                       help="a batch with labels out of range or a NaN/Inf loss or gradient: "
+                       "stop naming it (raise), or skip its update and go on (skip)")
+    add_gpt_arguments(train)
+    add_sample_parser(commands, DEVICES)
     return parser
 
 
-def run_train(args: argparse.Namespace) -> int:
-    from .train import TrainConfig, train
+# Flags of --model gpt, with the GPTTrainConfig field each sets (None: its default).
+GPT_FLAGS = {"--text-file": "text_file", "--steps": "steps", "--eval-interval": "eval_interval",
+             "--block-size": "block_size", "--n-layer": "n_layer", "--n-head": "n_head",
+             "--n-embd": "n_embd", "--dropout": "dropout"}
 
-    config = TrainConfig(model=args.model, data=args.data, data_dir=args.data_dir,
+
+def add_gpt_arguments(train: argparse.ArgumentParser) -> None:
+    group = train.add_argument_group(
+        "gpt", "--model gpt --data text: a character-level GPT, trained for --steps iterations "
+        "(--batch-size default 64, --lr default 1e-3: AdamW, warmup and cosine decay)")
+    group.add_argument("--text-file", default=None,
+                       help="UTF-8 text to train on (default: the help topics every Python "
+                       "installation carries, pydoc_data/topics.py)")
+    group.add_argument("--steps", type=int, default=None, help="training steps (default 2000)")
+    group.add_argument("--eval-interval", type=int, default=None,
+                       help="steps between validation losses and checkpoints (default 250)")
+    group.add_argument("--block-size", type=int, default=None,
+                       help="context length in characters (default 256)")
+    group.add_argument("--n-layer", type=int, default=None, help="transformer blocks (default 6)")
+    group.add_argument("--n-head", type=int, default=None, help="attention heads (default 6)")
+    group.add_argument("--n-embd", type=int, default=None, help="embedding width (default 384)")
+    group.add_argument("--dropout", type=float, default=None, help="dropout (default 0.2)")
+
+
+def add_sample_parser(commands, devices) -> None:
+    from .sample import DEFAULT_TEMPERATURE, DEFAULT_TOKENS, DEFAULT_TOP_K
+
+    sample = commands.add_parser("sample", help="generate text with a trained GPT",
+                                 description="Generate text with the GPT checkpointed in --out "
+                                 "by `stepgraph train --model gpt`; the same seed gives the "
+                                 "same text.")
+    sample.add_argument("--out", required=True, help="the training run's output directory")
+    sample.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    sample.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
+                        help=f"characters to generate (default {DEFAULT_TOKENS})")
+    sample.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
+                        help=f"softmax temperature; 0: always the most likely character "
+                        f"(default {DEFAULT_TEMPERATURE})")
+    sample.add_argument("--top-k", type=int, default=DEFAULT_TOP_K,
+                        help=f"draw from the k most likely characters only; 0: from all "
+                        f"(default {DEFAULT_TOP_K})")
+    sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument("--device", choices=devices, default="auto",
+                        help="auto: cuda when a GPU is usable, else cpu")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from .train import TrainConfig, TrainConfigError, train
+    from .train_gpt import TEXT_DATASETS, TEXT_MODELS
+
+    if args.model in TEXT_MODELS or args.data in TEXT_DATASETS:
+        return run_train_gpt(args)
+    given = [flag for flag, name in GPT_FLAGS.items() if getattr(args, name) is not None]
+    if given:
+        raise TrainConfigError(f"{given[0]} applies to --model gpt only")
+    config = TrainConfig(model=args.model, data=args.data or "digits", data_dir=args.data_dir,
                          epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                          device=args.device, seed=args.seed, out=args.out, resume=args.resume,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, on_bad_batch=args.on_bad_batch)
     result = train(config, log=lambda line: print(line, flush=True))
     print(f"wrote {result.out_dir}/ (metrics.json, metrics.png, checkpoint.safetensors)")
     print(f"test accuracy: {result.test_accuracy:.4f}")
+    return 0
+
+
+def run_train_gpt(args: argparse.Namespace) -> int:
+    from .train import TrainConfigError
+    from .train_gpt import TEXT_DATASETS, TEXT_MODELS, GPTTrainConfig, train_gpt
+
+    if args.model not in TEXT_MODELS or args.data not in (None, *TEXT_DATASETS):
+        raise TrainConfigError(f"--model {args.model} does not train on --data {args.data}: "
+                               f"use --model gpt with --data text")
+    for flag, value in (("--epochs", args.epochs), ("--data-dir", args.data_dir)):
+        if value is not None:
+            raise TrainConfigError(f"{flag} does not apply to --model gpt (it trains for "
+                                   "--steps on --text-file)")
+    options = {name: getattr(args, name) for name in GPT_FLAGS.values()}
+    options.update(batch_size=args.batch_size, lr=args.lr)
+    config = GPTTrainConfig(**{k: v for k, v in options.items() if v is not None},
+                            device=args.device, seed=args.seed, out=args.out,
+                            resume=args.resume, progress=not args.no_progress,
+                            on_bad_batch=args.on_bad_batch)
+    result = train_gpt(config, log=lambda line: print(line, flush=True))
+    print(f"wrote {result.out_dir}/ (metrics.json, metrics.png, checkpoint.safetensors)")
+    print(f"validation loss: {result.val_loss:.4f}")
+    return 0
+
+
+def run_sample(args: argparse.Namespace) -> int:
+    from .sample import SampleConfig, sample
+
+    config = SampleConfig(out=args.out, prompt=args.prompt, tokens=args.tokens,
+                          temperature=args.temperature, top_k=args.top_k or None,
+                          seed=args.seed, device=args.device)
+    config.validate()
+    print(config.prompt, end="", flush=True)
+    sample(config, on_text=lambda text: print(text, end="", flush=True))
+    print()
     return 0
 
 
@@ -89,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
-        return run_train(args)
+        return run_sample(args) if args.command == "sample" else run_train(args)
     except (StepgraphError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -5,11 +5,13 @@
 
 The step runs without host syncs; the loop reads the loss only every LOG_EVERY steps and at
 the end of an epoch. A checkpoint after every epoch holds the step's full state and the epoch
-number; the data order is a pure function of (seed, epoch), so `resume` continues exactly.
+number; the data order (and the augmentation of a batch) is a pure function of (seed, epoch),
+so `resume` continues exactly.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -24,15 +26,26 @@ import stepgraph as sg
 
 from . import checkpoint as ckpt
 from . import losses, models, nn, optim
-from .data import DATASETS, BatchLoader, Dataset, load_dataset, to_device, with_layout
-from .errors import BackendUnavailableError, StepgraphError
+from .data import (DATASETS, BatchLoader, Dataset, RandomCropFlip, load_dataset, to_device,
+                   with_layout)
+from .errors import BackendUnavailableError, LabelError, NonFiniteError, StepgraphError
 from .nn import init as nn_init
 
-MODELS = ("mlp", "cnn")
+MODELS = ("mlp", "cnn", "resnet")
 DEVICES = ("auto", "cpu", "cuda")
-DEFAULT_EPOCHS = {"digits": 20, "mnist": 5}
-DEFAULT_BATCH_SIZE = {"digits": 32, "mnist": 64}
+BAD_BATCH_POLICIES = ("raise", "skip")   # what a guarded step does with a bad batch
+DEFAULT_EPOCHS = {"digits": 20, "mnist": 5, "cifar10": 20}
+DEFAULT_BATCH_SIZE = {"digits": 32, "mnist": 64, "cifar10": 512}
+DEFAULT_LR = {"mlp": 1e-3, "cnn": 1e-3, "resnet": 0.4}   # AdamW; SGD for resnet
 DEFAULT_DATA_DIR = "data/mnist"
+DEFAULT_DATA_DIRS = {"mnist": DEFAULT_DATA_DIR, "cifar10": "data/cifar10"}
+# The resnet recipe (docs/BENCHMARKS.md): SGD with Nesterov momentum and weight decay, a linear
+# warmup over the first RESNET_WARMUP of all steps then a cosine decay to 0, smoothed labels.
+RESNET_MOMENTUM = 0.9
+RESNET_WEIGHT_DECAY = 5e-4
+RESNET_WARMUP = 0.2
+RESNET_LABEL_SMOOTHING = 0.2
+CROP_PADDING = 4            # CIFAR-10 augmentation: random 32x32 crop of the image padded by 4
 LOG_EVERY = 20              # read the loss (a host sync) every this many steps
 EVAL_BATCH = 1000
 TRAIN_EVAL_LIMIT = 10_000   # train accuracy is measured on at most this many training samples
@@ -47,7 +60,7 @@ class TrainConfigError(StepgraphError, ValueError):
 
 
 class TrainingDivergedError(StepgraphError, ArithmeticError):
-    """The loss became NaN or infinite."""
+    """The loss or the model's state became NaN or infinite."""
 
 
 @dataclass(frozen=True)
@@ -59,26 +72,29 @@ class TrainConfig:
     data_dir: str | None = None
     epochs: int | None = None       # None: DEFAULT_EPOCHS[data]
     batch_size: int | None = None   # None: DEFAULT_BATCH_SIZE[data]
-    lr: float = 1e-3
+    lr: float | None = None         # None: DEFAULT_LR[model]
     device: str = "auto"
     seed: int = 0
     out: str | None = None          # None: runs/<data>-<model>
     resume: bool = False
     progress: bool = True           # tqdm bars on stderr
+    on_bad_batch: str = "raise"     # a batch with bad labels or a NaN/Inf: fail, or skip it
 
     def validate(self) -> None:
         """Raise TrainConfigError naming the first invalid option."""
-        choices = {"model": MODELS, "data": DATASETS, "device": DEVICES}
+        choices = {"model": MODELS, "data": DATASETS, "device": DEVICES,
+                   "on-bad-batch": BAD_BATCH_POLICIES}
         for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
+            value = getattr(self, name.replace("-", "_"))
+            if value not in allowed:
                 raise TrainConfigError(f"--{name} must be one of {', '.join(allowed)}, "
-                                       f"got {getattr(self, name)!r}")
+                                       f"got {value!r}")
         positive = {"epochs": self.total_epochs, "batch-size": self.batch}
         for name, value in positive.items():
             if value < 1:
                 raise TrainConfigError(f"--{name} must be >= 1, got {value}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise TrainConfigError(f"--lr must be a positive number, got {self.lr}")
+        if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
+            raise TrainConfigError(f"--lr must be a positive number, got {self.learning_rate}")
         if self.seed < 0:
             raise TrainConfigError(f"--seed must be >= 0, got {self.seed}")
 
@@ -91,13 +107,17 @@ class TrainConfig:
         return DEFAULT_BATCH_SIZE[self.data] if self.batch_size is None else self.batch_size
 
     @property
+    def learning_rate(self) -> float:
+        return DEFAULT_LR[self.model] if self.lr is None else self.lr
+
+    @property
     def out_dir(self) -> Path:
         return Path(self.out) if self.out else Path("runs") / f"{self.data}-{self.model}"
 
     def record(self) -> dict:
         """The config as plain JSON values, with defaults resolved."""
         return {**dataclasses.asdict(self), "epochs": self.total_epochs,
-                "batch_size": self.batch, "out": str(self.out_dir)}
+                "batch_size": self.batch, "lr": self.learning_rate, "out": str(self.out_dir)}
 
 
 @dataclass
@@ -108,6 +128,7 @@ class EpochMetrics:
     test_accuracy: float
     steps_per_s: float
     seconds: float
+    skipped: int = 0            # batches whose update the guard skipped (--on-bad-batch skip)
 
 
 @dataclass
@@ -163,7 +184,34 @@ def build_model(name: str, dataset: Dataset) -> ModelSpec:
         return ModelSpec(models.cnn(), losses.nll_loss, "image")    # ends in LogSoftmax
     if name == "cnn" and dataset.image_shape == (1, 8, 8):
         return ModelSpec(small_cnn(dataset.classes), losses.cross_entropy, "image")
+    if name == "resnet":
+        loss = functools.partial(losses.cross_entropy, label_smoothing=RESNET_LABEL_SMOOTHING)
+        module = models.resnet(dataset.classes, in_channels=dataset.image_shape[0])
+        return ModelSpec(module, loss, "image")
     raise TrainConfigError(f"no {name} model for images of shape {dataset.image_shape}")
+
+
+def make_optimizer(config: TrainConfig, steps_per_epoch: int) -> optim.Optimizer:
+    """AdamW for mlp and cnn; the resnet recipe's SGD, its LR schedule spanning the run."""
+    if config.model != "resnet":
+        return optim.AdamW(lr=config.learning_rate)
+    total = config.total_epochs * steps_per_epoch
+    warmup = max(1, round(total * RESNET_WARMUP))
+    schedule = optim.WarmupCosine(warmup, total) if warmup < total else None
+    return optim.SGD(lr=config.learning_rate, momentum=RESNET_MOMENTUM, nesterov=True,
+                     weight_decay=RESNET_WEIGHT_DECAY, schedule=schedule)
+
+
+def make_transform(config: TrainConfig, spec: ModelSpec) -> RandomCropFlip | None:
+    """Random crop and flip of CIFAR-10 images, seeded by the run's seed; else None."""
+    if config.data == "cifar10" and spec.layout == "image":
+        return RandomCropFlip(CROP_PADDING, seed=config.seed)
+    return None
+
+
+def resume_keys(config: TrainConfig) -> tuple[str, ...]:
+    """What a resume must keep: RESUME_KEYS, and the epochs where the LR schedule spans them."""
+    return RESUME_KEYS + (("epochs",) if config.model == "resnet" else ())
 
 
 def seed_init(seed: int) -> None:
@@ -180,23 +228,63 @@ def evaluate(predict, x, y: np.ndarray, batch_size: int = EVAL_BATCH) -> float:
     return correct / len(y)
 
 
-def run_epoch(step, loader: BatchLoader, epoch: int, bar) -> tuple[float, float]:
-    """Train one epoch; return (mean of the losses read, seconds). Reads the loss rarely."""
-    losses_read = []
+def run_epoch(step, loader: BatchLoader, epoch: int, bar,
+              report: Callable[[str], None] | None = None) -> tuple[float, float]:
+    """Train one epoch; return (mean of the losses read, seconds). Reads the loss rarely. A
+    batch the step's guard rejects fails the epoch with its epoch and batch index named
+    (on_bad_batch "raise"), or is reported through `report` (default bar.write) and skipped
+    ("skip")."""
+    report = report or bar.write
+    losses_read, recent = [], []
     n = len(loader)
     start = time.perf_counter()
-    for i, (x, y) in enumerate(loader.epoch(epoch)):
-        loss = step(x, y)
-        if (i + 1) % LOG_EVERY == 0 or i + 1 == n:
-            value = float(loss)   # syncs
-            if not math.isfinite(value):
-                raise TrainingDivergedError(f"loss is {value} at epoch {epoch + 1}, step {i + 1}")
-            losses_read.append(value)
-            elapsed = time.perf_counter() - start
-            bar.set_postfix_str(f"loss={value:.4f} steps/s={(i + 1) / elapsed:.0f}",
-                                refresh=False)
-        bar.update(1)
-    return float(np.mean(losses_read)), time.perf_counter() - start
+    first, skipped = None, step.skipped_steps if step.on_bad_batch == "skip" else 0
+    try:
+        for i, (x, y) in enumerate(loader.epoch(epoch)):
+            loss = step(x, y)
+            first = loss.step - i if first is None else first   # step number of batch 0
+            recent.append((i, loss))
+            if (i + 1) % LOG_EVERY == 0 or i + 1 == n:
+                value = float(loss)   # syncs; raises the error of a rejected batch ("raise")
+                if step.on_bad_batch == "skip":
+                    skipped = _report_skipped(step, skipped, recent, epoch, n, report)
+                recent = []
+                if not math.isfinite(value) and not loss.skipped:
+                    raise TrainingDivergedError(f"loss is {value} at epoch {epoch + 1}, "
+                                                f"batch {i + 1} of {n} (step {loss.step})")
+                if math.isfinite(value):
+                    losses_read.append(value)
+                elapsed = time.perf_counter() - start
+                bar.set_postfix_str(f"loss={value:.4f} steps/s={(i + 1) / elapsed:.0f}",
+                                    refresh=False)
+            bar.update(1)
+    except (LabelError, NonFiniteError) as err:
+        raise _located(err, epoch, first, n) from err
+    mean = float(np.mean(losses_read)) if losses_read else math.nan
+    return mean, time.perf_counter() - start
+
+
+def _report_skipped(step, skipped: int, recent: list, epoch: int, n: int,
+                    report: Callable[[str], None]) -> int:
+    """Report the batches among `recent` (batch index, loss) whose update was skipped, when the
+    step's skip count moved (one read); return the new count."""
+    now = step.skipped_steps
+    if now != skipped:
+        for i, loss in recent:
+            if loss.skipped:
+                report(f"epoch {epoch + 1}, batch {i + 1} of {n} (step {loss.step}) skipped: "
+                       f"{loss.problem}")
+    return now
+
+
+def _located(err, epoch: int, first: int | None, n: int):
+    """`err` (a guard's LabelError / NonFiniteError) with its epoch and batch in front."""
+    batch = None if first is None or err.step is None else err.step - first
+    where = f"epoch {epoch + 1}" + (f", batch {batch + 1} of {n}" if batch is not None
+                                    and 0 <= batch < n else "")
+    located = type(err)(f"{where}: {err}")
+    located.step = err.step
+    return located
 
 
 @dataclass
@@ -215,18 +303,21 @@ class Session:
 def build_session(config: TrainConfig, log: Callable[[str], None]) -> Session:
     """Load the data, build and compile the model: everything but the epochs."""
     device = resolve_device(config.device)
-    dataset = load_dataset(config.data, config.data_dir or DEFAULT_DATA_DIR)
+    dataset = load_dataset(config.data, config.data_dir or DEFAULT_DATA_DIRS.get(config.data))
     seed_init(config.seed)
     spec = build_model(config.model, dataset)
     x_train = with_layout(dataset.x_train, spec.layout)
     x_test = with_layout(dataset.x_test, spec.layout)
     log(f"stepgraph: {config.model} on {config.data} ({len(x_train)} train, {len(x_test)} test "
         f"samples), device {device}")
-    loader = BatchLoader(x_train, dataset.y_train, config.batch, seed=config.seed, device=device)
+    loader = BatchLoader(x_train, dataset.y_train, config.batch, seed=config.seed, device=device,
+                         transform=make_transform(config, spec))
     example = (x_train[:config.batch], dataset.y_train[:config.batch])
-    step = sg.compile_train_step(spec.module, loss=spec.loss, optimizer=optim.AdamW(lr=config.lr),
+    step = sg.compile_train_step(spec.module, loss=spec.loss,
+                                 optimizer=make_optimizer(config, len(loader)),
                                  example_inputs=example, device=device,
-                                 graph=(device == "cuda"), seed=config.seed)
+                                 graph=(device == "cuda"), seed=config.seed,
+                                 on_bad_batch=config.on_bad_batch)
     predict = sg.compile_predict(spec.module, example_inputs=(x_test[:EVAL_BATCH],),
                                  device=device)
     n_eval = min(len(x_train), TRAIN_EVAL_LIMIT)
@@ -238,12 +329,15 @@ def build_session(config: TrainConfig, log: Callable[[str], None]) -> Session:
 def read_resume_checkpoint(config: TrainConfig) -> ckpt.Checkpoint:
     """The run's checkpoint, after checking it was written by a compatible configuration."""
     saved = ckpt.load_checkpoint(config.out_dir / ckpt.CHECKPOINT_NAME)
-    ckpt.check_compatible(saved.config, config.record(), RESUME_KEYS)
+    ckpt.check_compatible(saved.config, config.record(), resume_keys(config))
     return saved
 
 
 def restore(session: Session, saved: ckpt.Checkpoint) -> list[EpochMetrics]:
-    """Load the checkpoint into the step; return the metrics of its finished epochs."""
+    """Load the checkpoint into the step, after checking it was written by a step like this
+    one (ckpt.check_signature says what differs); return the metrics of its finished epochs."""
+    ckpt.check_signature(saved, ckpt.step_signature(session.step),
+                         session.config.out_dir / ckpt.CHECKPOINT_NAME)
     session.step.load_state_dict(saved.state)
     metrics_path = session.config.out_dir / METRICS_NAME
     if not metrics_path.is_file():
@@ -257,7 +351,8 @@ def write_metrics(session: Session, history: list[EpochMetrics]) -> Path:
     record = {"config": session.config.record(), "device": session.device,
               "epochs": [dataclasses.asdict(m) for m in history],
               "test_accuracy": history[-1].test_accuracy if history else None}
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    # Atomically, like the checkpoint: a resume reads it back.
+    ckpt.write_atomically(path, (json.dumps(record, indent=2) + "\n").encode())
     return path
 
 
@@ -293,12 +388,31 @@ def train_epoch(session: Session, epoch: int) -> EpochMetrics:
     total = session.config.total_epochs
     with tqdm(total=len(session.loader), desc=f"epoch {epoch + 1}/{total}", unit="step",
               disable=not session.config.progress, dynamic_ncols=True) as bar:
+        skipped = session.step.skipped_steps
         loss, seconds = run_epoch(session.step, session.loader, epoch, bar)
+        skipped = session.step.skipped_steps - skipped
         acc = {name: evaluate(session.predict, x, y) for name, (x, y) in session.eval_sets.items()}
         steps_per_s = len(session.loader) / seconds
         bar.set_postfix_str(f"loss={loss:.4f} train_acc={acc['train']:.4f} "
-                            f"test_acc={acc['test']:.4f} steps/s={steps_per_s:.0f}")
-    return EpochMetrics(epoch + 1, loss, acc["train"], acc["test"], steps_per_s, seconds)
+                            f"test_acc={acc['test']:.4f} steps/s={steps_per_s:.0f}"
+                            + (f" skipped={skipped}" if skipped else ""))
+    return EpochMetrics(epoch + 1, loss, acc["train"], acc["test"], steps_per_s, seconds,
+                        skipped)
+
+
+def save_epoch_checkpoint(session: Session, epoch: int) -> Path:
+    """The checkpoint after `epoch` (0-based), written atomically; a state holding NaN or Inf
+    is never written (TrainingDivergedError; the previous checkpoint stays)."""
+    path = session.config.out_dir / ckpt.CHECKPOINT_NAME
+    state = session.step.state_dict()
+    bad = ckpt.non_finite_keys(state)
+    if bad:
+        raise TrainingDivergedError(
+            f"after epoch {epoch + 1} the model's state holds NaN or Inf ({', '.join(bad[:6])}"
+            f"{' ...' if len(bad) > 6 else ''}); not writing it over {path}")
+    return ckpt.save_checkpoint(path, ckpt.Checkpoint(
+        state, epoch + 1, session.config.seed, session.config.record(),
+        ckpt.step_signature(session.step, state)))
 
 
 def train(config: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
@@ -318,8 +432,7 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> TrainResul
         log(f"resuming from {out_dir / ckpt.CHECKPOINT_NAME} after epoch {start}")
     for epoch in range(start, config.total_epochs):
         history.append(train_epoch(session, epoch))
-        state = ckpt.Checkpoint(session.step.state_dict(), epoch + 1, config.seed, config.record())
-        ckpt.save_checkpoint(out_dir / ckpt.CHECKPOINT_NAME, state)
+        save_epoch_checkpoint(session, epoch)
         write_metrics(session, history)
     if history and history[-1].epoch == config.total_epochs:
         accuracy = history[-1].test_accuracy

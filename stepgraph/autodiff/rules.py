@@ -9,6 +9,7 @@ from ..ir.graph import Node, Value
 from ..ir.ops import GRAD_FROM_OUTPUT, conv_geometry
 
 Emit = Callable[..., list[Value]]   # emit(op, inputs, **attrs) -> outputs
+IGNORE_INDEX = -100                 # the cross-entropy ops' default ignore_index (PyTorch's)
 VJPS: dict[str, Callable] = {}
 
 
@@ -94,7 +95,8 @@ def _log_softmax(emit: Emit, node: Node, dy: list, wants) -> list:
 def _cross_entropy(emit: Emit, node: Node, dy: list, wants) -> list:
     logits, labels = node.inputs
     return [emit("cross_entropy_grad", [dy[0], logits, node.outputs[1], labels],
-                 label_smoothing=float(node.attrs.get("label_smoothing", 0.0)))[0], None]
+                 label_smoothing=float(node.attrs.get("label_smoothing", 0.0)),
+                 ignore_index=int(node.attrs.get("ignore_index", IGNORE_INDEX)))[0], None]
 
 
 @vjp("nll_loss")

@@ -8,6 +8,7 @@ from ..ir.graph import Graph
 from ..ir.trace import Tracer
 from ..nn.module import Module
 from .feed import Signature
+from .guard import emit_guard
 from .history import emit_record_loss
 
 
@@ -26,8 +27,10 @@ def _trace_inputs(tracer: Tracer, signature: Signature) -> list:
     return [tracer.input(s.shape, s.dtype, s.name) for s in signature]
 
 
-def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, seed: int) -> Graph:
-    """forward + loss + backward + update. The last feed entry is the loss target."""
+def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, seed: int,
+                      on_bad_batch: str = "ignore") -> Graph:
+    """forward + loss + backward (+ guard) + update. The last feed entry is the loss target.
+    on_bad_batch "raise" or "skip" adds the guard (compile/guard.py); "ignore" does not."""
     model.name_parameters()
     tracer = Tracer(seed=seed, training=True)
     *xs, target = _trace_inputs(tracer, signature)
@@ -36,8 +39,10 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
     loss = loss_fn(out, target)
     params = list(tracer.graph.params)
     grads = append_backward(tracer, loss.value, params)
-    optimizer.emit(tracer, params, grads)
-    emit_record_loss(tracer, loss.value)
+    guard = emit_guard(tracer, on_bad_batch, loss.value, target.value, grads)
+    optimizer.emit(tracer, params, grads, guard=guard)
+    if guard is None:   # a guard records the loss itself, under its call counter
+        emit_record_loss(tracer, loss.value)
     tracer.graph.outputs = {"loss": loss.value}
     return tracer.graph
 

@@ -164,7 +164,7 @@ def _is_unit_seed(graph: Graph, v: Value) -> bool:
 
 def fuse_cross_entropy(graph: Graph) -> Graph:
     """cross_entropy fwd + its grad seeded with 1   =>   cross_entropy_train -> (loss, dlogits),
-    keeping the forward's attrs (label_smoothing)."""
+    keeping the forward's attrs (label_smoothing, ignore_index)."""
     graph = _copy(graph)
     users = graph.consumers()
     drop: set[Node] = set()
@@ -172,8 +172,9 @@ def fuse_cross_entropy(graph: Graph) -> Graph:
         if n.op != "cross_entropy":
             continue
         grads = [u for u in users.get(n.outputs[1], []) if u.op == "cross_entropy_grad"]
-        if len(grads) != 1 or not _is_unit_seed(graph, grads[0].inputs[0]) or \
-                grads[0].attrs.get("label_smoothing", 0.0) != n.attrs.get("label_smoothing", 0.0):
+        if len(grads) != 1 or not _is_unit_seed(graph, grads[0].inputs[0]) or any(
+                grads[0].attrs.get(k, d) != n.attrs.get(k, d)
+                for k, d in (("label_smoothing", 0.0), ("ignore_index", -100))):
             continue
         n.op = "cross_entropy_train"
         n.outputs = [n.outputs[0], grads[0].outputs[0]]

@@ -1,5 +1,5 @@
-"""Datasets (bundled digits, MNIST IDX files, CIFAR-10 batches), augmentation and the
-mini-batch loader."""
+"""Datasets (bundled digits, MNIST IDX files, CIFAR-10 batches, character-level text),
+augmentation and the mini-batch loader."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,6 +9,7 @@ from .cifar10 import load_cifar10
 from .digits import Dataset, load_digits
 from .loader import BatchLoader, LoaderError, epoch_order, to_device, with_layout
 from .mnist import DatasetFormatError, DatasetNotFoundError, load_mnist, read_idx
+from .text import TextDataset, TokenBatches, load_text
 
 DATASETS = ("digits", "mnist", "cifar10")
 # Datasets read from files: what the files are, and their loader.
@@ -33,5 +34,5 @@ __all__ = [
     "DATASETS", "BatchLoader", "Dataset", "DatasetFormatError", "DatasetNotFoundError",
     "LoaderError", "RandomCropFlip", "apply_crop_flip", "draw_crop_flip", "epoch_order",
     "load_cifar10", "load_dataset", "load_digits", "load_mnist", "read_idx", "to_device",
-    "with_layout",
+    "with_layout", "TextDataset", "TokenBatches", "load_text",
 ]

@@ -258,23 +258,25 @@ def _check_labels(op, logits, labels):
 @defop("cross_entropy")
 def _cross_entropy(ins, attrs):
     """loss = mean_i((1-eps)(lse_i - logits[i, labels_i]) + eps (lse_i - mean_j logits[i, j]))
-    with eps = attrs label_smoothing (default 0.0, PyTorch's); second output lse (N,) =
-    logsumexp rows."""
+    with eps = attrs label_smoothing (default 0.0, PyTorch's), the mean over the rows whose
+    label is not attrs ignore_index (default -100; every row ignored: NaN, as PyTorch);
+    second output lse (N,) = logsumexp rows."""
     _check_labels("cross_entropy", *ins)
     return [((), ins[0].dtype), ((ins[0].shape[0],), ins[0].dtype)]
 
 
 @defop("cross_entropy_grad")
 def _cross_entropy_grad(ins, attrs):
-    """dlogits = dloss * (exp(logits - lse) - (1-eps) onehot(labels) - eps/C) / N, eps = attrs
-    label_smoothing (default 0.0); ins (dloss, logits, lse, labels)."""
+    """dlogits = dloss * (exp(logits - lse) - (1-eps) onehot(labels) - eps/C) / kept, eps =
+    attrs label_smoothing (default 0.0), kept = the rows whose label is not attrs ignore_index
+    (default -100); those rows get 0; ins (dloss, logits, lse, labels)."""
     return [(ins[1].shape, ins[1].dtype)]
 
 
 @defop("cross_entropy_train")
 def _cross_entropy_train(ins, attrs):
     """Fused forward and backward with dloss = 1: (loss, dlogits) from (logits, labels);
-    attrs label_smoothing as cross_entropy's."""
+    attrs label_smoothing and ignore_index as cross_entropy's."""
     _check_labels("cross_entropy", *ins)
     return [((), ins[0].dtype), (ins[0].shape, ins[0].dtype)]
 

@@ -8,6 +8,8 @@ import numbers
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ..errors import ShapeError, UnsupportedOpError
 from .graph import INPUT, PARAM, STATE, Graph, Node, Value
 from .ops import OPS, infer_outputs
@@ -46,9 +48,11 @@ class Tensor:
     """A symbolic tensor: a Value plus the tracer recording ops on it.
 
     Supports PyTorch's arithmetic operators (+ - * / ** with tensors, broadcasting, or Python
-    scalars on either side), @, reshape/view/flatten, transpose/permute/.T, sum/mean, and the
-    methods relu/sigmoid/tanh/softmax/log_softmax. Any other torch.Tensor method or indexing
-    raises UnsupportedOpError naming the op and the module that called it."""
+    scalars on either side), @ ((..., K) @ (K, N), and (..., M, K) @ (..., K, N) with the same
+    batch dims through bmm), reshape/view/flatten, transpose/permute/.T, split/chunk/narrow,
+    sum/mean, and the methods relu/sigmoid/tanh/softmax/log_softmax. Any other torch.Tensor
+    method or indexing raises UnsupportedOpError naming the op and the module that called
+    it."""
 
     def __init__(self, value: Value, tracer: Tracer):
         self.value = value
@@ -213,8 +217,11 @@ class Tensor:
         if other.ndim == 1:                                   # (..., K) @ (K,) -> (...)
             y = self @ other.reshape(other.shape[0], 1)
             return y.reshape(*y.shape[:-1])
+        if other.ndim >= 3:
+            return self._batched_matmul(other)
         if other.ndim != 2 or self.ndim == 0:
-            self._unsupported(f"matmul of {self.shape} @ {other.shape} (only (..., K) @ (K, N))")
+            self._unsupported(f"matmul of {self.shape} @ {other.shape} (only (..., K) @ (K, N) "
+                              "and (..., M, K) @ (..., K, N))")
         if self.ndim == 1:                                    # (K,) @ (K, N) -> (N,)
             return (self.reshape(1, -1) @ other).reshape(other.shape[1])
         if self.ndim == 2:
@@ -224,6 +231,59 @@ class Tensor:
         return y.reshape(*lead, other.shape[1])
 
     matmul = __matmul__
+
+    def _batched_matmul(self, other: Tensor) -> Tensor:
+        """(..., M, K) @ (..., K, N) with the same batch dims: one bmm over their product.
+        Batch dims that would broadcast are not supported."""
+        if self.ndim != other.ndim or self.shape[:-2] != other.shape[:-2]:
+            self._unsupported(f"matmul of {self.shape} @ {other.shape} (batched operands need "
+                              "the same batch dims; broadcasting them is not supported)")
+        lead = self.shape[:-2]
+        a = self.reshape(-1, *self.shape[-2:])
+        b = other.reshape(-1, *other.shape[-2:])
+        y = self.tracer.op("bmm", [a, b])
+        return y.reshape(*lead, *y.shape[-2:])
+
+    # ---- slicing ----
+    def narrow(self, dim: int, start: int, length: int) -> Tensor:
+        """Elements start..start+length-1 along `dim` (a contiguous copy; none when the
+        slice is the whole axis)."""
+        d = _dim(dim, self.ndim, "narrow")
+        if start < 0:
+            start += self.shape[d]
+        if not 0 <= start <= start + length <= self.shape[d]:
+            raise ShapeError(f"narrow: [{start}:{start + length}] out of range for axis {d} of "
+                             f"{self.shape}")
+        if (start, length) == (0, self.shape[d]):
+            return self
+        return self.tracer.op("slice", [self], dim=d, start=int(start),
+                              stop=int(start + length))
+
+    def split(self, split_size_or_sections, dim: int = 0) -> tuple[Tensor, ...]:
+        """Pieces along `dim`: of split_size each (the last may be smaller), or of the given
+        section sizes (which must add up to the axis), as torch.split."""
+        d = _dim(dim, self.ndim, "split")
+        n = self.shape[d]
+        if isinstance(split_size_or_sections, numbers.Integral):
+            size = int(split_size_or_sections)
+            if size <= 0 and n:
+                raise ShapeError(f"split: split_size must be positive, got {size}")
+            sizes = [min(size, n - i) for i in range(0, n, size)] if n else [0]
+        else:
+            sizes = [int(s) for s in split_size_or_sections]
+            if sum(sizes) != n or min(sizes, default=0) < 0:
+                raise ShapeError(f"split: sections {sizes} do not add up to {n} (axis {d} of "
+                                 f"{self.shape})")
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return tuple(self.narrow(d, s, k) for s, k in zip(starts, sizes))
+
+    def chunk(self, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
+        """`chunks` pieces along `dim` of ceil(size / chunks) each (fewer when that covers
+        the axis sooner), as torch.chunk."""
+        if chunks <= 0:
+            raise ShapeError(f"chunk: chunks must be positive, got {chunks}")
+        n = self.shape[_dim(dim, self.ndim, "chunk")]
+        return self.split(max(-(-n // chunks), 1), dim)
 
     # ---- activations ----
     def _act(self, kind: str) -> Tensor:
@@ -302,6 +362,30 @@ class Tensor:
         return f"Tensor({self.value!r})"
 
 
+# Tracers whose module forward is running, innermost last (Tracer.module_scope pushes).
+_ACTIVE: list[Tracer] = []
+
+
+def current_tracer() -> Tracer | None:
+    """The tracer of the module forward being traced right now, else None. Tensor factories
+    with no tensor argument (`arange`) record into it."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+def arange(end: int, *, dtype=None, device=None):
+    """0, 1, ..., end - 1 as torch.arange(end) (dtype default int64). Inside a module's
+    forward being traced (see `current_tracer`), a Tensor made by the `arange` op on the
+    device; anywhere else a NumPy array. `device` is accepted for PyTorch compatibility: a
+    traced arange lives where the step runs."""
+    if not isinstance(end, numbers.Integral):
+        raise TypeError(f"arange: end must be an int, got {type(end).__name__}")
+    dtype = str(np.dtype(dtype or "int64"))
+    tracer = current_tracer()
+    if tracer is None:
+        return np.arange(int(end), dtype=dtype)
+    return tracer.op("arange", [], n=int(end), dtype=dtype)
+
+
 class Tracer:
     """Records nodes into `graph`. Parameters and state become external values once each."""
 
@@ -325,13 +409,16 @@ class Tracer:
 
     @contextmanager
     def module_scope(self, path: str, label: str):
-        """Nodes recorded inside carry `label`; errors name `path`. Both restored on exit."""
+        """Nodes recorded inside carry `label`; errors name `path`. Both restored on exit.
+        While inside, this is the current tracer (`current_tracer`)."""
         saved = self.label
         self.module_path.append(path)
         self.label = label
+        _ACTIVE.append(self)
         try:
             yield
         finally:
+            _ACTIVE.pop()
             self.module_path.pop()
             self.label = saved
 

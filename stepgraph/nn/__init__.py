@@ -1,11 +1,13 @@
 """torch.nn-shaped layers."""
 from .init import manual_seed
 from .layers import (GELU, AdaptiveAvgPool2d, AvgPool2d, BatchNorm1d, BatchNorm2d, Conv2d,
-                     Dropout, Dropout2d, Flatten, Identity, LeakyReLU, Linear, LogSoftmax,
-                     MaxPool2d, ModuleList, ReLU, Sequential, Sigmoid, SiLU, Tanh)
+                     Dropout, Dropout2d, Embedding, Flatten, Identity, LayerNorm, LeakyReLU,
+                     Linear, LogSoftmax, MaxPool2d, ModuleDict, ModuleList, ReLU, Sequential,
+                     Sigmoid, SiLU, Tanh)
 from .module import Buffer, Module, Parameter
 
 __all__ = ["Module", "Parameter", "Linear", "Conv2d", "MaxPool2d", "Flatten", "Dropout",
            "Dropout2d", "ReLU", "LeakyReLU", "Sigmoid", "Tanh", "GELU", "LogSoftmax",
-           "Sequential", "SiLU", "Identity", "ModuleList", "manual_seed", "Buffer",
-           "AvgPool2d", "AdaptiveAvgPool2d", "BatchNorm1d", "BatchNorm2d"]
+           "Sequential", "SiLU", "Identity", "ModuleList", "ModuleDict", "manual_seed", "Buffer",
+           "AvgPool2d", "AdaptiveAvgPool2d", "BatchNorm1d", "BatchNorm2d", "Embedding",
+           "LayerNorm"]

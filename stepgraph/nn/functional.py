@@ -1,6 +1,8 @@
 """Functional ops on symbolic tensors: what modules and losses call while being traced."""
 from __future__ import annotations
 
+import math
+
 from ..errors import ShapeError, UnsupportedOpError
 from ..ir.trace import Tensor
 from . import losses as _losses
@@ -236,15 +238,96 @@ def _batch_norm_eval(x: Tensor, rm: Tensor, rv: Tensor, w, b, eps: float) -> Ten
     return x * scale.reshape(channel) + shift.reshape(channel)
 
 
-def cross_entropy(input: Tensor, target: Tensor, label_smoothing: float = 0.0) -> Tensor:
+def cross_entropy(input: Tensor, target: Tensor, weight=None, size_average=None,
+                  ignore_index: int = -100, reduce=None, reduction: str = "mean",
+                  label_smoothing: float = 0.0) -> Tensor:
     """Mean softmax cross-entropy of (N, C) logits against integer class targets (N,), with
-    PyTorch's label smoothing."""
-    return _losses.cross_entropy(input, target, label_smoothing)
+    PyTorch's ignore_index and label smoothing (torch.nn.functional.cross_entropy with no
+    class weights and mean reduction)."""
+    if weight is not None or size_average is not None or reduce is not None or \
+            reduction != "mean":
+        raise UnsupportedOpError("cross_entropy supports only reduction='mean' without class "
+                                 f"weights (in {input.tracer.where()})")
+    return _losses.cross_entropy(input, target, label_smoothing, ignore_index)
 
 
 def nll_loss(input: Tensor, target: Tensor) -> Tensor:
     """Mean negative log-likelihood of (N, C) log-probabilities at integer targets (N,)."""
     return _losses.nll_loss(input, target)
+
+
+# ---- transformer ops ---------------------------------------------------------------------
+
+def embedding(input: Tensor, weight, padding_idx=None, max_norm=None, norm_type: float = 2.0,
+              scale_grad_by_freq: bool = False, sparse: bool = False) -> Tensor:
+    """The rows of weight (V, C) at the integer indices `input` (any shape): input.shape +
+    (C,), as torch.nn.functional.embedding."""
+    if padding_idx is not None or max_norm is not None or scale_grad_by_freq or sparse:
+        raise UnsupportedOpError("embedding with padding_idx, max_norm, scale_grad_by_freq "
+                                 f"or sparse is not supported (in {input.tracer.where()})")
+    w = _traced(input, weight)
+    if input.dtype not in ("int32", "int64"):
+        raise ShapeError(f"embedding: indices must be int32 or int64, got {input.dtype}")
+    return input.tracer.op("embedding", [w, input])
+
+
+def _normalized_last_dim(input: Tensor, normalized_shape) -> int:
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else \
+        tuple(normalized_shape)
+    if len(shape) != 1:
+        raise UnsupportedOpError(f"layer_norm over {shape}: only the last dim (a normalized_"
+                                 f"shape of one int) is supported (in {input.tracer.where()})")
+    if not input.ndim or input.shape[-1] != shape[0]:
+        raise ShapeError(f"layer_norm: normalized_shape {shape} does not match the last dim "
+                         f"of input {input.shape}")
+    return shape[0]
+
+
+def layer_norm(input: Tensor, normalized_shape, weight=None, bias=None,
+               eps: float = 1e-5) -> Tensor:
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last dim, as
+    torch.nn.functional.layer_norm with normalized_shape = (C,); weight and bias (C,) are
+    optional."""
+    _normalized_last_dim(input, normalized_shape)
+    w, b = _traced(input, weight), _traced(input, bias)
+    ins = [input] + [t for t in (w, b) if t is not None]
+    return input.tracer.op("layer_norm", ins, eps=float(eps), weight=w is not None,
+                           bias=b is not None)
+
+
+def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask=None,
+                                 dropout_p: float = 0.0, is_causal: bool = False,
+                                 scale: float | None = None) -> Tensor:
+    """softmax(q @ k^T * scale (+ causal mask)) @ v over (..., L, E) queries, (..., S, E)
+    keys and (..., S, Ev) values with the same batch dims, as
+    torch.nn.functional.scaled_dot_product_attention; scale defaults to 1/sqrt(E). The mask
+    costs no memory (the softmax op masks); dropout_p > 0 drops attention weights through the
+    dropout op when the trace is in training mode. attn_mask, and is_causal with L != S
+    (PyTorch aligns that mask top-left, the op bottom-right), are not supported."""
+    t = query.tracer
+    k, v = _traced(query, key), _traced(query, value)
+    if attn_mask is not None:
+        raise UnsupportedOpError(f"scaled_dot_product_attention with an attn_mask (use "
+                                 f"is_causal) is not supported (in {t.where()})")
+    if query.ndim < 2 or not (query.ndim == k.ndim == v.ndim) or \
+            not (query.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
+        raise UnsupportedOpError(f"scaled_dot_product_attention needs q, k, v of the same "
+                                 f"batch dims, got {query.shape}, {k.shape}, {v.shape} "
+                                 f"(in {t.where()})")
+    (length, e), (s, e_k), (s_v, ev) = query.shape[-2:], k.shape[-2:], v.shape[-2:]
+    if e != e_k or s != s_v:
+        raise ShapeError(f"scaled_dot_product_attention: q {query.shape}, k {k.shape}, "
+                         f"v {v.shape} do not fit together")
+    if is_causal and length != s:
+        raise UnsupportedOpError(f"scaled_dot_product_attention with is_causal and {length} "
+                                 f"queries != {s} keys is not supported (in {t.where()})")
+    scale = 1.0 / math.sqrt(e) if scale is None else float(scale)
+    lead = query.shape[:-2]
+    q3, k3, v3 = (x.reshape(-1, *x.shape[-2:]) for x in (query, k, v))
+    scores = t.op("bmm", [q3, k3], trans_b=True)
+    attn = t.op("softmax", [scores], scale=scale, causal=bool(is_causal))
+    attn = _dropout(attn, dropout_p, t.training, per_channel=False)
+    return t.op("bmm", [attn, v3]).reshape(*lead, length, ev)
 
 
 def flatten(x: Tensor, start_dim: int = 1) -> Tensor:

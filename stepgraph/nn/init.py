@@ -20,3 +20,21 @@ def manual_seed(seed: int) -> None:
 def uniform_fan_in(shape: tuple[int, ...], fan_in: int) -> np.ndarray:
     bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
     return _generator.uniform(-bound, bound, size=shape).astype(np.float32)
+
+
+def normal(shape: tuple[int, ...], mean: float = 0.0, std: float = 1.0) -> np.ndarray:
+    """float32 N(mean, std^2) draws from the module generator."""
+    return _generator.normal(mean, std, size=shape).astype(np.float32)
+
+
+def normal_(param, mean: float = 0.0, std: float = 1.0):
+    """Refill a Parameter in place with N(mean, std^2) draws from the module generator
+    (torch.nn.init.normal_); returns it."""
+    param.assign(_generator.normal(mean, std, size=param.shape).astype(np.float32))
+    return param
+
+
+def zeros_(param):
+    """Refill a Parameter in place with zeros (torch.nn.init.zeros_); returns it."""
+    param.assign(np.zeros(param.shape, np.float32))
+    return param

@@ -5,7 +5,7 @@ import numpy as np
 
 from ..errors import ShapeError, UnsupportedOpError
 from . import functional as F
-from .init import uniform_fan_in
+from .init import normal, uniform_fan_in
 from .module import Module, Parameter
 
 
@@ -21,6 +21,52 @@ class Linear(Module):
 
     def extra_repr(self):
         return f"{self.in_features},{self.out_features}"
+
+
+class Embedding(Module):
+    """A (num_embeddings, embedding_dim) table of rows looked up by integer indices; weight
+    initialised N(0, 1) as torch.nn.Embedding."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx=None,
+                 max_norm=None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+                 sparse: bool = False):
+        super().__init__()
+        if padding_idx is not None or max_norm is not None or scale_grad_by_freq or sparse:
+            raise UnsupportedOpError("Embedding with padding_idx, max_norm, scale_grad_by_freq "
+                                     "or sparse is not supported")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight = Parameter(normal((num_embeddings, embedding_dim)))
+
+    def forward(self, input):
+        return F.embedding(input, self.weight)
+
+    def extra_repr(self):
+        return f"{self.num_embeddings}, {self.embedding_dim}"
+
+
+class LayerNorm(Module):
+    """Normalisation over the last dim (normalized_shape: an int, or a tuple of one), weight
+    1 and bias 0 when elementwise_affine (bias=False: no bias), as torch.nn.LayerNorm."""
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
+                 bias: bool = True):
+        super().__init__()
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else \
+            tuple(normalized_shape)
+        if len(shape) != 1:
+            raise UnsupportedOpError(f"LayerNorm over {shape}: only the last dim (a "
+                                     "normalized_shape of one int) is supported")
+        self.normalized_shape, self.eps = shape, eps
+        self.elementwise_affine = elementwise_affine
+        c = shape[0]
+        self.weight = Parameter(np.ones(c, np.float32)) if elementwise_affine else None
+        self.bias = Parameter(np.zeros(c, np.float32)) if elementwise_affine and bias else None
+
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    def extra_repr(self):
+        return f"{self.normalized_shape}, eps={self.eps}"
 
 
 class Conv2d(Module):
@@ -283,3 +329,43 @@ class ModuleList(Module):
     def __getitem__(self, i):
         items = list(self._modules.values())
         return ModuleList(items[i]) if isinstance(i, slice) else items[i]
+
+
+class ModuleDict(Module):
+    """Modules by name, registered under their keys (state_dict keys "<key>.weight", ...) and
+    reachable as items or attributes, as PyTorch's. It has no forward: the owner calls its
+    items."""
+
+    def __init__(self, modules=None):
+        super().__init__()
+        if modules is not None:
+            self.update(modules)
+
+    def __getitem__(self, key: str) -> Module:
+        return self._modules[key]
+
+    def __setitem__(self, key: str, module: Module) -> None:
+        setattr(self, key, module)
+
+    def __contains__(self, key) -> bool:
+        return key in self._modules
+
+    def __len__(self):
+        return len(self._modules)
+
+    def __iter__(self):
+        return iter(list(self._modules))
+
+    def keys(self):
+        return self._modules.keys()
+
+    def items(self):
+        return self._modules.items()
+
+    def values(self):
+        return self._modules.values()
+
+    def update(self, modules) -> None:
+        """Add (key, module) pairs from a mapping or an iterable of pairs, in order."""
+        for key, module in (modules.items() if hasattr(modules, "items") else modules):
+            self[key] = module

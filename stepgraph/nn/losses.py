@@ -10,14 +10,17 @@ def _label(t: Tensor, name: str) -> None:
     t.tracer.label = name
 
 
-def cross_entropy(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) -> Tensor:
+def cross_entropy(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0,
+                  ignore_index: int = -100) -> Tensor:
     """Softmax cross-entropy of (N, C) logits against integer labels (N,); with
-    label_smoothing eps the target is (1 - eps) onehot + eps / C, as PyTorch's."""
+    label_smoothing eps the target is (1 - eps) onehot + eps / C, as PyTorch's. Rows whose
+    label is ignore_index count for nothing: the mean is over the others (NaN when none)."""
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     _label(logits, "cross_entropy")
     return logits.tracer.op_all("cross_entropy", [logits, labels],
-                                label_smoothing=float(label_smoothing))[0]
+                                label_smoothing=float(label_smoothing),
+                                ignore_index=int(ignore_index))[0]
 
 
 def nll_loss(log_probs: Tensor, labels: Tensor) -> Tensor:

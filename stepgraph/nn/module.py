@@ -139,12 +139,25 @@ class Module:
     def forward(self, *args):
         raise NotImplementedError(type(self).__name__)
 
-    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, Parameter]]:
+        """(dotted name, Parameter) pre-order: own parameters, then the children's. A
+        Parameter held by several modules (weight tying) comes once, under its first name,
+        as PyTorch's (remove_duplicate=False lists every name)."""
+        seen: set[int] = set()
+        for name, p in self._named_params(prefix, recurse):
+            if not remove_duplicate or id(p) not in seen:
+                seen.add(id(p))
+                yield name, p
+
+    def _named_params(self, prefix: str, recurse: bool) -> Iterator[tuple[str, Parameter]]:
         for name, p in self._params.items():
             if p is not None:
                 yield prefix + name, p
-        for name, m in self._modules.items():
-            yield from m.named_parameters(f"{prefix}{name}.")
+        if recurse:
+            for name, m in self._modules.items():
+                if m is not None:
+                    yield from m._named_params(f"{prefix}{name}.", True)
 
     def parameters(self) -> list[Parameter]:
         return [p for _, p in self.named_parameters()]
@@ -208,18 +221,24 @@ class Module:
         return self.train(False)
 
     def name_parameters(self) -> None:
-        """Give every parameter and buffer its state_dict key as its name."""
+        """Give every parameter and buffer its state_dict key as its name; one held under
+        several keys (weight tying) takes the first, its named_parameters name."""
+        named: set[int] = set()
         for name, p in self._named_state():
-            p.name = name
+            if id(p) not in named:
+                named.add(id(p))
+                p.name = name
 
     def state_dict(self) -> OrderedDict:
         """Current parameters and buffers as NumPy arrays under PyTorch's keys, in PyTorch's
-        order."""
+        order; a tied parameter under each of its keys, as PyTorch's."""
         return OrderedDict((name, p.numpy()) for name, p in self._named_state())
 
     def load_state_dict(self, state_dict) -> None:
         """Load a state_dict (NumPy arrays, or anything np.asarray accepts). Missing or
-        unexpected keys and wrong shapes raise StateDictError before anything is written."""
+        unexpected keys and wrong shapes raise StateDictError before anything is written. A
+        tied parameter is written under each of its keys in order (the last wins, as in
+        PyTorch)."""
         params = OrderedDict(self._named_state())
         missing = [k for k in params if k not in state_dict]
         extra = [k for k in state_dict if k not in params]
@@ -230,8 +249,8 @@ class Module:
             got = tuple(np.shape(state_dict[name]))
             if got != p.shape:
                 raise StateDictError(f"{name}: expected shape {p.shape}, got {got}")
+        self.name_parameters()
         for name, p in params.items():
-            p.name = name
             p.assign(np.asarray(state_dict[name]))
 
     def extra_repr(self) -> str:

@@ -80,6 +80,26 @@ CASES = {
     "avgpool2d": ("avgpool2d", dict(kernel=(3, 3), stride=(2, 2), padding=(1, 1),
                                     count_include_pad=False),
                   lambda g: {"x": f64(g, 2, 3, 7, 6)}, ("x",)),
+    # transformer ops (more cases in test_transformer_ops.py)
+    "embedding": ("embedding", {},
+                  lambda g: {"w": f64(g, 7, 5), "i": np.array([[3, 1, 3], [0, 6, 3]])}, ("w",)),
+    "layer_norm": ("layer_norm", dict(eps=1e-5, weight=True, bias=True),
+                   lambda g: {"x": f64(g, 2, 3, 6), "w": f64(g, 6), "b": f64(g, 6)},
+                   ("x", "w", "b")),
+    "layer_norm-nobias": ("layer_norm", dict(eps=1e-5, weight=True, bias=False),
+                          lambda g: {"x": f64(g, 4, 5), "w": f64(g, 5)}, ("x", "w")),
+    "layer_norm-plain": ("layer_norm", dict(eps=1e-5, weight=False, bias=False),
+                         lambda g: {"x": f64(g, 4, 5)}, ("x",)),
+    **{f"bmm-{ta:d}{tb:d}": ("bmm", dict(trans_a=ta, trans_b=tb),
+                             lambda g, ta=ta, tb=tb: {"a": f64(g, 2, *((4, 3) if ta else (3, 4))),
+                                                      "b": f64(g, 2, *((5, 4) if tb else (4, 5)))},
+                             ("a", "b")) for ta in (False, True) for tb in (False, True)},
+    "softmax-scale-causal": ("softmax", dict(scale=0.7, causal=True),
+                             lambda g: {"x": 3 * f64(g, 2, 3, 5)}, ("x",)),
+    "slice": ("slice", dict(dim=1, start=1, stop=3), lambda g: {"x": f64(g, 2, 4, 3)}, ("x",)),
+    "cross_entropy-ignore-smooth": ("cross_entropy", dict(ignore_index=-1, label_smoothing=0.1),
+                                    lambda g: {"x": 3 * f64(g, 5, 6),
+                                               "y": np.array([2, -1, 0, 5, -1])}, ("x",)),
 }
 
 

@@ -290,8 +290,18 @@ def _picked(x: np.ndarray, labels: np.ndarray) -> np.ndarray:
     return out
 
 
-def _cross_entropy_loss(logits, labels, lse, eps: float):
-    """mean_i of (1-eps) (lse_i - x[i, y_i]) + eps (lse_i - mean_j x[i, j]) (PyTorch's)."""
+def _kept_rows(labels: np.ndarray, ignore_index) -> np.ndarray:
+    """Rows whose label is not ignore_index (PyTorch's default -100 when None)."""
+    return labels != (-100 if ignore_index is None else int(ignore_index))
+
+
+def _cross_entropy_loss(logits, labels, lse, eps: float, ignore_index=-100):
+    """The mean over the rows not ignored of (1-eps) (lse_i - x[i, y_i]) + eps (lse_i -
+    mean_j x[i, j]) (PyTorch's); NaN when every row is ignored."""
+    kept = _kept_rows(labels, ignore_index)
+    if not kept.any():
+        return np.nan
+    logits, labels, lse = logits[kept], labels[kept], lse[kept]
     nll = lse - _picked(logits, labels)
     if eps:
         t = logits.dtype.type
@@ -299,40 +309,45 @@ def _cross_entropy_loss(logits, labels, lse, eps: float):
     return nll.mean()
 
 
+def _ce_attrs(node: Node) -> tuple[float, int]:
+    return node.attrs.get("label_smoothing", 0.0), node.attrs.get("ignore_index", -100)
+
+
 @impl("cross_entropy")
 def cross_entropy(node: Node, ins, outs, ctx):
     logits, labels = ins
     lse = _logsumexp(logits)
-    outs[0][...] = _cross_entropy_loss(logits, labels, lse, node.attrs.get("label_smoothing", 0.0))
+    outs[0][...] = _cross_entropy_loss(logits, labels, lse, *_ce_attrs(node))
     outs[1][...] = lse
 
 
-def _softmax_minus_onehot(logits, lse, labels, scale, eps: float = 0.0):
-    """(softmax - (1-eps) onehot - eps/C) * scale: the smoothed target's gradient."""
+def _softmax_minus_onehot(logits, lse, labels, dloss, eps: float = 0.0, ignore_index=-100):
+    """(softmax - (1-eps) onehot - eps/C) * dloss / kept in the rows not ignored (kept of
+    them), 0 in the ignored rows: the smoothed target's gradient."""
     t = logits.dtype.type
     g = np.exp(logits - lse[:, None])
     rows = _valid_rows(labels, logits.shape[1])
     g[rows, labels[rows]] -= t(1 - eps)
     if eps:
         g -= t(eps / logits.shape[1])
-    return g * scale
+    kept = _kept_rows(labels, ignore_index)
+    g[~kept] = 0
+    return g * (dloss / t(max(int(kept.sum()), 1)))
 
 
 @impl("cross_entropy_grad")
 def cross_entropy_grad(node: Node, ins, outs, ctx):
     dloss, logits, lse, labels = ins
-    outs[0][...] = _softmax_minus_onehot(logits, lse, labels, dloss / logits.shape[0],
-                                         node.attrs.get("label_smoothing", 0.0))
+    outs[0][...] = _softmax_minus_onehot(logits, lse, labels, dloss, *_ce_attrs(node))
 
 
 @impl("cross_entropy_train")
 def cross_entropy_train(node: Node, ins, outs, ctx):
     logits, labels = ins
-    eps = node.attrs.get("label_smoothing", 0.0)
     lse = _logsumexp(logits)
-    outs[0][...] = _cross_entropy_loss(logits, labels, lse, eps)
-    outs[1][...] = _softmax_minus_onehot(logits, lse, labels, logits.dtype.type(1 / len(labels)),
-                                         eps)
+    outs[0][...] = _cross_entropy_loss(logits, labels, lse, *_ce_attrs(node))
+    outs[1][...] = _softmax_minus_onehot(logits, lse, labels, logits.dtype.type(1),
+                                         *_ce_attrs(node))
 
 
 @impl("nll_loss")
@@ -419,6 +434,12 @@ def _update_groups(node: Node, ins):
     return lr, step, coef, params, grads, slots
 
 
+def _per_param(attrs: dict, key: str, i: int, default=None):
+    """attrs[key], or its entry for parameter i when parameter groups made it a tuple."""
+    v = attrs.get(key, default)
+    return v[i] if isinstance(v, (tuple, list)) else v
+
+
 @impl("sgd_update")
 def sgd_update(node: Node, ins, outs, ctx):
     if _skipped(node, ins):
@@ -427,9 +448,10 @@ def sgd_update(node: Node, ins, outs, ctx):
     lr, step, coef, params, grads, slots = _update_groups(node, ins)
     for i, (p, g) in enumerate(zip(params, grads)):
         t = p.dtype.type
+        lr_i, wd = lr * _per_param(a, "lr_scale", i, 1.0), _per_param(a, "weight_decay", i)
         d = g * t(coef) if coef != 1.0 else g.copy()
-        if a["weight_decay"]:
-            d = d + t(a["weight_decay"]) * p
+        if wd:
+            d = d + t(wd) * p
         if a["momentum"]:
             buf = slots[0][i]
             if step == 1:
@@ -438,7 +460,7 @@ def sgd_update(node: Node, ins, outs, ctx):
                 buf *= t(a["momentum"])
                 buf += t(1 - a["dampening"]) * d
             d = d + t(a["momentum"]) * buf if a["nesterov"] else buf
-        p -= t(lr) * d
+        p -= t(lr_i) * d
 
 
 @impl("adam_update")
@@ -447,16 +469,17 @@ def adam_update(node: Node, ins, outs, ctx):
         return
     a = node.attrs
     lr, step, coef, params, grads, (exp_avg, exp_avg_sq) = _update_groups(node, ins)
-    b1, b2 = a["beta1"], a["beta2"]
-    step_size = lr / (1 - b1**step)
-    bc2_sqrt = math.sqrt(1 - b2**step)
-    for p, g, m, v in zip(params, grads, exp_avg, exp_avg_sq):
+    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avg, exp_avg_sq)):
         t = p.dtype.type
+        lr_i, wd = lr * _per_param(a, "lr_scale", i, 1.0), _per_param(a, "weight_decay", i)
+        b1, b2 = _per_param(a, "beta1", i), _per_param(a, "beta2", i)
+        step_size = lr_i / (1 - b1**step)
+        bc2_sqrt = math.sqrt(1 - b2**step)
         d = g * t(coef) if coef != 1.0 else g
-        if a["weight_decay"] and a["decoupled"]:
-            p *= t(1 - lr * a["weight_decay"])
-        elif a["weight_decay"]:
-            d = d + t(a["weight_decay"]) * p
+        if wd and a["decoupled"]:
+            p *= t(1 - lr_i * wd)
+        elif wd:
+            d = d + t(wd) * p
         m += (d - m) * t(1 - b1)           # PyTorch: exp_avg.lerp_(grad, 1 - beta1)
         v *= t(b2)
         v += t(1 - b2) * d * d
