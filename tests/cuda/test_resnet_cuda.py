@@ -49,18 +49,27 @@ def twins(devices, graph=False):
     return steps
 
 
+# cuDNN's fp32 plans include Winograd- and FFT-style algorithms (one measured faster than
+# plain fp32 peak) that round differently from direct summation by ~1e-6 relative per conv;
+# ten Nesterov steps at momentum 0.9 amplify that. A wrong kernel is off by far more.
+LOSS_RTOL, PARAM_RTOL = 1e-4, 1e-3
+
+
 def test_resnet_cuda_follows_numpy():
     cpu, gpu = twins(["cpu", "cuda"])
+    diffs = []
     for x, y in batches(10, seed=1):
         lc, lg = float(cpu(x, y)), float(gpu(cp.asarray(x), cp.asarray(y)))
-        assert abs(lg - lc) <= 2e-5 * abs(lc) + 1e-6, (lc, lg)
+        diffs.append(abs(lg - lc) / abs(lc))
+    print(f"resnet cuda vs numpy: largest relative loss difference {max(diffs):.2e}")
+    assert max(diffs) <= LOSS_RTOL, diffs
     ref, got = cpu.model.state_dict(), gpu.model.state_dict()
     assert ref.keys() == got.keys()
     for k in ref:
         if k.endswith("num_batches_tracked"):
             assert int(got[k]) == int(ref[k]) == 10, k
         else:
-            assert rel(got[k], ref[k]) < 1e-4, k
+            assert rel(got[k], ref[k]) < PARAM_RTOL, k
 
 
 def test_resnet_graph_replay_is_bit_identical_to_eager():

@@ -523,15 +523,17 @@ def test_cross_entropy_ignore_index(ctx, impls, n, c, label_dtype, ignore_index,
                         [x, labels])
     assert_close(got[0], ref[0], rtol=2e-6, atol=0, what=f"cross_entropy loss {what}")
     assert_close(got[1], ref[1], rtol=1e-6, atol=1e-6, what=f"cross_entropy lse {what}")
+    # softmax - onehot cancels where p ~ 1: an ulp of lse (|lse| ~ 5) is ~5e-7 there, and the
+    # gradient divides by the kept rows, not n.
+    atol = 2e-6 / max(int((labels != ignore_index).sum()), 1)
     dloss = np.array(1.7, np.float32)
     node = make_node("cross_entropy_grad", [dloss, x, ref[1], labels], **attrs)
     gref, ggot = run_both(ctx, impls, node, [dloss, x, ref[1], labels])
-    assert_close(ggot[0], gref[0], rtol=1e-5, atol=1e-6 / n, what=f"cross_entropy_grad {what}")
+    assert_close(ggot[0], gref[0], rtol=1e-5, atol=1.7 * atol, what=f"cross_entropy_grad {what}")
     tref, tgot = run_both(ctx, impls, make_node("cross_entropy_train", [x, labels], **attrs),
                           [x, labels])
     assert_close(tgot[0], tref[0], rtol=2e-6, atol=0, what=f"cross_entropy_train loss {what}")
-    assert_close(tgot[1], tref[1], rtol=1e-5, atol=1e-6 / n,
-                 what=f"cross_entropy_train dx {what}")
+    assert_close(tgot[1], tref[1], rtol=1e-5, atol=atol, what=f"cross_entropy_train dx {what}")
     ignored = labels == ignore_index
     assert (ggot[0][ignored] == 0).all() and (tgot[1][ignored] == 0).all()
 

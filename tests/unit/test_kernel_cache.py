@@ -203,18 +203,22 @@ def test_run_fastest_without_the_disk(fake_device, monkeypatch):
     assert len(timed) == 2 * len(TIMES) and cache.entries() == []
 
 
-def test_gemm_choices_must_match_the_offered_algorithm():
+def test_gemm_choices_must_match_an_offered_algorithm():
+    """A stored choice names an algorithm by its bytes: found wherever the heuristic lists it
+    now (its order may differ between processes), refused when nowhere usable."""
     gemm = pytest.importorskip("stepgraph.backends.cuda.gemm")
     results = np.zeros(3, [("algo", "<u8", (8,)), ("workspace_size", "<u8"), ("state", "<i4")])
     results["algo"][:, 0] = [11, 22, 33]
     results["workspace_size"][2] = 1 << 40                # needs more than the workspace
     planned = types.SimpleNamespace(heuristic=results)
     good = {"index": 1, "algo": results[1]["algo"].tobytes().hex()}
-    assert gemm._offered(planned, good, gemm.WORKSPACE_BYTES)
-    assert not gemm._offered(planned, {**good, "index": 0}, gemm.WORKSPACE_BYTES)   # other algo
-    assert not gemm._offered(planned, {**good, "index": 7}, gemm.WORKSPACE_BYTES)
-    assert not gemm._offered(planned, {"index": 2, "algo": results[2]["algo"].tobytes().hex()},
-                             gemm.WORKSPACE_BYTES)
+    assert gemm._offered(planned, good, gemm.WORKSPACE_BYTES) == 1
+    assert gemm._offered(planned, {**good, "index": 0}, gemm.WORKSPACE_BYTES) == 1  # moved
+    assert gemm._offered(planned, {**good, "index": 7}, gemm.WORKSPACE_BYTES) == 1
+    unknown = {"index": 1, "algo": np.full(8, 99, "<u8").tobytes().hex()}
+    assert gemm._offered(planned, unknown, gemm.WORKSPACE_BYTES) is None
+    assert gemm._offered(planned, {"index": 2, "algo": results[2]["algo"].tobytes().hex()},
+                         gemm.WORKSPACE_BYTES) is None        # offered, but not usable
 
 
 def test_compile_parallel_compiles_each_once_and_leaves_failures_to_the_launch():

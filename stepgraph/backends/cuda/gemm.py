@@ -249,10 +249,11 @@ class GemmCache:
         if ctx.capturing or ctx.stream.is_capturing():
             return
         disk, problem = choices(ctx, "gemm"), repr(p.spec)
-        stored = disk.get(problem, lambda value: _offered(p, value, self.workspace_bytes)) \
-            if disk is not None else None
+        stored = disk.get(problem, lambda value: _offered(p, value, self.workspace_bytes)
+                          is not None) if disk is not None else None
         if stored is not None:
-            p.algo_ptr, p.tuned = p.algo_address(stored["index"]), True
+            index = _offered(p, stored, self.workspace_bytes)
+            p.algo_ptr, p.tuned = p.algo_address(index), True
             return
         best, best_time = 0, float("inf")
         for i in range(len(p.heuristic)):
@@ -388,13 +389,17 @@ def _usable(p: PlannedGemm, index: int, workspace_bytes: int) -> bool:
     return result["state"] == 0 and result["workspace_size"] <= workspace_bytes - 256
 
 
-def _offered(p: PlannedGemm, value, workspace_bytes: int) -> bool:
-    """Whether a stored choice {"index", "algo"} names an algorithm the heuristic offers now,
-    byte for byte, at that index (else the cache entry is stale or damaged)."""
-    index = value["index"]
-    return isinstance(index, int) and 0 <= index < len(p.heuristic) \
-        and _usable(p, index, workspace_bytes) \
-        and p.heuristic[index]["algo"].tobytes().hex() == value["algo"]
+def _offered(p: PlannedGemm, value, workspace_bytes: int) -> int | None:
+    """The index at which the heuristic offers now, byte for byte, the algorithm of a stored
+    choice {"index", "algo"} (the stored index first: the list's order may differ between
+    processes); None when it offers it nowhere usable (the entry is stale or damaged)."""
+    stored = value["index"]
+    order = ([stored] if isinstance(stored, int) else []) + list(range(len(p.heuristic)))
+    for i in order:
+        if 0 <= i < len(p.heuristic) and _usable(p, i, workspace_bytes) \
+                and p.heuristic[i]["algo"].tobytes().hex() == value["algo"]:
+            return i
+    return None
 
 
 def _set(setter, dtype_of, obj: int, attr, value) -> None:
