@@ -17,8 +17,8 @@ from .compile.build import build_predict_graph, build_train_graph
 from .compile.executable import COPY_ROLES, INFERENCE, STATIC_ROLES, TRAIN, Executable, GraphKey
 from .compile.feed import Signature, check_feed, check_labels, signature_of
 from .compile.fuse import fuse
-from .compile.guard import (COUNTERS_KEY, GUARD_PREFIX, HISTORY_FLAG_KEY, GuardMonitor,
-                            check_policy, label_classes)
+from .compile.guard import (COUNTERS_KEY, GUARD_PREFIX, HISTORY_FLAG_KEY, IGNORE_INDEX,
+                            GuardMonitor, check_policy, label_classes, label_loss)
 from .compile.history import HISTORY_PREFIX, LossHandle
 from .compile.plan import Plan, make_plan
 from .errors import BackendUnavailableError, StateDictError
@@ -127,6 +127,9 @@ class TrainStep(_CompiledModel):
         self._host_step: int | None = None
         first = self.executable(self.signature)
         self.classes = label_classes(first.plan.graph, first.plan.graph.inputs[-1])
+        reader = label_loss(first.plan.graph, first.plan.graph.inputs[-1])
+        self.ignore_index = None if reader is None else \
+            reader.attrs.get("ignore_index", IGNORE_INDEX)
         self._guard = None
         if COUNTERS_KEY in self.state:
             self._guard = GuardMonitor(self.backend, self.state[COUNTERS_KEY], on_bad_batch,
@@ -149,7 +152,7 @@ class TrainStep(_CompiledModel):
     def _check_values(self, arrays) -> None:
         # After check_feed: arrays[-1] is the target. Under "skip" the guard skips the batch.
         if self.classes is not None and self.on_bad_batch != "skip":
-            check_labels(self.signature[-1].name, arrays[-1], self.classes)
+            check_labels(self.signature[-1].name, arrays[-1], self.classes, self.ignore_index)
 
     def _write_schedule(self, vector: np.ndarray) -> None:
         self.backend.copy_into(self.state[SCHEDULE_KEY], vector)

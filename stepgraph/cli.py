@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Flags of --model gpt, with the GPTTrainConfig field each sets (None: its default).
 GPT_FLAGS = {"--text-file": "text_file", "--steps": "steps", "--eval-interval": "eval_interval",
              "--block-size": "block_size", "--n-layer": "n_layer", "--n-head": "n_head",
-             "--n-embd": "n_embd", "--dropout": "dropout"}
+             "--n-embd": "n_embd", "--dropout": "dropout", "--precision": "precision"}
 
 
 def add_gpt_arguments(train: argparse.ArgumentParser) -> None:
@@ -102,6 +102,8 @@ def add_gpt_arguments(train: argparse.ArgumentParser) -> None:
     group.add_argument("--n-head", type=int, default=None, help="attention heads (default 6)")
     group.add_argument("--n-embd", type=int, default=None, help="embedding width (default 384)")
     group.add_argument("--dropout", type=float, default=None, help="dropout (default 0.2)")
+    group.add_argument("--precision", choices=("fp32", "tf32"), default=None,
+                       help="tf32: TF32 tensor-core matrix products (cuda; default fp32)")
 
 
 def add_sample_parser(commands, devices) -> None:
@@ -174,8 +176,6 @@ def run_sample(args: argparse.Namespace) -> int:
     config = SampleConfig(out=args.out, prompt=args.prompt, tokens=args.tokens,
                           temperature=args.temperature, top_k=args.top_k or None,
                           seed=args.seed, device=args.device)
-    config.validate()
-    print(config.prompt, end="", flush=True)
     sample(config, on_text=lambda text: print(text, end="", flush=True))
     print()
     return 0

@@ -121,9 +121,13 @@ def _start(vocab: str) -> str:
 
 def sample(config: SampleConfig, on_text: Callable[[str], None] | None = None) -> str:
     """Load the checkpoint in config.out and generate from config.prompt; returns the
-    generated text (the prompt not included)."""
+    generated text (the prompt not included). on_text gets the prompt first, once the model
+    is loaded and the prompt is known to fit its vocabulary, then each new character."""
     config.validate()
     device = resolve_device(config.device)
     model, vocab = load_gpt(config.out)
+    encode(config.prompt, vocab)      # a character outside the vocabulary fails here
+    if on_text is not None:
+        on_text(config.prompt)
     return generate(model, vocab, config.prompt, config.tokens, config.temperature,
                     config.top_k, config.seed, device, on_text)

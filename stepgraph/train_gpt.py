@@ -49,7 +49,7 @@ EVAL_STREAM = 1             # evaluation batches: drawn apart from the training 
 # A resume must match the checkpoint on these (the LR schedule spans `steps`).
 RESUME_KEYS = ("model", "data", "text_file", "batch_size", "lr", "seed", "steps", "block_size",
                "n_layer", "n_head", "n_embd", "dropout")
-MODEL_KEYS = ("block_size", "n_layer", "n_head", "n_embd", "dropout")
+PRECISIONS = ("fp32", "tf32")
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,7 @@ class GPTTrainConfig:
     n_embd: int = 384
     dropout: float = 0.2
     device: str = "auto"
+    precision: str = "fp32"         # "tf32": TF32 tensor-core GEMMs (cuda only)
     seed: int = 0
     out: str | None = None          # None: runs/text-gpt
     resume: bool = False
@@ -79,7 +80,8 @@ class GPTTrainConfig:
 
     def validate(self) -> None:
         """Raise TrainConfigError naming the first invalid option."""
-        choices = {"device": DEVICES, "on-bad-batch": BAD_BATCH_POLICIES}
+        choices = {"device": DEVICES, "precision": PRECISIONS,
+                   "on-bad-batch": BAD_BATCH_POLICIES}
         for name, allowed in choices.items():
             value = getattr(self, name.replace("-", "_"))
             if value not in allowed:
@@ -168,19 +170,22 @@ def make_optimizer(config: GPTTrainConfig, model: models.GPT) -> optim.AdamW:
 def build_session(config: GPTTrainConfig, log: Callable[[str], None]) -> GPTSession:
     """Read the text, build and compile the model: everything but the steps."""
     device = resolve_device(config.device)
+    if config.precision != "fp32" and device != "cuda":
+        raise TrainConfigError(f"--precision {config.precision} needs a GPU (device {device})")
     dataset = load_text(config.text_file)
     seed_init(config.seed)
     model = models.GPT(config.model_config(dataset.vocab_size))
     log(f"stepgraph: gpt ({model.get_num_params() / 1e6:.2f}M parameters) on {dataset.name} "
         f"({len(dataset.train)} train, {len(dataset.val)} validation characters, "
-        f"vocabulary {dataset.vocab_size}), device {device}")
+        f"vocabulary {dataset.vocab_size}), device {device}, {config.precision}")
     shape = (config.batch_size, config.block_size)
     example = (np.zeros(shape, np.int32), np.zeros(shape, np.int32))
     step = sg.compile_train_step(model, loss=models.next_token_loss,
                                  optimizer=make_optimizer(config, model), example_inputs=example,
                                  device=device, graph=(device == "cuda"), seed=config.seed,
-                                 on_bad_batch=config.on_bad_batch)
-    predict = sg.compile_predict(model, example_inputs=example[:1], device=device)
+                                 precision=config.precision, on_bad_batch=config.on_bad_batch)
+    predict = sg.compile_predict(model, example_inputs=example[:1], device=device,
+                                 precision=config.precision)
     stream = getattr(step.backend, "stream", None) if device == "cuda" else None
     batches = TokenBatches(dataset.train, config.batch_size, config.block_size, "train",
                            config.seed, device, cuda_stream=stream)

@@ -79,10 +79,13 @@ def check_feed(expected: Signature, arrays) -> Signature:
     return got
 
 
-def check_labels(name: str, labels, classes: int) -> None:
-    """Class labels must lie in [0, classes). Checked on host arrays only: a device array
-    would need a sync, which a step must not do; kernels write NaN for an invalid label."""
+def check_labels(name: str, labels, classes: int, ignore_index: int | None = None) -> None:
+    """Class labels must lie in [0, classes) or be the loss's ignore_index. Checked on host
+    arrays only: a device array would need a sync, which a step must not do; kernels write
+    NaN for an invalid label."""
     labels = _host_array(labels)
+    if labels is not None and ignore_index is not None:
+        labels = labels[labels != ignore_index]
     if labels is None or labels.size == 0:
         return
     lo, hi = int(labels.min()), int(labels.max())

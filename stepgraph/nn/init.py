@@ -30,7 +30,7 @@ def normal(shape: tuple[int, ...], mean: float = 0.0, std: float = 1.0) -> np.nd
 def normal_(param, mean: float = 0.0, std: float = 1.0):
     """Refill a Parameter in place with N(mean, std^2) draws from the module generator
     (torch.nn.init.normal_); returns it."""
-    param.assign(_generator.normal(mean, std, size=param.shape).astype(np.float32))
+    param.assign(normal(param.shape, mean, std))
     return param
 
 

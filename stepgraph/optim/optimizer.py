@@ -7,8 +7,8 @@ slots (momentum, Adam moments) are graph state living in device memory.
 Parameter groups (PyTorch's: [{"params": [...], "weight_decay": 0.1}, {"params": [...],
 "lr": ...}]) stay one update op: its attrs then hold the per-group hyperparameters as
 tuples with one entry per parameter (`group_keys` of each optimizer; the learning rate as
-lr_scale = group lr / base lr, so that the schedule, which scales the base lr, scales every
-group's lr alike).
+lr_scale = group lr / base lr, fixed when the step is built, so that the schedule and later
+changes of `lr`, which move the base lr, move every group's lr alike).
 """
 from __future__ import annotations
 

@@ -93,7 +93,8 @@ CASES = {
                                     "b": randn(g, 8, dtype=t)}),
     # batched matmul through @
     "matmul-3d-3d": (lambda F, a, b: a @ b,
-                     lambda g, t: {"a": randn(g, 2, 3, 4, dtype=t), "b": randn(g, 2, 4, 5, dtype=t)}),
+                     lambda g, t: {"a": randn(g, 2, 3, 4, dtype=t),
+                                   "b": randn(g, 2, 4, 5, dtype=t)}),
     "matmul-4d-4d": (lambda F, a, b: a @ b,
                      lambda g, t: {"a": randn(g, 2, 3, 5, 4, dtype=t),
                                    "b": randn(g, 2, 3, 4, 2, dtype=t)}),

@@ -93,11 +93,11 @@ def test_sample_is_reproducible_by_seed(capsys, trained):
 
 
 def test_sample_errors(capsys, trained, tmp_path):
-    code, _, err = run(capsys, "sample", "--out", str(trained), "--prompt", "Zebra%",
-                       "--device", "cpu")
-    assert code == 2 and "not in the vocabulary" in err and "%" in err
-    code, _, err = run(capsys, "sample", "--out", str(tmp_path), "--device", "cpu")
-    assert code == 2 and err.startswith("error: no checkpoint at")
+    code, out, err = run(capsys, "sample", "--out", str(trained), "--prompt", "Zebra%",
+                         "--device", "cpu")
+    assert code == 2 and "not in the vocabulary" in err and "%" in err and out == ""
+    code, out, err = run(capsys, "sample", "--out", str(tmp_path), "--device", "cpu")
+    assert code == 2 and err.startswith("error: no checkpoint at") and out == ""
     code, _, err = run(capsys, "sample", "--out", str(trained), "--tokens", "-1")
     assert code == 2 and "--tokens must be >= 0" in err
 
@@ -200,3 +200,9 @@ def test_model_has_nanogpts_structure():
     assert sum(p is model.lm_head.weight for g in groups for p in g["params"]) == 1
     std = model.state_dict()["transformer.h.1.mlp.c_proj.weight"].std()
     assert 0.5 * 0.02 / np.sqrt(4) < std < 1.5 * 0.02 / np.sqrt(4)
+
+
+def test_tf32_needs_a_gpu(capsys, tmp_path, text_file):
+    code, _, err = run(capsys, "train", "--model", "gpt", "--text-file", str(text_file),
+                       "--precision", "tf32", "--out", str(tmp_path), *TINY)
+    assert code == 2 and "--precision tf32 needs a GPU" in err
