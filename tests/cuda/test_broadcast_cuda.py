@@ -5,6 +5,7 @@ size-1 dims, scalars, 5-D and sizes off multiples of 4; permutes of 2-D to 5-D (
 strided paths); reduce_sum over any axes; softmax rows of 1 to 5000 at ranks 1 to 4."""
 from __future__ import annotations
 
+import functools
 import itertools
 import zlib
 
@@ -21,64 +22,21 @@ if not cuda_available():
     pytest.skip("no GPU visible to CuPy", allow_module_level=True)
 
 from stepgraph.backends.cuda import broadcast, launchers, softmax  # noqa: E402
-from stepgraph.backends.cuda.context import CudaContext  # noqa: E402
 from stepgraph.backends.numpy.kernels import IMPLS as NUMPY_IMPLS  # noqa: E402
 from stepgraph.errors import ShapeError  # noqa: E402
-from stepgraph.ir.graph import Node, Value  # noqa: E402
-from stepgraph.ir.ops import OPS, infer_outputs  # noqa: E402
+from tests.cuda import helpers  # noqa: E402
+from tests.cuda.helpers import capture, make_node, random, to_device, to_host  # noqa: E402
 
 CUDA_IMPLS = {**launchers.IMPLS, **broadcast.IMPLS, **softmax.IMPLS}
-
-
-@pytest.fixture(scope="module")
-def ctx():
-    return CudaContext(stream=cp.cuda.Stream(non_blocking=True))
-
-
-def random(rng, *shape):
-    """float32 normal values shifted off zero, so no input is all zeros even at size 1."""
-    return (rng.standard_normal(shape) + 0.1).astype(np.float32)
+run_both = functools.partial(helpers.run_both, impls=CUDA_IMPLS)
+# Every output of these families is finite: a NaN on either side is a failure.
+assert_close = functools.partial(helpers.assert_close, all_finite=True)
 
 
 def away_from_zero(rng, *shape):
     """float32 values with |v| in [0.5, 2.5): safe divisors and pow bases."""
     sign = np.where(rng.random(shape) < 0.5, -1.0, 1.0)
     return (sign * (0.5 + 2.0 * rng.random(shape))).astype(np.float32)
-
-
-def make_node(op, arrays, **attrs) -> Node:
-    ins = [Value(a.shape, str(a.dtype)) for a in arrays]
-    outs = [Value(s, d) for s, d in infer_outputs(op, ins, attrs)]
-    return Node(op, ins, outs, attrs, mutates=OPS[op].mutates(attrs))
-
-
-def to_device(ctx, arrays):
-    with ctx.stream:
-        return [cp.asarray(a) for a in arrays]
-
-
-def to_host(ctx, arrays):
-    ctx.stream.synchronize()
-    return [cp.asnumpy(a) for a in arrays]
-
-
-def run_both(ctx, node, arrays):
-    """(numpy outputs, cuda outputs) of one node on copies of the same inputs; both poisoned
-    with NaN before the run."""
-    ref = [np.full(v.shape, np.nan, v.dtype) for v in node.outputs]
-    NUMPY_IMPLS[node.op](node, [a.copy() for a in arrays], ref, None)
-    with ctx.stream:
-        got = [cp.full(v.shape, np.nan, v.dtype) for v in node.outputs]
-    CUDA_IMPLS[node.op](node, to_device(ctx, arrays), got, ctx)
-    return ref, to_host(ctx, got)
-
-
-def assert_close(got, want, rtol=1e-5, atol=1e-6, what=""):
-    assert got.shape == want.shape and got.dtype == want.dtype, \
-        f"{what}: {got.dtype}{got.shape} vs {want.dtype}{want.shape}"
-    assert np.isfinite(want).all(), f"{what}: the reference is not finite"
-    assert np.isfinite(got).all(), f"{what}: not every element written (NaN left)"
-    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=what)
 
 
 def seed(*parts) -> np.random.Generator:
@@ -288,15 +246,7 @@ def test_family_ops_capture_and_replay(ctx):
 
     dev = to_device(ctx, host)
     program(CUDA_IMPLS, dev, ctx)
-    ctx.stream.synchronize()
-    ctx.capturing = True
-    ctx.stream.begin_capture()
-    try:
-        with ctx.stream:
-            program(CUDA_IMPLS, dev, ctx)
-    finally:
-        ctx.capturing = False
-        graph = ctx.stream.end_capture()
+    graph = capture(ctx, lambda: program(CUDA_IMPLS, dev, ctx))
     for _ in range(5):
         host[0][...], host[1][...] = random(rng, *a.shape), random(rng, *b.shape)
         for i in (0, 1):

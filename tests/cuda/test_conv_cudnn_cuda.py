@@ -23,11 +23,10 @@ if not cuda_available():
     pytest.skip("no GPU visible to CuPy", allow_module_level=True)
 
 from stepgraph.backends.cuda import conv, conv_cudnn  # noqa: E402
-from stepgraph.backends.cuda.backend import CudaBackend  # noqa: E402
 from stepgraph.backends.numpy.kernels import IMPLS as NUMPY_IMPLS  # noqa: E402
-from stepgraph.errors import BackendUnavailableError  # noqa: E402
 from stepgraph.ir.graph import Node, Value  # noqa: E402
 from stepgraph.ir.ops import conv_out  # noqa: E402
+from tests.cuda.helpers import random, rel_err  # noqa: E402
 
 if not conv_cudnn.available():
     pytest.skip(f"cuDNN is not usable: {conv_cudnn.unavailable_reason()}",
@@ -52,26 +51,9 @@ IDS = [f"{n}x{c}x{h}x{w}-o{o}-k{kh}{kw}-s{s[0]}{s[1]}p{p[0]}{p[1]}d{d[0]}{d[1]}g
        for n, c, h, w, o, kh, kw, s, p, d, grp in CONVS]
 
 
-@pytest.fixture(scope="module")
-def backend():
-    try:
-        return CudaBackend()
-    except BackendUnavailableError as err:
-        pytest.skip(str(err))
-
-
 @pytest.fixture(scope="module", params=["fp32", "tf32"])
 def ctx(request, backend):
     return backend.make_context(request.param)
-
-
-def random(rng, *shape):
-    return (rng.standard_normal(shape) + 0.1).astype(np.float32)
-
-
-def rel_err(got, want) -> float:
-    got, want = got.astype(np.float64), want.astype(np.float64)
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
 def attrs_of(cfg) -> dict:

@@ -16,24 +16,17 @@ if not cuda_available():
     pytest.skip("no GPU visible to CuPy", allow_module_level=True)
 
 from stepgraph.backends.cuda import conv, conv_tiled, gemm, linear  # noqa: E402
-from stepgraph.backends.cuda.backend import CudaBackend  # noqa: E402
 from stepgraph.backends.numpy.kernels import IMPLS as NUMPY_IMPLS  # noqa: E402
-from stepgraph.errors import BackendUnavailableError, PlanError, ShapeError  # noqa: E402
+from stepgraph.errors import PlanError, ShapeError  # noqa: E402
 from stepgraph.ir.graph import Node, Value  # noqa: E402
 from stepgraph.ir.ops import infer_outputs  # noqa: E402
+from tests.cuda import helpers  # noqa: E402
+from tests.cuda.helpers import make_node, poisoned, random, rel_err, to_device  # noqa: E402
 
 TOL = {"fp32": 1e-5, "tf32": 3e-3}
 # cuBLASLt's GELU epilogue may evaluate tanh with a hardware approximation (~5e-4 relative).
 GELU_TANH_EPILOGUE_TOL = 2e-3
 ACTS = (None, "relu", "leaky_relu", "sigmoid", "tanh", "gelu", "gelu_tanh")
-
-
-@pytest.fixture(scope="module")
-def backend():
-    try:
-        return CudaBackend()
-    except BackendUnavailableError as err:    # e.g. nvmath without its cuBLASLt library
-        pytest.skip(str(err))
 
 
 @pytest.fixture(scope="module", params=["fp32", "tf32"])
@@ -46,31 +39,9 @@ def ctx32(backend):
     return backend.make_context("fp32")
 
 
-def rel_err(got: np.ndarray, want: np.ndarray) -> float:
-    got, want = got.astype(np.float64), want.astype(np.float64)
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
-
-
-def random(rng, *shape, dtype="float32"):
-    # Offset away from zero so that no input is all zeros, even at batch 1 / K = 1.
-    return (rng.standard_normal(shape) + 0.1).astype(dtype)
-
-
-def make_node(op, arrays, **attrs) -> Node:
-    ins = [Value(a.shape, str(a.dtype)) for a in arrays]
-    outs = [Value(s, d) for s, d in infer_outputs(op, ins, attrs)]
-    return Node(op, ins, outs, attrs)
-
-
 def run_both(backend, ctx, node: Node, arrays):
-    """(numpy outputs, cuda outputs as numpy) of one node on the same inputs."""
-    ref = [np.full(v.shape, np.nan, v.dtype) for v in node.outputs]
-    NUMPY_IMPLS[node.op](node, list(arrays), ref, None)
-    with ctx.stream:   # inputs and poisoned outputs made in the stream's order
-        dev_in = [cp.asarray(a) for a in arrays]
-        dev_out = [cp.full(v.shape, np.nan, v.dtype) for v in node.outputs]
-    backend.run_node(node, dev_in, dev_out, ctx)
-    return ref, [backend.to_numpy(o) for o in dev_out]
+    """(numpy outputs, cuda outputs) of one node, the cuda side through the backend's table."""
+    return helpers.run_both(ctx, node, arrays, backend.impls)
 
 
 def check(ref, got, tol, what=""):
@@ -438,9 +409,7 @@ def test_conv_second_run_allocates_no_scratch(backend, monkeypatch, op):
     extra = {"conv2d": {}, "conv2d_grad_input": {"input_shape": x.shape},
              "conv2d_grad_weight": {"weight_shape": w.shape}}[op]
     node = make_node(op, arrays, **attrs, **extra)
-    with ctx.stream:
-        ins = [cp.asarray(a) for a in arrays]
-        outs = [cp.full(v.shape, np.nan, v.dtype) for v in node.outputs]
+    ins, outs = to_device(ctx, arrays), poisoned(ctx, node)
     backend.run_node(node, ins, outs, ctx)
     pool = ctx.extras["conv_scratch"]
     before = [buf.data.ptr for buf in pool.buffers]

@@ -4,6 +4,8 @@ awkward shapes (batch 1, sizes not multiples of 4 or 8, odd channel counts), dro
 identical bit for bit, optimizer updates over 3 steps, and one captured graph replayed."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -20,58 +22,14 @@ from stepgraph.backends.cuda import launchers  # noqa: E402
 from stepgraph.backends.cuda.context import CudaContext  # noqa: E402
 from stepgraph.backends.numpy.kernels import IMPLS as NUMPY_IMPLS  # noqa: E402
 from stepgraph.errors import CaptureError  # noqa: E402
-from stepgraph.ir.graph import Node, Value  # noqa: E402
-from stepgraph.ir.ops import ACTIVATIONS, GRAD_FROM_OUTPUT, OPS, infer_outputs  # noqa: E402
+from stepgraph.ir.ops import ACTIVATIONS, GRAD_FROM_OUTPUT  # noqa: E402
 from stepgraph.optim import schedules  # noqa: E402
+from tests.cuda import helpers  # noqa: E402
+from tests.cuda.helpers import (  # noqa: E402
+    assert_close, capture, logits_and_labels, make_node, poisoned, pool_input, random,
+    run_update_steps, to_device, to_host)
 
-POISON = {"float32": np.nan, "float64": np.nan, "int32": -7, "int64": -7, "uint8": 7}
-
-
-@pytest.fixture(scope="module")
-def ctx():
-    return CudaContext(stream=cp.cuda.Stream(non_blocking=True))
-
-
-def random(rng, *shape):
-    """float32 normal values shifted off zero, so no input is all zeros even at size 1."""
-    return (rng.standard_normal(shape) + 0.1).astype(np.float32)
-
-
-def make_node(op, arrays, **attrs) -> Node:
-    ins = [Value(a.shape, str(a.dtype)) for a in arrays]
-    outs = [Value(s, d) for s, d in infer_outputs(op, ins, attrs)]
-    return Node(op, ins, outs, attrs, mutates=OPS[op].mutates(attrs))
-
-
-def to_device(ctx, arrays):
-    with ctx.stream:
-        return [cp.asarray(a) for a in arrays]
-
-
-def poisoned(ctx, node):
-    with ctx.stream:
-        return [cp.full(v.shape, POISON[v.dtype], v.dtype) for v in node.outputs]
-
-
-def to_host(ctx, arrays):
-    ctx.stream.synchronize()
-    return [cp.asnumpy(a) for a in arrays]
-
-
-def run_both(ctx, node, arrays):
-    """(numpy outputs, cuda outputs) of one node on copies of the same inputs."""
-    ref = [np.full(v.shape, POISON[v.dtype], v.dtype) for v in node.outputs]
-    NUMPY_IMPLS[node.op](node, [a.copy() for a in arrays], ref, None)
-    dev_out = poisoned(ctx, node)
-    launchers.IMPLS[node.op](node, to_device(ctx, arrays), dev_out, ctx)
-    return ref, to_host(ctx, dev_out)
-
-
-def assert_close(got, want, rtol=1e-5, atol=1e-6, what=""):
-    assert got.shape == want.shape and got.dtype == want.dtype, \
-        f"{what}: {got.dtype}{got.shape} vs {want.dtype}{want.shape}"
-    assert np.isfinite(got).all() == np.isfinite(want).all(), f"{what}: not every element written"
-    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=what)
+run_both = functools.partial(helpers.run_both, impls=launchers.IMPLS)
 
 
 SHAPES = [(1,), (1, 1), (3, 5), (7, 33), (2, 3, 5, 7), (1, 1029), (64, 128)]
@@ -222,15 +180,10 @@ POOLS = [((1, 1, 2, 2), (2, 2), (2, 2)), ((2, 3, 7, 9), (3, 3), (2, 2)),
          ((2, 2, 9, 6), (3, 2), (3, 2)), ((2, 10, 24, 24), (2, 2), (2, 2))]   # exact tilings
 
 
-def pool_input(shape):
-    # Values on a coarse grid so that windows hold ties: the first maximum must win.
-    return np.round(random(np.random.default_rng([19, *shape]), *shape) * 2) / 2
-
-
 @pytest.mark.parametrize("relu", [False, True])
 @pytest.mark.parametrize("shape,kernel,stride", POOLS)
 def test_maxpool2d(ctx, shape, kernel, stride, relu):
-    x = pool_input(shape)
+    x = pool_input(shape, 19)
     node = make_node("maxpool2d", [x], kernel=kernel, stride=stride, relu=relu)
     ref, got = run_both(ctx, node, [x])
     np.testing.assert_array_equal(got[1], ref[1], err_msg=f"maxpool2d idx {shape}")
@@ -240,7 +193,7 @@ def test_maxpool2d(ctx, shape, kernel, stride, relu):
 @pytest.mark.parametrize("relu", [False, True])
 @pytest.mark.parametrize("shape,kernel,stride", POOLS)
 def test_maxpool2d_grad(ctx, shape, kernel, stride, relu):
-    x = pool_input(shape)
+    x = pool_input(shape, 19)
     fwd = make_node("maxpool2d", [x], kernel=kernel, stride=stride, relu=relu)
     y_shape = fwd.outputs[0].shape
     y, idx = np.empty(y_shape, np.float32), np.empty(y_shape, np.int32)
@@ -275,11 +228,6 @@ def test_log_softmax_grad(ctx, n, c):
     ref, got = run_both(ctx, make_node("log_softmax_grad", [dy, y]), [dy, y])
     scale = float(np.abs(dy).sum(axis=1).max())
     assert_close(got[0], ref[0], rtol=1e-5, atol=2e-6 * scale, what=f"log_softmax_grad {n}x{c}")
-
-
-def logits_and_labels(n, c, label_dtype, seed):
-    rng = np.random.default_rng([seed, n, c])
-    return random(rng, n, c) * 3, rng.integers(0, c, size=n).astype(label_dtype)
 
 
 @pytest.mark.parametrize("label_dtype", ["int32", "int64"])
@@ -416,40 +364,6 @@ def test_lr_schedule(ctx, schedule):
         assert_close(got[0], ref[0], rtol=2.5e-7, atol=0, what=f"lr {schedule} step {t}")
 
 
-PARAM_SHAPES = [(3, 5), (7,), (1,), (33, 17), (4100,), (2, 3, 3, 3)]
-
-
-def run_update_steps(ctx, op, attrs, n_slots, clip, steps=3):
-    """Run `steps` updates of every parameter through numpy and cuda; compare each step."""
-    rng = np.random.default_rng([61, n_slots, int(clip)])
-    n = len(PARAM_SHAPES)
-    params = [random(rng, *s) for s in PARAM_SHAPES]
-    slots = [np.zeros(s, np.float32) for _ in range(n_slots) for s in PARAM_SHAPES]
-    lr, step, norm = np.array(0.05, np.float32), np.array(0, np.int64), np.array(0, np.float32)
-    scalars = [lr, step] + ([norm] if clip else [])
-    attrs = dict(attrs, n_params=n, n_scalars=len(scalars), n_slots=n_slots,
-                 max_norm=0.5 if clip else None)
-    grads = [random(rng, *s) for s in PARAM_SHAPES]
-    ref_ins = scalars + params + grads + slots
-    node = make_node(op, ref_ins, **attrs)
-    dev_ins = to_device(ctx, [a.copy() for a in ref_ins])
-    for t in range(1, steps + 1):
-        fresh = [random(rng, *s) for s in PARAM_SHAPES]          # new grads every step
-        new_scalars = [np.array(0.05 / t, np.float32), np.array(t, np.int64)]
-        if clip:
-            new_scalars.append(np.array(np.sqrt(sum((g.astype(np.float64) ** 2).sum()
-                                                    for g in fresh)), np.float32))
-        for i, a in enumerate(new_scalars + [None] * n + fresh):
-            if a is not None:
-                ref_ins[i][...] = a
-                dev_ins[i].set(a, stream=ctx.stream)
-        NUMPY_IMPLS[op](node, ref_ins, [], None)
-        launchers.IMPLS[op](node, dev_ins, [], ctx)
-        got = to_host(ctx, dev_ins)
-        for i, (g, r) in enumerate(zip(got, ref_ins)):
-            assert_close(g, r, rtol=1e-6, atol=1e-7, what=f"{op} step {t} input {i}")
-
-
 @pytest.mark.parametrize("momentum,dampening,weight_decay,nesterov",
                          [(0.0, 0.0, 0.0, False), (0.9, 0.0, 0.0, False), (0.9, 0.1, 0.01, False),
                           (0.9, 0.0, 0.01, True), (0.0, 0.0, 0.05, False)])
@@ -457,7 +371,9 @@ def run_update_steps(ctx, op, attrs, n_slots, clip, steps=3):
 def test_sgd_update(ctx, momentum, dampening, weight_decay, nesterov, clip):
     attrs = dict(momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                  nesterov=nesterov)
-    run_update_steps(ctx, "sgd_update", attrs, 1 if momentum else 0, clip)
+    n_slots = 1 if momentum else 0
+    run_update_steps(ctx, launchers.IMPLS, "sgd_update", attrs, n_slots, [61, n_slots, int(clip)],
+                     clip)
 
 
 @pytest.mark.parametrize("decoupled,weight_decay", [(False, 0.0), (False, 0.01), (True, 0.01),
@@ -466,7 +382,7 @@ def test_sgd_update(ctx, momentum, dampening, weight_decay, nesterov, clip):
 def test_adam_update(ctx, decoupled, weight_decay, clip):
     attrs = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=weight_decay,
                  decoupled=decoupled)
-    run_update_steps(ctx, "adam_update", attrs, 2, clip)
+    run_update_steps(ctx, launchers.IMPLS, "adam_update", attrs, 2, [61, 2, int(clip)], clip)
 
 
 def test_update_tables_must_exist_before_capture(ctx):
@@ -520,15 +436,7 @@ def test_captured_step_replays(ctx):
     dev = to_device(ctx, [a.copy() for a in host])
     program(NUMPY_IMPLS, host, None)
     program(launchers.IMPLS, dev, ctx)                     # eager warm-up
-    ctx.stream.synchronize()
-    ctx.capturing = True
-    ctx.stream.begin_capture()
-    try:
-        with ctx.stream:
-            program(launchers.IMPLS, dev, ctx)
-    finally:
-        ctx.capturing = False
-        graph = ctx.stream.end_capture()
+    graph = capture(ctx, lambda: program(launchers.IMPLS, dev, ctx))
     for _ in range(5):
         program(NUMPY_IMPLS, host, None)
         graph.launch(ctx.stream)

@@ -5,6 +5,8 @@ gradient, maxpool2d with padding, cross-entropy with label smoothing. Fresh rand
 (never zeros), cuda outputs poisoned first; one captured graph replayed."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -22,58 +24,13 @@ from stepgraph.backends.cuda import launchers, norm, pool  # noqa: E402
 from stepgraph.backends.cuda.context import CudaContext  # noqa: E402
 from stepgraph.backends.numpy.kernels import IMPLS as NUMPY_IMPLS  # noqa: E402
 from stepgraph.errors import CaptureError  # noqa: E402
-from stepgraph.ir.graph import Node, Value  # noqa: E402
-from stepgraph.ir.ops import OPS, infer_outputs  # noqa: E402
+from tests.cuda import helpers  # noqa: E402
+from tests.cuda.helpers import (  # noqa: E402
+    assert_close, capture, logits_and_labels, make_node, poisoned, pool_input, random,
+    to_device, to_host)
 
 CUDA_IMPLS = {**launchers.IMPLS, **norm.IMPLS, **pool.IMPLS}
-POISON = {"float32": np.nan, "float64": np.nan, "int32": -7, "int64": -7, "uint8": 7}
-
-
-@pytest.fixture(scope="module")
-def ctx():
-    return CudaContext(stream=cp.cuda.Stream(non_blocking=True))
-
-
-def random(rng, *shape, scale=1.0, shift=0.1):
-    """float32 normal values shifted off zero, so no input is all zeros even at size 1."""
-    return (rng.standard_normal(shape) * scale + shift).astype(np.float32)
-
-
-def make_node(op, arrays, **attrs) -> Node:
-    ins = [Value(a.shape, str(a.dtype)) for a in arrays]
-    outs = [Value(s, d) for s, d in infer_outputs(op, ins, attrs)]
-    return Node(op, ins, outs, attrs, mutates=OPS[op].mutates(attrs))
-
-
-def to_device(ctx, arrays):
-    with ctx.stream:
-        return [cp.asarray(a) for a in arrays]
-
-
-def poisoned(ctx, node):
-    with ctx.stream:
-        return [cp.full(v.shape, POISON[v.dtype], v.dtype) for v in node.outputs]
-
-
-def to_host(ctx, arrays):
-    ctx.stream.synchronize()
-    return [cp.asnumpy(a) for a in arrays]
-
-
-def run_both(ctx, node, arrays):
-    """(numpy outputs, cuda outputs) of one node on copies of the same inputs."""
-    ref = [np.full(v.shape, POISON[v.dtype], v.dtype) for v in node.outputs]
-    NUMPY_IMPLS[node.op](node, [a.copy() for a in arrays], ref, None)
-    dev_out = poisoned(ctx, node)
-    CUDA_IMPLS[node.op](node, to_device(ctx, arrays), dev_out, ctx)
-    return ref, to_host(ctx, dev_out)
-
-
-def assert_close(got, want, rtol=1e-5, atol=1e-6, what=""):
-    assert got.shape == want.shape and got.dtype == want.dtype, \
-        f"{what}: {got.dtype}{got.shape} vs {want.dtype}{want.shape}"
-    assert np.isfinite(got).all() == np.isfinite(want).all(), f"{what}: not every element written"
-    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=what)
+run_both = functools.partial(helpers.run_both, impls=CUDA_IMPLS)
 
 
 # ---- batch_norm_train ----------------------------------------------------------------------
@@ -261,15 +218,10 @@ MAX_POOLS = [((2, 3, 7, 9), (3, 3), (2, 2), (1, 1)), ((2, 2, 5, 5), (2, 3), (1, 
              ((2, 3, 6, 6), (2, 2), (2, 2), (0, 0))]
 
 
-def pool_input(shape):
-    # Values on a coarse grid so that windows hold ties: the first maximum must win.
-    return np.round(random(np.random.default_rng([137, *shape]), *shape) * 2) / 2
-
-
 @pytest.mark.parametrize("relu", [False, True])
 @pytest.mark.parametrize("shape,kernel,stride,padding", MAX_POOLS)
 def test_maxpool2d_padding(ctx, shape, kernel, stride, padding, relu):
-    x = pool_input(shape)
+    x = pool_input(shape, 137)
     node = make_node("maxpool2d", [x], kernel=kernel, stride=stride, padding=padding, relu=relu)
     ref, got = run_both(ctx, node, [x])
     np.testing.assert_array_equal(got[1], ref[1], err_msg=f"maxpool2d idx {shape} {padding}")
@@ -279,7 +231,7 @@ def test_maxpool2d_padding(ctx, shape, kernel, stride, padding, relu):
 @pytest.mark.parametrize("relu", [False, True])
 @pytest.mark.parametrize("shape,kernel,stride,padding", MAX_POOLS)
 def test_maxpool2d_grad_padding(ctx, shape, kernel, stride, padding, relu):
-    x = pool_input(shape)
+    x = pool_input(shape, 137)
     attrs = dict(kernel=kernel, stride=stride, padding=padding, relu=relu)
     fwd = make_node("maxpool2d", [x], **attrs)
     y_shape = fwd.outputs[0].shape
@@ -297,11 +249,6 @@ def test_maxpool2d_grad_padding(ctx, shape, kernel, stride, padding, relu):
 # One warp per row and wider rows; one block and many; the short-row train kernel.
 CE_ROWS = [(1, 1), (1, 10), (7, 3), (128, 10), (8, 2000), (3, 20000), (33, 1025), (4000, 10),
            (40, 1500)]
-
-
-def logits_and_labels(n, c, label_dtype, seed):
-    rng = np.random.default_rng([seed, n, c])
-    return random(rng, n, c) * 3, rng.integers(0, c, size=n).astype(label_dtype)
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.2])
@@ -399,15 +346,7 @@ def test_captured_batch_norm_replays(ctx):
     dev = to_device(ctx, [a.copy() for a in host])
     program(NUMPY_IMPLS, host, None)
     program(CUDA_IMPLS, dev, ctx)                          # eager warm-up: builds the scratch
-    ctx.stream.synchronize()
-    ctx.capturing = True
-    ctx.stream.begin_capture()
-    try:
-        with ctx.stream:
-            program(CUDA_IMPLS, dev, ctx)
-    finally:
-        ctx.capturing = False
-        graph = ctx.stream.end_capture()
+    graph = capture(ctx, lambda: program(CUDA_IMPLS, dev, ctx))
     for step in range(5):
         fresh_x, fresh_dy = random(rng, *shape, shift=2.0 - step), random(rng, *shape)
         for i, value in ((0, fresh_x), (1, fresh_dy)):

@@ -3,6 +3,8 @@ same fused programs: fresh random inputs, outputs poisoned first, broadcast inpu
 ranks, multi-output programs, activations and their gradients, and a whole fused train graph."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -16,31 +18,16 @@ if not cuda_available():
     pytest.skip("no GPU visible to CuPy", allow_module_level=True)
 
 from stepgraph.backends.cuda import pointwise  # noqa: E402
-from stepgraph.backends.cuda.context import CudaContext  # noqa: E402
-from stepgraph.backends.numpy.kernels import IMPLS as NUMPY_IMPLS  # noqa: E402
 from stepgraph.compile.pointwise import fuse_pointwise  # noqa: E402
 from stepgraph.ir.ops import ACTIVATIONS  # noqa: E402
 from stepgraph.ir.trace import Tracer  # noqa: E402
+from tests.cuda import helpers  # noqa: E402
 from tests.ops.helpers import build_train_graph, seeded, trace_inputs  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def ctx():
-    return CudaContext(stream=cp.cuda.Stream(non_blocking=True))
+run_both = functools.partial(helpers.run_both, impls=pointwise.IMPLS)
 
 
-def run_both(ctx, node, arrays):
-    ref = [np.full(v.shape, np.nan, np.float32) for v in node.outputs]
-    NUMPY_IMPLS["pointwise"](node, [a.copy() for a in arrays], ref, None)
-    with ctx.stream:
-        dev_in = [cp.asarray(a) for a in arrays]
-        dev_out = [cp.full(v.shape, np.nan, np.float32) for v in node.outputs]
-    pointwise.pointwise_forward(ctx, node, dev_in, dev_out)
-    ctx.stream.synchronize()
-    return ref, [cp.asnumpy(a) for a in dev_out]
-
-
-def fused_node(body, arrays, outputs=None):
+def fused_node(body, arrays):
     t = Tracer()
     ins = trace_inputs(t, arrays)
     results = body(t, ins)

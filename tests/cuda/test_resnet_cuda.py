@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import stepgraph as sg
-from stepgraph import losses, models, optim
+from stepgraph import models, optim
 from stepgraph.nn import functional as F
 
 pytestmark = pytest.mark.cuda

@@ -16,9 +16,8 @@ if not cuda_available():
 
 from stepgraph.backends import get_backend  # noqa: E402
 from stepgraph.backends.cuda import linear, small_matmul  # noqa: E402
-from stepgraph.backends.numpy.kernels import IMPLS as NUMPY_IMPLS  # noqa: E402
-from stepgraph.ir.graph import Node, Value  # noqa: E402
-from stepgraph.ir.ops import infer_outputs  # noqa: E402
+from tests.cuda import helpers  # noqa: E402
+from tests.cuda.helpers import make_node  # noqa: E402
 
 ACTS = (None, "relu", "leaky_relu", "sigmoid", "tanh", "gelu", "gelu_tanh")
 
@@ -36,16 +35,8 @@ def ctx():
 
 
 def run_both(ctx, op, arrays, **attrs):
-    ins = [Value(a.shape, str(a.dtype)) for a in arrays]
-    node = Node(op, ins, [Value(s, d) for s, d in infer_outputs(op, ins, attrs)], attrs)
-    want = [np.empty(v.shape, v.dtype) for v in node.outputs]
-    NUMPY_IMPLS[op](node, arrays, want, None)
-    with ctx.stream:
-        dev = [cp.asarray(a) for a in arrays]
-        got = [cp.full(v.shape, np.nan, v.dtype) for v in node.outputs]
-    linear.IMPLS[op](node, dev, got, ctx)
-    ctx.stream.synchronize()
-    return want, [g.get() for g in got]
+    """(numpy outputs, cuda outputs) of one `op` node through linear.py's launchers."""
+    return helpers.run_both(ctx, make_node(op, arrays, **attrs), arrays, linear.IMPLS)
 
 
 def rel(got, want):
@@ -130,13 +121,11 @@ def test_linear_path_is_timed_once_per_problem_and_shared(monkeypatch):
     x = rng.standard_normal((128, 784)).astype(np.float32)
     w = rng.standard_normal((512, 784)).astype(np.float32)
     b = rng.standard_normal(512).astype(np.float32)
-    ins = [Value(a.shape, "float32") for a in (x, w, b)]
     attrs = dict(act="relu", slope=0.01, save_preact=False)
     dev = [cp.asarray(a) for a in (x, w, b)]
     outs = []
     for _ in range(2):
-        node = Node("linear", ins, [Value(s, d) for s, d in infer_outputs("linear", ins, attrs)],
-                    attrs)
+        node = make_node("linear", [x, w, b], **attrs)
         outs.append(cp.full((128, 512), np.nan, np.float32))
         linear.IMPLS["linear"](node, dev, [outs[-1]], ctx)
         assert len(ctx.paths) == 1

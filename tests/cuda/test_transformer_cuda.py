@@ -22,22 +22,11 @@ if not cuda_available():
 
 import stepgraph  # noqa: E402,F401  (registers the op families)
 from stepgraph.backends.cuda import embedding, launchers  # noqa: E402
-from stepgraph.backends.cuda.backend import CudaBackend  # noqa: E402
 from stepgraph.backends.cuda.context import CudaContext  # noqa: E402
-from stepgraph.backends.numpy.kernels import IMPLS as NUMPY_IMPLS  # noqa: E402
-from stepgraph.errors import BackendUnavailableError, CaptureError  # noqa: E402
-from stepgraph.ir.graph import Node, Value  # noqa: E402
-from stepgraph.ir.ops import OPS, infer_outputs  # noqa: E402
-
-POISON = {"float32": np.nan, "float64": np.nan, "int32": -7, "int64": -7, "uint8": 7}
-
-
-@pytest.fixture(scope="module")
-def backend():
-    try:
-        return CudaBackend()
-    except BackendUnavailableError as err:    # e.g. nvmath without its cuBLASLt library
-        pytest.skip(str(err))
+from stepgraph.errors import CaptureError  # noqa: E402
+from tests.cuda.helpers import (  # noqa: E402
+    PARAM_SHAPES, assert_close, capture, make_node, poisoned, random, reference, rel_err,
+    run_both, run_cuda, run_update_steps, to_device, to_host)
 
 
 @pytest.fixture(scope="module")
@@ -49,70 +38,6 @@ def ctx(backend):
 def impls(backend):
     """The backend's merged op table: the new families must be in IMPL_MODULES."""
     return backend.impls
-
-
-def random(rng, *shape, scale=1.0, shift=0.1):
-    """float32 normal values shifted off zero, so no input is all zeros even at size 1."""
-    return (rng.standard_normal(shape) * scale + shift).astype(np.float32)
-
-
-def make_node(op, arrays, **attrs) -> Node:
-    ins = [Value(a.shape, str(a.dtype)) for a in arrays]
-    outs = [Value(s, d) for s, d in infer_outputs(op, ins, attrs)]
-    return Node(op, ins, outs, attrs, mutates=OPS[op].mutates(attrs))
-
-
-def to_device(ctx, arrays):
-    with ctx.stream:
-        return [cp.asarray(a) for a in arrays]
-
-
-def poisoned(ctx, node):
-    with ctx.stream:
-        return [cp.full(v.shape, POISON[v.dtype], v.dtype) for v in node.outputs]
-
-
-def to_host(ctx, arrays):
-    ctx.stream.synchronize()
-    return [cp.asnumpy(a) for a in arrays]
-
-
-def reference(node, arrays):
-    ref = [np.full(v.shape, POISON[v.dtype], v.dtype) for v in node.outputs]
-    NUMPY_IMPLS[node.op](node, [a.copy() for a in arrays], ref, None)
-    return ref
-
-
-def run_cuda(ctx, impls, node, arrays):
-    dev_out = poisoned(ctx, node)
-    impls[node.op](node, to_device(ctx, arrays), dev_out, ctx)
-    return to_host(ctx, dev_out)
-
-
-def run_both(ctx, impls, node, arrays):
-    """(numpy outputs, cuda outputs) of one node on copies of the same inputs."""
-    return reference(node, arrays), run_cuda(ctx, impls, node, arrays)
-
-
-def assert_close(got, want, rtol=1e-5, atol=1e-6, what=""):
-    assert got.shape == want.shape and got.dtype == want.dtype, \
-        f"{what}: {got.dtype}{got.shape} vs {want.dtype}{want.shape}"
-    assert (np.isfinite(got) == np.isfinite(want)).all(), f"{what}: not every element written"
-    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=what)
-
-
-def capture(ctx, program):
-    """program() captured as one CUDA graph on ctx.stream (after the caller's eager warm-up)."""
-    ctx.stream.synchronize()
-    ctx.capturing = True
-    ctx.stream.begin_capture()
-    try:
-        with ctx.stream:
-            program()
-    finally:
-        ctx.capturing = False
-        graph = ctx.stream.end_capture()
-    return graph
 
 
 @pytest.fixture
@@ -145,7 +70,7 @@ def test_embedding(ctx, impls, v, c, shape, idx_dtype):
     rng = np.random.default_rng([211, v, c, *shape])
     weight, idx = random(rng, v, c), indices(rng, v, shape, idx_dtype)
     node = make_node("embedding", [weight, idx])
-    ref, got = run_both(ctx, impls, node, [weight, idx])
+    ref, got = run_both(ctx, node, [weight, idx], impls)
     np.testing.assert_array_equal(got[0], ref[0])
 
 
@@ -181,7 +106,7 @@ def test_embedding_grad(ctx, impls, embedding_path, v, c, shape, idx_dtype, path
     idx = indices(rng, v, shape, idx_dtype)
     dy = random(rng, *shape, c)
     node = make_node("embedding_grad", [dy, idx], num_embeddings=v)
-    ref, got = run_both(ctx, impls, node, [dy, idx])
+    ref, got = run_both(ctx, node, [dy, idx], impls)
     # Per row, dy rows summed: sorted sums in position order (numpy's); scan in 8 interleaved
     # partial sums. Tolerance from the largest count of one index.
     count = np.bincount(idx.reshape(-1).astype(np.int64), minlength=v).max()
@@ -197,7 +122,7 @@ def test_embedding_grad_drops_invalid_indices(ctx, impls, embedding_path, path):
     idx[0, :4] = [-1, 40, 41, -100]
     dy = random(rng, 3, 50, 8)
     node = make_node("embedding_grad", [dy, idx], num_embeddings=40)
-    ref, got = run_both(ctx, impls, node, [dy, idx])
+    ref, got = run_both(ctx, node, [dy, idx], impls)
     assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5, what=f"embedding_grad {path} invalid")
 
 
@@ -275,7 +200,7 @@ def test_layer_norm(ctx, impls, c, lead, has_w, has_b):
     rng = np.random.default_rng([239, c, *lead, has_w, has_b])
     ins = ln_inputs(rng, lead, c, has_w, has_b)
     node = ln_node(ins, has_w, has_b)
-    ref, got = run_both(ctx, impls, node, ins)
+    ref, got = run_both(ctx, node, ins, impls)
     what = f"layer_norm {lead} x {c} weight={has_w} bias={has_b}"
     assert_close(got[0], ref[0], rtol=1e-5, atol=2e-5, what=f"{what} y")
     assert_close(got[1], ref[1], rtol=1e-5, atol=1e-6, what=f"{what} mean")
@@ -298,7 +223,7 @@ def test_layer_norm_grad(ctx, impls, c, lead, has_w, has_b):
     rng = np.random.default_rng([241, c, *lead, has_w, has_b])
     ins = ln_grad_inputs(rng, lead, c, has_w)
     node = make_node("layer_norm_grad", ins, eps=1e-5, weight=has_w, bias=has_b)
-    ref, got = run_both(ctx, impls, node, ins)
+    ref, got = run_both(ctx, node, ins, impls)
     what = f"layer_norm_grad {lead} x {c} weight={has_w} bias={has_b}"
     rows = int(np.prod(lead))
     assert_close(got[0], ref[0], rtol=1e-4, atol=2e-5, what=f"{what} dx")
@@ -381,11 +306,6 @@ def test_captured_layer_norm_grad_matches_eager(ctx, impls, c):
 
 # ---- bmm -----------------------------------------------------------------------------------
 
-def rel_err(got, want) -> float:
-    got, want = got.astype(np.float64), want.astype(np.float64)
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
-
-
 BMM_SHAPES = [(1, 1, 1, 1), (3, 7, 5, 9), (2, 33, 64, 17), (5, 64, 128, 64), (2, 3, 0, 4)]
 
 
@@ -399,7 +319,7 @@ def test_bmm(backend, impls, b, m, k, n, trans_a, trans_b, precision, tol):
     a = random(rng, b, k, m) if trans_a else random(rng, b, m, k)
     w = random(rng, b, n, k) if trans_b else random(rng, b, k, n)
     node = make_node("bmm", [a, w], trans_a=trans_a, trans_b=trans_b)
-    ref, got = run_both(ctx, impls, node, [a, w])
+    ref, got = run_both(ctx, node, [a, w], impls)
     assert got[0].shape == (b, m, n) and np.isfinite(got[0]).all()
     assert rel_err(got[0], ref[0]) <= tol, f"bmm {precision} {(b, m, k, n)} {trans_a} {trans_b}"
 
@@ -422,7 +342,7 @@ def test_softmax_scaled(ctx, impls, shape, scale, causal):
     rng = np.random.default_rng([271, *shape, causal])
     x = random(rng, *shape, scale=3.0)
     node = make_node("softmax", [x], scale=scale, causal=causal)
-    ref, got = run_both(ctx, impls, node, [x])
+    ref, got = run_both(ctx, node, [x], impls)
     what = f"softmax {shape} scale={scale} causal={causal}"
     assert_close(got[0], ref[0], rtol=1e-5, atol=1e-7, what=what)
     if causal:
@@ -437,7 +357,7 @@ def test_softmax_grad_scaled(ctx, impls, shape, scale, causal):
     x, dy = random(rng, *shape, scale=3.0), random(rng, *shape)
     (y,) = reference(make_node("softmax", [x], scale=scale, causal=causal), [x])
     node = make_node("softmax_grad", [dy, y], scale=scale, causal=causal)
-    ref, got = run_both(ctx, impls, node, [dy, y])
+    ref, got = run_both(ctx, node, [dy, y], impls)
     bound = float(np.abs(dy * y).sum(axis=-1).max()) + float(np.abs(dy).max())
     assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6 * bound,
                  what=f"softmax_grad {shape} scale={scale} causal={causal}")
@@ -450,8 +370,8 @@ def test_softmax_without_attrs_is_the_plain_kernel(ctx, impls):
     rng = np.random.default_rng(281)
     x, dy = random(rng, 6, 300, scale=3.0), random(rng, 6, 300)
     for op, ins in (("softmax", [x]), ("softmax_grad", [dy, x])):
-        plain = run_cuda(ctx, impls, make_node(op, ins), ins)
-        same = run_cuda(ctx, impls, make_node(op, ins, scale=1.0, causal=False), ins)
+        plain = run_cuda(ctx, make_node(op, ins), ins, impls)
+        same = run_cuda(ctx, make_node(op, ins, scale=1.0, causal=False), ins, impls)
         np.testing.assert_array_equal(plain[0], same[0])
 
 
@@ -468,7 +388,7 @@ def test_slice(ctx, impls, shape, dim, start, stop, dtype):
     rng = np.random.default_rng([283, *shape, dim, start])
     x = (random(rng, *shape) * 100).astype(dtype)
     node = make_node("slice", [x], dim=dim, start=start, stop=stop)
-    ref, got = run_both(ctx, impls, node, [x])
+    ref, got = run_both(ctx, node, [x], impls)
     np.testing.assert_array_equal(got[0], ref[0])
 
 
@@ -479,14 +399,14 @@ def test_slice_grad(ctx, impls, shape, dim, start, stop):
     dy_shape[dim] = stop - start
     dy = random(rng, *dy_shape)
     node = make_node("slice_grad", [dy], input_shape=shape, dim=dim, start=start)
-    ref, got = run_both(ctx, impls, node, [dy])
+    ref, got = run_both(ctx, node, [dy], impls)
     np.testing.assert_array_equal(got[0], ref[0])
 
 
 @pytest.mark.parametrize("n", [1, 7, 1000, 70000])
 def test_arange(ctx, impls, n):
     node = make_node("arange", [], n=n, dtype="int64")
-    ref, got = run_both(ctx, impls, node, [])
+    ref, got = run_both(ctx, node, [], impls)
     np.testing.assert_array_equal(got[0], ref[0])
 
 
@@ -519,8 +439,8 @@ def test_cross_entropy_ignore_index(ctx, impls, n, c, label_dtype, ignore_index,
     labels = labels_with_ignored(rng, n, c, label_dtype, ignore_index)
     attrs = dict(ignore_index=ignore_index, label_smoothing=eps)
     what = f"{n}x{c} ignore={ignore_index} eps={eps}"
-    ref, got = run_both(ctx, impls, make_node("cross_entropy", [x, labels], **attrs),
-                        [x, labels])
+    ref, got = run_both(ctx, make_node("cross_entropy", [x, labels], **attrs),
+                        [x, labels], impls)
     assert_close(got[0], ref[0], rtol=2e-6, atol=0, what=f"cross_entropy loss {what}")
     assert_close(got[1], ref[1], rtol=1e-6, atol=1e-6, what=f"cross_entropy lse {what}")
     # softmax - onehot cancels where p ~ 1: an ulp of lse (|lse| ~ 5) is ~5e-7 there, and the
@@ -528,10 +448,10 @@ def test_cross_entropy_ignore_index(ctx, impls, n, c, label_dtype, ignore_index,
     atol = 2e-6 / max(int((labels != ignore_index).sum()), 1)
     dloss = np.array(1.7, np.float32)
     node = make_node("cross_entropy_grad", [dloss, x, ref[1], labels], **attrs)
-    gref, ggot = run_both(ctx, impls, node, [dloss, x, ref[1], labels])
+    gref, ggot = run_both(ctx, node, [dloss, x, ref[1], labels], impls)
     assert_close(ggot[0], gref[0], rtol=1e-5, atol=1.7 * atol, what=f"cross_entropy_grad {what}")
-    tref, tgot = run_both(ctx, impls, make_node("cross_entropy_train", [x, labels], **attrs),
-                          [x, labels])
+    tref, tgot = run_both(ctx, make_node("cross_entropy_train", [x, labels], **attrs),
+                          [x, labels], impls)
     assert_close(tgot[0], tref[0], rtol=2e-6, atol=0, what=f"cross_entropy_train loss {what}")
     assert_close(tgot[1], tref[1], rtol=1e-5, atol=atol, what=f"cross_entropy_train dx {what}")
     ignored = labels == ignore_index
@@ -544,14 +464,14 @@ def test_cross_entropy_every_row_ignored(ctx, impls, n, c):
     rng = np.random.default_rng([311, n, c])
     x, labels = random(rng, n, c), np.full(n, -100, np.int64)
     for op in ("cross_entropy", "cross_entropy_train"):
-        got = run_cuda(ctx, impls, make_node(op, [x, labels]), [x, labels])
+        got = run_cuda(ctx, make_node(op, [x, labels]), [x, labels], impls)
         assert np.isnan(got[0])
         if op == "cross_entropy_train":
             assert (got[1] == 0).all()
     lse = np.zeros(n, np.float32)
     dloss = np.array(1.0, np.float32)
     node = make_node("cross_entropy_grad", [dloss, x, lse, labels])
-    assert (run_cuda(ctx, impls, node, [dloss, x, lse, labels])[0] == 0).all()
+    assert (run_cuda(ctx, node, [dloss, x, lse, labels], impls)[0] == 0).all()
 
 
 @pytest.mark.parametrize("n,c", [(4000, 10), (40, 1500)])
@@ -578,7 +498,6 @@ def test_cross_entropy_ignore_index_without_scratch(ctx, impls, n, c):
 
 # ---- optimizer parameter groups ------------------------------------------------------------
 
-PARAM_SHAPES = [(3, 5), (7,), (1,), (33, 17), (4100,), (2, 3, 3, 3)]
 GROUPS = [0, 1, 0, 1, 1, 0]          # parameter -> group
 
 
@@ -594,38 +513,9 @@ def group_attrs(op):
     return attrs
 
 
-def run_update_steps(ctx, impls, op, attrs, n_slots, steps=3):
-    """`steps` updates of every parameter through numpy and cuda, compared after each."""
-    rng = np.random.default_rng([317, n_slots])
-    n = len(PARAM_SHAPES)
-    params = [random(rng, *s) for s in PARAM_SHAPES]
-    slots = [np.zeros(s, np.float32) for _ in range(n_slots) for s in PARAM_SHAPES]
-    scalars = [np.array(0.05, np.float32), np.array(0, np.int64)]
-    attrs = dict(attrs, n_params=n, n_scalars=2, n_slots=n_slots, max_norm=None)
-    grads = [random(rng, *s) for s in PARAM_SHAPES]
-    ref_ins = scalars + params + grads + slots
-    node = make_node(op, ref_ins, **attrs)
-    dev_ins = to_device(ctx, [a.copy() for a in ref_ins])
-    results = []
-    for t in range(1, steps + 1):
-        fresh = [random(rng, *s) for s in PARAM_SHAPES]
-        for i, a in enumerate([np.array(0.05 / t, np.float32), np.array(t, np.int64)]
-                              + [None] * n + fresh):
-            if a is not None:
-                ref_ins[i][...] = a
-                dev_ins[i].set(a, stream=ctx.stream)
-        NUMPY_IMPLS[op](node, ref_ins, [], None)
-        impls[op](node, dev_ins, [], ctx)
-        got = to_host(ctx, dev_ins)
-        for i, (g, r) in enumerate(zip(got, ref_ins)):
-            assert_close(g, r, rtol=1e-6, atol=1e-7, what=f"{op} step {t} input {i}")
-        results.append(got)
-    return results
-
-
 @pytest.mark.parametrize("op,n_slots", [("adam_update", 2), ("sgd_update", 1)])
 def test_update_parameter_groups(ctx, impls, op, n_slots):
-    run_update_steps(ctx, impls, op, group_attrs(op), n_slots)
+    run_update_steps(ctx, impls, op, group_attrs(op), n_slots, [317, n_slots])
 
 
 @pytest.mark.parametrize("op,n_slots", [("adam_update", 2), ("sgd_update", 1)])
@@ -640,8 +530,8 @@ def test_update_groups_of_equal_values_are_the_scalar_update(ctx, impls, op, n_s
     grouped = dict(scalar, lr_scale=(1.0,) * n, weight_decay=(0.01,) * n)
     if op == "adam_update":
         grouped.update(beta1=(0.9,) * n, beta2=(0.999,) * n)
-    a = run_update_steps(ctx, impls, op, scalar, n_slots)
-    b = run_update_steps(ctx, impls, op, grouped, n_slots)
+    a = run_update_steps(ctx, impls, op, scalar, n_slots, [317, n_slots])
+    b = run_update_steps(ctx, impls, op, grouped, n_slots, [317, n_slots])
     for step_a, step_b in zip(a, b):
         for x, y in zip(step_a, step_b):
             np.testing.assert_array_equal(x, y)
