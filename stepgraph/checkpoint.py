@@ -251,6 +251,8 @@ def check_signature(saved: Checkpoint, current: dict, path: str | Path) -> None:
     unlike the one with signature `current` (a checkpoint without a signature passes)."""
     if saved.signature is None:
         return
+    # Through JSON, as the saved signature was: tuples compare equal to the lists they became.
+    current = json.loads(json.dumps(current, sort_keys=True))
     diffs = signature_differences(saved.signature, current)
     if diffs:
         version = _library_version()

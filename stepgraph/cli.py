@@ -35,7 +35,7 @@ DELEGATED = {"bench": (run_bench, "time a training step against PyTorch, JAX, ti
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .train import DATASETS, DEVICES, MODELS
+    from .train import BAD_BATCH_POLICIES, DATASETS, DEVICES, MODELS
     from .train_gpt import TEXT_DATASETS, TEXT_MODELS
 
     parser = argparse.ArgumentParser(prog="stepgraph", description=DESCRIPTION)
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="continue from the checkpoint in --out up to --epochs (gpt: "
                        "--steps) in total")
     train.add_argument("--no-progress", action="store_true", help="no progress bars")
-    train.add_argument("--on-bad-batch", choices=("raise", "skip"), default="raise",
+    train.add_argument("--on-bad-batch", choices=BAD_BATCH_POLICIES, default="raise",
                        help="a batch with labels out of range or a NaN/Inf loss or gradient: "
                        "stop naming it (raise), or skip its update and go on (skip)")
     add_gpt_arguments(train)
@@ -87,6 +87,8 @@ GPT_FLAGS = {"--text-file": "text_file", "--steps": "steps", "--eval-interval": 
 
 
 def add_gpt_arguments(train: argparse.ArgumentParser) -> None:
+    from .train_gpt import PRECISIONS
+
     group = train.add_argument_group(
         "gpt", "--model gpt --data text: a character-level GPT, trained for --steps iterations "
         "(--batch-size default 64, --lr default 1e-3: AdamW, warmup and cosine decay)")
@@ -102,7 +104,7 @@ def add_gpt_arguments(train: argparse.ArgumentParser) -> None:
     group.add_argument("--n-head", type=int, default=None, help="attention heads (default 6)")
     group.add_argument("--n-embd", type=int, default=None, help="embedding width (default 384)")
     group.add_argument("--dropout", type=float, default=None, help="dropout (default 0.2)")
-    group.add_argument("--precision", choices=("fp32", "tf32"), default=None,
+    group.add_argument("--precision", choices=PRECISIONS, default=None,
                        help="tf32: TF32 tensor-core matrix products (cuda; default fp32)")
 
 

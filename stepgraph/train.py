@@ -10,6 +10,7 @@ so `resume` continues exactly.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -326,58 +327,99 @@ def build_session(config: TrainConfig, log: Callable[[str], None]) -> Session:
     return Session(config, device, spec.module, step, predict, loader, eval_sets)
 
 
-def read_resume_checkpoint(config: TrainConfig) -> ckpt.Checkpoint:
-    """The run's checkpoint, after checking it was written by a compatible configuration."""
+# ---- the run's files in out_dir: checkpoint, metrics.json, metrics.png --------------------
+# The GPT loop (train_gpt.py) writes and reads its files through these too; a session here is
+# either loop's (what is used: its config's out_dir and seed, and its step).
+
+def read_resume_checkpoint(config, keys: tuple[str, ...]) -> ckpt.Checkpoint:
+    """The checkpoint in config.out_dir, after checking that the configuration that wrote it
+    had config.record()'s values for `keys`."""
     saved = ckpt.load_checkpoint(config.out_dir / ckpt.CHECKPOINT_NAME)
-    ckpt.check_compatible(saved.config, config.record(), resume_keys(config))
+    ckpt.check_compatible(saved.config, config.record(), keys)
     return saved
 
 
-def restore(session: Session, saved: ckpt.Checkpoint) -> list[EpochMetrics]:
+def restore_step(session, saved: ckpt.Checkpoint, history_key: str) -> list[dict]:
     """Load the checkpoint into the step, after checking it was written by a step like this
-    one (ckpt.check_signature says what differs); return the metrics of its finished epochs."""
+    one (ckpt.check_signature says what differs); return the records under `history_key` in
+    the run's metrics.json (none when it is gone)."""
     ckpt.check_signature(saved, ckpt.step_signature(session.step),
                          session.config.out_dir / ckpt.CHECKPOINT_NAME)
     session.step.load_state_dict(saved.state)
     metrics_path = session.config.out_dir / METRICS_NAME
     if not metrics_path.is_file():
         return []
-    records = json.loads(metrics_path.read_text()).get("epochs", [])
-    return [EpochMetrics(**r) for r in records[:saved.epoch]]
+    return json.loads(metrics_path.read_text()).get(history_key, [])
 
 
-def write_metrics(session: Session, history: list[EpochMetrics]) -> Path:
-    path = session.config.out_dir / METRICS_NAME
-    record = {"config": session.config.record(), "device": session.device,
-              "epochs": [dataclasses.asdict(m) for m in history],
-              "test_accuracy": history[-1].test_accuracy if history else None}
-    # Atomically, like the checkpoint: a resume reads it back.
+def save_run_checkpoint(session, done: int, record: dict, after: str) -> Path:
+    """The step's checkpoint after `done` epochs or steps (`after` says which, in words),
+    holding the run's `record`, written atomically; a state holding NaN or Inf is never
+    written (TrainingDivergedError; the previous checkpoint stays)."""
+    path = session.config.out_dir / ckpt.CHECKPOINT_NAME
+    state = session.step.state_dict()
+    bad = ckpt.non_finite_keys(state)
+    if bad:
+        raise TrainingDivergedError(
+            f"after {after} the model's state holds NaN or Inf ({', '.join(bad[:6])}"
+            f"{' ...' if len(bad) > 6 else ''}); not writing it over {path}")
+    return ckpt.save_checkpoint(path, ckpt.Checkpoint(
+        state, done, session.config.seed, record, ckpt.step_signature(session.step, state)))
+
+
+def write_metrics_file(out_dir: Path, record: dict) -> Path:
+    """metrics.json in out_dir, written atomically like the checkpoint: a resume reads it."""
+    path = out_dir / METRICS_NAME
     ckpt.write_atomically(path, (json.dumps(record, indent=2) + "\n").encode())
     return path
 
 
-def write_plot(history: list[EpochMetrics], path: Path, title: str) -> Path:
-    """Loss and accuracy per epoch as a PNG (matplotlib's Agg canvas; no display needed)."""
+@contextlib.contextmanager
+def two_panel_plot(path: Path, title: str):
+    """Two side-by-side axes to draw on; on leaving, the figure is gridded, titled and saved
+    to `path` as a PNG (matplotlib's Agg canvas; no display needed)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
 
-    epochs = [m.epoch for m in history]
     fig = Figure(figsize=(10, 4))
     FigureCanvasAgg(fig)
-    ax_loss, ax_acc = fig.subplots(1, 2)
-    ax_loss.plot(epochs, [m.loss for m in history], marker="o")
-    ax_loss.set(xlabel="epoch", ylabel="train loss", title="loss")
-    ax_acc.plot(epochs, [m.train_accuracy for m in history], marker="o", label="train")
-    ax_acc.plot(epochs, [m.test_accuracy for m in history], marker="o", label="test")
-    ax_acc.set(xlabel="epoch", ylabel="accuracy", title="accuracy")
-    ax_acc.legend()
-    for ax in (ax_loss, ax_acc):
+    axes = fig.subplots(1, 2)
+    yield axes
+    for ax in axes:
         ax.grid(alpha=0.3)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def restore(session: Session, saved: ckpt.Checkpoint) -> list[EpochMetrics]:
+    """Load the checkpoint into the step (restore_step); return the metrics of its finished
+    epochs."""
+    records = restore_step(session, saved, "epochs")
+    return [EpochMetrics(**r) for r in records[:saved.epoch]]
+
+
+def write_metrics(session: Session, history: list[EpochMetrics]) -> Path:
+    return write_metrics_file(session.config.out_dir, {
+        "config": session.config.record(), "device": session.device,
+        "epochs": [dataclasses.asdict(m) for m in history],
+        "test_accuracy": history[-1].test_accuracy if history else None})
+
+
+def write_plot(history: list[EpochMetrics], path: Path, title: str) -> Path:
+    """Loss and accuracy per epoch as a PNG."""
+    from matplotlib.ticker import MaxNLocator
+
+    epochs = [m.epoch for m in history]
+    with two_panel_plot(path, title) as (ax_loss, ax_acc):
+        ax_loss.plot(epochs, [m.loss for m in history], marker="o")
+        ax_loss.set(xlabel="epoch", ylabel="train loss", title="loss")
+        ax_acc.plot(epochs, [m.train_accuracy for m in history], marker="o", label="train")
+        ax_acc.plot(epochs, [m.test_accuracy for m in history], marker="o", label="test")
+        ax_acc.set(xlabel="epoch", ylabel="accuracy", title="accuracy")
+        ax_acc.legend()
+        for ax in (ax_loss, ax_acc):
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     return path
 
 
@@ -401,18 +443,8 @@ def train_epoch(session: Session, epoch: int) -> EpochMetrics:
 
 
 def save_epoch_checkpoint(session: Session, epoch: int) -> Path:
-    """The checkpoint after `epoch` (0-based), written atomically; a state holding NaN or Inf
-    is never written (TrainingDivergedError; the previous checkpoint stays)."""
-    path = session.config.out_dir / ckpt.CHECKPOINT_NAME
-    state = session.step.state_dict()
-    bad = ckpt.non_finite_keys(state)
-    if bad:
-        raise TrainingDivergedError(
-            f"after epoch {epoch + 1} the model's state holds NaN or Inf ({', '.join(bad[:6])}"
-            f"{' ...' if len(bad) > 6 else ''}); not writing it over {path}")
-    return ckpt.save_checkpoint(path, ckpt.Checkpoint(
-        state, epoch + 1, session.config.seed, session.config.record(),
-        ckpt.step_signature(session.step, state)))
+    """The checkpoint after `epoch` (0-based), written by save_run_checkpoint."""
+    return save_run_checkpoint(session, epoch + 1, session.config.record(), f"epoch {epoch + 1}")
 
 
 def train(config: TrainConfig, log: Callable[[str], None] = print) -> TrainResult:
@@ -422,7 +454,8 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> TrainResul
     in total, producing the same parameters as an uninterrupted run.
     """
     config.validate()
-    saved = read_resume_checkpoint(config) if config.resume else None    # fail before compiling
+    # Checked before compiling: a refused resume fails at once.
+    saved = read_resume_checkpoint(config, resume_keys(config)) if config.resume else None
     session = build_session(config, log)
     out_dir = config.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import time
 from collections.abc import Callable
@@ -32,10 +31,12 @@ import stepgraph as sg
 
 from . import checkpoint as ckpt
 from . import models, optim
+from .data.augment import array_module
 from .data.text import TextDataset, TokenBatches, load_text
 from .errors import LabelError, NonFiniteError
-from .train import (BAD_BATCH_POLICIES, DEVICES, METRICS_NAME, PLOT_NAME, TrainConfigError,
-                    TrainingDivergedError, resolve_device, seed_init)
+from .train import (BAD_BATCH_POLICIES, DEVICES, PLOT_NAME, TrainConfigError,
+                    TrainingDivergedError, read_resume_checkpoint, resolve_device, restore_step,
+                    save_run_checkpoint, seed_init, two_panel_plot, write_metrics_file)
 
 TEXT_MODELS = ("gpt",)
 TEXT_DATASETS = ("text",)
@@ -200,7 +201,7 @@ def build_session(config: GPTTrainConfig, log: Callable[[str], None]) -> GPTSess
 def mean_cross_entropy(logits, targets) -> float:
     """Mean cross-entropy of logits (..., V) at integer targets (...), in float64, computed
     where the arrays live (NumPy or CuPy)."""
-    xp = np if isinstance(logits, np.ndarray) else __import__("cupy")
+    xp = array_module(logits)
     z = logits.astype(xp.float64)
     top = z.max(axis=-1, keepdims=True)
     lse = xp.log(xp.exp(z - top).sum(axis=-1)) + top[..., 0]
@@ -263,77 +264,44 @@ def checkpoint_config(session: GPTSession) -> dict:
 
 
 def save_checkpoint(session: GPTSession, steps_done: int) -> Path:
-    """The checkpoint after `steps_done` steps (in the Checkpoint's `epoch` field), written
-    atomically; a state holding NaN or Inf is never written."""
-    path = session.config.out_dir / ckpt.CHECKPOINT_NAME
-    state = session.step.state_dict()
-    bad = ckpt.non_finite_keys(state)
-    if bad:
-        raise TrainingDivergedError(
-            f"after step {steps_done} the model's state holds NaN or Inf "
-            f"({', '.join(bad[:6])}{' ...' if len(bad) > 6 else ''}); not writing it over {path}")
-    return ckpt.save_checkpoint(path, ckpt.Checkpoint(
-        state, steps_done, session.config.seed, checkpoint_config(session),
-        ckpt.step_signature(session.step, state)))
-
-
-def read_resume_checkpoint(config: GPTTrainConfig) -> ckpt.Checkpoint:
-    """The run's checkpoint, after checking it was written by a compatible configuration."""
-    saved = ckpt.load_checkpoint(config.out_dir / ckpt.CHECKPOINT_NAME)
-    ckpt.check_compatible(saved.config, config.record(), RESUME_KEYS)
-    return saved
+    """The checkpoint after `steps_done` steps (in the Checkpoint's `epoch` field), written by
+    save_run_checkpoint."""
+    return save_run_checkpoint(session, steps_done, checkpoint_config(session),
+                               f"step {steps_done}")
 
 
 def restore(session: GPTSession, saved: ckpt.Checkpoint) -> list[EvalMetrics]:
-    """Load the checkpoint into the step after checking it fits; return the metrics of the
-    evaluations it had done."""
-    path = session.config.out_dir / ckpt.CHECKPOINT_NAME
+    """Load the checkpoint into the step after checking it fits (its vocabulary, then
+    restore_step); return the metrics of the evaluations it had done."""
     if saved.config.get("vocab") != session.dataset.vocab:
+        path = session.config.out_dir / ckpt.CHECKPOINT_NAME
         raise ckpt.CheckpointError(f"cannot resume from {path}: it was trained on text with "
                                    "another vocabulary")
-    # Through JSON, as the saved signature was: tuples compare equal to the lists they became.
-    current = json.loads(json.dumps(ckpt.step_signature(session.step), sort_keys=True))
-    ckpt.check_signature(saved, current, path)
-    session.step.load_state_dict(saved.state)
-    metrics_path = session.config.out_dir / METRICS_NAME
-    if not metrics_path.is_file():
-        return []
-    records = json.loads(metrics_path.read_text()).get("evals", [])
+    records = restore_step(session, saved, "evals")
     return [EvalMetrics(**r) for r in records if r["step"] <= saved.epoch]
 
 
 def write_metrics(session: GPTSession, history: list[EvalMetrics]) -> Path:
-    path = session.config.out_dir / METRICS_NAME
-    record = {"config": session.config.record(), "device": session.device,
-              "corpus": session.dataset.name, "vocab_size": session.dataset.vocab_size,
-              "parameters": session.model.get_num_params(non_embedding=False),
-              "evals": [dataclasses.asdict(m) for m in history],
-              "val_loss": history[-1].val_loss if history else None}
-    path.write_text(json.dumps(record, indent=2) + "\n")
-    return path
+    return write_metrics_file(session.config.out_dir, {
+        "config": session.config.record(), "device": session.device,
+        "corpus": session.dataset.name, "vocab_size": session.dataset.vocab_size,
+        "parameters": session.model.get_num_params(non_embedding=False),
+        "evals": [dataclasses.asdict(m) for m in history],
+        "val_loss": history[-1].val_loss if history else None})
 
 
 def write_plot(history: list[EvalMetrics], path: Path, title: str) -> Path:
-    """Losses and throughput per evaluation as a PNG (matplotlib's Agg canvas)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
+    """Losses and throughput per evaluation as a PNG."""
     steps = [m.step for m in history]
-    fig = Figure(figsize=(10, 4))
-    FigureCanvasAgg(fig)
-    ax_loss, ax_speed = fig.subplots(1, 2)
-    ax_loss.plot(steps, [m.loss for m in history], marker="o", label="training batches")
-    ax_loss.plot(steps, [m.train_loss for m in history], marker="o", label="train (eval mode)")
-    ax_loss.plot(steps, [m.val_loss for m in history], marker="o", label="validation")
-    ax_loss.set(xlabel="step", ylabel="cross-entropy (nats per character)", title="loss")
-    ax_loss.legend()
-    ax_speed.plot(steps, [m.tokens_per_s for m in history], marker="o")
-    ax_speed.set(xlabel="step", ylabel="tokens/s", title="training throughput")
-    for ax in (ax_loss, ax_speed):
-        ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with two_panel_plot(path, title) as (ax_loss, ax_speed):
+        ax_loss.plot(steps, [m.loss for m in history], marker="o", label="training batches")
+        ax_loss.plot(steps, [m.train_loss for m in history], marker="o",
+                     label="train (eval mode)")
+        ax_loss.plot(steps, [m.val_loss for m in history], marker="o", label="validation")
+        ax_loss.set(xlabel="step", ylabel="cross-entropy (nats per character)", title="loss")
+        ax_loss.legend()
+        ax_speed.plot(steps, [m.tokens_per_s for m in history], marker="o")
+        ax_speed.set(xlabel="step", ylabel="tokens/s", title="training throughput")
     return path
 
 
@@ -361,7 +329,8 @@ def train_gpt(config: GPTTrainConfig, log: Callable[[str], None] = print) -> GPT
     from tqdm import tqdm
 
     config.validate()
-    saved = read_resume_checkpoint(config) if config.resume else None   # fail before compiling
+    # Checked before compiling: a refused resume fails at once.
+    saved = read_resume_checkpoint(config, RESUME_KEYS) if config.resume else None
     session = build_session(config, log)
     config.out_dir.mkdir(parents=True, exist_ok=True)
     start, history = 0, []
