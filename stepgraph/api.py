@@ -17,8 +17,8 @@ from .compile.build import build_predict_graph, build_train_graph
 from .compile.executable import COPY_ROLES, INFERENCE, STATIC_ROLES, TRAIN, Executable, GraphKey
 from .compile.feed import Signature, check_feed, check_labels, signature_of
 from .compile.fuse import fuse
-from .compile.guard import (COUNTERS_KEY, GUARD_PREFIX, HISTORY_FLAG_KEY, IGNORE_INDEX,
-                            GuardMonitor, check_policy, label_classes, label_loss)
+from .compile.guard import (COUNTERS_KEY, GUARD_PREFIX, HISTORY_FLAG_KEY, GuardMonitor,
+                            check_policy, label_check)
 from .compile.history import HISTORY_PREFIX, LossHandle
 from .compile.plan import Plan, make_plan
 from .errors import BackendUnavailableError, StateDictError
@@ -126,10 +126,8 @@ class TrainStep(_CompiledModel):
         self.state: dict[str, Any] = {}
         self._host_step: int | None = None
         first = self.executable(self.signature)
-        self.classes = label_classes(first.plan.graph, first.plan.graph.inputs[-1])
-        reader = label_loss(first.plan.graph, first.plan.graph.inputs[-1])
-        self.ignore_index = None if reader is None else \
-            reader.attrs.get("ignore_index", IGNORE_INDEX)
+        self.classes, self.ignore_index = label_check(first.plan.graph,
+                                                     first.plan.graph.inputs[-1])
         self._guard = None
         if COUNTERS_KEY in self.state:
             self._guard = GuardMonitor(self.backend, self.state[COUNTERS_KEY], on_bad_batch,

@@ -6,10 +6,9 @@ from __future__ import annotations
 from typing import Callable
 
 from ..ir.graph import Node, Value
-from ..ir.ops import GRAD_FROM_OUTPUT, conv_geometry
+from ..ir.ops import GRAD_FROM_OUTPUT, IGNORE_INDEX, conv_geometry
 
 Emit = Callable[..., list[Value]]   # emit(op, inputs, **attrs) -> outputs
-IGNORE_INDEX = -100                 # the cross-entropy ops' default ignore_index (PyTorch's)
 VJPS: dict[str, Callable] = {}
 
 
@@ -31,20 +30,25 @@ def _linear(emit: Emit, node: Node, dy: list, wants) -> list:
     return grads
 
 
-@vjp("matmul")
-def _matmul(emit: Emit, node: Node, dy: list, wants) -> list:
-    # c = op(a) @ op(b): d op(a) = g @ op(b).T and d op(b) = op(a).T @ g, transposed back
-    # where the operand entered transposed; the flags absorb every transpose.
-    (g,), (a, b) = dy, node.inputs
-    ta, tb = bool(node.attrs.get("trans_a")), bool(node.attrs.get("trans_b"))
-    da = db = None
-    if wants(0):
-        da = (emit("matmul", [b, g], trans_a=tb, trans_b=True) if ta
-              else emit("matmul", [g, b], trans_b=not tb))[0]
-    if wants(1):
-        db = (emit("matmul", [g, a], trans_a=True, trans_b=ta) if tb
-              else emit("matmul", [a, g], trans_a=not ta))[0]
-    return [da, db]
+def product_vjp(op: str):
+    """The VJP rule of a product op `op` (matmul, bmm): c = op(a) @ op(b), op = transpose
+    where attrs trans_a / trans_b. d op(a) = g @ op(b).T and d op(b) = op(a).T @ g, transposed
+    back where the operand entered transposed; the flags absorb every transpose."""
+    def rule(emit: Emit, node: Node, dy: list, wants) -> list:
+        (g,), (a, b) = dy, node.inputs
+        ta, tb = bool(node.attrs.get("trans_a")), bool(node.attrs.get("trans_b"))
+        da = db = None
+        if wants(0):
+            da = (emit(op, [b, g], trans_a=tb, trans_b=True) if ta
+                  else emit(op, [g, b], trans_b=not tb))[0]
+        if wants(1):
+            db = (emit(op, [g, a], trans_a=True, trans_b=ta) if tb
+                  else emit(op, [a, g], trans_a=not ta))[0]
+        return [da, db]
+    return rule
+
+
+vjp("matmul")(product_vjp("matmul"))
 
 
 @vjp("act")

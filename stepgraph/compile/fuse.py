@@ -6,6 +6,7 @@ The multi-tensor optimizer update needs no pass: the optimizer emits it as one o
 from __future__ import annotations
 
 from ..ir.graph import Graph, Node, Value
+from ..ir.ops import IGNORE_INDEX
 from .pointwise import fuse_pointwise
 from .rewrite import _copy, _join, _rebuild
 
@@ -71,6 +72,16 @@ def fuse_conv_bias_grad(graph: Graph) -> Graph:
     return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
 
 
+def _sole_relu(graph: Graph, users, v: Value) -> Node | None:
+    """The act(relu) node that is v's only reader, when v is no graph output: a producer of
+    v can then write the ReLU's output instead of v."""
+    readers = users.get(v, [])
+    if len(readers) != 1 or readers[0].op != "act" or readers[0].attrs["kind"] != "relu" \
+            or v in graph.outputs.values():
+        return None
+    return readers[0]
+
+
 def fuse_pool_relu(graph: Graph) -> Graph:
     """maxpool2d -> y; act(relu)(y) -> r   =>   maxpool2d(relu) -> r (a max is taken before
     the clamp either way), and in the backward act_grad(relu)(dr, r) -> g;
@@ -82,11 +93,9 @@ def fuse_pool_relu(graph: Graph) -> Graph:
     for pool in graph.nodes:
         if pool.op != "maxpool2d" or pool.attrs.get("relu"):
             continue
-        readers = users.get(pool.outputs[0], [])
-        if len(readers) != 1 or readers[0].op != "act" or readers[0].attrs["kind"] != "relu" \
-                or pool.outputs[0] in graph.outputs.values():
+        relu = _sole_relu(graph, users, pool.outputs[0])
+        if relu is None:
             continue
-        relu = readers[0]
         pool.attrs = dict(pool.attrs, relu=True)
         pool.outputs = [relu.outputs[0], pool.outputs[1]]
         pool.label = _join(pool.label, relu.label)
@@ -114,11 +123,9 @@ def fuse_batch_norm_relu(graph: Graph) -> Graph:
     for bn in graph.nodes:
         if bn.op != "batch_norm_train" or bn.attrs.get("act", "none") != "none":
             continue
-        readers = users.get(bn.outputs[0], [])
-        if len(readers) != 1 or readers[0].op != "act" or readers[0].attrs["kind"] != "relu" \
-                or bn.outputs[0] in graph.outputs.values():
+        relu = _sole_relu(graph, users, bn.outputs[0])
+        if relu is None:
             continue
-        relu = readers[0]
         bn.attrs = dict(bn.attrs, act="relu")
         bn.outputs = [relu.outputs[0], *bn.outputs[1:]]
         bn.label = _join(bn.label, relu.label)
@@ -174,7 +181,7 @@ def fuse_cross_entropy(graph: Graph) -> Graph:
         grads = [u for u in users.get(n.outputs[1], []) if u.op == "cross_entropy_grad"]
         if len(grads) != 1 or not _is_unit_seed(graph, grads[0].inputs[0]) or any(
                 grads[0].attrs.get(k, d) != n.attrs.get(k, d)
-                for k, d in (("label_smoothing", 0.0), ("ignore_index", -100))):
+                for k, d in (("label_smoothing", 0.0), ("ignore_index", IGNORE_INDEX))):
             continue
         n.op = "cross_entropy_train"
         n.outputs = [n.outputs[0], grads[0].outputs[0]]

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from ..errors import LabelError, NonFiniteError
 from ..ir.graph import STATE, Graph, Node, Value
+from ..ir.ops import IGNORE_INDEX
 from ..ir.trace import Tracer
 from ..ops.guard import (CALLS, FIRST_BAD, FIRST_BITS, GUARD_LABELS, N_COUNTERS, N_FLAGS,
                          SKIPPED, describe_bits, save_layout)
@@ -35,7 +36,6 @@ FLAGS_KEY = GUARD_PREFIX + "flags"
 COUNTERS_KEY = GUARD_PREFIX + "counters"
 HISTORY_FLAG_KEY = HISTORY_PREFIX + "flag"
 LABEL_OPS = ("cross_entropy", "cross_entropy_train", "nll_loss")
-IGNORE_INDEX = -100     # PyTorch's default ignore_index: a label the losses skip, not a bad one
 
 
 def check_policy(policy: str) -> str:
@@ -44,15 +44,13 @@ def check_policy(policy: str) -> str:
     return policy
 
 
-def label_loss(graph: Graph, target: Value) -> Node | None:
-    """The first loss node reading `target` as class labels, else None."""
-    return next((n for n in graph.nodes if n.op in LABEL_OPS and n.inputs[1] is target), None)
-
-
-def label_classes(graph: Graph, target: Value) -> int | None:
-    """The class count of the first loss reading `target` as class labels, else None."""
-    loss = label_loss(graph, target)
-    return None if loss is None else loss.inputs[0].shape[-1]
+def label_check(graph: Graph, target: Value) -> tuple[int | None, int | None]:
+    """(classes, ignore_index) of the first loss node reading `target` as class labels: a
+    label must lie in [0, classes) or be ignore_index. (None, None) when no loss reads it so."""
+    loss = next((n for n in graph.nodes if n.op in LABEL_OPS and n.inputs[1] is target), None)
+    if loss is None:
+        return None, None
+    return loss.inputs[0].shape[-1], loss.attrs.get("ignore_index", IGNORE_INDEX)
 
 
 @dataclass
@@ -104,9 +102,7 @@ def emit_guard(tracer: Tracer, policy: str, loss: Value, target: Value,
         return None
     flags = tracer.state((N_FLAGS,), "int32", FLAGS_KEY)
     counters = tracer.state((N_COUNTERS,), "int64", COUNTERS_KEY)
-    reader = label_loss(tracer.graph, target)
-    classes = None if reader is None else reader.inputs[0].shape[-1]
-    ignore = None if reader is None else reader.attrs.get("ignore_index", IGNORE_INDEX)
+    classes, ignore = label_check(tracer.graph, target)
     labels = [target] if classes is not None else []
     tracer.label = "guard"
     buffers = _mutated_state(tracer.graph.nodes)

@@ -83,16 +83,13 @@ def _program(g: _Group, graph: Graph, users) -> Node:
     outputs = [n.outputs[0] for n in g.members
                if n.outputs[0] in graph_outputs
                or any(u not in members for u in users.get(n.outputs[0], []))]
-    attrs = dict(program=tuple(instrs), results=tuple(reg[v] for v in outputs), shape=g.shape)
-    label = _join(*(n.label for n in g.members))
     # Registers are renumbered so loads come first: input i is register i, instruction j is
     # register len(inputs) + j (what ops/pointwise.py and the CUDA code generator read).
     k = len(inputs)
     fix = lambda r: -r - 1 if r < 0 else k + r   # noqa: E731
-    attrs["program"] = tuple(Instr(i.op, tuple(map(fix, i.args)), i.attrs)
-                             for i in attrs["program"])
-    attrs["results"] = tuple(map(fix, attrs["results"]))
-    return Node("pointwise", inputs, outputs, attrs, (), label)
+    program = tuple(Instr(i.op, tuple(map(fix, i.args)), i.attrs) for i in instrs)
+    attrs = dict(program=program, results=tuple(fix(reg[v]) for v in outputs), shape=g.shape)
+    return Node("pointwise", inputs, outputs, attrs, (), _join(*(n.label for n in g.members)))
 
 
 def fuse_pointwise(graph: Graph) -> Graph:

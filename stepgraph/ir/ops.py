@@ -152,6 +152,19 @@ def conv_geometry(attrs) -> tuple[tuple[int, int], tuple[int, int], tuple[int, i
             tuple(attrs.get("dilation", (1, 1))), int(attrs.get("groups", 1)))
 
 
+def pool_geometry(op: str, shape, attrs) -> tuple[int, int]:
+    """(Ho, Wo) of a pooling window sweep over an (N, C, H, W) input, checking the attrs
+    kernel, stride and padding (default (0, 0); at most half the kernel)."""
+    _need(len(shape) == 4, op, f"input must be (N, C, H, W), got {tuple(shape)}")
+    (kh, kw), (sh, sw) = attrs["kernel"], attrs["stride"]
+    ph, pw = attrs.get("padding", (0, 0))
+    _need(2 * ph <= kh and 2 * pw <= kw, op,
+          f"padding {(ph, pw)} must be at most half the kernel {(kh, kw)}")
+    ho, wo = conv_out(shape[2], kh, sh, ph), conv_out(shape[3], kw, sw, pw)
+    _need(ho > 0 and wo > 0, op, f"window {(kh, kw)} larger than padded input {shape[2:]}")
+    return ho, wo
+
+
 @defop("conv2d")
 def _conv2d(ins, attrs):
     """y = cross-correlation of x (N,C,H,W) with w (O,C/groups,kh,kw) + b (O,); attrs stride,
@@ -196,13 +209,7 @@ def _maxpool2d(ins, attrs):
     plane: always a real element. With attrs relu, y = relu(max) (the ReLU that followed the
     pool, fused)."""
     x = ins[0]
-    _need(len(x.shape) == 4, "maxpool2d", f"input must be (N, C, H, W), got {x.shape}")
-    (kh, kw), (sh, sw) = attrs["kernel"], attrs["stride"]
-    ph, pw = attrs.get("padding", (0, 0))
-    _need(2 * ph <= kh and 2 * pw <= kw, "maxpool2d",
-          f"padding {(ph, pw)} must be at most half the kernel {(kh, kw)}")
-    ho, wo = conv_out(x.shape[2], kh, sh, ph), conv_out(x.shape[3], kw, sw, pw)
-    _need(ho > 0 and wo > 0, "maxpool2d", f"window larger than input {x.shape[2:]}")
+    ho, wo = pool_geometry("maxpool2d", x.shape, attrs)
     shape = (x.shape[0], x.shape[1], ho, wo)
     return [(shape, x.dtype), (shape, "int32")]
 
@@ -246,6 +253,11 @@ def _log_softmax(ins, attrs):
 def _log_softmax_grad(ins, attrs):
     """dx = dy - exp(y) * dy.sum(last axis, keepdims)."""
     return [(ins[0].shape, ins[0].dtype)]
+
+
+# The cross-entropy ops' ignore_index when their attrs give none (PyTorch's default): a label
+# the loss skips, not a bad one.
+IGNORE_INDEX = -100
 
 
 def _check_labels(op, logits, labels):

@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import math
 import numbers
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -86,9 +87,7 @@ class Tensor:
         if shape.count(-1) > 1:
             raise ShapeError(f"reshape: only one dimension can be -1, got {shape}")
         if -1 in shape:
-            known = 1
-            for d in shape:
-                known *= d if d != -1 else 1
+            known = math.prod(d for d in shape if d != -1)
             if known == 0 or self.value.size % known:
                 raise ShapeError(f"reshape: cannot view {self.shape} as {shape}")
             shape = tuple(self.value.size // known if d == -1 else d for d in shape)
@@ -108,9 +107,7 @@ class Tensor:
         s, e = _dim(start_dim, self.ndim, "flatten"), _dim(end_dim, self.ndim, "flatten")
         if s > e:
             raise ShapeError(f"flatten: start_dim {start_dim} comes after end_dim {end_dim}")
-        n = 1
-        for d in self.shape[s:e + 1]:
-            n *= d
+        n = math.prod(self.shape[s:e + 1])
         return self.reshape(*self.shape[:s], n, *self.shape[e + 1:])
 
     def permute(self, *dims) -> Tensor:
@@ -144,9 +141,7 @@ class Tensor:
 
     def mean(self, dim=None, keepdim: bool = False) -> Tensor:
         """Mean over `dim`: the sum divided by the number of summed elements."""
-        count = 1
-        for a in _dims(dim, self.ndim, "mean"):
-            count *= self.shape[a]
+        count = math.prod(self.shape[a] for a in _dims(dim, self.ndim, "mean"))
         return self.sum(dim, keepdim) / float(count)
 
     # ---- arithmetic ----

@@ -6,15 +6,10 @@ import math
 from ..errors import ShapeError, UnsupportedOpError
 from ..ir.trace import Tensor
 from . import losses as _losses
-from .module import Parameter
 
 
 def _pair(v) -> tuple[int, int]:
     return (v, v) if isinstance(v, int) else tuple(v)
-
-
-def _p(x: Tensor, p: Parameter | None):
-    return None if p is None else x.tracer.param(p)
 
 
 def _traced(x: Tensor, t):
@@ -214,9 +209,14 @@ def batch_norm(input: Tensor, running_mean, running_var, weight=None, bias=None,
     y = t.op_all("batch_norm_train", ins, eps=float(eps), momentum=momentum, affine=affine,
                  track=track, act="none")[0]
     if (w is None) != (b is None):         # one of the two: applied after the op
-        channel = (1, input.shape[1]) + (1,) * (input.ndim - 2)
+        channel = _channel_shape(input)
         y = y * w.reshape(channel) if w is not None else y + b.reshape(channel)
     return y
+
+
+def _channel_shape(x: Tensor) -> tuple[int, ...]:
+    """(1, C, 1, ...): the shape a per-channel (C,) tensor takes to broadcast against x."""
+    return (1, x.shape[1]) + (1,) * (x.ndim - 2)
 
 
 def _batches_tracked(input: Tensor, counter, momentum):
@@ -230,7 +230,7 @@ def _batches_tracked(input: Tensor, counter, momentum):
 
 
 def _batch_norm_eval(x: Tensor, rm: Tensor, rv: Tensor, w, b, eps: float) -> Tensor:
-    channel = (1, x.shape[1]) + (1,) * (x.ndim - 2)
+    channel = _channel_shape(x)
     scale = (rv + float(eps)) ** -0.5
     if w is not None:
         scale = w * scale
@@ -271,12 +271,19 @@ def embedding(input: Tensor, weight, padding_idx=None, max_norm=None, norm_type:
     return input.tracer.op("embedding", [w, input])
 
 
-def _normalized_last_dim(input: Tensor, normalized_shape) -> int:
+def last_dim_shape(normalized_shape, what: str, where: str | None = None) -> tuple[int]:
+    """layer_norm's normalized_shape (an int or a tuple of one) as a 1-tuple; a longer one
+    raises UnsupportedOpError naming `what` (the caller) and the module path `where`."""
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else \
         tuple(normalized_shape)
     if len(shape) != 1:
-        raise UnsupportedOpError(f"layer_norm over {shape}: only the last dim (a normalized_"
-                                 f"shape of one int) is supported (in {input.tracer.where()})")
+        raise UnsupportedOpError(f"{what} over {shape}: only the last dim (a normalized_shape "
+                                 "of one int) is supported" + (f" (in {where})" if where else ""))
+    return shape
+
+
+def _normalized_last_dim(input: Tensor, normalized_shape) -> int:
+    shape = last_dim_shape(normalized_shape, "layer_norm", input.tracer.where())
     if not input.ndim or input.shape[-1] != shape[0]:
         raise ShapeError(f"layer_norm: normalized_shape {shape} does not match the last dim "
                          f"of input {input.shape}")

@@ -51,11 +51,7 @@ class LayerNorm(Module):
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
                  bias: bool = True):
         super().__init__()
-        shape = (normalized_shape,) if isinstance(normalized_shape, int) else \
-            tuple(normalized_shape)
-        if len(shape) != 1:
-            raise UnsupportedOpError(f"LayerNorm over {shape}: only the last dim (a "
-                                     "normalized_shape of one int) is supported")
+        shape = F.last_dim_shape(normalized_shape, "LayerNorm")
         self.normalized_shape, self.eps = shape, eps
         self.elementwise_affine = elementwise_affine
         c = shape[0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..autodiff.rules import vjp
+from ..autodiff.rules import product_vjp, vjp
 from ..backends.numpy.kernels import impl
 from ..ir.ops import _need, defop
 
@@ -25,19 +25,8 @@ def _bmm(ins, attrs):
     return [((a.shape[0], m, n), a.dtype)]
 
 
-@vjp("bmm")
-def _bmm_vjp(emit, node, dy, wants) -> list:
-    # As matmul's rule, per batch entry: the flags absorb every transpose.
-    (g,), (a, b) = dy, node.inputs
-    ta, tb = bool(node.attrs.get("trans_a")), bool(node.attrs.get("trans_b"))
-    da = db = None
-    if wants(0):
-        da = (emit("bmm", [b, g], trans_a=tb, trans_b=True) if ta
-              else emit("bmm", [g, b], trans_b=not tb))[0]
-    if wants(1):
-        db = (emit("bmm", [g, a], trans_a=True, trans_b=ta) if tb
-              else emit("bmm", [a, g], trans_a=not ta))[0]
-    return [da, db]
+# As matmul's rule, per batch entry.
+vjp("bmm")(product_vjp("bmm"))
 
 
 @impl("bmm")

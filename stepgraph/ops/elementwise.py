@@ -131,24 +131,20 @@ def _binary_impl(node, ins, outs, ctx):
     _BINARY_UFUNCS[node.attrs["kind"]](ins[0], ins[1], out=outs[0])
 
 
+# kind -> (ufunc, whether the scalar is the first operand)
+_SCALAR_UFUNCS = {"add": (np.add, False), "sub": (np.subtract, False),
+                  "rsub": (np.subtract, True), "mul": (np.multiply, False),
+                  "div": (np.divide, False), "rdiv": (np.divide, True), "pow": (np.power, False)}
+
+
 @impl("scalar")
 def _scalar_impl(node, ins, outs, ctx):
-    x, y = ins[0], outs[0]
-    kind, v = node.attrs["kind"], x.dtype.type(node.attrs["value"])
-    if kind == "add":
-        np.add(x, v, out=y)
-    elif kind == "sub":
-        np.subtract(x, v, out=y)
-    elif kind == "rsub":
-        np.subtract(v, x, out=y)
-    elif kind == "mul":
-        np.multiply(x, v, out=y)
-    elif kind == "div":
-        np.divide(x, v, out=y)
-    elif kind == "rdiv":
-        np.divide(v, x, out=y)
+    x, v = ins[0], ins[0].dtype.type(node.attrs["value"])
+    ufunc, scalar_first = _SCALAR_UFUNCS[node.attrs["kind"]]
+    if scalar_first:
+        ufunc(v, x, out=outs[0])
     else:
-        np.power(x, v, out=y)
+        ufunc(x, v, out=outs[0])
 
 
 @impl("expand")

@@ -34,8 +34,7 @@ def save_layout(buffers) -> tuple[tuple[int, ...], int]:
     offsets, end = [], 0
     for b in buffers:
         offsets.append(end)
-        nbytes = int(np.prod(b.shape, dtype=np.int64)) * np.dtype(b.dtype).itemsize
-        end += -(-nbytes // SAVE_ALIGN) * SAVE_ALIGN
+        end += -(-int(b.nbytes) // SAVE_ALIGN) * SAVE_ALIGN
     return tuple(offsets), max(end, SAVE_ALIGN)
 
 

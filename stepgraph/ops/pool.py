@@ -8,18 +8,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from ..autodiff.rules import vjp
 from ..backends.numpy.kernels import impl
-from ..ir.ops import _need, conv_out, defop
-
-
-def _pool_geometry(op: str, shape, attrs) -> tuple[int, int]:
-    """(Ho, Wo) of a pooling window sweep over an (N, C, H, W) input, checking the attrs."""
-    _need(len(shape) == 4, op, f"input must be (N, C, H, W), got {tuple(shape)}")
-    (kh, kw), (sh, sw), (ph, pw) = attrs["kernel"], attrs["stride"], attrs["padding"]
-    _need(2 * ph <= kh and 2 * pw <= kw, op,
-          f"padding {(ph, pw)} must be at most half the kernel {(kh, kw)}")
-    ho, wo = conv_out(shape[2], kh, sh, ph), conv_out(shape[3], kw, sw, pw)
-    _need(ho > 0 and wo > 0, op, f"window {(kh, kw)} larger than padded input {shape[2:]}")
-    return ho, wo
+from ..ir.ops import _need, conv_out, defop, pool_geometry
 
 
 @defop("avgpool2d")
@@ -29,7 +18,7 @@ def _avgpool2d(ins, attrs):
     divide by kh*kw when true, else by the number of real (unpadded) elements in the window.
     PyTorch's avg_pool2d with ceil_mode=False and no divisor_override."""
     x = ins[0]
-    ho, wo = _pool_geometry("avgpool2d", x.shape, attrs)
+    ho, wo = pool_geometry("avgpool2d", x.shape, attrs)
     return [((x.shape[0], x.shape[1], ho, wo), x.dtype)]
 
 
@@ -39,7 +28,7 @@ def _avgpool2d_grad(ins, attrs):
     and added to every real element of its window; ins (dy,); attrs as avgpool2d's."""
     dy = ins[0]
     shape = tuple(attrs["input_shape"])
-    want = (shape[0], shape[1], *_pool_geometry("avgpool2d_grad", shape, attrs))
+    want = (shape[0], shape[1], *pool_geometry("avgpool2d_grad", shape, attrs))
     _need(dy.shape == want, "avgpool2d_grad", f"dy {dy.shape} for input {shape}: expected {want}")
     return [(shape, dy.dtype)]
 

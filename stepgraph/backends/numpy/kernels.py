@@ -13,7 +13,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from ... import rng
 from ...ir.graph import Node
-from ...ir.ops import conv_geometry
+from ...ir.ops import IGNORE_INDEX, conv_geometry
 
 IMPLS: dict = {}
 
@@ -258,15 +258,15 @@ def dropout_grad(node: Node, ins, outs, ctx):
 # ---- softmax and losses --------------------------------------------------------------------
 
 def _logsumexp(x: np.ndarray) -> np.ndarray:
-    m = x.max(axis=1, keepdims=True)
-    return (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True)))[:, 0]
+    """logsumexp over the last axis, kept as an axis of 1."""
+    m = x.max(axis=-1, keepdims=True)
+    return m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
 @impl("log_softmax")
 def log_softmax(node: Node, ins, outs, ctx):
     x = ins[0]
-    m = x.max(axis=-1, keepdims=True)
-    outs[0][...] = x - (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))
+    outs[0][...] = x - _logsumexp(x)
 
 
 @impl("log_softmax_grad")
@@ -291,11 +291,11 @@ def _picked(x: np.ndarray, labels: np.ndarray) -> np.ndarray:
 
 
 def _kept_rows(labels: np.ndarray, ignore_index) -> np.ndarray:
-    """Rows whose label is not ignore_index (PyTorch's default -100 when None)."""
-    return labels != (-100 if ignore_index is None else int(ignore_index))
+    """Rows whose label is not ignore_index (IGNORE_INDEX when None)."""
+    return labels != (IGNORE_INDEX if ignore_index is None else int(ignore_index))
 
 
-def _cross_entropy_loss(logits, labels, lse, eps: float, ignore_index=-100):
+def _cross_entropy_loss(logits, labels, lse, eps: float, ignore_index: int):
     """The mean over the rows not ignored of (1-eps) (lse_i - x[i, y_i]) + eps (lse_i -
     mean_j x[i, j]) (PyTorch's); NaN when every row is ignored."""
     kept = _kept_rows(labels, ignore_index)
@@ -310,18 +310,18 @@ def _cross_entropy_loss(logits, labels, lse, eps: float, ignore_index=-100):
 
 
 def _ce_attrs(node: Node) -> tuple[float, int]:
-    return node.attrs.get("label_smoothing", 0.0), node.attrs.get("ignore_index", -100)
+    return node.attrs.get("label_smoothing", 0.0), node.attrs.get("ignore_index", IGNORE_INDEX)
 
 
 @impl("cross_entropy")
 def cross_entropy(node: Node, ins, outs, ctx):
     logits, labels = ins
-    lse = _logsumexp(logits)
+    lse = _logsumexp(logits)[:, 0]
     outs[0][...] = _cross_entropy_loss(logits, labels, lse, *_ce_attrs(node))
     outs[1][...] = lse
 
 
-def _softmax_minus_onehot(logits, lse, labels, dloss, eps: float = 0.0, ignore_index=-100):
+def _softmax_minus_onehot(logits, lse, labels, dloss, eps: float, ignore_index: int):
     """(softmax - (1-eps) onehot - eps/C) * dloss / kept in the rows not ignored (kept of
     them), 0 in the ignored rows: the smoothed target's gradient."""
     t = logits.dtype.type
@@ -344,7 +344,7 @@ def cross_entropy_grad(node: Node, ins, outs, ctx):
 @impl("cross_entropy_train")
 def cross_entropy_train(node: Node, ins, outs, ctx):
     logits, labels = ins
-    lse = _logsumexp(logits)
+    lse = _logsumexp(logits)[:, 0]
     outs[0][...] = _cross_entropy_loss(logits, labels, lse, *_ce_attrs(node))
     outs[1][...] = _softmax_minus_onehot(logits, lse, labels, logits.dtype.type(1),
                                          *_ce_attrs(node))
