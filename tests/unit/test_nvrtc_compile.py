@@ -130,25 +130,27 @@ def test_guard_launchers_name_existing_kernels():
 PTX_BYTES = {"u32": 4, "s32": 4, "b32": 4, "f32": 4, "u64": 8, "s64": 8, "b64": 8, "f64": 8}
 
 
-def kernel_params(filename: str, kernel: str) -> list[str]:
-    """The PTX parameter types (".u64", ".f32", ...) of an extern "C" kernel."""
-    import re
-
-    from cupy.cuda import nvrtc as rtc
-
+@functools.cache
+def kernel_params(filename: str, name: str) -> tuple[str, ...]:
+    """The PTX parameter types ("u64", "f32", ...) of kernel `name` of kernels/<filename>, a
+    template instantiation ("k<int>") or an extern "C" kernel."""
     headers = sorted(compiler.KERNEL_DIR.glob("*.cuh"))
-    prog = rtc.createProgram((compiler.KERNEL_DIR / filename).read_text(), filename,
-                             [h.read_text().encode() for h in headers],
-                             [h.name.encode() for h in headers])
-    rtc.compileProgram(prog, ["-arch=compute_90", "-std=c++17"])
-    ptx = rtc.getPTX(prog)
+    prog = nvrtc.createProgram((compiler.KERNEL_DIR / filename).read_text(), filename,
+                               [h.read_text().encode() for h in headers],
+                               [h.name.encode() for h in headers])
+    if "<" in name:
+        nvrtc.addNameExpression(prog, name)
+    nvrtc.compileProgram(prog, ["-arch=compute_90", "-std=c++17"])
+    lowered = nvrtc.getLoweredName(prog, name) if "<" in name else name
+    lowered = lowered.decode() if isinstance(lowered, bytes) else lowered
+    ptx = nvrtc.getPTX(prog)
     ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-    entry = re.search(rf"\.entry {kernel}\((.*?)\)", ptx, re.S)
-    assert entry, kernel
-    return re.findall(r"\.param \.(\w+)", entry.group(1))
+    entry = re.search(rf"\.entry {re.escape(lowered)}\((.*?)\)", ptx, re.S)
+    assert entry, (filename, name, lowered)
+    return tuple(re.findall(r"\.param \.(\w+)", entry.group(1)))
 
 
-class FakeArray:
+class Fake:
     """Just enough of a CuPy array for the launchers' bookkeeping."""
 
     def __init__(self, shape, dtype="float32", ptr=0x7000):
@@ -162,35 +164,65 @@ class FakeArray:
     def __len__(self):
         return self.shape[0]
 
+    @property
+    def itemsize(self):
+        return self.dtype.itemsize
 
-def _capture_launches(monkeypatch, module):
-    """Patch out the CuPy-only parts of a launcher module; return the launches it makes."""
+
+def _fake_memory(node, key, ctx, build, required=True):
+    """Stand-ins for the scratch each launcher asks _node_memory for."""
+    kind = key[0]
+    if kind in ("update", "guard_check", "guard_save", "guard_restore"):
+        return {"entries": Fake((4,), "int64"), "jobs": Fake((3, 2))}
+    if kind == "embedding_sort":
+        blocks = -(-key[1] // 1024)
+        return dict(keys=(Fake((key[1],), "int32"), Fake((key[1],), "int32")),
+                    positions=(Fake((key[1],), "int32"), Fake((key[1],), "int32")),
+                    hist=Fake((256 * blocks,), "int32"), blocks=blocks)
+    if kind == "layer_norm_grad":
+        return dict(w=Fake((key[1] * key[2],)) if key[3] else None,
+                    b=Fake((key[1] * key[2],)) if key[4] else None)
+    if kind == "cross_entropy":
+        return dict(counter=Fake((1,), "uint32"), count=Fake((1,), "int32"),
+                    rowloss=Fake((key[1],)))
+    if kind == "cross_entropy_count":
+        return Fake((1,), "int32")
+    raise AssertionError(f"unexpected scratch {key}")
+
+
+def _record_launches(monkeypatch, *modules):
+    """Patch out the CuPy-only parts of launcher modules; return the launches they make, as
+    (file, kernel, grid, block, args)."""
     from stepgraph.backends.cuda import launchers
 
     launched = []
-    for mod in {module, launchers}:
-        monkeypatch.setattr(mod, "_check", lambda *a, **k: None, raising=False)
-        monkeypatch.setattr(mod, "_check_scalar", lambda *a, **k: None, raising=False)
-        monkeypatch.setattr(mod, "_node_memory", lambda node, key, ctx, build, required=True:
-                            {"entries": FakeArray((4,), "int64"), "jobs": FakeArray((3, 2))},
-                            raising=False)
-        monkeypatch.setattr(mod, "_launch", lambda ctx, filename, name, grid, block, args:
-                            launched.append((filename, name, args)), raising=False)
+    for mod in set(modules) | {launchers}:
+        for name, fake in (("_check", lambda *a, **k: None), ("_node_memory", _fake_memory),
+                           ("_launch", lambda ctx, filename, name, grid, block, args:
+                            launched.append((filename, name, grid, block, args)))):
+            monkeypatch.setattr(mod, name, fake, raising=False)
     return launched
 
 
-def _assert_args_match(filename, name, args):
+def _assert_launches_match(launched) -> None:
+    """Each launch's arguments have its kernel's parameter types (pointers for arrays, the
+    same size and float-ness for scalars), and its block and grid are valid."""
     import numpy as np
 
-    params = kernel_params(filename, name)
-    assert len(params) == len(args), (name, params, args)
-    for i, (param, arg) in enumerate(zip(params, args)):
-        if isinstance(arg, FakeArray):
-            assert param in ("u64", "b64"), (name, i, param)
-            continue
-        arg = np.asarray(arg)
-        assert PTX_BYTES[param] == arg.itemsize, (name, i, param, arg.dtype)
-        assert (param[0] == "f") == (arg.dtype.kind == "f"), (name, i, param, arg.dtype)
+    assert launched
+    for filename, name, grid, block, args in launched:
+        params = kernel_params(filename, name)
+        assert len(params) == len(args), (name, params, args)
+        for i, (param, arg) in enumerate(zip(params, args)):
+            if isinstance(arg, Fake):
+                assert param in ("u64", "b64"), (name, i, param)
+                continue
+            arg = np.asarray(arg)
+            assert PTX_BYTES[param] == arg.itemsize, (name, i, param, arg.dtype)
+            assert (param[0] == "f") == (arg.dtype.kind == "f"), (name, i, param, arg.dtype)
+        threads = int(np.prod(block))
+        assert 32 <= threads <= 1024 and threads % 32 == 0, (name, block)
+        assert all(g >= 1 for g in grid) and len(grid) <= 3, (name, grid)
 
 
 @pytest.mark.parametrize("guarded", [False, True])
@@ -199,20 +231,20 @@ def test_update_launch_arguments_match_the_kernels(monkeypatch, op, guarded):
     from stepgraph.backends.cuda import launchers
     from stepgraph.ir.graph import Node
 
-    launched = _capture_launches(monkeypatch, launchers)
+    launched = _record_launches(monkeypatch, launchers)
     slots = 2 if op == "adam_update" else 1
     attrs = dict(n_params=2, n_scalars=3, n_slots=slots, max_norm=1.0, momentum=0.9,
                  dampening=0.0, weight_decay=0.01, nesterov=False, beta1=0.9, beta2=0.999,
                  eps=1e-8, decoupled=True)
     if guarded:
         attrs["guard"] = True
-    ins = [FakeArray(()), FakeArray((), "int64"), FakeArray(())] \
-        + [FakeArray((3, 4)) for _ in range((2 + slots) * 2)] \
-        + ([FakeArray((2,), "int32")] if guarded else [])
+    ins = [Fake(()), Fake((), "int64"), Fake(())] \
+        + [Fake((3, 4)) for _ in range((2 + slots) * 2)] \
+        + ([Fake((2,), "int32")] if guarded else [])
     getattr(launchers, op)(None, Node(op, [], [], attrs), ins)
-    (filename, name, args), = launched
+    (filename, name, _, _, args), = launched
     assert (filename, name) == ("optim.cu", f"{op}_kernel")
-    _assert_args_match(filename, name, args)
+    _assert_launches_match(launched)
     assert (args[8] is ins[-1]) if guarded else (args[8] == 0)    # the guard flags pointer
 
 
@@ -221,37 +253,36 @@ def test_guard_launch_arguments_match_the_kernels(monkeypatch):
     from stepgraph.backends.cuda import guards
     from stepgraph.ir.graph import Node
 
-    launched = _capture_launches(monkeypatch, guards)
+    launched = _record_launches(monkeypatch, guards)
     monkeypatch.setattr(guards, "_MAILBOXES", {})
-    flags, loss = FakeArray((2,), "int32"), FakeArray(())
+    flags, loss = Fake((2,), "int32"), Fake(())
     check = Node("guard_check", [], [], {"classes": 10, "ignore_index": -100})
-    guards.guard_check(None, check, [flags, loss, FakeArray((8,), "int64"), FakeArray((3, 4))])
+    guards.guard_check(None, check, [flags, loss, Fake((8,), "int64"), Fake((3, 4))])
     advance = Node("guard_advance", [], [], {"sticky": True})
-    guards.guard_advance(None, advance, [flags, FakeArray((4,), "int64"), FakeArray((), "int64"),
-                                         FakeArray((6,)), loss, FakeArray((16,)),
-                                         FakeArray((16,), "int64"), FakeArray((16,), "int32")],
-                         FakeArray(()))
-    buffers = [FakeArray((8,)), FakeArray((), "int64")]
-    saved = FakeArray((48,), "uint8")
+    guards.guard_advance(None, advance, [flags, Fake((4,), "int64"), Fake((), "int64"),
+                                         Fake((6,)), loss, Fake((16,)),
+                                         Fake((16,), "int64"), Fake((16,), "int32")],
+                         Fake(()))
+    buffers = [Fake((8,)), Fake((), "int64")]
+    saved = Fake((48,), "uint8")
     copy = {"offsets": (0, 32), "nbytes": 48}
     guards.IMPLS["guard_save"](Node("guard_save", [], [], copy), buffers, [saved], None)
     guards.IMPLS["guard_restore"](Node("guard_restore", [], [], copy),
                                   [flags, saved] + buffers, [], None)
-    assert [(f, n) for f, n, _ in launched] == [("guard.cu", "guard_check_kernel"),
+    assert [(f, n) for f, n, *_ in launched] == [("guard.cu", "guard_check_kernel"),
                                                 ("optim.cu", "guard_advance_kernel"),
                                                 ("guard.cu", "guard_copy_kernel"),
                                                 ("guard.cu", "guard_copy_kernel")]
-    assert launched[2][2][-1] == 0 and launched[3][2][-1] is flags
-    buffers = [FakeArray((8,), ptr=0x1000), FakeArray((), "int64", ptr=0x2000)]
-    saved = FakeArray((48,), "uint8", ptr=0x9000)
+    assert launched[2][4][-1] == 0 and launched[3][4][-1] is flags
+    buffers = [Fake((8,), ptr=0x1000), Fake((), "int64", ptr=0x2000)]
+    saved = Fake((48,), "uint8", ptr=0x9000)
     node = Node("guard_save", [], [], copy)
     assert guards._saved_pairs(node, saved, buffers, to_saved=True) == [
         (0x1000, 0x9000, 32), (0x2000, 0x9000 + 32, 8)]
     assert guards._saved_pairs(node, saved, buffers, to_saved=False)[1] == (0x9020, 0x2000, 8)
     with pytest.raises(sg_errors.ShapeError, match="overruns"):
-        guards._saved_pairs(node, FakeArray((36,), "uint8"), buffers, to_saved=True)
-    for filename, name, args in launched:
-        _assert_args_match(filename, name, args)
+        guards._saved_pairs(node, Fake((36,), "uint8"), buffers, to_saved=True)
+    _assert_launches_match(launched)
 
 
 def test_cross_entropy_count_kernel_is_launched():
@@ -285,86 +316,6 @@ def test_new_families_are_in_the_backend_table():
 
 
 # ---- the transformer families' launch arguments against their kernels (templates too) -----
-
-@functools.cache
-def instantiated_params(filename: str, name: str) -> tuple[str, ...]:
-    """The PTX parameter types of kernel `name` of kernels/<filename>, a template
-    instantiation ("k<int>") or an extern "C" kernel."""
-    import re
-
-    headers = sorted(compiler.KERNEL_DIR.glob("*.cuh"))
-    prog = nvrtc.createProgram((compiler.KERNEL_DIR / filename).read_text(), filename,
-                               [h.read_text().encode() for h in headers],
-                               [h.name.encode() for h in headers])
-    if "<" in name:
-        nvrtc.addNameExpression(prog, name)
-    nvrtc.compileProgram(prog, ["-arch=compute_90", "-std=c++17"])
-    lowered = nvrtc.getLoweredName(prog, name) if "<" in name else name
-    lowered = lowered.decode() if isinstance(lowered, bytes) else lowered
-    ptx = nvrtc.getPTX(prog)
-    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-    entry = re.search(rf"\.entry {re.escape(lowered)}\((.*?)\)", ptx, re.S)
-    assert entry, (filename, name, lowered)
-    return tuple(re.findall(r"\.param \.(\w+)", entry.group(1)))
-
-
-class Fake(FakeArray):
-    """FakeArray with an itemsize (slices pick their copy unit from it)."""
-
-    @property
-    def itemsize(self):
-        return self.dtype.itemsize
-
-
-def _fake_memory(node, key, ctx, build, required=True):
-    """Stand-ins for the scratch each launcher asks _node_memory for."""
-    kind = key[0]
-    if kind == "embedding_sort":
-        blocks = -(-key[1] // 1024)
-        return dict(keys=(Fake((key[1],), "int32"), Fake((key[1],), "int32")),
-                    positions=(Fake((key[1],), "int32"), Fake((key[1],), "int32")),
-                    hist=Fake((256 * blocks,), "int32"), blocks=blocks)
-    if kind == "layer_norm_grad":
-        return dict(w=Fake((key[1] * key[2],)) if key[3] else None,
-                    b=Fake((key[1] * key[2],)) if key[4] else None)
-    if kind == "cross_entropy":
-        return dict(counter=Fake((1,), "uint32"), count=Fake((1,), "int32"),
-                    rowloss=Fake((key[1],)))
-    if kind == "cross_entropy_count":
-        return Fake((1,), "int32")
-    raise AssertionError(f"unexpected scratch {key}")
-
-
-def _record_launches(monkeypatch, *modules):
-    from stepgraph.backends.cuda import launchers
-
-    launched = []
-    for mod in set(modules) | {launchers}:
-        for name, fake in (("_check", lambda *a, **k: None), ("_node_memory", _fake_memory),
-                           ("_launch", lambda ctx, filename, name, grid, block, args:
-                            launched.append((filename, name, grid, block, args)))):
-            monkeypatch.setattr(mod, name, fake, raising=False)
-    return launched
-
-
-def _assert_launches_match(launched) -> None:
-    import numpy as np
-
-    assert launched
-    for filename, name, grid, block, args in launched:
-        params = instantiated_params(filename, name)
-        assert len(params) == len(args), (name, params, args)
-        for i, (param, arg) in enumerate(zip(params, args)):
-            if isinstance(arg, FakeArray):
-                assert param in ("u64", "b64"), (name, i, param)
-                continue
-            arg = np.asarray(arg)
-            assert PTX_BYTES[param] == arg.itemsize, (name, i, param, arg.dtype)
-            assert (param[0] == "f") == (arg.dtype.kind == "f"), (name, i, param, arg.dtype)
-        threads = int(np.prod(block))
-        assert 32 <= threads <= 1024 and threads % 32 == 0, (name, block)
-        assert all(g >= 1 for g in grid) and len(grid) <= 3, (name, grid)
-
 
 @pytest.mark.parametrize("idx_dtype", ["int32", "int64"])
 @pytest.mark.parametrize("ptr", [0x7000, 0x7004])          # float4 path or not

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from ...errors import BackendUnavailableError, CaptureError
+from .launchers import _capturing
 
 if TYPE_CHECKING:
     from .conv import Geometry
@@ -207,10 +208,6 @@ def plans_for(ctx, p: Problem) -> Plans:
                                "the step eagerly once before capturing")
         plans = _PLANS[p] = _build(_load()[0], p, handle(ctx))
     return plans
-
-
-def _capturing(ctx) -> bool:
-    return bool(getattr(ctx, "capturing", False)) or ctx.stream.is_capturing()
 
 
 # ---- handle, workspace, launch ---------------------------------------------------------------

@@ -20,7 +20,7 @@ from ...errors import ShapeError
 from ...ir.graph import Node
 from ...ops.guard import GUARD_GRADS, GUARD_LABELS, GUARD_LOSS, N_COUNTERS, N_FLAGS
 from .launchers import (BLOCK, LABEL_CTYPES, UPDATE_CHUNK, _aligned, _buffers_key, _check,
-                        _check_scalar, _chunk_jobs, _launch, _node_memory)
+                        _check_scalar, _chunk_jobs, _launch, _node_memory, _or_null)
 
 SOURCE = "guard.cu"
 KINDS = {np.dtype("float32"): 0, np.dtype("int32"): 1, np.dtype("int64"): 2}   # guard.cu KIND_*
@@ -109,8 +109,7 @@ def guard_copy(ctx, node: Node, saved, buffers, flags=None) -> None:
     tables = _node_memory(node, key, ctx, lambda: _copy_tables(
         _saved_pairs(node, saved, buffers, to_saved=flags is None)))
     _launch(ctx, SOURCE, "guard_copy_kernel", (len(tables["jobs"]),), (BLOCK,),
-            (tables["entries"], tables["jobs"], np.int32(COPY_CHUNK),
-             flags if flags is not None else np.uint64(0)))
+            (tables["entries"], tables["jobs"], np.int32(COPY_CHUNK), _or_null(flags)))
 
 
 # ---- guard_advance and the mailbox ---------------------------------------------------------

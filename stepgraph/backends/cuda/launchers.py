@@ -85,6 +85,11 @@ def _aligned(*arrays, to: int = 16) -> bool:
     return all(a.data.ptr % to == 0 for a in arrays)
 
 
+def _or_null(a):
+    """a, or a null pointer argument for an absent optional array."""
+    return np.uint64(0) if a is None else a
+
+
 def _grid(work: int, block: int = BLOCK) -> tuple[int]:
     return (max(1, min((work + block - 1) // block, MAX_BLOCKS)),)
 
@@ -418,7 +423,7 @@ def _checked_norm_tables(tensors) -> dict:
 # ---- pool.cu -------------------------------------------------------------------------------
 
 def _pool_args(x_shape: tuple, y_shape: tuple, kernel, stride, padding=(0, 0)) -> tuple:
-    """POOL_SHAPE_ARGS of pool.cu (also avgpool.cu's)."""
+    """POOL_SHAPE_ARGS of kernels/pool.cuh (pool.cu and avgpool.cu)."""
     n, c, h, w = x_shape
     (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
     return tuple(np.int32(v) for v in (n * c, h, w, y_shape[2], y_shape[3], kh, kw, sh, sw,
@@ -467,7 +472,7 @@ def maxpool2d_backward(ctx, dy, idx, dx, kernel, stride, y=None, padding=(0, 0))
     _check_int32("maxpool2d_grad", max(dx.size, dy.size))
     if not dx.size:
         return
-    args = (dy, idx, y if y is not None else np.uint64(0), dx) \
+    args = (dy, idx, _or_null(y), dx) \
         + _pool_args(tuple(dx.shape), y_shape, kernel, stride, padding)
     h, w = dx.shape[2:]
     if tuple(stride) == tuple(kernel) and h % kernel[0] == 0 and w % kernel[1] == 0 \
@@ -620,8 +625,8 @@ def cross_entropy_backward(ctx, dloss, logits, lse, labels, dx,
         _count_kept(ctx, labels, ignore, count)
     _launch(ctx, "loss.cu", f"cross_entropy_backward_kernel<{LABEL_CTYPES[labels.dtype]}>",
             _grid(logits.size), (BLOCK,),
-            (dloss, logits, lse, labels, dx, count if count is not None else np.uint64(0),
-             np.int32(n), np.int32(c), off, hit, ignore))
+            (dloss, logits, lse, labels, dx, _or_null(count), np.int32(n), np.int32(c), off,
+             hit, ignore))
 
 
 def cross_entropy_train(ctx, node: Node, logits, labels, loss, dx,

@@ -23,8 +23,8 @@ import numpy as np
 
 from ...errors import ShapeError
 from ...ir.graph import Node
-from .launchers import BLOCK, MAX_BLOCKS, _aligned, _check, _check_int32, _grid, _launch, \
-    _node_memory, fill_forward
+from .launchers import BLOCK, _aligned, _check, _check_int32, _grid, _launch, _node_memory, \
+    _or_null, _row_grid, fill_forward
 
 SOURCE = "layer_norm.cu"
 MAX_THREADS = 256            # threads of a row group (the templates' __launch_bounds__)
@@ -89,10 +89,6 @@ def _check_stats(what: str, rows: int, *stats) -> None:
                              f"{tuple(t.shape)}")
 
 
-def _null(a):
-    return a if a is not None else np.uint64(0)
-
-
 def layer_norm_forward(ctx, x, weight, bias, y, mean, rstd, eps: float) -> None:
     """y = (x - mean) * rstd [* weight] [+ bias] over the last axis; mean and rstd (rows,)
     float32, rstd = 1 / sqrt(biased variance + eps)."""
@@ -105,9 +101,9 @@ def layer_norm_forward(ctx, x, weight, bias, y, mean, rstd, eps: float) -> None:
     if not rows:
         return
     lay = row_layout(c, [a for a in (x, y, weight, bias) if a is not None])
-    grid = (max(1, min(-(-rows // lay.rows_per_block), MAX_BLOCKS)),)
-    _launch(ctx, SOURCE, lay.kernel("forward"), grid, (lay.threads, lay.rows_per_block),
-            (x, _null(weight), _null(bias), y, mean, rstd, np.int32(rows), np.int32(c),
+    _launch(ctx, SOURCE, lay.kernel("forward"), _row_grid(rows, lay.rows_per_block),
+            (lay.threads, lay.rows_per_block),
+            (x, _or_null(weight), _or_null(bias), y, mean, rstd, np.int32(rows), np.int32(c),
              np.float32(eps)))
 
 
@@ -145,11 +141,11 @@ def layer_norm_backward(ctx, node: Node, dy, x, weight, mean, rstd, dx, dweight=
             b=cp.empty(slots * c, np.float32) if dbias is not None else None))
         partial_w, partial_b = tables["w"], tables["b"]
     _launch(ctx, SOURCE, lay.kernel("backward"), (blocks,), (lay.threads, lay.rows_per_block),
-            (dy, x, _null(weight), mean, rstd, dx, _null(partial_w), _null(partial_b),
+            (dy, x, _or_null(weight), mean, rstd, dx, _or_null(partial_w), _or_null(partial_b),
              np.int32(rows), np.int32(c)))
     if partial_w is not None or partial_b is not None:
         _launch(ctx, SOURCE, "layer_norm_grad_finalize_kernel", _grid(c), (BLOCK,),
-                (_null(partial_w), _null(partial_b), _null(dweight), _null(dbias),
+                (_or_null(partial_w), _or_null(partial_b), _or_null(dweight), _or_null(dbias),
                  np.int32(slots), np.int32(c)))
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from ...errors import ShapeError
 from ...ir.graph import Node
 from .launchers import BLOCK, _aligned, _check, _check_int32, _check_scalar, _launch, \
-    _node_memory
+    _node_memory, _or_null
 
 SOURCE = "norm.cu"
 COLUMN_TILE = 32             # norm.cu COLUMN_TILE: channels per block of the columns layout
@@ -122,14 +122,6 @@ def _partials(node: Node, ctx, layout: Layout, splits: int, extra: int = 0) -> d
         coef=cp.empty(max(1, layout.c * extra), np.float32)))
 
 
-NULL = np.uint64(0)   # a null pointer argument: the optional input is absent
-
-
-def _ptr(a):
-    """a, or a null pointer for an absent optional array."""
-    return NULL if a is None else a
-
-
 def _check_channels(op: str, c: int, **arrays) -> None:
     for what, arr in arrays.items():
         if arr is not None:
@@ -197,10 +189,10 @@ def batch_norm_train_forward(ctx, node: Node, ins: list, outs: list) -> None:
     _launch(ctx, SOURCE, "batch_norm_finalize_kernel", (1,), (FINALIZE_BLOCK,),
             (scratch["partial"], np.int32(stats[0]), np.int32(layout.c),
              np.float64(layout.count), np.float64(a["eps"]), t.save_mean, t.save_invstd,
-             _ptr(t.running_mean), _ptr(t.running_var), _ptr(t.tracked),
+             _or_null(t.running_mean), _or_null(t.running_var), _or_null(t.tracked),
              np.float64(momentum or 0.0), np.int32(momentum is None)))
     _launch_pass(ctx, "forward", layout, layout.apply_splits(), APPLY_ROWS,
-                 (t.x, t.y, t.save_mean, t.save_invstd, _ptr(t.weight), _ptr(t.bias),
+                 (t.x, t.y, t.save_mean, t.save_invstd, _or_null(t.weight), _or_null(t.bias),
                   np.int32(relu)))
 
 
@@ -252,14 +244,14 @@ def batch_norm_grad_backward(ctx, node: Node, ins: list, outs: list) -> None:
     stats = layout.stats_splits()
     scratch = _partials(node, ctx, layout, stats[0], extra=3)
     _launch_pass(ctx, "grad_stats", layout, stats, STATS_ROWS,
-                 (g.dy, g.x, _ptr(g.y), g.mean, g.invstd, scratch["partial"]))
+                 (g.dy, g.x, _or_null(g.y), g.mean, g.invstd, scratch["partial"]))
     _launch(ctx, SOURCE, "batch_norm_grad_finalize_kernel", (-(-layout.c // FINALIZE_BLOCK),),
             (FINALIZE_BLOCK,),
             (scratch["partial"], np.int32(stats[0]), np.int32(layout.c),
-             np.float64(layout.count), _ptr(g.weight), g.invstd, scratch["coef"],
-             _ptr(g.dweight), _ptr(g.dbias)))
+             np.float64(layout.count), _or_null(g.weight), g.invstd, scratch["coef"],
+             _or_null(g.dweight), _or_null(g.dbias)))
     _launch_pass(ctx, "backward", layout, layout.apply_splits(), APPLY_ROWS,
-                 (g.dy, g.x, _ptr(g.y), g.mean, g.invstd, scratch["coef"], g.dx))
+                 (g.dy, g.x, _or_null(g.y), g.mean, g.invstd, scratch["coef"], g.dx))
 
 
 # ---- names and the op table ----------------------------------------------------------------

@@ -20,7 +20,7 @@ from ...errors import ShapeError
 from ...ir.graph import Node
 from ...ops.pointwise import Instr
 from . import compiler
-from .launchers import ACT_CODES, BLOCK, MAX_BLOCKS, MAX_INT
+from .launchers import ACT_CODES, BLOCK, MAX_INT, _grid, _slope
 
 KERNEL_NAME = "pointwise_kernel"
 _BINARY = {"add": "__fadd_rn({a}, {b})", "sub": "__fsub_rn({a}, {b})",
@@ -74,11 +74,6 @@ def _expression(instr: Instr, r: list[str]) -> str:
     raise ShapeError(f"pointwise: no CUDA code for op {instr.op!r}")
 
 
-def _slope(attr: dict) -> float:
-    slope = attr.get("slope")
-    return 0.01 if slope is None else float(slope)
-
-
 @functools.cache
 def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: tuple,
                   input_shapes: tuple[tuple, ...]) -> str:
@@ -123,8 +118,7 @@ def pointwise_forward(ctx, node: Node, ins: list, outs: list) -> None:
     source = kernel_source(node.attrs["program"], node.attrs["results"], shape,
                            tuple(tuple(v.shape) for v in node.inputs))
     kernel = compiler.generated_kernel(source, KERNEL_NAME)
-    grid = (max(1, min((n + BLOCK - 1) // BLOCK, MAX_BLOCKS)),)
-    kernel(grid, (BLOCK,), (*ins, *outs, np.int32(n)), stream=ctx.stream)
+    kernel(_grid(n), (BLOCK,), (*ins, *outs, np.int32(n)), stream=ctx.stream)
 
 
 IMPLS = {"pointwise": lambda node, ins, outs, ctx: pointwise_forward(ctx, node, ins, outs)}

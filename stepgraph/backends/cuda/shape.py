@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 
 from ...errors import ShapeError
-from .launchers import BLOCK, _check, _grid, _launch
+from .launchers import BLOCK, _aligned, _check, _grid, _launch
 
 SOURCE = "shape.cu"
 UNIT_CTYPES = {16: "uint4", 8: "unsigned long long", 4: "unsigned int", 1: "unsigned char"}
@@ -32,14 +32,14 @@ def kernel_names() -> dict[str, set[str]]:
 
 def _unit(inner_bytes: int, *arrays) -> int:
     for unit in UNIT_CTYPES:
-        if inner_bytes % unit == 0 and all(a.data.ptr % unit == 0 for a in arrays):
+        if inner_bytes % unit == 0 and _aligned(*arrays, to=unit):
             return unit
     return 1
 
 
 def _slice_args(what: str, shape: tuple, dim: int, start: int, stop: int | None = None):
-    """(dim, start, length, outer, D, inner) of a slice along dim of an array of `shape`,
-    start and stop normalised as Python slices do."""
+    """(dim, start, length, D, inner) of a slice along dim of an array of `shape`, start and
+    stop normalised as Python slices do."""
     if not shape:
         raise ShapeError(f"{what}: cannot slice a scalar")
     if not -len(shape) <= dim < len(shape):
@@ -47,10 +47,10 @@ def _slice_args(what: str, shape: tuple, dim: int, start: int, stop: int | None 
     dim %= len(shape)
     d = shape[dim]
     start, stop, _ = slice(start, stop).indices(d)
-    return dim, start, max(0, stop - start), math.prod(shape[:dim]), d, math.prod(shape[dim + 1:])
+    return dim, start, max(0, stop - start), d, math.prod(shape[dim + 1:])
 
 
-def _launch_slice(ctx, direction: str, src, dst, outer: int, length: int, d: int, inner: int,
+def _launch_slice(ctx, direction: str, src, dst, length: int, d: int, inner: int,
                   start: int) -> None:
     unit = _unit(inner * dst.itemsize, src, dst)
     inner_units = inner * dst.itemsize // unit
@@ -63,17 +63,17 @@ def _launch_slice(ctx, direction: str, src, dst, outer: int, length: int, d: int
 def slice_forward(ctx, x, y, dim: int, start: int, stop: int | None) -> None:
     """y = x[..., start:stop, ...] along dim, contiguous; any dtype."""
     _check("slice input", x, dtype=None)
-    dim, start, length, outer, d, inner = _slice_args("slice", tuple(x.shape), dim, start, stop)
+    dim, start, length, d, inner = _slice_args("slice", tuple(x.shape), dim, start, stop)
     want = tuple(x.shape[:dim]) + (length,) + tuple(x.shape[dim + 1:])
     _check("slice output", y, dtype=str(x.dtype), shape=want)
     if y.size:
-        _launch_slice(ctx, "forward", x, y, outer, length, d, inner, start)
+        _launch_slice(ctx, "forward", x, y, length, d, inner, start)
 
 
 def slice_backward(ctx, dy, dx, dim: int, start: int) -> None:
     """dx = zeros of its shape with dy placed at [..., start:start + L, ...] along dim."""
     _check("slice_grad dx", dx, dtype=None)
-    dim, start, _, outer, d, inner = _slice_args("slice_grad", tuple(dx.shape), dim, start)
+    dim, start, _, d, inner = _slice_args("slice_grad", tuple(dx.shape), dim, start)
     length = dy.shape[dim] if dy.ndim == dx.ndim else -1
     want = tuple(dx.shape[:dim]) + (length,) + tuple(dx.shape[dim + 1:])
     _check("slice_grad dy", dy, dtype=str(dx.dtype), shape=want)
@@ -81,7 +81,7 @@ def slice_backward(ctx, dy, dx, dim: int, start: int) -> None:
         raise ShapeError(f"slice_grad: dy {tuple(dy.shape)} at start {start} overruns dim "
                          f"{dim} of {tuple(dx.shape)}")
     if dx.size:
-        _launch_slice(ctx, "backward", dy, dx, outer, length, d, inner, start)
+        _launch_slice(ctx, "backward", dy, dx, length, d, inner, start)
 
 
 def arange_forward(ctx, y) -> None:

@@ -32,6 +32,15 @@ def _scaled_args(what: str, x, scale, causal: bool) -> tuple | None:
     return np.int32(max(rows, 1)), np.float32(scale), np.int32(causal)
 
 
+def _launch_rows(ctx, direction: str, n: int, c: int, arrays: tuple, scaled) -> None:
+    """softmax_<direction>_kernel over n rows of c columns, or its scaled twin when `scaled`
+    holds the scaled kernels' arguments (_scaled_args)."""
+    kind = direction if scaled is None else f"scaled_{direction}"
+    block = _row_block(c, BLOCK)
+    _launch(ctx, "softmax.cu", f"softmax_{kind}_kernel", _row_grid(n, block[1]), block,
+            arrays + (np.int32(n), np.int32(c)) + (scaled or ()))
+
+
 def softmax_forward(ctx, x, y, scale: float = 1.0, causal: bool = False) -> None:
     """y = softmax(scale * x + mask) over the last axis (x any rank >= 1); the causal mask
     hides column c of row r (last two dims, R rows, C columns) when c > r + (C - R), and
@@ -39,15 +48,8 @@ def softmax_forward(ctx, x, y, scale: float = 1.0, causal: bool = False) -> None
     n, c = _check_rows("softmax input", x)
     _check("softmax output", y, shape=x.shape)
     scaled = _scaled_args("softmax", x, scale, causal)
-    if not x.size:
-        return
-    block = _row_block(c, BLOCK)
-    if scaled is None:
-        _launch(ctx, "softmax.cu", "softmax_forward_kernel", _row_grid(n, block[1]), block,
-                (x, y, np.int32(n), np.int32(c)))
-    else:
-        _launch(ctx, "softmax.cu", "softmax_scaled_forward_kernel", _row_grid(n, block[1]),
-                block, (x, y, np.int32(n), np.int32(c)) + scaled)
+    if x.size:
+        _launch_rows(ctx, "forward", n, c, (x, y), scaled)
 
 
 def softmax_backward(ctx, dy, y, dx, scale: float = 1.0, causal: bool = False) -> None:
@@ -56,15 +58,8 @@ def softmax_backward(ctx, dy, y, dx, scale: float = 1.0, causal: bool = False) -
     _check("softmax_grad y", y, shape=dy.shape)
     _check("softmax_grad dx", dx, shape=dy.shape)
     scaled = _scaled_args("softmax_grad", dy, scale, causal)
-    if not dy.size:
-        return
-    block = _row_block(c, BLOCK)
-    if scaled is None:
-        _launch(ctx, "softmax.cu", "softmax_backward_kernel", _row_grid(n, block[1]), block,
-                (dy, y, dx, np.int32(n), np.int32(c)))
-    else:
-        _launch(ctx, "softmax.cu", "softmax_scaled_backward_kernel", _row_grid(n, block[1]),
-                block, (dy, y, dx, np.int32(n), np.int32(c)) + scaled)
+    if dy.size:
+        _launch_rows(ctx, "backward", n, c, (dy, y, dx), scaled)
 
 
 def kernel_names() -> dict[str, set[str]]:

@@ -3,29 +3,20 @@
 // else the number of real (unpadded) elements in the window. Floor mode keeps every window
 // inside the padded plane, so kh * kw is PyTorch's divisor too. The backward gathers, one
 // thread per input element (dy / divisor over the windows holding it, row-major window
-// order): no atomics, a fixed order. Launchers keep sizes < 2^31.
+// order): no atomics, a fixed order. Launchers keep sizes < 2^31. Shapes and windows: pool.cuh.
+#include "pool.cuh"
 #include "reduce.cuh"
 
-// As pool.cu: `planes` = N * C planes of (H, W) in, (Ho, Wo) out; window (kh, kw), stride
-// (sh, sw), padding (ph, pw): window (ho, wo) starts at (ho * sh - ph, wo * sw - pw).
-#define POOL_SHAPE_ARGS int planes, int H, int W, int Ho, int Wo, int kh, int kw, int sh, int sw, \
-                        int ph, int pw
-
-// Window (ho, wo) clipped to the plane: rows [h0, h1), columns [w0, w1); returns the divisor.
-__device__ __forceinline__ int clipped_window(int ho, int wo, int H, int W, int kh, int kw,
-                                              int sh, int sw, int ph, int pw,
-                                              int count_include_pad, int* h0, int* h1, int* w0,
-                                              int* w1) {
-    *h0 = max(ho * sh - ph, 0);
-    *h1 = min(ho * sh - ph + kh, H);
-    *w0 = max(wo * sw - pw, 0);
-    *w1 = min(wo * sw - pw + kw, W);
-    return count_include_pad ? kh * kw : (*h1 - *h0) * (*w1 - *w0);
+// The divisor of a clipped window: the whole window, or only its real elements.
+__device__ __forceinline__ int window_divisor(const PoolShape& s, const Window& win,
+                                              int count_include_pad) {
+    return count_include_pad ? s.kh * s.kw : (win.h1 - win.h0) * (win.w1 - win.w0);
 }
 
 // A thread per output: the window summed in row-major order.
 extern "C" __global__ void avgpool2d_forward_kernel(const float* x, float* y,
                                                     int count_include_pad, POOL_SHAPE_ARGS) {
+    const PoolShape s = POOL_SHAPE_INIT;
     const long long total = (long long)planes * Ho * Wo;
     for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total;
          g += (long long)gridDim.x * blockDim.x) {
@@ -33,13 +24,11 @@ extern "C" __global__ void avgpool2d_forward_kernel(const float* x, float* y,
         const int wo = o % Wo, t = o / Wo;
         const int ho = t % Ho, p = t / Ho;
         const float* plane = x + (long long)p * H * W;
-        int h0, h1, w0, w1;
-        const int divisor = clipped_window(ho, wo, H, W, kh, kw, sh, sw, ph, pw,
-                                           count_include_pad, &h0, &h1, &w0, &w1);
+        const Window win = clipped_window(s, ho, wo);
         float acc = 0.f;
-        for (int h = h0; h < h1; ++h)
-            for (int w = w0; w < w1; ++w) acc += plane[h * W + w];
-        y[o] = acc / (float)divisor;
+        for (int h = win.h0; h < win.h1; ++h)
+            for (int w = win.w0; w < win.w1; ++w) acc += plane[h * W + w];
+        y[o] = acc / (float)window_divisor(s, win, count_include_pad);
     }
 }
 
@@ -49,6 +38,7 @@ extern "C" __global__ void avgpool2d_forward_kernel(const float* x, float* y,
 extern "C" __global__ void avgpool2d_forward_warp_kernel(const float* x, float* y,
                                                          int count_include_pad,
                                                          POOL_SHAPE_ARGS) {
+    const PoolShape s = POOL_SHAPE_INIT;
     const long long total = (long long)planes * Ho * Wo;
     const int lane = threadIdx.x & 31;
     const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
@@ -58,42 +48,35 @@ extern "C" __global__ void avgpool2d_forward_warp_kernel(const float* x, float* 
         const int wo = o % Wo, t = o / Wo;
         const int ho = t % Ho, p = t / Ho;
         const float* plane = x + (long long)p * H * W;
-        int h0, h1, w0, w1;
-        const int divisor = clipped_window(ho, wo, H, W, kh, kw, sh, sw, ph, pw,
-                                           count_include_pad, &h0, &h1, &w0, &w1);
-        const int width = w1 - w0, count = (h1 - h0) * width;
+        const Window win = clipped_window(s, ho, wo);
+        const int width = win.w1 - win.w0, count = (win.h1 - win.h0) * width;
         float acc = 0.f;
         for (int e = lane; e < count; e += 32) {
             const int r = e / width;
-            acc += plane[(h0 + r) * W + w0 + (e - r * width)];
+            acc += plane[(win.h0 + r) * W + win.w0 + (e - r * width)];
         }
         acc = warp_sum(acc);
-        if (lane == 0) y[o] = acc / (float)divisor;
+        if (lane == 0) y[o] = acc / (float)window_divisor(s, win, count_include_pad);
     }
 }
 
 // dx[p, h, w] = sum of dy[o] / divisor(o) over the windows o holding (h, w), row-major.
 extern "C" __global__ void avgpool2d_backward_kernel(const float* dy, float* dx,
                                                      int count_include_pad, POOL_SHAPE_ARGS) {
+    const PoolShape s = POOL_SHAPE_INIT;
     const long long total = (long long)planes * H * W;
     for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total;
          g += (long long)gridDim.x * blockDim.x) {
         const int i = (int)g;
         const int w = i % W, t = i / W;
         const int h = t % H, p = t / H;
-        // Windows ho with ho * sh <= h + ph <= ho * sh + kh - 1 (and likewise along w).
-        const int hp = h + ph, wp = w + pw;
-        const int ho_lo = hp < kh ? 0 : (hp - kh) / sh + 1;
-        const int ho_hi = min(hp / sh, Ho - 1);
-        const int wo_lo = wp < kw ? 0 : (wp - kw) / sw + 1;
-        const int wo_hi = min(wp / sw, Wo - 1);
+        const WindowSpan span = windows_holding(s, h, w);
         const float* dyp = dy + (long long)p * Ho * Wo;
         float acc = 0.f;
-        for (int ho = ho_lo; ho <= ho_hi; ++ho) {
-            for (int wo = wo_lo; wo <= wo_hi; ++wo) {
-                int h0, h1, w0, w1;
-                const int divisor = clipped_window(ho, wo, H, W, kh, kw, sh, sw, ph, pw,
-                                                   count_include_pad, &h0, &h1, &w0, &w1);
+        for (int ho = span.ho_lo; ho <= span.ho_hi; ++ho) {
+            for (int wo = span.wo_lo; wo <= span.wo_hi; ++wo) {
+                const int divisor = window_divisor(s, clipped_window(s, ho, wo),
+                                                   count_include_pad);
                 acc += dyp[ho * Wo + wo] / (float)divisor;
             }
         }

@@ -12,17 +12,6 @@
 // float64: no atomics anywhere.
 #include "reduce.cuh"
 
-#define MAX_K 8
-
-// Row loops visit rows base by base: every thread of a block runs the same number of
-// iterations (rows past N are invalid), so row reductions may synchronise inside them.
-__device__ __forceinline__ long long first_row_base() {
-    return (long long)blockIdx.x * blockDim.y;
-}
-__device__ __forceinline__ long long row_base_stride() {
-    return (long long)gridDim.x * blockDim.y;
-}
-
 template <int VEC>
 __device__ __forceinline__ void load_vec(const float* p, long long i, float* v) {
     if (VEC == 4) {
@@ -242,23 +231,21 @@ layer_norm_backward_loop_kernel(const float* dy, const float* x, const float* we
     }
 }
 
-// dweight[c] = sum over slots of partial_w[slot, c], in slot order, in float64 (dbias alike);
-// either output may be null.
+// Column c of partial [slots, C] summed over the slots, in slot order, in float64.
+__device__ __forceinline__ float slot_sum(const float* partial, int slots, int C, int c) {
+    double s = 0.0;
+    for (int k = 0; k < slots; ++k) s += (double)partial[(long long)k * C + c];
+    return (float)s;
+}
+
+// dweight[c] = sum over slots of partial_w[slot, c] (dbias alike); either output may be null.
 extern "C" __global__ void layer_norm_grad_finalize_kernel(const float* partial_w,
                                                            const float* partial_b,
                                                            float* dweight, float* dbias,
                                                            int slots, int C) {
     for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < C; c += gridDim.x * blockDim.x) {
-        if (dweight) {
-            double s = 0.0;
-            for (int k = 0; k < slots; ++k) s += (double)partial_w[(long long)k * C + c];
-            dweight[c] = (float)s;
-        }
-        if (dbias) {
-            double s = 0.0;
-            for (int k = 0; k < slots; ++k) s += (double)partial_b[(long long)k * C + c];
-            dbias[c] = (float)s;
-        }
+        if (dweight) dweight[c] = slot_sum(partial_w, slots, C, c);
+        if (dbias) dbias[c] = slot_sum(partial_b, slots, C, c);
     }
 }
 

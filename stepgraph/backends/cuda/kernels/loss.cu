@@ -16,18 +16,12 @@
 // launcher scratch) or, given null, count the labels in each block.
 #include "reduce.cuh"
 
-#define NEG_INF __int_as_float(0xff800000)
 #define QUIET_NAN __int_as_float(0x7fc00000)
 
 // Every thread of the block calls this (row reductions synchronise); rows past N pass cols = 0.
 __device__ __forceinline__ float row_logsumexp(const float* xr, int cols, float* smem) {
-    float m = NEG_INF;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) m = fmaxf(m, xr[c]);
-    m = row_max(m, smem);
-    float s = 0.f;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) s += expf(xr[c] - m);
-    s = row_sum(s, smem);
-    return m + logf(s);
+    const float m = row_max_of(xr, cols, smem);
+    return m + logf(row_sum_exp(xr, cols, m, smem));
 }
 
 template <typename L>
@@ -96,15 +90,6 @@ cross_entropy_count_kernel(const L* labels, int N, long long ignore_index, int* 
     __shared__ int total;
     const int k = count_kept(labels, N, ignore_index, ismem, &total);
     if (flat_thread() == 0) *count = k;
-}
-
-// Row loops visit rows base by base: every thread of a block runs the same number of
-// iterations (rows past N pass cols = 0), so row reductions may synchronise inside them.
-__device__ __forceinline__ long long first_row_base() {
-    return (long long)blockIdx.x * blockDim.y;
-}
-__device__ __forceinline__ long long row_base_stride() {
-    return (long long)gridDim.x * blockDim.y;
 }
 
 extern "C" __global__ void log_softmax_forward_kernel(const float* x, float* y, int N, int C) {

@@ -112,6 +112,16 @@ __device__ __forceinline__ void write_column_partials(double a, double b, double
     partial[at + 1] = sb;
 }
 
+// Channel c's two sums: its splits' partials (write_*_partials) added in split order.
+__device__ __forceinline__ double2 channel_sums(const double* partial, int splits, int c) {
+    double a = 0.0, b = 0.0;
+    for (int k = 0; k < splits; ++k) {
+        a += partial[((long long)c * splits + k) * 2];
+        b += partial[((long long)c * splits + k) * 2 + 1];
+    }
+    return make_double2(a, b);
+}
+
 // ---- per-element arithmetic ----------------------------------------------------------------
 // Separate roundings (no FMA contraction), in the reference's order.
 
@@ -207,13 +217,9 @@ extern "C" __global__ void batch_norm_finalize_kernel(const double* partial, int
         if (cumulative) m = 1.0 / (double)t;
     }
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
-        double s = 0.0, q = 0.0;
-        for (int k = 0; k < splits; ++k) {
-            s += partial[((long long)c * splits + k) * 2];
-            q += partial[((long long)c * splits + k) * 2 + 1];
-        }
-        const double mean = s / count;
-        double var = q / count - mean * mean;
+        const double2 sums = channel_sums(partial, splits, c);   // (sum x, sum x^2)
+        const double mean = sums.x / count;
+        double var = sums.y / count - mean * mean;
         if (var < 0.0) var = 0.0;      // rounding only; a NaN passes
         save_mean[c] = (float)mean;
         save_invstd[c] = (float)(1.0 / sqrt(var + eps));
@@ -331,11 +337,8 @@ extern "C" __global__ void batch_norm_grad_finalize_kernel(const double* partial
                                                            float* dweight, float* dbias) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
-    double s = 0.0, sx = 0.0;
-    for (int k = 0; k < splits; ++k) {
-        s += partial[((long long)c * splits + k) * 2];
-        sx += partial[((long long)c * splits + k) * 2 + 1];
-    }
+    const double2 sums = channel_sums(partial, splits, c);
+    const double s = sums.x, sx = sums.y;   // sum g, sum g * xhat
     if (dweight != nullptr) {
         dweight[c] = (float)sx;
         dbias[c] = (float)s;

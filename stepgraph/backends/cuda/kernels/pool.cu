@@ -6,15 +6,12 @@
 // Launchers keep sizes < 2^31.
 
 // With relu (the ReLU after the pool, fused) the forward stores relu(max) and the backward
-// adds only where that output is > 0.
-
-// Shapes: `planes` = N * C planes of (H, W) in, (Ho, Wo) out; window (kh, kw), stride (sh, sw),
-// padding (ph, pw): window (ho, wo) starts at (ho * sh - ph, wo * sw - pw).
-#define POOL_SHAPE_ARGS int planes, int H, int W, int Ho, int Wo, int kh, int kw, int sh, int sw, \
-                        int ph, int pw
+// adds only where that output is > 0. Shapes and windows: pool.cuh.
+#include "pool.cuh"
 
 extern "C" __global__ void maxpool2d_forward_kernel(const float* x, float* y, int* idx, int relu,
                                                     POOL_SHAPE_ARGS) {
+    const PoolShape s = POOL_SHAPE_INIT;
     const long long total = (long long)planes * Ho * Wo;
     for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total;
          g += (long long)gridDim.x * blockDim.x) {
@@ -23,13 +20,11 @@ extern "C" __global__ void maxpool2d_forward_kernel(const float* x, float* y, in
         const int ho = t % Ho, p = t / Ho;
         const float* plane = x + (long long)p * H * W;
         // The window clipped to the plane: padding is -inf, never a maximum over real values.
-        // Without padding the clip changes nothing (floor mode keeps windows inside).
-        const int h0 = max(ho * sh - ph, 0), h1 = min(ho * sh - ph + kh, H);
-        const int w0 = max(wo * sw - pw, 0), w1 = min(wo * sw - pw + kw, W);
-        int best_at = h0 * W + w0;
+        const Window win = clipped_window(s, ho, wo);
+        int best_at = win.h0 * W + win.w0;
         float best = plane[best_at];
-        for (int h = h0; h < h1; ++h) {
-            for (int w = w0; w < w1; ++w) {
+        for (int h = win.h0; h < win.h1; ++h) {
+            for (int w = win.w0; w < win.w1; ++w) {
                 const int at = h * W + w;
                 const float v = plane[at];
                 // Strictly greater keeps the first maximum; the first NaN wins, as argmax.
@@ -49,23 +44,19 @@ extern "C" __global__ void maxpool2d_forward_kernel(const float* x, float* y, in
 extern "C" __global__ void maxpool2d_backward_kernel(const float* dy, const int* idx,
                                                      const float* y, float* dx,
                                                      POOL_SHAPE_ARGS) {
+    const PoolShape s = POOL_SHAPE_INIT;
     const long long total = (long long)planes * H * W;
     for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total;
          g += (long long)gridDim.x * blockDim.x) {
         const int i = (int)g;
         const int w = i % W, t = i / W;
         const int h = t % H, p = t / H;
-        // Windows ho with ho * sh <= h + ph <= ho * sh + kh - 1 (and likewise along w).
-        const int hp = h + ph, wp = w + pw;
-        const int ho_lo = hp < kh ? 0 : (hp - kh) / sh + 1;
-        const int ho_hi = min(hp / sh, Ho - 1);
-        const int wo_lo = wp < kw ? 0 : (wp - kw) / sw + 1;
-        const int wo_hi = min(wp / sw, Wo - 1);
+        const WindowSpan span = windows_holding(s, h, w);
         const int here = h * W + w;
         const long long base = (long long)p * Ho * Wo;
         float acc = 0.f;
-        for (int ho = ho_lo; ho <= ho_hi; ++ho) {
-            for (int wo = wo_lo; wo <= wo_hi; ++wo) {
+        for (int ho = span.ho_lo; ho <= span.ho_hi; ++ho) {
+            for (int wo = span.wo_lo; wo <= span.wo_hi; ++wo) {
                 const long long o = base + (long long)ho * Wo + wo;
                 // Three independent loads, issued together (a short-circuit test would wait
                 // for idx before loading y, then for y before loading dy).

@@ -1,8 +1,9 @@
 // Deterministic warp, row and block reductions (fixed combination order, no atomics on floats),
-// shared by reduce.cu, loss.cu and optim.cu. Every block size used with them is a multiple of 32.
+// shared by the kernel files. Every block size used with them is a multiple of 32.
 #pragma once
 
 #define FULL_MASK 0xffffffffu
+#define NEG_INF __int_as_float(0xff800000)
 
 // Butterfly reductions: every lane ends with the same value (a + b == b + a exactly), so all
 // lanes of a warp agree bit for bit.
@@ -61,6 +62,30 @@ __device__ __forceinline__ float row_max(float v, float* smem) {
 
 __device__ __forceinline__ float row_sum(float v, float* smem) {
     return row_combine(warp_sum(v), smem, [](float a, float b) { return a + b; });
+}
+
+// Row loops visit rows base by base: every thread of a block runs the same number of
+// iterations (a row past N takes part with no columns), so row reductions may synchronise
+// inside them.
+__device__ __forceinline__ long long first_row_base() {
+    return (long long)blockIdx.x * blockDim.y;
+}
+__device__ __forceinline__ long long row_base_stride() {
+    return (long long)gridDim.x * blockDim.y;
+}
+
+// A row's maximum m over its cols values (-inf for cols = 0), and the sum of exp(xr[c] - m):
+// the two reductions of a softmax or a logsumexp. Every thread of the block calls them.
+__device__ __forceinline__ float row_max_of(const float* xr, int cols, float* smem) {
+    float m = NEG_INF;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) m = fmaxf(m, xr[c]);
+    return row_max(m, smem);
+}
+
+__device__ __forceinline__ float row_sum_exp(const float* xr, int cols, float m, float* smem) {
+    float s = 0.f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) s += expf(xr[c] - m);
+    return row_sum(s, smem);
 }
 
 // The "last block finishes" pattern: after each block has written its part, the block that

@@ -6,17 +6,6 @@
 // softmax_grad kernels above them stay the plain ones, so attr-less nodes keep their bits.
 #include "reduce.cuh"
 
-#define NEG_INF __int_as_float(0xff800000)
-
-// Row loops visit rows base by base: every thread of a block runs the same number of
-// iterations (rows past N pass cols = 0), so row reductions may synchronise inside them.
-__device__ __forceinline__ long long first_row_base() {
-    return (long long)blockIdx.x * blockDim.y;
-}
-__device__ __forceinline__ long long row_base_stride() {
-    return (long long)gridDim.x * blockDim.y;
-}
-
 // y = exp(x - max) / sum(exp(x - max)) per row (the division IEEE-rounded, as numpy's).
 extern "C" __global__ void softmax_forward_kernel(const float* x, float* y, int N, int C) {
     __shared__ float smem[32];
@@ -24,12 +13,8 @@ extern "C" __global__ void softmax_forward_kernel(const float* x, float* y, int 
         const int row = (int)base + threadIdx.y;
         const int cols = row < N ? C : 0;
         const float* xr = x + (long long)row * C;
-        float m = NEG_INF;
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) m = fmaxf(m, xr[c]);
-        m = row_max(m, smem);
-        float s = 0.f;
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) s += expf(xr[c] - m);
-        s = row_sum(s, smem);
+        const float m = row_max_of(xr, cols, smem);
+        const float s = row_sum_exp(xr, cols, m, smem);
         for (int c = threadIdx.x; c < cols; c += blockDim.x)
             y[(long long)row * C + c] = __fdiv_rn(expf(xr[c] - m), s);
     }

@@ -1,0 +1,37 @@
+// Pooling windows over NCHW planes, shared by pool.cu (max) and avgpool.cu (average).
+// Shapes: `planes` = N * C planes of (H, W) in, (Ho, Wo) out; window (kh, kw), stride (sh, sw),
+// padding (ph, pw): window (ho, wo) starts at (ho * sh - ph, wo * sw - pw). Floor mode and
+// padding of at most half the window keep a real element in every window.
+#pragma once
+
+struct PoolShape {
+    int planes, H, W, Ho, Wo, kh, kw, sh, sw, ph, pw;
+};
+
+// Kernels take the shape as plain ints (the launchers' _pool_args: eleven int32 scalars).
+#define POOL_SHAPE_ARGS int planes, int H, int W, int Ho, int Wo, int kh, int kw, int sh, int sw, \
+                        int ph, int pw
+#define POOL_SHAPE_INIT {planes, H, W, Ho, Wo, kh, kw, sh, sw, ph, pw}
+
+// Window (ho, wo) clipped to the plane: rows [h0, h1), columns [w0, w1). Without padding the
+// clip changes nothing (floor mode keeps windows inside).
+struct Window {
+    int h0, h1, w0, w1;
+};
+
+__device__ __forceinline__ Window clipped_window(const PoolShape& s, int ho, int wo) {
+    return {max(ho * s.sh - s.ph, 0), min(ho * s.sh - s.ph + s.kh, s.H),
+            max(wo * s.sw - s.pw, 0), min(wo * s.sw - s.pw + s.kw, s.W)};
+}
+
+// The windows holding input element (h, w): ho in [ho_lo, ho_hi] and wo in [wo_lo, wo_hi],
+// those with ho * sh <= h + ph <= ho * sh + kh - 1 (and likewise along w).
+struct WindowSpan {
+    int ho_lo, ho_hi, wo_lo, wo_hi;
+};
+
+__device__ __forceinline__ WindowSpan windows_holding(const PoolShape& s, int h, int w) {
+    const int hp = h + s.ph, wp = w + s.pw;
+    return {hp < s.kh ? 0 : (hp - s.kh) / s.sh + 1, min(hp / s.sh, s.Ho - 1),
+            wp < s.kw ? 0 : (wp - s.kw) / s.sw + 1, min(wp / s.sw, s.Wo - 1)};
+}
