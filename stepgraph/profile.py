@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 from .compile.executable import Executable, phase_of
 
-VISION_WORKLOADS = ("resnet", "convnet")
 # Built from the benchmark's own definitions (bench/workloads.py), on its batches.
-BENCH_WORKLOADS = VISION_WORKLOADS + ("gpt",)
+BENCH_WORKLOADS = ("resnet", "convnet", "gpt")
 WORKLOADS = ("mlp", "cnn") + BENCH_WORKLOADS
 
 
@@ -168,10 +167,11 @@ def build_workload(name: str, precision: str = "fp32"):
 
     rng = np.random.default_rng(0)
     if name == "mlp":
-        model, loss, opt, shape = models.mlp(), losses.cross_entropy, optim.AdamW(lr=1e-3), (128, 784)
+        model, loss, opt = models.mlp(), losses.cross_entropy, optim.AdamW(lr=1e-3)
+        x, y = rng.random((128, 784), dtype=np.float32), rng.integers(0, 10, 128)
     elif name == "cnn":
         model, loss, opt = models.cnn(), losses.nll_loss, optim.SGD(lr=0.01, momentum=0.5)
-        shape = (64, 1, 28, 28)
+        x, y = rng.random((64, 1, 28, 28), dtype=np.float32), rng.integers(0, 10, 64)
     elif name in BENCH_WORKLOADS:
         # The benchmark's own definition (stepgraph bench --workloads resnet,convnet,gpt).
         from .bench import workloads as wl
@@ -180,14 +180,10 @@ def build_workload(name: str, precision: str = "fp32"):
         model, loss = runner.build_model(workload), runner.build_loss(workload)
         opt = runner.build_optimizer(workload.optimizer, model)
         batch = wl.make_batches(workload, 1)[0]
-        x, y = cp.asarray(batch.x), cp.asarray(batch.y)
-        step = compile_train_step(model, loss=loss, optimizer=opt, example_inputs=(x, y),
-                                  device="cuda", graph=True, precision=precision)
-        return step, (x, y)
+        x, y = batch.x, batch.y
     else:
         raise ValueError(f"unknown workload {name!r} (profile supports {', '.join(WORKLOADS)})")
-    x = cp.asarray(rng.random(shape, dtype=np.float32))
-    y = cp.asarray(rng.integers(0, 10, shape[0]))
+    x, y = cp.asarray(x), cp.asarray(y)
     step = compile_train_step(model, loss=loss, optimizer=opt, example_inputs=(x, y),
                               device="cuda", graph=True, precision=precision)
     return step, (x, y)

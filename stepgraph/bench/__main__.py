@@ -1,4 +1,4 @@
-"""`python -m stepgraph.bench [--workloads mlp,cnn,big,resnet,convnet] [--precision fp32]
+"""`python -m stepgraph.bench [--workloads mlp,cnn,big,resnet,convnet,gpt] [--precision fp32]
 [--peers ...]`."""
 
 from stepgraph.bench.harness import main

@@ -474,36 +474,30 @@ def _row_cells(r: PeerResult) -> list[str]:
         note = note[:77] + "..."
     return [r.workload, r.precision, r.peer, r.status, _fmt(r.step_us, "{:.1f}"),
             "—" if spread is None else f"±{spread:.1f}%", _fmt(r.tflops, "{:.2f}"),
-            _fmt(r.speed_vs_best_peer, "{:.2f}x"), _fmt(r.setup_s, "{:.2f}"), _memory_cell(r),
-            _fmt(r.kernels_per_step, "{:d}"), _fmt(r.layout_conversions, "{:d}"), note]
+            _fmt(r.tokens_per_s, "{:,.0f}"), _fmt(r.speed_vs_best_peer, "{:.2f}x"),
+            _fmt(r.setup_s, "{:.2f}"), _memory_cell(r), _fmt(r.kernels_per_step, "{:d}"),
+            _fmt(r.layout_conversions, "{:d}"), note]
 
 
 TABLE_HEADER = ["workload", "prec", "system", "status", "µs/step", "spread", "TFLOP/s",
-                "vs best peer", "setup s", "memory", "kernels", "layout", "note"]
-NUMERIC_COLUMNS = {4, 5, 6, 7, 8, 9, 10, 11}
-
-
-def _with_tokens(cells: list[str], r: PeerResult | None) -> list[str]:
-    """The row with a tokens/s cell after TFLOP/s (the header's when r is None)."""
-    cell = "tokens/s" if r is None else _fmt(r.tokens_per_s, "{:,.0f}")
-    return cells[:7] + [cell] + cells[7:]
+                "tokens/s", "vs best peer", "setup s", "memory", "kernels", "layout", "note"]
+TEXT_COLUMNS = {"workload", "prec", "system", "status", "note"}  # left-aligned; figures right
+TOKENS_COLUMN = TABLE_HEADER.index("tokens/s")
 
 
 def render_table(report: BenchReport) -> str:
     """The results as an aligned plain-text table, with a header naming device and date; a
     tokens/s column when a workload trains on tokens."""
     rows = [TABLE_HEADER] + [_row_cells(r) for r in report.results]
-    numeric = NUMERIC_COLUMNS
-    if any(r.tokens_per_s is not None for r in report.results):
-        rows = [_with_tokens(rows[0], None)] + [_with_tokens(cells, r) for cells, r
-                                                 in zip(rows[1:], report.results)]
-        numeric = {c + (c >= 7) for c in NUMERIC_COLUMNS} | {7}
+    if all(r.tokens_per_s is None for r in report.results):
+        rows = [row[:TOKENS_COLUMN] + row[TOKENS_COLUMN + 1:] for row in rows]
+    numeric = [name not in TEXT_COLUMNS for name in rows[0]]
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     lines = [f"stepgraph bench — {report.device} — {report.date}",
              f"µs/step: median of {report.config.repeats} timed runs; "
              "vs best peer: fastest non-stepgraph µs / this µs (>1 is faster)"]
     for index, row in enumerate(rows):
-        cells = [cell.rjust(widths[c]) if c in numeric else cell.ljust(widths[c])
+        cells = [cell.rjust(widths[c]) if numeric[c] else cell.ljust(widths[c])
                  for c, cell in enumerate(row)]
         lines.append("  ".join(cells).rstrip())
         if index == 0:

@@ -3,9 +3,7 @@ no-GPU exit, and every installed peer's step function trained for a few steps on
 tiny sizes (each peer's test is skipped when its library is missing)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -13,13 +11,7 @@ import pytest
 from stepgraph.bench import harness
 from stepgraph.bench import workloads as wl
 from stepgraph.bench.peers import PeerInfo, PreparedStep, Unsupported, select_peers
-
-
-def _config(**overrides) -> harness.BenchConfig:
-    settings = {"device": "cpu", "tiny": True, "repeats": 2, "target_seconds": 0.01,
-                "warmup_steps": 2, "warmup_seconds": 0.0, "batches": 2}
-    settings.update(overrides)
-    return harness.BenchConfig(**settings)
+from tests.unit.bench_support import bench_config, can_run, have, peer_or_skip
 
 
 def _result(peer: str, step_us: float | None, status: str = "ok", stepgraph: bool = False,
@@ -119,9 +111,9 @@ def test_timing_loop_syncs_once_per_repeat():
 
 
 def test_missing_failed_and_unsupported_peers_are_reported(monkeypatch):
-    spec = harness.make_spec(wl.get_workload("mlp", tiny=True), "fp32", _config())
+    spec = harness.make_spec(wl.get_workload("mlp", tiny=True), "fp32", bench_config())
     ghost = PeerInfo("ghost", "no_such_peer_module", "prepare", "ghost")
-    missing = harness.measure_peer(ghost, spec, _config())
+    missing = harness.measure_peer(ghost, spec, bench_config())
     assert missing.status == "missing" and "no_such_peer_module" in missing.reason
 
     def explode(spec):
@@ -131,11 +123,11 @@ def test_missing_failed_and_unsupported_peers_are_reported(monkeypatch):
         raise Unsupported("no bf16 here")
 
     monkeypatch.setattr(harness, "_load_prepare", lambda peer: explode)
-    failed = harness.measure_peer(ghost, spec, _config())
+    failed = harness.measure_peer(ghost, spec, bench_config())
     assert failed.status == "failed" and failed.reason == "RuntimeError: kernel launch failed"
     assert "Traceback" in failed.traceback
     monkeypatch.setattr(harness, "_load_prepare", lambda peer: decline)
-    unsupported = harness.measure_peer(ghost, spec, _config())
+    unsupported = harness.measure_peer(ghost, spec, bench_config())
     assert (unsupported.status, unsupported.reason) == ("n/a", "no bf16 here")
 
 
@@ -146,8 +138,8 @@ def test_fake_peer_is_measured_and_closed(monkeypatch):
         return PreparedStep(lambda i: 2.0 - i, lambda: None, float, close=lambda: closed.append(1))
 
     monkeypatch.setattr(harness, "_load_prepare", lambda peer: prepare)
-    spec = harness.make_spec(wl.get_workload("mlp", tiny=True), "fp32", _config())
-    result = harness.measure_peer(PeerInfo("fake", "x", "prepare", "x"), spec, _config())
+    spec = harness.make_spec(wl.get_workload("mlp", tiny=True), "fp32", bench_config())
+    result = harness.measure_peer(PeerInfo("fake", "x", "prepare", "x"), spec, bench_config())
     assert result.status == "ok" and result.step_us > 0 and result.setup_s >= 0
     assert result.steps_per_repeat >= 3 and len(result.repeats_us) == 2
     assert closed == [1]
@@ -160,7 +152,7 @@ def test_table_shows_every_row_with_its_reason():
             harness.PeerResult("mlp", "fp32", "torch graph", "failed",
                                reason="RuntimeError: " + "x" * 200)]
     harness.fill_speed_vs_best_peer(rows)
-    report = harness.BenchReport("2026-01-01", "Fake GPU", "host", "3.12", {}, _config(),
+    report = harness.BenchReport("2026-01-01", "Fake GPU", "host", "3.12", {}, bench_config(),
                                  {}, rows)
     lines = harness.render_table(report).splitlines()
     assert "Fake GPU" in lines[0]
@@ -230,37 +222,8 @@ def _raise_import(spec):
 # ---------------------------------------------------------------- the real peers on the CPU
 
 
-def _have(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
-
-
-def _stepgraph_cpu_ready() -> bool:
-    try:
-        import stepgraph
-        from stepgraph import models  # noqa: F401
-        return hasattr(stepgraph, "compile_train_step")
-    except Exception:
-        return False
-
-
-PEER_REQUIREMENTS = {
-    "stepgraph eager": _stepgraph_cpu_ready,
-    "torch eager": lambda: _have("torch"),
-    "jax jit": lambda: _have("jax") and _have("optax"),
-    # tinygrad's CPU device compiles its kernels with clang.
-    "tinygrad jit": lambda: _have("tinygrad") and shutil.which("clang") is not None,
-    "torch compile": lambda: _have("torch") and shutil.which("cc") is not None,
-}
-
-
-def _peer(name: str) -> PeerInfo:
-    if not PEER_REQUIREMENTS[name]():
-        pytest.skip(f"{name}: library (or its CPU compiler) not installed")
-    return select_peers([name])[0]
-
-
 def _curve(peer: PeerInfo, workload: str, steps: int = 20, precision: str = "fp32"):
-    config = _config(batches=1)  # one batch: the loss must fall as the net fits it
+    config = bench_config(batches=1)  # one batch: the loss must fall as the net fits it
     spec = harness.make_spec(wl.get_workload(workload, tiny=True), precision, config)
     return harness.loss_curve(peer, spec, steps)
 
@@ -274,16 +237,16 @@ def _assert_trains(losses: list[float]) -> None:
 @pytest.mark.parametrize("peer_name", ["stepgraph eager", "torch eager", "jax jit",
                                        "tinygrad jit"])
 def test_peer_trains_on_cpu(peer_name, workload):
-    _assert_trains(_curve(_peer(peer_name), workload))
+    _assert_trains(_curve(peer_or_skip(peer_name), workload))
 
 
 def test_torch_compile_trains_on_cpu():
-    _assert_trains(_curve(_peer("torch compile"), "mlp"))
+    _assert_trains(_curve(peer_or_skip("torch compile"), "mlp"))
 
 
 @pytest.mark.parametrize("peer_name", ["torch eager", "jax jit", "tinygrad jit"])
 def test_peer_trains_in_bf16_on_cpu(peer_name, monkeypatch):
-    peer = _peer(peer_name)
+    peer = peer_or_skip(peer_name)
     if peer_name == "tinygrad jit":
         # Older clang (Debian's 14) has no __bf16 on x86: let tinygrad emulate it on the CPU.
         from tinygrad.helpers import EMULATED_DTYPES
@@ -295,7 +258,7 @@ def test_peers_agree_step_by_step_without_dropout():
     """`big` has no dropout: same init, data and optimizer must give the same losses."""
     curves = {}
     for name in ["torch eager", "jax jit", "tinygrad jit", "stepgraph eager"]:
-        if PEER_REQUIREMENTS[name]():
+        if can_run(name):
             curves[name] = _curve(select_peers([name])[0], "big", steps=6)
     if len(curves) < 2:
         pytest.skip("needs two peers installed")
@@ -306,16 +269,16 @@ def test_peers_agree_step_by_step_without_dropout():
 
 
 def test_graph_peers_say_na_on_cpu():
-    spec = harness.make_spec(wl.get_workload("mlp", tiny=True), "fp32", _config())
-    sg_graph = harness.measure_peer(select_peers(["stepgraph_graph"])[0], spec, _config())
+    spec = harness.make_spec(wl.get_workload("mlp", tiny=True), "fp32", bench_config())
+    sg_graph = harness.measure_peer(select_peers(["stepgraph_graph"])[0], spec, bench_config())
     assert sg_graph.status in ("n/a", "missing")
-    if _have("torch"):
-        torch_graph = harness.measure_peer(select_peers(["torch_graph"])[0], spec, _config())
+    if have("torch"):
+        torch_graph = harness.measure_peer(select_peers(["torch_graph"])[0], spec, bench_config())
         assert (torch_graph.status, torch_graph.reason) == ("n/a",
                                                             "CUDA graphs need a CUDA device")
 
 
 def test_stepgraph_says_na_for_bf16():
-    spec = harness.make_spec(wl.get_workload("mlp", tiny=True), "bf16", _config())
-    result = harness.measure_peer(select_peers(["stepgraph_eager"])[0], spec, _config())
+    spec = harness.make_spec(wl.get_workload("mlp", tiny=True), "bf16", bench_config())
+    result = harness.measure_peer(select_peers(["stepgraph_eager"])[0], spec, bench_config())
     assert result.status == "n/a" and "bf16" in result.reason

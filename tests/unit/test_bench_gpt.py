@@ -5,8 +5,6 @@ when its library is missing); without dropout they must agree step by step."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import shutil
 
 import numpy as np
 import pytest
@@ -14,17 +12,7 @@ import pytest
 from stepgraph.bench import harness
 from stepgraph.bench import workloads as wl
 from stepgraph.bench.peers import select_peers
-
-
-def _config(**overrides) -> harness.BenchConfig:
-    settings = {"device": "cpu", "tiny": True, "repeats": 2, "target_seconds": 0.01,
-                "warmup_steps": 2, "warmup_seconds": 0.0, "batches": 1}
-    settings.update(overrides)
-    return harness.BenchConfig(**settings)
-
-
-def _have(*modules: str) -> bool:
-    return all(importlib.util.find_spec(m) is not None for m in modules)
+from tests.unit.bench_support import bench_config, can_run, peer_or_skip
 
 
 def _without_dropout(workload: wl.Workload) -> wl.Workload:
@@ -101,30 +89,24 @@ def test_table_has_a_tokens_column_for_gpt():
     harness._record_timing(rows[0], timing, wl.get_workload("gpt"))
     rows[0].setup_s = 1.0
     assert rows[0].tokens_per_s == pytest.approx(64 * 256 / 1e-3)
-    report = harness.BenchReport("2026-01-01", "Fake GPU", "host", "3.12", {}, _config(), {},
+    report = harness.BenchReport("2026-01-01", "Fake GPU", "host", "3.12", {}, bench_config(), {},
                                  rows)
     lines = harness.render_table(report).splitlines()
     assert "tokens/s" in lines[2] and "16,384,000" in lines[4]
     assert "tokens/s" in harness.describe_result(rows[0])
-    plain = harness.BenchReport("2026-01-01", "Fake GPU", "host", "3.12", {}, _config(), {},
+    plain = harness.BenchReport("2026-01-01", "Fake GPU", "host", "3.12", {}, bench_config(), {},
                                 rows[1:])
     assert "tokens/s" not in harness.render_table(plain)
 
 
-PEER_REQUIREMENTS = {
-    "stepgraph eager": lambda: True,
-    "torch eager": lambda: _have("torch"),
-    "jax jit": lambda: _have("jax", "optax"),
-    "tinygrad jit": lambda: _have("tinygrad") and shutil.which("clang") is not None,
-}
+PEERS = ("stepgraph eager", "torch eager", "jax jit", "tinygrad jit")
 
 
-@pytest.mark.parametrize("peer_name", list(PEER_REQUIREMENTS))
+@pytest.mark.parametrize("peer_name", PEERS)
 def test_peer_trains_gpt_on_cpu(peer_name):
-    if not PEER_REQUIREMENTS[peer_name]():
-        pytest.skip(f"{peer_name}: library (or its CPU compiler) not installed")
-    spec = harness.make_spec(wl.get_workload("gpt", tiny=True), "fp32", _config())
-    losses = harness.loss_curve(select_peers([peer_name])[0], spec, 12)
+    peer = peer_or_skip(peer_name)
+    spec = harness.make_spec(wl.get_workload("gpt", tiny=True), "fp32", bench_config(batches=1))
+    losses = harness.loss_curve(peer, spec, 12)
     assert all(np.isfinite(losses)), losses
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.02, losses
 
@@ -132,9 +114,9 @@ def test_peer_trains_gpt_on_cpu(peer_name):
 def test_peers_agree_step_by_step_without_dropout():
     """Same init, data, tied weights, parameter groups and clipping: the same losses."""
     spec = harness.make_spec(_without_dropout(wl.get_workload("gpt", tiny=True)), "fp32",
-                             _config())
+                             bench_config(batches=1))
     curves = {name: harness.loss_curve(select_peers([name])[0], spec, 6)
-              for name, available in PEER_REQUIREMENTS.items() if available()}
+              for name in PEERS if can_run(name)}
     if len(curves) < 2:
         pytest.skip("needs a second peer installed")
     reference = curves.pop("stepgraph eager")

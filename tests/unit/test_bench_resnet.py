@@ -6,9 +6,7 @@ missing)."""
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import math
-import shutil
 import signal
 import threading
 import time
@@ -19,19 +17,9 @@ import pytest
 from stepgraph.bench import census, harness
 from stepgraph.bench import workloads as wl
 from stepgraph.bench.peers import KernelCensus, PeerInfo, PreparedStep, select_peers
+from tests.unit.bench_support import bench_config, can_run, have, peer_or_skip
 
 VISION = ("resnet", "convnet")
-
-
-def _config(**overrides) -> harness.BenchConfig:
-    settings = {"device": "cpu", "tiny": True, "repeats": 2, "target_seconds": 0.01,
-                "warmup_steps": 2, "warmup_seconds": 0.0, "batches": 2}
-    settings.update(overrides)
-    return harness.BenchConfig(**settings)
-
-
-def _have(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
 
 
 # ---------------------------------------------------------------- definitions
@@ -121,7 +109,7 @@ def test_vision_workloads_and_options_parse():
     assert config.compile_modes == ("default", "max-autotune-no-cudagraphs")
     assert config.peer_timeout_s == 90.0
     spec = harness.make_spec(wl.get_workload("convnet", tiny=True), "fp32",
-                             _config(compile_modes=config.compile_modes))
+                             bench_config(compile_modes=config.compile_modes))
     assert spec.compile_modes == config.compile_modes
     default = harness.parse_config([])
     assert default.workloads == list(wl.DEFAULT_WORKLOADS)
@@ -205,11 +193,11 @@ def test_census_goes_into_the_row_and_the_table(monkeypatch):
                             census=lambda: KernelCensus(212, 6, "fake profiler"))
 
     monkeypatch.setattr(harness, "_load_prepare", lambda peer: prepare)
-    spec = harness.make_spec(wl.get_workload("convnet", tiny=True), "fp32", _config())
-    row = harness.measure_peer(PeerInfo("fake", "x", "prepare", "x"), spec, _config())
+    spec = harness.make_spec(wl.get_workload("convnet", tiny=True), "fp32", bench_config())
+    row = harness.measure_peer(PeerInfo("fake", "x", "prepare", "x"), spec, bench_config())
     assert (row.kernels_per_step, row.layout_conversions) == (212, 6)
     assert row.census_source == "fake profiler"
-    report = harness.BenchReport("2026-01-01", "Fake GPU", "host", "3.12", {}, _config(), {},
+    report = harness.BenchReport("2026-01-01", "Fake GPU", "host", "3.12", {}, bench_config(), {},
                                  [row])
     table = harness.render_table(report)
     assert "kernels" in table.splitlines()[2] and " 212 " in table
@@ -224,8 +212,8 @@ def test_failing_census_is_a_note_not_a_failure(monkeypatch):
         return PreparedStep(lambda i: 1.0, lambda: None, float, census=broken)
 
     monkeypatch.setattr(harness, "_load_prepare", lambda peer: prepare)
-    spec = harness.make_spec(wl.get_workload("resnet", tiny=True), "fp32", _config())
-    row = harness.measure_peer(PeerInfo("fake", "x", "prepare", "x"), spec, _config())
+    spec = harness.make_spec(wl.get_workload("resnet", tiny=True), "fp32", bench_config())
+    row = harness.measure_peer(PeerInfo("fake", "x", "prepare", "x"), spec, bench_config())
     assert row.status == "ok" and row.kernels_per_step is None
     assert "kernel count failed: RuntimeError: no CUPTI" in row.notes
 
@@ -246,16 +234,16 @@ def test_a_peer_past_its_time_limit_fails_and_the_run_goes_on(monkeypatch):
     def fast_prepare(spec):
         return PreparedStep(lambda i: 1.0, lambda: None, float, close=lambda: closed.append(1))
 
-    spec = harness.make_spec(wl.get_workload("convnet", tiny=True), "fp32", _config())
+    spec = harness.make_spec(wl.get_workload("convnet", tiny=True), "fp32", bench_config())
     monkeypatch.setattr(harness, "_load_prepare", lambda peer: slow_prepare)
     start = time.perf_counter()
     row = harness.measure_peer(PeerInfo("slow", "x", "prepare", "x"), spec,
-                               _config(peer_timeout_s=0.2))
+                               bench_config(peer_timeout_s=0.2))
     assert time.perf_counter() - start < 3
     assert row.status == "failed" and row.reason.startswith("PeerTimeout: no result within 0.2")
     monkeypatch.setattr(harness, "_load_prepare", lambda peer: fast_prepare)
     row = harness.measure_peer(PeerInfo("fast", "x", "prepare", "x"), spec,
-                               _config(peer_timeout_s=0.2))
+                               bench_config(peer_timeout_s=0.2))
     assert row.status == "ok" and closed == [1]
     time.sleep(0.3)  # the alarm of the first row must be gone: nothing is raised here
 
@@ -279,7 +267,7 @@ def test_torch_compile_keeps_the_fastest_mode_and_reuses_it(monkeypatch):
     monkeypatch.setattr(tc, "_chosen_modes", {})
     modes = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
     spec = harness.make_spec(wl.get_workload("resnet", tiny=True), "fp32",
-                             _config(compile_modes=modes))
+                             bench_config(compile_modes=modes))
     spec.device = "cuda"  # the search runs on CUDA only; nothing here touches a device
     best, notes = tc._search(spec, "NCHW", lambda: None)
     assert best.mode == "reduce-overhead" and closed == ["default"]
@@ -296,10 +284,52 @@ def test_torch_compile_search_stops_when_its_budget_is_spent(monkeypatch):
     monkeypatch.setattr(tc, "_probe", lambda candidate, n, sync: 10.0)
     monkeypatch.setattr(tc, "_chosen_modes", {})
     monkeypatch.setattr(tc, "SEARCH_BUDGET_S", -1.0)
-    spec = harness.make_spec(wl.get_workload("convnet", tiny=True), "fp32", _config())
+    spec = harness.make_spec(wl.get_workload("convnet", tiny=True), "fp32", bench_config())
     spec.device = "cuda"
     best, notes = tc._search(spec, "NCHW", lambda: None)
     assert best.mode == "reduce-overhead" and "default skipped (search budget" in notes[-1]
+
+
+def test_torch_compile_keeps_no_cuda_graph_output_across_steps(monkeypatch):
+    """Under CUDA graphs each step opens with cudagraph_mark_step_begin(), which frees what the
+    previous step's graphs output. Emulated on the CPU: the optimizer state the step creates
+    counts as graph output and turns to NaN at the next mark. SGD makes its momentum buffers
+    inside its first step: the runner must copy them out and then train exactly as eager."""
+    torch = pytest.importorskip("torch")
+    from stepgraph.bench.peers import torch_compile as tc
+    from stepgraph.bench.peers import torch_eager as te
+    spec = harness.make_spec(wl.get_workload("convnet", tiny=True), "fp32", bench_config())
+    assert spec.workload.optimizer.momentum  # SGD with momentum buffers, no dropout
+    graph_outputs, marks = [], []
+
+    def mark_step_begin():
+        marks.append(len(graph_outputs))
+        for tensor in graph_outputs:
+            tensor.fill_(float("nan"))
+        graph_outputs.clear()
+
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", mark_step_begin)
+    training = te.build_training(spec, "NCHW")
+    step_body = training.step_body(spec.precision, spec.device)
+
+    def state_tensors() -> list:
+        return [t for state in training.optimizer.state.values() for t in state.values()
+                if isinstance(t, torch.Tensor)]
+
+    def compiled_step(x, y):
+        before = {id(t) for t in state_tensors()}
+        loss = step_body(x, y)
+        graph_outputs.extend(t for t in state_tensors() if id(t) not in before)
+        return loss
+
+    batches = te.device_batches(spec)
+    run_step = tc._step_runner(compiled_step, training.optimizer, batches, cuda_graphs=True)
+    losses = [float(run_step(i % len(batches)).detach()) for i in range(4)]
+    eager = te.eager_step(te.build_training(spec, "NCHW"), spec.precision, spec.device)
+    expected = [float(eager(*batches[i % len(batches)]).detach()) for i in range(4)]
+    buffers = len(list(training.model.parameters()))  # one momentum buffer each, made in step 1
+    assert marks == [0, buffers, 0, 0]  # one mark per step
+    assert losses == expected
 
 
 def test_torch_memory_format_is_measured_once_and_shared(monkeypatch):
@@ -308,7 +338,7 @@ def test_torch_memory_format_is_measured_once_and_shared(monkeypatch):
     monkeypatch.setattr(te, "_chosen_layouts", {})
     trials = {"NCHW": 900.0, "channels_last": 700.0}
     monkeypatch.setattr(te, "_layout_trial", lambda spec, layout: trials[layout])
-    spec = harness.make_spec(wl.get_workload("resnet", tiny=True), "tf32", _config())
+    spec = harness.make_spec(wl.get_workload("resnet", tiny=True), "tf32", bench_config())
     assert te.layout_for(spec) == "NCHW"  # the CPU: no layout choice
     spec.device = "cuda"
     assert te.layout_for(spec) == "channels_last"  # not measured yet: tf32 wants NHWC
@@ -323,20 +353,7 @@ def test_torch_memory_format_is_measured_once_and_shared(monkeypatch):
 # ---------------------------------------------------------------- the peers on the CPU
 
 
-def _stepgraph_ready() -> bool:
-    try:
-        from stepgraph import models
-        return hasattr(models, "resnet") and hasattr(models, "convnet")
-    except Exception:
-        return False
-
-
-PEERS = {
-    "stepgraph eager": _stepgraph_ready,
-    "torch eager": lambda: _have("torch"),
-    "jax jit": lambda: _have("jax") and _have("optax"),
-    "tinygrad jit": lambda: _have("tinygrad") and shutil.which("clang") is not None,
-}
+PEERS = ("stepgraph eager", "torch eager", "jax jit", "tinygrad jit")
 
 
 @pytest.mark.parametrize("module", ["census", "peers.torch_models", "peers.torch_eager",
@@ -346,21 +363,20 @@ PEERS = {
 def test_peer_modules_import_without_a_gpu(module):
     needs = {"peers.torch": "torch", "peers.jax": "jax", "peers.tinygrad": "tinygrad"}
     for prefix, library in needs.items():
-        if module.startswith(prefix) and not _have(library):
+        if module.startswith(prefix) and not have(library):
             pytest.skip(f"{library} not installed")
     importlib.import_module(f"stepgraph.bench.{module}")
 
 
 def _curve(peer_name: str, workload: str, steps: int, batches: int = 1) -> list[float]:
-    if not PEERS[peer_name]():
-        pytest.skip(f"{peer_name}: library (or its CPU compiler) not installed")
+    peer = peer_or_skip(peer_name)
     spec = harness.make_spec(wl.get_workload(workload, tiny=True), "fp32",
-                             _config(batches=batches))
-    return harness.loss_curve(select_peers([peer_name])[0], spec, steps)
+                             bench_config(batches=batches))
+    return harness.loss_curve(peer, spec, steps)
 
 
 @pytest.mark.parametrize("workload", VISION)
-@pytest.mark.parametrize("peer_name", list(PEERS))
+@pytest.mark.parametrize("peer_name", PEERS)
 def test_vision_peer_trains_on_cpu(peer_name, workload):
     losses = _curve(peer_name, workload, steps=12)
     assert all(np.isfinite(losses)), losses
@@ -372,7 +388,7 @@ def test_vision_peers_agree_step_by_step(workload):
     """No dropout: same init, data, BatchNorm, label smoothing and Nesterov SGD must give the
     same losses in every library (JAX runs NHWC, the others NCHW)."""
     curves = {name: _curve(name, workload, steps=4, batches=2)
-              for name, ready in PEERS.items() if ready()}
+              for name in PEERS if can_run(name)}
     if len(curves) < 2:
         pytest.skip("needs two peers installed")
     reference_name, reference = next(iter(curves.items()))
@@ -382,10 +398,8 @@ def test_vision_peers_agree_step_by_step(workload):
 
 
 def test_stepgraph_row_counts_its_plan_on_cpu():
-    if not _stepgraph_ready():
-        pytest.skip("stepgraph.models has no resnet yet")
-    spec = harness.make_spec(wl.get_workload("resnet", tiny=True), "fp32", _config())
-    row = harness.measure_peer(select_peers(["stepgraph_eager"])[0], spec, _config())
+    spec = harness.make_spec(wl.get_workload("resnet", tiny=True), "fp32", bench_config())
+    row = harness.measure_peer(select_peers(["stepgraph_eager"])[0], spec, bench_config())
     assert row.status == "ok", row.reason
     assert row.kernels_per_step > 20 and row.layout_conversions == 0
     assert "plan" in row.census_source

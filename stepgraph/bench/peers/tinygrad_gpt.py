@@ -1,13 +1,14 @@
 """The `gpt` workload with tinygrad.nn layers for the tinygrad peer: nanoGPT's model, attribute
 names as its state_dict keys (so the shared parameters load by key), the classifier tied to
 the token embedding, attention through Tensor.scaled_dot_product_attention(is_causal=True,
-dropout_p), and nanoGPT's optimizer: AdamW with weight decay on matrices only (an
-OptimizerGroup of two AdamWs) after clipping the gradients' global norm.
+dropout_p), and nanoGPT's clipping of the gradients' global norm.
 """
 
 from __future__ import annotations
 
-from stepgraph.bench.workloads import GPT, LayerParams, OptimizerSpec, named_parameters
+from stepgraph.bench.workloads import GPT
+
+TIED = "lm_head.weight"  # the classifier's key: the token embedding's weight, loaded once
 
 
 class _CausalSelfAttention:
@@ -63,7 +64,12 @@ class GPTModel:
                             "h": [_Block(config) for _ in range(config.n_layer)],
                             "ln_f": nn.LayerNorm(config.n_embd)}
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer["wte"].weight     # weight tying
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """The classifier uses the token embedding's weight tensor; again after loading a
+        state_dict, which replaces that tensor."""
+        self.lm_head.weight = self.transformer["wte"].weight
 
     def __call__(self, idx):
         from tinygrad import Tensor
@@ -75,21 +81,6 @@ class GPTModel:
         return self.lm_head(t["ln_f"](x))
 
 
-def gpt_model(workload, parameters: list[LayerParams], device: str) -> GPTModel:
-    """The GPT on `device` with the shared initial parameters loaded by state_dict key."""
-    from tinygrad import Tensor
-    from tinygrad.nn.state import get_state_dict, load_state_dict
-    model = GPTModel(workload.model)
-    state = {key: Tensor(value, device=device)
-             for key, value in named_parameters(parameters).items() if key != "lm_head.weight"}
-    unknown = sorted(set(state) - set(get_state_dict(model)))
-    if unknown:
-        raise ValueError(f"shared parameters the tinygrad GPT lacks: {unknown}")
-    load_state_dict(model, state, strict=False, verbose=False)
-    model.lm_head.weight = model.transformer["wte"].weight   # the load replaced the tensor
-    return model
-
-
 def parameters_of(model: GPTModel) -> list:
     """Every parameter once (the tied weight is one tensor)."""
     from tinygrad.nn.state import get_parameters
@@ -99,19 +90,6 @@ def parameters_of(model: GPTModel) -> list:
             seen.add(id(p))
             params.append(p)
     return params
-
-
-def gpt_optimizer(spec: OptimizerSpec, params: list):
-    """AdamW, weight decay on the parameters of 2 or more dims only (decay_matrices_only)."""
-    from tinygrad import nn
-    kwargs = dict(lr=spec.lr, b1=spec.betas[0], b2=spec.betas[1], eps=spec.eps)
-    if not spec.decay_matrices_only:
-        return nn.optim.AdamW(params, weight_decay=spec.weight_decay, **kwargs)
-    matrices = [p for p in params if p.ndim >= 2]
-    others = [p for p in params if p.ndim < 2]
-    return nn.optim.OptimizerGroup(
-        nn.optim.AdamW(matrices, weight_decay=spec.weight_decay, **kwargs),
-        nn.optim.AdamW(others, weight_decay=0.0, **kwargs))
 
 
 def clip_grad_norm(params: list, max_norm: float) -> None:

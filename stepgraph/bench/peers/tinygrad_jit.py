@@ -6,6 +6,7 @@ Written for tinygrad 0.14 (TRAINING via Context, device chosen with DEV=CUDA).
 
 from __future__ import annotations
 
+import functools
 import os
 
 from stepgraph.bench.peers import KernelCensus, MemoryReading, PreparedStep, RunSpec, Unsupported
@@ -148,28 +149,44 @@ class _PlainConvModel:
         return x
 
 
-def _vision_model(workload: Workload, parameters: list[LayerParams], device: str):
-    """The resnet/convnet model with the shared parameters loaded by state_dict key."""
+def _model_with_shared_parameters(workload: Workload, parameters: list[LayerParams],
+                                  device: str):
+    """The resnet, convnet or gpt model with the shared parameters loaded by state_dict key
+    (the GPT's tied classifier is its token embedding: loaded once, tied again after)."""
     from tinygrad import Tensor
     from tinygrad.nn.state import get_state_dict, load_state_dict
-    if isinstance(workload.model, ResNet):
-        model, prefix = _ResNetModel(workload), ""
+    prefix, leave_out = "", ()
+    if isinstance(workload.model, GPT):
+        model, leave_out = tinygrad_gpt.GPTModel(workload.model), (tinygrad_gpt.TIED,)
+    elif isinstance(workload.model, ResNet):
+        model = _ResNetModel(workload)
     else:
         model, prefix = _PlainConvModel(workload), "layers."
     state = {prefix + key: Tensor(value, device=device)
-             for key, value in named_parameters(parameters).items()}
+             for key, value in named_parameters(parameters).items() if key not in leave_out}
     unknown = sorted(set(state) - set(get_state_dict(model)))
     if unknown:
-        raise ValueError(f"shared parameters the tinygrad model lacks: {unknown}")
+        raise ValueError(f"shared parameters the tinygrad {type(model).__name__} lacks: "
+                         f"{unknown}")
     load_state_dict(model, state, strict=False, verbose=False)
+    if isinstance(model, tinygrad_gpt.GPTModel):
+        model.tie_weights()
     return model
 
 
 def _optimizer(spec: OptimizerSpec, params):
+    """tinygrad's AdamW or SGD with the workload's hyper-parameters; decay_matrices_only:
+    nanoGPT's parameter groups, an OptimizerGroup of two AdamWs (weight decay on the
+    parameters of 2 or more dims only)."""
     from tinygrad import nn
     if spec.kind == "adamw":
-        return nn.optim.AdamW(params, lr=spec.lr, b1=spec.betas[0], b2=spec.betas[1],
-                              eps=spec.eps, weight_decay=spec.weight_decay)
+        adamw = functools.partial(nn.optim.AdamW, lr=spec.lr, b1=spec.betas[0],
+                                  b2=spec.betas[1], eps=spec.eps)
+        if not spec.decay_matrices_only:
+            return adamw(params, weight_decay=spec.weight_decay)
+        return nn.optim.OptimizerGroup(
+            adamw([p for p in params if p.ndim >= 2], weight_decay=spec.weight_decay),
+            adamw([p for p in params if p.ndim < 2], weight_decay=0.0))
     if spec.kind == "sgd":
         return nn.optim.SGD(params, lr=spec.lr, momentum=spec.momentum,
                             weight_decay=spec.weight_decay, nesterov=spec.nesterov)
@@ -193,17 +210,14 @@ def prepare(spec: RunSpec) -> PreparedStep:
     Tensor.manual_seed(spec.seed)
     compute = dtypes.bfloat16 if spec.precision == "bf16" else dtypes.float32
     used_before = GlobalCounters.mem_used_per_device[device]
-    if gpt:
-        model = tinygrad_gpt.gpt_model(spec.workload, spec.parameters, device)
-    elif vision:
-        model = _vision_model(spec.workload, spec.parameters, device)
+    if vision or gpt:
+        model = _model_with_shared_parameters(spec.workload, spec.parameters, device)
     else:
         model_type = _DenseModel if isinstance(spec.workload.model, DenseNet) else _ConvModel
         model = model_type(spec.workload.model, spec.parameters, device,
                            lambda t: t.cast(compute))
     params = tinygrad_gpt.parameters_of(model) if gpt else get_parameters(model)
-    optimizer = (tinygrad_gpt.gpt_optimizer(spec.workload.optimizer, params) if gpt
-                 else _optimizer(spec.workload.optimizer, params))
+    optimizer = _optimizer(spec.workload.optimizer, params)
     max_norm = spec.workload.optimizer.max_grad_norm
     # Token indices stay integers; images are stored in the compute dtype.
     batches = [(Tensor(b.x, device=device).cast(dtypes.int32 if gpt else compute).realize(),

@@ -9,12 +9,11 @@ and around the optimizer's `_use_grad` wrapper, so one step runs three compiled 
 "reduce-overhead" mode every one of them, the optimizer update included, replays as a CUDA graph
 (cudagraph trees; `torch.compiler.cudagraph_mark_step_begin()` opens each step).
 
-The earlier configuration compiled forward + loss with mode="reduce-overhead" but the optimizer
-step with the default mode: its Inductor kernels were launched one by one from Python every step,
-after a guard check over every parameter, gradient and state tensor, where eager runs one fused
-AdamW/SGD kernel. The step stayed host-bound and did more host work than eager
-(docs/BENCHMARKS.md). The optimizer here is foreach (Inductor writes its own fused update
-kernels), capturable on CUDA so its step counter lives on the device inside the graph.
+The optimizer step is compiled with the rest: compiled on its own in the default mode, its
+Inductor kernels are launched one by one from Python every step, after a guard check over every
+parameter, gradient and state tensor, where eager runs one fused AdamW/SGD kernel, and the step
+stays host-bound (docs/BENCHMARKS.md). The optimizer is foreach (Inductor writes its own fused
+update kernels), capturable on CUDA so its step counter lives on the device inside the graph.
 
 Modes: spec.compile_modes (default "reduce-overhead" then "default", see peers/__init__.py). The
 search stops once SEARCH_BUDGET_S is spent, and the mode that wins on a workload's first
@@ -31,15 +30,12 @@ import torch
 
 from stepgraph.bench.peers import KernelCensus, PreparedStep, RunSpec
 from stepgraph.bench.peers.torch_eager import (
-    autocast,
-    build_model,
+    build_training,
     device_batches,
-    gradient_clipper,
     layout_for,
-    loss_function,
-    make_optimizer,
     profiler_census,
     release,
+    seconds_per_step,
     set_precision,
     start_memory_count,
     synchronizer,
@@ -49,6 +45,11 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 SEARCH_BUDGET_S = 120.0  # no further mode is compiled once the search has taken this long
 PROBE_SECONDS = 0.3  # timed per mode, after its compile and CUDA graph recording steps
 PROBE_SETUP_STEPS = 3  # cudagraph trees warm up on call 1, record on call 2, replay from 3
+PROBE_MAX_STEPS = 500
+# Optimizer state torch.optim creates inside step() itself, from the first gradient (SGD's
+# momentum buffers), rather than in `_init_group`, which Dynamo runs eagerly outside the graph
+# (AdamW's moments and step counter): under torch.compile it is an output of the compiled step.
+STATE_MADE_IN_STEP = ("momentum_buffer",)
 _chosen_modes: dict[str, str] = {}  # workload -> the mode its first searched precision kept
 
 
@@ -63,53 +64,52 @@ class _Candidate:
 
 
 def _compile(spec: RunSpec, mode: str, layout: str) -> _Candidate:
-    torch.manual_seed(spec.seed)
-    model = build_model(spec.workload, spec.parameters, spec.device, layout).train()
-    optimizer = make_optimizer(spec.workload.optimizer, model.parameters(),
-                               capturable=spec.device == "cuda")
-    loss_fn = loss_function(spec.workload)
-    clip = gradient_clipper(spec.workload.optimizer, model)
-
-    @torch.compile(mode=mode)
-    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with autocast(spec.precision, spec.device):
-            loss = loss_fn(model(x), y)
-        loss.backward()
-        clip()
-        optimizer.step()
-        return loss
-
+    training = build_training(spec, layout, capturable=spec.device == "cuda")
+    train_step = torch.compile(training.step_body(spec.precision, spec.device), mode=mode)
     batches = device_batches(spec, layout)
-    mark_step = spec.device == "cuda" and mode in CUDA_GRAPH_MODES
+    cuda_graphs = spec.device == "cuda" and mode in CUDA_GRAPH_MODES
+    return _Candidate(mode, _step_runner(train_step, training.optimizer, batches, cuda_graphs),
+                      batches.clear)
+
+
+def _step_runner(train_step, optimizer: torch.optim.Optimizer, batches, cuda_graphs: bool):
+    """run_step(i): zero_grad(set_to_none) and the compiled step on batch i.
+
+    Under CUDA graphs (cudagraph trees) every step opens with
+    `torch.compiler.cudagraph_mark_step_begin()`, the documented call for training loops, after
+    which the graphs free the previous step's outputs. Optimizer state made inside the first
+    step (STATE_MADE_IN_STEP) is such an output, kept across steps: the next step would find
+    it overwritten ("accessing tensor output of CUDAGraphs that has been overwritten by a
+    subsequent run"). It is cloned outside torch.compile once, after that first step, as the
+    error and the cudagraph trees docs say to do with an output that must outlive its step."""
+    clone_pending = cuda_graphs
 
     def run_step(i: int) -> torch.Tensor:
-        if mark_step:
-            # A new iteration: the previous step's graph outputs may now be overwritten (the
-            # documented call for training loops under cudagraph trees).
+        nonlocal clone_pending
+        if cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
         optimizer.zero_grad(set_to_none=True)
-        return train_step(*batches[i])
+        loss = train_step(*batches[i])
+        if clone_pending:
+            _clone_state_made_in_step(optimizer)
+            clone_pending = False
+        return loss
 
-    def close() -> None:
-        batches.clear()
+    return run_step
 
-    return _Candidate(mode, run_step, close)
+
+def _clone_state_made_in_step(optimizer: torch.optim.Optimizer) -> None:
+    """Replace each STATE_MADE_IN_STEP tensor by a copy in memory of its own."""
+    for state in optimizer.state.values():
+        for key in STATE_MADE_IN_STEP:
+            if isinstance(state.get(key), torch.Tensor):
+                state[key] = state[key].clone()
 
 
 def _probe(candidate: _Candidate, n_batches: int, synchronize) -> float:
     """µs per step over about PROBE_SECONDS, after the compile and recording steps."""
-    for i in range(PROBE_SETUP_STEPS):
-        candidate.run_step(i % n_batches)
-    synchronize()
-    start = time.perf_counter()
-    candidate.run_step(0)
-    synchronize()
-    steps = max(3, min(500, int(PROBE_SECONDS / max(time.perf_counter() - start, 1e-6))))
-    start = time.perf_counter()
-    for i in range(steps):
-        candidate.run_step(i % n_batches)
-    synchronize()
-    return (time.perf_counter() - start) / steps * 1e6
+    return seconds_per_step(candidate.run_step, n_batches, synchronize, PROBE_SECONDS,
+                            PROBE_MAX_STEPS, PROBE_SETUP_STEPS) * 1e6
 
 
 def _modes_to_try(spec: RunSpec) -> tuple[list[str], str]:

@@ -12,6 +12,8 @@ import functools
 import gc
 import re
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +36,7 @@ NCHW, CHANNELS_LAST = "NCHW", "channels_last"
 MEMORY_FORMATS = {NCHW: torch.contiguous_format, CHANNELS_LAST: torch.channels_last}
 CONV_MODELS = (ConvNet, ResNet, PlainConvNet)
 LAYOUT_TRIAL_SECONDS = 0.15  # timed per memory format, after the cuDNN benchmark steps
+LAYOUT_TRIAL_STEPS = 200  # at most, per memory format
 # Layout chosen by torch eager's trial per (workload, precision); torch graph and torch compile
 # use it, so all three PyTorch rows run the same kernels' layout.
 _chosen_layouts: dict[tuple[str, str], str] = {}
@@ -213,48 +216,82 @@ def gradient_clipper(spec: OptimizerSpec, model: nn.Module):
     return lambda: torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm)
 
 
-def train_step_function(model: nn.Module, loss_fn, optimizer, precision: str, device: str,
-                        clip=lambda: None):
-    """The ordinary eager step: zero_grad(set_to_none) + forward + loss + backward (+ clip)
-    + step."""
+@dataclass
+class Training:
+    """What the three PyTorch peers train, built the same way for each (`build_training`)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    clip: Callable[[], object]
+
+    def step_body(self, precision: str, device: str, cache_enabled: bool = True):
+        """(x, y) -> loss: forward + loss (under autocast for bf16), backward, clipping and
+        optimizer.step. Zeroing the gradients is the caller's: eager does it before every call,
+        the CUDA graph once before capture, torch.compile outside its compiled region."""
+        model, loss_fn, clip, optimizer = self.model, self.loss_fn, self.clip, self.optimizer
+
+        def body(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            with autocast(precision, device, cache_enabled):
+                loss = loss_fn(model(x), y)
+            loss.backward()
+            clip()
+            optimizer.step()
+            return loss
+        return body
+
+
+def build_training(spec: RunSpec, layout: str, **implementation) -> Training:
+    """Seed torch's RNG (dropout), then the workload's model in train mode and `layout`, its
+    optimizer (`implementation`: fused / capturable, see make_optimizer), loss and clipping."""
+    torch.manual_seed(spec.seed)
+    model = build_model(spec.workload, spec.parameters, spec.device, layout).train()
+    optimizer = make_optimizer(spec.workload.optimizer, model.parameters(), **implementation)
+    return Training(model, optimizer, loss_function(spec.workload),
+                    gradient_clipper(spec.workload.optimizer, model))
+
+
+def eager_step(training: Training, precision: str, device: str):
+    """The ordinary eager step on (x, y): zero_grad(set_to_none) + Training.step_body."""
+    body = training.step_body(precision, device)
+
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        optimizer.zero_grad(set_to_none=True)
-        with autocast(precision, device):
-            loss = loss_fn(model(x), y)
-        loss.backward()
-        clip()
-        optimizer.step()
-        return loss
+        training.optimizer.zero_grad(set_to_none=True)
+        return body(x, y)
     return step
 
 
-def _time_steps(step, batches, synchronize, seconds: float) -> float:
-    """Seconds per step over about `seconds` (at least 3 steps), one sync at the end."""
+def seconds_per_step(run_step: Callable[[int], object], n_batches: int, synchronize,
+                     seconds: float, max_steps: int, setup_steps: int = 3) -> float:
+    """Seconds per step over about `seconds` (3 to max_steps steps, one sync at the end),
+    after `setup_steps` untimed ones (cudnn.benchmark's search, compiles, graph recording)."""
+    for i in range(setup_steps):
+        run_step(i % n_batches)
     synchronize()
     start = time.perf_counter()
-    step(*batches[0])
+    run_step(0)
     synchronize()
-    steps = max(3, min(200, int(seconds / max(time.perf_counter() - start, 1e-6))))
+    steps = max(3, min(max_steps, int(seconds / max(time.perf_counter() - start, 1e-6))))
     start = time.perf_counter()
     for i in range(steps):
-        step(*batches[i % len(batches)])
+        run_step(i % n_batches)
     synchronize()
     return (time.perf_counter() - start) / steps
 
 
 def _layout_trial(spec: RunSpec, layout: str) -> float:
-    """µs per eager step in `layout`, after the steps in which cudnn.benchmark picks kernels."""
-    model = build_model(spec.workload, spec.parameters, spec.device, layout).train()
-    optimizer = make_optimizer(spec.workload.optimizer, model.parameters(), fused=True)
-    step = train_step_function(model, loss_function(spec.workload), optimizer, spec.precision,
-                               spec.device)
-    batches = device_batches(spec, layout)
-    for i in range(3):
-        step(*batches[i % len(batches)])
-    seconds = _time_steps(step, batches, torch.cuda.synchronize, LAYOUT_TRIAL_SECONDS)
-    del model, optimizer, step, batches
+    """µs per eager step in `layout`, after the steps in which cudnn.benchmark picks kernels;
+    the trial's model and batches are freed before the next one."""
+    seconds = _eager_seconds_per_step(spec, layout)
     release(spec.device)
     return seconds * 1e6
+
+
+def _eager_seconds_per_step(spec: RunSpec, layout: str) -> float:
+    step = eager_step(build_training(spec, layout, fused=True), spec.precision, spec.device)
+    batches = device_batches(spec, layout)
+    return seconds_per_step(lambda i: step(*batches[i]), len(batches), torch.cuda.synchronize,
+                            LAYOUT_TRIAL_SECONDS, LAYOUT_TRIAL_STEPS)
 
 
 def choose_layout(spec: RunSpec) -> tuple[str, str]:
@@ -275,11 +312,7 @@ def prepare(spec: RunSpec) -> PreparedStep:
     notes = set_precision(spec.precision)
     layout, layout_note = choose_layout(spec)
     memory = start_memory_count(spec.device)
-    torch.manual_seed(spec.seed)
-    model = build_model(spec.workload, spec.parameters, spec.device, layout).train()
-    optimizer = make_optimizer(spec.workload.optimizer, model.parameters(), fused=True)
-    step = train_step_function(model, loss_function(spec.workload), optimizer, spec.precision,
-                               spec.device, gradient_clipper(spec.workload.optimizer, model))
+    step = eager_step(build_training(spec, layout, fused=True), spec.precision, spec.device)
     batches = device_batches(spec, layout)
     synchronize = synchronizer(spec.device)
 

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stepgraph.bench.workloads import GPT, LayerParams, named_parameters
+from stepgraph.bench.peers.torch_models import load_shared_parameters
+from stepgraph.bench.workloads import GPT, LayerParams
 
 
 class CausalSelfAttention(nn.Module):
@@ -87,13 +88,7 @@ class GPTModule(nn.Module):
 
 def gpt_model(workload, parameters: list[LayerParams]) -> GPTModule:
     """The workload's GPT (on the CPU) holding the shared initial parameters."""
-    module = GPTModule(workload.model)
-    state = {key: torch.from_numpy(value) for key, value in named_parameters(parameters).items()}
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"shared parameters do not fit the torch GPT: missing {missing}, "
-                         f"unexpected {unexpected}")
-    return module
+    return load_shared_parameters(GPTModule(workload.model), parameters)
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

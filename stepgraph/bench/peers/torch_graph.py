@@ -10,13 +10,9 @@ import torch
 
 from stepgraph.bench.peers import KernelCensus, PreparedStep, RunSpec, Unsupported
 from stepgraph.bench.peers.torch_eager import (
-    autocast,
-    build_model,
+    build_training,
     device_batches,
-    gradient_clipper,
     layout_for,
-    loss_function,
-    make_optimizer,
     profiler_census,
     release,
     set_precision,
@@ -33,37 +29,26 @@ def prepare(spec: RunSpec) -> PreparedStep:
     notes = set_precision(spec.precision)
     layout = layout_for(spec)
     memory = start_memory_count(spec.device)
-    torch.manual_seed(spec.seed)
-    model = build_model(spec.workload, spec.parameters, spec.device, layout).train()
-    loss_fn = loss_function(spec.workload)
-    optimizer = make_optimizer(spec.workload.optimizer, model.parameters(), capturable=True)
-    clip = gradient_clipper(spec.workload.optimizer, model)
+    training = build_training(spec, layout, capturable=True)
+    # cache_enabled=False: autocast's weight-cast cache must not outlive a capture.
+    step_body = training.step_body(spec.precision, spec.device, cache_enabled=False)
     batches = device_batches(spec, layout)
     static_x, static_y = (t.clone() for t in batches[0])
-
-    def whole_step() -> torch.Tensor:
-        # cache_enabled=False: autocast's weight-cast cache must not outlive a capture.
-        with autocast(spec.precision, spec.device, cache_enabled=False):
-            loss = loss_fn(model(static_x), static_y)
-        loss.backward()
-        clip()
-        optimizer.step()
-        return loss
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(WARMUP_STEPS):
-            optimizer.zero_grad(set_to_none=True)
-            whole_step()
+            training.optimizer.zero_grad(set_to_none=True)
+            step_body(static_x, static_y)
     torch.cuda.current_stream().wait_stream(side)
 
     graph = torch.cuda.CUDAGraph()
     # Grads are None at capture, so backward allocates them from the graph's private pool and
     # every replay rewrites them instead of accumulating: that is the captured zero_grad.
-    optimizer.zero_grad(set_to_none=True)
+    training.optimizer.zero_grad(set_to_none=True)
     with torch.cuda.graph(graph):
-        static_loss = whole_step()
+        static_loss = step_body(static_x, static_y)
 
     def run_step(i: int) -> torch.Tensor:
         x, y = batches[i]
@@ -76,6 +61,10 @@ def prepare(spec: RunSpec) -> PreparedStep:
         return profiler_census(lambda: run_step(0), torch.cuda.synchronize)
 
     def close() -> None:
+        # Held until here: the replays read and write the parameters and the optimizer state,
+        # allocated outside the graph's pool, which nothing else keeps alive.
+        nonlocal training
+        training = None
         batches.clear()
         release(spec.device)
 

@@ -97,11 +97,18 @@ def vision_model(workload: Workload, parameters: list[LayerParams]) -> nn.Module
         module = plain_convnet(model, workload.sample_shape)
     else:
         raise TypeError(f"not a vision model description: {model!r}")
+    return load_shared_parameters(module, parameters)
+
+
+def load_shared_parameters(module: nn.Module, parameters: list[LayerParams]) -> nn.Module:
+    """`module` with the workload's shared initial parameters loaded by state_dict key; ValueError
+    when they do not fit. Only buffers (BatchNorm's running statistics and batch counter) keep
+    their own initial values."""
     state = {key: torch.from_numpy(value) for key, value in named_parameters(parameters).items()}
     missing, unexpected = module.load_state_dict(state, strict=False)
-    # Only BatchNorm's buffers (running stats, batch counter) keep their own initial values.
     buffers = {name for name, _ in module.named_buffers()}
     if unexpected or set(missing) - buffers:
-        raise ValueError(f"shared parameters do not fit the torch model: missing "
-                         f"{sorted(set(missing) - buffers)}, unexpected {sorted(unexpected)}")
+        raise ValueError(f"shared parameters do not fit the torch {type(module).__name__}: "
+                         f"missing {sorted(set(missing) - buffers)}, unexpected "
+                         f"{sorted(unexpected)}")
     return module
