@@ -86,11 +86,18 @@ def test_resnet_graph_replay_is_bit_identical_to_eager():
 
 
 def test_resnet_eval_predictions_use_running_stats():
-    cpu, gpu = twins(["cpu", "cuda"], graph=True)
+    """Eval-mode predictions on the GPU equal the numpy backend's for the same trained values:
+    the GPU step's parameters and running statistics are loaded into a CPU twin, so only the
+    forward's rounding differs (the trajectories themselves drift apart by cuDNN's plans)."""
+    (gpu,) = twins(["cuda"], graph=True)
     for x, y in batches(4, seed=3):
-        cpu(x, y)
         gpu(cp.asarray(x), cp.asarray(y))
+    trained = gpu.model.state_dict()
+    assert all(int(v) == 4 for k, v in trained.items() if k.endswith("num_batches_tracked"))
+    assert not np.allclose(trained["bn1.running_var"], 1.0)
+    twin = small_resnet()
+    twin.load_state_dict(trained)
     x = batches(1, seed=4)[0][0]
-    want = sg.compile_predict(cpu.model, example_inputs=(x,), device="cpu")(x)
+    want = sg.compile_predict(twin, example_inputs=(x,), device="cpu")(x)
     got = sg.compile_predict(gpu.model, example_inputs=(x,), device="cuda")(cp.asarray(x))
-    assert rel(cp.asnumpy(got), want) < 1e-4
+    assert rel(cp.asnumpy(got), want) < 1e-5
