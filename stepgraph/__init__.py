@@ -1,15 +1,16 @@
 """stepgraph: compile a whole training step once, run it as one call."""
-from . import losses, nn, ops, optim
+from . import distributed, losses, nn, ops, optim
 from .api import Predictor, TrainStep, compile_predict, compile_train_step
 from .backends import cuda_available
-from .errors import (BackendUnavailableError, CaptureError, LabelError, NonFiniteError,
-                     PlanError, ShapeError, StateDictError, StepgraphError, UnsupportedOpError)
+from .errors import (BackendUnavailableError, CaptureError, DistributedError, LabelError,
+                     NonFiniteError, PlanError, ShapeError, StateDictError, StepgraphError,
+                     UnsupportedOpError)
 from .ir.trace import arange
 from .nn.module import to_numpy
 
 __version__ = "0.1.0"
 
-__all__ = ["nn", "optim", "losses", "compile_train_step", "compile_predict", "TrainStep",
-           "Predictor", "cuda_available", "to_numpy", "arange", "StepgraphError", "ShapeError",
-           "LabelError", "NonFiniteError", "PlanError", "CaptureError", "StateDictError",
-           "BackendUnavailableError", "UnsupportedOpError"]
+__all__ = ["nn", "optim", "losses", "distributed", "compile_train_step", "compile_predict",
+           "TrainStep", "Predictor", "cuda_available", "to_numpy", "arange", "StepgraphError",
+           "ShapeError", "LabelError", "NonFiniteError", "PlanError", "CaptureError",
+           "StateDictError", "BackendUnavailableError", "UnsupportedOpError", "DistributedError"]

@@ -14,6 +14,7 @@ import numpy as np
 
 from .backends import get_backend
 from .compile.build import build_predict_graph, build_train_graph
+from .compile.distribute import average_gradients
 from .compile.executable import COPY_ROLES, INFERENCE, STATIC_ROLES, TRAIN, Executable, GraphKey
 from .compile.feed import Signature, check_feed, check_labels, signature_of
 from .compile.fuse import fuse
@@ -21,6 +22,7 @@ from .compile.guard import (COUNTERS_KEY, GUARD_PREFIX, HISTORY_FLAG_KEY, GuardM
                             check_policy, label_check)
 from .compile.history import HISTORY_PREFIX, LossHandle
 from .compile.plan import Plan, make_plan
+from .distributed.buckets import cap_bytes_of
 from .errors import BackendUnavailableError, StateDictError
 from .ir.graph import PARAM, STATE, Graph, Value
 from .nn.module import Module
@@ -114,16 +116,25 @@ class TrainStep(_CompiledModel):
     raises LabelError or NonFiniteError naming the step; labels in host memory are checked
     before the call runs and raise LabelError at once. "skip": its update is skipped and
     counted in `skipped_steps`; training goes on. "ignore": no checks on the device.
+
+    distributed (True or a distributed.DataParallel): data parallelism over the process group
+    (distributed.init()): rank 0's parameters and buffers are copied to every rank now, and
+    each step averages the gradients across ranks before the update (compile/distribute.py),
+    so every rank holds the same parameters after every step. The loss a step returns is
+    this rank's; BatchNorm statistics stay per rank; dropout masks differ between ranks.
     """
 
     mode = TRAIN
 
     def __init__(self, model, loss, optimizer, example_inputs, device="cpu", graph=None,
-                 seed=0, precision="fp32", on_bad_batch="raise"):
+                 seed=0, precision="fp32", on_bad_batch="raise", distributed=False):
         self.on_bad_batch = check_policy(on_bad_batch)
+        self.data_parallel, self.group = _data_parallel(distributed)
         super().__init__(model, example_inputs, device, graph, precision, with_target=True)
         self.loss_fn, self.optimizer, self.seed = loss, optimizer, int(seed)
         self.state: dict[str, Any] = {}
+        if self.group is not None:
+            self._broadcast_parameters()
         self._host_step: int | None = None
         first = self.executable(self.signature)
         self.classes, self.ignore_index = label_check(first.plan.graph,
@@ -135,8 +146,34 @@ class TrainStep(_CompiledModel):
         optimizer.attach(self._write_schedule)
 
     def build_graph(self, signature: Signature) -> Graph:
-        return build_train_graph(self.model, self.loss_fn, self.optimizer, signature, self.seed,
+        # Each rank draws its own dropout masks (the same key would repeat one rank's masks
+        # on every rank's different samples).
+        seed = self.seed if self.group is None else self.seed + (self.group.rank << 32)
+        return build_train_graph(self.model, self.loss_fn, self.optimizer, signature, seed,
                                  self.on_bad_batch)
+
+    def plan(self, signature: Signature) -> Plan:
+        graph = fuse(self.build_graph(signature))
+        if self.group is not None:
+            dp = self.data_parallel
+            graph = average_gradients(graph, self.group.id, self.group.world_size,
+                                      cap_bytes_of(dp.bucket_cap_mb), dp.strategy)
+        return make_plan(graph)
+
+    def _broadcast_parameters(self) -> None:
+        """Rank 0's parameters and buffers on every rank: NCCL on CUDA, the store on the CPU."""
+        arrays = [p.data for p in [*self.params.values(), *self.buffers.values()]]
+        if self.group.world_size == 1 or not arrays:
+            return
+        if self.device == "cuda":
+            from .backends.cuda.collective import broadcast_parameters
+
+            broadcast_parameters(self.backend, self.group, arrays)
+            return
+        host = self.group.broadcast([self.backend.to_numpy(a) for a in arrays],
+                                    what="parameter broadcast")
+        for a, value in zip(arrays, host):
+            self.backend.copy_into(a, value)
 
     def bind(self, v: Value) -> Any:
         if v.role == PARAM or v.name in self.buffers:   # the model's own storage
@@ -224,6 +261,20 @@ class TrainStep(_CompiledModel):
         self.optimizer._lr = float(np.asarray(state_dict[SCHEDULE_KEY])[0])
 
 
+def _data_parallel(distributed):
+    """(DataParallel options, process group), or (None, None) for a one-process step."""
+    from . import distributed as dist
+
+    if distributed is False or distributed is None:
+        return None, None
+    if distributed is True:
+        distributed = dist.DataParallel()
+    if not isinstance(distributed, dist.DataParallel):
+        raise TypeError("distributed must be a bool or a stepgraph.distributed.DataParallel, "
+                        f"got {type(distributed).__name__}")
+    return distributed, distributed.group or dist.init()
+
+
 class Predictor(_CompiledModel):
     """The model's forward pass in eval mode, reading the same parameter buffers."""
 
@@ -248,22 +299,24 @@ _train_cache: "weakref.WeakKeyDictionary[Module, dict]" = weakref.WeakKeyDiction
 
 def compile_train_step(model: Module, loss, optimizer, example_inputs, device: str = "cpu",
                        graph: bool | None = None, seed: int = 0, precision: str = "fp32",
-                       on_bad_batch: str = "raise") -> TrainStep:
+                       on_bad_batch: str = "raise", distributed=False) -> TrainStep:
     """Compile forward + loss + backward + optimizer update into one callable step.
 
     Compiling the same model, loss and optimizer with the same options again returns the same
     step (a new one would start from fresh optimizer state). `graph` defaults to True on CUDA.
     on_bad_batch ("raise", "skip" or "ignore"): what a batch with bad labels or a non-finite
-    loss or gradient does (TrainStep's docstring).
+    loss or gradient does (TrainStep's docstring). distributed (True, or a
+    stepgraph.distributed.DataParallel with options): average the gradients across the
+    processes of a data-parallel run inside the step (TrainStep's docstring).
     """
     key = (id(loss), id(optimizer), signature_of(_input_names(len(example_inputs), True),
                                                  example_inputs), device, graph, seed, precision,
-           on_bad_batch)
+           on_bad_batch, distributed)
     per_model = _train_cache.setdefault(model, {})
     step = per_model.get(key)
     if step is None or step.optimizer is not optimizer:
         step = TrainStep(model, loss, optimizer, example_inputs, device, graph, seed, precision,
-                         on_bad_batch)
+                         on_bad_batch, distributed)
         per_model[key] = step
     return step
 

@@ -1,4 +1,4 @@
-"""The `stepgraph` command line: `stepgraph train|sample|bench|profile|cache [options]`."""
+"""The `stepgraph` command line: `stepgraph train|sample|bench|profile|cache|launch [options]`."""
 from __future__ import annotations
 
 import argparse
@@ -27,11 +27,19 @@ def run_cache(argv: list[str]) -> int:
     return cache_main(argv)
 
 
+def run_launch(argv: list[str]) -> int:
+    from .distributed.launch import main as launch_main
+
+    return launch_main(argv)
+
+
 # Commands with their own argument parsers: everything after the name is passed on.
 DELEGATED = {"bench": (run_bench, "time a training step against PyTorch, JAX, tinygrad (GPU)"),
              "profile": (run_profile, "per-op device times of a training step, a bench "
                          "workload's or your own (--script) (GPU)"),
-             "cache": (run_cache, "show (info) or empty (clear) the on-disk kernel choices")}
+             "cache": (run_cache, "show (info) or empty (clear) the on-disk kernel choices"),
+             "launch": (run_launch, "start N processes of a command for data-parallel "
+                        "training (--gpus N -- CMD ...), as torchrun does")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--on-bad-batch", choices=BAD_BATCH_POLICIES, default="raise",
                        help="a batch with labels out of range or a NaN/Inf loss or gradient: "
                        "stop naming it (raise), or skip its update and go on (skip)")
+    train.add_argument("--gpus", type=int, default=None,
+                       help="data-parallel over N processes, one per GPU (stepgraph launch); "
+                       "--batch-size stays the global batch, split evenly across them")
     add_gpt_arguments(train)
     add_sample_parser(commands, DEVICES)
     return parser
@@ -130,12 +141,53 @@ def add_sample_parser(commands, devices) -> None:
                         help="auto: cuda when a GPU is usable, else cpu")
 
 
-def run_train(args: argparse.Namespace) -> int:
+def relaunch(gpus: int, argv: list[str]) -> int | None:
+    """`stepgraph train --gpus N` outside a launched run: the same command in N processes
+    through `stepgraph launch` (its exit code); None when this process should train itself."""
+    from .distributed import launched_world_size
+    from .distributed.launch import LaunchArgs, launch
+    from .train import TrainConfigError
+
+    if gpus < 1:
+        raise TrainConfigError(f"--gpus must be >= 1, got {gpus}")
+    world = launched_world_size()
+    if world > 1 and world != gpus:
+        raise TrainConfigError(f"--gpus {gpus}, but this process was launched as one of "
+                               f"WORLD_SIZE={world}")
+    if gpus == 1 or world > 1:
+        return None
+    command = [sys.executable, "-m", "stepgraph", *without_gpus(argv)]
+    return launch(LaunchArgs(gpus, tuple(command)))
+
+
+def without_gpus(argv: list[str]) -> list[str]:
+    """argv less its --gpus option (both spellings: `--gpus N`, `--gpus=N`)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--gpus":
+            skip = True
+        elif not a.startswith("--gpus="):
+            out.append(a)
+    return out
+
+
+def run_train(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from .train import TrainConfig, TrainConfigError, train
     from .train_gpt import TEXT_DATASETS, TEXT_MODELS
 
     if args.model in TEXT_MODELS or args.data in TEXT_DATASETS:
+        from .distributed import launched_world_size
+
+        if args.gpus not in (None, 1) or launched_world_size() > 1:
+            raise TrainConfigError("data-parallel training (--gpus) applies to the image "
+                                   "models (mlp, cnn, resnet) only")
         return run_train_gpt(args)
+    if args.gpus is not None:
+        code = relaunch(args.gpus, argv if argv is not None else ["train"])
+        if code is not None:
+            return code
     given = [flag for flag, name in GPT_FLAGS.items() if getattr(args, name) is not None]
     if given:
         raise TrainConfigError(f"{given[0]} applies to --model gpt only")
@@ -144,8 +196,9 @@ def run_train(args: argparse.Namespace) -> int:
                          device=args.device, seed=args.seed, out=args.out, resume=args.resume,
                          progress=not args.no_progress, on_bad_batch=args.on_bad_batch)
     result = train(config, log=lambda line: print(line, flush=True))
-    print(f"wrote {result.out_dir}/ (metrics.json, metrics.png, checkpoint.safetensors)")
-    print(f"test accuracy: {result.test_accuracy:.4f}")
+    if result.rank == 0:
+        print(f"wrote {result.out_dir}/ (metrics.json, metrics.png, checkpoint.safetensors)")
+        print(f"test accuracy: {result.test_accuracy:.4f}")
     return 0
 
 
@@ -203,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
-        return run_sample(args) if args.command == "sample" else run_train(args)
+        return run_sample(args) if args.command == "sample" else run_train(args, argv)
     except (StepgraphError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

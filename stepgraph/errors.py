@@ -46,3 +46,8 @@ class BackendUnavailableError(StepgraphError, RuntimeError):
 class UnsupportedOpError(StepgraphError, NotImplementedError):
     """A tensor operation or argument stepgraph cannot trace; names the op and the module path
     (e.g. "model.layer1.0") where the model called it."""
+
+
+class DistributedError(StepgraphError, RuntimeError):
+    """A data-parallel run cannot go on: a rank never arrived or stopped answering, the
+    launch environment (RANK, WORLD_SIZE, ...) is inconsistent, or NCCL is unusable."""

@@ -7,6 +7,11 @@ The step runs without host syncs; the loop reads the loss only every LOG_EVERY s
 the end of an epoch. A checkpoint after every epoch holds the step's full state and the epoch
 number; the data order (and the augmentation of a batch) is a pure function of (seed, epoch),
 so `resume` continues exactly.
+
+Data-parallel (`stepgraph train --gpus N`, or N processes started by a launcher that sets
+WORLD_SIZE): every rank trains on its shard of each global batch of --batch-size samples, the
+gradients are averaged inside the step, and rank 0 alone evaluates and writes the metrics,
+plot and checkpoint. A resume needs the world size that wrote the checkpoint.
 """
 from __future__ import annotations
 
@@ -80,6 +85,7 @@ class TrainConfig:
     resume: bool = False
     progress: bool = True           # tqdm bars on stderr
     on_bad_batch: str = "raise"     # a batch with bad labels or a NaN/Inf: fail, or skip it
+    world_size: int | None = None   # data-parallel processes; None: the launcher's WORLD_SIZE
 
     def validate(self) -> None:
         """Raise TrainConfigError naming the first invalid option."""
@@ -98,6 +104,20 @@ class TrainConfig:
             raise TrainConfigError(f"--lr must be a positive number, got {self.learning_rate}")
         if self.seed < 0:
             raise TrainConfigError(f"--seed must be >= 0, got {self.seed}")
+        if self.processes < 1:
+            raise TrainConfigError(f"the world size must be >= 1, got {self.processes}")
+        if self.batch % self.processes:
+            raise TrainConfigError(f"--batch-size {self.batch} does not split evenly over "
+                                   f"{self.processes} processes (it is the global batch)")
+
+    @property
+    def processes(self) -> int:
+        """Processes of a data-parallel run (1: not data-parallel)."""
+        if self.world_size is not None:
+            return self.world_size
+        from .distributed import launched_world_size
+
+        return launched_world_size()
 
     @property
     def total_epochs(self) -> int:
@@ -118,7 +138,8 @@ class TrainConfig:
     def record(self) -> dict:
         """The config as plain JSON values, with defaults resolved."""
         return {**dataclasses.asdict(self), "epochs": self.total_epochs,
-                "batch_size": self.batch, "lr": self.learning_rate, "out": str(self.out_dir)}
+                "batch_size": self.batch, "lr": self.learning_rate, "out": str(self.out_dir),
+                "world_size": self.processes}
 
 
 @dataclass
@@ -149,6 +170,7 @@ class TrainResult:
     device: str
     step: Any = field(repr=False)
     model: Any = field(repr=False)
+    rank: int = 0               # a data-parallel run's rank (only rank 0 evaluates: NaN else)
 
 
 def resolve_device(device: str) -> str:
@@ -299,32 +321,55 @@ class Session:
     predict: Any
     loader: BatchLoader
     eval_sets: dict[str, tuple[Any, np.ndarray]]
+    rank: int = 0               # of a data-parallel run; rank 0 evaluates and writes files
+
+
+def process_group(config: TrainConfig, device: str):
+    """The data-parallel group of the run (None for one process). On CUDA the rank's GPU is
+    made current first, so the loader's arrays land on it."""
+    if config.processes == 1:
+        return None
+    if device == "cuda":
+        from .backends import get_backend
+
+        get_backend("cuda")
+    group = sg.distributed.init()
+    if group.world_size != config.processes:
+        raise TrainConfigError(f"the run has {group.world_size} processes, the configuration "
+                               f"{config.processes}")
+    return group
 
 
 def build_session(config: TrainConfig, log: Callable[[str], None]) -> Session:
-    """Load the data, build and compile the model: everything but the epochs."""
+    """Load the data, build and compile the model: everything but the epochs. Data-parallel:
+    this rank's shard of every batch, and an evaluation set on rank 0 only."""
     device = resolve_device(config.device)
+    group = process_group(config, device)
+    rank, world = (group.rank, group.world_size) if group is not None else (0, 1)
     dataset = load_dataset(config.data, config.data_dir or DEFAULT_DATA_DIRS.get(config.data))
     seed_init(config.seed)
     spec = build_model(config.model, dataset)
     x_train = with_layout(dataset.x_train, spec.layout)
     x_test = with_layout(dataset.x_test, spec.layout)
     log(f"stepgraph: {config.model} on {config.data} ({len(x_train)} train, {len(x_test)} test "
-        f"samples), device {device}")
-    loader = BatchLoader(x_train, dataset.y_train, config.batch, seed=config.seed, device=device,
-                         transform=make_transform(config, spec))
-    example = (x_train[:config.batch], dataset.y_train[:config.batch])
+        f"samples), device {device}" + (f", {world} processes" if world > 1 else ""))
+    batch = config.batch // world
+    loader = BatchLoader(x_train, dataset.y_train, batch, seed=config.seed, device=device,
+                         transform=make_transform(config, spec), rank=rank, world_size=world)
+    example = (x_train[:batch], dataset.y_train[:batch])
     step = sg.compile_train_step(spec.module, loss=spec.loss,
                                  optimizer=make_optimizer(config, len(loader)),
                                  example_inputs=example, device=device,
                                  graph=(device == "cuda"), seed=config.seed,
-                                 on_bad_batch=config.on_bad_batch)
-    predict = sg.compile_predict(spec.module, example_inputs=(x_test[:EVAL_BATCH],),
-                                 device=device)
-    n_eval = min(len(x_train), TRAIN_EVAL_LIMIT)
-    eval_sets = {"train": (to_device(x_train[:n_eval], device), dataset.y_train[:n_eval]),
-                 "test": (to_device(x_test, device), dataset.y_test)}
-    return Session(config, device, spec.module, step, predict, loader, eval_sets)
+                                 on_bad_batch=config.on_bad_batch, distributed=group is not None)
+    predict, eval_sets = None, {}
+    if rank == 0:
+        predict = sg.compile_predict(spec.module, example_inputs=(x_test[:EVAL_BATCH],),
+                                     device=device)
+        n_eval = min(len(x_train), TRAIN_EVAL_LIMIT)
+        eval_sets = {"train": (to_device(x_train[:n_eval], device), dataset.y_train[:n_eval]),
+                     "test": (to_device(x_test, device), dataset.y_test)}
+    return Session(config, device, spec.module, step, predict, loader, eval_sets, rank)
 
 
 # ---- the run's files in out_dir: checkpoint, metrics.json, metrics.png --------------------
@@ -429,11 +474,13 @@ def train_epoch(session: Session, epoch: int) -> EpochMetrics:
 
     total = session.config.total_epochs
     with tqdm(total=len(session.loader), desc=f"epoch {epoch + 1}/{total}", unit="step",
-              disable=not session.config.progress, dynamic_ncols=True) as bar:
+              disable=not session.config.progress or session.rank != 0,
+              dynamic_ncols=True) as bar:
         skipped = session.step.skipped_steps
         loss, seconds = run_epoch(session.step, session.loader, epoch, bar)
         skipped = session.step.skipped_steps - skipped
         acc = {name: evaluate(session.predict, x, y) for name, (x, y) in session.eval_sets.items()}
+        acc = acc or {"train": math.nan, "test": math.nan}      # not rank 0
         steps_per_s = len(session.loader) / seconds
         bar.set_postfix_str(f"loss={loss:.4f} train_acc={acc['train']:.4f} "
                             f"test_acc={acc['test']:.4f} steps/s={steps_per_s:.0f}"
@@ -455,22 +502,48 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> TrainResul
     """
     config.validate()
     # Checked before compiling: a refused resume fails at once.
-    saved = read_resume_checkpoint(config, resume_keys(config)) if config.resume else None
-    session = build_session(config, log)
+    saved = None
+    if config.resume:
+        saved = read_resume_checkpoint(config, resume_keys(config))
+        check_world_size(saved, config)
+    session = build_session(config, log if config.processes == 1 else _rank0(log))
+    writes = session.rank == 0          # data-parallel: rank 0 writes the run's files
     out_dir = config.out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if writes:
+        out_dir.mkdir(parents=True, exist_ok=True)
     start, history = 0, []
     if saved is not None:
         start, history = saved.epoch, restore(session, saved)
-        log(f"resuming from {out_dir / ckpt.CHECKPOINT_NAME} after epoch {start}")
+        if writes:
+            log(f"resuming from {out_dir / ckpt.CHECKPOINT_NAME} after epoch {start}")
     for epoch in range(start, config.total_epochs):
         history.append(train_epoch(session, epoch))
-        save_epoch_checkpoint(session, epoch)
-        write_metrics(session, history)
-    if history and history[-1].epoch == config.total_epochs:
+        if writes:
+            save_epoch_checkpoint(session, epoch)
+            write_metrics(session, history)
+    if not writes:
+        accuracy = math.nan
+    elif history and history[-1].epoch == config.total_epochs:
         accuracy = history[-1].test_accuracy
     else:   # nothing left to train, or metrics of earlier epochs lost: measure now
         accuracy = evaluate(session.predict, *session.eval_sets["test"])
-    if history:
+    if history and writes:
         write_plot(history, out_dir / PLOT_NAME, f"{config.data} {config.model} ({session.device})")
-    return TrainResult(accuracy, history, out_dir, session.device, session.step, session.model)
+    return TrainResult(accuracy, history, out_dir, session.device, session.step, session.model,
+                       session.rank)
+
+
+def _rank0(log: Callable[[str], None]) -> Callable[[str], None]:
+    """`log` on rank 0 of a data-parallel run; silence on the others."""
+    return lambda line: log(line) if sg.distributed.get_rank() == 0 else None
+
+
+def check_world_size(saved: ckpt.Checkpoint, config: TrainConfig) -> None:
+    """A checkpoint resumes only on as many processes as wrote it (the data order, the
+    per-rank batch and the optimizer's steps per epoch depend on it)."""
+    wrote = int(saved.config.get("world_size") or 1)
+    if wrote != config.processes:
+        raise ckpt.CheckpointError(
+            f"cannot resume: the checkpoint in {config.out_dir} was written by a run on {wrote} "
+            f"process(es) (--gpus {wrote}), this run has {config.processes}; resume with "
+            f"--gpus {wrote}")

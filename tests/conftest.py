@@ -1,4 +1,5 @@
-"""Shared pytest setup: the `cuda` marker skips cleanly on machines without a usable GPU."""
+"""Shared pytest setup: the `cuda` marker skips cleanly on machines without a usable GPU, and
+the `multigpu` marker on machines with fewer than two."""
 from __future__ import annotations
 
 import functools
@@ -11,11 +12,15 @@ import pytest
 os.environ.setdefault("MPLBACKEND", "Agg")
 
 CUDA_MARKER = "cuda"
+MULTIGPU_MARKER = "multigpu"
 
 
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", f"{CUDA_MARKER}: needs an NVIDIA GPU with CuPy; skipped when none is available")
+    config.addinivalue_line(
+        "markers", f"{MULTIGPU_MARKER}: needs at least two NVIDIA GPUs (data-parallel tests); "
+        "skipped with fewer")
 
 
 def stepgraph_probe() -> bool | None:
@@ -43,16 +48,31 @@ def gpu_unavailable_reason() -> str | None:
     return None if count > 0 else "no CUDA device found"
 
 
-def pytest_collection_modifyitems(config, items):
-    cuda_items = [item for item in items if item.get_closest_marker(CUDA_MARKER)]
-    if not cuda_items:
-        return
+@functools.cache
+def multigpu_unavailable_reason() -> str | None:
+    """None when at least two GPUs are usable here, else why not."""
     reason = gpu_unavailable_reason()
-    if reason is None:
-        return
-    skip = pytest.mark.skip(reason=reason)
-    for item in cuda_items:
-        item.add_marker(skip)
+    if reason is not None:
+        return reason
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as err:
+        return f"cannot count GPUs ({type(err).__name__}: {err})"
+    return None if count >= 2 else f"needs 2 GPUs, {count} visible"
+
+
+def pytest_collection_modifyitems(config, items):
+    for marker, probe in ((CUDA_MARKER, gpu_unavailable_reason),
+                          (MULTIGPU_MARKER, multigpu_unavailable_reason)):
+        marked = [item for item in items if item.get_closest_marker(marker)]
+        reason = probe() if marked else None
+        if reason is None:
+            continue
+        skip = pytest.mark.skip(reason=reason)
+        for item in marked:
+            item.add_marker(skip)
 
 
 def write_idx(path, array: np.ndarray) -> None:

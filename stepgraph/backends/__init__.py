@@ -22,8 +22,25 @@ def get_backend(device: str) -> Backend:
                 raise BackendUnavailableError(
                     f"device='cuda' needs CuPy and nvmath-python: pip install -e '.[cuda]' ({err})"
                 ) from err
-            _instances[device] = CudaBackend()
+            _instances[device] = CudaBackend(local_gpu())
     return _instances[device]
+
+
+def local_gpu() -> int:
+    """The GPU of this process: LOCAL_RANK in a data-parallel run (torchrun's variable, set
+    by `stepgraph launch`), unless the launcher left each process one visible GPU; else 0."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        return 0
+    local = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception:     # CudaBackend reports a missing GPU itself
+        return local
+    return local if local < count or count != 1 else 0
 
 
 def cuda_available() -> bool:

@@ -7,7 +7,8 @@ from pathlib import Path
 from .augment import RandomCropFlip, apply_crop_flip, draw_crop_flip
 from .cifar10 import load_cifar10
 from .digits import Dataset, load_digits
-from .loader import BatchLoader, LoaderError, epoch_order, to_device, with_layout
+from .loader import (BatchLoader, LoaderError, epoch_order, shard_order, to_device,
+                     with_layout)
 from .mnist import DatasetFormatError, DatasetNotFoundError, load_mnist, read_idx
 from .text import TextDataset, TokenBatches, load_text
 
@@ -33,6 +34,7 @@ def load_dataset(name: str, data_dir: str | Path | None = None) -> Dataset:
 __all__ = [
     "DATASETS", "BatchLoader", "Dataset", "DatasetFormatError", "DatasetNotFoundError",
     "LoaderError", "RandomCropFlip", "apply_crop_flip", "draw_crop_flip", "epoch_order",
-    "load_cifar10", "load_dataset", "load_digits", "load_mnist", "read_idx", "to_device",
+    "load_cifar10", "load_dataset", "load_digits", "load_mnist", "read_idx", "shard_order",
+    "to_device",
     "with_layout", "TextDataset", "TokenBatches", "load_text",
 ]

@@ -6,6 +6,11 @@ shuffled order; batches are then contiguous slices (views, no copy). On cuda the
 put on the GPU once and the gather and slicing happen there. An optional `transform(x, epoch,
 batch)` (augmentation, see augment.py) rewrites each batch of inputs when the epoch is gathered,
 on the device that holds them.
+
+Data-parallel runs shard each epoch as PyTorch's DistributedSampler does: every rank draws the
+same permutation (same seed), pads it by repeating its start to a multiple of the world size,
+and takes every world_size-th sample from its rank on. The ranks' i-th batches together are
+then the i-th batch of a single process with a world_size times larger batch.
 """
 from __future__ import annotations
 
@@ -29,6 +34,21 @@ def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
     if seed < 0 or epoch < 0:
         raise LoaderError(f"seed and epoch must be >= 0, got seed={seed}, epoch={epoch}")
     return np.random.default_rng((seed, epoch)).permutation(n)
+
+
+def shard_order(order: np.ndarray, rank: int, world_size: int) -> np.ndarray:
+    """Rank `rank`'s part of an epoch's `order` (DistributedSampler's): padded by repeating
+    its start to a multiple of world_size, then every world_size-th sample from `rank` on."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise LoaderError(f"rank must be in [0, world_size), got rank={rank}, "
+                          f"world_size={world_size}")
+    n = len(order)
+    total = -(-n // world_size) * world_size
+    if total > n:
+        if n == 0:
+            raise LoaderError("cannot shard an empty dataset")
+        order = np.concatenate([order, np.resize(order, total - n)])
+    return order[rank:total:world_size]
 
 
 def with_layout(x: np.ndarray, layout: str) -> np.ndarray:
@@ -60,6 +80,8 @@ class BatchLoader:
     `device="cuda"` keeps x and y on the GPU (when CuPy is available) and yields CuPy views.
     `transform(x_batch, epoch, batch_index)` returns a batch's inputs transformed (same shape
     and dtype); it must be a pure function of its arguments for a resume to be exact.
+    `rank` of `world_size` > 1: this process's shard of every epoch (the module docstring);
+    its batch i is transformed as batch i * world_size + rank, so ranks draw differently.
     """
 
     x: Any
@@ -70,17 +92,29 @@ class BatchLoader:
     drop_last: bool = False
     device: str = "cpu"
     transform: Callable[[Any, int, int], Any] | None = None
+    rank: int = 0
+    world_size: int = 1
 
     def __post_init__(self):
         if len(self.x) != len(self.y):
             raise LoaderError(f"x has {len(self.x)} samples but y has {len(self.y)}")
         if self.batch_size < 1:
             raise LoaderError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise LoaderError(f"rank must be in [0, world_size), got rank={self.rank}, "
+                              f"world_size={self.world_size}")
+        if self.world_size > 1 and len(self.x) == 0:
+            raise LoaderError("cannot shard an empty dataset")
         self.x = to_device(self.x, self.device)
         self.y = to_device(self.y, self.device)
 
+    @property
+    def samples(self) -> int:
+        """Samples this rank sees per epoch (its shard, padding included)."""
+        return -(-len(self.x) // self.world_size)
+
     def __len__(self) -> int:
-        n = len(self.x)
+        n = self.samples
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     @property
@@ -94,8 +128,16 @@ class BatchLoader:
             sl = slice(i * self.batch_size, (i + 1) * self.batch_size)
             yield x[sl], y[sl]
 
+    def order(self, epoch: int) -> np.ndarray | None:
+        """This rank's sample indices in epoch `epoch`; None: all samples as stored."""
+        if not self.shuffle and self.world_size == 1:
+            return None
+        n = len(self.x)
+        order = epoch_order(self.seed, epoch, n) if self.shuffle else np.arange(n)
+        return shard_order(order, self.rank, self.world_size)
+
     def _ordered(self, epoch: int) -> tuple[Any, Any]:
-        if not self.shuffle and self.transform is None:
+        if not self.shuffle and self.world_size == 1 and self.transform is None:
             return self.x, self.y
         if not self.on_gpu:
             return self._gathered(epoch)
@@ -110,8 +152,8 @@ class BatchLoader:
 
     def _gathered(self, epoch: int) -> tuple[Any, Any]:
         """A new copy of x and y in epoch order, each batch of x transformed in place."""
-        if self.shuffle:
-            order = epoch_order(self.seed, epoch, len(self.x))
+        order = self.order(epoch)
+        if order is not None:
             index = order if not self.on_gpu else cupy_or_none().asarray(order)
             x, y = self.x[index], self.y[index]
         else:
@@ -119,5 +161,5 @@ class BatchLoader:
         if self.transform is not None:
             for i in range(len(self)):
                 sl = slice(i * self.batch_size, (i + 1) * self.batch_size)
-                x[sl] = self.transform(x[sl], epoch, i)
+                x[sl] = self.transform(x[sl], epoch, i * self.world_size + self.rank)
         return x, y

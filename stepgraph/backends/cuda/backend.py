@@ -19,7 +19,7 @@ from ..base import Backend
 
 # Modules of this package whose IMPLS tables (op -> impl) make up the backend's op table.
 IMPL_MODULES = ("launchers", "linear", "conv", "broadcast", "softmax", "norm", "pool",
-                "pointwise", "guards", "embedding", "layer_norm", "bmm", "shape")
+                "pointwise", "guards", "embedding", "layer_norm", "bmm", "shape", "collective")
 
 # DLPack device types that name CUDA device memory (kDLCUDA, kDLCUDAManaged).
 _DLPACK_CUDA = (2, 13)

@@ -1,0 +1,113 @@
+"""Data parallelism: one process per GPU, gradients averaged inside each step's graph.
+
+    group = sg.distributed.init()          # RANK, WORLD_SIZE, ... from the launcher
+    step = sg.compile_train_step(model, ..., distributed=True)
+
+`init()` meets the other ranks through rank 0's TCP store (group.py, store.py). A train step
+compiled with `distributed=True` (or a `DataParallel` with options) broadcasts rank 0's
+parameters and buffers to every rank, then averages the gradients with one all-reduce per
+bucket of about 25 MiB (buckets.py), each launched as soon as its last gradient is final
+(compile/distribute.py): NCCL on a second stream, joined before the optimizer, on CUDA (inside
+the captured graph); through the store on the CPU backend. BatchNorm statistics stay per rank,
+as in PyTorch DDP. `stepgraph launch --gpus N -- CMD` (launch.py) starts the processes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import DistributedError
+from .buckets import BUCKET_CAP_MB, Bucket, GradientInfo, cap_bytes_of, plan_buckets
+from .group import DistEnv, ProcessGroup, default_timeout, lookup_group, rendezvous
+
+STRATEGIES = ("flat", "grouped")
+
+_group: ProcessGroup | None = None
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """Options of a data-parallel train step (`compile_train_step(distributed=...)`).
+
+    bucket_cap_mb: the bucket size in MiB (DDP's bucket_cap_mb). strategy (CUDA): "flat"
+    copies a bucket's gradients into one buffer for one NCCL all-reduce; "grouped" issues one
+    all-reduce per gradient inside an NCCL group (no copies). group: the process group
+    (default: init()'s)."""
+
+    bucket_cap_mb: float = BUCKET_CAP_MB
+    strategy: str = "flat"
+    group: ProcessGroup | None = None
+
+    def __post_init__(self):
+        cap_bytes_of(self.bucket_cap_mb)
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+
+
+def init(timeout: float | None = None, env: DistEnv | None = None) -> ProcessGroup:
+    """The process group of this run, made on the first call: from the launcher's variables
+    (torchrun's; a world of one without them). Waits at most `timeout` seconds (default
+    $STEPGRAPH_DIST_TIMEOUT or 120) for every rank to arrive. Where CuPy sees GPUs, GPU
+    LOCAL_RANK becomes the current device (as torch.cuda.set_device(local_rank))."""
+    global _group
+    if _group is not None and not _group._closed:
+        return _group
+    env = env or DistEnv.from_environ() or DistEnv(0, 1, 0, "127.0.0.1", 1)
+    _use_local_gpu()
+    _group = rendezvous(env, timeout)
+    return _group
+
+
+def _use_local_gpu() -> None:
+    """Make this rank's GPU (LOCAL_RANK) CuPy's current device, so arrays made before the
+    step is compiled (the loader's) land on it; nothing without CuPy or a GPU."""
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return
+    except Exception:       # no CuPy, no driver, no device: a CPU run
+        return
+    from ..backends import local_gpu
+
+    cupy.cuda.Device(local_gpu()).use()
+
+
+def get_group() -> ProcessGroup | None:
+    """init()'s group, or None before init()."""
+    return _group if _group is not None and not _group._closed else None
+
+
+def is_initialized() -> bool:
+    return get_group() is not None
+
+
+def get_rank() -> int:
+    """This process's rank (0 without init())."""
+    group = get_group()
+    return 0 if group is None else group.rank
+
+
+def get_world_size() -> int:
+    """The number of processes (1 without init())."""
+    group = get_group()
+    return 1 if group is None else group.world_size
+
+
+def destroy() -> None:
+    """Destroy init()'s group now (it is destroyed at exit anyway)."""
+    global _group
+    if _group is not None:
+        _group.destroy()
+        _group = None
+
+
+def launched_world_size(environ=None) -> int:
+    """WORLD_SIZE as the launcher set it (1 when not launched); no rendezvous."""
+    env = DistEnv.from_environ(environ)
+    return 1 if env is None else env.world_size
+
+
+__all__ = ["BUCKET_CAP_MB", "Bucket", "DataParallel", "DistEnv", "DistributedError",
+           "GradientInfo", "ProcessGroup", "default_timeout", "destroy", "get_group", "get_rank",
+           "get_world_size", "init", "is_initialized", "launched_world_size", "lookup_group",
+           "plan_buckets", "rendezvous"]

@@ -1,0 +1,309 @@
+"""The process group of a data-parallel run: who I am (RANK of WORLD_SIZE), the rendezvous
+through rank 0's store, host-side collectives over that store, and the NCCL communicator.
+
+Launch variables are torchrun's: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, so
+`torchrun --nproc-per-node N script.py` and `stepgraph launch --gpus N -- python script.py`
+start the same processes. Every rank calls the same collectives in the same order; each one
+gets the next sequence number, which names its keys in the store.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import time
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import DistributedError
+from .store import StoreClient, StoreServer, StoreTimeout
+
+DEFAULT_TIMEOUT_S = 120.0
+TIMEOUT_ENV = "STEPGRAPH_DIST_TIMEOUT"
+ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+# Groups by id: graph nodes name their group in attrs (plain data), the op impls look it up.
+_GROUPS: "weakref.WeakValueDictionary[str, ProcessGroup]" = weakref.WeakValueDictionary()
+
+
+def default_timeout() -> float:
+    """Seconds a rank waits for the others: $STEPGRAPH_DIST_TIMEOUT, else DEFAULT_TIMEOUT_S."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise DistributedError(f"{TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise DistributedError(f"{TIMEOUT_ENV} must be positive, got {raw!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the run, as the launcher's variables say."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def from_environ(cls, environ=None) -> "DistEnv | None":
+        """The variables of `environ` (default os.environ); None when WORLD_SIZE is unset.
+        DistributedError names a missing or malformed variable."""
+        env = os.environ if environ is None else environ
+        if "WORLD_SIZE" not in env:
+            return None
+        values = {}
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+            raw = env.get(name, env.get("RANK") if name == "LOCAL_RANK" else None)
+            if raw is None:
+                raise DistributedError(f"WORLD_SIZE is set but {name} is not (the launcher "
+                                       f"sets {', '.join(ENV_VARS)})")
+            try:
+                values[name] = int(raw)
+            except ValueError:
+                raise DistributedError(f"{name} must be an integer, got {raw!r}") from None
+        out = cls(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"],
+                  env.get("MASTER_ADDR", "127.0.0.1"), values["MASTER_PORT"])
+        out.check()
+        return out
+
+    def check(self) -> None:
+        if self.world_size < 1:
+            raise DistributedError(f"WORLD_SIZE must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise DistributedError(f"RANK must be in [0, {self.world_size}), got {self.rank}")
+        if self.local_rank < 0:
+            raise DistributedError(f"LOCAL_RANK must be >= 0, got {self.local_rank}")
+        if not 0 < self.master_port < 65536:
+            raise DistributedError(f"MASTER_PORT must be in [1, 65535], got {self.master_port}")
+
+
+class ProcessGroup:
+    """The ranks of one run. A world of one needs no store: its collectives are copies."""
+
+    def __init__(self, env: DistEnv, store: StoreClient | None, server: StoreServer | None,
+                 timeout: float):
+        self.env, self.store, self._server, self.timeout = env, store, server, timeout
+        self.id = f"{env.master_addr}:{env.master_port}/rank{env.rank}/pid{os.getpid()}"
+        self._seq = 0
+        self._nccl = None
+        self._closed = False
+        _GROUPS[self.id] = self
+        atexit.register(self.destroy)
+
+    rank = property(lambda self: self.env.rank)
+    world_size = property(lambda self: self.env.world_size)
+    local_rank = property(lambda self: self.env.local_rank)
+
+    def __repr__(self):
+        return f"ProcessGroup(rank={self.rank}, world_size={self.world_size}, id={self.id!r})"
+
+    def _next(self, what: str) -> str:
+        self._seq += 1
+        return f"{what}/{self._seq}/"
+
+    def _gather(self, prefix: str, what: str, timeout: float | None = None) -> list[bytes]:
+        """The value every rank set under prefix + rank, in rank order; DistributedError
+        naming the ranks that set nothing within the timeout."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        values = []
+        for r in range(self.world_size):
+            try:
+                values.append(self.store.get(f"{prefix}{r}",
+                                             max(0.0, deadline - time.monotonic())))
+            except StoreTimeout:
+                missing = [q for q in range(r, self.world_size)
+                           if not self.store.has(f"{prefix}{q}")]
+                raise DistributedError(
+                    f"rank {self.rank}: {what} timed out after {timeout:g} s: rank(s) "
+                    f"{missing} of {self.world_size} never arrived (exited, or stuck "
+                    f"elsewhere?)") from None
+        return values
+
+    def _done(self, prefix: str, readers: int) -> None:
+        """Drop a collective's keys once its last reader has read them."""
+        if self.store.add(f"{prefix}done", 1) == readers:
+            self.store.delete_prefix(prefix)
+
+    # ---- host collectives (the store) ----------------------------------------------------
+
+    def barrier(self, what: str = "barrier", timeout: float | None = None) -> None:
+        if self.world_size == 1:
+            return
+        prefix = self._next("barrier")
+        self.store.set(f"{prefix}{self.rank}", b"")
+        self._gather(prefix, what, timeout)
+        self._done(prefix, self.world_size)
+
+    def all_reduce_mean(self, arrays: list[np.ndarray], what: str = "all_reduce") \
+            -> list[np.ndarray]:
+        """The mean over ranks of each array (one dtype), summed in rank order, so every
+        rank gets the same bits."""
+        if self.world_size == 1:
+            return [np.array(a, copy=True) for a in arrays]
+        flat = np.concatenate([np.ascontiguousarray(a).reshape(-1) for a in arrays])
+        prefix = self._next("all_reduce")
+        self.store.set(f"{prefix}{self.rank}", flat.tobytes())
+        parts = self._gather(prefix, what)
+        self._done(prefix, self.world_size)
+        total = np.frombuffer(parts[0], dtype=flat.dtype).copy()
+        for part in parts[1:]:
+            total += np.frombuffer(part, dtype=flat.dtype)
+        total /= flat.dtype.type(self.world_size)
+        return _split(total, arrays)
+
+    def all_reduce_max(self, arrays: list[np.ndarray], what: str = "all_reduce") \
+            -> list[np.ndarray]:
+        """The elementwise maximum over ranks of each array (one dtype)."""
+        if self.world_size == 1:
+            return [np.array(a, copy=True) for a in arrays]
+        flat = np.concatenate([np.ascontiguousarray(a).reshape(-1) for a in arrays])
+        prefix = self._next("all_reduce_max")
+        self.store.set(f"{prefix}{self.rank}", flat.tobytes())
+        parts = self._gather(prefix, what)
+        self._done(prefix, self.world_size)
+        total = np.maximum.reduce([np.frombuffer(p, dtype=flat.dtype) for p in parts])
+        return _split(total, arrays)
+
+    def broadcast(self, arrays: list[np.ndarray], root: int = 0,
+                  what: str = "broadcast") -> list[np.ndarray]:
+        """Root's arrays on every rank (any dtypes; shapes must agree)."""
+        if self.world_size == 1:
+            return [np.array(a, copy=True) for a in arrays]
+        prefix = self._next("broadcast")
+        if self.rank == root:
+            payload = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
+            self.store.set(f"{prefix}{root}", payload)
+            return [np.array(a, copy=True) for a in arrays]
+        try:
+            payload = self.store.get(f"{prefix}{root}")
+        except StoreTimeout:
+            raise DistributedError(f"rank {self.rank}: {what} timed out after "
+                                   f"{self.timeout:g} s waiting for rank {root}") from None
+        self._done(prefix, self.world_size - 1)
+        out, offset = [], 0
+        for a in arrays:
+            a = np.asarray(a)
+            out.append(np.frombuffer(payload, a.dtype, a.size, offset).reshape(a.shape).copy())
+            offset += a.nbytes
+        if offset != len(payload):
+            raise DistributedError(f"{what}: rank {root} sent {len(payload)} bytes, rank "
+                                   f"{self.rank} expected {offset} (different models?)")
+        return out
+
+    # ---- NCCL ----------------------------------------------------------------------------
+
+    def nccl_communicator(self, device_id: int):
+        """This rank's NCCL communicator on GPU `device_id`, made on the first call (every
+        rank must make it: NcclCommunicator() waits for all of them). Rank 0's unique id
+        travels through the store. Destroyed by destroy() (at exit)."""
+        if self._nccl is not None:
+            return self._nccl
+        try:
+            from cupy.cuda import nccl
+        except ImportError as err:
+            raise DistributedError(f"NCCL needs CuPy: pip install -e '.[cuda]' ({err})") from err
+        if not getattr(nccl, "available", True):
+            raise DistributedError("CuPy cannot load libnccl: pip install 'nvidia-nccl-cu13' "
+                                   "(part of the cuda extra)")
+        key = "nccl/unique_id"
+        if self.rank == 0:
+            self.store.set(key, json.dumps(list(nccl.get_unique_id())).encode())
+        try:
+            uid = tuple(json.loads(self.store.get(key)))
+        except StoreTimeout:
+            raise DistributedError(f"rank {self.rank}: rank 0 published no NCCL id within "
+                                   f"{self.timeout:g} s") from None
+        import cupy
+
+        with cupy.cuda.Device(device_id):
+            self._nccl = nccl.NcclCommunicator(self.world_size, uid, self.rank)
+        return self._nccl
+
+    @property
+    def has_nccl(self) -> bool:
+        return self._nccl is not None
+
+    def destroy(self) -> None:
+        """Destroy the NCCL communicator, then leave the store (rank 0 waits a little for
+        the others first, so none loses the store while it still needs it)."""
+        if self._closed:
+            return
+        self._closed = True
+        comm, self._nccl = self._nccl, None
+        if comm is not None:
+            try:
+                import cupy
+
+                cupy.cuda.Device().synchronize()   # nothing of ours may still use it
+                comm.destroy()
+            except Exception:   # at exit, after a failure: nothing left to report to
+                pass
+        if self.store is not None:
+            try:
+                self.barrier("leaving", timeout=min(self.timeout, 10.0))
+            except Exception:
+                pass
+            self.store.close()
+        if self._server is not None:
+            self._server.close()
+        _GROUPS.pop(self.id, None)
+
+
+def _split(flat: np.ndarray, like: list[np.ndarray]) -> list[np.ndarray]:
+    out, offset = [], 0
+    for a in like:
+        n = int(np.size(a))
+        out.append(flat[offset:offset + n].reshape(np.shape(a)))
+        offset += n
+    return out
+
+
+def lookup_group(group_id: str) -> ProcessGroup:
+    """The live group a graph node names (attrs group)."""
+    group = _GROUPS.get(group_id)
+    if group is None:
+        raise DistributedError(f"process group {group_id!r} is gone (destroyed, or the step "
+                               "was compiled in another process)")
+    return group
+
+
+def rendezvous(env: DistEnv, timeout: float | None = None) -> ProcessGroup:
+    """Meet the other ranks: rank 0 serves the store, every rank connects, claims its rank
+    and waits (at most `timeout` seconds) until all WORLD_SIZE ranks have; DistributedError
+    names the ranks that never arrived, or a rank claimed twice."""
+    timeout = default_timeout() if timeout is None else float(timeout)
+    if env.world_size == 1:
+        return ProcessGroup(env, None, None, timeout)
+    server = StoreServer(env.master_addr, env.master_port) if env.rank == 0 else None
+    try:
+        try:
+            store = StoreClient(env.master_addr, env.master_port, timeout)
+        except StoreTimeout as err:
+            raise DistributedError(f"rank {env.rank}: rendezvous failed: {err}") from None
+        if store.add(f"rendezvous/claims/{env.rank}", 1) != 1:
+            store.close()
+            raise DistributedError(f"rank {env.rank}: another process already claimed RANK="
+                                   f"{env.rank} (two launches on one MASTER_PORT?)")
+        group = ProcessGroup(env, store, server, timeout)
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise
+    prefix = "rendezvous/rank/"
+    store.set(f"{prefix}{env.rank}", json.dumps({"pid": os.getpid(),
+                                                 "local_rank": env.local_rank}).encode())
+    try:
+        group._gather(prefix, "rendezvous")
+    except DistributedError:
+        group.destroy()
+        raise
+    return group

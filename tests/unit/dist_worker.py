@@ -1,0 +1,104 @@
+"""One rank of a small data-parallel training run, for the distributed tests.
+
+    stepgraph launch --gpus 2 -- python tests/unit/dist_worker.py --out DIR [options]
+
+trains a model for --steps steps on synthetic data through a sharded BatchLoader and writes
+DIR/rank<R>.npz: the model's state_dict, the per-rank losses under "loss/<i>", and the step's
+op list (plan) under "plan/ops". `train(...)` runs the same thing in this process, one rank
+(world of one, global batch), for the reference.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import stepgraph as sg  # noqa: E402
+from stepgraph import losses, models, optim  # noqa: E402
+from stepgraph.data import BatchLoader  # noqa: E402
+from stepgraph.nn import init as nn_init  # noqa: E402
+from stepgraph.train import small_cnn  # noqa: E402
+
+CLASSES = 10
+
+
+def make_model(name: str, size: int):
+    if name == "mlp":
+        return models.mlp(size * size, 64, CLASSES, dropout=0.0), "flat"
+    if name == "cnn":
+        return small_cnn(CLASSES), "image"
+    if name == "resnet":
+        return models.resnet(CLASSES, widths=(8, 16, 32), in_channels=1), "image"
+    raise ValueError(name)
+
+
+def make_data(n: int, size: int, layout: str, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, 1, size, size)).astype(np.float32)
+    y = rng.integers(0, CLASSES, n).astype(np.int64)
+    return (x.reshape(n, -1) if layout == "flat" else x), y
+
+
+def train(model_name: str, steps: int, global_batch: int, device: str = "cpu",
+          distributed: bool = False, init_seed: int = 0, size: int = 8,
+          duplicate: bool = False, graph: bool | None = None, strategy: str = "flat",
+          bucket_cap_mb: float = 25.0):
+    """(model, step, losses) after `steps` steps. Distributed: this rank's shard of each
+    global batch (duplicate: every rank gets the whole global batch, so per-rank BatchNorm
+    statistics equal a single process's)."""
+    group = sg.distributed.init() if distributed else None
+    rank, world = (group.rank, group.world_size) if group else (0, 1)
+    nn_init.manual_seed(init_seed)
+    model, layout = make_model(model_name, size)
+    x, y = make_data(steps * global_batch, size, layout)
+    if duplicate or world == 1:
+        loader = BatchLoader(x, y, global_batch, seed=3, device=device)
+    else:
+        loader = BatchLoader(x, y, global_batch // world, seed=3, device=device, rank=rank,
+                             world_size=world)
+    loss_fn = losses.cross_entropy
+    opt = optim.SGD(lr=0.05, momentum=0.9)
+    dp = sg.distributed.DataParallel(bucket_cap_mb, strategy) if distributed else False
+    step = sg.compile_train_step(model, loss_fn, opt, (x[:loader.batch_size],
+                                                       y[:loader.batch_size]),
+                                 device=device, graph=graph, distributed=dp)
+    out = []
+    for bx, by in loader.epoch(0):
+        out.append(step(bx, by))
+    return model, step, [float(v) for v in out]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--model", default="mlp")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--size", type=int, default=8)
+    parser.add_argument("--duplicate", action="store_true")
+    parser.add_argument("--strategy", default="flat")
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    args = parser.parse_args(argv)
+    rank = sg.distributed.init().rank
+    # Each rank initialises differently: the broadcast from rank 0 must make them agree.
+    model, step, losses_ = train(args.model, args.steps, args.global_batch, args.device, True,
+                                 init_seed=rank, size=args.size, duplicate=args.duplicate,
+                                 strategy=args.strategy, bucket_cap_mb=args.bucket_cap_mb)
+    exe = next(iter(step.executables.values()))
+    record = {f"state/{k}": v for k, v in model.state_dict().items()}
+    record.update({f"loss/{i}": np.float32(v) for i, v in enumerate(losses_)})
+    record["plan/ops"] = np.array([n.op for n in exe.plan.steps])
+    captured = getattr(exe, "captured", None)
+    if captured is not None and getattr(captured, "node_count", None) is not None:
+        record["graph/nodes"] = np.int64(captured.node_count)
+    np.savez(Path(args.out) / f"rank{rank}.npz", **record)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
