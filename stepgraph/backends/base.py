@@ -64,6 +64,10 @@ class Backend(ABC):
         """Record `run()` once for replay (`.launch()`); only backends with graphs can."""
         raise NotImplementedError(f"backend {self.name!r} cannot capture a step")
 
+    def prepare(self, nodes: list[Node]) -> None:
+        """Called once per executable before its first run: a backend may build ahead what
+        the nodes' first launches would otherwise build one by one (CUDA: compile kernels)."""
+
     def annotate(self, name: str):
         """A named range around device work (NVTX on CUDA), for profilers."""
         return nullcontext()

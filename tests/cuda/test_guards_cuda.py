@@ -194,8 +194,8 @@ def test_skip_on_cuda_matches_skip_on_numpy():
 
 
 def test_long_skip_run_equals_the_run_without_the_bad_batches():
-    """2,000 steps, every 100th batch bad (NaN, or labels out of range on the device)."""
-    steps, every = 2000, 100
+    """10,000 steps, every 100th batch bad (NaN, or labels out of range on the device)."""
+    steps, every = 10_000, 100
     skipping, clean = make_step("skip", opt="sgd"), make_step("skip", opt="sgd")
     gen = cp.random.default_rng(0)
     got, want = [], []

@@ -83,6 +83,30 @@ def test_family_launchers_name_existing_kernels(family):
                                          tuple(sorted(names)))
 
 
+def test_launchers_list_every_kernel_they_name():
+    """launchers.kernel_names() (what the compiler declares) covers every name the launchers'
+    source passes to _launch."""
+    from stepgraph.backends.cuda import launchers
+
+    listed = launchers.kernel_names()
+    for filename, names in launched_kernels().items():
+        assert names <= listed[filename], (filename, names - listed[filename])
+
+
+def test_each_file_compiles_with_every_declared_kernel():
+    """At run time a file is one module holding every instantiation any family declares for
+    it (compiler.declare): that union compiles, file by file."""
+    from stepgraph.backends.cuda.backend import declared_kernel_names
+
+    declared = declared_kernel_names()
+    assert {"elementwise.cu", "loss.cu", "optim.cu", "guard.cu"} <= set(declared)
+    for filename, names in sorted(declared.items()):
+        if filename in compiler.PER_SHAPE_SOURCES:
+            continue
+        templates = tuple(sorted(n for n in names if "<" in n))
+        assert compiler.compile_to_cubin(compiler.KERNEL_DIR / filename, "sm_90", templates)
+
+
 def test_reduce_sum_fallback_is_launched():
     """The any-axes reduce_sum kernel is among the names the launchers' test compiles."""
     assert "reduce_sum_strided_kernel" in launched_kernels()["reduce.cu"]

@@ -21,6 +21,24 @@ from ..base import Backend
 IMPL_MODULES = ("launchers", "linear", "conv", "broadcast", "softmax", "norm", "pool",
                 "pointwise", "guards", "embedding", "layer_norm", "bmm", "shape", "collective")
 
+
+
+def _families():
+    import importlib
+
+    return [importlib.import_module(f"{__package__}.{family}") for family in IMPL_MODULES]
+
+
+def declared_kernel_names() -> dict[str, set[str]]:
+    """{.cu file: every kernel name any family may launch from it} (importable without a GPU:
+    the NVRTC compile test compiles each file with its union)."""
+    names: dict[str, set[str]] = {}
+    for family in _families():
+        for filename, kernels in getattr(family, "kernel_names", dict)().items():
+            names.setdefault(filename, set()).update(kernels)
+    return names
+
+
 # DLPack device types that name CUDA device memory (kDLCUDA, kDLCUDAManaged).
 _DLPACK_CUDA = (2, 13)
 
@@ -54,9 +72,7 @@ class CudaBackend(Backend):
             raise BackendUnavailableError(
                 "device='cuda' needs nvmath-python for cuBLASLt: pip install -e '.[cuda]' "
                 f"({err})") from err
-        import importlib
-
-        from . import gemm
+        from . import compiler, gemm
 
         self._cp = cp
         self.device_id = device
@@ -68,9 +84,33 @@ class CudaBackend(Backend):
             raise BackendUnavailableError(f"device='cuda': cuBLASLt is not usable ({err})") from err
         self.paths: dict = {}        # autotune.py's choices, shared like the GemmCache
         self.impls = {}
-        for family in IMPL_MODULES:
-            self.impls.update(importlib.import_module(f"{__package__}.{family}").IMPLS)
+        # op -> the kernel files its family launches from, and a hook naming its generated
+        # kernels: prepare() compiles what a plan needs side by side before its first step.
+        self.kernel_files: dict[str, frozenset[str]] = {}
+        self.generated_kernels: dict[str, Any] = {}
+        # Every family may call the shared launchers (fills, activations, sums): their files
+        # go with every op.
+        from . import launchers
+
+        shared = frozenset(launchers.kernel_names())
+        for family in _families():
+            names = getattr(family, "kernel_names", dict)()
+            compiler.declare(names)
+            self.impls.update(family.IMPLS)
+            self.kernel_files.update(dict.fromkeys(family.IMPLS, frozenset(names) | shared))
+            self.generated_kernels.update(getattr(family, "GENERATED_KERNELS", {}))
+        compiler.prefetch(sorted(shared))     # most steps need them: start while tracing
         self._staging: dict[tuple, _Staging] = {}
+
+    def prepare(self, nodes) -> None:
+        """Compile the kernel files and generated kernels these nodes launch, side by side
+        (compiler.prefetch), before the first step would compile them one after another."""
+        from . import compiler
+
+        files = {f for n in nodes for f in self.kernel_files.get(n.op, ())}
+        generated = [pair for n in nodes if n.op in self.generated_kernels
+                     for pair in self.generated_kernels[n.op](n)]
+        compiler.prefetch(sorted(files), generated)
 
     # ---- contexts and capture ------------------------------------------------------------
 

@@ -1,14 +1,22 @@
 """NVRTC compilation of the `.cu` files in kernels/, memoised per process.
 
-CuPy keeps compiled cubins in its on-disk kernel cache (~/.cupy/kernel_cache), so a kernel is
-compiled once per machine. `compile_to_cubin` compiles without a GPU, for CI.
+A file is compiled once, as one module holding every template instantiation its launchers
+declared (`declare`): NVRTC's cost is per run and nearly independent of the instantiations, so
+one run per file beats one per instantiation. Kernels instantiated per problem shape (the tiled
+convolutions) are compiled one name at a time. Every compile runs on a small thread pool
+(NVRTC releases the GIL): `prefetch` starts those a plan will need when it is built, and they
+go on beside the host work that follows (planning, the first step's GEMM timing) until a
+launch waits for its module. CuPy keeps the cubins in its on-disk kernel cache
+(~/.cupy/kernel_cache), so a module is compiled once per machine. `compile_to_cubin` compiles
+without a GPU, for CI.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import os
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -16,6 +24,12 @@ KERNEL_DIR = Path(__file__).parent / "kernels"
 NVRTC_OPTIONS = ("-std=c++17", f"-I{KERNEL_DIR}")
 FLOAT_CTYPES = {"float32": "float", "float64": "double"}   # templates' T per array dtype
 COMPILE_THREADS = max(1, min(8, os.cpu_count() or 1))     # NVRTC compiles side by side
+PER_SHAPE_SOURCES = frozenset({"conv_tiled.cu"})   # instantiated per problem: compiled per name
+
+_declared: dict[str, frozenset[str]] = {}          # file -> its launchers' template names
+_compiles: dict[tuple, Future] = {}                # every compile started, done or under way
+_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
 
 
 def kernel_sources() -> list[Path]:
@@ -30,16 +44,51 @@ def _headers_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-@functools.cache
-def module(filename: str, name_expressions: tuple[str, ...] = ()):
-    """The compiled RawModule of kernels/<filename> (templates named in name_expressions)."""
+def _start(key: tuple, build: Callable[[], object]) -> Future:
+    """The compile named `key`: started now on the pool (on the caller's current device)
+    unless it was started before."""
+    global _pool
     import cupy as cp
 
+    with _lock:
+        future = _compiles.get(key)
+        if future is None:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="nvrtc")
+            future = _compiles[key] = _pool.submit(_on_device, cp.cuda.Device().id, build)
+    return future
+
+
+def _on_device(device: int, build: Callable[[], object]):
+    import cupy as cp
+
+    with cp.cuda.Device(device):        # the current device is per thread
+        return build()
+
+
+def _source(text: str) -> str:
     # CuPy's disk cache keys on the source text alone: name the headers' hash in it, so an
     # edited .cuh recompiles every file that includes it.
-    source = f"// headers {_headers_digest()}\n" + (KERNEL_DIR / filename).read_text()
-    return cp.RawModule(code=source, options=NVRTC_OPTIONS,
-                        name_expressions=name_expressions or None)
+    return f"// headers {_headers_digest()}\n" + text
+
+
+def _compile(source: str, name_expressions: tuple[str, ...]):
+    import cupy as cp
+
+    compiled = cp.RawModule(code=source, options=NVRTC_OPTIONS,
+                            name_expressions=name_expressions or None)
+    compiled.compile()      # now, on this thread: CuPy would compile at the first get_function
+    return compiled
+
+
+def _start_module(filename: str, name_expressions: tuple[str, ...] = ()) -> Future:
+    return _start(("file", filename, name_expressions), lambda: _compile(
+        _source((KERNEL_DIR / filename).read_text()), name_expressions))
+
+
+def module(filename: str, name_expressions: tuple[str, ...] = ()):
+    """The compiled RawModule of kernels/<filename> (templates named in name_expressions)."""
+    return _start_module(filename, name_expressions).result()
 
 
 @functools.cache
@@ -53,48 +102,62 @@ def sources_digest() -> str:
 
 def compile_parallel(kernels: Iterable[tuple[str, str]],
                      compile_one: Callable[[tuple[str, str]], None] | None = None) -> None:
-    """Compile (file, kernel name) pairs ahead of their first launch on a thread pool (NVRTC
-    releases the GIL: independent variants compile side by side); later `kernel` calls find
-    them compiled. A failure is left for that launch to report. compile_one(pair) compiles
-    one (default: `kernel` on the caller's current device)."""
+    """Compile (file, kernel name) pairs side by side and wait for them, ahead of their first
+    launch; a failure is left for that launch to report. compile_one(pair) compiles one
+    (default: the pair's module on the pool)."""
     todo = list(dict.fromkeys(kernels))
-    if len(todo) < 2:
-        return
-    one = compile_one or _on_current_device(kernel)
-    with ThreadPoolExecutor(min(COMPILE_THREADS, len(todo))) as pool:
-        for future in [pool.submit(one, pair) for pair in todo]:
-            try:
-                future.result()
-            except Exception:   # the launch that needs the kernel reports it
-                pass
+    if compile_one is None:
+        futures = [_start_kernel(*pair) for pair in todo]
+    else:
+        with ThreadPoolExecutor(max(1, min(COMPILE_THREADS, len(todo)))) as pool:
+            futures = [pool.submit(compile_one, pair) for pair in todo]
+    for future in futures:
+        try:
+            future.result()
+        except Exception:   # the launch that needs the kernel reports it
+            pass
 
 
-def _on_current_device(compile_: Callable[[str, str], object]):
-    import cupy as cp
+def declare(names: dict[str, Iterable[str]]) -> None:
+    """Record {file: kernel names} that launchers may launch: each file's template
+    instantiations are then compiled together with the file, in one NVRTC run."""
+    for filename, kernels in names.items():
+        if filename not in PER_SHAPE_SOURCES:
+            templates = frozenset(k for k in kernels if "<" in k)
+            _declared[filename] = _declared.get(filename, frozenset()) | templates
 
-    device = cp.cuda.Device().id
 
-    def one(pair: tuple[str, str]) -> None:
-        with cp.cuda.Device(device):    # the current device is per thread
-            compile_(*pair)
-    return one
+def _start_kernel(filename: str, name: str) -> Future:
+    """The compile of the module that holds kernel `name` of kernels/<filename>: the file's
+    module, or one of its own for a template instantiation nobody declared."""
+    if "<" in name and name not in _declared.get(filename, ()):
+        return _start_module(filename, (name,))
+    return _start_module(filename, tuple(sorted(_declared.get(filename, ()))))
 
 
 def kernel(filename: str, name: str):
     """One kernel function of kernels/<filename>; `name` may be a template instantiation."""
-    if "<" in name:
-        return module(filename, (name,)).get_function(name)
-    return module(filename).get_function(name)
+    return _start_kernel(filename, name).result().get_function(name)
 
 
-@functools.cache
+def prefetch(filenames: Iterable[str], generated: Iterable[tuple[str, str]] = ()) -> None:
+    """Start compiling these kernel files (with their declared instantiations) and generated
+    (source, kernel name) pairs, without waiting: the first launch of a kernel waits for its
+    module. Files compiled before, in this process or in CuPy's disk cache, cost little."""
+    for filename in filenames:
+        _start_kernel(filename, "")
+    for source, name in generated:
+        _start_generated(source)
+
+
+def _start_generated(source: str) -> Future:
+    return _start(("generated", source), lambda: _compile(_source(source), ()))
+
+
 def generated_kernel(source: str, name: str):
     """Kernel `name` of generated CUDA source (e.g. a fused pointwise program), which may
     include the headers of kernels/; memoised per source, cached on disk by CuPy."""
-    import cupy as cp
-
-    source = f"// headers {_headers_digest()}\n" + source
-    return cp.RawModule(code=source, options=NVRTC_OPTIONS).get_function(name)
+    return _start_generated(source).result().get_function(name)
 
 
 def compile_to_cubin(path: Path, arch: str = "sm_90",

@@ -254,11 +254,14 @@ def _paths(ctx, p: Problem, arrays: dict[str, Any]) -> dict[str, Callable[[], No
         return {}
     if not _capturing(ctx):
         _workspace(ctx, plans.workspace)    # the largest, taken now: a capture cannot allocate
-    operands = {plans.uids[name]: a for name, a in arrays.items()}
+    # Device addresses, not arrays: given an array the frontend asks whether it is a torch
+    # tensor, which imports torch (seconds) into a process that never needed it.
+    operands = {plans.uids[name]: a.data.ptr for name, a in arrays.items()}
 
     def launch(index: int, workspace: int) -> None:
-        plans.graph.execute_plan_at_index(operands, _workspace(ctx, workspace), index=index,
-                                          handle=handle(ctx))
+        scratch = _workspace(ctx, workspace)
+        plans.graph.execute_plan_at_index(operands, None if scratch is None else scratch.data.ptr,
+                                          index=index, handle=handle(ctx))
 
     return {f"cudnn:{index}": functools.partial(launch, index, ws)
             for index, _, ws in plans.entries}

@@ -242,18 +242,21 @@ class GemmCache:
         timed as a captured replay, so host launch costs do not decide. Specs that
         accumulate into D are not tuned (repeated calls would change D). The choice persists
         on disk (autotune.choices): a later process with the same GPU, driver and cuBLASLt
-        takes it without timing, if the heuristic still offers that very algorithm."""
+        takes it without timing (_restore)."""
         from .autotune import choices
         from .graph import time_on_device
 
         if ctx.capturing or ctx.stream.is_capturing():
             return
         disk, problem = choices(ctx, "gemm"), repr(p.spec)
-        stored = disk.get(problem, lambda value: _offered(p, value, self.workspace_bytes)
-                          is not None) if disk is not None else None
-        if stored is not None:
-            index = _offered(p, stored, self.workspace_bytes)
-            p.algo_ptr, p.tuned = p.algo_address(index), True
+        found: dict[str, int | None] = {}
+
+        def valid(value) -> bool:
+            found["index"] = self._restore(p, value)
+            return found["index"] is not None
+
+        if disk is not None and disk.get(problem, valid) is not None:
+            p.algo_ptr, p.tuned = p.algo_address(found["index"]), True
             return
         best, best_time = 0, float("inf")
         for i in range(len(p.heuristic)):
@@ -269,6 +272,37 @@ class GemmCache:
         p.algo_ptr, p.tuned = p.algo_address(best), True
         if disk is not None and best_time < float("inf"):
             disk.put(problem, {"index": best, "algo": p.heuristic[best]["algo"].tobytes().hex()})
+
+    def _restore(self, p: PlannedGemm, value) -> int | None:
+        """The index in p.heuristic of a stored choice {"index", "algo"}: where the heuristic
+        offers that algorithm now, else the stored algorithm appended once cuBLASLt's own
+        check accepts it for this problem (cuBLASLt's algo struct may be serialised and
+        reused with the same library version, which the cache key pins; the heuristic's list
+        is not always the same from one process to the next). None: stale or damaged."""
+        index = _offered(p, value, self.workspace_bytes)
+        if index is not None:
+            return index
+        offset = p.heuristic.dtype.fields["algo"][1]
+        size = p.heuristic.dtype.fields["algo"][0].itemsize
+        try:
+            algo = bytes.fromhex(value["algo"])
+        except (TypeError, ValueError, KeyError):
+            return None
+        if len(algo) != size:
+            return None
+        row = np.zeros(1, dtype=p.heuristic.dtype)
+        row.view(np.uint8)[offset:offset + size] = np.frombuffer(algo, np.uint8)
+        check = np.zeros(1, dtype=p.heuristic.dtype)
+        a_lay, b_lay, d_lay = p.layouts
+        try:
+            self._lt.matmul_algo_check(self.handle, p.desc, a_lay, b_lay, d_lay, d_lay,
+                                       row.ctypes.data + offset, check.ctypes.data)
+        except self._lt.cuBLASLtError:
+            return None
+        row["workspace_size"], row["state"] = check["workspace_size"], check["state"]
+        p.heuristic = np.concatenate([p.heuristic, row])
+        index = len(p.heuristic) - 1
+        return index if _usable(p, index, self.workspace_bytes) else None
 
     def _drop(self, spec: GemmSpec, reason: str) -> None:
         p = self._plans.pop(spec)

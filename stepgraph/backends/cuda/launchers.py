@@ -831,6 +831,31 @@ def adam_update(ctx, node: Node, ins: list) -> None:
 
 # ---- the op table --------------------------------------------------------------------------
 
+def kernel_names() -> dict[str, set[str]]:
+    """{.cu file: every kernel name these launchers may launch}, templates expanded over the
+    C types they are instantiated with (the compiler declares them; the NVRTC test checks
+    that each exists and that none is missing here)."""
+    label = ("cross_entropy_count", "cross_entropy_forward", "cross_entropy_backward",
+             "cross_entropy_train_short", "cross_entropy_train", "nll_loss_forward",
+             "nll_loss_backward")
+    return {
+        "elementwise.cu": {"act_forward_kernel", "act_backward_kernel", "add_forward_kernel",
+                           "dropout_forward_kernel", "dropout_backward_kernel",
+                           "dropout_channel_forward_kernel", "dropout_channel_backward_kernel"}
+        | {f"fill_forward_kernel<{ctype}>" for ctype in FILL_CTYPES.values()},
+        "reduce.cu": {"global_norm_forward_kernel", "reduce_sum_planes_kernel",
+                      "reduce_sum_splits_kernel", "reduce_sum_strided_kernel",
+                      "reduce_sum_columns_kernel", "act_bias_backward_kernel"},
+        "pool.cu": {"maxpool2d_forward_kernel", "maxpool2d_backward_kernel",
+                    "maxpool2d_backward_tiling_kernel"},
+        "loss.cu": {"log_softmax_forward_kernel", "log_softmax_backward_kernel",
+                    "mse_forward_kernel", "mse_backward_kernel"}
+        | {f"{k}_kernel<{ctype}>" for k in label for ctype in LABEL_CTYPES.values()},
+        "optim.cu": {"adam_update_kernel", "advance_step_kernel", "lr_schedule_kernel",
+                     "record_loss_kernel", "sgd_update_kernel", "step_increment_kernel"},
+    }
+
+
 IMPLS: dict[str, Callable] = {
     "act": lambda node, ins, outs, ctx: act_forward(
         ctx, ins[0], outs[0], node.attrs["kind"], _slope(node.attrs)),

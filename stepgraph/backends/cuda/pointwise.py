@@ -98,6 +98,13 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
         ""])
 
 
+def generated_kernels(node: Node) -> list[tuple[str, str]]:
+    """The (source, kernel name) of node's program, which the backend compiles ahead."""
+    source = kernel_source(node.attrs["program"], node.attrs["results"],
+                           tuple(node.attrs["shape"]), tuple(tuple(v.shape) for v in node.inputs))
+    return [(source, KERNEL_NAME)]
+
+
 def pointwise_forward(ctx, node: Node, ins: list, outs: list) -> None:
     """Run node's program (ops/pointwise.py) as one generated kernel."""
     shape = tuple(node.attrs["shape"])
@@ -115,10 +122,9 @@ def pointwise_forward(ctx, node: Node, ins: list, outs: list) -> None:
             raise ShapeError(f"pointwise input: expected shape {v.shape}, got {a.shape}")
     if n == 0:
         return
-    source = kernel_source(node.attrs["program"], node.attrs["results"], shape,
-                           tuple(tuple(v.shape) for v in node.inputs))
-    kernel = compiler.generated_kernel(source, KERNEL_NAME)
+    kernel = compiler.generated_kernel(*generated_kernels(node)[0])
     kernel(_grid(n), (BLOCK,), (*ins, *outs, np.int32(n)), stream=ctx.stream)
 
 
 IMPLS = {"pointwise": lambda node, ins, outs, ctx: pointwise_forward(ctx, node, ins, outs)}
+GENERATED_KERNELS = {"pointwise": generated_kernels}
