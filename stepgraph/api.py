@@ -13,6 +13,9 @@ from typing import Any
 import numpy as np
 
 from .backends import get_backend
+from .backends.numpy import bf16
+from .compile.autocast import PRECISION as BF16_PRECISION
+from .compile.autocast import check_bf16_support, copy_values, parse_weight_copy
 from .compile.build import build_predict_graph, build_train_graph
 from .compile.distribute import average_gradients
 from .compile.executable import COPY_ROLES, INFERENCE, STATIC_ROLES, TRAIN, Executable, GraphKey
@@ -21,6 +24,7 @@ from .compile.fuse import fuse
 from .compile.guard import (COUNTERS_KEY, GUARD_PREFIX, HISTORY_FLAG_KEY, GuardMonitor,
                             check_policy, label_check)
 from .compile.history import HISTORY_PREFIX, LossHandle
+from .compile.layout import resolve_memory_format
 from .compile.plan import Plan, make_plan
 from .distributed.buckets import cap_bytes_of
 from .errors import BackendUnavailableError, StateDictError
@@ -28,7 +32,9 @@ from .ir.graph import PARAM, STATE, Graph, Value
 from .nn.module import Module
 from .optim.optimizer import SCHEDULE_KEY, STEP_KEY
 
-PRECISIONS = ("fp32", "tf32")
+# fp32; tf32 (CUDA: TF32 tensor-core GEMMs); bf16 (PyTorch autocast semantics with float32
+# master weights, compile/autocast.py; on CUDA only where the ops have bf16 kernels).
+PRECISIONS = ("fp32", "tf32", "bf16")
 
 
 def _input_names(n: int, with_target: bool) -> tuple[str, ...]:
@@ -43,12 +49,13 @@ class _CompiledModel:
     mode = ""
 
     def __init__(self, model: Module, example_inputs, device: str, graph: bool | None,
-                 precision: str, with_target: bool):
+                 precision: str, with_target: bool, memory_format: str = "auto",
+                 deterministic: bool = True):
         if not isinstance(model, Module):
             raise TypeError(f"model must be a stepgraph.nn.Module, got {type(model).__name__}")
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-        if device == "cpu" and precision != "fp32":
+        if device == "cpu" and precision == "tf32":
             raise ValueError("precision='tf32' needs device='cuda'")
         self.model = model
         self.backend = get_backend(device)
@@ -56,8 +63,9 @@ class _CompiledModel:
         self.use_graph = (device == "cuda") if graph is None else bool(graph)
         if self.use_graph and device != "cuda":
             raise ValueError("graph=True needs device='cuda' (the CPU backend runs eagerly)")
-        self.ctx = self.backend.make_context(precision)
+        self.ctx = self.backend.make_context(precision, deterministic=bool(deterministic))
         self.precision = precision
+        self.memory_format = resolve_memory_format(memory_format, device, precision)
         example_inputs = tuple(example_inputs)
         self.signature = signature_of(_input_names(len(example_inputs), with_target),
                                       example_inputs)
@@ -87,6 +95,9 @@ class _CompiledModel:
         exe = self.executables.get(key)
         if exe is None:
             plan = self.plan(signature)
+            if self.precision == BF16_PRECISION:
+                check_bf16_support(plan.graph, getattr(self.backend, "bf16_ops", None),
+                                   self.device)
             exe = Executable(plan, self.backend, self.bind, self.ctx, self.mode, key)
             self.executables[key] = exe
         return exe
@@ -122,15 +133,28 @@ class TrainStep(_CompiledModel):
     each step averages the gradients across ranks before the update (compile/distribute.py),
     so every rank holds the same parameters after every step. The loss a step returns is
     this rank's; BatchNorm statistics stay per rank; dropout masks differ between ranks.
+
+    memory_format ("auto", "channels_last" or "contiguous", PyTorch's names): how the image
+    tensors between convolutions are stored on the device (compile/layout.py). "auto" is
+    channels_last (NHWC, cuDNN's fast tensor-core layout) on CUDA at precision "tf32" with
+    cuDNN present, else contiguous (NCHW). Parameters, gradients and the state_dict keep
+    PyTorch's layouts either way.
+
+    deterministic (default True): every kernel gives the same bits on every run. False lets
+    the autotuner also pick cuDNN plans that accumulate with atomics (what PyTorch does with
+    cudnn.deterministic off): often faster weight gradients, results that vary in the last
+    bits between runs (a captured graph then no longer equals eager bit for bit).
     """
 
     mode = TRAIN
 
     def __init__(self, model, loss, optimizer, example_inputs, device="cpu", graph=None,
-                 seed=0, precision="fp32", on_bad_batch="raise", distributed=False):
+                 seed=0, precision="fp32", on_bad_batch="raise", distributed=False,
+                 memory_format="auto", deterministic=True):
         self.on_bad_batch = check_policy(on_bad_batch)
         self.data_parallel, self.group = _data_parallel(distributed)
-        super().__init__(model, example_inputs, device, graph, precision, with_target=True)
+        super().__init__(model, example_inputs, device, graph, precision, with_target=True,
+                         memory_format=memory_format, deterministic=deterministic)
         self.loss_fn, self.optimizer, self.seed = loss, optimizer, int(seed)
         self.state: dict[str, Any] = {}
         if self.group is not None:
@@ -144,13 +168,14 @@ class TrainStep(_CompiledModel):
             self._guard = GuardMonitor(self.backend, self.state[COUNTERS_KEY], on_bad_batch,
                                        self.classes)
         optimizer.attach(self._write_schedule)
+        self._versions = self._param_versions()   # the bf16 weight copies' source versions
 
     def build_graph(self, signature: Signature) -> Graph:
         # Each rank draws its own dropout masks (the same key would repeat one rank's masks
         # on every rank's different samples).
         seed = self.seed if self.group is None else self.seed + (self.group.rank << 32)
         return build_train_graph(self.model, self.loss_fn, self.optimizer, signature, seed,
-                                 self.on_bad_batch)
+                                 self.on_bad_batch, self.memory_format, self.precision)
 
     def plan(self, signature: Signature) -> Plan:
         graph = fuse(self.build_graph(signature))
@@ -179,10 +204,28 @@ class TrainStep(_CompiledModel):
         if v.role == PARAM or v.name in self.buffers:   # the model's own storage
             return super().bind(v)
         if v.name not in self.state:
-            host = self.optimizer.initial_state(v)
             self.state[v.name] = self.backend.empty(v.shape, v.dtype)
-            self.backend.copy_into(self.state[v.name], host)
+            if parse_weight_copy(v.name) is None:
+                self.backend.copy_into(self.state[v.name], self.optimizer.initial_state(v))
+            else:                                  # a bf16 weight copy starts as bf16(param)
+                self._write_weight_copy(v.name, self.state[v.name])
         return self.state[v.name]
+
+    def _write_weight_copy(self, name: str, buf) -> None:
+        param, dims = parse_weight_copy(name)
+        values = copy_values(self.params[param].numpy(), dims, tuple(buf.shape))
+        self.backend.copy_into(buf, bf16.to_bits(values))
+
+    def _param_versions(self) -> tuple[int, ...]:
+        return tuple(p.version for p in self.params.values())
+
+    def _refresh_weight_copies(self) -> None:
+        """bf16(param) into every bf16 weight copy: after parameters were written from outside
+        the step (model.load_state_dict, Parameter.assign), which the copies cannot see."""
+        for name, buf in self.state.items():
+            if parse_weight_copy(name) is not None:
+                self._write_weight_copy(name, buf)
+        self._versions = self._param_versions()
 
     def _check_values(self, arrays) -> None:
         # After check_feed: arrays[-1] is the target. Under "skip" the guard skips the batch.
@@ -197,6 +240,8 @@ class TrainStep(_CompiledModel):
         if self._guard is not None:
             self._guard.check_call()
         exe = self._prepare(arrays)
+        if self.precision == BF16_PRECISION and self._versions != self._param_versions():
+            self._refresh_weight_copies()
         if self._host_step is None:   # mirror the device counter once; then count on the host
             self._host_step = self._device_calls()
         exe.run(self.use_graph)
@@ -238,8 +283,9 @@ class TrainStep(_CompiledModel):
         return out
 
     def _training_state(self):
-        return [(k, v) for k, v in self.state.items()
-                if not k.startswith((HISTORY_PREFIX, GUARD_PREFIX))]
+        return [(k, v) for k, v in self.state.items()   # bf16 weight copies: derived, not kept
+                if not k.startswith((HISTORY_PREFIX, GUARD_PREFIX))
+                and parse_weight_copy(k) is None]
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore what state_dict() returned, in place (compiled graphs keep their buffers)."""
@@ -259,6 +305,8 @@ class TrainStep(_CompiledModel):
         if self._guard is not None:
             self._guard.reset(int(np.asarray(state_dict[STEP_KEY])))
         self.optimizer._lr = float(np.asarray(state_dict[SCHEDULE_KEY])[0])
+        if self.precision == BF16_PRECISION:
+            self._refresh_weight_copies()
 
 
 def _data_parallel(distributed):
@@ -280,12 +328,14 @@ class Predictor(_CompiledModel):
 
     mode = INFERENCE
 
-    def __init__(self, model, example_inputs, device="cpu", graph=None, precision="fp32"):
-        super().__init__(model, example_inputs, device, graph, precision, with_target=False)
+    def __init__(self, model, example_inputs, device="cpu", graph=None, precision="fp32",
+                 memory_format="auto"):
+        super().__init__(model, example_inputs, device, graph, precision, with_target=False,
+                         memory_format=memory_format)
         self.executable(self.signature)
 
     def build_graph(self, signature: Signature) -> Graph:
-        return build_predict_graph(self.model, signature)
+        return build_predict_graph(self.model, signature, self.memory_format, self.precision)
 
     def __call__(self, *arrays):
         """The model's output for this batch, as a new array on the step's device."""
@@ -299,7 +349,8 @@ _train_cache: "weakref.WeakKeyDictionary[Module, dict]" = weakref.WeakKeyDiction
 
 def compile_train_step(model: Module, loss, optimizer, example_inputs, device: str = "cpu",
                        graph: bool | None = None, seed: int = 0, precision: str = "fp32",
-                       on_bad_batch: str = "raise", distributed=False) -> TrainStep:
+                       on_bad_batch: str = "raise", distributed=False,
+                       memory_format: str = "auto", deterministic: bool = True) -> TrainStep:
     """Compile forward + loss + backward + optimizer update into one callable step.
 
     Compiling the same model, loss and optimizer with the same options again returns the same
@@ -308,21 +359,25 @@ def compile_train_step(model: Module, loss, optimizer, example_inputs, device: s
     loss or gradient does (TrainStep's docstring). distributed (True, or a
     stepgraph.distributed.DataParallel with options): average the gradients across the
     processes of a data-parallel run inside the step (TrainStep's docstring).
+    memory_format ("auto", "channels_last", "contiguous") and deterministic (default True):
+    the device layout of the image tensors and whether nondeterministic cuDNN plans may run
+    (TrainStep's docstring).
     """
     key = (id(loss), id(optimizer), signature_of(_input_names(len(example_inputs), True),
                                                  example_inputs), device, graph, seed, precision,
-           on_bad_batch, distributed)
+           on_bad_batch, distributed, memory_format, deterministic)
     per_model = _train_cache.setdefault(model, {})
     step = per_model.get(key)
     if step is None or step.optimizer is not optimizer:
         step = TrainStep(model, loss, optimizer, example_inputs, device, graph, seed, precision,
-                         on_bad_batch, distributed)
+                         on_bad_batch, distributed, memory_format, deterministic)
         per_model[key] = step
     return step
 
 
 def compile_predict(model: Module, example_inputs, device: str = "cpu", graph: bool | None = None,
-                    precision: str = "fp32") -> Predictor:
+                    precision: str = "fp32", memory_format: str = "auto") -> Predictor:
     """Compile the model's eval-mode forward pass; it reads the same parameter buffers as any
-    train step of the model, so it always sees the latest trained values."""
-    return Predictor(model, example_inputs, device, graph, precision)
+    train step of the model, so it always sees the latest trained values. memory_format as
+    compile_train_step's."""
+    return Predictor(model, example_inputs, device, graph, precision, memory_format)

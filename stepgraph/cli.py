@@ -44,7 +44,7 @@ DELEGATED = {"bench": (run_bench, "time a training step against PyTorch, JAX, ti
 
 def build_parser() -> argparse.ArgumentParser:
     from .train import BAD_BATCH_POLICIES, DATASETS, DEVICES, MODELS
-    from .train_gpt import TEXT_DATASETS, TEXT_MODELS
+    from .train_gpt import PRECISIONS, TEXT_DATASETS, TEXT_MODELS
 
     parser = argparse.ArgumentParser(prog="stepgraph", description=DESCRIPTION)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--gpus", type=int, default=None,
                        help="data-parallel over N processes, one per GPU (stepgraph launch); "
                        "--batch-size stays the global batch, split evenly across them")
+    train.add_argument("--precision", choices=PRECISIONS, default=None,
+                       help="fp32 (default); tf32: TF32 tensor-core matrix products (cuda); "
+                       "bf16: mixed precision as PyTorch autocast, float32 master weights "
+                       "(cpu: the NumPy emulation; cuda: where its bf16 kernels exist)")
     add_gpt_arguments(train)
     add_sample_parser(commands, DEVICES)
     return parser
@@ -94,12 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
 # Flags of --model gpt, with the GPTTrainConfig field each sets (None: its default).
 GPT_FLAGS = {"--text-file": "text_file", "--steps": "steps", "--eval-interval": "eval_interval",
              "--block-size": "block_size", "--n-layer": "n_layer", "--n-head": "n_head",
-             "--n-embd": "n_embd", "--dropout": "dropout", "--precision": "precision"}
+             "--n-embd": "n_embd", "--dropout": "dropout"}
 
 
 def add_gpt_arguments(train: argparse.ArgumentParser) -> None:
-    from .train_gpt import PRECISIONS
-
     group = train.add_argument_group(
         "gpt", "--model gpt --data text: a character-level GPT, trained for --steps iterations "
         "(--batch-size default 64, --lr default 1e-3: AdamW, warmup and cosine decay)")
@@ -115,8 +117,6 @@ def add_gpt_arguments(train: argparse.ArgumentParser) -> None:
     group.add_argument("--n-head", type=int, default=None, help="attention heads (default 6)")
     group.add_argument("--n-embd", type=int, default=None, help="embedding width (default 384)")
     group.add_argument("--dropout", type=float, default=None, help="dropout (default 0.2)")
-    group.add_argument("--precision", choices=PRECISIONS, default=None,
-                       help="tf32: TF32 tensor-core matrix products (cuda; default fp32)")
 
 
 def add_sample_parser(commands, devices) -> None:
@@ -194,7 +194,8 @@ def run_train(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     config = TrainConfig(model=args.model, data=args.data or "digits", data_dir=args.data_dir,
                          epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                          device=args.device, seed=args.seed, out=args.out, resume=args.resume,
-                         progress=not args.no_progress, on_bad_batch=args.on_bad_batch)
+                         progress=not args.no_progress, on_bad_batch=args.on_bad_batch,
+                         precision=args.precision or "fp32")
     result = train(config, log=lambda line: print(line, flush=True))
     if result.rank == 0:
         print(f"wrote {result.out_dir}/ (metrics.json, metrics.png, checkpoint.safetensors)")
@@ -213,7 +214,7 @@ def run_train_gpt(args: argparse.Namespace) -> int:
         if value is not None:
             raise TrainConfigError(f"{flag} does not apply to --model gpt (it trains for "
                                    "--steps on --text-file)")
-    options = {name: getattr(args, name) for name in GPT_FLAGS.values()}
+    options = {name: getattr(args, name) for name in (*GPT_FLAGS.values(), "precision")}
     options.update(batch_size=args.batch_size, lr=args.lr)
     config = GPTTrainConfig(**{k: v for k, v in options.items() if v is not None},
                             device=args.device, seed=args.seed, out=args.out,

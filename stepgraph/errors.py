@@ -48,6 +48,11 @@ class UnsupportedOpError(StepgraphError, NotImplementedError):
     (e.g. "model.layer1.0") where the model called it."""
 
 
+class UnsupportedPrecisionError(UnsupportedOpError):
+    """A step's precision needs kernels its backend lacks: `precision="bf16"` on a backend
+    whose kernels for some of the step's ops do not take bfloat16 yet (names those ops)."""
+
+
 class DistributedError(StepgraphError, RuntimeError):
     """A data-parallel run cannot go on: a rank never arrived or stopped answering, the
     launch environment (RANK, WORLD_SIZE, ...) is inconsistent, or NCCL is unusable."""

@@ -32,6 +32,7 @@ import stepgraph as sg
 
 from . import checkpoint as ckpt
 from . import losses, models, nn, optim
+from .api import PRECISIONS
 from .data import (DATASETS, BatchLoader, Dataset, RandomCropFlip, load_dataset, to_device,
                    with_layout)
 from .errors import BackendUnavailableError, LabelError, NonFiniteError, StepgraphError
@@ -85,12 +86,13 @@ class TrainConfig:
     resume: bool = False
     progress: bool = True           # tqdm bars on stderr
     on_bad_batch: str = "raise"     # a batch with bad labels or a NaN/Inf: fail, or skip it
+    precision: str = "fp32"         # "tf32": TF32 GEMMs (cuda only); "bf16": autocast
     world_size: int | None = None   # data-parallel processes; None: the launcher's WORLD_SIZE
 
     def validate(self) -> None:
         """Raise TrainConfigError naming the first invalid option."""
         choices = {"model": MODELS, "data": DATASETS, "device": DEVICES,
-                   "on-bad-batch": BAD_BATCH_POLICIES}
+                   "on-bad-batch": BAD_BATCH_POLICIES, "precision": PRECISIONS}
         for name, allowed in choices.items():
             value = getattr(self, name.replace("-", "_"))
             if value not in allowed:
@@ -344,6 +346,8 @@ def build_session(config: TrainConfig, log: Callable[[str], None]) -> Session:
     """Load the data, build and compile the model: everything but the epochs. Data-parallel:
     this rank's shard of every batch, and an evaluation set on rank 0 only."""
     device = resolve_device(config.device)
+    if config.precision == "tf32" and device != "cuda":
+        raise TrainConfigError(f"--precision {config.precision} needs a GPU (device {device})")
     group = process_group(config, device)
     rank, world = (group.rank, group.world_size) if group is not None else (0, 1)
     dataset = load_dataset(config.data, config.data_dir or DEFAULT_DATA_DIRS.get(config.data))
@@ -361,11 +365,12 @@ def build_session(config: TrainConfig, log: Callable[[str], None]) -> Session:
                                  optimizer=make_optimizer(config, len(loader)),
                                  example_inputs=example, device=device,
                                  graph=(device == "cuda"), seed=config.seed,
-                                 on_bad_batch=config.on_bad_batch, distributed=group is not None)
+                                 on_bad_batch=config.on_bad_batch, distributed=group is not None,
+                                 precision=config.precision)
     predict, eval_sets = None, {}
     if rank == 0:
         predict = sg.compile_predict(spec.module, example_inputs=(x_test[:EVAL_BATCH],),
-                                     device=device)
+                                     device=device, precision=config.precision)
         n_eval = min(len(x_train), TRAIN_EVAL_LIMIT)
         eval_sets = {"train": (to_device(x_train[:n_eval], device), dataset.y_train[:n_eval]),
                      "test": (to_device(x_test, device), dataset.y_test)}

@@ -50,7 +50,7 @@ EVAL_STREAM = 1             # evaluation batches: drawn apart from the training 
 # A resume must match the checkpoint on these (the LR schedule spans `steps`).
 RESUME_KEYS = ("model", "data", "text_file", "batch_size", "lr", "seed", "steps", "block_size",
                "n_layer", "n_head", "n_embd", "dropout")
-PRECISIONS = ("fp32", "tf32")
+PRECISIONS = ("fp32", "tf32", "bf16")   # api.PRECISIONS (tf32 needs a GPU)
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class GPTTrainConfig:
     n_embd: int = 384
     dropout: float = 0.2
     device: str = "auto"
-    precision: str = "fp32"         # "tf32": TF32 tensor-core GEMMs (cuda only)
+    precision: str = "fp32"         # "tf32": TF32 GEMMs (cuda only); "bf16": autocast
     seed: int = 0
     out: str | None = None          # None: runs/text-gpt
     resume: bool = False
@@ -171,7 +171,7 @@ def make_optimizer(config: GPTTrainConfig, model: models.GPT) -> optim.AdamW:
 def build_session(config: GPTTrainConfig, log: Callable[[str], None]) -> GPTSession:
     """Read the text, build and compile the model: everything but the steps."""
     device = resolve_device(config.device)
-    if config.precision != "fp32" and device != "cuda":
+    if config.precision == "tf32" and device != "cuda":
         raise TrainConfigError(f"--precision {config.precision} needs a GPU (device {device})")
     dataset = load_text(config.text_file)
     seed_init(config.seed)

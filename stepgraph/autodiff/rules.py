@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..ir.graph import Node, Value
-from ..ir.ops import GRAD_FROM_OUTPUT, IGNORE_INDEX, conv_geometry
+from ..ir.ops import GRAD_FROM_OUTPUT, IGNORE_INDEX, conv_geometry, layout_of
 
 Emit = Callable[..., list[Value]]   # emit(op, inputs, **attrs) -> outputs
 VJPS: dict[str, Callable] = {}
@@ -58,16 +58,26 @@ def _act(emit: Emit, node: Node, dy: list, wants) -> list:
     return [emit("act_grad", [dy[0], saved], kind=kind, slope=node.attrs["slope"])[0]]
 
 
+def layout_attrs(node: Node) -> dict:
+    """{"layout": "NHWC"} for a channels-last image op (its gradients run channels-last too),
+    else {} (NCHW nodes stay as they were before layouts existed)."""
+    layout = layout_of(node.op, node.attrs)
+    return {} if layout == "NCHW" else {"layout": layout}
+
+
 @vjp("conv2d")
 def _conv2d(emit: Emit, node: Node, dy: list, wants) -> list:
     (g,), (x, w) = dy, node.inputs[:2]
     stride, padding, dilation, groups = conv_geometry(node.attrs)
-    geometry = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+    geometry = dict(stride=stride, padding=padding, dilation=dilation, groups=groups,
+                    **layout_attrs(node))
     dx = emit("conv2d_grad_input", [g, w], input_shape=x.shape, **geometry)[0] if wants(0) else None
     dw = emit("conv2d_grad_weight", [g, x], weight_shape=w.shape, **geometry)[0] if wants(1) else None
     grads = [dx, dw]
     if len(node.inputs) == 3:
-        grads.append(emit("reduce_sum", [g], axes=(0, 2, 3))[0] if wants(2) else None)
+        # db sums dy over every axis but the channels': (N, Ho, Wo).
+        axes = (0, 1, 2) if geometry.get("layout") == "NHWC" else (0, 2, 3)
+        grads.append(emit("reduce_sum", [g], axes=axes)[0] if wants(2) else None)
     return grads
 
 
@@ -75,7 +85,7 @@ def _conv2d(emit: Emit, node: Node, dy: list, wants) -> list:
 def _maxpool2d(emit: Emit, node: Node, dy: list, wants) -> list:
     return [emit("maxpool2d_grad", [dy[0], node.outputs[1]], input_shape=node.inputs[0].shape,
                  kernel=node.attrs["kernel"], stride=node.attrs["stride"],
-                 padding=tuple(node.attrs.get("padding", (0, 0))))[0]]
+                 padding=tuple(node.attrs.get("padding", (0, 0))), **layout_attrs(node))[0]]
 
 
 @vjp("reshape")

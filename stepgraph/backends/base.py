@@ -56,8 +56,9 @@ class Backend(ABC):
         host can only see them by syncing."""
         return None
 
-    def make_context(self, precision: str):
-        """What every op impl receives as `ctx` (None on backends that need nothing)."""
+    def make_context(self, precision: str, deterministic: bool = True):
+        """What every op impl receives as `ctx` (None on backends that need nothing).
+        deterministic False lets kernel choices include ones whose bits vary between runs."""
         return None
 
     def capture(self, run, ctx):

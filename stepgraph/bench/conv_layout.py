@@ -6,7 +6,9 @@ Every time is device time of one op as a captured graph replay (graph.time_on_de
 fastest plan of each (op, layout, precision); --accuracy adds each NCHW plan's error against
 the own exact-fp32 GEMM path. A first section lists, per problem kind, the
 ranked engine configurations and which of them the filters keep (a survey of what cuDNN
-offers here). Results go to stdout and, with --out, to conv_layout.json.
+offers here; heuristic mode B's extra candidates are the "cudnn:B<i>" paths), and the weight
+gradients' nondeterministic plans (compile_train_step(deterministic=False)) are timed beside
+the deterministic ones. Results go to stdout and, with --out, to conv_layout.json.
 """
 from __future__ import annotations
 
@@ -114,23 +116,26 @@ def main(argv=None) -> int:
                 report["survey"].append(survey(ctx, conv_cudnn, g, op, precision))
             report["survey"].append(survey(ctx, conv_cudnn, g, "conv2d", precision,
                                            bias=True, relu=True))
-    for flag in ("RUNTIME_COMPILED", "DETERMINISTIC"):
-        setattr(conv_cudnn, flag, not getattr(conv_cudnn, flag))
-        for precision in ("fp32", "tf32"):
-            op, kw = (("conv2d", {"bias": True, "relu": True}) if flag == "RUNTIME_COMPILED"
-                      else ("conv2d_grad_weight", {}))
-            entry = survey(ctx, conv_cudnn, small, op, precision, **kw)
-            entry["problem"] += f" {flag}={getattr(conv_cudnn, flag)}"
-            report["survey"].append(entry)
-        setattr(conv_cudnn, flag, not getattr(conv_cudnn, flag))
+    conv_cudnn.RUNTIME_COMPILED = True
+    for precision in ("fp32", "tf32"):
+        entry = survey(ctx, conv_cudnn, small, "conv2d", precision, bias=True, relu=True)
+        entry["problem"] += " RUNTIME_COMPILED=True"
+        report["survey"].append(entry)
+    conv_cudnn.RUNTIME_COMPILED = False
+    for precision in ("fp32", "tf32"):
+        for layout in conv_cudnn.LAYOUTS:
+            report["survey"].append(survey(ctx, conv_cudnn, small, "conv2d_grad_weight",
+                                           precision, layout=layout, deterministic=False))
     for s in report["survey"]:
-        names = ", ".join(f"[{i}] {n} ws={w}" for i, n, w in s["entries"])
+        names = ", ".join(f"[{c.path}] {c.name} ws={c.workspace}" for c in s["entries"])
         print(f"{s['problem']}: {len(s['entries'])} built in {s['build_s']} s: {names}"
               + (f"  reason: {s['reason']}" if s["reason"] else ""), flush=True)
     conv_cudnn._PLANS.clear()
 
     # ---- timings: NCHW vs NHWC cuDNN plans, and the own kernels ----------------------------
     contexts = {precision: backend.make_context(precision) for precision in ("fp32", "tf32")}
+    loose = {precision: backend.make_context(precision, deterministic=False)
+             for precision in ("fp32", "tf32")}
     for c, px in RESNET:
         g = conv.Geometry(args.batch, c, px, px, c, 3, 3, 1, 1, 1, 1)
         xs, ws, ys = (g.n, g.c, g.h, g.w), g.w_shape, (g.n, g.o, g.ho, g.wo)
@@ -164,13 +169,12 @@ def main(argv=None) -> int:
                         [Value(a.shape, "float32") for a in outs],
                         {"stride": (1, 1), "padding": (1, 1)} | attrs)
             row["own"] = time_paths(ctx, own_paths(conv, ctx, node, ins, outs))
-            if op == "conv2d_grad_weight":
-                conv_cudnn.DETERMINISTIC = False
-                conv_cudnn._PLANS.clear()
-                row["NCHW_nondeterministic"] = time_paths(
-                    ctx, conv_cudnn.grad_weight_paths(ctx, g, dy, x, dw))
-                conv_cudnn.DETERMINISTIC = True
-                conv_cudnn._PLANS.clear()
+            if op == "conv2d_grad_weight":    # plans with atomics (deterministic=False)
+                for layout in conv_cudnn.LAYOUTS:
+                    lx, _, _, ldy, _, ldw = laid[layout]
+                    row[f"{layout}_nondeterministic"] = time_paths(
+                        loose[precision], conv_cudnn.grad_weight_paths(
+                            loose[precision], g, ldy, lx, ldw, layout=layout))
             best = {k: min((t for t in v.values() if isinstance(t, float)), default=None)
                     for k, v in row.items() if isinstance(v, dict)}
             macs = g.n * g.o * g.p * g.c * 9

@@ -5,50 +5,101 @@ The multi-tensor optimizer update needs no pass: the optimizer emits it as one o
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ..ir.graph import Graph, Node, Value
 from ..ir.ops import IGNORE_INDEX
+from .attention import pack_attention_heads
 from .pointwise import fuse_pointwise
 from .rewrite import _copy, _join, _rebuild
 
 
+def _sole_view(graph: Graph, users, v: Value) -> Node | None:
+    """The reshape that is v's only reader, when v is no graph output. A Linear on (..., K)
+    inputs traces as reshape -> linear -> reshape (nn.functional.linear), so its activation
+    reads the linear's (N, M) output through this view."""
+    readers = users.get(v, [])
+    if len(readers) != 1 or readers[0].op != "reshape" or v in graph.outputs.values():
+        return None
+    return readers[0]
+
+
 def fuse_linear_activation(graph: Graph) -> Graph:
     """linear(x, w, b) -> z; act(z) -> y   =>   linear(x, w, b, act) -> y [, z].
-    z stays an output (save_preact) when something else reads it: act_grad for leaky_relu/gelu."""
+    z stays an output (save_preact) when something else reads it: act_grad for leaky_relu/gelu.
+    Through a view, linear -> z; reshape(z) -> z'; act(z') -> y'   =>   linear(act) -> y [, z];
+    reshape(y) -> y' (and reshape(z) -> z' stays for z's other readers)."""
     graph = _copy(graph)
     users = graph.consumers()
-    fused: dict[Node, Node] = {}          # act node -> the linear node that absorbs it
+    replaced: dict[Node, Node | None] = {}    # absorbed node -> what runs in its place
     for n in graph.nodes:
         if n.op != "linear" or n.attrs.get("act") is not None:
             continue
-        acts = [u for u in users.get(n.outputs[0], []) if u.op == "act"]
+        z = n.outputs[0]
+        view = _sole_view(graph, users, z)
+        seen = z if view is None else view.outputs[0]      # what the activation reads
+        acts = [u for u in users.get(seen, []) if u.op == "act"]
         if len(acts) != 1:
             continue
         act = acts[0]
-        others = [u for u in users[n.outputs[0]] if u is not act]
-        save = bool(others) or n.outputs[0] in graph.outputs.values()
+        others = [u for u in users[seen] if u is not act]
+        save = bool(others) or seen in graph.outputs.values()
+        y = act.outputs[0] if view is None else Value(z.shape, act.outputs[0].dtype)
         n.attrs = dict(n.attrs, act=act.attrs["kind"], slope=act.attrs["slope"], save_preact=save)
-        n.outputs = [act.outputs[0]] + ([n.outputs[0]] if save else [])
+        n.outputs = [y] + ([z] if save else [])
         n.label = _join(n.label, act.label)
-        fused[act] = n
-    return _rebuild(graph, [n for n in graph.nodes if n not in fused], {})
+        replaced[act] = None if view is None else Node(
+            "reshape", [y], [act.outputs[0]], {"shape": act.outputs[0].shape}, (), act.label)
+        if view is not None and not save:
+            replaced[view] = None                           # z is no longer written
+    nodes = [replaced.get(n, n) for n in graph.nodes]
+    return _rebuild(graph, [n for n in nodes if n is not None], {})
+
+
+def _flat_source(producers, v: Value, shape: tuple, label: str) -> tuple[Value, Node | None]:
+    """v viewed as `shape`: the value v is a view of when it has that shape, else a new
+    reshape node (returned, to be placed before the reader)."""
+    p = producers.get(v)
+    if p is not None and p.op == "reshape" and p.inputs[0].shape == shape:
+        return p.inputs[0], None
+    flat = Value(shape, v.dtype)
+    return flat, Node("reshape", [v], [flat], {"shape": shape}, (), label)
 
 
 def fuse_activation_bias_grad(graph: Graph) -> Graph:
-    """act_grad(dy, s) -> dz; reduce_sum(dz, axes=(0,)) -> db   =>   act_bias_grad -> (dz, db)."""
+    """act_grad(dy, s) -> dz; reduce_sum(dz, axes=(0,)) -> db   =>   act_bias_grad -> (dz, db).
+    An act_grad on (..., M) values whose result is read only as the (N, M) view the Linear's
+    backward sums (reshape -> reduce_sum) runs on (N, M) views of dy and s instead."""
     graph = _copy(graph)
     users = graph.consumers()
+    producers = graph.producers()
     drop: set[Node] = set()
+    before: dict[Node, list[Node]] = {}       # node -> new reshapes to place before it
     for n in graph.nodes:
-        if n.op != "act_grad" or len(n.outputs[0].shape) != 2:
+        if n.op != "act_grad":
             continue
-        sums = [u for u in users.get(n.outputs[0], [])
+        dz, view = n.outputs[0], None
+        if len(dz.shape) != 2:
+            view = _sole_view(graph, users, dz)
+            rows = int(np.prod(dz.shape[:-1], dtype=np.int64)) if dz.shape else 0
+            if view is None or len(dz.shape) < 2 or \
+                    view.outputs[0].shape != (rows, dz.shape[-1]):
+                continue
+            dz = view.outputs[0]
+        sums = [u for u in users.get(dz, [])
                 if u.op == "reduce_sum" and tuple(u.attrs["axes"]) == (0,)]
         if not sums:
             continue
+        if view is not None:
+            flat = [_flat_source(producers, v, dz.shape, n.label) for v in n.inputs]
+            n.inputs = [v for v, _ in flat]
+            before[n] = [r for _, r in flat if r is not None]
+            drop.add(view)
         n.op = "act_bias_grad"
-        n.outputs = [n.outputs[0], sums[0].outputs[0]]
+        n.outputs = [dz, sums[0].outputs[0]]
         drop.add(sums[0])
-    return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
+    nodes = [m for n in graph.nodes if n not in drop for m in (*before.get(n, ()), n)]
+    return _rebuild(graph, nodes, {})
 
 
 def fuse_conv_bias_grad(graph: Graph) -> Graph:
@@ -230,7 +281,7 @@ def eliminate_dead_code(graph: Graph) -> Graph:
     return _rebuild(graph, kept[::-1], {})
 
 
-PASSES = (fuse_linear_activation, fuse_pool_relu, fuse_batch_norm_relu,
+PASSES = (pack_attention_heads, fuse_linear_activation, fuse_pool_relu, fuse_batch_norm_relu,
           fuse_activation_bias_grad, fuse_conv_bias_grad, fuse_cross_entropy,
           fuse_log_softmax_nll, fuse_step_bookkeeping, fuse_pointwise, eliminate_dead_code)
 

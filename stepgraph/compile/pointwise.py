@@ -21,12 +21,30 @@ from ..ops.pointwise import Instr, PROGRAM_OPS
 from .rewrite import _copy, _join, _rebuild
 
 
+_FLOATS = ("float32", "float64")
+
+
 def _eligible(n: Node) -> bool:
+    if n.op in ("dropout", "dropout_grad"):
+        return _dropout_eligible(n)
     if n.op not in PROGRAM_OPS or len(n.outputs) != 1:
         return False
-    if n.outputs[0].dtype not in ("float32", "float64"):
+    if n.outputs[0].dtype not in _FLOATS:
         return False
     return all(v.dtype == n.outputs[0].dtype for v in n.inputs)
+
+
+def _dropout_eligible(n: Node) -> bool:
+    """dropout (x, step) -> (y, mask) and dropout_grad (dy, mask) -> dx, elementwise masks."""
+    if n.attrs.get("per_channel"):
+        return False
+    x, y = n.inputs[0], n.outputs[0]
+    if y.dtype not in _FLOATS or x.dtype != y.dtype or x.shape != y.shape:
+        return False
+    if n.op == "dropout":
+        step = n.inputs[1]
+        return step.dtype == "int64" and step.shape == () and n.outputs[1].shape == y.shape
+    return n.inputs[1].dtype == "uint8" and n.inputs[1].shape == y.shape
 
 
 @dataclass(eq=False)
@@ -57,8 +75,8 @@ def _groups(graph: Graph) -> list[_Group]:
             g = _Group(shape)
             groups.append(g)
         g.members.append(n)
-        g.produced.add(n.outputs[0])
-        group_of[n.outputs[0]] = g
+        g.produced.update(n.outputs)
+        group_of.update((v, g) for v in n.outputs)
     return [g for g in groups if len(g.members) > 1]
 
 
@@ -74,15 +92,21 @@ def _program(g: _Group, graph: Graph, users) -> Node:
             reg[v] = -len(inputs)          # loads are negative: input i is register -(i+1)
         return reg[v]
 
+    def emit(op: str, args: tuple[int, ...], attrs: dict) -> int:
+        instrs.append(Instr(op, args, tuple(sorted(attrs.items()))))
+        return len(instrs) - 1
+
     for n in g.members:
         args = tuple(reg[v] if v in g.produced else register(v) for v in n.inputs)
-        instrs.append(Instr(n.op, args, tuple(sorted(n.attrs.items()))))
-        reg[n.outputs[0]] = len(instrs) - 1
+        if n.op == "dropout":           # the mask from the step counter, then x * mask * scale
+            mask = reg[n.outputs[1]] = emit("dropout_mask", args[1:], n.attrs)
+            reg[n.outputs[0]] = emit("dropout_grad", (args[0], mask), n.attrs)
+        else:
+            reg[n.outputs[0]] = emit(n.op, args, n.attrs)
     members = set(g.members)
     graph_outputs = set(graph.outputs.values())
-    outputs = [n.outputs[0] for n in g.members
-               if n.outputs[0] in graph_outputs
-               or any(u not in members for u in users.get(n.outputs[0], []))]
+    outputs = [v for n in g.members for v in n.outputs
+               if v in graph_outputs or any(u not in members for u in users.get(v, []))]
     # Registers are renumbered so loads come first: input i is register i, instruction j is
     # register len(inputs) + j (what ops/pointwise.py and the CUDA code generator read).
     k = len(inputs)

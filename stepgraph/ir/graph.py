@@ -18,7 +18,23 @@ EXTERNAL_ROLES = (INPUT, PARAM, STATE)
 # Intermediates computed inside the step.
 TEMP = "temp"
 
-DTYPES = ("float32", "float64", "int32", "int64", "uint8")
+# bfloat16 (precision="bf16", compile/autocast.py): 1 sign, 8 exponent, 7 mantissa bits, two
+# bytes an element in the planner's arena. NumPy and CuPy have no bfloat16, so backends hold it
+# as its raw bits in uint16 arrays (`storage_dtype`); kernels widen to float32 on load and
+# round to nearest even on store (backends/numpy/bf16.py has the reference conversions).
+BF16 = "bfloat16"
+DTYPES = ("float32", "float64", "int32", "int64", "uint8", BF16)
+FLOAT_DTYPES = ("float32", "float64", BF16)
+
+
+def storage_dtype(dtype: str) -> str:
+    """The NumPy/CuPy dtype a backend holds values of IR dtype `dtype` in."""
+    return "uint16" if dtype == BF16 else dtype
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of IR dtype `dtype` (bfloat16: 2)."""
+    return np.dtype(storage_dtype(dtype)).itemsize
 
 _ids = itertools.count()
 
@@ -44,7 +60,7 @@ class Value:
 
     @property
     def nbytes(self) -> int:
-        return self.size * np.dtype(self.dtype).itemsize
+        return self.size * itemsize(self.dtype)
 
     @property
     def is_external(self) -> bool:

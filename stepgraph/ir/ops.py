@@ -145,6 +145,33 @@ def conv_out(size: int, k: int, stride: int, pad: int, dilation: int = 1) -> int
     return (size + 2 * pad - dilation * (k - 1) - 1) // stride + 1
 
 
+# Memory layouts of the image ops' 4-D tensors (attrs "layout", default "NCHW"): "NHWC" is
+# channels-last, x (N, H, W, C), and a conv weight (O, kh, kw, C/groups). compile/layout.py
+# rewrites a graph's image ops to NHWC; shapes stay row-major, whatever the layout.
+LAYOUTS = ("NCHW", "NHWC")
+TO_NHWC, TO_NCHW = (0, 2, 3, 1), (0, 3, 1, 2)     # permute dims between the two
+
+
+def layout_of(op: str, attrs) -> str:
+    """A node's layout attr ("NCHW" when absent), checked."""
+    layout = attrs.get("layout", "NCHW")
+    _need(layout in LAYOUTS, op, f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return layout
+
+
+def nchw_shape(shape, layout: str) -> tuple[int, ...]:
+    """The (N, C, H, W) shape of a 4-D array stored in `layout` ((O, C, kh, kw) of an
+    (O, kh, kw, C) weight); other ranks as they are."""
+    shape = tuple(shape)
+    return tuple(shape[d] for d in TO_NCHW) if layout == "NHWC" and len(shape) == 4 else shape
+
+
+def stored_shape(shape, layout: str) -> tuple[int, ...]:
+    """The inverse of nchw_shape: the shape an (N, C, H, W) array has in `layout`."""
+    shape = tuple(shape)
+    return tuple(shape[d] for d in TO_NHWC) if layout == "NHWC" and len(shape) == 4 else shape
+
+
 def conv_geometry(attrs) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int], int]:
     """(stride, padding, dilation, groups) of a conv node; nodes made before dilation and
     groups existed mean (1, 1) and 1."""
@@ -170,33 +197,42 @@ def _conv2d(ins, attrs):
     """y = cross-correlation of x (N,C,H,W) with w (O,C/groups,kh,kw) + b (O,); attrs stride,
     padding, dilation (pairs; dilation default (1, 1)), groups (default 1; output channels
     of group g read only input channels of group g, both split in equal groups), zero
-    padding; y (N,O,Ho,Wo), Ho = (H + 2 ph - dh (kh - 1) - 1) // sh + 1 (PyTorch's)."""
-    x, w = ins[0], ins[1]
+    padding; y (N,O,Ho,Wo), Ho = (H + 2 ph - dh (kh - 1) - 1) // sh + 1 (PyTorch's).
+    attrs layout "NHWC" (default "NCHW"): x (N,H,W,C), w (O,kh,kw,C/groups), y (N,Ho,Wo,O),
+    the same numbers stored channels-last."""
+    layout = layout_of("conv2d", attrs)
+    _need(len(ins[0].shape) == 4, "conv2d",
+          f"input must be ({'N, H, W, C' if layout == 'NHWC' else 'N, C, H, W'}), got "
+          f"{ins[0].shape}")
+    _need(len(ins[1].shape) == 4, "conv2d", f"weight must be 4-D, got {ins[1].shape}")
+    xs, ws = nchw_shape(ins[0].shape, layout), nchw_shape(ins[1].shape, layout)
     (sh, sw), (ph, pw), (dh, dw), groups = conv_geometry(attrs)
-    _need(len(x.shape) == 4, "conv2d", f"input must be (N, C, H, W), got {x.shape}")
-    _need(groups >= 1 and x.shape[1] % groups == 0 and w.shape[0] % groups == 0, "conv2d",
-          f"groups={groups} must divide input channels {x.shape[1]} and output channels "
-          f"{w.shape[0]}")
-    _need(x.shape[1] == w.shape[1] * groups, "conv2d",
-          f"input has {x.shape[1]} channels, weight expects {w.shape[1]} x {groups} groups")
-    ho = conv_out(x.shape[2], w.shape[2], sh, ph, dh)
-    wo = conv_out(x.shape[3], w.shape[3], sw, pw, dw)
+    _need(groups >= 1 and xs[1] % groups == 0 and ws[0] % groups == 0, "conv2d",
+          f"groups={groups} must divide input channels {xs[1]} and output channels {ws[0]}")
+    _need(xs[1] == ws[1] * groups, "conv2d",
+          f"input has {xs[1]} channels, weight expects {ws[1]} x {groups} groups")
+    ho = conv_out(xs[2], ws[2], sh, ph, dh)
+    wo = conv_out(xs[3], ws[3], sw, pw, dw)
     _need(ho > 0 and wo > 0, "conv2d",
-          f"kernel {w.shape[2:]} (dilation {(dh, dw)}) larger than padded input {x.shape[2:]}")
-    return [((x.shape[0], w.shape[0], ho, wo), x.dtype)]
+          f"kernel {ws[2:]} (dilation {(dh, dw)}) larger than padded input {xs[2:]}")
+    return [(stored_shape((xs[0], ws[0], ho, wo), layout), ins[0].dtype)]
 
 
 @defop("conv2d_grad_input")
 def _conv2d_grad_input(ins, attrs):
-    """dx (attrs input_shape) of conv2d given dy and w; attrs as conv2d's."""
+    """dx (attrs input_shape) of conv2d given dy and w; attrs as conv2d's (with layout "NHWC",
+    input_shape, dy and w are stored channels-last)."""
+    layout_of("conv2d_grad_input", attrs)
     return [(tuple(attrs["input_shape"]), ins[0].dtype)]
 
 
 @defop("conv2d_grad_weight")
 def _conv2d_grad_weight(ins, attrs):
-    """dw (attrs weight_shape) of conv2d given dy and x (attrs as conv2d's); with attrs bias
-    (the conv bias's gradient, fused), also db (O,) = dy summed over (N, Ho, Wo)."""
+    """dw (attrs weight_shape) of conv2d given dy and x (attrs as conv2d's; with layout
+    "NHWC" dy, x and weight_shape (O, kh, kw, C/groups) are stored channels-last); with attrs
+    bias (the conv bias's gradient, fused), also db (O,) = dy summed over (N, Ho, Wo)."""
     o = attrs["weight_shape"][0]
+    layout_of("conv2d_grad_weight", attrs)
     return [(tuple(attrs["weight_shape"]), ins[0].dtype)] + (
         [((o,), ins[0].dtype)] if attrs.get("bias") else [])
 
@@ -207,17 +243,20 @@ def _maxpool2d(ins, attrs):
     (0, 0), implicit -inf padding of at most half the kernel, floor mode); idx (int32) =
     h*W + w of the first maximum (row-major window order) in each window, within its (n, c)
     plane: always a real element. With attrs relu, y = relu(max) (the ReLU that followed the
-    pool, fused)."""
-    x = ins[0]
-    ho, wo = pool_geometry("maxpool2d", x.shape, attrs)
-    shape = (x.shape[0], x.shape[1], ho, wo)
+    pool, fused). attrs layout "NHWC": x, y and idx stored (N, H, W, C) (idx still h*W + w)."""
+    x, layout = ins[0], layout_of("maxpool2d", attrs)
+    xs = nchw_shape(x.shape, layout)
+    ho, wo = pool_geometry("maxpool2d", xs, attrs)
+    shape = stored_shape((xs[0], xs[1], ho, wo), layout)
     return [(shape, x.dtype), (shape, "int32")]
 
 
 @defop("maxpool2d_grad")
 def _maxpool2d_grad(ins, attrs):
     """dx (attrs input_shape): each dy element added at its idx in its (n, c) plane. With attrs
-    relu, ins (dy, idx, y) and only the elements with y > 0 are added (ReLU's gradient)."""
+    relu, ins (dy, idx, y) and only the elements with y > 0 are added (ReLU's gradient).
+    attrs layout as maxpool2d's (input_shape stored in it)."""
+    layout_of("maxpool2d_grad", attrs)
     return [(tuple(attrs["input_shape"]), ins[0].dtype)]
 
 
@@ -361,25 +400,34 @@ def _global_norm(ins, attrs):
 
 def _update_mutates(attrs) -> tuple[int, ...]:
     # inputs: n_scalars scalars (lr, step[, norm]), then params, grads and n_slots groups of
-    # per-parameter state (momentum buffers; Adam's exp_avg, exp_avg_sq), n_params each.
+    # per-parameter state (momentum buffers; Adam's exp_avg, exp_avg_sq), n_params each, then
+    # one bf16 weight copy per entry of attrs copies (precision="bf16").
     n, k = attrs["n_params"], attrs["n_scalars"]
     written = list(range(k, k + n))
     for s in range(attrs["n_slots"]):
         written += range(k + (2 + s) * n, k + (3 + s) * n)
+    first_copy = k + (2 + attrs["n_slots"]) * n
+    written += range(first_copy, first_copy + len(attrs.get("copies", ())))
     return tuple(written)
 
 
 @defop("sgd_update", mutates=_update_mutates)
 def _sgd_update(ins, attrs):
     """PyTorch SGD over every parameter in one op. ins = lr, step[, norm], params, grads,
-    momentum buffers[, guard flags]. Grads are scaled by min(1, max_norm / (norm + 1e-6)) when
-    clipping. With attrs guard, the last input is a guard's flags (ops/guard.py): nothing is
-    written when flags[1] (FLAG_SKIP) is set."""
+    momentum buffers[, bf16 weight copies][, guard flags]. Grads are scaled by min(1, max_norm
+    / (norm + 1e-6)) when clipping. attrs copies (precision="bf16", compile/autocast.py): the
+    indices of the parameters with a bf16 copy, one copy input each in that order; after the
+    update, copy j = bf16(params[copies[j]]) rounded to nearest even, transposed by copy_dims[j]
+    when attrs copy_dims gives dims (not None) and viewed with the copy's shape (a conv
+    weight's channels-last copy (O, kh, kw, C/groups)). With attrs guard, the
+    last input is a guard's flags (ops/guard.py): nothing is written when flags[1]
+    (FLAG_SKIP) is set."""
     return []
 
 
 @defop("adam_update", mutates=_update_mutates)
 def _adam_update(ins, attrs):
     """PyTorch Adam (decoupled=False) or AdamW (decoupled=True) over every parameter.
-    ins = lr, step[, norm], params, grads, exp_avg, exp_avg_sq[, guard flags] (as sgd_update)."""
+    ins = lr, step[, norm], params, grads, exp_avg, exp_avg_sq[, bf16 weight copies][, guard
+    flags] (as sgd_update)."""
     return []

@@ -5,6 +5,7 @@ import math
 
 from ..errors import ShapeError, UnsupportedOpError
 from ..ir.trace import Tensor
+from ..ops.attention import MAX_HEAD_DIM
 from . import losses as _losses
 
 
@@ -307,10 +308,12 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
                                  scale: float | None = None) -> Tensor:
     """softmax(q @ k^T * scale (+ causal mask)) @ v over (..., L, E) queries, (..., S, E)
     keys and (..., S, Ev) values with the same batch dims, as
-    torch.nn.functional.scaled_dot_product_attention; scale defaults to 1/sqrt(E). The mask
-    costs no memory (the softmax op masks); dropout_p > 0 drops attention weights through the
-    dropout op when the trace is in training mode. attn_mask, and is_causal with L != S
-    (PyTorch aligns that mask top-left, the op bottom-right), are not supported."""
+    torch.nn.functional.scaled_dot_product_attention; scale defaults to 1/sqrt(E). One
+    `sdpa` op (flash-style kernels: no (L, S) scores in memory, the mask costs nothing);
+    dropout_p > 0 drops attention weights, when the trace is in training mode, with the mask
+    the dropout op would draw. Head dims above ops.attention.MAX_HEAD_DIM take the composed
+    ops (bmm, softmax, dropout, bmm). attn_mask, and is_causal with L != S (PyTorch aligns
+    that mask top-left, the op bottom-right), are not supported."""
     t = query.tracer
     k, v = _traced(query, key), _traced(query, value)
     if attn_mask is not None:
@@ -329,10 +332,25 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         raise UnsupportedOpError(f"scaled_dot_product_attention with is_causal and {length} "
                                  f"queries != {s} keys is not supported (in {t.where()})")
     scale = 1.0 / math.sqrt(e) if scale is None else float(scale)
-    lead = query.shape[:-2]
+    if max(e, ev) > MAX_HEAD_DIM or min(length, s) == 0:
+        return _composed_attention(query, k, v, dropout_p, bool(is_causal), scale)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {dropout_p}")
+    p = float(dropout_p) if t.training else 0.0
+    if p == 0.0:
+        return t.op("sdpa", [query, k, v], scale=scale, causal=bool(is_causal), dropout_p=0.0)
+    return t.op("sdpa", [query, k, v, t.rng_step()], scale=scale, causal=bool(is_causal),
+                dropout_p=p, seed=t.seed, site=t.next_dropout_site())
+
+
+def _composed_attention(query: Tensor, k: Tensor, v: Tensor, dropout_p: float, causal: bool,
+                        scale: float) -> Tensor:
+    """Attention as bmm, softmax (scale, causal), dropout, bmm: the (L, S) scores in memory."""
+    t = query.tracer
+    lead, length, ev = query.shape[:-2], query.shape[-2], v.shape[-1]
     q3, k3, v3 = (x.reshape(-1, *x.shape[-2:]) for x in (query, k, v))
     scores = t.op("bmm", [q3, k3], trans_b=True)
-    attn = t.op("softmax", [scores], scale=scale, causal=bool(is_causal))
+    attn = t.op("softmax", [scores], scale=scale, causal=causal)
     attn = _dropout(attn, dropout_p, t.training, per_channel=False)
     return t.op("bmm", [attn, v3]).reshape(*lead, length, ev)
 

@@ -37,6 +37,9 @@ class _Stored:
 
     data: np.ndarray
     name: str
+    # Bumped by every assign: compiled steps holding a derived copy (the bf16 weight copies of
+    # precision="bf16") refresh it when the storage was written from outside the step.
+    version: int = 0
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -60,6 +63,7 @@ class _Stored:
             _device_synchronize()
             self.data.set(np.ascontiguousarray(values))
             _device_synchronize()
+        self.version += 1
 
     def __repr__(self):
         return f"{type(self).__name__}({self.name or '?'}, shape={self.shape})"

@@ -1,7 +1,9 @@
 """Norm family: training-mode batch normalisation and its gradient (PyTorch's BatchNorm).
 
 Eval-mode BatchNorm needs no op: nn.functional.batch_norm composes it of binary/scalar ops
-from the running statistics. The NumPy reference accumulates statistics in float64.
+from the running statistics. The NumPy reference accumulates statistics in float64. Both ops
+take attrs layout "NHWC" (channels-last, compile/layout.py): the channel axis is then the last
+one, x (N, *spatial, C).
 """
 from __future__ import annotations
 
@@ -9,9 +11,9 @@ import math
 
 import numpy as np
 
-from ..autodiff.rules import vjp
-from ..backends.numpy.kernels import impl
-from ..ir.ops import _need, defop
+from ..autodiff.rules import layout_attrs, vjp
+from ..backends.numpy.kernels import channels_last_capable, impl
+from ..ir.ops import _need, defop, layout_of
 
 BN_ACTS = ("none", "relu")
 
@@ -23,8 +25,14 @@ def _running_positions(attrs) -> tuple[int, ...]:
 
 
 def _reduced_count(shape) -> int:
-    """M = N * prod(spatial): the elements each channel's statistics are taken over."""
+    """M = N * prod(spatial): the elements each channel's statistics are taken over (of an
+    NCHW-ordered shape)."""
     return shape[0] * math.prod(shape[2:])
+
+
+def _channels(op: str, x, attrs) -> int:
+    """C: x's axis 1, or its last axis with layout "NHWC"."""
+    return x.shape[-1] if layout_of(op, attrs) == "NHWC" else x.shape[1]
 
 
 @defop("batch_norm_train", mutates=_running_positions)
@@ -35,11 +43,12 @@ def _batch_norm_train(ins, attrs):
     attrs eps, momentum (float, or None: cumulative average), affine, track, act ("none" or
     "relu": the ReLU that followed, fused). Per channel over M = N*prod(spatial) elements:
     mean, biased var; save_invstd = 1/sqrt(var + eps); y = act((x - mean) * save_invstd *
-    weight + bias). Outputs y (x.shape), save_mean (C,), save_invstd (C,), all of x's dtype.
+    weight + bias). Outputs y (x.shape), save_mean (C,), save_invstd (C,), all of x's dtype
+    (the statistics float32 for a bfloat16 x, whose weight and running statistics are float32).
     With track, updates in place: num_batches_tracked += 1; m = momentum, or
     1/num_batches_tracked (after the increment) when momentum is None; running_mean =
     (1-m) running_mean + m mean; running_var = (1-m) running_var + m var M/(M-1).
-    Statistics accumulate in float64."""
+    Statistics accumulate in float64. attrs layout "NHWC": channels on the last axis of x."""
     x = ins[0]
     _need(len(x.shape) >= 2, "batch_norm_train", f"input must be (N, C, ...), got {x.shape}")
     _need(attrs.get("act", "none") in BN_ACTS, "batch_norm_train",
@@ -47,9 +56,9 @@ def _batch_norm_train(ins, attrs):
     want = 1 + 2 * bool(attrs["affine"]) + 3 * bool(attrs["track"])
     _need(len(ins) == want, "batch_norm_train",
           f"{want} inputs for affine={attrs['affine']}, track={attrs['track']}, got {len(ins)}")
-    _need(_reduced_count(x.shape) > 1, "batch_norm_train",
+    c = _channels("batch_norm_train", x, attrs)
+    _need(x.size // max(c, 1) > 1, "batch_norm_train",
           f"more than 1 value per channel needed in training, got input {x.shape}")
-    c = x.shape[1]
     channel_ins = ins[1:-1] if attrs["track"] else ins[1:]
     for v in channel_ins:
         _need(v.shape == (c,), "batch_norm_train", f"{v!r} must be ({c},) for input {x.shape}")
@@ -58,7 +67,8 @@ def _batch_norm_train(ins, attrs):
         count = ins[-1]
         _need(count.shape == () and count.dtype == "int64", "batch_norm_train",
               f"num_batches_tracked must be an int64 scalar, got {count!r}")
-    return [(x.shape, x.dtype), ((c,), x.dtype), ((c,), x.dtype)]
+    stats = "float32" if x.dtype == "bfloat16" else x.dtype    # bf16 x: float32 statistics
+    return [(x.shape, x.dtype), ((c,), stats), ((c,), stats)]
 
 
 @defop("batch_norm_grad")
@@ -67,14 +77,16 @@ def _batch_norm_grad(ins, attrs):
     save_invstd, [y when attrs act is "relu"]. With act relu, dy is first masked by y > 0.
     xhat = (x - save_mean) * save_invstd; per channel sum_dy, sum_dy_xhat over M elements;
     dx = weight * save_invstd / M * (M dy - sum_dy - xhat sum_dy_xhat) (weight = 1 without
-    affine); outputs dx, and dweight = sum_dy_xhat, dbias = sum_dy when affine."""
+    affine); outputs dx (x's dtype), and dweight = sum_dy_xhat, dbias = sum_dy (the weight's
+    dtype) when affine. attrs layout as batch_norm_train's."""
     dy, x = ins[0], ins[1]
     affine, relu = bool(attrs["affine"]), attrs.get("act", "none") == "relu"
     _need(len(ins) == 4 + affine + relu, "batch_norm_grad",
           f"{4 + affine + relu} inputs for affine={affine}, act={attrs.get('act')}, got {len(ins)}")
     _need(dy.shape == x.shape, "batch_norm_grad", f"dy {dy.shape} vs x {x.shape}")
-    c = (x.shape[1],)
-    return [(x.shape, x.dtype)] + ([(c, x.dtype), (c, x.dtype)] if affine else [])
+    c = (_channels("batch_norm_grad", x, attrs),)
+    w = ins[2].dtype if affine else x.dtype      # dweight, dbias: the weight's dtype
+    return [(x.shape, x.dtype)] + ([(c, w), (c, w)] if affine else [])
 
 
 @vjp("batch_norm_train")
@@ -84,7 +96,7 @@ def _batch_norm_train_vjp(emit, node, dy, wants):
     x, y, save_mean, save_invstd = node.inputs[0], *node.outputs
     ins = [dy[0], x] + ([node.inputs[1]] if affine else []) + [save_mean, save_invstd] + (
         [y] if act == "relu" else [])
-    grads = emit("batch_norm_grad", ins, affine=affine, act=act)
+    grads = emit("batch_norm_grad", ins, affine=affine, act=act, **layout_attrs(node))
     return grads + [None] * (len(node.inputs) - len(grads))   # running statistics: none
 
 
@@ -94,6 +106,7 @@ def _channel_view(v: np.ndarray, ndim: int) -> np.ndarray:
 
 
 @impl("batch_norm_train")
+@channels_last_capable
 def _batch_norm_train_impl(node, ins, outs, ctx):
     a, x = node.attrs, ins[0]
     axes = (0,) + tuple(range(2, x.ndim))
@@ -119,6 +132,7 @@ def _batch_norm_train_impl(node, ins, outs, ctx):
 
 
 @impl("batch_norm_grad")
+@channels_last_capable
 def _batch_norm_grad_impl(node, ins, outs, ctx):
     a = node.attrs
     affine, relu = bool(a["affine"]), a.get("act", "none") == "relu"

@@ -5,6 +5,12 @@ program reads the node's inputs (broadcast to attrs shape) as registers 0..k-1; 
 writes register k + j; attrs results name the registers the node's outputs hold. The NumPy
 reference runs each instruction through the op's own reference implementation, so a fused
 graph computes exactly what the unfused one did.
+
+A dropout node becomes two instructions: `dropout_mask` (program-only: the uint8 keep mask of
+the step counter register, drawn from Philox at each element's flat index in attrs shape,
+exactly as the dropout op draws it, rng.py) and `dropout_grad` (x * mask / (1 - p), the
+dropout op's own product). Registers hold their instruction's dtype: uint8 for a mask, int64
+for the step counter input, else the first argument's.
 """
 from __future__ import annotations
 
@@ -13,13 +19,17 @@ from typing import Any
 
 import numpy as np
 
+from .. import rng
 from ..backends.numpy.kernels import IMPLS, impl
 from ..ir.graph import Node, Value
 from ..ir.ops import _need, defop
 
 # Elementwise ops a program may hold: one output, the output's shape is the broadcast shape
 # of the inputs, every element depends only on the same (broadcast) element of each input.
-PROGRAM_OPS = ("add", "binary", "scalar", "act", "act_grad", "expand")
+PROGRAM_OPS = ("add", "binary", "scalar", "act", "act_grad", "expand", "dropout_grad",
+               "dropout_mask")
+# Instructions whose register is not of their first argument's dtype.
+_RESULT_DTYPES = {"dropout_mask": "uint8"}
 
 
 @dataclass(frozen=True)
@@ -33,6 +43,14 @@ class Instr:
         return dict(self.attrs)
 
 
+def register_dtypes(program: tuple[Instr, ...], input_dtypes: tuple[str, ...]) -> list[str]:
+    """The dtype of every register of `program`: the inputs', then each instruction's."""
+    dtypes = list(input_dtypes)
+    for instr in program:
+        dtypes.append(_RESULT_DTYPES.get(instr.op) or dtypes[instr.args[0]])
+    return dtypes
+
+
 @defop("pointwise")
 def _pointwise(ins, attrs):
     """outs = the registers attrs results of attrs program run elementwise over attrs shape,
@@ -42,7 +60,19 @@ def _pointwise(ins, attrs):
         _need(len(v.shape) <= len(shape) and all(
             d in (1, s) for d, s in zip(v.shape[::-1], shape[::-1])),
             "pointwise", f"input {v.shape} does not broadcast to {shape}")
-    return [(shape, ins[0].dtype)] * len(attrs["results"])
+    dtypes = register_dtypes(attrs["program"], tuple(v.dtype for v in ins))
+    return [(shape, dtypes[r]) for r in attrs["results"]]
+
+
+def _dropout_mask(node: Node, ins, outs, ctx):
+    """The dropout op's keep mask over the whole output (flat index = element index)."""
+    a = node.attrs
+    mask = outs[0]
+    mask[...] = rng.dropout_keep_mask(mask.size, a["p"], a["seed"], a["site"],
+                                      int(ins[0])).reshape(mask.shape)
+
+
+_PROGRAM_IMPLS = {"dropout_mask": _dropout_mask}
 
 
 @impl("pointwise")
@@ -51,10 +81,11 @@ def _pointwise_impl(node: Node, ins, outs, ctx):
     regs = list(ins)
     for instr in node.attrs["program"]:
         args = [regs[r] for r in instr.args]
+        dtype = _RESULT_DTYPES.get(instr.op) or str(args[0].dtype)
         step = Node(instr.op, [Value(np.shape(a), str(a.dtype)) for a in args],
-                    [Value(shape, str(args[0].dtype))], instr.attr)
-        out = np.empty(shape, dtype=args[0].dtype)
-        IMPLS[instr.op](step, args, [out], ctx)
+                    [Value(shape, dtype)], instr.attr)
+        out = np.empty(shape, dtype=dtype)
+        (_PROGRAM_IMPLS.get(instr.op) or IMPLS[instr.op])(step, args, [out], ctx)
         regs.append(out)
     for out, r in zip(outs, node.attrs["results"]):
         out[...] = regs[r]

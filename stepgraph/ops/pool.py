@@ -1,14 +1,15 @@
 """Pool family: average pooling (PyTorch's avg_pool2d, ceil_mode=False). Max pooling lives in
-ir/ops.py with the older ops.
+ir/ops.py with the older ops. Both take attrs layout "NHWC" (channels-last, compile/layout.py):
+the same windows over x stored (N, H, W, C).
 """
 from __future__ import annotations
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from ..autodiff.rules import vjp
-from ..backends.numpy.kernels import impl
-from ..ir.ops import _need, conv_out, defop, pool_geometry
+from ..autodiff.rules import layout_attrs, vjp
+from ..backends.numpy.kernels import channels_last_capable, impl
+from ..ir.ops import _need, conv_out, defop, layout_of, nchw_shape, pool_geometry, stored_shape
 
 
 @defop("avgpool2d")
@@ -16,19 +17,23 @@ def _avgpool2d(ins, attrs):
     """y = mean over kernel windows of x (N, C, H, W); attrs kernel, stride, padding (pairs,
     implicit zero padding of at most half the kernel, floor mode), count_include_pad (bool):
     divide by kh*kw when true, else by the number of real (unpadded) elements in the window.
-    PyTorch's avg_pool2d with ceil_mode=False and no divisor_override."""
-    x = ins[0]
-    ho, wo = pool_geometry("avgpool2d", x.shape, attrs)
-    return [((x.shape[0], x.shape[1], ho, wo), x.dtype)]
+    PyTorch's avg_pool2d with ceil_mode=False and no divisor_override. attrs layout "NHWC":
+    x and y stored (N, H, W, C)."""
+    x, layout = ins[0], layout_of("avgpool2d", attrs)
+    xs = nchw_shape(x.shape, layout)
+    ho, wo = pool_geometry("avgpool2d", xs, attrs)
+    return [(stored_shape((xs[0], xs[1], ho, wo), layout), x.dtype)]
 
 
 @defop("avgpool2d_grad")
 def _avgpool2d_grad(ins, attrs):
     """dx (attrs input_shape) of avgpool2d: each dy element divided by its window's divisor
-    and added to every real element of its window; ins (dy,); attrs as avgpool2d's."""
-    dy = ins[0]
+    and added to every real element of its window; ins (dy,); attrs as avgpool2d's
+    (input_shape stored in its layout)."""
+    dy, layout = ins[0], layout_of("avgpool2d_grad", attrs)
     shape = tuple(attrs["input_shape"])
-    want = (shape[0], shape[1], *pool_geometry("avgpool2d_grad", shape, attrs))
+    xs = nchw_shape(shape, layout)
+    want = stored_shape((xs[0], xs[1], *pool_geometry("avgpool2d_grad", xs, attrs)), layout)
     _need(dy.shape == want, "avgpool2d_grad", f"dy {dy.shape} for input {shape}: expected {want}")
     return [(shape, dy.dtype)]
 
@@ -38,7 +43,7 @@ def _avgpool2d_vjp(emit, node, dy, wants):
     a = node.attrs
     return [emit("avgpool2d_grad", [dy[0]], input_shape=node.inputs[0].shape, kernel=a["kernel"],
                  stride=a["stride"], padding=a["padding"],
-                 count_include_pad=a["count_include_pad"])[0]]
+                 count_include_pad=a["count_include_pad"], **layout_attrs(node))[0]]
 
 
 def _divisor(shape, attrs, dtype) -> np.ndarray:
@@ -52,6 +57,7 @@ def _divisor(shape, attrs, dtype) -> np.ndarray:
 
 
 @impl("avgpool2d")
+@channels_last_capable
 def _avgpool2d_impl(node, ins, outs, ctx):
     x, a = ins[0], node.attrs
     (kh, kw), (sh, sw), (ph, pw) = a["kernel"], a["stride"], a["padding"]
@@ -61,6 +67,7 @@ def _avgpool2d_impl(node, ins, outs, ctx):
 
 
 @impl("avgpool2d_grad")
+@channels_last_capable
 def _avgpool2d_grad_impl(node, ins, outs, ctx):
     dy, a = ins[0], node.attrs
     (kh, kw), (sh, sw), (ph, pw) = a["kernel"], a["stride"], a["padding"]

@@ -161,10 +161,14 @@ class Optimizer:
     def slots_for(self) -> tuple[str, ...]:
         return self.slot_names
 
-    def emit(self, tracer: Tracer, params: list[Value], grads: list[Value], guard=None) -> None:
+    def emit(self, tracer: Tracer, params: list[Value], grads: list[Value], guard=None,
+             weight_copies=None) -> None:
         """Append the update. With a guard (compile/guard.py), its guard_advance moves the
         step counter only on steps that pass, and the update op reads its flags (last input,
-        attrs guard) and leaves everything as it was on a step that does not."""
+        attrs guard) and leaves everything as it was on a step that does not.
+        weight_copies (compile/autocast.py WeightCopy list, precision="bf16"): the update also
+        writes each bf16 copy from its freshly updated float32 parameter (attrs copies,
+        copy_dims)."""
         tracer.label = f"{type(self).__name__} update"
         step = tracer.rng_step()
         schedule = tracer.state((SCHEDULE_SLOTS,), "float32", SCHEDULE_KEY)
@@ -180,9 +184,15 @@ class Optimizer:
                  for slot in self.slots_for() for p in params]
         guarded = {"guard": True} if guard is not None else {}
         flags = [guard.flags] if guard is not None else []
-        tracer.emit(self.update_op, scalars + params + grads + slots + flags,
+        index = {p: i for i, p in enumerate(params)}
+        copies = [c for c in weight_copies or () if c.param in index]
+        copied = {"copies": tuple(index[c.param] for c in copies)} if copies else {}
+        if any(c.dims is not None for c in copies):
+            copied["copy_dims"] = tuple(c.dims for c in copies)
+        tracer.emit(self.update_op,
+                    scalars + params + grads + slots + [c.value for c in copies] + flags,
                     n_params=len(params), n_scalars=len(scalars), n_slots=len(self.slots_for()),
-                    max_norm=self.max_grad_norm, **guarded,
+                    max_norm=self.max_grad_norm, **guarded, **copied,
                     **{**self.hyperparameters(), **self.group_attrs(tracer, params)})
 
     def initial_state(self, value: Value) -> np.ndarray:

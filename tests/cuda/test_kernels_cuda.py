@@ -18,7 +18,7 @@ from stepgraph.backends import cuda_available  # noqa: E402
 if not cuda_available():
     pytest.skip("no GPU visible to CuPy", allow_module_level=True)
 
-from stepgraph.backends.cuda import launchers  # noqa: E402
+from stepgraph.backends.cuda import launchers, pool  # noqa: E402
 from stepgraph.backends.cuda.context import CudaContext  # noqa: E402
 from stepgraph.backends.numpy.kernels import IMPLS as NUMPY_IMPLS  # noqa: E402
 from stepgraph.errors import CaptureError  # noqa: E402
@@ -29,7 +29,8 @@ from tests.cuda.helpers import (  # noqa: E402
     assert_close, capture, logits_and_labels, make_node, poisoned, pool_input, random,
     run_update_steps, to_device, to_host)
 
-run_both = functools.partial(helpers.run_both, impls=launchers.IMPLS)
+# max pooling's launchers live in pool.py (with average pooling and the channels-last kernels)
+run_both = functools.partial(helpers.run_both, impls={**launchers.IMPLS, **pool.IMPLS})
 
 
 SHAPES = [(1,), (1, 1), (3, 5), (7, 33), (2, 3, 5, 7), (1, 1029), (64, 128)]

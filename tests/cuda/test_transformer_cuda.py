@@ -174,7 +174,7 @@ def test_embedding_grad_sort_needs_its_scratch_before_capture(ctx, impls, embedd
 
 # ---- layer_norm ----------------------------------------------------------------------------
 
-LN_WIDTHS = [1, 33, 384, 1000, 4096, 2049, 8196]     # the last two: the loop kernels
+LN_WIDTHS = [1, 33, 37, 64, 384, 768, 1000, 2304, 4096, 2049, 8196]   # 8196: the loop kernels
 LN_LEADING = [(1,), (13,), (2, 3)]
 LN_AFFINE = [(False, False), (True, False), (True, True), (False, True)]
 
@@ -248,6 +248,38 @@ def test_layer_norm_float4_and_scalar_paths_agree(ctx, impls):
         outs.append(to_host(ctx, out))
     for a, b in zip(*outs):
         assert_close(b, a, rtol=1e-6, atol=1e-6, what="float4 vs scalar layer_norm")
+
+
+@pytest.mark.parametrize("c", [384, 37, 768, 2304, 8196])
+def test_layer_norm_many_rows_and_bit_identical_reruns(ctx, impls, c):
+    """GPT-sized row counts (each block of the backward visits many rows; 16383 is no multiple
+    of a block's rows): forward and gradient against numpy, then the gradient run again on
+    the same inputs into fresh poisoned outputs gives the same bits."""
+    rows = 16384 if c <= 768 else 2047
+    rng = np.random.default_rng([271, c])
+    for lead, has_w, has_b in (((rows - 1,), True, True), ((rows,), True, False),
+                               ((2, rows // 2), False, False)):
+        ins = ln_inputs(rng, lead, c, has_w, has_b)
+        node = ln_node(ins, has_w, has_b)
+        ref, got = run_both(ctx, node, ins, impls)
+        what = f"layer_norm {lead} x {c} weight={has_w} bias={has_b}"
+        assert_close(got[0], ref[0], rtol=1e-5, atol=2e-5, what=f"{what} y")
+        assert_close(got[2], ref[2], rtol=2e-5, atol=0, what=f"{what} rstd")
+        g_ins = [random(rng, *lead, c), ins[0]] + ins[1:2 if has_w else 1] + ref[1:]
+        g_node = make_node("layer_norm_grad", g_ins, eps=1e-5, weight=has_w, bias=has_b)
+        g_ref, first = run_both(ctx, g_node, g_ins, impls)
+        n = int(np.prod(lead))
+        assert_close(first[0], g_ref[0], rtol=1e-4, atol=2e-5, what=f"{what} dx")
+        for i in range(1, len(g_ref)):
+            assert_close(first[i], g_ref[i], rtol=1e-4, atol=1e-5 * np.sqrt(n),
+                         what=f"{what} grad output {i}")
+            assert rel_err(first[i], g_ref[i]) < 1e-5, f"{what} grad output {i}"
+        dev = to_device(ctx, g_ins)
+        for rerun in range(2):
+            out = poisoned(ctx, g_node)
+            impls[g_node.op](g_node, dev, out, ctx)
+            for i, (a, b) in enumerate(zip(first, to_host(ctx, out))):
+                np.testing.assert_array_equal(b, a, err_msg=f"{what} rerun {rerun} output {i}")
 
 
 # ---- graphs: embedding_grad and layer_norm_grad replay their eager bits ---------------------

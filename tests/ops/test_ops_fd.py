@@ -46,6 +46,9 @@ CASES = {
     "maxpool2d-k3s2": ("maxpool2d", dict(kernel=(3, 3), stride=(2, 2)),
                        lambda g: {"x": f64(g, 2, 2, 7, 7)}, ("x",)),
     "reshape": ("reshape", dict(shape=(4, 15)), lambda g: {"x": f64(g, 4, 3, 5)}, ("x",)),
+    # float64 -> float64 (a copy): finite differences need float64; the bf16 casts' rounding
+    # is tested bit for bit in tests/unit/test_bf16.py.
+    "cast": ("cast", dict(dtype="float64"), lambda g: {"x": f64(g, 4, 3)}, ("x",)),
     "dropout": ("dropout", dict(p=0.4, seed=3, site=1, per_channel=False),
                 lambda g: {"x": f64(g, 6, 9), "step": np.array(7, np.int64)}, ("x",)),
     "dropout2d": ("dropout", dict(p=0.4, seed=3, site=1, per_channel=True),
@@ -97,6 +100,17 @@ CASES = {
     "softmax-scale-causal": ("softmax", dict(scale=0.7, causal=True),
                              lambda g: {"x": 3 * f64(g, 2, 3, 5)}, ("x",)),
     "slice": ("slice", dict(dim=1, start=1, stop=3), lambda g: {"x": f64(g, 2, 4, 3)}, ("x",)),
+    # attention family (more cases in test_attention_ops.py)
+    "sdpa-causal": ("sdpa", dict(scale=0.6, causal=True, dropout_p=0.0),
+                    lambda g: {"q": f64(g, 2, 3, 5, 4), "k": f64(g, 2, 3, 5, 4),
+                               "v": f64(g, 2, 3, 5, 3)}, ("q", "k", "v")),
+    "sdpa-full-L!=S": ("sdpa", dict(scale=0.4, causal=False, dropout_p=0.0),
+                       lambda g: {"q": f64(g, 3, 4, 5), "k": f64(g, 3, 6, 5),
+                                  "v": f64(g, 3, 6, 2)}, ("q", "k", "v")),
+    "sdpa-dropout-causal": ("sdpa", dict(scale=0.5, causal=True, dropout_p=0.3, seed=4, site=2),
+                            lambda g: {"q": f64(g, 2, 6, 3), "k": f64(g, 2, 7, 3),
+                                       "v": f64(g, 2, 7, 4), "step": np.array(5, np.int64)},
+                            ("q", "k", "v")),
     "cross_entropy-ignore-smooth": ("cross_entropy", dict(ignore_index=-1, label_smoothing=0.1),
                                     lambda g: {"x": 3 * f64(g, 5, 6),
                                                "y": np.array([2, -1, 0, 5, -1])}, ("x",)),

@@ -377,14 +377,28 @@ def test_split_of_the_whole_axis_records_nothing():
                                                      dict(dim=1, start=3, stop=6)]
 
 
-def test_sdpa_records_bmm_softmax_bmm_and_dropout_only_in_training():
-    for training, want in ((True, ["bmm", "softmax", "dropout", "bmm"]),
-                           (False, ["bmm", "softmax", "bmm"])):
-        tracer = Tracer(training=training)
+def test_sdpa_records_one_op_with_dropout_only_in_training():
+    for training in (True, False):
+        tracer = Tracer(seed=9, training=training)
         q = tracer.input((2, 2, 5, 4), "float32", "q")
         y = F.scaled_dot_product_attention(q, q, q, dropout_p=0.1, is_causal=True)
         assert y.shape == (2, 2, 5, 4)
-        ops = [n.op for n in tracer.graph.nodes if n.op != "reshape"]
-        assert ops == want
+        (node,) = tracer.graph.nodes
+        assert node.op == "sdpa" and node.inputs[:3] == [q.value] * 3
+        attrs = dict(scale=1 / math.sqrt(4), causal=True, dropout_p=0.1 if training else 0.0)
+        if training:       # the site and step counter the dropout op would have used
+            attrs.update(seed=9, site=0)
+            assert node.inputs[3] is tracer.rng_step()
+        assert node.attrs == attrs and len(node.inputs) == 3 + training
+
+
+def test_sdpa_beyond_the_kernels_head_dims_records_the_composed_ops():
+    for training, want in ((True, ["bmm", "softmax", "dropout", "bmm"]),
+                           (False, ["bmm", "softmax", "bmm"])):
+        tracer = Tracer(training=training)
+        q = tracer.input((2, 5, 130), "float32", "q")
+        y = F.scaled_dot_product_attention(q, q, q, dropout_p=0.1, is_causal=True)
+        assert y.shape == (2, 5, 130)
+        assert [n.op for n in tracer.graph.nodes if n.op != "reshape"] == want
         (soft,) = [n for n in tracer.graph.nodes if n.op == "softmax"]
-        assert soft.attrs == dict(scale=1 / math.sqrt(4), causal=True)
+        assert soft.attrs == dict(scale=1 / math.sqrt(130), causal=True)

@@ -52,7 +52,7 @@ def test_launchers_name_existing_kernels():
     """NVRTC rejects a name expression that names no kernel, so compiling each file with every
     name its launchers use proves that each one exists (templates get instantiated too)."""
     kernels = launched_kernels()
-    assert {"elementwise.cu", "reduce.cu", "pool.cu", "loss.cu", "optim.cu"} <= set(kernels)
+    assert {"elementwise.cu", "reduce.cu", "loss.cu", "optim.cu"} <= set(kernels)
     for filename, names in sorted(kernels.items()):
         assert compiler.compile_to_cubin(compiler.KERNEL_DIR / filename, "sm_90", tuple(names))
 
@@ -69,7 +69,8 @@ def test_conv_launchers_name_existing_kernels():
                                          tuple(sorted(names)))
 
 
-@pytest.mark.parametrize("family", ["broadcast", "softmax", "embedding", "layer_norm", "shape"])
+@pytest.mark.parametrize("family", ["broadcast", "softmax", "embedding", "layer_norm", "shape",
+                                    "cast", "attention"])
 def test_family_launchers_name_existing_kernels(family):
     """Families whose launchers build kernel names (template dims) list them all in
     kernel_names(); each one is instantiated here."""
@@ -112,18 +113,31 @@ def test_reduce_sum_fallback_is_launched():
     assert "reduce_sum_strided_kernel" in launched_kernels()["reduce.cu"]
 
 
-@pytest.mark.parametrize("family,source", [("norm", "norm.cu"), ("pool", "avgpool.cu")])
-def test_norm_and_pool_launchers_name_existing_kernels(family, source):
+@pytest.mark.parametrize("family,sources", [("norm", {"norm.cu"}),
+                                             ("pool", {"avgpool.cu", "pool.cu"})])
+def test_norm_and_pool_launchers_name_existing_kernels(family, sources):
     """norm.py and pool.py list every kernel they may launch (layouts, float4 variants) in
     kernel_names(); compiling with each name proves that it exists."""
     import importlib
 
     module = importlib.import_module(f"stepgraph.backends.cuda.{family}")
     kernels = module.kernel_names()
-    assert set(kernels) == {source}
+    assert set(kernels) == sources
     for filename, names in sorted(kernels.items()):
         assert compiler.compile_to_cubin(compiler.KERNEL_DIR / filename, "sm_90",
                                          tuple(sorted(names)))
+
+
+def test_pool_launchers_name_listed_kernels():
+    """Every kernel name pool.py builds (layout suffixes) is one kernel_names() lists."""
+    from stepgraph.backends.cuda import pool
+
+    listed = set().union(*pool.kernel_names().values())
+    for name in ("maxpool2d_forward_kernel", "maxpool2d_backward_kernel",
+                 "maxpool2d_backward_tiling_kernel", "avgpool2d_forward_kernel",
+                 "avgpool2d_backward_kernel"):
+        for suffix in ("", "_nhwc"):
+            assert pool._kernel(name, suffix) in listed
 
 
 def test_norm_layouts_name_listed_kernels():
@@ -323,12 +337,14 @@ def test_layer_norm_layouts_name_listed_kernels():
     from stepgraph.backends.cuda import layer_norm
 
     listed = layer_norm.kernel_names()["layer_norm.cu"]
-    for c in (1, 33, 384, 1000, 4096, 8192, 8196, 2049, 40000):
+    for c in (1, 33, 37, 384, 768, 1000, 2304, 4096, 4100, 5000, 8192, 8196, 2049, 40000):
         for ptr in (0, 4):     # 16-byte aligned or not
             arrays = [SimpleNamespace(data=SimpleNamespace(ptr=ptr))]
             lay = layer_norm.row_layout(c, arrays)
             assert lay.threads * lay.rows_per_block <= layer_norm.MAX_THREADS
             assert lay.k == 0 or lay.k * lay.threads * lay.vec >= c
+            if 0 < lay.k * lay.vec < layer_norm.FLOATS_PER_THREAD:   # the backward's bounds
+                assert lay.threads * lay.rows_per_block <= layer_norm.ROWS_BLOCK_THREADS
             for direction in ("forward", "backward"):
                 assert lay.kernel(direction) in listed
 
@@ -336,7 +352,25 @@ def test_layer_norm_layouts_name_listed_kernels():
 def test_new_families_are_in_the_backend_table():
     from stepgraph.backends.cuda.backend import IMPL_MODULES
 
-    assert {"embedding", "layer_norm", "bmm", "shape"} <= set(IMPL_MODULES)
+    assert {"embedding", "layer_norm", "bmm", "shape", "cast"} <= set(IMPL_MODULES)
+
+
+@pytest.mark.parametrize("ptr", [0x7000, 0x7008])          # 4 elements a thread or not
+@pytest.mark.parametrize("src,dst", [("float32", "bfloat16"), ("bfloat16", "float32")])
+def test_cast_launch_arguments_match_the_kernels(monkeypatch, src, dst, ptr):
+    """cast's launcher names a declared kernel for each direction, bf16 held as uint16."""
+    from stepgraph.backends.cuda import cast
+    from stepgraph.ir.graph import storage_dtype
+
+    launched = _record_launches(monkeypatch, cast)
+    for n in (64, 10):
+        cast.cast_forward(None, Fake((n,), storage_dtype(src), ptr),
+                          Fake((n,), storage_dtype(dst), ptr), src, dst)
+    names = [name for _, name, _, _, _ in launched]
+    assert set(names) <= cast.kernel_names()["cast.cu"] and len(set(names)) == 1
+    vecs = [int(args[-1]) for *_, args in launched]
+    assert vecs == ([4, 1] if ptr == 0x7000 else [1, 1])
+    _assert_launches_match(launched)
 
 
 # ---- the transformer families' launch arguments against their kernels (templates too) -----
@@ -366,12 +400,14 @@ def test_embedding_launch_arguments_match_the_kernels(monkeypatch, idx_dtype, pt
     _assert_launches_match(launched)
 
 
-@pytest.mark.parametrize("c", [1, 33, 384, 4096, 2049])
-@pytest.mark.parametrize("has_w,has_b", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("c", [1, 33, 384, 768, 4096, 2049, 8196])
+@pytest.mark.parametrize("has_w,has_b", [(False, False), (True, False), (True, True),
+                                         (False, True)])
 def test_layer_norm_launch_arguments_match_the_kernels(monkeypatch, c, has_w, has_b):
     from stepgraph.backends.cuda import layer_norm
 
     launched = _record_launches(monkeypatch, layer_norm)
+    monkeypatch.setattr(layer_norm, "resident_blocks", lambda name, threads: 528)
     x, stats = Fake((3, 7, c)), [Fake((21,)), Fake((21,))]
     w, b = (Fake((c,)) if has_w else None), (Fake((c,)) if has_b else None)
     layer_norm.layer_norm_forward(None, x, w, b, Fake((3, 7, c)), *stats, 1e-5)
@@ -382,6 +418,10 @@ def test_layer_norm_launch_arguments_match_the_kernels(monkeypatch, c, has_w, ha
     assert len(names) == 2 + (has_w or has_b)
     assert set(names) <= layer_norm.kernel_names()["layer_norm.cu"]
     _assert_launches_match(launched)
+    if has_w or has_b:        # the finalize: one grid row per table, over the backward's blocks
+        (_, _, grid, _, args), blocks = launched[2], launched[1][2][0]
+        assert grid == (-(-c // 32), has_w + has_b) and int(args[-2]) == blocks
+        assert 1 <= blocks <= min(21, 528)
 
 
 def test_softmax_shape_and_loss_launch_arguments_match_the_kernels(monkeypatch):

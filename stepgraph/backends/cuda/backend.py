@@ -15,11 +15,13 @@ from typing import Any
 import numpy as np
 
 from ...errors import BackendUnavailableError, CaptureError, PlanError, ShapeError
+from ...ir.graph import storage_dtype
 from ..base import Backend
 
 # Modules of this package whose IMPLS tables (op -> impl) make up the backend's op table.
 IMPL_MODULES = ("launchers", "linear", "conv", "broadcast", "softmax", "norm", "pool",
-                "pointwise", "guards", "embedding", "layer_norm", "bmm", "shape", "collective")
+                "pointwise", "guards", "embedding", "layer_norm", "bmm", "shape", "collective",
+                "cast", "attention")
 
 
 
@@ -37,6 +39,12 @@ def declared_kernel_names() -> dict[str, set[str]]:
         for filename, kernels in getattr(family, "kernel_names", dict)().items():
             names.setdefault(filename, set()).update(kernels)
     return names
+
+
+def declared_bf16_ops() -> frozenset[str]:
+    """Ops whose cuda launchers accept bfloat16 operands: the union of the families'
+    `BF16_OPS` (importable without a GPU; compile/autocast.py check_bf16_support)."""
+    return frozenset(op for family in _families() for op in getattr(family, "BF16_OPS", ()))
 
 
 # DLPack device types that name CUDA device memory (kDLCUDA, kDLCUDAManaged).
@@ -84,10 +92,12 @@ class CudaBackend(Backend):
             raise BackendUnavailableError(f"device='cuda': cuBLASLt is not usable ({err})") from err
         self.paths: dict = {}        # autotune.py's choices, shared like the GemmCache
         self.impls = {}
-        # op -> the kernel files its family launches from, and a hook naming its generated
-        # kernels: prepare() compiles what a plan needs side by side before its first step.
+        # op -> the kernel files its family launches from, and hooks naming a node's
+        # generated kernels (source, name) and per-shape kernels (file, name): prepare()
+        # starts compiling what a plan needs, side by side, before its first step.
         self.kernel_files: dict[str, frozenset[str]] = {}
         self.generated_kernels: dict[str, Any] = {}
+        self.kernels_ahead: dict[str, Any] = {}
         # Every family may call the shared launchers (fills, activations, sums): their files
         # go with every op.
         from . import launchers
@@ -99,8 +109,15 @@ class CudaBackend(Backend):
             self.impls.update(family.IMPLS)
             self.kernel_files.update(dict.fromkeys(family.IMPLS, frozenset(names) | shared))
             self.generated_kernels.update(getattr(family, "GENERATED_KERNELS", {}))
+            self.kernels_ahead.update(getattr(family, "KERNELS_AHEAD", {}))
         compiler.prefetch(sorted(shared))     # most steps need them: start while tracing
         self._staging: dict[tuple, _Staging] = {}
+
+    @property
+    def bf16_ops(self) -> frozenset[str]:
+        """The ops whose launchers take bfloat16 operands (compile/autocast.py refuses a bf16
+        plan with any other op on bf16 values)."""
+        return declared_bf16_ops()
 
     def prepare(self, nodes) -> None:
         """Compile the kernel files and generated kernels these nodes launch, side by side
@@ -110,17 +127,19 @@ class CudaBackend(Backend):
         files = {f for n in nodes for f in self.kernel_files.get(n.op, ())}
         generated = [pair for n in nodes if n.op in self.generated_kernels
                      for pair in self.generated_kernels[n.op](n)]
-        compiler.prefetch(sorted(files), generated)
+        kernels = [pair for n in nodes if n.op in self.kernels_ahead
+                   for pair in self.kernels_ahead[n.op](n)]
+        compiler.prefetch(sorted(files), generated, kernels)
 
     # ---- contexts and capture ------------------------------------------------------------
 
-    def make_context(self, precision: str = "fp32"):
+    def make_context(self, precision: str = "fp32", deterministic: bool = True):
         """A CudaContext on the backend's stream, sharing its GemmCache (keyed by precision)
-        and its kernel choices (keyed by problem, precision included)."""
+        and its kernel choices (keyed by problem, precision and determinism included)."""
         from .context import CudaContext
 
         return CudaContext(stream=self.stream, precision=precision, gemm=self.gemm,
-                           paths=self.paths)
+                           paths=self.paths, deterministic=deterministic)
 
     def capture(self, run, ctx):
         """Record run() as one CUDA graph on ctx.stream (graph.py)."""
@@ -142,9 +161,10 @@ class CudaBackend(Backend):
     # ---- memory --------------------------------------------------------------------------
 
     def empty(self, shape, dtype):
-        return self._cp.empty(tuple(shape), dtype=dtype)
+        return self._cp.empty(tuple(shape), dtype=storage_dtype(dtype))
 
     def view(self, arena, offset: int, shape, dtype):
+        dtype = storage_dtype(dtype)      # bfloat16: its raw bits, uint16
         nbytes = math.prod(shape) * np.dtype(dtype).itemsize
         if offset < 0 or offset + nbytes > arena.nbytes:
             raise PlanError(f"view of {nbytes} bytes at offset {offset} overruns the "

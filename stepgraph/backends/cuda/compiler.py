@@ -23,7 +23,7 @@ from typing import Callable, Iterable
 KERNEL_DIR = Path(__file__).parent / "kernels"
 NVRTC_OPTIONS = ("-std=c++17", f"-I{KERNEL_DIR}")
 FLOAT_CTYPES = {"float32": "float", "float64": "double"}   # templates' T per array dtype
-COMPILE_THREADS = max(1, min(8, os.cpu_count() or 1))     # NVRTC compiles side by side
+COMPILE_THREADS = max(1, min(32, os.cpu_count() or 1))    # NVRTC compiles side by side
 PER_SHAPE_SOURCES = frozenset({"conv_tiled.cu"})   # instantiated per problem: compiled per name
 
 _declared: dict[str, frozenset[str]] = {}          # file -> its launchers' template names
@@ -140,12 +140,17 @@ def kernel(filename: str, name: str):
     return _start_kernel(filename, name).result().get_function(name)
 
 
-def prefetch(filenames: Iterable[str], generated: Iterable[tuple[str, str]] = ()) -> None:
-    """Start compiling these kernel files (with their declared instantiations) and generated
-    (source, kernel name) pairs, without waiting: the first launch of a kernel waits for its
-    module. Files compiled before, in this process or in CuPy's disk cache, cost little."""
+def prefetch(filenames: Iterable[str], generated: Iterable[tuple[str, str]] = (),
+             kernels: Iterable[tuple[str, str]] = ()) -> None:
+    """Start compiling these kernel files (with their declared instantiations), generated
+    (source, kernel name) pairs and (file, kernel name) pairs, without waiting: the first
+    launch of a kernel waits for its module. What was compiled before, in this process or in
+    CuPy's disk cache, costs little."""
     for filename in filenames:
-        _start_kernel(filename, "")
+        if filename not in PER_SHAPE_SOURCES:
+            _start_kernel(filename, "")
+    for filename, name in kernels:
+        _start_kernel(filename, name)
     for source, name in generated:
         _start_generated(source)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-PRECISIONS = ("fp32", "tf32")
+# bf16: the step's GEMMs take bf16 operands (compile/autocast.py); float32 GEMMs stay exact.
+PRECISIONS = ("fp32", "tf32", "bf16")
 
 
 @dataclass
@@ -15,6 +16,8 @@ class CudaContext:
     gemm: Any = None               # backends.cuda.gemm.GemmCache: planned cuBLASLt calls by shape
     paths: dict = field(default_factory=dict)   # autotune.py's kernel choices, by problem
     capturing: bool = False        # True while a CUDA graph is being captured: no syncs, no allocs
+    # False: kernel choices may include cuDNN plans that accumulate with atomics (bits vary).
+    deterministic: bool = True
     extras: dict = field(default_factory=dict)
 
     def __post_init__(self):

@@ -39,6 +39,12 @@ benchmark convs. A capture with no timing yet takes a tiled path, else `use_dire
 The direct and tiled kernels are exact FP32 (FMA) whatever ctx.precision says: TF32 only speeds
 GEMMs. Each output has one owner summing in a fixed order, so they are deterministic like the
 GEMMs.
+
+Channels-last nodes (attrs layout "NHWC", compile/layout.py: x (N, H, W, C), w (O, kh, kw,
+C/groups), y (N, Ho, Wo, O)) run through cuDNN: the own kernels are NCHW. Their bias and ReLU
+epilogue and the bias gradient's sum read the channels along the last axis. A channels-last
+problem cuDNN has no plan for (or every one, without cuDNN) runs as its NCHW twin between
+permutes (`_through_nchw`): slow, but no convolution is left without a path.
 """
 from __future__ import annotations
 
@@ -51,7 +57,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import CaptureError, ShapeError, UnsupportedOpError
-from ...ir.ops import conv_out
+from ...ir.graph import Node, Value
+from ...ir.ops import TO_NCHW, TO_NHWC, conv_out, layout_of, nchw_shape, stored_shape
 from . import autotune, compiler, conv_cudnn, gemm, launchers
 from . import conv_tiled as tiled
 
@@ -241,10 +248,11 @@ def conv2d_grad_weight_gather(ctx, g: Geometry, x, dy, cols_t, dy_t) -> None:
     _launch(ctx, "conv2d_grad_weight_gather_kernel", x.dtype, total, args)
 
 
-def conv2d_bias_act(ctx, y, bias, relu: bool) -> None:
+def conv2d_bias_act(ctx, y, bias, relu: bool, layout: str = "NCHW") -> None:
     """y (N, O, Ho, Wo) += bias[o] (bias None: none), then ReLU when relu, in place: the
-    epilogue of a convolution computed without them (a cuDNN plan that fuses neither)."""
-    o, p = y.shape[1], y.shape[2] * y.shape[3]
+    epilogue of a convolution computed without them (a cuDNN plan that fuses neither).
+    layout "NHWC": y (N, Ho, Wo, O), the channels innermost."""
+    o, p = (y.shape[3], 1) if layout == "NHWC" else (y.shape[1], y.shape[2] * y.shape[3])
     args = (y, y if bias is None else bias, np.int64(y.size), np.int32(o), np.int32(p),
             np.int32(bias is not None), np.int32(relu))
     _launch(ctx, EPILOGUE_KERNEL, y.dtype, y.size, args)
@@ -410,9 +418,10 @@ def _run_faster(node, ctx, g: Geometry, dtype, paths: dict[str, Callable[[], Non
     the direct kernel won 4x on conv1's forward and lost 2.5x on conv2's grad_input); during a
     capture with no timing yet, a tiled path if there is one, else `use_direct`'s rule, else
     the first cuDNN plan."""
+    layout = layout_of(node.op, node.attrs)
     if not paths:
-        raise UnsupportedOpError(f"{node.op}: no cuda path runs {g} ({dtype}): "
-                                 f"{conv_cudnn.reason(ctx, node.op, g, dtype)}")
+        raise UnsupportedOpError(f"{node.op}: no cuda path runs {g} ({dtype}, {layout}): "
+                                 f"{conv_cudnn.reason(ctx, node.op, g, dtype, layout)}")
     first = "direct" if "direct" in paths else "gemm" if "gemm" in paths else next(iter(paths))
     if PATH != "auto":
         if PATH not in PATHS:
@@ -423,8 +432,10 @@ def _run_faster(node, ctx, g: Geometry, dtype, paths: dict[str, Callable[[], Non
     tiled = [name for name in paths if name.startswith("tiled")]
     default = tiled[0] if tiled else "direct" if "direct" in paths and \
         use_direct(node.op, g, dtype) else "gemm" if "gemm" in paths else first
+    # The layout and whether nondeterministic plans competed are part of the problem (and
+    # of its choice on disk).
     key = (node.op, g, str(dtype), ctx.precision, len(node.inputs), len(node.outputs),
-           node.attrs.get("act"), tuple(paths))
+           node.attrs.get("act"), layout, getattr(ctx, "deterministic", True), tuple(paths))
     autotune.run_fastest(ctx, key, paths, default)
 
 
@@ -442,12 +453,13 @@ def conv2d_forward(node, ins, outs, ctx) -> None:
     im2col kernel fills y with the bias and the GEMM accumulates onto it (beta = 1), exact FP32.
     """
     x, w = _contiguous(ins[0], "x"), _contiguous(ins[1], "weight")
-    g = _geometry(x.shape, w.shape, node.attrs)
+    layout = layout_of(node.op, node.attrs)
+    g = _geometry(nchw_shape(x.shape, layout), nchw_shape(w.shape, layout), node.attrs)
     bias = _contiguous(ins[2], "bias", (g.o,)) if len(ins) == 3 else None
-    y = _contiguous(outs[0], "y", (g.n, g.o, g.ho, g.wo))
+    y = _contiguous(outs[0], "y", stored_shape((g.n, g.o, g.ho, g.wo), layout))
     relu = _fused_relu(node)
     paths: dict[str, Callable[[], None]] = {}
-    if g.plain:
+    if g.plain and layout == "NCHW":
         paths = _tiled_paths("conv2d", g, x,
                              lambda conv: tiled.conv2d_tiled(ctx, conv, x, w, bias, y))
         if direct_unsupported(g, x.dtype) is None:
@@ -458,11 +470,14 @@ def conv2d_forward(node, ins, outs, ctx) -> None:
         if relu:
             paths = {name: _then(run, lambda: conv2d_bias_act(ctx, y, None, True))
                      for name, run in paths.items()}
-    paths |= conv_cudnn.conv2d_paths(ctx, g, x, w, y, bias, relu)
+    paths |= conv_cudnn.conv2d_paths(ctx, g, x, w, y, bias, relu, layout=layout)
     if bias is not None or relu:
-        epilogue = functools.partial(conv2d_bias_act, ctx, y, bias, relu)
+        epilogue = functools.partial(conv2d_bias_act, ctx, y, bias, relu, layout)
         paths |= {f"{name}+epilogue": _then(run, epilogue)
-                  for name, run in conv_cudnn.conv2d_paths(ctx, g, x, w, y).items()}
+                  for name, run in conv_cudnn.conv2d_paths(ctx, g, x, w, y,
+                                                           layout=layout).items()}
+    if not paths and layout == "NHWC":
+        return _through_nchw(conv2d_forward, node, ins, outs, ctx)
     _run_faster(node, ctx, g, x.dtype, paths)
 
 
@@ -519,11 +534,13 @@ def conv2d_grad_input(node, ins, outs, ctx) -> None:
     then col2im gathers dcols into dx. Pointwise convolutions write dx[n] (C, HW) directly.
     """
     w = _contiguous(ins[1], "weight")
-    g = _geometry(tuple(node.attrs["input_shape"]), w.shape, node.attrs)
-    dy = _contiguous(ins[0], "dy", (g.n, g.o, g.ho, g.wo))
-    dx = _contiguous(outs[0], "dx", (g.n, g.c, g.h, g.w))
+    layout = layout_of(node.op, node.attrs)
+    g = _geometry(nchw_shape(node.attrs["input_shape"], layout), nchw_shape(w.shape, layout),
+                  node.attrs)
+    dy = _contiguous(ins[0], "dy", stored_shape((g.n, g.o, g.ho, g.wo), layout))
+    dx = _contiguous(outs[0], "dx", stored_shape((g.n, g.c, g.h, g.w), layout))
     paths: dict[str, Callable[[], None]] = {}
-    if g.plain:
+    if g.plain and layout == "NCHW":
         paths = _tiled_paths("conv2d_grad_input", g, dy,
                              lambda conv: tiled.conv2d_tiled(ctx, conv, dy, w, None, dx))
         if direct_unsupported(g, dy.dtype) is None:
@@ -531,7 +548,9 @@ def conv2d_grad_input(node, ins, outs, ctx) -> None:
             paths["direct_narrow"] = lambda: conv2d_direct_grad_input(ctx, g, dy, w, dx,
                                                                       NARROW_CHANNELS)
         paths["gemm"] = lambda: _grad_input_gemm(ctx, node, g, dy, w, dx)
-    paths |= conv_cudnn.grad_input_paths(ctx, g, dy, w, dx)
+    paths |= conv_cudnn.grad_input_paths(ctx, g, dy, w, dx, layout=layout)
+    if not paths and layout == "NHWC":
+        return _through_nchw(conv2d_grad_input, node, ins, outs, ctx)
     _run_faster(node, ctx, g, dy.dtype, paths)
 
 
@@ -562,16 +581,19 @@ def conv2d_grad_weight(node, ins, outs, ctx) -> None:
       cuBLASLt D = dW:     stored (CK, O) ld CK
     """
     x = _contiguous(ins[1], "x")
-    g = _geometry(x.shape, tuple(node.attrs["weight_shape"]), node.attrs)
-    dy = _contiguous(ins[0], "dy", (g.n, g.o, g.ho, g.wo))
-    dw = _contiguous(outs[0], "dw", g.w_shape)
+    layout = layout_of(node.op, node.attrs)
+    g = _geometry(nchw_shape(x.shape, layout), nchw_shape(node.attrs["weight_shape"], layout),
+                  node.attrs)
+    dy = _contiguous(ins[0], "dy", stored_shape((g.n, g.o, g.ho, g.wo), layout))
+    dw = _contiguous(outs[0], "dw", stored_shape(g.w_shape, layout))
     db = _contiguous(outs[1], "db", (g.o,)) if node.attrs.get("bias") else None
+    spatial = (0, 1, 2) if layout == "NHWC" else (0, 2, 3)    # db sums dy over these
 
     def with_bias(run: Callable[[], None]) -> Callable[[], None]:
         def both() -> None:
             run()
             if db is not None:
-                launchers.reduce_sum_forward(ctx, node, dy, db, (0, 2, 3))
+                launchers.reduce_sum_forward(ctx, node, dy, db, spatial)
         return both
 
     def tiled_grad_weight(plan: tiled.TiledGradWeight) -> None:
@@ -579,19 +601,23 @@ def conv2d_grad_weight(node, ins, outs, ctx) -> None:
         tiled.conv2d_tiled_grad_weight(ctx, plan, dy, x, dw, db, partial)
 
     paths: dict[str, Callable[[], None]] = {}
-    if g.plain and tiled.unsupported(node.op, g, x.dtype) is None:
+    own = g.plain and layout == "NCHW"
+    if own and tiled.unsupported(node.op, g, x.dtype) is None:
         for rb, os in tiled.GRAD_WEIGHT_SPLITS:
             plan = tiled.plan_grad_weight(g, (rb, os), db is not None, x.itemsize)
             if plan is not None:
                 paths[f"tiled:r{rb}o{os}"] = autotune.compiling(
                     lambda plan=plan: tiled_grad_weight(plan),
                     (tiled.SOURCE, plan.name(compiler.FLOAT_CTYPES[str(x.dtype)])))
-    if g.plain and direct_unsupported(g, x.dtype) is None:
+    if own and direct_unsupported(g, x.dtype) is None:
         paths["direct"] = with_bias(lambda: conv2d_direct_grad_weight(ctx, g, dy, x, dw))
-    if g.plain:
+    if own:
         paths["gemm"] = with_bias(lambda: _grad_weight_gemm(ctx, node, g, dy, x, dw))
     paths |= {name: with_bias(run)
-              for name, run in conv_cudnn.grad_weight_paths(ctx, g, dy, x, dw).items()}
+              for name, run in conv_cudnn.grad_weight_paths(ctx, g, dy, x, dw,
+                                                                   layout=layout).items()}
+    if not paths and layout == "NHWC":
+        return _through_nchw(conv2d_grad_weight, node, ins, outs, ctx)
     _run_faster(node, ctx, g, x.dtype, paths)
 
 
@@ -608,8 +634,72 @@ def _grad_weight_gemm(ctx, node, g: Geometry, dy, x, dw) -> None:
         gemm.matmul(ctx, dt, ct, dw2, trans_b=True, accumulate=n0 > 0)
 
 
+# ---- channels-last problems without a cuDNN plan ---------------------------------------------
+
+SHAPE_ATTRS = ("input_shape", "weight_shape")
+
+
+def _through_nchw(impl, node, ins, outs, ctx) -> None:
+    """Run a channels-last node as its NCHW twin: each 4-D operand permuted into an NCHW buffer
+    of the node's own (made with the twin at its first eager call), the NCHW op (all its
+    paths, timed as its own problem), each 4-D output permuted back. For problems cuDNN has
+    no NHWC plan for; the permutes cost a pass over each tensor."""
+    from .broadcast import permute_forward
+
+    def build() -> dict:
+        import cupy as cp
+
+        attrs = {k: nchw_shape(v, "NHWC") if k in SHAPE_ATTRS else v
+                 for k, v in node.attrs.items() if k != "layout"}
+        values = [[Value(nchw_shape(v.shape, "NHWC"), v.dtype) for v in vs]
+                  for vs in (node.inputs, node.outputs)]
+        return {"twin": Node(node.op, *values, attrs, label=node.label),
+                "buffers": [cp.empty(nchw_shape(a.shape, "NHWC"), a.dtype) if a.ndim == 4
+                            else None for a in [*ins, *outs]]}
+
+    memory = launchers._node_memory(node, ("nchw twin",), ctx, build)
+    buffers = memory["buffers"]
+    nchw_ins = []
+    for a, buf in zip(ins, buffers):
+        if buf is not None:
+            permute_forward(ctx, a, buf, TO_NCHW)
+        nchw_ins.append(a if buf is None else buf)
+    out_buffers = buffers[len(ins):]
+    impl(memory["twin"], nchw_ins, [a if b is None else b for a, b in zip(outs, out_buffers)],
+         ctx)
+    for a, buf in zip(outs, out_buffers):
+        if buf is not None:
+            permute_forward(ctx, buf, a, TO_NHWC)
+
+
+def tiled_kernels(node) -> list[tuple[str, str]]:
+    """(file, kernel) of every tiled variant the autotuner may time for this node (as
+    _tiled_paths and conv2d_grad_weight plan them): the backend compiles them side by side
+    with the plan's other kernels when the plan is built (CudaBackend.prepare)."""
+    layout = layout_of(node.op, node.attrs)
+    dtype = str(node.inputs[0].dtype)
+    if layout != "NCHW" or dtype not in compiler.FLOAT_CTYPES:
+        return []
+    ctype, itemsize = compiler.FLOAT_CTYPES[dtype], np.dtype(dtype).itemsize
+    x_shape = {"conv2d": node.inputs[0].shape, "conv2d_grad_weight": node.inputs[1].shape}.get(
+        node.op, node.attrs.get("input_shape"))
+    w_shape = node.attrs["weight_shape"] if node.op == "conv2d_grad_weight" \
+        else node.inputs[1].shape
+    g = _geometry(tuple(x_shape), tuple(w_shape), node.attrs)
+    if not g.plain or tiled.unsupported(node.op, g, dtype) is not None:
+        return []
+    if node.op == "conv2d_grad_weight":
+        plans = [tiled.plan_grad_weight(g, split, bool(node.attrs.get("bias")), itemsize)
+                 for split in tiled.GRAD_WEIGHT_SPLITS]
+    else:
+        plans = [tiled.plan_conv(g, node.op == "conv2d_grad_input", tile, ks, itemsize)
+                 for tile, ks in itertools.product(tiled.TILES, tiled.CHANNEL_SPLITS)]
+    return [(tiled.SOURCE, plan.name(ctype)) for plan in plans if plan is not None]
+
+
 IMPLS = {
     "conv2d": conv2d_forward,
     "conv2d_grad_input": conv2d_grad_input,
     "conv2d_grad_weight": conv2d_grad_weight,
 }
+KERNELS_AHEAD = dict.fromkeys(IMPLS, tiled_kernels)

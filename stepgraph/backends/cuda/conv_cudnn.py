@@ -2,19 +2,22 @@
 family of candidate paths beside conv.py's own kernels, and the only one that runs groups > 1
 or dilation != 1.
 
-One `cudnn.pygraph` per problem (op, geometry with dilation and groups, dtype, precision,
-fused bias / ReLU, layout), memoised for the process:
+One `cudnn.pygraph` per problem and heuristic (op, geometry with dilation and groups, dtype,
+precision, fused bias / ReLU, layout, determinism), memoised for the process:
   conv2d             conv_fprop (then bias add and ReLU in the same graph when asked: "fused")
   conv2d_grad_input  conv_dgrad
   conv2d_grad_weight conv_wgrad (conv.py adds db with a reduce_sum launch)
 float32 in and out, float32 accumulation. Heuristic modes A and FALLBACK rank the engine
 configurations; each that builds, up to MAX_PLANS, is a candidate path "cudnn:<i>" (i = its
 index in the ranked list) that conv.py's autotuner times against the own kernels on the real
-buffers. Filters, applied before building:
+buffers. Heuristic mode B (slower to query, ranked by a different model) adds up to
+MAX_PLANS_B more, those A's candidates do not already hold, as "cudnn:B<i>" (its own list,
+its own graph). Filters, applied before building:
   - precision "fp32" excludes tensor-core engines (on float32 they compute in TF32) and engines
     that down-convert inputs or reduce in lower precision; "tf32" lets them compete;
-  - nondeterministic engines (atomics) are excluded, so every path gives the same bits on every
-    run, as the own kernels and the GEMMs do;
+  - nondeterministic engines (atomics) are excluded unless the context opts in
+    (ctx.deterministic False: compile_train_step(deterministic=False)), so every path gives the
+    same bits on every run, as the own kernels and the GEMMs do;
   - engines compiled at run time (NVRTC inside cuDNN) are excluded: building one costs seconds
     per problem at the first call;
   - plans needing more than MAX_WORKSPACE_BYTES of workspace are skipped.
@@ -22,6 +25,10 @@ The workspace comes from conv.py's grow-only scratch pool (ctx.extras["conv_scra
 largest that a problem's plans need is taken at its first eager call, so a capture never
 allocates. Each context has one cuDNN handle (ctx.extras["cudnn_handle"]) bound to its stream
 (shared by the contexts of one stream).
+
+Layouts: "NCHW" tensors as the graph's NCHW ops hold them; "NHWC" (channels-last nodes,
+compile/layout.py) with x, dy, y, dx stored (N, H, W, C) and the filter (O, kh, kw, C/groups)
+(cuDNN's KRSC): the graph's tensors keep logical NCHW dims with those strides.
 
 Without the frontend or a loadable libcudnn the family is simply absent (the path functions
 return {}), and `unavailable_reason()` says why; an op that only cuDNN runs (groups > 1,
@@ -40,10 +47,11 @@ if TYPE_CHECKING:
     from .conv import Geometry
 
 MAX_PLANS = 6                      # candidates per problem, in heuristic rank order
+MAX_PLANS_B = 4                    # more from heuristic mode B, not among those already
+HEURISTIC_B = True                 # query mode B as well (its candidates "cudnn:B<i>")
 MAX_WORKSPACE_BYTES = 256 << 20    # a plan needing more is not a candidate
-DETERMINISTIC = True               # exclude engines with the NONDETERMINISTIC note
 RUNTIME_COMPILED = False           # admit engines cuDNN compiles at plan build (NVRTC)
-LAYOUTS = ("NCHW", "NHWC")         # the graph's tensors are NCHW; NHWC is for measurements
+LAYOUTS = ("NCHW", "NHWC")         # of every tensor of a problem (module docstring)
 INSTALL_HINT = "pip install -e '.[cuda]' (nvidia-cudnn-frontend and nvidia-cudnn-cu13)"
 
 
@@ -71,7 +79,8 @@ def available() -> bool:
 
 
 def needed(g: Geometry) -> bool:
-    """Whether only cuDNN runs this convolution (the own kernels: groups 1, dilation 1)."""
+    """Whether only cuDNN runs this convolution (the own kernels: groups 1, dilation 1; in
+    channels-last between permutes, conv.py's _through_nchw)."""
     return not g.plain
 
 
@@ -98,20 +107,31 @@ class Problem:
     relu: bool = False       # conv2d: ReLU in the graph, after the bias
     layout: str = "NCHW"
     device: int = 0
+    deterministic: bool = True   # False: engines with the NONDETERMINISTIC note compete too
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One buildable plan: its path name ("cudnn:<i>" or "cudnn:B<i>"), the graph it belongs
+    to (Plans.graphs), its index in that graph's ranked list, engine name, workspace bytes."""
+    path: str
+    graph: int
+    index: int
+    name: str
+    workspace: int
 
 
 @dataclass
 class Plans:
-    """A problem's built cuDNN graph: operand uids by name, and the candidates as (index in
-    the ranked list, engine name, workspace bytes). `reason` says why there are none."""
-    graph: Any
-    uids: dict[str, int]
-    entries: list[tuple[int, str, int]]
+    """A problem's built cuDNN graphs (one per heuristic list) with their operand uids by name,
+    and the candidates. `reason` says why there are none."""
+    graphs: list[tuple[Any, dict[str, int]]]
+    entries: list[Candidate]
     reason: str = ""
 
     @property
     def workspace(self) -> int:
-        return max((ws for _, _, ws in self.entries), default=0)
+        return max((c.workspace for c in self.entries), default=0)
 
 
 _PLANS: dict[Problem, Plans] = {}
@@ -160,42 +180,69 @@ def _graph(cudnn, p: Problem, handle) -> tuple[Any, dict[str, Any]]:
     return graph, ops
 
 
+# (path prefix, heuristic modes) of each ranked list a problem draws from
+HEURISTICS = (("", ("A", "FALLBACK")), ("B", ("B",)))
+
+
+def _ranked(cudnn, p: Problem, handle, modes: tuple[str, ...]):
+    """The problem's graph with the execution plans of `modes` ranked and the filters of the
+    module docstring applied; (graph, operand tensors by name, plan count)."""
+    graph, ops = _graph(cudnn, p, handle)
+    graph.create_execution_plans([getattr(cudnn.heur_mode, m) for m in modes])
+    notes = cudnn.numerical_note
+    barred = [notes.NONDETERMINISTIC] if p.deterministic else []
+    if p.precision == "fp32":
+        barred += [notes.TENSOR_CORE, notes.DOWN_CONVERT_INPUTS,
+                   notes.REDUCED_PRECISION_REDUCTION]
+    if barred:
+        graph.deselect_numeric_notes(barred)
+    if not RUNTIME_COMPILED:
+        graph.deselect_behavior_notes([cudnn.behavior_note.RUNTIME_COMPILATION])
+    return graph, ops, graph.get_execution_plan_count()
+
+
 def _build(cudnn, p: Problem, handle) -> Plans:
-    """Plan the problem's graph and build each ranked engine configuration that passes the
-    filters (module docstring), up to MAX_PLANS."""
-    try:
-        graph, ops = _graph(cudnn, p, handle)
-        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        notes = cudnn.numerical_note
-        barred = [notes.NONDETERMINISTIC] if DETERMINISTIC else []
-        if p.precision == "fp32":
-            barred += [notes.TENSOR_CORE, notes.DOWN_CONVERT_INPUTS,
-                       notes.REDUCED_PRECISION_REDUCTION]
-        if barred:
-            graph.deselect_numeric_notes(barred)
-        if not RUNTIME_COMPILED:
-            graph.deselect_behavior_notes([cudnn.behavior_note.RUNTIME_COMPILATION])
-        count = graph.get_execution_plan_count()
-    except Exception as err:    # the frontend raises several types for "not supported"
-        return Plans(None, {}, [], f"{type(err).__name__}: {err}")
-    plans = Plans(graph, {name: t.get_uid() for name, t in ops.items()}, [])
-    failures = []
-    for index in range(count):
-        if len(plans.entries) == MAX_PLANS:
-            break
+    """Rank the problem's plans by each heuristic of HEURISTICS (B only when HEURISTIC_B) and
+    build, in rank order, each that passes the filters and is not a candidate already, up to
+    that heuristic's limit."""
+    plans, failures = Plans([], []), []
+    for prefix, modes in HEURISTICS if HEURISTIC_B else HEURISTICS[:1]:
+        limit = MAX_PLANS_B if prefix else MAX_PLANS
         try:
-            graph.build_plan_at_index(index)
-            workspace = int(graph.get_workspace_size_plan_at_index(index))
-            name = str(graph.get_plan_name_at_index(index))
-        except Exception as err:    # barred by a filter, or the engine declined
-            failures.append(f"[{index}] {type(err).__name__}: {str(err)[:200]}")
+            graph, ops, count = _ranked(cudnn, p, handle, modes)
+        except Exception as err:    # the frontend raises several types for "not supported"
+            failures.append(f"heuristics {'+'.join(modes)}: {type(err).__name__}: {err}")
             continue
-        if workspace > MAX_WORKSPACE_BYTES:
-            failures.append(f"[{index}] {name}: workspace {workspace} bytes")
-            continue
-        plans.entries.append((index, name, workspace))
+        source = len(plans.graphs)
+        plans.graphs.append((graph, {name: t.get_uid() for name, t in ops.items()}))
+        taken = 0
+        for index in range(count):
+            if taken == limit:
+                break
+            seen = {c.name for c in plans.entries}
+            try:
+                name = str(graph.get_plan_name_at_index(index))
+            except Exception:       # named once built, then
+                name = None
+            if name in seen:
+                continue
+            try:
+                graph.build_plan_at_index(index)
+                workspace = int(graph.get_workspace_size_plan_at_index(index))
+                name = name or str(graph.get_plan_name_at_index(index))
+            except Exception as err:    # barred by a filter, or the engine declined
+                failures.append(f"[{prefix}{index}] {type(err).__name__}: {str(err)[:200]}")
+                continue
+            if name in seen:
+                continue
+            if workspace > MAX_WORKSPACE_BYTES:
+                failures.append(f"[{prefix}{index}] {name}: workspace {workspace} bytes")
+                continue
+            plans.entries.append(Candidate(f"cudnn:{prefix}{index}", source, index, name,
+                                           workspace))
+            taken += 1
     if not plans.entries:
-        plans.reason = f"no plan built among {count}: " + "; ".join(failures[:4])
+        plans.reason = "no plan built: " + "; ".join(failures[:4])
     return plans
 
 
@@ -256,24 +303,27 @@ def _paths(ctx, p: Problem, arrays: dict[str, Any]) -> dict[str, Callable[[], No
         _workspace(ctx, plans.workspace)    # the largest, taken now: a capture cannot allocate
     # Device addresses, not arrays: given an array the frontend asks whether it is a torch
     # tensor, which imports torch (seconds) into a process that never needed it.
-    operands = {plans.uids[name]: a.data.ptr for name, a in arrays.items()}
+    operands = [{uids[name]: a.data.ptr for name, a in arrays.items()}
+                for _, uids in plans.graphs]
 
-    def launch(index: int, workspace: int) -> None:
-        scratch = _workspace(ctx, workspace)
-        plans.graph.execute_plan_at_index(operands, None if scratch is None else scratch.data.ptr,
-                                          index=index, handle=handle(ctx))
+    def launch(c: Candidate) -> None:
+        scratch = _workspace(ctx, c.workspace)
+        plans.graphs[c.graph][0].execute_plan_at_index(
+            operands[c.graph], None if scratch is None else scratch.data.ptr, index=c.index,
+            handle=handle(ctx))
 
-    return {f"cudnn:{index}": functools.partial(launch, index, ws)
-            for index, _, ws in plans.entries}
+    return {c.path: functools.partial(launch, c) for c in plans.entries}
 
 
-def _problem(ctx, op: str, g: Geometry, dtype, **kw) -> Problem | None:
+def _problem(ctx, op: str, g: Geometry, dtype, layout: str = "NCHW", **kw) -> Problem | None:
     cudnn = _cudnn(op, g)
     if cudnn is None or str(dtype) != "float32":
         return None
     import cupy as cp
 
-    return Problem(op, g, str(dtype), ctx.precision, device=cp.cuda.runtime.getDevice(), **kw)
+    return Problem(op, g, str(dtype), ctx.precision, layout=layout,
+                   device=cp.cuda.runtime.getDevice(),
+                   deterministic=bool(getattr(ctx, "deterministic", True)), **kw)
 
 
 # ---- paths of the three ops ------------------------------------------------------------------
@@ -282,7 +332,7 @@ def conv2d_paths(ctx, g: Geometry, x, w, y, bias=None, relu: bool = False,
                  layout: str = "NCHW") -> dict[str, Callable[[], None]]:
     """y = conv2d(x, w) (+ bias) (then ReLU) in one cuDNN graph per plan; {} when cuDNN is
     absent or has no plan (raises where only cuDNN could run it: module docstring)."""
-    p = _problem(ctx, "conv2d", g, x.dtype, bias=bias is not None, relu=relu, layout=layout)
+    p = _problem(ctx, "conv2d", g, x.dtype, layout, bias=bias is not None, relu=relu)
     if p is None:
         return {}
     arrays = {"x": x, "w": w, "y": y} | ({} if bias is None else {"b": bias})
@@ -292,23 +342,23 @@ def conv2d_paths(ctx, g: Geometry, x, w, y, bias=None, relu: bool = False,
 def grad_input_paths(ctx, g: Geometry, dy, w, dx,
                      layout: str = "NCHW") -> dict[str, Callable[[], None]]:
     """dx of conv2d given dy and w, a cuDNN conv_dgrad per plan (see conv2d_paths)."""
-    p = _problem(ctx, "conv2d_grad_input", g, dy.dtype, layout=layout)
+    p = _problem(ctx, "conv2d_grad_input", g, dy.dtype, layout)
     return {} if p is None else _paths(ctx, p, {"dy": dy, "w": w, "dx": dx})
 
 
 def grad_weight_paths(ctx, g: Geometry, dy, x, dw,
                       layout: str = "NCHW") -> dict[str, Callable[[], None]]:
     """dw of conv2d given dy and x, a cuDNN conv_wgrad per plan (see conv2d_paths)."""
-    p = _problem(ctx, "conv2d_grad_weight", g, x.dtype, layout=layout)
+    p = _problem(ctx, "conv2d_grad_weight", g, x.dtype, layout)
     return {} if p is None else _paths(ctx, p, {"x": x, "dy": dy, "dw": dw})
 
 
-def reason(ctx, op: str, g: Geometry, dtype) -> str:
+def reason(ctx, op: str, g: Geometry, dtype, layout: str = "NCHW") -> str:
     """Why no cuDNN path runs this problem (for the error of an op that needs one)."""
     why = unavailable_reason()
     if why is not None:
         return why
     if str(dtype) != "float32":
         return f"dtype {dtype}: the cuDNN paths are float32"
-    p = _problem(ctx, op, g, dtype)
+    p = _problem(ctx, op, g, dtype, layout)
     return plans_for(ctx, p).reason

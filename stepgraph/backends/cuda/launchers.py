@@ -420,69 +420,6 @@ def _checked_norm_tables(tensors) -> dict:
     return _build_norm_tables(tensors)
 
 
-# ---- pool.cu -------------------------------------------------------------------------------
-
-def _pool_args(x_shape: tuple, y_shape: tuple, kernel, stride, padding=(0, 0)) -> tuple:
-    """POOL_SHAPE_ARGS of kernels/pool.cuh (pool.cu and avgpool.cu)."""
-    n, c, h, w = x_shape
-    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
-    return tuple(np.int32(v) for v in (n * c, h, w, y_shape[2], y_shape[3], kh, kw, sh, sw,
-                                       ph, pw))
-
-
-def _pool_out_shape(x_shape: tuple, kernel, stride, padding=(0, 0), op: str = "maxpool2d"):
-    """(N, C, Ho, Wo) of a floor-mode pool; padding at most half the window (PyTorch's rule,
-    which keeps a real element in every window)."""
-    if len(x_shape) != 4:
-        raise ShapeError(f"{op}: input must be (N, C, H, W), got {x_shape}")
-    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
-    ho, wo = (x_shape[2] + 2 * ph - kh) // sh + 1, (x_shape[3] + 2 * pw - kw) // sw + 1
-    if ho <= 0 or wo <= 0 or min(kh, kw, sh, sw) <= 0 or min(ph, pw) < 0 \
-            or 2 * ph > kh or 2 * pw > kw:
-        raise ShapeError(f"{op}: window {tuple(kernel)} stride {tuple(stride)} padding "
-                         f"{tuple(padding)} on input {x_shape}")
-    return (x_shape[0], x_shape[1], ho, wo)
-
-
-def maxpool2d_forward(ctx, x, y, idx, kernel, stride, relu: bool = False,
-                      padding=(0, 0)) -> None:
-    """y = window maxima (relu: relu of them; padding is -inf), idx (int32) = plane-local
-    h * W + w of each window's first maximum."""
-    _check("maxpool2d input", x)
-    y_shape = _pool_out_shape(tuple(x.shape), kernel, stride, padding)
-    _check("maxpool2d output", y, shape=y_shape)
-    _check("maxpool2d indices", idx, "int32", y_shape)
-    _check_int32("maxpool2d", max(x.size, y.size))
-    if y.size:
-        _launch(ctx, "pool.cu", "maxpool2d_forward_kernel", _grid(y.size), (BLOCK,),
-                (x, y, idx, np.int32(relu))
-                + _pool_args(tuple(x.shape), y_shape, kernel, stride, padding))
-
-
-def maxpool2d_backward(ctx, dy, idx, dx, kernel, stride, y=None, padding=(0, 0)) -> None:
-    """dx = each dy added at its idx (windows may overlap: gathered, fixed order); with the
-    fused ReLU's output y, only where y > 0. Windows that tile the input exactly (no
-    padding) take the scatter kernel (a thread per window)."""
-    _check("maxpool2d_grad dx", dx)
-    y_shape = _pool_out_shape(tuple(dx.shape), kernel, stride, padding)
-    _check("maxpool2d_grad dy", dy, shape=y_shape)
-    _check("maxpool2d_grad indices", idx, "int32", y_shape)
-    if y is not None:
-        _check("maxpool2d_grad relu output", y, shape=y_shape)
-    _check_int32("maxpool2d_grad", max(dx.size, dy.size))
-    if not dx.size:
-        return
-    args = (dy, idx, _or_null(y), dx) \
-        + _pool_args(tuple(dx.shape), y_shape, kernel, stride, padding)
-    h, w = dx.shape[2:]
-    if tuple(stride) == tuple(kernel) and h % kernel[0] == 0 and w % kernel[1] == 0 \
-            and tuple(padding) == (0, 0):
-        _launch(ctx, "pool.cu", "maxpool2d_backward_tiling_kernel", _grid(dy.size), (BLOCK,),
-                args)
-    else:
-        _launch(ctx, "pool.cu", "maxpool2d_backward_kernel", _grid(dx.size), (BLOCK,), args)
-
-
 # ---- loss.cu -------------------------------------------------------------------------------
 
 def _row_block(cols: int, threads: int) -> tuple[int, int]:
@@ -846,8 +783,6 @@ def kernel_names() -> dict[str, set[str]]:
         "reduce.cu": {"global_norm_forward_kernel", "reduce_sum_planes_kernel",
                       "reduce_sum_splits_kernel", "reduce_sum_strided_kernel",
                       "reduce_sum_columns_kernel", "act_bias_backward_kernel"},
-        "pool.cu": {"maxpool2d_forward_kernel", "maxpool2d_backward_kernel",
-                    "maxpool2d_backward_tiling_kernel"},
         "loss.cu": {"log_softmax_forward_kernel", "log_softmax_backward_kernel",
                     "mse_forward_kernel", "mse_backward_kernel"}
         | {f"{k}_kernel<{ctype}>" for k in label for ctype in LABEL_CTYPES.values()},
@@ -873,12 +808,6 @@ IMPLS: dict[str, Callable] = {
         node.attrs["site"], bool(node.attrs.get("per_channel"))),
     "dropout_grad": lambda node, ins, outs, ctx: dropout_backward(
         ctx, ins[0], ins[1], outs[0], node.attrs["p"], bool(node.attrs.get("per_channel"))),
-    "maxpool2d": lambda node, ins, outs, ctx: maxpool2d_forward(
-        ctx, ins[0], outs[0], outs[1], node.attrs["kernel"], node.attrs["stride"],
-        bool(node.attrs.get("relu")), node.attrs.get("padding", (0, 0))),
-    "maxpool2d_grad": lambda node, ins, outs, ctx: maxpool2d_backward(
-        ctx, ins[0], ins[1], outs[0], node.attrs["kernel"], node.attrs["stride"],
-        ins[2] if node.attrs.get("relu") else None, node.attrs.get("padding", (0, 0))),
     "log_softmax": lambda node, ins, outs, ctx: log_softmax_forward(ctx, ins[0], outs[0]),
     "log_softmax_grad": lambda node, ins, outs, ctx: log_softmax_backward(
         ctx, ins[0], ins[1], outs[0]),

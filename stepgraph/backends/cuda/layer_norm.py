@@ -1,19 +1,25 @@
 """Launchers of kernels/layer_norm.cu (layer_norm, layer_norm_grad) and their cuda op table.
 
 x (any rank >= 1) is viewed as (rows, C), normalised over C. A row group of `threads` threads
-(a multiple of 32, at most 256) handles a row, `rows_per_block` rows a block; each thread keeps
-K groups of VEC columns in registers between the passes (`Layout`). Rows too wide for that
-(more than 8 * 256 column groups) take the *_loop kernels.
+(a multiple of 32) handles a row, `rows_per_block` rows a block; each thread keeps K groups of
+VEC columns in registers between the passes (`Layout`). The row group is as few warps as keep
+K * VEC at most 16 floats a thread: one warp (shuffles only, no barrier) for rows up to 512
+floats, e.g. GPT's 384 or 768 columns in one or two warps. Rows too wide for MAX_THREADS
+threads take the *_loop kernels.
 
-layer_norm_grad is one kernel for dx and the per-slot partial sums of dweight / dbias (a slot:
-one row lane of one block, visiting a fixed set of rows), then, when either is wanted, one
-finalize launch adding the slots in order in float64: deterministic, no atomics. The partial
-sums live in device memory made once per node at its first eager call
-(launchers._node_memory): a capture may not allocate, and Executable warms up eagerly before
-capture. Launchers check their preconditions and launch on ctx.stream: no host sync.
+layer_norm_grad is one kernel for dx and the per-block partial sums of dweight / dbias (a
+block visits a fixed set of rows, sums its rows in registers, and adds its row lanes in order),
+then, when either is wanted, one finalize launch adding the blocks' rows in a fixed order in
+float64: deterministic, no atomics. Its grid is the number of blocks the GPU holds at once
+(at most one block per row group), so the partial tables stay small (a few percent of the
+bytes of x) and every block has the same work. The partial sums live in device memory made
+once per node at its first eager call (launchers._node_memory): a capture may not allocate,
+and Executable warms up eagerly before capture. Launchers check their preconditions and launch
+on ctx.stream: no host sync.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -23,15 +29,17 @@ import numpy as np
 
 from ...errors import ShapeError
 from ...ir.graph import Node
-from .launchers import BLOCK, _aligned, _check, _check_int32, _grid, _launch, _node_memory, \
+from .launchers import _aligned, _check, _check_int32, _kernel, _launch, _node_memory, \
     _or_null, _row_grid, fill_forward
 
 SOURCE = "layer_norm.cu"
-MAX_THREADS = 256            # threads of a row group (the templates' __launch_bounds__)
-KS = (1, 2, 4, 8)            # register groups per thread the templates are instantiated for
-LOOP_THREADS = 256           # row group of the *_loop kernels
-SLOT_TARGET = 512            # partial-sum slots of layer_norm_grad, about
-PARTIAL_MAX = 1 << 21        # floats of one partial-sum table (slots * C) at most
+MAX_THREADS = 512            # threads of a block (LAYER_NORM_MAX_THREADS, __launch_bounds__)
+ROWS_BLOCK_THREADS = 256     # threads of a block of several rows (LAYER_NORM_BLOCK_ROWS_THREADS)
+FLOATS_PER_THREAD = 16       # K * VEC at most: dy, xhat, weight and two sums in registers
+KS = {4: (1, 2, 3, 4), 1: (1, 2, 3, 4, 6, 8, 12, 16)}   # K per VEC the templates exist for
+LOOP_THREADS = 256           # row group of the *_loop kernels (one row a block)
+PARTIAL_MAX = 1 << 21        # floats of one partial-sum table (blocks * C) at most
+FINALIZE_LANES = 8           # slot lanes of a finalize block (FINALIZE_LANES in the .cu)
 
 
 @dataclass(frozen=True)
@@ -49,28 +57,47 @@ class Layout:
             return f"layer_norm_{direction}_loop_kernel"
         return f"layer_norm_{direction}_kernel<{self.vec}, {self.k}>"
 
+    @property
+    def block(self) -> tuple[int, int]:
+        return (self.threads, self.rows_per_block)
+
 
 def row_layout(c: int, arrays) -> Layout:
-    """The layout of rows of c columns; vec 4 when c % 4 == 0 and every array is 16-byte
-    aligned."""
+    """The layout of rows of c columns: vec 4 when c % 4 == 0 and every array is 16-byte
+    aligned; the fewest warps a row that hold it in FLOATS_PER_THREAD floats a thread, and the
+    smallest K that covers the row with them; ROWS_BLOCK_THREADS threads a block."""
     vec = 4 if c % 4 == 0 and _aligned(*arrays) else 1
     groups = c // vec
-    for k in KS:
-        per = -(-groups // k)
-        if per <= MAX_THREADS:
-            threads = max(32, -(-per // 32) * 32)
-            return Layout(vec, k, threads, max(1, MAX_THREADS // threads))
-    return Layout(1, 0, LOOP_THREADS, 1)
+    ks = KS[vec]
+    threads = 32 * -(-groups // (32 * (FLOATS_PER_THREAD // vec)))
+    if threads > MAX_THREADS:
+        return Layout(1, 0, LOOP_THREADS, 1)
+    need = -(-groups // threads)
+    k = next(k for k in ks if k >= need)
+    return Layout(vec, k, threads, max(1, ROWS_BLOCK_THREADS // threads))
 
 
 def kernel_names() -> dict[str, set[str]]:
     """{.cu file: every kernel name this module may launch} (the NVRTC compile test)."""
     names = {"layer_norm_forward_loop_kernel", "layer_norm_backward_loop_kernel",
              "layer_norm_grad_finalize_kernel"}
-    for vec in (1, 4):
-        for k in KS:
+    for vec, ks in KS.items():
+        for k in ks:
             names |= {Layout(vec, k, 32, 1).kernel(d) for d in ("forward", "backward")}
     return {SOURCE: names}
+
+
+@functools.cache
+def _resident_blocks(device: int, name: str, threads: int) -> int:
+    fn = _kernel(SOURCE, name)
+    per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, threads, 0)
+    return max(1, per_sm) * cp.cuda.Device(device).attributes["MultiProcessorCount"]
+
+
+def resident_blocks(name: str, threads: int) -> int:
+    """How many blocks of `threads` threads of kernel `name` the current GPU runs at once
+    (the occupancy calculator; a fixed number per GPU, so reruns are bit-identical)."""
+    return _resident_blocks(cp.cuda.runtime.getDevice(), name, threads)
 
 
 def _rows(what: str, x) -> tuple[int, int]:
@@ -101,17 +128,15 @@ def layer_norm_forward(ctx, x, weight, bias, y, mean, rstd, eps: float) -> None:
     if not rows:
         return
     lay = row_layout(c, [a for a in (x, y, weight, bias) if a is not None])
-    _launch(ctx, SOURCE, lay.kernel("forward"), _row_grid(rows, lay.rows_per_block),
-            (lay.threads, lay.rows_per_block),
+    _launch(ctx, SOURCE, lay.kernel("forward"), _row_grid(rows, lay.rows_per_block), lay.block,
             (x, _or_null(weight), _or_null(bias), y, mean, rstd, np.int32(rows), np.int32(c),
              np.float32(eps)))
 
 
-def grad_slots(rows: int, c: int, lay: Layout) -> int:
-    """Blocks of layer_norm_grad: about SLOT_TARGET slots, at most one per row lane's row,
-    and partial tables of at most PARTIAL_MAX floats."""
-    per = lay.rows_per_block
-    return max(1, min(-(-rows // per), SLOT_TARGET // per, PARTIAL_MAX // (c * per)))
+def grad_blocks(rows: int, c: int, lay: Layout, resident: int) -> int:
+    """Blocks of layer_norm_grad: those the GPU holds at once (`resident`), at most one per
+    row group, and partial tables of at most PARTIAL_MAX floats."""
+    return max(1, min(-(-rows // lay.rows_per_block), resident, PARTIAL_MAX // c))
 
 
 def layer_norm_backward(ctx, node: Node, dy, x, weight, mean, rstd, dx, dweight=None,
@@ -131,22 +156,24 @@ def layer_norm_backward(ctx, node: Node, dy, x, weight, mean, rstd, dx, dweight=
                 fill_forward(ctx, t, 0.0)
         return
     lay = row_layout(c, [a for a in (dy, x, dx, weight) if a is not None])
-    blocks = grad_slots(rows, c, lay)
-    slots = blocks * lay.rows_per_block
+    name = lay.kernel("backward")
+    blocks = grad_blocks(rows, c, lay, resident_blocks(name, lay.threads * lay.rows_per_block))
     partial_w = partial_b = None
     if dweight is not None or dbias is not None:
-        key = ("layer_norm_grad", slots, c, dweight is not None, dbias is not None)
+        key = ("layer_norm_grad", blocks, c, dweight is not None, dbias is not None)
         tables = _node_memory(node, key, ctx, lambda: dict(
-            w=cp.empty(slots * c, np.float32) if dweight is not None else None,
-            b=cp.empty(slots * c, np.float32) if dbias is not None else None))
+            w=cp.empty(blocks * c, np.float32) if dweight is not None else None,
+            b=cp.empty(blocks * c, np.float32) if dbias is not None else None))
         partial_w, partial_b = tables["w"], tables["b"]
-    _launch(ctx, SOURCE, lay.kernel("backward"), (blocks,), (lay.threads, lay.rows_per_block),
+    _launch(ctx, SOURCE, name, (blocks,), lay.block,
             (dy, x, _or_null(weight), mean, rstd, dx, _or_null(partial_w), _or_null(partial_b),
              np.int32(rows), np.int32(c)))
-    if partial_w is not None or partial_b is not None:
-        _launch(ctx, SOURCE, "layer_norm_grad_finalize_kernel", _grid(c), (BLOCK,),
+    tables = (partial_w is not None) + (partial_b is not None)
+    if tables:
+        _launch(ctx, SOURCE, "layer_norm_grad_finalize_kernel", (-(-c // 32), tables),
+                (32, FINALIZE_LANES),
                 (_or_null(partial_w), _or_null(partial_b), _or_null(dweight), _or_null(dbias),
-                 np.int32(slots), np.int32(c)))
+                 np.int32(blocks), np.int32(c)))
 
 
 def _forward_impl(node: Node, ins, outs, ctx) -> None:

@@ -1,6 +1,7 @@
 """Launchers of kernels/norm.cu (batch_norm_train, batch_norm_grad) and their cuda op table.
 
-x (N, C, *spatial) is viewed as (N, C, inner). Each op is a stats pass writing float64
+x (N, C, *spatial) is viewed as (N, C, inner); a channels-last x (attrs layout "NHWC", channels
+on the last axis) as (N * spatial, C), the "columns" layout. Each op is a stats pass writing float64
 partial sums per (channel, split), a finalize kernel adding each channel's splits in order,
 and an elementwise pass: deterministic, no float atomics. The partial sums (and the grad's
 per-channel coefficients) live in device memory made once per node at its first eager call
@@ -128,6 +129,18 @@ def _check_channels(op: str, c: int, **arrays) -> None:
             _check(f"{op} {what}", arr, shape=(c,))
 
 
+def _channels_last(attrs: dict, arrays: list, positions) -> list:
+    """`arrays` with those at `positions` viewed as (M, C) when attrs layout is "NHWC"
+    (channels on the last axis: M rows of C, what the columns layout walks)."""
+    layout = attrs.get("layout", "NCHW")
+    if layout == "NCHW":
+        return arrays
+    if layout != "NHWC":
+        raise ValueError(f"batch_norm: layout must be 'NCHW' or 'NHWC', got {layout!r}")
+    return [a.reshape(-1, a.shape[-1]) if i in positions and a.ndim > 2 else a
+            for i, a in enumerate(arrays)]
+
+
 def _relu(attrs: dict) -> bool:
     act = attrs.get("act") or "none"
     if act not in ("none", "relu"):
@@ -179,7 +192,7 @@ def batch_norm_train_forward(ctx, node: Node, ins: list, outs: list) -> None:
     statistics per channel in float64; save_mean, save_invstd (C,); with running stats, those
     updated in place (momentum None: cumulative average) and num_batches_tracked += 1."""
     a = node.attrs
-    t = _train_arrays(a, ins, outs)
+    t = _train_arrays(a, _channels_last(a, ins, (0,)), _channels_last(a, outs, (0,)))
     relu = _relu(a)
     layout = _layout("batch_norm_train", t.x, (t.x, t.y))
     stats = layout.stats_splits()
@@ -238,7 +251,9 @@ def batch_norm_grad_backward(ctx, node: Node, ins: list, outs: list) -> None:
     """dx (and dweight, dbias when affine) of batch_norm_train: g = dy (masked by y > 0 with
     the fused ReLU), dbias = sum g, dweight = sum g * xhat per channel (float64), dx = weight *
     invstd * (g - sum g / M - xhat * sum g xhat / M)."""
-    g = _grad_arrays(node.attrs, ins, outs)
+    a = node.attrs
+    y_at = 4 + bool(a.get("affine")) if _relu(a) else None     # the fused ReLU's output
+    g = _grad_arrays(a, _channels_last(a, ins, (0, 1, y_at)), _channels_last(a, outs, (0,)))
     layout = _layout("batch_norm_grad", g.dy,
                      tuple(a for a in (g.dy, g.x, g.dx, g.y) if a is not None))
     stats = layout.stats_splits()
@@ -266,6 +281,7 @@ def kernel_names() -> dict[str, set[str]]:
 
 
 IMPLS: dict[str, Callable] = {
+    # attrs layout "NHWC" views the activations as (M, C) (_channels_last)
     "batch_norm_train": lambda node, ins, outs, ctx: batch_norm_train_forward(
         ctx, node, ins, outs),
     "batch_norm_grad": lambda node, ins, outs, ctx: batch_norm_grad_backward(

@@ -6,6 +6,11 @@ instruction becomes one expression on registers, and only the results are stored
 products use the round-to-nearest intrinsics (__fadd_rn, __fmul_rn, ...), which the compiler
 never contracts into FMAs, so each instruction rounds as the op's own kernel and the NumPy
 reference do. Activations reuse elementwise.cuh, the code of the standalone act kernels.
+
+A program that draws dropout masks (`dropout_mask`) loops over groups of four consecutive
+elements instead: one Philox4x32-10 call per group and site gives the four elements' words
+(philox.cuh), as in the standalone dropout kernel, so the masks are the same bits and the
+generator costs a quarter of a call per element. The step counter (int64) is read once.
 """
 from __future__ import annotations
 
@@ -18,7 +23,8 @@ import numpy as np
 
 from ...errors import ShapeError
 from ...ir.graph import Node
-from ...ops.pointwise import Instr
+from ... import rng
+from ...ops.pointwise import Instr, register_dtypes
 from . import compiler
 from .launchers import ACT_CODES, BLOCK, MAX_INT, _grid, _slope
 
@@ -71,29 +77,77 @@ def _expression(instr: Instr, r: list[str]) -> str:
         return f"__fmul_rn({args[0]}, {derivative})"
     if instr.op == "expand":
         return args[0]
+    if instr.op == "dropout_grad":      # x * mask * scale, as the dropout kernels round it
+        scale = _float(1.0 / (1.0 - float(attr["p"])))
+        return f"__fmul_rn(__fmul_rn({args[0]}, (float){args[1]}), {scale})"
+    if instr.op == "dropout_mask":      # the group's Philox words, drawn before the lane loop
+        return f"(unsigned char)dropout_keep(philox_word({_words(instr, r)}, lane), " \
+               f"{rng.keep_threshold(float(attr['p']))}u)"
     raise ShapeError(f"pointwise: no CUDA code for op {instr.op!r}")
+
+
+_CTYPES = {"float32": "float", "uint8": "unsigned char", "int64": "long long"}
+
+
+def _words(instr: Instr, r: list[str]) -> str:
+    """The name of the Philox words of a dropout_mask instruction's (step register, site)."""
+    return f"w_{r[instr.args[0]]}_{int(instr.attr['site'])}"
+
+
+def _words_line(instr: Instr, r: list[str]) -> str:
+    attr = instr.attr
+    seed = int(attr["seed"]) & (2**64 - 1)
+    return (f"        const uint4 {_words(instr, r)} = dropout_words((unsigned long long)g, "
+            f"{int(attr['site'])}u, {r[instr.args[0]]}, {seed}ull);")
+
+
+def uses_groups(program: tuple[Instr, ...]) -> bool:
+    """True when the kernel loops over groups of four elements (it draws dropout masks)."""
+    return any(instr.op == "dropout_mask" for instr in program)
 
 
 @functools.cache
 def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: tuple,
-                  input_shapes: tuple[tuple, ...]) -> str:
-    """CUDA source of KERNEL_NAME computing `program` over `shape` (float32)."""
+                  input_shapes: tuple[tuple, ...],
+                  input_dtypes: tuple[str, ...] | None = None) -> str:
+    """CUDA source of KERNEL_NAME computing `program` over `shape` (float32 values; uint8
+    masks and the int64 step counter where input_dtypes say so)."""
     k = len(input_shapes)
-    params = [f"const float* __restrict__ in{j}" for j in range(k)]
-    params += [f"float* __restrict__ out{j}" for j in range(len(results))]
+    dtypes = register_dtypes(program, input_dtypes or ("float32",) * k)
+    ctype = [_CTYPES[d] for d in dtypes]
+    params = [f"const {ctype[j]}* __restrict__ in{j}" for j in range(k)]
+    params += [f"{ctype[r]}* __restrict__ out{j}" for j, r in enumerate(results)]
     regs = [f"r{j}" for j in range(k + len(program))]
-    body = [f"        const float r{j} = in{j}[{_offset(s, shape)}];"
-            for j, s in enumerate(input_shapes)]
-    body += [f"        const float r{k + j} = {_expression(instr, regs)};"
+    scalars = [j for j in range(k) if dtypes[j] == "int64"]     # the step counter: read once
+    head = [f"    const long long r{j} = in{j}[0];" for j in scalars]
+    body = [f"const {ctype[j]} r{j} = in{j}[{_offset(s, shape)}];"
+            for j, s in enumerate(input_shapes) if j not in scalars]
+    body += [f"const {ctype[k + j]} r{k + j} = {_expression(instr, regs)};"
              for j, instr in enumerate(program)]
-    body += [f"        out{j}[i] = r{r};" for j, r in enumerate(results)]
+    body += [f"out{j}[i] = r{r};" for j, r in enumerate(results)]
+    if not uses_groups(program):
+        loop = ["    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n;"
+                " i += gridDim.x * blockDim.x) {", *(f"        {b}" for b in body), "    }"]
+    else:
+        words = {_words(i, regs): _words_line(i, regs) for i in program
+                 if i.op == "dropout_mask"}
+        loop = ["    const int groups = (n >> 2) + ((n & 3) != 0);",
+                "    for (int g = blockIdx.x * blockDim.x + threadIdx.x; g < groups;"
+                " g += gridDim.x * blockDim.x) {",
+                *words.values(),
+                "#pragma unroll",
+                "        for (unsigned int lane = 0; lane < 4; ++lane) {",
+                "            const int i = 4 * g + (int)lane;",
+                "            if (i >= n) break;",
+                *(f"            {b}" for b in body),
+                "        }",
+                "    }"]
     return "\n".join([
         '#include "elementwise.cuh"',
+        *(['#include "philox.cuh"'] if uses_groups(program) else []),
         f'extern "C" __global__ void {KERNEL_NAME}({", ".join(params)}, int n) {{',
-        "    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n;"
-        " i += gridDim.x * blockDim.x) {",
-        *body,
-        "    }",
+        *head,
+        *loop,
         "}",
         ""])
 
@@ -101,7 +155,8 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
 def generated_kernels(node: Node) -> list[tuple[str, str]]:
     """The (source, kernel name) of node's program, which the backend compiles ahead."""
     source = kernel_source(node.attrs["program"], node.attrs["results"],
-                           tuple(node.attrs["shape"]), tuple(tuple(v.shape) for v in node.inputs))
+                           tuple(node.attrs["shape"]), tuple(tuple(v.shape) for v in node.inputs),
+                           tuple(v.dtype for v in node.inputs))
     return [(source, KERNEL_NAME)]
 
 
@@ -111,19 +166,21 @@ def pointwise_forward(ctx, node: Node, ins: list, outs: list) -> None:
     n = math.prod(shape)
     if n > MAX_INT:
         raise ShapeError(f"pointwise: {n} elements exceed the kernel's 32-bit indexing")
-    for what, arrays in (("input", ins), ("output", outs)):
-        for a in arrays:
-            if not isinstance(a, cp.ndarray) or a.dtype != np.float32 \
-                    or not a.flags.c_contiguous:
-                raise ShapeError(f"pointwise {what}: the cuda kernel takes C-contiguous float32"
-                                 f" CuPy arrays, got {type(a).__name__} {getattr(a, 'dtype', '')}")
-    for v, a in zip(node.inputs, ins):
-        if tuple(a.shape) != tuple(v.shape):
-            raise ShapeError(f"pointwise input: expected shape {v.shape}, got {a.shape}")
+    for what, values, arrays in (("input", node.inputs, ins), ("output", node.outputs, outs)):
+        for v, a in zip(values, arrays):
+            # float32 values; uint8 masks and the int64 step counter of dropout programs
+            if v.dtype not in _CTYPES or not isinstance(a, cp.ndarray) \
+                    or a.dtype != np.dtype(v.dtype) or not a.flags.c_contiguous:
+                raise ShapeError(f"pointwise {what}: the cuda kernel takes C-contiguous "
+                                 f"float32 (uint8, int64) CuPy arrays of the node's dtypes, got "
+                                 f"{type(a).__name__} {getattr(a, 'dtype', '')} for {v.dtype}")
+            if tuple(a.shape) != tuple(v.shape):
+                raise ShapeError(f"pointwise {what}: expected shape {v.shape}, got {a.shape}")
     if n == 0:
         return
     kernel = compiler.generated_kernel(*generated_kernels(node)[0])
-    kernel(_grid(n), (BLOCK,), (*ins, *outs, np.int32(n)), stream=ctx.stream)
+    work = (n + 3) // 4 if uses_groups(node.attrs["program"]) else n
+    kernel(_grid(work), (BLOCK,), (*ins, *outs, np.int32(n)), stream=ctx.stream)
 
 
 IMPLS = {"pointwise": lambda node, ins, outs, ctx: pointwise_forward(ctx, node, ins, outs)}

@@ -1,8 +1,10 @@
-"""Launchers of kernels/avgpool.cu (avgpool2d, avgpool2d_grad) and their cuda op table.
+"""Launchers of kernels/pool.cu (maxpool2d, maxpool2d_grad) and kernels/avgpool.cu (avgpool2d,
+avgpool2d_grad), and their cuda op table.
 
-Max pooling (maxpool2d, maxpool2d_grad) is older and lives in launchers.py / pool.cu; both
-families share its shape helpers. Launchers check their preconditions and launch on
-ctx.stream: no host sync, no allocation.
+Every op runs NCHW tensors, or channels-last ones (attrs layout "NHWC", compile/layout.py:
+(N, H, W, C)) through the `_nhwc_` kernels, the same window code over the other layout
+(kernels/pool.cuh). Launchers check their preconditions and launch on ctx.stream: no host
+sync, no allocation.
 """
 from __future__ import annotations
 
@@ -10,61 +12,170 @@ from typing import Callable
 
 import numpy as np
 
-from .launchers import BLOCK, _check, _check_int32, _grid, _launch, _pool_args, _pool_out_shape
+from ...errors import ShapeError
+from ...ir.ops import layout_of, nchw_shape, stored_shape
+from .launchers import BLOCK, _check, _check_int32, _grid, _launch, _or_null
 
-SOURCE = "avgpool.cu"
+SOURCE, MAX_SOURCE = "avgpool.cu", "pool.cu"
 WARP = 32
-WARP_WINDOW = 64      # windows of at least this many elements: a warp per output
-KERNELS = ("avgpool2d_forward_kernel", "avgpool2d_forward_warp_kernel",
-           "avgpool2d_backward_kernel")
+WARP_WINDOW = 64      # NCHW windows of at least this many elements: a warp per output
+KERNELS = ("avgpool2d_forward_kernel", "avgpool2d_forward_nhwc_kernel",
+           "avgpool2d_forward_warp_kernel", "avgpool2d_backward_kernel",
+           "avgpool2d_backward_nhwc_kernel")
+MAX_KERNELS = ("maxpool2d_forward_kernel", "maxpool2d_forward_nhwc_kernel",
+               "maxpool2d_backward_kernel", "maxpool2d_backward_nhwc_kernel",
+               "maxpool2d_backward_tiling_kernel", "maxpool2d_backward_tiling_nhwc_kernel")
 
 
 def kernel_names() -> dict[str, set[str]]:
     """{.cu file: every kernel name this module may launch} (the NVRTC compile test)."""
-    return {SOURCE: set(KERNELS)}
+    return {SOURCE: set(KERNELS), MAX_SOURCE: set(MAX_KERNELS)}
 
+
+# ---- shapes --------------------------------------------------------------------------------
+
+def _pool_args(x_shape: tuple, y_shape: tuple, kernel, stride, padding=(0, 0)) -> tuple:
+    """POOL_SHAPE_ARGS of kernels/pool.cuh, from (N, C, H, W) input and output shapes."""
+    n, c, h, w = x_shape
+    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
+    return tuple(np.int32(v) for v in (n * c, h, w, y_shape[2], y_shape[3], kh, kw, sh, sw,
+                                       ph, pw))
+
+
+def _pool_out_shape(x_shape: tuple, kernel, stride, padding=(0, 0), op: str = "maxpool2d"):
+    """(N, C, Ho, Wo) of a floor-mode pool over an (N, C, H, W) input; padding at most half
+    the window (PyTorch's rule, which keeps a real element in every window)."""
+    if len(x_shape) != 4:
+        raise ShapeError(f"{op}: input must be 4-D (N, C, H, W or N, H, W, C), got {x_shape}")
+    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
+    ho, wo = (x_shape[2] + 2 * ph - kh) // sh + 1, (x_shape[3] + 2 * pw - kw) // sw + 1
+    if ho <= 0 or wo <= 0 or min(kh, kw, sh, sw) <= 0 or min(ph, pw) < 0 \
+            or 2 * ph > kh or 2 * pw > kw:
+        raise ShapeError(f"{op}: window {tuple(kernel)} stride {tuple(stride)} padding "
+                         f"{tuple(padding)} on input {x_shape}")
+    return (x_shape[0], x_shape[1], ho, wo)
+
+
+def _shapes(op: str, x_shape, kernel, stride, padding, layout: str):
+    """(x (N, C, H, W), y (N, C, Ho, Wo), y as stored, the kernel name suffix and its layout
+    arguments (C for channels-last)) of a pool over an input stored as x_shape."""
+    if layout not in ("NCHW", "NHWC"):
+        raise ShapeError(f"{op}: layout must be 'NCHW' or 'NHWC', got {layout!r}")
+    xs = nchw_shape(x_shape, layout)
+    ys = _pool_out_shape(xs, kernel, stride, padding, op)
+    nhwc = layout == "NHWC" and len(xs) == 4
+    return xs, ys, stored_shape(ys, layout), ("_nhwc" if nhwc else ""), \
+        ((np.int32(xs[1]),) if nhwc else ())
+
+
+def _kernel(name: str, suffix: str) -> str:
+    return name.replace("_kernel", f"{suffix}_kernel")
+
+
+# ---- max pooling (pool.cu) -----------------------------------------------------------------
+
+def maxpool2d_forward(ctx, x, y, idx, kernel, stride, relu: bool = False, padding=(0, 0),
+                      layout: str = "NCHW") -> None:
+    """y = window maxima (relu: relu of them; padding is -inf), idx (int32) = plane-local
+    h * W + w of each window's first maximum."""
+    _check("maxpool2d input", x)
+    xs, ys, stored, suffix, extra = _shapes("maxpool2d", tuple(x.shape), kernel, stride,
+                                            padding, layout)
+    _check("maxpool2d output", y, shape=stored)
+    _check("maxpool2d indices", idx, "int32", stored)
+    _check_int32("maxpool2d", max(x.size, y.size))
+    if y.size:
+        _launch(ctx, MAX_SOURCE, _kernel("maxpool2d_forward_kernel", suffix), _grid(y.size),
+                (BLOCK,), (x, y, idx, np.int32(relu)) + extra
+                + _pool_args(xs, ys, kernel, stride, padding))
+
+
+def maxpool2d_backward(ctx, dy, idx, dx, kernel, stride, y=None, padding=(0, 0),
+                       layout: str = "NCHW") -> None:
+    """dx = each dy added at its idx (windows may overlap: gathered, fixed order); with the
+    fused ReLU's output y, only where y > 0. Windows that tile the input exactly (no
+    padding) take the scatter kernel (a thread per window)."""
+    _check("maxpool2d_grad dx", dx)
+    xs, ys, stored, suffix, extra = _shapes("maxpool2d_grad", tuple(dx.shape), kernel, stride,
+                                            padding, layout)
+    _check("maxpool2d_grad dy", dy, shape=stored)
+    _check("maxpool2d_grad indices", idx, "int32", stored)
+    if y is not None:
+        _check("maxpool2d_grad relu output", y, shape=stored)
+    _check_int32("maxpool2d_grad", max(dx.size, dy.size))
+    if not dx.size:
+        return
+    args = (dy, idx, _or_null(y), dx) + extra + _pool_args(xs, ys, kernel, stride, padding)
+    h, w = xs[2:]
+    if tuple(stride) == tuple(kernel) and h % kernel[0] == 0 and w % kernel[1] == 0 \
+            and tuple(padding) == (0, 0):
+        _launch(ctx, MAX_SOURCE, _kernel("maxpool2d_backward_tiling_kernel", suffix),
+                _grid(dy.size), (BLOCK,), args)
+    else:
+        _launch(ctx, MAX_SOURCE, _kernel("maxpool2d_backward_kernel", suffix), _grid(dx.size),
+                (BLOCK,), args)
+
+
+# ---- average pooling (avgpool.cu) ----------------------------------------------------------
 
 def avgpool2d_forward(ctx, x, y, kernel, stride, padding=(0, 0),
-                      count_include_pad: bool = True) -> None:
+                      count_include_pad: bool = True, layout: str = "NCHW") -> None:
     """y = window means of x (N, C, H, W), zero padding; the divisor counts the padding only
     with count_include_pad (PyTorch avg_pool2d, floor mode)."""
     _check("avgpool2d input", x)
-    y_shape = _pool_out_shape(tuple(x.shape), kernel, stride, padding, "avgpool2d")
-    _check("avgpool2d output", y, shape=y_shape)
+    xs, ys, stored, suffix, extra = _shapes("avgpool2d", tuple(x.shape), kernel, stride,
+                                            padding, layout)
+    _check("avgpool2d output", y, shape=stored)
     _check_int32("avgpool2d", max(x.size, y.size))
     if not y.size:
         return
-    args = (x, y, np.int32(bool(count_include_pad))) \
-        + _pool_args(tuple(x.shape), y_shape, kernel, stride, padding)
-    if kernel[0] * kernel[1] >= WARP_WINDOW:
+    args = (x, y, np.int32(bool(count_include_pad))) + extra \
+        + _pool_args(xs, ys, kernel, stride, padding)
+    if kernel[0] * kernel[1] >= WARP_WINDOW and not suffix:
         _launch(ctx, SOURCE, "avgpool2d_forward_warp_kernel", _grid(y.size * WARP),
                 (BLOCK,), args)
     else:
-        _launch(ctx, SOURCE, "avgpool2d_forward_kernel", _grid(y.size), (BLOCK,), args)
+        _launch(ctx, SOURCE, _kernel("avgpool2d_forward_kernel", suffix), _grid(y.size),
+                (BLOCK,), args)
 
 
 def avgpool2d_backward(ctx, dy, dx, kernel, stride, padding=(0, 0),
-                       count_include_pad: bool = True) -> None:
+                       count_include_pad: bool = True, layout: str = "NCHW") -> None:
     """dx = avgpool2d's gradient: each dy / its divisor spread over its window, gathered per
     input element (fixed order, no atomics)."""
     _check("avgpool2d_grad dx", dx)
-    y_shape = _pool_out_shape(tuple(dx.shape), kernel, stride, padding, "avgpool2d_grad")
-    _check("avgpool2d_grad dy", dy, shape=y_shape)
+    xs, ys, stored, suffix, extra = _shapes("avgpool2d_grad", tuple(dx.shape), kernel, stride,
+                                            padding, layout)
+    _check("avgpool2d_grad dy", dy, shape=stored)
     _check_int32("avgpool2d_grad", max(dx.size, dy.size))
     if dx.size:
-        _launch(ctx, SOURCE, "avgpool2d_backward_kernel", _grid(dx.size), (BLOCK,),
-                (dy, dx, np.int32(bool(count_include_pad)))
-                + _pool_args(tuple(dx.shape), y_shape, kernel, stride, padding))
+        _launch(ctx, SOURCE, _kernel("avgpool2d_backward_kernel", suffix), _grid(dx.size),
+                (BLOCK,), (dy, dx, np.int32(bool(count_include_pad))) + extra
+                + _pool_args(xs, ys, kernel, stride, padding))
 
 
-def _geometry(attrs: dict) -> tuple:
-    return (tuple(attrs["kernel"]), tuple(attrs["stride"]), tuple(attrs.get("padding", (0, 0))),
-            bool(attrs.get("count_include_pad", True)))
+# ---- the op table --------------------------------------------------------------------------
+
+def _window(node) -> tuple:
+    a = node.attrs
+    return tuple(a["kernel"]), tuple(a["stride"]), tuple(a.get("padding", (0, 0)))
+
+
+def _avg(node) -> dict:
+    return dict(count_include_pad=bool(node.attrs.get("count_include_pad", True)),
+                layout=layout_of(node.op, node.attrs))
 
 
 IMPLS: dict[str, Callable] = {
+    "maxpool2d": lambda node, ins, outs, ctx: maxpool2d_forward(
+        ctx, ins[0], outs[0], outs[1], *_window(node)[:2], bool(node.attrs.get("relu")),
+        _window(node)[2], layout_of(node.op, node.attrs)),
+    "maxpool2d_grad": lambda node, ins, outs, ctx: maxpool2d_backward(
+        ctx, ins[0], ins[1], outs[0], *_window(node)[:2],
+        ins[2] if node.attrs.get("relu") else None, _window(node)[2],
+        layout_of(node.op, node.attrs)),
     "avgpool2d": lambda node, ins, outs, ctx: avgpool2d_forward(
-        ctx, ins[0], outs[0], *_geometry(node.attrs)),
+        ctx, ins[0], outs[0], *_window(node), **_avg(node)),
     "avgpool2d_grad": lambda node, ins, outs, ctx: avgpool2d_backward(
-        ctx, ins[0], outs[0], *_geometry(node.attrs)),
+        ctx, ins[0], outs[0], *_window(node), **_avg(node)),
 }

@@ -1,10 +1,22 @@
-"""The reference backend: NumPy arrays on the CPU, one function per op (kernels.py)."""
+"""The reference backend: NumPy arrays on the CPU, one function per op (kernels.py).
+
+bfloat16 values (precision="bf16") live as their raw bits in uint16 arrays (bf16.py), exactly
+as on the GPU: two bytes an element in the planner's arena. `run_node` hands every kernel
+float32 arrays instead: a bf16 input widened exactly, a bf16 output as a float32 scratch that
+is rounded to nearest even when the node finishes, and so is a bf16 input the node writes in
+place. A bf16 value is thus rounded exactly once, by the node that writes it, after that node
+computed everything in float32: what a CUDA kernel does (load bf16, compute in float32
+registers, round on store), cuBLASLt's bf16 GEMMs included (float32 accumulation, epilogue
+in float32, one rounding of D).
+"""
 from __future__ import annotations
 
 import numpy as np
 
 from ...errors import ShapeError
+from ...ir.graph import storage_dtype
 from ..base import Backend
+from . import bf16
 from .kernels import IMPLS
 
 
@@ -16,10 +28,11 @@ class NumpyBackend(Backend):
         self.impls = IMPLS
 
     def empty(self, shape, dtype):
-        return np.empty(shape, dtype=dtype)
+        return np.empty(shape, dtype=storage_dtype(dtype))
 
     def to_numpy(self, array) -> np.ndarray:
-        return np.array(array, copy=True)
+        """A copy; bf16 bits come back as their float32 values."""
+        return bf16.from_bits(array) if bf16.is_bf16(array) else np.array(array, copy=True)
 
     def copy_into(self, dst, src) -> None:
         if not isinstance(src, np.ndarray):
@@ -28,13 +41,15 @@ class NumpyBackend(Backend):
                 raise ShapeError(f"cannot copy an array on DLPack device {tuple(device())} "
                                  "into host memory: this step runs on the CPU")
             src = np.from_dlpack(src) if device is not None else np.asarray(src)
+        if bf16.is_bf16(dst) and src.dtype.kind == "f" and src.shape == dst.shape:
+            src = bf16.to_bits(src)             # float values into a bf16 buffer: rounded
         if src.shape != dst.shape or src.dtype != dst.dtype:
             raise ShapeError(f"cannot copy {src.dtype}{list(src.shape)} into "
                              f"{dst.dtype}{list(dst.shape)}")
         np.copyto(dst, src)
 
     def view(self, arena, offset, shape, dtype):
-        return np.ndarray(shape, dtype=dtype, buffer=arena, offset=offset)
+        return np.ndarray(shape, dtype=storage_dtype(dtype), buffer=arena, offset=offset)
 
     def host_mirror(self, array):
         return array
@@ -43,7 +58,20 @@ class NumpyBackend(Backend):
         return isinstance(array, np.ndarray)
 
     def copy_result(self, buffer):
-        return buffer.copy()
+        return self.to_numpy(buffer)
+
+    def run_node(self, node, ins, outs, ctx=None) -> None:
+        if not any(map(bf16.is_bf16, ins)) and not any(map(bf16.is_bf16, outs)):
+            return super().run_node(node, ins, outs, ctx)
+        wide_ins = [bf16.from_bits(a) if bf16.is_bf16(a) else a for a in ins]
+        wide_outs = [np.empty(a.shape, np.float32) if bf16.is_bf16(a) else a for a in outs]
+        super().run_node(node, wide_ins, wide_outs, ctx)
+        for a, wide in zip(outs, wide_outs):
+            if bf16.is_bf16(a):
+                a[...] = bf16.to_bits(wide)
+        for i in node.mutates:
+            if bf16.is_bf16(ins[i]):
+                ins[i][...] = bf16.to_bits(wide_ins[i])
 
     def synchronize(self) -> None:
         pass

@@ -6,7 +6,9 @@ corrections, schedules) are computed here in float64 and cast once.
 """
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import replace
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -139,6 +141,31 @@ def fill(node: Node, ins, outs, ctx):
 
 # ---- convolution and pooling ---------------------------------------------------------------
 
+SHAPE_ATTRS = ("input_shape", "weight_shape")    # the image ops' stored-shape attrs
+
+
+def channels_last_capable(reference):
+    """`reference`, an NCHW image op's reference, also running nodes with attrs layout "NHWC"
+    (ir/ops.py LAYOUTS): every array of rank >= 3 is viewed with its last axis (channels)
+    moved to axis 1, as are the shape attrs; the NCHW reference then reads and writes
+    through those views."""
+    @functools.wraps(reference)
+    def run(node: Node, ins, outs, ctx):
+        if node.attrs.get("layout", "NCHW") == "NCHW":
+            return reference(node, ins, outs, ctx)
+        attrs = {k: _channels_first(v) if k in SHAPE_ATTRS else v
+                 for k, v in node.attrs.items() if k != "layout"}
+        view = lambda a: np.moveaxis(a, -1, 1) if a.ndim >= 3 else a     # noqa: E731
+        return reference(replace(node, attrs=attrs), [view(a) for a in ins],
+                         [view(a) for a in outs], ctx)
+    return run
+
+
+def _channels_first(shape) -> tuple[int, ...]:
+    shape = tuple(shape)
+    return shape[:1] + shape[-1:] + shape[1:-1]
+
+
 def _pad(x: np.ndarray, ph: int, pw: int) -> np.ndarray:
     return np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw))) if ph or pw else x
 
@@ -162,6 +189,7 @@ def _split_groups(a: np.ndarray, groups: int, axis: int) -> np.ndarray:
 
 
 @impl("conv2d")
+@channels_last_capable
 def conv2d(node: Node, ins, outs, ctx):
     x, w = ins[0], ins[1]
     groups = conv_geometry(node.attrs)[3]
@@ -174,6 +202,7 @@ def conv2d(node: Node, ins, outs, ctx):
 
 
 @impl("conv2d_grad_weight")
+@channels_last_capable
 def conv2d_grad_weight(node: Node, ins, outs, ctx):
     dy, x = ins
     groups = conv_geometry(node.attrs)[3]
@@ -186,6 +215,7 @@ def conv2d_grad_weight(node: Node, ins, outs, ctx):
 
 
 @impl("conv2d_grad_input")
+@channels_last_capable
 def conv2d_grad_input(node: Node, ins, outs, ctx):
     dy, w = ins
     (sh, sw), (ph, pw), (dh, dw), groups = conv_geometry(node.attrs)
@@ -203,6 +233,7 @@ def conv2d_grad_input(node: Node, ins, outs, ctx):
 
 
 @impl("maxpool2d")
+@channels_last_capable
 def maxpool2d(node: Node, ins, outs, ctx):
     x = ins[0]
     (kh, kw), (sh, sw) = node.attrs["kernel"], node.attrs["stride"]
@@ -222,6 +253,7 @@ def maxpool2d(node: Node, ins, outs, ctx):
 
 
 @impl("maxpool2d_grad")
+@channels_last_capable
 def maxpool2d_grad(node: Node, ins, outs, ctx):
     dy, idx = ins[:2]
     if node.attrs.get("relu"):                  # ReLU's gradient, from the pooled output
@@ -434,6 +466,19 @@ def _update_groups(node: Node, ins):
     return lr, step, coef, params, grads, slots
 
 
+def _write_weight_copies(node: Node, ins) -> None:
+    """The bf16 weight copies of an update (attrs copies, copy_dims): copy j =
+    params[copies[j]] transposed by copy_dims[j] (None: as is) in the copy's shape, rounded
+    to bf16 by the backend, which holds the copies as bf16 (NumpyBackend.run_node)."""
+    a = node.attrs
+    n, k = a["n_params"], a["n_scalars"]
+    first = k + (2 + a["n_slots"]) * n
+    indices = a.get("copies", ())
+    for j, (i, dims) in enumerate(zip(indices, a.get("copy_dims") or (None,) * len(indices))):
+        p, copy = ins[k + i], ins[first + j]
+        copy[...] = (p if dims is None else p.transpose(dims)).reshape(copy.shape)
+
+
 def _per_param(attrs: dict, key: str, i: int, default=None):
     """attrs[key], or its entry for parameter i when parameter groups made it a tuple."""
     v = attrs.get(key, default)
@@ -461,6 +506,7 @@ def sgd_update(node: Node, ins, outs, ctx):
                 buf += t(1 - a["dampening"]) * d
             d = d + t(a["momentum"]) * buf if a["nesterov"] else buf
         p -= t(lr_i) * d
+    _write_weight_copies(node, ins)
 
 
 @impl("adam_update")
@@ -485,3 +531,4 @@ def adam_update(node: Node, ins, outs, ctx):
         v += t(1 - b2) * d * d
         denom = np.sqrt(v) / t(bc2_sqrt) + t(a["eps"])
         p -= t(step_size) * (m / denom)
+    _write_weight_copies(node, ins)

@@ -1,11 +1,16 @@
 """stepgraph itself, eager (the plan run op by op) and graph (one CUDA Graph replay per step),
 through the public API of DESIGN.md only: stepgraph.models / losses / optim and
 `sg.compile_train_step`. Inputs are CuPy arrays already on the GPU (NumPy on the CPU backend).
+
+The step compiles with its defaults (memory_format "auto": channels-last convolutions at tf32)
+and deterministic kernels; STEPGRAPH_DETERMINISTIC=0 in the environment lets the autotuner pick
+cuDNN's nondeterministic plans too (what the peers run), noted in the run's notes.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 from stepgraph.bench.peers import KernelCensus, MemoryReading, PreparedStep, RunSpec, Unsupported
 from stepgraph.bench.workloads import (
@@ -20,7 +25,8 @@ from stepgraph.bench.workloads import (
     named_parameters,
 )
 
-# Ops that only move data between layouts (the plan is NCHW throughout).
+# Ops that only move data between layouts: with channels-last convolutions (compile/layout.py),
+# the input's conversion and the conv weights' permutes to (O, kh, kw, C) and back.
 LAYOUT_OPS = ("permute", "transpose")
 
 
@@ -164,10 +170,12 @@ def _prepare(spec: RunSpec, graph: bool) -> PreparedStep:
     model = build_model(spec.workload)
     init_note = _load_shared_parameters(model, spec.parameters)
     batches = [(xp.asarray(b.x), xp.asarray(b.y)) for b in spec.batches]
+    deterministic = os.environ.get("STEPGRAPH_DETERMINISTIC", "1") != "0"
     step = sg.compile_train_step(model, loss=build_loss(spec.workload),
                                  optimizer=build_optimizer(spec.workload.optimizer, model),
                                  example_inputs=batches[0], device=spec.device, graph=graph,
-                                 seed=spec.seed, precision=spec.precision)
+                                 seed=spec.seed, precision=spec.precision,
+                                 deterministic=deterministic)
 
     def run_step(i: int):
         return step(*batches[i])
@@ -179,8 +187,13 @@ def _prepare(spec: RunSpec, graph: bool) -> PreparedStep:
         batches.clear()
         _release(spec.device)
 
+    nhwc = any(node.attrs.get("layout") == "NHWC"
+               for node, _, _ in step.executable(step.signature).calls)
+    notes = [f"graph={graph}", f"layout={'NHWC' if nhwc else 'NCHW'}", init_note]
+    if not deterministic:
+        notes.append("deterministic=False")
     return PreparedStep(run_step, _synchronizer(spec.device), lambda loss: float(loss), memory,
-                        close, [f"graph={graph}", init_note], census)
+                        close, notes, census)
 
 
 def _plan_census(step) -> KernelCensus:

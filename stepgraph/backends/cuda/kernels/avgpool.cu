@@ -1,9 +1,10 @@
-// Average pooling over NCHW planes (PyTorch avg_pool2d, floor mode, zero padding (ph, pw) of at
-// most half the window): y = window sum / divisor, divisor = kh * kw with count_include_pad,
-// else the number of real (unpadded) elements in the window. Floor mode keeps every window
-// inside the padded plane, so kh * kw is PyTorch's divisor too. The backward gathers, one
-// thread per input element (dy / divisor over the windows holding it, row-major window
-// order): no atomics, a fixed order. Launchers keep sizes < 2^31. Shapes and windows: pool.cuh.
+// Average pooling (PyTorch avg_pool2d, floor mode, zero padding (ph, pw) of at most half the
+// window): y = window sum / divisor, divisor = kh * kw with count_include_pad, else the number
+// of real (unpadded) elements in the window. Floor mode keeps every window inside the padded
+// plane, so kh * kw is PyTorch's divisor too. The backward gathers, one thread per input
+// element (dy / divisor over the windows holding it, row-major window order): no atomics, a
+// fixed order. NCHW kernels and channels-last (_nhwc_, with C) ones: the same code (pool.cuh
+// layouts). Launchers keep sizes < 2^31. Shapes and windows: pool.cuh.
 #include "pool.cuh"
 #include "reduce.cuh"
 
@@ -13,28 +14,41 @@ __device__ __forceinline__ int window_divisor(const PoolShape& s, const Window& 
     return count_include_pad ? s.kh * s.kw : (win.h1 - win.h0) * (win.w1 - win.w0);
 }
 
-// A thread per output: the window summed in row-major order.
-extern "C" __global__ void avgpool2d_forward_kernel(const float* x, float* y,
-                                                    int count_include_pad, POOL_SHAPE_ARGS) {
-    const PoolShape s = POOL_SHAPE_INIT;
-    const long long total = (long long)planes * Ho * Wo;
+// A thread per output: the window summed in row-major order. Channels-last outputs of
+// consecutive threads are consecutive channels: their loads coalesce, also for global pooling.
+template <bool NHWC>
+__device__ __forceinline__ void avgpool2d_forward(const float* x, float* y,
+                                                  int count_include_pad, int C,
+                                                  const PoolShape& s) {
+    const long long total = (long long)s.planes * s.Ho * s.Wo;
     for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total;
          g += (long long)gridDim.x * blockDim.x) {
-        const int o = (int)g;
-        const int wo = o % Wo, t = o / Wo;
-        const int ho = t % Ho, p = t / Ho;
-        const float* plane = x + (long long)p * H * W;
+        int p, ho, wo;
+        element_of<NHWC>(g, s.Ho, s.Wo, C, p, ho, wo);
+        const PlaneAt plane = plane_at<NHWC>(p, s.H, s.W, C);
         const Window win = clipped_window(s, ho, wo);
         float acc = 0.f;
         for (int h = win.h0; h < win.h1; ++h)
-            for (int w = win.w0; w < win.w1; ++w) acc += plane[h * W + w];
-        y[o] = acc / (float)window_divisor(s, win, count_include_pad);
+            for (int w = win.w0; w < win.w1; ++w)
+                acc += x[plane.base + (long long)(h * s.W + w) * plane.step];
+        y[g] = acc / (float)window_divisor(s, win, count_include_pad);
     }
 }
 
-// A warp per output, for large windows (global average pooling: one 7x7 or 8x8 window per
-// plane): the lanes read the window's rows together (coalesced) instead of one thread
-// walking it, and combine their float sums with a fixed butterfly.
+extern "C" __global__ void avgpool2d_forward_kernel(const float* x, float* y,
+                                                    int count_include_pad, POOL_SHAPE_ARGS) {
+    avgpool2d_forward<false>(x, y, count_include_pad, 1, POOL_SHAPE_INIT);
+}
+
+extern "C" __global__ void avgpool2d_forward_nhwc_kernel(const float* x, float* y,
+                                                         int count_include_pad, int C,
+                                                         POOL_SHAPE_ARGS) {
+    avgpool2d_forward<true>(x, y, count_include_pad, C, POOL_SHAPE_INIT);
+}
+
+// A warp per output, for large windows over NCHW planes (global average pooling: one 7x7 or
+// 8x8 window per plane): the lanes read the window's rows together (coalesced) instead of one
+// thread walking it, and combine their float sums with a fixed butterfly.
 extern "C" __global__ void avgpool2d_forward_warp_kernel(const float* x, float* y,
                                                          int count_include_pad,
                                                          POOL_SHAPE_ARGS) {
@@ -61,25 +75,37 @@ extern "C" __global__ void avgpool2d_forward_warp_kernel(const float* x, float* 
 }
 
 // dx[p, h, w] = sum of dy[o] / divisor(o) over the windows o holding (h, w), row-major.
-extern "C" __global__ void avgpool2d_backward_kernel(const float* dy, float* dx,
-                                                     int count_include_pad, POOL_SHAPE_ARGS) {
-    const PoolShape s = POOL_SHAPE_INIT;
-    const long long total = (long long)planes * H * W;
+template <bool NHWC>
+__device__ __forceinline__ void avgpool2d_backward(const float* dy, float* dx,
+                                                   int count_include_pad, int C,
+                                                   const PoolShape& s) {
+    const long long total = (long long)s.planes * s.H * s.W;
     for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total;
          g += (long long)gridDim.x * blockDim.x) {
-        const int i = (int)g;
-        const int w = i % W, t = i / W;
-        const int h = t % H, p = t / H;
+        int p, h, w;
+        element_of<NHWC>(g, s.H, s.W, C, p, h, w);
         const WindowSpan span = windows_holding(s, h, w);
-        const float* dyp = dy + (long long)p * Ho * Wo;
+        const PlaneAt plane = plane_at<NHWC>(p, s.Ho, s.Wo, C);
         float acc = 0.f;
         for (int ho = span.ho_lo; ho <= span.ho_hi; ++ho) {
             for (int wo = span.wo_lo; wo <= span.wo_hi; ++wo) {
                 const int divisor = window_divisor(s, clipped_window(s, ho, wo),
                                                    count_include_pad);
-                acc += dyp[ho * Wo + wo] / (float)divisor;
+                acc += dy[plane.base + (long long)(ho * s.Wo + wo) * plane.step] /
+                       (float)divisor;
             }
         }
-        dx[i] = acc;
+        dx[g] = acc;
     }
+}
+
+extern "C" __global__ void avgpool2d_backward_kernel(const float* dy, float* dx,
+                                                     int count_include_pad, POOL_SHAPE_ARGS) {
+    avgpool2d_backward<false>(dy, dx, count_include_pad, 1, POOL_SHAPE_INIT);
+}
+
+extern "C" __global__ void avgpool2d_backward_nhwc_kernel(const float* dy, float* dx,
+                                                          int count_include_pad, int C,
+                                                          POOL_SHAPE_ARGS) {
+    avgpool2d_backward<true>(dy, dx, count_include_pad, C, POOL_SHAPE_INIT);
 }

@@ -1,16 +1,29 @@
 // LayerNorm over the last axis of x viewed as (rows, C): forward (y, mean, rstd) and backward
-// (dx; dweight and dbias through per-slot partial sums and a finalize kernel). Statistics in
-// float32, two passes (mean, then the mean of squared deviations), rstd = 1 / sqrt(var + eps).
-// A row is handled by a group of blockDim.x threads (a multiple of 32), blockDim.y rows per
-// block, rows strided over the grid; row sums combine in a fixed order (reduce.cuh row_sum).
-// Templates <VEC, K>: thread x of a row group owns the column groups x + k * blockDim.x,
-// k < K, of VEC floats (float4 loads when VEC is 4) and keeps them in registers between the
-// passes. Rows wider than K * blockDim.x * VEC columns take the *_loop kernels, which re-read
-// x and dy from global memory (L1/L2) and keep the partial sums in global memory.
-// Determinism: each (block, row lane) is a "slot" that visits rows slot, slot + slots, ...;
-// its dweight/dbias partial sums are its own, and the finalize adds the slots in order, in
-// float64: no atomics anywhere.
+// (dx; dweight and dbias through per-block partial sums and a finalize kernel). Statistics in
+// float32, two passes over registers (the mean, then the mean of squared deviations),
+// rstd = 1 / sqrt(var + eps).
+// Row groups: a row is handled by blockDim.x threads (a multiple of 32: one warp for rows up to
+// 512 floats, so a row's sums are warp shuffles with no barrier), blockDim.y rows a block, rows
+// strided over the grid; sums of a row group of several warps combine in a fixed order
+// (reduce.cuh row_sum). Templates <VEC, K>: thread x of a row group owns the column groups
+// x + k * blockDim.x, k < K, of VEC floats (float4 loads when VEC is 4), keeps them in registers
+// between the passes, and holds its columns of weight and bias in registers for every row.
+// Rows wider than K * blockDim.x * VEC columns take the *_loop kernels, which re-read x and dy
+// from global memory (L1/L2) and keep the partial sums in global memory.
+// Determinism: each block visits a fixed set of rows; the backward sums dy * xhat and dy of its
+// rows per thread in registers, adds its row lanes in order through shared memory into the
+// block's own row of partial_w / partial_b [blocks, C], and the finalize adds the blocks' rows
+// in a fixed order, in float64: no atomics anywhere.
 #include "reduce.cuh"
+
+#define LAYER_NORM_MAX_THREADS 512   // threads of a block (layer_norm.py MAX_THREADS)
+#define LAYER_NORM_BLOCK_ROWS_THREADS 256   // threads of a block of several rows at most
+#define FINALIZE_LANES 8             // slot lanes of a finalize block (layer_norm.py)
+// The backward holds dy, xhat and two sums per float of a thread: below 16 floats a thread
+// (row groups of at most 256 threads, layer_norm.py row_layout) it is asked to fit 3 blocks of
+// 256 threads on an SM (at most 80 registers), which keeps enough loads in flight.
+#define LAYER_NORM_BWD_THREADS(F) ((F) < 16 ? LAYER_NORM_BLOCK_ROWS_THREADS : LAYER_NORM_MAX_THREADS)
+#define LAYER_NORM_BWD_BLOCKS(F) ((F) < 16 ? 3 : 1)
 
 template <int VEC>
 __device__ __forceinline__ void load_vec(const float* p, long long i, float* v) {
@@ -35,13 +48,49 @@ __device__ __forceinline__ float inverse_std(float var, float eps) {
     return __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(var, eps)));
 }
 
+// This thread's columns of a (C,) parameter (zeros where it owns none, or p is null).
+template <int VEC, int K>
+__device__ __forceinline__ void load_columns(const float* p, int groups, float (&v)[K][VEC]) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int g = threadIdx.x + k * blockDim.x;
+        if (p && g < groups) {
+            load_vec<VEC>(p, (long long)g * VEC, v[k]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) v[k][j] = 0.f;
+        }
+    }
+}
+
+// The row group's sums of a and of b in one exchange (row_sum twice costs two): every thread
+// of the block calls it; the result is returned to every thread of the row group.
+__device__ __forceinline__ float2 row_sum2(float a, float b, float2* smem) {
+    a = warp_sum(a);
+    b = warp_sum(b);
+    if (blockDim.x == 32) return make_float2(a, b);
+    const int per_row = blockDim.x >> 5, first = threadIdx.y * per_row;
+    __syncthreads();  // an earlier call may still be reading smem
+    if ((threadIdx.x & 31) == 0) smem[first + (threadIdx.x >> 5)] = make_float2(a, b);
+    __syncthreads();
+    float2 r = smem[first];
+    for (int k = 1; k < per_row; ++k) {
+        r.x += smem[first + k].x;
+        r.y += smem[first + k].y;
+    }
+    return r;
+}
+
 // y = (x - mean) * rstd [* weight] [+ bias]; mean and rstd (rows,) per row.
 template <int VEC, int K>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(LAYER_NORM_MAX_THREADS)
 layer_norm_forward_kernel(const float* x, const float* weight, const float* bias, float* y,
                           float* mean_out, float* rstd_out, int rows, int C, float eps) {
     __shared__ float smem[32];
     const int groups = C / VEC;
+    float w[K][VEC], b[K][VEC];
+    load_columns<VEC, K>(weight, groups, w);
+    load_columns<VEC, K>(bias, groups, b);
     for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
         const long long row = base + threadIdx.y;
         const bool valid = row < rows;
@@ -80,14 +129,11 @@ layer_norm_forward_kernel(const float* x, const float* weight, const float* bias
         for (int k = 0; k < K; ++k) {
             const int g = threadIdx.x + k * blockDim.x;
             if (g >= groups) continue;
-            float w[VEC], b[VEC];
-            if (weight) load_vec<VEC>(weight, (long long)g * VEC, w);
-            if (bias) load_vec<VEC>(bias, (long long)g * VEC, b);
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
                 float t = __fmul_rn(v[k][j], rstd);
-                if (weight) t = __fmul_rn(t, w[j]);
-                if (bias) t = __fadd_rn(t, b[j]);
+                if (weight) t = __fmul_rn(t, w[k][j]);
+                if (bias) t = __fadd_rn(t, b[k][j]);
                 v[k][j] = t;
             }
             store_vec<VEC>(y, r0 + (long long)g * VEC, v[k]);
@@ -95,17 +141,49 @@ layer_norm_forward_kernel(const float* x, const float* weight, const float* bias
     }
 }
 
-// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy [* weight], xhat = (x - mean) *
-// rstd; slot (blockIdx.x * blockDim.y + threadIdx.y) sums dy * xhat and dy over its rows into
-// partial_w / partial_b [slot, C] (either null when not wanted).
+// The block's row of partial [blocks, C]: acc (this thread's columns, summed over the rows of
+// its row lane) added over the block's row lanes in lane order. red holds blockDim.y * C
+// floats (a block of several rows has at most LAYER_NORM_BLOCK_ROWS_THREADS threads). Every
+// thread of the block calls it.
 template <int VEC, int K>
-__global__ void __launch_bounds__(256)
+__device__ __forceinline__ void store_block_partial(const float (&acc)[K][VEC], float* partial,
+                                                    float* red, int groups, int C) {
+    if (!partial) return;
+    float* out = partial + (long long)blockIdx.x * C;
+    if (blockDim.y == 1) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int g = threadIdx.x + k * blockDim.x;
+            if (g < groups) store_vec<VEC>(out, (long long)g * VEC, acc[k]);
+        }
+        return;
+    }
+    __syncthreads();  // an earlier call may still be reading red
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int g = threadIdx.x + k * blockDim.x;
+        if (g < groups) store_vec<VEC>(red, (long long)threadIdx.y * C + g * VEC, acc[k]);
+    }
+    __syncthreads();
+    for (int c = flat_thread(); c < C; c += blockDim.x * blockDim.y) {
+        float s = red[c];
+        for (int r = 1; r < blockDim.y; ++r) s += red[r * C + c];
+        out[c] = s;
+    }
+}
+
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy [* weight], xhat = (x - mean) *
+// rstd; block b sums dy * xhat and dy over its rows into row b of partial_w / partial_b
+// [gridDim.x, C] (either null when not wanted).
+template <int VEC, int K>
+__global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
 layer_norm_backward_kernel(const float* dy, const float* x, const float* weight,
                            const float* mean, const float* rstd, float* dx, float* partial_w,
                            float* partial_b, int rows, int C) {
-    __shared__ float smem[32];
+    __shared__ float2 sums[32];
+    __shared__ __align__(16) float red[LAYER_NORM_BLOCK_ROWS_THREADS * K * VEC];
     const int groups = C / VEC;
-    float acc_w[K][VEC], acc_b[K][VEC];
+    float acc_w[K][VEC], acc_b[K][VEC];   // weight is re-read from L1: registers kept for sums
 #pragma unroll
     for (int k = 0; k < K; ++k)
 #pragma unroll
@@ -115,51 +193,46 @@ layer_norm_backward_kernel(const float* dy, const float* x, const float* weight,
         const bool valid = row < rows;
         const long long r0 = row * C;
         const float m = valid ? mean[row] : 0.f, r = valid ? rstd[row] : 0.f;
-        float d[K][VEC], h[K][VEC];   // dy, then xhat
+        float d[K][VEC], h[K][VEC];   // dy, then g; x, then xhat
         float sg = 0.f, sgh = 0.f;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             const int g = threadIdx.x + k * blockDim.x;
             if (!valid || g >= groups) continue;
-            float w[VEC];
             load_vec<VEC>(dy, r0 + (long long)g * VEC, d[k]);
             load_vec<VEC>(x, r0 + (long long)g * VEC, h[k]);
+        }
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int g = threadIdx.x + k * blockDim.x;
+            if (!valid || g >= groups) continue;
+            float w[VEC];
             if (weight) load_vec<VEC>(weight, (long long)g * VEC, w);
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
                 h[k][j] = __fmul_rn(__fsub_rn(h[k][j], m), r);
-                const float gj = weight ? __fmul_rn(d[k][j], w[j]) : d[k][j];
-                sg += gj;
-                sgh = __fmaf_rn(gj, h[k][j], sgh);
                 acc_w[k][j] = __fmaf_rn(d[k][j], h[k][j], acc_w[k][j]);
                 acc_b[k][j] += d[k][j];
+                if (weight) d[k][j] = __fmul_rn(d[k][j], w[j]);
+                sg += d[k][j];
+                sgh = __fmaf_rn(d[k][j], h[k][j], sgh);
             }
         }
-        const float mg = __fdiv_rn(row_sum(sg, smem), (float)C);
-        const float mgh = __fdiv_rn(row_sum(sgh, smem), (float)C);
+        const float2 t = row_sum2(sg, sgh, sums);
+        const float mg = __fdiv_rn(t.x, (float)C), mgh = __fdiv_rn(t.y, (float)C);
         if (!valid) continue;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             const int g = threadIdx.x + k * blockDim.x;
             if (g >= groups) continue;
-            float w[VEC];
-            if (weight) load_vec<VEC>(weight, (long long)g * VEC, w);
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                const float gj = weight ? __fmul_rn(d[k][j], w[j]) : d[k][j];
-                d[k][j] = __fmul_rn(r, __fsub_rn(__fsub_rn(gj, mg), __fmul_rn(h[k][j], mgh)));
-            }
+            for (int j = 0; j < VEC; ++j)
+                d[k][j] = __fmul_rn(r, __fsub_rn(__fsub_rn(d[k][j], mg), __fmul_rn(h[k][j], mgh)));
             store_vec<VEC>(dx, r0 + (long long)g * VEC, d[k]);
         }
     }
-    const long long slot = (long long)blockIdx.x * blockDim.y + threadIdx.y;
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-        const int g = threadIdx.x + k * blockDim.x;
-        if (g >= groups) continue;
-        if (partial_w) store_vec<VEC>(partial_w, slot * C + (long long)g * VEC, acc_w[k]);
-        if (partial_b) store_vec<VEC>(partial_b, slot * C + (long long)g * VEC, acc_b[k]);
-    }
+    store_block_partial<VEC, K>(acc_w, partial_w, red, groups, C);
+    store_block_partial<VEC, K>(acc_b, partial_b, red, groups, C);
 }
 
 // The forward for rows of any width: x re-read from global memory for each pass.
@@ -193,16 +266,16 @@ layer_norm_forward_loop_kernel(const float* x, const float* weight, const float*
     }
 }
 
-// The backward for rows of any width: the slot's partial sums accumulate in place in
-// partial_w / partial_b (each element read and written by one thread only).
+// The backward for rows of any width, one row a block (blockDim.y == 1): the block's partial
+// sums accumulate in place in its row of partial_w / partial_b (each element read and written
+// by one thread only).
 extern "C" __global__ void __launch_bounds__(1024)
 layer_norm_backward_loop_kernel(const float* dy, const float* x, const float* weight,
                                 const float* mean, const float* rstd, float* dx,
                                 float* partial_w, float* partial_b, int rows, int C) {
-    __shared__ float smem[32];
-    const long long slot = (long long)blockIdx.x * blockDim.y + threadIdx.y;
-    float* pw = partial_w ? partial_w + slot * C : nullptr;
-    float* pb = partial_b ? partial_b + slot * C : nullptr;
+    __shared__ float2 sums[32];
+    float* pw = partial_w ? partial_w + (long long)blockIdx.x * C : nullptr;
+    float* pb = partial_b ? partial_b + (long long)blockIdx.x * C : nullptr;
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
         if (pw) pw[c] = 0.f;
         if (pb) pb[c] = 0.f;
@@ -221,8 +294,8 @@ layer_norm_backward_loop_kernel(const float* dy, const float* x, const float* we
             if (pw) pw[c] = __fmaf_rn(d, h, pw[c]);
             if (pb) pb[c] += d;
         }
-        const float mg = __fdiv_rn(row_sum(sg, smem), (float)C);
-        const float mgh = __fdiv_rn(row_sum(sgh, smem), (float)C);
+        const float2 t = row_sum2(sg, sgh, sums);
+        const float mg = __fdiv_rn(t.x, (float)C), mgh = __fdiv_rn(t.y, (float)C);
         for (int c = threadIdx.x; c < cols; c += blockDim.x) {
             const float h = __fmul_rn(__fsub_rn(x[r0 + c], m), r), d = dy[r0 + c];
             const float g = weight ? __fmul_rn(d, weight[c]) : d;
@@ -231,21 +304,30 @@ layer_norm_backward_loop_kernel(const float* dy, const float* x, const float* we
     }
 }
 
-// Column c of partial [slots, C] summed over the slots, in slot order, in float64.
-__device__ __forceinline__ float slot_sum(const float* partial, int slots, int C, int c) {
+// dweight[c] = the sum over slots of partial_w[slot, c] (dbias from partial_b alike), in
+// float64 and a fixed order: lane l of FINALIZE_LANES adds slots l, l + lanes, ... in turn,
+// then the lanes are added in order. Blocks of (32 columns, FINALIZE_LANES); blockIdx.y picks
+// the table: dweight first when it is wanted, then dbias.
+extern "C" __global__ void __launch_bounds__(32 * FINALIZE_LANES)
+layer_norm_grad_finalize_kernel(const float* partial_w, const float* partial_b, float* dweight,
+                                float* dbias, int slots, int C) {
+    __shared__ double lanes[FINALIZE_LANES][32];
+    const bool first = partial_w && blockIdx.y == 0;
+    const float* partial = first ? partial_w : partial_b;
+    float* out = first ? dweight : dbias;
+    const int c = blockIdx.x * 32 + threadIdx.x;
     double s = 0.0;
-    for (int k = 0; k < slots; ++k) s += (double)partial[(long long)k * C + c];
-    return (float)s;
-}
-
-// dweight[c] = sum over slots of partial_w[slot, c] (dbias alike); either output may be null.
-extern "C" __global__ void layer_norm_grad_finalize_kernel(const float* partial_w,
-                                                           const float* partial_b,
-                                                           float* dweight, float* dbias,
-                                                           int slots, int C) {
-    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < C; c += gridDim.x * blockDim.x) {
-        if (dweight) dweight[c] = slot_sum(partial_w, slots, C, c);
-        if (dbias) dbias[c] = slot_sum(partial_b, slots, C, c);
+    if (c < C) {
+#pragma unroll 4
+        for (int k = threadIdx.y; k < slots; k += FINALIZE_LANES)
+            s += (double)partial[(long long)k * C + c];
+    }
+    lanes[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < C) {
+        double t = lanes[0][threadIdx.x];
+        for (int l = 1; l < FINALIZE_LANES; ++l) t += lanes[l][threadIdx.x];
+        out[c] = (float)t;
     }
 }
 
@@ -256,12 +338,17 @@ extern "C" __global__ void layer_norm_grad_finalize_kernel(const float* partial_
         const float*, const float*, const float*, const float*, const float*, float*, float*, \
         float*, int, int);
 
-// Explicit instantiations: compiled by the NVRTC CI test without name_expressions.
-LAYER_NORM_INSTANTIATIONS(1, 1)
-LAYER_NORM_INSTANTIATIONS(1, 2)
-LAYER_NORM_INSTANTIATIONS(1, 4)
-LAYER_NORM_INSTANTIATIONS(1, 8)
+// Explicit instantiations (layer_norm.py KS): compiled by the NVRTC CI test without
+// name_expressions.
 LAYER_NORM_INSTANTIATIONS(4, 1)
 LAYER_NORM_INSTANTIATIONS(4, 2)
+LAYER_NORM_INSTANTIATIONS(4, 3)
 LAYER_NORM_INSTANTIATIONS(4, 4)
-LAYER_NORM_INSTANTIATIONS(4, 8)
+LAYER_NORM_INSTANTIATIONS(1, 1)
+LAYER_NORM_INSTANTIATIONS(1, 2)
+LAYER_NORM_INSTANTIATIONS(1, 3)
+LAYER_NORM_INSTANTIATIONS(1, 4)
+LAYER_NORM_INSTANTIATIONS(1, 6)
+LAYER_NORM_INSTANTIATIONS(1, 8)
+LAYER_NORM_INSTANTIATIONS(1, 12)
+LAYER_NORM_INSTANTIATIONS(1, 16)

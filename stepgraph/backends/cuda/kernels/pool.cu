@@ -1,32 +1,31 @@
-// Max pooling over NCHW planes (floor mode, implicit -inf padding (ph, pw) of at most half the
-// window, so every window holds a real element): the forward writes the max and the
-// plane-local index h * W + w of the FIRST maximum in row-major window order (numpy argmax,
-// PyTorch) among the window's real elements; the backward gathers, one thread per input
-// element, so overlapping windows (stride < kernel) need no atomics and sum in a fixed order.
-// Launchers keep sizes < 2^31.
+// Max pooling (floor mode, implicit -inf padding (ph, pw) of at most half the window, so every
+// window holds a real element): the forward writes the max and the plane-local index h * W + w
+// of the FIRST maximum in row-major window order (numpy argmax, PyTorch) among the window's
+// real elements; the backward gathers, one thread per input element, so overlapping windows
+// (stride < kernel) need no atomics and sum in a fixed order. Launchers keep sizes < 2^31.
+// NCHW kernels and channels-last (_nhwc_, with C) ones: the same code (pool.cuh layouts).
 
 // With relu (the ReLU after the pool, fused) the forward stores relu(max) and the backward
 // adds only where that output is > 0. Shapes and windows: pool.cuh.
 #include "pool.cuh"
 
-extern "C" __global__ void maxpool2d_forward_kernel(const float* x, float* y, int* idx, int relu,
-                                                    POOL_SHAPE_ARGS) {
-    const PoolShape s = POOL_SHAPE_INIT;
-    const long long total = (long long)planes * Ho * Wo;
+template <bool NHWC>
+__device__ __forceinline__ void maxpool2d_forward(const float* x, float* y, int* idx, int relu,
+                                                  int C, const PoolShape& s) {
+    const long long total = (long long)s.planes * s.Ho * s.Wo;
     for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total;
          g += (long long)gridDim.x * blockDim.x) {
-        const int o = (int)g;
-        const int wo = o % Wo, t = o / Wo;
-        const int ho = t % Ho, p = t / Ho;
-        const float* plane = x + (long long)p * H * W;
+        int p, ho, wo;
+        element_of<NHWC>(g, s.Ho, s.Wo, C, p, ho, wo);
+        const PlaneAt plane = plane_at<NHWC>(p, s.H, s.W, C);
         // The window clipped to the plane: padding is -inf, never a maximum over real values.
         const Window win = clipped_window(s, ho, wo);
-        int best_at = win.h0 * W + win.w0;
-        float best = plane[best_at];
+        int best_at = win.h0 * s.W + win.w0;
+        float best = x[plane.base + (long long)best_at * plane.step];
         for (int h = win.h0; h < win.h1; ++h) {
             for (int w = win.w0; w < win.w1; ++w) {
-                const int at = h * W + w;
-                const float v = plane[at];
+                const int at = h * s.W + w;
+                const float v = x[plane.base + (long long)at * plane.step];
                 // Strictly greater keeps the first maximum; the first NaN wins, as argmax.
                 if (v > best || (v != v && best == best)) {
                     best = v;
@@ -34,40 +33,61 @@ extern "C" __global__ void maxpool2d_forward_kernel(const float* x, float* y, in
                 }
             }
         }
-        y[o] = relu && !(best > 0.f || best != best) ? 0.f : best;   // NaN passes, as np.maximum
-        idx[o] = best_at;
+        y[g] = relu && !(best > 0.f || best != best) ? 0.f : best;   // NaN passes, as np.maximum
+        idx[g] = best_at;
     }
+}
+
+extern "C" __global__ void maxpool2d_forward_kernel(const float* x, float* y, int* idx, int relu,
+                                                    POOL_SHAPE_ARGS) {
+    maxpool2d_forward<false>(x, y, idx, relu, 1, POOL_SHAPE_INIT);
+}
+
+extern "C" __global__ void maxpool2d_forward_nhwc_kernel(const float* x, float* y, int* idx,
+                                                         int relu, int C, POOL_SHAPE_ARGS) {
+    maxpool2d_forward<true>(x, y, idx, relu, C, POOL_SHAPE_INIT);
 }
 
 // dx[p, h, w] = sum of dy over the windows containing (h, w) whose argmax is (h, w), taken in
 // row-major window order: the order in which the numpy reference's np.add.at accumulates.
-extern "C" __global__ void maxpool2d_backward_kernel(const float* dy, const int* idx,
-                                                     const float* y, float* dx,
-                                                     POOL_SHAPE_ARGS) {
-    const PoolShape s = POOL_SHAPE_INIT;
-    const long long total = (long long)planes * H * W;
+template <bool NHWC>
+__device__ __forceinline__ void maxpool2d_backward(const float* dy, const int* idx,
+                                                   const float* y, float* dx, int C,
+                                                   const PoolShape& s) {
+    const long long total = (long long)s.planes * s.H * s.W;
     for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total;
          g += (long long)gridDim.x * blockDim.x) {
-        const int i = (int)g;
-        const int w = i % W, t = i / W;
-        const int h = t % H, p = t / H;
+        int p, h, w;
+        element_of<NHWC>(g, s.H, s.W, C, p, h, w);
         const WindowSpan span = windows_holding(s, h, w);
-        const int here = h * W + w;
-        const long long base = (long long)p * Ho * Wo;
+        const int here = h * s.W + w;
+        const PlaneAt plane = plane_at<NHWC>(p, s.Ho, s.Wo, C);
         float acc = 0.f;
         for (int ho = span.ho_lo; ho <= span.ho_hi; ++ho) {
             for (int wo = span.wo_lo; wo <= span.wo_hi; ++wo) {
-                const long long o = base + (long long)ho * Wo + wo;
+                const long long o = plane.base + (long long)(ho * s.Wo + wo) * plane.step;
                 // Three independent loads, issued together (a short-circuit test would wait
                 // for idx before loading y, then for y before loading dy).
                 const int at = idx[o];
-                const float g = dy[o];
+                const float grad = dy[o];
                 const bool open = y == nullptr || y[o] > 0.f;
-                if (at == here && open) acc += g;
+                if (at == here && open) acc += grad;
             }
         }
-        dx[i] = acc;
+        dx[g] = acc;
     }
+}
+
+extern "C" __global__ void maxpool2d_backward_kernel(const float* dy, const int* idx,
+                                                     const float* y, float* dx,
+                                                     POOL_SHAPE_ARGS) {
+    maxpool2d_backward<false>(dy, idx, y, dx, 1, POOL_SHAPE_INIT);
+}
+
+extern "C" __global__ void maxpool2d_backward_nhwc_kernel(const float* dy, const int* idx,
+                                                          const float* y, float* dx, int C,
+                                                          POOL_SHAPE_ARGS) {
+    maxpool2d_backward<true>(dy, idx, y, dx, C, POOL_SHAPE_INIT);
 }
 
 // The backward when the windows tile the input exactly (stride == kernel, no padding,
@@ -76,24 +96,36 @@ extern "C" __global__ void maxpool2d_backward_kernel(const float* dy, const int*
 // zero elsewhere: a quarter of the threads of the gather above for 2x2 windows, and dy, idx,
 // y read once.
 // 0 + dy as the gather's sum would give (-0 becomes +0, like the reference's np.add.at).
-extern "C" __global__ void maxpool2d_backward_tiling_kernel(const float* dy, const int* idx,
-                                                            const float* y, float* dx,
-                                                            POOL_SHAPE_ARGS) {
-    const long long total = (long long)planes * Ho * Wo;
+template <bool NHWC>
+__device__ __forceinline__ void maxpool2d_backward_tiling(const float* dy, const int* idx,
+                                                          const float* y, float* dx, int C,
+                                                          const PoolShape& s) {
+    const long long total = (long long)s.planes * s.Ho * s.Wo;
     for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total;
          g += (long long)gridDim.x * blockDim.x) {
-        const int o = (int)g;
-        const int wo = o % Wo, t = o / Wo;
-        const int ho = t % Ho, p = t / Ho;
-        const int at = idx[o];
-        const float grad = __fadd_rn(0.f, dy[o]);
-        const bool open = y == nullptr || y[o] > 0.f;
-        float* plane = dx + (long long)p * H * W;
-        for (int i = 0; i < kh; ++i) {
-            for (int j = 0; j < kw; ++j) {
-                const int here = (ho * kh + i) * W + wo * kw + j;
-                plane[here] = open && at == here ? grad : 0.f;
+        int p, ho, wo;
+        element_of<NHWC>(g, s.Ho, s.Wo, C, p, ho, wo);
+        const int at = idx[g];
+        const float grad = __fadd_rn(0.f, dy[g]);
+        const bool open = y == nullptr || y[g] > 0.f;
+        const PlaneAt plane = plane_at<NHWC>(p, s.H, s.W, C);
+        for (int i = 0; i < s.kh; ++i) {
+            for (int j = 0; j < s.kw; ++j) {
+                const int here = (ho * s.kh + i) * s.W + wo * s.kw + j;
+                dx[plane.base + (long long)here * plane.step] = open && at == here ? grad : 0.f;
             }
         }
     }
+}
+
+extern "C" __global__ void maxpool2d_backward_tiling_kernel(const float* dy, const int* idx,
+                                                            const float* y, float* dx,
+                                                            POOL_SHAPE_ARGS) {
+    maxpool2d_backward_tiling<false>(dy, idx, y, dx, 1, POOL_SHAPE_INIT);
+}
+
+extern "C" __global__ void maxpool2d_backward_tiling_nhwc_kernel(const float* dy, const int* idx,
+                                                                 const float* y, float* dx,
+                                                                 int C, POOL_SHAPE_ARGS) {
+    maxpool2d_backward_tiling<true>(dy, idx, y, dx, C, POOL_SHAPE_INIT);
 }

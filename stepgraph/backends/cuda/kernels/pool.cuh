@@ -1,7 +1,10 @@
-// Pooling windows over NCHW planes, shared by pool.cu (max) and avgpool.cu (average).
+// Pooling windows over (N, C) planes, shared by pool.cu (max) and avgpool.cu (average).
 // Shapes: `planes` = N * C planes of (H, W) in, (Ho, Wo) out; window (kh, kw), stride (sh, sw),
 // padding (ph, pw): window (ho, wo) starts at (ho * sh - ph, wo * sw - pw). Floor mode and
 // padding of at most half the window keep a real element in every window.
+// Layouts: NCHW (plane p = n * C + c contiguous) or NHWC (channels-last: element (n, h, w, c)
+// at ((n * H + h) * W + w) * C + c); kernels are templates over NHWC, both walking elements in
+// storage order (consecutive threads, consecutive addresses).
 #pragma once
 
 struct PoolShape {
@@ -34,4 +37,39 @@ __device__ __forceinline__ WindowSpan windows_holding(const PoolShape& s, int h,
     const int hp = h + s.ph, wp = w + s.pw;
     return {hp < s.kh ? 0 : (hp - s.kh) / s.sh + 1, min(hp / s.sh, s.Ho - 1),
             wp < s.kw ? 0 : (wp - s.kw) / s.sw + 1, min(wp / s.sw, s.Wo - 1)};
+}
+
+// Element (r, q) of plane p (= n * C + c) of a (planes, R, Q) tensor: where a plane's pixels
+// are (base + (r * Q + q) * step) in either layout.
+struct PlaneAt {
+    long long base;
+    int step;
+};
+
+template <bool NHWC>
+__device__ __forceinline__ PlaneAt plane_at(int p, int R, int Q, int C) {
+    if (NHWC) {
+        const int n = p / C;
+        return {(long long)n * R * Q * C + (p - n * C), C};
+    }
+    return {(long long)p * R * Q, 1};
+}
+
+// The plane p and (r, q) of the element stored at g in a (planes, R, Q) tensor.
+template <bool NHWC>
+__device__ __forceinline__ void element_of(long long g, int R, int Q, int C, int& p, int& r,
+                                           int& q) {
+    if (NHWC) {
+        const int c = (int)(g % C);
+        const long long t = g / C;
+        q = (int)(t % Q);
+        const long long u = t / Q;
+        r = (int)(u % R);
+        p = (int)(u / R) * C + c;
+    } else {
+        q = (int)(g % Q);
+        const long long t = g / Q;
+        r = (int)(t % R);
+        p = (int)(t / R);
+    }
 }

@@ -1,0 +1,60 @@
+"""Launchers of kernels/cast.cu (cast between float32 and bfloat16) and their cuda op table.
+
+bfloat16 values are uint16 arrays of raw bits (ir/graph.py storage_dtype); the kernel widens
+or rounds (to nearest even) with the bit arithmetic of kernels/bf16.cuh, the NumPy
+reference's rule bit for bit. Four elements a thread where n % 4 == 0 and both pointers are
+16-byte aligned (the arena's 256-byte slots are). Launchers check their preconditions and
+launch on ctx.stream: no host sync, no allocation.
+
+`BF16_OPS` names the ops whose launchers of this module accept bfloat16 operands; the backend
+refuses a bf16 plan holding any other op on bf16 values (compile/autocast.py
+`check_bf16_support`), until its family declares it too.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from ...errors import ShapeError
+from .launchers import BLOCK, _aligned, _check, _grid, _launch
+
+SOURCE = "cast.cu"
+# IR dtype -> (storage dtype, C type of the kernel template)
+CAST_CTYPES = {"float32": ("float32", "float"), "bfloat16": ("uint16", "unsigned short")}
+BF16_OPS = frozenset({"cast"})
+
+
+def kernel_names() -> dict[str, set[str]]:
+    """{.cu file: every kernel name this module may launch} (the NVRTC compile test)."""
+    return {SOURCE: {"cast_forward_kernel<float, unsigned short>",
+                     "cast_forward_kernel<unsigned short, float>"}}
+
+
+def _ctype(what: str, a, dtype: str) -> str:
+    if dtype not in CAST_CTYPES:
+        raise ShapeError(f"{what}: the cuda cast converts float32 <-> bfloat16, got {dtype}")
+    storage, ctype = CAST_CTYPES[dtype]
+    _check(what, a, dtype=storage)
+    return ctype
+
+
+def cast_forward(ctx, x, y, src: str, dst: str) -> None:
+    """y = x converted from IR dtype src to dst (float32 <-> bfloat16), same shape."""
+    if {src, dst} != set(CAST_CTYPES):
+        raise ShapeError(f"cast: the cuda kernel converts float32 <-> bfloat16, got {src} -> "
+                         f"{dst}")
+    s, d = _ctype("cast input", x, src), _ctype("cast output", y, dst)
+    if tuple(x.shape) != tuple(y.shape):
+        raise ShapeError(f"cast: input {tuple(x.shape)} vs output {tuple(y.shape)}")
+    if not y.size:
+        return
+    vec = 4 if y.size % 4 == 0 and _aligned(x, y) else 1
+    _launch(ctx, SOURCE, f"cast_forward_kernel<{s}, {d}>", _grid(y.size // vec), (BLOCK,),
+            (x, y, np.int64(y.size), np.int32(vec)))
+
+
+IMPLS: dict[str, Callable] = {
+    "cast": lambda node, ins, outs, ctx: cast_forward(
+        ctx, ins[0], outs[0], node.inputs[0].dtype, node.attrs["dtype"]),
+}

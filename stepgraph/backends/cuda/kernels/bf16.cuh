@@ -1,0 +1,48 @@
+// bfloat16 held as its raw bits (unsigned short): the storage of IR dtype "bfloat16". Kernels
+// widen to float on load and round to nearest even on store, so a bf16 value is rounded once,
+// by the kernel that writes it. The rule is backends/numpy/bf16.py's, bit for bit (and
+// PyTorch's c10::BFloat16): add 0x7FFF plus the lowest kept bit, keep the upper half; every
+// NaN becomes 0x7FC0. No cuda_bf16.h: the bit arithmetic needs no header and pins the NaN.
+#pragma once
+
+__device__ __forceinline__ unsigned short bf16_from_float(float f) {
+    const unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)0x7fc0u;
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+__device__ __forceinline__ float bf16_to_float(unsigned short b) {
+    return __uint_as_float((unsigned int)b << 16);
+}
+
+// Loads and stores of float or bf16 elements as float, for kernels templated on the type.
+__device__ __forceinline__ float load_as_float(const float* p, long long i) { return p[i]; }
+__device__ __forceinline__ float load_as_float(const unsigned short* p, long long i) {
+    return bf16_to_float(p[i]);
+}
+__device__ __forceinline__ void store_from_float(float* p, long long i, float v) { p[i] = v; }
+__device__ __forceinline__ void store_from_float(unsigned short* p, long long i, float v) {
+    p[i] = bf16_from_float(v);
+}
+
+// Four adjacent elements from p + i as float (i % 4 == 0, p 16-byte aligned): one vector access.
+__device__ __forceinline__ void load4_as_float(const float* p, long long i, float v[4]) {
+    const float4 a = *reinterpret_cast<const float4*>(p + i);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+}
+__device__ __forceinline__ void load4_as_float(const unsigned short* p, long long i,
+                                               float v[4]) {
+    const ushort4 a = *reinterpret_cast<const ushort4*>(p + i);
+    v[0] = bf16_to_float(a.x); v[1] = bf16_to_float(a.y);
+    v[2] = bf16_to_float(a.z); v[3] = bf16_to_float(a.w);
+}
+__device__ __forceinline__ void store4_from_float(float* p, long long i, const float v[4]) {
+    *reinterpret_cast<float4*>(p + i) = make_float4(v[0], v[1], v[2], v[3]);
+}
+__device__ __forceinline__ void store4_from_float(unsigned short* p, long long i,
+                                                  const float v[4]) {
+    *reinterpret_cast<ushort4*>(p + i) = make_ushort4(bf16_from_float(v[0]),
+                                                      bf16_from_float(v[1]),
+                                                      bf16_from_float(v[2]),
+                                                      bf16_from_float(v[3]));
+}

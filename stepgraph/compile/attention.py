@@ -1,0 +1,200 @@
+"""Attention on packed heads: the head split and merge copies around `sdpa` disappear.
+
+A GPT's attention traces as
+    X (..., T, 3C) -> slice thirds -> reshape (..., T, H, D) -> permute -> q, k, v (..., H, T, D)
+    sdpa(q, k, v) -> out -> permute -> reshape -> Y (..., T, C)
+and its backward as
+    G (..., T, C) -> reshape -> permute -> sdpa_grad -> dq, dk, dv -> permute -> reshape
+    -> slice_grad (each a zero-filled (..., T, 3C)) -> add -> add -> dX.
+The sdpa kernels read and write through strides, so this pass rewrites that into
+    sdpa_qkv(X) -> Y, lse        sdpa_qkv_grad(G, X, Y, lse) -> dX
+(attention.py ops: the same arithmetic on the same logical tensors, dropout mask included)
+and every copy, zero fill and sum in between becomes dead code. It rewrites only the whole
+pattern, each intermediate read by nothing else; a forward without a backward (inference)
+is rewritten alone. It must run before pointwise fusion swallows the gradient sums.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir.graph import Graph, Node, Value
+from .rewrite import _copy, _rebuild
+
+
+def _swaps_heads(n: Node | None) -> bool:
+    """A permute exchanging the last-but-one and last-but-two axes."""
+    if n is None or n.op != "permute":
+        return False
+    dims, rank = tuple(n.attrs["dims"]), len(n.attrs["dims"])
+    return rank >= 3 and dims == tuple(range(rank - 3)) + (rank - 2, rank - 3, rank - 1)
+
+
+@dataclass
+class _Site:
+    """One matched attention: the forward and (when there) backward nodes it replaces."""
+
+    sdpa: Node
+    x: Value                   # the packed (..., T, 3C) projection
+    y: Value                   # the (..., T, C) merged output
+    y_producer: Node           # the reshape producing y
+    heads: int
+    grad: Node | None = None
+    g: Value | None = None     # the (..., T, C) gradient of y
+    dx: Value | None = None    # the summed gradient of x
+    dx_producer: Node | None = None
+
+
+class _Matcher:
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.users = graph.consumers()
+        self.producers = graph.producers()
+        self.outputs = set(graph.outputs.values())
+
+    def only_user(self, v: Value, op: str) -> Node | None:
+        """v's single reader when it is an `op` node and v is no graph output."""
+        readers = self.users.get(v, [])
+        if len(readers) != 1 or readers[0].op != op or v in self.outputs:
+            return None
+        return readers[0]
+
+    def split_source(self, v: Value, third: int):
+        """X when v = permute(reshape(slice(X, last axis, third))) heads-first, alone."""
+        perm = self.producers.get(v)
+        if not _swaps_heads(perm) or self.only_user(perm.inputs[0], "permute") is not perm:
+            return None
+        view = self.producers.get(perm.inputs[0])
+        if view is None or view.op != "reshape" or self.only_user(view.inputs[0], "reshape") \
+                is not view:
+            return None
+        cut = self.producers.get(view.inputs[0])
+        if cut is None or cut.op != "slice":
+            return None
+        x = cut.inputs[0]
+        c, rank = view.inputs[0].shape[-1], len(x.shape)
+        if int(cut.attrs["dim"]) % rank != rank - 1 or x.shape[-1] != 3 * c or \
+                (int(cut.attrs["start"]), int(cut.attrs["stop"])) != (third * c, third * c + c) \
+                or view.outputs[0].shape != x.shape[:-1] + perm.outputs[0].shape[-3:-2] + \
+                perm.outputs[0].shape[-1:]:
+            return None
+        return x
+
+    def merge_target(self, v: Value) -> tuple[Value, Node] | None:
+        """(y, its reshape) when v (..., H, T, D) -> permute -> reshape (..., T, H * D) = y."""
+        perm = self.only_user(v, "permute")
+        if not _swaps_heads(perm):
+            return None
+        view = self.only_user(perm.outputs[0], "reshape")
+        want = v.shape[:-3] + (v.shape[-2], v.shape[-3] * v.shape[-1])
+        if view is None or view.outputs[0].shape != want:
+            return None
+        return view.outputs[0], view
+
+    def merge_source(self, v: Value) -> Value | None:
+        """G when v = permute(reshape(G)) splits (..., T, H * D) heads-first, alone."""
+        perm = self.producers.get(v)
+        if not _swaps_heads(perm) or self.only_user(v, "sdpa_grad") is None:
+            return None
+        view = self.producers.get(perm.inputs[0])
+        if view is None or view.op != "reshape" or \
+                self.only_user(perm.inputs[0], "permute") is not perm:
+            return None
+        g = view.inputs[0]
+        return g if g.shape == v.shape[:-3] + (v.shape[-2], v.shape[-3] * v.shape[-1]) \
+            else None
+
+    def gradient_sum(self, grads: list[Value], x: Value) -> tuple[Value, Node] | None:
+        """(dX, its add) when dq, dk, dv each go permute -> reshape -> slice_grad into x's
+        third and the three slice_grads are summed by `add` nodes reading nothing else."""
+        leaves = []
+        for third, v in enumerate(grads):
+            perm = self.only_user(v, "permute")
+            view = self.only_user(perm.outputs[0], "reshape") if _swaps_heads(perm) else None
+            back = self.only_user(view.outputs[0], "slice_grad") if view is not None else None
+            if back is None or tuple(back.attrs["input_shape"]) != x.shape or \
+                    int(back.attrs["dim"]) % len(x.shape) != len(x.shape) - 1 or \
+                    int(back.attrs["start"]) != third * (x.shape[-1] // 3):
+                return None
+            leaves.append(back.outputs[0])
+        covered = {v: 1 << i for i, v in enumerate(leaves)}
+        for n in self.graph.nodes:
+            if n.op == "add" and all(v in covered and self.only_user(v, "add") is n
+                                     for v in n.inputs):
+                covered[n.outputs[0]] = covered[n.inputs[0]] | covered[n.inputs[1]]
+                if covered[n.outputs[0]] == 0b111:
+                    return n.outputs[0], n
+        return None
+
+    def site(self, n: Node) -> _Site | None:
+        q, k, v = n.inputs[:3]
+        x = self.split_source(q, 0)
+        if x is None or self.split_source(k, 1) is not x or self.split_source(v, 2) is not x \
+                or len({q, k, v}) != 3:
+            return None
+        out, lse = n.outputs
+        grads = [u for u in self.users.get(out, []) if u.op == "sdpa_grad"]
+        readers = self.users.get(out, [])
+        if len(grads) > 1 or len(readers) != 1 + len(grads) or out in self.outputs:
+            return None
+        merged = self.merge_target(out) if not grads else self._merge_beside(out, grads[0])
+        if merged is None:
+            return None
+        site = _Site(n, x, merged[0], merged[1], q.shape[-3])
+        if grads:
+            g = grads[0]
+            if g.inputs[1:6] != [q, k, v, out, lse] or g.inputs[6:] != n.inputs[3:] or \
+                    g.attrs != n.attrs:
+                return None
+            dsrc = self.merge_source(g.inputs[0])
+            total = self.gradient_sum(g.outputs, x)
+            if dsrc is None or total is None:
+                return None
+            site.grad, site.g, (site.dx, site.dx_producer) = g, dsrc, total
+        return site
+
+    def _merge_beside(self, out: Value, grad: Node):
+        """merge_target, with out also read by its sdpa_grad."""
+        perms = [u for u in self.users[out] if u is not grad]
+        if len(perms) != 1 or not _swaps_heads(perms[0]):
+            return None
+        view = self.only_user(perms[0].outputs[0], "reshape")
+        want = out.shape[:-3] + (out.shape[-2], out.shape[-3] * out.shape[-1])
+        if view is None or view.outputs[0].shape != want:
+            return None
+        return view.outputs[0], view
+
+
+def pack_attention_heads(graph: Graph) -> Graph:
+    """sdpa (and sdpa_grad) between a packed projection's head split and the heads' merge
+    =>   sdpa_qkv (and sdpa_qkv_grad) reading and writing the packed layouts directly."""
+    graph = _copy(graph)
+    matcher = _Matcher(graph)
+    sites = [s for s in (matcher.site(n) for n in graph.nodes if n.op == "sdpa")
+             if s is not None]
+    if not sites:
+        return graph
+    replace: dict[Node, Node] = {}
+    drop: set[Node] = set()
+    for s in sites:
+        step = s.sdpa.inputs[3:]
+        lse = s.sdpa.outputs[1]
+        replace[s.sdpa] = Node("sdpa_qkv", [s.x] + step, [s.y, lse],
+                               dict(s.sdpa.attrs, heads=s.heads), (), s.sdpa.label)
+        drop.add(s.y_producer)
+        if s.grad is not None:
+            replace[s.grad] = Node("sdpa_qkv_grad", [s.g, s.x, s.y, lse] + step, [s.dx],
+                                   dict(s.grad.attrs, heads=s.heads), (), s.grad.label)
+            drop.add(s.dx_producer)
+    nodes = [replace.get(n, n) for n in graph.nodes if n not in drop]
+    return _rebuild(graph, _live(nodes, set(graph.outputs.values())), {})
+
+
+def _live(nodes: list[Node], outputs: set[Value]) -> list[Node]:
+    """The nodes whose outputs someone reads (or that mutate): the split and merge copies
+    left reading values nothing produces any more go now, before the passes that follow."""
+    live, kept = set(outputs), []
+    for n in reversed(nodes):
+        if n.mutates or any(v in live for v in n.outputs):
+            kept.append(n)
+            live.update(n.inputs)
+    return kept[::-1]

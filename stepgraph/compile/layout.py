@@ -1,0 +1,226 @@
+"""Channels-last execution: a forward graph's image tensors stored NHWC between convolutions.
+
+cuDNN's tensor-core convolutions (tf32, later bf16) run 1.4-5.9x faster on channels-last
+(NHWC) tensors than on NCHW ones (docs/perf-notes.md, conv layout). `to_channels_last`
+rewrites a traced forward graph, before autodiff, so that the backward is the NHWC ops' own
+VJPs:
+
+- the image ops run with attrs layout "NHWC" (ir/ops.py LAYOUTS): conv2d, batch_norm_train,
+  maxpool2d, avgpool2d (adaptive_avg_pool2d is an avgpool2d), whose inputs and outputs are
+  stored (N, H, W, C);
+- a conv weight enters as a permute of its (O, C/groups, kh, kw) parameter to
+  (O, kh, kw, C/groups) (cuDNN's KRSC filter): the parameter, its optimizer state and the
+  state_dict keep PyTorch's layout; the weight's gradient comes back through the permute's
+  VJP, an exact copy;
+- elementwise ops (act, scalar, add, binary) run on the NHWC values as they are; a broadcast
+  operand of a binary is re-laid to match (a channel vector (C, 1, 1) becomes a (1, 1, 1, C)
+  view); reduce_sum runs over the matching axes when its result is the same either way
+  (x.mean((2, 3)));
+- every other op reads NCHW: a value is converted back once, where first needed. A value
+  whose H and W are 1 (global pooling's output) is the same bytes in both layouts: it is
+  converted by a reshape (a view), not a copy.
+
+So the ResNet's step converts its input once (NCHW -> NHWC) and nothing else: the pooled
+features reach flatten and the classifier through a view.
+
+Values stay what their shapes say (row-major, contiguous): a value's NHWC "twin" is a new Value
+of shape (N, H, W, C); the NCHW original keeps its object, and is produced again (by the
+conversion back) only where an NCHW reader needs it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir.graph import Graph, Node, Value
+from ..ir.ops import OPS, TO_NCHW, TO_NHWC, infer_outputs
+
+MEMORY_FORMATS = ("auto", "channels_last", "contiguous")
+# Precisions at which the CUDA backend's convolutions run on tensor cores, where cuDNN's NHWC
+# plans pay (fp32 is NCHW's: its NHWC plans are as fast or far slower).
+TENSOR_CORE_PRECISIONS = ("tf32", "bf16")
+IMAGE_OPS = ("conv2d", "batch_norm_train", "maxpool2d", "avgpool2d")
+ELEMENTWISE_OPS = ("act", "scalar", "add")
+LABEL = "layout"          # the label of the conversions the pass adds (profiles group by it)
+
+
+@dataclass
+class LayoutReport:
+    """What `to_channels_last` did: the conversions it added, and the nodes it moved to
+    NHWC."""
+
+    to_nhwc: int = 0          # activation copies NCHW -> NHWC (permute)
+    to_nchw: int = 0          # activation copies NHWC -> NCHW (permute)
+    weights: int = 0          # conv weights permuted to (O, kh, kw, C/groups) (1x1: views)
+    views: int = 0            # conversions that are reshapes (size-1 axes only): no copy
+    nhwc_nodes: int = 0       # forward nodes that run channels-last
+
+    @property
+    def copies(self) -> int:
+        """Activation conversions that move data (the forward's; autodiff adds one per
+        conversion whose input needs a gradient)."""
+        return self.to_nhwc + self.to_nchw
+
+
+def resolve_memory_format(memory_format: str, device: str, precision: str) -> str:
+    """"channels_last" or "contiguous" for a step's options. "auto" is channels_last on CUDA
+    at a tensor-core precision when cuDNN can run the convolutions (graphs without conv2d are
+    left alone by the pass anyway), else contiguous. An explicit choice is kept: channels-last
+    convolutions that cuDNN cannot run (or all, without it) run NCHW between permutes
+    (backends/cuda/conv.py), correct but slow."""
+    if memory_format not in MEMORY_FORMATS:
+        raise ValueError(f"memory_format must be one of {MEMORY_FORMATS}, got {memory_format!r}")
+    if memory_format != "auto":
+        return memory_format
+    if device != "cuda" or precision not in TENSOR_CORE_PRECISIONS:
+        return "contiguous"
+    from ..backends.cuda import conv_cudnn
+
+    return "channels_last" if conv_cudnn.available() else "contiguous"
+
+
+def to_channels_last(graph: Graph) -> tuple[Graph, LayoutReport]:
+    """The forward `graph` with its image ops channels-last (module docstring), and what was
+    done. A graph without conv2d is returned as it is."""
+    if not any(n.op == "conv2d" for n in graph.nodes):
+        return graph, LayoutReport()
+    rewrite = _Rewrite(graph)
+    for node in graph.nodes:
+        rewrite.visit(node)
+    outputs = {k: rewrite.nchw(v) for k, v in graph.outputs.items()}
+    return Graph(rewrite.nodes, graph.inputs, graph.params, graph.state, outputs), rewrite.report
+
+
+def _is_view(shape: tuple[int, ...], dims: tuple[int, ...]) -> bool:
+    """Whether permuting `shape` by `dims` keeps the elements in place (only size-1 axes
+    move), so a reshape does it."""
+    moved = [d for d in dims if shape[d] != 1]
+    return moved == sorted(moved)
+
+
+# Where each NCHW axis sits in an NHWC array.
+_NHWC_AXIS = {a: TO_NHWC.index(a) for a in range(4)}
+
+
+class _Rewrite:
+    """The node-by-node rewrite: `twin` maps an NCHW value to its NHWC twin; `ready` holds the
+    values the new node list has produced so far (and the externals)."""
+
+    def __init__(self, graph: Graph):
+        self.nodes: list[Node] = []
+        self.twin: dict[Value, Value] = {}
+        self.relaid: dict[Value, Value] = {}     # broadcast operands of rank < 4, re-laid
+        self.krsc: dict[Value, Value] = {}       # conv weights as (O, kh, kw, C/groups)
+        self.ready: set[Value] = set(graph.externals)
+        self.report = LayoutReport()
+
+    # ---- emitting ----------------------------------------------------------------------------
+    def emit(self, op: str, inputs: list[Value], attrs: dict, label: str,
+             outputs: list[Value] | None = None) -> list[Value]:
+        """Append a node; its outputs are new Values, or `outputs` (whose shapes must match)."""
+        specs = infer_outputs(op, inputs, attrs)
+        if outputs is None:
+            outputs = [Value(shape, dtype) for shape, dtype in specs]
+        assert [(v.shape, v.dtype) for v in outputs] == [(tuple(s), d) for s, d in specs], \
+            (op, outputs, specs)
+        self.nodes.append(Node(op, list(inputs), outputs, attrs, OPS[op].mutates(attrs), label))
+        self.ready.update(outputs)
+        return outputs
+
+    def convert(self, v: Value, dims: tuple[int, ...], out: Value | None = None,
+                what: str = "") -> Value:
+        """v permuted by dims: a reshape when only size-1 axes move, else a permute copy."""
+        shape = tuple(v.shape[d] for d in dims)
+        if _is_view(v.shape, dims):
+            self.report.views += 1
+            return self.emit("reshape", [v], {"shape": shape}, LABEL, out and [out])[0]
+        if what:
+            setattr(self.report, what, getattr(self.report, what) + 1)
+        return self.emit("permute", [v], {"dims": dims}, LABEL, out and [out])[0]
+
+    # ---- the two layouts of a value ----------------------------------------------------------
+    def nhwc(self, v: Value) -> Value:
+        """v's NHWC twin, made from v (once) when v has none."""
+        if v not in self.twin:
+            self.twin[v] = self.convert(self.nchw(v), TO_NHWC, what="to_nhwc")
+        return self.twin[v]
+
+    def nchw(self, v: Value) -> Value:
+        """v itself, produced (once) from its twin when its producer now runs NHWC."""
+        if v not in self.ready:
+            self.convert(self.twin[v], TO_NCHW, out=v, what="to_nchw")
+        return v
+
+    def relay(self, v: Value, rank: int) -> Value:
+        """A broadcast operand of an NHWC binary: 4-D ones as twins; lower ranks (aligned
+        with the trailing NCHW axes) re-laid to the NHWC positions of those axes."""
+        if len(v.shape) == 4:
+            return self.nhwc(v)
+        if not v.shape:
+            return self.nchw(v)
+        if v in self.relaid:
+            return self.relaid[v]
+        padded = (1,) * (rank - len(v.shape)) + tuple(v.shape)
+        stored = tuple(padded[d] for d in TO_NHWC)
+        u = self.nchw(v)
+        if _is_view(padded, TO_NHWC):
+            self.report.views += 1
+            out = self.emit("reshape", [u], {"shape": stored}, LABEL)[0]
+        else:
+            if padded != tuple(v.shape):
+                u = self.emit("reshape", [u], {"shape": padded}, LABEL)[0]
+            out = self.convert(u, TO_NHWC, what="to_nhwc")
+        self.relaid[v] = out
+        return out
+
+    # ---- the rewrite -------------------------------------------------------------------------
+    def visit(self, n: Node) -> None:
+        x = n.inputs[0] if n.inputs else None
+        four_d = x is not None and len(x.shape) == 4
+        if n.op == "conv2d" and four_d and n.attrs.get("layout", "NCHW") == "NCHW":
+            self.conv2d(n)
+        elif n.op in IMAGE_OPS[1:] and four_d and x in self.twin \
+                and n.attrs.get("layout", "NCHW") == "NCHW":
+            self.channels_last(n, [self.nhwc(x)] + [self.nchw(v) for v in n.inputs[1:]])
+        elif n.op in ELEMENTWISE_OPS and four_d and any(v in self.twin for v in n.inputs):
+            self.channels_last(n, [self.nhwc(v) for v in n.inputs], layout=False)
+        elif n.op == "binary" and len(n.outputs[0].shape) == 4 and \
+                any(v in self.twin for v in n.inputs):
+            self.channels_last(n, [self.relay(v, 4) for v in n.inputs], layout=False)
+        elif n.op == "reduce_sum" and four_d and x in self.twin and _keeps_order(n.attrs["axes"]):
+            axes = tuple(sorted(_NHWC_AXIS[a % 4] for a in n.attrs["axes"]))
+            self.emit("reduce_sum", [self.twin[x]], dict(n.attrs, axes=axes), n.label,
+                      n.outputs)
+            self.report.nhwc_nodes += 1
+        else:
+            self.emit(n.op, [self.nchw(v) for v in n.inputs], n.attrs, n.label, n.outputs)
+
+    def conv2d(self, n: Node) -> None:
+        w = n.inputs[1]
+        if w not in self.krsc:          # once per weight, however many convs share it
+            self.krsc[w] = self.convert(self.nchw(w), TO_NHWC, what="weights")
+        w_krsc = self.krsc[w]
+        bias = [self.nchw(v) for v in n.inputs[2:]]
+        self.channels_last(n, [self.nhwc(n.inputs[0]), w_krsc] + bias)
+
+    def channels_last(self, n: Node, inputs: list[Value], layout: bool = True) -> None:
+        """n run on NHWC `inputs`: with attrs layout "NHWC" (image ops) or as it is
+        (elementwise); each 4-D output gets its twin, the others keep their Values."""
+        attrs = dict(n.attrs, layout="NHWC") if layout else dict(n.attrs)
+        specs = infer_outputs(n.op, inputs, attrs)
+        outs = []
+        for v, (shape, dtype) in zip(n.outputs, specs):
+            if len(v.shape) == 4:
+                assert shape == tuple(v.shape[d] for d in TO_NHWC), (n, v, shape)
+                self.twin[v] = Value(shape, dtype)
+                outs.append(self.twin[v])
+            else:
+                outs.append(v)
+        self.emit(n.op, inputs, attrs, n.label, outs)
+        self.report.nhwc_nodes += 1
+
+
+def _keeps_order(axes) -> bool:
+    """Whether a reduce_sum over these NCHW axes of a 4-D value leaves its other axes in the
+    same order in NHWC (then its result is the same array in both layouts)."""
+    kept = [_NHWC_AXIS[a] for a in range(4) if a not in {b % 4 for b in axes}]
+    return kept == sorted(kept)

@@ -1,0 +1,240 @@
+"""Attention family: scaled dot-product attention in one op (`sdpa`) and its gradient
+(`sdpa_grad`), what F.scaled_dot_product_attention records.
+
+The op means exactly what the composed path means (bmm(q, k^T), softmax(scale, causal), the
+dropout op on the (..., L, S) probabilities, bmm with v), dropout mask included: element
+(n, i, j) of the probabilities, n the flattened leading index, is kept by the dropout op's
+Philox rule at flat index (n * L + i) * S + j of that tensor, with the node's seed, site and
+the step counter input (rng.py). The CUDA kernels never hold the (L, S) scores in memory:
+they save each query row's logsumexp instead and recompute the probabilities from it in the
+backward, where the NumPy reference does the same.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import rng
+from ..autodiff.rules import vjp
+from ..backends.numpy.kernels import impl
+from ..ir.ops import _need, defop
+from .softmax import causal_mask
+
+MAX_HEAD_DIM = 128          # the CUDA kernels' widest head (templates for 32, 64 and 128)
+
+
+def lse_dtype(dtype: str) -> str:
+    """The dtype of the saved logsumexp rows: float32, float64 for float64 inputs (the NumPy
+    reference's exact mode)."""
+    return "float64" if dtype == "float64" else "float32"
+
+
+def _check_qkv(op: str, q, k, v, attrs) -> None:
+    _need(len(q.shape) >= 2 and len(q.shape) == len(k.shape) == len(v.shape), op,
+          f"q, k, v must be (..., rows, dim) of one rank, got {q.shape}, {k.shape}, {v.shape}")
+    _need(q.shape[:-2] == k.shape[:-2] == v.shape[:-2], op,
+          f"q, k, v must share their leading dims, got {q.shape}, {k.shape}, {v.shape}")
+    _need(q.shape[-1] == k.shape[-1] and k.shape[-2] == v.shape[-2], op,
+          f"q {q.shape}, k {k.shape}, v {v.shape} do not fit together")
+    _need(q.shape[-2] >= 1 and k.shape[-2] >= 1, op,
+          f"needs at least one query and one key, got q {q.shape}, k {k.shape}")
+    _need(max(q.shape[-1], v.shape[-1]) <= MAX_HEAD_DIM, op,
+          f"head dims up to {MAX_HEAD_DIM}, got q {q.shape}, v {v.shape}")
+    _need(q.dtype == k.dtype == v.dtype and q.dtype in ("float32", "float64", "bfloat16"), op,
+          f"q, k, v must be one float dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    _need(not attrs.get("causal") or q.shape[-2] <= k.shape[-2], op,
+          f"causal needs rows <= keys (else whole rows are masked), got q {q.shape}, "
+          f"k {k.shape}")
+    p = float(attrs.get("dropout_p", 0.0))
+    _need(0.0 <= p < 1.0, op, f"dropout_p must be in [0, 1), got {p}")
+
+
+def _check_step(op: str, ins, first: int, attrs) -> None:
+    dropout = float(attrs.get("dropout_p", 0.0)) > 0.0
+    _need(len(ins) == first + dropout, op,
+          f"{first + dropout} inputs (the step counter with dropout_p > 0), got {len(ins)}")
+    if dropout:
+        _need(ins[-1].shape == () and ins[-1].dtype == "int64", op,
+              f"the step counter must be an int64 scalar, got {ins[-1]!r}")
+
+
+@defop("sdpa")
+def _sdpa(ins, attrs):
+    """out (..., L, Ev) = dropout(softmax(scale * q @ k^T + M)) @ v; ins q (..., L, E),
+    k (..., S, E), v (..., S, Ev) of one float dtype and the same leading dims, E, Ev <=
+    MAX_HEAD_DIM (128), L, S >= 1, then the int64 step counter when dropout_p > 0. attrs scale
+    (float), causal (bool: M = -inf where key j > query i + (S - L), L <= S; otherwise 0),
+    dropout_p (float in [0, 1), default 0), and with dropout_p > 0 seed and site: the
+    probabilities are dropped as the dropout op drops a (..., L, S) tensor of its own (mask
+    from Philox at the element's flat index, survivors scaled by 1 / (1 - dropout_p)).
+    Outputs out and lse (..., L) = logsumexp over keys of scale * q @ k^T + M (float32;
+    float64 for float64 inputs), which sdpa_grad reads."""
+    q, k, v = ins[:3]
+    _check_qkv("sdpa", q, k, v, attrs)
+    _check_step("sdpa", ins, 3, attrs)
+    return [(q.shape[:-1] + (v.shape[-1],), q.dtype), (q.shape[:-1], lse_dtype(q.dtype))]
+
+
+@defop("sdpa_grad")
+def _sdpa_grad(ins, attrs):
+    """dq, dk, dv of sdpa; ins (dout, q, k, v, out, lse [, step]) with the forward's attrs.
+    P = exp(scale * q @ k^T + M - lse) (0 where masked), K = keep mask / (1 - dropout_p)
+    (1 without dropout), dP = (dout @ v^T) * K, D = rowsum(dP * P) (= rowsum(dout * out),
+    which the CUDA kernels sum); dS = P * (dP - D);
+    dq = scale * dS @ k, dk = scale * dS^T @ q, dv = (P * K)^T @ dout."""
+    dout, q, k, v, out, lse = ins[:6]
+    _check_qkv("sdpa_grad", q, k, v, attrs)
+    _check_step("sdpa_grad", ins, 6, attrs)
+    want = q.shape[:-1] + (v.shape[-1],)
+    _need(dout.shape == want and out.shape == want, "sdpa_grad",
+          f"dout {dout.shape} and out {out.shape} must be {want}")
+    _need(lse.shape == q.shape[:-1], "sdpa_grad", f"lse {lse.shape} must be {q.shape[:-1]}")
+    return [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)]
+
+
+@vjp("sdpa")
+def _sdpa_vjp(emit, node, dy, wants) -> list:
+    q, k, v = node.inputs[:3]
+    out, lse = node.outputs
+    step = node.inputs[3:]
+    grads = emit("sdpa_grad", [dy[0], q, k, v, out, lse] + step, **node.attrs)
+    return list(grads) + [None] * len(step)
+
+
+# ---- NumPy reference: the composed path's arithmetic, op for op -----------------------------
+
+def _as_3d(x: np.ndarray) -> np.ndarray:
+    return x.reshape((-1,) + x.shape[-2:])
+
+
+def _scores(node, q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """scale * q @ k^T with -inf where the causal mask hides (the softmax op's input)."""
+    x = np.matmul(q, k.transpose(0, 2, 1))
+    scale = node.attrs.get("scale", 1.0)
+    if scale != 1.0:
+        x = x * x.dtype.type(scale)
+    if node.attrs.get("causal"):
+        x = np.where(causal_mask(*x.shape[-2:]), x.dtype.type(-np.inf), x)
+    return x
+
+
+def dropout_keep(node, shape: tuple, dtype, step) -> np.ndarray | None:
+    """The kept-and-scaled factor (mask / (1 - p), of `dtype`) of the (n, L, S) probabilities,
+    as the dropout op draws it; None without dropout."""
+    p = float(node.attrs.get("dropout_p", 0.0))
+    if p == 0.0:
+        return None
+    mask = rng.dropout_keep_mask(math.prod(shape), p, node.attrs["seed"], node.attrs["site"],
+                                 int(step)).reshape(shape)
+    return mask * np.dtype(dtype).type(1.0 / (1.0 - p))
+
+
+@impl("sdpa")
+def _sdpa_impl(node, ins, outs, ctx):
+    q, k, v = (_as_3d(x) for x in ins[:3])
+    x = _scores(node, q, k)
+    m = x.max(axis=-1, keepdims=True)
+    e = np.exp(x - m)
+    total = e.sum(axis=-1, keepdims=True)
+    p = e / total
+    keep = dropout_keep(node, p.shape, p.dtype, ins[3] if len(ins) > 3 else 0)
+    if keep is not None:
+        p = p * keep
+    outs[0][...] = np.matmul(p, v).reshape(outs[0].shape)
+    outs[1][...] = (m + np.log(total)).reshape(outs[1].shape)
+
+
+@impl("sdpa_grad")
+def _sdpa_grad_impl(node, ins, outs, ctx):
+    dout, q, k, v = (_as_3d(x) for x in ins[:4])
+    lse = ins[5].reshape(q.shape[:2] + (1,)).astype(q.dtype)
+    p = np.exp(_scores(node, q, k) - lse)
+    keep = dropout_keep(node, p.shape, p.dtype, ins[6] if len(ins) > 6 else 0)
+    dp = np.matmul(dout, v.transpose(0, 2, 1))
+    kept = p
+    if keep is not None:
+        dp, kept = dp * keep, p * keep
+    # D as the softmax gradient sums it, rowsum(dP * P): equal to rowsum(dout * out), and
+    # exactly dP where a row has one key (the gradients of q and k then vanish exactly).
+    ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+    scale = q.dtype.type(node.attrs.get("scale", 1.0))
+    outs[0][...] = (np.matmul(ds, k) * scale).reshape(outs[0].shape)
+    outs[1][...] = (np.matmul(ds.transpose(0, 2, 1), q) * scale).reshape(outs[1].shape)
+    outs[2][...] = np.matmul(kept.transpose(0, 2, 1), dout).reshape(outs[2].shape)
+
+
+# ---- packed heads: what compile/attention.py rewrites a GPT's attention into ----------------
+
+def _check_packed(op: str, qkv, attrs) -> tuple:
+    """(lead, T, heads, head dim) of a packed (..., T, 3 * heads * D) projection."""
+    heads = int(attrs.get("heads", 0))
+    _need(len(qkv.shape) >= 2 and heads >= 1 and qkv.shape[-1] % (3 * heads) == 0, op,
+          f"qkv must be (..., T, 3 * heads * D) with heads = {heads}, got {qkv.shape}")
+    d = qkv.shape[-1] // (3 * heads)
+    _need(qkv.shape[-2] >= 1 and 1 <= d <= MAX_HEAD_DIM, op,
+          f"needs T >= 1 and a head dim in [1, {MAX_HEAD_DIM}], got {qkv.shape} with {heads} "
+          f"heads")
+    _need(qkv.dtype in ("float32", "float64"), op, f"qkv must be float, got {qkv.dtype}")
+    p = float(attrs.get("dropout_p", 0.0))
+    _need(0.0 <= p < 1.0, op, f"dropout_p must be in [0, 1), got {p}")
+    return qkv.shape[:-2], qkv.shape[-2], heads, d
+
+
+@defop("sdpa_qkv")
+def _sdpa_qkv(ins, attrs):
+    """sdpa on heads packed as a projection lays them out: ins qkv (..., T, 3 * H * D) [,
+    step]; attrs heads (H) and sdpa's. q, k, v = the three thirds of the last axis, each
+    viewed (..., T, H, D) and moved to (..., H, T, D); out = sdpa(q, k, v) moved back and
+    flattened to (..., T, H * D); lse (..., H, T) as sdpa's (dropout indices included)."""
+    lead, t, heads, d = _check_packed("sdpa_qkv", ins[0], attrs)
+    _check_step("sdpa_qkv", ins, 1, attrs)
+    return [(lead + (t, heads * d), ins[0].dtype), (lead + (heads, t), lse_dtype(ins[0].dtype))]
+
+
+@defop("sdpa_qkv_grad")
+def _sdpa_qkv_grad(ins, attrs):
+    """dqkv (qkv's shape: dq, dk, dv side by side as qkv holds q, k, v) of sdpa_qkv; ins
+    (dout (..., T, H * D), qkv, out, lse [, step]) with the forward's attrs."""
+    dout, qkv, out, lse = ins[:4]
+    lead, t, heads, d = _check_packed("sdpa_qkv_grad", qkv, attrs)
+    _check_step("sdpa_qkv_grad", ins, 4, attrs)
+    _need(dout.shape == out.shape == lead + (t, heads * d) and lse.shape == lead + (heads, t),
+          "sdpa_qkv_grad", f"dout {dout.shape}, out {out.shape}, lse {lse.shape} do not fit "
+          f"qkv {qkv.shape} with {heads} heads")
+    return [(qkv.shape, qkv.dtype)]
+
+
+def heads_of(x: np.ndarray, heads: int) -> np.ndarray:
+    """A (..., T, H * D) array viewed (never copied: outputs are written through it) as
+    (..., H, T, D)."""
+    split = np.reshape(x, x.shape[:-1] + (heads, x.shape[-1] // heads), copy=False)
+    return np.moveaxis(split, -2, -3)
+
+
+def qkv_heads(qkv: np.ndarray, heads: int) -> list[np.ndarray]:
+    """q, k, v of a packed (..., T, 3 * H * D) array, as (..., H, T, D) views."""
+    split = np.reshape(qkv, qkv.shape[:-1] + (3, heads, qkv.shape[-1] // (3 * heads)),
+                       copy=False)
+    return [np.moveaxis(split[..., i, :, :], -2, -3) for i in range(3)]
+
+
+@impl("sdpa_qkv")
+def _sdpa_qkv_impl(node, ins, outs, ctx):
+    heads = node.attrs["heads"]
+    q, k, v = qkv_heads(ins[0], heads)
+    out = np.empty(q.shape[:-1] + (v.shape[-1],), q.dtype)
+    _sdpa_impl(node, [q, k, v] + list(ins[1:]), [out, outs[1]], ctx)
+    heads_of(outs[0], heads)[...] = out
+
+
+@impl("sdpa_qkv_grad")
+def _sdpa_qkv_grad_impl(node, ins, outs, ctx):
+    heads = node.attrs["heads"]
+    dout, qkv, out, lse = ins[:4]
+    q, k, v = qkv_heads(qkv, heads)
+    grads = [np.empty(x.shape, x.dtype) for x in (q, k, v)]
+    _sdpa_grad_impl(node, [heads_of(dout, heads), q, k, v, heads_of(out, heads), lse]
+                    + list(ins[4:]), grads, ctx)
+    for view, g in zip(qkv_heads(outs[0], heads), grads):
+        view[...] = g

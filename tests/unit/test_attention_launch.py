@@ -1,0 +1,116 @@
+"""backends/cuda/attention.py without a GPU: the launches it makes for sdpa and sdpa_grad pass
+each kernel exactly the parameters NVRTC compiled (count, pointer or scalar, width,
+float-ness), the tiles fit the shared memory of an H100, every template it may pick is listed
+in kernel_names() (the NVRTC compile test instantiates those), and leading dims with strides
+collapse into (batch, heads) as the kernels walk them."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cupy")
+
+from stepgraph.backends.cuda import attention  # noqa: E402
+from stepgraph.ir.graph import Node  # noqa: E402
+from tests.unit.test_nvrtc_compile import (PTX_BYTES, Fake, _nvrtc_usable,  # noqa: E402
+                                           kernel_params)
+
+H100_SHARED = 227 * 1024        # bytes of shared memory one block may opt into
+
+
+def record(monkeypatch):
+    """Patch out the CuPy-only parts; return the launches as (kernel, grid, block, args,
+    shared bytes)."""
+    launched = []
+
+    def function(name, shared):
+        return lambda grid, block, args, shared_mem, stream: launched.append(
+            (name, grid, block, args, shared_mem))
+
+    def contiguous(what, a, shape):
+        strides = np.cumprod((1,) + tuple(shape[::-1]))[:-1][::-1]
+        lead = shape[:-2]
+        head = int(strides[len(lead) - 1]) if len(lead) >= 2 else 0
+        batch = int(strides[len(lead) - 2 if len(lead) >= 2 else 0]) if lead else 0
+        return attention.Heads(batch, head, int(strides[-2]))
+
+    monkeypatch.setattr(attention, "_function", function)
+    monkeypatch.setattr(attention, "_heads", contiguous)
+    monkeypatch.setattr(attention, "_check_rows", lambda *a: None)
+    monkeypatch.setattr(attention, "_check_step", lambda step: None)
+    monkeypatch.setattr(attention, "_node_memory", lambda node, key, ctx, build: Fake((key[1],)))
+    return launched
+
+
+CASES = [((2, 3), 7, 7, 64, 64, True, 0.0), ((4,), 256, 256, 32, 32, True, 0.2),
+         ((2, 2), 5, 9, 100, 72, False, 0.1), ((1,), 1, 1, 8, 8, False, 0.0),
+         ((2, 6), 255, 255, 128, 128, True, 0.2)]
+
+
+@pytest.mark.skipif(not _nvrtc_usable(), reason="libnvrtc is not loadable")
+@pytest.mark.parametrize("lead,L,S,E,Ev,causal,p", CASES)
+def test_sdpa_launch_arguments_match_the_kernels(monkeypatch, lead, L, S, E, Ev, causal, p):
+    launched = record(monkeypatch)
+    attrs = dict(scale=0.125, causal=causal, dropout_p=p)
+    if p:
+        attrs.update(seed=2**40 + 3, site=5)
+    q, k, v = Fake((*lead, L, E)), Fake((*lead, S, E)), Fake((*lead, S, Ev))
+    out, lse, dout = Fake((*lead, L, Ev)), Fake((*lead, L)), Fake((*lead, L, Ev))
+    step = [Fake((), "int64")] if p else []
+    ctx = SimpleNamespace(stream=None)
+    attention.IMPLS["sdpa"](Node("sdpa", [], [], attrs), [q, k, v] + step, [out, lse], ctx)
+    grads = [Fake(x.shape) for x in (q, k, v)]
+    attention.IMPLS["sdpa_grad"](Node("sdpa_grad", [], [], attrs),
+                                 [dout, q, k, v, out, lse] + step, grads, ctx)
+    hd = attention.head_dim_template(E, Ev)
+    assert [name for name, *_ in launched] == [attention.kernel_name(kind, hd) for kind in
+                                               ("forward", "backward_dq", "backward_dkdv")]
+    listed = attention.kernel_names()[attention.SOURCE]
+    bh = int(np.prod(lead))
+    for (name, grid, block, args, shared), kind in zip(launched, attention.TILES):
+        assert name in listed
+        params = kernel_params(attention.SOURCE, name)
+        assert len(params) == len(args), (name, params, args)
+        for i, (param, arg) in enumerate(zip(params, args)):
+            if isinstance(arg, Fake):
+                assert param in ("u64", "b64"), (name, i, param)
+                continue
+            arg = np.asarray(arg)
+            assert PTX_BYTES[param] == arg.itemsize, (name, i, param, arg.dtype)
+            assert (param[0] == "f") == (arg.dtype.kind == "f"), (name, i, param, arg.dtype)
+        bq, bk = attention.TILES[kind][hd]
+        tiles = -(-S // bk) if kind == "backward_dkdv" else -(-L // bq)
+        assert grid == (tiles * bh,) and block == (attention.THREADS,)
+        assert shared == attention.shared_floats(kind, hd) * 4 <= H100_SHARED
+        assert int(args[-2]) == (p > 0)                       # the dropout flag
+        step_arg = args[5 if kind == "forward" else 6]
+        assert step_arg is step[0] if p else step_arg == 0
+
+
+def test_every_tile_fits_two_blocks_where_it_matters():
+    """The bench's head dim (64) and 32 run at least two blocks per SM; 128 at least one."""
+    for kind, per_hd in attention.TILES.items():
+        for hd in per_hd:
+            blocks = (228 * 1024) // (attention.shared_floats(kind, hd) * 4 + 1024)
+            assert blocks >= (2 if hd <= 64 else 1), (kind, hd, blocks)
+
+
+def test_head_dim_templates():
+    assert [attention.head_dim_template(e, e) for e in (1, 32, 33, 64, 65, 128)] == \
+        [32, 32, 64, 64, 128, 128]
+    assert attention.head_dim_template(16, 100) == 128
+    with pytest.raises(Exception, match="head dims"):
+        attention.head_dim_template(129, 8)
+
+
+def test_leading_dims_collapse_to_one_stride():
+    # (B, nh) of a contiguous (B, nh, T, hd): batch stride nh * T * hd
+    assert attention._collapsed_stride((4,), (6 * 256 * 64,)) == 6 * 256 * 64
+    # (A, B) flattened into one batch index: contiguous, or size-1 dims with any stride
+    assert attention._collapsed_stride((2, 3), (30, 10)) == 10
+    assert attention._collapsed_stride((2, 1, 3), (30, 999, 10)) == 10
+    assert attention._collapsed_stride((), ()) == 0
+    assert attention._collapsed_stride((1, 1), (5, 7)) == 0
+    assert attention._collapsed_stride((2, 3), (40, 10)) is None
