@@ -12,7 +12,7 @@ from .guard import emit_guard
 from .history import emit_record_loss
 from .autocast import PRECISION as BF16_PRECISION
 from .autocast import as_float32, autocast, bind_weight_copies
-from .layout import to_channels_last
+from .layout import apply_memory_format
 
 
 @contextmanager
@@ -36,7 +36,8 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
     """forward + loss + backward (+ guard) + update. The last feed entry is the loss target.
     on_bad_batch "raise" or "skip" adds the guard (compile/guard.py); "ignore" does not.
     memory_format "channels_last" lays the forward's image tensors out NHWC before autodiff
-    (compile/layout.py); "contiguous" keeps them NCHW. precision "bf16" autocasts the forward
+    (compile/layout.py); "contiguous" keeps them NCHW; "auto" decides by the model
+    (layout.channels_last_pays). precision "bf16" autocasts the forward
     before autodiff and has the update write the weights' bf16 copies (compile/autocast.py)."""
     model.name_parameters()
     tracer = Tracer(seed=seed, training=True)
@@ -44,8 +45,7 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
     with _mode(model, True):
         out = model(*xs)
     loss = loss_fn(out, target)
-    if memory_format == "channels_last":
-        tracer.graph = to_channels_last(tracer.graph)[0]
+    tracer.graph = apply_memory_format(tracer.graph, memory_format)
     bf16 = precision == BF16_PRECISION
     if bf16:
         autocast(tracer.graph)
@@ -71,8 +71,7 @@ def build_predict_graph(model: Module, signature: Signature,
         out = model(*xs)
     tracer.graph.outputs = {"output": out.value}
     graph = tracer.graph
-    if memory_format == "channels_last":
-        graph = to_channels_last(graph)[0]
+    graph = apply_memory_format(graph, memory_format)
     if precision == BF16_PRECISION:
         autocast(graph)
         graph.outputs["output"] = as_float32(graph, graph.outputs["output"])

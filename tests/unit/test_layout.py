@@ -16,7 +16,8 @@ import pytest
 import stepgraph as sg
 from stepgraph import models, nn, optim
 from stepgraph.autodiff import append_backward
-from stepgraph.compile.layout import LayoutReport, resolve_memory_format, to_channels_last
+from stepgraph.compile.layout import LayoutReport, channels_last_pays, resolve_memory_format, \
+    to_channels_last
 from stepgraph.errors import ShapeError
 from stepgraph.ir.ops import infer_outputs
 from stepgraph.ir.trace import Tracer
@@ -260,6 +261,19 @@ def test_memory_format_resolution():
     assert resolve_memory_format("contiguous", "cuda", "tf32") == "contiguous"
     with pytest.raises(ValueError, match="memory_format"):
         resolve_memory_format("nhwc", "cpu", "fp32")
+
+
+def test_auto_memory_format_follows_the_channel_counts():
+    """"auto" lays out NHWC only models whose convs have tensor-core channel counts: the
+    ResNet (3-channel stem, then multiples of 8), not the MNIST cnn (1 -> 10 -> 20)."""
+    from stepgraph.compile.build import build_predict_graph
+    from stepgraph.compile.feed import signature_of
+    cases = [(resnet(), (2, 3, 16, 16), True), (models.cnn(), (2, 1, 28, 28), False)]
+    for model, shape, pays in cases:
+        sig = signature_of(("x",), [np.zeros(shape, np.float32)])
+        graph = build_predict_graph(model, sig, "auto")
+        assert any(n.attrs.get("layout") == "NHWC" for n in graph.nodes) == pays, shape
+        assert channels_last_pays(build_predict_graph(model, sig, "contiguous")) == pays
 
 
 def test_nhwc_shape_rules():
