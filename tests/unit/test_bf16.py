@@ -479,18 +479,23 @@ def test_a_backend_without_bf16_kernels_refuses_with_a_typed_error(monkeypatch):
     assert math.isfinite(float(step(x, y)))                  # fp32 steps are not checked
 
 
-def test_cuda_declares_bf16_kernels_only_for_cast():
-    """What the CUDA backend refuses today (importable without a GPU): every bf16 op of the
-    fused mlp step except the casts, until its family declares BF16_OPS."""
+@pytest.mark.parametrize("name", ["mlp", "big"])
+def test_cuda_accepts_the_bf16_dense_steps(name):
+    """The CUDA families declare bf16 kernels for every op of the fused bf16 mlp and big
+    steps (importable without a GPU): check_bf16_support lets them through; an op no family
+    declares is still refused."""
     pytest.importorskip("cupy")
     from stepgraph.backends.cuda.backend import declared_bf16_ops
 
-    assert declared_bf16_ops() == {"cast"}
-    x, y = np.zeros((4, 784), np.float32), np.zeros(4, np.int64)
-    graph = fuse(build(models.mlp(), losses.cross_entropy, x, y))
-    with pytest.raises(UnsupportedPrecisionError) as err:
-        check_bf16_support(graph, declared_bf16_ops(), "cuda")
-    named = str(err.value)
-    for op in ("linear", "matmul", "act_bias_grad", "dropout", "adam_update"):
-        assert op in named
+    declared = declared_bf16_ops()
+    assert {"cast", "linear", "matmul", "reduce_sum", "dropout", "dropout_grad",
+            "act_bias_grad", "adam_update", "sgd_update"} <= declared
+    model = models.mlp(in_features=16, hidden=8) if name == "mlp" else models.big(width=16,
+                                                                                 depth=2)
+    x, y = np.zeros((4, 16), np.float32), np.zeros(4, np.int64)
+    graph = fuse(build(model, losses.cross_entropy, x, y))
+    assert any(n.op == "act_bias_grad" and n.inputs[0].dtype == BF16 for n in graph.nodes)
+    check_bf16_support(graph, declared, "cuda")
+    with pytest.raises(UnsupportedPrecisionError, match="linear"):
+        check_bf16_support(graph, declared - {"linear"}, "cuda")
     check_bf16_support(graph, None, "cpu")

@@ -191,8 +191,12 @@ def test_conv_kernels_compile_with_nvrtc():
 
     names = [f"{k}<{t}>" for k in ("conv2d_im2col_kernel", "conv2d_grad_weight_gather_kernel",
                                    "conv2d_col2im_kernel") for t in conv._CTYPES.values()]
+    names += [f"{conv.EPILOGUE_KERNEL}<{t}>" for t in conv.EPILOGUE_CTYPES.values()]
+    headers = sorted(KERNEL_DIR.glob("*.cuh"))     # conv.cu includes bf16.cuh
     try:
-        prog = nvrtc.createProgram((KERNEL_DIR / "conv.cu").read_text(), "conv.cu", [], [])
+        prog = nvrtc.createProgram((KERNEL_DIR / "conv.cu").read_text(), "conv.cu",
+                                   [h.read_text().encode() for h in headers],
+                                   [h.name.encode() for h in headers])
     except Exception as err:   # libnvrtc missing: nothing to check here
         pytest.skip(f"NVRTC not usable: {err}")
     for name in names:

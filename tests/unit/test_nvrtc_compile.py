@@ -109,8 +109,12 @@ def test_each_file_compiles_with_every_declared_kernel():
 
 
 def test_reduce_sum_fallback_is_launched():
-    """The any-axes reduce_sum kernel is among the names the launchers' test compiles."""
-    assert "reduce_sum_strided_kernel" in launched_kernels()["reduce.cu"]
+    """The any-axes reduce_sum kernel (a template on the element type since bf16) is among
+    the names the launchers declare, for float32 and bfloat16, and so compiled above."""
+    from stepgraph.backends.cuda import launchers
+
+    assert {"reduce_sum_strided_kernel<float>", "reduce_sum_strided_kernel<unsigned short>"} \
+        <= launchers.kernel_names()["reduce.cu"]
 
 
 @pytest.mark.parametrize("family,sources", [("norm", {"norm.cu"}),
@@ -129,15 +133,18 @@ def test_norm_and_pool_launchers_name_existing_kernels(family, sources):
 
 
 def test_pool_launchers_name_listed_kernels():
-    """Every kernel name pool.py builds (layout suffixes) is one kernel_names() lists."""
+    """Every kernel name pool.py builds (layout suffixes, float32 and bfloat16 elements) is
+    one kernel_names() lists."""
     from stepgraph.backends.cuda import pool
 
     listed = set().union(*pool.kernel_names().values())
-    for name in ("maxpool2d_forward_kernel", "maxpool2d_backward_kernel",
-                 "maxpool2d_backward_tiling_kernel", "avgpool2d_forward_kernel",
-                 "avgpool2d_backward_kernel"):
-        for suffix in ("", "_nhwc"):
-            assert pool._kernel(name, suffix) in listed
+    for _, ctype in pool.POOL_CTYPES.values():
+        for name in ("maxpool2d_forward_kernel", "maxpool2d_backward_kernel",
+                     "maxpool2d_backward_tiling_kernel", "avgpool2d_forward_kernel",
+                     "avgpool2d_backward_kernel"):
+            for suffix in ("", "_nhwc"):
+                assert pool._kernel(name, suffix, ctype) in listed
+        assert pool._kernel("avgpool2d_forward_warp_kernel", "", ctype) in listed
 
 
 def test_norm_layouts_name_listed_kernels():
@@ -149,7 +156,8 @@ def test_norm_layouts_name_listed_kernels():
     for columns, vec in ((False, 1), (False, 4), (True, 1)):
         layout = norm.Layout(n=2, c=3, inner=1 if columns else 4, columns=columns, vec=vec)
         for kind in norm.KINDS:
-            assert norm.pass_kernel(kind, layout) in listed
+            for _, ctype in norm.ACTIVATION_CTYPES.values():
+                assert norm.pass_kernel(kind, layout, ctype) in listed
 
 
 def test_guard_launchers_name_existing_kernels():

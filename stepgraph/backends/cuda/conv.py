@@ -40,6 +40,17 @@ The direct and tiled kernels are exact FP32 (FMA) whatever ctx.precision says: T
 GEMMs. Each output has one owner summing in a fixed order, so they are deterministic like the
 GEMMs.
 
+bfloat16 (precision="bf16": every operand bf16, stored as uint16 raw bits) runs through cuDNN
+only: the own kernels (tiled, direct, im2col + GEMM) stay float32 / float64, so a bf16
+problem's candidates are its cuDNN plans (bf16 in and out, float32 accumulation, bias and ReLU
+fused in float32, one rounding of what is stored: conv_cudnn.py), timed against each other
+like any others. Only where no fused bias plan builds does a bf16 forward with bias take a
+plain cuDNN plan + the epilogue kernel ("cudnn:<i>+epilogue"), which rounds y twice (the
+convolution's sum, then with the bias added): the NumPy emulation rounds once, so such a
+result can differ from it by the rounding of the sum. A ReLU alone commutes with the rounding:
+its epilogue is exact. conv2d_grad_weight's db is then reduce_sum's (bf16 dy summed in
+float32, rounded once).
+
 Channels-last nodes (attrs layout "NHWC", compile/layout.py: x (N, H, W, C), w (O, kh, kw,
 C/groups), y (N, Ho, Wo, O)) run through cuDNN: the own kernels are NCHW. Their bias and ReLU
 epilogue and the bias gradient's sum read the channels along the last axis. A channels-last
@@ -69,6 +80,9 @@ _CTYPES = compiler.FLOAT_CTYPES
 GEMM_PATH_KERNELS = ("conv2d_im2col_kernel", "conv2d_grad_weight_gather_kernel",
                      "conv2d_col2im_kernel")
 EPILOGUE_KERNEL = "conv2d_bias_act_kernel"
+# The epilogue also runs bfloat16 (uint16 bits: conv.cu's unsigned short specialisation)
+EPILOGUE_CTYPES = {**compiler.FLOAT_CTYPES, "uint16": "unsigned short"}
+BF16_OPS = frozenset({"conv2d", "conv2d_grad_input", "conv2d_grad_weight"})
 
 PATHS = ("direct", "direct_narrow", "tiled", "gemm", "cudnn")
 PATH = "auto"                 # "auto" (timed per problem) or one of PATHS: tests force one
@@ -218,12 +232,13 @@ def _scratch(ctx, shapes: list[tuple[int, ...]], dtype) -> list:
 
 # ---- launchers -----------------------------------------------------------------------------
 
-def _launch(ctx, name: str, dtype, total: int, args: tuple) -> None:
-    if str(dtype) not in _CTYPES:
-        raise ShapeError(f"{name}: dtype {dtype} not supported (want one of {list(_CTYPES)})")
+def _launch(ctx, name: str, dtype, total: int, args: tuple, ctypes=None) -> None:
+    ctypes = _CTYPES if ctypes is None else ctypes
+    if str(dtype) not in ctypes:
+        raise ShapeError(f"{name}: dtype {dtype} not supported (want one of {list(ctypes)})")
     if total <= 0:
         return
-    kern = compiler.kernel("conv.cu", f"{name}<{_CTYPES[str(dtype)]}>")
+    kern = compiler.kernel("conv.cu", f"{name}<{ctypes[str(dtype)]}>")
     blocks = min(-(-total // BLOCK), MAX_BLOCKS)
     with ctx.stream:
         kern((blocks,), (BLOCK,), args)
@@ -251,11 +266,14 @@ def conv2d_grad_weight_gather(ctx, g: Geometry, x, dy, cols_t, dy_t) -> None:
 def conv2d_bias_act(ctx, y, bias, relu: bool, layout: str = "NCHW") -> None:
     """y (N, O, Ho, Wo) += bias[o] (bias None: none), then ReLU when relu, in place: the
     epilogue of a convolution computed without them (a cuDNN plan that fuses neither).
-    layout "NHWC": y (N, Ho, Wo, O), the channels innermost."""
+    layout "NHWC": y (N, Ho, Wo, O), the channels innermost. bfloat16 y and bias (uint16
+    bits): added in float32, rounded once more on store (module docstring)."""
     o, p = (y.shape[3], 1) if layout == "NHWC" else (y.shape[1], y.shape[2] * y.shape[3])
+    if bias is not None and bias.dtype != y.dtype:
+        raise ShapeError(f"{EPILOGUE_KERNEL}: bias is {bias.dtype}, y {y.dtype}")
     args = (y, y if bias is None else bias, np.int64(y.size), np.int32(o), np.int32(p),
             np.int32(bias is not None), np.int32(relu))
-    _launch(ctx, EPILOGUE_KERNEL, y.dtype, y.size, args)
+    _launch(ctx, EPILOGUE_KERNEL, y.dtype, y.size, args, EPILOGUE_CTYPES)
 
 
 def conv2d_col2im(ctx, g: Geometry, dcols, dx) -> None:
@@ -405,6 +423,7 @@ def kernel_names() -> dict[str, set[str]]:
             + [f"conv2d_direct_grad_weight_sum_kernel<{ctype}>"])
         names[tiled.SOURCE].update(
             tiled.kernel_names(TILED_NAME_GEOMETRIES, ctype, np.dtype(dtype).itemsize))
+    names["conv.cu"].add(f"{EPILOGUE_KERNEL}<{EPILOGUE_CTYPES['uint16']}>")
     return names
 
 
@@ -458,8 +477,9 @@ def conv2d_forward(node, ins, outs, ctx) -> None:
     bias = _contiguous(ins[2], "bias", (g.o,)) if len(ins) == 3 else None
     y = _contiguous(outs[0], "y", stored_shape((g.n, g.o, g.ho, g.wo), layout))
     relu = _fused_relu(node)
+    _same_dtype(node.op, x=x, weight=w, bias=bias, y=y)
     paths: dict[str, Callable[[], None]] = {}
-    if g.plain and layout == "NCHW":
+    if _own(g, layout, x.dtype):
         paths = _tiled_paths("conv2d", g, x,
                              lambda conv: tiled.conv2d_tiled(ctx, conv, x, w, bias, y))
         if direct_unsupported(g, x.dtype) is None:
@@ -471,14 +491,29 @@ def conv2d_forward(node, ins, outs, ctx) -> None:
             paths = {name: _then(run, lambda: conv2d_bias_act(ctx, y, None, True))
                      for name, run in paths.items()}
     paths |= conv_cudnn.conv2d_paths(ctx, g, x, w, y, bias, relu, layout=layout)
-    if bias is not None or relu:
+    # bf16: the epilogue rounds the sum before adding the bias; only where nothing fuses it
+    exact_only = str(x.dtype) not in _CTYPES and bias is not None and bool(paths)
+    if (bias is not None or relu) and not exact_only:
         epilogue = functools.partial(conv2d_bias_act, ctx, y, bias, relu, layout)
         paths |= {f"{name}+epilogue": _then(run, epilogue)
                   for name, run in conv_cudnn.conv2d_paths(ctx, g, x, w, y,
                                                            layout=layout).items()}
     if not paths and layout == "NHWC":
         return _through_nchw(conv2d_forward, node, ins, outs, ctx)
-    _run_faster(node, ctx, g, x.dtype, paths)
+    _run_faster(node, ctx, g, conv_cudnn.ir_dtype(x.dtype), paths)
+
+
+def _own(g: Geometry, layout: str, dtype) -> bool:
+    """Whether the own kernels (tiled, direct, im2col + GEMM) may run: plain NCHW float32 or
+    float64 problems; bfloat16 ones run through cuDNN alone (module docstring)."""
+    return g.plain and layout == "NCHW" and str(dtype) in _CTYPES
+
+
+def _same_dtype(op: str, **arrays) -> None:
+    """Every operand of a convolution has one dtype (None: absent)."""
+    dtypes = {what: str(a.dtype) for what, a in arrays.items() if a is not None}
+    if len(set(dtypes.values())) > 1:
+        raise ShapeError(f"{op}: operands of one dtype expected, got {dtypes}")
 
 
 def _fused_relu(node) -> bool:
@@ -539,8 +574,9 @@ def conv2d_grad_input(node, ins, outs, ctx) -> None:
                   node.attrs)
     dy = _contiguous(ins[0], "dy", stored_shape((g.n, g.o, g.ho, g.wo), layout))
     dx = _contiguous(outs[0], "dx", stored_shape((g.n, g.c, g.h, g.w), layout))
+    _same_dtype(node.op, dy=dy, weight=w, dx=dx)
     paths: dict[str, Callable[[], None]] = {}
-    if g.plain and layout == "NCHW":
+    if _own(g, layout, dy.dtype):
         paths = _tiled_paths("conv2d_grad_input", g, dy,
                              lambda conv: tiled.conv2d_tiled(ctx, conv, dy, w, None, dx))
         if direct_unsupported(g, dy.dtype) is None:
@@ -551,7 +587,7 @@ def conv2d_grad_input(node, ins, outs, ctx) -> None:
     paths |= conv_cudnn.grad_input_paths(ctx, g, dy, w, dx, layout=layout)
     if not paths and layout == "NHWC":
         return _through_nchw(conv2d_grad_input, node, ins, outs, ctx)
-    _run_faster(node, ctx, g, dy.dtype, paths)
+    _run_faster(node, ctx, g, conv_cudnn.ir_dtype(dy.dtype), paths)
 
 
 def _grad_input_gemm(ctx, node, g: Geometry, dy, w, dx) -> None:
@@ -600,8 +636,9 @@ def conv2d_grad_weight(node, ins, outs, ctx) -> None:
         partial = _scratch(ctx, [(plan.parts, plan.per_part)], x.dtype)[0]
         tiled.conv2d_tiled_grad_weight(ctx, plan, dy, x, dw, db, partial)
 
+    _same_dtype(node.op, dy=dy, x=x, dw=dw, db=db)
     paths: dict[str, Callable[[], None]] = {}
-    own = g.plain and layout == "NCHW"
+    own = _own(g, layout, x.dtype)
     if own and tiled.unsupported(node.op, g, x.dtype) is None:
         for rb, os in tiled.GRAD_WEIGHT_SPLITS:
             plan = tiled.plan_grad_weight(g, (rb, os), db is not None, x.itemsize)
@@ -618,7 +655,7 @@ def conv2d_grad_weight(node, ins, outs, ctx) -> None:
                                                                    layout=layout).items()}
     if not paths and layout == "NHWC":
         return _through_nchw(conv2d_grad_weight, node, ins, outs, ctx)
-    _run_faster(node, ctx, g, x.dtype, paths)
+    _run_faster(node, ctx, g, conv_cudnn.ir_dtype(x.dtype), paths)
 
 
 def _grad_weight_gemm(ctx, node, g: Geometry, dy, x, dw) -> None:

@@ -7,7 +7,12 @@ precision, fused bias / ReLU, layout, determinism), memoised for the process:
   conv2d             conv_fprop (then bias add and ReLU in the same graph when asked: "fused")
   conv2d_grad_input  conv_dgrad
   conv2d_grad_weight conv_wgrad (conv.py adds db with a reduce_sum launch)
-float32 in and out, float32 accumulation. Heuristic modes A and FALLBACK rank the engine
+float32 in and out, float32 accumulation; or bfloat16 in and out (precision="bf16": x, w, the
+bias, y, dy, dx, dw all bf16 raw bits in uint16 arrays) with float32 compute and intermediate
+data types, so cuDNN accumulates in float32, adds the fused bias and applies the ReLU in
+float32 and rounds each output once, on store: the NumPy emulation's rounding point (its
+einsum sums in another order, so results may differ in the last bf16 place where a sum lies
+near a rounding boundary). Heuristic modes A and FALLBACK rank the engine
 configurations; each that builds, up to MAX_PLANS, is a candidate path "cudnn:<i>" (i = its
 index in the ranked list) that conv.py's autotuner times against the own kernels on the real
 buffers. Heuristic mode B (slower to query, ranked by a different model) adds up to
@@ -15,6 +20,9 @@ MAX_PLANS_B more, those A's candidates do not already hold, as "cudnn:B<i>" (its
 its own graph). Filters, applied before building:
   - precision "fp32" excludes tensor-core engines (on float32 they compute in TF32) and engines
     that down-convert inputs or reduce in lower precision; "tf32" lets them compete;
+  - bfloat16 problems let tensor cores compete (they compute bf16 products exactly and
+    accumulate in float32) but exclude engines that reduce in lower precision, so that every
+    sum stays float32 as the compute type says;
   - nondeterministic engines (atomics) are excluded unless the context opts in
     (ctx.deterministic False: compile_train_step(deterministic=False)), so every path gives the
     same bits on every run, as the own kernels and the GEMMs do;
@@ -52,7 +60,15 @@ HEURISTIC_B = True                 # query mode B as well (its candidates "cudnn
 MAX_WORKSPACE_BYTES = 256 << 20    # a plan needing more is not a candidate
 RUNTIME_COMPILED = False           # admit engines cuDNN compiles at plan build (NVRTC)
 LAYOUTS = ("NCHW", "NHWC")         # of every tensor of a problem (module docstring)
+DTYPES = ("float32", "bfloat16")   # IR dtypes of the problems (module docstring)
 INSTALL_HINT = "pip install -e '.[cuda]' (nvidia-cudnn-frontend and nvidia-cudnn-cu13)"
+# Array dtype -> IR dtype of the problems cuDNN runs (bfloat16 is stored as uint16 raw bits)
+IR_DTYPES = {"float32": "float32", "uint16": "bfloat16"}
+
+
+def ir_dtype(dtype) -> str:
+    """The IR dtype of operands stored as `dtype` ("uint16" holds "bfloat16"); others as named."""
+    return IR_DTYPES.get(str(dtype), str(dtype))
 
 
 @functools.cache
@@ -101,7 +117,7 @@ class Problem:
     """What one cuDNN graph computes: the key of its memoised Plans."""
     op: str                  # conv2d, conv2d_grad_input or conv2d_grad_weight
     g: Geometry
-    dtype: str
+    dtype: str               # IR dtype of every operand: float32 or bfloat16
     precision: str
     bias: bool = False       # conv2d: bias add in the graph
     relu: bool = False       # conv2d: ReLU in the graph, after the bias
@@ -147,19 +163,24 @@ def _strides(dims: list[int], layout: str) -> list[int]:
 def _graph(cudnn, p: Problem, handle) -> tuple[Any, dict[str, Any]]:
     """The problem's pygraph (validated, not yet planned) and its operand tensors by name."""
     g, f32 = p.g, cudnn.data_type.FLOAT
-    graph = cudnn.pygraph(io_data_type=f32, intermediate_data_type=f32, compute_data_type=f32,
+    io = cudnn.data_type.BFLOAT16 if p.dtype == "bfloat16" else f32
+    # Compute and intermediates float32 in both (every op of the graph takes these global
+    # types): a bf16 graph rounds only what it writes.
+    graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=f32, compute_data_type=f32,
                           handle=handle)
     dims = {"x": [g.n, g.c, g.h, g.w], "w": [g.o, g.c // g.groups, g.kh, g.kw],
             "y": [g.n, g.o, g.ho, g.wo], "b": [1, g.o, 1, 1]}
 
     def tensor(name: str, kind: str):
         return graph.tensor(name=name, dim=dims[kind], stride=_strides(dims[kind], p.layout),
-                            data_type=f32)
+                            data_type=io)
 
     conv = {"padding": [g.ph, g.pw], "stride": [g.sh, g.sw], "dilation": [g.dil_h, g.dil_w]}
     if p.op == "conv2d":
         ops = {"x": tensor("x", "x"), "w": tensor("w", "w")}
         out, kind = graph.conv_fprop(image=ops["x"], weight=ops["w"], **conv), "y"
+        if p.bias or p.relu:    # virtual: the sum stays float32 until the last op stores it
+            out.set_data_type(f32)
         if p.bias:
             ops["b"] = tensor("b", "b")
             out = graph.bias(input=out, bias=ops["b"])
@@ -172,7 +193,7 @@ def _graph(cudnn, p: Problem, handle) -> tuple[Any, dict[str, Any]]:
     else:
         ops = {"x": tensor("x", "x"), "dy": tensor("dy", "y")}
         out, kind, name = graph.conv_wgrad(image=ops["x"], loss=ops["dy"], **conv), "w", "dw"
-    out.set_output(True).set_data_type(f32)
+    out.set_output(True).set_data_type(io)
     out.set_dim(dims[kind]).set_stride(_strides(dims[kind], p.layout))
     ops[name] = out
     graph.validate()
@@ -191,7 +212,9 @@ def _ranked(cudnn, p: Problem, handle, modes: tuple[str, ...]):
     graph.create_execution_plans([getattr(cudnn.heur_mode, m) for m in modes])
     notes = cudnn.numerical_note
     barred = [notes.NONDETERMINISTIC] if p.deterministic else []
-    if p.precision == "fp32":
+    if p.dtype == "bfloat16":
+        barred += [notes.REDUCED_PRECISION_REDUCTION]
+    elif p.precision == "fp32":
         barred += [notes.TENSOR_CORE, notes.DOWN_CONVERT_INPUTS,
                    notes.REDUCED_PRECISION_REDUCTION]
     if barred:
@@ -317,11 +340,11 @@ def _paths(ctx, p: Problem, arrays: dict[str, Any]) -> dict[str, Callable[[], No
 
 def _problem(ctx, op: str, g: Geometry, dtype, layout: str = "NCHW", **kw) -> Problem | None:
     cudnn = _cudnn(op, g)
-    if cudnn is None or str(dtype) != "float32":
+    if cudnn is None or ir_dtype(dtype) not in DTYPES:
         return None
     import cupy as cp
 
-    return Problem(op, g, str(dtype), ctx.precision, layout=layout,
+    return Problem(op, g, ir_dtype(dtype), ctx.precision, layout=layout,
                    device=cp.cuda.runtime.getDevice(),
                    deterministic=bool(getattr(ctx, "deterministic", True)), **kw)
 
@@ -358,7 +381,7 @@ def reason(ctx, op: str, g: Geometry, dtype, layout: str = "NCHW") -> str:
     why = unavailable_reason()
     if why is not None:
         return why
-    if str(dtype) != "float32":
-        return f"dtype {dtype}: the cuDNN paths are float32"
+    if ir_dtype(dtype) not in DTYPES:
+        return f"dtype {ir_dtype(dtype)}: the cuDNN paths run {' and '.join(DTYPES)}"
     p = _problem(ctx, op, g, dtype, layout)
     return plans_for(ctx, p).reason

@@ -20,6 +20,13 @@ A `GemmSpec` holds everything that decides the descriptors and the algorithm; `G
 each spec once (heuristic's best algorithm) and runs it on a stream given device pointers.
 Planning queries no device memory and is done on first use; run an eager warm-up before capture
 so that capture only replays planned calls.
+
+bfloat16 (precision="bf16"; arrays hold the raw bits as uint16, the storage no other IR dtype
+uses): A and B bf16, D bf16 or float32 (`GemmSpec.d_dtype`), CUBLAS_COMPUTE_32F with float32
+alpha/beta: products accumulated in float32, the epilogue (bias, activation) applied in
+float32, D rounded once. A bias is bf16 like D (CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, whose
+default is D's type, set explicitly), and so is GELU_AUX's pre-activation (aux type = D's).
+This is the numpy emulation's arithmetic but for the order of the float32 sums.
 """
 from __future__ import annotations
 
@@ -40,7 +47,9 @@ BIAS_EPILOGUES = frozenset({"BIAS", "RELU_BIAS", "RELU_AUX_BIAS", "GELU_BIAS", "
 AUX_EPILOGUES = frozenset({"RELU_AUX", "RELU_AUX_BIAS", "GELU_AUX", "GELU_AUX_BIAS",
                            "DRELU", "DRELU_BGRAD", "DGELU", "DGELU_BGRAD"})
 EPILOGUES = frozenset({"DEFAULT", "RELU", "GELU"}) | BIAS_EPILOGUES | AUX_EPILOGUES
-DTYPES = ("float32", "float64")
+DTYPES = ("float32", "float64", "bfloat16")
+# Storage dtype -> IR dtype of a GEMM operand (bf16 lives as its uint16 raw bits).
+_IR_DTYPES = {"float32": "float32", "float64": "float64", "uint16": "bfloat16"}
 
 
 class GemmUnsupportedError(StepgraphError):
@@ -63,7 +72,9 @@ class GemmSpec:
     """One cuBLASLt call, column-major: D (m, n) = op(A) (m, k) @ op(B) (k, n), plus D itself
     when `accumulate` (beta = 1, C is D), then the epilogue. Layouts describe A, B and D as
     stored (before op). `align` is the byte alignment of the A, B and D pointers (and batch
-    strides): cuBLASLt assumes 256 unless told, and views into an arena may have less."""
+    strides): cuBLASLt assumes 256 unless told, and views into an arena may have less.
+    `dtype` is A's and B's; `d_dtype` D's (and C's) when it differs (bf16 A/B with a float32
+    D: the bf16 linear's unfused epilogue), else None."""
 
     a: Layout
     b: Layout
@@ -77,6 +88,11 @@ class GemmSpec:
     accumulate: bool = False
     aux_ld: int = 0
     align: tuple[int, int, int] = (256, 256, 256)
+    d_dtype: str | None = None
+
+    @property
+    def out_dtype(self) -> str:
+        return self.d_dtype or self.dtype
 
     @property
     def m(self) -> int:
@@ -101,6 +117,9 @@ class GemmSpec:
                 raise ShapeError(f"gemm: bad layout for {name}: {lay}")
         if self.dtype not in DTYPES:
             raise ShapeError(f"gemm: dtype {self.dtype!r} not supported (want one of {DTYPES})")
+        if self.d_dtype is not None and (self.dtype, self.d_dtype) != ("bfloat16", "float32"):
+            raise ShapeError(f"gemm: {self.dtype} operands with a {self.d_dtype} result: only "
+                             "bfloat16 -> float32 mixes")
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"gemm: unknown epilogue {self.epilogue!r}")
         if self.epilogue in AUX_EPILOGUES and self.aux_ld < 1:
@@ -113,6 +132,8 @@ def _compute_and_scale_type(dtype: str, precision: str) -> tuple[int, int]:
 
     if dtype == "float64":
         return cublas.ComputeType.COMPUTE_64F, CudaDataType.CUDA_R_64F
+    if dtype == "bfloat16":   # float32 accumulation and epilogue, whatever the precision
+        return cublas.ComputeType.COMPUTE_32F, CudaDataType.CUDA_R_32F
     # float32: exact FP32 unless the context opts in to TF32.
     compute = (cublas.ComputeType.COMPUTE_32F_FAST_TF32 if precision == "tf32"
                else cublas.ComputeType.COMPUTE_32F)
@@ -122,7 +143,13 @@ def _compute_and_scale_type(dtype: str, precision: str) -> tuple[int, int]:
 def _data_type(dtype: str) -> int:
     from nvmath import CudaDataType
 
-    return CudaDataType.CUDA_R_64F if dtype == "float64" else CudaDataType.CUDA_R_32F
+    return {"float64": CudaDataType.CUDA_R_64F, "bfloat16": CudaDataType.CUDA_R_16BF}.get(
+        dtype, CudaDataType.CUDA_R_32F)
+
+
+def _scale_dtype(dtype: str) -> str:
+    """The host dtype of alpha and beta (the scale type of _compute_and_scale_type)."""
+    return "float64" if dtype == "float64" else "float32"
 
 
 @dataclass
@@ -208,10 +235,11 @@ class GemmCache:
             p.pointer_buf[()] = aux_ptr
             lt.matmul_desc_set_attribute(p.desc, attr.EPILOGUE_AUX_POINTER,
                                          p.pointer_buf.ctypes.data, 8)
-        alpha = self._one[spec.dtype]
+        scale = _scale_dtype(spec.dtype)
+        alpha = self._one[scale]
         # Accumulate: C is D itself (same layout, in place). Otherwise beta = 0 and C is null,
         # so D's old contents (NaN poison, garbage) are never read.
-        beta = self._one[spec.dtype] if spec.accumulate else self._zero[spec.dtype]
+        beta = self._one[scale] if spec.accumulate else self._zero[scale]
         c_ptr = d_ptr if spec.accumulate else 0
         a_lay, b_lay, d_lay = p.layouts
 
@@ -318,8 +346,8 @@ class GemmCache:
         layouts: list[int] = []
         try:
             self._describe(desc, spec, bias_ptr, aux_ptr)
-            dt = _data_type(spec.dtype)
-            for lay in (spec.a, spec.b, spec.d):
+            types = (_data_type(spec.dtype),) * 2 + (_data_type(spec.out_dtype),)
+            for dt, lay in zip(types, (spec.a, spec.b, spec.d)):
                 layouts.append(lt.matrix_layout_create(dt, lay.rows, lay.cols, lay.ld))
                 if spec.batch > 1:
                     _set(lt.matrix_layout_set_attribute, lt.get_matrix_layout_attribute_dtype,
@@ -359,6 +387,10 @@ class GemmCache:
         if spec.epilogue in BIAS_EPILOGUES:
             set_("BIAS_POINTER", bias_ptr or stand_in)
             set_("BIAS_BATCH_STRIDE", 0)      # one bias vector for every batch item
+            if spec.out_dtype == "bfloat16" and "BIAS_DATA_TYPE" in attr.__members__:
+                # The default (-1) already means D's type; said explicitly, as the graph's
+                # bias is bf16 (a float32 bias would need the float32 type here).
+                set_("BIAS_DATA_TYPE", _data_type("bfloat16"))
         if spec.epilogue in AUX_EPILOGUES:
             set_("EPILOGUE_AUX_POINTER", aux_ptr or stand_in)
             set_("EPILOGUE_AUX_LD", spec.aux_ld)
@@ -496,15 +528,19 @@ def matmul_spec(a, b, c, *, trans_a: bool = False, trans_b: bool = False,
         raise ShapeError(f"gemm: batched operands {a.shape}, {b.shape} need a 3-D output")
     else:
         batch = 1
-    dtypes = {str(a.dtype), str(b.dtype), str(c.dtype)}
-    if len(dtypes) != 1:
-        raise ShapeError(f"gemm: mixed dtypes {sorted(dtypes)}")
+    dtypes = {ir_dtype(a), ir_dtype(b)}
+    out = ir_dtype(c)
+    if len(dtypes) != 1 or (out not in dtypes and (dtypes, out) != ({"bfloat16"}, "float32")):
+        raise ShapeError(f"gemm: mixed dtypes a {ir_dtype(a)}, b {ir_dtype(b)}, c {out} (only "
+                         "bfloat16 operands may give a float32 result)")
+    dtype = dtypes.pop()
     lay_b, align_b = _rowmajor_layout(b, "b")
     lay_a, align_a = _rowmajor_layout(a, "a")
     lay_c, align_c = _rowmajor_layout(c, "c")
     return GemmSpec(a=lay_b, b=lay_a, d=lay_c, trans_a=bool(trans_b), trans_b=bool(trans_a),
-                    batch=batch, dtype=dtypes.pop(), precision=precision, epilogue=epilogue,
-                    accumulate=accumulate, aux_ld=aux_ld, align=(align_b, align_a, align_c))
+                    batch=batch, dtype=dtype, precision=precision, epilogue=epilogue,
+                    accumulate=accumulate, aux_ld=aux_ld, align=(align_b, align_a, align_c),
+                    d_dtype=None if out == dtype else out)
 
 
 def matmul(ctx, a, b, c, *, trans_a: bool = False, trans_b: bool = False,
@@ -521,12 +557,20 @@ def matmul(ctx, a, b, c, *, trans_a: bool = False, trans_b: bool = False,
     if bias is not None:
         # BIAS, BGRADA: one entry per row of cuBLASLt's D (c's last axis); BGRADB: per column.
         length = spec.d.cols if epilogue == "BGRADB" else spec.d.rows
-        if bias.shape != (length,) or not _contiguous(bias) or str(bias.dtype) != spec.dtype:
-            raise ShapeError(f"gemm: epilogue {epilogue} needs a contiguous {spec.dtype} "
-                             f"vector of {length}, got {bias.dtype}{list(bias.shape)}")
+        if bias.shape != (length,) or not _contiguous(bias) or ir_dtype(bias) != spec.out_dtype:
+            raise ShapeError(f"gemm: epilogue {epilogue} needs a contiguous {spec.out_dtype} "
+                             f"vector of {length}, got {ir_dtype(bias)}{list(bias.shape)}")
+    if aux is not None and ir_dtype(aux) != spec.out_dtype:
+        raise ShapeError(f"gemm: epilogue {epilogue} aux must be {spec.out_dtype} like the "
+                         f"result, got {ir_dtype(aux)}")
     ctx.gemm.run(spec, ctx.stream.ptr, b.data.ptr, a.data.ptr, c.data.ptr,
                  bias.data.ptr if bias is not None else 0, aux.data.ptr if aux is not None else 0,
                  ctx=ctx)
+
+
+def ir_dtype(arr: Any) -> str:
+    """The IR dtype of a GEMM operand: uint16 storage is bfloat16 (ir/graph.py)."""
+    return _IR_DTYPES.get(str(arr.dtype), str(arr.dtype))
 
 
 def _contiguous(arr: Any) -> bool:

@@ -14,6 +14,12 @@ capture):
   label-smoothed forward. Without it a capture falls back to one block;
 - cross_entropy_grad: the kept rows' count (without it, each block counts the labels);
 - reduce_sum and act_bias_grad split over rows: the splits' float64 partial sums.
+
+precision="bf16": the dropout, reduce_sum and act_bias_grad kernels are templates on the
+element storage (ELEMENT_CTYPES: float32, or bfloat16 as uint16 raw bits), computing in float32
+and rounding each bf16 output once; the optimizer updates write the bf16 weight copies (attrs
+copies). `BF16_OPS` lists the ops of this module that take bf16 operands (compile/autocast.py
+check_bf16_support).
 """
 from __future__ import annotations
 
@@ -45,7 +51,12 @@ ACT_CODES = {"none": -1, "relu": 0, "leaky_relu": 1, "sigmoid": 2, "tanh": 3, "g
 LABEL_CTYPES = {np.dtype("int32"): "int", np.dtype("int64"): "long long"}
 FILL_CTYPES = {np.dtype("float32"): "float", np.dtype("float64"): "double",
                np.dtype("int32"): "int", np.dtype("int64"): "long long",
-               np.dtype("uint8"): "unsigned char"}
+               np.dtype("uint8"): "unsigned char", np.dtype("uint16"): "unsigned short"}
+# Storage -> C type of the kernels templated on their element type; uint16 is the storage of
+# IR dtype bfloat16 only (ir/graph.py storage_dtype), so it always means bf16 bits here.
+ELEMENT_CTYPES = {np.dtype("float32"): "float", np.dtype("uint16"): "unsigned short"}
+BF16_OPS = frozenset({"dropout", "dropout_grad", "reduce_sum", "act_bias_grad", "sgd_update",
+                      "adam_update"})
 
 
 # ---- shared helpers ------------------------------------------------------------------------
@@ -74,6 +85,19 @@ def _check_scalar(what: str, a, dtype: str) -> None:
     _check(what, a, dtype)
     if a.size != 1:
         raise ShapeError(f"{what}: expected a scalar, got shape {tuple(a.shape)}")
+
+
+def _element_ctype(what: str, a) -> str:
+    """The C type of a float32 or bf16 (uint16 bits) operand of a templated kernel."""
+    _check(what, a, dtype=None)
+    if a.dtype not in ELEMENT_CTYPES:
+        raise ShapeError(f"{what}: the cuda kernels take float32 or bfloat16, got {a.dtype}")
+    return ELEMENT_CTYPES[a.dtype]
+
+
+def _typed(name: str, ctype: str) -> str:
+    """The instantiation of kernel template `name` for element type `ctype`."""
+    return f"{name}<{ctype}>"
 
 
 def _check_int32(what: str, n: int) -> None:
@@ -172,14 +196,19 @@ def add_forward(ctx, a, b, c) -> None:
 
 
 def fill_forward(ctx, y, value) -> None:
-    """y[...] = value, for every stepgraph dtype."""
+    """y[...] = value, for every stepgraph dtype (uint16 storage: bfloat16, value rounded)."""
     _check("fill output", y, dtype=None)
     ctype = FILL_CTYPES.get(y.dtype)
     if ctype is None:
         raise ShapeError(f"fill: unsupported dtype {y.dtype}")
+    scalar = y.dtype.type(value)
+    if y.dtype == np.uint16:
+        from ..numpy import bf16   # the rounding rule every bf16 kernel uses
+
+        scalar = np.uint16(bf16.to_bits(np.float32(value)))
     if y.size:
         _launch(ctx, "elementwise.cu", f"fill_forward_kernel<{ctype}>", _grid(y.size), (BLOCK,),
-                (y, np.int64(y.size), y.dtype.type(value)))
+                (y, np.int64(y.size), scalar))
 
 
 def _dropout_constants(p: float) -> tuple[np.uint32, np.float32]:
@@ -202,9 +231,9 @@ def dropout_forward(ctx, x, step, y, mask, p: float, seed: int, site: int,
     threshold, scale = _dropout_constants(p)
     if not 0 <= site < 2**32:
         raise ValueError(f"dropout site must fit in 32 bits, got {site}")
-    _check("dropout input", x)
+    ctype = _element_ctype("dropout input", x)
     _check_scalar("dropout step", step, "int64")
-    _check("dropout output", y, shape=x.shape)
+    _check("dropout output", y, x.dtype, x.shape)
     _check("dropout mask", mask, "uint8", _mask_shape(x, per_channel))
     n = x.size
     if not n:
@@ -213,31 +242,56 @@ def dropout_forward(ctx, x, step, y, mask, p: float, seed: int, site: int,
     if per_channel:
         _check_int32("dropout per_channel", n)
         plane = n // mask.size
-        _launch(ctx, "elementwise.cu", "dropout_channel_forward_kernel", _grid(n), (BLOCK,),
+        name = _typed("dropout_channel_forward_kernel", ctype)
+        _launch(ctx, "elementwise.cu", name, _grid(n), (BLOCK,),
                 (x, step, y, mask, np.int32(n), np.int32(plane)) + key)
     else:
         vec = _aligned(x, y) and _aligned(mask, to=4)
-        _launch(ctx, "elementwise.cu", "dropout_forward_kernel", _grid((n + 3) // 4), (BLOCK,),
+        name = _typed("dropout_forward_kernel", ctype)
+        _launch(ctx, "elementwise.cu", name, _grid((n + 3) // 4), (BLOCK,),
                 (x, step, y, mask, np.int64(n)) + key + (np.int32(vec),))
 
 
 def dropout_backward(ctx, dy, mask, dx, p: float, per_channel: bool = False) -> None:
     """dx = dy * mask / (1 - p), the mask broadcast over each plane when per_channel."""
     _, scale = _dropout_constants(p)
-    _check("dropout_grad dy", dy)
+    ctype = _element_ctype("dropout_grad dy", dy)
     _check("dropout_grad mask", mask, "uint8", _mask_shape(dy, per_channel))
-    _check("dropout_grad dx", dx, shape=dy.shape)
+    _check("dropout_grad dx", dx, dy.dtype, dy.shape)
     n = dy.size
     if not n:
         return
     if per_channel:
         _check_int32("dropout_grad per_channel", n)
-        _launch(ctx, "elementwise.cu", "dropout_channel_backward_kernel", _grid(n), (BLOCK,),
+        name = _typed("dropout_channel_backward_kernel", ctype)
+        _launch(ctx, "elementwise.cu", name, _grid(n), (BLOCK,),
                 (dy, mask, dx, np.int32(n), np.int32(n // mask.size), scale))
     else:
         vec = _aligned(dy, dx) and _aligned(mask, to=4)
-        _launch(ctx, "elementwise.cu", "dropout_backward_kernel", _grid((n + 3) // 4), (BLOCK,),
+        name = _typed("dropout_backward_kernel", ctype)
+        _launch(ctx, "elementwise.cu", name, _grid((n + 3) // 4), (BLOCK,),
                 (dy, mask, dx, np.int64(n), scale, np.int32(vec)))
+
+
+def linear_bias_act(ctx, acc, bias, y, z, kind: str, slope: float = 0.01) -> None:
+    """The bf16 linear's epilogue from its float32 GEMM result acc (N, M): z = acc + bias
+    (bias (M,) or None), y = kind(z); y and z (None: not saved) bf16, each rounded once
+    (linear.py runs it where cuBLASLt has no epilogue for the activation)."""
+    code = _act_code(kind)
+    _check("linear acc", acc)
+    if acc.ndim != 2:
+        raise ShapeError(f"linear acc: expected (N, M), got {tuple(acc.shape)}")
+    ctype = _element_ctype("linear output", y)
+    _check("linear output", y, y.dtype, acc.shape)
+    if z is not None:
+        _check("linear preactivation", z, y.dtype, acc.shape)
+    if bias is not None:
+        _check("linear bias", bias, y.dtype, (acc.shape[1],))
+    if acc.size:
+        name = _typed("linear_bias_act_kernel", ctype)
+        _launch(ctx, "elementwise.cu", name, _grid(acc.size), (BLOCK,),
+                (acc, _or_null(bias), y, _or_null(z), np.int64(acc.size),
+                 np.int32(acc.shape[1]), np.int32(code), np.float32(slope)))
 
 
 # ---- reduce.cu -----------------------------------------------------------------------------
@@ -263,14 +317,16 @@ def _column_partials(node: Node, ctx, cols: int, splits: int):
 def _launch_columns(ctx, node: Node, name: str, rows: int, cols: int, out, arrays: tuple,
                     scalars: tuple) -> None:
     """A column kernel (rows summed per column into `out`), args = arrays, the partials,
-    scalars; with row splits, then the in-order sum of the splits' partials."""
+    scalars; with row splits, then the in-order sum of the splits' partials. `name` is the
+    template's name; both take out's element type."""
+    ctype = ELEMENT_CTYPES[out.dtype]
     splits = _column_splits(rows, cols)
     partial = _column_partials(node, ctx, cols, splits)
-    _launch(ctx, "reduce.cu", name, ((cols + 31) // 32, splits), COLUMN_BLOCK,
+    _launch(ctx, "reduce.cu", _typed(name, ctype), ((cols + 31) // 32, splits), COLUMN_BLOCK,
             arrays + (partial,) + scalars)
     if splits > 1:
-        _launch(ctx, "reduce.cu", "reduce_sum_splits_kernel", _grid(cols), (BLOCK,),
-                (partial, out, np.int32(cols), np.int32(splits)))
+        _launch(ctx, "reduce.cu", _typed("reduce_sum_splits_kernel", ctype), _grid(cols),
+                (BLOCK,), (partial, out, np.int32(cols), np.int32(splits)))
 
 
 def reduce_sum_columns(ctx, node: Node, x, y, rows: int, cols: int) -> None:
@@ -284,15 +340,16 @@ def reduce_sum_planes(ctx, node: Node, x, y, outer: int, mid: int, inner: int) -
     plane and split of the outer rows, then (several splits) one launch adding the splits'
     float64 partial sums in order, from the node's own memory."""
     splits = max(1, min(PLANE_TARGET_BLOCKS // max(mid, 1), outer))
-    partial = y
+    ctype = ELEMENT_CTYPES[y.dtype]
+    partial = np.uint64(0)
     if splits > 1:
         partial = _node_memory(node, ("reduce_sum", mid, splits), ctx,
                                lambda: cp.empty(mid * splits, np.float64))
-    _launch(ctx, "reduce.cu", "reduce_sum_planes_kernel", (mid, splits), (BLOCK,),
-            (x, y, partial, np.int32(outer), np.int32(mid), np.int32(inner)))
+    _launch(ctx, "reduce.cu", _typed("reduce_sum_planes_kernel", ctype), (mid, splits),
+            (BLOCK,), (x, y, partial, np.int32(outer), np.int32(mid), np.int32(inner)))
     if splits > 1:
-        _launch(ctx, "reduce.cu", "reduce_sum_splits_kernel", _grid(mid), (BLOCK,),
-                (partial, y, np.int32(mid), np.int32(splits)))
+        _launch(ctx, "reduce.cu", _typed("reduce_sum_splits_kernel", ctype), _grid(mid),
+                (BLOCK,), (partial, y, np.int32(mid), np.int32(splits)))
 
 
 def _reduced_axes(shape: tuple, axes) -> list[int]:
@@ -341,16 +398,16 @@ def reduce_sum_strided(ctx, x, y, axes) -> None:
     """y = x.sum(axis=axes) for any axes: a thread per output element walking the reduced
     elements in order (the fallback when the kept axes are not contiguous)."""
     args = [np.int32(v) for part in _strided_reduction(tuple(x.shape), axes) for v in part]
-    _launch(ctx, "reduce.cu", "reduce_sum_strided_kernel", _grid(y.size), (BLOCK,),
-            (x, y, np.int32(y.size), *args))
+    name = _typed("reduce_sum_strided_kernel", ELEMENT_CTYPES[y.dtype])
+    _launch(ctx, "reduce.cu", name, _grid(y.size), (BLOCK,), (x, y, np.int32(y.size), *args))
 
 
 def reduce_sum_forward(ctx, node: Node, x, y, axes) -> None:
     """y = x.sum(axis=axes): column sums (bias grads), sums over (outer, inner) per kept
     index (axes (0, 2, 3) of NCHW: conv bias grads), or any other axes (strided fallback)."""
-    _check("reduce_sum input", x)
+    _element_ctype("reduce_sum input", x)
     block = _kept_block(tuple(x.shape), axes)
-    _check("reduce_sum output", y)
+    _check("reduce_sum output", y, x.dtype)
     kept = math.prod(d for i, d in enumerate(x.shape)
                      if i not in _reduced_axes(tuple(x.shape), axes))
     if y.size != kept:
@@ -373,12 +430,12 @@ def act_bias_backward(ctx, node: Node, dy, saved, dz, db, kind: str,
                       slope: float = 0.01) -> None:
     """dz = dy * kind'(saved) (kind "none": dz = dy) and db = dz.sum(axis 0), in one pass."""
     code = _act_code(kind, allow_none=True)
-    _check("act_bias_grad dy", dy)
+    _element_ctype("act_bias_grad dy", dy)
     if dy.ndim != 2:
         raise ShapeError(f"act_bias_grad dy: expected (N, M), got {tuple(dy.shape)}")
-    _check("act_bias_grad saved", saved, shape=dy.shape)
-    _check("act_bias_grad dz", dz, shape=dy.shape)
-    _check("act_bias_grad db", db, shape=(dy.shape[1],))
+    _check("act_bias_grad saved", saved, dy.dtype, dy.shape)
+    _check("act_bias_grad dz", dz, dy.dtype, dy.shape)
+    _check("act_bias_grad db", db, dy.dtype, (dy.shape[1],))
     _check_int32("act_bias_grad", dy.size)
     rows, cols = dy.shape
     if cols:
@@ -668,13 +725,15 @@ def advance_step(ctx, step, schedule, loss, history_loss, history_step, lr) -> N
 
 
 def _update_groups(node: Node, ins: list):
-    """(lr, step, norm or None, params, grads, slots) of an update op's inputs (ops.py); a
-    guarded one's flags (attrs guard) come last, after the slots."""
+    """(lr, step, norm or None, params, grads, slots) of an update op's inputs (ops.py); the
+    bf16 weight copies (attrs copies) follow the slots, a guarded one's flags (attrs guard)
+    come last."""
     a = node.attrs
     n, k, s = a["n_params"], a["n_scalars"], a["n_slots"]
-    if k not in (2, 3) or len(ins) != k + (2 + s) * n + bool(a.get("guard")):
+    copies = len(a.get("copies", ()))
+    if k not in (2, 3) or len(ins) != k + (2 + s) * n + copies + bool(a.get("guard")):
         raise ShapeError(f"{node.op}: {len(ins)} inputs do not match n_params={n}, "
-                         f"n_scalars={k}, n_slots={s}")
+                         f"n_scalars={k}, n_slots={s}, {copies} bf16 copies")
     if k == 3 and a.get("max_norm") is None:
         raise ShapeError(f"{node.op}: a norm input needs attrs max_norm")
     slots = [ins[k + (2 + j) * n:k + (3 + j) * n] for j in range(s)]
@@ -703,17 +762,48 @@ def _hyperparameters(node: Node) -> list[tuple[float, ...]]:
     return list(zip(*columns))
 
 
-def _build_update_tables(op: str, params, grads, slots, hyper) -> dict:
+def _weight_copies(node: Node, ins: list) -> list[tuple[int, Any, Any]]:
+    """(parameter index, bf16 copy, transpose dims or None) of each weight copy of an update
+    (attrs copies, copy_dims: ops.py sgd_update), each copy checked against its parameter."""
+    a = node.attrs
+    indices = a.get("copies", ())
+    if not indices:
+        return []
+    n, k = a["n_params"], a["n_scalars"]
+    first = k + (2 + a["n_slots"]) * n
+    dims_of = a.get("copy_dims") or (None,) * len(indices)
+    found = []
+    for j, (i, dims) in enumerate(zip(indices, dims_of)):
+        p, copy = ins[k + i], ins[first + j]
+        _check(f"{node.op} bf16 copy {j}", copy, "uint16")
+        if copy.size != p.size:
+            raise ShapeError(f"{node.op} bf16 copy {j}: {tuple(copy.shape)} does not hold "
+                             f"parameter {i} {tuple(p.shape)}")
+        if dims is not None and (sorted(dims) != list(range(p.ndim)) or p.ndim > 4):
+            raise ShapeError(f"{node.op} bf16 copy {j}: copy_dims {dims} is no permutation of "
+                             f"a parameter of at most 4 dims {tuple(p.shape)}")
+        if dims is not None and tuple(dims) == tuple(range(p.ndim)):
+            dims = None              # the identity: the same element order
+        found.append((i, copy, None if dims is None else tuple(dims)))
+    return found
+
+
+def _build_update_tables(op: str, params, grads, slots, hyper, copies) -> dict:
+    """The update kernels' UpdateEntry rows and (parameter, chunk) jobs. copies: {parameter
+    index: its bf16 copy in the parameter's element order}, written by the update itself."""
     rows = []
     for i, (p, g) in enumerate(zip(params, grads)):
         tensors = [p, g] + [group[i] for group in slots]
         for what, t in zip(("param", "grad", "slot 0", "slot 1"), tensors):
             _check(f"{op} {what} {i}", t, shape=p.shape)
         ptrs = [t.data.ptr for t in tensors] + [0] * (4 - len(tensors))
+        copy = copies.get(i)
+        ptrs.append(0 if copy is None else copy.data.ptr)
+        aligned = _aligned(*tensors, *([] if copy is None else [copy]))
         doubles = np.array(hyper[i], dtype=np.float64).view(np.int64).tolist()
-        rows.append(ptrs + [p.size, int(_aligned(*tensors))] + doubles)
+        rows.append(ptrs + [p.size, int(aligned)] + doubles)
     jobs = _chunk_jobs([p.size for p in params])
-    width = 6 + len(UPDATE_HYPERPARAMETERS)
+    width = 7 + len(UPDATE_HYPERPARAMETERS)
     return dict(entries=cp.asarray(np.array(rows, dtype=np.int64).reshape(-1, width)),
                 jobs=cp.asarray(jobs))
 
@@ -725,8 +815,9 @@ def _update_tables(node: Node, ins: list, ctx):
     if norm is not None:
         _check_scalar(f"{node.op} norm", norm, "float32")
     key = ("update",) + _buffers_key(ins)
+    in_order = {i: copy for i, copy, dims in _weight_copies(node, ins) if dims is None}
     tables = _node_memory(node, key, ctx, lambda: _build_update_tables(
-        node.op, params, grads, slots, _hyperparameters(node)))
+        node.op, params, grads, slots, _hyperparameters(node), in_order))
     clip = (norm if norm is not None else lr, np.int32(norm is not None),
             np.float64(node.attrs.get("max_norm") or 0.0))
     guard = np.uint64(0)   # null: no guard; else the step's flags, whose [1] says skip
@@ -735,6 +826,24 @@ def _update_tables(node: Node, ins: list, ctx):
         _check(f"{node.op} guard flags", guard, "int32", (2,))
     return tables, (tables["entries"], tables["jobs"], np.int32(UPDATE_CHUNK), lr, step) + clip \
         + (guard,)
+
+
+def _permuted_copies(ctx, node: Node, ins: list) -> None:
+    """After the update launch: the bf16 copies whose element order is a transpose of their
+    parameter's (attrs copy_dims), one small gather launch each (the others were written by
+    the update itself)."""
+    guard = ins[-1] if node.attrs.get("guard") else np.uint64(0)
+    k = node.attrs["n_scalars"]
+    for i, copy, dims in _weight_copies(node, ins):
+        if dims is None or not copy.size:
+            continue
+        p = ins[k + i]
+        elem = [st // p.itemsize for st in p.strides]
+        shape = [1] * (4 - p.ndim) + [p.shape[d] for d in dims]
+        strides = [0] * (4 - p.ndim) + [elem[d] for d in dims]
+        _launch(ctx, "optim.cu", "weight_copy_permute_kernel", _grid(copy.size), (BLOCK,),
+                (p, copy, np.int64(copy.size), *(np.int32(v) for v in shape[1:]),
+                 *(np.int64(v) for v in strides), guard))
 
 
 def sgd_update(ctx, node: Node, ins: list) -> None:
@@ -750,6 +859,7 @@ def sgd_update(ctx, node: Node, ins: list) -> None:
     args += (np.float32(momentum), np.float32(1.0 - float(a.get("dampening") or 0.0)),
              np.int32(bool(momentum)), np.int32(bool(a.get("nesterov"))))
     _launch(ctx, "optim.cu", "sgd_update_kernel", (len(tables["jobs"]),), (BLOCK,), args)
+    _permuted_copies(ctx, node, ins)
 
 
 def adam_update(ctx, node: Node, ins: list) -> None:
@@ -764,6 +874,7 @@ def adam_update(ctx, node: Node, ins: list) -> None:
     tables, args = _update_tables(node, ins, ctx)
     args += (np.float32(a["eps"]), np.int32(bool(a.get("decoupled"))))
     _launch(ctx, "optim.cu", "adam_update_kernel", (len(tables["jobs"]),), (BLOCK,), args)
+    _permuted_copies(ctx, node, ins)
 
 
 # ---- the op table --------------------------------------------------------------------------
@@ -775,19 +886,25 @@ def kernel_names() -> dict[str, set[str]]:
     label = ("cross_entropy_count", "cross_entropy_forward", "cross_entropy_backward",
              "cross_entropy_train_short", "cross_entropy_train", "nll_loss_forward",
              "nll_loss_backward")
+    dropout = ("dropout_forward_kernel", "dropout_backward_kernel",
+               "dropout_channel_forward_kernel", "dropout_channel_backward_kernel")
+    reduce = ("reduce_sum_planes_kernel", "reduce_sum_splits_kernel",
+              "reduce_sum_strided_kernel", "reduce_sum_columns_kernel",
+              "act_bias_backward_kernel")
+    elements = ELEMENT_CTYPES.values()
     return {
         "elementwise.cu": {"act_forward_kernel", "act_backward_kernel", "add_forward_kernel",
-                           "dropout_forward_kernel", "dropout_backward_kernel",
-                           "dropout_channel_forward_kernel", "dropout_channel_backward_kernel"}
+                           _typed("linear_bias_act_kernel", "unsigned short")}
+        | {_typed(k, ctype) for k in dropout for ctype in elements}
         | {f"fill_forward_kernel<{ctype}>" for ctype in FILL_CTYPES.values()},
-        "reduce.cu": {"global_norm_forward_kernel", "reduce_sum_planes_kernel",
-                      "reduce_sum_splits_kernel", "reduce_sum_strided_kernel",
-                      "reduce_sum_columns_kernel", "act_bias_backward_kernel"},
+        "reduce.cu": {"global_norm_forward_kernel"}
+        | {_typed(k, ctype) for k in reduce for ctype in elements},
         "loss.cu": {"log_softmax_forward_kernel", "log_softmax_backward_kernel",
                     "mse_forward_kernel", "mse_backward_kernel"}
         | {f"{k}_kernel<{ctype}>" for k in label for ctype in LABEL_CTYPES.values()},
         "optim.cu": {"adam_update_kernel", "advance_step_kernel", "lr_schedule_kernel",
-                     "record_loss_kernel", "sgd_update_kernel", "step_increment_kernel"},
+                     "record_loss_kernel", "sgd_update_kernel", "step_increment_kernel",
+                     "weight_copy_permute_kernel"},
     }
 
 

@@ -11,6 +11,13 @@ Backward GEMMs arrive as matmul nodes (autodiff/rules.py) and need no copies eit
 Products of at most small_matmul.SMALL_MACS multiply-adds go to the small-GEMM kernel. In fp32
 the others have a second candidate, small_matmul's tiled kernel (64 x 64 tiles, k split over
 blocks), timed against cuBLASLt once per problem (`_run_fastest`, autotune.py).
+
+bfloat16 (precision="bf16", operands as uint16 bits): cuBLASLt only (gemm.py: float32
+accumulation and epilogue, D rounded once). A linear whose activation has no cuBLASLt epilogue
+(exact gelu, or relu with its pre-activation saved) runs its GEMM into a float32 scratch of the
+node and then launchers.linear_bias_act, so that y and z are each rounded once from float32 (the
+BIAS epilogue into bf16 z, then the activation of that, would round y twice). The autotuner's
+key holds the operands' dtypes.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ from .small_matmul import is_small, small_matmul_forward, tile_matmul_forward, t
 # gelu takes the BIAS epilogue and the activation kernel. Set False to run gelu_tanh through
 # the kernel too (if the epilogue's tanh differs from the reference by more than wanted).
 GELU_TANH_IN_EPILOGUE = True
+BF16_OPS = frozenset({"linear", "matmul"})
 
 
 def _slope(attrs: dict) -> float:
@@ -82,13 +90,13 @@ def linear_forward(node, ins, outs, ctx) -> None:
     if x.dtype == "float32" and is_small(x.shape[0], w.shape[0], x.shape[1]):
         small_matmul_forward(ctx, x, w, y, trans_b=True, bias=bias, z=z, act=kind, slope=slope)
         return
-    paths = {"cublaslt": lambda: _linear_cublaslt(ctx, x, w, y, z, bias, kind, slope)}
+    paths = {"cublaslt": lambda: _linear_cublaslt(ctx, x, w, y, z, bias, kind, slope, node)}
     paths.update(_tile_paths(node, ctx, x, w, y, trans_a=False, trans_b=True, bias=bias, z=z,
                              act=kind, slope=slope))
     _run_fastest(node, ctx, (x, w, y) + tuple(o for o in (bias, z) if o is not None), paths)
 
 
-def _linear_cublaslt(ctx, x, w, y, z, bias, kind, slope) -> None:
+def _linear_cublaslt(ctx, x, w, y, z, bias, kind, slope, node=None) -> None:
     if kind is None:
         gemm.matmul(ctx, x, w, y, trans_b=True, epilogue=_epilogue("DEFAULT", bias), bias=bias)
         if z is not None:
@@ -102,10 +110,29 @@ def _linear_cublaslt(ctx, x, w, y, z, bias, kind, slope) -> None:
             return
         if z is not None and _gemm_fused(ctx, x, w, y, "GELU_AUX", bias, aux=z):
             return
+    if gemm.ir_dtype(y) == "bfloat16":
+        _linear_bf16_unfused(ctx, node, x, w, y, z, bias, kind, slope)
+        return
     # Otherwise: the GEMM with bias into z (or into y, then the activation in place).
     pre = y if z is None else z
     gemm.matmul(ctx, x, w, pre, trans_b=True, epilogue=_epilogue("DEFAULT", bias), bias=bias)
     _act_forward(ctx, pre, y, kind, slope)
+
+
+def _linear_bf16_unfused(ctx, node, x, w, y, z, bias, kind, slope) -> None:
+    """bf16 y = kind(x @ w.T + bias) (and z = x @ w.T + bias): the GEMM into the node's float32
+    scratch (bf16 A and B, float32 D), then bias, activation and both roundings in one
+    elementwise launch."""
+    import cupy as cp
+
+    from . import launchers  # imported on use: written beside this file, may import later
+
+    if node is None:
+        raise ValueError("linear: the bf16 unfused path needs its node (scratch memory)")
+    acc = launchers._node_memory(node, ("bf16_acc", y.shape), ctx,
+                                 lambda: cp.empty(y.shape, np.float32))
+    gemm.matmul(ctx, x, w, acc, trans_b=True)
+    launchers.linear_bias_act(ctx, acc, bias, y, z, kind, slope)
 
 
 def matmul_forward(node, ins, outs, ctx) -> None:

@@ -7,6 +7,13 @@ and an elementwise pass: deterministic, no float atomics. The partial sums (and 
 per-channel coefficients) live in device memory made once per node at its first eager call
 (launchers._node_memory): a captured graph must not allocate, and Executable warms up eagerly
 before capture. Launchers check their preconditions and launch on ctx.stream: no host sync.
+
+The activations (x, y, dy, dx, the fused ReLU's y) are float32 or bfloat16 (precision="bf16":
+uint16 raw bits; the pass kernels are templates over that storage, norm.cu), all of one
+dtype; the per-channel values stay float32 (torch's CUDA autocast runs batch_norm in the
+input's dtype with float32 weight, bias and statistics; compile/autocast.py). A bf16 kernel
+widens on load, computes exactly as the float32 one and rounds each output once, on store:
+the NumPy emulation's rounding point (NumpyBackend.run_node).
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ import numpy as np
 
 from ...errors import ShapeError
 from ...ir.graph import Node
+from .cast import CAST_CTYPES
 from .launchers import BLOCK, _aligned, _check, _check_int32, _check_scalar, _launch, \
     _node_memory, _or_null
 
@@ -34,6 +42,9 @@ APPLY_MIN_PER_SPLIT = BLOCK * 4   # packs an elementwise split takes at least
 STATS_MIN_ROWS = 256         # rows a columns stats split takes at least
 APPLY_MIN_ROWS = 64          # rows a columns elementwise split takes at least
 FINALIZE_BLOCK = 256
+# IR dtype -> (storage dtype, the pass kernels' template argument T)
+ACTIVATION_CTYPES = CAST_CTYPES
+BF16_OPS = frozenset({"batch_norm_train", "batch_norm_grad"})
 
 
 @dataclass(frozen=True)
@@ -89,19 +100,36 @@ def _layout(op: str, x, arrays) -> Layout:
 KINDS = ("stats", "forward", "grad_stats", "backward")    # the passes of norm.cu
 
 
-def pass_kernel(kind: str, layout: Layout) -> str:
-    """The norm.cu kernel of pass `kind` (KINDS) in `layout`."""
+def pass_kernel(kind: str, layout: Layout, ctype: str = "float") -> str:
+    """The norm.cu kernel of pass `kind` (KINDS) in `layout`, for activations of C type
+    `ctype` (ACTIVATION_CTYPES)."""
     if layout.columns:
-        return f"batch_norm_{kind}_columns_kernel"
-    return f"batch_norm_{kind}_planes{'_vec4' if layout.vec == 4 else ''}_kernel"
+        return f"batch_norm_{kind}_columns_kernel<{ctype}>"
+    return f"batch_norm_{kind}_planes{'_vec4' if layout.vec == 4 else ''}_kernel<{ctype}>"
+
+
+def _activation_ctype(op: str, **arrays) -> str:
+    """The C type of an op's activations (None entries absent): one storage dtype, float32 or
+    uint16 (bfloat16), for all of them, each a contiguous CuPy array."""
+    first = next(a for a in arrays.values() if a is not None)
+    for storage, ctype in ACTIVATION_CTYPES.values():
+        if getattr(first, "dtype", None) == np.dtype(storage):
+            break
+    else:
+        storage, ctype = "float32", "float"    # _check below says what was wrong
+    for what, arr in arrays.items():
+        if arr is not None:
+            _check(f"{op} {what}", arr, storage)
+    return ctype
 
 
 def _launch_pass(ctx, kind: str, layout: Layout, splits: tuple[int, int], block_rows: int,
-                 arrays: tuple) -> None:
+                 arrays: tuple, ctype: str) -> None:
     """One stats or elementwise pass of norm.cu over x in `layout` (kernel batch_norm_<kind>_
-    planes[_vec4] or _columns), `arrays` first, then the shape arguments."""
+    planes[_vec4] or _columns, for activations of C type ctype), `arrays` first, then the
+    shape arguments."""
     n_splits, per = splits
-    name = pass_kernel(kind, layout)
+    name = pass_kernel(kind, layout, ctype)
     if layout.columns:
         _launch(ctx, SOURCE, name, (-(-layout.c // COLUMN_TILE), n_splits),
                 (COLUMN_TILE, block_rows),
@@ -164,6 +192,7 @@ class TrainArrays:
     running_mean: Any = None
     running_var: Any = None
     tracked: Any = None
+    ctype: str = "float"     # of x and y (ACTIVATION_CTYPES)
 
 
 def _train_arrays(attrs: dict, ins: list, outs: list) -> TrainArrays:
@@ -179,8 +208,8 @@ def _train_arrays(attrs: dict, ins: list, outs: list) -> TrainArrays:
     if track:
         t.running_mean, t.running_var, t.tracked = ins[1 + 2 * affine:]
         _check_scalar("batch_norm_train num_batches_tracked", t.tracked, "int64")
-    _check("batch_norm_train input", t.x)
-    _check("batch_norm_train output", t.y, shape=t.x.shape)
+    t.ctype = _activation_ctype("batch_norm_train", input=t.x, output=t.y)
+    _check("batch_norm_train output", t.y, None, t.x.shape)
     _check_channels("batch_norm_train", t.x.shape[1] if t.x.ndim >= 2 else 0,
                     save_mean=t.save_mean, save_invstd=t.save_invstd, weight=t.weight,
                     bias=t.bias, running_mean=t.running_mean, running_var=t.running_var)
@@ -197,7 +226,7 @@ def batch_norm_train_forward(ctx, node: Node, ins: list, outs: list) -> None:
     layout = _layout("batch_norm_train", t.x, (t.x, t.y))
     stats = layout.stats_splits()
     scratch = _partials(node, ctx, layout, stats[0])
-    _launch_pass(ctx, "stats", layout, stats, STATS_ROWS, (t.x, scratch["partial"]))
+    _launch_pass(ctx, "stats", layout, stats, STATS_ROWS, (t.x, scratch["partial"]), t.ctype)
     momentum = a.get("momentum")
     _launch(ctx, SOURCE, "batch_norm_finalize_kernel", (1,), (FINALIZE_BLOCK,),
             (scratch["partial"], np.int32(stats[0]), np.int32(layout.c),
@@ -206,7 +235,7 @@ def batch_norm_train_forward(ctx, node: Node, ins: list, outs: list) -> None:
              np.float64(momentum or 0.0), np.int32(momentum is None)))
     _launch_pass(ctx, "forward", layout, layout.apply_splits(), APPLY_ROWS,
                  (t.x, t.y, t.save_mean, t.save_invstd, _or_null(t.weight), _or_null(t.bias),
-                  np.int32(relu)))
+                  np.int32(relu)), t.ctype)
 
 
 # ---- batch_norm_grad -----------------------------------------------------------------------
@@ -225,6 +254,7 @@ class GradArrays:
     dx: Any
     dweight: Any = None
     dbias: Any = None
+    ctype: str = "float"     # of dy, x, y and dx (ACTIVATION_CTYPES)
 
 
 def _grad_arrays(attrs: dict, ins: list, outs: list) -> GradArrays:
@@ -237,10 +267,10 @@ def _grad_arrays(attrs: dict, ins: list, outs: list) -> GradArrays:
                          f"and {len(outs)}")
     g = GradArrays(ins[0], ins[1], ins[2] if affine else None, ins[2 + affine],
                    ins[3 + affine], ins[4 + affine] if relu else None, *outs)
-    _check("batch_norm_grad dy", g.dy)
+    g.ctype = _activation_ctype("batch_norm_grad", dy=g.dy, x=g.x, dx=g.dx, y=g.y)
     for what, arr in (("x", g.x), ("dx", g.dx), ("y", g.y)):
         if arr is not None:
-            _check(f"batch_norm_grad {what}", arr, shape=g.dy.shape)
+            _check(f"batch_norm_grad {what}", arr, None, g.dy.shape)
     _check_channels("batch_norm_grad", g.dy.shape[1] if g.dy.ndim >= 2 else 0,
                     save_mean=g.mean, save_invstd=g.invstd, weight=g.weight,
                     dweight=g.dweight, dbias=g.dbias)
@@ -259,14 +289,14 @@ def batch_norm_grad_backward(ctx, node: Node, ins: list, outs: list) -> None:
     stats = layout.stats_splits()
     scratch = _partials(node, ctx, layout, stats[0], extra=3)
     _launch_pass(ctx, "grad_stats", layout, stats, STATS_ROWS,
-                 (g.dy, g.x, _or_null(g.y), g.mean, g.invstd, scratch["partial"]))
+                 (g.dy, g.x, _or_null(g.y), g.mean, g.invstd, scratch["partial"]), g.ctype)
     _launch(ctx, SOURCE, "batch_norm_grad_finalize_kernel", (-(-layout.c // FINALIZE_BLOCK),),
             (FINALIZE_BLOCK,),
             (scratch["partial"], np.int32(stats[0]), np.int32(layout.c),
              np.float64(layout.count), _or_null(g.weight), g.invstd, scratch["coef"],
              _or_null(g.dweight), _or_null(g.dbias)))
     _launch_pass(ctx, "backward", layout, layout.apply_splits(), APPLY_ROWS,
-                 (g.dy, g.x, _or_null(g.y), g.mean, g.invstd, scratch["coef"], g.dx))
+                 (g.dy, g.x, _or_null(g.y), g.mean, g.invstd, scratch["coef"], g.dx), g.ctype)
 
 
 # ---- names and the op table ----------------------------------------------------------------
@@ -275,8 +305,9 @@ def kernel_names() -> dict[str, set[str]]:
     """{.cu file: every kernel name this module may launch} (the NVRTC compile test)."""
     names = {"batch_norm_finalize_kernel", "batch_norm_grad_finalize_kernel"}
     for kind in KINDS:
-        names |= {f"batch_norm_{kind}_planes_kernel", f"batch_norm_{kind}_planes_vec4_kernel",
-                  f"batch_norm_{kind}_columns_kernel"}
+        for _, ctype in ACTIVATION_CTYPES.values():
+            names |= {pass_kernel(kind, Layout(1, 1, 4, columns, vec), ctype)
+                      for columns, vec in ((False, 1), (False, 4), (True, 1))}
     return {SOURCE: names}
 
 

@@ -5,6 +5,12 @@ Every op runs NCHW tensors, or channels-last ones (attrs layout "NHWC", compile/
 (N, H, W, C)) through the `_nhwc_` kernels, the same window code over the other layout
 (kernels/pool.cuh). Launchers check their preconditions and launch on ctx.stream: no host
 sync, no allocation.
+
+Every kernel is a template over the element storage: float32, or bfloat16 (precision="bf16":
+uint16 raw bits, ir/graph.py). bf16 values are widened on load, windows are summed (and
+divided) in float32 and each output is rounded to nearest even once, when stored: the NumPy
+emulation's rounding point (NumpyBackend.run_node), so max pooling and its gradient match it
+bit for bit. The indices stay int32; an op's float operands share one dtype.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import numpy as np
 from ...errors import ShapeError
 from ...ir.ops import layout_of, nchw_shape, stored_shape
 from .launchers import BLOCK, _check, _check_int32, _grid, _launch, _or_null
+from .cast import CAST_CTYPES
 
 SOURCE, MAX_SOURCE = "avgpool.cu", "pool.cu"
 WARP = 32
@@ -25,11 +32,30 @@ KERNELS = ("avgpool2d_forward_kernel", "avgpool2d_forward_nhwc_kernel",
 MAX_KERNELS = ("maxpool2d_forward_kernel", "maxpool2d_forward_nhwc_kernel",
                "maxpool2d_backward_kernel", "maxpool2d_backward_nhwc_kernel",
                "maxpool2d_backward_tiling_kernel", "maxpool2d_backward_tiling_nhwc_kernel")
+# IR dtype -> (storage dtype, the kernels' template argument T)
+POOL_CTYPES = CAST_CTYPES
+BF16_OPS = frozenset({"maxpool2d", "maxpool2d_grad", "avgpool2d", "avgpool2d_grad"})
 
 
 def kernel_names() -> dict[str, set[str]]:
     """{.cu file: every kernel name this module may launch} (the NVRTC compile test)."""
-    return {SOURCE: set(KERNELS), MAX_SOURCE: set(MAX_KERNELS)}
+    ctypes = [ctype for _, ctype in POOL_CTYPES.values()]
+    return {SOURCE: {f"{k}<{t}>" for k in KERNELS for t in ctypes},
+            MAX_SOURCE: {f"{k}<{t}>" for k in MAX_KERNELS for t in ctypes}}
+
+
+def _ctype(op: str, arrays: dict) -> str:
+    """The template argument of an op's kernels: its float operands' one storage dtype
+    (float32, or uint16 holding bfloat16), each checked to be a contiguous CuPy array."""
+    first = next(iter(arrays.values()))
+    for storage, ctype in POOL_CTYPES.values():
+        if getattr(first, "dtype", None) == np.dtype(storage):
+            break
+    else:
+        storage, ctype = "float32", "float"    # _check below says what was wrong
+    for what, a in arrays.items():
+        _check(f"{op} {what}", a, storage)
+    return ctype
 
 
 # ---- shapes --------------------------------------------------------------------------------
@@ -68,8 +94,9 @@ def _shapes(op: str, x_shape, kernel, stride, padding, layout: str):
         ((np.int32(xs[1]),) if nhwc else ())
 
 
-def _kernel(name: str, suffix: str) -> str:
-    return name.replace("_kernel", f"{suffix}_kernel")
+def _kernel(name: str, suffix: str, ctype: str = "float") -> str:
+    """The instantiation of kernel `name` for a layout suffix ("" or "_nhwc") and element T."""
+    return name.replace("_kernel", f"{suffix}_kernel") + f"<{ctype}>"
 
 
 # ---- max pooling (pool.cu) -----------------------------------------------------------------
@@ -78,15 +105,15 @@ def maxpool2d_forward(ctx, x, y, idx, kernel, stride, relu: bool = False, paddin
                       layout: str = "NCHW") -> None:
     """y = window maxima (relu: relu of them; padding is -inf), idx (int32) = plane-local
     h * W + w of each window's first maximum."""
-    _check("maxpool2d input", x)
+    ctype = _ctype("maxpool2d", {"input": x, "output": y})
     xs, ys, stored, suffix, extra = _shapes("maxpool2d", tuple(x.shape), kernel, stride,
                                             padding, layout)
-    _check("maxpool2d output", y, shape=stored)
+    _check("maxpool2d output", y, None, stored)
     _check("maxpool2d indices", idx, "int32", stored)
     _check_int32("maxpool2d", max(x.size, y.size))
     if y.size:
-        _launch(ctx, MAX_SOURCE, _kernel("maxpool2d_forward_kernel", suffix), _grid(y.size),
-                (BLOCK,), (x, y, idx, np.int32(relu)) + extra
+        _launch(ctx, MAX_SOURCE, _kernel("maxpool2d_forward_kernel", suffix, ctype),
+                _grid(y.size), (BLOCK,), (x, y, idx, np.int32(relu)) + extra
                 + _pool_args(xs, ys, kernel, stride, padding))
 
 
@@ -95,13 +122,14 @@ def maxpool2d_backward(ctx, dy, idx, dx, kernel, stride, y=None, padding=(0, 0),
     """dx = each dy added at its idx (windows may overlap: gathered, fixed order); with the
     fused ReLU's output y, only where y > 0. Windows that tile the input exactly (no
     padding) take the scatter kernel (a thread per window)."""
-    _check("maxpool2d_grad dx", dx)
+    ctype = _ctype("maxpool2d_grad",
+                   {"dx": dx, "dy": dy} | ({} if y is None else {"relu output": y}))
     xs, ys, stored, suffix, extra = _shapes("maxpool2d_grad", tuple(dx.shape), kernel, stride,
                                             padding, layout)
-    _check("maxpool2d_grad dy", dy, shape=stored)
+    _check("maxpool2d_grad dy", dy, None, stored)
     _check("maxpool2d_grad indices", idx, "int32", stored)
     if y is not None:
-        _check("maxpool2d_grad relu output", y, shape=stored)
+        _check("maxpool2d_grad relu output", y, None, stored)
     _check_int32("maxpool2d_grad", max(dx.size, dy.size))
     if not dx.size:
         return
@@ -109,11 +137,11 @@ def maxpool2d_backward(ctx, dy, idx, dx, kernel, stride, y=None, padding=(0, 0),
     h, w = xs[2:]
     if tuple(stride) == tuple(kernel) and h % kernel[0] == 0 and w % kernel[1] == 0 \
             and tuple(padding) == (0, 0):
-        _launch(ctx, MAX_SOURCE, _kernel("maxpool2d_backward_tiling_kernel", suffix),
+        _launch(ctx, MAX_SOURCE, _kernel("maxpool2d_backward_tiling_kernel", suffix, ctype),
                 _grid(dy.size), (BLOCK,), args)
     else:
-        _launch(ctx, MAX_SOURCE, _kernel("maxpool2d_backward_kernel", suffix), _grid(dx.size),
-                (BLOCK,), args)
+        _launch(ctx, MAX_SOURCE, _kernel("maxpool2d_backward_kernel", suffix, ctype),
+                _grid(dx.size), (BLOCK,), args)
 
 
 # ---- average pooling (avgpool.cu) ----------------------------------------------------------
@@ -122,35 +150,35 @@ def avgpool2d_forward(ctx, x, y, kernel, stride, padding=(0, 0),
                       count_include_pad: bool = True, layout: str = "NCHW") -> None:
     """y = window means of x (N, C, H, W), zero padding; the divisor counts the padding only
     with count_include_pad (PyTorch avg_pool2d, floor mode)."""
-    _check("avgpool2d input", x)
+    ctype = _ctype("avgpool2d", {"input": x, "output": y})
     xs, ys, stored, suffix, extra = _shapes("avgpool2d", tuple(x.shape), kernel, stride,
                                             padding, layout)
-    _check("avgpool2d output", y, shape=stored)
+    _check("avgpool2d output", y, None, stored)
     _check_int32("avgpool2d", max(x.size, y.size))
     if not y.size:
         return
     args = (x, y, np.int32(bool(count_include_pad))) + extra \
         + _pool_args(xs, ys, kernel, stride, padding)
     if kernel[0] * kernel[1] >= WARP_WINDOW and not suffix:
-        _launch(ctx, SOURCE, "avgpool2d_forward_warp_kernel", _grid(y.size * WARP),
-                (BLOCK,), args)
+        _launch(ctx, SOURCE, _kernel("avgpool2d_forward_warp_kernel", "", ctype),
+                _grid(y.size * WARP), (BLOCK,), args)
     else:
-        _launch(ctx, SOURCE, _kernel("avgpool2d_forward_kernel", suffix), _grid(y.size),
-                (BLOCK,), args)
+        _launch(ctx, SOURCE, _kernel("avgpool2d_forward_kernel", suffix, ctype),
+                _grid(y.size), (BLOCK,), args)
 
 
 def avgpool2d_backward(ctx, dy, dx, kernel, stride, padding=(0, 0),
                        count_include_pad: bool = True, layout: str = "NCHW") -> None:
     """dx = avgpool2d's gradient: each dy / its divisor spread over its window, gathered per
     input element (fixed order, no atomics)."""
-    _check("avgpool2d_grad dx", dx)
+    ctype = _ctype("avgpool2d_grad", {"dx": dx, "dy": dy})
     xs, ys, stored, suffix, extra = _shapes("avgpool2d_grad", tuple(dx.shape), kernel, stride,
                                             padding, layout)
-    _check("avgpool2d_grad dy", dy, shape=stored)
+    _check("avgpool2d_grad dy", dy, None, stored)
     _check_int32("avgpool2d_grad", max(dx.size, dy.size))
     if dx.size:
-        _launch(ctx, SOURCE, _kernel("avgpool2d_backward_kernel", suffix), _grid(dx.size),
-                (BLOCK,), (dy, dx, np.int32(bool(count_include_pad))) + extra
+        _launch(ctx, SOURCE, _kernel("avgpool2d_backward_kernel", suffix, ctype),
+                _grid(dx.size), (BLOCK,), (dy, dx, np.int32(bool(count_include_pad))) + extra
                 + _pool_args(xs, ys, kernel, stride, padding))
 
 

@@ -24,6 +24,7 @@ from stepgraph.bench.workloads import (
     Workload,
     named_parameters,
 )
+from stepgraph.errors import UnsupportedPrecisionError
 
 # Ops that only move data between layouts: with channels-last convolutions (compile/layout.py),
 # the input's conversion and the conv weights' permutes to (O, kh, kw, C) and back.
@@ -162,8 +163,8 @@ def _release(device: str) -> None:
 
 
 def _prepare(spec: RunSpec, graph: bool) -> PreparedStep:
-    if spec.precision not in ("fp32", "tf32"):
-        raise Unsupported(f"stepgraph has no {spec.precision} yet (fp32 and tf32 only)")
+    if spec.precision not in ("fp32", "tf32", "bf16"):
+        raise Unsupported(f"stepgraph has no {spec.precision}")
     import stepgraph as sg
     xp = _array_module(spec.device)
     memory = _memory_reader(spec.device)
@@ -176,6 +177,11 @@ def _prepare(spec: RunSpec, graph: bool) -> PreparedStep:
                                  example_inputs=batches[0], device=spec.device, graph=graph,
                                  seed=spec.seed, precision=spec.precision,
                                  deterministic=deterministic)
+
+    try:                # a bf16 plan holding an op without a bf16 kernel is refused here
+        step.executable(step.signature)
+    except UnsupportedPrecisionError as error:
+        raise Unsupported(str(error).splitlines()[0]) from error
 
     def run_step(i: int):
         return step(*batches[i])

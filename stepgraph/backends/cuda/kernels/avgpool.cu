@@ -5,6 +5,9 @@
 // element (dy / divisor over the windows holding it, row-major window order): no atomics, a
 // fixed order. NCHW kernels and channels-last (_nhwc_, with C) ones: the same code (pool.cuh
 // layouts). Launchers keep sizes < 2^31. Shapes and windows: pool.cuh.
+// Templates over the element storage T: float, or unsigned short (bfloat16 bits, bf16.cuh):
+// loaded as float, summed and divided in float, rounded once on store.
+#include "bf16.cuh"
 #include "pool.cuh"
 #include "reduce.cuh"
 
@@ -16,8 +19,8 @@ __device__ __forceinline__ int window_divisor(const PoolShape& s, const Window& 
 
 // A thread per output: the window summed in row-major order. Channels-last outputs of
 // consecutive threads are consecutive channels: their loads coalesce, also for global pooling.
-template <bool NHWC>
-__device__ __forceinline__ void avgpool2d_forward(const float* x, float* y,
+template <bool NHWC, typename T>
+__device__ __forceinline__ void avgpool2d_forward(const T* x, T* y,
                                                   int count_include_pad, int C,
                                                   const PoolShape& s) {
     const long long total = (long long)s.planes * s.Ho * s.Wo;
@@ -30,28 +33,31 @@ __device__ __forceinline__ void avgpool2d_forward(const float* x, float* y,
         float acc = 0.f;
         for (int h = win.h0; h < win.h1; ++h)
             for (int w = win.w0; w < win.w1; ++w)
-                acc += x[plane.base + (long long)(h * s.W + w) * plane.step];
-        y[g] = acc / (float)window_divisor(s, win, count_include_pad);
+                acc += load_as_float(x, plane.base + (long long)(h * s.W + w) * plane.step);
+        store_from_float(y, g, acc / (float)window_divisor(s, win, count_include_pad));
     }
 }
 
-extern "C" __global__ void avgpool2d_forward_kernel(const float* x, float* y,
-                                                    int count_include_pad, POOL_SHAPE_ARGS) {
+template <typename T>
+__global__ void avgpool2d_forward_kernel(const T* x, T* y,
+                                         int count_include_pad, POOL_SHAPE_ARGS) {
     avgpool2d_forward<false>(x, y, count_include_pad, 1, POOL_SHAPE_INIT);
 }
 
-extern "C" __global__ void avgpool2d_forward_nhwc_kernel(const float* x, float* y,
-                                                         int count_include_pad, int C,
-                                                         POOL_SHAPE_ARGS) {
+template <typename T>
+__global__ void avgpool2d_forward_nhwc_kernel(const T* x, T* y,
+                                              int count_include_pad, int C,
+                                              POOL_SHAPE_ARGS) {
     avgpool2d_forward<true>(x, y, count_include_pad, C, POOL_SHAPE_INIT);
 }
 
 // A warp per output, for large windows over NCHW planes (global average pooling: one 7x7 or
 // 8x8 window per plane): the lanes read the window's rows together (coalesced) instead of one
 // thread walking it, and combine their float sums with a fixed butterfly.
-extern "C" __global__ void avgpool2d_forward_warp_kernel(const float* x, float* y,
-                                                         int count_include_pad,
-                                                         POOL_SHAPE_ARGS) {
+template <typename T>
+__global__ void avgpool2d_forward_warp_kernel(const T* x, T* y,
+                                              int count_include_pad,
+                                              POOL_SHAPE_ARGS) {
     const PoolShape s = POOL_SHAPE_INIT;
     const long long total = (long long)planes * Ho * Wo;
     const int lane = threadIdx.x & 31;
@@ -61,22 +67,23 @@ extern "C" __global__ void avgpool2d_forward_warp_kernel(const float* x, float* 
         const int o = (int)g;
         const int wo = o % Wo, t = o / Wo;
         const int ho = t % Ho, p = t / Ho;
-        const float* plane = x + (long long)p * H * W;
+        const T* plane = x + (long long)p * H * W;
         const Window win = clipped_window(s, ho, wo);
         const int width = win.w1 - win.w0, count = (win.h1 - win.h0) * width;
         float acc = 0.f;
         for (int e = lane; e < count; e += 32) {
             const int r = e / width;
-            acc += plane[(win.h0 + r) * W + win.w0 + (e - r * width)];
+            acc += load_as_float(plane, (win.h0 + r) * W + win.w0 + (e - r * width));
         }
         acc = warp_sum(acc);
-        if (lane == 0) y[o] = acc / (float)window_divisor(s, win, count_include_pad);
+        if (lane == 0)
+            store_from_float(y, o, acc / (float)window_divisor(s, win, count_include_pad));
     }
 }
 
 // dx[p, h, w] = sum of dy[o] / divisor(o) over the windows o holding (h, w), row-major.
-template <bool NHWC>
-__device__ __forceinline__ void avgpool2d_backward(const float* dy, float* dx,
+template <bool NHWC, typename T>
+__device__ __forceinline__ void avgpool2d_backward(const T* dy, T* dx,
                                                    int count_include_pad, int C,
                                                    const PoolShape& s) {
     const long long total = (long long)s.planes * s.H * s.W;
@@ -91,21 +98,23 @@ __device__ __forceinline__ void avgpool2d_backward(const float* dy, float* dx,
             for (int wo = span.wo_lo; wo <= span.wo_hi; ++wo) {
                 const int divisor = window_divisor(s, clipped_window(s, ho, wo),
                                                    count_include_pad);
-                acc += dy[plane.base + (long long)(ho * s.Wo + wo) * plane.step] /
+                acc += load_as_float(dy, plane.base + (long long)(ho * s.Wo + wo) * plane.step) /
                        (float)divisor;
             }
         }
-        dx[g] = acc;
+        store_from_float(dx, g, acc);
     }
 }
 
-extern "C" __global__ void avgpool2d_backward_kernel(const float* dy, float* dx,
-                                                     int count_include_pad, POOL_SHAPE_ARGS) {
+template <typename T>
+__global__ void avgpool2d_backward_kernel(const T* dy, T* dx,
+                                          int count_include_pad, POOL_SHAPE_ARGS) {
     avgpool2d_backward<false>(dy, dx, count_include_pad, 1, POOL_SHAPE_INIT);
 }
 
-extern "C" __global__ void avgpool2d_backward_nhwc_kernel(const float* dy, float* dx,
-                                                          int count_include_pad, int C,
-                                                          POOL_SHAPE_ARGS) {
+template <typename T>
+__global__ void avgpool2d_backward_nhwc_kernel(const T* dy, T* dx,
+                                               int count_include_pad, int C,
+                                               POOL_SHAPE_ARGS) {
     avgpool2d_backward<true>(dy, dx, count_include_pad, C, POOL_SHAPE_INIT);
 }

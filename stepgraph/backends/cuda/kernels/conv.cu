@@ -5,6 +5,7 @@
 // Every kernel handles one chunk of nb samples (pointers already offset to the chunk), is a
 // grid-stride loop over 64-bit indices, and writes each element it owns once: no atomics, so
 // results are deterministic.
+#include "bf16.cuh"
 
 struct Geometry {
     int C, H, W, kh, kw, sh, sw, ph, pw, Ho, Wo;
@@ -123,5 +124,20 @@ __global__ void conv2d_bias_act_kernel(T* __restrict__ y, const T* __restrict__ 
         T v = y[e];
         if (has_bias) v += bias[(e / P) % O];
         y[e] = relu && v < T(0) ? T(0) : v;
+    }
+}
+
+// bfloat16 y and bias (raw bits, bf16.cuh): the sum in float, y rounded to nearest even once
+// more on store (the convolution already rounded it: conv.py's module docstring says when).
+template <>
+__global__ void conv2d_bias_act_kernel<unsigned short>(unsigned short* __restrict__ y,
+                                                       const unsigned short* __restrict__ bias,
+                                                       long long total, int O, int P,
+                                                       int has_bias, int relu) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += stride) {
+        float v = bf16_to_float(y[e]);
+        if (has_bias) v += bf16_to_float(bias[(e / P) % O]);
+        y[e] = bf16_from_float(relu && v < 0.f ? 0.f : v);
     }
 }

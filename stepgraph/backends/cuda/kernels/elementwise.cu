@@ -1,7 +1,10 @@
 // Elementwise ops: activations and their gradients, add, fill, dropout (elementwise and
-// per-channel, Philox4x32-10 masks identical to the numpy backend's). float32 only.
-// Grid-stride loops over groups of 4 elements: a group is one float4 when the launcher says
-// every pointer is 16-byte aligned (`vec`), else 4 scalar accesses; y may alias x.
+// per-channel, Philox4x32-10 masks identical to the numpy backend's). float32, and for the
+// dropout kernels also bfloat16 (T = unsigned short, raw bits: bf16.cuh): loaded as float,
+// computed in float32, rounded to nearest even once on store, as the numpy emulation does.
+// Grid-stride loops over groups of 4 elements: a group is one vector access when the launcher
+// says every pointer is 16-byte aligned (`vec`), else 4 scalar accesses; y may alias x.
+#include "bf16.cuh"
 #include "elementwise.cuh"
 #include "philox.cuh"
 
@@ -76,53 +79,58 @@ template __global__ void fill_forward_kernel<int>(int*, long long, int);
 template __global__ void fill_forward_kernel<long long>(long long*, long long, long long);
 template __global__ void fill_forward_kernel<unsigned char>(unsigned char*, long long,
                                                             unsigned char);
+template __global__ void fill_forward_kernel<unsigned short>(unsigned short*, long long,
+                                                             unsigned short);  // bf16 bits
 
 // One Philox call gives the words of the 4 elements of a group (counter word 0 = i >> 2), so a
 // thread handles exactly one group. y = x * mask * scale with scale = float32(1 / (1 - p)).
-extern "C" __global__ void dropout_forward_kernel(const float* x, const long long* step,
-                                                  float* y, unsigned char* mask, long long n,
-                                                  unsigned long long seed, unsigned int site,
-                                                  unsigned int threshold, float scale, int vec) {
+template <typename T>
+__global__ void dropout_forward_kernel(const T* x, const long long* step, T* y,
+                                       unsigned char* mask, long long n,
+                                       unsigned long long seed, unsigned int site,
+                                       unsigned int threshold, float scale, int vec) {
     const long long t = *step;
     GRID_STRIDE_GROUPS(g, n) {
         const long long i = g << 2;
         const uint4 w = dropout_words((unsigned long long)g, site, t, seed);
-        const float k0 = dropout_keep(w.x, threshold) ? 1.f : 0.f;
-        const float k1 = dropout_keep(w.y, threshold) ? 1.f : 0.f;
-        const float k2 = dropout_keep(w.z, threshold) ? 1.f : 0.f;
-        const float k3 = dropout_keep(w.w, threshold) ? 1.f : 0.f;
+        const float keep[4] = {dropout_keep(w.x, threshold) ? 1.f : 0.f,
+                               dropout_keep(w.y, threshold) ? 1.f : 0.f,
+                               dropout_keep(w.z, threshold) ? 1.f : 0.f,
+                               dropout_keep(w.w, threshold) ? 1.f : 0.f};
         if (vec && i + 4 <= n) {
-            const float4 v = reinterpret_cast<const float4*>(x)[g];
-            reinterpret_cast<float4*>(y)[g] = make_float4(
-                __fmul_rn(__fmul_rn(v.x, k0), scale), __fmul_rn(__fmul_rn(v.y, k1), scale),
-                __fmul_rn(__fmul_rn(v.z, k2), scale), __fmul_rn(__fmul_rn(v.w, k3), scale));
+            float v[4];
+            load4_as_float(x, i, v);
+            for (int k = 0; k < 4; ++k) v[k] = __fmul_rn(__fmul_rn(v[k], keep[k]), scale);
+            store4_from_float(y, i, v);
             reinterpret_cast<uchar4*>(mask)[g] = make_uchar4(
-                (unsigned char)k0, (unsigned char)k1, (unsigned char)k2, (unsigned char)k3);
+                (unsigned char)keep[0], (unsigned char)keep[1], (unsigned char)keep[2],
+                (unsigned char)keep[3]);
         } else {
-            const float keep[4] = {k0, k1, k2, k3};
             for (int k = 0; k < 4 && i + k < n; ++k) {
-                y[i + k] = __fmul_rn(__fmul_rn(x[i + k], keep[k]), scale);
+                store_from_float(y, i + k,
+                                 __fmul_rn(__fmul_rn(load_as_float(x, i + k), keep[k]), scale));
                 mask[i + k] = (unsigned char)keep[k];
             }
         }
     }
 }
 
-extern "C" __global__ void dropout_backward_kernel(const float* dy, const unsigned char* mask,
-                                                   float* dx, long long n, float scale, int vec) {
+template <typename T>
+__global__ void dropout_backward_kernel(const T* dy, const unsigned char* mask, T* dx,
+                                        long long n, float scale, int vec) {
     GRID_STRIDE_GROUPS(g, n) {
         const long long i = g << 2;
         if (vec && i + 4 <= n) {
-            const float4 d = reinterpret_cast<const float4*>(dy)[g];
+            float d[4];
+            load4_as_float(dy, i, d);
             const uchar4 m = reinterpret_cast<const uchar4*>(mask)[g];
-            reinterpret_cast<float4*>(dx)[g] = make_float4(
-                __fmul_rn(__fmul_rn(d.x, (float)m.x), scale),
-                __fmul_rn(__fmul_rn(d.y, (float)m.y), scale),
-                __fmul_rn(__fmul_rn(d.z, (float)m.z), scale),
-                __fmul_rn(__fmul_rn(d.w, (float)m.w), scale));
+            const float keep[4] = {(float)m.x, (float)m.y, (float)m.z, (float)m.w};
+            for (int k = 0; k < 4; ++k) d[k] = __fmul_rn(__fmul_rn(d[k], keep[k]), scale);
+            store4_from_float(dx, i, d);
         } else {
             for (long long j = i; j < i + 4 && j < n; ++j)
-                dx[j] = __fmul_rn(__fmul_rn(dy[j], (float)mask[j]), scale);
+                store_from_float(dx, j, __fmul_rn(__fmul_rn(load_as_float(dy, j),
+                                                            (float)mask[j]), scale));
         }
     }
 }
@@ -130,27 +138,65 @@ extern "C" __global__ void dropout_backward_kernel(const float* dy, const unsign
 // Dropout2d: one mask element per (n, c) plane of `plane` elements; mask element m draws
 // Philox word m & 3 of group m >> 2. Each thread evaluates its element's plane decision, and
 // the thread of a plane's first element writes the mask. Launchers keep n below 2^31.
-extern "C" __global__ void dropout_channel_forward_kernel(
-        const float* x, const long long* step, float* y, unsigned char* mask, int n, int plane,
-        unsigned long long seed, unsigned int site, unsigned int threshold, float scale) {
+template <typename T>
+__global__ void dropout_channel_forward_kernel(const T* x, const long long* step, T* y,
+                                               unsigned char* mask, int n, int plane,
+                                               unsigned long long seed, unsigned int site,
+                                               unsigned int threshold, float scale) {
     const long long t = *step;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         const unsigned int m = (unsigned int)i / (unsigned int)plane;
         const uint4 w = dropout_words(m >> 2, site, t, seed);
         const float keep = dropout_keep(philox_word(w, m & 3u), threshold) ? 1.f : 0.f;
-        y[i] = __fmul_rn(__fmul_rn(x[i], keep), scale);
+        store_from_float(y, i, __fmul_rn(__fmul_rn(load_as_float(x, i), keep), scale));
         if ((unsigned int)i == m * (unsigned int)plane) mask[m] = (unsigned char)keep;
     }
 }
 
-extern "C" __global__ void dropout_channel_backward_kernel(const float* dy,
-                                                           const unsigned char* mask,
-                                                           float* dx, int n, int plane,
-                                                           float scale) {
+template <typename T>
+__global__ void dropout_channel_backward_kernel(const T* dy, const unsigned char* mask, T* dx,
+                                                int n, int plane, float scale) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         const float keep = (float)mask[(unsigned int)i / (unsigned int)plane];
-        dx[i] = __fmul_rn(__fmul_rn(dy[i], keep), scale);
+        store_from_float(dx, i, __fmul_rn(__fmul_rn(load_as_float(dy, i), keep), scale));
     }
 }
+
+// The bf16 linear's epilogue when cuBLASLt has none for its activation (exact gelu, ...):
+// acc (rows, cols) is the float32 GEMM result; z = acc + bias[col] in float32 (numpy: z =
+// x @ w.T, then z += b), y = act(z); y and, when z is not null, z are each rounded once from
+// those float32 values (rounding z first and taking act of that would round y twice).
+template <typename T>
+__global__ void linear_bias_act_kernel(const float* acc, const T* bias, T* y, T* z,
+                                       long long n, int cols, int kind, float slope) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        float v = acc[i];
+        if (bias) v = __fadd_rn(v, load_as_float(bias, i % cols));
+        if (z) store_from_float(z, i, v);
+        store_from_float(y, i, act_value(v, kind, slope));
+    }
+}
+
+// Explicit instantiations (float32 and bfloat16 storage): NVRTC compiles them without
+// name_expressions (CI test); launchers.py names them by the operands' storage.
+#define DROPOUT_INSTANTIATIONS(T)                                                          \
+    template __global__ void dropout_forward_kernel<T>(const T*, const long long*, T*,      \
+                                                       unsigned char*, long long,           \
+                                                       unsigned long long, unsigned int,    \
+                                                       unsigned int, float, int);           \
+    template __global__ void dropout_backward_kernel<T>(const T*, const unsigned char*, T*, \
+                                                        long long, float, int);             \
+    template __global__ void dropout_channel_forward_kernel<T>(                             \
+        const T*, const long long*, T*, unsigned char*, int, int, unsigned long long,       \
+        unsigned int, unsigned int, float);                                                 \
+    template __global__ void dropout_channel_backward_kernel<T>(                            \
+        const T*, const unsigned char*, T*, int, int, float);
+DROPOUT_INSTANTIATIONS(float)
+DROPOUT_INSTANTIATIONS(unsigned short)
+template __global__ void linear_bias_act_kernel<unsigned short>(const float*,
+                                                                const unsigned short*,
+                                                                unsigned short*, unsigned short*,
+                                                                long long, int, int, float);

@@ -10,6 +10,11 @@
 // along inner; float4 packs when inner % 4 == 0 and the pointers are 16-byte aligned) and
 // "columns" (inner == 1, x (N, C): 32 channels per block, threadIdx.x along C, coalesced).
 // Launchers keep sizes < 2^31.
+// The kernels are templates over the storage T of x, y, dy and dx: float, or unsigned short
+// (bfloat16 bits, bf16.cuh), widened on load and rounded to nearest even once on store; the
+// statistics, the per-channel values (mean, invstd, weight, bias, coef, running statistics,
+// dweight, dbias) and all arithmetic stay float32 / float64, as the NumPy emulation has them.
+#include "bf16.cuh"
 #include "reduce.cuh"
 
 #define COLUMN_TILE 32   // channels per block of the columns layout (blockDim.x)
@@ -22,27 +27,23 @@ struct Pack {
     float v[V];
 };
 
-template <int V>
-__device__ __forceinline__ Pack<V> load_pack(const float* p, long long at) {
+// Pack `at` (of V elements) of p, as float.
+template <int V, typename T>
+__device__ __forceinline__ Pack<V> load_pack(const T* p, long long at) {
     Pack<V> r;
-    if constexpr (V == 4) {
-        const float4 f = reinterpret_cast<const float4*>(p)[at];
-        r.v[0] = f.x;
-        r.v[1] = f.y;
-        r.v[2] = f.z;
-        r.v[3] = f.w;
-    } else {
-        r.v[0] = p[at];
-    }
+    if constexpr (V == 4)
+        load4_as_float(p, at * 4, r.v);
+    else
+        r.v[0] = load_as_float(p, at);
     return r;
 }
 
-template <int V>
-__device__ __forceinline__ void store_pack(float* p, long long at, const Pack<V>& r) {
+template <int V, typename T>
+__device__ __forceinline__ void store_pack(T* p, long long at, const Pack<V>& r) {
     if constexpr (V == 4)
-        reinterpret_cast<float4*>(p)[at] = make_float4(r.v[0], r.v[1], r.v[2], r.v[3]);
+        store4_from_float(p, at * 4, r.v);
     else
-        p[at] = r.v[0];
+        store_from_float(p, at, r.v[0]);
 }
 
 // Planes layout: calls f(at) for the packs of channel blockIdx.x in split blockIdx.y. The
@@ -138,8 +139,8 @@ __device__ __forceinline__ float bn_output(float v, float mean, float invstd, bo
 }
 
 // dy masked by the fused ReLU's output (y == nullptr: no ReLU).
-template <int V>
-__device__ __forceinline__ Pack<V> masked_dy(const float* dy, const float* y, long long at) {
+template <int V, typename T>
+__device__ __forceinline__ Pack<V> masked_dy(const T* dy, const T* y, long long at) {
     Pack<V> g = load_pack<V>(dy, at);
     if (y != nullptr) {
         const Pack<V> out = load_pack<V>(y, at);
@@ -158,8 +159,8 @@ __device__ __forceinline__ float bn_grad(float g, float xhat, float k, float a, 
 // ---- batch_norm_train ----------------------------------------------------------------------
 
 // Partial (sum x, sum x^2) per channel and split.
-template <int V>
-__device__ __forceinline__ void stats_planes(const float* x, double* partial, int C, int inner,
+template <int V, typename T>
+__device__ __forceinline__ void stats_planes(const T* x, double* partial, int C, int inner,
                                              int total, int per) {
     double s = 0.0, q = 0.0;
     walk_channel(C, inner, total, per, [&](long long at) {
@@ -174,23 +175,26 @@ __device__ __forceinline__ void stats_planes(const float* x, double* partial, in
     write_plane_partials(s, q, partial);
 }
 
-extern "C" __global__ void batch_norm_stats_planes_kernel(const float* x, double* partial,
-                                                          int C, int inner, int total, int per) {
+template <typename T>
+__global__ void batch_norm_stats_planes_kernel(const T* x, double* partial,
+                                               int C, int inner, int total, int per) {
     stats_planes<1>(x, partial, C, inner, total, per);
 }
 
-extern "C" __global__ void batch_norm_stats_planes_vec4_kernel(const float* x, double* partial,
-                                                               int C, int inner, int total,
-                                                               int per) {
+template <typename T>
+__global__ void batch_norm_stats_planes_vec4_kernel(const T* x, double* partial,
+                                                    int C, int inner, int total,
+                                                    int per) {
     stats_planes<4>(x, partial, C, inner, total, per);
 }
 
 // Grid (ceil(C / 32), splits) of (32, STATS_ROWS) threads.
-extern "C" __global__ void __launch_bounds__(COLUMN_TILE * STATS_ROWS)
-batch_norm_stats_columns_kernel(const float* x, double* partial, int N, int C, int per) {
+template <typename T>
+__global__ void __launch_bounds__(COLUMN_TILE * STATS_ROWS)
+batch_norm_stats_columns_kernel(const T* x, double* partial, int N, int C, int per) {
     double s = 0.0, q = 0.0;
     walk_column(N, C, per, [&](long long at) {
-        const double v = x[at];
+        const double v = load_as_float(x, at);
         s += v;
         q += v * v;
     });
@@ -235,8 +239,8 @@ extern "C" __global__ void batch_norm_finalize_kernel(const double* partial, int
 }
 
 // y = normalised x (weight == nullptr: no affine), ReLU when relu.
-template <int V>
-__device__ __forceinline__ void forward_planes(const float* x, float* y, const float* mean,
+template <int V, typename T>
+__device__ __forceinline__ void forward_planes(const T* x, T* y, const float* mean,
                                                const float* invstd, const float* weight,
                                                const float* bias, int relu, int C, int inner,
                                                int total, int per) {
@@ -252,37 +256,40 @@ __device__ __forceinline__ void forward_planes(const float* x, float* y, const f
     });
 }
 
-extern "C" __global__ void batch_norm_forward_planes_kernel(
-    const float* x, float* y, const float* mean, const float* invstd, const float* weight,
+template <typename T>
+__global__ void batch_norm_forward_planes_kernel(
+    const T* x, T* y, const float* mean, const float* invstd, const float* weight,
     const float* bias, int relu, int C, int inner, int total, int per) {
     forward_planes<1>(x, y, mean, invstd, weight, bias, relu, C, inner, total, per);
 }
 
-extern "C" __global__ void batch_norm_forward_planes_vec4_kernel(
-    const float* x, float* y, const float* mean, const float* invstd, const float* weight,
+template <typename T>
+__global__ void batch_norm_forward_planes_vec4_kernel(
+    const T* x, T* y, const float* mean, const float* invstd, const float* weight,
     const float* bias, int relu, int C, int inner, int total, int per) {
     forward_planes<4>(x, y, mean, invstd, weight, bias, relu, C, inner, total, per);
 }
 
 // Grid (ceil(C / 32), splits) of (32, rows) threads.
-extern "C" __global__ void batch_norm_forward_columns_kernel(
-    const float* x, float* y, const float* mean, const float* invstd, const float* weight,
+template <typename T>
+__global__ void batch_norm_forward_columns_kernel(
+    const T* x, T* y, const float* mean, const float* invstd, const float* weight,
     const float* bias, int relu, int N, int C, int per) {
     const int c = min(blockIdx.x * COLUMN_TILE + threadIdx.x, C - 1);   // loads stay in range
     const float mu = mean[c], is = invstd[c];
     const bool affine = weight != nullptr;
     const float w = affine ? weight[c] : 1.f, b = affine ? bias[c] : 0.f;
     walk_column(N, C, per, [&](long long at) {
-        y[at] = bn_output(x[at], mu, is, affine, w, b, relu);
+        store_from_float(y, at, bn_output(load_as_float(x, at), mu, is, affine, w, b, relu));
     });
 }
 
 // ---- batch_norm_grad -----------------------------------------------------------------------
 
 // Partial (sum g, sum g * xhat) per channel and split, g = dy masked by y > 0 (y != nullptr).
-template <int V>
-__device__ __forceinline__ void grad_stats_planes(const float* dy, const float* x,
-                                                  const float* y, const float* mean,
+template <int V, typename T>
+__device__ __forceinline__ void grad_stats_planes(const T* dy, const T* x,
+                                                  const T* y, const float* mean,
                                                   const float* invstd, double* partial, int C,
                                                   int inner, int total, int per) {
     const int c = blockIdx.x;
@@ -300,20 +307,23 @@ __device__ __forceinline__ void grad_stats_planes(const float* dy, const float* 
     write_plane_partials(s, sx, partial);
 }
 
-extern "C" __global__ void batch_norm_grad_stats_planes_kernel(
-    const float* dy, const float* x, const float* y, const float* mean, const float* invstd,
+template <typename T>
+__global__ void batch_norm_grad_stats_planes_kernel(
+    const T* dy, const T* x, const T* y, const float* mean, const float* invstd,
     double* partial, int C, int inner, int total, int per) {
     grad_stats_planes<1>(dy, x, y, mean, invstd, partial, C, inner, total, per);
 }
 
-extern "C" __global__ void batch_norm_grad_stats_planes_vec4_kernel(
-    const float* dy, const float* x, const float* y, const float* mean, const float* invstd,
+template <typename T>
+__global__ void batch_norm_grad_stats_planes_vec4_kernel(
+    const T* dy, const T* x, const T* y, const float* mean, const float* invstd,
     double* partial, int C, int inner, int total, int per) {
     grad_stats_planes<4>(dy, x, y, mean, invstd, partial, C, inner, total, per);
 }
 
-extern "C" __global__ void __launch_bounds__(COLUMN_TILE * STATS_ROWS)
-batch_norm_grad_stats_columns_kernel(const float* dy, const float* x, const float* y,
+template <typename T>
+__global__ void __launch_bounds__(COLUMN_TILE * STATS_ROWS)
+batch_norm_grad_stats_columns_kernel(const T* dy, const T* x, const T* y,
                                      const float* mean, const float* invstd, double* partial,
                                      int N, int C, int per) {
     const int c = min(blockIdx.x * COLUMN_TILE + threadIdx.x, C - 1);
@@ -322,7 +332,7 @@ batch_norm_grad_stats_columns_kernel(const float* dy, const float* x, const floa
     walk_column(N, C, per, [&](long long at) {
         const float g = masked_dy<1>(dy, y, at).v[0];
         s += (double)g;
-        sx += (double)g * (double)normalised(x[at], mu, is);
+        sx += (double)g * (double)normalised(load_as_float(x, at), mu, is);
     });
     write_column_partials(s, sx, partial, C);
 }
@@ -349,10 +359,10 @@ extern "C" __global__ void batch_norm_grad_finalize_kernel(const double* partial
     coef[3 * c + 2] = (float)(sx / count);
 }
 
-template <int V>
-__device__ __forceinline__ void backward_planes(const float* dy, const float* x, const float* y,
+template <int V, typename T>
+__device__ __forceinline__ void backward_planes(const T* dy, const T* x, const T* y,
                                                 const float* mean, const float* invstd,
-                                                const float* coef, float* dx, int C, int inner,
+                                                const float* coef, T* dx, int C, int inner,
                                                 int total, int per) {
     const int c = blockIdx.x;
     const float mu = mean[c], is = invstd[c];
@@ -366,26 +376,29 @@ __device__ __forceinline__ void backward_planes(const float* dy, const float* x,
     });
 }
 
-extern "C" __global__ void batch_norm_backward_planes_kernel(
-    const float* dy, const float* x, const float* y, const float* mean, const float* invstd,
-    const float* coef, float* dx, int C, int inner, int total, int per) {
+template <typename T>
+__global__ void batch_norm_backward_planes_kernel(
+    const T* dy, const T* x, const T* y, const float* mean, const float* invstd,
+    const float* coef, T* dx, int C, int inner, int total, int per) {
     backward_planes<1>(dy, x, y, mean, invstd, coef, dx, C, inner, total, per);
 }
 
-extern "C" __global__ void batch_norm_backward_planes_vec4_kernel(
-    const float* dy, const float* x, const float* y, const float* mean, const float* invstd,
-    const float* coef, float* dx, int C, int inner, int total, int per) {
+template <typename T>
+__global__ void batch_norm_backward_planes_vec4_kernel(
+    const T* dy, const T* x, const T* y, const float* mean, const float* invstd,
+    const float* coef, T* dx, int C, int inner, int total, int per) {
     backward_planes<4>(dy, x, y, mean, invstd, coef, dx, C, inner, total, per);
 }
 
-extern "C" __global__ void batch_norm_backward_columns_kernel(
-    const float* dy, const float* x, const float* y, const float* mean, const float* invstd,
-    const float* coef, float* dx, int N, int C, int per) {
+template <typename T>
+__global__ void batch_norm_backward_columns_kernel(
+    const T* dy, const T* x, const T* y, const float* mean, const float* invstd,
+    const float* coef, T* dx, int N, int C, int per) {
     const int c = min(blockIdx.x * COLUMN_TILE + threadIdx.x, C - 1);
     const float mu = mean[c], is = invstd[c];
     const float k = coef[3 * c], a = coef[3 * c + 1], b = coef[3 * c + 2];
     walk_column(N, C, per, [&](long long at) {
         const float g = masked_dy<1>(dy, y, at).v[0];
-        dx[at] = bn_grad(g, normalised(x[at], mu, is), k, a, b);
+        store_from_float(dx, at, bn_grad(g, normalised(load_as_float(x, at), mu, is), k, a, b));
     });
 }

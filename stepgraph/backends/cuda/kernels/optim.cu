@@ -4,6 +4,9 @@
 // they change. Formulas, operation order and rounding follow the numpy reference
 // (PyTorch's); __f*_rn keep the compiler from fusing a product and a sum into one FMA.
 // A guarded step (ops/guard.py) moves the counter and applies the update only when it passes.
+// precision="bf16": the update also writes each parameter's bf16 weight copy (attrs copies)
+// from the freshly updated float32 value, in the same pass (UpdateEntry.copy).
+#include "bf16.cuh"
 
 // step += 1 (int64 scalar state); one thread.
 extern "C" __global__ void step_increment_kernel(long long* step) {
@@ -109,6 +112,7 @@ struct UpdateEntry {
     const float* g;
     float* s0;  // SGD momentum buffer / Adam exp_avg
     float* s1;  // Adam exp_avg_sq
+    unsigned short* copy;  // bf16 weight copy of p, same element order (null: none)
     long long n;
     long long aligned;
     double lr_scale;  // the group's lr / the optimizer's lr (the schedule scales the latter)
@@ -146,12 +150,17 @@ __device__ __forceinline__ void update_chunk(const UpdateEntry* entries, const i
             element(p.z, g.z, a.z, b.z);
             element(p.w, g.w, a.w, b.w);
             *reinterpret_cast<float4*>(e.p + i) = p;
+            if (e.copy) {
+                const float q[4] = {p.x, p.y, p.z, p.w};
+                store4_from_float(e.copy, i, q);
+            }
             if (slots > 0) *reinterpret_cast<float4*>(e.s0 + i) = a;
             if (slots > 1) *reinterpret_cast<float4*>(e.s1 + i) = b;
         } else {
             for (long long j = i; j < i + 4 && j < end; ++j) {
                 float a = slots > 0 ? e.s0[j] : 0.f, b = slots > 1 ? e.s1[j] : 0.f;
                 element(e.p[j], e.g[j], a, b);
+                if (e.copy) store_from_float(e.copy, j, e.p[j]);
                 if (slots > 0) e.s0[j] = a;
                 if (slots > 1) e.s1[j] = b;
             }
@@ -262,4 +271,28 @@ extern "C" __global__ void adam_update_kernel(const UpdateEntry* entries, const 
     if (s.skip) return;
     update_chunk(entries, blocks, chunk, 2,
                  [&](float& p, float g, float& m, float& v) { adam_element(p, g, m, v, s); });
+}
+
+// A bf16 weight copy whose element order differs from its parameter's (attrs copy_dims: a conv
+// weight's channels-last copy): copy = bf16(p.transpose(dims)) in that transpose's row-major
+// order, launched right after the update kernel (a gather by index: awkward inside the
+// chunked, vectorised update loop). Dims of the transposed shape (?, o1, o2, o3), padded in
+// front with size 1; s0..s3 their strides in p (elements). A skipped (guarded) step writes
+// nothing, as the update.
+extern "C" __global__ void weight_copy_permute_kernel(const float* p, unsigned short* copy,
+                                                      long long n, int o1, int o2, int o3,
+                                                      long long s0, long long s1, long long s2,
+                                                      long long s3, const int* guard) {
+    if (skipped(guard)) return;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long q = i;
+        const long long i3 = q % o3;
+        q /= o3;
+        const long long i2 = q % o2;
+        q /= o2;
+        const long long i1 = q % o1;
+        const long long i0 = q / o1;
+        copy[i] = bf16_from_float(p[i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3]);
+    }
 }

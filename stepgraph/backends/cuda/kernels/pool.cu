@@ -5,12 +5,17 @@
 // (stride < kernel) need no atomics and sum in a fixed order. Launchers keep sizes < 2^31.
 // NCHW kernels and channels-last (_nhwc_, with C) ones: the same code (pool.cuh layouts).
 
+// Templates over the element storage T: float, or unsigned short (bfloat16 bits, bf16.cuh):
+// loaded as float, summed in float, rounded once on store (for max pooling the rounding is a
+// no-op: every output is an input).
+
 // With relu (the ReLU after the pool, fused) the forward stores relu(max) and the backward
 // adds only where that output is > 0. Shapes and windows: pool.cuh.
+#include "bf16.cuh"
 #include "pool.cuh"
 
-template <bool NHWC>
-__device__ __forceinline__ void maxpool2d_forward(const float* x, float* y, int* idx, int relu,
+template <bool NHWC, typename T>
+__device__ __forceinline__ void maxpool2d_forward(const T* x, T* y, int* idx, int relu,
                                                   int C, const PoolShape& s) {
     const long long total = (long long)s.planes * s.Ho * s.Wo;
     for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total;
@@ -21,11 +26,11 @@ __device__ __forceinline__ void maxpool2d_forward(const float* x, float* y, int*
         // The window clipped to the plane: padding is -inf, never a maximum over real values.
         const Window win = clipped_window(s, ho, wo);
         int best_at = win.h0 * s.W + win.w0;
-        float best = x[plane.base + (long long)best_at * plane.step];
+        float best = load_as_float(x, plane.base + (long long)best_at * plane.step);
         for (int h = win.h0; h < win.h1; ++h) {
             for (int w = win.w0; w < win.w1; ++w) {
                 const int at = h * s.W + w;
-                const float v = x[plane.base + (long long)at * plane.step];
+                const float v = load_as_float(x, plane.base + (long long)at * plane.step);
                 // Strictly greater keeps the first maximum; the first NaN wins, as argmax.
                 if (v > best || (v != v && best == best)) {
                     best = v;
@@ -33,26 +38,29 @@ __device__ __forceinline__ void maxpool2d_forward(const float* x, float* y, int*
                 }
             }
         }
-        y[g] = relu && !(best > 0.f || best != best) ? 0.f : best;   // NaN passes, as np.maximum
+        // NaN passes, as np.maximum
+        store_from_float(y, g, relu && !(best > 0.f || best != best) ? 0.f : best);
         idx[g] = best_at;
     }
 }
 
-extern "C" __global__ void maxpool2d_forward_kernel(const float* x, float* y, int* idx, int relu,
-                                                    POOL_SHAPE_ARGS) {
+template <typename T>
+__global__ void maxpool2d_forward_kernel(const T* x, T* y, int* idx, int relu,
+                                         POOL_SHAPE_ARGS) {
     maxpool2d_forward<false>(x, y, idx, relu, 1, POOL_SHAPE_INIT);
 }
 
-extern "C" __global__ void maxpool2d_forward_nhwc_kernel(const float* x, float* y, int* idx,
-                                                         int relu, int C, POOL_SHAPE_ARGS) {
+template <typename T>
+__global__ void maxpool2d_forward_nhwc_kernel(const T* x, T* y, int* idx,
+                                              int relu, int C, POOL_SHAPE_ARGS) {
     maxpool2d_forward<true>(x, y, idx, relu, C, POOL_SHAPE_INIT);
 }
 
 // dx[p, h, w] = sum of dy over the windows containing (h, w) whose argmax is (h, w), taken in
 // row-major window order: the order in which the numpy reference's np.add.at accumulates.
-template <bool NHWC>
-__device__ __forceinline__ void maxpool2d_backward(const float* dy, const int* idx,
-                                                   const float* y, float* dx, int C,
+template <bool NHWC, typename T>
+__device__ __forceinline__ void maxpool2d_backward(const T* dy, const int* idx,
+                                                   const T* y, T* dx, int C,
                                                    const PoolShape& s) {
     const long long total = (long long)s.planes * s.H * s.W;
     for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total;
@@ -69,24 +77,26 @@ __device__ __forceinline__ void maxpool2d_backward(const float* dy, const int* i
                 // Three independent loads, issued together (a short-circuit test would wait
                 // for idx before loading y, then for y before loading dy).
                 const int at = idx[o];
-                const float grad = dy[o];
-                const bool open = y == nullptr || y[o] > 0.f;
+                const float grad = load_as_float(dy, o);
+                const bool open = y == nullptr || load_as_float(y, o) > 0.f;
                 if (at == here && open) acc += grad;
             }
         }
-        dx[g] = acc;
+        store_from_float(dx, g, acc);
     }
 }
 
-extern "C" __global__ void maxpool2d_backward_kernel(const float* dy, const int* idx,
-                                                     const float* y, float* dx,
-                                                     POOL_SHAPE_ARGS) {
+template <typename T>
+__global__ void maxpool2d_backward_kernel(const T* dy, const int* idx,
+                                          const T* y, T* dx,
+                                          POOL_SHAPE_ARGS) {
     maxpool2d_backward<false>(dy, idx, y, dx, 1, POOL_SHAPE_INIT);
 }
 
-extern "C" __global__ void maxpool2d_backward_nhwc_kernel(const float* dy, const int* idx,
-                                                          const float* y, float* dx, int C,
-                                                          POOL_SHAPE_ARGS) {
+template <typename T>
+__global__ void maxpool2d_backward_nhwc_kernel(const T* dy, const int* idx,
+                                               const T* y, T* dx, int C,
+                                               POOL_SHAPE_ARGS) {
     maxpool2d_backward<true>(dy, idx, y, dx, C, POOL_SHAPE_INIT);
 }
 
@@ -96,9 +106,9 @@ extern "C" __global__ void maxpool2d_backward_nhwc_kernel(const float* dy, const
 // zero elsewhere: a quarter of the threads of the gather above for 2x2 windows, and dy, idx,
 // y read once.
 // 0 + dy as the gather's sum would give (-0 becomes +0, like the reference's np.add.at).
-template <bool NHWC>
-__device__ __forceinline__ void maxpool2d_backward_tiling(const float* dy, const int* idx,
-                                                          const float* y, float* dx, int C,
+template <bool NHWC, typename T>
+__device__ __forceinline__ void maxpool2d_backward_tiling(const T* dy, const int* idx,
+                                                          const T* y, T* dx, int C,
                                                           const PoolShape& s) {
     const long long total = (long long)s.planes * s.Ho * s.Wo;
     for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total;
@@ -106,26 +116,29 @@ __device__ __forceinline__ void maxpool2d_backward_tiling(const float* dy, const
         int p, ho, wo;
         element_of<NHWC>(g, s.Ho, s.Wo, C, p, ho, wo);
         const int at = idx[g];
-        const float grad = __fadd_rn(0.f, dy[g]);
-        const bool open = y == nullptr || y[g] > 0.f;
+        const float grad = __fadd_rn(0.f, load_as_float(dy, g));
+        const bool open = y == nullptr || load_as_float(y, g) > 0.f;
         const PlaneAt plane = plane_at<NHWC>(p, s.H, s.W, C);
         for (int i = 0; i < s.kh; ++i) {
             for (int j = 0; j < s.kw; ++j) {
                 const int here = (ho * s.kh + i) * s.W + wo * s.kw + j;
-                dx[plane.base + (long long)here * plane.step] = open && at == here ? grad : 0.f;
+                store_from_float(dx, plane.base + (long long)here * plane.step,
+                                 open && at == here ? grad : 0.f);
             }
         }
     }
 }
 
-extern "C" __global__ void maxpool2d_backward_tiling_kernel(const float* dy, const int* idx,
-                                                            const float* y, float* dx,
-                                                            POOL_SHAPE_ARGS) {
+template <typename T>
+__global__ void maxpool2d_backward_tiling_kernel(const T* dy, const int* idx,
+                                                 const T* y, T* dx,
+                                                 POOL_SHAPE_ARGS) {
     maxpool2d_backward_tiling<false>(dy, idx, y, dx, 1, POOL_SHAPE_INIT);
 }
 
-extern "C" __global__ void maxpool2d_backward_tiling_nhwc_kernel(const float* dy, const int* idx,
-                                                                 const float* y, float* dx,
-                                                                 int C, POOL_SHAPE_ARGS) {
+template <typename T>
+__global__ void maxpool2d_backward_tiling_nhwc_kernel(const T* dy, const int* idx,
+                                                      const T* y, T* dx,
+                                                      int C, POOL_SHAPE_ARGS) {
     maxpool2d_backward_tiling<true>(dy, idx, y, dx, C, POOL_SHAPE_INIT);
 }

@@ -2,6 +2,11 @@
 // gradients, any other axes through a strided fallback), the fused activation-gradient +
 // bias-gradient act_bias_grad, and global_norm over many tensors. Deterministic: each sum
 // has a fixed owner and a fixed combination order; partial sums are float64.
+// reduce_sum and act_bias_grad are templates on the element storage T: float, or unsigned
+// short for bfloat16 (bf16.cuh): inputs widened to float, sums in float64, each output
+// rounded to float32 and then to bf16 once, when it is stored (the numpy emulation sums the
+// float32 values and rounds the float32 sum: the two agree but for the order of the sum).
+#include "bf16.cuh"
 #include "elementwise.cuh"
 #include "reduce.cuh"
 
@@ -19,7 +24,8 @@ __device__ __forceinline__ void split_rows(int rows, int* begin, int* end) {
 // Each column's threads combine their row partials in a fixed order (y = 0, 1, ...). One
 // split writes out[col]; several write partial[col * splits + split] for
 // reduce_sum_splits_kernel to add in order.
-__device__ __forceinline__ void finish_columns(double acc, float* out, double* partial, int col,
+template <typename T>
+__device__ __forceinline__ void finish_columns(double acc, T* out, double* partial, int col,
                                                int cols) {
     __shared__ double part[COLUMN_ROWS][COLUMN_TILE + 1];
     part[threadIdx.y][threadIdx.x] = acc;
@@ -27,20 +33,21 @@ __device__ __forceinline__ void finish_columns(double acc, float* out, double* p
     if (threadIdx.y == 0 && col < cols) {
         double s = 0.0;
         for (int k = 0; k < COLUMN_ROWS; ++k) s += part[k][threadIdx.x];
-        if (gridDim.y == 1) out[col] = (float)s;
+        if (gridDim.y == 1) store_from_float(out, col, (float)s);
         else partial[(long long)col * gridDim.y + blockIdx.y] = s;
     }
 }
 
 // y[c] = sum_r x[r, c] for x (rows, cols). Grid: ceil(cols / 32) blocks of (32, 16) threads.
-extern "C" __global__ void __launch_bounds__(512)
-reduce_sum_columns_kernel(const float* x, float* y, double* partial, int rows, int cols) {
+template <typename T>
+__global__ void __launch_bounds__(512)
+reduce_sum_columns_kernel(const T* x, T* y, double* partial, int rows, int cols) {
     const int col = blockIdx.x * COLUMN_TILE + threadIdx.x;
     int r0, r1;
     split_rows(rows, &r0, &r1);
     double acc = 0.0;
     if (col < cols)
-        for (int r = r0 + threadIdx.y; r < r1; r += COLUMN_ROWS) acc += x[(long long)r * cols + col];
+        for (int r = r0 + threadIdx.y; r < r1; r += COLUMN_ROWS) acc += load_as_float(x, (long long)r * cols + col);
     finish_columns(acc, y, partial, col, cols);
 }
 
@@ -49,15 +56,16 @@ reduce_sum_columns_kernel(const float* x, float* y, double* partial, int rows, i
 // with several it writes partial[b * splits + s] and reduce_sum_splits_kernel adds them in
 // order (few planes, e.g. a conv's channels, cannot fill the GPU one block each).
 // Thread j walks the flat (a, c) index j, j + blockDim, ... with division-free increments.
-extern "C" __global__ void reduce_sum_planes_kernel(const float* x, float* y, double* partial,
-                                                    int outer, int mid, int inner) {
+template <typename T>
+__global__ void reduce_sum_planes_kernel(const T* x, T* y, double* partial, int outer, int mid,
+                                         int inner) {
     __shared__ double smem[32];
     const int b = blockIdx.x, splits = gridDim.y;
     const int da = blockDim.x / inner * splits, dc = blockDim.x % inner;
     int a = threadIdx.x / inner * splits + blockIdx.y, c = threadIdx.x % inner;
     double acc = 0.0;
     while (a < outer) {
-        acc += x[((long long)a * mid + b) * inner + c];
+        acc += load_as_float(x, ((long long)a * mid + b) * inner + c);
         a += da;
         c += dc;
         if (c >= inner) {
@@ -67,18 +75,18 @@ extern "C" __global__ void reduce_sum_planes_kernel(const float* x, float* y, do
     }
     acc = block_sum(acc, smem);
     if (threadIdx.x != 0) return;
-    if (splits == 1) y[b] = (float)acc;
+    if (splits == 1) store_from_float(y, b, (float)acc);
     else partial[b * splits + blockIdx.y] = acc;
 }
 
 // y[b] = sum over s of partial[b * splits + s], s ascending.
-extern "C" __global__ void reduce_sum_splits_kernel(const double* partial, float* y, int mid,
-                                                    int splits) {
+template <typename T>
+__global__ void reduce_sum_splits_kernel(const double* partial, T* y, int mid, int splits) {
     const int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= mid) return;
     double acc = 0.0;
     for (int s = 0; s < splits; ++s) acc += partial[b * splits + s];
-    y[b] = (float)acc;
+    store_from_float(y, b, (float)acc);
 }
 
 // y = x.sum(axes) for any axes (the fallback when the kept axes are not one contiguous run,
@@ -86,7 +94,8 @@ extern "C" __global__ void reduce_sum_splits_kernel(const double* partial, float
 // the reduced elements in row-major order (deterministic). The launcher collapses the kept axes
 // into at most 4 dims k0..k3 (sizes kn*, input strides ks*) and the reduced ones into at most 4
 // dims r0..r3 (rn*, rs*), outermost first, padded in front with size-1 dims.
-extern "C" __global__ void reduce_sum_strided_kernel(const float* x, float* y, int n,
+template <typename T>
+__global__ void reduce_sum_strided_kernel(const T* x, T* y, int n,
                                                      int kn0, int kn1, int kn2, int kn3,
                                                      int ks0, int ks1, int ks2, int ks3,
                                                      int rn0, int rn1, int rn2, int rn3,
@@ -98,25 +107,29 @@ extern "C" __global__ void reduce_sum_strided_kernel(const float* x, float* y, i
         const int i2 = q % kn2;
         q /= kn2;
         const int i1 = q % kn1;
-        const float* xo = x + ((long long)(q / kn1) * ks0 + (long long)i1 * ks1 +
+        const T* xo = x + ((long long)(q / kn1) * ks0 + (long long)i1 * ks1 +
                                (long long)i2 * ks2 + (long long)i3 * ks3);
         double acc = 0.0;
         for (int j0 = 0; j0 < rn0; ++j0)
             for (int j1 = 0; j1 < rn1; ++j1)
                 for (int j2 = 0; j2 < rn2; ++j2) {
-                    const float* xr = xo + ((long long)j0 * rs0 + (long long)j1 * rs1 +
+                    const T* xr = xo + ((long long)j0 * rs0 + (long long)j1 * rs1 +
                                             (long long)j2 * rs2);
-                    for (int j3 = 0; j3 < rn3; ++j3) acc += xr[(long long)j3 * rs3];
+                    for (int j3 = 0; j3 < rn3; ++j3)
+                        acc += load_as_float(xr, (long long)j3 * rs3);
                 }
-        y[o] = (float)acc;
+        store_from_float(y, o, (float)acc);
     }
 }
 
 // dz = dy * act'(saved) (kind ACT_NONE: dz = dy) and db = dz summed over rows, in one pass.
-// Same (32, 16) column layout as reduce_sum_columns_kernel.
-extern "C" __global__ void __launch_bounds__(512)
-act_bias_backward_kernel(const float* dy, const float* saved, float* dz, float* db,
-                         double* partial, int rows, int cols, int kind, float slope) {
+// Same (32, 16) column layout as reduce_sum_columns_kernel. In bf16, db sums the float32 dz
+// before dz is rounded for its store (the numpy emulation's order: dz.sum(0) of the float32
+// dz, both rounded when the node finishes).
+template <typename T>
+__global__ void __launch_bounds__(512)
+act_bias_backward_kernel(const T* dy, const T* saved, T* dz, T* db, double* partial, int rows,
+                         int cols, int kind, float slope) {
     const int col = blockIdx.x * COLUMN_TILE + threadIdx.x;
     int r0, r1;
     split_rows(rows, &r0, &r1);
@@ -124,14 +137,30 @@ act_bias_backward_kernel(const float* dy, const float* saved, float* dz, float* 
     if (col < cols) {
         for (int r = r0 + threadIdx.y; r < r1; r += COLUMN_ROWS) {
             const long long i = (long long)r * cols + col;
+            const float d = load_as_float(dy, i);
             const float v = kind == ACT_NONE
-                                ? dy[i] : __fmul_rn(dy[i], act_derivative(saved[i], kind, slope));
-            dz[i] = v;
+                ? d : __fmul_rn(d, act_derivative(load_as_float(saved, i), kind, slope));
+            store_from_float(dz, i, v);
             acc += v;
         }
     }
     finish_columns(acc, db, partial, col, cols);
 }
+
+// Explicit instantiations (float32 and bfloat16 storage): NVRTC compiles them without
+// name_expressions (CI test); launchers.py names them by the operands' storage.
+#define REDUCE_INSTANTIATIONS(T)                                                             \
+    template __global__ void reduce_sum_columns_kernel<T>(const T*, T*, double*, int, int);  \
+    template __global__ void reduce_sum_planes_kernel<T>(const T*, T*, double*, int, int,    \
+                                                         int);                               \
+    template __global__ void reduce_sum_splits_kernel<T>(const double*, T*, int, int);       \
+    template __global__ void reduce_sum_strided_kernel<T>(                                   \
+        const T*, T*, int, int, int, int, int, int, int, int, int, int, int, int, int, int,  \
+        int, int, int);                                                                      \
+    template __global__ void act_bias_backward_kernel<T>(const T*, const T*, T*, T*, double*, \
+                                                         int, int, int, float);
+REDUCE_INSTANTIATIONS(float)
+REDUCE_INSTANTIATIONS(unsigned short)
 
 // One row of the device table built once per node by launchers.global_norm_forward.
 struct NormEntry {

@@ -1,0 +1,290 @@
+"""cuda vs numpy for the bf16 kernels of the dense steps (precision="bf16"): dropout,
+dropout_grad, act_bias_grad, reduce_sum, matmul and linear (cuBLASLt bf16, fused and unfused
+epilogues), the optimizer updates' bf16 weight copies; whole mlp- and big-shaped bf16 steps
+against the numpy backend, and graph replay against eager, bit for bit.
+
+Every op runs on fresh random inputs into poisoned outputs. The reference is the numpy
+backend's run_node (float32 compute, each bf16 output rounded once). Where the arithmetic is
+the same (dropout, relu derivatives, weight copies) the bits must agree. Sums in another order
+(GEMMs; reduce_sum's and act_bias_grad's float64 column sums vs numpy's float32 pairwise sums)
+and float32 gelu (normcdff) vs numpy's float64 erf differ from the reference in the last
+float32 bits, which can move a bf16 rounding by one step: those compare within 1 bf16 ulp of
+the numpy value, or within a small absolute tolerance where a float32 sum cancels to near 0
+(there an ulp of the tiny result is far below the sum's float32 rounding error)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.cuda
+
+cp = pytest.importorskip("cupy")
+
+from stepgraph.backends import cuda_available  # noqa: E402
+
+if not cuda_available():
+    pytest.skip("no GPU visible to CuPy", allow_module_level=True)
+
+import stepgraph as sg  # noqa: E402
+from stepgraph import losses, models, optim  # noqa: E402
+from stepgraph.backends.numpy import NumpyBackend, bf16  # noqa: E402
+from stepgraph.ir.graph import BF16, Node, Value  # noqa: E402
+from stepgraph.ir.ops import OPS, infer_outputs  # noqa: E402
+from tests.ops.helpers import seeded  # noqa: E402
+
+POISON = {"float32": np.float32(np.nan), "uint8": np.uint8(7), "int64": np.int64(-7),
+          BF16: np.uint16(0x7FA1)}                # a NaN the rounding never writes (0x7FC0)
+STORAGE = {BF16: np.uint16}
+
+
+@pytest.fixture(scope="module")
+def ctx(backend):
+    return backend.make_context("bf16")
+
+
+def bits(rng, *shape, scale=1.0) -> np.ndarray:
+    """Random bf16 values (raw bits), normal, shifted off zero."""
+    return bf16.to_bits((rng.standard_normal(shape) * scale + 0.1).astype(np.float32))
+
+
+def node_of(op, arrays, dtypes, **attrs) -> Node:
+    ins = [Value(a.shape, d) for a, d in zip(arrays, dtypes)]
+    outs = [Value(s, d) for s, d in infer_outputs(op, ins, attrs)]
+    return Node(op, ins, outs, attrs, mutates=OPS[op].mutates(attrs))
+
+
+def _poisoned(values, xp):
+    return [xp.full(v.shape, POISON[v.dtype], STORAGE.get(v.dtype, v.dtype)) for v in values]
+
+
+def run_both(backend, ctx, node, arrays):
+    """(numpy outputs, cuda outputs, numpy inputs after, cuda inputs after) of one node."""
+    ref_ins = [a.copy() for a in arrays]
+    ref = _poisoned(node.outputs, np)
+    NumpyBackend().run_node(node, ref_ins, ref)
+    with ctx.stream:
+        dev_ins = [cp.asarray(a) for a in arrays]
+        dev = _poisoned(node.outputs, cp)
+    backend.impls[node.op](node, dev_ins, dev, ctx)
+    ctx.stream.synchronize()
+    return ref, [cp.asnumpy(a) for a in dev], ref_ins, [cp.asnumpy(a) for a in dev_ins]
+
+
+def ordered(b: np.ndarray) -> np.ndarray:
+    """bf16 bits as integers that count ulps monotonically across zero."""
+    b = b.astype(np.int32)
+    return np.where(b & 0x8000, -(b & 0x7FFF), b)
+
+
+def assert_bf16_within(got, want, ulps=1, atol=0.0, what=""):
+    assert got.dtype == np.uint16 and got.shape == want.shape, what
+    assert not np.any(got == POISON[BF16]), f"{what}: elements left unwritten"
+    far = np.abs(ordered(got) - ordered(want)) > ulps
+    if atol:
+        far &= np.abs(bf16.from_bits(got) - bf16.from_bits(want)) > atol
+    assert not far.any(), (f"{what}: {far.sum()} of {far.size} differ by more than {ulps} ulp; "
+                           f"first got {bf16.from_bits(got)[far][:4]} want "
+                           f"{bf16.from_bits(want)[far][:4]}")
+
+
+# ---- elementwise and reductions ------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(64, 48), (7, 13), (1,)])
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_dropout_and_its_grad_match_the_numpy_bits(backend, ctx, shape, per_channel, request):
+    if per_channel and len(shape) < 2:
+        pytest.skip("per_channel needs (N, C, ...)")
+    rng = seeded(request.node.name)
+    shape = shape + (3, 5) if per_channel else shape
+    x, step = bits(rng, *shape), np.array(11, np.int64)
+    node = node_of("dropout", [x, step], [BF16, "int64"], p=0.3, seed=5, site=2,
+                   per_channel=per_channel)
+    (y_ref, m_ref), (y, m), _, _ = run_both(backend, ctx, node, [x, step])
+    np.testing.assert_array_equal(m, m_ref)
+    np.testing.assert_array_equal(y, y_ref)
+    dy = bits(rng, *shape)
+    grad = node_of("dropout_grad", [dy, m_ref], [BF16, "uint8"], p=0.3, per_channel=per_channel)
+    (dx_ref,), (dx,), _, _ = run_both(backend, ctx, grad, [dy, m_ref])
+    np.testing.assert_array_equal(dx, dx_ref)
+
+
+@pytest.mark.parametrize("kind", ["relu", "gelu", "none"])
+@pytest.mark.parametrize("rows,cols", [(64, 40), (3000, 24), (5, 1)])
+def test_act_bias_grad(backend, ctx, kind, rows, cols, request):
+    rng = seeded(request.node.name)
+    dy, saved = bits(rng, rows, cols), bits(rng, rows, cols, scale=2.0)
+    node = node_of("act_bias_grad", [dy, saved], [BF16, BF16], kind=kind, slope=0.01)
+    (dz_ref, db_ref), (dz, db), _, _ = run_both(backend, ctx, node, [dy, saved])
+    if kind == "gelu":     # float32 normcdff vs the reference's float64 erf
+        assert_bf16_within(dz, dz_ref, what="dz")
+    else:                  # one float32 product, rounded once: the same bits
+        np.testing.assert_array_equal(dz, dz_ref)
+    # db: float64 column sums of the float32 dz vs numpy's float32 pairwise sums.
+    assert_bf16_within(db, db_ref, atol=1e-4 * np.sqrt(rows), what="db")
+
+
+@pytest.mark.parametrize("shape,axes", [((64, 40), (0,)), ((3000, 24), (0,)),
+                                        ((6, 5, 4, 3), (0, 2, 3)), ((6, 5, 4), (1,)),
+                                        ((4, 5, 6), (0, 2))])
+def test_reduce_sum(backend, ctx, shape, axes, request):
+    rng = seeded(request.node.name)
+    x = bits(rng, *shape)
+    node = node_of("reduce_sum", [x], [BF16], axes=axes)
+    (want,), (got,), _, _ = run_both(backend, ctx, node, [x])
+    n = np.prod(shape) // got.size
+    assert_bf16_within(got, want, atol=1e-4 * np.sqrt(n), what="reduce_sum")
+
+
+# ---- GEMMs ---------------------------------------------------------------------------------
+
+def gemm_tolerance(k: int) -> float:
+    """Absolute slack for a float32 sum of k unit-scale products summed in another order."""
+    return 4e-6 * k
+
+
+@pytest.mark.parametrize("trans_a,shape_a,shape_b", [(False, (64, 40), (40, 48)),
+                                                     (True, (40, 64), (40, 48)),
+                                                     (False, (33, 17), (17, 10))])
+def test_matmul(backend, ctx, trans_a, shape_a, shape_b, request):
+    rng = seeded(request.node.name)
+    a, b = bits(rng, *shape_a), bits(rng, *shape_b)
+    node = node_of("matmul", [a, b], [BF16, BF16], **({"trans_a": True} if trans_a else {}))
+    (want,), (got,), _, _ = run_both(backend, ctx, node, [a, b])
+    assert_bf16_within(got, want, atol=gemm_tolerance(shape_b[0]), what="matmul")
+
+
+@pytest.mark.parametrize("act,save_preact", [(None, False), ("relu", False), ("relu", True),
+                                             ("gelu", True), ("gelu", False)])
+@pytest.mark.parametrize("n,k,m", [(64, 96, 48), (32, 64, 10)])
+def test_linear(backend, ctx, act, save_preact, n, k, m, request):
+    rng = seeded(request.node.name)
+    x, w, b = bits(rng, n, k), bits(rng, m, k, scale=0.3), bits(rng, m)
+    attrs = {"act": act}
+    if act is not None:
+        attrs.update(slope=0.01, save_preact=save_preact)
+    node = node_of("linear", [x, w, b], [BF16] * 3, **attrs)
+    ref, got, _, _ = run_both(backend, ctx, node, [x, w, b])
+    assert len(got) == 1 + save_preact
+    for name, g, r in zip(("y", "z"), got, ref):
+        assert_bf16_within(g, r, atol=gemm_tolerance(k), what=f"linear {act} {name}")
+
+
+# ---- optimizer weight copies ---------------------------------------------------------------
+
+def update_node(op, params, n_slots, copies, copy_dims=None, **attrs):
+    arrays = [np.array(1e-2, np.float32), np.array(1, np.int64)]
+    dtypes = ["float32", "int64"]
+    rng = seeded(f"{op}-{n_slots}-{copy_dims}")
+    for group in range(2 + n_slots):
+        for p in params:
+            arrays.append(p.copy() if group == 0 else
+                          (rng.standard_normal(p.shape).astype(np.float32) *
+                           (1.0 if group == 1 else 0.0)))
+            dtypes.append("float32")
+    dims_of = copy_dims or (None,) * len(copies)
+    for i, dims in zip(copies, dims_of):
+        shape = params[i].shape if dims is None else tuple(params[i].shape[d] for d in dims)
+        arrays.append(np.full(shape, 0x1234, np.uint16))
+        dtypes.append(BF16)
+    full = dict(n_params=len(params), n_scalars=2, n_slots=n_slots, max_norm=None,
+                copies=tuple(copies), **attrs)
+    if copy_dims:
+        full["copy_dims"] = tuple(copy_dims)
+    return node_of(op, arrays, dtypes, **full), arrays
+
+
+@pytest.mark.parametrize("op", ["adam_update", "sgd_update"])
+def test_update_writes_bf16_copies_of_the_updated_parameters(backend, ctx, op):
+    rng = seeded(op)
+    # Sizes that take the four-a-thread path, one that does not, and an uncopied parameter.
+    params = [rng.standard_normal(s).astype(np.float32) for s in [(64, 32), (10,), (7, 3),
+                                                                   (16,)]]
+    attrs = (dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
+             if op == "adam_update" else
+             dict(momentum=0.5, dampening=0.0, weight_decay=0.0, nesterov=False))
+    node, arrays = update_node(op, params, 2 if op == "adam_update" else 1, copies=(0, 1, 2),
+                               **attrs)
+    _, _, ref_ins, dev_ins = run_both(backend, ctx, node, arrays)
+    first = 2 + (2 + node.attrs["n_slots"]) * len(params)
+    for j, i in enumerate((0, 1, 2)):
+        p_dev, p_ref = dev_ins[2 + i], ref_ins[2 + i]
+        np.testing.assert_allclose(p_dev, p_ref, rtol=1e-6, atol=1e-7)
+        # The copy is the device's own updated parameter rounded once: bit for bit.
+        np.testing.assert_array_equal(dev_ins[first + j], bf16.to_bits(p_dev))
+        assert_bf16_within(dev_ins[first + j], ref_ins[first + j], what=f"copy {j}")
+
+
+def test_sgd_update_writes_transposed_copies(backend, ctx):
+    rng = seeded("transposed copies")
+    params = [rng.standard_normal((6, 3, 5, 5)).astype(np.float32),
+              rng.standard_normal((6,)).astype(np.float32)]
+    node, arrays = update_node("sgd_update", params, 1, copies=(0, 1),
+                               copy_dims=((0, 2, 3, 1), None), momentum=0.9, dampening=0.0,
+                               weight_decay=5e-4, nesterov=True)
+    _, _, ref_ins, dev_ins = run_both(backend, ctx, node, arrays)
+    first = 2 + 3 * len(params)
+    np.testing.assert_array_equal(dev_ins[first],
+                                  bf16.to_bits(dev_ins[2].transpose(0, 2, 3, 1)))
+    np.testing.assert_array_equal(dev_ins[first + 1], bf16.to_bits(dev_ins[3]))
+    assert_bf16_within(dev_ins[first], ref_ins[first], what="transposed copy")
+
+
+# ---- whole steps ---------------------------------------------------------------------------
+
+def dense_model(name: str):
+    if name == "mlp":                 # the mlp workload's structure, smaller
+        return models.mlp(in_features=96, hidden=64, classes=10, dropout=0.1), 96
+    return models.big(width=128, depth=3, classes=10), 128   # big's, smaller width
+
+
+def dense_batches(features: int, n: int, seed: int, batch: int = 32):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((batch, features), dtype=np.float32),
+             rng.integers(0, 10, batch)) for _ in range(n)]
+
+
+def bf16_steps(name: str, devices, graph=False, seed=0):
+    base, features = dense_model(name)
+    data = dense_batches(features, 1, seed)
+    steps = []
+    for device in devices:
+        model, _ = dense_model(name)
+        model.load_state_dict(base.state_dict())
+        steps.append(sg.compile_train_step(
+            model, loss=losses.cross_entropy, optimizer=optim.AdamW(lr=1e-3, weight_decay=0.01),
+            example_inputs=data[0], device=device, precision="bf16", seed=seed,
+            graph=graph if device == "cuda" else False))
+    return steps, features
+
+
+def rel(a, b) -> float:
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.mark.parametrize("name", ["mlp", "big"])
+def test_bf16_step_matches_the_numpy_emulation(name):
+    """A few steps: the same masks (dropout) and the same roundings but for the order of the
+    GEMMs' and bias gradients' sums, whose one-ulp differences the next steps carry on; the
+    trajectories stay within bf16's resolution (2^-8 relative) of each other."""
+    (cpu, gpu), features = bf16_steps(name, ["cpu", "cuda"])
+    for x, y in dense_batches(features, 4, seed=1):
+        lc, lg = float(cpu(x, y)), float(gpu(cp.asarray(x), cp.asarray(y)))
+        assert np.isfinite(lg) and abs(lg - lc) <= 1e-2 * abs(lc) + 1e-3, (lc, lg)
+    ref, got = cpu.model.state_dict(), gpu.model.state_dict()
+    for k in ref:
+        assert rel(got[k], ref[k]) < 1e-3, k
+
+
+@pytest.mark.parametrize("name", ["mlp", "big"])
+def test_bf16_graph_replay_is_bit_identical_to_eager(name):
+    from tests.cuda.test_step_cuda import kernels_of_ops
+
+    (eager, graph), features = bf16_steps(name, ["cuda", "cuda"], seed=3)
+    graph.use_graph = True
+    for x, y in dense_batches(features, 10, seed=4):
+        x, y = cp.asarray(x), cp.asarray(y)
+        assert float(eager(x, y)) == float(graph(x, y))
+    for k, v in eager.model.state_dict().items():
+        assert np.array_equal(v, graph.model.state_dict()[k]), k
+    (exe,) = graph.executables.values()
+    assert exe.captured is not None and exe.captured.node_count == kernels_of_ops(exe)
