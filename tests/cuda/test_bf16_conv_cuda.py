@@ -112,17 +112,18 @@ def assert_bits_equal(got, want, what):
     np.testing.assert_array_equal(got, want, err_msg=what)
 
 
-def assert_near_bits(got, want, what, max_fraction, slack=None):
-    """got within one bf16 ulp of want, or within slack (float32, per element) of it; at most
-    max_fraction of the elements differ at all."""
+def assert_near_bits(got, want, what, max_fraction, slack=None, outliers=0.0):
+    """got within one bf16 ulp of want, or within slack (float32, per element) of it, but for
+    at most an `outliers` fraction of the elements; at most max_fraction of the elements
+    differ at all."""
     assert got.dtype == want.dtype == np.uint16 and got.shape == want.shape, what
     assert (got != POISON["uint16"]).all() or (want == POISON["uint16"]).any(), \
         f"{what}: elements left unwritten"
     d = ulps(got, want)
     g, w = bf16.from_bits(got).astype(np.float64), bf16.from_bits(want).astype(np.float64)
     ok = (d <= 1) if slack is None else (d <= 1) | (np.abs(g - w) <= slack)
-    assert ok.all(), (f"{what}: {int((~ok).sum())} elements off by more than allowed; worst "
-                      f"{int(d.max())} ulps")
+    assert (~ok).mean() <= outliers, (f"{what}: {int((~ok).sum())} elements off by more than "
+                                      f"allowed; worst {int(d.max())} ulps")
     fraction = float((d > 0).mean())
     print(f"{what}: {fraction:.2e} of the elements differ (<= {max_fraction:g} allowed)")
     assert fraction <= max_fraction, f"{what}: {fraction:.2e} of the elements differ"
@@ -322,11 +323,14 @@ def test_conv2d_bf16_through_cudnn_is_within_the_summation_bound(ctx, case, requ
     dgrad = node_of("conv2d_grad_input", [dy, w], input_shape=shape_of(nchw_x), **attrs)
     want, got = both(ctx, dgrad, [dy, w])
     # cuDNN's bf16 NCHW dgrad plans (the cnn's shapes) do not keep one float32 sum: measured
-    # on an H100, 2-3% of the elements sit up to 4 ulps from the once-rounded sum, and near
-    # zero beyond the float32 bound. Their bound: one bf16 rounding of the whole |sum|.
-    bound = dict(terms=1, unit=BF16_PARTIALS_UNIT) if layout == "NCHW" else {}
+    # on an H100, 2-3% of the elements sit up to 4 ulps from the once-rounded sum, within one
+    # bf16 rounding of the whole |sum|, and 4 of 12544 (9 of 23040) elements near zero beyond
+    # even that: partial sums rounded to bf16, which no per-element bound short of K bf16
+    # roundings covers. Those are allowed as outliers, at most 1 in 1000.
+    nchw = layout == "NCHW"
+    bound = dict(terms=1, unit=BF16_PARTIALS_UNIT) if nchw else {}
     assert_near_bits(got[0], want[0], "conv2d_grad_input dx", max_fraction=5e-2,
-                     slack=abs_bound(dgrad, [dy, w], **bound)[0])
+                     slack=abs_bound(dgrad, [dy, w], **bound)[0], outliers=1e-3 if nchw else 0)
 
     wgrad = node_of("conv2d_grad_weight", [dy, x], weight_shape=shape_of(nchw_w),
                     bias=has_bias, **attrs)

@@ -17,6 +17,7 @@ import numpy as np
 from ...errors import BackendUnavailableError, CaptureError, PlanError, ShapeError
 from ...ir.graph import storage_dtype
 from ..base import Backend
+from . import nvmath_bindings
 
 # Modules of this package whose IMPLS tables (op -> impl) make up the backend's op table.
 IMPL_MODULES = ("launchers", "linear", "conv", "broadcast", "softmax", "norm", "pool",
@@ -75,7 +76,7 @@ class CudaBackend(Backend):
             raise BackendUnavailableError(
                 f"device='cuda' wants GPU {device}, but {count} GPU(s) are visible")
         try:
-            import nvmath.bindings.cublasLt  # noqa: F401
+            nvmath_bindings.load()
         except ImportError as err:
             raise BackendUnavailableError(
                 "device='cuda' needs nvmath-python for cuBLASLt: pip install -e '.[cuda]' "

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import CaptureError, ShapeError, StepgraphError
+from . import nvmath_bindings
 
 WORKSPACE_BYTES = 32 << 20
 HEURISTIC_RESULTS = 16
@@ -127,8 +128,8 @@ class GemmSpec:
 
 
 def _compute_and_scale_type(dtype: str, precision: str) -> tuple[int, int]:
-    from nvmath import CudaDataType
-    from nvmath.bindings import cublas
+    nv = nvmath_bindings.load()
+    cublas, CudaDataType = nv.cublas, nv.CudaDataType
 
     if dtype == "float64":
         return cublas.ComputeType.COMPUTE_64F, CudaDataType.CUDA_R_64F
@@ -141,7 +142,7 @@ def _compute_and_scale_type(dtype: str, precision: str) -> tuple[int, int]:
 
 
 def _data_type(dtype: str) -> int:
-    from nvmath import CudaDataType
+    CudaDataType = nvmath_bindings.load().CudaDataType
 
     return {"float64": CudaDataType.CUDA_R_64F, "bfloat16": CudaDataType.CUDA_R_16BF}.get(
         dtype, CudaDataType.CUDA_R_32F)
@@ -178,8 +179,8 @@ class GemmCache:
 
     def __init__(self, workspace_bytes: int = WORKSPACE_BYTES, autotune: bool = True):
         import cupy as cp
-        from nvmath.bindings import cublasLt
 
+        cublasLt = nvmath_bindings.load().cublasLt
         self._lt = cublasLt
         self.handle = cublasLt.create()
         self.workspace = cp.empty(workspace_bytes, dtype=cp.uint8)
@@ -367,8 +368,7 @@ class GemmCache:
                            int(heuristic["workspace_size"][0]))
 
     def _describe(self, desc: int, spec: GemmSpec, bias_ptr: int, aux_ptr: int) -> None:
-        from nvmath.bindings import cublas
-
+        cublas = nvmath_bindings.load().cublas
         lt = self._lt
         attr = lt.MatmulDescAttribute
 
