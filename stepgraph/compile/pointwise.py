@@ -11,6 +11,11 @@ A group grows in program order. A node joins the group of one of its producers w
 has the group's shape and when every value the group produced so far that is read outside the
 group is read only after this node: the fused node runs where its last member ran, so every
 outside reader must come after that point.
+
+bfloat16 nodes (precision="bf16") fuse like float32 ones: a node's inputs and output share one
+dtype, so a group is all bf16 or all float32 (casts, which change it, are not elementwise
+members). The program rounds each instruction of a bf16 node to bf16, as the unfused node's
+store would (ops/pointwise.py), so fusing changes no bit.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from ..ops.pointwise import Instr, PROGRAM_OPS
 from .rewrite import _copy, _join, _rebuild
 
 
-_FLOATS = ("float32", "float64")
+_FLOATS = ("float32", "float64", "bfloat16")
 
 
 def _eligible(n: Node) -> bool:

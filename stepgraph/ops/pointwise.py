@@ -11,6 +11,12 @@ the step counter register, drawn from Philox at each element's flat index in att
 exactly as the dropout op draws it, rng.py) and `dropout_grad` (x * mask / (1 - p), the
 dropout op's own product). Registers hold their instruction's dtype: uint8 for a mask, int64
 for the step counter input, else the first argument's.
+
+bfloat16 (precision="bf16"): a bf16 register holds a float32 value that is exactly a bf16 value.
+The unfused graph rounds every bf16 node's output once, when the node stores it; a program
+keeps that: each instruction whose register is bf16 rounds its float32 result to bf16 (nearest
+even, backends/numpy/bf16.py), so a fused program gives the unfused graph's bits. Inputs are
+widened exactly, and outputs stored as bits, by the backend (NumpyBackend.run_node).
 """
 from __future__ import annotations
 
@@ -20,8 +26,9 @@ from typing import Any
 import numpy as np
 
 from .. import rng
+from ..backends.numpy import bf16
 from ..backends.numpy.kernels import IMPLS, impl
-from ..ir.graph import Node, Value
+from ..ir.graph import BF16, Node, Value
 from ..ir.ops import _need, defop
 
 # Elementwise ops a program may hold: one output, the output's shape is the broadcast shape
@@ -78,14 +85,19 @@ _PROGRAM_IMPLS = {"dropout_mask": _dropout_mask}
 @impl("pointwise")
 def _pointwise_impl(node: Node, ins, outs, ctx):
     shape = tuple(node.attrs["shape"])
+    program = node.attrs["program"]
+    # IR dtypes of the registers; the arrays themselves are float32 for bf16 (run_node widens).
+    ir_dtypes = register_dtypes(program, tuple(v.dtype for v in node.inputs))
     regs = list(ins)
-    for instr in node.attrs["program"]:
+    for instr in program:
         args = [regs[r] for r in instr.args]
         dtype = _RESULT_DTYPES.get(instr.op) or str(args[0].dtype)
         step = Node(instr.op, [Value(np.shape(a), str(a.dtype)) for a in args],
                     [Value(shape, dtype)], instr.attr)
         out = np.empty(shape, dtype=dtype)
         (_PROGRAM_IMPLS.get(instr.op) or IMPLS[instr.op])(step, args, [out], ctx)
+        if ir_dtypes[len(regs)] == BF16:     # the store of the unfused bf16 node
+            out = bf16.round_bf16(out)
         regs.append(out)
     for out, r in zip(outs, node.attrs["results"]):
         out[...] = regs[r]

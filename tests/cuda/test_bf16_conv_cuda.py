@@ -23,8 +23,9 @@ A wrong kernel (unrounded output, rounding twice, wrong layout or index) differs
 elements or by far more, so each test also bounds the fraction of elements that differ at all.
 
 The last tests train a small ResNet (channels-last and NCHW) and the MNIST CNN for a few bf16
-steps on cuda and on the NumPy emulation. Ops of other families without bf16 kernels yet
-(elementwise: residual add, ReLU) make those steps skip, naming them.
+steps on cuda and on the NumPy emulation. Every op of those steps has bf16 kernels now (the
+elementwise ones: test_bf16_elementwise_cuda.py); an op of a future step without them would
+make it skip, naming it.
 """
 from __future__ import annotations
 

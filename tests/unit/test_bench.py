@@ -278,7 +278,19 @@ def test_graph_peers_say_na_on_cpu():
                                                             "CUDA graphs need a CUDA device")
 
 
-def test_stepgraph_says_na_for_bf16():
+def test_stepgraph_runs_bf16_and_says_na_for_ops_without_bf16_kernels(monkeypatch):
+    """bf16 rows run (on the CPU, the NumPy emulation); a plan the backend refuses for
+    missing bf16 kernels is an n/a row naming them, not a failure."""
+    import stepgraph.api
+    from stepgraph.errors import UnsupportedPrecisionError
+
     spec = harness.make_spec(wl.get_workload("mlp", tiny=True), "bf16", bench_config())
-    result = harness.measure_peer(select_peers(["stepgraph_eager"])[0], spec, bench_config())
-    assert result.status == "n/a" and "bf16" in result.reason
+    peer = select_peers(["stepgraph_eager"])[0]
+    assert harness.measure_peer(peer, spec, bench_config()).status == "ok"
+
+    def refuse(graph, ops, device):
+        raise UnsupportedPrecisionError("bf16 on cuda: no bf16 kernels for op(s) layer_norm\n"
+                                        "details")
+    monkeypatch.setattr(stepgraph.api, "check_bf16_support", refuse)
+    result = harness.measure_peer(peer, spec, bench_config())
+    assert result.status == "n/a" and "layer_norm" in result.reason

@@ -5,6 +5,10 @@ Strided launches describe their operands by a layout: the output's dims with eve
 dim dropped and neighbours merged where each operand walks them contiguously (a (N, C, H, W)
 plus (1, C, 1, 1) add becomes (N, C, H*W) with strides (C*H*W, H*W, 1) and (0, 1, 0)), so
 most launches index 1 to 3 dims. Launchers allocate nothing and never sync (capture-safe).
+
+precision="bf16": binary, scalar, expand and permute take float32 or bfloat16 (uint16 raw
+bits) operands, all of one dtype (autocast promotes a mixed binary to float32), through kernels
+templated on the storage (launchers.ELEMENT_CTYPES); `BF16_OPS` lists them.
 """
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ from typing import Callable
 import numpy as np
 
 from ...errors import ShapeError
-from .launchers import BLOCK, _aligned, _check, _check_int32, _grid, _launch
+from .launchers import (BLOCK, ELEMENT_CTYPES, _aligned, _check, _check_int32, _element_ctype,
+                        _grid, _launch, _typed)
 
 MAX_DIMS = 6                  # broadcast.cu MAX_DIMS: dims of a layout after collapsing
 TILE = 32                     # broadcast.cu TILE: transpose tiles are TILE x TILE
@@ -24,6 +29,7 @@ TRANSPOSE_MIN_SIDE = 16       # narrower matrices waste most of a tile: strided 
 MAX_GRID_YZ = 65535
 BINARY_CODES = {"add": 0, "sub": 1, "mul": 2, "div": 3}            # BINARY_* of broadcast.cu
 SCALAR_CODES = dict(BINARY_CODES, rsub=4, rdiv=5, pow=6)           # and SCALAR_*
+BF16_OPS = frozenset({"binary", "scalar", "expand", "permute"})
 
 
 @dataclass(frozen=True)
@@ -100,39 +106,43 @@ def _code(table: dict, kind: str, op: str) -> int:
 # ---- binary and scalar ---------------------------------------------------------------------
 
 def binary_forward(ctx, a, b, c, kind: str) -> None:
-    """c = a kind b with NumPy broadcasting (kind add, sub, mul, div; IEEE division)."""
+    """c = a kind b with NumPy broadcasting (kind add, sub, mul, div; IEEE division); a, b and
+    c all float32 or all bf16 (computed in float32, c rounded once)."""
     code = _code(BINARY_CODES, kind, "binary")
-    _check("binary a", a)
-    _check("binary b", b)
+    ctype = _element_ctype("binary a", a)
+    _check("binary b", b, a.dtype)
     shape = _broadcast_shape("binary", tuple(a.shape), tuple(b.shape))
-    _check("binary output", c, shape=shape)
+    _check("binary output", c, a.dtype, shape)
     for what, t in (("a", a), ("b", b), ("output", c)):
         _check_int32(f"binary {what}", t.size)
     n = c.size
     if not n:
         return
     if a.shape == b.shape:
-        _launch(ctx, "broadcast.cu", "binary_forward_kernel", _grid((n + 3) // 4), (BLOCK,),
+        _launch(ctx, "broadcast.cu", _typed("binary_forward_kernel", ctype), _grid((n + 3) // 4),
+                (BLOCK,),
                 (a, b, c, np.int64(n), np.int32(code), np.int32(_aligned(a, b, c))))
         return
     layout = collapse(shape, [broadcast_strides(a.shape, shape),
                               broadcast_strides(b.shape, shape)])
     _check_layout("binary", layout, shape)
     vec = layout.vectorised(c)
-    _launch(ctx, "broadcast.cu", f"binary_broadcast_kernel<{len(layout.sizes)}>",
+    _launch(ctx, "broadcast.cu", f"binary_broadcast_kernel<{ctype}, {len(layout.sizes)}>",
             _grid(n // 4 if vec else n), (BLOCK,),
             (a, b, c, np.int32(n), np.int32(code), np.int32(vec)) + layout.args())
 
 
 def scalar_forward(ctx, x, y, kind: str, value: float) -> None:
     """y = x kind value: x+v, x-v, v-x (rsub), x*v, x/v, v/x (rdiv), x**v (pow); the value
-    rounded to float32 first, as NumPy does with a Python float and a float32 array."""
+    rounded to float32 first, as NumPy does with a Python float and a float32 array; x and y
+    float32 or both bf16 (computed in float32, y rounded once)."""
     code = _code(SCALAR_CODES, kind, "scalar")
-    _check("scalar input", x)
-    _check("scalar output", y, shape=x.shape)
+    ctype = _element_ctype("scalar input", x)
+    _check("scalar output", y, x.dtype, x.shape)
     n = x.size
     if n:
-        _launch(ctx, "broadcast.cu", "scalar_forward_kernel", _grid((n + 3) // 4), (BLOCK,),
+        _launch(ctx, "broadcast.cu", _typed("scalar_forward_kernel", ctype), _grid((n + 3) // 4),
+                (BLOCK,),
                 (x, y, np.int64(n), np.int32(code), np.float32(value),
                  np.int32(_aligned(x, y))))
 
@@ -140,22 +150,23 @@ def scalar_forward(ctx, x, y, kind: str, value: float) -> None:
 # ---- strided copies: expand and permute ----------------------------------------------------
 
 def strided_copy(ctx, x, y, layout: Layout, what: str) -> None:
-    """y (contiguous) = x read at the layout's strides."""
+    """y (contiguous) = x read at the layout's strides; x and y float32 or bf16 (one dtype)."""
     _check_layout(what, layout, tuple(y.shape))
+    ctype = ELEMENT_CTYPES[x.dtype]
     vec = layout.vectorised(y)
     n = y.size
-    _launch(ctx, "broadcast.cu", f"strided_copy_kernel<{len(layout.sizes)}>",
+    _launch(ctx, "broadcast.cu", f"strided_copy_kernel<{ctype}, {len(layout.sizes)}>",
             _grid(n // 4 if vec else n), (BLOCK,),
             (x, y, np.int32(n), np.int32(vec)) + layout.args())
 
 
 def expand_forward(ctx, x, y, shape) -> None:
-    """y = np.broadcast_to(x, shape), materialised."""
+    """y = np.broadcast_to(x, shape), materialised; float32 or bf16 (y of x's dtype)."""
     shape = tuple(shape)
-    _check("expand input", x)
+    _element_ctype("expand input", x)
     if _broadcast_shape("expand", tuple(x.shape), shape) != shape:
         raise ShapeError(f"expand: {tuple(x.shape)} does not broadcast to {shape}")
-    _check("expand output", y, shape=shape)
+    _check("expand output", y, x.dtype, shape)
     _check_int32("expand output", y.size)
     if y.size:
         strided_copy(ctx, x, y, collapse(shape, [broadcast_strides(x.shape, shape)]), "expand")
@@ -181,11 +192,11 @@ def permute_forward(ctx, x, y, dims) -> None:
     collapsing: 2-D transposes, (B, M, N) -> (B, N, M), NCHW -> NHWC) go through shared-memory
     tiles; other permutations through the strided copy."""
     dims = tuple(int(d) for d in dims)
-    _check("permute input", x)
+    ctype = _element_ctype("permute input", x)
     if sorted(dims) != list(range(x.ndim)):
         raise ShapeError(f"permute: dims {dims} are not a permutation of {x.ndim} axes")
     shape = tuple(x.shape[d] for d in dims)
-    _check("permute output", y, shape=shape)
+    _check("permute output", y, x.dtype, shape)
     _check_int32("permute", x.size)
     if not y.size:
         return
@@ -197,7 +208,7 @@ def permute_forward(ctx, x, y, dims) -> None:
         return
     batch, rows, cols = tiles
     grid = (-(-cols // TILE), -(-rows // TILE), min(batch, MAX_GRID_YZ))
-    _launch(ctx, "broadcast.cu", "transpose_forward_kernel", grid, TRANSPOSE_BLOCK,
+    _launch(ctx, "broadcast.cu", _typed("transpose_forward_kernel", ctype), grid, TRANSPOSE_BLOCK,
             (x, y, np.int32(batch), np.int32(rows), np.int32(cols)))
 
 
@@ -205,9 +216,13 @@ def permute_forward(ctx, x, y, dims) -> None:
 
 def kernel_names() -> dict[str, set[str]]:
     """{file: every kernel name these launchers may launch} (the NVRTC CI test)."""
-    names = {"binary_forward_kernel", "scalar_forward_kernel", "transpose_forward_kernel"}
-    for nd in range(1, MAX_DIMS + 1):
-        names |= {f"binary_broadcast_kernel<{nd}>", f"strided_copy_kernel<{nd}>"}
+    names = set()
+    for ctype in ELEMENT_CTYPES.values():
+        names |= {_typed(k, ctype) for k in ("binary_forward_kernel", "scalar_forward_kernel",
+                                             "transpose_forward_kernel")}
+        for nd in range(1, MAX_DIMS + 1):
+            names |= {f"binary_broadcast_kernel<{ctype}, {nd}>",
+                      f"strided_copy_kernel<{ctype}, {nd}>"}
     return {"broadcast.cu": names}
 
 

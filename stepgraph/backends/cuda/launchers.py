@@ -15,11 +15,11 @@ capture):
 - cross_entropy_grad: the kept rows' count (without it, each block counts the labels);
 - reduce_sum and act_bias_grad split over rows: the splits' float64 partial sums.
 
-precision="bf16": the dropout, reduce_sum and act_bias_grad kernels are templates on the
-element storage (ELEMENT_CTYPES: float32, or bfloat16 as uint16 raw bits), computing in float32
-and rounding each bf16 output once; the optimizer updates write the bf16 weight copies (attrs
-copies). `BF16_OPS` lists the ops of this module that take bf16 operands (compile/autocast.py
-check_bf16_support).
+precision="bf16": the act, act_grad, add, dropout, reduce_sum and act_bias_grad kernels are
+templates on the element storage (ELEMENT_CTYPES: float32, or bfloat16 as uint16 raw bits),
+computing in float32 and rounding each bf16 output once; the optimizer updates write the bf16
+weight copies (attrs copies). `BF16_OPS` lists the ops of this module that take bf16 operands
+(compile/autocast.py check_bf16_support).
 """
 from __future__ import annotations
 
@@ -55,8 +55,8 @@ FILL_CTYPES = {np.dtype("float32"): "float", np.dtype("float64"): "double",
 # Storage -> C type of the kernels templated on their element type; uint16 is the storage of
 # IR dtype bfloat16 only (ir/graph.py storage_dtype), so it always means bf16 bits here.
 ELEMENT_CTYPES = {np.dtype("float32"): "float", np.dtype("uint16"): "unsigned short"}
-BF16_OPS = frozenset({"dropout", "dropout_grad", "reduce_sum", "act_bias_grad", "sgd_update",
-                      "adam_update"})
+BF16_OPS = frozenset({"act", "act_grad", "add", "dropout", "dropout_grad", "reduce_sum",
+                      "act_bias_grad", "sgd_update", "adam_update"})
 
 
 # ---- shared helpers ------------------------------------------------------------------------
@@ -161,38 +161,41 @@ def _buffers_key(arrays) -> tuple:
 # ---- elementwise.cu ------------------------------------------------------------------------
 
 def act_forward(ctx, x, y, kind: str, slope: float = 0.01) -> None:
-    """y = kind(x) elementwise; y may be x (in place)."""
+    """y = kind(x) elementwise, float32 or bf16 (y of x's dtype); y may be x (in place)."""
     code = _act_code(kind)
-    _check("act input", x)
-    _check("act output", y, shape=x.shape)
+    ctype = _element_ctype("act input", x)
+    _check("act output", y, x.dtype, x.shape)
     n = x.size
     if n:
-        _launch(ctx, "elementwise.cu", "act_forward_kernel", _grid((n + 3) // 4), (BLOCK,),
+        _launch(ctx, "elementwise.cu", _typed("act_forward_kernel", ctype), _grid((n + 3) // 4),
+                (BLOCK,),
                 (x, y, np.int64(n), np.int32(code), np.float32(slope), np.int32(_aligned(x, y))))
 
 
 def act_backward(ctx, dy, saved, dx, kind: str, slope: float = 0.01) -> None:
-    """dx = dy * kind'(saved): saved is y for relu/sigmoid/tanh, the input z otherwise."""
+    """dx = dy * kind'(saved): saved is y for relu/sigmoid/tanh, the input z otherwise. All
+    three float32 or all bf16."""
     code = _act_code(kind)
-    _check("act_grad dy", dy)
-    _check("act_grad saved", saved, shape=dy.shape)
-    _check("act_grad dx", dx, shape=dy.shape)
+    ctype = _element_ctype("act_grad dy", dy)
+    _check("act_grad saved", saved, dy.dtype, dy.shape)
+    _check("act_grad dx", dx, dy.dtype, dy.shape)
     n = dy.size
     if n:
-        _launch(ctx, "elementwise.cu", "act_backward_kernel", _grid((n + 3) // 4), (BLOCK,),
+        _launch(ctx, "elementwise.cu", _typed("act_backward_kernel", ctype),
+                _grid((n + 3) // 4), (BLOCK,),
                 (dy, saved, dx, np.int64(n), np.int32(code), np.float32(slope),
                  np.int32(_aligned(dy, saved, dx))))
 
 
 def add_forward(ctx, a, b, c) -> None:
-    """c = a + b, same shapes; c may be a or b."""
-    _check("add a", a)
-    _check("add b", b, shape=a.shape)
-    _check("add output", c, shape=a.shape)
+    """c = a + b, same shapes, all float32 or all bf16; c may be a or b."""
+    ctype = _element_ctype("add a", a)
+    _check("add b", b, a.dtype, a.shape)
+    _check("add output", c, a.dtype, a.shape)
     n = a.size
     if n:
-        _launch(ctx, "elementwise.cu", "add_forward_kernel", _grid((n + 3) // 4), (BLOCK,),
-                (a, b, c, np.int64(n), np.int32(_aligned(a, b, c))))
+        _launch(ctx, "elementwise.cu", _typed("add_forward_kernel", ctype), _grid((n + 3) // 4),
+                (BLOCK,), (a, b, c, np.int64(n), np.int32(_aligned(a, b, c))))
 
 
 def fill_forward(ctx, y, value) -> None:
@@ -886,16 +889,16 @@ def kernel_names() -> dict[str, set[str]]:
     label = ("cross_entropy_count", "cross_entropy_forward", "cross_entropy_backward",
              "cross_entropy_train_short", "cross_entropy_train", "nll_loss_forward",
              "nll_loss_backward")
-    dropout = ("dropout_forward_kernel", "dropout_backward_kernel",
+    elements_typed = ("act_forward_kernel", "act_backward_kernel", "add_forward_kernel",
+               "dropout_forward_kernel", "dropout_backward_kernel",
                "dropout_channel_forward_kernel", "dropout_channel_backward_kernel")
     reduce = ("reduce_sum_planes_kernel", "reduce_sum_splits_kernel",
               "reduce_sum_strided_kernel", "reduce_sum_columns_kernel",
               "act_bias_backward_kernel")
     elements = ELEMENT_CTYPES.values()
     return {
-        "elementwise.cu": {"act_forward_kernel", "act_backward_kernel", "add_forward_kernel",
-                           _typed("linear_bias_act_kernel", "unsigned short")}
-        | {_typed(k, ctype) for k in dropout for ctype in elements}
+        "elementwise.cu": {_typed("linear_bias_act_kernel", "unsigned short")}
+        | {_typed(k, ctype) for k in elements_typed for ctype in elements}
         | {f"fill_forward_kernel<{ctype}>" for ctype in FILL_CTYPES.values()},
         "reduce.cu": {"global_norm_forward_kernel"}
         | {_typed(k, ctype) for k in reduce for ctype in elements},

@@ -11,6 +11,13 @@ A program that draws dropout masks (`dropout_mask`) loops over groups of four co
 elements instead: one Philox4x32-10 call per group and site gives the four elements' words
 (philox.cuh), as in the standalone dropout kernel, so the masks are the same bits and the
 generator costs a quarter of a call per element. The step counter (int64) is read once.
+
+bfloat16 programs (precision="bf16"; `BF16_OPS`): bf16 inputs are loaded as their raw bits
+(unsigned short) and widened exactly; a bf16 register is a float holding a bf16 value, each
+instruction that writes one rounds its float32 result to nearest even (bf16_round), as the
+unfused node's kernel rounds on store and as the NumPy reference (ops/pointwise.py) does; a bf16
+result is stored as its bits (exact: the value is already bf16). So fused and unfused bf16
+graphs give the same bits.
 """
 from __future__ import annotations
 
@@ -22,13 +29,14 @@ import cupy as cp  # imports without a GPU; kernels compile at their first launc
 import numpy as np
 
 from ...errors import ShapeError
-from ...ir.graph import Node
+from ...ir.graph import BF16, Node, storage_dtype
 from ... import rng
 from ...ops.pointwise import Instr, register_dtypes
 from . import compiler
 from .launchers import ACT_CODES, BLOCK, MAX_INT, _grid, _slope
 
 KERNEL_NAME = "pointwise_kernel"
+BF16_OPS = frozenset({"pointwise"})
 _BINARY = {"add": "__fadd_rn({a}, {b})", "sub": "__fsub_rn({a}, {b})",
            "mul": "__fmul_rn({a}, {b})", "div": "__fdiv_rn({a}, {b})"}
 _SCALAR = {"add": "__fadd_rn({x}, {v})", "sub": "__fsub_rn({x}, {v})",
@@ -86,7 +94,9 @@ def _expression(instr: Instr, r: list[str]) -> str:
     raise ShapeError(f"pointwise: no CUDA code for op {instr.op!r}")
 
 
-_CTYPES = {"float32": "float", "uint8": "unsigned char", "int64": "long long"}
+# IR dtype -> C type of a kernel parameter (storage); registers of bf16 values are float.
+_CTYPES = {"float32": "float", "uint8": "unsigned char", "int64": "long long",
+           BF16: "unsigned short"}
 
 
 def _words(instr: Instr, r: list[str]) -> str:
@@ -110,21 +120,28 @@ def uses_groups(program: tuple[Instr, ...]) -> bool:
 def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: tuple,
                   input_shapes: tuple[tuple, ...],
                   input_dtypes: tuple[str, ...] | None = None) -> str:
-    """CUDA source of KERNEL_NAME computing `program` over `shape` (float32 values; uint8
-    masks and the int64 step counter where input_dtypes say so)."""
+    """CUDA source of KERNEL_NAME computing `program` over `shape` (float32 values; bfloat16,
+    uint8 masks and the int64 step counter where input_dtypes say so)."""
     k = len(input_shapes)
     dtypes = register_dtypes(program, input_dtypes or ("float32",) * k)
-    ctype = [_CTYPES[d] for d in dtypes]
+    ctype = [_CTYPES[d] for d in dtypes]                     # storage: parameters
+    rtype = ["float" if d == BF16 else c for d, c in zip(dtypes, ctype)]   # registers
     params = [f"const {ctype[j]}* __restrict__ in{j}" for j in range(k)]
     params += [f"{ctype[r]}* __restrict__ out{j}" for j, r in enumerate(results)]
     regs = [f"r{j}" for j in range(k + len(program))]
     scalars = [j for j in range(k) if dtypes[j] == "int64"]     # the step counter: read once
     head = [f"    const long long r{j} = in{j}[0];" for j in scalars]
-    body = [f"const {ctype[j]} r{j} = in{j}[{_offset(s, shape)}];"
+    load = lambda j, s: (f"bf16_to_float(in{j}[{_offset(s, shape)}])" if dtypes[j] == BF16
+                         else f"in{j}[{_offset(s, shape)}]")      # noqa: E731
+    body = [f"const {rtype[j]} r{j} = {load(j, s)};"
             for j, s in enumerate(input_shapes) if j not in scalars]
-    body += [f"const {ctype[k + j]} r{k + j} = {_expression(instr, regs)};"
-             for j, instr in enumerate(program)]
-    body += [f"out{j}[i] = r{r};" for j, r in enumerate(results)]
+    for j, instr in enumerate(program):
+        value = _expression(instr, regs)
+        if dtypes[k + j] == BF16:               # the unfused node's store: one rounding
+            value = f"bf16_round({value})"
+        body.append(f"const {rtype[k + j]} r{k + j} = {value};")
+    body += [f"out{j}[i] = bf16_from_float(r{r});" if dtypes[r] == BF16
+             else f"out{j}[i] = r{r};" for j, r in enumerate(results)]
     if not uses_groups(program):
         loop = ["    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n;"
                 " i += gridDim.x * blockDim.x) {", *(f"        {b}" for b in body), "    }"]
@@ -143,6 +160,7 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
                 "        }",
                 "    }"]
     return "\n".join([
+        *(['#include "bf16.cuh"'] if BF16 in dtypes else []),
         '#include "elementwise.cuh"',
         *(['#include "philox.cuh"'] if uses_groups(program) else []),
         f'extern "C" __global__ void {KERNEL_NAME}({", ".join(params)}, int n) {{',
@@ -168,11 +186,12 @@ def pointwise_forward(ctx, node: Node, ins: list, outs: list) -> None:
         raise ShapeError(f"pointwise: {n} elements exceed the kernel's 32-bit indexing")
     for what, values, arrays in (("input", node.inputs, ins), ("output", node.outputs, outs)):
         for v, a in zip(values, arrays):
-            # float32 values; uint8 masks and the int64 step counter of dropout programs
+            # float32 or bf16 values; uint8 masks and the int64 step counter of dropout programs
             if v.dtype not in _CTYPES or not isinstance(a, cp.ndarray) \
-                    or a.dtype != np.dtype(v.dtype) or not a.flags.c_contiguous:
-                raise ShapeError(f"pointwise {what}: the cuda kernel takes C-contiguous "
-                                 f"float32 (uint8, int64) CuPy arrays of the node's dtypes, got "
+                    or a.dtype != np.dtype(storage_dtype(v.dtype)) or not a.flags.c_contiguous:
+                raise ShapeError(f"pointwise {what}: the cuda kernel takes C-contiguous float32 "
+                                 f"or bfloat16 (uint8, int64) CuPy arrays of the node's dtypes, "
+                                 f"got "
                                  f"{type(a).__name__} {getattr(a, 'dtype', '')} for {v.dtype}")
             if tuple(a.shape) != tuple(v.shape):
                 raise ShapeError(f"pointwise {what}: expected shape {v.shape}, got {a.shape}")

@@ -172,14 +172,12 @@ def _prepare(spec: RunSpec, graph: bool) -> PreparedStep:
     init_note = _load_shared_parameters(model, spec.parameters)
     batches = [(xp.asarray(b.x), xp.asarray(b.y)) for b in spec.batches]
     deterministic = os.environ.get("STEPGRAPH_DETERMINISTIC", "1") != "0"
-    step = sg.compile_train_step(model, loss=build_loss(spec.workload),
-                                 optimizer=build_optimizer(spec.workload.optimizer, model),
-                                 example_inputs=batches[0], device=spec.device, graph=graph,
-                                 seed=spec.seed, precision=spec.precision,
-                                 deterministic=deterministic)
-
-    try:                # a bf16 plan holding an op without a bf16 kernel is refused here
-        step.executable(step.signature)
+    try:        # a bf16 plan holding an op without a bf16 kernel is refused at compile
+        step = sg.compile_train_step(model, loss=build_loss(spec.workload),
+                                     optimizer=build_optimizer(spec.workload.optimizer, model),
+                                     example_inputs=batches[0], device=spec.device, graph=graph,
+                                     seed=spec.seed, precision=spec.precision,
+                                     deterministic=deterministic)
     except UnsupportedPrecisionError as error:
         raise Unsupported(str(error).splitlines()[0]) from error
 

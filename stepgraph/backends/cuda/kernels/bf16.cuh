@@ -15,6 +15,10 @@ __device__ __forceinline__ float bf16_to_float(unsigned short b) {
     return __uint_as_float((unsigned int)b << 16);
 }
 
+// f rounded to the nearest bf16 value, as a float: what a store then a load of bf16 give (the
+// generated pointwise kernels round each bf16 instruction so, backends/cuda/pointwise.py).
+__device__ __forceinline__ float bf16_round(float f) { return bf16_to_float(bf16_from_float(f)); }
+
 // Loads and stores of float or bf16 elements as float, for kernels templated on the type.
 __device__ __forceinline__ float load_as_float(const float* p, long long i) { return p[i]; }
 __device__ __forceinline__ float load_as_float(const unsigned short* p, long long i) {

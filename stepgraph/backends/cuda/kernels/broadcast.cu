@@ -1,9 +1,15 @@
 // Broadcasting elementwise ops and materialising copies: binary (add/sub/mul/div with NumPy
 // broadcasting), scalar (x op value), and the strided copy behind expand (broadcast strides 0)
 // and permute (permuted strides), with a tiled transpose for permutes that swap the last two
-// dims. float32 only. Every result is one IEEE-rounded operation, as numpy's: __fadd_rn and
-// friends keep the compiler from fusing or approximating (division is __fdiv_rn, never the
-// fast reciprocal), so float32 results match numpy's bit for bit (up to -ftz denormals).
+// dims. Every result is one IEEE-rounded operation, as numpy's: __fadd_rn and friends keep the
+// compiler from fusing or approximating (division is __fdiv_rn, never the fast reciprocal), so
+// float32 results match numpy's bit for bit (up to -ftz denormals).
+//
+// binary, scalar and the strided copy are templates on the element storage T: float, or
+// unsigned short (bfloat16 raw bits, bf16.cuh), loaded as float, computed in float32 and
+// rounded once on store, as the numpy emulation (backends/numpy/bf16.py) rounds a bf16 node's
+// output. The strided copy goes through float too, so a bf16 NaN is stored as 0x7FC0 as the
+// emulation's rounding stores it; every other value copies exactly (the transpose too).
 //
 // Strided kernels take their layout as scalar arguments: up to MAX_DIMS dims (outermost first,
 // the launcher collapses dims that every operand walks contiguously and drops size-1 dims),
@@ -23,6 +29,8 @@
 #define SCALAR_RSUB 4
 #define SCALAR_RDIV 5
 #define SCALAR_POW 6
+
+#include "bf16.cuh"
 
 #define GRID_STRIDE_GROUPS(g, n)                                                  \
     for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x;          \
@@ -75,40 +83,53 @@ __device__ __forceinline__ void strided_offsets(unsigned int i, const int* size,
 }
 
 // Four consecutive elements of an operand along its innermost dim, of stride s (0: one value
-// broadcast; 1: a float4 where 16-byte aligned).
-__device__ __forceinline__ float4 load_group(const float* p, int off, int s) {
+// broadcast; 1: one vector access where aligned: float4 16 bytes, ushort4 8 bytes), as float.
+__device__ __forceinline__ void load_group(const float* p, int off, int s, float v[4]) {
     if (s == 0) {
-        const float v = p[off];
-        return make_float4(v, v, v, v);
+        v[0] = v[1] = v[2] = v[3] = p[off];
+    } else if (s == 1 && (reinterpret_cast<unsigned long long>(p + off) & 15ull) == 0ull) {
+        load4_as_float(p, off, v);
+    } else {
+        for (int k = 0; k < 4; ++k) v[k] = p[off + k * s];
     }
-    if (s == 1 && (reinterpret_cast<unsigned long long>(p + off) & 15ull) == 0ull)
-        return *reinterpret_cast<const float4*>(p + off);
-    return make_float4(p[off], p[off + s], p[off + 2 * s], p[off + 3 * s]);
 }
 
-// c = a op b, same shapes. Groups of 4; one float4 per operand when every pointer is aligned.
-extern "C" __global__ void binary_forward_kernel(const float* a, const float* b, float* c,
-                                                 long long n, int kind, int vec) {
+__device__ __forceinline__ void load_group(const unsigned short* p, int off, int s, float v[4]) {
+    if (s == 0) {
+        v[0] = v[1] = v[2] = v[3] = bf16_to_float(p[off]);
+    } else if (s == 1 && (reinterpret_cast<unsigned long long>(p + off) & 7ull) == 0ull) {
+        load4_as_float(p, off, v);
+    } else {
+        for (int k = 0; k < 4; ++k) v[k] = bf16_to_float(p[off + k * s]);
+    }
+}
+
+// c = a op b, same shapes. Groups of 4; one vector access per operand when every pointer is
+// 16-byte aligned.
+template <typename T>
+__global__ void binary_forward_kernel(const T* a, const T* b, T* c, long long n, int kind,
+                                      int vec) {
     GRID_STRIDE_GROUPS(g, n) {
         const long long i = g << 2;
         if (vec && i + 4 <= n) {
-            const float4 u = reinterpret_cast<const float4*>(a)[g];
-            const float4 v = reinterpret_cast<const float4*>(b)[g];
-            reinterpret_cast<float4*>(c)[g] = make_float4(
-                binary_value(u.x, v.x, kind), binary_value(u.y, v.y, kind),
-                binary_value(u.z, v.z, kind), binary_value(u.w, v.w, kind));
+            float u[4], v[4];
+            load4_as_float(a, i, u);
+            load4_as_float(b, i, v);
+            for (int k = 0; k < 4; ++k) u[k] = binary_value(u[k], v[k], kind);
+            store4_from_float(c, i, u);
         } else {
-            for (long long j = i; j < i + 4 && j < n; ++j) c[j] = binary_value(a[j], b[j], kind);
+            for (long long j = i; j < i + 4 && j < n; ++j)
+                store_from_float(c, j, binary_value(load_as_float(a, j), load_as_float(b, j),
+                                                    kind));
         }
     }
 }
 
 // c = a op b with broadcasting: a thread per output element, or (vec: the innermost size is a
 // multiple of 4 and c is 16-byte aligned) per group of 4 elements along the innermost dim.
-template <int NDIM>
-__global__ void binary_broadcast_kernel(const float* a, const float* b, float* c, int n,
-                                        int kind, int vec, DIM_PARAMS(size), DIM_PARAMS(sa),
-                                        DIM_PARAMS(sb)) {
+template <typename T, int NDIM>
+__global__ void binary_broadcast_kernel(const T* a, const T* b, T* c, int n, int kind, int vec,
+                                        DIM_PARAMS(size), DIM_PARAMS(sa), DIM_PARAMS(sb)) {
     const int size[MAX_DIMS] = DIM_ARRAY(size);
     const int stride_a[MAX_DIMS] = DIM_ARRAY(sa);
     const int stride_b[MAX_DIMS] = DIM_ARRAY(sb);
@@ -120,37 +141,40 @@ __global__ void binary_broadcast_kernel(const float* a, const float* b, float* c
         int oa, ob;
         strided_offsets<NDIM>(i, size, stride_a, stride_b, &oa, &ob);
         if (vec) {
-            const float4 x = load_group(a, oa, stride_a[NDIM - 1]);
-            const float4 y = load_group(b, ob, stride_b[NDIM - 1]);
-            reinterpret_cast<float4*>(c)[u] = make_float4(
-                binary_value(x.x, y.x, kind), binary_value(x.y, y.y, kind),
-                binary_value(x.z, y.z, kind), binary_value(x.w, y.w, kind));
+            float x[4], y[4];
+            load_group(a, oa, stride_a[NDIM - 1], x);
+            load_group(b, ob, stride_b[NDIM - 1], y);
+            for (int k = 0; k < 4; ++k) x[k] = binary_value(x[k], y[k], kind);
+            store4_from_float(c, i, x);
         } else {
-            c[i] = binary_value(a[oa], b[ob], kind);
+            store_from_float(c, i, binary_value(load_as_float(a, oa), load_as_float(b, ob),
+                                                kind));
         }
     }
 }
 
 // y = x op value (the reversed kinds: value op x); y may alias x.
-extern "C" __global__ void scalar_forward_kernel(const float* x, float* y, long long n, int kind,
-                                                 float value, int vec) {
+template <typename T>
+__global__ void scalar_forward_kernel(const T* x, T* y, long long n, int kind, float value,
+                                      int vec) {
     GRID_STRIDE_GROUPS(g, n) {
         const long long i = g << 2;
         if (vec && i + 4 <= n) {
-            const float4 u = reinterpret_cast<const float4*>(x)[g];
-            reinterpret_cast<float4*>(y)[g] = make_float4(
-                scalar_value(u.x, kind, value), scalar_value(u.y, kind, value),
-                scalar_value(u.z, kind, value), scalar_value(u.w, kind, value));
+            float u[4];
+            load4_as_float(x, i, u);
+            for (int k = 0; k < 4; ++k) u[k] = scalar_value(u[k], kind, value);
+            store4_from_float(y, i, u);
         } else {
-            for (long long j = i; j < i + 4 && j < n; ++j) y[j] = scalar_value(x[j], kind, value);
+            for (long long j = i; j < i + 4 && j < n; ++j)
+                store_from_float(y, j, scalar_value(load_as_float(x, j), kind, value));
         }
     }
 }
 
 // y (contiguous, the collapsed sizes) = x read at strides sx: expand (strides 0 on broadcast
 // dims) and permute (the input's strides in output order). vec as binary_broadcast_kernel.
-template <int NDIM>
-__global__ void strided_copy_kernel(const float* x, float* y, int n, int vec, DIM_PARAMS(size),
+template <typename T, int NDIM>
+__global__ void strided_copy_kernel(const T* x, T* y, int n, int vec, DIM_PARAMS(size),
                                     DIM_PARAMS(sx)) {
     const int size[MAX_DIMS] = DIM_ARRAY(size);
     const int stride_x[MAX_DIMS] = DIM_ARRAY(sx);
@@ -161,8 +185,13 @@ __global__ void strided_copy_kernel(const float* x, float* y, int n, int vec, DI
         const unsigned int i = u * width;
         int ox, unused;
         strided_offsets<NDIM>(i, size, stride_x, stride_x, &ox, &unused);
-        if (vec) reinterpret_cast<float4*>(y)[u] = load_group(x, ox, stride_x[NDIM - 1]);
-        else y[i] = x[ox];
+        if (vec) {
+            float v[4];
+            load_group(x, ox, stride_x[NDIM - 1], v);
+            store4_from_float(y, i, v);
+        } else {
+            store_from_float(y, i, load_as_float(x, ox));
+        }
     }
 }
 
@@ -172,39 +201,51 @@ __global__ void strided_copy_kernel(const float* x, float* y, int n, int vec, DI
 // y (batch, cols, rows) = x (batch, rows, cols) transposed per batch: 32 x 32 tiles through
 // shared memory (one padding column: no bank conflicts), so reads and writes both coalesce.
 // Blocks (32, 8); grid (ceil(cols / 32), ceil(rows / 32), batches strided over gridDim.z).
-extern "C" __global__ void __launch_bounds__(TILE * TILE_ROWS)
-transpose_forward_kernel(const float* x, float* y, int batch, int rows, int cols) {
+// T as the strided copy's: float, or bf16 bits held in the tile as float.
+template <typename T>
+__global__ void __launch_bounds__(TILE * TILE_ROWS)
+transpose_forward_kernel(const T* x, T* y, int batch, int rows, int cols) {
     __shared__ float tile[TILE][TILE + 1];
     const int c0 = blockIdx.x * TILE, r0 = blockIdx.y * TILE;
     const long long plane = (long long)rows * cols;
     for (int z = blockIdx.z; z < batch; z += gridDim.z) {
-        const float* xb = x + z * plane;
-        float* yb = y + z * plane;
+        const T* xb = x + z * plane;
+        T* yb = y + z * plane;
         for (int k = threadIdx.y; k < TILE; k += TILE_ROWS) {
             const int r = r0 + k, c = c0 + threadIdx.x;
-            if (r < rows && c < cols) tile[k][threadIdx.x] = xb[(long long)r * cols + c];
+            if (r < rows && c < cols)
+                tile[k][threadIdx.x] = load_as_float(xb, (long long)r * cols + c);
         }
         __syncthreads();
         for (int k = threadIdx.y; k < TILE; k += TILE_ROWS) {
             const int c = c0 + k, r = r0 + threadIdx.x;
-            if (c < cols && r < rows) yb[(long long)c * rows + r] = tile[threadIdx.x][k];
+            if (c < cols && r < rows)
+                store_from_float(yb, (long long)c * rows + r, tile[threadIdx.x][k]);
         }
         __syncthreads();   // the tile is refilled for the next batch
     }
 }
 
 // Explicit instantiations: NVRTC compiles them even without name_expressions (CI test).
-#define NDIM_INSTANTIATIONS(D)                                                                \
-    template __global__ void binary_broadcast_kernel<D>(                                      \
-        const float*, const float*, float*, int, int, int, int, int, int, int, int, int, int, \
-        int, int, int, int, int, int, int, int, int, int, int);                               \
-    template __global__ void strided_copy_kernel<D>(const float*, float*, int, int, int, int, \
-                                                    int, int, int, int, int, int, int, int,   \
-                                                    int, int);
+#define NDIM_INSTANTIATIONS(T, D)                                                             \
+    template __global__ void binary_broadcast_kernel<T, D>(                                   \
+        const T*, const T*, T*, int, int, int, int, int, int, int, int, int, int, int, int,   \
+        int, int, int, int, int, int, int, int, int);                                         \
+    template __global__ void strided_copy_kernel<T, D>(const T*, T*, int, int, int, int, int, \
+                                                       int, int, int, int, int, int, int, int, \
+                                                       int);
+#define ELEMENT_INSTANTIATIONS(T)                                                             \
+    template __global__ void binary_forward_kernel<T>(const T*, const T*, T*, long long, int, \
+                                                      int);                                   \
+    template __global__ void scalar_forward_kernel<T>(const T*, T*, long long, int, float,   \
+                                                      int);                                   \
+    template __global__ void transpose_forward_kernel<T>(const T*, T*, int, int, int);       \
+    NDIM_INSTANTIATIONS(T, 1)                                                                 \
+    NDIM_INSTANTIATIONS(T, 2)                                                                 \
+    NDIM_INSTANTIATIONS(T, 3)                                                                 \
+    NDIM_INSTANTIATIONS(T, 4)                                                                 \
+    NDIM_INSTANTIATIONS(T, 5)                                                                 \
+    NDIM_INSTANTIATIONS(T, 6)
 
-NDIM_INSTANTIATIONS(1)
-NDIM_INSTANTIATIONS(2)
-NDIM_INSTANTIATIONS(3)
-NDIM_INSTANTIATIONS(4)
-NDIM_INSTANTIATIONS(5)
-NDIM_INSTANTIATIONS(6)
+ELEMENT_INSTANTIATIONS(float)
+ELEMENT_INSTANTIATIONS(unsigned short)

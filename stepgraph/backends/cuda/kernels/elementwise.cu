@@ -1,7 +1,8 @@
 // Elementwise ops: activations and their gradients, add, fill, dropout (elementwise and
 // per-channel, Philox4x32-10 masks identical to the numpy backend's). float32, and for the
-// dropout kernels also bfloat16 (T = unsigned short, raw bits: bf16.cuh): loaded as float,
-// computed in float32, rounded to nearest even once on store, as the numpy emulation does.
+// act, act_grad, add and dropout kernels also bfloat16 (T = unsigned short, raw bits:
+// bf16.cuh): loaded as float, computed in float32, rounded to nearest even once on store, as
+// the numpy emulation does.
 // Grid-stride loops over groups of 4 elements: a group is one vector access when the launcher
 // says every pointer is 16-byte aligned (`vec`), else 4 scalar accesses; y may alias x.
 #include "bf16.cuh"
@@ -12,58 +13,71 @@
     for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x;          \
          g < (((n) + 3) >> 2); g += (long long)gridDim.x * blockDim.x)
 
-extern "C" __global__ void act_forward_kernel(const float* x, float* y, long long n, int kind,
-                                              float slope, int vec) {
+// act, act_grad and add: templates on the storage T (float, or unsigned short = bf16 bits);
+// a group of 4 is one vector access of T when the launcher says every pointer is 16-byte
+// aligned. act of bf16 is exact for relu (a selection); the others round act(z) once.
+template <typename T>
+__global__ void act_forward_kernel(const T* x, T* y, long long n, int kind, float slope,
+                                   int vec) {
     GRID_STRIDE_GROUPS(g, n) {
         const long long i = g << 2;
         if (vec && i + 4 <= n) {
-            float4 v = reinterpret_cast<const float4*>(x)[g];
-            v.x = act_value(v.x, kind, slope);
-            v.y = act_value(v.y, kind, slope);
-            v.z = act_value(v.z, kind, slope);
-            v.w = act_value(v.w, kind, slope);
-            reinterpret_cast<float4*>(y)[g] = v;
-        } else {
-            for (long long j = i; j < i + 4 && j < n; ++j) y[j] = act_value(x[j], kind, slope);
-        }
-    }
-}
-
-// dx = dy * act'(saved) (numpy: the derivative first, then the product).
-extern "C" __global__ void act_backward_kernel(const float* dy, const float* saved, float* dx,
-                                               long long n, int kind, float slope, int vec) {
-    GRID_STRIDE_GROUPS(g, n) {
-        const long long i = g << 2;
-        if (vec && i + 4 <= n) {
-            const float4 d = reinterpret_cast<const float4*>(dy)[g];
-            const float4 s = reinterpret_cast<const float4*>(saved)[g];
-            float4 r;
-            r.x = __fmul_rn(d.x, act_derivative(s.x, kind, slope));
-            r.y = __fmul_rn(d.y, act_derivative(s.y, kind, slope));
-            r.z = __fmul_rn(d.z, act_derivative(s.z, kind, slope));
-            r.w = __fmul_rn(d.w, act_derivative(s.w, kind, slope));
-            reinterpret_cast<float4*>(dx)[g] = r;
+            float v[4];
+            load4_as_float(x, i, v);
+            for (int k = 0; k < 4; ++k) v[k] = act_value(v[k], kind, slope);
+            store4_from_float(y, i, v);
         } else {
             for (long long j = i; j < i + 4 && j < n; ++j)
-                dx[j] = __fmul_rn(dy[j], act_derivative(saved[j], kind, slope));
+                store_from_float(y, j, act_value(load_as_float(x, j), kind, slope));
         }
     }
 }
 
-extern "C" __global__ void add_forward_kernel(const float* a, const float* b, float* c,
-                                              long long n, int vec) {
+// dx = dy * act'(saved) (numpy: the derivative first, then the product), in float32.
+template <typename T>
+__global__ void act_backward_kernel(const T* dy, const T* saved, T* dx, long long n, int kind,
+                                    float slope, int vec) {
     GRID_STRIDE_GROUPS(g, n) {
         const long long i = g << 2;
         if (vec && i + 4 <= n) {
-            const float4 u = reinterpret_cast<const float4*>(a)[g];
-            const float4 v = reinterpret_cast<const float4*>(b)[g];
-            reinterpret_cast<float4*>(c)[g] = make_float4(u.x + v.x, u.y + v.y, u.z + v.z,
-                                                          u.w + v.w);
+            float d[4], s[4];
+            load4_as_float(dy, i, d);
+            load4_as_float(saved, i, s);
+            for (int k = 0; k < 4; ++k) d[k] = __fmul_rn(d[k], act_derivative(s[k], kind, slope));
+            store4_from_float(dx, i, d);
         } else {
-            for (long long j = i; j < i + 4 && j < n; ++j) c[j] = a[j] + b[j];
+            for (long long j = i; j < i + 4 && j < n; ++j)
+                store_from_float(dx, j, __fmul_rn(load_as_float(dy, j),
+                                                  act_derivative(load_as_float(saved, j), kind,
+                                                                 slope)));
         }
     }
 }
+
+template <typename T>
+__global__ void add_forward_kernel(const T* a, const T* b, T* c, long long n, int vec) {
+    GRID_STRIDE_GROUPS(g, n) {
+        const long long i = g << 2;
+        if (vec && i + 4 <= n) {
+            float u[4], v[4];
+            load4_as_float(a, i, u);
+            load4_as_float(b, i, v);
+            for (int k = 0; k < 4; ++k) u[k] = __fadd_rn(u[k], v[k]);
+            store4_from_float(c, i, u);
+        } else {
+            for (long long j = i; j < i + 4 && j < n; ++j)
+                store_from_float(c, j, __fadd_rn(load_as_float(a, j), load_as_float(b, j)));
+        }
+    }
+}
+
+#define ACT_ADD_INSTANTIATIONS(T)                                                            \
+    template __global__ void act_forward_kernel<T>(const T*, T*, long long, int, float, int); \
+    template __global__ void act_backward_kernel<T>(const T*, const T*, T*, long long, int,   \
+                                                    float, int);                              \
+    template __global__ void add_forward_kernel<T>(const T*, const T*, T*, long long, int);
+ACT_ADD_INSTANTIATIONS(float)
+ACT_ADD_INSTANTIATIONS(unsigned short)
 
 template <typename T>
 __global__ void fill_forward_kernel(T* y, long long n, T value) {
