@@ -327,10 +327,11 @@ def test_conv2d_bf16_through_cudnn_is_within_the_summation_bound(ctx, case, requ
     # on an H100, 2-3% of the elements sit up to 4 ulps from the once-rounded sum, within one
     # bf16 rounding of the whole |sum|, and 4 of 12544 (9 of 23040) elements near zero beyond
     # even that: partial sums rounded to bf16, which no per-element bound short of K bf16
-    # roundings covers. Those are allowed as outliers, at most 1 in 1000.
+    # roundings covers. Those are allowed as outliers, at most 1 in 1000. Which plan the
+    # autotuner keeps varies between runs: 2% to 11% of the elements differed at all.
     nchw = layout == "NCHW"
     bound = dict(terms=1, unit=BF16_PARTIALS_UNIT) if nchw else {}
-    assert_near_bits(got[0], want[0], "conv2d_grad_input dx", max_fraction=5e-2,
+    assert_near_bits(got[0], want[0], "conv2d_grad_input dx", max_fraction=0.15 if nchw else 5e-2,
                      slack=abs_bound(dgrad, [dy, w], **bound)[0], outliers=1e-3 if nchw else 0)
 
     wgrad = node_of("conv2d_grad_weight", [dy, x], weight_shape=shape_of(nchw_w),
@@ -385,12 +386,23 @@ def run_twins(cpu, gpu, data):
         lc, lg = float(cpu(x, y)), float(gpu(cp.asarray(x), cp.asarray(y)))
         print(f"loss numpy {lc:.6f} cuda {lg:.6f}")
         assert abs(lg - lc) <= STEP_LOSS_RTOL * abs(lc), (lc, lg)
-    ref, got = cpu.model.state_dict(), gpu.model.state_dict()
+    assert_params_follow(cpu.model.state_dict(), gpu.model.state_dict(), STEP_PARAM_RTOL)
+
+
+def assert_params_follow(ref: dict, got: dict, rtol: float) -> None:
+    """Each weight (2-D and up) within rtol, and all tensors together within rtol. BatchNorm's
+    1-D weight and bias are left to the joint bound: their gradients are channel sums in which
+    BN's backward cancels the mean, so after a few steps a bias of ~1e-3 carries the bf16
+    noise of the activations at tens of percent (measured on an H100: 0.07 - 0.33)."""
+    floats = [k for k in ref if not k.endswith("num_batches_tracked")]
     for k in ref:
         if k.endswith("num_batches_tracked"):
             assert int(got[k]) == int(ref[k]), k
-        else:
-            assert rel(got[k], ref[k]) < STEP_PARAM_RTOL, k
+        elif np.ndim(ref[k]) >= 2:
+            assert rel(got[k], ref[k]) < rtol, k
+    whole = rel(np.concatenate([np.ravel(got[k]) for k in floats]),
+                np.concatenate([np.ravel(ref[k]) for k in floats]))
+    assert whole < rtol, whole
 
 
 @needs_cudnn

@@ -39,6 +39,7 @@ from stepgraph.nn import functional as F  # noqa: E402
 from tests.cuda.test_bf16_cuda import (POISON, assert_bf16_within, bits, ctx,  # noqa: E402,F401
                                        node_of, run_both)
 from tests.ops.helpers import seeded  # noqa: E402
+from tests.cuda.test_bf16_conv_cuda import assert_params_follow  # noqa: E402
 
 KINDS = ["relu", "leaky_relu", "sigmoid", "tanh", "gelu", "gelu_tanh", "silu"]
 EXACT_ACT = {"relu", "leaky_relu"}                          # selections and one product
@@ -59,8 +60,9 @@ def assert_bits(got, want, exact: bool, what: str) -> None:
     assert got.dtype == np.uint16 and not np.any(got == POISON[BF16]), f"{what}: unwritten"
     if exact:
         np.testing.assert_array_equal(got, want, err_msg=what)
-    else:
-        assert_bf16_within(got, want, what=what)
+    else:       # 1 ulp; the GELUs' far-negative tails (|y| < 2^-20 for |x| of a few units)
+        # lose their float64 values to float32 expf/tanhf/normcdff (measured: -1.5e-7 -> -0)
+        assert_bf16_within(got, want, atol=2.0 ** -20, what=what)
 
 
 # ---- elementwise.cu: act, act_grad, add ----------------------------------------------------
@@ -242,11 +244,6 @@ def ce_smooth(logits, y):
     return F.cross_entropy(logits, y, label_smoothing=0.2)
 
 
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 @pytest.mark.parametrize("graph", [False, True])
 @pytest.mark.parametrize("memory_format", ["channels_last", "contiguous"])
 def test_resnet_bf16_steps_run_on_cuda_with_fused_bf16_programs(memory_format, graph):
@@ -274,9 +271,4 @@ def test_resnet_bf16_steps_run_on_cuda_with_fused_bf16_programs(memory_format, g
     plan = next(iter(gpu.executables.values())).plan
     programs = [n for n in plan.graph.nodes if n.op == "pointwise"]
     assert programs and all(v.dtype == BF16 for n in programs for v in n.inputs)
-    ref, got = cpu.model.state_dict(), gpu.model.state_dict()
-    for k in ref:
-        if k.endswith("num_batches_tracked"):
-            assert int(got[k]) == int(ref[k]), k
-        else:
-            assert rel(got[k], ref[k]) < 2e-2, k
+    assert_params_follow(cpu.model.state_dict(), gpu.model.state_dict(), 2e-2)
