@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from .compile.executable import Executable, phase_of
 
 # Built from the benchmark's own definitions (bench/workloads.py), on its batches.
-BENCH_WORKLOADS = ("resnet", "convnet", "gpt")
+BENCH_WORKLOADS = ("big", "resnet", "convnet", "gpt")
 WORKLOADS = ("mlp", "cnn") + BENCH_WORKLOADS
 
 
@@ -192,7 +192,7 @@ def build_workload(name: str, precision: str = "fp32"):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="stepgraph profile", description=__doc__.split("\n")[0])
     parser.add_argument("--workload", default="mlp", choices=WORKLOADS)
-    parser.add_argument("--precision", default="fp32", choices=("fp32", "tf32"))
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "tf32", "bf16"))
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--script", default=None,
                         help="profile your own step: a Python file defining make_step() that "
@@ -212,7 +212,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}")
             return 2
         return 0
-    step, feed = build_workload(args.workload, args.precision)
+    from .errors import UnsupportedPrecisionError
+    try:
+        step, feed = build_workload(args.workload, args.precision)
+    except UnsupportedPrecisionError as err:
+        print(f"error: {err}")
+        return 2
     exe = step.executable(step.signature)
     exe.feed(feed)
     print(profile_executable(exe, args.workload, args.iters).table())
