@@ -338,8 +338,10 @@ def test_conv2d_bf16_through_cudnn_is_within_the_summation_bound(ctx, case, requ
                     bias=has_bias, **attrs)
     want, got = both(ctx, wgrad, [dy, x])
     bounds = abs_bound(wgrad, [dy, x])
-    assert_near_bits(got[0], want[0], "conv2d_grad_weight dw", max_fraction=5e-2,
-                     slack=bounds[0])
+    # the NCHW plans for the cnn's shapes differ at all on up to 9% of dw (H100), all
+    # within the float32 summation bound
+    assert_near_bits(got[0], want[0], "conv2d_grad_weight dw",
+                     max_fraction=0.15 if nchw else 5e-2, slack=bounds[0])
     if has_bias:      # db: bf16 dy summed in float32 by reduce_sum, rounded once
         assert_near_bits(got[1], want[1], "conv2d_grad_weight db", max_fraction=0.5,
                          slack=bounds[1])

@@ -60,9 +60,11 @@ def assert_bits(got, want, exact: bool, what: str) -> None:
     assert got.dtype == np.uint16 and not np.any(got == POISON[BF16]), f"{what}: unwritten"
     if exact:
         np.testing.assert_array_equal(got, want, err_msg=what)
-    else:       # 1 ulp; the GELUs' far-negative tails (|y| < 2^-20 for |x| of a few units)
-        # lose their float64 values to float32 expf/tanhf/normcdff (measured: -1.5e-7 -> -0)
-        assert_bf16_within(got, want, atol=2.0 ** -20, what=what)
+    else:       # 1 ulp; in the GELUs' far-negative tails the float32 formulas cancel
+        # (1 + tanh(u) with tanh(u) near -1): values and gradients under ~1e-5 for inputs and
+        # gradients of unit scale lose their float64 digits (measured on an H100: y -1.5e-7 ->
+        # -0, dx -6.5e-6 -> -7.6e-6 and -2.7e-6 -> 0), so those may differ by up to 2^-16
+        assert_bf16_within(got, want, atol=2.0 ** -16, what=what)
 
 
 # ---- elementwise.cu: act, act_grad, add ----------------------------------------------------
