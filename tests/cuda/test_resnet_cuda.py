@@ -51,31 +51,30 @@ def twins(devices, graph=False, memory_format="contiguous"):
     return steps
 
 
-# cuDNN's fp32 plans include Winograd- and FFT-style algorithms (one measured faster than
-# plain fp32 peak) that round differently from direct summation by ~1e-6 relative per conv;
-# ten Nesterov steps at momentum 0.9 amplify that. A wrong kernel is off by far more.
-LOSS_RTOL, PARAM_RTOL, LATE_LOSS_RTOL = 1e-4, 1e-3, 5e-3
+# cuDNN's fp32 plans include Winograd- and FFT-style algorithms that round differently from
+# direct summation by ~1e-6 relative per conv. A wrong kernel is off by far more.
+LOSS_RTOL, PARAM_RTOL = 1e-4, 1e-3
 
 
+@pytest.mark.xfail(strict=False, reason=(
+    "open defect (docs/perf-notes.md, 2026-11-25): now and then the cuda step departs from "
+    "numpy on first use (1e-2 after one step, up to 1e-3 loss by step 10 in some runs); "
+    "not rounding growth: a 1e-6 perturbation stays under 1e-4 over 5 steps on the CPU"))
 def test_resnet_cuda_follows_numpy():
-    """Five steps within LOSS_RTOL / PARAM_RTOL, then five more with the losses within
-    LATE_LOSS_RTOL: cuDNN's rounding grows with the steps (measured on an H100: 1.4e-6 at
-    step 6, 5.7e-4 at step 10)."""
     cpu, gpu = twins(["cpu", "cuda"])
     diffs = []
-    for i, (x, y) in enumerate(batches(10, seed=1)):
+    for x, y in batches(10, seed=1):
         lc, lg = float(cpu(x, y)), float(gpu(cp.asarray(x), cp.asarray(y)))
         diffs.append(abs(lg - lc) / abs(lc))
-        if i == 4:
-            ref, got = cpu.model.state_dict(), gpu.model.state_dict()
-            assert ref.keys() == got.keys()
-            for k in ref:
-                if k.endswith("num_batches_tracked"):
-                    assert int(got[k]) == int(ref[k]) == 5, k
-                else:
-                    assert rel(got[k], ref[k]) < PARAM_RTOL, k
     print(f"resnet cuda vs numpy: relative loss differences {[f'{d:.1e}' for d in diffs]}")
-    assert max(diffs[:5]) <= LOSS_RTOL and max(diffs) <= LATE_LOSS_RTOL, diffs
+    assert max(diffs) <= LOSS_RTOL, diffs
+    ref, got = cpu.model.state_dict(), gpu.model.state_dict()
+    assert ref.keys() == got.keys()
+    for k in ref:
+        if k.endswith("num_batches_tracked"):
+            assert int(got[k]) == int(ref[k]) == 10, k
+        else:
+            assert rel(got[k], ref[k]) < PARAM_RTOL, k
 
 
 def test_resnet_graph_replay_is_bit_identical_to_eager():
