@@ -277,7 +277,7 @@ def to_layout(a: np.ndarray, layout: str) -> np.ndarray:
 
 def _terms(node: Node) -> int:
     """K: the products summed into one output of a convolution op (NCHW geometry)."""
-    a, layout = node.attrs, node.attrs.get("layout", "NCHW")
+    layout = node.attrs.get("layout", "NCHW")
     nchw = (lambda s: (s[0], s[3], s[1], s[2])) if layout == "NHWC" else tuple
     if node.op == "conv2d":
         o, c, kh, kw = nchw(node.inputs[1].shape)
