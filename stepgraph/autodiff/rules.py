@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..ir.graph import Node, Value
-from ..ir.ops import GRAD_FROM_OUTPUT, IGNORE_INDEX, conv_geometry, layout_of
+from ..ir.ops import GRAD_FROM_OUTPUT, IGNORE_INDEX, channel_sum_axes, conv_geometry, layout_of
 
 Emit = Callable[..., list[Value]]   # emit(op, inputs, **attrs) -> outputs
 VJPS: dict[str, Callable] = {}
@@ -75,8 +75,7 @@ def _conv2d(emit: Emit, node: Node, dy: list, wants) -> list:
     dw = emit("conv2d_grad_weight", [g, x], weight_shape=w.shape, **geometry)[0] if wants(1) else None
     grads = [dx, dw]
     if len(node.inputs) == 3:
-        # db sums dy over every axis but the channels': (N, Ho, Wo).
-        axes = (0, 1, 2) if geometry.get("layout") == "NHWC" else (0, 2, 3)
+        axes = channel_sum_axes(layout_of(node.op, node.attrs))
         grads.append(emit("reduce_sum", [g], axes=axes)[0] if wants(2) else None)
     return grads
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..ir.graph import Graph, Node, Value
-from ..ir.ops import IGNORE_INDEX
+from ..ir.ops import IGNORE_INDEX, channel_sum_axes, layout_of
 from .attention import pack_attention_heads
 from .pointwise import fuse_pointwise
 from .rewrite import _copy, _join, _rebuild
@@ -103,8 +103,9 @@ def fuse_activation_bias_grad(graph: Graph) -> Graph:
 
 
 def fuse_conv_bias_grad(graph: Graph) -> Graph:
-    """conv2d_grad_weight(dy, x) -> dw; reduce_sum(dy, axes=(0, 2, 3)) -> db
-    =>   conv2d_grad_weight(dy, x, bias) -> (dw, db): the weight gradient reads dy anyway."""
+    """conv2d_grad_weight(dy, x) -> dw; reduce_sum(dy, axes=(N, H, W)) -> db
+    =>   conv2d_grad_weight(dy, x, bias) -> (dw, db): the weight gradient reads dy anyway.
+    (N, H, W) are the axes of the node's layout (ir.ops.channel_sum_axes)."""
     graph = _copy(graph)
     users = graph.consumers()
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -113,8 +114,9 @@ def fuse_conv_bias_grad(graph: Graph) -> Graph:
         if n.op != "conv2d_grad_weight" or n.attrs.get("bias"):
             continue
         # A later sum only: db then comes earlier than before, never later than a reader.
+        axes = channel_sum_axes(layout_of(n.op, n.attrs))
         sums = [u for u in users.get(n.inputs[0], []) if u.op == "reduce_sum"
-                and tuple(u.attrs["axes"]) == (0, 2, 3) and order[u] > order[n]]
+                and tuple(u.attrs["axes"]) == axes and order[u] > order[n]]
         if not sums:
             continue
         n.attrs = dict(n.attrs, bias=True)

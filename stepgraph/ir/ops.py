@@ -172,6 +172,12 @@ def stored_shape(shape, layout: str) -> tuple[int, ...]:
     return tuple(shape[d] for d in TO_NHWC) if layout == "NHWC" and len(shape) == 4 else shape
 
 
+def channel_sum_axes(layout: str) -> tuple[int, int, int]:
+    """The axes of a 4-D image gradient that a per-channel bias gradient sums: every axis but
+    the channels' ((N, H, W) of either layout)."""
+    return (0, 1, 2) if layout == "NHWC" else (0, 2, 3)
+
+
 def conv_geometry(attrs) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int], int]:
     """(stride, padding, dilation, groups) of a conv node; nodes made before dilation and
     groups existed mean (1, 1) and 1."""

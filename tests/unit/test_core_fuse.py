@@ -14,6 +14,7 @@ from stepgraph.compile.fuse import (eliminate_dead_code, fuse, fuse_activation_b
                                     fuse_linear_activation,
                                     fuse_log_softmax_nll, fuse_pool_relu,
                                     fuse_step_bookkeeping)
+from stepgraph.compile.layout import to_channels_last
 from stepgraph.ir.ops import ACTIVATIONS, GRAD_FROM_OUTPUT
 from stepgraph.ir.trace import Tracer
 from tests.ops.helpers import assert_close, run_graph, seeded
@@ -208,31 +209,36 @@ def test_pool_relu_fuse_forward_and_backward():
         assert_close(got[k], want[k], what=k)
 
 
-def conv_graph(bias: bool):
-    """x -> conv2d -> mse(target), with the backward w.r.t. w (and b)."""
+def conv_graph(bias: bool, layout: str = "NCHW"):
+    """x -> conv2d -> mse(target), with the backward w.r.t. w (and b); with layout "NHWC" the
+    forward is first rewritten channels-last (compile/layout.py), as a step's would be."""
     t = Tracer()
     x, target = t.input((2, 3, 7, 6), "float32", "x"), t.input((2, 4, 5, 4), "float32", "target")
     w, b = t.input((4, 3, 3, 3), "float32", "w"), t.input((4,), "float32", "b")
     y = t.op("conv2d", [x, w] + ([b] if bias else []), stride=(1, 1), padding=(0, 0))
     loss = t.op("mse", [y, target])
     t.graph.outputs = {"loss": loss.value}
+    if layout == "NHWC":
+        t.graph = to_channels_last(t.graph)[0]
     grads = append_backward(t, loss.value, [w.value] + ([b.value] if bias else []))
     t.graph.outputs.update({f"d{i}": g for i, g in enumerate(grads)})
     return t.graph
 
 
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_conv_bias_grad_joins_the_weight_grad(bias):
-    fused = fuse_conv_bias_grad(conv_graph(bias))
+def test_conv_bias_grad_joins_the_weight_grad(bias, layout):
+    fused = fuse_conv_bias_grad(conv_graph(bias, layout))
     (grad,) = [n for n in fused.nodes if n.op == "conv2d_grad_weight"]
     assert "reduce_sum" not in ops(fused)
     assert bool(grad.attrs.get("bias")) == bias and len(grad.outputs) == 1 + bias
+    assert grad.attrs.get("layout", "NCHW") == layout
     gen = seeded("conv_bias")
     arrays = {"x": gen.standard_normal((2, 3, 7, 6)).astype(np.float32),
               "target": gen.standard_normal((2, 4, 5, 4)).astype(np.float32),
               "w": gen.standard_normal((4, 3, 3, 3)).astype(np.float32),
               "b": gen.standard_normal(4).astype(np.float32)}
-    want, got = run_graph(conv_graph(bias), arrays, {}), run_graph(fused, arrays, {})
+    want, got = run_graph(conv_graph(bias, layout), arrays, {}), run_graph(fused, arrays, {})
     for k in want:
         assert_close(got[k], want[k], what=k)
 

@@ -69,7 +69,8 @@ import numpy as np
 
 from ...errors import CaptureError, ShapeError, UnsupportedOpError
 from ...ir.graph import Node, Value
-from ...ir.ops import TO_NCHW, TO_NHWC, conv_out, layout_of, nchw_shape, stored_shape
+from ...ir.ops import (TO_NCHW, TO_NHWC, channel_sum_axes, conv_out, layout_of, nchw_shape,
+                       stored_shape)
 from . import autotune, compiler, conv_cudnn, gemm, launchers
 from . import conv_tiled as tiled
 
@@ -623,7 +624,7 @@ def conv2d_grad_weight(node, ins, outs, ctx) -> None:
     dy = _contiguous(ins[0], "dy", stored_shape((g.n, g.o, g.ho, g.wo), layout))
     dw = _contiguous(outs[0], "dw", stored_shape(g.w_shape, layout))
     db = _contiguous(outs[1], "db", (g.o,)) if node.attrs.get("bias") else None
-    spatial = (0, 1, 2) if layout == "NHWC" else (0, 2, 3)    # db sums dy over these
+    spatial = channel_sum_axes(layout)    # db sums dy over these
 
     def with_bias(run: Callable[[], None]) -> Callable[[], None]:
         def both() -> None:
