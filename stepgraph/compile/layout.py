@@ -1,6 +1,6 @@
 """Channels-last execution: a forward graph's image tensors stored NHWC between convolutions.
 
-cuDNN's tensor-core convolutions (tf32, later bf16) run 1.4-5.9x faster on channels-last
+cuDNN's tensor-core convolutions (tf32, bf16) run 1.4-5.9x faster on channels-last
 (NHWC) tensors than on NCHW ones (docs/perf-notes.md, conv layout). `to_channels_last`
 rewrites a traced forward graph, before autodiff, so that the backward is the NHWC ops' own
 VJPs:
