@@ -21,12 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..ir.graph import Graph, Node, Value
+from ..ir.graph import FLOAT_DTYPES, Graph, Node, Value
 from ..ops.pointwise import Instr, PROGRAM_OPS
 from .rewrite import _copy, _join, _rebuild
-
-
-_FLOATS = ("float32", "float64", "bfloat16")
 
 
 def _eligible(n: Node) -> bool:
@@ -34,7 +31,7 @@ def _eligible(n: Node) -> bool:
         return _dropout_eligible(n)
     if n.op not in PROGRAM_OPS or len(n.outputs) != 1:
         return False
-    if n.outputs[0].dtype not in _FLOATS:
+    if n.outputs[0].dtype not in FLOAT_DTYPES:
         return False
     return all(v.dtype == n.outputs[0].dtype for v in n.inputs)
 
@@ -44,7 +41,7 @@ def _dropout_eligible(n: Node) -> bool:
     if n.attrs.get("per_channel"):
         return False
     x, y = n.inputs[0], n.outputs[0]
-    if y.dtype not in _FLOATS or x.dtype != y.dtype or x.shape != y.shape:
+    if y.dtype not in FLOAT_DTYPES or x.dtype != y.dtype or x.shape != y.shape:
         return False
     if n.op == "dropout":
         step = n.inputs[1]

@@ -18,6 +18,7 @@ import numpy as np
 from .. import rng
 from ..autodiff.rules import vjp
 from ..backends.numpy.kernels import impl
+from ..ir.graph import FLOAT_DTYPES
 from ..ir.ops import _need, defop
 from .softmax import causal_mask
 
@@ -41,7 +42,7 @@ def _check_qkv(op: str, q, k, v, attrs) -> None:
           f"needs at least one query and one key, got q {q.shape}, k {k.shape}")
     _need(max(q.shape[-1], v.shape[-1]) <= MAX_HEAD_DIM, op,
           f"head dims up to {MAX_HEAD_DIM}, got q {q.shape}, v {v.shape}")
-    _need(q.dtype == k.dtype == v.dtype and q.dtype in ("float32", "float64", "bfloat16"), op,
+    _need(q.dtype == k.dtype == v.dtype and q.dtype in FLOAT_DTYPES, op,
           f"q, k, v must be one float dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     _need(not attrs.get("causal") or q.shape[-2] <= k.shape[-2], op,
           f"causal needs rows <= keys (else whole rows are masked), got q {q.shape}, "
