@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ir.graph import Graph, Node, Value
-from .rewrite import _copy, _rebuild
+from .rewrite import _copy, _live, _rebuild
 
 
 def _swaps_heads(n: Node | None) -> bool:
@@ -79,13 +79,14 @@ class _Matcher:
             return None
         return x
 
-    def merge_target(self, v: Value) -> tuple[Value, Node] | None:
-        """(y, its reshape) when v (..., H, T, D) -> permute -> reshape (..., T, H * D) = y."""
-        perm = self.only_user(v, "permute")
-        if not _swaps_heads(perm):
+    def merge_target(self, out: Value, grad: Node | None = None) -> tuple[Value, Node] | None:
+        """(y, its reshape) when out (..., H, T, D) -> permute -> reshape (..., T, H * D) = y;
+        out's other reader may be its sdpa_grad `grad`."""
+        perms = [u for u in self.users.get(out, []) if u is not grad]
+        if len(perms) != 1 or not _swaps_heads(perms[0]):
             return None
-        view = self.only_user(perm.outputs[0], "reshape")
-        want = v.shape[:-3] + (v.shape[-2], v.shape[-3] * v.shape[-1])
+        view = self.only_user(perms[0].outputs[0], "reshape")
+        want = out.shape[:-3] + (out.shape[-2], out.shape[-3] * out.shape[-1])
         if view is None or view.outputs[0].shape != want:
             return None
         return view.outputs[0], view
@@ -136,7 +137,7 @@ class _Matcher:
         readers = self.users.get(out, [])
         if len(grads) > 1 or len(readers) != 1 + len(grads) or out in self.outputs:
             return None
-        merged = self.merge_target(out) if not grads else self._merge_beside(out, grads[0])
+        merged = self.merge_target(out, grads[0] if grads else None)
         if merged is None:
             return None
         site = _Site(n, x, merged[0], merged[1], q.shape[-3])
@@ -152,16 +153,6 @@ class _Matcher:
             site.grad, site.g, (site.dx, site.dx_producer) = g, dsrc, total
         return site
 
-    def _merge_beside(self, out: Value, grad: Node):
-        """merge_target, with out also read by its sdpa_grad."""
-        perms = [u for u in self.users[out] if u is not grad]
-        if len(perms) != 1 or not _swaps_heads(perms[0]):
-            return None
-        view = self.only_user(perms[0].outputs[0], "reshape")
-        want = out.shape[:-3] + (out.shape[-2], out.shape[-3] * out.shape[-1])
-        if view is None or view.outputs[0].shape != want:
-            return None
-        return view.outputs[0], view
 
 
 def pack_attention_heads(graph: Graph) -> Graph:
@@ -186,15 +177,6 @@ def pack_attention_heads(graph: Graph) -> Graph:
                                    dict(s.grad.attrs, heads=s.heads), (), s.grad.label)
             drop.add(s.dx_producer)
     nodes = [replace.get(n, n) for n in graph.nodes if n not in drop]
-    return _rebuild(graph, _live(nodes, set(graph.outputs.values())), {})
-
-
-def _live(nodes: list[Node], outputs: set[Value]) -> list[Node]:
-    """The nodes whose outputs someone reads (or that mutate): the split and merge copies
-    left reading values nothing produces any more go now, before the passes that follow."""
-    live, kept = set(outputs), []
-    for n in reversed(nodes):
-        if n.mutates or any(v in live for v in n.outputs):
-            kept.append(n)
-            live.update(n.inputs)
-    return kept[::-1]
+    # The split and merge copies now read values nothing produces: they go before the
+    # passes that follow.
+    return _rebuild(graph, _live(nodes, graph.outputs.values()), {})

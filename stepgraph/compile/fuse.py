@@ -11,7 +11,7 @@ from ..ir.graph import Graph, Node, Value
 from ..ir.ops import IGNORE_INDEX, channel_sum_axes, layout_of
 from .attention import pack_attention_heads
 from .pointwise import fuse_pointwise
-from .rewrite import _copy, _join, _rebuild
+from .rewrite import _copy, _join, _live, _rebuild
 
 
 def _sole_view(graph: Graph, users, v: Value) -> Node | None:
@@ -274,13 +274,7 @@ def fuse_log_softmax_nll(graph: Graph) -> Graph:
 def eliminate_dead_code(graph: Graph) -> Graph:
     """Drop nodes whose outputs nobody reads (nodes that mutate state are always live)."""
     graph = _copy(graph)
-    live: set[Value] = set(graph.outputs.values())
-    kept: list[Node] = []
-    for n in reversed(graph.nodes):
-        if n.mutates or any(v in live for v in n.outputs):
-            kept.append(n)
-            live.update(n.inputs)
-    return _rebuild(graph, kept[::-1], {})
+    return _rebuild(graph, _live(graph.nodes, graph.outputs.values()), {})
 
 
 PASSES = (pack_attention_heads, fuse_linear_activation, fuse_pool_relu, fuse_batch_norm_relu,

@@ -22,5 +22,17 @@ def _rebuild(graph: Graph, nodes: list[Node], subst: dict[Value, Value]) -> Grap
     return Graph(nodes, graph.inputs, graph.params, graph.state, outputs)
 
 
+def _live(nodes: list[Node], outputs) -> list[Node]:
+    """The nodes, in order, that the graph outputs depend on (nodes that mutate state are
+    always live): a backward walk keeping each node one of whose outputs is read later."""
+    live: set[Value] = set(outputs)
+    kept: list[Node] = []
+    for n in reversed(nodes):
+        if n.mutates or any(v in live for v in n.outputs):
+            kept.append(n)
+            live.update(n.inputs)
+    return kept[::-1]
+
+
 def _join(*labels: str) -> str:
     return "+".join(dict.fromkeys(l.split(" ")[0] for l in labels if l))
