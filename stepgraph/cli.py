@@ -43,8 +43,9 @@ DELEGATED = {"bench": (run_bench, "time a training step against PyTorch, JAX, ti
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .api import PRECISIONS
     from .train import BAD_BATCH_POLICIES, DATASETS, DEVICES, MODELS
-    from .train_gpt import PRECISIONS, TEXT_DATASETS, TEXT_MODELS
+    from .train_gpt import TEXT_DATASETS, TEXT_MODELS
 
     parser = argparse.ArgumentParser(prog="stepgraph", description=DESCRIPTION)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -17,6 +17,7 @@ import runpy
 import statistics
 from dataclasses import dataclass
 
+from .api import PRECISIONS
 from .compile.executable import Executable, phase_of
 
 # Built from the benchmark's own definitions (bench/workloads.py), on its batches.
@@ -192,7 +193,7 @@ def build_workload(name: str, precision: str = "fp32"):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="stepgraph profile", description=__doc__.split("\n")[0])
     parser.add_argument("--workload", default="mlp", choices=WORKLOADS)
-    parser.add_argument("--precision", default="fp32", choices=("fp32", "tf32", "bf16"))
+    parser.add_argument("--precision", default="fp32", choices=PRECISIONS)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--script", default=None,
                         help="profile your own step: a Python file defining make_step() that "

@@ -30,6 +30,7 @@ import numpy as np
 import stepgraph as sg
 
 from . import checkpoint as ckpt
+from .api import PRECISIONS
 from . import models, optim
 from .data.augment import array_module
 from .data.text import TextDataset, TokenBatches, load_text
@@ -50,7 +51,6 @@ EVAL_STREAM = 1             # evaluation batches: drawn apart from the training 
 # A resume must match the checkpoint on these (the LR schedule spans `steps`).
 RESUME_KEYS = ("model", "data", "text_file", "batch_size", "lr", "seed", "steps", "block_size",
                "n_layer", "n_head", "n_embd", "dropout")
-PRECISIONS = ("fp32", "tf32", "bf16")   # api.PRECISIONS (tf32 needs a GPU)
 
 
 @dataclass(frozen=True)
