@@ -11,13 +11,11 @@ backward, where the NumPy reference does the same.
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
-from .. import rng
 from ..autodiff.rules import vjp
-from ..backends.numpy.kernels import impl
+from ..backends.numpy.kernels import impl, keep_mask
 from ..ir.graph import FLOAT_DTYPES
 from ..ir.ops import _need, defop
 from .softmax import causal_mask
@@ -126,9 +124,7 @@ def dropout_keep(node, shape: tuple, dtype, step) -> np.ndarray | None:
     p = float(node.attrs.get("dropout_p", 0.0))
     if p == 0.0:
         return None
-    mask = rng.dropout_keep_mask(math.prod(shape), p, node.attrs["seed"], node.attrs["site"],
-                                 int(step)).reshape(shape)
-    return mask * np.dtype(dtype).type(1.0 / (1.0 - p))
+    return keep_mask(shape, p, node.attrs, step) * np.dtype(dtype).type(1.0 / (1.0 - p))
 
 
 @impl("sdpa")

@@ -25,9 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import rng
 from ..backends.numpy import bf16
-from ..backends.numpy.kernels import IMPLS, impl
+from ..backends.numpy.kernels import IMPLS, impl, keep_mask
 from ..ir.graph import BF16, Node, Value
 from ..ir.ops import _need, defop
 
@@ -73,10 +72,7 @@ def _pointwise(ins, attrs):
 
 def _dropout_mask(node: Node, ins, outs, ctx):
     """The dropout op's keep mask over the whole output (flat index = element index)."""
-    a = node.attrs
-    mask = outs[0]
-    mask[...] = rng.dropout_keep_mask(mask.size, a["p"], a["seed"], a["site"],
-                                      int(ins[0])).reshape(mask.shape)
+    outs[0][...] = keep_mask(outs[0].shape, node.attrs["p"], node.attrs, ins[0])
 
 
 _PROGRAM_IMPLS = {"dropout_mask": _dropout_mask}

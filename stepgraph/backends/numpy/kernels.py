@@ -267,13 +267,20 @@ def maxpool2d_grad(node: Node, ins, outs, ctx):
 
 # ---- dropout -------------------------------------------------------------------------------
 
+def keep_mask(shape: tuple, p: float, attrs, step) -> np.ndarray:
+    """The dropout op's uint8 keep mask of a `shape` tensor: Philox at each element's flat
+    index, keyed by attrs seed and site and the step counter (rng.py). Every op that drops
+    (dropout, the pointwise programs, attention) draws it here."""
+    return rng.dropout_keep_mask(math.prod(shape), p, attrs["seed"], attrs["site"],
+                                 int(step)).reshape(shape)
+
+
 @impl("dropout")
 def dropout(node: Node, ins, outs, ctx):
     x, step = ins
     a = node.attrs
     y, mask = outs
-    mask[...] = rng.dropout_keep_mask(mask.size, a["p"], a["seed"], a["site"],
-                                      int(step)).reshape(mask.shape)
+    mask[...] = keep_mask(mask.shape, a["p"], a, step)
     y[...] = x * _broadcast_mask(mask, x) * x.dtype.type(1.0 / (1.0 - a["p"]))
 
 
