@@ -31,6 +31,22 @@ def kernel_names() -> dict[str, set[str]]:
                      "cast_forward_kernel<unsigned short, float>"}}
 
 
+def shared_ctype(op: str, arrays: dict) -> str:
+    """The template argument (CAST_CTYPES) of an op's kernels whose float operands share one
+    storage dtype, float32 or uint16 (bfloat16): the first array's, each array (None entries
+    skipped) checked to be a contiguous CuPy array of it."""
+    present = {what: a for what, a in arrays.items() if a is not None}
+    first = next(iter(present.values()))
+    for storage, ctype in CAST_CTYPES.values():
+        if getattr(first, "dtype", None) == np.dtype(storage):
+            break
+    else:
+        storage, ctype = "float32", "float"    # _check below says what was wrong
+    for what, a in present.items():
+        _check(f"{op} {what}", a, storage)
+    return ctype
+
+
 def _ctype(what: str, a, dtype: str) -> str:
     if dtype not in CAST_CTYPES:
         raise ShapeError(f"{what}: the cuda cast converts float32 <-> bfloat16, got {dtype}")

@@ -26,7 +26,7 @@ import numpy as np
 
 from ...errors import ShapeError
 from ...ir.graph import Node
-from .cast import CAST_CTYPES
+from .cast import CAST_CTYPES, shared_ctype
 from .launchers import BLOCK, _aligned, _check, _check_int32, _check_scalar, _launch, \
     _node_memory, _or_null
 
@@ -106,21 +106,6 @@ def pass_kernel(kind: str, layout: Layout, ctype: str = "float") -> str:
     if layout.columns:
         return f"batch_norm_{kind}_columns_kernel<{ctype}>"
     return f"batch_norm_{kind}_planes{'_vec4' if layout.vec == 4 else ''}_kernel<{ctype}>"
-
-
-def _activation_ctype(op: str, **arrays) -> str:
-    """The C type of an op's activations (None entries absent): one storage dtype, float32 or
-    uint16 (bfloat16), for all of them, each a contiguous CuPy array."""
-    first = next(a for a in arrays.values() if a is not None)
-    for storage, ctype in ACTIVATION_CTYPES.values():
-        if getattr(first, "dtype", None) == np.dtype(storage):
-            break
-    else:
-        storage, ctype = "float32", "float"    # _check below says what was wrong
-    for what, arr in arrays.items():
-        if arr is not None:
-            _check(f"{op} {what}", arr, storage)
-    return ctype
 
 
 def _launch_pass(ctx, kind: str, layout: Layout, splits: tuple[int, int], block_rows: int,
@@ -208,7 +193,7 @@ def _train_arrays(attrs: dict, ins: list, outs: list) -> TrainArrays:
     if track:
         t.running_mean, t.running_var, t.tracked = ins[1 + 2 * affine:]
         _check_scalar("batch_norm_train num_batches_tracked", t.tracked, "int64")
-    t.ctype = _activation_ctype("batch_norm_train", input=t.x, output=t.y)
+    t.ctype = shared_ctype("batch_norm_train", {"input": t.x, "output": t.y})
     _check("batch_norm_train output", t.y, None, t.x.shape)
     _check_channels("batch_norm_train", t.x.shape[1] if t.x.ndim >= 2 else 0,
                     save_mean=t.save_mean, save_invstd=t.save_invstd, weight=t.weight,
@@ -267,7 +252,7 @@ def _grad_arrays(attrs: dict, ins: list, outs: list) -> GradArrays:
                          f"and {len(outs)}")
     g = GradArrays(ins[0], ins[1], ins[2] if affine else None, ins[2 + affine],
                    ins[3 + affine], ins[4 + affine] if relu else None, *outs)
-    g.ctype = _activation_ctype("batch_norm_grad", dy=g.dy, x=g.x, dx=g.dx, y=g.y)
+    g.ctype = shared_ctype("batch_norm_grad", {"dy": g.dy, "x": g.x, "dx": g.dx, "y": g.y})
     for what, arr in (("x", g.x), ("dx", g.dx), ("y", g.y)):
         if arr is not None:
             _check(f"batch_norm_grad {what}", arr, None, g.dy.shape)

@@ -21,7 +21,7 @@ import numpy as np
 from ...errors import ShapeError
 from ...ir.ops import layout_of, nchw_shape, stored_shape
 from .launchers import BLOCK, _check, _check_int32, _grid, _launch, _or_null
-from .cast import CAST_CTYPES
+from .cast import CAST_CTYPES, shared_ctype
 
 SOURCE, MAX_SOURCE = "avgpool.cu", "pool.cu"
 WARP = 32
@@ -42,20 +42,6 @@ def kernel_names() -> dict[str, set[str]]:
     ctypes = [ctype for _, ctype in POOL_CTYPES.values()]
     return {SOURCE: {f"{k}<{t}>" for k in KERNELS for t in ctypes},
             MAX_SOURCE: {f"{k}<{t}>" for k in MAX_KERNELS for t in ctypes}}
-
-
-def _ctype(op: str, arrays: dict) -> str:
-    """The template argument of an op's kernels: its float operands' one storage dtype
-    (float32, or uint16 holding bfloat16), each checked to be a contiguous CuPy array."""
-    first = next(iter(arrays.values()))
-    for storage, ctype in POOL_CTYPES.values():
-        if getattr(first, "dtype", None) == np.dtype(storage):
-            break
-    else:
-        storage, ctype = "float32", "float"    # _check below says what was wrong
-    for what, a in arrays.items():
-        _check(f"{op} {what}", a, storage)
-    return ctype
 
 
 # ---- shapes --------------------------------------------------------------------------------
@@ -105,7 +91,7 @@ def maxpool2d_forward(ctx, x, y, idx, kernel, stride, relu: bool = False, paddin
                       layout: str = "NCHW") -> None:
     """y = window maxima (relu: relu of them; padding is -inf), idx (int32) = plane-local
     h * W + w of each window's first maximum."""
-    ctype = _ctype("maxpool2d", {"input": x, "output": y})
+    ctype = shared_ctype("maxpool2d", {"input": x, "output": y})
     xs, ys, stored, suffix, extra = _shapes("maxpool2d", tuple(x.shape), kernel, stride,
                                             padding, layout)
     _check("maxpool2d output", y, None, stored)
@@ -122,8 +108,7 @@ def maxpool2d_backward(ctx, dy, idx, dx, kernel, stride, y=None, padding=(0, 0),
     """dx = each dy added at its idx (windows may overlap: gathered, fixed order); with the
     fused ReLU's output y, only where y > 0. Windows that tile the input exactly (no
     padding) take the scatter kernel (a thread per window)."""
-    ctype = _ctype("maxpool2d_grad",
-                   {"dx": dx, "dy": dy} | ({} if y is None else {"relu output": y}))
+    ctype = shared_ctype("maxpool2d_grad", {"dx": dx, "dy": dy, "relu output": y})
     xs, ys, stored, suffix, extra = _shapes("maxpool2d_grad", tuple(dx.shape), kernel, stride,
                                             padding, layout)
     _check("maxpool2d_grad dy", dy, None, stored)
@@ -150,7 +135,7 @@ def avgpool2d_forward(ctx, x, y, kernel, stride, padding=(0, 0),
                       count_include_pad: bool = True, layout: str = "NCHW") -> None:
     """y = window means of x (N, C, H, W), zero padding; the divisor counts the padding only
     with count_include_pad (PyTorch avg_pool2d, floor mode)."""
-    ctype = _ctype("avgpool2d", {"input": x, "output": y})
+    ctype = shared_ctype("avgpool2d", {"input": x, "output": y})
     xs, ys, stored, suffix, extra = _shapes("avgpool2d", tuple(x.shape), kernel, stride,
                                             padding, layout)
     _check("avgpool2d output", y, None, stored)
@@ -171,7 +156,7 @@ def avgpool2d_backward(ctx, dy, dx, kernel, stride, padding=(0, 0),
                        count_include_pad: bool = True, layout: str = "NCHW") -> None:
     """dx = avgpool2d's gradient: each dy / its divisor spread over its window, gathered per
     input element (fixed order, no atomics)."""
-    ctype = _ctype("avgpool2d_grad", {"dx": dx, "dy": dy})
+    ctype = shared_ctype("avgpool2d_grad", {"dx": dx, "dy": dy})
     xs, ys, stored, suffix, extra = _shapes("avgpool2d_grad", tuple(dx.shape), kernel, stride,
                                             padding, layout)
     _check("avgpool2d_grad dy", dy, None, stored)
