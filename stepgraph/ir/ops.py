@@ -412,9 +412,18 @@ def _update_mutates(attrs) -> tuple[int, ...]:
     written = list(range(k, k + n))
     for s in range(attrs["n_slots"]):
         written += range(k + (2 + s) * n, k + (3 + s) * n)
-    first_copy = k + (2 + attrs["n_slots"]) * n
-    written += range(first_copy, first_copy + len(attrs.get("copies", ())))
+    written += [at for _, at, _ in update_weight_copies(attrs)]
     return tuple(written)
+
+
+def update_weight_copies(attrs) -> list[tuple[int, int, tuple[int, ...] | None]]:
+    """(parameter input index, copy input index, transpose dims or None) of each bf16 weight
+    copy an update writes (attrs copies, copy_dims; sgd_update's docstring)."""
+    n, k = attrs["n_params"], attrs["n_scalars"]
+    first = k + (2 + attrs["n_slots"]) * n
+    indices = attrs.get("copies", ())
+    dims = attrs.get("copy_dims") or (None,) * len(indices)
+    return [(k + i, first + j, d) for j, (i, d) in enumerate(zip(indices, dims))]
 
 
 @defop("sgd_update", mutates=_update_mutates)

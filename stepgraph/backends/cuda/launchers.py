@@ -34,6 +34,7 @@ import numpy as np
 from ... import rng
 from ...errors import CaptureError, ShapeError
 from ...ir.graph import Node
+from ...ir.ops import update_weight_copies
 from . import compiler
 
 BLOCK = 256                   # threads of a 1-D elementwise block
@@ -768,16 +769,10 @@ def _hyperparameters(node: Node) -> list[tuple[float, ...]]:
 def _weight_copies(node: Node, ins: list) -> list[tuple[int, Any, Any]]:
     """(parameter index, bf16 copy, transpose dims or None) of each weight copy of an update
     (attrs copies, copy_dims: ops.py sgd_update), each copy checked against its parameter."""
-    a = node.attrs
-    indices = a.get("copies", ())
-    if not indices:
-        return []
-    n, k = a["n_params"], a["n_scalars"]
-    first = k + (2 + a["n_slots"]) * n
-    dims_of = a.get("copy_dims") or (None,) * len(indices)
+    k = node.attrs["n_scalars"]
     found = []
-    for j, (i, dims) in enumerate(zip(indices, dims_of)):
-        p, copy = ins[k + i], ins[first + j]
+    for j, (at_param, at_copy, dims) in enumerate(update_weight_copies(node.attrs)):
+        i, p, copy = at_param - k, ins[at_param], ins[at_copy]
         _check(f"{node.op} bf16 copy {j}", copy, "uint16")
         if copy.size != p.size:
             raise ShapeError(f"{node.op} bf16 copy {j}: {tuple(copy.shape)} does not hold "

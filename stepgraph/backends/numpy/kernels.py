@@ -15,7 +15,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from ... import rng
 from ...ir.graph import Node
-from ...ir.ops import IGNORE_INDEX, conv_geometry
+from ...ir.ops import IGNORE_INDEX, conv_geometry, update_weight_copies
 
 IMPLS: dict = {}
 
@@ -477,12 +477,8 @@ def _write_weight_copies(node: Node, ins) -> None:
     """The bf16 weight copies of an update (attrs copies, copy_dims): copy j =
     params[copies[j]] transposed by copy_dims[j] (None: as is) in the copy's shape, rounded
     to bf16 by the backend, which holds the copies as bf16 (NumpyBackend.run_node)."""
-    a = node.attrs
-    n, k = a["n_params"], a["n_scalars"]
-    first = k + (2 + a["n_slots"]) * n
-    indices = a.get("copies", ())
-    for j, (i, dims) in enumerate(zip(indices, a.get("copy_dims") or (None,) * len(indices))):
-        p, copy = ins[k + i], ins[first + j]
+    for at_param, at_copy, dims in update_weight_copies(node.attrs):
+        p, copy = ins[at_param], ins[at_copy]
         copy[...] = (p if dims is None else p.transpose(dims)).reshape(copy.shape)
 
 
