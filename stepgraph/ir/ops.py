@@ -172,6 +172,16 @@ def stored_shape(shape, layout: str) -> tuple[int, ...]:
     return tuple(shape[d] for d in TO_NHWC) if layout == "NHWC" and len(shape) == 4 else shape
 
 
+SHAPE_ATTRS = ("input_shape", "weight_shape")   # image ops' attrs holding stored shapes
+
+
+def nchw_attrs(attrs) -> dict:
+    """A channels-last image node's attrs for its NCHW twin: the layout dropped and the
+    stored-shape attrs (SHAPE_ATTRS) in NCHW order."""
+    return {k: nchw_shape(v, "NHWC") if k in SHAPE_ATTRS else v
+            for k, v in attrs.items() if k != "layout"}
+
+
 def channel_sum_axes(layout: str) -> tuple[int, int, int]:
     """The axes of a 4-D image gradient that a per-channel bias gradient sums: every axis but
     the channels' ((N, H, W) of either layout)."""

@@ -69,8 +69,8 @@ import numpy as np
 
 from ...errors import CaptureError, ShapeError, UnsupportedOpError
 from ...ir.graph import Node, Value
-from ...ir.ops import (TO_NCHW, TO_NHWC, channel_sum_axes, conv_out, layout_of, nchw_shape,
-                       stored_shape)
+from ...ir.ops import (TO_NCHW, TO_NHWC, channel_sum_axes, conv_out, layout_of, nchw_attrs,
+                       nchw_shape, stored_shape)
 from . import autotune, compiler, conv_cudnn, gemm, launchers
 from . import conv_tiled as tiled
 
@@ -674,8 +674,6 @@ def _grad_weight_gemm(ctx, node, g: Geometry, dy, x, dw) -> None:
 
 # ---- channels-last problems without a cuDNN plan ---------------------------------------------
 
-SHAPE_ATTRS = ("input_shape", "weight_shape")
-
 
 def _through_nchw(impl, node, ins, outs, ctx) -> None:
     """Run a channels-last node as its NCHW twin: each 4-D operand permuted into an NCHW buffer
@@ -687,11 +685,9 @@ def _through_nchw(impl, node, ins, outs, ctx) -> None:
     def build() -> dict:
         import cupy as cp
 
-        attrs = {k: nchw_shape(v, "NHWC") if k in SHAPE_ATTRS else v
-                 for k, v in node.attrs.items() if k != "layout"}
         values = [[Value(nchw_shape(v.shape, "NHWC"), v.dtype) for v in vs]
                   for vs in (node.inputs, node.outputs)]
-        return {"twin": Node(node.op, *values, attrs, label=node.label),
+        return {"twin": Node(node.op, *values, nchw_attrs(node.attrs), label=node.label),
                 "buffers": [cp.empty(nchw_shape(a.shape, "NHWC"), a.dtype) if a.ndim == 4
                             else None for a in [*ins, *outs]]}
 

@@ -15,7 +15,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from ... import rng
 from ...ir.graph import Node
-from ...ir.ops import IGNORE_INDEX, conv_geometry, update_weight_copies
+from ...ir.ops import IGNORE_INDEX, conv_geometry, nchw_attrs, update_weight_copies
 
 IMPLS: dict = {}
 
@@ -141,9 +141,6 @@ def fill(node: Node, ins, outs, ctx):
 
 # ---- convolution and pooling ---------------------------------------------------------------
 
-SHAPE_ATTRS = ("input_shape", "weight_shape")    # the image ops' stored-shape attrs
-
-
 def channels_last_capable(reference):
     """`reference`, an NCHW image op's reference, also running nodes with attrs layout "NHWC"
     (ir/ops.py LAYOUTS): every array of rank >= 3 is viewed with its last axis (channels)
@@ -153,17 +150,10 @@ def channels_last_capable(reference):
     def run(node: Node, ins, outs, ctx):
         if node.attrs.get("layout", "NCHW") == "NCHW":
             return reference(node, ins, outs, ctx)
-        attrs = {k: _channels_first(v) if k in SHAPE_ATTRS else v
-                 for k, v in node.attrs.items() if k != "layout"}
         view = lambda a: np.moveaxis(a, -1, 1) if a.ndim >= 3 else a     # noqa: E731
-        return reference(replace(node, attrs=attrs), [view(a) for a in ins],
+        return reference(replace(node, attrs=nchw_attrs(node.attrs)), [view(a) for a in ins],
                          [view(a) for a in outs], ctx)
     return run
-
-
-def _channels_first(shape) -> tuple[int, ...]:
-    shape = tuple(shape)
-    return shape[:1] + shape[-1:] + shape[1:-1]
 
 
 def _pad(x: np.ndarray, ph: int, pw: int) -> np.ndarray:
