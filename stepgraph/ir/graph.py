@@ -32,6 +32,13 @@ def storage_dtype(dtype: str) -> str:
     return "uint16" if dtype == BF16 else dtype
 
 
+def ir_dtype(storage) -> str:
+    """The IR dtype of values a backend holds in `storage` (a NumPy/CuPy dtype or its name):
+    uint16 storage is bfloat16 (no IR dtype is uint16); the others are their own names."""
+    name = str(storage)
+    return BF16 if name == "uint16" else name
+
+
 def itemsize(dtype: str) -> int:
     """Bytes per element of IR dtype `dtype` (bfloat16: 2)."""
     return np.dtype(storage_dtype(dtype)).itemsize

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from ...errors import BackendUnavailableError, CaptureError
+from ...ir.graph import ir_dtype
 from .launchers import _capturing
 
 if TYPE_CHECKING:
@@ -62,13 +63,6 @@ RUNTIME_COMPILED = False           # admit engines cuDNN compiles at plan build 
 LAYOUTS = ("NCHW", "NHWC")         # of every tensor of a problem (module docstring)
 DTYPES = ("float32", "bfloat16")   # IR dtypes of the problems (module docstring)
 INSTALL_HINT = "pip install -e '.[cuda]' (nvidia-cudnn-frontend and nvidia-cudnn-cu13)"
-# Array dtype -> IR dtype of the problems cuDNN runs (bfloat16 is stored as uint16 raw bits)
-IR_DTYPES = {"float32": "float32", "uint16": "bfloat16"}
-
-
-def ir_dtype(dtype) -> str:
-    """The IR dtype of operands stored as `dtype` ("uint16" holds "bfloat16"); others as named."""
-    return IR_DTYPES.get(str(dtype), str(dtype))
 
 
 @functools.cache

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import CaptureError, ShapeError, StepgraphError
+from ...ir.graph import ir_dtype as graph_ir_dtype
 from . import nvmath_bindings
 
 WORKSPACE_BYTES = 32 << 20
@@ -49,8 +50,6 @@ AUX_EPILOGUES = frozenset({"RELU_AUX", "RELU_AUX_BIAS", "GELU_AUX", "GELU_AUX_BI
                            "DRELU", "DRELU_BGRAD", "DGELU", "DGELU_BGRAD"})
 EPILOGUES = frozenset({"DEFAULT", "RELU", "GELU"}) | BIAS_EPILOGUES | AUX_EPILOGUES
 DTYPES = ("float32", "float64", "bfloat16")
-# Storage dtype -> IR dtype of a GEMM operand (bf16 lives as its uint16 raw bits).
-_IR_DTYPES = {"float32": "float32", "float64": "float64", "uint16": "bfloat16"}
 
 
 class GemmUnsupportedError(StepgraphError):
@@ -570,7 +569,7 @@ def matmul(ctx, a, b, c, *, trans_a: bool = False, trans_b: bool = False,
 
 def ir_dtype(arr: Any) -> str:
     """The IR dtype of a GEMM operand: uint16 storage is bfloat16 (ir/graph.py)."""
-    return _IR_DTYPES.get(str(arr.dtype), str(arr.dtype))
+    return graph_ir_dtype(arr.dtype)
 
 
 def _contiguous(arr: Any) -> bool:
