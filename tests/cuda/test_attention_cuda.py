@@ -109,6 +109,29 @@ def test_sdpa_shapes_matches_numpy(ctx, impls, lead, length, s, e, ev, causal, p
     forward_and_backward(ctx, impls, rng, lead, length, s, e, ev, causal, p)
 
 
+@pytest.mark.parametrize("t,hd,causal,p", [(256, 64, True, 0.2), (255, 128, False, 0.0),
+                                           (7, 32, True, 0.0), (64, 64, False, 0.3)])
+def test_sdpa_tf32_matches_numpy(backend, impls, t, hd, causal, p):
+    """precision="tf32": the tile products take TF32 inputs (10 explicit mantissa bits, a
+    relative rounding of up to 2^-11 = 4.9e-4 per input), as the GEMMs do. Each output is a
+    sum of products of two rounded inputs, so errors of a few 1e-4 of its norm are TF32's;
+    2e-3 bounds them while a wrong index or a lost tile (errors of order 1) fails."""
+    rng = np.random.default_rng([457, t, hd, causal, int(p * 10)])
+    ins = inputs(rng, (2, 3), t, t, hd, hd, p)
+    attrs = attrs_of(hd, causal, p)
+    tf32 = backend.make_context("tf32")
+    node = make_node("sdpa", ins, **attrs)
+    want = reference(node, ins)
+    got = run_cuda(tf32, node, ins, impls)
+    for name, g, w in zip(("out", "lse"), got, want):
+        assert_matches(g, w, name, tol=2e-3)
+    grad_ins = [random(rng, *want[0].shape)] + ins[:3] + want + ins[3:]
+    grad = make_node("sdpa_grad", grad_ins, **attrs)
+    for name, g, w in zip(("dq", "dk", "dv"), run_cuda(tf32, grad, grad_ins, impls),
+                          reference(grad, grad_ins)):
+        assert_matches(g, w, name, tol=2e-3)
+
+
 def test_sdpa_dropout_drops_what_the_dropout_op_drops(ctx, impls):
     """With v = identity rows, out's entries are the dropped probabilities themselves: zero
     exactly where the dropout op's mask (same seed, site, step) is zero."""

@@ -25,9 +25,9 @@ def record(monkeypatch):
     shared bytes)."""
     launched = []
 
-    def function(name, shared):
+    def function(source, name, shared):
         return lambda grid, block, args, shared_mem, stream: launched.append(
-            (name, grid, block, args, shared_mem))
+            (source, name, grid, block, args, shared_mem))
 
     def contiguous(what, a, shape):
         strides = np.cumprod((1,) + tuple(shape[::-1]))[:-1][::-1]
@@ -50,8 +50,10 @@ CASES = [((2, 3), 7, 7, 64, 64, True, 0.0), ((4,), 256, 256, 32, 32, True, 0.2),
 
 
 @pytest.mark.skipif(not _nvrtc_usable(), reason="libnvrtc is not loadable")
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
 @pytest.mark.parametrize("lead,L,S,E,Ev,causal,p", CASES)
-def test_sdpa_launch_arguments_match_the_kernels(monkeypatch, lead, L, S, E, Ev, causal, p):
+def test_sdpa_launch_arguments_match_the_kernels(monkeypatch, lead, L, S, E, Ev, causal, p,
+                                                 precision):
     launched = record(monkeypatch)
     attrs = dict(scale=0.125, causal=causal, dropout_p=p)
     if p:
@@ -59,19 +61,22 @@ def test_sdpa_launch_arguments_match_the_kernels(monkeypatch, lead, L, S, E, Ev,
     q, k, v = Fake((*lead, L, E)), Fake((*lead, S, E)), Fake((*lead, S, Ev))
     out, lse, dout = Fake((*lead, L, Ev)), Fake((*lead, L)), Fake((*lead, L, Ev))
     step = [Fake((), "int64")] if p else []
-    ctx = SimpleNamespace(stream=None)
+    ctx = SimpleNamespace(stream=None, precision=precision)
     attention.IMPLS["sdpa"](Node("sdpa", [], [], attrs), [q, k, v] + step, [out, lse], ctx)
     grads = [Fake(x.shape) for x in (q, k, v)]
     attention.IMPLS["sdpa_grad"](Node("sdpa_grad", [], [], attrs),
                                  [dout, q, k, v, out, lse] + step, grads, ctx)
     hd = attention.head_dim_template(E, Ev)
-    assert [name for name, *_ in launched] == [attention.kernel_name(kind, hd) for kind in
-                                               ("forward", "backward_dq", "backward_dkdv")]
-    listed = attention.kernel_names()[attention.SOURCE]
+    math = attention.MATH[precision]
+    source = attention.SOURCES[math]
+    assert [(s, name) for s, name, *_ in launched] == [
+        (source, attention.kernel_name(kind, hd, math))
+        for kind in ("forward", "backward_dq", "backward_dkdv")]
+    listed = attention.kernel_names()[source]
     bh = int(np.prod(lead))
-    for (name, grid, block, args, shared), kind in zip(launched, attention.TILES):
+    for (_, name, grid, block, args, shared), kind in zip(launched, attention.TILES):
         assert name in listed
-        params = kernel_params(attention.SOURCE, name)
+        params = kernel_params(source, name)
         assert len(params) == len(args), (name, params, args)
         for i, (param, arg) in enumerate(zip(params, args)):
             if isinstance(arg, Fake):

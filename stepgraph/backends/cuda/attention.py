@@ -1,4 +1,4 @@
-"""Launchers of kernels/attention.cu (sdpa, sdpa_grad) and their cuda op table.
+"""Launchers of kernels/attention.cuh (sdpa, sdpa_grad) and their cuda op table.
 
 q (..., L, E), k (..., S, E), v (..., S, Ev) and every output are read and written through
 explicit strides: the leading dims are (batch..., heads), bh = b * heads + h, and each operand
@@ -7,10 +7,15 @@ tensor is one layout among others, so callers may pass CuPy views without copies
 and sdpa_qkv_grad (compile/attention.py) read the heads out of a packed (..., T, 3C)
 projection and write out and dq/dk/dv in (..., T, heads, hd) order.
 
-One template per head dim (the smallest of HEAD_DIMS holding E and Ev; zero padded) and per
-kernel its (queries, keys) tile (`TILES`). The forward is one launch; the gradient two, dq
-(which also sums D = rowsum(dout * out) into a per-node scratch of bh * L floats, made at the
-first eager call: launchers._node_memory) then dk/dv. Dynamic shared memory above 48 KiB is
+One template per head dim (the smallest of HEAD_DIMS holding E and Ev; zero padded), per
+kernel its (queries, keys) tile (`TILES`), and per precision the arithmetic of the tensor-core
+tile products (`MATH`), each in a .cu file of its own so that a run compiles one: "tf32"
+rounds the inputs to TF32, as the GEMMs do; "fp32" splits each input into two TF32 parts and
+makes three products (float32-level accuracy, the scheme cuBLAS and CUTLASS call 3xTF32;
+on an H100 1.3x the speed of float32 FMAs on CUDA cores, see docs/perf-notes.md). The
+forward is one launch; the gradient two, dq (which also sums D = rowsum(dout * out) into a
+per-node scratch of bh * L floats, made at the first eager call: launchers._node_memory),
+then dk/dv. Dynamic shared memory above 48 KiB is
 opted into once per kernel, at its first (eager) launch. No atomics: bits are the same on
 every run, eager or replayed.
 """
@@ -28,37 +33,49 @@ from ...errors import ShapeError
 from ...ir.graph import Node
 from .launchers import _dropout_constants, _kernel, _node_memory
 
-SOURCE = "attention.cu"
-THREADS = 128                 # attention.cu SDPA_THREADS
+THREADS = 128                 # attention.cuh SDPA_THREADS
 HEAD_DIMS = (32, 64, 128)     # the templates' head dims
 LOG2E = 1.4426950408889634
 DEFAULT_SHARED = 48 * 1024    # bytes of dynamic shared memory a kernel gets without opting in
-# kernel -> head dim -> (queries, keys) per tile: attention.cu's instantiations
+# kernel -> head dim -> (queries, keys) per tile: SDPA_ALL_TILES in attention.cuh
 TILES = {"forward": {32: (64, 64), 64: (64, 64), 128: (64, 32)},
          "backward_dq": {32: (64, 64), 64: (64, 64), 128: (32, 32)},
          "backward_dkdv": {32: (64, 64), 64: (64, 64), 128: (32, 32)}}
 
 
-def kernel_name(kind: str, hd: int) -> str:
+# attention.cuh's SDPA_TF32 and SDPA_3XTF32, and the file instantiating each
+TF32, TF32X3 = 1, 2
+SOURCES = {TF32: "attention_tf32.cu", TF32X3: "attention_3xtf32.cu"}
+MATH = {"fp32": TF32X3, "tf32": TF32}      # precision -> the products' arithmetic
+
+
+def math_of(ctx) -> int:
+    precision = getattr(ctx, "precision", "fp32")
+    if precision not in MATH:
+        raise ShapeError(f"sdpa: no kernels for precision {precision!r} (float32 operands, "
+                         f"precision fp32 or tf32)")
+    return MATH[precision]
+
+
+def kernel_name(kind: str, hd: int, math: int) -> str:
     bq, bk = TILES[kind][hd]
-    return f"sdpa_{kind}_kernel<{hd}, {bq}, {bk}>"
+    return f"sdpa_{kind}_kernel<{hd}, {bq}, {bk}, {math}>"
 
 
 def kernel_names() -> dict[str, set[str]]:
     """{.cu file: every kernel name this module may launch} (the NVRTC compile test)."""
-    return {SOURCE: {kernel_name(kind, hd) for kind in TILES for hd in HEAD_DIMS}}
+    return {source: {kernel_name(kind, hd, math) for kind in TILES for hd in HEAD_DIMS}
+            for math, source in SOURCES.items()}
 
 
 def shared_floats(kind: str, hd: int) -> int:
-    """Floats of dynamic shared memory of a kernel: its tiles as attention.cu lays them out
-    ("rows" tiles [R][HD + 4], "transposed" [HD][R + 4], probabilities [BQ][BK + 4])."""
+    """Floats of dynamic shared memory of a kernel: its tiles as attention.cuh lays them out
+    ("rows" tiles [R][HD + 4], scores [BQ][BK + 4])."""
     bq, bk = TILES[kind][hd]
-    rows_q, rows_k, trans_k, tile = bq * (hd + 4), bk * (hd + 4), hd * (bk + 4), bq * (bk + 4)
-    if kind == "forward":           # q, k^T, v, P
-        return rows_q + trans_k + rows_k + tile
-    if kind == "backward_dq":       # q, dout, k^T, v^T, k, dS
-        return 2 * rows_q + 2 * trans_k + rows_k + tile
-    return 2 * trans_k + 2 * rows_q + 2 * tile      # dkdv: k^T, v^T, q, dout, P, dS
+    rows_q, rows_k, tile = bq * (hd + 4), bk * (hd + 4), bq * (bk + 4)
+    if kind == "forward":           # q, k, v, P, the rows' rescale
+        return rows_q + 2 * rows_k + tile + bq
+    return 2 * rows_q + 2 * rows_k + 2 * tile       # q, dout, k, v, S (or P), dS
 
 
 def head_dim_template(e: int, ev: int) -> int:
@@ -69,10 +86,10 @@ def head_dim_template(e: int, ev: int) -> int:
 
 
 @functools.cache
-def _function(name: str, shared_bytes: int):
-    """Kernel `name`, allowed `shared_bytes` of dynamic shared memory (an attribute set once,
-    at the first launch, which is an eager one: never while capturing)."""
-    fn = _kernel(SOURCE, name)          # a cupy.RawKernel
+def _function(source: str, name: str, shared_bytes: int):
+    """Kernel `name` of `source`, allowed `shared_bytes` of dynamic shared memory (an
+    attribute set once, at the first launch, which is an eager one: never while capturing)."""
+    fn = _kernel(source, name)          # a cupy.RawKernel
     if shared_bytes > DEFAULT_SHARED:
         fn.max_dynamic_shared_size_bytes = shared_bytes
     return fn
@@ -83,9 +100,10 @@ def _launch_tiles(ctx, kind: str, hd: int, tiles: int, bh: int, args: tuple) -> 
     blocks = tiles * bh
     if blocks > 2**31 - 1:
         raise ShapeError(f"sdpa: {tiles} tiles x {bh} heads exceed the grid")
+    math = math_of(ctx)
     shared = shared_floats(kind, hd) * 4
-    _function(kernel_name(kind, hd), shared)((blocks,), (THREADS,), args, shared_mem=shared,
-                                             stream=ctx.stream)
+    _function(SOURCES[math], kernel_name(kind, hd, math), shared)(
+        (blocks,), (THREADS,), args, shared_mem=shared, stream=ctx.stream)
 
 
 # ---- operands: strides, checks ---------------------------------------------------------------

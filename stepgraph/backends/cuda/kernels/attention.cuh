@@ -1,4 +1,4 @@
-// Scaled dot-product attention (sdpa, sdpa_grad) with FlashAttention-2's scheme in fp32 on CUDA
+// Scaled dot-product attention (sdpa, sdpa_grad) with FlashAttention-2's scheme on tensor
 // cores: the (L, S) scores never exist in memory. The forward walks the key tiles of a tile of
 // queries with an online softmax and saves each row's logsumexp; the backward recomputes the
 // probabilities from it, in two kernels without atomics (deterministic): dq per query tile
@@ -6,19 +6,29 @@
 // Dropout regenerates the dropout op's Philox mask of the (bh, L, S) probabilities from the
 // element's flat index (philox.cuh) in every kernel.
 //
-// Blocks of 128 threads: 16 row groups rg of 8 lanes cg (a row group inside one warp, so row
-// reductions are three shuffles). In a (rows x cols) tile a thread owns rows rg + 16 i and
-// columns 4 cg + 32 j + e (e < 4: four consecutive keys, one Philox draw for four elements).
+// Blocks of 128 threads. The tile products run warp-wide on tensor cores (mma.sync m16n8k8)
+// over tiles in shared memory and leave their results there; the softmax, masks and dropout
+// then run per thread: 16 row groups rg of 8 lanes cg (a row group inside one warp, so row
+// reductions are three shuffles), a thread owning rows rg + 16 i and columns 4 cg + 32 j + e
+// of a (rows x cols) tile (e < 4: four consecutive keys, one Philox draw for four elements).
 // Operands are read with explicit batch / head / row strides (columns contiguous): bh = b *
 // heads + h. Tiles in shared memory: "rows" [R][HD + 4] (a row's columns contiguous) and
-// "transposed" [HD][R + 4]; the pads make the tiles' accesses conflict-free.
-// Templates <HD, BQ, BK>: head dims up to HD (32, 64, 128), BQ queries x BK keys per tile.
+// scores [BQ][BK + 4]; the pads keep the per-thread accesses free of bank conflicts.
+// Templates <HD, BQ, BK, MATH>: head dims up to HD (32, 64, 128), BQ queries x BK keys per
+// tile, and the products' arithmetic (one .cu file of instantiations each):
+//   SDPA_TF32   inputs rounded to TF32 (precision="tf32", as the GEMMs);
+//   SDPA_3XTF32 each input split into a TF32 part and a TF32 remainder, three products per
+//               step (a_lo b_hi + a_hi b_lo + a_hi b_hi): float32-level accuracy
+//               (precision="fp32"; the scheme cuBLAS and CUTLASS call 3xTF32).
+#pragma once
 #include "philox.cuh"
 
 #define SDPA_THREADS 128
 #define SDPA_LOG2E 1.4426950408889634f
 #define SDPA_LN2 0.6931471805599453f
 #define SDPA_NEG_INF __int_as_float(0xff800000)
+#define SDPA_TF32 1
+#define SDPA_3XTF32 2
 
 struct SdpaThread {
     int rg, cg;
@@ -101,105 +111,7 @@ __device__ __forceinline__ void load_rows(float* s, const float* g, long long sr
     }
 }
 
-// The same rows transposed, into s[d][R + 4]. With float4 loads a warp reads 16 rows x 2
-// float4 columns (whole 32-byte sectors) and its stores hit 32 banks (R + 4 = 4 mod 32).
-template <int R, int HD>
-__device__ __forceinline__ void load_rows_transposed(float* s, const float* g, long long sr,
-                                                     int row0, int nrows, int dim, int vec) {
-    constexpr int LD = R + 4;
-    if (vec) {
-        constexpr int ROW_UNITS = R / 16;
-        for (int t = threadIdx.x; t < R * HD / 4; t += SDPA_THREADS) {
-            const int lane = t & 31, unit = t >> 5;
-            const int r = (unit % ROW_UNITS) * 16 + (lane & 15);
-            const int d = ((unit / ROW_UNITS) * 2 + (lane >> 4)) * 4;
-            float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (row0 + r < nrows && d < dim)
-                x = *reinterpret_cast<const float4*>(g + (long long)(row0 + r) * sr + d);
-            s[d * LD + r] = x.x;
-            s[(d + 1) * LD + r] = x.y;
-            s[(d + 2) * LD + r] = x.z;
-            s[(d + 3) * LD + r] = x.w;
-        }
-    } else {
-        for (int t = threadIdx.x; t < R * HD; t += SDPA_THREADS) {
-            const int r = t % R, d = t / R;
-            s[d * LD + r] = row0 + r < nrows && d < dim ? g[(long long)(row0 + r) * sr + d] : 0.f;
-        }
-    }
-}
-
-// ---- tile products in shared memory: acc[i][j] += sum over k < KD -------------------------
-
-__device__ __forceinline__ float lane_of(const float4& v, int k) {
-    return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
-}
-
-// acc[i][j] += sum_k A[rg + 16 i][k] * B[k][4 cg + 32 (j / 4) + j % 4]: A rows of LA floats
-// (k contiguous), B rows of LB floats indexed by k.
-template <int TR, int TC, int KD, int LA, int LB>
-__device__ __forceinline__ void mma_rows(float (&acc)[TR][TC], const float* a, const float* b,
-                                         const SdpaThread& th) {
-#pragma unroll 2
-    for (int k = 0; k < KD; k += 4) {
-        float4 av[TR];
-#pragma unroll
-        for (int i = 0; i < TR; ++i)
-            av[i] = *reinterpret_cast<const float4*>(a + (th.rg + 16 * i) * LA + k);
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            float bv[TC];
-#pragma unroll
-            for (int j = 0; j < TC / 4; ++j) {
-                const float4 t =
-                    *reinterpret_cast<const float4*>(b + (k + kk) * LB + 4 * th.cg + 32 * j);
-                bv[4 * j] = t.x;
-                bv[4 * j + 1] = t.y;
-                bv[4 * j + 2] = t.z;
-                bv[4 * j + 3] = t.w;
-            }
-#pragma unroll
-            for (int i = 0; i < TR; ++i) {
-                const float x = lane_of(av[i], kk);
-#pragma unroll
-                for (int j = 0; j < TC; ++j) acc[i][j] = fmaf(x, bv[j], acc[i][j]);
-            }
-        }
-    }
-}
-
-// acc[i][j] += sum_k A[k][rg + 16 i] * B[k][4 cg + 32 (j / 4) + j % 4]: A indexed by k too
-// (rows of LA floats), one float per row and k.
-template <int TR, int TC, int KD, int LA, int LB>
-__device__ __forceinline__ void mma_cols(float (&acc)[TR][TC], const float* a, const float* b,
-                                         const SdpaThread& th) {
-#pragma unroll 4
-    for (int k = 0; k < KD; ++k) {
-        float av[TR], bv[TC];
-#pragma unroll
-        for (int i = 0; i < TR; ++i) av[i] = a[k * LA + th.rg + 16 * i];
-#pragma unroll
-        for (int j = 0; j < TC / 4; ++j) {
-            const float4 t = *reinterpret_cast<const float4*>(b + k * LB + 4 * th.cg + 32 * j);
-            bv[4 * j] = t.x;
-            bv[4 * j + 1] = t.y;
-            bv[4 * j + 2] = t.z;
-            bv[4 * j + 3] = t.w;
-        }
-#pragma unroll
-        for (int i = 0; i < TR; ++i)
-#pragma unroll
-            for (int j = 0; j < TC; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
-    }
-}
-
-template <int TR, int TC>
-__device__ __forceinline__ void zero(float (&acc)[TR][TC]) {
-#pragma unroll
-    for (int i = 0; i < TR; ++i)
-#pragma unroll
-        for (int j = 0; j < TC; ++j) acc[i][j] = 0.f;
-}
+// ---- per-thread rows of a tile -----------------------------------------------------------
 
 // Row i of a thread's tile values (columns 4 cg + 32 j + e) into s[rg + 16 i][LD].
 template <int TC, int LD>
@@ -231,6 +143,157 @@ __device__ __forceinline__ void write_row(float* g, const float (&v)[TC], float 
     }
 }
 
+// Row i of a thread's tile values (columns 4 cg + 32 j + e) out of s[rg + 16 i][LD].
+template <int TC, int LD>
+__device__ __forceinline__ void load_row(float (&v)[TC], const float* s, int row,
+                                         const SdpaThread& th) {
+#pragma unroll
+    for (int j = 0; j < TC / 4; ++j) {
+        const float4 t = *reinterpret_cast<const float4*>(s + row * LD + 4 * th.cg + 32 * j);
+        v[4 * j] = t.x;
+        v[4 * j + 1] = t.y;
+        v[4 * j + 2] = t.z;
+        v[4 * j + 3] = t.w;
+    }
+}
+
+// ---- tensor-core tile products: mma.sync m16n8k8, TF32 in, float32 accumulate --------------
+// The 4 warps of a block tile an M x N result 2 x 2: warp (wm, wn) owns rows wm M/2 + [0, M/2)
+// and columns wn N/2 + [0, N/2), as FM x FN fragments of 16 x 8. In a fragment lane (g =
+// lane / 4, t = lane % 4) holds A (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4); B (t, g),
+// (t + 4, g); C (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1) (the PTX ISA's layouts).
+
+template <int M, int N>
+struct TcTile {
+    static constexpr int FM = M / 32, FN = N / 16;
+    static_assert(M % 32 == 0 && N % 16 == 0, "tile must split into 2 x 2 warps of 16 x 8");
+    float c[FM][FN][4];
+};
+
+struct TcLane {
+    int g, t, wm, wn;
+    __device__ TcLane() {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        g = lane >> 2;
+        t = lane & 3;
+        wm = warp >> 1;
+        wn = warp & 1;
+    }
+};
+
+__device__ __forceinline__ unsigned int to_tf32(float x) {
+    unsigned int r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned int (&a)[4],
+                                         const unsigned int (&b)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// x as hi (TF32) and, for SDPA_3XTF32, lo = TF32(x - hi).
+template <int MATH, int R>
+__device__ __forceinline__ void split_tf32(const float (&x)[R], unsigned int (&hi)[R],
+                                           unsigned int (&lo)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+        hi[i] = to_tf32(x[i]);
+        if (MATH == SDPA_3XTF32) lo[i] = to_tf32(x[i] - __uint_as_float(hi[i]));
+    }
+}
+
+template <int M, int N>
+__device__ __forceinline__ void zero(TcTile<M, N>& acc) {
+#pragma unroll
+    for (int i = 0; i < TcTile<M, N>::FM; ++i)
+#pragma unroll
+        for (int j = 0; j < TcTile<M, N>::FN; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc.c[i][j][e] = 0.f;
+}
+
+// acc (M x N) += A (M x K) B (K x N), operands in shared memory: A(m, k) = a[m LA + k], or
+// a[k LA + m] when AT; B(k, n) = b[k LB + n], or b[n LB + k] when BT.
+template <int MATH, int M, int N, int K, int LA, bool AT, int LB, bool BT>
+__device__ __forceinline__ void mma_tc(TcTile<M, N>& acc, const float* a, const float* b) {
+    using Tile = TcTile<M, N>;
+    const TcLane ln;
+    const int m0 = ln.wm * (M / 2), n0 = ln.wn * (N / 2);
+#pragma unroll 2
+    for (int k = 0; k < K; k += 8) {
+        unsigned int ah[Tile::FM][4], al[Tile::FM][4], bh[Tile::FN][2], bl[Tile::FN][2];
+#pragma unroll
+        for (int i = 0; i < Tile::FM; ++i) {
+            float x[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int m = m0 + 16 * i + ln.g + 8 * (e & 1), kk = k + ln.t + 4 * (e >> 1);
+                x[e] = AT ? a[kk * LA + m] : a[m * LA + kk];
+            }
+            split_tf32<MATH>(x, ah[i], al[i]);
+        }
+#pragma unroll
+        for (int j = 0; j < Tile::FN; ++j) {
+            float x[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int n = n0 + 8 * j + ln.g, kk = k + ln.t + 4 * e;
+                x[e] = BT ? b[n * LB + kk] : b[kk * LB + n];
+            }
+            split_tf32<MATH>(x, bh[j], bl[j]);
+        }
+#pragma unroll
+        for (int i = 0; i < Tile::FM; ++i)
+#pragma unroll
+            for (int j = 0; j < Tile::FN; ++j) {
+                if (MATH == SDPA_3XTF32) {       // the small terms first
+                    mma_tf32(acc.c[i][j], al[i], bh[j]);
+                    mma_tf32(acc.c[i][j], ah[i], bl[j]);
+                }
+                mma_tf32(acc.c[i][j], ah[i], bh[j]);
+            }
+    }
+}
+
+// The fragments into shared memory c[m LC + n].
+template <int M, int N, int LC>
+__device__ __forceinline__ void store_tc(float* c, const TcTile<M, N>& acc) {
+    const TcLane ln;
+#pragma unroll
+    for (int i = 0; i < TcTile<M, N>::FM; ++i)
+#pragma unroll
+        for (int j = 0; j < TcTile<M, N>::FN; ++j) {
+            const int m = ln.wm * (M / 2) + 16 * i + ln.g, n = ln.wn * (N / 2) + 8 * j + 2 * ln.t;
+            *reinterpret_cast<float2*>(c + m * LC + n) = make_float2(acc.c[i][j][0],
+                                                                     acc.c[i][j][1]);
+            *reinterpret_cast<float2*>(c + (m + 8) * LC + n) = make_float2(acc.c[i][j][2],
+                                                                           acc.c[i][j][3]);
+        }
+}
+
+// Row m of the fragments times mul[m] (the forward's online-softmax rescale).
+template <int M, int N>
+__device__ __forceinline__ void scale_rows(TcTile<M, N>& acc, const float* mul) {
+    const TcLane ln;
+#pragma unroll
+    for (int i = 0; i < TcTile<M, N>::FM; ++i) {
+        const int m = ln.wm * (M / 2) + 16 * i + ln.g;
+        const float top = mul[m], bottom = mul[m + 8];
+#pragma unroll
+        for (int j = 0; j < TcTile<M, N>::FN; ++j) {
+            acc.c[i][j][0] *= top;
+            acc.c[i][j][1] *= top;
+            acc.c[i][j][2] *= bottom;
+            acc.c[i][j][3] *= bottom;
+        }
+    }
+}
+
 // Dynamic shared memory of at least `floats` floats, or a trap (a launcher bug).
 __device__ __forceinline__ void check_shared(int floats) {
     unsigned int bytes;
@@ -246,8 +309,9 @@ __device__ __forceinline__ int key_end(int q0, int BQ, int L, int S, int off, in
 // ---- forward -------------------------------------------------------------------------------
 
 // out = dropout(softmax(scale q k^T + M)) v and lse per row, for query tile q0 of head bh;
-// blocks of the longest causal tiles first. scale_log2 = scale * log2(e).
-template <int HD, int BQ, int BK>
+// blocks of the longest causal tiles first. scale_log2 = scale * log2(e). The output rows
+// stay in tensor-core fragments, rescaled per row through `rescale` in shared memory.
+template <int HD, int BQ, int BK, int MATH>
 __global__ void __launch_bounds__(SDPA_THREADS)
 sdpa_forward_kernel(const float* q, const float* k, const float* v, float* out, float* lse,
                     const long long* step, int heads, int bh_count, int L, int S, int E, int Ev,
@@ -260,10 +324,11 @@ sdpa_forward_kernel(const float* q, const float* k, const float* v, float* out, 
     constexpr int LQ = HD + 4, LT = BK + 4;
     extern __shared__ __align__(16) float smem[];
     float* qs = smem;                  // [BQ][LQ]
-    float* kt = qs + BQ * LQ;          // [HD][LT]
-    float* vs = kt + HD * LT;          // [BK][LQ]
-    float* ps = vs + BK * LQ;          // [BQ][LT]
-    check_shared(BQ * LQ + HD * LT + BK * LQ + BQ * LT);
+    float* ks = qs + BQ * LQ;          // [BK][LQ]
+    float* vs = ks + BK * LQ;          // [BK][LQ]
+    float* ps = vs + BK * LQ;          // [BQ][LT]: scores, then probabilities
+    float* rescale = ps + BQ * LT;     // [BQ]
+    check_shared(BQ * LQ + 2 * BK * LQ + BQ * LT + BQ);
 
     const SdpaThread th;
     const int tiles = (L + BQ - 1) / BQ;
@@ -275,42 +340,45 @@ sdpa_forward_kernel(const float* q, const float* k, const float* v, float* out, 
     const float* vh = v + head_offset(bh, heads, v_sb, v_sh);
     load_rows<BQ, HD>(qs, q + head_offset(bh, heads, q_sb, q_sh), q_sr, q0, L, E, vec);
 
-    float m[TR], l[TR], o[TR][TO];
+    float m[TR], l[TR];
+    TcTile<BQ, HD> o;
 #pragma unroll
     for (int i = 0; i < TR; ++i) m[i] = SDPA_NEG_INF, l[i] = 0.f;
     zero(o);
     const int end = key_end(q0, BQ, L, S, off, causal);
     for (int c0 = 0; c0 < end; c0 += BK) {
-        __syncthreads();     // the previous tile's readers are done with kt, vs and ps
-        load_rows_transposed<BK, HD>(kt, kh, k_sr, c0, S, E, vec);
+        __syncthreads();     // the previous tile's readers are done with ks, vs, ps, rescale
+        load_rows<BK, HD>(ks, kh, k_sr, c0, S, E, vec);
         load_rows<BK, HD>(vs, vh, v_sr, c0, S, Ev, vec);
         __syncthreads();
-        float s[TR][TS];
-        zero(s);
-        mma_rows<TR, TS, HD, LQ, LT>(s, qs, kt, th);
+        TcTile<BQ, BK> scores;
+        zero(scores);
+        mma_tc<MATH, BQ, BK, HD, LQ, false, LQ, true>(scores, qs, ks);
+        store_tc<BQ, BK, LT>(ps, scores);
+        __syncthreads();
         const bool edge = c0 + BK > S || (causal && c0 + BK - 1 > q0 + off);
 #pragma unroll
         for (int i = 0; i < TR; ++i) {
             const int r = q0 + th.rg + 16 * i;
+            float s[TS];
+            load_row<TS, LT>(s, ps, th.rg + 16 * i, th);
             float mx = SDPA_NEG_INF;
 #pragma unroll
             for (int j = 0; j < TS; ++j) {
                 const int c = c0 + 4 * th.cg + 32 * (j / 4) + j % 4;
-                s[i][j] = edge && !visible(r, c, S, off, causal) ? SDPA_NEG_INF
-                                                                 : s[i][j] * scale_log2;
-                mx = fmaxf(mx, s[i][j]);
+                s[j] = edge && !visible(r, c, S, off, causal) ? SDPA_NEG_INF : s[j] * scale_log2;
+                mx = fmaxf(mx, s[j]);
             }
             const float m_new = fmaxf(m[i], row_max8(mx));
             const float base = m_new == SDPA_NEG_INF ? 0.f : m_new;    // rows masked so far
             const float alpha = exp2f(m[i] - base);
             m[i] = m_new;
             l[i] *= alpha;
-#pragma unroll
-            for (int d = 0; d < TO; ++d) o[i][d] *= alpha;
+            if (th.cg == 0) rescale[th.rg + 16 * i] = alpha;
 #pragma unroll
             for (int j = 0; j < TS; ++j) {
-                s[i][j] = exp2f(s[i][j] - base);
-                l[i] += s[i][j];
+                s[j] = exp2f(s[j] - base);
+                l[i] += s[j];
             }
             if (drop.on) {
 #pragma unroll
@@ -320,21 +388,27 @@ sdpa_forward_kernel(const float* q, const float* k, const float* v, float* out, 
                     const unsigned int bits = keep_bits(drop, idx);
 #pragma unroll
                     for (int e = 0; e < 4; ++e)
-                        s[i][4 * j + e] = (bits >> e) & 1u ? s[i][4 * j + e] * drop.scale : 0.f;
+                        s[4 * j + e] = (bits >> e) & 1u ? s[4 * j + e] * drop.scale : 0.f;
                 }
             }
-            store_row<TS, LT>(ps, s[i], th.rg + 16 * i, th);
+            store_row<TS, LT>(ps, s, th.rg + 16 * i, th);
         }
         __syncthreads();
-        mma_rows<TR, TO, BK, LT, LQ>(o, ps, vs, th);
+        scale_rows(o, rescale);
+        mma_tc<MATH, BQ, HD, BK, LT, false, LQ, false>(o, ps, vs);
     }
+    // The fragments out through qs (read last before the loop's last barrier).
+    store_tc<BQ, HD, LQ>(qs, o);
+    __syncthreads();
     float* oh = out + head_offset(bh, heads, o_sb, o_sh);
 #pragma unroll
     for (int i = 0; i < TR; ++i) {
         const int r = q0 + th.rg + 16 * i;
         const float total = row_sum8(l[i]);
         if (r < L) {
-            write_row<TO>(oh + (long long)r * o_sr, o[i], 1.f / total, Ev, vec, th);
+            float row[TO];
+            load_row<TO, LQ>(row, qs, th.rg + 16 * i, th);
+            write_row<TO>(oh + (long long)r * o_sr, row, 1.f / total, Ev, vec, th);
             if (th.cg == 0) lse[(long long)bh * L + r] = (m[i] + log2f(total)) * SDPA_LN2;
         }
     }
@@ -376,9 +450,32 @@ __device__ __forceinline__ void probabilities_and_grads(
     }
 }
 
+// The scores s = q k^T and dp = dout v^T of one tile, each into a [R][LT] tile in shared
+// memory, then each thread's rows of both out of them.
+template <int MATH, int HD, int R, int BK, int TR>
+__device__ __forceinline__ void scores_and_grads(float (&s)[TR][BK / 8], float (&dp)[TR][BK / 8],
+                                                 float* s_tile, float* dp_tile, const float* qs,
+                                                 const float* dos, const float* ks,
+                                                 const float* vs, const SdpaThread& th) {
+    constexpr int LQ = HD + 4, LT = BK + 4;
+    TcTile<R, BK> sc, dpc;
+    zero(sc);
+    zero(dpc);
+    mma_tc<MATH, R, BK, HD, LQ, false, LQ, true>(sc, qs, ks);
+    mma_tc<MATH, R, BK, HD, LQ, false, LQ, true>(dpc, dos, vs);
+    store_tc<R, BK, LT>(s_tile, sc);
+    store_tc<R, BK, LT>(dp_tile, dpc);
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < TR; ++i) {
+        load_row<BK / 8, LT>(s[i], s_tile, th.rg + 16 * i, th);
+        load_row<BK / 8, LT>(dp[i], dp_tile, th.rg + 16 * i, th);
+    }
+}
+
 // dq for query tile q0 of head bh, looping over its visible key tiles; first D = rowsum(dout
 // * out) of its rows, written to delta (bh_count x L) for the dk/dv kernel that follows.
-template <int HD, int BQ, int BK>
+template <int HD, int BQ, int BK, int MATH>
 __global__ void __launch_bounds__(SDPA_THREADS)
 sdpa_backward_dq_kernel(const float* q, const float* k, const float* v, const float* out,
                         const float* dout, const float* lse, const long long* step, float* dq,
@@ -395,11 +492,11 @@ sdpa_backward_dq_kernel(const float* q, const float* k, const float* v, const fl
     extern __shared__ __align__(16) float smem[];
     float* qs = smem;                  // [BQ][LQ]
     float* dos = qs + BQ * LQ;         // [BQ][LQ]
-    float* kt = dos + BQ * LQ;         // [HD][LT]
-    float* vt = kt + HD * LT;          // [HD][LT]
-    float* ks = vt + HD * LT;          // [BK][LQ]
-    float* dss = ks + BK * LQ;         // [BQ][LT]
-    check_shared(2 * BQ * LQ + 2 * HD * LT + BK * LQ + BQ * LT);
+    float* ks = dos + BQ * LQ;         // [BK][LQ]
+    float* vs = ks + BK * LQ;          // [BK][LQ]
+    float* ss = vs + BK * LQ;          // [BQ][LT]
+    float* dss = ss + BQ * LT;         // [BQ][LT]: dp, then dS
+    check_shared(2 * BQ * LQ + 2 * BK * LQ + 2 * BQ * LT);
 
     const SdpaThread th;
     const int tiles = (L + BQ - 1) / BQ;
@@ -434,38 +531,41 @@ sdpa_backward_dq_kernel(const float* q, const float* k, const float* v, const fl
         if (r < L && th.cg == 0) delta[(long long)bh * L + r] = dl[i];
     }
 
-    float acc[TR][TO];
+    TcTile<BQ, HD> acc;
     zero(acc);
     const int end = key_end(q0, BQ, L, S, off, causal);
     for (int c0 = 0; c0 < end; c0 += BK) {
-        __syncthreads();     // the previous tile's readers are done with kt, vt, ks and dss
-        load_rows_transposed<BK, HD>(kt, kh, k_sr, c0, S, E, vec);
-        load_rows_transposed<BK, HD>(vt, vh, v_sr, c0, S, Ev, vec);
+        __syncthreads();     // the previous tile's readers are done with ks, vs, ss and dss
         load_rows<BK, HD>(ks, kh, k_sr, c0, S, E, vec);
+        load_rows<BK, HD>(vs, vh, v_sr, c0, S, Ev, vec);
         __syncthreads();
         float s[TR][TS], dp[TR][TS];
-        zero(s);
-        zero(dp);
-        mma_rows<TR, TS, HD, LQ, LT>(s, qs, kt, th);
-        mma_rows<TR, TS, HD, LQ, LT>(dp, dos, vt, th);
+        scores_and_grads<MATH, HD, BQ, BK>(s, dp, ss, dss, qs, dos, ks, vs, th);
         probabilities_and_grads<TR, TS>(s, dp, lse2, dl, bh, q0, c0, L, S, off, causal,
                                         scale_log2, drop, th);
 #pragma unroll
         for (int i = 0; i < TR; ++i) store_row<TS, LT>(dss, dp[i], th.rg + 16 * i, th);
         __syncthreads();
-        mma_rows<TR, TO, BK, LT, LQ>(acc, dss, ks, th);
+        mma_tc<MATH, BQ, HD, BK, LT, false, LQ, false>(acc, dss, ks);     // dq += dS k
     }
+    // The fragments out through qs (read last before the loop's last barrier).
+    store_tc<BQ, HD, LQ>(qs, acc);
+    __syncthreads();
     float* dqh = dq + head_offset(bh, heads, dq_sb, dq_sh);
 #pragma unroll
     for (int i = 0; i < TR; ++i) {
         const int r = q0 + th.rg + 16 * i;
-        if (r < L) write_row<TO>(dqh + (long long)r * dq_sr, acc[i], scale, E, vec, th);
+        if (r < L) {
+            float row[TO];
+            load_row<TO, LQ>(row, qs, th.rg + 16 * i, th);
+            write_row<TO>(dqh + (long long)r * dq_sr, row, scale, E, vec, th);
+        }
     }
 }
 
 // dk and dv for key tile c0 of head bh, looping over the query tiles that see it; reads the
 // delta rows the dq kernel wrote. Blocks of the first key tiles (most causal work) first.
-template <int HD, int BQ, int BK>
+template <int HD, int BQ, int BK, int MATH>
 __global__ void __launch_bounds__(SDPA_THREADS)
 sdpa_backward_dkdv_kernel(const float* q, const float* k, const float* v, const float* dout,
                           const float* lse, const float* delta, const long long* step,
@@ -479,14 +579,15 @@ sdpa_backward_dkdv_kernel(const float* q, const float* k, const float* v, const 
                           unsigned int threshold, float drop_scale, int dropout, int vec) {
     constexpr int TQ = BQ / 16, TK = BK / 16, TS = BK / 8, TO = HD / 8;
     constexpr int LQ = HD + 4, LT = BK + 4;
+    static_assert(BK <= BQ, "dk and dv leave through the q and dout tiles");
     extern __shared__ __align__(16) float smem[];
-    float* kt = smem;                  // [HD][LT]
-    float* vt = kt + HD * LT;          // [HD][LT]
-    float* qs = vt + HD * LT;          // [BQ][LQ]
+    float* ks = smem;                  // [BK][LQ]
+    float* vs = ks + BK * LQ;          // [BK][LQ]
+    float* qs = vs + BK * LQ;          // [BQ][LQ]
     float* dos = qs + BQ * LQ;         // [BQ][LQ]
-    float* ps = dos + BQ * LQ;         // [BQ][LT]
-    float* dss = ps + BQ * LT;         // [BQ][LT]
-    check_shared(2 * HD * LT + 2 * BQ * LQ + 2 * BQ * LT);
+    float* ps = dos + BQ * LQ;         // [BQ][LT]: scores, then probabilities
+    float* dss = ps + BQ * LT;         // [BQ][LT]: dp, then dS
+    check_shared(2 * BK * LQ + 2 * BQ * LQ + 2 * BQ * LT);
 
     const SdpaThread th;
     const int bh = blockIdx.x % bh_count;
@@ -495,12 +596,10 @@ sdpa_backward_dkdv_kernel(const float* q, const float* k, const float* v, const 
     const SdpaDropout drop{dropout, dropout ? *step : 0, seed, site, threshold, drop_scale};
     const float* qh = q + head_offset(bh, heads, q_sb, q_sh);
     const float* doh = dout + head_offset(bh, heads, do_sb, do_sh);
-    load_rows_transposed<BK, HD>(kt, k + head_offset(bh, heads, k_sb, k_sh), k_sr, c0, S, E,
-                                 vec);
-    load_rows_transposed<BK, HD>(vt, v + head_offset(bh, heads, v_sb, v_sh), v_sr, c0, S, Ev,
-                                 vec);
+    load_rows<BK, HD>(ks, k + head_offset(bh, heads, k_sb, k_sh), k_sr, c0, S, E, vec);
+    load_rows<BK, HD>(vs, v + head_offset(bh, heads, v_sb, v_sh), v_sr, c0, S, Ev, vec);
 
-    float gk[TK][TO], gv[TK][TO];
+    TcTile<BK, HD> gk, gv;
     zero(gk);
     zero(gv);
     // Queries r see key c0 when c0 <= r + off: start at the tile holding r = c0 - off.
@@ -518,10 +617,7 @@ sdpa_backward_dkdv_kernel(const float* q, const float* k, const float* v, const 
         }
         __syncthreads();
         float s[TQ][TS], dp[TQ][TS];
-        zero(s);
-        zero(dp);
-        mma_rows<TQ, TS, HD, LQ, LT>(s, qs, kt, th);
-        mma_rows<TQ, TS, HD, LQ, LT>(dp, dos, vt, th);
+        scores_and_grads<MATH, HD, BQ, BK>(s, dp, ps, dss, qs, dos, ks, vs, th);
         probabilities_and_grads<TQ, TS>(s, dp, lse2, dl, bh, q0, c0, L, S, off, causal,
                                         scale_log2, drop, th);
 #pragma unroll
@@ -530,37 +626,45 @@ sdpa_backward_dkdv_kernel(const float* q, const float* k, const float* v, const 
             store_row<TS, LT>(dss, dp[i], th.rg + 16 * i, th);
         }
         __syncthreads();
-        mma_cols<TK, TO, BQ, LT, LQ>(gv, ps, dos, th);     // dv[c] += sum_r P[r][c] dout[r]
-        mma_cols<TK, TO, BQ, LT, LQ>(gk, dss, qs, th);     // dk[c] += sum_r dS[r][c] q[r]
+        mma_tc<MATH, BK, HD, BQ, LT, true, LQ, false>(gv, ps, dos);   // dv += P^T dout
+        mma_tc<MATH, BK, HD, BQ, LT, true, LQ, false>(gk, dss, qs);   // dk += dS^T q
     }
+    __syncthreads();         // every warp's last products are done with qs and dos
+    store_tc<BK, HD, LQ>(qs, gk);
+    store_tc<BK, HD, LQ>(dos, gv);
+    __syncthreads();
     float* dkh = dk + head_offset(bh, heads, dk_sb, dk_sh);
     float* dvh = dv + head_offset(bh, heads, dv_sb, dv_sh);
 #pragma unroll
     for (int i = 0; i < TK; ++i) {
         const int c = c0 + th.rg + 16 * i;
         if (c < S) {
-            write_row<TO>(dkh + (long long)c * dk_sr, gk[i], scale, E, vec, th);
-            write_row<TO>(dvh + (long long)c * dv_sr, gv[i], 1.f, Ev, vec, th);
+            float row[TO];
+            load_row<TO, LQ>(row, qs, th.rg + 16 * i, th);
+            write_row<TO>(dkh + (long long)c * dk_sr, row, scale, E, vec, th);
+            load_row<TO, LQ>(row, dos, th.rg + 16 * i, th);
+            write_row<TO>(dvh + (long long)c * dv_sr, row, 1.f, Ev, vec, th);
         }
     }
 }
 
-#define SDPA_INSTANTIATIONS(HD, BQ, BK)                                                        \
-    template __global__ void sdpa_forward_kernel<HD, BQ, BK>(                                  \
+// Explicit instantiations, one file per MATH (attention_tf32.cu, attention_3xtf32.cu: a run
+// compiles the one its precision needs): the tiles backends/cuda/attention.py launches,
+// forward BQ x BK and backward BQB x BKB.
+#define SDPA_INSTANTIATIONS(HD, BQ, BK, BQB, BKB, MATH)                                        \
+    template __global__ void sdpa_forward_kernel<HD, BQ, BK, MATH>(                            \
         const float*, const float*, const float*, float*, float*, const long long*, int, int, \
         int, int, int, int, long long, long long, long long, long long, long long, long long,  \
         long long, long long, long long, long long, long long, long long, float, int,          \
-        unsigned long long, unsigned int, unsigned int, float, int, int);
-
-#define SDPA_BACKWARD_INSTANTIATIONS(HD, BQ, BK)                                               \
-    template __global__ void sdpa_backward_dq_kernel<HD, BQ, BK>(                              \
+        unsigned long long, unsigned int, unsigned int, float, int, int);                      \
+    template __global__ void sdpa_backward_dq_kernel<HD, BQB, BKB, MATH>(                      \
         const float*, const float*, const float*, const float*, const float*, const float*,    \
         const long long*, float*, float*, int, int, int, int, int, int, long long, long long,  \
         long long, long long, long long, long long, long long, long long, long long,           \
         long long, long long, long long, long long, long long, long long, long long,           \
         long long, long long, float, float, int, unsigned long long, unsigned int,             \
         unsigned int, float, int, int);                                                        \
-    template __global__ void sdpa_backward_dkdv_kernel<HD, BQ, BK>(                            \
+    template __global__ void sdpa_backward_dkdv_kernel<HD, BQB, BKB, MATH>(                    \
         const float*, const float*, const float*, const float*, const float*, const float*,    \
         const long long*, float*, float*, int, int, int, int, int, int, long long, long long,   \
         long long, long long, long long, long long, long long, long long, long long,           \
@@ -568,11 +672,7 @@ sdpa_backward_dkdv_kernel(const float* q, const float* k, const float* v, const 
         long long, long long, float, float, int, unsigned long long, unsigned int,             \
         unsigned int, float, int, int);
 
-// Explicit instantiations (the tiles backends/cuda/attention.py launches): compiled by the
-// NVRTC CI test without name_expressions.
-SDPA_INSTANTIATIONS(32, 64, 64)
-SDPA_INSTANTIATIONS(64, 64, 64)
-SDPA_INSTANTIATIONS(128, 64, 32)
-SDPA_BACKWARD_INSTANTIATIONS(32, 64, 64)
-SDPA_BACKWARD_INSTANTIATIONS(64, 64, 64)
-SDPA_BACKWARD_INSTANTIATIONS(128, 32, 32)
+#define SDPA_ALL_TILES(MATH)                                                                   \
+    SDPA_INSTANTIATIONS(32, 64, 64, 64, 64, MATH)                                              \
+    SDPA_INSTANTIATIONS(64, 64, 64, 64, 64, MATH)                                              \
+    SDPA_INSTANTIATIONS(128, 64, 32, 32, 32, MATH)
