@@ -2,8 +2,9 @@
 bias, with the fused ReLU, and plain plans followed by the epilogue kernel), of the input
 gradient and of the weight gradient (with db), outputs poisoned first and each plan run twice
 (same bits), over stride 1 and 2, padding, dilation 2, groups 2 and 3, depthwise, 1x1 / 3x3 /
-5x3 / 7x7 kernels and odd sizes; the own kernels decline grouped and dilated convolutions; and
-a captured replay of a cuDNN conv sees new input data.
+5x3 / 7x7 kernels and odd sizes; the own kernels decline grouped and dilated convolutions; a
+chosen plan built alone (a warm cache's) is the engine of that name among every plan; and a
+captured replay of a cuDNN conv sees new input data.
 
 The reference for groups and dilation is the numpy backend's conv ops run per group on the
 dilated kernel (zeros between the taps), in float64."""
@@ -17,6 +18,7 @@ pytestmark = pytest.mark.cuda
 cp = pytest.importorskip("cupy")
 pytest.importorskip("nvmath")
 
+from stepgraph import cache  # noqa: E402
 from stepgraph.backends import cuda_available  # noqa: E402
 
 if not cuda_available():
@@ -123,10 +125,13 @@ def reference(op, cfg, arrays, bias=False, relu=False):
 # ---- running every cuDNN plan ----------------------------------------------------------------
 
 def paths_of(monkeypatch, ctx, node, dev_in, dev_out) -> dict:
-    """{name: launch} of every path conv.py offers for the node, without running any."""
+    """{name: launch} of every path conv.py offers for the node, without running any. No
+    choice is known (none in memory, the disk cache off): a known one is offered alone."""
     offered = {}
     with monkeypatch.context() as m:
         m.setattr(conv, "_run_faster", lambda node, ctx, g, dtype, paths: offered.update(paths))
+        m.setenv(cache.SWITCH_ENV, "0")
+        m.setattr(ctx, "paths", {})
         conv.IMPLS[node.op](node, dev_in, dev_out, ctx)
     return offered
 
@@ -215,6 +220,22 @@ def test_reference_matches_numpy_on_plain_convs():
     np.testing.assert_allclose(reference("conv2d_grad_weight", cfg, [dy, x])[0],
                                _numpy("conv2d_grad_weight", [dy, x], [ws], weight_shape=ws,
                                       **plain)[0], rtol=1e-4)
+
+
+@pytest.mark.parametrize("op", ["conv2d", "conv2d_grad_input", "conv2d_grad_weight"])
+def test_a_chosen_plan_built_alone_is_that_candidate(ctx, op):
+    """What a warm cache builds for a cuDNN choice (conv_cudnn._build_one: the plan at the
+    path's index of its ranked list) is the engine that candidate was among every plan."""
+    xs, ws, _ = shapes(CONVS[8])
+    g = conv._geometry(xs, ws, attrs_of(CONVS[8]))
+    p = conv_cudnn.Problem(op, g, "float32", ctx.precision, device=cp.cuda.runtime.getDevice())
+    cudnn, handle = conv_cudnn._load()[0], conv_cudnn.handle(ctx)
+    every = conv_cudnn._build(cudnn, p, handle)
+    assert every.entries, every.reason
+    for c in every.entries:
+        alone = conv_cudnn._build_one(cudnn, p, handle, c.path)
+        assert [(e.path, e.name, e.workspace) for e in alone.entries] == \
+            [(c.path, c.name, c.workspace)], f"{op} {c.path}: {alone.reason}"
 
 
 # ---- through the backend: auto choice, forced family, capture -----------------------------

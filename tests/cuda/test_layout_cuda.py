@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import stepgraph as sg
-from stepgraph import models, optim
+from stepgraph import cache, models, optim
 from stepgraph.nn import functional as F
 
 pytestmark = pytest.mark.cuda
@@ -92,12 +92,15 @@ def reference64(node, arrays, relu=False):
 
 def paths_of(monkeypatch, ctx, node, dev_in, dev_out) -> tuple[dict, bool]:
     """({name: launch} of every path conv.py offers for the node, without running any;
-    whether it went through its NCHW twin instead, having no NHWC plan)."""
+    whether it went through its NCHW twin instead, having no NHWC plan). No choice is known
+    (none in memory, the disk cache off): a known one is offered alone."""
     offered, through = {}, []
     real = conv._through_nchw
     with monkeypatch.context() as m:
         m.setattr(conv, "_run_faster", lambda node, ctx, g, dtype, paths: offered.update(paths))
         m.setattr(conv, "_through_nchw", lambda *a: through.append(True) or real(*a))
+        m.setenv(cache.SWITCH_ENV, "0")
+        m.setattr(ctx, "paths", {})
         conv.IMPLS[node.op](node, dev_in, dev_out, ctx)
     return offered, bool(through)
 

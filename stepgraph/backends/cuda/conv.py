@@ -31,7 +31,10 @@ path applies it: in the cuDNN graph, or through that epilogue kernel.
 Every path that can run an op is a candidate; the first eager call of a problem (op,
 geometry, dtype, precision) times each on its real buffers (`_run_faster`, autotune.py) and
 the backend keeps the fastest for every node with that problem: no size rule predicted the
-benchmark convs. A capture with no timing yet takes a tiled path, else `use_direct`'s rule:
+benchmark convs. Where the choice is known already (this process's, or on disk from an
+earlier one: `_with_cudnn`) the cuDNN plans are not all built: only the chosen one, or none
+for an own path; building every plan of every problem was most of a warm process's first
+step. A capture with no timing yet takes a tiled path, else `use_direct`'s rule:
   direct  iff  it can run, N*O*Ho*Wo * C*kh*kw <= 2^26 multiply-adds (about 10 us of direct
                work; above it cuBLASLt's throughput pays for the im2col traffic)
           and, for grad_weight, N*Ho*Wo <= 2^18  (one block sums each weight's products)
@@ -61,7 +64,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import Callable
+from typing import Callable, Iterable
 
 from dataclasses import dataclass
 
@@ -81,6 +84,7 @@ _CTYPES = compiler.FLOAT_CTYPES
 GEMM_PATH_KERNELS = ("conv2d_im2col_kernel", "conv2d_grad_weight_gather_kernel",
                      "conv2d_col2im_kernel")
 EPILOGUE_KERNEL = "conv2d_bias_act_kernel"
+EPILOGUE_SUFFIX = "+epilogue"     # of a plain cuDNN plan's path, run with the epilogue kernel
 # The epilogue also runs bfloat16 (uint16 bits: conv.cu's unsigned short specialisation)
 EPILOGUE_CTYPES = {**compiler.FLOAT_CTYPES, "uint16": "unsigned short"}
 BF16_OPS = frozenset({"conv2d", "conv2d_grad_input", "conv2d_grad_weight"})
@@ -452,11 +456,49 @@ def _run_faster(node, ctx, g: Geometry, dtype, paths: dict[str, Callable[[], Non
     tiled = [name for name in paths if name.startswith("tiled")]
     default = tiled[0] if tiled else "direct" if "direct" in paths and \
         use_direct(node.op, g, dtype) else "gemm" if "gemm" in paths else first
-    # The layout and whether nondeterministic plans competed are part of the problem (and
-    # of its choice on disk).
-    key = (node.op, g, str(dtype), ctx.precision, len(node.inputs), len(node.outputs),
-           node.attrs.get("act"), layout, getattr(ctx, "deterministic", True), tuple(paths))
-    autotune.run_fastest(ctx, key, paths, default)
+    own = [name for name in paths if name.split(":")[0] != "cudnn"]
+    autotune.run_fastest(ctx, _choice_key(node, ctx, g, dtype, own), paths, default)
+
+
+def _choice_key(node, ctx, g: Geometry, dtype, own: Iterable[str]) -> tuple:
+    """The problem's key among the autotuner's choices, in memory and on disk. The layout
+    and whether nondeterministic plans competed are part of the problem. Of the candidates,
+    the own paths' names, and for cuDNN's what decides them (conv_cudnn.candidates_key):
+    their names are known only once every plan is built, and a known choice needs one."""
+    return (node.op, g, str(dtype), ctx.precision, len(node.inputs), len(node.outputs),
+            node.attrs.get("act"), layout_of(node.op, node.attrs),
+            getattr(ctx, "deterministic", True), tuple(own), conv_cudnn.candidates_key())
+
+
+def _with_cudnn(node, ctx, g: Geometry, dtype, own: dict[str, Callable[[], None]],
+                cudnn: Callable[[str | None], dict[str, Callable[[], None]]]
+                ) -> dict[str, Callable[[], None]]:
+    """`own` and the cuDNN candidates worth building: cudnn(None) builds every plan,
+    cudnn(name) that candidate's alone. Where the problem's choice is known, only it is
+    offered: no plan for an own path, one for a cuDNN path. Otherwise (a miss, a forced PATH,
+    a chosen plan that no longer builds) every plan is built and the problem timed: a
+    choice that did not build is forgotten here, and run_fastest rejects the disk's as
+    no longer a candidate, so nothing else is used untimed in its place."""
+    if PATH != "auto" or not conv_cudnn.available():    # forced, or no plan to spare
+        return own | cudnn(None)
+    key = _choice_key(node, ctx, g, dtype, own)
+    choice = _known_choice(ctx, key)
+    if choice is not None:
+        offered = own if choice in own else own | cudnn(choice)
+        if choice in offered:
+            ctx.paths[key] = choice
+            return offered
+        ctx.paths.pop(key, None)
+    return own | cudnn(None)
+
+
+def _known_choice(ctx, key: tuple) -> str | None:
+    """The choice for `key` made in this process, else the one on disk (read as run_fastest
+    reads it: not while capturing); None when there is none."""
+    if key in ctx.paths:
+        return ctx.paths[key]
+    disk = None if ctx.stream.is_capturing() else autotune.choices(ctx, "paths")
+    return None if disk is None else disk.get(repr(key), lambda name: isinstance(name, str))
 
 
 # ---- op impls ------------------------------------------------------------------------------
@@ -491,17 +533,33 @@ def conv2d_forward(node, ins, outs, ctx) -> None:
         if relu:
             paths = {name: _then(run, lambda: conv2d_bias_act(ctx, y, None, True))
                      for name, run in paths.items()}
-    paths |= conv_cudnn.conv2d_paths(ctx, g, x, w, y, bias, relu, layout=layout)
-    # bf16: the epilogue rounds the sum before adding the bias; only where nothing fuses it
-    exact_only = str(x.dtype) not in _CTYPES and bias is not None and bool(paths)
-    if (bias is not None or relu) and not exact_only:
-        epilogue = functools.partial(conv2d_bias_act, ctx, y, bias, relu, layout)
-        paths |= {f"{name}+epilogue": _then(run, epilogue)
-                  for name, run in conv_cudnn.conv2d_paths(ctx, g, x, w, y,
-                                                           layout=layout).items()}
+    dtype = conv_cudnn.ir_dtype(x.dtype)
+    paths = _with_cudnn(node, ctx, g, dtype, paths, functools.partial(
+        _forward_cudnn_paths, ctx, g, x, w, y, bias, relu, layout))
     if not paths and layout == "NHWC":
         return _through_nchw(conv2d_forward, node, ins, outs, ctx)
-    _run_faster(node, ctx, g, conv_cudnn.ir_dtype(x.dtype), paths)
+    _run_faster(node, ctx, g, dtype, paths)
+
+
+def _forward_cudnn_paths(ctx, g: Geometry, x, w, y, bias, relu: bool, layout: str,
+                         only: str | None) -> dict[str, Callable[[], None]]:
+    """The forward's cuDNN candidates: each plan with the bias and ReLU in its graph, then,
+    where either is asked, each plain plan followed by the epilogue kernel ("+epilogue");
+    `only`: that one candidate, its plan alone built (conv_cudnn.conv2d_paths)."""
+    def with_epilogue(plain_only: str | None) -> dict[str, Callable[[], None]]:
+        if bias is None and not relu:
+            return {}
+        epilogue = functools.partial(conv2d_bias_act, ctx, y, bias, relu, layout)
+        plain = conv_cudnn.conv2d_paths(ctx, g, x, w, y, layout=layout, only=plain_only)
+        return {name + EPILOGUE_SUFFIX: _then(run, epilogue) for name, run in plain.items()}
+
+    if only is not None and only.endswith(EPILOGUE_SUFFIX):
+        return with_epilogue(only.removesuffix(EPILOGUE_SUFFIX))
+    fused = conv_cudnn.conv2d_paths(ctx, g, x, w, y, bias, relu, layout=layout, only=only)
+    # bf16: the epilogue rounds the sum before adding the bias; only where nothing fuses it
+    if only is not None or (str(x.dtype) not in _CTYPES and bias is not None and fused):
+        return fused
+    return fused | with_epilogue(None)
 
 
 def _own(g: Geometry, layout: str, dtype) -> bool:
@@ -585,10 +643,12 @@ def conv2d_grad_input(node, ins, outs, ctx) -> None:
             paths["direct_narrow"] = lambda: conv2d_direct_grad_input(ctx, g, dy, w, dx,
                                                                       NARROW_CHANNELS)
         paths["gemm"] = lambda: _grad_input_gemm(ctx, node, g, dy, w, dx)
-    paths |= conv_cudnn.grad_input_paths(ctx, g, dy, w, dx, layout=layout)
+    dtype = conv_cudnn.ir_dtype(dy.dtype)
+    paths = _with_cudnn(node, ctx, g, dtype, paths, lambda only: conv_cudnn.grad_input_paths(
+        ctx, g, dy, w, dx, layout=layout, only=only))
     if not paths and layout == "NHWC":
         return _through_nchw(conv2d_grad_input, node, ins, outs, ctx)
-    _run_faster(node, ctx, g, conv_cudnn.ir_dtype(dy.dtype), paths)
+    _run_faster(node, ctx, g, dtype, paths)
 
 
 def _grad_input_gemm(ctx, node, g: Geometry, dy, w, dx) -> None:
@@ -651,12 +711,13 @@ def conv2d_grad_weight(node, ins, outs, ctx) -> None:
         paths["direct"] = with_bias(lambda: conv2d_direct_grad_weight(ctx, g, dy, x, dw))
     if own:
         paths["gemm"] = with_bias(lambda: _grad_weight_gemm(ctx, node, g, dy, x, dw))
-    paths |= {name: with_bias(run)
-              for name, run in conv_cudnn.grad_weight_paths(ctx, g, dy, x, dw,
-                                                                   layout=layout).items()}
+    dtype = conv_cudnn.ir_dtype(x.dtype)
+    paths = _with_cudnn(node, ctx, g, dtype, paths, lambda only: {
+        name: with_bias(run) for name, run in conv_cudnn.grad_weight_paths(
+            ctx, g, dy, x, dw, layout=layout, only=only).items()})
     if not paths and layout == "NHWC":
         return _through_nchw(conv2d_grad_weight, node, ins, outs, ctx)
-    _run_faster(node, ctx, g, conv_cudnn.ir_dtype(x.dtype), paths)
+    _run_faster(node, ctx, g, dtype, paths)
 
 
 def _grad_weight_gemm(ctx, node, g: Geometry, dy, x, dw) -> None:

@@ -34,6 +34,11 @@ largest that a problem's plans need is taken at its first eager call, so a captu
 allocates. Each context has one cuDNN handle (ctx.extras["cudnn_handle"]) bound to its stream
 (shared by the contexts of one stream).
 
+Building a plan is the costly step (cuDNN finalises the engine configuration), so a problem
+whose choice is already known (conv.py: this process's, or the on-disk cache's) builds only
+the chosen candidate's plan (`only`: the ranked list it belongs to, then that one index);
+every candidate is built only where the problem must be timed.
+
 Layouts: "NCHW" tensors as the graph's NCHW ops hold them; "NHWC" (channels-last nodes,
 compile/layout.py) with x, dy, y, dx stored (N, H, W, C) and the filter (O, kh, kw, C/groups)
 (cuDNN's KRSC): the graph's tensors keep logical NCHW dims with those strides.
@@ -45,6 +50,7 @@ dilation != 1) then raises BackendUnavailableError saying to install the cuda ex
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -144,7 +150,8 @@ class Plans:
         return max((c.workspace for c in self.entries), default=0)
 
 
-_PLANS: dict[Problem, Plans] = {}
+_PLANS: dict[Problem, Plans] = {}                # every candidate of each problem
+_CHOSEN: dict[tuple[Problem, str], Plans] = {}   # one candidate's plan alone (plans_for's only)
 
 
 def _strides(dims: list[int], layout: str) -> list[int]:
@@ -244,9 +251,7 @@ def _build(cudnn, p: Problem, handle) -> Plans:
             if name in seen:
                 continue
             try:
-                graph.build_plan_at_index(index)
-                workspace = int(graph.get_workspace_size_plan_at_index(index))
-                name = name or str(graph.get_plan_name_at_index(index))
+                name, workspace = _build_plan(graph, index)
             except Exception as err:    # barred by a filter, or the engine declined
                 failures.append(f"[{prefix}{index}] {type(err).__name__}: {str(err)[:200]}")
                 continue
@@ -263,15 +268,75 @@ def _build(cudnn, p: Problem, handle) -> Plans:
     return plans
 
 
-def plans_for(ctx, p: Problem) -> Plans:
-    """The problem's Plans, built at its first call (never during a capture)."""
-    plans = _PLANS.get(p)
+def _build_plan(graph, index: int) -> tuple[str, int]:
+    """Build the graph's execution plan at `index` of its ranked list: (engine name,
+    workspace bytes). Raises where a filter bars it or the engine declines it."""
+    graph.build_plan_at_index(index)
+    return (str(graph.get_plan_name_at_index(index)),
+            int(graph.get_workspace_size_plan_at_index(index)))
+
+
+def _ranked_list(path: str) -> tuple[tuple[str, ...], int] | None:
+    """(heuristic modes, index in their ranked list) of candidate `path` ("cudnn:<i>" or
+    "cudnn:B<i>"); None where it names no list that _build draws from."""
+    match = re.fullmatch(r"cudnn:(B?)(\d+)", path)
+    lists = dict(HEURISTICS if HEURISTIC_B else HEURISTICS[:1])
+    if match is None or match[1] not in lists:
+        return None
+    return lists[match[1]], int(match[2])
+
+
+def _build_one(cudnn, p: Problem, handle, path: str) -> Plans:
+    """Only the plan of candidate `path`, a choice made when every candidate was built and
+    timed: its heuristic's list ranked and filtered as _build does, then the plan at its
+    index built. No candidate (and the reason) where that fails: the caller then builds and
+    times them all."""
+    where = _ranked_list(path)
+    if where is None:
+        return Plans([], [], f"{path} is not a cuDNN candidate of this build")
+    modes, index = where
+    try:
+        graph, ops, count = _ranked(cudnn, p, handle, modes)
+        if index >= count:
+            return Plans([], [], f"{path}: heuristics {'+'.join(modes)} rank {count} plans")
+        name, workspace = _build_plan(graph, index)
+    except Exception as err:    # as in _build: the frontend's many "not supported" types
+        return Plans([], [], f"{path}: {type(err).__name__}: {str(err)[:200]}")
+    if workspace > MAX_WORKSPACE_BYTES:
+        return Plans([], [], f"{path} {name}: workspace {workspace} bytes")
+    uids = {operand: t.get_uid() for operand, t in ops.items()}
+    return Plans([(graph, uids)], [Candidate(path, 0, index, name, workspace)])
+
+
+def plans_for(ctx, p: Problem, only: str | None = None) -> Plans:
+    """The problem's Plans, built at its first call (never during a capture). With `only` (a
+    candidate's path) just that candidate, if it still builds: taken from the problem's
+    Plans where every candidate is built already, else its plan alone is built."""
+    if only is not None and p in _PLANS:
+        every = _PLANS[p]
+        return Plans(every.graphs, [c for c in every.entries if c.path == only], every.reason)
+    memo, key = (_PLANS, p) if only is None else (_CHOSEN, (p, only))
+    plans = memo.get(key)
     if plans is None:
         if _capturing(ctx):
             raise CaptureError(f"{p.op}: its cuDNN plans are built at the first eager call; run "
                                "the step eagerly once before capturing")
-        plans = _PLANS[p] = _build(_load()[0], p, handle(ctx))
+        cudnn, h = _load()[0], handle(ctx)
+        plans = _build(cudnn, p, h) if only is None else _build_one(cudnn, p, h, only)
+        memo[key] = plans
     return plans
+
+
+def candidates_key() -> tuple | None:
+    """What decides a problem's candidate paths besides the problem and the GPU and cuDNN
+    library (autotune.device_identity): None without cuDNN, else the frontend's version and
+    this module's limits and filters. conv.py keys its choices by this rather than by the
+    candidates' names, which are known only once every plan is built."""
+    cudnn = _load()[0]
+    if cudnn is None:
+        return None
+    return (getattr(cudnn, "__version__", None), MAX_PLANS, MAX_PLANS_B if HEURISTIC_B else 0,
+            MAX_WORKSPACE_BYTES, RUNTIME_COMPILED)
 
 
 # ---- handle, workspace, launch ---------------------------------------------------------------
@@ -311,9 +376,11 @@ def _workspace(ctx, nbytes: int):
     return pool.get(nbytes, ctx)
 
 
-def _paths(ctx, p: Problem, arrays: dict[str, Any]) -> dict[str, Callable[[], None]]:
-    """{"cudnn:<i>": launch} for each of the problem's plans, bound to these arrays."""
-    plans = plans_for(ctx, p)
+def _paths(ctx, p: Problem, arrays: dict[str, Any],
+           only: str | None = None) -> dict[str, Callable[[], None]]:
+    """{"cudnn:<i>": launch} for each of the problem's plans (`only`: that candidate's alone,
+    if it builds), bound to these arrays."""
+    plans = plans_for(ctx, p, only)
     if not plans.entries:
         return {}
     if not _capturing(ctx):
@@ -345,29 +412,30 @@ def _problem(ctx, op: str, g: Geometry, dtype, layout: str = "NCHW", **kw) -> Pr
 
 # ---- paths of the three ops ------------------------------------------------------------------
 
-def conv2d_paths(ctx, g: Geometry, x, w, y, bias=None, relu: bool = False,
-                 layout: str = "NCHW") -> dict[str, Callable[[], None]]:
+def conv2d_paths(ctx, g: Geometry, x, w, y, bias=None, relu: bool = False, layout: str = "NCHW",
+                 only: str | None = None) -> dict[str, Callable[[], None]]:
     """y = conv2d(x, w) (+ bias) (then ReLU) in one cuDNN graph per plan; {} when cuDNN is
-    absent or has no plan (raises where only cuDNN could run it: module docstring)."""
+    absent or has no plan (raises where only cuDNN could run it: module docstring). With
+    `only` (a path name), that candidate alone, its plan alone built ({} if it does not)."""
     p = _problem(ctx, "conv2d", g, x.dtype, layout, bias=bias is not None, relu=relu)
     if p is None:
         return {}
     arrays = {"x": x, "w": w, "y": y} | ({} if bias is None else {"b": bias})
-    return _paths(ctx, p, arrays)
+    return _paths(ctx, p, arrays, only)
 
 
-def grad_input_paths(ctx, g: Geometry, dy, w, dx,
-                     layout: str = "NCHW") -> dict[str, Callable[[], None]]:
+def grad_input_paths(ctx, g: Geometry, dy, w, dx, layout: str = "NCHW",
+                     only: str | None = None) -> dict[str, Callable[[], None]]:
     """dx of conv2d given dy and w, a cuDNN conv_dgrad per plan (see conv2d_paths)."""
     p = _problem(ctx, "conv2d_grad_input", g, dy.dtype, layout)
-    return {} if p is None else _paths(ctx, p, {"dy": dy, "w": w, "dx": dx})
+    return {} if p is None else _paths(ctx, p, {"dy": dy, "w": w, "dx": dx}, only)
 
 
-def grad_weight_paths(ctx, g: Geometry, dy, x, dw,
-                      layout: str = "NCHW") -> dict[str, Callable[[], None]]:
+def grad_weight_paths(ctx, g: Geometry, dy, x, dw, layout: str = "NCHW",
+                      only: str | None = None) -> dict[str, Callable[[], None]]:
     """dw of conv2d given dy and x, a cuDNN conv_wgrad per plan (see conv2d_paths)."""
     p = _problem(ctx, "conv2d_grad_weight", g, x.dtype, layout)
-    return {} if p is None else _paths(ctx, p, {"x": x, "dy": dy, "dw": dw})
+    return {} if p is None else _paths(ctx, p, {"x": x, "dy": dy, "dw": dw}, only)
 
 
 def reason(ctx, op: str, g: Geometry, dtype, layout: str = "NCHW") -> str:

@@ -1,0 +1,252 @@
+"""Which cuDNN conv plans are built (conv.py `_with_cudnn`, conv_cudnn.plans_for): a problem
+with no known choice builds every candidate's plan and times them all; a later process that
+finds the choice on disk builds only the chosen plan (none for an own path) and times nothing;
+a cached plan that no longer builds sends the problem back to timing, never to another
+candidate untimed. cuDNN is faked at its ranked plan lists (conv_cudnn._ranked), so no GPU,
+frontend or libcudnn is needed; the cache, the autotuner and the conv launchers are real."""
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")    # conv.py's launchers import CuPy (no GPU needed)
+
+from stepgraph import cache  # noqa: E402
+from stepgraph.backends.cuda import autotune, conv, conv_cudnn  # noqa: E402
+from stepgraph.ir.graph import Node, Value  # noqa: E402
+
+IDENTITY = {"gpu": "Fake H100", "sm": "90", "driver": 13000, "cuda": 13000, "cudnn": 91000,
+            "cupy": "14.0.0", "stepgraph": "0.1.0", "kernels": "abc"}
+# Ranked engines of each heuristic list (by its first mode). "eng2" is barred by a filter;
+# B ranks eng0 and eng3 again, which A's candidates hold already.
+ENGINES = {"A": [f"eng{i}" for i in range(9)], "B": ["eng0", "engB1", "engB2", "eng3", "engB4"]}
+# A: eng0, eng1, eng3..eng6 (MAX_PLANS); B: the three not in A
+CANDIDATES = ["cudnn:0", "cudnn:1", "cudnn:3", "cudnn:4", "cudnn:5", "cudnn:6",
+              "cudnn:B1", "cudnn:B2", "cudnn:B4"]
+BUILT_ON_A_MISS = [f"eng{i}" for i in range(7)] + ["engB1", "engB2", "engB4"]
+
+
+@dataclass
+class FakeCudnn:
+    """The fake cudnn module (its version is part of a choice's key) and what its plan lists
+    did: the engines they built, ran and timed; the engines they decline, each one's time."""
+    declined: set[str] = field(default_factory=lambda: {"eng2"})
+    times: dict[str, float] = field(default_factory=dict)     # ms; 5 for any other
+    built: list[str] = field(default_factory=list)
+    ran: list[str] = field(default_factory=list)
+    timed: list[str] = field(default_factory=list)
+    __version__: str = "1.99.0"
+
+    def forget(self) -> None:
+        """Empty the logs (a new process)."""
+        for log in (self.built, self.ran, self.timed):
+            log.clear()
+
+
+class FakeGraph:
+    """A cudnn.pygraph after create_execution_plans: plan names known before building.
+    A fused forward's engines are named "fused-<engine>" (a graph of its own)."""
+
+    def __init__(self, fake: FakeCudnn, engines: list[str]):
+        self.fake, self.engines = fake, engines
+
+    def get_plan_name_at_index(self, index):
+        return self.engines[index]
+
+    def build_plan_at_index(self, index):
+        self.fake.built.append(self.engines[index])
+        if self.engines[index].removeprefix("fused-") in self.fake.declined:
+            raise RuntimeError("CUDNN_STATUS_NOT_SUPPORTED")
+
+    def get_workspace_size_plan_at_index(self, index):
+        return 0
+
+    def execute_plan_at_index(self, operands, workspace, index, handle):
+        self.fake.ran.append(self.engines[index])
+
+
+class FakeTensor:
+    def __init__(self, uid):
+        self.uid = uid
+
+    def get_uid(self):
+        return self.uid
+
+
+class FakeStream:
+    capturing = False
+
+    def is_capturing(self):
+        return self.capturing
+
+
+def fake_array(shape):
+    """What the conv launchers read of a CuPy array (its device address is never used)."""
+    return types.SimpleNamespace(shape=shape, dtype=np.dtype(np.float32),
+                                 flags=types.SimpleNamespace(c_contiguous=True),
+                                 data=types.SimpleNamespace(ptr=id(shape)))
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    """cuDNN faked at its plan lists, the device identity fixed, each path's time set by
+    fake.times (by engine), and the choices on disk under tmp_path."""
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "sg-cache"))
+    monkeypatch.delenv(cache.SWITCH_ENV, raising=False)
+    monkeypatch.setattr(conv, "PATH", "auto")
+    fake = FakeCudnn()
+    monkeypatch.setattr(conv_cudnn, "_load", lambda: (fake, None))
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+
+    def ranked(cudnn, p, handle, modes):
+        engines = [("fused-" if p.bias else "") + e for e in ENGINES[modes[0]]]
+        ops = {name: FakeTensor(uid) for uid, name in enumerate(("x", "w", "b", "y", "dy",
+                                                                 "dx", "dw"))}
+        return FakeGraph(fake, engines), ops, len(engines)
+
+    monkeypatch.setattr(conv_cudnn, "_ranked", ranked)
+    monkeypatch.setattr(conv, "conv2d_bias_act", lambda *args: None)
+    monkeypatch.setattr(autotune, "device_identity", lambda device: dict(IDENTITY))
+    monkeypatch.setattr(autotune.compiler, "compile_parallel", lambda kernels: list(kernels))
+
+    def time_on_device(ctx, run):
+        run()
+        fake.timed.append(fake.ran[-1])
+        return fake.times.get(fake.ran[-1], 5.0)
+
+    monkeypatch.setattr(autotune, "time_on_device", time_on_device)
+    new_process(monkeypatch)
+    return fake
+
+
+def new_process(monkeypatch):
+    """A fresh process: no plans built, no choices in memory (the disk's stay)."""
+    monkeypatch.setattr(conv_cudnn, "_PLANS", {})
+    monkeypatch.setattr(conv_cudnn, "_CHOSEN", {})
+    monkeypatch.setattr(autotune, "_caches", {})
+
+
+def fake_ctx():
+    return types.SimpleNamespace(stream=FakeStream(), paths={}, capturing=False, device_id=0,
+                                 precision="fp32", deterministic=True,
+                                 extras={"cudnn_handle": "handle"})
+
+
+ATTRS = {"stride": (1, 1), "padding": (1, 1), "groups": 2}    # grouped: only cuDNN runs it
+X, W, Y = (2, 4, 8, 8), (6, 2, 3, 3), (2, 6, 8, 8)
+
+
+def grad_input(ctx):
+    """Run a grouped conv2d_grad_input through conv.py on fake arrays."""
+    node = Node("conv2d_grad_input", [Value(Y, "float32"), Value(W, "float32")],
+                [Value(X, "float32")], {**ATTRS, "input_shape": X})
+    conv.IMPLS[node.op](node, [fake_array(Y), fake_array(W)], [fake_array(X)], ctx)
+
+
+def forward_with_bias(ctx):
+    """Run a grouped conv2d with bias: fused plans and plain plans + the epilogue compete."""
+    node = Node("conv2d", [Value(X, "float32"), Value(W, "float32"), Value((6,), "float32")],
+                [Value(Y, "float32")], dict(ATTRS))
+    conv.IMPLS[node.op](node, [fake_array(X), fake_array(W), fake_array((6,))],
+                        [fake_array(Y)], ctx)
+
+
+def fresh(fake, monkeypatch):
+    """A new process's view: memory cleared, the fake's logs emptied."""
+    new_process(monkeypatch)
+    fake.forget()
+    return fake_ctx()
+
+
+@pytest.mark.parametrize("winner", ["eng4", "engB2"])
+def test_a_miss_times_every_plan_and_a_warm_cache_builds_only_the_chosen(fake, monkeypatch,
+                                                                         winner):
+    fake.times[winner] = 1.0
+    ctx = fake_ctx()
+    grad_input(ctx)
+    assert fake.built == BUILT_ON_A_MISS                 # every candidate's plan
+    assert sorted(fake.timed) == sorted(BUILT_ON_A_MISS[:2] + BUILT_ON_A_MISS[3:])
+    assert list(ctx.paths.values()) == [f"cudnn:{winner.removeprefix('eng')}"]
+    assert fake.ran[-1] == winner
+
+    ctx = fresh(fake, monkeypatch)
+    grad_input(ctx)
+    assert fake.built == [winner] and fake.timed == [] and fake.ran == [winner]
+    ctx.stream.capturing = True                          # the capture: nothing more built
+    grad_input(ctx)
+    assert fake.built == [winner] and fake.ran == [winner, winner]
+
+
+def test_a_warm_forward_builds_only_the_chosen_plain_plan_and_its_epilogue(fake, monkeypatch):
+    fake.times["engB1"] = 1.0                            # plain engB1 + the epilogue wins
+    ctx = fake_ctx()
+    forward_with_bias(ctx)
+    assert sorted(fake.built) == sorted(BUILT_ON_A_MISS + ["fused-" + e
+                                                           for e in BUILT_ON_A_MISS])
+    assert list(ctx.paths.values()) == ["cudnn:B1+epilogue"]
+
+    forward_with_bias(fresh(fake, monkeypatch))
+    assert fake.built == ["engB1"] and fake.timed == [] and fake.ran == ["engB1"]
+
+
+def test_a_cached_plan_that_no_longer_builds_is_timed_again(fake, monkeypatch):
+    fake.times |= {"eng4": 1.0, "engB1": 2.0}
+    grad_input(fake_ctx())
+    fake.declined.add("eng4")                            # e.g. another library build
+
+    ctx = fresh(fake, monkeypatch)
+    grad_input(ctx)
+    assert fake.built == ["eng4"] + BUILT_ON_A_MISS[:7] + ["eng7"] + BUILT_ON_A_MISS[7:]
+    assert "eng4" not in fake.timed and len(fake.timed) == len(CANDIDATES)
+    assert list(ctx.paths.values()) == ["cudnn:B1"] and fake.ran[-1] == "engB1"
+
+    ctx = fresh(fake, monkeypatch)                       # the new choice is on disk
+    grad_input(ctx)
+    assert fake.built == ["engB1"] and fake.timed == []
+
+
+def test_a_corrupt_entry_is_a_miss(fake, monkeypatch):
+    fake.times["eng5"] = 1.0
+    grad_input(fake_ctx())
+    for path in cache.entries():
+        path.write_text("{not json")
+
+    ctx = fresh(fake, monkeypatch)
+    grad_input(ctx)
+    assert fake.built == BUILT_ON_A_MISS and len(fake.timed) == len(CANDIDATES)
+    assert list(ctx.paths.values()) == ["cudnn:5"]
+
+
+def test_an_own_path_choice_builds_no_plan(fake):
+    """A problem the own kernels can run, whose known choice is one of them: no cuDNN plan is
+    asked for; unknown, every one is."""
+    plain_w = (6, 4, 3, 3)
+    node = Node("conv2d_grad_input", [Value(Y, "float32"), Value(plain_w, "float32")],
+                [Value(X, "float32")], {"stride": (1, 1), "padding": (1, 1), "input_shape": X})
+    g = conv._geometry(X, plain_w, node.attrs)
+    own = {"direct": lambda: None, "gemm": lambda: None}
+    asked = []
+
+    def cudnn(only):
+        asked.append(only)
+        return {"cudnn:0": lambda: None, "cudnn:1": lambda: None}
+
+    ctx = fake_ctx()
+    assert set(conv._with_cudnn(node, ctx, g, "float32", own, cudnn)) == {
+        "direct", "gemm", "cudnn:0", "cudnn:1"} and asked == [None]     # a miss: all
+    ctx.paths[conv._choice_key(node, ctx, g, "float32", own)] = "gemm"
+    assert conv._with_cudnn(node, ctx, g, "float32", own, cudnn) == own and asked == [None]
+
+
+def test_choice_keys_do_not_name_the_built_plans(fake):
+    """The key is known before any plan is built, and changes with what decides the plans."""
+    node = Node("conv2d_grad_input", [Value(Y, "float32"), Value(W, "float32")],
+                [Value(X, "float32")], {**ATTRS, "input_shape": X})
+    g = conv._geometry(X, W, node.attrs)
+    key = conv._choice_key(node, fake_ctx(), g, "float32", {})
+    assert fake.built == [] and key[-1] == conv_cudnn.candidates_key()
+    fake.__version__ = "2.0.0"
+    assert conv._choice_key(node, fake_ctx(), g, "float32", {}) != key
