@@ -172,7 +172,7 @@ def _check_packed(op: str, qkv, attrs) -> tuple:
     _need(qkv.shape[-2] >= 1 and 1 <= d <= MAX_HEAD_DIM, op,
           f"needs T >= 1 and a head dim in [1, {MAX_HEAD_DIM}], got {qkv.shape} with {heads} "
           f"heads")
-    _need(qkv.dtype in ("float32", "float64"), op, f"qkv must be float, got {qkv.dtype}")
+    _need(qkv.dtype in FLOAT_DTYPES, op, f"qkv must be float, got {qkv.dtype}")
     p = float(attrs.get("dropout_p", 0.0))
     _need(0.0 <= p < 1.0, op, f"dropout_p must be in [0, 1), got {p}")
     return qkv.shape[:-2], qkv.shape[-2], heads, d

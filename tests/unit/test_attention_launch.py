@@ -29,7 +29,8 @@ def record(monkeypatch):
         return lambda grid, block, args, shared_mem, stream: launched.append(
             (source, name, grid, block, args, shared_mem))
 
-    def contiguous(what, a, shape):
+    def contiguous(what, a, shape, dtype):
+        assert a.dtype == dtype, what
         strides = np.cumprod((1,) + tuple(shape[::-1]))[:-1][::-1]
         lead = shape[:-2]
         head = int(strides[len(lead) - 1]) if len(lead) >= 2 else 0
@@ -38,6 +39,7 @@ def record(monkeypatch):
 
     monkeypatch.setattr(attention, "_function", function)
     monkeypatch.setattr(attention, "_heads", contiguous)
+    monkeypatch.setattr(attention, "storage", lambda q: attention.STORAGE[q.dtype])
     monkeypatch.setattr(attention, "_check_rows", lambda *a: None)
     monkeypatch.setattr(attention, "_check_step", lambda step: None)
     monkeypatch.setattr(attention, "_node_memory", lambda node, key, ctx, build: Fake((key[1],)))
@@ -50,27 +52,29 @@ CASES = [((2, 3), 7, 7, 64, 64, True, 0.0), ((4,), 256, 256, 32, 32, True, 0.2),
 
 
 @pytest.mark.skipif(not _nvrtc_usable(), reason="libnvrtc is not loadable")
-@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+@pytest.mark.parametrize("precision,dtype", [("fp32", "float32"), ("tf32", "float32"),
+                                             ("bf16", "uint16")])
 @pytest.mark.parametrize("lead,L,S,E,Ev,causal,p", CASES)
 def test_sdpa_launch_arguments_match_the_kernels(monkeypatch, lead, L, S, E, Ev, causal, p,
-                                                 precision):
+                                                 precision, dtype):
     launched = record(monkeypatch)
     attrs = dict(scale=0.125, causal=causal, dropout_p=p)
     if p:
         attrs.update(seed=2**40 + 3, site=5)
-    q, k, v = Fake((*lead, L, E)), Fake((*lead, S, E)), Fake((*lead, S, Ev))
-    out, lse, dout = Fake((*lead, L, Ev)), Fake((*lead, L)), Fake((*lead, L, Ev))
+    q, k, v = Fake((*lead, L, E), dtype), Fake((*lead, S, E), dtype), Fake((*lead, S, Ev), dtype)
+    out, lse, dout = Fake((*lead, L, Ev), dtype), Fake((*lead, L)), Fake((*lead, L, Ev), dtype)
     step = [Fake((), "int64")] if p else []
     ctx = SimpleNamespace(stream=None, precision=precision)
     attention.IMPLS["sdpa"](Node("sdpa", [], [], attrs), [q, k, v] + step, [out, lse], ctx)
-    grads = [Fake(x.shape) for x in (q, k, v)]
+    grads = [Fake(x.shape, dtype) for x in (q, k, v)]
     attention.IMPLS["sdpa_grad"](Node("sdpa_grad", [], [], attrs),
                                  [dout, q, k, v, out, lse] + step, grads, ctx)
     hd = attention.head_dim_template(E, Ev)
-    math = attention.MATH[precision]
+    ctype = "unsigned short" if dtype == "uint16" else "float"
+    math = attention.TF32 if dtype == "uint16" else attention.MATH[precision]
     source = attention.SOURCES[math]
     assert [(s, name) for s, name, *_ in launched] == [
-        (source, attention.kernel_name(kind, hd, math))
+        (source, attention.kernel_name(kind, hd, math, ctype))
         for kind in ("forward", "backward_dq", "backward_dkdv")]
     listed = attention.kernel_names()[source]
     bh = int(np.prod(lead))

@@ -12,12 +12,16 @@ kernel its (queries, keys) tile (`TILES`), and per precision the arithmetic of t
 tile products (`MATH`), each in a .cu file of its own so that a run compiles one: "tf32"
 rounds the inputs to TF32, as the GEMMs do; "fp32" splits each input into two TF32 parts and
 makes three products (float32-level accuracy, the scheme cuBLAS and CUTLASS call 3xTF32;
-on an H100 1.3x the speed of float32 FMAs on CUDA cores, see docs/perf-notes.md). The
-forward is one launch; the gradient two, dq (which also sums D = rowsum(dout * out) into a
-per-node scratch of bh * L floats, made at the first eager call: launchers._node_memory),
-then dk/dv. Dynamic shared memory above 48 KiB is
-opted into once per kernel, at its first (eager) launch. No atomics: bits are the same on
-every run, eager or replayed.
+on an H100 1.3x the speed of float32 FMAs on CUDA cores, see docs/perf-notes.md). Operands
+are float32, or bfloat16 (precision="bf16": q, k, v, out and the gradients as uint16 bits,
+exact in TF32, so the TF32 kernels read them widened and round only their stores; lse and D
+float32), which is the NumPy emulation's arithmetic but for TF32's rounding of the
+probabilities and of dS inside the products.
+
+The forward is one launch; the gradient two, dq (which also sums D = rowsum(dout * out) into
+a per-node scratch of bh * L floats, made at the first eager call: launchers._node_memory),
+then dk/dv. Dynamic shared memory above 48 KiB is opted into once per kernel, at its first
+(eager) launch. No atomics: bits are the same on every run, eager or replayed.
 """
 from __future__ import annotations
 
@@ -43,29 +47,36 @@ TILES = {"forward": {32: (64, 64), 64: (64, 64), 128: (64, 32)},
          "backward_dkdv": {32: (64, 64), 64: (64, 64), 128: (32, 32)}}
 
 
-# attention.cuh's SDPA_TF32 and SDPA_3XTF32, and the file instantiating each
+# attention.cuh's SDPA_TF32 and SDPA_3XTF32, the file instantiating each, and its storages
 TF32, TF32X3 = 1, 2
 SOURCES = {TF32: "attention_tf32.cu", TF32X3: "attention_3xtf32.cu"}
-MATH = {"fp32": TF32X3, "tf32": TF32}      # precision -> the products' arithmetic
+CTYPES = {TF32: ("float", "unsigned short"), TF32X3: ("float",)}
+# precision -> the products' arithmetic on float32 operands; bf16 operands (uint16 bits, exact
+# in TF32) always take TF32
+MATH = {"fp32": TF32X3, "tf32": TF32, "bf16": TF32}
+STORAGE = {np.dtype(np.float32): "float", np.dtype(np.uint16): "unsigned short"}
+BF16_OPS = frozenset({"sdpa", "sdpa_grad", "sdpa_qkv", "sdpa_qkv_grad"})
 
 
-def math_of(ctx) -> int:
+def math_of(ctx, ctype: str) -> int:
+    if ctype == "unsigned short":
+        return TF32
     precision = getattr(ctx, "precision", "fp32")
     if precision not in MATH:
-        raise ShapeError(f"sdpa: no kernels for precision {precision!r} (float32 operands, "
-                         f"precision fp32 or tf32)")
+        raise ShapeError(f"sdpa: no kernels for precision {precision!r}")
     return MATH[precision]
 
 
-def kernel_name(kind: str, hd: int, math: int) -> str:
+def kernel_name(kind: str, hd: int, math: int, ctype: str) -> str:
     bq, bk = TILES[kind][hd]
-    return f"sdpa_{kind}_kernel<{hd}, {bq}, {bk}, {math}>"
+    return f"sdpa_{kind}_kernel<{hd}, {bq}, {bk}, {math}, {ctype}>"
 
 
 def kernel_names() -> dict[str, set[str]]:
     """{.cu file: every kernel name this module may launch} (the NVRTC compile test)."""
-    return {source: {kernel_name(kind, hd, math) for kind in TILES for hd in HEAD_DIMS}
-            for math, source in SOURCES.items()}
+    return {SOURCES[math]: {kernel_name(kind, hd, math, ctype) for kind in TILES
+                            for hd in HEAD_DIMS for ctype in ctypes}
+            for math, ctypes in CTYPES.items()}
 
 
 def shared_floats(kind: str, hd: int) -> int:
@@ -95,14 +106,15 @@ def _function(source: str, name: str, shared_bytes: int):
     return fn
 
 
-def _launch_tiles(ctx, kind: str, hd: int, tiles: int, bh: int, args: tuple) -> None:
+def _launch_tiles(ctx, kind: str, hd: int, ctype: str, tiles: int, bh: int,
+                  args: tuple) -> None:
     """One block per (tile, head): tile-major, so the heaviest causal tiles start first."""
     blocks = tiles * bh
     if blocks > 2**31 - 1:
         raise ShapeError(f"sdpa: {tiles} tiles x {bh} heads exceed the grid")
-    math = math_of(ctx)
+    math = math_of(ctx, ctype)
     shared = shared_floats(kind, hd) * 4
-    _function(SOURCES[math], kernel_name(kind, hd, math), shared)(
+    _function(SOURCES[math], kernel_name(kind, hd, math, ctype), shared)(
         (blocks,), (THREADS,), args, shared_mem=shared, stream=ctx.stream)
 
 
@@ -111,7 +123,7 @@ def _launch_tiles(ctx, kind: str, hd: int, tiles: int, bh: int, args: tuple) -> 
 @dataclass(frozen=True)
 class Heads:
     """An operand (..., rows, dim): row r of head h of batch entry b starts at element
-    b * batch + h * head + r * row (float32 elements; columns contiguous)."""
+    b * batch + h * head + r * row (elements; columns contiguous)."""
 
     batch: int
     head: int
@@ -153,16 +165,26 @@ def _collapsed_stride(shape: tuple, strides: tuple) -> int | None:
     return 0 if stride is None else stride
 
 
-def _heads(what: str, a, shape: tuple) -> Heads:
-    """The layout of CuPy array `a` of logical `shape` (any strides the kernels can walk)."""
+def storage(q) -> str:
+    """The kernels' T for q's dtype: float32, or uint16 (bf16 bits); k, v, out and the
+    gradients must have the same (_heads)."""
+    if not isinstance(q, cp.ndarray) or q.dtype not in STORAGE:
+        raise ShapeError(f"sdpa: q must be a float32 or bf16 (uint16) CuPy array, got "
+                         f"{getattr(q, 'dtype', type(q).__name__)}")
+    return STORAGE[q.dtype]
+
+
+def _heads(what: str, a, shape: tuple, dtype) -> Heads:
+    """The layout of CuPy array `a` of logical `shape` and `dtype` (any strides the kernels
+    can walk)."""
     if not isinstance(a, cp.ndarray):
         raise ShapeError(f"{what}: expected a CuPy array, got {type(a).__name__}")
-    if a.dtype != np.float32 or tuple(a.shape) != tuple(shape):
-        raise ShapeError(f"{what}: expected float32 {tuple(shape)}, got {a.dtype} "
-                         f"{tuple(a.shape)}")
-    if any(s % 4 for s in a.strides):
-        raise ShapeError(f"{what}: strides {a.strides} are not whole floats")
-    st = tuple(s // 4 for s in a.strides)
+    if a.dtype != dtype or tuple(a.shape) != tuple(shape):
+        raise ShapeError(f"{what}: expected {np.dtype(dtype)} {tuple(shape)} (q's dtype), got "
+                         f"{a.dtype} {tuple(a.shape)}")
+    if any(s % a.itemsize for s in a.strides):
+        raise ShapeError(f"{what}: strides {a.strides} are not whole elements")
+    st = tuple(s // a.itemsize for s in a.strides)
     if shape[-1] > 1 and st[-1] != 1:
         raise ShapeError(f"{what}: columns must be contiguous (strides {a.strides})")
     lead, lead_st = shape[:-2], st[:-2]
@@ -190,9 +212,10 @@ def problem(q, k, v) -> Problem:
 
 
 def _vectorized(pb: Problem, arrays, layouts) -> int:
-    """1 when every row can move as float4s: head dims % 4 == 0, 16-byte aligned pointers
-    and strides of whole float4s."""
-    return int(pb.E % 4 == 0 and pb.Ev % 4 == 0 and all(a.data.ptr % 16 == 0 for a in arrays)
+    """1 when every row can move four elements a load: head dims % 4 == 0, pointers aligned
+    to four elements and strides of whole groups of four."""
+    return int(pb.E % 4 == 0 and pb.Ev % 4 == 0
+               and all(a.data.ptr % (4 * a.itemsize) == 0 for a in arrays)
                and all(s % 4 == 0 for h in layouts for s in (h.batch, h.head, h.row)))
 
 
@@ -248,10 +271,11 @@ def _step_arg(attn: Attn, step):
 def sdpa_forward(ctx, q, k, v, out, lse, step, attn: Attn) -> None:
     """out = dropout(softmax(scale * q @ k^T + causal mask)) @ v and lse (bh * L rows) =
     logsumexp of the scaled, masked scores; step (int64 device scalar) with dropout."""
-    pb = problem(q, k, v)
+    pb, ctype = problem(q, k, v), storage(q)
     lead = tuple(q.shape[:-2])
-    layouts = [_heads("sdpa q", q, q.shape), _heads("sdpa k", k, k.shape),
-               _heads("sdpa v", v, v.shape), _heads("sdpa out", out, lead + (pb.L, pb.Ev))]
+    layouts = [_heads("sdpa q", q, q.shape, q.dtype), _heads("sdpa k", k, k.shape, q.dtype),
+               _heads("sdpa v", v, v.shape, q.dtype),
+               _heads("sdpa out", out, lead + (pb.L, pb.Ev), q.dtype)]
     _check_rows("sdpa lse", lse, pb)
     if attn.causal and pb.L > pb.S:
         raise ShapeError(f"sdpa: causal needs L <= S, got {pb.L} > {pb.S}")
@@ -263,16 +287,16 @@ def sdpa_forward(ctx, q, k, v, out, lse, step, attn: Attn) -> None:
     vec = _vectorized(pb, (q, k, v, out), layouts)
     args = (q, k, v, out, lse, _step_arg(attn, step)) + pb.args() \
         + sum((h.args() for h in layouts), ()) + attn.args(step, False) + (np.int32(vec),)
-    _launch_tiles(ctx, "forward", hd, -(-pb.L // TILES["forward"][hd][0]), pb.bh, args)
+    _launch_tiles(ctx, "forward", hd, ctype, -(-pb.L // TILES["forward"][hd][0]), pb.bh, args)
 
 
 def sdpa_backward_dq(ctx, q, k, v, out, dout, lse, step, dq, delta, attn: Attn) -> None:
     """dq of sdpa, and delta (bh * L) = rowsum(dout * out), which sdpa_backward_dkdv reads."""
-    pb = problem(q, k, v)
+    pb, ctype = problem(q, k, v), storage(q)
     o_shape = tuple(q.shape[:-1]) + (pb.Ev,)
-    layouts = [_heads("sdpa_grad q", q, q.shape), _heads("sdpa_grad k", k, k.shape),
-               _heads("sdpa_grad v", v, v.shape), _heads("sdpa_grad out", out, o_shape),
-               _heads("sdpa_grad dout", dout, o_shape), _heads("sdpa_grad dq", dq, q.shape)]
+    layouts = [_heads(f"sdpa_grad {name}", a, shape, q.dtype) for name, a, shape in
+               (("q", q, q.shape), ("k", k, k.shape), ("v", v, v.shape), ("out", out, o_shape),
+                ("dout", dout, o_shape), ("dq", dq, q.shape))]
     _check_rows("sdpa_grad lse", lse, pb)
     _check_rows("sdpa_grad delta", delta, pb)
     if pb.bh == 0 or pb.L == 0:
@@ -281,16 +305,17 @@ def sdpa_backward_dq(ctx, q, k, v, out, dout, lse, step, dq, delta, attn: Attn) 
     vec = _vectorized(pb, (q, k, v, out, dout, dq), layouts)
     args = (q, k, v, out, dout, lse, _step_arg(attn, step), dq, delta) + pb.args() \
         + sum((h.args() for h in layouts), ()) + attn.args(step, True) + (np.int32(vec),)
-    _launch_tiles(ctx, "backward_dq", hd, -(-pb.L // TILES["backward_dq"][hd][0]), pb.bh, args)
+    _launch_tiles(ctx, "backward_dq", hd, ctype, -(-pb.L // TILES["backward_dq"][hd][0]),
+                  pb.bh, args)
 
 
 def sdpa_backward_dkdv(ctx, q, k, v, dout, lse, delta, step, dk, dv, attn: Attn) -> None:
     """dk and dv of sdpa; delta as sdpa_backward_dq left it."""
-    pb = problem(q, k, v)
+    pb, ctype = problem(q, k, v), storage(q)
     o_shape = tuple(q.shape[:-1]) + (pb.Ev,)
-    layouts = [_heads("sdpa_grad q", q, q.shape), _heads("sdpa_grad k", k, k.shape),
-               _heads("sdpa_grad v", v, v.shape), _heads("sdpa_grad dout", dout, o_shape),
-               _heads("sdpa_grad dk", dk, k.shape), _heads("sdpa_grad dv", dv, v.shape)]
+    layouts = [_heads(f"sdpa_grad {name}", a, shape, q.dtype) for name, a, shape in
+               (("q", q, q.shape), ("k", k, k.shape), ("v", v, v.shape),
+                ("dout", dout, o_shape), ("dk", dk, k.shape), ("dv", dv, v.shape))]
     _check_rows("sdpa_grad lse", lse, pb)
     _check_rows("sdpa_grad delta", delta, pb)
     if pb.bh == 0 or pb.S == 0:
@@ -301,8 +326,8 @@ def sdpa_backward_dkdv(ctx, q, k, v, dout, lse, delta, step, dk, dv, attn: Attn)
     vec = _vectorized(pb, (q, k, v, dout, dk, dv), layouts)
     args = (q, k, v, dout, lse, delta, _step_arg(attn, step), dk, dv) + pb.args() \
         + sum((h.args() for h in layouts), ()) + attn.args(step, True) + (np.int32(vec),)
-    _launch_tiles(ctx, "backward_dkdv", hd, -(-pb.S // TILES["backward_dkdv"][hd][1]), pb.bh,
-                  args)
+    _launch_tiles(ctx, "backward_dkdv", hd, ctype, -(-pb.S // TILES["backward_dkdv"][hd][1]),
+                  pb.bh, args)
 
 
 def _sdpa(node: Node, ins, outs, ctx) -> None:

@@ -14,13 +14,17 @@
 // Operands are read with explicit batch / head / row strides (columns contiguous): bh = b *
 // heads + h. Tiles in shared memory: "rows" [R][HD + 4] (a row's columns contiguous) and
 // scores [BQ][BK + 4]; the pads keep the per-thread accesses free of bank conflicts.
-// Templates <HD, BQ, BK, MATH>: head dims up to HD (32, 64, 128), BQ queries x BK keys per
-// tile, and the products' arithmetic (one .cu file of instantiations each):
-//   SDPA_TF32   inputs rounded to TF32 (precision="tf32", as the GEMMs);
+// Templates <HD, BQ, BK, MATH, T>: head dims up to HD (32, 64, 128), BQ queries x BK keys per
+// tile, T the storage of q, k, v, out and their gradients (float, or unsigned short: bf16 bits,
+// widened on load, rounded once on store; lse and D are float32 either way), and the
+// products' arithmetic (one .cu file of instantiations each):
+//   SDPA_TF32   inputs rounded to TF32 (precision="tf32", as the GEMMs; and "bf16", whose
+//               q, k, v are exact in TF32, only the probabilities and dS are rounded);
 //   SDPA_3XTF32 each input split into a TF32 part and a TF32 remainder, three products per
 //               step (a_lo b_hi + a_hi b_lo + a_hi b_hi): float32-level accuracy
 //               (precision="fp32"; the scheme cuBLAS and CUTLASS call 3xTF32).
 #pragma once
+#include "bf16.cuh"
 #include "philox.cuh"
 
 #define SDPA_THREADS 128
@@ -89,24 +93,25 @@ __device__ __forceinline__ bool visible(int r, int c, int S, int off, int causal
 // ---- tiles: global -> shared ---------------------------------------------------------------
 
 // Rows row0 .. row0 + R - 1 of one head (g at its row 0, row stride sr) into s[r][HD + 4];
-// rows >= nrows and columns >= dim read as 0.
-template <int R, int HD>
-__device__ __forceinline__ void load_rows(float* s, const float* g, long long sr, int row0,
+// rows >= nrows and columns >= dim read as 0. vec: four elements a load (one 16-byte float4 or
+// 8-byte bf16 access).
+template <int R, int HD, typename T>
+__device__ __forceinline__ void load_rows(float* s, const T* g, long long sr, int row0,
                                           int nrows, int dim, int vec) {
     constexpr int LD = HD + 4;
     if (vec) {
         constexpr int C4 = HD / 4;
         for (int t = threadIdx.x; t < R * C4; t += SDPA_THREADS) {
             const int r = t / C4, d = (t % C4) * 4;
-            float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (row0 + r < nrows && d < dim)
-                x = *reinterpret_cast<const float4*>(g + (long long)(row0 + r) * sr + d);
-            *reinterpret_cast<float4*>(s + r * LD + d) = x;
+            float x[4] = {0.f, 0.f, 0.f, 0.f};
+            if (row0 + r < nrows && d < dim) load4_as_float(g, (long long)(row0 + r) * sr + d, x);
+            *reinterpret_cast<float4*>(s + r * LD + d) = make_float4(x[0], x[1], x[2], x[3]);
         }
     } else {
         for (int t = threadIdx.x; t < R * HD; t += SDPA_THREADS) {
             const int r = t / HD, d = t % HD;
-            s[r * LD + d] = row0 + r < nrows && d < dim ? g[(long long)(row0 + r) * sr + d] : 0.f;
+            s[r * LD + d] = row0 + r < nrows && d < dim
+                                ? load_as_float(g, (long long)(row0 + r) * sr + d) : 0.f;
         }
     }
 }
@@ -123,22 +128,21 @@ __device__ __forceinline__ void store_row(float* s, const float (&v)[TC], int ro
             make_float4(v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3]);
 }
 
-// Row i of a thread's (rows x HD) result, times `mul`, into global row r (columns < dim).
-template <int TC>
-__device__ __forceinline__ void write_row(float* g, const float (&v)[TC], float mul, int dim,
+// Row i of a thread's (rows x HD) result, times `mul`, into global row g (columns < dim).
+template <int TC, typename T>
+__device__ __forceinline__ void write_row(T* g, const float (&v)[TC], float mul, int dim,
                                           int vec, const SdpaThread& th) {
 #pragma unroll
     for (int j = 0; j < TC / 4; ++j) {
         const int d = 4 * th.cg + 32 * j;
+        const float x[4] = {v[4 * j] * mul, v[4 * j + 1] * mul, v[4 * j + 2] * mul,
+                            v[4 * j + 3] * mul};
         if (vec) {
-            if (d < dim)
-                *reinterpret_cast<float4*>(g + d) =
-                    make_float4(v[4 * j] * mul, v[4 * j + 1] * mul, v[4 * j + 2] * mul,
-                                v[4 * j + 3] * mul);
+            if (d < dim) store4_from_float(g, d, x);
         } else {
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                if (d + e < dim) g[d + e] = v[4 * j + e] * mul;
+                if (d + e < dim) store_from_float(g, d + e, x[e]);
         }
     }
 }
@@ -311,9 +315,9 @@ __device__ __forceinline__ int key_end(int q0, int BQ, int L, int S, int off, in
 // out = dropout(softmax(scale q k^T + M)) v and lse per row, for query tile q0 of head bh;
 // blocks of the longest causal tiles first. scale_log2 = scale * log2(e). The output rows
 // stay in tensor-core fragments, rescaled per row through `rescale` in shared memory.
-template <int HD, int BQ, int BK, int MATH>
+template <int HD, int BQ, int BK, int MATH, typename T>
 __global__ void __launch_bounds__(SDPA_THREADS)
-sdpa_forward_kernel(const float* q, const float* k, const float* v, float* out, float* lse,
+sdpa_forward_kernel(const T* q, const T* k, const T* v, T* out, float* lse,
                     const long long* step, int heads, int bh_count, int L, int S, int E, int Ev,
                     long long q_sb, long long q_sh, long long q_sr, long long k_sb,
                     long long k_sh, long long k_sr, long long v_sb, long long v_sh,
@@ -336,8 +340,8 @@ sdpa_forward_kernel(const float* q, const float* k, const float* v, float* out, 
     const int q0 = (tiles - 1 - (int)(blockIdx.x / bh_count)) * BQ;
     const int off = S - L;
     const SdpaDropout drop{dropout, dropout ? *step : 0, seed, site, threshold, drop_scale};
-    const float* kh = k + head_offset(bh, heads, k_sb, k_sh);
-    const float* vh = v + head_offset(bh, heads, v_sb, v_sh);
+    const T* kh = k + head_offset(bh, heads, k_sb, k_sh);
+    const T* vh = v + head_offset(bh, heads, v_sb, v_sh);
     load_rows<BQ, HD>(qs, q + head_offset(bh, heads, q_sb, q_sh), q_sr, q0, L, E, vec);
 
     float m[TR], l[TR];
@@ -400,7 +404,7 @@ sdpa_forward_kernel(const float* q, const float* k, const float* v, float* out, 
     // The fragments out through qs (read last before the loop's last barrier).
     store_tc<BQ, HD, LQ>(qs, o);
     __syncthreads();
-    float* oh = out + head_offset(bh, heads, o_sb, o_sh);
+    T* oh = out + head_offset(bh, heads, o_sb, o_sh);
 #pragma unroll
     for (int i = 0; i < TR; ++i) {
         const int r = q0 + th.rg + 16 * i;
@@ -475,10 +479,10 @@ __device__ __forceinline__ void scores_and_grads(float (&s)[TR][BK / 8], float (
 
 // dq for query tile q0 of head bh, looping over its visible key tiles; first D = rowsum(dout
 // * out) of its rows, written to delta (bh_count x L) for the dk/dv kernel that follows.
-template <int HD, int BQ, int BK, int MATH>
+template <int HD, int BQ, int BK, int MATH, typename T>
 __global__ void __launch_bounds__(SDPA_THREADS)
-sdpa_backward_dq_kernel(const float* q, const float* k, const float* v, const float* out,
-                        const float* dout, const float* lse, const long long* step, float* dq,
+sdpa_backward_dq_kernel(const T* q, const T* k, const T* v, const T* out, const T* dout,
+                        const float* lse, const long long* step, T* dq,
                         float* delta, int heads, int bh_count, int L, int S, int E, int Ev,
                         long long q_sb, long long q_sh, long long q_sr, long long k_sb,
                         long long k_sh, long long k_sr, long long v_sb, long long v_sh,
@@ -504,9 +508,9 @@ sdpa_backward_dq_kernel(const float* q, const float* k, const float* v, const fl
     const int q0 = (tiles - 1 - (int)(blockIdx.x / bh_count)) * BQ;
     const int off = S - L;
     const SdpaDropout drop{dropout, dropout ? *step : 0, seed, site, threshold, drop_scale};
-    const float* kh = k + head_offset(bh, heads, k_sb, k_sh);
-    const float* vh = v + head_offset(bh, heads, v_sb, v_sh);
-    const float* oh = out + head_offset(bh, heads, o_sb, o_sh);
+    const T* kh = k + head_offset(bh, heads, k_sb, k_sh);
+    const T* vh = v + head_offset(bh, heads, v_sb, v_sh);
+    const T* oh = out + head_offset(bh, heads, o_sb, o_sh);
     load_rows<BQ, HD>(qs, q + head_offset(bh, heads, q_sb, q_sh), q_sr, q0, L, E, vec);
     load_rows<BQ, HD>(dos, dout + head_offset(bh, heads, do_sb, do_sh), do_sr, q0, L, Ev, vec);
     __syncthreads();
@@ -517,13 +521,14 @@ sdpa_backward_dq_kernel(const float* q, const float* k, const float* v, const fl
         const int r = q0 + th.rg + 16 * i;
         float part = 0.f;
         if (r < L) {
-            const float* orow = oh + (long long)r * o_sr;
+            const T* orow = oh + (long long)r * o_sr;
 #pragma unroll
             for (int j = 0; j < TO / 4; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int d = 4 * th.cg + 32 * j + e;
-                    if (d < Ev) part = fmaf(dos[(th.rg + 16 * i) * LQ + d], orow[d], part);
+                    if (d < Ev)
+                        part = fmaf(dos[(th.rg + 16 * i) * LQ + d], load_as_float(orow, d), part);
                 }
         }
         dl[i] = row_sum8(part);
@@ -551,7 +556,7 @@ sdpa_backward_dq_kernel(const float* q, const float* k, const float* v, const fl
     // The fragments out through qs (read last before the loop's last barrier).
     store_tc<BQ, HD, LQ>(qs, acc);
     __syncthreads();
-    float* dqh = dq + head_offset(bh, heads, dq_sb, dq_sh);
+    T* dqh = dq + head_offset(bh, heads, dq_sb, dq_sh);
 #pragma unroll
     for (int i = 0; i < TR; ++i) {
         const int r = q0 + th.rg + 16 * i;
@@ -565,11 +570,11 @@ sdpa_backward_dq_kernel(const float* q, const float* k, const float* v, const fl
 
 // dk and dv for key tile c0 of head bh, looping over the query tiles that see it; reads the
 // delta rows the dq kernel wrote. Blocks of the first key tiles (most causal work) first.
-template <int HD, int BQ, int BK, int MATH>
+template <int HD, int BQ, int BK, int MATH, typename T>
 __global__ void __launch_bounds__(SDPA_THREADS)
-sdpa_backward_dkdv_kernel(const float* q, const float* k, const float* v, const float* dout,
-                          const float* lse, const float* delta, const long long* step,
-                          float* dk, float* dv, int heads, int bh_count, int L, int S, int E,
+sdpa_backward_dkdv_kernel(const T* q, const T* k, const T* v, const T* dout,
+                          const float* lse, const float* delta, const long long* step, T* dk,
+                          T* dv, int heads, int bh_count, int L, int S, int E,
                           int Ev, long long q_sb, long long q_sh, long long q_sr,
                           long long k_sb, long long k_sh, long long k_sr, long long v_sb,
                           long long v_sh, long long v_sr, long long do_sb, long long do_sh,
@@ -594,8 +599,8 @@ sdpa_backward_dkdv_kernel(const float* q, const float* k, const float* v, const 
     const int c0 = (int)(blockIdx.x / bh_count) * BK;
     const int off = S - L;
     const SdpaDropout drop{dropout, dropout ? *step : 0, seed, site, threshold, drop_scale};
-    const float* qh = q + head_offset(bh, heads, q_sb, q_sh);
-    const float* doh = dout + head_offset(bh, heads, do_sb, do_sh);
+    const T* qh = q + head_offset(bh, heads, q_sb, q_sh);
+    const T* doh = dout + head_offset(bh, heads, do_sb, do_sh);
     load_rows<BK, HD>(ks, k + head_offset(bh, heads, k_sb, k_sh), k_sr, c0, S, E, vec);
     load_rows<BK, HD>(vs, v + head_offset(bh, heads, v_sb, v_sh), v_sr, c0, S, Ev, vec);
 
@@ -633,8 +638,8 @@ sdpa_backward_dkdv_kernel(const float* q, const float* k, const float* v, const 
     store_tc<BK, HD, LQ>(qs, gk);
     store_tc<BK, HD, LQ>(dos, gv);
     __syncthreads();
-    float* dkh = dk + head_offset(bh, heads, dk_sb, dk_sh);
-    float* dvh = dv + head_offset(bh, heads, dv_sb, dv_sh);
+    T* dkh = dk + head_offset(bh, heads, dk_sb, dk_sh);
+    T* dvh = dv + head_offset(bh, heads, dv_sb, dv_sh);
 #pragma unroll
     for (int i = 0; i < TK; ++i) {
         const int c = c0 + th.rg + 16 * i;
@@ -650,29 +655,27 @@ sdpa_backward_dkdv_kernel(const float* q, const float* k, const float* v, const 
 
 // Explicit instantiations, one file per MATH (attention_tf32.cu, attention_3xtf32.cu: a run
 // compiles the one its precision needs): the tiles backends/cuda/attention.py launches,
-// forward BQ x BK and backward BQB x BKB.
-#define SDPA_INSTANTIATIONS(HD, BQ, BK, BQB, BKB, MATH)                                        \
-    template __global__ void sdpa_forward_kernel<HD, BQ, BK, MATH>(                            \
-        const float*, const float*, const float*, float*, float*, const long long*, int, int, \
-        int, int, int, int, long long, long long, long long, long long, long long, long long,  \
-        long long, long long, long long, long long, long long, long long, float, int,          \
-        unsigned long long, unsigned int, unsigned int, float, int, int);                      \
-    template __global__ void sdpa_backward_dq_kernel<HD, BQB, BKB, MATH>(                      \
-        const float*, const float*, const float*, const float*, const float*, const float*,    \
-        const long long*, float*, float*, int, int, int, int, int, int, long long, long long,  \
+// forward BQ x BK and backward BQB x BKB, for storage T.
+#define SDPA_INSTANTIATIONS(HD, BQ, BK, BQB, BKB, MATH, T)                                     \
+    template __global__ void sdpa_forward_kernel<HD, BQ, BK, MATH, T>(                         \
+        const T*, const T*, const T*, T*, float*, const long long*, int, int, int, int, int,   \
+        int, long long, long long, long long, long long, long long, long long, long long,      \
+        long long, long long, long long, long long, long long, float, int, unsigned long long, \
+        unsigned int, unsigned int, float, int, int);                                          \
+    template __global__ void sdpa_backward_dq_kernel<HD, BQB, BKB, MATH, T>(                   \
+        const T*, const T*, const T*, const T*, const T*, const float*, const long long*, T*,  \
+        float*, int, int, int, int, int, int, long long, long long, long long, long long,      \
         long long, long long, long long, long long, long long, long long, long long,           \
+        long long, long long, long long, long long, long long, long long, long long, float,    \
+        float, int, unsigned long long, unsigned int, unsigned int, float, int, int);          \
+    template __global__ void sdpa_backward_dkdv_kernel<HD, BQB, BKB, MATH, T>(                 \
+        const T*, const T*, const T*, const T*, const float*, const float*, const long long*,  \
+        T*, T*, int, int, int, int, int, int, long long, long long, long long, long long,      \
         long long, long long, long long, long long, long long, long long, long long,           \
-        long long, long long, float, float, int, unsigned long long, unsigned int,             \
-        unsigned int, float, int, int);                                                        \
-    template __global__ void sdpa_backward_dkdv_kernel<HD, BQB, BKB, MATH>(                    \
-        const float*, const float*, const float*, const float*, const float*, const float*,    \
-        const long long*, float*, float*, int, int, int, int, int, int, long long, long long,   \
-        long long, long long, long long, long long, long long, long long, long long,           \
-        long long, long long, long long, long long, long long, long long, long long,           \
-        long long, long long, float, float, int, unsigned long long, unsigned int,             \
-        unsigned int, float, int, int);
+        long long, long long, long long, long long, long long, long long, long long, float,    \
+        float, int, unsigned long long, unsigned int, unsigned int, float, int, int);
 
-#define SDPA_ALL_TILES(MATH)                                                                   \
-    SDPA_INSTANTIATIONS(32, 64, 64, 64, 64, MATH)                                              \
-    SDPA_INSTANTIATIONS(64, 64, 64, 64, 64, MATH)                                              \
-    SDPA_INSTANTIATIONS(128, 64, 32, 32, 32, MATH)
+#define SDPA_ALL_TILES(MATH, T)                                                                \
+    SDPA_INSTANTIATIONS(32, 64, 64, 64, 64, MATH, T)                                           \
+    SDPA_INSTANTIATIONS(64, 64, 64, 64, 64, MATH, T)                                           \
+    SDPA_INSTANTIATIONS(128, 64, 32, 32, 32, MATH, T)

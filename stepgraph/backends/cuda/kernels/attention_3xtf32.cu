@@ -2,4 +2,4 @@
 // accuracy): precision="fp32".
 #include "attention.cuh"
 
-SDPA_ALL_TILES(SDPA_3XTF32)
+SDPA_ALL_TILES(SDPA_3XTF32, float)

@@ -1,0 +1,124 @@
+"""cuda vs numpy for attention in bf16 (precision="bf16"): sdpa_qkv and sdpa_qkv_grad on bf16
+q, k, v (the packed ops a GPT's attention becomes), causal and not, with dropout, against the
+numpy backend's emulation (float32 arithmetic, each bf16 output rounded once); a small GPT's
+bf16 steps on cuda against the emulation's; graph replay against eager, bit for bit.
+
+The kernels read bf16 q, k, v exactly (a bf16 value is a TF32 value) and round to TF32 only
+what they compute themselves, the probabilities and dS, before the products that take them:
+a relative error of up to 2^-11 per factor, below the 2^-9 of the bf16 rounding of every
+output. A bf16 output may then land one ulp from the emulation's, and where a sum cancels
+(an output far below the sum of its terms' magnitudes) the TF32 error is larger relative to
+the output: outputs compare norm-wise within 4e-3 (one bf16 ulp, 2^-8 = 3.9e-3, of every
+element would be that much) and elementwise within 2 ulp or 1% of the largest output."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.cuda
+
+cp = pytest.importorskip("cupy")
+pytest.importorskip("nvmath")
+
+from stepgraph.backends import cuda_available  # noqa: E402
+
+if not cuda_available():
+    pytest.skip("no GPU visible to CuPy", allow_module_level=True)
+
+import stepgraph as sg  # noqa: E402
+from stepgraph import models, optim  # noqa: E402
+from stepgraph.backends.numpy import bf16  # noqa: E402
+from stepgraph.ir.graph import BF16  # noqa: E402
+from tests.cuda.test_bf16_cuda import (POISON, bits, node_of, ordered, rel,  # noqa: E402
+                                       run_both)
+from tests.ops.helpers import seeded  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ctx(backend):
+    return backend.make_context("bf16")
+
+
+def assert_close_bf16(got, want, what):
+    assert got.dtype == np.uint16 and got.shape == want.shape, what
+    assert not np.any(got == POISON[BF16]), f"{what}: elements left unwritten"
+    g, w = bf16.from_bits(got), bf16.from_bits(want)
+    assert np.isfinite(g).all(), what
+    assert rel(g, w) < 4e-3, (what, rel(g, w))
+    far = (np.abs(ordered(got) - ordered(want)) > 2) & \
+        (np.abs(g - w) > 1e-2 * np.abs(w).max())
+    assert not far.any(), f"{what}: {far.sum()} of {far.size} elements off"
+
+
+@pytest.mark.parametrize("lead,t,heads,d,causal,p", [
+    ((2,), 256, 3, 64, True, 0.2), ((3,), 7, 2, 32, False, 0.0), ((), 33, 2, 128, True, 0.1),
+    ((2,), 100, 2, 20, True, 0.0)])
+def test_bf16_sdpa_qkv_matches_the_numpy_emulation(backend, ctx, lead, t, heads, d, causal, p,
+                                                  request):
+    rng = seeded(request.node.name)
+    qkv = bits(rng, *lead, t, 3 * heads * d)
+    step = [np.array(21, np.int64)] if p else []
+    attrs = dict(heads=heads, scale=d ** -0.5, causal=causal, dropout_p=p)
+    if p:
+        attrs.update(seed=8, site=1)
+    node = node_of("sdpa_qkv", [qkv] + step, [BF16] + ["int64"] * len(step), **attrs)
+    (out_ref, lse_ref), (out, lse), _, _ = run_both(backend, ctx, node, [qkv] + step)
+    assert_close_bf16(out, out_ref, "out")
+    np.testing.assert_allclose(lse, lse_ref, rtol=0, atol=1e-4, err_msg="lse")
+    dout = bits(rng, *out_ref.shape)
+    grad = node_of("sdpa_qkv_grad", [dout, qkv, out_ref, lse_ref] + step,
+                   [BF16, BF16, BF16, "float32"] + ["int64"] * len(step), **attrs)
+    (dqkv_ref,), (dqkv,), _, _ = run_both(backend, ctx, grad,
+                                          [dout, qkv, out_ref, lse_ref] + step)
+    assert_close_bf16(dqkv, dqkv_ref, "dqkv")
+
+
+def gpt_steps(devices, graph=False, seed=0, dropout=0.1):
+    vocab, block, batch = 65, 32, 4
+    base = models.gpt(vocab, block_size=block, n_layer=2, n_head=2, n_embd=64, dropout=dropout)
+    rng = np.random.default_rng(seed)
+    data = [(rng.integers(0, vocab, (batch, block)), rng.integers(0, vocab, (batch, block)))
+            for _ in range(4)]
+    steps = []
+    for device in devices:
+        model = models.gpt(vocab, block_size=block, n_layer=2, n_head=2, n_embd=64,
+                           dropout=dropout)
+        model.load_state_dict(base.state_dict())
+        steps.append(sg.compile_train_step(
+            model, loss=models.next_token_loss, optimizer=optim.SGD(lr=0.1, momentum=0.9),
+            example_inputs=data[0], device=device, precision="bf16", seed=seed,
+            graph=graph if device == "cuda" else False))
+    return steps, data
+
+
+def test_bf16_gpt_steps_match_the_numpy_emulation():
+    """Three steps with attention dropout on (the same masks): losses within 1%, and each
+    parameter's change over the steps within 2% of the emulation's. The changes are what the
+    bf16 gradients made (LayerNorm biases start at 0: they are nothing else), and a gradient
+    summed in another order than the emulation's carries a few bf16 roundings (2^-8 = 0.4%
+    each) of its terms; a wrong kernel is off by its whole size. SGD, as the float32 GPT
+    test: Adam would blow a zero-up-to-rounding gradient up to full steps."""
+    (cpu, gpu), data = gpt_steps(["cpu", "cuda"])
+    start = {k: np.array(v) for k, v in cpu.model.state_dict().items()}
+    for x, y in data[:3]:
+        lc, lg = float(cpu(x, y)), float(gpu(cp.asarray(x), cp.asarray(y)))
+        assert np.isfinite(lg) and abs(lg - lc) <= 1e-2 * abs(lc), (lc, lg)
+    ref, got = cpu.model.state_dict(), gpu.model.state_dict()
+    for k in ref:
+        assert rel(got[k] - start[k], ref[k] - start[k]) < 2e-2, k
+
+
+def test_bf16_gpt_graph_replay_is_bit_identical_to_eager():
+    from tests.cuda.test_step_cuda import kernels_of_ops
+
+    (eager, graph), data = gpt_steps(["cuda", "cuda"], seed=3)
+    graph.use_graph = True
+    for x, y in data:
+        x, y = cp.asarray(x), cp.asarray(y)
+        assert float(eager(x, y)) == float(graph(x, y))
+    for k, v in eager.model.state_dict().items():
+        assert np.array_equal(v, graph.model.state_dict()[k]), k
+    (exe,) = graph.executables.values()
+    ops = [node.op for node, _, _ in exe.calls]
+    assert ops.count("sdpa_qkv") == 2 and ops.count("sdpa_qkv_grad") == 2
+    assert exe.captured is not None and exe.captured.node_count == kernels_of_ops(exe)
