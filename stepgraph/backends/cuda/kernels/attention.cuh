@@ -118,7 +118,7 @@ __device__ __forceinline__ void load_rows(float* s, const T* g, long long sr, in
 
 // ---- per-thread rows of a tile -----------------------------------------------------------
 
-// Row i of a thread's tile values (columns 4 cg + 32 j + e) into s[rg + 16 i][LD].
+// A thread's values of tile row `row` (columns 4 cg + 32 j + e) into s[row][LD].
 template <int TC, int LD>
 __device__ __forceinline__ void store_row(float* s, const float (&v)[TC], int row,
                                           const SdpaThread& th) {
@@ -126,6 +126,20 @@ __device__ __forceinline__ void store_row(float* s, const float (&v)[TC], int ro
     for (int j = 0; j < TC / 4; ++j)
         *reinterpret_cast<float4*>(s + row * LD + 4 * th.cg + 32 * j) =
             make_float4(v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3]);
+}
+
+// The same out of s[row][LD].
+template <int TC, int LD>
+__device__ __forceinline__ void load_row(float (&v)[TC], const float* s, int row,
+                                         const SdpaThread& th) {
+#pragma unroll
+    for (int j = 0; j < TC / 4; ++j) {
+        const float4 t = *reinterpret_cast<const float4*>(s + row * LD + 4 * th.cg + 32 * j);
+        v[4 * j] = t.x;
+        v[4 * j + 1] = t.y;
+        v[4 * j + 2] = t.z;
+        v[4 * j + 3] = t.w;
+    }
 }
 
 // Row i of a thread's (rows x HD) result, times `mul`, into global row g (columns < dim).
@@ -144,20 +158,6 @@ __device__ __forceinline__ void write_row(T* g, const float (&v)[TC], float mul,
             for (int e = 0; e < 4; ++e)
                 if (d + e < dim) store_from_float(g, d + e, x[e]);
         }
-    }
-}
-
-// Row i of a thread's tile values (columns 4 cg + 32 j + e) out of s[rg + 16 i][LD].
-template <int TC, int LD>
-__device__ __forceinline__ void load_row(float (&v)[TC], const float* s, int row,
-                                         const SdpaThread& th) {
-#pragma unroll
-    for (int j = 0; j < TC / 4; ++j) {
-        const float4 t = *reinterpret_cast<const float4*>(s + row * LD + 4 * th.cg + 32 * j);
-        v[4 * j] = t.x;
-        v[4 * j + 1] = t.y;
-        v[4 * j + 2] = t.z;
-        v[4 * j + 3] = t.w;
     }
 }
 
