@@ -35,7 +35,7 @@ import numpy as np
 
 from ...errors import ShapeError
 from ...ir.graph import Node
-from .launchers import _dropout_constants, _kernel, _node_memory
+from .launchers import ELEMENT_CTYPES, _dropout_constants, _kernel, _node_memory
 
 THREADS = 128                 # attention.cuh SDPA_THREADS
 HEAD_DIMS = (32, 64, 128)     # the templates' head dims
@@ -54,7 +54,7 @@ CTYPES = {TF32: ("float", "unsigned short"), TF32X3: ("float",)}
 # precision -> the products' arithmetic on float32 operands; bf16 operands (uint16 bits, exact
 # in TF32) always take TF32
 MATH = {"fp32": TF32X3, "tf32": TF32, "bf16": TF32}
-STORAGE = {np.dtype(np.float32): "float", np.dtype(np.uint16): "unsigned short"}
+STORAGE = ELEMENT_CTYPES             # float32, or uint16 (bf16 bits) -> the kernels' T
 BF16_OPS = frozenset({"sdpa", "sdpa_grad", "sdpa_qkv", "sdpa_qkv_grad"})
 
 
