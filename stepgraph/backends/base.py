@@ -65,7 +65,7 @@ class Backend(ABC):
         """Record `run()` once for replay (`.launch()`); only backends with graphs can."""
         raise NotImplementedError(f"backend {self.name!r} cannot capture a step")
 
-    def prepare(self, nodes: list[Node]) -> None:
+    def prepare(self, nodes: list[Node], precision: str = "fp32") -> None:
         """Called once per executable before its first run: a backend may build ahead what
         the nodes' first launches would otherwise build one by one (CUDA: compile kernels)."""
 

@@ -67,7 +67,7 @@ class Executable:
                        for phase, calls in groupby(self.calls, key=lambda c: phase_of(c[0]))]
         self.captured = None
         self.runs = 0
-        backend.prepare([n for n, _, _ in self.calls])
+        backend.prepare([n for n, _, _ in self.calls], getattr(ctx, "precision", "fp32"))
 
     def _check_static(self) -> None:
         for v in self.plan.graph.externals:

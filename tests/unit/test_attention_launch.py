@@ -25,9 +25,9 @@ def record(monkeypatch):
     shared bytes)."""
     launched = []
 
-    def function(source, name, shared):
+    def function(name, shared):
         return lambda grid, block, args, shared_mem, stream: launched.append(
-            (source, name, grid, block, args, shared_mem))
+            (name, grid, block, args, shared_mem))
 
     def contiguous(what, a, shape, dtype):
         assert a.dtype == dtype, what
@@ -72,15 +72,14 @@ def test_sdpa_launch_arguments_match_the_kernels(monkeypatch, lead, L, S, E, Ev,
     hd = attention.head_dim_template(E, Ev)
     ctype = "unsigned short" if dtype == "uint16" else "float"
     math = attention.TF32 if dtype == "uint16" else attention.MATH[precision]
-    source = attention.SOURCES[math]
-    assert [(s, name) for s, name, *_ in launched] == [
-        (source, attention.kernel_name(kind, hd, math, ctype))
-        for kind in ("forward", "backward_dq", "backward_dkdv")]
-    listed = attention.kernel_names()[source]
+    assert [name for name, *_ in launched] == [attention.kernel_name(kind, hd, math, ctype)
+                                               for kind in ("forward", "backward_dq",
+                                                            "backward_dkdv")]
+    listed = attention.kernel_names()[attention.SOURCE]
     bh = int(np.prod(lead))
-    for (_, name, grid, block, args, shared), kind in zip(launched, attention.TILES):
+    for (name, grid, block, args, shared), kind in zip(launched, attention.TILES):
         assert name in listed
-        params = kernel_params(source, name)
+        params = kernel_params(attention.SOURCE, name)
         assert len(params) == len(args), (name, params, args)
         for i, (param, arg) in enumerate(zip(params, args)):
             if isinstance(arg, Fake):
@@ -96,6 +95,34 @@ def test_sdpa_launch_arguments_match_the_kernels(monkeypatch, lead, L, S, E, Ev,
         assert int(args[-2]) == (p > 0)                       # the dropout flag
         step_arg = args[5 if kind == "forward" else 6]
         assert step_arg is step[0] if p else step_arg == 0
+
+
+@pytest.mark.parametrize("precision,dtype", [("fp32", "float32"), ("tf32", "float32"),
+                                             ("bf16", "bfloat16")])
+def test_kernels_ahead_name_what_the_launches_take(monkeypatch, precision, dtype):
+    """The kernels a plan compiles ahead for each attention node (CudaBackend.prepare) are
+    the ones its launches then take, for the plain ops and the packed ones a GPT's attention
+    becomes: nothing compiles at the first step, nothing that no step launches."""
+    from stepgraph.ir.graph import Value
+
+    launched = record(monkeypatch)
+    storage = "uint16" if dtype == "bfloat16" else dtype
+    lead, t, heads, hd = (2, 3), 9, 3, 40
+    attrs = dict(scale=0.2, causal=True, dropout_p=0.0)
+    ctx = SimpleNamespace(stream=None, precision=precision)
+    q, lse = Fake((*lead, t, hd), storage), Fake((*lead, t))
+    fwd = Node("sdpa", [Value(q.shape, dtype)] * 3, [], attrs)
+    grad = Node("sdpa_grad", [Value(q.shape, dtype)] * 5, [], attrs)
+    attention.IMPLS["sdpa"](fwd, [q, q, q], [Fake(q.shape, storage), lse], ctx)
+    attention.IMPLS["sdpa_grad"](grad, [q, q, q, q, q, lse], [Fake(q.shape, storage)] * 3, ctx)
+    ahead = attention.kernels_ahead(fwd, precision) + attention.kernels_ahead(grad, precision)
+    assert ahead == [(attention.SOURCE, name) for name, *_ in launched]
+    packed = Value((lead[0], t, 3 * heads * hd), dtype)
+    out = Value((lead[0], t, heads * hd), dtype)
+    assert attention.kernels_ahead(Node("sdpa_qkv", [packed], [], attrs | {"heads": heads}),
+                                   precision) == ahead[:1]
+    assert attention.kernels_ahead(Node("sdpa_qkv_grad", [out, packed], [],
+                                        attrs | {"heads": heads}), precision) == ahead[1:]
 
 
 def test_every_tile_fits_two_blocks_where_it_matters():

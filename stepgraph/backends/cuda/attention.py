@@ -1,4 +1,4 @@
-"""Launchers of kernels/attention.cuh (sdpa, sdpa_grad) and their cuda op table.
+"""Launchers of kernels/attention.cu (sdpa, sdpa_grad) and their cuda op table.
 
 q (..., L, E), k (..., S, E), v (..., S, Ev) and every output are read and written through
 explicit strides: the leading dims are (batch..., heads), bh = b * heads + h, and each operand
@@ -9,7 +9,7 @@ projection and write out and dq/dk/dv in (..., T, heads, hd) order.
 
 One template per head dim (the smallest of HEAD_DIMS holding E and Ev; zero padded), per
 kernel its (queries, keys) tile (`TILES`), and per precision the arithmetic of the tensor-core
-tile products (`MATH`), each in a .cu file of its own so that a run compiles one: "tf32"
+tile products (`MATH`), each kernel compiled on its own when a plan names it: "tf32"
 rounds the inputs to TF32, as the GEMMs do; "fp32" splits each input into two TF32 parts and
 makes three products (float32-level accuracy, the scheme cuBLAS and CUTLASS call 3xTF32;
 on an H100 1.3x the speed of float32 FMAs on CUDA cores, see docs/perf-notes.md). Operands
@@ -34,22 +34,22 @@ import cupy as cp  # imports without a GPU; kernels compile at their first launc
 import numpy as np
 
 from ...errors import ShapeError
-from ...ir.graph import Node
+from ...ir.graph import Node, storage_dtype
 from .launchers import ELEMENT_CTYPES, _dropout_constants, _kernel, _node_memory
 
-THREADS = 128                 # attention.cuh SDPA_THREADS
+SOURCE = "attention.cu"
+THREADS = 128                 # attention.cu SDPA_THREADS
 HEAD_DIMS = (32, 64, 128)     # the templates' head dims
 LOG2E = 1.4426950408889634
 DEFAULT_SHARED = 48 * 1024    # bytes of dynamic shared memory a kernel gets without opting in
-# kernel -> head dim -> (queries, keys) per tile: SDPA_ALL_TILES in attention.cuh
+# kernel -> head dim -> (queries, keys) per tile
 TILES = {"forward": {32: (64, 64), 64: (64, 64), 128: (64, 32)},
          "backward_dq": {32: (64, 64), 64: (64, 64), 128: (32, 32)},
          "backward_dkdv": {32: (64, 64), 64: (64, 64), 128: (32, 32)}}
 
 
-# attention.cuh's SDPA_TF32 and SDPA_3XTF32, the file instantiating each, and its storages
+# attention.cu's SDPA_TF32 and SDPA_3XTF32, and the storages each is launched for
 TF32, TF32X3 = 1, 2
-SOURCES = {TF32: "attention_tf32.cu", TF32X3: "attention_3xtf32.cu"}
 CTYPES = {TF32: ("float", "unsigned short"), TF32X3: ("float",)}
 # precision -> the products' arithmetic on float32 operands; bf16 operands (uint16 bits, exact
 # in TF32) always take TF32
@@ -58,10 +58,9 @@ STORAGE = ELEMENT_CTYPES             # float32, or uint16 (bf16 bits) -> the ker
 BF16_OPS = frozenset({"sdpa", "sdpa_grad", "sdpa_qkv", "sdpa_qkv_grad"})
 
 
-def math_of(ctx, ctype: str) -> int:
+def math_of(precision: str, ctype: str) -> int:
     if ctype == "unsigned short":
         return TF32
-    precision = getattr(ctx, "precision", "fp32")
     if precision not in MATH:
         raise ShapeError(f"sdpa: no kernels for precision {precision!r}")
     return MATH[precision]
@@ -74,13 +73,32 @@ def kernel_name(kind: str, hd: int, math: int, ctype: str) -> str:
 
 def kernel_names() -> dict[str, set[str]]:
     """{.cu file: every kernel name this module may launch} (the NVRTC compile test)."""
-    return {SOURCES[math]: {kernel_name(kind, hd, math, ctype) for kind in TILES
-                            for hd in HEAD_DIMS for ctype in ctypes}
-            for math, ctypes in CTYPES.items()}
+    return {SOURCE: {kernel_name(kind, hd, math, ctype) for kind in TILES for hd in HEAD_DIMS
+                     for math, ctypes in CTYPES.items() for ctype in ctypes}}
+
+
+def kernels_ahead(node: Node, precision: str) -> list[tuple[str, str]]:
+    """(file, kernel) of the kernels the node will launch, compiled side by side with the
+    plan's others when it is built (CudaBackend.prepare): the forward's for sdpa and
+    sdpa_qkv, dq's and dk/dv's for their gradients."""
+    if node.op in ("sdpa", "sdpa_grad"):
+        q, v = node.inputs[:3:2] if node.op == "sdpa" else node.inputs[1:4:2]
+        e, ev = q.shape[-1], v.shape[-1]
+        qkv = q
+    else:
+        qkv = node.inputs[0] if node.op == "sdpa_qkv" else node.inputs[1]
+        e = ev = qkv.shape[-1] // (3 * int(node.attrs["heads"]))
+    ctype = STORAGE.get(np.dtype(storage_dtype(qkv.dtype)))
+    if ctype is None or max(e, ev) > HEAD_DIMS[-1]:
+        return []       # the launcher refuses it, naming why
+    math, hd = math_of(precision, ctype), head_dim_template(e, ev)
+    kinds = ("forward",) if node.op in ("sdpa", "sdpa_qkv") else ("backward_dq",
+                                                                   "backward_dkdv")
+    return [(SOURCE, kernel_name(kind, hd, math, ctype)) for kind in kinds]
 
 
 def shared_floats(kind: str, hd: int) -> int:
-    """Floats of dynamic shared memory of a kernel: its tiles as attention.cuh lays them out
+    """Floats of dynamic shared memory of a kernel: its tiles as attention.cu lays them out
     ("rows" tiles [R][HD + 4], scores [BQ][BK + 4])."""
     bq, bk = TILES[kind][hd]
     rows_q, rows_k, tile = bq * (hd + 4), bk * (hd + 4), bq * (bk + 4)
@@ -97,10 +115,10 @@ def head_dim_template(e: int, ev: int) -> int:
 
 
 @functools.cache
-def _function(source: str, name: str, shared_bytes: int):
-    """Kernel `name` of `source`, allowed `shared_bytes` of dynamic shared memory (an
-    attribute set once, at the first launch, which is an eager one: never while capturing)."""
-    fn = _kernel(source, name)          # a cupy.RawKernel
+def _function(name: str, shared_bytes: int):
+    """Kernel `name`, allowed `shared_bytes` of dynamic shared memory (an attribute set once,
+    at the first launch, which is an eager one: never while capturing)."""
+    fn = _kernel(SOURCE, name)          # a cupy.RawKernel
     if shared_bytes > DEFAULT_SHARED:
         fn.max_dynamic_shared_size_bytes = shared_bytes
     return fn
@@ -112,10 +130,10 @@ def _launch_tiles(ctx, kind: str, hd: int, ctype: str, tiles: int, bh: int,
     blocks = tiles * bh
     if blocks > 2**31 - 1:
         raise ShapeError(f"sdpa: {tiles} tiles x {bh} heads exceed the grid")
-    math = math_of(ctx, ctype)
+    math = math_of(getattr(ctx, "precision", "fp32"), ctype)
     shared = shared_floats(kind, hd) * 4
-    _function(SOURCES[math], kernel_name(kind, hd, math, ctype), shared)(
-        (blocks,), (THREADS,), args, shared_mem=shared, stream=ctx.stream)
+    _function(kernel_name(kind, hd, math, ctype), shared)((blocks,), (THREADS,), args,
+                                                          shared_mem=shared, stream=ctx.stream)
 
 
 # ---- operands: strides, checks ---------------------------------------------------------------
@@ -389,3 +407,4 @@ def _sdpa_qkv_grad(node: Node, ins, outs, ctx) -> None:
 
 IMPLS: dict[str, Callable] = {"sdpa": _sdpa, "sdpa_grad": _sdpa_grad, "sdpa_qkv": _sdpa_qkv,
                               "sdpa_qkv_grad": _sdpa_qkv_grad}
+KERNELS_AHEAD = dict.fromkeys(IMPLS, kernels_ahead)

@@ -94,7 +94,8 @@ class CudaBackend(Backend):
         self.paths: dict = {}        # autotune.py's choices, shared like the GemmCache
         self.impls = {}
         # op -> the kernel files its family launches from, and hooks naming a node's
-        # generated kernels (source, name) and per-shape kernels (file, name): prepare()
+        # generated kernels (source, name) and, given the precision, its per-shape kernels
+        # (file, name): prepare()
         # starts compiling what a plan needs, side by side, before its first step.
         self.kernel_files: dict[str, frozenset[str]] = {}
         self.generated_kernels: dict[str, Any] = {}
@@ -120,16 +121,17 @@ class CudaBackend(Backend):
         plan with any other op on bf16 values)."""
         return declared_bf16_ops()
 
-    def prepare(self, nodes) -> None:
-        """Compile the kernel files and generated kernels these nodes launch, side by side
-        (compiler.prefetch), before the first step would compile them one after another."""
+    def prepare(self, nodes, precision: str = "fp32") -> None:
+        """Compile the kernel files and generated kernels these nodes launch at `precision`,
+        side by side (compiler.prefetch), before the first step would compile them one after
+        another."""
         from . import compiler
 
         files = {f for n in nodes for f in self.kernel_files.get(n.op, ())}
         generated = [pair for n in nodes if n.op in self.generated_kernels
                      for pair in self.generated_kernels[n.op](n)]
         kernels = [pair for n in nodes if n.op in self.kernels_ahead
-                   for pair in self.kernels_ahead[n.op](n)]
+                   for pair in self.kernels_ahead[n.op](n, precision)]
         compiler.prefetch(sorted(files), generated, kernels)
 
     # ---- contexts and capture ------------------------------------------------------------

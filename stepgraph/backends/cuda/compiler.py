@@ -2,8 +2,8 @@
 
 A file is compiled once, as one module holding every template instantiation its launchers
 declared (`declare`): NVRTC's cost is per run and nearly independent of the instantiations, so
-one run per file beats one per instantiation. Kernels instantiated per problem shape (the tiled
-convolutions) are compiled one name at a time. Every compile runs on a small thread pool
+one run per file beats one per instantiation. Kernels instantiated per problem (the tiled
+convolutions, attention) are compiled one name at a time. Every compile runs on a small thread pool
 (NVRTC releases the GIL): `prefetch` starts those a plan will need when it is built, and they
 go on beside the host work that follows (planning, the first step's GEMM timing) until a
 launch waits for its module. CuPy keeps the cubins in its on-disk kernel cache
@@ -24,7 +24,9 @@ KERNEL_DIR = Path(__file__).parent / "kernels"
 NVRTC_OPTIONS = ("-std=c++17", f"-I{KERNEL_DIR}")
 FLOAT_CTYPES = {"float32": "float", "float64": "double"}   # templates' T per array dtype
 COMPILE_THREADS = max(1, min(32, os.cpu_count() or 1))    # NVRTC compiles side by side
-PER_SHAPE_SOURCES = frozenset({"conv_tiled.cu"})   # instantiated per problem: compiled per name
+# Instantiated per problem (tiled conv shapes; attention head dims, storages, arithmetics):
+# compiled one kernel name at a time, only those a plan names (KERNELS_AHEAD hooks)
+PER_SHAPE_SOURCES = frozenset({"conv_tiled.cu", "attention.cu"})
 
 _declared: dict[str, frozenset[str]] = {}          # file -> its launchers' template names
 _compiles: dict[tuple, Future] = {}                # every compile started, done or under way

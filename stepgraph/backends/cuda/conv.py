@@ -767,10 +767,11 @@ def _through_nchw(impl, node, ins, outs, ctx) -> None:
             permute_forward(ctx, buf, a, TO_NHWC)
 
 
-def tiled_kernels(node) -> list[tuple[str, str]]:
+def tiled_kernels(node, precision: str = "fp32") -> list[tuple[str, str]]:
     """(file, kernel) of every tiled variant the autotuner may time for this node (as
     _tiled_paths and conv2d_grad_weight plan them): the backend compiles them side by side
-    with the plan's other kernels when the plan is built (CudaBackend.prepare)."""
+    with the plan's other kernels when the plan is built (CudaBackend.prepare). The same at
+    every precision: the tiled kernels are exact FP32."""
     layout = layout_of(node.op, node.attrs)
     dtype = str(node.inputs[0].dtype)
     if layout != "NCHW" or dtype not in compiler.FLOAT_CTYPES:

@@ -17,13 +17,14 @@
 // Templates <HD, BQ, BK, MATH, T>: head dims up to HD (32, 64, 128), BQ queries x BK keys per
 // tile, T the storage of q, k, v, out and their gradients (float, or unsigned short: bf16 bits,
 // widened on load, rounded once on store; lse and D are float32 either way), and the
-// products' arithmetic (one .cu file of instantiations each):
+// products' arithmetic:
 //   SDPA_TF32   inputs rounded to TF32 (precision="tf32", as the GEMMs; and "bf16", whose
 //               q, k, v are exact in TF32, only the probabilities and dS are rounded);
 //   SDPA_3XTF32 each input split into a TF32 part and a TF32 remainder, three products per
 //               step (a_lo b_hi + a_hi b_lo + a_hi b_hi): float32-level accuracy
 //               (precision="fp32"; the scheme cuBLAS and CUTLASS call 3xTF32).
-#pragma once
+// No explicit instantiations: each kernel a problem needs is compiled on its own
+// (compiler.PER_SHAPE_SOURCES), so a step compiles the three it launches, not all 27.
 #include "bf16.cuh"
 #include "philox.cuh"
 
@@ -652,30 +653,3 @@ sdpa_backward_dkdv_kernel(const T* q, const T* k, const T* v, const T* dout,
         }
     }
 }
-
-// Explicit instantiations, one file per MATH (attention_tf32.cu, attention_3xtf32.cu: a run
-// compiles the one its precision needs): the tiles backends/cuda/attention.py launches,
-// forward BQ x BK and backward BQB x BKB, for storage T.
-#define SDPA_INSTANTIATIONS(HD, BQ, BK, BQB, BKB, MATH, T)                                     \
-    template __global__ void sdpa_forward_kernel<HD, BQ, BK, MATH, T>(                         \
-        const T*, const T*, const T*, T*, float*, const long long*, int, int, int, int, int,   \
-        int, long long, long long, long long, long long, long long, long long, long long,      \
-        long long, long long, long long, long long, long long, float, int, unsigned long long, \
-        unsigned int, unsigned int, float, int, int);                                          \
-    template __global__ void sdpa_backward_dq_kernel<HD, BQB, BKB, MATH, T>(                   \
-        const T*, const T*, const T*, const T*, const T*, const float*, const long long*, T*,  \
-        float*, int, int, int, int, int, int, long long, long long, long long, long long,      \
-        long long, long long, long long, long long, long long, long long, long long,           \
-        long long, long long, long long, long long, long long, long long, long long, float,    \
-        float, int, unsigned long long, unsigned int, unsigned int, float, int, int);          \
-    template __global__ void sdpa_backward_dkdv_kernel<HD, BQB, BKB, MATH, T>(                 \
-        const T*, const T*, const T*, const T*, const float*, const float*, const long long*,  \
-        T*, T*, int, int, int, int, int, int, long long, long long, long long, long long,      \
-        long long, long long, long long, long long, long long, long long, long long,           \
-        long long, long long, long long, long long, long long, long long, long long, float,    \
-        float, int, unsigned long long, unsigned int, unsigned int, float, int, int);
-
-#define SDPA_ALL_TILES(MATH, T)                                                                \
-    SDPA_INSTANTIATIONS(32, 64, 64, 64, 64, MATH, T)                                           \
-    SDPA_INSTANTIATIONS(64, 64, 64, 64, 64, MATH, T)                                           \
-    SDPA_INSTANTIATIONS(128, 64, 32, 32, 32, MATH, T)
