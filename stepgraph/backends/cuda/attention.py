@@ -84,11 +84,10 @@ def kernels_ahead(node: Node, precision: str) -> list[tuple[str, str]]:
     if node.op in ("sdpa", "sdpa_grad"):
         q, v = node.inputs[:3:2] if node.op == "sdpa" else node.inputs[1:4:2]
         e, ev = q.shape[-1], v.shape[-1]
-        qkv = q
-    else:
-        qkv = node.inputs[0] if node.op == "sdpa_qkv" else node.inputs[1]
-        e = ev = qkv.shape[-1] // (3 * int(node.attrs["heads"]))
-    ctype = STORAGE.get(np.dtype(storage_dtype(qkv.dtype)))
+    else:                   # packed: q, k, v are thirds of the projection's last axis
+        q = node.inputs[0] if node.op == "sdpa_qkv" else node.inputs[1]
+        e = ev = q.shape[-1] // (3 * int(node.attrs["heads"]))
+    ctype = STORAGE.get(np.dtype(storage_dtype(q.dtype)))
     if ctype is None or max(e, ev) > HEAD_DIMS[-1]:
         return []       # the launcher refuses it, naming why
     math, hd = math_of(precision, ctype), head_dim_template(e, ev)
