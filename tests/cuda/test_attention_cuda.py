@@ -28,6 +28,7 @@ from stepgraph.backends.cuda.context import CudaContext  # noqa: E402
 from stepgraph.errors import CaptureError  # noqa: E402
 from tests.cuda.helpers import (  # noqa: E402
     capture, make_node, poisoned, random, reference, rel_err, run_cuda, to_device, to_host)
+from tests.cuda.test_step_cuda import assert_replay_matches_eager  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -238,17 +239,6 @@ def test_strided_heads_give_the_contiguous_bits(ctx, p):
 
 # ---- a GPT step with attention dropout: graph replay == eager, bit for bit ------------------
 
-def kernels_of_ops(exe) -> int:
-    """Graph nodes of the plan's ops captured one at a time: the whole-step graph must hold
-    exactly these (no copies, syncs or allocations slipped into the step)."""
-    total = 0
-    for node, ins, outs in exe.calls:
-        captured = exe.backend.capture(lambda: exe.backend.run_node(node, ins, outs, exe.ctx),
-                                       exe.ctx)
-        total += captured.node_count
-    return total
-
-
 def test_gpt_step_graph_replay_is_bit_identical_to_eager_with_dropout():
     vocab, block, batch = 65, 64, 4
     base = models.gpt(vocab, block_size=block, n_layer=2, n_head=2, n_embd=64, dropout=0.2)
@@ -264,17 +254,9 @@ def test_gpt_step_graph_replay_is_bit_identical_to_eager_with_dropout():
                                            optimizer=optim.AdamW(lr=1e-3),
                                            example_inputs=data[0], device="cuda", graph=graph,
                                            seed=3))
-    eager, replayed = steps
-    for x, y in data:
-        x, y = cp.asarray(x), cp.asarray(y)
-        assert float(eager(x, y)) == float(replayed(x, y))
-    for k, v in eager.model.state_dict().items():
-        assert np.array_equal(v, replayed.model.state_dict()[k]), k
-    (exe,) = replayed.executables.values()
-    ops = [node.op for node, _, _ in exe.calls]           # heads read from the projection
+    ops = assert_replay_matches_eager(*steps, data)    # heads read from the projection
     assert ops.count("sdpa_qkv") == 2 and ops.count("sdpa_qkv_grad") == 2
     assert not {"sdpa", "sdpa_grad", "permute", "slice", "slice_grad"} & set(ops)
-    assert exe.captured is not None and exe.captured.node_count == kernels_of_ops(exe)
 
 
 def test_gpt_steps_with_dropout_match_numpy():

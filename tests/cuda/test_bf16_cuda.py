@@ -277,14 +277,7 @@ def test_bf16_step_matches_the_numpy_emulation(name):
 
 @pytest.mark.parametrize("name", ["mlp", "big"])
 def test_bf16_graph_replay_is_bit_identical_to_eager(name):
-    from tests.cuda.test_step_cuda import kernels_of_ops
+    from tests.cuda.test_step_cuda import assert_replay_matches_eager
 
     (eager, graph), features = bf16_steps(name, ["cuda", "cuda"], seed=3)
-    graph.use_graph = True
-    for x, y in dense_batches(features, 10, seed=4):
-        x, y = cp.asarray(x), cp.asarray(y)
-        assert float(eager(x, y)) == float(graph(x, y))
-    for k, v in eager.model.state_dict().items():
-        assert np.array_equal(v, graph.model.state_dict()[k]), k
-    (exe,) = graph.executables.values()
-    assert exe.captured is not None and exe.captured.node_count == kernels_of_ops(exe)
+    assert_replay_matches_eager(eager, graph, dense_batches(features, 10, seed=4))

@@ -55,6 +55,21 @@ def kernels_of_ops(exe) -> int:
     return total
 
 
+def assert_replay_matches_eager(eager, graph, data) -> list[str]:
+    """Steps `eager` and `graph` (its graph replay on) on each (x, y) of `data`: the same
+    losses and parameters bit for bit, and the captured step holding exactly its ops' kernels.
+    Returns the captured plan's ops, in order."""
+    graph.use_graph = True
+    for x, y in data:
+        x, y = cp.asarray(x), cp.asarray(y)
+        assert float(eager(x, y)) == float(graph(x, y))
+    for k, v in eager.model.state_dict().items():
+        assert np.array_equal(v, graph.model.state_dict()[k]), k
+    (exe,) = graph.executables.values()
+    assert exe.captured is not None and exe.captured.node_count == kernels_of_ops(exe)
+    return [node.op for node, _, _ in exe.calls]
+
+
 def rel(a, b) -> float:
     return float(np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), 1e-30))
 
@@ -108,14 +123,7 @@ def test_cuda_trajectory_matches_torch_without_dropout(name):
 @pytest.mark.parametrize("name", ["mlp", "cnn"])
 def test_graph_replay_is_bit_identical_to_eager(name):
     (eager, graph), shape = twin_steps(name, 0.5, "adamw", ["cuda", "cuda"], seed=3)
-    graph.use_graph = True
-    for x, y in batches(shape, 50, seed=4):
-        x, y = cp.asarray(x), cp.asarray(y)
-        assert float(eager(x, y)) == float(graph(x, y))
-    for k, v in eager.model.state_dict().items():
-        assert np.array_equal(v, graph.model.state_dict()[k]), k
-    (exe,) = graph.executables.values()
-    assert exe.captured is not None and exe.captured.node_count == kernels_of_ops(exe)
+    assert_replay_matches_eager(eager, graph, batches(shape, 50, seed=4))
 
 
 def test_lr_change_takes_effect_without_recapture():
