@@ -77,20 +77,28 @@ def choices(ctx, namespace: str) -> cache.ChoiceCache | None:
     return _caches[key]
 
 
+def stored_choice(ctx, key: Hashable, valid: Callable[[str], bool]) -> str | None:
+    """The path chosen for problem `key` by an earlier process, if the disk holds one that
+    passes `valid`; None without one, with the cache off, or while capturing (no file I/O
+    then)."""
+    disk = None if ctx.stream.is_capturing() else choices(ctx, "paths")
+    return None if disk is None else disk.get(repr(key), valid)
+
+
 def run_fastest(ctx, key: Hashable, paths: dict[str, Callable[[], None]], default: str) -> None:
     """Run the fastest of `paths` (name -> launch) for problem `key`: the choice on disk when
     there is a valid one, else timing every candidate at the first eager call with that key
     (and storing the winner); during a capture with no choice yet, `default`."""
     chosen = ctx.paths
     if key not in chosen and not ctx.stream.is_capturing() and len(paths) > 1:
-        disk, problem = choices(ctx, "paths"), repr(key)
-        name = disk.get(problem, lambda value: value in paths) if disk is not None else None
+        name = stored_choice(ctx, key, lambda value: value in paths)
         if name is None:
             compiler.compile_parallel(k for run in paths.values()
                                       for k in getattr(run, "kernels", ()))
             name = min(paths, key=lambda name: time_on_device(ctx, paths[name]))
+            disk = choices(ctx, "paths")
             if disk is not None:
-                disk.put(problem, name)
+                disk.put(repr(key), name)
         chosen[key] = name
     paths[chosen.get(key, default)]()
 

@@ -493,12 +493,11 @@ def _with_cudnn(node, ctx, g: Geometry, dtype, own: dict[str, Callable[[], None]
 
 
 def _known_choice(ctx, key: tuple) -> str | None:
-    """The choice for `key` made in this process, else the one on disk (read as run_fastest
-    reads it: not while capturing); None when there is none."""
+    """The choice for `key` made in this process, else the one on disk; None when there is
+    none."""
     if key in ctx.paths:
         return ctx.paths[key]
-    disk = None if ctx.stream.is_capturing() else autotune.choices(ctx, "paths")
-    return None if disk is None else disk.get(repr(key), lambda name: isinstance(name, str))
+    return autotune.stored_choice(ctx, key, lambda name: isinstance(name, str))
 
 
 # ---- op impls ------------------------------------------------------------------------------
