@@ -238,7 +238,7 @@ def _build(cudnn, p: Problem, handle) -> Plans:
             failures.append(f"heuristics {'+'.join(modes)}: {type(err).__name__}: {err}")
             continue
         source = len(plans.graphs)
-        plans.graphs.append((graph, {name: t.get_uid() for name, t in ops.items()}))
+        plans.graphs.append((graph, _uids(ops)))
         taken = 0
         for index in range(count):
             if taken == limit:
@@ -252,13 +252,10 @@ def _build(cudnn, p: Problem, handle) -> Plans:
                 continue
             try:
                 name, workspace = _build_plan(graph, index)
-            except Exception as err:    # barred by a filter, or the engine declined
+            except Exception as err:    # barred by a filter, the engine declined, too large
                 failures.append(f"[{prefix}{index}] {type(err).__name__}: {str(err)[:200]}")
                 continue
             if name in seen:
-                continue
-            if workspace > MAX_WORKSPACE_BYTES:
-                failures.append(f"[{prefix}{index}] {name}: workspace {workspace} bytes")
                 continue
             plans.entries.append(Candidate(f"cudnn:{prefix}{index}", source, index, name,
                                            workspace))
@@ -268,12 +265,25 @@ def _build(cudnn, p: Problem, handle) -> Plans:
     return plans
 
 
+class WorkspaceTooLarge(Exception):
+    """A plan that needs more than MAX_WORKSPACE_BYTES of workspace: not a candidate."""
+
+
 def _build_plan(graph, index: int) -> tuple[str, int]:
     """Build the graph's execution plan at `index` of its ranked list: (engine name,
-    workspace bytes). Raises where a filter bars it or the engine declines it."""
+    workspace bytes). Raises where a filter bars it, the engine declines it or its workspace
+    exceeds MAX_WORKSPACE_BYTES."""
     graph.build_plan_at_index(index)
-    return (str(graph.get_plan_name_at_index(index)),
-            int(graph.get_workspace_size_plan_at_index(index)))
+    name = str(graph.get_plan_name_at_index(index))
+    workspace = int(graph.get_workspace_size_plan_at_index(index))
+    if workspace > MAX_WORKSPACE_BYTES:
+        raise WorkspaceTooLarge(f"{name}: workspace {workspace} bytes")
+    return name, workspace
+
+
+def _uids(ops: dict) -> dict[str, int]:
+    """The graph's operand uids by name (what a launch binds its device pointers to)."""
+    return {name: t.get_uid() for name, t in ops.items()}
 
 
 def _ranked_list(path: str) -> tuple[tuple[str, ...], int] | None:
@@ -302,10 +312,7 @@ def _build_one(cudnn, p: Problem, handle, path: str) -> Plans:
         name, workspace = _build_plan(graph, index)
     except Exception as err:    # as in _build: the frontend's many "not supported" types
         return Plans([], [], f"{path}: {type(err).__name__}: {str(err)[:200]}")
-    if workspace > MAX_WORKSPACE_BYTES:
-        return Plans([], [], f"{path} {name}: workspace {workspace} bytes")
-    uids = {operand: t.get_uid() for operand, t in ops.items()}
-    return Plans([(graph, uids)], [Candidate(path, 0, index, name, workspace)])
+    return Plans([(graph, _uids(ops))], [Candidate(path, 0, index, name, workspace)])
 
 
 def plans_for(ctx, p: Problem, only: str | None = None) -> Plans:
