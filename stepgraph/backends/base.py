@@ -50,6 +50,10 @@ class Backend(ABC):
     def copy_result(self, buffer) -> Any:
         """A new array holding `buffer`'s value, which the next step may overwrite."""
 
+    def keep_until_read(self, sources) -> None:
+        """Keep the arrays just given to copy_into alive until the copies have read them
+        (where copies run asynchronously)."""
+
     def host_mirror(self, array):
         """A host array that the device side keeps up to date, without a sync, with the value
         a guard's counters (ops/guard.py) hold (on the CPU: the array itself); None where the

@@ -77,6 +77,7 @@ class Executable:
     def feed(self, arrays) -> None:
         for buf, a in zip(self.input_buffers, arrays):
             self.backend.copy_into(buf, a)
+        self.backend.keep_until_read(arrays)
 
     def run_eager(self) -> None:
         run, annotate = self.backend.run_node, self.backend.annotate

@@ -233,3 +233,31 @@ def test_compile_parallel_compiles_each_once_and_leaves_failures_to_the_launch()
     pairs = [("a.cu", "k<1>"), ("a.cu", "bad"), ("a.cu", "k<1>"), ("b.cu", "k")]
     compiler.compile_parallel(pairs, compile_one=one)
     assert sorted(done) == sorted(set(pairs))
+
+
+def test_typed_files_compile_one_module_per_element_type(monkeypatch):
+    """A TYPED_SOURCES file is compiled per element type (its plain kernels in a module of
+    their own), other files as one module of every declared instantiation; prefetch starts
+    only the types a plan names. No NVRTC here: the modules started are recorded."""
+    compiler = pytest.importorskip("stepgraph.backends.cuda.compiler")
+    started = []
+    monkeypatch.setattr(compiler, "_declared", {})
+    monkeypatch.setattr(compiler, "_start_module",
+                        lambda filename, names=(): started.append((filename, names)))
+    compiler.declare({"loss.cu": {"plain", "ce<int>", "ce<long long>", "nll<long long>"},
+                      "optim.cu": {"upd<float>", "upd<double, 4>", "step"}})
+    assert "loss.cu" in compiler.TYPED_SOURCES and "optim.cu" not in compiler.TYPED_SOURCES
+
+    compiler._start_kernel("loss.cu", "ce<long long>")
+    compiler._start_kernel("loss.cu", "plain")
+    compiler._start_kernel("loss.cu", "ce<double>")          # declared by nobody: its own
+    compiler._start_kernel("optim.cu", "step")
+    assert started == [("loss.cu", ("ce<long long>", "nll<long long>")), ("loss.cu", ()),
+                       ("loss.cu", ("ce<double>",)),
+                       ("optim.cu", ("upd<double, 4>", "upd<float>"))]
+
+    started.clear()
+    compiler.prefetch(["loss.cu", "optim.cu"], ctypes={"long long", "float"})
+    assert sorted(started) == [("loss.cu", ()), ("loss.cu", ("ce<long long>", "nll<long long>")),
+                               ("optim.cu", ("upd<double, 4>", "upd<float>"))]
+    assert compiler._element_type("upd<double, 4>") == "double"

@@ -112,8 +112,10 @@ class CudaBackend(Backend):
             self.kernel_files.update(dict.fromkeys(family.IMPLS, frozenset(names) | shared))
             self.generated_kernels.update(getattr(family, "GENERATED_KERNELS", {}))
             self.kernels_ahead.update(getattr(family, "KERNELS_AHEAD", {}))
-        compiler.prefetch(sorted(shared))     # most steps need them: start while tracing
+        # most steps need them, on float32 values: start while tracing
+        compiler.prefetch(sorted(shared), ctypes=("float",))
         self._staging: dict[tuple, _Staging] = {}
+        self._being_read: list[tuple[Any, list]] = []   # (event, device sources): keep_until_read
 
     @property
     def bf16_ops(self) -> frozenset[str]:
@@ -126,13 +128,16 @@ class CudaBackend(Backend):
         side by side (compiler.prefetch), before the first step would compile them one after
         another."""
         from . import compiler
+        from .launchers import FILL_CTYPES
 
         files = {f for n in nodes for f in self.kernel_files.get(n.op, ())}
         generated = [pair for n in nodes if n.op in self.generated_kernels
                      for pair in self.generated_kernels[n.op](n)]
         kernels = [pair for n in nodes if n.op in self.kernels_ahead
                    for pair in self.kernels_ahead[n.op](n, precision)]
-        compiler.prefetch(sorted(files), generated, kernels)
+        ctypes = {FILL_CTYPES.get(np.dtype(storage_dtype(v.dtype)))
+                  for n in nodes for v in (*n.inputs, *n.outputs)}
+        compiler.prefetch(sorted(files), generated, kernels, ctypes - {None})
 
     # ---- contexts and capture ------------------------------------------------------------
 
@@ -211,6 +216,20 @@ class CudaBackend(Backend):
             self._copy_device(dst, cp.asarray(src))
         else:
             self._copy_host(dst, np.asarray(src))
+
+    def keep_until_read(self, sources) -> None:
+        """Hold references to the device arrays among `sources` until the copies queued on our
+        stream have read them. The caller may drop an input as soon as the step returns; its
+        allocator (CuPy's pool, PyTorch's caching allocator) then gives the memory to the next
+        allocation on the caller's stream, whose writes are not ordered after our pending copy
+        (a replayed step returns long before its copies run): without the hold, the next
+        batch can overwrite this one while it is being read."""
+        self._being_read = [(e, a) for e, a in self._being_read if not e.done]
+        held = [a for a in sources if not isinstance(a, np.ndarray)]
+        if held and not self.stream.is_capturing():
+            event = self._cp.cuda.Event(disable_timing=True)
+            event.record(self.stream)
+            self._being_read.append((event, held))
 
     def _check(self, dst, src) -> None:
         if tuple(src.shape) != tuple(dst.shape) or np.dtype(src.dtype) != np.dtype(dst.dtype):

@@ -1,8 +1,11 @@
 """NVRTC compilation of the `.cu` files in kernels/, memoised per process.
 
-A file is compiled once, as one module holding every template instantiation its launchers
-declared (`declare`): NVRTC's cost is per run and nearly independent of the instantiations, so
-one run per file beats one per instantiation. Kernels instantiated per problem (the tiled
+A file is compiled as one module holding every template instantiation its launchers declared
+(`declare`), or, for the files templated on the element type of the values they read
+(TYPED_SOURCES), as one module per C type: NVRTC's cost grows with the kernels instantiated
+(loss.cu: 0.23 s with its plain kernels alone, 0.96 s with the int64-label templates, 2.3 s with
+the int32 ones as well), so a float32 plan with int64 labels does not wait for the bf16 or
+int32-label kernels it never launches. Kernels instantiated per problem (the tiled
 convolutions, attention) are compiled one name at a time. Every compile runs on a small thread pool
 (NVRTC releases the GIL): `prefetch` starts those a plan will need when it is built, and they
 go on beside the host work that follows (planning, the first step's GEMM timing) until a
@@ -27,8 +30,12 @@ COMPILE_THREADS = max(1, min(32, os.cpu_count() or 1))    # NVRTC compiles side 
 # Instantiated per problem (tiled conv shapes; attention head dims, storages, arithmetics):
 # compiled one kernel name at a time, only those a plan names (KERNELS_AHEAD hooks)
 PER_SHAPE_SOURCES = frozenset({"conv_tiled.cu", "attention.cu"})
+# Templated on the element type (first template argument: the C type of the values read):
+# one module per type, and one for the plain extern "C" kernels
+TYPED_SOURCES = frozenset({"elementwise.cu", "loss.cu", "reduce.cu", "broadcast.cu",
+                           "embedding.cu", "norm.cu", "pool.cu", "avgpool.cu"})
 
-_declared: dict[str, frozenset[str]] = {}          # file -> its launchers' template names
+_declared: dict[str, frozenset[str]] = {}          # file -> the kernel names its launchers use
 _compiles: dict[tuple, Future] = {}                # every compile started, done or under way
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
@@ -122,19 +129,34 @@ def compile_parallel(kernels: Iterable[tuple[str, str]],
 
 def declare(names: dict[str, Iterable[str]]) -> None:
     """Record {file: kernel names} that launchers may launch: each file's template
-    instantiations are then compiled together with the file, in one NVRTC run."""
+    instantiations (of a TYPED_SOURCES file, those of one element type) are then compiled
+    together, in one NVRTC run."""
     for filename, kernels in names.items():
         if filename not in PER_SHAPE_SOURCES:
-            templates = frozenset(k for k in kernels if "<" in k)
-            _declared[filename] = _declared.get(filename, frozenset()) | templates
+            _declared[filename] = _declared.get(filename, frozenset()) | frozenset(kernels)
+
+
+def _element_type(name: str) -> str:
+    """The first template argument of kernel `name` ("" for a plain kernel)."""
+    return name[name.index("<") + 1:-1].split(",")[0].strip() if "<" in name else ""
+
+
+def _templates(filename: str, ctype: str | None = None) -> tuple[str, ...]:
+    """The declared template instantiations of `filename` (whose element type is `ctype`, when
+    given): the name expressions of its module. Plain kernels need none."""
+    return tuple(sorted(k for k in _declared.get(filename, ()) if "<" in k
+                        and (ctype is None or _element_type(k) == ctype)))
 
 
 def _start_kernel(filename: str, name: str) -> Future:
     """The compile of the module that holds kernel `name` of kernels/<filename>: the file's
-    module, or one of its own for a template instantiation nobody declared."""
+    module (or its module for name's element type), or one of its own for a template
+    instantiation nobody declared."""
     if "<" in name and name not in _declared.get(filename, ()):
         return _start_module(filename, (name,))
-    return _start_module(filename, tuple(sorted(_declared.get(filename, ()))))
+    if filename in TYPED_SOURCES:
+        return _start_module(filename, _templates(filename, _element_type(name)))
+    return _start_module(filename, _templates(filename))
 
 
 def kernel(filename: str, name: str):
@@ -143,13 +165,19 @@ def kernel(filename: str, name: str):
 
 
 def prefetch(filenames: Iterable[str], generated: Iterable[tuple[str, str]] = (),
-             kernels: Iterable[tuple[str, str]] = ()) -> None:
-    """Start compiling these kernel files (with their declared instantiations), generated
-    (source, kernel name) pairs and (file, kernel name) pairs, without waiting: the first
-    launch of a kernel waits for its module. What was compiled before, in this process or in
-    CuPy's disk cache, costs little."""
+             kernels: Iterable[tuple[str, str]] = (), ctypes: Iterable[str] = ()) -> None:
+    """Start compiling these kernel files (with their declared instantiations; of a
+    TYPED_SOURCES file, its plain kernels and those for the element types in `ctypes`),
+    generated (source, kernel name) pairs and (file, kernel name) pairs, without waiting: the
+    first launch of a kernel waits for its module. What was compiled before, in this process
+    or in CuPy's disk cache, costs little."""
+    ctypes = set(ctypes)
     for filename in filenames:
-        if filename not in PER_SHAPE_SOURCES:
+        if filename in TYPED_SOURCES:
+            declared = _declared.get(filename, ())
+            for ctype in ({""} | ctypes) & {_element_type(k) for k in declared}:
+                _start_module(filename, _templates(filename, ctype))
+        elif filename not in PER_SHAPE_SOURCES:
             _start_kernel(filename, "")
     for filename, name in kernels:
         _start_kernel(filename, name)

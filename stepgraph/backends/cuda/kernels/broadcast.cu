@@ -225,27 +225,3 @@ transpose_forward_kernel(const T* x, T* y, int batch, int rows, int cols) {
         __syncthreads();   // the tile is refilled for the next batch
     }
 }
-
-// Explicit instantiations: NVRTC compiles them even without name_expressions (CI test).
-#define NDIM_INSTANTIATIONS(T, D)                                                             \
-    template __global__ void binary_broadcast_kernel<T, D>(                                   \
-        const T*, const T*, T*, int, int, int, int, int, int, int, int, int, int, int, int,   \
-        int, int, int, int, int, int, int, int, int);                                         \
-    template __global__ void strided_copy_kernel<T, D>(const T*, T*, int, int, int, int, int, \
-                                                       int, int, int, int, int, int, int, int, \
-                                                       int);
-#define ELEMENT_INSTANTIATIONS(T)                                                             \
-    template __global__ void binary_forward_kernel<T>(const T*, const T*, T*, long long, int, \
-                                                      int);                                   \
-    template __global__ void scalar_forward_kernel<T>(const T*, T*, long long, int, float,   \
-                                                      int);                                   \
-    template __global__ void transpose_forward_kernel<T>(const T*, T*, int, int, int);       \
-    NDIM_INSTANTIATIONS(T, 1)                                                                 \
-    NDIM_INSTANTIATIONS(T, 2)                                                                 \
-    NDIM_INSTANTIATIONS(T, 3)                                                                 \
-    NDIM_INSTANTIATIONS(T, 4)                                                                 \
-    NDIM_INSTANTIATIONS(T, 5)                                                                 \
-    NDIM_INSTANTIATIONS(T, 6)
-
-ELEMENT_INSTANTIATIONS(float)
-ELEMENT_INSTANTIATIONS(unsigned short)

@@ -71,30 +71,12 @@ __global__ void add_forward_kernel(const T* a, const T* b, T* c, long long n, in
     }
 }
 
-#define ACT_ADD_INSTANTIATIONS(T)                                                            \
-    template __global__ void act_forward_kernel<T>(const T*, T*, long long, int, float, int); \
-    template __global__ void act_backward_kernel<T>(const T*, const T*, T*, long long, int,   \
-                                                    float, int);                              \
-    template __global__ void add_forward_kernel<T>(const T*, const T*, T*, long long, int);
-ACT_ADD_INSTANTIATIONS(float)
-ACT_ADD_INSTANTIATIONS(unsigned short)
-
 template <typename T>
 __global__ void fill_forward_kernel(T* y, long long n, T value) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x)
         y[i] = value;
 }
-
-// Explicit instantiations: NVRTC compiles them even without name_expressions (CI test).
-template __global__ void fill_forward_kernel<float>(float*, long long, float);
-template __global__ void fill_forward_kernel<double>(double*, long long, double);
-template __global__ void fill_forward_kernel<int>(int*, long long, int);
-template __global__ void fill_forward_kernel<long long>(long long*, long long, long long);
-template __global__ void fill_forward_kernel<unsigned char>(unsigned char*, long long,
-                                                            unsigned char);
-template __global__ void fill_forward_kernel<unsigned short>(unsigned short*, long long,
-                                                             unsigned short);  // bf16 bits
 
 // One Philox call gives the words of the 4 elements of a group (counter word 0 = i >> 2), so a
 // thread handles exactly one group. y = x * mask * scale with scale = float32(1 / (1 - p)).
@@ -193,24 +175,3 @@ __global__ void linear_bias_act_kernel(const float* acc, const T* bias, T* y, T*
         store_from_float(y, i, act_value(v, kind, slope));
     }
 }
-
-// Explicit instantiations (float32 and bfloat16 storage): NVRTC compiles them without
-// name_expressions (CI test); launchers.py names them by the operands' storage.
-#define DROPOUT_INSTANTIATIONS(T)                                                          \
-    template __global__ void dropout_forward_kernel<T>(const T*, const long long*, T*,      \
-                                                       unsigned char*, long long,           \
-                                                       unsigned long long, unsigned int,    \
-                                                       unsigned int, float, int);           \
-    template __global__ void dropout_backward_kernel<T>(const T*, const unsigned char*, T*, \
-                                                        long long, float, int);             \
-    template __global__ void dropout_channel_forward_kernel<T>(                             \
-        const T*, const long long*, T*, unsigned char*, int, int, unsigned long long,       \
-        unsigned int, unsigned int, float);                                                 \
-    template __global__ void dropout_channel_backward_kernel<T>(                            \
-        const T*, const unsigned char*, T*, int, int, float);
-DROPOUT_INSTANTIATIONS(float)
-DROPOUT_INSTANTIATIONS(unsigned short)
-template __global__ void linear_bias_act_kernel<unsigned short>(const float*,
-                                                                const unsigned short*,
-                                                                unsigned short*, unsigned short*,
-                                                                long long, int, int, float);

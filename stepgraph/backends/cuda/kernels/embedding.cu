@@ -227,16 +227,3 @@ extern "C" __global__ void embedding_backward_sorted_kernel(const float* dy, con
         }
     }
 }
-
-#define INDEX_INSTANTIATIONS(L)                                                               \
-    template __global__ void embedding_forward_kernel<L>(const float*, const L*, float*,      \
-                                                         long long, int, int, int);           \
-    template __global__ void embedding_backward_scan_kernel<L>(const float*, const L*, float*, \
-                                                               int, int, int, int);           \
-    template __global__ void embedding_sort_histogram_kernel<L>(const L*, int*, int, int, int); \
-    template __global__ void embedding_sort_scatter_kernel<L>(const L*, const int*, int*, int*, \
-                                                              const int*, int, int, int);
-
-// Explicit instantiations: compiled by the NVRTC CI test without name_expressions.
-INDEX_INSTANTIATIONS(int)
-INDEX_INSTANTIATIONS(long long)

@@ -338,25 +338,3 @@ extern "C" __global__ void mse_backward_kernel(const float* dloss, const float* 
          i += (long long)gridDim.x * blockDim.x)
         dx[i] = __fdiv_rn(__fmul_rn(two_dloss, pred[i] - target[i]), count);
 }
-
-#define LABEL_INSTANTIATIONS(L)                                                              \
-    template __global__ void cross_entropy_count_kernel<L>(const L*, int, long long, int*);   \
-    template __global__ void cross_entropy_forward_kernel<L>(                                 \
-        const float*, const L*, float*, float*, float*, unsigned int*, int, int, float, float, \
-        long long);                                                                           \
-    template __global__ void cross_entropy_backward_kernel<L>(                                \
-        const float*, const float*, const float*, const L*, float*, const int*, int, int,     \
-        float, float, long long);                                                             \
-    template __global__ void cross_entropy_train_kernel<L>(                                   \
-        const float*, const L*, float*, float*, float*, unsigned int*, const int*, int, int,   \
-        float, float, float, long long);                                                      \
-    template __global__ void cross_entropy_train_short_kernel<L>(                             \
-        const float*, const L*, float*, float*, int, int, float, float, float, long long);    \
-    template __global__ void nll_loss_forward_kernel<L>(const float*, const L*, float*, int,  \
-                                                        int);                                 \
-    template __global__ void nll_loss_backward_kernel<L>(const float*, const L*, float*, int, \
-                                                         int);
-
-// Explicit instantiations: compiled by the NVRTC CI test without name_expressions.
-LABEL_INSTANTIATIONS(int)
-LABEL_INSTANTIATIONS(long long)

@@ -147,21 +147,6 @@ act_bias_backward_kernel(const T* dy, const T* saved, T* dz, T* db, double* part
     finish_columns(acc, db, partial, col, cols);
 }
 
-// Explicit instantiations (float32 and bfloat16 storage): NVRTC compiles them without
-// name_expressions (CI test); launchers.py names them by the operands' storage.
-#define REDUCE_INSTANTIATIONS(T)                                                             \
-    template __global__ void reduce_sum_columns_kernel<T>(const T*, T*, double*, int, int);  \
-    template __global__ void reduce_sum_planes_kernel<T>(const T*, T*, double*, int, int,    \
-                                                         int);                               \
-    template __global__ void reduce_sum_splits_kernel<T>(const double*, T*, int, int);       \
-    template __global__ void reduce_sum_strided_kernel<T>(                                   \
-        const T*, T*, int, int, int, int, int, int, int, int, int, int, int, int, int, int,  \
-        int, int, int);                                                                      \
-    template __global__ void act_bias_backward_kernel<T>(const T*, const T*, T*, T*, double*, \
-                                                         int, int, int, float);
-REDUCE_INSTANTIATIONS(float)
-REDUCE_INSTANTIATIONS(unsigned short)
-
 // One row of the device table built once per node by launchers.global_norm_forward.
 struct NormEntry {
     const float* data;
