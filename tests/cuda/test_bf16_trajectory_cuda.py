@@ -5,21 +5,22 @@ the same semantics (CUDA autocast's op lists, cuBLAS and cuDNN accumulating in f
 rounding once), so no twin modules are needed, unlike the CPU test
 (tests/models/test_bf16_trajectory.py).
 
-Tolerances, as the CPU test argues them: both sides round at the same points, but each GEMM
-and convolution sums in its own order, so now and then a value near a bf16 rounding boundary
-lands on the other neighbour (2^-8 of it), and over 50 AdamW steps such flips grow like any
-perturbation of a training run. A PyTorch float32 run from the same weights on the same
-batches measures how far bf16's effects take torch's bf16 run. So
-- at every step the loss is within 2^-8 relative of torch's bf16 loss (one bf16 ulp at the
-  bottom of a binade: the loss is a float32 mean over bf16 logits, each carrying up to that
-  much rounding), or no farther from it than the float32 run's loss is. Per step the float32
-  run is not always the farther one: on the H100 flip-grown differences up to 1.15x the
-  float32 run's distance were seen at single steps (mlp step 39: 0.0054 against 0.0047,
-  2.6e-3 relative; cnn step 6: 0.0049 against 0.0039);
-- over the 50 steps, the mean distance to torch's bf16 losses is below the float32 run's:
-  on the whole the run follows bf16 arithmetic, not float32;
-- the parameters' total change (final - initial, all tensors together) is no farther from
-  torch's bf16 run's than the float32 run's change is."""
+Tolerances. Both sides round at the same points, but each GEMM and convolution sums in its
+own order, so now and then a value near a bf16 rounding boundary lands on the other neighbour,
+and over 50 AdamW steps such flips grow like any perturbation of a training run: after a few
+steps the two bf16 runs carry independent rounding noise of the same size. A PyTorch float32
+run from the same weights on the same batches measures that size (torch's bf16 run minus the
+float32 run is bf16's noise alone); two independent bf16 runs then differ by about sqrt(2)
+times it (measured on the H100: 1.3x over 50 cnn steps), so "closer to torch's bf16 than the
+float32 run is" would be the wrong test. What is checked:
+- the noise of our bf16 run against the float32 run is as large as torch's bf16 run's, within
+  a factor 2 either way (mean over the 50 steps; per-step values scatter 10x both ways): above
+  half, so the run does round like bf16 (a float32 run would give ~0); below twice, so it
+  rounds nowhere bf16 autocast does not;
+- the same for the parameters' total change (final - initial, all tensors together);
+- every loss is finite and within 2^-6 relative of torch's bf16 loss (4 bf16 ulps at the
+  bottom of a binade; the largest float32-vs-bf16 difference seen was 1.22e-2 on a loss of
+  2.3, 2^-7.5)."""
 from __future__ import annotations
 
 import numpy as np
@@ -41,7 +42,8 @@ from tests.models.test_trajectories import WORKLOADS, Batches  # noqa: E402
 from tests.ops.helpers import relative_error  # noqa: E402
 
 STEPS, BATCH = 50, 32
-LOSS_RTOL = 2.0 ** -8
+LOSS_RTOL = 2.0 ** -6
+NOISE_RATIO = 2.0
 
 
 def torch_step(w, tmodel, topt, x, y, autocast: bool) -> float:
@@ -79,15 +81,17 @@ def test_50_bf16_steps_follow_torch_cuda_autocast(name, request):
         losses.append((got, *(torch_step(w, t, o, x, y, autocast) for t, o, autocast in
                               ((t16, o16, True), (t32, o32, False)))))
     got, want, fp32 = np.array(losses).T
-    ours, float32s = np.abs(got - want), np.abs(fp32 - want)
-    print(f"{name}: |ours - torch bf16| mean {ours.mean():.2e} max {ours.max():.2e}; "
-          f"|torch fp32 - torch bf16| mean {float32s.mean():.2e} max {float32s.max():.2e}")
+    noise = np.abs(got - fp32).mean() / np.abs(want - fp32).mean()
+    print(f"{name}: mean |ours - fp32| / mean |torch bf16 - fp32| = {noise:.2f}; "
+          f"max |ours - torch bf16| {np.abs(got - want).max():.2e}")
     assert np.isfinite(got).all()
-    far = np.flatnonzero(ours > np.maximum(LOSS_RTOL * np.abs(want), float32s))
+    far = np.flatnonzero(np.abs(got - want) > LOSS_RTOL * np.abs(want))
     assert far.size == 0, [(i, got[i], want[i], fp32[i]) for i in far]
-    assert ours.mean() < float32s.mean(), (ours.mean(), float32s.mean())
+    assert 1 / NOISE_RATIO <= noise <= NOISE_RATIO, noise
     p16 = {k: v.cpu().numpy() for k, v in t16.state_dict().items()}
     p32 = {k: v.cpu().numpy() for k, v in t32.state_dict().items()}
-    torch_change = changes(p16, initial)
-    err = relative_error(changes(model.state_dict(), initial), torch_change)
-    assert err <= relative_error(changes(p32, initial), torch_change), err
+    float32_change = changes(p32, initial)
+    drift = relative_error(changes(model.state_dict(), initial), float32_change) / \
+        relative_error(changes(p16, initial), float32_change)
+    print(f"{name}: parameter change, ours / torch bf16 distance from fp32's = {drift:.2f}")
+    assert 1 / NOISE_RATIO <= drift <= NOISE_RATIO, drift
