@@ -100,6 +100,28 @@ def test_linear_matches_numpy(backend, ctx32, n, k, m, act, with_bias, save_prea
         check(ref, got, tol, f"linear {act} bias={with_bias} save_preact={save_preact}")
 
 
+@pytest.mark.parametrize("path", ["cublaslt", "cublaslt:unfused"])
+@pytest.mark.parametrize("save_preact", [False, True])
+def test_linear_gelu_tanh_each_cublaslt_path(backend, ctx32, monkeypatch, path, save_preact):
+    """gelu_tanh offers the GEMM epilogue and the BIAS GEMM + activation kernel to the
+    autotuner; each, run alone, matches numpy."""
+    offered = []
+
+    def run(ctx, key, paths, default):
+        offered.append(set(paths))
+        paths[path]()
+
+    monkeypatch.setattr(linear.autotune, "run_fastest", run)
+    rng = np.random.default_rng(51)
+    x, w, b = random(rng, 512, 128), random(rng, 256, 128), random(rng, 256)
+    node = make_node("linear", [x, w, b], act="gelu_tanh", save_preact=save_preact)
+    ref, got = run_both(backend, ctx32, node, [x, w, b])
+    assert offered and {"cublaslt", "cublaslt:unfused"} <= offered[0]
+    fused = path == "cublaslt" and linear.GELU_TANH_IN_EPILOGUE
+    check(ref[:1], got[:1], GELU_TANH_EPILOGUE_TOL if fused else TOL["fp32"], path)
+    check(ref[1:], got[1:], TOL["fp32"], f"{path} preact")
+
+
 @pytest.mark.parametrize("act", [None, "relu", "gelu"])
 def test_linear_tf32(backend, act):
     ctx = backend.make_context("tf32")

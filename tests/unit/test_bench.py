@@ -172,6 +172,17 @@ def test_select_peers_aliases_and_errors():
         select_peers(["mxnet"])
 
 
+def test_the_unguarded_row_is_asked_for_by_name():
+    """The guard's cost row runs only when named: a default run's rows are the public ones."""
+    assert "stepgraph unguarded" not in [p.name for p in select_peers(None)]
+    (row,) = select_peers(["stepgraph_unguarded"])
+    assert row.is_stepgraph and row.name == "stepgraph unguarded"
+    from stepgraph.bench.peers import stepgraph_runner
+
+    with pytest.raises(Unsupported, match="cuda"):
+        stepgraph_runner.prepare_graph_unguarded(type("Spec", (), {"device": "cpu"})())
+
+
 # ---------------------------------------------------------------- command line
 
 

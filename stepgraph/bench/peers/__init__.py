@@ -98,11 +98,15 @@ class PeerInfo:
     entry: str  # function name in that module
     library: str  # the distribution whose version the report names
     is_stepgraph: bool = False
+    default: bool = True  # among the rows of a run that names no peers
 
 
 PEERS: tuple[PeerInfo, ...] = (
     PeerInfo("stepgraph eager", "stepgraph_runner", "prepare_eager", "stepgraph", True),
     PeerInfo("stepgraph graph", "stepgraph_runner", "prepare_graph", "stepgraph", True),
+    # the guard's cost: the graph row without its device-side guard (asked for by name)
+    PeerInfo("stepgraph unguarded", "stepgraph_runner", "prepare_graph_unguarded", "stepgraph",
+             True, default=False),
     PeerInfo("torch eager", "torch_eager", "prepare", "torch"),
     PeerInfo("torch graph", "torch_graph", "prepare", "torch"),
     PeerInfo("torch compile", "torch_compile", "prepare", "torch"),
@@ -115,6 +119,7 @@ PEER_ALIASES: dict[str, str] = {
     "stepgraph": "stepgraph eager,stepgraph graph",
     "stepgraph_eager": "stepgraph eager",
     "stepgraph_graph": "stepgraph graph",
+    "stepgraph_unguarded": "stepgraph unguarded",
     "torch": "torch eager,torch graph,torch compile",
     "torch_eager": "torch eager",
     "torch_graph": "torch graph",
@@ -129,7 +134,7 @@ PEER_ALIASES: dict[str, str] = {
 def select_peers(names: list[str] | None) -> list[PeerInfo]:
     """The peers called `names` (display names or PEER_ALIASES keys) in table order; None: all."""
     if not names:
-        return list(PEERS)
+        return [p for p in PEERS if p.default]
     wanted: set[str] = set()
     for name in names:
         key = name.strip()

@@ -43,6 +43,14 @@ def prepare_graph(spec: RunSpec) -> PreparedStep:
     return _prepare(spec, graph=True)
 
 
+def prepare_graph_unguarded(spec: RunSpec) -> PreparedStep:
+    """stepgraph graph with on_bad_batch="ignore": no device-side guard in the step, so that
+    the guard's cost (the default rows run with "raise") is measured beside it."""
+    if spec.device != "cuda":
+        raise Unsupported("graph mode needs the cuda backend")
+    return _prepare(spec, graph=True, on_bad_batch="ignore")
+
+
 def build_model(workload: Workload):
     """The workload's model from stepgraph.models (its own default initialisation)."""
     from stepgraph import models
@@ -162,7 +170,7 @@ def _release(device: str) -> None:
         cupy.get_default_memory_pool().free_all_blocks()
 
 
-def _prepare(spec: RunSpec, graph: bool) -> PreparedStep:
+def _prepare(spec: RunSpec, graph: bool, on_bad_batch: str = "raise") -> PreparedStep:
     if spec.precision not in ("fp32", "tf32", "bf16"):
         raise Unsupported(f"stepgraph has no {spec.precision}")
     import stepgraph as sg
@@ -177,7 +185,7 @@ def _prepare(spec: RunSpec, graph: bool) -> PreparedStep:
                                      optimizer=build_optimizer(spec.workload.optimizer, model),
                                      example_inputs=batches[0], device=spec.device, graph=graph,
                                      seed=spec.seed, precision=spec.precision,
-                                     deterministic=deterministic)
+                                     deterministic=deterministic, on_bad_batch=on_bad_batch)
     except UnsupportedPrecisionError as error:
         raise Unsupported(str(error).splitlines()[0]) from error
 
@@ -193,7 +201,8 @@ def _prepare(spec: RunSpec, graph: bool) -> PreparedStep:
 
     nhwc = any(node.attrs.get("layout") == "NHWC"
                for node, _, _ in step.executable(step.signature).calls)
-    notes = [f"graph={graph}", f"layout={'NHWC' if nhwc else 'NCHW'}", init_note]
+    notes = [f"graph={graph}", f"layout={'NHWC' if nhwc else 'NCHW'}", init_note,
+             f"on_bad_batch={on_bad_batch}"]
     if not deterministic:
         notes.append("deterministic=False")
     return PreparedStep(run_step, _synchronizer(spec.device), lambda loss: float(loss), memory,
