@@ -250,3 +250,27 @@ def test_choice_keys_do_not_name_the_built_plans(fake):
     assert fake.built == [] and key[-1] == conv_cudnn.candidates_key()
     fake.__version__ = "2.0.0"
     assert conv._choice_key(node, fake_ctx(), g, "float32", {}) != key
+
+
+def test_a_later_process_compiles_ahead_only_the_chosen_tiled_kernels(fake, monkeypatch):
+    """tiled_kernels names every tiled variant while the problem is untimed; once a process
+    has chosen, later ones compile ahead that path's kernels only (none for cuDNN or GEMM)."""
+    attrs = {"stride": (1, 1), "padding": (1, 1)}
+    x, w = (2, 4, 12, 12), (8, 4, 3, 3)
+    node = Node("conv2d", [Value(x, "float32"), Value(w, "float32")],
+                [Value((2, 8, 12, 12), "float32")], attrs)
+    every = conv.tiled_kernels(node)
+    assert len(every) > 1
+    g = conv._geometry(x, w, attrs)
+    ctx = fake_ctx()
+    conv._remember_kernels(node, ctx, g, np.dtype("float32"),
+                           autotune.compiling(lambda: None, every[1]))
+    new_process(monkeypatch)
+    monkeypatch.setattr(conv, "_remembered", set())
+    assert conv.tiled_kernels(node) == [every[1]]
+    assert conv.tiled_kernels(node, "tf32") == every          # another problem: untimed
+
+    conv._remember_kernels(node, ctx, g, "float32", lambda: None)   # e.g. a cuDNN plan won
+    assert conv.tiled_kernels(node) == []                     # no own kernel to compile
+    conv._remember_kernels(node, ctx, g, "float32", autotune.compiling(lambda: None, every[0]))
+    assert conv.tiled_kernels(node) == []                     # written once per process

@@ -457,7 +457,31 @@ def _run_faster(node, ctx, g: Geometry, dtype, paths: dict[str, Callable[[], Non
     default = tiled[0] if tiled else "direct" if "direct" in paths and \
         use_direct(node.op, g, dtype) else "gemm" if "gemm" in paths else first
     own = [name for name in paths if name.split(":")[0] != "cudnn"]
-    autotune.run_fastest(ctx, _choice_key(node, ctx, g, dtype, own), paths, default)
+    key = _choice_key(node, ctx, g, dtype, own)
+    autotune.run_fastest(ctx, key, paths, default)
+    _remember_kernels(node, ctx, g, dtype, paths[ctx.paths.get(key, default)])
+
+
+_remembered: set[str] = set()
+
+
+def _ahead_problem(node, g: Geometry, dtype, precision: str) -> str:
+    """The problem whose chosen path's own kernels the disk remembers for tiled_kernels."""
+    return repr((node.op, g, str(dtype), precision, bool(node.attrs.get("bias"))))
+
+
+def _remember_kernels(node, ctx, g: Geometry, dtype, chosen: Callable[[], None]) -> None:
+    """Store (once per process and problem) the kernels the chosen path compiles, none for a
+    cuDNN or GEMM path: a later process then compiles ahead only those, not every tiled
+    variant the autotuner would time (tiled_kernels)."""
+    problem = _ahead_problem(node, g, dtype, ctx.precision)
+    if problem in _remembered or ctx.stream.is_capturing():
+        return
+    _remembered.add(problem)
+    disk = autotune.choices(ctx, "ahead")
+    kernels = [list(pair) for pair in getattr(chosen, "kernels", ())]
+    if disk is not None and disk.get(problem) != kernels:
+        disk.put(problem, kernels)
 
 
 def _choice_key(node, ctx, g: Geometry, dtype, own: Iterable[str]) -> tuple:
@@ -770,7 +794,9 @@ def tiled_kernels(node, precision: str = "fp32") -> list[tuple[str, str]]:
     """(file, kernel) of every tiled variant the autotuner may time for this node (as
     _tiled_paths and conv2d_grad_weight plan them): the backend compiles them side by side
     with the plan's other kernels when the plan is built (CudaBackend.prepare). The same at
-    every precision: the tiled kernels are exact FP32."""
+    every precision: the tiled kernels are exact FP32. Where an earlier process timed the
+    problem, only the chosen path's kernels (none for cuDNN or the GEMM path:
+    _remember_kernels)."""
     layout = layout_of(node.op, node.attrs)
     dtype = str(node.inputs[0].dtype)
     if layout != "NCHW" or dtype not in compiler.FLOAT_CTYPES:
@@ -783,6 +809,12 @@ def tiled_kernels(node, precision: str = "fp32") -> list[tuple[str, str]]:
     g = _geometry(tuple(x_shape), tuple(w_shape), node.attrs)
     if not g.plain or tiled.unsupported(node.op, g, dtype) is not None:
         return []
+    disk = autotune.choices(None, "ahead")
+    known = None if disk is None else disk.get(
+        _ahead_problem(node, g, dtype, precision),
+        lambda pairs: all(len(pair) == 2 and pair[0] == tiled.SOURCE for pair in pairs))
+    if known is not None:          # an earlier process chose: its kernels only
+        return [tuple(pair) for pair in known]
     if node.op == "conv2d_grad_weight":
         plans = [tiled.plan_grad_weight(g, split, bool(node.attrs.get("bias")), itemsize)
                  for split in tiled.GRAD_WEIGHT_SPLITS]
