@@ -187,8 +187,8 @@ def test_an_input_dropped_after_the_call_is_read_before_its_memory_is_reused():
     for x, y in data[:2]:                                # warm-up and capture
         held(x, y), dropped(x, y)
     x, y = data[2]
-    spin = cp.RawKernel(SPIN, "spin")
-    spin((1,), (1,), (np.int64(300_000_000),), stream=dropped.backend.stream)  # ~0.15 s busy
+    with dropped.backend.stream:                         # the step's stream busy ~0.15 s
+        cp.RawKernel(SPIN, "spin")((1,), (1,), (np.int64(300_000_000),))
     got = dropped(x.copy(), y.copy())                    # temporaries: freed on return
     junk = cp.full(x.shape, cp.nan, dtype=x.dtype)       # same size, same stream: same block
     assert float(got) == float(held(x, y))
