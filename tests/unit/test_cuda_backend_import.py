@@ -206,3 +206,36 @@ def test_conv_kernels_compile_with_nvrtc():
     except nvrtc.NVRTCError as err:
         pytest.fail(f"conv.cu: {err}\n{nvrtc.getProgramLog(prog)}")
     assert all(nvrtc.getLoweredName(prog, name) for name in names)
+
+
+def test_fed_device_arrays_are_held_until_their_copies_have_run():
+    """keep_until_read keeps the device arrays of a feed referenced until the event recorded
+    after their copies has completed (host arrays are copied at once and not held); nothing
+    is recorded while capturing. CuPy's events are faked: no GPU needed."""
+    import types
+
+    from stepgraph.backends.cuda.backend import CudaBackend
+
+    class Event:
+        def __init__(self, disable_timing=False):
+            self.done, self.stream = False, None
+
+        def record(self, stream):
+            self.stream = stream
+
+    stream = types.SimpleNamespace(capturing=False)
+    stream.is_capturing = lambda: stream.capturing
+    backend = types.SimpleNamespace(
+        _being_read=[], stream=stream,
+        _cp=types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Event)))
+    device_x, device_y, host = object(), object(), np.zeros(3)
+
+    CudaBackend.keep_until_read(backend, (device_x, host))
+    ((event, held),) = backend._being_read
+    assert held == [device_x] and event.stream is stream
+    CudaBackend.keep_until_read(backend, (device_y,))
+    assert [a for _, arrays in backend._being_read for a in arrays] == [device_x, device_y]
+    event.done = True                                   # the first feed's copies have run
+    stream.capturing = True
+    CudaBackend.keep_until_read(backend, (object(),))  # a capture records nothing
+    assert [a for _, arrays in backend._being_read for a in arrays] == [device_y]
