@@ -96,7 +96,8 @@ def test_launchers_list_every_kernel_they_name():
 
 def test_each_file_compiles_with_every_declared_kernel():
     """At run time a file is one module holding every instantiation any family declares for
-    it (compiler.declare): that union compiles, file by file."""
+    it (compiler.declare), or of a TYPED_SOURCES file one module per element type, a part of
+    that union: the union compiles, file by file."""
     from stepgraph.backends.cuda.backend import declared_kernel_names
 
     declared = declared_kernel_names()
