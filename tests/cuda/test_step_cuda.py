@@ -171,6 +171,39 @@ def test_replays_do_not_grow_device_memory():
     assert np.isfinite(float(step(x, y)))
 
 
+SPIN = r"""extern "C" __global__ void spin(long long cycles) {
+    const long long start = clock64();
+    while (clock64() - start < cycles) {}
+}"""
+
+
+def test_an_input_dropped_after_the_call_is_read_before_its_memory_is_reused():
+    """A batch made on CuPy's stream and dropped right after the call: CuPy's pool hands its
+    memory to the next allocation of that size at once, and writes there run on CuPy's
+    stream, unordered with the step's copy still queued on the backend's stream (here behind
+    a busy kernel). The step must read the batch as given: the same loss as a twin fed a batch
+    kept alive. The batch is allocated before the busy kernel starts: a fresh cudaMalloc
+    could wait for the device and hide the race."""
+    (held, dropped), shape = twin_steps("mlp", 0.0, "sgd", ["cuda", "cuda"], graph=True)
+    data = [tuple(cp.asarray(a) for a in b) for b in batches(shape, 3, seed=11)]
+    for x, y in data[:2]:                                # warm-up and capture
+        held(x, y), dropped(x, y)
+    x, y = data[2]
+    spin = cp.RawKernel(SPIN, "spin")
+    spin((1,), (1,), (np.int64(1),))                     # compiled and loaded now
+    cp.full(1, cp.nan, dtype=x.dtype)                    # so is CuPy's fill kernel
+    batch = [x.copy(), y.copy()]
+    cp.cuda.runtime.deviceSynchronize()
+    with dropped.backend.stream:                         # the step's stream busy ~0.5 s
+        spin((1,), (1,), (np.int64(1_000_000_000),))
+    got = dropped(*batch)
+    assert not dropped.backend.stream.done, "the race was not set up: the copy has run"
+    batch.clear()                                        # the caller drops its batch
+    junk = cp.full(x.shape, cp.nan, dtype=x.dtype)       # same size, same stream
+    assert float(got) == float(held(x, y))
+    del junk
+
+
 def test_bad_feeds_raise_before_touching_state():
     (step,), shape = twin_steps("mlp", 0.1, "adamw", ["cuda"], graph=True)
     x, y = batches(shape, 1, seed=8)[0]
