@@ -9,6 +9,7 @@ import numpy as np
 from stepgraph.backends.numpy.kernels import IMPLS as NUMPY_IMPLS
 from stepgraph.ir.graph import Node, Value
 from stepgraph.ir.ops import OPS, infer_outputs
+from stepgraph.nn import functional as F
 
 # What outputs hold before a run, so that an element no kernel wrote cannot pass for a result.
 POISON = {"float32": np.nan, "float64": np.nan, "int32": -7, "int64": -7, "uint8": 7}
@@ -143,3 +144,15 @@ def run_update_steps(ctx, impls, op, attrs, n_slots, seed, clip=False, steps=3):
             assert_close(g, r, rtol=1e-6, atol=1e-7, what=f"{op} step {t} input {i}")
         results.append(got)
     return results
+
+
+def ce_smooth(logits, y):
+    """The vision workloads' loss: cross-entropy with label smoothing 0.2."""
+    return F.cross_entropy(logits, y, label_smoothing=0.2)
+
+
+def image_batches(n, batch=16, size=16, seed=0):
+    """n (images (batch, 3, size, size), labels of 10 classes) pairs in host memory."""
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((batch, 3, size, size), dtype=np.float32),
+             rng.integers(0, 10, batch)) for _ in range(n)]

@@ -50,7 +50,8 @@ from stepgraph.errors import UnsupportedPrecisionError  # noqa: E402
 from stepgraph.ir.graph import BF16, Node, Value  # noqa: E402
 from stepgraph.ir.ops import OPS, infer_outputs  # noqa: E402
 from stepgraph.nn import functional as F  # noqa: E402
-from tests.ops.helpers import seeded  # noqa: E402
+from tests.cuda.helpers import ce_smooth  # noqa: E402
+from tests.ops.helpers import relative_error as rel, seeded  # noqa: E402
 
 CUDA_IMPLS = {**conv.IMPLS, **pool.IMPLS, **norm.IMPLS}
 POISON = {"uint16": 0x7FA1, "float32": np.nan, "int32": -7, "int64": -7}
@@ -349,9 +350,6 @@ def test_conv2d_bf16_through_cudnn_is_within_the_summation_bound(ctx, case, requ
 
 # ---- a few bf16 training steps ---------------------------------------------------------------
 
-def ce_smooth(logits, y):
-    return F.cross_entropy(logits, y, label_smoothing=0.2)
-
 
 def twin_steps(make_model, loss, data, memory_format):
     """(numpy, cuda) bf16 steps of one model's two copies; skips, naming them, where ops of
@@ -370,11 +368,6 @@ def twin_steps(make_model, loss, data, memory_format):
         except UnsupportedPrecisionError as err:
             pytest.skip(str(err))
     return steps
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 # A bf16 flip (one 2^-8 relative step on one element, from cuDNN's summation order) in a

@@ -30,7 +30,7 @@ from stepgraph import losses, models, optim  # noqa: E402
 from stepgraph.backends.numpy import NumpyBackend, bf16  # noqa: E402
 from stepgraph.ir.graph import BF16, Node, Value  # noqa: E402
 from stepgraph.ir.ops import OPS, infer_outputs  # noqa: E402
-from tests.ops.helpers import seeded  # noqa: E402
+from tests.ops.helpers import relative_error as rel, seeded  # noqa: E402
 
 POISON = {"float32": np.float32(np.nan), "uint8": np.uint8(7), "int64": np.int64(-7),
           BF16: np.uint16(0x7FA1)}                # a NaN the rounding never writes (0x7FC0)
@@ -255,10 +255,6 @@ def bf16_steps(name: str, devices, graph=False, seed=0):
             example_inputs=data[0], device=device, precision="bf16", seed=seed,
             graph=graph if device == "cuda" else False))
     return steps, features
-
-
-def rel(a, b) -> float:
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), 1e-30))
 
 
 @pytest.mark.parametrize("name", ["mlp", "big"])

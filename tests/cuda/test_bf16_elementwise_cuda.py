@@ -35,9 +35,9 @@ from stepgraph.backends.numpy import bf16  # noqa: E402
 from stepgraph.compile.pointwise import fuse_pointwise  # noqa: E402
 from stepgraph.ir.graph import BF16, Node  # noqa: E402
 from stepgraph.ir.trace import Tracer  # noqa: E402
-from stepgraph.nn import functional as F  # noqa: E402
 from tests.cuda.test_bf16_cuda import (POISON, assert_bf16_within, bits, ctx,  # noqa: E402,F401
                                        node_of, run_both)
+from tests.cuda.helpers import ce_smooth  # noqa: E402
 from tests.ops.helpers import seeded  # noqa: E402
 from tests.cuda.test_bf16_conv_cuda import assert_params_follow  # noqa: E402
 
@@ -241,9 +241,6 @@ def test_generated_bf16_dropout_program(backend, ctx, request):
 
 
 # ---- a small bf16 ResNet: three steps, cuda vs numpy ----------------------------------------
-
-def ce_smooth(logits, y):
-    return F.cross_entropy(logits, y, label_smoothing=0.2)
 
 
 @pytest.mark.parametrize("graph", [False, True])

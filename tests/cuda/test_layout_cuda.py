@@ -18,7 +18,6 @@ import pytest
 
 import stepgraph as sg
 from stepgraph import cache, models, optim
-from stepgraph.nn import functional as F
 
 pytestmark = pytest.mark.cuda
 cp = pytest.importorskip("cupy")
@@ -32,7 +31,9 @@ from stepgraph.ir.ops import conv_out  # noqa: E402
 from tests.cuda import helpers  # noqa: E402
 from tests.cuda.helpers import (  # noqa: E402
     assert_close, make_node, poisoned, pool_input, random, rel_err, to_device, to_host)
-from tests.cuda.test_step_cuda import kernels_of_ops, rel  # noqa: E402
+from tests.cuda.helpers import ce_smooth, image_batches as batches  # noqa: E402
+from tests.cuda.test_step_cuda import kernels_of_ops  # noqa: E402
+from tests.ops.helpers import relative_error as rel  # noqa: E402
 
 if not conv_cudnn.available():
     pytest.skip(f"cuDNN is not usable: {conv_cudnn.unavailable_reason()}",
@@ -356,16 +357,6 @@ def test_nhwc_avgpool2d_and_grad(ctx, shape, kernel, stride, padding, count_incl
 # ---- whole steps -------------------------------------------------------------------------------
 
 WIDTHS = (8, 16, 32)
-
-
-def ce_smooth(logits, y):
-    return F.cross_entropy(logits, y, label_smoothing=0.2)
-
-
-def batches(n, batch=16, size=16, seed=0):
-    rng = np.random.default_rng(seed)
-    return [(rng.standard_normal((batch, 3, size, size), dtype=np.float32),
-             rng.integers(0, 10, batch)) for _ in range(n)]
 
 
 def twins(devices, graph=False, configs=None, **options):

@@ -9,30 +9,21 @@ import pytest
 
 import stepgraph as sg
 from stepgraph import models, optim
-from stepgraph.nn import functional as F
 
 pytestmark = pytest.mark.cuda
 cp = pytest.importorskip("cupy")
 if not sg.cuda_available():
     pytest.skip("no CUDA GPU", allow_module_level=True)
 
-from tests.cuda.test_step_cuda import kernels_of_ops, rel  # noqa: E402
+from tests.cuda.helpers import ce_smooth, image_batches as batches  # noqa: E402
+from tests.cuda.test_step_cuda import kernels_of_ops  # noqa: E402
+from tests.ops.helpers import relative_error as rel  # noqa: E402
 
 WIDTHS = (8, 16, 32)
 
 
 def small_resnet():
     return models.resnet(widths=WIDTHS)
-
-
-def ce_smooth(logits, y):
-    return F.cross_entropy(logits, y, label_smoothing=0.2)
-
-
-def batches(n, batch=16, size=16, seed=0):
-    rng = np.random.default_rng(seed)
-    return [(rng.standard_normal((batch, 3, size, size), dtype=np.float32),
-             rng.integers(0, 10, batch)) for _ in range(n)]
 
 
 def twins(devices, graph=False, memory_format="contiguous"):

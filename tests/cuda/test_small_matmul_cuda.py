@@ -18,6 +18,7 @@ from stepgraph.backends import get_backend  # noqa: E402
 from stepgraph.backends.cuda import linear, small_matmul  # noqa: E402
 from tests.cuda import helpers  # noqa: E402
 from tests.cuda.helpers import make_node  # noqa: E402
+from tests.ops.helpers import relative_error as rel  # noqa: E402
 
 ACTS = (None, "relu", "leaky_relu", "sigmoid", "tanh", "gelu", "gelu_tanh")
 
@@ -37,10 +38,6 @@ def ctx():
 def run_both(ctx, op, arrays, **attrs):
     """(numpy outputs, cuda outputs) of one `op` node through linear.py's launchers."""
     return helpers.run_both(ctx, make_node(op, arrays, **attrs), arrays, linear.IMPLS)
-
-
-def rel(got, want):
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
 @pytest.mark.parametrize("m,k,n", [(128, 512, 10), (1, 7, 3), (64, 50, 10), (33, 1, 17),

@@ -7,6 +7,7 @@ import pytest
 
 import stepgraph as sg
 from stepgraph import losses, models, optim
+from tests.ops.helpers import relative_error as rel
 
 pytestmark = pytest.mark.cuda
 cp = pytest.importorskip("cupy")
@@ -68,10 +69,6 @@ def assert_replay_matches_eager(eager, graph, data) -> list[str]:
     (exe,) = graph.executables.values()
     assert exe.captured is not None and exe.captured.node_count == kernels_of_ops(exe)
     return [node.op for node, _, _ in exe.calls]
-
-
-def rel(a, b) -> float:
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), 1e-30))
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn"])
