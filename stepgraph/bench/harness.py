@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from stepgraph.bench import workloads as wl
+from stepgraph.bench.floor import StepFloor, measure_floors, render_floors
 from stepgraph.bench.peers import (
     COMPILE_MODES,
     DEFAULT_COMPILE_MODES,
@@ -70,6 +71,7 @@ class BenchConfig:
     tiny: bool = False  # CPU smoke-test model sizes
     compile_modes: tuple[str, ...] = DEFAULT_COMPILE_MODES  # torch.compile modes to try
     peer_timeout_s: float = 240.0  # one peer's build + compile + timing; 0: no limit
+    floor: bool = False  # also measure each (workload, precision)'s step floor (floor.py)
 
 
 @dataclass
@@ -120,6 +122,7 @@ class BenchReport:
     config: BenchConfig
     workloads: dict[str, dict[str, Any]]
     results: list[PeerResult]
+    floors: list[StepFloor] = field(default_factory=list)  # with --floor
 
 
 # ---------------------------------------------------------------- device
@@ -405,9 +408,14 @@ def run_benchmark(config: BenchConfig) -> BenchReport:
                     restore_primary_context()
                 print(f"  -> {describe_result(results[-1])}", file=sys.stderr, flush=True)
     fill_speed_vs_best_peer(results)
+    floors = []
+    if config.floor and config.device == "cuda":
+        print("stepgraph bench: measuring the GEMM peak and the copy bandwidth (--floor) ...",
+              file=sys.stderr, flush=True)
+        floors = measure_floors(config.workloads, config.precisions, config.tiny)
     return BenchReport(datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        device_name, platform.node(), platform.python_version(),
-                       library_versions(), config, describe_workloads(config), results)
+                       library_versions(), config, describe_workloads(config), results, floors)
 
 
 def restore_primary_context() -> None:
@@ -515,6 +523,9 @@ def report_to_json(report: BenchReport) -> dict[str, Any]:
     data = asdict(report)
     for row, result in zip(data["results"], report.results):
         row["spread_percent"] = result.spread_percent
+    for row, floor in zip(data["floors"], report.floors):
+        row.update(gemm_us=floor.gemm_us, optimizer_us=floor.optimizer_us,
+                   floor_us=floor.floor_us)
     return data
 
 
@@ -614,6 +625,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="torch.compile modes the torch compile row tries, keeping the "
                              f"fastest: any of {','.join(COMPILE_MODES)} "
                              f"(default: {','.join(DEFAULT_COMPILE_MODES)})")
+    parser.add_argument("--floor", action="store_true",
+                        help="also measure each workload's step floor: its GEMM FLOPs at the "
+                             "GPU's measured GEMM peak plus its optimizer's bytes at the "
+                             "measured copy bandwidth, and each row's distance from it")
     parser.add_argument("--peer-timeout", type=float, default=240.0,
                         help="seconds one peer may take (build, compile, timing) before its "
                              "row fails and the run goes on; 0: no limit (default: 240)")
@@ -649,7 +664,7 @@ def parse_config(argv: list[str] | None) -> BenchConfig:
                        repeats=args.repeats, target_seconds=args.target_seconds,
                        batches=args.batches, seed=args.seed, out_dir=args.out,
                        device=args.device, tiny=args.tiny, compile_modes=tuple(compile_modes),
-                       peer_timeout_s=args.peer_timeout)
+                       peer_timeout_s=args.peer_timeout, floor=args.floor)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -665,5 +680,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for path in write_outputs(report):
         print(f"wrote {path}")
+    if report.floors:
+        print(render_floors(report.floors, report.results))
     print(render_table(report))
     return 0

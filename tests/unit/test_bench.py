@@ -3,6 +3,7 @@ no-GPU exit, and every installed peer's step function trained for a few steps on
 tiny sizes (each peer's test is skipped when its library is missing)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -228,6 +229,52 @@ def test_main_on_cpu_writes_json_chart_and_prints_table_last(monkeypatch, tmp_pa
 
 def _raise_import(spec):
     raise ImportError("No module named 'tinygrad'")
+
+
+def test_the_step_floor_adds_gemm_time_at_the_peak_and_optimizer_bytes_at_the_bandwidth():
+    from stepgraph.bench import floor
+
+    big = wl.get_workload("big")                                  # AdamW
+    params = wl.parameter_count(big)
+    assert floor.optimizer_bytes(big, "fp32") == params * 28      # p g m v read, p m v written
+    assert floor.optimizer_bytes(big, "bf16") == params * 30      # + the bf16 weight copy
+    resnet = wl.get_workload("resnet")                            # SGD with momentum
+    assert resnet.optimizer.kind == "sgd" and resnet.optimizer.momentum
+    assert floor.optimizer_bytes(resnet, "fp32") == wl.parameter_count(resnet) * 20
+    f = floor.step_floor(big, "big", "tf32", peak_tflops=500.0, bandwidth_gbs=2000.0)
+    assert f.gemm_flops == wl.flops_per_step(big)
+    assert f.gemm_us == pytest.approx(f.gemm_flops / 500e12 * 1e6)
+    assert f.optimizer_us == pytest.approx(params * 28 / 2000e9 * 1e6)
+    assert f.floor_us == pytest.approx(f.gemm_us + f.optimizer_us)
+
+
+def test_main_with_floor_reports_each_row_against_it(monkeypatch, tmp_path, capsys):
+    """--floor: the floors (device measurements faked here) go into the JSON and a table
+    printed before the main one, each row as a multiple of its floor."""
+    from stepgraph.bench import floor
+
+    def prepare(spec):
+        return PreparedStep(lambda i: 1.0, lambda: None, float)
+
+    monkeypatch.setattr(harness, "_load_prepare", lambda peer: prepare)
+    monkeypatch.setattr(harness, "measure_floors", lambda names, precisions, tiny: [
+        floor.step_floor(wl.get_workload(n, tiny), n, p, 100.0, 1000.0)
+        for p in precisions for n in names])
+    monkeypatch.setattr(harness, "require_device", lambda config: "Fake GPU")
+    monkeypatch.setattr(harness, "restore_primary_context", lambda: None)
+    cuda_config = harness.parse_config
+    monkeypatch.setattr(harness, "parse_config", lambda argv: dataclasses.replace(
+        cuda_config(argv), device="cuda"))                # the peers themselves run on the CPU
+    code = harness.main(["--device", "cpu", "--tiny", "--workloads", "mlp", "--repeats", "2",
+                         "--target-seconds", "0.01", "--peers", "jax", "--floor",
+                         "--out", str(tmp_path)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "step floor" in out and out.index("step floor") < out.index("memory:")
+    (row,) = json.loads((tmp_path / "bench_mlp_fp32.json").read_text())["floors"]
+    assert row["workload"] == "mlp" and row["peak_tflops"] == 100.0
+    assert row["floor_us"] == pytest.approx(row["gemm_us"] + row["optimizer_us"])
+    assert "jax jit" in out[out.index("step floor"):out.index("memory:")]
 
 
 # ---------------------------------------------------------------- the real peers on the CPU

@@ -1,0 +1,132 @@
+"""The step floor: what one training step of a workload cannot go below on the GPU at hand.
+
+    floor = GEMM FLOPs of the step / the GPU's measured GEMM peak at the precision
+          + bytes the optimizer moves / the GPU's measured copy bandwidth
+
+The GEMM FLOPs are the TFLOP/s column's (workloads.flops_per_step). The peak is the best of a
+few large square products (8192^3) through stepgraph's cuBLASLt path at the precision, timed
+as captured graph replays; the bandwidth a 1 GiB device-to-device copy (read + write). The
+optimizer moves each parameter's value, gradient and state (OPTIMIZER_BYTES), plus the bf16
+weight copy it writes in bf16. Everything else a step does (activations, normalisation, the
+loss) is left out, so every real step sits above the floor: `stepgraph bench --floor` reports
+how far each row sits above it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import workloads as wl
+
+# Bytes moved per float32 parameter by one update: reads of the value, the gradient and each
+# state tensor, writes of the value and each state tensor.
+OPTIMIZER_BYTES = {"adamw": 4 * (4 + 3),         # p, g, m, v read; p, m, v written
+                   "sgd_momentum": 4 * (3 + 2),  # p, g, buf read; p, buf written
+                   "sgd": 4 * (2 + 1)}           # p, g read; p written
+BF16_COPY_BYTES = 2                              # the bf16 weight copy the update writes
+PEAK_SIZE = 8192
+COPY_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class StepFloor:
+    workload: str
+    precision: str
+    gemm_flops: int
+    optimizer_bytes: int
+    peak_tflops: float        # measured on the device
+    bandwidth_gbs: float      # measured on the device (GB/s, 1e9 bytes)
+
+    @property
+    def gemm_us(self) -> float:
+        return self.gemm_flops / (self.peak_tflops * 1e12) * 1e6
+
+    @property
+    def optimizer_us(self) -> float:
+        return self.optimizer_bytes / (self.bandwidth_gbs * 1e9) * 1e6
+
+    @property
+    def floor_us(self) -> float:
+        return self.gemm_us + self.optimizer_us
+
+
+def optimizer_bytes(workload: wl.Workload, precision: str) -> int:
+    """Bytes one optimizer update of `workload` reads and writes (float32 master values)."""
+    spec = workload.optimizer
+    kind = spec.kind if spec.kind != "sgd" or not spec.momentum else "sgd_momentum"
+    per_parameter = OPTIMIZER_BYTES[kind] + (BF16_COPY_BYTES if precision == "bf16" else 0)
+    return wl.parameter_count(workload) * per_parameter
+
+
+def step_floor(workload: wl.Workload, name: str, precision: str, peak_tflops: float,
+               bandwidth_gbs: float) -> StepFloor:
+    return StepFloor(name, precision, wl.flops_per_step(workload),
+                     optimizer_bytes(workload, precision), peak_tflops, bandwidth_gbs)
+
+
+# ---- measurements (CUDA) -----------------------------------------------------------------
+
+def _best_ms(ctx, run, tries: int = 3) -> float:
+    from stepgraph.backends.cuda.graph import time_on_device
+
+    return min(time_on_device(ctx, run) for _ in range(tries))
+
+
+def measure_peak_tflops(precision: str, n: int = PEAK_SIZE) -> float:
+    """TFLOP/s of an (n, n) @ (n, n) product through stepgraph's cuBLASLt path."""
+    import cupy as cp
+
+    from stepgraph.backends import get_backend
+    from stepgraph.backends.cuda import gemm
+
+    ctx = get_backend("cuda").make_context(precision)
+    storage = cp.uint16 if precision == "bf16" else cp.float32   # bf16 bits
+    with ctx.stream:                       # filled in the order of the timed work
+        a, b, c = (cp.zeros((n, n), storage) for _ in range(3))
+    ms = _best_ms(ctx, lambda: gemm.matmul(ctx, a, b, c))
+    return 2 * n ** 3 / (ms * 1e-3) / 1e12
+
+
+def measure_bandwidth_gbs(nbytes: int = COPY_BYTES) -> float:
+    """GB/s of a device-to-device copy of nbytes, counting its read and its write."""
+    import cupy as cp
+
+    from stepgraph.backends import get_backend
+
+    ctx = get_backend("cuda").make_context("fp32")
+    with ctx.stream:
+        src, dst = cp.zeros(nbytes, cp.uint8), cp.empty(nbytes, cp.uint8)
+
+    def copy():
+        cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes,
+                                    cp.cuda.runtime.memcpyDeviceToDevice, ctx.stream.ptr)
+
+    ms = _best_ms(ctx, copy)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def measure_floors(names: list[str], precisions: list[str], tiny: bool = False
+                   ) -> list[StepFloor]:
+    """The floor of each (workload, precision), each precision's peak measured once."""
+    bandwidth = measure_bandwidth_gbs()
+    floors = []
+    for precision in precisions:
+        peak = measure_peak_tflops(precision)
+        floors += [step_floor(wl.get_workload(name, tiny), name, precision, peak, bandwidth)
+                   for name in names]
+    return floors
+
+
+def render_floors(floors: list[StepFloor], results) -> str:
+    """The floors, and each measured row's step time as a multiple of its floor."""
+    lines = ["step floor: GEMM FLOPs at the measured GEMM peak + optimizer bytes at the "
+             "measured copy bandwidth",
+             f"{'workload':<9}{'prec':<6}{'peak TFLOP/s':>13}{'GB/s':>8}{'GEMM µs':>10}"
+             f"{'optim µs':>10}{'floor µs':>10}  rows (µs/step ÷ floor)"]
+    for f in floors:
+        rows = [f"{r.peer} {r.step_us / f.floor_us:.2f}x" for r in results
+                if r.workload == f.workload and r.precision == f.precision
+                and r.step_us is not None]
+        lines.append(f"{f.workload:<9}{f.precision:<6}{f.peak_tflops:>13.1f}"
+                     f"{f.bandwidth_gbs:>8.0f}{f.gemm_us:>10.1f}{f.optimizer_us:>10.1f}"
+                     f"{f.floor_us:>10.1f}  {', '.join(rows)}")
+    return "\n".join(lines)
