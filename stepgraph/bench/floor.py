@@ -79,9 +79,12 @@ def measure_peak_tflops(precision: str, n: int = PEAK_SIZE) -> float:
     from stepgraph.backends.cuda import gemm
 
     ctx = get_backend("cuda").make_context(precision)
-    storage = cp.uint16 if precision == "bf16" else cp.float32   # bf16 bits
-    with ctx.stream:                       # filled in the order of the timed work
-        a, b, c = (cp.zeros((n, n), storage) for _ in range(3))
+    with ctx.stream:      # made in the order of the timed work; random, as training data is
+        rng = cp.random.default_rng(0)
+        a, b = (rng.standard_normal((n, n), dtype=cp.float32) for _ in range(2))
+        if precision == "bf16":            # bf16 bits: the float32 values' upper halves
+            a, b = ((x.view(cp.uint32) >> 16).astype(cp.uint16) for x in (a, b))
+        c = cp.empty_like(a)
     ms = _best_ms(ctx, lambda: gemm.matmul(ctx, a, b, c))
     return 2 * n ** 3 / (ms * 1e-3) / 1e12
 
