@@ -221,7 +221,7 @@ def test_fed_device_arrays_are_held_until_their_copies_have_run():
             self.done, self.stream = False, None
 
         def record(self, stream):
-            self.stream = stream
+            self.done, self.stream = False, stream
 
     stream = types.SimpleNamespace(capturing=False)
     stream.is_capturing = lambda: stream.capturing
@@ -239,3 +239,8 @@ def test_fed_device_arrays_are_held_until_their_copies_have_run():
     stream.capturing = True
     CudaBackend.keep_until_read(backend, (object(),))  # a capture records nothing
     assert [a for _, arrays in backend._being_read for a in arrays] == [device_y]
+    stream.capturing = False
+    ((second, _),) = backend._being_read
+    second.done = True
+    CudaBackend.keep_until_read(backend, (device_x,))
+    assert backend._being_read == [(second, [device_x])]     # a read event serves again

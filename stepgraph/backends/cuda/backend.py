@@ -224,12 +224,18 @@ class CudaBackend(Backend):
         allocation on the caller's stream, whose writes are not ordered after our pending copy
         (a replayed step returns long before its copies run): without the hold, the next
         batch can overwrite this one while it is being read."""
-        self._being_read = [(e, a) for e, a in self._being_read if not e.done]
+        pending, spare = [], None
+        for event, arrays in self._being_read:
+            if event.done:
+                spare = event       # its arrays are read: they may go, the event serves again
+            else:
+                pending.append((event, arrays))
+        self._being_read = pending
         held = [a for a in sources if not isinstance(a, np.ndarray)]
         if held and not self.stream.is_capturing():
-            event = self._cp.cuda.Event(disable_timing=True)
+            event = spare or self._cp.cuda.Event(disable_timing=True)
             event.record(self.stream)
-            self._being_read.append((event, held))
+            pending.append((event, held))
 
     def _check(self, dst, src) -> None:
         if tuple(src.shape) != tuple(dst.shape) or np.dtype(src.dtype) != np.dtype(dst.dtype):
