@@ -1,4 +1,5 @@
-"""cuda vs numpy for attention in bf16 (precision="bf16"): sdpa_qkv and sdpa_qkv_grad on bf16
+"""cuda vs numpy for the own attention kernels in bf16 (precision="bf16"; cuDNN's path, taken
+where it runs, is switched off here): sdpa_qkv and sdpa_qkv_grad on bf16
 q, k, v (the packed ops a GPT's attention becomes), causal and not, with dropout, against the
 numpy backend's emulation (float32 arithmetic, each bf16 output rounded once); a small GPT's
 bf16 steps on cuda against the emulation's; graph replay against eager, bit for bit.
@@ -27,6 +28,7 @@ if not cuda_available():
 
 import stepgraph as sg  # noqa: E402
 from stepgraph import models, optim  # noqa: E402
+from stepgraph.backends.cuda import attention_cudnn  # noqa: E402
 from stepgraph.backends.numpy import bf16  # noqa: E402
 from stepgraph.ir.graph import BF16  # noqa: E402
 from tests.cuda.test_bf16_cuda import (POISON, bits, node_of, ordered, rel,  # noqa: E402
@@ -37,6 +39,13 @@ from tests.ops.helpers import seeded  # noqa: E402
 @pytest.fixture(scope="module")
 def ctx(backend):
     return backend.make_context("bf16")
+
+
+@pytest.fixture(autouse=True)
+def own_kernels(monkeypatch):
+    """These tests are the own kernels' (attention.cu); cuDNN's path, which bf16 attention
+    takes where cuDNN runs it, is tests/cuda/test_cudnn_attention_cuda.py's."""
+    monkeypatch.setattr(attention_cudnn, "USE_CUDNN", False)
 
 
 def assert_close_bf16(got, want, what):

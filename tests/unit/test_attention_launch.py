@@ -37,6 +37,7 @@ def record(monkeypatch):
         batch = int(strides[len(lead) - 2 if len(lead) >= 2 else 0]) if lead else 0
         return attention.Heads(batch, head, int(strides[-2]))
 
+    monkeypatch.setattr(attention.attention_cudnn, "USE_CUDNN", False)   # the own kernels'
     monkeypatch.setattr(attention, "_function", function)
     monkeypatch.setattr(attention, "_heads", contiguous)
     monkeypatch.setattr(attention, "storage", lambda q: attention.STORAGE[q.dtype])
@@ -123,6 +124,30 @@ def test_kernels_ahead_name_what_the_launches_take(monkeypatch, precision, dtype
                                    precision) == ahead[:1]
     assert attention.kernels_ahead(Node("sdpa_qkv_grad", [out, packed], [],
                                         attrs | {"heads": heads}), precision) == ahead[1:]
+
+
+def test_bf16_attention_that_cudnn_runs_compiles_no_own_kernels_ahead(monkeypatch):
+    """Where cuDNN is usable, a bf16 attention it takes (equal head dims, multiples of 8, no
+    bottom-right causal mask) compiles none of attention.cu ahead; the others and every
+    float32 one still do."""
+    from stepgraph.backends.cuda import conv_cudnn
+    from stepgraph.ir.graph import Value
+
+    monkeypatch.setattr(conv_cudnn, "unavailable_reason", lambda: None)
+
+    def ahead(dtype, rows, keys, hd, causal=True, precision="bf16"):
+        q, k = Value((2, 3, rows, hd), dtype), Value((2, 3, keys, hd), dtype)
+        node = Node("sdpa", [q, k, k], [], dict(scale=0.1, causal=causal))
+        return attention.kernels_ahead(node, precision)
+
+    assert ahead("bfloat16", 16, 16, 64) == []
+    assert ahead("bfloat16", 8, 16, 64, causal=False) == []
+    assert ahead("bfloat16", 8, 16, 64) != []        # bottom-right causal: the own kernels
+    assert ahead("bfloat16", 16, 16, 20) != []       # head dim not a multiple of 8
+    assert ahead("float32", 16, 16, 64, precision="tf32") != []
+    packed = Value((2, 16, 3 * 4 * 32), "bfloat16")
+    assert attention.kernels_ahead(Node("sdpa_qkv", [packed], [],
+                                        dict(heads=4, causal=True)), "bf16") == []
 
 
 def test_every_tile_fits_two_blocks_where_it_matters():

@@ -18,6 +18,9 @@ exact in TF32, so the TF32 kernels read them widened and round only their stores
 float32), which is the NumPy emulation's arithmetic but for TF32's rounding of the
 probabilities and of dS inside the products.
 
+bf16 problems that cuDNN's fused attention takes run there instead (attention_cudnn.py:
+four times faster on the gpt workload's attention).
+
 The forward is one launch; the gradient two, dq (which also sums D = rowsum(dout * out) into
 a per-node scratch of bh * L floats, made at the first eager call: launchers._node_memory),
 then dk/dv. Dynamic shared memory above 48 KiB is opted into once per kernel, at its first
@@ -35,6 +38,7 @@ import numpy as np
 
 from ...errors import ShapeError
 from ...ir.graph import Node, storage_dtype
+from . import attention_cudnn
 from .launchers import ELEMENT_CTYPES, _dropout_constants, _kernel, _node_memory
 
 SOURCE = "attention.cu"
@@ -74,22 +78,27 @@ def kernel_name(kind: str, hd: int, math: int, ctype: str) -> str:
 def kernel_names() -> dict[str, set[str]]:
     """{.cu file: every kernel name this module may launch} (the NVRTC compile test)."""
     return {SOURCE: {kernel_name(kind, hd, math, ctype) for kind in TILES for hd in HEAD_DIMS
-                     for math, ctypes in CTYPES.items() for ctype in ctypes}}
+                     for math, ctypes in CTYPES.items() for ctype in ctypes},
+            **attention_cudnn.kernel_names()}
 
 
 def kernels_ahead(node: Node, precision: str) -> list[tuple[str, str]]:
     """(file, kernel) of the kernels the node will launch, compiled side by side with the
     plan's others when it is built (CudaBackend.prepare): the forward's for sdpa and
-    sdpa_qkv, dq's and dk/dv's for their gradients."""
+    sdpa_qkv, dq's and dk/dv's for their gradients; none where cuDNN will run it."""
     if node.op in ("sdpa", "sdpa_grad"):
-        q, v = node.inputs[:3:2] if node.op == "sdpa" else node.inputs[1:4:2]
-        e, ev = q.shape[-1], v.shape[-1]
+        q, k, v = node.inputs[:3] if node.op == "sdpa" else node.inputs[1:4]
+        e, ev, rows, keys = q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2]
     else:                   # packed: q, k, v are thirds of the projection's last axis
         q = node.inputs[0] if node.op == "sdpa_qkv" else node.inputs[1]
         e = ev = q.shape[-1] // (3 * int(node.attrs["heads"]))
+        rows = keys = q.shape[-2]
     ctype = STORAGE.get(np.dtype(storage_dtype(q.dtype)))
     if ctype is None or max(e, ev) > HEAD_DIMS[-1]:
         return []       # the launcher refuses it, naming why
+    if ctype == "unsigned short" and attention_cudnn.shape_reason(
+            e, ev, bool(node.attrs.get("causal")), rows, keys) is None:
+        return []       # cuDNN's (its own kernels compile at a first launch if it declines)
     math, hd = math_of(precision, ctype), head_dim_template(e, ev)
     kinds = ("forward",) if node.op in ("sdpa", "sdpa_qkv") else ("backward_dq",
                                                                    "backward_dkdv")
@@ -300,6 +309,9 @@ def sdpa_forward(ctx, q, k, v, out, lse, step, attn: Attn) -> None:
         return
     if pb.S == 0:
         raise ShapeError("sdpa: needs at least one key")
+    if ctype == "unsigned short" and attention_cudnn.forward(ctx, pb, attn, layouts, q, k, v,
+                                                             out, lse, step):
+        return
     hd = head_dim_template(pb.E, pb.Ev)
     vec = _vectorized(pb, (q, k, v, out), layouts)
     args = (q, k, v, out, lse, _step_arg(attn, step)) + pb.args() \
@@ -347,6 +359,35 @@ def sdpa_backward_dkdv(ctx, q, k, v, dout, lse, delta, step, dk, dv, attn: Attn)
                   pb.bh, args)
 
 
+def sdpa_backward(ctx, node: Node, q, k, v, out, dout, lse, step, dq, dk, dv,
+                  attn: Attn) -> None:
+    """dq, dk, dv of sdpa: on cuDNN where the problem runs there (attention_cudnn), else the
+    dq launch (summing D into the node's scratch) and the dk/dv launch."""
+    pb = problem(q, k, v)
+    o_shape = tuple(q.shape[:-1]) + (pb.Ev,)
+    layouts = [_heads(f"sdpa_grad {name}", a, shape, q.dtype) for name, a, shape in
+               (("q", q, q.shape), ("k", k, k.shape), ("v", v, v.shape), ("out", out, o_shape),
+                ("dout", dout, o_shape), ("dq", dq, q.shape), ("dk", dk, k.shape),
+                ("dv", dv, v.shape))]
+    _check_rows("sdpa_grad lse", lse, pb)
+    if storage(q) == "unsigned short" and pb.bh and pb.L and pb.S and attention_cudnn.backward(
+            ctx, pb, attn, layouts, q, k, v, out, dout, lse, step, dq, dk, dv):
+        return
+    rows = lse.size
+    delta = _node_memory(node, ("sdpa_delta", rows), ctx, lambda: cp.empty(rows, np.float32))
+    sdpa_backward_dq(ctx, q, k, v, out, dout, lse, step, dq, delta, attn)
+    sdpa_backward_dkdv(ctx, q, k, v, dout, lse, delta, step, dk, dv, attn)
+
+
+def cudnn_keep_mask(ctx, q, k, v, step, attn: Attn) -> np.ndarray:
+    """The (bh, L, S) dropout keep mask (bool) that cuDNN's forward draws for these operands
+    at this step (attention_cudnn.keep_mask: for checking that path against the reference)."""
+    pb = problem(q, k, v)
+    layouts = [_heads(f"sdpa {name}", a, a.shape, q.dtype) for name, a in
+               (("q", q), ("k", k), ("v", v))]
+    return attention_cudnn.keep_mask(ctx, pb, attn, layouts, q, k, v, step)
+
+
 def _sdpa(node: Node, ins, outs, ctx) -> None:
     step = ins[3] if len(ins) > 3 else None
     sdpa_forward(ctx, *ins[:3], outs[0], outs[1], step, attn_of(node))
@@ -355,11 +396,7 @@ def _sdpa(node: Node, ins, outs, ctx) -> None:
 def _sdpa_grad(node: Node, ins, outs, ctx) -> None:
     dout, q, k, v, out, lse = ins[:6]
     step = ins[6] if len(ins) > 6 else None
-    attn = attn_of(node)
-    rows = lse.size
-    delta = _node_memory(node, ("sdpa_delta", rows), ctx, lambda: cp.empty(rows, np.float32))
-    sdpa_backward_dq(ctx, q, k, v, out, dout, lse, step, outs[0], delta, attn)
-    sdpa_backward_dkdv(ctx, q, k, v, dout, lse, delta, step, outs[1], outs[2], attn)
+    sdpa_backward(ctx, node, q, k, v, out, dout, lse, step, *outs, attn_of(node))
 
 
 def heads_of(x, heads: int):
@@ -394,14 +431,8 @@ def _sdpa_qkv_grad(node: Node, ins, outs, ctx) -> None:
     dout, qkv, out, lse = ins[:4]
     _packed("sdpa_qkv_grad", dout, qkv, out, outs[0])
     step = ins[4] if len(ins) > 4 else None
-    attn = attn_of(node)
-    q, k, v = qkv_heads(qkv, heads)
-    dq, dk, dv = qkv_heads(outs[0], heads)
-    dout, out = heads_of(dout, heads), heads_of(out, heads)
-    rows = lse.size
-    delta = _node_memory(node, ("sdpa_delta", rows), ctx, lambda: cp.empty(rows, np.float32))
-    sdpa_backward_dq(ctx, q, k, v, out, dout, lse, step, dq, delta, attn)
-    sdpa_backward_dkdv(ctx, q, k, v, dout, lse, delta, step, dk, dv, attn)
+    sdpa_backward(ctx, node, *qkv_heads(qkv, heads), heads_of(out, heads),
+                  heads_of(dout, heads), lse, step, *qkv_heads(outs[0], heads), attn_of(node))
 
 
 IMPLS: dict[str, Callable] = {"sdpa": _sdpa, "sdpa_grad": _sdpa_grad, "sdpa_qkv": _sdpa_qkv,
