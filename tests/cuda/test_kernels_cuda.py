@@ -139,7 +139,8 @@ def test_reduce_sum(ctx, shape, axes):
 
 
 @pytest.mark.parametrize("kind", ("none",) + ACTIVATIONS)
-@pytest.mark.parametrize("shape", [(1, 1), (5, 33), (130, 7), (64, 100), (3, 1), (1000, 40)])
+@pytest.mark.parametrize("shape", [(1, 1), (5, 33), (130, 7), (64, 100), (3, 1), (1000, 40),
+                                   (2048, 512)])
 def test_act_bias_grad(ctx, kind, shape):
     rng = np.random.default_rng([17, *shape])
     dy, saved = random(rng, *shape), random(rng, *shape)

@@ -303,10 +303,10 @@ def linear_bias_act(ctx, acc, bias, y, z, kind: str, slope: float = 0.01) -> Non
 COLUMN_BLOCK = (32, 16)   # reduce.cu COLUMN_TILE x COLUMN_ROWS
 
 
-def _column_splits(rows: int, cols: int) -> int:
-    """Row splits of a column kernel: about COLUMN_TARGET_BLOCKS blocks for tall inputs,
-    none below COLUMN_SPLIT_ROWS rows per split (a second launch would cost more)."""
-    column_blocks = (cols + 31) // 32
+def _column_splits(rows: int, column_blocks: int) -> int:
+    """Row splits of a column kernel of `column_blocks` blocks across: about
+    COLUMN_TARGET_BLOCKS blocks for tall inputs, none below COLUMN_SPLIT_ROWS rows per split
+    (a second launch would cost more)."""
     return max(1, min(COLUMN_TARGET_BLOCKS // column_blocks, rows // COLUMN_SPLIT_ROWS))
 
 
@@ -319,14 +319,17 @@ def _column_partials(node: Node, ctx, cols: int, splits: int):
 
 
 def _launch_columns(ctx, node: Node, name: str, rows: int, cols: int, out, arrays: tuple,
-                    scalars: tuple) -> None:
+                    scalars: tuple, vec: int | None = None) -> None:
     """A column kernel (rows summed per column into `out`), args = arrays, the partials,
     scalars; with row splits, then the in-order sum of the splits' partials. `name` is the
-    template's name; both take out's element type."""
+    template's name; both take out's element type, and with `vec` (columns per thread) the
+    kernel takes it as its second template argument."""
     ctype = ELEMENT_CTYPES[out.dtype]
-    splits = _column_splits(rows, cols)
+    column_blocks = -(-cols // (32 * (vec or 1)))
+    splits = _column_splits(rows, column_blocks)
     partial = _column_partials(node, ctx, cols, splits)
-    _launch(ctx, "reduce.cu", _typed(name, ctype), ((cols + 31) // 32, splits), COLUMN_BLOCK,
+    kernel = _typed(name, ctype) if vec is None else f"{name}<{ctype}, {vec}>"
+    _launch(ctx, "reduce.cu", kernel, (column_blocks, splits), COLUMN_BLOCK,
             arrays + (partial,) + scalars)
     if splits > 1:
         _launch(ctx, "reduce.cu", _typed("reduce_sum_splits_kernel", ctype), _grid(cols),
@@ -442,10 +445,12 @@ def act_bias_backward(ctx, node: Node, dy, saved, dz, db, kind: str,
     _check("act_bias_grad db", db, dy.dtype, (dy.shape[1],))
     _check_int32("act_bias_grad", dy.size)
     rows, cols = dy.shape
+    # four columns a thread where rows stay aligned to four elements (reduce.cu)
+    vec = 4 if cols % 4 == 0 and _aligned(dy, saved, dz, to=4 * dy.itemsize) else 1
     if cols:
         _launch_columns(ctx, node, "act_bias_backward_kernel", rows, cols, db,
                         (dy, saved, dz, db), (np.int32(rows), np.int32(cols), np.int32(code),
-                                              np.float32(slope)))
+                                              np.float32(slope)), vec)
 
 
 def _chunk_jobs(sizes: list[int]) -> np.ndarray:
@@ -888,15 +893,15 @@ def kernel_names() -> dict[str, set[str]]:
                "dropout_forward_kernel", "dropout_backward_kernel",
                "dropout_channel_forward_kernel", "dropout_channel_backward_kernel")
     reduce = ("reduce_sum_planes_kernel", "reduce_sum_splits_kernel",
-              "reduce_sum_strided_kernel", "reduce_sum_columns_kernel",
-              "act_bias_backward_kernel")
+              "reduce_sum_strided_kernel", "reduce_sum_columns_kernel")
     elements = ELEMENT_CTYPES.values()
     return {
         "elementwise.cu": {_typed("linear_bias_act_kernel", "unsigned short")}
         | {_typed(k, ctype) for k in elements_typed for ctype in elements}
         | {f"fill_forward_kernel<{ctype}>" for ctype in FILL_CTYPES.values()},
         "reduce.cu": {"global_norm_forward_kernel"}
-        | {_typed(k, ctype) for k in reduce for ctype in elements},
+        | {_typed(k, ctype) for k in reduce for ctype in elements}
+        | {f"act_bias_backward_kernel<{ctype}, {vec}>" for ctype in elements for vec in (1, 4)},
         "loss.cu": {"log_softmax_forward_kernel", "log_softmax_backward_kernel",
                     "mse_forward_kernel", "mse_backward_kernel"}
         | {f"{k}_kernel<{ctype}>" for k in label for ctype in LABEL_CTYPES.values()},

@@ -23,18 +23,23 @@ __device__ __forceinline__ void split_rows(int rows, int* begin, int* end) {
 
 // Each column's threads combine their row partials in a fixed order (y = 0, 1, ...). One
 // split writes out[col]; several write partial[col * splits + split] for
-// reduce_sum_splits_kernel to add in order.
-template <typename T>
-__device__ __forceinline__ void finish_columns(double acc, T* out, double* partial, int col,
-                                               int cols) {
-    __shared__ double part[COLUMN_ROWS][COLUMN_TILE + 1];
-    part[threadIdx.y][threadIdx.x] = acc;
+// reduce_sum_splits_kernel to add in order. A thread may own VEC adjacent columns, col .. col +
+// VEC - 1, its partials in acc[0 .. VEC - 1].
+template <int VEC, typename T>
+__device__ __forceinline__ void finish_columns(const double (&acc)[VEC], T* out,
+                                               double* partial, int col, int cols) {
+    __shared__ double part[COLUMN_ROWS][COLUMN_TILE * VEC + 1];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) part[threadIdx.y][threadIdx.x * VEC + j] = acc[j];
     __syncthreads();
-    if (threadIdx.y == 0 && col < cols) {
+    if (threadIdx.y != 0) return;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+        if (col + j >= cols) break;
         double s = 0.0;
-        for (int k = 0; k < COLUMN_ROWS; ++k) s += part[k][threadIdx.x];
-        if (gridDim.y == 1) store_from_float(out, col, (float)s);
-        else partial[(long long)col * gridDim.y + blockIdx.y] = s;
+        for (int k = 0; k < COLUMN_ROWS; ++k) s += part[k][threadIdx.x * VEC + j];
+        if (gridDim.y == 1) store_from_float(out, col + j, (float)s);
+        else partial[(long long)(col + j) * gridDim.y + blockIdx.y] = s;
     }
 }
 
@@ -45,10 +50,10 @@ reduce_sum_columns_kernel(const T* x, T* y, double* partial, int rows, int cols)
     const int col = blockIdx.x * COLUMN_TILE + threadIdx.x;
     int r0, r1;
     split_rows(rows, &r0, &r1);
-    double acc = 0.0;
+    double acc[1] = {0.0};
     if (col < cols)
-        for (int r = r0 + threadIdx.y; r < r1; r += COLUMN_ROWS) acc += load_as_float(x, (long long)r * cols + col);
-    finish_columns(acc, y, partial, col, cols);
+        for (int r = r0 + threadIdx.y; r < r1; r += COLUMN_ROWS) acc[0] += load_as_float(x, (long long)r * cols + col);
+    finish_columns<1>(acc, y, partial, col, cols);
 }
 
 // y[b] = sum over a, c of x[a, b, c] for x viewed as (outer, mid, inner): blocks (b, s) sum
@@ -123,28 +128,46 @@ __global__ void reduce_sum_strided_kernel(const T* x, T* y, int n,
 }
 
 // dz = dy * act'(saved) (kind ACT_NONE: dz = dy) and db = dz summed over rows, in one pass.
-// Same (32, 16) column layout as reduce_sum_columns_kernel. In bf16, db sums the float32 dz
-// before dz is rounded for its store (the numpy emulation's order: dz.sum(0) of the float32
+// The (32, 16) column layout of reduce_sum_columns_kernel, each thread owning VEC adjacent
+// columns: VEC 4 moves 4 elements a load (cols % 4 == 0, arrays aligned to 4 elements), which a
+// bf16 input needs to approach the memory bandwidth (a warp's row segment is 64 bytes with one
+// element a thread). Each column's sum keeps its order whatever VEC. In bf16, db sums the float32
+// dz before dz is rounded for its store (the numpy emulation's order: dz.sum(0) of the float32
 // dz, both rounded when the node finishes).
-template <typename T>
+template <typename T, int VEC>
 __global__ void __launch_bounds__(512)
 act_bias_backward_kernel(const T* dy, const T* saved, T* dz, T* db, double* partial, int rows,
                          int cols, int kind, float slope) {
-    const int col = blockIdx.x * COLUMN_TILE + threadIdx.x;
+    const int col = (blockIdx.x * COLUMN_TILE + threadIdx.x) * VEC;
     int r0, r1;
     split_rows(rows, &r0, &r1);
-    double acc = 0.0;
+    double acc[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[j] = 0.0;
     if (col < cols) {
         for (int r = r0 + threadIdx.y; r < r1; r += COLUMN_ROWS) {
             const long long i = (long long)r * cols + col;
-            const float d = load_as_float(dy, i);
-            const float v = kind == ACT_NONE
-                ? d : __fmul_rn(d, act_derivative(load_as_float(saved, i), kind, slope));
-            store_from_float(dz, i, v);
-            acc += v;
+            float d[VEC], v[VEC];
+            if constexpr (VEC == 4) load4_as_float(dy, i, d);
+            else d[0] = load_as_float(dy, i);
+            if (kind == ACT_NONE) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) v[j] = d[j];
+            } else {
+                float x[VEC];
+                if constexpr (VEC == 4) load4_as_float(saved, i, x);
+                else x[0] = load_as_float(saved, i);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j)
+                    v[j] = __fmul_rn(d[j], act_derivative(x[j], kind, slope));
+            }
+            if constexpr (VEC == 4) store4_from_float(dz, i, v);
+            else store_from_float(dz, i, v[0]);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) acc[j] += v[j];
         }
     }
-    finish_columns(acc, db, partial, col, cols);
+    finish_columns<VEC>(acc, db, partial, col, cols);
 }
 
 // One row of the device table built once per node by launchers.global_norm_forward.
