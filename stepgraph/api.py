@@ -25,6 +25,8 @@ from .compile.guard import (COUNTERS_KEY, GUARD_PREFIX, HISTORY_FLAG_KEY, GuardM
                             check_policy, label_check)
 from .compile.history import HISTORY_PREFIX, LossHandle
 from .compile.layout import resolve_memory_format
+from .compile.overlap import check_option as check_overlap_option
+from .compile.overlap import resolve as resolve_overlap
 from .compile.plan import Plan, make_plan
 from .distributed.buckets import cap_bytes_of
 from .errors import BackendUnavailableError, StateDictError
@@ -145,14 +147,25 @@ class TrainStep(_CompiledModel):
     the autotuner also pick cuDNN plans that accumulate with atomics (what PyTorch does with
     cudnn.deterministic off): often faster weight gradients, results that vary in the last
     bits between runs (a captured graph then no longer equals eager bit for bit).
+
+    overlap_update ("auto", True or False; compile/overlap.py): the optimizer's update split
+    into buckets of parameters, each updated as soon as its gradients are final and nothing
+    later in the step reads the old values, on CUDA on a second stream beside the rest of the
+    backward pass (inside the same graph), joined before the step ends; the results are the
+    same bits as the one update after the backward pass. It needs on_bad_batch="ignore", no
+    gradient clipping (max_grad_norm None) and no data parallelism. "auto" (default): on for
+    CUDA where it applies and the parameters make more than one bucket; True: on, or a
+    PlanError saying why it cannot apply (on the CPU the buckets run in program order);
+    False: off.
     """
 
     mode = TRAIN
 
     def __init__(self, model, loss, optimizer, example_inputs, device="cpu", graph=None,
                  seed=0, precision="fp32", on_bad_batch="raise", distributed=False,
-                 memory_format="auto", deterministic=True):
+                 memory_format="auto", deterministic=True, overlap_update="auto"):
         self.on_bad_batch = check_policy(on_bad_batch)
+        self.overlap_update = check_overlap_option(overlap_update)
         self.data_parallel, self.group = _data_parallel(distributed)
         super().__init__(model, example_inputs, device, graph, precision, with_target=True,
                          memory_format=memory_format, deterministic=deterministic)
@@ -184,7 +197,7 @@ class TrainStep(_CompiledModel):
             dp = self.data_parallel
             graph = average_gradients(graph, self.group.id, self.group.world_size,
                                       cap_bytes_of(dp.bucket_cap_mb), dp.strategy)
-        return make_plan(graph)
+        return make_plan(resolve_overlap(self.overlap_update, graph, self.device))
 
     def _broadcast_parameters(self) -> None:
         """Rank 0's parameters and buffers on every rank: NCCL on CUDA, the store on the CPU."""
@@ -351,7 +364,8 @@ _train_cache: "weakref.WeakKeyDictionary[Module, dict]" = weakref.WeakKeyDiction
 def compile_train_step(model: Module, loss, optimizer, example_inputs, device: str = "cpu",
                        graph: bool | None = None, seed: int = 0, precision: str = "fp32",
                        on_bad_batch: str = "raise", distributed=False,
-                       memory_format: str = "auto", deterministic: bool = True) -> TrainStep:
+                       memory_format: str = "auto", deterministic: bool = True,
+                       overlap_update: bool | str = "auto") -> TrainStep:
     """Compile forward + loss + backward + optimizer update into one callable step.
 
     Compiling the same model, loss and optimizer with the same options again returns the same
@@ -362,16 +376,17 @@ def compile_train_step(model: Module, loss, optimizer, example_inputs, device: s
     processes of a data-parallel run inside the step (TrainStep's docstring).
     memory_format ("auto", "channels_last", "contiguous") and deterministic (default True):
     the device layout of the image tensors and whether nondeterministic cuDNN plans may run
-    (TrainStep's docstring).
+    (TrainStep's docstring). overlap_update ("auto", True, False): whether the optimizer's
+    update overlaps the backward pass (TrainStep's docstring).
     """
     key = (id(loss), id(optimizer), signature_of(_input_names(len(example_inputs), True),
                                                  example_inputs), device, graph, seed, precision,
-           on_bad_batch, distributed, memory_format, deterministic)
+           on_bad_batch, distributed, memory_format, deterministic, overlap_update)
     per_model = _train_cache.setdefault(model, {})
     step = per_model.get(key)
     if step is None or step.optimizer is not optimizer:
         step = TrainStep(model, loss, optimizer, example_inputs, device, graph, seed, precision,
-                         on_bad_batch, distributed, memory_format, deterministic)
+                         on_bad_batch, distributed, memory_format, deterministic, overlap_update)
         per_model[key] = step
     return step
 

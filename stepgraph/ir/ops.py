@@ -446,7 +446,9 @@ def _sgd_update(ins, attrs):
     when attrs copy_dims gives dims (not None) and viewed with the copy's shape (a conv
     weight's channels-last copy (O, kh, kw, C/groups)). With attrs guard, the
     last input is a guard's flags (ops/guard.py): nothing is written when flags[1]
-    (FLAG_SKIP) is set."""
+    (FLAG_SKIP) is set. attrs update_stream (compile/overlap.py: one bucket of a step's
+    parameters, placed inside the backward pass): on a backend with streams it runs beside the
+    nodes after it, until the next update_join; the results are the same."""
     return []
 
 
@@ -455,4 +457,12 @@ def _adam_update(ins, attrs):
     """PyTorch Adam (decoupled=False) or AdamW (decoupled=True) over every parameter.
     ins = lr, step[, norm], params, grads, exp_avg, exp_avg_sq[, bf16 weight copies][, guard
     flags] (as sgd_update)."""
+    return []
+
+
+@defop("update_join")
+def _update_join(ins, attrs):
+    """Wait until every update with attrs update_stream before it has finished. ins: the
+    temporaries those updates read (gradients, lr), read by nothing; listed so that their
+    memory stays untouched until here."""
     return []

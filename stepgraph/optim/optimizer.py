@@ -1,8 +1,9 @@
 """The optimizer base: appends the update of every parameter to the step's graph as ops.
 
 Per step: step_increment, lr_schedule, (global_norm when clipping), then ONE multi-tensor
-update op over every parameter. The step counter, the LR schedule and the per-parameter
-slots (momentum, Adam moments) are graph state living in device memory.
+update op over every parameter (compile/overlap.py may later split it into buckets that
+overlap the backward pass). The step counter, the LR schedule and the per-parameter slots
+(momentum, Adam moments) are graph state living in device memory.
 
 Parameter groups (PyTorch's: [{"params": [...], "weight_decay": 0.1}, {"params": [...],
 "lr": ...}]) stay one update op: its attrs then hold the per-group hyperparameters as

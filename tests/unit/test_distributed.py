@@ -475,7 +475,7 @@ def test_cuda_all_reduce_forks_and_joins_the_communication_stream(monkeypatch, s
     pytest.importorskip("cupy")
     from types import SimpleNamespace
 
-    from stepgraph.backends.cuda import collective
+    from stepgraph.backends.cuda import collective, side_stream
     from stepgraph.distributed import group as group_module
     from stepgraph.ir.graph import Node
 
@@ -485,6 +485,7 @@ def test_cuda_all_reduce_forks_and_joins_the_communication_stream(monkeypatch, s
                            groupStart=lambda: calls.append(("groupStart",)),
                            groupEnd=lambda: calls.append(("groupEnd",)))
     monkeypatch.setattr(collective, "cp", cp)
+    monkeypatch.setattr(side_stream, "cp", cp)      # the communication stream and events
     monkeypatch.setattr(collective, "_nccl", lambda: nccl)
     monkeypatch.setattr(collective, "_check", lambda *a, **k: None)
     monkeypatch.setattr(collective, "_kernel", lambda file, name: (

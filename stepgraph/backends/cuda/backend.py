@@ -19,10 +19,12 @@ from ...ir.graph import storage_dtype
 from ..base import Backend
 from . import nvmath_bindings
 
-# Modules of this package whose IMPLS tables (op -> impl) make up the backend's op table.
-IMPL_MODULES = ("launchers", "linear", "conv", "broadcast", "softmax", "norm", "pool",
-                "pointwise", "guards", "embedding", "layer_norm", "bmm", "shape", "collective",
-                "cast", "attention")
+# Modules of this package whose IMPLS tables (op -> impl) make up the backend's op table; a
+# later module's entry replaces an earlier one's (update_stream's optimizer updates, which
+# fork onto the update stream, replace launchers' plain ones).
+IMPL_MODULES = ("launchers", "update_stream", "linear", "conv", "broadcast", "softmax", "norm",
+                "pool", "pointwise", "guards", "embedding", "layer_norm", "bmm", "shape",
+                "collective", "cast", "attention")
 
 
 

@@ -1,11 +1,12 @@
 """Launchers of the collective ops (ops/collective.py) through NCCL (cupy.cuda.nccl), and the
 parameter broadcast of a data-parallel step; kernels in kernels/collective.cu.
 
-A bucket's all_reduce is forked onto the context's communication stream: an event recorded on
-ctx.stream at this point of the step, waited for by the communication stream, then the copies
-and the NCCL call there, then an event that the next all_reduce_join makes ctx.stream wait
-for. Captured, the two streams become two branches of the step's one CUDA graph, joined before
-the optimizer; the backward kernels after the fork run beside the all-reduce.
+A bucket's all_reduce is forked onto the context's communication stream (side_stream.py):
+an event recorded on ctx.stream at this point of the step, waited for by the communication
+stream, then the copies and the NCCL call there, then an event that the next all_reduce_join
+makes ctx.stream wait for. Captured, the two streams become two branches of the step's one
+CUDA graph, joined before the optimizer; the backward kernels after the fork run beside the
+all-reduce.
 
 Nothing is allocated while capturing: the communication stream is made at the first eager
 call (ctx.extras), each bucket's events, flat buffer and copy tables are node memory made at
@@ -14,7 +15,6 @@ communicator when the step is compiled (the parameter broadcast).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import cupy as cp  # imports without a GPU; kernels compile at their first launch
@@ -24,6 +24,7 @@ from ...distributed.group import lookup_group
 from ...errors import CaptureError, ShapeError
 from .launchers import (BLOCK, UPDATE_CHUNK, _buffers_key, _capturing, _check, _chunk_jobs,
                         _kernel, _node_memory)
+from .side_stream import fork_events, forked, join
 
 NCCL_DTYPES = {"float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64", "int32": "NCCL_INT32",
                "int64": "NCCL_INT64", "uint8": "NCCL_UINT8"}
@@ -47,24 +48,6 @@ def _nccl_dtype(nccl, array) -> int:
     return getattr(nccl, name)
 
 
-@dataclass
-class CommStream:
-    """The communication stream of a context, and the all-reduce not yet joined."""
-
-    stream: Any
-    pending: Any = None       # the event recorded after the last all_reduce of this step
-
-
-def comm_stream(ctx) -> CommStream:
-    streams = ctx.extras.get(EXTRAS_KEY)
-    if streams is None:
-        if _capturing(ctx):
-            raise CaptureError("all_reduce: its communication stream is made at the first "
-                               "eager run; run the step eagerly once before capturing")
-        streams = ctx.extras[EXTRAS_KEY] = CommStream(cp.cuda.Stream(non_blocking=True))
-    return streams
-
-
 def _communicator(group, ctx):
     if not group.has_nccl and _capturing(ctx):
         raise CaptureError("all_reduce: the NCCL communicator is made when the step is "
@@ -77,7 +60,7 @@ def _launch_on(stream, name: str, args: tuple, blocks: int) -> None:
 
 
 def _bucket_memory(ins, outs, flat: bool) -> dict:
-    memory = dict(fork=cp.cuda.Event(disable_timing=True), done=cp.cuda.Event(disable_timing=True))
+    memory = fork_events()
     if flat:
         sizes = [a.size for a in ins]
         offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
@@ -109,14 +92,19 @@ def all_reduce_mean(ctx, node, ins: list, outs: list) -> None:
                                         cp.cuda.runtime.memcpyDeviceToDevice, ctx.stream.ptr)
         return
     nccl = _nccl()
-    comm, streams = _communicator(group, ctx), comm_stream(ctx)
+    comm = _communicator(group, ctx)
     flat = node.attrs.get("strategy", "flat") == "flat" and len(ins) > 1 \
         and ins[0].dtype == np.float32
     memory = _node_memory(node, ("all_reduce", flat) + _buffers_key(ins + outs), ctx,
                           lambda: _bucket_memory(ins, outs, flat))
-    stream, dtype = streams.stream, _nccl_dtype(nccl, ins[0])
-    memory["fork"].record(ctx.stream)
-    stream.wait_event(memory["fork"])
+    dtype = _nccl_dtype(nccl, ins[0])
+    with forked(ctx, EXTRAS_KEY, "all_reduce", memory) as stream:
+        _issue_all_reduce(nccl, comm, stream, dtype, memory, ins, outs, flat)
+
+
+def _issue_all_reduce(nccl, comm, stream, dtype: int, memory: dict, ins: list, outs: list,
+                      flat: bool) -> None:
+    """The bucket's all-reduce on `stream` (all_reduce_mean)."""
     if len(ins) == 1:
         comm.allReduce(ins[0].data.ptr, outs[0].data.ptr, ins[0].size, dtype, nccl.NCCL_AVG,
                        stream.ptr)
@@ -132,8 +120,6 @@ def all_reduce_mean(ctx, node, ins: list, outs: list) -> None:
         _grouped(nccl, lambda: [comm.allReduce(a.data.ptr, o.data.ptr, a.size, dtype,
                                                nccl.NCCL_AVG, stream.ptr)
                                 for a, o in zip(ins, outs)])
-    memory["done"].record(stream)
-    streams.pending = memory["done"]
 
 
 def _grouped(nccl, issue: Callable[[], Any]) -> None:
@@ -146,10 +132,7 @@ def _grouped(nccl, issue: Callable[[], Any]) -> None:
 
 def all_reduce_join(ctx, node) -> None:
     """ctx.stream waits for the all-reduces issued since the last join."""
-    streams = ctx.extras.get(EXTRAS_KEY)
-    if streams is not None and streams.pending is not None:
-        ctx.stream.wait_event(streams.pending)
-        streams.pending = None
+    join(ctx, EXTRAS_KEY)
 
 
 def all_reduce_max(ctx, node, ins: list) -> None:

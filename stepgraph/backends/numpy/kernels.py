@@ -525,3 +525,8 @@ def adam_update(node: Node, ins, outs, ctx):
         denom = np.sqrt(v) / t(bc2_sqrt) + t(a["eps"])
         p -= t(step_size) * (m / denom)
     _write_weight_copies(node, ins)
+
+
+@impl("update_join")
+def update_join(node: Node, ins, outs, ctx):
+    """The updates before it ran in program order: nothing to wait for."""

@@ -45,7 +45,9 @@ def prepare_graph(spec: RunSpec) -> PreparedStep:
 
 def prepare_graph_unguarded(spec: RunSpec) -> PreparedStep:
     """stepgraph graph with on_bad_batch="ignore": no device-side guard in the step, so that
-    the guard's cost (the default rows run with "raise") is measured beside it."""
+    the guard's cost (the default rows run with "raise") is measured beside it. Without the
+    guard, overlap_update="auto" also lets the update overlap the backward pass where it
+    applies (no clipping, more than one bucket: compile/overlap.py); the row's notes say so."""
     if spec.device != "cuda":
         raise Unsupported("graph mode needs the cuda backend")
     return _prepare(spec, graph=True, on_bad_batch="ignore")
@@ -199,10 +201,13 @@ def _prepare(spec: RunSpec, graph: bool, on_bad_batch: str = "raise") -> Prepare
         batches.clear()
         _release(spec.device)
 
-    nhwc = any(node.attrs.get("layout") == "NHWC"
-               for node, _, _ in step.executable(step.signature).calls)
+    calls = step.executable(step.signature).calls
+    nhwc = any(node.attrs.get("layout") == "NHWC" for node, _, _ in calls)
     notes = [f"graph={graph}", f"layout={'NHWC' if nhwc else 'NCHW'}", init_note,
              f"on_bad_batch={on_bad_batch}"]
+    overlapped = sum(bool(node.attrs.get("update_stream")) for node, _, _ in calls)
+    if overlapped:
+        notes.append(f"update overlapping the backward in {overlapped} buckets")
     if not deterministic:
         notes.append("deterministic=False")
     return PreparedStep(run_step, _synchronizer(spec.device), lambda loss: float(loss), memory,
