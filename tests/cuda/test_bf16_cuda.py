@@ -117,8 +117,10 @@ def test_act_bias_grad(backend, ctx, kind, rows, cols, request):
     dy, saved = bits(rng, rows, cols), bits(rng, rows, cols, scale=2.0)
     node = node_of("act_bias_grad", [dy, saved], [BF16, BF16], kind=kind, slope=0.01)
     (dz_ref, db_ref), (dz, db), _, _ = run_both(backend, ctx, node, [dy, saved])
-    if kind == "gelu":     # float32 normcdff vs the reference's float64 erf
-        assert_bf16_within(dz, dz_ref, what="dz")
+    if kind == "gelu":     # float32 normcdff vs the reference's float64 erf: within one ulp
+        # but in the far tails (|dz| ~ 1e-16 and below, 16 of 1.5M elements measured on an
+        # H200), where float32's exp carries a larger relative error
+        assert_bf16_within(dz, dz_ref, atol=1e-12, what="dz")
     else:                  # one float32 product, rounded once: the same bits
         np.testing.assert_array_equal(dz, dz_ref)
     # db: float64 column sums of the float32 dz vs numpy's float32 pairwise sums.

@@ -113,7 +113,8 @@ def test_vision_workloads_and_options_parse():
     assert spec.compile_modes == config.compile_modes
     default = harness.parse_config([])
     assert default.workloads == list(wl.DEFAULT_WORKLOADS)
-    assert default.compile_modes == ("reduce-overhead", "default")
+    assert default.compile_modes == ("reduce-overhead", "default",
+                                     "reduce-overhead+compiled-autograd")
     assert harness.output_stem(config) == "bench_resnet-convnet_fp32-tf32"
 
 
@@ -288,6 +289,16 @@ def test_torch_compile_search_stops_when_its_budget_is_spent(monkeypatch):
     spec.device = "cuda"
     best, notes = tc._search(spec, "NCHW", lambda: None)
     assert best.mode == "reduce-overhead" and "default skipped (search budget" in notes[-1]
+    assert "reduce-overhead+compiled-autograd skipped" in notes[-1]
+
+
+def test_torch_compile_mode_names_say_compiled_autograd():
+    pytest.importorskip("torch")
+    from stepgraph.bench.peers import torch_compile as tc
+    assert tc._split_mode("reduce-overhead+compiled-autograd") == ("reduce-overhead", True)
+    assert tc._split_mode("default") == ("default", False)
+    assert tc._describe("default+compiled-autograd") == ('torch.compile(mode="default") '
+                                                         "with compiled autograd")
 
 
 def test_torch_compile_keeps_no_cuda_graph_output_across_steps(monkeypatch):
@@ -330,6 +341,38 @@ def test_torch_compile_keeps_no_cuda_graph_output_across_steps(monkeypatch):
     buffers = len(list(training.model.parameters()))  # one momentum buffer each, made in step 1
     assert marks == [0, buffers, 0, 0]  # one mark per step
     assert losses == expected
+
+
+@pytest.mark.parametrize("workload", ["mlp", "cnn"])
+def test_torch_compile_with_compiled_autograd_trains_like_eager(workload):
+    """The "+compiled-autograd" mode on the CPU: the backward goes through compiled autograd
+    (captured once, not per step), the losses are eager's (Inductor's dropout made eager's own
+    with fallback_random), and compiled autograd is off again after the steps, for the other
+    candidates and peers: a later eager backward is not captured."""
+    torch = pytest.importorskip("torch")
+    peer_or_skip("torch compile")
+    from torch._dynamo import compiled_autograd
+    from torch._dynamo.utils import counters
+
+    from stepgraph.bench.peers import torch_compile as tc
+    from stepgraph.bench.peers import torch_eager as te
+    spec = harness.make_spec(wl.get_workload(workload, tiny=True), "fp32", bench_config())
+    batches = te.device_batches(spec)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        with torch._inductor.config.patch(fallback_random=True):
+            candidate = tc._compile(spec, "reduce-overhead+compiled-autograd", "NCHW")
+            losses = [float(candidate.run_step(i % len(batches)).detach()) for i in range(3)]
+    finally:
+        torch._dynamo.reset()
+    assert counters["compiled_autograd"]["captures"] == 1
+    assert not compiled_autograd.compiled_autograd_enabled
+    assert not torch._dynamo.config.compiled_autograd and torch._C._is_multithreading_enabled()
+    eager = te.eager_step(te.build_training(spec, "NCHW"), spec.precision, spec.device)
+    expected = [float(eager(*batches[i % len(batches)]).detach()) for i in range(3)]
+    assert counters["compiled_autograd"]["captures"] == 1  # eager's backward was not captured
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
 
 
 def test_torch_memory_format_is_measured_once_and_shared(monkeypatch):

@@ -26,9 +26,12 @@ class PeerTimeout(BaseException):
 
 
 # "max-autotune-no-cudagraphs" is left out by default: its Triton autotuning of every GEMM and
-# conv shape takes minutes on the vision workloads (docs/BENCHMARKS.md).
-DEFAULT_COMPILE_MODES = ("reduce-overhead", "default")
-COMPILE_MODES = ("reduce-overhead", "default", "max-autotune-no-cudagraphs", "max-autotune")
+# conv shape takes minutes on the vision workloads (docs/BENCHMARKS.md). A mode ending in
+# "+compiled-autograd" is that torch.compile mode with the backward run by compiled autograd
+# (torch_compile.py); tried last, so the search budget cuts it first.
+DEFAULT_COMPILE_MODES = ("reduce-overhead", "default", "reduce-overhead+compiled-autograd")
+COMPILE_MODES = ("reduce-overhead", "default", "max-autotune-no-cudagraphs", "max-autotune",
+                 "reduce-overhead+compiled-autograd", "default+compiled-autograd")
 
 
 @dataclass

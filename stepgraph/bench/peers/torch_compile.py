@@ -15,9 +15,16 @@ parameter, gradient and state tensor, where eager runs one fused AdamW/SGD kerne
 stays host-bound (docs/BENCHMARKS.md). The optimizer is foreach (Inductor writes its own fused
 update kernels), capturable on CUDA so its step counter lives on the device inside the graph.
 
-Modes: spec.compile_modes (default "reduce-overhead" then "default", see peers/__init__.py). The
-search stops once SEARCH_BUDGET_S is spent, and the mode that wins on a workload's first
-precision is reused for its other precisions (one compile each instead of one per mode).
+Compiled autograd (a mode ending in COMPILED_AUTOGRAD) does not remove the break at
+`loss.backward()`: the autograd engine traces the backward it runs (the AOT backward and the
+gradient accumulation) into a graph of its own, compiled in the step's mode, so the step is still
+three compiled regions, the backward's reached through a cache lookup on the autograd graph
+(docs/BENCHMARKS.md). Whether that is faster is measured, like the modes.
+
+Modes: spec.compile_modes (default "reduce-overhead", "default", then
+"reduce-overhead+compiled-autograd", see peers/__init__.py). The search stops once
+SEARCH_BUDGET_S is spent, and the mode that wins on a workload's first precision is reused for its
+other precisions (one compile each instead of one per mode).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from stepgraph.bench.peers.torch_eager import (
 )
 
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+COMPILED_AUTOGRAD = "+compiled-autograd"  # suffix of a mode: its backward under compiled autograd
 SEARCH_BUDGET_S = 120.0  # no further mode is compiled once the search has taken this long
 PROBE_SECONDS = 0.3  # timed per mode, after its compile and CUDA graph recording steps
 PROBE_SETUP_STEPS = 3  # cudagraph trees warm up on call 1, record on call 2, replay from 3
@@ -63,13 +71,50 @@ class _Candidate:
     us: float = float("inf")
 
 
+def _split_mode(mode: str) -> tuple[str, bool]:
+    """(the torch.compile mode, whether the backward runs under compiled autograd)."""
+    return mode.removesuffix(COMPILED_AUTOGRAD), mode.endswith(COMPILED_AUTOGRAD)
+
+
+def _describe(mode: str) -> str:
+    torch_mode, compiled_autograd = _split_mode(mode)
+    suffix = " with compiled autograd" if compiled_autograd else ""
+    return f'torch.compile(mode="{torch_mode}"){suffix}'
+
+
 def _compile(spec: RunSpec, mode: str, layout: str) -> _Candidate:
+    torch_mode, compiled_autograd = _split_mode(mode)
     training = build_training(spec, layout, capturable=spec.device == "cuda")
-    train_step = torch.compile(training.step_body(spec.precision, spec.device), mode=mode)
+    train_step = torch.compile(training.step_body(spec.precision, spec.device), mode=torch_mode)
+    if compiled_autograd:
+        train_step = _with_compiled_autograd(train_step, torch_mode)
     batches = device_batches(spec, layout)
-    cuda_graphs = spec.device == "cuda" and mode in CUDA_GRAPH_MODES
+    cuda_graphs = spec.device == "cuda" and torch_mode in CUDA_GRAPH_MODES
     return _Candidate(mode, _step_runner(train_step, training.optimizer, batches, cuda_graphs),
                       batches.clear)
+
+
+def _with_compiled_autograd(train_step, torch_mode: str):
+    """train_step with its `loss.backward()` run by compiled autograd, the backward graph
+    compiled in the step's own mode (so under reduce-overhead it is a CUDA graph too).
+
+    Enabled around each step by the context manager of PyTorch's compiled autograd tutorial
+    (`compiled_autograd._enable` in torch 2.13), which PyTorch's own benchmark suite uses too
+    (`torch._dynamo.utils.maybe_enable_compiled_autograd`), rather than by the tutorial's other
+    way, `torch._dynamo.config.compiled_autograd = True` before torch.compile: with that flag
+    every call of the compiled step rebuilds the torch.compile context for the backward (a copy
+    of Inductor's whole config), 0.4-1.1 ms more a step on a CPU. Scoped to the step, compiled
+    autograd stays off for the other candidates and peers. dynamic=False: the shapes never
+    change (what the flag's path passes too, Dynamo's shapes being static by default)."""
+    from torch._dynamo import compiled_autograd
+
+    compile_backward = torch.compile(mode=torch_mode)  # torch.compile(model=None): a compiler
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with compiled_autograd._enable(compile_backward, dynamic=False):
+            return train_step(x, y)
+
+    return step
 
 
 def _step_runner(train_step, optimizer: torch.optim.Optimizer, batches, cuda_graphs: bool):
@@ -159,7 +204,7 @@ def _search(spec: RunSpec, layout: str, synchronize) -> tuple[_Candidate, list[s
         raise last_error or RuntimeError("no torch.compile mode to try")
     if len(modes) > 1:
         _chosen_modes[spec.workload.name] = best.mode
-    notes.append(f'torch.compile(mode="{best.mode}") on the whole step'
+    notes.append(f"{_describe(best.mode)} on the whole step"
                  + ("; tried: " + "; ".join(tried) if tried else ""))
     return best, notes
 
@@ -177,7 +222,7 @@ def prepare(spec: RunSpec) -> PreparedStep:
     best, search_notes = _search(spec, layout, synchronize)
     notes += search_notes + [f"memory format {layout}; optimizer foreach, capturable on CUDA"]
     skips = counters["inductor"]["cudagraph_skips"] - skips_before
-    if skips and spec.device == "cuda" and best.mode in CUDA_GRAPH_MODES:
+    if skips and spec.device == "cuda" and _split_mode(best.mode)[0] in CUDA_GRAPH_MODES:
         notes.append(f"Inductor skipped CUDA graphs {skips} time(s) "
                      "(TORCH_LOGS=perf_hints says why)")
 
