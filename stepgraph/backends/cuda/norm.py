@@ -63,20 +63,10 @@ class Layout:
         """Elements per channel (M)."""
         return self.n * self.inner
 
-    @property
-    def across(self) -> int:
-        """Threads across the channels of a columns block (blockDim.x): COLUMN_TILE of one
-        channel each, or with vec 4 as many packs as C holds, up to COLUMN_TILE."""
-        return COLUMN_TILE if self.vec == 1 else min(COLUMN_TILE, self.c // 4)
-
-    @property
-    def column_blocks(self) -> int:
-        return -(-self.c // (self.across * self.vec))
-
     def _splits(self, target: int, minimum: int) -> tuple[int, int]:
         """(splits, per) of each channel's packs (planes) or rows (columns)."""
         if self.columns:
-            work, blocks = self.n, self.column_blocks
+            work, blocks = self.n, -(-self.c // COLUMN_TILE)
         else:
             work, blocks = self.n * self.inner // self.vec, self.c
         splits = max(1, min(-(-work // minimum), target // blocks))
@@ -93,8 +83,8 @@ class Layout:
 
 
 def _layout(op: str, x, arrays) -> Layout:
-    """The layout of x (rank >= 2); vec 4 when inner % 4 == 0 (planes) or C % 4 == 0
-    (columns) and every array is 16-byte aligned (each pack of four then is one load)."""
+    """The layout of x (rank >= 2); vec 4 when inner % 4 == 0 and every array is 16-byte
+    aligned (each (n, c) row then starts on a float4)."""
     if x.ndim < 2:
         raise ShapeError(f"{op}: input must be (N, C, ...), got {tuple(x.shape)}")
     n, c = x.shape[:2]
@@ -103,7 +93,7 @@ def _layout(op: str, x, arrays) -> Layout:
         raise ShapeError(f"{op}: no elements per channel in input {tuple(x.shape)}")
     _check_int32(op, x.size)
     columns = inner == 1 and c >= COLUMN_MIN_CHANNELS
-    vec = 4 if (c if columns else inner) % 4 == 0 and _aligned(*arrays) else 1
+    vec = 4 if not columns and inner % 4 == 0 and _aligned(*arrays) else 1
     return Layout(n, c, inner, columns, vec)
 
 
@@ -113,8 +103,9 @@ KINDS = ("stats", "forward", "grad_stats", "backward")    # the passes of norm.c
 def pass_kernel(kind: str, layout: Layout, ctype: str = "float") -> str:
     """The norm.cu kernel of pass `kind` (KINDS) in `layout`, for activations of C type
     `ctype` (ACTIVATION_CTYPES)."""
-    vec4 = "_vec4" if layout.vec == 4 else ""
-    return f"batch_norm_{kind}_{'columns' if layout.columns else 'planes'}{vec4}_kernel<{ctype}>"
+    if layout.columns:
+        return f"batch_norm_{kind}_columns_kernel<{ctype}>"
+    return f"batch_norm_{kind}_planes{'_vec4' if layout.vec == 4 else ''}_kernel<{ctype}>"
 
 
 def _launch_pass(ctx, kind: str, layout: Layout, splits: tuple[int, int], block_rows: int,
@@ -124,10 +115,9 @@ def _launch_pass(ctx, kind: str, layout: Layout, splits: tuple[int, int], block_
     shape arguments."""
     n_splits, per = splits
     name = pass_kernel(kind, layout, ctype)
-    if layout.columns:     # blocks of COLUMN_TILE x block_rows threads, however many across
-        across = layout.across
-        _launch(ctx, SOURCE, name, (layout.column_blocks, n_splits),
-                (across, block_rows * COLUMN_TILE // across),
+    if layout.columns:
+        _launch(ctx, SOURCE, name, (-(-layout.c // COLUMN_TILE), n_splits),
+                (COLUMN_TILE, block_rows),
                 arrays + (np.int32(layout.n), np.int32(layout.c), np.int32(per)))
     else:
         inner = layout.inner // layout.vec
@@ -302,7 +292,7 @@ def kernel_names() -> dict[str, set[str]]:
     for kind in KINDS:
         for _, ctype in ACTIVATION_CTYPES.values():
             names |= {pass_kernel(kind, Layout(1, 1, 4, columns, vec), ctype)
-                      for columns in (False, True) for vec in (1, 4)}
+                      for columns, vec in ((False, 1), (False, 4), (True, 1))}
     return {SOURCE: names}
 
 

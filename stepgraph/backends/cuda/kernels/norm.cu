@@ -8,8 +8,7 @@
 //   3. an elementwise pass over x with the channel's finished values.
 // Two layouts: "planes" (a block per channel and split of its N * inner elements, threads
 // along inner; float4 packs when inner % 4 == 0 and the pointers are 16-byte aligned) and
-// "columns" (inner == 1, x (N, C): 32 channels per block, threadIdx.x along C, coalesced; four
-// channels a thread when C % 4 == 0 and the pointers are 16-byte aligned, the _vec4 kernels).
+// "columns" (inner == 1, x (N, C): 32 channels per block, threadIdx.x along C, coalesced).
 // Launchers keep sizes < 2^31.
 // The kernels are templates over the storage T of x, y, dy and dx: float, or unsigned short
 // (bfloat16 bits, bf16.cuh), widened on load and rounded to nearest even once on store; the
@@ -83,24 +82,6 @@ __device__ __forceinline__ void walk_column(int N, int C, int per, F f) {
     for (long long r = r0 + threadIdx.y; r < r1; r += blockDim.y) f(r * C + c);
 }
 
-// Columns layout with four channels a thread (C % 4 == 0, arrays 16-byte aligned): thread x
-// owns channels c0 .. c0 + 3, c0 = vec_channel(), and moves them in one load (a float4, or four
-// bf16 in 8 bytes): with one channel a thread a warp had one 4-byte (or 2-byte) load in flight
-// per row, too few bytes to keep the memory busy. blockDim.x = min(32, C / 4) threads across
-// (a C = 64 row is 16 threads' packs); calls f(pack index) for rows as walk_column does.
-__device__ __forceinline__ int vec_channel() {
-    return (blockIdx.x * blockDim.x + threadIdx.x) * 4;
-}
-
-template <typename F>
-__device__ __forceinline__ void walk_column_vec4(int N, int C, int per, F f) {
-    const int c0 = vec_channel();
-    if (c0 >= C) return;
-    const long long r0 = (long long)blockIdx.y * per;
-    const long long r1 = min((long long)N, r0 + per);
-    for (long long r = r0 + threadIdx.y; r < r1; r += blockDim.y) f((r * C + c0) / 4);
-}
-
 // partial[(c * splits + split) * 2 + {0, 1}] = (a, b) summed over the block, planes layout.
 __device__ __forceinline__ void write_plane_partials(double a, double b, double* partial) {
     __shared__ double smem[32];
@@ -130,37 +111,6 @@ __device__ __forceinline__ void write_column_partials(double a, double b, double
     const long long at = ((long long)c * gridDim.y + blockIdx.y) * 2;
     partial[at] = sa;
     partial[at + 1] = sb;
-}
-
-// The same for walk_column_vec4 (blocks of at most 512 threads): each channel's row lanes
-// combined in order y = 0, 1, ...
-#define VEC4_PART_DOUBLES 4608   // 2 * blockDim.y * (4 * blockDim.x + 1) at most (blockDim.x 2)
-__device__ __forceinline__ void write_column_partials_vec4(const double (&a)[4],
-                                                           const double (&b)[4],
-                                                           double* partial, int C) {
-    __shared__ double part[VEC4_PART_DOUBLES];
-    const int width = 4 * blockDim.x + 1;
-    double* pa = part;
-    double* pb = part + blockDim.y * width;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        pa[threadIdx.y * width + threadIdx.x * 4 + j] = a[j];
-        pb[threadIdx.y * width + threadIdx.x * 4 + j] = b[j];
-    }
-    __syncthreads();
-    const int c0 = vec_channel();
-    if (threadIdx.y != 0 || c0 >= C) return;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        double sa = 0.0, sb = 0.0;
-        for (int k = 0; k < (int)blockDim.y; ++k) {
-            sa += pa[k * width + threadIdx.x * 4 + j];
-            sb += pb[k * width + threadIdx.x * 4 + j];
-        }
-        const long long at = ((long long)(c0 + j) * gridDim.y + blockIdx.y) * 2;
-        partial[at] = sa;
-        partial[at + 1] = sb;
-    }
 }
 
 // Channel c's two sums: its splits' partials (write_*_partials) added in split order.
@@ -251,22 +201,6 @@ batch_norm_stats_columns_kernel(const T* x, double* partial, int N, int C, int p
     write_column_partials(s, q, partial, C);
 }
 
-template <typename T>
-__global__ void __launch_bounds__(COLUMN_TILE * STATS_ROWS)
-batch_norm_stats_columns_vec4_kernel(const T* x, double* partial, int N, int C, int per) {
-    double s[4] = {0.0, 0.0, 0.0, 0.0}, q[4] = {0.0, 0.0, 0.0, 0.0};
-    walk_column_vec4(N, C, per, [&](long long at) {
-        const Pack<4> p = load_pack<4>(x, at);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const double v = p.v[k];
-            s[k] += v;
-            q[k] += v * v;
-        }
-    });
-    write_column_partials_vec4(s, q, partial, C);
-}
-
 // One block: each channel's splits added in order; mean, biased var = E[x^2] - mean^2 (float64
 // sums of float32 values: no cancellation at float32 precision), save_mean, save_invstd
 // = 1 / sqrt(var + eps). With running stats (running_mean != nullptr): tracked += 1, m =
@@ -350,29 +284,6 @@ __global__ void batch_norm_forward_columns_kernel(
     });
 }
 
-template <typename T>
-__global__ void batch_norm_forward_columns_vec4_kernel(
-    const T* x, T* y, const float* mean, const float* invstd, const float* weight,
-    const float* bias, int relu, int N, int C, int per) {
-    const int c0 = min(vec_channel(), C - 4);   // loads stay in range
-    const bool affine = weight != nullptr;
-    float mu[4], is[4], w[4], b[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        mu[k] = mean[c0 + k];
-        is[k] = invstd[c0 + k];
-        w[k] = affine ? weight[c0 + k] : 1.f;
-        b[k] = affine ? bias[c0 + k] : 0.f;
-    }
-    walk_column_vec4(N, C, per, [&](long long at) {
-        Pack<4> p = load_pack<4>(x, at);
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-            p.v[k] = bn_output(p.v[k], mu[k], is[k], affine, w[k], b[k], relu);
-        store_pack<4>(y, at, p);
-    });
-}
-
 // ---- batch_norm_grad -----------------------------------------------------------------------
 
 // Partial (sum g, sum g * xhat) per channel and split, g = dy masked by y > 0 (y != nullptr).
@@ -424,31 +335,6 @@ batch_norm_grad_stats_columns_kernel(const T* dy, const T* x, const T* y,
         sx += (double)g * (double)normalised(load_as_float(x, at), mu, is);
     });
     write_column_partials(s, sx, partial, C);
-}
-
-template <typename T>
-__global__ void __launch_bounds__(COLUMN_TILE * STATS_ROWS)
-batch_norm_grad_stats_columns_vec4_kernel(const T* dy, const T* x, const T* y,
-                                          const float* mean, const float* invstd,
-                                          double* partial, int N, int C, int per) {
-    const int c0 = min(vec_channel(), C - 4);
-    float mu[4], is[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        mu[k] = mean[c0 + k];
-        is[k] = invstd[c0 + k];
-    }
-    double s[4] = {0.0, 0.0, 0.0, 0.0}, sx[4] = {0.0, 0.0, 0.0, 0.0};
-    walk_column_vec4(N, C, per, [&](long long at) {
-        const Pack<4> g = masked_dy<4>(dy, y, at);
-        const Pack<4> v = load_pack<4>(x, at);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            s[k] += (double)g.v[k];
-            sx[k] += (double)g.v[k] * (double)normalised(v.v[k], mu[k], is[k]);
-        }
-    });
-    write_column_partials_vec4(s, sx, partial, C);
 }
 
 // Each channel's splits added in order: dweight = sum g * xhat, dbias = sum g (dweight ==
@@ -514,29 +400,5 @@ __global__ void batch_norm_backward_columns_kernel(
     walk_column(N, C, per, [&](long long at) {
         const float g = masked_dy<1>(dy, y, at).v[0];
         store_from_float(dx, at, bn_grad(g, normalised(load_as_float(x, at), mu, is), k, a, b));
-    });
-}
-
-template <typename T>
-__global__ void batch_norm_backward_columns_vec4_kernel(
-    const T* dy, const T* x, const T* y, const float* mean, const float* invstd,
-    const float* coef, T* dx, int N, int C, int per) {
-    const int c0 = min(vec_channel(), C - 4);
-    float mu[4], is[4], k[4], a[4], b[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        mu[j] = mean[c0 + j];
-        is[j] = invstd[c0 + j];
-        k[j] = coef[3 * (c0 + j)];
-        a[j] = coef[3 * (c0 + j) + 1];
-        b[j] = coef[3 * (c0 + j) + 2];
-    }
-    walk_column_vec4(N, C, per, [&](long long at) {
-        Pack<4> g = masked_dy<4>(dy, y, at);
-        const Pack<4> v = load_pack<4>(x, at);
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-            g.v[j] = bn_grad(g.v[j], normalised(v.v[j], mu[j], is[j]), k[j], a[j], b[j]);
-        store_pack<4>(dx, at, g);
     });
 }
