@@ -35,10 +35,9 @@ run_both = functools.partial(helpers.run_both, impls=CUDA_IMPLS)
 
 # ---- batch_norm_train ----------------------------------------------------------------------
 
-# (N, C) over both layouts (columns from 8 channels; four channels a thread where C % 4 == 0,
-# fewer than 32 across for C < 128, a last block of channels part-filled for C = 264),
-# (N, C, L), (N, C, H, W): odd sizes, C = 1, inner % 4 == 0 (float4 packs), and sizes that
-# split a channel over several blocks.
+# (N, C) over both layouts (columns from 8 channels; a last block of channels part-filled for
+# C = 10, 40 and 264), (N, C, L), (N, C, H, W): odd sizes, C = 1, inner % 4 == 0 (float4
+# packs), and sizes that split a channel over several blocks.
 BN_SHAPES = [(6, 5), (7, 1), (16, 40), (5000, 16), (300, 10), (2000, 64), (700, 264),
              (4, 3, 7), (3, 1, 9), (2, 6, 8),
              (2, 3, 5, 5), (8, 16, 4, 4), (1, 2, 50, 50), (4, 2, 64, 64), (64, 3, 33, 33)]
