@@ -72,14 +72,28 @@ __device__ __forceinline__ void walk_channel(int C, int inner, int total, int pe
 
 // Columns layout: calls f(at) for the rows of channel blockIdx.x * 32 + threadIdx.x (if it
 // exists) in split blockIdx.y: rows [s * per, (s + 1) * per), thread row lanes threadIdx.y,
-// + blockDim.y, ...
-template <typename F>
+// + blockDim.y, ..., in that order. For float32 storage four rows a round, so that a thread
+// has four loads in flight (one 4-byte load at a time kept too few bytes moving to fill the
+// memory pipe); the kernels' pointers are __restrict__, so that loads may go ahead of earlier
+// stores. Measured on the resnet step (H200): tf32 6555 -> 6281 µs; bf16 (2-byte loads) 2%
+// slower with four rows a round, 3759 -> 3566 µs with one row and the __restrict__ pointers.
+template <typename T, typename F>
 __device__ __forceinline__ void walk_column(int N, int C, int per, F f) {
     const int c = blockIdx.x * COLUMN_TILE + threadIdx.x;
     if (c >= C) return;
     const long long r0 = (long long)blockIdx.y * per;
     const long long r1 = min((long long)N, r0 + per);
-    for (long long r = r0 + threadIdx.y; r < r1; r += blockDim.y) f(r * C + c);
+    const long long step = blockDim.y;
+    long long r = r0 + threadIdx.y;
+    if constexpr (sizeof(T) == 4) {
+        for (; r + 3 * step < r1; r += 4 * step) {
+            f(r * C + c);
+            f((r + step) * C + c);
+            f((r + 2 * step) * C + c);
+            f((r + 3 * step) * C + c);
+        }
+    }
+    for (; r < r1; r += step) f(r * C + c);
 }
 
 // partial[(c * splits + split) * 2 + {0, 1}] = (a, b) summed over the block, planes layout.
@@ -191,9 +205,10 @@ __global__ void batch_norm_stats_planes_vec4_kernel(const T* x, double* partial,
 // Grid (ceil(C / 32), splits) of (32, STATS_ROWS) threads.
 template <typename T>
 __global__ void __launch_bounds__(COLUMN_TILE * STATS_ROWS)
-batch_norm_stats_columns_kernel(const T* x, double* partial, int N, int C, int per) {
+batch_norm_stats_columns_kernel(const T* __restrict__ x, double* partial, int N, int C,
+                                int per) {
     double s = 0.0, q = 0.0;
-    walk_column(N, C, per, [&](long long at) {
+    walk_column<T>(N, C, per, [&](long long at) {
         const double v = load_as_float(x, at);
         s += v;
         q += v * v;
@@ -273,13 +288,13 @@ __global__ void batch_norm_forward_planes_vec4_kernel(
 // Grid (ceil(C / 32), splits) of (32, rows) threads.
 template <typename T>
 __global__ void batch_norm_forward_columns_kernel(
-    const T* x, T* y, const float* mean, const float* invstd, const float* weight,
-    const float* bias, int relu, int N, int C, int per) {
+    const T* __restrict__ x, T* __restrict__ y, const float* mean, const float* invstd,
+    const float* weight, const float* bias, int relu, int N, int C, int per) {
     const int c = min(blockIdx.x * COLUMN_TILE + threadIdx.x, C - 1);   // loads stay in range
     const float mu = mean[c], is = invstd[c];
     const bool affine = weight != nullptr;
     const float w = affine ? weight[c] : 1.f, b = affine ? bias[c] : 0.f;
-    walk_column(N, C, per, [&](long long at) {
+    walk_column<T>(N, C, per, [&](long long at) {
         store_from_float(y, at, bn_output(load_as_float(x, at), mu, is, affine, w, b, relu));
     });
 }
@@ -323,13 +338,14 @@ __global__ void batch_norm_grad_stats_planes_vec4_kernel(
 
 template <typename T>
 __global__ void __launch_bounds__(COLUMN_TILE * STATS_ROWS)
-batch_norm_grad_stats_columns_kernel(const T* dy, const T* x, const T* y,
-                                     const float* mean, const float* invstd, double* partial,
-                                     int N, int C, int per) {
+batch_norm_grad_stats_columns_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                     const T* __restrict__ y, const float* mean,
+                                     const float* invstd, double* partial, int N, int C,
+                                     int per) {
     const int c = min(blockIdx.x * COLUMN_TILE + threadIdx.x, C - 1);
     const float mu = mean[c], is = invstd[c];
     double s = 0.0, sx = 0.0;
-    walk_column(N, C, per, [&](long long at) {
+    walk_column<T>(N, C, per, [&](long long at) {
         const float g = masked_dy<1>(dy, y, at).v[0];
         s += (double)g;
         sx += (double)g * (double)normalised(load_as_float(x, at), mu, is);
@@ -392,12 +408,13 @@ __global__ void batch_norm_backward_planes_vec4_kernel(
 
 template <typename T>
 __global__ void batch_norm_backward_columns_kernel(
-    const T* dy, const T* x, const T* y, const float* mean, const float* invstd,
-    const float* coef, T* dx, int N, int C, int per) {
+    const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ y,
+    const float* mean, const float* invstd, const float* coef, T* __restrict__ dx, int N, int C,
+    int per) {
     const int c = min(blockIdx.x * COLUMN_TILE + threadIdx.x, C - 1);
     const float mu = mean[c], is = invstd[c];
     const float k = coef[3 * c], a = coef[3 * c + 1], b = coef[3 * c + 2];
-    walk_column(N, C, per, [&](long long at) {
+    walk_column<T>(N, C, per, [&](long long at) {
         const float g = masked_dy<1>(dy, y, at).v[0];
         store_from_float(dx, at, bn_grad(g, normalised(load_as_float(x, at), mu, is), k, a, b));
     });
