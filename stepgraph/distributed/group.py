@@ -216,9 +216,14 @@ class ProcessGroup:
                                    "(part of the cuda extra)")
         key = "nccl/unique_id"
         if self.rank == 0:
-            self.store.set(key, json.dumps(list(nccl.get_unique_id())).encode())
+            # CuPy 14 gives the id as bytes (hex through the store), older CuPy as a tuple of
+            # ints; each NcclCommunicator takes back the type it gave
+            raw = nccl.get_unique_id()
+            payload = raw.hex() if isinstance(raw, (bytes, bytearray)) else list(raw)
+            self.store.set(key, json.dumps(payload).encode())
         try:
-            uid = tuple(json.loads(self.store.get(key)))
+            payload = json.loads(self.store.get(key))
+            uid = bytes.fromhex(payload) if isinstance(payload, str) else tuple(payload)
         except StoreTimeout:
             raise DistributedError(f"rank {self.rank}: rank 0 published no NCCL id within "
                                    f"{self.timeout:g} s") from None
