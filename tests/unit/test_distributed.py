@@ -536,3 +536,42 @@ def test_bucket_kernels_exist_in_collective_cu():
     for filename, names in collective.kernel_names().items():
         assert compiler.compile_to_cubin(compiler.KERNEL_DIR / filename, "sm_90",
                                          tuple(sorted(names)))
+
+
+class DictStore:
+    """The store's get/set, in memory: what nccl_communicator passes the unique id through."""
+
+    def __init__(self):
+        self.values: dict[str, bytes] = {}
+
+    def set(self, key: str, value: bytes) -> None:
+        self.values[key] = value
+
+    def get(self, key: str) -> bytes:
+        return self.values[key]
+
+
+@pytest.mark.parametrize("unique_id", [bytes(range(128)), tuple(range(-64, 64))])
+def test_every_rank_gets_the_nccl_unique_id_in_the_type_rank_zero_made(monkeypatch,
+                                                                       unique_id):
+    """CuPy 14's get_unique_id gives bytes and its NcclCommunicator takes bytes (older CuPy: a
+    tuple of ints); the id crosses the store as JSON, so it must come back as it went."""
+    cupy = pytest.importorskip("cupy")
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from stepgraph.distributed.group import ProcessGroup
+
+    made = []
+    nccl = SimpleNamespace(available=True, get_unique_id=lambda: unique_id,
+                           NcclCommunicator=lambda world, uid, rank: made.append(
+                               (world, uid, rank)) or object())
+    monkeypatch.setattr(cupy.cuda, "nccl", nccl, raising=False)
+    monkeypatch.setattr(cupy.cuda, "Device", lambda device: nullcontext())
+    store = DictStore()
+    for rank in (0, 1):
+        group = ProcessGroup(DistEnv(rank, 2, rank, "127.0.0.1", 1), store, None, 5.0)
+        group.nccl_communicator(rank)
+        group._closed = True   # nothing of it to destroy at exit
+    assert made == [(2, unique_id, 0), (2, unique_id, 1)]
+    assert type(made[0][1]) is type(unique_id)
