@@ -33,9 +33,11 @@ if not conv_cudnn.available():
 
 from stepgraph.ir.graph import BF16  # noqa: E402
 from stepgraph.ops import attention as attention_op  # noqa: E402
-from tests.cuda.test_bf16_attention_cuda import assert_close_bf16, gpt_steps  # noqa: E402
+from tests.cuda.test_bf16_attention_cuda import (assert_close_bf16,  # noqa: E402
+                                                  check_gpt_steps, check_sdpa_qkv,
+                                                  gpt_steps)
 from tests.cuda.test_bf16_cuda import bits, node_of, run_both  # noqa: E402
-from tests.ops.helpers import relative_error as rel, seeded  # noqa: E402
+from tests.ops.helpers import seeded  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -78,16 +80,7 @@ def test_sdpa_qkv_on_cudnn_matches_the_numpy_emulation(backend, ctx, cudnn_only,
     if p:
         attrs.update(seed=8, site=1)
         given_mask(monkeypatch, drawn_mask(ctx, qkv, heads, step[0], attrs), p)
-    node = node_of("sdpa_qkv", [qkv] + step, [BF16] + ["int64"] * len(step), **attrs)
-    (out_ref, lse_ref), (out, lse), _, _ = run_both(backend, ctx, node, [qkv] + step)
-    assert_close_bf16(out, out_ref, "out")
-    np.testing.assert_allclose(lse, lse_ref, rtol=0, atol=1e-4, err_msg="lse")
-    dout = bits(rng, *out_ref.shape)
-    grad = node_of("sdpa_qkv_grad", [dout, qkv, out_ref, lse_ref] + step,
-                   [BF16, BF16, BF16, "float32"] + ["int64"] * len(step), **attrs)
-    (dqkv_ref,), (dqkv,), _, _ = run_both(backend, ctx, grad,
-                                          [dout, qkv, out_ref, lse_ref] + step)
-    assert_close_bf16(dqkv, dqkv_ref, "dqkv")
+    check_sdpa_qkv(backend, ctx, rng, qkv, step, attrs)
 
 
 def test_plain_sdpa_with_more_keys_than_queries_runs_on_cudnn(backend, ctx, cudnn_only,
@@ -138,14 +131,7 @@ def test_the_mask_keeps_one_minus_p_is_fixed_by_the_step_and_fresh_at_the_next(c
 
 def test_bf16_gpt_steps_on_cudnn_match_the_numpy_emulation(cudnn_only):
     """As test_bf16_attention_cuda's GPT test, without dropout (cuDNN's mask is its own)."""
-    (cpu, gpu), data = gpt_steps(["cpu", "cuda"], dropout=0.0)
-    start = {k: np.array(v) for k, v in cpu.model.state_dict().items()}
-    for x, y in data[:3]:
-        lc, lg = float(cpu(x, y)), float(gpu(cp.asarray(x), cp.asarray(y)))
-        assert np.isfinite(lg) and abs(lg - lc) <= 1e-2 * abs(lc), (lc, lg)
-    ref, got = cpu.model.state_dict(), gpu.model.state_dict()
-    for k in ref:
-        assert rel(got[k] - start[k], ref[k] - start[k]) < 2e-2, k
+    check_gpt_steps(dropout=0.0)
 
 
 def test_bf16_gpt_graph_replay_on_cudnn_is_bit_identical_to_eager(cudnn_only):
