@@ -107,7 +107,8 @@ class PeerInfo:
 PEERS: tuple[PeerInfo, ...] = (
     PeerInfo("stepgraph eager", "stepgraph_runner", "prepare_eager", "stepgraph", True),
     PeerInfo("stepgraph graph", "stepgraph_runner", "prepare_graph", "stepgraph", True),
-    # the guard's cost: the graph row without its device-side guard (asked for by name)
+    # the graph row without its device-side guard (asked for by name): the guard's cost, and
+    # the update overlapping the backward pass that no guard allows (stepgraph_runner.py)
     PeerInfo("stepgraph unguarded", "stepgraph_runner", "prepare_graph_unguarded", "stepgraph",
              True, default=False),
     PeerInfo("torch eager", "torch_eager", "prepare", "torch"),
