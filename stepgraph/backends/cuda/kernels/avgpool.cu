@@ -27,7 +27,7 @@ __device__ __forceinline__ void avgpool2d_forward(const T* x, T* y,
     for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total;
          g += (long long)gridDim.x * blockDim.x) {
         int p, ho, wo;
-        element_of<NHWC>(g, s.Ho, s.Wo, C, p, ho, wo);
+        element_of<NHWC>((int)g, s.Ho, s.Wo, C, p, ho, wo);
         const PlaneAt plane = plane_at<NHWC>(p, s.H, s.W, C);
         const Window win = clipped_window(s, ho, wo);
         float acc = 0.f;
@@ -90,7 +90,7 @@ __device__ __forceinline__ void avgpool2d_backward(const T* dy, T* dx,
     for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total;
          g += (long long)gridDim.x * blockDim.x) {
         int p, h, w;
-        element_of<NHWC>(g, s.H, s.W, C, p, h, w);
+        element_of<NHWC>((int)g, s.H, s.W, C, p, h, w);
         const WindowSpan span = windows_holding(s, h, w);
         const PlaneAt plane = plane_at<NHWC>(p, s.Ho, s.Wo, C);
         float acc = 0.f;

@@ -21,7 +21,7 @@ __device__ __forceinline__ void maxpool2d_forward(const T* x, T* y, int* idx, in
     for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total;
          g += (long long)gridDim.x * blockDim.x) {
         int p, ho, wo;
-        element_of<NHWC>(g, s.Ho, s.Wo, C, p, ho, wo);
+        element_of<NHWC>((int)g, s.Ho, s.Wo, C, p, ho, wo);
         const PlaneAt plane = plane_at<NHWC>(p, s.H, s.W, C);
         // The window clipped to the plane: padding is -inf, never a maximum over real values.
         const Window win = clipped_window(s, ho, wo);
@@ -66,7 +66,7 @@ __device__ __forceinline__ void maxpool2d_backward(const T* dy, const int* idx,
     for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total;
          g += (long long)gridDim.x * blockDim.x) {
         int p, h, w;
-        element_of<NHWC>(g, s.H, s.W, C, p, h, w);
+        element_of<NHWC>((int)g, s.H, s.W, C, p, h, w);
         const WindowSpan span = windows_holding(s, h, w);
         const int here = h * s.W + w;
         const PlaneAt plane = plane_at<NHWC>(p, s.Ho, s.Wo, C);
@@ -114,7 +114,7 @@ __device__ __forceinline__ void maxpool2d_backward_tiling(const T* dy, const int
     for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total;
          g += (long long)gridDim.x * blockDim.x) {
         int p, ho, wo;
-        element_of<NHWC>(g, s.Ho, s.Wo, C, p, ho, wo);
+        element_of<NHWC>((int)g, s.Ho, s.Wo, C, p, ho, wo);
         const int at = idx[g];
         const float grad = __fadd_rn(0.f, load_as_float(dy, g));
         const bool open = y == nullptr || load_as_float(y, g) > 0.f;

@@ -55,21 +55,23 @@ __device__ __forceinline__ PlaneAt plane_at(int p, int R, int Q, int C) {
     return {(long long)p * R * Q, 1};
 }
 
-// The plane p and (r, q) of the element stored at g in a (planes, R, Q) tensor.
+// The plane p and (r, q) of the element stored at g in a (planes, R, Q) tensor. 32-bit
+// arithmetic (the launchers keep sizes < 2^31): 64-bit divisions cost tens of instructions
+// each, and these index maps ran slower than the memory traffic they serve.
 template <bool NHWC>
-__device__ __forceinline__ void element_of(long long g, int R, int Q, int C, int& p, int& r,
+__device__ __forceinline__ void element_of(int g, int R, int Q, int C, int& p, int& r,
                                            int& q) {
     if (NHWC) {
-        const int c = (int)(g % C);
-        const long long t = g / C;
-        q = (int)(t % Q);
-        const long long u = t / Q;
-        r = (int)(u % R);
-        p = (int)(u / R) * C + c;
+        const int c = g % C;
+        const int t = g / C;
+        q = t % Q;
+        const int u = t / Q;
+        r = u % R;
+        p = (u / R) * C + c;
     } else {
-        q = (int)(g % Q);
-        const long long t = g / Q;
-        r = (int)(t % R);
-        p = (int)(t / R);
+        q = g % Q;
+        const int t = g / Q;
+        r = t % R;
+        p = t / R;
     }
 }
