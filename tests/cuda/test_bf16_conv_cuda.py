@@ -206,10 +206,9 @@ def test_avgpool2d_bf16_matches_the_emulation(ctx, case, layout, request):
 
 # ---- BatchNorm -----------------------------------------------------------------------------
 
-# (N, C, H, W) NCHW: planes (inner % 4 == 0: float4 packs; odd: one at a time); NHWC: rows
-# (C / 8 a power of two: 8, 64, 256 channels), columns (40)
+# (N, C, H, W) NCHW: planes (inner % 4 == 0: float4 packs; odd: one at a time); NHWC: columns
 BN_CASES = [((8, 16, 8, 8), "NCHW"), ((4, 5, 7, 7), "NCHW"), ((16, 64, 8, 8), "NHWC"),
-            ((6, 40, 5, 5), "NHWC"), ((9, 8, 7, 7), "NHWC"), ((8, 256, 5, 5), "NHWC")]
+            ((6, 40, 5, 5), "NHWC")]
 
 
 def bn_arrays(rng, shape, layout):

@@ -97,6 +97,9 @@ def fake(tmp_path, monkeypatch):
     monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "sg-cache"))
     monkeypatch.delenv(cache.SWITCH_ENV, raising=False)
     monkeypatch.setattr(conv, "PATH", "auto")
+    monkeypatch.setattr(conv_cudnn, "MAX_PLANS", 6)          # what ENGINES above count with
+    monkeypatch.setattr(conv_cudnn, "MAX_PLANS_B", 4)
+    monkeypatch.setattr(conv_cudnn, "workspace_limit", lambda: 256 << 20)
     fake = FakeCudnn()
     monkeypatch.setattr(conv_cudnn, "_load", lambda: (fake, None))
     monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)

@@ -142,22 +142,20 @@ def test_pool_launchers_name_listed_kernels():
     for _, ctype in pool.POOL_CTYPES.values():
         for name in ("maxpool2d_forward_kernel", "maxpool2d_backward_kernel",
                      "maxpool2d_backward_tiling_kernel", "avgpool2d_forward_kernel",
-                     "avgpool2d_backward_kernel"):
+                     "avgpool2d_backward_kernel", "avgpool2d_backward_tiling_kernel"):
             for suffix in ("", "_nhwc"):
                 assert pool._kernel(name, suffix, ctype) in listed
         assert pool._kernel("avgpool2d_forward_warp_kernel", "", ctype) in listed
 
 
 def test_norm_layouts_name_listed_kernels():
-    """Every kernel name norm.py builds for a layout (planes, float4 planes, columns, rows) is
-    one that kernel_names() lists, so the compile test above covers it."""
+    """Every kernel name norm.py builds for a layout (planes, float4 planes, columns) is one
+    that kernel_names() lists, so the compile test above covers it."""
     from stepgraph.backends.cuda import norm
 
     listed = norm.kernel_names()["norm.cu"]
-    for columns, vec, rows in ((False, 1, False), (False, 4, False), (True, 1, False),
-                               (True, 4, True), (True, 8, True)):
-        layout = norm.Layout(n=2, c=3, inner=1 if columns else 4, columns=columns, vec=vec,
-                             rows=rows)
+    for columns, vec in ((False, 1), (False, 4), (True, 1)):
+        layout = norm.Layout(n=2, c=3, inner=1 if columns else 4, columns=columns, vec=vec)
         for kind in norm.KINDS:
             for _, ctype in norm.ACTIVATION_CTYPES.values():
                 assert norm.pass_kernel(kind, layout, ctype) in listed
@@ -430,7 +428,7 @@ def test_layer_norm_launch_arguments_match_the_kernels(monkeypatch, c, has_w, ha
     from stepgraph.backends.cuda import layer_norm
 
     launched = _record_launches(monkeypatch, layer_norm)
-    monkeypatch.setattr(layer_norm, "resident_blocks", lambda source, name, threads: 528)
+    monkeypatch.setattr(layer_norm, "resident_blocks", lambda name, threads: 528)
     x, stats = Fake((3, 7, c)), [Fake((21,)), Fake((21,))]
     w, b = (Fake((c,)) if has_w else None), (Fake((c,)) if has_b else None)
     layer_norm.layer_norm_forward(None, x, w, b, Fake((3, 7, c)), *stats, 1e-5)

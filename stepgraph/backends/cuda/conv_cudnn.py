@@ -28,7 +28,7 @@ its own graph). Filters, applied before building:
     same bits on every run, as the own kernels and the GEMMs do;
   - engines compiled at run time (NVRTC inside cuDNN) are excluded: building one costs seconds
     per problem at the first call;
-  - plans needing more than MAX_WORKSPACE_BYTES of workspace are skipped.
+  - plans needing more than workspace_limit() bytes of workspace are skipped.
 The workspace comes from conv.py's grow-only scratch pool (ctx.extras["conv_scratch"]): the
 largest that a problem's plans need is taken at its first eager call, so a capture never
 allocates. Each context has one cuDNN handle (ctx.extras["cudnn_handle"]) bound to its stream
@@ -61,10 +61,16 @@ from .launchers import _capturing
 if TYPE_CHECKING:
     from .conv import Geometry
 
-MAX_PLANS = 6                      # candidates per problem, in heuristic rank order
-MAX_PLANS_B = 4                    # more from heuristic mode B, not among those already
+MAX_PLANS = 12                     # candidates per problem, in heuristic rank order
+MAX_PLANS_B = 8                    # more from heuristic mode B, not among those already
 HEURISTIC_B = True                 # query mode B as well (its candidates "cudnn:B<i>")
-MAX_WORKSPACE_BYTES = 256 << 20    # a plan needing more is not a candidate
+# A plan needing more workspace than the smaller of these is not a candidate. The resnet's
+# float32 convolutions at batch 512 run fastest on engines with large workspaces (transformed
+# operands): on an H200, 23.0 ms per step with 256 MiB and 6 + 4 candidates, 21.1 ms with 4 GiB
+# and 12 + 8. The pool keeps the largest a chosen plan needs (and, while the autotuner
+# times a problem, the largest of its candidates), so smaller GPUs get a smaller limit.
+MAX_WORKSPACE_BYTES = 4 << 30
+WORKSPACE_MEMORY_FRACTION = 16     # ... and at most 1/16 of the GPU's memory
 RUNTIME_COMPILED = False           # admit engines cuDNN compiles at plan build (NVRTC)
 LAYOUTS = ("NCHW", "NHWC")         # of every tensor of a problem (module docstring)
 DTYPES = ("float32", "bfloat16")   # IR dtypes of the problems (module docstring)
@@ -266,19 +272,33 @@ def _build(cudnn, p: Problem, handle) -> Plans:
 
 
 class WorkspaceTooLarge(Exception):
-    """A plan that needs more than MAX_WORKSPACE_BYTES of workspace: not a candidate."""
+    """A plan that needs more than workspace_limit() bytes of workspace: not a candidate."""
 
 
 def _build_plan(graph, index: int) -> tuple[str, int]:
     """Build the graph's execution plan at `index` of its ranked list: (engine name,
     workspace bytes). Raises where a filter bars it, the engine declines it or its workspace
-    exceeds MAX_WORKSPACE_BYTES."""
+    exceeds workspace_limit()."""
     graph.build_plan_at_index(index)
     name = str(graph.get_plan_name_at_index(index))
     workspace = int(graph.get_workspace_size_plan_at_index(index))
-    if workspace > MAX_WORKSPACE_BYTES:
+    if workspace > workspace_limit():
         raise WorkspaceTooLarge(f"{name}: workspace {workspace} bytes")
     return name, workspace
+
+
+@functools.cache
+def _device_memory(device: int) -> int:
+    import cupy as cp
+    return int(cp.cuda.Device(device).mem_info[1])
+
+
+def workspace_limit() -> int:
+    """The most workspace a candidate plan may need: MAX_WORKSPACE_BYTES, and at most
+    1/WORKSPACE_MEMORY_FRACTION of the current GPU's memory."""
+    import cupy as cp
+    return min(MAX_WORKSPACE_BYTES,
+               _device_memory(cp.cuda.runtime.getDevice()) // WORKSPACE_MEMORY_FRACTION)
 
 
 def _uids(ops: dict) -> dict[str, int]:
@@ -343,7 +363,7 @@ def candidates_key() -> tuple | None:
     if cudnn is None:
         return None
     return (getattr(cudnn, "__version__", None), MAX_PLANS, MAX_PLANS_B if HEURISTIC_B else 0,
-            MAX_WORKSPACE_BYTES, RUNTIME_COMPILED)
+            workspace_limit(), RUNTIME_COMPILED)
 
 
 # ---- handle, workspace, launch ---------------------------------------------------------------

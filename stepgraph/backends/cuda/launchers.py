@@ -106,20 +106,6 @@ def _check_int32(what: str, n: int) -> None:
         raise ShapeError(f"{what}: {n} elements exceed the kernels' 32-bit indexing")
 
 
-@functools.cache
-def _resident_blocks(device: int, filename: str, name: str, threads: int) -> int:
-    fn = _kernel(filename, name)
-    per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, threads, 0)
-    return max(1, per_sm) * cp.cuda.Device(device).attributes["MultiProcessorCount"]
-
-
-def resident_blocks(filename: str, name: str, threads: int) -> int:
-    """How many blocks of `threads` threads of kernel `name` (of `filename`) the current GPU
-    runs at once (the occupancy calculator; a fixed number per GPU, so reruns are
-    bit-identical)."""
-    return _resident_blocks(cp.cuda.runtime.getDevice(), filename, name, threads)
-
-
 def _aligned(*arrays, to: int = 16) -> bool:
     return all(a.data.ptr % to == 0 for a in arrays)
 

@@ -19,6 +19,7 @@ on ctx.stream: no host sync.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -28,8 +29,8 @@ import numpy as np
 
 from ...errors import ShapeError
 from ...ir.graph import Node
-from .launchers import _aligned, _check, _check_int32, _launch, _node_memory, _or_null, \
-    _row_grid, fill_forward, resident_blocks
+from .launchers import _aligned, _check, _check_int32, _kernel, _launch, _node_memory, \
+    _or_null, _row_grid, fill_forward
 
 SOURCE = "layer_norm.cu"
 MAX_THREADS = 512            # threads of a block (LAYER_NORM_MAX_THREADS, __launch_bounds__)
@@ -85,6 +86,18 @@ def kernel_names() -> dict[str, set[str]]:
             names |= {Layout(vec, k, 32, 1).kernel(d) for d in ("forward", "backward")}
     return {SOURCE: names}
 
+
+@functools.cache
+def _resident_blocks(device: int, name: str, threads: int) -> int:
+    fn = _kernel(SOURCE, name)
+    per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, threads, 0)
+    return max(1, per_sm) * cp.cuda.Device(device).attributes["MultiProcessorCount"]
+
+
+def resident_blocks(name: str, threads: int) -> int:
+    """How many blocks of `threads` threads of kernel `name` the current GPU runs at once
+    (the occupancy calculator; a fixed number per GPU, so reruns are bit-identical)."""
+    return _resident_blocks(cp.cuda.runtime.getDevice(), name, threads)
 
 
 def _rows(what: str, x) -> tuple[int, int]:
@@ -144,8 +157,7 @@ def layer_norm_backward(ctx, node: Node, dy, x, weight, mean, rstd, dx, dweight=
         return
     lay = row_layout(c, [a for a in (dy, x, dx, weight) if a is not None])
     name = lay.kernel("backward")
-    blocks = grad_blocks(rows, c, lay,
-                         resident_blocks(SOURCE, name, lay.threads * lay.rows_per_block))
+    blocks = grad_blocks(rows, c, lay, resident_blocks(name, lay.threads * lay.rows_per_block))
     partial_w = partial_b = None
     if dweight is not None or dbias is not None:
         key = ("layer_norm_grad", blocks, c, dweight is not None, dbias is not None)

@@ -1,9 +1,7 @@
 """Launchers of kernels/norm.cu (batch_norm_train, batch_norm_grad) and their cuda op table.
 
 x (N, C, *spatial) is viewed as (N, C, inner); a channels-last x (attrs layout "NHWC", channels
-on the last axis) as (N * spatial, C), the "columns" layout, or, when C is a power-of-two
-number of 16-byte vectors, the "rows" layout (a thread owns a 16-byte vector of channels for
-the whole kernel; one wave of resident blocks). Each op is a stats pass writing float64
+on the last axis) as (N * spatial, C), the "columns" layout. Each op is a stats pass writing float64
 partial sums per (channel, split), a finalize kernel adding each channel's splits in order,
 and an elementwise pass: deterministic, no float atomics. The partial sums (and the grad's
 per-channel coefficients) live in device memory made once per node at its first eager call
@@ -30,7 +28,7 @@ from ...errors import ShapeError
 from ...ir.graph import Node
 from .cast import CAST_CTYPES, shared_ctype
 from .launchers import BLOCK, _aligned, _check, _check_int32, _check_scalar, _launch, \
-    _node_memory, _or_null, resident_blocks
+    _node_memory, _or_null
 
 SOURCE = "norm.cu"
 COLUMN_TILE = 32             # norm.cu COLUMN_TILE: channels per block of the columns layout
@@ -43,9 +41,7 @@ STATS_MIN_PER_SPLIT = BLOCK * 4   # packs (planes) a stats split takes at least
 APPLY_MIN_PER_SPLIT = BLOCK * 4   # packs an elementwise split takes at least
 STATS_MIN_ROWS = 256         # rows a columns stats split takes at least
 APPLY_MIN_ROWS = 64          # rows a columns elementwise split takes at least
-FINALIZE_BLOCK = 1024         # a warp per channel (norm.cu channel_sums); the forward: one block
-ROWS_BLOCK = 256             # threads of a rows-layout block (norm.cu write_row_partials)
-USE_ROWS = True              # False: channels-last x always walks the columns layout (scripts/norm-bench)
+FINALIZE_BLOCK = 1024        # a warp per channel (norm.cu channel_sums); the forward's: one block
 # IR dtype -> (storage dtype, the pass kernels' template argument T)
 ACTIVATION_CTYPES = CAST_CTYPES
 BF16_OPS = frozenset({"batch_norm_train", "batch_norm_grad"})
@@ -54,16 +50,13 @@ BF16_OPS = frozenset({"batch_norm_train", "batch_norm_grad"})
 @dataclass(frozen=True)
 class Layout:
     """How the kernels walk x viewed as (n, c, inner): `columns` when inner == 1 and C is
-    wide enough (threads along C), `rows` among those when c / vec is a power of two <=
-    ROWS_BLOCK (vec channels of 16 bytes a thread), else planes of `inner` packs of `vec`
-    floats."""
+    wide enough (threads along C), else planes of `inner` packs of `vec` floats."""
 
     n: int
     c: int
     inner: int
     columns: bool
     vec: int
-    rows: bool = False
 
     @property
     def count(self) -> int:
@@ -91,9 +84,7 @@ class Layout:
 
 def _layout(op: str, x, arrays) -> Layout:
     """The layout of x (rank >= 2); vec 4 when inner % 4 == 0 and every array is 16-byte
-    aligned (each (n, c) row then starts on a float4); rows when inner == 1, 16 bytes of
-    channels divide C into a power of two <= ROWS_BLOCK of vectors and the arrays are 16-byte
-    aligned."""
+    aligned (each (n, c) row then starts on a float4)."""
     if x.ndim < 2:
         raise ShapeError(f"{op}: input must be (N, C, ...), got {tuple(x.shape)}")
     n, c = x.shape[:2]
@@ -102,16 +93,8 @@ def _layout(op: str, x, arrays) -> Layout:
         raise ShapeError(f"{op}: no elements per channel in input {tuple(x.shape)}")
     _check_int32(op, x.size)
     columns = inner == 1 and c >= COLUMN_MIN_CHANNELS
-    if columns and USE_ROWS:
-        vec = 16 // x.dtype.itemsize
-        lanes = c // vec
-        if c % vec == 0 and lanes & (lanes - 1) == 0 and lanes <= ROWS_BLOCK \
-                and _aligned(*arrays):
-            return Layout(n, c, inner, True, vec, rows=True)
-    if columns:
-        return Layout(n, c, inner, True, 1)
-    vec = 4 if inner % 4 == 0 and _aligned(*arrays) else 1
-    return Layout(n, c, inner, False, vec)
+    vec = 4 if not columns and inner % 4 == 0 and _aligned(*arrays) else 1
+    return Layout(n, c, inner, columns, vec)
 
 
 KINDS = ("stats", "forward", "grad_stats", "backward")    # the passes of norm.cu
@@ -120,32 +103,19 @@ KINDS = ("stats", "forward", "grad_stats", "backward")    # the passes of norm.c
 def pass_kernel(kind: str, layout: Layout, ctype: str = "float") -> str:
     """The norm.cu kernel of pass `kind` (KINDS) in `layout`, for activations of C type
     `ctype` (ACTIVATION_CTYPES)."""
-    if layout.rows:
-        return f"batch_norm_{kind}_rows_kernel<{ctype}>"
     if layout.columns:
         return f"batch_norm_{kind}_columns_kernel<{ctype}>"
     return f"batch_norm_{kind}_planes{'_vec4' if layout.vec == 4 else ''}_kernel<{ctype}>"
 
 
-def _splits(layout: Layout, kind: str, ctype: str) -> tuple[int, int]:
-    """(splits, per) of a pass of `kind`: the rows layout's grid is one wave of resident blocks
-    (per unused); the others split each channel's elements (Layout)."""
-    if layout.rows:
-        return resident_blocks(SOURCE, pass_kernel(kind, layout, ctype), ROWS_BLOCK), 0
-    return layout.stats_splits() if "stats" in kind else layout.apply_splits()
-
-
 def _launch_pass(ctx, kind: str, layout: Layout, splits: tuple[int, int], block_rows: int,
                  arrays: tuple, ctype: str) -> None:
     """One stats or elementwise pass of norm.cu over x in `layout` (kernel batch_norm_<kind>_
-    planes[_vec4], _columns or _rows, for activations of C type ctype), `arrays` first, then the
+    planes[_vec4] or _columns, for activations of C type ctype), `arrays` first, then the
     shape arguments."""
     n_splits, per = splits
     name = pass_kernel(kind, layout, ctype)
-    if layout.rows:
-        _launch(ctx, SOURCE, name, (n_splits,), (ROWS_BLOCK,),
-                arrays + (np.int32(layout.n), np.int32(layout.c)))
-    elif layout.columns:
+    if layout.columns:
         _launch(ctx, SOURCE, name, (-(-layout.c // COLUMN_TILE), n_splits),
                 (COLUMN_TILE, block_rows),
                 arrays + (np.int32(layout.n), np.int32(layout.c), np.int32(per)))
@@ -239,7 +209,7 @@ def batch_norm_train_forward(ctx, node: Node, ins: list, outs: list) -> None:
     t = _train_arrays(a, _channels_last(a, ins, (0,)), _channels_last(a, outs, (0,)))
     relu = _relu(a)
     layout = _layout("batch_norm_train", t.x, (t.x, t.y))
-    stats = _splits(layout, "stats", t.ctype)
+    stats = layout.stats_splits()
     scratch = _partials(node, ctx, layout, stats[0])
     _launch_pass(ctx, "stats", layout, stats, STATS_ROWS, (t.x, scratch["partial"]), t.ctype)
     momentum = a.get("momentum")
@@ -248,7 +218,7 @@ def batch_norm_train_forward(ctx, node: Node, ins: list, outs: list) -> None:
              np.float64(layout.count), np.float64(a["eps"]), t.save_mean, t.save_invstd,
              _or_null(t.running_mean), _or_null(t.running_var), _or_null(t.tracked),
              np.float64(momentum or 0.0), np.int32(momentum is None)))
-    _launch_pass(ctx, "forward", layout, _splits(layout, "forward", t.ctype), APPLY_ROWS,
+    _launch_pass(ctx, "forward", layout, layout.apply_splits(), APPLY_ROWS,
                  (t.x, t.y, t.save_mean, t.save_invstd, _or_null(t.weight), _or_null(t.bias),
                   np.int32(relu)), t.ctype)
 
@@ -301,7 +271,7 @@ def batch_norm_grad_backward(ctx, node: Node, ins: list, outs: list) -> None:
     g = _grad_arrays(a, _channels_last(a, ins, (0, 1, y_at)), _channels_last(a, outs, (0,)))
     layout = _layout("batch_norm_grad", g.dy,
                      tuple(a for a in (g.dy, g.x, g.dx, g.y) if a is not None))
-    stats = _splits(layout, "grad_stats", g.ctype)
+    stats = layout.stats_splits()
     scratch = _partials(node, ctx, layout, stats[0], extra=3)
     _launch_pass(ctx, "grad_stats", layout, stats, STATS_ROWS,
                  (g.dy, g.x, _or_null(g.y), g.mean, g.invstd, scratch["partial"]), g.ctype)
@@ -310,7 +280,7 @@ def batch_norm_grad_backward(ctx, node: Node, ins: list, outs: list) -> None:
             (scratch["partial"], np.int32(stats[0]), np.int32(layout.c),
              np.float64(layout.count), _or_null(g.weight), g.invstd, scratch["coef"],
              _or_null(g.dweight), _or_null(g.dbias)))
-    _launch_pass(ctx, "backward", layout, _splits(layout, "backward", g.ctype), APPLY_ROWS,
+    _launch_pass(ctx, "backward", layout, layout.apply_splits(), APPLY_ROWS,
                  (g.dy, g.x, _or_null(g.y), g.mean, g.invstd, scratch["coef"], g.dx), g.ctype)
 
 
@@ -321,9 +291,8 @@ def kernel_names() -> dict[str, set[str]]:
     names = {"batch_norm_finalize_kernel", "batch_norm_grad_finalize_kernel"}
     for kind in KINDS:
         for _, ctype in ACTIVATION_CTYPES.values():
-            names |= {pass_kernel(kind, Layout(1, 1, 4, columns, vec, rows), ctype)
-                      for columns, vec, rows in ((False, 1, False), (False, 4, False),
-                                                 (True, 1, False), (True, 4, True))}
+            names |= {pass_kernel(kind, Layout(1, 1, 4, columns, vec), ctype)
+                      for columns, vec in ((False, 1), (False, 4), (True, 1))}
     return {SOURCE: names}
 
 

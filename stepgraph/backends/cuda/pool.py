@@ -28,7 +28,8 @@ WARP = 32
 WARP_WINDOW = 64      # NCHW windows of at least this many elements: a warp per output
 KERNELS = ("avgpool2d_forward_kernel", "avgpool2d_forward_nhwc_kernel",
            "avgpool2d_forward_warp_kernel", "avgpool2d_backward_kernel",
-           "avgpool2d_backward_nhwc_kernel")
+           "avgpool2d_backward_nhwc_kernel", "avgpool2d_backward_tiling_kernel",
+           "avgpool2d_backward_tiling_nhwc_kernel")
 MAX_KERNELS = ("maxpool2d_forward_kernel", "maxpool2d_forward_nhwc_kernel",
                "maxpool2d_backward_kernel", "maxpool2d_backward_nhwc_kernel",
                "maxpool2d_backward_tiling_kernel", "maxpool2d_backward_tiling_nhwc_kernel")
@@ -80,6 +81,13 @@ def _shapes(op: str, x_shape, kernel, stride, padding, layout: str):
         ((np.int32(xs[1]),) if nhwc else ())
 
 
+def _tiles(x_shape: tuple, kernel, stride, padding) -> bool:
+    """True when the windows tile the (N, C, H, W) input exactly: each element in one window."""
+    h, w = x_shape[2:]
+    return tuple(stride) == tuple(kernel) and h % kernel[0] == 0 and w % kernel[1] == 0 \
+        and tuple(padding) == (0, 0)
+
+
 def _kernel(name: str, suffix: str, ctype: str = "float") -> str:
     """The instantiation of kernel `name` for a layout suffix ("" or "_nhwc") and element T."""
     return name.replace("_kernel", f"{suffix}_kernel") + f"<{ctype}>"
@@ -119,9 +127,7 @@ def maxpool2d_backward(ctx, dy, idx, dx, kernel, stride, y=None, padding=(0, 0),
     if not dx.size:
         return
     args = (dy, idx, _or_null(y), dx) + extra + _pool_args(xs, ys, kernel, stride, padding)
-    h, w = xs[2:]
-    if tuple(stride) == tuple(kernel) and h % kernel[0] == 0 and w % kernel[1] == 0 \
-            and tuple(padding) == (0, 0):
+    if _tiles(xs, kernel, stride, padding):
         _launch(ctx, MAX_SOURCE, _kernel("maxpool2d_backward_tiling_kernel", suffix, ctype),
                 _grid(dy.size), (BLOCK,), args)
     else:
@@ -155,16 +161,23 @@ def avgpool2d_forward(ctx, x, y, kernel, stride, padding=(0, 0),
 def avgpool2d_backward(ctx, dy, dx, kernel, stride, padding=(0, 0),
                        count_include_pad: bool = True, layout: str = "NCHW") -> None:
     """dx = avgpool2d's gradient: each dy / its divisor spread over its window, gathered per
-    input element (fixed order, no atomics)."""
+    input element (fixed order, no atomics); windows that tile the input exactly take the
+    tiling kernel (a thread per window)."""
     ctype = shared_ctype("avgpool2d_grad", {"dx": dx, "dy": dy})
     xs, ys, stored, suffix, extra = _shapes("avgpool2d_grad", tuple(dx.shape), kernel, stride,
                                             padding, layout)
     _check("avgpool2d_grad dy", dy, None, stored)
     _check_int32("avgpool2d_grad", max(dx.size, dy.size))
-    if dx.size:
+    if not dx.size:
+        return
+    shape = _pool_args(xs, ys, kernel, stride, padding)
+    if _tiles(xs, kernel, stride, padding):
+        _launch(ctx, SOURCE, _kernel("avgpool2d_backward_tiling_kernel", suffix, ctype),
+                _grid(dy.size), (BLOCK,), (dy, dx) + extra + shape)
+    else:
         _launch(ctx, SOURCE, _kernel("avgpool2d_backward_kernel", suffix, ctype),
                 _grid(dx.size), (BLOCK,), (dy, dx, np.int32(bool(count_include_pad))) + extra
-                + _pool_args(xs, ys, kernel, stride, padding))
+                + shape)
 
 
 # ---- the op table --------------------------------------------------------------------------

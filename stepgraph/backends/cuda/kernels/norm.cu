@@ -6,11 +6,9 @@
 //      partial[(c * splits + split) * 2 + {0, 1}] (launcher scratch made once per node);
 //   2. a finalize kernel adds each channel's splits in a fixed order (a warp per channel);
 //   3. an elementwise pass over x with the channel's finished values.
-// Three layouts: "planes" (a block per channel and split of its N * inner elements, threads
-// along inner; float4 packs when inner % 4 == 0 and the pointers are 16-byte aligned),
-// "columns" (inner == 1, x (N, C): 32 channels per block, threadIdx.x along C, coalesced) and
-// "rows" (inner == 1 with C / V a power of two <= the block, V = 16 / sizeof(T): a thread owns
-// V adjacent channels for the whole kernel and moves 16 bytes per access; one wave of blocks).
+// Two layouts: "planes" (a block per channel and split of its N * inner elements, threads
+// along inner; float4 packs when inner % 4 == 0 and the pointers are 16-byte aligned) and
+// "columns" (inner == 1, x (N, C): 32 channels per block, threadIdx.x along C, coalesced).
 // Launchers keep sizes < 2^31.
 // The kernels are templates over the storage T of x, y, dy and dx: float, or unsigned short
 // (bfloat16 bits, bf16.cuh), widened on load and rounded to nearest even once on store; the
@@ -96,93 +94,6 @@ __device__ __forceinline__ void walk_column(int N, int C, int per, F f) {
         }
     }
     for (; r < r1; r += step) f(r * C + c);
-}
-
-// Rows layout: x (M, C) channels-last, C / V a power of two <= blockDim.x, V = RowVec<T>::V
-// adjacent channels in one 16-byte access, 16-byte aligned pointers (the launcher checks).
-// Thread t owns channels lane * V .. lane * V + V - 1 (lane = t % (C / V)) for the whole
-// kernel, so the per-channel values stay in registers, and walks rows blockIdx.x * rows + t /
-// (C / V), + gridDim.x * rows, ... (rows = blockDim.x / (C / V) per block and round), four
-// rounds at a time so that four accesses per array are in flight. The grid is one wave of
-// resident blocks (launcher), so a thread walks many rows.
-template <typename T>
-struct RowVec {
-    static constexpr int V = 16 / sizeof(T);
-};
-
-__device__ __forceinline__ void load_row(const float* p, long long at, float* v) {
-    const float4 a = *reinterpret_cast<const float4*>(p + at);
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-}
-__device__ __forceinline__ void load_row(const unsigned short* p, long long at, float* v) {
-    const uint4 a = *reinterpret_cast<const uint4*>(p + at);
-    const unsigned int w[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        v[2 * k] = bf16_to_float((unsigned short)(w[k] & 0xffffu));
-        v[2 * k + 1] = bf16_to_float((unsigned short)(w[k] >> 16));
-    }
-}
-__device__ __forceinline__ void store_row(float* p, long long at, const float* v) {
-    *reinterpret_cast<float4*>(p + at) = make_float4(v[0], v[1], v[2], v[3]);
-}
-__device__ __forceinline__ void store_row(unsigned short* p, long long at, const float* v) {
-    unsigned int w[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-        w[k] = (unsigned int)bf16_from_float(v[2 * k]) |
-               ((unsigned int)bf16_from_float(v[2 * k + 1]) << 16);
-    *reinterpret_cast<uint4*>(p + at) = make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-// The first channel of this thread (rows layout).
-template <typename T>
-__device__ __forceinline__ int row_channel(int C) {
-    constexpr int V = RowVec<T>::V;
-    return (threadIdx.x % (C / V)) * V;
-}
-
-// Calls f(at) for the offsets at = r * C + row_channel of this thread's rows.
-template <typename T, typename F>
-__device__ __forceinline__ void walk_rows(int M, int C, F f) {
-    constexpr int V = RowVec<T>::V;
-    const int lanes = C / V, rows = blockDim.x / lanes;
-    const long long c0 = (threadIdx.x % lanes) * V;
-    const long long step = (long long)gridDim.x * rows;
-    long long r = (long long)blockIdx.x * rows + threadIdx.x / lanes;
-    for (; r + 3 * step < M; r += 4 * step) {
-        f(r * C + c0);
-        f((r + step) * C + c0);
-        f((r + 2 * step) * C + c0);
-        f((r + 3 * step) * C + c0);
-    }
-    for (; r < M; r += step) f(r * C + c0);
-}
-
-// partial[(c * gridDim.x + blockIdx.x) * 2 + {0, 1}] = the block's (a, b) of channel c, its
-// row lanes added in order. Thread t's V values are channels row_channel.. of row lane t /
-// lanes, at part[t * V + k] = part[row lane * C + channel].
-template <int V>
-__device__ __forceinline__ void write_row_partials(const double* a, const double* b,
-                                                   double* partial, int C) {
-    __shared__ double part[2][256 * 8];        // blockDim.x <= 256, V <= 8
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-        part[0][threadIdx.x * V + k] = a[k];
-        part[1][threadIdx.x * V + k] = b[k];
-    }
-    __syncthreads();
-    const int rows = blockDim.x * V / C;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
-        double sa = 0.0, sb = 0.0;
-        for (int r = 0; r < rows; ++r) {
-            sa += part[0][r * C + c];
-            sb += part[1][r * C + c];
-        }
-        const long long at = ((long long)c * gridDim.x + blockIdx.x) * 2;
-        partial[at] = sa;
-        partial[at + 1] = sb;
-    }
 }
 
 // partial[(c * splits + split) * 2 + {0, 1}] = (a, b) summed over the block, planes layout.
@@ -307,27 +218,6 @@ batch_norm_stats_columns_kernel(const T* __restrict__ x, double* partial, int N,
     write_column_partials(s, q, partial, C);
 }
 
-// Grid (resident blocks) of 256 threads, rows layout.
-template <typename T>
-__global__ void __launch_bounds__(256)
-batch_norm_stats_rows_kernel(const T* __restrict__ x, double* partial, int M, int C) {
-    constexpr int V = RowVec<T>::V;
-    double s[V], q[V];
-#pragma unroll
-    for (int k = 0; k < V; ++k) s[k] = q[k] = 0.0;
-    walk_rows<T>(M, C, [&](long long at) {
-        float v[V];
-        load_row(x, at, v);
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-            const double d = v[k];
-            s[k] += d;
-            q[k] += d * d;
-        }
-    });
-    write_row_partials<V>(s, q, partial, C);
-}
-
 // One block, a warp per channel: each channel's splits added (channel_sums); mean, biased var
 // = E[x^2] - mean^2 (float64 sums of float32 values: no cancellation at float32 precision),
 // save_mean, save_invstd = 1 / sqrt(var + eps). With running stats (running_mean != nullptr):
@@ -413,31 +303,6 @@ __global__ void batch_norm_forward_columns_kernel(
     });
 }
 
-template <typename T>
-__global__ void __launch_bounds__(256)
-batch_norm_forward_rows_kernel(const T* __restrict__ x, T* __restrict__ y, const float* mean,
-                               const float* invstd, const float* weight, const float* bias,
-                               int relu, int M, int C) {
-    constexpr int V = RowVec<T>::V;
-    const int c0 = row_channel<T>(C);
-    const bool affine = weight != nullptr;
-    float mu[V], is[V], w[V], b[V];
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-        mu[k] = mean[c0 + k];
-        is[k] = invstd[c0 + k];
-        w[k] = affine ? weight[c0 + k] : 1.f;
-        b[k] = affine ? bias[c0 + k] : 0.f;
-    }
-    walk_rows<T>(M, C, [&](long long at) {
-        float v[V];
-        load_row(x, at, v);
-#pragma unroll
-        for (int k = 0; k < V; ++k) v[k] = bn_output(v[k], mu[k], is[k], affine, w[k], b[k], relu);
-        store_row(y, at, v);
-    });
-}
-
 // ---- batch_norm_grad -----------------------------------------------------------------------
 
 // Partial (sum g, sum g * xhat) per channel and split, g = dy masked by y > 0 (y != nullptr).
@@ -490,48 +355,6 @@ batch_norm_grad_stats_columns_kernel(const T* __restrict__ dy, const T* __restri
         sx += (double)g * (double)normalised(load_as_float(x, at), mu, is);
     });
     write_column_partials(s, sx, partial, C);
-}
-
-// dy masked by the fused ReLU's output (y == nullptr: no ReLU), a row of V channels.
-template <typename T, int V>
-__device__ __forceinline__ void masked_dy_row(const T* __restrict__ dy, const T* __restrict__ y,
-                                              long long at, float* g) {
-    load_row(dy, at, g);
-    if (y != nullptr) {
-        float out[V];
-        load_row(y, at, out);
-#pragma unroll
-        for (int k = 0; k < V; ++k)
-            if (!(out[k] > 0.f)) g[k] = 0.f;
-    }
-}
-
-template <typename T>
-__global__ void __launch_bounds__(256)
-batch_norm_grad_stats_rows_kernel(const T* __restrict__ dy, const T* __restrict__ x,
-                                  const T* __restrict__ y, const float* mean,
-                                  const float* invstd, double* partial, int M, int C) {
-    constexpr int V = RowVec<T>::V;
-    const int c0 = row_channel<T>(C);
-    float mu[V], is[V];
-    double s[V], sx[V];
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-        mu[k] = mean[c0 + k];
-        is[k] = invstd[c0 + k];
-        s[k] = sx[k] = 0.0;
-    }
-    walk_rows<T>(M, C, [&](long long at) {
-        float g[V], v[V];
-        masked_dy_row<T, V>(dy, y, at, g);
-        load_row(x, at, v);
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-            s[k] += (double)g[k];
-            sx[k] += (double)g[k] * (double)normalised(v[k], mu[k], is[k]);
-        }
-    });
-    write_row_partials<V>(s, sx, partial, C);
 }
 
 // A warp per channel: its splits added (channel_sums); dweight = sum g * xhat, dbias = sum g
@@ -599,31 +422,5 @@ __global__ void batch_norm_backward_columns_kernel(
     walk_column<T>(N, C, per, [&](long long at) {
         const float g = masked_dy<1>(dy, y, at).v[0];
         store_from_float(dx, at, bn_grad(g, normalised(load_as_float(x, at), mu, is), k, a, b));
-    });
-}
-
-template <typename T>
-__global__ void __launch_bounds__(256)
-batch_norm_backward_rows_kernel(const T* __restrict__ dy, const T* __restrict__ x,
-                                const T* __restrict__ y, const float* mean, const float* invstd,
-                                const float* coef, T* __restrict__ dx, int M, int C) {
-    constexpr int V = RowVec<T>::V;
-    const int c0 = row_channel<T>(C);
-    float mu[V], is[V], kk[V], a[V], b[V];
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-        mu[k] = mean[c0 + k];
-        is[k] = invstd[c0 + k];
-        kk[k] = coef[3 * (c0 + k)];
-        a[k] = coef[3 * (c0 + k) + 1];
-        b[k] = coef[3 * (c0 + k) + 2];
-    }
-    walk_rows<T>(M, C, [&](long long at) {
-        float g[V], v[V];
-        masked_dy_row<T, V>(dy, y, at, g);
-        load_row(x, at, v);
-#pragma unroll
-        for (int k = 0; k < V; ++k) g[k] = bn_grad(g[k], normalised(v[k], mu[k], is[k]), kk[k], a[k], b[k]);
-        store_row(dx, at, g);
     });
 }
