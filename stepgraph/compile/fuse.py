@@ -167,8 +167,9 @@ def fuse_pool_relu(graph: Graph) -> Graph:
 def fuse_batch_norm_relu(graph: Graph) -> Graph:
     """batch_norm_train -> y; act(relu)(y) -> r, the ReLU y's only reader   =>
     batch_norm_train(act="relu") -> r; and in the backward act_grad(relu)(dr, r) -> g;
-    batch_norm_grad(g, x, ...)   =>   batch_norm_grad(dr, x, ..., r, act="relu"), which masks
-    dr by r > 0 itself: one pass over the activations fewer each way."""
+    batch_norm_grad(g, x, ...)   =>   batch_norm_grad(dr, x, ..., [bias], act="relu"), which
+    masks dr itself where the pre-activation it recomputes from x is not positive: one pass
+    over the activations fewer forward, and the backward's passes read no r."""
     graph = _copy(graph)
     users = graph.consumers()
     producers = graph.producers()
@@ -189,11 +190,58 @@ def fuse_batch_norm_relu(graph: Graph) -> Graph:
                     and g is not None and g.op == "act_grad" and g.attrs["kind"] == "relu" \
                     and g.inputs[1] is relu.outputs[0] and len(users[g.outputs[0]]) == 1 \
                     and g.outputs[0] not in graph.outputs.values():
-                grad.inputs = [g.inputs[0], *grad.inputs[1:], relu.outputs[0]]
+                bias = [bn.inputs[2]] if bn.attrs["affine"] else []
+                grad.inputs = [g.inputs[0], *grad.inputs[1:], *bias]
                 grad.attrs = dict(grad.attrs, act="relu")
                 grad.label = bn.label + " bwd"
                 drop.add(g)
     return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
+
+
+def _residual_add(graph: Graph, users, y: Value) -> tuple[Node, Value] | None:
+    """(add, r): the elementwise sum y + r (or r + y) that is y's only reader, r of y's shape
+    and dtype (no broadcasting), when y is no graph output."""
+    readers = users.get(y, [])
+    if len(readers) != 1 or y in graph.outputs.values():
+        return None
+    add = readers[0]
+    if not (add.op == "add" or (add.op == "binary" and add.attrs["kind"] == "add")) \
+            or len(add.inputs) != 2:
+        return None
+    a, b = add.inputs
+    r = b if a is y else a
+    if r is y or r.shape != y.shape or r.dtype != y.dtype or add.outputs[0].shape != y.shape:
+        return None
+    return add, r
+
+
+def fuse_batch_norm_residual(graph: Graph) -> Graph:
+    """batch_norm_train -> y; y + r -> s; act(relu)(s) -> out, each value's only reader   =>
+    batch_norm_train(x, ..., r, residual=True, act="relu") -> out: a residual block's second
+    BatchNorm, shortcut add and ReLU in one pass that writes out alone (neither y nor s reaches
+    memory). The fused node runs where the ReLU ran: r (a downsampling shortcut's own
+    BatchNorm) may be made after the BatchNorm. The backward is unchanged: act_grad(relu)
+    reads out, which the fused node writes as the ReLU did."""
+    graph = _copy(graph)
+    users = graph.consumers()
+    replaced: dict[Node, Node | None] = {}
+    for bn in graph.nodes:
+        if bn.op != "batch_norm_train" or bn.attrs.get("act", "none") != "none" \
+                or bn.attrs.get("residual") or bn in replaced:
+            continue
+        found = _residual_add(graph, users, bn.outputs[0])
+        if found is None:
+            continue
+        add, r = found
+        relu = _sole_relu(graph, users, add.outputs[0])
+        if relu is None or add in replaced:     # a sum of two BatchNorms: the first takes it
+            continue
+        fused = Node(bn.op, [*bn.inputs, r], [relu.outputs[0], *bn.outputs[1:]],
+                     dict(bn.attrs, act="relu", residual=True), bn.mutates,
+                     _join(bn.label, relu.label))
+        replaced.update({bn: None, add: None, relu: fused})
+    nodes = [replaced.get(n, n) for n in graph.nodes]
+    return _rebuild(graph, [n for n in nodes if n is not None], {})
 
 
 def fuse_step_bookkeeping(graph: Graph) -> Graph:
@@ -277,7 +325,8 @@ def eliminate_dead_code(graph: Graph) -> Graph:
     return _rebuild(graph, _live(graph.nodes, graph.outputs.values()), {})
 
 
-PASSES = (pack_attention_heads, fuse_linear_activation, fuse_pool_relu, fuse_batch_norm_relu,
+PASSES = (pack_attention_heads, fuse_linear_activation, fuse_pool_relu,
+          fuse_batch_norm_residual, fuse_batch_norm_relu,
           fuse_activation_bias_grad, fuse_conv_bias_grad, fuse_cross_entropy,
           fuse_log_softmax_nll, fuse_step_bookkeeping, fuse_pointwise, eliminate_dead_code)
 

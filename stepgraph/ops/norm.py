@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from ..autodiff.rules import layout_attrs, vjp
+from ..backends.numpy import bf16
 from ..backends.numpy.kernels import channels_last_capable, impl
 from ..ir.ops import _need, defop, layout_of
 
@@ -41,9 +42,12 @@ def _batch_norm_train(ins, attrs):
     ins = x, then weight (C,), bias (C,) when attrs affine, then running_mean (C,), running_var
     (C,) (float32, or x's dtype) and num_batches_tracked (int64 scalar) when attrs track.
     attrs eps, momentum (float, or None: cumulative average), affine, track, act ("none" or
-    "relu": the ReLU that followed, fused). Per channel over M = N*prod(spatial) elements:
-    mean, biased var; save_invstd = 1/sqrt(var + eps); y = act((x - mean) * save_invstd *
-    weight + bias). Outputs y (x.shape), save_mean (C,), save_invstd (C,), all of x's dtype
+    "relu": the ReLU that followed, fused), residual (made only by compile/fuse.py: a last
+    input r of x's shape and dtype, the residual added before the activation). Per channel
+    over M = N*prod(spatial) elements: mean, biased var; save_invstd = 1/sqrt(var + eps); y =
+    act((x - mean) * save_invstd * weight + bias), or with residual act(b + r), b that
+    normalised value rounded to x's dtype and the sum rounded again, as the unfused
+    batch_norm_train and add store them. Outputs y (x.shape), save_mean (C,), save_invstd (C,), all of x's dtype
     (the statistics float32 for a bfloat16 x, whose weight and running statistics are float32).
     With track, updates in place: num_batches_tracked += 1; m = momentum, or
     1/num_batches_tracked (after the increment) when momentum is None; running_mean =
@@ -53,18 +57,24 @@ def _batch_norm_train(ins, attrs):
     _need(len(x.shape) >= 2, "batch_norm_train", f"input must be (N, C, ...), got {x.shape}")
     _need(attrs.get("act", "none") in BN_ACTS, "batch_norm_train",
           f"act must be one of {BN_ACTS}, got {attrs.get('act')!r}")
-    want = 1 + 2 * bool(attrs["affine"]) + 3 * bool(attrs["track"])
+    residual = bool(attrs.get("residual"))
+    channels = 2 * bool(attrs["affine"]) + 2 * bool(attrs["track"])
+    want = 1 + channels + bool(attrs["track"]) + residual
     _need(len(ins) == want, "batch_norm_train",
-          f"{want} inputs for affine={attrs['affine']}, track={attrs['track']}, got {len(ins)}")
+          f"{want} inputs for affine={attrs['affine']}, track={attrs['track']}, "
+          f"residual={residual}, got {len(ins)}")
     c = _channels("batch_norm_train", x, attrs)
     _need(x.size // max(c, 1) > 1, "batch_norm_train",
           f"more than 1 value per channel needed in training, got input {x.shape}")
-    channel_ins = ins[1:-1] if attrs["track"] else ins[1:]
+    if residual:
+        _need(ins[-1].shape == x.shape and ins[-1].dtype == x.dtype, "batch_norm_train",
+              f"residual {ins[-1]!r} must match input {x.shape} {x.dtype}")
+    channel_ins = ins[1:1 + channels]
     for v in channel_ins:
         _need(v.shape == (c,), "batch_norm_train", f"{v!r} must be ({c},) for input {x.shape}")
         _need(v.dtype in (x.dtype, "float32"), "batch_norm_train", f"{v!r} dtype vs {x.dtype}")
     if attrs["track"]:
-        count = ins[-1]
+        count = ins[1 + channels]
         _need(count.shape == () and count.dtype == "int64", "batch_norm_train",
               f"num_batches_tracked must be an int64 scalar, got {count!r}")
     stats = "float32" if x.dtype == "bfloat16" else x.dtype    # bf16 x: float32 statistics
@@ -74,15 +84,19 @@ def _batch_norm_train(ins, attrs):
 @defop("batch_norm_grad")
 def _batch_norm_grad(ins, attrs):
     """Gradient of batch_norm_train. ins = dy, x, [weight when attrs affine], save_mean,
-    save_invstd, [y when attrs act is "relu"]. With act relu, dy is first masked by y > 0.
+    save_invstd, [bias when attrs affine and act is "relu"]. With act relu, dy is first masked
+    where the forward's output was not positive: by z > 0, z = xhat * weight + bias
+    recomputed in float32 with the forward kernel's roundings (relu_mask), which is y > 0 of
+    the kernels' y bit for bit, so y need not be read.
     xhat = (x - save_mean) * save_invstd; per channel sum_dy, sum_dy_xhat over M elements;
     dx = weight * save_invstd / M * (M dy - sum_dy - xhat sum_dy_xhat) (weight = 1 without
     affine); outputs dx (x's dtype), and dweight = sum_dy_xhat, dbias = sum_dy (the weight's
     dtype) when affine. attrs layout as batch_norm_train's."""
     dy, x = ins[0], ins[1]
     affine, relu = bool(attrs["affine"]), attrs.get("act", "none") == "relu"
-    _need(len(ins) == 4 + affine + relu, "batch_norm_grad",
-          f"{4 + affine + relu} inputs for affine={affine}, act={attrs.get('act')}, got {len(ins)}")
+    want = 4 + affine + (affine and relu)
+    _need(len(ins) == want, "batch_norm_grad",
+          f"{want} inputs for affine={affine}, act={attrs.get('act')}, got {len(ins)}")
     _need(dy.shape == x.shape, "batch_norm_grad", f"dy {dy.shape} vs x {x.shape}")
     c = (_channels("batch_norm_grad", x, attrs),)
     w = ins[2].dtype if affine else x.dtype      # dweight, dbias: the weight's dtype
@@ -92,10 +106,13 @@ def _batch_norm_grad(ins, attrs):
 @vjp("batch_norm_train")
 def _batch_norm_train_vjp(emit, node, dy, wants):
     a = node.attrs
+    if a.get("residual"):
+        raise NotImplementedError("batch_norm_train with a residual is made after autodiff "
+                                  "(compile/fuse.py); it has no VJP")
     affine, act = bool(a["affine"]), a.get("act", "none")
-    x, y, save_mean, save_invstd = node.inputs[0], *node.outputs
+    x, _, save_mean, save_invstd = node.inputs[0], *node.outputs
     ins = [dy[0], x] + ([node.inputs[1]] if affine else []) + [save_mean, save_invstd] + (
-        [y] if act == "relu" else [])
+        [node.inputs[2]] if affine and act == "relu" else [])
     grads = emit("batch_norm_grad", ins, affine=affine, act=act, **layout_attrs(node))
     return grads + [None] * (len(node.inputs) - len(grads))   # running statistics: none
 
@@ -117,6 +134,11 @@ def _batch_norm_train_impl(node, ins, outs, ctx):
     y = (x64 - _channel_view(mean, x.ndim)) * _channel_view(invstd, x.ndim)
     if a["affine"]:
         y = y * _channel_view(ins[1], x.ndim) + _channel_view(ins[2], x.ndim)
+    if a.get("residual"):        # the unfused graph's two stores: the normalised value, the sum
+        y = y.astype(np.float32)
+        if node.inputs[0].dtype == "bfloat16":
+            y = bf16.round_bf16(y)
+        y = y + ins[-1].astype(np.float32)
     if a.get("act", "none") == "relu":
         y = np.maximum(y, 0.0)
     outs[0][...] = y
@@ -131,6 +153,19 @@ def _batch_norm_train_impl(node, ins, outs, ctx):
         running_var[...] = (1 - m) * running_var.astype(np.float64) + m * var * n / (n - 1)
 
 
+def relu_mask(x, save_mean, save_invstd, weight=None, bias=None) -> np.ndarray:
+    """Where the fused ReLU passed the gradient: z > 0 for the pre-activation z = (x - mean) *
+    invstd [* weight + bias] in float32, each operation rounded once in the kernels' order
+    (norm.cu bn_output; NumPy's float32 operations round to nearest and never contract into
+    FMAs), so the mask is y > 0 of the forward kernels' y. A NaN z masks."""
+    nd = x.ndim
+    f32 = lambda v: _channel_view(np.asarray(v, np.float32), nd)     # noqa: E731
+    z = (x.astype(np.float32) - f32(save_mean)) * f32(save_invstd)
+    if weight is not None:
+        z = z * f32(weight) + f32(bias)
+    return z > 0
+
+
 @impl("batch_norm_grad")
 @channels_last_capable
 def _batch_norm_grad_impl(node, ins, outs, ctx):
@@ -139,7 +174,8 @@ def _batch_norm_grad_impl(node, ins, outs, ctx):
     dy, x = ins[0].astype(np.float64), ins[1].astype(np.float64)
     save_mean, save_invstd = ins[2 + affine], ins[3 + affine]
     if relu:
-        dy = dy * (ins[4 + affine] > 0)
+        dy = dy * relu_mask(ins[1], save_mean, save_invstd,
+                            *((ins[2], ins[4 + affine]) if affine else ()))
     axes, nd = (0,) + tuple(range(2, x.ndim)), x.ndim
     invstd = save_invstd.astype(np.float64)
     xhat = (x - _channel_view(save_mean.astype(np.float64), nd)) * _channel_view(invstd, nd)

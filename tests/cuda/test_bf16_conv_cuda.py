@@ -245,7 +245,7 @@ def test_batch_norm_bf16_train_and_grad_match_the_emulation(ctx, case, act, requ
 
     y, mean, invstd = want
     dy = bf16_random(rng, *y.shape)
-    grad_ins = [dy, ins[0], ins[1], mean, invstd] + ([y] if act == "relu" else [])
+    grad_ins = [dy, ins[0], ins[1], mean, invstd] + ([ins[2]] if act == "relu" else [])
     gattrs = dict(affine=True, act=act) | ({"layout": "NHWC"} if layout == "NHWC" else {})
     bwd = node_of("batch_norm_grad", grad_ins, **gattrs)
     want, got = both(ctx, bwd, grad_ins)

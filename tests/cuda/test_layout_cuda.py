@@ -299,10 +299,10 @@ def test_nhwc_batch_norm_train_and_grad(ctx, shape, affine, track, momentum, act
     assert_close(got[2], want[2], rtol=1e-6, atol=0, what=f"{what} save_invstd")
     for i, a in zip(node.mutates, to_host(ctx, [dev_ins[i] for i in node.mutates])):
         assert_close(a, ref_ins[i], rtol=2e-6, atol=1e-7, what=f"{what} running input {i}")
-    # the backward, from the forward's saved statistics (and output, for the fused ReLU)
+    # the backward, from the forward's saved statistics (and bias, for the fused ReLU's mask)
     dy = random(rng, *shape)
     gins = [dy, x] + ([ins[1]] if affine else []) + [want[1], want[2]] + (
-        [want[0]] if act == "relu" else [])
+        [ins[2]] if affine and act == "relu" else [])
     gnode = make_node("batch_norm_grad", gins, affine=affine, act=act, layout="NHWC")
     ref, out = run_both(ctx, gnode, gins)
     for i, (g, r) in enumerate(zip(out, ref)):

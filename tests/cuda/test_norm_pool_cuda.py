@@ -100,6 +100,25 @@ def test_batch_norm_train(ctx, shape, affine, track, momentum, act):
                              what=f"{what} call {call} running input {i}")
 
 
+@pytest.mark.parametrize("act", ["relu", "none"])
+@pytest.mark.parametrize("shape", [(2000, 64), (300, 10), (8, 16, 4, 4), (2, 3, 5, 5)])
+def test_batch_norm_train_with_residual(ctx, shape, act):
+    """The fused residual (compile/fuse.py fuse_batch_norm_residual): y = act(bn(x) + r), in
+    the columns layout, float4 planes and scalar planes."""
+    rng = np.random.default_rng([127, *shape])
+    ins = bn_inputs(rng, shape, True, True) + [random(rng, *shape)]
+    node = make_node("batch_norm_train", ins, eps=1e-5, momentum=0.1, affine=True, track=True,
+                     act=act, residual=True)
+    ref_ins, dev_ins = [a.copy() for a in ins], to_device(ctx, ins)
+    want = [np.full(v.shape, np.nan, v.dtype) for v in node.outputs]
+    NUMPY_IMPLS[node.op](node, ref_ins, want, None)
+    got = poisoned(ctx, node)
+    CUDA_IMPLS[node.op](node, dev_ins, got, ctx)
+    check_bn_outputs(to_host(ctx, got), want, f"batch_norm_train residual {shape} {act}")
+    if act == "relu":
+        assert (want[0] == 0).any() and (want[0] > 0).any()
+
+
 def test_batch_norm_train_is_deterministic(ctx):
     shape = (64, 3, 33, 33)                     # several splits per channel
     x = random(np.random.default_rng(103), *shape)
@@ -165,8 +184,9 @@ def test_batch_norm_grad(ctx, shape, affine, act):
     c = shape[1]
     x, dy = random(rng, *shape, scale=2.0, shift=3.0), random(rng, *shape)
     weight, bias = (random(rng, c), random(rng, c)) if affine else (None, None)
-    y, mean, invstd = bn_forward_numpy(x, weight, bias, act)
-    ins = [dy, x] + ([weight] if affine else []) + [mean, invstd] + ([y] if act == "relu" else [])
+    _, mean, invstd = bn_forward_numpy(x, weight, bias, act)
+    ins = [dy, x] + ([weight] if affine else []) + [mean, invstd] + (
+        [bias] if affine and act == "relu" else [])
     node = make_node("batch_norm_grad", ins, affine=affine, act=act)
     ref, got = run_both(ctx, node, ins)
     what = f"batch_norm_grad {shape} affine={affine} {act}"
@@ -337,14 +357,14 @@ def test_captured_batch_norm_replays(ctx):
     rm, rv, count = np.zeros(c, np.float32), np.ones(c, np.float32), np.array(0, np.int64)
     fwd = bn_node([x, w, b, rm, rv, count], True, True, None, "relu")
     y, mean, invstd = (np.zeros(v.shape, np.float32) for v in fwd.outputs)
-    grad_ins = [dy, x, w, mean, invstd, y]
+    grad_ins = [dy, x, w, mean, invstd, b]
     bwd = make_node("batch_norm_grad", grad_ins, affine=True, act="relu")
     dx, dw, db = (np.zeros(v.shape, np.float32) for v in bwd.outputs)
 
     def program(impls, a, ctx_):
         x_, dy_, w_, b_, rm_, rv_, n_, y_, m_, s_, dx_, dw_, db_ = a
         impls[fwd.op](fwd, [x_, w_, b_, rm_, rv_, n_], [y_, m_, s_], ctx_)
-        impls[bwd.op](bwd, [dy_, x_, w_, m_, s_, y_], [dx_, dw_, db_], ctx_)
+        impls[bwd.op](bwd, [dy_, x_, w_, m_, s_, b_], [dx_, dw_, db_], ctx_)
 
     host = [x, dy, w, b, rm, rv, count, y, mean, invstd, dx, dw, db]
     dev = to_device(ctx, [a.copy() for a in host])

@@ -1,13 +1,15 @@
-"""fuse_batch_norm_relu (compile/fuse.py): BatchNorm then ReLU becomes one forward and one
-backward node where the ReLU is the BatchNorm output's only reader, nowhere else, and fused
-graphs compute what unfused ones do."""
+"""fuse_batch_norm_relu and fuse_batch_norm_residual (compile/fuse.py): BatchNorm then ReLU
+(or then the residual add and ReLU) becomes one forward node (and, for the ReLU alone, one
+backward node) where each value's only reader is the next, nowhere else, and fused graphs
+compute what unfused ones do."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from stepgraph.autodiff import append_backward
-from stepgraph.compile.fuse import PASSES, fuse, fuse_batch_norm_relu
+from stepgraph.compile.fuse import PASSES, fuse, fuse_batch_norm_relu, \
+    fuse_batch_norm_residual
 from stepgraph.ir.trace import Tracer
 from tests.ops.helpers import assert_close, run_graph, seeded
 
@@ -75,7 +77,9 @@ def test_batch_norm_relu_fuse_forward_and_backward(affine):
     (bn,) = [n for n in fused.nodes if n.op == "batch_norm_train"]
     (grad,) = [n for n in fused.nodes if n.op == "batch_norm_grad"]
     assert bn.attrs["act"] == "relu" and grad.attrs["act"] == "relu"
-    assert grad.inputs[-1] is bn.outputs[0]          # y, for the ReLU mask
+    assert bn.outputs[0] not in grad.inputs          # the mask comes from x, not from y
+    if affine:
+        assert grad.inputs[-1] is bn.inputs[2]       # the bias, to recompute the mask
     assert bn.mutates == ((3, 4, 5) if affine else (1, 2, 3))
     assert_same_results(fused, unfused)
 
@@ -112,3 +116,62 @@ def test_pass_is_in_the_pipeline_and_leaves_its_input_unchanged():
     fuse_batch_norm_relu(graph)
     assert str(graph) == before
     assert nodes == [(n.op, n.inputs, n.outputs, n.attrs) for n in graph.nodes]
+
+
+# ---- fuse_batch_norm_residual --------------------------------------------------------------
+
+def bn_residual_graph(late_shortcut: bool = False, read_sum: bool = False):
+    """relu(batch_norm_train(x) + s) -> mse(target), backward w.r.t. x, w, b and the shortcut's
+    input z. s = z * 2 (late_shortcut: computed after the BatchNorm, as a downsampling
+    shortcut is); read_sum: the pre-ReLU sum is a step output too."""
+    t = Tracer()
+    x, z, target = (t.input(SHAPE, "float32", n) for n in ("x", "z", "target"))
+    w, b = t.input((3,), "float32", "w"), t.input((3,), "float32", "b")
+    running = [t.state((3,), "float32", "rm"), t.state((3,), "float32", "rv"),
+               t.state((), "int64", "count")]
+    s = None if late_shortcut else t.op("scalar", [z], kind="mul", value=2.0)
+    y = t.emit("batch_norm_train", [x.value, w.value, b.value] + running, eps=1e-5,
+               momentum=0.1, affine=True, track=True, act="none")[0]
+    if late_shortcut:
+        s = t.op("scalar", [z], kind="mul", value=2.0)
+    total = t.op("binary", [y, s.value], kind="add")
+    out = t.op("act", [total], kind="relu", slope=0.01)
+    loss = t.op("mse", [out, target])
+    t.graph.outputs = {"loss": loss.value}
+    if read_sum:
+        t.graph.outputs["sum"] = total.value
+    grads = append_backward(t, loss.value, [x.value, z.value, w.value, b.value])
+    t.graph.outputs.update({f"d{i}": g for i, g in enumerate(grads)})
+    return t.graph
+
+
+def residual_arrays_and_state():
+    arrays, state = arrays_and_state()
+    arrays["z"] = seeded("bn_residual").standard_normal(SHAPE).astype(np.float32)
+    return arrays, state
+
+
+@pytest.mark.parametrize("late_shortcut", [False, True], ids=["early", "late"])
+def test_batch_norm_residual_relu_fuse_into_one_forward_node(late_shortcut):
+    unfused = bn_residual_graph(late_shortcut)
+    fused = fuse_batch_norm_residual(unfused)
+    (bn,) = [n for n in fused.nodes if n.op == "batch_norm_train"]
+    assert bn.attrs["residual"] and bn.attrs["act"] == "relu"
+    assert not any(n.op == "binary" and n.attrs["kind"] == "add" for n in fused.nodes)
+    assert [n.op for n in fused.nodes].count("act") == 0
+    shortcut = next(n for n in fused.nodes if n.op == "scalar")
+    assert fused.nodes.index(shortcut) < fused.nodes.index(bn)   # r is made before it runs
+    assert bn.inputs[-1] is shortcut.outputs[0]
+    arrays, state = residual_arrays_and_state()
+    state_u = {k: v.copy() for k, v in state.items()}
+    got, want = run_graph(fused, arrays, state), run_graph(unfused, arrays, state_u)
+    for k in want:
+        assert_close(got[k], want[k], what=k)
+    for k in state:
+        assert_close(state[k], state_u[k], what=k)
+
+
+def test_batch_norm_residual_sum_read_elsewhere_is_not_fused():
+    fused = fuse_batch_norm_residual(bn_residual_graph(read_sum=True))
+    assert not any(n.attrs.get("residual") for n in fused.nodes)
+    assert fuse_batch_norm_residual in PASSES

@@ -166,7 +166,8 @@ def _relu(attrs: dict) -> bool:
 @dataclass
 class TrainArrays:
     """batch_norm_train's inputs and outputs by name (ops/norm.py: x, [weight, bias],
-    [running_mean, running_var, num_batches_tracked] -> y, save_mean, save_invstd)."""
+    [running_mean, running_var, num_batches_tracked], [residual] -> y, save_mean,
+    save_invstd)."""
 
     x: Any
     y: Any
@@ -177,23 +178,30 @@ class TrainArrays:
     running_mean: Any = None
     running_var: Any = None
     tracked: Any = None
-    ctype: str = "float"     # of x and y (ACTIVATION_CTYPES)
+    residual: Any = None
+    ctype: str = "float"     # of x, the residual and y (ACTIVATION_CTYPES)
 
 
 def _train_arrays(attrs: dict, ins: list, outs: list) -> TrainArrays:
     """The node's arrays, named and checked."""
     affine, track = bool(attrs.get("affine")), bool(attrs.get("track"))
-    want = 1 + 2 * affine + 3 * track
+    residual = bool(attrs.get("residual"))
+    want = 1 + 2 * affine + 3 * track + residual
     if len(ins) != want or len(outs) != 3:
-        raise ShapeError(f"batch_norm_train: affine={affine} track={track} take {want} inputs "
-                         f"and give 3 outputs, got {len(ins)} and {len(outs)}")
+        raise ShapeError(f"batch_norm_train: affine={affine} track={track} residual={residual} "
+                         f"take {want} inputs and give 3 outputs, got {len(ins)} and "
+                         f"{len(outs)}")
     t = TrainArrays(ins[0], *outs)
     if affine:
         t.weight, t.bias = ins[1], ins[2]
     if track:
-        t.running_mean, t.running_var, t.tracked = ins[1 + 2 * affine:]
+        t.running_mean, t.running_var, t.tracked = ins[1 + 2 * affine:4 + 2 * affine]
         _check_scalar("batch_norm_train num_batches_tracked", t.tracked, "int64")
-    t.ctype = shared_ctype("batch_norm_train", {"input": t.x, "output": t.y})
+    if residual:
+        t.residual = ins[-1]
+        _check("batch_norm_train residual", t.residual, None, t.x.shape)
+    t.ctype = shared_ctype("batch_norm_train", {"input": t.x, "output": t.y,
+                                                "residual": t.residual})
     _check("batch_norm_train output", t.y, None, t.x.shape)
     _check_channels("batch_norm_train", t.x.shape[1] if t.x.ndim >= 2 else 0,
                     save_mean=t.save_mean, save_invstd=t.save_invstd, weight=t.weight,
@@ -202,13 +210,17 @@ def _train_arrays(attrs: dict, ins: list, outs: list) -> TrainArrays:
 
 
 def batch_norm_train_forward(ctx, node: Node, ins: list, outs: list) -> None:
-    """y = (x - mean) * invstd (* weight + bias) (ReLU when attrs act == "relu"), batch
-    statistics per channel in float64; save_mean, save_invstd (C,); with running stats, those
-    updated in place (momentum None: cumulative average) and num_batches_tracked += 1."""
+    """y = (x - mean) * invstd (* weight + bias) (+ the residual with attrs residual; ReLU
+    when attrs act == "relu"), batch statistics per channel in float64; save_mean,
+    save_invstd (C,); with running stats, those updated in place (momentum None: cumulative
+    average) and num_batches_tracked += 1."""
     a = node.attrs
-    t = _train_arrays(a, _channels_last(a, ins, (0,)), _channels_last(a, outs, (0,)))
+    residual_at = (len(ins) - 1,) if a.get("residual") else ()
+    t = _train_arrays(a, _channels_last(a, ins, (0, *residual_at)),
+                      _channels_last(a, outs, (0,)))
     relu = _relu(a)
-    layout = _layout("batch_norm_train", t.x, (t.x, t.y))
+    layout = _layout("batch_norm_train", t.x,
+                     tuple(v for v in (t.x, t.y, t.residual) if v is not None))
     stats = layout.stats_splits()
     scratch = _partials(node, ctx, layout, stats[0])
     _launch_pass(ctx, "stats", layout, stats, STATS_ROWS, (t.x, scratch["partial"]), t.ctype)
@@ -219,8 +231,8 @@ def batch_norm_train_forward(ctx, node: Node, ins: list, outs: list) -> None:
              _or_null(t.running_mean), _or_null(t.running_var), _or_null(t.tracked),
              np.float64(momentum or 0.0), np.int32(momentum is None)))
     _launch_pass(ctx, "forward", layout, layout.apply_splits(), APPLY_ROWS,
-                 (t.x, t.y, t.save_mean, t.save_invstd, _or_null(t.weight), _or_null(t.bias),
-                  np.int32(relu)), t.ctype)
+                 (t.x, _or_null(t.residual), t.y, t.save_mean, t.save_invstd,
+                  _or_null(t.weight), _or_null(t.bias), np.int32(relu)), t.ctype)
 
 
 # ---- batch_norm_grad -----------------------------------------------------------------------
@@ -228,60 +240,60 @@ def batch_norm_train_forward(ctx, node: Node, ins: list, outs: list) -> None:
 @dataclass
 class GradArrays:
     """batch_norm_grad's inputs and outputs by name (ops/norm.py: dy, x, [weight], save_mean,
-    save_invstd, [y] -> dx, [dweight, dbias])."""
+    save_invstd, [bias with the fused ReLU] -> dx, [dweight, dbias])."""
 
     dy: Any
     x: Any
     weight: Any
     mean: Any
     invstd: Any
-    y: Any
+    bias: Any
     dx: Any
     dweight: Any = None
     dbias: Any = None
-    ctype: str = "float"     # of dy, x, y and dx (ACTIVATION_CTYPES)
+    ctype: str = "float"     # of dy, x and dx (ACTIVATION_CTYPES)
 
 
 def _grad_arrays(attrs: dict, ins: list, outs: list) -> GradArrays:
     """The node's arrays, named and checked."""
     affine, relu = bool(attrs.get("affine")), _relu(attrs)
-    want = 4 + affine + relu
+    want = 4 + affine + (affine and relu)
     if len(ins) != want or len(outs) != 1 + 2 * affine:
         raise ShapeError(f"batch_norm_grad: affine={affine} act={attrs.get('act')!r} take "
                          f"{want} inputs and give {1 + 2 * affine} outputs, got {len(ins)} "
                          f"and {len(outs)}")
     g = GradArrays(ins[0], ins[1], ins[2] if affine else None, ins[2 + affine],
-                   ins[3 + affine], ins[4 + affine] if relu else None, *outs)
-    g.ctype = shared_ctype("batch_norm_grad", {"dy": g.dy, "x": g.x, "dx": g.dx, "y": g.y})
-    for what, arr in (("x", g.x), ("dx", g.dx), ("y", g.y)):
-        if arr is not None:
-            _check(f"batch_norm_grad {what}", arr, None, g.dy.shape)
+                   ins[3 + affine], ins[4 + affine] if affine and relu else None, *outs)
+    g.ctype = shared_ctype("batch_norm_grad", {"dy": g.dy, "x": g.x, "dx": g.dx})
+    for what, arr in (("x", g.x), ("dx", g.dx)):
+        _check(f"batch_norm_grad {what}", arr, None, g.dy.shape)
     _check_channels("batch_norm_grad", g.dy.shape[1] if g.dy.ndim >= 2 else 0,
-                    save_mean=g.mean, save_invstd=g.invstd, weight=g.weight,
+                    save_mean=g.mean, save_invstd=g.invstd, weight=g.weight, bias=g.bias,
                     dweight=g.dweight, dbias=g.dbias)
     return g
 
 
 def batch_norm_grad_backward(ctx, node: Node, ins: list, outs: list) -> None:
-    """dx (and dweight, dbias when affine) of batch_norm_train: g = dy (masked by y > 0 with
-    the fused ReLU), dbias = sum g, dweight = sum g * xhat per channel (float64), dx = weight *
-    invstd * (g - sum g / M - xhat * sum g xhat / M)."""
+    """dx (and dweight, dbias when affine) of batch_norm_train: g = dy (with the fused ReLU,
+    0 where the pre-activation recomputed from x, weight and bias is not positive), dbias =
+    sum g, dweight = sum g * xhat per channel (float64), dx = weight * invstd * (g - sum g / M
+    - xhat * sum g xhat / M)."""
     a = node.attrs
-    y_at = 4 + bool(a.get("affine")) if _relu(a) else None     # the fused ReLU's output
-    g = _grad_arrays(a, _channels_last(a, ins, (0, 1, y_at)), _channels_last(a, outs, (0,)))
-    layout = _layout("batch_norm_grad", g.dy,
-                     tuple(a for a in (g.dy, g.x, g.dx, g.y) if a is not None))
+    g = _grad_arrays(a, _channels_last(a, ins, (0, 1)), _channels_last(a, outs, (0,)))
+    relu = np.int32(_relu(a))
+    affine = (_or_null(g.weight), _or_null(g.bias))
+    layout = _layout("batch_norm_grad", g.dy, (g.dy, g.x, g.dx))
     stats = layout.stats_splits()
     scratch = _partials(node, ctx, layout, stats[0], extra=3)
     _launch_pass(ctx, "grad_stats", layout, stats, STATS_ROWS,
-                 (g.dy, g.x, _or_null(g.y), g.mean, g.invstd, scratch["partial"]), g.ctype)
+                 (g.dy, g.x, *affine, relu, g.mean, g.invstd, scratch["partial"]), g.ctype)
     _launch(ctx, SOURCE, "batch_norm_grad_finalize_kernel",
             (-(-layout.c * 32 // FINALIZE_BLOCK),), (FINALIZE_BLOCK,),
             (scratch["partial"], np.int32(stats[0]), np.int32(layout.c),
              np.float64(layout.count), _or_null(g.weight), g.invstd, scratch["coef"],
              _or_null(g.dweight), _or_null(g.dbias)))
     _launch_pass(ctx, "backward", layout, layout.apply_splits(), APPLY_ROWS,
-                 (g.dy, g.x, _or_null(g.y), g.mean, g.invstd, scratch["coef"], g.dx), g.ctype)
+                 (g.dy, g.x, *affine, relu, g.mean, g.invstd, scratch["coef"], g.dx), g.ctype)
 
 
 # ---- names and the op table ----------------------------------------------------------------

@@ -1,6 +1,7 @@
 // Batch normalisation in training mode over x viewed as (N, C, inner), M = N * inner elements
 // per channel: batch_norm_train (statistics, running-stat update, normalise + affine + ReLU)
-// and batch_norm_grad (the two channel sums, dweight/dbias, dx). Deterministic: every sum is
+// and batch_norm_grad (the two channel sums, dweight/dbias, dx; with the fused ReLU, dy masked
+// where the recomputed pre-activation is not positive: relu_masked). Deterministic: every sum is
 // float64, has a fixed owner and a fixed combination order (no float atomics):
 //   1. a stats pass: block (channel, split) writes its float64 partial sums to
 //      partial[(c * splits + split) * 2 + {0, 1}] (launcher scratch made once per node);
@@ -154,17 +155,32 @@ __device__ __forceinline__ float bn_output(float v, float mean, float invstd, bo
     return relu && !(z > 0.f || z != z) ? 0.f : z;
 }
 
-// dy masked by the fused ReLU's output (y == nullptr: no ReLU).
-template <int V, typename T>
-__device__ __forceinline__ Pack<V> masked_dy(const T* dy, const T* y, long long at) {
-    Pack<V> g = load_pack<V>(dy, at);
-    if (y != nullptr) {
-        const Pack<V> out = load_pack<V>(y, at);
-#pragma unroll
-        for (int k = 0; k < V; ++k)
-            if (!(out.v[k] > 0.f)) g.v[k] = 0.f;
-    }
-    return g;
+// The fused ReLU's mask in the gradient: g, or 0 where the forward's output was not positive.
+// The pre-activation is recomputed from x with the forward's own arithmetic (bn_output), so
+// the mask is the forward's bit for bit (a NaN masks, as y = NaN > 0 is false) and the
+// gradient never reads y: one pass over the activation fewer in each of its two passes.
+__device__ __forceinline__ float relu_masked(float g, float v, float mean, float invstd,
+                                             bool affine, float w, float b, int relu) {
+    return relu && !(bn_output(v, mean, invstd, affine, w, b, 0) > 0.f) ? 0.f : g;
+}
+
+// As stored in T: float as is, bf16 rounded to nearest even (a store then a load).
+__device__ __forceinline__ float as_stored(float v, const float*) { return v; }
+__device__ __forceinline__ float as_stored(float v, const unsigned short*) {
+    return bf16_round(v);
+}
+
+// The forward's output at `at`: bn_output, or with a residual r (the fused residual add,
+// r != nullptr) act(stored(bn) + r[at]), rounded as the unfused BatchNorm and add store
+// them; the fused ReLU after the sum then.
+template <typename T>
+__device__ __forceinline__ float bn_residual_output(float v, float mean, float invstd,
+                                                    bool affine, float w, float b, int relu,
+                                                    const T* __restrict__ r, long long at) {
+    if (r == nullptr) return bn_output(v, mean, invstd, affine, w, b, relu);
+    const float z = __fadd_rn(as_stored(bn_output(v, mean, invstd, affine, w, b, 0), r),
+                              load_as_float(r, at));
+    return relu && !(z > 0.f || z != z) ? 0.f : z;
 }
 
 // dx = k * (g - mean_dy - xhat * mean_dy_xhat), coef = (k = w * invstd, mean_dy, mean_dy_xhat).
@@ -257,12 +273,12 @@ extern "C" __global__ void batch_norm_finalize_kernel(const double* partial, int
     if (threadIdx.x == 0) *tracked = t;
 }
 
-// y = normalised x (weight == nullptr: no affine), ReLU when relu.
+// y = normalised x (weight == nullptr: no affine), + residual (nullptr: none), ReLU when relu.
 template <int V, typename T>
-__device__ __forceinline__ void forward_planes(const T* x, T* y, const float* mean,
-                                               const float* invstd, const float* weight,
-                                               const float* bias, int relu, int C, int inner,
-                                               int total, int per) {
+__device__ __forceinline__ void forward_planes(const T* x, const T* residual, T* y,
+                                               const float* mean, const float* invstd,
+                                               const float* weight, const float* bias, int relu,
+                                               int C, int inner, int total, int per) {
     const int c = blockIdx.x;
     const float mu = mean[c], is = invstd[c];
     const bool affine = weight != nullptr;
@@ -270,89 +286,102 @@ __device__ __forceinline__ void forward_planes(const T* x, T* y, const float* me
     walk_channel(C, inner, total, per, [&](long long at) {
         Pack<V> p = load_pack<V>(x, at);
 #pragma unroll
-        for (int k = 0; k < V; ++k) p.v[k] = bn_output(p.v[k], mu, is, affine, w, b, relu);
+        for (int k = 0; k < V; ++k)
+            p.v[k] = bn_residual_output(p.v[k], mu, is, affine, w, b, relu, residual,
+                                        at * V + k);
         store_pack<V>(y, at, p);
     });
 }
 
+#define FORWARD_PLANES_ARGS                                                                  \
+    const T *x, const T *residual, T *y, const float *mean, const float *invstd,             \
+        const float *weight, const float *bias, int relu, int C, int inner, int total, int per
+
 template <typename T>
-__global__ void batch_norm_forward_planes_kernel(
-    const T* x, T* y, const float* mean, const float* invstd, const float* weight,
-    const float* bias, int relu, int C, int inner, int total, int per) {
-    forward_planes<1>(x, y, mean, invstd, weight, bias, relu, C, inner, total, per);
+__global__ void batch_norm_forward_planes_kernel(FORWARD_PLANES_ARGS) {
+    forward_planes<1>(x, residual, y, mean, invstd, weight, bias, relu, C, inner, total, per);
 }
 
 template <typename T>
-__global__ void batch_norm_forward_planes_vec4_kernel(
-    const T* x, T* y, const float* mean, const float* invstd, const float* weight,
-    const float* bias, int relu, int C, int inner, int total, int per) {
-    forward_planes<4>(x, y, mean, invstd, weight, bias, relu, C, inner, total, per);
+__global__ void batch_norm_forward_planes_vec4_kernel(FORWARD_PLANES_ARGS) {
+    forward_planes<4>(x, residual, y, mean, invstd, weight, bias, relu, C, inner, total, per);
 }
 
 // Grid (ceil(C / 32), splits) of (32, rows) threads.
 template <typename T>
 __global__ void batch_norm_forward_columns_kernel(
-    const T* __restrict__ x, T* __restrict__ y, const float* mean, const float* invstd,
-    const float* weight, const float* bias, int relu, int N, int C, int per) {
+    const T* __restrict__ x, const T* __restrict__ residual, T* __restrict__ y,
+    const float* mean, const float* invstd, const float* weight, const float* bias, int relu,
+    int N, int C, int per) {
     const int c = min(blockIdx.x * COLUMN_TILE + threadIdx.x, C - 1);   // loads stay in range
     const float mu = mean[c], is = invstd[c];
     const bool affine = weight != nullptr;
     const float w = affine ? weight[c] : 1.f, b = affine ? bias[c] : 0.f;
     walk_column<T>(N, C, per, [&](long long at) {
-        store_from_float(y, at, bn_output(load_as_float(x, at), mu, is, affine, w, b, relu));
+        store_from_float(y, at, bn_residual_output(load_as_float(x, at), mu, is, affine, w, b,
+                                                   relu, residual, at));
     });
 }
 
 // ---- batch_norm_grad -----------------------------------------------------------------------
 
-// Partial (sum g, sum g * xhat) per channel and split, g = dy masked by y > 0 (y != nullptr).
+// Partial (sum g, sum g * xhat) per channel and split, g = dy masked by the fused ReLU (relu).
+// weight, bias: nullptr without affine.
 template <int V, typename T>
-__device__ __forceinline__ void grad_stats_planes(const T* dy, const T* x,
-                                                  const T* y, const float* mean,
-                                                  const float* invstd, double* partial, int C,
-                                                  int inner, int total, int per) {
+__device__ __forceinline__ void grad_stats_planes(const T* dy, const T* x, const float* weight,
+                                                  const float* bias, int relu,
+                                                  const float* mean, const float* invstd,
+                                                  double* partial, int C, int inner, int total,
+                                                  int per) {
     const int c = blockIdx.x;
     const float mu = mean[c], is = invstd[c];
+    const bool affine = weight != nullptr;
+    const float w = affine ? weight[c] : 1.f, b = affine ? bias[c] : 0.f;
     double s = 0.0, sx = 0.0;
     walk_channel(C, inner, total, per, [&](long long at) {
-        const Pack<V> g = masked_dy<V>(dy, y, at);
+        const Pack<V> g = load_pack<V>(dy, at);
         const Pack<V> v = load_pack<V>(x, at);
 #pragma unroll
         for (int k = 0; k < V; ++k) {
-            s += (double)g.v[k];
-            sx += (double)g.v[k] * (double)normalised(v.v[k], mu, is);
+            const double m = relu_masked(g.v[k], v.v[k], mu, is, affine, w, b, relu);
+            s += m;
+            sx += m * (double)normalised(v.v[k], mu, is);
         }
     });
     write_plane_partials(s, sx, partial);
 }
 
+#define GRAD_STATS_PLANES_ARGS                                                               \
+    const T *dy, const T *x, const float *weight, const float *bias, int relu,              \
+        const float *mean, const float *invstd, double *partial, int C, int inner, int total, \
+        int per
+
 template <typename T>
-__global__ void batch_norm_grad_stats_planes_kernel(
-    const T* dy, const T* x, const T* y, const float* mean, const float* invstd,
-    double* partial, int C, int inner, int total, int per) {
-    grad_stats_planes<1>(dy, x, y, mean, invstd, partial, C, inner, total, per);
+__global__ void batch_norm_grad_stats_planes_kernel(GRAD_STATS_PLANES_ARGS) {
+    grad_stats_planes<1>(dy, x, weight, bias, relu, mean, invstd, partial, C, inner, total, per);
 }
 
 template <typename T>
-__global__ void batch_norm_grad_stats_planes_vec4_kernel(
-    const T* dy, const T* x, const T* y, const float* mean, const float* invstd,
-    double* partial, int C, int inner, int total, int per) {
-    grad_stats_planes<4>(dy, x, y, mean, invstd, partial, C, inner, total, per);
+__global__ void batch_norm_grad_stats_planes_vec4_kernel(GRAD_STATS_PLANES_ARGS) {
+    grad_stats_planes<4>(dy, x, weight, bias, relu, mean, invstd, partial, C, inner, total, per);
 }
 
 template <typename T>
 __global__ void __launch_bounds__(COLUMN_TILE * STATS_ROWS)
 batch_norm_grad_stats_columns_kernel(const T* __restrict__ dy, const T* __restrict__ x,
-                                     const T* __restrict__ y, const float* mean,
-                                     const float* invstd, double* partial, int N, int C,
-                                     int per) {
+                                     const float* weight, const float* bias, int relu,
+                                     const float* mean, const float* invstd, double* partial,
+                                     int N, int C, int per) {
     const int c = min(blockIdx.x * COLUMN_TILE + threadIdx.x, C - 1);
     const float mu = mean[c], is = invstd[c];
+    const bool affine = weight != nullptr;
+    const float w = affine ? weight[c] : 1.f, b = affine ? bias[c] : 0.f;
     double s = 0.0, sx = 0.0;
     walk_column<T>(N, C, per, [&](long long at) {
-        const float g = masked_dy<1>(dy, y, at).v[0];
-        s += (double)g;
-        sx += (double)g * (double)normalised(load_as_float(x, at), mu, is);
+        const float v = load_as_float(x, at);
+        const double m = relu_masked(load_as_float(dy, at), v, mu, is, affine, w, b, relu);
+        s += m;
+        sx += m * (double)normalised(v, mu, is);
     });
     write_column_partials(s, sx, partial, C);
 }
@@ -381,46 +410,55 @@ extern "C" __global__ void batch_norm_grad_finalize_kernel(const double* partial
 }
 
 template <int V, typename T>
-__device__ __forceinline__ void backward_planes(const T* dy, const T* x, const T* y,
-                                                const float* mean, const float* invstd,
-                                                const float* coef, T* dx, int C, int inner,
-                                                int total, int per) {
+__device__ __forceinline__ void backward_planes(const T* dy, const T* x, const float* weight,
+                                                const float* bias, int relu, const float* mean,
+                                                const float* invstd, const float* coef, T* dx,
+                                                int C, int inner, int total, int per) {
     const int c = blockIdx.x;
     const float mu = mean[c], is = invstd[c];
-    const float k = coef[3 * c], a = coef[3 * c + 1], b = coef[3 * c + 2];
+    const bool affine = weight != nullptr;
+    const float w = affine ? weight[c] : 1.f, b = affine ? bias[c] : 0.f;
+    const float k = coef[3 * c], a = coef[3 * c + 1], bb = coef[3 * c + 2];
     walk_channel(C, inner, total, per, [&](long long at) {
-        Pack<V> g = masked_dy<V>(dy, y, at);
+        Pack<V> g = load_pack<V>(dy, at);
         const Pack<V> v = load_pack<V>(x, at);
 #pragma unroll
-        for (int e = 0; e < V; ++e) g.v[e] = bn_grad(g.v[e], normalised(v.v[e], mu, is), k, a, b);
+        for (int e = 0; e < V; ++e) {
+            const float m = relu_masked(g.v[e], v.v[e], mu, is, affine, w, b, relu);
+            g.v[e] = bn_grad(m, normalised(v.v[e], mu, is), k, a, bb);
+        }
         store_pack<V>(dx, at, g);
     });
 }
 
+#define BACKWARD_PLANES_ARGS                                                                 \
+    const T *dy, const T *x, const float *weight, const float *bias, int relu,              \
+        const float *mean, const float *invstd, const float *coef, T *dx, int C, int inner,   \
+        int total, int per
+
 template <typename T>
-__global__ void batch_norm_backward_planes_kernel(
-    const T* dy, const T* x, const T* y, const float* mean, const float* invstd,
-    const float* coef, T* dx, int C, int inner, int total, int per) {
-    backward_planes<1>(dy, x, y, mean, invstd, coef, dx, C, inner, total, per);
+__global__ void batch_norm_backward_planes_kernel(BACKWARD_PLANES_ARGS) {
+    backward_planes<1>(dy, x, weight, bias, relu, mean, invstd, coef, dx, C, inner, total, per);
 }
 
 template <typename T>
-__global__ void batch_norm_backward_planes_vec4_kernel(
-    const T* dy, const T* x, const T* y, const float* mean, const float* invstd,
-    const float* coef, T* dx, int C, int inner, int total, int per) {
-    backward_planes<4>(dy, x, y, mean, invstd, coef, dx, C, inner, total, per);
+__global__ void batch_norm_backward_planes_vec4_kernel(BACKWARD_PLANES_ARGS) {
+    backward_planes<4>(dy, x, weight, bias, relu, mean, invstd, coef, dx, C, inner, total, per);
 }
 
 template <typename T>
 __global__ void batch_norm_backward_columns_kernel(
-    const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ y,
-    const float* mean, const float* invstd, const float* coef, T* __restrict__ dx, int N, int C,
-    int per) {
+    const T* __restrict__ dy, const T* __restrict__ x, const float* weight, const float* bias,
+    int relu, const float* mean, const float* invstd, const float* coef, T* __restrict__ dx,
+    int N, int C, int per) {
     const int c = min(blockIdx.x * COLUMN_TILE + threadIdx.x, C - 1);
     const float mu = mean[c], is = invstd[c];
-    const float k = coef[3 * c], a = coef[3 * c + 1], b = coef[3 * c + 2];
+    const bool affine = weight != nullptr;
+    const float w = affine ? weight[c] : 1.f, b = affine ? bias[c] : 0.f;
+    const float k = coef[3 * c], a = coef[3 * c + 1], bb = coef[3 * c + 2];
     walk_column<T>(N, C, per, [&](long long at) {
-        const float g = masked_dy<1>(dy, y, at).v[0];
-        store_from_float(dx, at, bn_grad(g, normalised(load_as_float(x, at), mu, is), k, a, b));
+        const float v = load_as_float(x, at);
+        const float m = relu_masked(load_as_float(dy, at), v, mu, is, affine, w, b, relu);
+        store_from_float(dx, at, bn_grad(m, normalised(v, mu, is), k, a, bb));
     });
 }
