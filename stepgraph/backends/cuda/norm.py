@@ -281,7 +281,8 @@ def batch_norm_grad_backward(ctx, node: Node, ins: list, outs: list) -> None:
     a = node.attrs
     g = _grad_arrays(a, _channels_last(a, ins, (0, 1)), _channels_last(a, outs, (0,)))
     relu = np.int32(_relu(a))
-    affine = (_or_null(g.weight), _or_null(g.bias))
+    # the pass kernels read weight and bias only for the ReLU's mask (both null: not affine)
+    affine = (_or_null(g.weight), _or_null(g.bias)) if relu else (_or_null(None),) * 2
     layout = _layout("batch_norm_grad", g.dy, (g.dy, g.x, g.dx))
     stats = layout.stats_splits()
     scratch = _partials(node, ctx, layout, stats[0], extra=3)

@@ -326,7 +326,7 @@ __global__ void batch_norm_forward_columns_kernel(
 // ---- batch_norm_grad -----------------------------------------------------------------------
 
 // Partial (sum g, sum g * xhat) per channel and split, g = dy masked by the fused ReLU (relu).
-// weight, bias: nullptr without affine.
+// weight, bias: for the mask only; both nullptr without affine or without the ReLU.
 template <int V, typename T>
 __device__ __forceinline__ void grad_stats_planes(const T* dy, const T* x, const float* weight,
                                                   const float* bias, int relu,
