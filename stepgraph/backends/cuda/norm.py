@@ -50,8 +50,7 @@ BF16_OPS = frozenset({"batch_norm_train", "batch_norm_grad"})
 @dataclass(frozen=True)
 class Layout:
     """How the kernels walk x viewed as (n, c, inner): `columns` when inner == 1 and C is
-    wide enough (threads along C, `vec` adjacent channels each), else planes of `inner`
-    packs of `vec` floats."""
+    wide enough (threads along C), else planes of `inner` packs of `vec` floats."""
 
     n: int
     c: int
@@ -67,7 +66,7 @@ class Layout:
     def _splits(self, target: int, minimum: int) -> tuple[int, int]:
         """(splits, per) of each channel's packs (planes) or rows (columns)."""
         if self.columns:
-            work, blocks = self.n, -(-self.c // (COLUMN_TILE * self.vec))
+            work, blocks = self.n, -(-self.c // COLUMN_TILE)
         else:
             work, blocks = self.n * self.inner // self.vec, self.c
         splits = max(1, min(-(-work // minimum), target // blocks))
@@ -84,10 +83,8 @@ class Layout:
 
 
 def _layout(op: str, x, arrays) -> Layout:
-    """The layout of x (rank >= 2). Planes: vec 4 when inner % 4 == 0 and every array is
-    16-byte aligned (each (n, c) row then starts on a float4). Columns: vec 2 for bf16 when C
-    is even and every array 4-byte aligned (a thread's two channels are one 4-byte access,
-    as a float32 channel is: measured faster than one 2-byte channel a thread), else 1."""
+    """The layout of x (rank >= 2); vec 4 when inner % 4 == 0 and every array is 16-byte
+    aligned (each (n, c) row then starts on a float4)."""
     if x.ndim < 2:
         raise ShapeError(f"{op}: input must be (N, C, ...), got {tuple(x.shape)}")
     n, c = x.shape[:2]
@@ -95,11 +92,9 @@ def _layout(op: str, x, arrays) -> Layout:
     if n * inner == 0 or c == 0:
         raise ShapeError(f"{op}: no elements per channel in input {tuple(x.shape)}")
     _check_int32(op, x.size)
-    if inner == 1 and c >= COLUMN_MIN_CHANNELS:
-        pairs = x.dtype.itemsize == 2 and c % 2 == 0 and _aligned(*arrays, to=4)
-        return Layout(n, c, inner, True, 2 if pairs else 1)
-    vec = 4 if inner % 4 == 0 and _aligned(*arrays) else 1
-    return Layout(n, c, inner, False, vec)
+    columns = inner == 1 and c >= COLUMN_MIN_CHANNELS
+    vec = 4 if not columns and inner % 4 == 0 and _aligned(*arrays) else 1
+    return Layout(n, c, inner, columns, vec)
 
 
 KINDS = ("stats", "forward", "grad_stats", "backward")    # the passes of norm.cu
@@ -109,7 +104,7 @@ def pass_kernel(kind: str, layout: Layout, ctype: str = "float") -> str:
     """The norm.cu kernel of pass `kind` (KINDS) in `layout`, for activations of C type
     `ctype` (ACTIVATION_CTYPES)."""
     if layout.columns:
-        return f"batch_norm_{kind}_columns_kernel<{ctype}, {layout.vec}>"
+        return f"batch_norm_{kind}_columns_kernel<{ctype}>"
     return f"batch_norm_{kind}_planes{'_vec4' if layout.vec == 4 else ''}_kernel<{ctype}>"
 
 
@@ -121,7 +116,7 @@ def _launch_pass(ctx, kind: str, layout: Layout, splits: tuple[int, int], block_
     n_splits, per = splits
     name = pass_kernel(kind, layout, ctype)
     if layout.columns:
-        _launch(ctx, SOURCE, name, (-(-layout.c // (COLUMN_TILE * layout.vec)), n_splits),
+        _launch(ctx, SOURCE, name, (-(-layout.c // COLUMN_TILE), n_splits),
                 (COLUMN_TILE, block_rows),
                 arrays + (np.int32(layout.n), np.int32(layout.c), np.int32(per)))
     else:
@@ -310,7 +305,7 @@ def kernel_names() -> dict[str, set[str]]:
     for kind in KINDS:
         for _, ctype in ACTIVATION_CTYPES.values():
             names |= {pass_kernel(kind, Layout(1, 1, 4, columns, vec), ctype)
-                      for columns, vec in ((False, 1), (False, 4), (True, 1), (True, 2))}
+                      for columns, vec in ((False, 1), (False, 4), (True, 1))}
     return {SOURCE: names}
 
 

@@ -9,8 +9,7 @@
 //   3. an elementwise pass over x with the channel's finished values.
 // Two layouts: "planes" (a block per channel and split of its N * inner elements, threads
 // along inner; float4 packs when inner % 4 == 0 and the pointers are 16-byte aligned) and
-// "columns" (inner == 1, x (N, C): 32 * V channels per block, threadIdx.x along C, V adjacent
-// channels a thread: V = 2 for bf16 (one 4-byte access, as float32's), else 1; coalesced).
+// "columns" (inner == 1, x (N, C): 32 channels per block, threadIdx.x along C, coalesced).
 // Launchers keep sizes < 2^31.
 // The kernels are templates over the storage T of x, y, dy and dx: float, or unsigned short
 // (bfloat16 bits, bf16.cuh), widened on load and rounded to nearest even once on store; the
@@ -19,7 +18,7 @@
 #include "bf16.cuh"
 #include "reduce.cuh"
 
-#define COLUMN_TILE 32   // threads along C of a columns block (blockDim.x), V channels each
+#define COLUMN_TILE 32   // channels per block of the columns layout (blockDim.x)
 #define STATS_ROWS 16    // row lanes of a columns stats block (blockDim.y)
 
 // ---- packs and walks -----------------------------------------------------------------------
@@ -72,23 +71,22 @@ __device__ __forceinline__ void walk_channel(int C, int inner, int total, int pe
     }
 }
 
-// Columns layout: calls f(at) for the rows of channels c0 .. c0 + V - 1, c0 = (blockIdx.x *
-// 32 + threadIdx.x) * V (if they exist; C % V == 0), in split blockIdx.y: rows [s * per,
-// (s + 1) * per), thread row lanes threadIdx.y, + blockDim.y, ..., in that order; at is the
-// offset of channel c0 in the row. Four rows a round where a thread's access is 4 bytes
-// (float32, or bf16 pairs), so that a thread has four loads in flight (one at a time kept
-// too few bytes moving to fill the memory pipe); the kernels' pointers are __restrict__, so
-// that loads may go ahead of earlier stores. Measured on the resnet step (H200): tf32 6555 ->
-// 6281 µs; bf16 with one channel (2-byte loads) a thread 2% slower with four rows a round.
-template <typename T, int V, typename F>
+// Columns layout: calls f(at) for the rows of channel blockIdx.x * 32 + threadIdx.x (if it
+// exists) in split blockIdx.y: rows [s * per, (s + 1) * per), thread row lanes threadIdx.y,
+// + blockDim.y, ..., in that order. For float32 storage four rows a round, so that a thread
+// has four loads in flight (one 4-byte load at a time kept too few bytes moving to fill the
+// memory pipe); the kernels' pointers are __restrict__, so that loads may go ahead of earlier
+// stores. Measured on the resnet step (H200): tf32 6555 -> 6281 µs; bf16 (2-byte loads) 2%
+// slower with four rows a round, 3759 -> 3566 µs with one row and the __restrict__ pointers.
+template <typename T, typename F>
 __device__ __forceinline__ void walk_column(int N, int C, int per, F f) {
-    const int c = (blockIdx.x * COLUMN_TILE + threadIdx.x) * V;
+    const int c = blockIdx.x * COLUMN_TILE + threadIdx.x;
     if (c >= C) return;
     const long long r0 = (long long)blockIdx.y * per;
     const long long r1 = min((long long)N, r0 + per);
     const long long step = blockDim.y;
     long long r = r0 + threadIdx.y;
-    if constexpr (sizeof(T) * V == 4) {
+    if constexpr (sizeof(T) == 4) {
         for (; r + 3 * step < r1; r += 4 * step) {
             f(r * C + c);
             f((r + step) * C + c);
@@ -97,44 +95,6 @@ __device__ __forceinline__ void walk_column(int N, int C, int per, F f) {
         }
     }
     for (; r < r1; r += step) f(r * C + c);
-}
-
-// The first of this thread's V channels in the columns layout, clamped so that the loads of
-// per-channel values stay in range (threads past C walk no rows).
-template <int V>
-__device__ __forceinline__ int column_channel(int C) {
-    return min((int)(blockIdx.x * COLUMN_TILE + threadIdx.x) * V, C - V);
-}
-
-// V adjacent elements at p + at as float (at % V == 0: one V-element access).
-template <int V, typename T>
-__device__ __forceinline__ void load_columns(const T* __restrict__ p, long long at, float* v) {
-    if constexpr (V == 2) {
-        if constexpr (sizeof(T) == 2) {
-            const ushort2 a = *reinterpret_cast<const ushort2*>(p + at);
-            v[0] = bf16_to_float(a.x);
-            v[1] = bf16_to_float(a.y);
-        } else {
-            const float2 a = *reinterpret_cast<const float2*>(p + at);
-            v[0] = a.x;
-            v[1] = a.y;
-        }
-    } else {
-        v[0] = load_as_float(p, at);
-    }
-}
-
-template <int V, typename T>
-__device__ __forceinline__ void store_columns(T* __restrict__ p, long long at, const float* v) {
-    if constexpr (V == 2) {
-        if constexpr (sizeof(T) == 2)
-            *reinterpret_cast<ushort2*>(p + at) = make_ushort2(bf16_from_float(v[0]),
-                                                               bf16_from_float(v[1]));
-        else
-            *reinterpret_cast<float2*>(p + at) = make_float2(v[0], v[1]);
-    } else {
-        store_from_float(p, at, v[0]);
-    }
 }
 
 // partial[(c * splits + split) * 2 + {0, 1}] = (a, b) summed over the block, planes layout.
@@ -149,31 +109,23 @@ __device__ __forceinline__ void write_plane_partials(double a, double b, double*
     }
 }
 
-// The same for the columns layout (a, b: this thread's V channels): each channel's row lanes
-// combined in order y = 0, 1, ...
-template <int V>
-__device__ __forceinline__ void write_column_partials(const double* a, const double* b,
-                                                      double* partial, int C) {
-    __shared__ double part[2][STATS_ROWS][COLUMN_TILE * V + 1];
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-        part[0][threadIdx.y][threadIdx.x * V + k] = a[k];
-        part[1][threadIdx.y][threadIdx.x * V + k] = b[k];
-    }
+// The same for the columns layout: each channel's row lanes combined in order y = 0, 1, ...
+__device__ __forceinline__ void write_column_partials(double a, double b, double* partial,
+                                                      int C) {
+    __shared__ double part[2][STATS_ROWS][COLUMN_TILE + 1];
+    part[0][threadIdx.y][threadIdx.x] = a;
+    part[1][threadIdx.y][threadIdx.x] = b;
     __syncthreads();
-    const int c0 = (blockIdx.x * COLUMN_TILE + threadIdx.x) * V;
-    if (threadIdx.y != 0 || c0 >= C) return;
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-        double sa = 0.0, sb = 0.0;
-        for (int y = 0; y < STATS_ROWS; ++y) {
-            sa += part[0][y][threadIdx.x * V + k];
-            sb += part[1][y][threadIdx.x * V + k];
-        }
-        const long long at = ((long long)(c0 + k) * gridDim.y + blockIdx.y) * 2;
-        partial[at] = sa;
-        partial[at + 1] = sb;
+    const int c = blockIdx.x * COLUMN_TILE + threadIdx.x;
+    if (threadIdx.y != 0 || c >= C) return;
+    double sa = 0.0, sb = 0.0;
+    for (int k = 0; k < STATS_ROWS; ++k) {
+        sa += part[0][k][threadIdx.x];
+        sb += part[1][k][threadIdx.x];
     }
+    const long long at = ((long long)c * gridDim.y + blockIdx.y) * 2;
+    partial[at] = sa;
+    partial[at + 1] = sb;
 }
 
 // Channel c's two sums: its splits' partials (write_*_partials) added by one warp, lane k
@@ -268,25 +220,18 @@ __global__ void batch_norm_stats_planes_vec4_kernel(const T* x, double* partial,
     stats_planes<4>(x, partial, C, inner, total, per);
 }
 
-// Grid (ceil(C / (32 V)), splits) of (32, STATS_ROWS) threads.
-template <typename T, int V>
+// Grid (ceil(C / 32), splits) of (32, STATS_ROWS) threads.
+template <typename T>
 __global__ void __launch_bounds__(COLUMN_TILE * STATS_ROWS)
 batch_norm_stats_columns_kernel(const T* __restrict__ x, double* partial, int N, int C,
                                 int per) {
-    double s[V], q[V];
-#pragma unroll
-    for (int k = 0; k < V; ++k) s[k] = q[k] = 0.0;
-    walk_column<T, V>(N, C, per, [&](long long at) {
-        float v[V];
-        load_columns<V>(x, at, v);
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-            const double d = v[k];
-            s[k] += d;
-            q[k] += d * d;
-        }
+    double s = 0.0, q = 0.0;
+    walk_column<T>(N, C, per, [&](long long at) {
+        const double v = load_as_float(x, at);
+        s += v;
+        q += v * v;
     });
-    write_column_partials<V>(s, q, partial, C);
+    write_column_partials(s, q, partial, C);
 }
 
 // One block, a warp per channel: each channel's splits added (channel_sums); mean, biased var
@@ -362,39 +307,19 @@ __global__ void batch_norm_forward_planes_vec4_kernel(FORWARD_PLANES_ARGS) {
     forward_planes<4>(x, residual, y, mean, invstd, weight, bias, relu, C, inner, total, per);
 }
 
-// The per-channel values of this thread's V channels (weight, bias: 1, 0 without).
-template <int V>
-struct ColumnChannels {
-    float mean[V], invstd[V], w[V], b[V];
-
-    __device__ __forceinline__ ColumnChannels(int c0, const float* mean_, const float* invstd_,
-                                              const float* weight, const float* bias) {
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-            mean[k] = mean_[c0 + k];
-            invstd[k] = invstd_[c0 + k];
-            w[k] = weight != nullptr ? weight[c0 + k] : 1.f;
-            b[k] = weight != nullptr ? bias[c0 + k] : 0.f;
-        }
-    }
-};
-
-// Grid (ceil(C / (32 V)), splits) of (32, rows) threads.
-template <typename T, int V>
+// Grid (ceil(C / 32), splits) of (32, rows) threads.
+template <typename T>
 __global__ void batch_norm_forward_columns_kernel(
     const T* __restrict__ x, const T* __restrict__ residual, T* __restrict__ y,
     const float* mean, const float* invstd, const float* weight, const float* bias, int relu,
     int N, int C, int per) {
-    const ColumnChannels<V> ch(column_channel<V>(C), mean, invstd, weight, bias);
+    const int c = min(blockIdx.x * COLUMN_TILE + threadIdx.x, C - 1);   // loads stay in range
+    const float mu = mean[c], is = invstd[c];
     const bool affine = weight != nullptr;
-    walk_column<T, V>(N, C, per, [&](long long at) {
-        float v[V];
-        load_columns<V>(x, at, v);
-#pragma unroll
-        for (int k = 0; k < V; ++k)
-            v[k] = bn_residual_output(v[k], ch.mean[k], ch.invstd[k], affine, ch.w[k], ch.b[k],
-                                      relu, residual, at + k);
-        store_columns<V>(y, at, v);
+    const float w = affine ? weight[c] : 1.f, b = affine ? bias[c] : 0.f;
+    walk_column<T>(N, C, per, [&](long long at) {
+        store_from_float(y, at, bn_residual_output(load_as_float(x, at), mu, is, affine, w, b,
+                                                   relu, residual, at));
     });
 }
 
@@ -441,30 +366,24 @@ __global__ void batch_norm_grad_stats_planes_vec4_kernel(GRAD_STATS_PLANES_ARGS)
     grad_stats_planes<4>(dy, x, weight, bias, relu, mean, invstd, partial, C, inner, total, per);
 }
 
-template <typename T, int V>
+template <typename T>
 __global__ void __launch_bounds__(COLUMN_TILE * STATS_ROWS)
 batch_norm_grad_stats_columns_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                      const float* weight, const float* bias, int relu,
                                      const float* mean, const float* invstd, double* partial,
                                      int N, int C, int per) {
-    const ColumnChannels<V> ch(column_channel<V>(C), mean, invstd, weight, bias);
+    const int c = min(blockIdx.x * COLUMN_TILE + threadIdx.x, C - 1);
+    const float mu = mean[c], is = invstd[c];
     const bool affine = weight != nullptr;
-    double s[V], sx[V];
-#pragma unroll
-    for (int k = 0; k < V; ++k) s[k] = sx[k] = 0.0;
-    walk_column<T, V>(N, C, per, [&](long long at) {
-        float g[V], v[V];
-        load_columns<V>(dy, at, g);
-        load_columns<V>(x, at, v);
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-            const double m = relu_masked(g[k], v[k], ch.mean[k], ch.invstd[k], affine, ch.w[k],
-                                         ch.b[k], relu);
-            s[k] += m;
-            sx[k] += m * (double)normalised(v[k], ch.mean[k], ch.invstd[k]);
-        }
+    const float w = affine ? weight[c] : 1.f, b = affine ? bias[c] : 0.f;
+    double s = 0.0, sx = 0.0;
+    walk_column<T>(N, C, per, [&](long long at) {
+        const float v = load_as_float(x, at);
+        const double m = relu_masked(load_as_float(dy, at), v, mu, is, affine, w, b, relu);
+        s += m;
+        sx += m * (double)normalised(v, mu, is);
     });
-    write_column_partials<V>(s, sx, partial, C);
+    write_column_partials(s, sx, partial, C);
 }
 
 // A warp per channel: its splits added (channel_sums); dweight = sum g * xhat, dbias = sum g
@@ -527,31 +446,19 @@ __global__ void batch_norm_backward_planes_vec4_kernel(BACKWARD_PLANES_ARGS) {
     backward_planes<4>(dy, x, weight, bias, relu, mean, invstd, coef, dx, C, inner, total, per);
 }
 
-template <typename T, int V>
+template <typename T>
 __global__ void batch_norm_backward_columns_kernel(
     const T* __restrict__ dy, const T* __restrict__ x, const float* weight, const float* bias,
     int relu, const float* mean, const float* invstd, const float* coef, T* __restrict__ dx,
     int N, int C, int per) {
-    const int c0 = column_channel<V>(C);
-    const ColumnChannels<V> ch(c0, mean, invstd, weight, bias);
+    const int c = min(blockIdx.x * COLUMN_TILE + threadIdx.x, C - 1);
+    const float mu = mean[c], is = invstd[c];
     const bool affine = weight != nullptr;
-    float kk[V], a[V], bb[V];
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-        kk[k] = coef[3 * (c0 + k)];
-        a[k] = coef[3 * (c0 + k) + 1];
-        bb[k] = coef[3 * (c0 + k) + 2];
-    }
-    walk_column<T, V>(N, C, per, [&](long long at) {
-        float g[V], v[V];
-        load_columns<V>(dy, at, g);
-        load_columns<V>(x, at, v);
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-            const float m = relu_masked(g[k], v[k], ch.mean[k], ch.invstd[k], affine, ch.w[k],
-                                        ch.b[k], relu);
-            g[k] = bn_grad(m, normalised(v[k], ch.mean[k], ch.invstd[k]), kk[k], a[k], bb[k]);
-        }
-        store_columns<V>(dx, at, g);
+    const float w = affine ? weight[c] : 1.f, b = affine ? bias[c] : 0.f;
+    const float k = coef[3 * c], a = coef[3 * c + 1], bb = coef[3 * c + 2];
+    walk_column<T>(N, C, per, [&](long long at) {
+        const float v = load_as_float(x, at);
+        const float m = relu_masked(load_as_float(dy, at), v, mu, is, affine, w, b, relu);
+        store_from_float(dx, at, bn_grad(m, normalised(v, mu, is), k, a, bb));
     });
 }
