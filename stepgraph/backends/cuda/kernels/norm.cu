@@ -130,23 +130,12 @@ __device__ __forceinline__ void write_column_partials(double a, double b, double
 
 // Channel c's two sums: its splits' partials (write_*_partials) added by one warp, lane k
 // taking splits k, k + 32, ... in order, the lanes combined by the fixed butterfly (every lane
-// gets the same bits). A lane's loads are issued four at a time before they are added (in
-// the same order): hundreds of splits cost a few round trips to L2 per lane, not hundreds.
+// gets the same bits). Hundreds of splits cost a few dependent loads per lane, not hundreds.
 __device__ __forceinline__ double2 channel_sums(const double* partial, int splits, int c) {
-    const double2* p = reinterpret_cast<const double2*>(partial) + (long long)c * splits;
     double a = 0.0, b = 0.0;
-    int k = threadIdx.x & 31;
-    for (; k + 96 < splits; k += 128) {
-        const double2 v0 = p[k], v1 = p[k + 32], v2 = p[k + 64], v3 = p[k + 96];
-        a += v0.x; b += v0.y;
-        a += v1.x; b += v1.y;
-        a += v2.x; b += v2.y;
-        a += v3.x; b += v3.y;
-    }
-    for (; k < splits; k += 32) {
-        const double2 v = p[k];
-        a += v.x;
-        b += v.y;
+    for (int k = threadIdx.x & 31; k < splits; k += 32) {
+        a += partial[((long long)c * splits + k) * 2];
+        b += partial[((long long)c * splits + k) * 2 + 1];
     }
     return make_double2(warp_sum(a), warp_sum(b));
 }
