@@ -108,8 +108,7 @@ def paths_of(monkeypatch, ctx, node, dev_in, dev_out) -> tuple[dict, bool]:
 
 def check_every_plan(monkeypatch, backend, ctx, node, arrays, want, what, repeatable=True,
                      plans_required=False):
-    """Every NHWC path offered for the node (cuDNN's plans, conv_nhwc.py's "small" kernels
-    where they apply) against `want`; where none is offered,
+    """Every cuDNN NHWC plan offered for the node against `want`; where cuDNN offers none,
     conv.py runs the NCHW twin between permutes (_through_nchw): that run is checked instead
     (not allowed with plans_required)."""
     with ctx.stream:
@@ -128,8 +127,7 @@ def check_every_plan(monkeypatch, backend, ctx, node, arrays, want, what, repeat
             err = rel_err(backend.to_numpy(got), ref)
             assert err < tol, f"{what} through NCHW output {i}: rel err {err:.2e} >= {tol}"
         return {}
-    # cuDNN's plans, and for few input taps (the stem) the own small channels-last kernels
-    assert paths and all(name.startswith(("cudnn", "small")) for name in paths), sorted(paths)
+    assert paths and all(name.startswith("cudnn") for name in paths), sorted(paths)
     for name, run in paths.items():
         runs = []
         for _ in range(2 if repeatable else 1):

@@ -55,9 +55,7 @@ its epilogue is exact. conv2d_grad_weight's db is then reduce_sum's (bf16 dy sum
 float32, rounded once).
 
 Channels-last nodes (attrs layout "NHWC", compile/layout.py: x (N, H, W, C), w (O, kh, kw,
-C/groups), y (N, Ho, Wo, O)) run through cuDNN; the weight gradient of those with few input
-taps (C*kh*kw <= 32: a stem over colour channels) also through conv_nhwc.py's "small" kernel
-(float32 or bf16, timed against cuDNN's plans); the other own kernels are NCHW. Their bias and ReLU
+C/groups), y (N, Ho, Wo, O)) run through cuDNN: the own kernels are NCHW. Their bias and ReLU
 epilogue and the bias gradient's sum read the channels along the last axis. A channels-last
 problem cuDNN has no plan for (or every one, without cuDNN) runs as its NCHW twin between
 permutes (`_through_nchw`): slow, but no convolution is left without a path.
@@ -77,7 +75,6 @@ from ...ir.graph import Node, Value
 from ...ir.ops import (TO_NCHW, TO_NHWC, channel_sum_axes, conv_out, layout_of, nchw_attrs,
                        nchw_shape, stored_shape)
 from . import autotune, compiler, conv_cudnn, gemm, launchers
-from . import conv_nhwc as small
 from . import conv_tiled as tiled
 
 SCRATCH_CHUNK_BYTES = 256 << 20
@@ -92,7 +89,7 @@ EPILOGUE_SUFFIX = "+epilogue"     # of a plain cuDNN plan's path, run with the e
 EPILOGUE_CTYPES = {**compiler.FLOAT_CTYPES, "uint16": "unsigned short"}
 BF16_OPS = frozenset({"conv2d", "conv2d_grad_input", "conv2d_grad_weight"})
 
-PATHS = ("direct", "direct_narrow", "tiled", "gemm", "small", "cudnn")
+PATHS = ("direct", "direct_narrow", "tiled", "gemm", "cudnn")
 PATH = "auto"                 # "auto" (timed per problem) or one of PATHS: tests force one
 DIRECT_SOURCE = "conv_direct.cu"
 DIRECT_MAX_TAPS = 1024        # conv_direct.cu's MAX_TAPS: a block's slice of w in shared memory
@@ -432,7 +429,7 @@ def kernel_names() -> dict[str, set[str]]:
         names[tiled.SOURCE].update(
             tiled.kernel_names(TILED_NAME_GEOMETRIES, ctype, np.dtype(dtype).itemsize))
     names["conv.cu"].add(f"{EPILOGUE_KERNEL}<{EPILOGUE_CTYPES['uint16']}>")
-    return names | small.kernel_names()
+    return names
 
 
 # ---- choosing the path ---------------------------------------------------------------------
@@ -737,12 +734,6 @@ def conv2d_grad_weight(node, ins, outs, ctx) -> None:
         paths["direct"] = with_bias(lambda: conv2d_direct_grad_weight(ctx, g, dy, x, dw))
     if own:
         paths["gemm"] = with_bias(lambda: _grad_weight_gemm(ctx, node, g, dy, x, dw))
-    if small.unsupported(g, layout, x.dtype) is None:
-        def small_grad_weight() -> None:
-            blocks, _ = small.grad_weight_split(g)
-            partial = _scratch(ctx, [(blocks, g.o * g.ck)], np.float32)[0]
-            small.conv2d_small_grad_weight(ctx, g, dy, x, dw, partial)
-        paths["small"] = with_bias(small_grad_weight)
     dtype = conv_cudnn.ir_dtype(x.dtype)
     paths = _with_cudnn(node, ctx, g, dtype, paths, lambda only: {
         name: with_bias(run) for name, run in conv_cudnn.grad_weight_paths(
