@@ -8,7 +8,7 @@ per-channel coefficients) live in device memory made once per node at its first 
 (launchers._node_memory): a captured graph must not allocate, and Executable warms up eagerly
 before capture. Launchers check their preconditions and launch on ctx.stream: no host sync.
 
-The activations (x, y, dy, dx, the fused ReLU's y) are float32 or bfloat16 (precision="bf16":
+The activations (x, y, dy, dx, the fused residual) are float32 or bfloat16 (precision="bf16":
 uint16 raw bits; the pass kernels are templates over that storage, norm.cu), all of one
 dtype; the per-channel values stay float32 (torch's CUDA autocast runs batch_norm in the
 input's dtype with float32 weight, bias and statistics; compile/autocast.py). A bf16 kernel

@@ -76,8 +76,9 @@ __device__ __forceinline__ void walk_channel(int C, int inner, int total, int pe
 // + blockDim.y, ..., in that order. For float32 storage four rows a round, so that a thread
 // has four loads in flight (one 4-byte load at a time kept too few bytes moving to fill the
 // memory pipe); the kernels' pointers are __restrict__, so that loads may go ahead of earlier
-// stores. Measured on the resnet step (H200): tf32 6555 -> 6281 µs; bf16 (2-byte loads) 2%
-// slower with four rows a round, 3759 -> 3566 µs with one row and the __restrict__ pointers.
+// stores. Measured on the resnet step (H200): tf32 6555 -> 6281 µs; bf16 (2-byte loads) is
+// slower with four rows a round (3020 -> 3199 µs), and with two channels a thread in one
+// 4-byte access too (3009 -> 3559 µs): it keeps one 2-byte channel, one row at a time.
 template <typename T, typename F>
 __device__ __forceinline__ void walk_column(int N, int C, int per, F f) {
     const int c = blockIdx.x * COLUMN_TILE + threadIdx.x;
