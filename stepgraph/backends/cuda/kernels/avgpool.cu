@@ -4,8 +4,9 @@
 // plane, so kh * kw is PyTorch's divisor too. The backward gathers, one thread per input
 // element (dy / divisor over the windows holding it, row-major window order): no atomics, a
 // fixed order; windows that tile the input exactly (global pooling among them) take the
-// tiling backward instead, a thread per window writing its elements. NCHW kernels and channels-last (_nhwc_, with C) ones: the same code (pool.cuh
-// layouts). Launchers keep sizes < 2^31. Shapes and windows: pool.cuh.
+// tiling backward instead, a thread per window writing its elements. NCHW kernels and
+// channels-last (_nhwc_, with C) ones: the same code (pool.cuh layouts). Launchers keep sizes
+// < 2^31. Shapes and windows: pool.cuh.
 // Templates over the element storage T: float, or unsigned short (bfloat16 bits, bf16.cuh):
 // loaded as float, summed and divided in float, rounded once on store.
 #include "bf16.cuh"
