@@ -155,7 +155,9 @@ def test_resnet_trajectory_predictions_and_state_dict_match_torch(request):
 
     bn = [n for n in step.executable(step.signature).plan.graph.nodes
           if n.op == "batch_norm_train"]
-    assert sorted(n.attrs["act"] for n in bn) == ["none", "none", "relu", "relu"]
+    # bn1, bn2 with their ReLUs; bn3 with the residual add and ReLU after it; downsample's alone
+    assert sorted((n.attrs["act"], bool(n.attrs.get("residual"))) for n in bn) == \
+        [("none", False), ("relu", False), ("relu", False), ("relu", True)]
 
     got, want = [], []
     for i in range(STEPS):
