@@ -115,7 +115,7 @@ def fake(tmp_path, monkeypatch):
     monkeypatch.setattr(autotune, "device_identity", lambda device: dict(IDENTITY))
     monkeypatch.setattr(autotune.compiler, "compile_parallel", lambda kernels: list(kernels))
 
-    def time_on_device(ctx, run, cold=False):
+    def time_on_device(ctx, run):
         run()
         fake.timed.append(fake.ran[-1])
         return fake.times.get(fake.ran[-1], 5.0)

@@ -150,8 +150,8 @@ def fake_device(root, monkeypatch):
     monkeypatch.setattr(autotune, "device_identity", lambda device: dict(IDENTITY))
     monkeypatch.setattr(autotune, "_caches", {})
     timed, compiled = [], []
-    monkeypatch.setattr(autotune, "time_on_device", lambda ctx, run, cold=False: timed.append(
-        run.__name__) or TIMES[run.__name__])
+    monkeypatch.setattr(autotune, "time_on_device",
+                        lambda ctx, run: timed.append(run.__name__) or TIMES[run.__name__])
     monkeypatch.setattr(autotune.compiler, "compile_parallel",
                         lambda kernels: compiled.extend(kernels))
     return timed, compiled

@@ -85,19 +85,17 @@ def stored_choice(ctx, key: Hashable, valid: Callable[[str], bool]) -> str | Non
     return None if disk is None else disk.get(repr(key), valid)
 
 
-def run_fastest(ctx, key: Hashable, paths: dict[str, Callable[[], None]], default: str,
-                cold: bool = False) -> None:
+def run_fastest(ctx, key: Hashable, paths: dict[str, Callable[[], None]], default: str) -> None:
     """Run the fastest of `paths` (name -> launch) for problem `key`: the choice on disk when
     there is a valid one, else timing every candidate at the first eager call with that key
-    (and storing the winner; cold: each timed run after an L2 flush, time_on_device); during
-    a capture with no choice yet, `default`."""
+    (and storing the winner); during a capture with no choice yet, `default`."""
     chosen = ctx.paths
     if key not in chosen and not ctx.stream.is_capturing() and len(paths) > 1:
         name = stored_choice(ctx, key, lambda value: value in paths)
         if name is None:
             compiler.compile_parallel(k for run in paths.values()
                                       for k in getattr(run, "kernels", ()))
-            name = min(paths, key=lambda name: time_on_device(ctx, paths[name], cold=cold))
+            name = min(paths, key=lambda name: time_on_device(ctx, paths[name]))
             disk = choices(ctx, "paths")
             if disk is not None:
                 disk.put(repr(key), name)

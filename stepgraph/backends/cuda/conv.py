@@ -458,10 +458,7 @@ def _run_faster(node, ctx, g: Geometry, dtype, paths: dict[str, Callable[[], Non
         use_direct(node.op, g, dtype) else "gemm" if "gemm" in paths else first
     own = [name for name in paths if name.split(":")[0] != "cudnn"]
     key = _choice_key(node, ctx, g, dtype, own)
-    # timed cold: near-tied plans timed with their inputs still in L2 from the previous repeat
-    # chose differently from process to process, and the slower choices cost the bf16 resnet
-    # step ~175 µs (docs/perf-notes.md)
-    autotune.run_fastest(ctx, key, paths, default, cold=True)
+    autotune.run_fastest(ctx, key, paths, default)
     _remember_kernels(node, ctx, g, dtype, paths[ctx.paths.get(key, default)])
 
 

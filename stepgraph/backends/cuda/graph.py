@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
-
 from ...errors import CaptureError
 
 
@@ -59,50 +57,24 @@ def capture(run: Callable[[], None], ctx) -> CapturedGraph:
     return CapturedGraph(graph, stream, count_nodes(graph))
 
 
-def time_on_device(ctx, run: Callable[[], None], repeats: int = 5, cold: bool = False) -> float:
+def time_on_device(ctx, run: Callable[[], None], repeats: int = 5) -> float:
     """Device ms of one `run()`, without host launch gaps: one eager run first (it compiles,
     plans and takes scratch), then `repeats` runs captured into one graph and timed as one
     replay. Eager timings of short launches measure the host, which favours fewer launches.
-    cold: each run follows an L2 flush (a memset over twice the L2 cache), the flushes' own
-    time subtracted, so a run reads its inputs from memory, as a step's kernel mostly does,
-    not from the cache its previous repeat filled. Syncs the stream: never call it while a
-    step is being captured."""
+    Syncs the stream: never call it while a step is being captured."""
+    import cupy as cp
+
     run()
-    flush = _l2_flush(ctx) if cold else None
 
     def repeated():
         for _ in range(repeats):
-            if flush is not None:
-                flush()
             run()
 
-    elapsed = _replay_ms(ctx, repeated)
-    if flush is not None:
-        elapsed -= _replay_ms(ctx, lambda: [flush() for _ in range(repeats)])
-    return elapsed / repeats
-
-
-def _replay_ms(ctx, program: Callable[[], None]) -> float:
-    """Device ms of one replay of `program` captured as a graph (after one warm replay)."""
-    import cupy as cp
-
-    captured = capture(program, ctx)
+    captured = capture(repeated, ctx)
     captured.launch()                    # first replay: upload and caches
     start, end = cp.cuda.Event(), cp.cuda.Event()
     start.record(ctx.stream)
     captured.launch()
     end.record(ctx.stream)
     end.synchronize()
-    return cp.cuda.get_elapsed_time(start, end)
-
-
-def _l2_flush(ctx) -> Callable[[], None]:
-    """A launch that evicts the L2 cache: a memset of a buffer twice its size (made once per
-    context)."""
-    import cupy as cp
-
-    buf = ctx.extras.get("l2_flush")
-    if buf is None:
-        size = 2 * cp.cuda.Device().attributes["L2CacheSize"]
-        buf = ctx.extras["l2_flush"] = cp.empty(size // 4, np.int32)
-    return lambda: buf.fill(0)
+    return cp.cuda.get_elapsed_time(start, end) / repeats
