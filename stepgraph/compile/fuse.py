@@ -210,7 +210,7 @@ def _residual_add(graph: Graph, users, y: Value) -> tuple[Node, Value] | None:
         return None
     a, b = add.inputs
     r = b if a is y else a
-    if r is y or r.shape != y.shape or r.dtype != y.dtype or add.outputs[0].shape != y.shape:
+    if r is y or r.shape != y.shape or r.dtype != y.dtype:
         return None
     return add, r
 

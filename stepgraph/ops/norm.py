@@ -47,8 +47,9 @@ def _batch_norm_train(ins, attrs):
     over M = N*prod(spatial) elements: mean, biased var; save_invstd = 1/sqrt(var + eps); y =
     act((x - mean) * save_invstd * weight + bias), or with residual act(b + r), b that
     normalised value rounded to x's dtype and the sum rounded again, as the unfused
-    batch_norm_train and add store them. Outputs y (x.shape), save_mean (C,), save_invstd (C,), all of x's dtype
-    (the statistics float32 for a bfloat16 x, whose weight and running statistics are float32).
+    batch_norm_train and add store them. Outputs y (x.shape), save_mean (C,), save_invstd
+    (C,), all of x's dtype (the statistics float32 for a bfloat16 x, whose weight and running
+    statistics are float32).
     With track, updates in place: num_batches_tracked += 1; m = momentum, or
     1/num_batches_tracked (after the increment) when momentum is None; running_mean =
     (1-m) running_mean + m mean; running_var = (1-m) running_var + m var M/(M-1).
