@@ -207,8 +207,10 @@ def test_avgpool2d_bf16_matches_the_emulation(ctx, case, layout, request):
 # ---- BatchNorm -----------------------------------------------------------------------------
 
 # (N, C, H, W) NCHW: planes (inner % 4 == 0: float4 packs; odd: one at a time); NHWC: columns
+# (two channels a thread in one access where C is even, one where it is odd: norm.py
+# COLUMN_WALKS)
 BN_CASES = [((8, 16, 8, 8), "NCHW"), ((4, 5, 7, 7), "NCHW"), ((16, 64, 8, 8), "NHWC"),
-            ((6, 40, 5, 5), "NHWC")]
+            ((6, 40, 5, 5), "NHWC"), ((6, 9, 5, 5), "NHWC")]
 
 
 def bn_arrays(rng, shape, layout):
@@ -221,13 +223,17 @@ def bn_arrays(rng, shape, layout):
     return x, f32(c), f32(c), f32(c, scale=0.1), np.abs(f32(c)) + 0.5, np.array(3, np.int64)
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
 @pytest.mark.parametrize("act", ["none", "relu"])
 @pytest.mark.parametrize("case", BN_CASES, ids=str)
-def test_batch_norm_bf16_train_and_grad_match_the_emulation(ctx, case, act, request):
+def test_batch_norm_bf16_train_and_grad_match_the_emulation(ctx, case, act, residual, request):
+    """With residual, the fused residual add (compile/fuse.py fuse_batch_norm_residual)."""
     shape, layout = case
     rng = seeded(request.node.name)
     ins = list(bn_arrays(rng, shape, layout))
-    attrs = dict(eps=1e-5, momentum=0.1, affine=True, track=True, act=act)
+    if residual:
+        ins.append(bf16_random(rng, *ins[0].shape))
+    attrs = dict(eps=1e-5, momentum=0.1, affine=True, track=True, act=act, residual=residual)
     if layout == "NHWC":
         attrs["layout"] = "NHWC"
     fwd = node_of("batch_norm_train", ins, **attrs)

@@ -36,10 +36,11 @@ run_both = functools.partial(helpers.run_both, impls=CUDA_IMPLS)
 # ---- batch_norm_train ----------------------------------------------------------------------
 
 # (N, C) over both layouts (columns from 8 channels; a last block of channels part-filled for
-# C = 10, 40 and 264; up to 1024 channels, a warp of the finalize kernels per channel),
+# C = 10, 40 and 264; C = 9 and 10 walk a channel a thread where others take 2 or 4 (norm.py
+# COLUMN_WALKS); up to 1024 channels, a warp of the finalize kernels per channel),
 # (N, C, L), (N, C, H, W): odd sizes, C = 1, inner % 4 == 0 (float4 packs), and sizes that
 # split a channel over several blocks.
-BN_SHAPES = [(6, 5), (7, 1), (16, 40), (5000, 16), (300, 10), (2000, 64), (700, 264),
+BN_SHAPES = [(6, 5), (7, 1), (16, 40), (5000, 16), (300, 10), (900, 9), (2000, 64), (700, 264),
              (3001, 128), (61, 1024),
              (4, 3, 7), (3, 1, 9), (2, 6, 8),
              (2, 3, 5, 5), (8, 16, 4, 4), (1, 2, 50, 50), (4, 2, 64, 64), (64, 3, 33, 33)]
@@ -101,7 +102,8 @@ def test_batch_norm_train(ctx, shape, affine, track, momentum, act):
 
 
 @pytest.mark.parametrize("act", ["relu", "none"])
-@pytest.mark.parametrize("shape", [(2000, 64), (300, 10), (8, 16, 4, 4), (2, 3, 5, 5)])
+@pytest.mark.parametrize("shape", [(2000, 64), (300, 10), (900, 9), (8, 16, 4, 4),
+                                   (2, 3, 5, 5)])
 def test_batch_norm_train_with_residual(ctx, shape, act):
     """The fused residual (compile/fuse.py fuse_batch_norm_residual): y = act(bn(x) + r), in
     the columns layout, float4 planes and scalar planes."""

@@ -149,16 +149,39 @@ def test_pool_launchers_name_listed_kernels():
 
 
 def test_norm_layouts_name_listed_kernels():
-    """Every kernel name norm.py builds for a layout (planes, float4 planes, columns) is one
-    that kernel_names() lists, so the compile test above covers it."""
+    """Every kernel name norm.py builds for a layout (planes, float4 planes, columns with
+    vector accesses or without) is one that kernel_names() lists, so the compile test above
+    covers it."""
     from stepgraph.backends.cuda import norm
 
     listed = norm.kernel_names()["norm.cu"]
     for columns, vec in ((False, 1), (False, 4), (True, 1)):
-        layout = norm.Layout(n=2, c=3, inner=1 if columns else 4, columns=columns, vec=vec)
+        for c, aligned in ((3, True), (8, True), (64, True), (64, False)):
+            layout = norm.Layout(n=2, c=c, inner=1 if columns else 4, columns=columns,
+                                 vec=vec, aligned=aligned)
+            for kind in norm.KINDS:
+                for _, ctype in norm.ACTIVATION_CTYPES.values():
+                    assert layout.pass_shape(kind, ctype).kernel in listed
+
+
+def test_norm_column_walks_fall_back_to_a_channel_a_thread():
+    """Columns passes take V channels a thread only where C % V == 0 and every array is
+    16-byte aligned; the block's lanes then cover C / V channel groups, at most 32."""
+    from stepgraph.backends.cuda import norm
+
+    wide = norm.Layout(n=4096, c=64, inner=1, columns=True, vec=1)
+    assert wide.column_walk("backward", "unsigned short") == norm.COLUMN_WALKS[
+        "unsigned short"]["backward"]
+    shape = wide.pass_shape("grad_stats", "float")
+    vec = norm.COLUMN_WALKS["float"]["grad_stats"][0]
+    assert shape.block == (min(32, 64 // vec), norm.STATS_ROWS)
+    assert shape.grid[0] * shape.block[0] * vec >= 64
+    assert f"<float, {vec}," in shape.kernel
+    for layout in (norm.Layout(n=4096, c=9, inner=1, columns=True, vec=1),
+                   norm.Layout(n=4096, c=64, inner=1, columns=True, vec=1, aligned=False)):
         for kind in norm.KINDS:
-            for _, ctype in norm.ACTIVATION_CTYPES.values():
-                assert norm.pass_kernel(kind, layout, ctype) in listed
+            assert layout.column_walk(kind, "unsigned short")[0] == 1
+            assert "short, 1," in layout.pass_shape(kind, "unsigned short").kernel
 
 
 def test_guard_launchers_name_existing_kernels():

@@ -31,7 +31,7 @@ from .launchers import BLOCK, _aligned, _check, _check_int32, _check_scalar, _la
     _node_memory, _or_null
 
 SOURCE = "norm.cu"
-COLUMN_TILE = 32             # norm.cu COLUMN_TILE: channels per block of the columns layout
+COLUMN_TILE = 32             # norm.cu COLUMN_TILE: most thread lanes along C in a columns block
 STATS_ROWS = 16              # norm.cu STATS_ROWS: row lanes of a columns stats block
 APPLY_ROWS = 8               # row lanes of a columns elementwise block (256 threads)
 COLUMN_MIN_CHANNELS = 8      # (N, C) inputs with fewer channels walk each channel's column
@@ -41,45 +41,84 @@ STATS_MIN_PER_SPLIT = BLOCK * 4   # packs (planes) a stats split takes at least
 APPLY_MIN_PER_SPLIT = BLOCK * 4   # packs an elementwise split takes at least
 STATS_MIN_ROWS = 256         # rows a columns stats split takes at least
 APPLY_MIN_ROWS = 64          # rows a columns elementwise split takes at least
-FINALIZE_BLOCK = 1024        # a warp per channel (norm.cu channel_sums); the forward's: one block
+FINALIZE_BLOCK = 128         # a warp per channel (norm.cu channel_sums), blocks over channels
 # IR dtype -> (storage dtype, the pass kernels' template argument T)
 ACTIVATION_CTYPES = CAST_CTYPES
 BF16_OPS = frozenset({"batch_norm_train", "batch_norm_grad"})
+# Columns passes: (V adjacent channels a thread in one access, R rows a round) by activation C
+# type and pass (norm.cu walk_column), chosen by each pass's time inside the resnet step on an
+# H200 (docs/perf-notes.md, 2026-11-26 04:00-05:30): the channel sums and dx gained from wider
+# accesses with several in flight, the forward's normalise did not. V falls back to 1 where
+# C % V != 0 or an array is not 16-byte aligned.
+COLUMN_WALKS = {
+    "float": {"stats": (1, 4), "forward": (1, 4), "grad_stats": (4, 1), "backward": (2, 4)},
+    "unsigned short": {"stats": (2, 4), "forward": (1, 1), "grad_stats": (2, 4),
+                       "backward": (2, 4)},
+}
+
+
+@dataclass(frozen=True)
+class PassShape:
+    """One pass's launch: kernel, grid, block, and each channel's elements per split."""
+
+    kernel: str
+    grid: tuple[int, int]
+    block: tuple[int, ...]
+    per: int
+
+    @property
+    def splits(self) -> int:
+        return self.grid[1]
 
 
 @dataclass(frozen=True)
 class Layout:
     """How the kernels walk x viewed as (n, c, inner): `columns` when inner == 1 and C is
-    wide enough (threads along C), else planes of `inner` packs of `vec` floats."""
+    wide enough (threads along C), else planes of `inner` packs of `vec` floats. `aligned`:
+    every array of the op is 16-byte aligned (vector accesses allowed)."""
 
     n: int
     c: int
     inner: int
     columns: bool
     vec: int
+    aligned: bool = True
 
     @property
     def count(self) -> int:
         """Elements per channel (M)."""
         return self.n * self.inner
 
-    def _splits(self, target: int, minimum: int) -> tuple[int, int]:
-        """(splits, per) of each channel's packs (planes) or rows (columns)."""
+    def column_walk(self, kind: str, ctype: str) -> tuple[int, int]:
+        """(channels a thread, rows a round) of a columns pass (COLUMN_WALKS)."""
+        vec, rows = COLUMN_WALKS[ctype][kind]
+        return (vec if self.aligned and self.c % vec == 0 else 1), rows
+
+    def pass_shape(self, kind: str, ctype: str) -> PassShape:
+        """The launch of pass `kind` (KINDS) for activations of C type `ctype`: each
+        channel's rows (columns) or packs (planes) split over about STATS_TARGET_BLOCKS
+        (reductions) or APPLY_TARGET_BLOCKS (elementwise) blocks, a split taking at least
+        the minimum work."""
+        reduces = kind in ("stats", "grad_stats")
+        target = STATS_TARGET_BLOCKS if reduces else APPLY_TARGET_BLOCKS
         if self.columns:
-            work, blocks = self.n, -(-self.c // COLUMN_TILE)
+            vec, rows = self.column_walk(kind, ctype)
+            lanes = min(COLUMN_TILE, self.c // vec)
+            work, blocks = self.n, -(-self.c // (vec * lanes))
+            minimum = STATS_MIN_ROWS if reduces else APPLY_MIN_ROWS
+            block = (lanes, STATS_ROWS if reduces else APPLY_ROWS)
+            kernel = f"batch_norm_{kind}_columns_kernel<{ctype}, {vec}, {rows}>"
         else:
             work, blocks = self.n * self.inner // self.vec, self.c
+            minimum = STATS_MIN_PER_SPLIT if reduces else APPLY_MIN_PER_SPLIT
+            block = None
+            kernel = (f"batch_norm_{kind}_planes{'_vec4' if self.vec == 4 else ''}_kernel"
+                      f"<{ctype}>")
         splits = max(1, min(-(-work // minimum), target // blocks))
         per = max(1, -(-work // splits))
-        return max(1, -(-work // per)), per
-
-    def stats_splits(self) -> tuple[int, int]:
-        return self._splits(STATS_TARGET_BLOCKS,
-                            STATS_MIN_ROWS if self.columns else STATS_MIN_PER_SPLIT)
-
-    def apply_splits(self) -> tuple[int, int]:
-        return self._splits(APPLY_TARGET_BLOCKS,
-                            APPLY_MIN_ROWS if self.columns else APPLY_MIN_PER_SPLIT)
+        if block is None:   # short channels (few elements per split) get fewer threads
+            block = (min(BLOCK, max(32, -(-per // 32) * 32)),)
+        return PassShape(kernel, (blocks, max(1, -(-work // per))), block, per)
 
 
 def _layout(op: str, x, arrays) -> Layout:
@@ -93,39 +132,29 @@ def _layout(op: str, x, arrays) -> Layout:
         raise ShapeError(f"{op}: no elements per channel in input {tuple(x.shape)}")
     _check_int32(op, x.size)
     columns = inner == 1 and c >= COLUMN_MIN_CHANNELS
-    vec = 4 if not columns and inner % 4 == 0 and _aligned(*arrays) else 1
-    return Layout(n, c, inner, columns, vec)
+    aligned = _aligned(*arrays)
+    vec = 4 if not columns and inner % 4 == 0 and aligned else 1
+    return Layout(n, c, inner, columns, vec, aligned)
 
 
 KINDS = ("stats", "forward", "grad_stats", "backward")    # the passes of norm.cu
 
 
-def pass_kernel(kind: str, layout: Layout, ctype: str = "float") -> str:
-    """The norm.cu kernel of pass `kind` (KINDS) in `layout`, for activations of C type
-    `ctype` (ACTIVATION_CTYPES)."""
-    if layout.columns:
-        return f"batch_norm_{kind}_columns_kernel<{ctype}>"
-    return f"batch_norm_{kind}_planes{'_vec4' if layout.vec == 4 else ''}_kernel<{ctype}>"
-
-
-def _launch_pass(ctx, kind: str, layout: Layout, splits: tuple[int, int], block_rows: int,
-                 arrays: tuple, ctype: str) -> None:
-    """One stats or elementwise pass of norm.cu over x in `layout` (kernel batch_norm_<kind>_
-    planes[_vec4] or _columns, for activations of C type ctype), `arrays` first, then the
+def _launch_pass(ctx, layout: Layout, shape: PassShape, arrays: tuple) -> None:
+    """One stats or elementwise pass of norm.cu over x in `layout`: `arrays` first, then the
     shape arguments."""
-    n_splits, per = splits
-    name = pass_kernel(kind, layout, ctype)
     if layout.columns:
-        _launch(ctx, SOURCE, name, (-(-layout.c // COLUMN_TILE), n_splits),
-                (COLUMN_TILE, block_rows),
-                arrays + (np.int32(layout.n), np.int32(layout.c), np.int32(per)))
+        sizes = (np.int32(layout.n), np.int32(layout.c), np.int32(shape.per))
     else:
         inner = layout.inner // layout.vec
-        # Short channels (few elements per split) get fewer threads, a warp at least.
-        threads = min(BLOCK, max(32, -(-per // 32) * 32))
-        _launch(ctx, SOURCE, name, (layout.c, n_splits), (threads,),
-                arrays + (np.int32(layout.c), np.int32(inner), np.int32(layout.n * inner),
-                          np.int32(per)))
+        sizes = (np.int32(layout.c), np.int32(inner), np.int32(layout.n * inner),
+                 np.int32(shape.per))
+    _launch(ctx, SOURCE, shape.kernel, shape.grid, shape.block, arrays + sizes)
+
+
+def _finalize_blocks(channels: int) -> int:
+    """Blocks of a finalize kernel: a warp per channel."""
+    return -(-channels * 32 // FINALIZE_BLOCK)
 
 
 def _partials(node: Node, ctx, layout: Layout, splits: int, extra: int = 0) -> dict:
@@ -221,18 +250,21 @@ def batch_norm_train_forward(ctx, node: Node, ins: list, outs: list) -> None:
     relu = _relu(a)
     layout = _layout("batch_norm_train", t.x,
                      tuple(v for v in (t.x, t.y, t.residual) if v is not None))
-    stats = layout.stats_splits()
-    scratch = _partials(node, ctx, layout, stats[0])
-    _launch_pass(ctx, "stats", layout, stats, STATS_ROWS, (t.x, scratch["partial"]), t.ctype)
+    stats = layout.pass_shape("stats", t.ctype)
+    scratch = _partials(node, ctx, layout, stats.splits)
+    _launch_pass(ctx, layout, stats, (t.x, scratch["partial"]))
     momentum = a.get("momentum")
-    _launch(ctx, SOURCE, "batch_norm_finalize_kernel", (1,), (FINALIZE_BLOCK,),
-            (scratch["partial"], np.int32(stats[0]), np.int32(layout.c),
+    # a cumulative average reads num_batches_tracked in every thread: one block, so that
+    # every read precedes the increment (batch_norm_finalize_kernel)
+    blocks = 1 if momentum is None else _finalize_blocks(layout.c)
+    _launch(ctx, SOURCE, "batch_norm_finalize_kernel", (blocks,), (FINALIZE_BLOCK,),
+            (scratch["partial"], np.int32(stats.splits), np.int32(layout.c),
              np.float64(layout.count), np.float64(a["eps"]), t.save_mean, t.save_invstd,
              _or_null(t.running_mean), _or_null(t.running_var), _or_null(t.tracked),
              np.float64(momentum or 0.0), np.int32(momentum is None)))
-    _launch_pass(ctx, "forward", layout, layout.apply_splits(), APPLY_ROWS,
+    _launch_pass(ctx, layout, layout.pass_shape("forward", t.ctype),
                  (t.x, _or_null(t.residual), t.y, t.save_mean, t.save_invstd,
-                  _or_null(t.weight), _or_null(t.bias), np.int32(relu)), t.ctype)
+                  _or_null(t.weight), _or_null(t.bias), np.int32(relu)))
 
 
 # ---- batch_norm_grad -----------------------------------------------------------------------
@@ -284,17 +316,17 @@ def batch_norm_grad_backward(ctx, node: Node, ins: list, outs: list) -> None:
     # the pass kernels read weight and bias only for the ReLU's mask (both null: not affine)
     affine = (_or_null(g.weight), _or_null(g.bias)) if relu else (_or_null(None),) * 2
     layout = _layout("batch_norm_grad", g.dy, (g.dy, g.x, g.dx))
-    stats = layout.stats_splits()
-    scratch = _partials(node, ctx, layout, stats[0], extra=3)
-    _launch_pass(ctx, "grad_stats", layout, stats, STATS_ROWS,
-                 (g.dy, g.x, *affine, relu, g.mean, g.invstd, scratch["partial"]), g.ctype)
-    _launch(ctx, SOURCE, "batch_norm_grad_finalize_kernel",
-            (-(-layout.c * 32 // FINALIZE_BLOCK),), (FINALIZE_BLOCK,),
-            (scratch["partial"], np.int32(stats[0]), np.int32(layout.c),
+    stats = layout.pass_shape("grad_stats", g.ctype)
+    scratch = _partials(node, ctx, layout, stats.splits, extra=3)
+    _launch_pass(ctx, layout, stats,
+                 (g.dy, g.x, *affine, relu, g.mean, g.invstd, scratch["partial"]))
+    _launch(ctx, SOURCE, "batch_norm_grad_finalize_kernel", (_finalize_blocks(layout.c),),
+            (FINALIZE_BLOCK,),
+            (scratch["partial"], np.int32(stats.splits), np.int32(layout.c),
              np.float64(layout.count), _or_null(g.weight), g.invstd, scratch["coef"],
              _or_null(g.dweight), _or_null(g.dbias)))
-    _launch_pass(ctx, "backward", layout, layout.apply_splits(), APPLY_ROWS,
-                 (g.dy, g.x, *affine, relu, g.mean, g.invstd, scratch["coef"], g.dx), g.ctype)
+    _launch_pass(ctx, layout, layout.pass_shape("backward", g.ctype),
+                 (g.dy, g.x, *affine, relu, g.mean, g.invstd, scratch["coef"], g.dx))
 
 
 # ---- names and the op table ----------------------------------------------------------------
@@ -304,8 +336,10 @@ def kernel_names() -> dict[str, set[str]]:
     names = {"batch_norm_finalize_kernel", "batch_norm_grad_finalize_kernel"}
     for kind in KINDS:
         for _, ctype in ACTIVATION_CTYPES.values():
-            names |= {pass_kernel(kind, Layout(1, 1, 4, columns, vec), ctype)
-                      for columns, vec in ((False, 1), (False, 4), (True, 1))}
+            names |= {Layout(1, c, 1 if columns else 4, columns, vec, aligned)
+                      .pass_shape(kind, ctype).kernel
+                      for columns, vec in ((False, 1), (False, 4), (True, 1))
+                      for c in (4, 1) for aligned in (True, False)}
     return {SOURCE: names}
 
 

@@ -40,6 +40,30 @@ __device__ __forceinline__ void load4_as_float(const unsigned short* p, long lon
     v[0] = bf16_to_float(a.x); v[1] = bf16_to_float(a.y);
     v[2] = bf16_to_float(a.z); v[3] = bf16_to_float(a.w);
 }
+// V adjacent elements (V = 1, 2 or 4) from p + i as float, and back: one access of V elements
+// (i % V == 0, p aligned to V elements).
+template <int V>
+__device__ __forceinline__ void loadv_as_float(const float* p, long long i, float* v) {
+    if constexpr (V == 1) {
+        v[0] = p[i];
+    } else if constexpr (V == 2) {
+        const float2 a = *reinterpret_cast<const float2*>(p + i);
+        v[0] = a.x; v[1] = a.y;
+    } else {
+        load4_as_float(p, i, v);
+    }
+}
+template <int V>
+__device__ __forceinline__ void loadv_as_float(const unsigned short* p, long long i, float* v) {
+    if constexpr (V == 1) {
+        v[0] = bf16_to_float(p[i]);
+    } else if constexpr (V == 2) {
+        const ushort2 a = *reinterpret_cast<const ushort2*>(p + i);
+        v[0] = bf16_to_float(a.x); v[1] = bf16_to_float(a.y);
+    } else {
+        load4_as_float(p, i, v);
+    }
+}
 __device__ __forceinline__ void store4_from_float(float* p, long long i, const float v[4]) {
     *reinterpret_cast<float4*>(p + i) = make_float4(v[0], v[1], v[2], v[3]);
 }
@@ -49,4 +73,20 @@ __device__ __forceinline__ void store4_from_float(unsigned short* p, long long i
                                                       bf16_from_float(v[1]),
                                                       bf16_from_float(v[2]),
                                                       bf16_from_float(v[3]));
+}
+template <int V>
+__device__ __forceinline__ void storev_from_float(float* p, long long i, const float* v) {
+    if constexpr (V == 1) p[i] = v[0];
+    else if constexpr (V == 2) *reinterpret_cast<float2*>(p + i) = make_float2(v[0], v[1]);
+    else store4_from_float(p, i, v);
+}
+template <int V>
+__device__ __forceinline__ void storev_from_float(unsigned short* p, long long i, const float* v) {
+    if constexpr (V == 1)
+        p[i] = bf16_from_float(v[0]);
+    else if constexpr (V == 2)
+        *reinterpret_cast<ushort2*>(p + i) = make_ushort2(bf16_from_float(v[0]),
+                                                          bf16_from_float(v[1]));
+    else
+        store4_from_float(p, i, v);
 }

@@ -9,7 +9,8 @@
 //   3. an elementwise pass over x with the channel's finished values.
 // Two layouts: "planes" (a block per channel and split of its N * inner elements, threads
 // along inner; float4 packs when inner % 4 == 0 and the pointers are 16-byte aligned) and
-// "columns" (inner == 1, x (N, C): 32 channels per block, threadIdx.x along C, coalesced).
+// "columns" (inner == 1, x (N, C): threadIdx.x along C, V adjacent channels a thread in one
+// access, up to 32 lanes a block, coalesced).
 // Launchers keep sizes < 2^31.
 // The kernels are templates over the storage T of x, y, dy and dx: float, or unsigned short
 // (bfloat16 bits, bf16.cuh), widened on load and rounded to nearest even once on store; the
@@ -20,6 +21,13 @@
 
 #define COLUMN_TILE 32   // channels per block of the columns layout (blockDim.x)
 #define STATS_ROWS 16    // row lanes of a columns stats block (blockDim.y)
+// Resident blocks an SM must fit, for the stats passes' launch bounds: they cap registers
+// (65536 / (512 * blocks) a thread). With a bound of one block the compiler takes up to 128
+// for the vector walks' accumulators, and one or two blocks an SM leave too few loads in
+// flight (H200: bf16 BatchNorm(64) statistics 19.7 µs at 32 registers, ~27 at 60).
+#define STATS_MIN_BLOCKS 4
+// the gradient's sums keep more values live: at most 64 registers
+#define GRAD_STATS_MIN_BLOCKS 2
 
 // ---- packs and walks -----------------------------------------------------------------------
 
@@ -71,31 +79,33 @@ __device__ __forceinline__ void walk_channel(int C, int inner, int total, int pe
     }
 }
 
-// Columns layout: calls f(at) for the rows of channel blockIdx.x * 32 + threadIdx.x (if it
-// exists) in split blockIdx.y: rows [s * per, (s + 1) * per), thread row lanes threadIdx.y,
-// + blockDim.y, ..., in that order. For float32 storage four rows a round, so that a thread
-// has four loads in flight (one 4-byte load at a time kept too few bytes moving to fill the
-// memory pipe); the kernels' pointers are __restrict__, so that loads may go ahead of earlier
-// stores. Measured on the resnet step (H200): tf32 6555 -> 6281 µs; bf16 (2-byte loads) is
-// slower with four rows a round (3020 -> 3199 µs), and with two channels a thread in one
-// 4-byte access too (3009 -> 3559 µs): it keeps one 2-byte channel, one row at a time.
-template <typename T, typename F>
+// Columns layout: calls f(at) for the rows of a thread's V channels c = (blockIdx.x *
+// blockDim.x + threadIdx.x) * V, ..., + V - 1 (if they exist; C % V == 0), at = r * C + c, in
+// split blockIdx.y: rows [s * per, (s + 1) * per), thread row lanes threadIdx.y, + blockDim.y,
+// ..., in that order, R rows a round so that a thread has R accesses in flight (the kernels'
+// pointers are __restrict__, so that loads may go ahead of earlier stores). One 4-byte (or
+// 2-byte) load in flight a thread keeps too few bytes moving to fill the memory pipe: V and R
+// per pass and storage type are the launcher's (norm.py COLUMN_WALKS, measured).
+template <int V, int R, typename F>
 __device__ __forceinline__ void walk_column(int N, int C, int per, F f) {
-    const int c = blockIdx.x * COLUMN_TILE + threadIdx.x;
+    const int c = (blockIdx.x * blockDim.x + threadIdx.x) * V;
     if (c >= C) return;
     const long long r0 = (long long)blockIdx.y * per;
     const long long r1 = min((long long)N, r0 + per);
     const long long step = blockDim.y;
     long long r = r0 + threadIdx.y;
-    if constexpr (sizeof(T) == 4) {
-        for (; r + 3 * step < r1; r += 4 * step) {
-            f(r * C + c);
-            f((r + step) * C + c);
-            f((r + 2 * step) * C + c);
-            f((r + 3 * step) * C + c);
-        }
+    for (; r + (R - 1) * step < r1; r += R * step) {
+#pragma unroll
+        for (int j = 0; j < R; ++j) f((r + j * step) * C + c);
     }
     for (; r < r1; r += step) f(r * C + c);
+}
+
+// The first of the thread's V channels in the columns layout, clamped so that the per-channel
+// loads of a thread past C stay in range (it walks nothing).
+template <int V>
+__device__ __forceinline__ int column_channel(int C) {
+    return min((int)(blockIdx.x * blockDim.x + threadIdx.x) * V, C - V);
 }
 
 // partial[(c * splits + split) * 2 + {0, 1}] = (a, b) summed over the block, planes layout.
@@ -110,23 +120,31 @@ __device__ __forceinline__ void write_plane_partials(double a, double b, double*
     }
 }
 
-// The same for the columns layout: each channel's row lanes combined in order y = 0, 1, ...
-__device__ __forceinline__ void write_column_partials(double a, double b, double* partial,
-                                                      int C) {
-    __shared__ double part[2][STATS_ROWS][COLUMN_TILE + 1];
-    part[0][threadIdx.y][threadIdx.x] = a;
-    part[1][threadIdx.y][threadIdx.x] = b;
-    __syncthreads();
-    const int c = blockIdx.x * COLUMN_TILE + threadIdx.x;
-    if (threadIdx.y != 0 || c >= C) return;
-    double sa = 0.0, sb = 0.0;
-    for (int k = 0; k < STATS_ROWS; ++k) {
-        sa += part[0][k][threadIdx.x];
-        sb += part[1][k][threadIdx.x];
+// The same for the columns layout, V channels a thread: each channel's row lanes combined in
+// order y = 0, 1, ... (blockDim.y == STATS_ROWS).
+template <int V>
+__device__ __forceinline__ void write_column_partials(const double (&a)[V], const double (&b)[V],
+                                                      double* partial, int C) {
+    __shared__ double part[2][STATS_ROWS][COLUMN_TILE * V + 1];
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+        part[0][threadIdx.y][threadIdx.x * V + k] = a[k];
+        part[1][threadIdx.y][threadIdx.x * V + k] = b[k];
     }
-    const long long at = ((long long)c * gridDim.y + blockIdx.y) * 2;
-    partial[at] = sa;
-    partial[at + 1] = sb;
+    __syncthreads();
+    const int c = (blockIdx.x * blockDim.x + threadIdx.x) * V;
+    if (threadIdx.y != 0 || c >= C) return;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+        double sa = 0.0, sb = 0.0;
+        for (int y = 0; y < STATS_ROWS; ++y) {
+            sa += part[0][y][threadIdx.x * V + k];
+            sb += part[1][y][threadIdx.x * V + k];
+        }
+        const long long at = ((long long)(c + k) * gridDim.y + blockIdx.y) * 2;
+        partial[at] = sa;
+        partial[at + 1] = sb;
+    }
 }
 
 // Channel c's two sums: its splits' partials (write_*_partials) added by one warp, lane k
@@ -171,16 +189,15 @@ __device__ __forceinline__ float as_stored(float v, const unsigned short*) {
     return bf16_round(v);
 }
 
-// The forward's output at `at`: bn_output, or with a residual r (the fused residual add,
-// r != nullptr) act(stored(bn) + r[at]), rounded as the unfused BatchNorm and add store
-// them; the fused ReLU after the sum then.
+// The forward's output: bn_output, or with a residual (the fused residual add, r != nullptr,
+// its element rv) act(stored(bn) + rv), rounded as the unfused BatchNorm and add store them;
+// the fused ReLU after the sum then.
 template <typename T>
 __device__ __forceinline__ float bn_residual_output(float v, float mean, float invstd,
                                                     bool affine, float w, float b, int relu,
-                                                    const T* __restrict__ r, long long at) {
+                                                    const T* r, float rv) {
     if (r == nullptr) return bn_output(v, mean, invstd, affine, w, b, relu);
-    const float z = __fadd_rn(as_stored(bn_output(v, mean, invstd, affine, w, b, 0), r),
-                              load_as_float(r, at));
+    const float z = __fadd_rn(as_stored(bn_output(v, mean, invstd, affine, w, b, 0), r), rv);
     return relu && !(z > 0.f || z != z) ? 0.f : z;
 }
 
@@ -188,6 +205,26 @@ __device__ __forceinline__ float bn_residual_output(float v, float mean, float i
 __device__ __forceinline__ float bn_grad(float g, float xhat, float k, float a, float b) {
     return __fmul_rn(k, __fsub_rn(g - a, __fmul_rn(xhat, b)));
 }
+
+// A columns thread's per-channel values for its V channels from c: mean, invstd, and weight,
+// bias (1, 0 without affine: weight == nullptr).
+template <int V>
+struct ColumnChannels {
+    float mean[V], invstd[V], w[V], b[V];
+    bool affine;
+
+    __device__ __forceinline__ ColumnChannels(int c, const float* mean_, const float* invstd_,
+                                              const float* weight, const float* bias)
+        : affine(weight != nullptr) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            mean[k] = mean_[c + k];
+            invstd[k] = invstd_[c + k];
+            w[k] = affine ? weight[c + k] : 1.f;
+            b[k] = affine ? bias[c + k] : 0.f;
+        }
+    }
+};
 
 // ---- batch_norm_train ----------------------------------------------------------------------
 
@@ -221,26 +258,34 @@ __global__ void batch_norm_stats_planes_vec4_kernel(const T* x, double* partial,
     stats_planes<4>(x, partial, C, inner, total, per);
 }
 
-// Grid (ceil(C / 32), splits) of (32, STATS_ROWS) threads.
-template <typename T>
-__global__ void __launch_bounds__(COLUMN_TILE * STATS_ROWS)
+// Grid (ceil(C / (V * lanes)), splits) of (lanes <= 32, STATS_ROWS) threads.
+template <typename T, int V, int R>
+__global__ void __launch_bounds__(COLUMN_TILE * STATS_ROWS, STATS_MIN_BLOCKS)
 batch_norm_stats_columns_kernel(const T* __restrict__ x, double* partial, int N, int C,
                                 int per) {
-    double s = 0.0, q = 0.0;
-    walk_column<T>(N, C, per, [&](long long at) {
-        const double v = load_as_float(x, at);
-        s += v;
-        q += v * v;
+    double s[V] = {}, q[V] = {};
+    walk_column<V, R>(N, C, per, [&](long long at) {
+        float v[V];
+        loadv_as_float<V>(x, at, v);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const double d = v[k];
+            s[k] += d;
+            q[k] += d * d;
+        }
     });
-    write_column_partials(s, q, partial, C);
+    write_column_partials<V>(s, q, partial, C);
 }
 
-// One block, a warp per channel: each channel's splits added (channel_sums); mean, biased var
-// = E[x^2] - mean^2 (float64 sums of float32 values: no cancellation at float32 precision),
-// save_mean, save_invstd = 1 / sqrt(var + eps). With running stats (running_mean != nullptr):
-// tracked += 1, m = momentum or, when cumulative, 1 / tracked (after the increment);
-// running_mean = (1 - m) running_mean + m mean, running_var = (1 - m) running_var + m var M /
-// (M - 1). One block, so every thread reads *tracked before thread 0 writes it back.
+// A warp per channel: each channel's splits added (channel_sums); mean, biased var = E[x^2] -
+// mean^2 (float64 sums of float32 values: no cancellation at float32 precision), save_mean,
+// save_invstd = 1 / sqrt(var + eps). With running stats (running_mean != nullptr): tracked
+// += 1, m = momentum or, when cumulative, 1 / tracked (after the increment); running_mean =
+// (1 - m) running_mean + m mean, running_var = (1 - m) running_var + m var M / (M - 1).
+// Thread 0 of block 0 writes tracked back; only a cumulative average reads it in every thread,
+// and the launcher then gives the kernel one block, so all reads precede the write. (One
+// block for every channel had cost the resnet step ~70 µs: 8 channels a warp one after
+// another at 256 channels.)
 extern "C" __global__ void batch_norm_finalize_kernel(const double* partial, int splits, int C,
                                                       double count, double eps,
                                                       float* save_mean, float* save_invstd,
@@ -248,14 +293,10 @@ extern "C" __global__ void batch_norm_finalize_kernel(const double* partial, int
                                                       long long* tracked, double momentum,
                                                       int cumulative) {
     const bool track = running_mean != nullptr;
-    long long t = 0;
     double m = momentum;
-    if (track) {
-        t = *tracked + 1;
-        if (cumulative) m = 1.0 / (double)t;
-    }
-    const int warps = blockDim.x >> 5;
-    for (int c = threadIdx.x >> 5; c < C; c += warps) {
+    if (track && cumulative) m = 1.0 / (double)(*tracked + 1);
+    const int warps = (gridDim.x * blockDim.x) >> 5;
+    for (int c = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; c < C; c += warps) {
         const double2 sums = channel_sums(partial, splits, c);   // (sum x, sum x^2)
         if ((threadIdx.x & 31) != 0) continue;
         const double mean = sums.x / count;
@@ -269,9 +310,9 @@ extern "C" __global__ void batch_norm_finalize_kernel(const double* partial, int
                                      m * var * count / (count - 1.0));
         }
     }
-    if (!track) return;
+    if (!track || blockIdx.x != 0) return;
     __syncthreads();
-    if (threadIdx.x == 0) *tracked = t;
+    if (threadIdx.x == 0) *tracked += 1;
 }
 
 // y = normalised x (weight == nullptr: no affine), + residual (nullptr: none), ReLU when relu.
@@ -286,10 +327,11 @@ __device__ __forceinline__ void forward_planes(const T* x, const T* residual, T*
     const float w = affine ? weight[c] : 1.f, b = affine ? bias[c] : 0.f;
     walk_channel(C, inner, total, per, [&](long long at) {
         Pack<V> p = load_pack<V>(x, at);
+        Pack<V> r{};
+        if (residual != nullptr) r = load_pack<V>(residual, at);
 #pragma unroll
         for (int k = 0; k < V; ++k)
-            p.v[k] = bn_residual_output(p.v[k], mu, is, affine, w, b, relu, residual,
-                                        at * V + k);
+            p.v[k] = bn_residual_output(p.v[k], mu, is, affine, w, b, relu, residual, r.v[k]);
         store_pack<V>(y, at, p);
     });
 }
@@ -308,19 +350,22 @@ __global__ void batch_norm_forward_planes_vec4_kernel(FORWARD_PLANES_ARGS) {
     forward_planes<4>(x, residual, y, mean, invstd, weight, bias, relu, C, inner, total, per);
 }
 
-// Grid (ceil(C / 32), splits) of (32, rows) threads.
-template <typename T>
+// Grid (ceil(C / (V * lanes)), splits) of (lanes <= 32, rows) threads.
+template <typename T, int V, int R>
 __global__ void batch_norm_forward_columns_kernel(
     const T* __restrict__ x, const T* __restrict__ residual, T* __restrict__ y,
     const float* mean, const float* invstd, const float* weight, const float* bias, int relu,
     int N, int C, int per) {
-    const int c = min(blockIdx.x * COLUMN_TILE + threadIdx.x, C - 1);   // loads stay in range
-    const float mu = mean[c], is = invstd[c];
-    const bool affine = weight != nullptr;
-    const float w = affine ? weight[c] : 1.f, b = affine ? bias[c] : 0.f;
-    walk_column<T>(N, C, per, [&](long long at) {
-        store_from_float(y, at, bn_residual_output(load_as_float(x, at), mu, is, affine, w, b,
-                                                   relu, residual, at));
+    const ColumnChannels<V> ch(column_channel<V>(C), mean, invstd, weight, bias);
+    walk_column<V, R>(N, C, per, [&](long long at) {
+        float v[V], r[V] = {};
+        loadv_as_float<V>(x, at, v);
+        if (residual != nullptr) loadv_as_float<V>(residual, at, r);
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+            v[k] = bn_residual_output(v[k], ch.mean[k], ch.invstd[k], ch.affine, ch.w[k],
+                                      ch.b[k], relu, residual, r[k]);
+        storev_from_float<V>(y, at, v);
     });
 }
 
@@ -367,24 +412,27 @@ __global__ void batch_norm_grad_stats_planes_vec4_kernel(GRAD_STATS_PLANES_ARGS)
     grad_stats_planes<4>(dy, x, weight, bias, relu, mean, invstd, partial, C, inner, total, per);
 }
 
-template <typename T>
-__global__ void __launch_bounds__(COLUMN_TILE * STATS_ROWS)
+template <typename T, int V, int R>
+__global__ void __launch_bounds__(COLUMN_TILE * STATS_ROWS, GRAD_STATS_MIN_BLOCKS)
 batch_norm_grad_stats_columns_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                      const float* weight, const float* bias, int relu,
                                      const float* mean, const float* invstd, double* partial,
                                      int N, int C, int per) {
-    const int c = min(blockIdx.x * COLUMN_TILE + threadIdx.x, C - 1);
-    const float mu = mean[c], is = invstd[c];
-    const bool affine = weight != nullptr;
-    const float w = affine ? weight[c] : 1.f, b = affine ? bias[c] : 0.f;
-    double s = 0.0, sx = 0.0;
-    walk_column<T>(N, C, per, [&](long long at) {
-        const float v = load_as_float(x, at);
-        const double m = relu_masked(load_as_float(dy, at), v, mu, is, affine, w, b, relu);
-        s += m;
-        sx += m * (double)normalised(v, mu, is);
+    const ColumnChannels<V> ch(column_channel<V>(C), mean, invstd, weight, bias);
+    double s[V] = {}, sx[V] = {};
+    walk_column<V, R>(N, C, per, [&](long long at) {
+        float g[V], v[V];
+        loadv_as_float<V>(dy, at, g);
+        loadv_as_float<V>(x, at, v);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const double m = relu_masked(g[k], v[k], ch.mean[k], ch.invstd[k], ch.affine,
+                                         ch.w[k], ch.b[k], relu);
+            s[k] += m;
+            sx[k] += m * (double)normalised(v[k], ch.mean[k], ch.invstd[k]);
+        }
     });
-    write_column_partials(s, sx, partial, C);
+    write_column_partials<V>(s, sx, partial, C);
 }
 
 // A warp per channel: its splits added (channel_sums); dweight = sum g * xhat, dbias = sum g
@@ -447,19 +495,30 @@ __global__ void batch_norm_backward_planes_vec4_kernel(BACKWARD_PLANES_ARGS) {
     backward_planes<4>(dy, x, weight, bias, relu, mean, invstd, coef, dx, C, inner, total, per);
 }
 
-template <typename T>
+template <typename T, int V, int R>
 __global__ void batch_norm_backward_columns_kernel(
     const T* __restrict__ dy, const T* __restrict__ x, const float* weight, const float* bias,
     int relu, const float* mean, const float* invstd, const float* coef, T* __restrict__ dx,
     int N, int C, int per) {
-    const int c = min(blockIdx.x * COLUMN_TILE + threadIdx.x, C - 1);
-    const float mu = mean[c], is = invstd[c];
-    const bool affine = weight != nullptr;
-    const float w = affine ? weight[c] : 1.f, b = affine ? bias[c] : 0.f;
-    const float k = coef[3 * c], a = coef[3 * c + 1], bb = coef[3 * c + 2];
-    walk_column<T>(N, C, per, [&](long long at) {
-        const float v = load_as_float(x, at);
-        const float m = relu_masked(load_as_float(dy, at), v, mu, is, affine, w, b, relu);
-        store_from_float(dx, at, bn_grad(m, normalised(v, mu, is), k, a, bb));
+    const int c = column_channel<V>(C);
+    const ColumnChannels<V> ch(c, mean, invstd, weight, bias);
+    float k[V], a[V], bb[V];
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+        k[e] = coef[3 * (c + e)];
+        a[e] = coef[3 * (c + e) + 1];
+        bb[e] = coef[3 * (c + e) + 2];
+    }
+    walk_column<V, R>(N, C, per, [&](long long at) {
+        float g[V], v[V];
+        loadv_as_float<V>(dy, at, g);
+        loadv_as_float<V>(x, at, v);
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+            const float m = relu_masked(g[e], v[e], ch.mean[e], ch.invstd[e], ch.affine,
+                                        ch.w[e], ch.b[e], relu);
+            g[e] = bn_grad(m, normalised(v[e], ch.mean[e], ch.invstd[e]), k[e], a[e], bb[e]);
+        }
+        storev_from_float<V>(dx, at, g);
     });
 }
