@@ -244,6 +244,33 @@ def fuse_batch_norm_residual(graph: Graph) -> Graph:
     return _rebuild(graph, [n for n in nodes if n is not None], {})
 
 
+def fuse_batch_norm_grad_sum(graph: Graph) -> Graph:
+    """a + b -> g, g read only by batch_norm_grad(g, x, ...)   =>   batch_norm_grad(a, x, ...,
+    b, dy_sum=True): a gradient that two paths sum (a block's input, read by a convolution and
+    by the shortcut) is added inside the BatchNorm gradient's two passes, rounded as the add
+    stores it. g never reaches memory: one pass over the activation and one launch fewer."""
+    graph = _copy(graph)
+    users, producers = graph.consumers(), graph.producers()
+    drop: set[Node] = set()
+    for grad in graph.nodes:
+        if grad.op != "batch_norm_grad" or grad.attrs.get("dy_sum"):
+            continue
+        g = grad.inputs[0]
+        add = producers.get(g)
+        if add is None or add in drop or g in graph.outputs.values() or users[g] != [grad] \
+                or grad.inputs[1:].count(g) or not (add.op == "add" or (
+                    add.op == "binary" and add.attrs["kind"] == "add")) \
+                or len(add.inputs) != 2 \
+                or any(v.shape != g.shape or v.dtype != g.dtype for v in add.inputs):
+            continue
+        a, b = add.inputs
+        grad.inputs = [a, *grad.inputs[1:], b]
+        grad.attrs = dict(grad.attrs, dy_sum=True)
+        grad.label = _join(add.label, grad.label)
+        drop.add(add)
+    return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
+
+
 def fuse_step_bookkeeping(graph: Graph) -> Graph:
     """step_increment(step); lr_schedule(step, schedule) -> lr; ... record_loss(loss, step, h)
     =>   advance_step(step, schedule, loss, h) -> lr: one launch instead of three. The loss is
@@ -326,7 +353,7 @@ def eliminate_dead_code(graph: Graph) -> Graph:
 
 
 PASSES = (pack_attention_heads, fuse_linear_activation, fuse_pool_relu,
-          fuse_batch_norm_residual, fuse_batch_norm_relu,
+          fuse_batch_norm_residual, fuse_batch_norm_relu, fuse_batch_norm_grad_sum,
           fuse_activation_bias_grad, fuse_conv_bias_grad, fuse_cross_entropy,
           fuse_log_softmax_nll, fuse_step_bookkeeping, fuse_pointwise, eliminate_dead_code)
 

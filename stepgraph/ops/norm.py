@@ -92,13 +92,20 @@ def _batch_norm_grad(ins, attrs):
     xhat = (x - save_mean) * save_invstd; per channel sum_dy, sum_dy_xhat over M elements;
     dx = weight * save_invstd / M * (M dy - sum_dy - xhat sum_dy_xhat) (weight = 1 without
     affine); outputs dx (x's dtype), and dweight = sum_dy_xhat, dbias = sum_dy (the weight's
-    dtype) when affine. attrs layout as batch_norm_train's."""
+    dtype) when affine. attrs layout as batch_norm_train's. attrs dy_sum (made only by
+    compile/fuse.py): a last input dy2 of dy's shape and dtype, and the gradient is dy + dy2
+    rounded to dy's dtype, as the unfused add stores it."""
     dy, x = ins[0], ins[1]
     affine, relu = bool(attrs["affine"]), attrs.get("act", "none") == "relu"
-    want = 4 + affine + (affine and relu)
+    dy_sum = bool(attrs.get("dy_sum"))
+    want = 4 + affine + (affine and relu) + dy_sum
     _need(len(ins) == want, "batch_norm_grad",
-          f"{want} inputs for affine={affine}, act={attrs.get('act')}, got {len(ins)}")
+          f"{want} inputs for affine={affine}, act={attrs.get('act')}, dy_sum={dy_sum}, "
+          f"got {len(ins)}")
     _need(dy.shape == x.shape, "batch_norm_grad", f"dy {dy.shape} vs x {x.shape}")
+    if dy_sum:
+        _need(ins[-1].shape == dy.shape and ins[-1].dtype == dy.dtype, "batch_norm_grad",
+              f"dy2 {ins[-1]!r} must match dy {dy.shape} {dy.dtype}")
     c = (_channels("batch_norm_grad", x, attrs),)
     w = ins[2].dtype if affine else x.dtype      # dweight, dbias: the weight's dtype
     return [(x.shape, x.dtype)] + ([(c, w), (c, w)] if affine else [])
@@ -173,6 +180,11 @@ def _batch_norm_grad_impl(node, ins, outs, ctx):
     a = node.attrs
     affine, relu = bool(a["affine"]), a.get("act", "none") == "relu"
     dy, x = ins[0].astype(np.float64), ins[1].astype(np.float64)
+    if a.get("dy_sum"):          # the unfused add's store: the float32 sum, rounded to bf16
+        dy = ins[0].astype(np.float32) + ins[-1].astype(np.float32)
+        if node.inputs[0].dtype == "bfloat16":
+            dy = bf16.round_bf16(dy)
+        dy = dy.astype(np.float64)
     save_mean, save_invstd = ins[2 + affine], ins[3 + affine]
     if relu:
         dy = dy * relu_mask(ins[1], save_mean, save_invstd,

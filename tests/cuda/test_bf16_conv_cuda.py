@@ -227,7 +227,8 @@ def bn_arrays(rng, shape, layout):
 @pytest.mark.parametrize("act", ["none", "relu"])
 @pytest.mark.parametrize("case", BN_CASES, ids=str)
 def test_batch_norm_bf16_train_and_grad_match_the_emulation(ctx, case, act, residual, request):
-    """With residual, the fused residual add (compile/fuse.py fuse_batch_norm_residual)."""
+    """With residual, the fused residual add (compile/fuse.py fuse_batch_norm_residual) and
+    the fused gradient sum (fuse_batch_norm_grad_sum)."""
     shape, layout = case
     rng = seeded(request.node.name)
     ins = list(bn_arrays(rng, shape, layout))
@@ -253,6 +254,9 @@ def test_batch_norm_bf16_train_and_grad_match_the_emulation(ctx, case, act, resi
     dy = bf16_random(rng, *y.shape)
     grad_ins = [dy, ins[0], ins[1], mean, invstd] + ([ins[2]] if act == "relu" else [])
     gattrs = dict(affine=True, act=act) | ({"layout": "NHWC"} if layout == "NHWC" else {})
+    if residual:     # and the fused gradient sum (fuse_batch_norm_grad_sum) in the backward
+        grad_ins.append(bf16_random(rng, *y.shape))
+        gattrs["dy_sum"] = True
     bwd = node_of("batch_norm_grad", grad_ins, **gattrs)
     want, got = both(ctx, bwd, grad_ins)
     scale = float(np.abs(bf16.from_bits(want[0])).max())

@@ -203,6 +203,35 @@ def test_batch_norm_grad(ctx, shape, affine, act):
         assert_close(got[2], ref[2], rtol=1e-5, atol=1e-6 * sums, what=f"{what} dbias")
 
 
+@pytest.mark.parametrize("act", ["none", "relu"])
+@pytest.mark.parametrize("shape", [(2000, 64), (900, 9), (700, 264), (8, 16, 4, 4),
+                                   (2, 3, 5, 5)])
+def test_batch_norm_grad_with_gradient_sum(ctx, shape, act):
+    """The fused gradient sum (compile/fuse.py fuse_batch_norm_grad_sum): g = dy + dy2, in the
+    columns layout (vector and scalar walks), float4 planes and scalar planes."""
+    rng = np.random.default_rng([131, *shape])
+    c = shape[1]
+    x, dy, dy2 = random(rng, *shape, scale=2.0, shift=3.0), random(rng, *shape), \
+        random(rng, *shape)
+    weight, bias = random(rng, c), random(rng, c)
+    _, mean, invstd = bn_forward_numpy(x, weight, bias, act)
+    ins = [dy, x, weight, mean, invstd] + ([bias] if act == "relu" else []) + [dy2]
+    node = make_node("batch_norm_grad", ins, affine=True, act=act, dy_sum=True)
+    ref, got = run_both(ctx, node, ins)
+    # the reference with the sum made first, as the unfused graph stores it
+    plain = make_node("batch_norm_grad", ins[:-1], affine=True, act=act)
+    want = [np.empty(v.shape, v.dtype) for v in plain.outputs]
+    NUMPY_IMPLS[plain.op](plain, [dy + dy2] + ins[1:-1], want, None)
+    for a, b in zip(ref, want):
+        np.testing.assert_array_equal(a, b)
+    what = f"batch_norm_grad dy_sum {shape} {act}"
+    k = np.abs(invstd * weight).max()
+    g = np.abs(dy + dy2)
+    assert_close(got[0], ref[0], rtol=1e-4, atol=2e-5 * k * g.max(), what=f"{what} dx")
+    sums = g.astype(np.float64).sum(axis=(0,) + tuple(range(2, len(shape)))).max()
+    assert_close(got[2], ref[2], rtol=1e-5, atol=1e-6 * sums, what=f"{what} dbias")
+
+
 # ---- avgpool2d -----------------------------------------------------------------------------
 
 # (shape, kernel, stride, padding): overlapping windows, padding, strides > kernel, one window

@@ -1,6 +1,7 @@
-"""fuse_batch_norm_relu and fuse_batch_norm_residual (compile/fuse.py): BatchNorm then ReLU
-(or then the residual add and ReLU) becomes one forward node (and, for the ReLU alone, one
-backward node) where each value's only reader is the next, nowhere else, and fused graphs
+"""fuse_batch_norm_relu, fuse_batch_norm_residual and fuse_batch_norm_grad_sum
+(compile/fuse.py): BatchNorm then ReLU (or then the residual add and ReLU) becomes one forward
+node (and, for the ReLU alone, one backward node), and a gradient sum joins the BatchNorm
+gradient that reads it, where each value's only reader is the next, nowhere else; fused graphs
 compute what unfused ones do."""
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import numpy as np
 import pytest
 
 from stepgraph.autodiff import append_backward
-from stepgraph.compile.fuse import PASSES, fuse, fuse_batch_norm_relu, \
-    fuse_batch_norm_residual
+from stepgraph.compile.fuse import PASSES, fuse, fuse_batch_norm_grad_sum, \
+    fuse_batch_norm_relu, fuse_batch_norm_residual
 from stepgraph.ir.trace import Tracer
 from tests.ops.helpers import assert_close, run_graph, seeded
 
@@ -175,3 +176,54 @@ def test_batch_norm_residual_sum_read_elsewhere_is_not_fused():
     fused = fuse_batch_norm_residual(bn_residual_graph(read_sum=True))
     assert not any(n.attrs.get("residual") for n in fused.nodes)
     assert fuse_batch_norm_residual in PASSES
+
+
+# ---- fuse_batch_norm_grad_sum --------------------------------------------------------------
+
+def bn_two_readers_graph(read_grad_sum: bool = False):
+    """relu(batch_norm_train(x)) read twice (r * 2 + r * 3 -> mse(target)): the backward sums
+    the two paths' gradients of r, and that sum feeds the BatchNorm's gradient. read_grad_sum:
+    the sum is a step output too."""
+    t = Tracer()
+    x, target = t.input(SHAPE, "float32", "x"), t.input(SHAPE, "float32", "target")
+    w, b = t.input((3,), "float32", "w"), t.input((3,), "float32", "b")
+    running = [t.state((3,), "float32", "rm"), t.state((3,), "float32", "rv"),
+               t.state((), "int64", "count")]
+    y = t.emit("batch_norm_train", [x.value, w.value, b.value] + running, eps=1e-5,
+               momentum=0.1, affine=True, track=True, act="none")[0]
+    r = t.op("act", [y], kind="relu", slope=0.01)
+    both = t.op("binary", [t.op("scalar", [r], kind="mul", value=2.0).value,
+                           t.op("scalar", [r], kind="mul", value=3.0).value], kind="add")
+    loss = t.op("mse", [both, target])
+    t.graph.outputs = {"loss": loss.value}
+    grads = append_backward(t, loss.value, [x.value, w.value, b.value])
+    t.graph.outputs.update({f"d{i}": g for i, g in enumerate(grads)})
+    if read_grad_sum:
+        (grad,) = [n for n in fuse_batch_norm_relu(t.graph).nodes if n.op == "batch_norm_grad"]
+        t.graph.outputs["dr"] = grad.inputs[0]
+    return t.graph
+
+
+def test_gradient_sum_fuses_into_the_batch_norm_gradient():
+    unfused = fuse_batch_norm_relu(bn_two_readers_graph())
+    (grad,) = [n for n in unfused.nodes if n.op == "batch_norm_grad"]
+    summed = next(n for n in unfused.nodes if grad.inputs[0] in n.outputs)
+    assert summed.op in ("add", "binary")
+    fused = fuse_batch_norm_grad_sum(unfused)
+    (grad,) = [n for n in fused.nodes if n.op == "batch_norm_grad"]
+    assert grad.attrs["dy_sum"] and grad.attrs["act"] == "relu"
+    assert grad.inputs[0] is summed.inputs[0] and grad.inputs[-1] is summed.inputs[1]
+    assert summed not in fused.nodes and len(fused.nodes) == len(unfused.nodes) - 1
+    arrays, state = arrays_and_state()
+    state_u = {k: v.copy() for k, v in state.items()}
+    got, want = run_graph(fused, arrays, state), run_graph(unfused, arrays, state_u)
+    for k in want:       # the same float32 sum, then the same float64 reductions
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    assert fuse_batch_norm_grad_sum in PASSES
+
+
+def test_gradient_sum_read_elsewhere_is_not_fused():
+    graph = fuse_batch_norm_relu(bn_two_readers_graph(read_grad_sum=True))
+    fused = fuse_batch_norm_grad_sum(graph)
+    assert not any(n.attrs.get("dy_sum") for n in fused.nodes)
+    assert len(fused.nodes) == len(graph.nodes)

@@ -171,21 +171,25 @@ def _initial_resnet_state() -> dict:
 def test_bf16_resnet_step_fused_equals_unfused_bit_for_bit(monkeypatch):
     """precision="bf16": the residual add + ReLU (forward) fuses into the BatchNorm before it
     (fuse_batch_norm_residual, which rounds the normalised value and the sum to bf16 as the
-    unfused nodes store them) and the gradient sum + ReLU gradient (backward) into bf16
-    `pointwise` nodes, whose programs round each instruction to bf16 likewise: three numpy
-    steps with and without both passes give the same loss bits, parameters and bf16 weight
-    copies."""
-    from stepgraph.compile.fuse import PASSES, fuse_batch_norm_residual
+    unfused nodes store them), the gradient sum + ReLU gradient (backward) into bf16
+    `pointwise` nodes, whose programs round each instruction to bf16 likewise, and the stem's
+    gradient sum into its BatchNorm gradient (fuse_batch_norm_grad_sum, rounding the sum to
+    bf16 too): three numpy steps with and without the three passes give the same loss bits,
+    parameters and bf16 weight copies."""
+    from stepgraph.compile.fuse import PASSES, fuse_batch_norm_grad_sum, \
+        fuse_batch_norm_residual
     from stepgraph.compile.pointwise import fuse_pointwise
     from stepgraph.ir.graph import BF16
 
-    without = tuple(p for p in PASSES if p not in (fuse_pointwise, fuse_batch_norm_residual))
+    without = tuple(p for p in PASSES if p not in (fuse_pointwise, fuse_batch_norm_residual,
+                                                    fuse_batch_norm_grad_sum))
     want = _bf16_resnet_runs(monkeypatch, without)
     got = _bf16_resnet_runs(monkeypatch, PASSES)
     programs = [n for n in got[3].nodes if n.op == "pointwise"]
     assert programs and all(v.dtype == BF16 for n in programs for v in n.inputs + n.outputs)
     assert {tuple(i.op for i in n.attrs["program"]) for n in programs} >= {("add", "act_grad")}
     assert [n for n in got[3].nodes if n.attrs.get("residual")]
+    assert [n for n in got[3].nodes if n.attrs.get("dy_sum")]
     assert not [n for n in want[3].nodes if n.op == "pointwise"]
     assert got[0] == want[0]
     for k in want[1]:

@@ -161,7 +161,8 @@ def test_norm_layouts_name_listed_kernels():
                                  vec=vec, aligned=aligned)
             for kind in norm.KINDS:
                 for _, ctype in norm.ACTIVATION_CTYPES.values():
-                    assert layout.pass_shape(kind, ctype).kernel in listed
+                    for dy_sum in (False, True):
+                        assert layout.pass_shape(kind, ctype, dy_sum).kernel in listed
 
 
 def test_norm_column_walks_fall_back_to_a_channel_a_thread():
@@ -174,7 +175,7 @@ def test_norm_column_walks_fall_back_to_a_channel_a_thread():
         "unsigned short"]["backward"]
     shape = wide.pass_shape("grad_stats", "float")
     vec = norm.COLUMN_WALKS["float"]["grad_stats"][0]
-    assert shape.block == (min(32, 64 // vec), norm.STATS_ROWS)
+    assert shape.block == (min(32, 64 // vec), norm.STATS_ROWS)      # 16 lanes at vec 4
     assert shape.grid[0] * shape.block[0] * vec >= 64
     assert f"<float, {vec}," in shape.kernel
     for layout in (norm.Layout(n=4096, c=9, inner=1, columns=True, vec=1),
@@ -269,6 +270,9 @@ def _fake_memory(node, key, ctx, build, required=True):
                     rowloss=Fake((key[1],)))
     if kind == "cross_entropy_count":
         return Fake((1,), "int32")
+    if kind == "batch_norm":           # (op, channels, splits, extra floats per channel)
+        return dict(partial=Fake((key[2] * key[3] * 2,), "float64"),
+                    coef=Fake((key[2] * max(key[4], 1),)))
     raise AssertionError(f"unexpected scratch {key}")
 
 
@@ -328,6 +332,37 @@ def test_update_launch_arguments_match_the_kernels(monkeypatch, op, guarded):
     assert (filename, name) == ("optim.cu", f"{op}_kernel")
     _assert_launches_match(launched)
     assert (args[8] is ins[-1]) if guarded else (args[8] == 0)    # the guard flags pointer
+
+
+@pytest.mark.parametrize("dtype", ["float32", "uint16"])
+@pytest.mark.parametrize("shape", [(64, 16), (64, 9), (2, 4, 3, 4), (2, 3, 5, 5)],
+                         ids=["columns", "columns-odd", "planes-vec4", "planes"])
+def test_batch_norm_launch_arguments_match_the_kernels(monkeypatch, shape, dtype):
+    """batch_norm_train (with the fused residual and ReLU) and batch_norm_grad (with the fused
+    ReLU and gradient sum): every pass and finalize launch fits its kernel's parameters."""
+    from stepgraph.backends.cuda import cast, norm
+    from stepgraph.ir.graph import Node
+
+    launched = _record_launches(monkeypatch, norm, cast)
+    c = shape[1]
+    x = Fake(shape, dtype)
+    channel = lambda: Fake((c,))      # noqa: E731
+    train = Node("batch_norm_train", [], [], dict(eps=1e-5, momentum=0.1, affine=True,
+                                                  track=True, act="relu", residual=True))
+    norm.batch_norm_train_forward(None, train, [x, channel(), channel(), channel(), channel(),
+                                                Fake((), "int64"), Fake(shape, dtype)],
+                                  [Fake(shape, dtype), channel(), channel()])
+    grad = Node("batch_norm_grad", [], [], dict(affine=True, act="relu", dy_sum=True))
+    norm.batch_norm_grad_backward(None, grad, [Fake(shape, dtype), x, channel(), channel(),
+                                               channel(), channel(), Fake(shape, dtype)],
+                                  [Fake(shape, dtype), channel(), channel()])
+    layout = "columns" if len(shape) == 2 else "planes"
+    names = [name.split("<")[0] for _, name, *_ in launched]
+    assert [n.replace("_vec4", "") for n in names] == [
+        f"batch_norm_stats_{layout}_kernel", "batch_norm_finalize_kernel",
+        f"batch_norm_forward_{layout}_kernel", f"batch_norm_grad_stats_{layout}_kernel",
+        "batch_norm_grad_finalize_kernel", f"batch_norm_backward_{layout}_kernel"]
+    _assert_launches_match(launched)
 
 
 def test_guard_launch_arguments_match_the_kernels(monkeypatch):

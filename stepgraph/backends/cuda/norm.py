@@ -45,14 +45,15 @@ FINALIZE_BLOCK = 128         # a warp per channel (norm.cu channel_sums), blocks
 # IR dtype -> (storage dtype, the pass kernels' template argument T)
 ACTIVATION_CTYPES = CAST_CTYPES
 BF16_OPS = frozenset({"batch_norm_train", "batch_norm_grad"})
+KINDS = ("stats", "forward", "grad_stats", "backward")    # the passes of norm.cu
+GRAD_KINDS = ("grad_stats", "backward")                  # templated on the fused gradient sum
 # Columns passes: (V adjacent channels a thread in one access, R rows a round) by activation C
 # type and pass (norm.cu walk_column), chosen by each pass's time inside the resnet step on an
-# H200 (docs/perf-notes.md, 2026-11-26 04:00-05:30): the channel sums and dx gained from wider
-# accesses with several in flight, the forward's normalise did not. V falls back to 1 where
-# C % V != 0 or an array is not 16-byte aligned.
+# H200 (docs/perf-notes.md, 2026-11-26 03:40-04:10): wider accesses with several in flight.
+# V falls back to 1 where C % V != 0 or an array is not 16-byte aligned.
 COLUMN_WALKS = {
-    "float": {"stats": (1, 4), "forward": (1, 4), "grad_stats": (4, 1), "backward": (2, 4)},
-    "unsigned short": {"stats": (2, 4), "forward": (1, 1), "grad_stats": (2, 4),
+    "float": {"stats": (1, 4), "forward": (2, 4), "grad_stats": (4, 1), "backward": (2, 4)},
+    "unsigned short": {"stats": (2, 4), "forward": (2, 4), "grad_stats": (2, 4),
                        "backward": (2, 4)},
 }
 
@@ -94,26 +95,30 @@ class Layout:
         vec, rows = COLUMN_WALKS[ctype][kind]
         return (vec if self.aligned and self.c % vec == 0 else 1), rows
 
-    def pass_shape(self, kind: str, ctype: str) -> PassShape:
-        """The launch of pass `kind` (KINDS) for activations of C type `ctype`: each
-        channel's rows (columns) or packs (planes) split over about STATS_TARGET_BLOCKS
-        (reductions) or APPLY_TARGET_BLOCKS (elementwise) blocks, a split taking at least
-        the minimum work."""
+    def pass_shape(self, kind: str, ctype: str, dy_sum: bool = False) -> PassShape:
+        """The launch of pass `kind` (KINDS) for activations of C type `ctype` (a gradient
+        pass with the fused gradient sum when dy_sum): each channel's rows (columns) or packs
+        (planes) split over about STATS_TARGET_BLOCKS (reductions) or APPLY_TARGET_BLOCKS
+        (elementwise) blocks, a split taking at least the minimum work."""
         reduces = kind in ("stats", "grad_stats")
         target = STATS_TARGET_BLOCKS if reduces else APPLY_TARGET_BLOCKS
         if self.columns:
             vec, rows = self.column_walk(kind, ctype)
-            lanes = min(COLUMN_TILE, self.c // vec)
+            # lanes along C: its channel groups, whole warps with the row lanes (a multiple of 4)
+            lanes = min(COLUMN_TILE, -(-(self.c // vec) // 4) * 4)
             work, blocks = self.n, -(-self.c // (vec * lanes))
             minimum = STATS_MIN_ROWS if reduces else APPLY_MIN_ROWS
             block = (lanes, STATS_ROWS if reduces else APPLY_ROWS)
-            kernel = f"batch_norm_{kind}_columns_kernel<{ctype}, {vec}, {rows}>"
+            kernel = f"batch_norm_{kind}_columns_kernel<{ctype}, {vec}, {rows}"
         else:
             work, blocks = self.n * self.inner // self.vec, self.c
             minimum = STATS_MIN_PER_SPLIT if reduces else APPLY_MIN_PER_SPLIT
             block = None
             kernel = (f"batch_norm_{kind}_planes{'_vec4' if self.vec == 4 else ''}_kernel"
-                      f"<{ctype}>")
+                      f"<{ctype}")
+        if kind in GRAD_KINDS:
+            kernel += f", {'true' if dy_sum else 'false'}"
+        kernel += ">"
         splits = max(1, min(-(-work // minimum), target // blocks))
         per = max(1, -(-work // splits))
         if block is None:   # short channels (few elements per split) get fewer threads
@@ -135,9 +140,6 @@ def _layout(op: str, x, arrays) -> Layout:
     aligned = _aligned(*arrays)
     vec = 4 if not columns and inner % 4 == 0 and aligned else 1
     return Layout(n, c, inner, columns, vec, aligned)
-
-
-KINDS = ("stats", "forward", "grad_stats", "backward")    # the passes of norm.cu
 
 
 def _launch_pass(ctx, layout: Layout, shape: PassShape, arrays: tuple) -> None:
@@ -272,7 +274,8 @@ def batch_norm_train_forward(ctx, node: Node, ins: list, outs: list) -> None:
 @dataclass
 class GradArrays:
     """batch_norm_grad's inputs and outputs by name (ops/norm.py: dy, x, [weight], save_mean,
-    save_invstd, [bias with the fused ReLU] -> dx, [dweight, dbias])."""
+    save_invstd, [bias with the fused ReLU], [dy2 with the fused gradient sum] -> dx,
+    [dweight, dbias])."""
 
     dy: Any
     x: Any
@@ -283,21 +286,27 @@ class GradArrays:
     dx: Any
     dweight: Any = None
     dbias: Any = None
+    dy2: Any = None
     ctype: str = "float"     # of dy, x and dx (ACTIVATION_CTYPES)
 
 
 def _grad_arrays(attrs: dict, ins: list, outs: list) -> GradArrays:
     """The node's arrays, named and checked."""
     affine, relu = bool(attrs.get("affine")), _relu(attrs)
-    want = 4 + affine + (affine and relu)
+    dy_sum = bool(attrs.get("dy_sum"))
+    want = 4 + affine + (affine and relu) + dy_sum
     if len(ins) != want or len(outs) != 1 + 2 * affine:
-        raise ShapeError(f"batch_norm_grad: affine={affine} act={attrs.get('act')!r} take "
-                         f"{want} inputs and give {1 + 2 * affine} outputs, got {len(ins)} "
-                         f"and {len(outs)}")
+        raise ShapeError(f"batch_norm_grad: affine={affine} act={attrs.get('act')!r} "
+                         f"dy_sum={dy_sum} take {want} inputs and give {1 + 2 * affine} "
+                         f"outputs, got {len(ins)} and {len(outs)}")
     g = GradArrays(ins[0], ins[1], ins[2] if affine else None, ins[2 + affine],
                    ins[3 + affine], ins[4 + affine] if affine and relu else None, *outs)
-    g.ctype = shared_ctype("batch_norm_grad", {"dy": g.dy, "x": g.x, "dx": g.dx})
-    for what, arr in (("x", g.x), ("dx", g.dx)):
+    g.dy2 = ins[-1] if dy_sum else None
+    g.ctype = shared_ctype("batch_norm_grad", {"dy": g.dy, "x": g.x, "dx": g.dx,
+                                               "dy2": g.dy2})
+    for what, arr in (("x", g.x), ("dx", g.dx), ("dy2", g.dy2)):
+        if arr is None:
+            continue
         _check(f"batch_norm_grad {what}", arr, None, g.dy.shape)
     _check_channels("batch_norm_grad", g.dy.shape[1] if g.dy.ndim >= 2 else 0,
                     save_mean=g.mean, save_invstd=g.invstd, weight=g.weight, bias=g.bias,
@@ -306,27 +315,33 @@ def _grad_arrays(attrs: dict, ins: list, outs: list) -> GradArrays:
 
 
 def batch_norm_grad_backward(ctx, node: Node, ins: list, outs: list) -> None:
-    """dx (and dweight, dbias when affine) of batch_norm_train: g = dy (with the fused ReLU,
-    0 where the pre-activation recomputed from x, weight and bias is not positive), dbias =
-    sum g, dweight = sum g * xhat per channel (float64), dx = weight * invstd * (g - sum g / M
-    - xhat * sum g xhat / M)."""
+    """dx (and dweight, dbias when affine) of batch_norm_train: g = dy (attrs dy_sum: dy + dy2,
+    rounded as stored; with the fused ReLU, 0 where the pre-activation recomputed from x,
+    weight and bias is not positive), dbias = sum g, dweight = sum g * xhat per channel
+    (float64), dx = weight * invstd * (g - sum g / M - xhat * sum g xhat / M)."""
     a = node.attrs
-    g = _grad_arrays(a, _channels_last(a, ins, (0, 1)), _channels_last(a, outs, (0,)))
+    dy2_at = (len(ins) - 1,) if a.get("dy_sum") else ()
+    g = _grad_arrays(a, _channels_last(a, ins, (0, 1, *dy2_at)),
+                     _channels_last(a, outs, (0,)))
     relu = np.int32(_relu(a))
     # the pass kernels read weight and bias only for the ReLU's mask (both null: not affine)
     affine = (_or_null(g.weight), _or_null(g.bias)) if relu else (_or_null(None),) * 2
-    layout = _layout("batch_norm_grad", g.dy, (g.dy, g.x, g.dx))
-    stats = layout.pass_shape("grad_stats", g.ctype)
+    layout = _layout("batch_norm_grad", g.dy,
+                     tuple(v for v in (g.dy, g.x, g.dx, g.dy2) if v is not None))
+    dy_sum = g.dy2 is not None
+    stats = layout.pass_shape("grad_stats", g.ctype, dy_sum)
     scratch = _partials(node, ctx, layout, stats.splits, extra=3)
     _launch_pass(ctx, layout, stats,
-                 (g.dy, g.x, *affine, relu, g.mean, g.invstd, scratch["partial"]))
+                 (g.dy, _or_null(g.dy2), g.x, *affine, relu, g.mean, g.invstd,
+                  scratch["partial"]))
     _launch(ctx, SOURCE, "batch_norm_grad_finalize_kernel", (_finalize_blocks(layout.c),),
             (FINALIZE_BLOCK,),
             (scratch["partial"], np.int32(stats.splits), np.int32(layout.c),
              np.float64(layout.count), _or_null(g.weight), g.invstd, scratch["coef"],
              _or_null(g.dweight), _or_null(g.dbias)))
-    _launch_pass(ctx, layout, layout.pass_shape("backward", g.ctype),
-                 (g.dy, g.x, *affine, relu, g.mean, g.invstd, scratch["coef"], g.dx))
+    _launch_pass(ctx, layout, layout.pass_shape("backward", g.ctype, dy_sum),
+                 (g.dy, _or_null(g.dy2), g.x, *affine, relu, g.mean, g.invstd,
+                  scratch["coef"], g.dx))
 
 
 # ---- names and the op table ----------------------------------------------------------------
@@ -337,9 +352,10 @@ def kernel_names() -> dict[str, set[str]]:
     for kind in KINDS:
         for _, ctype in ACTIVATION_CTYPES.values():
             names |= {Layout(1, c, 1 if columns else 4, columns, vec, aligned)
-                      .pass_shape(kind, ctype).kernel
+                      .pass_shape(kind, ctype, dy_sum).kernel
                       for columns, vec in ((False, 1), (False, 4), (True, 1))
-                      for c in (4, 1) for aligned in (True, False)}
+                      for c in (4, 1) for aligned in (True, False)
+                      for dy_sum in (False, True)}
     return {SOURCE: names}
 
 

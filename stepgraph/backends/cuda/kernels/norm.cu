@@ -1,7 +1,8 @@
 // Batch normalisation in training mode over x viewed as (N, C, inner), M = N * inner elements
 // per channel: batch_norm_train (statistics, running-stat update, normalise + affine + ReLU)
-// and batch_norm_grad (the two channel sums, dweight/dbias, dx; with the fused ReLU, dy masked
-// where the recomputed pre-activation is not positive: relu_masked). Deterministic: every sum is
+// and batch_norm_grad (the two channel sums, dweight/dbias, dx; the incoming gradient dy, or
+// dy + dy2 with the fused gradient sum (load_grad); with the fused ReLU, masked where the
+// recomputed pre-activation is not positive: relu_masked). Deterministic: every sum is
 // float64, has a fixed owner and a fixed combination order (no float atomics):
 //   1. a stats pass: block (channel, split) writes its float64 partial sums to
 //      partial[(c * splits + split) * 2 + {0, 1}] (launcher scratch made once per node);
@@ -189,6 +190,31 @@ __device__ __forceinline__ float as_stored(float v, const unsigned short*) {
     return bf16_round(v);
 }
 
+// The incoming gradient at a pack (planes) or V channels (columns): dy, or with the fused
+// gradient sum (SUM) dy + dy2 rounded as the unfused add stores it. A compile-time choice: a
+// runtime one slowed every gradient pass, the sums' too (more live registers).
+template <int V, bool SUM, typename T>
+__device__ __forceinline__ Pack<V> load_grad_pack(const T* dy, const T* dy2, long long at) {
+    Pack<V> g = load_pack<V>(dy, at);
+    if constexpr (SUM) {
+        const Pack<V> h = load_pack<V>(dy2, at);
+#pragma unroll
+        for (int k = 0; k < V; ++k) g.v[k] = as_stored(__fadd_rn(g.v[k], h.v[k]), dy);
+    }
+    return g;
+}
+
+template <int V, bool SUM, typename T>
+__device__ __forceinline__ void load_grad(const T* dy, const T* dy2, long long at, float* g) {
+    loadv_as_float<V>(dy, at, g);
+    if constexpr (SUM) {
+        float h[V];
+        loadv_as_float<V>(dy2, at, h);
+#pragma unroll
+        for (int k = 0; k < V; ++k) g[k] = as_stored(__fadd_rn(g[k], h[k]), dy);
+    }
+}
+
 // The forward's output: bn_output, or with a residual (the fused residual add, r != nullptr,
 // its element rv) act(stored(bn) + rv), rounded as the unfused BatchNorm and add store them;
 // the fused ReLU after the sum then.
@@ -373,8 +399,9 @@ __global__ void batch_norm_forward_columns_kernel(
 
 // Partial (sum g, sum g * xhat) per channel and split, g = dy masked by the fused ReLU (relu).
 // weight, bias: for the mask only; both nullptr without affine or without the ReLU.
-template <int V, typename T>
-__device__ __forceinline__ void grad_stats_planes(const T* dy, const T* x, const float* weight,
+template <int V, bool SUM, typename T>
+__device__ __forceinline__ void grad_stats_planes(const T* dy, const T* dy2, const T* x,
+                                                  const float* weight,
                                                   const float* bias, int relu,
                                                   const float* mean, const float* invstd,
                                                   double* partial, int C, int inner, int total,
@@ -385,7 +412,7 @@ __device__ __forceinline__ void grad_stats_planes(const T* dy, const T* x, const
     const float w = affine ? weight[c] : 1.f, b = affine ? bias[c] : 0.f;
     double s = 0.0, sx = 0.0;
     walk_channel(C, inner, total, per, [&](long long at) {
-        const Pack<V> g = load_pack<V>(dy, at);
+        const Pack<V> g = load_grad_pack<V, SUM>(dy, dy2, at);
         const Pack<V> v = load_pack<V>(x, at);
 #pragma unroll
         for (int k = 0; k < V; ++k) {
@@ -398,23 +425,26 @@ __device__ __forceinline__ void grad_stats_planes(const T* dy, const T* x, const
 }
 
 #define GRAD_STATS_PLANES_ARGS                                                               \
-    const T *dy, const T *x, const float *weight, const float *bias, int relu,              \
-        const float *mean, const float *invstd, double *partial, int C, int inner, int total, \
+    const T *dy, const T *dy2, const T *x, const float *weight, const float *bias, int relu, \
+        const float *mean, const float *invstd, double *partial, int C, int inner, int total,  \
         int per
 
-template <typename T>
+template <typename T, bool SUM>
 __global__ void batch_norm_grad_stats_planes_kernel(GRAD_STATS_PLANES_ARGS) {
-    grad_stats_planes<1>(dy, x, weight, bias, relu, mean, invstd, partial, C, inner, total, per);
+    grad_stats_planes<1, SUM>(dy, dy2, x, weight, bias, relu, mean, invstd, partial, C, inner,
+                              total, per);
 }
 
-template <typename T>
+template <typename T, bool SUM>
 __global__ void batch_norm_grad_stats_planes_vec4_kernel(GRAD_STATS_PLANES_ARGS) {
-    grad_stats_planes<4>(dy, x, weight, bias, relu, mean, invstd, partial, C, inner, total, per);
+    grad_stats_planes<4, SUM>(dy, dy2, x, weight, bias, relu, mean, invstd, partial, C, inner,
+                              total, per);
 }
 
-template <typename T, int V, int R>
+template <typename T, int V, int R, bool SUM>
 __global__ void __launch_bounds__(COLUMN_TILE * STATS_ROWS, GRAD_STATS_MIN_BLOCKS)
-batch_norm_grad_stats_columns_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+batch_norm_grad_stats_columns_kernel(const T* __restrict__ dy, const T* __restrict__ dy2,
+                                     const T* __restrict__ x,
                                      const float* weight, const float* bias, int relu,
                                      const float* mean, const float* invstd, double* partial,
                                      int N, int C, int per) {
@@ -422,7 +452,7 @@ batch_norm_grad_stats_columns_kernel(const T* __restrict__ dy, const T* __restri
     double s[V] = {}, sx[V] = {};
     walk_column<V, R>(N, C, per, [&](long long at) {
         float g[V], v[V];
-        loadv_as_float<V>(dy, at, g);
+        load_grad<V, SUM>(dy, dy2, at, g);
         loadv_as_float<V>(x, at, v);
 #pragma unroll
         for (int k = 0; k < V; ++k) {
@@ -458,8 +488,9 @@ extern "C" __global__ void batch_norm_grad_finalize_kernel(const double* partial
     coef[3 * c + 2] = (float)(sx / count);
 }
 
-template <int V, typename T>
-__device__ __forceinline__ void backward_planes(const T* dy, const T* x, const float* weight,
+template <int V, bool SUM, typename T>
+__device__ __forceinline__ void backward_planes(const T* dy, const T* dy2, const T* x,
+                                                const float* weight,
                                                 const float* bias, int relu, const float* mean,
                                                 const float* invstd, const float* coef, T* dx,
                                                 int C, int inner, int total, int per) {
@@ -469,7 +500,7 @@ __device__ __forceinline__ void backward_planes(const T* dy, const T* x, const f
     const float w = affine ? weight[c] : 1.f, b = affine ? bias[c] : 0.f;
     const float k = coef[3 * c], a = coef[3 * c + 1], bb = coef[3 * c + 2];
     walk_channel(C, inner, total, per, [&](long long at) {
-        Pack<V> g = load_pack<V>(dy, at);
+        Pack<V> g = load_grad_pack<V, SUM>(dy, dy2, at);
         const Pack<V> v = load_pack<V>(x, at);
 #pragma unroll
         for (int e = 0; e < V; ++e) {
@@ -481,24 +512,27 @@ __device__ __forceinline__ void backward_planes(const T* dy, const T* x, const f
 }
 
 #define BACKWARD_PLANES_ARGS                                                                 \
-    const T *dy, const T *x, const float *weight, const float *bias, int relu,              \
-        const float *mean, const float *invstd, const float *coef, T *dx, int C, int inner,   \
+    const T *dy, const T *dy2, const T *x, const float *weight, const float *bias, int relu, \
+        const float *mean, const float *invstd, const float *coef, T *dx, int C, int inner,    \
         int total, int per
 
-template <typename T>
+template <typename T, bool SUM>
 __global__ void batch_norm_backward_planes_kernel(BACKWARD_PLANES_ARGS) {
-    backward_planes<1>(dy, x, weight, bias, relu, mean, invstd, coef, dx, C, inner, total, per);
+    backward_planes<1, SUM>(dy, dy2, x, weight, bias, relu, mean, invstd, coef, dx, C, inner,
+                            total, per);
 }
 
-template <typename T>
+template <typename T, bool SUM>
 __global__ void batch_norm_backward_planes_vec4_kernel(BACKWARD_PLANES_ARGS) {
-    backward_planes<4>(dy, x, weight, bias, relu, mean, invstd, coef, dx, C, inner, total, per);
+    backward_planes<4, SUM>(dy, dy2, x, weight, bias, relu, mean, invstd, coef, dx, C, inner,
+                            total, per);
 }
 
-template <typename T, int V, int R>
+template <typename T, int V, int R, bool SUM>
 __global__ void batch_norm_backward_columns_kernel(
-    const T* __restrict__ dy, const T* __restrict__ x, const float* weight, const float* bias,
-    int relu, const float* mean, const float* invstd, const float* coef, T* __restrict__ dx,
+    const T* __restrict__ dy, const T* __restrict__ dy2, const T* __restrict__ x,
+    const float* weight, const float* bias, int relu, const float* mean, const float* invstd,
+    const float* coef, T* __restrict__ dx,
     int N, int C, int per) {
     const int c = column_channel<V>(C);
     const ColumnChannels<V> ch(c, mean, invstd, weight, bias);
@@ -511,7 +545,7 @@ __global__ void batch_norm_backward_columns_kernel(
     }
     walk_column<V, R>(N, C, per, [&](long long at) {
         float g[V], v[V];
-        loadv_as_float<V>(dy, at, g);
+        load_grad<V, SUM>(dy, dy2, at, g);
         loadv_as_float<V>(x, at, v);
 #pragma unroll
         for (int e = 0; e < V; ++e) {
