@@ -7,6 +7,13 @@ products use the round-to-nearest intrinsics (__fadd_rn, __fmul_rn, ...), which 
 never contracts into FMAs, so each instruction rounds as the op's own kernel and the NumPy
 reference do. Activations reuse elementwise.cuh, the code of the standalone act kernels.
 
+Where every input and output is float32 or bf16 of the output's shape (no broadcasting, no
+masks), the source also has VEC_KERNEL_NAME: four consecutive elements a thread, each input
+read and each output written in one 16- (float32) or 8-byte (bf16) access, the same
+per-element code in between. The launcher takes it when the element count is a multiple of
+four and every array is 16-byte aligned: a thread then keeps several accesses in flight (H200,
+resnet's gradient-sum + ReLU-gradient programs: see docs/perf-notes.md).
+
 A program that draws dropout masks (`dropout_mask`) loops over groups of four consecutive
 elements instead: one Philox4x32-10 call per group and site gives the four elements' words
 (philox.cuh), as in the standalone dropout kernel, so the masks are the same bits and the
@@ -36,6 +43,8 @@ from . import compiler
 from .launchers import ACT_CODES, BLOCK, MAX_INT, _grid, _slope
 
 KERNEL_NAME = "pointwise_kernel"
+VEC_KERNEL_NAME = "pointwise_vec4_kernel"
+VEC = 4                      # elements a thread of VEC_KERNEL_NAME
 BF16_OPS = frozenset({"pointwise"})
 _BINARY = {"add": "__fadd_rn({a}, {b})", "sub": "__fsub_rn({a}, {b})",
            "mul": "__fmul_rn({a}, {b})", "div": "__fdiv_rn({a}, {b})"}
@@ -111,6 +120,17 @@ def _words_line(instr: Instr, r: list[str]) -> str:
             f"{int(attr['site'])}u, {r[instr.args[0]]}, {seed}ull);")
 
 
+def vectorizable(program: tuple[Instr, ...], results: tuple[int, ...], shape: tuple,
+                 input_shapes: tuple[tuple, ...], input_dtypes: tuple[str, ...]) -> bool:
+    """True when every input and result is float32 or bf16 of `shape` (no broadcast input,
+    no mask, no dropout draws): the source then has VEC_KERNEL_NAME too."""
+    dtypes = register_dtypes(program, input_dtypes)
+    return not uses_groups(program) \
+        and all(tuple(s) == tuple(shape) for s in input_shapes) \
+        and all(dtypes[j] in ("float32", BF16) for j in range(len(input_shapes))) \
+        and all(dtypes[r] in ("float32", BF16) for r in results)
+
+
 def uses_groups(program: tuple[Instr, ...]) -> bool:
     """True when the kernel loops over groups of four elements (it draws dropout masks)."""
     return any(instr.op == "dropout_mask" for instr in program)
@@ -142,6 +162,24 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
         body.append(f"const {rtype[k + j]} r{k + j} = {value};")
     body += [f"out{j}[i] = bf16_from_float(r{r});" if dtypes[r] == BF16
              else f"out{j}[i] = r{r};" for j, r in enumerate(results)]
+    vec = []
+    if vectorizable(program, results, shape, input_shapes, dtypes[:k]):
+        vec = [f'extern "C" __global__ void {VEC_KERNEL_NAME}({", ".join(params)}, int n) {{',
+               f"    for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < n / {VEC};"
+               " q += gridDim.x * blockDim.x) {",
+               *(f"        float v{j}[{VEC}];" for j in range(k)),
+               *(f"        loadv_as_float<{VEC}>(in{j}, {VEC}LL * q, v{j});" for j in range(k)),
+               *(f"        float o{j}[{VEC}];" for j in range(len(results))),
+               "#pragma unroll",
+               f"        for (int lane = 0; lane < {VEC}; ++lane) {{",
+               *(f"            const float r{j} = v{j}[lane];" for j in range(k)),
+               *(f"            {b}" for b in body[k:len(body) - len(results)]),
+               *(f"            o{j}[lane] = r{r};" for j, r in enumerate(results)),
+               "        }",
+               *(f"        storev_from_float<{VEC}>(out{j}, {VEC}LL * q, o{j});"
+                 for j in range(len(results))),
+               "    }",
+               "}"]
     if not uses_groups(program):
         loop = ["    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n;"
                 " i += gridDim.x * blockDim.x) {", *(f"        {b}" for b in body), "    }"]
@@ -160,22 +198,28 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
                 "        }",
                 "    }"]
     return "\n".join([
-        *(['#include "bf16.cuh"'] if BF16 in dtypes else []),
+        *(['#include "bf16.cuh"'] if BF16 in dtypes or vec else []),
         '#include "elementwise.cuh"',
         *(['#include "philox.cuh"'] if uses_groups(program) else []),
         f'extern "C" __global__ void {KERNEL_NAME}({", ".join(params)}, int n) {{',
         *head,
         *loop,
         "}",
+        *vec,
         ""])
 
 
+def _program(node: Node) -> tuple:
+    """kernel_source's (and vectorizable's) arguments for node."""
+    return (node.attrs["program"], node.attrs["results"], tuple(node.attrs["shape"]),
+            tuple(tuple(v.shape) for v in node.inputs), tuple(v.dtype for v in node.inputs))
+
+
 def generated_kernels(node: Node) -> list[tuple[str, str]]:
-    """The (source, kernel name) of node's program, which the backend compiles ahead."""
-    source = kernel_source(node.attrs["program"], node.attrs["results"],
-                           tuple(node.attrs["shape"]), tuple(tuple(v.shape) for v in node.inputs),
-                           tuple(v.dtype for v in node.inputs))
-    return [(source, KERNEL_NAME)]
+    """The (source, kernel name)s of node's program, which the backend compiles ahead."""
+    source = kernel_source(*_program(node))
+    return [(source, KERNEL_NAME)] + (
+        [(source, VEC_KERNEL_NAME)] if vectorizable(*_program(node)) else [])
 
 
 def pointwise_forward(ctx, node: Node, ins: list, outs: list) -> None:
@@ -197,8 +241,14 @@ def pointwise_forward(ctx, node: Node, ins: list, outs: list) -> None:
                 raise ShapeError(f"pointwise {what}: expected shape {v.shape}, got {a.shape}")
     if n == 0:
         return
-    kernel = compiler.generated_kernel(*generated_kernels(node)[0])
-    work = (n + 3) // 4 if uses_groups(node.attrs["program"]) else n
+    source = kernel_source(*_program(node))
+    if n % VEC == 0 and vectorizable(*_program(node)) \
+            and all(a.data.ptr % 16 == 0 for a in (*ins, *outs)):
+        name, work = VEC_KERNEL_NAME, n // VEC
+    else:
+        name = KERNEL_NAME
+        work = (n + 3) // 4 if uses_groups(node.attrs["program"]) else n
+    kernel = compiler.generated_kernel(source, name)
     kernel(_grid(work), (BLOCK,), (*ins, *outs, np.int32(n)), stream=ctx.stream)
 
 
