@@ -215,15 +215,27 @@ def _residual_add(graph: Graph, users, y: Value) -> tuple[Node, Value] | None:
     return add, r
 
 
+def _normalises_only_for(node: Node | None, r: Value, add: Node, users, graph: Graph) -> bool:
+    """True when `node` is a batch_norm_train without activation or residual whose output r
+    only `add` reads (and no graph output is)."""
+    return node is not None and node.op == "batch_norm_train" \
+        and node.attrs.get("act", "none") == "none" and not node.attrs.get("residual") \
+        and users.get(r) == [add] and r not in graph.outputs.values()
+
+
 def fuse_batch_norm_residual(graph: Graph) -> Graph:
     """batch_norm_train -> y; y + r -> s; act(relu)(s) -> out, each value's only reader   =>
     batch_norm_train(x, ..., r, residual=True, act="relu") -> out: a residual block's second
     BatchNorm, shortcut add and ReLU in one pass that writes out alone (neither y nor s reaches
     memory). The fused node runs where the ReLU ran: r (a downsampling shortcut's own
     BatchNorm) may be made after the BatchNorm. The backward is unchanged: act_grad(relu)
-    reads out, which the fused node writes as the ReLU did."""
+    reads out, which the fused node writes as the ReLU did.
+    When r is the output of a shortcut's batch_norm_train (no activation) that nothing else
+    reads, that node keeps only its statistics (batch_norm_stats) and the fused node applies
+    it to the shortcut's raw value d as it reads it (residual_norm): r never reaches memory
+    either. Its gradient reads d and the statistics, not r."""
     graph = _copy(graph)
-    users = graph.consumers()
+    users, producers = graph.consumers(), graph.producers()
     replaced: dict[Node, Node | None] = {}
     for bn in graph.nodes:
         if bn.op != "batch_norm_train" or bn.attrs.get("act", "none") != "none" \
@@ -236,9 +248,23 @@ def fuse_batch_norm_residual(graph: Graph) -> Graph:
         relu = _sole_relu(graph, users, add.outputs[0])
         if relu is None or add in replaced:     # a sum of two BatchNorms: the first takes it
             continue
-        fused = Node(bn.op, [*bn.inputs, r], [relu.outputs[0], *bn.outputs[1:]],
-                     dict(bn.attrs, act="relu", residual=True), bn.mutates,
-                     _join(bn.label, relu.label))
+        attrs, extra = dict(bn.attrs, act="relu", residual=True), [r]
+        shortcut = producers.get(r)
+        if _normalises_only_for(shortcut, r, add, users, graph) and shortcut not in replaced:
+            sa = shortcut.attrs
+            track = bool(sa["track"])
+            running = shortcut.inputs[1 + 2 * bool(sa["affine"]):] if track else []
+            stats = Node("batch_norm_stats", [shortcut.inputs[0], *running],
+                         list(shortcut.outputs[1:]),
+                         {k: sa[k] for k in ("eps", "momentum", "track", "layout") if k in sa},
+                         (1, 2, 3) if track else (), shortcut.label)
+            extra = [shortcut.inputs[0], *shortcut.outputs[1:],
+                     *(shortcut.inputs[1:3] if sa["affine"] else [])]
+            attrs.update(residual_norm=True, residual_affine=bool(sa["affine"]),
+                         residual_eps=sa["eps"])
+            replaced[shortcut] = stats
+        fused = Node(bn.op, [*bn.inputs, *extra], [relu.outputs[0], *bn.outputs[1:]], attrs,
+                     bn.mutates, _join(bn.label, relu.label))
         replaced.update({bn: None, add: None, relu: fused})
     nodes = [replaced.get(n, n) for n in graph.nodes]
     return _rebuild(graph, [n for n in nodes if n is not None], {})

@@ -36,14 +36,30 @@ def _channels(op: str, x, attrs) -> int:
     return x.shape[-1] if layout_of(op, attrs) == "NHWC" else x.shape[1]
 
 
+def _residual_norm_inputs(attrs) -> int:
+    """Inputs after r of a residual_norm batch_norm_train: r_mean, r_invstd[, r_w, r_b]."""
+    if not attrs.get("residual_norm"):
+        return 0
+    return 4 if attrs.get("residual_affine") else 2
+
+
+def residual_position(attrs) -> int:
+    """Input position of a residual batch_norm_train's r."""
+    return 1 + 2 * bool(attrs["affine"]) + 3 * bool(attrs["track"])
+
+
 @defop("batch_norm_train", mutates=_running_positions)
 def _batch_norm_train(ins, attrs):
     """Training-mode BatchNorm over the channel axis 1 of x (N, C, *spatial), rank >= 2.
     ins = x, then weight (C,), bias (C,) when attrs affine, then running_mean (C,), running_var
     (C,) (float32, or x's dtype) and num_batches_tracked (int64 scalar) when attrs track.
     attrs eps, momentum (float, or None: cumulative average), affine, track, act ("none" or
-    "relu": the ReLU that followed, fused), residual (made only by compile/fuse.py: a last
-    input r of x's shape and dtype, the residual added before the activation). Per channel
+    "relu": the ReLU that followed, fused), residual (made only by compile/fuse.py: an input r
+    of x's shape and dtype after the others, the residual added before the activation; with
+    residual_norm, r is a shortcut's raw value and its BatchNorm is applied on the way in:
+    inputs r_mean, r_invstd (its batch_norm_stats) and, with residual_affine, r_weight,
+    r_bias follow r, and r counts as that BatchNorm's stored output, residual_eps its eps).
+    Per channel
     over M = N*prod(spatial) elements: mean, biased var; save_invstd = 1/sqrt(var + eps); y =
     act((x - mean) * save_invstd * weight + bias), or with residual act(b + r), b that
     normalised value rounded to x's dtype and the sum rounded again, as the unfused
@@ -60,17 +76,19 @@ def _batch_norm_train(ins, attrs):
           f"act must be one of {BN_ACTS}, got {attrs.get('act')!r}")
     residual = bool(attrs.get("residual"))
     channels = 2 * bool(attrs["affine"]) + 2 * bool(attrs["track"])
-    want = 1 + channels + bool(attrs["track"]) + residual
+    want = 1 + channels + bool(attrs["track"]) + residual + _residual_norm_inputs(attrs)
     _need(len(ins) == want, "batch_norm_train",
           f"{want} inputs for affine={attrs['affine']}, track={attrs['track']}, "
-          f"residual={residual}, got {len(ins)}")
+          f"residual={residual}, residual_norm={bool(attrs.get('residual_norm'))}, "
+          f"got {len(ins)}")
     c = _channels("batch_norm_train", x, attrs)
     _need(x.size // max(c, 1) > 1, "batch_norm_train",
           f"more than 1 value per channel needed in training, got input {x.shape}")
     if residual:
-        _need(ins[-1].shape == x.shape and ins[-1].dtype == x.dtype, "batch_norm_train",
-              f"residual {ins[-1]!r} must match input {x.shape} {x.dtype}")
-    channel_ins = ins[1:1 + channels]
+        r = ins[residual_position(attrs)]
+        _need(r.shape == x.shape and r.dtype == x.dtype, "batch_norm_train",
+              f"residual {r!r} must match input {x.shape} {x.dtype}")
+    channel_ins = ins[1:1 + channels] + ins[len(ins) - _residual_norm_inputs(attrs):]
     for v in channel_ins:
         _need(v.shape == (c,), "batch_norm_train", f"{v!r} must be ({c},) for input {x.shape}")
         _need(v.dtype in (x.dtype, "float32"), "batch_norm_train", f"{v!r} dtype vs {x.dtype}")
@@ -80,6 +98,29 @@ def _batch_norm_train(ins, attrs):
               f"num_batches_tracked must be an int64 scalar, got {count!r}")
     stats = "float32" if x.dtype == "bfloat16" else x.dtype    # bf16 x: float32 statistics
     return [(x.shape, x.dtype), ((c,), stats), ((c,), stats)]
+
+
+def _stats_running_positions(attrs) -> tuple[int, ...]:
+    return (1, 2, 3) if attrs["track"] else ()
+
+
+@defop("batch_norm_stats", mutates=_stats_running_positions)
+def _batch_norm_stats(ins, attrs):
+    """The statistics half of batch_norm_train (made only by compile/fuse.py, for a shortcut
+    BatchNorm whose output only a residual batch_norm_train reads, which applies it: attrs
+    residual_norm there). ins = x, then running_mean, running_var, num_batches_tracked when
+    attrs track; attrs eps, momentum, track, layout as batch_norm_train's. Outputs save_mean,
+    save_invstd (C,) and the running-statistics update, exactly as batch_norm_train's."""
+    x = ins[0]
+    _need(len(x.shape) >= 2, "batch_norm_stats", f"input must be (N, C, ...), got {x.shape}")
+    want = 1 + 3 * bool(attrs["track"])
+    _need(len(ins) == want, "batch_norm_stats",
+          f"{want} inputs for track={attrs['track']}, got {len(ins)}")
+    c = _channels("batch_norm_stats", x, attrs)
+    for v in ins[1:3]:
+        _need(v.shape == (c,), "batch_norm_stats", f"{v!r} must be ({c},) for input {x.shape}")
+    stats = "float32" if x.dtype == "bfloat16" else x.dtype
+    return [((c,), stats), ((c,), stats)]
 
 
 @defop("batch_norm_grad")
@@ -130,35 +171,70 @@ def _channel_view(v: np.ndarray, ndim: int) -> np.ndarray:
     return v.reshape((1, -1) + (1,) * (ndim - 2))
 
 
+def _statistics(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(mean, biased var) per channel of an (N, C, *spatial) array, in float64."""
+    axes = (0,) + tuple(range(2, x.ndim))
+    x64 = x.astype(np.float64)
+    mean = x64.mean(axis=axes)
+    return mean, np.square(x64 - _channel_view(mean, x.ndim)).mean(axis=axes)
+
+
+def _normalised(x: np.ndarray, mean, var, eps: float, weight=None, bias=None) -> np.ndarray:
+    """(x - mean) / sqrt(var + eps) [* weight + bias] in float64."""
+    y = (x.astype(np.float64) - _channel_view(mean, x.ndim)) * _channel_view(
+        1.0 / np.sqrt(var + eps), x.ndim)
+    if weight is not None:
+        y = y * _channel_view(weight, x.ndim) + _channel_view(bias, x.ndim)
+    return y
+
+
+def _stored(y: np.ndarray, dtype: str) -> np.ndarray:
+    """y as a node of IR dtype `dtype` stores it: float32, rounded to bf16 for bfloat16."""
+    y = y.astype(np.float32)
+    return bf16.round_bf16(y) if dtype == "bfloat16" else y
+
+
+def _update_running(running_mean, running_var, count, attrs, mean, var, shape) -> None:
+    """num_batches_tracked += 1 and the running statistics' momentum update, in place."""
+    count[...] += 1
+    m = attrs["momentum"] if attrs["momentum"] is not None else 1.0 / int(count)
+    n = _reduced_count(shape)
+    running_mean[...] = (1 - m) * running_mean.astype(np.float64) + m * mean
+    running_var[...] = (1 - m) * running_var.astype(np.float64) + m * var * n / (n - 1)
+
+
 @impl("batch_norm_train")
 @channels_last_capable
 def _batch_norm_train_impl(node, ins, outs, ctx):
     a, x = node.attrs, ins[0]
-    axes = (0,) + tuple(range(2, x.ndim))
-    x64 = x.astype(np.float64)
-    mean = x64.mean(axis=axes)
-    var = np.square(x64 - _channel_view(mean, x.ndim)).mean(axis=axes)
-    invstd = 1.0 / np.sqrt(var + a["eps"])
-    y = (x64 - _channel_view(mean, x.ndim)) * _channel_view(invstd, x.ndim)
-    if a["affine"]:
-        y = y * _channel_view(ins[1], x.ndim) + _channel_view(ins[2], x.ndim)
+    mean, var = _statistics(x)
+    y = _normalised(x, mean, var, a["eps"], *((ins[1], ins[2]) if a["affine"] else ()))
     if a.get("residual"):        # the unfused graph's two stores: the normalised value, the sum
-        y = y.astype(np.float32)
-        if node.inputs[0].dtype == "bfloat16":
-            y = bf16.round_bf16(y)
-        y = y + ins[-1].astype(np.float32)
+        dtype = node.inputs[0].dtype
+        r = ins[residual_position(a)]
+        if a.get("residual_norm"):     # the shortcut's BatchNorm output, as its node stores it
+            # (its statistics recomputed in float64 from r, as that node's reference has them)
+            r = _stored(_normalised(r, *_statistics(r), a["residual_eps"],
+                                    *(ins[-2:] if a.get("residual_affine") else ())), dtype)
+        y = _stored(y, dtype) + r.astype(np.float32)
     if a.get("act", "none") == "relu":
         y = np.maximum(y, 0.0)
     outs[0][...] = y
     outs[1][...] = mean
-    outs[2][...] = invstd
+    outs[2][...] = 1.0 / np.sqrt(var + a["eps"])
     if a["track"]:
-        running_mean, running_var, count = (ins[i] for i in _running_positions(a))
-        count[...] += 1
-        m = a["momentum"] if a["momentum"] is not None else 1.0 / int(count)
-        n = _reduced_count(x.shape)
-        running_mean[...] = (1 - m) * running_mean.astype(np.float64) + m * mean
-        running_var[...] = (1 - m) * running_var.astype(np.float64) + m * var * n / (n - 1)
+        _update_running(*(ins[i] for i in _running_positions(a)), a, mean, var, x.shape)
+
+
+@impl("batch_norm_stats")
+@channels_last_capable
+def _batch_norm_stats_impl(node, ins, outs, ctx):
+    a, x = node.attrs, ins[0]
+    mean, var = _statistics(x)
+    outs[0][...] = mean
+    outs[1][...] = 1.0 / np.sqrt(var + a["eps"])
+    if a["track"]:
+        _update_running(ins[1], ins[2], ins[3], a, mean, var, x.shape)
 
 
 def relu_mask(x, save_mean, save_invstd, weight=None, bias=None) -> np.ndarray:

@@ -223,18 +223,28 @@ def bn_arrays(rng, shape, layout):
     return x, f32(c), f32(c), f32(c, scale=0.1), np.abs(f32(c)) + 0.5, np.array(3, np.int64)
 
 
-@pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
+@pytest.mark.parametrize("residual", [False, True, "norm"], ids=["", "residual", "norm"])
 @pytest.mark.parametrize("act", ["none", "relu"])
 @pytest.mark.parametrize("case", BN_CASES, ids=str)
 def test_batch_norm_bf16_train_and_grad_match_the_emulation(ctx, case, act, residual, request):
     """With residual, the fused residual add (compile/fuse.py fuse_batch_norm_residual) and
-    the fused gradient sum (fuse_batch_norm_grad_sum)."""
+    the fused gradient sum (fuse_batch_norm_grad_sum); "norm": the residual is a shortcut's
+    raw value and its BatchNorm is applied on the way in (statistics of batch_norm_stats)."""
     shape, layout = case
     rng = seeded(request.node.name)
     ins = list(bn_arrays(rng, shape, layout))
+    attrs = dict(eps=1e-5, momentum=0.1, affine=True, track=True, act=act,
+                 residual=bool(residual))
     if residual:
-        ins.append(bf16_random(rng, *ins[0].shape))
-    attrs = dict(eps=1e-5, momentum=0.1, affine=True, track=True, act=act, residual=residual)
+        ins.append(bf16_random(rng, *ins[0].shape, scale=2.0, shift=-1.0))
+    if residual == "norm":
+        r, c = ins[-1], shape[1]
+        stats = node_of("batch_norm_stats", [r], eps=1e-5, momentum=0.1, track=False,
+                        **({"layout": "NHWC"} if layout == "NHWC" else {}))
+        (r_mean, r_invstd), _ = emulate(stats, [r])
+        f32 = lambda: rng.standard_normal(c).astype(np.float32)      # noqa: E731
+        ins += [r_mean, r_invstd, f32(), f32()]
+        attrs.update(residual_norm=True, residual_affine=True, residual_eps=1e-5)
     if layout == "NHWC":
         attrs["layout"] = "NHWC"
     fwd = node_of("batch_norm_train", ins, **attrs)

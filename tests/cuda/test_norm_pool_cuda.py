@@ -101,24 +101,62 @@ def test_batch_norm_train(ctx, shape, affine, track, momentum, act):
                              what=f"{what} call {call} running input {i}")
 
 
+@pytest.mark.parametrize("norm_r", [None, "affine", "plain"])
 @pytest.mark.parametrize("act", ["relu", "none"])
 @pytest.mark.parametrize("shape", [(2000, 64), (300, 10), (900, 9), (8, 16, 4, 4),
                                    (2, 3, 5, 5)])
-def test_batch_norm_train_with_residual(ctx, shape, act):
+def test_batch_norm_train_with_residual(ctx, shape, act, norm_r):
     """The fused residual (compile/fuse.py fuse_batch_norm_residual): y = act(bn(x) + r), in
-    the columns layout, float4 planes and scalar planes."""
+    the columns layout, float4 planes and scalar planes; with norm_r, r is a shortcut's raw
+    value and its BatchNorm (statistics from batch_norm_stats; affine or not) is applied on
+    the way in."""
     rng = np.random.default_rng([127, *shape])
-    ins = bn_inputs(rng, shape, True, True) + [random(rng, *shape)]
+    ins = bn_inputs(rng, shape, True, True) + [random(rng, *shape, scale=1.5, shift=-1.0)]
+    attrs = {}
+    if norm_r:
+        affine_r = norm_r == "affine"
+        c = shape[1]
+        w_r, b_r = (random(rng, c), random(rng, c)) if affine_r else (None, None)
+        _, r_mean, r_invstd = bn_forward_numpy(ins[-1], w_r, b_r, "none")
+        ins += [r_mean, r_invstd] + ([w_r, b_r] if affine_r else [])
+        attrs = dict(residual_norm=True, residual_affine=affine_r, residual_eps=1e-5)
     node = make_node("batch_norm_train", ins, eps=1e-5, momentum=0.1, affine=True, track=True,
-                     act=act, residual=True)
+                     act=act, residual=True, **attrs)
     ref_ins, dev_ins = [a.copy() for a in ins], to_device(ctx, ins)
     want = [np.full(v.shape, np.nan, v.dtype) for v in node.outputs]
     NUMPY_IMPLS[node.op](node, ref_ins, want, None)
     got = poisoned(ctx, node)
     CUDA_IMPLS[node.op](node, dev_ins, got, ctx)
-    check_bn_outputs(to_host(ctx, got), want, f"batch_norm_train residual {shape} {act}")
+    check_bn_outputs(to_host(ctx, got), want,
+                     f"batch_norm_train residual {shape} {act} {norm_r}")
     if act == "relu":
         assert (want[0] == 0).any() and (want[0] > 0).any()
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("shape", [(2000, 64), (900, 9), (8, 16, 4, 4), (2, 3, 5, 5)])
+def test_batch_norm_stats(ctx, shape, momentum):
+    """batch_norm_stats (a shortcut BatchNorm's statistics, compile/fuse.py): save_mean,
+    save_invstd and the running statistics as batch_norm_train's, three calls."""
+    rng = np.random.default_rng([137, *shape])
+    ref_ins = bn_inputs(rng, shape, False, True)
+    node = make_node("batch_norm_stats", ref_ins, eps=1e-5, momentum=momentum, track=True)
+    dev_ins = to_device(ctx, ref_ins)
+    for call in range(3):
+        x = random(rng, *shape, scale=2.0, shift=3.0 - call)
+        ref_ins[0][...] = x
+        dev_ins[0].set(x, stream=ctx.stream)
+        want = [np.full(v.shape, np.nan, v.dtype) for v in node.outputs]
+        NUMPY_IMPLS[node.op](node, ref_ins, want, None)
+        got = poisoned(ctx, node)
+        CUDA_IMPLS[node.op](node, dev_ins, got, ctx)
+        got = to_host(ctx, got)
+        assert_close(got[0], want[0], rtol=1e-6, atol=1e-6, what=f"{shape} call {call} mean")
+        assert_close(got[1], want[1], rtol=1e-6, atol=0, what=f"{shape} call {call} invstd")
+        state = to_host(ctx, dev_ins)
+        assert int(state[3]) == int(ref_ins[3]) == 4 + call
+        for i in (1, 2):
+            assert_close(state[i], ref_ins[i], rtol=2e-6, atol=1e-7, what=f"running {i}")
 
 
 def test_batch_norm_train_is_deterministic(ctx):

@@ -153,11 +153,14 @@ def test_resnet_trajectory_predictions_and_state_dict_match_torch(request):
     x_eval, _ = batches.draw()
     predict = sg.compile_predict(model, (x_eval,))   # compiled before training: shares buffers
 
-    bn = [n for n in step.executable(step.signature).plan.graph.nodes
-          if n.op == "batch_norm_train"]
-    # bn1, bn2 with their ReLUs; bn3 with the residual add and ReLU after it; downsample's alone
-    assert sorted((n.attrs["act"], bool(n.attrs.get("residual"))) for n in bn) == \
-        [("none", False), ("relu", False), ("relu", False), ("relu", True)]
+    nodes = step.executable(step.signature).plan.graph.nodes
+    bn = [n for n in nodes if n.op == "batch_norm_train"]
+    # bn1, bn2 with their ReLUs; bn3 with the residual add and ReLU after it, applying the
+    # downsample's BatchNorm too, whose statistics alone stay a node
+    assert sorted((n.attrs["act"], bool(n.attrs.get("residual")),
+                   bool(n.attrs.get("residual_norm"))) for n in bn) == \
+        [("relu", False, False), ("relu", False, False), ("relu", True, True)]
+    assert [n.op for n in nodes].count("batch_norm_stats") == 1
 
     got, want = [], []
     for i in range(STEPS):

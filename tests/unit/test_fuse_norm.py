@@ -121,34 +121,55 @@ def test_pass_is_in_the_pipeline_and_leaves_its_input_unchanged():
 
 # ---- fuse_batch_norm_residual --------------------------------------------------------------
 
-def bn_residual_graph(late_shortcut: bool = False, read_sum: bool = False):
+def bn_residual_graph(late_shortcut: bool = False, read_sum: bool = False,
+                      bn_shortcut: bool = False, shortcut_affine: bool = True,
+                      read_shortcut: bool = False):
     """relu(batch_norm_train(x) + s) -> mse(target), backward w.r.t. x, w, b and the shortcut's
     input z. s = z * 2 (late_shortcut: computed after the BatchNorm, as a downsampling
-    shortcut is); read_sum: the pre-ReLU sum is a step output too."""
+    shortcut is; bn_shortcut: s = batch_norm_train(z * 2), affine or not, with running
+    statistics, made after the BatchNorm as a downsample's is); read_sum: the pre-ReLU sum is
+    a step output too; read_shortcut: s is a step output too."""
     t = Tracer()
     x, z, target = (t.input(SHAPE, "float32", n) for n in ("x", "z", "target"))
     w, b = t.input((3,), "float32", "w"), t.input((3,), "float32", "b")
     running = [t.state((3,), "float32", "rm"), t.state((3,), "float32", "rv"),
                t.state((), "int64", "count")]
-    s = None if late_shortcut else t.op("scalar", [z], kind="mul", value=2.0)
+    s = None if late_shortcut or bn_shortcut else t.op("scalar", [z], kind="mul", value=2.0)
     y = t.emit("batch_norm_train", [x.value, w.value, b.value] + running, eps=1e-5,
                momentum=0.1, affine=True, track=True, act="none")[0]
-    if late_shortcut:
-        s = t.op("scalar", [z], kind="mul", value=2.0)
-    total = t.op("binary", [y, s.value], kind="add")
+    if late_shortcut or bn_shortcut:
+        s = t.op("scalar", [z], kind="mul", value=2.0).value
+    if bn_shortcut:
+        ws, bs = t.input((3,), "float32", "ws"), t.input((3,), "float32", "bs")
+        ins = [s] + ([ws.value, bs.value] if shortcut_affine else []) + [
+            t.state((3,), "float32", "rm_s"), t.state((3,), "float32", "rv_s"),
+            t.state((), "int64", "count_s")]
+        s = t.emit("batch_norm_train", ins, eps=2e-5, momentum=0.2, affine=shortcut_affine,
+                   track=True, act="none")[0]
+    if read_shortcut:
+        t.graph.outputs["s"] = s
+    total = t.op("binary", [y, s], kind="add")
     out = t.op("act", [total], kind="relu", slope=0.01)
     loss = t.op("mse", [out, target])
-    t.graph.outputs = {"loss": loss.value}
+    t.graph.outputs = {"loss": loss.value, **t.graph.outputs}
     if read_sum:
         t.graph.outputs["sum"] = total.value
-    grads = append_backward(t, loss.value, [x.value, z.value, w.value, b.value])
+    wrt = [x.value, z.value, w.value, b.value] + (
+        [ws.value, bs.value] if bn_shortcut and shortcut_affine else [])
+    grads = append_backward(t, loss.value, wrt)
     t.graph.outputs.update({f"d{i}": g for i, g in enumerate(grads)})
     return t.graph
 
 
 def residual_arrays_and_state():
     arrays, state = arrays_and_state()
-    arrays["z"] = seeded("bn_residual").standard_normal(SHAPE).astype(np.float32)
+    gen = seeded("bn_residual")
+    arrays["z"] = gen.standard_normal(SHAPE).astype(np.float32)
+    arrays["ws"] = (1 + gen.standard_normal(3) / 2).astype(np.float32)
+    arrays["bs"] = gen.standard_normal(3).astype(np.float32)
+    state.update(rm_s=gen.standard_normal(3).astype(np.float32),
+                 rv_s=(1 + gen.standard_normal(3) ** 2).astype(np.float32),
+                 count_s=np.array(5, np.int64))
     return arrays, state
 
 
@@ -227,3 +248,35 @@ def test_gradient_sum_read_elsewhere_is_not_fused():
     fused = fuse_batch_norm_grad_sum(graph)
     assert not any(n.attrs.get("dy_sum") for n in fused.nodes)
     assert len(fused.nodes) == len(graph.nodes)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_shortcut_batch_norm_is_applied_by_the_residual_node(affine):
+    """A downsampling shortcut's BatchNorm whose output only the residual add reads keeps its
+    statistics alone (batch_norm_stats); the fused node normalises the shortcut's raw value
+    as it reads it. Outputs, gradients and both running statistics: the unfused graph's bits
+    (the reference normalises the shortcut with its float64 statistics, as the unfused node's
+    reference does)."""
+    unfused = bn_residual_graph(bn_shortcut=True, shortcut_affine=affine)
+    fused = fuse_batch_norm_residual(unfused)
+    (stats,) = [n for n in fused.nodes if n.op == "batch_norm_stats"]
+    (bn,) = [n for n in fused.nodes if n.op == "batch_norm_train"]
+    assert bn.attrs["residual_norm"] and bn.attrs["residual_affine"] == affine
+    assert bn.inputs[-(4 if affine else 2):][:2] == stats.outputs
+    assert fused.nodes.index(stats) < fused.nodes.index(bn)
+    assert stats.mutates == (1, 2, 3) and stats.attrs["eps"] == bn.attrs["residual_eps"]
+    arrays, state = residual_arrays_and_state()
+    state_u = {k: v.copy() for k, v in state.items()}
+    got, want = run_graph(fused, arrays, state), run_graph(unfused, arrays, state_u)
+    assert set(got) == set(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    for k in state:
+        np.testing.assert_array_equal(state[k], state_u[k], err_msg=k)
+
+
+def test_shortcut_batch_norm_read_elsewhere_is_not_folded():
+    fused = fuse_batch_norm_residual(bn_residual_graph(bn_shortcut=True, read_shortcut=True))
+    assert not any(n.op == "batch_norm_stats" for n in fused.nodes)
+    (bn,) = [n for n in fused.nodes if n.attrs.get("residual")]
+    assert not bn.attrs.get("residual_norm")

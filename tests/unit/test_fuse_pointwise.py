@@ -171,7 +171,8 @@ def _initial_resnet_state() -> dict:
 def test_bf16_resnet_step_fused_equals_unfused_bit_for_bit(monkeypatch):
     """precision="bf16": the residual add + ReLU (forward) fuses into the BatchNorm before it
     (fuse_batch_norm_residual, which rounds the normalised value and the sum to bf16 as the
-    unfused nodes store them), the gradient sum + ReLU gradient (backward) into bf16
+    unfused nodes store them, and applies a downsampling shortcut's BatchNorm likewise), the
+    gradient sum + ReLU gradient (backward) into bf16
     `pointwise` nodes, whose programs round each instruction to bf16 likewise, and the stem's
     gradient sum into its BatchNorm gradient (fuse_batch_norm_grad_sum, rounding the sum to
     bf16 too): three numpy steps with and without the three passes give the same loss bits,
@@ -190,6 +191,8 @@ def test_bf16_resnet_step_fused_equals_unfused_bit_for_bit(monkeypatch):
     assert {tuple(i.op for i in n.attrs["program"]) for n in programs} >= {("add", "act_grad")}
     assert [n for n in got[3].nodes if n.attrs.get("residual")]
     assert [n for n in got[3].nodes if n.attrs.get("dy_sum")]
+    assert [n for n in got[3].nodes if n.attrs.get("residual_norm")]     # the downsamples'
+    assert [n for n in got[3].nodes if n.op == "batch_norm_stats"]
     assert not [n for n in want[3].nodes if n.op == "pointwise"]
     assert got[0] == want[0]
     for k in want[1]:

@@ -338,8 +338,9 @@ def test_update_launch_arguments_match_the_kernels(monkeypatch, op, guarded):
 @pytest.mark.parametrize("shape", [(64, 16), (64, 9), (2, 4, 3, 4), (2, 3, 5, 5)],
                          ids=["columns", "columns-odd", "planes-vec4", "planes"])
 def test_batch_norm_launch_arguments_match_the_kernels(monkeypatch, shape, dtype):
-    """batch_norm_train (with the fused residual and ReLU) and batch_norm_grad (with the fused
-    ReLU and gradient sum): every pass and finalize launch fits its kernel's parameters."""
+    """batch_norm_train (with the fused residual, its shortcut BatchNorm and the ReLU),
+    batch_norm_stats and batch_norm_grad (with the fused ReLU and gradient sum): every pass
+    and finalize launch fits its kernel's parameters."""
     from stepgraph.backends.cuda import cast, norm
     from stepgraph.ir.graph import Node
 
@@ -347,21 +348,28 @@ def test_batch_norm_launch_arguments_match_the_kernels(monkeypatch, shape, dtype
     c = shape[1]
     x = Fake(shape, dtype)
     channel = lambda: Fake((c,))      # noqa: E731
-    train = Node("batch_norm_train", [], [], dict(eps=1e-5, momentum=0.1, affine=True,
-                                                  track=True, act="relu", residual=True))
+    train = Node("batch_norm_train", [], [], dict(
+        eps=1e-5, momentum=0.1, affine=True, track=True, act="relu", residual=True,
+        residual_norm=True, residual_affine=True, residual_eps=1e-5))
     norm.batch_norm_train_forward(None, train, [x, channel(), channel(), channel(), channel(),
-                                                Fake((), "int64"), Fake(shape, dtype)],
+                                                Fake((), "int64"), Fake(shape, dtype),
+                                                channel(), channel(), channel(), channel()],
                                   [Fake(shape, dtype), channel(), channel()])
     grad = Node("batch_norm_grad", [], [], dict(affine=True, act="relu", dy_sum=True))
     norm.batch_norm_grad_backward(None, grad, [Fake(shape, dtype), x, channel(), channel(),
                                                channel(), channel(), Fake(shape, dtype)],
                                   [Fake(shape, dtype), channel(), channel()])
+    stats = Node("batch_norm_stats", [], [], dict(eps=1e-5, momentum=None, track=True))
+    norm.batch_norm_stats_forward(None, stats, [x, channel(), channel(), Fake((), "int64")],
+                                  [channel(), channel()])
     layout = "columns" if len(shape) == 2 else "planes"
     names = [name.split("<")[0] for _, name, *_ in launched]
     assert [n.replace("_vec4", "") for n in names] == [
         f"batch_norm_stats_{layout}_kernel", "batch_norm_finalize_kernel",
         f"batch_norm_forward_{layout}_kernel", f"batch_norm_grad_stats_{layout}_kernel",
-        "batch_norm_grad_finalize_kernel", f"batch_norm_backward_{layout}_kernel"]
+        "batch_norm_grad_finalize_kernel", f"batch_norm_backward_{layout}_kernel",
+        f"batch_norm_stats_{layout}_kernel", "batch_norm_finalize_kernel"]
+    assert "true>" in launched[2][1] and "true>" in launched[3][1]     # the fused variants
     _assert_launches_match(launched)
 
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from ...errors import ShapeError
 from ...ir.graph import Node
+from ...ops.norm import residual_position
 from .cast import CAST_CTYPES, shared_ctype
 from .launchers import BLOCK, _aligned, _check, _check_int32, _check_scalar, _launch, \
     _node_memory, _or_null
@@ -44,9 +45,11 @@ APPLY_MIN_ROWS = 64          # rows a columns elementwise split takes at least
 FINALIZE_BLOCK = 128         # a warp per channel (norm.cu channel_sums), blocks over channels
 # IR dtype -> (storage dtype, the pass kernels' template argument T)
 ACTIVATION_CTYPES = CAST_CTYPES
-BF16_OPS = frozenset({"batch_norm_train", "batch_norm_grad"})
+BF16_OPS = frozenset({"batch_norm_train", "batch_norm_stats", "batch_norm_grad"})
 KINDS = ("stats", "forward", "grad_stats", "backward")    # the passes of norm.cu
-GRAD_KINDS = ("grad_stats", "backward")                  # templated on the fused gradient sum
+# passes templated on a fused input: the gradient's on its fused sum (norm.cu SUM), the
+# forward's on the shortcut's fused BatchNorm (NORM_R)
+FUSED_KINDS = ("forward", "grad_stats", "backward")
 # Columns passes: (V adjacent channels a thread in one access, R rows a round) by activation C
 # type and pass (norm.cu walk_column), chosen by each pass's time inside the resnet step on an
 # H200 (docs/perf-notes.md, 2026-11-26 03:40-04:10): wider accesses with several in flight.
@@ -95,9 +98,9 @@ class Layout:
         vec, rows = COLUMN_WALKS[ctype][kind]
         return (vec if self.aligned and self.c % vec == 0 else 1), rows
 
-    def pass_shape(self, kind: str, ctype: str, dy_sum: bool = False) -> PassShape:
-        """The launch of pass `kind` (KINDS) for activations of C type `ctype` (a gradient
-        pass with the fused gradient sum when dy_sum): each channel's rows (columns) or packs
+    def pass_shape(self, kind: str, ctype: str, fused: bool = False) -> PassShape:
+        """The launch of pass `kind` (KINDS) for activations of C type `ctype`, with its
+        fused input when `fused` (FUSED_KINDS): each channel's rows (columns) or packs
         (planes) split over about STATS_TARGET_BLOCKS (reductions) or APPLY_TARGET_BLOCKS
         (elementwise) blocks, a split taking at least the minimum work."""
         reduces = kind in ("stats", "grad_stats")
@@ -116,8 +119,8 @@ class Layout:
             block = None
             kernel = (f"batch_norm_{kind}_planes{'_vec4' if self.vec == 4 else ''}_kernel"
                       f"<{ctype}")
-        if kind in GRAD_KINDS:
-            kernel += f", {'true' if dy_sum else 'false'}"
+        if kind in FUSED_KINDS:
+            kernel += f", {'true' if fused else 'false'}"
         kernel += ">"
         splits = max(1, min(-(-work // minimum), target // blocks))
         per = max(1, -(-work // splits))
@@ -197,8 +200,8 @@ def _relu(attrs: dict) -> bool:
 @dataclass
 class TrainArrays:
     """batch_norm_train's inputs and outputs by name (ops/norm.py: x, [weight, bias],
-    [running_mean, running_var, num_batches_tracked], [residual] -> y, save_mean,
-    save_invstd)."""
+    [running_mean, running_var, num_batches_tracked], [residual, [r_mean, r_invstd,
+    [r_weight, r_bias]]] -> y, save_mean, save_invstd)."""
 
     x: Any
     y: Any
@@ -210,6 +213,10 @@ class TrainArrays:
     running_var: Any = None
     tracked: Any = None
     residual: Any = None
+    r_mean: Any = None       # the shortcut's fused BatchNorm (attrs residual_norm)
+    r_invstd: Any = None
+    r_weight: Any = None
+    r_bias: Any = None
     ctype: str = "float"     # of x, the residual and y (ACTIVATION_CTYPES)
 
 
@@ -217,11 +224,12 @@ def _train_arrays(attrs: dict, ins: list, outs: list) -> TrainArrays:
     """The node's arrays, named and checked."""
     affine, track = bool(attrs.get("affine")), bool(attrs.get("track"))
     residual = bool(attrs.get("residual"))
-    want = 1 + 2 * affine + 3 * track + residual
+    norm_r = 2 + 2 * bool(attrs.get("residual_affine")) if attrs.get("residual_norm") else 0
+    want = 1 + 2 * affine + 3 * track + residual + norm_r
     if len(ins) != want or len(outs) != 3:
         raise ShapeError(f"batch_norm_train: affine={affine} track={track} residual={residual} "
-                         f"take {want} inputs and give 3 outputs, got {len(ins)} and "
-                         f"{len(outs)}")
+                         f"residual_norm={bool(norm_r)} take {want} inputs and give 3 outputs, "
+                         f"got {len(ins)} and {len(outs)}")
     t = TrainArrays(ins[0], *outs)
     if affine:
         t.weight, t.bias = ins[1], ins[2]
@@ -229,14 +237,19 @@ def _train_arrays(attrs: dict, ins: list, outs: list) -> TrainArrays:
         t.running_mean, t.running_var, t.tracked = ins[1 + 2 * affine:4 + 2 * affine]
         _check_scalar("batch_norm_train num_batches_tracked", t.tracked, "int64")
     if residual:
-        t.residual = ins[-1]
+        t.residual = ins[residual_position(attrs)]
         _check("batch_norm_train residual", t.residual, None, t.x.shape)
+    if norm_r:
+        t.r_mean, t.r_invstd, *affine_r = ins[len(ins) - norm_r:]
+        if affine_r:
+            t.r_weight, t.r_bias = affine_r
     t.ctype = shared_ctype("batch_norm_train", {"input": t.x, "output": t.y,
                                                 "residual": t.residual})
     _check("batch_norm_train output", t.y, None, t.x.shape)
     _check_channels("batch_norm_train", t.x.shape[1] if t.x.ndim >= 2 else 0,
                     save_mean=t.save_mean, save_invstd=t.save_invstd, weight=t.weight,
-                    bias=t.bias, running_mean=t.running_mean, running_var=t.running_var)
+                    bias=t.bias, running_mean=t.running_mean, running_var=t.running_var,
+                    r_mean=t.r_mean, r_invstd=t.r_invstd, r_weight=t.r_weight, r_bias=t.r_bias)
     return t
 
 
@@ -246,12 +259,24 @@ def batch_norm_train_forward(ctx, node: Node, ins: list, outs: list) -> None:
     save_invstd (C,); with running stats, those updated in place (momentum None: cumulative
     average) and num_batches_tracked += 1."""
     a = node.attrs
-    residual_at = (len(ins) - 1,) if a.get("residual") else ()
+    residual_at = (residual_position(a),) if a.get("residual") else ()
     t = _train_arrays(a, _channels_last(a, ins, (0, *residual_at)),
                       _channels_last(a, outs, (0,)))
     relu = _relu(a)
     layout = _layout("batch_norm_train", t.x,
                      tuple(v for v in (t.x, t.y, t.residual) if v is not None))
+    _statistics(ctx, node, layout, t)
+    norm_r = t.r_mean is not None
+    _launch_pass(ctx, layout, layout.pass_shape("forward", t.ctype, norm_r),
+                 (t.x, _or_null(t.residual), t.y, t.save_mean, t.save_invstd,
+                  _or_null(t.weight), _or_null(t.bias), np.int32(relu),
+                  *(_or_null(v) for v in (t.r_mean, t.r_invstd, t.r_weight, t.r_bias))))
+
+
+def _statistics(ctx, node: Node, layout: Layout, t: TrainArrays) -> None:
+    """The stats pass and the finalize: t.save_mean, t.save_invstd and the running
+    statistics' update (attrs eps, momentum)."""
+    a = node.attrs
     stats = layout.pass_shape("stats", t.ctype)
     scratch = _partials(node, ctx, layout, stats.splits)
     _launch_pass(ctx, layout, stats, (t.x, scratch["partial"]))
@@ -264,9 +289,26 @@ def batch_norm_train_forward(ctx, node: Node, ins: list, outs: list) -> None:
              np.float64(layout.count), np.float64(a["eps"]), t.save_mean, t.save_invstd,
              _or_null(t.running_mean), _or_null(t.running_var), _or_null(t.tracked),
              np.float64(momentum or 0.0), np.int32(momentum is None)))
-    _launch_pass(ctx, layout, layout.pass_shape("forward", t.ctype),
-                 (t.x, _or_null(t.residual), t.y, t.save_mean, t.save_invstd,
-                  _or_null(t.weight), _or_null(t.bias), np.int32(relu)))
+
+
+def batch_norm_stats_forward(ctx, node: Node, ins: list, outs: list) -> None:
+    """batch_norm_train's statistics alone (ops/norm.py batch_norm_stats): save_mean,
+    save_invstd and, with attrs track, the running statistics updated in place."""
+    a = node.attrs
+    track = bool(a.get("track"))
+    if len(ins) != 1 + 3 * track or len(outs) != 2:
+        raise ShapeError(f"batch_norm_stats: track={track} takes {1 + 3 * track} inputs and "
+                         f"gives 2 outputs, got {len(ins)} and {len(outs)}")
+    (x,) = _channels_last(a, ins[:1], (0,))
+    t = TrainArrays(x, None, *outs, running_mean=ins[1] if track else None,
+                    running_var=ins[2] if track else None, tracked=ins[3] if track else None)
+    t.ctype = shared_ctype("batch_norm_stats", {"input": x})
+    if track:
+        _check_scalar("batch_norm_stats num_batches_tracked", t.tracked, "int64")
+    _check_channels("batch_norm_stats", x.shape[1] if x.ndim >= 2 else 0,
+                    save_mean=t.save_mean, save_invstd=t.save_invstd,
+                    running_mean=t.running_mean, running_var=t.running_var)
+    _statistics(ctx, node, _layout("batch_norm_stats", x, (x,)), t)
 
 
 # ---- batch_norm_grad -----------------------------------------------------------------------
@@ -352,16 +394,18 @@ def kernel_names() -> dict[str, set[str]]:
     for kind in KINDS:
         for _, ctype in ACTIVATION_CTYPES.values():
             names |= {Layout(1, c, 1 if columns else 4, columns, vec, aligned)
-                      .pass_shape(kind, ctype, dy_sum).kernel
+                      .pass_shape(kind, ctype, fused).kernel
                       for columns, vec in ((False, 1), (False, 4), (True, 1))
                       for c in (4, 1) for aligned in (True, False)
-                      for dy_sum in (False, True)}
+                      for fused in (False, True)}
     return {SOURCE: names}
 
 
 IMPLS: dict[str, Callable] = {
     # attrs layout "NHWC" views the activations as (M, C) (_channels_last)
     "batch_norm_train": lambda node, ins, outs, ctx: batch_norm_train_forward(
+        ctx, node, ins, outs),
+    "batch_norm_stats": lambda node, ins, outs, ctx: batch_norm_stats_forward(
         ctx, node, ins, outs),
     "batch_norm_grad": lambda node, ins, outs, ctx: batch_norm_grad_backward(
         ctx, node, ins, outs),

@@ -239,6 +239,11 @@ struct ColumnChannels {
     float mean[V], invstd[V], w[V], b[V];
     bool affine;
 
+    __device__ __forceinline__ ColumnChannels() : affine(false) {   // none: zeros, unread
+#pragma unroll
+        for (int k = 0; k < V; ++k) mean[k] = invstd[k] = w[k] = b[k] = 0.f;
+    }
+
     __device__ __forceinline__ ColumnChannels(int c, const float* mean_, const float* invstd_,
                                               const float* weight, const float* bias)
         : affine(weight != nullptr) {
@@ -341,56 +346,87 @@ extern "C" __global__ void batch_norm_finalize_kernel(const double* partial, int
     if (threadIdx.x == 0) *tracked += 1;
 }
 
-// y = normalised x (weight == nullptr: no affine), + residual (nullptr: none), ReLU when relu.
-template <int V, typename T>
+// The residual's value as the sum reads it: r as loaded, or with the shortcut's BatchNorm
+// fused (NORM_R: r is its raw input) that BatchNorm's output as its own node stores it.
+template <bool NORM_R, typename T>
+__device__ __forceinline__ float shortcut_value(float r, float mean, float invstd, bool affine,
+                                                float w, float b, const T* stored_as) {
+    if constexpr (NORM_R)
+        return as_stored(bn_output(r, mean, invstd, affine, w, b, 0), stored_as);
+    else
+        return r;
+}
+
+// y = normalised x (weight == nullptr: no affine), + residual (nullptr: none; with NORM_R
+// normalised by r_mean, r_invstd[, r_weight, r_bias]), ReLU when relu.
+template <int V, bool NORM_R, typename T>
 __device__ __forceinline__ void forward_planes(const T* x, const T* residual, T* y,
                                                const float* mean, const float* invstd,
                                                const float* weight, const float* bias, int relu,
+                                               const float* r_mean, const float* r_invstd,
+                                               const float* r_weight, const float* r_bias,
                                                int C, int inner, int total, int per) {
     const int c = blockIdx.x;
     const float mu = mean[c], is = invstd[c];
     const bool affine = weight != nullptr;
     const float w = affine ? weight[c] : 1.f, b = affine ? bias[c] : 0.f;
+    const bool r_affine = NORM_R && r_weight != nullptr;
+    const float rmu = NORM_R ? r_mean[c] : 0.f, ris = NORM_R ? r_invstd[c] : 1.f;
+    const float rw = r_affine ? r_weight[c] : 1.f, rb = r_affine ? r_bias[c] : 0.f;
     walk_channel(C, inner, total, per, [&](long long at) {
         Pack<V> p = load_pack<V>(x, at);
         Pack<V> r{};
         if (residual != nullptr) r = load_pack<V>(residual, at);
 #pragma unroll
         for (int k = 0; k < V; ++k)
-            p.v[k] = bn_residual_output(p.v[k], mu, is, affine, w, b, relu, residual, r.v[k]);
+            p.v[k] = bn_residual_output(
+                p.v[k], mu, is, affine, w, b, relu, residual,
+                shortcut_value<NORM_R>(r.v[k], rmu, ris, r_affine, rw, rb, residual));
         store_pack<V>(y, at, p);
     });
 }
 
 #define FORWARD_PLANES_ARGS                                                                  \
     const T *x, const T *residual, T *y, const float *mean, const float *invstd,             \
-        const float *weight, const float *bias, int relu, int C, int inner, int total, int per
+        const float *weight, const float *bias, int relu, const float *r_mean,               \
+        const float *r_invstd, const float *r_weight, const float *r_bias, int C, int inner,  \
+        int total, int per
+#define FORWARD_PLANES_PASS                                                                  \
+    x, residual, y, mean, invstd, weight, bias, relu, r_mean, r_invstd, r_weight, r_bias, C,  \
+        inner, total, per
 
-template <typename T>
+template <typename T, bool NORM_R>
 __global__ void batch_norm_forward_planes_kernel(FORWARD_PLANES_ARGS) {
-    forward_planes<1>(x, residual, y, mean, invstd, weight, bias, relu, C, inner, total, per);
+    forward_planes<1, NORM_R>(FORWARD_PLANES_PASS);
 }
 
-template <typename T>
+template <typename T, bool NORM_R>
 __global__ void batch_norm_forward_planes_vec4_kernel(FORWARD_PLANES_ARGS) {
-    forward_planes<4>(x, residual, y, mean, invstd, weight, bias, relu, C, inner, total, per);
+    forward_planes<4, NORM_R>(FORWARD_PLANES_PASS);
 }
 
 // Grid (ceil(C / (V * lanes)), splits) of (lanes <= 32, rows) threads.
-template <typename T, int V, int R>
+template <typename T, int V, int R, bool NORM_R>
 __global__ void batch_norm_forward_columns_kernel(
     const T* __restrict__ x, const T* __restrict__ residual, T* __restrict__ y,
     const float* mean, const float* invstd, const float* weight, const float* bias, int relu,
+    const float* r_mean, const float* r_invstd, const float* r_weight, const float* r_bias,
     int N, int C, int per) {
-    const ColumnChannels<V> ch(column_channel<V>(C), mean, invstd, weight, bias);
+    const int c = column_channel<V>(C);
+    const ColumnChannels<V> ch(c, mean, invstd, weight, bias);
+    const ColumnChannels<V> rch = NORM_R ? ColumnChannels<V>(c, r_mean, r_invstd, r_weight,
+                                                             r_bias)
+                                         : ColumnChannels<V>();
     walk_column<V, R>(N, C, per, [&](long long at) {
         float v[V], r[V] = {};
         loadv_as_float<V>(x, at, v);
         if (residual != nullptr) loadv_as_float<V>(residual, at, r);
 #pragma unroll
         for (int k = 0; k < V; ++k)
-            v[k] = bn_residual_output(v[k], ch.mean[k], ch.invstd[k], ch.affine, ch.w[k],
-                                      ch.b[k], relu, residual, r[k]);
+            v[k] = bn_residual_output(
+                v[k], ch.mean[k], ch.invstd[k], ch.affine, ch.w[k], ch.b[k], relu, residual,
+                shortcut_value<NORM_R>(r[k], rch.mean[k], rch.invstd[k], rch.affine, rch.w[k],
+                                       rch.b[k], residual));
         storev_from_float<V>(y, at, v);
     });
 }
