@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..ir.graph import Graph, Node, Value
-from ..ir.ops import IGNORE_INDEX, channel_sum_axes, layout_of
+from ..ir.ops import IGNORE_INDEX, OPS, channel_sum_axes, layout_of
 from .attention import pack_attention_heads
 from .pointwise import fuse_pointwise
 from .rewrite import _copy, _join, _live, _rebuild
@@ -198,6 +198,12 @@ def fuse_batch_norm_relu(graph: Graph) -> Graph:
     return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
 
 
+def _is_add(node: Node) -> bool:
+    """node is an elementwise sum of two values (op add, or binary kind add)."""
+    return (node.op == "add" or (node.op == "binary" and node.attrs["kind"] == "add")) \
+        and len(node.inputs) == 2
+
+
 def _residual_add(graph: Graph, users, y: Value) -> tuple[Node, Value] | None:
     """(add, r): the elementwise sum y + r (or r + y) that is y's only reader, r of y's shape
     and dtype (no broadcasting), when y is no graph output."""
@@ -205,8 +211,7 @@ def _residual_add(graph: Graph, users, y: Value) -> tuple[Node, Value] | None:
     if len(readers) != 1 or y in graph.outputs.values():
         return None
     add = readers[0]
-    if not (add.op == "add" or (add.op == "binary" and add.attrs["kind"] == "add")) \
-            or len(add.inputs) != 2:
+    if not _is_add(add):
         return None
     a, b = add.inputs
     r = b if a is y else a
@@ -252,12 +257,11 @@ def fuse_batch_norm_residual(graph: Graph) -> Graph:
         shortcut = producers.get(r)
         if _normalises_only_for(shortcut, r, add, users, graph) and shortcut not in replaced:
             sa = shortcut.attrs
-            track = bool(sa["track"])
-            running = shortcut.inputs[1 + 2 * bool(sa["affine"]):] if track else []
+            running = shortcut.inputs[1 + 2 * bool(sa["affine"]):] if sa["track"] else []
+            stats_attrs = {k: sa[k] for k in ("eps", "momentum", "track", "layout") if k in sa}
             stats = Node("batch_norm_stats", [shortcut.inputs[0], *running],
-                         list(shortcut.outputs[1:]),
-                         {k: sa[k] for k in ("eps", "momentum", "track", "layout") if k in sa},
-                         (1, 2, 3) if track else (), shortcut.label)
+                         list(shortcut.outputs[1:]), stats_attrs,
+                         OPS["batch_norm_stats"].mutates(stats_attrs), shortcut.label)
             extra = [shortcut.inputs[0], *shortcut.outputs[1:],
                      *(shortcut.inputs[1:3] if sa["affine"] else [])]
             attrs.update(residual_norm=True, residual_affine=bool(sa["affine"]),
@@ -284,9 +288,7 @@ def fuse_batch_norm_grad_sum(graph: Graph) -> Graph:
         g = grad.inputs[0]
         add = producers.get(g)
         if add is None or add in drop or g in graph.outputs.values() or users[g] != [grad] \
-                or grad.inputs[1:].count(g) or not (add.op == "add" or (
-                    add.op == "binary" and add.attrs["kind"] == "add")) \
-                or len(add.inputs) != 2 \
+                or grad.inputs[1:].count(g) or not _is_add(add) \
                 or any(v.shape != g.shape or v.dtype != g.dtype for v in add.inputs):
             continue
         a, b = add.inputs

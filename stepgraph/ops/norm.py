@@ -36,7 +36,7 @@ def _channels(op: str, x, attrs) -> int:
     return x.shape[-1] if layout_of(op, attrs) == "NHWC" else x.shape[1]
 
 
-def _residual_norm_inputs(attrs) -> int:
+def residual_norm_inputs(attrs) -> int:
     """Inputs after r of a residual_norm batch_norm_train: r_mean, r_invstd[, r_w, r_b]."""
     if not attrs.get("residual_norm"):
         return 0
@@ -76,7 +76,7 @@ def _batch_norm_train(ins, attrs):
           f"act must be one of {BN_ACTS}, got {attrs.get('act')!r}")
     residual = bool(attrs.get("residual"))
     channels = 2 * bool(attrs["affine"]) + 2 * bool(attrs["track"])
-    want = 1 + channels + bool(attrs["track"]) + residual + _residual_norm_inputs(attrs)
+    want = 1 + channels + bool(attrs["track"]) + residual + residual_norm_inputs(attrs)
     _need(len(ins) == want, "batch_norm_train",
           f"{want} inputs for affine={attrs['affine']}, track={attrs['track']}, "
           f"residual={residual}, residual_norm={bool(attrs.get('residual_norm'))}, "
@@ -88,7 +88,7 @@ def _batch_norm_train(ins, attrs):
         r = ins[residual_position(attrs)]
         _need(r.shape == x.shape and r.dtype == x.dtype, "batch_norm_train",
               f"residual {r!r} must match input {x.shape} {x.dtype}")
-    channel_ins = ins[1:1 + channels] + ins[len(ins) - _residual_norm_inputs(attrs):]
+    channel_ins = ins[1:1 + channels] + ins[len(ins) - residual_norm_inputs(attrs):]
     for v in channel_ins:
         _need(v.shape == (c,), "batch_norm_train", f"{v!r} must be ({c},) for input {x.shape}")
         _need(v.dtype in (x.dtype, "float32"), "batch_norm_train", f"{v!r} dtype vs {x.dtype}")

@@ -26,7 +26,7 @@ import numpy as np
 
 from ...errors import ShapeError
 from ...ir.graph import Node
-from ...ops.norm import residual_position
+from ...ops.norm import residual_norm_inputs, residual_position
 from .cast import CAST_CTYPES, shared_ctype
 from .launchers import BLOCK, _aligned, _check, _check_int32, _check_scalar, _launch, \
     _node_memory, _or_null
@@ -224,7 +224,7 @@ def _train_arrays(attrs: dict, ins: list, outs: list) -> TrainArrays:
     """The node's arrays, named and checked."""
     affine, track = bool(attrs.get("affine")), bool(attrs.get("track"))
     residual = bool(attrs.get("residual"))
-    norm_r = 2 + 2 * bool(attrs.get("residual_affine")) if attrs.get("residual_norm") else 0
+    norm_r = residual_norm_inputs(attrs)
     want = 1 + 2 * affine + 3 * track + residual + norm_r
     if len(ins) != want or len(outs) != 3:
         raise ShapeError(f"batch_norm_train: affine={affine} track={track} residual={residual} "
@@ -254,8 +254,8 @@ def _train_arrays(attrs: dict, ins: list, outs: list) -> TrainArrays:
 
 
 def batch_norm_train_forward(ctx, node: Node, ins: list, outs: list) -> None:
-    """y = (x - mean) * invstd (* weight + bias) (+ the residual with attrs residual; ReLU
-    when attrs act == "relu"), batch statistics per channel in float64; save_mean,
+    """y = (x - mean) * invstd (* weight + bias) (+ the residual with attrs residual, itself
+    normalised with attrs residual_norm; ReLU when attrs act == "relu"), batch statistics per channel in float64; save_mean,
     save_invstd (C,); with running stats, those updated in place (momentum None: cumulative
     average) and num_batches_tracked += 1."""
     a = node.attrs
