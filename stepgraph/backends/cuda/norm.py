@@ -1,4 +1,5 @@
-"""Launchers of kernels/norm.cu (batch_norm_train, batch_norm_grad) and their cuda op table.
+"""Launchers of kernels/norm.cu (batch_norm_train, batch_norm_stats, batch_norm_grad) and their
+cuda op table.
 
 x (N, C, *spatial) is viewed as (N, C, inner); a channels-last x (attrs layout "NHWC", channels
 on the last axis) as (N * spatial, C), the "columns" layout. Each op is a stats pass writing float64
@@ -255,9 +256,9 @@ def _train_arrays(attrs: dict, ins: list, outs: list) -> TrainArrays:
 
 def batch_norm_train_forward(ctx, node: Node, ins: list, outs: list) -> None:
     """y = (x - mean) * invstd (* weight + bias) (+ the residual with attrs residual, itself
-    normalised with attrs residual_norm; ReLU when attrs act == "relu"), batch statistics per channel in float64; save_mean,
-    save_invstd (C,); with running stats, those updated in place (momentum None: cumulative
-    average) and num_batches_tracked += 1."""
+    normalised with attrs residual_norm; ReLU when attrs act == "relu"), batch statistics per
+    channel in float64; save_mean, save_invstd (C,); with running stats, those updated in
+    place (momentum None: cumulative average) and num_batches_tracked += 1."""
     a = node.attrs
     residual_at = (residual_position(a),) if a.get("residual") else ()
     t = _train_arrays(a, _channels_last(a, ins, (0, *residual_at)),
