@@ -67,10 +67,39 @@ def bn_node(ins, affine, track, momentum, act):
                      track=track, act=act)
 
 
+def check_bn_statistics(got, want, what):
+    """save_mean, save_invstd."""
+    assert_close(got[0], want[0], rtol=1e-6, atol=1e-6, what=f"{what} save_mean")
+    assert_close(got[1], want[1], rtol=1e-6, atol=0, what=f"{what} save_invstd")
+
+
 def check_bn_outputs(got, want, what):
+    """y, save_mean, save_invstd."""
     assert_close(got[0], want[0], rtol=1e-5, atol=1e-5, what=f"{what} y")
-    assert_close(got[1], want[1], rtol=1e-6, atol=1e-6, what=f"{what} save_mean")
-    assert_close(got[2], want[2], rtol=1e-6, atol=0, what=f"{what} save_invstd")
+    check_bn_statistics(got[1:], want[1:], what)
+
+
+def check_three_calls(ctx, rng, node, ref_ins, what, check):
+    """Three calls on fresh x each (ref_ins[0]): check(outputs, reference, what) every call,
+    the running statistics (mutated inputs) and num_batches_tracked after each."""
+    dev_ins = to_device(ctx, ref_ins)
+    shape = ref_ins[0].shape
+    for call in range(3):
+        x = random(rng, *shape, scale=2.0, shift=3.0 - call)
+        ref_ins[0][...] = x
+        dev_ins[0].set(x, stream=ctx.stream)
+        want = [np.full(v.shape, np.nan, v.dtype) for v in node.outputs]
+        NUMPY_IMPLS[node.op](node, ref_ins, want, None)
+        got = poisoned(ctx, node)
+        CUDA_IMPLS[node.op](node, dev_ins, got, ctx)
+        check(to_host(ctx, got), want, f"{what} call {call}")
+        state = to_host(ctx, dev_ins)
+        for i in node.mutates:
+            if ref_ins[i].dtype == np.int64:
+                assert int(state[i]) == int(ref_ins[i]) == 4 + call
+            else:
+                assert_close(state[i], ref_ins[i], rtol=2e-6, atol=1e-7,
+                             what=f"{what} call {call} running input {i}")
 
 
 @pytest.mark.parametrize("affine,track,momentum,act", BN_VARIANTS)
@@ -81,24 +110,9 @@ def test_batch_norm_train(ctx, shape, affine, track, momentum, act):
     rng = np.random.default_rng([101, *shape, affine, track])
     ref_ins = bn_inputs(rng, shape, affine, track)
     node = bn_node(ref_ins, affine, track, momentum, act)
-    dev_ins = to_device(ctx, ref_ins)
-    what = f"batch_norm_train {shape} affine={affine} track={track} m={momentum} {act}"
-    for call in range(3):
-        x = random(rng, *shape, scale=2.0, shift=3.0 - call)
-        ref_ins[0][...] = x
-        dev_ins[0].set(x, stream=ctx.stream)
-        want = [np.full(v.shape, np.nan, v.dtype) for v in node.outputs]
-        NUMPY_IMPLS[node.op](node, ref_ins, want, None)
-        got = poisoned(ctx, node)
-        CUDA_IMPLS[node.op](node, dev_ins, got, ctx)
-        check_bn_outputs(to_host(ctx, got), want, f"{what} call {call}")
-        state = to_host(ctx, dev_ins)
-        for i in node.mutates:
-            if ref_ins[i].dtype == np.int64:
-                assert int(state[i]) == int(ref_ins[i]) == 4 + call
-            else:
-                assert_close(state[i], ref_ins[i], rtol=2e-6, atol=1e-7,
-                             what=f"{what} call {call} running input {i}")
+    check_three_calls(ctx, rng, node, ref_ins,
+                      f"batch_norm_train {shape} affine={affine} track={track} m={momentum} "
+                      f"{act}", check_bn_outputs)
 
 
 @pytest.mark.parametrize("norm_r", [None, "affine", "plain"])
@@ -141,22 +155,9 @@ def test_batch_norm_stats(ctx, shape, momentum):
     rng = np.random.default_rng([137, *shape])
     ref_ins = bn_inputs(rng, shape, False, True)
     node = make_node("batch_norm_stats", ref_ins, eps=1e-5, momentum=momentum, track=True)
-    dev_ins = to_device(ctx, ref_ins)
-    for call in range(3):
-        x = random(rng, *shape, scale=2.0, shift=3.0 - call)
-        ref_ins[0][...] = x
-        dev_ins[0].set(x, stream=ctx.stream)
-        want = [np.full(v.shape, np.nan, v.dtype) for v in node.outputs]
-        NUMPY_IMPLS[node.op](node, ref_ins, want, None)
-        got = poisoned(ctx, node)
-        CUDA_IMPLS[node.op](node, dev_ins, got, ctx)
-        got = to_host(ctx, got)
-        assert_close(got[0], want[0], rtol=1e-6, atol=1e-6, what=f"{shape} call {call} mean")
-        assert_close(got[1], want[1], rtol=1e-6, atol=0, what=f"{shape} call {call} invstd")
-        state = to_host(ctx, dev_ins)
-        assert int(state[3]) == int(ref_ins[3]) == 4 + call
-        for i in (1, 2):
-            assert_close(state[i], ref_ins[i], rtol=2e-6, atol=1e-7, what=f"running {i}")
+    assert node.mutates == (1, 2, 3)       # the running statistics and num_batches_tracked
+    check_three_calls(ctx, rng, node, ref_ins, f"batch_norm_stats {shape} m={momentum}",
+                      check_bn_statistics)
 
 
 def test_batch_norm_train_is_deterministic(ctx):

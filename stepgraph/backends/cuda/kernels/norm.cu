@@ -434,6 +434,20 @@ __global__ void batch_norm_forward_columns_kernel(
 
 // ---- batch_norm_grad -----------------------------------------------------------------------
 
+// A columns thread's gradient g at its V channels of row `at` (load_grad) and x there (v), g
+// masked by the fused ReLU (relu_masked): what both gradient passes start from.
+template <int V, bool SUM, typename T>
+__device__ __forceinline__ void load_masked_grad(const T* dy, const T* dy2, const T* x,
+                                                 long long at, const ColumnChannels<V>& ch,
+                                                 int relu, float* g, float* v) {
+    load_grad<V, SUM>(dy, dy2, at, g);
+    loadv_as_float<V>(x, at, v);
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+        g[k] = relu_masked(g[k], v[k], ch.mean[k], ch.invstd[k], ch.affine, ch.w[k], ch.b[k],
+                           relu);
+}
+
 // Partial (sum g, sum g * xhat) per channel and split, g = dy masked by the fused ReLU (relu).
 // weight, bias: for the mask only; both nullptr without affine or without the ReLU.
 template <int V, bool SUM, typename T>
@@ -489,12 +503,10 @@ batch_norm_grad_stats_columns_kernel(const T* __restrict__ dy, const T* __restri
     double s[V] = {}, sx[V] = {};
     walk_column<V, R>(N, C, per, [&](long long at) {
         float g[V], v[V];
-        load_grad<V, SUM>(dy, dy2, at, g);
-        loadv_as_float<V>(x, at, v);
+        load_masked_grad<V, SUM>(dy, dy2, x, at, ch, relu, g, v);
 #pragma unroll
         for (int k = 0; k < V; ++k) {
-            const double m = relu_masked(g[k], v[k], ch.mean[k], ch.invstd[k], ch.affine,
-                                         ch.w[k], ch.b[k], relu);
+            const double m = g[k];
             s[k] += m;
             sx[k] += m * (double)normalised(v[k], ch.mean[k], ch.invstd[k]);
         }
@@ -582,14 +594,10 @@ __global__ void batch_norm_backward_columns_kernel(
     }
     walk_column<V, R>(N, C, per, [&](long long at) {
         float g[V], v[V];
-        load_grad<V, SUM>(dy, dy2, at, g);
-        loadv_as_float<V>(x, at, v);
+        load_masked_grad<V, SUM>(dy, dy2, x, at, ch, relu, g, v);
 #pragma unroll
-        for (int e = 0; e < V; ++e) {
-            const float m = relu_masked(g[e], v[e], ch.mean[e], ch.invstd[e], ch.affine,
-                                        ch.w[e], ch.b[e], relu);
-            g[e] = bn_grad(m, normalised(v[e], ch.mean[e], ch.invstd[e]), k[e], a[e], bb[e]);
-        }
+        for (int e = 0; e < V; ++e)
+            g[e] = bn_grad(g[e], normalised(v[e], ch.mean[e], ch.invstd[e]), k[e], a[e], bb[e]);
         storev_from_float<V>(dx, at, g);
     });
 }
