@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ir.graph import Graph, Node, Value
+from ..ir.graph import BF16, Graph, Node, Value
 from ..ir.ops import IGNORE_INDEX, OPS, channel_sum_axes, layout_of
 from .attention import pack_attention_heads
 from .pointwise import fuse_pointwise
@@ -320,6 +320,60 @@ def fuse_step_bookkeeping(graph: Graph) -> Graph:
     return _rebuild(graph, kept, {})
 
 
+def _reads_gradient(reader: Node, v: Value) -> bool:
+    """Whether `reader` reads v only as a gradient it may take in bf16: an update's, or the
+    guard's check (any input but its float32 loss)."""
+    return reader.op in ("sgd_update", "adam_update") or \
+        (reader.op == "guard_check" and v is not reader.inputs[1])
+
+
+def fuse_gradient_casts(graph: Graph) -> Graph:
+    """cast(g bf16 -> float32) -> g32, read only by the update and the guard's check
+    =>   both read g: the update widens each bf16 gradient as it loads it, exactly as the cast
+    did (bf16 -> float32 is exact), and a NaN or Inf shows in g as in g32. precision="bf16":
+    the gradient of every weight's bf16 copy reaches its float32 master through such a cast
+    (autocast.bind_weight_copies), a launch a parameter before this pass."""
+    graph = _copy(graph)
+    users = graph.consumers()
+    outputs = set(graph.outputs.values())
+    subst: dict[Value, Value] = {}
+    for n in graph.nodes:
+        if n.op != "cast" or n.attrs["dtype"] != "float32" or n.inputs[0].dtype != BF16:
+            continue
+        wide = n.outputs[0]
+        readers = users.get(wide, [])
+        if readers and wide not in outputs and all(_reads_gradient(r, wide) for r in readers):
+            subst[wide] = n.inputs[0]
+    kept = [n for n in graph.nodes if not (n.op == "cast" and n.outputs[0] in subst)]
+    return _rebuild(graph, kept, subst)
+
+
+def fuse_loss_casts(graph: Graph) -> Graph:
+    """cast(logits bf16 -> float32) -> x; cross_entropy_train(x, labels) -> (loss, dx);
+    cast(dx -> bf16) -> d16, where x and dx have no other reader
+    =>   cross_entropy_train(logits, labels) -> (loss, d16): the kernel widens the logits as it
+    loads them (exact) and rounds dlogits once as it stores them, as the casts did; the loss
+    stays float32. precision="bf16": autocast runs the loss in float32 on the bf16 logits of
+    the last GEMM, and the cast's gradient rounds dlogits back for that GEMM's backward."""
+    graph = _copy(graph)
+    users, producers = graph.consumers(), graph.producers()
+    outputs = set(graph.outputs.values())
+    drop: set[Node] = set()
+    for n in graph.nodes:
+        if n.op != "cross_entropy_train":
+            continue
+        widen, dx = producers.get(n.inputs[0]), n.outputs[1]
+        narrow = users.get(dx, [])
+        if widen is None or widen.op != "cast" or widen.inputs[0].dtype != BF16 or \
+                users[n.inputs[0]] != [n] or len(narrow) != 1 or narrow[0].op != "cast" or \
+                narrow[0].attrs["dtype"] != BF16 or {n.inputs[0], dx} & outputs:
+            continue
+        n.inputs = [widen.inputs[0], *n.inputs[1:]]
+        n.outputs = [n.outputs[0], narrow[0].outputs[0]]
+        drop.update((widen, narrow[0]))
+    return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
+
+
 def _is_unit_seed(graph: Graph, v: Value) -> bool:
     p = graph.producers().get(v)
     return p is not None and p.op == "fill" and p.attrs["value"] == 1.0
@@ -383,7 +437,8 @@ def eliminate_dead_code(graph: Graph) -> Graph:
 PASSES = (pack_attention_heads, fuse_linear_activation, fuse_pool_relu,
           fuse_batch_norm_residual, fuse_batch_norm_relu, fuse_batch_norm_grad_sum,
           fuse_activation_bias_grad, fuse_conv_bias_grad, fuse_cross_entropy,
-          fuse_log_softmax_nll, fuse_step_bookkeeping, fuse_pointwise, eliminate_dead_code)
+          fuse_log_softmax_nll, fuse_loss_casts, fuse_step_bookkeeping, fuse_gradient_casts,
+          fuse_pointwise, eliminate_dead_code)
 
 
 def fuse(graph: Graph, passes=PASSES) -> Graph:

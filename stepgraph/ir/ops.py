@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import ShapeError
-from .graph import Value
+from .graph import BF16, Value
 
 Shape = tuple[int, ...]
 OutSpec = tuple[Shape, str]
@@ -343,9 +343,12 @@ def _cross_entropy_grad(ins, attrs):
 @defop("cross_entropy_train")
 def _cross_entropy_train(ins, attrs):
     """Fused forward and backward with dloss = 1: (loss, dlogits) from (logits, labels);
-    attrs label_smoothing and ignore_index as cross_entropy's."""
+    attrs label_smoothing and ignore_index as cross_entropy's. bf16 logits (compile/fuse.py
+    fuse_loss_casts) are widened exactly and give bf16 dlogits, rounded once; the loss is
+    float32."""
     _check_labels("cross_entropy", *ins)
-    return [((), ins[0].dtype), (ins[0].shape, ins[0].dtype)]
+    loss_dtype = "float32" if ins[0].dtype == BF16 else ins[0].dtype
+    return [((), loss_dtype), (ins[0].shape, ins[0].dtype)]
 
 
 @defop("nll_loss")

@@ -112,26 +112,35 @@ def test_raise_on_reading_the_loss_and_holding_later_steps():
     assert int(full_state(step)["optimizer.step"]) == 4
 
 
-def inf_gradient_step(policy):
+def inf_gradient_step(policy, precision="fp32"):
     """mse on Linear(2, 1): an input of 1e20 gives a finite loss and an infinite weight
-    gradient (tests/unit/test_guards.py has the arithmetic)."""
+    gradient (tests/unit/test_guards.py has the arithmetic). In bf16 the loss is 2.5e37 and
+    the weight gradient 5e18 * 1e20, past bf16's largest value (3.4e38): the guard finds the
+    Inf in the bf16 gradient itself, which the update reads without a cast
+    (fuse_gradient_casts)."""
     model = nn.Sequential(nn.Linear(2, 1))
     model.load_state_dict({"0.weight": np.array([[0.1, 0.2]], np.float32),
                            "0.bias": np.zeros(1, np.float32)})
     x = cp.asarray(np.array([[1.0, 2.0], [0.5, -1.0], [2.0, 0.0], [-1.0, 1.0]], np.float32))
     t = cp.zeros((4, 1), np.float32)
     step = sg.compile_train_step(model, losses.mse, optim.SGD(lr=0.01, momentum=0.9), (x, t),
-                                 device="cuda", graph=True, on_bad_batch=policy)
+                                 device="cuda", graph=True, on_bad_batch=policy,
+                                 precision=precision)
     bad = x.copy()
     bad[0, 0] = 1e20
     return step, (x, t), (bad, t)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("policy", ["raise", "skip"])
-def test_inf_gradient_inside_a_graph_replay(policy):
-    step, good, bad = inf_gradient_step(policy)
+def test_inf_gradient_inside_a_graph_replay(policy, precision):
+    step, good, bad = inf_gradient_step(policy, precision)
     for _ in range(4):
         step(*good)
+    if precision == "bf16":
+        (exe,) = step.executables.values()
+        check = next(n for n in exe.plan.graph.nodes if n.op == "guard_check")
+        assert "bfloat16" in {v.dtype for v in check.inputs}
     before = full_state(step)
     loss = step(*bad)
     step.backend.synchronize()

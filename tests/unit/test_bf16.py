@@ -6,6 +6,7 @@ writes, and the typed error of a backend without bf16 kernels. The trajectories 
 PyTorch's autocast are in tests/models/test_bf16_trajectory.py."""
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -281,20 +282,25 @@ def test_every_value_of_a_train_step_has_its_autocast_dtype(name):
     """The whole step, forward, backward and update, before and after fusion: GEMM-like ops
     read and write bf16; fp32-list ops float32; no op mixes bf16 and float32 operands where
     torch would promote; every cast converts float32 <-> bf16; no parameter is cast inside
-    the step (its copy is state); parameters, the gradients the update reads and the
-    optimizer's slots are float32, the copies bf16 and written by the update."""
+    the step (its copy is state); parameters and the optimizer's slots are float32, the
+    copies bf16 and written by the update; the gradients the update reads are float32, or
+    after fusion the bf16 gradients of copies (fuse_gradient_casts)."""
     if name == "gpt":
         graph = gpt_graph()
     else:
         x = np.zeros((4, 784) if name == "mlp" else (4, 1, 28, 28), np.float32)
         graph = build(getattr(models, name)(), losses.cross_entropy if name == "mlp"
                       else losses.nll_loss, x, np.zeros(4, np.int64))
-    for g in (graph, fuse(graph)):
+    for fused, g in enumerate((graph, fuse(graph))):
         for n in g.nodes:
             floats = [v.dtype for v in [*n.inputs, *n.outputs] if v.dtype in (F32, B)]
             if n.op in ("linear", "matmul", "bmm", "conv2d", "conv2d_grad_input",
                         "conv2d_grad_weight"):
                 assert set(floats) == {B}, n
+            elif n.op == "cross_entropy_train" and fused:
+                # fuse_loss_casts: bf16 logits in, bf16 dlogits out, a float32 loss
+                assert n.outputs[0].dtype == F32 and \
+                    n.inputs[0].dtype == n.outputs[1].dtype, n
             elif n.op in ("layer_norm", "layer_norm_grad", "softmax", "softmax_grad",
                           "log_softmax", "log_softmax_grad", "cross_entropy",
                           "cross_entropy_grad", "cross_entropy_train", "nll_loss"):
@@ -310,7 +316,9 @@ def test_every_value_of_a_train_step_has_its_autocast_dtype(name):
         params, grads = update.inputs[k:k + p], update.inputs[k + p:k + 2 * p]
         slots = update.inputs[k + 2 * p:k + 4 * p]
         copies = update.inputs[k + 4 * p:]
-        assert {v.dtype for v in params + grads + slots} == {F32}
+        assert {v.dtype for v in params + slots} == {F32}
+        copied = {params[i] for i in update.attrs["copies"]}
+        assert all(g.dtype == F32 or (fused and p in copied) for p, g in zip(params, grads))
         assert copies and {v.dtype for v in copies} == {B}
         assert all(v.role == STATE and v.name == weight_copy_name(params[i].name)
                    for v, i in zip(copies, update.attrs["copies"]))
@@ -432,6 +440,72 @@ def test_loading_parameters_refreshes_the_copies():
     step.load_state_dict(saved)
     for k, p in model.named_parameters():
         np.testing.assert_array_equal(copies_of(step)[k], bf16.round_bf16(p.numpy()))
+
+
+def cnn_bf16_run(monkeypatch, opt, passes, max_grad_norm=None, steps: int = 3):
+    """Losses, parameters and plan graph of `steps` guarded bf16 cnn steps on numpy with the
+    fusion passes `passes`."""
+    import stepgraph.api
+    from stepgraph.compile import fuse as fuse_module
+
+    monkeypatch.setattr(stepgraph.api, "fuse", lambda g: fuse_module.fuse(g, passes=passes))
+    gen = seeded("gradient-casts")
+    x, y = randn(gen, 8, 1, 28, 28), gen.integers(0, 10, 8)
+    model = models.cnn(dropout=0.0)
+    model.load_state_dict(_initial_cnn_state())
+    opt.max_grad_norm = max_grad_norm
+    step = sg.compile_train_step(model, losses.nll_loss, opt, (x, y), precision="bf16",
+                                 on_bad_batch="raise")
+    losses_ = [np.float32(step(x, y)).tobytes() for _ in range(steps)]
+    graph = next(iter(step.executables.values())).plan.graph
+    return losses_, model.state_dict(), graph
+
+
+@functools.cache
+def _initial_cnn_state() -> dict:
+    """One initialisation shared by the fused and unfused runs."""
+    return models.cnn(dropout=0.0).state_dict()
+
+
+@pytest.mark.parametrize("opt", [lambda: optim.AdamW(lr=1e-2),
+                                 lambda: optim.SGD(lr=0.1, momentum=0.9)])
+def test_casts_around_the_loss_and_the_gradients_are_dropped(monkeypatch, opt):
+    """fuse_gradient_casts: the gradient of each weight's bf16 copy reaches the update and the
+    guard's check as it is, no cast to float32 between (the update widens it as it loads it,
+    exactly). fuse_loss_casts: the loss reads the bf16 logits and writes bf16 dlogits. Three
+    steps give the bits of the graph with the casts."""
+    from stepgraph.compile.fuse import PASSES, fuse_gradient_casts, fuse_loss_casts
+
+    want = cnn_bf16_run(monkeypatch, opt(), tuple(
+        p for p in PASSES if p not in (fuse_gradient_casts, fuse_loss_casts)))
+    got = cnn_bf16_run(monkeypatch, opt(), PASSES)
+    loss = next(n for n in got[2].nodes if n.op == "cross_entropy_train")
+    assert [v.dtype for v in loss.inputs[:1] + loss.outputs] == [B, F32, B]
+    assert [n.op for n in got[2].nodes].count("cast") == 1          # the input's
+    assert [n.op for n in want[2].nodes].count("cast") == 11
+    for graph, n_casts in ((want[2], 8), (got[2], 0)):
+        update = next(n for n in graph.nodes if n.op.endswith("_update"))
+        check = next(n for n in graph.nodes if n.op == "guard_check")
+        k, n = update.attrs["n_scalars"], update.attrs["n_params"]
+        grads = update.inputs[k + n:k + 2 * n]
+        assert sum(g.dtype == BF16 for g in grads) == 8 - n_casts
+        assert len([c for c in graph.nodes if c.op == "cast" and c.outputs[0] in grads]) \
+            == n_casts
+        assert set(grads) <= set(check.inputs)
+    assert got[0] == want[0]
+    for key in want[1]:
+        np.testing.assert_array_equal(got[1][key], want[1][key], err_msg=key)
+
+
+def test_gradient_casts_stay_where_clipping_reads_the_float32_gradients(monkeypatch):
+    """global_norm reads the gradients as float32: their casts stay."""
+    from stepgraph.compile.fuse import PASSES
+
+    _, _, graph = cnn_bf16_run(monkeypatch, optim.SGD(lr=0.1), PASSES, max_grad_norm=1.0,
+                               steps=1)
+    norm = next(n for n in graph.nodes if n.op == "global_norm")
+    assert all(g.dtype == F32 for g in norm.inputs)
+    assert len([n for n in graph.nodes if n.op == "cast" and n.outputs[0] in norm.inputs]) == 8
 
 
 # ---- predictors, errors -------------------------------------------------------------------

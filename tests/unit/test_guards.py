@@ -58,16 +58,16 @@ def assert_same(a: dict, b: dict):
         assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]), k
 
 
-def inf_gradient_step(on_bad_batch):
+def inf_gradient_step(on_bad_batch, precision="fp32"):
     """mse on Linear(2, 1): one sample's input of 1e20 gives a finite loss (~2.5e37) and an
-    infinite weight gradient (5e18 * 1e20 overflows float32)."""
+    infinite weight gradient (5e18 * 1e20 overflows float32, and bf16 alike)."""
     model = nn.Sequential(nn.Linear(2, 1))
     model.load_state_dict({"0.weight": np.array([[0.1, 0.2]], np.float32),
                            "0.bias": np.zeros(1, np.float32)})
     x = np.array([[1.0, 2.0], [0.5, -1.0], [2.0, 0.0], [-1.0, 1.0]], np.float32)
     t = np.zeros((4, 1), np.float32)
     step = sg.compile_train_step(model, losses.mse, optim.SGD(lr=0.01, momentum=0.9), (x, t),
-                                 on_bad_batch=on_bad_batch)
+                                 on_bad_batch=on_bad_batch, precision=precision)
     bad = x.copy()
     bad[0, 0] = 1e20
     return step, (x, t), (bad, t)
@@ -104,8 +104,10 @@ def test_raise_on_reading_the_bad_loss():
     assert np.isfinite(float(step(*batch(2))))   # reported: no longer pending
 
 
-def test_inf_gradient_with_a_finite_loss_is_caught():
-    step, good, bad = inf_gradient_step("raise")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_inf_gradient_with_a_finite_loss_is_caught(precision):
+    """bf16: the guard reads the weight's bf16 gradient itself (fuse_gradient_casts)."""
+    step, good, bad = inf_gradient_step("raise", precision)
     step(*good)
     before = snapshot(step)
     loss = step(*bad)

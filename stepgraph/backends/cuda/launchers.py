@@ -57,7 +57,7 @@ FILL_CTYPES = {np.dtype("float32"): "float", np.dtype("float64"): "double",
 # IR dtype bfloat16 only (ir/graph.py storage_dtype), so it always means bf16 bits here.
 ELEMENT_CTYPES = {np.dtype("float32"): "float", np.dtype("uint16"): "unsigned short"}
 BF16_OPS = frozenset({"act", "act_grad", "add", "dropout", "dropout_grad", "reduce_sum",
-                      "act_bias_grad", "sgd_update", "adam_update"})
+                      "act_bias_grad", "sgd_update", "adam_update", "cross_entropy_train"})
 
 
 # ---- shared helpers ------------------------------------------------------------------------
@@ -499,8 +499,8 @@ def _row_grid(n_rows: int, rows_per_block: int) -> tuple[int]:
     return (max(1, min(-(-n_rows // rows_per_block), MAX_BLOCKS)),)
 
 
-def _check_logits(what: str, x, labels=None) -> tuple[int, int]:
-    _check(f"{what} logits", x)
+def _check_logits(what: str, x, labels=None, dtype: str | None = "float32") -> tuple[int, int]:
+    _check(f"{what} logits", x, dtype=dtype)
     if x.ndim != 2:
         raise ShapeError(f"{what}: expected (batch, classes), got {tuple(x.shape)}")
     _check_int32(what, x.size)
@@ -632,18 +632,25 @@ def cross_entropy_backward(ctx, dloss, logits, lse, labels, dx,
              hit, ignore))
 
 
+def _train_loss_name(kernel: str, x: str, d: str, label: str) -> str:
+    return f"{kernel}<{x}, {d}, {label}>"
+
+
 def cross_entropy_train(ctx, node: Node, logits, labels, loss, dx,
                         label_smoothing: float = 0.0, ignore_index: int = -100) -> None:
     """Fused forward and backward with dloss = 1: loss and dlogits in one launch (several
     blocks: after a one-block launch counting the rows not ignored, which every block needs
-    for the gradients' scale float32(1 / kept))."""
-    n, c = _check_logits("cross_entropy_train", logits, labels)
+    for the gradients' scale float32(1 / kept)). logits and dlogits float32, or bf16 where
+    compile/fuse.py fuse_loss_casts dropped the casts around the loss."""
+    n, c = _check_logits("cross_entropy_train", logits, labels, dtype=None)
     _check_scalar("cross_entropy_train loss", loss, "float32")
-    _check("cross_entropy_train dlogits", dx, shape=logits.shape)
+    _check("cross_entropy_train dlogits", dx, dtype=None, shape=logits.shape)
+    types = (_element_ctype("cross_entropy_train logits", logits),
+             _element_ctype("cross_entropy_train dlogits", dx), LABEL_CTYPES[labels.dtype])
     smoothing = _smoothing(label_smoothing, c)
     ignore = _ignore(ignore_index)
     if c <= SHORT_ROW and n * c <= SINGLE_BLOCK_ELEMENTS:
-        _launch(ctx, "loss.cu", f"cross_entropy_train_short_kernel<{LABEL_CTYPES[labels.dtype]}>",
+        _launch(ctx, "loss.cu", _train_loss_name("cross_entropy_train_short_kernel", *types),
                 (1,), (min(1024, max(32, -(-n // 32) * 32)),),
                 (logits, labels, loss, dx, np.int32(n), np.int32(c)) + smoothing + (ignore,))
         return
@@ -653,7 +660,7 @@ def cross_entropy_train(ctx, node: Node, logits, labels, loss, dx,
     if scratch is not None:
         count = scratch["count"]
         _count_kept(ctx, labels, ignore, count)
-    _launch(ctx, "loss.cu", f"cross_entropy_train_kernel<{LABEL_CTYPES[labels.dtype]}>",
+    _launch(ctx, "loss.cu", _train_loss_name("cross_entropy_train_kernel", *types),
             grid, block, (logits, labels, loss, dx, rowloss, counter, count, np.int32(n),
                           np.int32(c)) + smoothing + (ignore,))
 
@@ -798,15 +805,17 @@ def _build_update_tables(op: str, params, grads, slots, hyper, copies) -> dict:
     for i, (p, g) in enumerate(zip(params, grads)):
         tensors = [p, g] + [group[i] for group in slots]
         for what, t in zip(("param", "grad", "slot 0", "slot 1"), tensors):
-            _check(f"{op} {what} {i}", t, shape=p.shape)
+            # a gradient may be bf16 bits (compile/fuse.py fuse_gradient_casts)
+            bf16_grad = what == "grad" and t.dtype == np.uint16
+            _check(f"{op} {what} {i}", t, dtype=None if bf16_grad else "float32", shape=p.shape)
         ptrs = [t.data.ptr for t in tensors] + [0] * (4 - len(tensors))
         copy = copies.get(i)
         ptrs.append(0 if copy is None else copy.data.ptr)
         aligned = _aligned(*tensors, *([] if copy is None else [copy]))
         doubles = np.array(hyper[i], dtype=np.float64).view(np.int64).tolist()
-        rows.append(ptrs + [p.size, int(aligned)] + doubles)
+        rows.append(ptrs + [p.size, int(aligned), int(g.dtype == np.uint16)] + doubles)
     jobs = _chunk_jobs([p.size for p in params])
-    width = 7 + len(UPDATE_HYPERPARAMETERS)
+    width = 8 + len(UPDATE_HYPERPARAMETERS)
     return dict(entries=cp.asarray(np.array(rows, dtype=np.int64).reshape(-1, width)),
                 jobs=cp.asarray(jobs))
 
@@ -887,8 +896,8 @@ def kernel_names() -> dict[str, set[str]]:
     C types they are instantiated with (the compiler declares them; the NVRTC test checks
     that each exists and that none is missing here)."""
     label = ("cross_entropy_count", "cross_entropy_forward", "cross_entropy_backward",
-             "cross_entropy_train_short", "cross_entropy_train", "nll_loss_forward",
-             "nll_loss_backward")
+             "nll_loss_forward", "nll_loss_backward")
+    train = ("cross_entropy_train_short_kernel", "cross_entropy_train_kernel")
     elements_typed = ("act_forward_kernel", "act_backward_kernel", "add_forward_kernel",
                "dropout_forward_kernel", "dropout_backward_kernel",
                "dropout_channel_forward_kernel", "dropout_channel_backward_kernel")
@@ -904,7 +913,9 @@ def kernel_names() -> dict[str, set[str]]:
         | {f"act_bias_backward_kernel<{ctype}, {vec}>" for ctype in elements for vec in (1, 4)},
         "loss.cu": {"log_softmax_forward_kernel", "log_softmax_backward_kernel",
                     "mse_forward_kernel", "mse_backward_kernel"}
-        | {f"{k}_kernel<{ctype}>" for k in label for ctype in LABEL_CTYPES.values()},
+        | {f"{k}_kernel<{ctype}>" for k in label for ctype in LABEL_CTYPES.values()}
+        | {_train_loss_name(k, x, d, lab) for k in train for x in elements for d in elements
+           for lab in LABEL_CTYPES.values()},
         "optim.cu": {"adam_update_kernel", "advance_step_kernel", "lr_schedule_kernel",
                      "record_loss_kernel", "sgd_update_kernel", "step_increment_kernel",
                      "weight_copy_permute_kernel"},

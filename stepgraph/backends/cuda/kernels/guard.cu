@@ -7,6 +7,7 @@
 #define KIND_FLOAT32 0
 #define KIND_INT32 1
 #define KIND_INT64 2
+#define KIND_BF16 3   // raw bits: a bf16 gradient the update widens itself (fuse_gradient_casts)
 
 // One row of the device table built once per guard_check node by guards.py (32 bytes):
 // a tensor, what it holds, the flag bit it sets, and whether it is 16-byte aligned.
@@ -21,6 +22,11 @@ struct GuardEntry {
 
 __device__ __forceinline__ bool not_finite4(const float4 v) {
     return !isfinite(v.x) || !isfinite(v.y) || !isfinite(v.z) || !isfinite(v.w);
+}
+
+// A bf16 value is NaN or Inf exactly when its exponent bits are all ones (as its float32 widening).
+__device__ __forceinline__ bool bf16_not_finite(unsigned short b) {
+    return (b & 0x7f80u) == 0x7f80u;
 }
 
 // A label outside [0, classes) that is not the loss's ignore_index (when it has one).
@@ -54,6 +60,17 @@ extern "C" __global__ void guard_check_kernel(const GuardEntry* entries, const i
                 bad |= not_finite4(*reinterpret_cast<const float4*>(p + i));
             } else {
                 for (long long j = i; j < i + 4 && j < end; ++j) bad |= !isfinite(p[j]);
+            }
+        }
+    } else if (e.kind == KIND_BF16) {
+        const unsigned short* p = static_cast<const unsigned short*>(e.p);
+        for (long long i = start + 4 * (long long)threadIdx.x; i < end; i += 4LL * blockDim.x) {
+            if (e.aligned && i + 4 <= end) {
+                const ushort4 v = *reinterpret_cast<const ushort4*>(p + i);
+                bad |= bf16_not_finite(v.x) || bf16_not_finite(v.y) || bf16_not_finite(v.z) ||
+                       bf16_not_finite(v.w);
+            } else {
+                for (long long j = i; j < i + 4 && j < end; ++j) bad |= bf16_not_finite(p[j]);
             }
         }
     } else if (e.kind == KIND_INT64) {

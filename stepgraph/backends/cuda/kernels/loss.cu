@@ -19,14 +19,15 @@
 #define QUIET_NAN __int_as_float(0x7fc00000)
 
 // Every thread of the block calls this (row reductions synchronise); rows past N pass cols = 0.
-__device__ __forceinline__ float row_logsumexp(const float* xr, int cols, float* smem) {
+template <typename X>
+__device__ __forceinline__ float row_logsumexp(const X* xr, int cols, float* smem) {
     const float m = row_max_of(xr, cols, smem);
     return m + logf(row_sum_exp(xr, cols, m, smem));
 }
 
-template <typename L>
-__device__ __forceinline__ float picked_logit(const float* xr, L label, int C) {
-    return (label >= 0 && label < C) ? xr[label] : QUIET_NAN;
+template <typename X, typename L>
+__device__ __forceinline__ float picked_logit(const X* xr, L label, int C) {
+    return (label >= 0 && label < C) ? load_as_float(xr, label) : QUIET_NAN;
 }
 
 // One row's smoothed loss from lse l, the picked logit p and the row's mean logit.
@@ -47,9 +48,10 @@ __device__ __forceinline__ float smoothed_grad(float x, float l, bool at_label, 
 
 // The mean logit of a row (row reduction: every thread of the block calls it, rows past N
 // pass cols = 0).
-__device__ __forceinline__ float row_mean(const float* xr, int cols, int C, float* smem) {
+template <typename X>
+__device__ __forceinline__ float row_mean(const X* xr, int cols, int C, float* smem) {
     float s = 0.f;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) s += xr[c];
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) s += load_as_float(xr, c);
     return row_sum(s, smem) / (float)C;
 }
 
@@ -205,10 +207,12 @@ __device__ __forceinline__ float mean_scale(int kept) {
 // Fused forward and backward with dloss = 1 (scale = float32(1 / kept)): loss and dlogits in
 // one launch. Several blocks park each row's loss in rowloss (N floats, launcher scratch) and
 // read the kept rows' count from `count`; a single block keeps the losses in registers and
-// may count itself (count null).
-template <typename L>
+// may count itself (count null). X, D: float, or bf16 logits (widened as loaded) and dlogits
+// (rounded once as stored) where the casts around the loss were dropped
+// (compile/fuse.py fuse_loss_casts): the same values as the float32 kernel between the casts.
+template <typename X, typename D, typename L>
 __global__ void __launch_bounds__(1024)
-cross_entropy_train_kernel(const float* x, const L* labels, float* loss, float* dx, float* rowloss,
+cross_entropy_train_kernel(const X* x, const L* labels, float* loss, D* dx, float* rowloss,
                            unsigned int* counter, const int* count, int N, int C, float eps,
                            float hit, float off, long long ignore_index) {
     __shared__ float smem[32];
@@ -224,13 +228,14 @@ cross_entropy_train_kernel(const float* x, const L* labels, float* loss, float* 
         const float l = row_logsumexp(x + r0, valid ? C : 0, smem);
         const float mean = eps != 0.f ? row_mean(x + r0, valid ? C : 0, C, smem) : 0.f;
         if (valid && ignored(labels, row, ignore_index)) {
-            for (int c = threadIdx.x; c < C; c += blockDim.x) dx[r0 + c] = 0.f;
+            for (int c = threadIdx.x; c < C; c += blockDim.x) store_from_float(dx, r0 + c, 0.f);
             if (threadIdx.x == 0 && gridDim.x > 1) rowloss[row] = 0.f;
         } else if (valid) {
             const L label = labels[row];
             for (int c = threadIdx.x; c < C; c += blockDim.x) {
-                const float g = smoothed_grad(x[r0 + c], l, (long long)label == c, off, hit);
-                dx[r0 + c] = __fmul_rn(g, scale);
+                const float g = smoothed_grad(load_as_float(x, r0 + c), l, (long long)label == c,
+                                              off, hit);
+                store_from_float(dx, r0 + c, __fmul_rn(g, scale));
             }
             if (threadIdx.x == 0) {
                 const float p = picked_logit(x + r0, label, C);
@@ -253,37 +258,36 @@ cross_entropy_train_kernel(const float* x, const L* labels, float* loss, float* 
 // per row left most lanes idle on 10 classes and needed N / 32 passes, each a chain of loads
 // and shuffles; here the block covers up to 1024 rows at once. Loss: the block's float64 sum
 // of the rows' losses (fixed tree).
-template <typename L>
+template <typename X, typename D, typename L>
 __global__ void __launch_bounds__(1024)
-cross_entropy_train_short_kernel(const float* x, const L* labels, float* loss, float* dx, int N,
-                                 int C, float eps, float hit, float off,
-                                 long long ignore_index) {
+cross_entropy_train_short_kernel(const X* x, const L* labels, float* loss, D* dx, int N, int C,
+                                 float eps, float hit, float off, long long ignore_index) {
     __shared__ double dsmem[32];
     const int kept = kept_rows((const int*)nullptr, labels, N, ignore_index);
     const float scale = mean_scale(kept);
     double acc = 0.0;
     for (int row = threadIdx.x; row < N; row += blockDim.x) {
-        const float* xr = x + (long long)row * C;
+        const X* xr = x + (long long)row * C;
         if (ignored(labels, row, ignore_index)) {
-            for (int c = 0; c < C; ++c) dx[(long long)row * C + c] = 0.f;
+            for (int c = 0; c < C; ++c) store_from_float(dx, (long long)row * C + c, 0.f);
             continue;
         }
         float m = NEG_INF;
-        for (int c = 0; c < C; ++c) m = fmaxf(m, xr[c]);
+        for (int c = 0; c < C; ++c) m = fmaxf(m, load_as_float(xr, c));
         float s = 0.f;
-        for (int c = 0; c < C; ++c) s += expf(xr[c] - m);
+        for (int c = 0; c < C; ++c) s += expf(load_as_float(xr, c) - m);
         const float l = m + logf(s);
         const L label = labels[row];
         for (int c = 0; c < C; ++c) {
-            const float g = smoothed_grad(xr[c], l, (long long)label == c, off, hit);
-            dx[(long long)row * C + c] = __fmul_rn(g, scale);
+            const float g = smoothed_grad(load_as_float(xr, c), l, (long long)label == c, off, hit);
+            store_from_float(dx, (long long)row * C + c, __fmul_rn(g, scale));
         }
         const float p = picked_logit(xr, label, C);
         if (eps == 0.f) {
             acc += (double)(l - p);
         } else {
             float sum = 0.f;
-            for (int c = 0; c < C; ++c) sum += xr[c];
+            for (int c = 0; c < C; ++c) sum += load_as_float(xr, c);
             acc += (double)smoothed_loss(l, p, sum / (float)C, eps, hit);
         }
     }

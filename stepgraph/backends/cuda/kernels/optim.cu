@@ -107,14 +107,18 @@ extern "C" __global__ void guard_advance_kernel(int* flags, long long* counters,
 // parameter (slots unused by the optimizer are null), whether all of them are 16-byte aligned
 // (float4 path), and the hyperparameters of the parameter's group (optimizer parameter groups;
 // without groups every row holds the optimizer's own values, and the arithmetic is the same).
+// The gradient is float32, or bf16 bits (grad_bf16: precision="bf16", where the update reads
+// the bf16 gradient of the weight's copy and widens it itself, exactly as the dropped cast
+// would have: compile/fuse.py fuse_gradient_casts).
 struct UpdateEntry {
     float* p;
-    const float* g;
+    const void* g;
     float* s0;  // SGD momentum buffer / Adam exp_avg
     float* s1;  // Adam exp_avg_sq
     unsigned short* copy;  // bf16 weight copy of p, same element order (null: none)
     long long n;
     long long aligned;
+    long long grad_bf16;
     double lr_scale;  // the group's lr / the optimizer's lr (the schedule scales the latter)
     double weight_decay;
     double beta1;  // Adam only
@@ -142,7 +146,14 @@ __device__ __forceinline__ void update_chunk(const UpdateEntry* entries, const i
     for (long long i = start + 4 * (long long)threadIdx.x; i < end; i += 4LL * blockDim.x) {
         if (e.aligned && i + 4 <= end) {
             float4 p = *reinterpret_cast<float4*>(e.p + i);
-            const float4 g = *reinterpret_cast<const float4*>(e.g + i);
+            float4 g;
+            if (e.grad_bf16) {
+                float w[4];
+                load4_as_float(static_cast<const unsigned short*>(e.g), i, w);
+                g = make_float4(w[0], w[1], w[2], w[3]);
+            } else {
+                g = *reinterpret_cast<const float4*>(static_cast<const float*>(e.g) + i);
+            }
             float4 a = slots > 0 ? *reinterpret_cast<float4*>(e.s0 + i) : zero;
             float4 b = slots > 1 ? *reinterpret_cast<float4*>(e.s1 + i) : zero;
             element(p.x, g.x, a.x, b.x);
@@ -159,7 +170,10 @@ __device__ __forceinline__ void update_chunk(const UpdateEntry* entries, const i
         } else {
             for (long long j = i; j < i + 4 && j < end; ++j) {
                 float a = slots > 0 ? e.s0[j] : 0.f, b = slots > 1 ? e.s1[j] : 0.f;
-                element(e.p[j], e.g[j], a, b);
+                const float g = e.grad_bf16
+                                    ? load_as_float(static_cast<const unsigned short*>(e.g), j)
+                                    : static_cast<const float*>(e.g)[j];
+                element(e.p[j], g, a, b);
                 if (e.copy) store_from_float(e.copy, j, e.p[j]);
                 if (slots > 0) e.s0[j] = a;
                 if (slots > 1) e.s1[j] = b;

@@ -1,6 +1,7 @@
 // Deterministic warp, row and block reductions (fixed combination order, no atomics on floats),
 // shared by the kernel files. Every block size used with them is a multiple of 32.
 #pragma once
+#include "bf16.cuh"
 
 #define FULL_MASK 0xffffffffu
 #define NEG_INF __int_as_float(0xff800000)
@@ -76,15 +77,18 @@ __device__ __forceinline__ long long row_base_stride() {
 
 // A row's maximum m over its cols values (-inf for cols = 0), and the sum of exp(xr[c] - m):
 // the two reductions of a softmax or a logsumexp. Every thread of the block calls them.
-__device__ __forceinline__ float row_max_of(const float* xr, int cols, float* smem) {
+// Rows of float or bf16 (bf16.cuh's load_as_float: widened exactly).
+template <typename X>
+__device__ __forceinline__ float row_max_of(const X* xr, int cols, float* smem) {
     float m = NEG_INF;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) m = fmaxf(m, xr[c]);
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) m = fmaxf(m, load_as_float(xr, c));
     return row_max(m, smem);
 }
 
-__device__ __forceinline__ float row_sum_exp(const float* xr, int cols, float m, float* smem) {
+template <typename X>
+__device__ __forceinline__ float row_sum_exp(const X* xr, int cols, float m, float* smem) {
     float s = 0.f;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) s += expf(xr[c] - m);
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) s += expf(load_as_float(xr, c) - m);
     return row_sum(s, smem);
 }
 

@@ -1,0 +1,103 @@
+"""The kernels that take over the casts fuse_gradient_casts and fuse_loss_casts drop
+(compile/fuse.py, precision="bf16"): the updates and guard_check reading bf16 gradients, and
+cross_entropy_train reading bf16 logits and writing bf16 dlogits. Widening bf16 to float32 is
+exact and a cast rounds once, so each must give the bits of its float32 kernel between the
+casts: the update's parameters and slots as with the widened gradients, the loss as with the
+widened logits, and dlogits as that kernel's float32 dlogits rounded to bf16. The whole bf16
+steps that run these are in test_bf16_cuda.py and test_bf16_conv_cuda.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.cuda
+
+cp = pytest.importorskip("cupy")
+
+from stepgraph.backends import cuda_available  # noqa: E402
+
+if not cuda_available():
+    pytest.skip("no GPU visible to CuPy", allow_module_level=True)
+
+from stepgraph.backends.cuda import guards, launchers  # noqa: E402
+from stepgraph.backends.numpy import bf16  # noqa: E402
+from stepgraph.ir.graph import Node  # noqa: E402
+from stepgraph.ops.guard import GUARD_GRADS  # noqa: E402
+from tests.ops.helpers import seeded  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ctx(backend):
+    return backend.make_context("bf16")
+
+
+def _update(ctx, op, params, grads, n_slots, attrs):
+    """Runs `op` over copies of params (float32) with `grads` (float32 or bf16 bits) and zero
+    slots; returns the parameters and slots after."""
+    with ctx.stream:
+        ins = [cp.asarray(np.float32(1e-2)), cp.asarray(np.int64(2))]
+        ins += [cp.asarray(p) for p in params] + [cp.asarray(g) for g in grads]
+        ins += [cp.zeros(p.shape, np.float32) + 0.25 for _ in range(n_slots) for p in params]
+    node = Node(op, [], [], dict(n_params=len(params), n_scalars=2, n_slots=n_slots,
+                                 max_norm=None, **attrs))
+    getattr(launchers, op)(ctx, node, ins)
+    ctx.stream.synchronize()
+    return [cp.asnumpy(a) for a in ins[2:2 + len(params)] + ins[2 + 2 * len(params):]]
+
+
+@pytest.mark.parametrize("op", ["sgd_update", "adam_update"])
+def test_update_with_bf16_gradients_equals_the_widened_float32_ones(ctx, op):
+    rng = seeded(f"bf16 grads {op}")
+    # four a thread (aligned, a multiple of 4), the element loop (10, 7 x 3)
+    shapes = [(64, 32), (10,), (7, 3)]
+    params = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    grads = [bf16.to_bits(rng.standard_normal(s).astype(np.float32)) for s in shapes]
+    attrs = (dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
+             if op == "adam_update" else
+             dict(momentum=0.9, dampening=0.0, weight_decay=1e-4, nesterov=True))
+    n_slots = 2 if op == "adam_update" else 1
+    got = _update(ctx, op, params, grads, n_slots, attrs)
+    want = _update(ctx, op, params, [bf16.from_bits(g) for g in grads], n_slots, attrs)
+    assert any(not np.array_equal(g, p) for g, p in zip(got, params))      # it moved
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("bad", [None, 0x7F80, 0xFF80, 0x7FC0])   # finite, +Inf, -Inf, NaN
+@pytest.mark.parametrize("size", [4096, 13])                     # vector loads, element loop
+def test_guard_check_finds_nan_and_inf_in_bf16_gradients(ctx, bad, size):
+    rng = seeded("bf16 guard")
+    grad = bf16.to_bits(rng.standard_normal(size).astype(np.float32))
+    if bad is not None:
+        grad[size // 2 + 1] = bad
+    with ctx.stream:
+        flags = cp.zeros(2, np.int32)
+        ins = [flags, cp.asarray(np.float32(1.0)), cp.zeros(8, np.float32), cp.asarray(grad)]
+    guards.guard_check(ctx, Node("guard_check", [], [], dict(classes=None)), ins)
+    ctx.stream.synchronize()
+    assert int(flags[0]) == (0 if bad is None else GUARD_GRADS)
+
+
+@pytest.mark.parametrize("n, c", [(64, 10), (300, 65), (4000, 65)])   # short; one block; grid
+@pytest.mark.parametrize("smoothing, ignore", [(0.0, -100), (0.1, 3)])
+def test_cross_entropy_train_on_bf16_logits(ctx, n, c, smoothing, ignore):
+    rng = seeded(f"bf16 ce {n} {c}")
+    logits = bf16.to_bits((3 * rng.standard_normal((n, c))).astype(np.float32))
+    labels = rng.integers(0, c, n).astype(np.int64)
+    if ignore >= 0:
+        labels[::7] = ignore
+
+    def run(x, dx_poison):
+        with ctx.stream:
+            loss = cp.full((), np.nan, np.float32)
+            dx = cp.full((n, c), dx_poison)           # a NaN of the dtype (0x7FA1: bf16's)
+            xs, ys = cp.asarray(x), cp.asarray(labels)
+        launchers.cross_entropy_train(ctx, Node("cross_entropy_train", [], [], {}), xs, ys, loss,
+                                      dx, smoothing, ignore)
+        ctx.stream.synchronize()
+        return float(loss), cp.asnumpy(dx)
+
+    loss16, dx16 = run(logits, np.uint16(0x7FA1))
+    loss32, dx32 = run(bf16.from_bits(logits), np.float32(np.nan))
+    assert np.isfinite(loss32) and loss16 == loss32
+    np.testing.assert_array_equal(dx16, bf16.to_bits(dx32))
