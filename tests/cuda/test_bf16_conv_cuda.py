@@ -18,7 +18,9 @@ difference:
   - cuDNN's convolutions: products of bf16 values are exact in float32, but cuDNN adds them
     in another order (tiles, split reductions) than numpy's einsum. The float32 sums then
     differ by at most gamma_K * sum |terms| (K terms per output, gamma_K ~ K * 2^-24), the
-    classic bound for recursive summation, which the tests allow on top of one bf16 ulp.
+    classic bound for recursive summation, which the tests allow on top of one bf16 ulp;
+  - the own tiled convolution kernels (conv.PATH forced to "tiled"): the same bound, their
+    sums running in a fixed order of their own (conv_tiled.cu).
 A wrong kernel (unrounded output, rounding twice, wrong layout or index) differs in most
 elements or by far more, so each test also bounds the fraction of elements that differ at all.
 
@@ -43,7 +45,7 @@ if not cuda_available():
 
 import stepgraph as sg  # noqa: E402
 from stepgraph import models, optim  # noqa: E402
-from stepgraph.backends.cuda import conv, conv_cudnn, norm, pool  # noqa: E402
+from stepgraph.backends.cuda import conv, conv_cudnn, conv_tiled, norm, pool  # noqa: E402
 from stepgraph.backends.numpy import bf16  # noqa: E402
 from stepgraph.backends.numpy.backend import NumpyBackend  # noqa: E402
 from stepgraph.errors import UnsupportedPrecisionError  # noqa: E402
@@ -310,23 +312,33 @@ def _terms(node: Node) -> int:
     return n * ho * wo
 
 
-def abs_bound(node: Node, arrays: list, terms: int | None = None, unit: float = None) -> list:
-    """2 gamma_K * (the op run in float32 on |inputs|): the recursive-summation error bound of
-    a float32 sum of K (`terms`, else _terms(node)) exact products in any order, for cuDNN's sum
-    and numpy's each. `unit` replaces float32's unit roundoff (BF16_PARTIALS_UNIT)."""
-    wide = [np.abs(bf16.from_bits(a)) if a.dtype == np.uint16 else a for a in arrays]
+def run_float32(node: Node, arrays: list, of=lambda a: a) -> list:
+    """The float32 outputs of the node's float32 twin run by NumPy on of(each bf16 input's
+    value): the sums before their bf16 rounding."""
+    wide = [of(bf16.from_bits(a)) if a.dtype == np.uint16 else a for a in arrays]
     f32 = Node(node.op, [Value(a.shape, "float32") for a in wide],
                [Value(v.shape, "float32") for v in node.outputs], node.attrs)
     outs = [np.zeros(v.shape, np.float32) for v in f32.outputs]
     NumpyBackend().run_node(f32, wide, outs)
+    return outs
+
+
+def abs_bound(node: Node, arrays: list, terms: int | None = None, unit: float = None) -> list:
+    """2 gamma_K * (the op run in float32 on |inputs|): the recursive-summation error bound of
+    a float32 sum of K (`terms`, else _terms(node)) exact products in any order, for cuDNN's sum
+    and numpy's each. `unit` replaces float32's unit roundoff (BF16_PARTIALS_UNIT)."""
     gamma = 2 * (terms or _terms(node)) * (unit or GAMMA_UNIT)
-    return [o.astype(np.float64) * gamma for o in outs]
+    return [o.astype(np.float64) * gamma for o in run_float32(node, arrays, np.abs)]
 
 
 @needs_cudnn
 @pytest.mark.parametrize("case", CONV_CASES, ids=str)
-def test_conv2d_bf16_through_cudnn_is_within_the_summation_bound(ctx, case, request):
+def test_conv2d_bf16_through_cudnn_is_within_the_summation_bound(ctx, case, request,
+                                                                 monkeypatch):
     xs, ws, s, p, has_bias, layout = case
+    # cuDNN's plans alone, timed by the autotuner: the tiled kernels, which run the NCHW cases
+    # too, are tested below
+    monkeypatch.setattr(conv_tiled, "unsupported", lambda *args: "cuDNN under test")
     rng = seeded(request.node.name)
     attrs = dict(stride=(s, s), padding=(p, p), dilation=(1, 1), groups=1)
     if layout == "NHWC":
@@ -366,6 +378,150 @@ def test_conv2d_bf16_through_cudnn_is_within_the_summation_bound(ctx, case, requ
     if has_bias:      # db: bf16 dy summed in float32 by reduce_sum, rounded once
         assert_near_bits(got[1], want[1], "conv2d_grad_weight db", max_fraction=0.5,
                          slack=bounds[1])
+
+
+# ---- convolutions on the tiled kernels -------------------------------------------------------
+
+# (x shape, weight shape, padding): the cnn's two convs at its batch, and an odd one (3
+# channels, a 9x11 image, a padded 3x3 kernel: partial channel groups and pixel tiles)
+TILED_CASES = [((64, 1, 28, 28), (10, 1, 5, 5), 0), ((64, 10, 12, 12), (20, 10, 5, 5), 0),
+               ((4, 3, 9, 11), (5, 3, 3, 3), 1)]
+# The tiled kernels do the emulation's arithmetic (exact products, float32 sums, one rounding)
+# in their own order, so an element differs only where its float32 sum lies within the two
+# sums' difference of a bf16 rounding boundary: 0 to 1e-4 of the elements of y, dx and dw in a
+# NumPy float32 simulation of the kernels' order on these cases. An unrounded (truncated)
+# output differs in about half of them (each by one ulp), one rounded twice in a quarter or
+# more: TILED_FRACTION tells them apart (test_the_tiled_bounds_reject_a_wrong_rounding).
+TILED_FRACTION = 1e-2
+# db has 5 to 20 elements, too few for a fraction to tell: a quarter may differ (one of 5, two
+# of 10). The sum kernel rounds it with the store that rounds dw, which TILED_FRACTION checks.
+TILED_DB_FRACTION = 0.25
+
+
+def conv_attrs(padding: int) -> dict:
+    return dict(stride=(1, 1), padding=(padding, padding), dilation=(1, 1), groups=1)
+
+
+def tiled_dy(rng, xs, ws, padding: int) -> np.ndarray:
+    """Fresh bf16 dy of the stride-1 forward's output shape."""
+    return bf16_random(rng, xs[0], ws[0], xs[2] + 2 * padding - ws[2] + 1,
+                       xs[3] + 2 * padding - ws[3] + 1)
+
+
+@pytest.fixture
+def tiled_launches(monkeypatch):
+    """conv.PATH forced to "tiled" for the test (monkeypatch restores it); the .cu file of
+    every kernel fetched meanwhile (each launch fetches its kernel), to show what ran."""
+    monkeypatch.setattr(conv, "PATH", "tiled")
+    files = []
+    kernel = conv.compiler.kernel
+    monkeypatch.setattr(conv.compiler, "kernel",
+                        lambda f, name: files.append(f) or kernel(f, name))
+    return files
+
+
+def relu_bits(bits: np.ndarray) -> np.ndarray:
+    """ReLU of bf16 values, exact (it commutes with the rounding): negatives become +0."""
+    return np.where(bf16.from_bits(bits) < 0, np.uint16(0), bits)
+
+
+@pytest.mark.parametrize("epilogue", ["", "bias", "bias_relu"])
+@pytest.mark.parametrize("case", TILED_CASES, ids=str)
+def test_conv2d_bf16_on_the_tiled_kernels_is_within_the_summation_bound(ctx, tiled_launches,
+                                                                       case, epilogue,
+                                                                       request):
+    """y rounded once from the float32 sum (the bias first); with attrs act "relu" the
+    epilogue kernel's ReLU follows, exact."""
+    xs, ws, p = case
+    rng = seeded(request.node.name)
+    ins = [bf16_random(rng, *xs), bf16_random(rng, *ws, scale=0.3)]
+    ins += [bf16_random(rng, ws[0])] if epilogue else []
+    relu = epilogue == "bias_relu"
+    plain = node_of("conv2d", ins, **conv_attrs(p))
+    want = emulate(plain, ins)[0][0]       # the emulation's conv2d leaves act to its own node
+    got = on_cuda(ctx, node_of("conv2d", ins, **conv_attrs(p), act="relu") if relu else plain,
+                  ins)[0][0]
+    assert tiled_launches == [conv_tiled.SOURCE] + (["conv.cu"] if relu else [])
+    assert_near_bits(got, relu_bits(want) if relu else want, "conv2d y",
+                     max_fraction=TILED_FRACTION, slack=abs_bound(plain, ins)[0])
+
+
+@pytest.mark.parametrize("case", TILED_CASES, ids=str)
+def test_conv2d_grad_input_bf16_on_the_tiled_kernels_is_within_the_summation_bound(
+        ctx, tiled_launches, case, request):
+    xs, ws, p = case
+    rng = seeded(request.node.name)
+    w = bf16_random(rng, *ws, scale=0.3)
+    ins = [tiled_dy(rng, xs, ws, p), w]
+    node = node_of("conv2d_grad_input", ins, input_shape=xs, **conv_attrs(p))
+    want, got = both(ctx, node, ins)
+    assert tiled_launches == [conv_tiled.SOURCE]
+    assert_near_bits(got[0], want[0], "conv2d_grad_input dx", max_fraction=TILED_FRACTION,
+                     slack=abs_bound(node, ins)[0])
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["", "db"])
+@pytest.mark.parametrize("case", TILED_CASES, ids=str)
+def test_conv2d_grad_weight_bf16_on_the_tiled_kernels_is_within_the_summation_bound(
+        ctx, tiled_launches, case, bias, request):
+    """dw, and db alongside it (no reduce_sum launch): float32 partial sums, added in order
+    and rounded once."""
+    xs, ws, p = case
+    rng = seeded(request.node.name)
+    ins = [tiled_dy(rng, xs, ws, p), bf16_random(rng, *xs)]
+    node = node_of("conv2d_grad_weight", ins, weight_shape=ws, bias=bias, **conv_attrs(p))
+    want, got = both(ctx, node, ins)
+    assert tiled_launches == [conv_tiled.SOURCE] * 2       # the partials, then their sum
+    bounds = abs_bound(node, ins)
+    assert_near_bits(got[0], want[0], "conv2d_grad_weight dw", max_fraction=TILED_FRACTION,
+                     slack=bounds[0])
+    if bias:
+        assert_near_bits(got[1], want[1], "conv2d_grad_weight db",
+                         max_fraction=TILED_DB_FRACTION, slack=bounds[1])
+
+
+def truncated(wide: np.ndarray) -> np.ndarray:
+    """float32 values stored as bf16 without rounding (the upper half of the bits)."""
+    return (np.ascontiguousarray(wide, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def rounded_sum(*parts: np.ndarray) -> np.ndarray:
+    """bf16 parts added in float32, rounded again: a sum rounded twice."""
+    return bf16.to_bits(sum(bf16.from_bits(part) for part in parts))
+
+
+@pytest.mark.parametrize("case", TILED_CASES[:2], ids=str)
+def test_the_tiled_bounds_reject_a_wrong_rounding(case, request):
+    """What the three tests above allow fails a kernel that stores its float32 sums unrounded
+    or rounds twice (y: the sum, then with the bias, as an epilogue would; dw: each half of
+    the batch, then their sum, as bf16 partials would), built here from the emulation: far
+    too many elements differ, mostly by one ulp (y rounded twice: some by more than the
+    bound, where the bias cancels the sum). Host only."""
+    xs, ws, p = case
+    rng = seeded(request.node.name)
+    x, w, b = bf16_random(rng, *xs), bf16_random(rng, *ws, scale=0.3), bf16_random(rng, ws[0])
+    dy, half = tiled_dy(rng, xs, ws, p), xs[0] // 2
+    attrs = conv_attrs(p)
+    fwd = node_of("conv2d", [x, w, b], **attrs)
+    dgrad = node_of("conv2d_grad_input", [dy, w], input_shape=xs, **attrs)
+    wgrad = node_of("conv2d_grad_weight", [dy, x], weight_shape=ws, **attrs)
+    wgrad_half = node_of("conv2d_grad_weight", [dy[:half], x[:half]], weight_shape=ws, **attrs)
+    wrong = {
+        "y unrounded": (fwd, [x, w, b], truncated(run_float32(fwd, [x, w, b])[0])),
+        "y rounded twice": (fwd, [x, w, b], rounded_sum(
+            emulate(node_of("conv2d", [x, w], **attrs), [x, w])[0][0],
+            np.broadcast_to(b[None, :, None, None], (xs[0], ws[0], *dy.shape[2:])))),
+        "dx unrounded": (dgrad, [dy, w], truncated(run_float32(dgrad, [dy, w])[0])),
+        "dw unrounded": (wgrad, [dy, x], truncated(run_float32(wgrad, [dy, x])[0])),
+        "dw rounded twice": (wgrad, [dy, x], rounded_sum(
+            emulate(wgrad_half, [dy[:half], x[:half]])[0][0],
+            emulate(wgrad_half, [dy[half:], x[half:]])[0][0])),
+    }
+    for what, (node, ins, bad) in wrong.items():
+        want = emulate(node, ins)[0][0]
+        with pytest.raises(AssertionError, match="elements (differ|off by more)"):
+            assert_near_bits(bad, want, what, max_fraction=TILED_FRACTION,
+                             slack=abs_bound(node, ins)[0])
 
 
 # ---- a few bf16 training steps ---------------------------------------------------------------

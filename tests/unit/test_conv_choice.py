@@ -16,7 +16,7 @@ cupy = pytest.importorskip("cupy")    # conv.py's launchers import CuPy (no GPU 
 
 from stepgraph import cache  # noqa: E402
 from stepgraph.backends.cuda import autotune, conv, conv_cudnn  # noqa: E402
-from stepgraph.ir.graph import Node, Value  # noqa: E402
+from stepgraph.ir.graph import BF16, Node, Value  # noqa: E402
 
 IDENTITY = {"gpu": "Fake H100", "sm": "90", "driver": 13000, "cuda": 13000, "cudnn": 91000,
             "cupy": "14.0.0", "stepgraph": "0.1.0", "kernels": "abc"}
@@ -83,9 +83,9 @@ class FakeStream:
         return self.capturing
 
 
-def fake_array(shape):
+def fake_array(shape, dtype=np.float32):
     """What the conv launchers read of a CuPy array (its device address is never used)."""
-    return types.SimpleNamespace(shape=shape, dtype=np.dtype(np.float32),
+    return types.SimpleNamespace(shape=shape, dtype=np.dtype(dtype),
                                  flags=types.SimpleNamespace(c_contiguous=True),
                                  data=types.SimpleNamespace(ptr=id(shape)))
 
@@ -277,3 +277,47 @@ def test_a_later_process_compiles_ahead_only_the_chosen_tiled_kernels(fake, monk
     assert conv.tiled_kernels(node) == []                     # no own kernel to compile
     conv._remember_kernels(node, ctx, g, "float32", autotune.compiling(lambda: None, every[0]))
     assert conv.tiled_kernels(node) == []                     # written once per process
+
+
+def test_bf16_nchw_problems_offer_the_tiled_kernels_beside_cudnn(fake, monkeypatch):
+    """A plain NCHW bfloat16 conv (the cnn's conv2) offers every tiled variant float32 does
+    (the shared arrays hold float32 either way) and the cuDNN plans, never direct or im2col +
+    GEMM (float only); its tiled grad_weight sums in float32 scratch, db alongside dw; the
+    kernels compiled ahead are the bf16 instantiations of float32's."""
+    offered = {}
+    monkeypatch.setattr(conv, "_run_faster",
+                        lambda node, ctx, g, dtype, paths: offered.update({dtype: paths}))
+    attrs = {"stride": (1, 1), "padding": (0, 0)}
+    x, w, y = (64, 10, 12, 12), (20, 10, 5, 5), (64, 20, 8, 8)
+    names = {}
+    for dtype, storage in (("float32", np.float32), (BF16, np.uint16)):
+        arrays = [fake_array(s, storage) for s in (x, w, (20,), y)]
+        node = Node("conv2d", [Value(s, dtype) for s in (x, w, (20,))], [Value(y, dtype)],
+                    dict(attrs))
+        conv.IMPLS["conv2d"](node, arrays[:3], arrays[3:], fake_ctx())
+        names[dtype] = [k for _, k in conv.tiled_kernels(node)]
+    tiled = {dtype: [p for p in paths if p.startswith("tiled:")]
+             for dtype, paths in offered.items()}
+    assert tiled[BF16] and tiled[BF16] == tiled["float32"]
+    assert {p.split(":")[0] for p in offered[BF16]} == {"tiled", "cudnn"}
+    assert {"direct", "gemm"} <= set(offered["float32"])
+    assert names[BF16] == [k.replace("<float, float,", "<unsigned short, float,")
+                           for k in names["float32"]]
+
+    got = {}
+    monkeypatch.setattr(conv, "_scratch", lambda ctx, shapes, dtype: [
+        types.SimpleNamespace(shape=s, dtype=np.dtype(dtype)) for s in shapes])
+    monkeypatch.setattr(conv.tiled, "conv2d_tiled_grad_weight",
+                        lambda ctx, plan, dy, x, dw, db, partial: got.update(
+                            plan=plan, db=db, partial=partial.dtype))
+    monkeypatch.setattr(conv.launchers, "reduce_sum_forward",
+                        lambda *a, **k: pytest.fail("db summed apart on the tiled path"))
+    node = Node("conv2d_grad_weight", [Value(y, BF16), Value(x, BF16)],
+                [Value(w, BF16), Value((20,), BF16)], {**attrs, "weight_shape": w, "bias": True})
+    db = fake_array((20,), np.uint16)
+    conv.IMPLS[node.op](node, [fake_array(y, np.uint16), fake_array(x, np.uint16)],
+                        [fake_array(w, np.uint16), db], fake_ctx())
+    paths = offered[BF16]
+    assert {p.split(":")[0] for p in paths} == {"tiled", "cudnn"}
+    paths[next(p for p in paths if p.startswith("tiled:"))]()
+    assert got["partial"] == np.float32 and got["db"] is db and got["plan"].bias

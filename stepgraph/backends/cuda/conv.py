@@ -43,16 +43,21 @@ The direct and tiled kernels are exact FP32 (FMA) whatever ctx.precision says: T
 GEMMs. Each output has one owner summing in a fixed order, so they are deterministic like the
 GEMMs.
 
-bfloat16 (precision="bf16": every operand bf16, stored as uint16 raw bits) runs through cuDNN
-only: the own kernels (tiled, direct, im2col + GEMM) stay float32 / float64, so a bf16
-problem's candidates are its cuDNN plans (bf16 in and out, float32 accumulation, bias and ReLU
-fused in float32, one rounding of what is stored: conv_cudnn.py), timed against each other
-like any others. Only where no fused bias plan builds does a bf16 forward with bias take a
-plain cuDNN plan + the epilogue kernel ("cudnn:<i>+epilogue"), which rounds y twice (the
-convolution's sum, then with the bias added): the NumPy emulation rounds once, so such a
-result can differ from it by the rounding of the sum. A ReLU alone commutes with the rounding:
-its epilogue is exact. conv2d_grad_weight's db is then reduce_sum's (bf16 dy summed in
-float32, rounded once).
+bfloat16 (precision="bf16": every operand bf16, stored as uint16 raw bits) has two families
+of candidates, timed against each other like any others: the tiled kernels, for the plain NCHW
+problems they run (the MNIST cnn's convs, where cuDNN took ~70 us a step and the float32 tiled
+kernels ~30), and cuDNN's plans; direct and im2col + GEMM stay float32 / float64. The tiled
+kernels compute as the NumPy emulation does: bf16 widened to float32, float32 sums (the bias
+first), y, dx, dw and db each rounded once on store (grad_weight's partial sums are float32
+scratch, db comes alongside dw), so they differ from it only by the order of the float32
+sums; a fused ReLU runs after them in the epilogue kernel, exactly (ReLU commutes with the
+rounding). cuDNN's plans: bf16 in and out, float32 accumulation, bias and ReLU fused in
+float32, one rounding of what is stored (conv_cudnn.py). Only where no fused bias plan builds
+does a bf16 forward with bias also offer a plain cuDNN plan + the epilogue kernel
+("cudnn:<i>+epilogue"), which rounds y twice (the convolution's sum, then with the bias
+added): the emulation rounds once, so such a result can differ from it by the rounding of the
+sum. A ReLU alone commutes with the rounding: its epilogue is exact. On a cuDNN path
+conv2d_grad_weight's db is reduce_sum's (bf16 dy summed in float32, rounded once).
 
 Channels-last nodes (attrs layout "NHWC", compile/layout.py: x (N, H, W, C), w (O, kh, kw,
 C/groups), y (N, Ho, Wo, O)) run through cuDNN: the own kernels are NCHW. Their bias and ReLU
@@ -71,7 +76,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import CaptureError, ShapeError, UnsupportedOpError
-from ...ir.graph import Node, Value
+from ...ir.graph import Node, Value, storage_dtype
 from ...ir.ops import (TO_NCHW, TO_NHWC, channel_sum_axes, conv_out, layout_of, nchw_attrs,
                        nchw_shape, stored_shape)
 from . import autotune, compiler, conv_cudnn, gemm, launchers
@@ -418,7 +423,7 @@ def kernel_names() -> dict[str, set[str]]:
     """{.cu file: every kernel name this module may launch}, template instantiations included
     (the NVRTC compile test instantiates each; the tiled kernels for TILED_NAME_GEOMETRIES)."""
     names: dict[str, set[str]] = {"conv.cu": set(), DIRECT_SOURCE: set(), tiled.SOURCE: set()}
-    for dtype, ctype in _CTYPES.items():
+    for ctype in _CTYPES.values():
         names["conv.cu"].update(f"{kernel}<{ctype}>"
                                 for kernel in GEMM_PATH_KERNELS + (EPILOGUE_KERNEL,))
         names[DIRECT_SOURCE].update(
@@ -426,8 +431,8 @@ def kernel_names() -> dict[str, set[str]]:
              for channels in (DIRECT_CHANNELS, NARROW_CHANNELS)]
             + [_direct_name("grad_weight", ctype, tile) for tile in GRAD_WEIGHT_TILES]
             + [f"conv2d_direct_grad_weight_sum_kernel<{ctype}>"])
-        names[tiled.SOURCE].update(
-            tiled.kernel_names(TILED_NAME_GEOMETRIES, ctype, np.dtype(dtype).itemsize))
+    for dtype in tiled.TYPES:          # bfloat16 too (uint16 storage)
+        names[tiled.SOURCE].update(tiled.kernel_names(TILED_NAME_GEOMETRIES, dtype))
     names["conv.cu"].add(f"{EPILOGUE_KERNEL}<{EPILOGUE_CTYPES['uint16']}>")
     return names
 
@@ -436,12 +441,12 @@ def kernel_names() -> dict[str, set[str]]:
 
 def _run_faster(node, ctx, g: Geometry, dtype, paths: dict[str, Callable[[], None]]) -> None:
     """Run the op through one of `paths` (path name -> launch function, only the paths that can
-    run this op: "gemm" among them unless groups or dilation leave cuDNN alone): PATH when
-    forced (a tiled path for "tiled", a cuDNN plan for "cudnn"); else the fastest as timed on
-    real buffers once per problem (autotune.py: no size rule predicted the benchmark convs,
-    the direct kernel won 4x on conv1's forward and lost 2.5x on conv2's grad_input); during a
-    capture with no timing yet, a tiled path if there is one, else `use_direct`'s rule, else
-    the first cuDNN plan."""
+    run this op: "gemm" among them unless groups or dilation leave cuDNN alone, or bfloat16
+    the tiled kernels and cuDNN): PATH when forced (a tiled path for "tiled", a cuDNN plan
+    for "cudnn"); else the fastest as timed on real buffers once per problem (autotune.py: no
+    size rule predicted the benchmark convs, the direct kernel won 4x on conv1's forward and
+    lost 2.5x on conv2's grad_input); during a capture with no timing yet, a tiled path if
+    there is one, else `use_direct`'s rule, else the first cuDNN plan."""
     layout = layout_of(node.op, node.attrs)
     if not paths:
         raise UnsupportedOpError(f"{node.op}: no cuda path runs {g} ({dtype}, {layout}): "
@@ -545,15 +550,16 @@ def conv2d_forward(node, ins, outs, ctx) -> None:
     relu = _fused_relu(node)
     _same_dtype(node.op, x=x, weight=w, bias=bias, y=y)
     paths: dict[str, Callable[[], None]] = {}
-    if _own(g, layout, x.dtype):
+    if _own(g, layout):
         paths = _tiled_paths("conv2d", g, x,
                              lambda conv: tiled.conv2d_tiled(ctx, conv, x, w, bias, y))
         if direct_unsupported(g, x.dtype) is None:
             paths["direct"] = lambda: conv2d_direct_forward(ctx, g, x, w, bias, y)
             paths["direct_narrow"] = lambda: conv2d_direct_forward(ctx, g, x, w, bias, y,
                                                                    NARROW_CHANNELS)
-        paths["gemm"] = lambda: _forward_gemm(ctx, node, g, x, w, bias, y)
-        if relu:
+        if _gemm_dtype(x.dtype):
+            paths["gemm"] = lambda: _forward_gemm(ctx, node, g, x, w, bias, y)
+        if relu:        # bf16: ReLU commutes with the rounding, the epilogue is exact
             paths = {name: _then(run, lambda: conv2d_bias_act(ctx, y, None, True))
                      for name, run in paths.items()}
     dtype = conv_cudnn.ir_dtype(x.dtype)
@@ -585,10 +591,17 @@ def _forward_cudnn_paths(ctx, g: Geometry, x, w, y, bias, relu: bool, layout: st
     return fused | with_epilogue(None)
 
 
-def _own(g: Geometry, layout: str, dtype) -> bool:
-    """Whether the own kernels (tiled, direct, im2col + GEMM) may run: plain NCHW float32 or
-    float64 problems; bfloat16 ones run through cuDNN alone (module docstring)."""
-    return g.plain and layout == "NCHW" and str(dtype) in _CTYPES
+def _own(g: Geometry, layout: str) -> bool:
+    """Whether the own kernels (tiled, direct, im2col + GEMM) may run: plain NCHW problems.
+    Each family says which dtypes it runs (tiled.unsupported, direct_unsupported,
+    _gemm_dtype): bfloat16 ones get the tiled kernels alone (module docstring)."""
+    return g.plain and layout == "NCHW"
+
+
+def _gemm_dtype(dtype) -> bool:
+    """Whether the im2col + GEMM path runs this dtype: float32 and float64 only (its im2col
+    kernels and GEMMs have no bfloat16 form)."""
+    return str(dtype) in _CTYPES
 
 
 def _same_dtype(op: str, **arrays) -> None:
@@ -619,12 +632,12 @@ def _tiled_paths(op: str, g: Geometry, x, run) -> dict[str, Callable[[], None]]:
     where the tiled kernels cannot run `op`); run(conv) launches one TiledConv."""
     if tiled.unsupported(op, g, x.dtype) is not None:
         return {}
-    paths, ctype = {}, compiler.FLOAT_CTYPES[str(x.dtype)]
+    paths, itemsize = {}, tiled.compute_dtype(x.dtype).itemsize    # bf16: float32 shared
     for (ob, px), ks in itertools.product(tiled.TILES, tiled.CHANNEL_SPLITS):
-        conv = tiled.plan_conv(g, op == "conv2d_grad_input", (ob, px), ks, x.itemsize)
+        conv = tiled.plan_conv(g, op == "conv2d_grad_input", (ob, px), ks, itemsize)
         if conv is not None:
             paths[f"tiled:{ob}x{px}k{ks}"] = autotune.compiling(
-                lambda conv=conv: run(conv), (tiled.SOURCE, conv.name(ctype)))
+                lambda conv=conv: run(conv), (tiled.SOURCE, conv.name(x.dtype)))
     return paths
 
 
@@ -658,14 +671,15 @@ def conv2d_grad_input(node, ins, outs, ctx) -> None:
     dx = _contiguous(outs[0], "dx", stored_shape((g.n, g.c, g.h, g.w), layout))
     _same_dtype(node.op, dy=dy, weight=w, dx=dx)
     paths: dict[str, Callable[[], None]] = {}
-    if _own(g, layout, dy.dtype):
+    if _own(g, layout):
         paths = _tiled_paths("conv2d_grad_input", g, dy,
                              lambda conv: tiled.conv2d_tiled(ctx, conv, dy, w, None, dx))
         if direct_unsupported(g, dy.dtype) is None:
             paths["direct"] = lambda: conv2d_direct_grad_input(ctx, g, dy, w, dx)
             paths["direct_narrow"] = lambda: conv2d_direct_grad_input(ctx, g, dy, w, dx,
                                                                       NARROW_CHANNELS)
-        paths["gemm"] = lambda: _grad_input_gemm(ctx, node, g, dy, w, dx)
+        if _gemm_dtype(dy.dtype):
+            paths["gemm"] = lambda: _grad_input_gemm(ctx, node, g, dy, w, dx)
     dtype = conv_cudnn.ir_dtype(dy.dtype)
     paths = _with_cudnn(node, ctx, g, dtype, paths, lambda only: conv_cudnn.grad_input_paths(
         ctx, g, dy, w, dx, layout=layout, only=only))
@@ -716,23 +730,25 @@ def conv2d_grad_weight(node, ins, outs, ctx) -> None:
                 launchers.reduce_sum_forward(ctx, node, dy, db, spatial)
         return both
 
+    partial_dtype = tiled.compute_dtype(x.dtype)      # bf16: float32 partial sums
+
     def tiled_grad_weight(plan: tiled.TiledGradWeight) -> None:
-        partial = _scratch(ctx, [(plan.parts, plan.per_part)], x.dtype)[0]
+        partial = _scratch(ctx, [(plan.parts, plan.per_part)], partial_dtype)[0]
         tiled.conv2d_tiled_grad_weight(ctx, plan, dy, x, dw, db, partial)
 
     _same_dtype(node.op, dy=dy, x=x, dw=dw, db=db)
     paths: dict[str, Callable[[], None]] = {}
-    own = _own(g, layout, x.dtype)
+    own = _own(g, layout)
     if own and tiled.unsupported(node.op, g, x.dtype) is None:
         for rb, os in tiled.GRAD_WEIGHT_SPLITS:
-            plan = tiled.plan_grad_weight(g, (rb, os), db is not None, x.itemsize)
+            plan = tiled.plan_grad_weight(g, (rb, os), db is not None, partial_dtype.itemsize)
             if plan is not None:
                 paths[f"tiled:r{rb}o{os}"] = autotune.compiling(
                     lambda plan=plan: tiled_grad_weight(plan),
-                    (tiled.SOURCE, plan.name(compiler.FLOAT_CTYPES[str(x.dtype)])))
+                    (tiled.SOURCE, plan.name(x.dtype)))
     if own and direct_unsupported(g, x.dtype) is None:
         paths["direct"] = with_bias(lambda: conv2d_direct_grad_weight(ctx, g, dy, x, dw))
-    if own:
+    if own and _gemm_dtype(x.dtype):
         paths["gemm"] = with_bias(lambda: _grad_weight_gemm(ctx, node, g, dy, x, dw))
     dtype = conv_cudnn.ir_dtype(x.dtype)
     paths = _with_cudnn(node, ctx, g, dtype, paths, lambda only: {
@@ -794,20 +810,22 @@ def tiled_kernels(node, precision: str = "fp32") -> list[tuple[str, str]]:
     """(file, kernel) of every tiled variant the autotuner may time for this node (as
     _tiled_paths and conv2d_grad_weight plan them): the backend compiles them side by side
     with the plan's other kernels when the plan is built (CudaBackend.prepare). The same at
-    every precision: the tiled kernels are exact FP32. Where an earlier process timed the
+    every precision of one dtype: the tiled kernels are exact FP32 (bfloat16 nodes, of
+    precision "bf16", name their bf16 instantiations). Where an earlier process timed the
     problem, only the chosen path's kernels (none for cuDNN or the GEMM path:
     _remember_kernels)."""
     layout = layout_of(node.op, node.attrs)
-    dtype = str(node.inputs[0].dtype)
-    if layout != "NCHW" or dtype not in compiler.FLOAT_CTYPES:
+    dtype = str(node.inputs[0].dtype)           # the IR dtype: bfloat16, not uint16
+    storage = storage_dtype(dtype)
+    if layout != "NCHW" or storage not in tiled.TYPES:
         return []
-    ctype, itemsize = compiler.FLOAT_CTYPES[dtype], np.dtype(dtype).itemsize
+    itemsize = tiled.compute_dtype(storage).itemsize
     x_shape = {"conv2d": node.inputs[0].shape, "conv2d_grad_weight": node.inputs[1].shape}.get(
         node.op, node.attrs.get("input_shape"))
     w_shape = node.attrs["weight_shape"] if node.op == "conv2d_grad_weight" \
         else node.inputs[1].shape
     g = _geometry(tuple(x_shape), tuple(w_shape), node.attrs)
-    if not g.plain or tiled.unsupported(node.op, g, dtype) is not None:
+    if not g.plain or tiled.unsupported(node.op, g, storage) is not None:
         return []
     disk = autotune.choices(None, "ahead")
     known = None if disk is None else disk.get(
@@ -821,7 +839,7 @@ def tiled_kernels(node, precision: str = "fp32") -> list[tuple[str, str]]:
     else:
         plans = [tiled.plan_conv(g, node.op == "conv2d_grad_input", tile, ks, itemsize)
                  for tile, ks in itertools.product(tiled.TILES, tiled.CHANNEL_SPLITS)]
-    return [(tiled.SOURCE, plan.name(ctype)) for plan in plans if plan is not None]
+    return [(tiled.SOURCE, plan.name(storage)) for plan in plans if plan is not None]
 
 
 IMPLS = {

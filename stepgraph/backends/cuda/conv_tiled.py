@@ -8,6 +8,12 @@ threads keeping register tiles. conv.py offers them as paths of the conv ops:
 
 Each plan_* function sizes one variant (tile, splits) to the shared memory and thread limits
 or returns None; conv.py times every variant that fits against the other paths.
+
+The kernels take float32, float64 or bfloat16 tensors (uint16 raw bits, precision "bf16"),
+every operand of a launch of one dtype (TYPES: the template's storage S and compute type T).
+bfloat16 computes in float32 like the NumPy emulation: the shared arrays and grad_weight's
+partial sums hold float32 (so the plans size them by compute_dtype's itemsize), and each
+output is rounded to bf16 once, when stored.
 """
 from __future__ import annotations
 
@@ -24,6 +30,10 @@ if TYPE_CHECKING:
     from .conv import Geometry
 
 SOURCE = "conv_tiled.cu"
+# Storage dtype of the tensors -> the kernels' (S, T): the C type stored and the one computed
+# in (bf16.cuh widens and rounds the unsigned short bits of bfloat16)
+TYPES = {"float32": ("float", "float"), "float64": ("double", "double"),
+         "uint16": ("unsigned short", "float")}
 
 # Candidates, each timed per problem: (channels, pixels) a thread computes x input-channel
 # splits (forward, grad_input); (row ranges, output-channel ranges) per sample (grad_weight).
@@ -53,10 +63,22 @@ def _threads(items: int) -> int:
     return min(MAX_THREADS, max(32, _cdiv(items, 32) * 32))
 
 
+def template_types(dtype) -> str:
+    """The kernels' first template arguments, "S, T", for tensors of storage `dtype`."""
+    return ", ".join(TYPES[str(dtype)])
+
+
+def compute_dtype(dtype) -> np.dtype:
+    """T's dtype for tensors of storage `dtype`: of the shared arrays (its itemsize is what
+    plan_conv and plan_grad_weight take) and of grad_weight's partial sums."""
+    return np.dtype("float64" if str(dtype) == "float64" else "float32")
+
+
 def unsupported(op: str, g: Geometry, dtype) -> str | None:
-    """Why the tiled kernels cannot run this op at all (shared-memory size aside), or None."""
-    if str(dtype) not in compiler.FLOAT_CTYPES:
-        return f"dtype {dtype} (want one of {list(compiler.FLOAT_CTYPES)})"
+    """Why the tiled kernels cannot run this op at all (shared-memory size aside), or None.
+    `dtype`: the tensors' storage dtype (uint16 for bfloat16)."""
+    if str(dtype) not in TYPES:
+        return f"dtype {dtype} (want one of {list(TYPES)}, uint16 being bfloat16)"
     if (g.sh, g.sw) != (1, 1):
         return f"stride {(g.sh, g.sw)} (the tiled kernels are stride 1)"
     if max(g.kh, g.kw) > MAX_KERNEL:
@@ -120,10 +142,11 @@ class TiledConv:
         return (self.gb * self.cin * self.kh * self.kw * self.ob + self.cin * plane
                 + handed) * itemsize
 
-    def name(self, ctype: str) -> str:
+    def name(self, dtype) -> str:
+        """The kernel's name for tensors of storage `dtype`."""
         params = (self.cin, self.hin, self.win, self.cout, self.kh, self.kw, self.ph, self.pw,
                   self.ob, self.px, self.gb, self.ks)
-        return (f"conv2d_tiled_kernel<{ctype}, {', '.join(map(str, params))}, "
+        return (f"conv2d_tiled_kernel<{template_types(dtype)}, {', '.join(map(str, params))}, "
                 f"{'true' if self.flip else 'false'}>")
 
 
@@ -133,8 +156,9 @@ def plan_conv(g: Geometry, flip: bool, tile: tuple[int, int], ks: int,
     """The forward (flip False) or grad_input (True) kernel of `g` with `tile` and the input
     channels split over ks threads: channel groups per block for about ITEMS thread
     items, fewer where shared memory runs out (ks > 1: all items in one pass of at most
-    MAX_THREADS threads); None where even one group does not fit. Memoised: every eager
-    call of a conv op asks again (planning all variants took ~90 µs of host time a call)."""
+    MAX_THREADS threads); None where even one group does not fit. itemsize: compute_dtype's
+    (what the shared arrays hold). Memoised: every eager call of a conv op asks again
+    (planning all variants took ~90 µs of host time a call)."""
     if flip:
         dims = (g.o, g.ho, g.wo, g.c, g.kh, g.kw, g.kh - 1 - g.ph, g.kw - 1 - g.pw)
     else:
@@ -194,11 +218,13 @@ class TiledGradWeight:
         sums = self.r * mine if self.r > 1 else 1
         return (g.c * x_plane + self.channels * d_plane + sums) * itemsize
 
-    def name(self, ctype: str) -> str:
+    def name(self, dtype) -> str:
+        """The kernel's name for tensors of storage `dtype`."""
         g = self.g
         params = (g.c, g.h, g.w, g.o, g.kh, g.kw, g.ph, g.pw, self.rb, self.os, self.r,
                   ROW_TILE)
-        return (f"conv2d_tiled_grad_weight_kernel<{ctype}, {', '.join(map(str, params))}, "
+        return (f"conv2d_tiled_grad_weight_kernel<{template_types(dtype)}, "
+                f"{', '.join(map(str, params))}, "
                 f"{'true' if self.bias else 'false'}>")
 
 
@@ -208,7 +234,8 @@ def plan_grad_weight(g: Geometry, split: tuple[int, int], bias: bool,
     """The grad_weight kernel of `g` with split = (rb, os) blocks per sample and as many row
     groups as ITEMS and shared memory allow; None where a split leaves a block without
     rows or channels (or under 2 rows), the partial sums exceed MAX_PARTIAL_BYTES or
-    one row group won't fit. Memoised, like plan_conv."""
+    one row group won't fit. itemsize: compute_dtype's (the shared arrays and the partial
+    sums). Memoised, like plan_conv."""
     rb, os = split
     plan = TiledGradWeight(g, rb, os, 1, bias)
     if (rb > 1 and plan.rows < 2) or _cdiv(g.ho, plan.rows) < rb or \
@@ -222,20 +249,23 @@ def plan_grad_weight(g: Geometry, split: tuple[int, int], bias: bool,
     return None
 
 
-def _kernel(name: str, arrays: dict):
+def _dtype(arrays: dict) -> np.dtype:
+    """The storage dtype all these arrays share, one of TYPES' (ShapeError otherwise)."""
     dtype = next(iter(arrays.values())).dtype
     for what, arr in arrays.items():
         if arr.dtype != dtype:
             raise ShapeError(f"conv2d tiled: {what} is {arr.dtype}, the other operands {dtype}")
-    return compiler.kernel(SOURCE, name)
+    if str(dtype) not in TYPES:
+        raise ShapeError(f"conv2d tiled: dtype {dtype} (want one of {list(TYPES)})")
+    return dtype
 
 
 def conv2d_tiled(ctx, conv: TiledConv, src, w, bias, out) -> None:
     """y = conv2d(x, w) + bias (conv.flip False: src = x, out = y) or dx of it (flip True:
     src = dy, out = dx, bias None): one launch of conv2d_tiled_kernel."""
-    kern = _kernel(conv.name(compiler.FLOAT_CTYPES[str(src.dtype)]),
-                   {"input": src, "weight": w, "output": out}
+    dtype = _dtype({"input": src, "weight": w, "output": out}
                    | ({} if bias is None else {"bias": bias}))
+    kern = compiler.kernel(SOURCE, conv.name(dtype))
     kern(conv.grid, (conv.threads,),
          (src, w, w if bias is None else bias, out, np.int32(bias is not None)),
          stream=ctx.stream)
@@ -244,29 +274,37 @@ def conv2d_tiled(ctx, conv: TiledConv, src, w, bias, out) -> None:
 def conv2d_tiled_grad_weight(ctx, plan: TiledGradWeight, dy, x, dw, db, partial) -> None:
     """dw (and db = dy summed over N, Ho, Wo, unless None) of a stride-1 conv: each block
     writes the partial sums of its rows and channels of one sample to `partial` (plan.parts x
-    plan.per_part), a second launch adds the partials in a fixed order."""
-    ctype = compiler.FLOAT_CTYPES[str(x.dtype)]
-    kern = _kernel(plan.name(ctype),
-                   {"dy": dy, "x": x, "dw": dw} | ({} if db is None else {"db": db}))
-    if partial.size < plan.parts * plan.per_part:
+    plan.per_part, of compute_dtype: float32 for bfloat16), a second launch adds the partials
+    in a fixed order and rounds dw and db to their dtype."""
+    dtype = _dtype({"dy": dy, "x": x, "dw": dw} | ({} if db is None else {"db": db}))
+    if partial.size < plan.parts * plan.per_part or partial.dtype != compute_dtype(dtype):
         raise ShapeError(f"conv2d tiled grad_weight: {plan.parts * plan.per_part} partial sums "
-                         f"need scratch, got {partial.size}")
+                         f"need {compute_dtype(dtype)} scratch, got {partial.size} of "
+                         f"{partial.dtype}")
+    kern = compiler.kernel(SOURCE, plan.name(dtype))
     kern((plan.g.n, plan.rb, plan.os), (plan.threads,), (dy, x, partial), stream=ctx.stream)
     weights = plan.g.o * plan.g.ck
-    compiler.kernel(SOURCE, f"conv2d_tiled_grad_weight_sum_kernel<{ctype}>")(
+    compiler.kernel(SOURCE, sum_kernel_name(dtype))(
         (_cdiv(plan.per_part, 32),), (BLOCK,),
         (partial, dw, dw if db is None else db, np.int32(weights), np.int32(plan.per_part),
          np.int32(plan.parts)), stream=ctx.stream)
 
 
-def kernel_names(geometries, ctype: str, itemsize: int) -> set[str]:
-    """Every kernel name the variants of these geometries launch (the NVRTC test compiles
-    them: the kernels are instantiated per shape, so a few shapes stand for the rest)."""
-    names = {f"conv2d_tiled_grad_weight_sum_kernel<{ctype}>"}
+def sum_kernel_name(dtype) -> str:
+    """conv2d_tiled_grad_weight_sum_kernel's name for dw and db of storage `dtype`."""
+    return f"conv2d_tiled_grad_weight_sum_kernel<{template_types(dtype)}>"
+
+
+def kernel_names(geometries, dtype) -> set[str]:
+    """Every kernel name the variants of these geometries launch on tensors of storage
+    `dtype` (the NVRTC test compiles them: the kernels are instantiated per shape, so a few
+    shapes stand for the rest)."""
+    itemsize = compute_dtype(dtype).itemsize
+    names = {sum_kernel_name(dtype)}
     for g in geometries:
         convs = [plan_conv(g, flip, tile, ks, itemsize) for tile in TILES
                  for ks in CHANNEL_SPLITS for flip in (False, True)]
         grads = [plan_grad_weight(g, split, bias, itemsize)
                  for split in GRAD_WEIGHT_SPLITS for bias in (False, True)]
-        names.update(k.name(ctype) for k in convs + grads if k is not None)
+        names.update(k.name(dtype) for k in convs + grads if k is not None)
     return names

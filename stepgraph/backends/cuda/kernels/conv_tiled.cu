@@ -9,11 +9,26 @@
 // thread, then for dw a fixed in-block order and the in-order split sum): deterministic.
 // Shared rows and planes have odd strides, so threads on neighbouring rows or planes read
 // different banks. Offsets are 32-bit ints (conv.py checks the tensor sizes).
+// Each kernel is templated on S, the storage of its tensors, and T, the type it computes in:
+// T = S for float and double; bfloat16 (S = unsigned short, raw bits) computes in float, like
+// the NumPy emulation. Staging widens S to T once (the shared arrays hold T); an output is
+// rounded to S once, when stored after its whole sum (dw, db: the partial sums stay T and the
+// sum kernel rounds), so bf16 results differ from the emulation's only by the sum order.
+#include "bf16.cuh"
 
 template <typename T, int K>
 struct alignas(sizeof(T) * K) Pack {
     T v[K];
 };
+
+// S -> T and T -> S: the identity for float and double; bf16 bits widen exactly and round to
+// nearest even on store (bf16.cuh, the NumPy emulation's rule).
+__device__ __forceinline__ float widen(float v) { return v; }
+__device__ __forceinline__ double widen(double v) { return v; }
+__device__ __forceinline__ float widen(unsigned short v) { return bf16_to_float(v); }
+__device__ __forceinline__ void store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store(double* p, double v) { *p = v; }
+__device__ __forceinline__ void store(unsigned short* p, float v) { *p = bf16_from_float(v); }
 
 __host__ __device__ constexpr int odd(int stride) { return stride | 1; }
 __host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
@@ -22,16 +37,16 @@ __host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
 // thread's loads overlap instead of each waiting for the store of the one before.
 constexpr int STAGE_LOADS = 8;
 
-// For e < TOTAL: dst[to(e)] = from(e) < 0 ? 0 : src[from(e)], loads issued in batches.
-template <int TOTAL, typename T, typename From, typename To>
-__device__ __forceinline__ void stage(T* dst, const T* __restrict__ src, From from, To to) {
+// For e < TOTAL: dst[to(e)] = from(e) < 0 ? 0 : src[from(e)] widened, loads in batches.
+template <int TOTAL, typename T, typename S, typename From, typename To>
+__device__ __forceinline__ void stage(T* dst, const S* __restrict__ src, From from, To to) {
     for (int base = threadIdx.x; base < TOTAL; base += STAGE_LOADS * blockDim.x) {
         T v[STAGE_LOADS];
 #pragma unroll
         for (int u = 0; u < STAGE_LOADS; ++u) {
             const int e = base + u * blockDim.x;
             const int at = e < TOTAL ? from(e) : -1;
-            v[u] = at < 0 ? T(0) : src[at];
+            v[u] = at < 0 ? T(0) : widen(src[at]);
         }
 #pragma unroll
         for (int u = 0; u < STAGE_LOADS; ++u) {
@@ -44,8 +59,9 @@ __device__ __forceinline__ void stage(T* dst, const T* __restrict__ src, From fr
 // Stages dst[p][h][w] (row stride ROW, plane stride PLANE) = src[p][h0 + h - PH][w - PW] for
 // P planes of HD x WD, zero outside the HS x WS source planes and for p >= planes (the source
 // has only that many); reads run along source rows.
-template <int P, int HS, int WS, int HD, int WD, int PH, int PW, int ROW, int PLANE, typename T>
-__device__ __forceinline__ void stage_planes(T* dst, const T* __restrict__ src, int h0,
+template <int P, int HS, int WS, int HD, int WD, int PH, int PW, int ROW, int PLANE, typename T,
+          typename S>
+__device__ __forceinline__ void stage_planes(T* dst, const S* __restrict__ src, int h0,
                                              int planes = P) {
     stage<P * HD * WD>(
         dst, src,
@@ -97,11 +113,11 @@ __device__ __forceinline__ void accumulate_taps(T (&acc)[OB][PX], const T* x0,
 // conv.py makes KS * GB * HOUT * cdiv(WOUT, PX) <= blockDim, one pass): splits 1.. hand their
 // sums to split 0 through shared memory. Sum order: bias, split 0's channels (ic, i, j
 // ascending), then each later split's sum in split order.
-template <typename T, int CIN, int HIN, int WIN, int COUT, int KH, int KW, int PH, int PW,
-          int OB, int PX, int GB, int KS, bool FLIP>
+template <typename S, typename T, int CIN, int HIN, int WIN, int COUT, int KH, int KW, int PH,
+          int PW, int OB, int PX, int GB, int KS, bool FLIP>
 __global__ void __launch_bounds__(512)
-conv2d_tiled_kernel(const T* __restrict__ in, const T* __restrict__ w,
-                    const T* __restrict__ bias, T* __restrict__ out, int has_bias) {
+conv2d_tiled_kernel(const S* __restrict__ in, const S* __restrict__ w,
+                    const S* __restrict__ bias, S* __restrict__ out, int has_bias) {
     constexpr int KK = KH * KW;
     constexpr int HOUT = HIN + 2 * PH - KH + 1, WOUT = WIN + 2 * PW - KW + 1;
     constexpr int GROUPS = cdiv(COUT, OB), WG = cdiv(WOUT, PX);   // pixel groups per row
@@ -152,7 +168,7 @@ conv2d_tiled_kernel(const T* __restrict__ in, const T* __restrict__ w,
 #pragma unroll
         for (int ob = 0; ob < OB; ++ob) {
             const int oc = oc0 + g * OB + ob;
-            const T b = with_bias && has_bias && oc < COUT ? bias[oc] : T(0);
+            const T b = with_bias && has_bias && oc < COUT ? widen(bias[oc]) : T(0);
 #pragma unroll
             for (int px = 0; px < PX; ++px) acc[ob][px] = b;
         }
@@ -166,10 +182,10 @@ conv2d_tiled_kernel(const T* __restrict__ in, const T* __restrict__ w,
         for (int ob = 0; ob < OB; ++ob) {
             const int oc = oc0 + g * OB + ob;
             if (oc >= COUT) continue;
-            T* o = out + ((n * COUT + oc) * HOUT + ho) * WOUT + wo0;
+            S* o = out + ((n * COUT + oc) * HOUT + ho) * WOUT + wo0;
 #pragma unroll
             for (int px = 0; px < PX; ++px) {
-                if (wo0 + px < WOUT) o[px] = acc[ob][px];
+                if (wo0 + px < WOUT) store(o + px, acc[ob][px]);
             }
         }
     };
@@ -219,10 +235,10 @@ conv2d_tiled_kernel(const T* __restrict__ in, const T* __restrict__ w,
 // row in tiles of WT pixels (dy rows are staged zero-padded to a multiple of WT). With R > 1
 // the row groups' sums meet in shared memory and are added in q order. Sum order per
 // weight: q, then ho, then wo ascending.
-template <typename T, int C, int H, int W, int O, int KH, int KW, int PH, int PW, int RB,
-          int OS, int R, int WT, bool BIAS>
+template <typename S, typename T, int C, int H, int W, int O, int KH, int KW, int PH, int PW,
+          int RB, int OS, int R, int WT, bool BIAS>
 __global__ void __launch_bounds__(512)
-conv2d_tiled_grad_weight_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+conv2d_tiled_grad_weight_kernel(const S* __restrict__ dy, const S* __restrict__ x,
                                 T* __restrict__ partial) {
     constexpr int KK = KH * KW;
     constexpr int HO = H + 2 * PH - KH + 1, WO = W + 2 * PW - KW + 1;
@@ -308,13 +324,14 @@ conv2d_tiled_grad_weight_kernel(const T* __restrict__ dy, const T* __restrict__ 
 
 // dw[e] = sum_p partial[p][e] for e < weights, db[e - weights] = the same past them; p
 // ascending in SLICES interleaved runs (thread (column, s) adds p = s, s + SLICES, ...), then
-// the runs in s order: a block of 32 columns x SLICES keeps many loads in flight.
+// the runs in s order: a block of 32 columns x SLICES keeps many loads in flight. The partials
+// are T; dw and db are rounded to S here, once.
 constexpr int SUM_SLICES = 8;
 
-template <typename T>
+template <typename S, typename T>
 __global__ void __launch_bounds__(32 * SUM_SLICES)
-conv2d_tiled_grad_weight_sum_kernel(const T* __restrict__ partial, T* __restrict__ dw,
-                                    T* __restrict__ db, int weights, int per, int parts) {
+conv2d_tiled_grad_weight_sum_kernel(const T* __restrict__ partial, S* __restrict__ dw,
+                                    S* __restrict__ db, int weights, int per, int parts) {
     __shared__ T runs[SUM_SLICES][32];
     const int col = threadIdx.x % 32, s = threadIdx.x / 32;
     const int e = blockIdx.x * 32 + col;
@@ -336,7 +353,7 @@ conv2d_tiled_grad_weight_sum_kernel(const T* __restrict__ partial, T* __restrict
     if (s == 0 && e < per) {
 #pragma unroll
         for (int k = 1; k < SUM_SLICES; ++k) sum += runs[k][col];
-        if (e < weights) dw[e] = sum;
-        else db[e - weights] = sum;
+        if (e < weights) store(dw + e, sum);
+        else store(db + e - weights, sum);
     }
 }
