@@ -1,7 +1,7 @@
 """cuda vs numpy for the bf16 kernels of the dense steps (precision="bf16"): dropout,
 dropout_grad, act_bias_grad, reduce_sum, matmul and linear (cuBLASLt bf16, fused and unfused
-epilogues), the optimizer updates' bf16 weight copies; whole mlp- and big-shaped bf16 steps
-against the numpy backend, and graph replay against eager, bit for bit.
+epilogues, and the small-GEMM kernels), the optimizer updates' bf16 weight copies; whole mlp- and
+big-shaped bf16 steps against the numpy backend, and graph replay against eager, bit for bit.
 
 Every op runs on fresh random inputs into poisoned outputs. The reference is the numpy
 backend's run_node (float32 compute, each bf16 output rounded once). Where the arithmetic is
@@ -27,6 +27,7 @@ if not cuda_available():
 
 import stepgraph as sg  # noqa: E402
 from stepgraph import losses, models, optim  # noqa: E402
+from stepgraph.backends.cuda import small_matmul  # noqa: E402
 from stepgraph.backends.numpy import NumpyBackend, bf16  # noqa: E402
 from stepgraph.ir.graph import BF16, Node, Value  # noqa: E402
 from stepgraph.ir.ops import OPS, infer_outputs  # noqa: E402
@@ -146,10 +147,19 @@ def gemm_tolerance(k: int) -> float:
     return 4e-6 * k
 
 
+@pytest.fixture(params=["small", "cublaslt"])
+def gemm_path(request, monkeypatch):
+    """The kernels of the bf16 products below (each of at most SMALL_MACS multiply-adds):
+    small_matmul's, as linear.py routes them, or cuBLASLt's (SMALL_MACS 0)."""
+    if request.param == "cublaslt":
+        monkeypatch.setattr(small_matmul, "SMALL_MACS", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("trans_a,shape_a,shape_b", [(False, (64, 40), (40, 48)),
                                                      (True, (40, 64), (40, 48)),
                                                      (False, (33, 17), (17, 10))])
-def test_matmul(backend, ctx, trans_a, shape_a, shape_b, request):
+def test_matmul(backend, ctx, gemm_path, trans_a, shape_a, shape_b, request):
     rng = seeded(request.node.name)
     a, b = bits(rng, *shape_a), bits(rng, *shape_b)
     node = node_of("matmul", [a, b], [BF16, BF16], **({"trans_a": True} if trans_a else {}))
@@ -160,7 +170,7 @@ def test_matmul(backend, ctx, trans_a, shape_a, shape_b, request):
 @pytest.mark.parametrize("act,save_preact", [(None, False), ("relu", False), ("relu", True),
                                              ("gelu", True), ("gelu", False)])
 @pytest.mark.parametrize("n,k,m", [(64, 96, 48), (32, 64, 10)])
-def test_linear(backend, ctx, act, save_preact, n, k, m, request):
+def test_linear(backend, ctx, gemm_path, act, save_preact, n, k, m, request):
     rng = seeded(request.node.name)
     x, w, b = bits(rng, n, k), bits(rng, m, k, scale=0.3), bits(rng, m)
     attrs = {"act": act}
@@ -171,6 +181,107 @@ def test_linear(backend, ctx, act, save_preact, n, k, m, request):
     assert len(got) == 1 + save_preact
     for name, g, r in zip(("y", "z"), got, ref):
         assert_bf16_within(g, r, atol=gemm_tolerance(k), what=f"linear {act} {name}")
+
+
+# ---- the small-GEMM kernels (linear.py: bf16 products of at most SMALL_MACS) ----------------
+
+SMALL_ACTS = tuple(small_matmul.ACT_CODES)        # None and each activation the kernels apply
+F32_UNIT_ROUNDOFF = 2.0 ** -24
+STEEPEST_ACT = 1.13           # the largest slope of those activations (gelu's; the others' <= 1)
+DIFFER_FRACTION = 0.01
+
+
+def centred(rng, *shape, scale=1.0) -> np.ndarray:
+    """Random bf16 values (raw bits), normal with mean 0: with w scaled by 1 / sqrt(k), the
+    pre-activations are about unit normal, where sigmoid, tanh and gelu are not flat (and a
+    second rounding of y would show)."""
+    return bf16.to_bits((rng.standard_normal(shape) * scale).astype(np.float32))
+
+
+def small_kernels_launched(monkeypatch) -> list[str]:
+    """The small-GEMM kernels launched from now on, by name."""
+    launched = []
+    kernel = small_matmul.compiler.kernel
+
+    def recording(filename, name):
+        if name.startswith("small_matmul"):
+            launched.append(name)
+        return kernel(filename, name)
+
+    monkeypatch.setattr(small_matmul.compiler, "kernel", recording)
+    return launched
+
+
+def assert_small_gemm_close(got, want, a, b, bias=None, what=""):
+    """got (the small kernel's) against want (the numpy emulation's), bf16 bits, of
+    act(a @ b + bias) with a (m, k), b (k, n) and bias float32 values. Products of bf16 values
+    are exact in float32, so the two float32 results differ only by their sums' orders: by at
+    most 2 gamma_{k+1} sum |terms| (each order's error is within gamma_{k+1} of the exact
+    sum, the bias add included), times the activation's slope, plus a few float32 ulps for the
+    activation's own float32 evaluation; rounding each once to bf16 adds at most one bf16 ulp.
+    Such differences rarely straddle a bf16 rounding boundary, so the bits differ at all in at
+    most DIFFER_FRACTION of the elements (a NumPy emulation of the kernels' sum orders on these
+    shapes: at most 0.06%), where an unrounded (truncated) output differs in about half and a
+    twice-rounded one (y from the rounded z, or the bias added to a rounded product) in 5 to
+    30% (sigmoid, tanh, gelu; relu's y is the same either way)."""
+    assert got.dtype == np.uint16 and got.shape == want.shape, what
+    assert not np.any(got == POISON[BF16]), f"{what}: elements left unwritten"
+    k = a.shape[1]
+    terms = np.abs(a).astype(np.float64) @ np.abs(b) + (0 if bias is None else np.abs(bias))
+    gamma = (k + 1) * F32_UNIT_ROUNDOFF / (1 - (k + 1) * F32_UNIT_ROUNDOFF)
+    g, w = bf16.from_bits(got).astype(np.float64), bf16.from_bits(want).astype(np.float64)
+    bf16_ulp = np.spacing(np.maximum(np.abs(g), np.abs(w)).astype(np.float32)) * 2.0 ** 16
+    slack = STEEPEST_ACT * 2 * gamma * terms + 8 * F32_UNIT_ROUNDOFF * np.abs(w) + bf16_ulp
+    far = np.abs(g - w) > slack
+    assert not far.any(), (f"{what}: {far.sum()} of {far.size} beyond the bound; first got "
+                           f"{g[far][:4]} want {w[far][:4]}")
+    differ = int(np.count_nonzero(got != want))
+    assert differ <= max(1, DIFFER_FRACTION * got.size), (
+        f"{what}: {differ} of {got.size} differ from the emulation's bits")
+
+
+@pytest.mark.parametrize("act,save_preact", [(None, False)] + [
+    (act, save) for act in SMALL_ACTS if act is not None for save in (False, True)])
+@pytest.mark.parametrize("n,k,m", [(64, 320, 50), (64, 50, 10), (7, 33, 5)],
+                         ids=["cnn-fc1", "cnn-fc2", "odd"])
+def test_small_linear(backend, ctx, monkeypatch, act, save_preact, n, k, m, request):
+    """The cnn's Linear(320, 50) and Linear(50, 10) at batch 64 (the warp kernel: k > 48) and
+    an odd shape (the thread kernel), with bias: y, and z when saved, each rounded once."""
+    rng = seeded(request.node.name)
+    x, w, b = centred(rng, n, k), centred(rng, m, k, scale=k ** -0.5), centred(rng, m)
+    attrs = {"act": act}
+    if act is not None:
+        attrs.update(slope=0.2, save_preact=save_preact)
+    node = node_of("linear", [x, w, b], [BF16] * 3, **attrs)
+    launched = small_kernels_launched(monkeypatch)
+    ref, got, _, _ = run_both(backend, ctx, node, [x, w, b])
+    kind = "thread" if k <= small_matmul.THREAD_K else "warp"
+    assert launched == [f"small_matmul_{kind}_kernel<unsigned short, unsigned short>"]
+    assert len(got) == 1 + save_preact
+    xf, wf, bf = (bf16.from_bits(v) for v in (x, w, b))
+    for name, g, r in zip(("y", "z"), got, ref):
+        assert_small_gemm_close(g, r, xf, wf.T, bf, what=f"linear {act} {name}")
+
+
+@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (True, False), (False, True),
+                                             (True, True)], ids=["ab", "aTb", "abT", "aTbT"])
+@pytest.mark.parametrize("m,k,n", [(64, 50, 320), (50, 64, 320), (64, 10, 50), (10, 64, 50),
+                                   (7, 33, 5)],
+                         ids=["cnn-dx1", "cnn-dw1", "cnn-dx2", "cnn-dw2", "odd"])
+def test_small_matmul(backend, ctx, monkeypatch, trans_a, trans_b, m, k, n, request):
+    """The cnn's gradient products, (m, k) @ (k, n): dx = dy @ w (64x50 @ 50x320, 64x10 @
+    10x50), dw = dy^T @ x (50x64 @ 64x320, 10x64 @ 64x50; the VJP's trans_a=True), and an odd
+    shape, each operand stored either way."""
+    rng = seeded(request.node.name)
+    a = centred(rng, *((k, m) if trans_a else (m, k)))
+    b = centred(rng, *((n, k) if trans_b else (k, n)))
+    node = node_of("matmul", [a, b], [BF16, BF16], trans_a=trans_a, trans_b=trans_b)
+    launched = small_kernels_launched(monkeypatch)
+    (want,), (got,), _, _ = run_both(backend, ctx, node, [a, b])
+    assert len(launched) == 1 and launched[0].endswith("<unsigned short, unsigned short>")
+    af, bf = bf16.from_bits(a), bf16.from_bits(b)
+    assert_small_gemm_close(got, want, af.T if trans_a else af, bf.T if trans_b else bf,
+                            what=f"matmul {trans_a} {trans_b}")
 
 
 # ---- optimizer weight copies ---------------------------------------------------------------

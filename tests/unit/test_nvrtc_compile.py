@@ -64,13 +64,23 @@ def test_conv_launchers_name_existing_kernels():
 
     kernels = conv.kernel_names()
     assert {"conv.cu", "conv_direct.cu"} <= set(kernels)
+    # the tiled kernels in every storage they run, bfloat16's (S = unsigned short, computing
+    # in float) included: the same variants as float32's, the shared arrays being float either way
+    tiled = kernels["conv_tiled.cu"]
+    for kernel in ("conv2d_tiled_kernel", "conv2d_tiled_grad_weight_kernel",
+                   "conv2d_tiled_grad_weight_sum_kernel"):
+        for types in ("float, float", "double, double", "unsigned short, float"):
+            assert any(name.startswith(f"{kernel}<{types}") for name in tiled), (kernel, types)
+    as_float = {name.replace("<unsigned short, float", "<float, float") for name in tiled
+                if name.startswith("conv2d_tiled") and "<unsigned short, float" in name}
+    assert as_float == {name for name in tiled if "<float, float" in name}
     for filename, names in sorted(kernels.items()):
         assert compiler.compile_to_cubin(compiler.KERNEL_DIR / filename, "sm_90",
                                          tuple(sorted(names)))
 
 
 @pytest.mark.parametrize("family", ["broadcast", "softmax", "embedding", "layer_norm", "shape",
-                                    "cast", "attention"])
+                                    "cast", "attention", "small_matmul"])
 def test_family_launchers_name_existing_kernels(family):
     """Families whose launchers build kernel names (template dims) list them all in
     kernel_names(); each one is instantiated here."""
@@ -241,6 +251,9 @@ class Fake:
 
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
         self.size, self.ndim = int(np.prod(self.shape)), len(self.shape)
+        self.strides = tuple(int(np.prod(self.shape[i + 1:])) * self.dtype.itemsize
+                             for i in range(self.ndim))                     # C-contiguous
+        self.flags = type("Flags", (), {"c_contiguous": True})()
         self.nbytes = self.size * self.dtype.itemsize
         self.data = type("Ptr", (), {"ptr": ptr})()
 
@@ -410,6 +423,59 @@ def test_guard_launch_arguments_match_the_kernels(monkeypatch):
     _assert_launches_match(launched)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "uint16"])
+def test_small_products_launch_the_small_kernels(monkeypatch, dtype):
+    """linear and matmul route float32 and bf16 (uint16 bits) products of at most SMALL_MACS
+    to the small kernels: the cnn's Linear(320, 50) and Linear(50, 10) at batch 64, their
+    gradient products and an odd shape, every transpose. Each launch names the instantiation
+    for its storage, one that kernel_names() lists (so compiled above), both the thread and the
+    warp kernel run, and the arguments fit the kernels' parameters."""
+    from types import SimpleNamespace
+
+    from stepgraph.backends.cuda import linear, small_matmul
+    from stepgraph.ir.graph import Node
+
+    launched = []
+    monkeypatch.setattr(small_matmul.compiler, "kernel", lambda filename, name: (
+        lambda grid, block, args, stream: launched.append((filename, name, grid, block, args))))
+    ctx = SimpleNamespace(stream=None, precision="bf16" if dtype == "uint16" else "fp32")
+    arr = lambda *shape: Fake(shape, dtype)      # noqa: E731
+    for n, k, m, act, save in ((64, 320, 50, "relu", False), (64, 50, 10, None, False),
+                               (7, 33, 5, "gelu", True)):
+        node = Node("linear", [], [], dict(act=act, slope=0.01, save_preact=save))
+        linear.IMPLS["linear"](node, [arr(n, k), arr(m, k), arr(m)],
+                               [arr(n, m)] + ([arr(n, m)] if save else []), ctx)
+        # dx = dy @ w: (n, m) @ (m, k); dw = dy^T @ x: (m, n) @ (n, k); each transpose
+        for rows, inner, cols in ((n, m, k), (m, n, k)):
+            for ta in (False, True):
+                for tb in (False, True):
+                    node = Node("matmul", [], [], dict(trans_a=ta, trans_b=tb))
+                    a = arr(inner, rows) if ta else arr(rows, inner)
+                    b = arr(cols, inner) if tb else arr(inner, cols)
+                    linear.IMPLS["matmul"](node, [a, b], [arr(rows, cols)], ctx)
+    assert len(launched) == 3 * 9
+    ctype = "unsigned short" if dtype == "uint16" else "float"
+    names = {name for _, name, *_ in launched}
+    assert names == {f"small_matmul_{kind}_kernel<{ctype}, {ctype}>" for kind in ("thread", "warp")}
+    assert names <= small_matmul.kernel_names()["small_matmul.cu"]
+    _assert_launches_match(launched)
+
+
+def test_small_kernels_take_one_storage():
+    """The small kernels hold float32 -> float32 and bf16 -> bf16 (the IR's products write
+    their operands' dtype); any other mix goes to cuBLASLt, whose checks name it."""
+    from stepgraph.backends.cuda import small_matmul
+    from stepgraph.errors import ShapeError
+
+    f32, bf, f64 = Fake((4, 4)), Fake((4, 4), "uint16"), Fake((4, 4), "float64")
+    assert small_matmul.has_small_kernel(f32, f32, f32)
+    assert small_matmul.has_small_kernel(bf, bf, bf)
+    for a, b, c in ((bf, bf, f32), (bf, f32, bf), (f32, bf, f32), (f64, f64, f64)):
+        assert not small_matmul.has_small_kernel(a, b, c)
+    with pytest.raises(ShapeError, match="bias bfloat16"):
+        small_matmul.small_matmul_forward(None, f32, f32, f32, bias=Fake((4,), "uint16"))
+
+
 def test_cross_entropy_count_kernel_is_launched():
     """The ignore_index count kernel is among the names the launchers' test compiles."""
     names = launched_kernels()["loss.cu"]
@@ -531,8 +597,13 @@ def test_softmax_shape_and_loss_launch_arguments_match_the_kernels(monkeypatch):
                                          Fake((n, c)), 0.0, node, -100)
         launchers.cross_entropy_train(None, node, logits, labels, Fake(()), Fake((n, c)), 0.0,
                                       -1)
+        # bf16 logits and dlogits (fuse_loss_casts)
+        launchers.cross_entropy_train(None, node, Fake((n, c), "uint16"), labels, Fake(()),
+                                      Fake((n, c), "uint16"), 0.0, -1)
     names = [name for _, name, _, _, _ in launched]
+    assert "cross_entropy_train_short_kernel<unsigned short, unsigned short, long long>" in names
+    assert "cross_entropy_train_kernel<unsigned short, unsigned short, long long>" in names
     assert names[:3] == ["softmax_scaled_forward_kernel", "softmax_scaled_backward_kernel",
                          "softmax_forward_kernel"]
-    assert names.count("cross_entropy_count_kernel<long long>") == 3 + 2   # grads, train x2
+    assert names.count("cross_entropy_count_kernel<long long>") == 3 + 4   # grads, train x4
     _assert_launches_match(launched)

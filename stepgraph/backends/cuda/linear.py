@@ -8,16 +8,20 @@ call without copies. For linear, y (N, M) = x (N, K) @ w (M, K)^T:
 Backward GEMMs arrive as matmul nodes (autodiff/rules.py) and need no copies either:
   dx = matmul(dz, w):               A = w   (K, M) ld K op N, B = dz (M, N) ld M op N, D (K, N)
   dw = matmul(dz, x, trans_a=True): A = x   (K, N) ld K op N, B = dz (M, N) ld M op T, D (K, M)
-Products of at most small_matmul.SMALL_MACS multiply-adds go to the small-GEMM kernel. In fp32
-the others have a second candidate, small_matmul's tiled kernel (64 x 64 tiles, k split over
-blocks), timed against cuBLASLt once per problem (`_run_fastest`, autotune.py).
+Products of at most small_matmul.SMALL_MACS multiply-adds go to the small-GEMM kernel, float32
+or bfloat16. In fp32 the others have a second candidate, small_matmul's tiled kernel (64 x 64
+tiles, k split over blocks), timed against cuBLASLt once per problem (`_run_fastest`,
+autotune.py).
 
-bfloat16 (precision="bf16", operands as uint16 bits): cuBLASLt only (gemm.py: float32
-accumulation and epilogue, D rounded once). A linear whose activation has no cuBLASLt epilogue
-(exact gelu, or relu with its pre-activation saved) runs its GEMM into a float32 scratch of the
-node and then launchers.linear_bias_act, so that y and z are each rounded once from float32 (the
-BIAS epilogue into bf16 z, then the activation of that, would round y twice). The autotuner's
-key holds the operands' dtypes.
+bfloat16 (precision="bf16", operands as uint16 bits): small products on the small-GEMM kernel,
+which keeps the float32 sum, bias and activation in registers and rounds y and z once each as
+it stores them (the cnn's Linear(320, 50) and Linear(50, 10) at batch 64 and their gradients:
+cuBLASLt spent ~23 µs a step there, in wmma, gemv and sgemm kernels). The others on cuBLASLt
+(gemm.py: float32 accumulation and epilogue, D rounded once). A linear whose activation has no
+cuBLASLt epilogue (exact gelu, or relu with its pre-activation saved) runs its GEMM into a
+float32 scratch of the node and then launchers.linear_bias_act, so that y and z are each
+rounded once from float32 (the BIAS epilogue into bf16 z, then the activation of that, would
+round y twice). The autotuner's key holds the operands' dtypes.
 """
 from __future__ import annotations
 
@@ -25,8 +29,9 @@ from typing import Callable
 
 import numpy as np
 
-from . import autotune, gemm
-from .small_matmul import is_small, small_matmul_forward, tile_matmul_forward, tile_splits
+from . import autotune, gemm, small_matmul
+from .small_matmul import (has_small_kernel, is_small, small_matmul_forward, tile_matmul_forward,
+                           tile_splits)
 
 # cuBLASLt's GELU epilogue is the tanh approximation, so it serves gelu_tanh only; exact (erf)
 # gelu takes the BIAS epilogue and the activation kernel. Set False to run gelu_tanh through
@@ -37,6 +42,12 @@ GELU_TANH_IN_EPILOGUE = True
 # tf32 144 against 116 µs, fp32 487 against 460; scripts/epilogue-bench).
 TIMED_AGAINST_KERNEL = frozenset({"gelu_tanh"})
 BF16_OPS = frozenset({"linear", "matmul"})
+
+
+def kernel_names() -> dict[str, set[str]]:
+    """{.cu file: every kernel name this family may launch}: small_matmul's (the backend
+    declares them, so the file compiles as one module, ahead of the first step)."""
+    return small_matmul.kernel_names()
 
 
 def _slope(attrs: dict) -> float:
@@ -91,7 +102,7 @@ def linear_forward(node, ins, outs, ctx) -> None:
     y = outs[0]
     z = outs[1] if node.attrs.get("save_preact") else None
 
-    if x.dtype == "float32" and is_small(x.shape[0], w.shape[0], x.shape[1]):
+    if has_small_kernel(x, w, y) and is_small(x.shape[0], w.shape[0], x.shape[1]):
         small_matmul_forward(ctx, x, w, y, trans_b=True, bias=bias, z=z, act=kind, slope=slope)
         return
     paths = {"cublaslt": lambda: _linear_cublaslt(ctx, x, w, y, z, bias, kind, slope, node)}
@@ -151,7 +162,7 @@ def matmul_forward(node, ins, outs, ctx) -> None:
     a, b, c = ins[0], ins[1], outs[0]
     trans_a, trans_b = bool(node.attrs.get("trans_a")), bool(node.attrs.get("trans_b"))
     k = a.shape[0] if trans_a else a.shape[1]
-    if a.dtype == "float32" and is_small(c.shape[0], c.shape[1], k):
+    if has_small_kernel(a, b, c) and is_small(c.shape[0], c.shape[1], k):
         small_matmul_forward(ctx, a, b, c, trans_a=trans_a, trans_b=trans_b)
         return
     paths = {"cublaslt": lambda: gemm.matmul(ctx, a, b, c, trans_a=trans_a, trans_b=trans_b)}

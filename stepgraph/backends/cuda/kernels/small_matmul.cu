@@ -4,62 +4,75 @@
 // launch does it in a few µs and the sum order is fixed (deterministic).
 // Operands are addressed through strides, so transposed operands need no copy:
 // A(i, k) = a[i * a_i + k * a_k], B(k, j) = b[k * b_k + j * b_j], C row-major.
+// The small kernels are templates on the operands' storage S and the outputs' D (float, or
+// bf16 as unsigned short bits; bias, c and z share D): they compute in float32 whatever the
+// storage, so a bf16 linear rounds y and z once each as it stores them, from registers, with
+// no float32 scratch (linear.py's cuBLASLt path needs one where its epilogues fall short).
+#include "bf16.cuh"
 #include "elementwise.cuh"
 #include "reduce.cuh"
 
-// Bias, saved pre-activation and activation of one output, as linear's epilogue defines them.
-__device__ __forceinline__ void finish_output(float acc, long long idx, int j, const float* bias,
-                                              float* c, float* z, int act, float slope) {
-    if (bias) acc += bias[j];
-    if (z) z[idx] = acc;
-    c[idx] = act == ACT_NONE ? acc : act_value(acc, act, slope);
+// Bias, saved pre-activation and activation of one output, as linear's epilogue defines them:
+// in float32, each output rounded once as it is stored (a no-op for float D).
+template <typename D>
+__device__ __forceinline__ void finish_output(float acc, long long idx, int j, const D* bias,
+                                              D* c, D* z, int act, float slope) {
+    if (bias) acc += load_as_float(bias, j);
+    if (z) store_from_float(z, idx, acc);
+    store_from_float(c, idx, act == ACT_NONE ? acc : act_value(acc, act, slope));
 }
 
 // Short dot products (k up to a few dozen): one thread per output. Index math in 32 bits
 // (small_matmul.py launches m * n < 2^31 outputs). The loads of TAPS consecutive k issue
-// together; the FMAs still run in k order, so the sum order is the plain loop's.
+// together; the FMAs still run in k order, so the sum order is the plain loop's. A product of
+// two bf16 values is exact in float32, so each fmaf rounds only the sum, as numpy's float32
+// multiply then add does.
 constexpr int TAPS = 8;
 
-extern "C" __global__ void small_matmul_thread_kernel(
-        const float* a, const float* b, const float* bias, float* c, float* z, int m, int n,
-        int k, long long a_i, long long a_k, long long b_k, long long b_j, int act, float slope) {
+template <typename S, typename D>
+__global__ void small_matmul_thread_kernel(
+        const S* a, const S* b, const D* bias, D* c, D* z, int m, int n, int k, long long a_i,
+        long long a_k, long long b_k, long long b_j, int act, float slope) {
     const int total = m * n;
     for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < total;
          idx += gridDim.x * blockDim.x) {
         const int i = idx / n, j = idx % n;
-        const float* ap = a + i * a_i;
-        const float* bp = b + j * b_j;
+        const S* ap = a + i * a_i;
+        const S* bp = b + j * b_j;
         float acc = 0.f;
         int kk = 0;
         for (; kk + TAPS <= k; kk += TAPS) {
             float av[TAPS], bv[TAPS];
 #pragma unroll
             for (int u = 0; u < TAPS; ++u) {
-                av[u] = ap[(kk + u) * a_k];
-                bv[u] = bp[(kk + u) * b_k];
+                av[u] = load_as_float(ap, (kk + u) * a_k);
+                bv[u] = load_as_float(bp, (kk + u) * b_k);
             }
 #pragma unroll
             for (int u = 0; u < TAPS; ++u) acc = fmaf(av[u], bv[u], acc);
         }
-        for (; kk < k; ++kk) acc = fmaf(ap[kk * a_k], bp[kk * b_k], acc);
+        for (; kk < k; ++kk)
+            acc = fmaf(load_as_float(ap, kk * a_k), load_as_float(bp, kk * b_k), acc);
         finish_output(acc, idx, j, bias, c, z, act, slope);
     }
 }
 
 // Long dot products: one warp per output, lanes stride over k, then a fixed shuffle tree.
-extern "C" __global__ void small_matmul_warp_kernel(
-        const float* a, const float* b, const float* bias, float* c, float* z, int m, int n,
-        int k, long long a_i, long long a_k, long long b_k, long long b_j, int act, float slope) {
+template <typename S, typename D>
+__global__ void small_matmul_warp_kernel(
+        const S* a, const S* b, const D* bias, D* c, D* z, int m, int n, int k, long long a_i,
+        long long a_k, long long b_k, long long b_j, int act, float slope) {
     const long long total = (long long)m * n;
     const int lane = threadIdx.x & 31;
     const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
     for (long long idx = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5; idx < total;
          idx += warps) {
         const int i = (int)(idx / n), j = (int)(idx % n);
-        const float* ap = a + i * a_i;
-        const float* bp = b + j * b_j;
+        const S* ap = a + i * a_i;
+        const S* bp = b + j * b_j;
         float acc = 0.f;
-        for (int kk = lane; kk < k; kk += 32) acc = fmaf(ap[kk * a_k], bp[kk * b_k], acc);
+        for (int kk = lane; kk < k; kk += 32)
+            acc = fmaf(load_as_float(ap, kk * a_k), load_as_float(bp, kk * b_k), acc);
         acc = warp_sum(acc);
         if (lane == 0) finish_output(acc, idx, j, bias, c, z, act, slope);
     }
@@ -73,7 +86,8 @@ extern "C" __global__ void small_matmul_warp_kernel(
 // the block applies the epilogue. Several: each writes its partial tile, and
 // tile_matmul_finish_kernel adds the splits in order before the epilogue. Sum order of an
 // output: k ascending within a split, then the splits in order. Index math in 32 bits
-// (small_matmul.py checks the sizes).
+// (small_matmul.py checks the sizes). float32 only: linear.py times it against cuBLASLt's
+// fp32 kernels; bf16 products of this size run on cuBLASLt's tensor cores.
 constexpr int TILE_M = 64, TILE_N = 64, TILE_K = 16, TILE_THREADS = 256;
 constexpr int TILE_PAD = 4;   // keeps float4 rows aligned and spreads the staging stores
 
