@@ -321,16 +321,17 @@ def fuse_step_bookkeeping(graph: Graph) -> Graph:
 
 
 def _reads_gradient(reader: Node, v: Value) -> bool:
-    """Whether `reader` reads v only as a gradient it may take in bf16: an update's, or the
-    guard's check (any input but its float32 loss)."""
-    return reader.op in ("sgd_update", "adam_update") or \
+    """Whether `reader` reads v only as a gradient it may take in bf16: an update's, the
+    clipping norm's, or the guard's check (any input but its float32 loss)."""
+    return reader.op in ("sgd_update", "adam_update", "global_norm") or \
         (reader.op == "guard_check" and v is not reader.inputs[1])
 
 
 def fuse_gradient_casts(graph: Graph) -> Graph:
-    """cast(g bf16 -> float32) -> g32, read only by the update and the guard's check
-    =>   both read g: the update widens each bf16 gradient as it loads it, exactly as the cast
-    did (bf16 -> float32 is exact), and a NaN or Inf shows in g as in g32. precision="bf16":
+    """cast(g bf16 -> float32) -> g32, read only by the update, the clipping norm and the
+    guard's check   =>   they read g: the update and the norm widen each bf16 gradient as
+    they load it, exactly as the cast did (bf16 -> float32 is exact), and a NaN or Inf shows in
+    g as in g32. precision="bf16":
     the gradient of every weight's bf16 copy reaches its float32 master through such a cast
     (autocast.bind_weight_copies), a launch a parameter before this pass."""
     graph = _copy(graph)

@@ -413,8 +413,9 @@ def _advance_step(ins, attrs):
 
 @defop("global_norm")
 def _global_norm(ins, attrs):
-    """norm = sqrt(sum over every input of sum(g^2))."""
-    return [((), ins[0].dtype)]
+    """norm = sqrt(sum over every input of sum(g^2)); float32 when the inputs are bf16
+    gradients (compile/fuse.py fuse_gradient_casts)."""
+    return [((), "float32" if ins[0].dtype == BF16 else ins[0].dtype)]
 
 
 def _update_mutates(attrs) -> tuple[int, ...]:

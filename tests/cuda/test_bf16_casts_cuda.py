@@ -1,5 +1,6 @@
 """The kernels that take over the casts fuse_gradient_casts and fuse_loss_casts drop
-(compile/fuse.py, precision="bf16"): the updates and guard_check reading bf16 gradients, and
+(compile/fuse.py, precision="bf16"): the updates, global_norm and guard_check reading bf16
+gradients, and
 cross_entropy_train reading bf16 logits and writing bf16 dlogits. Widening bf16 to float32 is
 exact and a cast rounds once, so each must give the bits of its float32 kernel between the
 casts: the update's parameters and slots as with the widened gradients, the loss as with the
@@ -61,6 +62,24 @@ def test_update_with_bf16_gradients_equals_the_widened_float32_ones(ctx, op):
     assert any(not np.array_equal(g, p) for g, p in zip(got, params))      # it moved
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
+
+
+def test_global_norm_of_bf16_gradients_equals_that_of_the_widened_ones(ctx):
+    rng = seeded("bf16 norm")
+    shapes = [(64, 32), (13,), (7, 3)]            # vector loads; the element loop
+    grads = [bf16.to_bits(rng.standard_normal(s).astype(np.float32)) for s in shapes]
+    plain = rng.standard_normal((5,)).astype(np.float32)     # a float32 gradient beside them
+
+    def norm(tensors):
+        with ctx.stream:
+            out = cp.full((), np.nan, np.float32)
+            ins = [cp.asarray(t) for t in tensors]
+        launchers.global_norm_forward(ctx, Node("global_norm", [], [], {}), ins, out)
+        ctx.stream.synchronize()
+        return float(out)
+
+    got = norm(grads + [plain])
+    assert np.isfinite(got) and got == norm([bf16.from_bits(g) for g in grads] + [plain])
 
 
 @pytest.mark.parametrize("bad", [None, 0x7F80, 0xFF80, 0x7FC0])   # finite, +Inf, -Inf, NaN

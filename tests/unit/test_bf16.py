@@ -467,45 +467,36 @@ def _initial_cnn_state() -> dict:
     return models.cnn(dropout=0.0).state_dict()
 
 
+@pytest.mark.parametrize("clip", [None, 1.0])
 @pytest.mark.parametrize("opt", [lambda: optim.AdamW(lr=1e-2),
                                  lambda: optim.SGD(lr=0.1, momentum=0.9)])
-def test_casts_around_the_loss_and_the_gradients_are_dropped(monkeypatch, opt):
-    """fuse_gradient_casts: the gradient of each weight's bf16 copy reaches the update and the
-    guard's check as it is, no cast to float32 between (the update widens it as it loads it,
-    exactly). fuse_loss_casts: the loss reads the bf16 logits and writes bf16 dlogits. Three
-    steps give the bits of the graph with the casts."""
+def test_casts_around_the_loss_and_the_gradients_are_dropped(monkeypatch, opt, clip):
+    """fuse_gradient_casts: the gradient of each weight's bf16 copy reaches the update, the
+    clipping norm and the guard's check as it is, no cast to float32 between (each widens it
+    as it loads it, exactly). fuse_loss_casts: the loss reads the bf16 logits and writes bf16
+    dlogits. Three steps give the bits of the graph with the casts."""
     from stepgraph.compile.fuse import PASSES, fuse_gradient_casts, fuse_loss_casts
 
     want = cnn_bf16_run(monkeypatch, opt(), tuple(
-        p for p in PASSES if p not in (fuse_gradient_casts, fuse_loss_casts)))
-    got = cnn_bf16_run(monkeypatch, opt(), PASSES)
-    loss = next(n for n in got[2].nodes if n.op == "cross_entropy_train")
-    assert [v.dtype for v in loss.inputs[:1] + loss.outputs] == [B, F32, B]
-    assert [n.op for n in got[2].nodes].count("cast") == 1          # the input's
-    assert [n.op for n in want[2].nodes].count("cast") == 11
+        p for p in PASSES if p not in (fuse_gradient_casts, fuse_loss_casts)), clip)
+    got = cnn_bf16_run(monkeypatch, opt(), PASSES, clip)
     for graph, n_casts in ((want[2], 8), (got[2], 0)):
         update = next(n for n in graph.nodes if n.op.endswith("_update"))
-        check = next(n for n in graph.nodes if n.op == "guard_check")
         k, n = update.attrs["n_scalars"], update.attrs["n_params"]
         grads = update.inputs[k + n:k + 2 * n]
         assert sum(g.dtype == BF16 for g in grads) == 8 - n_casts
         assert len([c for c in graph.nodes if c.op == "cast" and c.outputs[0] in grads]) \
             == n_casts
-        assert set(grads) <= set(check.inputs)
+        readers = ["guard_check"] + (["global_norm"] if clip else [])
+        for reader in readers:
+            assert set(grads) <= set(next(n for n in graph.nodes if n.op == reader).inputs)
+    loss = next(n for n in got[2].nodes if n.op == "cross_entropy_train")
+    assert [v.dtype for v in loss.inputs[:1] + loss.outputs] == [B, F32, B]
+    assert [n.op for n in got[2].nodes].count("cast") == 1          # the input's
+    assert [n.op for n in want[2].nodes].count("cast") == 11
     assert got[0] == want[0]
     for key in want[1]:
         np.testing.assert_array_equal(got[1][key], want[1][key], err_msg=key)
-
-
-def test_gradient_casts_stay_where_clipping_reads_the_float32_gradients(monkeypatch):
-    """global_norm reads the gradients as float32: their casts stay."""
-    from stepgraph.compile.fuse import PASSES
-
-    _, _, graph = cnn_bf16_run(monkeypatch, optim.SGD(lr=0.1), PASSES, max_grad_norm=1.0,
-                               steps=1)
-    norm = next(n for n in graph.nodes if n.op == "global_norm")
-    assert all(g.dtype == F32 for g in norm.inputs)
-    assert len([n for n in graph.nodes if n.op == "cast" and n.outputs[0] in norm.inputs]) == 8
 
 
 # ---- predictors, errors -------------------------------------------------------------------

@@ -57,7 +57,8 @@ FILL_CTYPES = {np.dtype("float32"): "float", np.dtype("float64"): "double",
 # IR dtype bfloat16 only (ir/graph.py storage_dtype), so it always means bf16 bits here.
 ELEMENT_CTYPES = {np.dtype("float32"): "float", np.dtype("uint16"): "unsigned short"}
 BF16_OPS = frozenset({"act", "act_grad", "add", "dropout", "dropout_grad", "reduce_sum",
-                      "act_bias_grad", "sgd_update", "adam_update", "cross_entropy_train"})
+                      "act_bias_grad", "sgd_update", "adam_update", "cross_entropy_train",
+                      "global_norm"})
 
 
 # ---- shared helpers ------------------------------------------------------------------------
@@ -462,7 +463,8 @@ def _chunk_jobs(sizes: list[int]) -> np.ndarray:
 
 
 def _build_norm_tables(tensors) -> dict:
-    entries = np.array([(t.data.ptr, t.size, _aligned(t)) for t in tensors], dtype=np.int64)
+    entries = np.array([(t.data.ptr, t.size, _aligned(t), t.dtype == np.uint16)
+                        for t in tensors], dtype=np.int64)
     jobs = _chunk_jobs([t.size for t in tensors])
     return dict(entries=cp.asarray(entries), jobs=cp.asarray(jobs),
                 partials=cp.zeros(len(jobs), np.float64), counter=cp.zeros(1, np.uint32))
@@ -482,7 +484,8 @@ def global_norm_forward(ctx, node: Node, tensors, out) -> None:
 
 def _checked_norm_tables(tensors) -> dict:
     for i, t in enumerate(tensors):
-        _check(f"global_norm input {i}", t)
+        # float32, or a bf16 gradient (uint16 bits) whose cast fuse_gradient_casts dropped
+        _check(f"global_norm input {i}", t, dtype=None if t.dtype == np.uint16 else "float32")
     return _build_norm_tables(tensors)
 
 

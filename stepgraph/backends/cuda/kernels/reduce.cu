@@ -170,12 +170,26 @@ act_bias_backward_kernel(const T* dy, const T* saved, T* dz, T* db, double* part
     finish_columns<VEC>(acc, db, partial, col, cols);
 }
 
-// One row of the device table built once per node by launchers.global_norm_forward.
+// One row of the device table built once per node by launchers.global_norm_forward: a float32
+// tensor, or the bf16 bits of a gradient whose cast to float32 compile/fuse.py dropped
+// (fuse_gradient_casts; widened exactly, so the norm is the same).
 struct NormEntry {
-    const float* data;
+    const void* data;
     long long n;
-    long long aligned;  // data is 16-byte aligned: float4 loads
+    long long aligned;  // data is 16-byte aligned: one vector load of four elements
+    long long bf16;
 };
+
+// The four elements of tensor e from i (vector: one aligned access) as float.
+__device__ __forceinline__ void norm_load4(const NormEntry& e, long long i, float v[4]) {
+    if (e.bf16) load4_as_float(static_cast<const unsigned short*>(e.data), i, v);
+    else load4_as_float(static_cast<const float*>(e.data), i, v);
+}
+
+__device__ __forceinline__ float norm_load(const NormEntry& e, long long i) {
+    return e.bf16 ? load_as_float(static_cast<const unsigned short*>(e.data), i)
+                  : static_cast<const float*>(e.data)[i];
+}
 
 // out = sqrt(sum over tensors of sum(g^2)), in float64 like the numpy reference. Block k sums
 // chunk blocks[k] = (tensor, chunk index) into partials[k]; the last block to finish adds the
@@ -194,10 +208,15 @@ extern "C" __global__ void global_norm_forward_kernel(const NormEntry* entries,
     const long long stride = 4 * (long long)blockDim.x;
     for (long long i = start + 4 * (long long)threadIdx.x; i < end; i += stride) {
         if (e.aligned && i + 4 <= end) {
-            const float4 v = *reinterpret_cast<const float4*>(e.data + i);
-            acc += (double)v.x * v.x + (double)v.y * v.y + (double)v.z * v.z + (double)v.w * v.w;
+            float v[4];
+            norm_load4(e, i, v);
+            acc += (double)v[0] * v[0] + (double)v[1] * v[1] + (double)v[2] * v[2] +
+                   (double)v[3] * v[3];
         } else {
-            for (long long j = i; j < i + 4 && j < end; ++j) acc += (double)e.data[j] * e.data[j];
+            for (long long j = i; j < i + 4 && j < end; ++j) {
+                const double g = norm_load(e, j);
+                acc += g * g;
+            }
         }
     }
     acc = block_sum(acc, smem);
