@@ -375,6 +375,61 @@ def fuse_loss_casts(graph: Graph) -> Graph:
     return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
 
 
+def _sole_reader(users, outputs, v: Value, op: str) -> Node | None:
+    """The `op` node that is v's only reader, when v is no graph output."""
+    readers = users.get(v, [])
+    if len(readers) != 1 or readers[0].op != op or v in outputs:
+        return None
+    return readers[0]
+
+
+def fuse_layer_norm_casts(graph: Graph) -> Graph:
+    """precision="bf16": autocast runs layer_norm in float32, so its y reaches the next GEMM
+    through a cast to bf16, and that GEMM's float32-cast dx reaches layer_norm_grad as dy:
+        layer_norm -> y [-> reshape] -> cast(bf16) -> c
+        =>   layer_norm -> y in bf16 [-> reshape] = c   (the kernel rounds y once, as the cast)
+        cast(d bf16 -> float32) [-> reshape] -> layer_norm_grad(dy, ...)
+        =>   [reshape ->] layer_norm_grad(d in bf16, ...)   (widened as loaded, exactly)
+    where each value on the way has that one reader. x, the statistics and dx stay float32."""
+    graph = _copy(graph)
+    users, producers = graph.consumers(), graph.producers()
+    outputs = set(graph.outputs.values())
+    drop: set[Node] = set()
+    for n in graph.nodes:
+        if n.op == "layer_norm":
+            y = n.outputs[0]
+            view = _sole_reader(users, outputs, y, "reshape")
+            cast = _sole_reader(users, outputs, view.outputs[0] if view else y, "cast")
+            if cast is None or cast.attrs["dtype"] != BF16:
+                continue
+            if view is None:
+                n.outputs = [cast.outputs[0], *n.outputs[1:]]
+            else:
+                n.outputs = [Value(y.shape, BF16, y.name), *n.outputs[1:]]
+                view.inputs, view.outputs = [n.outputs[0]], [cast.outputs[0]]
+            drop.add(cast)
+        elif n.op == "layer_norm_grad":
+            dy = n.inputs[0]
+            view = producers.get(dy)
+            if view is not None and view.op == "reshape" and \
+                    _sole_reader(users, outputs, dy, "layer_norm_grad") is n:
+                wide = view.inputs[0]
+            else:
+                view, wide = None, dy
+            cast = producers.get(wide)
+            if cast is None or cast.op != "cast" or cast.inputs[0].dtype != BF16 or \
+                    _sole_reader(users, outputs, wide, view.op if view else n.op) is None:
+                continue
+            if view is None:
+                n.inputs = [cast.inputs[0], *n.inputs[1:]]
+            else:
+                view.inputs = [cast.inputs[0]]
+                view.outputs = [Value(dy.shape, BF16, dy.name)]
+                n.inputs = [view.outputs[0], *n.inputs[1:]]
+            drop.add(cast)
+    return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
+
+
 def _is_unit_seed(graph: Graph, v: Value) -> bool:
     p = graph.producers().get(v)
     return p is not None and p.op == "fill" and p.attrs["value"] == 1.0
@@ -438,8 +493,8 @@ def eliminate_dead_code(graph: Graph) -> Graph:
 PASSES = (pack_attention_heads, fuse_linear_activation, fuse_pool_relu,
           fuse_batch_norm_residual, fuse_batch_norm_relu, fuse_batch_norm_grad_sum,
           fuse_activation_bias_grad, fuse_conv_bias_grad, fuse_cross_entropy,
-          fuse_log_softmax_nll, fuse_loss_casts, fuse_step_bookkeeping, fuse_gradient_casts,
-          fuse_pointwise, eliminate_dead_code)
+          fuse_log_softmax_nll, fuse_loss_casts, fuse_layer_norm_casts, fuse_step_bookkeeping,
+          fuse_gradient_casts, fuse_pointwise, eliminate_dead_code)
 
 
 def fuse(graph: Graph, passes=PASSES) -> Graph:

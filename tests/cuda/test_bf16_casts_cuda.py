@@ -1,11 +1,12 @@
-"""The kernels that take over the casts fuse_gradient_casts and fuse_loss_casts drop
-(compile/fuse.py, precision="bf16"): the updates, global_norm and guard_check reading bf16
-gradients, and
-cross_entropy_train reading bf16 logits and writing bf16 dlogits. Widening bf16 to float32 is
-exact and a cast rounds once, so each must give the bits of its float32 kernel between the
-casts: the update's parameters and slots as with the widened gradients, the loss as with the
-widened logits, and dlogits as that kernel's float32 dlogits rounded to bf16. The whole bf16
-steps that run these are in test_bf16_cuda.py and test_bf16_conv_cuda.py."""
+"""The kernels that take over the casts compile/fuse.py drops at precision="bf16": the
+updates, global_norm and guard_check reading bf16 gradients (fuse_gradient_casts),
+cross_entropy_train reading bf16 logits and writing bf16 dlogits (fuse_loss_casts), and
+layer_norm writing a bf16 y, layer_norm_grad reading a bf16 dy (fuse_layer_norm_casts).
+Widening bf16 to float32 is exact and a cast rounds once, so each must give the bits of its
+float32 kernel between the casts: what reads a bf16 input, the float32 kernel's results on the
+widened input; what writes a bf16 output, the float32 kernel's output rounded to bf16. The
+whole bf16 steps that run these are in test_bf16_cuda.py, test_bf16_conv_cuda.py and
+test_bf16_attention_cuda.py (gpt)."""
 from __future__ import annotations
 
 import numpy as np
@@ -20,7 +21,7 @@ from stepgraph.backends import cuda_available  # noqa: E402
 if not cuda_available():
     pytest.skip("no GPU visible to CuPy", allow_module_level=True)
 
-from stepgraph.backends.cuda import guards, launchers  # noqa: E402
+from stepgraph.backends.cuda import guards, launchers, layer_norm  # noqa: E402
 from stepgraph.backends.numpy import bf16  # noqa: E402
 from stepgraph.ir.graph import Node  # noqa: E402
 from stepgraph.ops.guard import GUARD_GRADS  # noqa: E402
@@ -120,3 +121,42 @@ def test_cross_entropy_train_on_bf16_logits(ctx, n, c, smoothing, ignore):
     loss32, dx32 = run(bf16.from_bits(logits), np.float32(np.nan))
     assert np.isfinite(loss32) and loss16 == loss32
     np.testing.assert_array_equal(dx16, bf16.to_bits(dx32))
+
+
+@pytest.mark.parametrize("c", [384, 33, 8196])          # float4 registers; one a thread; loop
+def test_layer_norm_with_a_bf16_y_and_dy(ctx, c):
+    """The forward's bf16 y is its float32 y rounded once; the backward on a bf16 dy gives the
+    float32 backward's dx, dweight and dbias on the widened dy, bit for bit."""
+    rng = seeded(f"bf16 layer norm {c}")
+    rows = 40
+    x = (rng.standard_normal((rows, c)) * 2 + 0.5).astype(np.float32)
+    w, b = (rng.standard_normal(c).astype(np.float32) for _ in range(2))
+    dy = bf16.to_bits(rng.standard_normal((rows, c)).astype(np.float32))
+
+    def forward(y_dtype, poison):
+        with ctx.stream:
+            xs, ws, bs = cp.asarray(x), cp.asarray(w), cp.asarray(b)
+            y = cp.full((rows, c), poison, y_dtype)
+            mean, rstd = cp.empty(rows, np.float32), cp.empty(rows, np.float32)
+        layer_norm.layer_norm_forward(ctx, xs, ws, bs, y, mean, rstd, 1e-5)
+        ctx.stream.synchronize()
+        return cp.asnumpy(y), mean, rstd
+
+    y16, mean, rstd = forward(np.uint16, np.uint16(0x7FA1))
+    y32, _, _ = forward(np.float32, np.float32(np.nan))
+    np.testing.assert_array_equal(y16, bf16.to_bits(y32))
+
+    def backward(d):
+        node = Node("layer_norm_grad", [], [], {})
+        with ctx.stream:
+            dx = cp.full((rows, c), np.nan, np.float32)
+            dw, db = cp.full(c, np.nan, np.float32), cp.full(c, np.nan, np.float32)
+            ins = cp.asarray(d), cp.asarray(x), cp.asarray(w)
+        layer_norm.layer_norm_backward(ctx, node, ins[0], ins[1], ins[2], mean, rstd, dx, dw, db)
+        ctx.stream.synchronize()
+        return [cp.asnumpy(a) for a in (dx, dw, db)]
+
+    got, want = backward(dy), backward(bf16.from_bits(dy))
+    assert np.isfinite(want[0]).all()
+    for g, wnt in zip(got, want):
+        np.testing.assert_array_equal(g, wnt)

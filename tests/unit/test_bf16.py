@@ -301,6 +301,10 @@ def test_every_value_of_a_train_step_has_its_autocast_dtype(name):
                 # fuse_loss_casts: bf16 logits in, bf16 dlogits out, a float32 loss
                 assert n.outputs[0].dtype == F32 and \
                     n.inputs[0].dtype == n.outputs[1].dtype, n
+            elif n.op in ("layer_norm", "layer_norm_grad") and fused:
+                # fuse_layer_norm_casts: y (forward) or dy (backward) may be bf16
+                loose = n.outputs[0] if n.op == "layer_norm" else n.inputs[0]
+                assert {v.dtype for v in [*n.inputs, *n.outputs] if v is not loose} == {F32}, n
             elif n.op in ("layer_norm", "layer_norm_grad", "softmax", "softmax_grad",
                           "log_softmax", "log_softmax_grad", "cross_entropy",
                           "cross_entropy_grad", "cross_entropy_train", "nll_loss"):
@@ -497,6 +501,46 @@ def test_casts_around_the_loss_and_the_gradients_are_dropped(monkeypatch, opt, c
     assert got[0] == want[0]
     for key in want[1]:
         np.testing.assert_array_equal(got[1][key], want[1][key], err_msg=key)
+
+
+def test_layer_norm_reads_and_writes_bf16_around_the_gemms(monkeypatch):
+    """fuse_layer_norm_casts on a bf16 gpt step: every layer_norm writes its y in bf16 for the
+    GEMM after it and every layer_norm_grad reads that GEMM's bf16 dx (through the views
+    between), no cast left there; three AdamW steps with clipping give the bits of the graph
+    with the casts."""
+    import stepgraph.api
+    from stepgraph.compile import fuse as fuse_module
+    from stepgraph.compile.fuse import PASSES, fuse_layer_norm_casts
+
+    gen = seeded("layer-norm-casts")
+    x = gen.integers(0, 11, (2, 8)).astype(np.int64)
+    y = gen.integers(0, 11, (2, 8)).astype(np.int64)
+    init = models.gpt(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16,
+                      dropout=0.1).state_dict()
+    runs = []
+    for passes in (tuple(p for p in PASSES if p is not fuse_layer_norm_casts), PASSES):
+        monkeypatch.setattr(stepgraph.api, "fuse",
+                            lambda g, passes=passes: fuse_module.fuse(g, passes=passes))
+        model = models.gpt(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16,
+                           dropout=0.1)
+        model.load_state_dict(init)
+        step = sg.compile_train_step(model, models.next_token_loss,
+                                     optim.AdamW(lr=1e-2, max_grad_norm=1.0), (x, y),
+                                     precision="bf16")
+        losses_ = [np.float32(step(x, y)).tobytes() for _ in range(3)]
+        graph = next(iter(step.executables.values())).plan.graph
+        runs.append((losses_, model.state_dict(), graph))
+    (want, want_state, unfused), (got, got_state, fused) = runs
+    norms = [n for n in fused.nodes if n.op == "layer_norm"]
+    grads = [n for n in fused.nodes if n.op == "layer_norm_grad"]
+    assert len(norms) == len(grads) == 5
+    assert all(n.outputs[0].dtype == B for n in norms)
+    assert all(n.inputs[0].dtype == B and n.outputs[0].dtype == F32 for n in grads)
+    casts = lambda g: [n for n in g.nodes if n.op == "cast"]     # noqa: E731
+    assert len(casts(unfused)) - len(casts(fused)) == 10
+    assert got == want
+    for key in want_state:
+        np.testing.assert_array_equal(got_state[key], want_state[key], err_msg=key)
 
 
 # ---- predictors, errors -------------------------------------------------------------------

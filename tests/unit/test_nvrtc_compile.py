@@ -499,7 +499,8 @@ def test_layer_norm_layouts_name_listed_kernels():
             if 0 < lay.k * lay.vec < layer_norm.FLOATS_PER_THREAD:   # the backward's bounds
                 assert lay.threads * lay.rows_per_block <= layer_norm.ROWS_BLOCK_THREADS
             for direction in ("forward", "backward"):
-                assert lay.kernel(direction) in listed
+                for ctype in ("float", "unsigned short"):      # bf16 y or dy
+                    assert lay.kernel(direction, ctype) in listed
 
 
 def test_new_families_are_in_the_backend_table():
@@ -556,18 +557,21 @@ def test_embedding_launch_arguments_match_the_kernels(monkeypatch, idx_dtype, pt
 @pytest.mark.parametrize("c", [1, 33, 384, 768, 4096, 2049, 8196])
 @pytest.mark.parametrize("has_w,has_b", [(False, False), (True, False), (True, True),
                                          (False, True)])
-def test_layer_norm_launch_arguments_match_the_kernels(monkeypatch, c, has_w, has_b):
+@pytest.mark.parametrize("io", ["float32", "uint16"])     # y and dy: float32 or bf16 bits
+def test_layer_norm_launch_arguments_match_the_kernels(monkeypatch, c, has_w, has_b, io):
     from stepgraph.backends.cuda import layer_norm
 
     launched = _record_launches(monkeypatch, layer_norm)
     monkeypatch.setattr(layer_norm, "resident_blocks", lambda name, threads: 528)
     x, stats = Fake((3, 7, c)), [Fake((21,)), Fake((21,))]
     w, b = (Fake((c,)) if has_w else None), (Fake((c,)) if has_b else None)
-    layer_norm.layer_norm_forward(None, x, w, b, Fake((3, 7, c)), *stats, 1e-5)
-    layer_norm.layer_norm_backward(None, object(), Fake((3, 7, c)), x, w, *stats,
+    layer_norm.layer_norm_forward(None, x, w, b, Fake((3, 7, c), io), *stats, 1e-5)
+    layer_norm.layer_norm_backward(None, object(), Fake((3, 7, c), io), x, w, *stats,
                                    Fake((3, 7, c)), Fake((c,)) if has_w else None,
                                    Fake((c,)) if has_b else None)
     names = [name for _, name, _, _, _ in launched]
+    ctype = "unsigned short" if io == "uint16" else "float"
+    assert all(f"<{ctype}" in name for name in names[:2])
     assert len(names) == 2 + (has_w or has_b)
     assert set(names) <= layer_norm.kernel_names()["layer_norm.cu"]
     _assert_launches_match(launched)

@@ -29,10 +29,12 @@ import numpy as np
 
 from ...errors import ShapeError
 from ...ir.graph import Node
-from .launchers import _aligned, _check, _check_int32, _kernel, _launch, _node_memory, \
-    _or_null, _row_grid, fill_forward
+from .launchers import ELEMENT_CTYPES, _aligned, _check, _check_int32, _element_ctype, _kernel, \
+    _launch, _node_memory, _or_null, _row_grid, fill_forward
 
 SOURCE = "layer_norm.cu"
+# bf16 y (forward) or dy (backward) where compile/fuse.py fuse_layer_norm_casts dropped a cast
+BF16_OPS = frozenset({"layer_norm", "layer_norm_grad"})
 MAX_THREADS = 512            # threads of a block (LAYER_NORM_MAX_THREADS, __launch_bounds__)
 ROWS_BLOCK_THREADS = 256     # threads of a block of several rows (LAYER_NORM_BLOCK_ROWS_THREADS)
 FLOATS_PER_THREAD = 16       # K * VEC at most: dy, xhat, weight and two sums in registers
@@ -52,10 +54,12 @@ class Layout:
     threads: int
     rows_per_block: int
 
-    def kernel(self, direction: str) -> str:
+    def kernel(self, direction: str, ctype: str = "float") -> str:
+        """The forward's or backward's kernel for a y (forward) or dy (backward) of C type
+        ctype: float, or unsigned short for bf16 bits (fuse_layer_norm_casts)."""
         if self.k == 0:
-            return f"layer_norm_{direction}_loop_kernel"
-        return f"layer_norm_{direction}_kernel<{self.vec}, {self.k}>"
+            return f"layer_norm_{direction}_loop_kernel<{ctype}>"
+        return f"layer_norm_{direction}_kernel<{ctype}, {self.vec}, {self.k}>"
 
     @property
     def block(self) -> tuple[int, int]:
@@ -79,11 +83,12 @@ def row_layout(c: int, arrays) -> Layout:
 
 def kernel_names() -> dict[str, set[str]]:
     """{.cu file: every kernel name this module may launch} (the NVRTC compile test)."""
-    names = {"layer_norm_forward_loop_kernel", "layer_norm_backward_loop_kernel",
-             "layer_norm_grad_finalize_kernel"}
-    for vec, ks in KS.items():
-        for k in ks:
-            names |= {Layout(vec, k, 32, 1).kernel(d) for d in ("forward", "backward")}
+    names = {"layer_norm_grad_finalize_kernel"}
+    layouts = [Layout(1, 0, LOOP_THREADS, 1)] + [Layout(vec, k, 32, 1)
+                                                 for vec, ks in KS.items() for k in ks]
+    for lay in layouts:
+        names |= {lay.kernel(d, ctype) for d in ("forward", "backward")
+                  for ctype in ELEMENT_CTYPES.values()}
     return {SOURCE: names}
 
 
@@ -100,8 +105,8 @@ def resident_blocks(name: str, threads: int) -> int:
     return _resident_blocks(cp.cuda.runtime.getDevice(), name, threads)
 
 
-def _rows(what: str, x) -> tuple[int, int]:
-    _check(what, x)
+def _rows(what: str, x, dtype: str | None = "float32") -> tuple[int, int]:
+    _check(what, x, dtype=dtype)
     if x.ndim < 1 or x.shape[-1] == 0:
         raise ShapeError(f"{what}: expected (..., C) with C >= 1, got {tuple(x.shape)}")
     _check_int32(what, x.size)
@@ -123,12 +128,14 @@ def layer_norm_forward(ctx, x, weight, bias, y, mean, rstd, eps: float) -> None:
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None:
             _check(f"layer_norm {name}", t, shape=(c,))
-    _check("layer_norm output", y, shape=x.shape)
+    _check("layer_norm output", y, dtype=None, shape=x.shape)
+    ctype = _element_ctype("layer_norm output", y)       # bf16: fuse_layer_norm_casts
     _check_stats("layer_norm", rows, mean, rstd)
     if not rows:
         return
     lay = row_layout(c, [a for a in (x, y, weight, bias) if a is not None])
-    _launch(ctx, SOURCE, lay.kernel("forward"), _row_grid(rows, lay.rows_per_block), lay.block,
+    _launch(ctx, SOURCE, lay.kernel("forward", ctype), _row_grid(rows, lay.rows_per_block),
+            lay.block,
             (x, _or_null(weight), _or_null(bias), y, mean, rstd, np.int32(rows), np.int32(c),
              np.float32(eps)))
 
@@ -143,7 +150,8 @@ def layer_norm_backward(ctx, node: Node, dy, x, weight, mean, rstd, dx, dweight=
                         dbias=None) -> None:
     """dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy [* weight], xhat = (x -
     mean) * rstd; dweight = sum over rows of dy * xhat and dbias = sum of dy (each optional)."""
-    rows, c = _rows("layer_norm_grad dy", dy)
+    rows, c = _rows("layer_norm_grad dy", dy, dtype=None)
+    ctype = _element_ctype("layer_norm_grad dy", dy)      # bf16: fuse_layer_norm_casts
     _check("layer_norm_grad x", x, shape=dy.shape)
     _check_stats("layer_norm_grad", rows, mean, rstd)
     _check("layer_norm_grad dx", dx, shape=dy.shape)
@@ -156,7 +164,7 @@ def layer_norm_backward(ctx, node: Node, dy, x, weight, mean, rstd, dx, dweight=
                 fill_forward(ctx, t, 0.0)
         return
     lay = row_layout(c, [a for a in (dy, x, dx, weight) if a is not None])
-    name = lay.kernel("backward")
+    name = lay.kernel("backward", ctype)
     blocks = grad_blocks(rows, c, lay, resident_blocks(name, lay.threads * lay.rows_per_block))
     partial_w = partial_b = None
     if dweight is not None or dbias is not None:

@@ -14,6 +14,10 @@
 // rows per thread in registers, adds its row lanes in order through shared memory into the
 // block's own row of partial_w / partial_b [blocks, C], and the finalize adds the blocks' rows
 // in a fixed order, in float64: no atomics anywhere.
+// precision="bf16" (compile/fuse.py fuse_layer_norm_casts): the forward may write y in bf16
+// (Y, rounded once on store: what the cast to bf16 after it did) and the backward may read dy
+// in bf16 (DY, widened exactly: what the cast to float32 before it did); x, the statistics,
+// the parameters and dx stay float32, as autocast runs layer_norm.
 #include "reduce.cuh"
 
 #define LAYER_NORM_MAX_THREADS 512   // threads of a block (layer_norm.py MAX_THREADS)
@@ -82,9 +86,9 @@ __device__ __forceinline__ float2 row_sum2(float a, float b, float2* smem) {
 }
 
 // y = (x - mean) * rstd [* weight] [+ bias]; mean and rstd (rows,) per row.
-template <int VEC, int K>
+template <typename Y, int VEC, int K>
 __global__ void __launch_bounds__(LAYER_NORM_MAX_THREADS)
-layer_norm_forward_kernel(const float* x, const float* weight, const float* bias, float* y,
+layer_norm_forward_kernel(const float* x, const float* weight, const float* bias, Y* y,
                           float* mean_out, float* rstd_out, int rows, int C, float eps) {
     __shared__ float smem[32];
     const int groups = C / VEC;
@@ -136,7 +140,7 @@ layer_norm_forward_kernel(const float* x, const float* weight, const float* bias
                 if (bias) t = __fadd_rn(t, b[k][j]);
                 v[k][j] = t;
             }
-            store_vec<VEC>(y, r0 + (long long)g * VEC, v[k]);
+            storev_from_float<VEC>(y, r0 + (long long)g * VEC, v[k]);
         }
     }
 }
@@ -175,9 +179,9 @@ __device__ __forceinline__ void store_block_partial(const float (&acc)[K][VEC], 
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy [* weight], xhat = (x - mean) *
 // rstd; block b sums dy * xhat and dy over its rows into row b of partial_w / partial_b
 // [gridDim.x, C] (either null when not wanted).
-template <int VEC, int K>
+template <typename DY, int VEC, int K>
 __global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
-layer_norm_backward_kernel(const float* dy, const float* x, const float* weight,
+layer_norm_backward_kernel(const DY* dy, const float* x, const float* weight,
                            const float* mean, const float* rstd, float* dx, float* partial_w,
                            float* partial_b, int rows, int C) {
     __shared__ float2 sums[32];
@@ -199,7 +203,7 @@ layer_norm_backward_kernel(const float* dy, const float* x, const float* weight,
         for (int k = 0; k < K; ++k) {
             const int g = threadIdx.x + k * blockDim.x;
             if (!valid || g >= groups) continue;
-            load_vec<VEC>(dy, r0 + (long long)g * VEC, d[k]);
+            loadv_as_float<VEC>(dy, r0 + (long long)g * VEC, d[k]);
             load_vec<VEC>(x, r0 + (long long)g * VEC, h[k]);
         }
 #pragma unroll
@@ -236,8 +240,9 @@ layer_norm_backward_kernel(const float* dy, const float* x, const float* weight,
 }
 
 // The forward for rows of any width: x re-read from global memory for each pass.
-extern "C" __global__ void __launch_bounds__(1024)
-layer_norm_forward_loop_kernel(const float* x, const float* weight, const float* bias, float* y,
+template <typename Y>
+__global__ void __launch_bounds__(1024)
+layer_norm_forward_loop_kernel(const float* x, const float* weight, const float* bias, Y* y,
                                float* mean_out, float* rstd_out, int rows, int C, float eps) {
     __shared__ float smem[32];
     for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
@@ -261,7 +266,7 @@ layer_norm_forward_loop_kernel(const float* x, const float* weight, const float*
             float t = __fmul_rn(__fsub_rn(xr[c], mean), rstd);
             if (weight) t = __fmul_rn(t, weight[c]);
             if (bias) t = __fadd_rn(t, bias[c]);
-            y[row * C + c] = t;
+            store_from_float(y, row * C + c, t);
         }
     }
 }
@@ -269,8 +274,9 @@ layer_norm_forward_loop_kernel(const float* x, const float* weight, const float*
 // The backward for rows of any width, one row a block (blockDim.y == 1): the block's partial
 // sums accumulate in place in its row of partial_w / partial_b (each element read and written
 // by one thread only).
-extern "C" __global__ void __launch_bounds__(1024)
-layer_norm_backward_loop_kernel(const float* dy, const float* x, const float* weight,
+template <typename DY>
+__global__ void __launch_bounds__(1024)
+layer_norm_backward_loop_kernel(const DY* dy, const float* x, const float* weight,
                                 const float* mean, const float* rstd, float* dx,
                                 float* partial_w, float* partial_b, int rows, int C) {
     __shared__ float2 sums[32];
@@ -287,7 +293,7 @@ layer_norm_backward_loop_kernel(const float* dy, const float* x, const float* we
         const float m = cols ? mean[row] : 0.f, r = cols ? rstd[row] : 0.f;
         float sg = 0.f, sgh = 0.f;
         for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            const float h = __fmul_rn(__fsub_rn(x[r0 + c], m), r), d = dy[r0 + c];
+            const float h = __fmul_rn(__fsub_rn(x[r0 + c], m), r), d = load_as_float(dy, r0 + c);
             const float g = weight ? __fmul_rn(d, weight[c]) : d;
             sg += g;
             sgh = __fmaf_rn(g, h, sgh);
@@ -297,7 +303,7 @@ layer_norm_backward_loop_kernel(const float* dy, const float* x, const float* we
         const float2 t = row_sum2(sg, sgh, sums);
         const float mg = __fdiv_rn(t.x, (float)C), mgh = __fdiv_rn(t.y, (float)C);
         for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            const float h = __fmul_rn(__fsub_rn(x[r0 + c], m), r), d = dy[r0 + c];
+            const float h = __fmul_rn(__fsub_rn(x[r0 + c], m), r), d = load_as_float(dy, r0 + c);
             const float g = weight ? __fmul_rn(d, weight[c]) : d;
             dx[r0 + c] = __fmul_rn(r, __fsub_rn(__fsub_rn(g, mg), __fmul_rn(h, mgh)));
         }
@@ -331,12 +337,26 @@ layer_norm_grad_finalize_kernel(const float* partial_w, const float* partial_b, 
     }
 }
 
-#define LAYER_NORM_INSTANTIATIONS(VEC, K)                                                    \
-    template __global__ void layer_norm_forward_kernel<VEC, K>(                              \
-        const float*, const float*, const float*, float*, float*, float*, int, int, float);  \
-    template __global__ void layer_norm_backward_kernel<VEC, K>(                             \
-        const float*, const float*, const float*, const float*, const float*, float*, float*, \
+#define LAYER_NORM_TYPED(T, VEC, K)                                                          \
+    template __global__ void layer_norm_forward_kernel<T, VEC, K>(                           \
+        const float*, const float*, const float*, T*, float*, float*, int, int, float);      \
+    template __global__ void layer_norm_backward_kernel<T, VEC, K>(                          \
+        const T*, const float*, const float*, const float*, const float*, float*, float*,    \
         float*, int, int);
+#define LAYER_NORM_INSTANTIATIONS(VEC, K)                                                    \
+    LAYER_NORM_TYPED(float, VEC, K)                                                          \
+    LAYER_NORM_TYPED(unsigned short, VEC, K)
+
+template __global__ void layer_norm_forward_loop_kernel<float>(
+    const float*, const float*, const float*, float*, float*, float*, int, int, float);
+template __global__ void layer_norm_forward_loop_kernel<unsigned short>(
+    const float*, const float*, const float*, unsigned short*, float*, float*, int, int, float);
+template __global__ void layer_norm_backward_loop_kernel<float>(
+    const float*, const float*, const float*, const float*, const float*, float*, float*, float*,
+    int, int);
+template __global__ void layer_norm_backward_loop_kernel<unsigned short>(
+    const unsigned short*, const float*, const float*, const float*, const float*, float*,
+    float*, float*, int, int);
 
 // Explicit instantiations (layer_norm.py KS): compiled by the NVRTC CI test without
 // name_expressions.
