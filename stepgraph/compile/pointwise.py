@@ -13,15 +13,16 @@ group is read only after this node: the fused node runs where its last member ra
 outside reader must come after that point.
 
 bfloat16 nodes (precision="bf16") fuse like float32 ones: a node's inputs and output share one
-dtype, so a group is all bf16 or all float32 (casts, which change it, are not elementwise
-members). The program rounds each instruction of a bf16 node to bf16, as the unfused node's
-store would (ops/pointwise.py), so fusing changes no bit.
+dtype, and casts between float32 and bf16 join too, so a group may mix the two (autocast's
+bf16 dropout, its cast and the float32 residual add after it). The program rounds each
+instruction whose value is bf16, as the unfused node's store would (ops/pointwise.py), so
+fusing changes no bit.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..ir.graph import FLOAT_DTYPES, Graph, Node, Value
+from ..ir.graph import BF16, FLOAT_DTYPES, Graph, Node, Value
 from ..ops.pointwise import Instr, PROGRAM_OPS
 from .rewrite import _copy, _join, _rebuild
 
@@ -29,6 +30,8 @@ from .rewrite import _copy, _join, _rebuild
 def _eligible(n: Node) -> bool:
     if n.op in ("dropout", "dropout_grad"):
         return _dropout_eligible(n)
+    if n.op == "cast":              # between float32 and bf16: a copy, rounded when narrowing
+        return {n.inputs[0].dtype, n.outputs[0].dtype} == {"float32", BF16}
     if n.op not in PROGRAM_OPS or len(n.outputs) != 1:
         return False
     if n.outputs[0].dtype not in FLOAT_DTYPES:

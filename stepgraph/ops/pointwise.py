@@ -10,12 +10,15 @@ A dropout node becomes two instructions: `dropout_mask` (program-only: the uint8
 the step counter register, drawn from Philox at each element's flat index in attrs shape,
 exactly as the dropout op draws it, rng.py) and `dropout_grad` (x * mask / (1 - p), the
 dropout op's own product). Registers hold their instruction's dtype: uint8 for a mask, int64
-for the step counter input, else the first argument's.
+for the step counter input, a cast's attrs dtype, else the first argument's.
 
 bfloat16 (precision="bf16"): a bf16 register holds a float32 value that is exactly a bf16 value.
 The unfused graph rounds every bf16 node's output once, when the node stores it; a program
 keeps that: each instruction whose register is bf16 rounds its float32 result to bf16 (nearest
-even, backends/numpy/bf16.py), so a fused program gives the unfused graph's bits. Inputs are
+even, backends/numpy/bf16.py), so a fused program gives the unfused graph's bits. A cast
+between float32 and bf16 is such an instruction too (a copy, then that rounding when it
+narrows; widening is exact): a program may mix the two, e.g. a bf16 dropout, its cast and a
+float32 residual add. Inputs are
 widened exactly, and outputs stored as bits, by the backend (NumpyBackend.run_node).
 """
 from __future__ import annotations
@@ -33,7 +36,7 @@ from ..ir.ops import _need, defop
 # Elementwise ops a program may hold: one output, the output's shape is the broadcast shape
 # of the inputs, every element depends only on the same (broadcast) element of each input.
 PROGRAM_OPS = ("add", "binary", "scalar", "act", "act_grad", "expand", "dropout_grad",
-               "dropout_mask")
+               "dropout_mask", "cast")
 # Instructions whose register is not of their first argument's dtype.
 _RESULT_DTYPES = {"dropout_mask": "uint8"}
 
@@ -53,7 +56,8 @@ def register_dtypes(program: tuple[Instr, ...], input_dtypes: tuple[str, ...]) -
     """The dtype of every register of `program`: the inputs', then each instruction's."""
     dtypes = list(input_dtypes)
     for instr in program:
-        dtypes.append(_RESULT_DTYPES.get(instr.op) or dtypes[instr.args[0]])
+        dtypes.append(instr.attr["dtype"] if instr.op == "cast" else
+                      _RESULT_DTYPES.get(instr.op) or dtypes[instr.args[0]])
     return dtypes
 
 

@@ -503,44 +503,76 @@ def test_casts_around_the_loss_and_the_gradients_are_dropped(monkeypatch, opt, c
         np.testing.assert_array_equal(got[1][key], want[1][key], err_msg=key)
 
 
+def gpt_bf16_run(monkeypatch, passes):
+    """Losses, parameters and plan graph of three bf16 AdamW steps (with clipping) of a
+    two-layer gpt on numpy with the fusion passes `passes`."""
+    import stepgraph.api
+    from stepgraph.compile import fuse as fuse_module
+
+    monkeypatch.setattr(stepgraph.api, "fuse", lambda g: fuse_module.fuse(g, passes=passes))
+    gen = seeded("gpt-bf16-casts")
+    x = gen.integers(0, 11, (2, 8)).astype(np.int64)
+    y = gen.integers(0, 11, (2, 8)).astype(np.int64)
+    model = models.gpt(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16,
+                       dropout=0.1)
+    model.load_state_dict(_initial_gpt_state())
+    step = sg.compile_train_step(model, models.next_token_loss,
+                                 optim.AdamW(lr=1e-2, max_grad_norm=1.0), (x, y),
+                                 precision="bf16")
+    losses_ = [np.float32(step(x, y)).tobytes() for _ in range(3)]
+    return losses_, model.state_dict(), next(iter(step.executables.values())).plan.graph
+
+
+@functools.cache
+def _initial_gpt_state() -> dict:
+    return models.gpt(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16,
+                      dropout=0.1).state_dict()
+
+
+def _casts(graph) -> list:
+    return [n for n in graph.nodes if n.op == "cast"]
+
+
+def assert_same_run(got, want):
+    assert got[0] == want[0]
+    for key in want[1]:
+        np.testing.assert_array_equal(got[1][key], want[1][key], err_msg=key)
+
+
 def test_layer_norm_reads_and_writes_bf16_around_the_gemms(monkeypatch):
     """fuse_layer_norm_casts on a bf16 gpt step: every layer_norm writes its y in bf16 for the
     GEMM after it and every layer_norm_grad reads that GEMM's bf16 dx (through the views
-    between), no cast left there; three AdamW steps with clipping give the bits of the graph
-    with the casts."""
-    import stepgraph.api
-    from stepgraph.compile import fuse as fuse_module
+    between), no cast left there; three steps give the bits of the graph with the casts."""
     from stepgraph.compile.fuse import PASSES, fuse_layer_norm_casts
 
-    gen = seeded("layer-norm-casts")
-    x = gen.integers(0, 11, (2, 8)).astype(np.int64)
-    y = gen.integers(0, 11, (2, 8)).astype(np.int64)
-    init = models.gpt(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16,
-                      dropout=0.1).state_dict()
-    runs = []
-    for passes in (tuple(p for p in PASSES if p is not fuse_layer_norm_casts), PASSES):
-        monkeypatch.setattr(stepgraph.api, "fuse",
-                            lambda g, passes=passes: fuse_module.fuse(g, passes=passes))
-        model = models.gpt(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16,
-                           dropout=0.1)
-        model.load_state_dict(init)
-        step = sg.compile_train_step(model, models.next_token_loss,
-                                     optim.AdamW(lr=1e-2, max_grad_norm=1.0), (x, y),
-                                     precision="bf16")
-        losses_ = [np.float32(step(x, y)).tobytes() for _ in range(3)]
-        graph = next(iter(step.executables.values())).plan.graph
-        runs.append((losses_, model.state_dict(), graph))
-    (want, want_state, unfused), (got, got_state, fused) = runs
-    norms = [n for n in fused.nodes if n.op == "layer_norm"]
-    grads = [n for n in fused.nodes if n.op == "layer_norm_grad"]
+    want = gpt_bf16_run(monkeypatch, tuple(p for p in PASSES if p is not fuse_layer_norm_casts))
+    got = gpt_bf16_run(monkeypatch, PASSES)
+    norms = [n for n in got[2].nodes if n.op == "layer_norm"]
+    grads = [n for n in got[2].nodes if n.op == "layer_norm_grad"]
     assert len(norms) == len(grads) == 5
     assert all(n.outputs[0].dtype == B for n in norms)
     assert all(n.inputs[0].dtype == B and n.outputs[0].dtype == F32 for n in grads)
-    casts = lambda g: [n for n in g.nodes if n.op == "cast"]     # noqa: E731
-    assert len(casts(unfused)) - len(casts(fused)) == 10
-    assert got == want
-    for key in want_state:
-        np.testing.assert_array_equal(got_state[key], want_state[key], err_msg=key)
+    assert not any(n.op.startswith("layer_norm") for c in _casts(got[2])
+                   for n in [got[2].producers().get(c.inputs[0])] if n is not None)
+    assert_same_run(got, want)
+
+
+def test_casts_join_the_pointwise_programs_around_them(monkeypatch):
+    """The casts left in a bf16 gpt step sit between its bf16 dropouts and the float32
+    residual stream: fuse_pointwise takes them into mixed programs (a bf16 dropout, its
+    widening and the float32 residual add; a float32 gradient sum, its rounding and the bf16
+    dropout gradient), so no cast launch is left; the bits are those of the unfused nodes."""
+    from stepgraph.compile.fuse import PASSES
+    from stepgraph.compile.pointwise import fuse_pointwise
+
+    want = gpt_bf16_run(monkeypatch, tuple(p for p in PASSES if p is not fuse_pointwise))
+    got = gpt_bf16_run(monkeypatch, PASSES)
+    assert len(_casts(want[2])) >= 8 and not _casts(got[2])
+    mixed = [n for n in got[2].nodes if n.op == "pointwise" and
+             {v.dtype for v in n.inputs + n.outputs} >= {B, F32}]
+    assert {tuple(i.op for i in n.attrs["program"]) for n in mixed} >= {
+        ("dropout_mask", "dropout_grad", "cast", "binary"), ("add", "cast", "dropout_grad")}
+    assert_same_run(got, want)
 
 
 # ---- predictors, errors -------------------------------------------------------------------

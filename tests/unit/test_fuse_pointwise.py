@@ -131,6 +131,33 @@ def test_generated_cuda_source_compiles_for_sm90():
         assert compiler.compile_source_to_cubin(source, "pointwise.cu", "sm_90")
 
 
+def test_mixed_bf16_float32_programs_compile_for_sm90(monkeypatch):
+    """The programs of a bf16 gpt step, which mix bf16 and float32 registers through casts
+    (tests/unit/test_bf16.py test_casts_join_the_pointwise_programs_around_them), compile."""
+    pytest.importorskip("cupy")
+    from cupy.cuda import nvrtc
+
+    try:
+        nvrtc.getVersion()
+    except Exception:
+        pytest.skip("libnvrtc is not loadable")
+    from stepgraph.backends.cuda import compiler, pointwise
+    from stepgraph.compile.fuse import PASSES
+    from stepgraph.ir.graph import BF16
+    from tests.unit.test_bf16 import gpt_bf16_run
+
+    graph = gpt_bf16_run(monkeypatch, PASSES)[2]
+    mixed = [n for n in graph.nodes if n.op == "pointwise"
+             and {v.dtype for v in n.inputs + n.outputs} >= {BF16, "float32"}]
+    assert mixed
+    for n in mixed:
+        source = pointwise.kernel_source(n.attrs["program"], n.attrs["results"],
+                                         tuple(n.attrs["shape"]),
+                                         tuple(tuple(v.shape) for v in n.inputs),
+                                         tuple(v.dtype for v in n.inputs))
+        assert compiler.compile_source_to_cubin(source, "pointwise.cu", "sm_90")
+
+
 # ---- bfloat16 programs -------------------------------------------------------------------
 
 def _bf16_resnet_runs(monkeypatch, passes, steps: int = 3):

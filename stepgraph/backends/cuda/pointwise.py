@@ -92,7 +92,7 @@ def _expression(instr: Instr, r: list[str]) -> str:
         derivative = f"act_derivative({args[1]}, {ACT_CODES[attr['kind']]}, " \
                      f"{_float(_slope(attr))})"
         return f"__fmul_rn({args[0]}, {derivative})"
-    if instr.op == "expand":
+    if instr.op in ("expand", "cast"):      # a narrowing cast rounds as any bf16 register
         return args[0]
     if instr.op == "dropout_grad":      # x * mask * scale, as the dropout kernels round it
         scale = _float(1.0 / (1.0 - float(attr["p"])))
