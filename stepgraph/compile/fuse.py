@@ -14,14 +14,19 @@ from .pointwise import fuse_pointwise
 from .rewrite import _copy, _join, _live, _rebuild
 
 
+def _sole_reader(graph: Graph, users, v: Value, op: str) -> Node | None:
+    """The `op` node that is v's only reader, when v is no graph output."""
+    readers = users.get(v, [])
+    if len(readers) != 1 or readers[0].op != op or v in graph.outputs.values():
+        return None
+    return readers[0]
+
+
 def _sole_view(graph: Graph, users, v: Value) -> Node | None:
     """The reshape that is v's only reader, when v is no graph output. A Linear on (..., K)
     inputs traces as reshape -> linear -> reshape (nn.functional.linear), so its activation
     reads the linear's (N, M) output through this view."""
-    readers = users.get(v, [])
-    if len(readers) != 1 or readers[0].op != "reshape" or v in graph.outputs.values():
-        return None
-    return readers[0]
+    return _sole_reader(graph, users, v, "reshape")
 
 
 def fuse_linear_activation(graph: Graph) -> Graph:
@@ -128,11 +133,8 @@ def fuse_conv_bias_grad(graph: Graph) -> Graph:
 def _sole_relu(graph: Graph, users, v: Value) -> Node | None:
     """The act(relu) node that is v's only reader, when v is no graph output: a producer of
     v can then write the ReLU's output instead of v."""
-    readers = users.get(v, [])
-    if len(readers) != 1 or readers[0].op != "act" or readers[0].attrs["kind"] != "relu" \
-            or v in graph.outputs.values():
-        return None
-    return readers[0]
+    act = _sole_reader(graph, users, v, "act")
+    return act if act is not None and act.attrs["kind"] == "relu" else None
 
 
 def fuse_pool_relu(graph: Graph) -> Graph:
@@ -331,9 +333,8 @@ def fuse_gradient_casts(graph: Graph) -> Graph:
     """cast(g bf16 -> float32) -> g32, read only by the update, the clipping norm and the
     guard's check   =>   they read g: the update and the norm widen each bf16 gradient as
     they load it, exactly as the cast did (bf16 -> float32 is exact), and a NaN or Inf shows in
-    g as in g32. precision="bf16":
-    the gradient of every weight's bf16 copy reaches its float32 master through such a cast
-    (autocast.bind_weight_copies), a launch a parameter before this pass."""
+    g as in g32. precision="bf16": the gradient of every weight's bf16 copy reaches its float32
+    master through such a cast (autocast.bind_weight_copies), a launch a parameter before."""
     graph = _copy(graph)
     users = graph.consumers()
     outputs = set(graph.outputs.values())
@@ -358,29 +359,20 @@ def fuse_loss_casts(graph: Graph) -> Graph:
     the last GEMM, and the cast's gradient rounds dlogits back for that GEMM's backward."""
     graph = _copy(graph)
     users, producers = graph.consumers(), graph.producers()
-    outputs = set(graph.outputs.values())
     drop: set[Node] = set()
     for n in graph.nodes:
         if n.op != "cross_entropy_train":
             continue
-        widen, dx = producers.get(n.inputs[0]), n.outputs[1]
-        narrow = users.get(dx, [])
+        widen = producers.get(n.inputs[0])
+        narrow = _sole_reader(graph, users, n.outputs[1], "cast")
         if widen is None or widen.op != "cast" or widen.inputs[0].dtype != BF16 or \
-                users[n.inputs[0]] != [n] or len(narrow) != 1 or narrow[0].op != "cast" or \
-                narrow[0].attrs["dtype"] != BF16 or {n.inputs[0], dx} & outputs:
+                _sole_reader(graph, users, n.inputs[0], n.op) is not n or narrow is None or \
+                narrow.attrs["dtype"] != BF16:
             continue
         n.inputs = [widen.inputs[0], *n.inputs[1:]]
-        n.outputs = [n.outputs[0], narrow[0].outputs[0]]
-        drop.update((widen, narrow[0]))
+        n.outputs = [n.outputs[0], narrow.outputs[0]]
+        drop.update((widen, narrow))
     return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
-
-
-def _sole_reader(users, outputs, v: Value, op: str) -> Node | None:
-    """The `op` node that is v's only reader, when v is no graph output."""
-    readers = users.get(v, [])
-    if len(readers) != 1 or readers[0].op != op or v in outputs:
-        return None
-    return readers[0]
 
 
 def fuse_layer_norm_casts(graph: Graph) -> Graph:
@@ -393,13 +385,12 @@ def fuse_layer_norm_casts(graph: Graph) -> Graph:
     where each value on the way has that one reader. x, the statistics and dx stay float32."""
     graph = _copy(graph)
     users, producers = graph.consumers(), graph.producers()
-    outputs = set(graph.outputs.values())
     drop: set[Node] = set()
     for n in graph.nodes:
         if n.op == "layer_norm":
             y = n.outputs[0]
-            view = _sole_reader(users, outputs, y, "reshape")
-            cast = _sole_reader(users, outputs, view.outputs[0] if view else y, "cast")
+            view = _sole_view(graph, users, y)
+            cast = _sole_reader(graph, users, view.outputs[0] if view else y, "cast")
             if cast is None or cast.attrs["dtype"] != BF16:
                 continue
             if view is None:
@@ -412,13 +403,13 @@ def fuse_layer_norm_casts(graph: Graph) -> Graph:
             dy = n.inputs[0]
             view = producers.get(dy)
             if view is not None and view.op == "reshape" and \
-                    _sole_reader(users, outputs, dy, "layer_norm_grad") is n:
+                    _sole_reader(graph, users, dy, n.op) is n:
                 wide = view.inputs[0]
             else:
                 view, wide = None, dy
             cast = producers.get(wide)
             if cast is None or cast.op != "cast" or cast.inputs[0].dtype != BF16 or \
-                    _sole_reader(users, outputs, wide, view.op if view else n.op) is None:
+                    _sole_reader(graph, users, wide, view.op if view else n.op) is None:
                 continue
             if view is None:
                 n.inputs = [cast.inputs[0], *n.inputs[1:]]

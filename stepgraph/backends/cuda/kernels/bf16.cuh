@@ -40,6 +40,18 @@ __device__ __forceinline__ void load4_as_float(const unsigned short* p, long lon
     v[0] = bf16_to_float(a.x); v[1] = bf16_to_float(a.y);
     v[2] = bf16_to_float(a.z); v[3] = bf16_to_float(a.w);
 }
+// The same, from a tensor of multi-tensor tables (the updates, global_norm, guard_check) that
+// is float32 or bf16 by a runtime flag: a bf16 gradient whose cast to float32 was dropped
+// (compile/fuse.py fuse_gradient_casts) reads as its exact widening.
+__device__ __forceinline__ float load_either_as_float(const void* p, bool bf16, long long i) {
+    return bf16 ? load_as_float(static_cast<const unsigned short*>(p), i)
+                : static_cast<const float*>(p)[i];
+}
+__device__ __forceinline__ void load4_either_as_float(const void* p, bool bf16, long long i,
+                                                      float v[4]) {
+    if (bf16) load4_as_float(static_cast<const unsigned short*>(p), i, v);
+    else load4_as_float(static_cast<const float*>(p), i, v);
+}
 // V adjacent elements (V = 1, 2 or 4) from p + i as float, and back: one access of V elements
 // (i % V == 0, p aligned to V elements).
 template <int V>

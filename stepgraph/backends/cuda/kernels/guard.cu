@@ -4,6 +4,8 @@
 // good step costs one read of every gradient and no write. guard_advance (optim.cu) then
 // decides, and the update kernels skip a flagged step.
 
+#include "bf16.cuh"
+
 #define KIND_FLOAT32 0
 #define KIND_INT32 1
 #define KIND_INT64 2
@@ -22,11 +24,6 @@ struct GuardEntry {
 
 __device__ __forceinline__ bool not_finite4(const float4 v) {
     return !isfinite(v.x) || !isfinite(v.y) || !isfinite(v.z) || !isfinite(v.w);
-}
-
-// A bf16 value is NaN or Inf exactly when its exponent bits are all ones (as its float32 widening).
-__device__ __forceinline__ bool bf16_not_finite(unsigned short b) {
-    return (b & 0x7f80u) == 0x7f80u;
 }
 
 // A label outside [0, classes) that is not the loss's ignore_index (when it has one).
@@ -53,24 +50,16 @@ extern "C" __global__ void guard_check_kernel(const GuardEntry* entries, const i
     const GuardEntry e = entries[job.x];
     const long long start = (long long)job.y * chunk, end = min(start + chunk, e.n);
     bool bad = false;
-    if (e.kind == KIND_FLOAT32) {
-        const float* p = static_cast<const float*>(e.p);
+    if (e.kind == KIND_FLOAT32 || e.kind == KIND_BF16) {   // bf16 widened: Inf and NaN stay
+        const bool bf16 = e.kind == KIND_BF16;
         for (long long i = start + 4 * (long long)threadIdx.x; i < end; i += 4LL * blockDim.x) {
             if (e.aligned && i + 4 <= end) {
-                bad |= not_finite4(*reinterpret_cast<const float4*>(p + i));
+                float v[4];
+                load4_either_as_float(e.p, bf16, i, v);
+                bad |= not_finite4(make_float4(v[0], v[1], v[2], v[3]));
             } else {
-                for (long long j = i; j < i + 4 && j < end; ++j) bad |= !isfinite(p[j]);
-            }
-        }
-    } else if (e.kind == KIND_BF16) {
-        const unsigned short* p = static_cast<const unsigned short*>(e.p);
-        for (long long i = start + 4 * (long long)threadIdx.x; i < end; i += 4LL * blockDim.x) {
-            if (e.aligned && i + 4 <= end) {
-                const ushort4 v = *reinterpret_cast<const ushort4*>(p + i);
-                bad |= bf16_not_finite(v.x) || bf16_not_finite(v.y) || bf16_not_finite(v.z) ||
-                       bf16_not_finite(v.w);
-            } else {
-                for (long long j = i; j < i + 4 && j < end; ++j) bad |= bf16_not_finite(p[j]);
+                for (long long j = i; j < i + 4 && j < end; ++j)
+                    bad |= !isfinite(load_either_as_float(e.p, bf16, j));
             }
         }
     } else if (e.kind == KIND_INT64) {

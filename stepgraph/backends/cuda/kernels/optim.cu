@@ -146,14 +146,9 @@ __device__ __forceinline__ void update_chunk(const UpdateEntry* entries, const i
     for (long long i = start + 4 * (long long)threadIdx.x; i < end; i += 4LL * blockDim.x) {
         if (e.aligned && i + 4 <= end) {
             float4 p = *reinterpret_cast<float4*>(e.p + i);
-            float4 g;
-            if (e.grad_bf16) {
-                float w[4];
-                load4_as_float(static_cast<const unsigned short*>(e.g), i, w);
-                g = make_float4(w[0], w[1], w[2], w[3]);
-            } else {
-                g = *reinterpret_cast<const float4*>(static_cast<const float*>(e.g) + i);
-            }
+            float w[4];
+            load4_either_as_float(e.g, e.grad_bf16, i, w);
+            const float4 g = make_float4(w[0], w[1], w[2], w[3]);
             float4 a = slots > 0 ? *reinterpret_cast<float4*>(e.s0 + i) : zero;
             float4 b = slots > 1 ? *reinterpret_cast<float4*>(e.s1 + i) : zero;
             element(p.x, g.x, a.x, b.x);
@@ -170,10 +165,7 @@ __device__ __forceinline__ void update_chunk(const UpdateEntry* entries, const i
         } else {
             for (long long j = i; j < i + 4 && j < end; ++j) {
                 float a = slots > 0 ? e.s0[j] : 0.f, b = slots > 1 ? e.s1[j] : 0.f;
-                const float g = e.grad_bf16
-                                    ? load_as_float(static_cast<const unsigned short*>(e.g), j)
-                                    : static_cast<const float*>(e.g)[j];
-                element(e.p[j], g, a, b);
+                element(e.p[j], load_either_as_float(e.g, e.grad_bf16, j), a, b);
                 if (e.copy) store_from_float(e.copy, j, e.p[j]);
                 if (slots > 0) e.s0[j] = a;
                 if (slots > 1) e.s1[j] = b;

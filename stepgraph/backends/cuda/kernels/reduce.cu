@@ -180,17 +180,6 @@ struct NormEntry {
     long long bf16;
 };
 
-// The four elements of tensor e from i (vector: one aligned access) as float.
-__device__ __forceinline__ void norm_load4(const NormEntry& e, long long i, float v[4]) {
-    if (e.bf16) load4_as_float(static_cast<const unsigned short*>(e.data), i, v);
-    else load4_as_float(static_cast<const float*>(e.data), i, v);
-}
-
-__device__ __forceinline__ float norm_load(const NormEntry& e, long long i) {
-    return e.bf16 ? load_as_float(static_cast<const unsigned short*>(e.data), i)
-                  : static_cast<const float*>(e.data)[i];
-}
-
 // out = sqrt(sum over tensors of sum(g^2)), in float64 like the numpy reference. Block k sums
 // chunk blocks[k] = (tensor, chunk index) into partials[k]; the last block to finish adds the
 // partials in index order.
@@ -209,12 +198,12 @@ extern "C" __global__ void global_norm_forward_kernel(const NormEntry* entries,
     for (long long i = start + 4 * (long long)threadIdx.x; i < end; i += stride) {
         if (e.aligned && i + 4 <= end) {
             float v[4];
-            norm_load4(e, i, v);
+            load4_either_as_float(e.data, e.bf16, i, v);
             acc += (double)v[0] * v[0] + (double)v[1] * v[1] + (double)v[2] * v[2] +
                    (double)v[3] * v[3];
         } else {
             for (long long j = i; j < i + 4 && j < end; ++j) {
-                const double g = norm_load(e, j);
+                const double g = load_either_as_float(e.data, e.bf16, j);
                 acc += g * g;
             }
         }
