@@ -194,7 +194,9 @@ def bind_weight_copies(graph: Graph) -> list[WeightCopy]:
     that nothing else reads) becomes a `state` value holding the bf16 copy, which its readers,
     forward and backward GEMMs, now read; the cast (and the permute) is dropped. Returns the
     copies, for the optimizer's update to write (Optimizer.emit weight_copies). The casts'
-    VJPs (bf16 gradient -> float32, then the permute's) stay."""
+    VJPs (bf16 gradient -> float32, then the permute's) stay; compile/fuse.py
+    fuse_gradient_casts later drops such a cast where only the update, the clipping norm and
+    the guard read its result (they widen the bf16 gradient themselves)."""
     producers, users = graph.producers(), graph.consumers()
     copies: list[WeightCopy] = []
     drop: set[Node] = set()
