@@ -446,23 +446,33 @@ def test_loading_parameters_refreshes_the_copies():
         np.testing.assert_array_equal(copies_of(step)[k], bf16.round_bf16(p.numpy()))
 
 
-def cnn_bf16_run(monkeypatch, opt, passes, max_grad_norm=None, steps: int = 3):
-    """Losses, parameters and plan graph of `steps` guarded bf16 cnn steps on numpy with the
-    fusion passes `passes`."""
+def bf16_run(monkeypatch, passes, model, loss, opt, batch, steps: int = 3, **step_args):
+    """Losses (their bits), parameters and plan graph of `steps` bf16 steps of `model` on
+    numpy with the fusion passes `passes`."""
     import stepgraph.api
     from stepgraph.compile import fuse as fuse_module
 
     monkeypatch.setattr(stepgraph.api, "fuse", lambda g: fuse_module.fuse(g, passes=passes))
+    step = sg.compile_train_step(model, loss, opt, batch, precision="bf16", **step_args)
+    losses_ = [np.float32(step(*batch)).tobytes() for _ in range(steps)]
+    return losses_, model.state_dict(), next(iter(step.executables.values())).plan.graph
+
+
+def assert_same_run(got, want):
+    assert got[0] == want[0]
+    for key in want[1]:
+        np.testing.assert_array_equal(got[1][key], want[1][key], err_msg=key)
+
+
+def cnn_bf16_run(monkeypatch, opt, passes, max_grad_norm=None, steps: int = 3):
+    """bf16_run of guarded cnn steps."""
     gen = seeded("gradient-casts")
-    x, y = randn(gen, 8, 1, 28, 28), gen.integers(0, 10, 8)
+    batch = randn(gen, 8, 1, 28, 28), gen.integers(0, 10, 8)
     model = models.cnn(dropout=0.0)
     model.load_state_dict(_initial_cnn_state())
     opt.max_grad_norm = max_grad_norm
-    step = sg.compile_train_step(model, losses.nll_loss, opt, (x, y), precision="bf16",
-                                 on_bad_batch="raise")
-    losses_ = [np.float32(step(x, y)).tobytes() for _ in range(steps)]
-    graph = next(iter(step.executables.values())).plan.graph
-    return losses_, model.state_dict(), graph
+    return bf16_run(monkeypatch, passes, model, losses.nll_loss, opt, batch, steps,
+                    on_bad_batch="raise")
 
 
 @functools.cache
@@ -498,29 +508,18 @@ def test_casts_around_the_loss_and_the_gradients_are_dropped(monkeypatch, opt, c
     assert [v.dtype for v in loss.inputs[:1] + loss.outputs] == [B, F32, B]
     assert [n.op for n in got[2].nodes].count("cast") == 1          # the input's
     assert [n.op for n in want[2].nodes].count("cast") == 11
-    assert got[0] == want[0]
-    for key in want[1]:
-        np.testing.assert_array_equal(got[1][key], want[1][key], err_msg=key)
+    assert_same_run(got, want)
 
 
 def gpt_bf16_run(monkeypatch, passes):
-    """Losses, parameters and plan graph of three bf16 AdamW steps (with clipping) of a
-    two-layer gpt on numpy with the fusion passes `passes`."""
-    import stepgraph.api
-    from stepgraph.compile import fuse as fuse_module
-
-    monkeypatch.setattr(stepgraph.api, "fuse", lambda g: fuse_module.fuse(g, passes=passes))
+    """bf16_run of AdamW steps (with clipping) of a two-layer gpt."""
     gen = seeded("gpt-bf16-casts")
-    x = gen.integers(0, 11, (2, 8)).astype(np.int64)
-    y = gen.integers(0, 11, (2, 8)).astype(np.int64)
+    batch = tuple(gen.integers(0, 11, (2, 8)).astype(np.int64) for _ in range(2))
     model = models.gpt(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16,
                        dropout=0.1)
     model.load_state_dict(_initial_gpt_state())
-    step = sg.compile_train_step(model, models.next_token_loss,
-                                 optim.AdamW(lr=1e-2, max_grad_norm=1.0), (x, y),
-                                 precision="bf16")
-    losses_ = [np.float32(step(x, y)).tobytes() for _ in range(3)]
-    return losses_, model.state_dict(), next(iter(step.executables.values())).plan.graph
+    return bf16_run(monkeypatch, passes, model, models.next_token_loss,
+                    optim.AdamW(lr=1e-2, max_grad_norm=1.0), batch)
 
 
 @functools.cache
@@ -531,12 +530,6 @@ def _initial_gpt_state() -> dict:
 
 def _casts(graph) -> list:
     return [n for n in graph.nodes if n.op == "cast"]
-
-
-def assert_same_run(got, want):
-    assert got[0] == want[0]
-    for key in want[1]:
-        np.testing.assert_array_equal(got[1][key], want[1][key], err_msg=key)
 
 
 def test_layer_norm_reads_and_writes_bf16_around_the_gemms(monkeypatch):

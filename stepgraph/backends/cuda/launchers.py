@@ -484,8 +484,8 @@ def global_norm_forward(ctx, node: Node, tensors, out) -> None:
 
 def _checked_norm_tables(tensors) -> dict:
     for i, t in enumerate(tensors):
-        # float32, or a bf16 gradient (uint16 bits) whose cast fuse_gradient_casts dropped
-        _check(f"global_norm input {i}", t, dtype=None if t.dtype == np.uint16 else "float32")
+        # float32, or a bf16 gradient whose cast fuse_gradient_casts dropped
+        _element_ctype(f"global_norm input {i}", t)
     return _build_norm_tables(tensors)
 
 
@@ -808,9 +808,9 @@ def _build_update_tables(op: str, params, grads, slots, hyper, copies) -> dict:
     for i, (p, g) in enumerate(zip(params, grads)):
         tensors = [p, g] + [group[i] for group in slots]
         for what, t in zip(("param", "grad", "slot 0", "slot 1"), tensors):
-            # a gradient may be bf16 bits (compile/fuse.py fuse_gradient_casts)
-            bf16_grad = what == "grad" and t.dtype == np.uint16
-            _check(f"{op} {what} {i}", t, dtype=None if bf16_grad else "float32", shape=p.shape)
+            _check(f"{op} {what} {i}", t, dtype=None if what == "grad" else "float32",
+                   shape=p.shape)
+        _element_ctype(f"{op} grad {i}", g)    # or bf16 bits (fuse.py fuse_gradient_casts)
         ptrs = [t.data.ptr for t in tensors] + [0] * (4 - len(tensors))
         copy = copies.get(i)
         ptrs.append(0 if copy is None else copy.data.ptr)

@@ -18,8 +18,9 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import ShapeError
-from ...ir.graph import ir_dtype
+from ...ir.graph import ir_dtype, storage_dtype
 from . import compiler
+from .launchers import ELEMENT_CTYPES
 
 SMALL_MACS = 1 << 21        # multiply-adds under which the direct kernel wins (H200)
 THREAD_K = 48               # dot products up to this long: one thread each, else one warp,
@@ -30,7 +31,6 @@ BLOCK = 256
 MAX_BLOCKS = 4096
 ACT_CODES = {None: -1, "relu": 0, "leaky_relu": 1, "sigmoid": 2, "tanh": 3, "gelu": 4,
              "gelu_tanh": 5}
-CTYPES = {"float32": "float", "bfloat16": "unsigned short"}    # storage of each IR dtype
 # (operands' IR dtype, outputs' IR dtype) the small kernels are instantiated for: those of the
 # linear and matmul nodes (an IR product writes its operands' dtype).
 SMALL_DTYPES = (("float32", "float32"), ("bfloat16", "bfloat16"))
@@ -38,7 +38,8 @@ SMALL_KERNELS = ("small_matmul_thread_kernel", "small_matmul_warp_kernel")
 
 
 def _small_kernel(name: str, dtypes: tuple[str, str]) -> str:
-    return f"{name}<{CTYPES[dtypes[0]]}, {CTYPES[dtypes[1]]}>"
+    s, d = (ELEMENT_CTYPES[np.dtype(storage_dtype(t))] for t in dtypes)
+    return f"{name}<{s}, {d}>"
 
 
 def kernel_names() -> dict[str, set[str]]:

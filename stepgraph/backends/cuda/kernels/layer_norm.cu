@@ -29,25 +29,6 @@
 #define LAYER_NORM_BWD_THREADS(F) ((F) < 16 ? LAYER_NORM_BLOCK_ROWS_THREADS : LAYER_NORM_MAX_THREADS)
 #define LAYER_NORM_BWD_BLOCKS(F) ((F) < 16 ? 3 : 1)
 
-template <int VEC>
-__device__ __forceinline__ void load_vec(const float* p, long long i, float* v) {
-    if (VEC == 4) {
-        const float4 t = *reinterpret_cast<const float4*>(p + i);
-        v[0] = t.x;
-        v[1] = t.y;
-        v[2] = t.z;
-        v[3] = t.w;
-    } else {
-        v[0] = p[i];
-    }
-}
-
-template <int VEC>
-__device__ __forceinline__ void store_vec(float* p, long long i, const float* v) {
-    if (VEC == 4) *reinterpret_cast<float4*>(p + i) = make_float4(v[0], v[1], v[2], v[3]);
-    else p[i] = v[0];
-}
-
 __device__ __forceinline__ float inverse_std(float var, float eps) {
     return __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(var, eps)));
 }
@@ -59,7 +40,7 @@ __device__ __forceinline__ void load_columns(const float* p, int groups, float (
     for (int k = 0; k < K; ++k) {
         const int g = threadIdx.x + k * blockDim.x;
         if (p && g < groups) {
-            load_vec<VEC>(p, (long long)g * VEC, v[k]);
+            loadv_as_float<VEC>(p, (long long)g * VEC, v[k]);
         } else {
 #pragma unroll
             for (int j = 0; j < VEC; ++j) v[k][j] = 0.f;
@@ -105,7 +86,7 @@ layer_norm_forward_kernel(const float* x, const float* weight, const float* bias
         for (int k = 0; k < K; ++k) {
             const int g = threadIdx.x + k * blockDim.x;
             if (valid && g < groups) {
-                load_vec<VEC>(x, r0 + (long long)g * VEC, v[k]);
+                loadv_as_float<VEC>(x, r0 + (long long)g * VEC, v[k]);
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) s += v[k][j];
             }
@@ -158,7 +139,7 @@ __device__ __forceinline__ void store_block_partial(const float (&acc)[K][VEC], 
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             const int g = threadIdx.x + k * blockDim.x;
-            if (g < groups) store_vec<VEC>(out, (long long)g * VEC, acc[k]);
+            if (g < groups) storev_from_float<VEC>(out, (long long)g * VEC, acc[k]);
         }
         return;
     }
@@ -166,7 +147,8 @@ __device__ __forceinline__ void store_block_partial(const float (&acc)[K][VEC], 
 #pragma unroll
     for (int k = 0; k < K; ++k) {
         const int g = threadIdx.x + k * blockDim.x;
-        if (g < groups) store_vec<VEC>(red, (long long)threadIdx.y * C + g * VEC, acc[k]);
+        if (g < groups)
+            storev_from_float<VEC>(red, (long long)threadIdx.y * C + g * VEC, acc[k]);
     }
     __syncthreads();
     for (int c = flat_thread(); c < C; c += blockDim.x * blockDim.y) {
@@ -204,14 +186,14 @@ layer_norm_backward_kernel(const DY* dy, const float* x, const float* weight,
             const int g = threadIdx.x + k * blockDim.x;
             if (!valid || g >= groups) continue;
             loadv_as_float<VEC>(dy, r0 + (long long)g * VEC, d[k]);
-            load_vec<VEC>(x, r0 + (long long)g * VEC, h[k]);
+            loadv_as_float<VEC>(x, r0 + (long long)g * VEC, h[k]);
         }
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             const int g = threadIdx.x + k * blockDim.x;
             if (!valid || g >= groups) continue;
             float w[VEC];
-            if (weight) load_vec<VEC>(weight, (long long)g * VEC, w);
+            if (weight) loadv_as_float<VEC>(weight, (long long)g * VEC, w);
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
                 h[k][j] = __fmul_rn(__fsub_rn(h[k][j], m), r);
@@ -232,7 +214,7 @@ layer_norm_backward_kernel(const DY* dy, const float* x, const float* weight,
 #pragma unroll
             for (int j = 0; j < VEC; ++j)
                 d[k][j] = __fmul_rn(r, __fsub_rn(__fsub_rn(d[k][j], mg), __fmul_rn(h[k][j], mgh)));
-            store_vec<VEC>(dx, r0 + (long long)g * VEC, d[k]);
+            storev_from_float<VEC>(dx, r0 + (long long)g * VEC, d[k]);
         }
     }
     store_block_partial<VEC, K>(acc_w, partial_w, red, groups, C);
