@@ -3,7 +3,9 @@
     group = sg.distributed.init()          # RANK, WORLD_SIZE, ... from the launcher
     step = sg.compile_train_step(model, ..., distributed=True)
 
-`init()` meets the other ranks through rank 0's TCP store (group.py, store.py). A train step
+`init()` finds out who launched the run (detect.py: torchrun, `stepgraph launch`, Slurm's srun,
+mpirun) and meets the other ranks through the store there: torchrun's own TCPStore under
+torchrun, else the one rank 0 serves (group.py, store.py). A train step
 compiled with `distributed=True` (or a `DataParallel` with options) broadcasts rank 0's
 parameters and buffers to every rank, then averages the gradients with one all-reduce per
 bucket of about 25 MiB (buckets.py), each launched as soon as its last gradient is final
@@ -17,7 +19,8 @@ from dataclasses import dataclass
 
 from ..errors import DistributedError
 from .buckets import BUCKET_CAP_MB, Bucket, GradientInfo, cap_bytes_of, plan_buckets
-from .group import DistEnv, ProcessGroup, default_timeout, lookup_group, rendezvous
+from .detect import DistEnv, detect_launch, slurm_hosts
+from .group import ProcessGroup, default_timeout, lookup_group, rendezvous
 
 STRATEGIES = ("flat", "grouped")
 
@@ -45,13 +48,13 @@ class DataParallel:
 
 def init(timeout: float | None = None, env: DistEnv | None = None) -> ProcessGroup:
     """The process group of this run, made on the first call: from the launcher's variables
-    (torchrun's; a world of one without them). Waits at most `timeout` seconds (default
+    (detect_launch(); a world of one without them). Waits at most `timeout` seconds (default
     $STEPGRAPH_DIST_TIMEOUT or 120) for every rank to arrive. Where CuPy sees GPUs, GPU
     LOCAL_RANK becomes the current device (as torch.cuda.set_device(local_rank))."""
     global _group
     if _group is not None and not _group._closed:
         return _group
-    env = env or DistEnv.from_environ() or DistEnv(0, 1, 0, "127.0.0.1", 1)
+    env = env or detect_launch() or DistEnv(0, 1, 0, "127.0.0.1", 1, "single", "none")
     _use_local_gpu()
     _group = rendezvous(env, timeout)
     return _group
@@ -103,11 +106,11 @@ def destroy() -> None:
 
 def launched_world_size(environ=None) -> int:
     """WORLD_SIZE as the launcher set it (1 when not launched); no rendezvous."""
-    env = DistEnv.from_environ(environ)
+    env = detect_launch(environ)
     return 1 if env is None else env.world_size
 
 
 __all__ = ["BUCKET_CAP_MB", "Bucket", "DataParallel", "DistEnv", "DistributedError",
-           "GradientInfo", "ProcessGroup", "default_timeout", "destroy", "get_group", "get_rank",
-           "get_world_size", "init", "is_initialized", "launched_world_size", "lookup_group",
-           "plan_buckets", "rendezvous"]
+           "GradientInfo", "ProcessGroup", "default_timeout", "destroy", "detect_launch",
+           "get_group", "get_rank", "get_world_size", "init", "is_initialized",
+           "launched_world_size", "lookup_group", "plan_buckets", "rendezvous", "slurm_hosts"]

@@ -1,10 +1,9 @@
 """The process group of a data-parallel run: who I am (RANK of WORLD_SIZE), the rendezvous
 through rank 0's store, host-side collectives over that store, and the NCCL communicator.
 
-Launch variables are torchrun's: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, so
-`torchrun --nproc-per-node N script.py` and `stepgraph launch --gpus N -- python script.py`
-start the same processes. Every rank calls the same collectives in the same order; each one
-gets the next sequence number, which names its keys in the store.
+Who started the run and where the ranks meet is detect.py's (torchrun, `stepgraph launch`,
+Slurm, mpirun). Every rank calls the same collectives in the same order; each one gets the
+next sequence number, which names its keys in the store.
 """
 from __future__ import annotations
 
@@ -13,16 +12,14 @@ import json
 import os
 import time
 import weakref
-from dataclasses import dataclass
-
 import numpy as np
 
 from ..errors import DistributedError
-from .store import StoreClient, StoreServer, StoreTimeout
+from .detect import DistEnv
+from .store import RankDied, StoreClient, StoreServer, StoreTimeout, TorchStoreClient
 
 DEFAULT_TIMEOUT_S = 120.0
 TIMEOUT_ENV = "STEPGRAPH_DIST_TIMEOUT"
-ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 # Groups by id: graph nodes name their group in attrs (plain data), the op impls look it up.
 _GROUPS: "weakref.WeakValueDictionary[str, ProcessGroup]" = weakref.WeakValueDictionary()
@@ -40,49 +37,6 @@ def default_timeout() -> float:
     if value <= 0:
         raise DistributedError(f"{TIMEOUT_ENV} must be positive, got {raw!r}")
     return value
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    """This process's place in the run, as the launcher's variables say."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str
-    master_port: int
-
-    @classmethod
-    def from_environ(cls, environ=None) -> "DistEnv | None":
-        """The variables of `environ` (default os.environ); None when WORLD_SIZE is unset.
-        DistributedError names a missing or malformed variable."""
-        env = os.environ if environ is None else environ
-        if "WORLD_SIZE" not in env:
-            return None
-        values = {}
-        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-            raw = env.get(name, env.get("RANK") if name == "LOCAL_RANK" else None)
-            if raw is None:
-                raise DistributedError(f"WORLD_SIZE is set but {name} is not (the launcher "
-                                       f"sets {', '.join(ENV_VARS)})")
-            try:
-                values[name] = int(raw)
-            except ValueError:
-                raise DistributedError(f"{name} must be an integer, got {raw!r}") from None
-        out = cls(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"],
-                  env.get("MASTER_ADDR", "127.0.0.1"), values["MASTER_PORT"])
-        out.check()
-        return out
-
-    def check(self) -> None:
-        if self.world_size < 1:
-            raise DistributedError(f"WORLD_SIZE must be >= 1, got {self.world_size}")
-        if not 0 <= self.rank < self.world_size:
-            raise DistributedError(f"RANK must be in [0, {self.world_size}), got {self.rank}")
-        if self.local_rank < 0:
-            raise DistributedError(f"LOCAL_RANK must be >= 0, got {self.local_rank}")
-        if not 0 < self.master_port < 65536:
-            raise DistributedError(f"MASTER_PORT must be in [1, 65535], got {self.master_port}")
 
 
 class ProcessGroup:
@@ -119,6 +73,8 @@ class ProcessGroup:
             try:
                 values.append(self.store.get(f"{prefix}{r}",
                                              max(0.0, deadline - time.monotonic())))
+            except RankDied as err:
+                raise self._died(err, what) from None
             except StoreTimeout:
                 missing = [q for q in range(r, self.world_size)
                            if not self.store.has(f"{prefix}{q}")]
@@ -128,10 +84,15 @@ class ProcessGroup:
                     f"elsewhere?)") from None
         return values
 
+    def _died(self, err: RankDied, what: str) -> DistributedError:
+        return DistributedError(f"rank {self.rank}: {what} failed: rank(s) {err.ranks} of "
+                                f"{self.world_size} died (killed or crashed) during the run")
+
     def _done(self, prefix: str, readers: int) -> None:
         """Drop a collective's keys once its last reader has read them."""
         if self.store.add(f"{prefix}done", 1) == readers:
-            self.store.delete_prefix(prefix)
+            self.store.delete_keys([f"{prefix}{r}" for r in range(self.world_size)]
+                                   + [f"{prefix}done"])
 
     # ---- host collectives (the store) ----------------------------------------------------
 
@@ -185,6 +146,8 @@ class ProcessGroup:
             return [np.array(a, copy=True) for a in arrays]
         try:
             payload = self.store.get(f"{prefix}{root}")
+        except RankDied as err:
+            raise self._died(err, what) from None
         except StoreTimeout:
             raise DistributedError(f"rank {self.rank}: {what} timed out after "
                                    f"{self.timeout:g} s waiting for rank {root}") from None
@@ -284,20 +247,26 @@ def lookup_group(group_id: str) -> ProcessGroup:
 def rendezvous(env: DistEnv, timeout: float | None = None) -> ProcessGroup:
     """Meet the other ranks: rank 0 serves the store, every rank connects, claims its rank
     and waits (at most `timeout` seconds) until all WORLD_SIZE ranks have; DistributedError
-    names the ranks that never arrived, or a rank claimed twice."""
+    names the ranks that never arrived, or a rank claimed twice. The store is env.store's:
+    torchrun's agent's (every rank a client; nothing binds MASTER_PORT), or stepgraph's own,
+    served by rank 0."""
     timeout = default_timeout() if timeout is None else float(timeout)
     if env.world_size == 1:
         return ProcessGroup(env, None, None, timeout)
-    server = StoreServer(env.master_addr, env.master_port) if env.rank == 0 else None
+    own = env.store != "torch"
+    server = StoreServer(env.master_addr, env.master_port) if own and env.rank == 0 else None
     try:
         try:
-            store = StoreClient(env.master_addr, env.master_port, timeout)
+            store = (StoreClient(env.master_addr, env.master_port, timeout) if own else
+                     TorchStoreClient(env.master_addr, env.master_port, timeout,
+                                      env.namespace))
         except StoreTimeout as err:
             raise DistributedError(f"rank {env.rank}: rendezvous failed: {err}") from None
         if store.add(f"rendezvous/claims/{env.rank}", 1) != 1:
             store.close()
             raise DistributedError(f"rank {env.rank}: another process already claimed RANK="
                                    f"{env.rank} (two launches on one MASTER_PORT?)")
+        store.register(env.rank)
         group = ProcessGroup(env, store, server, timeout)
     except BaseException:
         if server is not None:
