@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -96,6 +97,7 @@ def main(argv=None) -> int:
     captured = getattr(exe, "captured", None)
     if captured is not None and getattr(captured, "node_count", None) is not None:
         record["graph/nodes"] = np.int64(captured.node_count)
+    record["time/last_step"] = np.float64(time.time())    # for the exit-time test
     np.savez(Path(args.out) / f"rank{rank}.npz", **record)
     return 0
 

@@ -1,0 +1,235 @@
+"""Launchers of a data-parallel run without GPUs: what torchrun, Slurm and mpirun set and
+which store the ranks meet through (detect_launch), a real two-process run under torchrun,
+how fast a run ends after its last step, and a rank killed mid-run."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stepgraph.distributed import DistEnv, detect_launch, rendezvous, slurm_hosts
+from stepgraph.distributed.launch import free_port
+from stepgraph.errors import DistributedError
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("dist_worker.py")
+
+
+# ---- what each launcher sets ---------------------------------------------------------------
+
+def torchrun_env(rank=1, world=4, local=1, node=0, agent="True", **extra):
+    """The variables torchrun (torch 2.x) gives a worker (seen with --nproc_per_node 2)."""
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
+           "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": "2",
+           "ROLE_RANK": str(rank), "MASTER_ADDR": "node01", "MASTER_PORT": "44689",
+           "TORCHELASTIC_RUN_ID": "run7", "TORCHELASTIC_RESTART_COUNT": "2",
+           "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": agent}
+    env.update(extra)
+    return env
+
+
+def test_torchrun_uses_its_agents_store_under_the_run_namespace():
+    env = detect_launch(torchrun_env(rank=3, local=1, node=1))
+    assert env == DistEnv(3, 4, 1, "node01", 44689, "torchrun", "torch", 1, "stepgraph/run7/2/")
+
+
+def test_torchrun_without_an_agent_store_has_rank_zero_serve_ours():
+    env = detect_launch(torchrun_env(agent="False"))
+    assert (env.launcher, env.store, env.namespace) == ("torchrun", "own", "")
+
+
+def test_srun_torchrun_is_a_torchrun_run():
+    env = detect_launch(torchrun_env(SLURM_PROCID="0", SLURM_NTASKS="2",
+                                     SLURM_NODELIST="gpu[1-2]"))
+    assert env.launcher == "torchrun" and env.rank == 1 and env.world_size == 4
+
+
+def test_stepgraph_launch_variables():
+    env = detect_launch({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29501"})
+    assert env == DistEnv(1, 2, 1, "127.0.0.1", 29501, "stepgraph", "own", 0, "")
+    assert detect_launch({}) is None
+
+
+def test_slurm_master_is_the_first_node_of_the_list():
+    base = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+            "SLURM_NODEID": "2", "SLURM_NODELIST": "gpu[07-09,12],cpu1"}
+    assert detect_launch(base) == DistEnv(5, 8, 1, "gpu07", 29517, "slurm", "own", 2)
+    env = detect_launch(dict(base, MASTER_ADDR="10.0.0.1", MASTER_PORT="3000"))
+    assert (env.master_addr, env.master_port) == ("10.0.0.1", 3000)
+    with pytest.raises(DistributedError, match="SLURM_NTASKS must be an integer"):
+        detect_launch(dict(base, SLURM_NTASKS="two"))
+    with pytest.raises(DistributedError, match=r"RANK must be in \[0, 8\), got 9"):
+        detect_launch(dict(base, SLURM_PROCID="9"))
+
+
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("node01", ["node01"]),
+    ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
+    ("a[8-10],b", ["a8", "a9", "a10", "b"]),
+    ("r[1-2]n[08-09]", ["r1n08", "r1n09", "r2n08", "r2n09"]),
+    ("x[009-011]-ib,y2", ["x009-ib", "x010-ib", "x011-ib", "y2"]),
+])
+def test_slurm_node_lists(nodelist, hosts):
+    assert slurm_hosts(nodelist) == hosts
+
+
+@pytest.mark.parametrize("bad", ["node[01-03", "node[a-b]", ""])
+def test_malformed_slurm_node_lists_are_refused(bad):
+    with pytest.raises(DistributedError, match="Slurm node"):
+        slurm_hosts(bad)
+
+
+def test_open_mpi_needs_a_master_address():
+    base = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "0"}
+    with pytest.raises(DistributedError, match="mpirun names no master host: set MASTER_ADDR"):
+        detect_launch(base)
+    env = detect_launch(dict(base, MASTER_ADDR="node02"))
+    assert env == DistEnv(2, 4, 0, "node02", 29517, "mpi", "own")
+
+
+def test_mpich_ranks_and_their_local_rank():
+    base = {"PMI_RANK": "3", "PMI_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "4000"}
+    assert detect_launch(dict(base, MPI_LOCALRANKID="1")) == \
+        DistEnv(3, 4, 1, "h", 4000, "mpi", "own")
+    with pytest.raises(DistributedError, match="set LOCAL_RANK"):
+        detect_launch(base)
+
+
+# ---- store selection -----------------------------------------------------------------------
+
+def test_ranks_meet_through_torchruns_store_without_binding_its_port():
+    """torchrun's agent holds MASTER_PORT with a torch TCPStore: rank 0 must not try to serve
+    there (it would fail: address in use) but use it, and collectives must work over it."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    port = free_port()
+    agent = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=10))
+    results, errors = [None, None], []
+
+    def rank(r):
+        try:
+            env = DistEnv(r, 2, r, "127.0.0.1", port, "torchrun", "torch", 0, "stepgraph/t/0/")
+            group = rendezvous(env, timeout=10.0)
+            results[r] = group.all_reduce_mean([np.full(3, r + 1.0, np.float32)])[0]
+            group.destroy()
+        except Exception as err:        # reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    for r in (0, 1):
+        np.testing.assert_array_equal(results[r], np.full(3, 1.5, np.float32))
+    # The collective's keys lived under the namespace and were deleted by their last reader.
+    assert agent.check(["stepgraph/t/0/rendezvous/claims/0"])
+    assert not agent.check(["stepgraph/t/0/all_reduce/1/0"])
+
+
+# ---- real runs -----------------------------------------------------------------------------
+
+def parameters(record) -> dict:
+    return {k: record[k] for k in record.files if k.startswith("state/")}
+
+
+def test_two_processes_under_torchrun_end_with_identical_parameters(tmp_path):
+    sys.path.insert(0, str(WORKER.parent))
+    import dist_worker
+
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                           "2", str(WORKER), "--out", str(tmp_path), "--steps", "4"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, STEPGRAPH_DIST_TIMEOUT="30"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [np.load(tmp_path / f"rank{r}.npz") for r in (0, 1)]
+    model, _, _ = dist_worker.train("mlp", 4, 16)           # rank 0's initialisation
+    assert parameters(ranks[0])
+    for key, value in parameters(ranks[0]).items():
+        np.testing.assert_array_equal(value, ranks[1][key], err_msg=key)
+        np.testing.assert_allclose(value, model.state_dict()[key[len("state/"):]], rtol=1e-5,
+                                   atol=1e-6)
+
+
+def start_ranks(world: int, script: list[str], timeout: float) -> list[subprocess.Popen]:
+    """`world` processes of `script` with the variables `stepgraph launch` sets, but no
+    launcher watching them (what each process does by itself is under test)."""
+    port = free_port()
+    return [subprocess.Popen(
+        [sys.executable, *script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world),
+                            LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                            STEPGRAPH_DIST_TIMEOUT=str(timeout), PYTHONPATH=str(ROOT)))
+        for r in range(world)]
+
+
+def test_a_two_process_run_exits_promptly_after_its_last_step(tmp_path):
+    procs = start_ranks(2, [str(WORKER), "--out", str(tmp_path), "--steps", "3"], 60)
+    ended = []
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        ended.append(time.time())
+        assert p.returncode == 0, err[-3000:]
+    last = [float(np.load(tmp_path / f"rank{r}.npz")["time/last_step"]) for r in (0, 1)]
+    # From the last step to the process's end: writing the record, destroying the group
+    # (the leaving barrier, the store) and the interpreter's exit. A hang at exit would show
+    # as the timeout (60 s) or the leaving barrier's 10 s.
+    for r in (0, 1):
+        assert ended[r] - last[r] < 3.0, (r, ended[r] - last[r])
+
+
+KILLED = """
+import os, pathlib, sys, time
+import numpy as np
+import stepgraph as sg
+from stepgraph import losses, nn, optim
+
+sg.distributed.init()
+nn.init.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+x, y = np.ones((4, 4), np.float32), np.zeros(4, np.int64)
+step = sg.compile_train_step(model, losses.cross_entropy, optim.SGD(lr=0.1), (x, y),
+                             distributed=True)
+for i in range(100000):
+    float(step(x, y))
+    if i == 2:
+        pathlib.Path(sys.argv[1], os.environ["RANK"]).write_text("")
+"""
+
+
+def test_a_killed_rank_is_named_by_the_others_well_within_the_timeout(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(KILLED)
+    procs = start_ranks(3, [str(script), str(tmp_path)], timeout=60)
+    try:
+        deadline = time.monotonic() + 90
+        while not all((tmp_path / str(r)).exists() for r in range(3)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                [p.communicate()[1][-2000:] for p in procs if p.poll() is not None]
+            time.sleep(0.05)
+        killed_at = time.monotonic()
+        procs[1].send_signal(signal.SIGKILL)
+        for r in (0, 2):
+            _, err = procs[r].communicate(timeout=60)
+            waited = time.monotonic() - killed_at
+            assert procs[r].returncode not in (0, None)
+            assert "rank(s) [1] of 3 died" in err, err[-2000:]
+            assert waited < 15, waited      # the timeout is 60 s: the drop was noticed
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
