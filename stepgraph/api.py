@@ -196,7 +196,8 @@ class TrainStep(_CompiledModel):
         if self.group is not None:
             dp = self.data_parallel
             graph = average_gradients(graph, self.group.id, self.group.world_size,
-                                      cap_bytes_of(dp.bucket_cap_mb), dp.strategy)
+                                      cap_bytes_of(dp.bucket_cap_mb), dp.strategy,
+                                      dp.reduce_dtype == "bf16")
         return make_plan(resolve_overlap(self.overlap_update, graph, self.device))
 
     def _broadcast_parameters(self) -> None:

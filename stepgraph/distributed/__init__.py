@@ -23,6 +23,7 @@ from .detect import DistEnv, detect_launch, slurm_hosts
 from .group import ProcessGroup, default_timeout, lookup_group, rendezvous
 
 STRATEGIES = ("flat", "grouped")
+REDUCE_DTYPES = ("fp32", "bf16")
 
 _group: ProcessGroup | None = None
 
@@ -34,16 +35,30 @@ class DataParallel:
     bucket_cap_mb: the bucket size in MiB (DDP's bucket_cap_mb). strategy (CUDA): "flat"
     copies a bucket's gradients into one buffer for one NCCL all-reduce; "grouped" issues one
     all-reduce per gradient inside an NCCL group (no copies). group: the process group
-    (default: init()'s)."""
+    (default: init()'s).
+
+    reduce_dtype: what bf16 gradients (precision="bf16": those of the bf16 weight copies) are
+    summed in across ranks; float32 gradients are always summed in float32.
+    "fp32" (default): widened to float32, summed, divided, rounded to bf16 once: the mean is
+    the exact mean rounded to bf16 (relative error at most 2^-8), as DDP's float32 gradients
+    would give. CUDA moves 4 bytes per element and packs every bf16 bucket into a float32
+    buffer. "bf16": sent and summed in bf16, half the bytes on the wire, but every partial sum
+    is rounded too: with W ranks the error grows to about W * 2^-8 of the largest partial
+    sum, and a small gradient added to a large one can vanish; CUDA issues one NCCL_BFLOAT16
+    all-reduce per gradient (no packing)."""
 
     bucket_cap_mb: float = BUCKET_CAP_MB
     strategy: str = "flat"
     group: ProcessGroup | None = None
+    reduce_dtype: str = "fp32"
 
     def __post_init__(self):
         cap_bytes_of(self.bucket_cap_mb)
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"reduce_dtype must be one of {REDUCE_DTYPES}, got "
+                             f"{self.reduce_dtype!r}")
 
 
 def init(timeout: float | None = None, env: DistEnv | None = None) -> ProcessGroup:

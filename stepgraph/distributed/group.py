@@ -104,10 +104,11 @@ class ProcessGroup:
         self._gather(prefix, what, timeout)
         self._done(prefix, self.world_size)
 
-    def all_reduce_mean(self, arrays: list[np.ndarray], what: str = "all_reduce") \
-            -> list[np.ndarray]:
+    def all_reduce_mean(self, arrays: list[np.ndarray], what: str = "all_reduce",
+                        round_sum=None) -> list[np.ndarray]:
         """The mean over ranks of each array (one dtype), summed in rank order, so every
-        rank gets the same bits."""
+        rank gets the same bits. round_sum (an elementwise rounding, e.g. to bf16): applied
+        to every partial sum and to the mean, as a reduction in a narrower type is."""
         if self.world_size == 1:
             return [np.array(a, copy=True) for a in arrays]
         flat = np.concatenate([np.ascontiguousarray(a).reshape(-1) for a in arrays])
@@ -118,7 +119,11 @@ class ProcessGroup:
         total = np.frombuffer(parts[0], dtype=flat.dtype).copy()
         for part in parts[1:]:
             total += np.frombuffer(part, dtype=flat.dtype)
+            if round_sum is not None:
+                total = round_sum(total)
         total /= flat.dtype.type(self.world_size)
+        if round_sum is not None:
+            total = round_sum(total)
         return _split(total, arrays)
 
     def all_reduce_max(self, arrays: list[np.ndarray], what: str = "all_reduce") \
