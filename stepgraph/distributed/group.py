@@ -10,16 +10,20 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import sys
 import time
 import weakref
+
 import numpy as np
 
 from ..errors import DistributedError
 from .detect import DistEnv
 from .store import RankDied, StoreClient, StoreServer, StoreTimeout, TorchStoreClient
+from .watchdog import Watchdog
 
 DEFAULT_TIMEOUT_S = 120.0
 TIMEOUT_ENV = "STEPGRAPH_DIST_TIMEOUT"
+FAULT_EXIT_CODE = 75          # a rank ended because another died (EX_TEMPFAIL: run it again)
 
 # Groups by id: graph nodes name their group in attrs (plain data), the op impls look it up.
 _GROUPS: "weakref.WeakValueDictionary[str, ProcessGroup]" = weakref.WeakValueDictionary()
@@ -48,6 +52,8 @@ class ProcessGroup:
         self.id = f"{env.master_addr}:{env.master_port}/rank{env.rank}/pid{os.getpid()}"
         self._seq = 0
         self._nccl = None
+        self._watchdog: Watchdog | None = None
+        self.fault: DistributedError | None = None
         self._closed = False
         _GROUPS[self.id] = self
         atexit.register(self.destroy)
@@ -199,26 +205,52 @@ class ProcessGroup:
 
         with cupy.cuda.Device(device_id):
             self._nccl = nccl.NcclCommunicator(self.world_size, uid, self.rank)
+        if isinstance(self.store, StoreClient):     # torchrun watches its workers itself
+            self._watchdog = Watchdog(self.rank, self.world_size, self.env.master_addr,
+                                      self.env.master_port, self.timeout, self._fault)
         return self._nccl
+
+    def _fault(self, error: DistributedError) -> None:
+        """(the watchdog's thread) A peer died: abort the communicator, so that nothing of
+        ours waits on the dead rank, report and end this process; its main thread may be
+        blocked in a wait on the device that would not return."""
+        self.fault = error
+        comm = self._nccl
+        if comm is not None:
+            try:
+                comm.abort()
+            except Exception:      # aborting is all that is left to do; exit regardless
+                pass
+        print(f"stepgraph: DistributedError: {error}", file=sys.stderr, flush=True)
+        os._exit(FAULT_EXIT_CODE)
 
     @property
     def has_nccl(self) -> bool:
         return self._nccl is not None
 
     def destroy(self) -> None:
-        """Destroy the NCCL communicator, then leave the store (rank 0 waits a little for
-        the others first, so none loses the store while it still needs it)."""
+        """Wait for the device, stop the watchdog, destroy the NCCL communicator, then leave
+        the store (rank 0 waits a little for the others first, so none loses the store while
+        it still needs it; a dead rank ends that wait at once)."""
         if self._closed:
             return
         self._closed = True
-        comm, self._nccl = self._nccl, None
+        comm = self._nccl
         if comm is not None:
             try:
                 import cupy
 
-                cupy.cuda.Device().synchronize()   # nothing of ours may still use it
-                comm.destroy()
+                # Nothing of ours may still use it; the watchdog still guards this wait.
+                cupy.cuda.Device().synchronize()
             except Exception:   # at exit, after a failure: nothing left to report to
+                pass
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        self._nccl = None
+        if comm is not None:
+            try:
+                comm.destroy()
+            except Exception:
                 pass
         if self.store is not None:
             try:

@@ -226,15 +226,19 @@ class StoreClient:
         rank is dead (RankDied for everyone waiting)."""
         self._request(REGISTER, "", str(rank).encode())
 
-    def close(self) -> None:
+    def close(self, leave: bool = True) -> None:
+        """Leave (a registered rank is then not dead) and close. leave=False: close at once,
+        waking a `get` blocked in another thread (a watchdog's)."""
+        if leave:
+            try:
+                self._request(LEAVE, "")
+            except StoreError:      # the server is gone already: nothing to leave
+                pass
         try:
-            self._request(LEAVE, "")
-        except StoreError:      # the server is gone already: nothing to leave
-            pass
-        try:
-            self._sock.close()
+            self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        self._sock.close()
 
 
 class TorchStoreClient:

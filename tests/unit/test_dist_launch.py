@@ -357,3 +357,30 @@ def test_two_bf16_processes_train_like_one_on_the_global_batch(tmp_path):
         # how far the one-process bf16 run is from the float32 run (DESIGN.md's policy).
         bf16_error = np.linalg.norm((one[key] - start) - (fp32[key] - start))
         assert np.linalg.norm((two - start) - (one[key] - start)) <= 2 * bf16_error, key
+
+
+# ---- the GPU ranks' watchdog ---------------------------------------------------------------
+
+def test_the_watchdog_names_a_rank_whose_connection_drops_and_stops_quietly():
+    from stepgraph.distributed.store import StoreClient, StoreServer
+    from stepgraph.distributed.watchdog import Watchdog
+
+    server = StoreServer("127.0.0.1", free_port())
+    try:
+        faults = []
+        quiet = Watchdog(0, 2, "127.0.0.1", server.port, 5.0, faults.append)
+        start = time.monotonic()
+        quiet.stop()                        # a clean exit: ends at once, reports nothing
+        assert time.monotonic() - start < 2 and not faults
+        watch = Watchdog(0, 2, "127.0.0.1", server.port, 5.0, faults.append)
+        peer = StoreClient("127.0.0.1", server.port, 5.0)
+        peer.register(1)
+        peer._sock.close()                  # killed: its connection drops without leaving
+        deadline = time.monotonic() + 5
+        while not faults and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (fault,) = faults
+        assert "rank 0: rank(s) [1] of 2 died" in str(fault) and "aborted" in str(fault)
+        watch.stop()
+    finally:
+        server.close()
