@@ -1,9 +1,12 @@
-"""Data parallelism on two GPUs (marker multigpu: skipped with fewer): two ranks started by
-`stepgraph launch` train like one process on the same global batch, hold bit-identical
-parameters, and average their gradients with NCCL inside the step's CUDA graph.
+"""Data parallelism on two GPUs (marker multigpu: skipped with fewer; one test wants four):
+two ranks started by `stepgraph launch` or torchrun train like one process on the same global
+batch (float32 and bf16), hold bit-identical parameters, and average their gradients with
+NCCL inside the step's CUDA graph; they exit promptly after their last step, and a rank
+killed mid-run is named by the others, which end instead of hanging in NCCL.
 
-Each test launches tests/unit/dist_worker.py on 2 GPUs (every rank initialises differently,
-so the broadcast from rank 0 is exercised too), then runs the one-process reference here."""
+Most tests launch tests/unit/dist_worker.py (every rank initialises differently, so the
+broadcast from rank 0 is exercised too), then run the one-process reference here. Every
+process runs under a subprocess timeout, so no test can hang."""
 from __future__ import annotations
 
 import subprocess
@@ -168,6 +171,8 @@ def test_bf16_two_ranks_train_like_one_on_the_global_batch(tmp_path, reduce_dtyp
 def test_two_ranks_under_torchrun_hold_identical_parameters(tmp_path):
     import os
 
+    pytest.importorskip("torch")       # torchrun is torch's
+
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
                            "2", str(WORKER), "--device", "cuda", "--out", str(tmp_path),
                            "--model", "cnn", "--steps", "10", "--global-batch", "32"],
@@ -182,6 +187,8 @@ def test_two_ranks_under_torchrun_hold_identical_parameters(tmp_path):
 
 def test_four_ranks_under_torchrun_hold_identical_parameters(tmp_path):
     import os
+
+    pytest.importorskip("torch")       # torchrun is torch's
 
     if gpu_count() < 4:
         pytest.skip(f"needs 4 GPUs, {gpu_count()} visible")
