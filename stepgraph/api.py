@@ -29,7 +29,7 @@ from .compile.overlap import check_option as check_overlap_option
 from .compile.overlap import resolve as resolve_overlap
 from .compile.plan import Plan, make_plan
 from .distributed.buckets import cap_bytes_of
-from .errors import BackendUnavailableError, StateDictError
+from .errors import BackendUnavailableError, PlanError, StateDictError
 from .ir.graph import PARAM, STATE, Graph, Value
 from .nn.module import Module
 from .optim.optimizer import SCHEDULE_KEY, STEP_KEY
@@ -335,6 +335,10 @@ def _data_parallel(distributed):
     if not isinstance(distributed, dist.DataParallel):
         raise TypeError("distributed must be a bool or a stepgraph.distributed.DataParallel, "
                         f"got {type(distributed).__name__}")
+    if distributed.shard_optimizer:
+        raise PlanError("DataParallel(shard_optimizer=True): ZeRO-1's partition is planned "
+                        "(distributed.plan_shards), but the step's reduce-scatter and "
+                        "all-gather are not built yet; use shard_optimizer=False")
     return distributed, distributed.group or dist.init()
 
 

@@ -21,6 +21,7 @@ from ..errors import DistributedError
 from .buckets import BUCKET_CAP_MB, Bucket, GradientInfo, cap_bytes_of, plan_buckets
 from .detect import DistEnv, detect_launch, slurm_hosts
 from .group import ProcessGroup, default_timeout, lookup_group, rendezvous
+from .zero import BucketShards, ShardSlice, plan_shards
 
 STRATEGIES = ("flat", "grouped")
 REDUCE_DTYPES = ("fp32", "bf16")
@@ -45,12 +46,17 @@ class DataParallel:
     buffer. "bf16": sent and summed in bf16, half the bytes on the wire, but every partial sum
     is rounded too: with W ranks the error grows to about W * 2^-8 of the largest partial
     sum, and a small gradient added to a large one can vanish; CUDA issues one NCCL_BFLOAT16
-    all-reduce per gradient (no packing)."""
+    all-reduce per gradient (no packing).
+
+    shard_optimizer: ZeRO stage 1 (each rank keeps and updates 1/world of the optimizer
+    state). Its partition is planned (zero.plan_shards), but the step's reduce-scatter and
+    all-gather are not built yet: compile_train_step refuses it with a PlanError."""
 
     bucket_cap_mb: float = BUCKET_CAP_MB
     strategy: str = "flat"
     group: ProcessGroup | None = None
     reduce_dtype: str = "fp32"
+    shard_optimizer: bool = False
 
     def __post_init__(self):
         cap_bytes_of(self.bucket_cap_mb)
@@ -125,7 +131,8 @@ def launched_world_size(environ=None) -> int:
     return 1 if env is None else env.world_size
 
 
-__all__ = ["BUCKET_CAP_MB", "Bucket", "DataParallel", "DistEnv", "DistributedError",
-           "GradientInfo", "ProcessGroup", "default_timeout", "destroy", "detect_launch",
-           "get_group", "get_rank", "get_world_size", "init", "is_initialized",
-           "launched_world_size", "lookup_group", "plan_buckets", "rendezvous", "slurm_hosts"]
+__all__ = ["BUCKET_CAP_MB", "Bucket", "BucketShards", "DataParallel", "DistEnv",
+           "DistributedError", "GradientInfo", "ProcessGroup", "ShardSlice", "default_timeout",
+           "destroy", "detect_launch", "get_group", "get_rank", "get_world_size", "init",
+           "is_initialized", "launched_world_size", "lookup_group", "plan_buckets",
+           "plan_shards", "rendezvous", "slurm_hosts"]

@@ -384,3 +384,55 @@ def test_the_watchdog_names_a_rank_whose_connection_drops_and_stops_quietly():
         watch.stop()
     finally:
         server.close()
+
+
+# ---- ZeRO-1's partition (planning only) ----------------------------------------------------
+
+def test_every_element_of_every_bucket_has_exactly_one_owner():
+    from stepgraph.distributed import Bucket, plan_shards
+
+    rng = np.random.default_rng(0)
+    for world in (1, 2, 3, 4, 8):
+        elements = {i: int(rng.integers(1, 50)) for i in range(12)}
+        buckets = [Bucket((11, 10, 9), 0, "float32", 3), Bucket((8, 7, 6, 5, 4), 0, "float32", 7),
+                   Bucket((3, 2, 1, 0), 0, "float32", 9)]
+        for shards, bucket in zip(plan_shards(buckets, elements, world), buckets):
+            total = sum(elements[i] for i in bucket.indices)
+            assert shards.padded == shards.chunk * world and 0 <= shards.padded - total < world
+            owners = {i: np.zeros(elements[i], int) for i in bucket.indices}
+            offset = {}
+            for r, slices in enumerate(shards.ranks):
+                for s in slices:
+                    owners[s.index][s.start:s.stop] += 1
+                    offset[(s.index, s.start)] = s.offset
+                    # the slice lies inside rank r's chunk of the flat buffer
+                    assert r * shards.chunk <= s.offset
+                    assert s.offset + s.stop - s.start <= (r + 1) * shards.chunk
+            assert all((o == 1).all() for o in owners.values())
+            first = bucket.indices[0]
+            assert offset[(first, 0)] == 0
+
+
+def test_a_parameter_straddling_two_chunks_is_split_between_their_ranks():
+    from stepgraph.distributed import Bucket, ShardSlice, plan_shards
+
+    (shards,) = plan_shards([Bucket((1, 0), 0, "float32", 0)], {0: 3, 1: 6}, 2)
+    # flat buffer: param 1's six elements, then param 0's three; 9 -> padded 10, chunk 5
+    assert (shards.chunk, shards.padded) == (5, 10)
+    assert shards.ranks == ((ShardSlice(1, 0, 5, 0),),
+                            (ShardSlice(1, 5, 6, 5), ShardSlice(0, 0, 3, 6)))
+    with pytest.raises(ValueError, match="no element count for parameters \\[0\\]"):
+        plan_shards([Bucket((1, 0), 0, "float32", 0)], {1: 6}, 2)
+
+
+def test_a_sharded_optimizer_step_is_refused_until_it_is_built():
+    from stepgraph import losses, nn, optim
+    import stepgraph as sg
+    from stepgraph.distributed import DataParallel
+    from stepgraph.errors import PlanError
+
+    model = nn.Sequential(nn.Linear(4, 2))
+    x, y = np.ones((2, 4), np.float32), np.zeros(2, np.int64)
+    with pytest.raises(PlanError, match="shard_optimizer=True.*not built yet"):
+        sg.compile_train_step(model, losses.cross_entropy, optim.SGD(lr=0.1), (x, y),
+                              distributed=DataParallel(shard_optimizer=True))
