@@ -194,7 +194,8 @@ class StoreClient:
                 payload = _recv_exact(self._sock, length)
             except (ConnectionError, OSError) as err:
                 raise StoreError(f"lost the connection to the store at {self.address} "
-                                 f"({err}); did rank 0 exit?") from err
+                                 f"({err}): rank 0, which serves it, is gone (killed, "
+                                 "crashed or finished)") from err
         return status, payload
 
     def set(self, key: str, value: bytes) -> None:

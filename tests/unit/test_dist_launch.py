@@ -51,6 +51,14 @@ def test_srun_torchrun_is_a_torchrun_run():
     assert env.launcher == "torchrun" and env.rank == 1 and env.world_size == 4
 
 
+def test_launch_help_prints_the_usage(capsys):
+    from stepgraph.cli import main
+
+    assert main(["launch", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: stepgraph launch --gpus N") and "--master-port" in out
+
+
 def test_stepgraph_launch_variables():
     env = detect_launch({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29501"})
@@ -210,7 +218,10 @@ for i in range(100000):
 """
 
 
-def test_a_killed_rank_is_named_by_the_others_well_within_the_timeout(tmp_path):
+@pytest.mark.parametrize("victim, message", [
+    (1, "rank(s) [1] of 3 died"), (0, "rank 0, which serves it, is gone")])
+def test_a_killed_rank_is_named_by_the_others_well_within_the_timeout(tmp_path, victim,
+                                                                        message):
     script = tmp_path / "run.py"
     script.write_text(KILLED)
     procs = start_ranks(3, [str(script), str(tmp_path)], timeout=60)
@@ -221,12 +232,12 @@ def test_a_killed_rank_is_named_by_the_others_well_within_the_timeout(tmp_path):
                 [p.communicate()[1][-2000:] for p in procs if p.poll() is not None]
             time.sleep(0.05)
         killed_at = time.monotonic()
-        procs[1].send_signal(signal.SIGKILL)
-        for r in (0, 2):
+        procs[victim].send_signal(signal.SIGKILL)
+        for r in {0, 1, 2} - {victim}:
             _, err = procs[r].communicate(timeout=60)
             waited = time.monotonic() - killed_at
             assert procs[r].returncode not in (0, None)
-            assert "rank(s) [1] of 3 died" in err, err[-2000:]
+            assert message in err, err[-2000:]
             assert waited < 15, waited      # the timeout is 60 s: the drop was noticed
     finally:
         for p in procs:
