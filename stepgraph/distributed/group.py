@@ -23,10 +23,12 @@ from .watchdog import Watchdog
 
 DEFAULT_TIMEOUT_S = 120.0
 TIMEOUT_ENV = "STEPGRAPH_DIST_TIMEOUT"
+LEAVING_S = 10.0              # at most this long at exit for the other ranks
 FAULT_EXIT_CODE = 75          # a rank ended because another died (EX_TEMPFAIL: run it again)
 
 # Groups by id: graph nodes name their group in attrs (plain data), the op impls look it up.
 _GROUPS: "weakref.WeakValueDictionary[str, ProcessGroup]" = weakref.WeakValueDictionary()
+_WATCHED: "weakref.WeakSet[ProcessGroup]" = weakref.WeakSet()    # see _note_crashes
 
 
 def default_timeout() -> float:
@@ -55,8 +57,11 @@ class ProcessGroup:
         self._watchdog: Watchdog | None = None
         self.fault: DistributedError | None = None
         self._closed = False
+        self._crashed = False
         _GROUPS[self.id] = self
         atexit.register(self.destroy)
+        if store is not None:
+            _note_crashes(self)
 
     rank = property(lambda self: self.env.rank)
     world_size = property(lambda self: self.env.world_size)
@@ -230,8 +235,10 @@ class ProcessGroup:
 
     def destroy(self) -> None:
         """Wait for the device, stop the watchdog, destroy the NCCL communicator, then leave
-        the store (rank 0 waits a little for the others first, so none loses the store while
-        it still needs it; a dead rank ends that wait at once)."""
+        the store through a barrier (a dead rank ends it at once); rank 0 serves the store
+        until every other rank has left or died (at most LEAVING_S), so that none loses it
+        while it still needs it. A rank that crashed (an uncaught exception) skips the
+        barrier and drops its connection: the others see it die."""
         if self._closed:
             return
         self._closed = True
@@ -252,15 +259,37 @@ class ProcessGroup:
                 comm.destroy()
             except Exception:
                 pass
-        if self.store is not None:
+        linger = min(self.timeout, LEAVING_S)
+        if self.store is not None and self._crashed:
+            self.store.close(leave=False)      # the others see this rank die, at once
+        elif self.store is not None:
             try:
-                self.barrier("leaving", timeout=min(self.timeout, 10.0))
+                self.barrier("leaving", timeout=linger)
             except Exception:
                 pass
             self.store.close()
         if self._server is not None:
-            self._server.close()
+            self._server.close(linger)
         _GROUPS.pop(self.id, None)
+
+
+def _note_crashes(group: ProcessGroup) -> None:
+    """Mark `group` crashed when the program ends on an uncaught exception other than a
+    DistributedError (those report another rank's failure): its destroy() then drops the
+    store connection without leaving, so the other ranks fail at once naming this one,
+    instead of waiting out their timeout for collectives it will never join."""
+    if not getattr(sys.excepthook, "marks_crashed_groups", False):
+        previous = sys.excepthook
+
+        def hook(kind, value, traceback):
+            if not issubclass(kind, DistributedError):
+                for watched in list(_WATCHED):
+                    watched._crashed = True
+            previous(kind, value, traceback)
+
+        hook.marks_crashed_groups = True
+        sys.excepthook = hook
+    _WATCHED.add(group)
 
 
 def _split(flat: np.ndarray, like: list[np.ndarray]) -> list[np.ndarray]:

@@ -16,7 +16,8 @@ Under torchrun the ranks use the TCPStore that torchrun's agent serves instead
 
 Wire format, one request and one reply per round trip:
     request  op (1 byte) | key length (u32) | key (utf-8) | value length (u64) | value | wait (f64)
-    reply    status (1 byte: 0 ok, 1 missing) | payload length (u64) | payload
+    reply    status (1 byte: 0 ok, 1 missing, 2 a rank died: payload "1,3") | payload length
+             (u64) | payload
 """
 from __future__ import annotations
 
@@ -73,6 +74,7 @@ class _Table:
 
     def __init__(self):
         self.values: dict[str, bytes] = {}
+        self.present: set[int] = set()     # ranks registered, not yet left nor dead
         self.changed = threading.Condition()
 
     def handle(self, op: int, key: str, value: bytes, wait: float) -> tuple[int, bytes]:
@@ -108,10 +110,26 @@ class _Table:
         return sorted(int(k[len(DEAD_PREFIX):]) for k in self.values
                       if k.startswith(DEAD_PREFIX))
 
+    def join(self, rank: int) -> None:
+        with self.changed:
+            self.present.add(rank)
+
+    def leave(self, rank: int | None) -> None:
+        with self.changed:
+            self.present.discard(rank)
+            self.changed.notify_all()
+
     def lost(self, rank: int | None) -> None:
         """A connection ended: its rank, if it registered and did not leave, is dead."""
         if rank is not None:
+            self.leave(rank)
             self.handle(SET, f"{DEAD_PREFIX}{rank}", b"", 0.0)
+
+    def wait_until_empty(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while self.present and time.monotonic() < deadline:
+                self.changed.wait(max(0.0, deadline - time.monotonic()))
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -125,9 +143,13 @@ class _Handler(socketserver.BaseRequestHandler):
                 (value_len,) = _VALUE.unpack(_recv_exact(sock, _VALUE.size))
                 value = _recv_exact(sock, value_len)
                 (wait,) = _WAIT.unpack(_recv_exact(sock, _WAIT.size))
-                if op == REGISTER or op == LEAVE:
-                    rank = int(value.decode()) if op == REGISTER else None
+                if op == REGISTER:
+                    rank = int(value.decode())
+                    table.join(rank)
                     status, payload = OK, b""
+                elif op == LEAVE:
+                    table.leave(rank)
+                    rank, status, payload = None, OK, b""
                 else:
                     status, payload = table.handle(op, key, value, wait)
                 sock.sendall(_REPLY.pack(status, len(payload)) + payload)
@@ -157,7 +179,11 @@ class StoreServer:
                                         name="stepgraph-store")
         self._thread.start()
 
-    def close(self) -> None:
+    def close(self, linger: float = 0.0) -> None:
+        """Stop serving, after waiting up to `linger` seconds for every registered rank to
+        leave or die (so that none loses the store while it still needs it, e.g. to learn
+        which rank died)."""
+        self._server.table.wait_until_empty(linger)
         self._server.shutdown()
         self._server.server_close()
 

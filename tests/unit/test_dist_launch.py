@@ -215,6 +215,8 @@ for i in range(100000):
     float(step(x, y))
     if i == 2:
         pathlib.Path(sys.argv[1], os.environ["RANK"]).write_text("")
+        if os.environ["RANK"] == sys.argv[2]:
+            raise RuntimeError("this rank fails")
 """
 
 
@@ -224,7 +226,7 @@ def test_a_killed_rank_is_named_by_the_others_well_within_the_timeout(tmp_path, 
                                                                         message):
     script = tmp_path / "run.py"
     script.write_text(KILLED)
-    procs = start_ranks(3, [str(script), str(tmp_path)], timeout=60)
+    procs = start_ranks(3, [str(script), str(tmp_path), "none"], timeout=60)
     try:
         deadline = time.monotonic() + 90
         while not all((tmp_path / str(r)).exists() for r in range(3)):
@@ -239,6 +241,26 @@ def test_a_killed_rank_is_named_by_the_others_well_within_the_timeout(tmp_path, 
             assert procs[r].returncode not in (0, None)
             assert message in err, err[-2000:]
             assert waited < 15, waited      # the timeout is 60 s: the drop was noticed
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+
+
+def test_a_rank_that_raises_is_named_by_the_others_at_once(tmp_path):
+    """Its exception ends it (atexit: no leaving barrier), its connection drops without
+    leaving, and the rank waiting for it in the next all-reduce fails naming it."""
+    script = tmp_path / "run.py"
+    script.write_text(KILLED)
+    procs = start_ranks(2, [str(script), str(tmp_path), "1"], timeout=60)
+    try:
+        _, err1 = procs[1].communicate(timeout=120)
+        failed_at = time.monotonic()
+        assert procs[1].returncode == 1 and "this rank fails" in err1, err1[-2000:]
+        _, err0 = procs[0].communicate(timeout=60)
+        assert procs[0].returncode == 1 and "rank(s) [1] of 2 died" in err0, err0[-2000:]
+        assert time.monotonic() - failed_at < 10          # the timeout is 60 s
     finally:
         for p in procs:
             if p.poll() is None:
