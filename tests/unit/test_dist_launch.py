@@ -364,6 +364,26 @@ def test_bf16_buckets_say_what_they_are_summed_in():
         DataParallel(reduce_dtype="float16")
 
 
+def test_a_bf16_data_parallel_plan_has_cuda_kernels_for_its_collectives():
+    """The CUDA backend refuses a bf16 plan with an op on bf16 values outside its BF16_OPS:
+    the all-reduce and the join that holds its bf16 inputs and outputs must be listed."""
+    pytest.importorskip("cupy")
+    from stepgraph import losses, nn, optim
+    import stepgraph as sg
+    from stepgraph.backends.cuda.backend import declared_bf16_ops
+    from stepgraph.compile.autocast import check_bf16_support
+
+    nn.init.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 3))
+    x, y = np.ones((8, 6), np.float32), np.zeros(8, np.int64)
+    step = sg.compile_train_step(model, losses.cross_entropy, optim.SGD(lr=0.1), (x, y),
+                                 distributed=True, precision="bf16")
+    graph = next(iter(step.executables.values())).plan.graph
+    joins = [n for n in graph.nodes if n.op == "all_reduce_join"]
+    assert any(v.dtype == "bfloat16" for v in joins[0].inputs)
+    check_bf16_support(graph, declared_bf16_ops(), "cuda")
+
+
 def test_two_bf16_processes_train_like_one_on_the_global_batch(tmp_path):
     sys.path.insert(0, str(WORKER.parent))
     import dist_worker

@@ -30,7 +30,7 @@ NCCL_DTYPES = {"float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64", "int32": "N
                "int64": "NCCL_INT64", "uint8": "NCCL_UINT8"}
 NCCL_BFLOAT16 = 9           # ncclBfloat16 in nccl.h (NCCL >= 2.10); CuPy may not name it
 EXTRAS_KEY = "collective"
-BF16_OPS = frozenset({"all_reduce"})     # bf16 gradients (uint16 bits), attrs reduce_dtype
+BF16_OPS = frozenset({"all_reduce", "all_reduce_join"})   # bf16 gradients (uint16 bits)
 
 
 def kernel_names() -> dict[str, set[str]]:
