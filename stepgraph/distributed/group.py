@@ -55,7 +55,6 @@ class ProcessGroup:
         self._seq = 0
         self._nccl = None
         self._watchdog: Watchdog | None = None
-        self.fault: DistributedError | None = None
         self._closed = False
         self._crashed = False
         _GROUPS[self.id] = self
@@ -219,7 +218,6 @@ class ProcessGroup:
         """(the watchdog's thread) A peer died: abort the communicator, so that nothing of
         ours waits on the dead rank, report and end this process; its main thread may be
         blocked in a wait on the device that would not return."""
-        self.fault = error
         comm = self._nccl
         if comm is not None:
             try:

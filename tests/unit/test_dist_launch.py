@@ -489,3 +489,27 @@ def test_a_sharded_optimizer_step_is_refused_until_it_is_built():
     with pytest.raises(PlanError, match="shard_optimizer=True.*not built yet"):
         sg.compile_train_step(model, losses.cross_entropy, optim.SGD(lr=0.1), (x, y),
                               distributed=DataParallel(shard_optimizer=True))
+
+
+def test_a_fault_aborts_the_communicator_reports_and_ends_the_rank(monkeypatch, capsys):
+    from stepgraph.distributed import group as group_module
+    from stepgraph.distributed.group import FAULT_EXIT_CODE, ProcessGroup
+
+    calls = []
+
+    class Comm:
+        def abort(self):
+            calls.append("abort")
+
+    def exit_(code):
+        calls.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(group_module.os, "_exit", exit_)
+    group = ProcessGroup(DistEnv(0, 2, 0, "127.0.0.1", 1), None, None, 5.0)
+    group._nccl = Comm()
+    with pytest.raises(SystemExit):
+        group._fault(DistributedError("rank 0: rank(s) [1] of 2 died"))
+    assert calls == ["abort", FAULT_EXIT_CODE]
+    assert "DistributedError: rank 0: rank(s) [1] of 2 died" in capsys.readouterr().err
+    group._nccl, group._closed = None, True
