@@ -4,7 +4,7 @@
 // product and a sum into one FMA, which would round differently from numpy.
 #pragma once
 
-// Codes passed by launchers.py (ACT_CODES); ACT_NONE is act_bias_grad's identity.
+// Codes passed by runtime/launch.py (ACT_CODES); ACT_NONE is act_bias_grad's identity.
 #define ACT_NONE -1
 #define ACT_RELU 0
 #define ACT_LEAKY_RELU 1
