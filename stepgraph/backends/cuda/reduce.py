@@ -26,9 +26,8 @@ PLANE_TARGET_BLOCKS = 512     # reduce_sum over planes: split each plane's rows 
 COLUMN_TARGET_BLOCKS = 1024   # column sums (bias gradients): split tall inputs' rows to this
 COLUMN_SPLIT_ROWS = 256       # rows per split at least
 REDUCE_DIMS = 4               # reduce_sum_strided_kernel: kept and reduced dims, 4 runs each
+COLUMN_BLOCK = (32, 16)       # reduce.cu COLUMN_TILE x COLUMN_ROWS
 BF16_OPS = frozenset({"reduce_sum", "act_bias_grad", "global_norm"})
-
-COLUMN_BLOCK = (32, 16)   # reduce.cu COLUMN_TILE x COLUMN_ROWS
 
 
 def _column_splits(rows: int, column_blocks: int) -> int:
