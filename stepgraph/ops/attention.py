@@ -145,7 +145,12 @@ def _sdpa_impl(node, ins, outs, ctx):
 def _sdpa_grad_impl(node, ins, outs, ctx):
     dout, q, k, v = (_as_3d(x) for x in ins[:4])
     lse = ins[5].reshape(q.shape[:2] + (1,)).astype(q.dtype)
+    # exp(s - lse) carries lse's rounding (|lse| * eps, large for large scores) as one factor
+    # per row, so the rows sum to 1 + delta; D = rowsum(dP * P) then picks up delta * D, which
+    # dq and dk amplify. Renormalising removes the factor (the CUDA kernels take D from
+    # rowsum(dout * out) instead, which the forward normalised exactly).
     p = np.exp(_scores(node, q, k) - lse)
+    p /= p.sum(axis=-1, keepdims=True)
     keep = dropout_keep(node, p.shape, p.dtype, ins[6] if len(ins) > 6 else 0)
     dp = np.matmul(dout, v.transpose(0, 2, 1))
     kept = p

@@ -20,6 +20,7 @@ from stepgraph.nn import functional as F
 from stepgraph.ops.softmax import causal_mask
 from stepgraph.autodiff import append_backward
 from stepgraph.ir.trace import Tracer
+from tests.reference import assert_close_to_reference
 from tests.ops.helpers import (assert_close, op_forward, op_vjp, randn, run_graph, seeded,
                                trace_inputs)
 
@@ -175,3 +176,24 @@ def test_gpt_train_step_with_sdpa_matches_the_composed_path(monkeypatch):
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for key, value in want_params.items():
         assert_close(got_params[key], value, 1e-4, key)
+
+
+def test_sdpa_gradients_of_large_scores_stay_near_float64():
+    """Scores of size ~100 (inputs in [-9, 9], as OpInfo draws them): the backward's
+    exp(s - lse) rows carry lse's float32 rounding; dq and dk must still be as close to float64
+    as torch's float32 (they were 10x farther before the rows were renormalised)."""
+    gen = seeded("sdpa-large-scores")
+    for trial in range(3):
+        arrays = {n: gen.uniform(-9, 9, s).astype(np.float32)
+                  for n, s in (("q", (4, 3, 8)), ("k", (4, 6, 8)), ("v", (4, 6, 8)))}
+        dout = gen.uniform(-9, 9, (4, 3, 8)).astype(np.float32)
+        attrs = dict(scale=1 / math.sqrt(8), causal=False, dropout_p=0.0)
+        grads = op_vjp("sdpa", arrays, dout, ("q", "k", "v"), **attrs)
+        refs = {}
+        for dtype in (torch.float64, torch.float32):
+            q, k, v = (torch.tensor(arrays[n], dtype=dtype, requires_grad=True) for n in "qkv")
+            out = TF.scaled_dot_product_attention(q, k, v)
+            refs[dtype] = torch.autograd.grad(out, [q, k, v], torch.tensor(dout, dtype=dtype))
+        for i, name in enumerate("qkv"):
+            assert_close_to_reference(grads[name], refs[torch.float64][i].numpy(),
+                                      refs[torch.float32][i].numpy(), f"{trial}: d{name}")
