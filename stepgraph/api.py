@@ -180,9 +180,14 @@ class TrainStep(_CompiledModel):
         self._guard = None
         if COUNTERS_KEY in self.state:
             self._guard = GuardMonitor(self.backend, self.state[COUNTERS_KEY], on_bad_batch,
-                                       self.classes)
+                                       self.classes, self._nonfinite_params)
         optimizer.attach(self._write_schedule)
         self._versions = self._param_versions()   # the bf16 weight copies' source versions
+
+    def _nonfinite_params(self) -> list[str]:
+        """Names of the parameters holding a NaN or Inf (syncs; asked when a step failed)."""
+        return [name for name, p in self.params.items()
+                if not np.isfinite(self.backend.to_numpy(p.data)).all()]
 
     def build_graph(self, signature: Signature) -> Graph:
         # Each rank draws its own dropout masks (the same key would repeat one rank's masks

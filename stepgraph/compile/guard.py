@@ -115,8 +115,12 @@ def emit_guard(tracer: Tracer, policy: str, loss: Value, target: Value,
 class GuardMonitor:
     """The host side of one train step's guard (see the module docstring)."""
 
-    def __init__(self, backend, counters, policy: str, classes: int | None):
+    def __init__(self, backend, counters, policy: str, classes: int | None,
+                 nonfinite_params=lambda: []):
         self.backend, self.counters, self.policy, self.classes = backend, counters, policy, classes
+        # Names of the parameters holding NaN or Inf (asked only when an error is raised): a
+        # model loaded with such values fails every step, and the error should say so.
+        self.nonfinite_params = nonfinite_params
         # A host array the device updates without a sync (None: only syncs see the device).
         self.mirror = backend.host_mirror(counters)
 
@@ -147,7 +151,7 @@ class GuardMonitor:
         self.backend.copy_into(self.counters, counters)
         if self.mirror is not None:
             self.mirror[FIRST_BAD] = 0
-        raise bad_step_error(first, bits, held, self.classes)
+        raise bad_step_error(first, bits, held, self.classes, self.nonfinite_params())
 
     def skipped(self) -> int:
         return int(self.backend.to_numpy(self.counters)[SKIPPED])
@@ -166,12 +170,18 @@ class GuardMonitor:
             self.mirror[FIRST_BAD] = 0
 
 
-def bad_step_error(step: int, bits: int, held: int = 0,
-                   classes: int | None = None) -> LabelError | NonFiniteError:
+def bad_step_error(step: int, bits: int, held: int = 0, classes: int | None = None,
+                   nonfinite_params: tuple | list = ()) -> LabelError | NonFiniteError:
     """The typed error of a bad step: LabelError when its labels were out of range (the cause
-    of a NaN loss too), else NonFiniteError."""
-    message = (f"step {step}: the batch gave {describe_bits(bits, classes)}; its update was "
-               "not applied (parameters, optimizer state and step counter are as before it)")
+    of a NaN loss too), else NonFiniteError, which blames the parameters rather than the
+    batch when some of them (`nonfinite_params`, by name) hold NaN or Inf."""
+    cause = f"the batch gave {describe_bits(bits, classes)}"
+    if nonfinite_params and not bits & GUARD_LABELS:
+        names = ", ".join(nonfinite_params[:5]) + (", ..." if len(nonfinite_params) > 5 else "")
+        cause = (f"the parameters hold NaN or Inf ({names}; loaded that way, e.g. by "
+                 f"load_state_dict?), so every batch gives {describe_bits(bits, classes)}")
+    message = (f"step {step}: {cause}; its update was not applied (parameters, optimizer "
+               "state and step counter are as before it)")
     if held > 0:
         message += f", nor those of the {held} step(s) after it, run before this was reported"
     err = (LabelError if bits & GUARD_LABELS else NonFiniteError)(message)

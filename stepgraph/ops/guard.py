@@ -21,7 +21,8 @@ from ..optim.schedules import schedule_lr
 
 GUARD_LABELS = 1        # a label outside [0, classes)
 GUARD_LOSS = 2          # the loss is NaN or infinite
-GUARD_GRADS = 4         # a gradient element is NaN or infinite
+GUARD_GRADS = 4         # a gradient element is NaN, infinite, or so large its square is
+                        # (Adam's exp_avg_sq would hold Inf for good: see guard_check)
 GUARD_HELD = 8          # skipped because an earlier bad step is still unreported ("raise")
 FLAG_PENDING, FLAG_SKIP = 0, 1
 CALLS, SKIPPED, FIRST_BAD, FIRST_BITS = 0, 1, 2, 3
@@ -47,7 +48,8 @@ def describe_bits(bits: int, classes: int | None = None) -> str:
     if bits & GUARD_LOSS:
         words.append("a non-finite loss (NaN or Inf)")
     if bits & GUARD_GRADS:
-        words.append("non-finite gradients (NaN or Inf)")
+        words.append("non-finite gradients (NaN or Inf, or so large that their square, "
+                     "which Adam's exp_avg_sq holds, overflows)")
     if bits & GUARD_HELD and not words:
         words.append("an earlier bad step was not yet reported")
     return " and ".join(words) or "nothing"
@@ -57,9 +59,16 @@ def describe_bits(bits: int, classes: int | None = None) -> str:
 def _guard_check(ins, attrs):
     """flags[FLAG_PENDING] |= GUARD_LABELS if a label lies outside [0, classes) and is not
     attrs ignore_index (the loss's; None: no such label), | GUARD_LOSS if the loss is not
-    finite, | GUARD_GRADS if any gradient element is not finite. ins (flags int32 (2,), loss
-    (), [labels (N,) int32/int64 when attrs classes is not None], gradients...). One pass over
-    the gradients; reads nothing else."""
+    finite, | GUARD_GRADS if any gradient element g has a non-finite g * g (NaN, Inf, or
+    |g| above sqrt of the dtype's max, ~1.8e19 in float32). ins (flags int32 (2,), loss (),
+    [labels (N,) int32/int64 when attrs classes is not None], gradients...). One pass over
+    the gradients; reads nothing else.
+
+    Why the square: the optimizer state after an update must stay finite, and it does exactly
+    when g * g is finite. SGD's buffers and Adam's exp_avg are convex combinations of
+    gradients; Adam's exp_avg_sq is one of their squares, so it overflows (and freezes the
+    weight for good: its update is then 0 forever) exactly when some g * g does. A finite but
+    huge batch (1e38) gives such gradients with a finite loss."""
     flags, loss = ins[0], ins[1]
     _need(flags.shape == (N_FLAGS,) and flags.dtype == "int32", "guard_check",
           f"flags must be int32 ({N_FLAGS},), got {flags!r}")
@@ -143,8 +152,9 @@ def _guard_check_impl(node, ins, outs, ctx):
             bits |= GUARD_LABELS
     if not np.isfinite(loss).all():
         bits |= GUARD_LOSS
-    if not all(np.isfinite(g).all() for g in rest):
-        bits |= GUARD_GRADS
+    with np.errstate(over="ignore", invalid="ignore"):
+        if not all(np.isfinite(g * g).all() for g in rest):
+            bits |= GUARD_GRADS
     flags[FLAG_PENDING] |= bits
 
 

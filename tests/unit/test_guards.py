@@ -219,7 +219,7 @@ def test_skip_counts_an_inf_gradient_and_reads_the_loss():
     before = snapshot(step)
     loss = step(*bad)
     assert np.isfinite(float(loss)) and loss.skipped     # reading never raises under "skip"
-    assert loss.problem == "non-finite gradients (NaN or Inf)"
+    assert loss.problem.startswith("non-finite gradients (NaN or Inf")
     assert_same(before, snapshot(step))
     assert step.skipped_steps == 1
     assert not step(*good).skipped
@@ -333,3 +333,58 @@ def test_profile_needs_cuda():
     step = make_step("raise")
     with pytest.raises(BackendUnavailableError, match="device='cuda'"):
         step.profile(*batch(1))
+
+
+# ---- optimizer state that would overflow, parameters that are not finite --------------------
+
+def huge_batch_step(on_bad_batch):
+    """Adam on Linear(2, 1) with mse against targets of 1e19: the loss (~1e38) and the
+    gradients (~2e19) are finite, but the gradients' squares overflow float32, so Adam's
+    exp_avg_sq would hold Inf and those weights would never move again."""
+    model = nn.Sequential(nn.Linear(2, 1))
+    model.load_state_dict({"0.weight": np.array([[0.1, 0.2]], np.float32),
+                           "0.bias": np.zeros(1, np.float32)})
+    x = np.array([[1.0, 2.0], [0.5, -1.0]], np.float32)
+    t = np.zeros((2, 1), np.float32)
+    step = sg.compile_train_step(model, losses.mse, optim.Adam(lr=0.01), (x, t),
+                                 on_bad_batch=on_bad_batch)
+    return step, (x, t), (x, np.full_like(t, 1e19))
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_gradients_whose_square_overflows_are_a_bad_step(policy):
+    step, good, bad = huge_batch_step(policy)
+    step(*good)
+    before = snapshot(step)
+    loss = step(*bad)
+    if policy == "skip":
+        assert np.isfinite(float(loss))      # only the squares overflow
+    if policy == "raise":
+        with pytest.raises(NonFiniteError, match="square.*overflows"):
+            step(*good)
+    else:
+        assert step.skipped_steps == 1
+    assert_same(snapshot(step), before)
+    step(*good)                  # training goes on: the weights still move
+    after = snapshot(step)
+    assert all(np.isfinite(v).all() for v in after.values())
+    assert not np.array_equal(after["0.weight"], before["0.weight"])
+
+
+def test_guard_check_flags_a_finite_gradient_whose_square_overflows():
+    g = [np.array([1.0, 1e19], np.float32)]
+    assert _run_check(1.0, None, g) == 0
+    g = [np.array([1.0, -2e19], np.float32)]
+    assert _run_check(1.0, None, g) == ops_guard.GUARD_GRADS
+    assert _run_check(1.0, None, [g[0].astype(np.float64)]) == 0   # float64 holds 4e38
+
+
+def test_non_finite_parameters_are_blamed_not_the_batch():
+    step = make_step("raise", dropout=0.0)
+    sd = snapshot(step)
+    sd["0.weight"] = sd["0.weight"].copy()
+    sd["0.weight"][0, 0] = np.nan
+    step.load_state_dict(sd)
+    step(*batch(1))
+    with pytest.raises(NonFiniteError, match=r"parameters hold NaN or Inf \(0\.weight;"):
+        step(*batch(2))

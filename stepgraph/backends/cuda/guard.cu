@@ -1,5 +1,6 @@
 // Guard kernels (ops/guard.py): one multi-tensor pass that flags a step whose labels lie
-// outside [0, classes) or whose loss or gradients hold a NaN or Inf. It only reads, and
+// outside [0, classes) or whose loss or gradients hold a NaN or Inf (gradients: or a value
+// whose square overflows, which Adam's exp_avg_sq would keep as Inf). It only reads, and
 // writes the step's guard flags with an atomicOr from the blocks that found something, so a
 // good step costs one read of every gradient and no write. guard_advance (optim.cu) then
 // decides, and the update kernels skip a flagged step.
@@ -12,18 +13,25 @@
 #define KIND_BF16 3   // raw bits: a bf16 gradient the update widens itself (fuse_gradient_casts)
 
 // One row of the device table built once per guard_check node by guards.py (32 bytes):
-// a tensor, what it holds, the flag bit it sets, and whether it is 16-byte aligned.
+// a tensor, what it holds, the flag bit it sets, whether it is 16-byte aligned, and whether
+// its squares are checked (gradients) rather than its values (the loss).
 struct GuardEntry {
     const void* p;
     long long n;
     int kind;
     int bit;
     int aligned;
-    int pad;
+    int square;
 };
 
-__device__ __forceinline__ bool not_finite4(const float4 v) {
-    return !isfinite(v.x) || !isfinite(v.y) || !isfinite(v.z) || !isfinite(v.w);
+// v * v is not finite for NaN, Inf and |v| > sqrt(FLT_MAX) alike.
+__device__ __forceinline__ bool not_finite(const float v, const int square) {
+    return !isfinite(square ? v * v : v);
+}
+
+__device__ __forceinline__ bool not_finite4(const float4 v, const int square) {
+    return not_finite(v.x, square) || not_finite(v.y, square) || not_finite(v.z, square) ||
+           not_finite(v.w, square);
 }
 
 // A label outside [0, classes) that is not the loss's ignore_index (when it has one).
@@ -56,10 +64,10 @@ extern "C" __global__ void guard_check_kernel(const GuardEntry* entries, const i
             if (e.aligned && i + 4 <= end) {
                 float v[4];
                 load4_either_as_float(e.p, bf16, i, v);
-                bad |= not_finite4(make_float4(v[0], v[1], v[2], v[3]));
+                bad |= not_finite4(make_float4(v[0], v[1], v[2], v[3]), e.square);
             } else {
                 for (long long j = i; j < i + 4 && j < end; ++j)
-                    bad |= !isfinite(load_either_as_float(e.p, bf16, j));
+                    bad |= not_finite(load_either_as_float(e.p, bf16, j), e.square);
             }
         }
     } else if (e.kind == KIND_INT64) {

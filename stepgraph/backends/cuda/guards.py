@@ -27,7 +27,7 @@ SOURCE = "guard.cu"
 # guard.cu KIND_*; uint16 is bf16's storage (a gradient whose cast fuse_gradient_casts dropped)
 KINDS = {np.dtype("float32"): 0, np.dtype("int32"): 1, np.dtype("int64"): 2, np.dtype("uint16"): 3}
 ENTRY = np.dtype([("p", "<u8"), ("n", "<i8"), ("kind", "<i4"), ("bit", "<i4"),
-                  ("aligned", "<i4"), ("pad", "<i4")])    # guard.cu's GuardEntry, 32 bytes
+                  ("aligned", "<i4"), ("square", "<i4")])  # guard.cu's GuardEntry, 32 bytes
 COPY_ENTRY = np.dtype([("src", "<u8"), ("dst", "<u8"), ("n", "<i8"), ("vec", "<i8")])
 BF16_OPS = frozenset({"guard_check"})   # bf16 gradients (KIND 3)
 COPY_CHUNK = UPDATE_CHUNK     # bytes a block copies (the saved state is small: BatchNorm's)
@@ -51,7 +51,8 @@ def _check_tables(node: Node, loss, labels, grads) -> dict:
             raise ShapeError(f"guard_check input {i}: the kernel takes float32, bf16, int32 or "
                              f"int64, got {t.dtype}")
         _check(f"guard_check input {i}", t, dtype=None)
-        entries[i] = (t.data.ptr, t.size, kind, bit, int(_aligned(t)), 0)
+        # gradients: their squares (ops/guard.py guard_check says why)
+        entries[i] = (t.data.ptr, t.size, kind, bit, int(_aligned(t)), int(bit == GUARD_GRADS))
     jobs = _chunk_jobs([t.size for t, _ in rows])
     return dict(entries=cp.asarray(entries.view(np.int64)), jobs=cp.asarray(jobs))
 
