@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,8 @@ def _dims(dim, ndim: int, what: str) -> tuple[int, ...]:
         return tuple(range(ndim))
     dims = (dim,) if isinstance(dim, int) else tuple(dim)
     axes = sorted({_dim(d, ndim, what) for d in dims})
+    if ndim == 0:               # a 0-d tensor's dim 0 / -1 names no axis to reduce
+        return ()
     if len(axes) != len(dims):
         raise ShapeError(f"{what}: dim {dim} names an axis twice")
     return tuple(axes)
@@ -123,6 +126,8 @@ class Tensor:
         """Axes dim0 and dim1 swapped."""
         dims = list(range(self.ndim))
         a, b = _dim(dim0, self.ndim, "transpose"), _dim(dim1, self.ndim, "transpose")
+        if self.ndim == 0:      # torch accepts dims 0 / -1 of a 0-d tensor: nothing to swap
+            return self
         dims[a], dims[b] = dims[b], dims[a]
         return self.permute(*dims)
 
@@ -242,8 +247,13 @@ class Tensor:
     # ---- slicing ----
     def narrow(self, dim: int, start: int, length: int) -> Tensor:
         """Elements start..start+length-1 along `dim` (a contiguous copy; none when the
-        slice is the whole axis)."""
+        slice is the whole axis). start and length are ints or constant 0-d integer arrays
+        (a torch / NumPy scalar tensor); a traced tensor is refused."""
         d = _dim(dim, self.ndim, "narrow")
+        if isinstance(start, Tensor):
+            self._unsupported("narrow with a traced tensor start (the slice must be known "
+                              "when tracing; pass an int or a constant 0-d int tensor)")
+        start, length = operator.index(start), operator.index(length)
         if start < 0:
             start += self.shape[d]
         if not 0 <= start <= start + length <= self.shape[d]:
@@ -294,8 +304,13 @@ class Tensor:
         return self._act("tanh")
 
     def _last_axis(self, op: str, dim: int) -> Tensor:
-        # The ops work over the last axis: move `dim` there and back.
+        # The ops work over the last axis: move `dim` there and back. A 0-d tensor is one row
+        # of one element; an empty one has no rows to normalise (the result is itself).
         d = _dim(dim, self.ndim, op)
+        if self.ndim == 0:
+            return self.reshape(1)._last_axis(op, 0).reshape()
+        if self.value.size == 0:
+            return self
         if d == self.ndim - 1:
             return self.tracer.op(op, [self])
         return self.transpose(d, -1)._last_axis(op, -1).transpose(d, -1)

@@ -83,7 +83,9 @@ def log_softmax(input: Tensor, dim: int | None = None) -> Tensor:
 def _dropout(x: Tensor, p: float, training: bool, per_channel: bool) -> Tensor:
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-    if not training or p == 0.0:
+    # A predict trace (compile_predict) has dropout off even where the model asks for it
+    # (training=True): it has no step counter to draw fresh masks from, as sdpa's dropout_p.
+    if not training or p == 0.0 or not x.tracer.training:
         return x
     if per_channel and x.ndim != 4:
         raise ShapeError(f"Dropout2d expects (N, C, H, W) input, got {x.shape}")
@@ -104,12 +106,22 @@ def dropout2d(input: Tensor, p: float = 0.5, training: bool = True,
     return _dropout(input, p, training, per_channel=True)
 
 
-def mse_loss(input: Tensor, target: Tensor) -> Tensor:
-    """mean((input - target)^2) over every element; the shapes must match."""
+def mse_loss(input: Tensor, target: Tensor, size_average=None, reduce=None,
+             reduction: str = "mean") -> Tensor:
+    """(input - target)^2 reduced by `reduction` ("mean", "sum" or "none"); the shapes must
+    match (no broadcasting). The deprecated size_average / reduce are not supported."""
     target = _traced(input, target)
     if input.shape != target.shape:
         raise ShapeError(f"mse_loss: input {input.shape} and target {target.shape} differ")
-    return input.tracer.op("mse", [input, target])
+    if size_average is not None or reduce is not None or \
+            reduction not in ("mean", "sum", "none"):
+        raise UnsupportedOpError(f"mse_loss supports reduction='mean', 'sum' or 'none' "
+                                 f"(without size_average / reduce), got {reduction!r} (in "
+                                 f"{input.tracer.where()})")
+    if reduction == "none":
+        return (input - target) ** 2
+    loss = input.tracer.op("mse", [input, target])
+    return loss * float(input.value.size) if reduction == "sum" else loss
 
 
 # ---- convolution, pooling, batch norm and classification losses ---------------------------
@@ -194,8 +206,11 @@ def batch_norm(input: Tensor, running_mean, running_var, weight=None, bias=None,
     torch.nn.functional.batch_norm. Training: batch statistics, and running_mean/running_var
     (when given) updated in place with `momentum` (None: cumulative average, which needs the
     `num_batches_tracked` counter; the counter is incremented when given). Eval: the running
-    statistics, as y = x * scale + shift with scale = weight / sqrt(running_var + eps)."""
+    statistics, as y = (x - running_mean) * scale + bias with scale = weight /
+    sqrt(running_var + eps)."""
     t = input.tracer
+    if input.ndim < 2:
+        raise ShapeError(f"batch_norm: input must be (N, C, ...), got {input.shape}")
     rm, rv = _traced(input, running_mean), _traced(input, running_var)
     w, b = _traced(input, weight), _traced(input, bias)
     if (rm is None) != (rv is None):
@@ -231,12 +246,14 @@ def _batches_tracked(input: Tensor, counter, momentum):
 
 
 def _batch_norm_eval(x: Tensor, rm: Tensor, rv: Tensor, w, b, eps: float) -> Tensor:
+    # Centre first, as torch does: x * scale + (b - rm * scale) is the same function, but its
+    # weight gradient, inv * (sum(dy * x) - rm * sum(dy)), cancels when |rm| >> |x - rm|.
     channel = _channel_shape(x)
     scale = (rv + float(eps)) ** -0.5
     if w is not None:
         scale = w * scale
-    shift = -(rm * scale) if b is None else b - rm * scale
-    return x * scale.reshape(channel) + shift.reshape(channel)
+    y = (x - rm.reshape(channel)) * scale.reshape(channel)
+    return y if b is None else y + b.reshape(channel)
 
 
 def cross_entropy(input: Tensor, target: Tensor, weight=None, size_average=None,
@@ -252,8 +269,15 @@ def cross_entropy(input: Tensor, target: Tensor, weight=None, size_average=None,
     return _losses.cross_entropy(input, target, label_smoothing, ignore_index)
 
 
-def nll_loss(input: Tensor, target: Tensor) -> Tensor:
-    """Mean negative log-likelihood of (N, C) log-probabilities at integer targets (N,)."""
+def nll_loss(input: Tensor, target: Tensor, weight=None, size_average=None,
+             ignore_index: int = -100, reduce=None, reduction: str = "mean") -> Tensor:
+    """Mean negative log-likelihood of (N, C) log-probabilities at integer targets (N,)
+    (torch.nn.functional.nll_loss with no class weights, mean reduction and no target equal
+    to ignore_index)."""
+    if weight is not None or size_average is not None or reduce is not None or \
+            reduction != "mean" or ignore_index != -100:
+        raise UnsupportedOpError("nll_loss supports only reduction='mean' without class "
+                                 f"weights or ignore_index (in {input.tracer.where()})")
     return _losses.nll_loss(input, target)
 
 

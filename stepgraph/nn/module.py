@@ -73,7 +73,7 @@ class Parameter(_Stored):
     """A trainable float32 tensor. `name` is its state_dict key once owned by a model."""
 
     def __init__(self, data: np.ndarray):
-        self.data = np.ascontiguousarray(data, dtype=np.float32)
+        self.data = np.asarray(data, dtype=np.float32, order="C")   # 0-d stays 0-d
         self.name = ""
 
     def traced(self, tracer) -> Tensor:
