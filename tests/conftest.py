@@ -1,5 +1,5 @@
-"""Shared pytest setup: the `cuda` marker skips cleanly on machines without a usable GPU, and
-the `multigpu` marker on machines with fewer than two."""
+"""Shared pytest setup: the `cuda` marker skips cleanly on machines without a usable GPU, the
+`multigpu` marker on machines with fewer than two, and `slow` sweeps unless STEPGRAPH_SLOW=1."""
 from __future__ import annotations
 
 import functools
@@ -13,6 +13,8 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 
 CUDA_MARKER = "cuda"
 MULTIGPU_MARKER = "multigpu"
+SLOW_MARKER = "slow"
+SLOW_ENV = "STEPGRAPH_SLOW"     # set to 1 to run the `slow` sweeps
 
 
 def pytest_configure(config):
@@ -21,6 +23,8 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", f"{MULTIGPU_MARKER}: needs at least two NVIDIA GPUs (data-parallel tests); "
         "skipped with fewer")
+    config.addinivalue_line(
+        "markers", f"{SLOW_MARKER}: a long sweep, skipped unless {SLOW_ENV}=1")
 
 
 def stepgraph_probe() -> bool | None:
@@ -64,6 +68,11 @@ def multigpu_unavailable_reason() -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
+    if not os.environ.get(SLOW_ENV):
+        skip_slow = pytest.mark.skip(reason=f"a long sweep: set {SLOW_ENV}=1 to run it")
+        for item in items:
+            if item.get_closest_marker(SLOW_MARKER):
+                item.add_marker(skip_slow)
     for marker, probe in ((CUDA_MARKER, gpu_unavailable_reason),
                           (MULTIGPU_MARKER, multigpu_unavailable_reason)):
         marked = [item for item in items if item.get_closest_marker(marker)]

@@ -1,0 +1,265 @@
+"""OpInfo conformance: PyTorch's own samples for every torch name stepgraph mirrors.
+
+For each entry of OPS (an OpInfo name and variant -> the stepgraph callable), every sample of
+`op.sample_inputs("cpu", float32, requires_grad=True)` is traced into a graph (tensors become
+graph inputs), run on the NumPy backend with the backward of sum(out * cotangent), and judged by
+the tolerance policy (tests/reference.py): forward values and input gradients against torch in
+float64 on the same sample, bound a small multiple of torch float32's own error. A sample
+stepgraph refuses must raise a StepgraphError (UnsupportedOpError, ShapeError, ...) and its op
+must be listed in docs/TESTING.md's refusal list; any other exception fails. The `cuda`
+variant runs the same samples on the GPU backend.
+"""
+from __future__ import annotations
+
+import pathlib
+import sys
+import types
+import unittest
+
+import numpy as np
+import pytest
+import torch
+
+from stepgraph.autodiff import append_backward
+from stepgraph.backends import get_backend
+from stepgraph.compile.executable import INFERENCE, Executable
+from stepgraph.compile.plan import make_plan
+from stepgraph.errors import StepgraphError
+from stepgraph.ir.trace import Tensor, Tracer
+from stepgraph.nn import functional as F
+from tests.ops.helpers import run_graph
+from tests.reference import assert_close_to_reference
+
+# torch's test internals import expecttest (a test-only package) for its TestCase base class;
+# the samples need nothing from it.
+sys.modules.setdefault("expecttest", types.SimpleNamespace(TestCase=unittest.TestCase))
+from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
+
+TESTING_DOC = pathlib.Path(__file__).parents[2] / "docs" / "TESTING.md"
+
+
+def _method(name):
+    return lambda x, *args, **kwargs: getattr(x, name)(*args, **kwargs)
+
+
+# (OpInfo name, variant) -> stepgraph callable taking the sample's input, args and kwargs.
+OPS = {
+    ("add", ""): lambda x, y, alpha=1: x + y * alpha if alpha != 1 else x + y,
+    ("sub", ""): lambda x, y, alpha=1: x - y * alpha if alpha != 1 else x - y,
+    ("mul", ""): lambda x, y: x * y,
+    ("div", "no_rounding_mode"): lambda x, y: x / y,
+    ("true_divide", ""): lambda x, y: x / y,
+    ("rsub", ""): lambda x, y, alpha=1: y - x * alpha if alpha != 1 else y - x,
+    ("neg", ""): lambda x: -x,
+    ("positive", ""): lambda x: +x,
+    ("pow", ""): lambda x, y: x ** y,
+    ("matmul", ""): lambda x, y: x @ y,
+    ("mm", ""): lambda x, y: x @ y,
+    ("bmm", ""): lambda x, y: x @ y,
+    ("reshape", ""): _method("reshape"),
+    ("view", ""): _method("view"),
+    ("flatten", ""): _method("flatten"),
+    ("permute", ""): _method("permute"),
+    ("transpose", ""): _method("transpose"),
+    ("T", ""): lambda x: x.T,
+    ("contiguous", ""): _method("contiguous"),
+    ("sum", ""): _method("sum"),
+    ("mean", ""): _method("mean"),
+    ("narrow", ""): _method("narrow"),
+    ("split", ""): _method("split"),
+    ("split", "list_args"): _method("split"),
+    ("chunk", ""): _method("chunk"),
+    ("softmax", ""): _method("softmax"),
+    ("log_softmax", ""): _method("log_softmax"),
+    ("sigmoid", ""): F.sigmoid,
+    ("tanh", ""): F.tanh,
+    ("nn.functional.relu", ""): F.relu,
+    ("nn.functional.leaky_relu", ""): F.leaky_relu,
+    ("nn.functional.gelu", ""): F.gelu,
+    ("nn.functional.silu", ""): F.silu,
+    ("nn.functional.linear", ""): F.linear,
+    ("nn.functional.mse_loss", ""): F.mse_loss,
+    ("nn.functional.conv2d", ""): F.conv2d,
+    ("nn.functional.max_pool2d", ""): F.max_pool2d,
+    ("nn.functional.avg_pool2d", ""): F.avg_pool2d,
+    ("nn.functional.adaptive_avg_pool2d", ""): F.adaptive_avg_pool2d,
+    ("nn.functional.batch_norm", ""): F.batch_norm,
+    ("nn.functional.cross_entropy", ""): F.cross_entropy,
+    ("nn.functional.nll_loss", ""): F.nll_loss,
+    ("nn.functional.embedding", ""): F.embedding,
+    ("nn.functional.layer_norm", ""): F.layer_norm,
+    ("nn.functional.scaled_dot_product_attention", ""): F.scaled_dot_product_attention,
+}
+# Samples per op beyond which the CPU run keeps the first ones only (max_pool2d has 1440);
+# the `slow` sweep runs them all.
+FAST_SAMPLES = 40
+
+
+def _opinfo(name: str, variant: str):
+    return next(o for o in op_db if (o.name, o.variant_test_name) == (name, variant))
+
+
+class _Feed:
+    """The sample's tensors as graph inputs (float ones in the run's dtype; those that require
+    grad get gradients), except integer 0-d arguments (not the sample's input), passed as
+    constant NumPy scalars (narrow's start)."""
+
+    def __init__(self, tracer: Tracer, dtype: torch.dtype):
+        self.tracer, self.dtype = tracer, dtype
+        self.arrays: dict[str, np.ndarray] = {}
+        self.grad_inputs: dict[str, Tensor] = {}
+
+    def __call__(self, x, constants: bool = True):
+        if isinstance(x, (list, tuple)):
+            return type(x)(self(e) for e in x)
+        if not isinstance(x, torch.Tensor):
+            return x
+        if constants and not x.is_floating_point() and x.ndim == 0:
+            return x.numpy()                    # a constant (narrow's start), not an input
+        name = f"t{len(self.arrays)}"
+        a = x.detach().to(self.dtype if x.is_floating_point() else x.dtype).numpy()
+        self.arrays[name] = np.array(a, copy=True)   # keeps 0-d (ascontiguousarray would not)
+        t = self.tracer.input(a.shape, str(a.dtype), name)
+        if x.requires_grad:
+            self.grad_inputs[name] = t
+        return t
+
+
+def _outputs(y) -> list:
+    return list(y) if isinstance(y, (tuple, list)) else [y]
+
+
+def run_on(graph, arrays: dict, device: str) -> dict:
+    """The graph's outputs on `device`'s backend (the NumPy one through tests/ops/helpers)."""
+    if device == "cpu":
+        return run_graph(graph, arrays)
+    backend = get_backend(device)
+    exe = Executable(make_plan(graph), backend, lambda v: None, backend.make_context(),
+                     INFERENCE, None)
+    exe.feed([arrays[v.name] for v in graph.inputs])
+    exe.run_eager()
+    return {k: backend.to_numpy(buf) for k, buf in exe.outputs.items()}
+
+
+def stepgraph_run(fn, sample, dtype: torch.dtype, cotangents: list, device: str = "cpu"):
+    """(outputs, input gradients in the sample's order) of `fn` on `sample` in `dtype`."""
+    tracer = Tracer()
+    feed = _Feed(tracer, dtype)
+    args = [feed(sample.input, constants=False)] + [feed(a) for a in sample.args]
+    kwargs = {k: feed(v) for k, v in sample.kwargs.items()}
+    outs = _outputs(fn(*args, **kwargs))
+    if not all(isinstance(o, Tensor) for o in outs):
+        raise AssertionError(f"stepgraph returned {outs!r}, not tensors")
+    graph_out = {f"out{i}": o.value for i, o in enumerate(outs)}
+    names = list(feed.grad_inputs)
+    if names:
+        terms = []
+        for i, (o, c) in enumerate(zip(outs, cotangents)):
+            if c is None:
+                continue
+            ct = tracer.input(c.shape, o.dtype, f"cot{i}")
+            feed.arrays[f"cot{i}"] = c.astype(o.dtype)
+            terms.append((o * ct).sum())
+        loss = terms[0]
+        for t in terms[1:]:
+            loss = loss + t
+        grads = append_backward(tracer, loss.value, [feed.grad_inputs[n].value for n in names])
+        graph_out.update({f"grad:{n}": g for n, g in zip(names, grads)})
+    tracer.graph.outputs = graph_out
+    got = run_on(tracer.graph, feed.arrays, device)
+    return ([got[f"out{i}"] for i in range(len(outs))],
+            [got[f"grad:{n}"] for n in names])
+
+
+def _torch_copy(x, dtype: torch.dtype):
+    if isinstance(x, (list, tuple)):
+        return type(x)(_torch_copy(e, dtype) for e in x)
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x.detach().to(dtype).requires_grad_(x.requires_grad)
+    return x
+
+
+def _grad_leaves(x) -> list:
+    if isinstance(x, (list, tuple)):
+        return [t for e in x for t in _grad_leaves(e)]
+    return [x] if isinstance(x, torch.Tensor) and x.requires_grad else []
+
+
+def torch_run(op, sample, dtype: torch.dtype, cotangents: list[np.ndarray] | None):
+    """(outputs, input gradients) of the OpInfo's torch function on `sample` in `dtype`
+    (no gradients without cotangents)."""
+    inp = _torch_copy(sample.input, dtype)
+    args = [_torch_copy(a, dtype) for a in sample.args]
+    kwargs = {k: _torch_copy(v, dtype) for k, v in sample.kwargs.items()}
+    outs = _outputs(op.op(inp, *args, **kwargs))
+    leaves = _grad_leaves([inp, args, list(kwargs.values())])
+    grads = []
+    if leaves and cotangents is not None:
+        pairs = [(o, torch.tensor(c, dtype=o.dtype)) for o, c in zip(outs, cotangents)
+                 if c is not None]
+        grads = torch.autograd.grad([o for o, _ in pairs], leaves, [c for _, c in pairs],
+                                    allow_unused=True)
+        grads = [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
+    return ([o.detach().numpy() for o in outs], [g.numpy() for g in grads])
+
+
+def _random(sample) -> bool:
+    """Samples whose result is random (dropout masks): stepgraph draws its own (Philox, rng.py)
+    and cannot match torch's; tests/ops/test_attention_ops.py checks them against the
+    composed path instead."""
+    return float(sample.kwargs.get("dropout_p", 0.0)) > 0.0
+
+
+def _refusal_listed(name: str) -> bool:
+    return f"`{name}`" in TESTING_DOC.read_text()
+
+
+def check_op(key: tuple[str, str], limit: int | None, device: str = "cpu") -> list[str]:
+    """Run every sample of OpInfo `key` (the first `limit`); fail on a mismatch or on an error
+    that is not a StepgraphError; return the refused samples as "kind: reason" lines."""
+    op, fn = _opinfo(*key), OPS[key]
+    refused = []
+    samples = list(op.sample_inputs("cpu", torch.float32, requires_grad=True))[:limit]
+    for i, sample in enumerate(samples):
+        what = f"{key[0]} sample {i} ({sample.summary() if hasattr(sample, 'summary') else ''})"
+        ref64_out, _ = torch_run(op, sample, torch.float64, None)
+        gen = np.random.default_rng(i)
+        if _random(sample):
+            continue
+        cts = [gen.standard_normal(o.shape).astype(np.float32) if o.dtype.kind == "f" else None
+               for o in ref64_out]
+        ref64, ref32 = (torch_run(op, sample, d, cts) for d in (torch.float64, torch.float32))
+        try:
+            got = stepgraph_run(fn, sample, torch.float32, cts, device)
+        except StepgraphError as err:
+            assert _refusal_listed(key[0]), (f"{what}: refused ({type(err).__name__}: {err}) "
+                                             "but not listed in docs/TESTING.md")
+            refused.append(f"{type(err).__name__}: {err}")
+            continue
+        for kind, g, r64, r32 in (("out", got[0], ref64[0], ref32[0]),
+                                  ("grad", got[1], ref64[1], ref32[1])):
+            assert len(g) == len(r64), f"{what}: {len(g)} {kind}s, torch {len(r64)}"
+            for j, (a, b, c) in enumerate(zip(g, r64, r32)):
+                assert_close_to_reference(a, b, c, f"{what}: {kind} {j}")
+    return refused
+
+
+KEYS = pytest.mark.parametrize("key", list(OPS), ids=lambda k: ".".join(filter(None, k)))
+
+
+@KEYS
+def test_opinfo_samples(key):
+    refused = check_op(key, FAST_SAMPLES)
+    print(f"{key[0]}: {len(refused)} refused", *sorted(set(refused)), sep="\n  ")
+
+
+@pytest.mark.slow
+@KEYS
+def test_opinfo_every_sample(key):
+    check_op(key, None)
+
+
+@pytest.mark.cuda
+@KEYS
+def test_opinfo_samples_cuda(key):
+    check_op(key, FAST_SAMPLES, device="cuda")
