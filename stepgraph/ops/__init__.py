@@ -2,5 +2,5 @@
 (autodiff.rules.vjp) and its NumPy reference (backends.numpy.kernels.impl), side by side.
 The CUDA launchers live beside their kernels in backends/cuda/<family>.py. Importing this
 package registers every family."""
-from . import (attention, bmm, cast, collective, elementwise, embedding,  # noqa: F401
-               guard, layer_norm, norm, pointwise, pool, shape, softmax)
+from . import (attention, bmm, cast, collective, compare, elementwise, embedding,  # noqa: F401
+               guard, layer_norm, norm, pointwise, pool, shape, softmax, unary)

@@ -21,6 +21,7 @@ import numpy as np
 from ...errors import ShapeError
 from .launchers import (BLOCK, ELEMENT_CTYPES, _aligned, _check, _check_int32, _element_ctype,
                         _grid, _launch, _typed)
+from .pointwise import instruction_forward
 
 MAX_DIMS = 6                  # broadcast.cu MAX_DIMS: dims of a layout after collapsing
 TILE = 32                     # broadcast.cu TILE: transpose tiles are TILE x TILE
@@ -226,11 +227,21 @@ def kernel_names() -> dict[str, set[str]]:
     return {"broadcast.cu": names}
 
 
+def _binary_or_scalar(node, ins, outs, ctx) -> None:
+    """The kinds of broadcast.cu run there; the others (pow of two tensors, rpow, maximum,
+    minimum) as generated one-instruction programs (pointwise.py)."""
+    kind = node.attrs["kind"]
+    if node.op == "binary" and kind in BINARY_CODES:
+        binary_forward(ctx, ins[0], ins[1], outs[0], kind)
+    elif node.op == "scalar" and kind in SCALAR_CODES:
+        scalar_forward(ctx, ins[0], outs[0], kind, node.attrs["value"])
+    else:
+        instruction_forward(ctx, node, ins, outs)
+
+
 IMPLS: dict[str, Callable] = {
-    "binary": lambda node, ins, outs, ctx: binary_forward(
-        ctx, ins[0], ins[1], outs[0], node.attrs["kind"]),
-    "scalar": lambda node, ins, outs, ctx: scalar_forward(
-        ctx, ins[0], outs[0], node.attrs["kind"], node.attrs["value"]),
+    "binary": _binary_or_scalar,
+    "scalar": _binary_or_scalar,
     "expand": lambda node, ins, outs, ctx: expand_forward(
         ctx, ins[0], outs[0], node.attrs["shape"]),
     "permute": lambda node, ins, outs, ctx: permute_forward(

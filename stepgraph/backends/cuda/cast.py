@@ -18,6 +18,7 @@ import numpy as np
 
 from ...errors import ShapeError
 from .launchers import BLOCK, _aligned, _check, _grid, _launch
+from .pointwise import instruction_forward
 
 SOURCE = "cast.cu"
 # IR dtype -> (storage dtype, C type of the kernel template)
@@ -70,7 +71,14 @@ def cast_forward(ctx, x, y, src: str, dst: str) -> None:
             (x, y, np.int64(y.size), np.int32(vec)))
 
 
-IMPLS: dict[str, Callable] = {
-    "cast": lambda node, ins, outs, ctx: cast_forward(
-        ctx, ins[0], outs[0], node.inputs[0].dtype, node.attrs["dtype"]),
-}
+def _cast(node, ins, outs, ctx) -> None:
+    """float32 <-> bfloat16 through cast.cu; casts to and from bool and ints (a model's
+    `.long()`, `.bool()`, `.float()` of a mask) as generated one-instruction programs."""
+    src, dst = node.inputs[0].dtype, node.attrs["dtype"]
+    if {src, dst} == set(CAST_CTYPES):
+        cast_forward(ctx, ins[0], outs[0], src, dst)
+    else:
+        instruction_forward(ctx, node, ins, outs)
+
+
+IMPLS: dict[str, Callable] = {"cast": _cast}
