@@ -285,3 +285,46 @@ def test_modules_compute_their_functional(module, fn):
             "Hardtanh": lambda x: TF.hardtanh(x, -2.0, 0.5), "LogSigmoid": TF.logsigmoid,
             "GLU": lambda x: TF.glu(x, 1)}[type(module).__name__]
     assert_close(outs["module"], want(torch.tensor(arrays["x"])).numpy(), 1e-12)
+
+
+# ---- a compiled train step of a model using them, against torch -----------------------------
+
+def _masked_forward(T, F, fc1, fc2, x):
+    """The same forward for both frameworks (T: the torch namespace, F: functional)."""
+    h = F.softplus(fc1(x), beta=2.0)
+    h = h.masked_fill(h > 1.5, 0.0)
+    h = T.where(h < 0.1, h * 2.0, h.sqrt())
+    return fc2(F.mish(h.clamp(max=1.2)))
+
+
+def test_compiled_train_step_matches_torch():
+    gen = seeded("compiled-step")
+    x = randn(gen, 16, 6)
+    y = gen.integers(0, 3, 16).astype(np.int64)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            return _masked_forward(stepgraph, F, self.fc1, self.fc2, x)
+
+    model = Net()
+    ref = torch.nn.ModuleDict({"fc1": torch.nn.Linear(6, 8), "fc2": torch.nn.Linear(8, 3)})
+    ref.load_state_dict({k: torch.tensor(v) for k, v in model.state_dict().items()})
+    step = stepgraph.compile_train_step(model, loss=stepgraph.losses.cross_entropy,
+                                        optimizer=stepgraph.optim.SGD(lr=0.5),
+                                        example_inputs=(x, y), device="cpu")
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    initial = {k: np.array(v, copy=True) for k, v in model.state_dict().items()}
+    for _ in range(3):
+        loss = float(step(x, y))
+        opt.zero_grad()
+        want = TF.cross_entropy(_masked_forward(torch, TF, ref.fc1, ref.fc2, torch.tensor(x)),
+                                torch.tensor(y))
+        want.backward()
+        opt.step()
+        assert abs(loss - want.item()) <= 1e-5 * abs(want.item())
+    for k, v in model.state_dict().items():         # parameter changes, not only values
+        assert_close(v - initial[k], ref.state_dict()[k].numpy() - initial[k], 1e-4, k)

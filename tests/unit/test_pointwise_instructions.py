@@ -90,6 +90,7 @@ LONE = {
     "where-broadcast-cond": ("where", ("bool", "float32", "float32"), {}),
     "compare-bf16": ("compare", (BF16, BF16), dict(kind="ge")),
     "masked_fill-bf16": ("masked_fill", (BF16, "bool"), dict(value=3.5)),
+    "unary-bf16": ("unary", (BF16,), dict(kind="erf")),          # four elements a thread too
 }
 
 
@@ -105,3 +106,20 @@ def test_lone_nodes_run_their_one_instruction_program(case):
     (source, name), *_ = pointwise.generated_kernels(program)
     assert name == pointwise.KERNEL_NAME
     _compile(source)
+
+
+@pytest.mark.parametrize("dtype", ["float32", BF16])
+def test_masks_inside_a_float_program_keep_the_vector_kernel(dtype):
+    """Bool registers between float inputs and outputs (x.masked_fill(x > 0.5, 0) * y): the
+    source has the four-elements-a-thread kernel, and it compiles."""
+    from stepgraph.backends.cuda import pointwise
+
+    t = Tracer()
+    x, y = (t.input(SHAPE, dtype, name) for name in ("x", "y"))
+    y = x.masked_fill(x > 0.5, 0.0) * y
+    t.graph.outputs = {"y": y.value}
+    (node,) = fuse_pointwise(t.graph).nodes
+    kernels = pointwise.generated_kernels(node)
+    assert [name for _, name in kernels] == [pointwise.KERNEL_NAME, pointwise.VEC_KERNEL_NAME]
+    assert "const bool r" in kernels[0][0]
+    _compile(kernels[0][0])
