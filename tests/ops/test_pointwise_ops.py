@@ -328,3 +328,20 @@ def test_compiled_train_step_matches_torch():
         assert abs(loss - want.item()) <= 1e-5 * abs(want.item())
     for k, v in model.state_dict().items():         # parameter changes, not only values
         assert_close(v - initial[k], ref.state_dict()[k].numpy() - initial[k], 1e-4, k)
+
+
+def test_autocast_follows_torch_lists():
+    """precision="bf16": sin and masks keep a bf16 value's dtype, exp (on torch's fp32 list)
+    runs in float32, where of bf16 and float32 promotes, as torch's CUDA autocast."""
+    from stepgraph.compile.autocast import autocast
+
+    t = Tracer()
+    x, w = (t.input(s, "float32", n) for s, n in (((4, 6), "x"), ((5, 6), "w")))
+    z = F.linear(x, w)
+    outs = {"sin": z.sin(), "exp": z.exp(), "mask": z > 0.0, "pow": 2.0 ** z,
+            "filled": z.sin().masked_fill(z > 0.0, 0.0), "where": z.where(z > 0.0, z.exp())}
+    t.graph.outputs = {k: v.value for k, v in outs.items()}
+    autocast(t.graph)
+    assert {k: v.value.dtype for k, v in outs.items()} == {
+        "sin": "bfloat16", "exp": "float32", "mask": "bool", "pow": "float32",
+        "filled": "bfloat16", "where": "float32"}
