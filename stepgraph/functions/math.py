@@ -5,7 +5,7 @@ the same ops (ops/unary.py, ops/compare.py, ops/elementwise.py).
 """
 from __future__ import annotations
 
-from ..ir.trace import Tensor, _is_scalar
+from ..ir.trace import Tensor, _is_scalar, current_tracer
 
 __all__ = ["exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "abs", "neg", "negative",
            "reciprocal", "sign", "sin", "cos", "erf", "square", "sigmoid", "tanh", "relu",
@@ -15,9 +15,21 @@ __all__ = ["exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "abs", "neg", "negat
            "where", "masked_fill"]
 
 
+def _traced(x):
+    """A Parameter or Buffer used directly in a forward being traced (torch.exp(self.scale))
+    as its traced tensor; anything else unchanged."""
+    from ..nn.module import Buffer, Parameter
+    tracer = current_tracer()
+    if tracer is not None and isinstance(x, Parameter):
+        return tracer.param(x)
+    if tracer is not None and isinstance(x, Buffer):
+        return tracer.buffer(x)
+    return x
+
+
 def _method(name: str):
     def fn(input: Tensor, *args, **kwargs) -> Tensor:
-        return getattr(input, name)(*args, **kwargs)
+        return getattr(_traced(input), name)(*args, **kwargs)
     fn.__name__ = fn.__qualname__ = name
     fn.__doc__ = f"torch.{name}(input, ...): the Tensor method {name}."
     return fn
@@ -41,12 +53,13 @@ masked_fill = _method("masked_fill")
 
 def pow(input, exponent) -> Tensor:
     """input ** exponent; either may be a Python number (not both)."""
-    return input ** exponent
+    return _traced(input) ** _traced(exponent)
 
 
 def where(condition: Tensor, input, other) -> Tensor:
     """input where condition (bool) else other; input and other tensors or Python numbers,
     the three broadcast together. Two numbers give a float32 tensor of condition's shape."""
+    input, other = _traced(input), _traced(other)
     if not _is_scalar(input):
         return input.where(condition, other)
     if not _is_scalar(other):

@@ -345,3 +345,21 @@ def test_autocast_follows_torch_lists():
     assert {k: v.value.dtype for k, v in outs.items()} == {
         "sin": "bfloat16", "exp": "float32", "mask": "bool", "pow": "float32",
         "filled": "bfloat16", "where": "float32"}
+
+
+def test_torch_functions_take_a_parameter_inside_forward():
+    """torch.exp(self.log_scale) in a forward: the Parameter is traced on use."""
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.log_scale = nn.Parameter(np.array([0.3, -0.2, 0.1], np.float32))
+
+        def forward(self, x):
+            return x * stepgraph.exp(self.log_scale) + stepgraph.pow(self.log_scale, 2.0)
+
+    model = Scaled()
+    x = randn(seeded("param-exp"), 4, 3)
+    predict = stepgraph.compile_predict(model, example_inputs=(x,), device="cpu")
+    scale = np.array([0.3, -0.2, 0.1], np.float32)
+    assert_close(np.asarray(predict(x)), x * np.exp(scale) + scale ** 2, 1e-6)
