@@ -15,9 +15,9 @@ outside reader must come after that point.
 bfloat16 nodes (precision="bf16") fuse like float32 ones: a node's inputs and output share one
 dtype, and casts between float32 and bf16 join too, so a group may mix the two (autocast's
 bf16 dropout, its cast and the float32 residual add after it). Bool masks (comparisons,
-logic, where, masked_fill, casts to and from bool) join groups of any float dtype. The program rounds each
-instruction whose value is bf16, as the unfused node's store would (ops/pointwise.py), so
-fusing changes no bit.
+logic, where, masked_fill, casts to and from bool) join groups of any float dtype. The
+program rounds each instruction whose value is bf16, as the unfused node's store would
+(ops/pointwise.py), so fusing changes no bit.
 """
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 from ..ir.trace import Tensor, _is_scalar, current_tracer
 
 __all__ = ["exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "abs", "neg", "negative",
-           "reciprocal", "sign", "sin", "cos", "erf", "square", "sigmoid", "tanh", "relu",
+           "reciprocal", "sign", "sin", "cos", "erf", "square", "floor", "ceil", "round",
+           "trunc", "sigmoid", "tanh", "relu",
            "pow", "maximum", "minimum", "clamp", "clip", "clamp_min", "clamp_max",
            "lt", "le", "gt", "ge", "eq", "ne", "less", "less_equal", "greater", "greater_equal",
            "not_equal", "logical_and", "logical_or", "logical_xor", "logical_not",
@@ -39,6 +40,7 @@ exp, log, log1p, expm1 = (_method(n) for n in ("exp", "log", "log1p", "expm1"))
 sqrt, rsqrt, abs, neg = (_method(n) for n in ("sqrt", "rsqrt", "abs", "neg"))
 negative, reciprocal, sign = (_method(n) for n in ("negative", "reciprocal", "sign"))
 sin, cos, erf, square = (_method(n) for n in ("sin", "cos", "erf", "square"))
+floor, ceil, round, trunc = (_method(n) for n in ("floor", "ceil", "round", "trunc"))
 sigmoid, tanh, relu = (_method(n) for n in ("sigmoid", "tanh", "relu"))
 maximum, minimum = (_method(n) for n in ("maximum", "minimum"))
 clamp, clip, clamp_min, clamp_max = (_method(n) for n in ("clamp", "clip", "clamp_min",

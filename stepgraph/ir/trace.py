@@ -379,6 +379,19 @@ class Tensor:
     def erf(self) -> Tensor:
         return self._unary("erf")
 
+    def floor(self) -> Tensor:
+        return self._unary("floor")
+
+    def ceil(self) -> Tensor:
+        return self._unary("ceil")
+
+    def round(self) -> Tensor:
+        """Nearest integer, halves to even (torch.round without decimals)."""
+        return self._unary("round")
+
+    def trunc(self) -> Tensor:
+        return self._unary("trunc")
+
     def neg(self) -> Tensor:
         return -self
 

@@ -6,8 +6,8 @@ lone node and a fused group run the same code. Negation, reciprocal and square a
 `scalar` op's mul -1, rdiv 1 and pow 2; relu, sigmoid and tanh are `act` kinds.
 
 The VJPs emit `unary`, `scalar` and `binary` nodes, PyTorch's derivatives: at points where
-the function has none (abs and sign at 0), abs' gradient is g * sign(x) (0 at 0) and sign's
-is 0, as PyTorch's.
+the function has none (abs and sign at 0), abs' gradient is g * sign(x) (0 at 0) and the
+piecewise constant kinds' (sign, floor, ceil, round, trunc) is 0, as PyTorch's.
 """
 from __future__ import annotations
 
@@ -21,13 +21,15 @@ from ..ir.graph import FLOAT_DTYPES
 from ..ir.ops import _need, defop
 
 UNARY_KINDS = ("exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "abs", "sign", "sin", "cos",
-               "erf")
+               "erf", "floor", "ceil", "round", "trunc")
+# Piecewise constant: zero gradient (PyTorch's).
+_FLAT = ("sign", "floor", "ceil", "round", "trunc")
 
 
 @defop("unary")
 def _unary(ins, attrs):
-    """y = kind(x) elementwise, kind in UNARY_KINDS (rsqrt = 1 / sqrt(x)); x a float value,
-    y of its shape and dtype."""
+    """y = kind(x) elementwise, kind in UNARY_KINDS (rsqrt = 1 / sqrt(x); round: half to
+    even); x a float value, y of its shape and dtype."""
     x = ins[0]
     _need(attrs["kind"] in UNARY_KINDS, "unary", f"unknown kind {attrs['kind']!r}")
     _need(x.dtype in FLOAT_DTYPES, "unary", f"{attrs['kind']} of a {x.dtype} tensor "
@@ -68,7 +70,7 @@ def _unary_vjp(emit, node, dy, wants) -> list:
         return [_mul(emit, g, _scalar(emit, _div(emit, y, x), "mul", -0.5))]
     if kind == "abs":
         return [_mul(emit, g, _unary_call(emit, x, "sign"))]
-    if kind == "sign":
+    if kind in _FLAT:
         return [_scalar(emit, g, "mul", 0.0)]
     if kind == "sin":
         return [_mul(emit, g, _unary_call(emit, x, "cos"))]
@@ -80,7 +82,8 @@ def _unary_vjp(emit, node, dy, wants) -> list:
 
 
 _UFUNCS = {"exp": np.exp, "log": np.log, "log1p": np.log1p, "expm1": np.expm1,
-           "sqrt": np.sqrt, "abs": np.abs, "sign": np.sign, "sin": np.sin, "cos": np.cos}
+           "sqrt": np.sqrt, "abs": np.abs, "sign": np.sign, "sin": np.sin, "cos": np.cos,
+           "floor": np.floor, "ceil": np.ceil, "round": np.rint, "trunc": np.trunc}
 
 
 def _erf(x: np.ndarray) -> np.ndarray:

@@ -66,6 +66,8 @@ CASES = {
     "sin-cos": (lambda M, x: x.sin() * M.T.cos(x) + M.T.sin(x * 3.0), x34),
     "erf": (lambda M, x: M.T.erf(x * 1.5) + x.erf(), x34),
     "square": (lambda M, x: x.square() + M.T.square(x) * 0.5, x34),
+    "floor-ceil-round-trunc": (lambda M, x: x.floor() * x + M.T.ceil(x) + M.T.round(x * 3.0) * x
+                               + x.trunc() + M.T.trunc(x * 2.0), lambda g, t: x345(g, t, 3.0)),
     "torch-sigmoid-tanh-relu": (lambda M, x: M.T.sigmoid(x) + M.T.tanh(x) * M.T.relu(x), x34),
     # pow with tensor exponents, broadcasting, and a number base
     "pow-tensor": (lambda M, a, b: a ** b,
@@ -81,7 +83,8 @@ CASES = {
                       lambda g, t: {"x": randn(g, 3, 4, dtype=t), "lo": randn(g, 4, dtype=t) - 0.5,
                                     "hi": randn(g, 3, 1, dtype=t) + 0.5}),
     "maximum-minimum": (lambda M, a, b: M.T.maximum(a, b) + a.minimum(b) * 2.0,
-                        lambda g, t: {"a": randn(g, 2, 3, 4, dtype=t), "b": randn(g, 3, 1, dtype=t)}),
+                        lambda g, t: {"a": randn(g, 2, 3, 4, dtype=t),
+                                      "b": randn(g, 3, 1, dtype=t)}),
     # comparisons, masks, where, masked_fill
     "where-compare": (lambda M, x, y: M.T.where(x > y, x, y * 2.0),
                       lambda g, t: {"x": randn(g, 3, 4, dtype=t), "y": randn(g, 4, dtype=t)}),

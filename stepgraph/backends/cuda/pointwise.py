@@ -60,7 +60,9 @@ _SCALAR = {"add": "__fadd_rn({x}, {v})", "sub": "__fsub_rn({x}, {v})",
 _UNARY = {"exp": "expf({x})", "log": "logf({x})", "log1p": "log1pf({x})",
           "expm1": "expm1f({x})", "sqrt": "__fsqrt_rn({x})",
           "rsqrt": "__fdiv_rn(1.f, __fsqrt_rn({x}))", "abs": "fabsf({x})",
-          "sign": "sign_nan({x})", "sin": "sinf({x})", "cos": "cosf({x})", "erf": "erff({x})"}
+          "sign": "sign_nan({x})", "sin": "sinf({x})", "cos": "cosf({x})", "erf": "erff({x})",
+          "floor": "floorf({x})", "ceil": "ceilf({x})", "round": "rintf({x})",
+          "trunc": "truncf({x})"}
 _COMPARE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
 _LOGICAL = {"and": "&&", "or": "||", "xor": "!="}
 # NaN-propagating max/min and sign, as NumPy's (fmaxf would drop a NaN operand).
