@@ -5,7 +5,6 @@ one-instruction programs, compile for sm_90 with NVRTC (no GPU needed); the sour
 expressions each instruction is documented to become."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from stepgraph.compile.pointwise import fuse_pointwise
