@@ -122,3 +122,23 @@ def test_masks_inside_a_float_program_keep_the_vector_kernel(dtype):
     assert [name for _, name in kernels] == [pointwise.KERNEL_NAME, pointwise.VEC_KERNEL_NAME]
     assert "const bool r" in kernels[0][0]
     _compile(kernels[0][0])
+
+
+@pytest.mark.parametrize("op, dtypes, attrs, generated", [
+    ("binary", ("float32", "float32"), dict(kind="pow"), True),
+    ("binary", ("float32", "float32"), dict(kind="add"), False),
+    ("scalar", ("float32",), dict(kind="maximum", value=0.0), True),
+    ("scalar", ("float32",), dict(kind="mul", value=2.0), False),
+    ("cast", ("float32",), dict(dtype="int64"), True),
+    ("cast", ("float32",), dict(dtype=BF16), False),
+])
+def test_kinds_without_a_kernel_of_their_own_compile_ahead(op, dtypes, attrs, generated):
+    """binary, scalar and cast kinds that run as generated programs are in their families'
+    GENERATED_KERNELS (what backend.prepare compiles before the first step); the others run
+    their own .cu kernels and name no generated one."""
+    from stepgraph.backends.cuda import broadcast, cast, pointwise
+
+    node = _lone(op, dtypes, **attrs)
+    table = {**broadcast.GENERATED_KERNELS, **cast.GENERATED_KERNELS}
+    want = pointwise.generated_kernels(pointwise.as_program(node)) if generated else []
+    assert table[op](node) == want and bool(want) == generated

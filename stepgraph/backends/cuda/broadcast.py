@@ -21,7 +21,7 @@ import numpy as np
 from ...errors import ShapeError
 from .launchers import (BLOCK, ELEMENT_CTYPES, _aligned, _check, _check_int32, _element_ctype,
                         _grid, _launch, _typed)
-from .pointwise import instruction_forward
+from .pointwise import as_program, generated_kernels, instruction_forward
 
 MAX_DIMS = 6                  # broadcast.cu MAX_DIMS: dims of a layout after collapsing
 TILE = 32                     # broadcast.cu TILE: transpose tiles are TILE x TILE
@@ -227,16 +227,20 @@ def kernel_names() -> dict[str, set[str]]:
     return {"broadcast.cu": names}
 
 
+def _generated(node) -> bool:
+    """Whether node's kind has no broadcast.cu kernel (pow of two tensors, rpow, maximum,
+    minimum): it runs as a generated one-instruction program (pointwise.py)."""
+    codes = BINARY_CODES if node.op == "binary" else SCALAR_CODES
+    return node.attrs["kind"] not in codes
+
+
 def _binary_or_scalar(node, ins, outs, ctx) -> None:
-    """The kinds of broadcast.cu run there; the others (pow of two tensors, rpow, maximum,
-    minimum) as generated one-instruction programs (pointwise.py)."""
-    kind = node.attrs["kind"]
-    if node.op == "binary" and kind in BINARY_CODES:
-        binary_forward(ctx, ins[0], ins[1], outs[0], kind)
-    elif node.op == "scalar" and kind in SCALAR_CODES:
-        scalar_forward(ctx, ins[0], outs[0], kind, node.attrs["value"])
-    else:
+    if _generated(node):
         instruction_forward(ctx, node, ins, outs)
+    elif node.op == "binary":
+        binary_forward(ctx, ins[0], ins[1], outs[0], node.attrs["kind"])
+    else:
+        scalar_forward(ctx, ins[0], outs[0], node.attrs["kind"], node.attrs["value"])
 
 
 IMPLS: dict[str, Callable] = {
@@ -247,3 +251,6 @@ IMPLS: dict[str, Callable] = {
     "permute": lambda node, ins, outs, ctx: permute_forward(
         ctx, ins[0], outs[0], node.attrs["dims"]),
 }
+# The generated programs the backend compiles ahead (backend.prepare).
+GENERATED_KERNELS = {op: lambda node: generated_kernels(as_program(node)) if _generated(node)
+                     else [] for op in ("binary", "scalar")}
