@@ -300,20 +300,23 @@ def _masked_forward(T, F, fc1, fc2, x):
     return fc2(F.mish(h.clamp(max=1.2)))
 
 
+class MaskedNet(nn.Module):
+    """Two Linear layers around softplus, masked_fill, where, sqrt, clamp and mish
+    (tests/cuda/test_pointwise_ops_cuda.py trains it too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return _masked_forward(stepgraph, F, self.fc1, self.fc2, x)
+
+
 def test_compiled_train_step_matches_torch():
     gen = seeded("compiled-step")
     x = randn(gen, 16, 6)
     y = gen.integers(0, 3, 16).astype(np.int64)
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 3)
-
-        def forward(self, x):
-            return _masked_forward(stepgraph, F, self.fc1, self.fc2, x)
-
-    model = Net()
+    model = MaskedNet()
     ref = torch.nn.ModuleDict({"fc1": torch.nn.Linear(6, 8), "fc2": torch.nn.Linear(8, 3)})
     ref.load_state_dict({k: torch.tensor(v) for k, v in model.state_dict().items()})
     step = stepgraph.compile_train_step(model, loss=stepgraph.losses.cross_entropy,
