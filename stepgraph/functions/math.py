@@ -18,14 +18,11 @@ __all__ = ["exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "abs", "neg", "negat
 
 def _traced(x):
     """A Parameter or Buffer used directly in a forward being traced (torch.exp(self.scale))
-    as its traced tensor; anything else unchanged."""
-    from ..nn.module import Buffer, Parameter
-    tracer = current_tracer()
-    if tracer is not None and isinstance(x, Parameter):
-        return tracer.param(x)
-    if tracer is not None and isinstance(x, Buffer):
-        return tracer.buffer(x)
-    return x
+    as its traced tensor (its `traced(tracer)`, nn/module.py); anything else unchanged."""
+    if isinstance(x, Tensor):       # its __getattr__ raises for names it lacks
+        return x
+    tracer, traced = current_tracer(), getattr(x, "traced", None)
+    return traced(tracer) if tracer is not None and traced is not None else x
 
 
 def _method(name: str):

@@ -9,10 +9,8 @@ zero, nonzero -> True, True -> 1; they carry no gradient (an integer or bool val
 """
 from __future__ import annotations
 
-from ..autodiff.rules import vjp
-from ..backends.numpy.kernels import impl
 from ..ir.graph import FLOAT_DTYPES
-from ..ir.ops import _need, defop
+from ..ir.ops import _need, defop, impl, vjp
 
 
 CAST_DTYPES = (*FLOAT_DTYPES, "int32", "int64", "bool")

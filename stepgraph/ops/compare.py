@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..autodiff.rules import vjp
-from ..backends.numpy.kernels import impl
-from ..ir.ops import _need, defop
+from ..ir.ops import _need, defop, impl, vjp
 from .elementwise import _broadcast, sum_to
 
 COMPARE_KINDS = ("lt", "le", "gt", "ge", "eq", "ne")

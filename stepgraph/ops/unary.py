@@ -15,10 +15,8 @@ import math
 
 import numpy as np
 
-from ..autodiff.rules import vjp
-from ..backends.numpy.kernels import impl
 from ..ir.graph import FLOAT_DTYPES
-from ..ir.ops import _need, defop
+from ..ir.ops import _need, defop, impl, vjp
 
 UNARY_KINDS = ("exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "abs", "sign", "sin", "cos",
                "erf", "floor", "ceil", "round", "trunc")

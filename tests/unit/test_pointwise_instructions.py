@@ -52,7 +52,7 @@ def _compile(source: str):
         nvrtc.getVersion()
     except Exception:
         pytest.skip("libnvrtc is not loadable")
-    from stepgraph.backends.cuda import compiler
+    from stepgraph.backends.cuda.runtime import compiler
 
     assert compiler.compile_source_to_cubin(source, "pointwise.cu", "sm_90")
 
