@@ -18,7 +18,7 @@ import numpy as np
 
 from ...errors import ShapeError
 from ...ir.graph import Node
-from ...ir.ops import update_weight_copies
+from ...ops.optim import update_weight_copies
 from .runtime.launch import (BLOCK, UPDATE_CHUNK, _aligned, _buffers_key, _check,
                              _check_scalar, _chunk_jobs, _element_ctype, _grid, _launch,
                              _node_memory)

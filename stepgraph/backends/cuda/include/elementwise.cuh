@@ -1,6 +1,6 @@
 // Activation functions and their derivatives, shared by elementwise.cu (act, act_grad) and
 // reduce.cu (act_bias_grad). Operation order and rounding follow the numpy reference
-// (backends/numpy/kernels.py); __fmul_rn/__fadd_rn stop the compiler from contracting a
+// (the NumPy references of stepgraph/ops/); __fmul_rn/__fadd_rn stop the compiler from contracting a
 // product and a sum into one FMA, which would round differently from numpy.
 #pragma once
 
