@@ -25,6 +25,7 @@ from stepgraph.backends import get_backend
 from stepgraph.compile.executable import INFERENCE, Executable
 from stepgraph.compile.plan import make_plan
 from stepgraph.errors import StepgraphError
+from stepgraph.functions import math as M
 from stepgraph.ir.trace import Tensor, Tracer
 from stepgraph.nn import functional as F
 from tests.ops.helpers import run_graph
@@ -89,6 +90,13 @@ OPS = {
     ("nn.functional.embedding", ""): F.embedding,
     ("nn.functional.layer_norm", ""): F.layer_norm,
     ("nn.functional.scaled_dot_product_attention", ""): F.scaled_dot_product_attention,
+    **{(name, ""): getattr(M, name) for name in (
+        "exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "abs", "sign", "sin", "cos", "erf",
+        "square", "floor", "ceil", "round", "trunc", "reciprocal", "maximum", "minimum",
+        "clamp", "clamp_min", "clamp_max", "lt", "le", "gt", "ge", "eq", "ne", "logical_and",
+        "logical_or", "logical_xor", "logical_not")},
+    ("where", ""): lambda x, condition, other: M.where(condition, x, other),
+    ("masked_fill", ""): _method("masked_fill"),
 }
 # Samples per op beyond which the CPU run keeps the first ones only (max_pool2d has 1440);
 # the `slow` sweep runs them all.
@@ -151,7 +159,8 @@ def stepgraph_run(fn, sample, dtype: torch.dtype, cotangents: list, device: str 
     if not all(isinstance(o, Tensor) for o in outs):
         raise AssertionError(f"stepgraph returned {outs!r}, not tensors")
     graph_out = {f"out{i}": o.value for i, o in enumerate(outs)}
-    names = list(feed.grad_inputs)
+    # gradients only through float outputs (a comparison's bool output has none)
+    names = list(feed.grad_inputs) if any(c is not None for c in cotangents) else []
     if names:
         terms = []
         for i, (o, c) in enumerate(zip(outs, cotangents)):
@@ -194,7 +203,7 @@ def torch_run(op, sample, dtype: torch.dtype, cotangents: list[np.ndarray] | Non
     outs = _outputs(op.op(inp, *args, **kwargs))
     leaves = _grad_leaves([inp, args, list(kwargs.values())])
     grads = []
-    if leaves and cotangents is not None:
+    if leaves and cotangents is not None and any(c is not None for c in cotangents):
         pairs = [(o, torch.tensor(c, dtype=o.dtype)) for o, c in zip(outs, cotangents)
                  if c is not None]
         grads = torch.autograd.grad([o for o, _ in pairs], leaves, [c for _, c in pairs],
