@@ -101,6 +101,7 @@ OPS = {
 # Samples per op beyond which the CPU run keeps the first ones only (max_pool2d has 1440);
 # the `slow` sweep runs them all.
 FAST_SAMPLES = 40
+DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 def _opinfo(name: str, variant: str):
@@ -223,7 +224,8 @@ def _refusal_listed(name: str) -> bool:
     return f"`{name}`" in TESTING_DOC.read_text()
 
 
-def check_op(key: tuple[str, str], limit: int | None, device: str = "cpu") -> list[str]:
+def check_op(key: tuple[str, str], limit: int | None, device: str = "cpu",
+             dtype: torch.dtype = torch.float32) -> list[str]:
     """Run every sample of OpInfo `key` (the first `limit`); fail on a mismatch or on an error
     that is not a StepgraphError; return the refused samples as "kind: reason" lines."""
     op, fn = _opinfo(*key), OPS[key]
@@ -239,7 +241,7 @@ def check_op(key: tuple[str, str], limit: int | None, device: str = "cpu") -> li
                for o in ref64_out]
         ref64, ref32 = (torch_run(op, sample, d, cts) for d in (torch.float64, torch.float32))
         try:
-            got = stepgraph_run(fn, sample, torch.float32, cts, device)
+            got = stepgraph_run(fn, sample, dtype, cts, device)
         except StepgraphError as err:
             assert _refusal_listed(key[0]), (f"{what}: refused ({type(err).__name__}: {err}) "
                                              "but not listed in docs/TESTING.md")
@@ -249,16 +251,29 @@ def check_op(key: tuple[str, str], limit: int | None, device: str = "cpu") -> li
                                   ("grad", got[1], ref64[1], ref32[1])):
             assert len(g) == len(r64), f"{what}: {len(g)} {kind}s, torch {len(r64)}"
             for j, (a, b, c) in enumerate(zip(g, r64, r32)):
-                assert_close_to_reference(a, b, c, f"{what}: {kind} {j}")
+                assert_close_to_reference(a, b, c, f"{what}: {kind} {j}",
+                                          precision=DTYPES[dtype])
     return refused
 
 
 KEYS = pytest.mark.parametrize("key", list(OPS), ids=lambda k: ".".join(filter(None, k)))
 
 
+# Known mismatches, each with its reason (docs/TESTING.md); strict: fixing one fails the run
+# until its entry goes.
+KNOWN = {
+    ("pow", torch.float64): "the gradient of a 0-d exponent sums x^y * log(x) over terms that "
+                            "cancel: 1.15x past the bound scaled down from torch float32's "
+                            "error (float64 has no finer reference to show the true one)",
+}
+
+
 @KEYS
-def test_opinfo_samples(key):
-    refused = check_op(key, FAST_SAMPLES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_opinfo_samples(key, dtype, request):
+    if (key[0], dtype) in KNOWN:
+        request.node.add_marker(pytest.mark.xfail(reason=KNOWN[key[0], dtype], strict=True))
+    refused = check_op(key, FAST_SAMPLES, dtype=dtype)
     print(f"{key[0]}: {len(refused)} refused", *sorted(set(refused)), sep="\n  ")
 
 
