@@ -1,5 +1,6 @@
-"""Guards: a bad batch (labels out of range, a NaN or Inf loss or gradient) never changes the
-model, without a host sync per step.
+"""Guards: a bad batch (labels out of range, a NaN or Inf loss or gradient, a gradient whose
+square overflows, which would leave Inf in Adam's exp_avg_sq) never changes the model or the
+optimizer state, without a host sync per step.
 
 In the graph (`emit_guard`, then the optimizer's `GraphGuard.emit_advance`):
 
