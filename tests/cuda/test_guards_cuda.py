@@ -257,3 +257,26 @@ def test_guard_cost_on_graph_steps(name):
     print(f"\n{name}: step {times['ignore']:.1f} µs without guards, {times['raise']:.1f} µs "
           f"with ({(times['raise'] / times['ignore'] - 1) * 100:+.1f}%)")
     assert times["raise"] <= times["ignore"] * 1.15 + 2.0
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_gradients_whose_square_overflows_inside_a_graph_replay(policy):
+    """Targets of 1e19: a finite loss and finite gradients (~2e19) whose squares overflow, so
+    Adam's exp_avg_sq would hold Inf; guard.cu checks the squares and the step is bad."""
+    model = nn.Sequential(nn.Linear(2, 1))
+    model.load_state_dict({"0.weight": np.array([[0.1, 0.2]], np.float32),
+                           "0.bias": np.zeros(1, np.float32)})
+    x = np.array([[1.0, 2.0], [0.5, -1.0]], np.float32)
+    t = np.zeros((2, 1), np.float32)
+    step = sg.compile_train_step(model, losses.mse, optim.Adam(lr=0.01), (x, t), device="cuda",
+                                 graph=True, on_bad_batch=policy)
+    for _ in range(3):
+        step(x, t)
+    before = full_state(step)
+    loss = step(x, np.full_like(t, 1e19))
+    if policy == "raise":
+        with pytest.raises(NonFiniteError, match="square.*overflows"):
+            float(loss)
+    else:
+        assert np.isfinite(float(loss)) and step.skipped_steps == 1
+    assert_same(full_state(step), before)
