@@ -34,7 +34,13 @@ from tests.reference import assert_close_to_reference
 # torch's test internals import expecttest (a test-only package) for its TestCase base class;
 # the samples need nothing from it.
 sys.modules.setdefault("expecttest", types.SimpleNamespace(TestCase=unittest.TestCase))
+_frozen = torch.backends.flags_frozen()
 from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
+
+# Importing them freezes torch.backends' global flags for the whole process
+# (disable_global_flags), which other tests in the same run set: unfreeze them as they were
+# (the flag is a global of torch/backends/__init__.py, which its functions read).
+torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = not _frozen
 
 TESTING_DOC = pathlib.Path(__file__).parents[2] / "docs" / "TESTING.md"
 
