@@ -125,9 +125,10 @@ class ModelEntry:
     and the input layout that fit it), and its optimizer recipe."""
 
     data: tuple[str, ...]
-    build: Callable[[TrainConfig, Any], ModelSpec]                    # (config, data set)
-    optimizer: Callable[[TrainConfig, Any, int], optim.Optimizer]     # (config, module,
-    lr: float = DEFAULT_LR                                           # steps per epoch)
+    build: Callable[[TrainConfig, Any], ModelSpec]      # (config, data set)
+    # (config, module, steps per epoch) -> the optimizer
+    optimizer: Callable[[TrainConfig, Any, int], optim.Optimizer]
+    lr: float = DEFAULT_LR          # default --lr
     options: tuple[str, ...] = ()   # its own TrainConfig fields (recorded, checked on resume)
     schedule_spans_run: bool = False    # the LR schedule spans the run: its length is fixed
 
@@ -148,7 +149,6 @@ DATA: dict[str, DataEntry] = {
     "text": DataEntry("text", _load_text, batch_size=64),
 }
 IMAGE_DATA = tuple(name for name, entry in DATA.items() if entry.kind == "image")
-DEFAULT_DATA_DIR = DATA["mnist"].data_dir
 
 
 def small_mlp(features: int, classes: int):

@@ -202,3 +202,12 @@ def test_an_out_that_is_a_file_is_refused(capsys, tmp_path):
     assert code == 2 and err.strip() == (f"error: --out {path} is a file, not a directory; "
                                          "nothing was written")
     assert path.read_text() == "keep me"
+
+
+def test_an_out_that_cannot_be_made_is_an_error_line(capsys, tmp_path):
+    (tmp_path / "file").write_text("keep me")
+    out = tmp_path / "file" / "run"
+    code, _, err = train(capsys, out, "--epochs", "1")
+    assert code == 2 and "Traceback" not in err
+    assert err.startswith(f"error: cannot create --out {out}: ") and "nothing was written" in err
+    assert (tmp_path / "file").read_text() == "keep me"
