@@ -208,11 +208,17 @@ def _check_digest(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str
                               "so its contents cannot be trusted")
 
 
+def setting_differences(saved: dict, current: dict, keys: tuple[str, ...]) -> list[str]:
+    """"key: checkpoint <saved value>, now <current value>" for every key in `keys` whose
+    value differs between the configs."""
+    return [f"{k}: checkpoint {saved.get(k)!r}, now {current.get(k)!r}"
+            for k in keys if saved.get(k) != current.get(k)]
+
+
 def check_compatible(saved: dict, current: dict, keys: tuple[str, ...], advice: str = "") -> None:
     """Raise CheckpointError naming every key in `keys` whose value differs between configs
     (saved vs current), followed by `advice`."""
-    diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {current.get(k)!r}"
-             for k in keys if saved.get(k) != current.get(k)]
+    diffs = setting_differences(saved, current, keys)
     if diffs:
         raise CheckpointError("cannot resume a different run: " + "; ".join(diffs) + advice)
 

@@ -962,6 +962,10 @@ def read_resume_checkpoint(config: TrainConfig) -> ckpt.Checkpoint:
         ckpt.check_compatible(saved.config, config.record(), config.run_settings(),
                               advice="; resume with the checkpoint's settings, or pass --force "
                               "to resume with these")
+    diffs = ckpt.setting_differences(saved.config, config.record(), config.run_settings())
+    if diffs:
+        warn("--force: resuming with settings that differ from the checkpoint's: "
+             + "; ".join(diffs))
     return saved
 
 

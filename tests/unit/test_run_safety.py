@@ -78,6 +78,8 @@ def test_resume_with_other_settings_lists_each_difference(capsys, one_epoch):
     code, _, err = train(capsys, one_epoch, "--epochs", "2", "--resume", "--force", "--seed",
                          "3")
     assert code == 0, err
+    assert err.startswith("warning: --force: resuming with settings that differ from the "
+                          "checkpoint's: seed: checkpoint 0, now 3")
     saved = ckpt.load_checkpoint(one_epoch / CHECKPOINT_NAME)
     assert saved.epoch == 2 and saved.config["seed"] == 3
 
