@@ -307,8 +307,8 @@ class TrainConfig:
         if self.data_set not in entry.data:
             raise TrainConfigError(f"--model {self.model} does not train on --data "
                                    f"{self.data_set}: it trains on {', '.join(entry.data)}"
-                                   + ("; use --model gpt with --data text"
-                                      if "text" in (self.data_set, *entry.data) else ""))
+                                   + ("; use --model gpt or a model file (FILE.py:CLASS) with "
+                                      "--data text" if self.kind == "text" else ""))
         self._validate_kind()
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
             raise TrainConfigError(f"--lr must be a positive number, got {self.learning_rate}")
