@@ -957,7 +957,11 @@ def make_out_dir(out: Path) -> None:
 def read_resume_checkpoint(config: TrainConfig) -> ckpt.Checkpoint:
     """The checkpoint in config.out_dir, after checking that the run that wrote it had this
     run's settings (config.run_settings; --force skips the check)."""
-    saved = ckpt.load_checkpoint(config.out_dir / ckpt.CHECKPOINT_NAME)
+    try:
+        saved = ckpt.load_checkpoint(config.out_dir / ckpt.CHECKPOINT_NAME)
+    except ckpt.CheckpointError as err:
+        raise ckpt.CheckpointError(f"{err}; nothing in {config.out_dir} was changed (--overwrite "
+                                   "instead of --resume starts a new run there)") from err
     if not config.force:
         ckpt.check_compatible(saved.config, config.record(), config.run_settings(),
                               advice="; resume with the checkpoint's settings, or pass --force "

@@ -213,3 +213,12 @@ def test_an_out_that_cannot_be_made_is_an_error_line(capsys, tmp_path):
     assert code == 2 and "Traceback" not in err
     assert err.startswith(f"error: cannot create --out {out}: ") and "nothing was written" in err
     assert (tmp_path / "file").read_text() == "keep me"
+
+
+def test_a_corrupt_checkpoint_is_not_resumed_and_kept(capsys, one_epoch):
+    path = one_epoch / CHECKPOINT_NAME
+    path.write_bytes(path.read_bytes()[:100])
+    code, _, err = train(capsys, one_epoch, "--epochs", "2", "--resume")
+    assert code == 2 and "Traceback" not in err
+    assert err.startswith(f"error: cannot read checkpoint {path} (truncated")
+    assert f"nothing in {one_epoch} was changed" in err and len(path.read_bytes()) == 100
