@@ -214,8 +214,8 @@ def run_train(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         from .distributed import launched_world_size
 
         if args.gpus not in (None, 1) or launched_world_size() > 1:
-            raise TrainConfigError("data-parallel training (--gpus) applies to image data "
-                                   "(mlp, cnn, resnet) only")
+            raise TrainConfigError("data-parallel training (--gpus) applies to image data only "
+                                   "(mlp, cnn, resnet and model files)")
     elif args.gpus is not None:
         code = relaunch(args.gpus, argv if argv is not None else ["train"])
         if code is not None:

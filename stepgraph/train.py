@@ -350,8 +350,8 @@ class TrainConfig:
         if self.processes < 1:
             raise TrainConfigError(f"the world size must be >= 1, got {self.processes}")
         if self.kind == "text" and self.processes > 1:
-            raise TrainConfigError("data-parallel training (--gpus) applies to image data "
-                                   "(mlp, cnn, resnet) only")
+            raise TrainConfigError("data-parallel training (--gpus) applies to image data only "
+                                   "(mlp, cnn, resnet and model files)")
         if self.batch % self.processes:
             raise TrainConfigError(f"--batch-size {self.batch} does not split evenly over "
                                    f"{self.processes} processes (it is the global batch)")
