@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import StepgraphError
+from .version import __version__
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
 TRAIN_PREFIX = "train."
@@ -59,10 +60,6 @@ class Checkpoint:
     version: str | None = None
 
 
-def _library_version() -> str:
-    from . import __version__
-
-    return __version__
 
 
 def tensors_digest(tensors: dict[str, np.ndarray]) -> str:
@@ -113,7 +110,7 @@ def save_checkpoint(path: str | Path, checkpoint: Checkpoint,
     tensors[EPOCH_KEY] = np.array(checkpoint.epoch, dtype=np.int64)
     tensors[DATA_SEED_KEY] = np.array(checkpoint.data_seed, dtype=np.int64)
     metadata = {CONFIG_METADATA_KEY: json.dumps(checkpoint.config, sort_keys=True),
-                VERSION_METADATA_KEY: checkpoint.version or _library_version()}
+                VERSION_METADATA_KEY: checkpoint.version or __version__}
     if checkpoint.signature is not None:
         metadata[SIGNATURE_METADATA_KEY] = json.dumps(checkpoint.signature, sort_keys=True)
     metadata[CHECKSUM_METADATA_KEY] = checkpoint_digest(tensors, metadata)
@@ -289,7 +286,7 @@ def check_signature(saved: Checkpoint, current: dict, path: str | Path) -> None:
     current = json.loads(json.dumps(current, sort_keys=True))
     diffs = signature_differences(saved.signature, current)
     if diffs:
-        version = _library_version()
+        version = __version__
         written = f" (written by stepgraph {saved.version}, this is {version})" \
             if saved.version and saved.version != version else ""
         raise CheckpointError(f"cannot resume from {path}: it holds the state of a different "
