@@ -1,8 +1,13 @@
-"""Backends run a Plan. They are passed explicitly: `get_backend("cpu" | "cuda")`."""
+"""Backends run a Plan. They are passed explicitly: `get_backend("cpu" | "cuda")`.
+
+As torch.backends, this package also holds the flags model code sets (`cudnn.benchmark`,
+`cuda.matmul.allow_tf32`, ...): see flags.py."""
 from __future__ import annotations
 
 from ..errors import BackendUnavailableError
+from . import cuda  # noqa: F401  (light: only torch.backends.cuda's flags)
 from .base import Backend
+from .flags import cudnn  # noqa: F401
 
 _instances: dict[str, Backend] = {}
 

@@ -93,6 +93,7 @@ POLICIES = {
     "embedding": KEEP,
     "fill": KEEP,
     "arange": KEEP,
+    "constant": KEEP,
 }
 # `scalar` kinds on the CUDA fp32 list: pow (x ** v) and rdiv (v / x = v * reciprocal(x)).
 FP32_SCALAR_KINDS = ("pow", "rdiv")

@@ -360,3 +360,11 @@ def flatten(x: Tensor, start_dim: int = 1) -> Tensor:
     for d in x.shape[start_dim:]:
         size *= d
     return x.reshape(*x.shape[:start_dim], size)
+
+
+def __getattr__(name: str):
+    """A torch.nn.functional name stepgraph lacks: UnsupportedOpError (an AttributeError)."""
+    if name.startswith("_"):
+        raise AttributeError(f"module 'stepgraph.nn.functional' has no attribute {name!r}")
+    raise UnsupportedOpError(f"torch.nn.functional.{name} is not supported by stepgraph (see "
+                             "docs/TORCH_COMPAT.md for the torch names it has)")

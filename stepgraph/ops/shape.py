@@ -1,11 +1,12 @@
 """Shape family: permute (materialised transpose), slice along one axis and its gradient,
-arange, and the VJPs of reshape-like reductions."""
+arange, constant, and the VJPs of reshape-like reductions."""
 from __future__ import annotations
 
 import numpy as np
 
 from ..autodiff.rules import vjp
 from ..backends.numpy.kernels import impl
+from ..ir.graph import storage_dtype
 from ..ir.ops import _need, defop
 
 
@@ -117,3 +118,20 @@ def _arange(ins, attrs):
 @impl("arange")
 def _arange_impl(node, ins, outs, ctx):
     outs[0][...] = np.arange(outs[0].shape[0], dtype=outs[0].dtype)
+
+
+@defop("constant")
+def _constant(ins, attrs):
+    """y = attrs data (a trace.Constant: values fixed at trace time, e.g. a tensor a model
+    made in its constructor and used in forward); attrs dtype (y's IR dtype; data holds it in
+    storage dtype). No inputs, no gradient."""
+    _need(not ins, "constant", f"takes no inputs, got {len(ins)}")
+    array = attrs["data"].array
+    _need(str(array.dtype) == storage_dtype(attrs["dtype"]), "constant",
+          f"data of {array.dtype} does not hold {attrs['dtype']} values")
+    return [(tuple(array.shape), attrs["dtype"])]
+
+
+@impl("constant")
+def _constant_impl(node, ins, outs, ctx):
+    outs[0][...] = node.attrs["data"].array
