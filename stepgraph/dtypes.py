@@ -8,8 +8,6 @@ tensor of one is refused with UnsupportedOpError.
 """
 from __future__ import annotations
 
-import builtins
-
 import numpy as np
 
 from .errors import UnsupportedOpError
@@ -43,7 +41,14 @@ _NAMES = {"float32": "float32", "float": "float32", "float64": "float64", "doubl
 _OBJECTS = {name: dtype(name) for name in set(_NAMES.values())}
 TORCH_DTYPES: dict[str, dtype] = {torch_name: _OBJECTS[name] for torch_name, name in
                                   _NAMES.items()}
-globals().update(TORCH_DTYPES)
+
+
+def __getattr__(name: str) -> dtype:
+    # torch's names (float, int, bool among them) as module attributes, without shadowing
+    # the builtins inside this module
+    if name in TORCH_DTYPES:
+        return TORCH_DTYPES[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 _default_dtype = TORCH_DTYPES["float32"]
 
@@ -53,11 +58,11 @@ def as_dtype(d, what: str = "dtype") -> dtype:
     dtype or the Python types float, int and bool (torch's defaults: float32, int64, bool)."""
     if isinstance(d, dtype):
         return d
-    if d is builtins.float:
+    if d is float:
         return _default_dtype
-    if d is builtins.int:
+    if d is int:
         return TORCH_DTYPES["int64"]
-    if d is builtins.bool:
+    if d is bool:
         return TORCH_DTYPES["bool"]
     name = d if isinstance(d, str) else None
     if name is None:

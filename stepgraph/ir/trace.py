@@ -149,9 +149,10 @@ class Tensor:
 
     def item(self):
         """The one value of a one-element tensor as a Python number."""
-        if self.numel() != 1:
-            raise ShapeError(f"item: a tensor of {self.numel()} elements has no single value")
-        return self.numpy().reshape(()).item()
+        values = self.numpy()
+        if values.size != 1:
+            raise ShapeError(f"item: a tensor of {values.size} elements has no single value")
+        return values.reshape(()).item()
 
     def tolist(self):
         return self.numpy().tolist()
