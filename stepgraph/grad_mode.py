@@ -1,20 +1,30 @@
 """no_grad, enable_grad, inference_mode and set_grad_enabled, as torch's: context managers
 and decorators (`@torch.no_grad()` and bare `@torch.no_grad` alike).
 
-They are accepted without effect. stepgraph derives the backward from the loss at compile
-time: gradients flow only to the parameters the optimizer updates, along the ops the loss
-depends on, and eager tensors (outside a traced forward) never track gradients, so model code
-that wraps initialisation or generation in no_grad runs unchanged. Inside a traced forward,
-values computed under no_grad are NOT cut from the backward; a model that relies on that to
-stop a gradient is refused nowhere and trains differently from torch.
+stepgraph derives the backward from the loss at compile time, so grad mode matters only
+inside a traced forward: there every output of an op recorded while grad mode is off passes
+through a `stop_gradient` node (a view, no copy), so no gradient flows back through it, as
+in torch. Eager tensors (outside a traced forward) never track gradients: model code that
+wraps initialisation or generation in no_grad runs unchanged. A parameter whose every use
+is cut this way gets no gradient, and the compile says the loss does not depend on it.
 """
 from __future__ import annotations
 
 import functools
 
+_enabled = [True]      # the current mode, innermost last
+
+
+def is_grad_enabled() -> bool:
+    """Whether ops traced now can carry gradients."""
+    return _enabled[-1]
+
 
 class _GradMode:
-    """A context manager that is also a decorator, with or without parentheses."""
+    """Sets grad mode `mode` for a with-block or a decorated function, with or without
+    parentheses (`@no_grad` hands the function to __init__)."""
+
+    mode = False
 
     def __init__(self, orig_func=None):
         self._wrapped = orig_func
@@ -22,9 +32,10 @@ class _GradMode:
             functools.update_wrapper(self, orig_func)
 
     def __enter__(self):
-        return None
+        _enabled.append(self.mode)
 
     def __exit__(self, *exc):
+        _enabled.pop()
         return False
 
     def __call__(self, *args, **kwargs):
@@ -44,32 +55,46 @@ class _GradMode:
 
 
 class no_grad(_GradMode):
-    """torch.no_grad (accepted without effect: see the module docstring)."""
+    """torch.no_grad: ops traced inside carry no gradient (see the module docstring)."""
 
 
 class enable_grad(_GradMode):
-    """torch.enable_grad (accepted without effect: see the module docstring)."""
+    """torch.enable_grad: ops traced inside carry gradients again."""
+
+    mode = True
 
 
 class inference_mode(_GradMode):
-    """torch.inference_mode(mode=True) (accepted without effect: see the module docstring)."""
+    """torch.inference_mode(mode=True): as no_grad when mode is true, else no change."""
 
     def __init__(self, mode=True):
         super().__init__(mode if callable(mode) else None)
+        self._off = callable(mode) or bool(mode)
+
+    def __enter__(self):
+        _enabled.append(False if self._off else _enabled[-1])
 
 
 class set_grad_enabled(_GradMode):
-    """torch.set_grad_enabled(mode): usable as a call, a context manager or a decorator
-    (accepted without effect: see the module docstring)."""
+    """torch.set_grad_enabled(mode): sets the mode at once when called; as a context manager
+    or decorator, the mode holds for the block or call and the previous one comes back."""
 
     def __init__(self, mode: bool):
         super().__init__(None)
         self.mode = bool(mode)
+        self._previous = _enabled[-1]
+        _enabled[-1] = self.mode               # the call form takes effect at once
 
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        _enabled[-1] = self._previous          # leaving the block: the mode before the call
+        return False
 
-def is_grad_enabled() -> bool:
-    """True: stepgraph keeps no grad mode (see the module docstring)."""
-    return True
+    def __call__(self, fn):
+        _enabled[-1] = self._previous          # as a decorator it holds only inside calls
+        scoped = _GradMode()
+        scoped.mode = self.mode
+        return scoped(fn)
 
 
 __all__ = ["no_grad", "enable_grad", "inference_mode", "set_grad_enabled", "is_grad_enabled"]

@@ -94,6 +94,7 @@ POLICIES = {
     "fill": KEEP,
     "arange": KEEP,
     "constant": KEEP,
+    "stop_gradient": KEEP,
 }
 # `scalar` kinds on the CUDA fp32 list: pow (x ** v) and rdiv (v / x = v * reciprocal(x)).
 FP32_SCALAR_KINDS = ("pow", "rdiv")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import ShapeError, UnsupportedOpError
+from ..grad_mode import is_grad_enabled
 from .graph import INPUT, PARAM, STATE, Graph, Node, Value, ir_dtype, storage_dtype
 from .ops import OPS, infer_outputs
 
@@ -120,6 +121,10 @@ class Tensor:
     @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
+
+    def detach(self) -> Tensor:
+        """The same values, cut from the backward (a stop_gradient view)."""
+        return self.tracer.op("stop_gradient", [self])
 
     def numel(self) -> int:
         return math.prod(self.shape)
@@ -556,8 +561,12 @@ class Tracer:
         return self.op_all(op, inputs, **attrs)[0]
 
     def op_all(self, op: str, inputs: list, **attrs) -> list[Tensor]:
-        values = [self._value(t) for t in inputs]
-        return [Tensor(v, self) for v in self.emit(op, values, **attrs)]
+        """As `op`, every output. Under no_grad (grad_mode) each output passes through a
+        stop_gradient view, so the backward stops there."""
+        values = self.emit(op, [self._value(t) for t in inputs], **attrs)
+        if not is_grad_enabled():
+            values = [self.emit("stop_gradient", [v])[0] for v in values]
+        return [Tensor(v, self) for v in values]
 
     def _value(self, t) -> Value:
         """The Value of an op input: a tensor's, an eager tensor's constant, or `t` itself."""

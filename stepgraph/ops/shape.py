@@ -1,5 +1,5 @@
 """Shape family: permute (materialised transpose), slice along one axis and its gradient,
-arange, constant, and the VJPs of reshape-like reductions."""
+arange, constant, stop_gradient, and the VJPs of reshape-like reductions."""
 from __future__ import annotations
 
 import numpy as np
@@ -135,3 +135,11 @@ def _constant(ins, attrs):
 @impl("constant")
 def _constant_impl(node, ins, outs, ctx):
     outs[0][...] = node.attrs["data"].array
+
+
+@defop("stop_gradient")
+def _stop_gradient(ins, attrs):
+    """y = x (a view: plans alias it, compile/plan.py VIEW_OPS) through which no gradient
+    flows back: what no_grad and Tensor.detach record. It has no VJP rule: autodiff treats
+    y as depending on nothing (autodiff/vjp.py _needs_grad)."""
+    return [(ins[0].shape, ins[0].dtype)]

@@ -406,6 +406,54 @@ def test_no_grad_forms():
         return v + 10
 
     assert f(4) == -4 and g(1) == 11 and torch.is_grad_enabled()
+    tracer = Tracer()
+    x = tracer.input((2,), "float32", "x")
+    with torch.no_grad():
+        assert not torch.is_grad_enabled()
+        y = x * 2
+        with torch.enable_grad():
+            z = x * 3
+    assert [n.op for n in tracer.graph.nodes] == ["scalar", "stop_gradient", "scalar"]
+    assert y.value is tracer.graph.nodes[1].outputs[0] and z.value.shape == (2,)
+
+
+class Gated(nn.Module):
+    """lin's output gated by a copy of itself computed under no_grad, plus a detached term:
+    the gradient reaches lin through `h` alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.lin(x)
+        with torch.no_grad():
+            gate = self.lin(x).sigmoid()
+        return h * gate + h.detach() * 0.5
+
+
+def test_no_grad_and_detach_cut_the_backward_as_torch():
+    torch.manual_seed(11)
+    model = Gated()
+    rng = np.random.default_rng(12)
+    x, y = rng.standard_normal((6, 4)).astype("float32"), rng.integers(0, 3, 6)
+    t = real.nn.Linear(4, 3)
+    t.load_state_dict({k.removeprefix("lin."): real.tensor(v)
+                       for k, v in model.state_dict().items()})
+    h = t(real.tensor(x))
+    with real.no_grad():
+        gate = t(real.tensor(x)).sigmoid()
+    out = h * gate + h.detach() * 0.5
+    real.nn.functional.cross_entropy(out, real.tensor(y)).backward()
+    before = model.state_dict()
+    step = torch.compile_train_step(model, loss=losses.cross_entropy,
+                                    optimizer=optim.SGD(lr=1.0), example_inputs=(x, y),
+                                    device="cpu")
+    step(x, y)
+    after = model.state_dict()
+    for name, p in (("lin.weight", t.weight), ("lin.bias", t.bias)):
+        np.testing.assert_allclose(before[name] - after[name], p.grad.numpy(), rtol=1e-4,
+                                   atol=1e-6)
 
 
 # ---- names stepgraph lacks -----------------------------------------------------------------
