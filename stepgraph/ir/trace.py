@@ -605,8 +605,20 @@ class EagerTracer:
     training = False
     seed = 0
 
+    def __init__(self):
+        self._dropout_sites = 0
+
     def where(self) -> str:
         return "eager code (outside a traced forward)"
+
+    def rng_step(self) -> Tensor:
+        """Eager dropout's step counter: always 0; each call draws at a new site instead,
+        so every eager dropout gets a fresh mask."""
+        return tensor_of(np.zeros((), np.int64))
+
+    def next_dropout_site(self) -> int:
+        self._dropout_sites += 1
+        return self._dropout_sites - 1
 
     def op(self, op: str, inputs: list, **attrs) -> Tensor:
         return self.op_all(op, inputs, **attrs)[0]

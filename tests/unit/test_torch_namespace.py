@@ -225,6 +225,11 @@ def test_eager_modules_and_functional():
     want = x.numpy() @ lin.weight.numpy().T + lin.bias.numpy()
     np.testing.assert_allclose(lin(x).numpy(), want, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(F.relu(lin(x)).numpy(), np.maximum(want, 0), atol=1e-6)
+    ones = torch.ones(4000)
+    a, b = F.dropout(ones, 0.25).numpy(), F.dropout(ones, 0.25).numpy()
+    assert set(np.unique(a)) == {0.0, np.float32(1 / 0.75)} and abs((a == 0).mean() - 0.25) < 0.03
+    assert (a != b).any()                                  # a fresh mask per call
+    np.testing.assert_array_equal(F.dropout(ones, 0.25, training=False).numpy(), ones.numpy())
 
 
 def test_parameters_and_buffers_take_eager_tensors():
