@@ -1,5 +1,5 @@
 """torch.cuda as model and training code calls it: is_available, device_count, manual_seed,
-manual_seed_all, synchronize, current_device. Where a step runs is `compile_train_step(device=
+manual_seed_all, synchronize, current_device, is_bf16_supported. Where a step runs is `compile_train_step(device=
 ...)`; these answer questions about the machine and never move tensors."""
 from __future__ import annotations
 
@@ -40,3 +40,21 @@ def manual_seed(seed: int) -> None:
 
 
 manual_seed_all = manual_seed
+
+
+def is_bf16_supported() -> bool:
+    """True on a GPU of compute capability 8.0 or newer (bf16 tensor cores: what
+    compile_train_step(precision="bf16") is made for)."""
+    if not cuda_available():
+        return False
+    import cupy
+    return int(cupy.cuda.Device().compute_capability) >= 80
+
+
+def __getattr__(name: str):
+    """A torch.cuda name stepgraph lacks: UnsupportedOpError (an AttributeError)."""
+    from .errors import UnsupportedOpError
+    if name.startswith("_"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    raise UnsupportedOpError(f"torch.cuda.{name} is not supported by stepgraph (see "
+                             "docs/TORCH_COMPAT.md for the torch names it has)")

@@ -1,5 +1,6 @@
 """torch.backends' flags, for model code that sets them: `torch.backends.cudnn.benchmark`,
-`.deterministic`, `.allow_tf32`, `.enabled` and `torch.backends.cuda.matmul.allow_tf32`.
+`.deterministic`, `.allow_tf32`, `.enabled` and `torch.backends.cuda.matmul.allow_tf32`
+(and `torch.backends.mps.is_available()`, always False).
 
 Each is a plain attribute that keeps what it is set to and changes nothing: compiled steps
 take these choices as compile options. cudnn.benchmark: kernels are always chosen by timing
@@ -21,6 +22,8 @@ class Flags:
 
 
 cudnn = Flags(benchmark=False, deterministic=False, allow_tf32=True, enabled=True)
+# device pickers ask torch.backends.mps.is_available(): stepgraph has no Apple GPU backend
+mps = Flags(is_available=lambda: False, is_built=lambda: False)
 matmul = Flags(allow_tf32=False, allow_fp16_reduced_precision_reduction=True,
                allow_bf16_reduced_precision_reduction=True)
 

@@ -161,6 +161,8 @@ def test_device_of_tensors_and_cuda_queries():
         torch.ones(2, device="tpu")
     assert torch.cuda.is_available() == torch.cuda_available()
     assert torch.cuda.device_count() >= int(torch.cuda.is_available())
+    assert torch.cuda.is_bf16_supported() <= torch.cuda.is_available()
+    assert torch.backends.mps.is_available() is False
     torch.cuda.synchronize()
 
 
@@ -464,7 +466,8 @@ def test_no_grad_and_detach_cut_the_backward_as_torch():
 # ---- names stepgraph lacks -----------------------------------------------------------------
 
 @pytest.mark.parametrize("module,path", [(torch, "torch"), (nn, "torch.nn"),
-                                         (F, "torch.nn.functional")])
+                                         (F, "torch.nn.functional"), (torch.cuda, "torch.cuda"),
+                                         (torch.backends, "torch.backends")])
 def test_missing_names_raise_unsupported_op_error(module, path):
     with pytest.raises(UnsupportedOpError, match=rf"^{path}\.frobnicate is not supported by "
                                                  "stepgraph"):
