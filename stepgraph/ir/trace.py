@@ -126,6 +126,25 @@ class Tensor:
         """The same values, cut from the backward (a stop_gradient view)."""
         return self.tracer.op("stop_gradient", [self])
 
+    def clone(self, *, memory_format=None) -> Tensor:
+        """A copy (eager); a traced value is never overwritten, so it is its own clone."""
+        return tensor_of(self.array.copy()) if self.is_eager else self
+
+    def cpu(self) -> Tensor:
+        """This tensor: eager ones live on the host, traced ones where the step runs."""
+        return self
+
+    def cuda(self, device=None, non_blocking: bool = False) -> Tensor:
+        """This tensor: where a step runs is compile_train_step(device=...), not tensors."""
+        return self
+
+    def requires_grad_(self, requires_grad: bool = True) -> Tensor:
+        """Accepted: gradients are derived from the loss at compile time."""
+        return self
+
+    def is_contiguous(self, memory_format=None) -> bool:
+        return True
+
     def numel(self) -> int:
         return math.prod(self.shape)
 

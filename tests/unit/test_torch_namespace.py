@@ -216,6 +216,9 @@ def test_eager_tensor_reads_back():
     assert x.size() == (2, 3) and x.size(-1) == 3 and len(x) == 2
     assert repr(x) == repr(real.arange(6).reshape(2, 3))
     assert torch.is_tensor(x) and isinstance(x, torch.Tensor) and not torch.is_tensor(3)
+    c = x.clone()
+    x.array[0, 0] = 9                                     # the clone holds its own copy
+    assert c.tolist()[0][0] == 0 and x.cpu() is x and x.cuda() is x and x.is_contiguous()
     with pytest.raises(torch.ShapeError, match="6 elements"):
         x.item()
 
