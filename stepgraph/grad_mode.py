@@ -2,9 +2,9 @@
 and decorators (`@torch.no_grad()` and bare `@torch.no_grad` alike).
 
 stepgraph derives the backward from the loss at compile time, so grad mode matters only
-inside a traced forward: there every output of an op recorded while grad mode is off passes
-through a `stop_gradient` node (a view, no copy), so no gradient flows back through it, as
-in torch. Eager tensors (outside a traced forward) never track gradients: model code that
+inside a traced train forward: there every output of an op recorded while grad mode is off
+passes through a `stop_gradient` node (a view, no copy), so no gradient flows back through
+it, as in torch (compile_predict's trace has no backward and records none). Eager tensors (outside a traced forward) never track gradients: model code that
 wraps initialisation or generation in no_grad runs unchanged. A parameter whose every use
 is cut this way gets no gradient, and the compile says the loss does not depend on it.
 """

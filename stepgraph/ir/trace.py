@@ -580,10 +580,11 @@ class Tracer:
         return self.op_all(op, inputs, **attrs)[0]
 
     def op_all(self, op: str, inputs: list, **attrs) -> list[Tensor]:
-        """As `op`, every output. Under no_grad (grad_mode) each output passes through a
-        stop_gradient view, so the backward stops there."""
+        """As `op`, every output. Under no_grad (grad_mode) each output of a training trace
+        passes through a stop_gradient view, so the backward stops there (an eval trace, as
+        compile_predict's, has no backward: no views that would split fusable patterns)."""
         values = self.emit(op, [self._value(t) for t in inputs], **attrs)
-        if not is_grad_enabled():
+        if self.training and not is_grad_enabled():
             values = [self.emit("stop_gradient", [v])[0] for v in values]
         return [Tensor(v, self) for v in values]
 

@@ -425,6 +425,10 @@ def test_no_grad_forms():
             z = x * 3
     assert [n.op for n in tracer.graph.nodes] == ["scalar", "stop_gradient", "scalar"]
     assert y.value is tracer.graph.nodes[1].outputs[0] and z.value.shape == (2,)
+    predict = Tracer(training=False)                  # no backward: nothing to cut
+    with torch.no_grad():
+        predict.input((2,), "float32", "x") * 2
+    assert [n.op for n in predict.graph.nodes] == ["scalar"]
 
 
 class Gated(nn.Module):
