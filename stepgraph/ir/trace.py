@@ -107,10 +107,11 @@ class Tensor:
     # ---- properties and reading values back (eager tensors) ----
     @property
     def device(self):
-        """Where the values live: the CPU for eager tensors; for traced ones the device is
-        the compiled step's (`compile_train_step(device=...)`), reported as the tracer's."""
+        """The CPU: eager tensors live in host memory, and a traced tensor's place is the
+        compiled step's (`compile_train_step(device=...)`), which tracing does not know;
+        factories accept any device, so `device=x.device` in model code works as written."""
         from ..devices import device
-        return device(getattr(self.tracer, "device", "cpu"))
+        return device("cpu")
 
     @property
     def requires_grad(self) -> bool:
