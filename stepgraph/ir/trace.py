@@ -146,6 +146,31 @@ class Tensor:
     def is_contiguous(self, memory_format=None) -> bool:
         return True
 
+    def fill_(self, value) -> Tensor:
+        """Every element set to `value`, in place (eager tensors: a traced value is never
+        overwritten)."""
+        array = self._writable("fill_")
+        array[...] = EAGER.op("fill", [], value=value, shape=(), dtype=self.value.dtype).array
+        return self
+
+    def zero_(self) -> Tensor:
+        return self.fill_(0)
+
+    def copy_(self, src, non_blocking: bool = False) -> Tensor:
+        """`src`'s values (broadcast to this shape, cast to this dtype) written in place."""
+        values = src.numpy() if isinstance(src, Tensor) else np.asarray(src)
+        if self.value.dtype == "bfloat16":
+            from ..backends.numpy import bf16
+            values = bf16.to_bits(np.asarray(values, np.float32))
+        self._writable("copy_")[...] = np.broadcast_to(values, self.shape)
+        return self
+
+    def _writable(self, what: str) -> np.ndarray:
+        if not self.is_eager:
+            self._unsupported(f"Tensor.{what} on a traced tensor (in-place writes; use the "
+                              "out-of-place form)")
+        return self.array
+
     def numel(self) -> int:
         return math.prod(self.shape)
 

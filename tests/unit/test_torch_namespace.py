@@ -223,6 +223,19 @@ def test_eager_tensor_reads_back():
         x.item()
 
 
+
+def test_eager_in_place_writes():
+    x = torch.ones(2, 3)
+    assert x.fill_(2.5) is x and x.tolist() == [[2.5] * 3] * 2
+    assert x.zero_().tolist() == [[0.0] * 3] * 2
+    same(torch.zeros(2, 3).copy_(torch.arange(3)), real.zeros(2, 3).copy_(real.arange(3)))
+    b = torch.zeros(3, dtype=torch.bfloat16).fill_(1 / 3)
+    np.testing.assert_array_equal(b.numpy(), real.full((3,), 1 / 3, dtype=real.bfloat16).float())
+    tracer = Tracer()
+    with pytest.raises(UnsupportedOpError, match="fill_ on a traced tensor"):
+        tracer.input((2,), "float32", "x").fill_(0)
+
+
 def test_eager_modules_and_functional():
     torch.manual_seed(1)
     lin = nn.Linear(4, 3)
