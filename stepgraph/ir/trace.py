@@ -292,10 +292,21 @@ class Tensor:
         if _is_scalar(other):
             if reverse and kind in ("sub", "div"):
                 kind = "r" + kind
-            return self.tracer.op("scalar", [self], kind=kind, value=float(other))
+            x = self._to_float(kind == "div" or kind == "rdiv" or
+                               isinstance(other, (float, np.floating)))
+            return self.tracer.op("scalar", [x], kind=kind, value=float(other))
         other = self._coerce(other, kind)
         a, b = (other, self) if reverse else (self, other)
+        floats = kind == "div" or a.dtype.is_floating_point or b.dtype.is_floating_point
+        a, b = a._to_float(floats), b._to_float(floats)
         return self.tracer.op("binary", [a, b], kind=kind)
+
+    def _to_float(self, needed: bool) -> Tensor:
+        """An integer tensor cast to float32 where torch's type promotion gives a float
+        (division, a float operand); else this tensor. The int + int forms keep the int."""
+        if not needed or self.dtype.is_floating_point:
+            return self
+        return self.tracer.op("cast", [self], dtype="float32")
 
     def _coerce(self, other, op: str) -> Tensor:
         """`other` as a tensor of this trace: Parameters and Buffers are traced on use."""
@@ -347,7 +358,8 @@ class Tensor:
     def __pow__(self, exponent):
         if not _is_scalar(exponent):
             self._unsupported("pow with a tensor exponent")
-        return self.tracer.op("scalar", [self], kind="pow", value=float(exponent))
+        x = self._to_float(isinstance(exponent, (float, np.floating)))
+        return x.tracer.op("scalar", [x], kind="pow", value=float(exponent))
 
     pow = __pow__
 

@@ -199,6 +199,8 @@ def test_eager_tensor_ops_match_torch():
     for ours, theirs in cases:
         assert ours.is_eager and tuple(ours.shape) == tuple(theirs.shape)
         np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-5, atol=1e-6)
+    same(torch.arange(5) * 3 - 1, real.arange(5) * 3 - 1)         # int with int stays int
+    same(-torch.arange(3) + torch.arange(3), -real.arange(3) + real.arange(3))
     parts = x.split(3, dim=1)
     assert [tuple(p.shape) for p in parts] == [(3, 3), (3, 1)]
     np.testing.assert_array_equal(parts[1].numpy(), a[:, 3:])
