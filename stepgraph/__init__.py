@@ -28,7 +28,8 @@ __all__ = ["nn", "optim", "losses", "distributed", "compile_train_step", "compil
            "StateDictError", "BackendUnavailableError", "UnsupportedOpError", "DistributedError",
            "backends", "cuda", "device", "Size", "Tensor", "no_grad", "enable_grad",
            "inference_mode", "set_grad_enabled", "is_grad_enabled",
-           "set_float32_matmul_precision", "get_float32_matmul_precision", *_dtype_names,
+           "set_float32_matmul_precision", "get_float32_matmul_precision",
+           *(n for n in _dtype_names if n not in ("float", "int", "bool")),  # keep builtins
            *_factories.__all__]
 
 
