@@ -19,8 +19,7 @@ from .grad_mode import (enable_grad, inference_mode, is_grad_enabled, no_grad,
                         set_grad_enabled)
 from .ir.trace import Size, Tensor
 from .nn.module import to_numpy
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["nn", "optim", "losses", "distributed", "compile_train_step", "compile_predict",
            "TrainStep", "Predictor", "cuda_available", "to_numpy", "StepgraphError",
