@@ -200,6 +200,12 @@ def test_eager_tensor_ops_match_torch():
         assert ours.is_eager and tuple(ours.shape) == tuple(theirs.shape)
         np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-5, atol=1e-6)
     same(torch.arange(5) * 3 - 1, real.arange(5) * 3 - 1)         # int with int stays int
+    same(torch.arange(4) * 0.5, real.arange(4) * 0.5)             # ... with a float: float32
+    same(torch.arange(1, 5) / 2, real.arange(1, 5) / 2)
+    same(1 / torch.arange(1, 4), 1 / real.arange(1, 4))
+    same(torch.arange(3) + torch.ones(3), real.arange(3) + real.ones(3))
+    same(torch.arange(3) ** 2.0, real.arange(3) ** 2.0)
+    same(torch.arange(3).float(), real.arange(3).float())
     same(-torch.arange(3) + torch.arange(3), -real.arange(3) + real.arange(3))
     parts = x.split(3, dim=1)
     assert [tuple(p.shape) for p in parts] == [(3, 3), (3, 1)]
