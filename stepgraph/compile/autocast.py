@@ -38,6 +38,7 @@ import numpy as np
 from ..errors import UnsupportedPrecisionError
 from ..ir.graph import BF16, PARAM, STATE, Graph, Node, Value
 from ..ir.ops import infer_outputs
+from .plan import VIEW_OPS
 
 PRECISION = "bf16"
 
@@ -93,6 +94,8 @@ POLICIES = {
     "embedding": KEEP,
     "fill": KEEP,
     "arange": KEEP,
+    "constant": KEEP,
+    "stop_gradient": KEEP,
     # Elementwise math (ops/unary.py): sqrt, abs, sign, sin, cos, erf are on no list;
     # FP32_UNARY_KINDS below are on the fp32 list. Comparisons, where and masked_fill are on
     # no list: two tensors promote, a mask or a number keeps the tensor's dtype.
@@ -235,12 +238,12 @@ def bind_weight_copies(graph: Graph) -> list[WeightCopy]:
 def check_bf16_support(graph: Graph, supported: frozenset[str] | None, device: str) -> None:
     """Raise UnsupportedPrecisionError naming every op of `graph` that reads or writes a bf16
     value and whose kernels on `device` do not take bf16 (`supported`: the ops that do; None:
-    every op, the NumPy reference). Views (reshape) run no kernel."""
+    every op, the NumPy reference). Views (plan.VIEW_OPS) run no kernel."""
     if supported is None:
         return
     missing: dict[str, str] = {}
     for n in graph.nodes:
-        if n.op == "reshape" or n.op in supported:
+        if n.op in VIEW_OPS or n.op in supported:
             continue
         if any(v.dtype == BF16 for v in [*n.inputs, *n.outputs]):
             missing.setdefault(n.op, n.label)

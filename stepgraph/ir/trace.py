@@ -1,6 +1,9 @@
 """Tracing: modules are called once on symbolic tensors and every op records a node.
 
 `Tracer` builds a Graph; `Tensor` is the symbolic value modules see. Nothing here runs per step.
+Outside a traced forward, tensors are eager: `EAGER` runs each op at once (its shape rule and its
+NumPy reference), so every Tensor method works on concrete values as well. An eager tensor that
+meets a traced one becomes a `constant` of the trace.
 """
 from __future__ import annotations
 
@@ -12,7 +15,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import ShapeError, UnsupportedOpError
-from .graph import BF16, DTYPES, INPUT, PARAM, STATE, Graph, Node, Value
+from ..grad_mode import is_grad_enabled
+from .graph import (BF16, DTYPES, INPUT, PARAM, STATE, Graph, Node, Value, ir_dtype,
+                    storage_dtype)
 from .ops import OPS, infer_outputs
 
 if TYPE_CHECKING:
@@ -43,6 +48,16 @@ def _dims(dim, ndim: int, what: str) -> tuple[int, ...]:
 
 def _shape_args(shape) -> tuple:
     return tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+
+
+class Size(tuple):
+    """A tensor's shape (torch.Size): a tuple of ints with numel()."""
+
+    def numel(self) -> int:
+        return math.prod(self)
+
+    def __repr__(self):
+        return f"torch.Size({list(self)})"
 
 
 # PyTorch's dtype names that differ from the IR's.
@@ -81,19 +96,29 @@ class Tensor:
     batch dims through bmm), reshape/view/flatten, transpose/permute/.T, split/chunk/narrow,
     sum/mean, and the methods relu/sigmoid/tanh/softmax/log_softmax. Any other torch.Tensor
     method or indexing raises UnsupportedOpError naming the op and the module that called
-    it."""
+    it.
 
-    def __init__(self, value: Value, tracer: Tracer):
+    An eager tensor (tracer `EAGER`, made outside a traced forward by the factories of
+    stepgraph.functions) also holds its values, `array` in storage dtype (bfloat16 as uint16
+    bits): its methods compute at once, and it reads back with numpy()/item()/tolist()."""
+
+    def __init__(self, value: Value, tracer: Tracer | EagerTracer, array=None):
         self.value = value
         self.tracer = tracer
+        self.array = array
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        return self.value.shape
+    def is_eager(self) -> bool:
+        return self.array is not None
 
     @property
-    def dtype(self) -> str:
-        return self.value.dtype
+    def shape(self) -> Size:
+        return Size(self.value.shape)
+
+    @property
+    def dtype(self):
+        from ..dtypes import as_dtype
+        return as_dtype(self.value.dtype)
 
     @property
     def ndim(self) -> int:
@@ -107,6 +132,125 @@ class Tensor:
         if not self.shape:
             raise TypeError("len() of a 0-d tensor")
         return self.shape[0]
+
+    # ---- properties and reading values back (eager tensors) ----
+    @property
+    def device(self):
+        """The CPU: eager tensors live in host memory, and a traced tensor's place is the
+        compiled step's (`compile_train_step(device=...)`), which tracing does not know;
+        factories accept any device, so `device=x.device` in model code works as written."""
+        from ..devices import device
+        return device("cpu")
+
+    @property
+    def requires_grad(self) -> bool:
+        """False: gradients are derived from the loss at compile time, never tracked on
+        tensors (Parameters are what the optimizer updates)."""
+        return False
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def detach(self) -> Tensor:
+        """The same values, cut from the backward (a stop_gradient view)."""
+        return self.tracer.op("stop_gradient", [self])
+
+    def clone(self, *, memory_format=None) -> Tensor:
+        """A copy (eager); a traced value is never overwritten, so it is its own clone."""
+        return tensor_of(self.array.copy()) if self.is_eager else self
+
+    def cpu(self) -> Tensor:
+        """This tensor: eager ones live on the host, traced ones where the step runs."""
+        return self
+
+    def cuda(self, device=None, non_blocking: bool = False) -> Tensor:
+        """This tensor: where a step runs is compile_train_step(device=...), not tensors."""
+        return self
+
+    def requires_grad_(self, requires_grad: bool = True) -> Tensor:
+        """Accepted: gradients are derived from the loss at compile time."""
+        return self
+
+    def is_contiguous(self, memory_format=None) -> bool:
+        return True
+
+    def fill_(self, value) -> Tensor:
+        """Every element set to `value`, in place (eager tensors: a traced value is never
+        overwritten)."""
+        array = self._writable("fill_")
+        array[...] = EAGER.op("fill", [], value=value, shape=(), dtype=self.value.dtype).array
+        return self
+
+    def zero_(self) -> Tensor:
+        return self.fill_(0)
+
+    def copy_(self, src, non_blocking: bool = False) -> Tensor:
+        """`src`'s values (broadcast to this shape, cast to this dtype) written in place."""
+        values = src.numpy() if isinstance(src, Tensor) else np.asarray(src)
+        if self.value.dtype == "bfloat16":
+            from ..backends.numpy import bf16
+            values = bf16.to_bits(np.asarray(values, np.float32))
+        self._writable("copy_")[...] = np.broadcast_to(values, self.shape)
+        return self
+
+    def _writable(self, what: str) -> np.ndarray:
+        if not self.is_eager:
+            self._unsupported(f"Tensor.{what} on a traced tensor (in-place writes; use the "
+                              "out-of-place form)")
+        return self.array
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def dim(self) -> int:
+        return self.ndim
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def numpy(self) -> np.ndarray:
+        """The values as a NumPy array (bfloat16 as float32); eager tensors only."""
+        if not self.is_eager:
+            self._unsupported("reading the values of a traced tensor (numpy/item/tolist: "
+                              "a traced forward has no values yet)")
+        if self.value.dtype == "bfloat16":
+            from ..backends.numpy import bf16
+            return bf16.from_bits(self.array)
+        return self.array
+
+    def __array__(self, dtype=None, copy=None):
+        a = self.numpy()
+        return a if dtype is None else a.astype(dtype)
+
+    def item(self):
+        """The one value of a one-element tensor as a Python number."""
+        values = self.numpy()
+        if values.size != 1:
+            raise ShapeError(f"item: a tensor of {values.size} elements has no single value")
+        return values.reshape(()).item()
+
+    def tolist(self):
+        return self.numpy().tolist()
+
+    def __float__(self):
+        return float(self.item())
+
+    def __int__(self):
+        return int(self.item())
+
+    def __index__(self):
+        if self.dtype.is_floating_point:
+            raise TypeError("only integer tensors of a single element can be an index")
+        return int(self.item())
+
+    def __bool__(self):
+        if not self.is_eager:
+            self._unsupported("a tensor's truth value (data-dependent control flow)")
+        return bool(self.item())
 
     # ---- shape ----
     def reshape(self, *shape) -> Tensor:
@@ -177,15 +321,27 @@ class Tensor:
         if _is_scalar(other):
             if reverse and kind in ("sub", "div"):
                 kind = "r" + kind
-            return self.tracer.op("scalar", [self], kind=kind, value=float(other))
+            x = self._to_float(kind == "div" or kind == "rdiv" or
+                               isinstance(other, (float, np.floating)))
+            return self.tracer.op("scalar", [x], kind=kind, value=float(other))
         other = self._coerce(other, kind)
         a, b = (other, self) if reverse else (self, other)
+        floats = kind == "div" or a.dtype.is_floating_point or b.dtype.is_floating_point
+        a, b = a._to_float(floats), b._to_float(floats)
         return self.tracer.op("binary", [a, b], kind=kind)
+
+    def _to_float(self, needed: bool) -> Tensor:
+        """An integer tensor cast to float32 where torch's type promotion gives a float
+        (division, a float operand); else this tensor. The int + int forms keep the int."""
+        if not needed or self.dtype.is_floating_point:
+            return self
+        return self.tracer.op("cast", [self], dtype="float32")
 
     def _coerce(self, other, op: str) -> Tensor:
         """`other` as a tensor of this trace: Parameters and Buffers are traced on use."""
         if isinstance(other, Tensor):
-            if other.tracer is not self.tracer:
+            # an eager operand of a traced op becomes a constant when the op is recorded
+            if other.tracer is not self.tracer and not (self.is_eager or other.is_eager):
                 raise UnsupportedOpError(f"{op}: the tensors belong to different traces "
                                          f"(in {self.tracer.where()})")
             return other
@@ -231,7 +387,8 @@ class Tensor:
     def __pow__(self, exponent):
         if not _is_scalar(exponent):
             return self._binary(exponent, "pow")
-        return self.tracer.op("scalar", [self], kind="pow", value=float(exponent))
+        x = self._to_float(isinstance(exponent, (float, np.floating)))
+        return x.tracer.op("scalar", [x], kind="pow", value=float(exponent))
 
     pow = __pow__
 
@@ -564,7 +721,7 @@ class Tensor:
     def __getattr__(self, name: str):
         # Only reached for attributes Tensor lacks: the torch.Tensor methods stepgraph has no op
         # for. Private and dunder names stay AttributeErrors (copy, pickle, hasattr probes).
-        if name.startswith("_") or name in ("value", "tracer"):
+        if name.startswith("_") or name in ("value", "tracer", "array"):
             raise AttributeError(name)
         self._unsupported(f"Tensor.{name}")
 
@@ -581,8 +738,6 @@ class Tensor:
     def __iter__(self):
         self._unsupported("iteration over a tensor")
 
-    def __bool__(self):
-        self._unsupported("a tensor's truth value (data-dependent control flow)")
 
     def __floordiv__(self, other):
         self._unsupported("floor division //")
@@ -591,6 +746,11 @@ class Tensor:
         self._unsupported("remainder %")
 
     def __repr__(self):
+        if self.is_eager:
+            body = np.array2string(self.numpy(), separator=", ", prefix="tensor(",
+                                   precision=4)
+            dtype = "" if self.value.dtype in ("float32", "int64") else f", dtype={self.dtype!r}"
+            return f"tensor({body}{dtype})"
         return f"Tensor({self.value!r})"
 
 
@@ -600,22 +760,8 @@ _ACTIVE: list[Tracer] = []
 
 def current_tracer() -> Tracer | None:
     """The tracer of the module forward being traced right now, else None. Tensor factories
-    with no tensor argument (`arange`) record into it."""
+    with no tensor argument (stepgraph.functions.factories) record into it."""
     return _ACTIVE[-1] if _ACTIVE else None
-
-
-def arange(end: int, *, dtype=None, device=None):
-    """0, 1, ..., end - 1 as torch.arange(end) (dtype default int64). Inside a module's
-    forward being traced (see `current_tracer`), a Tensor made by the `arange` op on the
-    device; anywhere else a NumPy array. `device` is accepted for PyTorch compatibility: a
-    traced arange lives where the step runs."""
-    if not isinstance(end, numbers.Integral):
-        raise TypeError(f"arange: end must be an int, got {type(end).__name__}")
-    dtype = str(np.dtype(dtype or "int64"))
-    tracer = current_tracer()
-    if tracer is None:
-        return np.arange(int(end), dtype=dtype)
-    return tracer.op("arange", [], n=int(end), dtype=dtype)
 
 
 class Tracer:
@@ -633,6 +779,7 @@ class Tracer:
         self.label = ""                            # module label for recorded nodes
         self.module_path: list[str] = []           # paths of the modules being called
         self.module_paths: dict[int, str] = {}     # id(module) -> path, set by the root call
+        self._constants: dict[int, tuple] = {}     # id(eager Tensor) -> (it, constant Value)
 
     # ---- where ops come from ----
     def where(self) -> str:
@@ -707,9 +854,100 @@ class Tracer:
 
     def op(self, op: str, inputs: list, **attrs) -> Tensor:
         """Record `op` on tensors (or values); return its first output as a Tensor."""
-        values = [t.value if isinstance(t, Tensor) else t for t in inputs]
-        return Tensor(self.emit(op, values, **attrs)[0], self)
+        return self.op_all(op, inputs, **attrs)[0]
 
     def op_all(self, op: str, inputs: list, **attrs) -> list[Tensor]:
-        values = [t.value if isinstance(t, Tensor) else t for t in inputs]
-        return [Tensor(v, self) for v in self.emit(op, values, **attrs)]
+        """As `op`, every output. Under no_grad (grad_mode) each output of a training trace
+        passes through a stop_gradient view, so the backward stops there (an eval trace, as
+        compile_predict's, has no backward: no views that would split fusable patterns)."""
+        values = self.emit(op, [self._value(t) for t in inputs], **attrs)
+        if self.training and not is_grad_enabled():
+            values = [self.emit("stop_gradient", [v])[0] for v in values]
+        return [Tensor(v, self) for v in values]
+
+    def _value(self, t) -> Value:
+        """The Value of an op input: a tensor's, an eager tensor's constant, or `t` itself."""
+        if not isinstance(t, Tensor):
+            return t
+        return self.constant(t) if t.is_eager else t.value
+
+    def constant(self, t: Tensor) -> Value:
+        """Eager tensor `t` as a `constant` node's output, once per tensor: its values at
+        trace time become part of the graph."""
+        held = self._constants.get(id(t))
+        if held is None:
+            data = Constant(np.array(t.array, order="C"))   # its values now, 0-d kept
+            held = self._constants[id(t)] = (t, self.emit("constant", [], data=data,
+                                                          dtype=t.value.dtype)[0])
+        return held[1]
+
+
+class Constant:
+    """The array of a `constant` node (attrs data). Equal only to itself, so passes that
+    compare attrs never compare arrays; its repr is short, for dumps and profiles."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+    def __repr__(self):
+        return f"Constant({self.array.dtype}{list(self.array.shape)})"
+
+
+class EagerTracer:
+    """Runs ops at once instead of recording them: what tensors made outside a traced
+    forward use. `op` checks the op's shape rule, then runs its NumPy reference on the
+    inputs' arrays. An op that also reads a traced tensor is recorded into that tensor's
+    trace instead (the eager inputs becoming constants)."""
+
+    training = False
+    seed = 0
+
+    def __init__(self):
+        self._dropout_sites = 0
+
+    def where(self) -> str:
+        return "eager code (outside a traced forward)"
+
+    def rng_step(self) -> Tensor:
+        """Eager dropout's step counter: always 0; each call draws at a new site instead,
+        so every eager dropout gets a fresh mask."""
+        return tensor_of(np.zeros((), np.int64))
+
+    def next_dropout_site(self) -> int:
+        self._dropout_sites += 1
+        return self._dropout_sites - 1
+
+    def op(self, op: str, inputs: list, **attrs) -> Tensor:
+        return self.op_all(op, inputs, **attrs)[0]
+
+    def op_all(self, op: str, inputs: list, **attrs) -> list[Tensor]:
+        traced = next((t.tracer for t in inputs if isinstance(t, Tensor) and not t.is_eager),
+                      None)
+        if traced is not None:
+            return traced.op_all(op, inputs, **attrs)
+        from ..backends import get_backend
+        from ..compile.plan import VIEW_OPS
+
+        values = [t.value for t in inputs]
+        outs = [Value(shape, dtype) for shape, dtype in infer_outputs(op, values, attrs)]
+        if op in VIEW_OPS:          # as a plan runs them: the input's array, reshaped
+            return [Tensor(outs[0], self, inputs[0].array.reshape(outs[0].shape))]
+        node = Node(op, values, outs, attrs, OPS[op].mutates(attrs), "eager")
+        arrays = [np.empty(v.shape, storage_dtype(v.dtype)) for v in outs]
+        get_backend("cpu").run_node(node, [t.array for t in inputs], arrays)
+        return [Tensor(v, self, a) for v, a in zip(outs, arrays)]
+
+    def param(self, p) -> Tensor:
+        """A Parameter's current values as an eager tensor (a copy)."""
+        return tensor_of(p.numpy())
+
+    buffer = param
+
+
+EAGER = EagerTracer()
+
+
+def tensor_of(array: np.ndarray) -> Tensor:
+    """An eager tensor holding `array` (storage dtype; uint16 is bfloat16 bits), not copied."""
+    array = np.asarray(array)
+    return Tensor(Value(array.shape, ir_dtype(array.dtype)), EAGER, array)

@@ -1,9 +1,11 @@
 """Shape family: reshape (a view: the planner aliases it, no reference runs), permute
-(materialised transpose), slice along one axis and its gradient, arange."""
+(materialised transpose), slice along one axis and its gradient, arange, constant, and
+stop_gradient (a view the backward does not cross)."""
 from __future__ import annotations
 
 import numpy as np
 
+from ..ir.graph import storage_dtype
 from ..ir.ops import _need, defop, impl, vjp
 
 
@@ -118,3 +120,28 @@ def _arange(ins, attrs):
 @impl("arange")
 def _arange_impl(node, ins, outs, ctx):
     outs[0][...] = np.arange(outs[0].shape[0], dtype=outs[0].dtype)
+
+
+@defop("constant")
+def _constant(ins, attrs):
+    """y = attrs data (a trace.Constant: values fixed at trace time, e.g. a tensor a model
+    made in its constructor and used in forward); attrs dtype (y's IR dtype; data holds it in
+    storage dtype). No inputs, no gradient."""
+    _need(not ins, "constant", f"takes no inputs, got {len(ins)}")
+    array = attrs["data"].array
+    _need(str(array.dtype) == storage_dtype(attrs["dtype"]), "constant",
+          f"data of {array.dtype} does not hold {attrs['dtype']} values")
+    return [(tuple(array.shape), attrs["dtype"])]
+
+
+@impl("constant")
+def _constant_impl(node, ins, outs, ctx):
+    outs[0][...] = node.attrs["data"].array
+
+
+@defop("stop_gradient")
+def _stop_gradient(ins, attrs):
+    """y = x (a view: plans alias it, compile/plan.py VIEW_OPS) through which no gradient
+    flows back: what no_grad and Tensor.detach record. It has no VJP rule: autodiff treats
+    y as depending on nothing (autodiff/vjp.py _needs_grad)."""
+    return [(ins[0].shape, ins[0].dtype)]

@@ -1,10 +1,11 @@
-"""Launchers of shape.cu (slice, slice_grad, arange) and their cuda op table.
+"""Launchers of shape.cu (slice, slice_grad, arange), constant, and their cuda op table.
 
 slice views x as (outer, D, inner) around the sliced dim and copies x[:, start:stop, :] into a
 contiguous output; slice_grad writes zeros with dy placed at [:, start:stop, :]. Both move
 units of 16, 8, 4 or 1 bytes (the widest dividing the inner extent in bytes and both
 pointers), so they serve every dtype. arange writes 0..n-1. Launchers check their
-preconditions and launch on ctx.stream: no host sync, no allocation.
+preconditions and launch on ctx.stream: no host sync, no allocation. constant copies its
+values from a device copy of them uploaded at the node's first (eager) run.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Callable
 import numpy as np
 
 from ...errors import ShapeError
-from .runtime.launch import BLOCK, _aligned, _check, _grid, _launch
+from .runtime.launch import BLOCK, _aligned, _check, _grid, _launch, _node_memory
 
 SOURCE = "shape.cu"
 UNIT_CTYPES = {16: "uint4", 8: "unsigned long long", 4: "unsigned int", 1: "unsigned char"}
@@ -95,10 +96,24 @@ def arange_forward(ctx, y) -> None:
                 (BLOCK,), (y, np.int64(y.size)))
 
 
+def constant_forward(ctx, node, y) -> None:
+    """y = the node's constant values (attrs data): a device-to-device copy from the upload
+    made at the node's first eager run, so a captured graph replays no host transfer."""
+    import cupy as cp
+
+    host = node.attrs["data"].array
+    _check("constant output", y, dtype=str(host.dtype), shape=tuple(host.shape))
+    source = _node_memory(node, ("constant",), ctx, lambda: cp.asarray(host))
+    if y.nbytes:
+        cp.cuda.runtime.memcpyAsync(y.data.ptr, source.data.ptr, y.nbytes,
+                                    cp.cuda.runtime.memcpyDeviceToDevice, ctx.stream.ptr)
+
+
 IMPLS: dict[str, Callable] = {
     "slice": lambda node, ins, outs, ctx: slice_forward(
         ctx, ins[0], outs[0], node.attrs["dim"], node.attrs["start"], node.attrs.get("stop")),
     "slice_grad": lambda node, ins, outs, ctx: slice_backward(
         ctx, ins[0], outs[0], node.attrs["dim"], node.attrs["start"]),
     "arange": lambda node, ins, outs, ctx: arange_forward(ctx, outs[0]),
+    "constant": lambda node, ins, outs, ctx: constant_forward(ctx, node, outs[0]),
 }
