@@ -1,10 +1,11 @@
 """stepgraph: compile a whole training step once, run it as one call."""
-from . import distributed, losses, nn, ops, optim
+from . import distributed, losses, nn, ops, optim, return_types
 from .api import Predictor, TrainStep, compile_predict, compile_train_step
 from .backends import cuda_available
 from .errors import (BackendUnavailableError, CaptureError, DistributedError, LabelError,
                      NonFiniteError, PlanError, ShapeError, StateDictError, StepgraphError,
                      UnsupportedOpError)
+from .functions import *  # noqa: F401,F403 (torch-level functions)
 from .ir.trace import arange
 from .nn.module import to_numpy
 
