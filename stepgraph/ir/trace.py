@@ -568,7 +568,13 @@ class Tensor:
     def gather(self, dim: int, index) -> Tensor:
         """y[p] = x[p with axis `dim` replaced by index[p]], as torch.gather."""
         index = self._coerce(index, "gather")
-        return self.tracer.op("gather", [self, index], dim=_dim(dim, self.ndim, "gather"))
+        d, x = _dim(dim, self.ndim, "gather"), self
+        if index.ndim != self.ndim:
+            raise ShapeError(f"gather: index {index.shape} must have the rank of {self.shape}")
+        for axis, n in enumerate(index.shape):      # the op takes x's extent off dim
+            if axis != d and n != x.shape[axis]:
+                x = x.narrow(axis, 0, n)
+        return self.tracer.op("gather", [x, index], dim=d)
 
     # ---- activations ----
     def _act(self, kind: str) -> Tensor:

@@ -58,16 +58,16 @@ def _check_gather(op: str, index, shape, dim: int):
     _need(index.dtype in INDEX_DTYPES, op, f"index must be int32 or int64, got {index.dtype}")
     _need(0 <= dim < len(shape), op, f"dim {dim} out of range for {tuple(shape)}")
     fits = len(index.shape) == len(shape) and all(
-        i <= s for d, (i, s) in enumerate(zip(index.shape, shape)) if d != dim)
-    _need(fits, op, f"index {index.shape} must have the rank of {tuple(shape)} and be no "
-          f"larger off axis {dim}")
+        i == s for d, (i, s) in enumerate(zip(index.shape, shape)) if d != dim)
+    _need(fits, op, f"index {index.shape} must have the shape of {tuple(shape)} off axis {dim}")
 
 
 @defop("gather")
 def _gather(ins, attrs):
     """y[p] = x[p with axis attrs dim replaced by index[p]] for every position p of index;
-    ins (x float32/float64, index int32/int64 of x's rank, no larger than x off dim) -> y of
-    index's shape. An index outside [0, x.shape[dim]) reads 0."""
+    ins (x float32/float64, index int32/int64 of x's shape off dim) -> y of index's shape.
+    An index outside [0, x.shape[dim]) reads 0. (torch.gather's smaller index is x sliced
+    first.)"""
     x, index = ins
     dim = int(attrs["dim"])
     _need(x.dtype in GATHER_DTYPES, "gather", f"x must be float32 or float64, got {x.dtype}")

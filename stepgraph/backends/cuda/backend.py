@@ -24,7 +24,7 @@ from . import nvmath_bindings
 # fork onto the update stream, replace launchers' plain ones).
 IMPL_MODULES = ("launchers", "update_stream", "linear", "conv", "broadcast", "softmax", "norm",
                 "pool", "pointwise", "guards", "embedding", "layer_norm", "bmm", "shape",
-                "collective", "cast", "attention")
+                "collective", "cast", "attention", "index", "reduce_axis")
 
 
 
