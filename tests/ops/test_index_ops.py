@@ -229,3 +229,62 @@ def test_index_errors(expr, error):
     tracer = Tracer()
     with pytest.raises(error):
         expr(tracer.input((3, 4), "float32", "x"))
+
+
+# ---- a model using them, compiled and trained ----------------------------------------------
+
+def picker_forward(T, h):
+    """Indexing, cat, cumsum, tril, max with a dim, topk and var on (N, 12) features."""
+    parts = T.cat([h[:, ::2], h[:, 1::2].cumsum(-1)], dim=-1)
+    square = parts[:, :9].reshape(-1, 3, 3).tril()
+    top = h.topk(3, dim=-1).values.sum(-1)
+    return square.max(1).values.sum(-1) + top + h.var(-1) + h[:, -1]
+
+
+class Picker(stepgraph.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = stepgraph.nn.Linear(8, 12)
+
+    def forward(self, x):
+        return picker_forward(stepgraph, self.proj(x))
+
+
+def picker_batches(steps: int):
+    gen = seeded("picker")
+    return [(randn(gen, 16, 8), randn(gen, 16)) for _ in range(steps)]
+
+
+def picker_losses(device: str, steps: int) -> list[float]:
+    """The losses of `steps` SGD steps of Picker (mse to random targets) on `device`."""
+    model = Picker()
+    gen = seeded("picker weights")
+    model.proj.weight.data[...] = 0.3 * randn(gen, 12, 8)
+    model.proj.bias.data[...] = 0.1 * randn(gen, 12)
+    batches = picker_batches(steps)
+    step = stepgraph.compile_train_step(model, loss=stepgraph.losses.mse,
+                                        optimizer=stepgraph.optim.SGD(lr=0.05),
+                                        example_inputs=batches[0], device=device)
+    return [float(step(x, y)) for x, y in batches]
+
+
+def test_model_trains_like_torch():
+    """The compiled step (fusion passes, planner, numpy backend) follows torch's SGD losses."""
+    gen = seeded("picker weights")
+    w, b = 0.3 * randn(gen, 12, 8), 0.1 * randn(gen, 12)
+    lin = torch.nn.Linear(8, 12)
+    with torch.no_grad():
+        lin.weight.copy_(torch.tensor(w))
+        lin.bias.copy_(torch.tensor(b))
+    opt = torch.optim.SGD(lin.parameters(), lr=0.05)
+    want = []
+    for x, y in picker_batches(4):
+        loss = torch.nn.functional.mse_loss(picker_forward(torch, lin(torch.tensor(x))),
+                                            torch.tensor(y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        want.append(float(loss.detach()))
+    got = picker_losses("cpu", steps=4)
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    assert got[-1] != got[0]
