@@ -3,4 +3,5 @@
 The CUDA launchers live beside their kernels in backends/cuda/<family>.py. Importing this
 package registers every family."""
 from . import (attention, bmm, cast, collective, elementwise, embedding,  # noqa: F401
-               guard, index, layer_norm, norm, pointwise, pool, reduce, shape, softmax)
+               guard, index, layer_norm, norm, pointwise, pool, reduce_axis, shape,
+               softmax)

@@ -1,4 +1,4 @@
-"""Indexing, joining, reductions along a dim and scans (ops/index.py, ops/reduce.py, the
+"""Indexing, joining, reductions along a dim and scans (ops/index.py, ops/reduce_axis.py, the
 Tensor methods and torch-level functions of part D) against torch.
 
 Each case is one function applied to both sides, with T the stepgraph or the torch module:

@@ -1,4 +1,4 @@
-"""Reductions and scans along one axis: max / min (reduce_max, its gradient split evenly
+"""Reduce-along-an-axis family: max / min (reduce_max, its gradient split evenly
 between tied maxima as PyTorch's amax), topk (values and int64 indices; sort and max / min
 with a dim are topk too) and cumsum (forward or reversed).
 
