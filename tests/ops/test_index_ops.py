@@ -231,6 +231,29 @@ def test_index_errors(expr, error):
         expr(tracer.input((3, 4), "float32", "x"))
 
 
+def test_bf16_cat_and_tril_stay_bf16_where_cuda_takes_them():
+    """Under autocast, cat of bf16 tensors and tril keep bf16 (torch's promote and
+    no-list ops), and the CUDA families declare bf16 kernels for both; cat with a float32
+    operand promotes to float32."""
+    pytest.importorskip("cupy")
+    from stepgraph.backends.cuda.backend import declared_bf16_ops
+    from stepgraph.compile.autocast import autocast, check_bf16_support
+    from stepgraph.ir.graph import BF16
+
+    tracer = Tracer()
+    x, w = tracer.input((2, 3), "float32", "x"), tracer.input((3, 3), "float32", "w")
+    c = tracer.input((2, 6), "float32", "c")
+    y = stepgraph.cat([x @ w, x @ w.T], 1).tril()           # matmuls run (and write) bf16
+    z = stepgraph.cat([y, c], 0)
+    tracer.graph.outputs = {"z": z.value}
+    graph = autocast(tracer.graph)
+    ops = [(n.op, [v.dtype for v in n.inputs], n.outputs[0].dtype) for n in graph.nodes
+           if n.op in ("concat", "triangle")]
+    assert ops == [("concat", [BF16, BF16], BF16), ("triangle", [BF16], BF16),
+                   ("concat", ["float32", "float32"], "float32")]
+    check_bf16_support(graph, declared_bf16_ops(), "cuda")
+
+
 # ---- a model using them, compiled and trained ----------------------------------------------
 
 def picker_forward(T, h):

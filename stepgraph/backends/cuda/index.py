@@ -19,6 +19,9 @@ from .launchers import BLOCK, LABEL_CTYPES, _check, _grid, _launch
 from .shape import UNIT_CTYPES, _unit
 
 SOURCE = "index.cu"
+# Ops whose launchers here take bf16 (they move its bits; compile/autocast.py keeps or promotes
+# their bf16 inputs); gather runs in float32 under autocast.
+BF16_OPS = frozenset({"concat", "triangle"})
 # triangle's element types by item size
 ELEMENT_UNITS = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int",
                  8: "unsigned long long"}

@@ -17,6 +17,9 @@ from ...errors import ShapeError
 from .launchers import BLOCK, _aligned, _check, _grid, _launch
 
 SOURCE = "shape.cu"
+# slice and slice_grad move bits, so bf16 values (compile/autocast.py keeps slices in bf16)
+# take the same kernels.
+BF16_OPS = frozenset({"slice", "slice_grad"})
 UNIT_CTYPES = {16: "uint4", 8: "unsigned long long", 4: "unsigned int", 1: "unsigned char"}
 ARANGE_CTYPES = {np.dtype("int64"): "long long", np.dtype("int32"): "int",
                  np.dtype("float32"): "float", np.dtype("float64"): "double"}
