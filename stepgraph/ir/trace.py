@@ -286,7 +286,8 @@ class Tensor:
     def __getitem__(self, index) -> Tensor:
         """x[...] with ints (negative too), slices (positive steps), None, `...` and at most
         one integer tensor (rows taken along its axis, e.g. `emb[idx]`; float x, indices in
-        range). Boolean masks give a data-dependent shape and are refused."""
+        range; ints beside it only next to it). Boolean masks give a data-dependent shape and
+        are refused."""
         items = [self._index_item(i) for i in (index if isinstance(index, tuple) else (index,))]
         real = sum(item is not None and item is not Ellipsis for item in items)
         if real > self.ndim:
@@ -296,10 +297,26 @@ class Tensor:
         fill = [slice(None)] * (self.ndim - real)
         at = items.index(Ellipsis) if Ellipsis in items else len(items)
         items[at:at + 1] = fill
+        self._check_advanced(items)
         y, axis = self, 0
         for item in items:
             y, axis = y._index_axis(item, axis)
         return y
+
+    def _check_advanced(self, items: list):
+        """Refuse what PyTorch reads as advanced indexing beyond one tensor whose axes land
+        where it stands: several tensors (paired elementwise), or a tensor and an int apart
+        (their axes would move to the front)."""
+        tensors = [i for i, item in enumerate(items) if isinstance(item, Tensor)]
+        if len(tensors) > 1:
+            self._unsupported("indexing with several integer tensors (use gather, or index "
+                              "one axis at a time)")
+        if tensors:
+            advanced = [i for i, item in enumerate(items)
+                        if isinstance(item, (Tensor, numbers.Integral))]
+            if advanced[-1] - advanced[0] + 1 != len(advanced):
+                self._unsupported("indexing with an integer tensor and an int apart (index "
+                                  "in two steps, e.g. x[0][:, idx])")
 
     def _index_item(self, item):
         """One item of an index, an integer tensor index traced (Parameters, Buffers)."""

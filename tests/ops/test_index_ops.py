@@ -49,6 +49,10 @@ CASES = {
                                                                 "i": ints(g, 6, 2, 4)}),
     "index-tensor-middle": (lambda T, x, i: x[:, i], lambda g, t: {**x3(g, t),
                                                                    "i": ints(g, 4, 5)}),
+    "index-tensor-int-beside": (lambda T, x, i: x[1:, 2, i], lambda g, t: {**x3(g, t),
+                                                                        "i": ints(g, 5, 2, 3)}),
+    "index-int-tensor-beside": (lambda T, x, i: x[-1, i, ::2], lambda g, t: {**x3(g, t),
+                                                                          "i": ints(g, 4, 3)}),
     # shapes
     "unsqueeze-neg": (lambda T, x: x.unsqueeze(-1) * 2.0, x3),
     "squeeze-all": (lambda T, x: x.squeeze() * 2.0,
@@ -201,6 +205,8 @@ def test_index_ops_recorded():
 @pytest.mark.parametrize("expr, match", [
     (lambda x, m, i: x[m], "boolean-mask indexing.*masked_fill.*where"),
     (lambda x, m, i: x[x], "float32 tensor"),
+    (lambda x, m, i: x[i, i], "several integer tensors"),
+    (lambda x, m, i: x[i, None, 0], "an int apart"),
     (lambda x, m, i: x[[0, 1]], "list"),
     (lambda x, m, i: x.__setitem__(0, 1.0), "index_put|torch.where"),
     (lambda x, m, i: x.cumsum(0, dtype="float64"), "cumsum with dtype"),
