@@ -323,11 +323,12 @@ class Tensor:
         if item is None or item is Ellipsis or isinstance(item, (numbers.Integral, slice)):
             return item
         item = self._coerce(item, "indexing")
-        if item.dtype in ("bool", "uint8"):        # uint8 indexes as a mask in PyTorch too
+        dtype = item.value.dtype
+        if dtype in ("bool", "uint8"):             # uint8 indexes as a mask in PyTorch too
             self._unsupported("boolean-mask indexing x[mask] (its shape depends on the data; "
                               "use x.masked_fill(~mask, 0) or torch.where(mask, x, 0))")
-        if item.dtype not in ("int32", "int64"):
-            self._unsupported(f"indexing with a {item.dtype} tensor (indices are int64)")
+        if dtype not in ("int32", "int64"):
+            self._unsupported(f"indexing with a {dtype} tensor (indices are int64)")
         return item
 
     def _index_axis(self, item, axis: int) -> tuple[Tensor, int]:
@@ -577,7 +578,7 @@ class Tensor:
 
     def cumsum(self, dim: int, dtype=None) -> Tensor:
         """Running sums along `dim`."""
-        if dtype is not None and str(np.dtype(dtype)) != self.dtype:
+        if dtype is not None and dtype != self.dtype:
             self._unsupported(f"cumsum with dtype={dtype} (cast first)")
         return self.tracer.op("cumsum", [self], dim=_dim(dim, self.ndim, "cumsum"),
                               reverse=False)
