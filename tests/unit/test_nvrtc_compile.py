@@ -637,9 +637,12 @@ def test_index_and_reduce_axis_launch_arguments_match_the_kernels(monkeypatch, d
                                True)
     for kind in ("max", "min"):
         reduce_axis.reduce_max_forward(None, x, Fake((3, 4), dtype), 1, kind)
+        reduce_axis.reduce_max_forward(None, x, Fake((3, 5), dtype), 2, kind)   # rows
     reduce_axis.reduce_max_backward(None, Fake((3, 5), dtype), x, Fake((3, 5), dtype), x, 2)
     reduce_axis.topk_forward(None, x, Fake((3, 5, 2), dtype), Fake((3, 5, 2), "int64"), 2, 2,
                              False)
+    reduce_axis.topk_forward(None, x, Fake((3, 5, 1), dtype), Fake((3, 5, 1), "int64"), 2, 1,
+                             True)
     reduce_axis.cumsum_forward(None, x, x, 0, True)
     names = [name for _, name, _, _, _ in launched]
     ctype = {"float32": "float", "float64": "double"}[dtype]
@@ -650,6 +653,8 @@ def test_index_and_reduce_axis_launch_arguments_match_the_kernels(monkeypatch, d
     assert f"gather_forward_kernel<{ctype}, {itype}>" in names
     assert f"gather_backward_kernel<{ctype}, {itype}>" in names
     assert f"reduce_max_forward_kernel<{ctype}, false>" in names
+    assert f"reduce_max_rows_kernel<{ctype}, true>" in names
+    assert names[-3:-1] == [f"topk_forward_kernel<{ctype}>", f"top1_rows_kernel<{ctype}>"]
     assert set(names) <= index.kernel_names()["index.cu"] | \
         reduce_axis.kernel_names()["reduce_axis.cu"]
     _assert_launches_match(launched)

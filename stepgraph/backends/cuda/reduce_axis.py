@@ -1,7 +1,8 @@
 """Launchers of kernels/reduce_axis.cu (reduce_max, reduce_max_grad, topk, cumsum) and their
 cuda op table.
 
-Each views x as (outer, N, inner) around the op's axis and runs one thread per line (o, b):
+Each views x as (outer, N, inner) around the op's axis and runs one thread per line (o, b);
+along the last axis max / min and the top 1 run a warp per row (ROW_THREADS) instead.
 float32 / float64 only. Launchers check their preconditions and launch on ctx.stream: no
 host sync, no allocation.
 """
@@ -17,15 +18,17 @@ from .compiler import FLOAT_CTYPES
 from .launchers import BLOCK, _check, _grid, _launch
 
 SOURCE = "reduce_axis.cu"
+ROW_THREADS = 32          # a warp per row in the _rows_ kernels
 
 
 def kernel_names() -> dict[str, set[str]]:
     """{.cu file: every kernel name this module may launch} (the NVRTC compile test)."""
     names = set()
     for t in FLOAT_CTYPES.values():
-        names |= {f"reduce_max_forward_kernel<{t}, true>", f"reduce_max_forward_kernel<{t}, "
-                  "false>", f"reduce_max_backward_kernel<{t}>", f"topk_forward_kernel<{t}>",
-                  f"cumsum_forward_kernel<{t}>"}
+        names |= {f"reduce_max_{walk}_kernel<{t}, {m}>" for walk in ("forward", "rows")
+                  for m in ("true", "false")}
+        names |= {f"reduce_max_backward_kernel<{t}>", f"topk_forward_kernel<{t}>",
+                  f"top1_rows_kernel<{t}>", f"cumsum_forward_kernel<{t}>"}
     return {SOURCE: names}
 
 
@@ -50,9 +53,12 @@ def reduce_max_forward(ctx, x, y, dim: int, kind: str) -> None:
     if kind not in ("max", "min") or n == 0:
         raise ShapeError(f"reduce_max: kind {kind!r} over axis {dim} of {tuple(x.shape)}")
     _check("reduce_max output", y, dtype=str(x.dtype), shape=_without(tuple(x.shape), dim))
-    if lines:
-        _launch(ctx, SOURCE, f"reduce_max_forward_kernel<{ctype}, "
-                f"{'true' if kind == 'max' else 'false'}>", _grid(lines), (BLOCK,),
+    template = f"{ctype}, {'true' if kind == 'max' else 'false'}"
+    if lines and inner == 1:
+        _launch(ctx, SOURCE, f"reduce_max_rows_kernel<{template}>", _grid(lines * ROW_THREADS),
+                (BLOCK,), (x, y, np.int64(lines), np.int32(n)))
+    elif lines:
+        _launch(ctx, SOURCE, f"reduce_max_forward_kernel<{template}>", _grid(lines), (BLOCK,),
                 (x, y, np.int64(lines), np.int32(n), np.int64(inner)))
 
 
@@ -77,7 +83,10 @@ def topk_forward(ctx, x, values, indices, dim: int, k: int, largest: bool) -> No
     shape = _without(tuple(x.shape), dim, k)
     _check("topk values", values, dtype=str(x.dtype), shape=shape)
     _check("topk indices", indices, dtype="int64", shape=shape)
-    if lines and k:
+    if lines and k == 1 and inner == 1:
+        _launch(ctx, SOURCE, f"top1_rows_kernel<{ctype}>", _grid(lines * ROW_THREADS), (BLOCK,),
+                (x, values, indices, np.int64(lines), np.int32(n), np.int32(bool(largest))))
+    elif lines and k:
         _launch(ctx, SOURCE, f"topk_forward_kernel<{ctype}>", _grid(lines), (BLOCK,),
                 (x, values, indices, np.int64(lines), np.int32(n), np.int64(inner),
                  np.int32(k), np.int32(bool(largest))))

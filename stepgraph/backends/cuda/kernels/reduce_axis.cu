@@ -1,6 +1,8 @@
 // Reduce family: max / min along one axis and its gradient, topk, cumsum. x is viewed as
 // (outer, N, inner) around the axis; one thread owns each line (o, b) and walks its N
-// elements, which keeps every result deterministic (cumsum adds in float64, in order).
+// elements, which keeps every result deterministic (cumsum adds in float64, in order). Along
+// the last axis (inner = 1) a thread per line would read strided memory, so max / min and
+// the top 1 (max / argmax with a dim) run a warp per row there, reading it coalesced.
 // topk selects by a total order, value first and then the lower index, so ties come out in
 // index order as the NumPy reference's stable sort gives them.
 
@@ -35,6 +37,29 @@ __global__ void reduce_max_backward_kernel(const T* dy, const T* x, const T* y, 
             const long long at = base + (long long)n * inner;
             dx[at] = x[at] == target ? share : (T)0;
         }
+    }
+}
+
+#define FULL_MASK 0xffffffffu
+
+// y[r] = max (MAX) or min of the row x[r, :] (N >= 1); a warp per row.
+template <typename T, bool MAX>
+__global__ void reduce_max_rows_kernel(const T* x, T* y, long long rows, int N) {
+    const int lane = threadIdx.x & 31;
+    const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
+    for (long long r = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5; r < rows;
+         r += warps) {
+        const T* line = x + r * N;
+        T best = line[lane < N ? lane : 0];
+        for (int n = lane + 32; n < N; n += 32) {
+            const T v = line[n];
+            best = MAX ? (v > best ? v : best) : (v < best ? v : best);
+        }
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            const T v = __shfl_down_sync(FULL_MASK, best, offset);
+            best = MAX ? (v > best ? v : best) : (v < best ? v : best);
+        }
+        if (lane == 0) y[r] = best;
     }
 }
 
@@ -74,6 +99,32 @@ __global__ void topk_forward_kernel(const T* x, T* values, long long* indices, l
     }
 }
 
+// values[r], indices[r] = the first element of row x[r, :] in topk's order (N >= 1); a warp
+// per row, each lane's best of its elements combined by shuffles.
+template <typename T>
+__global__ void top1_rows_kernel(const T* x, T* values, long long* indices, long long rows,
+                                 int N, int largest) {
+    const int lane = threadIdx.x & 31;
+    const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
+    for (long long r = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5; r < rows;
+         r += warps) {
+        const T* line = x + r * N;
+        int pick = lane < N ? lane : 0;
+        T best = line[pick];
+        for (int n = lane + 32; n < N; n += 32)
+            if (before(line[n], n, best, pick, largest)) { best = line[n]; pick = n; }
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            const T v = __shfl_down_sync(FULL_MASK, best, offset);
+            const int i = __shfl_down_sync(FULL_MASK, pick, offset);
+            if (before(v, i, best, pick, largest)) { best = v; pick = i; }
+        }
+        if (lane == 0) {
+            values[r] = best;
+            indices[r] = pick;
+        }
+    }
+}
+
 // y[o, n, b] = sum of x[o, m, b] over m <= n (reverse: m >= n), accumulated in float64.
 template <typename T>
 __global__ void cumsum_forward_kernel(const T* x, T* y, long long lines, int N, long long inner,
@@ -99,6 +150,9 @@ __global__ void cumsum_forward_kernel(const T* x, T* y, long long lines, int N, 
                                                            long long, int, long long);        \
     template __global__ void topk_forward_kernel<T>(const T*, T*, long long*, long long, int,  \
                                                     long long, int, int);                     \
+    template __global__ void reduce_max_rows_kernel<T, true>(const T*, T*, long long, int);    \
+    template __global__ void reduce_max_rows_kernel<T, false>(const T*, T*, long long, int);   \
+    template __global__ void top1_rows_kernel<T>(const T*, T*, long long*, long long, int, int); \
     template __global__ void cumsum_forward_kernel<T>(const T*, T*, long long, int, long long, \
                                                       int);
 
