@@ -18,7 +18,10 @@ def _joined(what: str, tensors) -> list:
     tensors = list(tensors)
     if not tensors:
         raise ShapeError(f"{what}: expected a non-empty list of tensors")
-    first = next((t for t in tensors if hasattr(t, "tracer")), None)
+    # a traced tensor's trace takes the others in; concrete (eager) tensors join as constants
+    tensor = [t for t in tensors if hasattr(t, "tracer")]
+    first = next((t for t in tensor if not getattr(t, "is_eager", False)), None) or \
+        next(iter(tensor), None)
     if first is None:
         raise TypeError(f"{what}: expected traced tensors, got "
                         f"{[type(t).__name__ for t in tensors]}")
