@@ -20,12 +20,16 @@ def _joined(what: str, tensors) -> list:
         raise ShapeError(f"{what}: expected a non-empty list of tensors")
     # a traced tensor's trace takes the others in; concrete (eager) tensors join as constants
     tensor = [t for t in tensors if hasattr(t, "tracer")]
-    first = next((t for t in tensor if not getattr(t, "is_eager", False)), None) or \
-        next(iter(tensor), None)
+    first = next((t for t in tensor if not _eager(t)), None) or next(iter(tensor), None)
     if first is None:
         raise TypeError(f"{what}: expected traced tensors, got "
                         f"{[type(t).__name__ for t in tensors]}")
     return [first._coerce(t, what) for t in tensors]
+
+
+def _eager(t) -> bool:
+    # Tensor.__getattr__ refuses unknown names loudly, so ask the class first
+    return hasattr(type(t), "is_eager") and bool(t.is_eager)
 
 
 def cat(tensors, dim: int = 0):
