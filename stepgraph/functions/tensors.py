@@ -20,7 +20,7 @@ def _joined(what: str, tensors) -> list:
         raise ShapeError(f"{what}: expected a non-empty list of tensors")
     # a traced tensor's trace takes the others in; concrete (eager) tensors join as constants
     tensor = [t for t in tensors if hasattr(t, "tracer")]
-    first = next((t for t in tensor if not _eager(t)), None) or next(iter(tensor), None)
+    first = next((t for t in tensor if not _eager(t)), tensor[0] if tensor else None)
     if first is None:
         raise TypeError(f"{what}: expected traced tensors, got "
                         f"{[type(t).__name__ for t in tensors]}")
