@@ -10,7 +10,7 @@ from ..errors import ShapeError
 __all__ = ["cat", "concat", "concatenate", "stack", "unsqueeze", "squeeze", "flatten",
            "unflatten", "movedim", "moveaxis", "swapaxes", "swapdims", "tril", "triu", "max",
            "min", "amax", "amin", "argmax", "argmin", "maximum", "minimum", "var", "std",
-           "logsumexp", "cumsum", "gather", "topk", "sort"]
+           "logsumexp", "cumsum", "gather", "index_select", "topk", "sort"]
 
 
 def _joined(what: str, tensors) -> list:
@@ -153,6 +153,10 @@ def cumsum(input, dim: int, dtype=None):
 
 def gather(input, dim: int, index):
     return input.gather(dim, index)
+
+
+def index_select(input, dim: int, index):
+    return input.index_select(dim, index)
 
 
 def topk(input, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):  # noqa: A002

@@ -363,6 +363,14 @@ class Tensor:
         dims = list(range(k, k + axis)) + list(range(k)) + list(range(k + axis, y.ndim))
         return y.permute(*dims)
 
+    def index_select(self, dim: int, index) -> Tensor:
+        """The slices of axis `dim` picked by the 1-D integer tensor `index`, as
+        torch.index_select (x[..., index, ...])."""
+        index = self._index_item(index)
+        if not isinstance(index, Tensor) or index.ndim != 1:
+            raise ShapeError(f"index_select: index must be a 1-D integer tensor, got {index!r}")
+        return self._take(index, _dim(dim, self.ndim, "index_select"))
+
     def unsqueeze(self, dim: int) -> Tensor:
         """A view with a new axis of size 1 at `dim` (in [-ndim - 1, ndim])."""
         d = _dim(dim, self.ndim + 1, "unsqueeze")

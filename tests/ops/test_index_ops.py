@@ -53,6 +53,8 @@ CASES = {
                                                                         "i": ints(g, 5, 2, 3)}),
     "index-int-tensor-beside": (lambda T, x, i: x[-1, i, ::2], lambda g, t: {**x3(g, t),
                                                                           "i": ints(g, 4, 3)}),
+    "index_select": (lambda T, x, i: T.index_select(x, -1, i), lambda g, t: {**x3(g, t),
+                                                                           "i": ints(g, 5, 7)}),
     # shapes
     "unsqueeze-neg": (lambda T, x: x.unsqueeze(-1) * 2.0, x3),
     "squeeze-all": (lambda T, x: x.squeeze() * 2.0,
