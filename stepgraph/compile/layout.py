@@ -5,7 +5,7 @@ cuDNN's tensor-core convolutions (tf32, bf16) run 1.4-5.9x faster on channels-la
 rewrites a traced forward graph, before autodiff, so that the backward is the NHWC ops' own
 VJPs:
 
-- the image ops run with attrs layout "NHWC" (ir/ops.py LAYOUTS): conv2d, batch_norm_train,
+- the image ops run with attrs layout "NHWC" (ops/layout.py LAYOUTS): conv2d, batch_norm_train,
   maxpool2d, avgpool2d (adaptive_avg_pool2d is an avgpool2d), whose inputs and outputs are
   stored (N, H, W, C);
 - a conv weight enters as a permute of its (O, C/groups, kh, kw) parameter to
@@ -32,7 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ir.graph import Graph, Node, Value
-from ..ir.ops import OPS, TO_NCHW, TO_NHWC, infer_outputs
+from ..ir.ops import OPS, infer_outputs
+from ..ops.layout import TO_NCHW, TO_NHWC
 
 MEMORY_FORMATS = ("auto", "channels_last", "contiguous")
 # Precisions at which the CUDA backend's convolutions run on tensor cores, where cuDNN's NHWC

@@ -45,8 +45,9 @@ from dataclasses import dataclass
 from ..distributed.buckets import GradientInfo, cap_bytes_of, plan_buckets
 from ..errors import PlanError
 from ..ir.graph import Graph, Node, Value
-from ..ir.ops import OPS, update_weight_copies
+from ..ir.ops import OPS
 from ..ops.collective import COLLECTIVE_OPS
+from ..ops.optim import update_weight_copies
 from .distribute import UPDATE_OPS
 from .plan import _view_roots
 from .rewrite import _copy
@@ -69,7 +70,7 @@ def check_option(value) -> bool | str:
 
 @dataclass(frozen=True)
 class UpdateInputs:
-    """An update node's inputs by role (ir/ops.py sgd_update), one list entry a parameter."""
+    """An update node's inputs by role (ops/optim.py sgd_update), one list entry a parameter."""
 
     scalars: list[Value]            # lr, step (a clipped update would add the norm)
     params: list[Value]

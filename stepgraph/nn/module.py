@@ -76,6 +76,10 @@ class Parameter(_Stored):
         self.data = np.ascontiguousarray(data, dtype=np.float32)
         self.name = ""
 
+    def traced(self, tracer) -> Tensor:
+        """This parameter in `tracer`'s trace: its `param` value, made once per trace."""
+        return tracer.param(self)
+
 
 class Buffer(_Stored):
     """A module's non-trainable state (BatchNorm's running statistics), registered with
@@ -85,6 +89,10 @@ class Buffer(_Stored):
     def __init__(self, data: np.ndarray):
         self.data = np.array(data, order="C")   # a copy: 0-d stays 0-d
         self.name = ""
+
+    def traced(self, tracer) -> Tensor:
+        """This buffer in `tracer`'s trace: its `state` value, made once per trace."""
+        return tracer.buffer(self)
 
 
 class Module:

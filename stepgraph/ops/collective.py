@@ -7,9 +7,8 @@ store, so CPU processes really communicate; every rank gets the same bits.
 """
 from __future__ import annotations
 
-from ..backends.numpy.kernels import impl
 from ..distributed.group import lookup_group
-from ..ir.ops import _need, defop
+from ..ir.ops import _need, defop, impl
 
 COLLECTIVE_OPS = ("all_reduce", "all_reduce_join", "all_reduce_max")
 

@@ -22,8 +22,8 @@ if not cuda_available():
     pytest.skip("no GPU visible to CuPy", allow_module_level=True)
 
 from stepgraph.backends.cuda import broadcast, launchers, softmax  # noqa: E402
-from stepgraph.backends.numpy.kernels import IMPLS as NUMPY_IMPLS  # noqa: E402
 from stepgraph.errors import ShapeError  # noqa: E402
+from stepgraph.ir.ops import IMPLS as NUMPY_IMPLS  # noqa: E402
 from tests.cuda import helpers  # noqa: E402
 from tests.cuda.helpers import capture, make_node, random, to_device, to_host  # noqa: E402
 

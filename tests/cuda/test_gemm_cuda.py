@@ -16,9 +16,9 @@ if not cuda_available():
     pytest.skip("no GPU visible to CuPy", allow_module_level=True)
 
 from stepgraph.backends.cuda import conv, conv_tiled, gemm, linear  # noqa: E402
-from stepgraph.backends.numpy.kernels import IMPLS as NUMPY_IMPLS  # noqa: E402
 from stepgraph.errors import PlanError, ShapeError  # noqa: E402
 from stepgraph.ir.graph import Node, Value  # noqa: E402
+from stepgraph.ir.ops import IMPLS as NUMPY_IMPLS  # noqa: E402
 from stepgraph.ir.ops import infer_outputs  # noqa: E402
 from tests.cuda import helpers  # noqa: E402
 from tests.cuda.helpers import make_node, poisoned, random, rel_err, to_device  # noqa: E402

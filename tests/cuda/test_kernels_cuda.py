@@ -1,5 +1,5 @@
-"""cuda vs numpy for every non-GEMM op (backends/cuda/launchers.py against
-backends/numpy/kernels.py): fresh random inputs (never zeros), cuda outputs poisoned first,
+"""cuda vs numpy for every non-GEMM op (backends/cuda/launchers.py against the NumPy
+references of stepgraph/ops/): fresh random inputs (never zeros), cuda outputs poisoned first,
 awkward shapes (batch 1, sizes not multiples of 4 or 8, odd channel counts), dropout masks
 identical bit for bit, optimizer updates over 3 steps, and one captured graph replayed."""
 from __future__ import annotations
@@ -20,9 +20,9 @@ if not cuda_available():
 
 from stepgraph.backends.cuda import launchers, pool  # noqa: E402
 from stepgraph.backends.cuda.context import CudaContext  # noqa: E402
-from stepgraph.backends.numpy.kernels import IMPLS as NUMPY_IMPLS  # noqa: E402
 from stepgraph.errors import CaptureError  # noqa: E402
-from stepgraph.ir.ops import ACTIVATIONS, GRAD_FROM_OUTPUT  # noqa: E402
+from stepgraph.ir.ops import IMPLS as NUMPY_IMPLS  # noqa: E402
+from stepgraph.ops.activation import ACTIVATIONS, GRAD_FROM_OUTPUT  # noqa: E402
 from stepgraph.optim import schedules  # noqa: E402
 from tests.cuda import helpers  # noqa: E402
 from tests.cuda.helpers import (  # noqa: E402

@@ -26,8 +26,8 @@ if not sg.cuda_available():
     pytest.skip("no CUDA GPU", allow_module_level=True)
 
 from stepgraph.backends.cuda import conv, conv_cudnn, launchers, norm, pool  # noqa: E402
-from stepgraph.backends.numpy.kernels import IMPLS as NUMPY_IMPLS  # noqa: E402
-from stepgraph.ir.ops import conv_out  # noqa: E402
+from stepgraph.ir.ops import IMPLS as NUMPY_IMPLS  # noqa: E402
+from stepgraph.ops.conv import conv_out  # noqa: E402
 from tests.cuda import helpers  # noqa: E402
 from tests.cuda.helpers import (  # noqa: E402
     assert_close, make_node, poisoned, pool_input, random, rel_err, to_device, to_host)

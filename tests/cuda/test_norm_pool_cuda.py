@@ -22,8 +22,8 @@ if not cuda_available():
 import stepgraph  # noqa: E402,F401  (registers the op families)
 from stepgraph.backends.cuda import launchers, norm, pool  # noqa: E402
 from stepgraph.backends.cuda.context import CudaContext  # noqa: E402
-from stepgraph.backends.numpy.kernels import IMPLS as NUMPY_IMPLS  # noqa: E402
 from stepgraph.errors import CaptureError  # noqa: E402
+from stepgraph.ir.ops import IMPLS as NUMPY_IMPLS  # noqa: E402
 from tests.cuda import helpers  # noqa: E402
 from tests.cuda.helpers import (  # noqa: E402
     assert_close, capture, logits_and_labels, make_node, poisoned, pool_input, random,

@@ -77,8 +77,9 @@ import numpy as np
 
 from ...errors import CaptureError, ShapeError, UnsupportedOpError
 from ...ir.graph import Node, Value, storage_dtype
-from ...ir.ops import (TO_NCHW, TO_NHWC, channel_sum_axes, conv_out, layout_of, nchw_attrs,
-                       nchw_shape, stored_shape)
+from ...ops.conv import conv_out
+from ...ops.layout import (TO_NCHW, TO_NHWC, channel_sum_axes, layout_of, nchw_attrs,
+                           nchw_shape, stored_shape)
 from . import autotune, compiler, conv_cudnn, gemm, launchers
 from . import conv_tiled as tiled
 

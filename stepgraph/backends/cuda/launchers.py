@@ -34,7 +34,7 @@ import numpy as np
 from ... import rng
 from ...errors import CaptureError, ShapeError
 from ...ir.graph import Node
-from ...ir.ops import update_weight_copies
+from ...ops.optim import update_weight_copies
 from . import compiler
 
 BLOCK = 256                   # threads of a 1-D elementwise block

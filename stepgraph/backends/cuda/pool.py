@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 
 from ...errors import ShapeError
-from ...ir.ops import layout_of, nchw_shape, stored_shape
+from ...ops.layout import layout_of, nchw_shape, stored_shape
 from .launchers import BLOCK, _check, _check_int32, _grid, _launch, _or_null
 from .cast import CAST_CTYPES, shared_ctype
 
