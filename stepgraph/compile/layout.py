@@ -67,14 +67,14 @@ def resolve_memory_format(memory_format: str, device: str, precision: str) -> st
     (decided per traced model by `channels_last_pays`) on CUDA at a tensor-core precision when
     cuDNN can run the convolutions, else it is "contiguous". An explicit choice is kept:
     channels-last convolutions that cuDNN cannot run (or all, without it) run NCHW between
-    permutes (backends/cuda/conv.py), correct but slow."""
+    permutes (backends/cuda/conv/conv.py), correct but slow."""
     if memory_format not in MEMORY_FORMATS:
         raise ValueError(f"memory_format must be one of {MEMORY_FORMATS}, got {memory_format!r}")
     if memory_format != "auto":
         return memory_format
     if device != "cuda" or precision not in TENSOR_CORE_PRECISIONS:
         return "contiguous"
-    from ..backends.cuda import conv_cudnn
+    from ..backends.cuda.conv import conv_cudnn
 
     return "auto" if conv_cudnn.available() else "contiguous"
 

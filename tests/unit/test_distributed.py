@@ -475,7 +475,8 @@ def test_cuda_all_reduce_forks_and_joins_the_communication_stream(monkeypatch, s
     pytest.importorskip("cupy")
     from types import SimpleNamespace
 
-    from stepgraph.backends.cuda import collective, side_stream
+    from stepgraph.backends.cuda import collective
+    from stepgraph.backends.cuda.runtime import side_stream
     from stepgraph.distributed import group as group_module
     from stepgraph.ir.graph import Node
 
@@ -490,8 +491,8 @@ def test_cuda_all_reduce_forks_and_joins_the_communication_stream(monkeypatch, s
     monkeypatch.setattr(collective, "_check", lambda *a, **k: None)
     monkeypatch.setattr(collective, "_kernel", lambda file, name: (
         lambda grid, block, args, stream: calls.append(("kernel", name, grid, stream.name))))
-    import stepgraph.backends.cuda.launchers as launchers
-    monkeypatch.setattr(launchers, "cp", cp)
+    from stepgraph.backends.cuda.runtime import launch
+    monkeypatch.setattr(launch, "cp", cp)
     fake = FakeGroup(calls)
     monkeypatch.setitem(group_module._GROUPS, "g", fake)
     ctx = SimpleNamespace(stream=Stream("main"), extras={}, capturing=False)
@@ -527,14 +528,15 @@ def test_bucket_kernels_exist_in_collective_cu():
     pytest.importorskip("cupy")
     from cupy.cuda import nvrtc
 
-    from stepgraph.backends.cuda import collective, compiler
+    from stepgraph.backends.cuda import collective
+    from stepgraph.backends.cuda.runtime import compiler
 
     try:
         nvrtc.getVersion()
     except Exception:
         pytest.skip("libnvrtc is not loadable")
     for filename, names in collective.kernel_names().items():
-        assert compiler.compile_to_cubin(compiler.KERNEL_DIR / filename, "sm_90",
+        assert compiler.compile_to_cubin(compiler.source_path(filename), "sm_90",
                                          tuple(sorted(names)))
 
 

@@ -19,10 +19,6 @@ CORE = ("stepgraph.ir", "stepgraph.ops", "stepgraph.autodiff", "stepgraph.backen
 
 # (importer, imported) of each deferred import that closes a cycle, and why it is there.
 KNOWN_DEFERRED = {
-    ("stepgraph.backends.cuda.autotune", "stepgraph"):
-        "reads stepgraph.__version__, part of the key of the stored kernel choices",
-    ("stepgraph.backends.cuda.conv_cudnn", "stepgraph.backends.cuda.conv"):
-        "its workspace is conv.py's ScratchPool, and conv.py runs the cuDNN plans",
     ("stepgraph.api", "stepgraph.profile"):
         "TrainStep.profile runs profile.py, which reads the API's precisions",
 }

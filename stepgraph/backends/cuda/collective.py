@@ -1,5 +1,5 @@
 """Launchers of the collective ops (ops/collective.py) through NCCL (cupy.cuda.nccl), and the
-parameter broadcast of a data-parallel step; kernels in kernels/collective.cu.
+parameter broadcast of a data-parallel step; kernels in collective.cu.
 
 A bucket's all_reduce is forked onto the context's communication stream (side_stream.py):
 an event recorded on ctx.stream at this point of the step, waited for by the communication
@@ -22,9 +22,9 @@ import numpy as np
 
 from ...distributed.group import lookup_group
 from ...errors import CaptureError, ShapeError
-from .launchers import (BLOCK, UPDATE_CHUNK, _buffers_key, _capturing, _check, _chunk_jobs,
-                        _kernel, _node_memory)
-from .side_stream import fork_events, forked, join
+from .runtime.launch import (BLOCK, UPDATE_CHUNK, _buffers_key, _capturing, _check,
+                             _chunk_jobs, _kernel, _node_memory)
+from .runtime.side_stream import fork_events, forked, join
 
 NCCL_DTYPES = {"float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64", "int32": "NCCL_INT32",
                "int64": "NCCL_INT64", "uint8": "NCCL_UINT8"}

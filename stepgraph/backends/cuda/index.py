@@ -1,4 +1,4 @@
-"""Launchers of kernels/index.cu (concat, gather, gather_grad, triangle) and their cuda op
+"""Launchers of index.cu (concat, gather, gather_grad, triangle) and their cuda op
 table.
 
 concat launches one copy per input into its place along the axis, in units of 16, 8, 4 or 1
@@ -14,8 +14,8 @@ from typing import Callable
 import numpy as np
 
 from ...errors import ShapeError
-from .compiler import FLOAT_CTYPES
-from .launchers import BLOCK, LABEL_CTYPES, _check, _grid, _launch
+from .runtime.compiler import FLOAT_CTYPES
+from .runtime.launch import BLOCK, LABEL_CTYPES, _check, _grid, _launch
 from .shape import UNIT_CTYPES, _unit
 
 SOURCE = "index.cu"

@@ -1,4 +1,4 @@
-"""Launchers of kernels/reduce_axis.cu (reduce_max, reduce_max_grad, topk, cumsum) and their
+"""Launchers of reduce_axis.cu (reduce_max, reduce_max_grad, topk, cumsum) and their
 cuda op table.
 
 Each views x as (outer, N, inner) around the op's axis and runs one thread per line (o, b);
@@ -14,8 +14,8 @@ from typing import Callable
 import numpy as np
 
 from ...errors import ShapeError
-from .compiler import FLOAT_CTYPES
-from .launchers import BLOCK, _check, _grid, _launch
+from .runtime.compiler import FLOAT_CTYPES
+from .runtime.launch import BLOCK, _check, _grid, _launch
 
 SOURCE = "reduce_axis.cu"
 ROW_THREADS = 32          # a warp per row in the _rows_ kernels

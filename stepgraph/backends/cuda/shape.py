@@ -1,4 +1,4 @@
-"""Launchers of kernels/shape.cu (slice, slice_grad, arange) and their cuda op table.
+"""Launchers of shape.cu (slice, slice_grad, arange) and their cuda op table.
 
 slice views x as (outer, D, inner) around the sliced dim and copies x[:, start:stop:step, :] into
 a contiguous output; slice_grad writes zeros with dy placed at [:, start:stop:step, :]. Both move
@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 
 from ...errors import ShapeError
-from .launchers import BLOCK, _aligned, _check, _grid, _launch
+from .runtime.launch import BLOCK, _aligned, _check, _grid, _launch
 
 SOURCE = "shape.cu"
 # slice and slice_grad move bits, so bf16 values (compile/autocast.py keeps slices in bf16)

@@ -103,7 +103,7 @@ extern "C" __global__ void guard_advance_kernel(int* flags, long long* counters,
     history_flag[calls % length] = bits | (skip && bits == 0 ? 8 : 0);  // 8: GUARD_HELD
 }
 
-// One row of the device table built once per update node by launchers.py: the tensors of one
+// One row of the device table built once per update node by optim.py: the tensors of one
 // parameter (slots unused by the optimizer are null), whether all of them are 16-byte aligned
 // (float4 path), and the hyperparameters of the parameter's group (optimizer parameter groups;
 // without groups every row holds the optimizer's own values, and the arithmetic is the same).

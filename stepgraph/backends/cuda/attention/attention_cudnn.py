@@ -23,7 +23,7 @@ algorithm unless the context allows otherwise (compile_train_step(deterministic=
 its bits are the same on every run; it measured no slower.
 
 Dropout: cuDNN draws the mask with its own Philox generator, keyed by a 64-bit seed that
-kernels/sdpa_seed.cu derives on the device from the node's seed, its site and the step
+sdpa_seed.cu derives on the device from the node's seed, its site and the step
 counter (offset 0). The mask is therefore fixed by (seed, site, step), the same eager and
 replayed, the same in the forward and the gradient, fresh at every step, with the dropout op's
 keep probability and 1 / (1 - p) scaling. Which elements it keeps is cuDNN's mapping, not the
@@ -41,9 +41,9 @@ from typing import Any
 import cupy as cp  # imports without a GPU
 import numpy as np
 
-from ...errors import BackendUnavailableError, CaptureError
-from . import conv_cudnn
-from .launchers import _capturing, _kernel
+from ....errors import BackendUnavailableError, CaptureError
+from ..conv import conv_cudnn
+from ..runtime.launch import _capturing, _kernel
 
 USE_CUDNN = True                 # tests set False to run the own kernels on bf16 operands
 SEED_SOURCE = "sdpa_seed.cu"

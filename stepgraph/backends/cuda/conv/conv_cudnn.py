@@ -54,9 +54,10 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from ...errors import BackendUnavailableError, CaptureError
-from ...ir.graph import ir_dtype
-from .launchers import _capturing
+from ....errors import BackendUnavailableError, CaptureError
+from ....ir.graph import ir_dtype
+from ..runtime.launch import _capturing
+from ..runtime.scratch import ScratchPool
 
 if TYPE_CHECKING:
     from .conv import Geometry
@@ -397,8 +398,6 @@ def _workspace(ctx, nbytes: int):
     for 0 bytes)."""
     if nbytes == 0:
         return None
-    from .conv import ScratchPool    # conv.py imports this module: import on first use
-
     pool = ctx.extras.setdefault("conv_scratch", ScratchPool())
     return pool.get(nbytes, ctx)
 

@@ -1,4 +1,4 @@
-"""Launchers of kernels/attention.cu (sdpa, sdpa_grad) and their cuda op table.
+"""Launchers of attention.cu (sdpa, sdpa_grad) and their cuda op table.
 
 q (..., L, E), k (..., S, E), v (..., S, Ev) and every output are read and written through
 explicit strides: the leading dims are (batch..., heads), bh = b * heads + h, and each operand
@@ -22,7 +22,7 @@ bf16 problems that cuDNN's fused attention takes run there instead (attention_cu
 four times faster on the gpt workload's attention).
 
 The forward is one launch; the gradient two, dq (which also sums D = rowsum(dout * out) into
-a per-node scratch of bh * L floats, made at the first eager call: launchers._node_memory),
+a per-node scratch of bh * L floats, made at the first eager call: runtime/launch.py _node_memory),
 then dk/dv. Dynamic shared memory above 48 KiB is opted into once per kernel, at its first
 (eager) launch. No atomics: bits are the same on every run, eager or replayed.
 """
@@ -36,10 +36,11 @@ from typing import Callable
 import cupy as cp  # imports without a GPU; kernels compile at their first launch
 import numpy as np
 
-from ...errors import ShapeError
-from ...ir.graph import Node, storage_dtype
+from ....errors import ShapeError
+from ....ir.graph import Node, storage_dtype
 from . import attention_cudnn
-from .launchers import ELEMENT_CTYPES, _dropout_constants, _kernel, _node_memory
+from ..elementwise import _dropout_constants
+from ..runtime.launch import ELEMENT_CTYPES, _kernel, _node_memory
 
 SOURCE = "attention.cu"
 THREADS = 128                 # attention.cu SDPA_THREADS

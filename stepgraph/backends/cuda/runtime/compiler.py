@@ -1,4 +1,9 @@
-"""NVRTC compilation of the `.cu` files in kernels/, memoised per process.
+"""NVRTC compilation of the op families' `.cu` files, memoised per process.
+
+A kernel file lives beside the launchers of its family (backends/cuda/<family>.cu, or
+backends/cuda/<family>/<file>.cu for the families of several modules) and is named by its file
+name alone, unique across the backend; the headers the files share are in include/, the one
+include directory NVRTC is given.
 
 A file is compiled as one module holding every template instantiation its launchers declared
 (`declare`), or, for the files templated on the element type of the values they read
@@ -23,8 +28,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable
 
-KERNEL_DIR = Path(__file__).parent / "kernels"
-NVRTC_OPTIONS = ("-std=c++17", f"-I{KERNEL_DIR}")
+SOURCE_ROOT = Path(__file__).resolve().parents[1]    # backends/cuda: the families' .cu files
+INCLUDE_DIR = SOURCE_ROOT / "include"                 # the .cuh headers the .cu files share
+NVRTC_OPTIONS = ("-std=c++17", f"-I{INCLUDE_DIR}")
 FLOAT_CTYPES = {"float32": "float", "float64": "double"}   # templates' T per array dtype
 COMPILE_THREADS = max(1, min(32, os.cpu_count() or 1))    # NVRTC compiles side by side
 # Instantiated per problem (tiled conv shapes; attention head dims, storages, arithmetics):
@@ -41,14 +47,41 @@ _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 
 
+@functools.cache
+def _source_paths() -> dict[str, Path]:
+    """{file name: path} of every .cu file of the families. Launchers name a file by its name
+    alone, so two files of one name would be ambiguous."""
+    paths: dict[str, Path] = {}
+    for path in sorted(SOURCE_ROOT.rglob("*.cu")):
+        if path.name in paths:
+            raise ValueError(f"kernel file name {path.name!r} is used twice: {paths[path.name]} "
+                             f"and {path}")
+        paths[path.name] = path
+    return paths
+
+
 def kernel_sources() -> list[Path]:
-    return sorted(KERNEL_DIR.glob("*.cu"))
+    """Every family's .cu file, ordered by file name."""
+    return sorted(_source_paths().values(), key=lambda path: path.name)
+
+
+def source_path(filename: str) -> Path:
+    """The path of the kernel file named `filename` (e.g. "loss.cu")."""
+    try:
+        return _source_paths()[filename]
+    except KeyError:
+        raise FileNotFoundError(f"no kernel file {filename!r} under {SOURCE_ROOT}") from None
+
+
+def headers() -> list[Path]:
+    """The shared .cuh headers of include/."""
+    return sorted(INCLUDE_DIR.glob("*.cuh"))
 
 
 @functools.cache
 def _headers_digest() -> str:
     digest = hashlib.sha256()
-    for header in sorted(KERNEL_DIR.glob("*.cuh")):
+    for header in headers():
         digest.update(header.read_bytes())
     return digest.hexdigest()[:16]
 
@@ -92,11 +125,11 @@ def _compile(source: str, name_expressions: tuple[str, ...]):
 
 def _start_module(filename: str, name_expressions: tuple[str, ...] = ()) -> Future:
     return _start(("file", filename, name_expressions), lambda: _compile(
-        _source((KERNEL_DIR / filename).read_text()), name_expressions))
+        _source(source_path(filename).read_text()), name_expressions))
 
 
 def module(filename: str, name_expressions: tuple[str, ...] = ()):
-    """The compiled RawModule of kernels/<filename> (templates named in name_expressions)."""
+    """The compiled RawModule of kernel file `filename` (templates named in name_expressions)."""
     return _start_module(filename, name_expressions).result()
 
 
@@ -104,7 +137,7 @@ def module(filename: str, name_expressions: tuple[str, ...] = ()):
 def sources_digest() -> str:
     """A hash of every kernel source and header: cached kernel choices depend on it."""
     digest = hashlib.sha256()
-    for path in sorted(KERNEL_DIR.glob("*.cu*")):
+    for path in sorted([*kernel_sources(), *headers()], key=lambda path: path.name):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]
 
@@ -149,7 +182,7 @@ def _templates(filename: str, ctype: str | None = None) -> tuple[str, ...]:
 
 
 def _start_kernel(filename: str, name: str) -> Future:
-    """The compile of the module that holds kernel `name` of kernels/<filename>: the file's
+    """The compile of the module that holds kernel `name` of kernel file `filename`: the file's
     module (or its module for name's element type), or one of its own for a template
     instantiation nobody declared."""
     if "<" in name and name not in _declared.get(filename, ()):
@@ -160,7 +193,7 @@ def _start_kernel(filename: str, name: str) -> Future:
 
 
 def kernel(filename: str, name: str):
-    """One kernel function of kernels/<filename>; `name` may be a template instantiation."""
+    """One kernel function of kernel file `filename`; `name` may be a template instantiation."""
     return _start_kernel(filename, name).result().get_function(name)
 
 
@@ -191,7 +224,7 @@ def _start_generated(source: str) -> Future:
 
 def generated_kernel(source: str, name: str):
     """Kernel `name` of generated CUDA source (e.g. a fused pointwise program), which may
-    include the headers of kernels/; memoised per source, cached on disk by CuPy."""
+    include the headers of include/; memoised per source, cached on disk by CuPy."""
     return _start_generated(source).result().get_function(name)
 
 
@@ -207,10 +240,10 @@ def compile_source_to_cubin(source: str, name: str, arch: str = "sm_90",
     """compile_to_cubin for source text (generated kernels); `name` labels errors."""
     from cupy.cuda import nvrtc
 
-    headers = sorted(KERNEL_DIR.glob("*.cuh"))
+    shared = headers()
     prog = nvrtc.createProgram(source, name,
-                               [h.read_text().encode() for h in headers],
-                               [h.name.encode() for h in headers])
+                               [h.read_text().encode() for h in shared],
+                               [h.name.encode() for h in shared])
     for expr in name_expressions:
         nvrtc.addNameExpression(prog, expr)
     try:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ...errors import ShapeError
+from ....errors import ShapeError
 from . import gemm
-from .launchers import _check, fill_forward
+from ..elementwise import fill_forward
+from ..runtime.launch import _check
 
 
 def _check_bmm(a, b, c, trans_a: bool, trans_b: bool) -> int:

@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import CaptureError, ShapeError, StepgraphError
-from ...ir.graph import ir_dtype as graph_ir_dtype
-from . import nvmath_bindings
+from ....errors import CaptureError, ShapeError, StepgraphError
+from ....ir.graph import ir_dtype as graph_ir_dtype
+from ..runtime import nvmath_bindings
 
 WORKSPACE_BYTES = 32 << 20
 HEURISTIC_RESULTS = 16
@@ -271,8 +271,8 @@ class GemmCache:
         accumulate into D are not tuned (repeated calls would change D). The choice persists
         on disk (autotune.choices): a later process with the same GPU, driver and cuBLASLt
         takes it without timing (_restore)."""
-        from .autotune import choices
-        from .graph import time_on_device
+        from ..runtime.autotune import choices
+        from ..runtime.graph import time_on_device
 
         if ctx.capturing or ctx.stream.is_capturing():
             return

@@ -13,7 +13,7 @@ PRECISIONS = ("fp32", "tf32", "bf16")
 class CudaContext:
     stream: Any                    # cupy.cuda.Stream every launch goes to (never the default one)
     precision: str = "fp32"        # "fp32" exact float32 GEMMs; "tf32" opts in to TF32
-    gemm: Any = None               # backends.cuda.gemm.GemmCache: planned cuBLASLt calls by shape
+    gemm: Any = None               # matmul/gemm.py GemmCache: planned cuBLASLt calls by shape
     paths: dict = field(default_factory=dict)   # autotune.py's kernel choices, by problem
     capturing: bool = False        # True while a CUDA graph is being captured: no syncs, no allocs
     # False: kernel choices may include cuDNN plans that accumulate with atomics (bits vary).

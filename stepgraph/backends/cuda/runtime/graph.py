@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ...errors import CaptureError
+from ....errors import CaptureError
 
 
 @dataclass

@@ -19,7 +19,7 @@ it stores them (the cnn's Linear(320, 50) and Linear(50, 10) at batch 64 and the
 cuBLASLt spent ~23 µs a step there, in wmma, gemv and sgemm kernels). The others on cuBLASLt
 (gemm.py: float32 accumulation and epilogue, D rounded once). A linear whose activation has no
 cuBLASLt epilogue (exact gelu, or relu with its pre-activation saved) runs its GEMM into a
-float32 scratch of the node and then launchers.linear_bias_act, so that y and z are each
+float32 scratch of the node and then elementwise.linear_bias_act, so that y and z are each
 rounded once from float32 (the BIAS epilogue into bf16 z, then the activation of that, would
 round y twice). The autotuner's key holds the operands' dtypes.
 """
@@ -29,7 +29,10 @@ from typing import Callable
 
 import numpy as np
 
-from . import autotune, gemm, small_matmul
+from .. import elementwise
+from ..runtime import autotune
+from ..runtime.launch import _node_memory
+from . import gemm, small_matmul
 from .small_matmul import (has_small_kernel, is_small, small_matmul_forward, tile_matmul_forward,
                            tile_splits)
 
@@ -56,9 +59,8 @@ def _slope(attrs: dict) -> float:
 
 
 def _act_forward(ctx, x, y, kind: str, slope: float) -> None:
-    from . import launchers  # imported on use: written beside this file, may import later
 
-    launchers.act_forward(ctx, x, y, kind, slope)
+    elementwise.act_forward(ctx, x, y, kind, slope)
 
 
 def _epilogue(name: str, bias) -> str:
@@ -147,14 +149,13 @@ def _linear_bf16_unfused(ctx, node, x, w, y, z, bias, kind, slope) -> None:
     elementwise launch."""
     import cupy as cp
 
-    from . import launchers  # imported on use: written beside this file, may import later
 
     if node is None:
         raise ValueError("linear: the bf16 unfused path needs its node (scratch memory)")
-    acc = launchers._node_memory(node, ("bf16_acc", y.shape), ctx,
+    acc = _node_memory(node, ("bf16_acc", y.shape), ctx,
                                  lambda: cp.empty(y.shape, np.float32))
     gemm.matmul(ctx, x, w, acc, trans_b=True)
-    launchers.linear_bias_act(ctx, acc, bias, y, z, kind, slope)
+    elementwise.linear_bias_act(ctx, acc, bias, y, z, kind, slope)
 
 
 def matmul_forward(node, ins, outs, ctx) -> None:
@@ -180,7 +181,6 @@ def _tile_paths(node, ctx, a, b, c, **kwargs) -> dict[str, Callable[[], None]]:
     applies: float32 operands at precision fp32 (TF32 GEMMs are cuBLASLt's)."""
     if ctx.precision != "fp32" or any(x.dtype != "float32" for x in (a, b, c)):
         return {}
-    from . import launchers  # imported on use: written beside this file, may import later
 
     m, n = c.shape
     k = a.shape[0] if kwargs.get("trans_a") else a.shape[1]
@@ -191,7 +191,7 @@ def _tile_paths(node, ctx, a, b, c, **kwargs) -> dict[str, Callable[[], None]]:
             if splits > 1:
                 import cupy as cp
 
-                partial = launchers._node_memory(node, ("tile_matmul", splits * m * n), ctx,
+                partial = _node_memory(node, ("tile_matmul", splits * m * n), ctx,
                                                  lambda: cp.empty(splits * m * n, np.float32))
             tile_matmul_forward(ctx, a, b, c, splits=splits, partial=partial, **kwargs)
         paths[f"tile:s{splits}"] = run

@@ -1,4 +1,4 @@
-"""Launchers of kernels/conv_tiled.cu: stride-1 convolutions of small images, a kernel compiled
+"""Launchers of conv_tiled.cu: stride-1 convolutions of small images, a kernel compiled
 per conv shape (every size a template parameter), a block staging a sample in shared memory and
 threads keeping register tiles. conv.py offers them as paths of the conv ops:
 
@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...errors import ShapeError
-from . import compiler
+from ....errors import ShapeError
+from ..runtime import compiler
 
 if TYPE_CHECKING:
     from .conv import Geometry

@@ -1,4 +1,4 @@
-"""Launchers of kernels/small_matmul.cu: GEMMs cuBLASLt serves poorly.
+"""Launchers of small_matmul.cu: GEMMs cuBLASLt serves poorly.
 
 - small_matmul_forward: products of at most SMALL_MACS multiply-adds, one owner thread (or
   warp) per output: the 10-class output layers of the benchmark models and their gradients
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import ShapeError
-from ...ir.graph import ir_dtype, storage_dtype
-from . import compiler
-from .launchers import ELEMENT_CTYPES
+from ....errors import ShapeError
+from ....ir.graph import ir_dtype, storage_dtype
+from ..runtime import compiler
+from ..runtime.launch import ELEMENT_CTYPES
 
 SMALL_MACS = 1 << 21        # multiply-adds under which the direct kernel wins (H200)
 THREAD_K = 48               # dot products up to this long: one thread each, else one warp,
@@ -108,7 +108,7 @@ def small_matmul_forward(ctx, a, b, c, *, trans_a=False, trans_b=False, bias=Non
         stream=ctx.stream)
 
 
-TILE = 64                   # kernels/small_matmul.cu TILE_M = TILE_N
+TILE = 64                   # small_matmul.cu TILE_M = TILE_N
 TILE_K = 16
 TILE_THREADS = 256
 TILE_SPLITS = (1, 2, 4, 8, 16)   # k ranges over blocks: candidates, timed per problem

@@ -1,10 +1,10 @@
 // Activation functions and their derivatives, shared by elementwise.cu (act, act_grad) and
 // reduce.cu (act_bias_grad). Operation order and rounding follow the numpy reference
-// (backends/numpy/kernels.py); __fmul_rn/__fadd_rn stop the compiler from contracting a
+// (the NumPy references of stepgraph/ops/); __fmul_rn/__fadd_rn stop the compiler from contracting a
 // product and a sum into one FMA, which would round differently from numpy.
 #pragma once
 
-// Codes passed by launchers.py (ACT_CODES); ACT_NONE is act_bias_grad's identity.
+// Codes passed by runtime/launch.py (ACT_CODES); ACT_NONE is act_bias_grad's identity.
 #define ACT_NONE -1
 #define ACT_RELU 0
 #define ACT_LEAKY_RELU 1

@@ -1,4 +1,4 @@
-"""conv2d forward and its two gradients: im2col / col2im kernels (kernels/conv.cu) + cuBLASLt.
+"""conv2d forward and its two gradients: im2col / col2im kernels (conv.cu) + cuBLASLt.
 
 All row-major; gemm.py derives each cuBLASLt call from row-major shapes, written out per op
 below. W (O, C, kh, kw) is the row-major (O, CK) matrix as it is (CK = C*kh*kw, P = Ho*Wo).
@@ -19,7 +19,7 @@ weight gradient: two), no im2col, no GEMM:
          a block stages a sample in shared memory, threads keep register tiles; dx is the same
          kernel over dy with the flipped weights; dw comes with db (the fused bias gradient).
          Variants (tile, channel splits, block splits) are candidates of their own.
-  direct (kernels/conv_direct.cu) any stride, sizes as runtime ints, a thread per output pixel
+  direct (conv_direct.cu) any stride, sizes as runtime ints, a thread per output pixel
          and 4 channels ("direct") or 1 ("direct_narrow"); usable when
            C*kh*kw <= 1024 and O*kh*kw <= 1024   (a block's slice of w fits shared memory)
            and x, y have <= 2^30 elements         (32-bit offsets in the kernels)
@@ -75,12 +75,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...errors import CaptureError, ShapeError, UnsupportedOpError
-from ...ir.graph import Node, Value, storage_dtype
-from ...ops.conv import conv_out
-from ...ops.layout import (TO_NCHW, TO_NHWC, channel_sum_axes, layout_of, nchw_attrs,
-                           nchw_shape, stored_shape)
-from . import autotune, compiler, conv_cudnn, gemm, launchers
+from ....errors import ShapeError, UnsupportedOpError
+from ....ir.graph import Node, Value, storage_dtype
+from ....ops.conv import conv_out
+from ....ops.layout import (TO_NCHW, TO_NHWC, channel_sum_axes, layout_of, nchw_attrs,
+                            nchw_shape, stored_shape)
+from .. import reduce
+from ..matmul import gemm
+from ..runtime import autotune, compiler
+from ..runtime.launch import _node_memory
+from ..runtime.scratch import ScratchPool
+from . import conv_cudnn
 from . import conv_tiled as tiled
 
 SCRATCH_CHUNK_BYTES = 256 << 20
@@ -195,29 +200,6 @@ def _contiguous(arr, name: str, shape=None):
 
 # ---- scratch -------------------------------------------------------------------------------
 
-class ScratchPool:
-    """Grow-only device buffers. A request takes the smallest buffer that fits, else allocates
-    one (never during capture). Nothing is freed: graphs captured earlier keep their pointers."""
-
-    def __init__(self):
-        self.buffers: list = []
-
-    def get(self, nbytes: int, ctx):
-        for buf in self.buffers:
-            if buf.nbytes >= nbytes:
-                return buf
-        if ctx.capturing or ctx.stream.is_capturing():
-            raise CaptureError(f"conv2d needs {nbytes} bytes of scratch that were not allocated "
-                               "before capture: run the plan eagerly once before capturing")
-        import cupy as cp
-
-        with ctx.stream:
-            buf = cp.empty(-(-nbytes // (1 << 20)) << 20, dtype=cp.uint8)   # whole MiB
-        self.buffers.append(buf)
-        self.buffers.sort(key=lambda b: b.nbytes)
-        return buf
-
-
 def _chunk_plan(op: str, g: Geometry, itemsize: int) -> tuple[int, list[tuple[int, ...]]]:
     """(samples per chunk, scratch array shapes) of one conv op."""
     if op == "conv2d_grad_weight":
@@ -294,7 +276,7 @@ def conv2d_col2im(ctx, g: Geometry, dcols, dx) -> None:
     _launch(ctx, "conv2d_col2im_kernel", dx.dtype, nb * g.c * g.h * g.w, args)
 
 
-# ---- direct kernels (kernels/conv_direct.cu) ------------------------------------------------
+# ---- direct kernels (conv_direct.cu) ------------------------------------------------
 
 def direct_unsupported(g: Geometry, dtype) -> str | None:
     """Why the direct kernels cannot run this convolution at all, or None if they can."""
@@ -728,7 +710,7 @@ def conv2d_grad_weight(node, ins, outs, ctx) -> None:
         def both() -> None:
             run()
             if db is not None:
-                launchers.reduce_sum_forward(ctx, node, dy, db, spatial)
+                reduce.reduce_sum_forward(ctx, node, dy, db, spatial)
         return both
 
     partial_dtype = tiled.compute_dtype(x.dtype)      # bf16: float32 partial sums
@@ -781,7 +763,7 @@ def _through_nchw(impl, node, ins, outs, ctx) -> None:
     of the node's own (made with the twin at its first eager call), the NCHW op (all its
     paths, timed as its own problem), each 4-D output permuted back. For problems cuDNN has
     no NHWC plan for; the permutes cost a pass over each tensor."""
-    from .broadcast import permute_forward
+    from ..broadcast import permute_forward
 
     def build() -> dict:
         import cupy as cp
@@ -792,7 +774,7 @@ def _through_nchw(impl, node, ins, outs, ctx) -> None:
                 "buffers": [cp.empty(nchw_shape(a.shape, "NHWC"), a.dtype) if a.ndim == 4
                             else None for a in [*ins, *outs]]}
 
-    memory = launchers._node_memory(node, ("nchw twin",), ctx, build)
+    memory = _node_memory(node, ("nchw twin",), ctx, build)
     buffers = memory["buffers"]
     nchw_ins = []
     for a, buf in zip(ins, buffers):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 from typing import Callable, Hashable
 
-from ... import cache
+from .... import cache
 from . import compiler
 from .graph import time_on_device
 
@@ -39,7 +39,7 @@ def device_identity(device_id: int) -> dict:
 def _device_identity(device_id: int) -> tuple:
     import cupy as cp
 
-    from ... import __version__
+    from ....version import __version__
 
     props = cp.cuda.runtime.getDeviceProperties(device_id)
     return tuple({"gpu": props["name"].decode(), "sm": f"{props['major']}{props['minor']}",

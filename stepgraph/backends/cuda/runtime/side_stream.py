@@ -22,8 +22,8 @@ from typing import Any, Iterator
 
 import cupy as cp  # imports without a GPU
 
-from ...errors import CaptureError
-from .launchers import _capturing
+from ....errors import CaptureError
+from .launch import _capturing
 
 
 @dataclass
