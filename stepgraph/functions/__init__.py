@@ -1,3 +1,4 @@
-"""Torch-level functions (`torch.X` in a model file imported as `import stepgraph as torch`),
-one module per area, each with `__all__`."""
+"""Torch-level functions (`torch.X` in a model file written as `import stepgraph as torch`),
+one module per family, each with its `__all__`."""
+from .math import *  # noqa: F401,F403
 from .tensors import *  # noqa: F401,F403

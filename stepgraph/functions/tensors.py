@@ -1,15 +1,14 @@
 """torch.* functions on tensors: joining (cat / concat / stack), the shape helpers, tril /
-triu, max / min / amax / amin / argmax / argmin / maximum / minimum, var / std / logsumexp,
-cumsum, gather, topk / sort. Each is the Tensor method of the same name (ir/trace.py), so
+triu, max / min / amax / amin / argmax / argmin, var / std / logsumexp, cumsum, gather,
+index_select, topk / sort. Each is the Tensor method of the same name (ir/trace.py), so
 it works wherever those methods do."""
 from __future__ import annotations
-
 
 from ..errors import ShapeError
 
 __all__ = ["cat", "concat", "concatenate", "stack", "unsqueeze", "squeeze", "flatten",
            "unflatten", "movedim", "moveaxis", "swapaxes", "swapdims", "tril", "triu", "max",
-           "min", "amax", "amin", "argmax", "argmin", "maximum", "minimum", "var", "std",
+           "min", "amax", "amin", "argmax", "argmin", "var", "std",
            "logsumexp", "cumsum", "gather", "index_select", "topk", "sort"]
 
 
@@ -125,14 +124,6 @@ def argmax(input, dim=None, keepdim: bool = False):
 
 def argmin(input, dim=None, keepdim: bool = False):
     return input.argmin(dim, keepdim)
-
-
-def maximum(input, other):
-    return input.maximum(other)
-
-
-def minimum(input, other):
-    return input.minimum(other)
 
 
 def var(input, dim=None, unbiased=None, keepdim: bool = False, *, correction=None):

@@ -206,6 +206,7 @@ def test_index_ops_recorded():
 
 @pytest.mark.parametrize("expr, match", [
     (lambda x, m, i: x[m], "boolean-mask indexing.*masked_fill.*where"),
+    (lambda x, m, i: x[x > 0], "boolean-mask indexing"),
     (lambda x, m, i: x[x], "float32 tensor"),
     (lambda x, m, i: x[i, i], "several integer tensors"),
     (lambda x, m, i: x[i, None, 0], "an int apart"),
