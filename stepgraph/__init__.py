@@ -3,10 +3,9 @@
 It is also the `torch` namespace of model files (`import stepgraph as torch`): factories,
 dtypes, device, no_grad, backends flags (docs/TORCH_COMPAT.md); a torch name it lacks raises
 UnsupportedOpError (an AttributeError) naming it."""
-from . import backends, cuda, distributed, losses, nn, ops, optim
+from . import backends, cuda, distributed, losses, nn, ops, optim, return_types
 from .api import Predictor, TrainStep, compile_predict, compile_train_step
 from .backends import cuda_available
-from .functions import *  # noqa: F401,F403  torch-level functions (torch.exp, torch.where)
 from .errors import (BackendUnavailableError, CaptureError, DistributedError, LabelError,
                      NonFiniteError, PlanError, ShapeError, StateDictError, StepgraphError,
                      UnsupportedOpError)

@@ -73,6 +73,7 @@ POLICIES = {
     # Two tensors: torch's type promotion (bf16 + float32 -> float32; bf16 + bf16 -> bf16).
     "binary": PROMOTE,
     "add": PROMOTE,
+    "concat": PROMOTE,              # torch.cat / stack are on the CUDA promote list
     # On no list: dtype-preserving in torch autocast. Activations (relu, leaky_relu, gelu,
     # sigmoid, tanh, silu), dropout, pooling, views and copies of shape; `scalar` with a Python
     # number keeps the tensor's dtype (torch does not promote a tensor by a Python scalar),
@@ -85,6 +86,7 @@ POLICIES = {
     "permute": KEEP,
     "slice": KEEP,
     "expand": KEEP,
+    "triangle": KEEP,               # tril / triu
     "scalar": KEEP,
     "cast": KEEP,
     # batch_norm is on no CUDA list: cuDNN's BatchNorm takes a bf16 x with float32 weight,

@@ -94,9 +94,11 @@ class Tensor:
     Supports PyTorch's arithmetic operators (+ - * / ** with tensors, broadcasting, or Python
     scalars on either side), @ ((..., K) @ (K, N), and (..., M, K) @ (..., K, N) with the same
     batch dims through bmm), reshape/view/flatten, transpose/permute/.T, split/chunk/narrow,
-    sum/mean, and the methods relu/sigmoid/tanh/softmax/log_softmax. Any other torch.Tensor
-    method or indexing raises UnsupportedOpError naming the op and the module that called
-    it.
+    sum/mean, and the methods relu/sigmoid/tanh/softmax/log_softmax; indexing x[...],
+    unsqueeze/squeeze/unflatten/expand/repeat/movedim, tril/triu, max/min/amax/amin/argmax/
+    argmin, var/std/logsumexp, cumsum, gather, topk/sort. Any other torch.Tensor method, and
+    what has a data-dependent shape (boolean masks), raises UnsupportedOpError naming the op
+    and the module that called it.
 
     An eager tensor (tracer `EAGER`, made outside a traced forward by the factories of
     stepgraph.functions) also holds its values, `array` in storage dtype (bfloat16 as uint16
@@ -465,6 +467,311 @@ class Tensor:
         n = self.shape[_dim(dim, self.ndim, "chunk")]
         return self.split(max(-(-n // chunks), 1), dim)
 
+    # ---- indexing, joining, reductions along a dim ----
+    def __getitem__(self, index) -> Tensor:
+        """x[...] with ints (negative too), slices (positive steps), None, `...` and at most
+        one integer tensor (rows taken along its axis, e.g. `emb[idx]`; float x, indices in
+        range; ints beside it only next to it). Boolean masks give a data-dependent shape and
+        are refused."""
+        items = [self._index_item(i) for i in (index if isinstance(index, tuple) else (index,))]
+        real = sum(item is not None and item is not Ellipsis for item in items)
+        if real > self.ndim:
+            raise IndexError(f"too many indices ({real}) for a tensor of shape {self.shape}")
+        if items.count(Ellipsis) > 1:
+            raise IndexError("an index can only have a single ellipsis ('...')")
+        fill = [slice(None)] * (self.ndim - real)
+        at = items.index(Ellipsis) if Ellipsis in items else len(items)
+        items[at:at + 1] = fill
+        self._check_advanced(items)
+        y, axis = self, 0
+        for item in items:
+            y, axis = y._index_axis(item, axis)
+        return y
+
+    def _check_advanced(self, items: list):
+        """Refuse what PyTorch reads as advanced indexing beyond one tensor whose axes land
+        where it stands: several tensors (paired elementwise), or a tensor and an int apart
+        (their axes would move to the front)."""
+        tensors = [i for i, item in enumerate(items) if isinstance(item, Tensor)]
+        if len(tensors) > 1:
+            self._unsupported("indexing with several integer tensors (use gather, or index "
+                              "one axis at a time)")
+        if tensors:
+            advanced = [i for i, item in enumerate(items)
+                        if isinstance(item, (Tensor, numbers.Integral))]
+            if advanced[-1] - advanced[0] + 1 != len(advanced):
+                self._unsupported("indexing with an integer tensor and an int apart (index "
+                                  "in two steps, e.g. x[0][:, idx])")
+
+    def _index_item(self, item):
+        """One item of an index, an integer tensor index traced (Parameters, Buffers)."""
+        if item is None or item is Ellipsis or isinstance(item, (numbers.Integral, slice)):
+            return item
+        item = self._coerce(item, "indexing")
+        dtype = item.value.dtype
+        if dtype in ("bool", "uint8"):             # uint8 indexes as a mask in PyTorch too
+            self._unsupported("boolean-mask indexing x[mask] (its shape depends on the data; "
+                              "use x.masked_fill(~mask, 0) or torch.where(mask, x, 0))")
+        if dtype not in ("int32", "int64"):
+            self._unsupported(f"indexing with a {dtype} tensor (indices are int64)")
+        return item
+
+    def _index_axis(self, item, axis: int) -> tuple[Tensor, int]:
+        """Apply one index item at `axis`; the result and the axis the next item applies to."""
+        if item is None:
+            return self.unsqueeze(axis), axis + 1
+        if isinstance(item, Tensor):
+            return self._take(item, axis), axis + item.ndim
+        n = self.shape[axis]
+        if isinstance(item, numbers.Integral):
+            if not -n <= item < n:
+                raise IndexError(f"index {item} is out of bounds for axis {axis} with size {n}")
+            y = self.narrow(axis, int(item) % n, 1)
+            return y.reshape(*y.shape[:axis], *y.shape[axis + 1:]), axis
+        start, stop, step = item.indices(n)
+        if step <= 0:
+            raise ValueError(f"slice step must be positive, got {step} (as in PyTorch)")
+        stop = max(stop, start)
+        if (start, stop, step) == (0, n, 1):
+            return self, axis + 1
+        return self.tracer.op("slice", [self], dim=axis, start=start, stop=stop,
+                              step=step), axis + 1
+
+    def _take(self, index: Tensor, axis: int) -> Tensor:
+        """Rows of this tensor along `axis` picked by the integer tensor `index`: the index's
+        axes replace `axis` (an embedding lookup of the axis' slices)."""
+        front = self.movedim(axis, 0)
+        table = front.reshape(front.shape[0], -1)
+        rows = self.tracer.op("embedding", [table, index])
+        y = rows.reshape(*index.shape, *front.shape[1:])
+        k = index.ndim
+        dims = list(range(k, k + axis)) + list(range(k)) + list(range(k + axis, y.ndim))
+        return y.permute(*dims)
+
+    def index_select(self, dim: int, index) -> Tensor:
+        """The slices of axis `dim` picked by the 1-D integer tensor `index`, as
+        torch.index_select (x[..., index, ...])."""
+        index = self._index_item(index)
+        if not isinstance(index, Tensor) or index.ndim != 1:
+            raise ShapeError(f"index_select: index must be a 1-D integer tensor, got {index!r}")
+        return self._take(index, _dim(dim, self.ndim, "index_select"))
+
+    def unsqueeze(self, dim: int) -> Tensor:
+        """A view with a new axis of size 1 at `dim` (in [-ndim - 1, ndim])."""
+        d = _dim(dim, self.ndim + 1, "unsqueeze")
+        return self.reshape(*self.shape[:d], 1, *self.shape[d:])
+
+    def squeeze(self, dim=None) -> Tensor:
+        """A view without the axes of size 1 among `dim` (None: every axis); other named axes
+        stay, as in torch.squeeze."""
+        axes = _dims(dim, self.ndim, "squeeze")
+        return self.reshape(*(d for i, d in enumerate(self.shape)
+                              if not (i in axes and d == 1)))
+
+    def unflatten(self, dim: int, sizes) -> Tensor:
+        """Axis `dim` split into `sizes` (one entry may be -1)."""
+        d = _dim(dim, self.ndim, "unflatten")
+        sizes = [int(s) for s in sizes]
+        if -1 in sizes:
+            known = math.prod(s for s in sizes if s != -1)
+            sizes[sizes.index(-1)] = self.shape[d] // known if known else 0
+        if math.prod(sizes) != self.shape[d]:
+            raise ShapeError(f"unflatten: sizes {sizes} do not multiply to {self.shape[d]} "
+                             f"(axis {d} of {self.shape})")
+        return self.reshape(*self.shape[:d], *sizes, *self.shape[d + 1:])
+
+    def view_as(self, other) -> Tensor:
+        return self.reshape(*other.shape)
+
+    reshape_as = view_as
+
+    def expand(self, *sizes) -> Tensor:
+        """A broadcast copy of shape `sizes` (-1 keeps an axis; new axes go in front)."""
+        sizes = tuple(int(s) for s in _shape_args(sizes))
+        lead = len(sizes) - self.ndim
+        if lead < 0:
+            raise ShapeError(f"expand: {len(sizes)} sizes for a tensor of rank {self.ndim}")
+        shape = tuple(self.shape[i - lead] if s == -1 and i >= lead else s
+                      for i, s in enumerate(sizes))
+        if shape == self.shape:
+            return self
+        return self.tracer.op("expand", [self], shape=shape)
+
+    def expand_as(self, other) -> Tensor:
+        return self.expand(*other.shape)
+
+    def repeat(self, *sizes) -> Tensor:
+        """The tensor tiled `sizes` times along each axis, as torch.Tensor.repeat: viewed as
+        (1, s0, 1, s1, ...), expanded to (r0, s0, r1, s1, ...) and merged pairwise."""
+        sizes = tuple(int(s) for s in _shape_args(sizes))
+        if len(sizes) < self.ndim:
+            raise ShapeError(f"repeat: {len(sizes)} repeats for a tensor of rank {self.ndim}")
+        shape = (1,) * (len(sizes) - self.ndim) + self.shape
+        pairs = self.reshape(*(d for s in shape for d in (1, s)))
+        tiled = pairs.expand(*(d for r, s in zip(sizes, shape) for d in (r, s)))
+        return tiled.reshape(*(r * s for r, s in zip(sizes, shape)))
+
+    def movedim(self, source, destination) -> Tensor:
+        """Axes `source` (int or tuple) moved to positions `destination`, the others kept in
+        order."""
+        src = (source,) if isinstance(source, int) else tuple(source)
+        dst = (destination,) if isinstance(destination, int) else tuple(destination)
+        src = tuple(_dim(d, self.ndim, "movedim") for d in src)
+        dst = tuple(_dim(d, self.ndim, "movedim") for d in dst)
+        if len(src) != len(dst) or len(set(src)) != len(src) or len(set(dst)) != len(dst):
+            raise ShapeError(f"movedim: source {source} and destination {destination} must "
+                             "name as many distinct axes")
+        rest = iter(d for d in range(self.ndim) if d not in src)
+        placed = dict(zip(dst, src))
+        return self.permute(*(placed[i] if i in placed else next(rest)
+                              for i in range(self.ndim)))
+
+    moveaxis = movedim
+    swapaxes = swapdims = transpose
+
+    def tril(self, diagonal: int = 0) -> Tensor:
+        """Zeros above diagonal `diagonal` of the last two axes."""
+        return self._triangle(diagonal, upper=False)
+
+    def triu(self, diagonal: int = 0) -> Tensor:
+        """Zeros below diagonal `diagonal` of the last two axes."""
+        return self._triangle(diagonal, upper=True)
+
+    def _triangle(self, diagonal: int, upper: bool) -> Tensor:
+        if self.ndim < 2:
+            raise ShapeError(f"{'triu' if upper else 'tril'}: needs at least 2 axes, got "
+                             f"{self.shape}")
+        return self.tracer.op("triangle", [self], diagonal=int(diagonal), upper=upper)
+
+    def _extreme(self, kind: str, dim, keepdim: bool, what: str) -> Tensor:
+        """max / min over the axes `dim` (None: all) as one reduce_max: several axes are moved
+        to the end and merged first."""
+        axes = _dims(dim, self.ndim, what)
+        if self.ndim == 0:
+            return self
+        if len(axes) == 1:
+            y = self.tracer.op("reduce_max", [self], dim=axes[0], kind=kind)
+        else:
+            rest = [i for i in range(self.ndim) if i not in axes]
+            moved = self.permute(*rest, *axes)
+            merged = moved.reshape(*(self.shape[i] for i in rest), -1)
+            y = self.tracer.op("reduce_max", [merged], dim=len(rest), kind=kind)
+        if keepdim:
+            y = y.reshape(*(1 if i in axes else d for i, d in enumerate(self.shape)))
+        return y
+
+    def amax(self, dim=(), keepdim: bool = False) -> Tensor:
+        """Maximum over `dim` (int, tuple; () or None: all axes); the gradient is split
+        evenly between tied maxima."""
+        return self._extreme("max", dim, keepdim, "amax")
+
+    def amin(self, dim=(), keepdim: bool = False) -> Tensor:
+        """Minimum over `dim`, as amax."""
+        return self._extreme("min", dim, keepdim, "amin")
+
+    def max(self, dim=None, keepdim: bool = False):
+        """The maximum of all elements; with an int `dim` (values, indices) along it, as
+        torch.return_types.max; with a tensor, torch.maximum."""
+        return self._max_or_min(dim, keepdim, largest=True)
+
+    def min(self, dim=None, keepdim: bool = False):
+        """The minimum of all elements; with `dim` (values, indices); with a tensor,
+        torch.minimum."""
+        return self._max_or_min(dim, keepdim, largest=False)
+
+    def _max_or_min(self, dim, keepdim: bool, largest: bool):
+        from .. import return_types
+        if dim is None:
+            return self._extreme("max" if largest else "min", None, False, "max")
+        if not isinstance(dim, numbers.Integral):
+            return self.maximum(dim) if largest else self.minimum(dim)
+        d = _dim(dim, self.ndim, "max" if largest else "min")
+        values, indices = self.topk(1, d, largest)
+        if not keepdim:
+            values, indices = values.squeeze(d), indices.squeeze(d)
+        return (return_types.max if largest else return_types.min)(values, indices)
+
+    def argmax(self, dim=None, keepdim: bool = False) -> Tensor:
+        """The int64 index of the maximum along `dim` (None: of the flattened tensor); the
+        first one of ties. No gradient."""
+        return self._arg(dim, keepdim, largest=True)
+
+    def argmin(self, dim=None, keepdim: bool = False) -> Tensor:
+        """The int64 index of the minimum along `dim`, as argmax."""
+        return self._arg(dim, keepdim, largest=False)
+
+    def _arg(self, dim, keepdim: bool, largest: bool) -> Tensor:
+        if dim is None:
+            i = self.reshape(-1).topk(1, 0, largest).indices
+            return i.reshape(*(1,) * self.ndim) if keepdim else i.reshape()
+        d = _dim(dim, self.ndim, "argmax" if largest else "argmin")
+        i = self.topk(1, d, largest).indices
+        return i if keepdim else i.squeeze(d)
+
+    def topk(self, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+        """(values, indices) of the k largest (or smallest) elements along `dim`, as
+        torch.return_types.topk; always in order (`sorted` False allows any order), ties by
+        the lower index first."""
+        from .. import return_types
+        d = _dim(dim, self.ndim, "topk")
+        values, indices = self.tracer.op_all("topk", [self], dim=d, k=int(k),
+                                             largest=bool(largest))
+        return return_types.topk(values, indices)
+
+    def sort(self, dim: int = -1, descending: bool = False, stable: bool = False):
+        """(values, indices) sorted along `dim`, as torch.return_types.sort; ties keep index
+        order (stable)."""
+        from .. import return_types
+        d = _dim(dim, self.ndim, "sort")
+        values, indices = self.topk(self.shape[d], d, largest=descending)
+        return return_types.sort(values, indices)
+
+    def var(self, dim=None, unbiased=None, keepdim: bool = False, *, correction=None):
+        """Variance over `dim`: the sum of squared deviations from the mean divided by
+        N - correction (correction 1 unless unbiased=False or given)."""
+        if isinstance(dim, bool):               # x.var(False): the old unbiased argument
+            dim, unbiased = None, dim
+        if correction is None:
+            correction = 0 if unbiased is False else 1
+        axes = _dims(dim, self.ndim, "var")
+        count = math.prod(self.shape[a] for a in axes)
+        dev = self - self.mean(axes, keepdim=True)
+        return (dev * dev).sum(axes, keepdim) / float(max(count - correction, 0))
+
+    def std(self, dim=None, unbiased=None, keepdim: bool = False, *, correction=None):
+        """Square root of var (same arguments)."""
+        return self.var(dim, unbiased, keepdim, correction=correction) ** 0.5
+
+    def logsumexp(self, dim, keepdim: bool = False) -> Tensor:
+        """log(sum(exp(x))) over `dim`, stably: x - log_softmax(x) is that value at every
+        position of the reduced axes, so the first one is read."""
+        axes = _dims(dim, self.ndim, "logsumexp")
+        rest = [i for i in range(self.ndim) if i not in axes]
+        rows = self.permute(*rest, *axes).reshape(*(self.shape[i] for i in rest), -1)
+        first = rows.narrow(-1, 0, 1)
+        y = (first - rows.log_softmax(-1).narrow(-1, 0, 1)).reshape(*first.shape[:-1])
+        if keepdim:
+            y = y.reshape(*(1 if i in axes else d for i, d in enumerate(self.shape)))
+        return y
+
+    def cumsum(self, dim: int, dtype=None) -> Tensor:
+        """Running sums along `dim`."""
+        if dtype is not None and dtype != self.dtype:
+            self._unsupported(f"cumsum with dtype={dtype} (cast first)")
+        return self.tracer.op("cumsum", [self], dim=_dim(dim, self.ndim, "cumsum"),
+                              reverse=False)
+
+    def gather(self, dim: int, index) -> Tensor:
+        """y[p] = x[p with axis `dim` replaced by index[p]], as torch.gather."""
+        index = self._coerce(index, "gather")
+        d, x = _dim(dim, self.ndim, "gather"), self
+        if index.ndim != self.ndim:
+            raise ShapeError(f"gather: index {index.shape} must have the rank of {self.shape}")
+        for axis, n in enumerate(index.shape):      # the op takes x's extent off dim
+            if axis != d and n != x.shape[axis]:
+                x = x.narrow(axis, 0, n)
+        return self.tracer.op("gather", [x, index], dim=d)
+
     # ---- activations ----
     def _act(self, kind: str) -> Tensor:
         return self.tracer.op("act", [self], kind=kind, slope=0.01)
@@ -729,11 +1036,10 @@ class Tensor:
         raise UnsupportedOpError(f"{op} is not supported by stepgraph (called in "
                                  f"{self.tracer.where()})")
 
-    def __getitem__(self, index):
-        self._unsupported("indexing (Tensor.__getitem__)")
-
     def __setitem__(self, index, value):
-        self._unsupported("item assignment (Tensor.__setitem__)")
+        self._unsupported("item assignment x[...] = v (Tensor.__setitem__; traced tensors are "
+                          "immutable: build the result with torch.where(mask, v, x), "
+                          "masked_fill, torch.cat, or index_put's out-of-place form)")
 
     def __iter__(self):
         self._unsupported("iteration over a tensor")
