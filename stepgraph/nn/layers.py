@@ -1,25 +1,47 @@
 """Layers with torch.nn's names, constructor arguments, parameter shapes and initialisation."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..errors import ShapeError, UnsupportedOpError
 from . import functional as F
-from .init import normal, uniform_fan_in
+from . import init
 from .module import Module, Parameter
 
 
+def _reset_fan_in(weight: Parameter, bias: Parameter | None) -> None:
+    """torch's default for Linear and Conv: kaiming_uniform_(a=sqrt(5)), i.e.
+    U(-1/sqrt(fan_in), 1/sqrt(fan_in)), and the bias from the same range."""
+    init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if bias is not None:
+        fan_in, _ = init._calculate_fan_in_and_fan_out(weight)
+        bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+        init.uniform_(bias, -bound, bound)
+
+
 class Linear(Module):
+    """y = x W^T + b, weight (out_features, in_features), initialised by reset_parameters."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = Parameter(uniform_fan_in((out_features, in_features), in_features))
-        self.bias = Parameter(uniform_fan_in((out_features,), in_features)) if bias else None
+        self.weight = Parameter(np.empty((out_features, in_features), np.float32))
+        self.bias = Parameter(np.empty(out_features, np.float32)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _reset_fan_in(self.weight, self.bias)
 
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
+
+    def _label_args(self):
         return f"{self.in_features},{self.out_features}"
 
 
@@ -35,7 +57,11 @@ class Embedding(Module):
             raise UnsupportedOpError("Embedding with padding_idx, max_norm, scale_grad_by_freq "
                                      "or sparse is not supported")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.weight = Parameter(normal((num_embeddings, embedding_dim)))
+        self.weight = Parameter(np.empty((num_embeddings, embedding_dim), np.float32))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        init.normal_(self.weight)
 
     def forward(self, input):
         return F.embedding(input, self.weight)
@@ -55,8 +81,15 @@ class LayerNorm(Module):
         self.normalized_shape, self.eps = shape, eps
         self.elementwise_affine = elementwise_affine
         c = shape[0]
-        self.weight = Parameter(np.ones(c, np.float32)) if elementwise_affine else None
-        self.bias = Parameter(np.zeros(c, np.float32)) if elementwise_affine and bias else None
+        self.weight = Parameter(np.empty(c, np.float32)) if elementwise_affine else None
+        self.bias = Parameter(np.empty(c, np.float32)) if elementwise_affine and bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            init.ones_(self.weight)
+        if self.bias is not None:
+            init.zeros_(self.bias)
 
     def forward(self, x):
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
@@ -75,20 +108,34 @@ class Conv2d(Module):
         if padding_mode != "zeros":
             raise UnsupportedOpError(f"Conv2d padding_mode={padding_mode!r} (only 'zeros')")
         kh, kw = F._pair(kernel_size)
-        fan_in = in_channels // groups * kh * kw
         self.in_channels, self.out_channels = in_channels, out_channels
         self.kernel_size, self.stride = (kh, kw), F._pair(stride)
         self.padding = padding if isinstance(padding, str) else F._pair(padding)
         self.dilation, self.groups = F._pair(dilation), groups
-        self.weight = Parameter(uniform_fan_in((out_channels, in_channels // groups, kh, kw),
-                                               fan_in))
-        self.bias = Parameter(uniform_fan_in((out_channels,), fan_in)) if bias else None
+        self.weight = Parameter(np.empty((out_channels, in_channels // groups, kh, kw),
+                                         np.float32))
+        self.bias = Parameter(np.empty(out_channels, np.float32)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _reset_fan_in(self.weight, self.bias)
 
     def forward(self, x):
         return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation,
                         self.groups)
 
     def extra_repr(self):
+        s = (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+             f"stride={self.stride}")
+        if self.padding != (0, 0):
+            s += f", padding={self.padding!r}"
+        if self.dilation != (1, 1):
+            s += f", dilation={self.dilation}"
+        if self.groups != 1:
+            s += f", groups={self.groups}"
+        return s + (", bias=False" if self.bias is None else "")
+
+    def _label_args(self):
         return f"{self.in_channels},{self.out_channels},{self.kernel_size[0]}"
 
 
@@ -149,12 +196,25 @@ class _BatchNorm(Module):
         super().__init__()
         self.num_features, self.eps, self.momentum = num_features, eps, momentum
         self.affine, self.track_running_stats = affine, track_running_stats
-        self.weight = Parameter(np.ones(num_features, np.float32)) if affine else None
-        self.bias = Parameter(np.zeros(num_features, np.float32)) if affine else None
+        self.weight = Parameter(np.empty(num_features, np.float32)) if affine else None
+        self.bias = Parameter(np.empty(num_features, np.float32)) if affine else None
         track = track_running_stats
         self.register_buffer("running_mean", np.zeros(num_features, np.float32) if track else None)
         self.register_buffer("running_var", np.ones(num_features, np.float32) if track else None)
         self.register_buffer("num_batches_tracked", np.array(0, np.int64) if track else None)
+        self.reset_parameters()
+
+    def reset_running_stats(self) -> None:
+        if self.track_running_stats:
+            self.running_mean.zero_()
+            self.running_var.fill_(1)
+            self.num_batches_tracked.zero_()
+
+    def reset_parameters(self) -> None:
+        self.reset_running_stats()
+        if self.affine:
+            init.ones_(self.weight)
+            init.zeros_(self.bias)
 
     def forward(self, x):
         if x.ndim not in self.ranks:
