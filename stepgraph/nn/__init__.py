@@ -1,13 +1,14 @@
 """torch.nn-shaped layers."""
+from . import init
+from .container import ModuleDict, ModuleList, ParameterDict, ParameterList, Sequential
 from .init import manual_seed
 from .layers import (GELU, AdaptiveAvgPool2d, AvgPool2d, BatchNorm1d, BatchNorm2d, Conv2d,
                      Dropout, Dropout2d, Embedding, Flatten, Identity, LayerNorm, LeakyReLU,
-                     Linear, LogSoftmax, MaxPool2d, ModuleDict, ModuleList, ReLU, Sequential,
-                     Sigmoid, SiLU, Tanh)
+                     Linear, LogSoftmax, MaxPool2d, ReLU, Sigmoid, SiLU, Tanh)
 from .module import Buffer, Module, Parameter
 
 __all__ = ["Module", "Parameter", "Linear", "Conv2d", "MaxPool2d", "Flatten", "Dropout",
            "Dropout2d", "ReLU", "LeakyReLU", "Sigmoid", "Tanh", "GELU", "LogSoftmax",
            "Sequential", "SiLU", "Identity", "ModuleList", "ModuleDict", "manual_seed", "Buffer",
            "AvgPool2d", "AdaptiveAvgPool2d", "BatchNorm1d", "BatchNorm2d", "Embedding",
-           "LayerNorm"]
+           "LayerNorm", "ParameterList", "ParameterDict", "init"]

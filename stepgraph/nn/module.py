@@ -211,6 +211,11 @@ class Module:
             self._buffers[name] = value
         object.__setattr__(self, name, value)
 
+    def __delattr__(self, name):
+        for table in (self._params, self._buffers, self._modules):
+            table.pop(name, None)
+        object.__delattr__(self, name)
+
     def _check_new_name(self, name: str, what: str) -> None:
         if not isinstance(name, str) or "." in name or not name:
             raise KeyError(f"{what} name must be a non-empty name without '.', got {name!r}")
