@@ -409,7 +409,7 @@ class Module:
         for arg in (*args, *kwargs.values()):
             if _is_device(arg) or isinstance(arg, bool):
                 continue
-            dtype = getattr(arg, "dtype", arg)
+            dtype = arg if isinstance(arg, (type, str)) else getattr(arg, "dtype", arg)
             if _dtype_name(dtype) != "float32":
                 self._refuse_dtype(_dtype_name(dtype), "to")
         return self
@@ -522,8 +522,7 @@ def _is_device(arg) -> bool:
 
 def _dtype_name(dtype) -> str:
     """"float32" for np.float32, "float32", torch.float32 or a dtype object naming it."""
-    text = str(dtype).rsplit(".", 1)[-1]
     try:
-        return str(np.dtype(text))
-    except TypeError:
-        return text
+        return str(np.dtype(dtype))
+    except TypeError:                        # torch.float32, stepgraph dtypes, bfloat16
+        return str(dtype).rsplit(".", 1)[-1]
