@@ -3,8 +3,9 @@ from . import distributed, losses, nn, ops, optim
 from .api import Predictor, TrainStep, compile_predict, compile_train_step
 from .backends import cuda_available
 from .errors import (BackendUnavailableError, CaptureError, DistributedError, LabelError,
-                     LossSelectionError, NonFiniteError, PlanError, ShapeError, StateDictError, StepgraphError,
+                     NonFiniteError, PlanError, ShapeError, StateDictError, StepgraphError,
                      UnsupportedOpError)
+from .errors import LossSelectionError
 from .ir.trace import arange
 from .nn.module import to_numpy
 
@@ -12,5 +13,6 @@ __version__ = "0.1.0"
 
 __all__ = ["nn", "optim", "losses", "distributed", "compile_train_step", "compile_predict",
            "TrainStep", "Predictor", "cuda_available", "to_numpy", "arange", "StepgraphError",
-           "ShapeError", "LabelError", "LossSelectionError", "NonFiniteError", "PlanError", "CaptureError",
-           "StateDictError", "BackendUnavailableError", "UnsupportedOpError", "DistributedError"]
+           "ShapeError", "LabelError", "NonFiniteError", "PlanError", "CaptureError",
+           "StateDictError", "BackendUnavailableError", "UnsupportedOpError", "DistributedError",
+           "LossSelectionError"]

@@ -203,6 +203,10 @@ class Module:
         object.__setattr__(self, "training", True)
 
     def __setattr__(self, name, value):
+        if name in self._params and not isinstance(value, Parameter) and value is not None:
+            raise TypeError(f"cannot assign {type(value).__name__} as parameter {name!r} (a "
+                            "stepgraph.nn.Parameter or None is required; to change its values "
+                            f"in place use self.{name}.data = values)")
         if isinstance(value, Parameter) or (value is None and name in self._params):
             self._params[name] = value
         elif isinstance(value, Module) or (value is None and name in self._modules):

@@ -230,3 +230,11 @@ def test_requires_grad_zero_grad_and_placement_hints():
     with pytest.raises(UnsupportedOpError, match="asked for float64"):
         m.to(np.float64)
     assert m.train() is m and m[1].training and m.eval() is m and not m[1].training
+
+
+def test_assigning_a_plain_array_to_a_parameter_name_is_refused():
+    lin = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="cannot assign ndarray as parameter 'weight'"):
+        lin.weight = np.zeros((2, 2))
+    lin.weight.data = np.zeros((2, 2))           # the in-place way
+    assert not lin.state_dict()["weight"].any()
