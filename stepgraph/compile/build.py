@@ -93,6 +93,9 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
     if bf16:
         autocast(tracer.graph)
     params = list(tracer.graph.params)
+    if not params:
+        raise ValueError("nothing to train: the loss depends on no parameter with "
+                         "requires_grad=True")
     grads = append_backward(tracer, loss.value, params)
     copies = bind_weight_copies(tracer.graph) if bf16 else None
     guard = emit_guard(tracer, on_bad_batch, loss.value, target.value, grads)

@@ -191,3 +191,10 @@ def test_no_scalar_loss_in_the_output_is_a_clear_error():
     with pytest.raises(LossSelectionError, match="output is not a scalar loss.*shape"):
         sg.compile_train_step(LogitsOnly(), optimizer=optim.SGD(lr=0.1),
                               example_inputs=data[0])
+
+
+def test_a_model_with_every_parameter_frozen_is_refused():
+    model = sg_mlp().requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameter with requires_grad=True"):
+        sg.compile_train_step(model, losses.cross_entropy, optim.SGD(lr=0.1),
+                              example_inputs=batches("all-frozen")[0])
