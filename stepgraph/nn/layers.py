@@ -79,7 +79,7 @@ class LayerNorm(Module):
         super().__init__()
         shape = F.last_dim_shape(normalized_shape, "LayerNorm")
         self.normalized_shape, self.eps = shape, eps
-        self.elementwise_affine = elementwise_affine
+        self.elementwise_affine, self.has_bias = elementwise_affine, bias
         c = shape[0]
         self.weight = Parameter(np.empty(c, np.float32)) if elementwise_affine else None
         self.bias = Parameter(np.empty(c, np.float32)) if elementwise_affine and bias else None
@@ -95,6 +95,10 @@ class LayerNorm(Module):
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
     def extra_repr(self):
+        return (f"{self.normalized_shape}, eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}, bias={self.has_bias}")
+
+    def _label_args(self):
         return f"{self.normalized_shape}, eps={self.eps}"
 
 
@@ -151,6 +155,11 @@ class MaxPool2d(Module):
                             self.ceil_mode, self.return_indices)
 
     def extra_repr(self):
+        stride = self.kernel_size if self.stride is None else self.stride
+        return (f"kernel_size={self.kernel_size}, stride={stride}, padding={self.padding}, "
+                f"dilation={self.dilation}, ceil_mode={self.ceil_mode}")
+
+    def _label_args(self):
         return f"{self.kernel_size}"
 
 
@@ -167,6 +176,10 @@ class AvgPool2d(Module):
                             self.count_include_pad, self.divisor_override)
 
     def extra_repr(self):
+        stride = self.kernel_size if self.stride is None else self.stride
+        return f"kernel_size={self.kernel_size}, stride={stride}, padding={self.padding}"
+
+    def _label_args(self):
         return f"{self.kernel_size}"
 
 
@@ -181,6 +194,9 @@ class AdaptiveAvgPool2d(Module):
         return F.adaptive_avg_pool2d(x, self.output_size)
 
     def extra_repr(self):
+        return f"output_size={self.output_size}"
+
+    def _label_args(self):
         return f"{self.output_size}"
 
 
@@ -230,6 +246,11 @@ class _BatchNorm(Module):
                             num_batches_tracked=self.num_batches_tracked if update else None)
 
     def extra_repr(self):
+        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
+                f"affine={self.affine}, bias=True, "   # torch 2.13 prints its bias argument
+                f"track_running_stats={self.track_running_stats}")
+
+    def _label_args(self):
         return f"{self.num_features}"
 
 
@@ -251,6 +272,12 @@ class Flatten(Module):
     def forward(self, x):
         return F.flatten(x, self.start_dim)
 
+    def extra_repr(self):
+        return f"start_dim={self.start_dim}, end_dim=-1"
+
+    def _label_args(self):
+        return ""
+
 
 class Dropout(Module):
     per_channel = False
@@ -266,6 +293,9 @@ class Dropout(Module):
         return drop(x, self.p, self.training)
 
     def extra_repr(self):
+        return f"p={self.p}, inplace=False"
+
+    def _label_args(self):
         return f"p={self.p}"
 
 
@@ -319,6 +349,12 @@ class LeakyReLU(Module):
     def forward(self, x):
         return F.activation(x, "leaky_relu", self.negative_slope)
 
+    def extra_repr(self):
+        return f"negative_slope={self.negative_slope}"
+
+    def _label_args(self):
+        return ""
+
 
 class GELU(Module):
     def __init__(self, approximate: str = "none"):
@@ -330,6 +366,12 @@ class GELU(Module):
     def forward(self, x):
         return F.activation(x, "gelu" if self.approximate == "none" else "gelu_tanh")
 
+    def extra_repr(self):
+        return f"approximate={self.approximate!r}"
+
+    def _label_args(self):
+        return ""
+
 
 class LogSoftmax(Module):
     def __init__(self, dim: int = 1):
@@ -338,3 +380,9 @@ class LogSoftmax(Module):
 
     def forward(self, x):
         return F.log_softmax(x, self.dim)
+
+    def extra_repr(self):
+        return f"dim={self.dim}"
+
+    def _label_args(self):
+        return ""
