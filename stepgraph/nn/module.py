@@ -410,8 +410,8 @@ class Module:
         """A placement hint (device, dtype, tensor): returns self. The compile call's device
         decides where parameters live; a dtype other than float32 is refused (see the class
         docstring)."""
-        for arg in (*args, *kwargs.values()):
-            if _is_device(arg) or isinstance(arg, bool):
+        for arg in (*args, kwargs.get("dtype"), kwargs.get("device")):   # not memory_format,
+            if arg is None or _is_device(arg) or isinstance(arg, bool):     # non_blocking
                 continue
             dtype = arg if isinstance(arg, (type, str)) else getattr(arg, "dtype", arg)
             if _dtype_name(dtype) != "float32":

@@ -221,7 +221,8 @@ def test_requires_grad_zero_grad_and_placement_hints():
     assert m[0].requires_grad_(False) is m[0]
     assert [p.requires_grad for p in m.parameters()] == [False, False, True, True]
     assert m.to("cuda") is m and m.cuda() is m and m.cpu() is m and m.float() is m
-    assert m.to("cpu", np.float32) is m and m.to(dtype="float32") is m
+    assert m.to("cpu", np.float32) is m and m.to(dtype="float32", non_blocking=True) is m
+    assert m.to(torch.float32) is m and m.to(torch.device("cuda:0")) is m
     assert m.zero_grad() is None and m.zero_grad(set_to_none=False) is None
     for method in ("half", "bfloat16", "double"):
         with pytest.raises(UnsupportedOpError, match="precision='bf16'"):
