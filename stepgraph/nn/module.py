@@ -173,7 +173,10 @@ class Buffer(_Stored):
     state_dict; compiled steps bind it as graph state and update it in place."""
 
     def __init__(self, data):
-        self.storage = np.array(host_array(data), order="C")   # a copy: 0-d stays 0-d
+        host = host_array(data)
+        if not hasattr(data, "dtype") and host.dtype == np.float64:
+            host = host.astype(np.float32)    # Python floats: torch's default float32
+        self.storage = np.array(host, order="C")   # a copy: 0-d stays 0-d
         self.name = ""
 
 
@@ -200,7 +203,8 @@ class Module:
         object.__setattr__(self, "_params", OrderedDict())
         object.__setattr__(self, "_modules", OrderedDict())
         object.__setattr__(self, "_buffers", OrderedDict())
-        object.__setattr__(self, "training", True)
+        object.__setattr__(self, "_non_persistent", set())   # buffer names kept out of
+        object.__setattr__(self, "training", True)            # the state_dict
 
     def __setattr__(self, name, value):
         if name in self._params and not isinstance(value, Parameter) and value is not None:
@@ -224,14 +228,17 @@ class Module:
         if not isinstance(name, str) or "." in name or not name:
             raise KeyError(f"{what} name must be a non-empty name without '.', got {name!r}")
 
-    def register_buffer(self, name: str, array) -> None:
+    def register_buffer(self, name: str, array, persistent: bool = True) -> None:
         """Add non-trainable state under `name` (PyTorch's register_buffer): the attribute
         becomes a Buffer holding a copy of `array`, or None (registered, but not in the
-        state_dict, as BatchNorm's statistics when it tracks none)."""
+        state_dict, as BatchNorm's statistics when it tracks none). persistent=False keeps
+        it out of the state_dict too (compiled steps still bind it)."""
         self._check_new_name(name, "buffer")
         if name in self._params or name in self._modules:
             raise KeyError(f"attribute {name!r} already exists")
         self._buffers[name] = None
+        if not persistent:
+            self._non_persistent.add(name)
         setattr(self, name, None if array is None else Buffer(array))
 
     def register_parameter(self, name: str, param: Parameter | None) -> None:
@@ -446,24 +453,25 @@ class Module:
             "compile_train_step(..., precision='bf16'), which keeps float32 master weights")
 
     # ---- state_dict ----
-    def _named_state(self, prefix: str = "") -> Iterator[tuple[str, Parameter | Buffer]]:
+    def _named_state(self, prefix: str = "", persistent_only: bool = True
+                     ) -> Iterator[tuple[str, Parameter | Buffer]]:
         """PyTorch's state_dict order: per module its parameters, its buffers, then its
-        children, recursively."""
+        children, recursively (persistent_only=False: non-persistent buffers too)."""
         for name, p in self._params.items():
             if p is not None:
                 yield prefix + name, p
         for name, b in self._buffers.items():
-            if b is not None:
+            if b is not None and not (persistent_only and name in self._non_persistent):
                 yield prefix + name, b
         for name, m in self._modules.items():
             if m is not None:
-                yield from m._named_state(f"{prefix}{name}.")
+                yield from m._named_state(f"{prefix}{name}.", persistent_only)
 
     def name_parameters(self) -> None:
         """Give every parameter and buffer its state_dict key as its name; one held under
         several keys (weight tying) takes the first, its named_parameters name."""
         named: set[int] = set()
-        for name, p in self._named_state():
+        for name, p in self._named_state(persistent_only=False):
             if id(p) not in named:
                 named.add(id(p))
                 p.name = name

@@ -238,3 +238,28 @@ def test_assigning_a_plain_array_to_a_parameter_name_is_refused():
         lin.weight = np.zeros((2, 2))
     lin.weight.data = np.zeros((2, 2))           # the in-place way
     assert not lin.state_dict()["weight"].any()
+
+
+def test_non_persistent_buffer_is_bound_but_not_in_the_state_dict():
+    import stepgraph as sg
+
+    def build(lib):
+        class Masked(lib.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = lib.Linear(3, 3)
+                self.register_buffer("mask", lib_tensor(lib, [1.0, 0.0, 2.0]), persistent=False)
+
+            def forward(self, x):
+                return self.fc(x) * self.mask
+
+        return Masked()
+
+    m, tm = build(nn), build(torch.nn)
+    assert list(m.state_dict()) == list(tm.state_dict()) == ["fc.weight", "fc.bias"]
+    assert names(m.named_buffers()) == names(tm.named_buffers()) == ["mask"]
+    tm.load_state_dict({k: torch.tensor(v) for k, v in m.state_dict().items()})
+    x = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+    got = sg.compile_predict(m, example_inputs=(x,))(x)
+    np.testing.assert_allclose(got, tm(torch.tensor(x)).detach().numpy(), rtol=1e-6, atol=1e-6)
+    assert not got[:, 1].any()
