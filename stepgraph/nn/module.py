@@ -40,12 +40,13 @@ def host_array(values) -> np.ndarray:
         return values
     if isinstance(values, _Stored):
         return values.numpy()
-    if hasattr(values, "detach"):            # a torch tensor that may require grad
-        values = values.detach()
     if hasattr(values, "get") and hasattr(values, "__cuda_array_interface__"):   # CuPy
         return values.get()
     if callable(getattr(values, "numpy", None)):
-        return np.asarray(values.numpy())
+        try:
+            return np.asarray(values.numpy())
+        except RuntimeError:                 # a torch tensor that requires grad
+            return np.asarray(values.detach().numpy())
     return np.asarray(values)
 
 
