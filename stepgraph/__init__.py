@@ -8,8 +8,7 @@ from .errors import (BackendUnavailableError, CaptureError, DistributedError, La
 from .errors import LossSelectionError
 from .ir.trace import arange
 from .nn.module import to_numpy
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["nn", "optim", "losses", "distributed", "compile_train_step", "compile_predict",
            "TrainStep", "Predictor", "cuda_available", "to_numpy", "arange", "StepgraphError",

@@ -29,7 +29,7 @@ from .compile.overlap import check_option as check_overlap_option
 from .compile.overlap import resolve as resolve_overlap
 from .compile.plan import Plan, make_plan
 from .distributed.buckets import cap_bytes_of
-from .errors import BackendUnavailableError, StateDictError
+from .errors import BackendUnavailableError, PlanError, StateDictError
 from .ir.graph import PARAM, STATE, Graph, Value
 from .nn.module import Module
 from .optim.optimizer import SCHEDULE_KEY, STEP_KEY
@@ -205,7 +205,8 @@ class TrainStep(_CompiledModel):
         if self.group is not None:
             dp = self.data_parallel
             graph = average_gradients(graph, self.group.id, self.group.world_size,
-                                      cap_bytes_of(dp.bucket_cap_mb), dp.strategy)
+                                      cap_bytes_of(dp.bucket_cap_mb), dp.strategy,
+                                      dp.reduce_dtype == "bf16")
         return make_plan(resolve_overlap(self.overlap_update, graph, self.device))
 
     def _broadcast_parameters(self) -> None:
@@ -343,6 +344,10 @@ def _data_parallel(distributed):
     if not isinstance(distributed, dist.DataParallel):
         raise TypeError("distributed must be a bool or a stepgraph.distributed.DataParallel, "
                         f"got {type(distributed).__name__}")
+    if distributed.shard_optimizer:
+        raise PlanError("DataParallel(shard_optimizer=True): ZeRO-1's partition is planned "
+                        "(distributed.plan_shards), but the step's reduce-scatter and "
+                        "all-gather are not built yet; use shard_optimizer=False")
     return distributed, distributed.group or dist.init()
 
 

@@ -1,6 +1,6 @@
 """The on-disk cache of kernel choices, so that a new process does not time again what an
 earlier one on the same GPU already chose (the cuBLASLt algorithm of each GEMM, the path and
-variant of each conv and linear op: backends/cuda/gemm.py, autotune.py).
+variant of each conv and linear op: backends/cuda/matmul/gemm.py, runtime/autotune.py).
 
 Where: $STEPGRAPH_CACHE_DIR, else $XDG_CACHE_HOME/stepgraph, else ~/.cache/stepgraph; the
 choices live under choices/<namespace>/. STEPGRAPH_DISK_CACHE=0 turns it off. `stepgraph cache

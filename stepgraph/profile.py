@@ -80,8 +80,8 @@ def _profile_ops(exe: Executable, repeats: int) -> list[tuple[int | None, float]
     a profile is not a training run."""
     import cupy as cp
 
-    from .backends.cuda.graph import capture
-    from .backends.cuda.side_stream import join_all
+    from .backends.cuda.runtime.graph import capture
+    from .backends.cuda.runtime.side_stream import join_all
 
     stream, results = exe.ctx.stream, []
     for node, ins, outs in exe.calls:

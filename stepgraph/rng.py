@@ -1,6 +1,6 @@
 """Counter-based dropout randomness: Philox4x32-10 (Salmon et al., "Parallel random numbers:
 as easy as 1, 2, 3"), written with uint32 arithmetic so the CUDA kernel
-(`backends/cuda/kernels/philox.cuh`) produces the same bits.
+(`backends/cuda/include/philox.cuh`) produces the same bits.
 
 Element i of dropout site `site` at step `step` uses counter (i >> 2, site, step lo, step hi),
 key (seed lo, seed hi), and output word i & 3. An element is kept when (word >> 8) >= threshold,

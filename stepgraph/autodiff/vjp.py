@@ -1,15 +1,16 @@
 """Reverse-mode autodiff as a Graph -> Graph transform.
 
-Walks the forward nodes backwards, calls each op's VJP rule (rules.py), and appends the nodes
-the rules emit to the same graph. Gradients reaching a value from several uses are summed
-with `add` nodes. The result is ordinary graph code: the planner, the fusion passes and the
-CUDA graph see the backward like any other nodes.
+Walks the forward nodes backwards, calls each op's VJP rule (ir/ops.py VJPS, registered by
+the op's family in stepgraph/ops/), and appends the nodes the rules emit to the same graph.
+Gradients reaching a value from several uses are summed with `add` nodes. The result is
+ordinary graph code: the planner, the fusion passes and the CUDA graph see the backward like
+any other nodes.
 """
 from __future__ import annotations
 
 from ..ir.graph import Graph, Node, Value
+from ..ir.ops import VJPS
 from ..ir.trace import Tracer
-from .rules import VJPS
 
 
 def _needs_grad(graph: Graph, wrt: list[Value]) -> set[Value]:

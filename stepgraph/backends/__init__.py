@@ -27,13 +27,15 @@ def get_backend(device: str) -> Backend:
 
 
 def local_gpu() -> int:
-    """The GPU of this process: LOCAL_RANK in a data-parallel run (torchrun's variable, set
-    by `stepgraph launch`), unless the launcher left each process one visible GPU; else 0."""
-    import os
+    """The GPU of this process: its local rank in a data-parallel run (LOCAL_RANK under
+    torchrun and `stepgraph launch`, SLURM_LOCALID under srun, ...: distributed.detect_launch),
+    unless the launcher left each process one visible GPU; else 0."""
+    from ..distributed.detect import detect_launch
 
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+    env = detect_launch()
+    if env is None or env.world_size <= 1:
         return 0
-    local = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    local = env.local_rank
     try:
         import cupy
 

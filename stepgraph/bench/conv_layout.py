@@ -1,5 +1,5 @@
 """`python -m stepgraph.bench.conv_layout [--batch 512] [--out DIR]`: the cuDNN conv plans
-(backends/cuda/conv_cudnn.py) on ResNet-shaped 3x3 convolutions, NCHW against NHWC, fp32 and
+(backends/cuda/conv/conv_cudnn.py) on ResNet-shaped 3x3 convolutions, NCHW against NHWC, fp32 and
 tf32, next to the own kernels (NCHW): does choosing the memory layout per model pay?
 
 Every time is device time of one op as a captured graph replay (graph.time_on_device), the
@@ -42,7 +42,7 @@ def as_layout(cp, a, layout: str):
 
 
 def time_paths(ctx, paths: dict, repeats: int = 3) -> dict[str, float]:
-    from stepgraph.backends.cuda.graph import time_on_device
+    from stepgraph.backends.cuda.runtime.graph import time_on_device
 
     out = {}
     for name, run in paths.items():
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
 
     import cupy as cp
 
-    from stepgraph.backends.cuda import conv, conv_cudnn
+    from stepgraph.backends.cuda.conv import conv, conv_cudnn
     from stepgraph.backends.cuda.backend import CudaBackend
     from stepgraph.ir.graph import Node, Value
 

@@ -66,7 +66,7 @@ def step_floor(workload: wl.Workload, name: str, precision: str, peak_tflops: fl
 # ---- measurements (CUDA) -----------------------------------------------------------------
 
 def _best_ms(ctx, run, tries: int = 3) -> float:
-    from stepgraph.backends.cuda.graph import time_on_device
+    from stepgraph.backends.cuda.runtime.graph import time_on_device
 
     return min(time_on_device(ctx, run) for _ in range(tries))
 
@@ -76,7 +76,7 @@ def measure_peak_tflops(precision: str, n: int = PEAK_SIZE) -> float:
     import cupy as cp
 
     from stepgraph.backends import get_backend
-    from stepgraph.backends.cuda import gemm
+    from stepgraph.backends.cuda.matmul import gemm
 
     ctx = get_backend("cuda").make_context(precision)
     with ctx.stream:      # made in the order of the timed work; random, as training data is

@@ -19,6 +19,7 @@ from ..distributed.buckets import Bucket, GradientInfo, plan_buckets
 from ..errors import PlanError
 from ..ir.graph import Graph, Node, Value
 from ..ir.ops import infer_outputs
+from ..ops.collective import reduce_dtype_of
 from .rewrite import _copy
 
 UPDATE_OPS = ("sgd_update", "adam_update")
@@ -54,8 +55,9 @@ def bucket_gradients(graph: Graph, cap_bytes: int) -> tuple[list[Value], list[Bu
 
 
 def average_gradients(graph: Graph, group: str, world_size: int, cap_bytes: int,
-                      strategy: str = "flat") -> Graph:
-    """`graph` with its gradients averaged across the ranks of process group `group`."""
+                      strategy: str = "flat", bf16_communication: bool = False) -> Graph:
+    """`graph` with its gradients averaged across the ranks of process group `group`; bf16
+    gradients summed in float32 unless `bf16_communication` (DataParallel.reduce_dtype)."""
     graph = _copy(graph)
     grads, buckets, join_at = bucket_gradients(graph, cap_bytes)
     common = {"group": group, "world_size": world_size}
@@ -63,7 +65,8 @@ def average_gradients(graph: Graph, group: str, world_size: int, cap_bytes: int,
     mean: dict[Value, Value] = {}
     for b, bucket in enumerate(buckets):
         ins = [grads[i] for i in bucket.indices]
-        attrs = dict(common, bucket=b, strategy=strategy)
+        attrs = dict(common, bucket=b, strategy=strategy,
+                     reduce_dtype=reduce_dtype_of(bucket.dtype, bf16_communication))
         outs = [Value(shape, dtype, name=f"{v.name}.mean" if v.name else "")
                 for v, (shape, dtype) in zip(ins, infer_outputs("all_reduce", ins, attrs))]
         mean.update(zip(ins, outs))

@@ -8,7 +8,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..ir.graph import BF16, Graph, Node, Value
-from ..ir.ops import IGNORE_INDEX, OPS, channel_sum_axes, layout_of
+from ..ir.ops import OPS
+from ..ops.layout import channel_sum_axes, layout_of
+from ..ops.loss import IGNORE_INDEX
 from .attention import pack_attention_heads
 from .pointwise import fuse_pointwise
 from .rewrite import _copy, _join, _live, _rebuild
@@ -110,7 +112,7 @@ def fuse_activation_bias_grad(graph: Graph) -> Graph:
 def fuse_conv_bias_grad(graph: Graph) -> Graph:
     """conv2d_grad_weight(dy, x) -> dw; reduce_sum(dy, axes=(N, H, W)) -> db
     =>   conv2d_grad_weight(dy, x, bias) -> (dw, db): the weight gradient reads dy anyway.
-    (N, H, W) are the axes of the node's layout (ir.ops.channel_sum_axes)."""
+    (N, H, W) are the axes of the node's layout (ops.layout.channel_sum_axes)."""
     graph = _copy(graph)
     users = graph.consumers()
     order = {n: i for i, n in enumerate(graph.nodes)}

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 from ..errors import LabelError, NonFiniteError
 from ..ir.graph import STATE, Graph, Node, Value
-from ..ir.ops import IGNORE_INDEX
 from ..ir.trace import Tracer
 from ..ops.guard import (CALLS, FIRST_BAD, FIRST_BITS, GUARD_LABELS, N_COUNTERS, N_FLAGS,
                          SKIPPED, describe_bits, save_layout)
+from ..ops.loss import IGNORE_INDEX
 from .history import HISTORY_LENGTH, HISTORY_PREFIX
 
 POLICIES = ("raise", "skip", "ignore")

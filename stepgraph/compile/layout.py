@@ -5,7 +5,7 @@ cuDNN's tensor-core convolutions (tf32, bf16) run 1.4-5.9x faster on channels-la
 rewrites a traced forward graph, before autodiff, so that the backward is the NHWC ops' own
 VJPs:
 
-- the image ops run with attrs layout "NHWC" (ir/ops.py LAYOUTS): conv2d, batch_norm_train,
+- the image ops run with attrs layout "NHWC" (ops/layout.py LAYOUTS): conv2d, batch_norm_train,
   maxpool2d, avgpool2d (adaptive_avg_pool2d is an avgpool2d), whose inputs and outputs are
   stored (N, H, W, C);
 - a conv weight enters as a permute of its (O, C/groups, kh, kw) parameter to
@@ -32,7 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ir.graph import Graph, Node, Value
-from ..ir.ops import OPS, TO_NCHW, TO_NHWC, infer_outputs
+from ..ir.ops import OPS, infer_outputs
+from ..ops.layout import TO_NCHW, TO_NHWC
 
 MEMORY_FORMATS = ("auto", "channels_last", "contiguous")
 # Precisions at which the CUDA backend's convolutions run on tensor cores, where cuDNN's NHWC
@@ -66,14 +67,14 @@ def resolve_memory_format(memory_format: str, device: str, precision: str) -> st
     (decided per traced model by `channels_last_pays`) on CUDA at a tensor-core precision when
     cuDNN can run the convolutions, else it is "contiguous". An explicit choice is kept:
     channels-last convolutions that cuDNN cannot run (or all, without it) run NCHW between
-    permutes (backends/cuda/conv.py), correct but slow."""
+    permutes (backends/cuda/conv/conv.py), correct but slow."""
     if memory_format not in MEMORY_FORMATS:
         raise ValueError(f"memory_format must be one of {MEMORY_FORMATS}, got {memory_format!r}")
     if memory_format != "auto":
         return memory_format
     if device != "cuda" or precision not in TENSOR_CORE_PRECISIONS:
         return "contiguous"
-    from ..backends.cuda import conv_cudnn
+    from ..backends.cuda.conv import conv_cudnn
 
     return "auto" if conv_cudnn.available() else "contiguous"
 

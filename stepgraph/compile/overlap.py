@@ -15,10 +15,10 @@ reads W again for dx), views included. Parameters are bucketed in the order they
 UPDATE_BUCKET_CAP_MB of parameters a bucket (distributed/buckets.py, as the data-parallel
 all-reduces are), and each bucket's update goes right after its last parameter's safe point.
 Its attrs update_stream has the CUDA backend fork it onto a side stream there
-(backends/cuda/update_stream.py), beside the backward kernels after it; the numpy backend runs
-it in program order. One update_join, where the single update was, waits for them all before
-anything later; its inputs are the temporaries the updates read (gradients, lr), so the
-planner keeps their memory until then.
+(backends/cuda/runtime/update_stream.py), beside the backward kernels after it; the numpy
+backend runs it in program order. One update_join, where the single update was, waits for
+them all before anything later; its inputs are the temporaries the updates read (gradients,
+lr), so the planner keeps their memory until then.
 
 The step counter. Every update reads the counter after this step's increment (Adam's bias
 corrections, SGD's first-step momentum) and the lr computed from it, so the bookkeeping that
@@ -45,8 +45,9 @@ from dataclasses import dataclass
 from ..distributed.buckets import GradientInfo, cap_bytes_of, plan_buckets
 from ..errors import PlanError
 from ..ir.graph import Graph, Node, Value
-from ..ir.ops import OPS, update_weight_copies
+from ..ir.ops import OPS
 from ..ops.collective import COLLECTIVE_OPS
+from ..ops.optim import update_weight_copies
 from .distribute import UPDATE_OPS
 from .plan import _view_roots
 from .rewrite import _copy
@@ -69,7 +70,7 @@ def check_option(value) -> bool | str:
 
 @dataclass(frozen=True)
 class UpdateInputs:
-    """An update node's inputs by role (ir/ops.py sgd_update), one list entry a parameter."""
+    """An update node's inputs by role (ops/optim.py sgd_update), one list entry a parameter."""
 
     scalars: list[Value]            # lr, step (a clipped update would add the norm)
     params: list[Value]

@@ -3,7 +3,9 @@
     group = sg.distributed.init()          # RANK, WORLD_SIZE, ... from the launcher
     step = sg.compile_train_step(model, ..., distributed=True)
 
-`init()` meets the other ranks through rank 0's TCP store (group.py, store.py). A train step
+`init()` finds out who launched the run (detect.py: torchrun, `stepgraph launch`, Slurm's srun,
+mpirun) and meets the other ranks through the store there: torchrun's own TCPStore under
+torchrun, else the one rank 0 serves (group.py, store.py). A train step
 compiled with `distributed=True` (or a `DataParallel` with options) broadcasts rank 0's
 parameters and buffers to every rank, then averages the gradients with one all-reduce per
 bucket of about 25 MiB (buckets.py), each launched as soon as its last gradient is final
@@ -17,9 +19,12 @@ from dataclasses import dataclass
 
 from ..errors import DistributedError
 from .buckets import BUCKET_CAP_MB, Bucket, GradientInfo, cap_bytes_of, plan_buckets
-from .group import DistEnv, ProcessGroup, default_timeout, lookup_group, rendezvous
+from .detect import DistEnv, detect_launch, slurm_hosts
+from .group import ProcessGroup, default_timeout, lookup_group, rendezvous
+from .zero import BucketShards, ShardSlice, plan_shards
 
 STRATEGIES = ("flat", "grouped")
+REDUCE_DTYPES = ("fp32", "bf16")
 
 _group: ProcessGroup | None = None
 
@@ -31,27 +36,46 @@ class DataParallel:
     bucket_cap_mb: the bucket size in MiB (DDP's bucket_cap_mb). strategy (CUDA): "flat"
     copies a bucket's gradients into one buffer for one NCCL all-reduce; "grouped" issues one
     all-reduce per gradient inside an NCCL group (no copies). group: the process group
-    (default: init()'s)."""
+    (default: init()'s).
+
+    reduce_dtype: what bf16 gradients (precision="bf16": those of the bf16 weight copies) are
+    summed in across ranks; float32 gradients are always summed in float32.
+    "fp32" (default): widened to float32, summed, divided, rounded to bf16 once: the mean is
+    the exact mean rounded to bf16 (relative error at most 2^-8), as DDP's float32 gradients
+    would give. CUDA moves 4 bytes per element and packs every bf16 bucket into a float32
+    buffer. "bf16": sent and summed in bf16, half the bytes on the wire, but every partial sum
+    is rounded too: with W ranks the error grows to about W * 2^-8 of the largest partial
+    sum, and a small gradient added to a large one can vanish; CUDA issues one NCCL_BFLOAT16
+    all-reduce per gradient (no packing).
+
+    shard_optimizer: ZeRO stage 1 (each rank keeps and updates 1/world of the optimizer
+    state). Its partition is planned (zero.plan_shards), but the step's reduce-scatter and
+    all-gather are not built yet: compile_train_step refuses it with a PlanError."""
 
     bucket_cap_mb: float = BUCKET_CAP_MB
     strategy: str = "flat"
     group: ProcessGroup | None = None
+    reduce_dtype: str = "fp32"
+    shard_optimizer: bool = False
 
     def __post_init__(self):
         cap_bytes_of(self.bucket_cap_mb)
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"reduce_dtype must be one of {REDUCE_DTYPES}, got "
+                             f"{self.reduce_dtype!r}")
 
 
 def init(timeout: float | None = None, env: DistEnv | None = None) -> ProcessGroup:
     """The process group of this run, made on the first call: from the launcher's variables
-    (torchrun's; a world of one without them). Waits at most `timeout` seconds (default
+    (detect_launch(); a world of one without them). Waits at most `timeout` seconds (default
     $STEPGRAPH_DIST_TIMEOUT or 120) for every rank to arrive. Where CuPy sees GPUs, GPU
     LOCAL_RANK becomes the current device (as torch.cuda.set_device(local_rank))."""
     global _group
     if _group is not None and not _group._closed:
         return _group
-    env = env or DistEnv.from_environ() or DistEnv(0, 1, 0, "127.0.0.1", 1)
+    env = env or detect_launch() or DistEnv(0, 1, 0, "127.0.0.1", 1, "single", "none")
     _use_local_gpu()
     _group = rendezvous(env, timeout)
     return _group
@@ -103,11 +127,12 @@ def destroy() -> None:
 
 def launched_world_size(environ=None) -> int:
     """WORLD_SIZE as the launcher set it (1 when not launched); no rendezvous."""
-    env = DistEnv.from_environ(environ)
+    env = detect_launch(environ)
     return 1 if env is None else env.world_size
 
 
-__all__ = ["BUCKET_CAP_MB", "Bucket", "DataParallel", "DistEnv", "DistributedError",
-           "GradientInfo", "ProcessGroup", "default_timeout", "destroy", "get_group", "get_rank",
-           "get_world_size", "init", "is_initialized", "launched_world_size", "lookup_group",
-           "plan_buckets", "rendezvous"]
+__all__ = ["BUCKET_CAP_MB", "Bucket", "BucketShards", "DataParallel", "DistEnv",
+           "DistributedError", "GradientInfo", "ProcessGroup", "ShardSlice", "default_timeout",
+           "destroy", "detect_launch", "get_group", "get_rank", "get_world_size", "init",
+           "is_initialized", "launched_world_size", "lookup_group", "plan_buckets",
+           "plan_shards", "rendezvous", "slurm_hosts"]

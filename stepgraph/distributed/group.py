@@ -1,31 +1,34 @@
 """The process group of a data-parallel run: who I am (RANK of WORLD_SIZE), the rendezvous
 through rank 0's store, host-side collectives over that store, and the NCCL communicator.
 
-Launch variables are torchrun's: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, so
-`torchrun --nproc-per-node N script.py` and `stepgraph launch --gpus N -- python script.py`
-start the same processes. Every rank calls the same collectives in the same order; each one
-gets the next sequence number, which names its keys in the store.
+Who started the run and where the ranks meet is detect.py's (torchrun, `stepgraph launch`,
+Slurm, mpirun). Every rank calls the same collectives in the same order; each one gets the
+next sequence number, which names its keys in the store.
 """
 from __future__ import annotations
 
 import atexit
 import json
 import os
+import sys
 import time
 import weakref
-from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import DistributedError
-from .store import StoreClient, StoreServer, StoreTimeout
+from .detect import DistEnv
+from .store import RankDied, StoreClient, StoreServer, StoreTimeout, TorchStoreClient
+from .watchdog import Watchdog
 
 DEFAULT_TIMEOUT_S = 120.0
 TIMEOUT_ENV = "STEPGRAPH_DIST_TIMEOUT"
-ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+LEAVING_S = 10.0              # at most this long at exit for the other ranks
+FAULT_EXIT_CODE = 75          # a rank ended because another died (EX_TEMPFAIL: run it again)
 
 # Groups by id: graph nodes name their group in attrs (plain data), the op impls look it up.
 _GROUPS: "weakref.WeakValueDictionary[str, ProcessGroup]" = weakref.WeakValueDictionary()
+_WATCHED: "weakref.WeakSet[ProcessGroup]" = weakref.WeakSet()    # see _note_crashes
 
 
 def default_timeout() -> float:
@@ -42,49 +45,6 @@ def default_timeout() -> float:
     return value
 
 
-@dataclass(frozen=True)
-class DistEnv:
-    """This process's place in the run, as the launcher's variables say."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str
-    master_port: int
-
-    @classmethod
-    def from_environ(cls, environ=None) -> "DistEnv | None":
-        """The variables of `environ` (default os.environ); None when WORLD_SIZE is unset.
-        DistributedError names a missing or malformed variable."""
-        env = os.environ if environ is None else environ
-        if "WORLD_SIZE" not in env:
-            return None
-        values = {}
-        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-            raw = env.get(name, env.get("RANK") if name == "LOCAL_RANK" else None)
-            if raw is None:
-                raise DistributedError(f"WORLD_SIZE is set but {name} is not (the launcher "
-                                       f"sets {', '.join(ENV_VARS)})")
-            try:
-                values[name] = int(raw)
-            except ValueError:
-                raise DistributedError(f"{name} must be an integer, got {raw!r}") from None
-        out = cls(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"],
-                  env.get("MASTER_ADDR", "127.0.0.1"), values["MASTER_PORT"])
-        out.check()
-        return out
-
-    def check(self) -> None:
-        if self.world_size < 1:
-            raise DistributedError(f"WORLD_SIZE must be >= 1, got {self.world_size}")
-        if not 0 <= self.rank < self.world_size:
-            raise DistributedError(f"RANK must be in [0, {self.world_size}), got {self.rank}")
-        if self.local_rank < 0:
-            raise DistributedError(f"LOCAL_RANK must be >= 0, got {self.local_rank}")
-        if not 0 < self.master_port < 65536:
-            raise DistributedError(f"MASTER_PORT must be in [1, 65535], got {self.master_port}")
-
-
 class ProcessGroup:
     """The ranks of one run. A world of one needs no store: its collectives are copies."""
 
@@ -94,9 +54,13 @@ class ProcessGroup:
         self.id = f"{env.master_addr}:{env.master_port}/rank{env.rank}/pid{os.getpid()}"
         self._seq = 0
         self._nccl = None
+        self._watchdog: Watchdog | None = None
         self._closed = False
+        self._crashed = False
         _GROUPS[self.id] = self
         atexit.register(self.destroy)
+        if store is not None:
+            _note_crashes(self)
 
     rank = property(lambda self: self.env.rank)
     world_size = property(lambda self: self.env.world_size)
@@ -119,6 +83,8 @@ class ProcessGroup:
             try:
                 values.append(self.store.get(f"{prefix}{r}",
                                              max(0.0, deadline - time.monotonic())))
+            except RankDied as err:
+                raise self._died(err, what) from None
             except StoreTimeout:
                 missing = [q for q in range(r, self.world_size)
                            if not self.store.has(f"{prefix}{q}")]
@@ -128,10 +94,15 @@ class ProcessGroup:
                     f"elsewhere?)") from None
         return values
 
+    def _died(self, err: RankDied, what: str) -> DistributedError:
+        return DistributedError(f"rank {self.rank}: {what} failed: rank(s) {err.ranks} of "
+                                f"{self.world_size} died (killed or crashed) during the run")
+
     def _done(self, prefix: str, readers: int) -> None:
         """Drop a collective's keys once its last reader has read them."""
         if self.store.add(f"{prefix}done", 1) == readers:
-            self.store.delete_prefix(prefix)
+            self.store.delete_keys([f"{prefix}{r}" for r in range(self.world_size)]
+                                   + [f"{prefix}done"])
 
     # ---- host collectives (the store) ----------------------------------------------------
 
@@ -143,10 +114,11 @@ class ProcessGroup:
         self._gather(prefix, what, timeout)
         self._done(prefix, self.world_size)
 
-    def all_reduce_mean(self, arrays: list[np.ndarray], what: str = "all_reduce") \
-            -> list[np.ndarray]:
+    def all_reduce_mean(self, arrays: list[np.ndarray], what: str = "all_reduce",
+                        round_sum=None) -> list[np.ndarray]:
         """The mean over ranks of each array (one dtype), summed in rank order, so every
-        rank gets the same bits."""
+        rank gets the same bits. round_sum (an elementwise rounding, e.g. to bf16): applied
+        to every partial sum and to the mean, as a reduction in a narrower type is."""
         if self.world_size == 1:
             return [np.array(a, copy=True) for a in arrays]
         flat = np.concatenate([np.ascontiguousarray(a).reshape(-1) for a in arrays])
@@ -157,7 +129,11 @@ class ProcessGroup:
         total = np.frombuffer(parts[0], dtype=flat.dtype).copy()
         for part in parts[1:]:
             total += np.frombuffer(part, dtype=flat.dtype)
+            if round_sum is not None:
+                total = round_sum(total)
         total /= flat.dtype.type(self.world_size)
+        if round_sum is not None:
+            total = round_sum(total)
         return _split(total, arrays)
 
     def all_reduce_max(self, arrays: list[np.ndarray], what: str = "all_reduce") \
@@ -185,6 +161,8 @@ class ProcessGroup:
             return [np.array(a, copy=True) for a in arrays]
         try:
             payload = self.store.get(f"{prefix}{root}")
+        except RankDied as err:
+            raise self._died(err, what) from None
         except StoreTimeout:
             raise DistributedError(f"rank {self.rank}: {what} timed out after "
                                    f"{self.timeout:g} s waiting for rank {root}") from None
@@ -231,36 +209,85 @@ class ProcessGroup:
 
         with cupy.cuda.Device(device_id):
             self._nccl = nccl.NcclCommunicator(self.world_size, uid, self.rank)
+        if isinstance(self.store, StoreClient):     # torchrun watches its workers itself
+            self._watchdog = Watchdog(self.rank, self.world_size, self.env.master_addr,
+                                      self.env.master_port, self.timeout, self._fault)
         return self._nccl
+
+    def _fault(self, error: DistributedError) -> None:
+        """(the watchdog's thread) A peer died: abort the communicator, so that nothing of
+        ours waits on the dead rank, report and end this process; its main thread may be
+        blocked in a wait on the device that would not return."""
+        comm = self._nccl
+        if comm is not None:
+            try:
+                comm.abort()
+            except Exception:      # aborting is all that is left to do; exit regardless
+                pass
+        print(f"stepgraph: DistributedError: {error}", file=sys.stderr, flush=True)
+        os._exit(FAULT_EXIT_CODE)
 
     @property
     def has_nccl(self) -> bool:
         return self._nccl is not None
 
     def destroy(self) -> None:
-        """Destroy the NCCL communicator, then leave the store (rank 0 waits a little for
-        the others first, so none loses the store while it still needs it)."""
+        """Wait for the device, stop the watchdog, destroy the NCCL communicator, then leave
+        the store through a barrier (a dead rank ends it at once); rank 0 serves the store
+        until every other rank has left or died (at most LEAVING_S), so that none loses it
+        while it still needs it. A rank that crashed (an uncaught exception) skips the
+        barrier and drops its connection: the others see it die."""
         if self._closed:
             return
         self._closed = True
-        comm, self._nccl = self._nccl, None
+        comm = self._nccl
         if comm is not None:
             try:
                 import cupy
 
-                cupy.cuda.Device().synchronize()   # nothing of ours may still use it
-                comm.destroy()
+                # Nothing of ours may still use it; the watchdog still guards this wait.
+                cupy.cuda.Device().synchronize()
             except Exception:   # at exit, after a failure: nothing left to report to
                 pass
-        if self.store is not None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        self._nccl = None
+        if comm is not None:
             try:
-                self.barrier("leaving", timeout=min(self.timeout, 10.0))
+                comm.destroy()
+            except Exception:
+                pass
+        linger = min(self.timeout, LEAVING_S)
+        if self.store is not None and self._crashed:
+            self.store.close(leave=False)      # the others see this rank die, at once
+        elif self.store is not None:
+            try:
+                self.barrier("leaving", timeout=linger)
             except Exception:
                 pass
             self.store.close()
         if self._server is not None:
-            self._server.close()
+            self._server.close(linger)
         _GROUPS.pop(self.id, None)
+
+
+def _note_crashes(group: ProcessGroup) -> None:
+    """Mark `group` crashed when the program ends on an uncaught exception other than a
+    DistributedError (those report another rank's failure): its destroy() then drops the
+    store connection without leaving, so the other ranks fail at once naming this one,
+    instead of waiting out their timeout for collectives it will never join."""
+    if not getattr(sys.excepthook, "marks_crashed_groups", False):
+        previous = sys.excepthook
+
+        def hook(kind, value, traceback):
+            if not issubclass(kind, DistributedError):
+                for watched in list(_WATCHED):
+                    watched._crashed = True
+            previous(kind, value, traceback)
+
+        hook.marks_crashed_groups = True
+        sys.excepthook = hook
+    _WATCHED.add(group)
 
 
 def _split(flat: np.ndarray, like: list[np.ndarray]) -> list[np.ndarray]:
@@ -284,20 +311,26 @@ def lookup_group(group_id: str) -> ProcessGroup:
 def rendezvous(env: DistEnv, timeout: float | None = None) -> ProcessGroup:
     """Meet the other ranks: rank 0 serves the store, every rank connects, claims its rank
     and waits (at most `timeout` seconds) until all WORLD_SIZE ranks have; DistributedError
-    names the ranks that never arrived, or a rank claimed twice."""
+    names the ranks that never arrived, or a rank claimed twice. The store is env.store's:
+    torchrun's agent's (every rank a client; nothing binds MASTER_PORT), or stepgraph's own,
+    served by rank 0."""
     timeout = default_timeout() if timeout is None else float(timeout)
     if env.world_size == 1:
         return ProcessGroup(env, None, None, timeout)
-    server = StoreServer(env.master_addr, env.master_port) if env.rank == 0 else None
+    own = env.store != "torch"
+    server = StoreServer(env.master_addr, env.master_port) if own and env.rank == 0 else None
     try:
         try:
-            store = StoreClient(env.master_addr, env.master_port, timeout)
+            store = (StoreClient(env.master_addr, env.master_port, timeout) if own else
+                     TorchStoreClient(env.master_addr, env.master_port, timeout,
+                                      env.namespace))
         except StoreTimeout as err:
             raise DistributedError(f"rank {env.rank}: rendezvous failed: {err}") from None
         if store.add(f"rendezvous/claims/{env.rank}", 1) != 1:
             store.close()
             raise DistributedError(f"rank {env.rank}: another process already claimed RANK="
                                    f"{env.rank} (two launches on one MASTER_PORT?)")
+        store.register(env.rank)
         group = ProcessGroup(env, store, server, timeout)
     except BaseException:
         if server is not None:

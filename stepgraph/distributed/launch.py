@@ -45,7 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stepgraph launch", usage="stepgraph launch --gpus N [options] -- CMD [ARGS...]",
         description="Start N processes of CMD for data-parallel training, one per GPU, with "
-        "torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).")
+        "torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); rank 0 "
+        "serves the rendezvous store. A script runs unchanged under torchrun, Slurm's srun "
+        "or mpirun too (stepgraph.distributed.detect_launch).",
+        epilog="example: stepgraph launch --gpus 4 -- python train.py --epochs 5")
     parser.add_argument("--gpus", type=int, required=True, help="processes to start (one a GPU)")
     parser.add_argument("--master-addr", default=DEFAULT_ADDR,
                         help=f"where rank 0 serves the rendezvous store (default {DEFAULT_ADDR})")
@@ -62,6 +65,8 @@ def parse_launch_args(argv: Sequence[str]) -> LaunchArgs:
     malformed options) says what is wrong."""
     argv = list(argv)
     if "--" not in argv:
+        if "-h" in argv or "--help" in argv:
+            build_parser().parse_args(["--help"])      # prints the usage; SystemExit(0)
         raise LaunchError("give the command to run after `--`: stepgraph launch --gpus 2 -- "
                           "python train.py")
     cut = argv.index("--")

@@ -156,16 +156,16 @@ class Tensor:
 
     def _coerce(self, other, op: str) -> Tensor:
         """`other` as a tensor of this trace: Parameters and Buffers are traced on use."""
-        from ..nn.module import Buffer, Parameter
         if isinstance(other, Tensor):
             if other.tracer is not self.tracer:
                 raise UnsupportedOpError(f"{op}: the tensors belong to different traces "
                                          f"(in {self.tracer.where()})")
             return other
-        if isinstance(other, Parameter):
-            return self.tracer.param(other)
-        if isinstance(other, Buffer):
-            return self.tracer.buffer(other)
+        # A model's Parameter or Buffer says how it is traced (nn/module.py), so that the IR
+        # needs no import of nn, which imports it.
+        traced = getattr(other, "traced", None)
+        if traced is not None:
+            return traced(self.tracer)
         raise UnsupportedOpError(f"{op} with a {type(other).__name__} operand is not supported "
                                  f"(in {self.tracer.where()}); use a traced tensor or a "
                                  "Python number")

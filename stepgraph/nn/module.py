@@ -167,6 +167,10 @@ class Parameter(_Stored):
         frozen = ", requires_grad=False" if not self.requires_grad else ""
         return f"Parameter({self.name or '?'}, shape={self.shape}{frozen})"
 
+    def traced(self, tracer) -> Tensor:
+        """This parameter in `tracer`'s trace: its `param` value, made once per trace."""
+        return tracer.param(self)
+
 
 class Buffer(_Stored):
     """A module's non-trainable state (BatchNorm's running statistics), registered with
@@ -179,6 +183,10 @@ class Buffer(_Stored):
             host = host.astype(np.float32)    # Python floats: torch's default float32
         self.storage = np.array(host, order="C")   # a copy: 0-d stays 0-d
         self.name = ""
+
+    def traced(self, tracer) -> Tensor:
+        """This buffer in `tracer`'s trace: its `state` value, made once per trace."""
+        return tracer.buffer(self)
 
 
 class IncompatibleKeys(NamedTuple):

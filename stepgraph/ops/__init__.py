@@ -1,6 +1,7 @@
-"""Op families: each module registers, per op, its shape rule (ir.ops.defop), its VJP
-(autodiff.rules.vjp) and its NumPy reference (backends.numpy.kernels.impl), side by side.
-The CUDA launchers live beside their kernels in backends/cuda/<family>.py. Importing this
-package registers every family."""
-from . import (attention, bmm, cast, collective, elementwise, embedding,  # noqa: F401
-               guard, layer_norm, norm, pointwise, pool, shape, softmax)
+"""Op families: each module registers, per op, its shape rule (`defop`), its VJP (`vjp`)
+and its NumPy reference (`impl`) in the registry (ir/ops.py), side by side. The CUDA
+launchers live beside their kernels in backends/cuda/<family>.py. Importing this package
+registers every family."""
+from . import (activation, attention, bmm, cast, collective, conv, dropout,  # noqa: F401
+               elementwise, embedding, guard, layer_norm, linear, loss, norm, optim, pointwise,
+               pool, reduce, shape, softmax)

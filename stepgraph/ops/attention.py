@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..autodiff.rules import vjp
-from ..backends.numpy.kernels import impl, keep_mask
 from ..ir.graph import FLOAT_DTYPES
-from ..ir.ops import _need, defop
+from ..ir.ops import _need, defop, impl, vjp
+from .dropout import keep_mask
 from .softmax import causal_mask
 
 MAX_HEAD_DIM = 128          # the CUDA kernels' widest head (templates for 32, 64 and 128)

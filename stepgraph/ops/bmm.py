@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..autodiff.rules import product_vjp, vjp
-from ..backends.numpy.kernels import impl
-from ..ir.ops import _need, defop
+from ..ir.ops import _need, defop, impl, vjp
+from .linear import product_vjp
 
 
 @defop("bmm")

@@ -7,10 +7,8 @@ NaN, overflow gives inf); bfloat16 -> float32 is exact. The gradient of a cast i
 """
 from __future__ import annotations
 
-from ..autodiff.rules import vjp
-from ..backends.numpy.kernels import impl
 from ..ir.graph import FLOAT_DTYPES
-from ..ir.ops import _need, defop
+from ..ir.ops import _need, defop, impl, vjp
 
 
 @defop("cast")

@@ -1,4 +1,5 @@
-"""Elementwise family: broadcasting binary ops, tensor-scalar ops and expand.
+"""Elementwise family: broadcasting binary ops, tensor-scalar ops and expand; add of two
+same-shape tensors and fill (autodiff's gradient sum and seed).
 
 Broadcasting follows NumPy/PyTorch. Gradients of broadcast operands are reduced back to the
 operand's own shape by `sum_to` (reduce_sum over the broadcast axes, then reshape).
@@ -7,9 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..autodiff.rules import vjp
-from ..backends.numpy.kernels import impl
-from ..ir.ops import _need, defop
+from ..ir.ops import _need, defop, impl, vjp
 
 BINARY_KINDS = ("add", "sub", "mul", "div")
 SCALAR_KINDS = ("add", "sub", "rsub", "mul", "div", "rdiv", "pow")
@@ -150,3 +149,34 @@ def _scalar_impl(node, ins, outs, ctx):
 @impl("expand")
 def _expand_impl(node, ins, outs, ctx):
     outs[0][...] = np.broadcast_to(ins[0], outs[0].shape)
+
+
+# ---- add and fill: autodiff's gradient sum and seed ----------------------------------------
+
+@defop("add")
+def _add(ins, attrs):
+    """c = a + b, same shapes (no broadcasting)."""
+    a, b = ins
+    _need(a.shape == b.shape and a.dtype == b.dtype, "add", f"{a!r} + {b!r}")
+    return [(a.shape, a.dtype)]
+
+
+@vjp("add")
+def _add_vjp(emit, node, dy, wants) -> list:
+    return [dy[0] if wants(0) else None, dy[0] if wants(1) else None]
+
+
+@impl("add")
+def _add_impl(node, ins, outs, ctx):
+    np.add(ins[0], ins[1], out=outs[0])
+
+
+@defop("fill")
+def _fill(ins, attrs):
+    """y = attrs["value"] everywhere; shape attrs["shape"], dtype attrs["dtype"]. No inputs."""
+    return [(tuple(attrs["shape"]), attrs["dtype"])]
+
+
+@impl("fill")
+def _fill_impl(node, ins, outs, ctx):
+    outs[0][...] = node.attrs["value"]

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..autodiff.rules import vjp
-from ..backends.numpy.kernels import impl
-from ..ir.ops import _need, defop
+from ..ir.ops import _need, defop, impl, vjp
 
 INDEX_DTYPES = ("int32", "int64")
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backends.numpy.kernels import impl
-from ..ir.ops import _need, defop
+from ..ir.ops import _need, defop, impl
+from ..optim.schedules import schedule_lr
 
 GUARD_LABELS = 1        # a label outside [0, classes)
 GUARD_LOSS = 2          # the loss is NaN or infinite
@@ -150,8 +150,6 @@ def _guard_check_impl(node, ins, outs, ctx):
 
 @impl("guard_advance")
 def _guard_advance_impl(node, ins, outs, ctx):
-    from ..optim.schedules import schedule_lr
-
     flags, counters, step, schedule, loss, history_loss, history_step, history_flag = ins
     bits = int(flags[FLAG_PENDING])
     flags[FLAG_PENDING] = 0

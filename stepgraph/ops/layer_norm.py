@@ -10,9 +10,7 @@ import math
 
 import numpy as np
 
-from ..autodiff.rules import vjp
-from ..backends.numpy.kernels import impl
-from ..ir.ops import _need, defop
+from ..ir.ops import _need, defop, impl, vjp
 
 
 def _rows(shape) -> int:

@@ -11,10 +11,9 @@ import math
 
 import numpy as np
 
-from ..autodiff.rules import layout_attrs, vjp
 from ..backends.numpy import bf16
-from ..backends.numpy.kernels import channels_last_capable, impl
-from ..ir.ops import _need, defop, layout_of
+from ..ir.ops import _need, defop, impl, vjp
+from .layout import channels_last_capable, layout_attrs, layout_of
 
 BN_ACTS = ("none", "relu")
 

@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 
 from ..backends.numpy import bf16
-from ..backends.numpy.kernels import IMPLS, impl, keep_mask
 from ..ir.graph import BF16, Node, Value
-from ..ir.ops import _need, defop
+from ..ir.ops import IMPLS, _need, defop, impl
+from .dropout import keep_mask
 
 # Elementwise ops a program may hold: one output, the output's shape is the broadcast shape
 # of the inputs, every element depends only on the same (broadcast) element of each input.

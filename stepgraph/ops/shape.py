@@ -1,12 +1,27 @@
-"""Shape family: permute (materialised transpose), slice along one axis and its gradient,
-arange, and the VJPs of reshape-like reductions."""
+"""Shape family: reshape (a view: the planner aliases it, no reference runs), permute
+(materialised transpose), slice along one axis and its gradient, arange."""
 from __future__ import annotations
 
 import numpy as np
 
-from ..autodiff.rules import vjp
-from ..backends.numpy.kernels import impl
-from ..ir.ops import _need, defop
+from ..ir.ops import _need, defop, impl, vjp
+
+
+@defop("reshape")
+def _reshape(ins, attrs):
+    """y = x viewed with attrs["shape"] (same element count, contiguous: no copy)."""
+    x = ins[0]
+    shape = tuple(attrs["shape"])
+    n = 1
+    for d in shape:
+        n *= d
+    _need(n == x.size, "reshape", f"cannot view {x.shape} as {shape}")
+    return [(shape, x.dtype)]
+
+
+@vjp("reshape")
+def _reshape_vjp(emit, node, dy, wants) -> list:
+    return [emit("reshape", [dy[0]], shape=node.inputs[0].shape)[0]]
 
 
 @defop("permute")
@@ -27,20 +42,6 @@ def _permute_vjp(emit, node, dy, wants) -> list:
 @impl("permute")
 def _permute_impl(node, ins, outs, ctx):
     outs[0][...] = ins[0].transpose(tuple(node.attrs["dims"]))
-
-
-@vjp("reduce_sum")
-def _reduce_sum_vjp(emit, node, dy, wants) -> list:
-    """dx = dy viewed with the summed axes kept as 1, then expanded to x's shape."""
-    x = node.inputs[0]
-    axes = {a % len(x.shape) for a in node.attrs["axes"]}
-    kept = tuple(1 if i in axes else d for i, d in enumerate(x.shape))
-    g = dy[0]
-    if tuple(g.shape) != kept:
-        g = emit("reshape", [g], shape=kept)[0]
-    if kept != tuple(x.shape):
-        g = emit("expand", [g], shape=tuple(x.shape))[0]
-    return [g]
 
 
 # ---- slice and arange ----------------------------------------------------------------------

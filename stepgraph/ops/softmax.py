@@ -1,15 +1,13 @@
 """Softmax family: softmax and its gradient over the last axis, any rank >= 1, with an
-optional scale and causal mask (attention scores). (log_softmax / log_softmax_grad live in
-ir/ops.py with the losses.)
+optional scale and causal mask (attention scores); log_softmax and its gradient.
 
 Nodes without the attrs scale / causal mean scale 1.0 and no mask."""
 from __future__ import annotations
 
 import numpy as np
 
-from ..autodiff.rules import vjp
-from ..backends.numpy.kernels import impl
-from ..ir.ops import _need, defop
+from ..ir.graph import Node
+from ..ir.ops import _need, defop, impl, vjp
 
 
 def _check_causal(op: str, shape, attrs) -> None:
@@ -69,3 +67,42 @@ def _softmax_grad_impl(node, ins, outs, ctx):
     dx = y * (dy - (dy * y).sum(axis=-1, keepdims=True))
     scale = node.attrs.get("scale", 1.0)
     outs[0][...] = dx * dx.dtype.type(scale) if scale != 1.0 else dx
+
+
+# ---- log_softmax ---------------------------------------------------------------------------
+
+@defop("log_softmax")
+def _log_softmax(ins, attrs):
+    """y = x - logsumexp(x, last axis, keepdims); x any rank >= 1 (rows = product of the
+    leading dims)."""
+    _need(len(ins[0].shape) >= 1, "log_softmax", f"input must have rank >= 1, got {ins[0].shape}")
+    return [(ins[0].shape, ins[0].dtype)]
+
+
+@defop("log_softmax_grad")
+def _log_softmax_grad(ins, attrs):
+    """dx = dy - exp(y) * dy.sum(last axis, keepdims)."""
+    return [(ins[0].shape, ins[0].dtype)]
+
+
+@vjp("log_softmax")
+def _log_softmax_vjp(emit, node: Node, dy: list, wants) -> list:
+    return [emit("log_softmax_grad", [dy[0], node.outputs[0]])[0]]
+
+
+def logsumexp(x: np.ndarray) -> np.ndarray:
+    """logsumexp over the last axis, kept as an axis of 1."""
+    m = x.max(axis=-1, keepdims=True)
+    return m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+@impl("log_softmax")
+def log_softmax(node: Node, ins, outs, ctx):
+    x = ins[0]
+    outs[0][...] = x - logsumexp(x)
+
+
+@impl("log_softmax_grad")
+def log_softmax_grad(node: Node, ins, outs, ctx):
+    dy, y = ins
+    outs[0][...] = dy - np.exp(y) * dy.sum(axis=-1, keepdims=True)

@@ -11,7 +11,7 @@ def ctx():
     backend's GEMM context define their own `ctx`."""
     import cupy as cp
 
-    from stepgraph.backends.cuda.context import CudaContext
+    from stepgraph.backends.cuda.runtime.context import CudaContext
 
     return CudaContext(stream=cp.cuda.Stream(non_blocking=True))
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from stepgraph.backends.numpy.kernels import IMPLS as NUMPY_IMPLS
 from stepgraph.ir.graph import Node, Value
+from stepgraph.ir.ops import IMPLS as NUMPY_IMPLS
 from stepgraph.ir.ops import OPS, infer_outputs
 from stepgraph.nn import functional as F
 

@@ -23,8 +23,8 @@ if not cuda_available():
 
 import stepgraph as sg  # noqa: E402
 from stepgraph import models, optim  # noqa: E402
-from stepgraph.backends.cuda import attention  # noqa: E402
-from stepgraph.backends.cuda.context import CudaContext  # noqa: E402
+from stepgraph.backends.cuda.attention import attention  # noqa: E402
+from stepgraph.backends.cuda.runtime.context import CudaContext  # noqa: E402
 from stepgraph.errors import CaptureError  # noqa: E402
 from tests.cuda.helpers import (  # noqa: E402
     capture, make_node, poisoned, random, reference, rel_err, run_cuda, to_device, to_host)

@@ -28,7 +28,7 @@ if not cuda_available():
 
 import stepgraph as sg  # noqa: E402
 from stepgraph import models, optim  # noqa: E402
-from stepgraph.backends.cuda import attention_cudnn  # noqa: E402
+from stepgraph.backends.cuda.attention import attention_cudnn  # noqa: E402
 from stepgraph.backends.numpy import bf16  # noqa: E402
 from stepgraph.ir.graph import BF16  # noqa: E402
 from tests.cuda.test_bf16_cuda import (POISON, bits, node_of, ordered, rel,  # noqa: E402

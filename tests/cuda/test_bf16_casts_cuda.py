@@ -21,7 +21,8 @@ from stepgraph.backends import cuda_available  # noqa: E402
 if not cuda_available():
     pytest.skip("no GPU visible to CuPy", allow_module_level=True)
 
-from stepgraph.backends.cuda import guards, launchers, layer_norm  # noqa: E402
+from stepgraph.backends.cuda import guards, layer_norm, optim, reduce  # noqa: E402
+from stepgraph.backends.cuda.loss import cross_entropy_train  # noqa: E402
 from stepgraph.backends.numpy import bf16  # noqa: E402
 from stepgraph.ir.graph import Node  # noqa: E402
 from stepgraph.ops.guard import GUARD_GRADS  # noqa: E402
@@ -42,7 +43,7 @@ def _update(ctx, op, params, grads, n_slots, attrs):
         ins += [cp.zeros(p.shape, np.float32) + 0.25 for _ in range(n_slots) for p in params]
     node = Node(op, [], [], dict(n_params=len(params), n_scalars=2, n_slots=n_slots,
                                  max_norm=None, **attrs))
-    getattr(launchers, op)(ctx, node, ins)
+    getattr(optim, op)(ctx, node, ins)
     ctx.stream.synchronize()
     return [cp.asnumpy(a) for a in ins[2:2 + len(params)] + ins[2 + 2 * len(params):]]
 
@@ -75,7 +76,7 @@ def test_global_norm_of_bf16_gradients_equals_that_of_the_widened_ones(ctx):
         with ctx.stream:
             out = cp.full((), np.nan, np.float32)
             ins = [cp.asarray(t) for t in tensors]
-        launchers.global_norm_forward(ctx, Node("global_norm", [], [], {}), ins, out)
+        reduce.global_norm_forward(ctx, Node("global_norm", [], [], {}), ins, out)
         ctx.stream.synchronize()
         return float(out)
 
@@ -112,8 +113,8 @@ def test_cross_entropy_train_on_bf16_logits(ctx, n, c, smoothing, ignore):
             loss = cp.full((), np.nan, np.float32)
             dx = cp.full((n, c), dx_poison)           # a NaN of the dtype (0x7FA1: bf16's)
             xs, ys = cp.asarray(x), cp.asarray(labels)
-        launchers.cross_entropy_train(ctx, Node("cross_entropy_train", [], [], {}), xs, ys, loss,
-                                      dx, smoothing, ignore)
+        cross_entropy_train(ctx, Node("cross_entropy_train", [], [], {}), xs, ys, loss, dx,
+                            smoothing, ignore)
         ctx.stream.synchronize()
         return float(loss), cp.asnumpy(dx)
 

@@ -45,7 +45,8 @@ if not cuda_available():
 
 import stepgraph as sg  # noqa: E402
 from stepgraph import models, optim  # noqa: E402
-from stepgraph.backends.cuda import conv, conv_cudnn, conv_tiled, norm, pool  # noqa: E402
+from stepgraph.backends.cuda import norm, pool  # noqa: E402
+from stepgraph.backends.cuda.conv import conv, conv_cudnn, conv_tiled  # noqa: E402
 from stepgraph.backends.numpy import bf16  # noqa: E402
 from stepgraph.backends.numpy.backend import NumpyBackend  # noqa: E402
 from stepgraph.errors import UnsupportedPrecisionError  # noqa: E402

@@ -27,7 +27,7 @@ if not cuda_available():
 
 import stepgraph as sg  # noqa: E402
 from stepgraph import losses, models, optim  # noqa: E402
-from stepgraph.backends.cuda import small_matmul  # noqa: E402
+from stepgraph.backends.cuda.matmul import small_matmul  # noqa: E402
 from stepgraph.backends.numpy import NumpyBackend, bf16  # noqa: E402
 from stepgraph.ir.graph import BF16, Node, Value  # noqa: E402
 from stepgraph.ir.ops import OPS, infer_outputs  # noqa: E402

@@ -30,7 +30,7 @@ if not cuda_available():
 
 import stepgraph as sg  # noqa: E402
 from stepgraph import models, optim  # noqa: E402
-from stepgraph.backends.cuda import broadcast, launchers  # noqa: E402
+from stepgraph.backends.cuda import broadcast, elementwise  # noqa: E402
 from stepgraph.backends.numpy import bf16  # noqa: E402
 from stepgraph.compile.pointwise import fuse_pointwise  # noqa: E402
 from stepgraph.ir.graph import BF16, Node  # noqa: E402
@@ -101,8 +101,8 @@ def test_unaligned_and_in_place_launches(ctx, request):
     with ctx.stream:
         da, db = cp.asarray(a), cp.asarray(b)
         out = cp.full(a.shape, POISON[BF16], np.uint16)
-    launchers.add_forward(ctx, da[1:], db[1:], out[1:])
-    launchers.act_forward(ctx, db[1:], db[1:], "relu")            # in place
+    elementwise.add_forward(ctx, da[1:], db[1:], out[1:])
+    elementwise.act_forward(ctx, db[1:], db[1:], "relu")            # in place
     broadcast.binary_forward(ctx, da[1:], out[1:], da[1:], "mul")  # in place, a * (a + b)
     ctx.stream.synchronize()
     s = bf16.to_bits(wa + wb)

@@ -1,5 +1,5 @@
 """cuda vs numpy for the elementwise, shape and softmax families (backends/cuda/broadcast.py,
-softmax.py, and reduce_sum / log_softmax / act in launchers.py) against the numpy references:
+softmax.py, and reduce_sum / log_softmax / act in reduce.py, loss.py, elementwise.py) against the numpy references:
 fresh random inputs (never zeros), cuda outputs poisoned with NaN first, broadcast shapes with
 size-1 dims, scalars, 5-D and sizes off multiples of 4; permutes of 2-D to 5-D (tiled and
 strided paths); reduce_sum over any axes; softmax rows of 1 to 5000 at ranks 1 to 4."""
@@ -21,13 +21,14 @@ from stepgraph.backends import cuda_available  # noqa: E402
 if not cuda_available():
     pytest.skip("no GPU visible to CuPy", allow_module_level=True)
 
-from stepgraph.backends.cuda import broadcast, launchers, softmax  # noqa: E402
-from stepgraph.backends.numpy.kernels import IMPLS as NUMPY_IMPLS  # noqa: E402
+from stepgraph.backends.cuda import broadcast, elementwise, loss, reduce, softmax  # noqa: E402
 from stepgraph.errors import ShapeError  # noqa: E402
+from stepgraph.ir.ops import IMPLS as NUMPY_IMPLS  # noqa: E402
 from tests.cuda import helpers  # noqa: E402
 from tests.cuda.helpers import capture, make_node, random, to_device, to_host  # noqa: E402
 
-CUDA_IMPLS = {**launchers.IMPLS, **broadcast.IMPLS, **softmax.IMPLS}
+CUDA_IMPLS = {**elementwise.IMPLS, **reduce.IMPLS, **loss.IMPLS, **broadcast.IMPLS,
+              **softmax.IMPLS}
 run_both = functools.partial(helpers.run_both, impls=CUDA_IMPLS)
 # Every output of these families is finite: a NaN on either side is a failure.
 assert_close = functools.partial(helpers.assert_close, all_finite=True)

@@ -23,7 +23,8 @@ import json, sys, time
 start = time.perf_counter()
 import cupy as cp
 import stepgraph as sg
-from stepgraph.backends.cuda import autotune, conv_cudnn
+from stepgraph.backends.cuda.conv import conv_cudnn
+from stepgraph.backends.cuda.runtime import autotune
 from stepgraph.profile import build_workload
 plans, every = [], []                         # cuDNN plans built; problems with all of theirs
 build_plan, build_every = conv_cudnn._build_plan, conv_cudnn._build

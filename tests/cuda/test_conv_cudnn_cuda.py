@@ -24,10 +24,10 @@ from stepgraph.backends import cuda_available  # noqa: E402
 if not cuda_available():
     pytest.skip("no GPU visible to CuPy", allow_module_level=True)
 
-from stepgraph.backends.cuda import conv, conv_cudnn  # noqa: E402
-from stepgraph.backends.numpy.kernels import IMPLS as NUMPY_IMPLS  # noqa: E402
+from stepgraph.backends.cuda.conv import conv, conv_cudnn  # noqa: E402
 from stepgraph.ir.graph import Node, Value  # noqa: E402
-from stepgraph.ir.ops import conv_out  # noqa: E402
+from stepgraph.ir.ops import IMPLS as NUMPY_IMPLS  # noqa: E402
+from stepgraph.ops.conv import conv_out  # noqa: E402
 from tests.cuda.helpers import random, rel_err  # noqa: E402
 
 if not conv_cudnn.available():

@@ -26,7 +26,8 @@ from stepgraph.backends import cuda_available  # noqa: E402
 if not cuda_available():
     pytest.skip("no GPU visible to CuPy", allow_module_level=True)
 
-from stepgraph.backends.cuda import attention, attention_cudnn, conv_cudnn  # noqa: E402
+from stepgraph.backends.cuda.attention import attention, attention_cudnn  # noqa: E402
+from stepgraph.backends.cuda.conv import conv_cudnn  # noqa: E402
 
 if not conv_cudnn.available():
     pytest.skip(f"cuDNN not usable: {conv_cudnn.unavailable_reason()}", allow_module_level=True)

@@ -15,10 +15,11 @@ from stepgraph.backends import cuda_available  # noqa: E402
 if not cuda_available():
     pytest.skip("no GPU visible to CuPy", allow_module_level=True)
 
-from stepgraph.backends.cuda import conv, conv_tiled, gemm, linear  # noqa: E402
-from stepgraph.backends.numpy.kernels import IMPLS as NUMPY_IMPLS  # noqa: E402
+from stepgraph.backends.cuda.conv import conv, conv_tiled  # noqa: E402
+from stepgraph.backends.cuda.matmul import gemm, linear  # noqa: E402
 from stepgraph.errors import PlanError, ShapeError  # noqa: E402
 from stepgraph.ir.graph import Node, Value  # noqa: E402
+from stepgraph.ir.ops import IMPLS as NUMPY_IMPLS  # noqa: E402
 from stepgraph.ir.ops import infer_outputs  # noqa: E402
 from tests.cuda import helpers  # noqa: E402
 from tests.cuda.helpers import make_node, poisoned, random, rel_err, to_device  # noqa: E402
@@ -286,7 +287,7 @@ def test_conv_tiled_path_launches_only_tiled_kernels(backend, monkeypatch, launc
     same on a second run."""
     ctx = backend.make_context("fp32")                # fresh scratch pool
     monkeypatch.setattr(conv, "PATH", "tiled")
-    monkeypatch.setattr(conv.launchers, "reduce_sum_forward",
+    monkeypatch.setattr(conv.reduce, "reduce_sum_forward",
                         lambda *a, **k: pytest.fail("separate bias reduction on tiled path"))
     x, w, dy, attrs = conv_grad_inputs(cfg, 22)
     b = random(np.random.default_rng(23), w.shape[0])

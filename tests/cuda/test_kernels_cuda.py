@@ -1,5 +1,5 @@
-"""cuda vs numpy for every non-GEMM op (backends/cuda/launchers.py against
-backends/numpy/kernels.py): fresh random inputs (never zeros), cuda outputs poisoned first,
+"""cuda vs numpy for every non-GEMM op (backends/cuda/elementwise.py, reduce.py, loss.py, optim.py against
+the NumPy references of stepgraph/ops/): fresh random inputs (never zeros), cuda outputs poisoned first,
 awkward shapes (batch 1, sizes not multiples of 4 or 8, odd channel counts), dropout masks
 identical bit for bit, optimizer updates over 3 steps, and one captured graph replayed."""
 from __future__ import annotations
@@ -18,11 +18,11 @@ from stepgraph.backends import cuda_available  # noqa: E402
 if not cuda_available():
     pytest.skip("no GPU visible to CuPy", allow_module_level=True)
 
-from stepgraph.backends.cuda import launchers, pool  # noqa: E402
-from stepgraph.backends.cuda.context import CudaContext  # noqa: E402
-from stepgraph.backends.numpy.kernels import IMPLS as NUMPY_IMPLS  # noqa: E402
+from stepgraph.backends.cuda import elementwise, loss, optim, pool, reduce  # noqa: E402
+from stepgraph.backends.cuda.runtime.context import CudaContext  # noqa: E402
 from stepgraph.errors import CaptureError  # noqa: E402
-from stepgraph.ir.ops import ACTIVATIONS, GRAD_FROM_OUTPUT  # noqa: E402
+from stepgraph.ir.ops import IMPLS as NUMPY_IMPLS  # noqa: E402
+from stepgraph.ops.activation import ACTIVATIONS, GRAD_FROM_OUTPUT  # noqa: E402
 from stepgraph.optim import schedules  # noqa: E402
 from tests.cuda import helpers  # noqa: E402
 from tests.cuda.helpers import (  # noqa: E402
@@ -30,7 +30,9 @@ from tests.cuda.helpers import (  # noqa: E402
     run_update_steps, to_device, to_host)
 
 # max pooling's launchers live in pool.py (with average pooling and the channels-last kernels)
-run_both = functools.partial(helpers.run_both, impls={**launchers.IMPLS, **pool.IMPLS})
+# the ops of the elementwise, reduce, loss and optim families
+CORE_IMPLS = {**elementwise.IMPLS, **reduce.IMPLS, **loss.IMPLS, **optim.IMPLS}
+run_both = functools.partial(helpers.run_both, impls={**CORE_IMPLS, **pool.IMPLS})
 
 
 SHAPES = [(1,), (1, 1), (3, 5), (7, 33), (2, 3, 5, 7), (1, 1029), (64, 128)]
@@ -72,7 +74,7 @@ def test_act_in_place_and_misaligned(ctx, kind):
     NUMPY_IMPLS["act"](make_node("act", [x[1:]], kind=kind), [x[1:]], [want], None)
     (dev,) = to_device(ctx, [x])
     view = dev[1:]
-    launchers.act_forward(ctx, view, view, kind, 0.01)
+    elementwise.act_forward(ctx, view, view, kind, 0.01)
     assert_close(to_host(ctx, [view])[0], want, what=f"act {kind} in place, misaligned")
 
 
@@ -169,7 +171,7 @@ def test_global_norm_is_deterministic(ctx):
     outs = []
     for _ in range(3):
         out = poisoned(ctx, node)
-        launchers.IMPLS["global_norm"](node, tensors, out, ctx)
+        CORE_IMPLS["global_norm"](node, tensors, out, ctx)
         outs.append(to_host(ctx, out)[0])
     assert outs[0] == outs[1] == outs[2]
 
@@ -271,13 +273,13 @@ def test_cross_entropy_train_deterministic_and_capture_fallback(ctx, n, c):
     runs = []
     for _ in range(3):
         outs = poisoned(ctx, node)
-        launchers.IMPLS[node.op](node, ins, outs, ctx)
+        CORE_IMPLS[node.op](node, ins, outs, ctx)
         runs.append(to_host(ctx, outs))
     assert runs[0][0] == runs[1][0] == runs[2][0]
     fresh = make_node("cross_entropy_train", [x, labels])
     cold = CudaContext(stream=ctx.stream, capturing=True)
     outs = poisoned(ctx, fresh)
-    launchers.IMPLS[fresh.op](fresh, ins, outs, cold)
+    CORE_IMPLS[fresh.op](fresh, ins, outs, cold)
     loss, dx = to_host(ctx, outs)
     assert_close(loss, runs[0][0], rtol=2e-6, atol=0, what="one-block fallback loss")
     assert_close(dx, runs[0][1], rtol=0, atol=0, what="one-block fallback dlogits")
@@ -312,7 +314,7 @@ def test_mse_and_grad(ctx, shape):
 def test_step_increment(ctx):
     step = np.array(41, dtype=np.int64)
     (dev,) = to_device(ctx, [step])
-    launchers.IMPLS["step_increment"](make_node("step_increment", [step]), [dev], [], ctx)
+    CORE_IMPLS["step_increment"](make_node("step_increment", [step]), [dev], [], ctx)
     assert int(to_host(ctx, [dev])[0]) == 42
 
 
@@ -324,7 +326,7 @@ def test_record_loss_writes_the_steps_slot(ctx):
     for t, value in [(3, 1.5), (11, 2.25)]:          # step 11 lands in slot 3 again
         loss, step = np.array(value, np.float32), np.array(t, np.int64)
         ins = to_device(ctx, [loss, step]) + dev
-        launchers.IMPLS["record_loss"](make_node("record_loss", [loss, step, history_loss,
+        CORE_IMPLS["record_loss"](make_node("record_loss", [loss, step, history_loss,
                                                                  history_step]), ins, [], ctx)
     got_loss, got_step = to_host(ctx, dev)
     assert got_loss[3] == np.float32(2.25) and got_step[3] == 11
@@ -344,7 +346,7 @@ def test_advance_step_matches_its_three_ops(ctx):
     dev = to_device(ctx, ins)
     with ctx.stream:
         lr = cp.full((), np.nan, np.float32)
-    launchers.IMPLS["advance_step"](node, dev, [lr], ctx)
+    CORE_IMPLS["advance_step"](node, dev, [lr], ctx)
     got = to_host(ctx, dev + [lr])
     assert int(got[0]) == 11 and int(host[0]) == 11
     assert_close(got[5], want[0], rtol=2.5e-7, atol=0, what="advance_step lr")
@@ -374,7 +376,7 @@ def test_sgd_update(ctx, momentum, dampening, weight_decay, nesterov, clip):
     attrs = dict(momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                  nesterov=nesterov)
     n_slots = 1 if momentum else 0
-    run_update_steps(ctx, launchers.IMPLS, "sgd_update", attrs, n_slots, [61, n_slots, int(clip)],
+    run_update_steps(ctx, CORE_IMPLS, "sgd_update", attrs, n_slots, [61, n_slots, int(clip)],
                      clip)
 
 
@@ -384,7 +386,7 @@ def test_sgd_update(ctx, momentum, dampening, weight_decay, nesterov, clip):
 def test_adam_update(ctx, decoupled, weight_decay, clip):
     attrs = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=weight_decay,
                  decoupled=decoupled)
-    run_update_steps(ctx, launchers.IMPLS, "adam_update", attrs, 2, [61, 2, int(clip)], clip)
+    run_update_steps(ctx, CORE_IMPLS, "adam_update", attrs, 2, [61, 2, int(clip)], clip)
 
 
 def test_update_tables_must_exist_before_capture(ctx):
@@ -394,10 +396,10 @@ def test_update_tables_must_exist_before_capture(ctx):
                      dampening=0.0, weight_decay=0.0, nesterov=False, max_norm=None)
     cold = CudaContext(stream=ctx.stream, capturing=True)
     with pytest.raises(CaptureError):
-        launchers.IMPLS["sgd_update"](node, to_device(ctx, ins), [], cold)
+        CORE_IMPLS["sgd_update"](node, to_device(ctx, ins), [], cold)
     dev = to_device(ctx, ins)
-    launchers.IMPLS["sgd_update"](node, dev, [], ctx)        # eager: builds the tables
-    launchers.IMPLS["sgd_update"](node, dev, [], cold)       # now found: no error
+    CORE_IMPLS["sgd_update"](node, dev, [], ctx)        # eager: builds the tables
+    CORE_IMPLS["sgd_update"](node, dev, [], cold)       # now found: no error
 
 
 # ---- a captured graph ----------------------------------------------------------------------
@@ -437,8 +439,8 @@ def test_captured_step_replays(ctx):
     host = [step, vector, lr, x, xd, mask, labels, loss, dx, gsum, norm, w, m, v]
     dev = to_device(ctx, [a.copy() for a in host])
     program(NUMPY_IMPLS, host, None)
-    program(launchers.IMPLS, dev, ctx)                     # eager warm-up
-    graph = capture(ctx, lambda: program(launchers.IMPLS, dev, ctx))
+    program(CORE_IMPLS, dev, ctx)                     # eager warm-up
+    graph = capture(ctx, lambda: program(CORE_IMPLS, dev, ctx))
     for _ in range(5):
         program(NUMPY_IMPLS, host, None)
         graph.launch(ctx.stream)

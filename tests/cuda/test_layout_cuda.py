@@ -25,9 +25,11 @@ pytest.importorskip("nvmath")
 if not sg.cuda_available():
     pytest.skip("no CUDA GPU", allow_module_level=True)
 
-from stepgraph.backends.cuda import conv, conv_cudnn, launchers, norm, pool  # noqa: E402
-from stepgraph.backends.numpy.kernels import IMPLS as NUMPY_IMPLS  # noqa: E402
-from stepgraph.ir.ops import conv_out  # noqa: E402
+from stepgraph.backends.cuda import elementwise, loss, norm, pool, reduce  # noqa: E402
+from stepgraph.backends.cuda import optim as cuda_optim  # noqa: E402
+from stepgraph.backends.cuda.conv import conv, conv_cudnn  # noqa: E402
+from stepgraph.ir.ops import IMPLS as NUMPY_IMPLS  # noqa: E402
+from stepgraph.ops.conv import conv_out  # noqa: E402
 from tests.cuda import helpers  # noqa: E402
 from tests.cuda.helpers import (  # noqa: E402
     assert_close, make_node, poisoned, pool_input, random, rel_err, to_device, to_host)
@@ -41,7 +43,8 @@ if not conv_cudnn.available():
 
 NHWC = (0, 2, 3, 1)
 TOL = {"fp32": 1e-5, "tf32": 3e-3}
-CUDA_IMPLS = {**launchers.IMPLS, **norm.IMPLS, **pool.IMPLS}
+CUDA_IMPLS = {**elementwise.IMPLS, **reduce.IMPLS, **loss.IMPLS, **cuda_optim.IMPLS,
+              **norm.IMPLS, **pool.IMPLS}
 run_both = functools.partial(helpers.run_both, impls=CUDA_IMPLS)
 
 

@@ -20,16 +20,18 @@ if not cuda_available():
     pytest.skip("no GPU visible to CuPy", allow_module_level=True)
 
 import stepgraph  # noqa: E402,F401  (registers the op families)
-from stepgraph.backends.cuda import launchers, norm, pool  # noqa: E402
-from stepgraph.backends.cuda.context import CudaContext  # noqa: E402
-from stepgraph.backends.numpy.kernels import IMPLS as NUMPY_IMPLS  # noqa: E402
+from stepgraph.backends.cuda import elementwise, loss, norm, optim, pool, reduce  # noqa: E402
+from stepgraph.backends.cuda.runtime import launch  # noqa: E402
+from stepgraph.backends.cuda.runtime.context import CudaContext  # noqa: E402
 from stepgraph.errors import CaptureError  # noqa: E402
+from stepgraph.ir.ops import IMPLS as NUMPY_IMPLS  # noqa: E402
 from tests.cuda import helpers  # noqa: E402
 from tests.cuda.helpers import (  # noqa: E402
     assert_close, capture, logits_and_labels, make_node, poisoned, pool_input, random,
     to_device, to_host)
 
-CUDA_IMPLS = {**launchers.IMPLS, **norm.IMPLS, **pool.IMPLS}
+CUDA_IMPLS = {**elementwise.IMPLS, **reduce.IMPLS, **loss.IMPLS, **optim.IMPLS,
+              **norm.IMPLS, **pool.IMPLS}
 run_both = functools.partial(helpers.run_both, impls=CUDA_IMPLS)
 
 
@@ -196,7 +198,7 @@ def test_batch_norm_float4_and_scalar_paths_agree(ctx):
     (dev_flat,) = to_device(ctx, [flat])
     aligned = dev_flat[1:].copy().reshape(shape)
     misaligned = dev_flat[1:].reshape(shape)
-    assert not launchers._aligned(misaligned) and launchers._aligned(aligned)
+    assert not launch._aligned(misaligned) and launch._aligned(aligned)
     outs = []
     for arr in (aligned, misaligned):
         out = poisoned(ctx, node)

@@ -20,7 +20,7 @@ if not cuda_available():
 
 from stepgraph.backends.cuda import pointwise  # noqa: E402
 from stepgraph.compile.pointwise import fuse_pointwise  # noqa: E402
-from stepgraph.ir.ops import ACTIVATIONS  # noqa: E402
+from stepgraph.ops.activation import ACTIVATIONS  # noqa: E402
 from stepgraph.ir.trace import Tracer  # noqa: E402
 from tests.cuda import helpers  # noqa: E402
 from tests.ops.helpers import build_train_graph, seeded, trace_inputs  # noqa: E402

@@ -15,7 +15,7 @@ if not cuda_available():
     pytest.skip("no GPU visible to CuPy", allow_module_level=True)
 
 from stepgraph.backends import get_backend  # noqa: E402
-from stepgraph.backends.cuda import linear, small_matmul  # noqa: E402
+from stepgraph.backends.cuda.matmul import linear, small_matmul  # noqa: E402
 from tests.cuda import helpers  # noqa: E402
 from tests.cuda.helpers import make_node  # noqa: E402
 from tests.ops.helpers import relative_error as rel  # noqa: E402

@@ -21,8 +21,9 @@ if not cuda_available():
     pytest.skip("no GPU visible to CuPy", allow_module_level=True)
 
 import stepgraph  # noqa: E402,F401  (registers the op families)
-from stepgraph.backends.cuda import embedding, launchers  # noqa: E402
-from stepgraph.backends.cuda.context import CudaContext  # noqa: E402
+from stepgraph.backends.cuda import embedding  # noqa: E402
+from stepgraph.backends.cuda.runtime import launch  # noqa: E402
+from stepgraph.backends.cuda.runtime.context import CudaContext  # noqa: E402
 from stepgraph.errors import CaptureError  # noqa: E402
 from tests.cuda.helpers import (  # noqa: E402
     PARAM_SHAPES, assert_close, capture, make_node, poisoned, random, reference, rel_err,
@@ -83,7 +84,7 @@ def test_embedding_misaligned_and_invalid(ctx, impls):
     idx = np.array([[0, 8, 3], [3, 9, -1]], np.int64)
     (dev_flat,) = to_device(ctx, [flat])
     weight = dev_flat[1:].reshape(v, c)
-    assert not launchers._aligned(weight)
+    assert not launch._aligned(weight)
     (dev_idx,) = to_device(ctx, [idx])
     with ctx.stream:
         out = cp.full((2, 3, c), np.nan, np.float32)

@@ -12,7 +12,7 @@ import numpy as np
 
 from stepgraph import losses
 from stepgraph.autodiff import append_backward
-from stepgraph.autodiff.rules import VJPS
+from stepgraph.ir.ops import VJPS
 from stepgraph.backends.numpy import NumpyBackend
 from stepgraph.compile.executable import INFERENCE, Executable
 from stepgraph.compile.fuse import fuse

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stepgraph.autodiff.rules import VJPS
-from stepgraph.ir.ops import ACTIVATIONS
+from stepgraph.ir.ops import VJPS
+from stepgraph.ops.activation import ACTIVATIONS
 from tests.ops.helpers import op_forward, op_vjp, randn, seeded
 
 EPS = 1e-6

@@ -15,7 +15,7 @@ from torch import nn as tnn
 
 import stepgraph as sg
 from stepgraph import losses, nn, rng
-from stepgraph.ir.ops import ACTIVATIONS
+from stepgraph.ops.activation import ACTIVATIONS
 from stepgraph.ir.trace import Tracer
 from stepgraph.nn import functional as F
 from tests.ops.helpers import (assert_close, build_train_graph, forward_and_grads, op_forward,

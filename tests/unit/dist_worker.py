@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +47,7 @@ def make_data(n: int, size: int, layout: str, seed: int = 1):
 def train(model_name: str, steps: int, global_batch: int, device: str = "cpu",
           distributed: bool = False, init_seed: int = 0, size: int = 8,
           duplicate: bool = False, graph: bool | None = None, strategy: str = "flat",
-          bucket_cap_mb: float = 25.0):
+          bucket_cap_mb: float = 25.0, precision: str = "fp32", reduce_dtype: str = "fp32"):
     """(model, step, losses) after `steps` steps. Distributed: this rank's shard of each
     global batch (duplicate: every rank gets the whole global batch, so per-rank BatchNorm
     statistics equal a single process's)."""
@@ -62,10 +63,12 @@ def train(model_name: str, steps: int, global_batch: int, device: str = "cpu",
                              world_size=world)
     loss_fn = losses.cross_entropy
     opt = optim.SGD(lr=0.05, momentum=0.9)
-    dp = sg.distributed.DataParallel(bucket_cap_mb, strategy) if distributed else False
+    dp = sg.distributed.DataParallel(bucket_cap_mb, strategy, reduce_dtype=reduce_dtype) \
+        if distributed else False
     step = sg.compile_train_step(model, loss_fn, opt, (x[:loader.batch_size],
                                                        y[:loader.batch_size]),
-                                 device=device, graph=graph, distributed=dp)
+                                 device=device, graph=graph, distributed=dp,
+                                 precision=precision)
     out = []
     for bx, by in loader.epoch(0):
         out.append(step(bx, by))
@@ -83,12 +86,15 @@ def main(argv=None) -> int:
     parser.add_argument("--duplicate", action="store_true")
     parser.add_argument("--strategy", default="flat")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--reduce-dtype", default="fp32")
     args = parser.parse_args(argv)
     rank = sg.distributed.init().rank
     # Each rank initialises differently: the broadcast from rank 0 must make them agree.
     model, step, losses_ = train(args.model, args.steps, args.global_batch, args.device, True,
                                  init_seed=rank, size=args.size, duplicate=args.duplicate,
-                                 strategy=args.strategy, bucket_cap_mb=args.bucket_cap_mb)
+                                 strategy=args.strategy, bucket_cap_mb=args.bucket_cap_mb,
+                                 precision=args.precision, reduce_dtype=args.reduce_dtype)
     exe = next(iter(step.executables.values()))
     record = {f"state/{k}": v for k, v in model.state_dict().items()}
     record.update({f"loss/{i}": np.float32(v) for i, v in enumerate(losses_)})
@@ -96,6 +102,7 @@ def main(argv=None) -> int:
     captured = getattr(exe, "captured", None)
     if captured is not None and getattr(captured, "node_count", None) is not None:
         record["graph/nodes"] = np.int64(captured.node_count)
+    record["time/last_step"] = np.float64(time.time())    # for the exit-time test
     np.savez(Path(args.out) / f"rank{rank}.npz", **record)
     return 0
 

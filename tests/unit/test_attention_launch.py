@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("cupy")
 
-from stepgraph.backends.cuda import attention  # noqa: E402
+from stepgraph.backends.cuda.attention import attention  # noqa: E402
 from stepgraph.ir.graph import Node  # noqa: E402
 from tests.unit.test_nvrtc_compile import (PTX_BYTES, Fake, _nvrtc_usable,  # noqa: E402
                                            kernel_params)
@@ -130,7 +130,7 @@ def test_bf16_attention_that_cudnn_runs_compiles_no_own_kernels_ahead(monkeypatc
     """Where cuDNN is usable, a bf16 attention it takes (equal head dims, multiples of 8, no
     bottom-right causal mask) compiles none of attention.cu ahead; the others and every
     float32 one still do."""
-    from stepgraph.backends.cuda import conv_cudnn
+    from stepgraph.backends.cuda.conv import conv_cudnn
     from stepgraph.ir.graph import Value
 
     monkeypatch.setattr(conv_cudnn, "unavailable_reason", lambda: None)

@@ -15,7 +15,8 @@ import pytest
 cupy = pytest.importorskip("cupy")    # conv.py's launchers import CuPy (no GPU needed)
 
 from stepgraph import cache  # noqa: E402
-from stepgraph.backends.cuda import autotune, conv, conv_cudnn  # noqa: E402
+from stepgraph.backends.cuda.conv import conv, conv_cudnn  # noqa: E402
+from stepgraph.backends.cuda.runtime import autotune  # noqa: E402
 from stepgraph.ir.graph import BF16, Node, Value  # noqa: E402
 
 IDENTITY = {"gpu": "Fake H100", "sm": "90", "driver": 13000, "cuda": 13000, "cudnn": 91000,
@@ -310,7 +311,7 @@ def test_bf16_nchw_problems_offer_the_tiled_kernels_beside_cudnn(fake, monkeypat
     monkeypatch.setattr(conv.tiled, "conv2d_tiled_grad_weight",
                         lambda ctx, plan, dy, x, dw, db, partial: got.update(
                             plan=plan, db=db, partial=partial.dtype))
-    monkeypatch.setattr(conv.launchers, "reduce_sum_forward",
+    monkeypatch.setattr(conv.reduce, "reduce_sum_forward",
                         lambda *a, **k: pytest.fail("db summed apart on the tiled path"))
     node = Node("conv2d_grad_weight", [Value(y, BF16), Value(x, BF16)],
                 [Value(w, BF16), Value((20,), BF16)], {**attrs, "weight_shape": w, "bias": True})

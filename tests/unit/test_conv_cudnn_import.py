@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("cupy")    # conv.py's launchers import CuPy (no GPU needed)
 
-from stepgraph.backends.cuda import conv, conv_cudnn  # noqa: E402
+from stepgraph.backends.cuda.conv import conv, conv_cudnn  # noqa: E402
 from stepgraph.errors import BackendUnavailableError, ShapeError  # noqa: E402
 from stepgraph.ir.graph import Node, Value  # noqa: E402
 

@@ -15,7 +15,7 @@ from stepgraph.compile.fuse import (eliminate_dead_code, fuse, fuse_activation_b
                                     fuse_log_softmax_nll, fuse_pool_relu,
                                     fuse_step_bookkeeping)
 from stepgraph.compile.layout import to_channels_last
-from stepgraph.ir.ops import ACTIVATIONS, GRAD_FROM_OUTPUT
+from stepgraph.ops.activation import ACTIVATIONS, GRAD_FROM_OUTPUT
 from stepgraph.ir.trace import Tracer
 from tests.ops.helpers import assert_close, run_graph, seeded
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import stepgraph as sg
 from stepgraph import losses, models, nn, optim
 from stepgraph.backends.numpy import NumpyBackend
-from stepgraph.backends.numpy.kernels import act_forward
+from stepgraph.ops.activation import act_forward
 from stepgraph.compile.build import build_train_graph
 from stepgraph.compile.executable import TRAIN, Executable
 from stepgraph.compile.feed import signature_of

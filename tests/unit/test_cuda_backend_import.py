@@ -5,6 +5,7 @@ each spec on flat buffers and is compared with the row-major reference."""
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,10 +14,20 @@ from numpy.lib.stride_tricks import as_strided
 from stepgraph.errors import BackendUnavailableError, ShapeError
 
 
-@pytest.mark.parametrize("name", ["gemm", "linear", "conv", "backend"])
+def cuda_modules() -> list[str]:
+    """Every module of backends/cuda, dotted below it (runtime, families, backend)."""
+    import stepgraph.backends
+
+    root = Path(stepgraph.backends.__file__).parent / "cuda"
+    return sorted(".".join(p.relative_to(root).with_suffix("").parts)
+                  for p in root.rglob("*.py") if p.name != "__init__.py")
+
+
+@pytest.mark.parametrize("name", cuda_modules())
 def test_cuda_modules_import_without_gpu(name):
+    pytest.importorskip("cupy")
     module = importlib.import_module(f"stepgraph.backends.cuda.{name}")
-    if name in ("linear", "conv"):
+    if name in ("matmul.linear", "conv.conv"):
         assert set(module.IMPLS) <= {"matmul", "linear", "conv2d", "conv2d_grad_input",
                                      "conv2d_grad_weight"}
 
@@ -81,7 +92,7 @@ def emulate(spec, a: FakeDeviceArray, b: FakeDeviceArray, d: FakeDeviceArray, bi
 
 def run_spec(a, b, c, bias=None, **kw):
     """Row-major c = op(a) @ op(b) through matmul_spec + emulation; returns c."""
-    from stepgraph.backends.cuda.gemm import matmul_spec
+    from stepgraph.backends.cuda.matmul.gemm import matmul_spec
 
     fa, fb, fc = fake(a), fake(b), fake(c)
     spec = matmul_spec(fa, fb, fc, **kw)
@@ -118,7 +129,7 @@ def test_bgradb_layout_gives_bias_gradient():
 
 
 def test_padded_rows_use_the_row_stride():
-    from stepgraph.backends.cuda.gemm import matmul_spec
+    from stepgraph.backends.cuda.matmul.gemm import matmul_spec
 
     rng = np.random.default_rng(3)
     base = rng.standard_normal((5, 8))
@@ -150,7 +161,7 @@ def test_conv_gemm_layouts():
 
 
 def test_mismatched_shapes_raise_shape_error():
-    from stepgraph.backends.cuda.gemm import matmul_spec
+    from stepgraph.backends.cuda.matmul.gemm import matmul_spec
 
     with pytest.raises(ShapeError):
         matmul_spec(fake(np.zeros((3, 4))), fake(np.zeros((5, 6))), fake(np.zeros((3, 6))))
@@ -161,7 +172,7 @@ def test_mismatched_shapes_raise_shape_error():
 
 
 def test_alignment():
-    from stepgraph.backends.cuda.gemm import alignment
+    from stepgraph.backends.cuda.matmul.gemm import alignment
 
     assert alignment(0x10000) == 256
     assert alignment(0x10004) == 4
@@ -170,7 +181,7 @@ def test_alignment():
 
 
 def test_conv_chunks_bound_the_scratch(monkeypatch):
-    from stepgraph.backends.cuda import conv
+    from stepgraph.backends.cuda.conv import conv
 
     g = conv.Geometry(n=10, c=3, h=8, w=8, o=4, kh=3, kw=3, sh=1, sw=1, ph=1, pw=1)
     assert (g.ho, g.wo, g.ck, g.p) == (8, 8, 27, 64)
@@ -186,15 +197,15 @@ def test_conv_kernels_compile_with_nvrtc():
     pytest.importorskip("cupy")
     from cupy.cuda import nvrtc
 
-    from stepgraph.backends.cuda import conv
-    from stepgraph.backends.cuda.compiler import KERNEL_DIR
+    from stepgraph.backends.cuda.conv import conv
+    from stepgraph.backends.cuda.runtime import compiler
 
     names = [f"{k}<{t}>" for k in ("conv2d_im2col_kernel", "conv2d_grad_weight_gather_kernel",
                                    "conv2d_col2im_kernel") for t in conv._CTYPES.values()]
     names += [f"{conv.EPILOGUE_KERNEL}<{t}>" for t in conv.EPILOGUE_CTYPES.values()]
-    headers = sorted(KERNEL_DIR.glob("*.cuh"))     # conv.cu includes bf16.cuh
+    headers = compiler.headers()     # conv.cu includes bf16.cuh
     try:
-        prog = nvrtc.createProgram((KERNEL_DIR / "conv.cu").read_text(), "conv.cu",
+        prog = nvrtc.createProgram(compiler.source_path("conv.cu").read_text(), "conv.cu",
                                    [h.read_text().encode() for h in headers],
                                    [h.name.encode() for h in headers])
     except Exception as err:   # libnvrtc missing: nothing to check here

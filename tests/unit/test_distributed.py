@@ -475,7 +475,8 @@ def test_cuda_all_reduce_forks_and_joins_the_communication_stream(monkeypatch, s
     pytest.importorskip("cupy")
     from types import SimpleNamespace
 
-    from stepgraph.backends.cuda import collective, side_stream
+    from stepgraph.backends.cuda import collective
+    from stepgraph.backends.cuda.runtime import side_stream
     from stepgraph.distributed import group as group_module
     from stepgraph.ir.graph import Node
 
@@ -490,8 +491,8 @@ def test_cuda_all_reduce_forks_and_joins_the_communication_stream(monkeypatch, s
     monkeypatch.setattr(collective, "_check", lambda *a, **k: None)
     monkeypatch.setattr(collective, "_kernel", lambda file, name: (
         lambda grid, block, args, stream: calls.append(("kernel", name, grid, stream.name))))
-    import stepgraph.backends.cuda.launchers as launchers
-    monkeypatch.setattr(launchers, "cp", cp)
+    from stepgraph.backends.cuda.runtime import launch
+    monkeypatch.setattr(launch, "cp", cp)
     fake = FakeGroup(calls)
     monkeypatch.setitem(group_module._GROUPS, "g", fake)
     ctx = SimpleNamespace(stream=Stream("main"), extras={}, capturing=False)
@@ -523,18 +524,62 @@ def test_cuda_all_reduce_forks_and_joins_the_communication_stream(monkeypatch, s
     assert ("allReduce", 0x500, 0x500, 2, 2, ctx.stream.ptr) in calls
 
 
+@pytest.mark.parametrize("reduce_dtype", ["float32", "bfloat16"])
+def test_cuda_bf16_buckets_are_widened_or_sent_as_bf16(monkeypatch, reduce_dtype):
+    """bf16 gradients (uint16 bits): summed in float32 through the packed float32 buffer
+    even with strategy "grouped", or sent as NCCL_BFLOAT16 one by one, unpacked by nothing."""
+    pytest.importorskip("cupy")
+    from types import SimpleNamespace
+
+    from stepgraph.backends.cuda import collective
+    from stepgraph.backends.cuda.runtime import launch, side_stream
+    from stepgraph.distributed import group as group_module
+    from stepgraph.ir.graph import Node
+
+    calls = []
+    cp, Stream = fake_cuda(calls)
+    nccl = SimpleNamespace(NCCL_AVG=4, NCCL_FLOAT32=7, groupStart=lambda: None,
+                           groupEnd=lambda: None)
+    for module in (collective, side_stream, launch):
+        monkeypatch.setattr(module, "cp", cp)
+    monkeypatch.setattr(collective, "_nccl", lambda: nccl)
+    monkeypatch.setattr(collective, "_check", lambda *a, **k: None)
+    monkeypatch.setattr(collective, "_kernel", lambda file, name: (
+        lambda grid, block, args, stream: calls.append(("kernel", name))))
+    fake = FakeGroup(calls)
+    fake.comm.allReduce = lambda send, recv, count, dtype, op, stream: calls.append(
+        ("allReduce", send, recv, count, dtype))
+    monkeypatch.setitem(group_module._GROUPS, "g", fake)
+    ctx = SimpleNamespace(stream=Stream("main"), extras={}, capturing=False)
+    ins = [FakeArray(30, "uint16", 0x100), FakeArray(10, "uint16", 0x200)]
+    outs = [FakeArray(30, "uint16", 0x300), FakeArray(10, "uint16", 0x400)]
+    node = Node("all_reduce", [], [], {"group": "g", "strategy": "grouped", "bucket": 0,
+                                       "reduce_dtype": reduce_dtype})
+    collective.all_reduce_mean(ctx, node, ins, outs)
+    work = [c for c in calls if c[0] in ("kernel", "allReduce")]
+    if reduce_dtype == "float32":
+        assert work == [("kernel", "bucket_pack_bf16_kernel"),
+                        ("allReduce", 0x9000, 0x9000, 40, 7),
+                        ("kernel", "bucket_unpack_bf16_kernel")]
+    else:
+        assert work == [("allReduce", 0x100, 0x300, 30, collective.NCCL_BFLOAT16),
+                        ("allReduce", 0x200, 0x400, 10, collective.NCCL_BFLOAT16)]
+    assert "all_reduce" in collective.BF16_OPS
+
+
 def test_bucket_kernels_exist_in_collective_cu():
     pytest.importorskip("cupy")
     from cupy.cuda import nvrtc
 
-    from stepgraph.backends.cuda import collective, compiler
+    from stepgraph.backends.cuda import collective
+    from stepgraph.backends.cuda.runtime import compiler
 
     try:
         nvrtc.getVersion()
     except Exception:
         pytest.skip("libnvrtc is not loadable")
     for filename, names in collective.kernel_names().items():
-        assert compiler.compile_to_cubin(compiler.KERNEL_DIR / filename, "sm_90",
+        assert compiler.compile_to_cubin(compiler.source_path(filename), "sm_90",
                                          tuple(sorted(names)))
 
 

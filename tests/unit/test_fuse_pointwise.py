@@ -118,7 +118,8 @@ def test_generated_cuda_source_compiles_for_sm90():
         nvrtc.getVersion()
     except Exception:
         pytest.skip("libnvrtc is not loadable")
-    from stepgraph.backends.cuda import compiler, pointwise
+    from stepgraph.backends.cuda import pointwise
+    from stepgraph.backends.cuda.runtime import compiler
 
     arrays = {k: v.astype(np.float32) for k, v in _arrays("nvrtc").items()}
     graph = build_train_graph(_residual, arrays, ("x", "scale", "shift", "skip"), fused=True)
@@ -141,7 +142,8 @@ def test_mixed_bf16_float32_programs_compile_for_sm90(monkeypatch):
         nvrtc.getVersion()
     except Exception:
         pytest.skip("libnvrtc is not loadable")
-    from stepgraph.backends.cuda import compiler, pointwise
+    from stepgraph.backends.cuda import pointwise
+    from stepgraph.backends.cuda.runtime import compiler
     from stepgraph.compile.fuse import PASSES
     from stepgraph.ir.graph import BF16
     from tests.unit.test_bf16 import gpt_bf16_run
@@ -303,7 +305,8 @@ def test_generated_bf16_cuda_source_compiles_for_sm90():
         nvrtc.getVersion()
     except Exception:
         pytest.skip("libnvrtc is not loadable")
-    from stepgraph.backends.cuda import compiler, pointwise
+    from stepgraph.backends.cuda import pointwise
+    from stepgraph.backends.cuda.runtime import compiler
 
     t = Tracer()
     _, out = _bf16_chain(t)

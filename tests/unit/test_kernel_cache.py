@@ -132,7 +132,7 @@ def test_clear_info_and_the_command_line(root, capsys):
 
 # ---- the users: autotune.run_fastest and GemmCache ---------------------------------------
 
-autotune = pytest.importorskip("stepgraph.backends.cuda.autotune")
+autotune = pytest.importorskip("stepgraph.backends.cuda.runtime.autotune")
 
 
 class FakeStream:
@@ -206,7 +206,7 @@ def test_run_fastest_without_the_disk(fake_device, monkeypatch):
 def test_gemm_choices_must_match_an_offered_algorithm():
     """A stored choice names an algorithm by its bytes: found wherever the heuristic lists it
     now (its order may differ between processes), refused when nowhere usable."""
-    gemm = pytest.importorskip("stepgraph.backends.cuda.gemm")
+    gemm = pytest.importorskip("stepgraph.backends.cuda.matmul.gemm")
     results = np.zeros(3, [("algo", "<u8", (8,)), ("workspace_size", "<u8"), ("state", "<i4")])
     results["algo"][:, 0] = [11, 22, 33]
     results["workspace_size"][2] = 1 << 40                # needs more than the workspace
@@ -222,7 +222,7 @@ def test_gemm_choices_must_match_an_offered_algorithm():
 
 
 def test_compile_parallel_compiles_each_once_and_leaves_failures_to_the_launch():
-    compiler = pytest.importorskip("stepgraph.backends.cuda.compiler")
+    compiler = pytest.importorskip("stepgraph.backends.cuda.runtime.compiler")
     done = []
 
     def one(pair):
@@ -239,7 +239,7 @@ def test_typed_files_compile_one_module_per_element_type(monkeypatch):
     """A TYPED_SOURCES file is compiled per element type (its plain kernels in a module of
     their own), other files as one module of every declared instantiation; prefetch starts
     only the types a plan names. No NVRTC here: the modules started are recorded."""
-    compiler = pytest.importorskip("stepgraph.backends.cuda.compiler")
+    compiler = pytest.importorskip("stepgraph.backends.cuda.runtime.compiler")
     started = []
     monkeypatch.setattr(compiler, "_declared", {})
     monkeypatch.setattr(compiler, "_start_module",

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from stepgraph.backends.cuda import nvmath_bindings
+from stepgraph.backends.cuda.runtime import nvmath_bindings
 
 
 @pytest.fixture

@@ -1,10 +1,13 @@
-"""Every kernels/*.cu compiles with NVRTC for sm_90, and every kernel a launcher names (template
-instantiations included) exists in the compiled code. Needs CuPy and libnvrtc, but no GPU."""
+"""Every op family's .cu file compiles with NVRTC for sm_90, every kernel a launcher names
+(template instantiations included) exists in the compiled code, and every kernel a .cu file
+defines is one that a family launches. The families are found by walking backends/cuda, not
+named here. Needs CuPy and libnvrtc, but no GPU."""
 from __future__ import annotations
 
 import functools
+import importlib
+import inspect
 import re
-from pathlib import Path
 
 import pytest
 
@@ -12,9 +15,9 @@ pytest.importorskip("cupy")
 
 from cupy.cuda import nvrtc  # noqa: E402
 
-from stepgraph.backends.cuda import compiler  # noqa: E402
+from stepgraph.backends.cuda.runtime import compiler  # noqa: E402
 
-LAUNCHERS = Path(compiler.__file__).with_name("launchers.py")
+CUDA_PACKAGE = "stepgraph.backends.cuda"
 
 
 def _nvrtc_usable() -> bool:
@@ -33,19 +36,71 @@ def test_kernel_source_compiles_for_sm90(path):
     assert compiler.compile_to_cubin(path, "sm_90")
 
 
-def launched_kernels() -> dict[str, set[str]]:
-    """{file: kernel names} named by launchers.py, templates expanded over the C types that
-    launchers.py instantiates them with (LABEL_CTYPES, FILL_CTYPES)."""
-    from stepgraph.backends.cuda import launchers
+def family_modules() -> list[str]:
+    """Every module of the backend outside runtime/ (dotted below backends/cuda): the op
+    families and the modules of the family packages."""
+    root = compiler.SOURCE_ROOT
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        if parts[0] != "runtime" and parts[-1] not in ("__init__", "backend"):
+            found.append(".".join(parts))
+    return found
+
+
+def family(name: str):
+    return importlib.import_module(f"{CUDA_PACKAGE}.{name}")
+
+
+def kernel_families() -> list[str]:
+    """The family modules whose kernel_names() takes no arguments: the names the compiler
+    declares (conv_tiled's, per problem, come through conv.py's)."""
+    return [m for m in family_modules() if hasattr(family(m), "kernel_names")
+            and not inspect.signature(family(m).kernel_names).parameters]
+
+
+def launchers_of(name: str) -> dict[str, set[str]]:
+    """{file: kernel names} that module `name` passes to _launch by literal file and name,
+    templates expanded over the C types they are instantiated with (LABEL_CTYPES,
+    FILL_CTYPES); a name built from other parts (template dims) is left to the module's
+    kernel_names(), which the tests below compile."""
+    from stepgraph.backends.cuda.elementwise import FILL_CTYPES
+    from stepgraph.backends.cuda.runtime.launch import LABEL_CTYPES
 
     found: dict[str, set[str]] = {}
-    source = LAUNCHERS.read_text()
-    for filename, name in re.findall(r'_launch\(ctx, "([\w.]+)", f?"([^"]+)"', source):
-        table = launchers.LABEL_CTYPES if "LABEL" in name else launchers.FILL_CTYPES
-        names = [re.sub(r"\{[^}]*\}", ctype, name) for ctype in table.values()] \
-            if "{" in name else [name]
+    source = family(name).__file__
+    with open(source) as f:
+        text = f.read()
+    for filename, name in re.findall(r'_launch\(ctx, "([\w.]+)", (f?"[^"]+")', text):
+        if name.startswith("f"):
+            name = name[2:-1]
+            table = LABEL_CTYPES if "LABEL" in name else FILL_CTYPES if "fill" in name else None
+            if table is None:
+                continue
+            names = [re.sub(r"\{[^}]*\}", ctype, name) for ctype in table.values()]
+        else:
+            names = [name[1:-1]]
         found.setdefault(filename, set()).update(names)
     return found
+
+
+def launched_kernels() -> dict[str, set[str]]:
+    """launchers_of every family module, merged."""
+    found: dict[str, set[str]] = {}
+    for name in family_modules():
+        for filename, names in launchers_of(name).items():
+            found.setdefault(filename, set()).update(names)
+    return found
+
+
+def test_families_are_found():
+    """The walk finds the op families at the top and in the family packages."""
+    modules = set(family_modules())
+    assert {"elementwise", "reduce", "loss", "optim", "conv.conv", "conv.conv_tiled",
+            "attention.attention", "matmul.small_matmul"} <= modules
+    from stepgraph.backends.cuda.backend import IMPL_MODULES
+
+    assert set(IMPL_MODULES) <= modules
 
 
 def test_launchers_name_existing_kernels():
@@ -54,13 +109,13 @@ def test_launchers_name_existing_kernels():
     kernels = launched_kernels()
     assert {"elementwise.cu", "reduce.cu", "loss.cu", "optim.cu"} <= set(kernels)
     for filename, names in sorted(kernels.items()):
-        assert compiler.compile_to_cubin(compiler.KERNEL_DIR / filename, "sm_90", tuple(names))
+        assert compiler.compile_to_cubin(compiler.source_path(filename), "sm_90", tuple(names))
 
 
 def test_conv_launchers_name_existing_kernels():
     """conv.py names its kernels from template parts (dtype, tile), so it lists every name it
     may launch (im2col path and direct path); each one is instantiated here."""
-    from stepgraph.backends.cuda import conv
+    from stepgraph.backends.cuda.conv import conv
 
     kernels = conv.kernel_names()
     assert {"conv.cu", "conv_direct.cu"} <= set(kernels)
@@ -75,33 +130,85 @@ def test_conv_launchers_name_existing_kernels():
                 if name.startswith("conv2d_tiled") and "<unsigned short, float" in name}
     assert as_float == {name for name in tiled if "<float, float" in name}
     for filename, names in sorted(kernels.items()):
-        assert compiler.compile_to_cubin(compiler.KERNEL_DIR / filename, "sm_90",
+        assert compiler.compile_to_cubin(compiler.source_path(filename), "sm_90",
                                          tuple(sorted(names)))
 
 
-@pytest.mark.parametrize("family", ["broadcast", "softmax", "embedding", "layer_norm", "shape",
-                                    "cast", "attention", "small_matmul"])
-def test_family_launchers_name_existing_kernels(family):
-    """Families whose launchers build kernel names (template dims) list them all in
-    kernel_names(); each one is instantiated here."""
-    import importlib
-
-    module = importlib.import_module(f"stepgraph.backends.cuda.{family}")
-    kernels = module.kernel_names()
-    assert any(name.startswith(family) for name in kernels), kernels
-    for filename, names in sorted(kernels.items()):
-        assert compiler.compile_to_cubin(compiler.KERNEL_DIR / filename, "sm_90",
-                                         tuple(sorted(names)))
+@pytest.mark.parametrize("name", kernel_families())
+def test_family_lists_kernels_of_existing_files(name):
+    """Every family lists the kernels its launchers may launch (names built from template
+    dims included) in kernel_names(), of kernel files that exist; the compile tests below
+    instantiate each one."""
+    kernels = family(name).kernel_names()
+    assert kernels and all(names for names in kernels.values()), kernels
+    for filename in kernels:
+        assert compiler.source_path(filename).is_file()
 
 
-def test_launchers_list_every_kernel_they_name():
-    """launchers.kernel_names() (what the compiler declares) covers every name the launchers'
-    source passes to _launch."""
-    from stepgraph.backends.cuda import launchers
+@pytest.mark.parametrize("filename", sorted(compiler.PER_SHAPE_SOURCES))
+def test_per_shape_files_compile_with_every_declared_kernel(filename):
+    """The files compiled one kernel at a time at run time (tiled convolutions, attention):
+    every name a family lists for them exists."""
+    from stepgraph.backends.cuda.backend import declared_kernel_names
 
-    listed = launchers.kernel_names()
-    for filename, names in launched_kernels().items():
+    names = declared_kernel_names(tuple(kernel_families()))[filename]
+    assert compiler.compile_to_cubin(compiler.source_path(filename), "sm_90",
+                                     tuple(sorted(names)))
+
+
+@pytest.mark.parametrize("name", family_modules())
+def test_launchers_list_every_kernel_they_name(name):
+    """A family's kernel_names() (what the compiler declares) covers every name its source
+    passes to _launch."""
+    launched = launchers_of(name)
+    listed = family(name).kernel_names() if launched else {}
+    for filename, names in launched.items():
         assert names <= listed[filename], (filename, names - listed[filename])
+
+
+def _defined_kernels(source: str) -> set[str]:
+    """The names of the __global__ functions of CUDA source (templates, their explicit
+    instantiations and extern "C" kernels alike; a __launch_bounds__(...) between
+    __global__ and the name is skipped)."""
+    names = set()
+    for match in re.finditer(r"__global__\s+(?:void\s+)?", source):
+        rest = source[match.end():]
+        if rest.startswith("__launch_bounds__"):
+            depth, i = 0, len("__launch_bounds__")
+            while True:
+                depth += {"(": 1, ")": -1}.get(rest[i], 0)
+                i += 1
+                if depth == 0:
+                    break
+            rest = rest[i:]
+        names.add(re.match(r"\s*(?:void\s+)?(\w+)\s*[(<]", rest).group(1))
+    return names
+
+
+def test_every_kernel_is_launched_by_a_family_beside_it():
+    """Each .cu file's kernels are exactly those the families declare for it (no kernel without
+    a launcher, no launcher of a missing kernel), and a family declaring the file lives in its
+    folder."""
+    from stepgraph.backends.cuda.backend import declared_kernel_names
+
+    declared = declared_kernel_names(tuple(kernel_families()))
+    sources = compiler.kernel_sources()
+    assert len(sources) == len({path.name for path in sources}) >= 20
+    for path in sources:
+        defined = _defined_kernels(path.read_text())
+        assert defined == {name.split("<")[0] for name in declared[path.name]}, path.name
+        beside = [m for m in kernel_families() if path.name in family(m).kernel_names()]
+        assert any(compiler.SOURCE_ROOT.joinpath(*m.split(".")[:-1]) == path.parent
+                   for m in beside), (path, beside)
+
+
+def test_headers_live_in_the_include_folder():
+    """NVRTC is given one include folder: every .cuh is there, and what a .cu includes is."""
+    headers = {path.name for path in compiler.headers()}
+    assert {"bf16.cuh", "philox.cuh", "reduce.cuh"} <= headers
+    assert {path.name for path in compiler.SOURCE_ROOT.rglob("*.cuh")} == headers
+    for path in compiler.kernel_sources():
+        assert set(re.findall(r'#include "(\w+\.cuh)"', path.read_text())) <= headers, path
 
 
 def test_each_file_compiles_with_every_declared_kernel():
@@ -110,22 +217,22 @@ def test_each_file_compiles_with_every_declared_kernel():
     that union: the union compiles, file by file."""
     from stepgraph.backends.cuda.backend import declared_kernel_names
 
-    declared = declared_kernel_names()
+    declared = declared_kernel_names(tuple(kernel_families()))
     assert {"elementwise.cu", "loss.cu", "optim.cu", "guard.cu"} <= set(declared)
     for filename, names in sorted(declared.items()):
         if filename in compiler.PER_SHAPE_SOURCES:
             continue
         templates = tuple(sorted(n for n in names if "<" in n))
-        assert compiler.compile_to_cubin(compiler.KERNEL_DIR / filename, "sm_90", templates)
+        assert compiler.compile_to_cubin(compiler.source_path(filename), "sm_90", templates)
 
 
 def test_reduce_sum_fallback_is_launched():
     """The any-axes reduce_sum kernel (a template on the element type since bf16) is among
     the names the launchers declare, for float32 and bfloat16, and so compiled above."""
-    from stepgraph.backends.cuda import launchers
+    from stepgraph.backends.cuda import reduce
 
     assert {"reduce_sum_strided_kernel<float>", "reduce_sum_strided_kernel<unsigned short>"} \
-        <= launchers.kernel_names()["reduce.cu"]
+        <= reduce.kernel_names()["reduce.cu"]
 
 
 @pytest.mark.parametrize("family,sources", [("norm", {"norm.cu"}),
@@ -139,7 +246,7 @@ def test_norm_and_pool_launchers_name_existing_kernels(family, sources):
     kernels = module.kernel_names()
     assert set(kernels) == sources
     for filename, names in sorted(kernels.items()):
-        assert compiler.compile_to_cubin(compiler.KERNEL_DIR / filename, "sm_90",
+        assert compiler.compile_to_cubin(compiler.source_path(filename), "sm_90",
                                          tuple(sorted(names)))
 
 
@@ -202,7 +309,7 @@ def test_guard_launchers_name_existing_kernels():
     kernels = guards.kernel_names()
     assert set(kernels) == {"guard.cu", "optim.cu"}
     for filename, names in sorted(kernels.items()):
-        assert compiler.compile_to_cubin(compiler.KERNEL_DIR / filename, "sm_90",
+        assert compiler.compile_to_cubin(compiler.source_path(filename), "sm_90",
                                          tuple(sorted(names)))
 
 
@@ -212,7 +319,7 @@ PTX_BYTES = {"u32": 4, "s32": 4, "b32": 4, "f32": 4, "u64": 8, "s64": 8, "b64": 
 
 
 def kernel_params(filename: str, name: str) -> tuple[str, ...]:
-    """The PTX parameter types ("u64", "f32", ...) of kernel `name` of kernels/<filename>, a
+    """The PTX parameter types ("u64", "f32", ...) of kernel `name` of kernel file `filename`, a
     template instantiation ("k<int>") or an extern "C" kernel. The file is compiled once
     with every template the backend declares for it (and `name`)."""
     from stepgraph.backends.cuda.backend import declared_kernel_names
@@ -228,9 +335,10 @@ def kernel_params(filename: str, name: str) -> tuple[str, ...]:
 
 @functools.cache
 def _module_ptx(filename: str, templates: tuple[str, ...]) -> tuple[str, dict[str, str]]:
-    """The PTX of kernels/<filename> with `templates` instantiated, and their lowered names."""
-    headers = sorted(compiler.KERNEL_DIR.glob("*.cuh"))
-    prog = nvrtc.createProgram((compiler.KERNEL_DIR / filename).read_text(), filename,
+    """The PTX of kernel file `filename` with `templates` instantiated, and their lowered
+    names."""
+    headers = compiler.headers()
+    prog = nvrtc.createProgram(compiler.source_path(filename).read_text(), filename,
                                [h.read_text().encode() for h in headers],
                                [h.name.encode() for h in headers])
     for name in templates:
@@ -290,12 +398,14 @@ def _fake_memory(node, key, ctx, build, required=True):
 
 
 def _record_launches(monkeypatch, *modules):
-    """Patch out the CuPy-only parts of launcher modules; return the launches they make, as
-    (file, kernel, grid, block, args)."""
-    from stepgraph.backends.cuda import launchers
+    """Patch out the CuPy-only parts of launcher modules (and of the shared launch helpers and
+    the families other launchers call: fills, sums, losses); return the launches they make,
+    as (file, kernel, grid, block, args)."""
+    from stepgraph.backends.cuda import elementwise, loss, optim, reduce
+    from stepgraph.backends.cuda.runtime import launch
 
     launched = []
-    for mod in set(modules) | {launchers}:
+    for mod in set(modules) | {launch, elementwise, reduce, loss, optim}:
         for name, fake in (("_check", lambda *a, **k: None), ("_node_memory", _fake_memory),
                            ("_launch", lambda ctx, filename, name, grid, block, args:
                             launched.append((filename, name, grid, block, args)))):
@@ -327,10 +437,10 @@ def _assert_launches_match(launched) -> None:
 @pytest.mark.parametrize("guarded", [False, True])
 @pytest.mark.parametrize("op", ["sgd_update", "adam_update"])
 def test_update_launch_arguments_match_the_kernels(monkeypatch, op, guarded):
-    from stepgraph.backends.cuda import launchers
+    from stepgraph.backends.cuda import optim
     from stepgraph.ir.graph import Node
 
-    launched = _record_launches(monkeypatch, launchers)
+    launched = _record_launches(monkeypatch, optim)
     slots = 2 if op == "adam_update" else 1
     attrs = dict(n_params=2, n_scalars=3, n_slots=slots, max_norm=1.0, momentum=0.9,
                  dampening=0.0, weight_decay=0.01, nesterov=False, beta1=0.9, beta2=0.999,
@@ -340,7 +450,7 @@ def test_update_launch_arguments_match_the_kernels(monkeypatch, op, guarded):
     ins = [Fake(()), Fake((), "int64"), Fake(())] \
         + [Fake((3, 4)) for _ in range((2 + slots) * 2)] \
         + ([Fake((2,), "int32")] if guarded else [])
-    getattr(launchers, op)(None, Node(op, [], [], attrs), ins)
+    getattr(optim, op)(None, Node(op, [], [], attrs), ins)
     (filename, name, _, _, args), = launched
     assert (filename, name) == ("optim.cu", f"{op}_kernel")
     _assert_launches_match(launched)
@@ -432,7 +542,7 @@ def test_small_products_launch_the_small_kernels(monkeypatch, dtype):
     warp kernel run, and the arguments fit the kernels' parameters."""
     from types import SimpleNamespace
 
-    from stepgraph.backends.cuda import linear, small_matmul
+    from stepgraph.backends.cuda.matmul import linear, small_matmul
     from stepgraph.ir.graph import Node
 
     launched = []
@@ -464,7 +574,7 @@ def test_small_products_launch_the_small_kernels(monkeypatch, dtype):
 def test_small_kernels_take_one_storage():
     """The small kernels hold float32 -> float32 and bf16 -> bf16 (the IR's products write
     their operands' dtype); any other mix goes to cuBLASLt, whose checks name it."""
-    from stepgraph.backends.cuda import small_matmul
+    from stepgraph.backends.cuda.matmul import small_matmul
     from stepgraph.errors import ShapeError
 
     f32, bf, f64 = Fake((4, 4)), Fake((4, 4), "uint16"), Fake((4, 4), "float64")
@@ -506,7 +616,7 @@ def test_layer_norm_layouts_name_listed_kernels():
 def test_new_families_are_in_the_backend_table():
     from stepgraph.backends.cuda.backend import IMPL_MODULES
 
-    assert {"embedding", "layer_norm", "bmm", "shape", "cast"} <= set(IMPL_MODULES)
+    assert {"embedding", "layer_norm", "matmul.bmm", "shape", "cast"} <= set(IMPL_MODULES)
 
 
 @pytest.mark.parametrize("ptr", [0x7000, 0x7008])          # 4 elements a thread or not
@@ -582,7 +692,7 @@ def test_layer_norm_launch_arguments_match_the_kernels(monkeypatch, c, has_w, ha
 
 
 def test_softmax_shape_and_loss_launch_arguments_match_the_kernels(monkeypatch):
-    from stepgraph.backends.cuda import launchers, shape, softmax
+    from stepgraph.backends.cuda import loss, shape, softmax
 
     launched = _record_launches(monkeypatch, softmax, shape)
     x = Fake((2, 3, 5, 9))
@@ -596,14 +706,13 @@ def test_softmax_shape_and_loss_launch_arguments_match_the_kernels(monkeypatch):
     node = object()
     for n, c in ((5, 10), (4000, 10), (40, 1500)):
         logits, labels = Fake((n, c)), Fake((n,), "int64")
-        launchers.cross_entropy_forward(None, node, logits, labels, Fake(()), Fake((n,)), 0.1, 3)
-        launchers.cross_entropy_backward(None, Fake(()), logits, Fake((n,)), labels,
-                                         Fake((n, c)), 0.0, node, -100)
-        launchers.cross_entropy_train(None, node, logits, labels, Fake(()), Fake((n, c)), 0.0,
-                                      -1)
+        loss.cross_entropy_forward(None, node, logits, labels, Fake(()), Fake((n,)), 0.1, 3)
+        loss.cross_entropy_backward(None, Fake(()), logits, Fake((n,)), labels,
+                                    Fake((n, c)), 0.0, node, -100)
+        loss.cross_entropy_train(None, node, logits, labels, Fake(()), Fake((n, c)), 0.0, -1)
         # bf16 logits and dlogits (fuse_loss_casts)
-        launchers.cross_entropy_train(None, node, Fake((n, c), "uint16"), labels, Fake(()),
-                                      Fake((n, c), "uint16"), 0.0, -1)
+        loss.cross_entropy_train(None, node, Fake((n, c), "uint16"), labels, Fake(()),
+                                 Fake((n, c), "uint16"), 0.0, -1)
     names = [name for _, name, _, _, _ in launched]
     assert "cross_entropy_train_short_kernel<unsigned short, unsigned short, long long>" in names
     assert "cross_entropy_train_kernel<unsigned short, unsigned short, long long>" in names

@@ -349,19 +349,20 @@ def test_the_option_is_part_of_the_compile_cache_key():
 
 def test_a_forked_update_runs_on_the_update_stream_and_the_join_waits_for_it(monkeypatch):
     pytest.importorskip("cupy")
-    from stepgraph.backends.cuda import side_stream, update_stream
-    from stepgraph.backends.cuda.context import CudaContext
+    from stepgraph.backends.cuda import optim
+    from stepgraph.backends.cuda.runtime import side_stream, update_stream
+    from stepgraph.backends.cuda.runtime.context import CudaContext
     from tests.unit.test_distributed import fake_cuda
 
     calls = []
     cp, Stream = fake_cuda(calls)
     monkeypatch.setattr(side_stream, "cp", cp)
     launched = lambda ctx, node, ins: calls.append(("launch", node.op, ctx.stream.name))  # noqa
-    monkeypatch.setitem(update_stream.LAUNCHERS, "adam_update", launched)
+    monkeypatch.setattr(optim, "adam_update", launched)
     ctx = CudaContext(stream=Stream("main"))
     forked = Node("adam_update", [], [], {"update_stream": True})
     serial = Node("adam_update", [], [], {})
-    impls = update_stream.IMPLS
+    impls = optim.IMPLS
     impls["adam_update"](serial, [], [], ctx)
     assert calls == [("launch", "adam_update", "main")]
     impls["adam_update"](forked, [], [], ctx)
@@ -382,25 +383,30 @@ def test_a_forked_update_runs_on_the_update_stream_and_the_join_waits_for_it(mon
 
 def test_a_forked_update_refuses_to_make_its_stream_while_capturing(monkeypatch):
     pytest.importorskip("cupy")
-    from stepgraph.backends.cuda import side_stream, update_stream
-    from stepgraph.backends.cuda.context import CudaContext
+    from stepgraph.backends.cuda import optim
+    from stepgraph.backends.cuda.runtime import side_stream
+    from stepgraph.backends.cuda.runtime.context import CudaContext
     from tests.unit.test_distributed import fake_cuda
 
     cp, Stream = fake_cuda([])
     monkeypatch.setattr(side_stream, "cp", cp)
-    monkeypatch.setitem(update_stream.LAUNCHERS, "sgd_update", lambda *a: None)
+    monkeypatch.setattr(optim, "sgd_update", lambda *a: None)
     ctx = CudaContext(stream=Stream("main"), capturing=True)
     with pytest.raises(CaptureError, match="first eager run"):
-        update_stream.IMPLS["sgd_update"](Node("sgd_update", [], [], {"update_stream": True}),
-                                          [], [], ctx)
+        optim.IMPLS["sgd_update"](Node("sgd_update", [], [], {"update_stream": True}),
+                                  [], [], ctx)
 
 
-def test_update_stream_replaces_the_plain_update_launches_in_the_backend_table():
+def test_the_optim_family_alone_runs_the_updates_in_the_backend_table():
+    """The backend's sgd_update / adam_update / update_join entries are the optim family's
+    (which fork onto the update stream): no family registers them as well."""
     pytest.importorskip("cupy")
+    import importlib
+
     from stepgraph.backends.cuda.backend import IMPL_MODULES, declared_bf16_ops
 
-    assert IMPL_MODULES.index("update_stream") > IMPL_MODULES.index("launchers")
-    assert not {"sgd_update", "adam_update", "update_join"} & set().union(
-        *(set(__import__(f"stepgraph.backends.cuda.{m}", fromlist=["IMPLS"]).IMPLS)
-          for m in IMPL_MODULES[IMPL_MODULES.index("update_stream") + 1:]))
+    owners = {op: [m for m in IMPL_MODULES if op in importlib.import_module(
+        f"stepgraph.backends.cuda.{m}").IMPLS] for op in ("sgd_update", "adam_update",
+                                                          "update_join")}
+    assert owners == dict.fromkeys(owners, ["optim"])
     assert "update_join" in declared_bf16_ops()

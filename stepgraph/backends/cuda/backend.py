@@ -1,4 +1,5 @@
-"""The cuda backend: CuPy memory, NVRTC kernels (launchers.py, conv.py) and cuBLASLt (gemm.py).
+"""The cuda backend: CuPy memory, NVRTC kernels (the op families' launchers beside their .cu
+files) and cuBLASLt (matmul/gemm.py); runtime/ holds the machinery the families share.
 
 All device work of the backend goes to one private non-blocking stream (the default stream
 cannot be captured): feed copies, every op of every plan, result copies. Contexts made by
@@ -17,28 +18,31 @@ import numpy as np
 from ...errors import BackendUnavailableError, CaptureError, PlanError, ShapeError
 from ...ir.graph import storage_dtype
 from ..base import Backend
-from . import nvmath_bindings
+from .runtime import nvmath_bindings
 
-# Modules of this package whose IMPLS tables (op -> impl) make up the backend's op table; a
-# later module's entry replaces an earlier one's (update_stream's optimizer updates, which
-# fork onto the update stream, replace launchers' plain ones).
-IMPL_MODULES = ("launchers", "update_stream", "linear", "conv", "broadcast", "softmax", "norm",
-                "pool", "pointwise", "guards", "embedding", "layer_norm", "bmm", "shape",
-                "collective", "cast", "attention")
+# The op families: modules of this package (dotted below it) whose IMPLS tables (op -> impl)
+# make up the backend's op table, in this order; a later module's entry replaces an earlier
+# one's for the same op.
+IMPL_MODULES = ("elementwise", "reduce", "loss", "optim", "matmul.linear", "conv.conv",
+                "broadcast", "softmax", "norm", "pool", "pointwise", "guards", "embedding",
+                "layer_norm", "matmul.bmm", "shape", "collective", "cast", "attention.attention")
+# The families whose kernels most plans launch (fills, activations, sums, losses, the step
+# bookkeeping and updates; other families call the first three): their files are compiled
+# for every op's plan, and started when the backend is made.
+SHARED_FAMILIES = ("elementwise", "reduce", "loss", "optim")
 
 
-
-def _families():
+def _families(modules: tuple[str, ...] = IMPL_MODULES) -> list:
     import importlib
 
-    return [importlib.import_module(f"{__package__}.{family}") for family in IMPL_MODULES]
+    return [importlib.import_module(f"{__package__}.{family}") for family in modules]
 
 
-def declared_kernel_names() -> dict[str, set[str]]:
-    """{.cu file: every kernel name any family may launch from it} (importable without a GPU:
-    the NVRTC compile test compiles each file with its union)."""
+def declared_kernel_names(modules: tuple[str, ...] = IMPL_MODULES) -> dict[str, set[str]]:
+    """{.cu file: every kernel name any of these families may launch from it} (importable
+    without a GPU: the NVRTC compile test compiles each file with its union)."""
     names: dict[str, set[str]] = {}
-    for family in _families():
+    for family in _families(modules):
         for filename, kernels in getattr(family, "kernel_names", dict)().items():
             names.setdefault(filename, set()).update(kernels)
     return names
@@ -83,7 +87,8 @@ class CudaBackend(Backend):
             raise BackendUnavailableError(
                 "device='cuda' needs nvmath-python for cuBLASLt: pip install -e '.[cuda]' "
                 f"({err})") from err
-        from . import compiler, gemm
+        from .matmul import gemm
+        from .runtime import compiler
 
         self._cp = cp
         self.device_id = device
@@ -102,11 +107,7 @@ class CudaBackend(Backend):
         self.kernel_files: dict[str, frozenset[str]] = {}
         self.generated_kernels: dict[str, Any] = {}
         self.kernels_ahead: dict[str, Any] = {}
-        # Every family may call the shared launchers (fills, activations, sums): their files
-        # go with every op.
-        from . import launchers
-
-        shared = frozenset(launchers.kernel_names())
+        shared = frozenset(declared_kernel_names(SHARED_FAMILIES))
         for family in _families():
             names = getattr(family, "kernel_names", dict)()
             compiler.declare(names)
@@ -129,8 +130,8 @@ class CudaBackend(Backend):
         """Compile the kernel files and generated kernels these nodes launch at `precision`,
         side by side (compiler.prefetch), before the first step would compile them one after
         another."""
-        from . import compiler
-        from .launchers import FILL_CTYPES
+        from .elementwise import FILL_CTYPES
+        from .runtime import compiler
 
         files = {f for n in nodes for f in self.kernel_files.get(n.op, ())}
         generated = [pair for n in nodes if n.op in self.generated_kernels
@@ -146,14 +147,14 @@ class CudaBackend(Backend):
     def make_context(self, precision: str = "fp32", deterministic: bool = True):
         """A CudaContext on the backend's stream, sharing its GemmCache (keyed by precision)
         and its kernel choices (keyed by problem, precision and determinism included)."""
-        from .context import CudaContext
+        from .runtime.context import CudaContext
 
         return CudaContext(stream=self.stream, precision=precision, gemm=self.gemm,
                            paths=self.paths, deterministic=deterministic)
 
     def capture(self, run, ctx):
-        """Record run() as one CUDA graph on ctx.stream (graph.py)."""
-        from .graph import capture
+        """Record run() as one CUDA graph on ctx.stream (runtime/graph.py)."""
+        from .runtime.graph import capture
 
         return capture(run, ctx)
 

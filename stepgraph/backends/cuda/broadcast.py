@@ -1,4 +1,4 @@
-"""Launchers of kernels/broadcast.cu: binary (NumPy broadcasting), scalar, expand and permute,
+"""Launchers of broadcast.cu: binary (NumPy broadcasting), scalar, expand and permute,
 and the cuda op table `IMPLS` of those ops.
 
 Strided launches describe their operands by a layout: the output's dims with every size-1
@@ -8,7 +8,7 @@ most launches index 1 to 3 dims. Launchers allocate nothing and never sync (capt
 
 precision="bf16": binary, scalar, expand and permute take float32 or bfloat16 (uint16 raw
 bits) operands, all of one dtype (autocast promotes a mixed binary to float32), through kernels
-templated on the storage (launchers.ELEMENT_CTYPES); `BF16_OPS` lists them.
+templated on the storage (runtime/launch.py ELEMENT_CTYPES); `BF16_OPS` lists them.
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from typing import Callable
 import numpy as np
 
 from ...errors import ShapeError
-from .launchers import (BLOCK, ELEMENT_CTYPES, _aligned, _check, _check_int32, _element_ctype,
-                        _grid, _launch, _typed)
+from .runtime.launch import (BLOCK, ELEMENT_CTYPES, _aligned, _check, _check_int32,
+                             _element_ctype, _grid, _launch, _typed)
 
 MAX_DIMS = 6                  # broadcast.cu MAX_DIMS: dims of a layout after collapsing
 TILE = 32                     # broadcast.cu TILE: transpose tiles are TILE x TILE

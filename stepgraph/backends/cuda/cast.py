@@ -1,7 +1,7 @@
-"""Launchers of kernels/cast.cu (cast between float32 and bfloat16) and their cuda op table.
+"""Launchers of cast.cu (cast between float32 and bfloat16) and their cuda op table.
 
 bfloat16 values are uint16 arrays of raw bits (ir/graph.py storage_dtype); the kernel widens
-or rounds (to nearest even) with the bit arithmetic of kernels/bf16.cuh, the NumPy
+or rounds (to nearest even) with the bit arithmetic of include/bf16.cuh, the NumPy
 reference's rule bit for bit. Four elements a thread where n % 4 == 0 and both pointers are
 16-byte aligned (the arena's 256-byte slots are). Launchers check their preconditions and
 launch on ctx.stream: no host sync, no allocation.
@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 
 from ...errors import ShapeError
-from .launchers import BLOCK, _aligned, _check, _grid, _launch
+from .runtime.launch import BLOCK, _aligned, _check, _grid, _launch
 
 SOURCE = "cast.cu"
 # IR dtype -> (storage dtype, C type of the kernel template)

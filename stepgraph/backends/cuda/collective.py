@@ -1,5 +1,5 @@
 """Launchers of the collective ops (ops/collective.py) through NCCL (cupy.cuda.nccl), and the
-parameter broadcast of a data-parallel step; kernels in kernels/collective.cu.
+parameter broadcast of a data-parallel step; kernels in collective.cu.
 
 A bucket's all_reduce is forked onto the context's communication stream (side_stream.py):
 an event recorded on ctx.stream at this point of the step, waited for by the communication
@@ -22,17 +22,20 @@ import numpy as np
 
 from ...distributed.group import lookup_group
 from ...errors import CaptureError, ShapeError
-from .launchers import (BLOCK, UPDATE_CHUNK, _buffers_key, _capturing, _check, _chunk_jobs,
-                        _kernel, _node_memory)
-from .side_stream import fork_events, forked, join
+from .runtime.launch import (BLOCK, UPDATE_CHUNK, _buffers_key, _capturing, _check,
+                             _chunk_jobs, _kernel, _node_memory)
+from .runtime.side_stream import fork_events, forked, join
 
 NCCL_DTYPES = {"float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64", "int32": "NCCL_INT32",
                "int64": "NCCL_INT64", "uint8": "NCCL_UINT8"}
+NCCL_BFLOAT16 = 9           # ncclBfloat16 in nccl.h (NCCL >= 2.10); CuPy may not name it
 EXTRAS_KEY = "collective"
+BF16_OPS = frozenset({"all_reduce", "all_reduce_join"})   # bf16 gradients (uint16 bits)
 
 
 def kernel_names() -> dict[str, set[str]]:
-    return {"collective.cu": {"bucket_pack_kernel", "bucket_unpack_kernel"}}
+    return {"collective.cu": {"bucket_pack_kernel", "bucket_unpack_kernel",
+                              "bucket_pack_bf16_kernel", "bucket_unpack_bf16_kernel"}}
 
 
 def _nccl():
@@ -83,7 +86,7 @@ def all_reduce_mean(ctx, node, ins: list, outs: list) -> None:
     """outs[i] = mean over ranks of ins[i] (NCCL_AVG), on the communication stream. One
     gradient: one out-of-place all-reduce; several: "flat" packs them into the bucket's
     buffer for one all-reduce and unpacks the means, "grouped" issues one all-reduce each
-    inside an NCCL group."""
+    inside an NCCL group. bf16 gradients: see the module docstring."""
     _check_bucket(ins, outs)
     group = lookup_group(node.attrs["group"])
     if group.world_size == 1:      # nothing to average: copies, in order on ctx.stream
@@ -93,29 +96,34 @@ def all_reduce_mean(ctx, node, ins: list, outs: list) -> None:
         return
     nccl = _nccl()
     comm = _communicator(group, ctx)
-    flat = node.attrs.get("strategy", "flat") == "flat" and len(ins) > 1 \
-        and ins[0].dtype == np.float32
+    bf16 = ins[0].dtype == np.uint16
+    widen = bf16 and node.attrs.get("reduce_dtype", "float32") == "float32"
+    flat = widen or (node.attrs.get("strategy", "flat") == "flat" and len(ins) > 1
+                     and ins[0].dtype == np.float32)
     memory = _node_memory(node, ("all_reduce", flat) + _buffers_key(ins + outs), ctx,
                           lambda: _bucket_memory(ins, outs, flat))
-    dtype = _nccl_dtype(nccl, ins[0])
+    dtype = (nccl.NCCL_FLOAT32 if widen else NCCL_BFLOAT16 if bf16
+             else _nccl_dtype(nccl, ins[0]))
     with forked(ctx, EXTRAS_KEY, "all_reduce", memory) as stream:
-        _issue_all_reduce(nccl, comm, stream, dtype, memory, ins, outs, flat)
+        _issue_all_reduce(nccl, comm, stream, dtype, memory, ins, outs, flat,
+                          "_bf16" if widen else "")
 
 
 def _issue_all_reduce(nccl, comm, stream, dtype: int, memory: dict, ins: list, outs: list,
-                      flat: bool) -> None:
-    """The bucket's all-reduce on `stream` (all_reduce_mean)."""
-    if len(ins) == 1:
-        comm.allReduce(ins[0].data.ptr, outs[0].data.ptr, ins[0].size, dtype, nccl.NCCL_AVG,
-                       stream.ptr)
-    elif flat:
+                      flat: bool, kind: str = "") -> None:
+    """The bucket's all-reduce on `stream` (all_reduce_mean); kind "_bf16": the flat
+    buffer holds the bf16 gradients widened to float32."""
+    if flat:
         buffer, jobs = memory["flat"], memory["jobs"]
-        _launch_on(stream, "bucket_pack_kernel",
+        _launch_on(stream, f"bucket_pack{kind}_kernel",
                    (memory["pack"], jobs, buffer, np.int32(UPDATE_CHUNK)), len(jobs))
         comm.allReduce(buffer.data.ptr, buffer.data.ptr, buffer.size, dtype, nccl.NCCL_AVG,
                        stream.ptr)
-        _launch_on(stream, "bucket_unpack_kernel",
+        _launch_on(stream, f"bucket_unpack{kind}_kernel",
                    (memory["unpack"], jobs, buffer, np.int32(UPDATE_CHUNK)), len(jobs))
+    elif len(ins) == 1:
+        comm.allReduce(ins[0].data.ptr, outs[0].data.ptr, ins[0].size, dtype, nccl.NCCL_AVG,
+                       stream.ptr)
     else:
         _grouped(nccl, lambda: [comm.allReduce(a.data.ptr, o.data.ptr, a.size, dtype,
                                                nccl.NCCL_AVG, stream.ptr)

@@ -1,4 +1,4 @@
-"""Launchers of kernels/embedding.cu (embedding, embedding_grad) and their cuda op table.
+"""Launchers of embedding.cu (embedding, embedding_grad) and their cuda op table.
 
 embedding: out[i, :] = weight[idx[i], :] over the flattened indices, float4 copies where
 C % 4 == 0 and the pointers are 16-byte aligned; an index outside [0, V) gives a NaN row.
@@ -12,7 +12,7 @@ two ways (`PATH` forces one, for tests):
   vocabulary), then a warp per (vocabulary row, 32 column groups) summing its dy rows in
   position order: numpy's np.add.at order, so float32 results match the reference's bits.
   Its scratch (two key and two position buffers of n ints, the digit histograms) is device
-  memory made once per node at the first eager call (launchers._node_memory): a capture may
+  memory made once per node at the first eager call (runtime/launch.py _node_memory): a capture may
   not allocate, and Executable warms up eagerly before capture.
 Launchers check their preconditions and launch on ctx.stream: no host sync.
 """
@@ -25,8 +25,9 @@ import numpy as np
 
 from ...errors import ShapeError
 from ...ir.graph import Node
-from .launchers import (BLOCK, LABEL_CTYPES, MAX_INT, _aligned, _check, _check_int32, _grid,
-                        _launch, _node_memory, fill_forward)
+from .elementwise import fill_forward
+from .runtime.launch import (BLOCK, LABEL_CTYPES, MAX_INT, _aligned, _check, _check_int32,
+                             _grid, _launch, _node_memory)
 
 SOURCE = "embedding.cu"
 PATH = "auto"                 # "auto", "scan" or "sorted" (tests force one)

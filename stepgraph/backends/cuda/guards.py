@@ -1,11 +1,11 @@
 """Launchers of the guard ops (ops/guard.py, compile/guard.py): guard_check, guard_save and
-guard_restore (kernels/guard.cu), guard_advance (kernels/optim.cu, beside the step bookkeeping
+guard_restore (guard.cu), guard_advance (optim.cu, beside the step bookkeeping
 it extends), and the mailbox through which guard_advance tells the host about a bad step
 without a sync.
 
 guard_check and the copies keep a device table per node and buffers (pointers, sizes, kinds,
 flag bits, and the per-block work items), made at the first eager call like the update tables
-of launchers.py. No launcher syncs or allocates in the hot path.
+of optim.py. No launcher syncs or allocates in the hot path.
 """
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ import numpy as np
 from ...errors import ShapeError
 from ...ir.graph import Node
 from ...ops.guard import GUARD_GRADS, GUARD_LABELS, GUARD_LOSS, N_COUNTERS, N_FLAGS
-from .launchers import (BLOCK, LABEL_CTYPES, UPDATE_CHUNK, _aligned, _buffers_key, _check,
-                        _check_scalar, _chunk_jobs, _launch, _node_memory, _or_null)
+from .runtime.launch import (BLOCK, LABEL_CTYPES, UPDATE_CHUNK, _aligned, _buffers_key,
+                             _check, _check_scalar, _chunk_jobs, _launch, _node_memory,
+                             _or_null)
 
 SOURCE = "guard.cu"
 # guard.cu KIND_*; uint16 is bf16's storage (a gradient whose cast fuse_gradient_casts dropped)

@@ -1,4 +1,4 @@
-"""Launchers of kernels/layer_norm.cu (layer_norm, layer_norm_grad) and their cuda op table.
+"""Launchers of layer_norm.cu (layer_norm, layer_norm_grad) and their cuda op table.
 
 x (any rank >= 1) is viewed as (rows, C), normalised over C. A row group of `threads` threads
 (a multiple of 32) handles a row, `rows_per_block` rows a block; each thread keeps K groups of
@@ -13,7 +13,7 @@ then, when either is wanted, one finalize launch adding the blocks' rows in a fi
 float64: deterministic, no atomics. Its grid is the number of blocks the GPU holds at once
 (at most one block per row group), so the partial tables stay small (a few percent of the
 bytes of x) and every block has the same work. The partial sums live in device memory made
-once per node at its first eager call (launchers._node_memory): a capture may not allocate,
+once per node at its first eager call (runtime/launch.py _node_memory): a capture may not allocate,
 and Executable warms up eagerly before capture. Launchers check their preconditions and launch
 on ctx.stream: no host sync.
 """
@@ -29,8 +29,9 @@ import numpy as np
 
 from ...errors import ShapeError
 from ...ir.graph import Node
-from .launchers import ELEMENT_CTYPES, _aligned, _check, _check_int32, _element_ctype, _kernel, \
-    _launch, _node_memory, _or_null, _row_grid, fill_forward
+from .elementwise import fill_forward
+from .runtime.launch import (ELEMENT_CTYPES, _aligned, _check, _check_int32, _element_ctype,
+                             _kernel, _launch, _node_memory, _or_null, _row_grid)
 
 SOURCE = "layer_norm.cu"
 # bf16 y (forward) or dy (backward) where compile/fuse.py fuse_layer_norm_casts dropped a cast

@@ -1,4 +1,4 @@
-"""Launchers of kernels/norm.cu (batch_norm_train, batch_norm_stats, batch_norm_grad) and their
+"""Launchers of norm.cu (batch_norm_train, batch_norm_stats, batch_norm_grad) and their
 cuda op table.
 
 x (N, C, *spatial) is viewed as (N, C, inner); a channels-last x (attrs layout "NHWC", channels
@@ -6,8 +6,8 @@ on the last axis) as (N * spatial, C), the "columns" layout. Each op is a stats 
 partial sums per (channel, split), a finalize kernel adding each channel's splits in order,
 and an elementwise pass: deterministic, no float atomics. The partial sums (and the grad's
 per-channel coefficients) live in device memory made once per node at its first eager call
-(launchers._node_memory): a captured graph must not allocate, and Executable warms up eagerly
-before capture. Launchers check their preconditions and launch on ctx.stream: no host sync.
+(runtime/launch.py _node_memory): a captured graph must not allocate, and Executable warms up
+eagerly before capture. Launchers check their preconditions and launch on ctx.stream: no host sync.
 
 The activations (x, y, dy, dx, the fused residual) are float32 or bfloat16 (precision="bf16":
 uint16 raw bits; the pass kernels are templates over that storage, norm.cu), all of one
@@ -29,8 +29,8 @@ from ...errors import ShapeError
 from ...ir.graph import Node
 from ...ops.norm import residual_norm_inputs, residual_position
 from .cast import CAST_CTYPES, shared_ctype
-from .launchers import BLOCK, _aligned, _check, _check_int32, _check_scalar, _launch, \
-    _node_memory, _or_null
+from .runtime.launch import (BLOCK, _aligned, _check, _check_int32, _check_scalar, _launch,
+                             _node_memory, _or_null)
 
 SOURCE = "norm.cu"
 COLUMN_TILE = 32             # norm.cu COLUMN_TILE: most thread lanes along C in a columns block

@@ -39,8 +39,8 @@ from ...errors import ShapeError
 from ...ir.graph import BF16, Node, storage_dtype
 from ... import rng
 from ...ops.pointwise import Instr, register_dtypes
-from . import compiler
-from .launchers import ACT_CODES, BLOCK, MAX_INT, _grid, _slope
+from .runtime import compiler
+from .runtime.launch import ACT_CODES, BLOCK, MAX_INT, _grid, _slope
 
 KERNEL_NAME = "pointwise_kernel"
 VEC_KERNEL_NAME = "pointwise_vec4_kernel"

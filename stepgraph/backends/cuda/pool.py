@@ -1,9 +1,9 @@
-"""Launchers of kernels/pool.cu (maxpool2d, maxpool2d_grad) and kernels/avgpool.cu (avgpool2d,
+"""Launchers of pool.cu (maxpool2d, maxpool2d_grad) and avgpool.cu (avgpool2d,
 avgpool2d_grad), and their cuda op table.
 
 Every op runs NCHW tensors, or channels-last ones (attrs layout "NHWC", compile/layout.py:
 (N, H, W, C)) through the `_nhwc_` kernels, the same window code over the other layout
-(kernels/pool.cuh). Launchers check their preconditions and launch on ctx.stream: no host
+(include/pool.cuh). Launchers check their preconditions and launch on ctx.stream: no host
 sync, no allocation.
 
 Every kernel is a template over the element storage: float32, or bfloat16 (precision="bf16":
@@ -19,8 +19,8 @@ from typing import Callable
 import numpy as np
 
 from ...errors import ShapeError
-from ...ir.ops import layout_of, nchw_shape, stored_shape
-from .launchers import BLOCK, _check, _check_int32, _grid, _launch, _or_null
+from ...ops.layout import layout_of, nchw_shape, stored_shape
+from .runtime.launch import BLOCK, _check, _check_int32, _grid, _launch, _or_null
 from .cast import CAST_CTYPES, shared_ctype
 
 SOURCE, MAX_SOURCE = "avgpool.cu", "pool.cu"
@@ -48,7 +48,7 @@ def kernel_names() -> dict[str, set[str]]:
 # ---- shapes --------------------------------------------------------------------------------
 
 def _pool_args(x_shape: tuple, y_shape: tuple, kernel, stride, padding=(0, 0)) -> tuple:
-    """POOL_SHAPE_ARGS of kernels/pool.cuh, from (N, C, H, W) input and output shapes."""
+    """POOL_SHAPE_ARGS of include/pool.cuh, from (N, C, H, W) input and output shapes."""
     n, c, h, w = x_shape
     (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
     return tuple(np.int32(v) for v in (n * c, h, w, y_shape[2], y_shape[3], kh, kw, sh, sw,

@@ -1,4 +1,4 @@
-"""Launchers of kernels/shape.cu (slice, slice_grad, arange) and their cuda op table.
+"""Launchers of shape.cu (slice, slice_grad, arange) and their cuda op table.
 
 slice views x as (outer, D, inner) around the sliced dim and copies x[:, start:stop, :] into a
 contiguous output; slice_grad writes zeros with dy placed at [:, start:stop, :]. Both move
@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 
 from ...errors import ShapeError
-from .launchers import BLOCK, _aligned, _check, _grid, _launch
+from .runtime.launch import BLOCK, _aligned, _check, _grid, _launch
 
 SOURCE = "shape.cu"
 UNIT_CTYPES = {16: "uint4", 8: "unsigned long long", 4: "unsigned int", 1: "unsigned char"}

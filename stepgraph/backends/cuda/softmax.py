@@ -1,7 +1,7 @@
-"""Launchers of kernels/softmax.cu: softmax and softmax_grad over the last axis of any rank,
+"""Launchers of softmax.cu: softmax and softmax_grad over the last axis of any rank,
 and the cuda op table `IMPLS` of those ops. (log_softmax, whose kernels share loss.cu with the
-cross-entropy kernels, is launched from launchers.py.) Inputs are viewed as (rows, cols):
-a warp per row up to 1024 columns, 128 or 256 threads for longer rows (launchers._row_block).
+cross-entropy kernels, is launched from loss.py.) Inputs are viewed as (rows, cols): a warp
+per row up to 1024 columns, 128 or 256 threads for longer rows (runtime/launch.py _row_block).
 attrs scale (default 1.0) and causal (default False) take the scaled kernels; nodes without
 them run the plain kernels, unchanged.
 """
@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 
 from ...errors import ShapeError
-from .launchers import BLOCK, _check, _check_rows, _launch, _row_block, _row_grid
+from .runtime.launch import BLOCK, _check, _check_rows, _launch, _row_block, _row_grid
 
 
 def _scaled_args(what: str, x, scale, causal: bool) -> tuple | None:

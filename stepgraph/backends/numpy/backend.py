@@ -1,4 +1,5 @@
-"""The reference backend: NumPy arrays on the CPU, one function per op (kernels.py).
+"""The reference backend: NumPy arrays on the CPU, one function per op: the references the op
+families (stepgraph/ops/) register in ir/ops.py IMPLS.
 
 bfloat16 values (precision="bf16") live as their raw bits in uint16 arrays (bf16.py), exactly
 as on the GPU: two bytes an element in the planner's arena. `run_node` hands every kernel
@@ -15,9 +16,9 @@ import numpy as np
 
 from ...errors import ShapeError
 from ...ir.graph import storage_dtype
+from ...ir.ops import IMPLS
 from ..base import Backend
 from . import bf16
-from .kernels import IMPLS
 
 
 class NumpyBackend(Backend):

@@ -1,8 +1,8 @@
 """bfloat16 on NumPy, which has no such dtype: values are held as their raw bits (uint16, the
 storage of IR dtype "bfloat16", ir/graph.py) and computed on as float32 arrays.
 
-The conversions are the ones every bf16 kernel of stepgraph uses (kernels/cast.cu does the same
-bit arithmetic), and PyTorch's (c10::BFloat16's round_to_nearest_even):
+The conversions are the ones every bf16 kernel of stepgraph uses (backends/cuda/cast.cu does the
+same bit arithmetic), and PyTorch's (c10::BFloat16's round_to_nearest_even):
 - float32 -> bf16: round to nearest, ties to even, on the bits: add 0x7FFF plus the lowest kept
   bit, keep the upper 16 bits. Values beyond the largest bf16 round to +-inf; subnormals round
   like any other value (bf16 has float32's exponent range); every NaN becomes 0x7FC0 (a quiet

@@ -1,0 +1,441 @@
+"""Launchers of attention.cu (sdpa, sdpa_grad) and their cuda op table.
+
+q (..., L, E), k (..., S, E), v (..., S, Ev) and every output are read and written through
+explicit strides: the leading dims are (batch..., heads), bh = b * heads + h, and each operand
+gives the element strides of its batch, head and row (columns contiguous). A C-contiguous
+tensor is one layout among others, so callers may pass CuPy views without copies: sdpa_qkv
+and sdpa_qkv_grad (compile/attention.py) read the heads out of a packed (..., T, 3C)
+projection and write out and dq/dk/dv in (..., T, heads, hd) order.
+
+One template per head dim (the smallest of HEAD_DIMS holding E and Ev; zero padded), per
+kernel its (queries, keys) tile (`TILES`), and per precision the arithmetic of the tensor-core
+tile products (`MATH`), each kernel compiled on its own when a plan names it: "tf32"
+rounds the inputs to TF32, as the GEMMs do; "fp32" splits each input into two TF32 parts and
+makes three products (float32-level accuracy, the scheme cuBLAS and CUTLASS call 3xTF32;
+on an H100 1.3x the speed of float32 FMAs on CUDA cores, see docs/perf-notes.md). Operands
+are float32, or bfloat16 (precision="bf16": q, k, v, out and the gradients as uint16 bits,
+exact in TF32, so the TF32 kernels read them widened and round only their stores; lse and D
+float32), which is the NumPy emulation's arithmetic but for TF32's rounding of the
+probabilities and of dS inside the products.
+
+bf16 problems that cuDNN's fused attention takes run there instead (attention_cudnn.py:
+four times faster on the gpt workload's attention).
+
+The forward is one launch; the gradient two, dq (which also sums D = rowsum(dout * out) into
+a per-node scratch of bh * L floats, made at the first eager call: runtime/launch.py _node_memory),
+then dk/dv. Dynamic shared memory above 48 KiB is opted into once per kernel, at its first
+(eager) launch. No atomics: bits are the same on every run, eager or replayed.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import cupy as cp  # imports without a GPU; kernels compile at their first launch
+import numpy as np
+
+from ....errors import ShapeError
+from ....ir.graph import Node, storage_dtype
+from . import attention_cudnn
+from ..elementwise import _dropout_constants
+from ..runtime.launch import ELEMENT_CTYPES, _kernel, _node_memory
+
+SOURCE = "attention.cu"
+THREADS = 128                 # attention.cu SDPA_THREADS
+HEAD_DIMS = (32, 64, 128)     # the templates' head dims
+LOG2E = 1.4426950408889634
+DEFAULT_SHARED = 48 * 1024    # bytes of dynamic shared memory a kernel gets without opting in
+# kernel -> head dim -> (queries, keys) per tile
+TILES = {"forward": {32: (64, 64), 64: (64, 64), 128: (64, 32)},
+         "backward_dq": {32: (64, 64), 64: (64, 64), 128: (32, 32)},
+         "backward_dkdv": {32: (64, 64), 64: (64, 64), 128: (32, 32)}}
+
+
+# attention.cu's SDPA_TF32 and SDPA_3XTF32, and the storages each is launched for
+TF32, TF32X3 = 1, 2
+CTYPES = {TF32: ("float", "unsigned short"), TF32X3: ("float",)}
+# precision -> the products' arithmetic on float32 operands; bf16 operands (uint16 bits, exact
+# in TF32) always take TF32
+MATH = {"fp32": TF32X3, "tf32": TF32, "bf16": TF32}
+STORAGE = ELEMENT_CTYPES             # float32, or uint16 (bf16 bits) -> the kernels' T
+BF16_OPS = frozenset({"sdpa", "sdpa_grad", "sdpa_qkv", "sdpa_qkv_grad"})
+
+
+def math_of(precision: str, ctype: str) -> int:
+    if ctype == "unsigned short":
+        return TF32
+    if precision not in MATH:
+        raise ShapeError(f"sdpa: no kernels for precision {precision!r}")
+    return MATH[precision]
+
+
+def kernel_name(kind: str, hd: int, math: int, ctype: str) -> str:
+    bq, bk = TILES[kind][hd]
+    return f"sdpa_{kind}_kernel<{hd}, {bq}, {bk}, {math}, {ctype}>"
+
+
+def kernel_names() -> dict[str, set[str]]:
+    """{.cu file: every kernel name this module may launch} (the NVRTC compile test)."""
+    return {SOURCE: {kernel_name(kind, hd, math, ctype) for kind in TILES for hd in HEAD_DIMS
+                     for math, ctypes in CTYPES.items() for ctype in ctypes},
+            **attention_cudnn.kernel_names()}
+
+
+def kernels_ahead(node: Node, precision: str) -> list[tuple[str, str]]:
+    """(file, kernel) of the kernels the node will launch, compiled side by side with the
+    plan's others when it is built (CudaBackend.prepare): the forward's for sdpa and
+    sdpa_qkv, dq's and dk/dv's for their gradients; none where cuDNN will run it."""
+    if node.op in ("sdpa", "sdpa_grad"):
+        q, k, v = node.inputs[:3] if node.op == "sdpa" else node.inputs[1:4]
+        e, ev, rows, keys = q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2]
+    else:                   # packed: q, k, v are thirds of the projection's last axis
+        q = node.inputs[0] if node.op == "sdpa_qkv" else node.inputs[1]
+        e = ev = q.shape[-1] // (3 * int(node.attrs["heads"]))
+        rows = keys = q.shape[-2]
+    ctype = STORAGE.get(np.dtype(storage_dtype(q.dtype)))
+    if ctype is None or max(e, ev) > HEAD_DIMS[-1]:
+        return []       # the launcher refuses it, naming why
+    if ctype == "unsigned short" and attention_cudnn.shape_reason(
+            e, ev, bool(node.attrs.get("causal")), rows, keys) is None:
+        return []       # cuDNN's (its own kernels compile at a first launch if it declines)
+    math, hd = math_of(precision, ctype), head_dim_template(e, ev)
+    kinds = ("forward",) if node.op in ("sdpa", "sdpa_qkv") else ("backward_dq",
+                                                                   "backward_dkdv")
+    return [(SOURCE, kernel_name(kind, hd, math, ctype)) for kind in kinds]
+
+
+def shared_floats(kind: str, hd: int) -> int:
+    """Floats of dynamic shared memory of a kernel: its tiles as attention.cu lays them out
+    ("rows" tiles [R][HD + 4], scores [BQ][BK + 4])."""
+    bq, bk = TILES[kind][hd]
+    rows_q, rows_k, tile = bq * (hd + 4), bk * (hd + 4), bq * (bk + 4)
+    if kind == "forward":           # q, k, v, P, the rows' rescale
+        return rows_q + 2 * rows_k + tile + bq
+    return 2 * rows_q + 2 * rows_k + 2 * tile       # q, dout, k, v, S (or P), dS
+
+
+def head_dim_template(e: int, ev: int) -> int:
+    for hd in HEAD_DIMS:
+        if max(e, ev) <= hd:
+            return hd
+    raise ShapeError(f"sdpa: head dims up to {HEAD_DIMS[-1]}, got {e} and {ev}")
+
+
+@functools.cache
+def _function(name: str, shared_bytes: int):
+    """Kernel `name`, allowed `shared_bytes` of dynamic shared memory (an attribute set once,
+    at the first launch, which is an eager one: never while capturing)."""
+    fn = _kernel(SOURCE, name)          # a cupy.RawKernel
+    if shared_bytes > DEFAULT_SHARED:
+        fn.max_dynamic_shared_size_bytes = shared_bytes
+    return fn
+
+
+def _launch_tiles(ctx, kind: str, hd: int, ctype: str, tiles: int, bh: int,
+                  args: tuple) -> None:
+    """One block per (tile, head): tile-major, so the heaviest causal tiles start first."""
+    blocks = tiles * bh
+    if blocks > 2**31 - 1:
+        raise ShapeError(f"sdpa: {tiles} tiles x {bh} heads exceed the grid")
+    math = math_of(getattr(ctx, "precision", "fp32"), ctype)
+    shared = shared_floats(kind, hd) * 4
+    _function(kernel_name(kind, hd, math, ctype), shared)((blocks,), (THREADS,), args,
+                                                          shared_mem=shared, stream=ctx.stream)
+
+
+# ---- operands: strides, checks ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Heads:
+    """An operand (..., rows, dim): row r of head h of batch entry b starts at element
+    b * batch + h * head + r * row (elements; columns contiguous)."""
+
+    batch: int
+    head: int
+    row: int
+
+    def args(self) -> tuple:
+        return np.int64(self.batch), np.int64(self.head), np.int64(self.row)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """bh = prod(leading dims) (batch x heads) attention problems of L queries and S keys,
+    head dims E (q, k) and Ev (v); `heads` is the last leading dim (1 without two)."""
+
+    bh: int
+    heads: int
+    L: int
+    S: int
+    E: int
+    Ev: int
+
+    def args(self) -> tuple:
+        return tuple(np.int32(x) for x in (self.heads, self.bh, self.L, self.S, self.E,
+                                           self.Ev))
+
+
+def _collapsed_stride(shape: tuple, strides: tuple) -> int | None:
+    """The element stride of the flattened index over dims `shape` (dims of 1 ignored), or
+    None where they do not collapse into one stride."""
+    stride = span = None
+    for n, s in zip(reversed(shape), reversed(strides)):
+        if n == 1:
+            continue
+        if stride is None:
+            stride = s
+        elif s != span:
+            return None
+        span = s * n
+    return 0 if stride is None else stride
+
+
+def storage(q) -> str:
+    """The kernels' T for q's dtype: float32, or uint16 (bf16 bits); k, v, out and the
+    gradients must have the same (_heads)."""
+    if not isinstance(q, cp.ndarray) or q.dtype not in STORAGE:
+        raise ShapeError(f"sdpa: q must be a float32 or bf16 (uint16) CuPy array, got "
+                         f"{getattr(q, 'dtype', type(q).__name__)}")
+    return STORAGE[q.dtype]
+
+
+def _heads(what: str, a, shape: tuple, dtype) -> Heads:
+    """The layout of CuPy array `a` of logical `shape` and `dtype` (any strides the kernels
+    can walk)."""
+    if not isinstance(a, cp.ndarray):
+        raise ShapeError(f"{what}: expected a CuPy array, got {type(a).__name__}")
+    if a.dtype != dtype or tuple(a.shape) != tuple(shape):
+        raise ShapeError(f"{what}: expected {np.dtype(dtype)} {tuple(shape)} (q's dtype), got "
+                         f"{a.dtype} {tuple(a.shape)}")
+    if any(s % a.itemsize for s in a.strides):
+        raise ShapeError(f"{what}: strides {a.strides} are not whole elements")
+    st = tuple(s // a.itemsize for s in a.strides)
+    if shape[-1] > 1 and st[-1] != 1:
+        raise ShapeError(f"{what}: columns must be contiguous (strides {a.strides})")
+    lead, lead_st = shape[:-2], st[:-2]
+    head = lead_st[-1] if len(lead) >= 2 and lead[-1] > 1 else 0
+    outer = lead if len(lead) < 2 else lead[:-1]
+    batch = _collapsed_stride(outer, lead_st[:len(outer)])
+    if batch is None:
+        raise ShapeError(f"{what}: leading dims {lead} with strides {a.strides} do not "
+                         f"flatten to (batch, heads)")
+    return Heads(batch, head, st[-2])
+
+
+def problem(q, k, v) -> Problem:
+    q_shape, k_shape, v_shape = tuple(q.shape), tuple(k.shape), tuple(v.shape)
+    if not (len(q_shape) >= 2 and len(q_shape) == len(k_shape) == len(v_shape)
+            and q_shape[:-2] == k_shape[:-2] == v_shape[:-2] and q_shape[-1] == k_shape[-1]
+            and k_shape[-2] == v_shape[-2]):
+        raise ShapeError(f"sdpa: q {q_shape}, k {k_shape}, v {v_shape} do not fit together")
+    lead = q_shape[:-2]
+    heads = lead[-1] if len(lead) >= 2 else 1
+    bh = math.prod(lead)
+    if bh >= 2**31 or max(q_shape[-2], k_shape[-2]) >= 2**31:
+        raise ShapeError(f"sdpa: sizes {q_shape}, {k_shape} exceed the kernels' 32-bit counts")
+    return Problem(bh, max(heads, 1), q_shape[-2], k_shape[-2], q_shape[-1], v_shape[-1])
+
+
+def _vectorized(pb: Problem, arrays, layouts) -> int:
+    """1 when every row can move four elements a load: head dims % 4 == 0, pointers aligned
+    to four elements and strides of whole groups of four."""
+    return int(pb.E % 4 == 0 and pb.Ev % 4 == 0
+               and all(a.data.ptr % (4 * a.itemsize) == 0 for a in arrays)
+               and all(s % 4 == 0 for h in layouts for s in (h.batch, h.head, h.row)))
+
+
+def _check_rows(what: str, a, pb: Problem) -> None:
+    """lse and delta: C-contiguous float32 of bh * L elements (any shape)."""
+    if not isinstance(a, cp.ndarray) or a.dtype != np.float32 or a.size != pb.bh * pb.L \
+            or not a.flags.c_contiguous:
+        raise ShapeError(f"{what}: expected C-contiguous float32 of {pb.bh * pb.L} rows")
+
+
+@dataclass(frozen=True)
+class Attn:
+    """The node's attrs as the kernels take them."""
+
+    scale: float
+    causal: bool
+    dropout_p: float = 0.0
+    seed: int = 0
+    site: int = 0
+
+    def args(self, step, backward: bool) -> tuple:
+        """(scale * log2(e) [, scale], causal, seed, site, threshold, drop_scale, dropout)."""
+        dropout = self.dropout_p > 0.0
+        threshold, drop_scale = _dropout_constants(self.dropout_p)
+        if dropout:
+            if not 0 <= self.site < 2**32:
+                raise ValueError(f"sdpa dropout site must fit in 32 bits, got {self.site}")
+            _check_step(step)
+        scales = (np.float32(self.scale * LOG2E),) + ((np.float32(self.scale),) if backward
+                                                       else ())
+        return scales + (np.int32(self.causal), np.uint64(self.seed & (2**64 - 1)),
+                         np.uint32(self.site if dropout else 0), threshold, drop_scale,
+                         np.int32(dropout))
+
+
+def _check_step(step) -> None:
+    if not isinstance(step, cp.ndarray) or step.dtype != np.int64 or step.size != 1:
+        raise ShapeError("sdpa: dropout needs the int64 step counter on the device")
+
+
+def attn_of(node: Node) -> Attn:
+    a = node.attrs
+    return Attn(float(a.get("scale", 1.0)), bool(a.get("causal", False)),
+                float(a.get("dropout_p", 0.0)), int(a.get("seed", 0)), int(a.get("site", 0)))
+
+
+def _step_arg(attn: Attn, step):
+    return step if attn.dropout_p > 0.0 else np.uint64(0)
+
+
+# ---- launchers -------------------------------------------------------------------------------
+
+def sdpa_forward(ctx, q, k, v, out, lse, step, attn: Attn) -> None:
+    """out = dropout(softmax(scale * q @ k^T + causal mask)) @ v and lse (bh * L rows) =
+    logsumexp of the scaled, masked scores; step (int64 device scalar) with dropout."""
+    pb, ctype = problem(q, k, v), storage(q)
+    lead = tuple(q.shape[:-2])
+    layouts = [_heads("sdpa q", q, q.shape, q.dtype), _heads("sdpa k", k, k.shape, q.dtype),
+               _heads("sdpa v", v, v.shape, q.dtype),
+               _heads("sdpa out", out, lead + (pb.L, pb.Ev), q.dtype)]
+    _check_rows("sdpa lse", lse, pb)
+    if attn.causal and pb.L > pb.S:
+        raise ShapeError(f"sdpa: causal needs L <= S, got {pb.L} > {pb.S}")
+    if pb.bh == 0 or pb.L == 0:
+        return
+    if pb.S == 0:
+        raise ShapeError("sdpa: needs at least one key")
+    if ctype == "unsigned short" and attention_cudnn.forward(ctx, pb, attn, layouts, q, k, v,
+                                                             out, lse, step):
+        return
+    hd = head_dim_template(pb.E, pb.Ev)
+    vec = _vectorized(pb, (q, k, v, out), layouts)
+    args = (q, k, v, out, lse, _step_arg(attn, step)) + pb.args() \
+        + sum((h.args() for h in layouts), ()) + attn.args(step, False) + (np.int32(vec),)
+    _launch_tiles(ctx, "forward", hd, ctype, -(-pb.L // TILES["forward"][hd][0]), pb.bh, args)
+
+
+def sdpa_backward_dq(ctx, q, k, v, out, dout, lse, step, dq, delta, attn: Attn) -> None:
+    """dq of sdpa, and delta (bh * L) = rowsum(dout * out), which sdpa_backward_dkdv reads."""
+    pb, ctype = problem(q, k, v), storage(q)
+    o_shape = tuple(q.shape[:-1]) + (pb.Ev,)
+    layouts = [_heads(f"sdpa_grad {name}", a, shape, q.dtype) for name, a, shape in
+               (("q", q, q.shape), ("k", k, k.shape), ("v", v, v.shape), ("out", out, o_shape),
+                ("dout", dout, o_shape), ("dq", dq, q.shape))]
+    _check_rows("sdpa_grad lse", lse, pb)
+    _check_rows("sdpa_grad delta", delta, pb)
+    if pb.bh == 0 or pb.L == 0:
+        return
+    hd = head_dim_template(pb.E, pb.Ev)
+    vec = _vectorized(pb, (q, k, v, out, dout, dq), layouts)
+    args = (q, k, v, out, dout, lse, _step_arg(attn, step), dq, delta) + pb.args() \
+        + sum((h.args() for h in layouts), ()) + attn.args(step, True) + (np.int32(vec),)
+    _launch_tiles(ctx, "backward_dq", hd, ctype, -(-pb.L // TILES["backward_dq"][hd][0]),
+                  pb.bh, args)
+
+
+def sdpa_backward_dkdv(ctx, q, k, v, dout, lse, delta, step, dk, dv, attn: Attn) -> None:
+    """dk and dv of sdpa; delta as sdpa_backward_dq left it."""
+    pb, ctype = problem(q, k, v), storage(q)
+    o_shape = tuple(q.shape[:-1]) + (pb.Ev,)
+    layouts = [_heads(f"sdpa_grad {name}", a, shape, q.dtype) for name, a, shape in
+               (("q", q, q.shape), ("k", k, k.shape), ("v", v, v.shape),
+                ("dout", dout, o_shape), ("dk", dk, k.shape), ("dv", dv, v.shape))]
+    _check_rows("sdpa_grad lse", lse, pb)
+    _check_rows("sdpa_grad delta", delta, pb)
+    if pb.bh == 0 or pb.S == 0:
+        return
+    if pb.L == 0:
+        raise ShapeError("sdpa_grad: needs at least one query")
+    hd = head_dim_template(pb.E, pb.Ev)
+    vec = _vectorized(pb, (q, k, v, dout, dk, dv), layouts)
+    args = (q, k, v, dout, lse, delta, _step_arg(attn, step), dk, dv) + pb.args() \
+        + sum((h.args() for h in layouts), ()) + attn.args(step, True) + (np.int32(vec),)
+    _launch_tiles(ctx, "backward_dkdv", hd, ctype, -(-pb.S // TILES["backward_dkdv"][hd][1]),
+                  pb.bh, args)
+
+
+def sdpa_backward(ctx, node: Node, q, k, v, out, dout, lse, step, dq, dk, dv,
+                  attn: Attn) -> None:
+    """dq, dk, dv of sdpa: on cuDNN where the problem runs there (attention_cudnn), else the
+    dq launch (summing D into the node's scratch) and the dk/dv launch."""
+    pb = problem(q, k, v)
+    o_shape = tuple(q.shape[:-1]) + (pb.Ev,)
+    layouts = [_heads(f"sdpa_grad {name}", a, shape, q.dtype) for name, a, shape in
+               (("q", q, q.shape), ("k", k, k.shape), ("v", v, v.shape), ("out", out, o_shape),
+                ("dout", dout, o_shape), ("dq", dq, q.shape), ("dk", dk, k.shape),
+                ("dv", dv, v.shape))]
+    _check_rows("sdpa_grad lse", lse, pb)
+    if storage(q) == "unsigned short" and pb.bh and pb.L and pb.S and attention_cudnn.backward(
+            ctx, pb, attn, layouts, q, k, v, out, dout, lse, step, dq, dk, dv):
+        return
+    rows = lse.size
+    delta = _node_memory(node, ("sdpa_delta", rows), ctx, lambda: cp.empty(rows, np.float32))
+    sdpa_backward_dq(ctx, q, k, v, out, dout, lse, step, dq, delta, attn)
+    sdpa_backward_dkdv(ctx, q, k, v, dout, lse, delta, step, dk, dv, attn)
+
+
+def cudnn_keep_mask(ctx, q, k, v, step, attn: Attn) -> np.ndarray:
+    """The (bh, L, S) dropout keep mask (bool) that cuDNN's forward draws for these operands
+    at this step (attention_cudnn.keep_mask: for checking that path against the reference)."""
+    pb = problem(q, k, v)
+    layouts = [_heads(f"sdpa {name}", a, a.shape, q.dtype) for name, a in
+               (("q", q), ("k", k), ("v", v))]
+    return attention_cudnn.keep_mask(ctx, pb, attn, layouts, q, k, v, step)
+
+
+def _sdpa(node: Node, ins, outs, ctx) -> None:
+    step = ins[3] if len(ins) > 3 else None
+    sdpa_forward(ctx, *ins[:3], outs[0], outs[1], step, attn_of(node))
+
+
+def _sdpa_grad(node: Node, ins, outs, ctx) -> None:
+    dout, q, k, v, out, lse = ins[:6]
+    step = ins[6] if len(ins) > 6 else None
+    sdpa_backward(ctx, node, q, k, v, out, dout, lse, step, *outs, attn_of(node))
+
+
+def heads_of(x, heads: int):
+    """A C-contiguous (..., T, H * D) CuPy array viewed as (..., H, T, D)."""
+    split = x.reshape(x.shape[:-1] + (heads, x.shape[-1] // heads))
+    return cp.moveaxis(split, -2, -3)
+
+
+def qkv_heads(qkv, heads: int) -> list:
+    """q, k, v of a C-contiguous packed (..., T, 3 * H * D) CuPy array, as (..., H, T, D)
+    views: the kernels read them through their strides, no copies."""
+    split = qkv.reshape(qkv.shape[:-1] + (3, heads, qkv.shape[-1] // (3 * heads)))
+    return [cp.moveaxis(split[..., i, :, :], -2, -3) for i in range(3)]
+
+
+def _packed(what: str, *arrays) -> None:
+    for a in arrays:
+        if not isinstance(a, cp.ndarray) or not a.flags.c_contiguous:
+            raise ShapeError(f"{what}: packed operands must be C-contiguous CuPy arrays")
+
+
+def _sdpa_qkv(node: Node, ins, outs, ctx) -> None:
+    heads = int(node.attrs["heads"])
+    _packed("sdpa_qkv", ins[0], outs[0])
+    step = ins[1] if len(ins) > 1 else None
+    sdpa_forward(ctx, *qkv_heads(ins[0], heads), heads_of(outs[0], heads), outs[1], step,
+                 attn_of(node))
+
+
+def _sdpa_qkv_grad(node: Node, ins, outs, ctx) -> None:
+    heads = int(node.attrs["heads"])
+    dout, qkv, out, lse = ins[:4]
+    _packed("sdpa_qkv_grad", dout, qkv, out, outs[0])
+    step = ins[4] if len(ins) > 4 else None
+    sdpa_backward(ctx, node, *qkv_heads(qkv, heads), heads_of(out, heads),
+                  heads_of(dout, heads), lse, step, *qkv_heads(outs[0], heads), attn_of(node))
+
+
+IMPLS: dict[str, Callable] = {"sdpa": _sdpa, "sdpa_grad": _sdpa_grad, "sdpa_qkv": _sdpa_qkv,
+                              "sdpa_qkv_grad": _sdpa_qkv_grad}
+KERNELS_AHEAD = dict.fromkeys(IMPLS, kernels_ahead)

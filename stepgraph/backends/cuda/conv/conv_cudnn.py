@@ -1,0 +1,475 @@
+"""conv2d and its two gradients through cuDNN (NVIDIA's cuDNN frontend, `import cudnn`): a
+family of candidate paths beside conv.py's own kernels, and the only one that runs groups > 1
+or dilation != 1.
+
+One `cudnn.pygraph` per problem and heuristic (op, geometry with dilation and groups, dtype,
+precision, fused bias / ReLU, layout, determinism), memoised for the process:
+  conv2d             conv_fprop (then bias add and ReLU in the same graph when asked: "fused")
+  conv2d_grad_input  conv_dgrad
+  conv2d_grad_weight conv_wgrad (conv.py adds db with a reduce_sum launch)
+float32 in and out, float32 accumulation; or bfloat16 in and out (precision="bf16": x, w, the
+bias, y, dy, dx, dw all bf16 raw bits in uint16 arrays) with float32 compute and intermediate
+data types, so cuDNN accumulates in float32, adds the fused bias and applies the ReLU in
+float32 and rounds each output once, on store: the NumPy emulation's rounding point (its
+einsum sums in another order, so results may differ in the last bf16 place where a sum lies
+near a rounding boundary). Heuristic modes A and FALLBACK rank the engine
+configurations; each that builds, up to MAX_PLANS, is a candidate path "cudnn:<i>" (i = its
+index in the ranked list) that conv.py's autotuner times against the own kernels on the real
+buffers. Heuristic mode B (slower to query, ranked by a different model) adds up to
+MAX_PLANS_B more, those A's candidates do not already hold, as "cudnn:B<i>" (its own list,
+its own graph). Filters, applied before building:
+  - precision "fp32" excludes tensor-core engines (on float32 they compute in TF32) and engines
+    that down-convert inputs or reduce in lower precision; "tf32" lets them compete;
+  - bfloat16 problems let tensor cores compete (they compute bf16 products exactly and
+    accumulate in float32) but exclude engines that reduce in lower precision, so that every
+    sum stays float32 as the compute type says;
+  - nondeterministic engines (atomics) are excluded unless the context opts in
+    (ctx.deterministic False: compile_train_step(deterministic=False)), so every path gives the
+    same bits on every run, as the own kernels and the GEMMs do;
+  - engines compiled at run time (NVRTC inside cuDNN) are excluded: building one costs seconds
+    per problem at the first call;
+  - plans needing more than workspace_limit() bytes of workspace are skipped.
+The workspace comes from conv.py's grow-only scratch pool (ctx.extras["conv_scratch"]): the
+largest that a problem's plans need is taken at its first eager call, so a capture never
+allocates. Each context has one cuDNN handle (ctx.extras["cudnn_handle"]) bound to its stream
+(shared by the contexts of one stream).
+
+Building a plan is the costly step (cuDNN finalises the engine configuration), so a problem
+whose choice is already known (conv.py: this process's, or the on-disk cache's) builds only
+the chosen candidate's plan (`only`: the ranked list it belongs to, then that one index);
+every candidate is built only where the problem must be timed.
+
+Layouts: "NCHW" tensors as the graph's NCHW ops hold them; "NHWC" (channels-last nodes,
+compile/layout.py) with x, dy, y, dx stored (N, H, W, C) and the filter (O, kh, kw, C/groups)
+(cuDNN's KRSC): the graph's tensors keep logical NCHW dims with those strides.
+
+Without the frontend or a loadable libcudnn the family is simply absent (the path functions
+return {}), and `unavailable_reason()` says why; an op that only cuDNN runs (groups > 1,
+dilation != 1) then raises BackendUnavailableError saying to install the cuda extra.
+"""
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from ....errors import BackendUnavailableError, CaptureError
+from ....ir.graph import ir_dtype
+from ..runtime.launch import _capturing
+from ..runtime.scratch import ScratchPool
+
+if TYPE_CHECKING:
+    from .conv import Geometry
+
+MAX_PLANS = 12                     # candidates per problem, in heuristic rank order
+MAX_PLANS_B = 8                    # more from heuristic mode B, not among those already
+HEURISTIC_B = True                 # query mode B as well (its candidates "cudnn:B<i>")
+# A plan needing more workspace than the smaller of these is not a candidate. The resnet's
+# float32 convolutions at batch 512 run fastest on engines with large workspaces (transformed
+# operands): on an H200, 23.0 ms per step with 256 MiB and 6 + 4 candidates, 21.1 ms with 4 GiB
+# and 12 + 8. The pool keeps the largest a chosen plan needs (and, while the autotuner
+# times a problem, the largest of its candidates), so smaller GPUs get a smaller limit.
+MAX_WORKSPACE_BYTES = 4 << 30
+WORKSPACE_MEMORY_FRACTION = 16     # ... and at most 1/16 of the GPU's memory
+RUNTIME_COMPILED = False           # admit engines cuDNN compiles at plan build (NVRTC)
+LAYOUTS = ("NCHW", "NHWC")         # of every tensor of a problem (module docstring)
+DTYPES = ("float32", "bfloat16")   # IR dtypes of the problems (module docstring)
+INSTALL_HINT = "pip install -e '.[cuda]' (nvidia-cudnn-frontend and nvidia-cudnn-cu13)"
+
+
+@functools.cache
+def _load() -> tuple[Any, str | None]:
+    """(the cudnn module, None), or (None, why it cannot be used). The frontend imports
+    without libcudnn, so asking the library's version is what proves that it loaded."""
+    try:
+        import cudnn
+
+        cudnn.backend_version()
+    except Exception as err:    # ImportError, OSError, the binding's RuntimeError: all say no
+        return None, f"{type(err).__name__}: {err}"
+    return cudnn, None
+
+
+def unavailable_reason() -> str | None:
+    """Why the cuDNN paths cannot run here (None when they can)."""
+    return _load()[1]
+
+
+def available() -> bool:
+    """Whether the cuDNN paths can run here (frontend importable and libcudnn loaded)."""
+    return _load()[0] is not None
+
+
+def needed(g: Geometry) -> bool:
+    """Whether only cuDNN runs this convolution (the own kernels: groups 1, dilation 1; in
+    channels-last between permutes, conv.py's _through_nchw)."""
+    return not g.plain
+
+
+def _cudnn(op: str, g: Geometry):
+    """The cudnn module, or None when absent; raises when the op cannot run without it."""
+    cudnn, why = _load()
+    if cudnn is None and needed(g):
+        raise BackendUnavailableError(
+            f"{op} with groups={g.groups}, dilation={(g.dil_h, g.dil_w)} runs only through "
+            f"cuDNN, which is not usable here ({why}): {INSTALL_HINT}")
+    return cudnn
+
+
+# ---- problems and their plans ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Problem:
+    """What one cuDNN graph computes: the key of its memoised Plans."""
+    op: str                  # conv2d, conv2d_grad_input or conv2d_grad_weight
+    g: Geometry
+    dtype: str               # IR dtype of every operand: float32 or bfloat16
+    precision: str
+    bias: bool = False       # conv2d: bias add in the graph
+    relu: bool = False       # conv2d: ReLU in the graph, after the bias
+    layout: str = "NCHW"
+    device: int = 0
+    deterministic: bool = True   # False: engines with the NONDETERMINISTIC note compete too
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One buildable plan: its path name ("cudnn:<i>" or "cudnn:B<i>"), the graph it belongs
+    to (Plans.graphs), its index in that graph's ranked list, engine name, workspace bytes."""
+    path: str
+    graph: int
+    index: int
+    name: str
+    workspace: int
+
+
+@dataclass
+class Plans:
+    """A problem's built cuDNN graphs (one per heuristic list) with their operand uids by name,
+    and the candidates. `reason` says why there are none."""
+    graphs: list[tuple[Any, dict[str, int]]]
+    entries: list[Candidate]
+    reason: str = ""
+
+    @property
+    def workspace(self) -> int:
+        return max((c.workspace for c in self.entries), default=0)
+
+
+_PLANS: dict[Problem, Plans] = {}                # every candidate of each problem
+_CHOSEN: dict[tuple[Problem, str], Plans] = {}   # one candidate's plan alone (plans_for's only)
+
+
+def _strides(dims: list[int], layout: str) -> list[int]:
+    n, c, h, w = dims
+    if layout == "NHWC":
+        return [h * w * c, 1, w * c, c]
+    return [c * h * w, h * w, w, 1]
+
+
+def _graph(cudnn, p: Problem, handle) -> tuple[Any, dict[str, Any]]:
+    """The problem's pygraph (validated, not yet planned) and its operand tensors by name."""
+    g, f32 = p.g, cudnn.data_type.FLOAT
+    io = cudnn.data_type.BFLOAT16 if p.dtype == "bfloat16" else f32
+    # Compute and intermediates float32 in both (every op of the graph takes these global
+    # types): a bf16 graph rounds only what it writes.
+    graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=f32, compute_data_type=f32,
+                          handle=handle)
+    dims = {"x": [g.n, g.c, g.h, g.w], "w": [g.o, g.c // g.groups, g.kh, g.kw],
+            "y": [g.n, g.o, g.ho, g.wo], "b": [1, g.o, 1, 1]}
+
+    def tensor(name: str, kind: str):
+        return graph.tensor(name=name, dim=dims[kind], stride=_strides(dims[kind], p.layout),
+                            data_type=io)
+
+    conv = {"padding": [g.ph, g.pw], "stride": [g.sh, g.sw], "dilation": [g.dil_h, g.dil_w]}
+    if p.op == "conv2d":
+        ops = {"x": tensor("x", "x"), "w": tensor("w", "w")}
+        out, kind = graph.conv_fprop(image=ops["x"], weight=ops["w"], **conv), "y"
+        if p.bias or p.relu:    # virtual: the sum stays float32 until the last op stores it
+            out.set_data_type(f32)
+        if p.bias:
+            ops["b"] = tensor("b", "b")
+            out = graph.bias(input=out, bias=ops["b"])
+        if p.relu:
+            out = graph.relu(input=out)
+        name = "y"
+    elif p.op == "conv2d_grad_input":
+        ops = {"dy": tensor("dy", "y"), "w": tensor("w", "w")}
+        out, kind, name = graph.conv_dgrad(loss=ops["dy"], filter=ops["w"], **conv), "x", "dx"
+    else:
+        ops = {"x": tensor("x", "x"), "dy": tensor("dy", "y")}
+        out, kind, name = graph.conv_wgrad(image=ops["x"], loss=ops["dy"], **conv), "w", "dw"
+    out.set_output(True).set_data_type(io)
+    out.set_dim(dims[kind]).set_stride(_strides(dims[kind], p.layout))
+    ops[name] = out
+    graph.validate()
+    graph.build_operation_graph()
+    return graph, ops
+
+
+# (path prefix, heuristic modes) of each ranked list a problem draws from
+HEURISTICS = (("", ("A", "FALLBACK")), ("B", ("B",)))
+
+
+def _ranked(cudnn, p: Problem, handle, modes: tuple[str, ...]):
+    """The problem's graph with the execution plans of `modes` ranked and the filters of the
+    module docstring applied; (graph, operand tensors by name, plan count)."""
+    graph, ops = _graph(cudnn, p, handle)
+    graph.create_execution_plans([getattr(cudnn.heur_mode, m) for m in modes])
+    notes = cudnn.numerical_note
+    barred = [notes.NONDETERMINISTIC] if p.deterministic else []
+    if p.dtype == "bfloat16":
+        barred += [notes.REDUCED_PRECISION_REDUCTION]
+    elif p.precision == "fp32":
+        barred += [notes.TENSOR_CORE, notes.DOWN_CONVERT_INPUTS,
+                   notes.REDUCED_PRECISION_REDUCTION]
+    if barred:
+        graph.deselect_numeric_notes(barred)
+    if not RUNTIME_COMPILED:
+        graph.deselect_behavior_notes([cudnn.behavior_note.RUNTIME_COMPILATION])
+    return graph, ops, graph.get_execution_plan_count()
+
+
+def _build(cudnn, p: Problem, handle) -> Plans:
+    """Rank the problem's plans by each heuristic of HEURISTICS (B only when HEURISTIC_B) and
+    build, in rank order, each that passes the filters and is not a candidate already, up to
+    that heuristic's limit."""
+    plans, failures = Plans([], []), []
+    for prefix, modes in HEURISTICS if HEURISTIC_B else HEURISTICS[:1]:
+        limit = MAX_PLANS_B if prefix else MAX_PLANS
+        try:
+            graph, ops, count = _ranked(cudnn, p, handle, modes)
+        except Exception as err:    # the frontend raises several types for "not supported"
+            failures.append(f"heuristics {'+'.join(modes)}: {type(err).__name__}: {err}")
+            continue
+        source = len(plans.graphs)
+        plans.graphs.append((graph, _uids(ops)))
+        taken = 0
+        for index in range(count):
+            if taken == limit:
+                break
+            seen = {c.name for c in plans.entries}
+            try:
+                name = str(graph.get_plan_name_at_index(index))
+            except Exception:       # named once built, then
+                name = None
+            if name in seen:
+                continue
+            try:
+                name, workspace = _build_plan(graph, index)
+            except Exception as err:    # barred by a filter, the engine declined, too large
+                failures.append(f"[{prefix}{index}] {type(err).__name__}: {str(err)[:200]}")
+                continue
+            if name in seen:
+                continue
+            plans.entries.append(Candidate(f"cudnn:{prefix}{index}", source, index, name,
+                                           workspace))
+            taken += 1
+    if not plans.entries:
+        plans.reason = "no plan built: " + "; ".join(failures[:4])
+    return plans
+
+
+class WorkspaceTooLarge(Exception):
+    """A plan that needs more than workspace_limit() bytes of workspace: not a candidate."""
+
+
+def _build_plan(graph, index: int) -> tuple[str, int]:
+    """Build the graph's execution plan at `index` of its ranked list: (engine name,
+    workspace bytes). Raises where a filter bars it, the engine declines it or its workspace
+    exceeds workspace_limit()."""
+    graph.build_plan_at_index(index)
+    name = str(graph.get_plan_name_at_index(index))
+    workspace = int(graph.get_workspace_size_plan_at_index(index))
+    if workspace > workspace_limit():
+        raise WorkspaceTooLarge(f"{name}: workspace {workspace} bytes")
+    return name, workspace
+
+
+@functools.cache
+def _device_memory(device: int) -> int:
+    import cupy as cp
+    return int(cp.cuda.Device(device).mem_info[1])
+
+
+def workspace_limit() -> int:
+    """The most workspace a candidate plan may need: MAX_WORKSPACE_BYTES, and at most
+    1/WORKSPACE_MEMORY_FRACTION of the current GPU's memory."""
+    import cupy as cp
+    return min(MAX_WORKSPACE_BYTES,
+               _device_memory(cp.cuda.runtime.getDevice()) // WORKSPACE_MEMORY_FRACTION)
+
+
+def _uids(ops: dict) -> dict[str, int]:
+    """The graph's operand uids by name (what a launch binds its device pointers to)."""
+    return {name: t.get_uid() for name, t in ops.items()}
+
+
+def _ranked_list(path: str) -> tuple[tuple[str, ...], int] | None:
+    """(heuristic modes, index in their ranked list) of candidate `path` ("cudnn:<i>" or
+    "cudnn:B<i>"); None where it names no list that _build draws from."""
+    match = re.fullmatch(r"cudnn:(B?)(\d+)", path)
+    lists = dict(HEURISTICS if HEURISTIC_B else HEURISTICS[:1])
+    if match is None or match[1] not in lists:
+        return None
+    return lists[match[1]], int(match[2])
+
+
+def _build_one(cudnn, p: Problem, handle, path: str) -> Plans:
+    """Only the plan of candidate `path`, a choice made when every candidate was built and
+    timed: its heuristic's list ranked and filtered as _build does, then the plan at its
+    index built. No candidate (and the reason) where that fails: the caller then builds and
+    times them all."""
+    where = _ranked_list(path)
+    if where is None:
+        return Plans([], [], f"{path} is not a cuDNN candidate of this build")
+    modes, index = where
+    try:
+        graph, ops, count = _ranked(cudnn, p, handle, modes)
+        if index >= count:
+            return Plans([], [], f"{path}: heuristics {'+'.join(modes)} rank {count} plans")
+        name, workspace = _build_plan(graph, index)
+    except Exception as err:    # as in _build: the frontend's many "not supported" types
+        return Plans([], [], f"{path}: {type(err).__name__}: {str(err)[:200]}")
+    return Plans([(graph, _uids(ops))], [Candidate(path, 0, index, name, workspace)])
+
+
+def plans_for(ctx, p: Problem, only: str | None = None) -> Plans:
+    """The problem's Plans, built at its first call (never during a capture). With `only` (a
+    candidate's path) just that candidate, if it still builds: taken from the problem's
+    Plans where every candidate is built already, else its plan alone is built."""
+    if only is not None and p in _PLANS:
+        every = _PLANS[p]
+        return Plans(every.graphs, [c for c in every.entries if c.path == only], every.reason)
+    memo, key = (_PLANS, p) if only is None else (_CHOSEN, (p, only))
+    plans = memo.get(key)
+    if plans is None:
+        if _capturing(ctx):
+            raise CaptureError(f"{p.op}: its cuDNN plans are built at the first eager call; run "
+                               "the step eagerly once before capturing")
+        cudnn, h = _load()[0], handle(ctx)
+        plans = _build(cudnn, p, h) if only is None else _build_one(cudnn, p, h, only)
+        memo[key] = plans
+    return plans
+
+
+def candidates_key() -> tuple | None:
+    """What decides a problem's candidate paths besides the problem and the GPU and cuDNN
+    library (autotune.device_identity): None without cuDNN, else the frontend's version and
+    this module's limits and filters. conv.py keys its choices by this rather than by the
+    candidates' names, which are known only once every plan is built."""
+    cudnn = _load()[0]
+    if cudnn is None:
+        return None
+    return (getattr(cudnn, "__version__", None), MAX_PLANS, MAX_PLANS_B if HEURISTIC_B else 0,
+            workspace_limit(), RUNTIME_COMPILED)
+
+
+# ---- handle, workspace, launch ---------------------------------------------------------------
+
+_HANDLES: dict[tuple[int, int], Any] = {}
+
+
+def handle(ctx):
+    """The context's cuDNN handle, bound to ctx.stream: one per (device, stream), made at the
+    first eager call and kept for the process (plans built with it outlive any context;
+    the backend's contexts share one stream, so they share it)."""
+    h = ctx.extras.get("cudnn_handle")
+    if h is None:
+        import cupy as cp
+
+        key = (cp.cuda.runtime.getDevice(), ctx.stream.ptr)
+        h = _HANDLES.get(key)
+        if h is None:
+            if _capturing(ctx):
+                raise CaptureError("a cuDNN handle is made at the first eager conv call; run "
+                                   "the step eagerly once before capturing")
+            cudnn = _load()[0]
+            h = _HANDLES[key] = cudnn.create_handle()
+            cudnn.set_stream(handle=h, stream=ctx.stream.ptr)
+        ctx.extras["cudnn_handle"] = h
+    return h
+
+
+def _workspace(ctx, nbytes: int):
+    """A uint8 device buffer of at least nbytes from the context's conv scratch pool (None
+    for 0 bytes)."""
+    if nbytes == 0:
+        return None
+    pool = ctx.extras.setdefault("conv_scratch", ScratchPool())
+    return pool.get(nbytes, ctx)
+
+
+def _paths(ctx, p: Problem, arrays: dict[str, Any],
+           only: str | None = None) -> dict[str, Callable[[], None]]:
+    """{"cudnn:<i>": launch} for each of the problem's plans (`only`: that candidate's alone,
+    if it builds), bound to these arrays."""
+    plans = plans_for(ctx, p, only)
+    if not plans.entries:
+        return {}
+    if not _capturing(ctx):
+        _workspace(ctx, plans.workspace)    # the largest, taken now: a capture cannot allocate
+    # Device addresses, not arrays: given an array the frontend asks whether it is a torch
+    # tensor, which imports torch (seconds) into a process that never needed it.
+    operands = [{uids[name]: a.data.ptr for name, a in arrays.items()}
+                for _, uids in plans.graphs]
+
+    def launch(c: Candidate) -> None:
+        scratch = _workspace(ctx, c.workspace)
+        plans.graphs[c.graph][0].execute_plan_at_index(
+            operands[c.graph], None if scratch is None else scratch.data.ptr, index=c.index,
+            handle=handle(ctx))
+
+    return {c.path: functools.partial(launch, c) for c in plans.entries}
+
+
+def _problem(ctx, op: str, g: Geometry, dtype, layout: str = "NCHW", **kw) -> Problem | None:
+    cudnn = _cudnn(op, g)
+    if cudnn is None or ir_dtype(dtype) not in DTYPES:
+        return None
+    import cupy as cp
+
+    return Problem(op, g, ir_dtype(dtype), ctx.precision, layout=layout,
+                   device=cp.cuda.runtime.getDevice(),
+                   deterministic=bool(getattr(ctx, "deterministic", True)), **kw)
+
+
+# ---- paths of the three ops ------------------------------------------------------------------
+
+def conv2d_paths(ctx, g: Geometry, x, w, y, bias=None, relu: bool = False, layout: str = "NCHW",
+                 only: str | None = None) -> dict[str, Callable[[], None]]:
+    """y = conv2d(x, w) (+ bias) (then ReLU) in one cuDNN graph per plan; {} when cuDNN is
+    absent or has no plan (raises where only cuDNN could run it: module docstring). With
+    `only` (a path name), that candidate alone, its plan alone built ({} if it does not)."""
+    p = _problem(ctx, "conv2d", g, x.dtype, layout, bias=bias is not None, relu=relu)
+    if p is None:
+        return {}
+    arrays = {"x": x, "w": w, "y": y} | ({} if bias is None else {"b": bias})
+    return _paths(ctx, p, arrays, only)
+
+
+def grad_input_paths(ctx, g: Geometry, dy, w, dx, layout: str = "NCHW",
+                     only: str | None = None) -> dict[str, Callable[[], None]]:
+    """dx of conv2d given dy and w, a cuDNN conv_dgrad per plan (see conv2d_paths)."""
+    p = _problem(ctx, "conv2d_grad_input", g, dy.dtype, layout)
+    return {} if p is None else _paths(ctx, p, {"dy": dy, "w": w, "dx": dx}, only)
+
+
+def grad_weight_paths(ctx, g: Geometry, dy, x, dw, layout: str = "NCHW",
+                      only: str | None = None) -> dict[str, Callable[[], None]]:
+    """dw of conv2d given dy and x, a cuDNN conv_wgrad per plan (see conv2d_paths)."""
+    p = _problem(ctx, "conv2d_grad_weight", g, x.dtype, layout)
+    return {} if p is None else _paths(ctx, p, {"x": x, "dy": dy, "dw": dw}, only)
+
+
+def reason(ctx, op: str, g: Geometry, dtype, layout: str = "NCHW") -> str:
+    """Why no cuDNN path runs this problem (for the error of an op that needs one)."""
+    why = unavailable_reason()
+    if why is not None:
+        return why
+    if ir_dtype(dtype) not in DTYPES:
+        return f"dtype {ir_dtype(dtype)}: the cuDNN paths run {' and '.join(DTYPES)}"
+    p = _problem(ctx, op, g, dtype, layout)
+    return plans_for(ctx, p).reason

@@ -1,0 +1,304 @@
+// Optimizer kernels: the step counter, the LR schedule, and SGD / Adam / AdamW as ONE
+// multi-tensor launch over every parameter. Nothing a step needs is a host scalar: lr, step
+// and the clipping norm are read from device memory, so a captured graph stays valid when
+// they change. Formulas, operation order and rounding follow the numpy reference
+// (PyTorch's); __f*_rn keep the compiler from fusing a product and a sum into one FMA.
+// A guarded step (ops/guard.py) moves the counter and applies the update only when it passes.
+// precision="bf16": the update also writes each parameter's bf16 weight copy (attrs copies)
+// from the freshly updated float32 value, in the same pass (UpdateEntry.copy).
+#include "bf16.cuh"
+
+// step += 1 (int64 scalar state); one thread.
+extern "C" __global__ void step_increment_kernel(long long* step) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) *step += 1;
+}
+
+// history_loss[t % R] = loss; history_step[t % R] = t: the step's loss stays on the device,
+// readable for R steps, without a copy issued from the host (compile/history.py).
+__device__ __forceinline__ void record(float loss, long long t, float* history_loss,
+                                       long long* history_step, long long length) {
+    const long long slot = t % length;
+    history_loss[slot] = loss;
+    history_step[slot] = t;
+}
+
+extern "C" __global__ void record_loss_kernel(const float* loss, const long long* step,
+                                              float* history_loss, long long* history_step,
+                                              long long length) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    record(*loss, *step, history_loss, history_step, length);
+}
+
+// lr at step t from the (6,) float32 vector [base_lr, warmup_steps, total_steps, min_lr,
+// step_size, gamma] (optim/schedules.py), in float64 and cast once.
+__device__ __forceinline__ float scheduled_lr(const float* schedule, long long t) {
+    const double base = schedule[0], warmup = schedule[1], total = schedule[2];
+    const double min_lr = schedule[3], step_size = schedule[4], gamma = schedule[5];
+    double r = base;
+    if (warmup > 0.0 && (double)t <= warmup) {
+        r = base * (double)t / warmup;
+    } else if (total > 0.0) {
+        const double span = total - warmup;
+        const double e = fmin(fmax((double)t - 1.0 - warmup, 0.0), span);
+        r = min_lr + (base - min_lr) * (1.0 + cos(3.141592653589793 * e / span)) / 2.0;
+    } else if (step_size > 0.0) {
+        // Python's (t - 1) // int(step_size): floor division (t = 0 gives -1).
+        const long long s = (long long)step_size, a = t - 1;
+        const long long k = a >= 0 ? a / s : -((-a + s - 1) / s);
+        r = base * pow(gamma, (double)k);
+    }
+    return (float)r;
+}
+
+extern "C" __global__ void lr_schedule_kernel(const long long* step, const float* schedule,
+                                              float* lr) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    *lr = scheduled_lr(schedule, *step);
+}
+
+// step_increment, lr_schedule and record_loss in one thread: the bookkeeping of a step.
+extern "C" __global__ void advance_step_kernel(long long* step, const float* schedule,
+                                               const float* loss, float* history_loss,
+                                               long long* history_step, long long length,
+                                               float* lr) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    const long long t = *step + 1;
+    *step = t;
+    *lr = scheduled_lr(schedule, t);
+    record(*loss, t, history_loss, history_step, length);
+}
+
+// A guarded step's bookkeeping (ops/guard.py, guard_advance): flags = [bits found by
+// guard_check, skip], counters = [calls, skipped, first bad call, its bits]. The step counter
+// moves only on a step that passes; with sticky ("raise"), every step after a bad one is
+// skipped until the host has reported it (and cleared counters[2]). The first bad call's
+// number is also posted to `mailbox` (mapped host memory, may be null) so the host sees it
+// without a sync; nothing is posted on a good step.
+extern "C" __global__ void guard_advance_kernel(int* flags, long long* counters, long long* step,
+                                                const float* schedule, const float* loss,
+                                                float* history_loss, long long* history_step,
+                                                int* history_flag, long long length, int sticky,
+                                                float* lr, long long* mailbox) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    const int bits = flags[0];
+    flags[0] = 0;
+    const long long calls = counters[0] + 1;
+    counters[0] = calls;
+    if (bits != 0 && counters[2] == 0) {
+        counters[3] = bits;
+        counters[2] = calls;
+        if (mailbox) *(volatile long long*)mailbox = calls;
+    }
+    const int skip = bits != 0 || (sticky && counters[2] != 0);
+    flags[1] = skip;
+    long long t = *step;
+    if (skip) {
+        counters[1] += 1;
+    } else {
+        t += 1;
+        *step = t;
+    }
+    *lr = scheduled_lr(schedule, t);
+    record(*loss, calls, history_loss, history_step, length);
+    history_flag[calls % length] = bits | (skip && bits == 0 ? 8 : 0);  // 8: GUARD_HELD
+}
+
+// One row of the device table built once per update node by optim.py: the tensors of one
+// parameter (slots unused by the optimizer are null), whether all of them are 16-byte aligned
+// (float4 path), and the hyperparameters of the parameter's group (optimizer parameter groups;
+// without groups every row holds the optimizer's own values, and the arithmetic is the same).
+// The gradient is float32, or bf16 bits (grad_bf16: precision="bf16", where the update reads
+// the bf16 gradient of the weight's copy and widens it itself, exactly as the dropped cast
+// would have: compile/fuse.py fuse_gradient_casts).
+struct UpdateEntry {
+    float* p;
+    const void* g;
+    float* s0;  // SGD momentum buffer / Adam exp_avg
+    float* s1;  // Adam exp_avg_sq
+    unsigned short* copy;  // bf16 weight copy of p, same element order (null: none)
+    long long n;
+    long long aligned;
+    long long grad_bf16;
+    double lr_scale;  // the group's lr / the optimizer's lr (the schedule scales the latter)
+    double weight_decay;
+    double beta1;  // Adam only
+    double beta2;
+};
+
+// The table row of the parameter block blockIdx.x updates.
+__device__ __forceinline__ const UpdateEntry& block_entry(const UpdateEntry* entries,
+                                                          const int2* blocks) {
+    return entries[blocks[blockIdx.x].x];
+}
+
+// The multi-tensor loop both optimizers share. Block k updates chunk blocks[k] = (parameter,
+// chunk index): elements [chunk * index, min(chunk * (index + 1), n)), four a thread (one
+// float4 of each tensor where the parameter's tensors are aligned; chunk is a multiple of 4,
+// so float4 groups never straddle a chunk). element(p, g, s0, s1) updates one element in
+// place; `slots` state tensors (0, 1 or 2) are read and written back.
+template <typename Element>
+__device__ __forceinline__ void update_chunk(const UpdateEntry* entries, const int2* blocks,
+                                             int chunk, int slots, Element element) {
+    const int2 job = blocks[blockIdx.x];
+    const UpdateEntry e = entries[job.x];
+    const long long start = (long long)job.y * chunk, end = min(start + chunk, e.n);
+    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (long long i = start + 4 * (long long)threadIdx.x; i < end; i += 4LL * blockDim.x) {
+        if (e.aligned && i + 4 <= end) {
+            float4 p = *reinterpret_cast<float4*>(e.p + i);
+            float w[4];
+            load4_either_as_float(e.g, e.grad_bf16, i, w);
+            const float4 g = make_float4(w[0], w[1], w[2], w[3]);
+            float4 a = slots > 0 ? *reinterpret_cast<float4*>(e.s0 + i) : zero;
+            float4 b = slots > 1 ? *reinterpret_cast<float4*>(e.s1 + i) : zero;
+            element(p.x, g.x, a.x, b.x);
+            element(p.y, g.y, a.y, b.y);
+            element(p.z, g.z, a.z, b.z);
+            element(p.w, g.w, a.w, b.w);
+            *reinterpret_cast<float4*>(e.p + i) = p;
+            if (e.copy) {
+                const float q[4] = {p.x, p.y, p.z, p.w};
+                store4_from_float(e.copy, i, q);
+            }
+            if (slots > 0) *reinterpret_cast<float4*>(e.s0 + i) = a;
+            if (slots > 1) *reinterpret_cast<float4*>(e.s1 + i) = b;
+        } else {
+            for (long long j = i; j < i + 4 && j < end; ++j) {
+                float a = slots > 0 ? e.s0[j] : 0.f, b = slots > 1 ? e.s1[j] : 0.f;
+                element(e.p[j], load_either_as_float(e.g, e.grad_bf16, j), a, b);
+                if (e.copy) store_from_float(e.copy, j, e.p[j]);
+                if (slots > 0) e.s0[j] = a;
+                if (slots > 1) e.s1[j] = b;
+            }
+        }
+    }
+}
+
+// A guarded update (guard: the step's guard flags, else null) writes nothing when guard_advance
+// marked the step skipped (flags[1]): the whole block returns before touching a tensor.
+__device__ __forceinline__ int skipped(const int* guard) {
+    return guard != nullptr && guard[1] != 0;
+}
+
+// Gradient clipping coefficient min(1, max_norm / (norm + 1e-6)) in float64, as the reference.
+__device__ __forceinline__ float clip_coef(int clip, const float* norm, double max_norm) {
+    return clip ? (float)fmin(1.0, max_norm / ((double)*norm + 1e-6)) : 1.f;
+}
+
+struct SgdScalars {
+    float lr, coef, momentum, one_minus_dampening, weight_decay;
+    int first, has_momentum, has_weight_decay, nesterov, skip;
+};
+
+// torch.optim.SGD: d = g (* coef); d += wd * p; buf = d at step 1 else momentum * buf +
+// (1 - dampening) * d; d = d + momentum * buf (nesterov) or buf; p -= lr * d.
+__device__ __forceinline__ void sgd_element(float& p, float g, float& buf, const SgdScalars& s) {
+    float d = s.coef != 1.f ? __fmul_rn(g, s.coef) : g;
+    if (s.has_weight_decay) d = __fadd_rn(d, __fmul_rn(s.weight_decay, p));
+    if (s.has_momentum) {
+        buf = s.first ? d
+                      : __fadd_rn(__fmul_rn(buf, s.momentum), __fmul_rn(s.one_minus_dampening, d));
+        d = s.nesterov ? __fadd_rn(d, __fmul_rn(s.momentum, buf)) : buf;
+    }
+    p = __fsub_rn(p, __fmul_rn(s.lr, d));
+}
+
+extern "C" __global__ void sgd_update_kernel(const UpdateEntry* entries, const int2* blocks,
+                                             int chunk, const float* lr, const long long* step,
+                                             const float* norm, int clip, double max_norm,
+                                             const int* guard, float momentum,
+                                             float one_minus_dampening, int has_momentum,
+                                             int nesterov) {
+    __shared__ SgdScalars s;
+    if (threadIdx.x == 0) {
+        const UpdateEntry& e = block_entry(entries, blocks);
+        s.skip = skipped(guard);
+        s.lr = (float)((double)*lr * e.lr_scale);  // lr_scale 1: *lr exactly
+        s.coef = clip_coef(clip, norm, max_norm);
+        s.first = *step == 1;  // PyTorch's momentum buffer starts as the first gradient
+        s.momentum = momentum;
+        s.one_minus_dampening = one_minus_dampening;
+        s.weight_decay = (float)e.weight_decay;
+        s.has_momentum = has_momentum;
+        s.has_weight_decay = e.weight_decay != 0.0;
+        s.nesterov = nesterov;
+    }
+    __syncthreads();
+    if (s.skip) return;
+    update_chunk(entries, blocks, chunk, s.has_momentum ? 1 : 0,
+                 [&](float& p, float g, float& buf, float&) { sgd_element(p, g, buf, s); });
+}
+
+struct AdamScalars {
+    float coef, decay, weight_decay, one_minus_beta1, beta2, one_minus_beta2, eps;
+    float step_size, bias2_sqrt;
+    int has_weight_decay, decoupled, skip;
+};
+
+// torch.optim.Adam / AdamW: m = lerp(m, d, 1 - b1); v = b2 v + (1 - b2) d^2;
+// p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps). Adam adds wd * p to d; AdamW
+// first scales p by (1 - lr * wd).
+__device__ __forceinline__ void adam_element(float& p, float g, float& m, float& v,
+                                             const AdamScalars& s) {
+    float d = s.coef != 1.f ? __fmul_rn(g, s.coef) : g;
+    if (s.has_weight_decay && s.decoupled) p = __fmul_rn(p, s.decay);
+    else if (s.has_weight_decay) d = __fadd_rn(d, __fmul_rn(s.weight_decay, p));
+    m = __fadd_rn(m, __fmul_rn(__fsub_rn(d, m), s.one_minus_beta1));
+    v = __fmul_rn(v, s.beta2);
+    v = __fadd_rn(v, __fmul_rn(__fmul_rn(s.one_minus_beta2, d), d));
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), s.bias2_sqrt), s.eps);
+    p = __fsub_rn(p, __fmul_rn(s.step_size, __fdiv_rn(m, denom)));
+}
+
+extern "C" __global__ void adam_update_kernel(const UpdateEntry* entries, const int2* blocks,
+                                              int chunk, const float* lr, const long long* step,
+                                              const float* norm, int clip, double max_norm,
+                                              const int* guard, float eps, int decoupled) {
+    __shared__ AdamScalars s;
+    if (threadIdx.x == 0) {
+        // Bias corrections and the decoupled decay in float64 (Python floats in PyTorch).
+        const UpdateEntry& e = block_entry(entries, blocks);
+        const double beta1 = e.beta1, beta2 = e.beta2, weight_decay = e.weight_decay;
+        s.skip = skipped(guard);
+        const double lr_d = (double)*lr * e.lr_scale, t = (double)*step;
+        s.coef = clip_coef(clip, norm, max_norm);
+        s.step_size = (float)(lr_d / (1.0 - pow(beta1, t)));
+        s.bias2_sqrt = (float)sqrt(1.0 - pow(beta2, t));
+        s.decay = (float)(1.0 - lr_d * weight_decay);
+        s.weight_decay = (float)weight_decay;
+        s.one_minus_beta1 = (float)(1.0 - beta1);
+        s.beta2 = (float)beta2;
+        s.one_minus_beta2 = (float)(1.0 - beta2);
+        s.eps = eps;
+        s.has_weight_decay = weight_decay != 0.0;
+        s.decoupled = decoupled;
+    }
+    __syncthreads();
+    if (s.skip) return;
+    update_chunk(entries, blocks, chunk, 2,
+                 [&](float& p, float g, float& m, float& v) { adam_element(p, g, m, v, s); });
+}
+
+// A bf16 weight copy whose element order differs from its parameter's (attrs copy_dims: a conv
+// weight's channels-last copy): copy = bf16(p.transpose(dims)) in that transpose's row-major
+// order, launched right after the update kernel (a gather by index: awkward inside the
+// chunked, vectorised update loop). Dims of the transposed shape (?, o1, o2, o3), padded in
+// front with size 1; s0..s3 their strides in p (elements). A skipped (guarded) step writes
+// nothing, as the update.
+extern "C" __global__ void weight_copy_permute_kernel(const float* p, unsigned short* copy,
+                                                      long long n, int o1, int o2, int o3,
+                                                      long long s0, long long s1, long long s2,
+                                                      long long s3, const int* guard) {
+    if (skipped(guard)) return;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long q = i;
+        const long long i3 = q % o3;
+        q /= o3;
+        const long long i2 = q % o2;
+        q /= o2;
+        const long long i1 = q % o1;
+        const long long i0 = q / o1;
+        copy[i] = bf16_from_float(p[i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3]);
+    }
+}

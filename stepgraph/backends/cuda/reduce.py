@@ -1,0 +1,228 @@
+"""Launchers of reduce.cu: reduce_sum over any axes (column sums, sums over planes, a strided
+fallback), the activation gradient fused with the bias gradient's column sum
+(act_bias_grad), and global_norm over many tensors in one launch.
+
+Device memory kept per node (runtime/launch.py `_node_memory`): reduce_sum and act_bias_grad
+split over rows keep the splits' float64 partial sums; global_norm a table of tensor pointers
+and sizes, per-block work items, a float64 partial per block and an arrival counter.
+reduce_sum, act_bias_grad and global_norm take float32 or bf16 (uint16 bits) operands.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import cupy as cp  # imports without a GPU; kernels compile at their first launch
+import numpy as np
+
+from ...errors import ShapeError
+from ...ir.graph import Node
+from .elementwise import fill_forward
+from .runtime.launch import (BLOCK, ELEMENT_CTYPES, UPDATE_CHUNK, _act_code, _aligned,
+                             _buffers_key, _check, _check_int32, _check_scalar, _chunk_jobs,
+                             _element_ctype, _grid, _launch, _node_memory, _slope, _typed)
+
+PLANE_TARGET_BLOCKS = 512     # reduce_sum over planes: split each plane's rows to about this
+COLUMN_TARGET_BLOCKS = 1024   # column sums (bias gradients): split tall inputs' rows to this
+COLUMN_SPLIT_ROWS = 256       # rows per split at least
+REDUCE_DIMS = 4               # reduce_sum_strided_kernel: kept and reduced dims, 4 runs each
+COLUMN_BLOCK = (32, 16)       # reduce.cu COLUMN_TILE x COLUMN_ROWS
+BF16_OPS = frozenset({"reduce_sum", "act_bias_grad", "global_norm"})
+
+
+def _column_splits(rows: int, column_blocks: int) -> int:
+    """Row splits of a column kernel of `column_blocks` blocks across: about
+    COLUMN_TARGET_BLOCKS blocks for tall inputs, none below COLUMN_SPLIT_ROWS rows per split
+    (a second launch would cost more)."""
+    return max(1, min(COLUMN_TARGET_BLOCKS // column_blocks, rows // COLUMN_SPLIT_ROWS))
+
+
+def _column_partials(node: Node, ctx, cols: int, splits: int):
+    """The node's float64 (cols, splits) partial sums, or a dummy pointer for one split."""
+    if splits == 1:
+        return np.uint64(0)
+    return _node_memory(node, ("columns", cols, splits), ctx,
+                        lambda: cp.empty(cols * splits, np.float64))
+
+
+def _launch_columns(ctx, node: Node, name: str, rows: int, cols: int, out, arrays: tuple,
+                    scalars: tuple, vec: int | None = None) -> None:
+    """A column kernel (rows summed per column into `out`), args = arrays, the partials,
+    scalars; with row splits, then the in-order sum of the splits' partials. `name` is the
+    template's name; both take out's element type, and with `vec` (columns per thread) the
+    kernel takes it as its second template argument."""
+    ctype = ELEMENT_CTYPES[out.dtype]
+    column_blocks = -(-cols // (32 * (vec or 1)))
+    splits = _column_splits(rows, column_blocks)
+    partial = _column_partials(node, ctx, cols, splits)
+    kernel = _typed(name, ctype) if vec is None else f"{name}<{ctype}, {vec}>"
+    _launch(ctx, "reduce.cu", kernel, (column_blocks, splits), COLUMN_BLOCK,
+            arrays + (partial,) + scalars)
+    if splits > 1:
+        _launch(ctx, "reduce.cu", _typed("reduce_sum_splits_kernel", ctype), _grid(cols),
+                (BLOCK,), (partial, out, np.int32(cols), np.int32(splits)))
+
+
+def reduce_sum_columns(ctx, node: Node, x, y, rows: int, cols: int) -> None:
+    """y (cols,) = x viewed as (rows, cols) summed over rows."""
+    _launch_columns(ctx, node, "reduce_sum_columns_kernel", rows, cols, y, (x, y),
+                    (np.int32(rows), np.int32(cols)))
+
+
+def reduce_sum_planes(ctx, node: Node, x, y, outer: int, mid: int, inner: int) -> None:
+    """y (mid,) = x viewed as (outer, mid, inner) summed over outer and inner: blocks per
+    plane and split of the outer rows, then (several splits) one launch adding the splits'
+    float64 partial sums in order, from the node's own memory."""
+    splits = max(1, min(PLANE_TARGET_BLOCKS // max(mid, 1), outer))
+    ctype = ELEMENT_CTYPES[y.dtype]
+    partial = np.uint64(0)
+    if splits > 1:
+        partial = _node_memory(node, ("reduce_sum", mid, splits), ctx,
+                               lambda: cp.empty(mid * splits, np.float64))
+    _launch(ctx, "reduce.cu", _typed("reduce_sum_planes_kernel", ctype), (mid, splits),
+            (BLOCK,), (x, y, partial, np.int32(outer), np.int32(mid), np.int32(inner)))
+    if splits > 1:
+        _launch(ctx, "reduce.cu", _typed("reduce_sum_splits_kernel", ctype), _grid(mid),
+                (BLOCK,), (partial, y, np.int32(mid), np.int32(splits)))
+
+
+def _reduced_axes(shape: tuple, axes) -> list[int]:
+    nd = len(shape)
+    return sorted({a % nd for a in axes}) if nd else []
+
+
+def _kept_block(shape: tuple, axes) -> tuple[int, int, int] | None:
+    """(outer, kept, inner) sizes when the axes NOT reduced are one contiguous run, else None."""
+    nd = len(shape)
+    axes = _reduced_axes(shape, axes)
+    kept = [i for i in range(nd) if i not in axes]
+    if kept and kept != list(range(kept[0], kept[-1] + 1)):
+        return None
+    lo, hi = (kept[0], kept[-1] + 1) if kept else (nd, nd)
+    return math.prod(shape[:lo]), math.prod(shape[lo:hi]), math.prod(shape[hi:])
+
+
+def _strided_reduction(shape: tuple, axes) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(kept sizes, kept strides, reduced sizes, reduced strides) in elements of contiguous x,
+    outermost first: size-1 axes dropped, neighbours of the same kind merged (x is contiguous,
+    so they always can be), each list padded in front to REDUCE_DIMS entries."""
+    axes = set(_reduced_axes(shape, axes))
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    groups: dict[bool, list[list[int]]] = {False: [], True: []}   # reduced? -> [size, stride]
+    last = None
+    for i, (size, stride) in enumerate(zip(shape, strides)):
+        if size == 1:
+            continue
+        reduced = i in axes
+        if last is reduced:      # the previous kept dim is this one's outer neighbour
+            groups[reduced][-1] = [groups[reduced][-1][0] * size, stride]
+        else:
+            groups[reduced].append([size, stride])
+        last = reduced
+    for reduced, dims in groups.items():
+        if len(dims) > REDUCE_DIMS:
+            raise ShapeError(f"reduce_sum over axes {sorted(axes)} of {shape}: more than "
+                             f"{REDUCE_DIMS} alternating runs of kept and reduced axes")
+        dims[:0] = [[1, 0]] * (REDUCE_DIMS - len(dims))
+    kept, red = groups[False], groups[True]
+    return [d[0] for d in kept], [d[1] for d in kept], [d[0] for d in red], [d[1] for d in red]
+
+
+def reduce_sum_strided(ctx, x, y, axes) -> None:
+    """y = x.sum(axis=axes) for any axes: a thread per output element walking the reduced
+    elements in order (the fallback when the kept axes are not contiguous)."""
+    args = [np.int32(v) for part in _strided_reduction(tuple(x.shape), axes) for v in part]
+    name = _typed("reduce_sum_strided_kernel", ELEMENT_CTYPES[y.dtype])
+    _launch(ctx, "reduce.cu", name, _grid(y.size), (BLOCK,), (x, y, np.int32(y.size), *args))
+
+
+def reduce_sum_forward(ctx, node: Node, x, y, axes) -> None:
+    """y = x.sum(axis=axes): column sums (bias grads), sums over (outer, inner) per kept
+    index (axes (0, 2, 3) of NCHW: conv bias grads), or any other axes (strided fallback)."""
+    _element_ctype("reduce_sum input", x)
+    block = _kept_block(tuple(x.shape), axes)
+    _check("reduce_sum output", y, x.dtype)
+    kept = math.prod(d for i, d in enumerate(x.shape)
+                     if i not in _reduced_axes(tuple(x.shape), axes))
+    if y.size != kept:
+        raise ShapeError(f"reduce_sum output: expected {kept} elements, got shape {y.shape}")
+    _check_int32("reduce_sum", x.size)
+    if x.size == 0:               # nothing to add up: zeros (also keeps inner > 0 below)
+        fill_forward(ctx, y, 0.0)
+        return
+    if block is None:
+        reduce_sum_strided(ctx, x, y, axes)
+        return
+    outer, mid, inner = block
+    if inner == 1 and mid > 1:    # one block per 32 columns; a full sum takes the planes path
+        reduce_sum_columns(ctx, node, x, y, outer, mid)
+    else:
+        reduce_sum_planes(ctx, node, x, y, outer, mid, inner)
+
+
+def act_bias_backward(ctx, node: Node, dy, saved, dz, db, kind: str,
+                      slope: float = 0.01) -> None:
+    """dz = dy * kind'(saved) (kind "none": dz = dy) and db = dz.sum(axis 0), in one pass."""
+    code = _act_code(kind, allow_none=True)
+    _element_ctype("act_bias_grad dy", dy)
+    if dy.ndim != 2:
+        raise ShapeError(f"act_bias_grad dy: expected (N, M), got {tuple(dy.shape)}")
+    _check("act_bias_grad saved", saved, dy.dtype, dy.shape)
+    _check("act_bias_grad dz", dz, dy.dtype, dy.shape)
+    _check("act_bias_grad db", db, dy.dtype, (dy.shape[1],))
+    _check_int32("act_bias_grad", dy.size)
+    rows, cols = dy.shape
+    # four columns a thread where rows stay aligned to four elements (reduce.cu)
+    vec = 4 if cols % 4 == 0 and _aligned(dy, saved, dz, to=4 * dy.itemsize) else 1
+    if cols:
+        _launch_columns(ctx, node, "act_bias_backward_kernel", rows, cols, db,
+                        (dy, saved, dz, db), (np.int32(rows), np.int32(cols), np.int32(code),
+                                              np.float32(slope)), vec)
+
+
+def _build_norm_tables(tensors) -> dict:
+    entries = np.array([(t.data.ptr, t.size, _aligned(t), t.dtype == np.uint16)
+                        for t in tensors], dtype=np.int64)
+    jobs = _chunk_jobs([t.size for t in tensors])
+    return dict(entries=cp.asarray(entries), jobs=cp.asarray(jobs),
+                partials=cp.zeros(len(jobs), np.float64), counter=cp.zeros(1, np.uint32))
+
+
+def global_norm_forward(ctx, node: Node, tensors, out) -> None:
+    """out = sqrt(sum over tensors of sum(t^2)), float64 accumulation, deterministic."""
+    if not tensors:
+        raise ShapeError("global_norm: needs at least one tensor")
+    _check_scalar("global_norm output", out, "float32")
+    key = ("global_norm",) + _buffers_key(tensors)
+    tables = _node_memory(node, key, ctx, lambda: _checked_norm_tables(tensors))
+    _launch(ctx, "reduce.cu", "global_norm_forward_kernel", (len(tables["partials"]),), (BLOCK,),
+            (tables["entries"], tables["jobs"], tables["partials"], tables["counter"], out,
+             np.int32(UPDATE_CHUNK)))
+
+
+def _checked_norm_tables(tensors) -> dict:
+    for i, t in enumerate(tensors):
+        # float32, or a bf16 gradient whose cast fuse_gradient_casts dropped
+        _element_ctype(f"global_norm input {i}", t)
+    return _build_norm_tables(tensors)
+
+
+def kernel_names() -> dict[str, set[str]]:
+    """{.cu file: every kernel name these launchers may launch} (as elementwise.py's)."""
+    reduce = ("reduce_sum_planes_kernel", "reduce_sum_splits_kernel",
+              "reduce_sum_strided_kernel", "reduce_sum_columns_kernel")
+    elements = ELEMENT_CTYPES.values()
+    return {"reduce.cu": {"global_norm_forward_kernel"}
+            | {_typed(k, ctype) for k in reduce for ctype in elements}
+            | {f"act_bias_backward_kernel<{ctype}, {vec}>" for ctype in elements
+               for vec in (1, 4)}}
+
+
+IMPLS: dict[str, Callable] = {
+    "act_bias_grad": lambda node, ins, outs, ctx: act_bias_backward(
+        ctx, node, ins[0], ins[1] if len(ins) > 1 else ins[0], outs[0], outs[1],
+        node.attrs.get("kind") or "none", _slope(node.attrs)),
+    "reduce_sum": lambda node, ins, outs, ctx: reduce_sum_forward(
+        ctx, node, ins[0], outs[0], node.attrs["axes"]),
+    "global_norm": lambda node, ins, outs, ctx: global_norm_forward(ctx, node, ins, outs[0]),
+}

@@ -1,0 +1,1 @@
+"""Shared machinery of the CUDA backend: compilation, launch helpers, capture, streams."""

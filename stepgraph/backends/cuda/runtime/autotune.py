@@ -1,0 +1,109 @@
+"""Choosing among interchangeable kernels for one problem by timing them.
+
+Several ops have more than one implementation whose speed no size rule predicts (conv paths,
+cuBLASLt against the tiled GEMM): each candidate is timed on the real buffers as a captured
+graph replay (graph.time_on_device) and the fastest is kept. The choice is keyed by the problem
+(op, shapes, options, candidates) and shared by every context of the backend, like cuBLASLt's
+algorithm choices in GemmCache: two steps compiled from the same model run the same kernels,
+so their results agree bit for bit.
+
+Choices also persist on disk (stepgraph/cache.py), keyed by the device identity and the
+problem, so a later process on the same GPU, driver and library versions runs the same kernel
+without timing, and compiles only that one. When it must time, the candidates' kernels that
+name themselves (`compiling`) are compiled first, side by side (compiler.compile_parallel).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Hashable
+
+from .... import cache
+from . import compiler
+from .graph import time_on_device
+
+
+def compiling(run: Callable[[], None], *kernels: tuple[str, str]) -> Callable[[], None]:
+    """`run`, naming the (file, kernel name) pairs its launch compiles: run_fastest compiles
+    those of every candidate in parallel before timing them."""
+    run.kernels = tuple(kernels)
+    return run
+
+
+def device_identity(device_id: int) -> dict:
+    """What a cached choice depends on besides the problem: the GPU model, the driver, CUDA,
+    cuBLASLt, cuDNN, CuPy and stepgraph versions, and the kernel sources."""
+    return dict(_device_identity(device_id))
+
+
+@functools.cache
+def _device_identity(device_id: int) -> tuple:
+    import cupy as cp
+
+    from ....version import __version__
+
+    props = cp.cuda.runtime.getDeviceProperties(device_id)
+    return tuple({"gpu": props["name"].decode(), "sm": f"{props['major']}{props['minor']}",
+                  "driver": cp.cuda.runtime.driverGetVersion(),
+                  "cuda": cp.cuda.runtime.runtimeGetVersion(),
+                  "cublaslt": _version("nvmath.bindings.cublasLt", "get_version"),
+                  "cudnn": _version("cudnn", "backend_version"),
+                  "cupy": cp.__version__, "stepgraph": __version__,
+                  "kernels": compiler.sources_digest()}.items())
+
+
+def _version(module: str, function: str):
+    """module.function(), or None where the library is missing (its paths are then too)."""
+    try:
+        import importlib
+        return int(getattr(importlib.import_module(module), function)())
+    except Exception:   # ImportError, a library that fails to load: no version to key on
+        return None
+
+
+_caches: dict[tuple[str, int], cache.ChoiceCache] = {}
+
+
+def choices(ctx, namespace: str) -> cache.ChoiceCache | None:
+    """The on-disk choices of `namespace` for ctx's device (None when the cache is off)."""
+    if not cache.enabled():
+        return None
+    device = getattr(ctx, "device_id", None)
+    if device is None:      # a CudaContext: its work runs on the current device
+        import cupy as cp
+        device = cp.cuda.runtime.getDevice()
+    key = (namespace, device)
+    if key not in _caches:
+        _caches[key] = cache.ChoiceCache(namespace, device_identity(device))
+    return _caches[key]
+
+
+def stored_choice(ctx, key: Hashable, valid: Callable[[str], bool]) -> str | None:
+    """The path chosen for problem `key` by an earlier process, if the disk holds one that
+    passes `valid`; None without one, with the cache off, or while capturing (no file I/O
+    then)."""
+    disk = None if ctx.stream.is_capturing() else choices(ctx, "paths")
+    return None if disk is None else disk.get(repr(key), valid)
+
+
+def run_fastest(ctx, key: Hashable, paths: dict[str, Callable[[], None]], default: str) -> None:
+    """Run the fastest of `paths` (name -> launch) for problem `key`: the choice on disk when
+    there is a valid one, else timing every candidate at the first eager call with that key
+    (and storing the winner); during a capture with no choice yet, `default`."""
+    chosen = ctx.paths
+    if key not in chosen and not ctx.stream.is_capturing() and len(paths) > 1:
+        name = stored_choice(ctx, key, lambda value: value in paths)
+        if name is None:
+            compiler.compile_parallel(k for run in paths.values()
+                                      for k in getattr(run, "kernels", ()))
+            name = min(paths, key=lambda name: time_on_device(ctx, paths[name]))
+            disk = choices(ctx, "paths")
+            if disk is not None:
+                disk.put(repr(key), name)
+        chosen[key] = name
+    paths[chosen.get(key, default)]()
+
+
+def run_family(paths: dict[str, Callable[[], None]], family: str, fallback: str) -> None:
+    """Run the first path of `family` (named `family` or `family:variant`), else `fallback`:
+    how tests force one implementation."""
+    paths[next((name for name in paths if name.split(":")[0] == family), fallback)]()

@@ -1,0 +1,88 @@
+"""Linear family: the 2-D product matmul and linear (x @ w.T + b, an optional activation
+fused). `product_vjp` is the product ops' VJP rule, bmm's too.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..ir.graph import Node
+from ..ir.ops import Emit, _need, defop, impl, vjp
+from .activation import act_forward
+
+
+@defop("matmul")
+def _matmul(ins, attrs):
+    """c = op(a) @ op(b), op = transpose when attrs trans_a / trans_b. 2-D only."""
+    a, b = ins
+    _need(len(a.shape) == 2 and len(b.shape) == 2, "matmul",
+          f"2-D operands, got {a.shape} @ {b.shape}")
+    m, k = a.shape[::-1] if attrs.get("trans_a") else a.shape
+    k2, n = b.shape[::-1] if attrs.get("trans_b") else b.shape
+    _need(k == k2, "matmul", f"inner dims differ: {a.shape} @ {b.shape} with {attrs}")
+    return [((m, n), a.dtype)]
+
+
+@defop("linear")
+def _linear(ins, attrs):
+    """y = act(x @ w.T + b); x (N, K), w (M, K), b (M,) optional; act = attrs["act"] or None.
+    With attrs["save_preact"] a second output z = x @ w.T + b (what act_grad needs)."""
+    x, w = ins[0], ins[1]
+    _need(len(x.shape) == 2, "linear", f"input must be (batch, features), got {x.shape}")
+    _need(x.shape[1] == w.shape[1], "linear",
+          f"input has {x.shape[1]} features, weight expects {w.shape[1]}")
+    if len(ins) == 3:
+        _need(ins[2].shape == (w.shape[0],), "linear", f"bias shape {ins[2].shape}")
+    out = ((x.shape[0], w.shape[0]), x.dtype)
+    return [out, out] if attrs.get("save_preact") else [out]
+
+
+def product_vjp(op: str):
+    """The VJP rule of a product op `op` (matmul, bmm): c = op(a) @ op(b), op = transpose
+    where attrs trans_a / trans_b. d op(a) = g @ op(b).T and d op(b) = op(a).T @ g, transposed
+    back where the operand entered transposed; the flags absorb every transpose."""
+    def rule(emit: Emit, node: Node, dy: list, wants) -> list:
+        (g,), (a, b) = dy, node.inputs
+        ta, tb = bool(node.attrs.get("trans_a")), bool(node.attrs.get("trans_b"))
+        da = db = None
+        if wants(0):
+            da = (emit(op, [b, g], trans_a=tb, trans_b=True) if ta
+                  else emit(op, [g, b], trans_b=not tb))[0]
+        if wants(1):
+            db = (emit(op, [g, a], trans_a=True, trans_b=ta) if tb
+                  else emit(op, [a, g], trans_a=not ta))[0]
+        return [da, db]
+    return rule
+
+
+vjp("matmul")(product_vjp("matmul"))
+
+
+@vjp("linear")
+def _linear_vjp(emit: Emit, node: Node, dy: list, wants) -> list:
+    (g,), (x, w) = dy, node.inputs[:2]
+    dx = emit("matmul", [g, w])[0] if wants(0) else None
+    dw = emit("matmul", [g, x], trans_a=True)[0] if wants(1) else None
+    grads = [dx, dw]
+    if len(node.inputs) == 3:
+        grads.append(emit("reduce_sum", [g], axes=(0,))[0] if wants(2) else None)
+    return grads
+
+
+@impl("matmul")
+def matmul(node: Node, ins, outs, ctx):
+    a, b = ins
+    a = a.T if node.attrs.get("trans_a") else a
+    b = b.T if node.attrs.get("trans_b") else b
+    np.matmul(a, b, out=outs[0])
+
+
+@impl("linear")
+def linear(node: Node, ins, outs, ctx):
+    x, w = ins[0], ins[1]
+    z = x @ w.T
+    if len(ins) == 3:
+        z += ins[2]
+    kind = node.attrs.get("act")
+    outs[0][...] = z if kind is None else act_forward(z, kind, node.attrs.get("slope", 0.01))
+    if node.attrs.get("save_preact"):
+        outs[1][...] = z
