@@ -168,7 +168,8 @@ class Parameter(_Stored):
         return f"Parameter({self.name or '?'}, shape={self.shape}{frozen})"
 
     def traced(self, tracer) -> Tensor:
-        """This parameter in `tracer`'s trace: its `param` value, made once per trace."""
+        """This parameter in `tracer`'s trace: its `param` value (a frozen one's `state`
+        value), made once per trace."""
         return tracer.param(self)
 
 
