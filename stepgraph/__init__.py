@@ -2,6 +2,7 @@
 from . import distributed, losses, nn, ops, optim
 from .api import Predictor, TrainStep, compile_predict, compile_train_step
 from .backends import cuda_available
+from .functions import *  # noqa: F401,F403  torch-level functions (torch.exp, torch.where)
 from .errors import (BackendUnavailableError, CaptureError, DistributedError, LabelError,
                      NonFiniteError, PlanError, ShapeError, StateDictError, StepgraphError,
                      UnsupportedOpError)

@@ -93,9 +93,22 @@ POLICIES = {
     "embedding": KEEP,
     "fill": KEEP,
     "arange": KEEP,
+    # Elementwise math (ops/unary.py): sqrt, abs, sign, sin, cos, erf are on no list;
+    # FP32_UNARY_KINDS below are on the fp32 list. Comparisons, where and masked_fill are on
+    # no list: two tensors promote, a mask or a number keeps the tensor's dtype.
+    "unary": KEEP,
+    "compare": PROMOTE,
+    "compare_scalar": KEEP,
+    "logical": KEEP,
+    "logical_not": KEEP,
+    "where": PROMOTE,
+    "masked_fill": KEEP,
 }
-# `scalar` kinds on the CUDA fp32 list: pow (x ** v) and rdiv (v / x = v * reciprocal(x)).
-FP32_SCALAR_KINDS = ("pow", "rdiv")
+# `scalar` kinds on the CUDA fp32 list: pow (x ** v, v ** x) and rdiv (v / x = v *
+# reciprocal(x)); the binary pow; the unary kinds exp, log, log1p, expm1 and rsqrt.
+FP32_SCALAR_KINDS = ("pow", "rpow", "rdiv")
+FP32_KINDS = {"scalar": FP32_SCALAR_KINDS, "binary": ("pow",),
+              "unary": ("exp", "log", "log1p", "expm1", "rsqrt")}
 # An op missing above runs in float32 (its bf16 inputs cast up): safe until it is reviewed.
 DEFAULT_POLICY = FP32
 
@@ -116,7 +129,7 @@ class WeightCopy:
 
 
 def policy_of(node: Node) -> str:
-    if node.op == "scalar" and node.attrs.get("kind") in FP32_SCALAR_KINDS:
+    if node.attrs.get("kind") in FP32_KINDS.get(node.op, ()):
         return FP32
     return POLICIES.get(node.op, DEFAULT_POLICY)
 

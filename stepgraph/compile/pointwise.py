@@ -14,9 +14,10 @@ outside reader must come after that point.
 
 bfloat16 nodes (precision="bf16") fuse like float32 ones: a node's inputs and output share one
 dtype, and casts between float32 and bf16 join too, so a group may mix the two (autocast's
-bf16 dropout, its cast and the float32 residual add after it). The program rounds each
-instruction whose value is bf16, as the unfused node's store would (ops/pointwise.py), so
-fusing changes no bit.
+bf16 dropout, its cast and the float32 residual add after it). Bool masks (comparisons,
+logic, where, masked_fill, casts to and from bool) join groups of any float dtype. The
+program rounds each instruction whose value is bf16, as the unfused node's store would
+(ops/pointwise.py), so fusing changes no bit.
 """
 from __future__ import annotations
 
@@ -31,12 +32,14 @@ def _eligible(n: Node) -> bool:
     if n.op in ("dropout", "dropout_grad"):
         return _dropout_eligible(n)
     if n.op == "cast":              # between float32 and bf16: a copy, rounded when narrowing
-        return {n.inputs[0].dtype, n.outputs[0].dtype} == {"float32", BF16}
+        pair = {n.inputs[0].dtype, n.outputs[0].dtype}
+        return pair == {"float32", BF16} or (len(pair) == 2 and "bool" in pair
+                                            and pair <= {"bool", *FLOAT_DTYPES})
     if n.op not in PROGRAM_OPS or len(n.outputs) != 1:
         return False
-    if n.outputs[0].dtype not in FLOAT_DTYPES:
-        return False
-    return all(v.dtype == n.outputs[0].dtype for v in n.inputs)
+    # Masks (bool) mix with one float dtype: comparisons, where, masked_fill.
+    dtypes = {v.dtype for v in (*n.inputs, *n.outputs)}
+    return dtypes <= {"bool", *FLOAT_DTYPES} and len(dtypes - {"bool"}) <= 1
 
 
 def _dropout_eligible(n: Node) -> bool:

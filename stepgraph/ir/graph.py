@@ -23,7 +23,8 @@ TEMP = "temp"
 # as its raw bits in uint16 arrays (`storage_dtype`); kernels widen to float32 on load and
 # round to nearest even on store (backends/numpy/bf16.py has the reference conversions).
 BF16 = "bfloat16"
-DTYPES = ("float32", "float64", "int32", "int64", "uint8", BF16)
+# bool: comparison results and masks (torch.bool), one byte an element as NumPy's and CuPy's.
+DTYPES = ("float32", "float64", "int32", "int64", "uint8", "bool", BF16)
 FLOAT_DTYPES = ("float32", "float64", BF16)
 
 

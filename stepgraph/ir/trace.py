@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import ShapeError, UnsupportedOpError
-from .graph import INPUT, PARAM, STATE, Graph, Node, Value
+from .graph import BF16, DTYPES, INPUT, PARAM, STATE, Graph, Node, Value
 from .ops import OPS, infer_outputs
 
 if TYPE_CHECKING:
@@ -43,6 +43,34 @@ def _dims(dim, ndim: int, what: str) -> tuple[int, ...]:
 
 def _shape_args(shape) -> tuple:
     return tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+
+
+# PyTorch's dtype names that differ from the IR's.
+_DTYPE_ALIASES = {"float": "float32", "double": "float64", "half": "float16", "long": "int64",
+                  "int": "int32"}
+
+
+def dtype_name(dtype) -> str:
+    """The IR dtype of what a model passes as a dtype: a name ("float32", "long"), a dtype
+    object whose str ends in its name ("torch.float32"), a NumPy dtype or a Python type (float
+    is float64, as NumPy and torch.Tensor.to have it)."""
+    if isinstance(dtype, (type, np.dtype)):
+        name = np.dtype(dtype).name
+    else:
+        name = str(dtype).rsplit(".", 1)[-1]
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in DTYPES:
+        hint = " (use precision=\"bf16\" for 16-bit compute)" if name == "float16" else ""
+        raise UnsupportedOpError(f"dtype {dtype!r} is not supported by stepgraph: "
+                                 f"one of {DTYPES}{hint}")
+    return name
+
+
+def _is_device(x) -> bool:
+    """A device argument of Tensor.to: "cuda", "cpu:0", or a device object."""
+    if isinstance(x, str):
+        return x.split(":")[0] in ("cpu", "cuda")
+    return hasattr(x, "type") and hasattr(x, "index")
 
 
 class Tensor:
@@ -202,7 +230,7 @@ class Tensor:
 
     def __pow__(self, exponent):
         if not _is_scalar(exponent):
-            self._unsupported("pow with a tensor exponent")
+            return self._binary(exponent, "pow")
         return self.tracer.op("scalar", [self], kind="pow", value=float(exponent))
 
     pow = __pow__
@@ -308,6 +336,230 @@ class Tensor:
         """log(softmax) over `dim`."""
         return self._last_axis("log_softmax", dim)
 
+    # ---- elementwise math, comparisons, masks and casts (ops/unary.py, ops/compare.py) ----
+    def _unary(self, kind: str) -> Tensor:
+        return self.tracer.op("unary", [self], kind=kind)
+
+    def exp(self) -> Tensor:
+        return self._unary("exp")
+
+    def log(self) -> Tensor:
+        return self._unary("log")
+
+    def log1p(self) -> Tensor:
+        """log(1 + x), accurate for small x."""
+        return self._unary("log1p")
+
+    def expm1(self) -> Tensor:
+        """exp(x) - 1, accurate for small x."""
+        return self._unary("expm1")
+
+    def sqrt(self) -> Tensor:
+        return self._unary("sqrt")
+
+    def rsqrt(self) -> Tensor:
+        """1 / sqrt(x)."""
+        return self._unary("rsqrt")
+
+    def abs(self) -> Tensor:
+        return self._unary("abs")
+
+    __abs__ = abs
+
+    def sign(self) -> Tensor:
+        """-1, 0 or 1 (NaN stays NaN); its gradient is zero."""
+        return self._unary("sign")
+
+    def sin(self) -> Tensor:
+        return self._unary("sin")
+
+    def cos(self) -> Tensor:
+        return self._unary("cos")
+
+    def erf(self) -> Tensor:
+        return self._unary("erf")
+
+    def floor(self) -> Tensor:
+        return self._unary("floor")
+
+    def ceil(self) -> Tensor:
+        return self._unary("ceil")
+
+    def round(self) -> Tensor:
+        """Nearest integer, halves to even (torch.round without decimals)."""
+        return self._unary("round")
+
+    def trunc(self) -> Tensor:
+        return self._unary("trunc")
+
+    def neg(self) -> Tensor:
+        return -self
+
+    negative = neg
+
+    def reciprocal(self) -> Tensor:
+        """1 / x."""
+        return 1.0 / self
+
+    def square(self) -> Tensor:
+        return self * self
+
+    def __rpow__(self, base):
+        """base ** self for a Python number base."""
+        if not _is_scalar(base):
+            return NotImplemented
+        return self.tracer.op("scalar", [self], kind="rpow", value=float(base))
+
+    def maximum(self, other) -> Tensor:
+        """Elementwise max with a tensor (broadcasting; NaN propagates)."""
+        return self._binary(self._coerce(other, "maximum"), "maximum")
+
+    def minimum(self, other) -> Tensor:
+        """Elementwise min with a tensor (broadcasting; NaN propagates)."""
+        return self._binary(self._coerce(other, "minimum"), "minimum")
+
+    def clamp(self, min=None, max=None) -> Tensor:
+        """min(max(x, min), max); min and max Python numbers or tensors (broadcasting), either
+        may be None. Gradient flows where x was kept (ties with a tensor bound: half, as
+        torch.maximum's)."""
+        if min is None and max is None:
+            raise ShapeError("clamp: at least one of min and max must be given")
+        y = self
+        for bound, kind in ((min, "maximum"), (max, "minimum")):
+            if bound is None:
+                continue
+            if _is_scalar(bound):
+                y = y.tracer.op("scalar", [y], kind=kind, value=float(bound))
+            else:
+                y = y._binary(y._coerce(bound, "clamp"), kind)
+        return y
+
+    clip = clamp
+
+    def clamp_min(self, min) -> Tensor:
+        return self.clamp(min=min)
+
+    def clamp_max(self, max) -> Tensor:
+        return self.clamp(max=max)
+
+    def _compare(self, other, kind: str):
+        if _is_scalar(other):
+            return self.tracer.op("compare_scalar", [self], kind=kind, value=float(other))
+        if not isinstance(other, Tensor) and getattr(other, "traced", None) is None:
+            return NotImplemented       # == with any other object: Python's identity test
+        return self.tracer.op("compare", [self, self._coerce(other, kind)], kind=kind)
+
+    def __lt__(self, other):
+        return self._compare(other, "lt")
+
+    def __le__(self, other):
+        return self._compare(other, "le")
+
+    def __gt__(self, other):
+        return self._compare(other, "gt")
+
+    def __ge__(self, other):
+        return self._compare(other, "ge")
+
+    def __eq__(self, other):
+        return self._compare(other, "eq")
+
+    def __ne__(self, other):
+        return self._compare(other, "ne")
+
+    # Comparisons give tensors, so hashing stays by identity (tensors as dict keys).
+    __hash__ = object.__hash__
+    lt, le, gt, ge, eq, ne = __lt__, __le__, __gt__, __ge__, __eq__, __ne__
+    less, less_equal, greater, greater_equal, not_equal = lt, le, gt, ge, ne
+
+    def _logical(self, other, kind: str) -> Tensor:
+        if self.dtype != "bool" or getattr(other, "dtype", None) != "bool":
+            self._unsupported(f"logical {kind} of {self.dtype} and "
+                              f"{getattr(other, 'dtype', type(other).__name__)} (bool masks "
+                              "only)")
+        return self.tracer.op("logical", [self, self._coerce(other, kind)], kind=kind)
+
+    def logical_and(self, other) -> Tensor:
+        return self._logical(other, "and")
+
+    def logical_or(self, other) -> Tensor:
+        return self._logical(other, "or")
+
+    def logical_xor(self, other) -> Tensor:
+        return self._logical(other, "xor")
+
+    def logical_not(self) -> Tensor:
+        """not x; a non-bool x is compared with zero first, as torch.logical_not."""
+        x = self if self.dtype == "bool" else self != 0
+        return self.tracer.op("logical_not", [x])
+
+    __and__ = __rand__ = logical_and
+    __or__ = __ror__ = logical_or
+    __xor__ = __rxor__ = logical_xor
+
+    def __invert__(self) -> Tensor:
+        if self.dtype != "bool":
+            self._unsupported(f"bitwise not (~) of a {self.dtype} tensor (bool masks only)")
+        return self.logical_not()
+
+    def masked_fill(self, mask, value) -> Tensor:
+        """value where mask (bool, broadcast with x) is True, else x; value a Python number
+        (float("-inf") included) or a 0-d tensor. No gradient reaches the filled places."""
+        mask = self._coerce(mask, "masked_fill")
+        if _is_scalar(value):
+            return self.tracer.op("masked_fill", [self, mask], value=float(value))
+        return self.tracer.op("where", [mask, self._coerce(value, "masked_fill"), self])
+
+    def where(self, condition, other) -> Tensor:
+        """x where condition (bool) else other, a tensor or a Python number; the three
+        broadcast together (torch.Tensor.where)."""
+        cond = self._coerce(condition, "where")
+        if _is_scalar(other):
+            return self.masked_fill(cond.logical_not(), other)
+        return self.tracer.op("where", [cond, self, self._coerce(other, "where")])
+
+    # ---- dtype and device ----
+    def _cast(self, dtype) -> Tensor:
+        dtype = dtype_name(dtype)
+        if dtype == self.dtype:
+            return self
+        return self.tracer.op("cast", [self], dtype=dtype)
+
+    def to(self, *args, dtype=None, device=None, non_blocking=False, copy=False) -> Tensor:
+        """A cast to `dtype` or to another tensor's dtype; a device argument ("cuda", "cpu",
+        a device object) changes nothing: a traced tensor lives where the step runs."""
+        for a in args:
+            if isinstance(a, Tensor):
+                dtype = a.dtype
+            elif not _is_device(a):
+                dtype = a
+        return self if dtype is None else self._cast(dtype)
+
+    def type_as(self, other) -> Tensor:
+        return self._cast(other.dtype)
+
+    def float(self) -> Tensor:
+        return self._cast("float32")
+
+    def double(self) -> Tensor:
+        return self._cast("float64")
+
+    def bfloat16(self) -> Tensor:
+        return self._cast(BF16)
+
+    def half(self) -> Tensor:
+        self._unsupported('Tensor.half (float16; compile with precision="bf16" for 16-bit '
+                          "compute)")
+
+    def long(self) -> Tensor:
+        return self._cast("int64")
+
+    def int(self) -> Tensor:
+        return self._cast("int32")
+
+    def bool(self) -> Tensor:
+        return self._cast("bool")
+
     # ---- what cannot be traced ----
     def __getattr__(self, name: str):
         # Only reached for attributes Tensor lacks: the torch.Tensor methods stepgraph has no op
@@ -331,21 +583,6 @@ class Tensor:
 
     def __bool__(self):
         self._unsupported("a tensor's truth value (data-dependent control flow)")
-
-    def __lt__(self, other):
-        self._unsupported("comparison <")
-
-    def __le__(self, other):
-        self._unsupported("comparison <=")
-
-    def __gt__(self, other):
-        self._unsupported("comparison >")
-
-    def __ge__(self, other):
-        self._unsupported("comparison >=")
-
-    def __abs__(self):
-        self._unsupported("abs")
 
     def __floordiv__(self, other):
         self._unsupported("floor division //")

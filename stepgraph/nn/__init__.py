@@ -5,10 +5,13 @@ from .init import manual_seed
 from .layers import (GELU, AdaptiveAvgPool2d, AvgPool2d, BatchNorm1d, BatchNorm2d, Conv2d,
                      Dropout, Dropout2d, Embedding, Flatten, Identity, LayerNorm, LeakyReLU,
                      Linear, LogSoftmax, MaxPool2d, ReLU, Sigmoid, SiLU, Tanh)
+from .layers import (CELU, ELU, GLU, SELU, Hardsigmoid, Hardswish, Hardtanh, LogSigmoid,
+                     Mish, ReLU6, Softplus)
 from .module import Buffer, Module, Parameter
 
 __all__ = ["Module", "Parameter", "Linear", "Conv2d", "MaxPool2d", "Flatten", "Dropout",
            "Dropout2d", "ReLU", "LeakyReLU", "Sigmoid", "Tanh", "GELU", "LogSoftmax",
            "Sequential", "SiLU", "Identity", "ModuleList", "ModuleDict", "manual_seed", "Buffer",
            "AvgPool2d", "AdaptiveAvgPool2d", "BatchNorm1d", "BatchNorm2d", "Embedding",
-           "LayerNorm", "ParameterList", "ParameterDict", "init"]
+           "LayerNorm", "ELU", "CELU", "SELU", "Softplus", "Mish", "Hardswish", "Hardsigmoid",
+           "ReLU6", "Hardtanh", "LogSigmoid", "GLU", "ParameterList", "ParameterDict", "init"]

@@ -360,3 +360,75 @@ def flatten(x: Tensor, start_dim: int = 1) -> Tensor:
     for d in x.shape[start_dim:]:
         size *= d
     return x.reshape(*x.shape[:start_dim], size)
+
+
+# ---- more activations, composed of the elementwise ops (ops/unary.py, ops/compare.py) -----
+# Each is a few elementwise nodes that the pointwise fusion pass runs as one kernel, forward
+# and backward; the forms are the numerically stable ones (no exp of a large positive value
+# in either branch, so no inf * 0 in a gradient).
+
+SELU_ALPHA = 1.6732632423543772848170429916717
+SELU_SCALE = 1.0507009873554804934193349852946
+
+
+def elu(input: Tensor, alpha: float = 1.0, inplace: bool = False) -> Tensor:
+    """x for x > 0, alpha * (exp(x) - 1) otherwise (as relu(x) + alpha * expm1(min(x, 0)))."""
+    return input.relu() + input.clamp(max=0.0).expm1() * float(alpha)
+
+
+def selu(input: Tensor, inplace: bool = False) -> Tensor:
+    """SELU_SCALE * elu(x, SELU_ALPHA)."""
+    return elu(input, SELU_ALPHA) * SELU_SCALE
+
+
+def celu(input: Tensor, alpha: float = 1.0, inplace: bool = False) -> Tensor:
+    """max(0, x) + min(0, alpha * (exp(x / alpha) - 1))."""
+    return input.relu() + (input.clamp(max=0.0) / float(alpha)).expm1() * float(alpha)
+
+
+def softplus(input: Tensor, beta: float = 1.0, threshold: float = 20.0) -> Tensor:
+    """log(1 + exp(beta x)) / beta, and x itself where beta x > threshold (as PyTorch);
+    computed as relu(beta x) + log1p(exp(-|beta x|)), which never overflows."""
+    z = input * float(beta) if beta != 1.0 else input
+    soft = z.relu() + (-z.abs()).exp().log1p()
+    soft = soft / float(beta) if beta != 1.0 else soft
+    return input.where(z > float(threshold), soft)
+
+
+def mish(input: Tensor, inplace: bool = False) -> Tensor:
+    """x * tanh(softplus(x))."""
+    return input * softplus(input).tanh()
+
+
+def hardtanh(input: Tensor, min_val: float = -1.0, max_val: float = 1.0,
+             inplace: bool = False) -> Tensor:
+    """clamp(x, min_val, max_val)."""
+    return input.clamp(float(min_val), float(max_val))
+
+
+def relu6(input: Tensor, inplace: bool = False) -> Tensor:
+    """min(max(x, 0), 6)."""
+    return hardtanh(input, 0.0, 6.0)
+
+
+def hardsigmoid(input: Tensor, inplace: bool = False) -> Tensor:
+    """relu6(x + 3) / 6."""
+    return relu6(input + 3.0) / 6.0
+
+
+def hardswish(input: Tensor, inplace: bool = False) -> Tensor:
+    """x * relu6(x + 3) / 6."""
+    return input * relu6(input + 3.0) / 6.0
+
+
+def logsigmoid(input: Tensor) -> Tensor:
+    """log(sigmoid(x)) = -softplus(-x)."""
+    return -softplus(-input)
+
+
+def glu(input: Tensor, dim: int = -1) -> Tensor:
+    """a * sigmoid(b), a and b the two halves of input along dim (its size must be even)."""
+    if input.size(dim) % 2:
+        raise ShapeError(f"glu: dim {dim} of {input.shape} has odd size {input.size(dim)}")
+    a, b = input.chunk(2, dim)
+    return a * b.sigmoid()

@@ -386,3 +386,82 @@ class LogSoftmax(Module):
 
     def _label_args(self):
         return ""
+
+
+# ---- activations composed of elementwise ops (nn/functional.py) ----------------------------
+
+class ELU(Module):
+    def __init__(self, alpha: float = 1.0, inplace: bool = False):
+        super().__init__()
+        self.alpha = alpha
+
+    def forward(self, x):
+        return F.elu(x, self.alpha)
+
+
+class CELU(ELU):
+    def forward(self, x):
+        return F.celu(x, self.alpha)
+
+
+class _Composed(Module):
+    """A parameterless activation: forward is the F function `fn`; `inplace` is accepted as
+    PyTorch's (traced ops never overwrite their input)."""
+    fn = None
+
+    def __init__(self, inplace: bool = False):
+        super().__init__()
+
+    def forward(self, x):
+        return type(self).fn(x)
+
+
+class SELU(_Composed):
+    fn = staticmethod(F.selu)
+
+
+class Mish(_Composed):
+    fn = staticmethod(F.mish)
+
+
+class Hardswish(_Composed):
+    fn = staticmethod(F.hardswish)
+
+
+class Hardsigmoid(_Composed):
+    fn = staticmethod(F.hardsigmoid)
+
+
+class ReLU6(_Composed):
+    fn = staticmethod(F.relu6)
+
+
+class LogSigmoid(_Composed):
+    fn = staticmethod(F.logsigmoid)
+
+
+class Softplus(Module):
+    def __init__(self, beta: float = 1.0, threshold: float = 20.0):
+        super().__init__()
+        self.beta, self.threshold = beta, threshold
+
+    def forward(self, x):
+        return F.softplus(x, self.beta, self.threshold)
+
+
+class Hardtanh(Module):
+    def __init__(self, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False):
+        super().__init__()
+        self.min_val, self.max_val = min_val, max_val
+
+    def forward(self, x):
+        return F.hardtanh(x, self.min_val, self.max_val)
+
+
+class GLU(Module):
+    def __init__(self, dim: int = -1):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x):
+        return F.glu(x, self.dim)

@@ -6,12 +6,14 @@ operand's own shape by `sum_to` (reduce_sum over the broadcast axes, then reshap
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..ir.ops import _need, defop, impl, vjp
 
-BINARY_KINDS = ("add", "sub", "mul", "div")
-SCALAR_KINDS = ("add", "sub", "rsub", "mul", "div", "rdiv", "pow")
+BINARY_KINDS = ("add", "sub", "mul", "div", "pow", "maximum", "minimum")
+SCALAR_KINDS = ("add", "sub", "rsub", "mul", "div", "rdiv", "pow", "rpow", "maximum", "minimum")
 
 
 def _broadcast(op: str, a: tuple, b: tuple) -> tuple[int, ...]:
@@ -25,7 +27,8 @@ def _broadcast(op: str, a: tuple, b: tuple) -> tuple[int, ...]:
 
 @defop("binary")
 def _binary(ins, attrs):
-    """y = a kind b, kind in {"add", "sub", "mul", "div"}, NumPy broadcasting; out shape =
+    """y = a kind b, kind in BINARY_KINDS (pow a**b; maximum and minimum propagate NaN, as
+    np.maximum), NumPy broadcasting; out shape =
     np.broadcast_shapes(a.shape, b.shape), dtype = a.dtype (a.dtype == b.dtype required)."""
     a, b = ins
     _need(attrs["kind"] in BINARY_KINDS, "binary", f"unknown kind {attrs['kind']!r}")
@@ -36,7 +39,7 @@ def _binary(ins, attrs):
 @defop("scalar")
 def _scalar(ins, attrs):
     """y = x kind value (Python float): add x+v, sub x-v, rsub v-x, mul x*v, div x/v,
-    rdiv v/x, pow x**v."""
+    rdiv v/x, pow x**v, rpow v**x, maximum max(x, v), minimum min(x, v) (NaN propagates)."""
     _need(attrs["kind"] in SCALAR_KINDS, "scalar", f"unknown kind {attrs['kind']!r}")
     return [(ins[0].shape, ins[0].dtype)]
 
@@ -86,6 +89,10 @@ def _binary_vjp(emit, node, dy, wants) -> list:
             da = sum_to(emit, emit("binary", [g, b], kind="mul")[0], a.shape)
         if wants(1):
             db = sum_to(emit, emit("binary", [g, a], kind="mul")[0], b.shape)
+    elif kind == "pow":
+        return _pow_vjp(emit, node, g, wants)
+    elif kind in ("maximum", "minimum"):
+        return _extremum_vjp(emit, node, g, wants)
     else:  # div: da = g / b; db = -g a / b^2 = -(g y) / b
         if wants(0):
             da = sum_to(emit, emit("binary", [g, b], kind="div")[0], a.shape)
@@ -93,6 +100,47 @@ def _binary_vjp(emit, node, dy, wants) -> list:
             gy = emit("binary", [g, node.outputs[0]], kind="mul")[0]
             db = _neg(emit, sum_to(emit, emit("binary", [gy, b], kind="div")[0], b.shape))
     return [da, db]
+
+
+def _pow_vjp(emit, node, g, wants) -> list:
+    """PyTorch's pow derivatives: da = g b a^(b-1), zero where b == 0; db = g y log(a), zero
+    where a == 0 and b >= 0 (so 0**b with b >= 0 is flat in b)."""
+    (a, b), y = node.inputs, node.outputs[0]
+    da = db = None
+    if wants(0):
+        slope = emit("binary", [a, emit("scalar", [b], kind="sub", value=1.0)[0]],
+                     kind="pow")[0]
+        da = emit("binary", [emit("binary", [g, b], kind="mul")[0], slope], kind="mul")[0]
+        da = emit("masked_fill", [da, emit("compare_scalar", [b], kind="eq", value=0.0)[0]],
+                  value=0.0)[0]
+        da = sum_to(emit, da, a.shape)
+    if wants(1):
+        gy = emit("binary", [g, y], kind="mul")[0]
+        db = emit("binary", [gy, emit("unary", [a], kind="log")[0]], kind="mul")[0]
+        flat = emit("logical", [emit("compare_scalar", [a], kind="eq", value=0.0)[0],
+                                emit("compare_scalar", [b], kind="ge", value=0.0)[0]],
+                    kind="and")[0]
+        db = sum_to(emit, emit("masked_fill", [db, flat], value=0.0)[0], b.shape)
+    return [da, db]
+
+
+def _extremum_vjp(emit, node, g, wants) -> list:
+    """maximum / minimum: the gradient goes to the chosen operand, half to each on ties
+    (PyTorch's rule)."""
+    (a, b), kind = node.inputs, node.attrs["kind"]
+    tie = emit("compare", [a, b], kind="eq")[0]
+    half = emit("scalar", [g], kind="mul", value=0.5)[0]
+    shared = emit("where", [tie, half, g])[0]
+    # maximum: a loses where a < b; minimum: where a > b
+    lose_a, lose_b = ("lt", "gt") if kind == "maximum" else ("gt", "lt")
+    grads = []
+    for i, (v, lose) in enumerate(((a, lose_a), (b, lose_b))):
+        if not wants(i):
+            grads.append(None)
+            continue
+        lost = emit("compare", [a, b], kind=lose)[0]
+        grads.append(sum_to(emit, emit("masked_fill", [shared, lost], value=0.0)[0], v.shape))
+    return grads
 
 
 @vjp("scalar")
@@ -108,6 +156,13 @@ def _scalar_vjp(emit, node, dy, wants) -> list:
     if kind == "rdiv":  # d(v / x) = -v / x^2 = -y / x
         gy = emit("binary", [g, node.outputs[0]], kind="mul")[0]
         return [_neg(emit, emit("binary", [gy, x], kind="div")[0])]
+    if kind == "rpow":  # d(v**x) = y log(v); 0**x is taken as flat (PyTorch masks x >= 0)
+        log_v = math.log(v) if v > 0 else 0.0 if v == 0 else math.nan
+        return [emit("scalar", [emit("binary", [g, node.outputs[0]], kind="mul")[0]],
+                     kind="mul", value=log_v)[0]]
+    if kind in ("maximum", "minimum"):   # clamp: no gradient where x was replaced by v
+        lost = emit("compare_scalar", [x], kind="lt" if kind == "maximum" else "gt", value=v)[0]
+        return [emit("masked_fill", [g, lost], value=0.0)[0]]
     if v == 0.0:        # x**0 is constant (PyTorch gives zeros, even at x = 0)
         return [emit("scalar", [g], kind="mul", value=0.0)[0]]
     slope = emit("scalar", [x], kind="pow", value=v - 1.0)[0]
@@ -122,7 +177,8 @@ def _expand_vjp(emit, node, dy, wants) -> list:
 
 # ---- numpy reference -----------------------------------------------------------------------
 
-_BINARY_UFUNCS = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
+_BINARY_UFUNCS = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
+                  "pow": np.power, "maximum": np.maximum, "minimum": np.minimum}
 
 
 @impl("binary")
@@ -133,7 +189,9 @@ def _binary_impl(node, ins, outs, ctx):
 # kind -> (ufunc, whether the scalar is the first operand)
 _SCALAR_UFUNCS = {"add": (np.add, False), "sub": (np.subtract, False),
                   "rsub": (np.subtract, True), "mul": (np.multiply, False),
-                  "div": (np.divide, False), "rdiv": (np.divide, True), "pow": (np.power, False)}
+                  "div": (np.divide, False), "rdiv": (np.divide, True), "pow": (np.power, False),
+                  "rpow": (np.power, True), "maximum": (np.maximum, False),
+                  "minimum": (np.minimum, False)}
 
 
 @impl("scalar")

@@ -9,8 +9,9 @@ graph computes exactly what the unfused one did.
 A dropout node becomes two instructions: `dropout_mask` (program-only: the uint8 keep mask of
 the step counter register, drawn from Philox at each element's flat index in attrs shape,
 exactly as the dropout op draws it, rng.py) and `dropout_grad` (x * mask / (1 - p), the
-dropout op's own product). Registers hold their instruction's dtype: uint8 for a mask, int64
-for the step counter input, a cast's attrs dtype, else the first argument's.
+dropout op's own product). Registers hold their instruction's dtype: uint8 for a dropout mask,
+bool for a comparison, int64 for the step counter input, a cast's attrs dtype, a where's
+second argument's, else the first argument's.
 
 bfloat16 (precision="bf16"): a bf16 register holds a float32 value that is exactly a bf16 value.
 The unfused graph rounds every bf16 node's output once, when the node stores it; a program
@@ -36,9 +37,10 @@ from .dropout import keep_mask
 # Elementwise ops a program may hold: one output, the output's shape is the broadcast shape
 # of the inputs, every element depends only on the same (broadcast) element of each input.
 PROGRAM_OPS = ("add", "binary", "scalar", "act", "act_grad", "expand", "dropout_grad",
-               "dropout_mask", "cast")
+               "dropout_mask", "cast", "unary", "compare", "compare_scalar", "logical",
+               "logical_not", "where", "masked_fill")
 # Instructions whose register is not of their first argument's dtype.
-_RESULT_DTYPES = {"dropout_mask": "uint8"}
+_RESULT_DTYPES = {"dropout_mask": "uint8", "compare": "bool", "compare_scalar": "bool"}
 
 
 @dataclass(frozen=True)
@@ -52,12 +54,20 @@ class Instr:
         return dict(self.attrs)
 
 
+def _result_dtype(instr: Instr, dtypes: list[str]) -> str:
+    """The dtype of instr's register, given the dtypes of the registers before it."""
+    if instr.op == "cast":
+        return instr.attr["dtype"]
+    if instr.op == "where":                 # (cond, a, b): a's dtype
+        return dtypes[instr.args[1]]
+    return _RESULT_DTYPES.get(instr.op) or dtypes[instr.args[0]]
+
+
 def register_dtypes(program: tuple[Instr, ...], input_dtypes: tuple[str, ...]) -> list[str]:
     """The dtype of every register of `program`: the inputs', then each instruction's."""
     dtypes = list(input_dtypes)
     for instr in program:
-        dtypes.append(instr.attr["dtype"] if instr.op == "cast" else
-                      _RESULT_DTYPES.get(instr.op) or dtypes[instr.args[0]])
+        dtypes.append(_result_dtype(instr, dtypes))
     return dtypes
 
 
@@ -91,7 +101,8 @@ def _pointwise_impl(node: Node, ins, outs, ctx):
     regs = list(ins)
     for instr in program:
         args = [regs[r] for r in instr.args]
-        dtype = _RESULT_DTYPES.get(instr.op) or str(args[0].dtype)
+        ir_dtype = ir_dtypes[len(regs)]
+        dtype = "float32" if ir_dtype == BF16 else ir_dtype
         step = Node(instr.op, [Value(np.shape(a), str(a.dtype)) for a in args],
                     [Value(shape, dtype)], instr.attr)
         out = np.empty(shape, dtype=dtype)

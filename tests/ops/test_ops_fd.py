@@ -12,10 +12,14 @@ import pytest
 
 from stepgraph.ir.ops import VJPS
 from stepgraph.ops.activation import ACTIVATIONS
+from stepgraph.ops.unary import UNARY_KINDS
 from tests.ops.helpers import op_forward, op_vjp, randn, seeded
 
 EPS = 1e-6
 RTOL = 1e-6      # central differences in float64: truncation ~eps^2, rounding ~1e-16/eps
+
+
+POSITIVE = ("log", "log1p", "sqrt", "rsqrt")      # unary kinds defined for x > 0
 
 
 def f64(gen, *shape) -> np.ndarray:
@@ -111,6 +115,21 @@ CASES = {
                             lambda g: {"q": f64(g, 2, 6, 3), "k": f64(g, 2, 7, 3),
                                        "v": f64(g, 2, 7, 4), "step": np.array(5, np.int64)},
                             ("q", "k", "v")),
+    # elementwise math, selection and the new binary and scalar kinds (test_pointwise_ops.py
+    # tests them against torch)
+    **{f"unary-{kind}": ("unary", dict(kind=kind),
+                         lambda g, kind=kind: {"x": (1 + f64(g, 3, 4) ** 2 if kind in POSITIVE
+                                                     else f64(g, 3, 4))}, ("x",))
+       for kind in UNARY_KINDS},
+    **{f"binary-{kind}": ("binary", dict(kind=kind),
+                          lambda g: {"a": 1 + f64(g, 3, 1, 5) ** 2, "b": f64(g, 4, 5)},
+                          ("a", "b")) for kind in ("pow", "maximum", "minimum")},
+    **{f"scalar-{kind}": ("scalar", dict(kind=kind, value=0.3), lambda g: {"x": f64(g, 3, 4)},
+                          ("x",)) for kind in ("rpow", "maximum", "minimum")},
+    "where": ("where", {}, lambda g: {"c": f64(g, 4, 1) > 0, "a": f64(g, 3, 4, 5),
+                                      "b": f64(g, 5)}, ("a", "b")),
+    "masked_fill": ("masked_fill", dict(value=-2.5),
+                    lambda g: {"x": f64(g, 3, 1, 5), "m": f64(g, 4, 5) > 0}, ("x",)),
     "cross_entropy-ignore-smooth": ("cross_entropy", dict(ignore_index=-1, label_smoothing=0.1),
                                     lambda g: {"x": 3 * f64(g, 5, 6),
                                                "y": np.array([2, -1, 0, 5, -1])}, ("x",)),

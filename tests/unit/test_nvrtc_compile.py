@@ -114,7 +114,8 @@ def test_launchers_name_existing_kernels():
 
 def test_conv_launchers_name_existing_kernels():
     """conv.py names its kernels from template parts (dtype, tile), so it lists every name it
-    may launch (im2col path and direct path); each one is instantiated here."""
+    may launch (im2col path, direct path, tiled kernels); the compile tests of every declared
+    kernel below instantiate each one."""
     from stepgraph.backends.cuda.conv import conv
 
     kernels = conv.kernel_names()
@@ -129,9 +130,6 @@ def test_conv_launchers_name_existing_kernels():
     as_float = {name.replace("<unsigned short, float", "<float, float") for name in tiled
                 if name.startswith("conv2d_tiled") and "<unsigned short, float" in name}
     assert as_float == {name for name in tiled if "<float, float" in name}
-    for filename, names in sorted(kernels.items()):
-        assert compiler.compile_to_cubin(compiler.source_path(filename), "sm_90",
-                                         tuple(sorted(names)))
 
 
 @pytest.mark.parametrize("name", kernel_families())

@@ -19,6 +19,7 @@ from typing import Callable
 import numpy as np
 
 from ...errors import ShapeError
+from .pointwise import as_program, generated_kernels, instruction_forward
 from .runtime.launch import (BLOCK, ELEMENT_CTYPES, _aligned, _check, _check_int32,
                              _element_ctype, _grid, _launch, _typed)
 
@@ -226,13 +227,30 @@ def kernel_names() -> dict[str, set[str]]:
     return {"broadcast.cu": names}
 
 
+def _generated(node) -> bool:
+    """Whether node's kind has no broadcast.cu kernel (pow of two tensors, rpow, maximum,
+    minimum): it runs as a generated one-instruction program (pointwise.py)."""
+    codes = BINARY_CODES if node.op == "binary" else SCALAR_CODES
+    return node.attrs["kind"] not in codes
+
+
+def _binary_or_scalar(node, ins, outs, ctx) -> None:
+    if _generated(node):
+        instruction_forward(ctx, node, ins, outs)
+    elif node.op == "binary":
+        binary_forward(ctx, ins[0], ins[1], outs[0], node.attrs["kind"])
+    else:
+        scalar_forward(ctx, ins[0], outs[0], node.attrs["kind"], node.attrs["value"])
+
+
 IMPLS: dict[str, Callable] = {
-    "binary": lambda node, ins, outs, ctx: binary_forward(
-        ctx, ins[0], ins[1], outs[0], node.attrs["kind"]),
-    "scalar": lambda node, ins, outs, ctx: scalar_forward(
-        ctx, ins[0], outs[0], node.attrs["kind"], node.attrs["value"]),
+    "binary": _binary_or_scalar,
+    "scalar": _binary_or_scalar,
     "expand": lambda node, ins, outs, ctx: expand_forward(
         ctx, ins[0], outs[0], node.attrs["shape"]),
     "permute": lambda node, ins, outs, ctx: permute_forward(
         ctx, ins[0], outs[0], node.attrs["dims"]),
 }
+# The generated programs the backend compiles ahead (backend.prepare).
+GENERATED_KERNELS = {op: lambda node: generated_kernels(as_program(node)) if _generated(node)
+                     else [] for op in ("binary", "scalar")}

@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 
 from ...errors import ShapeError
+from .pointwise import as_program, generated_kernels, instruction_forward
 from .runtime.launch import BLOCK, _aligned, _check, _grid, _launch
 
 SOURCE = "cast.cu"
@@ -70,7 +71,20 @@ def cast_forward(ctx, x, y, src: str, dst: str) -> None:
             (x, y, np.int64(y.size), np.int32(vec)))
 
 
-IMPLS: dict[str, Callable] = {
-    "cast": lambda node, ins, outs, ctx: cast_forward(
-        ctx, ins[0], outs[0], node.inputs[0].dtype, node.attrs["dtype"]),
-}
+def _generated(node) -> bool:
+    """Casts other than float32 <-> bfloat16 (to and from bool and ints: a model's `.long()`,
+    `.bool()`, `.float()` of a mask) run as generated one-instruction programs."""
+    return {node.inputs[0].dtype, node.attrs["dtype"]} != set(CAST_CTYPES)
+
+
+def _cast(node, ins, outs, ctx) -> None:
+    if _generated(node):
+        instruction_forward(ctx, node, ins, outs)
+    else:
+        cast_forward(ctx, ins[0], outs[0], node.inputs[0].dtype, node.attrs["dtype"])
+
+
+IMPLS: dict[str, Callable] = {"cast": _cast}
+# The generated programs the backend compiles ahead (backend.prepare).
+GENERATED_KERNELS = {"cast": lambda node: generated_kernels(as_program(node))
+                     if _generated(node) else []}

@@ -45,13 +45,33 @@ from .runtime.launch import ACT_CODES, BLOCK, MAX_INT, _grid, _slope
 KERNEL_NAME = "pointwise_kernel"
 VEC_KERNEL_NAME = "pointwise_vec4_kernel"
 VEC = 4                      # elements a thread of VEC_KERNEL_NAME
-BF16_OPS = frozenset({"pointwise"})
+BF16_OPS = frozenset({"pointwise", "unary", "compare", "compare_scalar", "where",
+                      "masked_fill"})
 _BINARY = {"add": "__fadd_rn({a}, {b})", "sub": "__fsub_rn({a}, {b})",
-           "mul": "__fmul_rn({a}, {b})", "div": "__fdiv_rn({a}, {b})"}
+           "mul": "__fmul_rn({a}, {b})", "div": "__fdiv_rn({a}, {b})",
+           "pow": "powf({a}, {b})", "maximum": "fmax_nan({a}, {b})",
+           "minimum": "fmin_nan({a}, {b})"}
 _SCALAR = {"add": "__fadd_rn({x}, {v})", "sub": "__fsub_rn({x}, {v})",
            "rsub": "__fsub_rn({v}, {x})", "mul": "__fmul_rn({x}, {v})",
            "div": "__fdiv_rn({x}, {v})", "rdiv": "__fdiv_rn({v}, {x})",
-           "pow": "powf({x}, {v})"}
+           "pow": "powf({x}, {v})", "rpow": "powf({v}, {x})",
+           "maximum": "fmax_nan({x}, {v})", "minimum": "fmin_nan({x}, {v})"}
+# Unary kinds (ops/unary.py); rsqrt rounds twice, as the NumPy reference's 1 / sqrt(x).
+_UNARY = {"exp": "expf({x})", "log": "logf({x})", "log1p": "log1pf({x})",
+          "expm1": "expm1f({x})", "sqrt": "__fsqrt_rn({x})",
+          "rsqrt": "__fdiv_rn(1.f, __fsqrt_rn({x}))", "abs": "fabsf({x})",
+          "sign": "sign_nan({x})", "sin": "sinf({x})", "cos": "cosf({x})", "erf": "erff({x})",
+          "floor": "floorf({x})", "ceil": "ceilf({x})", "round": "rintf({x})",
+          "trunc": "truncf({x})"}
+_COMPARE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+_LOGICAL = {"and": "&&", "or": "||", "xor": "!="}
+# NaN-propagating max/min and sign, as NumPy's (fmaxf would drop a NaN operand).
+_HELPERS = """\
+__device__ __forceinline__ float fmax_nan(float a, float b) { return (a >= b || a != a) ? a : b; }
+__device__ __forceinline__ float fmin_nan(float a, float b) { return (a <= b || a != a) ? a : b; }
+__device__ __forceinline__ float sign_nan(float x) {
+    return x != x ? x : (float)((x > 0.f) - (x < 0.f));
+}"""
 
 
 def _float(value: float) -> str:
@@ -92,8 +112,24 @@ def _expression(instr: Instr, r: list[str]) -> str:
         derivative = f"act_derivative({args[1]}, {ACT_CODES[attr['kind']]}, " \
                      f"{_float(_slope(attr))})"
         return f"__fmul_rn({args[0]}, {derivative})"
-    if instr.op in ("expand", "cast"):      # a narrowing cast rounds as any bf16 register
+    if instr.op == "expand":
         return args[0]
+    if instr.op == "cast":          # a narrowing cast to bf16 rounds as any bf16 register
+        return f"({_REGISTER_CTYPES[attr['dtype']]})({args[0]})"
+    if instr.op == "unary":
+        return _UNARY[attr["kind"]].format(x=args[0])
+    if instr.op == "compare":
+        return f"({args[0]} {_COMPARE[attr['kind']]} {args[1]})"
+    if instr.op == "compare_scalar":
+        return f"({args[0]} {_COMPARE[attr['kind']]} {_float(attr['value'])})"
+    if instr.op == "logical":
+        return f"({args[0]} {_LOGICAL[attr['kind']]} {args[1]})"
+    if instr.op == "logical_not":
+        return f"(!{args[0]})"
+    if instr.op == "where":
+        return f"({args[0]} ? {args[1]} : {args[2]})"
+    if instr.op == "masked_fill":
+        return f"({args[1]} ? {_float(attr['value'])} : {args[0]})"
     if instr.op == "dropout_grad":      # x * mask * scale, as the dropout kernels round it
         scale = _float(1.0 / (1.0 - float(attr["p"])))
         return f"__fmul_rn(__fmul_rn({args[0]}, (float){args[1]}), {scale})"
@@ -105,7 +141,8 @@ def _expression(instr: Instr, r: list[str]) -> str:
 
 # IR dtype -> C type of a kernel parameter (storage); registers of bf16 values are float.
 _CTYPES = {"float32": "float", "uint8": "unsigned char", "int64": "long long",
-           BF16: "unsigned short"}
+           "int32": "int", "bool": "bool", BF16: "unsigned short"}
+_REGISTER_CTYPES = {**_CTYPES, BF16: "float"}
 
 
 def _words(instr: Instr, r: list[str]) -> str:
@@ -145,11 +182,12 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
     k = len(input_shapes)
     dtypes = register_dtypes(program, input_dtypes or ("float32",) * k)
     ctype = [_CTYPES[d] for d in dtypes]                     # storage: parameters
-    rtype = ["float" if d == BF16 else c for d, c in zip(dtypes, ctype)]   # registers
+    rtype = [_REGISTER_CTYPES[d] for d in dtypes]                       # registers
     params = [f"const {ctype[j]}* __restrict__ in{j}" for j in range(k)]
     params += [f"{ctype[r]}* __restrict__ out{j}" for j, r in enumerate(results)]
     regs = [f"r{j}" for j in range(k + len(program))]
-    scalars = [j for j in range(k) if dtypes[j] == "int64"]     # the step counter: read once
+    # the step counter (0-d int64): read once
+    scalars = [j for j in range(k) if dtypes[j] == "int64" and not input_shapes[j]]
     head = [f"    const long long r{j} = in{j}[0];" for j in scalars]
     load = lambda j, s: (f"bf16_to_float(in{j}[{_offset(s, shape)}])" if dtypes[j] == BF16
                          else f"in{j}[{_offset(s, shape)}]")      # noqa: E731
@@ -200,6 +238,7 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
     return "\n".join([
         *(['#include "bf16.cuh"'] if BF16 in dtypes or vec else []),
         '#include "elementwise.cuh"',
+        *([_HELPERS] if any(i.op in ("unary", "binary", "scalar") for i in program) else []),
         *(['#include "philox.cuh"'] if uses_groups(program) else []),
         f'extern "C" __global__ void {KERNEL_NAME}({", ".join(params)}, int n) {{',
         *head,
@@ -230,12 +269,12 @@ def pointwise_forward(ctx, node: Node, ins: list, outs: list) -> None:
         raise ShapeError(f"pointwise: {n} elements exceed the kernel's 32-bit indexing")
     for what, values, arrays in (("input", node.inputs, ins), ("output", node.outputs, outs)):
         for v, a in zip(values, arrays):
-            # float32 or bf16 values; uint8 masks and the int64 step counter of dropout programs
+            # float32 or bf16 values, bool masks and casts' ints; uint8 masks and the int64
+            # step counter of dropout programs
             if v.dtype not in _CTYPES or not isinstance(a, cp.ndarray) \
                     or a.dtype != np.dtype(storage_dtype(v.dtype)) or not a.flags.c_contiguous:
-                raise ShapeError(f"pointwise {what}: the cuda kernel takes C-contiguous float32 "
-                                 f"or bfloat16 (uint8, int64) CuPy arrays of the node's dtypes, "
-                                 f"got "
+                raise ShapeError(f"pointwise {what}: the cuda kernel takes C-contiguous CuPy "
+                                 f"arrays of the node's dtypes ({', '.join(_CTYPES)}), got "
                                  f"{type(a).__name__} {getattr(a, 'dtype', '')} for {v.dtype}")
             if tuple(a.shape) != tuple(v.shape):
                 raise ShapeError(f"pointwise {what}: expected shape {v.shape}, got {a.shape}")
@@ -252,5 +291,28 @@ def pointwise_forward(ctx, node: Node, ins: list, outs: list) -> None:
     kernel(_grid(work), (BLOCK,), (*ins, *outs, np.int32(n)), stream=ctx.stream)
 
 
-IMPLS = {"pointwise": lambda node, ins, outs, ctx: pointwise_forward(ctx, node, ins, outs)}
-GENERATED_KERNELS = {"pointwise": generated_kernels}
+def as_program(node: Node) -> Node:
+    """A lone elementwise node (an op of PROGRAM_OPS) as the one-instruction `pointwise` node
+    computing it: the ops that have no kernel of their own run generated code."""
+    k = len(node.inputs)
+    program = (Instr(node.op, tuple(range(k)), tuple(sorted(node.attrs.items()))),)
+    return Node("pointwise", node.inputs, node.outputs,
+                dict(program=program, results=(k,), shape=tuple(node.outputs[0].shape)),
+                (), node.label)
+
+
+def instruction_forward(ctx, node: Node, ins: list, outs: list) -> None:
+    """Run a lone elementwise node as the generated kernel of its one-instruction program."""
+    pointwise_forward(ctx, as_program(node), ins, outs)
+
+
+# Ops whose every node runs as a one-instruction program (binary, scalar and cast kinds
+# without a kernel of their own come here through their families' launchers too).
+INSTRUCTION_OPS = ("unary", "compare", "compare_scalar", "logical", "logical_not", "where",
+                   "masked_fill")
+IMPLS = {"pointwise": lambda node, ins, outs, ctx: pointwise_forward(ctx, node, ins, outs),
+         **{op: lambda node, ins, outs, ctx: instruction_forward(ctx, node, ins, outs)
+            for op in INSTRUCTION_OPS}}
+GENERATED_KERNELS = {"pointwise": generated_kernels,
+                     **{op: lambda node: generated_kernels(as_program(node))
+                        for op in INSTRUCTION_OPS}}

@@ -1,0 +1,68 @@
+"""torch.exp, torch.where, torch.clamp, ...: elementwise math, comparisons and selection.
+
+Each is the Tensor method of the same name (ir/trace.py), so a model calling either records
+the same ops (ops/unary.py, ops/compare.py, ops/elementwise.py).
+"""
+from __future__ import annotations
+
+from ..ir.trace import Tensor, _is_scalar, current_tracer
+
+__all__ = ["exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "abs", "neg", "negative",
+           "reciprocal", "sign", "sin", "cos", "erf", "square", "floor", "ceil", "round",
+           "trunc", "sigmoid", "tanh", "relu",
+           "pow", "maximum", "minimum", "clamp", "clip", "clamp_min", "clamp_max",
+           "lt", "le", "gt", "ge", "eq", "ne", "less", "less_equal", "greater", "greater_equal",
+           "not_equal", "logical_and", "logical_or", "logical_xor", "logical_not",
+           "where", "masked_fill"]
+
+
+def _traced(x):
+    """A Parameter or Buffer used directly in a forward being traced (torch.exp(self.scale))
+    as its traced tensor (its `traced(tracer)`, nn/module.py); anything else unchanged."""
+    if isinstance(x, Tensor):       # its __getattr__ raises for names it lacks
+        return x
+    tracer, traced = current_tracer(), getattr(x, "traced", None)
+    return traced(tracer) if tracer is not None and traced is not None else x
+
+
+def _method(name: str):
+    def fn(input: Tensor, *args, **kwargs) -> Tensor:
+        return getattr(_traced(input), name)(*args, **kwargs)
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = f"torch.{name}(input, ...): the Tensor method {name}."
+    return fn
+
+
+exp, log, log1p, expm1 = (_method(n) for n in ("exp", "log", "log1p", "expm1"))
+sqrt, rsqrt, abs, neg = (_method(n) for n in ("sqrt", "rsqrt", "abs", "neg"))
+negative, reciprocal, sign = (_method(n) for n in ("negative", "reciprocal", "sign"))
+sin, cos, erf, square = (_method(n) for n in ("sin", "cos", "erf", "square"))
+floor, ceil, round, trunc = (_method(n) for n in ("floor", "ceil", "round", "trunc"))
+sigmoid, tanh, relu = (_method(n) for n in ("sigmoid", "tanh", "relu"))
+maximum, minimum = (_method(n) for n in ("maximum", "minimum"))
+clamp, clip, clamp_min, clamp_max = (_method(n) for n in ("clamp", "clip", "clamp_min",
+                                                          "clamp_max"))
+lt, le, gt, ge, eq, ne = (_method(n) for n in ("lt", "le", "gt", "ge", "eq", "ne"))
+less, less_equal, greater, greater_equal, not_equal = (
+    _method(n) for n in ("less", "less_equal", "greater", "greater_equal", "not_equal"))
+logical_and, logical_or, logical_xor, logical_not = (
+    _method(n) for n in ("logical_and", "logical_or", "logical_xor", "logical_not"))
+masked_fill = _method("masked_fill")
+
+
+def pow(input, exponent) -> Tensor:
+    """input ** exponent; either may be a Python number (not both)."""
+    return _traced(input) ** _traced(exponent)
+
+
+def where(condition: Tensor, input, other) -> Tensor:
+    """input where condition (bool) else other; input and other tensors or Python numbers,
+    the three broadcast together. Two numbers give a float32 tensor of condition's shape."""
+    input, other = _traced(input), _traced(other)
+    if not _is_scalar(input):
+        return input.where(condition, other)
+    if not _is_scalar(other):
+        return other.masked_fill(condition, input)
+    filled = condition.tracer.op("fill", [], value=float(other), shape=condition.shape,
+                                 dtype="float32")
+    return filled.masked_fill(condition, input)
