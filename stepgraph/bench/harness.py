@@ -10,17 +10,14 @@ range of the runs around that median.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import gc
 import importlib
 import json
 import math
 import platform
-import signal
 import statistics
 import sys
-import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -37,6 +34,7 @@ from stepgraph.bench.peers import (
     PreparedStep,
     RunSpec,
     Unsupported,
+    deadline,
     select_peers,
 )
 from stepgraph.errors import BackendUnavailableError
@@ -237,30 +235,6 @@ def _error_line(error: BaseException) -> str:
 def _load_prepare(peer: PeerInfo):
     module = importlib.import_module(f"stepgraph.bench.peers.{peer.module}")
     return getattr(module, peer.entry)
-
-
-@contextlib.contextmanager
-def deadline(seconds: float):
-    """Raise PeerTimeout in the main thread once `seconds` have passed (0: no limit).
-
-    Best effort: the signal handler runs between Python bytecodes, so a long call into C++ (an
-    XLA or Inductor compile) finishes before the exception is raised.
-    """
-    if seconds <= 0 or not hasattr(signal, "setitimer") \
-            or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def expire(signum, frame):
-        raise PeerTimeout(f"no result within {seconds:g} s (--peer-timeout)")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def measure_peer(peer: PeerInfo, spec: RunSpec, config: BenchConfig) -> PeerResult:
