@@ -462,7 +462,8 @@ def _row_cells(r: PeerResult) -> list[str]:
     note = r.reason if r.status != STATUS_OK else ""
     if len(note) > 80:
         note = note[:77] + "..."
-    return [r.workload, r.precision_label or r.precision, r.peer, r.status, _fmt(r.step_us, "{:.1f}"),
+    return [r.workload, r.precision_label or r.precision, r.peer, r.status,
+            _fmt(r.step_us, "{:.1f}"),
             "—" if spread is None else f"±{spread:.1f}%", _fmt(r.tflops, "{:.2f}"),
             _fmt(r.tokens_per_s, "{:,.0f}"), _fmt(r.speed_vs_best_peer, "{:.2f}x"),
             _fmt(r.setup_s, "{:.2f}"), _memory_cell(r), _fmt(r.kernels_per_step, "{:d}"),
