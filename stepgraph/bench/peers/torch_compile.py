@@ -57,7 +57,7 @@ from stepgraph.bench.peers.torch_eager import (
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 COMPILED_AUTOGRAD = "+compiled-autograd"  # suffix of a mode: its backward under compiled autograd
 # Seconds one mode may take (compile, recording, probe): max-autotune's Triton search of every
-# GEMM and conv shape took 159 s on resnet (docs/BENCHMARKS.md); this leaves it room to spare.
+# GEMM and conv shape takes minutes on the vision workloads; this leaves it room to spare.
 MODE_TIMEOUT_S = 600.0
 PROBE_SECONDS = 0.3  # timed per mode, after its compile and CUDA graph recording steps
 PROBE_SETUP_STEPS = 3  # cudagraph trees warm up on call 1, record on call 2, replay from 3
