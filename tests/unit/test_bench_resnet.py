@@ -113,7 +113,8 @@ def test_vision_workloads_and_options_parse():
     assert spec.compile_modes == config.compile_modes
     default = harness.parse_config([])
     assert default.workloads == list(wl.DEFAULT_WORKLOADS)
-    assert default.compile_modes == ("reduce-overhead", "default",
+    assert default.compile_modes == ("reduce-overhead", "default", "max-autotune",
+                                     "max-autotune-no-cudagraphs",
                                      "reduce-overhead+compiled-autograd")
     assert harness.output_stem(config) == "bench_resnet-convnet_fp32-tf32"
 
