@@ -226,3 +226,40 @@ def test_measure_floors_takes_the_faster_library(monkeypatch):
     text = floor.render_floors([fp32, tf32], [])
     assert "GEMM peak at fp32, TFLOP/s: cuBLASLt (stepgraph) 50.0, cuBLAS (torch.matmul) 52.0" \
         in text
+
+
+# ---------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.cuda
+def test_both_gemm_libraries_are_measured_and_tf32_beats_fp32():
+    pytest.importorskip("torch")
+    fp32, tf32 = floor.measure_peaks("fp32"), floor.measure_peaks("tf32")
+    assert set(fp32) == set(tf32) == {"cuBLASLt (stepgraph)", "cuBLAS (torch.matmul)"}
+    for name in fp32:
+        assert 1.0 < fp32[name] < tf32[name]  # strict float32 runs without tensor cores
+
+
+@pytest.mark.cuda
+def test_torch_graph_with_the_fused_optimizer_trains_as_eager():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch without CUDA")
+    from stepgraph.bench.peers import select_peers
+    spec = harness.make_spec(wl.get_workload("big", tiny=True), "fp32",
+                             bench_config(device="cuda"))  # no dropout: same losses
+    eager, graph = select_peers(["torch_eager", "torch_graph"])
+    expected, got = harness.loss_curve(eager, spec, 4), harness.loss_curve(graph, spec, 4)
+    assert got == pytest.approx(expected, rel=1e-5)
+    assert got[-1] < got[0]
+
+
+@pytest.mark.cuda
+def test_stepgraph_gpt_fp32_row_carries_the_3xtf32_label():
+    spec = harness.make_spec(wl.get_workload("gpt", tiny=True), "fp32",
+                             bench_config(device="cuda"))
+    prepared = stepgraph_runner.prepare_graph(spec)
+    try:
+        assert prepared.precision_label == "fp32 (3xTF32 attention)"
+    finally:
+        prepared.close()
