@@ -609,9 +609,10 @@ def build_parser() -> argparse.ArgumentParser:
                              f"fastest: any of {','.join(COMPILE_MODES)} "
                              f"(default: {','.join(DEFAULT_COMPILE_MODES)})")
     parser.add_argument("--floor", action="store_true",
-                        help="also measure each workload's step floor: its GEMM FLOPs at the "
-                             "GPU's measured GEMM peak plus its optimizer's bytes at the "
-                             "measured copy bandwidth, and each row's distance from it")
+                        help="also measure each workload's step floor: the larger of the GEMM "
+                             "FLOPs it needs at the best measured GEMM peak (cuBLAS or "
+                             "cuBLASLt) and its optimizer's bytes at the measured copy "
+                             "bandwidth, and each row's distance from it")
     parser.add_argument("--peer-timeout", type=float, default=PEER_TIMEOUT_S,
                         help="seconds one peer may take (build, compile, timing) before its "
                              "row fails and the run goes on; 0: no limit "

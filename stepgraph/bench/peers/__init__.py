@@ -40,7 +40,7 @@ COMPILE_MODES = ("reduce-overhead", "default", "max-autotune-no-cudagraphs", "ma
 DEFAULT_COMPILE_MODES = ("reduce-overhead", "default", "max-autotune",
                          "max-autotune-no-cudagraphs", "reduce-overhead+compiled-autograd")
 # tinygrad's kernel search (its BEAM setting: the width of the beam search over each kernel's
-# optimisations); 0 turns it off. 2 is the width tinygrad's own docs and benchmarks use.
+# optimisations); 0 turns it off. 2: a narrow beam, so that the search fits a peer's budget.
 TINYGRAD_BEAM = 2
 
 

@@ -4,9 +4,9 @@ JAX's docs recommend. The step is compiled ahead of time (`jit(...).lower(...).c
 same executable a first call would build) so its optimized HLO can be counted: kernels and
 layout transposes per step. The vision models live in jax_vision.py (NHWC).
 
-Dropout's keys come from the "rbg" PRNG (`jax_default_prng_impl`), which JAX's docs advise for
-speed on GPUs: the default threefry hash costs many integer instructions per random bit, where
-rbg uses the XLA RNG bit generator.
+Dropout's keys come from the "rbg" PRNG (`jax_default_prng_impl`), the setting speed-minded JAX
+training code uses: XLA's RNG bit generator instead of the default threefry hash, which costs
+many integer instructions per random bit.
 """
 
 from __future__ import annotations
