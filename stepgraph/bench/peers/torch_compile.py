@@ -41,7 +41,14 @@ from dataclasses import dataclass
 
 import torch
 
-from stepgraph.bench.peers import KernelCensus, PeerTimeout, PreparedStep, RunSpec, deadline
+from stepgraph.bench.peers import (
+    COMPILE_MODE_TIMEOUT_S,
+    KernelCensus,
+    PeerTimeout,
+    PreparedStep,
+    RunSpec,
+    deadline,
+)
 from stepgraph.bench.peers.torch_eager import (
     build_training,
     device_batches,
@@ -56,9 +63,7 @@ from stepgraph.bench.peers.torch_eager import (
 
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 COMPILED_AUTOGRAD = "+compiled-autograd"  # suffix of a mode: its backward under compiled autograd
-# Seconds one mode may take (compile, recording, probe): max-autotune's Triton search of every
-# GEMM and conv shape takes minutes on the vision workloads; this leaves it room to spare.
-MODE_TIMEOUT_S = 600.0
+MODE_TIMEOUT_S = COMPILE_MODE_TIMEOUT_S
 PROBE_SECONDS = 0.3  # timed per mode, after its compile and CUDA graph recording steps
 PROBE_SETUP_STEPS = 3  # cudagraph trees warm up on call 1, record on call 2, replay from 3
 PROBE_MAX_STEPS = 500
