@@ -63,7 +63,7 @@ from stepgraph.bench.peers.torch_eager import (
 
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 COMPILED_AUTOGRAD = "+compiled-autograd"  # suffix of a mode: its backward under compiled autograd
-MODE_TIMEOUT_S = COMPILE_MODE_TIMEOUT_S
+MODE_TIMEOUT_S = COMPILE_MODE_TIMEOUT_S  # read at each search, so a test can shorten it
 PROBE_SECONDS = 0.3  # timed per mode, after its compile and CUDA graph recording steps
 PROBE_SETUP_STEPS = 3  # cudagraph trees warm up on call 1, record on call 2, replay from 3
 PROBE_MAX_STEPS = 500
