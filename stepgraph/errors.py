@@ -39,13 +39,19 @@ class StateDictError(StepgraphError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class LossSelectionError(StepgraphError, ValueError):
+    """compile_train_step(loss=None) found no scalar loss where the model's output should
+    hold it (says what the model returned and which argument picks the entry)."""
+
+
 class BackendUnavailableError(StepgraphError, RuntimeError):
     """The requested device has no working backend on this machine."""
 
 
-class UnsupportedOpError(StepgraphError, NotImplementedError):
+class UnsupportedOpError(StepgraphError, NotImplementedError, AttributeError):
     """A tensor operation or argument stepgraph cannot trace; names the op and the module path
-    (e.g. "model.layer1.0") where the model called it."""
+    (e.g. "model.layer1.0") where the model called it. Also raised for a torch name stepgraph
+    lacks (`torch.foo`), hence an AttributeError: hasattr and getattr with a default work."""
 
 
 class UnsupportedPrecisionError(UnsupportedOpError):

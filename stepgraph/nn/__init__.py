@@ -1,9 +1,10 @@
 """torch.nn-shaped layers."""
+from . import init
+from .container import ModuleDict, ModuleList, ParameterDict, ParameterList, Sequential
 from .init import manual_seed
 from .layers import (GELU, AdaptiveAvgPool2d, AvgPool2d, BatchNorm1d, BatchNorm2d, Conv2d,
                      Dropout, Dropout2d, Embedding, Flatten, Identity, LayerNorm, LeakyReLU,
-                     Linear, LogSoftmax, MaxPool2d, ModuleDict, ModuleList, ReLU, Sequential,
-                     Sigmoid, SiLU, Tanh)
+                     Linear, LogSoftmax, MaxPool2d, ReLU, Sigmoid, SiLU, Tanh)
 from .layers import (CELU, ELU, GLU, SELU, Hardsigmoid, Hardswish, Hardtanh, LogSigmoid,
                      Mish, ReLU6, Softplus)
 from .module import Buffer, Module, Parameter
@@ -13,4 +14,16 @@ __all__ = ["Module", "Parameter", "Linear", "Conv2d", "MaxPool2d", "Flatten", "D
            "Sequential", "SiLU", "Identity", "ModuleList", "ModuleDict", "manual_seed", "Buffer",
            "AvgPool2d", "AdaptiveAvgPool2d", "BatchNorm1d", "BatchNorm2d", "Embedding",
            "LayerNorm", "ELU", "CELU", "SELU", "Softplus", "Mish", "Hardswish", "Hardsigmoid",
-           "ReLU6", "Hardtanh", "LogSigmoid", "GLU"]
+           "ReLU6", "Hardtanh", "LogSigmoid", "GLU", "ParameterList", "ParameterDict", "init"]
+
+
+def __getattr__(name: str):
+    """A torch.nn name stepgraph lacks: UnsupportedOpError, which is an AttributeError."""
+    import importlib.util
+    from ..errors import UnsupportedOpError
+    if name.startswith("_"):
+        raise AttributeError(f"module 'stepgraph.nn' has no attribute {name!r}")
+    if importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")     # a submodule not loaded yet
+    raise UnsupportedOpError(f"torch.nn.{name} is not supported by stepgraph (see "
+                             "docs/TORCH_COMPAT.md for the torch names it has)")

@@ -456,3 +456,11 @@ def glu(input: Tensor, dim: int = -1) -> Tensor:
         raise ShapeError(f"glu: dim {dim} of {input.shape} has odd size {input.size(dim)}")
     a, b = input.chunk(2, dim)
     return a * b.sigmoid()
+
+
+def __getattr__(name: str):
+    """A torch.nn.functional name stepgraph lacks: UnsupportedOpError (an AttributeError)."""
+    if name.startswith("_"):
+        raise AttributeError(f"module 'stepgraph.nn.functional' has no attribute {name!r}")
+    raise UnsupportedOpError(f"torch.nn.functional.{name} is not supported by stepgraph (see "
+                             "docs/TORCH_COMPAT.md for the torch names it has)")
