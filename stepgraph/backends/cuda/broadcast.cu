@@ -31,10 +31,7 @@
 #define SCALAR_POW 6
 
 #include "bf16.cuh"
-
-#define GRID_STRIDE_GROUPS(g, n)                                                  \
-    for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x;          \
-         g < (((n) + 3) >> 2); g += (long long)gridDim.x * blockDim.x)
+#include "grid.cuh"
 
 __device__ __forceinline__ float binary_value(float a, float b, int kind) {
     switch (kind) {
