@@ -16,56 +16,21 @@
 template <typename T>
 __global__ void act_forward_kernel(const T* x, T* y, long long n, int kind, float slope,
                                    int vec) {
-    GRID_STRIDE_GROUPS(g, n) {
-        const long long i = g << 2;
-        if (vec && i + 4 <= n) {
-            float v[4];
-            load4_as_float(x, i, v);
-            for (int k = 0; k < 4; ++k) v[k] = act_value(v[k], kind, slope);
-            store4_from_float(y, i, v);
-        } else {
-            for (long long j = i; j < i + 4 && j < n; ++j)
-                store_from_float(y, j, act_value(load_as_float(x, j), kind, slope));
-        }
-    }
+    map_groups(x, y, n, vec, [=](float z) { return act_value(z, kind, slope); });
 }
 
 // dx = dy * act'(saved) (numpy: the derivative first, then the product), in float32.
 template <typename T>
 __global__ void act_backward_kernel(const T* dy, const T* saved, T* dx, long long n, int kind,
                                     float slope, int vec) {
-    GRID_STRIDE_GROUPS(g, n) {
-        const long long i = g << 2;
-        if (vec && i + 4 <= n) {
-            float d[4], s[4];
-            load4_as_float(dy, i, d);
-            load4_as_float(saved, i, s);
-            for (int k = 0; k < 4; ++k) d[k] = __fmul_rn(d[k], act_derivative(s[k], kind, slope));
-            store4_from_float(dx, i, d);
-        } else {
-            for (long long j = i; j < i + 4 && j < n; ++j)
-                store_from_float(dx, j, __fmul_rn(load_as_float(dy, j),
-                                                  act_derivative(load_as_float(saved, j), kind,
-                                                                 slope)));
-        }
-    }
+    map2_groups(dy, saved, dx, n, vec, [=](float d, float s) {
+        return __fmul_rn(d, act_derivative(s, kind, slope));
+    });
 }
 
 template <typename T>
 __global__ void add_forward_kernel(const T* a, const T* b, T* c, long long n, int vec) {
-    GRID_STRIDE_GROUPS(g, n) {
-        const long long i = g << 2;
-        if (vec && i + 4 <= n) {
-            float u[4], v[4];
-            load4_as_float(a, i, u);
-            load4_as_float(b, i, v);
-            for (int k = 0; k < 4; ++k) u[k] = __fadd_rn(u[k], v[k]);
-            store4_from_float(c, i, u);
-        } else {
-            for (long long j = i; j < i + 4 && j < n; ++j)
-                store_from_float(c, j, __fadd_rn(load_as_float(a, j), load_as_float(b, j)));
-        }
-    }
+    map2_groups(a, b, c, n, vec, [](float u, float v) { return __fadd_rn(u, v); });
 }
 
 template <typename T>
