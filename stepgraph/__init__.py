@@ -9,6 +9,7 @@ from .backends import cuda_available
 from .errors import (BackendUnavailableError, CaptureError, DistributedError, LabelError,
                      NonFiniteError, PlanError, ShapeError, StateDictError, StepgraphError,
                      LossSelectionError, UnsupportedOpError)
+from .errors import lookup_torch_name as _lookup_torch_name
 from .backends.flags import get_float32_matmul_precision, set_float32_matmul_precision
 from .devices import device
 from .dtypes import *  # noqa: F401,F403
@@ -34,10 +35,4 @@ __all__ = ["nn", "optim", "losses", "distributed", "compile_train_step", "compil
 
 def __getattr__(name: str):
     """A torch name stepgraph lacks: UnsupportedOpError, which is an AttributeError."""
-    import importlib.util
-    if name.startswith("_"):
-        raise AttributeError(f"module 'stepgraph' has no attribute {name!r}")
-    if importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        return importlib.import_module(f"{__name__}.{name}")     # a submodule not loaded yet
-    raise UnsupportedOpError(f"torch.{name} is not supported by stepgraph (see "
-                             "docs/TORCH_COMPAT.md for the torch names it has)")
+    return _lookup_torch_name(__name__, "torch", name)

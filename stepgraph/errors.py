@@ -54,6 +54,21 @@ class UnsupportedOpError(StepgraphError, NotImplementedError, AttributeError):
     lacks (`torch.foo`), hence an AttributeError: hasattr and getattr with a default work."""
 
 
+def lookup_torch_name(module: str, torch_module: str, name: str):
+    """The module `__getattr__` of a torch-namespace package (`module`, standing for
+    `torch_module`): a submodule not imported yet, AttributeError for a private name, else
+    UnsupportedOpError naming the torch name stepgraph lacks."""
+    import importlib
+    import importlib.util
+
+    if name.startswith("_"):
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    if importlib.util.find_spec(f"{module}.{name}") is not None:
+        return importlib.import_module(f"{module}.{name}")     # a submodule not loaded yet
+    raise UnsupportedOpError(f"{torch_module}.{name} is not supported by stepgraph (see "
+                             "docs/TORCH_COMPAT.md for the torch names it has)")
+
+
 class UnsupportedPrecisionError(UnsupportedOpError):
     """A step's precision needs kernels its backend lacks: `precision="bf16"` on a backend
     whose kernels for some of the step's ops do not take bfloat16 yet (names those ops)."""

@@ -219,6 +219,7 @@ class GPT(nn.Module):
     `next_token_loss`; `configure_optimizers` gives nanoGPT's AdamW parameter groups.
     """
 
+    # Alike bench/peers/torch_gpt.py on purpose: the PyTorch peer stays independent of this one.
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config

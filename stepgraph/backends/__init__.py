@@ -5,6 +5,7 @@ As torch.backends, this package also holds the flags model code sets (`cudnn.ben
 from __future__ import annotations
 
 from ..errors import BackendUnavailableError
+from ..errors import lookup_torch_name as _lookup_torch_name
 from . import cuda  # noqa: F401  (light: only torch.backends.cuda's flags)
 from .base import Backend
 from .flags import cudnn, mps  # noqa: F401
@@ -61,13 +62,4 @@ def cuda_available() -> bool:
 
 def __getattr__(name: str):
     """A torch.backends name stepgraph lacks: UnsupportedOpError (an AttributeError)."""
-    import importlib
-    import importlib.util
-
-    if name.startswith("_"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        return importlib.import_module(f"{__name__}.{name}")     # a submodule not loaded yet
-    from ..errors import UnsupportedOpError
-    raise UnsupportedOpError(f"torch.backends.{name} is not supported by stepgraph (see "
-                             "docs/TORCH_COMPAT.md for the torch names it has)")
+    return _lookup_torch_name(__name__, "torch.backends", name)

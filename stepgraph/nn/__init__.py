@@ -19,11 +19,5 @@ __all__ = ["Module", "Parameter", "Linear", "Conv2d", "MaxPool2d", "Flatten", "D
 
 def __getattr__(name: str):
     """A torch.nn name stepgraph lacks: UnsupportedOpError, which is an AttributeError."""
-    import importlib.util
-    from ..errors import UnsupportedOpError
-    if name.startswith("_"):
-        raise AttributeError(f"module 'stepgraph.nn' has no attribute {name!r}")
-    if importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        return importlib.import_module(f"{__name__}.{name}")     # a submodule not loaded yet
-    raise UnsupportedOpError(f"torch.nn.{name} is not supported by stepgraph (see "
-                             "docs/TORCH_COMPAT.md for the torch names it has)")
+    from ..errors import lookup_torch_name
+    return lookup_torch_name(__name__, "torch.nn", name)

@@ -26,3 +26,9 @@ def backend():
         return CudaBackend()
     except BackendUnavailableError as err:    # e.g. nvmath without its cuBLASLt library
         pytest.skip(str(err))
+
+
+@pytest.fixture(scope="module")
+def impls(backend):
+    """The backend's merged op table: a family the module tests must be in IMPL_MODULES."""
+    return backend.impls

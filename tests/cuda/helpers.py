@@ -96,6 +96,38 @@ def capture(ctx, program):
 
 # ---- inputs shared by several op families ---------------------------------------------------
 
+def check_replays(backend, ctx, calls, x, dy, rng, replays, check):
+    """Runs `calls` ((node, host arrays) pairs) through backend.run_node once eagerly (plans,
+    timing, workspace), captures them, then replays them `replays` times, each with fresh
+    random x and dy copied into the same device buffers and every output poisoned with NaN:
+    check(replay, node, the replay's host arrays, the node's outputs on the host) after each
+    replay. Returns the captured graph."""
+    host = {id(a): a for _, arrays in calls for a in arrays}
+    with ctx.stream:
+        dev = {key: cp.asarray(a) for key, a in host.items()}
+        outs = [[cp.full(v.shape, np.nan, np.float32) for v in n.outputs] for n, _ in calls]
+
+    def step():
+        for (node, arrays), out in zip(calls, outs):
+            backend.run_node(node, [dev[id(a)] for a in arrays], out, ctx)
+
+    step()
+    captured = backend.capture(step, ctx)
+    for replay in range(replays):
+        new_x, new_dy = random(rng, *x.shape), random(rng, *dy.shape)
+        backend.copy_into(dev[id(x)], new_x)
+        backend.copy_into(dev[id(dy)], new_dy)
+        with ctx.stream:
+            for out in outs:
+                for o in out:
+                    o.fill(np.nan)
+        captured.launch()
+        for (node, arrays), out in zip(calls, outs):
+            now = [new_x if a is x else new_dy if a is dy else a for a in arrays]
+            check(replay, node, now, [backend.to_numpy(o) for o in out])
+    return captured
+
+
 def logits_and_labels(n, c, label_dtype, seed):
     rng = np.random.default_rng([seed, n, c])
     return random(rng, n, c) * 3, rng.integers(0, c, size=n).astype(label_dtype)

@@ -36,12 +36,6 @@ def ctx(backend):
     return backend.make_context("fp32")
 
 
-@pytest.fixture(scope="module")
-def impls(backend):
-    """The backend's merged op table: attention must be in IMPL_MODULES."""
-    return backend.impls
-
-
 def attrs_of(e: int, causal: bool, p: float) -> dict:
     attrs = dict(scale=1.0 / np.sqrt(e), causal=causal, dropout_p=p)
     if p:

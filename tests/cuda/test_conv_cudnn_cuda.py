@@ -28,7 +28,7 @@ from stepgraph.backends.cuda.conv import conv, conv_cudnn  # noqa: E402
 from stepgraph.ir.graph import Node, Value  # noqa: E402
 from stepgraph.ir.ops import IMPLS as NUMPY_IMPLS  # noqa: E402
 from stepgraph.ops.conv import conv_out  # noqa: E402
-from tests.cuda.helpers import random, rel_err  # noqa: E402
+from tests.cuda.helpers import check_replays, random, rel_err  # noqa: E402
 
 if not conv_cudnn.available():
     pytest.skip(f"cuDNN is not usable: {conv_cudnn.unavailable_reason()}",
@@ -278,29 +278,12 @@ def test_cudnn_conv_replays_with_new_inputs(backend):
              (node_of("conv2d_grad_input", [dy, w], [xs], input_shape=xs, **attrs), [dy, w]),
              (node_of("conv2d_grad_weight", [dy, x], [ws, (ws[0],)], weight_shape=ws,
                       bias=True, **attrs), [dy, x])]
-    with ctx.stream:
-        dev = {id(a): cp.asarray(a) for a in (x, w, b, dy)}
-        outs = [[cp.full(v.shape, np.nan, np.float32) for v in n.outputs] for n, _ in calls]
 
-    def step():
-        for (node, arrays), out in zip(calls, outs):
-            backend.run_node(node, [dev[id(a)] for a in arrays], out, ctx)
+    def check(replay, node, host, outs):
+        want = reference(node.op, cfg, host, bias=node.op != "conv2d_grad_input")
+        for got, ref in zip(outs, want):
+            err = rel_err(got, ref)
+            assert err < TOL["fp32"], f"replay {replay} {node.op}: rel err {err:.2e}"
 
-    step()                                   # eager: plans, timing, workspace
-    captured = backend.capture(step, ctx)
+    captured = check_replays(backend, ctx, calls, x, dy, rng, 5, check)
     assert captured.node_count is None or captured.node_count >= 3
-    for replay in range(5):
-        new_x, new_dy = random(rng, *xs), random(rng, *ys)
-        backend.copy_into(dev[id(x)], new_x)
-        backend.copy_into(dev[id(dy)], new_dy)
-        with ctx.stream:
-            for out in outs:
-                for o in out:
-                    o.fill(np.nan)
-        captured.launch()
-        for (node, arrays), out in zip(calls, outs):
-            host = [new_x if a is x else new_dy if a is dy else a for a in arrays]
-            want = reference(node.op, cfg, host, bias=node.op != "conv2d_grad_input")
-            for got, ref in zip(out, want):
-                err = rel_err(backend.to_numpy(got), ref)
-                assert err < TOL["fp32"], f"replay {replay} {node.op}: rel err {err:.2e}"

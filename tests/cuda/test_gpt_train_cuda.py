@@ -14,6 +14,7 @@ from stepgraph import train as train_gpt_module
 from stepgraph.sample import SampleConfig, sample
 from stepgraph.train import GPTTrainConfig
 from stepgraph.train import train as train_gpt
+from tests.helpers import run_interrupted
 
 pytestmark = pytest.mark.cuda
 cp = pytest.importorskip("cupy")
@@ -35,10 +36,6 @@ def text_file(tmp_path_factory):
     return path
 
 
-class Interrupt(Exception):
-    pass
-
-
 def test_gpt_trains_and_resumes_exactly_on_cuda(tmp_path, text_file, monkeypatch):
     config = functools.partial(GPTTrainConfig, text_file=str(text_file), steps=40,
                                eval_interval=20, **TINY)
@@ -47,17 +44,9 @@ def test_gpt_trains_and_resumes_exactly_on_cuda(tmp_path, text_file, monkeypatch
     first, last = straight.history
     assert np.isfinite(last.val_loss) and last.val_loss < first.val_loss
 
-    real = train_gpt_module.train_interval
-
-    def interrupted(session, start, stop, bar):
-        if start == 20:
-            raise Interrupt
-        return real(session, start, stop, bar)
-
-    monkeypatch.setattr(train_gpt_module, "train_interval", interrupted)
-    with pytest.raises(Interrupt):
-        train_gpt(config(out=str(tmp_path / "split")), log=lambda _: None)
-    monkeypatch.setattr(train_gpt_module, "train_interval", real)
+    run_interrupted(monkeypatch, train_gpt_module, "train_interval",
+                    lambda session, start, stop, bar: start == 20,
+                    lambda: train_gpt(config(out=str(tmp_path / "split")), log=lambda _: None))
     resumed = train_gpt(config(out=str(tmp_path / "split"), resume=True), log=lambda _: None)
     expected, got = straight.step.state_dict(), resumed.step.state_dict()
     assert expected.keys() == got.keys()

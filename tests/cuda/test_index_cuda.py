@@ -28,12 +28,6 @@ def ctx(backend):
     return backend.make_context("fp32")
 
 
-@pytest.fixture(scope="module")
-def impls(backend):
-    """The backend's merged op table: the families must be in IMPL_MODULES."""
-    return backend.impls
-
-
 FLOATS = pytest.mark.parametrize("dtype", ["float32", "float64"])
 
 

@@ -245,30 +245,13 @@ def test_conv_ops_through_the_backend_and_a_replay(backend):
              (make_node("conv2d_grad_input", [dy, w], input_shape=xs, **attrs), [dy, w]),
              (make_node("conv2d_grad_weight", [dy, x], weight_shape=ws, bias=True, **attrs),
               [dy, x])]
-    with ctx.stream:
-        dev = {id(a): cp.asarray(a) for a in (x, w, b, dy)}
-        outs = [[cp.full(v.shape, np.nan, np.float32) for v in n.outputs] for n, _ in calls]
 
-    def step():
-        for (node, arrays), out in zip(calls, outs):
-            backend.run_node(node, [dev[id(a)] for a in arrays], out, ctx)
+    def check(replay, node, host, outs):
+        for got, ref in zip(outs, reference64(node, host)):
+            err = rel_err(got, ref)
+            assert err < TOL["tf32"], f"replay {replay} {node.op}: rel err {err:.2e}"
 
-    step()
-    captured = backend.capture(step, ctx)
-    for replay in range(3):
-        new_x, new_dy = random(rng, *xs), random(rng, *ys)
-        backend.copy_into(dev[id(x)], new_x)
-        backend.copy_into(dev[id(dy)], new_dy)
-        with ctx.stream:
-            for out in outs:
-                for o in out:
-                    o.fill(np.nan)
-        captured.launch()
-        for (node, arrays), out in zip(calls, outs):
-            host = [new_x if a is x else new_dy if a is dy else a for a in arrays]
-            for got, ref in zip(out, reference64(node, host)):
-                err = rel_err(backend.to_numpy(got), ref)
-                assert err < TOL["tf32"], f"replay {replay} {node.op}: rel err {err:.2e}"
+    helpers.check_replays(backend, ctx, calls, x, dy, rng, 3, check)
 
 
 # ---- BatchNorm: the columns layout -------------------------------------------------------------

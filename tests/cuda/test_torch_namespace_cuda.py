@@ -28,11 +28,6 @@ def ctx(backend):
     return backend.make_context("fp32")
 
 
-@pytest.fixture(scope="module")
-def impls(backend):
-    return backend.impls
-
-
 @pytest.mark.parametrize("dtype", ["float32", "float64", "int64", "int32", "uint8"])
 @pytest.mark.parametrize("shape", [(), (1,), (7, 5), (3, 1, 33)])
 def test_constant(ctx, impls, shape, dtype):

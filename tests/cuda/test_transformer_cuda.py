@@ -35,12 +35,6 @@ def ctx(backend):
     return backend.make_context("fp32")
 
 
-@pytest.fixture(scope="module")
-def impls(backend):
-    """The backend's merged op table: the new families must be in IMPL_MODULES."""
-    return backend.impls
-
-
 @pytest.fixture
 def embedding_path():
     """Set embedding.PATH for one test, restored afterwards."""

@@ -96,6 +96,7 @@ def loss_fn(logits, targets):
 
 
 # ---- the same model in torch (nanoGPT's code, dropout 0) -----------------------------------
+# Alike the stepgraph model above on purpose: the trajectories of the two are compared.
 
 class TorchAttention(tnn.Module):
     def __init__(self):

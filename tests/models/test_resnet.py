@@ -41,6 +41,7 @@ class TorchBlock(tnn.Module):
 
 
 class TorchResNet(tnn.Module):
+    # Alike stepgraph.models.ResNet on purpose: the oracle is written for torch, independently.
     def __init__(self, widths, blocks_per_stage, num_classes=10):
         super().__init__()
         self.conv1 = tnn.Conv2d(3, widths[0], 3, padding=1, bias=False)

@@ -61,7 +61,7 @@ class TorchNet(tnn.Module):
 
 
 class Net(nn.Module):
-    """The same network in stepgraph, written the same way."""
+    """The same network in stepgraph, written the same way on purpose: the two are compared."""
 
     def __init__(self):
         super().__init__()

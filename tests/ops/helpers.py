@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
+import torch
+import torch.nn.functional as TF
 
 from stepgraph import losses
 from stepgraph.autodiff import append_backward
@@ -101,6 +103,44 @@ def forward_and_grads(body: Body, arrays: Arrays, wrt: tuple[str, ...],
     """The output of `body` and the loss gradients (see build_train_graph) on numpy."""
     result = run_graph(build_train_graph(body, arrays, wrt, fused), arrays)
     return result["out"], {n: result[f"grad:{n}"] for n in wrt}
+
+
+def torch_forward_and_grads(fn: Callable, arrays: Arrays,
+                            wrt: tuple[str, ...]) -> tuple[np.ndarray, Arrays]:
+    """The torch oracle of forward_and_grads: fn(**tensors) -> y; the loss is y when scalar,
+    else mse(y, target); y and the gradients of wrt, as numpy arrays."""
+    ts = {k: torch.tensor(v, requires_grad=k in wrt) for k, v in arrays.items()}
+    y = fn(**{k: t for k, t in ts.items() if k != "target"})
+    loss = y if y.ndim == 0 else TF.mse_loss(y, ts["target"])
+    grads = torch.autograd.grad(loss, [ts[k] for k in wrt])
+    return y.detach().numpy(), {k: g.numpy() for k, g in zip(wrt, grads)}
+
+
+def case_arrays(case: str, on_torch: Callable, make: Callable, dtype) -> Arrays:
+    """A (fn, make) case's inputs: make(gen, dtype), gen seeded from the case and dtype, and a
+    `target` of the output's shape (on_torch(**tensors)) when the output is not a scalar."""
+    gen = seeded(case + str(np.dtype(dtype)))
+    arrays = make(gen, dtype)
+    probe = on_torch(**{k: torch.tensor(v) for k, v in arrays.items()})
+    if probe.ndim:
+        arrays["target"] = randn(gen, *probe.shape, dtype=dtype)
+    return arrays
+
+
+def assert_matches_torch(what: str, body: Body, on_torch: Callable, arrays: Arrays,
+                         wrt: tuple[str, ...], fused: bool, dtype, rtol: float,
+                         grad_rtol: float | None = None) -> None:
+    """body's output and gradients on numpy (forward_and_grads) agree with the torch oracle's
+    (torch_forward_and_grads), all of `dtype`: the output to rtol, the gradients to grad_rtol
+    (rtol unless given)."""
+    out, grads = forward_and_grads(body, arrays, wrt, fused)
+    want, want_grads = torch_forward_and_grads(on_torch, arrays, wrt)
+    assert out.dtype == dtype
+    assert_close(out, want, rtol, f"{what} forward")
+    grad_rtol = rtol if grad_rtol is None else grad_rtol
+    for name in wrt:
+        assert grads[name].dtype == dtype
+        assert_close(grads[name], want_grads[name], grad_rtol, f"{what} grad of {name}")
 
 
 def assert_close(got: np.ndarray, want: np.ndarray, rtol: float = 1e-5, what: str = "") -> None:

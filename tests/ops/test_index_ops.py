@@ -9,6 +9,8 @@ Finite-difference checks of the new VJP rules are in test_ops_fd.py.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -16,9 +18,8 @@ import torch
 import stepgraph
 from stepgraph.errors import ShapeError, UnsupportedOpError
 from stepgraph.ir.trace import Tracer
-from tests.ops.helpers import (assert_close, forward_and_grads, randn, run_graph, seeded,
+from tests.ops.helpers import (assert_matches_torch, case_arrays, randn, run_graph, seeded,
                                trace_inputs)
-from tests.ops.test_tensor_ops import torch_forward_and_grads
 
 DTYPES = pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
 FUSED = pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
@@ -134,21 +135,12 @@ def _split(arrays):
 @DTYPES
 def test_matches_torch(case, fused, dtype):
     fn, make = CASES[case]
-    gen = seeded(case + str(np.dtype(dtype)))
-    arrays = make(gen, dtype)
+    on_torch = functools.partial(fn, torch)
+    arrays = case_arrays(case, on_torch, make, dtype)
     wrt = _split(arrays)
-    probe = fn(torch, **{k: torch.tensor(v) for k, v in arrays.items()})
-    if probe.ndim:
-        arrays["target"] = randn(gen, *probe.shape, dtype=dtype)
     body = lambda t, ins: fn(stepgraph, **{k: v for k, v in ins.items()  # noqa: E731
                                            if k != "target"})
-    out, grads = forward_and_grads(body, arrays, wrt, fused)
-    want, want_grads = torch_forward_and_grads(lambda TF, **ts: fn(torch, **ts), arrays, wrt)
-    assert out.dtype == dtype
-    assert_close(out, want, RTOL[dtype], f"{case} forward")
-    for name in wrt:
-        assert grads[name].dtype == dtype
-        assert_close(grads[name], want_grads[name], RTOL[dtype], f"{case} grad of {name}")
+    assert_matches_torch(case, body, on_torch, arrays, wrt, fused, dtype, RTOL[dtype])
 
 
 INDEX_CASES = {

@@ -16,7 +16,7 @@ from stepgraph.errors import ShapeError, UnsupportedOpError
 from stepgraph.ir.trace import Tracer
 from stepgraph.nn import functional as F
 from tests.ops.helpers import (assert_close, forward_and_grads, op_forward, op_vjp, randn,
-                               run_graph, seeded, trace_inputs)
+                               run_graph, seeded, torch_forward_and_grads, trace_inputs)
 from tests.ops.test_ops_fd import directional_fd
 
 FUSED = pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
@@ -30,15 +30,6 @@ FD_RTOL = 1e-6   # central differences in float64, as test_ops_fd.py
 @pytest.fixture
 def gen(request) -> np.random.Generator:
     return seeded(request.node.name)
-
-
-def torch_forward_and_grads(fn, arrays, wrt):
-    """fn(**tensors) -> y; the loss is y when scalar, else mse(y, target); grads of wrt."""
-    ts = {k: torch.tensor(v, requires_grad=k in wrt) for k, v in arrays.items()}
-    y = fn(**{k: t for k, t in ts.items() if k != "target"})
-    loss = y if y.ndim == 0 else TF.mse_loss(y, ts["target"])
-    grads = torch.autograd.grad(loss, [ts[k] for k in wrt])
-    return y.detach().numpy(), {k: g.numpy() for k, g in zip(wrt, grads)}
 
 
 def check_against_torch(body, torch_fn, arrays, wrt, fused, rtol):

@@ -19,7 +19,7 @@ from stepgraph.ops.activation import ACTIVATIONS
 from stepgraph.ir.trace import Tracer
 from stepgraph.nn import functional as F
 from tests.ops.helpers import (assert_close, build_train_graph, forward_and_grads, op_forward,
-                               op_vjp, randn, seeded)
+                               op_vjp, randn, seeded, torch_forward_and_grads)
 
 FUSED = pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 LEAKY_SLOPE = 0.2     # not torch's default 0.01, so a dropped slope attribute shows
@@ -28,15 +28,6 @@ LEAKY_SLOPE = 0.2     # not torch's default 0.01, so a dropped slope attribute s
 @pytest.fixture
 def gen(request) -> np.random.Generator:
     return seeded(request.node.name)
-
-
-def torch_forward_and_grads(fn, arrays, wrt):
-    """fn(**tensors) -> y; the loss is y when scalar, else mse(y, target); grads of wrt."""
-    ts = {k: torch.tensor(v, requires_grad=k in wrt) for k, v in arrays.items()}
-    y = fn(**{k: t for k, t in ts.items() if k != "target"})
-    loss = y if y.ndim == 0 else TF.mse_loss(y, ts["target"])
-    grads = torch.autograd.grad(loss, [ts[k] for k in wrt])
-    return y.detach().numpy(), {k: g.numpy() for k, g in zip(wrt, grads)}
 
 
 def check_against_torch(body, torch_fn, arrays, wrt, fused, rtol=1e-5):

@@ -9,6 +9,7 @@ unfused graph's bits on NumPy, and the tensor methods record the documented ops.
 """
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import numpy as np
@@ -21,8 +22,8 @@ from stepgraph import nn
 from stepgraph.errors import ShapeError, UnsupportedOpError
 from stepgraph.ir.trace import Tracer
 from stepgraph.nn import functional as F
-from tests.ops.helpers import (assert_close, build_train_graph, forward_and_grads, randn,
-                               run_graph, seeded, trace_inputs)
+from tests.ops.helpers import (assert_close, assert_matches_torch, build_train_graph, case_arrays,
+                               randn, run_graph, seeded, trace_inputs)
 
 DTYPES = pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
 FUSED = pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
@@ -140,34 +141,17 @@ CASES = {
 }
 
 
-def torch_forward_and_grads(fn, arrays, wrt):
-    ts = {k: torch.tensor(v, requires_grad=k in wrt) for k, v in arrays.items()}
-    y = fn(TORCH, **{k: t for k, t in ts.items() if k != "target"})
-    loss = y if y.ndim == 0 else TF.mse_loss(y, ts["target"])
-    grads = torch.autograd.grad(loss, [ts[k] for k in wrt])
-    return y.detach().numpy(), {k: g.numpy() for k, g in zip(wrt, grads)}
-
-
 @pytest.mark.parametrize("case", CASES)
 @FUSED
 @DTYPES
 def test_matches_torch(case, fused, dtype):
     fn, make = CASES[case]
-    gen = seeded(case + str(np.dtype(dtype)))
-    arrays = make(gen, dtype)
-    wrt = tuple(k for k in arrays if not k.startswith("k_"))
-    probe = fn(TORCH, **{k: torch.tensor(v) for k, v in arrays.items()})
-    if probe.ndim:
-        arrays["target"] = randn(gen, *probe.shape, dtype=dtype)
+    on_torch = functools.partial(fn, TORCH)
+    arrays = case_arrays(case, on_torch, make, dtype)
+    wrt = tuple(k for k in arrays if not k.startswith("k_") and k != "target")
     body = lambda t, ins: fn(SG, **{k: v for k, v in ins.items() if k != "target"})  # noqa: E731
-    out, grads = forward_and_grads(body, arrays, wrt, fused)
-    want, want_grads = torch_forward_and_grads(fn, arrays, wrt)
-    assert out.dtype == dtype
-    assert_close(out, want, RTOL[dtype], f"{case} forward")
-    rtol = 3e-7 if case in TORCH_FLOAT_CONSTANTS and dtype == np.float64 else RTOL[dtype]
-    for name in wrt:
-        assert grads[name].dtype == dtype
-        assert_close(grads[name], want_grads[name], rtol, f"{case} grad of {name}")
+    grad_rtol = 3e-7 if case in TORCH_FLOAT_CONSTANTS and dtype == np.float64 else RTOL[dtype]
+    assert_matches_torch(case, body, on_torch, arrays, wrt, fused, dtype, RTOL[dtype], grad_rtol)
 
 
 # ---- fusion: programs holding the new instructions give the unfused graph's bits -----------

@@ -8,15 +8,16 @@ passes. Finite-difference checks of the VJP rules on broadcasting shapes follow.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
-import torch
 import torch.nn.functional as TF
 
 from stepgraph.errors import ShapeError, UnsupportedOpError
 from stepgraph.ir.trace import Tracer
 from stepgraph.nn import functional as F
-from tests.ops.helpers import (assert_close, build_train_graph, forward_and_grads, op_forward,
+from tests.ops.helpers import (assert_matches_torch, build_train_graph, case_arrays, op_forward,
                                op_vjp, randn, seeded, trace_inputs)
 
 DTYPES = pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
@@ -142,33 +143,16 @@ CASES = {
 }
 
 
-def torch_forward_and_grads(fn, arrays, wrt):
-    ts = {k: torch.tensor(v, requires_grad=k in wrt) for k, v in arrays.items()}
-    y = fn(TF, **{k: t for k, t in ts.items() if k != "target"})
-    loss = y if y.ndim == 0 else TF.mse_loss(y, ts["target"])
-    grads = torch.autograd.grad(loss, [ts[k] for k in wrt])
-    return y.detach().numpy(), {k: g.numpy() for k, g in zip(wrt, grads)}
-
-
 @pytest.mark.parametrize("case", CASES)
 @FUSED
 @DTYPES
 def test_matches_torch(case, fused, dtype):
     fn, make = CASES[case]
-    gen = seeded(case + str(np.dtype(dtype)))
-    arrays = make(gen, dtype)
-    wrt = tuple(arrays)
-    probe = fn(TF, **{k: torch.tensor(v) for k, v in arrays.items()})
-    if probe.ndim:
-        arrays["target"] = randn(gen, *probe.shape, dtype=dtype)
+    on_torch = functools.partial(fn, TF)
+    arrays = case_arrays(case, on_torch, make, dtype)
+    wrt = tuple(k for k in arrays if k != "target")
     body = lambda t, ins: fn(F, **{k: v for k, v in ins.items() if k != "target"})  # noqa: E731
-    out, grads = forward_and_grads(body, arrays, wrt, fused)
-    want, want_grads = torch_forward_and_grads(fn, arrays, wrt)
-    assert out.dtype == dtype
-    assert_close(out, want, RTOL[dtype], f"{case} forward")
-    for name in wrt:
-        assert grads[name].dtype == dtype
-        assert_close(grads[name], want_grads[name], RTOL[dtype], f"{case} grad of {name}")
+    assert_matches_torch(case, body, on_torch, arrays, wrt, fused, dtype, RTOL[dtype])
 
 
 # ---- finite differences of the VJP rules on broadcasting shapes ------------------------------

@@ -9,6 +9,7 @@ the cases here add the shapes and attrs that matter (repeated indices, rows != c
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -22,8 +23,9 @@ from stepgraph.errors import ShapeError, UnsupportedOpError
 from stepgraph.ir.trace import Tracer, current_tracer
 from stepgraph.nn import functional as F
 from stepgraph.ops.softmax import causal_mask
-from tests.ops.helpers import (assert_close, build_train_graph, forward_and_grads, op_forward,
-                               op_vjp, randn, run_graph, seeded, trace_inputs)
+from tests.ops.helpers import (assert_close, build_train_graph, case_arrays, forward_and_grads,
+                               op_forward, op_vjp, randn, run_graph, seeded,
+                               torch_forward_and_grads, trace_inputs)
 
 DTYPES = pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
 FUSED = pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
@@ -133,18 +135,10 @@ def float_inputs(arrays) -> tuple[str, ...]:
     return tuple(k for k, a in arrays.items() if a.dtype.kind == "f" and k != "target")
 
 
-def torch_forward_and_grads(fn, arrays, wrt):
-    ts = {k: torch.tensor(v, requires_grad=k in wrt) for k, v in arrays.items()}
-    y = fn(TF, **{k: t for k, t in ts.items() if k != "target"})
-    loss = y if y.ndim == 0 else TF.mse_loss(y, ts["target"])
-    grads = torch.autograd.grad(loss, [ts[k] for k in wrt])
-    return y.detach().numpy(), {k: g.numpy() for k, g in zip(wrt, grads)}
-
-
 def check_against_torch(fn, arrays, wrt, fused, rtol, what):
     body = lambda t, ins: fn(F, **{k: v for k, v in ins.items() if k != "target"})  # noqa: E731
     out, grads = forward_and_grads(body, arrays, wrt, fused)
-    want, want_grads = torch_forward_and_grads(fn, arrays, wrt)
+    want, want_grads = torch_forward_and_grads(functools.partial(fn, TF), arrays, wrt)
     assert_close(out, want, rtol, f"{what} forward")
     for name in wrt:
         assert grads[name].dtype == arrays[name].dtype
@@ -157,11 +151,7 @@ def check_against_torch(fn, arrays, wrt, fused, rtol, what):
 @DTYPES
 def test_matches_torch(case, fused, dtype):
     fn, make = CASES[case]
-    gen = seeded(case + str(np.dtype(dtype)))
-    arrays = make(gen, dtype)
-    probe = fn(TF, **{k: torch.tensor(v) for k, v in arrays.items()})
-    if probe.ndim:
-        arrays["target"] = randn(gen, *probe.shape, dtype=dtype)
+    arrays = case_arrays(case, functools.partial(fn, TF), make, dtype)
     out = check_against_torch(fn, arrays, float_inputs(arrays), fused, RTOL[dtype], case)
     assert out.dtype == dtype
 

@@ -14,8 +14,8 @@ pytest.importorskip("cupy")
 
 from stepgraph.backends.cuda.attention import attention  # noqa: E402
 from stepgraph.ir.graph import Node  # noqa: E402
-from tests.unit.test_nvrtc_compile import (PTX_BYTES, Fake, _nvrtc_usable,  # noqa: E402
-                                           kernel_params)
+from tests.unit.test_nvrtc_compile import (Fake, _nvrtc_usable,  # noqa: E402
+                                           assert_args_match)
 
 H100_SHARED = 227 * 1024        # bytes of shared memory one block may opt into
 
@@ -80,15 +80,7 @@ def test_sdpa_launch_arguments_match_the_kernels(monkeypatch, lead, L, S, E, Ev,
     bh = int(np.prod(lead))
     for (name, grid, block, args, shared), kind in zip(launched, attention.TILES):
         assert name in listed
-        params = kernel_params(attention.SOURCE, name)
-        assert len(params) == len(args), (name, params, args)
-        for i, (param, arg) in enumerate(zip(params, args)):
-            if isinstance(arg, Fake):
-                assert param in ("u64", "b64"), (name, i, param)
-                continue
-            arg = np.asarray(arg)
-            assert PTX_BYTES[param] == arg.itemsize, (name, i, param, arg.dtype)
-            assert (param[0] == "f") == (arg.dtype.kind == "f"), (name, i, param, arg.dtype)
+        assert_args_match(attention.SOURCE, name, args)
         bq, bk = attention.TILES[kind][hd]
         tiles = -(-S // bk) if kind == "backward_dkdv" else -(-L // bq)
         assert grid == (tiles * bh,) and block == (attention.THREADS,)

@@ -20,6 +20,7 @@ from stepgraph.data.text import DEFAULT_CORPUS, TokenBatches
 from stepgraph.sample import next_token
 from stepgraph.train import GPTTrainConfig
 from stepgraph.train import train as train_gpt
+from tests.helpers import run_interrupted
 
 TINY = ("--batch-size", "8", "--block-size", "16", "--n-layer", "1", "--n-head", "2",
         "--n-embd", "32", "--dropout", "0.1", "--device", "cpu", "--no-progress")
@@ -142,26 +143,14 @@ def test_batches_are_windows_shifted_by_one():
     assert not np.array_equal(TokenBatches(tokens, 4, 8, seed=1, stream=1).batch(5)[0], x)
 
 
-class Interrupt(Exception):
-    pass
-
-
 def test_resume_is_exact(tmp_path, text_file, monkeypatch):
     config = functools.partial(GPTTrainConfig, text_file=str(text_file), steps=20,
                                eval_interval=10, **TINY_CONFIG)
     straight = train_gpt(config(out=str(tmp_path / "straight")), log=lambda _: None)
 
-    real = train_gpt_module.train_interval
-
-    def interrupted(session, first, last, bar):
-        if first == 10:
-            raise Interrupt
-        return real(session, first, last, bar)
-
-    monkeypatch.setattr(train_gpt_module, "train_interval", interrupted)
-    with pytest.raises(Interrupt):
-        train_gpt(config(out=str(tmp_path / "split")), log=lambda _: None)
-    monkeypatch.setattr(train_gpt_module, "train_interval", real)
+    run_interrupted(monkeypatch, train_gpt_module, "train_interval",
+                    lambda session, first, last, bar: first == 10,
+                    lambda: train_gpt(config(out=str(tmp_path / "split")), log=lambda _: None))
     with pytest.raises(CheckpointError, match="steps: checkpoint 20, now 30"):
         train_gpt(config(out=str(tmp_path / "split"), steps=30, resume=True), log=lambda _: None)
     resumed = train_gpt(config(out=str(tmp_path / "split"), resume=True), log=lambda _: None)

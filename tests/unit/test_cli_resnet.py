@@ -15,6 +15,7 @@ from stepgraph.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoi
 from stepgraph.cli import main
 from stepgraph.data import RandomCropFlip, load_dataset
 from stepgraph.train import TrainConfig, build_model, make_optimizer, train
+from tests.helpers import run_interrupted
 
 BATCHES = ("data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5",
            "test_batch")
@@ -80,10 +81,6 @@ def small_resnet(monkeypatch):
                         functools.partial(models.resnet, widths=(8, 16, 32)))
 
 
-class Interrupt(Exception):
-    pass
-
-
 def test_resnet_resume_is_bitwise_identical(tmp_path, fake_cifar, monkeypatch):
     small_resnet(monkeypatch)
     config = functools.partial(TrainConfig, model="resnet", data="cifar10",
@@ -91,17 +88,8 @@ def test_resnet_resume_is_bitwise_identical(tmp_path, fake_cifar, monkeypatch):
                                device="cpu", progress=False)
     straight = train(config(out=str(tmp_path / "straight")), log=lambda _: None)
 
-    real_epoch = train_module.train_epoch
-
-    def interrupted(session, epoch):
-        if epoch == 1:
-            raise Interrupt
-        return real_epoch(session, epoch)
-
-    monkeypatch.setattr(train_module, "train_epoch", interrupted)
-    with pytest.raises(Interrupt):
-        train(config(out=str(tmp_path / "split")), log=lambda _: None)
-    monkeypatch.setattr(train_module, "train_epoch", real_epoch)
+    run_interrupted(monkeypatch, train_module, "train_epoch", lambda session, epoch: epoch == 1,
+                    lambda: train(config(out=str(tmp_path / "split")), log=lambda _: None))
     with pytest.raises(CheckpointError, match="epochs: checkpoint 2, now 3"):
         train(config(out=str(tmp_path / "split"), epochs=3, resume=True), log=lambda _: None)
     resumed = train(config(out=str(tmp_path / "split"), resume=True), log=lambda _: None)

@@ -411,22 +411,30 @@ def _record_launches(monkeypatch, *modules):
     return launched
 
 
+def assert_args_match(filename: str, name: str, args) -> None:
+    """A launch's arguments have kernel `name`'s parameter types: pointers for arrays, the
+    same size and float-ness for scalars."""
+    import numpy as np
+
+    params = kernel_params(filename, name)
+    assert len(params) == len(args), (name, params, args)
+    for i, (param, arg) in enumerate(zip(params, args)):
+        if isinstance(arg, Fake):
+            assert param in ("u64", "b64"), (name, i, param)
+            continue
+        arg = np.asarray(arg)
+        assert PTX_BYTES[param] == arg.itemsize, (name, i, param, arg.dtype)
+        assert (param[0] == "f") == (arg.dtype.kind == "f"), (name, i, param, arg.dtype)
+
+
 def _assert_launches_match(launched) -> None:
-    """Each launch's arguments have its kernel's parameter types (pointers for arrays, the
-    same size and float-ness for scalars), and its block and grid are valid."""
+    """Each launch's arguments have its kernel's parameter types (assert_args_match), and its
+    block and grid are valid."""
     import numpy as np
 
     assert launched
     for filename, name, grid, block, args in launched:
-        params = kernel_params(filename, name)
-        assert len(params) == len(args), (name, params, args)
-        for i, (param, arg) in enumerate(zip(params, args)):
-            if isinstance(arg, Fake):
-                assert param in ("u64", "b64"), (name, i, param)
-                continue
-            arg = np.asarray(arg)
-            assert PTX_BYTES[param] == arg.itemsize, (name, i, param, arg.dtype)
-            assert (param[0] == "f") == (arg.dtype.kind == "f"), (name, i, param, arg.dtype)
+        assert_args_match(filename, name, args)
         threads = int(np.prod(block))
         assert 32 <= threads <= 1024 and threads % 32 == 0, (name, block)
         assert all(g >= 1 for g in grid) and len(grid) <= 3, (name, grid)

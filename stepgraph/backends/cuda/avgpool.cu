@@ -10,6 +10,7 @@
 // Templates over the element storage T: float, or unsigned short (bfloat16 bits, bf16.cuh):
 // loaded as float, summed and divided in float, rounded once on store.
 #include "bf16.cuh"
+#include "grid.cuh"
 #include "pool.cuh"
 #include "reduce.cuh"
 
@@ -26,8 +27,7 @@ __device__ __forceinline__ void avgpool2d_forward(const T* x, T* y,
                                                   int count_include_pad, int C,
                                                   const PoolShape& s) {
     const long long total = (long long)s.planes * s.Ho * s.Wo;
-    for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total;
-         g += (long long)gridDim.x * blockDim.x) {
+    GRID_STRIDE_LOOP(g, total) {
         int p, ho, wo;
         element_of<NHWC>((int)g, s.Ho, s.Wo, C, p, ho, wo);
         const PlaneAt plane = plane_at<NHWC>(p, s.H, s.W, C);
@@ -89,8 +89,7 @@ __device__ __forceinline__ void avgpool2d_backward(const T* dy, T* dx,
                                                    int count_include_pad, int C,
                                                    const PoolShape& s) {
     const long long total = (long long)s.planes * s.H * s.W;
-    for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total;
-         g += (long long)gridDim.x * blockDim.x) {
+    GRID_STRIDE_LOOP(g, total) {
         int p, h, w;
         element_of<NHWC>((int)g, s.H, s.W, C, p, h, w);
         const WindowSpan span = windows_holding(s, h, w);
@@ -131,8 +130,7 @@ __device__ __forceinline__ void avgpool2d_backward_tiling(const T* dy, T* dx, in
                                                           const PoolShape& s) {
     const long long total = (long long)s.planes * s.Ho * s.Wo;
     const float divisor = (float)(s.kh * s.kw);
-    for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total;
-         g += (long long)gridDim.x * blockDim.x) {
+    GRID_STRIDE_LOOP(g, total) {
         int p, ho, wo;
         element_of<NHWC>((int)g, s.Ho, s.Wo, C, p, ho, wo);
         const PlaneAt plane = plane_at<NHWC>(p, s.H, s.W, C);

@@ -31,10 +31,7 @@
 #define SCALAR_POW 6
 
 #include "bf16.cuh"
-
-#define GRID_STRIDE_GROUPS(g, n)                                                  \
-    for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x;          \
-         g < (((n) + 3) >> 2); g += (long long)gridDim.x * blockDim.x)
+#include "grid.cuh"
 
 __device__ __forceinline__ float binary_value(float a, float b, int kind) {
     switch (kind) {
@@ -109,20 +106,7 @@ __device__ __forceinline__ void load_group(const unsigned short* p, int off, int
 template <typename T>
 __global__ void binary_forward_kernel(const T* a, const T* b, T* c, long long n, int kind,
                                       int vec) {
-    GRID_STRIDE_GROUPS(g, n) {
-        const long long i = g << 2;
-        if (vec && i + 4 <= n) {
-            float u[4], v[4];
-            load4_as_float(a, i, u);
-            load4_as_float(b, i, v);
-            for (int k = 0; k < 4; ++k) u[k] = binary_value(u[k], v[k], kind);
-            store4_from_float(c, i, u);
-        } else {
-            for (long long j = i; j < i + 4 && j < n; ++j)
-                store_from_float(c, j, binary_value(load_as_float(a, j), load_as_float(b, j),
-                                                    kind));
-        }
-    }
+    map2_groups(a, b, c, n, vec, [=](float u, float v) { return binary_value(u, v, kind); });
 }
 
 // c = a op b with broadcasting: a thread per output element, or (vec: the innermost size is a
@@ -157,18 +141,7 @@ __global__ void binary_broadcast_kernel(const T* a, const T* b, T* c, int n, int
 template <typename T>
 __global__ void scalar_forward_kernel(const T* x, T* y, long long n, int kind, float value,
                                       int vec) {
-    GRID_STRIDE_GROUPS(g, n) {
-        const long long i = g << 2;
-        if (vec && i + 4 <= n) {
-            float u[4];
-            load4_as_float(x, i, u);
-            for (int k = 0; k < 4; ++k) u[k] = scalar_value(u[k], kind, value);
-            store4_from_float(y, i, u);
-        } else {
-            for (long long j = i; j < i + 4 && j < n; ++j)
-                store_from_float(y, j, scalar_value(load_as_float(x, j), kind, value));
-        }
-    }
+    map_groups(x, y, n, vec, [=](float u) { return scalar_value(u, kind, value); });
 }
 
 // y (contiguous, the collapsed sizes) = x read at strides sx: expand (strides 0 on broadcast

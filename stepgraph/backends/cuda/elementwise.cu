@@ -6,12 +6,9 @@
 // Grid-stride loops over groups of 4 elements: a group is one vector access when the launcher
 // says every pointer is 16-byte aligned (`vec`), else 4 scalar accesses; y may alias x.
 #include "bf16.cuh"
+#include "grid.cuh"
 #include "elementwise.cuh"
 #include "philox.cuh"
-
-#define GRID_STRIDE_GROUPS(g, n)                                                  \
-    for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x;          \
-         g < (((n) + 3) >> 2); g += (long long)gridDim.x * blockDim.x)
 
 // act, act_grad and add: templates on the storage T (float, or unsigned short = bf16 bits);
 // a group of 4 is one vector access of T when the launcher says every pointer is 16-byte
@@ -19,62 +16,26 @@
 template <typename T>
 __global__ void act_forward_kernel(const T* x, T* y, long long n, int kind, float slope,
                                    int vec) {
-    GRID_STRIDE_GROUPS(g, n) {
-        const long long i = g << 2;
-        if (vec && i + 4 <= n) {
-            float v[4];
-            load4_as_float(x, i, v);
-            for (int k = 0; k < 4; ++k) v[k] = act_value(v[k], kind, slope);
-            store4_from_float(y, i, v);
-        } else {
-            for (long long j = i; j < i + 4 && j < n; ++j)
-                store_from_float(y, j, act_value(load_as_float(x, j), kind, slope));
-        }
-    }
+    map_groups(x, y, n, vec, [=](float z) { return act_value(z, kind, slope); });
 }
 
 // dx = dy * act'(saved) (numpy: the derivative first, then the product), in float32.
 template <typename T>
 __global__ void act_backward_kernel(const T* dy, const T* saved, T* dx, long long n, int kind,
                                     float slope, int vec) {
-    GRID_STRIDE_GROUPS(g, n) {
-        const long long i = g << 2;
-        if (vec && i + 4 <= n) {
-            float d[4], s[4];
-            load4_as_float(dy, i, d);
-            load4_as_float(saved, i, s);
-            for (int k = 0; k < 4; ++k) d[k] = __fmul_rn(d[k], act_derivative(s[k], kind, slope));
-            store4_from_float(dx, i, d);
-        } else {
-            for (long long j = i; j < i + 4 && j < n; ++j)
-                store_from_float(dx, j, __fmul_rn(load_as_float(dy, j),
-                                                  act_derivative(load_as_float(saved, j), kind,
-                                                                 slope)));
-        }
-    }
+    map2_groups(dy, saved, dx, n, vec, [=](float d, float s) {
+        return __fmul_rn(d, act_derivative(s, kind, slope));
+    });
 }
 
 template <typename T>
 __global__ void add_forward_kernel(const T* a, const T* b, T* c, long long n, int vec) {
-    GRID_STRIDE_GROUPS(g, n) {
-        const long long i = g << 2;
-        if (vec && i + 4 <= n) {
-            float u[4], v[4];
-            load4_as_float(a, i, u);
-            load4_as_float(b, i, v);
-            for (int k = 0; k < 4; ++k) u[k] = __fadd_rn(u[k], v[k]);
-            store4_from_float(c, i, u);
-        } else {
-            for (long long j = i; j < i + 4 && j < n; ++j)
-                store_from_float(c, j, __fadd_rn(load_as_float(a, j), load_as_float(b, j)));
-        }
-    }
+    map2_groups(a, b, c, n, vec, [](float u, float v) { return __fadd_rn(u, v); });
 }
 
 template <typename T>
 __global__ void fill_forward_kernel(T* y, long long n, T value) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x)
+    GRID_STRIDE_LOOP(i, n)
         y[i] = value;
 }
 
@@ -140,8 +101,7 @@ __global__ void dropout_channel_forward_kernel(const T* x, const long long* step
                                                unsigned long long seed, unsigned int site,
                                                unsigned int threshold, float scale) {
     const long long t = *step;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
+    GRID_STRIDE_LOOP(i, n) {
         const unsigned int m = (unsigned int)i / (unsigned int)plane;
         const uint4 w = dropout_words(m >> 2, site, t, seed);
         const float keep = dropout_keep(philox_word(w, m & 3u), threshold) ? 1.f : 0.f;
@@ -153,8 +113,7 @@ __global__ void dropout_channel_forward_kernel(const T* x, const long long* step
 template <typename T>
 __global__ void dropout_channel_backward_kernel(const T* dy, const unsigned char* mask, T* dx,
                                                 int n, int plane, float scale) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
+    GRID_STRIDE_LOOP(i, n) {
         const float keep = (float)mask[(unsigned int)i / (unsigned int)plane];
         store_from_float(dx, i, __fmul_rn(__fmul_rn(load_as_float(dy, i), keep), scale));
     }
@@ -167,8 +126,7 @@ __global__ void dropout_channel_backward_kernel(const T* dy, const unsigned char
 template <typename T>
 __global__ void linear_bias_act_kernel(const float* acc, const T* bias, T* y, T* z,
                                        long long n, int cols, int kind, float slope) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
+    GRID_STRIDE_LOOP(i, n) {
         float v = acc[i];
         if (bias) v = __fadd_rn(v, load_as_float(bias, i % cols));
         if (z) store_from_float(z, i, v);

@@ -12,14 +12,14 @@
 // With relu (the ReLU after the pool, fused) the forward stores relu(max) and the backward
 // adds only where that output is > 0. Shapes and windows: pool.cuh.
 #include "bf16.cuh"
+#include "grid.cuh"
 #include "pool.cuh"
 
 template <bool NHWC, typename T>
 __device__ __forceinline__ void maxpool2d_forward(const T* x, T* y, int* idx, int relu,
                                                   int C, const PoolShape& s) {
     const long long total = (long long)s.planes * s.Ho * s.Wo;
-    for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total;
-         g += (long long)gridDim.x * blockDim.x) {
+    GRID_STRIDE_LOOP(g, total) {
         int p, ho, wo;
         element_of<NHWC>((int)g, s.Ho, s.Wo, C, p, ho, wo);
         const PlaneAt plane = plane_at<NHWC>(p, s.H, s.W, C);
@@ -63,8 +63,7 @@ __device__ __forceinline__ void maxpool2d_backward(const T* dy, const int* idx,
                                                    const T* y, T* dx, int C,
                                                    const PoolShape& s) {
     const long long total = (long long)s.planes * s.H * s.W;
-    for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total;
-         g += (long long)gridDim.x * blockDim.x) {
+    GRID_STRIDE_LOOP(g, total) {
         int p, h, w;
         element_of<NHWC>((int)g, s.H, s.W, C, p, h, w);
         const WindowSpan span = windows_holding(s, h, w);
@@ -111,8 +110,7 @@ __device__ __forceinline__ void maxpool2d_backward_tiling(const T* dy, const int
                                                           const T* y, T* dx, int C,
                                                           const PoolShape& s) {
     const long long total = (long long)s.planes * s.Ho * s.Wo;
-    for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < total;
-         g += (long long)gridDim.x * blockDim.x) {
+    GRID_STRIDE_LOOP(g, total) {
         int p, ho, wo;
         element_of<NHWC>((int)g, s.Ho, s.Wo, C, p, ho, wo);
         const int at = idx[g];
