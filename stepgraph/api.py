@@ -17,7 +17,7 @@ from .backends.numpy import bf16
 from .compile.autocast import PRECISION as BF16_PRECISION
 from .compile.autocast import check_bf16_support, copy_values, parse_weight_copy
 from .compile.build import ModelLoss, build_predict_graph, build_train_graph
-from .compile.distribute import average_gradients
+from .compile.distribute import average_gradients, shard_optimizer_state
 from .compile.executable import COPY_ROLES, INFERENCE, STATIC_ROLES, TRAIN, Executable, GraphKey
 from .compile.feed import Signature, check_feed, check_labels, signature_of
 from .compile.fuse import fuse
@@ -29,7 +29,7 @@ from .compile.overlap import check_option as check_overlap_option
 from .compile.overlap import resolve as resolve_overlap
 from .compile.plan import Plan, make_plan
 from .distributed.buckets import cap_bytes_of
-from .errors import BackendUnavailableError, PlanError, StateDictError
+from .errors import BackendUnavailableError, StateDictError
 from .ir.graph import PARAM, STATE, Graph, Value
 from .nn.module import Module
 from .optim.optimizer import SCHEDULE_KEY, STEP_KEY
@@ -173,7 +173,7 @@ class TrainStep(_CompiledModel):
                  memory_format="auto", deterministic=True, overlap_update="auto"):
         self.on_bad_batch = check_policy(on_bad_batch)
         self.overlap_update = check_overlap_option(overlap_update)
-        self.data_parallel, self.group = _data_parallel(distributed)
+        self.data_parallel, self.group = _data_parallel(distributed, device)
         super().__init__(model, example_inputs, device, graph, precision,
                          with_target=not isinstance(loss, ModelLoss),
                          memory_format=memory_format, deterministic=deterministic)
@@ -202,8 +202,11 @@ class TrainStep(_CompiledModel):
 
     def plan(self, signature: Signature) -> Plan:
         graph = fuse(self.build_graph(signature))
-        if self.group is not None:
-            dp = self.data_parallel
+        dp = self.data_parallel
+        if self.group is not None and dp.shard_optimizer:
+            graph = shard_optimizer_state(graph, self.group.id, self.group.world_size,
+                                          cap_bytes_of(dp.bucket_cap_mb))
+        elif self.group is not None:
             graph = average_gradients(graph, self.group.id, self.group.world_size,
                                       cap_bytes_of(dp.bucket_cap_mb), dp.strategy,
                                       dp.reduce_dtype == "bf16")
@@ -333,7 +336,7 @@ class TrainStep(_CompiledModel):
             self._refresh_weight_copies()
 
 
-def _data_parallel(distributed):
+def _data_parallel(distributed, device):
     """(DataParallel options, process group), or (None, None) for a one-process step."""
     from . import distributed as dist
 
@@ -344,10 +347,11 @@ def _data_parallel(distributed):
     if not isinstance(distributed, dist.DataParallel):
         raise TypeError("distributed must be a bool or a stepgraph.distributed.DataParallel, "
                         f"got {type(distributed).__name__}")
-    if distributed.shard_optimizer:
-        raise PlanError("DataParallel(shard_optimizer=True): ZeRO-1's partition is planned "
-                        "(distributed.plan_shards), but the step's reduce-scatter and "
-                        "all-gather are not built yet; use shard_optimizer=False")
+    if distributed.shard_optimizer and str(device).startswith("cuda"):
+        raise BackendUnavailableError(
+            "DataParallel(shard_optimizer=True) runs on the CPU (numpy) backend only: the "
+            "CUDA reduce-scatter and all-gather are not built yet; use shard_optimizer=False "
+            "on CUDA")
     return distributed, distributed.group or dist.init()
 
 

@@ -1,0 +1,101 @@
+"""ZeRO stage 1 (DataParallel(shard_optimizer=True)) on the NumPy backend: the graph it builds,
+and real two-process runs through `stepgraph launch` against the unsharded data-parallel step.
+
+Tolerances: without gradient clipping the sharded step computes every parameter element with
+the same float32 operations, in the same order, as the unsharded one (the gradients are averaged
+by the same rank-order sum), so the results are compared bit for bit. With clipping the global
+norm is sqrt of the sum of the shards' squared norms instead of one sum over every gradient: the
+clip coefficient differs in its last bits, and the parameter changes are compared to rtol 1e-5
+with an absolute slack of a few float32 ulps of the parameters' scale.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import stepgraph as sg
+from stepgraph import nn, optim
+from stepgraph.errors import PlanError
+
+sys.path.insert(0, str(Path(__file__).parent))
+import dist_worker  # noqa: E402
+from test_distributed import launch_workers  # noqa: E402
+
+
+def test_a_world_of_one_sharded_step_is_the_plain_step_bit_for_bit():
+    kwargs = dict(optimizer="adamw", max_grad_norm=0.1, bucket_cap_mb=0.01)
+    plain, _, plain_losses = dist_worker.train("mlp", 4, 16, **kwargs)
+    model, step, losses_ = dist_worker.train("mlp", 4, 16, distributed=True,
+                                             shard_optimizer=True, **kwargs)
+    assert losses_ == plain_losses
+    for key, value in plain.state_dict().items():
+        np.testing.assert_array_equal(model.state_dict()[key], value)
+    ops = [n.op for n in next(iter(step.executables.values())).plan.steps]
+    buckets = ops.count("reduce_scatter")
+    assert buckets > 1 and ops.count("zero_shard") == buckets == ops.count("all_gather")
+    assert "all_reduce" not in ops and ops.count("all_reduce_norm") == 1
+    # Every gradient is reduced before the update, every parameter gathered after it.
+    update = ops.index("adam_update")
+    assert max(i for i, op in enumerate(ops) if op == "reduce_scatter") < update
+    assert min(i for i, op in enumerate(ops) if op == "all_gather") == update + 1
+
+
+def test_parameter_groups_are_refused_with_shard_optimizer():
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    opt = optim.SGD([{"params": model[0].parameters()},
+                     {"params": model[1].parameters(), "lr": 0.01}], lr=0.1)
+    x, y = np.ones((2, 4), np.float32), np.zeros(2, np.int64)
+    with pytest.raises(PlanError, match="parameter groups"):
+        sg.compile_train_step(model, sg.losses.cross_entropy, opt, (x, y),
+                              distributed=sg.distributed.DataParallel(shard_optimizer=True))
+
+
+def run_pair(tmp_path: Path, name: str, *args: str) -> list:
+    out = tmp_path / name
+    out.mkdir()
+    launch_workers(out, "--model", "mlp", "--steps", "4", "--global-batch", "16",
+                   "--bucket-cap-mb", "0.01", *args)
+    return [dict(np.load(out / f"rank{r}.npz")) for r in (0, 1)]
+
+
+def slots(record: dict) -> dict:
+    """The optimizer's per-element state (momentum, Adam moments) a rank holds."""
+    return {k: v for k, v in record.items()
+            if k.startswith("optimizer/") and not k.endswith("lr_schedule")}
+
+
+def initial_parameters() -> dict:
+    """Rank 0's initialisation, which the step broadcasts to every rank."""
+    dist_worker.nn_init.manual_seed(0)
+    return dist_worker.make_model("mlp", 8)[0].state_dict()
+
+
+@pytest.mark.parametrize("optimizer,clip", [("sgd", None), ("adamw", "0.05")])
+def test_two_processes_with_sharded_state_train_like_unsharded(tmp_path, optimizer, clip):
+    extra = ["--optimizer", optimizer] + (["--max-grad-norm", clip] if clip else [])
+    full = run_pair(tmp_path, "full", *extra)
+    zero = run_pair(tmp_path, "zero", *extra, "--shard-optimizer")
+    for key, before in initial_parameters().items():
+        key = f"state/{key}"
+        np.testing.assert_array_equal(zero[0][key], zero[1][key])   # the ranks agree
+        assert not np.array_equal(zero[0][key], before)            # and it trained
+        if clip is None:
+            np.testing.assert_array_equal(zero[0][key], full[0][key])
+        else:
+            # A few float32 ulps of the parameters' scale: the changes are ~1e-2.
+            np.testing.assert_allclose(zero[0][key] - before, full[0][key] - before,
+                                       rtol=1e-5, atol=1e-6 * np.abs(before).max())
+    steps = 4 if clip is None else 1     # the first step's loss precedes any update
+    for r in (0, 1):
+        for i in range(steps):
+            assert zero[r][f"loss/{i}"] == full[r][f"loss/{i}"]
+    # Each rank holds half of the optimizer state (up to one padding element per bucket
+    # and slot), in shard-sized entries only.
+    total = sum(v.size for v in slots(full[0]).values())
+    for r in (0, 1):
+        mine = slots(zero[r])
+        assert mine and all(".zero.bucket" in k for k in mine)
+        assert total / 2 <= sum(v.size for v in mine.values()) <= total / 2 + len(mine)
