@@ -173,7 +173,7 @@ class TrainStep(_CompiledModel):
                  memory_format="auto", deterministic=True, overlap_update="auto"):
         self.on_bad_batch = check_policy(on_bad_batch)
         self.overlap_update = check_overlap_option(overlap_update)
-        self.data_parallel, self.group = _data_parallel(distributed, device)
+        self.data_parallel, self.group = _data_parallel(distributed)
         super().__init__(model, example_inputs, device, graph, precision,
                          with_target=not isinstance(loss, ModelLoss),
                          memory_format=memory_format, deterministic=deterministic)
@@ -336,7 +336,7 @@ class TrainStep(_CompiledModel):
             self._refresh_weight_copies()
 
 
-def _data_parallel(distributed, device):
+def _data_parallel(distributed):
     """(DataParallel options, process group), or (None, None) for a one-process step."""
     from . import distributed as dist
 
@@ -347,11 +347,6 @@ def _data_parallel(distributed, device):
     if not isinstance(distributed, dist.DataParallel):
         raise TypeError("distributed must be a bool or a stepgraph.distributed.DataParallel, "
                         f"got {type(distributed).__name__}")
-    if distributed.shard_optimizer and str(device).startswith("cuda"):
-        raise BackendUnavailableError(
-            "DataParallel(shard_optimizer=True) runs on the CPU (numpy) backend only: the "
-            "CUDA reduce-scatter and all-gather are not built yet; use shard_optimizer=False "
-            "on CUDA")
     return distributed, distributed.group or dist.init()
 
 

@@ -54,8 +54,8 @@ class DataParallel:
     entries "optimizer.<slot>.zero.bucket<b>": state_dict() holds this rank's chunks), then
     the parameters are all-gathered. The results are the unsharded step's (the same bits
     without clipping; the clipping norm is summed from the shards' squared norms). One
-    parameter group, precision "fp32", CPU (numpy) backend only for now: CUDA refuses it
-    with a BackendUnavailableError."""
+    parameter group and precision "fp32" only (PlanError otherwise). CUDA: NCCL
+    reduceScatter / allGather inside the captured graph."""
 
     bucket_cap_mb: float = BUCKET_CAP_MB
     strategy: str = "flat"

@@ -99,3 +99,71 @@ def test_two_processes_with_sharded_state_train_like_unsharded(tmp_path, optimiz
         mine = slots(zero[r])
         assert mine and all(".zero.bucket" in k for k in mine)
         assert total / 2 <= sum(v.size for v in mine.values()) <= total / 2 + len(mine)
+
+
+def test_cuda_launchers_reduce_scatter_on_the_comm_stream_and_gather_in_order(monkeypatch):
+    """The ZeRO-1 launchers' NCCL calls, streams and kernels, faked (no GPU): the bucket is
+    packed and reduce-scattered on the communication stream, joined, then the parameter shard
+    is cut out of the packed parameters, all-gathered and unpacked on the step's stream."""
+    pytest.importorskip("cupy")
+    from types import SimpleNamespace
+
+    from test_distributed import FakeArray, FakeComm, FakeGroup, fake_cuda
+
+    from stepgraph.backends.cuda import collective
+    from stepgraph.backends.cuda.runtime import launch, side_stream
+    from stepgraph.distributed import group as group_module
+    from stepgraph.ir.graph import Node
+
+    calls = []
+    cp, Stream = fake_cuda(calls)
+    cp.zeros = lambda n, dtype: FakeArray(n, dtype, 0xA000)
+    cp.multiply = lambda a, b, out: calls.append(("square", a.data.ptr, out.data.ptr))
+    cp.sqrt = lambda a, out: calls.append(("sqrt", out.data.ptr))
+
+    class Comm(FakeComm):
+        def reduceScatter(self, send, recv, count, dtype, op, stream):
+            self.calls.append(("reduceScatter", send, recv, count, op, stream))
+
+        def allGather(self, send, recv, count, dtype, stream):
+            self.calls.append(("allGather", send, recv, count, stream))
+
+    nccl = SimpleNamespace(NCCL_AVG=4, NCCL_SUM=0, NCCL_FLOAT32=7)
+    for module in (collective, side_stream, launch):
+        monkeypatch.setattr(module, "cp", cp)
+    monkeypatch.setattr(collective, "_nccl", lambda: nccl)
+    monkeypatch.setattr(collective, "_check", lambda *a, **k: None)
+    monkeypatch.setattr(collective, "_kernel", lambda file, name: (
+        lambda grid, block, args, stream: calls.append(("kernel", name, grid, stream.name))))
+    group = FakeGroup(calls)
+    group.rank, group.comm = 1, Comm(calls)
+    monkeypatch.setitem(group_module._GROUPS, "g", group)
+    ctx = SimpleNamespace(stream=Stream("main"), extras={}, capturing=False)
+    attrs = {"group": "g", "world_size": 2, "bucket": 0, "chunk": 1505}
+    grads = [FakeArray(3000, ptr=0x100), FakeArray(10, ptr=0x200)]
+    shard = FakeArray(1505, ptr=0x300)
+    collective.IMPLS["reduce_scatter"](Node("reduce_scatter", [], [], attrs), grads, [shard],
+                                       ctx)
+    collective.IMPLS["all_reduce_join"](Node("all_reduce_join", [], [], attrs), [], [], ctx)
+    comm = ctx.extras["collective"].stream.ptr
+    assert calls[0][:2] == ("record", "main") and calls[1][:2] == ("wait", "comm")
+    assert calls[2] == ("kernel", "bucket_pack_kernel", (4,), "comm")   # 3000 + 10: 4 jobs
+    assert calls[3] == ("reduceScatter", 0xA000, 0x300, 1505, 4, comm)
+    assert calls[-1] == ("wait", "main", calls[-2][2])
+
+    del calls[:]
+    params = [FakeArray(3000, ptr=0x500), FakeArray(10, ptr=0x600)]
+    param_shard = FakeArray(1505, ptr=0x700)
+    collective.IMPLS["zero_shard"](Node("zero_shard", [], [], attrs), params, [param_shard], ctx)
+    collective.IMPLS["all_gather"](Node("all_gather", [], [], dict(attrs, n=2)),
+                                   [param_shard] + params, [], ctx)
+    norm, out = FakeArray(1, ptr=0x800), FakeArray(1, ptr=0x900)
+    collective.IMPLS["all_reduce_norm"](Node("all_reduce_norm", [], [], attrs), [norm], [out],
+                                        ctx)
+    assert calls == [
+        ("kernel", "bucket_pack_kernel", (4,), "main"),
+        ("memcpy", 0x700, 0xA000 + 1505 * 4, 1505 * 4),             # rank 1's chunk
+        ("allGather", 0x700, 0xA000, 1505, ctx.stream.ptr),
+        ("kernel", "bucket_unpack_kernel", (4,), "main"),
+        ("square", 0x800, 0x900), ("allReduce", 0x900, 0x900, 1, 0, ctx.stream.ptr),
+        ("sqrt", 0x900)]
