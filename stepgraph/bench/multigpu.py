@@ -197,6 +197,7 @@ def _torch_rank(model: str):
 
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
+    torch_eager.set_precision("fp32")      # strict float32, cudnn.benchmark: as the 1-GPU bench
     dist.init_process_group("nccl")
     workload = get_workload(model)
     net = torch_eager.build_model(workload, initial_parameters(workload), "cuda")

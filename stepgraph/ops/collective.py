@@ -55,7 +55,8 @@ def _all_reduce(ins, attrs):
 @defop("all_reduce_join")
 def _all_reduce_join(ins, attrs):
     """Wait until every all_reduce (or reduce_scatter) before it has finished. ins: those
-    collectives' inputs and outputs (read by nothing; listed so that they stay alive, unmoved, until here)."""
+    collectives' inputs and outputs (read by nothing; listed so that they stay alive,
+    unmoved, until here)."""
     return []
 
 

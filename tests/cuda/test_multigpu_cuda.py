@@ -2,8 +2,9 @@
 two ranks started by `stepgraph launch` or torchrun train like one process on the same global
 batch (float32 and bf16), hold bit-identical parameters, and average their gradients with
 NCCL inside the step's CUDA graph (or, with sharded optimizer state, reduce-scatter them and
-all-gather the parameters there, training like the unsharded step); they exit promptly after their last step, and a rank
-killed mid-run is named by the others, which end instead of hanging in NCCL.
+all-gather the parameters there, training like the unsharded step); they exit promptly after
+their last step, and a rank killed mid-run is named by the others, which end instead of
+hanging in NCCL.
 
 Most tests launch tests/unit/dist_worker.py (every rank initialises differently, so the
 broadcast from rank 0 is exercised too), then run the one-process reference here. Every
