@@ -167,3 +167,29 @@ def test_cuda_launchers_reduce_scatter_on_the_comm_stream_and_gather_in_order(mo
         ("kernel", "bucket_unpack_kernel", (4,), "main"),
         ("square", 0x800, 0x900), ("allReduce", 0x900, 0x900, 1, 0, ctx.stream.ptr),
         ("sqrt", 0x900)]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")     # the inf batch's matmul
+def test_a_guard_skips_the_same_steps_with_sharded_state():
+    """The guard reads the gradient shards (its flags max-reduced across ranks): a batch with
+    a non-finite input is skipped by the sharded step as by the plain one, parameters kept."""
+    x, y = dist_worker.make_data(48, 8, "flat")
+    x[16] = np.inf                                     # the second batch's first sample
+
+    def run(distributed):
+        dist_worker.nn_init.manual_seed(0)
+        model = dist_worker.make_model("mlp", 8)[0]
+        step = sg.compile_train_step(model, sg.losses.cross_entropy,
+                                     optim.AdamW(lr=1e-2, max_grad_norm=1.0), (x[:16], y[:16]),
+                                     on_bad_batch="skip", distributed=distributed)
+        for i in range(3):
+            step(x[16 * i:16 * (i + 1)], y[16 * i:16 * (i + 1)])
+        return model.state_dict(), step.skipped_steps
+
+    plain, plain_skipped = run(False)
+    zero, zero_skipped = run(sg.distributed.DataParallel(shard_optimizer=True,
+                                                         bucket_cap_mb=0.01))
+    assert plain_skipped == zero_skipped == 1
+    for key, value in plain.items():
+        assert np.all(np.isfinite(zero[key]))
+        np.testing.assert_array_equal(zero[key], value)
