@@ -17,7 +17,7 @@ from .backends.numpy import bf16
 from .compile.autocast import PRECISION as BF16_PRECISION
 from .compile.autocast import check_bf16_support, copy_values, parse_weight_copy
 from .compile.build import ModelLoss, build_predict_graph, build_train_graph
-from .compile.distribute import average_gradients
+from .compile.distribute import average_gradients, shard_optimizer_state
 from .compile.executable import COPY_ROLES, INFERENCE, STATIC_ROLES, TRAIN, Executable, GraphKey
 from .compile.feed import Signature, check_feed, check_labels, signature_of
 from .compile.fuse import fuse
@@ -29,7 +29,7 @@ from .compile.overlap import check_option as check_overlap_option
 from .compile.overlap import resolve as resolve_overlap
 from .compile.plan import Plan, make_plan
 from .distributed.buckets import cap_bytes_of
-from .errors import BackendUnavailableError, PlanError, StateDictError
+from .errors import BackendUnavailableError, StateDictError
 from .ir.graph import PARAM, STATE, Graph, Value
 from .nn.module import Module
 from .optim.optimizer import SCHEDULE_KEY, STEP_KEY
@@ -207,8 +207,11 @@ class TrainStep(_CompiledModel):
 
     def plan(self, signature: Signature) -> Plan:
         graph = fuse(self.build_graph(signature))
-        if self.group is not None:
-            dp = self.data_parallel
+        dp = self.data_parallel
+        if self.group is not None and dp.shard_optimizer:
+            graph = shard_optimizer_state(graph, self.group.id, self.group.world_size,
+                                          cap_bytes_of(dp.bucket_cap_mb))
+        elif self.group is not None:
             graph = average_gradients(graph, self.group.id, self.group.world_size,
                                       cap_bytes_of(dp.bucket_cap_mb), dp.strategy,
                                       dp.reduce_dtype == "bf16")
@@ -349,10 +352,6 @@ def _data_parallel(distributed):
     if not isinstance(distributed, dist.DataParallel):
         raise TypeError("distributed must be a bool or a stepgraph.distributed.DataParallel, "
                         f"got {type(distributed).__name__}")
-    if distributed.shard_optimizer:
-        raise PlanError("DataParallel(shard_optimizer=True): ZeRO-1's partition is planned "
-                        "(distributed.plan_shards), but the step's reduce-scatter and "
-                        "all-gather are not built yet; use shard_optimizer=False")
     return distributed, distributed.group or dist.init()
 
 

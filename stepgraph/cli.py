@@ -10,7 +10,10 @@ DESCRIPTION = "stepgraph: compile a whole training step once, run each step as o
 
 
 def run_bench(argv: list[str]) -> int:
-    from .bench.harness import main as bench_main
+    if any(a == "--gpus" or a.startswith("--gpus=") for a in argv):    # data-parallel scaling
+        from .bench.multigpu import main as bench_main
+    else:
+        from .bench.harness import main as bench_main
 
     return bench_main(argv)
 

@@ -11,14 +11,24 @@ gradient (the guard or the optimizer), and every node from there on reads the av
 guard's flags are all-reduced (max) right after guard_check, so that every rank skips the
 same steps and the parameters stay identical.
 
+With sharded optimizer state (ZeRO stage 1, `shard_optimizer_state`) each bucket is
+reduce-scattered instead: every rank receives the averages of its chunk of the bucket's flat
+buffer (distributed/zero.py), runs the one update over its chunks only (optimizer slots the
+size of its chunks: 1/world of the state), and all-gathers the updated parameters:
+
+    ... [reduce_scatter bucket 0] ... all_reduce_join; guard_check(shards); all_reduce_max;
+    global_norm(shards); all_reduce_norm; zero_shard(params) per bucket;
+    update(param shards, gradient shards, shard slots); all_gather(shard, params) per bucket
+
 It runs after fusion: the program order is then final, and no pass moves the collectives.
 """
 from __future__ import annotations
 
 from ..distributed.buckets import Bucket, GradientInfo, plan_buckets
+from ..distributed.zero import plan_shards
 from ..errors import PlanError
-from ..ir.graph import Graph, Node, Value
-from ..ir.ops import infer_outputs
+from ..ir.graph import STATE, Graph, Node, Value
+from ..ir.ops import OPS, infer_outputs
 from ..ops.collective import reduce_dtype_of
 from .rewrite import _copy
 
@@ -88,3 +98,93 @@ def average_gradients(graph: Graph, group: str, world_size: int, cap_bytes: int,
     if join_at == len(graph.nodes):
         nodes.append(join)
     return Graph(nodes, graph.inputs, graph.params, graph.state, dict(graph.outputs))
+
+
+def shard_optimizer_state(graph: Graph, group: str, world_size: int, cap_bytes: int) -> Graph:
+    """`graph` with ZeRO-1: gradients reduce-scattered per bucket, the update run over this
+    rank's chunks with optimizer slots of the chunks' size, parameters all-gathered."""
+    graph = _copy(graph)
+    update, _ = gradients_of(graph)
+    _check_shardable(update)
+    grads, buckets, join_at = bucket_gradients(graph, cap_bytes)
+    n, k = update.attrs["n_params"], update.attrs["n_scalars"]
+    params = update.inputs[k:k + n]
+    shards = plan_shards(buckets, {i: g.size for i, g in enumerate(grads)}, world_size)
+    common = {"group": group, "world_size": world_size}
+    launches: dict[int, list[Node]] = {}
+    grad_shards = []
+    for b, (bucket, shard) in enumerate(zip(buckets, shards)):
+        ins = [grads[i] for i in bucket.indices]
+        out = Value((shard.chunk,), bucket.dtype, name=f"grad.shard{b}")
+        grad_shards.append(out)
+        launches.setdefault(bucket.ready, []).append(
+            Node("reduce_scatter", ins, [out], dict(common, bucket=b, chunk=shard.chunk), (),
+                 f"reduce_scatter bucket {b} bwd"))
+    held = [v for nodes in launches.values() for n_ in nodes for v in n_.inputs + n_.outputs]
+    wanted = set(grads)
+    nodes: list[Node] = []
+    for i, node in enumerate(graph.nodes):
+        if i == join_at:
+            nodes.append(Node("all_reduce_join", held, [], dict(common), (), "reduce join bwd"))
+        if node is update:
+            nodes.extend(_sharded_update(graph, node, params, buckets, shards, grad_shards,
+                                         common))
+        elif i >= join_at and node.op == "global_norm":
+            local = Value((), node.outputs[0].dtype, name="grad.shard_norm")
+            nodes.append(Node("global_norm", grad_shards, [local], {}, (), node.label))
+            nodes.append(Node("all_reduce_norm", [local], node.outputs, dict(common), (),
+                              "grad norm all_reduce"))
+        elif i >= join_at and node.op == "guard_check":
+            node.inputs = [v for v in node.inputs if v not in wanted] + grad_shards
+            nodes += [node, Node("all_reduce_max", [node.inputs[0]], [], dict(common, n=1),
+                                 (0,), "guard all_reduce")]
+        elif i >= join_at and wanted.intersection(node.inputs):
+            raise PlanError(f"shard_optimizer: node {i} ({node.op}) reads whole gradients; "
+                            "only the guard, the gradient norm and the update may")
+        else:
+            nodes.append(node)
+        nodes.extend(launches.get(i, []))
+    return Graph(nodes, graph.inputs, graph.params, graph.state, dict(graph.outputs))
+
+
+def _check_shardable(update: Node) -> None:
+    """One update over flat chunks mixes parameters: hyperparameters must be the same for all
+    of them, and there can be no per-parameter bf16 weight copies."""
+    per_param = [key for key, v in update.attrs.items() if isinstance(v, (tuple, list))
+                 and key not in ("copies", "copy_dims")]
+    if per_param:
+        raise PlanError(f"shard_optimizer: parameter groups ({', '.join(sorted(per_param))} "
+                        "per parameter) are not supported; one group only")
+    if update.attrs.get("copies"):
+        raise PlanError("shard_optimizer: precision='bf16' (bf16 weight copies) is not "
+                        "supported; use precision='fp32'")
+
+
+def _sharded_update(graph: Graph, update: Node, params, buckets, shards, grad_shards,
+                    common) -> list[Node]:
+    """zero_shard per bucket, the update over the chunks (new shard-sized slot states in
+    place of the per-parameter ones), all_gather per bucket."""
+    a = update.attrs
+    n, k, n_slots = a["n_params"], a["n_scalars"], a["n_slots"]
+    old_slots = update.inputs[k + 2 * n:k + (2 + n_slots) * n]
+    slot_names = [v.name.split(".")[1] for v in old_slots[::n]] if n_slots else []
+    flags = update.inputs[k + (2 + n_slots) * n:]
+    param_shards, slots, before, after = [], [], [], []
+    for b, (bucket, shard) in enumerate(zip(buckets, shards)):
+        bucket_params = [params[i] for i in bucket.indices]
+        attrs = dict(common, bucket=b, chunk=shard.chunk)
+        value = Value((shard.chunk,), bucket.dtype, name=f"param.shard{b}")
+        param_shards.append(value)
+        before.append(Node("zero_shard", bucket_params, [value], attrs, (), update.label))
+        after.append(Node("all_gather", [value] + bucket_params, [], dict(attrs, n=len(
+            bucket_params)), tuple(range(1, len(bucket_params) + 1)), "all_gather params"))
+    for name in slot_names:
+        for b, v in enumerate(param_shards):
+            slots.append(Value(v.shape, v.dtype, STATE, f"optimizer.{name}.zero.bucket{b}"))
+    dropped = set(old_slots)
+    graph.state = [v for v in graph.state if v not in dropped] + slots
+    m = len(param_shards)
+    attrs = dict(a, n_params=m)
+    inputs = update.inputs[:k] + param_shards + grad_shards + slots + flags
+    sharded = Node(update.op, inputs, [], attrs, OPS[update.op].mutates(attrs), update.label)
+    return before + [sharded] + after

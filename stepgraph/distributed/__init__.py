@@ -48,9 +48,14 @@ class DataParallel:
     sum, and a small gradient added to a large one can vanish; CUDA issues one NCCL_BFLOAT16
     all-reduce per gradient (no packing).
 
-    shard_optimizer: ZeRO stage 1 (each rank keeps and updates 1/world of the optimizer
-    state). Its partition is planned (zero.plan_shards), but the step's reduce-scatter and
-    all-gather are not built yet: compile_train_step refuses it with a PlanError."""
+    shard_optimizer: ZeRO stage 1 (compile/distribute.py shard_optimizer_state): each bucket
+    of gradients is reduce-scattered, each rank updates its chunk of the bucket's parameters
+    (zero.plan_shards) keeping optimizer state for that chunk only (1/world of it, in state
+    entries "optimizer.<slot>.zero.bucket<b>": state_dict() holds this rank's chunks), then
+    the parameters are all-gathered. The results are the unsharded step's (the same bits
+    without clipping; the clipping norm is summed from the shards' squared norms). One
+    parameter group and precision "fp32" only (PlanError otherwise). CUDA: NCCL
+    reduceScatter / allGather inside the captured graph."""
 
     bucket_cap_mb: float = BUCKET_CAP_MB
     strategy: str = "flat"

@@ -154,6 +154,21 @@ class ProcessGroup:
         total = np.maximum.reduce([np.frombuffer(p, dtype=flat.dtype) for p in parts])
         return _split(total, arrays)
 
+    def all_gather(self, array: np.ndarray, what: str = "all_gather") -> list[np.ndarray]:
+        """Every rank's `array` (one shape and dtype on every rank), in rank order."""
+        if self.world_size == 1:
+            return [np.array(array, copy=True)]
+        array = np.ascontiguousarray(array)
+        prefix = self._next("all_gather")
+        self.store.set(f"{prefix}{self.rank}", array.tobytes())
+        parts = self._gather(prefix, what)
+        self._done(prefix, self.world_size)
+        sizes = {len(p) for p in parts}
+        if sizes != {array.nbytes}:
+            raise DistributedError(f"{what}: ranks sent {sorted(sizes)} bytes, rank "
+                                   f"{self.rank} expected {array.nbytes} (different models?)")
+        return [np.frombuffer(p, array.dtype).reshape(array.shape).copy() for p in parts]
+
     def broadcast(self, arrays: list[np.ndarray], root: int = 0,
                   what: str = "broadcast") -> list[np.ndarray]:
         """Root's arrays on every rank (any dtypes; shapes must agree)."""

@@ -1,5 +1,7 @@
 """Collective family: the ops a data-parallel step uses to average gradients across ranks
-(compile/distribute.py inserts them; backends/cuda/collective.py runs them through NCCL).
+(compile/distribute.py inserts them; backends/cuda/collective.py runs them through NCCL), and
+those of a step with sharded optimizer state (ZeRO-1): reduce_scatter, zero_shard,
+all_reduce_norm and all_gather.
 
 attrs group names the process group (distributed/group.py) and world_size its size. No VJPs:
 the ops are inserted after the backward pass. The numpy references talk through the group's
@@ -7,11 +9,16 @@ store, so CPU processes really communicate; every rank gets the same bits.
 """
 from __future__ import annotations
 
+import math
+
+import numpy as np
+
 from ..backends.numpy.bf16 import round_bf16
 from ..distributed.group import lookup_group
 from ..ir.ops import _need, defop, impl
 
-COLLECTIVE_OPS = ("all_reduce", "all_reduce_join", "all_reduce_max")
+COLLECTIVE_OPS = ("all_reduce", "all_reduce_join", "all_reduce_max", "reduce_scatter",
+                  "zero_shard", "all_reduce_norm", "all_gather")
 # The dtypes a bucket of each gradient dtype may be summed in (attrs reduce_dtype).
 REDUCE_DTYPES = {"float32": ("float32",), "float64": ("float64",),
                  "bfloat16": ("float32", "bfloat16")}
@@ -47,8 +54,9 @@ def _all_reduce(ins, attrs):
 
 @defop("all_reduce_join")
 def _all_reduce_join(ins, attrs):
-    """Wait until every all_reduce before it has finished. ins: those all_reduces' inputs and
-    outputs (read by nothing; listed so that they stay alive, unmoved, until here)."""
+    """Wait until every all_reduce (or reduce_scatter) before it has finished. ins: those
+    collectives' inputs and outputs (read by nothing; listed so that they stay alive,
+    unmoved, until here)."""
     return []
 
 
@@ -57,6 +65,58 @@ def _all_reduce_max(ins, attrs):
     """ins[i] = elementwise maximum over ranks of ins[i], in place, in program order (a
     guard's flags: every rank skips a step that any rank found bad). attrs n = len(ins)."""
     _need(len(ins) == attrs["n"], "all_reduce_max", f"attrs n={attrs['n']}, {len(ins)} inputs")
+    return []
+
+
+def _check_bucket(op: str, ins, attrs) -> str:
+    """The one float dtype of a bucket that attrs chunk * world_size elements hold."""
+    _need(len(ins) > 0, op, "needs at least one input")
+    dtype = ins[0].dtype
+    _need(dtype in ("float32", "float64"), op, f"shards float32 or float64 buckets, got {dtype}")
+    _need(all(v.dtype == dtype for v in ins), op,
+          f"a bucket holds one dtype, got {sorted({v.dtype for v in ins})}")
+    total, padded = sum(v.size for v in ins), attrs["chunk"] * attrs["world_size"]
+    _need(padded - attrs["world_size"] < total <= padded, op,
+          f"{total} elements do not fill {attrs['world_size']} chunks of {attrs['chunk']}")
+    return dtype
+
+
+@defop("reduce_scatter")
+def _reduce_scatter(ins, attrs):
+    """out (chunk,) = this rank's chunk of the mean over ranks of the bucket's flat buffer:
+    ins (one bucket's gradients) flattened and concatenated in order, zero-padded to
+    chunk * world_size elements (distributed/zero.py's layout); rank r gets elements
+    [r * chunk, (r + 1) * chunk). Waited for by the next all_reduce_join, as all_reduce."""
+    return [((attrs["chunk"],), _check_bucket("reduce_scatter", ins, attrs))]
+
+
+@defop("zero_shard")
+def _zero_shard(ins, attrs):
+    """out (chunk,) = this rank's chunk of the bucket's parameters ins, laid out as
+    reduce_scatter lays out their gradients (padding zeros): what the rank's update writes."""
+    return [((attrs["chunk"],), _check_bucket("zero_shard", ins, attrs))]
+
+
+@defop("all_reduce_norm")
+def _all_reduce_norm(ins, attrs):
+    """out = sqrt(sum over ranks of ins[0]^2): the global norm of gradients from the norm of
+    each rank's shard (their squared norms add up: the shards do not overlap)."""
+    _need(len(ins) == 1 and ins[0].shape == (), "all_reduce_norm",
+          f"takes one scalar norm, got {ins}")
+    return [((), ins[0].dtype)]
+
+
+@defop("all_gather", mutates=lambda attrs: tuple(range(1, attrs["n"] + 1)))
+def _all_gather(ins, attrs):
+    """ins (shard (chunk,), the bucket's n parameters): every parameter, in place, takes its
+    elements of the concatenation of every rank's shard (the inverse of zero_shard's layout),
+    so the ranks end with identical parameters."""
+    _need(len(ins) == attrs["n"] + 1, "all_gather", f"attrs n={attrs['n']}, {len(ins)} inputs")
+    shard, params = ins[0], ins[1:]
+    _need(shard.shape == (attrs["chunk"],), "all_gather",
+          f"shard must be ({attrs['chunk']},), got {shard.shape}")
+    dtype = _check_bucket("all_gather", params, attrs)
+    _need(shard.dtype == dtype, "all_gather", f"shard {shard.dtype}, parameters {dtype}")
     return []
 
 
@@ -84,3 +144,54 @@ def _all_reduce_max_impl(node, ins, outs, ctx):
     group = lookup_group(node.attrs["group"])
     for array, top in zip(ins, group.all_reduce_max(list(ins), "all_reduce of guard flags")):
         array[...] = top
+
+
+def _flat_padded(arrays, padded: int) -> np.ndarray:
+    flat = np.zeros(padded, dtype=arrays[0].dtype)
+    offset = 0
+    for a in arrays:
+        flat[offset:offset + a.size] = a.reshape(-1)
+        offset += a.size
+    return flat
+
+
+def _my_chunk(node, flat: np.ndarray, rank: int) -> np.ndarray:
+    chunk = node.attrs["chunk"]
+    return flat[rank * chunk:(rank + 1) * chunk]
+
+
+@impl("reduce_scatter")
+def _reduce_scatter_impl(node, ins, outs, ctx):
+    """The mean of the whole flat buffer, as all_reduce takes it (summed in rank order), so a
+    shard holds the same bits as the unsharded step's averaged gradients."""
+    group = lookup_group(node.attrs["group"])
+    flat = _flat_padded(ins, node.attrs["chunk"] * node.attrs["world_size"])
+    (mean,) = group.all_reduce_mean([flat], f"reduce_scatter of gradient bucket "
+                                            f"{node.attrs.get('bucket')}")
+    outs[0][...] = _my_chunk(node, mean, group.rank)
+
+
+@impl("zero_shard")
+def _zero_shard_impl(node, ins, outs, ctx):
+    rank = lookup_group(node.attrs["group"]).rank
+    flat = _flat_padded(ins, node.attrs["chunk"] * node.attrs["world_size"])
+    outs[0][...] = _my_chunk(node, flat, rank)
+
+
+@impl("all_reduce_norm")
+def _all_reduce_norm_impl(node, ins, outs, ctx):
+    group = lookup_group(node.attrs["group"])
+    squares = group.all_gather(np.asarray(ins[0], np.float64).reshape(1) ** 2,
+                               "all_reduce of the gradient norm")
+    outs[0][...] = math.sqrt(float(sum(s[0] for s in squares)))
+
+
+@impl("all_gather")
+def _all_gather_impl(node, ins, outs, ctx):
+    group = lookup_group(node.attrs["group"])
+    flat = np.concatenate(group.all_gather(ins[0], f"all_gather of parameter bucket "
+                                                   f"{node.attrs.get('bucket')}"))
+    offset = 0
+    for p in ins[1:]:
+        p[...] = flat[offset:offset + p.size].reshape(p.shape)
+        offset += p.size

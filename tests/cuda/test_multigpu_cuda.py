@@ -1,8 +1,10 @@
 """Data parallelism on two GPUs (marker multigpu: skipped with fewer; one test wants four):
 two ranks started by `stepgraph launch` or torchrun train like one process on the same global
 batch (float32 and bf16), hold bit-identical parameters, and average their gradients with
-NCCL inside the step's CUDA graph; they exit promptly after their last step, and a rank
-killed mid-run is named by the others, which end instead of hanging in NCCL.
+NCCL inside the step's CUDA graph (or, with sharded optimizer state, reduce-scatter them and
+all-gather the parameters there, training like the unsharded step); they exit promptly after
+their last step, and a rank killed mid-run is named by the others, which end instead of
+hanging in NCCL.
 
 Most tests launch tests/unit/dist_worker.py (every rank initialises differently, so the
 broadcast from rank 0 is exercised too), then run the one-process reference here. Every
@@ -93,6 +95,74 @@ def test_the_all_reduce_is_inside_the_step_graph(tmp_path):
         assert int(r["graph/nodes"]) >= plain_nodes + buckets + 1
     for name, value in parameters(ranks[0]).items():
         np.testing.assert_array_equal(value, ranks[1][f"state/{name}"], err_msg=name)
+
+
+@pytest.mark.parametrize("optimizer,clip", [("sgd", None), ("adamw", "0.05")])
+def test_sharded_optimizer_state_trains_like_unsharded_on_two_gpus(tmp_path, optimizer, clip):
+    """ZeRO-1 (DataParallel(shard_optimizer=True)) against the unsharded data-parallel step:
+    NCCL's reduce-scatter may add the ranks in another order than its all-reduce, so the
+    parameter changes agree to float32 rounding (rel 1e-5), not bit for bit; the ranks'
+    parameters are bit-identical, and each rank holds half the optimizer state."""
+    args = ["--model", "cnn", "--steps", "10", "--global-batch", "32", "--bucket-cap-mb",
+            "0.02", "--optimizer", optimizer] + (["--max-grad-norm", clip] if clip else [])
+    (tmp_path / "full").mkdir()
+    (tmp_path / "zero").mkdir()
+    full = launch_workers(tmp_path / "full", *args)
+    zero = launch_workers(tmp_path / "zero", *args, "--shard-optimizer")
+    import dist_worker
+
+    dist_worker.nn_init.manual_seed(0)
+    before = dist_worker.make_model("cnn", 8)[0].state_dict()
+    for name, value in parameters(zero[0]).items():
+        np.testing.assert_array_equal(value, zero[1][f"state/{name}"], err_msg=name)
+        assert rel(value - before[name], full[0][f"state/{name}"] - before[name]) < 1e-5, name
+
+    def slots(record) -> int:
+        return sum(record[k].size for k in record.files
+                   if k.startswith("optimizer/") and not k.endswith("lr_schedule"))
+
+    buckets = list(zero[0]["plan/ops"]).count("reduce_scatter")
+    for r in zero:
+        assert slots(full[0]) / 2 <= slots(r) <= slots(full[0]) / 2 + 2 * buckets
+
+
+def test_the_reduce_scatter_and_all_gather_are_inside_the_step_graph(tmp_path):
+    """Each bucket's reduce-scatter (pack kernel + NCCL), the parameter shard (pack + copy)
+    and the all-gather (NCCL + unpack) are nodes of the captured graph: at least three more
+    per bucket than the unsharded data-parallel step, whose all-reduces they replace."""
+    args = ["--model", "cnn", "--steps", "10", "--global-batch", "32", "--bucket-cap-mb",
+            "0.02"]
+    (tmp_path / "full").mkdir()
+    (tmp_path / "zero").mkdir()
+    full = launch_workers(tmp_path / "full", *args)
+    zero = launch_workers(tmp_path / "zero", *args, "--shard-optimizer")
+    ops = list(zero[0]["plan/ops"])
+    buckets = ops.count("reduce_scatter")
+    assert buckets > 1 and ops.count("all_gather") == ops.count("zero_shard") == buckets
+    assert "all_reduce" not in ops
+    assert buckets == list(full[0]["plan/ops"]).count("all_reduce")
+    for r in zero:
+        assert "graph/nodes" in r.files, "the sharded step was not captured"
+        assert int(r["graph/nodes"]) >= int(full[0]["graph/nodes"]) + 3 * buckets
+    for name, value in parameters(zero[0]).items():
+        np.testing.assert_array_equal(value, zero[1][f"state/{name}"], err_msg=name)
+
+
+def test_bench_gpus_measures_both_frameworks_at_each_world_size():
+    """`stepgraph bench --gpus 2`: stepgraph and PyTorch DDP rows at 1 and 2 GPUs, none
+    failed, the one-GPU rows at scaling 1.00."""
+    pytest.importorskip("torch")
+    done = subprocess.run([sys.executable, "-m", "stepgraph", "bench", "--gpus", "2",
+                           "--models", "resnet", "--steps", "5", "--warmup", "2"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [line.split() for line in done.stdout.strip().splitlines()[2:]]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("stepgraph", "resnet", "1"),
+                                                 ("stepgraph", "resnet", "2"),
+                                                 ("torch-ddp", "resnet", "1"),
+                                                 ("torch-ddp", "resnet", "2")]
+    assert not any("failed:" in r for r in rows), done.stdout
+    assert [r[-1] for r in rows][::2] == ["1.00", "1.00"]
 
 
 def gpu_count() -> int:

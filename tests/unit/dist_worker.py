@@ -47,7 +47,9 @@ def make_data(n: int, size: int, layout: str, seed: int = 1):
 def train(model_name: str, steps: int, global_batch: int, device: str = "cpu",
           distributed: bool = False, init_seed: int = 0, size: int = 8,
           duplicate: bool = False, graph: bool | None = None, strategy: str = "flat",
-          bucket_cap_mb: float = 25.0, precision: str = "fp32", reduce_dtype: str = "fp32"):
+          bucket_cap_mb: float = 25.0, precision: str = "fp32", reduce_dtype: str = "fp32",
+          optimizer: str = "sgd", max_grad_norm: float | None = None,
+          shard_optimizer: bool = False):
     """(model, step, losses) after `steps` steps. Distributed: this rank's shard of each
     global batch (duplicate: every rank gets the whole global batch, so per-rank BatchNorm
     statistics equal a single process's)."""
@@ -62,9 +64,10 @@ def train(model_name: str, steps: int, global_batch: int, device: str = "cpu",
         loader = BatchLoader(x, y, global_batch // world, seed=3, device=device, rank=rank,
                              world_size=world)
     loss_fn = losses.cross_entropy
-    opt = optim.SGD(lr=0.05, momentum=0.9)
-    dp = sg.distributed.DataParallel(bucket_cap_mb, strategy, reduce_dtype=reduce_dtype) \
-        if distributed else False
+    opt = (optim.SGD(lr=0.05, momentum=0.9, max_grad_norm=max_grad_norm) if optimizer == "sgd"
+           else optim.AdamW(lr=1e-2, weight_decay=0.01, max_grad_norm=max_grad_norm))
+    dp = sg.distributed.DataParallel(bucket_cap_mb, strategy, reduce_dtype=reduce_dtype,
+                                     shard_optimizer=shard_optimizer) if distributed else False
     step = sg.compile_train_step(model, loss_fn, opt, (x[:loader.batch_size],
                                                        y[:loader.batch_size]),
                                  device=device, graph=graph, distributed=dp,
@@ -88,16 +91,23 @@ def main(argv=None) -> int:
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--reduce-dtype", default="fp32")
+    parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"))
+    parser.add_argument("--max-grad-norm", type=float, default=None)
+    parser.add_argument("--shard-optimizer", action="store_true")
     args = parser.parse_args(argv)
     rank = sg.distributed.init().rank
     # Each rank initialises differently: the broadcast from rank 0 must make them agree.
     model, step, losses_ = train(args.model, args.steps, args.global_batch, args.device, True,
                                  init_seed=rank, size=args.size, duplicate=args.duplicate,
                                  strategy=args.strategy, bucket_cap_mb=args.bucket_cap_mb,
-                                 precision=args.precision, reduce_dtype=args.reduce_dtype)
+                                 precision=args.precision, reduce_dtype=args.reduce_dtype,
+                                 optimizer=args.optimizer, max_grad_norm=args.max_grad_norm,
+                                 shard_optimizer=args.shard_optimizer)
     exe = next(iter(step.executables.values()))
     record = {f"state/{k}": v for k, v in model.state_dict().items()}
     record.update({f"loss/{i}": np.float32(v) for i, v in enumerate(losses_)})
+    record.update({f"optimizer/{k}": v for k, v in step.state_dict().items()
+                   if k.startswith("optimizer.") and k != "optimizer.step"})
     record["plan/ops"] = np.array([n.op for n in exe.plan.steps])
     captured = getattr(exe, "captured", None)
     if captured is not None and getattr(captured, "node_count", None) is not None:

@@ -478,19 +478,6 @@ def test_a_parameter_straddling_two_chunks_is_split_between_their_ranks():
         plan_shards([Bucket((1, 0), 0, "float32", 0)], {1: 6}, 2)
 
 
-def test_a_sharded_optimizer_step_is_refused_until_it_is_built():
-    from stepgraph import losses, nn, optim
-    import stepgraph as sg
-    from stepgraph.distributed import DataParallel
-    from stepgraph.errors import PlanError
-
-    model = nn.Sequential(nn.Linear(4, 2))
-    x, y = np.ones((2, 4), np.float32), np.zeros(2, np.int64)
-    with pytest.raises(PlanError, match="shard_optimizer=True.*not built yet"):
-        sg.compile_train_step(model, losses.cross_entropy, optim.SGD(lr=0.1), (x, y),
-                              distributed=DataParallel(shard_optimizer=True))
-
-
 def test_a_fault_aborts_the_communicator_reports_and_ends_the_rank(monkeypatch, capsys):
     from stepgraph.distributed import group as group_module
     from stepgraph.distributed.group import FAULT_EXIT_CODE, ProcessGroup

@@ -1,5 +1,7 @@
 """Launchers of the collective ops (ops/collective.py) through NCCL (cupy.cuda.nccl), and the
-parameter broadcast of a data-parallel step; kernels in collective.cu.
+parameter broadcast of a data-parallel step; kernels in collective.cu. ZeRO-1's
+reduce_scatter runs on the communication stream as all_reduce does; zero_shard, all_gather and
+all_reduce_norm run in order on the step's stream.
 
 A bucket's all_reduce is forked onto the context's communication stream (side_stream.py):
 an event recorded on ctx.stream at this point of the step, waited for by the communication
@@ -157,6 +159,105 @@ def all_reduce_max(ctx, node, ins: list) -> None:
                             for a in ins])
 
 
+# ---- ZeRO-1 (compile/distribute.py shard_optimizer_state) ---------------------------------
+
+def _padded_memory(arrays, padded: int, events: bool) -> dict:
+    """A zeroed float32 buffer of the bucket's padded flat layout (the tail past the tensors
+    stays zero: the shards' padding must not disturb the gradient norm or the guard) and the
+    multi-tensor table of `arrays` in it."""
+    memory = fork_events() if events else {}
+    sizes = [a.size for a in arrays]
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    memory.update(flat=cp.zeros(padded, np.float32), jobs=cp.asarray(_chunk_jobs(sizes)),
+                  table=cp.asarray(np.array([(a.data.ptr, a.size, off)
+                                             for a, off in zip(arrays, offsets)],
+                                            dtype=np.int64)))
+    return memory
+
+
+def _check_float32(op: str, arrays) -> None:
+    for i, a in enumerate(arrays):
+        _check(f"{op} input {i}", a, dtype="float32")
+
+
+def _pack(stream, memory: dict) -> None:
+    _launch_on(stream, "bucket_pack_kernel", (memory["table"], memory["jobs"], memory["flat"],
+                                              np.int32(UPDATE_CHUNK)), len(memory["jobs"]))
+
+
+def _copy_on(stream, dst: int, src: int, nbytes: int) -> None:
+    cp.cuda.runtime.memcpyAsync(dst, src, nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
+                                stream.ptr)
+
+
+def reduce_scatter_mean(ctx, node, ins: list, outs: list) -> None:
+    """outs[0] = this rank's chunk of the mean over ranks of the bucket's padded flat buffer:
+    the gradients packed, then NCCL reduceScatter (NCCL_AVG), on the communication stream
+    (forked and joined as all_reduce)."""
+    _check_float32("reduce_scatter", ins)
+    chunk, group = node.attrs["chunk"], lookup_group(node.attrs["group"])
+    _check("reduce_scatter output", outs[0], dtype="float32", shape=(chunk,))
+    key = ("reduce_scatter",) + _buffers_key(ins + outs)
+    memory = _node_memory(node, key, ctx, lambda: _padded_memory(
+        ins, chunk * group.world_size, group.world_size > 1))
+    if group.world_size == 1:      # nothing to average: in order on ctx.stream
+        _pack(ctx.stream, memory)
+        _copy_on(ctx.stream, outs[0].data.ptr, memory["flat"].data.ptr, outs[0].nbytes)
+        return
+    nccl = _nccl()
+    comm = _communicator(group, ctx)
+    with forked(ctx, EXTRAS_KEY, "reduce_scatter", memory) as stream:
+        _pack(stream, memory)
+        comm.reduceScatter(memory["flat"].data.ptr, outs[0].data.ptr, chunk,
+                           nccl.NCCL_FLOAT32, nccl.NCCL_AVG, stream.ptr)
+
+
+def zero_shard(ctx, node, ins: list, outs: list) -> None:
+    """outs[0] = this rank's chunk of the bucket's parameters, packed, on ctx.stream."""
+    _check_float32("zero_shard", ins)
+    chunk, group = node.attrs["chunk"], lookup_group(node.attrs["group"])
+    _check("zero_shard output", outs[0], dtype="float32", shape=(chunk,))
+    memory = _node_memory(node, ("zero_shard",) + _buffers_key(ins + outs), ctx,
+                          lambda: _padded_memory(ins, chunk * group.world_size, False))
+    _pack(ctx.stream, memory)
+    flat = memory["flat"]
+    _copy_on(ctx.stream, outs[0].data.ptr, flat.data.ptr + group.rank * outs[0].nbytes,
+             outs[0].nbytes)
+
+
+def all_gather(ctx, node, ins: list) -> None:
+    """Every parameter ins[1:] takes its elements of all ranks' shards ins[0]: NCCL allGather
+    into the padded flat buffer, then unpacked, in order on ctx.stream."""
+    _check_float32("all_gather", ins)
+    shard, params = ins[0], ins[1:]
+    chunk, group = node.attrs["chunk"], lookup_group(node.attrs["group"])
+    memory = _node_memory(node, ("all_gather",) + _buffers_key(ins), ctx,
+                          lambda: _padded_memory(params, chunk * group.world_size, False))
+    flat = memory["flat"]
+    if group.world_size == 1:
+        _copy_on(ctx.stream, flat.data.ptr, shard.data.ptr, shard.nbytes)
+    else:
+        nccl = _nccl()
+        _communicator(group, ctx).allGather(shard.data.ptr, flat.data.ptr, chunk,
+                                            nccl.NCCL_FLOAT32, ctx.stream.ptr)
+    _launch_on(ctx.stream, "bucket_unpack_kernel", (memory["table"], memory["jobs"], flat,
+                                                    np.int32(UPDATE_CHUNK)), len(memory["jobs"]))
+
+
+def all_reduce_norm(ctx, node, ins: list, outs: list) -> None:
+    """outs[0] = sqrt(sum over ranks of ins[0]^2), on ctx.stream (in order)."""
+    _check("all_reduce_norm input", ins[0], dtype="float32", shape=())
+    group = lookup_group(node.attrs["group"])
+    with ctx.stream:
+        cp.multiply(ins[0], ins[0], out=outs[0])
+        if group.world_size > 1:
+            nccl = _nccl()
+            _communicator(group, ctx).allReduce(outs[0].data.ptr, outs[0].data.ptr, 1,
+                                                nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
+                                                ctx.stream.ptr)
+        cp.sqrt(outs[0], out=outs[0])
+
+
 def broadcast_parameters(backend, group, arrays: list) -> None:
     """Rank 0's values of `arrays` (device arrays) on every rank, in place, in order on the
     backend's stream; makes the group's communicator on the backend's GPU."""
@@ -172,4 +273,8 @@ IMPLS: dict[str, Callable] = {
     "all_reduce": lambda node, ins, outs, ctx: all_reduce_mean(ctx, node, ins, outs),
     "all_reduce_join": lambda node, ins, outs, ctx: all_reduce_join(ctx, node),
     "all_reduce_max": lambda node, ins, outs, ctx: all_reduce_max(ctx, node, ins),
+    "reduce_scatter": lambda node, ins, outs, ctx: reduce_scatter_mean(ctx, node, ins, outs),
+    "zero_shard": lambda node, ins, outs, ctx: zero_shard(ctx, node, ins, outs),
+    "all_gather": lambda node, ins, outs, ctx: all_gather(ctx, node, ins),
+    "all_reduce_norm": lambda node, ins, outs, ctx: all_reduce_norm(ctx, node, ins, outs),
 }
