@@ -21,6 +21,7 @@ import torch
 import stepgraph as sg
 from stepgraph import nn as sgnn
 from stepgraph import optim
+from stepgraph.errors import UnsupportedOpError
 from tests.compat import loader
 from tests.ops.helpers import relative_error, seeded
 
@@ -99,7 +100,7 @@ def torch_run(model, case: Case, batches, dtype) -> list[float]:
 
 
 def state(model) -> dict[str, np.ndarray]:
-    return {k: v.detach().double().numpy() if v.is_floating_point() else v.numpy()
+    return {k: v.detach().double().numpy() if v.is_floating_point() else v.numpy().copy()
             for k, v in model.state_dict().items()}
 
 
@@ -110,28 +111,44 @@ def stepgraph_run(model, case: Case, batches, device="cpu", graph=None):
     return [float(step(*b)) for b in batches]
 
 
-def train_all(name: str, test_id: str):
-    """Losses and final states of torch float64, torch float32 and stepgraph float32, plus the
-    initial state."""
+@dataclass
+class Setup:
+    """A case's batches, the torch model (float32, torch's initial weights) and a maker of
+    stepgraph models built by the same file's code, loaded with those weights."""
+    case: Case
+    batches: list
+    torch_model: torch.nn.Module
+    initial: dict[str, np.ndarray]
+    stepgraph_model: object        # () -> stepgraph Module
+
+
+def setup(name: str, test_id: str) -> Setup:
     case = CASES[name]
     gen = seeded(test_id)
     batches = [case.batch(gen) for _ in range(STEPS)]
     tmod, smod = loader.load(case.file, "torch"), loader.load(case.file, "stepgraph")
     torch.manual_seed(0)
     t32 = getattr(tmod, case.cls)(**case.kwargs)
-    t64 = copy.deepcopy(t32)
-    model = getattr(smod, case.cls)(**case.kwargs)
-    assert list(model.state_dict()) == list(t32.state_dict())
-    initial = state(t32)
-    model.load_state_dict({k: v.detach().numpy() for k, v in t32.state_dict().items()})
-    frozen_sg = sorted(k for k, p in model.named_parameters() if not p.requires_grad)
-    assert frozen_sg == sorted(k for k, p in t32.named_parameters() if not p.requires_grad)
-    losses = {"float64": torch_run(t64, case, batches, torch.float64),
-              "torch32": torch_run(t32, case, batches, torch.float32),
-              "stepgraph": stepgraph_run(model, case, batches)}
-    finals = {"float64": state(t64), "torch32": state(t32),
-              "stepgraph": {k: np.asarray(v) for k, v in model.state_dict().items()}}
-    return initial, losses, finals, frozen_sg
+    start = {k: v.detach().numpy().copy() for k, v in t32.state_dict().items()}
+
+    def stepgraph_model():
+        model = getattr(smod, case.cls)(**case.kwargs)
+        assert list(model.state_dict()) == list(start)
+        model.load_state_dict(start)
+        return model
+    return Setup(case, batches, t32, state(t32), stepgraph_model)
+
+
+def frozen_names(model) -> list[str]:
+    return sorted(k for k, p in model.named_parameters() if not p.requires_grad)
+
+
+def torch_references(s: Setup):
+    """Losses and final states of torch float64 and float32 (which trains s.torch_model)."""
+    t64 = copy.deepcopy(s.torch_model)
+    losses = {"float64": torch_run(t64, s.case, s.batches, torch.float64),
+              "torch32": torch_run(s.torch_model, s.case, s.batches, torch.float32)}
+    return losses, {"float64": state(t64), "torch32": state(s.torch_model)}
 
 
 def check_against_torch(initial, losses, finals, frozen):
@@ -158,8 +175,13 @@ def check_against_torch(initial, losses, finals, frozen):
 
 @pytest.mark.parametrize("name", [
     pytest.param(n, marks=pytest.mark.xfail(_missing(n), reason=MISSING.get(n, ""),
-                                            strict=True))
+                                            raises=UnsupportedOpError, strict=True))
     for n in CASES])
 def test_model_file_trains_as_on_torch(name, request):
-    initial, losses, finals, frozen = train_all(name, request.node.name)
-    check_against_torch(initial, losses, finals, frozen)
+    s = setup(name, request.node.name)
+    model = s.stepgraph_model()
+    assert frozen_names(model) == frozen_names(s.torch_model)
+    losses, finals = torch_references(s)
+    losses["stepgraph"] = stepgraph_run(model, s.case, s.batches)
+    finals["stepgraph"] = {k: np.asarray(v) for k, v in model.state_dict().items()}
+    check_against_torch(s.initial, losses, finals, frozen_names(model))
