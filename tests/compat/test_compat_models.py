@@ -8,9 +8,19 @@ momentum SGD on the same random batches. Judged as docs/TESTING.md's policy (DES
 (losses per step, and each parameter's change over the run) may be at most ERROR_MULTIPLE
 times torch float32's own distance, with a floor of a few float32 roundings for steps where
 torch float32 happens to land closer than its rounding.
+
+Measured (all five files, with GroupNorm and ConvTranspose2d present): stepgraph's losses are
+within 1.2e-7 relative of float64's, torch float32's within 1.4e-7; each parameter's change
+over the run differs from float64's by 1e-5 to 6e-4 (norm-wise), torch float32's by the same
+amount to within 1%: stepgraph makes torch float32's own error, a tenth of the bound. A
+missing or doubled update is off by 1 or more.
+
+A file that needs a torch name stepgraph lacks (MISSING) is a strict expected failure, and
+its UnsupportedOpError must name that torch name.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 
@@ -27,7 +37,7 @@ from tests.ops.helpers import relative_error, seeded
 
 STEPS, LR, MOMENTUM = 20, 0.05, 0.9
 ERROR_MULTIPLE = 10
-LOSS_FLOOR, CHANGE_FLOOR = 1e-6, 1e-5     # a few float32 roundings, relative
+LOSS_FLOOR, CHANGE_FLOOR = 2.5e-7, 1e-5   # relative: two float32 roundings of a loss
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,23 @@ MISSING = {"resnet": "torch.nn.GroupNorm", "unet": "torch.nn.ConvTranspose2d"}
 
 def _missing(name: str) -> bool:
     return name in MISSING and not hasattr(sgnn, MISSING[name].rpartition(".")[2])
+
+
+def expected_failure(name: str):
+    """The xfail mark of a case while stepgraph lacks its MISSING name."""
+    return pytest.mark.xfail(_missing(name), reason=MISSING.get(name, ""),
+                             raises=UnsupportedOpError, strict=True)
+
+
+@contextlib.contextmanager
+def naming_the_gap(name: str):
+    """An UnsupportedOpError raised inside must name the case's MISSING torch name: another
+    gap is a failure of its own, not the expected one."""
+    try:
+        yield
+    except UnsupportedOpError as err:
+        assert MISSING.get(name, "\0") in str(err), f"{name}: unexpected gap: {err}"
+        raise
 
 
 def torch_run(model, case: Case, batches, dtype) -> list[float]:
@@ -173,15 +200,14 @@ def check_against_torch(initial, losses, finals, frozen):
             f"{k}: change over the run off float64's by {s:.2e}; torch float32's {t:.2e}"
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(_missing(n), reason=MISSING.get(n, ""),
-                                            raises=UnsupportedOpError, strict=True))
-    for n in CASES])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=expected_failure(n)) for n in CASES])
 def test_model_file_trains_as_on_torch(name, request):
     s = setup(name, request.node.name)
-    model = s.stepgraph_model()
+    with naming_the_gap(name):
+        model = s.stepgraph_model()
     assert frozen_names(model) == frozen_names(s.torch_model)
     losses, finals = torch_references(s)
-    losses["stepgraph"] = stepgraph_run(model, s.case, s.batches)
+    with naming_the_gap(name):
+        losses["stepgraph"] = stepgraph_run(model, s.case, s.batches)
     finals["stepgraph"] = {k: np.asarray(v) for k, v in model.state_dict().items()}
     check_against_torch(s.initial, losses, finals, frozen_names(model))
