@@ -6,7 +6,7 @@ stepgraph model, built by the same code, loads torch's state_dict; both train 20
 momentum SGD on the same random batches. Judged as docs/TESTING.md's policy (DESIGN.md,
 "Judging numbers"): torch float64 is the reference, and stepgraph float32's distance to it
 (losses per step, and each parameter's change over the run) may be at most ERROR_MULTIPLE
-times torch float32's own distance, with a floor of a few float32 roundings for steps where
+times torch float32's own distance, with a floor (two float32 roundings of a loss) for steps where
 torch float32 happens to land closer than its rounding.
 
 Measured (all five files, with GroupNorm and ConvTranspose2d present): stepgraph's losses are
