@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from ..errors import ShapeError
 
-__all__ = ["cat", "concat", "concatenate", "stack", "unsqueeze", "squeeze", "flatten",
-           "unflatten", "movedim", "moveaxis", "swapaxes", "swapdims", "tril", "triu", "max",
+__all__ = ["cat", "concat", "concatenate", "stack", "unbind", "unsqueeze", "squeeze",
+           "flatten", "unflatten", "movedim", "moveaxis", "swapaxes", "swapdims", "tril", "triu", "max",
            "min", "amax", "amin", "argmax", "argmin", "var", "std",
            "logsumexp", "cumsum", "gather", "index_select", "topk", "sort"]
 
@@ -59,6 +59,10 @@ def stack(tensors, dim: int = 0):
         raise ShapeError(f"stack: tensors must have one shape, got {sorted(shapes)}")
     d = _dim(dim, tensors[0].ndim + 1, "stack")
     return cat([t.unsqueeze(d) for t in tensors], d)
+
+
+def unbind(input, dim: int = 0):
+    return input.unbind(dim)
 
 
 def unsqueeze(input, dim: int):

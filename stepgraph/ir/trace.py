@@ -477,6 +477,11 @@ class Tensor:
         n = self.shape[_dim(dim, self.ndim, "chunk")]
         return self.split(max(-(-n // chunks), 1), dim)
 
+    def unbind(self, dim: int = 0) -> tuple[Tensor, ...]:
+        """The slices along `dim`, each without that axis, as torch.unbind."""
+        d = _dim(dim, self.ndim, "unbind")
+        return tuple(self.narrow(d, i, 1).squeeze(d) for i in range(self.shape[d]))
+
     # ---- indexing, joining, reductions along a dim ----
     def __getitem__(self, index) -> Tensor:
         """x[...] with ints (negative too), slices (positive steps), None, `...` and at most

@@ -75,6 +75,8 @@ CASES = {
     "movedim": (lambda T, x: T.movedim(x, (0, 1), (2, 0)), x3),
     "swapaxes": (lambda T, x: T.swapaxes(x, 0, -1), x3),
     "T.flatten": (lambda T, x: T.flatten(x, 1), x3),
+    "unbind": (lambda T, x: x.unbind(1)[2] * 2.0, x3),
+    "T.unbind-neg": (lambda T, x: T.cat(T.unbind(x, -1)[::2], 0), x3),
     # joining
     "cat-neg-dim": (lambda T, a, b: T.cat([a, b], dim=-1),
                     lambda g, t: {"a": randn(g, 2, 3, dtype=t), "b": randn(g, 2, 5, dtype=t)}),
