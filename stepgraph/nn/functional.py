@@ -104,14 +104,6 @@ def dropout2d(input: Tensor, p: float = 0.5, training: bool = True,
     return _dropout(input, p, training, per_channel=True)
 
 
-def mse_loss(input: Tensor, target: Tensor) -> Tensor:
-    """mean((input - target)^2) over every element; the shapes must match."""
-    target = _traced(input, target)
-    if input.shape != target.shape:
-        raise ShapeError(f"mse_loss: input {input.shape} and target {target.shape} differ")
-    return input.tracer.op("mse", [input, target])
-
-
 # ---- convolution, pooling, batch norm and classification losses ---------------------------
 
 def _conv_padding(padding, kernel: tuple[int, int], dilation: tuple[int, int], stride):
@@ -237,24 +229,6 @@ def _batch_norm_eval(x: Tensor, rm: Tensor, rv: Tensor, w, b, eps: float) -> Ten
         scale = w * scale
     shift = -(rm * scale) if b is None else b - rm * scale
     return x * scale.reshape(channel) + shift.reshape(channel)
-
-
-def cross_entropy(input: Tensor, target: Tensor, weight=None, size_average=None,
-                  ignore_index: int = -100, reduce=None, reduction: str = "mean",
-                  label_smoothing: float = 0.0) -> Tensor:
-    """Mean softmax cross-entropy of (N, C) logits against integer class targets (N,), with
-    PyTorch's ignore_index and label smoothing (torch.nn.functional.cross_entropy with no
-    class weights and mean reduction)."""
-    if weight is not None or size_average is not None or reduce is not None or \
-            reduction != "mean":
-        raise UnsupportedOpError("cross_entropy supports only reduction='mean' without class "
-                                 f"weights (in {input.tracer.where()})")
-    return _losses.cross_entropy(input, target, label_smoothing, ignore_index)
-
-
-def nll_loss(input: Tensor, target: Tensor) -> Tensor:
-    """Mean negative log-likelihood of (N, C) log-probabilities at integer targets (N,)."""
-    return _losses.nll_loss(input, target)
 
 
 # ---- transformer ops ---------------------------------------------------------------------
@@ -432,3 +406,224 @@ def glu(input: Tensor, dim: int = -1) -> Tensor:
         raise ShapeError(f"glu: dim {dim} of {input.shape} has odd size {input.size(dim)}")
     a, b = input.chunk(2, dim)
     return a * b.sigmoid()
+
+
+# ---- losses: reduction mean / sum / none and class weights, as torch.nn.functional --------
+# The default cases (mean, no weights) keep the fused ops (ops/loss.py); the others are
+# composed of log_softmax, a one-hot of the targets (arange == target) and sums, which
+# pointwise fusion runs as a few kernels and whose gradients follow from the ops'.
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def _reduction(reduction: str, size_average=None, reduce=None) -> str:
+    """torch's legacy size_average / reduce flags folded into `reduction`, which is checked."""
+    if size_average is not None or reduce is not None:
+        keep = True if reduce is None else reduce
+        reduction = "none" if not keep else "mean" if size_average in (None, True) else "sum"
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    return reduction
+
+
+def _reduce(loss: Tensor, reduction: str) -> Tensor:
+    return loss if reduction == "none" else loss.sum() if reduction == "sum" else loss.mean()
+
+
+def _same_shape(what: str, input: Tensor, target: Tensor) -> None:
+    if input.shape != target.shape:
+        raise ShapeError(f"{what}: input {input.shape} and target {target.shape} differ")
+
+
+def _class_rows(input: Tensor, target: Tensor, what: str) -> tuple[Tensor, Tensor]:
+    """(N, C, d1, ...) scores and (N, d1, ...) targets as (M, C) rows and (M,) targets, M the
+    number of targets; (C,) and () as one row."""
+    if input.ndim == 1:
+        input, target = input.reshape(1, -1), target.reshape(1)
+    expect = input.shape[:1] + input.shape[2:]
+    if target.shape != expect:
+        raise ShapeError(f"{what}: input {input.shape} needs targets of shape {expect}, got "
+                         f"{target.shape}")
+    if input.ndim > 2:
+        input = input.reshape(*input.shape[:2], -1).permute(0, 2, 1)
+    return input.reshape(-1, input.shape[-1]), target.reshape(-1)
+
+
+def _one_hot(target: Tensor, classes: int, dtype: str) -> Tensor:
+    """(M, C) float one-hot rows of integer targets (M,); a target outside [0, C) gives a
+    row of zeros."""
+    cls = target.tracer.op("arange", [], n=classes, dtype="int64").reshape(1, classes)
+    return (target.long().reshape(-1, 1) == cls)._cast(dtype)
+
+
+def _weighted_nll(logp: Tensor, target: Tensor, weight, ignore_index: int,
+                  label_smoothing: float, reduction: str, out_shape) -> Tensor:
+    """The class-target loss of (M, C) log-probabilities: -w[t] ((1 - eps) logp[t] +
+    eps / C sum_c w_c logp_c / w[t]) per row, zero where t == ignore_index; the weighted mean
+    divides by the sum of w[t] over the rows not ignored (torch's rule)."""
+    m, classes = logp.shape
+    w = _traced(logp, weight)
+    if w is not None and w.shape != (classes,):
+        raise ShapeError(f"class weight must be ({classes},), got {w.shape}")
+    valid = (target.long() != int(ignore_index))._cast(logp.dtype)
+    hot = _one_hot(target, classes, logp.dtype) * valid.reshape(m, 1)
+    picked = hot if w is None else hot * w.reshape(1, classes)
+    row_weight = valid if w is None else picked.sum(1)
+    loss = -(picked * logp).sum(1)
+    if label_smoothing:
+        spread = logp if w is None else logp * w.reshape(1, classes)
+        smooth = -(spread.sum(1) * valid) / float(classes)
+        loss = loss * (1.0 - label_smoothing) + smooth * float(label_smoothing)
+    if reduction == "none":
+        return loss.reshape(*out_shape)
+    return loss.sum() if reduction == "sum" else loss.sum() / row_weight.sum()
+
+
+def cross_entropy(input: Tensor, target: Tensor, weight=None, size_average=None,
+                  ignore_index: int = -100, reduce=None, reduction: str = "mean",
+                  label_smoothing: float = 0.0) -> Tensor:
+    """Softmax cross-entropy of (N, C) or (N, C, d1, ...) logits (class dim 1) against
+    integer class targets (N,) / (N, d1, ...), or class probabilities of the input's shape,
+    with class `weight` (C,), ignore_index, label_smoothing and reduction, as
+    torch.nn.functional.cross_entropy. Integer targets of (N, C) logits with mean reduction
+    and no weights run the fused softmax-cross-entropy op."""
+    reduction = _reduction(reduction, size_average, reduce)
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    target = _traced(input, target)
+    if target.dtype not in ("int32", "int64"):
+        return _soft_cross_entropy(input, target, weight, label_smoothing, reduction)
+    if input.ndim == 2 and weight is None and reduction == "mean":
+        return _losses.cross_entropy(input, target, label_smoothing, ignore_index)
+    rows, labels = _class_rows(input, target, "cross_entropy")
+    return _weighted_nll(rows.log_softmax(1), labels, weight, ignore_index, label_smoothing,
+                         reduction, target.shape)
+
+
+def _soft_cross_entropy(input: Tensor, target: Tensor, weight, label_smoothing: float,
+                        reduction: str) -> Tensor:
+    """Cross-entropy against class probabilities (torch's float targets): -sum_c w_c y_c
+    logp_c per sample, y smoothed to (1 - eps) y + eps / C; mean divides by the sample count."""
+    _same_shape("cross_entropy", input, target)
+    classes = input.shape[1] if input.ndim > 1 else input.shape[0]
+    dim = 1 if input.ndim > 1 else 0
+    if label_smoothing:
+        target = target * (1.0 - label_smoothing) + label_smoothing / classes
+    term = input.log_softmax(dim) * target
+    w = _traced(input, weight)
+    if w is not None:
+        term = term * w.reshape((classes,) + (1,) * (input.ndim - 1 - dim))
+    return _reduce(-term.sum(dim), reduction)
+
+
+def nll_loss(input: Tensor, target: Tensor, weight=None, size_average=None,
+             ignore_index: int = -100, reduce=None, reduction: str = "mean") -> Tensor:
+    """Negative log-likelihood of (N, C) or (N, C, d1, ...) log-probabilities at integer
+    targets, with class `weight`, ignore_index and reduction, as
+    torch.nn.functional.nll_loss. (N, C), mean, no weights, no ignored class: the nll op."""
+    reduction = _reduction(reduction, size_average, reduce)
+    target = _traced(input, target)
+    if input.ndim == 2 and weight is None and reduction == "mean" and ignore_index == -100:
+        return _losses.nll_loss(input, target)
+    rows, labels = _class_rows(input, target, "nll_loss")
+    return _weighted_nll(rows, labels, weight, ignore_index, 0.0, reduction, target.shape)
+
+
+def mse_loss(input: Tensor, target: Tensor, size_average=None, reduce=None,
+             reduction: str = "mean") -> Tensor:
+    """(input - target)^2, reduced; the shapes must match. Mean: the fused mse op."""
+    reduction = _reduction(reduction, size_average, reduce)
+    target = _traced(input, target)
+    _same_shape("mse_loss", input, target)
+    if reduction == "mean":
+        return input.tracer.op("mse", [input, target])
+    return _reduce((input - target).square(), reduction)
+
+
+def l1_loss(input: Tensor, target: Tensor, size_average=None, reduce=None,
+            reduction: str = "mean") -> Tensor:
+    """|input - target|, reduced."""
+    reduction = _reduction(reduction, size_average, reduce)
+    target = _traced(input, target)
+    _same_shape("l1_loss", input, target)
+    return _reduce((input - target).abs(), reduction)
+
+
+def smooth_l1_loss(input: Tensor, target: Tensor, size_average=None, reduce=None,
+                   reduction: str = "mean", beta: float = 1.0) -> Tensor:
+    """0.5 d^2 / beta where d = |input - target| < beta, else d - 0.5 beta; beta = 0 is
+    l1_loss."""
+    reduction = _reduction(reduction, size_average, reduce)
+    if beta < 0:
+        raise ValueError(f"smooth_l1_loss: beta must be >= 0, got {beta}")
+    if beta == 0:
+        return l1_loss(input, target, reduction=reduction)
+    target = _traced(input, target)
+    _same_shape("smooth_l1_loss", input, target)
+    d = (input - target).abs()
+    return _reduce((d.square() * (0.5 / beta)).where(d < float(beta), d - 0.5 * beta),
+                   reduction)
+
+
+def huber_loss(input: Tensor, target: Tensor, reduction: str = "mean",
+               delta: float = 1.0, weight=None) -> Tensor:
+    """0.5 d^2 where d = |input - target| < delta, else delta (d - 0.5 delta); elementwise
+    `weight` (broadcast with the loss) when given."""
+    reduction = _reduction(reduction)
+    if delta <= 0:
+        raise ValueError(f"huber_loss: delta must be > 0, got {delta}")
+    target = _traced(input, target)
+    _same_shape("huber_loss", input, target)
+    d = (input - target).abs()
+    loss = (d.square() * 0.5).where(d < float(delta), (d - 0.5 * delta) * float(delta))
+    return _reduce(_weighted(loss, weight), reduction)
+
+
+def _weighted(loss: Tensor, weight) -> Tensor:
+    return loss if weight is None else loss * _traced(loss, weight)
+
+
+def binary_cross_entropy_with_logits(input: Tensor, target: Tensor, weight=None,
+                                     size_average=None, reduce=None, reduction: str = "mean",
+                                     pos_weight=None) -> Tensor:
+    """-(p y log sigmoid(x) + (1 - y) log(1 - sigmoid(x))) per element, p = pos_weight
+    (broadcast along the last, class dim), times `weight`; as (1 - y) x + (1 + (p - 1) y)
+    softplus(-x), with softplus(-x) = relu(-x) + log1p(exp(-|x|)), which never overflows."""
+    reduction = _reduction(reduction, size_average, reduce)
+    target = _traced(input, target)
+    _same_shape("binary_cross_entropy_with_logits", input, target)
+    soft = (-input).relu() + (-input.abs()).exp().log1p()
+    pw = _traced(input, pos_weight)
+    scale = 1.0 if pw is None else (pw - 1.0) * target + 1.0
+    loss = (1.0 - target) * input + scale * soft
+    return _reduce(_weighted(loss, weight), reduction)
+
+
+def binary_cross_entropy(input: Tensor, target: Tensor, weight=None, size_average=None,
+                         reduce=None, reduction: str = "mean") -> Tensor:
+    """-(y log p + (1 - y) log(1 - p)) of probabilities p, each log clamped at -100 as
+    torch's (so p = 0 or 1 gives a finite loss), times `weight`."""
+    reduction = _reduction(reduction, size_average, reduce)
+    target = _traced(input, target)
+    _same_shape("binary_cross_entropy", input, target)
+    log_p, log_q = input.log().clamp(min=-100.0), (1.0 - input).log().clamp(min=-100.0)
+    loss = -(target * log_p + (1.0 - target) * log_q)
+    return _reduce(_weighted(loss, weight), reduction)
+
+
+def kl_div(input: Tensor, target: Tensor, size_average=None, reduce=None,
+           reduction: str = "mean", log_target: bool = False) -> Tensor:
+    """Pointwise KL divergence of log-probabilities `input` from `target` (probabilities, or
+    log-probabilities when log_target): y (log y - x), 0 where y = 0; reduction "batchmean"
+    divides the sum by the batch size (input.size(0)), "mean" by the element count."""
+    if reduction == "batchmean" and size_average is None and reduce is None:
+        return kl_div(input, target, reduction="sum", log_target=log_target) / \
+            float(input.shape[0] if input.ndim else 1)
+    reduction = _reduction(reduction, size_average, reduce)
+    target = _traced(input, target)
+    _same_shape("kl_div", input, target)
+    if log_target:
+        loss = target.exp() * (target - input)
+    else:   # log of 1 where y = 0: y log y is 0 there, without a NaN in either branch
+        loss = target * (target.where(target > 0.0, 1.0).log() - input)
+    return _reduce(loss, reduction)
