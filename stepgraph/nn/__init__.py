@@ -6,6 +6,8 @@ from .layers import (GELU, AdaptiveAvgPool2d, AvgPool2d, BatchNorm1d, BatchNorm2
                      Sigmoid, SiLU, Tanh)
 from .layers import (CELU, ELU, GLU, SELU, Hardsigmoid, Hardswish, Hardtanh, LogSigmoid,
                      Mish, ReLU6, Softplus)
+from .loss_modules import (BCELoss, BCEWithLogitsLoss, CrossEntropyLoss, HuberLoss, KLDivLoss,
+                           L1Loss, MSELoss, NLLLoss, SmoothL1Loss)
 from .module import Buffer, Module, Parameter
 
 __all__ = ["Module", "Parameter", "Linear", "Conv2d", "MaxPool2d", "Flatten", "Dropout",
@@ -13,4 +15,6 @@ __all__ = ["Module", "Parameter", "Linear", "Conv2d", "MaxPool2d", "Flatten", "D
            "Sequential", "SiLU", "Identity", "ModuleList", "ModuleDict", "manual_seed", "Buffer",
            "AvgPool2d", "AdaptiveAvgPool2d", "BatchNorm1d", "BatchNorm2d", "Embedding",
            "LayerNorm", "ELU", "CELU", "SELU", "Softplus", "Mish", "Hardswish", "Hardsigmoid",
-           "ReLU6", "Hardtanh", "LogSigmoid", "GLU"]
+           "ReLU6", "Hardtanh", "LogSigmoid", "GLU",
+           "CrossEntropyLoss", "NLLLoss", "MSELoss", "BCEWithLogitsLoss", "BCELoss", "L1Loss",
+           "SmoothL1Loss", "HuberLoss", "KLDivLoss"]

@@ -12,7 +12,8 @@ from torch import nn as tnn
 from stepgraph import nn
 from stepgraph.errors import ShapeError
 from stepgraph.nn import functional as F
-from tests.ops.helpers import assert_close, forward_and_grads, randn, seeded
+from stepgraph.ir.trace import Tracer
+from tests.ops.helpers import assert_close, forward_and_grads, randn, run_graph, seeded
 
 DTYPES = pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
 RTOL = {np.float32: 1e-5, np.float64: 1e-10}
@@ -169,7 +170,6 @@ def test_binary_cross_entropy_clamps_the_log_at_minus_100():
 
 
 def test_mismatched_shapes_and_bad_reduction_raise():
-    from stepgraph.ir.trace import Tracer
     tr = Tracer()
     x, t = tr.input((3, 4), "float32", "x"), tr.input((3, 5), "float32", "t")
     with pytest.raises(ShapeError, match=r"\(3, 4\).*\(3, 5\)"):
@@ -178,3 +178,50 @@ def test_mismatched_shapes_and_bad_reduction_raise():
         F.mse_loss(x, x, reduction="avg")
     with pytest.raises(ShapeError, match="targets of shape"):
         F.cross_entropy(x, tr.input((4,), "int64", "y"), reduction="sum")
+
+
+# ---- the loss modules ------------------------------------------------------------------------
+
+MODULES = {   # name: constructor arguments, integer class targets
+    "CrossEntropyLoss": (dict(weight=[0.5, 1.0, 2.0, 1.5], ignore_index=0,
+                              label_smoothing=0.1), True),
+    "NLLLoss": (dict(weight=[0.5, 1.0, 2.0, 1.5], reduction="sum"), True),
+    "MSELoss": (dict(reduction="none"), False),
+    "L1Loss": (dict(), False),
+    "SmoothL1Loss": (dict(beta=0.5, reduction="sum"), False),
+    "HuberLoss": (dict(delta=0.3), False),
+    "KLDivLoss": (dict(reduction="batchmean", log_target=True), False),
+    "BCELoss": (dict(weight=[1.0, 2.0, 0.5, 1.0]), False),
+    "BCEWithLogitsLoss": (dict(weight=[1.0, 2.0, 0.5, 1.0], pos_weight=[2.0, 1.0, 0.5, 3.0],
+                               reduction="sum"), False),
+}
+
+
+class _Scored(nn.Module):
+    """A loss module under a root model, as a training script holds it (buffers get keys)."""
+
+    def __init__(self, loss):
+        super().__init__()
+        self.loss = loss
+
+    def forward(self, x, t):
+        return self.loss(x, t)
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_loss_modules_match_torch(name, gen):
+    kwargs, classes = MODULES[name]
+    torch_kwargs = {k: torch.tensor(v) if isinstance(v, list) else v for k, v in kwargs.items()}
+    m, tm = _Scored(getattr(nn, name)(**kwargs)), getattr(tnn, name)(**torch_kwargs)
+    m.name_parameters()
+    assert list(m.state_dict()) == [f"loss.{k}" for k in tm.state_dict()]
+    x = randn(gen, 5, 4)
+    t = gen.integers(0, 4, 5).astype(np.int64) if classes else randn(gen, 5, 4)
+    if name == "BCELoss":
+        x, t = 1 / (1 + np.exp(-x)), np.abs(t) / (1 + np.abs(t))
+    tr = Tracer()
+    xs, ts = tr.input(x.shape, "float32", "x"), tr.input(t.shape, str(t.dtype), "t")
+    tr.graph.outputs = {"y": m(xs, ts).value}
+    bound = {k: v for k, v in m.state_dict().items()}
+    got = run_graph(tr.graph, {"x": x, "t": t}, bound)["y"]
+    assert_close(got, tm(torch.tensor(x), torch.tensor(t)).numpy(), 1e-5, name)
