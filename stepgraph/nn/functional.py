@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from ..errors import ShapeError, UnsupportedOpError
 from ..ir.trace import Tensor
 from ..ops.attention import MAX_HEAD_DIM
@@ -163,18 +165,14 @@ def avg_pool2d(input: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bo
 
 
 def adaptive_avg_pool2d(input: Tensor, output_size) -> Tensor:
-    """Average pooling to `output_size` (None keeps that axis). Supported where the output
-    size divides the input size: then every window is kernel = stride = input / output (1x1
-    is the mean over H and W), exactly PyTorch's windows."""
-    if input.ndim != 4:
-        raise ShapeError(f"adaptive_avg_pool2d: input must be (N, C, H, W), got {input.shape}")
+    """Average pooling to `output_size` (None keeps that axis) over torch's bins: output o
+    averages inputs [floor(o * In / Out), ceil((o + 1) * In / Out)). Where the output size
+    divides the input size the bins are kernel = stride = In / Out windows (avg_pool2d);
+    otherwise an averaging matrix per axis, applied by matmul."""
+    oh, ow = _adaptive_size(input, output_size, "adaptive_avg_pool2d")
     h, w = input.shape[2:]
-    oh, ow = (None, None) if output_size is None else \
-        (output_size, output_size) if isinstance(output_size, int) else tuple(output_size)
-    oh, ow = oh or h, ow or w
     if h % oh or w % ow:
-        raise UnsupportedOpError(f"adaptive_avg_pool2d from {(h, w)} to {(oh, ow)}: the output "
-                                 f"size must divide the input size (in {input.tracer.where()})")
+        return _resample(input, _adaptive_bins(input, oh, h), _adaptive_bins(input, ow, w))
     kernel = (h // oh, w // ow)
     return avg_pool2d(input, kernel, kernel)
 
@@ -627,3 +625,190 @@ def kl_div(input: Tensor, target: Tensor, size_average=None, reduce=None,
     else:   # log of 1 where y = 0: y log y is 0 there, without a NaN in either branch
         loss = target * (target.where(target > 0.0, 1.0).log() - input)
     return _reduce(loss, reduction)
+
+
+# ---- group and RMS normalisation, composed (their gradients follow from the ops') -----------
+
+def group_norm(input: Tensor, num_groups: int, weight=None, bias=None,
+               eps: float = 1e-5) -> Tensor:
+    """Normalise each of num_groups channel groups of an (N, C, ...) input over its channels
+    and positions, then weight * y + bias per channel, as torch.nn.functional.group_norm.
+    One layer_norm op over (N * groups, C / groups * positions) rows."""
+    if input.ndim < 2 or input.shape[1] % num_groups:
+        raise ShapeError(f"group_norm: {num_groups} groups must divide the channels (dim 1) "
+                         f"of input {input.shape}")
+    n, c = input.shape[:2]
+    rows = input.reshape(n * num_groups, -1)
+    y = input.tracer.op("layer_norm", [rows], eps=float(eps), weight=False, bias=False)
+    y = y.reshape(*input.shape)
+    w, b = _traced(input, weight), _traced(input, bias)
+    channel = _channel_shape(input)
+    y = y if w is None else y * w.reshape(channel)
+    return y if b is None else y + b.reshape(channel)
+
+
+def rms_norm(input: Tensor, normalized_shape, weight=None, eps: float | None = None) -> Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last len(normalized_shape) dims, as
+    torch.nn.functional.rms_norm; eps None is the machine epsilon of the input's dtype."""
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else \
+        tuple(normalized_shape)
+    if tuple(input.shape[input.ndim - len(shape):]) != shape:
+        raise ShapeError(f"rms_norm: normalized_shape {shape} does not match the last dims "
+                         f"of input {input.shape}")
+    eps = float(np.finfo(input.dtype).eps) if eps is None else float(eps)
+    dims = tuple(range(input.ndim - len(shape), input.ndim))
+    y = input * (input.square().mean(dims, keepdim=True) + eps).rsqrt()
+    w = _traced(input, weight)
+    return y if w is None else y * w
+
+
+# ---- 1-d convolution, transposed convolution, interpolation, adaptive pooling --------------
+# Resampling along an axis is a linear map: a (out, in) matrix built on the device from arange
+# and comparisons (the sizes are static, so it is a constant the planner computes each step in
+# a few fused pointwise kernels), applied by matmul; gradients are the transposed matmuls.
+
+def conv1d(input: Tensor, weight, bias=None, stride=1, padding=0, dilation=1,
+           groups: int = 1) -> Tensor:
+    """1-D cross-correlation of an (N, C, L) input with weight (O, C/groups, k), as
+    torch.nn.functional.conv1d: conv2d over a unit height axis."""
+    w = _traced(input, weight)
+    if input.ndim != 3 or w.ndim != 3:
+        raise ShapeError(f"conv1d: input (N, C, L) and weight (O, C/groups, k) expected, got "
+                         f"{input.shape} and {w.shape}")
+    pad = padding if isinstance(padding, str) else (0, _single(padding))
+    y = conv2d(input.reshape(input.shape[0], input.shape[1], 1, input.shape[2]),
+               w.reshape(w.shape[0], w.shape[1], 1, w.shape[2]), bias, (1, _single(stride)),
+               pad, (1, _single(dilation)), groups)
+    return y.reshape(y.shape[0], y.shape[1], y.shape[3])
+
+
+def _single(v) -> int:
+    """conv1d's int-or-1-tuple arguments as an int."""
+    return v if isinstance(v, int) else tuple(v)[0]
+
+
+def _positions(x: Tensor, n: int) -> Tensor:
+    """0, 1, ..., n - 1 as float64 (exact, and exact products with sizes below 2^53)."""
+    return x.tracer.op("arange", [], n=n, dtype="int64")._cast("float64")
+
+
+def _placement(x: Tensor, n_out: int, n_in: int, stride: int, offset: int) -> Tensor:
+    """(n_out, n_in) matrix in x's dtype: 1 where out == offset + stride * in, else 0."""
+    o = _positions(x, n_out).reshape(n_out, 1)
+    i = _positions(x, n_in).reshape(1, n_in)
+    return (o == i * float(stride) + float(offset))._cast(x.dtype)
+
+
+def _resample(x: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
+    """rows @ x @ cols^T over the last two axes of x (..., H, W): (..., H', W')."""
+    y = x @ cols.transpose(0, 1)
+    return (y.transpose(-1, -2) @ rows.transpose(0, 1)).transpose(-1, -2)
+
+
+def conv_transpose2d(input: Tensor, weight, bias=None, stride=1, padding=0, output_padding=0,
+                     groups: int = 1, dilation=1) -> Tensor:
+    """Transposed 2-D convolution (the input gradient of conv2d) of an (N, Cin, H, W) input
+    with weight (Cin, Cout/groups, kh, kw), as torch.nn.functional.conv_transpose2d: the
+    input is spread out by the stride (zeros between), padded by dilation * (k - 1) - padding
+    (cropped where negative), padded by output_padding at the end, and convolved at stride 1
+    with the flipped kernel whose in/out channels are swapped."""
+    w = _traced(input, weight)
+    if input.ndim != 4 or w.ndim != 4 or input.shape[1] != w.shape[0] or \
+            w.shape[0] % groups:
+        raise ShapeError(f"conv_transpose2d: input (N, Cin, H, W) and weight (Cin, Cout/groups,"
+                         f" kh, kw) with groups={groups} expected, got {input.shape} and "
+                         f"{w.shape}")
+    stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
+    output_padding = _pair(output_padding)
+    if any(op >= max(s, d) for op, s, d in zip(output_padding, stride, dilation)):
+        raise ValueError(f"conv_transpose2d: output_padding {output_padding} must be smaller "
+                         f"than the stride {stride} or the dilation {dilation}")
+    size = input.shape[2:]
+    spread = []
+    for n, k, s, p, d, op in zip(size, w.shape[2:], stride, padding, dilation, output_padding):
+        out = (n - 1) * s - 2 * p + d * (k - 1) + op + 1
+        spread.append(_placement(input, out + d * (k - 1), n, s, d * (k - 1) - p))
+    x = _resample(input, *spread)
+    cin, cout_g, kh, kw = w.shape
+    flipped = _resample(w, _placement(w, kh, kh, -1, kh - 1), _placement(w, kw, kw, -1, kw - 1))
+    kernel = flipped.reshape(groups, cin // groups, cout_g, kh, kw).permute(0, 2, 1, 3, 4) \
+        .reshape(groups * cout_g, cin // groups, kh, kw)
+    return conv2d(x, kernel, bias, 1, 0, dilation, groups)
+
+
+def _out_size(size, scale_factor, shape: tuple[int, ...], what: str):
+    """The output (H, W) and the per-axis scale (in / out, or 1 / scale_factor when given:
+    torch's source-index scale) of interpolate's size or scale_factor."""
+    if (size is None) == (scale_factor is None):
+        raise ValueError(f"{what}: give exactly one of size and scale_factor")
+    if size is not None:
+        out = _pair(size)
+        return out, [i / o for i, o in zip(shape, out)]
+    factors = (float(scale_factor),) * 2 if isinstance(scale_factor, (int, float)) else \
+        tuple(float(f) for f in scale_factor)
+    return tuple(int(i * f) for i, f in zip(shape, factors)), [1.0 / f for f in factors]
+
+
+def _nearest(x: Tensor, n_out: int, n_in: int, scale: float) -> Tensor:
+    """(n_out, n_in): out o reads in min(floor(o * scale), n_in - 1), torch's "nearest"."""
+    src = (_positions(x, n_out) * scale).floor().clamp(max=float(n_in - 1)).reshape(n_out, 1)
+    return (_positions(x, n_in).reshape(1, n_in) == src)._cast(x.dtype)
+
+
+def _linear_weights(x: Tensor, n_out: int, n_in: int, scale: float,
+                    align_corners: bool) -> Tensor:
+    """(n_out, n_in) linear interpolation weights: source s = o * (in - 1) / (out - 1) with
+    align_corners, else (o + 0.5) * scale - 0.5 clamped at 0; weights 1 - f and f on floor(s)
+    and floor(s) + 1 (both clamped to the last input)."""
+    o = _positions(x, n_out)
+    if align_corners:
+        src = o * ((n_in - 1) / (n_out - 1) if n_out > 1 else 0.0)
+    else:
+        src = ((o + 0.5) * scale - 0.5).clamp(min=0.0)
+    lo = src.floor().clamp(max=float(n_in - 1))
+    frac = (src - lo).reshape(n_out, 1)
+    lo = lo.reshape(n_out, 1)
+    hi = (lo + 1.0).clamp(max=float(n_in - 1))
+    i = _positions(x, n_in).reshape(1, n_in)
+    weights = (i == lo)._cast("float64") * (1.0 - frac) + (i == hi)._cast("float64") * frac
+    return weights._cast(x.dtype)
+
+
+def interpolate(input: Tensor, size=None, scale_factor=None, mode: str = "nearest",
+                align_corners: bool | None = None, recompute_scale_factor=None,
+                antialias: bool = False) -> Tensor:
+    """Resize the (H, W) axes of an (N, C, H, W) input by `size` or `scale_factor`, mode
+    "nearest" or "bilinear" (align_corners), as torch.nn.functional.interpolate."""
+    if input.ndim != 4 or mode not in ("nearest", "bilinear") or antialias or \
+            recompute_scale_factor:
+        raise UnsupportedOpError(f"interpolate of a {input.ndim}-d input with mode={mode!r}"
+                                 f"{', antialias' if antialias else ''}"
+                                 f"{', recompute_scale_factor' if recompute_scale_factor else ''}"
+                                 f" (only 4-d nearest and bilinear; in {input.tracer.where()})")
+    if mode == "nearest" and align_corners is not None:
+        raise ValueError("interpolate: align_corners is only for the linear modes")
+    out, scale = _out_size(size, scale_factor, input.shape[2:], "interpolate")
+    maps = [_nearest(input, o, n, s) if mode == "nearest" else
+            _linear_weights(input, o, n, s, bool(align_corners))
+            for o, n, s in zip(out, input.shape[2:], scale)]
+    return _resample(input, *maps)
+
+
+def _adaptive_bins(x: Tensor, n_out: int, n_in: int) -> Tensor:
+    """(n_out, n_in) averaging matrix of torch's adaptive bins: bin o covers
+    [floor(o * in / out), ceil((o + 1) * in / out))."""
+    o = _positions(x, n_out).reshape(n_out, 1)
+    start = (o * float(n_in) / float(n_out)).floor()
+    end = ((o + 1.0) * float(n_in) / float(n_out)).ceil()
+    i = _positions(x, n_in).reshape(1, n_in)
+    inside = (i >= start).logical_and(i < end)._cast("float64")
+    return (inside / (end - start))._cast(x.dtype)
+
+
+def _adaptive_size(input: Tensor, output_size, what: str) -> tuple[int, int]:
+    if input.ndim != 4:
+        raise ShapeError(f"{what}: input must be (N, C, H, W), got {input.shape}")
+    h, w = input.shape[2:]
+    oh, ow = (None, None) if output_size is None else \
+        (output_size, output_size) if isinstance(output_size, int) else tuple(output_size)
+    return oh or h, ow or w
