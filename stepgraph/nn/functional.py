@@ -278,19 +278,17 @@ def layer_norm(input: Tensor, normalized_shape, weight=None, bias=None,
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask=None,
                                  dropout_p: float = 0.0, is_causal: bool = False,
                                  scale: float | None = None) -> Tensor:
-    """softmax(q @ k^T * scale (+ causal mask)) @ v over (..., L, E) queries, (..., S, E)
-    keys and (..., S, Ev) values with the same batch dims, as
-    torch.nn.functional.scaled_dot_product_attention; scale defaults to 1/sqrt(E). One
-    `sdpa` op (flash-style kernels: no (L, S) scores in memory, the mask costs nothing);
-    dropout_p > 0 drops attention weights, when the trace is in training mode, with the mask
-    the dropout op would draw. Head dims above ops.attention.MAX_HEAD_DIM take the composed
-    ops (bmm, softmax, dropout, bmm). attn_mask, and is_causal with L != S (PyTorch aligns
-    that mask top-left, the op bottom-right), are not supported."""
+    """softmax(q @ k^T * scale + mask) @ v over (..., L, E) queries, (..., S, E) keys and
+    (..., S, Ev) values with the same batch dims, as
+    torch.nn.functional.scaled_dot_product_attention; scale defaults to 1/sqrt(E). attn_mask
+    broadcasts to (..., L, S): bool (True: attend) or float (added to the scores); is_causal
+    lets query i attend keys j <= i (torch's top-left alignment when L != S). Without a mask,
+    or causal with L == S, one `sdpa` op (flash-style kernels: no (L, S) scores in memory);
+    otherwise, and for head dims above ops.attention.MAX_HEAD_DIM, the composed ops (bmm,
+    softmax, dropout, bmm). dropout_p > 0 drops attention weights when the trace is in
+    training mode."""
     t = query.tracer
     k, v = _traced(query, key), _traced(query, value)
-    if attn_mask is not None:
-        raise UnsupportedOpError(f"scaled_dot_product_attention with an attn_mask (use "
-                                 f"is_causal) is not supported (in {t.where()})")
     if query.ndim < 2 or not (query.ndim == k.ndim == v.ndim) or \
             not (query.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
         raise UnsupportedOpError(f"scaled_dot_product_attention needs q, k, v of the same "
@@ -300,14 +298,15 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     if e != e_k or s != s_v:
         raise ShapeError(f"scaled_dot_product_attention: q {query.shape}, k {k.shape}, "
                          f"v {v.shape} do not fit together")
-    if is_causal and length != s:
-        raise UnsupportedOpError(f"scaled_dot_product_attention with is_causal and {length} "
-                                 f"queries != {s} keys is not supported (in {t.where()})")
-    scale = 1.0 / math.sqrt(e) if scale is None else float(scale)
-    if max(e, ev) > MAX_HEAD_DIM or min(length, s) == 0:
-        return _composed_attention(query, k, v, dropout_p, bool(is_causal), scale)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {dropout_p}")
+    if is_causal and attn_mask is not None:
+        raise ValueError("scaled_dot_product_attention: give attn_mask or is_causal, not both")
+    scale = 1.0 / math.sqrt(e) if scale is None else float(scale)
+    mask = _attention_mask(query, _traced(query, attn_mask), bool(is_causal), length, s)
+    if mask is not None or max(e, ev) > MAX_HEAD_DIM or min(length, s) == 0:
+        probs = _attention_probs(query, k, mask, is_causal and mask is None, scale)
+        return _dropout(probs, dropout_p, t.training, per_channel=False) @ v
     p = float(dropout_p) if t.training else 0.0
     if p == 0.0:
         return t.op("sdpa", [query, k, v], scale=scale, causal=bool(is_causal), dropout_p=0.0)
@@ -315,16 +314,40 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
                 dropout_p=p, seed=t.seed, site=t.next_dropout_site())
 
 
-def _composed_attention(query: Tensor, k: Tensor, v: Tensor, dropout_p: float, causal: bool,
-                        scale: float) -> Tensor:
-    """Attention as bmm, softmax (scale, causal), dropout, bmm: the (L, S) scores in memory."""
+def _attention_mask(query: Tensor, attn_mask, causal: bool, length: int, s: int):
+    """The additive float mask (0 where attended, -inf where not) of a bool or float
+    attn_mask, or torch's top-left causal mask when L != S; None when the sdpa op's own
+    causal flag (L == S) or no mask is needed."""
+    if attn_mask is not None:
+        if attn_mask.dtype != "bool":
+            return attn_mask._cast(query.dtype)
+        return _blocked(attn_mask.logical_not(), query.dtype)
+    if not causal or length == s:
+        return None
+    rows = query.tracer.op("arange", [], n=length, dtype="int64").reshape(length, 1)
+    cols = query.tracer.op("arange", [], n=s, dtype="int64").reshape(1, s)
+    return _blocked(cols > rows, query.dtype)
+
+
+def _blocked(blocked: Tensor, dtype: str) -> Tensor:
+    """-inf where `blocked` (bool), else 0, in `dtype`: an additive attention mask."""
+    return blocked._cast(dtype).masked_fill(blocked, float("-inf"))
+
+
+def _attention_probs(query: Tensor, k: Tensor, mask, causal: bool, scale: float) -> Tensor:
+    """softmax(q @ k^T * scale + mask) (causal: the bottom-right mask of the softmax op, the
+    same as top-left for L == S) as (..., L, S): the scores in memory."""
     t = query.tracer
-    lead, length, ev = query.shape[:-2], query.shape[-2], v.shape[-1]
-    q3, k3, v3 = (x.reshape(-1, *x.shape[-2:]) for x in (query, k, v))
+    lead, length, s = query.shape[:-2], query.shape[-2], k.shape[-2]
+    q3, k3 = (x.reshape(-1, *x.shape[-2:]) for x in (query, k))
     scores = t.op("bmm", [q3, k3], trans_b=True)
-    attn = t.op("softmax", [scores], scale=scale, causal=causal)
-    attn = _dropout(attn, dropout_p, t.training, per_channel=False)
-    return t.op("bmm", [attn, v3]).reshape(*lead, length, ev)
+    if mask is None:
+        return t.op("softmax", [scores], scale=scale, causal=causal).reshape(*lead, length, s)
+    scores = scores.reshape(*lead, length, s) * scale + mask
+    if scores.shape[:-2] != tuple(lead):
+        raise ShapeError(f"scaled_dot_product_attention: attn_mask of shape {mask.shape} does "
+                         f"not broadcast to the scores {tuple(lead) + (length, s)}")
+    return scores.softmax(-1)
 
 
 def flatten(x: Tensor, start_dim: int = 1) -> Tensor:

@@ -12,7 +12,7 @@ from torch import nn as tnn
 from stepgraph import nn
 from stepgraph.nn import functional as F
 from tests.ops.helpers import randn, seeded
-from tests.ops.test_norm_pool_ops import check_against_torch, with_target
+from tests.ops.test_norm_pool_ops import check_against_torch
 
 DTYPES = pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
 RTOL = {np.float32: 2e-5, np.float64: 1e-10}
@@ -26,7 +26,8 @@ def gen(request) -> np.random.Generator:
 def check(ours, theirs, arrays, wrt, dtype, gen):
     """ours(**traced) against theirs(**torch tensors): output, and gradients of the mse
     against a random target."""
-    arrays = with_target(arrays, theirs, gen)
+    out = theirs(**{k: torch.tensor(v) for k, v in arrays.items()})
+    arrays = {**arrays, "target": randn(gen, *out.shape, dtype=dtype)}
     check_against_torch(lambda t, i: ours(**{k: v for k, v in i.items() if k != "target"}),
                         theirs, arrays, wrt, False, RTOL[dtype])
 
@@ -123,3 +124,38 @@ def test_interpolate(gen, dtype, case):
 def test_adaptive_avg_pool2d_any_size(gen, dtype, out):
     check(lambda x: F.adaptive_avg_pool2d(x, out), lambda x: TF.adaptive_avg_pool2d(x, out),
           {"x": randn(gen, 2, 3, 7, 10, dtype=dtype)}, ("x",), dtype, gen)
+
+
+# ---- attention masks -------------------------------------------------------------------------
+
+SDPA = {   # q, k shapes (v as k), mask shape and kind, is_causal
+    "bool-LS": ((2, 3, 4, 8), (2, 3, 6, 8), (4, 6), "bool", False),
+    "bool-broadcast-keys": ((2, 3, 4, 8), (2, 3, 6, 8), (2, 1, 1, 6), "bool", False),
+    "float-full": ((2, 2, 5, 4), (2, 2, 5, 4), (2, 2, 5, 5), "float", False),
+    "causal-L<S": ((2, 2, 3, 4), (2, 2, 6, 4), None, None, True),
+    "causal-L>S": ((1, 2, 6, 4), (1, 2, 4, 4), None, None, True),
+    "causal-L=S": ((1, 2, 5, 4), (1, 2, 5, 4), None, None, True),
+}
+
+
+def _mask(gen, shape, kind):
+    if kind == "bool":
+        m = gen.random(shape) < 0.7
+        m[..., 0] = True                  # every query attends at least one key
+        return m
+    return randn(gen, *shape)
+
+
+@DTYPES
+@pytest.mark.parametrize("case", list(SDPA))
+def test_sdpa_masks(gen, dtype, case):
+    qs, ks, ms, kind, causal = SDPA[case]
+    arrays = {"q": randn(gen, *qs, dtype=dtype), "k": randn(gen, *ks, dtype=dtype),
+              "v": randn(gen, *ks, dtype=dtype)}
+    if kind:
+        m = _mask(gen, ms, kind)
+        arrays["m"] = m if kind == "bool" else m.astype(dtype)
+    check(lambda q, k, v, m=None: F.scaled_dot_product_attention(q, k, v, m, is_causal=causal),
+          lambda q, k, v, m=None: TF.scaled_dot_product_attention(q, k, v, m,
+                                                                   is_causal=causal),
+          arrays, ("q", "k", "v"), dtype, gen)
