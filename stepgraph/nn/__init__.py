@@ -6,6 +6,8 @@ from .layers import (GELU, AdaptiveAvgPool2d, AvgPool2d, BatchNorm1d, BatchNorm2
                      Sigmoid, SiLU, Tanh)
 from .layers import (CELU, ELU, GLU, SELU, Hardsigmoid, Hardswish, Hardtanh, LogSigmoid,
                      Mish, ReLU6, Softplus)
+from .layers import (Conv1d, ConvTranspose2d, GroupNorm, MultiheadAttention, RMSNorm, Upsample,
+                     UpsamplingBilinear2d, UpsamplingNearest2d)
 from .loss_modules import (BCELoss, BCEWithLogitsLoss, CrossEntropyLoss, HuberLoss, KLDivLoss,
                            L1Loss, MSELoss, NLLLoss, SmoothL1Loss)
 from .module import Buffer, Module, Parameter
@@ -17,4 +19,6 @@ __all__ = ["Module", "Parameter", "Linear", "Conv2d", "MaxPool2d", "Flatten", "D
            "LayerNorm", "ELU", "CELU", "SELU", "Softplus", "Mish", "Hardswish", "Hardsigmoid",
            "ReLU6", "Hardtanh", "LogSigmoid", "GLU",
            "CrossEntropyLoss", "NLLLoss", "MSELoss", "BCEWithLogitsLoss", "BCELoss", "L1Loss",
-           "SmoothL1Loss", "HuberLoss", "KLDivLoss"]
+           "SmoothL1Loss", "HuberLoss", "KLDivLoss",
+           "GroupNorm", "RMSNorm", "Conv1d", "ConvTranspose2d", "Upsample", "UpsamplingNearest2d",
+           "UpsamplingBilinear2d", "MultiheadAttention"]

@@ -11,7 +11,8 @@ from torch import nn as tnn
 
 from stepgraph import nn
 from stepgraph.nn import functional as F
-from tests.ops.helpers import randn, seeded
+from stepgraph.ir.trace import Tracer
+from tests.ops.helpers import assert_close, randn, run_graph, seeded
 from tests.ops.test_norm_pool_ops import check_against_torch
 
 DTYPES = pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
@@ -159,3 +160,120 @@ def test_sdpa_masks(gen, dtype, case):
           lambda q, k, v, m=None: TF.scaled_dot_product_attention(q, k, v, m,
                                                                    is_causal=causal),
           arrays, ("q", "k", "v"), dtype, gen)
+
+
+# ---- modules: parameters, init, state_dict keys, outputs -----------------------------------
+
+def _run_module(m, *arrays):
+    """m's output(s) on arrays through a one-call trace on numpy, parameters bound."""
+    m.name_parameters()
+    tr = Tracer(training=m.training)
+    ins = [tr.input(a.shape, str(a.dtype), f"x{i}") for i, a in enumerate(arrays)]
+    out = m(*ins)
+    outs = out if isinstance(out, tuple) else (out,)
+    tr.graph.outputs = {f"y{i}": o.value for i, o in enumerate(outs) if o is not None}
+    got = run_graph(tr.graph, {f"x{i}": a for i, a in enumerate(arrays)},
+                    {k: v for k, v in _bindings(m).items()})
+    return [got.get(f"y{i}") for i in range(len(outs))]
+
+
+def _bindings(m):
+    return {name: p.data for name, p in m._named_state()}
+
+
+MODULE_CASES = {
+    "GroupNorm": (lambda M: M.GroupNorm(2, 4), (2, 4, 3, 3)),
+    "GroupNorm-no-affine": (lambda M: M.GroupNorm(4, 4, affine=False), (2, 4, 5)),
+    "RMSNorm": (lambda M: M.RMSNorm([3, 4], eps=1e-5), (2, 3, 4)),
+    "RMSNorm-no-affine": (lambda M: M.RMSNorm(4, elementwise_affine=False), (2, 4)),
+    "LayerNorm-no-affine": (lambda M: M.LayerNorm(4, elementwise_affine=False), (2, 3, 4)),
+    "LayerNorm-no-bias": (lambda M: M.LayerNorm(4, bias=False), (2, 4)),
+    "Conv1d": (lambda M: M.Conv1d(4, 6, 3, stride=2, padding=1, groups=2), (2, 4, 9)),
+    "ConvTranspose2d": (lambda M: M.ConvTranspose2d(4, 6, 3, stride=2, padding=1,
+                                                    output_padding=1, groups=2), (2, 4, 5, 5)),
+    "Upsample": (lambda M: M.Upsample(scale_factor=2, mode="bilinear"), (1, 2, 3, 4)),
+    "UpsamplingNearest2d": (lambda M: M.UpsamplingNearest2d(size=(5, 7)), (1, 2, 3, 4)),
+    "UpsamplingBilinear2d": (lambda M: M.UpsamplingBilinear2d(scale_factor=2), (1, 2, 3, 4)),
+}
+
+
+@pytest.mark.parametrize("case", list(MODULE_CASES))
+def test_modules_match_torch(case, gen):
+    """Same state_dict keys and shapes; torch's weights loaded, the same output."""
+    make, shape = MODULE_CASES[case]
+    m, tm = make(nn), make(tnn)
+    sd, want = m.state_dict(), tm.state_dict()
+    assert [(k, v.shape) for k, v in sd.items()] == [(k, tuple(v.shape)) for k, v in want.items()]
+    m.load_state_dict({k: v.numpy() for k, v in want.items()})
+    x = randn(gen, *shape)
+    (got,) = _run_module(m, x)
+    assert_close(got, tm(torch.tensor(x)).detach().numpy(), 1e-5, case)
+
+
+@pytest.mark.parametrize("make,fan_in", [
+    (lambda M: M.Conv1d(6, 3, 5, groups=3), 2 * 5),
+    (lambda M: M.ConvTranspose2d(6, 4, (2, 3), groups=2), 2 * 2 * 3)])
+def test_conv_init_bounds_like_torch(make, fan_in):
+    m = make(nn)
+    bound = 1 / np.sqrt(fan_in)
+    for k, v in m.state_dict().items():
+        assert bound / 2 < np.abs(v).max() <= bound, k
+    before = m.weight.numpy().copy()
+    m.reset_parameters()
+    assert not np.array_equal(before, m.weight.numpy())
+
+
+MHA = {   # constructor kwargs, attn_mask kind, key_padding_mask kind, need_weights
+    "self": (dict(), None, None, False),
+    "batch-first-weights": (dict(batch_first=True), None, None, True),
+    "cross-masks": (dict(), "bool", "bool", False),
+    "float-mask-per-head-weights": (dict(bias=False, batch_first=True), "float3", None, True),
+}
+
+
+@pytest.mark.parametrize("case", list(MHA))
+def test_multihead_attention_matches_torch(case, gen):
+    kwargs, attn, padding, need_weights = MHA[case]
+    batch_first = kwargs.get("batch_first", False)
+    e, heads, n, length, s = 8, 2, 2, 3, 5
+    m, tm = nn.MultiheadAttention(e, heads, **kwargs), tnn.MultiheadAttention(e, heads,
+                                                                              **kwargs)
+    assert [(k, v.shape) for k, v in m.state_dict().items()] == \
+        [(k, tuple(v.shape)) for k, v in tm.state_dict().items()]
+    bound = np.sqrt(6 / (4 * e))
+    assert bound / 2 < np.abs(m.in_proj_weight.numpy()).max() <= bound
+    m.load_state_dict({k: v.numpy() for k, v in tm.state_dict().items()})
+    self_attn = case == "self"
+    shape = lambda length: (n, length, e) if batch_first else (length, n, e)  # noqa: E731
+    q = randn(gen, *shape(length))
+    k, v = (q, q) if self_attn else (randn(gen, *shape(s)), randn(gen, *shape(s)))
+    masks = {}
+    if attn == "bool":
+        masks["attn_mask"] = gen.random((length, s)) < 0.3
+    elif attn == "float3":
+        masks["attn_mask"] = randn(gen, n * heads, length, s)
+    if padding == "bool":
+        masks["key_padding_mask"] = np.zeros((n, s), bool)
+        masks["key_padding_mask"][:, -2:] = True
+    extra = dict(need_weights=need_weights, average_attn_weights=case != "float-mask-per-head-"
+                 "weights")
+    names = list(masks)
+
+    class Call(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = m
+
+        def forward(self, *xs):
+            q_, k_, v_ = (xs[0], xs[0], xs[0]) if self_attn else xs[:3]
+            rest = dict(zip(names, xs[1 if self_attn else 3:]))
+            return self.attn(q_, k_, v_, **rest, **extra)
+
+    got = _run_module(Call().eval(), *((q,) if self_attn else (q, k, v)), *masks.values())
+    want = tm.eval()(torch.tensor(q), torch.tensor(k), torch.tensor(v),
+                     **{a: torch.tensor(b) for a, b in masks.items()}, **extra)
+    assert_close(got[0], want[0].detach().numpy(), 1e-5, "output")
+    if need_weights:
+        assert_close(got[1], want[1].detach().numpy(), 1e-5, "weights")
+    else:
+        assert got[1] is None and want[1] is None
