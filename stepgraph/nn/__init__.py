@@ -6,7 +6,7 @@ from .layers import (GELU, AdaptiveAvgPool2d, AvgPool2d, BatchNorm1d, BatchNorm2
                      Sigmoid, SiLU, Tanh)
 from .layers import (CELU, ELU, GLU, SELU, Hardsigmoid, Hardswish, Hardtanh, LogSigmoid,
                      Mish, ReLU6, Softplus)
-from .layers import (Conv1d, ConvTranspose2d, GroupNorm, MultiheadAttention, RMSNorm, Upsample,
+from .layers import (AdaptiveMaxPool2d, Conv1d, ConvTranspose2d, GroupNorm, MultiheadAttention, RMSNorm, Upsample,
                      UpsamplingBilinear2d, UpsamplingNearest2d)
 from .loss_modules import (BCELoss, BCEWithLogitsLoss, CrossEntropyLoss, HuberLoss, KLDivLoss,
                            L1Loss, MSELoss, NLLLoss, SmoothL1Loss)
@@ -21,4 +21,4 @@ __all__ = ["Module", "Parameter", "Linear", "Conv2d", "MaxPool2d", "Flatten", "D
            "CrossEntropyLoss", "NLLLoss", "MSELoss", "BCEWithLogitsLoss", "BCELoss", "L1Loss",
            "SmoothL1Loss", "HuberLoss", "KLDivLoss",
            "GroupNorm", "RMSNorm", "Conv1d", "ConvTranspose2d", "Upsample", "UpsamplingNearest2d",
-           "UpsamplingBilinear2d", "MultiheadAttention"]
+           "UpsamplingBilinear2d", "MultiheadAttention", "AdaptiveMaxPool2d"]

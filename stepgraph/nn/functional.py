@@ -137,6 +137,10 @@ def conv2d(input: Tensor, weight, bias=None, stride=1, padding=0, dilation=1,
 def _pool_args(op: str, kernel_size, stride, ceil_mode: bool):
     if ceil_mode:
         raise UnsupportedOpError(f"{op} with ceil_mode=True is not supported")
+    return _kernel_stride(kernel_size, stride)
+
+
+def _kernel_stride(kernel_size, stride):
     kernel = _pair(kernel_size)
     return kernel, kernel if stride is None or stride == [] else _pair(stride)
 
@@ -144,12 +148,47 @@ def _pool_args(op: str, kernel_size, stride, ceil_mode: bool):
 def max_pool2d(input: Tensor, kernel_size, stride=None, padding=0, dilation=1,
                ceil_mode: bool = False, return_indices: bool = False) -> Tensor:
     """Max over kernel windows (stride defaults to the kernel; -inf padding of at most half
-    the kernel), as torch.nn.functional.max_pool2d."""
-    kernel, stride = _pool_args("max_pool2d", kernel_size, stride, ceil_mode)
-    if _pair(dilation) != (1, 1) or return_indices:
-        raise UnsupportedOpError("max_pool2d with dilation or return_indices is not supported")
-    return input.tracer.op_all("maxpool2d", [input], kernel=kernel, stride=stride,
-                               padding=_pair(padding))[0]
+    the kernel; dilation; ceil_mode: a last partial window that starts inside the input or
+    its left padding), as torch.nn.functional.max_pool2d. Dilation or ceil_mode take the
+    composed form (a max over the kernel's offsets of selections, per axis)."""
+    kernel, stride = _kernel_stride(kernel_size, stride)
+    padding, dilation = _pair(padding), _pair(dilation)
+    if return_indices:
+        raise UnsupportedOpError("max_pool2d with return_indices is not supported")
+    if input.ndim != 4:
+        raise ShapeError(f"max_pool2d: input must be (N, C, H, W), got {input.shape}")
+    if any(2 * p > k for p, k in zip(padding, kernel)):
+        raise ShapeError(f"max_pool2d: padding {padding} must be at most half the kernel "
+                         f"{kernel}")
+    if dilation == (1, 1) and not ceil_mode:
+        return input.tracer.op_all("maxpool2d", [input], kernel=kernel, stride=stride,
+                                   padding=padding)[0]
+    axes = []
+    for n, k, s, p, d in zip(input.shape[2:], kernel, stride, padding, dilation):
+        span = n + 2 * p - d * (k - 1) - 1
+        out = (-(-span // s) if ceil_mode else span // s) + 1
+        if ceil_mode and (out - 1) * s >= n + p:       # the last window starts in the padding
+            out -= 1
+        o = _positions(input, out)
+        axes.append([o * float(s) + float(a * d - p) for a in range(k)])
+    return _max_of_selections(input, *axes)
+
+
+def _max_of_selections(x: Tensor, rows: list[Tensor], cols: list[Tensor]) -> Tensor:
+    """max over a of x[..., rows[a], :], then over b of [..., cols[b]]: rows / cols are
+    float64 source indices (one per output position); out-of-range ones read -inf."""
+    for sources in (cols, rows):
+        n_in = x.shape[-1]
+        best = None
+        for src in sources:
+            n_out = src.shape[0]
+            i = _positions(x, n_in).reshape(1, n_in)
+            picked = x @ (i == src.reshape(n_out, 1))._cast(x.dtype).transpose(0, 1)
+            outside = (src < 0.0).logical_or(src > float(n_in - 1))
+            picked = picked + _blocked(outside, x.dtype)
+            best = picked if best is None else best.maximum(picked)
+        x = best.transpose(-1, -2)
+    return x
 
 
 def avg_pool2d(input: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bool = False,
@@ -826,6 +865,25 @@ def _adaptive_bins(x: Tensor, n_out: int, n_in: int) -> Tensor:
     i = _positions(x, n_in).reshape(1, n_in)
     inside = (i >= start).logical_and(i < end)._cast("float64")
     return (inside / (end - start))._cast(x.dtype)
+
+
+def adaptive_max_pool2d(input: Tensor, output_size, return_indices: bool = False) -> Tensor:
+    """Max pooling to `output_size` (None keeps that axis) over torch's bins [floor(o * In /
+    Out), ceil((o + 1) * In / Out)), as torch.nn.functional.adaptive_max_pool2d: a max over
+    the bin offsets of selections, per axis (offsets past a bin's end repeat its last
+    input, which changes neither the max nor, as the gradient of tied maxima is split among
+    copies of one input, the gradient)."""
+    if return_indices:
+        raise UnsupportedOpError("adaptive_max_pool2d with return_indices is not supported")
+    oh, ow = _adaptive_size(input, output_size, "adaptive_max_pool2d")
+    axes = []
+    for n, out in zip(input.shape[2:], (oh, ow)):
+        o = _positions(input, out)
+        start = (o * float(n) / float(out)).floor()
+        last = ((o + 1.0) * float(n) / float(out)).ceil() - 1.0
+        widest = max(-(-(i + 1) * n // out) - i * n // out for i in range(out))
+        axes.append([(start + float(a)).minimum(last) for a in range(widest)])
+    return _max_of_selections(input, *axes)
 
 
 def _adaptive_size(input: Tensor, output_size, what: str) -> tuple[int, int]:

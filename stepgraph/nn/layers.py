@@ -124,7 +124,7 @@ class AvgPool2d(Module):
 
 
 class AdaptiveAvgPool2d(Module):
-    """Average pooling to a fixed output size that divides the input size (1: global)."""
+    """Average pooling to a fixed output size (1: global), torch's bins."""
 
     def __init__(self, output_size):
         super().__init__()
@@ -692,3 +692,17 @@ def _mha_mask(q, attn_mask, key_padding_mask, n: int, heads: int, length: int, s
     if not masks:
         return None
     return masks[0] if len(masks) == 1 else masks[0] + masks[1]
+
+
+class AdaptiveMaxPool2d(Module):
+    """F.adaptive_max_pool2d to a fixed output size, torch's bins."""
+
+    def __init__(self, output_size, return_indices: bool = False):
+        super().__init__()
+        self.output_size, self.return_indices = output_size, return_indices
+
+    def forward(self, x):
+        return F.adaptive_max_pool2d(x, self.output_size, self.return_indices)
+
+    def extra_repr(self):
+        return f"{self.output_size}"

@@ -277,3 +277,40 @@ def test_multihead_attention_matches_torch(case, gen):
         assert_close(got[1], want[1].detach().numpy(), 1e-5, "weights")
     else:
         assert got[1] is None and want[1] is None
+
+
+# ---- max pooling: dilation, ceil_mode, adaptive ---------------------------------------------
+
+MAXPOOL = {   # x shape, kernel, stride, padding, dilation, ceil_mode
+    "ceil": ((2, 2, 7, 8), 2, 2, 0, 1, True),
+    "ceil-pad": ((1, 2, 8, 9), 3, 2, 1, 1, True),
+    "ceil-window-in-padding": ((1, 1, 6, 6), 3, 3, 1, 1, True),
+    "dilated": ((2, 2, 9, 9), 3, 1, 1, 2, False),
+    "dilated-ceil": ((1, 2, 10, 9), (2, 3), (3, 2), (1, 1), (2, 1), True),
+}
+
+
+@DTYPES
+@pytest.mark.parametrize("case", list(MAXPOOL))
+def test_max_pool2d_dilation_and_ceil_mode(gen, dtype, case):
+    shape, k, s, p, d, ceil = MAXPOOL[case]
+    kw = dict(kernel_size=k, stride=s, padding=p, dilation=d, ceil_mode=ceil)
+    check(lambda x: F.max_pool2d(x, **kw), lambda x: TF.max_pool2d(x, **kw),
+          {"x": randn(gen, *shape, dtype=dtype)}, ("x",), dtype, gen)
+
+
+@DTYPES
+@pytest.mark.parametrize("out", [(3, 4), 1, (None, 3), (7, 2), (5, 10)])
+def test_adaptive_max_pool2d(gen, dtype, out):
+    check(lambda x: F.adaptive_max_pool2d(x, out), lambda x: TF.adaptive_max_pool2d(x, out),
+          {"x": randn(gen, 2, 3, 7, 10, dtype=dtype)}, ("x",), dtype, gen)
+
+
+def test_max_pool_modules_match_torch(gen):
+    x = randn(gen, 2, 3, 7, 9)
+    for m, tm in [(nn.MaxPool2d(3, 2, 1, dilation=2, ceil_mode=True),
+                   tnn.MaxPool2d(3, 2, 1, dilation=2, ceil_mode=True)),
+                  (nn.AdaptiveMaxPool2d((4, 5)), tnn.AdaptiveMaxPool2d((4, 5))),
+                  (nn.AdaptiveAvgPool2d((4, 5)), tnn.AdaptiveAvgPool2d((4, 5)))]:
+        (got,) = _run_module(m, x)
+        assert_close(got, tm(torch.tensor(x)).numpy(), 1e-6, repr(m))
