@@ -75,11 +75,15 @@ class _CompiledModel:
         self.params = dict(model.named_parameters())
         self.buffers = dict(model.named_buffers())   # bound as `state` values by their keys
         for p in [*self.params.values(), *self.buffers.values()]:
-            if not self.backend.owns(p.data):
-                host = p.numpy()
-                p.data = self.backend.empty(host.shape, str(host.dtype))
-                self.backend.copy_into(p.data, host)
+            self._on_device(p)
         self.executables: dict[GraphKey, Executable] = {}
+
+    def _on_device(self, p) -> None:
+        """Move a Parameter's or Buffer's data into the backend's memory (once)."""
+        if not self.backend.owns(p.data):
+            host = p.numpy()
+            p.data = self.backend.empty(host.shape, str(host.dtype))
+            self.backend.copy_into(p.data, host)
 
     def build_graph(self, signature: Signature) -> Graph:
         raise NotImplementedError
@@ -171,6 +175,12 @@ class TrainStep(_CompiledModel):
                          memory_format=memory_format, deterministic=deterministic)
         self.loss_fn, self.optimizer, self.seed = loss, optimizer, int(seed)
         self.state: dict[str, Any] = {}
+        if isinstance(loss, Module):
+            # A loss module's buffers (class weights, pos_weight) are state bound by key.
+            for name, b in loss.named_buffers("loss."):
+                b.name = name
+                self._on_device(b)
+                self.buffers[name] = b
         if self.group is not None:
             self._broadcast_parameters()
         self._host_step: int | None = None

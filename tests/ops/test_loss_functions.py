@@ -225,3 +225,39 @@ def test_loss_modules_match_torch(name, gen):
     bound = {k: v for k, v in m.state_dict().items()}
     got = run_graph(tr.graph, {"x": x, "t": t}, bound)["y"]
     assert_close(got, tm(torch.tensor(x), torch.tensor(t)).numpy(), 1e-5, name)
+
+
+def test_fused_cross_entropy_stays_for_the_default_case():
+    """Mean, no weights, integer targets: the cross_entropy op (fused with the softmax);
+    a weighted or summed loss: log_softmax and sums."""
+    tr = Tracer()
+    x, y = tr.input((4, 3), "float32", "x"), tr.input((4,), "int64", "y")
+    F.cross_entropy(x, y, label_smoothing=0.1)
+    assert [n.op for n in tr.graph.nodes] == ["cross_entropy"]
+    F.cross_entropy(x, y, reduction="sum")
+    assert "log_softmax" in [n.op for n in tr.graph.nodes[1:]]
+    assert "cross_entropy" not in [n.op for n in tr.graph.nodes[1:]]
+
+
+def test_weighted_loss_module_as_the_train_step_loss():
+    """A criterion with a class-weight buffer, outside the model, trains like torch's."""
+    import stepgraph as sg
+    from stepgraph import optim
+    rng = seeded("criterion")
+    w = np.array([0.5, 2.0, 1.0], np.float32)
+    model, ref = nn.Linear(4, 3), tnn.Linear(4, 3)
+    model.load_state_dict({k: v.numpy() for k, v in ref.state_dict().items()})
+    step = sg.compile_train_step(model, loss=nn.CrossEntropyLoss(weight=w, ignore_index=2),
+                                 optimizer=optim.SGD(lr=0.1),
+                                 example_inputs=(randn(rng, 8, 4), np.zeros(8, np.int64)))
+    criterion = tnn.CrossEntropyLoss(weight=torch.tensor(w), ignore_index=2)
+    topt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        x, y = randn(rng, 8, 4), rng.integers(0, 3, 8).astype(np.int64)
+        got = float(step(x, y))
+        topt.zero_grad()
+        want = criterion(ref(torch.tensor(x)), torch.tensor(y))
+        want.backward()
+        topt.step()
+        assert abs(got - want.item()) < 1e-5 * max(1.0, abs(want.item()))
+    assert_close(model.state_dict()["weight"], ref.weight.detach().numpy(), 1e-5, "weight")
