@@ -9,9 +9,11 @@ so a resume with a different model or data is refused instead of silently mixing
 
 Beside it the metadata records the library version, the step's signature (its modules, the
 shapes and dtypes of its state and its optimizer and loss: `step_signature`), so a refused
-resume can say what differs, and a SHA-256 of every tensor, so a corrupt file is refused rather
-than loaded. A checkpoint is written to a temporary file in the same directory, flushed to disk
-and renamed over the old one: a crash or a full disk mid-write leaves the last good checkpoint.
+resume can say what differs, and a SHA-256 of the rest of the metadata and every tensor, so a
+corrupt file or an edited header is refused rather than loaded (checkpoints written before the
+header was covered carry a SHA-256 of the tensors alone, and still load). A checkpoint is
+written to a temporary file in the same directory, flushed to disk and renamed over the old
+one: a crash or a full disk mid-write leaves the last good checkpoint and no temporary file.
 Non-finite values are never written.
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import StepgraphError
+from .version import __version__
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
 TRAIN_PREFIX = "train."
@@ -35,7 +38,8 @@ DATA_SEED_KEY = "train.data_seed"
 CONFIG_METADATA_KEY = "stepgraph.config"
 VERSION_METADATA_KEY = "stepgraph.version"
 SIGNATURE_METADATA_KEY = "stepgraph.signature"
-DIGEST_METADATA_KEY = "stepgraph.sha256"
+CHECKSUM_METADATA_KEY = "stepgraph.checksum"    # SHA-256 of the other metadata and the tensors
+DIGEST_METADATA_KEY = "stepgraph.sha256"        # older checkpoints: of the tensors alone
 MAX_LISTED = 6          # differences or keys named in one error message
 
 
@@ -56,10 +60,6 @@ class Checkpoint:
     version: str | None = None
 
 
-def _library_version() -> str:
-    from . import __version__
-
-    return __version__
 
 
 def tensors_digest(tensors: dict[str, np.ndarray]) -> str:
@@ -69,6 +69,15 @@ def tensors_digest(tensors: dict[str, np.ndarray]) -> str:
         value = np.ascontiguousarray(tensors[key])
         digest.update(f"{key}\0{value.dtype.str}\0{value.shape}\0".encode())
         digest.update(value.tobytes())
+    return digest.hexdigest()
+
+
+def checkpoint_digest(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> str:
+    """SHA-256 over the metadata's keys and values, in key order, and tensors_digest."""
+    digest = hashlib.sha256()
+    for key in sorted(metadata):
+        digest.update(f"{key}\0{metadata[key]}\0".encode())
+    digest.update(tensors_digest(tensors).encode())
     return digest.hexdigest()
 
 
@@ -101,10 +110,10 @@ def save_checkpoint(path: str | Path, checkpoint: Checkpoint,
     tensors[EPOCH_KEY] = np.array(checkpoint.epoch, dtype=np.int64)
     tensors[DATA_SEED_KEY] = np.array(checkpoint.data_seed, dtype=np.int64)
     metadata = {CONFIG_METADATA_KEY: json.dumps(checkpoint.config, sort_keys=True),
-                VERSION_METADATA_KEY: checkpoint.version or _library_version(),
-                DIGEST_METADATA_KEY: tensors_digest(tensors)}
+                VERSION_METADATA_KEY: checkpoint.version or __version__}
     if checkpoint.signature is not None:
         metadata[SIGNATURE_METADATA_KEY] = json.dumps(checkpoint.signature, sort_keys=True)
+    metadata[CHECKSUM_METADATA_KEY] = checkpoint_digest(tensors, metadata)
     write_atomically(path, save(tensors, metadata=metadata))
     return path
 
@@ -165,10 +174,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     missing = [k for k in (EPOCH_KEY, DATA_SEED_KEY) if k not in tensors]
     if missing:
         raise CheckpointError(f"{path} is not a training checkpoint: missing {missing}")
-    digest = metadata.get(DIGEST_METADATA_KEY)
-    if digest is not None and digest != tensors_digest(tensors):
-        raise CheckpointError(f"checkpoint {path} is corrupt: its tensors do not match the "
-                              "SHA-256 written with them")
+    _check_digest(path, tensors, metadata)
     try:
         config = json.loads(metadata.get(CONFIG_METADATA_KEY, "{}"))
         signature = json.loads(metadata[SIGNATURE_METADATA_KEY]) \
@@ -181,12 +187,37 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
                       signature, metadata.get(VERSION_METADATA_KEY))
 
 
-def check_compatible(saved: dict, current: dict, keys: tuple[str, ...]) -> None:
-    """Raise CheckpointError naming every key in `keys` whose value differs between configs."""
-    diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {current.get(k)!r}"
-             for k in keys if saved.get(k) != current.get(k)]
+def _check_digest(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
+    """CheckpointError unless the file's SHA-256 matches its header and tensors (or, written
+    before the header was covered, its tensors)."""
+    if CHECKSUM_METADATA_KEY in metadata:
+        header = {k: v for k, v in metadata.items() if k != CHECKSUM_METADATA_KEY}
+        if metadata[CHECKSUM_METADATA_KEY] != checkpoint_digest(tensors, header):
+            raise CheckpointError(f"checkpoint {path} is corrupt: its header (version, run "
+                                  "settings) or tensors do not match the SHA-256 written with "
+                                  "them; was it edited?")
+    elif DIGEST_METADATA_KEY in metadata:
+        if metadata[DIGEST_METADATA_KEY] != tensors_digest(tensors):
+            raise CheckpointError(f"checkpoint {path} is corrupt: its tensors do not match the "
+                                  "SHA-256 written with them")
+    else:
+        raise CheckpointError(f"checkpoint {path} carries no SHA-256 ({CHECKSUM_METADATA_KEY}), "
+                              "so its contents cannot be trusted")
+
+
+def setting_differences(saved: dict, current: dict, keys: tuple[str, ...]) -> list[str]:
+    """"key: checkpoint <saved value>, now <current value>" for every key in `keys` whose
+    value differs between the configs."""
+    return [f"{k}: checkpoint {saved.get(k)!r}, now {current.get(k)!r}"
+            for k in keys if saved.get(k) != current.get(k)]
+
+
+def check_compatible(saved: dict, current: dict, keys: tuple[str, ...], advice: str = "") -> None:
+    """Raise CheckpointError naming every key in `keys` whose value differs between configs
+    (saved vs current), followed by `advice`."""
+    diffs = setting_differences(saved, current, keys)
     if diffs:
-        raise CheckpointError("cannot resume a different run: " + "; ".join(diffs))
+        raise CheckpointError("cannot resume a different run: " + "; ".join(diffs) + advice)
 
 
 # ---- step signatures -----------------------------------------------------------------------
@@ -255,7 +286,7 @@ def check_signature(saved: Checkpoint, current: dict, path: str | Path) -> None:
     current = json.loads(json.dumps(current, sort_keys=True))
     diffs = signature_differences(saved.signature, current)
     if diffs:
-        version = _library_version()
+        version = __version__
         written = f" (written by stepgraph {saved.version}, this is {version})" \
             if saved.version and saved.version != version else ""
         raise CheckpointError(f"cannot resume from {path}: it holds the state of a different "

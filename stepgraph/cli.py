@@ -42,23 +42,40 @@ DELEGATED = {"bench": (run_bench, "time a training step against PyTorch, JAX, ti
                         "training (--gpus N -- CMD ...), as torchrun does")}
 
 
+def model_choice(value: str) -> str:
+    """--model: a built-in model's name or a model file FILE.py:CLASS."""
+    from .model_file import is_model_file
+    from .train import MODELS
+
+    if value in MODELS or is_model_file(value):
+        return value
+    raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from "
+                                     f"{', '.join(MODELS)}, or FILE.py:CLASS)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .api import PRECISIONS
-    from .train import BAD_BATCH_POLICIES, DATASETS, DEVICES, MODELS
-    from .train_gpt import TEXT_DATASETS, TEXT_MODELS
+    from .train import BAD_BATCH_POLICIES, DATA, DEVICES
 
     parser = argparse.ArgumentParser(prog="stepgraph", description=DESCRIPTION)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in DELEGATED.items():
         commands.add_parser(name, help=help_text, add_help=False)
     train = commands.add_parser("train", help="train a model and report its test accuracy "
-                                "(gpt: its validation loss)",
+                                "(text: its validation loss)",
                                 description="Train a model; write metrics.json, metrics.png "
                                 "and checkpoint.safetensors into --out.")
-    train.add_argument("--model", choices=MODELS + TEXT_MODELS, default="mlp",
+    train.add_argument("--model", type=model_choice, default="mlp",
+                       metavar="{mlp,cnn,resnet,gpt,FILE.py:CLASS}",
                        help="resnet: the CIFAR ResNet-8-style network of stepgraph.models; "
-                       "gpt: a character-level GPT (nanoGPT's) on --data text")
-    train.add_argument("--data", choices=DATASETS + TEXT_DATASETS, default=None,
+                       "gpt: a character-level GPT (nanoGPT's) on --data text; "
+                       "FILE.py:CLASS: your own nn.Module class in a Python file, built with "
+                       "--model-args, trained on any --data (images (N, C, H, W) -> logits "
+                       "with cross-entropy; text tokens (B, T) -> logits (B, T, V))")
+    train.add_argument("--model-args", default=None, metavar="JSON",
+                       help="keyword arguments of a model file's class, as a JSON object "
+                       "(default: none)")
+    train.add_argument("--data", choices=tuple(DATA), default=None,
                        help="digits (the default for image models): bundled 8x8 images; mnist: "
                        "IDX files in --data-dir; cifar10: the CIFAR-10 batches (python or "
                        "binary version) in --data-dir; text (gpt): --text-file, or Python's "
@@ -69,17 +86,26 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--epochs", type=int, default=None,
                        help="total epochs (default: 20 for digits, 5 for mnist, 20 for cifar10)")
     train.add_argument("--batch-size", type=int, default=None,
-                       help="default: 32 for digits, 64 for mnist, 512 for cifar10")
+                       help="default: 32 for digits, 64 for mnist, 512 for cifar10, 64 for text")
     train.add_argument("--lr", type=float, default=None,
-                       help="peak learning rate (default: 1e-3 with AdamW for mlp and cnn; 0.4 "
-                       "with SGD, warmup and cosine decay for resnet)")
+                       help="peak learning rate (default: 1e-3 with AdamW for mlp, cnn, gpt "
+                       "and model files; 0.4 with SGD, warmup and cosine decay for resnet)")
     train.add_argument("--device", choices=DEVICES, default="auto",
                        help="auto: cuda when a GPU is usable, else cpu")
     train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--out", default=None, help="output directory (default: runs/DATA-MODEL)")
+    train.add_argument("--out", default=None, help="output directory (default: "
+                       "runs/DATA-MODEL); one that holds a run is refused unless --resume or "
+                       "--overwrite")
     train.add_argument("--resume", action="store_true",
-                       help="continue from the checkpoint in --out up to --epochs (gpt: "
-                       "--steps) in total")
+                       help="continue from the checkpoint in --out up to --epochs (text: "
+                       "--steps) in total; refused if a setting that changes the run differs "
+                       "from the checkpoint's")
+    train.add_argument("--force", action="store_true",
+                       help="with --resume: resume even where settings differ from the "
+                       "checkpoint's (the model's state must still fit)")
+    train.add_argument("--overwrite", action="store_true",
+                       help="replace the run in --out (its files are replaced as this run "
+                       "writes its own)")
     train.add_argument("--no-progress", action="store_true", help="no progress bars")
     train.add_argument("--on-bad-batch", choices=BAD_BATCH_POLICIES, default="raise",
                        help="a batch with labels out of range or a NaN/Inf loss or gradient: "
@@ -91,21 +117,23 @@ def build_parser() -> argparse.ArgumentParser:
                        help="fp32 (default); tf32: TF32 tensor-core matrix products (cuda); "
                        "bf16: mixed precision as PyTorch autocast, float32 master weights "
                        "(cpu: the NumPy emulation; cuda: where its bf16 kernels exist)")
-    add_gpt_arguments(train)
+    add_text_arguments(train)
     add_sample_parser(commands, DEVICES)
     return parser
 
 
-# Flags of --model gpt, with the GPTTrainConfig field each sets (None: its default).
-GPT_FLAGS = {"--text-file": "text_file", "--steps": "steps", "--eval-interval": "eval_interval",
-             "--block-size": "block_size", "--n-layer": "n_layer", "--n-head": "n_head",
-             "--n-embd": "n_embd", "--dropout": "dropout"}
+# Flags of text data (--data text) and of --model gpt, with the TrainConfig field each sets
+# (None: its default).
+TEXT_FLAGS = {"--text-file": "text_file", "--steps": "steps", "--eval-interval": "eval_interval",
+              "--block-size": "block_size"}
+GPT_FLAGS = {"--n-layer": "n_layer", "--n-head": "n_head", "--n-embd": "n_embd",
+             "--dropout": "dropout"}
 
 
-def add_gpt_arguments(train: argparse.ArgumentParser) -> None:
+def add_text_arguments(train: argparse.ArgumentParser) -> None:
     group = train.add_argument_group(
-        "gpt", "--model gpt --data text: a character-level GPT, trained for --steps iterations "
-        "(--batch-size default 64, --lr default 1e-3: AdamW, warmup and cosine decay)")
+        "text", "--data text (--model gpt, or a model file): trained for --steps iterations "
+        "(--batch-size default 64; gpt: --lr default 1e-3 with AdamW, warmup and cosine decay)")
     group.add_argument("--text-file", default=None,
                        help="UTF-8 text to train on (default: the help topics every Python "
                        "installation carries, pydoc_data/topics.py)")
@@ -114,6 +142,7 @@ def add_gpt_arguments(train: argparse.ArgumentParser) -> None:
                        help="steps between validation losses and checkpoints (default 250)")
     group.add_argument("--block-size", type=int, default=None,
                        help="context length in characters (default 256)")
+    group = train.add_argument_group("gpt", "the sizes of --model gpt")
     group.add_argument("--n-layer", type=int, default=None, help="transformer blocks (default 6)")
     group.add_argument("--n-head", type=int, default=None, help="attention heads (default 6)")
     group.add_argument("--n-embd", type=int, default=None, help="embedding width (default 384)")
@@ -175,55 +204,45 @@ def without_gpus(argv: list[str]) -> list[str]:
 
 
 def run_train(args: argparse.Namespace, argv: list[str] | None = None) -> int:
-    from .train import TrainConfig, TrainConfigError, train
-    from .train_gpt import TEXT_DATASETS, TEXT_MODELS
+    from .model_file import parse_model_args
+    from .train import DATA, TrainConfig, TrainConfigError, model_entry, train
 
-    if args.model in TEXT_MODELS or args.data in TEXT_DATASETS:
+    entry = model_entry(args.model)
+    data = args.data or entry.data[0]
+    text = DATA[data].kind == "text"
+    if text:
         from .distributed import launched_world_size
 
         if args.gpus not in (None, 1) or launched_world_size() > 1:
-            raise TrainConfigError("data-parallel training (--gpus) applies to the image "
-                                   "models (mlp, cnn, resnet) only")
-        return run_train_gpt(args)
-    if args.gpus is not None:
+            raise TrainConfigError("data-parallel training (--gpus) applies to image data only "
+                                   "(mlp, cnn, resnet and model files)")
+    elif args.gpus is not None:
         code = relaunch(args.gpus, argv if argv is not None else ["train"])
         if code is not None:
             return code
-    given = [flag for flag, name in GPT_FLAGS.items() if getattr(args, name) is not None]
-    if given:
-        raise TrainConfigError(f"{given[0]} applies to --model gpt only")
-    config = TrainConfig(model=args.model, data=args.data or "digits", data_dir=args.data_dir,
+    flags = {**({} if text else TEXT_FLAGS), **({} if args.model == "gpt" else GPT_FLAGS)}
+    given = [flag for flag, name in flags.items() if getattr(args, name) is not None]
+    if given and data in entry.data:
+        raise TrainConfigError(f"{given[0]} applies to --model gpt only"
+                               + (" (and model files on --data text)"
+                                  if given[0] in TEXT_FLAGS else ""))
+    options = {name: getattr(args, name) for name in (*TEXT_FLAGS.values(), *GPT_FLAGS.values())}
+    config = TrainConfig(model=args.model, data=data, data_dir=args.data_dir,
                          epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                          device=args.device, seed=args.seed, out=args.out, resume=args.resume,
+                         overwrite=args.overwrite, force=args.force,
                          progress=not args.no_progress, on_bad_batch=args.on_bad_batch,
-                         precision=args.precision or "fp32")
+                         precision=args.precision or "fp32",
+                         model_args=(parse_model_args(args.model_args)
+                                     if args.model_args is not None else None),
+                         **{k: v for k, v in options.items() if v is not None})
     result = train(config, log=lambda line: print(line, flush=True))
     if result.rank == 0:
         print(f"wrote {result.out_dir}/ (metrics.json, metrics.png, checkpoint.safetensors)")
-        print(f"test accuracy: {result.test_accuracy:.4f}")
-    return 0
-
-
-def run_train_gpt(args: argparse.Namespace) -> int:
-    from .train import TrainConfigError
-    from .train_gpt import TEXT_DATASETS, TEXT_MODELS, GPTTrainConfig, train_gpt
-
-    if args.model not in TEXT_MODELS or args.data not in (None, *TEXT_DATASETS):
-        raise TrainConfigError(f"--model {args.model} does not train on --data {args.data}: "
-                               f"use --model gpt with --data text")
-    for flag, value in (("--epochs", args.epochs), ("--data-dir", args.data_dir)):
-        if value is not None:
-            raise TrainConfigError(f"{flag} does not apply to --model gpt (it trains for "
-                                   "--steps on --text-file)")
-    options = {name: getattr(args, name) for name in (*GPT_FLAGS.values(), "precision")}
-    options.update(batch_size=args.batch_size, lr=args.lr)
-    config = GPTTrainConfig(**{k: v for k, v in options.items() if v is not None},
-                            device=args.device, seed=args.seed, out=args.out,
-                            resume=args.resume, progress=not args.no_progress,
-                            on_bad_batch=args.on_bad_batch)
-    result = train_gpt(config, log=lambda line: print(line, flush=True))
-    print(f"wrote {result.out_dir}/ (metrics.json, metrics.png, checkpoint.safetensors)")
-    print(f"validation loss: {result.val_loss:.4f}")
+        if result.val_loss is not None:
+            print(f"validation loss: {result.val_loss:.4f}")
+        else:
+            print(f"test accuracy: {result.test_accuracy:.4f}")
     return 0
 
 

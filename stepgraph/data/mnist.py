@@ -7,6 +7,7 @@ They are looked for in the directory itself and in `<dir>/MNIST/raw` (torchvisio
 from __future__ import annotations
 
 import gzip
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -50,8 +51,12 @@ def find_file(data_dir: Path, name: str) -> Path | None:
 def read_idx(path: Path) -> np.ndarray:
     """Read one IDX file (optionally gzipped) into an array of its stored dtype."""
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        data = f.read()
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+    except (EOFError, gzip.BadGzipFile, zlib.error) as err:    # a cut-off or damaged download
+        raise DatasetFormatError(f"{path}: truncated or corrupt gzip file ({err}); the file "
+                                 "is left as it is: download it again") from err
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in IDX_DTYPES:
         raise DatasetFormatError(f"{path}: not an IDX file (magic bytes {data[:4]!r})")
     dtype, ndim = np.dtype(IDX_DTYPES[data[2]]), data[3]

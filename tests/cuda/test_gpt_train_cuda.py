@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 import stepgraph as sg
-from stepgraph import train_gpt as train_gpt_module
+from stepgraph import train as train_gpt_module
 from stepgraph.sample import SampleConfig, sample
-from stepgraph.train_gpt import GPTTrainConfig, train_gpt
+from stepgraph.train import GPTTrainConfig
+from stepgraph.train import train as train_gpt
 
 pytestmark = pytest.mark.cuda
 cp = pytest.importorskip("cupy")

@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 
 from stepgraph import models
-from stepgraph import train_gpt as train_gpt_module
+from stepgraph import train as train_gpt_module
 from stepgraph.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint
 from stepgraph.cli import main
 from stepgraph.data import load_text
 from stepgraph.data.text import DEFAULT_CORPUS, TokenBatches
 from stepgraph.sample import next_token
-from stepgraph.train_gpt import GPTTrainConfig, train_gpt
+from stepgraph.train import GPTTrainConfig
+from stepgraph.train import train as train_gpt
 
 TINY = ("--batch-size", "8", "--block-size", "16", "--n-layer", "1", "--n-head", "2",
         "--n-embd", "32", "--dropout", "0.1", "--device", "cpu", "--no-progress")
