@@ -283,35 +283,30 @@ def embedding(input: Tensor, weight, padding_idx=None, max_norm=None, norm_type:
     return input.tracer.op("embedding", [w, input])
 
 
-def last_dim_shape(normalized_shape, what: str, where: str | None = None) -> tuple[int]:
-    """layer_norm's normalized_shape (an int or a tuple of one) as a 1-tuple; a longer one
-    raises UnsupportedOpError naming `what` (the caller) and the module path `where`."""
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else \
+def normalized_dims(normalized_shape) -> tuple[int, ...]:
+    """layer_norm's normalized_shape (an int or a tuple) as a tuple."""
+    return (normalized_shape,) if isinstance(normalized_shape, int) else \
         tuple(normalized_shape)
-    if len(shape) != 1:
-        raise UnsupportedOpError(f"{what} over {shape}: only the last dim (a normalized_shape "
-                                 "of one int) is supported" + (f" (in {where})" if where else ""))
-    return shape
-
-
-def _normalized_last_dim(input: Tensor, normalized_shape) -> int:
-    shape = last_dim_shape(normalized_shape, "layer_norm", input.tracer.where())
-    if not input.ndim or input.shape[-1] != shape[0]:
-        raise ShapeError(f"layer_norm: normalized_shape {shape} does not match the last dim "
-                         f"of input {input.shape}")
-    return shape[0]
 
 
 def layer_norm(input: Tensor, normalized_shape, weight=None, bias=None,
                eps: float = 1e-5) -> Tensor:
-    """(x - mean) / sqrt(var + eps) * weight + bias over the last dim, as
-    torch.nn.functional.layer_norm with normalized_shape = (C,); weight and bias (C,) are
-    optional."""
-    _normalized_last_dim(input, normalized_shape)
+    """(x - mean) / sqrt(var + eps) * weight + bias over the trailing normalized_shape dims,
+    as torch.nn.functional.layer_norm; weight and bias (normalized_shape) are optional. More
+    than one normalized dim: the op over those dims flattened into one."""
+    shape = normalized_dims(normalized_shape)
+    if not shape or tuple(input.shape[input.ndim - len(shape):]) != shape:
+        raise ShapeError(f"layer_norm: normalized_shape {shape} does not match the last dims "
+                         f"of input {input.shape}")
     w, b = _traced(input, weight), _traced(input, bias)
-    ins = [input] + [t for t in (w, b) if t is not None]
-    return input.tracer.op("layer_norm", ins, eps=float(eps), weight=w is not None,
-                           bias=b is not None)
+    x = input
+    if len(shape) > 1:
+        x = input.reshape(*input.shape[:input.ndim - len(shape)], -1)
+        w, b = (None if t is None else t.reshape(-1) for t in (w, b))
+    ins = [x] + [t for t in (w, b) if t is not None]
+    y = input.tracer.op("layer_norm", ins, eps=float(eps), weight=w is not None,
+                        bias=b is not None)
+    return y.reshape(*input.shape) if len(shape) > 1 else y
 
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask=None,

@@ -45,18 +45,19 @@ class Embedding(Module):
 
 
 class LayerNorm(Module):
-    """Normalisation over the last dim (normalized_shape: an int, or a tuple of one), weight
-    1 and bias 0 when elementwise_affine (bias=False: no bias), as torch.nn.LayerNorm."""
+    """Normalisation over the trailing normalized_shape dims (an int or a tuple), weight 1
+    and bias 0 of that shape when elementwise_affine (bias=False: no bias), as
+    torch.nn.LayerNorm."""
 
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
                  bias: bool = True):
         super().__init__()
-        shape = F.last_dim_shape(normalized_shape, "LayerNorm")
-        self.normalized_shape, self.eps = shape, eps
+        self.normalized_shape, self.eps = F.normalized_dims(normalized_shape), eps
         self.elementwise_affine = elementwise_affine
-        c = shape[0]
-        self.weight = Parameter(np.ones(c, np.float32)) if elementwise_affine else None
-        self.bias = Parameter(np.zeros(c, np.float32)) if elementwise_affine and bias else None
+        shape = self.normalized_shape
+        self.weight = Parameter(np.ones(shape, np.float32)) if elementwise_affine else None
+        self.bias = Parameter(np.zeros(shape, np.float32)) if elementwise_affine and bias \
+            else None
 
     def forward(self, x):
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)

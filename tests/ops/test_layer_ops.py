@@ -61,6 +61,15 @@ def test_layer_norm_without_affine_and_without_bias(gen, dtype):
           dtype, gen)
 
 
+@DTYPES
+def test_layer_norm_over_several_trailing_dims(gen, dtype):
+    arrays = {"x": randn(gen, 2, 3, 4, 5, dtype=dtype), "w": randn(gen, 4, 5, dtype=dtype),
+              "b": randn(gen, 4, 5, dtype=dtype)}
+    check(lambda x, w, b: F.layer_norm(x, (4, 5), w, b, 1e-3),
+          lambda x, w, b: TF.layer_norm(x, (4, 5), w, b, 1e-3), arrays, ("x", "w", "b"),
+          dtype, gen)
+
+
 CONV1D = {   # x shape, weight shape, stride, padding, dilation, groups
     "plain": ((2, 3, 9), (4, 3, 3), 1, 0, 1, 1),
     "strided-padded": ((2, 4, 10), (6, 2, 3), 2, 1, 1, 2),
@@ -188,6 +197,7 @@ MODULE_CASES = {
     "RMSNorm-no-affine": (lambda M: M.RMSNorm(4, elementwise_affine=False), (2, 4)),
     "LayerNorm-no-affine": (lambda M: M.LayerNorm(4, elementwise_affine=False), (2, 3, 4)),
     "LayerNorm-no-bias": (lambda M: M.LayerNorm(4, bias=False), (2, 4)),
+    "LayerNorm-2d": (lambda M: M.LayerNorm([3, 4]), (2, 3, 4)),
     "Conv1d": (lambda M: M.Conv1d(4, 6, 3, stride=2, padding=1, groups=2), (2, 4, 9)),
     "ConvTranspose2d": (lambda M: M.ConvTranspose2d(4, 6, 3, stride=2, padding=1,
                                                     output_padding=1, groups=2), (2, 4, 5, 5)),
