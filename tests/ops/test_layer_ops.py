@@ -324,3 +324,32 @@ def test_max_pool_modules_match_torch(gen):
                   (nn.AdaptiveAvgPool2d((4, 5)), tnn.AdaptiveAvgPool2d((4, 5)))]:
         (got,) = _run_module(m, x)
         assert_close(got, tm(torch.tensor(x)).numpy(), 1e-6, repr(m))
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_multihead_attention_dropout_trains_and_eval_is_deterministic(need_weights, gen):
+    """Training draws dropout masks (its first loss is not the eval loss of the same
+    weights); eval is the same every call; the attention's parameters get updates."""
+    import stepgraph as sg
+    from stepgraph import optim
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True)
+
+        def forward(self, x):
+            return self.attn(x, x, x, need_weights=need_weights)[0].mean(1)
+
+    model = Net()
+    x, y = randn(gen, 3, 5, 8), randn(gen, 3, 8)
+    predict = sg.compile_predict(model.eval(), example_inputs=(x,))
+    out = predict(x)
+    np.testing.assert_array_equal(out, predict(x))
+    eval_loss = float(np.mean((out - y) ** 2))
+    model.train()
+    step = sg.compile_train_step(model, loss=F.mse_loss, optimizer=optim.SGD(lr=0.1),
+                                 example_inputs=(x, y), seed=3)
+    before = model.state_dict()["attn.in_proj_weight"].copy()
+    assert abs(float(step(x, y)) - eval_loss) > 1e-4 * eval_loss
+    assert not np.array_equal(before, model.state_dict()["attn.in_proj_weight"])
