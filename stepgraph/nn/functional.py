@@ -793,9 +793,9 @@ def conv_transpose2d(input: Tensor, weight, bias=None, stride=1, padding=0, outp
     return conv2d(x, kernel, bias, 1, 0, dilation, groups)
 
 
-def _out_size(size, scale_factor, shape: tuple[int, ...], what: str):
-    """The output (H, W) and the per-axis scale (in / out, or 1 / scale_factor when given:
-    torch's source-index scale) of interpolate's size or scale_factor."""
+def _out_size(size, scale_factor, recompute: bool, shape: tuple[int, ...], what: str):
+    """The output (H, W) and the per-axis scale (in / out, or 1 / scale_factor when given
+    and not recomputed: torch's source-index scale) of interpolate's size or scale_factor."""
     if (size is None) == (scale_factor is None):
         raise ValueError(f"{what}: give exactly one of size and scale_factor")
     if size is not None:
@@ -803,7 +803,8 @@ def _out_size(size, scale_factor, shape: tuple[int, ...], what: str):
         return out, [i / o for i, o in zip(shape, out)]
     factors = (float(scale_factor),) * 2 if isinstance(scale_factor, (int, float)) else \
         tuple(float(f) for f in scale_factor)
-    return tuple(int(i * f) for i, f in zip(shape, factors)), [1.0 / f for f in factors]
+    out = tuple(int(i * f) for i, f in zip(shape, factors))
+    return out, [i / o if recompute else 1.0 / f for i, o, f in zip(shape, out, factors)]
 
 
 def _nearest(x: Tensor, n_out: int, n_in: int, scale: float) -> Tensor:
@@ -835,16 +836,16 @@ def interpolate(input: Tensor, size=None, scale_factor=None, mode: str = "neares
                 align_corners: bool | None = None, recompute_scale_factor=None,
                 antialias: bool = False) -> Tensor:
     """Resize the (H, W) axes of an (N, C, H, W) input by `size` or `scale_factor`, mode
-    "nearest" or "bilinear" (align_corners), as torch.nn.functional.interpolate."""
-    if input.ndim != 4 or mode not in ("nearest", "bilinear") or antialias or \
-            recompute_scale_factor:
+    "nearest" or "bilinear" (align_corners; recompute_scale_factor: the source scale from
+    the sizes), as torch.nn.functional.interpolate."""
+    if input.ndim != 4 or mode not in ("nearest", "bilinear") or antialias:
         raise UnsupportedOpError(f"interpolate of a {input.ndim}-d input with mode={mode!r}"
-                                 f"{', antialias' if antialias else ''}"
-                                 f"{', recompute_scale_factor' if recompute_scale_factor else ''}"
-                                 f" (only 4-d nearest and bilinear; in {input.tracer.where()})")
+                                 f"{', antialias' if antialias else ''} (only 4-d nearest and "
+                                 f"bilinear; in {input.tracer.where()})")
     if mode == "nearest" and align_corners is not None:
         raise ValueError("interpolate: align_corners is only for the linear modes")
-    out, scale = _out_size(size, scale_factor, input.shape[2:], "interpolate")
+    out, scale = _out_size(size, scale_factor, bool(recompute_scale_factor), input.shape[2:],
+                           "interpolate")
     maps = [_nearest(input, o, n, s) if mode == "nearest" else
             _linear_weights(input, o, n, s, bool(align_corners))
             for o, n, s in zip(out, input.shape[2:], scale)]

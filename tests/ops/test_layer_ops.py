@@ -110,21 +110,23 @@ def test_conv_transpose2d(gen, dtype, case):
           gen)
 
 
-INTERP = {   # size, scale_factor, mode, align_corners
-    "nearest-x2": (None, 2, "nearest", None),
-    "nearest-size": ((7, 3), None, "nearest", None),
-    "bilinear-x2": (None, 2, "bilinear", False),
-    "bilinear-size": ((7, 3), None, "bilinear", False),
-    "bilinear-corners": ((7, 9), None, "bilinear", True),
-    "bilinear-down": (None, (0.5, 1.5), "bilinear", False),
+INTERP = {   # size, scale_factor, mode, align_corners, recompute_scale_factor
+    "nearest-x2": (None, 2, "nearest", None, None),
+    "nearest-size": ((7, 3), None, "nearest", None, None),
+    "bilinear-x2": (None, 2, "bilinear", False, None),
+    "bilinear-size": ((7, 3), None, "bilinear", False, None),
+    "bilinear-corners": ((7, 9), None, "bilinear", True, None),
+    "bilinear-down": (None, (0.5, 1.5), "bilinear", False, None),
+    "bilinear-recompute": (None, (1.7, 1.3), "bilinear", False, True),
 }
 
 
 @DTYPES
 @pytest.mark.parametrize("case", list(INTERP))
 def test_interpolate(gen, dtype, case):
-    size, scale, mode, corners = INTERP[case]
-    kw = dict(size=size, scale_factor=scale, mode=mode, align_corners=corners)
+    size, scale, mode, corners, recompute = INTERP[case]
+    kw = dict(size=size, scale_factor=scale, mode=mode, align_corners=corners,
+              recompute_scale_factor=recompute)
     check(lambda x: F.interpolate(x, **kw), lambda x: TF.interpolate(x, **kw),
           {"x": randn(gen, 2, 3, 5, 6, dtype=dtype)}, ("x",), dtype, gen)
 
