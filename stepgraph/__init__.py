@@ -1,16 +1,43 @@
-"""stepgraph: compile a whole training step once, run it as one call."""
-from . import distributed, losses, nn, ops, optim
+"""stepgraph: compile a whole training step once, run it as one call.
+
+It is also the `torch` namespace of model files (`import stepgraph as torch`): factories,
+dtypes, device, no_grad, backends flags (docs/TORCH_COMPAT.md); a torch name it lacks raises
+UnsupportedOpError (an AttributeError) naming it."""
+from . import backends, cuda, distributed, losses, nn, ops, optim, return_types
 from .api import Predictor, TrainStep, compile_predict, compile_train_step
 from .backends import cuda_available
-from .functions import *  # noqa: F401,F403  torch-level functions (torch.exp, torch.where)
 from .errors import (BackendUnavailableError, CaptureError, DistributedError, LabelError,
                      NonFiniteError, PlanError, ShapeError, StateDictError, StepgraphError,
                      UnsupportedOpError)
-from .ir.trace import arange
+from .backends.flags import get_float32_matmul_precision, set_float32_matmul_precision
+from .devices import device
+from .dtypes import *  # noqa: F401,F403
+from .dtypes import __all__ as _dtype_names
+from .functions import *  # noqa: F401,F403
+from .functions import factories as _factories
+from .grad_mode import (enable_grad, inference_mode, is_grad_enabled, no_grad,
+                        set_grad_enabled)
+from .ir.trace import Size, Tensor
 from .nn.module import to_numpy
 from .version import __version__
 
 __all__ = ["nn", "optim", "losses", "distributed", "compile_train_step", "compile_predict",
-           "TrainStep", "Predictor", "cuda_available", "to_numpy", "arange", "StepgraphError",
+           "TrainStep", "Predictor", "cuda_available", "to_numpy", "StepgraphError",
            "ShapeError", "LabelError", "NonFiniteError", "PlanError", "CaptureError",
-           "StateDictError", "BackendUnavailableError", "UnsupportedOpError", "DistributedError"]
+           "StateDictError", "BackendUnavailableError", "UnsupportedOpError", "DistributedError",
+           "backends", "cuda", "device", "Size", "Tensor", "no_grad", "enable_grad",
+           "inference_mode", "set_grad_enabled", "is_grad_enabled",
+           "set_float32_matmul_precision", "get_float32_matmul_precision",
+           *(n for n in _dtype_names if n not in ("float", "int", "bool")),  # keep builtins
+           *_factories.__all__]
+
+
+def __getattr__(name: str):
+    """A torch name stepgraph lacks: UnsupportedOpError, which is an AttributeError."""
+    import importlib.util
+    if name.startswith("_"):
+        raise AttributeError(f"module 'stepgraph' has no attribute {name!r}")
+    if importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")     # a submodule not loaded yet
+    raise UnsupportedOpError(f"torch.{name} is not supported by stepgraph (see "
+                             "docs/TORCH_COMPAT.md for the torch names it has)")

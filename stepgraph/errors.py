@@ -43,9 +43,10 @@ class BackendUnavailableError(StepgraphError, RuntimeError):
     """The requested device has no working backend on this machine."""
 
 
-class UnsupportedOpError(StepgraphError, NotImplementedError):
+class UnsupportedOpError(StepgraphError, NotImplementedError, AttributeError):
     """A tensor operation or argument stepgraph cannot trace; names the op and the module path
-    (e.g. "model.layer1.0") where the model called it."""
+    (e.g. "model.layer1.0") where the model called it. Also raised for a torch name stepgraph
+    lacks (`torch.foo`), hence an AttributeError: hasattr and getattr with a default work."""
 
 
 class UnsupportedPrecisionError(UnsupportedOpError):

@@ -14,10 +14,11 @@ from ..ir.trace import Tracer
 
 
 def _needs_grad(graph: Graph, wrt: list[Value]) -> set[Value]:
-    """Values that depend on any of `wrt` (only their gradients are worth computing)."""
+    """Values that depend on any of `wrt` (only their gradients are worth computing); a
+    stop_gradient's output depends on nothing, so the backward stops there."""
     needs = set(wrt)
     for node in graph.nodes:
-        if any(v in needs for v in node.inputs):
+        if node.op != "stop_gradient" and any(v in needs for v in node.inputs):
             needs.update(node.outputs)
     return needs
 

@@ -1,8 +1,13 @@
-"""Backends run a Plan. They are passed explicitly: `get_backend("cpu" | "cuda")`."""
+"""Backends run a Plan. They are passed explicitly: `get_backend("cpu" | "cuda")`.
+
+As torch.backends, this package also holds the flags model code sets (`cudnn.benchmark`,
+`cuda.matmul.allow_tf32`, ...): see flags.py."""
 from __future__ import annotations
 
 from ..errors import BackendUnavailableError
+from . import cuda  # noqa: F401  (light: only torch.backends.cuda's flags)
 from .base import Backend
+from .flags import cudnn, mps  # noqa: F401
 
 _instances: dict[str, Backend] = {}
 
@@ -52,3 +57,17 @@ def cuda_available() -> bool:
         return cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:  # no CuPy, no driver, no device: all mean "no"
         return False
+
+
+def __getattr__(name: str):
+    """A torch.backends name stepgraph lacks: UnsupportedOpError (an AttributeError)."""
+    import importlib
+    import importlib.util
+
+    if name.startswith("_"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")     # a submodule not loaded yet
+    from ..errors import UnsupportedOpError
+    raise UnsupportedOpError(f"torch.backends.{name} is not supported by stepgraph (see "
+                             "docs/TORCH_COMPAT.md for the torch names it has)")

@@ -68,7 +68,7 @@ class _Matcher:
                 is not view:
             return None
         cut = self.producers.get(view.inputs[0])
-        if cut is None or cut.op != "slice":
+        if cut is None or cut.op != "slice" or int(cut.attrs.get("step") or 1) != 1:
             return None
         x = cut.inputs[0]
         c, rank = view.inputs[0].shape[-1], len(x.shape)

@@ -38,6 +38,7 @@ import numpy as np
 from ..errors import UnsupportedPrecisionError
 from ..ir.graph import BF16, PARAM, STATE, Graph, Node, Value
 from ..ir.ops import infer_outputs
+from .plan import VIEW_OPS
 
 PRECISION = "bf16"
 
@@ -72,6 +73,7 @@ POLICIES = {
     # Two tensors: torch's type promotion (bf16 + float32 -> float32; bf16 + bf16 -> bf16).
     "binary": PROMOTE,
     "add": PROMOTE,
+    "concat": PROMOTE,              # torch.cat / stack are on the CUDA promote list
     # On no list: dtype-preserving in torch autocast. Activations (relu, leaky_relu, gelu,
     # sigmoid, tanh, silu), dropout, pooling, views and copies of shape; `scalar` with a Python
     # number keeps the tensor's dtype (torch does not promote a tensor by a Python scalar),
@@ -84,6 +86,7 @@ POLICIES = {
     "permute": KEEP,
     "slice": KEEP,
     "expand": KEEP,
+    "triangle": KEEP,               # tril / triu
     "scalar": KEEP,
     "cast": KEEP,
     # batch_norm is on no CUDA list: cuDNN's BatchNorm takes a bf16 x with float32 weight,
@@ -93,6 +96,8 @@ POLICIES = {
     "embedding": KEEP,
     "fill": KEEP,
     "arange": KEEP,
+    "constant": KEEP,
+    "stop_gradient": KEEP,
     # Elementwise math (ops/unary.py): sqrt, abs, sign, sin, cos, erf are on no list;
     # FP32_UNARY_KINDS below are on the fp32 list. Comparisons, where and masked_fill are on
     # no list: two tensors promote, a mask or a number keeps the tensor's dtype.
@@ -235,12 +240,12 @@ def bind_weight_copies(graph: Graph) -> list[WeightCopy]:
 def check_bf16_support(graph: Graph, supported: frozenset[str] | None, device: str) -> None:
     """Raise UnsupportedPrecisionError naming every op of `graph` that reads or writes a bf16
     value and whose kernels on `device` do not take bf16 (`supported`: the ops that do; None:
-    every op, the NumPy reference). Views (reshape) run no kernel."""
+    every op, the NumPy reference). Views (plan.VIEW_OPS) run no kernel."""
     if supported is None:
         return
     missing: dict[str, str] = {}
     for n in graph.nodes:
-        if n.op == "reshape" or n.op in supported:
+        if n.op in VIEW_OPS or n.op in supported:
             continue
         if any(v.dtype == BF16 for v in [*n.inputs, *n.outputs]):
             missing.setdefault(n.op, n.label)

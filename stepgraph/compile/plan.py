@@ -13,7 +13,7 @@ from ..errors import PlanError
 from ..ir.graph import Graph, Node, Value
 
 ALIGN = 256          # bytes; cuBLASLt and float4 kernels want aligned operands
-VIEW_OPS = ("reshape",)
+VIEW_OPS = ("reshape", "stop_gradient")   # alias their input: no kernel runs them
 
 
 @dataclass(frozen=True)

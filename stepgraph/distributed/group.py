@@ -8,6 +8,7 @@ next sequence number, which names its keys in the store.
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import os
 import sys
@@ -28,6 +29,7 @@ FAULT_EXIT_CODE = 75          # a rank ended because another died (EX_TEMPFAIL: 
 
 # Groups by id: graph nodes name their group in attrs (plain data), the op impls look it up.
 _GROUPS: "weakref.WeakValueDictionary[str, ProcessGroup]" = weakref.WeakValueDictionary()
+_GROUP_SERIAL = itertools.count()
 _WATCHED: "weakref.WeakSet[ProcessGroup]" = weakref.WeakSet()    # see _note_crashes
 
 
@@ -51,7 +53,10 @@ class ProcessGroup:
     def __init__(self, env: DistEnv, store: StoreClient | None, server: StoreServer | None,
                  timeout: float):
         self.env, self.store, self._server, self.timeout = env, store, server, timeout
-        self.id = f"{env.master_addr}:{env.master_port}/rank{env.rank}/pid{os.getpid()}"
+        # Unique per group, not per address: a process may make several (tests, a world of
+        # one beside a stale group), and a graph names the one it was compiled with.
+        self.id = (f"{env.master_addr}:{env.master_port}/rank{env.rank}/pid{os.getpid()}"
+                   f"/{next(_GROUP_SERIAL)}")
         self._seq = 0
         self._nccl = None
         self._watchdog: Watchdog | None = None

@@ -1,6 +1,9 @@
 """Tracing: modules are called once on symbolic tensors and every op records a node.
 
 `Tracer` builds a Graph; `Tensor` is the symbolic value modules see. Nothing here runs per step.
+Outside a traced forward, tensors are eager: `EAGER` runs each op at once (its shape rule and its
+NumPy reference), so every Tensor method works on concrete values as well. An eager tensor that
+meets a traced one becomes a `constant` of the trace.
 """
 from __future__ import annotations
 
@@ -12,7 +15,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import ShapeError, UnsupportedOpError
-from .graph import BF16, DTYPES, INPUT, PARAM, STATE, Graph, Node, Value
+from ..grad_mode import is_grad_enabled
+from .graph import (BF16, DTYPES, INPUT, PARAM, STATE, Graph, Node, Value, ir_dtype,
+                    storage_dtype)
 from .ops import OPS, infer_outputs
 
 if TYPE_CHECKING:
@@ -43,6 +48,16 @@ def _dims(dim, ndim: int, what: str) -> tuple[int, ...]:
 
 def _shape_args(shape) -> tuple:
     return tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+
+
+class Size(tuple):
+    """A tensor's shape (torch.Size): a tuple of ints with numel()."""
+
+    def numel(self) -> int:
+        return math.prod(self)
+
+    def __repr__(self):
+        return f"torch.Size({list(self)})"
 
 
 # PyTorch's dtype names that differ from the IR's.
@@ -79,21 +94,33 @@ class Tensor:
     Supports PyTorch's arithmetic operators (+ - * / ** with tensors, broadcasting, or Python
     scalars on either side), @ ((..., K) @ (K, N), and (..., M, K) @ (..., K, N) with the same
     batch dims through bmm), reshape/view/flatten, transpose/permute/.T, split/chunk/narrow,
-    sum/mean, and the methods relu/sigmoid/tanh/softmax/log_softmax. Any other torch.Tensor
-    method or indexing raises UnsupportedOpError naming the op and the module that called
-    it."""
+    sum/mean, and the methods relu/sigmoid/tanh/softmax/log_softmax; indexing x[...],
+    unsqueeze/squeeze/unflatten/expand/repeat/movedim, tril/triu, max/min/amax/amin/argmax/
+    argmin, var/std/logsumexp, cumsum, gather, topk/sort. Any other torch.Tensor method, and
+    what has a data-dependent shape (boolean masks), raises UnsupportedOpError naming the op
+    and the module that called it.
 
-    def __init__(self, value: Value, tracer: Tracer):
+    An eager tensor (tracer `EAGER`, made outside a traced forward by the factories of
+    stepgraph.functions) also holds its values, `array` in storage dtype (bfloat16 as uint16
+    bits): its methods compute at once, and it reads back with numpy()/item()/tolist()."""
+
+    def __init__(self, value: Value, tracer: Tracer | EagerTracer, array=None):
         self.value = value
         self.tracer = tracer
+        self.array = array
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        return self.value.shape
+    def is_eager(self) -> bool:
+        return self.array is not None
 
     @property
-    def dtype(self) -> str:
-        return self.value.dtype
+    def shape(self) -> Size:
+        return Size(self.value.shape)
+
+    @property
+    def dtype(self):
+        from ..dtypes import as_dtype
+        return as_dtype(self.value.dtype)
 
     @property
     def ndim(self) -> int:
@@ -107,6 +134,125 @@ class Tensor:
         if not self.shape:
             raise TypeError("len() of a 0-d tensor")
         return self.shape[0]
+
+    # ---- properties and reading values back (eager tensors) ----
+    @property
+    def device(self):
+        """The CPU: eager tensors live in host memory, and a traced tensor's place is the
+        compiled step's (`compile_train_step(device=...)`), which tracing does not know;
+        factories accept any device, so `device=x.device` in model code works as written."""
+        from ..devices import device
+        return device("cpu")
+
+    @property
+    def requires_grad(self) -> bool:
+        """False: gradients are derived from the loss at compile time, never tracked on
+        tensors (Parameters are what the optimizer updates)."""
+        return False
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def detach(self) -> Tensor:
+        """The same values, cut from the backward (a stop_gradient view)."""
+        return self.tracer.op("stop_gradient", [self])
+
+    def clone(self, *, memory_format=None) -> Tensor:
+        """A copy (eager); a traced value is never overwritten, so it is its own clone."""
+        return tensor_of(self.array.copy()) if self.is_eager else self
+
+    def cpu(self) -> Tensor:
+        """This tensor: eager ones live on the host, traced ones where the step runs."""
+        return self
+
+    def cuda(self, device=None, non_blocking: bool = False) -> Tensor:
+        """This tensor: where a step runs is compile_train_step(device=...), not tensors."""
+        return self
+
+    def requires_grad_(self, requires_grad: bool = True) -> Tensor:
+        """Accepted: gradients are derived from the loss at compile time."""
+        return self
+
+    def is_contiguous(self, memory_format=None) -> bool:
+        return True
+
+    def fill_(self, value) -> Tensor:
+        """Every element set to `value`, in place (eager tensors: a traced value is never
+        overwritten)."""
+        array = self._writable("fill_")
+        array[...] = EAGER.op("fill", [], value=value, shape=(), dtype=self.value.dtype).array
+        return self
+
+    def zero_(self) -> Tensor:
+        return self.fill_(0)
+
+    def copy_(self, src, non_blocking: bool = False) -> Tensor:
+        """`src`'s values (broadcast to this shape, cast to this dtype) written in place."""
+        values = src.numpy() if isinstance(src, Tensor) else np.asarray(src)
+        if self.value.dtype == "bfloat16":
+            from ..backends.numpy import bf16
+            values = bf16.to_bits(np.asarray(values, np.float32))
+        self._writable("copy_")[...] = np.broadcast_to(values, self.shape)
+        return self
+
+    def _writable(self, what: str) -> np.ndarray:
+        if not self.is_eager:
+            self._unsupported(f"Tensor.{what} on a traced tensor (in-place writes; use the "
+                              "out-of-place form)")
+        return self.array
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def dim(self) -> int:
+        return self.ndim
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def numpy(self) -> np.ndarray:
+        """The values as a NumPy array (bfloat16 as float32); eager tensors only."""
+        if not self.is_eager:
+            self._unsupported("reading the values of a traced tensor (numpy/item/tolist: "
+                              "a traced forward has no values yet)")
+        if self.value.dtype == "bfloat16":
+            from ..backends.numpy import bf16
+            return bf16.from_bits(self.array)
+        return self.array
+
+    def __array__(self, dtype=None, copy=None):
+        a = self.numpy()
+        return a if dtype is None else a.astype(dtype)
+
+    def item(self):
+        """The one value of a one-element tensor as a Python number."""
+        values = self.numpy()
+        if values.size != 1:
+            raise ShapeError(f"item: a tensor of {values.size} elements has no single value")
+        return values.reshape(()).item()
+
+    def tolist(self):
+        return self.numpy().tolist()
+
+    def __float__(self):
+        return float(self.item())
+
+    def __int__(self):
+        return int(self.item())
+
+    def __index__(self):
+        if self.dtype.is_floating_point:
+            raise TypeError("only integer tensors of a single element can be an index")
+        return int(self.item())
+
+    def __bool__(self):
+        if not self.is_eager:
+            self._unsupported("a tensor's truth value (data-dependent control flow)")
+        return bool(self.item())
 
     # ---- shape ----
     def reshape(self, *shape) -> Tensor:
@@ -177,15 +323,27 @@ class Tensor:
         if _is_scalar(other):
             if reverse and kind in ("sub", "div"):
                 kind = "r" + kind
-            return self.tracer.op("scalar", [self], kind=kind, value=float(other))
+            x = self._to_float(kind == "div" or kind == "rdiv" or
+                               isinstance(other, (float, np.floating)))
+            return self.tracer.op("scalar", [x], kind=kind, value=float(other))
         other = self._coerce(other, kind)
         a, b = (other, self) if reverse else (self, other)
+        floats = kind == "div" or a.dtype.is_floating_point or b.dtype.is_floating_point
+        a, b = a._to_float(floats), b._to_float(floats)
         return self.tracer.op("binary", [a, b], kind=kind)
+
+    def _to_float(self, needed: bool) -> Tensor:
+        """An integer tensor cast to float32 where torch's type promotion gives a float
+        (division, a float operand); else this tensor. The int + int forms keep the int."""
+        if not needed or self.dtype.is_floating_point:
+            return self
+        return self.tracer.op("cast", [self], dtype="float32")
 
     def _coerce(self, other, op: str) -> Tensor:
         """`other` as a tensor of this trace: Parameters and Buffers are traced on use."""
         if isinstance(other, Tensor):
-            if other.tracer is not self.tracer:
+            # an eager operand of a traced op becomes a constant when the op is recorded
+            if other.tracer is not self.tracer and not (self.is_eager or other.is_eager):
                 raise UnsupportedOpError(f"{op}: the tensors belong to different traces "
                                          f"(in {self.tracer.where()})")
             return other
@@ -231,7 +389,8 @@ class Tensor:
     def __pow__(self, exponent):
         if not _is_scalar(exponent):
             return self._binary(exponent, "pow")
-        return self.tracer.op("scalar", [self], kind="pow", value=float(exponent))
+        x = self._to_float(isinstance(exponent, (float, np.floating)))
+        return x.tracer.op("scalar", [x], kind="pow", value=float(exponent))
 
     pow = __pow__
 
@@ -307,6 +466,311 @@ class Tensor:
             raise ShapeError(f"chunk: chunks must be positive, got {chunks}")
         n = self.shape[_dim(dim, self.ndim, "chunk")]
         return self.split(max(-(-n // chunks), 1), dim)
+
+    # ---- indexing, joining, reductions along a dim ----
+    def __getitem__(self, index) -> Tensor:
+        """x[...] with ints (negative too), slices (positive steps), None, `...` and at most
+        one integer tensor (rows taken along its axis, e.g. `emb[idx]`; float x, indices in
+        range; ints beside it only next to it). Boolean masks give a data-dependent shape and
+        are refused."""
+        items = [self._index_item(i) for i in (index if isinstance(index, tuple) else (index,))]
+        real = sum(item is not None and item is not Ellipsis for item in items)
+        if real > self.ndim:
+            raise IndexError(f"too many indices ({real}) for a tensor of shape {self.shape}")
+        if items.count(Ellipsis) > 1:
+            raise IndexError("an index can only have a single ellipsis ('...')")
+        fill = [slice(None)] * (self.ndim - real)
+        at = items.index(Ellipsis) if Ellipsis in items else len(items)
+        items[at:at + 1] = fill
+        self._check_advanced(items)
+        y, axis = self, 0
+        for item in items:
+            y, axis = y._index_axis(item, axis)
+        return y
+
+    def _check_advanced(self, items: list):
+        """Refuse what PyTorch reads as advanced indexing beyond one tensor whose axes land
+        where it stands: several tensors (paired elementwise), or a tensor and an int apart
+        (their axes would move to the front)."""
+        tensors = [i for i, item in enumerate(items) if isinstance(item, Tensor)]
+        if len(tensors) > 1:
+            self._unsupported("indexing with several integer tensors (use gather, or index "
+                              "one axis at a time)")
+        if tensors:
+            advanced = [i for i, item in enumerate(items)
+                        if isinstance(item, (Tensor, numbers.Integral))]
+            if advanced[-1] - advanced[0] + 1 != len(advanced):
+                self._unsupported("indexing with an integer tensor and an int apart (index "
+                                  "in two steps, e.g. x[0][:, idx])")
+
+    def _index_item(self, item):
+        """One item of an index, an integer tensor index traced (Parameters, Buffers)."""
+        if item is None or item is Ellipsis or isinstance(item, (numbers.Integral, slice)):
+            return item
+        item = self._coerce(item, "indexing")
+        dtype = item.value.dtype
+        if dtype in ("bool", "uint8"):             # uint8 indexes as a mask in PyTorch too
+            self._unsupported("boolean-mask indexing x[mask] (its shape depends on the data; "
+                              "use x.masked_fill(~mask, 0) or torch.where(mask, x, 0))")
+        if dtype not in ("int32", "int64"):
+            self._unsupported(f"indexing with a {dtype} tensor (indices are int64)")
+        return item
+
+    def _index_axis(self, item, axis: int) -> tuple[Tensor, int]:
+        """Apply one index item at `axis`; the result and the axis the next item applies to."""
+        if item is None:
+            return self.unsqueeze(axis), axis + 1
+        if isinstance(item, Tensor):
+            return self._take(item, axis), axis + item.ndim
+        n = self.shape[axis]
+        if isinstance(item, numbers.Integral):
+            if not -n <= item < n:
+                raise IndexError(f"index {item} is out of bounds for axis {axis} with size {n}")
+            y = self.narrow(axis, int(item) % n, 1)
+            return y.reshape(*y.shape[:axis], *y.shape[axis + 1:]), axis
+        start, stop, step = item.indices(n)
+        if step <= 0:
+            raise ValueError(f"slice step must be positive, got {step} (as in PyTorch)")
+        stop = max(stop, start)
+        if (start, stop, step) == (0, n, 1):
+            return self, axis + 1
+        return self.tracer.op("slice", [self], dim=axis, start=start, stop=stop,
+                              step=step), axis + 1
+
+    def _take(self, index: Tensor, axis: int) -> Tensor:
+        """Rows of this tensor along `axis` picked by the integer tensor `index`: the index's
+        axes replace `axis` (an embedding lookup of the axis' slices)."""
+        front = self.movedim(axis, 0)
+        table = front.reshape(front.shape[0], -1)
+        rows = self.tracer.op("embedding", [table, index])
+        y = rows.reshape(*index.shape, *front.shape[1:])
+        k = index.ndim
+        dims = list(range(k, k + axis)) + list(range(k)) + list(range(k + axis, y.ndim))
+        return y.permute(*dims)
+
+    def index_select(self, dim: int, index) -> Tensor:
+        """The slices of axis `dim` picked by the 1-D integer tensor `index`, as
+        torch.index_select (x[..., index, ...])."""
+        index = self._index_item(index)
+        if not isinstance(index, Tensor) or index.ndim != 1:
+            raise ShapeError(f"index_select: index must be a 1-D integer tensor, got {index!r}")
+        return self._take(index, _dim(dim, self.ndim, "index_select"))
+
+    def unsqueeze(self, dim: int) -> Tensor:
+        """A view with a new axis of size 1 at `dim` (in [-ndim - 1, ndim])."""
+        d = _dim(dim, self.ndim + 1, "unsqueeze")
+        return self.reshape(*self.shape[:d], 1, *self.shape[d:])
+
+    def squeeze(self, dim=None) -> Tensor:
+        """A view without the axes of size 1 among `dim` (None: every axis); other named axes
+        stay, as in torch.squeeze."""
+        axes = _dims(dim, self.ndim, "squeeze")
+        return self.reshape(*(d for i, d in enumerate(self.shape)
+                              if not (i in axes and d == 1)))
+
+    def unflatten(self, dim: int, sizes) -> Tensor:
+        """Axis `dim` split into `sizes` (one entry may be -1)."""
+        d = _dim(dim, self.ndim, "unflatten")
+        sizes = [int(s) for s in sizes]
+        if -1 in sizes:
+            known = math.prod(s for s in sizes if s != -1)
+            sizes[sizes.index(-1)] = self.shape[d] // known if known else 0
+        if math.prod(sizes) != self.shape[d]:
+            raise ShapeError(f"unflatten: sizes {sizes} do not multiply to {self.shape[d]} "
+                             f"(axis {d} of {self.shape})")
+        return self.reshape(*self.shape[:d], *sizes, *self.shape[d + 1:])
+
+    def view_as(self, other) -> Tensor:
+        return self.reshape(*other.shape)
+
+    reshape_as = view_as
+
+    def expand(self, *sizes) -> Tensor:
+        """A broadcast copy of shape `sizes` (-1 keeps an axis; new axes go in front)."""
+        sizes = tuple(int(s) for s in _shape_args(sizes))
+        lead = len(sizes) - self.ndim
+        if lead < 0:
+            raise ShapeError(f"expand: {len(sizes)} sizes for a tensor of rank {self.ndim}")
+        shape = tuple(self.shape[i - lead] if s == -1 and i >= lead else s
+                      for i, s in enumerate(sizes))
+        if shape == self.shape:
+            return self
+        return self.tracer.op("expand", [self], shape=shape)
+
+    def expand_as(self, other) -> Tensor:
+        return self.expand(*other.shape)
+
+    def repeat(self, *sizes) -> Tensor:
+        """The tensor tiled `sizes` times along each axis, as torch.Tensor.repeat: viewed as
+        (1, s0, 1, s1, ...), expanded to (r0, s0, r1, s1, ...) and merged pairwise."""
+        sizes = tuple(int(s) for s in _shape_args(sizes))
+        if len(sizes) < self.ndim:
+            raise ShapeError(f"repeat: {len(sizes)} repeats for a tensor of rank {self.ndim}")
+        shape = (1,) * (len(sizes) - self.ndim) + self.shape
+        pairs = self.reshape(*(d for s in shape for d in (1, s)))
+        tiled = pairs.expand(*(d for r, s in zip(sizes, shape) for d in (r, s)))
+        return tiled.reshape(*(r * s for r, s in zip(sizes, shape)))
+
+    def movedim(self, source, destination) -> Tensor:
+        """Axes `source` (int or tuple) moved to positions `destination`, the others kept in
+        order."""
+        src = (source,) if isinstance(source, int) else tuple(source)
+        dst = (destination,) if isinstance(destination, int) else tuple(destination)
+        src = tuple(_dim(d, self.ndim, "movedim") for d in src)
+        dst = tuple(_dim(d, self.ndim, "movedim") for d in dst)
+        if len(src) != len(dst) or len(set(src)) != len(src) or len(set(dst)) != len(dst):
+            raise ShapeError(f"movedim: source {source} and destination {destination} must "
+                             "name as many distinct axes")
+        rest = iter(d for d in range(self.ndim) if d not in src)
+        placed = dict(zip(dst, src))
+        return self.permute(*(placed[i] if i in placed else next(rest)
+                              for i in range(self.ndim)))
+
+    moveaxis = movedim
+    swapaxes = swapdims = transpose
+
+    def tril(self, diagonal: int = 0) -> Tensor:
+        """Zeros above diagonal `diagonal` of the last two axes."""
+        return self._triangle(diagonal, upper=False)
+
+    def triu(self, diagonal: int = 0) -> Tensor:
+        """Zeros below diagonal `diagonal` of the last two axes."""
+        return self._triangle(diagonal, upper=True)
+
+    def _triangle(self, diagonal: int, upper: bool) -> Tensor:
+        if self.ndim < 2:
+            raise ShapeError(f"{'triu' if upper else 'tril'}: needs at least 2 axes, got "
+                             f"{self.shape}")
+        return self.tracer.op("triangle", [self], diagonal=int(diagonal), upper=upper)
+
+    def _extreme(self, kind: str, dim, keepdim: bool, what: str) -> Tensor:
+        """max / min over the axes `dim` (None: all) as one reduce_max: several axes are moved
+        to the end and merged first."""
+        axes = _dims(dim, self.ndim, what)
+        if self.ndim == 0:
+            return self
+        if len(axes) == 1:
+            y = self.tracer.op("reduce_max", [self], dim=axes[0], kind=kind)
+        else:
+            rest = [i for i in range(self.ndim) if i not in axes]
+            moved = self.permute(*rest, *axes)
+            merged = moved.reshape(*(self.shape[i] for i in rest), -1)
+            y = self.tracer.op("reduce_max", [merged], dim=len(rest), kind=kind)
+        if keepdim:
+            y = y.reshape(*(1 if i in axes else d for i, d in enumerate(self.shape)))
+        return y
+
+    def amax(self, dim=(), keepdim: bool = False) -> Tensor:
+        """Maximum over `dim` (int, tuple; () or None: all axes); the gradient is split
+        evenly between tied maxima."""
+        return self._extreme("max", dim, keepdim, "amax")
+
+    def amin(self, dim=(), keepdim: bool = False) -> Tensor:
+        """Minimum over `dim`, as amax."""
+        return self._extreme("min", dim, keepdim, "amin")
+
+    def max(self, dim=None, keepdim: bool = False):
+        """The maximum of all elements; with an int `dim` (values, indices) along it, as
+        torch.return_types.max; with a tensor, torch.maximum."""
+        return self._max_or_min(dim, keepdim, largest=True)
+
+    def min(self, dim=None, keepdim: bool = False):
+        """The minimum of all elements; with `dim` (values, indices); with a tensor,
+        torch.minimum."""
+        return self._max_or_min(dim, keepdim, largest=False)
+
+    def _max_or_min(self, dim, keepdim: bool, largest: bool):
+        from .. import return_types
+        if dim is None:
+            return self._extreme("max" if largest else "min", None, False, "max")
+        if not isinstance(dim, numbers.Integral):
+            return self.maximum(dim) if largest else self.minimum(dim)
+        d = _dim(dim, self.ndim, "max" if largest else "min")
+        values, indices = self.topk(1, d, largest)
+        if not keepdim:
+            values, indices = values.squeeze(d), indices.squeeze(d)
+        return (return_types.max if largest else return_types.min)(values, indices)
+
+    def argmax(self, dim=None, keepdim: bool = False) -> Tensor:
+        """The int64 index of the maximum along `dim` (None: of the flattened tensor); the
+        first one of ties. No gradient."""
+        return self._arg(dim, keepdim, largest=True)
+
+    def argmin(self, dim=None, keepdim: bool = False) -> Tensor:
+        """The int64 index of the minimum along `dim`, as argmax."""
+        return self._arg(dim, keepdim, largest=False)
+
+    def _arg(self, dim, keepdim: bool, largest: bool) -> Tensor:
+        if dim is None:
+            i = self.reshape(-1).topk(1, 0, largest).indices
+            return i.reshape(*(1,) * self.ndim) if keepdim else i.reshape()
+        d = _dim(dim, self.ndim, "argmax" if largest else "argmin")
+        i = self.topk(1, d, largest).indices
+        return i if keepdim else i.squeeze(d)
+
+    def topk(self, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+        """(values, indices) of the k largest (or smallest) elements along `dim`, as
+        torch.return_types.topk; always in order (`sorted` False allows any order), ties by
+        the lower index first."""
+        from .. import return_types
+        d = _dim(dim, self.ndim, "topk")
+        values, indices = self.tracer.op_all("topk", [self], dim=d, k=int(k),
+                                             largest=bool(largest))
+        return return_types.topk(values, indices)
+
+    def sort(self, dim: int = -1, descending: bool = False, stable: bool = False):
+        """(values, indices) sorted along `dim`, as torch.return_types.sort; ties keep index
+        order (stable)."""
+        from .. import return_types
+        d = _dim(dim, self.ndim, "sort")
+        values, indices = self.topk(self.shape[d], d, largest=descending)
+        return return_types.sort(values, indices)
+
+    def var(self, dim=None, unbiased=None, keepdim: bool = False, *, correction=None):
+        """Variance over `dim`: the sum of squared deviations from the mean divided by
+        N - correction (correction 1 unless unbiased=False or given)."""
+        if isinstance(dim, bool):               # x.var(False): the old unbiased argument
+            dim, unbiased = None, dim
+        if correction is None:
+            correction = 0 if unbiased is False else 1
+        axes = _dims(dim, self.ndim, "var")
+        count = math.prod(self.shape[a] for a in axes)
+        dev = self - self.mean(axes, keepdim=True)
+        return (dev * dev).sum(axes, keepdim) / float(max(count - correction, 0))
+
+    def std(self, dim=None, unbiased=None, keepdim: bool = False, *, correction=None):
+        """Square root of var (same arguments)."""
+        return self.var(dim, unbiased, keepdim, correction=correction) ** 0.5
+
+    def logsumexp(self, dim, keepdim: bool = False) -> Tensor:
+        """log(sum(exp(x))) over `dim`, stably: x - log_softmax(x) is that value at every
+        position of the reduced axes, so the first one is read."""
+        axes = _dims(dim, self.ndim, "logsumexp")
+        rest = [i for i in range(self.ndim) if i not in axes]
+        rows = self.permute(*rest, *axes).reshape(*(self.shape[i] for i in rest), -1)
+        first = rows.narrow(-1, 0, 1)
+        y = (first - rows.log_softmax(-1).narrow(-1, 0, 1)).reshape(*first.shape[:-1])
+        if keepdim:
+            y = y.reshape(*(1 if i in axes else d for i, d in enumerate(self.shape)))
+        return y
+
+    def cumsum(self, dim: int, dtype=None) -> Tensor:
+        """Running sums along `dim`."""
+        if dtype is not None and dtype != self.dtype:
+            self._unsupported(f"cumsum with dtype={dtype} (cast first)")
+        return self.tracer.op("cumsum", [self], dim=_dim(dim, self.ndim, "cumsum"),
+                              reverse=False)
+
+    def gather(self, dim: int, index) -> Tensor:
+        """y[p] = x[p with axis `dim` replaced by index[p]], as torch.gather."""
+        index = self._coerce(index, "gather")
+        d, x = _dim(dim, self.ndim, "gather"), self
+        if index.ndim != self.ndim:
+            raise ShapeError(f"gather: index {index.shape} must have the rank of {self.shape}")
+        for axis, n in enumerate(index.shape):      # the op takes x's extent off dim
+            if axis != d and n != x.shape[axis]:
+                x = x.narrow(axis, 0, n)
+        return self.tracer.op("gather", [x, index], dim=d)
 
     # ---- activations ----
     def _act(self, kind: str) -> Tensor:
@@ -564,7 +1028,7 @@ class Tensor:
     def __getattr__(self, name: str):
         # Only reached for attributes Tensor lacks: the torch.Tensor methods stepgraph has no op
         # for. Private and dunder names stay AttributeErrors (copy, pickle, hasattr probes).
-        if name.startswith("_") or name in ("value", "tracer"):
+        if name.startswith("_") or name in ("value", "tracer", "array"):
             raise AttributeError(name)
         self._unsupported(f"Tensor.{name}")
 
@@ -572,17 +1036,14 @@ class Tensor:
         raise UnsupportedOpError(f"{op} is not supported by stepgraph (called in "
                                  f"{self.tracer.where()})")
 
-    def __getitem__(self, index):
-        self._unsupported("indexing (Tensor.__getitem__)")
-
     def __setitem__(self, index, value):
-        self._unsupported("item assignment (Tensor.__setitem__)")
+        self._unsupported("item assignment x[...] = v (Tensor.__setitem__; traced tensors are "
+                          "immutable: build the result with torch.where(mask, v, x), "
+                          "masked_fill, torch.cat, or index_put's out-of-place form)")
 
     def __iter__(self):
         self._unsupported("iteration over a tensor")
 
-    def __bool__(self):
-        self._unsupported("a tensor's truth value (data-dependent control flow)")
 
     def __floordiv__(self, other):
         self._unsupported("floor division //")
@@ -591,6 +1052,11 @@ class Tensor:
         self._unsupported("remainder %")
 
     def __repr__(self):
+        if self.is_eager:
+            body = np.array2string(self.numpy(), separator=", ", prefix="tensor(",
+                                   precision=4)
+            dtype = "" if self.value.dtype in ("float32", "int64") else f", dtype={self.dtype!r}"
+            return f"tensor({body}{dtype})"
         return f"Tensor({self.value!r})"
 
 
@@ -600,22 +1066,8 @@ _ACTIVE: list[Tracer] = []
 
 def current_tracer() -> Tracer | None:
     """The tracer of the module forward being traced right now, else None. Tensor factories
-    with no tensor argument (`arange`) record into it."""
+    with no tensor argument (stepgraph.functions.factories) record into it."""
     return _ACTIVE[-1] if _ACTIVE else None
-
-
-def arange(end: int, *, dtype=None, device=None):
-    """0, 1, ..., end - 1 as torch.arange(end) (dtype default int64). Inside a module's
-    forward being traced (see `current_tracer`), a Tensor made by the `arange` op on the
-    device; anywhere else a NumPy array. `device` is accepted for PyTorch compatibility: a
-    traced arange lives where the step runs."""
-    if not isinstance(end, numbers.Integral):
-        raise TypeError(f"arange: end must be an int, got {type(end).__name__}")
-    dtype = str(np.dtype(dtype or "int64"))
-    tracer = current_tracer()
-    if tracer is None:
-        return np.arange(int(end), dtype=dtype)
-    return tracer.op("arange", [], n=int(end), dtype=dtype)
 
 
 class Tracer:
@@ -633,6 +1085,7 @@ class Tracer:
         self.label = ""                            # module label for recorded nodes
         self.module_path: list[str] = []           # paths of the modules being called
         self.module_paths: dict[int, str] = {}     # id(module) -> path, set by the root call
+        self._constants: dict[int, tuple] = {}     # id(eager Tensor) -> (it, constant Value)
 
     # ---- where ops come from ----
     def where(self) -> str:
@@ -707,9 +1160,100 @@ class Tracer:
 
     def op(self, op: str, inputs: list, **attrs) -> Tensor:
         """Record `op` on tensors (or values); return its first output as a Tensor."""
-        values = [t.value if isinstance(t, Tensor) else t for t in inputs]
-        return Tensor(self.emit(op, values, **attrs)[0], self)
+        return self.op_all(op, inputs, **attrs)[0]
 
     def op_all(self, op: str, inputs: list, **attrs) -> list[Tensor]:
-        values = [t.value if isinstance(t, Tensor) else t for t in inputs]
-        return [Tensor(v, self) for v in self.emit(op, values, **attrs)]
+        """As `op`, every output. Under no_grad (grad_mode) each output of a training trace
+        passes through a stop_gradient view, so the backward stops there (an eval trace, as
+        compile_predict's, has no backward: no views that would split fusable patterns)."""
+        values = self.emit(op, [self._value(t) for t in inputs], **attrs)
+        if self.training and not is_grad_enabled():
+            values = [self.emit("stop_gradient", [v])[0] for v in values]
+        return [Tensor(v, self) for v in values]
+
+    def _value(self, t) -> Value:
+        """The Value of an op input: a tensor's, an eager tensor's constant, or `t` itself."""
+        if not isinstance(t, Tensor):
+            return t
+        return self.constant(t) if t.is_eager else t.value
+
+    def constant(self, t: Tensor) -> Value:
+        """Eager tensor `t` as a `constant` node's output, once per tensor: its values at
+        trace time become part of the graph."""
+        held = self._constants.get(id(t))
+        if held is None:
+            data = Constant(np.array(t.array, order="C"))   # its values now, 0-d kept
+            held = self._constants[id(t)] = (t, self.emit("constant", [], data=data,
+                                                          dtype=t.value.dtype)[0])
+        return held[1]
+
+
+class Constant:
+    """The array of a `constant` node (attrs data). Equal only to itself, so passes that
+    compare attrs never compare arrays; its repr is short, for dumps and profiles."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+    def __repr__(self):
+        return f"Constant({self.array.dtype}{list(self.array.shape)})"
+
+
+class EagerTracer:
+    """Runs ops at once instead of recording them: what tensors made outside a traced
+    forward use. `op` checks the op's shape rule, then runs its NumPy reference on the
+    inputs' arrays. An op that also reads a traced tensor is recorded into that tensor's
+    trace instead (the eager inputs becoming constants)."""
+
+    training = False
+    seed = 0
+
+    def __init__(self):
+        self._dropout_sites = 0
+
+    def where(self) -> str:
+        return "eager code (outside a traced forward)"
+
+    def rng_step(self) -> Tensor:
+        """Eager dropout's step counter: always 0; each call draws at a new site instead,
+        so every eager dropout gets a fresh mask."""
+        return tensor_of(np.zeros((), np.int64))
+
+    def next_dropout_site(self) -> int:
+        self._dropout_sites += 1
+        return self._dropout_sites - 1
+
+    def op(self, op: str, inputs: list, **attrs) -> Tensor:
+        return self.op_all(op, inputs, **attrs)[0]
+
+    def op_all(self, op: str, inputs: list, **attrs) -> list[Tensor]:
+        traced = next((t.tracer for t in inputs if isinstance(t, Tensor) and not t.is_eager),
+                      None)
+        if traced is not None:
+            return traced.op_all(op, inputs, **attrs)
+        from ..backends import get_backend
+        from ..compile.plan import VIEW_OPS
+
+        values = [t.value for t in inputs]
+        outs = [Value(shape, dtype) for shape, dtype in infer_outputs(op, values, attrs)]
+        if op in VIEW_OPS:          # as a plan runs them: the input's array, reshaped
+            return [Tensor(outs[0], self, inputs[0].array.reshape(outs[0].shape))]
+        node = Node(op, values, outs, attrs, OPS[op].mutates(attrs), "eager")
+        arrays = [np.empty(v.shape, storage_dtype(v.dtype)) for v in outs]
+        get_backend("cpu").run_node(node, [t.array for t in inputs], arrays)
+        return [Tensor(v, self, a) for v, a in zip(outs, arrays)]
+
+    def param(self, p) -> Tensor:
+        """A Parameter's current values as an eager tensor (a copy)."""
+        return tensor_of(p.numpy())
+
+    buffer = param
+
+
+EAGER = EagerTracer()
+
+
+def tensor_of(array: np.ndarray) -> Tensor:
+    """An eager tensor holding `array` (storage dtype; uint16 is bfloat16 bits), not copied."""
+    array = np.asarray(array)
+    return Tensor(Value(array.shape, ir_dtype(array.dtype)), EAGER, array)

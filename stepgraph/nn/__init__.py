@@ -6,8 +6,8 @@ from .layers import (GELU, AdaptiveAvgPool2d, AvgPool2d, BatchNorm1d, BatchNorm2
                      Sigmoid, SiLU, Tanh)
 from .layers import (CELU, ELU, GLU, SELU, Hardsigmoid, Hardswish, Hardtanh, LogSigmoid,
                      Mish, ReLU6, Softplus)
-from .layers import (AdaptiveMaxPool2d, Conv1d, ConvTranspose2d, GroupNorm, MultiheadAttention, RMSNorm, Upsample,
-                     UpsamplingBilinear2d, UpsamplingNearest2d)
+from .layers import (AdaptiveMaxPool2d, Conv1d, ConvTranspose2d, GroupNorm, MultiheadAttention,
+                     RMSNorm, Upsample, UpsamplingBilinear2d, UpsamplingNearest2d)
 from .loss_modules import (BCELoss, BCEWithLogitsLoss, CrossEntropyLoss, HuberLoss, KLDivLoss,
                            L1Loss, MSELoss, NLLLoss, SmoothL1Loss)
 from .module import Buffer, Module, Parameter
@@ -22,3 +22,15 @@ __all__ = ["Module", "Parameter", "Linear", "Conv2d", "MaxPool2d", "Flatten", "D
            "SmoothL1Loss", "HuberLoss", "KLDivLoss",
            "GroupNorm", "RMSNorm", "Conv1d", "ConvTranspose2d", "Upsample", "UpsamplingNearest2d",
            "UpsamplingBilinear2d", "MultiheadAttention", "AdaptiveMaxPool2d"]
+
+
+def __getattr__(name: str):
+    """A torch.nn name stepgraph lacks: UnsupportedOpError, which is an AttributeError."""
+    import importlib.util
+    from ..errors import UnsupportedOpError
+    if name.startswith("_"):
+        raise AttributeError(f"module 'stepgraph.nn' has no attribute {name!r}")
+    if importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")     # a submodule not loaded yet
+    raise UnsupportedOpError(f"torch.nn.{name} is not supported by stepgraph (see "
+                             "docs/TORCH_COMPAT.md for the torch names it has)")

@@ -889,3 +889,11 @@ def _adaptive_size(input: Tensor, output_size, what: str) -> tuple[int, int]:
     oh, ow = (None, None) if output_size is None else \
         (output_size, output_size) if isinstance(output_size, int) else tuple(output_size)
     return oh or h, ow or w
+
+
+def __getattr__(name: str):
+    """A torch.nn.functional name stepgraph lacks: UnsupportedOpError (an AttributeError)."""
+    if name.startswith("_"):
+        raise AttributeError(f"module 'stepgraph.nn.functional' has no attribute {name!r}")
+    raise UnsupportedOpError(f"torch.nn.functional.{name} is not supported by stepgraph (see "
+                             "docs/TORCH_COMPAT.md for the torch names it has)")

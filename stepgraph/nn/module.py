@@ -126,8 +126,8 @@ class Module:
 
     def __call__(self, *args, **kwargs):
         """forward(*args), traced under this module's path ("model.layer1.0") and label."""
-        tracer = next((a.tracer for a in (*args, *kwargs.values()) if isinstance(a, Tensor)),
-                      None)
+        tracer = next((a.tracer for a in (*args, *kwargs.values())
+                       if isinstance(a, Tensor) and not a.is_eager), None)   # eager: runs now
         if tracer is None:
             return self.forward(*args, **kwargs)
         with tracer.module_scope(self._trace_path(tracer), self._trace_label()):

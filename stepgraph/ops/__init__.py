@@ -3,5 +3,5 @@ and its NumPy reference (`impl`) in the registry (ir/ops.py), side by side. The 
 launchers live beside their kernels in backends/cuda/<family>.py. Importing this package
 registers every family."""
 from . import (activation, attention, bmm, cast, collective, compare, conv,  # noqa: F401
-               dropout, elementwise, embedding, guard, layer_norm, linear, loss, norm, optim,
-               pointwise, pool, reduce, shape, softmax, unary)
+               dropout, elementwise, embedding, guard, index, layer_norm, linear, loss, norm,
+               optim, pointwise, pool, reduce, reduce_axis, shape, softmax, unary)

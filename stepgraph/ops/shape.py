@@ -1,9 +1,11 @@
 """Shape family: reshape (a view: the planner aliases it, no reference runs), permute
-(materialised transpose), slice along one axis and its gradient, arange."""
+(materialised transpose), slice along one axis (with a step) and its gradient, arange, constant,
+and stop_gradient (a view the backward does not cross)."""
 from __future__ import annotations
 
 import numpy as np
 
+from ..ir.graph import storage_dtype
 from ..ir.ops import _need, defop, impl, vjp
 
 
@@ -46,33 +48,41 @@ def _permute_impl(node, ins, outs, ctx):
 
 # ---- slice and arange ----------------------------------------------------------------------
 
-def _slice_bounds(op: str, shape, attrs) -> tuple[int, int, int]:
-    """(dim, start, stop) of a slice node, checked against the input `shape`; stop None is
-    the end of the axis."""
-    dim, start = int(attrs["dim"]), int(attrs["start"])
+def _slice_bounds(op: str, shape, attrs) -> tuple[int, int, int, int]:
+    """(dim, start, stop, step) of a slice node, checked against the input `shape`; stop None
+    is the end of the axis, step None is 1."""
+    dim, start, step = int(attrs["dim"]), int(attrs["start"]), int(attrs.get("step") or 1)
     _need(0 <= dim < len(shape), op, f"dim {dim} out of range for {tuple(shape)}")
     stop = shape[dim] if attrs.get("stop") is None else int(attrs["stop"])
     _need(0 <= start <= stop <= shape[dim], op,
           f"[{start}:{stop}] out of range for axis {dim} of {tuple(shape)}")
-    return dim, start, stop
+    _need(step >= 1, op, f"step must be positive, got {step}")
+    return dim, start, stop, step
+
+
+def slice_length(start: int, stop: int, step: int) -> int:
+    """Elements of x[start:stop:step] along an axis (0 <= start <= stop, step >= 1)."""
+    return -(-(stop - start) // step)
 
 
 @defop("slice")
 def _slice(ins, attrs):
-    """y = x[..., start:stop, ...] along axis attrs dim (non-negative), a contiguous copy;
-    attrs start, stop (0 <= start <= stop <= x.shape[dim]; stop None: the end)."""
+    """y = x[..., start:stop:step, ...] along axis attrs dim (non-negative), a contiguous
+    copy; attrs start, stop (0 <= start <= stop <= x.shape[dim]; stop None: the end), step
+    (>= 1; absent or None: 1)."""
     x = ins[0]
-    dim, start, stop = _slice_bounds("slice", x.shape, attrs)
-    return [(x.shape[:dim] + (stop - start,) + x.shape[dim + 1:], x.dtype)]
+    dim, start, stop, step = _slice_bounds("slice", x.shape, attrs)
+    return [(x.shape[:dim] + (slice_length(start, stop, step),) + x.shape[dim + 1:], x.dtype)]
 
 
 @defop("slice_grad")
 def _slice_grad(ins, attrs):
-    """dx (attrs input_shape) = zeros with dy placed at [start:start + dy.shape[dim]] along
-    axis attrs dim; ins (dy,)."""
+    """dx (attrs input_shape) = zeros with dy placed at [start:start + L * step:step] along
+    axis attrs dim, L = dy.shape[dim]; ins (dy,); attrs step absent or None: 1."""
     dy, shape = ins[0], tuple(attrs["input_shape"])
-    dim, start, _ = _slice_bounds("slice_grad", shape, dict(attrs, stop=None))
-    fits = len(dy.shape) == len(shape) and start + dy.shape[dim] <= shape[dim] and \
+    dim, start, _, step = _slice_bounds("slice_grad", shape, dict(attrs, stop=None))
+    fits = len(dy.shape) == len(shape) and \
+        (dy.shape[dim] == 0 or start + (dy.shape[dim] - 1) * step < shape[dim]) and \
         dy.shape[:dim] + dy.shape[dim + 1:] == shape[:dim] + shape[dim + 1:]
     _need(fits, "slice_grad", f"dy {dy.shape} at {start} along axis {dim} does not fit input "
           f"{shape}")
@@ -83,22 +93,23 @@ def _slice_grad(ins, attrs):
 def _slice_vjp(emit, node, dy, wants) -> list:
     a = node.attrs
     return [emit("slice_grad", [dy[0]], input_shape=tuple(node.inputs[0].shape),
-                 dim=int(a["dim"]), start=int(a["start"]))[0]]
+                 dim=int(a["dim"]), start=int(a["start"]), step=int(a.get("step") or 1))[0]]
 
 
 @impl("slice")
 def _slice_impl(node, ins, outs, ctx):
     x = ins[0]
-    dim, start, stop = _slice_bounds("slice", x.shape, node.attrs)
-    outs[0][...] = x[(slice(None),) * dim + (slice(start, stop),)]
+    dim, start, stop, step = _slice_bounds("slice", x.shape, node.attrs)
+    outs[0][...] = x[(slice(None),) * dim + (slice(start, stop, step),)]
 
 
 @impl("slice_grad")
 def _slice_grad_impl(node, ins, outs, ctx):
     dy, dx = ins[0], outs[0]
     dim, start = int(node.attrs["dim"]), int(node.attrs["start"])
+    step = int(node.attrs.get("step") or 1)
     dx[...] = 0
-    dx[(slice(None),) * dim + (slice(start, start + dy.shape[dim]),)] = dy
+    dx[(slice(None),) * dim + (slice(start, start + dy.shape[dim] * step, step),)] = dy
 
 
 ARANGE_DTYPES = ("int64", "int32", "float32", "float64")
@@ -118,3 +129,28 @@ def _arange(ins, attrs):
 @impl("arange")
 def _arange_impl(node, ins, outs, ctx):
     outs[0][...] = np.arange(outs[0].shape[0], dtype=outs[0].dtype)
+
+
+@defop("constant")
+def _constant(ins, attrs):
+    """y = attrs data (a trace.Constant: values fixed at trace time, e.g. a tensor a model
+    made in its constructor and used in forward); attrs dtype (y's IR dtype; data holds it in
+    storage dtype). No inputs, no gradient."""
+    _need(not ins, "constant", f"takes no inputs, got {len(ins)}")
+    array = attrs["data"].array
+    _need(str(array.dtype) == storage_dtype(attrs["dtype"]), "constant",
+          f"data of {array.dtype} does not hold {attrs['dtype']} values")
+    return [(tuple(array.shape), attrs["dtype"])]
+
+
+@impl("constant")
+def _constant_impl(node, ins, outs, ctx):
+    outs[0][...] = node.attrs["data"].array
+
+
+@defop("stop_gradient")
+def _stop_gradient(ins, attrs):
+    """y = x (a view: plans alias it, compile/plan.py VIEW_OPS) through which no gradient
+    flows back: what no_grad and Tensor.detach record. It has no VJP rule: autodiff treats
+    y as depending on nothing (autodiff/vjp.py _needs_grad)."""
+    return [(ins[0].shape, ins[0].dtype)]

@@ -172,7 +172,7 @@ def test_binary_cross_entropy_clamps_the_log_at_minus_100():
 def test_mismatched_shapes_and_bad_reduction_raise():
     tr = Tracer()
     x, t = tr.input((3, 4), "float32", "x"), tr.input((3, 5), "float32", "t")
-    with pytest.raises(ShapeError, match=r"\(3, 4\).*\(3, 5\)"):
+    with pytest.raises(ShapeError, match=r"3, 4.*3, 5"):
         F.l1_loss(x, t)
     with pytest.raises(ValueError, match="reduction"):
         F.mse_loss(x, x, reduction="avg")

@@ -614,7 +614,8 @@ def test_layer_norm_layouts_name_listed_kernels():
 def test_new_families_are_in_the_backend_table():
     from stepgraph.backends.cuda.backend import IMPL_MODULES
 
-    assert {"embedding", "layer_norm", "matmul.bmm", "shape", "cast"} <= set(IMPL_MODULES)
+    assert {"embedding", "layer_norm", "matmul.bmm", "shape", "cast", "index",
+            "reduce_axis"} <= set(IMPL_MODULES)
 
 
 @pytest.mark.parametrize("ptr", [0x7000, 0x7008])          # 4 elements a thread or not
@@ -700,6 +701,8 @@ def test_softmax_shape_and_loss_launch_arguments_match_the_kernels(monkeypatch):
     for dtype in ("float32", "int64", "uint8"):
         shape.slice_forward(None, Fake((4, 6, 5), dtype), Fake((4, 3, 5), dtype), 1, 2, 5)
         shape.slice_backward(None, Fake((4, 3, 5), dtype), Fake((4, 6, 5), dtype), 1, 2)
+        shape.slice_forward(None, Fake((4, 6, 5), dtype), Fake((4, 2, 5), dtype), 1, 1, 6, 3)
+        shape.slice_backward(None, Fake((4, 2, 5), dtype), Fake((4, 6, 5), dtype), 1, 1, 3)
     shape.arange_forward(None, Fake((7,), "int64"))
     node = object()
     for n, c in ((5, 10), (4000, 10), (40, 1500)):
@@ -717,4 +720,47 @@ def test_softmax_shape_and_loss_launch_arguments_match_the_kernels(monkeypatch):
     assert names[:3] == ["softmax_scaled_forward_kernel", "softmax_scaled_backward_kernel",
                          "softmax_forward_kernel"]
     assert names.count("cross_entropy_count_kernel<long long>") == 3 + 4   # grads, train x4
+    _assert_launches_match(launched)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("idx_dtype", ["int32", "int64"])
+def test_index_and_reduce_axis_launch_arguments_match_the_kernels(monkeypatch, dtype,
+                                                                  idx_dtype):
+    """The index and reduce_axis families name declared kernels with arguments of their
+    parameters' types, for every element type they take."""
+    from stepgraph.backends.cuda import index, reduce_axis
+
+    launched = _record_launches(monkeypatch, index, reduce_axis)
+    x, i = Fake((3, 5, 4), dtype), Fake((3, 2, 4), idx_dtype)
+    index.concat_forward(None, [x, Fake((3, 1, 4), dtype)], Fake((3, 6, 4), dtype), 1)
+    index.concat_forward(None, [Fake((3, 5, 3), "uint16"), Fake((3, 5, 1), "uint16")],
+                         Fake((3, 5, 4), "uint16"), 2)
+    index.gather_forward(None, x, i, Fake((3, 2, 4), dtype), 1)
+    index.gather_backward(None, Fake((3, 2, 4), dtype), i, x, 1)
+    for element in (dtype, "int64", "uint8", "uint16"):
+        index.triangle_forward(None, Fake((2, 3, 5), element), Fake((2, 3, 5), element), -1,
+                               True)
+    for kind in ("max", "min"):
+        reduce_axis.reduce_max_forward(None, x, Fake((3, 4), dtype), 1, kind)
+        reduce_axis.reduce_max_forward(None, x, Fake((3, 5), dtype), 2, kind)   # rows
+    reduce_axis.reduce_max_backward(None, Fake((3, 5), dtype), x, Fake((3, 5), dtype), x, 2)
+    reduce_axis.topk_forward(None, x, Fake((3, 5, 2), dtype), Fake((3, 5, 2), "int64"), 2, 2,
+                             False)
+    reduce_axis.topk_forward(None, x, Fake((3, 5, 1), dtype), Fake((3, 5, 1), "int64"), 2, 1,
+                             True)
+    reduce_axis.cumsum_forward(None, x, x, 0, True)
+    names = [name for _, name, _, _, _ in launched]
+    ctype = {"float32": "float", "float64": "double"}[dtype]
+    itype = {"int32": "int", "int64": "long long"}[idx_dtype]
+    # rows of 16 or 32 bytes move as uint4; bf16 rows of 2 bytes byte by byte
+    assert names[:4] == ["concat_forward_kernel<uint4>"] * 2 + \
+        ["concat_forward_kernel<unsigned char>"] * 2
+    assert f"gather_forward_kernel<{ctype}, {itype}>" in names
+    assert f"gather_backward_kernel<{ctype}, {itype}>" in names
+    assert f"reduce_max_forward_kernel<{ctype}, false>" in names
+    assert f"reduce_max_rows_kernel<{ctype}, true>" in names
+    assert names[-3:-1] == [f"topk_forward_kernel<{ctype}>", f"top1_rows_kernel<{ctype}>"]
+    assert set(names) <= index.kernel_names()["index.cu"] | \
+        reduce_axis.kernel_names()["reduce_axis.cu"]
     _assert_launches_match(launched)

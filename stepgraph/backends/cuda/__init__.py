@@ -11,4 +11,7 @@ include/      the .cuh headers the kernel files share (NVRTC's include directory
               GEMMs, linear, the small-matmul kernels, bmm)
 
 The backend's op table is the union of the families' IMPLS (backend.py IMPL_MODULES).
+Importing this package loads no CUDA library: as torch.backends.cuda it holds the `matmul`
+flags (backends/flags.py).
 """
+from ..flags import matmul  # noqa: F401

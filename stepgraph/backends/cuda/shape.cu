@@ -1,32 +1,34 @@
-// Shape ops that move bytes: slice (a contiguous copy of x[..., start:stop, ...] along one dim)
-// and its gradient (zeros with dy placed), and arange. x is viewed as (outer, D, inner) around
-// the sliced dim, the slice as (outer, L, inner). Slices copy units U of 1, 4, 8 or 16 bytes
+// Shape ops that move bytes: slice (a contiguous copy of x[..., start:stop:step, ...] along one
+// dim) and its gradient (zeros with dy placed), and arange. x is viewed as (outer, D, inner)
+// around the sliced dim, the slice as (outer, L, inner). Slices copy units U of 1, 4, 8 or 16 bytes
 // (the launcher picks the widest that divides the inner extent, the offset and the pointers),
 // so every dtype is served and most copies move 16 bytes a thread; zeros are all-zero bits
 // (0.0 of every float type).
 
-// y (outer, L, inner) = x[:, start:start + L, :] with x (outer, D, inner); inner in units.
+// y (outer, L, inner) = x[:, start:start + L * step:step, :] with x (outer, D, inner); inner
+// in units.
 template <typename U>
 __global__ void slice_forward_kernel(const U* x, U* y, long long total, int L, long long inner,
-                                     int D, int start) {
+                                     int D, int start, int step) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         const long long row = i / inner, in = i - row * inner;
         const long long o = row / L, l = row - o * L;
-        y[i] = x[(o * D + start + l) * inner + in];
+        y[i] = x[(o * D + start + l * step) * inner + in];
     }
 }
 
-// dx (outer, D, inner) = dy (outer, L, inner) at [:, start:start + L, :], zero elsewhere.
+// dx (outer, D, inner) = dy (outer, L, inner) at [:, start:start + L * step:step, :], zero
+// elsewhere.
 template <typename U>
 __global__ void slice_backward_kernel(const U* dy, U* dx, long long total, int L,
-                                      long long inner, int D, int start) {
+                                      long long inner, int D, int start, int step) {
     const U zero = U();   // value-initialised: all-zero bits, uint4 included
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         const long long row = i / inner, in = i - row * inner;
-        const long long o = row / D, d = row - o * D - start;
-        dx[i] = (d >= 0 && d < L) ? dy[(o * L + d) * inner + in] : zero;
+        const long long o = row / D, d = row - o * D - start, l = d / step;
+        dx[i] = (d >= 0 && d == l * step && l < L) ? dy[(o * L + l) * inner + in] : zero;
     }
 }
 
@@ -40,9 +42,9 @@ __global__ void arange_forward_kernel(T* y, long long n) {
 
 #define UNIT_INSTANTIATIONS(U)                                                                \
     template __global__ void slice_forward_kernel<U>(const U*, U*, long long, int, long long,  \
-                                                     int, int);                               \
+                                                     int, int, int);                          \
     template __global__ void slice_backward_kernel<U>(const U*, U*, long long, int, long long, \
-                                                      int, int);
+                                                      int, int, int);
 
 // Explicit instantiations: compiled by the NVRTC CI test without name_expressions.
 UNIT_INSTANTIATIONS(unsigned char)

@@ -1,10 +1,11 @@
-"""Launchers of shape.cu (slice, slice_grad, arange) and their cuda op table.
+"""Launchers of shape.cu (slice, slice_grad, arange), constant, and their cuda op table.
 
-slice views x as (outer, D, inner) around the sliced dim and copies x[:, start:stop, :] into a
-contiguous output; slice_grad writes zeros with dy placed at [:, start:stop, :]. Both move
+slice views x as (outer, D, inner) around the sliced dim and copies x[:, start:stop:step, :] into
+a contiguous output; slice_grad writes zeros with dy placed at [:, start:stop:step, :]. Both move
 units of 16, 8, 4 or 1 bytes (the widest dividing the inner extent in bytes and both
 pointers), so they serve every dtype. arange writes 0..n-1. Launchers check their
-preconditions and launch on ctx.stream: no host sync, no allocation.
+preconditions and launch on ctx.stream: no host sync, no allocation. constant copies its
+values from a device copy of them uploaded at the node's first (eager) run.
 """
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ from typing import Callable
 import numpy as np
 
 from ...errors import ShapeError
-from .runtime.launch import BLOCK, _aligned, _check, _grid, _launch
+from .runtime.launch import BLOCK, _aligned, _check, _grid, _launch, _node_memory
 
 SOURCE = "shape.cu"
+# slice and slice_grad move bits, so bf16 values (compile/autocast.py keeps slices in bf16)
+# take the same kernels.
+BF16_OPS = frozenset({"slice", "slice_grad"})
 UNIT_CTYPES = {16: "uint4", 8: "unsigned long long", 4: "unsigned int", 1: "unsigned char"}
 ARANGE_CTYPES = {np.dtype("int64"): "long long", np.dtype("int32"): "int",
                  np.dtype("float32"): "float", np.dtype("float64"): "double"}
@@ -37,7 +41,8 @@ def _unit(inner_bytes: int, *arrays) -> int:
     return 1
 
 
-def _slice_args(what: str, shape: tuple, dim: int, start: int, stop: int | None = None):
+def _slice_args(what: str, shape: tuple, dim: int, start: int, stop: int | None = None,
+                step: int = 1):
     """(dim, start, length, D, inner) of a slice along dim of an array of `shape`, start and
     stop normalised as Python slices do."""
     if not shape:
@@ -46,42 +51,45 @@ def _slice_args(what: str, shape: tuple, dim: int, start: int, stop: int | None 
         raise ShapeError(f"{what}: dim {dim} out of range for shape {shape}")
     dim %= len(shape)
     d = shape[dim]
+    if step < 1:
+        raise ShapeError(f"{what}: step must be positive, got {step}")
     start, stop, _ = slice(start, stop).indices(d)
-    return dim, start, max(0, stop - start), d, math.prod(shape[dim + 1:])
+    return dim, start, len(range(start, stop, step)), d, math.prod(shape[dim + 1:])
 
 
 def _launch_slice(ctx, direction: str, src, dst, length: int, d: int, inner: int,
-                  start: int) -> None:
+                  start: int, step: int) -> None:
     unit = _unit(inner * dst.itemsize, src, dst)
     inner_units = inner * dst.itemsize // unit
     total = dst.nbytes // unit
     _launch(ctx, SOURCE, f"slice_{direction}_kernel<{UNIT_CTYPES[unit]}>", _grid(total),
             (BLOCK,), (src, dst, np.int64(total), np.int32(length), np.int64(inner_units),
-                       np.int32(d), np.int32(start)))
+                       np.int32(d), np.int32(start), np.int32(step)))
 
 
-def slice_forward(ctx, x, y, dim: int, start: int, stop: int | None) -> None:
-    """y = x[..., start:stop, ...] along dim, contiguous; any dtype."""
+def slice_forward(ctx, x, y, dim: int, start: int, stop: int | None, step: int = 1) -> None:
+    """y = x[..., start:stop:step, ...] along dim, contiguous; any dtype."""
     _check("slice input", x, dtype=None)
-    dim, start, length, d, inner = _slice_args("slice", tuple(x.shape), dim, start, stop)
+    dim, start, length, d, inner = _slice_args("slice", tuple(x.shape), dim, start, stop, step)
     want = tuple(x.shape[:dim]) + (length,) + tuple(x.shape[dim + 1:])
     _check("slice output", y, dtype=str(x.dtype), shape=want)
     if y.size:
-        _launch_slice(ctx, "forward", x, y, length, d, inner, start)
+        _launch_slice(ctx, "forward", x, y, length, d, inner, start, step)
 
 
-def slice_backward(ctx, dy, dx, dim: int, start: int) -> None:
-    """dx = zeros of its shape with dy placed at [..., start:start + L, ...] along dim."""
+def slice_backward(ctx, dy, dx, dim: int, start: int, step: int = 1) -> None:
+    """dx = zeros of its shape with dy placed at [..., start:start + L * step:step, ...] along
+    dim."""
     _check("slice_grad dx", dx, dtype=None)
-    dim, start, _, d, inner = _slice_args("slice_grad", tuple(dx.shape), dim, start)
+    dim, start, _, d, inner = _slice_args("slice_grad", tuple(dx.shape), dim, start, step=step)
     length = dy.shape[dim] if dy.ndim == dx.ndim else -1
     want = tuple(dx.shape[:dim]) + (length,) + tuple(dx.shape[dim + 1:])
     _check("slice_grad dy", dy, dtype=str(dx.dtype), shape=want)
-    if start + length > d:
-        raise ShapeError(f"slice_grad: dy {tuple(dy.shape)} at start {start} overruns dim "
-                         f"{dim} of {tuple(dx.shape)}")
+    if length > 0 and start + (length - 1) * step >= d:
+        raise ShapeError(f"slice_grad: dy {tuple(dy.shape)} at start {start} step {step} "
+                         f"overruns dim {dim} of {tuple(dx.shape)}")
     if dx.size:
-        _launch_slice(ctx, "backward", dy, dx, length, d, inner, start)
+        _launch_slice(ctx, "backward", dy, dx, length, d, inner, start, step)
 
 
 def arange_forward(ctx, y) -> None:
@@ -95,10 +103,26 @@ def arange_forward(ctx, y) -> None:
                 (BLOCK,), (y, np.int64(y.size)))
 
 
+def constant_forward(ctx, node, y) -> None:
+    """y = the node's constant values (attrs data): a device-to-device copy from the upload
+    made at the node's first eager run, so a captured graph replays no host transfer."""
+    import cupy as cp
+
+    host = node.attrs["data"].array
+    _check("constant output", y, dtype=str(host.dtype), shape=tuple(host.shape))
+    source = _node_memory(node, ("constant",), ctx, lambda: cp.asarray(host))
+    if y.nbytes:
+        cp.cuda.runtime.memcpyAsync(y.data.ptr, source.data.ptr, y.nbytes,
+                                    cp.cuda.runtime.memcpyDeviceToDevice, ctx.stream.ptr)
+
+
 IMPLS: dict[str, Callable] = {
     "slice": lambda node, ins, outs, ctx: slice_forward(
-        ctx, ins[0], outs[0], node.attrs["dim"], node.attrs["start"], node.attrs.get("stop")),
+        ctx, ins[0], outs[0], node.attrs["dim"], node.attrs["start"], node.attrs.get("stop"),
+        int(node.attrs.get("step") or 1)),
     "slice_grad": lambda node, ins, outs, ctx: slice_backward(
-        ctx, ins[0], outs[0], node.attrs["dim"], node.attrs["start"]),
+        ctx, ins[0], outs[0], node.attrs["dim"], node.attrs["start"],
+        int(node.attrs.get("step") or 1)),
     "arange": lambda node, ins, outs, ctx: arange_forward(ctx, outs[0]),
+    "constant": lambda node, ins, outs, ctx: constant_forward(ctx, node, outs[0]),
 }

@@ -1,0 +1,12 @@
+"""The named (values, indices) pairs that max / min / topk / sort with a dim return, as
+torch.return_types: unpack them as tuples or read `.values` and `.indices`."""
+from __future__ import annotations
+
+from collections import namedtuple
+
+max = namedtuple("max", ["values", "indices"])          # noqa: A001 (torch's names)
+min = namedtuple("min", ["values", "indices"])          # noqa: A001
+topk = namedtuple("topk", ["values", "indices"])
+sort = namedtuple("sort", ["values", "indices"])
+
+__all__ = ["max", "min", "topk", "sort"]
