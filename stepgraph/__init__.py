@@ -8,7 +8,7 @@ from .api import Predictor, TrainStep, compile_predict, compile_train_step
 from .backends import cuda_available
 from .errors import (BackendUnavailableError, CaptureError, DistributedError, LabelError,
                      NonFiniteError, PlanError, ShapeError, StateDictError, StepgraphError,
-                     UnsupportedOpError)
+                     LossSelectionError, UnsupportedOpError)
 from .backends.flags import get_float32_matmul_precision, set_float32_matmul_precision
 from .devices import device
 from .dtypes import *  # noqa: F401,F403
@@ -29,7 +29,7 @@ __all__ = ["nn", "optim", "losses", "distributed", "compile_train_step", "compil
            "inference_mode", "set_grad_enabled", "is_grad_enabled",
            "set_float32_matmul_precision", "get_float32_matmul_precision",
            *(n for n in _dtype_names if n not in ("float", "int", "bool")),  # keep builtins
-           *_factories.__all__]
+           "LossSelectionError", *_factories.__all__]
 
 
 def __getattr__(name: str):

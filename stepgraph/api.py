@@ -16,7 +16,7 @@ from .backends import get_backend
 from .backends.numpy import bf16
 from .compile.autocast import PRECISION as BF16_PRECISION
 from .compile.autocast import check_bf16_support, copy_values, parse_weight_copy
-from .compile.build import build_predict_graph, build_train_graph
+from .compile.build import ModelLoss, build_predict_graph, build_train_graph
 from .compile.distribute import average_gradients
 from .compile.executable import COPY_ROLES, INFERENCE, STATIC_ROLES, TRAIN, Executable, GraphKey
 from .compile.feed import Signature, check_feed, check_labels, signature_of
@@ -49,6 +49,7 @@ class _CompiledModel:
     moved onto the device once, and a cache of Executables by GraphKey."""
 
     mode = ""
+    freezes = False     # whether requires_grad=False parameters are traced as constants
 
     def __init__(self, model: Module, example_inputs, device: str, graph: bool | None,
                  precision: str, with_target: bool, memory_format: str = "auto",
@@ -72,27 +73,32 @@ class _CompiledModel:
         self.signature = signature_of(_input_names(len(example_inputs), with_target),
                                       example_inputs)
         model.name_parameters()
-        self.params = dict(model.named_parameters())
-        self.buffers = dict(model.named_buffers())   # bound as `state` values by their keys
+        named = list(model.named_parameters())
+        self.params = {k: p for k, p in named if p.requires_grad or not self.freezes}
+        # Bound as `state` values by their keys: buffers, and the frozen parameters this step
+        # was built with (graphs traced for later feed signatures freeze the same ones).
+        self.buffers = dict(model.named_buffers())
+        self.buffers.update((k, p) for k, p in named if k not in self.params)
+        self.frozen = frozenset(id(p) for k, p in named if k not in self.params)
         for p in [*self.params.values(), *self.buffers.values()]:
             self._on_device(p)
         self.executables: dict[GraphKey, Executable] = {}
 
     def _on_device(self, p) -> None:
         """Move a Parameter's or Buffer's data into the backend's memory (once)."""
-        if not self.backend.owns(p.data):
+        if not self.backend.owns(p.storage):
             host = p.numpy()
-            p.data = self.backend.empty(host.shape, str(host.dtype))
-            self.backend.copy_into(p.data, host)
+            p.storage = self.backend.empty(host.shape, str(host.dtype))
+            self.backend.copy_into(p.storage, host)
 
     def build_graph(self, signature: Signature) -> Graph:
         raise NotImplementedError
 
     def bind(self, v: Value) -> Any:
         if v.role == PARAM:
-            return self.params[v.name].data
+            return self.params[v.name].storage
         if v.role == STATE and v.name in self.buffers:
-            return self.buffers[v.name].data
+            return self.buffers[v.name].storage
         raise KeyError(v.name)
 
     def executable(self, signature: Signature) -> Executable:
@@ -164,6 +170,7 @@ class TrainStep(_CompiledModel):
     """
 
     mode = TRAIN
+    freezes = True
 
     def __init__(self, model, loss, optimizer, example_inputs, device="cpu", graph=None,
                  seed=0, precision="fp32", on_bad_batch="raise", distributed=False,
@@ -171,7 +178,8 @@ class TrainStep(_CompiledModel):
         self.on_bad_batch = check_policy(on_bad_batch)
         self.overlap_update = check_overlap_option(overlap_update)
         self.data_parallel, self.group = _data_parallel(distributed)
-        super().__init__(model, example_inputs, device, graph, precision, with_target=True,
+        super().__init__(model, example_inputs, device, graph, precision,
+                         with_target=not isinstance(loss, ModelLoss),
                          memory_format=memory_format, deterministic=deterministic)
         self.loss_fn, self.optimizer, self.seed = loss, optimizer, int(seed)
         self.state: dict[str, Any] = {}
@@ -199,7 +207,8 @@ class TrainStep(_CompiledModel):
         # on every rank's different samples).
         seed = self.seed if self.group is None else self.seed + (self.group.rank << 32)
         return build_train_graph(self.model, self.loss_fn, self.optimizer, signature, seed,
-                                 self.on_bad_batch, self.memory_format, self.precision)
+                                 self.on_bad_batch, self.memory_format, self.precision,
+                                 frozen=self.frozen)
 
     def plan(self, signature: Signature) -> Plan:
         graph = fuse(self.build_graph(signature))
@@ -212,7 +221,7 @@ class TrainStep(_CompiledModel):
 
     def _broadcast_parameters(self) -> None:
         """Rank 0's parameters and buffers on every rank: NCCL on CUDA, the store on the CPU."""
-        arrays = [p.data for p in [*self.params.values(), *self.buffers.values()]]
+        arrays = [p.storage for p in [*self.params.values(), *self.buffers.values()]]
         if self.group.world_size == 1 or not arrays:
             return
         if self.device == "cuda":
@@ -376,15 +385,27 @@ class Predictor(_CompiledModel):
 _train_cache: "weakref.WeakKeyDictionary[Module, dict]" = weakref.WeakKeyDictionary()
 
 
-def compile_train_step(model: Module, loss, optimizer, example_inputs, device: str = "cpu",
-                       graph: bool | None = None, seed: int = 0, precision: str = "fp32",
-                       on_bad_batch: str = "raise", distributed=False,
+def compile_train_step(model: Module, loss=None, optimizer=None, example_inputs=None,
+                       device: str = "cpu", graph: bool | None = None, seed: int = 0,
+                       precision: str = "fp32", on_bad_batch: str = "raise", distributed=False,
                        memory_format: str = "auto", deterministic: bool = True,
-                       overlap_update: bool | str = "auto") -> TrainStep:
+                       overlap_update: bool | str = "auto", loss_index: int | None = None,
+                       loss_key: str = "loss") -> TrainStep:
     """Compile forward + loss + backward + optimizer update into one callable step.
 
+    loss: a function (output, target) -> scalar loss; the step is called as step(*inputs,
+    target). loss=None: the model computes its own loss from all the step's arguments,
+    step(*inputs) calls model(*inputs), and the loss is what forward returns: a scalar, the
+    entry `loss_index` of a tuple or list (default: its only scalar entry, as nanoGPT's
+    (logits, loss)), or the entry `loss_key` (default "loss") of a dict; LossSelectionError
+    says what was returned when no scalar loss is found there.
+
     Compiling the same model, loss and optimizer with the same options again returns the same
-    step (a new one would start from fresh optimizer state). `graph` defaults to True on CUDA.
+    step (a new one would start from fresh optimizer state). Parameters with
+    requires_grad=False are frozen: traced as constant inputs, no gradient, no update, no
+    optimizer state. A step keeps the frozen set it was compiled with; after changing
+    requires_grad, compile again (that compile builds a new step, with fresh optimizer state).
+    `graph` defaults to True on CUDA.
     on_bad_batch ("raise", "skip" or "ignore"): what a batch with bad labels or a non-finite
     loss or gradient does (TrainStep's docstring). distributed (True, or a
     stepgraph.distributed.DataParallel with options): average the gradients across the
@@ -394,9 +415,15 @@ def compile_train_step(model: Module, loss, optimizer, example_inputs, device: s
     (TrainStep's docstring). overlap_update ("auto", True, False): whether the optimizer's
     update overlaps the backward pass (TrainStep's docstring).
     """
-    key = (id(loss), id(optimizer), signature_of(_input_names(len(example_inputs), True),
-                                                 example_inputs), device, graph, seed, precision,
-           on_bad_batch, distributed, memory_format, deterministic, overlap_update)
+    if optimizer is None or example_inputs is None:
+        raise TypeError("compile_train_step needs optimizer= and example_inputs=")
+    if loss is None:
+        loss = ModelLoss(loss_index, loss_key)
+    frozen = tuple(k for k, p in model.named_parameters() if not p.requires_grad)
+    key = (loss if isinstance(loss, ModelLoss) else id(loss), id(optimizer),
+           signature_of(_input_names(len(example_inputs), not isinstance(loss, ModelLoss)),
+                        example_inputs), device, graph, seed, precision,
+           on_bad_batch, distributed, memory_format, deterministic, overlap_update, frozen)
     per_model = _train_cache.setdefault(model, {})
     step = per_model.get(key)
     if step is None or step.optimizer is not optimizer:

@@ -39,6 +39,11 @@ class StateDictError(StepgraphError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class LossSelectionError(StepgraphError, ValueError):
+    """compile_train_step(loss=None) found no scalar loss where the model's output should
+    hold it (says what the model returned and which argument picks the entry)."""
+
+
 class BackendUnavailableError(StepgraphError, RuntimeError):
     """The requested device has no working backend on this machine."""
 

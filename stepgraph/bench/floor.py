@@ -1,15 +1,20 @@
 """The step floor: what one training step of a workload cannot go below on the GPU at hand.
 
-    floor = GEMM FLOPs of the step / the GPU's measured GEMM peak at the precision
-          + bytes the optimizer moves / the GPU's measured copy bandwidth
+    floor = max(GEMM FLOPs the step needs / the GPU's measured GEMM peak at the precision,
+                bytes the optimizer moves / the GPU's measured copy bandwidth)
 
-The GEMM FLOPs are the TFLOP/s column's (workloads.flops_per_step). The peak is the best of a
-few large square products (8192^3) through stepgraph's cuBLASLt path at the precision, timed
-as captured graph replays; the bandwidth a 1 GiB device-to-device copy (read + write). The
-optimizer moves each parameter's value, gradient and state (OPTIMIZER_BYTES), plus the bf16
-weight copy it writes in bf16. Everything else a step does (activations, normalisation, the
-loss) is left out, so every real step sits above the floor: `stepgraph bench --floor` reports
-how far each row sits above it.
+The FLOPs are those the step needs (`needed_flops`), not the TFLOP/s column's convention
+(workloads.flops_per_step): no input gradient for a first layer that reads the data (nothing
+asks for it), and of causal attention's score and value products only the unmasked entries,
+T(T+1)/2 of the T^2 per head. The peak is the best measured of the two GEMM libraries (cuBLAS
+through torch.matmul, when PyTorch is installed, and cuBLASLt through stepgraph's own path) on
+a few large square products (8192^3) at the precision; the bandwidth is a 1 GiB device-to-device
+copy (read + write). The optimizer moves each parameter's value, gradient and state
+(OPTIMIZER_BYTES), plus the bf16 weight copy it writes in bf16. The GEMMs and the update take the
+maximum, not the sum: a layer's update can run as soon as its gradient exists, beside the
+backward GEMMs still to come, and each is bound by a different resource (tensor cores, memory
+bandwidth). Everything else a step does (activations, normalisation, the loss) is left out, so
+every real step sits above the floor: `stepgraph bench --floor` reports how far each row does.
 """
 from __future__ import annotations
 
@@ -31,10 +36,11 @@ COPY_BYTES = 1 << 30
 class StepFloor:
     workload: str
     precision: str
-    gemm_flops: int
+    gemm_flops: int           # needed_flops
     optimizer_bytes: int
-    peak_tflops: float        # measured on the device
+    peak_tflops: float        # measured on the device: the best GEMM library's
     bandwidth_gbs: float      # measured on the device (GB/s, 1e9 bytes)
+    peak_source: str = ""     # each library's measured TFLOP/s
 
     @property
     def gemm_us(self) -> float:
@@ -46,7 +52,26 @@ class StepFloor:
 
     @property
     def floor_us(self) -> float:
-        return self.gemm_us + self.optimizer_us
+        return max(self.gemm_us, self.optimizer_us)
+
+
+def needed_flops(workload: wl.Workload) -> int:
+    """GEMM FLOPs one training step cannot do without: per GEMM 2*N*K*M forward, as much for
+    the weight gradient and as much for the input gradient, except the first layer's input
+    gradient when that input is the data (every model but the GPT, whose first GEMM reads a
+    LayerNorm's output); the GPT's attention over the T(T+1)/2 unmasked (query, key) pairs
+    (QK^T and PV forward, each twice in the backward: 12 FLOPs per pair and channel)."""
+    gemms = [s for s in wl.layer_shapes(workload) if s.kind in wl.GEMM_KINDS]
+    model = workload.model
+    data_first = not isinstance(model, wl.GPT)
+    total = 0
+    for index, s in enumerate(gemms):
+        passes = 2 if index == 0 and data_first else 3
+        total += passes * 2 * workload.batch * s.out_pixels * s.weight[0] * s.fan_in
+    if isinstance(model, wl.GPT):
+        pairs = model.block_size * (model.block_size + 1) // 2
+        total += 12 * model.n_layer * workload.batch * pairs * model.n_embd
+    return total
 
 
 def optimizer_bytes(workload: wl.Workload, precision: str) -> int:
@@ -57,10 +82,17 @@ def optimizer_bytes(workload: wl.Workload, precision: str) -> int:
     return wl.parameter_count(workload) * per_parameter
 
 
+def best_peak(peaks: dict[str, float]) -> tuple[float, str]:
+    """(the best of the GEMM libraries' measured TFLOP/s, a line naming each one's)."""
+    return max(peaks.values()), ", ".join(f"{name} {tflops:.1f}"
+                                          for name, tflops in peaks.items())
+
+
 def step_floor(workload: wl.Workload, name: str, precision: str, peak_tflops: float,
-               bandwidth_gbs: float) -> StepFloor:
-    return StepFloor(name, precision, wl.flops_per_step(workload),
-                     optimizer_bytes(workload, precision), peak_tflops, bandwidth_gbs)
+               bandwidth_gbs: float, peak_source: str = "") -> StepFloor:
+    return StepFloor(name, precision, needed_flops(workload),
+                     optimizer_bytes(workload, precision), peak_tflops, bandwidth_gbs,
+                     peak_source)
 
 
 # ---- measurements (CUDA) -----------------------------------------------------------------
@@ -89,6 +121,46 @@ def measure_peak_tflops(precision: str, n: int = PEAK_SIZE) -> float:
     return 2 * n ** 3 / (ms * 1e-3) / 1e12
 
 
+def measure_torch_peak_tflops(precision: str, n: int = PEAK_SIZE, tries: int = 3) -> float:
+    """TFLOP/s of an (n, n) @ (n, n) torch.matmul (cuBLAS) at the precision: strict float32
+    at fp32 (TF32 off), TF32 at tf32, bfloat16 operands at bf16; timed with CUDA events over
+    a few products after a warm-up one, the best of `tries`."""
+    import torch
+
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    try:
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        a, b = (torch.randn(n, n, device="cuda", dtype=dtype) for _ in range(2))
+        c = torch.matmul(a, b)
+        best_ms, reps = float("inf"), 5
+        for _ in range(tries):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                torch.matmul(a, b, out=c)
+            stop.record()
+            stop.synchronize()
+            best_ms = min(best_ms, start.elapsed_time(stop) / reps)
+        del a, b, c
+        torch.cuda.empty_cache()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+    return 2 * n ** 3 / (best_ms * 1e-3) / 1e12
+
+
+def measure_peaks(precision: str) -> dict[str, float]:
+    """Each GEMM library's measured TFLOP/s at the precision; cuBLAS only with PyTorch."""
+    peaks = {"cuBLASLt (stepgraph)": measure_peak_tflops(precision)}
+    try:
+        import torch
+    except ImportError:
+        return peaks
+    if torch.cuda.is_available():
+        peaks["cuBLAS (torch.matmul)"] = measure_torch_peak_tflops(precision)
+    return peaks
+
+
 def measure_bandwidth_gbs(nbytes: int = COPY_BYTES) -> float:
     """GB/s of a device-to-device copy of nbytes, counting its read and its write."""
     import cupy as cp
@@ -113,16 +185,17 @@ def measure_floors(names: list[str], precisions: list[str], tiny: bool = False
     bandwidth = measure_bandwidth_gbs()
     floors = []
     for precision in precisions:
-        peak = measure_peak_tflops(precision)
-        floors += [step_floor(wl.get_workload(name, tiny), name, precision, peak, bandwidth)
+        peak, source = best_peak(measure_peaks(precision))
+        floors += [step_floor(wl.get_workload(name, tiny), name, precision, peak, bandwidth,
+                              source)
                    for name in names]
     return floors
 
 
 def render_floors(floors: list[StepFloor], results) -> str:
     """The floors, and each measured row's step time as a multiple of its floor."""
-    lines = ["step floor: GEMM FLOPs at the measured GEMM peak + optimizer bytes at the "
-             "measured copy bandwidth",
+    lines = ["step floor: max(needed GEMM FLOPs at the best measured GEMM peak, optimizer "
+             "bytes at the measured copy bandwidth)",
              f"{'workload':<9}{'prec':<6}{'peak TFLOP/s':>13}{'GB/s':>8}{'GEMM µs':>10}"
              f"{'optim µs':>10}{'floor µs':>10}  rows (µs/step ÷ floor)"]
     for f in floors:
@@ -132,4 +205,7 @@ def render_floors(floors: list[StepFloor], results) -> str:
         lines.append(f"{f.workload:<9}{f.precision:<6}{f.peak_tflops:>13.1f}"
                      f"{f.bandwidth_gbs:>8.0f}{f.gemm_us:>10.1f}{f.optimizer_us:>10.1f}"
                      f"{f.floor_us:>10.1f}  {', '.join(rows)}")
+    sources = {f.precision: f.peak_source for f in floors if f.peak_source}
+    lines += [f"GEMM peak at {precision}, TFLOP/s: {source}"
+              for precision, source in sources.items()]
     return "\n".join(lines)

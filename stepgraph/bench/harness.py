@@ -10,17 +10,14 @@ range of the runs around that median.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import gc
 import importlib
 import json
 import math
 import platform
-import signal
 import statistics
 import sys
-import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -30,17 +27,23 @@ from typing import Any
 from stepgraph.bench import workloads as wl
 from stepgraph.bench.floor import StepFloor, measure_floors, render_floors
 from stepgraph.bench.peers import (
+    COMPILE_MODE_TIMEOUT_S,
     COMPILE_MODES,
     DEFAULT_COMPILE_MODES,
+    TINYGRAD_BEAM,
     PeerInfo,
     PeerTimeout,
     PreparedStep,
     RunSpec,
     Unsupported,
+    deadline,
     select_peers,
 )
 from stepgraph.errors import BackendUnavailableError
 
+# One peer's whole budget: torch compile's search gives each of its default modes up to
+# COMPILE_MODE_TIMEOUT_S, and the timing comes after (3600 s for five modes of 600 s).
+PEER_TIMEOUT_S = COMPILE_MODE_TIMEOUT_S * (len(DEFAULT_COMPILE_MODES) + 1)
 SETUP_STEPS = 3  # JAX compiles on call 1, TinyJit captures on call 2, cudagraph trees record
 STATUS_OK, STATUS_MISSING, STATUS_FAILED, STATUS_NA = "ok", "missing", "failed", "n/a"
 LIBRARIES = ("stepgraph", "torch", "jax", "jaxlib", "optax", "tinygrad", "cupy", "nvmath-python",
@@ -70,7 +73,8 @@ class BenchConfig:
     device: str = "cuda"  # "cpu" only for smoke tests
     tiny: bool = False  # CPU smoke-test model sizes
     compile_modes: tuple[str, ...] = DEFAULT_COMPILE_MODES  # torch.compile modes to try
-    peer_timeout_s: float = 240.0  # one peer's build + compile + timing; 0: no limit
+    peer_timeout_s: float = PEER_TIMEOUT_S  # one peer's build + compile + timing; 0: no limit
+    tinygrad_beam: int = TINYGRAD_BEAM  # tinygrad's BEAM search width; 0: no search
     floor: bool = False  # also measure each (workload, precision)'s step floor (floor.py)
 
 
@@ -101,6 +105,8 @@ class PeerResult:
     census_source: str = ""  # how the kernels were counted
     notes: list[str] = field(default_factory=list)
     traceback: str = ""
+    # the arithmetic when it differs from what `precision` names (stepgraph's fp32 attention)
+    precision_label: str = ""
 
     @property
     def spread_percent(self) -> float | None:
@@ -239,30 +245,6 @@ def _load_prepare(peer: PeerInfo):
     return getattr(module, peer.entry)
 
 
-@contextlib.contextmanager
-def deadline(seconds: float):
-    """Raise PeerTimeout in the main thread once `seconds` have passed (0: no limit).
-
-    Best effort: the signal handler runs between Python bytecodes, so a long call into C++ (an
-    XLA or Inductor compile) finishes before the exception is raised.
-    """
-    if seconds <= 0 or not hasattr(signal, "setitimer") \
-            or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def expire(signum, frame):
-        raise PeerTimeout(f"no result within {seconds:g} s (--peer-timeout)")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def measure_peer(peer: PeerInfo, spec: RunSpec, config: BenchConfig) -> PeerResult:
     """Prepare, warm up and time one peer; any failure becomes the row's status and reason."""
     result = PeerResult(spec.workload.name, spec.precision, peer.name, STATUS_OK,
@@ -281,6 +263,7 @@ def measure_peer(peer: PeerInfo, spec: RunSpec, config: BenchConfig) -> PeerResu
             _record_timing(result, time_repeats(prepared, len(spec.batches), steps,
                                                 config.repeats), spec.workload)
             result.notes = list(prepared.notes)
+            result.precision_label = prepared.precision_label
             _record_memory(result, prepared)
             _record_census(result, prepared)
     except Unsupported as error:
@@ -385,7 +368,7 @@ def make_spec(workload: wl.Workload, precision: str, config: BenchConfig) -> Run
     return RunSpec(workload, precision, config.device,
                    wl.make_batches(workload, config.batches, config.seed),
                    wl.initial_parameters(workload, config.seed), config.seed,
-                   tuple(config.compile_modes))
+                   tuple(config.compile_modes), config.tinygrad_beam)
 
 
 def run_benchmark(config: BenchConfig) -> BenchReport:
@@ -480,7 +463,8 @@ def _row_cells(r: PeerResult) -> list[str]:
     note = r.reason if r.status != STATUS_OK else ""
     if len(note) > 80:
         note = note[:77] + "..."
-    return [r.workload, r.precision, r.peer, r.status, _fmt(r.step_us, "{:.1f}"),
+    return [r.workload, r.precision_label or r.precision, r.peer, r.status,
+            _fmt(r.step_us, "{:.1f}"),
             "—" if spread is None else f"±{spread:.1f}%", _fmt(r.tflops, "{:.2f}"),
             _fmt(r.tokens_per_s, "{:,.0f}"), _fmt(r.speed_vs_best_peer, "{:.2f}x"),
             _fmt(r.setup_s, "{:.2f}"), _memory_cell(r), _fmt(r.kernels_per_step, "{:d}"),
@@ -622,16 +606,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench-out", help="output folder (default: bench-out)")
     parser.add_argument("--compile-modes", default=",".join(DEFAULT_COMPILE_MODES),
-                        help="torch.compile modes the torch compile row tries, keeping the "
-                             f"fastest: any of {','.join(COMPILE_MODES)} "
+                        help="torch.compile modes the torch compile row tries, each within "
+                             f"{COMPILE_MODE_TIMEOUT_S:.0f} s, keeping the fastest: any of "
+                             f"{','.join(COMPILE_MODES)} "
                              f"(default: {','.join(DEFAULT_COMPILE_MODES)})")
     parser.add_argument("--floor", action="store_true",
-                        help="also measure each workload's step floor: its GEMM FLOPs at the "
-                             "GPU's measured GEMM peak plus its optimizer's bytes at the "
-                             "measured copy bandwidth, and each row's distance from it")
-    parser.add_argument("--peer-timeout", type=float, default=240.0,
+                        help="also measure each workload's step floor: the larger of the GEMM "
+                             "FLOPs it needs at the best measured GEMM peak (cuBLAS or "
+                             "cuBLASLt) and its optimizer's bytes at the measured copy "
+                             "bandwidth, and each row's distance from it")
+    parser.add_argument("--peer-timeout", type=float, default=PEER_TIMEOUT_S,
                         help="seconds one peer may take (build, compile, timing) before its "
-                             "row fails and the run goes on; 0: no limit (default: 240)")
+                             "row fails and the run goes on; 0: no limit "
+                             f"(default: {PEER_TIMEOUT_S:.0f}, room for every torch.compile "
+                             "mode's own budget)")
+    parser.add_argument("--tinygrad-beam", type=int, default=TINYGRAD_BEAM,
+                        help="tinygrad's BEAM kernel search width; 0: no search "
+                             f"(default: {TINYGRAD_BEAM})")
     # Smoke tests only: run the peers on the CPU at tiny sizes.
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help=argparse.SUPPRESS)
@@ -653,6 +644,8 @@ def parse_config(argv: list[str] | None) -> BenchConfig:
         raise ValueError("--repeats and --batches must be at least 1")
     if args.peer_timeout < 0:
         raise ValueError("--peer-timeout must be 0 (no limit) or positive")
+    if args.tinygrad_beam < 0:
+        raise ValueError("--tinygrad-beam must be 0 (no search) or positive")
     compile_modes = _csv(args.compile_modes)
     unknown = [mode for mode in compile_modes if mode not in COMPILE_MODES]
     if unknown or not compile_modes:
@@ -664,7 +657,8 @@ def parse_config(argv: list[str] | None) -> BenchConfig:
                        repeats=args.repeats, target_seconds=args.target_seconds,
                        batches=args.batches, seed=args.seed, out_dir=args.out,
                        device=args.device, tiny=args.tiny, compile_modes=tuple(compile_modes),
-                       peer_timeout_s=args.peer_timeout, floor=args.floor)
+                       peer_timeout_s=args.peer_timeout, floor=args.floor,
+                       tinygrad_beam=args.tinygrad_beam)
 
 
 def main(argv: list[str] | None = None) -> int:

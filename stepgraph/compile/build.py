@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from ..autodiff import append_backward
 from ..ir.graph import Graph
-from ..ir.trace import Tracer
+from ..errors import LossSelectionError
+from ..ir.trace import Tensor, Tracer
 from ..nn.module import Module
 from .feed import Signature
 from .guard import emit_guard
@@ -30,26 +32,70 @@ def _trace_inputs(tracer: Tracer, signature: Signature) -> list:
     return [tracer.input(s.shape, s.dtype, s.name) for s in signature]
 
 
+@dataclass(frozen=True)
+class ModelLoss:
+    """compile_train_step(loss=None): the model computes its own loss, returned by forward as
+    a scalar, as one entry of a tuple or list (`index`; None: the only scalar entry, e.g.
+    nanoGPT's (logits, loss)), or as the entry `key` of a dict."""
+
+    index: int | None = None
+    key: str = "loss"
+
+    def pick(self, out) -> Tensor:
+        if isinstance(out, dict):
+            if self.key not in out:
+                raise LossSelectionError(f"the model returned a dict without the loss key "
+                                         f"{self.key!r} (keys {list(out)}); pass loss_key=")
+            return self._scalar(out[self.key], f"entry {self.key!r}")
+        if isinstance(out, (tuple, list)):
+            if self.index is not None:
+                return self._scalar(out[self.index], f"entry {self.index}")
+            scalars = [i for i, t in enumerate(out) if isinstance(t, Tensor) and t.shape == ()]
+            if len(scalars) != 1:
+                raise LossSelectionError(
+                    f"the model returned {len(out)} entries with scalar tensors at "
+                    f"{scalars}: pass loss_index= to say which is the loss")
+            return out[scalars[0]]
+        return self._scalar(out, "output")
+
+    @staticmethod
+    def _scalar(t, what: str) -> Tensor:
+        if not isinstance(t, Tensor) or t.shape != ():
+            got = f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+            raise LossSelectionError(f"the model's {what} is not a scalar loss tensor (got "
+                                     f"{got}); with loss=None forward must return the loss")
+        return t
+
+
 def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, seed: int,
                       on_bad_batch: str = "ignore", memory_format: str = "contiguous",
-                      precision: str = "fp32") -> Graph:
-    """forward + loss + backward (+ guard) + update. The last feed entry is the loss target.
+                      precision: str = "fp32", frozen: frozenset = frozenset()) -> Graph:
+    """forward + loss + backward (+ guard) + update. The last feed entry is the loss target,
+    or with loss_fn a ModelLoss the model's last argument (it computes the loss itself).
     on_bad_batch "raise" or "skip" adds the guard (compile/guard.py); "ignore" does not.
     memory_format "channels_last" lays the forward's image tensors out NHWC before autodiff
     (compile/layout.py); "contiguous" keeps them NCHW; "auto" decides by the model
     (layout.channels_last_pays). precision "bf16" autocasts the forward
-    before autodiff and has the update write the weights' bf16 copies (compile/autocast.py)."""
+    before autodiff and has the update write the weights' bf16 copies (compile/autocast.py).
+    frozen: ids of the Parameters traced as constant `state` inputs (no gradient, no update)."""
     model.name_parameters()
-    tracer = Tracer(seed=seed, training=True)
-    *xs, target = _trace_inputs(tracer, signature)
+    tracer = Tracer(seed=seed, training=True, frozen=frozen)
+    inputs = _trace_inputs(tracer, signature)
+    target = inputs[-1]          # the labels a guard checks, where a loss reads them as such
     with _mode(model, True):
-        out = model(*xs)
-    loss = loss_fn(out, target)
+        if isinstance(loss_fn, ModelLoss):
+            loss = loss_fn.pick(model(*inputs))
+        else:
+            out = model(*inputs[:-1])
+            loss = loss_fn(out, target)
     tracer.graph = apply_memory_format(tracer.graph, memory_format)
     bf16 = precision == BF16_PRECISION
     if bf16:
         autocast(tracer.graph)
     params = list(tracer.graph.params)
+    if not params:
+        raise ValueError("nothing to train: the loss depends on no parameter with "
+                         "requires_grad=True")
     grads = append_backward(tracer, loss.value, params)
     copies = bind_weight_copies(tracer.graph) if bf16 else None
     guard = emit_guard(tracer, on_bad_batch, loss.value, target.value, grads)
@@ -69,10 +115,22 @@ def build_predict_graph(model: Module, signature: Signature,
     xs = _trace_inputs(tracer, signature)
     with _mode(model, False):
         out = model(*xs)
-    tracer.graph.outputs = {"output": out.value}
+    tracer.graph.outputs = {"output": _predicted(out).value}
     graph = tracer.graph
     graph = apply_memory_format(graph, memory_format)
     if precision == BF16_PRECISION:
         autocast(graph)
         graph.outputs["output"] = as_float32(graph, graph.outputs["output"])
     return graph
+
+
+def _predicted(out) -> Tensor:
+    """What a predict step returns: the output, or of a tuple or list the one tensor that is
+    not None (nanoGPT's (logits, None) when called without targets)."""
+    if isinstance(out, (tuple, list)):
+        tensors = [t for t in out if t is not None]
+        if len(tensors) != 1 or not isinstance(tensors[0], Tensor):
+            raise LossSelectionError(f"compile_predict: the model returned {len(out)} entries, "
+                                     f"{len(tensors)} not None; one output tensor is needed")
+        return tensors[0]
+    return out

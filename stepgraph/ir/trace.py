@@ -1073,8 +1073,9 @@ def current_tracer() -> Tracer | None:
 class Tracer:
     """Records nodes into `graph`. Parameters and state become external values once each."""
 
-    def __init__(self, seed: int = 0, training: bool = True):
+    def __init__(self, seed: int = 0, training: bool = True, frozen: frozenset = frozenset()):
         self.graph = Graph()
+        self.frozen = frozen                       # ids of Parameters traced as constants
         self.seed = seed
         self.training = training
         self.param_values: dict[int, Value] = {}   # id(Parameter) -> Value
@@ -1114,6 +1115,10 @@ class Tracer:
         return Tensor(v, self)
 
     def param(self, p: Parameter) -> Tensor:
+        """A Parameter as a `param` value, once per Parameter; a frozen one (in `frozen`) as
+        a `state` value instead, like a buffer: the backward and the update never see it."""
+        if id(p) in self.frozen:
+            return self.buffer(p)
         v = self.param_values.get(id(p))
         if v is None:
             v = Value(p.shape, p.dtype, PARAM, p.name)

@@ -1,9 +1,10 @@
 """torch.nn-shaped layers."""
+from . import init
+from .container import ModuleDict, ModuleList, ParameterDict, ParameterList, Sequential
 from .init import manual_seed
 from .layers import (GELU, AdaptiveAvgPool2d, AvgPool2d, BatchNorm1d, BatchNorm2d, Conv2d,
                      Dropout, Dropout2d, Embedding, Flatten, Identity, LayerNorm, LeakyReLU,
-                     Linear, LogSoftmax, MaxPool2d, ModuleDict, ModuleList, ReLU, Sequential,
-                     Sigmoid, SiLU, Tanh)
+                     Linear, LogSoftmax, MaxPool2d, ReLU, Sigmoid, SiLU, Tanh)
 from .layers import (CELU, ELU, GLU, SELU, Hardsigmoid, Hardswish, Hardtanh, LogSigmoid,
                      Mish, ReLU6, Softplus)
 from .layers import (AdaptiveMaxPool2d, Conv1d, ConvTranspose2d, GroupNorm, MultiheadAttention,
@@ -17,7 +18,7 @@ __all__ = ["Module", "Parameter", "Linear", "Conv2d", "MaxPool2d", "Flatten", "D
            "Sequential", "SiLU", "Identity", "ModuleList", "ModuleDict", "manual_seed", "Buffer",
            "AvgPool2d", "AdaptiveAvgPool2d", "BatchNorm1d", "BatchNorm2d", "Embedding",
            "LayerNorm", "ELU", "CELU", "SELU", "Softplus", "Mish", "Hardswish", "Hardsigmoid",
-           "ReLU6", "Hardtanh", "LogSigmoid", "GLU",
+           "ReLU6", "Hardtanh", "LogSigmoid", "GLU", "ParameterList", "ParameterDict", "init",
            "CrossEntropyLoss", "NLLLoss", "MSELoss", "BCEWithLogitsLoss", "BCELoss", "L1Loss",
            "SmoothL1Loss", "HuberLoss", "KLDivLoss",
            "GroupNorm", "RMSNorm", "Conv1d", "ConvTranspose2d", "Upsample", "UpsamplingNearest2d",

@@ -1,25 +1,47 @@
 """Layers with torch.nn's names, constructor arguments, parameter shapes and initialisation."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..errors import ShapeError, UnsupportedOpError
 from . import functional as F
-from .init import normal, uniform_fan_in
+from . import init
 from .module import Module, Parameter
 
 
+def _reset_fan_in(weight: Parameter, bias: Parameter | None) -> None:
+    """torch's default for Linear and Conv: kaiming_uniform_(a=sqrt(5)), i.e.
+    U(-1/sqrt(fan_in), 1/sqrt(fan_in)), and the bias from the same range."""
+    init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if bias is not None:
+        fan_in, _ = init._calculate_fan_in_and_fan_out(weight)
+        bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+        init.uniform_(bias, -bound, bound)
+
+
 class Linear(Module):
+    """y = x W^T + b, weight (out_features, in_features), initialised by reset_parameters."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = Parameter(uniform_fan_in((out_features, in_features), in_features))
-        self.bias = Parameter(uniform_fan_in((out_features,), in_features)) if bias else None
+        self.weight = Parameter(np.empty((out_features, in_features), np.float32))
+        self.bias = Parameter(np.empty(out_features, np.float32)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _reset_fan_in(self.weight, self.bias)
 
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
+
+    def _label_args(self):
         return f"{self.in_features},{self.out_features}"
 
 
@@ -35,7 +57,11 @@ class Embedding(Module):
             raise UnsupportedOpError("Embedding with padding_idx, max_norm, scale_grad_by_freq "
                                      "or sparse is not supported")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.weight = Parameter(normal((num_embeddings, embedding_dim)))
+        self.weight = Parameter(np.empty((num_embeddings, embedding_dim), np.float32))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        init.normal_(self.weight)
 
     def forward(self, input):
         return F.embedding(input, self.weight)
@@ -53,16 +79,27 @@ class LayerNorm(Module):
                  bias: bool = True):
         super().__init__()
         self.normalized_shape, self.eps = F.normalized_dims(normalized_shape), eps
-        self.elementwise_affine = elementwise_affine
+        self.elementwise_affine, self.has_bias = elementwise_affine, bias
         shape = self.normalized_shape
-        self.weight = Parameter(np.ones(shape, np.float32)) if elementwise_affine else None
-        self.bias = Parameter(np.zeros(shape, np.float32)) if elementwise_affine and bias \
+        self.weight = Parameter(np.empty(shape, np.float32)) if elementwise_affine else None
+        self.bias = Parameter(np.empty(shape, np.float32)) if elementwise_affine and bias \
             else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            init.ones_(self.weight)
+        if self.bias is not None:
+            init.zeros_(self.bias)
 
     def forward(self, x):
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
     def extra_repr(self):
+        return (f"{self.normalized_shape}, eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}, bias={self.has_bias}")
+
+    def _label_args(self):
         return f"{self.normalized_shape}, eps={self.eps}"
 
 
@@ -76,20 +113,34 @@ class Conv2d(Module):
         if padding_mode != "zeros":
             raise UnsupportedOpError(f"Conv2d padding_mode={padding_mode!r} (only 'zeros')")
         kh, kw = F._pair(kernel_size)
-        fan_in = in_channels // groups * kh * kw
         self.in_channels, self.out_channels = in_channels, out_channels
         self.kernel_size, self.stride = (kh, kw), F._pair(stride)
         self.padding = padding if isinstance(padding, str) else F._pair(padding)
         self.dilation, self.groups = F._pair(dilation), groups
-        self.weight = Parameter(uniform_fan_in((out_channels, in_channels // groups, kh, kw),
-                                               fan_in))
-        self.bias = Parameter(uniform_fan_in((out_channels,), fan_in)) if bias else None
+        self.weight = Parameter(np.empty((out_channels, in_channels // groups, kh, kw),
+                                         np.float32))
+        self.bias = Parameter(np.empty(out_channels, np.float32)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _reset_fan_in(self.weight, self.bias)
 
     def forward(self, x):
         return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation,
                         self.groups)
 
     def extra_repr(self):
+        s = (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+             f"stride={self.stride}")
+        if self.padding != (0, 0):
+            s += f", padding={self.padding!r}"
+        if self.dilation != (1, 1):
+            s += f", dilation={self.dilation}"
+        if self.groups != 1:
+            s += f", groups={self.groups}"
+        return s + (", bias=False" if self.bias is None else "")
+
+    def _label_args(self):
         return f"{self.in_channels},{self.out_channels},{self.kernel_size[0]}"
 
 
@@ -105,6 +156,11 @@ class MaxPool2d(Module):
                             self.ceil_mode, self.return_indices)
 
     def extra_repr(self):
+        stride = self.kernel_size if self.stride is None else self.stride
+        return (f"kernel_size={self.kernel_size}, stride={stride}, padding={self.padding}, "
+                f"dilation={self.dilation}, ceil_mode={self.ceil_mode}")
+
+    def _label_args(self):
         return f"{self.kernel_size}"
 
 
@@ -121,6 +177,10 @@ class AvgPool2d(Module):
                             self.count_include_pad, self.divisor_override)
 
     def extra_repr(self):
+        stride = self.kernel_size if self.stride is None else self.stride
+        return f"kernel_size={self.kernel_size}, stride={stride}, padding={self.padding}"
+
+    def _label_args(self):
         return f"{self.kernel_size}"
 
 
@@ -135,6 +195,9 @@ class AdaptiveAvgPool2d(Module):
         return F.adaptive_avg_pool2d(x, self.output_size)
 
     def extra_repr(self):
+        return f"output_size={self.output_size}"
+
+    def _label_args(self):
         return f"{self.output_size}"
 
 
@@ -150,12 +213,25 @@ class _BatchNorm(Module):
         super().__init__()
         self.num_features, self.eps, self.momentum = num_features, eps, momentum
         self.affine, self.track_running_stats = affine, track_running_stats
-        self.weight = Parameter(np.ones(num_features, np.float32)) if affine else None
-        self.bias = Parameter(np.zeros(num_features, np.float32)) if affine else None
+        self.weight = Parameter(np.empty(num_features, np.float32)) if affine else None
+        self.bias = Parameter(np.empty(num_features, np.float32)) if affine else None
         track = track_running_stats
         self.register_buffer("running_mean", np.zeros(num_features, np.float32) if track else None)
         self.register_buffer("running_var", np.ones(num_features, np.float32) if track else None)
         self.register_buffer("num_batches_tracked", np.array(0, np.int64) if track else None)
+        self.reset_parameters()
+
+    def reset_running_stats(self) -> None:
+        if self.track_running_stats:
+            self.running_mean.zero_()
+            self.running_var.fill_(1)
+            self.num_batches_tracked.zero_()
+
+    def reset_parameters(self) -> None:
+        self.reset_running_stats()
+        if self.affine:
+            init.ones_(self.weight)
+            init.zeros_(self.bias)
 
     def forward(self, x):
         if x.ndim not in self.ranks:
@@ -171,6 +247,11 @@ class _BatchNorm(Module):
                             num_batches_tracked=self.num_batches_tracked if update else None)
 
     def extra_repr(self):
+        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
+                f"affine={self.affine}, bias=True, "   # torch 2.13 prints its bias argument
+                f"track_running_stats={self.track_running_stats}")
+
+    def _label_args(self):
         return f"{self.num_features}"
 
 
@@ -192,6 +273,12 @@ class Flatten(Module):
     def forward(self, x):
         return F.flatten(x, self.start_dim)
 
+    def extra_repr(self):
+        return f"start_dim={self.start_dim}, end_dim=-1"
+
+    def _label_args(self):
+        return ""
+
 
 class Dropout(Module):
     per_channel = False
@@ -207,6 +294,9 @@ class Dropout(Module):
         return drop(x, self.p, self.training)
 
     def extra_repr(self):
+        return f"p={self.p}, inplace=False"
+
+    def _label_args(self):
         return f"p={self.p}"
 
 
@@ -260,6 +350,12 @@ class LeakyReLU(Module):
     def forward(self, x):
         return F.activation(x, "leaky_relu", self.negative_slope)
 
+    def extra_repr(self):
+        return f"negative_slope={self.negative_slope}"
+
+    def _label_args(self):
+        return ""
+
 
 class GELU(Module):
     def __init__(self, approximate: str = "none"):
@@ -271,6 +367,12 @@ class GELU(Module):
     def forward(self, x):
         return F.activation(x, "gelu" if self.approximate == "none" else "gelu_tanh")
 
+    def extra_repr(self):
+        return f"approximate={self.approximate!r}"
+
+    def _label_args(self):
+        return ""
+
 
 class LogSoftmax(Module):
     def __init__(self, dim: int = 1):
@@ -280,92 +382,11 @@ class LogSoftmax(Module):
     def forward(self, x):
         return F.log_softmax(x, self.dim)
 
+    def extra_repr(self):
+        return f"dim={self.dim}"
 
-class Sequential(Module):
-    def __init__(self, *modules: Module):
-        super().__init__()
-        for i, m in enumerate(modules):
-            setattr(self, str(i), m)
-
-    def __len__(self):
-        return len(self._modules)
-
-    def __getitem__(self, i: int) -> Module:
-        return list(self._modules.values())[i]
-
-    def forward(self, x):
-        for m in self._modules.values():
-            x = m(x)
-        return x
-
-
-class ModuleList(Module):
-    """A list of modules, registered under "0", "1", ... (state_dict keys "0.weight", ...).
-    It has no forward: the owner calls its items."""
-
-    def __init__(self, modules=None):
-        super().__init__()
-        if modules is not None:
-            self.extend(modules)
-
-    def append(self, module: Module) -> ModuleList:
-        setattr(self, str(len(self._modules)), module)
-        return self
-
-    def extend(self, modules) -> ModuleList:
-        for m in modules:
-            self.append(m)
-        return self
-
-    def __len__(self):
-        return len(self._modules)
-
-    def __iter__(self):
-        return iter(list(self._modules.values()))
-
-    def __getitem__(self, i):
-        items = list(self._modules.values())
-        return ModuleList(items[i]) if isinstance(i, slice) else items[i]
-
-
-class ModuleDict(Module):
-    """Modules by name, registered under their keys (state_dict keys "<key>.weight", ...) and
-    reachable as items or attributes, as PyTorch's. It has no forward: the owner calls its
-    items."""
-
-    def __init__(self, modules=None):
-        super().__init__()
-        if modules is not None:
-            self.update(modules)
-
-    def __getitem__(self, key: str) -> Module:
-        return self._modules[key]
-
-    def __setitem__(self, key: str, module: Module) -> None:
-        setattr(self, key, module)
-
-    def __contains__(self, key) -> bool:
-        return key in self._modules
-
-    def __len__(self):
-        return len(self._modules)
-
-    def __iter__(self):
-        return iter(list(self._modules))
-
-    def keys(self):
-        return self._modules.keys()
-
-    def items(self):
-        return self._modules.items()
-
-    def values(self):
-        return self._modules.values()
-
-    def update(self, modules) -> None:
-        """Add (key, module) pairs from a mapping or an iterable of pairs, in order."""
-        for key, module in (modules.items() if hasattr(modules, "items") else modules):
-            self[key] = module
+    def _label_args(self):
+        return ""
 
 
 # ---- activations composed of elementwise ops (nn/functional.py) ----------------------------
@@ -460,13 +481,14 @@ class GroupNorm(Module):
                              f"{num_channels}")
         self.num_groups, self.num_channels, self.eps, self.affine = \
             num_groups, num_channels, eps, affine
-        self.weight = Parameter(np.ones(num_channels, np.float32)) if affine else None
-        self.bias = Parameter(np.zeros(num_channels, np.float32)) if affine else None
+        self.weight = Parameter(np.empty(num_channels, np.float32)) if affine else None
+        self.bias = Parameter(np.empty(num_channels, np.float32)) if affine else None
+        self.reset_parameters()
 
     def reset_parameters(self) -> None:
         if self.affine:
-            self.weight.assign(np.ones(self.num_channels, np.float32))
-            self.bias.assign(np.zeros(self.num_channels, np.float32))
+            init.ones_(self.weight)
+            init.zeros_(self.bias)
 
     def forward(self, x):
         return F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
@@ -485,25 +507,19 @@ class RMSNorm(Module):
         self.normalized_shape = (normalized_shape,) if isinstance(normalized_shape, int) \
             else tuple(normalized_shape)
         self.eps, self.elementwise_affine = eps, elementwise_affine
-        self.weight = Parameter(np.ones(self.normalized_shape, np.float32)) \
+        self.weight = Parameter(np.empty(self.normalized_shape, np.float32)) \
             if elementwise_affine else None
+        self.reset_parameters()
 
     def reset_parameters(self) -> None:
         if self.elementwise_affine:
-            self.weight.assign(np.ones(self.normalized_shape, np.float32))
+            init.ones_(self.weight)
 
     def forward(self, x):
         return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
 
     def extra_repr(self):
         return f"{self.normalized_shape}, eps={self.eps}"
-
-
-def _conv_init(weight: Parameter, bias, fan_in: int) -> None:
-    """torch's conv default: weight and bias U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
-    weight.assign(uniform_fan_in(weight.shape, fan_in))
-    if bias is not None:
-        bias.assign(uniform_fan_in(bias.shape, fan_in))
 
 
 class Conv1d(Module):
@@ -527,7 +543,7 @@ class Conv1d(Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        _conv_init(self.weight, self.bias, self.in_channels // self.groups * self.kernel_size[0])
+        _reset_fan_in(self.weight, self.bias)
 
     def forward(self, x):
         padding = self.padding if isinstance(self.padding, str) else self.padding[0]
@@ -540,7 +556,7 @@ class Conv1d(Module):
 
 class ConvTranspose2d(Module):
     """F.conv_transpose2d; weight (in, out/groups, kh, kw), bias (out,); torch's init, whose
-    fan_in is weight.size(1) * kh * kw."""
+    fan_in is weight.size(1) * kh * kw (out/groups * kh * kw)."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0,
                  output_padding=0, groups: int = 1, bias: bool = True, dilation=1,
@@ -562,8 +578,7 @@ class ConvTranspose2d(Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        kh, kw = self.kernel_size
-        _conv_init(self.weight, self.bias, self.out_channels // self.groups * kh * kw)
+        _reset_fan_in(self.weight, self.bias)
 
     def forward(self, x):
         return F.conv_transpose2d(x, self.weight, self.bias, self.stride, self.padding,
@@ -631,12 +646,10 @@ class MultiheadAttention(Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        e = self.embed_dim
-        # xavier_uniform: U(-a, a), a = sqrt(6 / (fan_in + fan_out)) = 1 / sqrt((E + 3E) / 6)
-        self.in_proj_weight.assign(uniform_fan_in((3 * e, e), (e + 3 * e) / 6))
+        init.xavier_uniform_(self.in_proj_weight)
         if self.in_proj_bias is not None:
-            self.in_proj_bias.assign(np.zeros(3 * e, np.float32))
-            self.out_proj.bias.assign(np.zeros(e, np.float32))
+            init.zeros_(self.in_proj_bias)
+            init.zeros_(self.out_proj.bias)
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights: bool = True,
                 attn_mask=None, average_attn_weights: bool = True, is_causal: bool = False):

@@ -7,12 +7,12 @@ and update that array in place, so `state_dict()` always returns the trained val
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import numpy as np
 
-from ..errors import StateDictError
-from ..ir.trace import Tensor
+from ..errors import StateDictError, UnsupportedOpError
+from ..ir.trace import Tensor, current_tracer, tensor_of
 
 
 def to_numpy(array) -> np.ndarray:
@@ -32,52 +32,201 @@ def _device_synchronize() -> None:
     cupy.cuda.Device().synchronize()
 
 
-class _Stored:
-    """A named array a model owns (NumPy or CuPy storage) that compiled steps bind by name."""
+def host_array(values) -> np.ndarray:
+    """A NumPy view or copy of what a Parameter may be built from or assigned: a NumPy or CuPy
+    array, a Parameter or Buffer, a tensor with .numpy() (an eager tensor, a torch tensor), or
+    anything np.asarray takes (nested lists, numbers)."""
+    if isinstance(values, np.ndarray):
+        return values
+    if isinstance(values, _Stored):
+        return values.numpy()
+    if hasattr(values, "get") and hasattr(values, "__cuda_array_interface__"):   # CuPy
+        return values.get()
+    if callable(getattr(values, "numpy", None)):
+        try:
+            return np.asarray(values.numpy())
+        except RuntimeError:                 # a torch tensor that requires grad
+            return np.asarray(values.detach().numpy())
+    return np.asarray(values)
 
-    data: np.ndarray
+
+class _Stored:
+    """A named array a model owns that compiled steps bind by name.
+
+    `storage` is the array itself, on the device the last compile moved it to (NumPy, or CuPy
+    after a CUDA compile); compiled steps read and write it in place. `data` is the stored
+    value as torch code reaches for it: reading `p.data` gives this object back, so torch's
+    in-place idioms (`p.data.fill_(0)`, `p.data.normal_(0, 0.02)`, `p.data.copy_(w)`) write
+    the storage, and `p.data = values` copies values in (shape and dtype kept)."""
+
+    storage: np.ndarray
     name: str
     # Bumped by every assign: compiled steps holding a derived copy (the bf16 weight copies of
     # precision="bf16") refresh it when the storage was written from outside the step.
     version: int = 0
 
     @property
+    def data(self) -> _Stored:
+        return self
+
+    @data.setter
+    def data(self, values) -> None:
+        self.assign(values)
+
+    @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.data.shape)
+        return tuple(self.storage.shape)
 
     @property
     def dtype(self) -> str:
-        return str(self.data.dtype)
+        return str(self.storage.dtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.storage.shape)
+
+    def dim(self) -> int:
+        return self.ndim
+
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def size(self, dim: int | None = None):
+        """The shape, or the length of axis `dim` (negative counts from the end)."""
+        if dim is None:
+            return self.shape
+        if not -self.ndim <= dim < max(self.ndim, 1):
+            raise IndexError(f"{self!r}: dim {dim} out of range for rank {self.ndim}")
+        return self.shape[dim]
 
     def numpy(self) -> np.ndarray:
-        return to_numpy(self.data)
+        return to_numpy(self.storage)
 
-    def assign(self, values: np.ndarray) -> None:
+    def __array__(self, dtype=None, copy=None):
+        host = self.numpy()
+        return host if dtype is None else host.astype(dtype)
+
+    def assign(self, values) -> None:
         """Copy values into the current storage in place (compiled steps keep their pointers)."""
-        values = np.asarray(values, dtype=self.dtype)
+        values = np.asarray(host_array(values), dtype=self.dtype)
         if values.shape != self.shape:
             raise StateDictError(f"{self.name}: expected shape {self.shape}, got {values.shape}")
-        if isinstance(self.data, np.ndarray):
-            self.data[...] = values
+        if isinstance(self.storage, np.ndarray):
+            self.storage[...] = values
         else:                                # no step may still be reading the old values
             _device_synchronize()
-            self.data.set(np.ascontiguousarray(values))
+            self.storage.set(np.ascontiguousarray(values))
             _device_synchronize()
         self.version += 1
+
+    # torch's in-place initialisers (nn.init draws from the module generator)
+    def fill_(self, value) -> _Stored:
+        self.assign(np.full(self.shape, value))
+        return self
+
+    def zero_(self) -> _Stored:
+        return self.fill_(0)
+
+    def copy_(self, src) -> _Stored:
+        """Copy `src` (any array-like of this shape) in; returns self."""
+        self.assign(src)
+        return self
+
+    # ---- as a tensor in expressions (torch's Parameter is a Tensor) ----
+    def as_tensor(self) -> Tensor:
+        """This array as a tensor: traced inside a forward (`self.cls_token.expand(...)`,
+        `self.pos_emb[:, :T]`, `self.scale * x`), else an eager tensor of a host copy."""
+        tracer = current_tracer()
+        return self.traced(tracer) if tracer is not None else tensor_of(self.numpy())
+
+    def __getattr__(self, name: str):
+        if name.startswith("_") or not hasattr(Tensor, name):
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        return getattr(self.as_tensor(), name)
+
+    def __getitem__(self, index):
+        return self.as_tensor()[index]
+
+    def __setitem__(self, index, values) -> None:
+        """`p.data[index] = values` outside forward: writes in place, as torch's does."""
+        host = self.numpy()
+        host[index] = host_array(values)
+        self.assign(host)
+
+    def normal_(self, mean: float = 0.0, std: float = 1.0, generator=None) -> _Stored:
+        from .init import normal_
+        return normal_(self, mean, std, generator=generator)
+
+    def uniform_(self, a: float = 0.0, b: float = 1.0, generator=None) -> _Stored:
+        from .init import uniform_
+        return uniform_(self, a, b, generator=generator)
+
+    def __add__(self, other):
+        return self.as_tensor().__add__(other)
+
+    def __radd__(self, other):
+        return self.as_tensor().__radd__(other)
+
+    def __sub__(self, other):
+        return self.as_tensor().__sub__(other)
+
+    def __rsub__(self, other):
+        return self.as_tensor().__rsub__(other)
+
+    def __mul__(self, other):
+        return self.as_tensor().__mul__(other)
+
+    def __rmul__(self, other):
+        return self.as_tensor().__rmul__(other)
+
+    def __truediv__(self, other):
+        return self.as_tensor().__truediv__(other)
+
+    def __rtruediv__(self, other):
+        return self.as_tensor().__rtruediv__(other)
+
+    def __matmul__(self, other):
+        return self.as_tensor().__matmul__(other)
+
+    def __pow__(self, other):
+        return self.as_tensor().__pow__(other)
+
+    def __rpow__(self, other):
+        return self.as_tensor().__rpow__(other)
+
+    def __neg__(self):
+        return -self.as_tensor()
 
     def __repr__(self):
         return f"{type(self).__name__}({self.name or '?'}, shape={self.shape})"
 
 
 class Parameter(_Stored):
-    """A trainable float32 tensor. `name` is its state_dict key once owned by a model."""
+    """A trained float32 tensor; `name` is its state_dict key once owned by a model.
 
-    def __init__(self, data: np.ndarray):
-        self.data = np.ascontiguousarray(data, dtype=np.float32)
+    `data` may be a NumPy or CuPy array, an eager tensor, a torch tensor, or anything
+    np.asarray takes; it is copied (a 0-d value stays 0-d). requires_grad=False freezes it:
+    compiled train steps read it as a constant input (no gradient, no update, no optimizer
+    state; its values stay bit for bit) while the state_dict still holds it."""
+
+    def __init__(self, data=None, requires_grad: bool = True):
+        host = np.zeros((0,), np.float32) if data is None else host_array(data)
+        self.storage = np.array(host, dtype=np.float32, order="C")
         self.name = ""
+        self.requires_grad = bool(requires_grad)
+
+    def requires_grad_(self, requires_grad: bool = True) -> Parameter:
+        """Set requires_grad in place (takes effect at the next compile); returns self."""
+        self.requires_grad = bool(requires_grad)
+        return self
+
+    def __repr__(self):
+        frozen = ", requires_grad=False" if not self.requires_grad else ""
+        return f"Parameter({self.name or '?'}, shape={self.shape}{frozen})"
 
     def traced(self, tracer) -> Tensor:
-        """This parameter in `tracer`'s trace: its `param` value, made once per trace."""
+        """This parameter in `tracer`'s trace: its `param` value (a frozen one's `state`
+        value), made once per trace."""
         return tracer.param(self)
 
 
@@ -86,8 +235,11 @@ class Buffer(_Stored):
     `Module.register_buffer`. It keeps its dtype (num_batches_tracked is int64) and is in the
     state_dict; compiled steps bind it as graph state and update it in place."""
 
-    def __init__(self, data: np.ndarray):
-        self.data = np.array(data, order="C")   # a copy: 0-d stays 0-d
+    def __init__(self, data):
+        host = host_array(data)
+        if not hasattr(data, "dtype") and host.dtype == np.float64:
+            host = host.astype(np.float32)    # Python floats: torch's default float32
+        self.storage = np.array(host, order="C")   # a copy: 0-d stays 0-d
         self.name = ""
 
     def traced(self, tracer) -> Tensor:
@@ -95,34 +247,89 @@ class Buffer(_Stored):
         return tracer.buffer(self)
 
 
+class IncompatibleKeys(NamedTuple):
+    """What load_state_dict(strict=False) could not match, as torch's namedtuple."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
 class Module:
-    """Base class of layers. Subclasses set Parameters and sub-Modules as attributes."""
+    """Base class of layers, as torch.nn.Module: subclasses set Parameters, Buffers and
+    sub-Modules as attributes in __init__ and write forward, which runs once, on symbolic
+    tensors, when a step is compiled.
+
+    Placement and precision belong to the compile call here, not to the module: to(), cuda()
+    and cpu() are accepted hints that change nothing (compile_train_step's `device` decides
+    where parameters live; the storage moves there then); float() keeps the float32
+    parameters; double(), half() and bfloat16() are refused (parameters are float32; bf16
+    compute is compile_train_step(precision="bf16"), which keeps float32 master weights).
+    Gradients are not kept between steps, so zero_grad() has nothing to clear."""
 
     def __init__(self):
         object.__setattr__(self, "_params", OrderedDict())
         object.__setattr__(self, "_modules", OrderedDict())
         object.__setattr__(self, "_buffers", OrderedDict())
-        object.__setattr__(self, "training", True)
+        object.__setattr__(self, "_non_persistent", set())   # buffer names kept out of
+        object.__setattr__(self, "training", True)            # the state_dict
 
     def __setattr__(self, name, value):
-        if isinstance(value, Parameter):
+        if name in self._params and not isinstance(value, Parameter) and value is not None:
+            raise TypeError(f"cannot assign {type(value).__name__} as parameter {name!r} (a "
+                            "stepgraph.nn.Parameter or None is required; to change its values "
+                            f"in place use self.{name}.data = values)")
+        if isinstance(value, Parameter) or (value is None and name in self._params):
             self._params[name] = value
-        elif isinstance(value, Module):
+        elif isinstance(value, Module) or (value is None and name in self._modules):
             self._modules[name] = value
         elif isinstance(value, Buffer) or (value is None and name in self._buffers):
             self._buffers[name] = value
         object.__setattr__(self, name, value)
 
-    def register_buffer(self, name: str, array) -> None:
+    def __delattr__(self, name):
+        for table in (self._params, self._buffers, self._modules):
+            table.pop(name, None)
+        object.__delattr__(self, name)
+
+    def _check_new_name(self, name: str, what: str) -> None:
+        if not isinstance(name, str) or "." in name or not name:
+            raise KeyError(f"{what} name must be a non-empty name without '.', got {name!r}")
+
+    def register_buffer(self, name: str, array, persistent: bool = True) -> None:
         """Add non-trainable state under `name` (PyTorch's register_buffer): the attribute
         becomes a Buffer holding a copy of `array`, or None (registered, but not in the
-        state_dict, as BatchNorm's statistics when it tracks none)."""
-        if "." in name or not name:
-            raise KeyError(f"buffer name must be a non-empty name without '.', got {name!r}")
+        state_dict, as BatchNorm's statistics when it tracks none). persistent=False keeps
+        it out of the state_dict too (compiled steps still bind it)."""
+        self._check_new_name(name, "buffer")
         if name in self._params or name in self._modules:
             raise KeyError(f"attribute {name!r} already exists")
         self._buffers[name] = None
+        if not persistent:
+            self._non_persistent.add(name)
         setattr(self, name, None if array is None else Buffer(array))
+
+    def register_parameter(self, name: str, param: Parameter | None) -> None:
+        """Add a Parameter (or None: registered, not in the state_dict) under `name`."""
+        self._check_new_name(name, "parameter")
+        if param is not None and not isinstance(param, Parameter):
+            raise TypeError(f"cannot assign {type(param).__name__} as parameter {name!r} "
+                            "(a stepgraph.nn.Parameter or None is required)")
+        if name in self._buffers or name in self._modules:
+            raise KeyError(f"attribute {name!r} already exists")
+        self._params[name] = None
+        setattr(self, name, param)
+
+    def register_module(self, name: str, module: Module | None) -> None:
+        """Add a child module (or None) under `name`; add_module is the same."""
+        self._check_new_name(name, "module")
+        if module is not None and not isinstance(module, Module):
+            raise TypeError(f"{type(module).__name__} is not a Module subclass")
+        if name in self._params or name in self._buffers:
+            raise KeyError(f"attribute {name!r} already exists")
+        self._modules[name] = None
+        setattr(self, name, module)
+
+    add_module = register_module
 
     def __call__(self, *args, **kwargs):
         """forward(*args), traced under this module's path ("model.layer1.0") and label."""
@@ -144,45 +351,47 @@ class Module:
         return path
 
     def _trace_label(self) -> str:
-        """How profiles name this module's nodes: type name and extra_repr."""
-        extra = self.extra_repr()
+        """How profiles name this module's nodes: type name and a short argument list."""
+        extra = self._label_args()
         return type(self).__name__ + (f"({extra})" if extra else "")
+
+    def _label_args(self) -> str:
+        return self.extra_repr()
 
     def forward(self, *args):
         raise NotImplementedError(type(self).__name__)
+
+    # ---- walking the tree (torch's orders: pre-order, own members before children's) ----
+    def _named_members(self, table: str, prefix: str, recurse: bool, remove_duplicate: bool):
+        seen: set[int] = set()
+        modules = self.named_modules(prefix=prefix, remove_duplicate=remove_duplicate) \
+            if recurse else [(prefix, self)]
+        for path, m in modules:
+            for name, v in getattr(m, table).items():
+                if v is None or (remove_duplicate and id(v) in seen):
+                    continue
+                seen.add(id(v))
+                yield (f"{path}.{name}" if path else name), v
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, Parameter]]:
         """(dotted name, Parameter) pre-order: own parameters, then the children's. A
         Parameter held by several modules (weight tying) comes once, under its first name,
         as PyTorch's (remove_duplicate=False lists every name)."""
-        seen: set[int] = set()
-        for name, p in self._named_params(prefix, recurse):
-            if not remove_duplicate or id(p) not in seen:
-                seen.add(id(p))
-                yield name, p
+        return self._named_members("_params", prefix, recurse, remove_duplicate)
 
-    def _named_params(self, prefix: str, recurse: bool) -> Iterator[tuple[str, Parameter]]:
-        for name, p in self._params.items():
-            if p is not None:
-                yield prefix + name, p
-        if recurse:
-            for name, m in self._modules.items():
-                if m is not None:
-                    yield from m._named_params(f"{prefix}{name}.", True)
+    def parameters(self, recurse: bool = True) -> Iterator[Parameter]:
+        for _, p in self.named_parameters(recurse=recurse):
+            yield p
 
-    def parameters(self) -> list[Parameter]:
-        return [p for _, p in self.named_parameters()]
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, Buffer]]:
+        """(dotted name, Buffer) in named_parameters' order; a shared buffer once."""
+        return self._named_members("_buffers", prefix, recurse, remove_duplicate)
 
-    def named_buffers(self, prefix: str = "") -> Iterator[tuple[str, Buffer]]:
-        for name, b in self._buffers.items():
-            if b is not None:
-                yield prefix + name, b
-        for name, m in self._modules.items():
-            yield from m.named_buffers(f"{prefix}{name}.")
-
-    def buffers(self) -> list[Buffer]:
-        return [b for _, b in self.named_buffers()]
+    def buffers(self, recurse: bool = True) -> Iterator[Buffer]:
+        for _, b in self.named_buffers(recurse=recurse):
+            yield b
 
     def named_children(self) -> Iterator[tuple[str, Module]]:
         seen: set[int] = set()
@@ -195,36 +404,65 @@ class Module:
         for _, m in self.named_children():
             yield m
 
-    def named_modules(self, prefix: str = "", _seen: set | None = None
-                      ) -> Iterator[tuple[str, Module]]:
-        """This module and every submodule once, pre-order, under dotted paths ("" first)."""
-        seen = set() if _seen is None else _seen
-        if id(self) in seen:
-            return
-        seen.add(id(self))
+    def named_modules(self, memo: set | None = None, prefix: str = "",
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, Module]]:
+        """This module and every submodule, pre-order, under dotted paths (prefix first); a
+        module held twice comes once (memo: ids already listed), unless remove_duplicate is
+        False."""
+        if memo is None:
+            memo = set()
+        if remove_duplicate:
+            if id(self) in memo:
+                return
+            memo.add(id(self))
         yield prefix, self
         for name, m in self._modules.items():
             if m is not None:
-                yield from m.named_modules(f"{prefix}.{name}" if prefix else name, seen)
-
-    def _named_state(self, prefix: str = "") -> Iterator[tuple[str, Parameter | Buffer]]:
-        """PyTorch's state_dict order: per module its parameters, its buffers, then its
-        children, recursively."""
-        for name, p in self._params.items():
-            if p is not None:
-                yield prefix + name, p
-        for name, b in self._buffers.items():
-            if b is not None:
-                yield prefix + name, b
-        for name, m in self._modules.items():
-            yield from m._named_state(f"{prefix}{name}.")
+                yield from m.named_modules(memo, f"{prefix}.{name}" if prefix else name,
+                                           remove_duplicate)
 
     def modules(self) -> Iterator[Module]:
-        yield self
-        for m in self._modules.values():
-            yield from m.modules()
+        for _, m in self.named_modules():
+            yield m
 
+    def get_submodule(self, target: str) -> Module:
+        """The module at dotted path `target` ("" is self)."""
+        module = self
+        for i, part in enumerate(target.split(".") if target else []):
+            child = module._modules.get(part)
+            if child is None:
+                where = ".".join(target.split(".")[:i]) or type(self).__name__
+                raise AttributeError(f"{where} has no submodule {part!r} (looking up "
+                                     f"{target!r})")
+            module = child
+        return module
+
+    def _get_member(self, target: str, table: str, what: str):
+        path, _, name = target.rpartition(".")
+        member = getattr(self.get_submodule(path), table).get(name)
+        if member is None:
+            raise AttributeError(f"{path or type(self).__name__} has no {what} {name!r}")
+        return member
+
+    def get_parameter(self, target: str) -> Parameter:
+        """The Parameter at dotted path `target` ("layer1.0.weight")."""
+        return self._get_member(target, "_params", "parameter")
+
+    def get_buffer(self, target: str) -> Buffer:
+        """The Buffer at dotted path `target` ("bn.running_mean")."""
+        return self._get_member(target, "_buffers", "buffer")
+
+    def apply(self, fn) -> Module:
+        """fn(module) on every child (recursively) and then on self, as torch's; returns self."""
+        for m in self.children():
+            m.apply(fn)
+        fn(self)
+        return self
+
+    # ---- modes, placement, precision ----
     def train(self, mode: bool = True) -> Module:
+        if not isinstance(mode, bool):
+            raise ValueError(f"training mode must be a bool, got {mode!r}")
         for m in self.modules():
             object.__setattr__(m, "training", mode)
         return self
@@ -232,43 +470,138 @@ class Module:
     def eval(self) -> Module:
         return self.train(False)
 
+    def requires_grad_(self, requires_grad: bool = True) -> Module:
+        """Freeze (False) or unfreeze every parameter; the next compile sees it."""
+        for p in self.parameters():
+            p.requires_grad_(requires_grad)
+        return self
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: a compiled step computes gradients and consumes them inside the step,
+        so none are kept between steps."""
+
+    def to(self, *args, **kwargs) -> Module:
+        """A placement hint (device, dtype, tensor): returns self. The compile call's device
+        decides where parameters live; a dtype other than float32 is refused (see the class
+        docstring)."""
+        for arg in (*args, kwargs.get("dtype"), kwargs.get("device")):   # not memory_format,
+            if arg is None or _is_device(arg) or isinstance(arg, bool):     # non_blocking
+                continue
+            dtype = arg if isinstance(arg, (type, str)) else getattr(arg, "dtype", arg)
+            if _dtype_name(dtype) != "float32":
+                self._refuse_dtype(_dtype_name(dtype), "to")
+        return self
+
+    def cuda(self, device=None) -> Module:
+        """A placement hint: returns self (compile with device="cuda" to run on the GPU)."""
+        return self
+
+    def cpu(self) -> Module:
+        """A placement hint: returns self (compile with device="cpu" to run on NumPy)."""
+        return self
+
+    def float(self) -> Module:
+        """Parameters are float32 already: returns self."""
+        return self
+
+    def double(self) -> Module:
+        self._refuse_dtype("float64", "double")
+
+    def half(self) -> Module:
+        self._refuse_dtype("float16", "half")
+
+    def bfloat16(self) -> Module:
+        self._refuse_dtype("bfloat16", "bfloat16")
+
+    def _refuse_dtype(self, dtype: str, method: str):
+        raise UnsupportedOpError(
+            f"{type(self).__name__}.{method}(): parameters are float32 and stay float32 "
+            f"(asked for {dtype}); for bf16 compute compile with "
+            "compile_train_step(..., precision='bf16'), which keeps float32 master weights")
+
+    # ---- state_dict ----
+    def _named_state(self, prefix: str = "", persistent_only: bool = True
+                     ) -> Iterator[tuple[str, Parameter | Buffer]]:
+        """PyTorch's state_dict order: per module its parameters, its buffers, then its
+        children, recursively (persistent_only=False: non-persistent buffers too)."""
+        for name, p in self._params.items():
+            if p is not None:
+                yield prefix + name, p
+        for name, b in self._buffers.items():
+            if b is not None and not (persistent_only and name in self._non_persistent):
+                yield prefix + name, b
+        for name, m in self._modules.items():
+            if m is not None:
+                yield from m._named_state(f"{prefix}{name}.", persistent_only)
+
     def name_parameters(self) -> None:
         """Give every parameter and buffer its state_dict key as its name; one held under
         several keys (weight tying) takes the first, its named_parameters name."""
         named: set[int] = set()
-        for name, p in self._named_state():
+        for name, p in self._named_state(persistent_only=False):
             if id(p) not in named:
                 named.add(id(p))
                 p.name = name
 
-    def state_dict(self) -> OrderedDict:
+    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
         """Current parameters and buffers as NumPy arrays under PyTorch's keys, in PyTorch's
-        order; a tied parameter under each of its keys, as PyTorch's."""
-        return OrderedDict((name, p.numpy()) for name, p in self._named_state())
+        order (frozen parameters included); a tied parameter under each of its keys, as
+        PyTorch's. keep_vars=True gives the Parameter and Buffer objects instead."""
+        out = OrderedDict() if destination is None else destination
+        for name, p in self._named_state(prefix):
+            out[name] = p if keep_vars else p.numpy()
+        return out
 
-    def load_state_dict(self, state_dict) -> None:
-        """Load a state_dict (NumPy arrays, or anything np.asarray accepts). Missing or
-        unexpected keys and wrong shapes raise StateDictError before anything is written. A
+    def load_state_dict(self, state_dict, strict: bool = True) -> IncompatibleKeys:
+        """Load a state_dict (NumPy arrays, tensors, or anything np.asarray accepts) in place.
+        strict=True: missing or unexpected keys raise StateDictError (listing both, as torch's
+        message) before anything is written; strict=False loads the keys that match and
+        returns them in IncompatibleKeys. A wrong shape always raises, before any write. A
         tied parameter is written under each of its keys in order (the last wins, as in
         PyTorch)."""
         params = OrderedDict(self._named_state())
         missing = [k for k in params if k not in state_dict]
         extra = [k for k in state_dict if k not in params]
-        if missing or extra:
-            raise StateDictError(f"state_dict mismatch: missing keys {missing}, "
-                                 f"unexpected keys {extra}")
-        for name, p in params.items():
-            got = tuple(np.shape(state_dict[name]))
+        if strict and (missing or extra):
+            raise StateDictError(
+                f"Error(s) in loading state_dict for {type(self).__name__}: missing keys "
+                f"{missing}, unexpected keys {extra}")
+        present = [(k, p) for k, p in params.items() if k in state_dict]
+        for name, p in present:
+            got = tuple(np.shape(host_array(state_dict[name])))
             if got != p.shape:
                 raise StateDictError(f"{name}: expected shape {p.shape}, got {got}")
         self.name_parameters()
-        for name, p in params.items():
-            p.assign(np.asarray(state_dict[name]))
+        for name, p in present:
+            p.assign(state_dict[name])
+        return IncompatibleKeys(missing, extra)
 
+    # ---- printing ----
     def extra_repr(self) -> str:
+        """The module's own settings, printed inside its repr (override, as in torch)."""
         return ""
 
     def __repr__(self):
-        inner = "".join(f"\n  ({k}): " + repr(m).replace("\n", "\n  ")
-                        for k, m in self._modules.items())
-        return f"{type(self).__name__}({self.extra_repr()}{inner}{chr(10) if inner else ''})"
+        extra = self.extra_repr()
+        lines = extra.split("\n") if extra else []
+        children = [f"({k}): " + repr(m).replace("\n", "\n  ")
+                    for k, m in self._modules.items() if m is not None]
+        if len(lines) == 1 and not children:
+            return f"{type(self).__name__}({lines[0]})"
+        inner = "".join("\n  " + line for line in lines + children)
+        return f"{type(self).__name__}({inner}{chr(10) if inner else ''})"
+
+
+def _is_device(arg) -> bool:
+    """A device argument of to(): "cpu", "cuda", "cuda:1", an int index, a device object."""
+    if isinstance(arg, str):
+        return arg.split(":")[0] in ("cpu", "cuda", "meta", "mps")
+    return isinstance(arg, int) or (hasattr(arg, "type") and hasattr(arg, "index"))
+
+
+def _dtype_name(dtype) -> str:
+    """"float32" for np.float32, "float32", torch.float32 or a dtype object naming it."""
+    try:
+        return str(np.dtype(dtype))
+    except TypeError:                        # torch.float32, stepgraph dtypes, bfloat16
+        return str(dtype).rsplit(".", 1)[-1]

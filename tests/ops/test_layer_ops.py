@@ -189,7 +189,7 @@ def _run_module(m, *arrays):
 
 
 def _bindings(m):
-    return {name: p.data for name, p in m._named_state()}
+    return {name: p.storage for name, p in m._named_state()}
 
 
 MODULE_CASES = {

@@ -436,7 +436,7 @@ def run_module(module, x: np.ndarray, target: np.ndarray):
     grads = append_backward(t, loss.value, [xs.value] + params)
     t.graph.outputs = {"out": out.value, "dx": grads[0],
                        **{f"grad:{p.name}": g for p, g in zip(params, grads[1:])}}
-    bound = {name: s.data for name, s in [*module.named_parameters(), *module.named_buffers()]}
+    bound = {name: s.storage for name, s in [*module.named_parameters(), *module.named_buffers()]}
     result = run_graph(t.graph, {"x": x, "target": target}, bound)
     return result["out"], {k[5:]: v for k, v in result.items() if k.startswith("grad:")}, \
         result["dx"]

@@ -288,7 +288,7 @@ def test_module_with_arange_matches_torch():
     assert current_tracer() is None                          # only while the forward runs
     assert [n.op for n in tracer.graph.nodes].count("arange") == 1
     tracer.graph.outputs = {"y": y.value}
-    bound = {v.name: p.data.astype(np.float32) for v, p in
+    bound = {v.name: p.storage.astype(np.float32) for v, p in
              zip(tracer.graph.params, tracer.parameters)}
     out = run_graph(tracer.graph, {"x": tokens}, bound)["y"]
     t = torch_module_like(model)

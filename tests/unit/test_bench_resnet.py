@@ -113,7 +113,8 @@ def test_vision_workloads_and_options_parse():
     assert spec.compile_modes == config.compile_modes
     default = harness.parse_config([])
     assert default.workloads == list(wl.DEFAULT_WORKLOADS)
-    assert default.compile_modes == ("reduce-overhead", "default",
+    assert default.compile_modes == ("reduce-overhead", "default", "max-autotune",
+                                     "max-autotune-no-cudagraphs",
                                      "reduce-overhead+compiled-autograd")
     assert harness.output_stem(config) == "bench_resnet-convnet_fp32-tf32"
 
@@ -264,7 +265,8 @@ def test_torch_compile_keeps_the_fastest_mode_and_reuses_it(monkeypatch):
         return tc._Candidate(mode, lambda i: 0.0, lambda: closed.append(mode))
 
     monkeypatch.setattr(tc, "_compile", fake_compile)
-    monkeypatch.setattr(tc, "_probe", lambda candidate, n, sync: times[candidate.mode])
+    monkeypatch.setattr(tc, "_probe", lambda candidate, n, sync, started: setattr(
+        candidate, "us", times[candidate.mode]))
     monkeypatch.setattr(tc, "_chosen_modes", {})
     modes = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
     spec = harness.make_spec(wl.get_workload("resnet", tiny=True), "fp32",
@@ -277,19 +279,29 @@ def test_torch_compile_keeps_the_fastest_mode_and_reuses_it(monkeypatch):
     assert again.mode == "reduce-overhead" and "fastest on this workload" in notes[0]
 
 
-def test_torch_compile_search_stops_when_its_budget_is_spent(monkeypatch):
+def test_torch_compile_mode_past_its_budget_is_reported_and_the_others_kept(monkeypatch):
     pytest.importorskip("torch")
     from stepgraph.bench.peers import torch_compile as tc
+    closed = []
     monkeypatch.setattr(tc, "_compile", lambda spec, mode, layout: tc._Candidate(
-        mode, lambda i: 0.0, lambda: None))
-    monkeypatch.setattr(tc, "_probe", lambda candidate, n, sync: 10.0)
+        mode, lambda i: 0.0, lambda: closed.append(mode)))
+
+    def probe(candidate, n, sync, started):
+        if candidate.mode == "max-autotune":
+            time.sleep(5)  # the mode's deadline interrupts this
+        candidate.us, candidate.compile_s = {"default": 20.0}.get(candidate.mode, 10.0), 2.0
+
+    monkeypatch.setattr(tc, "_probe", probe)
     monkeypatch.setattr(tc, "_chosen_modes", {})
-    monkeypatch.setattr(tc, "SEARCH_BUDGET_S", -1.0)
+    monkeypatch.setattr(tc, "MODE_TIMEOUT_S", 0.2)
     spec = harness.make_spec(wl.get_workload("convnet", tiny=True), "fp32", bench_config())
     spec.device = "cuda"
+    start = time.perf_counter()
     best, notes = tc._search(spec, "NCHW", lambda: None)
-    assert best.mode == "reduce-overhead" and "default skipped (search budget" in notes[-1]
-    assert "reduce-overhead+compiled-autograd skipped" in notes[-1]
+    assert time.perf_counter() - start < 3
+    assert best.mode == "reduce-overhead" and "max-autotune timed out (over 0.2 s)" in notes[-1]
+    assert "max-autotune-no-cudagraphs 10 µs/step (compile 2 s)" in notes[-1]
+    assert "compile 2 s; tried" in notes[-1] and "max-autotune" in closed
 
 
 def test_torch_compile_mode_names_say_compiled_autograd():

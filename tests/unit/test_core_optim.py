@@ -98,7 +98,7 @@ def test_one_multi_tensor_update_for_every_parameter():
     updates = [n for n in graph.nodes if n.op.endswith("_update")]
     assert len(updates) == 1
     (update,) = updates
-    assert update.attrs["n_params"] == len(model.parameters()) == 6
+    assert update.attrs["n_params"] == len(list(model.parameters())) == 6
     written = {update.inputs[i].name for i in update.mutates}
     assert written == {p.name for p in graph.params} | \
         {f"optimizer.{s}.{p.name}" for s in ("exp_avg", "exp_avg_sq") for p in graph.params}

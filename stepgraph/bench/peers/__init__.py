@@ -8,6 +8,10 @@ step function that runs one whole training step without any host synchronisation
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,13 +29,58 @@ class PeerTimeout(BaseException):
     configuration search that skips a failing candidate) does not swallow it."""
 
 
-# "max-autotune-no-cudagraphs" is left out by default: its Triton autotuning of every GEMM and
-# conv shape takes minutes on the vision workloads (docs/BENCHMARKS.md). A mode ending in
+# Every torch.compile mode is searched by default, the autotuning ones included: they are the
+# modes a reviewer asks for, and on convnet the full search is what decides the row
+# (docs/BENCHMARKS.md). Each mode has its own time budget, COMPILE_MODE_TIMEOUT_S: one that runs
+# past it is reported as timed out and the others are kept. A mode ending in
 # "+compiled-autograd" is that torch.compile mode with the backward run by compiled autograd
-# (torch_compile.py); tried last, so the search budget cuts it first.
-DEFAULT_COMPILE_MODES = ("reduce-overhead", "default", "reduce-overhead+compiled-autograd")
+# (torch_compile.py).
 COMPILE_MODES = ("reduce-overhead", "default", "max-autotune-no-cudagraphs", "max-autotune",
                  "reduce-overhead+compiled-autograd", "default+compiled-autograd")
+DEFAULT_COMPILE_MODES = ("reduce-overhead", "default", "max-autotune",
+                         "max-autotune-no-cudagraphs", "reduce-overhead+compiled-autograd")
+# Seconds one torch.compile mode may take (compile, CUDA graph recording, probe): max-autotune's
+# Triton search of every GEMM and conv shape takes minutes on the vision workloads; this leaves
+# it room to spare.
+COMPILE_MODE_TIMEOUT_S = 600.0
+# tinygrad's kernel search (its BEAM setting: the width of the beam search over each kernel's
+# optimisations); 0 turns it off. 2: a narrow beam, so that the search fits a peer's budget.
+TINYGRAD_BEAM = 2
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, what: str = "--peer-timeout",
+             error: type[PeerTimeout] = PeerTimeout):
+    """Raise `error` in the main thread once `seconds` have passed (0: no limit).
+
+    Nestable: an outer deadline due sooner stands as it is (this one adds nothing); otherwise
+    this one is armed, and on exit the outer one is re-armed with what is left of it. Best
+    effort: the signal handler runs between Python bytecodes, so a long call into C++ (an XLA
+    or Inductor compile) finishes before the exception is raised.
+    """
+    if seconds <= 0 or not hasattr(signal, "setitimer") \
+            or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    outer_left, _ = signal.getitimer(signal.ITIMER_REAL)
+    if outer_left and outer_left <= seconds:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise error(f"no result within {seconds:g} s ({what})")
+
+    start = time.monotonic()
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer_left:
+            signal.setitimer(signal.ITIMER_REAL,
+                             max(outer_left - (time.monotonic() - start), 1e-3))
 
 
 @dataclass
@@ -46,6 +95,7 @@ class RunSpec:
     seed: int = 0
     # torch.compile modes the torch compile peer tries, keeping the fastest (torch_compile.py).
     compile_modes: tuple[str, ...] = DEFAULT_COMPILE_MODES
+    tinygrad_beam: int = TINYGRAD_BEAM  # tinygrad's BEAM search width (tinygrad_jit.py)
 
 
 @dataclass
@@ -90,6 +140,9 @@ class PreparedStep:
     notes: list[str] = field(default_factory=list)
     # Counts the kernels of one step; called once after the timed runs (it may run a step).
     census: Callable[[], KernelCensus | None] = _no_census
+    # The arithmetic when it is not what the run's precision names for every system (stepgraph's
+    # fp32 attention: 3xTF32 products), shown in the table's precision column.
+    precision_label: str = ""
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,10 @@ params/optimizer-state/BatchNorm-statistics/RNG carry donated so XLA updates it 
 JAX's docs recommend. The step is compiled ahead of time (`jit(...).lower(...).compile()`, the
 same executable a first call would build) so its optimized HLO can be counted: kernels and
 layout transposes per step. The vision models live in jax_vision.py (NHWC).
+
+Dropout's keys come from the "rbg" PRNG (`jax_default_prng_impl`), the setting speed-minded JAX
+training code uses: XLA's RNG bit generator instead of the default threefry hash, which costs
+many integer instructions per random bit.
 """
 
 from __future__ import annotations
@@ -39,6 +43,17 @@ from stepgraph.bench.workloads import (  # noqa: E402
 )
 
 MATMUL_PRECISION = {"fp32": "highest", "tf32": "tensorfloat32", "bf16": "default"}
+PRNG_IMPL = "rbg"
+
+
+def configure(precision: str) -> dict[str, str]:
+    """Set JAX's global options for a run at `precision` (before anything is traced or a key
+    is made); returns them, for the notes."""
+    options = {"jax_default_matmul_precision": MATMUL_PRECISION[precision],
+               "jax_default_prng_impl": PRNG_IMPL}
+    for name, value in options.items():
+        jax.config.update(name, value)
+    return options
 
 
 def _dropout(x, rate: float, key, mask_shape=None):
@@ -200,7 +215,7 @@ def prepare(spec: RunSpec) -> PreparedStep:
     if vision and spec.precision == "bf16":
         raise Unsupported("the vision workloads are timed in fp32 and tf32")
     device = jax.devices("gpu" if spec.device == "cuda" else "cpu")[0]
-    jax.config.update("jax_default_matmul_precision", MATMUL_PRECISION[spec.precision])
+    options = configure(spec.precision)
     memory = _memory_reader(device)
     optimizer, train_step = make_train_step(spec.workload, spec.precision)
     carry = [_initial_carry(spec, optimizer, device)]
@@ -220,7 +235,7 @@ def prepare(spec: RunSpec) -> PreparedStep:
         batches.clear()
         jax.clear_caches()
 
-    notes = [f"jax_default_matmul_precision={MATMUL_PRECISION[spec.precision]}",
+    notes = [", ".join(f"{name}={value}" for name, value in options.items()),
              "optax.adamw/sgd; carry donated; compiled ahead of time"]
     if vision:
         notes.append("NHWC activations, HWIO kernels; inputs transposed on the host")

@@ -29,6 +29,17 @@ from stepgraph.errors import UnsupportedPrecisionError
 # Ops that only move data between layouts: with channels-last convolutions (compile/layout.py),
 # the input's conversion and the conv weights' permutes to (O, kh, kw, C) and back.
 LAYOUT_OPS = ("permute", "transpose")
+# The fused attention ops. On CUDA at fp32 their tensor-core products are 3xTF32 (float32-level
+# accuracy, not float32 arithmetic: backends/cuda/attention/attention.py), and there is no strict
+# float32 attention kernel, so such a row is labelled with its real arithmetic.
+ATTENTION_OPS = ("sdpa", "sdpa_grad", "sdpa_qkv", "sdpa_qkv_grad")
+
+
+def precision_label(precision: str, device: str, ops: set[str]) -> str:
+    """The row's arithmetic when it is not strict `precision` ("" when it is)."""
+    if precision == "fp32" and device == "cuda" and ops & set(ATTENTION_OPS):
+        return "fp32 (3xTF32 attention)"
+    return ""
 
 
 def prepare_eager(spec: RunSpec) -> PreparedStep:
@@ -210,8 +221,11 @@ def _prepare(spec: RunSpec, graph: bool, on_bad_batch: str = "raise") -> Prepare
         notes.append(f"update overlapping the backward in {overlapped} buckets")
     if not deterministic:
         notes.append("deterministic=False")
+    label = precision_label(spec.precision, spec.device, {node.op for node, _, _ in calls})
+    if label:
+        notes.append(f"{label}: the attention products are 3xTF32, the GEMMs strict float32")
     return PreparedStep(run_step, _synchronizer(spec.device), lambda loss: float(loss), memory,
-                        close, notes, census)
+                        close, notes, census, precision_label=label)
 
 
 def _plan_census(step) -> KernelCensus:

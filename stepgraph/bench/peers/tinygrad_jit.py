@@ -2,6 +2,11 @@
 zero_grad, loss.backward(), and `loss.realize(*opt.schedule_step())` so the optimizer update is
 scheduled together with the backward; TinyJit captures it on the 2nd call and replays it after.
 Written for tinygrad 0.14 (TRAINING via Context, device chosen with DEV=CUDA).
+
+Kernels are searched with BEAM (spec.tinygrad_beam, default 2; `stepgraph bench --tinygrad-beam`),
+tinygrad's documented setting for fast kernels: each kernel's optimisations are picked by timing a
+beam of candidates when the kernel is first compiled, in the first two steps, so the search time
+is part of the row's setup time (and tinygrad's disk cache keeps the result for later runs).
 """
 
 from __future__ import annotations
@@ -193,20 +198,28 @@ def _optimizer(spec: OptimizerSpec, params):
     raise ValueError(f"unknown optimizer kind {spec.kind!r}")
 
 
+def kernel_settings(spec: RunSpec) -> dict[str, int]:
+    """tinygrad.helpers context variables the step's kernels are generated under: TF32 only
+    at tf32, and the BEAM search width."""
+    return {"ALLOW_TF32": 1 if spec.precision == "tf32" else 0, "BEAM": spec.tinygrad_beam}
+
+
 def prepare(spec: RunSpec) -> PreparedStep:
     """TinyJit of zero_grad + forward + loss + backward + optimizer schedule_step."""
     device = TINYGRAD_DEVICE[spec.device]
     os.environ.setdefault("DEV", device)  # read at tinygrad's import; data is placed explicitly
     from tinygrad import Context, Device, GlobalCounters, Tensor, TinyJit, dtypes
-    from tinygrad.helpers import ALLOW_TF32
+    from tinygrad import helpers
     from tinygrad.nn.state import get_parameters
 
     vision = isinstance(spec.workload.model, (ResNet, PlainConvNet))
     gpt = isinstance(spec.workload.model, GPT)
     if (vision or gpt) and spec.precision == "bf16":
         raise Unsupported("the vision and gpt workloads are timed in fp32 and tf32")
-    previous_tf32 = ALLOW_TF32.value
-    ALLOW_TF32.value = 1 if spec.precision == "tf32" else 0  # read when kernels are generated
+    settings = kernel_settings(spec)
+    previous = {name: getattr(helpers, name).value for name in settings}
+    for name, value in settings.items():  # read when kernels are generated and searched
+        getattr(helpers, name).value = value
     Tensor.manual_seed(spec.seed)
     compute = dtypes.bfloat16 if spec.precision == "bf16" else dtypes.float32
     used_before = GlobalCounters.mem_used_per_device[device]
@@ -263,9 +276,13 @@ def prepare(spec: RunSpec) -> PreparedStep:
     def close() -> None:
         batches.clear()
         train_step.reset()
-        ALLOW_TF32.value = previous_tf32
+        for name, value in previous.items():
+            getattr(helpers, name).value = value
 
-    notes = [f"ALLOW_TF32={ALLOW_TF32.value}", "default (unfused) optimizer"]
+    notes = [", ".join(f"{name}={value}" for name, value in settings.items()),
+             "default (unfused) optimizer"]
+    if settings["BEAM"]:
+        notes.append(f"BEAM={settings['BEAM']} kernel search inside the setup time")
     if spec.precision == "bf16":
         notes.append("bf16: params cast to bfloat16 in the step, inputs stored bf16, "
                      "float32 master params, loss and optimizer state")

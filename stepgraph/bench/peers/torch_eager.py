@@ -37,6 +37,7 @@ MEMORY_FORMATS = {NCHW: torch.contiguous_format, CHANNELS_LAST: torch.channels_l
 CONV_MODELS = (ConvNet, ResNet, PlainConvNet)
 LAYOUT_TRIAL_SECONDS = 0.15  # timed per memory format, after the cuDNN benchmark steps
 LAYOUT_TRIAL_STEPS = 200  # at most, per memory format
+CUDNN_BENCHMARK_LIMIT = 0  # cudnn.benchmark tries every algorithm (torch.backends.cudnn docs)
 # Layout chosen by torch eager's trial per (workload, precision); torch graph and torch compile
 # use it, so all three PyTorch rows run the same kernels' layout.
 _chosen_layouts: dict[tuple[str, str], str] = {}
@@ -124,11 +125,16 @@ def set_precision(precision: str) -> list[str]:
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
-    # cudnn.benchmark is PyTorch's tuning-guide advice for fixed input shapes.
+    # cudnn.benchmark is PyTorch's tuning-guide advice for fixed input shapes; benchmark_limit
+    # 0 has it time every cuDNN algorithm (its default stops at 10), as stepgraph's autotuner
+    # times every plan.
     torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.benchmark_limit = CUDNN_BENCHMARK_LIMIT
+    limit = f"cudnn.benchmark_limit={CUDNN_BENCHMARK_LIMIT} (every algorithm timed)"
     if precision == "bf16":
-        return ["bf16: torch.autocast(bfloat16) forward+loss, float32 params/grads/AdamW state"]
-    return [f"{precision}: allow_tf32={tf32} (matmul and cuDNN)"]
+        return ["bf16: torch.autocast(bfloat16) forward+loss, float32 params/grads/AdamW state",
+                limit]
+    return [f"{precision}: allow_tf32={tf32} (matmul and cuDNN)", limit]
 
 
 def autocast(precision: str, device: str, cache_enabled: bool = True):
