@@ -81,11 +81,15 @@ class _CompiledModel:
         self.buffers.update((k, p) for k, p in named if k not in self.params)
         self.frozen = frozenset(id(p) for k, p in named if k not in self.params)
         for p in [*self.params.values(), *self.buffers.values()]:
-            if not self.backend.owns(p.storage):
-                host = p.numpy()
-                p.storage = self.backend.empty(host.shape, str(host.dtype))
-                self.backend.copy_into(p.storage, host)
+            self._on_device(p)
         self.executables: dict[GraphKey, Executable] = {}
+
+    def _on_device(self, p) -> None:
+        """Move a Parameter's or Buffer's data into the backend's memory (once)."""
+        if not self.backend.owns(p.storage):
+            host = p.numpy()
+            p.storage = self.backend.empty(host.shape, str(host.dtype))
+            self.backend.copy_into(p.storage, host)
 
     def build_graph(self, signature: Signature) -> Graph:
         raise NotImplementedError
@@ -179,6 +183,12 @@ class TrainStep(_CompiledModel):
                          memory_format=memory_format, deterministic=deterministic)
         self.loss_fn, self.optimizer, self.seed = loss, optimizer, int(seed)
         self.state: dict[str, Any] = {}
+        if isinstance(loss, Module):
+            # A loss module's buffers (class weights, pos_weight) are state bound by key.
+            for name, b in loss.named_buffers("loss."):
+                b.name = name
+                self._on_device(b)
+                self.buffers[name] = b
         if self.group is not None:
             self._broadcast_parameters()
         self._host_step: int | None = None
@@ -195,7 +205,7 @@ class TrainStep(_CompiledModel):
     def _nonfinite_params(self) -> list[str]:
         """Names of the parameters holding a NaN or Inf (syncs; asked when a step failed)."""
         return [name for name, p in self.params.items()
-                if not np.isfinite(self.backend.to_numpy(p.data)).all()]
+                if not np.isfinite(self.backend.to_numpy(p.storage)).all()]
 
     def build_graph(self, signature: Signature) -> Graph:
         # Each rank draws its own dropout masks (the same key would repeat one rank's masks

@@ -7,6 +7,10 @@ from .layers import (GELU, AdaptiveAvgPool2d, AvgPool2d, BatchNorm1d, BatchNorm2
                      Linear, LogSoftmax, MaxPool2d, ReLU, Sigmoid, SiLU, Tanh)
 from .layers import (CELU, ELU, GLU, SELU, Hardsigmoid, Hardswish, Hardtanh, LogSigmoid,
                      Mish, ReLU6, Softplus)
+from .layers import (AdaptiveMaxPool2d, Conv1d, ConvTranspose2d, GroupNorm, MultiheadAttention,
+                     RMSNorm, Upsample, UpsamplingBilinear2d, UpsamplingNearest2d)
+from .loss_modules import (BCELoss, BCEWithLogitsLoss, CrossEntropyLoss, HuberLoss, KLDivLoss,
+                           L1Loss, MSELoss, NLLLoss, SmoothL1Loss)
 from .module import Buffer, Module, Parameter
 
 __all__ = ["Module", "Parameter", "Linear", "Conv2d", "MaxPool2d", "Flatten", "Dropout",
@@ -14,7 +18,11 @@ __all__ = ["Module", "Parameter", "Linear", "Conv2d", "MaxPool2d", "Flatten", "D
            "Sequential", "SiLU", "Identity", "ModuleList", "ModuleDict", "manual_seed", "Buffer",
            "AvgPool2d", "AdaptiveAvgPool2d", "BatchNorm1d", "BatchNorm2d", "Embedding",
            "LayerNorm", "ELU", "CELU", "SELU", "Softplus", "Mish", "Hardswish", "Hardsigmoid",
-           "ReLU6", "Hardtanh", "LogSigmoid", "GLU", "ParameterList", "ParameterDict", "init"]
+           "ReLU6", "Hardtanh", "LogSigmoid", "GLU", "ParameterList", "ParameterDict", "init",
+           "CrossEntropyLoss", "NLLLoss", "MSELoss", "BCEWithLogitsLoss", "BCELoss", "L1Loss",
+           "SmoothL1Loss", "HuberLoss", "KLDivLoss",
+           "GroupNorm", "RMSNorm", "Conv1d", "ConvTranspose2d", "Upsample", "UpsamplingNearest2d",
+           "UpsamplingBilinear2d", "MultiheadAttention", "AdaptiveMaxPool2d"]
 
 
 def __getattr__(name: str):

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from ..errors import ShapeError, UnsupportedOpError
 from ..ir.trace import Tensor
 from ..ops.attention import MAX_HEAD_DIM
@@ -106,24 +108,6 @@ def dropout2d(input: Tensor, p: float = 0.5, training: bool = True,
     return _dropout(input, p, training, per_channel=True)
 
 
-def mse_loss(input: Tensor, target: Tensor, size_average=None, reduce=None,
-             reduction: str = "mean") -> Tensor:
-    """(input - target)^2 reduced by `reduction` ("mean", "sum" or "none"); the shapes must
-    match (no broadcasting). The deprecated size_average / reduce are not supported."""
-    target = _traced(input, target)
-    if input.shape != target.shape:
-        raise ShapeError(f"mse_loss: input {input.shape} and target {target.shape} differ")
-    if size_average is not None or reduce is not None or \
-            reduction not in ("mean", "sum", "none"):
-        raise UnsupportedOpError(f"mse_loss supports reduction='mean', 'sum' or 'none' "
-                                 f"(without size_average / reduce), got {reduction!r} (in "
-                                 f"{input.tracer.where()})")
-    if reduction == "none":
-        return (input - target) ** 2
-    loss = input.tracer.op("mse", [input, target])
-    return loss * float(input.value.size) if reduction == "sum" else loss
-
-
 # ---- convolution, pooling, batch norm and classification losses ---------------------------
 
 def _conv_padding(padding, kernel: tuple[int, int], dilation: tuple[int, int], stride):
@@ -155,6 +139,10 @@ def conv2d(input: Tensor, weight, bias=None, stride=1, padding=0, dilation=1,
 def _pool_args(op: str, kernel_size, stride, ceil_mode: bool):
     if ceil_mode:
         raise UnsupportedOpError(f"{op} with ceil_mode=True is not supported")
+    return _kernel_stride(kernel_size, stride)
+
+
+def _kernel_stride(kernel_size, stride):
     kernel = _pair(kernel_size)
     return kernel, kernel if stride is None or stride == [] else _pair(stride)
 
@@ -162,12 +150,47 @@ def _pool_args(op: str, kernel_size, stride, ceil_mode: bool):
 def max_pool2d(input: Tensor, kernel_size, stride=None, padding=0, dilation=1,
                ceil_mode: bool = False, return_indices: bool = False) -> Tensor:
     """Max over kernel windows (stride defaults to the kernel; -inf padding of at most half
-    the kernel), as torch.nn.functional.max_pool2d."""
-    kernel, stride = _pool_args("max_pool2d", kernel_size, stride, ceil_mode)
-    if _pair(dilation) != (1, 1) or return_indices:
-        raise UnsupportedOpError("max_pool2d with dilation or return_indices is not supported")
-    return input.tracer.op_all("maxpool2d", [input], kernel=kernel, stride=stride,
-                               padding=_pair(padding))[0]
+    the kernel; dilation; ceil_mode: a last partial window that starts inside the input or
+    its left padding), as torch.nn.functional.max_pool2d. Dilation or ceil_mode take the
+    composed form (a max over the kernel's offsets of selections, per axis)."""
+    kernel, stride = _kernel_stride(kernel_size, stride)
+    padding, dilation = _pair(padding), _pair(dilation)
+    if return_indices:
+        raise UnsupportedOpError("max_pool2d with return_indices is not supported")
+    if input.ndim != 4:
+        raise ShapeError(f"max_pool2d: input must be (N, C, H, W), got {input.shape}")
+    if any(2 * p > k for p, k in zip(padding, kernel)):
+        raise ShapeError(f"max_pool2d: padding {padding} must be at most half the kernel "
+                         f"{kernel}")
+    if dilation == (1, 1) and not ceil_mode:
+        return input.tracer.op_all("maxpool2d", [input], kernel=kernel, stride=stride,
+                                   padding=padding)[0]
+    axes = []
+    for n, k, s, p, d in zip(input.shape[2:], kernel, stride, padding, dilation):
+        span = n + 2 * p - d * (k - 1) - 1
+        out = (-(-span // s) if ceil_mode else span // s) + 1
+        if ceil_mode and (out - 1) * s >= n + p:       # the last window starts in the padding
+            out -= 1
+        o = _positions(input, out)
+        axes.append([o * float(s) + float(a * d - p) for a in range(k)])
+    return _max_of_selections(input, *axes)
+
+
+def _max_of_selections(x: Tensor, rows: list[Tensor], cols: list[Tensor]) -> Tensor:
+    """max over a of x[..., rows[a], :], then over b of [..., cols[b]]: rows / cols are
+    float64 source indices (one per output position); out-of-range ones read -inf."""
+    for sources in (cols, rows):
+        n_in = x.shape[-1]
+        best = None
+        for src in sources:
+            n_out = src.shape[0]
+            i = _positions(x, n_in).reshape(1, n_in)
+            picked = x @ (i == src.reshape(n_out, 1))._cast(x.dtype).transpose(0, 1)
+            outside = (src < 0.0).logical_or(src > float(n_in - 1))
+            picked = picked + _blocked(outside, x.dtype)
+            best = picked if best is None else best.maximum(picked)
+        x = best.transpose(-1, -2)
+    return x
 
 
 def avg_pool2d(input: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bool = False,
@@ -183,18 +206,14 @@ def avg_pool2d(input: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bo
 
 
 def adaptive_avg_pool2d(input: Tensor, output_size) -> Tensor:
-    """Average pooling to `output_size` (None keeps that axis). Supported where the output
-    size divides the input size: then every window is kernel = stride = input / output (1x1
-    is the mean over H and W), exactly PyTorch's windows."""
-    if input.ndim != 4:
-        raise ShapeError(f"adaptive_avg_pool2d: input must be (N, C, H, W), got {input.shape}")
+    """Average pooling to `output_size` (None keeps that axis) over torch's bins: output o
+    averages inputs [floor(o * In / Out), ceil((o + 1) * In / Out)). Where the output size
+    divides the input size the bins are kernel = stride = In / Out windows (avg_pool2d);
+    otherwise an averaging matrix per axis, applied by matmul."""
+    oh, ow = _adaptive_size(input, output_size, "adaptive_avg_pool2d")
     h, w = input.shape[2:]
-    oh, ow = (None, None) if output_size is None else \
-        (output_size, output_size) if isinstance(output_size, int) else tuple(output_size)
-    oh, ow = oh or h, ow or w
     if h % oh or w % ow:
-        raise UnsupportedOpError(f"adaptive_avg_pool2d from {(h, w)} to {(oh, ow)}: the output "
-                                 f"size must divide the input size (in {input.tracer.where()})")
+        return _resample(input, _adaptive_bins(input, oh, h), _adaptive_bins(input, ow, w))
     kernel = (h // oh, w // ow)
     return avg_pool2d(input, kernel, kernel)
 
@@ -256,31 +275,6 @@ def _batch_norm_eval(x: Tensor, rm: Tensor, rv: Tensor, w, b, eps: float) -> Ten
     return y if b is None else y + b.reshape(channel)
 
 
-def cross_entropy(input: Tensor, target: Tensor, weight=None, size_average=None,
-                  ignore_index: int = -100, reduce=None, reduction: str = "mean",
-                  label_smoothing: float = 0.0) -> Tensor:
-    """Mean softmax cross-entropy of (N, C) logits against integer class targets (N,), with
-    PyTorch's ignore_index and label smoothing (torch.nn.functional.cross_entropy with no
-    class weights and mean reduction)."""
-    if weight is not None or size_average is not None or reduce is not None or \
-            reduction != "mean":
-        raise UnsupportedOpError("cross_entropy supports only reduction='mean' without class "
-                                 f"weights (in {input.tracer.where()})")
-    return _losses.cross_entropy(input, target, label_smoothing, ignore_index)
-
-
-def nll_loss(input: Tensor, target: Tensor, weight=None, size_average=None,
-             ignore_index: int = -100, reduce=None, reduction: str = "mean") -> Tensor:
-    """Mean negative log-likelihood of (N, C) log-probabilities at integer targets (N,)
-    (torch.nn.functional.nll_loss with no class weights, mean reduction and no target equal
-    to ignore_index)."""
-    if weight is not None or size_average is not None or reduce is not None or \
-            reduction != "mean" or ignore_index != -100:
-        raise UnsupportedOpError("nll_loss supports only reduction='mean' without class "
-                                 f"weights or ignore_index (in {input.tracer.where()})")
-    return _losses.nll_loss(input, target)
-
-
 # ---- transformer ops ---------------------------------------------------------------------
 
 def embedding(input: Tensor, weight, padding_idx=None, max_norm=None, norm_type: float = 2.0,
@@ -296,53 +290,46 @@ def embedding(input: Tensor, weight, padding_idx=None, max_norm=None, norm_type:
     return input.tracer.op("embedding", [w, input])
 
 
-def last_dim_shape(normalized_shape, what: str, where: str | None = None) -> tuple[int]:
-    """layer_norm's normalized_shape (an int or a tuple of one) as a 1-tuple; a longer one
-    raises UnsupportedOpError naming `what` (the caller) and the module path `where`."""
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else \
+def normalized_dims(normalized_shape) -> tuple[int, ...]:
+    """layer_norm's normalized_shape (an int or a tuple) as a tuple."""
+    return (normalized_shape,) if isinstance(normalized_shape, int) else \
         tuple(normalized_shape)
-    if len(shape) != 1:
-        raise UnsupportedOpError(f"{what} over {shape}: only the last dim (a normalized_shape "
-                                 "of one int) is supported" + (f" (in {where})" if where else ""))
-    return shape
-
-
-def _normalized_last_dim(input: Tensor, normalized_shape) -> int:
-    shape = last_dim_shape(normalized_shape, "layer_norm", input.tracer.where())
-    if not input.ndim or input.shape[-1] != shape[0]:
-        raise ShapeError(f"layer_norm: normalized_shape {shape} does not match the last dim "
-                         f"of input {input.shape}")
-    return shape[0]
 
 
 def layer_norm(input: Tensor, normalized_shape, weight=None, bias=None,
                eps: float = 1e-5) -> Tensor:
-    """(x - mean) / sqrt(var + eps) * weight + bias over the last dim, as
-    torch.nn.functional.layer_norm with normalized_shape = (C,); weight and bias (C,) are
-    optional."""
-    _normalized_last_dim(input, normalized_shape)
+    """(x - mean) / sqrt(var + eps) * weight + bias over the trailing normalized_shape dims,
+    as torch.nn.functional.layer_norm; weight and bias (normalized_shape) are optional. More
+    than one normalized dim: the op over those dims flattened into one."""
+    shape = normalized_dims(normalized_shape)
+    if not shape or tuple(input.shape[input.ndim - len(shape):]) != shape:
+        raise ShapeError(f"layer_norm: normalized_shape {shape} does not match the last dims "
+                         f"of input {input.shape}")
     w, b = _traced(input, weight), _traced(input, bias)
-    ins = [input] + [t for t in (w, b) if t is not None]
-    return input.tracer.op("layer_norm", ins, eps=float(eps), weight=w is not None,
-                           bias=b is not None)
+    x = input
+    if len(shape) > 1:
+        x = input.reshape(*input.shape[:input.ndim - len(shape)], -1)
+        w, b = (None if t is None else t.reshape(-1) for t in (w, b))
+    ins = [x] + [t for t in (w, b) if t is not None]
+    y = input.tracer.op("layer_norm", ins, eps=float(eps), weight=w is not None,
+                        bias=b is not None)
+    return y.reshape(*input.shape) if len(shape) > 1 else y
 
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask=None,
                                  dropout_p: float = 0.0, is_causal: bool = False,
                                  scale: float | None = None) -> Tensor:
-    """softmax(q @ k^T * scale (+ causal mask)) @ v over (..., L, E) queries, (..., S, E)
-    keys and (..., S, Ev) values with the same batch dims, as
-    torch.nn.functional.scaled_dot_product_attention; scale defaults to 1/sqrt(E). One
-    `sdpa` op (flash-style kernels: no (L, S) scores in memory, the mask costs nothing);
-    dropout_p > 0 drops attention weights, when the trace is in training mode, with the mask
-    the dropout op would draw. Head dims above ops.attention.MAX_HEAD_DIM take the composed
-    ops (bmm, softmax, dropout, bmm). attn_mask, and is_causal with L != S (PyTorch aligns
-    that mask top-left, the op bottom-right), are not supported."""
+    """softmax(q @ k^T * scale + mask) @ v over (..., L, E) queries, (..., S, E) keys and
+    (..., S, Ev) values with the same batch dims, as
+    torch.nn.functional.scaled_dot_product_attention; scale defaults to 1/sqrt(E). attn_mask
+    broadcasts to (..., L, S): bool (True: attend) or float (added to the scores); is_causal
+    lets query i attend keys j <= i (torch's top-left alignment when L != S). Without a mask,
+    or causal with L == S, one `sdpa` op (flash-style kernels: no (L, S) scores in memory);
+    otherwise, and for head dims above ops.attention.MAX_HEAD_DIM, the composed ops (bmm,
+    softmax, dropout, bmm). dropout_p > 0 drops attention weights when the trace is in
+    training mode."""
     t = query.tracer
     k, v = _traced(query, key), _traced(query, value)
-    if attn_mask is not None:
-        raise UnsupportedOpError(f"scaled_dot_product_attention with an attn_mask (use "
-                                 f"is_causal) is not supported (in {t.where()})")
     if query.ndim < 2 or not (query.ndim == k.ndim == v.ndim) or \
             not (query.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
         raise UnsupportedOpError(f"scaled_dot_product_attention needs q, k, v of the same "
@@ -352,14 +339,15 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     if e != e_k or s != s_v:
         raise ShapeError(f"scaled_dot_product_attention: q {query.shape}, k {k.shape}, "
                          f"v {v.shape} do not fit together")
-    if is_causal and length != s:
-        raise UnsupportedOpError(f"scaled_dot_product_attention with is_causal and {length} "
-                                 f"queries != {s} keys is not supported (in {t.where()})")
-    scale = 1.0 / math.sqrt(e) if scale is None else float(scale)
-    if max(e, ev) > MAX_HEAD_DIM or min(length, s) == 0:
-        return _composed_attention(query, k, v, dropout_p, bool(is_causal), scale)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {dropout_p}")
+    if is_causal and attn_mask is not None:
+        raise ValueError("scaled_dot_product_attention: give attn_mask or is_causal, not both")
+    scale = 1.0 / math.sqrt(e) if scale is None else float(scale)
+    mask = _attention_mask(query, _traced(query, attn_mask), bool(is_causal), length, s)
+    if mask is not None or max(e, ev) > MAX_HEAD_DIM or min(length, s) == 0:
+        probs = _attention_probs(query, k, mask, is_causal and mask is None, scale)
+        return _dropout(probs, dropout_p, t.training, per_channel=False) @ v
     p = float(dropout_p) if t.training else 0.0
     if p == 0.0:
         return t.op("sdpa", [query, k, v], scale=scale, causal=bool(is_causal), dropout_p=0.0)
@@ -367,16 +355,40 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
                 dropout_p=p, seed=t.seed, site=t.next_dropout_site())
 
 
-def _composed_attention(query: Tensor, k: Tensor, v: Tensor, dropout_p: float, causal: bool,
-                        scale: float) -> Tensor:
-    """Attention as bmm, softmax (scale, causal), dropout, bmm: the (L, S) scores in memory."""
+def _attention_mask(query: Tensor, attn_mask, causal: bool, length: int, s: int):
+    """The additive float mask (0 where attended, -inf where not) of a bool or float
+    attn_mask, or torch's top-left causal mask when L != S; None when the sdpa op's own
+    causal flag (L == S) or no mask is needed."""
+    if attn_mask is not None:
+        if attn_mask.dtype != "bool":
+            return attn_mask._cast(query.dtype)
+        return _blocked(attn_mask.logical_not(), query.dtype)
+    if not causal or length == s:
+        return None
+    rows = query.tracer.op("arange", [], n=length, dtype="int64").reshape(length, 1)
+    cols = query.tracer.op("arange", [], n=s, dtype="int64").reshape(1, s)
+    return _blocked(cols > rows, query.dtype)
+
+
+def _blocked(blocked: Tensor, dtype: str) -> Tensor:
+    """-inf where `blocked` (bool), else 0, in `dtype`: an additive attention mask."""
+    return blocked._cast(dtype).masked_fill(blocked, float("-inf"))
+
+
+def _attention_probs(query: Tensor, k: Tensor, mask, causal: bool, scale: float) -> Tensor:
+    """softmax(q @ k^T * scale + mask) (causal: the bottom-right mask of the softmax op, the
+    same as top-left for L == S) as (..., L, S): the scores in memory."""
     t = query.tracer
-    lead, length, ev = query.shape[:-2], query.shape[-2], v.shape[-1]
-    q3, k3, v3 = (x.reshape(-1, *x.shape[-2:]) for x in (query, k, v))
+    lead, length, s = query.shape[:-2], query.shape[-2], k.shape[-2]
+    q3, k3 = (x.reshape(-1, *x.shape[-2:]) for x in (query, k))
     scores = t.op("bmm", [q3, k3], trans_b=True)
-    attn = t.op("softmax", [scores], scale=scale, causal=causal)
-    attn = _dropout(attn, dropout_p, t.training, per_channel=False)
-    return t.op("bmm", [attn, v3]).reshape(*lead, length, ev)
+    if mask is None:
+        return t.op("softmax", [scores], scale=scale, causal=causal).reshape(*lead, length, s)
+    scores = scores.reshape(*lead, length, s) * scale + mask
+    if scores.shape[:-2] != tuple(lead):
+        raise ShapeError(f"scaled_dot_product_attention: attn_mask of shape {mask.shape} does "
+                         f"not broadcast to the scores {tuple(lead) + (length, s)}")
+    return scores.softmax(-1)
 
 
 def flatten(x: Tensor, start_dim: int = 1) -> Tensor:
@@ -456,6 +468,434 @@ def glu(input: Tensor, dim: int = -1) -> Tensor:
         raise ShapeError(f"glu: dim {dim} of {input.shape} has odd size {input.size(dim)}")
     a, b = input.chunk(2, dim)
     return a * b.sigmoid()
+
+
+# ---- losses: reduction mean / sum / none and class weights, as torch.nn.functional --------
+# The default cases (mean, no weights) keep the fused ops (ops/loss.py); the others are
+# composed of log_softmax, a one-hot of the targets (arange == target) and sums, which
+# pointwise fusion runs as a few kernels and whose gradients follow from the ops'.
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def _reduction(reduction: str, size_average=None, reduce=None) -> str:
+    """torch's legacy size_average / reduce flags folded into `reduction`, which is checked."""
+    if size_average is not None or reduce is not None:
+        keep = True if reduce is None else reduce
+        reduction = "none" if not keep else "mean" if size_average in (None, True) else "sum"
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    return reduction
+
+
+def _reduce(loss: Tensor, reduction: str) -> Tensor:
+    return loss if reduction == "none" else loss.sum() if reduction == "sum" else loss.mean()
+
+
+def _same_shape(what: str, input: Tensor, target: Tensor) -> None:
+    if input.shape != target.shape:
+        raise ShapeError(f"{what}: input {input.shape} and target {target.shape} differ")
+
+
+def _class_rows(input: Tensor, target: Tensor, what: str) -> tuple[Tensor, Tensor]:
+    """(N, C, d1, ...) scores and (N, d1, ...) targets as (M, C) rows and (M,) targets, M the
+    number of targets; (C,) and () as one row."""
+    if input.ndim == 1:
+        input, target = input.reshape(1, -1), target.reshape(1)
+    expect = input.shape[:1] + input.shape[2:]
+    if target.shape != expect:
+        raise ShapeError(f"{what}: input {input.shape} needs targets of shape {expect}, got "
+                         f"{target.shape}")
+    if input.ndim > 2:
+        input = input.reshape(*input.shape[:2], -1).permute(0, 2, 1)
+    return input.reshape(-1, input.shape[-1]), target.reshape(-1)
+
+
+def _one_hot(target: Tensor, classes: int, dtype: str) -> Tensor:
+    """(M, C) float one-hot rows of integer targets (M,); a target outside [0, C) gives a
+    row of zeros."""
+    cls = target.tracer.op("arange", [], n=classes, dtype="int64").reshape(1, classes)
+    return (target.long().reshape(-1, 1) == cls)._cast(dtype)
+
+
+def _weighted_nll(logp: Tensor, target: Tensor, weight, ignore_index: int,
+                  label_smoothing: float, reduction: str, out_shape) -> Tensor:
+    """The class-target loss of (M, C) log-probabilities: -w[t] ((1 - eps) logp[t] +
+    eps / C sum_c w_c logp_c / w[t]) per row, zero where t == ignore_index; the weighted mean
+    divides by the sum of w[t] over the rows not ignored (torch's rule)."""
+    m, classes = logp.shape
+    w = _traced(logp, weight)
+    if w is not None and w.shape != (classes,):
+        raise ShapeError(f"class weight must be ({classes},), got {w.shape}")
+    valid = (target.long() != int(ignore_index))._cast(logp.dtype)
+    hot = _one_hot(target, classes, logp.dtype) * valid.reshape(m, 1)
+    picked = hot if w is None else hot * w.reshape(1, classes)
+    row_weight = valid if w is None else picked.sum(1)
+    loss = -(picked * logp).sum(1)
+    if label_smoothing:
+        spread = logp if w is None else logp * w.reshape(1, classes)
+        smooth = -(spread.sum(1) * valid) / float(classes)
+        loss = loss * (1.0 - label_smoothing) + smooth * float(label_smoothing)
+    if reduction == "none":
+        return loss.reshape(*out_shape)
+    return loss.sum() if reduction == "sum" else loss.sum() / row_weight.sum()
+
+
+def cross_entropy(input: Tensor, target: Tensor, weight=None, size_average=None,
+                  ignore_index: int = -100, reduce=None, reduction: str = "mean",
+                  label_smoothing: float = 0.0) -> Tensor:
+    """Softmax cross-entropy of (N, C) or (N, C, d1, ...) logits (class dim 1) against
+    integer class targets (N,) / (N, d1, ...), or class probabilities of the input's shape,
+    with class `weight` (C,), ignore_index, label_smoothing and reduction, as
+    torch.nn.functional.cross_entropy. Integer targets of (N, C) logits with mean reduction
+    and no weights run the fused softmax-cross-entropy op."""
+    reduction = _reduction(reduction, size_average, reduce)
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    target = _traced(input, target)
+    if target.dtype not in ("int32", "int64"):
+        return _soft_cross_entropy(input, target, weight, label_smoothing, reduction)
+    if input.ndim == 2 and weight is None and reduction == "mean":
+        return _losses.cross_entropy(input, target, label_smoothing, ignore_index)
+    rows, labels = _class_rows(input, target, "cross_entropy")
+    return _weighted_nll(rows.log_softmax(1), labels, weight, ignore_index, label_smoothing,
+                         reduction, target.shape)
+
+
+def _soft_cross_entropy(input: Tensor, target: Tensor, weight, label_smoothing: float,
+                        reduction: str) -> Tensor:
+    """Cross-entropy against class probabilities (torch's float targets): -sum_c w_c y_c
+    logp_c per sample, y smoothed to (1 - eps) y + eps / C; mean divides by the sample count."""
+    _same_shape("cross_entropy", input, target)
+    classes = input.shape[1] if input.ndim > 1 else input.shape[0]
+    dim = 1 if input.ndim > 1 else 0
+    if label_smoothing:
+        target = target * (1.0 - label_smoothing) + label_smoothing / classes
+    term = input.log_softmax(dim) * target
+    w = _traced(input, weight)
+    if w is not None:
+        term = term * w.reshape((classes,) + (1,) * (input.ndim - 1 - dim))
+    return _reduce(-term.sum(dim), reduction)
+
+
+def nll_loss(input: Tensor, target: Tensor, weight=None, size_average=None,
+             ignore_index: int = -100, reduce=None, reduction: str = "mean") -> Tensor:
+    """Negative log-likelihood of (N, C) or (N, C, d1, ...) log-probabilities at integer
+    targets, with class `weight`, ignore_index and reduction, as
+    torch.nn.functional.nll_loss. (N, C), mean, no weights, no ignored class: the nll op."""
+    reduction = _reduction(reduction, size_average, reduce)
+    target = _traced(input, target)
+    if input.ndim == 2 and weight is None and reduction == "mean" and ignore_index == -100:
+        return _losses.nll_loss(input, target)
+    rows, labels = _class_rows(input, target, "nll_loss")
+    return _weighted_nll(rows, labels, weight, ignore_index, 0.0, reduction, target.shape)
+
+
+def mse_loss(input: Tensor, target: Tensor, size_average=None, reduce=None,
+             reduction: str = "mean") -> Tensor:
+    """(input - target)^2, reduced; the shapes must match. Mean: the fused mse op."""
+    reduction = _reduction(reduction, size_average, reduce)
+    target = _traced(input, target)
+    _same_shape("mse_loss", input, target)
+    if reduction == "mean":
+        return input.tracer.op("mse", [input, target])
+    return _reduce((input - target).square(), reduction)
+
+
+def l1_loss(input: Tensor, target: Tensor, size_average=None, reduce=None,
+            reduction: str = "mean") -> Tensor:
+    """|input - target|, reduced."""
+    reduction = _reduction(reduction, size_average, reduce)
+    target = _traced(input, target)
+    _same_shape("l1_loss", input, target)
+    return _reduce((input - target).abs(), reduction)
+
+
+def smooth_l1_loss(input: Tensor, target: Tensor, size_average=None, reduce=None,
+                   reduction: str = "mean", beta: float = 1.0) -> Tensor:
+    """0.5 d^2 / beta where d = |input - target| < beta, else d - 0.5 beta; beta = 0 is
+    l1_loss."""
+    reduction = _reduction(reduction, size_average, reduce)
+    if beta < 0:
+        raise ValueError(f"smooth_l1_loss: beta must be >= 0, got {beta}")
+    if beta == 0:
+        return l1_loss(input, target, reduction=reduction)
+    target = _traced(input, target)
+    _same_shape("smooth_l1_loss", input, target)
+    d = (input - target).abs()
+    return _reduce((d.square() * (0.5 / beta)).where(d < float(beta), d - 0.5 * beta),
+                   reduction)
+
+
+def huber_loss(input: Tensor, target: Tensor, reduction: str = "mean",
+               delta: float = 1.0, weight=None) -> Tensor:
+    """0.5 d^2 where d = |input - target| < delta, else delta (d - 0.5 delta); elementwise
+    `weight` (broadcast with the loss) when given."""
+    reduction = _reduction(reduction)
+    if delta <= 0:
+        raise ValueError(f"huber_loss: delta must be > 0, got {delta}")
+    target = _traced(input, target)
+    _same_shape("huber_loss", input, target)
+    d = (input - target).abs()
+    loss = (d.square() * 0.5).where(d < float(delta), (d - 0.5 * delta) * float(delta))
+    return _reduce(_weighted(loss, weight), reduction)
+
+
+def _weighted(loss: Tensor, weight) -> Tensor:
+    return loss if weight is None else loss * _traced(loss, weight)
+
+
+def binary_cross_entropy_with_logits(input: Tensor, target: Tensor, weight=None,
+                                     size_average=None, reduce=None, reduction: str = "mean",
+                                     pos_weight=None) -> Tensor:
+    """-(p y log sigmoid(x) + (1 - y) log(1 - sigmoid(x))) per element, p = pos_weight
+    (broadcast along the last, class dim), times `weight`; as (1 - y) x + (1 + (p - 1) y)
+    softplus(-x), with softplus(-x) = relu(-x) + log1p(exp(-|x|)), which never overflows."""
+    reduction = _reduction(reduction, size_average, reduce)
+    target = _traced(input, target)
+    _same_shape("binary_cross_entropy_with_logits", input, target)
+    soft = (-input).relu() + (-input.abs()).exp().log1p()
+    pw = _traced(input, pos_weight)
+    scale = 1.0 if pw is None else (pw - 1.0) * target + 1.0
+    loss = (1.0 - target) * input + scale * soft
+    return _reduce(_weighted(loss, weight), reduction)
+
+
+def binary_cross_entropy(input: Tensor, target: Tensor, weight=None, size_average=None,
+                         reduce=None, reduction: str = "mean") -> Tensor:
+    """-(y log p + (1 - y) log(1 - p)) of probabilities p, each log clamped at -100 as
+    torch's (so p = 0 or 1 gives a finite loss), times `weight`."""
+    reduction = _reduction(reduction, size_average, reduce)
+    target = _traced(input, target)
+    _same_shape("binary_cross_entropy", input, target)
+    log_p, log_q = input.log().clamp(min=-100.0), (1.0 - input).log().clamp(min=-100.0)
+    loss = -(target * log_p + (1.0 - target) * log_q)
+    return _reduce(_weighted(loss, weight), reduction)
+
+
+def kl_div(input: Tensor, target: Tensor, size_average=None, reduce=None,
+           reduction: str = "mean", log_target: bool = False) -> Tensor:
+    """Pointwise KL divergence of log-probabilities `input` from `target` (probabilities, or
+    log-probabilities when log_target): y (log y - x), 0 where y = 0; reduction "batchmean"
+    divides the sum by the batch size (input.size(0)), "mean" by the element count."""
+    if reduction == "batchmean" and size_average is None and reduce is None:
+        return kl_div(input, target, reduction="sum", log_target=log_target) / \
+            float(input.shape[0] if input.ndim else 1)
+    reduction = _reduction(reduction, size_average, reduce)
+    target = _traced(input, target)
+    _same_shape("kl_div", input, target)
+    if log_target:
+        loss = target.exp() * (target - input)
+    else:   # log of 1 where y = 0: y log y is 0 there, without a NaN in either branch
+        loss = target * (target.where(target > 0.0, 1.0).log() - input)
+    return _reduce(loss, reduction)
+
+
+# ---- group and RMS normalisation, composed (their gradients follow from the ops') -----------
+
+def group_norm(input: Tensor, num_groups: int, weight=None, bias=None,
+               eps: float = 1e-5) -> Tensor:
+    """Normalise each of num_groups channel groups of an (N, C, ...) input over its channels
+    and positions, then weight * y + bias per channel, as torch.nn.functional.group_norm.
+    One layer_norm op over (N * groups, C / groups * positions) rows."""
+    if input.ndim < 2 or input.shape[1] % num_groups:
+        raise ShapeError(f"group_norm: {num_groups} groups must divide the channels (dim 1) "
+                         f"of input {input.shape}")
+    n, c = input.shape[:2]
+    rows = input.reshape(n * num_groups, -1)
+    y = input.tracer.op("layer_norm", [rows], eps=float(eps), weight=False, bias=False)
+    y = y.reshape(*input.shape)
+    w, b = _traced(input, weight), _traced(input, bias)
+    channel = _channel_shape(input)
+    y = y if w is None else y * w.reshape(channel)
+    return y if b is None else y + b.reshape(channel)
+
+
+def rms_norm(input: Tensor, normalized_shape, weight=None, eps: float | None = None) -> Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last len(normalized_shape) dims, as
+    torch.nn.functional.rms_norm; eps None is the machine epsilon of the input's dtype."""
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else \
+        tuple(normalized_shape)
+    if tuple(input.shape[input.ndim - len(shape):]) != shape:
+        raise ShapeError(f"rms_norm: normalized_shape {shape} does not match the last dims "
+                         f"of input {input.shape}")
+    eps = float(np.finfo(input.dtype).eps) if eps is None else float(eps)
+    dims = tuple(range(input.ndim - len(shape), input.ndim))
+    y = input * (input.square().mean(dims, keepdim=True) + eps).rsqrt()
+    w = _traced(input, weight)
+    return y if w is None else y * w
+
+
+# ---- 1-d convolution, transposed convolution, interpolation, adaptive pooling --------------
+# Resampling along an axis is a linear map: a (out, in) matrix built on the device from arange
+# and comparisons (the sizes are static, so it is a constant the planner computes each step in
+# a few fused pointwise kernels), applied by matmul; gradients are the transposed matmuls.
+
+def conv1d(input: Tensor, weight, bias=None, stride=1, padding=0, dilation=1,
+           groups: int = 1) -> Tensor:
+    """1-D cross-correlation of an (N, C, L) input with weight (O, C/groups, k), as
+    torch.nn.functional.conv1d: conv2d over a unit height axis."""
+    w = _traced(input, weight)
+    if input.ndim != 3 or w.ndim != 3:
+        raise ShapeError(f"conv1d: input (N, C, L) and weight (O, C/groups, k) expected, got "
+                         f"{input.shape} and {w.shape}")
+    pad = padding if isinstance(padding, str) else (0, _single(padding))
+    y = conv2d(input.reshape(input.shape[0], input.shape[1], 1, input.shape[2]),
+               w.reshape(w.shape[0], w.shape[1], 1, w.shape[2]), bias, (1, _single(stride)),
+               pad, (1, _single(dilation)), groups)
+    return y.reshape(y.shape[0], y.shape[1], y.shape[3])
+
+
+def _single(v) -> int:
+    """conv1d's int-or-1-tuple arguments as an int."""
+    return v if isinstance(v, int) else tuple(v)[0]
+
+
+def _positions(x: Tensor, n: int) -> Tensor:
+    """0, 1, ..., n - 1 as float64 (exact, and exact products with sizes below 2^53)."""
+    return x.tracer.op("arange", [], n=n, dtype="int64")._cast("float64")
+
+
+def _placement(x: Tensor, n_out: int, n_in: int, stride: int, offset: int) -> Tensor:
+    """(n_out, n_in) matrix in x's dtype: 1 where out == offset + stride * in, else 0."""
+    o = _positions(x, n_out).reshape(n_out, 1)
+    i = _positions(x, n_in).reshape(1, n_in)
+    return (o == i * float(stride) + float(offset))._cast(x.dtype)
+
+
+def _resample(x: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
+    """rows @ x @ cols^T over the last two axes of x (..., H, W): (..., H', W')."""
+    y = x @ cols.transpose(0, 1)
+    return (y.transpose(-1, -2) @ rows.transpose(0, 1)).transpose(-1, -2)
+
+
+def conv_transpose2d(input: Tensor, weight, bias=None, stride=1, padding=0, output_padding=0,
+                     groups: int = 1, dilation=1) -> Tensor:
+    """Transposed 2-D convolution (the input gradient of conv2d) of an (N, Cin, H, W) input
+    with weight (Cin, Cout/groups, kh, kw), as torch.nn.functional.conv_transpose2d: the
+    input is spread out by the stride (zeros between), padded by dilation * (k - 1) - padding
+    (cropped where negative), padded by output_padding at the end, and convolved at stride 1
+    with the flipped kernel whose in/out channels are swapped."""
+    w = _traced(input, weight)
+    if input.ndim != 4 or w.ndim != 4 or input.shape[1] != w.shape[0] or \
+            w.shape[0] % groups:
+        raise ShapeError(f"conv_transpose2d: input (N, Cin, H, W) and weight (Cin, Cout/groups,"
+                         f" kh, kw) with groups={groups} expected, got {input.shape} and "
+                         f"{w.shape}")
+    stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
+    output_padding = _pair(output_padding)
+    if any(op >= max(s, d) for op, s, d in zip(output_padding, stride, dilation)):
+        raise ValueError(f"conv_transpose2d: output_padding {output_padding} must be smaller "
+                         f"than the stride {stride} or the dilation {dilation}")
+    size = input.shape[2:]
+    spread = []
+    for n, k, s, p, d, op in zip(size, w.shape[2:], stride, padding, dilation, output_padding):
+        out = (n - 1) * s - 2 * p + d * (k - 1) + op + 1
+        spread.append(_placement(input, out + d * (k - 1), n, s, d * (k - 1) - p))
+    x = _resample(input, *spread)
+    cin, cout_g, kh, kw = w.shape
+    flipped = _resample(w, _placement(w, kh, kh, -1, kh - 1), _placement(w, kw, kw, -1, kw - 1))
+    kernel = flipped.reshape(groups, cin // groups, cout_g, kh, kw).permute(0, 2, 1, 3, 4) \
+        .reshape(groups * cout_g, cin // groups, kh, kw)
+    return conv2d(x, kernel, bias, 1, 0, dilation, groups)
+
+
+def _out_size(size, scale_factor, recompute: bool, shape: tuple[int, ...], what: str):
+    """The output (H, W) and the per-axis scale (in / out, or 1 / scale_factor when given
+    and not recomputed: torch's source-index scale) of interpolate's size or scale_factor."""
+    if (size is None) == (scale_factor is None):
+        raise ValueError(f"{what}: give exactly one of size and scale_factor")
+    if size is not None:
+        out = _pair(size)
+        return out, [i / o for i, o in zip(shape, out)]
+    factors = (float(scale_factor),) * 2 if isinstance(scale_factor, (int, float)) else \
+        tuple(float(f) for f in scale_factor)
+    out = tuple(int(i * f) for i, f in zip(shape, factors))
+    return out, [i / o if recompute else 1.0 / f for i, o, f in zip(shape, out, factors)]
+
+
+def _nearest(x: Tensor, n_out: int, n_in: int, scale: float) -> Tensor:
+    """(n_out, n_in): out o reads in min(floor(o * scale), n_in - 1), torch's "nearest"."""
+    src = (_positions(x, n_out) * scale).floor().clamp(max=float(n_in - 1)).reshape(n_out, 1)
+    return (_positions(x, n_in).reshape(1, n_in) == src)._cast(x.dtype)
+
+
+def _linear_weights(x: Tensor, n_out: int, n_in: int, scale: float,
+                    align_corners: bool) -> Tensor:
+    """(n_out, n_in) linear interpolation weights: source s = o * (in - 1) / (out - 1) with
+    align_corners, else (o + 0.5) * scale - 0.5 clamped at 0; weights 1 - f and f on floor(s)
+    and floor(s) + 1 (both clamped to the last input)."""
+    o = _positions(x, n_out)
+    if align_corners:
+        src = o * ((n_in - 1) / (n_out - 1) if n_out > 1 else 0.0)
+    else:
+        src = ((o + 0.5) * scale - 0.5).clamp(min=0.0)
+    lo = src.floor().clamp(max=float(n_in - 1))
+    frac = (src - lo).reshape(n_out, 1)
+    lo = lo.reshape(n_out, 1)
+    hi = (lo + 1.0).clamp(max=float(n_in - 1))
+    i = _positions(x, n_in).reshape(1, n_in)
+    weights = (i == lo)._cast("float64") * (1.0 - frac) + (i == hi)._cast("float64") * frac
+    return weights._cast(x.dtype)
+
+
+def interpolate(input: Tensor, size=None, scale_factor=None, mode: str = "nearest",
+                align_corners: bool | None = None, recompute_scale_factor=None,
+                antialias: bool = False) -> Tensor:
+    """Resize the (H, W) axes of an (N, C, H, W) input by `size` or `scale_factor`, mode
+    "nearest" or "bilinear" (align_corners; recompute_scale_factor: the source scale from
+    the sizes), as torch.nn.functional.interpolate."""
+    if input.ndim != 4 or mode not in ("nearest", "bilinear") or antialias:
+        raise UnsupportedOpError(f"interpolate of a {input.ndim}-d input with mode={mode!r}"
+                                 f"{', antialias' if antialias else ''} (only 4-d nearest and "
+                                 f"bilinear; in {input.tracer.where()})")
+    if mode == "nearest" and align_corners is not None:
+        raise ValueError("interpolate: align_corners is only for the linear modes")
+    out, scale = _out_size(size, scale_factor, bool(recompute_scale_factor), input.shape[2:],
+                           "interpolate")
+    maps = [_nearest(input, o, n, s) if mode == "nearest" else
+            _linear_weights(input, o, n, s, bool(align_corners))
+            for o, n, s in zip(out, input.shape[2:], scale)]
+    return _resample(input, *maps)
+
+
+def _adaptive_bins(x: Tensor, n_out: int, n_in: int) -> Tensor:
+    """(n_out, n_in) averaging matrix of torch's adaptive bins: bin o covers
+    [floor(o * in / out), ceil((o + 1) * in / out))."""
+    o = _positions(x, n_out).reshape(n_out, 1)
+    start = (o * float(n_in) / float(n_out)).floor()
+    end = ((o + 1.0) * float(n_in) / float(n_out)).ceil()
+    i = _positions(x, n_in).reshape(1, n_in)
+    inside = (i >= start).logical_and(i < end)._cast("float64")
+    return (inside / (end - start))._cast(x.dtype)
+
+
+def adaptive_max_pool2d(input: Tensor, output_size, return_indices: bool = False) -> Tensor:
+    """Max pooling to `output_size` (None keeps that axis) over torch's bins [floor(o * In /
+    Out), ceil((o + 1) * In / Out)), as torch.nn.functional.adaptive_max_pool2d: a max over
+    the bin offsets of selections, per axis (offsets past a bin's end repeat its last
+    input, which changes neither the max nor, as the gradient of tied maxima is split among
+    copies of one input, the gradient)."""
+    if return_indices:
+        raise UnsupportedOpError("adaptive_max_pool2d with return_indices is not supported")
+    oh, ow = _adaptive_size(input, output_size, "adaptive_max_pool2d")
+    axes = []
+    for n, out in zip(input.shape[2:], (oh, ow)):
+        o = _positions(input, out)
+        start = (o * float(n) / float(out)).floor()
+        last = ((o + 1.0) * float(n) / float(out)).ceil() - 1.0
+        widest = max(-(-(i + 1) * n // out) - i * n // out for i in range(out))
+        axes.append([(start + float(a)).minimum(last) for a in range(widest)])
+    return _max_of_selections(input, *axes)
+
+
+def _adaptive_size(input: Tensor, output_size, what: str) -> tuple[int, int]:
+    if input.ndim != 4:
+        raise ShapeError(f"{what}: input must be (N, C, H, W), got {input.shape}")
+    h, w = input.shape[2:]
+    oh, ow = (None, None) if output_size is None else \
+        (output_size, output_size) if isinstance(output_size, int) else tuple(output_size)
+    return oh or h, ow or w
 
 
 def __getattr__(name: str):

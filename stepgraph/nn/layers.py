@@ -71,18 +71,19 @@ class Embedding(Module):
 
 
 class LayerNorm(Module):
-    """Normalisation over the last dim (normalized_shape: an int, or a tuple of one), weight
-    1 and bias 0 when elementwise_affine (bias=False: no bias), as torch.nn.LayerNorm."""
+    """Normalisation over the trailing normalized_shape dims (an int or a tuple), weight 1
+    and bias 0 of that shape when elementwise_affine (bias=False: no bias), as
+    torch.nn.LayerNorm."""
 
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
                  bias: bool = True):
         super().__init__()
-        shape = F.last_dim_shape(normalized_shape, "LayerNorm")
-        self.normalized_shape, self.eps = shape, eps
+        self.normalized_shape, self.eps = F.normalized_dims(normalized_shape), eps
         self.elementwise_affine, self.has_bias = elementwise_affine, bias
-        c = shape[0]
-        self.weight = Parameter(np.empty(c, np.float32)) if elementwise_affine else None
-        self.bias = Parameter(np.empty(c, np.float32)) if elementwise_affine and bias else None
+        shape = self.normalized_shape
+        self.weight = Parameter(np.empty(shape, np.float32)) if elementwise_affine else None
+        self.bias = Parameter(np.empty(shape, np.float32)) if elementwise_affine and bias \
+            else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -184,7 +185,7 @@ class AvgPool2d(Module):
 
 
 class AdaptiveAvgPool2d(Module):
-    """Average pooling to a fixed output size that divides the input size (1: global)."""
+    """Average pooling to a fixed output size (1: global), torch's bins."""
 
     def __init__(self, output_size):
         super().__init__()
@@ -465,3 +466,257 @@ class GLU(Module):
 
     def forward(self, x):
         return F.glu(x, self.dim)
+
+
+# ---- normalisation, 1-d and transposed convolution, resampling, attention -------------------
+
+class GroupNorm(Module):
+    """F.group_norm over num_groups channel groups; weight 1 and bias 0 (C,) when affine."""
+
+    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5,
+                 affine: bool = True):
+        super().__init__()
+        if num_channels % num_groups:
+            raise ValueError(f"num_groups {num_groups} must divide num_channels "
+                             f"{num_channels}")
+        self.num_groups, self.num_channels, self.eps, self.affine = \
+            num_groups, num_channels, eps, affine
+        self.weight = Parameter(np.empty(num_channels, np.float32)) if affine else None
+        self.bias = Parameter(np.empty(num_channels, np.float32)) if affine else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.affine:
+            init.ones_(self.weight)
+            init.zeros_(self.bias)
+
+    def forward(self, x):
+        return F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+
+    def extra_repr(self):
+        return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}"
+
+
+class RMSNorm(Module):
+    """F.rms_norm over the trailing normalized_shape; weight 1 when elementwise_affine; eps
+    None is the input dtype's machine epsilon."""
+
+    def __init__(self, normalized_shape, eps: float | None = None,
+                 elementwise_affine: bool = True):
+        super().__init__()
+        self.normalized_shape = (normalized_shape,) if isinstance(normalized_shape, int) \
+            else tuple(normalized_shape)
+        self.eps, self.elementwise_affine = eps, elementwise_affine
+        self.weight = Parameter(np.empty(self.normalized_shape, np.float32)) \
+            if elementwise_affine else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.elementwise_affine:
+            init.ones_(self.weight)
+
+    def forward(self, x):
+        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+    def extra_repr(self):
+        return f"{self.normalized_shape}, eps={self.eps}"
+
+
+class Conv1d(Module):
+    """F.conv1d; weight (out, in/groups, k), bias (out,)."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0,
+                 dilation=1, groups: int = 1, bias: bool = True, padding_mode: str = "zeros"):
+        super().__init__()
+        if in_channels % groups or out_channels % groups:
+            raise ValueError(f"groups={groups} must divide in_channels {in_channels} and "
+                             f"out_channels {out_channels}")
+        if padding_mode != "zeros":
+            raise UnsupportedOpError(f"Conv1d padding_mode={padding_mode!r} (only 'zeros')")
+        k = F._single(kernel_size)
+        self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, (k,)
+        self.stride, self.dilation, self.groups = (F._single(stride),), (F._single(dilation),), \
+            groups
+        self.padding = padding if isinstance(padding, str) else (F._single(padding),)
+        self.weight = Parameter(np.zeros((out_channels, in_channels // groups, k), np.float32))
+        self.bias = Parameter(np.zeros(out_channels, np.float32)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _reset_fan_in(self.weight, self.bias)
+
+    def forward(self, x):
+        padding = self.padding if isinstance(self.padding, str) else self.padding[0]
+        return F.conv1d(x, self.weight, self.bias, self.stride[0], padding, self.dilation[0],
+                        self.groups)
+
+    def extra_repr(self):
+        return f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}"
+
+
+class ConvTranspose2d(Module):
+    """F.conv_transpose2d; weight (in, out/groups, kh, kw), bias (out,); torch's init, whose
+    fan_in is weight.size(1) * kh * kw (out/groups * kh * kw)."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0,
+                 output_padding=0, groups: int = 1, bias: bool = True, dilation=1,
+                 padding_mode: str = "zeros"):
+        super().__init__()
+        if in_channels % groups or out_channels % groups:
+            raise ValueError(f"groups={groups} must divide in_channels {in_channels} and "
+                             f"out_channels {out_channels}")
+        if padding_mode != "zeros":
+            raise UnsupportedOpError(f"ConvTranspose2d padding_mode={padding_mode!r} "
+                                     "(only 'zeros')")
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.kernel_size, self.stride = F._pair(kernel_size), F._pair(stride)
+        self.padding, self.output_padding = F._pair(padding), F._pair(output_padding)
+        self.groups, self.dilation = groups, F._pair(dilation)
+        self.weight = Parameter(np.zeros((in_channels, out_channels // groups,
+                                          *self.kernel_size), np.float32))
+        self.bias = Parameter(np.zeros(out_channels, np.float32)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _reset_fan_in(self.weight, self.bias)
+
+    def forward(self, x):
+        return F.conv_transpose2d(x, self.weight, self.bias, self.stride, self.padding,
+                                  self.output_padding, self.groups, self.dilation)
+
+    def extra_repr(self):
+        return f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}"
+
+
+class Upsample(Module):
+    """F.interpolate to `size` or by `scale_factor` (nearest or bilinear)."""
+
+    def __init__(self, size=None, scale_factor=None, mode: str = "nearest",
+                 align_corners: bool | None = None, recompute_scale_factor=None):
+        super().__init__()
+        self.size, self.scale_factor, self.mode = size, scale_factor, mode
+        self.align_corners, self.recompute_scale_factor = align_corners, recompute_scale_factor
+
+    def forward(self, x):
+        return F.interpolate(x, self.size, self.scale_factor, self.mode, self.align_corners,
+                             self.recompute_scale_factor)
+
+    def extra_repr(self):
+        return f"size={self.size}, scale_factor={self.scale_factor}, mode={self.mode!r}"
+
+
+class UpsamplingNearest2d(Upsample):
+    def __init__(self, size=None, scale_factor=None):
+        super().__init__(size, scale_factor, "nearest")
+
+
+class UpsamplingBilinear2d(Upsample):
+    """Bilinear with align_corners=True, as torch's."""
+
+    def __init__(self, size=None, scale_factor=None):
+        super().__init__(size, scale_factor, "bilinear", align_corners=True)
+
+
+class _OutProjection(Linear):
+    """MultiheadAttention's out_proj (torch's NonDynamicallyQuantizableLinear): a Linear."""
+
+
+class MultiheadAttention(Module):
+    """torch.nn.MultiheadAttention with kdim = vdim = embed_dim: in_proj_weight (3E, E),
+    in_proj_bias (3E,), out_proj (a Linear), the same state_dict keys and init (xavier
+    uniform in_proj_weight, zero biases). forward returns (output, weights): the weights
+    averaged over heads (or per head) when need_weights, through the composed attention;
+    need_weights=False takes F.scaled_dot_product_attention's fused op where it can."""
+
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
+                 add_bias_kv: bool = False, add_zero_attn: bool = False, kdim=None, vdim=None,
+                 batch_first: bool = False):
+        super().__init__()
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim {embed_dim} must be divisible by num_heads {num_heads}")
+        if add_bias_kv or add_zero_attn or kdim not in (None, embed_dim) or \
+                vdim not in (None, embed_dim):
+            raise UnsupportedOpError("MultiheadAttention with add_bias_kv, add_zero_attn or "
+                                     "kdim/vdim other than embed_dim is not supported")
+        self.embed_dim, self.num_heads, self.dropout = embed_dim, num_heads, dropout
+        self.batch_first, self.head_dim = batch_first, embed_dim // num_heads
+        self.in_proj_weight = Parameter(np.zeros((3 * embed_dim, embed_dim), np.float32))
+        self.in_proj_bias = Parameter(np.zeros(3 * embed_dim, np.float32)) if bias else None
+        self.out_proj = _OutProjection(embed_dim, embed_dim, bias=bias)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        init.xavier_uniform_(self.in_proj_weight)
+        if self.in_proj_bias is not None:
+            init.zeros_(self.in_proj_bias)
+            init.zeros_(self.out_proj.bias)
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights: bool = True,
+                attn_mask=None, average_attn_weights: bool = True, is_causal: bool = False):
+        if is_causal and attn_mask is None:
+            raise ValueError("MultiheadAttention: is_causal is a hint that attn_mask is the "
+                             "causal mask; give the mask too (as torch)")
+        q, k, v = self._project(query, key, value)
+        n, length, s = q.shape[0], q.shape[2], k.shape[2]
+        mask = _mha_mask(q, attn_mask, key_padding_mask, n, self.num_heads, length, s)
+        p = self.dropout if self.training else 0.0
+        if need_weights:
+            probs = F._attention_probs(q, k, mask, False, 1.0 / self.head_dim ** 0.5)
+            out = F.dropout(probs, p, self.training) @ v
+            weights = probs.mean(1) if average_attn_weights else probs
+        else:
+            out, weights = F.scaled_dot_product_attention(q, k, v, mask, p), None
+        out = out.permute(2, 0, 1, 3).reshape(length, n, self.embed_dim)  # (L, N, E)
+        out = self.out_proj(out)
+        return (out.transpose(0, 1) if self.batch_first else out), weights
+
+    def _project(self, query, key, value):
+        """q, k, v as (N, heads, L or S, head_dim)."""
+        if self.batch_first:
+            query, key, value = (x.transpose(0, 1) for x in (query, key, value))
+        w = F._traced(query, self.in_proj_weight)
+        b = F._traced(query, self.in_proj_bias)
+        e = self.embed_dim
+        if query is key is value:
+            parts = F.linear(query, w, b).chunk(3, -1)
+        else:
+            parts = [F.linear(x, w.narrow(0, i * e, e),
+                              None if b is None else b.narrow(0, i * e, e))
+                     for i, x in enumerate((query, key, value))]
+        return [x.reshape(x.shape[0], x.shape[1], self.num_heads, self.head_dim)
+                .permute(1, 2, 0, 3) for x in parts]
+
+    def extra_repr(self):
+        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}"
+
+
+def _mha_mask(q, attn_mask, key_padding_mask, n: int, heads: int, length: int, s: int):
+    """MultiheadAttention's masks (bool True: do not attend, or additive float; attn_mask
+    (L, S) or (N * heads, L, S), key_padding_mask (N, S)) as one additive float mask
+    broadcasting to (N, heads, L, S), or None."""
+    masks = []
+    if attn_mask is not None:
+        m = F._traced(q, attn_mask)
+        if m.ndim == 3:
+            m = m.reshape(n, heads, length, s)
+        masks.append(F._blocked(m, q.dtype) if m.dtype == "bool" else m._cast(q.dtype))
+    if key_padding_mask is not None:
+        m = F._traced(q, key_padding_mask).reshape(n, 1, 1, s)
+        masks.append(F._blocked(m, q.dtype) if m.dtype == "bool" else m._cast(q.dtype))
+    if not masks:
+        return None
+    return masks[0] if len(masks) == 1 else masks[0] + masks[1]
+
+
+class AdaptiveMaxPool2d(Module):
+    """F.adaptive_max_pool2d to a fixed output size, torch's bins."""
+
+    def __init__(self, output_size, return_indices: bool = False):
+        super().__init__()
+        self.output_size, self.return_indices = output_size, return_indices
+
+    def forward(self, x):
+        return F.adaptive_max_pool2d(x, self.output_size, self.return_indices)
+
+    def extra_repr(self):
+        return f"{self.output_size}"
