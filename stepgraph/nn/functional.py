@@ -6,7 +6,7 @@ import math
 import numpy as np
 
 from ..errors import ShapeError, UnsupportedOpError
-from ..ir.trace import Tensor
+from ..ir.trace import Tensor, tensor_of
 from ..ops.attention import MAX_HEAD_DIM
 from . import losses as _losses
 
@@ -752,8 +752,10 @@ def _single(v) -> int:
 
 
 def _positions(x: Tensor, n: int) -> Tensor:
-    """0, 1, ..., n - 1 as float64 (exact, and exact products with sizes below 2^53)."""
-    return x.tracer.op("arange", [], n=n, dtype="int64")._cast("float64")
+    """0, 1, ..., n - 1 as an eager float64 tensor (exact, and exact products with sizes
+    below 2^53): the index matrices built from it depend on shapes only, so they are computed
+    once at trace time and enter the graph as constants in x's dtype."""
+    return tensor_of(np.arange(n, dtype=np.float64))
 
 
 def _placement(x: Tensor, n_out: int, n_in: int, stride: int, offset: int) -> Tensor:

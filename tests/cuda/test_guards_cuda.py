@@ -145,7 +145,7 @@ def test_inf_gradient_inside_a_graph_replay(policy, precision):
     loss = step(*bad)
     step.backend.synchronize()
     assert np.isfinite(loss._slot(loss._loss)[0])            # the loss itself is finite
-    assert loss.problem == "non-finite gradients (NaN or Inf)"
+    assert loss.problem.startswith("non-finite gradients (NaN or Inf")
     assert_same(before, full_state(step))
     if policy == "raise":
         with pytest.raises(NonFiniteError, match="non-finite gradients"):

@@ -289,7 +289,17 @@ def test_opinfo_every_sample(key):
     check_op(key, None)
 
 
+# CUDA float32 results judged by the same bound, where the kernel is not strict FP32 on purpose.
+KNOWN_CUDA = {
+    "nn.functional.scaled_dot_product_attention":
+        "the attention kernels' fp32 products are 3xTF32, not strict FP32: dv 9.6e-6 from "
+        "float64 against a bound of 1.65e-6 on an H200 (2026-11-28); see docs/TESTING.md",
+}
+
+
 @pytest.mark.cuda
 @KEYS
-def test_opinfo_samples_cuda(key):
+def test_opinfo_samples_cuda(key, request):
+    if key[0] in KNOWN_CUDA:
+        request.node.add_marker(pytest.mark.xfail(reason=KNOWN_CUDA[key[0]], strict=True))
     check_op(key, FAST_SAMPLES, device="cuda")
