@@ -87,7 +87,7 @@ def _dropout(x: Tensor, p: float, training: bool, per_channel: bool) -> Tensor:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
     # A predict trace (compile_predict) has dropout off even where the model asks for it
     # (training=True): it has no step counter to draw fresh masks from, as sdpa's dropout_p.
-    if not training or p == 0.0 or not x.tracer.training:
+    if not training or p == 0.0 or not (x.tracer.training or x.is_eager):
         return x
     if per_channel and x.ndim != 4:
         raise ShapeError(f"Dropout2d expects (N, C, H, W) input, got {x.shape}")

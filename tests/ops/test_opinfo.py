@@ -268,6 +268,9 @@ KEYS = pytest.mark.parametrize("key", list(OPS), ids=lambda k: ".".join(filter(N
 # Known mismatches, each with its reason (docs/TESTING.md); strict: fixing one fails the run
 # until its entry goes.
 KNOWN = {
+    ("nn.functional.nll_loss", torch.float32): "(N, C, d...) inputs take the composed path "
+                            "(a picked-value product and a mean): 1.64e-7 from float64 against a "
+                            "bound of 8.76e-8 on one sample; the fused op's accuracy is not there yet",
     ("pow", torch.float64): "the gradient of a 0-d exponent sums x^y * log(x) over terms that "
                             "cancel: 1.15x past the bound scaled down from torch float32's "
                             "error (float64 has no finer reference to show the true one)",
