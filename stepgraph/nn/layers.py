@@ -103,15 +103,21 @@ class LayerNorm(Module):
         return f"{self.normalized_shape}, eps={self.eps}"
 
 
+def _check_conv_args(layer: str, in_channels: int, out_channels: int, groups: int,
+                     padding_mode: str) -> None:
+    """The constructor checks every convolution layer shares (torch's errors)."""
+    if in_channels % groups or out_channels % groups:
+        raise ValueError(f"groups={groups} must divide in_channels {in_channels} and "
+                         f"out_channels {out_channels}")
+    if padding_mode != "zeros":
+        raise UnsupportedOpError(f"{layer} padding_mode={padding_mode!r} (only 'zeros')")
+
+
 class Conv2d(Module):
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0,
                  dilation=1, groups: int = 1, bias: bool = True, padding_mode: str = "zeros"):
         super().__init__()
-        if in_channels % groups or out_channels % groups:
-            raise ValueError(f"groups={groups} must divide in_channels {in_channels} and "
-                             f"out_channels {out_channels}")
-        if padding_mode != "zeros":
-            raise UnsupportedOpError(f"Conv2d padding_mode={padding_mode!r} (only 'zeros')")
+        _check_conv_args("Conv2d", in_channels, out_channels, groups, padding_mode)
         kh, kw = F._pair(kernel_size)
         self.in_channels, self.out_channels = in_channels, out_channels
         self.kernel_size, self.stride = (kh, kw), F._pair(stride)
@@ -528,11 +534,7 @@ class Conv1d(Module):
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0,
                  dilation=1, groups: int = 1, bias: bool = True, padding_mode: str = "zeros"):
         super().__init__()
-        if in_channels % groups or out_channels % groups:
-            raise ValueError(f"groups={groups} must divide in_channels {in_channels} and "
-                             f"out_channels {out_channels}")
-        if padding_mode != "zeros":
-            raise UnsupportedOpError(f"Conv1d padding_mode={padding_mode!r} (only 'zeros')")
+        _check_conv_args("Conv1d", in_channels, out_channels, groups, padding_mode)
         k = F._single(kernel_size)
         self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, (k,)
         self.stride, self.dilation, self.groups = (F._single(stride),), (F._single(dilation),), \
@@ -562,12 +564,7 @@ class ConvTranspose2d(Module):
                  output_padding=0, groups: int = 1, bias: bool = True, dilation=1,
                  padding_mode: str = "zeros"):
         super().__init__()
-        if in_channels % groups or out_channels % groups:
-            raise ValueError(f"groups={groups} must divide in_channels {in_channels} and "
-                             f"out_channels {out_channels}")
-        if padding_mode != "zeros":
-            raise UnsupportedOpError(f"ConvTranspose2d padding_mode={padding_mode!r} "
-                                     "(only 'zeros')")
+        _check_conv_args("ConvTranspose2d", in_channels, out_channels, groups, padding_mode)
         self.in_channels, self.out_channels = in_channels, out_channels
         self.kernel_size, self.stride = F._pair(kernel_size), F._pair(stride)
         self.padding, self.output_padding = F._pair(padding), F._pair(output_padding)
