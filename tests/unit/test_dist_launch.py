@@ -500,3 +500,79 @@ def test_a_fault_aborts_the_communicator_reports_and_ends_the_rank(monkeypatch, 
     assert calls == ["abort", FAULT_EXIT_CODE]
     assert "DistributedError: rank 0: rank(s) [1] of 2 died" in capsys.readouterr().err
     group._nccl, group._closed = None, True
+
+
+class RecordingComm:
+    """An NCCL communicator that records what was done to it."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def abort(self):
+        self.calls.append("abort")
+
+    def destroy(self):
+        self.calls.append("destroy")
+
+
+class RecordingStore:
+    """The store side of a teardown: how this rank's connection was closed."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def close(self, leave: bool = True):
+        self.calls.append("close, leaving" if leave else "close, dropped")
+
+
+@pytest.mark.parametrize("barrier", ["met", "failed"])
+def test_a_clean_end_destroys_the_communicator_only_after_every_rank_arrived(barrier):
+    """NCCL may make ncclCommDestroy wait for every rank of the node: destroying it before
+    the leaving barrier would hang a rank whose peer never gets there. A barrier that fails
+    (a peer died or never came) aborts the communicator instead."""
+    from stepgraph.distributed.group import ProcessGroup
+
+    calls = []
+    group = ProcessGroup(DistEnv(0, 2, 0, "127.0.0.1", 1), RecordingStore(calls), None, 5.0)
+    group._nccl = RecordingComm(calls)
+
+    def leaving_barrier(what, timeout):
+        calls.append(f"barrier {what}")
+        if barrier == "failed":
+            raise DistributedError("rank 0: leaving failed: rank(s) [1] of 2 died")
+
+    group.barrier = leaving_barrier
+    group.destroy()
+    last = "destroy" if barrier == "met" else "abort"
+    assert calls == ["barrier leaving", "close, leaving", last]
+    assert not group.has_nccl
+
+
+def test_a_crashed_rank_drops_its_connection_before_aborting_the_communicator():
+    """After an uncaught exception the device may hold collectives that wait for peers which
+    will never join them: no device wait, no barrier; the connection drops first, so that the
+    peers' watchdogs end them, then the communicator is aborted, never destroyed."""
+    from stepgraph.distributed.group import ProcessGroup
+
+    calls = []
+    group = ProcessGroup(DistEnv(1, 2, 1, "127.0.0.1", 1), RecordingStore(calls), None, 5.0)
+    group._nccl = RecordingComm(calls)
+    group.barrier = lambda *args, **kwargs: calls.append("barrier")
+    group._crashed = True
+    group.destroy()
+    assert calls == ["close, dropped", "abort"]
+
+
+def test_an_abort_that_never_returns_does_not_keep_the_rank_alive():
+    from stepgraph.distributed.group import _abort
+
+    release = threading.Event()
+
+    class StuckComm:
+        def abort(self):
+            release.wait(30)
+
+    start = time.monotonic()
+    _abort(StuckComm(), wait=0.2)
+    assert time.monotonic() - start < 5
+    release.set()
