@@ -524,6 +524,33 @@ def test_cuda_all_reduce_forks_and_joins_the_communication_stream(monkeypatch, s
     assert ("allReduce", 0x500, 0x500, 2, 2, ctx.stream.ptr) in calls
 
 
+def test_cuda_parameter_broadcast_sends_every_array_as_its_bytes(monkeypatch):
+    """Rank 0's parameters and buffers go in one NCCL group on the backend's stream, each as
+    its bytes: dtypes NCCL has no reduction type for (bool masks) go as well as float32 and
+    int64 (BatchNorm's count); an empty array sends nothing."""
+    pytest.importorskip("cupy")
+    from types import SimpleNamespace
+
+    from stepgraph.backends.cuda import collective
+
+    calls = []
+    nccl = SimpleNamespace(NCCL_UINT8=1, groupStart=lambda: calls.append(("groupStart",)),
+                           groupEnd=lambda: calls.append(("groupEnd",)))
+    monkeypatch.setattr(collective, "_nccl", lambda: nccl)
+    monkeypatch.setattr(collective, "_check", lambda *a, **k: None)
+    comm = FakeComm(calls)
+    comm.bcast = lambda buff, count, dtype, root, stream: calls.append(
+        ("bcast", buff, count, dtype, root, stream))
+    group = SimpleNamespace(nccl_communicator=lambda device: comm)
+    backend = SimpleNamespace(device_id=1, stream=SimpleNamespace(ptr=0x77))
+    arrays = [FakeArray(10, "float32", 0x100), FakeArray(1, "int64", 0x200),
+              FakeArray(6, "bool", 0x300), FakeArray(0, "float32", 0x400)]
+    collective.broadcast_parameters(backend, group, arrays)
+    assert calls == [("groupStart",), ("bcast", 0x100, 40, 1, 0, 0x77),
+                     ("bcast", 0x200, 8, 1, 0, 0x77), ("bcast", 0x300, 6, 1, 0, 0x77),
+                     ("groupEnd",)]
+
+
 @pytest.mark.parametrize("reduce_dtype", ["float32", "bfloat16"])
 def test_cuda_bf16_buckets_are_widened_or_sent_as_bf16(monkeypatch, reduce_dtype):
     """bf16 gradients (uint16 bits): summed in float32 through the packed float32 buffer

@@ -260,13 +260,15 @@ def all_reduce_norm(ctx, node, ins: list, outs: list) -> None:
 
 def broadcast_parameters(backend, group, arrays: list) -> None:
     """Rank 0's values of `arrays` (device arrays) on every rank, in place, in order on the
-    backend's stream; makes the group's communicator on the backend's GPU."""
+    backend's stream; makes the group's communicator on the backend's GPU. A broadcast
+    copies bits: each array goes as its bytes (NCCL_UINT8), so any dtype a model holds (bool
+    masks, bf16 bits) goes too."""
     nccl = _nccl()
     comm = group.nccl_communicator(backend.device_id)
     for i, a in enumerate(arrays):
         _check(f"broadcast array {i}", a, dtype=None)
-    _grouped(nccl, lambda: [comm.bcast(a.data.ptr, a.size, _nccl_dtype(nccl, a), 0,
-                                       backend.stream.ptr) for a in arrays])
+    _grouped(nccl, lambda: [comm.bcast(a.data.ptr, a.nbytes, nccl.NCCL_UINT8, 0,
+                                       backend.stream.ptr) for a in arrays if a.nbytes])
 
 
 IMPLS: dict[str, Callable] = {
