@@ -576,3 +576,20 @@ def test_an_abort_that_never_returns_does_not_keep_the_rank_alive():
     _abort(StuckComm(), wait=0.2)
     assert time.monotonic() - start < 5
     release.set()
+
+
+def test_a_crashed_rank_under_torchrun_closes_torchruns_store_client():
+    """Under torchrun the store is a TorchStoreClient: the crash path's close(leave=False)
+    must work on it too (torchrun's agent notices the dead worker itself)."""
+    from stepgraph.distributed.group import ProcessGroup
+    from stepgraph.distributed.store import TorchStoreClient
+
+    client = TorchStoreClient.__new__(TorchStoreClient)     # no torchrun agent to reach here
+    client._store = object()
+    calls = []
+    group = ProcessGroup(DistEnv(1, 2, 1, "127.0.0.1", 1, "torchrun", "torch"), client, None,
+                         5.0)
+    group._nccl = RecordingComm(calls)
+    group._crashed = True
+    group.destroy()
+    assert client._store is None and calls == ["abort"]
