@@ -64,6 +64,7 @@ class ProcessGroup:
         self._watchdog: Watchdog | None = None
         self._closed = False
         self._crashed = False
+        self._graphs: list[weakref.ref] = []   # captured CUDA graphs holding our NCCL work
         _GROUPS[self.id] = self
         atexit.register(self.destroy)
         if store is not None:
@@ -250,6 +251,21 @@ class ProcessGroup:
     def has_nccl(self) -> bool:
         return self._nccl is not None
 
+    def hold_graph(self, captured) -> None:
+        """Note a captured CUDA graph holding this group's NCCL work (runtime/graph.py):
+        destroy() releases it before the communicator, because NCCL (2.26 on) destroys or
+        aborts a communicator only once every graph holding its work is gone: a graph
+        still referenced at exit would hang the process there."""
+        self._graphs = [ref for ref in self._graphs if ref() is not None]
+        self._graphs.append(weakref.ref(captured))
+
+    def _release_graphs(self) -> None:
+        for ref in self._graphs:
+            captured = ref()
+            if captured is not None:
+                captured.release()
+        self._graphs = []
+
     def destroy(self) -> None:
         """Leave the run. A clean end: wait for the device (the watchdog still guards the
         wait), stop the watchdog, meet the others in a leaving barrier (at most LEAVING_S; a
@@ -269,6 +285,7 @@ class ProcessGroup:
                 self._watchdog.stop()
             if self.store is not None:
                 self.store.close(leave=False)      # the others see this rank die, at once
+            self._release_graphs()
             _abort(comm)
         else:
             self._leave(comm)
@@ -297,6 +314,7 @@ class ProcessGroup:
             self.store.close()
         if comm is None:
             return
+        self._release_graphs()
         if not met:
             _abort(comm)
             return

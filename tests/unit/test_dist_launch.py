@@ -548,6 +548,61 @@ def test_a_clean_end_destroys_the_communicator_only_after_every_rank_arrived(bar
     assert not group.has_nccl
 
 
+def test_a_group_releases_the_graphs_holding_its_collectives_before_destroying_nccl(
+        monkeypatch):
+    """NCCL (2.26 on) destroys or aborts a communicator only once every CUDA graph holding
+    its work is gone: a step's graph still referenced at exit hung the rank there. Graphs
+    captured with the group's collectives are released first; others are not noted."""
+    pytest.importorskip("cupy")
+    from types import SimpleNamespace
+
+    from stepgraph.backends.cuda import collective
+    from stepgraph.backends.cuda.runtime import graph as graph_module
+    from stepgraph.distributed.group import ProcessGroup
+    from stepgraph.errors import CaptureError
+
+    calls, made = [], []
+
+    class Stream:
+        ptr = 7
+
+        def begin_capture(self):
+            pass
+
+        def end_capture(self):
+            made.append(SimpleNamespace(upload=lambda stream: None))
+            return made[-1]
+
+        def is_capturing(self):
+            return True
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class Comm(RecordingComm):
+        def destroy(self):
+            calls.append("destroy" if held.graph is None else "destroy, a graph alive")
+
+    group = ProcessGroup(DistEnv(0, 2, 0, "127.0.0.1", 1), RecordingStore(calls), None, 5.0)
+    group._nccl = Comm(calls)
+    group.barrier = lambda what, timeout: calls.append(f"barrier {what}")
+    group.nccl_communicator = lambda device: group._nccl
+    monkeypatch.setattr(collective, "cp", SimpleNamespace(
+        cuda=SimpleNamespace(Device=lambda: SimpleNamespace(id=0))))
+    ctx = SimpleNamespace(stream=Stream(), extras={}, capturing=False)
+    plain = graph_module.capture(lambda: None, ctx)
+    held = graph_module.capture(lambda: collective._communicator(group, ctx), ctx)
+    assert [ref() for ref in group._graphs] == [held] and not ctx.extras
+    group.destroy()
+    assert calls == ["barrier leaving", "close, leaving", "destroy"]
+    assert plain.graph is made[0]
+    with pytest.raises(CaptureError, match="released"):
+        held.launch()
+
+
 def test_a_crashed_rank_drops_its_connection_before_aborting_the_communicator():
     """After an uncaught exception the device may hold collectives that wait for peers which
     will never join them: no device wait, no barrier; the connection drops first, so that the

@@ -26,6 +26,7 @@ from ...distributed.group import lookup_group
 from ...errors import CaptureError, ShapeError
 from .runtime.launch import (BLOCK, UPDATE_CHUNK, _buffers_key, _capturing, _check,
                              _chunk_jobs, _kernel, _node_memory)
+from .runtime.graph import NCCL_GROUPS_KEY
 from .runtime.side_stream import fork_events, forked, join
 
 NCCL_DTYPES = {"float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64", "int32": "NCCL_INT32",
@@ -54,9 +55,13 @@ def _nccl_dtype(nccl, array) -> int:
 
 
 def _communicator(group, ctx):
-    if not group.has_nccl and _capturing(ctx):
-        raise CaptureError("all_reduce: the NCCL communicator is made when the step is "
-                           "compiled, before any capture")
+    """The group's communicator; during a capture, the group is noted as one whose NCCL work
+    the graph holds (runtime/graph.py: the group releases the graph before destroying it)."""
+    if _capturing(ctx):
+        if not group.has_nccl:
+            raise CaptureError("all_reduce: the NCCL communicator is made when the step is "
+                               "compiled, before any capture")
+        ctx.extras.setdefault(NCCL_GROUPS_KEY, set()).add(group.id)
     return group.nccl_communicator(cp.cuda.Device().id)
 
 
