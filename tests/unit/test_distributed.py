@@ -239,6 +239,33 @@ def test_one_failing_rank_stops_the_others():
     assert "rank 1" in lines[0] and "code 3" in lines[0]
 
 
+def test_the_launcher_reports_the_failing_rank_not_the_peer_it_ended():
+    """Seen at once, rank 0 ended by its watchdog (status 75, its peer died) and rank 1's
+    own failure: the exit code and the line name rank 1; rank 2, still running, is stopped."""
+    from stepgraph.distributed.group import FAULT_EXIT_CODE
+    from stepgraph.distributed.launch import _supervise
+
+    class Proc:
+        def __init__(self, code, pid):
+            self.code, self.pid, self.signals = code, pid, []
+
+        def poll(self):
+            return self.code
+
+        def send_signal(self, signum):
+            self.signals.append(signum)
+            self.code = -signum
+
+        def wait(self, timeout=None):
+            return self.code
+
+    procs = [Proc(FAULT_EXIT_CODE, 100), Proc(3, 101), Proc(None, 102)]
+    lines = []
+    assert _supervise(procs, [], 0.1, lines.append) == 3
+    assert "rank 1 (pid 101) exited with code 3" in lines[0]
+    assert procs[2].signals == [signal.SIGTERM]
+
+
 def test_signals_are_forwarded_to_every_rank(tmp_path):
     child = ("import os, pathlib, signal, sys, time\n"
              "def bye(s, f):\n"
