@@ -218,7 +218,9 @@ def start_ranks(world: int, args: list[str],
                                       LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
                                       MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
                                       STEPGRAPH_DIST_TIMEOUT=str(timeout),
-                                      PYTHONPATH=str(ROOT)))
+                                      # kept: it may name where the GPU packages live
+                                      PYTHONPATH=os.pathsep.join(
+                                          [str(ROOT), os.environ.get("PYTHONPATH", "")])))
             for r in range(world)]
 
 
