@@ -648,3 +648,21 @@ def test_a_crashed_rank_under_torchrun_closes_torchruns_store_client():
     group._crashed = True
     group.destroy()
     assert client._store is None and calls == ["abort"]
+
+
+def test_a_worker_sent_sigterm_dumps_its_stacks_and_ends_as_sigterm_would(tmp_path):
+    """scripts/dp-check's hang evidence: a dist_worker rank stopped by its launcher or a
+    timeout (SIGTERM) first writes every thread's stack to <dir>/rank<R>-stacks.txt."""
+    code = ("import os, signal, sys\n"
+            f"sys.path.insert(0, {str(WORKER.parent)!r})\n"
+            "import dist_worker\n"
+            f"dist_worker.dump_stacks_on_hang({str(tmp_path)!r}, 60)\n"
+            "def waiting_for_a_peer():\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    signal.pause()\n"
+            "waiting_for_a_peer()\n")
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, RANK="1"),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGTERM, done.stderr[-2000:]
+    dump = (tmp_path / "rank1-stacks.txt").read_text()
+    assert dump.startswith("== pid ") and "in waiting_for_a_peer" in dump
