@@ -269,13 +269,14 @@ class ProcessGroup:
     def destroy(self) -> None:
         """Leave the run. A clean end: wait for the device (the watchdog still guards the
         wait), stop the watchdog, meet the others in a leaving barrier (at most LEAVING_S; a
-        dead rank ends it at once), then destroy the NCCL communicator, which NCCL may make
-        wait for every rank of the node to destroy theirs: so only once all have arrived;
-        after a failed barrier it is aborted instead. A rank that crashed (an uncaught
-        exception) drops its store connection first, without leaving, so that the others
-        see it die and end, then aborts its communicator without waiting for the device,
-        whose queued collectives may wait for peers that will never join them. Rank 0 serves
-        the store until every other rank has left or died (at most LEAVING_S)."""
+        dead rank ends it at once), release the graphs holding our collectives (hold_graph),
+        then destroy the NCCL communicator, or abort it when the barrier failed (a peer
+        that never arrives would not take part in the teardown). A rank that crashed (an
+        uncaught exception) drops its store connection first, without leaving, so that the
+        others see it die and end, then releases its graphs and aborts its communicator
+        without waiting for the device, whose queued collectives may wait for peers that
+        will never join them. Rank 0 serves the store until every other rank has left or
+        died (at most LEAVING_S)."""
         if self._closed:
             return
         self._closed = True
