@@ -37,15 +37,16 @@ def stacked(name: str, steps: int, shape) -> tuple[np.ndarray, np.ndarray]:
             gen.integers(0, 5, (steps, BATCH)))
 
 
-def twins(case: str, on_bad_batch: str = "raise"):
-    """Two train steps over identically initialised copies of the case's model."""
+def twins(case: str, **options):
+    """Two train steps over identically initialised copies of the case's model; `options`
+    go to compile_train_step (tests/cuda/test_kstep_cuda.py passes device, graph, precision)."""
     make = CASES[case]
     first, shape, loss, make_opt = make()
     second = make()[0]
     second.load_state_dict(first.state_dict())
     x, y = stacked("example", 1, shape)
     return [sg.compile_train_step(m, loss, make_opt(), example_inputs=(x[0], y[0]), seed=3,
-                                  on_bad_batch=on_bad_batch) for m in (first, second)], shape
+                                  **options) for m in (first, second)], shape
 
 
 def assert_same_state(a, b):
@@ -96,7 +97,7 @@ def test_run_under_raise_stops_at_the_bad_step():
     for xi, yi in zip(x[:2], y[:2]):
         single(xi, yi)
     with pytest.raises(NonFiniteError, match="step 3") as err:
-        float(got[0])
+        float(got[-1])
     assert err.value.step == 3
     assert_same_state(kstep, single)
 
