@@ -296,8 +296,8 @@ class TrainStep(_CompiledModel):
         `batches` holds one array per argument of the step (inputs..., target), each the
         batches of K steps stacked along a new leading axis: shape (K, *shape of one step's
         argument), or (n * K, ...) to run n launches of K steps in order. Arrays may be NumPy,
-        CuPy or DLPack. Returns one LossHandle per step, in order (read as any step's loss;
-        only the last 1024 steps' losses stay readable).
+        CuPy or DLPack. Returns one LossHandle per step, in order, read as a single step's
+        (a loss stays readable for history.HISTORY_LENGTH = 1024 steps).
 
         The trajectory is that of calling the step on each slice in turn, bit for bit: the
         LR schedule is computed on the device from the step counter (a change of lr or of the
@@ -306,11 +306,12 @@ class TrainStep(_CompiledModel):
         launch's batches are copied into staging buffers once, and each step copies its slice
         into the step's inputs and runs the step's plan (compile/executable.py StepsReplay).
         With a CUDA graph (graph=True) one launch replays one graph of K steps, copies
-        included, so the host pays once per K steps; the graph is captured at the first
-        launch for this batch shape and K after the step's eager warm-up, and kept. Without a
-        graph (the CPU backend, graph=False) the steps run op by op. Under
-        on_bad_batch="raise" a bad step stops the updates of every later step, and the next
-        call or loss read raises its error naming the step, as for single steps.
+        included, so the host pays once per K steps; it is captured at the first launch for
+        this batch shape and K once the step has run (a step's first run, single or K-step,
+        is its eager warm-up) and kept with its staging buffers. Without a graph (the CPU
+        backend, graph=False) the steps run op by op. Under on_bad_batch="raise" a bad step
+        stops the updates of every later step, and the next call or loss read raises its
+        error naming the step, as for single steps.
         """
         if self._guard is not None:
             self._guard.check_call()

@@ -16,7 +16,7 @@ BATCH = 8
 
 
 def mlp_case():
-    return (models.mlp(in_features=12, hidden=16, classes=5, dropout=0.25), (12,),
+    return (models.mlp(in_features=16, hidden=32, classes=5, dropout=0.25), (16,),
             losses.cross_entropy, lambda: optim.Adam(lr=1e-2, schedule=optim.WarmupCosine(2, 9)))
 
 
@@ -114,8 +114,8 @@ def test_run_checks_every_steps_labels_before_running():
 
 
 @pytest.mark.parametrize("feed, steps, error, message", [
-    (lambda x, y: (x[0], y[0]), 2, ShapeError, r"'x': expected shape \(2, batch, 12\)"),
-    (lambda x, y: (x[..., :11], y), 2, ShapeError, r"'x': expected shape \(2, batch, 12\)"),
+    (lambda x, y: (x[0], y[0]), 2, ShapeError, r"'x': expected shape \(2, batch, 16\)"),
+    (lambda x, y: (x[..., :15], y), 2, ShapeError, r"'x': expected shape \(2, batch, 16\)"),
     (lambda x, y: (x, y[..., None]), 2, ShapeError, r"'y': expected shape \(2, batch\)"),
     (lambda x, y: (x, y[:4]), 2, ShapeError, r"'y': leading \(steps\) axis 4 does not match"),
     (lambda x, y: (x, y), 4, ShapeError, r"leading axis 6 is not a positive multiple of steps=4"),
