@@ -6,6 +6,7 @@ match the example inputs exactly: nothing is silently broadcast or cast.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,7 +92,7 @@ def check_steps_feed(expected: Signature, arrays, steps: int) -> tuple[Signature
     """(the signature of one step, launches) of a feed of `steps` steps per launch: each array
     stacks the steps' batches along a new leading axis of `steps` or a multiple of it, the
     same for every input; launches = that axis // steps."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     _check_count(expected, arrays)
     described = [describe(a) for a in arrays]

@@ -80,7 +80,7 @@ def test_run_on_ragged_last_batch_uses_its_own_plan():
     (kstep, single), shape = twins("mlp-adam-warmup-cosine")
     x, y = stacked("ragged", 2, shape)
     x, y = x[:, :5], y[:, :5]                          # batch 5: another signature than 8
-    got = kstep.run((x, y), steps=2)
+    got = kstep.run((x, y), steps=np.int64(2))         # any integer type counts steps
     want = [single(xi, yi) for xi, yi in zip(x, y)]
     assert [float(h) for h in got] == [float(h) for h in want]
     assert_same_state(kstep, single)
