@@ -240,11 +240,11 @@ class ProcessGroup:
         return self._nccl
 
     def _fault(self, error: DistributedError) -> None:
-        """(the watchdog's thread) A peer died: abort the communicator, so that nothing of
-        ours waits on the dead rank, report and end this process; its main thread may be
+        """(the watchdog's thread) A peer died: report, abort the communicator, so that
+        nothing of ours waits on the dead rank, and end this process; its main thread may be
         blocked in a wait on the device that would not return."""
-        _abort(self._nccl)
         print(f"stepgraph: DistributedError: {error}", file=sys.stderr, flush=True)
+        _abort(self._nccl)      # NCCL may wait for our graphs (hold_graph): bounded
         os._exit(FAULT_EXIT_CODE)
 
     @property
