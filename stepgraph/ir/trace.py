@@ -97,7 +97,8 @@ def dtype_name(dtype) -> str:
         name = str(dtype).rsplit(".", 1)[-1]
     name = _DTYPE_ALIASES.get(name, name)
     if name not in DTYPES:
-        hint = " (use precision=\"bf16\" for 16-bit compute)" if name == "float16" else ""
+        hint = ' (for 16-bit compute use compile_train_step(precision="bf16"))' \
+            if name == "float16" else ""
         raise UnsupportedOpError(f"dtype {dtype!r} is not supported by stepgraph: "
                                  f"one of {DTYPES}{hint}")
     return name
@@ -1271,7 +1272,10 @@ class Tensor:
 
     # ---- dtype and device ----
     def _cast(self, dtype) -> Tensor:
-        dtype = dtype_name(dtype)
+        try:
+            dtype = dtype_name(dtype)
+        except UnsupportedOpError as err:       # the message gains the module path
+            raise UnsupportedOpError(f"{err} (called in {self.tracer.where()})") from None
         if dtype == self.dtype:
             return self
         return self.tracer.op("cast", [self], dtype=dtype)
@@ -1299,8 +1303,8 @@ class Tensor:
         return self._cast(BF16)
 
     def half(self) -> Tensor:
-        self._unsupported('Tensor.half (float16; compile with precision="bf16" for 16-bit '
-                          "compute)")
+        self._unsupported('Tensor.half (float16 is not an IR dtype; for 16-bit compute use '
+                          'compile_train_step(precision="bf16"))')
 
     def long(self) -> Tensor:
         return self._cast("int64")
@@ -1317,7 +1321,9 @@ class Tensor:
         # for. Private and dunder names stay AttributeErrors (copy, pickle, hasattr probes).
         if name.startswith("_") or name in ("value", "tracer", "array"):
             raise AttributeError(name)
-        self._unsupported(f"Tensor.{name}")
+        from ..errors import ALTERNATIVES
+        alternative = ALTERNATIVES.get(f"torch.Tensor.{name}")
+        self._unsupported(f"Tensor.{name}" + (f" (use {alternative})" if alternative else ""))
 
     def _unsupported(self, op: str):
         raise UnsupportedOpError(f"{op} is not supported by stepgraph (called in "

@@ -967,5 +967,5 @@ def __getattr__(name: str):
     """A torch.nn.functional name stepgraph lacks: UnsupportedOpError (an AttributeError)."""
     if name.startswith("_"):
         raise AttributeError(f"module 'stepgraph.nn.functional' has no attribute {name!r}")
-    raise UnsupportedOpError(f"torch.nn.functional.{name} is not supported by stepgraph (see "
-                             "docs/TORCH_COMPAT.md for the torch names it has)")
+    from ..errors import missing_torch_name
+    raise missing_torch_name(f"torch.nn.functional.{name}")
