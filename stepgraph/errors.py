@@ -1,4 +1,5 @@
 """Typed errors. Each says what mismatched: which input, expected vs got."""
+import sys
 
 
 class StepgraphError(Exception):
@@ -81,9 +82,10 @@ ALTERNATIVES = {
 def missing_torch_name(torch_name: str) -> UnsupportedOpError:
     """The error for a torch name stepgraph lacks: the name, the module whose forward asked
     for it (while one is traced) and the alternative where there is one."""
-    from .ir.trace import current_tracer    # the IR imports this module
-
-    tracer = current_tracer()
+    # Read from sys.modules, not imported: the IR imports this module, and a forward can only
+    # be traced once it is loaded.
+    trace = sys.modules.get("stepgraph.ir.trace")
+    tracer = trace.current_tracer() if trace is not None else None
     where = f" (called in {tracer.where()})" if tracer is not None else ""
     alternative = ALTERNATIVES.get(torch_name)
     hint = f"; use {alternative}" if alternative else \

@@ -585,11 +585,15 @@ class Tensor:
     # ---- new tensors of this dtype (torch.Tensor.new_*) ----
     def new_full(self, size, fill_value, *, dtype=None, device=None,
                  requires_grad: bool = False) -> Tensor:
-        """`fill_value` everywhere, of shape `size` and (unless `dtype`) this dtype; in a
-        traced forward a `fill` node of this trace."""
-        from ..functions.factories import _fill, _size
-        return _fill(_size((size,), "new_full"), fill_value, dtype or self.dtype, device,
-                     "new_full", None if self.is_eager else self.tracer)
+        """`fill_value` everywhere, of shape `size` and (unless `dtype`) this dtype: a `fill`
+        node of this tensor's trace (computed at once for an eager tensor). `device` is
+        checked and ignored, as the factories do."""
+        from ..devices import as_device
+        from ..dtypes import tensor_dtype
+        as_device(device)
+        shape = tuple(int(d) for d in _shape_args((size,)))
+        return self.tracer.op("fill", [], value=fill_value, shape=shape,
+                              dtype=str(tensor_dtype(dtype or self.dtype, "new_full")))
 
     def new_zeros(self, *size, dtype=None, device=None, requires_grad: bool = False):
         return self.new_full(_shape_args(size), 0, dtype=dtype, device=device)
@@ -602,10 +606,17 @@ class Tensor:
         return self.new_zeros(*size, dtype=dtype, device=device)
 
     def new_tensor(self, data, *, dtype=None, device=None, requires_grad: bool = False):
-        """A tensor of `data` (this dtype unless `dtype`): in a traced forward a constant
-        of its values at trace time."""
-        from ..functions.factories import tensor
-        return tensor(data, dtype=dtype or self.dtype, device=device)
+        """An eager tensor holding a copy of `data` in this dtype (unless `dtype`); where it
+        meets a traced tensor it is a constant of its values."""
+        from ..devices import as_device
+        from ..dtypes import tensor_dtype
+        as_device(device)
+        dtype = str(tensor_dtype(dtype or self.dtype, "new_tensor"))
+        values = data.numpy() if isinstance(data, Tensor) else np.asarray(data)
+        if dtype == BF16:
+            from ..backends.numpy import bf16
+            return tensor_of(bf16.to_bits(np.asarray(values, np.float32)))
+        return tensor_of(np.array(values, dtype=storage_dtype(dtype), order="C"))
 
     # ---- slicing ----
     def narrow(self, dim: int, start: int, length: int) -> Tensor:
