@@ -18,7 +18,8 @@ __all__ = ["cat", "concat", "concatenate", "stack", "unbind", "unsqueeze", "sque
            "sum", "mean", "prod", "median", "norm", "softmax", "log_softmax", "split", "chunk",
            "narrow", "reshape", "permute", "transpose", "t", "scatter", "scatter_add", "add",
            "sub", "subtract", "mul", "multiply", "div", "divide", "true_divide", "matmul",
-           "mm", "bmm", "mv", "dot", "inner", "outer", "ger", "addmm", "baddbmm", "einsum"]
+           "mm", "bmm", "mv", "dot", "inner", "outer", "ger", "addmm", "baddbmm", "einsum",
+           "floor_divide", "remainder"]
 
 
 def _joined(what: str, tensors) -> list:
@@ -178,6 +179,7 @@ scatter, scatter_add = _method("scatter"), _method("scatter_add")
 add, sub, subtract, mul, multiply = (_method(n) for n in ("add", "sub", "subtract", "mul",
                                                           "multiply"))
 div, divide, true_divide = (_method(n) for n in ("div", "divide", "true_divide"))
+floor_divide, remainder = _method("floor_divide"), _method("remainder")
 matmul, mm, bmm, mv = (_method(n) for n in ("matmul", "mm", "bmm", "mv"))
 dot, inner, outer, ger = (_method(n) for n in ("dot", "inner", "outer", "ger"))
 addmm, baddbmm = _method("addmm"), _method("baddbmm")

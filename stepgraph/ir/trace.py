@@ -479,10 +479,43 @@ class Tensor:
         if rounding_mode not in (None, "trunc", "floor"):
             raise ValueError(f"div: rounding_mode must be None, 'trunc' or 'floor', got "
                              f"{rounding_mode!r}")
-        y = self / other
-        return y if rounding_mode is None else getattr(y, rounding_mode)()
+        return self / other if rounding_mode is None else self._rounded(other, rounding_mode)
 
     subtract, multiply, divide, true_divide = sub, mul, div, div
+
+    def _rounded(self, other, kind: str, reverse: bool = False) -> Tensor:
+        """floor(a / b) (kind "floor"), trunc(a / b) ("trunc") or a - b * floor(a / b)
+        ("mod", the remainder with the divisor's sign, as Python's %), a = self and b = other
+        (swapped when reverse). With integer operands only, the result is an integer tensor
+        computed in float64: exact for magnitudes below 2^53."""
+        ints = not self.dtype.is_floating_point and (
+            isinstance(other, numbers.Integral) or
+            isinstance(other, Tensor) and not other.dtype.is_floating_point)
+        x = self._cast("float64") if ints else self
+        o = other if _is_scalar(other) else self._coerce(other, kind)
+        o = o._cast("float64") if ints and isinstance(o, Tensor) else o
+        a, b = (o, x) if reverse else (x, o)
+        q = a / b
+        y = q.trunc() if kind == "trunc" else q.floor()
+        if kind == "mod":
+            y = a - b * y
+        return y._cast(self.dtype) if ints else y
+
+    def __floordiv__(self, other):
+        """floor(self / other), as torch.floor_divide (`_rounded`)."""
+        return self._rounded(other, "floor")
+
+    def __rfloordiv__(self, other):
+        return self._rounded(other, "floor", reverse=True)
+
+    def __mod__(self, other):
+        """self - other * floor(self / other), as torch.remainder (`_rounded`)."""
+        return self._rounded(other, "mod")
+
+    def __rmod__(self, other):
+        return self._rounded(other, "mod", reverse=True)
+
+    floor_divide, remainder = __floordiv__, __mod__
 
     def _coerce_any(self, other, op: str):
         """A Python number as it is, anything else as a tensor of this trace."""
@@ -568,6 +601,8 @@ class Tensor:
 
     add_, sub_, mul_, div_, pow_ = (_inplace(n) for n in ("add", "sub", "mul", "div", "pow"))
     __iadd__, __isub__, __imul__, __itruediv__, __ipow__ = add_, sub_, mul_, div_, pow_
+    floor_divide_, remainder_ = _inplace("floor_divide"), _inplace("remainder")
+    __ifloordiv__, __imod__ = floor_divide_, remainder_
     subtract_, multiply_, divide_, true_divide_ = sub_, mul_, div_, div_
     neg_, negative_, reciprocal_, square_ = (_inplace(n) for n in ("neg", "negative",
                                                                    "reciprocal", "square"))
@@ -1347,13 +1382,6 @@ class Tensor:
 
     def __iter__(self):
         self._unsupported("iteration over a tensor")
-
-
-    def __floordiv__(self, other):
-        self._unsupported("floor division //")
-
-    def __mod__(self, other):
-        self._unsupported("remainder %")
 
     def __repr__(self):
         if self.is_eager:

@@ -74,6 +74,7 @@ CASES = {
     "unet": Case("unet", "UNet", dense_target((2, 3, 8, 8), 2), "mse_loss"),
     "vit": Case("vit", "VisionTransformer", images((8, 3, 8, 8), 10), "cross_entropy"),
     "prefix_seq": Case("prefix_seq", "PrefixMeanModel", tokens(4, 12, 32)),
+    "mixer": Case("mixer", "TokenMixer", tokens(4, 12, 32)),
 }
 
 def torch_run(model, case: Case, batches, dtype) -> list[float]:

@@ -66,6 +66,9 @@ CASES = {
     "sub-alpha": (lambda T, F, a, b: T.sub(a, b, alpha=2) - a.subtract(b), two((3, 4), (3, 4))),
     "mul-div": (lambda T, F, a, b: T.mul(a, b) + a.div(b.abs() + 1.0) + T.true_divide(a, 3.0),
                 two((3, 4), (3, 4))),
+    "remainder-floordiv": (lambda T, F, a, b: a % (b.abs() + 0.5) + T.remainder(a, -1.5) +
+                           (a.detach() // 0.75) * b + a.div(b, rounding_mode="trunc") * a,
+                           two((3, 4), (3, 4))),
     "mm": (lambda T, F, a, b: T.mm(a, b) + a.mm(b), two((3, 4), (4, 5))),
     "bmm": (lambda T, F, a, b: T.bmm(a, b), two((2, 3, 4), (2, 4, 5))),
     "mv": (lambda T, F, a, b: a.mv(b) + T.mv(a, b), two((3, 4), (4,))),
@@ -176,6 +179,22 @@ def test_median_indices_match_torch(dtype):
         want = torch.tensor(x).median(dim).indices.numpy()
         assert got.dtype == np.int64
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda T, a, b: a // b, lambda T, a, b: a % b, lambda T, a, b: a // -3,
+    lambda T, a, b: 17 // b, lambda T, a, b: 10 % b, lambda T, a, b: T.remainder(a, 4),
+    lambda T, a, b: a.div(b, rounding_mode="trunc"), lambda T, a, b: T.floor_divide(a, b),
+])
+def test_integer_floor_division_and_remainder_are_exact(fn):
+    """Integer operands give integer results, torch's values for either sign."""
+    gen = seeded("int-floordiv")
+    a = gen.integers(-10**6, 10**6, 40)
+    b = gen.integers(1, 50, 40) * gen.choice([-1, 1], 40)
+    got = _traced_run(lambda a, b: fn(stepgraph, a, b), a=a, b=b)
+    want = fn(torch, torch.tensor(a), torch.tensor(b)).numpy()
+    assert got.dtype == np.int64
+    np.testing.assert_array_equal(got, want)
 
 
 def test_normalize_of_a_zero_row_has_torchs_gradient():
