@@ -75,7 +75,6 @@ ALTERNATIVES = {
     "torch.Tensor.index_put": "torch.where(mask, v, x) or x.scatter(dim, index, v)",
     "torch.Tensor.index_put_": "torch.where(mask, v, x) or x.scatter(dim, index, v)",
     "torch.Tensor.index_add": "x.scatter_add(dim, index, src)",
-    "torch.Tensor.type": "x.to(dtype)",
 }
 
 

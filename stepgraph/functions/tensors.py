@@ -19,7 +19,7 @@ __all__ = ["cat", "concat", "concatenate", "stack", "unbind", "unsqueeze", "sque
            "narrow", "reshape", "permute", "transpose", "t", "scatter", "scatter_add", "add",
            "sub", "subtract", "mul", "multiply", "div", "divide", "true_divide", "matmul",
            "mm", "bmm", "mv", "dot", "inner", "outer", "ger", "addmm", "baddbmm", "einsum",
-           "floor_divide", "remainder"]
+           "floor_divide", "remainder", "flip", "roll", "repeat_interleave"]
 
 
 def _joined(what: str, tensors) -> list:
@@ -180,6 +180,12 @@ add, sub, subtract, mul, multiply = (_method(n) for n in ("add", "sub", "subtrac
                                                           "multiply"))
 div, divide, true_divide = (_method(n) for n in ("div", "divide", "true_divide"))
 floor_divide, remainder = _method("floor_divide"), _method("remainder")
+roll, repeat_interleave = _method("roll"), _method("repeat_interleave")
+
+
+def flip(input, dims):
+    """torch.flip(input, dims): the order along `dims` reversed."""
+    return input.flip(dims)
 matmul, mm, bmm, mv = (_method(n) for n in ("matmul", "mm", "bmm", "mv"))
 dot, inner, outer, ger = (_method(n) for n in ("dot", "inner", "outer", "ger"))
 addmm, baddbmm = _method("addmm"), _method("baddbmm")

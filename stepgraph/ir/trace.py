@@ -124,14 +124,17 @@ def _inplace(name: str):
 class Tensor:
     """A symbolic tensor: a Value plus the tracer recording ops on it.
 
-    Supports PyTorch's arithmetic operators (+ - * / ** with tensors, broadcasting, or Python
-    scalars on either side), @ ((..., K) @ (K, N), and (..., M, K) @ (..., K, N) with the same
-    batch dims through bmm), reshape/view/flatten, transpose/permute/.T, split/chunk/narrow,
-    sum/mean, and the methods relu/sigmoid/tanh/softmax/log_softmax; indexing x[...],
-    unsqueeze/squeeze/unflatten/expand/repeat/movedim, tril/triu, max/min/amax/amin/argmax/
-    argmin, var/std/logsumexp, cumsum, gather, topk/sort. Any other torch.Tensor method, and
-    what has a data-dependent shape (boolean masks), raises UnsupportedOpError naming the op
-    and the module that called it.
+    Supports PyTorch's arithmetic operators (+ - * / ** // % with tensors, broadcasting, or
+    Python scalars on either side) and their names (add, sub, mul, div, ...), @ ((..., K) @
+    (K, N), and (..., M, K) @ (..., K, N) with the same batch dims through bmm), mm/bmm/mv/
+    dot/outer/addmm/baddbmm, reshape/view/flatten, transpose/permute/.T, split/chunk/narrow,
+    sum/mean/prod/median/norm, and the methods relu/sigmoid/tanh/softmax/log_softmax;
+    indexing x[...], unsqueeze/squeeze/unflatten/expand/repeat/repeat_interleave/movedim/
+    flip/roll, tril/triu, max/min/amax/amin/argmax/argmin, var/std/logsumexp, cumsum, gather,
+    scatter/scatter_add, topk/sort, new_zeros/new_ones/new_full/new_tensor, and in-place
+    forms (x += y, add_, relu_, masked_fill_, ...) that rebind this object (`_assign`). Any
+    other torch.Tensor method, and what has a data-dependent shape (boolean masks), raises
+    UnsupportedOpError naming the op and the module that called it.
 
     An eager tensor (tracer `EAGER`, made outside a traced forward by the factories of
     stepgraph.functions) also holds its values, `array` in storage dtype (bfloat16 as uint16
@@ -848,6 +851,48 @@ class Tensor:
         tiled = pairs.expand(*(d for r, s in zip(sizes, shape) for d in (r, s)))
         return tiled.reshape(*(r * s for r, s in zip(sizes, shape)))
 
+    def repeat_interleave(self, repeats, dim=None, *, output_size=None) -> Tensor:
+        """Each element repeated `repeats` (an int) times along `dim` (None: of the
+        flattened tensor), as torch.repeat_interleave: a new axis after `dim` expanded and
+        merged into it. A tensor of per-element repeats gives a data-dependent shape."""
+        if not isinstance(repeats, numbers.Integral):
+            self._unsupported("Tensor.repeat_interleave with a tensor of repeats (the shape "
+                              "depends on the data; use an int, or repeat)")
+        if dim is None:
+            return self.reshape(-1).repeat_interleave(repeats, 0)
+        d = _dim(dim, self.ndim, "repeat_interleave")
+        spread = self.unsqueeze(d + 1)
+        spread = spread.expand(*spread.shape[:d + 1], int(repeats), *spread.shape[d + 2:])
+        return spread.flatten(d, d + 1)
+
+    def roll(self, shifts, dims=None) -> Tensor:
+        """Elements shifted `shifts` places along `dims` (int or tuples of one length; None:
+        the flattened tensor, shape kept), wrapping around: two slices joined per axis."""
+        if dims is None:
+            return self.reshape(-1).roll(shifts, 0).reshape(*self.shape)
+        shifts = (shifts,) if isinstance(shifts, numbers.Integral) else tuple(shifts)
+        dims = (dims,) if isinstance(dims, numbers.Integral) else tuple(dims)
+        if len(shifts) != len(dims):
+            raise ShapeError(f"roll: {len(shifts)} shifts for {len(dims)} dims")
+        y = self
+        for shift, dim in zip(shifts, dims):
+            d = _dim(dim, self.ndim, "roll")
+            n = self.shape[d]
+            k = int(shift) % n if n else 0
+            if k:
+                y = y.tracer.op("concat", [y.narrow(d, n - k, k), y.narrow(d, 0, n - k)], dim=d)
+        return y
+
+    def flip(self, *dims) -> Tensor:
+        """The order along `dims` reversed (float tensors): the slices read at reversed
+        constant positions (index_select)."""
+        y = self
+        for dim in _shape_args(dims):
+            d = _dim(dim, self.ndim, "flip")
+            if self.shape[d] > 1:
+                y = y.index_select(d, tensor_of(np.arange(self.shape[d] - 1, -1, -1)))
+        return y
+
     def movedim(self, source, destination) -> Tensor:
         """Axes `source` (int or tuple) moved to positions `destination`, the others kept in
         order."""
@@ -1335,6 +1380,15 @@ class Tensor:
             elif not _is_device(a):
                 dtype = a
         return self if dtype is None else self._cast(dtype)
+
+    def type(self, dtype=None, non_blocking: bool = False):
+        """With a dtype, a cast to it (as `to`); without, torch's type string of this
+        tensor ("torch.FloatTensor")."""
+        if dtype is not None:
+            return self._cast(dtype)
+        names = {"float32": "Float", "float64": "Double", "int64": "Long", "int32": "Int",
+                 "uint8": "Byte", "bool": "Bool", BF16: "BFloat16"}
+        return f"torch.{names[self.value.dtype]}Tensor"
 
     def type_as(self, other) -> Tensor:
         return self._cast(other.dtype)

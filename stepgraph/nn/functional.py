@@ -963,6 +963,63 @@ def _pad_axis(x: Tensor, axis: int, before: int, after: int, mode: str, value) -
     return x.index_select(axis, tensor_of(source.astype(np.int64)))
 
 
+def softmin(input: Tensor, dim: int | None = None) -> Tensor:
+    """softmax of -input over `dim`."""
+    return softmax(-input, dim)
+
+
+def cosine_similarity(x1: Tensor, x2: Tensor, dim: int = 1, eps: float = 1e-8) -> Tensor:
+    """The sum over `dim` of x1 / max(||x1||, eps) times x2 / max(||x2||, eps), the two
+    broadcast together, as torch's (each normalised before the product)."""
+    shape = np.broadcast_shapes(tuple(x1.shape), tuple(x2.shape))
+    x1, x2 = x1.expand(*shape), x2.expand(*shape)
+    return (normalize(x1, 2.0, dim, eps) * normalize(x2, 2.0, dim, eps)).sum(dim)
+
+
+def pairwise_distance(x1: Tensor, x2: Tensor, p: float = 2.0, eps: float = 1e-6,
+                      keepdim: bool = False) -> Tensor:
+    """||x1 - x2 + eps||_p over the last dim, as torch."""
+    from ..ir.trace import _vector_norm
+    return _vector_norm(x1 - x2 + eps, p, -1, keepdim, eps=0.0)
+
+
+def one_hot(tensor: Tensor, num_classes: int = -1) -> Tensor:
+    """int64 (..., num_classes) with 1 at each index; num_classes must be given (the
+    default -1, the largest index + 1, depends on the data)."""
+    if num_classes < 0:
+        tensor._unsupported("F.one_hot without num_classes (the width would depend on the "
+                            "data; pass num_classes)")
+    if tensor.dtype != "int64":
+        raise ShapeError(f"one_hot: expects an int64 tensor of indices, got {tensor.dtype}")
+    classes = tensor.new_tensor(np.arange(num_classes))
+    return (tensor.unsqueeze(-1) == classes).long()
+
+
+def pixel_shuffle(input: Tensor, upscale_factor: int) -> Tensor:
+    """(..., C r^2, H, W) -> (..., C, H r, W r), as torch: views and one permute."""
+    r = int(upscale_factor)
+    *lead, c, h, w = input.shape
+    if c % (r * r):
+        raise ShapeError(f"pixel_shuffle: {c} channels do not divide by upscale_factor^2 = "
+                         f"{r * r}")
+    k = len(lead)
+    y = input.reshape(*lead, c // (r * r), r, r, h, w)
+    y = y.permute(*range(k + 1), k + 3, k + 1, k + 4, k + 2)
+    return y.reshape(*lead, c // (r * r), h * r, w * r)
+
+
+def pixel_unshuffle(input: Tensor, downscale_factor: int) -> Tensor:
+    """(..., C, H r, W r) -> (..., C r^2, H, W), the inverse of pixel_shuffle."""
+    r = int(downscale_factor)
+    *lead, c, h, w = input.shape
+    if h % r or w % r:
+        raise ShapeError(f"pixel_unshuffle: {h}x{w} does not divide by downscale_factor {r}")
+    k = len(lead)
+    y = input.reshape(*lead, c, h // r, r, w // r, r)
+    y = y.permute(*range(k + 1), k + 2, k + 4, k + 1, k + 3)
+    return y.reshape(*lead, c * r * r, h // r, w // r)
+
+
 def __getattr__(name: str):
     """A torch.nn.functional name stepgraph lacks: UnsupportedOpError (an AttributeError)."""
     if name.startswith("_"):

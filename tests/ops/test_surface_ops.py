@@ -130,6 +130,25 @@ CASES = {
     "einsum-list": (lambda T, F, a, b: T.einsum("bn,nd->bd", [a, b]), two((3, 4), (4, 5))),
     "einsum-one": (lambda T, F, a: T.einsum("ijk->ki", a),
                    lambda g, t: {"a": randn(g, 2, 3, 4, dtype=t)}),
+    # flips, rolls and repeats
+    "flip": (lambda T, F, x: x.flip(0, 2) * 2.0 + T.flip(x, (1,)), x3),
+    "roll": (lambda T, F, x: x.roll(2, 1) + T.roll(x, (1, -3), (0, 2)) + x.roll(7), x3),
+    "repeat_interleave": (lambda T, F, x: x.repeat_interleave(2, dim=1).sum(0) +
+                          T.repeat_interleave(x, 3).reshape(9, 20)[:8, :5], x3),
+    # more nn.functional and nn layers
+    "softmin": (lambda T, F, x: F.softmin(x, dim=1) + T.nn.Softmax(dim=-1)(x), x3),
+    "cosine_similarity": (lambda T, F, a, b: F.cosine_similarity(a, b, dim=-1) +
+                          T.nn.CosineSimilarity(dim=1)(a, b).sum(),
+                          two((3, 4, 5), (4, 5))),
+    "pairwise_distance": (lambda T, F, a, b: F.pairwise_distance(a, b) +
+                          T.nn.PairwiseDistance(p=1.0, keepdim=True)(a, b).sum(),
+                          two((3, 5), (3, 5))),
+    "pixel_shuffle": (lambda T, F, x: F.pixel_unshuffle(F.pixel_shuffle(x, 2) * x.sum(), 2) +
+                      T.nn.PixelShuffle(2)(x).sum((1, 2, 3))[:, None, None, None],
+                      lambda g, t: {"x": randn(g, 2, 8, 3, 4, dtype=t)}),
+    "pad-modules": (lambda T, F, x: T.nn.ReflectionPad2d(1)(x) + T.nn.ZeroPad2d((0, 2, 2, 0))(x) +
+                    T.nn.ReplicationPad2d(1)(x) * T.nn.ConstantPad2d(1, 0.5)(x),
+                    lambda g, t: {"x": randn(g, 2, 3, 4, 5, dtype=t)}),
     # F.normalize, F.pad
     "normalize": (lambda T, F, x: F.normalize(x), x3),
     "normalize-p1-last": (lambda T, F, x: F.normalize(x, p=1.0, dim=-1), x3),
@@ -195,6 +214,19 @@ def test_integer_floor_division_and_remainder_are_exact(fn):
     want = fn(torch, torch.tensor(a), torch.tensor(b)).numpy()
     assert got.dtype == np.int64
     np.testing.assert_array_equal(got, want)
+
+
+def test_one_hot_and_type_match_torch():
+    i = seeded("one-hot").integers(0, 5, (3, 4))
+    got = _traced_run(lambda i: F.one_hot(i, 5), i=i)
+    want = TF.one_hot(torch.tensor(i), 5).numpy()
+    assert got.dtype == np.int64
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(UnsupportedOpError, match="num_classes"):
+        F.one_hot(Tracer().input((3,), "int64", "i"))
+    x = stepgraph.ones(2)
+    assert (x.type(), x.long().type()) == ("torch.FloatTensor", "torch.LongTensor")
+    assert x.type(stepgraph.float64).dtype == "float64"
 
 
 def test_normalize_of_a_zero_row_has_torchs_gradient():
