@@ -19,7 +19,7 @@ from .compile.autocast import check_bf16_support, copy_values, parse_weight_copy
 from .compile.build import ModelLoss, build_predict_graph, build_train_graph
 from .compile.distribute import average_gradients, shard_optimizer_state
 from .compile.executable import COPY_ROLES, INFERENCE, STATIC_ROLES, TRAIN, Executable, GraphKey
-from .compile.feed import Signature, check_feed, check_labels, signature_of
+from .compile.feed import Signature, check_feed, check_labels, check_steps_feed, signature_of
 from .compile.fuse import fuse
 from .compile.guard import (COUNTERS_KEY, GUARD_PREFIX, HISTORY_FLAG_KEY, GuardMonitor,
                             check_policy, label_check)
@@ -288,8 +288,51 @@ class TrainStep(_CompiledModel):
             self._host_step = self._device_calls()
         exe.run(self.use_graph)
         self._host_step += 1
+        return self._loss_handle(self._host_step)
+
+    def run(self, batches, *, steps: int) -> list[LossHandle]:
+        """Train on `steps` batches per launch: `losses = step.run((x, y), steps=K)`.
+
+        `batches` holds one array per argument of the step (inputs..., target), each the
+        batches of K steps stacked along a new leading axis: shape (K, *shape of one step's
+        argument), or (n * K, ...) to run n launches of K steps in order. Arrays may be NumPy,
+        CuPy or DLPack. Returns one LossHandle per step, in order, read as a single step's
+        (a loss stays readable for history.HISTORY_LENGTH = 1024 steps).
+
+        The trajectory is that of calling the step on each slice in turn, bit for bit: the
+        LR schedule is computed on the device from the step counter (a change of lr or of the
+        schedule between calls is written to the device before the next launch), dropout
+        draws from the device RNG counter, and a guard checks each step on the device. Each
+        launch's batches are copied into staging buffers once, and each step copies its slice
+        into the step's inputs and runs the step's plan (compile/executable.py StepsReplay).
+        With a CUDA graph (graph=True) one launch replays one graph of K steps, copies
+        included, so the host pays once per K steps; it is captured at the first launch for
+        this batch shape and K once the step has run (a step's first run, single or K-step,
+        is its eager warm-up) and kept with its staging buffers. Without a graph (the CPU
+        backend, graph=False) the steps run op by op. Under on_bad_batch="raise" a bad step
+        stops the updates of every later step, and the next call or loss read raises its
+        error naming the step, as for single steps.
+        """
+        if self._guard is not None:
+            self._guard.check_call()
+        signature, launches = check_steps_feed(self.signature, batches, steps)
+        self._check_values(batches)       # every step's labels, before any step runs
+        replay = self.executable(signature).replay(steps)
+        if self.precision == BF16_PRECISION and self._versions != self._param_versions():
+            self._refresh_weight_copies()
+        if self._host_step is None:
+            self._host_step = self._device_calls()
+        losses = []
+        for n in range(launches):
+            replay.feed([a[n * steps:(n + 1) * steps] for a in batches])
+            replay.run(self.use_graph)
+            losses += [self._loss_handle(self._host_step + k + 1) for k in range(steps)]
+            self._host_step += steps
+        return losses
+
+    def _loss_handle(self, step: int) -> LossHandle:
         guard = self._guard
-        return LossHandle(self._host_step, self.state[HISTORY_PREFIX + "loss"],
+        return LossHandle(step, self.state[HISTORY_PREFIX + "loss"],
                           self.state[HISTORY_PREFIX + "step"], self.backend.to_numpy,
                           self.state.get(HISTORY_FLAG_KEY),
                           guard.check_read if guard is not None else None)

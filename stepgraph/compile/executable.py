@@ -67,6 +67,7 @@ class Executable:
                        for phase, calls in groupby(self.calls, key=lambda c: phase_of(c[0]))]
         self.captured = None
         self.runs = 0
+        self.replays: dict[int, StepsReplay] = {}   # by steps per launch
         backend.prepare([n for n, _, _ in self.calls], getattr(ctx, "precision", "fp32"))
 
     def _check_static(self) -> None:
@@ -97,4 +98,53 @@ class Executable:
         if self.captured is None:
             self._check_static()
             self.captured = self.backend.capture(self.run_eager, self.ctx)
+        self.captured.launch()
+
+    def replay(self, steps: int) -> StepsReplay:
+        """The cached StepsReplay of `steps` steps of this plan per launch."""
+        replay = self.replays.get(steps)
+        if replay is None:
+            replay = self.replays[steps] = StepsReplay(self, steps)
+        return replay
+
+
+class StepsReplay:
+    """`steps` steps of one Executable as one launch: the batches of all of them are staged
+    in device buffers of shape (steps, *input shape) by one copy per input, and each step
+    copies its slice into the Executable's input buffers (device-to-device) before running.
+    Captured, that is one CUDA graph holding `steps` copies of the step, each preceded by one
+    memcpy node per input. Every step runs exactly the launches of Executable.run_eager on the
+    same buffers, so the trajectory is that of `steps` single steps, bit for bit."""
+
+    def __init__(self, exe: Executable, steps: int):
+        self.exe, self.steps = exe, steps
+        self.stages = [exe.backend.empty((steps, *v.shape), v.dtype)
+                       for v in exe.plan.graph.inputs]
+        self.captured = None
+
+    def feed(self, chunks) -> None:
+        """Stage one launch's batches: `chunks[i]` of shape (steps, *input i's shape)."""
+        backend = self.exe.backend
+        for stage, a in zip(self.stages, chunks):
+            backend.copy_into(stage, a)
+        backend.keep_until_read(chunks)
+
+    def run_steps(self) -> None:
+        exe = self.exe
+        for k in range(self.steps):
+            for buf, stage in zip(exe.input_buffers, self.stages):
+                exe.backend.copy_into(buf, stage[k])
+            exe.run_eager()
+
+    def run(self, use_graph: bool) -> None:
+        """The staged steps. With use_graph: eagerly while the Executable has never run (its
+        warm-up, as in Executable.run), else captured once and replayed."""
+        exe = self.exe
+        exe.runs += 1
+        if not use_graph or exe.runs == 1:
+            self.run_steps()
+            return
+        if self.captured is None:
+            exe._check_static()
+            self.captured = exe.backend.capture(self.run_steps, exe.ctx)
         self.captured.launch()

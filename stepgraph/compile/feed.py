@@ -6,6 +6,7 @@ match the example inputs exactly: nothing is silently broadcast or cast.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,10 +57,18 @@ def signature_of(names: tuple[str, ...], arrays) -> Signature:
 
 def check_feed(expected: Signature, arrays) -> Signature:
     """The signature of `arrays`, after checking it against the example signature."""
+    _check_count(expected, arrays)
+    return check_signature(expected, signature_of(tuple(s.name for s in expected), arrays))
+
+
+def _check_count(expected: Signature, arrays) -> None:
     if len(arrays) != len(expected):
         raise ShapeError(f"expected {len(expected)} inputs "
                          f"({', '.join(s.name for s in expected)}), got {len(arrays)}")
-    got = signature_of(tuple(s.name for s in expected), arrays)
+
+
+def check_signature(expected: Signature, got: Signature) -> Signature:
+    """`got` (one step's feed), after checking it against the example signature."""
     batch = got[0].shape[0] if got[0].shape else None
     for want, have in zip(expected, got):
         if have.dtype != want.dtype:
@@ -77,6 +86,33 @@ def check_feed(expected: Signature, arrays) -> Signature:
         raise ShapeError(f"input {got[0].name!r}: empty batch (batch size 0); a step needs at "
                          "least one sample")
     return got
+
+
+def check_steps_feed(expected: Signature, arrays, steps: int) -> tuple[Signature, int]:
+    """(the signature of one step, launches) of a feed of `steps` steps per launch: each array
+    stacks the steps' batches along a new leading axis of `steps` or a multiple of it, the
+    same for every input; launches = that axis // steps."""
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    _check_count(expected, arrays)
+    described = [describe(a) for a in arrays]
+    for want, (shape, _) in zip(expected, described):
+        if len(shape) != len(want.shape) + 1 or shape[2:] != want.shape[1:]:
+            dims = ", ".join(["batch", *map(str, want.shape[1:])][:len(want.shape)])
+            raise ShapeError(f"input {want.name!r}: expected shape ({steps}, {dims}) (a "
+                             f"leading axis of steps={steps}, or a multiple of it, before "
+                             f"each step's shape), got {shape}")
+    lead = described[0][0][0]
+    for want, (shape, _) in zip(expected, described):
+        if shape[0] != lead:
+            raise ShapeError(f"input {want.name!r}: leading (steps) axis {shape[0]} does not "
+                             f"match {expected[0].name!r} leading axis {lead}")
+    if lead == 0 or lead % steps:
+        raise ShapeError(f"input {expected[0].name!r}: leading axis {lead} is not a positive "
+                         f"multiple of steps={steps}")
+    got = tuple(FeedSpec(want.name, shape[1:], dtype)
+                for want, (shape, dtype) in zip(expected, described))
+    return check_signature(expected, got), lead // steps
 
 
 def check_labels(name: str, labels, classes: int, ignore_index: int | None = None) -> None:

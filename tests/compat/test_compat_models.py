@@ -180,3 +180,20 @@ def test_model_file_trains_as_on_torch(name, request):
     losses["stepgraph"] = stepgraph_run(model, s.case, s.batches)
     finals["stepgraph"] = {k: np.asarray(v) for k, v in model.state_dict().items()}
     check_against_torch(s.initial, losses, finals, frozen_names(model))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_model_file_has_cuda_bf16_kernels_for_every_op(name, request):
+    """Every op of each file's bf16 step has bf16 kernels on CUDA (the families' declarations
+    are importable without a GPU), so precision="bf16" is not refused there: the hand-written
+    attention's batched products (bmm) included. scripts/compat-bench times these steps."""
+    pytest.importorskip("cupy")
+    from stepgraph.backends.cuda.backend import declared_bf16_ops
+    from stepgraph.compile.autocast import check_bf16_support
+
+    s = setup(name, request.node.name)
+    loss_fn = getattr(sgnn.functional, s.case.loss) if s.case.loss else None
+    step = sg.compile_train_step(s.stepgraph_model(), loss_fn,
+                                 optim.SGD(lr=LR, momentum=MOMENTUM),
+                                 example_inputs=s.batches[0], precision="bf16")
+    check_bf16_support(step.plan(step.signature).graph, declared_bf16_ops(), "cuda")

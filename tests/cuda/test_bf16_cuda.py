@@ -167,6 +167,21 @@ def test_matmul(backend, ctx, gemm_path, trans_a, shape_a, shape_b, request):
     assert_bf16_within(got, want, atol=gemm_tolerance(shape_b[0]), what="matmul")
 
 
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("b,m,k,n", [(2, 16, 32, 16), (3, 65, 65, 32), (2, 7, 5, 9)])
+def test_bmm(backend, ctx, b, m, k, n, trans_a, trans_b, request):
+    """bf16 bmm (attention written out by hand: q @ k^T, att @ v; (65, 65): a ViT's odd
+    token count, 2-byte aligned rows) against the numpy emulation."""
+    rng = seeded(request.node.name)
+    a = bits(rng, b, k, m) if trans_a else bits(rng, b, m, k)
+    w = bits(rng, b, n, k) if trans_b else bits(rng, b, k, n)
+    node = node_of("bmm", [a, w], [BF16, BF16], trans_a=trans_a, trans_b=trans_b)
+    (want,), (got,), _, _ = run_both(backend, ctx, node, [a, w])
+    assert got.shape == (b, m, n)
+    assert_bf16_within(got, want, atol=gemm_tolerance(k), what=f"bmm {(b, m, k, n)}")
+
+
 @pytest.mark.parametrize("act,save_preact", [(None, False), ("relu", False), ("relu", True),
                                              ("gelu", True), ("gelu", False)])
 @pytest.mark.parametrize("n,k,m", [(64, 96, 48), (32, 64, 10)])

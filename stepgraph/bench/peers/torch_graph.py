@@ -26,6 +26,28 @@ WARMUP_STEPS = 3  # the docs' value; it also creates the optimizer state before 
 OPTIMIZER_IMPLEMENTATION = {"fused": True, "capturable": True}
 
 
+def capture_whole_step(step_body, optimizer: torch.optim.Optimizer,
+                       static_inputs: tuple[torch.Tensor, ...]):
+    """Warm `step_body(*static_inputs)` (forward, loss, backward, optimizer.step; returns the
+    loss) up on a side stream, then capture it once. Returns the torch.cuda.CUDAGraph and the
+    loss tensor each replay rewrites; replays read whatever is copied into `static_inputs`."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(WARMUP_STEPS):
+            optimizer.zero_grad(set_to_none=True)
+            step_body(*static_inputs)
+    torch.cuda.current_stream().wait_stream(side)
+
+    graph = torch.cuda.CUDAGraph()
+    # Grads are None at capture, so backward allocates them from the graph's private pool and
+    # every replay rewrites them instead of accumulating: that is the captured zero_grad.
+    optimizer.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        static_loss = step_body(*static_inputs)
+    return graph, static_loss
+
+
 def prepare(spec: RunSpec) -> PreparedStep:
     """Capture one whole training step into a torch.cuda.CUDAGraph and replay it per step."""
     if spec.device != "cuda":
@@ -38,21 +60,7 @@ def prepare(spec: RunSpec) -> PreparedStep:
     step_body = training.step_body(spec.precision, spec.device, cache_enabled=False)
     batches = device_batches(spec, layout)
     static_x, static_y = (t.clone() for t in batches[0])
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(WARMUP_STEPS):
-            training.optimizer.zero_grad(set_to_none=True)
-            step_body(static_x, static_y)
-    torch.cuda.current_stream().wait_stream(side)
-
-    graph = torch.cuda.CUDAGraph()
-    # Grads are None at capture, so backward allocates them from the graph's private pool and
-    # every replay rewrites them instead of accumulating: that is the captured zero_grad.
-    training.optimizer.zero_grad(set_to_none=True)
-    with torch.cuda.graph(graph):
-        static_loss = step_body(static_x, static_y)
+    graph, static_loss = capture_whole_step(step_body, training.optimizer, (static_x, static_y))
 
     def run_step(i: int) -> torch.Tensor:
         x, y = batches[i]

@@ -2,7 +2,9 @@
 strided-batched call (gemm.matmul with 3-D operands: each operand's batch stride is read from
 its strides, as conv.py's batched GEMMs do). attrs trans_a / trans_b as matmul's: a is
 (B, K, M) when trans_a, b is (B, N, K) when trans_b; nothing is transposed in memory.
-ctx.precision picks exact FP32 or TF32, as for every GEMM. No host sync, no allocation.
+ctx.precision picks exact FP32 or TF32, as for every GEMM. bfloat16 operands (precision="bf16",
+uint16 bits: the products of attention written out by hand, q @ k^T and att @ v) accumulate in
+float32 and round once, as gemm.py's bf16 GEMMs do. No host sync, no allocation.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from . import gemm
 from ..elementwise import fill_forward
 from ..runtime.launch import _check
 
+BF16_OPS = frozenset({"bmm"})
+
 
 def _check_bmm(a, b, c, trans_a: bool, trans_b: bool) -> int:
     """K of the product; ShapeError unless (B, M, K) @ (B, K, N) -> (B, M, N) after the flags."""
@@ -21,9 +25,10 @@ def _check_bmm(a, b, c, trans_a: bool, trans_b: bool) -> int:
         if t.ndim != 3:
             raise ShapeError(f"bmm {name}: expected a 3-D (batch, rows, cols) array, got "
                              f"{tuple(t.shape)}")
-    if len({str(a.dtype), str(b.dtype), str(c.dtype)}) != 1 or str(c.dtype) not in gemm.DTYPES:
-        raise ShapeError(f"bmm: dtypes {a.dtype}, {b.dtype} -> {c.dtype}; expected one of "
-                         f"{gemm.DTYPES} throughout")
+    dtypes = [gemm.ir_dtype(t) for t in (a, b, c)]
+    if len(set(dtypes)) != 1 or dtypes[0] not in gemm.DTYPES:
+        raise ShapeError(f"bmm: dtypes {dtypes[0]}, {dtypes[1]} -> {dtypes[2]}; expected one "
+                         f"of {gemm.DTYPES} throughout")
     batch = a.shape[0]
     m, k = (a.shape[2], a.shape[1]) if trans_a else (a.shape[1], a.shape[2])
     k2, n = (b.shape[2], b.shape[1]) if trans_b else (b.shape[1], b.shape[2])
