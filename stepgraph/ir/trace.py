@@ -215,29 +215,33 @@ class Tensor:
         return True
 
     def fill_(self, value) -> Tensor:
-        """Every element set to `value`, in place (eager tensors: a traced value is never
-        overwritten)."""
-        array = self._writable("fill_")
-        array[...] = EAGER.op("fill", [], value=value, shape=(), dtype=self.value.dtype).array
+        """Every element set to `value` (a number), in place: an eager tensor's array is
+        written, a traced one holds a `fill` node from then on (`_assign`)."""
+        if not _is_scalar(value):
+            self._unsupported(f"Tensor.fill_ with a {type(value).__name__} value (a number)")
+        if not self.is_eager:
+            return self._assign(self.new_full(self.shape, value), "Tensor.fill_")
+        self.array[...] = EAGER.op("fill", [], value=value, shape=(),
+                                   dtype=self.value.dtype).array
         return self
 
     def zero_(self) -> Tensor:
         return self.fill_(0)
 
     def copy_(self, src, non_blocking: bool = False) -> Tensor:
-        """`src`'s values (broadcast to this shape, cast to this dtype) written in place."""
+        """`src`'s values (broadcast to this shape, cast to this dtype) written in place; a
+        traced tensor, or one given traced values, holds them from then on (`_assign`)."""
+        if not self.is_eager or isinstance(src, Tensor) and not src.is_eager:
+            if not isinstance(src, Tensor):     # a Parameter or Buffer, or array-like values
+                src = self._coerce(src, "copy_") if hasattr(src, "traced") else \
+                    tensor_of(np.asarray(src))
+            return self._assign(src._cast(self.dtype).expand(*self.shape), "Tensor.copy_")
         values = src.numpy() if isinstance(src, Tensor) else np.asarray(src)
         if self.value.dtype == "bfloat16":
             from ..backends.numpy import bf16
             values = bf16.to_bits(np.asarray(values, np.float32))
-        self._writable("copy_")[...] = np.broadcast_to(values, self.shape)
+        self.array[...] = np.broadcast_to(values, self.shape)
         return self
-
-    def _writable(self, what: str) -> np.ndarray:
-        if not self.is_eager:
-            self._unsupported(f"Tensor.{what} on a traced tensor (in-place writes; use the "
-                              "out-of-place form)")
-        return self.array
 
     def numel(self) -> int:
         return math.prod(self.shape)
@@ -598,6 +602,8 @@ class Tensor:
                              "tensor")
         if self.is_eager and result.is_eager:
             self.array[...] = result.array
+        elif result.is_eager:                   # eager values for a traced tensor: a constant
+            self.value = self.tracer.constant(result)
         else:
             self.value, self.tracer, self.array = result.value, result.tracer, None
         return self

@@ -264,6 +264,23 @@ def test_inplace_rebinds_the_object_and_leaves_clones():
         tracer.input((3,), "int64", "i").mul_(0.5)            # would need a float result
 
 
+def test_fill_zero_and_copy_on_traced_tensors():
+    tracer = Tracer()
+    x = tracer.input((2, 3), "float32", "x")
+    a, b, c = x.clone().fill_(2.5), x.clone().zero_(), x.clone()
+    c.copy_(tracer.input((3,), "int64", "i"))          # broadcast and cast, as torch
+    y = x.clone()
+    y.copy_([[1.0], [2.0]])
+    tracer.graph.outputs = {"a": a.value, "b": b.value, "c": c.value, "y": y.value}
+    out = run_graph(tracer.graph, {"x": np.ones((2, 3), np.float32),
+                                   "i": np.array([4, 5, 6])})
+    np.testing.assert_array_equal(out["a"], np.full((2, 3), 2.5))
+    np.testing.assert_array_equal(out["b"], np.zeros((2, 3)))
+    np.testing.assert_array_equal(out["c"], [[4, 5, 6], [4, 5, 6]])
+    np.testing.assert_array_equal(out["y"], [[1, 1, 1], [2, 2, 2]])
+    assert out["c"].dtype == np.float32
+
+
 def test_inplace_on_eager_tensors_writes_their_array():
     a = stepgraph.tensor([[1.0, -2.0], [3.0, -4.0]])
     view = a.reshape(4)
