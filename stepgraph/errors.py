@@ -78,18 +78,22 @@ ALTERNATIVES = {
 }
 
 
-def missing_torch_name(torch_name: str) -> UnsupportedOpError:
-    """The error for a torch name stepgraph lacks: the name, the module whose forward asked
-    for it (while one is traced) and the alternative where there is one."""
+def called_in() -> str:
+    """" (called in model.layer1.0)" while a module's forward is being traced, else ""."""
     # Read from sys.modules, not imported: the IR imports this module, and a forward can only
     # be traced once it is loaded.
     trace = sys.modules.get("stepgraph.ir.trace")
     tracer = trace.current_tracer() if trace is not None else None
-    where = f" (called in {tracer.where()})" if tracer is not None else ""
+    return f" (called in {tracer.where()})" if tracer is not None else ""
+
+
+def missing_torch_name(torch_name: str) -> UnsupportedOpError:
+    """The error for a torch name stepgraph lacks: the name, the module whose forward asked
+    for it (while one is traced) and the alternative where there is one."""
     alternative = ALTERNATIVES.get(torch_name)
     hint = f"; use {alternative}" if alternative else \
         " (see docs/TORCH_COMPAT.md for the torch names it has)"
-    return UnsupportedOpError(f"{torch_name} is not supported by stepgraph{where}{hint}")
+    return UnsupportedOpError(f"{torch_name} is not supported by stepgraph{called_in()}{hint}")
 
 
 def lookup_torch_name(module: str, torch_module: str, name: str):

@@ -370,6 +370,9 @@ def _compile(use):
     (lambda h: h.to(stepgraph.float16), ["float16", 'compile_train_step(precision="bf16")']),
     (lambda h: h.to(dtype="half"), ["float16", 'compile_train_step(precision="bf16")']),
     (lambda h: h.nonzero(), ["Tensor.nonzero", "torch.where"]),
+    (lambda h: h + stepgraph.zeros(4, dtype=stepgraph.float16),
+     ["zeros", "float16", 'compile_train_step(precision="bf16")']),
+    (lambda h: nn.NoSuchLayer(4)(h), ["torch.nn.NoSuchLayer"]),
 ])
 def test_errors_in_a_forward_name_the_module_path(use, names):
     with pytest.raises(UnsupportedOpError) as info:
