@@ -12,6 +12,7 @@ import itertools
 import json
 import os
 import sys
+import threading
 import time
 import weakref
 
@@ -26,6 +27,7 @@ DEFAULT_TIMEOUT_S = 120.0
 TIMEOUT_ENV = "STEPGRAPH_DIST_TIMEOUT"
 LEAVING_S = 10.0              # at most this long at exit for the other ranks
 FAULT_EXIT_CODE = 75          # a rank ended because another died (EX_TEMPFAIL: run it again)
+ABORT_WAIT_S = 5.0            # at most this long for ncclCommAbort before the process ends
 
 # Groups by id: graph nodes name their group in attrs (plain data), the op impls look it up.
 _GROUPS: "weakref.WeakValueDictionary[str, ProcessGroup]" = weakref.WeakValueDictionary()
@@ -62,6 +64,7 @@ class ProcessGroup:
         self._watchdog: Watchdog | None = None
         self._closed = False
         self._crashed = False
+        self._graphs: list[weakref.ref] = []   # captured CUDA graphs holding our NCCL work
         _GROUPS[self.id] = self
         atexit.register(self.destroy)
         if store is not None:
@@ -227,68 +230,116 @@ class ProcessGroup:
                                    f"{self.timeout:g} s") from None
         import cupy
 
-        with cupy.cuda.Device(device_id):
-            self._nccl = nccl.NcclCommunicator(self.world_size, uid, self.rank)
-        if isinstance(self.store, StoreClient):     # torchrun watches its workers itself
+        # The watch starts first: NcclCommunicator() waits, with no timeout, for every rank,
+        # and a rank that dies before it arrives must end this one too.
+        if isinstance(self.store, StoreClient) and self._watchdog is None:
             self._watchdog = Watchdog(self.rank, self.world_size, self.env.master_addr,
                                       self.env.master_port, self.timeout, self._fault)
+        with cupy.cuda.Device(device_id):
+            self._nccl = nccl.NcclCommunicator(self.world_size, uid, self.rank)
         return self._nccl
 
     def _fault(self, error: DistributedError) -> None:
-        """(the watchdog's thread) A peer died: abort the communicator, so that nothing of
-        ours waits on the dead rank, report and end this process; its main thread may be
+        """(the watchdog's thread) A peer died: report, abort the communicator, so that
+        nothing of ours waits on the dead rank, and end this process; its main thread may be
         blocked in a wait on the device that would not return."""
-        comm = self._nccl
-        if comm is not None:
-            try:
-                comm.abort()
-            except Exception:      # aborting is all that is left to do; exit regardless
-                pass
         print(f"stepgraph: DistributedError: {error}", file=sys.stderr, flush=True)
+        _abort(self._nccl)      # NCCL may wait for our graphs (hold_graph): bounded
         os._exit(FAULT_EXIT_CODE)
 
     @property
     def has_nccl(self) -> bool:
         return self._nccl is not None
 
+    def hold_graph(self, captured) -> None:
+        """Note a captured CUDA graph holding this group's NCCL work (runtime/graph.py):
+        destroy() releases it before the communicator, because NCCL (2.26 on) destroys or
+        aborts a communicator only once every graph holding its work is gone: a graph
+        still referenced at exit would hang the process there."""
+        self._graphs = [ref for ref in self._graphs if ref() is not None]
+        self._graphs.append(weakref.ref(captured))
+
+    def _release_graphs(self) -> None:
+        for ref in self._graphs:
+            captured = ref()
+            if captured is not None:
+                captured.release()
+        self._graphs = []
+
     def destroy(self) -> None:
-        """Wait for the device, stop the watchdog, destroy the NCCL communicator, then leave
-        the store through a barrier (a dead rank ends it at once); rank 0 serves the store
-        until every other rank has left or died (at most LEAVING_S), so that none loses it
-        while it still needs it. A rank that crashed (an uncaught exception) skips the
-        barrier and drops its connection: the others see it die."""
+        """Leave the run. A clean end: wait for the device (the watchdog still guards the
+        wait), stop the watchdog, meet the others in a leaving barrier (at most LEAVING_S; a
+        dead rank ends it at once), release the graphs holding our collectives (hold_graph),
+        then destroy the NCCL communicator, or abort it when the barrier failed (a peer
+        that never arrives would not take part in the teardown). A rank that crashed (an
+        uncaught exception) drops its store connection first, without leaving, so that the
+        others see it die and end, then releases its graphs and aborts its communicator
+        without waiting for the device, whose queued collectives may wait for peers that
+        will never join them. Rank 0 serves the store until every other rank has left or
+        died (at most LEAVING_S)."""
         if self._closed:
             return
         self._closed = True
-        comm = self._nccl
+        comm, self._nccl = self._nccl, None
+        if self._crashed:
+            if self._watchdog is not None:
+                self._watchdog.stop()
+            if self.store is not None:
+                self.store.close(leave=False)      # the others see this rank die, at once
+            self._release_graphs()
+            _abort(comm)
+        else:
+            self._leave(comm)
+        if self._server is not None:
+            self._server.close(min(self.timeout, LEAVING_S))
+        _GROUPS.pop(self.id, None)
+
+    def _leave(self, comm) -> None:
+        """destroy() at a clean end (see there)."""
         if comm is not None:
             try:
                 import cupy
 
-                # Nothing of ours may still use it; the watchdog still guards this wait.
                 cupy.cuda.Device().synchronize()
             except Exception:   # at exit, after a failure: nothing left to report to
                 pass
         if self._watchdog is not None:
             self._watchdog.stop()
-        self._nccl = None
-        if comm is not None:
+        met = self.store is None
+        if self.store is not None:
             try:
-                comm.destroy()
-            except Exception:
-                pass
-        linger = min(self.timeout, LEAVING_S)
-        if self.store is not None and self._crashed:
-            self.store.close(leave=False)      # the others see this rank die, at once
-        elif self.store is not None:
-            try:
-                self.barrier("leaving", timeout=linger)
-            except Exception:
+                self.barrier("leaving", timeout=min(self.timeout, LEAVING_S))
+                met = True
+            except Exception:   # a peer died or never came: leave regardless
                 pass
             self.store.close()
-        if self._server is not None:
-            self._server.close(linger)
-        _GROUPS.pop(self.id, None)
+        if comm is None:
+            return
+        self._release_graphs()
+        if not met:
+            _abort(comm)
+            return
+        try:
+            comm.destroy()
+        except Exception:
+            pass
+
+
+def _abort(comm, wait: float = ABORT_WAIT_S) -> None:
+    """Abort an NCCL communicator (None: nothing), waiting at most `wait` seconds: the caller
+    ends the process next, and an abort stuck behind a kernel must not keep it alive."""
+    if comm is None:
+        return
+
+    def abort():
+        try:
+            comm.abort()
+        except Exception:      # aborting is all that is left to do
+            pass
+
+    thread = threading.Thread(target=abort, daemon=True, name="stepgraph-nccl-abort")
+    thread.start()
+    thread.join(wait)
 
 
 def _note_crashes(group: ProcessGroup) -> None:

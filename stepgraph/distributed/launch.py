@@ -4,7 +4,9 @@ Each process gets RANK, LOCAL_RANK (0..N-1), WORLD_SIZE (N), MASTER_ADDR and MAS
 free port unless given), LOCAL_WORLD_SIZE, and NCCL_NVLS_ENABLE=0 (NVLink multicast stays off:
 see DESIGN.md). The launcher forwards SIGINT, SIGTERM and SIGHUP to every process; when one
 process fails, the others are stopped (SIGTERM, then SIGKILL after a grace period) and the
-launcher exits with the failed one's code. Processes die with the launcher (PR_SET_PDEATHSIG).
+launcher exits with the failed one's code (a rank that ended because a peer died, status 75,
+is reported only when no other failure is seen). Processes die with the launcher
+(PR_SET_PDEATHSIG).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import StepgraphError
-from .group import TIMEOUT_ENV
+from .group import FAULT_EXIT_CODE, TIMEOUT_ENV
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 GRACE_S = 5.0              # after SIGTERM, before SIGKILL
@@ -167,7 +169,9 @@ def _supervise(procs: list[subprocess.Popen], received: list[int], grace: float,
         codes = [p.poll() for p in procs]
         failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
         if failed:
-            rank, code = failed[0]
+            # A rank that ended because a peer died (FAULT_EXIT_CODE) is not the cause:
+            # report the peer when both are seen at once.
+            rank, code = next(((r, c) for r, c in failed if c != FAULT_EXIT_CODE), failed[0])
             if not received and any(c is None for c in codes):
                 log(f"stepgraph launch: rank {rank} (pid {procs[rank].pid}) exited with code "
                     f"{code}; stopping the other ranks")

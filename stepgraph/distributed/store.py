@@ -322,5 +322,6 @@ class TorchStoreClient:
     def register(self, rank: int) -> None:
         """Nothing to do: torchrun notices a dead worker itself."""
 
-    def close(self) -> None:
+    def close(self, leave: bool = True) -> None:
+        """Drop the client (`leave` is StoreClient's: torchrun tracks its workers itself)."""
         self._store = None

@@ -8,7 +8,9 @@ hanging in NCCL.
 
 Most tests launch tests/unit/dist_worker.py (every rank initialises differently, so the
 broadcast from rank 0 is exercised too), then run the one-process reference here. Every
-process runs under a subprocess timeout, so no test can hang."""
+process runs under a subprocess timeout of at most LAUNCH_TIMEOUT_S (the benchmark's
+excepted), with STEPGRAPH_DIST_TIMEOUT at RANK_TIMEOUT_S, so no test can hang: a stuck run
+fails in about a minute (scripts/dp-check runs this file within a fixed time)."""
 from __future__ import annotations
 
 import subprocess
@@ -27,14 +29,44 @@ sys.path.insert(0, str(WORKER.parent))
 # Relative error of the parameters after the run against the one-process reference. The
 # ranks' smaller GEMMs add their rows in another order (and cuDNN may plan them otherwise).
 TOLERANCE = {"mlp": 1e-4, "cnn": 1e-4, "resnet": 2e-3}
+# A two-rank run of these sizes takes seconds (resnet's first compile about 15 s): a process
+# still running after LAUNCH_TIMEOUT_S is stuck. A rank waits RANK_TIMEOUT_S for the others.
+LAUNCH_TIMEOUT_S = 60
+RANK_TIMEOUT_S = 30
 
 
-def launch_workers(out: Path, *args: str, timeout: float = 540) -> list:
-    result = subprocess.run([sys.executable, "-m", "stepgraph", "launch", "--gpus", "2",
-                             "--timeout", "120", "--", sys.executable, str(WORKER), "--device",
-                             "cuda", "--out", str(out), *args], cwd=ROOT, capture_output=True,
-                            text=True, timeout=timeout)
-    assert result.returncode == 0, result.stderr[-4000:]
+def run_ranks(command: list[str], timeout: float = LAUNCH_TIMEOUT_S, env=None) -> tuple:
+    """(exit code, stdout, stderr) of a launcher `command`. One still running after `timeout`
+    is sent SIGTERM, which it forwards to its ranks (dist_worker dumps their stacks then:
+    $STEPGRAPH_STACKS_DIR), and the test fails with the end of its stderr. With
+    $STEPGRAPH_DP_LOG set, every run's command, exit code and stderr are appended there."""
+    import os
+    import signal
+
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        code = f"stuck after {timeout} s"
+    if os.environ.get("STEPGRAPH_DP_LOG"):
+        with open(os.environ["STEPGRAPH_DP_LOG"], "a") as log:
+            log.write(f"== {' '.join(command[1:])}\n== exit {code}\n{err}\n")
+    assert code == 0, f"exit {code}: " + err[-4000:]
+    return code, out, err
+
+
+def launch_workers(out: Path, *args: str, timeout: float = LAUNCH_TIMEOUT_S) -> list:
+    run_ranks([sys.executable, "-m", "stepgraph", "launch", "--gpus", "2", "--timeout",
+               str(RANK_TIMEOUT_S), "--", sys.executable, str(WORKER), "--device", "cuda",
+               "--out", str(out), *args], timeout)
     return [np.load(out / f"rank{r}.npz") for r in (0, 1)]
 
 
@@ -171,7 +203,8 @@ def gpu_count() -> int:
     return cupy.cuda.runtime.getDeviceCount()
 
 
-def start_ranks(world: int, args: list[str], timeout: float = 120) -> list[subprocess.Popen]:
+def start_ranks(world: int, args: list[str],
+                timeout: float = RANK_TIMEOUT_S) -> list[subprocess.Popen]:
     """`world` processes with the variables `stepgraph launch` sets but no launcher watching
     them: what each rank does by itself at the end of a run, or when a peer dies."""
     import os
@@ -185,7 +218,9 @@ def start_ranks(world: int, args: list[str], timeout: float = 120) -> list[subpr
                                       LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
                                       MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
                                       STEPGRAPH_DIST_TIMEOUT=str(timeout),
-                                      PYTHONPATH=str(ROOT)))
+                                      # kept: it may name where the GPU packages live
+                                      PYTHONPATH=os.pathsep.join(
+                                          [str(ROOT), os.environ.get("PYTHONPATH", "")])))
             for r in range(world)]
 
 
@@ -200,8 +235,13 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str
             _, err = p.communicate(timeout=timeout)
             out.append((p.returncode, err, time.time()))
     finally:
-        for p in procs:
+        for p in procs:        # SIGTERM first: a dist_worker rank dumps its stacks then
             if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.communicate(timeout=5)
+            except subprocess.TimeoutExpired:
                 p.kill()
                 p.communicate()
     return out
@@ -243,12 +283,11 @@ def test_two_ranks_under_torchrun_hold_identical_parameters(tmp_path):
 
     pytest.importorskip("torch")       # torchrun is torch's
 
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                           "2", str(WORKER), "--device", "cuda", "--out", str(tmp_path),
-                           "--model", "cnn", "--steps", "10", "--global-batch", "32"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=540,
-                          env=dict(os.environ, NCCL_NVLS_ENABLE="0"))
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_ranks([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+               "2", str(WORKER), "--device", "cuda", "--out", str(tmp_path),
+               "--model", "cnn", "--steps", "10", "--global-batch", "32"],
+              env=dict(os.environ, NCCL_NVLS_ENABLE="0",
+                       STEPGRAPH_DIST_TIMEOUT=str(RANK_TIMEOUT_S)))
     ranks = [np.load(tmp_path / f"rank{r}.npz") for r in (0, 1)]
     assert "graph/nodes" in ranks[0].files
     for name, value in parameters(ranks[0]).items():
@@ -262,12 +301,11 @@ def test_four_ranks_under_torchrun_hold_identical_parameters(tmp_path):
 
     if gpu_count() < 4:
         pytest.skip(f"needs 4 GPUs, {gpu_count()} visible")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                           "4", str(WORKER), "--device", "cuda", "--out", str(tmp_path),
-                           "--model", "mlp", "--steps", "10", "--global-batch", "32"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=540,
-                          env=dict(os.environ, NCCL_NVLS_ENABLE="0"))
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_ranks([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+               "4", str(WORKER), "--device", "cuda", "--out", str(tmp_path),
+               "--model", "mlp", "--steps", "10", "--global-batch", "32"],
+              env=dict(os.environ, NCCL_NVLS_ENABLE="0",
+                       STEPGRAPH_DIST_TIMEOUT=str(RANK_TIMEOUT_S)))
     ranks = [np.load(tmp_path / f"rank{r}.npz") for r in range(4)]
     for name, value in parameters(ranks[0]).items():
         for r in (1, 2, 3):
@@ -277,7 +315,7 @@ def test_four_ranks_under_torchrun_hold_identical_parameters(tmp_path):
 def test_two_gpu_ranks_exit_promptly_after_their_last_step(tmp_path):
     procs = start_ranks(2, [str(WORKER), "--device", "cuda", "--out", str(tmp_path), "--model",
                             "cnn", "--steps", "10", "--global-batch", "32"])
-    ended = finish(procs, timeout=300)
+    ended = finish(procs, timeout=LAUNCH_TIMEOUT_S)
     for r, (code, err, at) in enumerate(ended):
         assert code == 0, err[-4000:]
         last = float(np.load(tmp_path / f"rank{r}.npz")["time/last_step"])
@@ -321,16 +359,16 @@ def test_a_killed_gpu_rank_is_named_and_the_others_exit(tmp_path):
 
     script = tmp_path / "run.py"
     script.write_text(KILLED)
-    procs = start_ranks(2, [str(script), str(tmp_path)], timeout=120)
+    procs = start_ranks(2, [str(script), str(tmp_path)])
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S - 25  # then 20 s more at most
         while not all((tmp_path / str(r)).exists() for r in (0, 1)):
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
             time.sleep(0.1)
         killed_at = time.monotonic()
         procs[1].send_signal(signal.SIGKILL)
-        (code, err, _), = finish(procs[:1], timeout=60)
-        assert time.monotonic() - killed_at < 30
+        (code, err, _), = finish(procs[:1], timeout=20)
+        assert time.monotonic() - killed_at < 20
         assert code == FAULT_EXIT_CODE, err[-4000:]
         assert "rank(s) [1] of 2 died" in err
     finally:

@@ -500,3 +500,169 @@ def test_a_fault_aborts_the_communicator_reports_and_ends_the_rank(monkeypatch, 
     assert calls == ["abort", FAULT_EXIT_CODE]
     assert "DistributedError: rank 0: rank(s) [1] of 2 died" in capsys.readouterr().err
     group._nccl, group._closed = None, True
+
+
+class RecordingComm:
+    """An NCCL communicator that records what was done to it."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def abort(self):
+        self.calls.append("abort")
+
+    def destroy(self):
+        self.calls.append("destroy")
+
+
+class RecordingStore:
+    """The store side of a teardown: how this rank's connection was closed."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def close(self, leave: bool = True):
+        self.calls.append("close, leaving" if leave else "close, dropped")
+
+
+@pytest.mark.parametrize("barrier", ["met", "failed"])
+def test_a_clean_end_destroys_the_communicator_only_after_every_rank_arrived(barrier):
+    """NCCL may make ncclCommDestroy wait for every rank of the node: destroying it before
+    the leaving barrier would hang a rank whose peer never gets there. A barrier that fails
+    (a peer died or never came) aborts the communicator instead."""
+    from stepgraph.distributed.group import ProcessGroup
+
+    calls = []
+    group = ProcessGroup(DistEnv(0, 2, 0, "127.0.0.1", 1), RecordingStore(calls), None, 5.0)
+    group._nccl = RecordingComm(calls)
+
+    def leaving_barrier(what, timeout):
+        calls.append(f"barrier {what}")
+        if barrier == "failed":
+            raise DistributedError("rank 0: leaving failed: rank(s) [1] of 2 died")
+
+    group.barrier = leaving_barrier
+    group.destroy()
+    last = "destroy" if barrier == "met" else "abort"
+    assert calls == ["barrier leaving", "close, leaving", last]
+    assert not group.has_nccl
+
+
+def test_a_group_releases_the_graphs_holding_its_collectives_before_destroying_nccl(
+        monkeypatch):
+    """NCCL (2.26 on) destroys or aborts a communicator only once every CUDA graph holding
+    its work is gone: a step's graph still referenced at exit hung the rank there. Graphs
+    captured with the group's collectives are released first; others are not noted."""
+    pytest.importorskip("cupy")
+    from types import SimpleNamespace
+
+    from stepgraph.backends.cuda import collective
+    from stepgraph.backends.cuda.runtime import graph as graph_module
+    from stepgraph.distributed.group import ProcessGroup
+    from stepgraph.errors import CaptureError
+
+    calls, made = [], []
+
+    class Stream:
+        ptr = 7
+
+        def begin_capture(self):
+            pass
+
+        def end_capture(self):
+            made.append(SimpleNamespace(upload=lambda stream: None))
+            return made[-1]
+
+        def is_capturing(self):
+            return True
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class Comm(RecordingComm):
+        def destroy(self):
+            calls.append("destroy" if held.graph is None else "destroy, a graph alive")
+
+    group = ProcessGroup(DistEnv(0, 2, 0, "127.0.0.1", 1), RecordingStore(calls), None, 5.0)
+    group._nccl = Comm(calls)
+    group.barrier = lambda what, timeout: calls.append(f"barrier {what}")
+    group.nccl_communicator = lambda device: group._nccl
+    monkeypatch.setattr(collective, "cp", SimpleNamespace(
+        cuda=SimpleNamespace(Device=lambda: SimpleNamespace(id=0))))
+    ctx = SimpleNamespace(stream=Stream(), extras={}, capturing=False)
+    plain = graph_module.capture(lambda: None, ctx)
+    held = graph_module.capture(lambda: collective._communicator(group, ctx), ctx)
+    assert [ref() for ref in group._graphs] == [held] and not ctx.extras
+    group.destroy()
+    assert calls == ["barrier leaving", "close, leaving", "destroy"]
+    assert plain.graph is made[0]
+    with pytest.raises(CaptureError, match="released"):
+        held.launch()
+
+
+def test_a_crashed_rank_drops_its_connection_before_aborting_the_communicator():
+    """After an uncaught exception the device may hold collectives that wait for peers which
+    will never join them: no device wait, no barrier; the connection drops first, so that the
+    peers' watchdogs end them, then the communicator is aborted, never destroyed."""
+    from stepgraph.distributed.group import ProcessGroup
+
+    calls = []
+    group = ProcessGroup(DistEnv(1, 2, 1, "127.0.0.1", 1), RecordingStore(calls), None, 5.0)
+    group._nccl = RecordingComm(calls)
+    group.barrier = lambda *args, **kwargs: calls.append("barrier")
+    group._crashed = True
+    group.destroy()
+    assert calls == ["close, dropped", "abort"]
+
+
+def test_an_abort_that_never_returns_does_not_keep_the_rank_alive():
+    from stepgraph.distributed.group import _abort
+
+    release = threading.Event()
+
+    class StuckComm:
+        def abort(self):
+            release.wait(30)
+
+    start = time.monotonic()
+    _abort(StuckComm(), wait=0.2)
+    assert time.monotonic() - start < 5
+    release.set()
+
+
+def test_a_crashed_rank_under_torchrun_closes_torchruns_store_client():
+    """Under torchrun the store is a TorchStoreClient: the crash path's close(leave=False)
+    must work on it too (torchrun's agent notices the dead worker itself)."""
+    from stepgraph.distributed.group import ProcessGroup
+    from stepgraph.distributed.store import TorchStoreClient
+
+    client = TorchStoreClient.__new__(TorchStoreClient)     # no torchrun agent to reach here
+    client._store = object()
+    calls = []
+    group = ProcessGroup(DistEnv(1, 2, 1, "127.0.0.1", 1, "torchrun", "torch"), client, None,
+                         5.0)
+    group._nccl = RecordingComm(calls)
+    group._crashed = True
+    group.destroy()
+    assert client._store is None and calls == ["abort"]
+
+
+def test_a_worker_sent_sigterm_dumps_its_stacks_and_ends_as_sigterm_would(tmp_path):
+    """scripts/dp-check's hang evidence: a dist_worker rank stopped by its launcher or a
+    timeout (SIGTERM) first writes every thread's stack to <dir>/rank<R>-stacks.txt."""
+    code = ("import os, signal, sys\n"
+            f"sys.path.insert(0, {str(WORKER.parent)!r})\n"
+            "import dist_worker\n"
+            f"dist_worker.dump_stacks_on_hang({str(tmp_path)!r}, 60)\n"
+            "def waiting_for_a_peer():\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    signal.pause()\n"
+            "waiting_for_a_peer()\n")
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, RANK="1"),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGTERM, done.stderr[-2000:]
+    dump = (tmp_path / "rank1-stacks.txt").read_text()
+    assert dump.startswith("== pid ") and "in waiting_for_a_peer" in dump

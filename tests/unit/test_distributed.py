@@ -239,6 +239,33 @@ def test_one_failing_rank_stops_the_others():
     assert "rank 1" in lines[0] and "code 3" in lines[0]
 
 
+def test_the_launcher_reports_the_failing_rank_not_the_peer_it_ended():
+    """Seen at once, rank 0 ended by its watchdog (status 75, its peer died) and rank 1's
+    own failure: the exit code and the line name rank 1; rank 2, still running, is stopped."""
+    from stepgraph.distributed.group import FAULT_EXIT_CODE
+    from stepgraph.distributed.launch import _supervise
+
+    class Proc:
+        def __init__(self, code, pid):
+            self.code, self.pid, self.signals = code, pid, []
+
+        def poll(self):
+            return self.code
+
+        def send_signal(self, signum):
+            self.signals.append(signum)
+            self.code = -signum
+
+        def wait(self, timeout=None):
+            return self.code
+
+    procs = [Proc(FAULT_EXIT_CODE, 100), Proc(3, 101), Proc(None, 102)]
+    lines = []
+    assert _supervise(procs, [], 0.1, lines.append) == 3
+    assert "rank 1 (pid 101) exited with code 3" in lines[0]
+    assert procs[2].signals == [signal.SIGTERM]
+
+
 def test_signals_are_forwarded_to_every_rank(tmp_path):
     child = ("import os, pathlib, signal, sys, time\n"
              "def bye(s, f):\n"
@@ -522,6 +549,33 @@ def test_cuda_all_reduce_forks_and_joins_the_communication_stream(monkeypatch, s
     collective.all_reduce_max(ctx, Node("all_reduce_max", [], [], {"group": "g", "n": 1}),
                               [FakeArray(2, "int32", 0x500)])
     assert ("allReduce", 0x500, 0x500, 2, 2, ctx.stream.ptr) in calls
+
+
+def test_cuda_parameter_broadcast_sends_every_array_as_its_bytes(monkeypatch):
+    """Rank 0's parameters and buffers go in one NCCL group on the backend's stream, each as
+    its bytes: dtypes NCCL has no reduction type for (bool masks) go as well as float32 and
+    int64 (BatchNorm's count); an empty array sends nothing."""
+    pytest.importorskip("cupy")
+    from types import SimpleNamespace
+
+    from stepgraph.backends.cuda import collective
+
+    calls = []
+    nccl = SimpleNamespace(NCCL_UINT8=1, groupStart=lambda: calls.append(("groupStart",)),
+                           groupEnd=lambda: calls.append(("groupEnd",)))
+    monkeypatch.setattr(collective, "_nccl", lambda: nccl)
+    monkeypatch.setattr(collective, "_check", lambda *a, **k: None)
+    comm = FakeComm(calls)
+    comm.bcast = lambda buff, count, dtype, root, stream: calls.append(
+        ("bcast", buff, count, dtype, root, stream))
+    group = SimpleNamespace(nccl_communicator=lambda device: comm)
+    backend = SimpleNamespace(device_id=1, stream=SimpleNamespace(ptr=0x77))
+    arrays = [FakeArray(10, "float32", 0x100), FakeArray(1, "int64", 0x200),
+              FakeArray(6, "bool", 0x300), FakeArray(0, "float32", 0x400)]
+    collective.broadcast_parameters(backend, group, arrays)
+    assert calls == [("groupStart",), ("bcast", 0x100, 40, 1, 0, 0x77),
+                     ("bcast", 0x200, 8, 1, 0, 0x77), ("bcast", 0x300, 6, 1, 0, 0x77),
+                     ("groupEnd",)]
 
 
 @pytest.mark.parametrize("reduce_dtype", ["float32", "bfloat16"])

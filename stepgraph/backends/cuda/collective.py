@@ -26,6 +26,7 @@ from ...distributed.group import lookup_group
 from ...errors import CaptureError, ShapeError
 from .runtime.launch import (BLOCK, UPDATE_CHUNK, _buffers_key, _capturing, _check,
                              _chunk_jobs, _kernel, _node_memory)
+from .runtime.graph import NCCL_GROUPS_KEY
 from .runtime.side_stream import fork_events, forked, join
 
 NCCL_DTYPES = {"float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64", "int32": "NCCL_INT32",
@@ -54,9 +55,13 @@ def _nccl_dtype(nccl, array) -> int:
 
 
 def _communicator(group, ctx):
-    if not group.has_nccl and _capturing(ctx):
-        raise CaptureError("all_reduce: the NCCL communicator is made when the step is "
-                           "compiled, before any capture")
+    """The group's communicator; during a capture, the group is noted as one whose NCCL work
+    the graph holds (runtime/graph.py: the group releases the graph before destroying it)."""
+    if _capturing(ctx):
+        if not group.has_nccl:
+            raise CaptureError("all_reduce: the NCCL communicator is made when the step is "
+                               "compiled, before any capture")
+        ctx.extras.setdefault(NCCL_GROUPS_KEY, set()).add(group.id)
     return group.nccl_communicator(cp.cuda.Device().id)
 
 
@@ -260,13 +265,15 @@ def all_reduce_norm(ctx, node, ins: list, outs: list) -> None:
 
 def broadcast_parameters(backend, group, arrays: list) -> None:
     """Rank 0's values of `arrays` (device arrays) on every rank, in place, in order on the
-    backend's stream; makes the group's communicator on the backend's GPU."""
+    backend's stream; makes the group's communicator on the backend's GPU. A broadcast
+    copies bits: each array goes as its bytes (NCCL_UINT8), so any dtype a model holds (bool
+    masks, bf16 bits) goes too."""
     nccl = _nccl()
     comm = group.nccl_communicator(backend.device_id)
     for i, a in enumerate(arrays):
         _check(f"broadcast array {i}", a, dtype=None)
-    _grouped(nccl, lambda: [comm.bcast(a.data.ptr, a.size, _nccl_dtype(nccl, a), 0,
-                                       backend.stream.ptr) for a in arrays])
+    _grouped(nccl, lambda: [comm.bcast(a.data.ptr, a.nbytes, nccl.NCCL_UINT8, 0,
+                                       backend.stream.ptr) for a in arrays if a.nbytes])
 
 
 IMPLS: dict[str, Callable] = {

@@ -12,15 +12,27 @@ from typing import Any, Callable
 
 from ....errors import CaptureError
 
+# ctx.extras key: the ids of the process groups whose NCCL work the capture in progress holds
+# (backends/cuda/collective.py adds them).
+NCCL_GROUPS_KEY = "captured_nccl_groups"
+
 
 @dataclass
 class CapturedGraph:
-    graph: Any           # cupy.cuda.graph.Graph (instantiated and uploaded)
+    graph: Any           # cupy.cuda.graph.Graph (instantiated and uploaded); None: released
     stream: Any
     node_count: int | None
 
     def launch(self) -> None:
+        if self.graph is None:
+            raise CaptureError("this step's CUDA graph was released when its process group "
+                               "was destroyed; compile the step again in a new group")
         self.graph.launch(self.stream)
+
+    def release(self) -> None:
+        """Destroy the graph now. NCCL's communicator destroy waits until every graph holding
+        its work is gone, so a process group releases its graphs first (group.destroy)."""
+        self.graph = None
 
 
 def count_nodes(graph) -> int | None:
@@ -40,6 +52,7 @@ def capture(run: Callable[[], None], ctx) -> CapturedGraph:
     """Record `run()` (a whole step of launches on ctx.stream) as one CUDA graph."""
     stream = ctx.stream
     ctx.capturing = True
+    ctx.extras[NCCL_GROUPS_KEY] = set()
     stream.begin_capture()
     try:
         with stream:
@@ -52,9 +65,16 @@ def capture(run: Callable[[], None], ctx) -> CapturedGraph:
         raise CaptureError(f"capturing the step failed: {err}") from err
     finally:
         ctx.capturing = False
+        groups = ctx.extras.pop(NCCL_GROUPS_KEY)
     graph = stream.end_capture()
     graph.upload(stream)
-    return CapturedGraph(graph, stream, count_nodes(graph))
+    captured = CapturedGraph(graph, stream, count_nodes(graph))
+    if groups:
+        from ....distributed.group import lookup_group
+
+        for group_id in sorted(groups):
+            lookup_group(group_id).hold_graph(captured)
+    return captured
 
 
 def time_on_device(ctx, run: Callable[[], None], repeats: int = 5) -> float:
