@@ -12,8 +12,8 @@ from ..errors import ShapeError, UnsupportedOpError
 from .math import _method
 
 __all__ = ["cat", "concat", "concatenate", "stack", "unbind", "unsqueeze", "squeeze",
-           "flatten", "unflatten", "movedim", "moveaxis", "swapaxes", "swapdims", "tril", "triu", "max",
-           "min", "amax", "amin", "argmax", "argmin", "var", "std",
+           "flatten", "unflatten", "movedim", "moveaxis", "swapaxes", "swapdims", "tril", "triu",
+           "max", "min", "amax", "amin", "argmax", "argmin", "var", "std",
            "logsumexp", "cumsum", "gather", "index_select", "topk", "sort",
            "sum", "mean", "prod", "median", "norm", "softmax", "log_softmax", "split", "chunk",
            "narrow", "reshape", "permute", "transpose", "t", "scatter", "scatter_add", "add",
