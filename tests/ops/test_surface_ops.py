@@ -290,6 +290,32 @@ def test_inplace_on_eager_tensors_writes_their_array():
     np.testing.assert_array_equal(a.numpy(), [[1.0, -1.0], [5.0, -1.0]])
 
 
+def test_inplace_forms_on_parameters_write_through_assign():
+    """p.add_(x), p.data.mul_(2) in initialisation code change the stored values (and bump
+    the version compiled steps watch); inside a forward they are refused."""
+    lin = nn.Linear(3, 2)
+    w = lin.weight.numpy().copy()
+    version = lin.weight.version
+    lin.weight.data.mul_(2.0)
+    lin.weight.add_(stepgraph.ones(2, 3), alpha=0.5)
+    lin.weight.clamp_(max=0.25)
+    np.testing.assert_array_equal(lin.weight.numpy(), np.minimum(w * 2 + 0.5, 0.25))
+    assert lin.weight.version == version + 3
+
+    class Clamp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):
+            self.lin.weight.clamp_(-1.0, 1.0)
+            return self.lin(x)
+
+    x = np.ones((2, 3), np.float32)
+    with pytest.raises(UnsupportedOpError, match=r"Parameter.clamp_ on lin.weight .*model\b"):
+        stepgraph.compile_predict(Clamp(), example_inputs=(x,), device="cpu")
+
+
 def test_new_factories_take_the_tensors_dtype_and_trace():
     tracer = Tracer()
     x = tracer.input((3, 4), "float64", "x")
