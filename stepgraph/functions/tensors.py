@@ -220,16 +220,13 @@ def einsum(equation: str, *operands):
     if len(operands) == 1:
         return _einsum_reorder(operands[0], terms[0], out)
     (a, b), (ta, tb) = operands, terms
-    # indices of one operand only and not in the output are summed before the product
-    a, ta = _einsum_reorder(a, ta, "".join(c for c in ta if c in tb or c in out)), \
-        "".join(c for c in ta if c in tb or c in out)
-    b, tb = _einsum_reorder(b, tb, "".join(c for c in tb if c in ta or c in out)), \
-        "".join(c for c in tb if c in ta or c in out)
     batch = [c for c in out if c in ta and c in tb]
     left = [c for c in out if c in ta and c not in tb]
     right = [c for c in out if c in tb and c not in ta]
     inner_ = [c for c in ta if c in tb and c not in out]
     n = lambda letters: math.prod(sizes[c] for c in letters)  # noqa: E731
+    # each operand as (batch, rows, contracted) and (batch, contracted, columns); its indices
+    # in none of those (not in the other operand nor the output) are summed on the way
     a = _einsum_reorder(a, ta, "".join(batch + left + inner_))
     b = _einsum_reorder(b, tb, "".join(batch + inner_ + right))
     if batch:
