@@ -190,6 +190,12 @@ class Tensor:
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
+    @property
+    def data(self) -> Tensor:
+        """This tensor's values outside the backward: an eager tensor itself (it shares the
+        values, as torch's), a traced one its detach()."""
+        return self if self.is_eager else self.detach()
+
     def detach(self) -> Tensor:
         """The same values, cut from the backward (a stop_gradient view)."""
         return self.tracer.op("stop_gradient", [self])

@@ -316,6 +316,15 @@ def test_inplace_forms_on_parameters_write_through_assign():
         stepgraph.compile_predict(Clamp(), example_inputs=(x,), device="cpu")
 
 
+def test_data_is_the_tensor_outside_the_backward():
+    tracer = Tracer()
+    x = tracer.input((2,), "float32", "x")
+    assert x.data.shape == (2,) and tracer.graph.nodes[-1].op == "stop_gradient"
+    eager = stepgraph.ones(2)
+    eager.data.mul_(3.0)
+    assert eager.tolist() == [3.0, 3.0]
+
+
 def test_new_factories_take_the_tensors_dtype_and_trace():
     tracer = Tracer()
     x = tracer.input((3, 4), "float64", "x")
