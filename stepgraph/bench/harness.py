@@ -334,11 +334,15 @@ def _empty_torch_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def loss_curve(peer: PeerInfo, spec: RunSpec, steps: int) -> list[float]:
+def loss_curve(peer: PeerInfo, spec: RunSpec, steps: int, warmup: int = 0) -> list[float]:
     """The loss of each of `steps` training steps, read back one by one: a correctness check
-    (does the peer train, do peers agree), not a timing. Errors propagate."""
+    (does the peer train, do peers agree), not a timing. Errors propagate. `warmup` steps on
+    the first batch train first, unread: a peer that trains such steps while it prepares (the
+    torch graph peer's side-stream warm-up) is compared with another from the same state."""
     prepared = _load_prepare(peer)(spec)
     try:
+        for _ in range(warmup):
+            prepared.run_step(0)
         return [prepared.read_loss(prepared.run_step(i % len(spec.batches)))
                 for i in range(steps)]
     finally:

@@ -806,7 +806,10 @@ class Tensor:
         index = self._index_item(index)
         if not isinstance(index, Tensor) or index.ndim != 1:
             raise ShapeError(f"index_select: index must be a 1-D integer tensor, got {index!r}")
-        return self._take(index, _dim(dim, self.ndim, "index_select"))
+        d = _dim(dim, self.ndim, "index_select")
+        if self.ndim == 0:          # torch reads a 0-d tensor as one element along dim 0
+            return self.reshape(1)._take(index, 0).reshape()
+        return self._take(index, d)
 
     def unsqueeze(self, dim: int) -> Tensor:
         """A view with a new axis of size 1 at `dim` (in [-ndim - 1, ndim])."""
@@ -816,6 +819,8 @@ class Tensor:
     def squeeze(self, dim=None) -> Tensor:
         """A view without the axes of size 1 among `dim` (None: every axis); other named axes
         stay, as in torch.squeeze."""
+        if isinstance(dim, (tuple, list)) and not dim:    # torch: dim=() squeezes no axis
+            return self
         axes = _dims(dim, self.ndim, "squeeze")
         return self.reshape(*(d for i, d in enumerate(self.shape)
                               if not (i in axes and d == 1)))
@@ -1008,6 +1013,9 @@ class Tensor:
         the lower index first."""
         from .. import return_types
         d = _dim(dim, self.ndim, "topk")
+        if self.ndim == 0:          # torch reads a 0-d tensor as one element along dim 0
+            values, indices = self.reshape(1).topk(k, 0, largest)
+            return return_types.topk(values.reshape(), indices.reshape())
         values, indices = self.tracer.op_all("topk", [self], dim=d, k=int(k),
                                              largest=bool(largest))
         return return_types.topk(values, indices)
@@ -1052,8 +1060,10 @@ class Tensor:
         """Running sums along `dim`."""
         if dtype is not None and dtype != self.dtype:
             self._unsupported(f"cumsum with dtype={dtype} (cast first)")
-        return self.tracer.op("cumsum", [self], dim=_dim(dim, self.ndim, "cumsum"),
-                              reverse=False)
+        d = _dim(dim, self.ndim, "cumsum")
+        if self.ndim == 0:          # one element: its own running sum
+            return self
+        return self.tracer.op("cumsum", [self], dim=d, reverse=False)
 
     def gather(self, dim: int, index) -> Tensor:
         """y[p] = x[p with axis `dim` replaced by index[p]], as torch.gather."""

@@ -60,8 +60,8 @@ def _unary_vjp(emit, node, dy, wants) -> list:
         return [_div(emit, g, x)]
     if kind == "log1p":                         # 1 / (1 + x)
         return [_div(emit, g, _scalar(emit, x, "add", 1.0))]
-    if kind == "expm1":                         # exp(x) = y + 1
-        return [_mul(emit, g, _scalar(emit, y, "add", 1.0))]
+    if kind == "expm1":     # exp(x), not y + 1: that cancels to eps where y is near -1 (elu)
+        return [_mul(emit, g, _unary_call(emit, x, "exp"))]
     if kind == "sqrt":                          # 1 / (2 y)
         return [_div(emit, g, _scalar(emit, y, "mul", 2.0))]
     if kind == "rsqrt":                         # -y^3 / 2 = -0.5 * y / x
