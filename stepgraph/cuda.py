@@ -53,8 +53,7 @@ def is_bf16_supported() -> bool:
 
 def __getattr__(name: str):
     """A torch.cuda name stepgraph lacks: UnsupportedOpError (an AttributeError)."""
-    from .errors import UnsupportedOpError
+    from .errors import missing_torch_name
     if name.startswith("_"):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    raise UnsupportedOpError(f"torch.cuda.{name} is not supported by stepgraph (see "
-                             "docs/TORCH_COMPAT.md for the torch names it has)")
+    raise missing_torch_name(f"torch.cuda.{name}")

@@ -1,4 +1,5 @@
 """Typed errors. Each says what mismatched: which input, expected vs got."""
+import sys
 
 
 class StepgraphError(Exception):
@@ -54,10 +55,51 @@ class UnsupportedOpError(StepgraphError, NotImplementedError, AttributeError):
     lacks (`torch.foo`), hence an AttributeError: hasattr and getattr with a default work."""
 
 
+# What a model uses instead of a torch name stepgraph lacks, where there is something.
+ALTERNATIVES = {
+    "torch.compile": "stepgraph.compile_train_step / compile_predict (the whole step compiled)",
+    "torch.autocast": 'compile_train_step(precision="bf16")',
+    "torch.float16": 'torch.bfloat16, or compile_train_step(precision="bf16")',
+    "torch.half": 'torch.bfloat16, or compile_train_step(precision="bf16")',
+    "torch.cuda.amp": 'compile_train_step(precision="bf16") (no loss scaling needed)',
+    "torch.nn.SyncBatchNorm": "torch.nn.BatchNorm2d (statistics of each rank's batch)",
+    "torch.nn.DataParallel": "compile_train_step(distributed=stepgraph.distributed."
+                             "DataParallel()) under the launcher",
+    "torch.nn.parallel": "compile_train_step(distributed=stepgraph.distributed."
+                         "DataParallel()) under the launcher",
+    "torch.Tensor.backward": "compile_train_step(model, loss=...), which derives the "
+                             "gradients and applies the update",
+    "torch.Tensor.masked_select": "x.masked_fill(~mask, 0) or torch.where(mask, x, 0)",
+    "torch.Tensor.nonzero": "a mask: torch.where(mask, x, 0)",
+    "torch.Tensor.kthvalue": "x.topk(k, dim, largest=False) and its last entry",
+    "torch.Tensor.index_put": "torch.where(mask, v, x) or x.scatter(dim, index, v)",
+    "torch.Tensor.index_put_": "torch.where(mask, v, x) or x.scatter(dim, index, v)",
+    "torch.Tensor.index_add": "x.scatter_add(dim, index, src)",
+}
+
+
+def called_in() -> str:
+    """" (called in model.layer1.0)" while a module's forward is being traced, else ""."""
+    # Read from sys.modules, not imported: the IR imports this module, and a forward can only
+    # be traced once it is loaded.
+    trace = sys.modules.get("stepgraph.ir.trace")
+    tracer = trace.current_tracer() if trace is not None else None
+    return f" (called in {tracer.where()})" if tracer is not None else ""
+
+
+def missing_torch_name(torch_name: str) -> UnsupportedOpError:
+    """The error for a torch name stepgraph lacks: the name, the module whose forward asked
+    for it (while one is traced) and the alternative where there is one."""
+    alternative = ALTERNATIVES.get(torch_name)
+    hint = f"; use {alternative}" if alternative else \
+        " (see docs/TORCH_COMPAT.md for the torch names it has)"
+    return UnsupportedOpError(f"{torch_name} is not supported by stepgraph{called_in()}{hint}")
+
+
 def lookup_torch_name(module: str, torch_module: str, name: str):
     """The module `__getattr__` of a torch-namespace package (`module`, standing for
     `torch_module`): a submodule not imported yet, AttributeError for a private name, else
-    UnsupportedOpError naming the torch name stepgraph lacks."""
+    UnsupportedOpError naming the torch name stepgraph lacks (`missing_torch_name`)."""
     import importlib
     import importlib.util
 
@@ -65,8 +107,7 @@ def lookup_torch_name(module: str, torch_module: str, name: str):
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
     if importlib.util.find_spec(f"{module}.{name}") is not None:
         return importlib.import_module(f"{module}.{name}")     # a submodule not loaded yet
-    raise UnsupportedOpError(f"{torch_module}.{name} is not supported by stepgraph (see "
-                             "docs/TORCH_COMPAT.md for the torch names it has)")
+    raise missing_torch_name(f"{torch_module}.{name}")
 
 
 class UnsupportedPrecisionError(UnsupportedOpError):

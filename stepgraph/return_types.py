@@ -1,5 +1,5 @@
-"""The named (values, indices) pairs that max / min / topk / sort with a dim return, as
-torch.return_types: unpack them as tuples or read `.values` and `.indices`."""
+"""The named (values, indices) pairs that max / min / median / topk / sort with a dim
+return, as torch.return_types: unpack them as tuples or read `.values` and `.indices`."""
 from __future__ import annotations
 
 from collections import namedtuple
@@ -8,5 +8,6 @@ max = namedtuple("max", ["values", "indices"])          # noqa: A001 (torch's na
 min = namedtuple("min", ["values", "indices"])          # noqa: A001
 topk = namedtuple("topk", ["values", "indices"])
 sort = namedtuple("sort", ["values", "indices"])
+median = namedtuple("median", ["values", "indices"])
 
-__all__ = ["max", "min", "topk", "sort"]
+__all__ = ["max", "min", "median", "topk", "sort"]

@@ -1,15 +1,25 @@
 """torch.* functions on tensors: joining (cat / concat / stack), the shape helpers, tril /
 triu, max / min / amax / amin / argmax / argmin, var / std / logsumexp, cumsum, gather,
-index_select, topk / sort. Each is the Tensor method of the same name (ir/trace.py), so
-it works wherever those methods do."""
+index_select, topk / sort, prod / median / norm, scatter / scatter_add, the arithmetic and
+product names (add, matmul, outer, ...), and einsum. Each but einsum is the Tensor method of
+the same name (ir/trace.py), so it works wherever those methods do."""
 from __future__ import annotations
 
-from ..errors import ShapeError
+import builtins
+import math
+
+from ..errors import ShapeError, UnsupportedOpError
+from .math import _method
 
 __all__ = ["cat", "concat", "concatenate", "stack", "unbind", "unsqueeze", "squeeze",
-           "flatten", "unflatten", "movedim", "moveaxis", "swapaxes", "swapdims", "tril", "triu", "max",
-           "min", "amax", "amin", "argmax", "argmin", "var", "std",
-           "logsumexp", "cumsum", "gather", "index_select", "topk", "sort"]
+           "flatten", "unflatten", "movedim", "moveaxis", "swapaxes", "swapdims", "tril", "triu",
+           "max", "min", "amax", "amin", "argmax", "argmin", "var", "std",
+           "logsumexp", "cumsum", "gather", "index_select", "topk", "sort",
+           "sum", "mean", "prod", "median", "norm", "softmax", "log_softmax", "split", "chunk",
+           "narrow", "reshape", "permute", "transpose", "t", "scatter", "scatter_add", "add",
+           "sub", "subtract", "mul", "multiply", "div", "divide", "true_divide", "matmul",
+           "mm", "bmm", "mv", "dot", "inner", "outer", "ger", "addmm", "baddbmm", "einsum",
+           "floor_divide", "remainder", "flip", "roll", "repeat_interleave"]
 
 
 def _joined(what: str, tensors) -> list:
@@ -160,3 +170,116 @@ def topk(input, k: int, dim: int = -1, largest: bool = True, sorted: bool = True
 
 def sort(input, dim: int = -1, descending: bool = False, stable: bool = False):
     return input.sort(dim, descending, stable)
+
+
+sum, mean, prod, median, norm = (_method(n) for n in ("sum", "mean", "prod", "median", "norm"))
+split, chunk, narrow, reshape = (_method(n) for n in ("split", "chunk", "narrow", "reshape"))
+permute, transpose, t = (_method(n) for n in ("permute", "transpose", "t"))
+scatter, scatter_add = _method("scatter"), _method("scatter_add")
+add, sub, subtract, mul, multiply = (_method(n) for n in ("add", "sub", "subtract", "mul",
+                                                          "multiply"))
+div, divide, true_divide = (_method(n) for n in ("div", "divide", "true_divide"))
+floor_divide, remainder = _method("floor_divide"), _method("remainder")
+roll, repeat_interleave = _method("roll"), _method("repeat_interleave")
+
+
+def flip(input, dims):
+    """torch.flip(input, dims): the order along `dims` reversed."""
+    return input.flip(dims)
+matmul, mm, bmm, mv = (_method(n) for n in ("matmul", "mm", "bmm", "mv"))
+dot, inner, outer, ger = (_method(n) for n in ("dot", "inner", "outer", "ger"))
+addmm, baddbmm = _method("addmm"), _method("baddbmm")
+
+
+def softmax(input, dim: int, dtype=None):
+    """softmax over `dim`, of input cast to `dtype` first when given (as torch)."""
+    return (input if dtype is None else input.to(dtype)).softmax(dim)
+
+
+def log_softmax(input, dim: int, dtype=None):
+    """log(softmax) over `dim`, of input cast to `dtype` first when given."""
+    return (input if dtype is None else input.to(dtype)).log_softmax(dim)
+
+
+def einsum(equation: str, *operands):
+    """torch.einsum of one or two operands, as sums, permutes and one matmul or bmm: the
+    indices both operands and the output share are the batch, those of both operands only
+    are contracted, indices of one operand only and not in the output are summed first.
+    `...` stands for the same leading axes in every operand (not broadcast). A repeated
+    index within one operand (a diagonal) and three or more operands are refused."""
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    operands = _joined("einsum", operands)
+    terms, out = _einsum_terms(equation, operands)
+    sizes = {}
+    for term, x in zip(terms, operands):
+        for letter, n in zip(term, x.shape):
+            if sizes.setdefault(letter, n) != n:
+                raise ShapeError(f"einsum {equation!r}: index {letter!r} is {sizes[letter]} "
+                                 f"in one operand and {n} in another (no broadcasting)")
+    if len(operands) == 1:
+        return _einsum_reorder(operands[0], terms[0], out)
+    (a, b), (ta, tb) = operands, terms
+    batch = [c for c in out if c in ta and c in tb]
+    left = [c for c in out if c in ta and c not in tb]
+    right = [c for c in out if c in tb and c not in ta]
+    inner_ = [c for c in ta if c in tb and c not in out]
+    n = lambda letters: math.prod(sizes[c] for c in letters)  # noqa: E731
+    # each operand as (batch, rows, contracted) and (batch, contracted, columns); its indices
+    # in none of those (not in the other operand nor the output) are summed on the way
+    a = _einsum_reorder(a, ta, "".join(batch + left + inner_))
+    b = _einsum_reorder(b, tb, "".join(batch + inner_ + right))
+    if batch:
+        y = a.reshape(n(batch), n(left), n(inner_)) @ b.reshape(n(batch), n(inner_), n(right))
+    else:
+        y = a.reshape(n(left), n(inner_)) @ b.reshape(n(inner_), n(right))
+    y = y.reshape(*(sizes[c] for c in batch + left + right))
+    return _einsum_reorder(y, "".join(batch + left + right), out)
+
+
+def _einsum_terms(equation: str, operands) -> tuple[list[str], str]:
+    """The operands' index strings and the output's, `...` replaced by one new letter per
+    axis it covers (right-aligned across operands); an implicit output is `...` followed
+    by the indices seen once, in alphabetical order, as torch."""
+    lhs, arrow, out = equation.replace(" ", "").partition("->")
+    terms = lhs.split(",")
+    where = operands[0].tracer.where()
+    if len(terms) != len(operands):
+        raise ShapeError(f"einsum {equation!r}: {len(terms)} index groups for "
+                         f"{len(operands)} operands")
+    if len(operands) > 2:
+        raise UnsupportedOpError(f"torch.einsum of {len(operands)} operands is not supported "
+                                 f"by stepgraph (called in {where}): nest two-operand "
+                                 "einsums")
+    # the module defines max, min and sum as torch functions: builtins spelled out
+    spare = [chr(c) for c in range(0x3b1, 0x3c9)]      # Greek letters stand for `...`
+    width = builtins.max(x.ndim - len(t.replace("...", "")) for t, x in zip(terms, operands))
+    dots = "".join(spare[:builtins.max(width, 0)])
+    terms = [t.replace("...", dots[len(dots) - (x.ndim - len(t) + 3):]) if "..." in t else t
+             for t, x in zip(terms, operands)]
+    if not arrow:
+        seen = "".join(terms)
+        out = (dots if any("..." in t for t in lhs.split(",")) else "") + "".join(
+            sorted(c for c in set(seen) if seen.count(c) == 1 and c not in dots))
+    out = out.replace("...", dots)
+    for term, x in zip(terms, operands):
+        if len(term) != x.ndim or not term.isalpha():
+            raise ShapeError(f"einsum {equation!r}: {term!r} does not index a tensor of shape "
+                             f"{tuple(x.shape)}")
+        if len(set(term)) != len(term):
+            raise UnsupportedOpError(f"torch.einsum {equation!r} repeats an index within one "
+                                     f"operand (a diagonal), which stepgraph does not support "
+                                     f"(called in {where}): multiply by torch.eye and sum")
+    if len(set(out)) != len(out) or any(c not in "".join(terms) for c in out):
+        raise ShapeError(f"einsum {equation!r}: the output indices {out!r} must be distinct "
+                         "and appear in an operand")
+    return terms, out
+
+
+def _einsum_reorder(x, term: str, out: str):
+    """x indexed by `term` as indexed by `out`: the indices missing from out summed, the
+    rest permuted into out's order."""
+    gone = tuple(i for i, c in enumerate(term) if c not in out)
+    if gone:
+        x, term = x.sum(gone), "".join(c for c in term if c in out)
+    return x.permute(*(term.index(c) for c in out)) if term else x

@@ -53,6 +53,25 @@ def _shape_args(shape) -> tuple:
     return tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
 
 
+def _vector_norm(x: Tensor, p, dim, keepdim: bool, eps: float) -> Tensor:
+    """(sum |x|^p)^(1/p) over `dim` (max |x| for p inf). eps > 0 clamps the norm below at
+    eps (F.normalize's divisor), on the sum at eps^p: the same value without the root's
+    infinite derivative at zero. eps 0: the root of a zero sum is 0 with gradient zero."""
+    if not (_is_scalar(p) and p > 0):
+        x._unsupported(f"norm with p={p!r} (p must be a positive number or inf)")
+    if p == math.inf:
+        y = x.abs().amax(() if dim is None else dim, keepdim)
+        return y.clamp_min(eps) if eps else y
+    s = (x * x if p == 2 else x.abs() if p == 1 else x.abs() ** p).sum(dim, keepdim)
+    if p == 1:
+        return s.clamp_min(eps) if eps else s
+    root = (lambda t: t.sqrt()) if p == 2 else (lambda t: t ** (1.0 / p))
+    if eps:
+        return root(s.clamp_min(eps ** p))
+    zero = s == 0
+    return root(s.masked_fill(zero, 1.0)).masked_fill(zero, 0.0)
+
+
 class Size(tuple):
     """A tensor's shape (torch.Size): a tuple of ints with numel()."""
 
@@ -78,7 +97,8 @@ def dtype_name(dtype) -> str:
         name = str(dtype).rsplit(".", 1)[-1]
     name = _DTYPE_ALIASES.get(name, name)
     if name not in DTYPES:
-        hint = " (use precision=\"bf16\" for 16-bit compute)" if name == "float16" else ""
+        hint = ' (for 16-bit compute use compile_train_step(precision="bf16"))' \
+            if name == "float16" else ""
         raise UnsupportedOpError(f"dtype {dtype!r} is not supported by stepgraph: "
                                  f"one of {DTYPES}{hint}")
     return name
@@ -91,17 +111,30 @@ def _is_device(x) -> bool:
     return hasattr(x, "type") and hasattr(x, "index")
 
 
+def _inplace(name: str):
+    """Tensor.<name>_: the out-of-place method's result, held from then on by the same
+    tensor object (`Tensor._assign`)."""
+    def method(self, *args, **kwargs):
+        return self._assign(getattr(self, name)(*args, **kwargs), f"Tensor.{name}_")
+    method.__name__ = method.__qualname__ = f"{name}_"
+    method.__doc__ = f"In-place {name}: this tensor now holds x.{name}(...) (see _assign)."
+    return method
+
+
 class Tensor:
     """A symbolic tensor: a Value plus the tracer recording ops on it.
 
-    Supports PyTorch's arithmetic operators (+ - * / ** with tensors, broadcasting, or Python
-    scalars on either side), @ ((..., K) @ (K, N), and (..., M, K) @ (..., K, N) with the same
-    batch dims through bmm), reshape/view/flatten, transpose/permute/.T, split/chunk/narrow,
-    sum/mean, and the methods relu/sigmoid/tanh/softmax/log_softmax; indexing x[...],
-    unsqueeze/squeeze/unflatten/expand/repeat/movedim, tril/triu, max/min/amax/amin/argmax/
-    argmin, var/std/logsumexp, cumsum, gather, topk/sort. Any other torch.Tensor method, and
-    what has a data-dependent shape (boolean masks), raises UnsupportedOpError naming the op
-    and the module that called it.
+    Supports PyTorch's arithmetic operators (+ - * / ** // % with tensors, broadcasting, or
+    Python scalars on either side) and their names (add, sub, mul, div, ...), @ ((..., K) @
+    (K, N), and (..., M, K) @ (..., K, N) with the same batch dims through bmm), mm/bmm/mv/
+    dot/outer/addmm/baddbmm, reshape/view/flatten, transpose/permute/.T, split/chunk/narrow,
+    sum/mean/prod/median/norm, and the methods relu/sigmoid/tanh/softmax/log_softmax;
+    indexing x[...], unsqueeze/squeeze/unflatten/expand/repeat/repeat_interleave/movedim/
+    flip/roll, tril/triu, max/min/amax/amin/argmax/argmin, var/std/logsumexp, cumsum, gather,
+    scatter/scatter_add, topk/sort, new_zeros/new_ones/new_full/new_tensor, and in-place
+    forms (x += y, add_, relu_, masked_fill_, ...) that rebind this object (`_assign`). Any
+    other torch.Tensor method, and what has a data-dependent shape (boolean masks), raises
+    UnsupportedOpError naming the op and the module that called it.
 
     An eager tensor (tracer `EAGER`, made outside a traced forward by the factories of
     stepgraph.functions) also holds its values, `array` in storage dtype (bfloat16 as uint16
@@ -157,13 +190,20 @@ class Tensor:
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
+    @property
+    def data(self) -> Tensor:
+        """This tensor's values outside the backward: an eager tensor itself (it shares the
+        values, as torch's), a traced one its detach()."""
+        return self if self.is_eager else self.detach()
+
     def detach(self) -> Tensor:
         """The same values, cut from the backward (a stop_gradient view)."""
         return self.tracer.op("stop_gradient", [self])
 
     def clone(self, *, memory_format=None) -> Tensor:
-        """A copy (eager); a traced value is never overwritten, so it is its own clone."""
-        return tensor_of(self.array.copy()) if self.is_eager else self
+        """A copy (eager); a traced value is never overwritten, so its clone is a new object
+        holding the same value: an in-place method on one leaves the other as it was."""
+        return tensor_of(self.array.copy()) if self.is_eager else Tensor(self.value, self.tracer)
 
     def cpu(self) -> Tensor:
         """This tensor: eager ones live on the host, traced ones where the step runs."""
@@ -181,29 +221,33 @@ class Tensor:
         return True
 
     def fill_(self, value) -> Tensor:
-        """Every element set to `value`, in place (eager tensors: a traced value is never
-        overwritten)."""
-        array = self._writable("fill_")
-        array[...] = EAGER.op("fill", [], value=value, shape=(), dtype=self.value.dtype).array
+        """Every element set to `value` (a number), in place: an eager tensor's array is
+        written, a traced one holds a `fill` node from then on (`_assign`)."""
+        if not _is_scalar(value):
+            self._unsupported(f"Tensor.fill_ with a {type(value).__name__} value (a number)")
+        if not self.is_eager:
+            return self._assign(self.new_full(self.shape, value), "Tensor.fill_")
+        self.array[...] = EAGER.op("fill", [], value=value, shape=(),
+                                   dtype=self.value.dtype).array
         return self
 
     def zero_(self) -> Tensor:
         return self.fill_(0)
 
     def copy_(self, src, non_blocking: bool = False) -> Tensor:
-        """`src`'s values (broadcast to this shape, cast to this dtype) written in place."""
+        """`src`'s values (broadcast to this shape, cast to this dtype) written in place; a
+        traced tensor, or one given traced values, holds them from then on (`_assign`)."""
+        if not self.is_eager or isinstance(src, Tensor) and not src.is_eager:
+            if not isinstance(src, Tensor):     # a Parameter or Buffer, or array-like values
+                src = self._coerce(src, "copy_") if hasattr(src, "traced") else \
+                    tensor_of(np.asarray(src))
+            return self._assign(src._cast(self.dtype).expand(*self.shape), "Tensor.copy_")
         values = src.numpy() if isinstance(src, Tensor) else np.asarray(src)
         if self.value.dtype == "bfloat16":
             from ..backends.numpy import bf16
             values = bf16.to_bits(np.asarray(values, np.float32))
-        self._writable("copy_")[...] = np.broadcast_to(values, self.shape)
+        self.array[...] = np.broadcast_to(values, self.shape)
         return self
-
-    def _writable(self, what: str) -> np.ndarray:
-        if not self.is_eager:
-            self._unsupported(f"Tensor.{what} on a traced tensor (in-place writes; use the "
-                              "out-of-place form)")
-        return self.array
 
     def numel(self) -> int:
         return math.prod(self.shape)
@@ -431,6 +475,199 @@ class Tensor:
         y = self.tracer.op("bmm", [a, b])
         return y.reshape(*lead, *y.shape[-2:])
 
+    # ---- arithmetic and products by name (torch.Tensor.add, mm, outer, ...) ----
+    def add(self, other, *, alpha=1) -> Tensor:
+        """self + alpha * other."""
+        return self + (other if alpha == 1 else self._coerce_any(other, "add") * alpha)
+
+    def sub(self, other, *, alpha=1) -> Tensor:
+        """self - alpha * other."""
+        return self - (other if alpha == 1 else self._coerce_any(other, "sub") * alpha)
+
+    def mul(self, other) -> Tensor:
+        return self * other
+
+    def div(self, other, *, rounding_mode=None) -> Tensor:
+        """self / other; rounding_mode "trunc" or "floor" rounds the quotient."""
+        if rounding_mode not in (None, "trunc", "floor"):
+            raise ValueError(f"div: rounding_mode must be None, 'trunc' or 'floor', got "
+                             f"{rounding_mode!r}")
+        return self / other if rounding_mode is None else self._rounded(other, rounding_mode)
+
+    subtract, multiply, divide, true_divide = sub, mul, div, div
+
+    def _rounded(self, other, kind: str, reverse: bool = False) -> Tensor:
+        """floor(a / b) (kind "floor"), trunc(a / b) ("trunc") or a - b * floor(a / b)
+        ("mod", the remainder with the divisor's sign, as Python's %), a = self and b = other
+        (swapped when reverse). With integer operands only, the result is an integer tensor
+        computed in float64: exact for magnitudes below 2^53."""
+        ints = not self.dtype.is_floating_point and (
+            isinstance(other, numbers.Integral) or
+            isinstance(other, Tensor) and not other.dtype.is_floating_point)
+        x = self._cast("float64") if ints else self
+        o = other if _is_scalar(other) else self._coerce(other, kind)
+        o = o._cast("float64") if ints and isinstance(o, Tensor) else o
+        a, b = (o, x) if reverse else (x, o)
+        q = a / b
+        y = q.trunc() if kind == "trunc" else q.floor()
+        if kind == "mod":
+            y = a - b * y
+        return y._cast(self.dtype) if ints else y
+
+    def __floordiv__(self, other):
+        """floor(self / other), as torch.floor_divide (`_rounded`)."""
+        return self._rounded(other, "floor")
+
+    def __rfloordiv__(self, other):
+        return self._rounded(other, "floor", reverse=True)
+
+    def __mod__(self, other):
+        """self - other * floor(self / other), as torch.remainder (`_rounded`)."""
+        return self._rounded(other, "mod")
+
+    def __rmod__(self, other):
+        return self._rounded(other, "mod", reverse=True)
+
+    floor_divide, remainder = __floordiv__, __mod__
+
+    def _coerce_any(self, other, op: str):
+        """A Python number as it is, anything else as a tensor of this trace."""
+        return other if _is_scalar(other) else self._coerce(other, op)
+
+    def mm(self, mat2) -> Tensor:
+        """(n, k) @ (k, m)."""
+        mat2 = self._coerce(mat2, "mm")
+        if self.ndim != 2 or mat2.ndim != 2:
+            raise ShapeError(f"mm: needs two matrices, got {self.shape} and {mat2.shape}")
+        return self @ mat2
+
+    def bmm(self, mat2) -> Tensor:
+        """(b, n, k) @ (b, k, m)."""
+        mat2 = self._coerce(mat2, "bmm")
+        if self.ndim != 3 or mat2.ndim != 3:
+            raise ShapeError(f"bmm: needs two 3-d tensors, got {self.shape} and {mat2.shape}")
+        return self @ mat2
+
+    def mv(self, vec) -> Tensor:
+        """(n, k) @ (k,)."""
+        vec = self._coerce(vec, "mv")
+        if self.ndim != 2 or vec.ndim != 1:
+            raise ShapeError(f"mv: needs a matrix and a vector, got {self.shape} and "
+                             f"{vec.shape}")
+        return self @ vec
+
+    def dot(self, other) -> Tensor:
+        """The sum of the products of two 1-d tensors of one length."""
+        other = self._coerce(other, "dot")
+        if self.ndim != 1 or other.shape != self.shape:
+            raise ShapeError(f"dot: needs two 1-d tensors of one length, got {self.shape} and "
+                             f"{other.shape}")
+        return (self * other).sum()
+
+    inner = dot
+
+    def outer(self, vec2) -> Tensor:
+        """The (n, m) products of two 1-d tensors: one broadcast multiply, as exact as
+        torch's."""
+        vec2 = self._coerce(vec2, "outer")
+        if self.ndim != 1 or vec2.ndim != 1:
+            raise ShapeError(f"outer: needs two 1-d tensors, got {self.shape} and {vec2.shape}")
+        return self.reshape(-1, 1) * vec2.reshape(1, -1)
+
+    ger = outer
+
+    def addmm(self, mat1, mat2, *, beta=1, alpha=1) -> Tensor:
+        """beta * self + alpha * (mat1 @ mat2)."""
+        return self._scaled_sum(self._coerce(mat1, "addmm").mm(mat2), beta, alpha)
+
+    def baddbmm(self, batch1, batch2, *, beta=1, alpha=1) -> Tensor:
+        """beta * self + alpha * (batch1 @ batch2), batched."""
+        return self._scaled_sum(self._coerce(batch1, "baddbmm").bmm(batch2), beta, alpha)
+
+    def _scaled_sum(self, product: Tensor, beta, alpha) -> Tensor:
+        product = product if alpha == 1 else product * alpha
+        # torch ignores self when beta is 0 (NaN in it does not propagate)
+        return product if beta == 0 else (self if beta == 1 else self * beta) + product
+
+    def t(self) -> Tensor:
+        """The transpose of a matrix; a 0-d or 1-d tensor as it is."""
+        if self.ndim > 2:
+            raise ShapeError(f"t: expects a tensor of at most 2 axes, got {self.shape}")
+        return self.T
+
+    # ---- in-place forms: x.add_(y), x += y, x.relu_(), x.masked_fill_(m, v) ----
+    def _assign(self, result: Tensor, what: str) -> Tensor:
+        """Make this tensor hold `result` (an in-place method's work). An eager tensor's
+        array is written. A traced value is never overwritten: the object is rebound to the
+        new node, so every name bound to it sees the change, as model code expects of
+        `x += residual`; views taken before the call keep the old values (torch's views
+        share storage and would see it)."""
+        if result.shape != self.shape or result.dtype != self.dtype:
+            raise ShapeError(f"{what}: the result {result.dtype}{list(result.shape)} cannot "
+                             f"be written in place into a {self.dtype}{list(self.shape)} "
+                             "tensor")
+        if self.is_eager and result.is_eager:
+            self.array[...] = result.array
+        elif result.is_eager:                   # eager values for a traced tensor: a constant
+            self.value = self.tracer.constant(result)
+        else:
+            self.value, self.tracer, self.array = result.value, result.tracer, None
+        return self
+
+    add_, sub_, mul_, div_, pow_ = (_inplace(n) for n in ("add", "sub", "mul", "div", "pow"))
+    __iadd__, __isub__, __imul__, __itruediv__, __ipow__ = add_, sub_, mul_, div_, pow_
+    floor_divide_, remainder_ = _inplace("floor_divide"), _inplace("remainder")
+    __ifloordiv__, __imod__ = floor_divide_, remainder_
+    subtract_, multiply_, divide_, true_divide_ = sub_, mul_, div_, div_
+    neg_, negative_, reciprocal_, square_ = (_inplace(n) for n in ("neg", "negative",
+                                                                   "reciprocal", "square"))
+    clamp_, clamp_min_, clamp_max_, clip_ = (_inplace(n) for n in ("clamp", "clamp_min",
+                                                                   "clamp_max", "clip"))
+    relu_, sigmoid_, tanh_ = (_inplace(n) for n in ("relu", "sigmoid", "tanh"))
+    exp_, log_, log1p_, expm1_ = (_inplace(n) for n in ("exp", "log", "log1p", "expm1"))
+    sqrt_, rsqrt_, abs_, sign_ = (_inplace(n) for n in ("sqrt", "rsqrt", "abs", "sign"))
+    floor_, ceil_, round_, trunc_ = (_inplace(n) for n in ("floor", "ceil", "round", "trunc"))
+    sin_, cos_, erf_ = (_inplace(n) for n in ("sin", "cos", "erf"))
+    masked_fill_, addmm_, baddbmm_ = (_inplace(n) for n in ("masked_fill", "addmm",
+                                                            "baddbmm"))
+    scatter_, scatter_add_ = _inplace("scatter"), _inplace("scatter_add")
+
+    # ---- new tensors of this dtype (torch.Tensor.new_*) ----
+    def new_full(self, size, fill_value, *, dtype=None, device=None,
+                 requires_grad: bool = False) -> Tensor:
+        """`fill_value` everywhere, of shape `size` and (unless `dtype`) this dtype: a `fill`
+        node of this tensor's trace (computed at once for an eager tensor). `device` is
+        checked and ignored, as the factories do."""
+        from ..devices import as_device
+        from ..dtypes import tensor_dtype
+        as_device(device)
+        shape = tuple(int(d) for d in _shape_args((size,)))
+        return self.tracer.op("fill", [], value=fill_value, shape=shape,
+                              dtype=str(tensor_dtype(dtype or self.dtype, "new_full")))
+
+    def new_zeros(self, *size, dtype=None, device=None, requires_grad: bool = False):
+        return self.new_full(_shape_args(size), 0, dtype=dtype, device=device)
+
+    def new_ones(self, *size, dtype=None, device=None, requires_grad: bool = False):
+        return self.new_full(_shape_args(size), 1, dtype=dtype, device=device)
+
+    def new_empty(self, *size, dtype=None, device=None, requires_grad: bool = False):
+        """As new_zeros (nothing may depend on stale memory)."""
+        return self.new_zeros(*size, dtype=dtype, device=device)
+
+    def new_tensor(self, data, *, dtype=None, device=None, requires_grad: bool = False):
+        """An eager tensor holding a copy of `data` in this dtype (unless `dtype`); where it
+        meets a traced tensor it is a constant of its values."""
+        from ..devices import as_device
+        from ..dtypes import tensor_dtype
+        as_device(device)
+        dtype = str(tensor_dtype(dtype or self.dtype, "new_tensor"))
+        values = data.numpy() if isinstance(data, Tensor) else np.asarray(data)
+        if dtype == BF16:
+            from ..backends.numpy import bf16
+            return tensor_of(bf16.to_bits(np.asarray(values, np.float32)))
+        return tensor_of(np.array(values, dtype=storage_dtype(dtype), order="C"))
+
     # ---- slicing ----
     def narrow(self, dim: int, start: int, length: int) -> Tensor:
         """Elements start..start+length-1 along `dim` (a contiguous copy; none when the
@@ -631,6 +868,48 @@ class Tensor:
         tiled = pairs.expand(*(d for r, s in zip(sizes, shape) for d in (r, s)))
         return tiled.reshape(*(r * s for r, s in zip(sizes, shape)))
 
+    def repeat_interleave(self, repeats, dim=None, *, output_size=None) -> Tensor:
+        """Each element repeated `repeats` (an int) times along `dim` (None: of the
+        flattened tensor), as torch.repeat_interleave: a new axis after `dim` expanded and
+        merged into it. A tensor of per-element repeats gives a data-dependent shape."""
+        if not isinstance(repeats, numbers.Integral):
+            self._unsupported("Tensor.repeat_interleave with a tensor of repeats (the shape "
+                              "depends on the data; use an int, or repeat)")
+        if dim is None:
+            return self.reshape(-1).repeat_interleave(repeats, 0)
+        d = _dim(dim, self.ndim, "repeat_interleave")
+        spread = self.unsqueeze(d + 1)
+        spread = spread.expand(*spread.shape[:d + 1], int(repeats), *spread.shape[d + 2:])
+        return spread.flatten(d, d + 1)
+
+    def roll(self, shifts, dims=None) -> Tensor:
+        """Elements shifted `shifts` places along `dims` (int or tuples of one length; None:
+        the flattened tensor, shape kept), wrapping around: two slices joined per axis."""
+        if dims is None:
+            return self.reshape(-1).roll(shifts, 0).reshape(*self.shape)
+        shifts = (shifts,) if isinstance(shifts, numbers.Integral) else tuple(shifts)
+        dims = (dims,) if isinstance(dims, numbers.Integral) else tuple(dims)
+        if len(shifts) != len(dims):
+            raise ShapeError(f"roll: {len(shifts)} shifts for {len(dims)} dims")
+        y = self
+        for shift, dim in zip(shifts, dims):
+            d = _dim(dim, self.ndim, "roll")
+            n = self.shape[d]
+            k = int(shift) % n if n else 0
+            if k:
+                y = y.tracer.op("concat", [y.narrow(d, n - k, k), y.narrow(d, 0, n - k)], dim=d)
+        return y
+
+    def flip(self, *dims) -> Tensor:
+        """The order along `dims` reversed (float tensors): the slices read at reversed
+        constant positions (index_select)."""
+        y = self
+        for dim in _shape_args(dims):
+            d = _dim(dim, self.ndim, "flip")
+            if self.shape[d] > 1:
+                y = y.index_select(d, tensor_of(np.arange(self.shape[d] - 1, -1, -1)))
+        return y
+
     def movedim(self, source, destination) -> Tensor:
         """Axes `source` (int or tuple) moved to positions `destination`, the others kept in
         order."""
@@ -796,6 +1075,98 @@ class Tensor:
             if axis != d and n != x.shape[axis]:
                 x = x.narrow(axis, 0, n)
         return self.tracer.op("gather", [x, index], dim=d)
+
+    def scatter_add(self, dim: int, index, src) -> Tensor:
+        """x with src[p] added at x[p with axis `dim` replaced by index[p]] for every p of
+        index (out-of-place torch.scatter_add; repeated indices add up). index has x's shape
+        off `dim`; src is read over index's shape. Gradient: dy to x, dy gathered to src."""
+        d = _dim(dim, self.ndim, "scatter_add")
+        return self + self._scattered(d, self._coerce(index, "scatter_add"), src,
+                                      "scatter_add")
+
+    def scatter(self, dim: int, index, src=None, *, value=None, reduce=None) -> Tensor:
+        """x with the places index names along `dim` replaced by src[p] (a tensor) or by
+        `value` (a number, also accepted as src), out-of-place torch.scatter. torch leaves
+        which value lands where an index repeats unspecified; here src's values there add
+        up, so give distinct indices with a tensor src."""
+        if reduce is not None:
+            self._unsupported(f"Tensor.scatter with reduce={reduce!r} (use scatter_add, or "
+                              "scatter_reduce's out-of-place forms)")
+        d = _dim(dim, self.ndim, "scatter")
+        index = self._coerce(index, "scatter")
+        src = value if src is None else src
+        if src is None:
+            raise TypeError("scatter: give src (a tensor or a number) or value")
+        ones = self.tracer.op("fill", [], value=1.0, shape=index.shape, dtype=self.value.dtype)
+        hit = self._scattered(d, index, ones, "scatter") > 0
+        if _is_scalar(src):
+            return self.masked_fill(hit, src)
+        return self._scattered(d, index, src, "scatter").where(hit, self)
+
+    def _scattered(self, d: int, index: Tensor, src, what: str) -> Tensor:
+        """src's values over index's shape summed into zeros of x's shape at the places
+        index names along axis d (the `gather_grad` op)."""
+        src = self._coerce(src, what)
+        if index.ndim != self.ndim or any(n != self.shape[a] for a, n in
+                                          enumerate(index.shape) if a != d):
+            self._unsupported(f"{what} with index {index.shape} into {self.shape} along dim "
+                              f"{d} (index must have the tensor's shape off dim)")
+        if src.ndim != index.ndim or any(s < n for s, n in zip(src.shape, index.shape)):
+            raise ShapeError(f"{what}: src {src.shape} must cover index {index.shape}")
+        for axis, n in enumerate(index.shape):
+            if src.shape[axis] != n:
+                src = src.narrow(axis, 0, n)
+        return self.tracer.op("gather_grad", [src, index], input_shape=self.shape, dim=d)
+
+    def prod(self, dim=None, keepdim: bool = False, *, dtype=None) -> Tensor:
+        """The product over `dim` (None: of all elements), as a tree of elementwise products
+        of the axis' halves: log2(n) multiply nodes, and a gradient exact where elements are
+        zero (the product of the others)."""
+        if dtype is not None and dtype_name(dtype) != self.value.dtype:
+            self._unsupported(f"Tensor.prod with dtype={dtype} (cast first)")
+        if dim is None:
+            return self.reshape(-1)._prod_axis(0).reshape()
+        d = _dim(dim, self.ndim, "prod")
+        if self.ndim == 0:
+            return self
+        y = self._prod_axis(d)
+        return y if keepdim else y.squeeze(d)
+
+    def _prod_axis(self, d: int) -> Tensor:
+        """The product along axis d, kept with length 1."""
+        if self.shape[d] == 0:
+            shape = tuple(1 if i == d else n for i, n in enumerate(self.shape))
+            return self.tracer.op("fill", [], value=1, shape=shape, dtype=self.value.dtype)
+        y = self
+        while y.shape[d] > 1:
+            n, half = y.shape[d], y.shape[d] // 2
+            pairs = y.narrow(d, 0, half) * y.narrow(d, n - half, half)
+            # an odd length leaves its middle element to the next round
+            y = pairs if n % 2 == 0 else \
+                self.tracer.op("concat", [pairs, y.narrow(d, half, 1)], dim=d)
+        return y
+
+    def median(self, dim=None, keepdim: bool = False):
+        """The lower median (of an even count the smaller middle value), as torch.median:
+        of all elements, or (values, indices) along an int `dim` as
+        torch.return_types.median. The gradient goes to the element picked."""
+        from .. import return_types
+        if dim is None:
+            return self.reshape(-1).median(0).values
+        d = _dim(dim, self.ndim, "median")
+        if self.ndim == 0:
+            return return_types.median(self, self.new_zeros((), dtype="int64"))
+        k = (self.shape[d] + 1) // 2            # the k smallest end at the lower median
+        values, indices = self.topk(k, d, largest=False)
+        values, indices = values.narrow(d, k - 1, 1), indices.narrow(d, k - 1, 1)
+        if not keepdim:
+            values, indices = values.squeeze(d), indices.squeeze(d)
+        return return_types.median(values, indices)
+
+    def norm(self, p=2, dim=None, keepdim: bool = False) -> Tensor:
+        """The vector p-norm over `dim` (None: all elements), p a positive number or inf, as
+        torch.norm's vector norms; an all-zero slice has gradient zero, as in torch."""
+        return _vector_norm(self, p, dim, keepdim, eps=0.0)
 
     # ---- activations ----
     def _act(self, kind: str) -> Tensor:
@@ -1014,7 +1385,10 @@ class Tensor:
 
     # ---- dtype and device ----
     def _cast(self, dtype) -> Tensor:
-        dtype = dtype_name(dtype)
+        try:
+            dtype = dtype_name(dtype)
+        except UnsupportedOpError as err:       # the message gains the module path
+            raise UnsupportedOpError(f"{err} (called in {self.tracer.where()})") from None
         if dtype == self.dtype:
             return self
         return self.tracer.op("cast", [self], dtype=dtype)
@@ -1029,6 +1403,15 @@ class Tensor:
                 dtype = a
         return self if dtype is None else self._cast(dtype)
 
+    def type(self, dtype=None, non_blocking: bool = False):
+        """With a dtype, a cast to it (as `to`); without, torch's type string of this
+        tensor ("torch.FloatTensor")."""
+        if dtype is not None:
+            return self._cast(dtype)
+        names = {"float32": "Float", "float64": "Double", "int64": "Long", "int32": "Int",
+                 "uint8": "Byte", "bool": "Bool", BF16: "BFloat16"}
+        return f"torch.{names[self.value.dtype]}Tensor"
+
     def type_as(self, other) -> Tensor:
         return self._cast(other.dtype)
 
@@ -1042,8 +1425,8 @@ class Tensor:
         return self._cast(BF16)
 
     def half(self) -> Tensor:
-        self._unsupported('Tensor.half (float16; compile with precision="bf16" for 16-bit '
-                          "compute)")
+        self._unsupported('Tensor.half (float16 is not an IR dtype; for 16-bit compute use '
+                          'compile_train_step(precision="bf16"))')
 
     def long(self) -> Tensor:
         return self._cast("int64")
@@ -1060,7 +1443,9 @@ class Tensor:
         # for. Private and dunder names stay AttributeErrors (copy, pickle, hasattr probes).
         if name.startswith("_") or name in ("value", "tracer", "array"):
             raise AttributeError(name)
-        self._unsupported(f"Tensor.{name}")
+        from ..errors import ALTERNATIVES
+        alternative = ALTERNATIVES.get(f"torch.Tensor.{name}")
+        self._unsupported(f"Tensor.{name}" + (f" (use {alternative})" if alternative else ""))
 
     def _unsupported(self, op: str):
         raise UnsupportedOpError(f"{op} is not supported by stepgraph (called in "
@@ -1073,13 +1458,6 @@ class Tensor:
 
     def __iter__(self):
         self._unsupported("iteration over a tensor")
-
-
-    def __floordiv__(self, other):
-        self._unsupported("floor division //")
-
-    def __mod__(self, other):
-        self._unsupported("remainder %")
 
     def __repr__(self):
         if self.is_eager:

@@ -9,6 +9,9 @@ from .layers import (CELU, ELU, GLU, SELU, Hardsigmoid, Hardswish, Hardtanh, Log
                      Mish, ReLU6, Softplus)
 from .layers import (AdaptiveMaxPool2d, Conv1d, ConvTranspose2d, GroupNorm, MultiheadAttention,
                      RMSNorm, Upsample, UpsamplingBilinear2d, UpsamplingNearest2d)
+from .layers import (ConstantPad1d, ConstantPad2d, CosineSimilarity, PairwiseDistance,
+                     PixelShuffle, PixelUnshuffle, ReflectionPad1d, ReflectionPad2d,
+                     ReplicationPad1d, ReplicationPad2d, Softmax, Softmin, Unflatten, ZeroPad2d)
 from .loss_modules import (BCELoss, BCEWithLogitsLoss, CrossEntropyLoss, HuberLoss, KLDivLoss,
                            L1Loss, MSELoss, NLLLoss, SmoothL1Loss)
 from .module import Buffer, Module, Parameter
@@ -22,7 +25,10 @@ __all__ = ["Module", "Parameter", "Linear", "Conv2d", "MaxPool2d", "Flatten", "D
            "CrossEntropyLoss", "NLLLoss", "MSELoss", "BCEWithLogitsLoss", "BCELoss", "L1Loss",
            "SmoothL1Loss", "HuberLoss", "KLDivLoss",
            "GroupNorm", "RMSNorm", "Conv1d", "ConvTranspose2d", "Upsample", "UpsamplingNearest2d",
-           "UpsamplingBilinear2d", "MultiheadAttention", "AdaptiveMaxPool2d"]
+           "UpsamplingBilinear2d", "MultiheadAttention", "AdaptiveMaxPool2d",
+           "Softmax", "Softmin", "PixelShuffle", "PixelUnshuffle", "Unflatten",
+           "CosineSimilarity", "PairwiseDistance", "ConstantPad1d", "ConstantPad2d", "ZeroPad2d",
+           "ReflectionPad1d", "ReflectionPad2d", "ReplicationPad1d", "ReplicationPad2d"]
 
 
 def __getattr__(name: str):

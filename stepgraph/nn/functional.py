@@ -38,9 +38,8 @@ def activation(x: Tensor, kind: str, slope: float = 0.01) -> Tensor:
 # ---- activations, softmax, dropout and mse with torch.nn.functional's signatures ----------
 
 def relu(input: Tensor, inplace: bool = False) -> Tensor:
-    """max(input, 0). `inplace` is accepted for PyTorch compatibility (traced ops never
-    overwrite their input)."""
-    return activation(input, "relu")
+    """max(input, 0); inplace=True makes input hold the result too (Tensor.relu_)."""
+    return input.relu_() if inplace else activation(input, "relu")
 
 
 def leaky_relu(input: Tensor, negative_slope: float = 0.01, inplace: bool = False) -> Tensor:
@@ -900,9 +899,130 @@ def _adaptive_size(input: Tensor, output_size, what: str) -> tuple[int, int]:
     return oh or h, ow or w
 
 
+# ---- normalize, pad ------------------------------------------------------------------------
+
+def normalize(input: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12,
+              out=None) -> Tensor:
+    """input / max(||input||_p over dim, eps), as torch.nn.functional.normalize."""
+    from ..ir.trace import _vector_norm
+    if out is not None:
+        input._unsupported("normalize with out= (use the returned tensor)")
+    return input / _vector_norm(input, p, dim, keepdim=True, eps=float(eps))
+
+
+_PAD_INDEX = {   # the source position of each padded position o in [-before, n + after)
+    "reflect": lambda o, n: np.abs(o) if n == 1 else (n - 1) - np.abs((n - 1) - np.abs(o)),
+    "replicate": lambda o, n: np.clip(o, 0, n - 1),
+    "circular": lambda o, n: o % n,
+}
+
+
+def pad(input: Tensor, pad, mode: str = "constant", value: float | None = None) -> Tensor:
+    """input padded by `pad` = (last dim before, after, the dim before it before, after,
+    ...), as torch.nn.functional.pad; a negative amount crops. "constant" joins `value`
+    (0 by default) blocks on (concat); "reflect", "replicate" and "circular" read the
+    padded axis at constant source positions (float input; the gradient adds up where a
+    position is read twice)."""
+    if len(pad) % 2 or len(pad) > 2 * input.ndim:
+        raise ShapeError(f"pad: {tuple(pad)} must hold a (before, after) pair per padded "
+                         f"axis, at most {input.ndim} pairs for a tensor of shape "
+                         f"{tuple(input.shape)}")
+    if mode not in ("constant", *_PAD_INDEX):
+        raise ValueError(f"pad: mode must be 'constant', 'reflect', 'replicate' or "
+                         f"'circular', got {mode!r}")
+    if mode != "constant" and value:
+        raise ValueError(f"pad: value {value} is for mode='constant' only")
+    y = input
+    for i in range(len(pad) // 2):
+        axis, before, after = input.ndim - 1 - i, int(pad[2 * i]), int(pad[2 * i + 1])
+        y = _pad_axis(y, axis, before, after, mode, 0.0 if value is None else value)
+    return y
+
+
+def _pad_axis(x: Tensor, axis: int, before: int, after: int, mode: str, value) -> Tensor:
+    n = x.shape[axis]
+    if before < 0 or after < 0:             # crop first, then pad what is left to pad
+        start, stop = max(-before, 0), n - max(-after, 0)
+        if stop < start:
+            raise ShapeError(f"pad: cropping {-before}, {-after} of axis {axis} of length {n}")
+        x = x.narrow(axis, start, stop - start)
+        before, after, n = max(before, 0), max(after, 0), stop - start
+    if before == after == 0:
+        return x
+    if mode == "constant":
+        from ..functions.tensors import cat
+        blocks = [x.new_full((*x.shape[:axis], k, *x.shape[axis + 1:]), value)
+                  for k in (before, after)]
+        return cat([b for b, k in zip((blocks[0], x, blocks[1]), (before, 1, after)) if k],
+                   axis)
+    if mode == "reflect" and max(before, after) >= n or mode == "circular" and \
+            max(before, after) > n:
+        raise ShapeError(f"pad: {mode} padding of {before}, {after} is too large for axis "
+                         f"{axis} of length {n}")
+    source = _PAD_INDEX[mode](np.arange(-before, n + after), n)
+    return x.index_select(axis, tensor_of(source.astype(np.int64)))
+
+
+def softmin(input: Tensor, dim: int | None = None) -> Tensor:
+    """softmax of -input over `dim`."""
+    return softmax(-input, dim)
+
+
+def cosine_similarity(x1: Tensor, x2: Tensor, dim: int = 1, eps: float = 1e-8) -> Tensor:
+    """The sum over `dim` of x1 / max(||x1||, eps) times x2 / max(||x2||, eps), the two
+    broadcast together, as torch's (each normalised before the product)."""
+    shape = np.broadcast_shapes(tuple(x1.shape), tuple(x2.shape))
+    x1, x2 = x1.expand(*shape), x2.expand(*shape)
+    return (normalize(x1, 2.0, dim, eps) * normalize(x2, 2.0, dim, eps)).sum(dim)
+
+
+def pairwise_distance(x1: Tensor, x2: Tensor, p: float = 2.0, eps: float = 1e-6,
+                      keepdim: bool = False) -> Tensor:
+    """||x1 - x2 + eps||_p over the last dim, as torch."""
+    from ..ir.trace import _vector_norm
+    return _vector_norm(x1 - x2 + eps, p, -1, keepdim, eps=0.0)
+
+
+def one_hot(tensor: Tensor, num_classes: int = -1) -> Tensor:
+    """int64 (..., num_classes) with 1 at each index; num_classes must be given (the
+    default -1, the largest index + 1, depends on the data)."""
+    if num_classes < 0:
+        tensor._unsupported("F.one_hot without num_classes (the width would depend on the "
+                            "data; pass num_classes)")
+    if tensor.dtype != "int64":
+        raise ShapeError(f"one_hot: expects an int64 tensor of indices, got {tensor.dtype}")
+    classes = tensor.new_tensor(np.arange(num_classes))
+    return (tensor.unsqueeze(-1) == classes).long()
+
+
+def pixel_shuffle(input: Tensor, upscale_factor: int) -> Tensor:
+    """(..., C r^2, H, W) -> (..., C, H r, W r), as torch: views and one permute."""
+    r = int(upscale_factor)
+    *lead, c, h, w = input.shape
+    if c % (r * r):
+        raise ShapeError(f"pixel_shuffle: {c} channels do not divide by upscale_factor^2 = "
+                         f"{r * r}")
+    k = len(lead)
+    y = input.reshape(*lead, c // (r * r), r, r, h, w)
+    y = y.permute(*range(k + 1), k + 3, k + 1, k + 4, k + 2)
+    return y.reshape(*lead, c // (r * r), h * r, w * r)
+
+
+def pixel_unshuffle(input: Tensor, downscale_factor: int) -> Tensor:
+    """(..., C, H r, W r) -> (..., C r^2, H, W), the inverse of pixel_shuffle."""
+    r = int(downscale_factor)
+    *lead, c, h, w = input.shape
+    if h % r or w % r:
+        raise ShapeError(f"pixel_unshuffle: {h}x{w} does not divide by downscale_factor {r}")
+    k = len(lead)
+    y = input.reshape(*lead, c, h // r, r, w // r, r)
+    y = y.permute(*range(k + 1), k + 2, k + 4, k + 1, k + 3)
+    return y.reshape(*lead, c * r * r, h // r, w // r)
+
+
 def __getattr__(name: str):
     """A torch.nn.functional name stepgraph lacks: UnsupportedOpError (an AttributeError)."""
     if name.startswith("_"):
         raise AttributeError(f"module 'stepgraph.nn.functional' has no attribute {name!r}")
-    raise UnsupportedOpError(f"torch.nn.functional.{name} is not supported by stepgraph (see "
-                             "docs/TORCH_COMPAT.md for the torch names it has)")
+    from ..errors import missing_torch_name
+    raise missing_torch_name(f"torch.nn.functional.{name}")

@@ -380,6 +380,23 @@ class GELU(Module):
         return ""
 
 
+class Softmax(Module):
+    def __init__(self, dim: int | None = None):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x):
+        return F.softmax(x, self.dim)
+
+    def extra_repr(self):
+        return f"dim={self.dim}"
+
+
+class Softmin(Softmax):
+    def forward(self, x):
+        return F.softmin(x, self.dim)
+
+
 class LogSoftmax(Module):
     def __init__(self, dim: int = 1):
         super().__init__()
@@ -717,3 +734,116 @@ class AdaptiveMaxPool2d(Module):
 
     def extra_repr(self):
         return f"{self.output_size}"
+
+
+# ---- shape-only and distance layers ---------------------------------------------------------
+
+class PixelShuffle(Module):
+    def __init__(self, upscale_factor: int):
+        super().__init__()
+        self.upscale_factor = upscale_factor
+
+    def forward(self, x):
+        return F.pixel_shuffle(x, self.upscale_factor)
+
+    def extra_repr(self):
+        return f"upscale_factor={self.upscale_factor}"
+
+
+class PixelUnshuffle(Module):
+    def __init__(self, downscale_factor: int):
+        super().__init__()
+        self.downscale_factor = downscale_factor
+
+    def forward(self, x):
+        return F.pixel_unshuffle(x, self.downscale_factor)
+
+    def extra_repr(self):
+        return f"downscale_factor={self.downscale_factor}"
+
+
+class Unflatten(Module):
+    def __init__(self, dim: int, unflattened_size):
+        super().__init__()
+        self.dim, self.unflattened_size = dim, tuple(unflattened_size)
+
+    def forward(self, x):
+        return x.unflatten(self.dim, self.unflattened_size)
+
+    def extra_repr(self):
+        return f"dim={self.dim}, unflattened_size={self.unflattened_size}"
+
+
+class CosineSimilarity(Module):
+    def __init__(self, dim: int = 1, eps: float = 1e-8):
+        super().__init__()
+        self.dim, self.eps = dim, eps
+
+    def forward(self, x1, x2):
+        return F.cosine_similarity(x1, x2, self.dim, self.eps)
+
+
+class PairwiseDistance(Module):
+    def __init__(self, p: float = 2.0, eps: float = 1e-6, keepdim: bool = False):
+        super().__init__()
+        self.norm, self.eps, self.keepdim = p, eps, keepdim
+
+    def forward(self, x1, x2):
+        return F.pairwise_distance(x1, x2, self.norm, self.eps, self.keepdim)
+
+
+class _Pad(Module):
+    """F.pad of every input with `padding` (an int: the same on each side of the module's
+    axes; or a tuple as F.pad takes it) in `mode`."""
+
+    mode, axes = "constant", 2
+
+    def __init__(self, padding, value: float = 0.0):
+        super().__init__()
+        self.padding = (padding,) * (2 * self.axes) if isinstance(padding, int) \
+            else tuple(padding)
+        self.value = value
+
+    def forward(self, x):
+        return F.pad(x, self.padding, self.mode, self.value if self.mode == "constant" else None)
+
+    def extra_repr(self):
+        return f"padding={self.padding}, value={self.value}"
+
+
+class ConstantPad1d(_Pad):
+    axes = 1
+
+
+class ConstantPad2d(_Pad):
+    pass
+
+
+class ZeroPad2d(_Pad):
+    def __init__(self, padding):
+        super().__init__(padding, 0.0)
+
+    def extra_repr(self):
+        return f"{self.padding}"
+
+
+class ReflectionPad1d(_Pad):
+    mode, axes = "reflect", 1
+
+    def __init__(self, padding):
+        super().__init__(padding)
+
+    def extra_repr(self):
+        return f"{self.padding}"
+
+
+class ReflectionPad2d(ReflectionPad1d):
+    axes = 2
+
+
+class ReplicationPad1d(ReflectionPad1d):
+    mode = "replicate"
+
+
+class ReplicationPad2d(ReplicationPad1d):
+    axes = 2

@@ -142,7 +142,22 @@ class _Stored:
     def __getattr__(self, name: str):
         if name.startswith("_") or not hasattr(Tensor, name):
             raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        if name.endswith("_"):                  # an in-place form: p.add_(x), p.clamp_(...)
+            return lambda *args, **kwargs: self._in_place(name, args, kwargs)
         return getattr(self.as_tensor(), name)
+
+    def _in_place(self, name: str, args: tuple, kwargs: dict) -> _Stored:
+        """Tensor.<name> (an in-place form) on these values, written back through `assign`
+        (compiled steps see it). Refused inside a forward: a step changes its parameters and
+        buffers only through the optimizer and the ops that update them."""
+        if current_tracer() is not None:
+            raise UnsupportedOpError(
+                f"{type(self).__name__}.{name} on {self.name or 'a module attribute'} inside "
+                f"forward is not supported by stepgraph (called in "
+                f"{current_tracer().where()}): use the out-of-place form")
+        values = tensor_of(np.array(self.numpy()))
+        self.assign(getattr(values, name)(*args, **kwargs).numpy())
+        return self
 
     def __getitem__(self, index):
         return self.as_tensor()[index]

@@ -93,6 +93,15 @@ def _gather_vjp(emit, node, dy, wants) -> list:
     return [dx, None]                       # indices have no gradient
 
 
+@vjp("gather_grad")
+def _gather_grad_vjp(emit, node, dy, wants) -> list:
+    # each dy[p] was added at one place of the output: its gradient is read back from there
+    # (scatter_add's gradient to src)
+    src, index = node.inputs
+    dsrc = emit("gather", [dy[0], index], dim=int(node.attrs["dim"]))[0] if wants(0) else None
+    return [dsrc, None]
+
+
 def _positions(index: np.ndarray, dim: int, n: int):
     """(full index tuple of the valid entries, their mask): index's own coordinates with axis
     `dim` replaced by the index values, for the entries inside [0, n)."""

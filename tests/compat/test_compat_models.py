@@ -14,13 +14,9 @@ within 1.2e-7 relative of float64's, torch float32's within 1.4e-7; each paramet
 over the run differs from float64's by 1e-5 to 6e-4 (norm-wise), torch float32's by the same
 amount to within 1%: stepgraph makes torch float32's own error, a tenth of the bound. A
 missing or doubled update is off by 1 or more.
-
-A file that needs a torch name stepgraph lacks (MISSING) is a strict expected failure, and
-its UnsupportedOpError must name that torch name.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 from dataclasses import dataclass, field
 
@@ -31,7 +27,6 @@ import torch
 import stepgraph as sg
 from stepgraph import nn as sgnn
 from stepgraph import optim
-from stepgraph.errors import UnsupportedOpError
 from tests.compat import loader
 from tests.ops.helpers import relative_error, seeded
 
@@ -79,32 +74,8 @@ CASES = {
     "unet": Case("unet", "UNet", dense_target((2, 3, 8, 8), 2), "mse_loss"),
     "vit": Case("vit", "VisionTransformer", images((8, 3, 8, 8), 10), "cross_entropy"),
     "prefix_seq": Case("prefix_seq", "PrefixMeanModel", tokens(4, 12, 32)),
+    "mixer": Case("mixer", "TokenMixer", tokens(4, 12, 32)),
 }
-
-# the exact torch name a model file needs that stepgraph lacks; removed as names land
-MISSING = {"resnet": "torch.nn.GroupNorm", "unet": "torch.nn.ConvTranspose2d"}
-
-
-def _missing(name: str) -> bool:
-    return name in MISSING and not hasattr(sgnn, MISSING[name].rpartition(".")[2])
-
-
-def expected_failure(name: str):
-    """The xfail mark of a case while stepgraph lacks its MISSING name."""
-    return pytest.mark.xfail(_missing(name), reason=MISSING.get(name, ""),
-                             raises=UnsupportedOpError, strict=True)
-
-
-@contextlib.contextmanager
-def naming_the_gap(name: str):
-    """An UnsupportedOpError raised inside must name the case's MISSING torch name: another
-    gap is a failure of its own, not the expected one."""
-    try:
-        yield
-    except UnsupportedOpError as err:
-        assert MISSING.get(name, "\0") in str(err), f"{name}: unexpected gap: {err}"
-        raise
-
 
 def torch_run(model, case: Case, batches, dtype) -> list[float]:
     """Train a torch model on `batches` at `dtype`; the losses per step."""
@@ -200,15 +171,13 @@ def check_against_torch(initial, losses, finals, frozen):
             f"{k}: change over the run off float64's by {s:.2e}; torch float32's {t:.2e}"
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=expected_failure(n)) for n in CASES])
+@pytest.mark.parametrize("name", CASES)
 def test_model_file_trains_as_on_torch(name, request):
     s = setup(name, request.node.name)
-    with naming_the_gap(name):
-        model = s.stepgraph_model()
+    model = s.stepgraph_model()
     assert frozen_names(model) == frozen_names(s.torch_model)
     losses, finals = torch_references(s)
-    with naming_the_gap(name):
-        losses["stepgraph"] = stepgraph_run(model, s.case, s.batches)
+    losses["stepgraph"] = stepgraph_run(model, s.case, s.batches)
     finals["stepgraph"] = {k: np.asarray(v) for k, v in model.state_dict().items()}
     check_against_torch(s.initial, losses, finals, frozen_names(model))
 

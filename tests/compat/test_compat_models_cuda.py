@@ -11,8 +11,8 @@ import pytest
 import stepgraph as sg
 from stepgraph import optim
 from tests.compat.test_compat_models import (CASES, LR, MOMENTUM, check_against_torch,
-                                             expected_failure, frozen_names, naming_the_gap,
-                                             setup, stepgraph_run, torch_references)
+                                             frozen_names, setup, stepgraph_run,
+                                             torch_references)
 from tests.ops.helpers import relative_error
 
 pytestmark = pytest.mark.cuda
@@ -21,14 +21,13 @@ if not sg.cuda_available():
     pytest.skip("no CUDA GPU", allow_module_level=True)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=expected_failure(n)) for n in CASES])
+@pytest.mark.parametrize("name", CASES)
 def test_model_file_graph_replays_match_eager_bit_for_bit(name, request):
     s = setup(name, request.node.name)
     runs = {}
     for graph in (False, True):
-        with naming_the_gap(name):
-            model = s.stepgraph_model()
-            losses = stepgraph_run(model, s.case, s.batches, device="cuda", graph=graph)
+        model = s.stepgraph_model()
+        losses = stepgraph_run(model, s.case, s.batches, device="cuda", graph=graph)
         runs[graph] = losses, {k: np.asarray(v) for k, v in model.state_dict().items()}
     (eager_losses, eager), (graph_losses, replayed) = runs[False], runs[True]
     assert eager_losses == graph_losses

@@ -117,9 +117,9 @@ def test_modulelist_state_dict_keys_match_torch():
     assert len(items[1:]) == 2
 
 
-class Prod(nn.Module):
+class Kthvalue(nn.Module):
     def forward(self, x):
-        return x.prod(1)
+        return x.kthvalue(2, 1).values
 
 
 class MaskIndexing(nn.Module):
@@ -136,7 +136,8 @@ class Outer(nn.Module):
         return self.layers[0](x)
 
 
-@pytest.mark.parametrize("bad, op", [(Prod(), "Tensor.prod"), (MaskIndexing(), "mask")])
+@pytest.mark.parametrize("bad, op", [(Kthvalue(), "Tensor.kthvalue"),
+                                     (MaskIndexing(), "mask")])
 def test_unsupported_op_names_the_op_and_module_path(bad, op):
     model = Outer(bad)
     x = np.ones((BATCH, D), np.float32)
