@@ -61,4 +61,8 @@ def test_hand_written_attention_trains_in_bf16_as_the_numpy_emulation(name, requ
         assert np.isfinite(lg) and abs(lg - lc) <= 1e-2 * abs(lc) + 1e-3, (lc, lg)
     ref, got = cpu.model.state_dict(), gpu.model.state_dict()
     for k in ref:
-        assert relative_error(np.asarray(got[k]), np.asarray(ref[k])) < 1e-3, k
+        # A parameter that starts at zero (GPT's biases) is the sum of its updates alone, whose
+        # one-ulp differences in bf16 (2^-8) are not diluted by a starting value: the bound is
+        # bf16's resolution there (gpt's c_attn.bias: 1.2e-3 on an H200).
+        bound = 2.0 ** -8 if k in s.initial and not np.any(s.initial[k]) else 1e-3
+        assert relative_error(np.asarray(got[k]), np.asarray(ref[k])) < bound, k

@@ -53,13 +53,13 @@ class TokenMixer(nn.Module):
     def forward(self, idx, targets=None):
         B, T = idx.shape
         h = self.embed(idx)
-        angles = torch.outer(torch.arange(T, dtype=h.dtype), self.freqs)
+        angles = torch.outer(torch.arange(T, dtype=h.dtype, device=h.device), self.freqs)
         h = h + torch.cat([angles.sin(), angles.cos()], dim=-1)
         for block in self.blocks:
             h = block(h)
         where = self.bucket[:T].view(1, T, 1).expand(B, T, h.shape[-1]).long()
         pooled = h.new_zeros(B, self.buckets, h.shape[-1]).scatter_add(1, where, h)
-        h = h + pooled.mean(dim=1, keepdim=True)
+        h = h + pooled.mean(dim=1, keepdim=True) * (self.buckets / T)   # mean over tokens
         logits = self.head(h)
         if targets is None:
             return logits, None
