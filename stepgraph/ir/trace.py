@@ -54,14 +54,19 @@ def _shape_args(shape) -> tuple:
 
 
 def _vector_norm(x: Tensor, p, dim, keepdim: bool, eps: float) -> Tensor:
-    """(sum |x|^p)^(1/p) over `dim` (max |x| for p inf). eps > 0 clamps the norm below at
-    eps (F.normalize's divisor), on the sum at eps^p: the same value without the root's
-    infinite derivative at zero. eps 0: the root of a zero sum is 0 with gradient zero."""
-    if not (_is_scalar(p) and p > 0):
-        x._unsupported(f"norm with p={p!r} (p must be a positive number or inf)")
-    if p == math.inf:
-        y = x.abs().amax(() if dim is None else dim, keepdim)
+    """(sum |x|^p)^(1/p) over `dim` (max |x| for p inf, min for -inf, the count of nonzeros
+    for 0). eps > 0 (F.normalize's divisor, p > 0 only) clamps the norm below at eps, on
+    the sum at eps^p: the same value without the root's infinite derivative at zero. eps 0:
+    the root of a zero sum is 0 with gradient zero."""
+    if not _is_scalar(p) or math.isnan(p) or eps and not p > 0:
+        x._unsupported(f"norm with p={p!r} (p must be a number{', > 0' if eps else ''})")
+    dims = () if dim is None else dim
+    if abs(p) == math.inf:
+        a = x.abs()
+        y = a.amax(dims, keepdim) if p > 0 else a.amin(dims, keepdim)
         return y.clamp_min(eps) if eps else y
+    if p == 0:                                  # piecewise constant: no gradient
+        return (x != 0).to(x.dtype).sum(dim, keepdim)
     s = (x * x if p == 2 else x.abs() if p == 1 else x.abs() ** p).sum(dim, keepdim)
     if p == 1:
         return s.clamp_min(eps) if eps else s
@@ -203,6 +208,7 @@ class Tensor:
     def clone(self, *, memory_format=None) -> Tensor:
         """A copy (eager); a traced value is never overwritten, so its clone is a new object
         holding the same value: an in-place method on one leaves the other as it was."""
+        self._memory_format(memory_format, "Tensor.clone")
         return tensor_of(self.array.copy()) if self.is_eager else Tensor(self.value, self.tracer)
 
     def cpu(self) -> Tensor:
@@ -1163,9 +1169,14 @@ class Tensor:
             values, indices = values.squeeze(d), indices.squeeze(d)
         return return_types.median(values, indices)
 
-    def norm(self, p=2, dim=None, keepdim: bool = False) -> Tensor:
-        """The vector p-norm over `dim` (None: all elements), p a positive number or inf, as
-        torch.norm's vector norms; an all-zero slice has gradient zero, as in torch."""
+    def norm(self, p="fro", dim=None, keepdim: bool = False, dtype=None) -> Tensor:
+        """The vector p-norm over `dim` (None: all elements), p a number, +-inf or "fro" (the
+        2-norm of the elements, over any dims), as torch.norm's vector norms; an all-zero
+        slice has gradient zero, as in torch. Matrix norms ("nuc") need an SVD: refused."""
+        if p == "fro":
+            p = 2
+        if dtype is not None:
+            return self.to(dtype).norm(p, dim, keepdim)
         return _vector_norm(self, p, dim, keepdim, eps=0.0)
 
     # ---- activations ----
@@ -1393,10 +1404,23 @@ class Tensor:
             return self
         return self.tracer.op("cast", [self], dtype=dtype)
 
-    def to(self, *args, dtype=None, device=None, non_blocking=False, copy=False) -> Tensor:
+    def _memory_format(self, memory_format, what: str) -> None:
+        """Accept torch's preserve_format and contiguous_format, by name: a traced tensor's
+        layout is the planner's (compile_*(memory_format=...)), so both change nothing.
+        Others (channels_last) would ask for a layout per tensor, which stepgraph lacks."""
+        if memory_format is not None and str(memory_format).removeprefix("torch.") not in (
+                "preserve_format", "contiguous_format"):
+            self._unsupported(f"{what} with memory_format={memory_format} (the layout is "
+                              "compile_train_step(memory_format=...)'s)")
+
+    def to(self, *args, dtype=None, device=None, non_blocking=False, copy=False,
+           memory_format=None) -> Tensor:
         """A cast to `dtype` or to another tensor's dtype; a device argument ("cuda", "cpu",
         a device object) changes nothing: a traced tensor lives where the step runs."""
+        self._memory_format(memory_format, "Tensor.to")
         for a in args:
+            if isinstance(a, bool):             # positional non_blocking, copy
+                continue
             if isinstance(a, Tensor):
                 dtype = a.dtype
             elif not _is_device(a):
@@ -1415,10 +1439,12 @@ class Tensor:
     def type_as(self, other) -> Tensor:
         return self._cast(other.dtype)
 
-    def float(self) -> Tensor:
+    def float(self, memory_format=None) -> Tensor:
+        self._memory_format(memory_format, "Tensor.float")
         return self._cast("float32")
 
-    def double(self) -> Tensor:
+    def double(self, memory_format=None) -> Tensor:
+        self._memory_format(memory_format, "Tensor.double")
         return self._cast("float64")
 
     def bfloat16(self) -> Tensor:
@@ -1428,13 +1454,16 @@ class Tensor:
         self._unsupported('Tensor.half (float16 is not an IR dtype; for 16-bit compute use '
                           'compile_train_step(precision="bf16"))')
 
-    def long(self) -> Tensor:
+    def long(self, memory_format=None) -> Tensor:
+        self._memory_format(memory_format, "Tensor.long")
         return self._cast("int64")
 
-    def int(self) -> Tensor:
+    def int(self, memory_format=None) -> Tensor:
+        self._memory_format(memory_format, "Tensor.int")
         return self._cast("int32")
 
-    def bool(self) -> Tensor:
+    def bool(self, memory_format=None) -> Tensor:
+        self._memory_format(memory_format, "Tensor.bool")
         return self._cast("bool")
 
     # ---- what cannot be traced ----

@@ -941,7 +941,9 @@ def pad(input: Tensor, pad, mode: str = "constant", value: float | None = None) 
 
 def _pad_axis(x: Tensor, axis: int, before: int, after: int, mode: str, value) -> Tensor:
     n = x.shape[axis]
-    if before < 0 or after < 0:             # crop first, then pad what is left to pad
+    # crop first, then pad what is left to pad; replicate reads the clamped source position
+    # of the uncropped axis (torch's: the last element kept even where all are cropped)
+    if mode != "replicate" and (before < 0 or after < 0):
         start, stop = max(-before, 0), n - max(-after, 0)
         if stop < start:
             raise ShapeError(f"pad: cropping {-before}, {-after} of axis {axis} of length {n}")
@@ -959,13 +961,16 @@ def _pad_axis(x: Tensor, axis: int, before: int, after: int, mode: str, value) -
             max(before, after) > n:
         raise ShapeError(f"pad: {mode} padding of {before}, {after} is too large for axis "
                          f"{axis} of length {n}")
+    if n + before + after < 0:
+        raise ShapeError(f"pad: cropping {-before}, {-after} of axis {axis} of length {n}")
     source = _PAD_INDEX[mode](np.arange(-before, n + after), n)
     return x.index_select(axis, tensor_of(source.astype(np.int64)))
 
 
-def softmin(input: Tensor, dim: int | None = None) -> Tensor:
-    """softmax of -input over `dim`."""
-    return softmax(-input, dim)
+def softmin(input: Tensor, dim: int | None = None, _stacklevel: int = 3,
+            dtype=None) -> Tensor:
+    """softmax of -input over `dim` (of input cast to `dtype` first, if given)."""
+    return softmax(-(input if dtype is None else input.to(dtype)), dim)
 
 
 def cosine_similarity(x1: Tensor, x2: Tensor, dim: int = 1, eps: float = 1e-8) -> Tensor:

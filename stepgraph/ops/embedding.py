@@ -49,7 +49,9 @@ def _embedding_vjp(emit, node, dy, wants) -> list:
 @impl("embedding")
 def _embedding_impl(node, ins, outs, ctx):
     weight, idx = ins
-    flat, out = idx.reshape(-1), outs[0].reshape(-1, weight.shape[1])
+    # rows counted by the indices, not -1: a row of 0 elements leaves -1 undetermined
+    flat = idx.reshape(-1)
+    out = outs[0].reshape(flat.size, weight.shape[1])
     valid = (flat >= 0) & (flat < weight.shape[0])
     if valid.all():
         np.take(weight, flat, axis=0, out=out)
@@ -62,7 +64,8 @@ def _embedding_impl(node, ins, outs, ctx):
 def _embedding_grad_impl(node, ins, outs, ctx):
     dy, idx = ins
     dweight = outs[0]
-    flat, rows = idx.reshape(-1), dy.reshape(-1, dy.shape[-1])
+    flat = idx.reshape(-1)
+    rows = dy.reshape(flat.size, dy.shape[-1])
     valid = (flat >= 0) & (flat < dweight.shape[0])
     dweight[...] = 0
     np.add.at(dweight, flat[valid], rows[valid])

@@ -157,6 +157,24 @@ OPS = {
         "smooth_l1_loss", "l1_loss", "huber_loss", "kl_div")},
     **{("nn.functional.interpolate", mode): F.interpolate for mode in (
         "nearest", "nearest-exact", "linear", "bilinear", "bicubic", "trilinear", "area")},
+    # reductions, products, scatter, rounding division, reordering
+    **{(name, ""): getattr(TS, name) for name in (
+        "prod", "median", "scatter", "scatter_add", "outer", "mv", "dot", "addmm", "baddbmm",
+        "floor_divide", "remainder", "flip", "roll", "repeat_interleave")},
+    ("addmm", "decomposed"): TS.addmm,
+    **{("norm", p): TS.norm for p in ("", "fro", "inf", "nuc")},
+    ("einsum", ""): lambda tensors, equation: TS.einsum(equation, *tensors),
+    ("div", "floor_rounding"): _method("div"),
+    ("div", "trunc_rounding"): _method("div"),
+    # new tensors (not new_empty: its values are whatever memory held) and casts
+    **{(name, ""): _method(name) for name in (
+        "new_zeros", "new_ones", "new_full", "to", "float", "double", "bool", "int", "long")},
+    **{(f"nn.functional.{name}", ""): getattr(F, name) for name in (
+        "normalize", "softmin", "cosine_similarity", "pairwise_distance", "one_hot",
+        "pixel_shuffle", "pixel_unshuffle")},
+    ("nn.functional.softmin", "with_dtype"): F.softmin,
+    **{("nn.functional.pad", mode): F.pad for mode in (
+        "constant", "reflect", "replicate", "replicate_negative", "circular")},
 }
 # Samples per op beyond which the CPU run keeps the first ones only (max_pool2d has 1440);
 # the `slow` sweep runs them all.
@@ -236,12 +254,27 @@ def stepgraph_run(fn, sample, dtype: torch.dtype, cotangents: list, device: str 
         loss = terms[0]
         for t in terms[1:]:
             loss = loss + t
-        grads = append_backward(tracer, loss.value, [feed.grad_inputs[n].value for n in names])
-        graph_out.update({f"grad:{n}": g for n, g in zip(names, grads)})
+        # an input the loss does not reach (prod of an empty tensor, new_zeros' self) has a
+        # zero gradient, as torch's allow_unused gives here
+        reached = _reaching(tracer.graph, loss.value)
+        used = [n for n in names if feed.grad_inputs[n].value in reached]
+        grads = append_backward(tracer, loss.value, [feed.grad_inputs[n].value for n in used])
+        graph_out.update({f"grad:{n}": g for n, g in zip(used, grads)})
     tracer.graph.outputs = graph_out
     got = run_on(tracer.graph, feed.arrays, device)
     return ([got[f"out{i}"] for i in range(len(outs))],
-            [got[f"grad:{n}"] for n in names])
+            [got.get(f"grad:{n}", np.zeros_like(feed.arrays[n])) for n in names])
+
+
+def _reaching(graph, loss) -> set:
+    """The values `loss` depends on through differentiable nodes (float outputs: a mask or
+    an index carries no gradient back)."""
+    deps = {loss}
+    for node in reversed(graph.nodes):
+        if node.op != "stop_gradient" and any(
+                v in deps and "float" in v.dtype for v in node.outputs):
+            deps.update(node.inputs)
+    return deps
 
 
 def _torch_copy(x, dtype: torch.dtype):
@@ -269,9 +302,9 @@ def torch_run(op, sample, dtype: torch.dtype, cotangents: list[np.ndarray] | Non
     grads = []
     if leaves and cotangents is not None and any(c is not None for c in cotangents):
         pairs = [(o, torch.tensor(c, dtype=o.dtype)) for o, c in zip(outs, cotangents)
-                 if c is not None]
+                 if c is not None and o.requires_grad]
         grads = torch.autograd.grad([o for o, _ in pairs], leaves, [c for _, c in pairs],
-                                    allow_unused=True)
+                                    allow_unused=True) if pairs else [None] * len(leaves)
         grads = [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
     return ([o.detach().numpy() for o in outs], [g.numpy() for g in grads])
 
@@ -293,7 +326,11 @@ def check_op(key: tuple[str, str], limit: int | None, device: str = "cpu",
     that is not a StepgraphError; return the refused samples as "kind: reason" lines."""
     op, fn = _opinfo(*key), OPS[key]
     refused = []
-    samples = list(op.sample_inputs("cpu", torch.float32, requires_grad=True))[:limit]
+    # ops torch has no derivative for (floor_divide, the integer casts) run without gradients;
+    # ops of integer inputs only (one_hot) get int64 samples
+    sample_dtype = torch.float32 if torch.float32 in op.supported_dtypes("cpu") else torch.int64
+    grad = op.supports_autograd and sample_dtype.is_floating_point
+    samples = list(op.sample_inputs("cpu", sample_dtype, requires_grad=grad))[:limit]
     for i, sample in enumerate(samples):
         what = f"{key[0]} sample {i} ({sample.summary() if hasattr(sample, 'summary') else ''})"
         ref64_out, _ = torch_run(op, sample, torch.float64, None)
