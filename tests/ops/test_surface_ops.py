@@ -100,6 +100,8 @@ CASES = {
     "norm-1-dim": (lambda T, F, x: T.norm(x, 1, -1), x3),
     "norm-3-keepdim": (lambda T, F, x: x.norm(3, (0, 2), keepdim=True), x3),
     "norm-inf": (lambda T, F, x: x.norm(float("inf"), 1), x3),
+    "norm-fro-neg-zero": (lambda T, F, x: x.norm("fro", (0, 2)) + T.norm(x, -1.5, 1).sum() +
+                          x.norm(float("-inf"), 2).sum() * x.norm(0), x3),
     # scatter
     "scatter_add": (lambda T, F, x, i, s: x.scatter_add(1, i, s) + T.scatter_add(x, 1, i, s),
                     lambda g, t: {"x": randn(g, 3, 5, dtype=t),
@@ -157,6 +159,9 @@ CASES = {
     "pad-reflect": (lambda T, F, x: F.pad(x, (2, 3), mode="reflect"), x3),
     "pad-replicate": (lambda T, F, x: F.pad(x[None], (2, 1, 1, 3), mode="replicate"), x3),
     "pad-circular": (lambda T, F, x: F.pad(x[None], (2, 5, 1, 3), mode="circular"), x3),
+    # a crop of the whole last axis: replicate reads its last element (the uncropped axis')
+    "pad-replicate-crop": (lambda T, F, x: F.pad(x[None], (-5, 3, 1, -2), mode="replicate"),
+                           x3),
 }
 
 
@@ -346,7 +351,9 @@ def test_new_factories_take_the_tensors_dtype_and_trace():
     (lambda x: stepgraph.einsum("ii->i", x[:, :3]), "diagonal"),
     (lambda x: x.scatter(0, x.long(), 1.0, reduce="add"), "reduce='add'"),
     (lambda x: x.scatter_add(1, x[:2].long(), x), "index must have the tensor's shape"),
-    (lambda x: x.norm(-1), "p must be a positive number"),
+    (lambda x: x.norm("nuc"), "norm with p='nuc'"),
+    (lambda x: F.normalize(x, p=-1.0), "p must be a number, > 0"),
+    (lambda x: x.float(memory_format=torch.channels_last), "memory_format=torch.channels_last"),
     (lambda x: x.prod(dtype=stepgraph.float64), "prod with dtype"),
     (lambda x: x.kthvalue(2), "Tensor.kthvalue.*topk"),
     (lambda x: x.masked_select(x > 0), "Tensor.masked_select.*masked_fill"),
@@ -355,6 +362,17 @@ def test_refused_forms_say_what_and_the_alternative(expr, match):
     tracer = Tracer()
     with pytest.raises(UnsupportedOpError, match=match):
         expr(tracer.input((3, 4), "float32", "x"))
+
+
+def test_casts_accept_the_layout_free_memory_formats():
+    """preserve_format and contiguous_format change nothing on a traced tensor (the planner
+    picks layouts); the casts still cast."""
+    tracer = Tracer()
+    x = tracer.input((2, 3), "float32", "x")
+    assert x.double(memory_format=torch.preserve_format).dtype == "float64"
+    assert x.to("cpu", torch.int64, False, True,
+                memory_format=torch.contiguous_format).dtype == "int64"
+    assert x.clone(memory_format=torch.preserve_format).value is x.value
 
 
 @pytest.mark.parametrize("expr, error", [
