@@ -436,4 +436,9 @@ KNOWN_CUDA = {
 def test_opinfo_samples_cuda(key, request):
     if key[0] in KNOWN_CUDA:
         request.node.add_marker(pytest.mark.xfail(reason=KNOWN_CUDA[key[0]], strict=True))
+    elif key[0] == "nn.functional.normalize":
+        # the CPU's float32 mismatch (KNOWN) is rounding noise of a zero gradient: whether the
+        # kernels' roundings land past the bound too has not been measured on a GPU
+        request.node.add_marker(pytest.mark.xfail(reason=KNOWN[key[0], torch.float32],
+                                                  strict=False))
     check_op(key, FAST_SAMPLES, device="cuda")
