@@ -1175,6 +1175,8 @@ class Tensor:
         slice has gradient zero, as in torch. Matrix norms ("nuc") need an SVD: refused."""
         if p == "fro":
             p = 2
+        elif isinstance(p, str):
+            self._unsupported(f"norm with p={p!r} (a matrix norm: it needs an SVD)")
         if dtype is not None:
             return self.to(dtype).norm(p, dim, keepdim)
         return _vector_norm(self, p, dim, keepdim, eps=0.0)
