@@ -1113,16 +1113,25 @@ class Tensor:
         """src's values over index's shape summed into zeros of x's shape at the places
         index names along axis d (the `gather_grad` op)."""
         src = self._coerce(src, what)
-        if index.ndim != self.ndim or any(n != self.shape[a] for a, n in
+        if index.ndim != self.ndim or any(n > self.shape[a] for a, n in
                                           enumerate(index.shape) if a != d):
-            self._unsupported(f"{what} with index {index.shape} into {self.shape} along dim "
-                              f"{d} (index must have the tensor's shape off dim)")
+            raise ShapeError(f"{what}: index {index.shape} must have the rank of {self.shape} "
+                             f"and fit in it off dim {d}")
         if src.ndim != index.ndim or any(s < n for s, n in zip(src.shape, index.shape)):
             raise ShapeError(f"{what}: src {src.shape} must cover index {index.shape}")
         for axis, n in enumerate(index.shape):
             if src.shape[axis] != n:
                 src = src.narrow(axis, 0, n)
-        return self.tracer.op("gather_grad", [src, index], input_shape=self.shape, dim=d)
+        # an index shorter than x off d reaches the leading part of those axes only: scatter
+        # into that part, then join zeros for the rest
+        part = tuple(self.shape[a] if a == d else n for a, n in enumerate(index.shape))
+        y = self.tracer.op("gather_grad", [src, index], input_shape=part, dim=d)
+        for axis, (n, full) in enumerate(zip(part, self.shape)):
+            if n < full:
+                rest = y.new_zeros(tuple(full - n if a == axis else m
+                                         for a, m in enumerate(y.shape)))
+                y = self.tracer.op("concat", [y, rest], dim=axis)
+        return y
 
     def prod(self, dim=None, keepdim: bool = False, *, dtype=None) -> Tensor:
         """The product over `dim` (None: of all elements), as a tree of elementwise products

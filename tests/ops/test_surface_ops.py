@@ -111,6 +111,10 @@ CASES = {
                          lambda g, t: {"x": randn(g, 3, 5, dtype=t),
                                        "i": g.integers(0, 3, (2, 5)).astype(np.int64),
                                        "s": randn(g, 2, 5, dtype=t)}),
+    "scatter_add-short-index": (lambda T, F, x, i, s: x.scatter_add(1, i, s) * x,
+                                lambda g, t: {"x": randn(g, 4, 5, dtype=t),
+                                              "i": g.integers(0, 5, (2, 3)).astype(np.int64),
+                                              "s": randn(g, 2, 3, dtype=t)}),
     "scatter-src": (lambda T, F, x, i, s: x.scatter(1, i, s),
                     lambda g, t: {"x": randn(g, 3, 5, dtype=t), "i": permutation_rows(g, 3, 5),
                                   "s": randn(g, 3, 5, dtype=t)}),
@@ -350,7 +354,6 @@ def test_new_factories_take_the_tensors_dtype_and_trace():
     (lambda x: stepgraph.einsum("ij,jk,kl->il", x, x.T, x), "torch.einsum of 3 operands"),
     (lambda x: stepgraph.einsum("ii->i", x[:, :3]), "diagonal"),
     (lambda x: x.scatter(0, x.long(), 1.0, reduce="add"), "reduce='add'"),
-    (lambda x: x.scatter_add(1, x[:2].long(), x), "index must have the tensor's shape"),
     (lambda x: x.norm("nuc"), "norm with p='nuc'"),
     (lambda x: F.normalize(x, p=-1.0), "p must be a number, > 0"),
     (lambda x: x.float(memory_format=torch.channels_last), "memory_format=torch.channels_last"),
@@ -382,6 +385,8 @@ def test_casts_accept_the_layout_free_memory_formats():
     (lambda x: x.mm(x[0]), "mm: needs two matrices"),
     (lambda x: x.dot(x), "dot: needs two 1-d tensors"),
     (lambda x: F.pad(x, (1, 2, 3)), "pair per padded axis"),
+    (lambda x: x.scatter_add(1, x.repeat(2, 1).long(), x.repeat(2, 1)),
+     "index torch.Size\\(\\[6, 4\\]\\) must have the rank of .* and fit in it off dim 1"),
     (lambda x: F.pad(x, (4, 0), mode="reflect"), "too large"),
 ])
 def test_shape_errors_say_what_mismatched(expr, error):
