@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import UnsupportedOpError, called_in
+from .errors import FLOAT16_HINT, UnsupportedOpError, called_in
 from .ir.graph import BF16, DTYPES
 
 
@@ -79,8 +79,7 @@ def tensor_dtype(d, what: str) -> dtype:
     """`d` (as `as_dtype` takes it) checked to be one a stepgraph tensor can hold."""
     d = as_dtype(d, what)
     if d not in DTYPES:
-        hint = '; for 16-bit compute use compile_train_step(precision="bf16")' \
-            if d == "float16" else ""
+        hint = f"; {FLOAT16_HINT}" if d == "float16" else ""
         raise UnsupportedOpError(f"{what}: tensors of {d!r} are not supported by stepgraph "
                                  f"(supported: {', '.join(DTYPES)}){hint}{called_in()}")
     return d

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import ShapeError, UnsupportedOpError
+from ..errors import FLOAT16_HINT, ShapeError, UnsupportedOpError
 from ..grad_mode import is_grad_enabled
 from .graph import (BF16, DTYPES, INPUT, PARAM, STATE, Graph, Node, Value, ir_dtype,
                     storage_dtype)
@@ -102,8 +102,7 @@ def dtype_name(dtype) -> str:
         name = str(dtype).rsplit(".", 1)[-1]
     name = _DTYPE_ALIASES.get(name, name)
     if name not in DTYPES:
-        hint = ' (for 16-bit compute use compile_train_step(precision="bf16"))' \
-            if name == "float16" else ""
+        hint = f" ({FLOAT16_HINT})" if name == "float16" else ""
         raise UnsupportedOpError(f"dtype {dtype!r} is not supported by stepgraph: "
                                  f"one of {DTYPES}{hint}")
     return name
@@ -1462,8 +1461,7 @@ class Tensor:
         return self._cast(BF16)
 
     def half(self) -> Tensor:
-        self._unsupported('Tensor.half (float16 is not an IR dtype; for 16-bit compute use '
-                          'compile_train_step(precision="bf16"))')
+        self._unsupported(f"Tensor.half (float16 is not an IR dtype; {FLOAT16_HINT})")
 
     def long(self, memory_format=None) -> Tensor:
         self._memory_format(memory_format, "Tensor.long")
