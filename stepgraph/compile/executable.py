@@ -76,9 +76,7 @@ class Executable:
                 raise CaptureError(f"{v.role} {v.name!r} has no fixed buffer to capture")
 
     def feed(self, arrays) -> None:
-        for buf, a in zip(self.input_buffers, arrays):
-            self.backend.copy_into(buf, a)
-        self.backend.keep_until_read(arrays)
+        _copy_in(self.backend, self.input_buffers, arrays)
 
     def run_eager(self) -> None:
         run, annotate = self.backend.run_node, self.backend.annotate
@@ -91,14 +89,19 @@ class Executable:
     def run(self, use_graph: bool) -> None:
         """One step. With use_graph, the first run is eager (warm-up: it plans GEMMs and
         builds device tables on the same buffers), the second captures, later ones replay."""
+        self.launch(use_graph, self, self.run_eager)
+
+    def launch(self, use_graph: bool, owner, body) -> None:
+        """body() eagerly without a graph or on this plan's first run (its warm-up), else
+        the graph of body captured once into owner.captured and replayed."""
         self.runs += 1
         if not use_graph or self.runs == 1:
-            self.run_eager()
+            body()
             return
-        if self.captured is None:
+        if owner.captured is None:
             self._check_static()
-            self.captured = self.backend.capture(self.run_eager, self.ctx)
-        self.captured.launch()
+            owner.captured = self.backend.capture(body, self.ctx)
+        owner.captured.launch()
 
     def replay(self, steps: int) -> StepsReplay:
         """The cached StepsReplay of `steps` steps of this plan per launch."""
@@ -124,10 +127,7 @@ class StepsReplay:
 
     def feed(self, chunks) -> None:
         """Stage one launch's batches: `chunks[i]` of shape (steps, *input i's shape)."""
-        backend = self.exe.backend
-        for stage, a in zip(self.stages, chunks):
-            backend.copy_into(stage, a)
-        backend.keep_until_read(chunks)
+        _copy_in(self.exe.backend, self.stages, chunks)
 
     def run_steps(self) -> None:
         exe = self.exe
@@ -139,12 +139,12 @@ class StepsReplay:
     def run(self, use_graph: bool) -> None:
         """The staged steps. With use_graph: eagerly while the Executable has never run (its
         warm-up, as in Executable.run), else captured once and replayed."""
-        exe = self.exe
-        exe.runs += 1
-        if not use_graph or exe.runs == 1:
-            self.run_steps()
-            return
-        if self.captured is None:
-            exe._check_static()
-            self.captured = exe.backend.capture(self.run_steps, exe.ctx)
-        self.captured.launch()
+        self.exe.launch(use_graph, self, self.run_steps)
+
+
+def _copy_in(backend, buffers, arrays) -> None:
+    """Each array into its device buffer, the host arrays kept until the copies have read
+    them."""
+    for buf, a in zip(buffers, arrays):
+        backend.copy_into(buf, a)
+    backend.keep_until_read(arrays)
