@@ -3,7 +3,8 @@
 It is also the `torch` namespace of model files (`import stepgraph as torch`): factories,
 dtypes, device, no_grad, backends flags (docs/TORCH_COMPAT.md); a torch name it lacks raises
 UnsupportedOpError (an AttributeError) naming it."""
-from . import backends, cuda, distributed, losses, nn, ops, optim, return_types
+from . import amp, backends, cuda, distributed, losses, nn, ops, optim, return_types
+from .amp import autocast
 from .api import Predictor, TrainStep, compile_predict, compile_train_step
 from .backends import cuda_available
 from .errors import (BackendUnavailableError, CaptureError, DistributedError, LabelError,
@@ -30,9 +31,10 @@ __all__ = ["nn", "optim", "losses", "distributed", "compile_train_step", "compil
            "inference_mode", "set_grad_enabled", "is_grad_enabled",
            "set_float32_matmul_precision", "get_float32_matmul_precision",
            *(n for n in _dtype_names if n not in ("float", "int", "bool")),  # keep builtins
-           "LossSelectionError", *_factories.__all__]
+           "LossSelectionError", "amp", "autocast", "compile", *_factories.__all__]
 
 
 def __getattr__(name: str):
     """A torch name stepgraph lacks: UnsupportedOpError, which is an AttributeError."""
     return _lookup_torch_name(__name__, "torch", name)
+

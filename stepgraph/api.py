@@ -74,7 +74,7 @@ class _CompiledModel:
                                       example_inputs)
         model.name_parameters()
         named = list(model.named_parameters())
-        self.params = {k: p for k, p in named if p.requires_grad or not self.freezes}
+        self.params = {k: p for k, p in named if self._trains(p)}
         # Bound as `state` values by their keys: buffers, and the frozen parameters this step
         # was built with (graphs traced for later feed signatures freeze the same ones).
         self.buffers = dict(model.named_buffers())
@@ -83,6 +83,10 @@ class _CompiledModel:
         for p in [*self.params.values(), *self.buffers.values()]:
             self._on_device(p)
         self.executables: dict[GraphKey, Executable] = {}
+
+    def _trains(self, p) -> bool:
+        """Whether parameter p is a `param` of this step's graphs (else a constant `state`)."""
+        return p.requires_grad or not self.freezes
 
     def _on_device(self, p) -> None:
         """Move a Parameter's or Buffer's data into the backend's memory (once)."""

@@ -3,7 +3,12 @@ manual_seed_all, synchronize, current_device, is_bf16_supported. Where a step ru
 ...)`; these answer questions about the machine and never move tensors."""
 from __future__ import annotations
 
+import sys
+
+from . import amp
 from .backends import cuda_available
+
+sys.modules[__name__ + ".amp"] = amp        # `from torch.cuda.amp import GradScaler`
 
 
 def is_available() -> bool:

@@ -60,11 +60,8 @@ FLOAT16_HINT = 'for 16-bit compute use compile_train_step(precision="bf16")'
 
 # What a model uses instead of a torch name stepgraph lacks, where there is something.
 ALTERNATIVES = {
-    "torch.compile": "stepgraph.compile_train_step / compile_predict (the whole step compiled)",
-    "torch.autocast": 'compile_train_step(precision="bf16")',
     "torch.float16": 'torch.bfloat16, or compile_train_step(precision="bf16")',
     "torch.half": 'torch.bfloat16, or compile_train_step(precision="bf16")',
-    "torch.cuda.amp": 'compile_train_step(precision="bf16") (no loss scaling needed)',
     "torch.nn.SyncBatchNorm": "torch.nn.BatchNorm2d (statistics of each rank's batch)",
     "torch.nn.DataParallel": "compile_train_step(distributed=stepgraph.distributed."
                              "DataParallel()) under the launcher",

@@ -69,7 +69,8 @@ class ModelLoss:
 
 def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, seed: int,
                       on_bad_batch: str = "ignore", memory_format: str = "contiguous",
-                      precision: str = "fp32", frozen: frozenset = frozenset()) -> Graph:
+                      precision: str = "fp32", frozen: frozenset = frozenset(),
+                      extra_outputs: dict | None = None, grad_hook=None) -> Graph:
     """forward + loss + backward (+ guard) + update. The last feed entry is the loss target,
     or with loss_fn a ModelLoss the model's last argument (it computes the loss itself).
     on_bad_batch "raise" or "skip" adds the guard (compile/guard.py); "ignore" does not.
@@ -77,7 +78,11 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
     (compile/layout.py); "contiguous" keeps them NCHW; "auto" decides by the model
     (layout.channels_last_pays). precision "bf16" autocasts the forward
     before autodiff and has the update write the weights' bf16 copies (compile/autocast.py).
-    frozen: ids of the Parameters traced as constant `state` inputs (no gradient, no update)."""
+    frozen: ids of the Parameters traced as constant `state` inputs (no gradient, no update).
+    extra_outputs: a dict the forward fills with more outputs of the step (name -> Value: the
+    values a captured loop keeps for the script, loop/step.py); they are outputs before the
+    layout and precision passes, so those passes keep them readable. grad_hook(tracer, params,
+    grads) -> grads: a rewrite of the gradients before the update (clip_grad_value_)."""
     model.name_parameters()
     tracer = Tracer(seed=seed, training=True, frozen=frozen)
     inputs = _trace_inputs(tracer, signature)
@@ -88,6 +93,7 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
         else:
             out = model(*inputs[:-1])
             loss = loss_fn(out, target)
+    tracer.graph.outputs = dict(extra_outputs or {})
     tracer.graph = apply_memory_format(tracer.graph, memory_format)
     bf16 = precision == BF16_PRECISION
     if bf16:
@@ -97,12 +103,14 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
         raise ValueError("nothing to train: the loss depends on no parameter with "
                          "requires_grad=True")
     grads = append_backward(tracer, loss.value, params)
+    if grad_hook is not None:
+        grads = grad_hook(tracer, params, grads)
     copies = bind_weight_copies(tracer.graph) if bf16 else None
     guard = emit_guard(tracer, on_bad_batch, loss.value, target.value, grads)
     optimizer.emit(tracer, params, grads, guard=guard, weight_copies=copies)
     if guard is None:   # a guard records the loss itself, under its call counter
         emit_record_loss(tracer, loss.value)
-    tracer.graph.outputs = {"loss": loss.value}
+    tracer.graph.outputs = {**tracer.graph.outputs, "loss": loss.value}
     return tracer.graph
 
 

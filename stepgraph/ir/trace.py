@@ -200,6 +200,24 @@ class Tensor:
         values, as torch's), a traced one its detach()."""
         return self if self.is_eager else self.detach()
 
+    def backward(self, gradient=None, retain_graph=None, create_graph: bool = False,
+                 inputs=None) -> None:
+        """In a training script (an optimizer made with parameters, loop/): ends the pass
+        that computed this loss; optimizer.step() then runs forward, backward and update as
+        one compiled step. gradient, create_graph and inputs other than the defaults are
+        refused; retain_graph is accepted (a pass is compiled whole either way)."""
+        from ..errors import ALTERNATIVES
+        from ..loop import hooks
+
+        if getattr(self.tracer, "backward", None) is None or hooks.SESSION is None:
+            self._unsupported("Tensor.backward outside a training loop with a torch-style "
+                              "optimizer (make one with model.parameters(), or use "
+                              f"{ALTERNATIVES['torch.Tensor.backward']})")
+        if gradient is not None or create_graph or inputs is not None:
+            self._unsupported("Tensor.backward(gradient=, create_graph=True or inputs=): a "
+                              "captured loop differentiates a scalar loss")
+        hooks.SESSION.backward(self.tracer, self)
+
     def detach(self) -> Tensor:
         """The same values, cut from the backward (a stop_gradient view)."""
         return self.tracer.op("stop_gradient", [self])
@@ -268,13 +286,17 @@ class Tensor:
 
     def numpy(self) -> np.ndarray:
         """The values as a NumPy array (bfloat16 as float32); eager tensors only."""
+        array = self.array
         if not self.is_eager:
-            self._unsupported("reading the values of a traced tensor (numpy/item/tolist: "
-                              "a traced forward has no values yet)")
+            reader = getattr(self.tracer, "read_value", None)   # a training script's pass
+            if reader is None:
+                self._unsupported("reading the values of a traced tensor (numpy/item/tolist: "
+                                  "a traced forward has no values yet)")
+            array = reader(self.value)
         if self.value.dtype == "bfloat16":
             from ..backends.numpy import bf16
-            return bf16.from_bits(self.array)
-        return self.array
+            return bf16.from_bits(array)
+        return array
 
     def __array__(self, dtype=None, copy=None):
         a = self.numpy()
@@ -1498,7 +1520,7 @@ class Tensor:
         self._unsupported("iteration over a tensor")
 
     def __repr__(self):
-        if self.is_eager:
+        if self.is_eager or getattr(self.tracer, "phase", None) == "done":   # a stepped pass
             body = np.array2string(self.numpy(), separator=", ", prefix="tensor(",
                                    precision=4)
             dtype = "" if self.value.dtype in ("float32", "int64") else f", dtype={self.dtype!r}"

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..errors import StateDictError, UnsupportedOpError
 from ..ir.trace import Tensor, current_tracer, tensor_of
+from ..loop import hooks as loop_hooks
 
 
 def to_numpy(array) -> np.ndarray:
@@ -136,7 +137,7 @@ class _Stored:
     def as_tensor(self) -> Tensor:
         """This array as a tensor: traced inside a forward (`self.cls_token.expand(...)`,
         `self.pos_emb[:, :T]`, `self.scale * x`), else an eager tensor of a host copy."""
-        tracer = current_tracer()
+        tracer = current_tracer() or loop_hooks.open_pass()   # a script's loss term
         return self.traced(tracer) if tracer is not None else tensor_of(self.numpy())
 
     def __getattr__(self, name: str):
@@ -349,9 +350,15 @@ class Module:
     def __call__(self, *args, **kwargs):
         """forward(*args), traced under this module's path ("model.layer1.0") and label."""
         tracer = next((a.tracer for a in (*args, *kwargs.values())
-                       if isinstance(a, Tensor) and not a.is_eager), None)   # eager: runs now
+                       if isinstance(a, Tensor) and not a.is_eager), None)
         if tracer is None:
-            return self.forward(*args, **kwargs)
+            # concrete tensors: a training script's pass (loop/), or eagerly, op by op
+            handler = loop_hooks.call_handler(self)
+            return self.forward(*args, **kwargs) if handler is None else \
+                handler(self, args, kwargs)
+        call_module = getattr(tracer, "call_module", None)   # a training script's pass
+        if call_module is not None:
+            return call_module(self, args, kwargs)
         with tracer.module_scope(self._trace_path(tracer), self._trace_label()):
             return self.forward(*args, **kwargs)
 

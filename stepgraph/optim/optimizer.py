@@ -19,13 +19,14 @@ import numpy as np
 
 from ..ir.graph import Value
 from ..ir.trace import Tracer
+from ..loop.optimizer_methods import LoopMethods
 from .schedules import SCHEDULE_SLOTS, Constant
 
 SCHEDULE_KEY = "optimizer.lr_schedule"
 STEP_KEY = "optimizer.step"
 
 
-class Optimizer:
+class Optimizer(LoopMethods):
     update_op = ""
     slot_names: tuple[str, ...] = ()
     # Hyperparameters a parameter group may set (besides "params" and "lr").
@@ -44,6 +45,8 @@ class Optimizer:
         self.max_grad_norm = max_grad_norm
         # Compiled steps register a writer for the schedule vector in their device memory.
         self._schedule_sinks: list[Callable[[np.ndarray], None]] = []
+        if self._groups is not None:
+            self._join_loop()
 
     # ---- Python-side knobs: they write device memory, never re-capture ----
     @property

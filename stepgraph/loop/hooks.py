@@ -1,0 +1,18 @@
+"""Where the core reaches the loop capture without importing it: nn.Module calls, Parameters used
+at script level, and Tensor.backward. Nothing here runs until a torch-style optimizer exists
+(LoopSession.register sets `SESSION`), so compile_train_step users never pay for it."""
+from __future__ import annotations
+
+SESSION = None          # the LoopSession, once an optimizer was made with parameters
+
+
+def call_handler(module):
+    """What runs `module(...)` called with no traced tensor: None (eagerly, as before), or
+    a function (module, args, kwargs) -> output that records or replays a training pass or
+    runs the compiled predictor."""
+    return None if SESSION is None else SESSION.call_handler(module)
+
+
+def open_pass():
+    """The training pass being recorded or replayed at script level, else None."""
+    return None if SESSION is None else SESSION.open_pass()

@@ -1,0 +1,43 @@
+"""torch.optim's loop methods on stepgraph's optimizers: zero_grad() and step() of a training
+script (loop/session.py runs them). Kept apart from the update rules (optim/), which only
+emit graph ops."""
+from __future__ import annotations
+
+
+class LoopMethods:
+    """zero_grad / step for an optimizer made with parameters, as torch's."""
+
+    def _join_loop(self) -> None:
+        """An optimizer made with parameters may drive a training script's loop."""
+        from .session import session
+
+        session().register(self)
+
+    def trained_parameters(self) -> list:
+        """The Parameters this optimizer updates (empty when it was made without them, for
+        compile_train_step, which updates every parameter of the step)."""
+        groups = getattr(self, "_groups", None) or ()
+        return [p for g in groups for p in g["params"]]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's: clear the gradients. A captured loop keeps no gradients between steps;
+        backward() passes that no step() used are dropped (with a warning)."""
+        from .hooks import SESSION
+
+        if SESSION is not None:
+            SESSION.zero_grad()
+
+    def step(self, closure=None):
+        """torch's: apply the update. In a training script this runs every backward() pass
+        since the last step as one compiled step (forward, backward, update). closure (as
+        torch's LBFGS-style optimizers take): called first, its loss returned."""
+        from .session import session
+
+        loss = None
+        if closure is not None:
+            from ..grad_mode import enable_grad
+
+            with enable_grad():
+                loss = closure()
+        session().step(self)
+        return loss

@@ -1,0 +1,414 @@
+"""The tracer of a training script's tensors from a model call to backward(): a Pass.
+
+A Pass records (mode RECORD: it is an ordinary Tracer whose script-level nodes and top-level
+module calls also become a Program's events) or replays (mode REPLAY: each script-level op
+and module call is compared with the next event of a recorded Program and answered with that
+event's Values, so no model Python runs). At the first difference a replaying pass re-records:
+it re-traces the events it had matched, with this iteration's arrays, and goes on recording;
+tensors the script already holds keep working through `remap`.
+
+Eager tensors entering a pass at script level (inputs, labels, a mask made this iteration)
+become its feeds, filled with this iteration's arrays; inside a module's forward they stay
+constants, as in compile_train_step. After backward() (phase PENDING) further ops are kept as
+thunks, and once the step ran (DONE) they run eagerly on the values the step kept.
+"""
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any
+
+import numpy as np
+
+from ..errors import CaptureError, StepgraphError
+from ..ir.graph import Value
+from ..ir.ops import infer_outputs
+from ..ir.trace import EAGER, Tensor, Tracer, tensor_of
+from .program import CallEvent, NodeEvent, Program, describe, same_attrs, tree_leaves, tree_map
+
+RECORD, REPLAY = "record", "replay"
+OPEN, PENDING, DONE = "open", "pending", "done"
+
+
+class RecaptureWarning(UserWarning):
+    """The loop did something other than the captured pass: it is recorded again (one line
+    saying what differed). A loop that alternates between a few programs keeps them all."""
+
+
+class ValueNotReadyError(StepgraphError, RuntimeError):
+    """A value of a training pass read before optimizer.step() ran it."""
+
+
+class _Feed:
+    """An eager tensor met at script level by a replaying pass, before it is matched."""
+
+    def __init__(self, tensor: Tensor):
+        self.tensor = tensor
+
+
+def trace_call(tracer: Tracer, module, args, kwargs):
+    """module.forward traced under its path and label (Module.__call__'s traced branch)."""
+    with tracer.module_scope(module._trace_path(tracer), module._trace_label()):
+        return module.forward(*args, **kwargs)
+
+
+class Pass(Tracer):
+    def __init__(self, session, key: tuple, seed: int, expected: Program | None):
+        super().__init__(seed=seed, training=True)
+        self.session, self.key = session, key
+        self.phase = OPEN
+        self.mode = REPLAY if expected is not None else RECORD
+        self.program = expected if expected is not None else Program(key)
+        self.cursor = 0                            # replay: events matched so far
+        self.arrays: list = [None] * len(self.program.feeds)
+        self._feed_of: dict[int, tuple[Tensor, Value]] = {}   # id(eager tensor) -> its feed
+        self.remap: dict[Value, Value] = {}        # replayed Values -> re-recorded ones
+        self.handed: list[weakref.ref] = []        # script-level tensors, to find live ones
+        self.deferred: dict[Value, tuple] = {}     # ops after backward(): thunks
+        self.kept: dict[Value, Any] = {}           # after the step: Value -> device array
+        self.host: dict[Value, np.ndarray] = {}    # values read back (or computed) on the host
+        self.backend = None
+
+    # ---- what the script's tensors reach ----
+    def op_all(self, op: str, inputs: list, **attrs) -> list[Tensor]:
+        if self.phase != OPEN and not self.module_path:
+            return self._after_backward(op, inputs, attrs)
+        out = super().op_all(op, inputs, **attrs)
+        if not self.module_path:
+            self._hand(out)
+        return out
+
+    def emit(self, op: str, inputs: list, label: str | None = None, **attrs) -> list[Value]:
+        if self.mode == RECORD or self.module_path:
+            outs = super().emit(op, [self._resolve(v) for v in inputs], label, **attrs)
+            if not self.module_path:
+                self.program.events.append(NodeEvent(self.graph.nodes[-1]))
+            return outs
+        event = self._next_event()
+        reason = self._node_mismatch(event, op, inputs, attrs)
+        if reason:
+            self._rerecord(reason)
+            return self.emit(op, inputs, label, **attrs)
+        for got, want in zip(inputs, event.node.inputs):
+            if isinstance(got, _Feed):
+                self._fill(got.tensor, want)
+        self.cursor += 1
+        return list(event.node.outputs)
+
+    def _value(self, t):
+        if isinstance(t, Tensor):
+            if t.is_eager:
+                return self.constant(t) if self.module_path else self._feed(t)
+            if t.tracer is not self:
+                return self._foreign(t)
+            return self.remap.get(t.value, t.value)
+        return t
+
+    def constant(self, t: Tensor) -> Value:
+        if self.module_path:
+            return super().constant(t)
+        v = self._feed(t)
+        return v if isinstance(v, Value) else self._resolve(v)
+
+    def param(self, p) -> Tensor:
+        if self.mode == REPLAY and not self.module_path:
+            v = next((v for v, q in self.program.params.items() if q is p), None)
+            if v is None:
+                self._rerecord(f"a parameter ({p.name or 'unnamed'}) the captured pass did "
+                               "not use at script level")
+                return self.param(p)
+            return Tensor(v, self)
+        t = super().param(p)
+        self.program.params[t.value] = p
+        return t
+
+    def buffer(self, b) -> Tensor:
+        if self.mode == REPLAY and not self.module_path:
+            v = next((v for v, q in self.program.buffers.items() if q is b), None)
+            if v is None:
+                self._rerecord("a buffer the captured pass did not use at script level")
+                return self.buffer(b)
+            return Tensor(v, self)
+        t = super().buffer(b)
+        self.program.buffers[t.value] = b
+        return t
+
+    def rng_step(self) -> Value:
+        if self.mode == REPLAY and self.program.rng is not None:
+            return self.program.rng
+        if self.mode == REPLAY:
+            self._rerecord("a random op the captured pass did not have")
+        self.program.rng = super().rng_step()
+        return self.program.rng
+
+    # ---- module calls ----
+    def call_module(self, module, args: tuple, kwargs: dict):
+        """A module called with this pass's tensors (or, for the pass's first call, the
+        script's eager tensors): traced inside a forward, an event at script level."""
+        if self.module_path:
+            return trace_call(self, module, args, kwargs)
+        if self.phase != OPEN:
+            raise CaptureError(f"{type(module).__name__} was called on a value of a training "
+                               "pass after its backward(): stepgraph compiles a pass from the "
+                               "model call to backward(); detach() the value first")
+        mode = self.session.call_mode(module)
+        if self.mode == REPLAY:
+            event = self._next_event()
+            reason = self._call_mismatch(event, module, mode, args, kwargs)
+            if not reason:
+                self.cursor += 1
+                self._dropout_sites = event.sites_after
+                return tree_map(lambda v: self._hand1(Tensor(v, self))
+                                if isinstance(v, Value) else v, event.outputs)
+            self._rerecord(reason)
+        args, kwargs = tree_map(self._as_input, args), tree_map(self._as_input, kwargs)
+        out = trace_call(self, module, args, kwargs)
+        self.program.events.append(CallEvent(
+            module, tree_map(_value_of, args), tree_map(_value_of, kwargs),
+            tree_map(_value_of, out), self._dropout_sites, mode))
+        return tree_map(lambda o: self._hand1(o) if isinstance(o, Tensor) else o, out)
+
+    def _as_input(self, a):
+        if isinstance(a, np.ndarray):
+            a = tensor_of(a)
+        if isinstance(a, Tensor):
+            return Tensor(self._resolve(self._value(a)), self)
+        return a
+
+    # ---- backward and the step ----
+    def backward(self, loss: Tensor) -> None:
+        if self.phase != OPEN:
+            raise CaptureError("backward() was called twice on one training pass (torch: "
+                               "'Trying to backward through the graph a second time'); "
+                               "compute the loss again")
+        if loss.shape != ():
+            raise CaptureError(f"backward() needs a scalar loss, got shape {tuple(loss.shape)} "
+                               "(torch: grad can be implicitly created only for scalar outputs)")
+        v = self._resolve(self._value(loss))
+        if self.mode == REPLAY and (v is not self.program.loss
+                                    or self.cursor != len(self.program.events)):
+            self._rerecord("backward() on another value than the captured pass's loss"
+                           if v is not self.program.loss else "fewer ops before backward()")
+            v = self._resolve(self._value(loss))
+        if self.mode == RECORD:
+            self.program.loss = v
+            self.session.programs_add(self.program)
+        self.phase = PENDING
+
+    def live_values(self) -> list[Value]:
+        """The pass's Values the script still holds (through tensors or thunks' inputs)."""
+        found = []
+        for ref in self.handed:
+            t = ref()
+            if t is not None and t.tracer is self:
+                v = self.remap.get(t.value, t.value)
+                if v not in found and v not in self.deferred:
+                    found.append(v)
+        for op, inputs, attrs, index in self.deferred.values():
+            for t in inputs:
+                if isinstance(t, Tensor) and t.tracer is self and t.value not in found \
+                        and t.value not in self.deferred:
+                    found.append(t.value)
+        return found
+
+    def read_value(self, v: Value) -> np.ndarray:
+        """The values of one of this pass's tensors (storage dtype), once the step ran."""
+        v = self.remap.get(v, v)
+        if v in self.host:
+            return self.host[v]
+        if v in self.program.feeds and self.arrays[self.program.feeds.index(v)] is not None:
+            return self.arrays[self.program.feeds.index(v)]
+        if self.phase != DONE:
+            raise ValueNotReadyError(
+                "a value of a training pass was read before optimizer.step(): stepgraph runs "
+                "forward, backward and update as one compiled step at optimizer.step(); read "
+                "it after that (or evaluate under torch.no_grad() with model.eval())")
+        if v in self.deferred:
+            self.host[v] = self._run_thunk(v)
+        elif v in self.kept:
+            self.host[v] = self.session.to_host(self.backend, self.kept[v], v.dtype)
+        else:
+            raise CaptureError("this value of the training pass was not kept: no tensor held "
+                               "it when optimizer.step() ran")
+        return self.host[v]
+
+    # ---- after backward ----
+    def _after_backward(self, op: str, inputs: list, attrs: dict) -> list[Tensor]:
+        if self.phase == DONE:
+            return EAGER.op_all(op, [self._eager(t) for t in inputs], **attrs)
+        values = [t.value if isinstance(t, Tensor) else t for t in inputs]
+        specs = infer_outputs(op, values, attrs)
+        outs = [Value(shape, dtype) for shape, dtype in specs]
+        for i, v in enumerate(outs):
+            self.deferred[v] = (op, list(inputs), dict(attrs), i)
+        return self._hand([Tensor(v, self) for v in outs])
+
+    def _run_thunk(self, v: Value) -> np.ndarray:
+        op, inputs, attrs, index = self.deferred[v]
+        return EAGER.op_all(op, [self._eager(t) for t in inputs], **attrs)[index].array
+
+    def _eager(self, t):
+        """A tensor of this pass as an eager tensor of its values (others as they are)."""
+        if isinstance(t, Tensor) and t.tracer is self:
+            return Tensor(Value(t.value.shape, t.value.dtype), EAGER, self.read_value(t.value))
+        return t
+
+    # ---- feeds ----
+    def _feed(self, t: Tensor):
+        held = self._feed_of.get(id(t))
+        if held is not None:
+            return held[1]
+        if self.mode == REPLAY:
+            return _Feed(t)
+        v = self.input(t.shape, t.value.dtype, f"feed{len(self.program.feeds)}").value
+        self.program.feeds.append(v)
+        self.arrays.append(t.array)
+        self._feed_of[id(t)] = (t, v)                 # held: its id stays unique
+        return v
+
+    def _fill(self, t: Tensor, want: Value) -> None:
+        self.arrays[self.program.feeds.index(want)] = t.array
+        self._feed_of[id(t)] = (t, want)
+
+    def _foreign(self, t: Tensor) -> Value:
+        """A tensor of another pass (an earlier iteration's output carried over, a hidden
+        state): its values, fed as data."""
+        if isinstance(t.tracer, Pass) and t.tracer.phase == DONE:
+            return self._feed(t.tracer._eager(t))
+        raise CaptureError("a value of another training pass that has not been stepped "
+                           "entered this one: call optimizer.step() or detach() it first")
+
+    def _resolve(self, x):
+        if isinstance(x, _Feed):
+            return self._feed(x.tensor)
+        return self.remap.get(x, x) if isinstance(x, Value) else x
+
+    # ---- replay matching ----
+    def _next_event(self):
+        events = self.program.events
+        return events[self.cursor] if self.cursor < len(events) else None
+
+    def _node_mismatch(self, event, op: str, inputs: list, attrs: dict) -> str:
+        where = f"op {self.cursor + 1} of the captured pass"
+        if not isinstance(event, NodeEvent):
+            got = "a module call" if isinstance(event, CallEvent) else "backward()"
+            return f"{where} was {got}, the loop now does {op}"
+        node = event.node
+        if node.op != op or not same_attrs(node.attrs, attrs):
+            return f"{where} was {node.op}{_short(node.attrs)}, now {op}{_short(attrs)}"
+        return self._inputs_mismatch(where, inputs, node.inputs)
+
+    def _call_mismatch(self, event, module, mode, args, kwargs) -> str:
+        where = f"step {self.cursor + 1} of the captured pass"
+        if not isinstance(event, CallEvent) or event.module is not module:
+            return f"{where} was {_event_name(event)}, now a call of {type(module).__name__}"
+        if event.mode != mode:
+            return f"{type(module).__name__}'s mode changed (train/eval, grad, autocast)"
+        got, want = tree_leaves((args, kwargs)), tree_leaves((event.args, event.kwargs))
+        if len(got) != len(want):
+            return f"{type(module).__name__} is called with other arguments"
+        values = [self._value(a) if isinstance(a, Tensor) else
+                  (_Feed(tensor_of(a)) if isinstance(a, np.ndarray) else a) for a in got]
+        plain = [(g, w) for g, w in zip(values, want)
+                 if not isinstance(w, Value) and not isinstance(g, (Value, _Feed))]
+        for g, w in plain:
+            if type(g) is not type(w) or not _equal(g, w):
+                return f"{type(module).__name__}'s argument {describe(g)} was {describe(w)}"
+        reason = self._inputs_mismatch(
+            where, [g for g, w in zip(values, want) if isinstance(w, Value)
+                    or isinstance(g, (Value, _Feed))],
+            [w for g, w in zip(values, want) if isinstance(w, Value)
+             or isinstance(g, (Value, _Feed))])
+        if not reason:
+            for g, w in zip(values, want):
+                if isinstance(g, _Feed):
+                    self._fill(g.tensor, w)
+        return reason
+
+    def _inputs_mismatch(self, where: str, got: list, want: list) -> str:
+        if len(got) != len(want):
+            return f"{where} had {len(want)} inputs, now {len(got)}"
+        claimed: dict[int, int] = {}
+        for i, (g, w) in enumerate(zip(got, want)):
+            if isinstance(g, _Feed):
+                if w not in self.program.feeds:
+                    return f"{where}: input {i} was a computed value, now data"
+                j = self.program.feeds.index(w)
+                if (g.tensor.shape, g.tensor.value.dtype) != (w.shape, w.dtype):
+                    return (f"{where}: input {i} was {describe(w)}, now "
+                            f"{describe(g.tensor)}")
+                if self.arrays[j] is not None or claimed.setdefault(j, id(g.tensor)) != \
+                        id(g.tensor):
+                    return f"{where}: input {i} is another tensor than the captured one"
+            elif g is not w:
+                return f"{where}: input {i} is another value than the captured one"
+        return ""
+
+    def _rerecord(self, reason: str) -> None:
+        """Leave replay: re-trace the events matched so far with this iteration's arrays
+        and record from here on."""
+        warnings.warn(f"stepgraph re-captures the training loop: {reason}",
+                      RecaptureWarning, stacklevel=4)
+        expected, matched, arrays = self.program, self.cursor, self.arrays
+        self.mode, self.program, self.arrays = RECORD, Program(self.key), []
+        self._dropout_sites = 0
+        fed = {v: a for v, a in zip(expected.feeds, arrays) if a is not None}
+        self._feed_of = {}
+        remap = self.remap
+        for fv, a in fed.items():
+            remap[fv] = self._feed(tensor_of(a))
+        for v, p in expected.params.items():
+            remap[v] = self.param(p).value
+        for v, b in expected.buffers.items():
+            remap[v] = self.buffer(b).value
+        if expected.rng is not None:
+            remap[expected.rng] = self.rng_step()
+        for event in expected.events[:matched]:
+            if isinstance(event, NodeEvent):
+                n = event.node
+                outs = self.emit(n.op, [remap.get(v, v) for v in n.inputs], n.label,
+                                 **n.attrs)
+                remap.update(zip(n.outputs, outs))
+                continue
+            as_tensor = (lambda v: Tensor(remap.get(v, v), self)
+                         if isinstance(v, Value) else v)
+            out = self.call_module(event.module, tree_map(as_tensor, event.args),
+                                   tree_map(as_tensor, event.kwargs))
+            for old, new in zip(tree_leaves(event.outputs), tree_leaves(out)):
+                if isinstance(old, Value):
+                    remap[old] = new.value
+
+    # ---- bookkeeping ----
+    def _hand(self, tensors: list[Tensor]) -> list[Tensor]:
+        for t in tensors:
+            self._hand1(t)
+        return tensors
+
+    def _hand1(self, t: Tensor) -> Tensor:
+        self.handed.append(weakref.ref(t))
+        return t
+
+
+def _value_of(x):
+    return x.value if isinstance(x, Tensor) else x
+
+
+def _equal(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:                   # noqa: BLE001 - objects without a plain ==
+        return a is b
+
+
+def _short(attrs: dict) -> str:
+    text = ", ".join(f"{k}={v!r}" for k, v in attrs.items() if k not in ("label",))
+    return f"({text[:60]})" if text else ""
+
+
+def _event_name(event) -> str:
+    if isinstance(event, CallEvent):
+        return f"a call of {type(event.module).__name__}"
+    if isinstance(event, NodeEvent):
+        return f"op {event.node.op}"
+    return "backward()"
+

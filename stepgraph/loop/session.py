@@ -1,0 +1,287 @@
+"""The loop session: which modules train under which optimizer, the recorded programs, the passes
+waiting for optimizer.step(), and the compiled LoopSteps.
+
+It exists from the first optimizer made with parameters (torch's style: `SGD(model.
+parameters(), lr=...)`). A module holding such parameters, called with concrete tensors:
+- with grad enabled and in training mode, opens a training pass (passes.Pass);
+- under no_grad or in eval mode, runs the compiled predictor (compile_predict) when the
+  forward has one tensor output, else eagerly on the host;
+every other module call runs as before.
+"""
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any
+
+import numpy as np
+
+from ..backends import cuda_available
+from ..errors import CaptureError
+from ..grad_mode import is_grad_enabled
+from ..ir.graph import INPUT, PARAM, STATE, Value
+from ..ir.trace import Tensor, tensor_of
+from . import hooks
+from .passes import DONE, OPEN, PENDING, Pass, RecaptureWarning
+from .program import Program, tree_leaves
+from .step import GRAD_NORM, LoopStep, ProgramModel, export_name
+
+
+class LoopSession:
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+        self.optimizers: list[weakref.ref] = []
+        self.programs: dict[tuple, list[Program]] = {}     # first-call key -> most recent first
+        self.current: Pass | None = None                   # the pass the script is in
+        self.pending: list[Pass] = []                      # backward() done, waiting for step
+        self.done: list[weakref.ref] = []                  # stepped passes whose values may live
+        self.steps: dict[tuple, LoopStep] = {}
+        self.kept: dict[int, list[Value]] = {}             # id(program) -> Values ever kept
+        self.names: dict[int, str] = {}                    # id(Parameter or Buffer) -> name
+        self.named: dict[int, Any] = {}                    # id -> the object (kept alive)
+        self.roots = 0
+        self.clip: tuple | None = None                     # clip_grad_norm_/value_ until step
+        self.skip_nonfinite = False                        # GradScaler.step: skip bad steps
+        self.precision = "fp32"                            # set by autocast at the first call
+        self.device = "cuda" if cuda_available() else "cpu"
+        self.predictors: dict[tuple, Any] = {}
+        self.eager_depth = 0                               # inside an eager forward
+
+    # ---- optimizers and modules ----
+    def register(self, optimizer) -> None:
+        self.optimizers.append(weakref.ref(optimizer))
+
+    def trained_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for ref in self.optimizers:
+            opt = ref()
+            if opt is not None:
+                ids.update(id(p) for p in opt.trained_parameters())
+        return ids
+
+    def open_pass(self) -> Pass | None:
+        p = self.current
+        return p if p is not None and p.phase == OPEN and not p.module_path else None
+
+    def call_handler(self, module):
+        if self.eager_depth:
+            return None
+        if self.open_pass() is not None:
+            return self.current.call_module
+        if not any(id(p) in self.trained_ids() for p in module.parameters()):
+            return None
+        if is_grad_enabled() and module.training:
+            return self.start_pass
+        return self.predict
+
+    @staticmethod
+    def call_mode(module) -> tuple:
+        from ..amp import autocast_state
+
+        return (tuple(m.training for m in module.modules()), is_grad_enabled(),
+                autocast_state())
+
+    # ---- passes ----
+    def start_pass(self, module, args: tuple, kwargs: dict):
+        key = (id(module), self.call_mode(module), _signature((args, kwargs)))
+        known = self.programs.get(key)
+        self.current = Pass(self, key, self.seed, known[0] if known else None)
+        return self.current.call_module(module, args, kwargs)
+
+    def programs_add(self, program: Program) -> None:
+        self.programs.setdefault(program.key, []).insert(0, program)
+        self._name(program)
+
+    def backward(self, pass_: Pass, loss: Tensor) -> None:
+        pass_.backward(loss)
+        self.pending.append(pass_)
+        if self.current is pass_:
+            self.current = None
+
+    def zero_grad(self) -> None:
+        if self.pending:
+            warnings.warn(f"zero_grad() dropped {len(self.pending)} backward() pass(es) that no "
+                          "optimizer.step() used (their gradients, as torch's, and also their "
+                          "forward's buffer updates)", RecaptureWarning, stacklevel=3)
+            self.pending.clear()
+            self.clip = None
+
+    # ---- the step ----
+    def step(self, optimizer) -> None:
+        passes, self.pending = self.pending, []
+        if not passes:
+            return                  # torch: no gradients, nothing to update
+        clip, self.clip = self.clip, None
+        skip, self.skip_nonfinite = self.skip_nonfinite, False
+        self._detach_done()
+        kept = [self._kept(p) for p in passes]
+        arrays = [a for p in passes for a in p.arrays]
+        precision = passes[0].key[1][2] or "fp32"
+        step = self._loop_step(optimizer, passes, kept, arrays, precision, skip, clip)
+        exe = step.launch([p.program for p in passes], kept, arrays, _grad_hook(clip))
+        for j, (p, values) in enumerate(zip(passes, kept)):
+            p.kept = {v: exe.outputs[export_name(j, k)] for k, v in enumerate(values)}
+            p.phase, p.backend = DONE, step.backend
+            self.done.append(weakref.ref(p))
+        if clip is not None and clip[2] is not None:
+            passes[-1].kept[clip[2]] = exe.outputs[GRAD_NORM]
+
+    def _loop_step(self, optimizer, passes, kept, arrays, precision, skip, clip) -> LoopStep:
+        trained = frozenset(id(p) for p in optimizer.trained_parameters())
+        frozen = tuple(sorted(n for i, n in self.names.items()
+                              if i in trained and not self.named[i].requires_grad))
+        policy = "skip" if skip else "ignore"
+        key = (id(optimizer), self.device, precision, policy, frozen,
+               None if clip is None else (clip[0], clip[1]))
+        step = self.steps.get(key)
+        if step is None:
+            if clip is not None and clip[0] == "norm":
+                optimizer.max_grad_norm = clip[1]
+            try:
+                step = LoopStep(self._model(), optimizer, trained,
+                                [p.program for p in passes], kept, arrays, self.device,
+                                precision, policy, self.seed, _grad_hook(clip))
+            finally:
+                if clip is not None and clip[0] == "norm":
+                    optimizer.max_grad_norm = None
+            self.steps[key] = step
+        elif clip is not None and clip[0] == "norm":
+            optimizer.max_grad_norm = clip[1]     # read again only by a new executable
+        return step
+
+    def _kept(self, p: Pass) -> list[Value]:
+        """The values of a pass the script holds now, and every value kept for its program
+        before (so a loop keeps one Executable): computed values only (feeds are on the
+        host, parameters in the model)."""
+        ever = self.kept.setdefault(id(p.program), [])
+        for v in p.live_values():
+            if v.role not in (INPUT, PARAM, STATE) and not any(v is e for e in ever):
+                ever.append(v)
+        return list(ever)
+
+    def _detach_done(self) -> None:
+        """Before a step overwrites its outputs: copy out the values of earlier steps the
+        script still holds (none in a loop that rebinds its variables)."""
+        for ref in self.done:
+            p = ref()
+            for v in p.live_values() if p is not None else ():
+                if v in p.kept and v not in p.host:
+                    p.kept[v] = p.backend.copy_result(p.kept[v])
+        self.done = []
+
+    @staticmethod
+    def to_host(backend, buffer, dtype: str) -> np.ndarray:
+        from ..backends.numpy import bf16
+
+        host = backend.to_numpy(buffer)
+        if host.dtype == np.uint16 and dtype != "bfloat16":
+            host = bf16.from_bits(host)
+        if dtype == "bfloat16" and host.dtype != np.uint16:
+            host = bf16.to_bits(host.astype(np.float32))
+        return host
+
+    # ---- names the steps bind parameters by ----
+    def _name(self, program: Program) -> None:
+        for event in program.events:
+            module = getattr(event, "module", None)
+            if module is None or id(module) in self.named:
+                continue
+            self.named[id(module)] = module
+            prefix = "" if self.roots == 0 else f"loop{self.roots}."
+            self.roots += 1
+            for name, t in [*module.named_parameters(), *module.named_buffers()]:
+                if id(t) not in self.names:
+                    self.names[id(t)] = prefix + name
+                    self.named[id(t)] = t
+        for v, t in [*program.params.items(), *program.buffers.items()]:
+            if id(t) not in self.names:          # used only at script level
+                self.names[id(t)] = f"loop.extra{len(self.names)}"
+                self.named[id(t)] = t
+
+    def _model(self) -> ProgramModel:
+        from ..nn.module import Buffer, Parameter
+
+        objs = [(n, self.named[i]) for i, n in self.names.items()]
+        return ProgramModel([(n, t) for n, t in objs if isinstance(t, Parameter)],
+                            [(n, t) for n, t in objs if isinstance(t, Buffer)])
+
+    # ---- evaluation ----
+    def predict(self, module, args: tuple, kwargs: dict):
+        """An eval-mode or no_grad call: the compiled predictor for one tensor in, one out;
+        anything else eagerly (on the host)."""
+        leaves = tree_leaves((args, kwargs))
+        tensors = [a for a in leaves if isinstance(a, (Tensor, np.ndarray))]
+        if kwargs or len(tensors) != len(args) or module.training:
+            return self.eagerly(module, args, kwargs)
+        from ..amp import autocast_state
+        from ..api import compile_predict
+
+        precision = autocast_state() or "fp32"
+        key = (id(module), self.device, precision)
+        arrays = [np.asarray(a) if isinstance(a, Tensor) else a for a in args]
+        predictor = self.predictors.get(key)
+        try:
+            if predictor is None:
+                predictor = compile_predict(module, arrays, device=self.device,
+                                            precision=precision)
+                self.predictors[key] = predictor
+            out = predictor(*arrays)
+        except CaptureError:
+            raise
+        except Exception as e:     # noqa: BLE001 - a forward the predictor cannot take
+            if type(e).__name__ != "LossSelectionError":
+                raise
+            return self.eagerly(module, args, kwargs)
+        return tensor_of(predictor.backend.to_numpy(out))
+
+
+    def eagerly(self, module, args: tuple, kwargs: dict):
+        """module's forward op by op on the host, submodules included."""
+        self.eager_depth += 1
+        try:
+            return module.forward(*args, **kwargs)
+        finally:
+            self.eager_depth -= 1
+
+
+def _grad_hook(clip):
+    """clip_grad_value_ as a rewrite of the gradients before the update."""
+    if clip is None or clip[0] != "value":
+        return None
+    limit = float(clip[1])
+
+    def clamp(tracer, params, grads):
+        return [tracer.emit("scalar", [tracer.emit("scalar", [g], op="maximum",
+                                                   value=-limit)[0]],
+                            op="minimum", value=limit)[0] for g in grads]
+    clamp.key = ("value", limit)
+    return clamp
+
+
+def _signature(obj) -> tuple:
+    """The shapes and dtypes of the tensors of a call's arguments, and the other leaves."""
+    out = []
+    for leaf in tree_leaves(obj):
+        if isinstance(leaf, Tensor):
+            out.append(("tensor", tuple(leaf.shape), leaf.value.dtype, leaf.is_eager))
+        elif isinstance(leaf, np.ndarray):
+            out.append(("array", leaf.shape, str(leaf.dtype)))
+        else:
+            try:
+                hash(leaf)
+                out.append(leaf)
+            except TypeError:
+                out.append(repr(leaf)[:80])
+    return tuple(out)
+
+
+_SESSION: LoopSession | None = None
+
+
+def session() -> LoopSession:
+    """The process's loop session (made on first use)."""
+    global _SESSION
+    if _SESSION is None:
+        _SESSION = LoopSession()
+        hooks.SESSION = _SESSION
+    return _SESSION

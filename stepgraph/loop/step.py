@@ -1,0 +1,153 @@
+"""The compiled step of a captured loop: the waiting passes' programs as one model, trained by a
+TrainStep (the same trace -> autodiff -> update -> fuse -> plan -> Executable pipeline).
+
+One LoopStep per optimizer (and device, precision, trainable set, bad-batch policy) holds the
+optimizer state; each distinct set of waiting passes (one pass, k accumulated passes, the last
+partial batch's) and of values kept for the script is one Executable of it, sharing that state.
+"""
+from __future__ import annotations
+
+from ..api import TrainStep, _input_names
+from ..compile.build import ModelLoss, build_train_graph
+from ..compile.executable import COPY_ROLES, STATIC_ROLES, Executable, GraphKey
+from ..compile.feed import Signature, signature_of
+from ..ir.graph import Value
+from ..ir.trace import Tensor, Tracer, current_tracer
+from ..nn.module import Module
+from .passes import trace_call
+from .program import CallEvent, NodeEvent, Program, tree_leaves, tree_map
+
+GRAD_NORM = "grad_norm"
+
+
+def emit_program(tracer: Tracer, program: Program, feeds: list[Tensor]) -> dict[Value, Value]:
+    """Re-emit a recorded pass into `tracer` with `feeds` for its feed Values; returns the map
+    from the program's Values to the new ones. Module calls are traced again (their forward
+    runs on this trace); script-level nodes are emitted as recorded, random ones at fresh
+    dropout sites so that every accumulated pass draws its own masks."""
+    m: dict[Value, Value] = {fv: t.value for fv, t in zip(program.feeds, feeds)}
+    m.update((v, tracer.param(p).value) for v, p in program.params.items())
+    m.update((v, tracer.buffer(b).value) for v, b in program.buffers.items())
+    if program.rng is not None:
+        m[program.rng] = tracer.rng_step()
+    as_tensor = (lambda v: Tensor(m[v], tracer) if isinstance(v, Value) else v)
+    for event in program.events:
+        if isinstance(event, CallEvent):
+            out = trace_call(tracer, event.module, tree_map(as_tensor, event.args),
+                             tree_map(as_tensor, event.kwargs))
+            for old, new in zip(tree_leaves(event.outputs), tree_leaves(out)):
+                if isinstance(old, Value):
+                    m[old] = new.value
+            continue
+        assert isinstance(event, NodeEvent)
+        n = event.node
+        attrs = dict(n.attrs)
+        if "site" in attrs:
+            attrs["site"] = tracer.next_dropout_site()
+        m.update(zip(n.outputs, tracer.emit(n.op, [m[v] for v in n.inputs], n.label, **attrs)))
+    return m
+
+
+class ProgramModel(Module):
+    """The passes of one step as one model: forward(*feeds) re-emits each pass's program and
+    returns the sum of their losses (backward of the sum = gradients accumulated over the
+    passes). Its parameters are the trained modules' own, under names the loop session keeps
+    stable (so optimizer state found by name survives every re-capture)."""
+
+    def __init__(self, named_params: list, named_buffers: list):
+        super().__init__()
+        object.__setattr__(self, "_named_p", named_params)
+        object.__setattr__(self, "_named_b", named_buffers)
+        object.__setattr__(self, "programs", ())
+        object.__setattr__(self, "kept", ())        # per program: the Values to export
+        object.__setattr__(self, "exports", {})      # output name -> Value, set by forward
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True):
+        return iter(self._named_p)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True):
+        return iter(self._named_b)
+
+    def name_parameters(self) -> None:
+        for name, p in [*self._named_p, *self._named_b]:
+            p.name = name
+
+    def forward(self, *feeds):
+        tracer = current_tracer()
+        total, at = None, 0
+        self.exports.clear()
+        for j, (program, kept) in enumerate(zip(self.programs, self.kept)):
+            n = len(program.feeds)
+            m = emit_program(tracer, program, list(feeds[at:at + n]))
+            at += n
+            loss = Tensor(m[program.loss], tracer)
+            total = loss if total is None else total + loss
+            for k, v in enumerate(kept):
+                self.exports[export_name(j, k)] = m[v]
+        return total
+
+
+def export_name(j: int, k: int) -> str:
+    return f"pass{j}.{k}"
+
+
+class LoopStep(TrainStep):
+    """A TrainStep whose model is the waiting passes (ProgramModel). `launch` runs one set of
+    passes; the Executable of each (program set, kept values) is built once."""
+
+    def __init__(self, model: ProgramModel, optimizer, trained: frozenset, programs, kept,
+                 arrays, device: str, precision: str, on_bad_batch: str, seed: int,
+                 grad_hook=None):
+        self._trained = trained
+        self._use(programs, kept, grad_hook)
+        super().__init__(model, ModelLoss(), optimizer, arrays, device=device, seed=seed,
+                         precision=precision, on_bad_batch=on_bad_batch)
+
+    def _trains(self, p) -> bool:
+        # torch computes a gradient for every requires_grad parameter but updates only the
+        # optimizer's: the others are constants of this step.
+        return p.requires_grad and id(p) in self._trained
+
+    def _use(self, programs, kept, grad_hook) -> None:
+        self._programs, self._kept, self._grad_hook = tuple(programs), tuple(kept), grad_hook
+        self._program_key = (tuple(id(p) for p in programs),
+                             tuple(tuple(v.id for v in k) for k in kept),
+                             None if grad_hook is None else grad_hook.key)
+
+    def build_graph(self, signature: Signature):
+        model = self.model
+        object.__setattr__(model, "programs", self._programs)
+        object.__setattr__(model, "kept", self._kept)
+        graph = build_train_graph(model, self.loss_fn, self.optimizer, signature, self.seed,
+                                  self.on_bad_batch, self.memory_format, self.precision,
+                                  frozen=self.frozen, extra_outputs=model.exports,
+                                  grad_hook=self._grad_hook)
+        norm = next((n.outputs[0] for n in graph.nodes if n.op == "global_norm"), None)
+        if norm is not None:
+            graph.outputs[GRAD_NORM] = norm
+        return graph
+
+    def executable(self, signature: Signature) -> Executable:
+        key = GraphKey(self.mode, hash((self._program_key, signature)), STATIC_ROLES[self.mode],
+                       COPY_ROLES[self.mode], (self._program_key, signature))
+        exe = self.executables.get(key)
+        if exe is None:
+            exe = Executable(self.plan(signature), self.backend, self.bind, self.ctx,
+                             self.mode, key)
+            self.executables[key] = exe
+        return exe
+
+    def launch(self, programs, kept, arrays, grad_hook=None) -> Executable:
+        """Run one step over these passes' feeds; returns the Executable whose outputs hold
+        the kept values until its next run."""
+        self._use(programs, kept, grad_hook)
+        signature = signature_of(_input_names(len(arrays), False), arrays)
+        self._check_values(arrays)
+        exe = self.executable(signature)
+        exe.feed(arrays)
+        if self._versions != self._param_versions():
+            self._refresh_weight_copies()
+        exe.run(self.use_graph)
+        return exe
