@@ -521,9 +521,6 @@ class CosineAnnealingLR(LRScheduler):
         groups, t, period = self.optimizer.param_groups, self.last_epoch, self.T_max
         if self._is_initial:
             return _group_values(self.optimizer, "lr")
-        if self._step_count == 1 and t > 0:           # first step of a resumed scheduler
-            return [self.eta_min + (base_lr - self.eta_min)
-                    * (1 + math.cos(t * math.pi / period)) / 2 for base_lr in self.base_lrs]
         if (t - 1 - period) % (2 * period) == 0:      # leaving the minimum: the ratio is 0/0
             return [group["lr"] + (base_lr - self.eta_min)
                     * (1 - math.cos(math.pi / period)) / 2
