@@ -83,14 +83,17 @@ def _set_momentum(group: dict, momentum: float, use_beta1: bool) -> None:
 
 def _track_optimizer_step(optimizer) -> None:
     """Wraps the optimizer's `step` so that it sets `optimizer._opt_called` (see the module
-    docstring). A step that is not a method of the optimizer (none, or a stub's) is left."""
+    docstring). Without a step method (none, a static function) nothing is tracked."""
     step = getattr(optimizer, "step", None)
     if step is None or getattr(step, "_wrapped_by_lr_sched", False):
         return
     own = "step" in getattr(optimizer, "__dict__", {})    # an instance's own step: keep it
     if not own and getattr(step, "__self__", None) is not optimizer:
         return
-    optimizer_ref = weakref.ref(optimizer)
+    try:
+        optimizer_ref = weakref.ref(optimizer)            # no cycle through the wrapper
+    except TypeError:                                     # __slots__ without __weakref__
+        return
 
     def step_and_mark(*args, **kwargs):
         opt = optimizer_ref()
