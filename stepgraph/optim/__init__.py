@@ -1,5 +1,6 @@
 """Optimizers: update rules appended to the step's graph as ops."""
 from . import schedules
+from . import lr_scheduler
 from .adam import Adam, AdamW
 from .optimizer import Optimizer
 from .schedules import Constant, Cosine, StepDecay, WarmupCosine
