@@ -75,6 +75,8 @@ ALTERNATIVES = {
     "torch.Tensor.index_put": "torch.where(mask, v, x) or x.scatter(dim, index, v)",
     "torch.Tensor.index_put_": "torch.where(mask, v, x) or x.scatter(dim, index, v)",
     "torch.Tensor.index_add": "x.scatter_add(dim, index, src)",
+    "torch.utils.data.DistributedSampler": "stepgraph.data.BatchLoader(x, y, batch_size, "
+                                           "rank=..., world_size=...), which shards as it does",
 }
 
 

@@ -15,7 +15,7 @@ then the i-th batch of a single process with a world_size times larger batch.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -82,6 +82,11 @@ class BatchLoader:
     and dtype); it must be a pure function of its arguments for a resume to be exact.
     `rank` of `world_size` > 1: this process's shard of every epoch (the module docstring);
     its batch i is transformed as batch i * world_size + rank, so ranks draw differently.
+
+    `for x, y in loader:` iterates the next epoch: the first loop epoch 0, the next epoch 1,
+    and so on (each iteration started takes the next, as a torch DataLoader draws a new order
+    per iteration). `set_epoch(e)` makes the next loop epoch e (a resumed run); `epoch(e)`
+    gives any epoch without moving the counter.
     """
 
     x: Any
@@ -94,6 +99,7 @@ class BatchLoader:
     transform: Callable[[Any, int, int], Any] | None = None
     rank: int = 0
     world_size: int = 1
+    next_epoch: int = field(default=0, init=False)
 
     def __post_init__(self):
         if len(self.x) != len(self.y):
@@ -127,6 +133,17 @@ class BatchLoader:
         for i in range(len(self)):
             sl = slice(i * self.batch_size, (i + 1) * self.batch_size)
             yield x[sl], y[sl]
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        """The batches of epoch `next_epoch`, which then advances by one."""
+        epoch, self.next_epoch = self.next_epoch, self.next_epoch + 1
+        return self.epoch(epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next `for ... in loader` iterate epoch `epoch`."""
+        if epoch < 0:
+            raise LoaderError(f"epoch must be >= 0, got {epoch}")
+        self.next_epoch = int(epoch)
 
     def order(self, epoch: int) -> np.ndarray | None:
         """This rank's sample indices in epoch `epoch`; None: all samples as stored."""

@@ -1,12 +1,12 @@
 """Tensor factories with torch's names and arguments: zeros, ones, full, empty, the *_like
-forms, randn, rand, randint, eye, tensor, as_tensor, from_numpy, arange, linspace.
+forms, randn, rand, randint, randperm, eye, tensor, as_tensor, from_numpy, arange, linspace.
 
 Outside a traced forward they make eager tensors (values at once, in host memory); inside
 one (`current_tracer`), graph values: `fill` and `arange` nodes where those ops make them,
 else a `constant` of the values computed at trace time. Random factories draw from the
-generator the module constructors use (`manual_seed`): the same distributions as torch, not
-torch's bits; inside a forward they are refused, since values drawn once at trace time would
-repeat every step.
+generator the module constructors use (`manual_seed`), or a `generator=` (generator.py): the
+same distributions as torch, not torch's bits; inside a forward they are refused, since values
+drawn once at trace time would repeat every step.
 """
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ import numpy as np
 from ..devices import as_device
 from ..dtypes import as_dtype, get_default_dtype, tensor_dtype
 from ..errors import UnsupportedOpError
+from .generator import (Generator, default_generator, get_rng_state, host_rng, initial_seed,
+                        seed, set_rng_state)
 from ..ir.graph import BF16, storage_dtype
 from ..ir.trace import Tensor, _shape_args, current_tracer, tensor_of
-from ..nn import init as _init
 from ..ops.shape import ARANGE_DTYPES
 
 
@@ -115,10 +116,11 @@ def full_like(input, fill_value, *, dtype=None, device=None,
 
 # ---- random ---------------------------------------------------------------------------------
 
-def manual_seed(seed: int) -> None:
+def manual_seed(seed: int) -> Generator:
     """Seed the generator of the random factories and of module initialisation (one
-    generator, as torch's default one). Same distributions as torch, not torch's values."""
-    _init.manual_seed(int(seed))
+    generator, as torch's default one); returns it (`default_generator`). Same distributions
+    as torch, not torch's values."""
+    return default_generator.manual_seed(seed)
 
 
 def _random(what: str, generator, device) -> np.random.Generator:
@@ -126,11 +128,8 @@ def _random(what: str, generator, device) -> np.random.Generator:
         raise UnsupportedOpError(f"torch.{what} inside a traced forward is not supported by "
                                  "stepgraph (values drawn once at trace time would repeat "
                                  "every step); draw in the constructor or use dropout")
-    if generator is not None:
-        raise UnsupportedOpError(f"torch.{what}(generator=...) is not supported by stepgraph; "
-                                 "seed with torch.manual_seed")
     as_device(device)
-    return _init._generator
+    return host_rng(generator, f"torch.{what}")
 
 
 def randn(*size, generator=None, dtype=None, device=None, requires_grad: bool = False):
@@ -157,6 +156,17 @@ def randint(*args, size=None, generator=None, dtype=None, device=None,
     dtype = tensor_dtype(dtype or "int64", "randint")
     rng = _random("randint", generator, device)
     return _place(rng.integers(int(low), int(high), _size((size,), "randint")), dtype)
+
+
+def randperm(n: int, *, generator=None, dtype=None, device=None, requires_grad: bool = False,
+             pin_memory: bool = False) -> Tensor:
+    """A random permutation of 0..n-1 (int64 unless `dtype`), from `generator` or the host
+    generator: a different permutation from torch's for the same seed."""
+    if not isinstance(n, numbers.Integral) or n < 0:
+        raise RuntimeError(f"randperm: n must be a non-negative int, got {n!r}")
+    dtype = tensor_dtype(dtype or "int64", "randperm")
+    rng = _random("randperm", generator, device)
+    return _place(rng.permutation(int(n)), dtype)
 
 
 # ---- from data ------------------------------------------------------------------------------
@@ -254,15 +264,7 @@ def numel(input) -> int:
     return input.numel()
 
 
-class Generator:
-    """torch.Generator: refused. Random factories and module initialisation share one
-    generator, seeded by torch.manual_seed."""
-
-    def __init__(self, device=None):
-        raise UnsupportedOpError("torch.Generator is not supported by stepgraph: seed the one "
-                                 "generator with torch.manual_seed(seed)")
-
-
 __all__ = ["zeros", "ones", "empty", "full", "zeros_like", "ones_like", "empty_like",
            "full_like", "manual_seed", "randn", "rand", "randint", "eye", "tensor", "as_tensor",
-           "from_numpy", "arange", "linspace", "is_tensor", "numel", "Generator"]
+           "from_numpy", "arange", "linspace", "is_tensor", "numel", "Generator", "randperm",
+           "default_generator", "initial_seed", "seed", "get_rng_state", "set_rng_state"]

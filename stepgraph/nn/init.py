@@ -3,8 +3,9 @@
 Each fills its argument in place and returns it. The argument may be a Parameter or Buffer
 (written through `assign`, so compiled steps keep their storage), a NumPy array, or any tensor
 with `copy_` (an eager tensor). Draws come from one NumPy generator (`manual_seed` seeds it);
-`generator=` may pass a `numpy.random.Generator` instead; other generators are refused with
-TypeError. Values are drawn in float64 and stored at the argument's dtype.
+`generator=` may pass a `torch.Generator` (stepgraph's) or a `numpy.random.Generator` instead;
+other generators are refused with TypeError. Values are drawn in float64 and stored at the
+argument's dtype.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import math
 import numpy as np
 
 _generator = np.random.default_rng(0)
+_seed = 0                                  # what _generator was seeded with (initial_seed)
 
 # torch's gains (calculate_gain): every linear-like op has gain 1
 _LINEAR = ("linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
@@ -21,8 +23,8 @@ _LINEAR = ("linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_tra
 
 def manual_seed(seed: int) -> None:
     """Seed the generator that module constructors and nn.init draw initial weights from."""
-    global _generator
-    _generator = np.random.default_rng(seed)
+    global _generator, _seed
+    _generator, _seed = np.random.default_rng(seed), int(seed)
 
 
 def _rng(generator) -> np.random.Generator:
@@ -30,8 +32,12 @@ def _rng(generator) -> np.random.Generator:
         return _generator
     if isinstance(generator, np.random.Generator):
         return generator
-    raise TypeError(f"generator must be None or a numpy.random.Generator, got "
-                    f"{type(generator).__name__} (seed stepgraph.nn.init.manual_seed instead)")
+    own = getattr(generator, "numpy_generator", None)      # a stepgraph (torch.) Generator
+    if isinstance(own, np.random.Generator):
+        return own
+    raise TypeError(f"generator must be None, a stepgraph Generator or a "
+                    f"numpy.random.Generator, got {type(generator).__name__} (seed "
+                    "stepgraph.nn.init.manual_seed instead)")
 
 
 def _shape(tensor) -> tuple[int, ...]:
