@@ -88,6 +88,29 @@ def test_nested_containers_and_scalars_reach_torch(tmp_path):
     assert sg.load(tmp_path / "c.pt") == obj         # and back
 
 
+def test_shared_and_many_containers_round_trip(tmp_path):
+    shared = [1, 2]
+    obj = {"s1": shared, "s2": shared, "many": [{"i": i, "t": (i,)} for i in range(300)]}
+    sg.save(obj, tmp_path / "m.pt")                  # past 256 memo slots (LONG_BINPUT)
+    for got in (torch.load(tmp_path / "m.pt"), sg.load(tmp_path / "m.pt")):
+        assert got == obj and got["s1"] is got["s2"]
+
+
+def test_save_and_load_need_no_torch(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import numpy as np, stepgraph as sg\n"
+            f"sg.save({{'w': sg.ones(2).bfloat16(), 'n': [1]}}, {str(tmp_path / 'n.pt')!r})\n"
+            f"r = sg.load({str(tmp_path / 'n.pt')!r})\n"
+            "assert r['n'] == [1] and r['w'].dtype == sg.bfloat16\n"
+            "assert 'torch' not in [m.split('.')[0] for m in sys.modules if sys.modules[m]]")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+    assert torch.load(tmp_path / "n.pt")["w"].tolist() == [1.0, 1.0]
+
+
 def test_parameters_and_buffers_save_as_torch_does(tmp_path):
     weight = sg.nn.Parameter(np.arange(6, dtype=np.float32).reshape(2, 3))
     frozen = sg.nn.Parameter(np.ones(2, np.float32), requires_grad=False)
