@@ -21,6 +21,7 @@ from .grad_mode import (enable_grad, inference_mode, is_grad_enabled, no_grad,
                         set_grad_enabled)
 from .ir.trace import Size, Tensor
 from .nn.module import to_numpy
+from .serialization import load, save
 from .version import __version__
 
 __all__ = ["nn", "optim", "losses", "distributed", "compile_train_step", "compile_predict",
@@ -31,7 +32,8 @@ __all__ = ["nn", "optim", "losses", "distributed", "compile_train_step", "compil
            "inference_mode", "set_grad_enabled", "is_grad_enabled",
            "set_float32_matmul_precision", "get_float32_matmul_precision",
            *(n for n in _dtype_names if n not in ("float", "int", "bool")),  # keep builtins
-           "LossSelectionError", "amp", "autocast", "compile", *_factories.__all__]
+           "LossSelectionError", "amp", "autocast", "compile", *_factories.__all__, "save",
+           "load"]
 
 
 def __getattr__(name: str):
