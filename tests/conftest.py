@@ -133,3 +133,16 @@ def seeded_initialisation(request):
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.manual_seed(seed)
+
+
+@pytest.fixture(autouse=True)
+def fresh_loop_session():
+    """Each test starts without a training-loop session (stepgraph/loop): passes, programs
+    and compiled loop steps of one test never reach the next."""
+    yield
+    try:
+        from stepgraph.loop import hooks, session
+    except ImportError:
+        return
+    session._SESSION = None
+    hooks.SESSION = None

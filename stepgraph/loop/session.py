@@ -46,6 +46,7 @@ class LoopSession:
         self.device = "cuda" if cuda_available() else "cpu"
         self.predictors: dict[tuple, Any] = {}
         self.eager_depth = 0                               # inside an eager forward
+        self.last_step: LoopStep | None = None
 
     # ---- optimizers and modules ----
     def register(self, optimizer) -> None:
@@ -66,8 +67,9 @@ class LoopSession:
     def call_handler(self, module):
         if self.eager_depth:
             return None
-        if self.open_pass() is not None:
-            return self.current.call_module
+        if self.open_pass() is not None and self.current.live_values():
+            return self.current.call_module     # a second model call of the same pass
+        self.current = None                     # a forward nothing holds: forgotten
         if not any(id(p) in self.trained_ids() for p in module.parameters()):
             return None
         if is_grad_enabled() and module.training:
@@ -125,6 +127,7 @@ class LoopSession:
             self.done.append(weakref.ref(p))
         if clip is not None and clip[2] is not None:
             passes[-1].kept[clip[2]] = exe.outputs[GRAD_NORM]
+        self.last_step = step
 
     def _loop_step(self, optimizer, passes, kept, arrays, precision, skip, clip) -> LoopStep:
         trained = frozenset(id(p) for p in optimizer.trained_parameters())
@@ -251,9 +254,9 @@ def _grad_hook(clip):
     limit = float(clip[1])
 
     def clamp(tracer, params, grads):
-        return [tracer.emit("scalar", [tracer.emit("scalar", [g], op="maximum",
+        return [tracer.emit("scalar", [tracer.emit("scalar", [g], kind="maximum",
                                                    value=-limit)[0]],
-                            op="minimum", value=limit)[0] for g in grads]
+                            kind="minimum", value=limit)[0] for g in grads]
     clamp.key = ("value", limit)
     return clamp
 

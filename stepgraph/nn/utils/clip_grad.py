@@ -25,7 +25,9 @@ def _check_all_trained(session, parameters, name: str) -> None:
     given = {id(p) for p in ([parameters] if not hasattr(parameters, "__iter__")
                              else parameters)}
     trained = session.trained_ids()
-    if given and not given >= trained:
+    used = {id(p) for pass_ in session.pending for p in pass_.program.params.values()
+            if id(p) in trained and p.requires_grad}
+    if not given >= used:
         raise UnsupportedOpError(
             f"torch.nn.utils.{name} over a part of the optimizer's parameters is not supported "
             "by stepgraph (the clip is one step-wide operation): pass every trained "

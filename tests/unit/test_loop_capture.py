@@ -1,0 +1,352 @@
+"""Loop capture (stepgraph/loop): a PyTorch training loop, written once, run on torch (float32 and
+float64) and on stepgraph with `import stepgraph as torch`, judged by the tolerance policy; and
+the captured loop against compile_train_step, bit for bit."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import stepgraph as sg
+from stepgraph.loop.passes import RecaptureWarning, ValueNotReadyError
+from tests.reference import assert_close_to_reference
+
+D_IN, HIDDEN, CLASSES = 12, 16, 5
+
+
+def net(fw, dropout=0.0):
+    layers = [fw.nn.Linear(D_IN, HIDDEN), fw.nn.ReLU()]
+    layers += [fw.nn.Dropout(dropout)] if dropout else []
+    return fw.nn.Sequential(*layers, fw.nn.Linear(HIDDEN, CLASSES))
+
+
+def batches(n, batch=8, seed=0):
+    gen = np.random.default_rng(seed)
+    return [(gen.standard_normal((batch, D_IN)).astype(np.float32),
+             gen.integers(0, CLASSES, batch).astype(np.int64)) for _ in range(n)]
+
+
+def twins():
+    """torch float32 / float64 models and a stepgraph model, all with the same weights."""
+    torch.manual_seed(0)
+    t32 = net(torch)
+    t64 = net(torch).double()
+    t64.load_state_dict({k: v.double() for k, v in t32.state_dict().items()})
+    ours = net(sg)
+    ours.load_state_dict({k: v.numpy() for k, v in t32.state_dict().items()})
+    return t32, t64, ours
+
+
+def classic_loop(fw, model, opt, data, dtype=np.float32, accumulate=1, clip=None,
+                 after_backward=None):
+    """The loop as PyTorch's examples write it; returns each step's (last) loss, read after
+    the step."""
+    F = fw.nn.functional
+    losses = []
+    for i in range(0, len(data), accumulate):
+        opt.zero_grad()
+        for x, y in data[i:i + accumulate]:
+            out = model(fw.from_numpy(x.astype(dtype)))
+            loss = F.cross_entropy(out, fw.from_numpy(y)) / accumulate
+            loss.backward()
+        if clip is not None:
+            clip(fw, model)
+        if after_backward is not None:
+            after_backward(fw, opt, i)
+        opt.step()
+        losses.append(loss.item() * accumulate)
+    return losses
+
+
+def changes(model, before):
+    return {k: np.asarray(v, np.float64) - before[k] for k, v in _state(model).items()}
+
+
+def _state(model):
+    return {k: (v.detach().numpy() if hasattr(v, "detach") and not isinstance(v, np.ndarray)
+                else np.asarray(v)).astype(np.float64) for k, v in model.state_dict().items()}
+
+
+def judge(make_opt, data, **loop):
+    """Run the loop on the three twins; stepgraph's losses and parameter changes within the
+    policy's bound of torch float64, torch float32's error the yardstick."""
+    t32, t64, ours = twins()
+    start = _state(t32)
+    l32 = classic_loop(torch, t32, make_opt(torch, t32), data, **loop)
+    l64 = classic_loop(torch, t64, make_opt(torch, t64), data, dtype=np.float64, **loop)
+    lsg = classic_loop(sg, ours, make_opt(sg, ours), data, **loop)
+    assert_close_to_reference(lsg, l64, l32, "losses")
+    c32, c64, csg = changes(t32, start), changes(t64, start), changes(ours, start)
+    for k in c64:
+        assert np.abs(c64[k]).max() > 1e-4, f"{k} did not train: the test could not fail"
+        assert_close_to_reference(csg[k], c64[k], c32[k], f"change of {k}")
+    return lsg
+
+
+SGD = lambda fw, m: fw.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)       # noqa: E731
+ADAMW = lambda fw, m: fw.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)  # noqa: E731
+
+
+@pytest.mark.parametrize("make_opt", [SGD, ADAMW], ids=["sgd", "adamw"])
+def test_classic_loop_trains_as_torch(make_opt):
+    judge(make_opt, batches(6))
+
+
+def test_gradient_accumulation_as_torch():
+    """Three backward() per step(), the loss divided by three: torch's accumulated gradient."""
+    judge(SGD, batches(6), accumulate=3)
+
+
+def test_accumulation_equals_the_larger_batch():
+    """k micro-batches of the mean loss / k give the update of the k-times batch."""
+    data = batches(4)
+    big = [(np.concatenate([x for x, _ in data]), np.concatenate([y for _, y in data]))]
+    _, _, a = twins()
+    _, _, b = twins()
+    start = _state(a)
+    classic_loop(sg, a, SGD(sg, a), data, accumulate=4)
+    classic_loop(sg, b, SGD(sg, b), big)
+    for k, v in changes(a, start).items():
+        np.testing.assert_allclose(v, changes(b, start)[k], rtol=1e-5, atol=1e-7)
+
+
+def test_clip_grad_norm_and_value_as_torch():
+    def norm(fw, model):
+        fw.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+
+    def value(fw, model):
+        fw.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+    judge(SGD, batches(4), clip=norm)
+    judge(SGD, batches(4), clip=value)
+
+
+def test_clip_grad_norm_returns_the_norm_after_the_step():
+    t32, _, ours = twins()
+    norms = {}
+    for fw, model in ((torch, t32), (sg, ours)):
+        opt = SGD(fw, model)
+        x, y = batches(1)[0]
+        loss = fw.nn.functional.cross_entropy(model(fw.from_numpy(x)), fw.from_numpy(y))
+        loss.backward()
+        norm = fw.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        if fw is sg:
+            with pytest.raises(ValueNotReadyError):
+                norm.item()
+        opt.step()
+        norms[fw] = float(norm)
+    np.testing.assert_allclose(norms[sg], norms[torch], rtol=1e-5)
+
+
+def test_captured_loop_equals_compile_train_step_bit_for_bit():
+    """Dropout included: the captured step is compile_train_step's step (same seed, same
+    sites), so losses and parameters agree to the bit."""
+    data = batches(5)
+    sg.manual_seed(0)
+    a = net(sg, dropout=0.3)
+    sg.manual_seed(0)
+    b = net(sg, dropout=0.3)
+    step = sg.compile_train_step(a, loss=sg.nn.functional.cross_entropy,
+                                 optimizer=sg.optim.AdamW(lr=1e-2), example_inputs=data[0],
+                                 on_bad_batch="ignore")
+    ref = [float(step(x, y)) for x, y in data]
+    got = classic_loop(sg, b, sg.optim.AdamW(b.parameters(), lr=1e-2), data)
+    assert got == ref
+    sa, sb = a.state_dict(), b.state_dict()
+    assert all(np.array_equal(sa[k], sb[k]) for k in sa)
+
+
+def test_replayed_iterations_run_no_model_python():
+    """After the first iteration the model's forward is not called again: the pass replays."""
+    _, _, ours = twins()
+    calls = []
+    forward = type(ours).forward
+
+    class Counting(type(ours)):
+        def forward(self, *args):
+            calls.append(1)
+            return forward(self, *args)
+    ours.__class__ = Counting
+    classic_loop(sg, ours, SGD(sg, ours), batches(4))
+    assert len(calls) == 2            # the recording, and the step's trace of its program
+
+
+def test_a_changed_op_recaptures_with_a_warning():
+    """A different script-level op in one iteration: a RecaptureWarning naming it, and the
+    step that runs is that iteration's (checked against torch)."""
+    def loop(fw, model, opt, data, dtype=np.float32):
+        F = fw.nn.functional
+        for i, (x, y) in enumerate(data):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(fw.from_numpy(x.astype(dtype))), fw.from_numpy(y))
+            if i == 2:
+                loss = loss * 3.0
+            loss.backward()
+            opt.step()
+    t32, t64, ours = twins()
+    start = _state(t32)
+    data = batches(4)
+    loop(torch, t32, SGD(torch, t32), data)
+    loop(torch, t64, SGD(torch, t64), data, np.float64)
+    with pytest.warns(RecaptureWarning, match="scalar"):
+        loop(sg, ours, SGD(sg, ours), data)
+    c32, c64, csg = changes(t32, start), changes(t64, start), changes(ours, start)
+    for k in c64:
+        assert_close_to_reference(csg[k], c64[k], c32[k], f"change of {k}")
+
+
+def test_last_partial_batch_shares_the_optimizer_state():
+    """A smaller last batch is a new program, trained by the same step (momentum goes on)."""
+    data = batches(3) + batches(1, batch=3, seed=9)
+    judge(SGD, data)
+
+
+def test_losses_kept_in_a_list_keep_their_values():
+    """Tensors held across steps are copied out before the next step overwrites them."""
+    _, _, ours = twins()
+    opt = SGD(sg, ours)
+    kept, read = [], []
+    for x, y in batches(4):
+        opt.zero_grad()
+        loss = sg.nn.functional.cross_entropy(ours(sg.from_numpy(x)), sg.from_numpy(y))
+        loss.backward()
+        opt.step()
+        kept.append(loss)
+        read.append(loss.item())
+    assert [t.item() for t in kept] == read
+    assert len(set(read)) == 4
+
+
+def test_values_after_the_step_compute_eagerly():
+    """Accuracy from the output after the step, as scripts compute it."""
+    _, _, ours = twins()
+    opt = SGD(sg, ours)
+    x, y = batches(1)[0]
+    out = ours(sg.from_numpy(x))
+    loss = sg.nn.functional.cross_entropy(out, sg.from_numpy(y))
+    loss.backward()
+    opt.step()
+    correct = (out.argmax(1) == sg.from_numpy(y)).sum().item()
+    expected = int((np.asarray(out.numpy()).argmax(1) == y).sum())
+    assert correct == expected
+    assert f"{loss.item():.4f}" == f"{float(loss):.4f}"
+    assert "tensor(" in repr(loss)
+
+
+def test_reading_a_value_before_step_says_when():
+    _, _, ours = twins()
+    opt = SGD(sg, ours)
+    x, y = batches(1)[0]
+    loss = sg.nn.functional.cross_entropy(ours(sg.from_numpy(x)), sg.from_numpy(y))
+    loss.backward()
+    with pytest.raises(ValueNotReadyError, match="after that"):
+        loss.item()
+    opt.step()
+    assert np.isfinite(loss.item())
+
+
+def test_script_level_parameter_terms_get_gradients():
+    """An L2 term over the parameters written in the script trains as torch's."""
+    def l2(fw, model, opt, data, dtype=np.float32):
+        F = fw.nn.functional
+        for x, y in data:
+            opt.zero_grad()
+            loss = F.cross_entropy(model(fw.from_numpy(x.astype(dtype))), fw.from_numpy(y))
+            loss = loss + 0.01 * sum((p ** 2).sum() for p in model.parameters())
+            loss.backward()
+            opt.step()
+    t32, t64, ours = twins()
+    start = _state(t32)
+    data = batches(3)
+    l2(torch, t32, SGD(torch, t32), data)
+    l2(torch, t64, SGD(torch, t64), data, np.float64)
+    l2(sg, ours, SGD(sg, ours), data)
+    c32, c64, csg = changes(t32, start), changes(t64, start), changes(ours, start)
+    for k in c64:
+        assert_close_to_reference(csg[k], c64[k], c32[k], f"change of {k}")
+
+
+def test_eval_under_no_grad_uses_the_predictor():
+    t32, _, ours = twins()
+    SGD(sg, ours)
+    ours.eval()
+    t32.eval()
+    x, _ = batches(1)[0]
+    with sg.no_grad():
+        got = ours(sg.from_numpy(x))
+    assert got.is_eager
+    with torch.no_grad():
+        want = t32(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_zero_grad_drops_an_unstepped_backward_with_a_warning():
+    _, _, ours = twins()
+    opt = SGD(sg, ours)
+    before = _state(ours)
+    x, y = batches(1)[0]
+    sg.nn.functional.cross_entropy(ours(sg.from_numpy(x)), sg.from_numpy(y)).backward()
+    with pytest.warns(RecaptureWarning, match="dropped 1"):
+        opt.zero_grad()
+    opt.step()
+    assert all(np.array_equal(v, before[k]) for k, v in _state(ours).items())
+
+
+def test_frozen_parameters_are_not_updated():
+    _, _, ours = twins()
+    opt = SGD(sg, ours)
+    ours[0].weight.requires_grad_(False)
+    before = _state(ours)
+    classic_loop(sg, ours, opt, batches(2))
+    after = _state(ours)
+    assert np.array_equal(after["0.weight"], before["0.weight"])
+    assert not np.array_equal(after["2.weight"], before["2.weight"])
+
+
+def test_grad_scaler_skips_a_non_finite_step_and_backs_off():
+    _, _, ours = twins()
+    opt = SGD(sg, ours)
+    scaler = sg.amp.GradScaler(init_scale=1024.0)
+    data = batches(3)
+    data[1] = (np.full_like(data[1][0], np.inf), data[1][1])
+    states = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = sg.nn.functional.cross_entropy(ours(sg.from_numpy(x)), sg.from_numpy(y))
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        states.append(_state(ours))
+    assert all(np.array_equal(states[1][k], states[0][k]) for k in states[0])   # skipped
+    assert not np.array_equal(states[2]["0.weight"], states[1]["0.weight"])
+    assert scaler.get_scale() == 512.0
+
+
+def test_autocast_bfloat16_compiles_a_bf16_step():
+    _, _, ours = twins()
+    opt = SGD(sg, ours)
+    for x, y in batches(2):
+        opt.zero_grad()
+        with sg.autocast("cpu", dtype=sg.bfloat16):
+            loss = sg.nn.functional.cross_entropy(ours(sg.from_numpy(x)), sg.from_numpy(y))
+        loss.backward()
+        opt.step()
+    from stepgraph.loop.hooks import SESSION
+    assert SESSION.last_step.precision == "bf16"
+    with pytest.raises(sg.UnsupportedOpError, match="bfloat16"):
+        sg.autocast("cuda", dtype=sg.float16)
+
+
+def test_backward_without_a_loop_optimizer_names_the_alternative():
+    x = sg.ones(3)
+    with pytest.raises(sg.UnsupportedOpError, match="compile_train_step"):
+        x.sum().backward()
+
+
+def test_torch_compile_returns_the_module():
+    _, _, ours = twins()
+    assert sg.compile(ours, mode="max-autotune") is ours
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert sg.compile(mode="reduce-overhead")(len) is len
