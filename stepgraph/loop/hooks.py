@@ -4,6 +4,13 @@ at script level, and Tensor.backward. Nothing here runs until a torch-style opti
 from __future__ import annotations
 
 SESSION = None          # the LoopSession, once an optimizer was made with parameters
+# Bumped whenever a module's training flag or a parameter's requires_grad changes: the
+# session's per-call checks (modes, trainable sets) are cached under it.
+VERSION = [0]
+
+
+def changed() -> None:
+    VERSION[0] += 1
 
 
 def call_handler(module):

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ..amp import autocast_state
 from ..backends import cuda_available
 from ..errors import CaptureError
 from ..grad_mode import is_grad_enabled
@@ -47,18 +48,41 @@ class LoopSession:
         self.predictors: dict[tuple, Any] = {}
         self.eager_depth = 0                               # inside an eager forward
         self.last_step: LoopStep | None = None
+        self._cache: dict = {}
+        self._cache_version = -1
 
     # ---- optimizers and modules ----
     def register(self, optimizer) -> None:
-        self.optimizers.append(weakref.ref(optimizer))
+        self.optimizers.append(weakref.ref(optimizer, lambda _: hooks.changed()))
+        hooks.changed()
 
-    def trained_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for ref in self.optimizers:
-            opt = ref()
-            if opt is not None:
-                ids.update(id(p) for p in opt.trained_parameters())
-        return ids
+    def _cached(self, key, compute):
+        """compute(), remembered until a mode, trainable set or optimizer changes (hooks)."""
+        if self._cache_version != hooks.VERSION[0]:
+            self._cache.clear()
+            self._cache_version = hooks.VERSION[0]
+        if key not in self._cache:
+            self._cache[key] = compute()
+        return self._cache[key]
+
+    def _cached_for(self, obj, name: str, compute):
+        """_cached for a value of one object (a module, an optimizer), held by weak reference
+        so that another object at the same address never sees it."""
+        ref, value = self._cached((name, id(obj)), lambda: (weakref.ref(obj), compute()))
+        if ref() is not obj:
+            self._cache[(name, id(obj))] = (weakref.ref(obj), compute())
+            return self._cache[(name, id(obj))][1]
+        return value
+
+    def trained_ids(self) -> frozenset[int]:
+        def compute():
+            ids: set[int] = set()
+            for ref in self.optimizers:
+                opt = ref()
+                if opt is not None:
+                    ids.update(id(p) for p in opt.trained_parameters())
+            return frozenset(ids)
+        return self._cached("trained", compute)
 
     def open_pass(self) -> Pass | None:
         p = self.current
@@ -70,18 +94,18 @@ class LoopSession:
         if self.open_pass() is not None and self.current.live_values():
             return self.current.call_module     # a second model call of the same pass
         self.current = None                     # a forward nothing holds: forgotten
-        if not any(id(p) in self.trained_ids() for p in module.parameters()):
+        trained = self.trained_ids()
+        if not self._cached_for(module, "trains",
+                                lambda: any(id(p) in trained for p in module.parameters())):
             return None
         if is_grad_enabled() and module.training:
             return self.start_pass
         return self.predict
 
-    @staticmethod
-    def call_mode(module) -> tuple:
-        from ..amp import autocast_state
-
-        return (tuple(m.training for m in module.modules()), is_grad_enabled(),
-                autocast_state())
+    def call_mode(self, module) -> tuple:
+        training = self._cached_for(module, "mode",
+                                    lambda: tuple(m.training for m in module.modules()))
+        return (training, is_grad_enabled(), autocast_state())
 
     # ---- passes ----
     def start_pass(self, module, args: tuple, kwargs: dict):
@@ -130,9 +154,8 @@ class LoopSession:
         self.last_step = step
 
     def _loop_step(self, optimizer, passes, kept, arrays, precision, skip, clip) -> LoopStep:
-        trained = frozenset(id(p) for p in optimizer.trained_parameters())
-        frozen = tuple(sorted(n for i, n in self.names.items()
-                              if i in trained and not self.named[i].requires_grad))
+        trained, frozen = self._cached_for(optimizer, "optimizer",
+                                           lambda: self._trainable(optimizer))
         policy = "skip" if skip else "ignore"
         key = (id(optimizer), self.device, precision, policy, frozen,
                None if clip is None else (clip[0], clip[1]))
@@ -151,6 +174,12 @@ class LoopSession:
         elif clip is not None and clip[0] == "norm":
             optimizer.max_grad_norm = clip[1]     # read again only by a new executable
         return step
+
+    def _trainable(self, optimizer) -> tuple[frozenset, tuple]:
+        """The ids of the optimizer's parameters and the names of those frozen now."""
+        trained = frozenset(id(p) for p in optimizer.trained_parameters())
+        return trained, tuple(sorted(n for i, n in self.names.items()
+                                     if i in trained and not self.named[i].requires_grad))
 
     def _kept(self, p: Pass) -> list[Value]:
         """The values of a pass the script holds now, and every value kept for its program
@@ -200,6 +229,7 @@ class LoopSession:
             if id(t) not in self.names:          # used only at script level
                 self.names[id(t)] = f"loop.extra{len(self.names)}"
                 self.named[id(t)] = t
+        hooks.changed()                          # the frozen names may have grown
 
     def _model(self) -> ProgramModel:
         from ..nn.module import Buffer, Parameter
@@ -216,7 +246,6 @@ class LoopSession:
         tensors = [a for a in leaves if isinstance(a, (Tensor, np.ndarray))]
         if kwargs or len(tensors) != len(args) or module.training:
             return self.eagerly(module, args, kwargs)
-        from ..amp import autocast_state
         from ..api import compile_predict
 
         precision = autocast_state() or "fp32"

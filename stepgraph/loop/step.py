@@ -101,6 +101,7 @@ class LoopStep(TrainStep):
                  arrays, device: str, precision: str, on_bad_batch: str, seed: int,
                  grad_hook=None):
         self._trained = trained
+        self._signatures: dict[tuple, Signature] = {}
         self._use(programs, kept, grad_hook)
         super().__init__(model, ModelLoss(), optimizer, arrays, device=device, seed=seed,
                          precision=precision, on_bad_batch=on_bad_batch)
@@ -143,7 +144,11 @@ class LoopStep(TrainStep):
         """Run one step over these passes' feeds; returns the Executable whose outputs hold
         the kept values until its next run."""
         self._use(programs, kept, grad_hook)
-        signature = signature_of(_input_names(len(arrays), False), arrays)
+        shapes = tuple((a.shape, a.dtype) for a in arrays)
+        signature = self._signatures.get(shapes)
+        if signature is None:
+            signature = signature_of(_input_names(len(arrays), False), arrays)
+            self._signatures[shapes] = signature
         self._check_values(arrays)
         exe = self.executable(signature)
         exe.feed(arrays)

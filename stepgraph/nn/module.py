@@ -231,6 +231,15 @@ class Parameter(_Stored):
         self.name = ""
         self.requires_grad = bool(requires_grad)
 
+    @property
+    def requires_grad(self) -> bool:
+        return self._requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        self._requires_grad = bool(value)
+        loop_hooks.changed()            # a training script's step is keyed by its trainable set
+
     def requires_grad_(self, requires_grad: bool = True) -> Parameter:
         """Set requires_grad in place (takes effect at the next compile); returns self."""
         self.requires_grad = bool(requires_grad)
@@ -290,6 +299,8 @@ class Module:
         object.__setattr__(self, "training", True)            # the state_dict
 
     def __setattr__(self, name, value):
+        if name == "training":
+            loop_hooks.changed()
         if name in self._params and not isinstance(value, Parameter) and value is not None:
             raise TypeError(f"cannot assign {type(value).__name__} as parameter {name!r} (a "
                             "stepgraph.nn.Parameter or None is required; to change its values "
@@ -487,6 +498,7 @@ class Module:
             raise ValueError(f"training mode must be a bool, got {mode!r}")
         for m in self.modules():
             object.__setattr__(m, "training", mode)
+        loop_hooks.changed()
         return self
 
     def eval(self) -> Module:
