@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CaptureError, StepgraphError
-from ..ir.graph import Value
+from ..ir.graph import Value, ir_dtype
 from ..ir.ops import infer_outputs
 from ..ir.trace import EAGER, Tensor, Tracer, tensor_of
 from .program import CallEvent, NodeEvent, Program, describe, same_attrs, tree_leaves, tree_map
@@ -169,8 +169,7 @@ class Pass(Tracer):
         return tree_map(lambda o: self._hand1(o) if isinstance(o, Tensor) else o, out)
 
     def _as_input(self, a):
-        if isinstance(a, np.ndarray):
-            a = tensor_of(a)
+        a = as_feed_tensor(a)
         if isinstance(a, Tensor):
             return Tensor(self._resolve(self._value(a)), self)
         return a
@@ -307,8 +306,8 @@ class Pass(Tracer):
         got, want = tree_leaves((args, kwargs)), tree_leaves((event.args, event.kwargs))
         if len(got) != len(want):
             return f"{type(module).__name__} is called with other arguments"
-        values = [self._value(a) if isinstance(a, Tensor) else
-                  (_Feed(tensor_of(a)) if isinstance(a, np.ndarray) else a) for a in got]
+        values = [self._value(as_feed_tensor(a)) if isinstance(as_feed_tensor(a), Tensor) else a
+                  for a in got]
         plain = [(g, w) for g, w in zip(values, want)
                  if not isinstance(w, Value) and not isinstance(g, (Value, _Feed))]
         for g, w in plain:
@@ -387,6 +386,17 @@ class Pass(Tracer):
     def _hand1(self, t: Tensor) -> Tensor:
         self.handed.append(weakref.ref(t))
         return t
+
+
+def as_feed_tensor(a):
+    """A module argument as a tensor where it is an array: NumPy arrays as eager tensors, a
+    batch already on the GPU (CuPy, __cuda_array_interface__) as an eager tensor holding it,
+    fed to the step as it is."""
+    if isinstance(a, np.ndarray):
+        return tensor_of(a)
+    if hasattr(a, "__cuda_array_interface__") and hasattr(a, "dtype"):
+        return Tensor(Value(tuple(a.shape), ir_dtype(a.dtype)), EAGER, a)
+    return a
 
 
 def _value_of(x):

@@ -48,6 +48,7 @@ class LoopSession:
         self.predictors: dict[tuple, Any] = {}
         self.eager_depth = 0                               # inside an eager forward
         self.last_step: LoopStep | None = None
+        self.last_executable = None
         self._cache: dict = {}
         self._cache_version = -1
 
@@ -142,7 +143,7 @@ class LoopSession:
         self._detach_done()
         kept = [self._kept(p) for p in passes]
         arrays = [a for p in passes for a in p.arrays]
-        precision = passes[0].key[1][2] or "fp32"
+        precision = passes[0].key[1][2] or self._float32_precision()
         step = self._loop_step(optimizer, passes, kept, arrays, precision, skip, clip)
         exe = step.launch([p.program for p in passes], kept, arrays, _grad_hook(clip))
         for j, (p, values) in enumerate(zip(passes, kept)):
@@ -151,7 +152,7 @@ class LoopSession:
             self.done.append(weakref.ref(p))
         if clip is not None and clip[2] is not None:
             passes[-1].kept[clip[2]] = exe.outputs[GRAD_NORM]
-        self.last_step = step
+        self.last_step, self.last_executable = step, exe
 
     def _loop_step(self, optimizer, passes, kept, arrays, precision, skip, clip) -> LoopStep:
         trained, frozen = self._cached_for(optimizer, "optimizer",
@@ -174,6 +175,14 @@ class LoopSession:
         elif clip is not None and clip[0] == "norm":
             optimizer.max_grad_norm = clip[1]     # read again only by a new executable
         return step
+
+    def _float32_precision(self) -> str:
+        """"tf32" where a script asks for TF32 matmuls (torch.backends.cuda.matmul.allow_tf32
+        or set_float32_matmul_precision("high" / "medium")) and the step runs on CUDA."""
+        from ..backends import flags
+
+        tf32 = flags.matmul.allow_tf32 or flags.get_float32_matmul_precision() != "highest"
+        return "tf32" if tf32 and self.device == "cuda" else "fp32"
 
     def _trainable(self, optimizer) -> tuple[frozenset, tuple]:
         """The ids of the optimizer's parameters and the names of those frozen now."""
@@ -296,8 +305,8 @@ def _signature(obj) -> tuple:
     for leaf in tree_leaves(obj):
         if isinstance(leaf, Tensor):
             out.append(("tensor", tuple(leaf.shape), leaf.value.dtype, leaf.is_eager))
-        elif isinstance(leaf, np.ndarray):
-            out.append(("array", leaf.shape, str(leaf.dtype)))
+        elif isinstance(leaf, np.ndarray) or hasattr(leaf, "__cuda_array_interface__"):
+            out.append(("array", tuple(leaf.shape), str(leaf.dtype)))
         else:
             try:
                 hash(leaf)

@@ -164,6 +164,10 @@ PEERS: tuple[PeerInfo, ...] = (
     # the update overlapping the backward pass that no guard allows (stepgraph_runner.py)
     PeerInfo("stepgraph unguarded", "stepgraph_runner", "prepare_graph_unguarded", "stepgraph",
              True, default=False),
+    # the workload written as a PyTorch training script (zero_grad / backward / step) and
+    # captured by the loop (stepgraph/loop): what it costs beside compile_train_step
+    PeerInfo("stepgraph loop", "stepgraph_runner", "prepare_loop", "stepgraph", True,
+             default=False),
     PeerInfo("torch eager", "torch_eager", "prepare", "torch"),
     PeerInfo("torch graph", "torch_graph", "prepare", "torch"),
     PeerInfo("torch compile", "torch_compile", "prepare", "torch"),
@@ -177,6 +181,7 @@ PEER_ALIASES: dict[str, str] = {
     "stepgraph_eager": "stepgraph eager",
     "stepgraph_graph": "stepgraph graph",
     "stepgraph_unguarded": "stepgraph unguarded",
+    "stepgraph_loop": "stepgraph loop",
     "torch": "torch eager,torch graph,torch compile",
     "torch_eager": "torch eager",
     "torch_graph": "torch graph",

@@ -228,6 +228,76 @@ def _prepare(spec: RunSpec, graph: bool, on_bad_batch: str = "raise") -> Prepare
                         close, notes, census, precision_label=label)
 
 
+def build_script_optimizer(spec: OptimizerSpec, model):
+    """The workload's optimizer as a training script makes it: over model.parameters() (or
+    nanoGPT's two groups), torch's constructor."""
+    from stepgraph import models, optim
+    if spec.kind == "adamw":
+        params = models.optimizer_groups(model, spec.weight_decay) \
+            if spec.decay_matrices_only else model.parameters()
+        return optim.AdamW(params, lr=spec.lr, betas=spec.betas, eps=spec.eps,
+                           weight_decay=spec.weight_decay)
+    if spec.kind == "sgd":
+        return optim.SGD(model.parameters(), lr=spec.lr, momentum=spec.momentum,
+                         weight_decay=spec.weight_decay, nesterov=spec.nesterov)
+    raise ValueError(f"unknown optimizer kind {spec.kind!r}")
+
+
+def prepare_loop(spec: RunSpec) -> PreparedStep:
+    """The workload as a PyTorch training script runs it: optimizer.zero_grad(), forward and
+    loss (under torch.autocast at bf16, TF32 matmuls allowed at tf32), loss.backward(),
+    clip_grad_norm_ where the workload clips, optimizer.step(); captured by the loop
+    (stepgraph/loop) into one compiled step per iteration. No value is read per step."""
+    import contextlib
+
+    import stepgraph as sg
+    from stepgraph.backends import flags
+    from stepgraph.loop.passes import as_feed_tensor
+    from stepgraph.loop.session import session
+
+    if spec.device == "cuda" and spec.precision not in ("fp32", "tf32", "bf16"):
+        raise Unsupported(f"stepgraph has no {spec.precision}")
+    xp = _array_module(spec.device)
+    memory = _memory_reader(spec.device)
+    model = build_model(spec.workload)
+    init_note = _load_shared_parameters(model, spec.parameters)
+    batches = [(as_feed_tensor(xp.asarray(b.x)), as_feed_tensor(xp.asarray(b.y)))
+               for b in spec.batches]
+    opt = build_script_optimizer(spec.workload.optimizer, model)
+    loss_fn, clip = build_loss(spec.workload), spec.workload.optimizer.max_grad_norm
+    session().seed = spec.seed
+    autocast = (lambda: sg.autocast(spec.device, dtype=sg.bfloat16)) \
+        if spec.precision == "bf16" else contextlib.nullcontext
+    flags.matmul.allow_tf32 = spec.precision == "tf32"
+
+    def run_step(i: int):
+        x, y = batches[i]
+        opt.zero_grad(set_to_none=True)
+        with autocast():
+            loss = loss_fn(model(x), y)
+        loss.backward()
+        if clip is not None:
+            sg.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        return loss
+
+    def census() -> KernelCensus:
+        exe = session().last_executable
+        nodes = getattr(exe.captured, "node_count", None) if exe is not None else None
+        if nodes is not None:
+            return KernelCensus(nodes, None, "CUDA graph nodes of the captured step")
+        return KernelCensus(len(exe.calls) if exe else None, None, "ops of the compiled plan")
+
+    def close() -> None:
+        batches.clear()
+        flags.matmul.allow_tf32 = False
+        _release(spec.device)
+
+    notes = ["training script, loop capture", init_note, "on_bad_batch=ignore (torch's)"]
+    return PreparedStep(run_step, _synchronizer(spec.device), lambda loss: float(loss), memory,
+                        close, notes, census)
+
+
 def _plan_census(step) -> KernelCensus:
     """Graph nodes of the captured step (graph mode) or ops of the plan (eager), and the
     layout-moving ops among them."""
