@@ -24,7 +24,8 @@ from ..errors import CaptureError, StepgraphError
 from ..ir.graph import Value, ir_dtype
 from ..ir.ops import infer_outputs
 from ..ir.trace import EAGER, Tensor, Tracer, tensor_of
-from .program import CallEvent, NodeEvent, Program, describe, same_attrs, tree_leaves, tree_map
+from .program import (CallEvent, NodeEvent, Program, align, describe, same_attrs,
+                      tree_leaves, tree_map)
 
 RECORD, REPLAY = "record", "replay"
 OPEN, PENDING, DONE = "open", "pending", "done"
@@ -63,6 +64,7 @@ class Pass(Tracer):
         self.arrays: list = [None] * len(self.program.feeds)
         self._feed_of: dict[int, tuple[Tensor, Value]] = {}   # id(eager tensor) -> its feed
         self.remap: dict[Value, Value] = {}        # replayed Values -> re-recorded ones
+        self._tried: set[int] = set()              # programs a replay left
         self.handed: list[weakref.ref] = []        # script-level tensors, to find live ones
         self.deferred: dict[Value, tuple] = {}     # ops after backward(): thunks
         self.kept: dict[Value, Any] = {}           # after the step: Value -> device array
@@ -161,6 +163,7 @@ class Pass(Tracer):
                 return tree_map(lambda v: self._hand1(Tensor(v, self))
                                 if isinstance(v, Value) else v, event.outputs)
             self._rerecord(reason)
+            return self.call_module(module, args, kwargs)
         args, kwargs = tree_map(self._as_input, args), tree_map(self._as_input, kwargs)
         out = trace_call(self, module, args, kwargs)
         self.program.events.append(CallEvent(
@@ -184,14 +187,14 @@ class Pass(Tracer):
             raise CaptureError(f"backward() needs a scalar loss, got shape {tuple(loss.shape)} "
                                "(torch: grad can be implicitly created only for scalar outputs)")
         v = self._resolve(self._value(loss))
-        if self.mode == REPLAY and (v is not self.program.loss
-                                    or self.cursor != len(self.program.events)):
+        while self.mode == REPLAY and (v is not self.program.loss
+                                       or self.cursor != len(self.program.events)):
             self._rerecord("backward() on another value than the captured pass's loss"
                            if v is not self.program.loss else "fewer ops before backward()")
             v = self._resolve(self._value(loss))
         if self.mode == RECORD:
             self.program.loss = v
-            self.session.programs_add(self.program)
+            self.session.programs_add(self)
         self.phase = PENDING
 
     def live_values(self) -> list[Value]:
@@ -343,9 +346,28 @@ class Pass(Tracer):
                 return f"{where}: input {i} is another value than the captured one"
         return ""
 
+    def adopt(self, program: Program, m: dict[Value, Value]) -> None:
+        """Follow `program` instead of this pass's own, its Values standing for ours by `m`
+        (program.align): a recording equal to a known program, or a replay switching to
+        another known program that agrees with what was matched so far."""
+        self.remap = {k: m.get(v, v) for k, v in self.remap.items()}
+        self.remap.update(m)
+        self.program = program
+        self.arrays = (self.arrays + [None] * len(program.feeds))[:len(program.feeds)]
+
     def _rerecord(self, reason: str) -> None:
-        """Leave replay: re-trace the events matched so far with this iteration's arrays
-        and record from here on."""
+        """Leave the program being replayed: for another known program of this loop that
+        agrees with what was matched so far (a loop alternating between bodies), or else
+        re-trace the events matched so far with this iteration's arrays and record from
+        here on."""
+        self._tried.add(id(self.program))
+        for other in self.session.programs.get(self.key, ()):
+            if id(other) in self._tried:
+                continue
+            m = align(self.program, other, self.cursor)
+            if m is not None:
+                self.adopt(other, m)
+                return
         warnings.warn(f"stepgraph re-captures the training loop: {reason}",
                       RecaptureWarning, stacklevel=4)
         expected, matched, arrays = self.program, self.cursor, self.arrays

@@ -90,3 +90,69 @@ def same_attrs(a: dict, b: dict) -> bool:
         elif type(x) is not type(y) or x != y:
             return False
     return True
+
+
+def align(a: Program, b: Program, events: int | None = None) -> dict[Value, Value] | None:
+    """A map from a's Values to b's under which a's first `events` events (all: None) are
+    b's: the same modules, modes and arguments, ops and attrs, on corresponding feeds,
+    parameters, buffers and earlier results. None when they differ. Two recordings of one
+    loop body align; replaying against either gives the same step."""
+    n = len(a.events) if events is None else events
+    if n > len(b.events) or (events is None and len(a.events) != len(b.events)):
+        return None
+    m: dict[Value, Value] = {}
+
+    def same(x, y) -> bool:
+        if not isinstance(x, Value) or not isinstance(y, Value):
+            return not isinstance(x, Value) and not isinstance(y, Value) and _plain_equal(x, y)
+        if x in m:
+            return m[x] is y
+        if x in a.feeds:
+            ok = y in b.feeds and a.feeds.index(x) == b.feeds.index(y) and \
+                (x.shape, x.dtype) == (y.shape, y.dtype)
+        elif x in a.params or x in a.buffers:
+            ok = (a.params.get(x) or a.buffers.get(x)) is (b.params.get(y) or b.buffers.get(y))
+        else:
+            ok = x is a.rng and y is b.rng
+        if ok:
+            m[x] = y
+        return ok
+
+    def outputs(xs, ys) -> bool:
+        xs, ys = tree_leaves(xs), tree_leaves(ys)
+        if len(xs) != len(ys):
+            return False
+        for x, y in zip(xs, ys):
+            if isinstance(x, Value) and isinstance(y, Value) and x.shape == y.shape:
+                m[x] = y
+            elif isinstance(x, Value) or isinstance(y, Value) or not _plain_equal(x, y):
+                return False
+        return True
+
+    for ea, eb in zip(a.events[:n], b.events[:n]):
+        if isinstance(ea, CallEvent) and isinstance(eb, CallEvent):
+            la, lb = tree_leaves((ea.args, ea.kwargs)), tree_leaves((eb.args, eb.kwargs))
+            if ea.module is not eb.module or ea.mode != eb.mode or len(la) != len(lb) \
+                    or ea.sites_after != eb.sites_after \
+                    or not all(same(x, y) for x, y in zip(la, lb)) \
+                    or not outputs(ea.outputs, eb.outputs):
+                return None
+        elif isinstance(ea, NodeEvent) and isinstance(eb, NodeEvent):
+            na, nb = ea.node, eb.node
+            if na.op != nb.op or not same_attrs(na.attrs, nb.attrs) \
+                    or len(na.inputs) != len(nb.inputs) \
+                    or not all(same(x, y) for x, y in zip(na.inputs, nb.inputs)) \
+                    or not outputs(na.outputs, nb.outputs):
+                return None
+        else:
+            return None
+    if events is None and not (a.loss in m and m[a.loss] is b.loss):
+        return None
+    return m
+
+
+def _plain_equal(x, y) -> bool:
+    try:
+        return type(x) is type(y) and bool(x == y)
+    except Exception:                    # noqa: BLE001 - objects without a plain ==
+        return x is y

@@ -24,7 +24,7 @@ from ..ir.graph import INPUT, PARAM, STATE, Value
 from ..ir.trace import Tensor, tensor_of
 from . import hooks
 from .passes import DONE, OPEN, PENDING, Pass, RecaptureWarning
-from .program import Program, tree_leaves
+from .program import Program, align, tree_leaves
 from .step import GRAD_NORM, LoopStep, ProgramModel, export_name
 
 
@@ -115,9 +115,19 @@ class LoopSession:
         self.current = Pass(self, key, self.seed, known[0] if known else None)
         return self.current.call_module(module, args, kwargs)
 
-    def programs_add(self, program: Program) -> None:
-        self.programs.setdefault(program.key, []).insert(0, program)
-        self._name(program)
+    def programs_add(self, pass_: Pass) -> None:
+        """A recorded pass's program, first among its key's; a recording equal to a known
+        program (align) adopts that one instead, keeping its compiled steps."""
+        known = self.programs.setdefault(pass_.key, [])
+        for q in known:
+            m = align(pass_.program, q)
+            if m is not None:
+                pass_.adopt(q, m)
+                known.remove(q)
+                known.insert(0, q)
+                return
+        known.insert(0, pass_.program)
+        self._name(pass_.program)
 
     def backward(self, pass_: Pass, loss: Tensor) -> None:
         pass_.backward(loss)

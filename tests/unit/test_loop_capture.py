@@ -350,3 +350,25 @@ def test_torch_compile_returns_the_module():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert sg.compile(mode="reduce-overhead")(len) is len
+
+
+def test_a_loop_alternating_between_bodies_compiles_each_once():
+    """Every third iteration scales its loss: after one recording of each body the loop
+    switches between the two programs, with no further re-capture or compile."""
+    _, _, ours = twins()
+    opt = SGD(sg, ours)
+    F = sg.nn.functional
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, (x, y) in enumerate(batches(9)):
+            opt.zero_grad()
+            loss = F.cross_entropy(ours(sg.from_numpy(x)), sg.from_numpy(y))
+            if i % 3 == 2:
+                loss = loss * 3.0
+            loss.backward()
+            opt.step()
+    recaptures = [w for w in caught if issubclass(w.category, RecaptureWarning)]
+    assert len(recaptures) == 1
+    from stepgraph.loop.hooks import SESSION
+    assert len(SESSION.last_step.executables) == 2
+    assert sum(len(v) for v in SESSION.programs.values()) == 2
