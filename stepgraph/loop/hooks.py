@@ -23,3 +23,8 @@ def call_handler(module):
 def open_pass():
     """The training pass being recorded or replayed at script level, else None."""
     return None if SESSION is None else SESSION.open_pass()
+
+
+def grad_of(param):
+    """p.grad: the gradient a training script's waiting step will compute, or None."""
+    return None if SESSION is None else SESSION.grad_of(param)

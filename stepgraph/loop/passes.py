@@ -70,6 +70,13 @@ class Pass(Tracer):
         self.kept: dict[Value, Any] = {}           # after the step: Value -> device array
         self.host: dict[Value, np.ndarray] = {}    # values read back (or computed) on the host
         self.backend = None
+        self.extra: set[Value] = set()             # step outputs not of the program (p.grad)
+
+    def extra_tensor(self, v: Value) -> Tensor:
+        """A tensor of a value the step computes beside the program (a gradient, a clipped
+        norm): readable once the step ran, like the pass's own."""
+        self.extra.add(v)
+        return self._hand1(Tensor(v, self))
 
     # ---- what the script's tensors reach ----
     def op_all(self, op: str, inputs: list, **attrs) -> list[Tensor]:

@@ -47,6 +47,8 @@ class LoopSession:
         self.device = "cuda" if cuda_available() else "cpu"
         self.predictors: dict[tuple, Any] = {}
         self.eager_depth = 0                               # inside an eager forward
+        self.grads: dict[int, tuple] = {}                  # p.grad asked before a step
+        self.grads_kept: dict[int, tuple] = {}             # p.grad the last step kept
         self.last_step: LoopStep | None = None
         self.last_executable = None
         self._cache: dict = {}
@@ -136,6 +138,7 @@ class LoopSession:
             self.current = None
 
     def zero_grad(self) -> None:
+        self.grads_kept.clear()
         if self.pending:
             warnings.warn(f"zero_grad() dropped {len(self.pending)} backward() pass(es) that no "
                           "optimizer.step() used (their gradients, as torch's, and also their "
@@ -143,28 +146,54 @@ class LoopSession:
             self.pending.clear()
             self.clip = None
 
+    def grad_of(self, param):
+        """p.grad: a tensor of the waiting passes' gradient of `param` (kept by the step that
+        runs them), the last step's where it kept one, else None."""
+        if self.pending:
+            last = self.pending[-1]
+            v = self.grads.get(id(param))
+            if v is None or v[0] is not last:
+                v = self.grads[id(param)] = (last, Value(param.shape, "float32"), param)
+            return last.extra_tensor(v[1])
+        kept = self.grads_kept.get(id(param))
+        if kept is None:
+            return None
+        pass_, value = kept
+        if pass_() is None:
+            return None
+        return Tensor(value, pass_())
+
     # ---- the step ----
     def step(self, optimizer) -> None:
         passes, self.pending = self.pending, []
         if not passes:
             return                  # torch: no gradients, nothing to update
         clip, self.clip = self.clip, None
+        grads = {i: v for i, v in self.grads.items() if v[0] is passes[-1]}
+        self.grads, self.grads_kept = {}, {}
         skip, self.skip_nonfinite = self.skip_nonfinite, False
         self._detach_done()
         kept = [self._kept(p) for p in passes]
         arrays = [a for p in passes for a in p.arrays]
         precision = passes[0].key[1][2] or self._float32_precision()
-        step = self._loop_step(optimizer, passes, kept, arrays, precision, skip, clip)
-        exe = step.launch([p.program for p in passes], kept, arrays, _grad_hook(clip))
+        hook = _grad_hook(clip, [(self.names[i], v[1]) for i, v in grads.items()])
+        step = self._loop_step(optimizer, passes, kept, arrays, precision, skip, clip, hook)
+        exe = step.launch([p.program for p in passes], kept, arrays, hook)
         for j, (p, values) in enumerate(zip(passes, kept)):
             p.kept = {v: exe.outputs[export_name(j, k)] for k, v in enumerate(values)}
             p.phase, p.backend = DONE, step.backend
             self.done.append(weakref.ref(p))
         if clip is not None and clip[2] is not None:
             passes[-1].kept[clip[2]] = exe.outputs[GRAD_NORM]
+        for i, (_, value, _) in grads.items():
+            buffer = exe.outputs.get(grad_name(self.names[i]))
+            if buffer is not None:          # a frozen parameter has no gradient: stays None
+                passes[-1].kept[value] = buffer
+                self.grads_kept[i] = (weakref.ref(passes[-1]), value)
         self.last_step, self.last_executable = step, exe
 
-    def _loop_step(self, optimizer, passes, kept, arrays, precision, skip, clip) -> LoopStep:
+    def _loop_step(self, optimizer, passes, kept, arrays, precision, skip, clip,
+                   hook) -> LoopStep:
         trained, frozen = self._cached_for(optimizer, "optimizer",
                                            lambda: self._trainable(optimizer))
         policy = "skip" if skip else "ignore"
@@ -177,7 +206,7 @@ class LoopSession:
             try:
                 step = LoopStep(self._model(), optimizer, trained,
                                 [p.program for p in passes], kept, arrays, self.device,
-                                precision, policy, self.seed, _grad_hook(clip))
+                                precision, policy, self.seed, hook)
             finally:
                 if clip is not None and clip[0] == "norm":
                     optimizer.max_grad_norm = None
@@ -206,7 +235,8 @@ class LoopSession:
         host, parameters in the model)."""
         ever = self.kept.setdefault(id(p.program), [])
         for v in p.live_values():
-            if v.role not in (INPUT, PARAM, STATE) and not any(v is e for e in ever):
+            if v.role not in (INPUT, PARAM, STATE) and v not in p.extra and \
+                    not any(v is e for e in ever):
                 ever.append(v)
         return list(ever)
 
@@ -295,18 +325,30 @@ class LoopSession:
             self.eager_depth -= 1
 
 
-def _grad_hook(clip):
-    """clip_grad_value_ as a rewrite of the gradients before the update."""
-    if clip is None or clip[0] != "value":
-        return None
-    limit = float(clip[1])
+def grad_name(param_name: str) -> str:
+    return f"grad.{param_name}"
 
-    def clamp(tracer, params, grads):
-        return [tracer.emit("scalar", [tracer.emit("scalar", [g], kind="maximum",
-                                                   value=-limit)[0]],
-                            kind="minimum", value=limit)[0] for g in grads]
-    clamp.key = ("value", limit)
-    return clamp
+
+def _grad_hook(clip, wanted: list[tuple[str, Value]]):
+    """What the step does to the gradients before the update: clip_grad_value_'s clamp, and
+    the gradients p.grad asked for kept as outputs (by parameter name)."""
+    limit = float(clip[1]) if clip is not None and clip[0] == "value" else None
+    if limit is None and not wanted:
+        return None
+    names = tuple(name for name, _ in wanted)
+
+    def hook(tracer, params, grads):
+        if limit is not None:
+            grads = [tracer.emit("scalar", [tracer.emit("scalar", [g], kind="maximum",
+                                                        value=-limit)[0]],
+                                 kind="minimum", value=limit)[0] for g in grads]
+        by_name = {p.name: g for p, g in zip(params, grads)}
+        for name in names:
+            if name in by_name:
+                tracer.graph.outputs[grad_name(name)] = by_name[name]
+        return grads
+    hook.key = (limit, names)
+    return hook
 
 
 def _signature(obj) -> tuple:

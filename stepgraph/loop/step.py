@@ -140,6 +140,13 @@ class LoopStep(TrainStep):
             self.executables[key] = exe
         return exe
 
+    def _check_values(self, arrays) -> None:
+        # The label check of the first program set's last feed (TrainStep's), where the
+        # feeds have that signature; other sets feed other things last.
+        if len(arrays) == len(self.signature) and \
+                tuple(a.shape for a in arrays) == tuple(s.shape for s in self.signature):
+            super()._check_values(arrays)
+
     def launch(self, programs, kept, arrays, grad_hook=None) -> Executable:
         """Run one step over these passes' feeds; returns the Executable whose outputs hold
         the kept values until its next run."""

@@ -240,6 +240,20 @@ class Parameter(_Stored):
         self._requires_grad = bool(value)
         loop_hooks.changed()            # a training script's step is keyed by its trainable set
 
+    @property
+    def grad(self):
+        """torch's p.grad in a training script: between loss.backward() and
+        optimizer.step() a tensor of this parameter's gradient in that step, readable once
+        the step ran (the step then keeps the gradients it is asked for); None where no
+        backward() is waiting or after zero_grad(). Outside a script: None."""
+        return loop_hooks.grad_of(self)
+
+    @grad.setter
+    def grad(self, value) -> None:
+        if value is not None:
+            raise UnsupportedOpError("assigning p.grad is not supported by stepgraph: "
+                                     "gradients exist only inside the compiled step")
+
     def requires_grad_(self, requires_grad: bool = True) -> Parameter:
         """Set requires_grad in place (takes effect at the next compile); returns self."""
         self.requires_grad = bool(requires_grad)

@@ -372,3 +372,25 @@ def test_a_loop_alternating_between_bodies_compiles_each_once():
     from stepgraph.loop.hooks import SESSION
     assert len(SESSION.last_step.executables) == 2
     assert sum(len(v) for v in SESSION.programs.values()) == 2
+
+
+def test_p_grad_between_backward_and_step_is_torchs_gradient():
+    """p.grad asked for after backward() is kept by the step and read after it; None after
+    zero_grad(), as torch's with set_to_none."""
+    t32, t64, ours = twins()
+    grads = {}
+    for fw, model, dtype in ((torch, t32, np.float32), (torch, t64, np.float64),
+                             (sg, ours, np.float32)):
+        opt = SGD(fw, model)
+        for x, y in batches(2):
+            opt.zero_grad()
+            out = model(fw.from_numpy(x.astype(dtype)))
+            fw.nn.functional.cross_entropy(out, fw.from_numpy(y)).backward()
+            held = {n: p.grad for n, p in model.named_parameters()}
+            opt.step()
+        grads[fw, dtype] = {n: np.asarray(g.numpy(), np.float64) for n, g in held.items()}
+        opt.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+    for n in grads[sg, np.float32]:
+        assert_close_to_reference(grads[sg, np.float32][n], grads[torch, np.float64][n],
+                                  grads[torch, np.float32][n], f"grad of {n}")

@@ -8,7 +8,7 @@ import math
 
 from ...errors import CaptureError, UnsupportedOpError
 from ...ir.graph import Value
-from ...ir.trace import Tensor
+from ...ir.trace import Tensor  # noqa: F401 - the returned type
 
 
 def _pending_pass(name: str):
@@ -52,7 +52,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
     last = session.pending[-1]
     norm = Value((), "float32")
     session.clip = ("norm", float(max_norm), norm)
-    return Tensor(norm, last)
+    return last.extra_tensor(norm)
 
 
 def clip_grad_value_(parameters, clip_value: float, foreach=None) -> None:
