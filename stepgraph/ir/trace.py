@@ -324,7 +324,7 @@ class Tensor:
         return int(self.item())
 
     def __bool__(self):
-        if not self.is_eager:
+        if not self.is_eager and getattr(self.tracer, "read_value", None) is None:
             self._unsupported("a tensor's truth value (data-dependent control flow)")
         return bool(self.item())
 

@@ -23,7 +23,7 @@ from ..grad_mode import is_grad_enabled
 from ..ir.graph import INPUT, PARAM, STATE, Value
 from ..ir.trace import Tensor, tensor_of
 from . import hooks
-from .passes import DONE, OPEN, PENDING, Pass, RecaptureWarning
+from .passes import DONE, OPEN, PENDING, Pass, RecaptureWarning, as_feed_tensor
 from .program import Program, align, tree_leaves
 from .step import GRAD_NORM, LoopStep, ProgramModel, export_name
 
@@ -289,32 +289,22 @@ class LoopSession:
 
     # ---- evaluation ----
     def predict(self, module, args: tuple, kwargs: dict):
-        """An eval-mode or no_grad call: the compiled predictor for one tensor in, one out;
-        anything else eagerly (on the host)."""
-        leaves = tree_leaves((args, kwargs))
-        tensors = [a for a in leaves if isinstance(a, (Tensor, np.ndarray))]
-        if kwargs or len(tensors) != len(args) or module.training:
-            return self.eagerly(module, args, kwargs)
-        from ..api import compile_predict
+        """An eval-mode call under no_grad: the compiled predictor (loop/predict.py) for
+        tensor arguments; anything else (keyword or non-tensor arguments, a module in training
+        mode under no_grad) eagerly, on the host."""
+        from .predict import TreePredictor
 
-        precision = autocast_state() or "fp32"
-        key = (id(module), self.device, precision)
-        arrays = [np.asarray(a) if isinstance(a, Tensor) else a for a in args]
+        arrays = [as_feed_tensor(a) for a in args]
+        if kwargs or module.training or not all(isinstance(a, Tensor) and a.is_eager
+                                                for a in arrays):
+            return self.eagerly(module, args, kwargs)
+        arrays = [a.array for a in arrays]
+        key = (id(module), self.device, autocast_state() or "fp32")
         predictor = self.predictors.get(key)
-        try:
-            if predictor is None:
-                predictor = compile_predict(module, arrays, device=self.device,
-                                            precision=precision)
-                self.predictors[key] = predictor
-            out = predictor(*arrays)
-        except CaptureError:
-            raise
-        except Exception as e:     # noqa: BLE001 - a forward the predictor cannot take
-            if type(e).__name__ != "LossSelectionError":
-                raise
-            return self.eagerly(module, args, kwargs)
-        return tensor_of(predictor.backend.to_numpy(out))
-
+        if predictor is None or predictor.model is not module:
+            predictor = TreePredictor(module, arrays, device=self.device, precision=key[2])
+            self.predictors[key] = predictor
+        return predictor(*arrays)
 
     def eagerly(self, module, args: tuple, kwargs: dict):
         """module's forward op by op on the host, submodules included."""

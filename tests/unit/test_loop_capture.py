@@ -394,3 +394,29 @@ def test_p_grad_between_backward_and_step_is_torchs_gradient():
     for n in grads[sg, np.float32]:
         assert_close_to_reference(grads[sg, np.float32][n], grads[torch, np.float64][n],
                                   grads[torch, np.float32][n], f"grad of {n}")
+
+
+def test_eval_of_a_forward_returning_a_tuple_is_compiled():
+    """nanoGPT's estimate_loss: model(X, Y) -> (logits, loss) under no_grad in eval mode."""
+    class WithLoss(sg.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = net(sg)
+
+        def forward(self, x, y=None):
+            logits = self.net(x)
+            loss = None if y is None else sg.nn.functional.cross_entropy(logits, y)
+            return logits, loss
+    model = WithLoss()
+    SGD(sg, model)
+    model.eval()
+    x, y = batches(1)[0]
+    with sg.no_grad():
+        logits, loss = model(sg.from_numpy(x), sg.from_numpy(y))
+        only, none = model(sg.from_numpy(x))
+    from stepgraph.loop.hooks import SESSION
+    assert len(SESSION.predictors) == 1
+    ref = torch.nn.functional.cross_entropy(torch.from_numpy(logits.numpy()), torch.from_numpy(y))
+    assert none is None and logits.shape == (8, CLASSES)
+    np.testing.assert_allclose(loss.item(), ref.item(), rtol=1e-6)
+    np.testing.assert_array_equal(only.numpy(), logits.numpy())
