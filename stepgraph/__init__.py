@@ -5,6 +5,8 @@ dtypes, device, no_grad, backends flags (docs/TORCH_COMPAT.md); a torch name it 
 UnsupportedOpError (an AttributeError) naming it."""
 from . import amp, backends, cuda, distributed, losses, nn, ops, optim, return_types
 from .amp import autocast
+from .loop import hooks as _loop_hooks
+from .loop import session as _loop_session
 from .api import Predictor, TrainStep, compile_predict, compile_train_step
 from .backends import cuda_available
 from .errors import (BackendUnavailableError, CaptureError, DistributedError, LabelError,
@@ -34,6 +36,9 @@ __all__ = ["nn", "optim", "losses", "distributed", "compile_train_step", "compil
            *(n for n in _dtype_names if n not in ("float", "int", "bool")),  # keep builtins
            "LossSelectionError", "amp", "autocast", "compile", *_factories.__all__, "save",
            "load"]
+
+
+_loop_hooks.MAKE_SESSION = _loop_session.session
 
 
 def __getattr__(name: str):

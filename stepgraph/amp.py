@@ -102,12 +102,14 @@ class GradScaler:
         or the loss is not finite (enabled only)."""
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
-        from .loop.session import session
+        from .loop import hooks
 
-        s = session()
+        s = hooks.SESSION              # made with the optimizer (it was given parameters)
+        if s is None:
+            return optimizer.step(*args, **kwargs)
         s.skip_nonfinite = True
         out = optimizer.step(*args, **kwargs)
-        step = getattr(s, "last_step", None)
+        step = s.last_step
         if step is not None and step not in self._stepped:
             self._stepped.append(step)
         return out

@@ -4,6 +4,9 @@ at script level, and Tensor.backward. Nothing here runs until a torch-style opti
 from __future__ import annotations
 
 SESSION = None          # the LoopSession, once an optimizer was made with parameters
+# loop/session.py's session(), set by the package's __init__: the core (nn, optim) reaches
+# the loop through this module only, so that it never imports the compile pipeline.
+MAKE_SESSION = None
 # Bumped whenever a module's training flag or a parameter's requires_grad changes: the
 # session's per-call checks (modes, trainable sets) are cached under it.
 VERSION = [0]
@@ -28,3 +31,8 @@ def open_pass():
 def grad_of(param):
     """p.grad: the gradient a training script's waiting step will compute, or None."""
     return None if SESSION is None else SESSION.grad_of(param)
+
+
+def session():
+    """The process's loop session, made on first use."""
+    return SESSION if SESSION is not None else MAKE_SESSION()

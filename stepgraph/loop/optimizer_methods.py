@@ -9,9 +9,9 @@ class LoopMethods:
 
     def _join_loop(self) -> None:
         """An optimizer made with parameters may drive a training script's loop."""
-        from .session import session
+        from . import hooks
 
-        session().register(self)
+        hooks.session().register(self)
 
     def trained_parameters(self) -> list:
         """The Parameters this optimizer updates (empty when it was made without them, for
@@ -31,7 +31,7 @@ class LoopMethods:
         """torch's: apply the update. In a training script this runs every backward() pass
         since the last step as one compiled step (forward, backward, update). closure (as
         torch's LBFGS-style optimizers take): called first, its loss returned."""
-        from .session import session
+        from . import hooks
 
         loss = None
         if closure is not None:
@@ -39,5 +39,5 @@ class LoopMethods:
 
             with enable_grad():
                 loss = closure()
-        session().step(self)
+        hooks.session().step(self)
         return loss

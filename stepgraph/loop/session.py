@@ -299,10 +299,10 @@ class LoopSession:
                                                 for a in arrays):
             return self.eagerly(module, args, kwargs)
         arrays = [a.array for a in arrays]
-        key = (id(module), self.device, autocast_state() or "fp32")
+        key = (id(module), len(arrays), self.device, autocast_state() or "fp32")
         predictor = self.predictors.get(key)
         if predictor is None or predictor.model is not module:
-            predictor = TreePredictor(module, arrays, device=self.device, precision=key[2])
+            predictor = TreePredictor(module, arrays, device=self.device, precision=key[3])
             self.predictors[key] = predictor
         return predictor(*arrays)
 

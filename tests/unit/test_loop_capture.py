@@ -269,7 +269,7 @@ def test_script_level_parameter_terms_get_gradients():
 
 def test_eval_under_no_grad_uses_the_predictor():
     t32, _, ours = twins()
-    SGD(sg, ours)
+    opt = SGD(sg, ours)                     # noqa: F841 - a loop optimizer makes a session
     ours.eval()
     t32.eval()
     x, _ = batches(1)[0]
@@ -408,14 +408,14 @@ def test_eval_of_a_forward_returning_a_tuple_is_compiled():
             loss = None if y is None else sg.nn.functional.cross_entropy(logits, y)
             return logits, loss
     model = WithLoss()
-    SGD(sg, model)
+    opt = SGD(sg, model)                    # noqa: F841 - a loop optimizer makes a session
     model.eval()
     x, y = batches(1)[0]
     with sg.no_grad():
         logits, loss = model(sg.from_numpy(x), sg.from_numpy(y))
         only, none = model(sg.from_numpy(x))
     from stepgraph.loop.hooks import SESSION
-    assert len(SESSION.predictors) == 1
+    assert len(SESSION.predictors) == 2           # one per argument count
     ref = torch.nn.functional.cross_entropy(torch.from_numpy(logits.numpy()), torch.from_numpy(y))
     assert none is None and logits.shape == (8, CLASSES)
     np.testing.assert_allclose(loss.item(), ref.item(), rtol=1e-6)
