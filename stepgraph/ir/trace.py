@@ -382,9 +382,12 @@ class Tensor:
 
     # ---- reductions ----
     def sum(self, dim=None, keepdim: bool = False) -> Tensor:
-        """Sum over `dim` (None: every axis; an int or a tuple of ints)."""
+        """Sum over `dim` (None: every axis; an int or a tuple of ints). Booleans and
+        integers sum as int64, as torch's (a count of True values)."""
         axes = _dims(dim, self.ndim, "sum")
-        y = self.tracer.op("reduce_sum", [self], axes=axes) if axes else self
+        x = self if self.dtype.is_floating_point or self.value.dtype == "int64" else \
+            self.long()
+        y = self.tracer.op("reduce_sum", [x], axes=axes) if axes else x
         if keepdim:
             y = y.reshape(*(1 if i in axes else d for i, d in enumerate(self.shape)))
         return y
