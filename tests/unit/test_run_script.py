@@ -173,6 +173,10 @@ def test_unsupported_names_are_listed_at_the_end(tmp_path):
         except AttributeError as err:
             layer = nn.BatchNorm2d(4)
         try:
+            optimizer_class = torch.optim.RMSprop
+        except AttributeError:
+            optimizer_class = torch.optim.SGD
+        try:
             from torch.optim.lr_scheduler import NoSuchLR
         except ImportError as err:
             print("import refused")
@@ -186,6 +190,7 @@ def test_unsupported_names_are_listed_at_the_end(tmp_path):
     assert report_lines(done.stderr) == [
         "stepgraph run: torch.nn.SyncBatchNorm is not supported "
         f"(use {ALTERNATIVES['torch.nn.SyncBatchNorm']})",
+        "stepgraph run: torch.optim.RMSprop is not supported",
         "stepgraph run: torch.optim.lr_scheduler.NoSuchLR is not supported",
         "stepgraph run: probed (hasattr / getattr) and not supported: torch.xpu, "
         "torch.nn.Bilinear3"]
