@@ -30,6 +30,12 @@ def run_cache(argv: list[str]) -> int:
     return cache_main(argv)
 
 
+def run_run(argv: list[str]) -> int:
+    from .run_script import main as run_main
+
+    return run_main(argv)
+
+
 def run_launch(argv: list[str]) -> int:
     from .distributed.launch import main as launch_main
 
@@ -42,7 +48,9 @@ DELEGATED = {"bench": (run_bench, "time a training step against PyTorch, JAX, ti
                          "workload's or your own (--script) (GPU)"),
              "cache": (run_cache, "show (info) or empty (clear) the on-disk kernel choices"),
              "launch": (run_launch, "start N processes of a command for data-parallel "
-                        "training (--gpus N -- CMD ...), as torchrun does")}
+                        "training (--gpus N -- CMD ...), as torchrun does"),
+             "run": (run_run, "run a PyTorch training script unchanged, with torch resolved "
+                     "to stepgraph (SCRIPT.py ARGS ...)")}
 
 
 def model_choice(value: str) -> str:

@@ -8,3 +8,9 @@ from .sgd import SGD
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "schedules", "Constant", "StepDecay", "Cosine",
            "WarmupCosine"]
+
+
+def __getattr__(name: str):
+    """A torch.optim name stepgraph lacks (RMSprop, ...): UnsupportedOpError, an AttributeError."""
+    from ..errors import lookup_torch_name
+    return lookup_torch_name(__name__, "torch.optim", name)
