@@ -45,7 +45,7 @@ import numpy as np
 import stepgraph as sg
 
 from . import checkpoint as ckpt
-from . import losses, models, nn, optim
+from . import backends, losses, models, nn, optim
 from .api import PRECISIONS
 from .data import BatchLoader, RandomCropFlip, load_dataset, to_device, with_layout
 from .data.augment import array_module
@@ -54,7 +54,7 @@ from .errors import BackendUnavailableError, LabelError, NonFiniteError, Stepgra
 from .model_file import build_model_from_file, is_model_file, split_model_file
 from .nn import init as nn_init
 
-DEVICES = ("auto", "cpu", "cuda")
+DEVICES = backends.DEVICES             # --device: auto, cpu, cuda
 BAD_BATCH_POLICIES = ("raise", "skip")   # what a guarded step does with a bad batch
 DEFAULT_LR = 1e-3                        # AdamW, for models without a recipe of their own
 # The resnet recipe (docs/BENCHMARKS.md): SGD with Nesterov momentum and weight decay, a linear
@@ -504,7 +504,7 @@ class Session:
 def resolve_device(device: str) -> str:
     """`auto` -> cuda when a GPU backend works here, else cpu; `cuda` must be available."""
     if device == "auto":
-        return "cuda" if sg.cuda_available() else "cpu"
+        return backends.resolve_device(device)
     if device == "cuda" and not sg.cuda_available():
         raise BackendUnavailableError(
             "--device cuda: no usable GPU (needs an NVIDIA GPU and `pip install -e \".[cuda]\"`)")
