@@ -4,6 +4,7 @@ It is also the `torch` namespace of model files (`import stepgraph as torch`): f
 dtypes, device, no_grad, backends flags (docs/TORCH_COMPAT.md); a torch name it lacks raises
 UnsupportedOpError (an AttributeError) naming it."""
 from . import backends, cuda, distributed, losses, nn, ops, optim, return_types
+from . import checkpoint  # noqa: F401  (checkpoint.model_state: a run's weights)
 from .api import Predictor, TrainStep, compile_predict, compile_train_step
 from .backends import cuda_available
 from .errors import (BackendUnavailableError, CaptureError, DistributedError, LabelError,
