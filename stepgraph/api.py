@@ -350,14 +350,14 @@ class TrainStep(_CompiledModel):
         return 0 if self._guard is None else self._guard.skipped()
 
     def profile(self, *arrays, iters: int = 50):
-        """The per-op device-time table of this step on the batch `arrays` (profile.py's
+        """The per-op device-time table of this step on the batch `arrays` (step_profile.py's
         StepProfile; print its .table()). CUDA only. It runs the step many times; the step's
         parameters and state are restored afterwards."""
         if self.device != "cuda":
             raise BackendUnavailableError(
                 "step.profile() times each op on the GPU: compile the step with device='cuda' "
                 f"(this one runs on {self.device})")
-        from .profile import profile_step
+        from .step_profile import profile_step
 
         return profile_step(self, arrays, iters=iters)
 

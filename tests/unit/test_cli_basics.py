@@ -46,8 +46,9 @@ def make_venv(tmp_path: Path) -> Path:
 
 def make_train_command(tmp_path: Path, *args: str) -> str:
     """The `stepgraph train` line `make train` would run (make -n)."""
-    result = subprocess.run(["make", "-n", "--no-print-directory", "-C", str(ROOT), f"VENV={make_venv(tmp_path)}",
-                             "train", *args], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(["make", "-n", "--no-print-directory", "-C", str(ROOT),
+                             f"VENV={make_venv(tmp_path)}", "train", *args],
+                            capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     return [line for line in result.stdout.splitlines() if "stepgraph train" in line][-1]
 
@@ -68,8 +69,8 @@ def test_make_train_with_train_args_runs_twice(tmp_path):
     args = f"--model cnn --epochs 1 --device cpu --no-progress --out {tmp_path / 'run'}"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for attempt in (1, 2):
-        result = subprocess.run(["make", "--no-print-directory", "-C", str(ROOT), f"VENV={venv}", "train",
-                                 f"TRAIN_ARGS={args}"], capture_output=True, text=True,
-                                timeout=300, env=env)
+        result = subprocess.run(["make", "--no-print-directory", "-C", str(ROOT),
+                                 f"VENV={venv}", "train", f"TRAIN_ARGS={args}"],
+                                capture_output=True, text=True, timeout=300, env=env)
         assert result.returncode == 0, (attempt, result.stderr[-2000:])
         assert result.stdout.strip().splitlines()[-1].startswith("test accuracy: ")
