@@ -251,6 +251,9 @@ def check_compatible(saved: dict, current: dict, keys: tuple[str, ...], advice: 
 # ---- step signatures -----------------------------------------------------------------------
 
 def _callable_name(fn) -> str:
+    wrapped = getattr(fn, "__wrapped__", None)     # a checking wrapper names what it wraps
+    if wrapped is not None:
+        return _callable_name(wrapped)
     if isinstance(fn, functools.partial):
         args = [repr(a) for a in fn.args] + [f"{k}={v!r}" for k, v in sorted(fn.keywords.items())]
         return f"{_callable_name(fn.func)}({', '.join(args)})"

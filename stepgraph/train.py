@@ -257,6 +257,12 @@ class ModelFileLoss:
     data: str                   # the data set's name ("text" for text)
     classes: int                # labels (image) or tokens (text) lie in [0, classes)
 
+    @property
+    def __wrapped__(self) -> Callable:
+        """The loss it checks for: a checkpoint's step signature names that one, as it did
+        before the check (checkpoint._callable_name), so earlier runs still resume."""
+        return self.loss
+
     def __call__(self, out, target):
         text = self.data == "text"
         wanted = "next-token logits (B, T, V)" if text else "logits (N, classes)"

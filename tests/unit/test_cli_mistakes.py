@@ -171,3 +171,14 @@ def test_model_keys_without_a_signature():
     modules = {"(root)", "optimizer", "head"}
     assert _is_model_key("optimizer.weight", modules) and _is_model_key("pos", modules)
     assert not _is_model_key("optimizer.exp_avg.head.weight", modules)
+
+
+def test_the_checked_loss_keeps_the_signature_of_earlier_checkpoints():
+    # a model file's run written before the output check still resumes: its checkpoint's
+    # step signature names the loss itself
+    from stepgraph import checkpoint, losses, models
+    from stepgraph.train import ModelFileLoss
+
+    for loss, data in ((losses.cross_entropy, "digits"), (models.next_token_loss, "text")):
+        checked = ModelFileLoss(loss, "net.py:Net", data, 10)
+        assert checkpoint._callable_name(checked) == checkpoint._callable_name(loss)
