@@ -834,7 +834,7 @@ class ImageRun:
     def final(session: Session, history: list[EpochMetrics]) -> float:
         if history and history[-1].epoch == session.config.total_epochs:
             return history[-1].test_accuracy
-        # nothing left to train, or metrics of earlier epochs lost: measure now
+        # the metrics of earlier epochs were lost (unreadable metrics.json): measure now
         return evaluate(session.predict, *session.eval_sets["test"])
 
     @staticmethod
@@ -939,7 +939,7 @@ class TextRun:
     def final(session: Session, history: list[EvalMetrics]) -> float:
         if history and history[-1].step == session.config.steps:
             return history[-1].val_loss
-        # nothing left to train, or metrics of earlier evaluations lost: measure now
+        # the metrics of earlier evaluations were lost (unreadable metrics.json): measure now
         return estimate_loss(session.predict, session.eval_sets["val"])
 
     @staticmethod
