@@ -5,15 +5,18 @@ PYTHON ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip
-# The demo run replaces its own earlier run in runs/digits-mlp (stepgraph train refuses an
-# --out that holds a run otherwise).
-TRAIN_ARGS ?= --overwrite
+# `make train` replaces its own earlier run in its --out (stepgraph train refuses an --out
+# that holds a run otherwise), with or without TRAIN_ARGS: --overwrite is part of the recipe,
+# not of the overridable TRAIN_ARGS, so `make train TRAIN_ARGS="--model cnn"` runs twice too.
+# A TRAIN_ARGS with --resume continues the run instead (the two flags exclude each other).
+TRAIN_ARGS ?=
+OVERWRITE = $(if $(filter --resume,$(TRAIN_ARGS)),,--overwrite)
 PYTEST_ARGS ?= -q
 
 .PHONY: train test clean
 
 train: $(VENV)/.stamp-train
-	$(VENV)/bin/stepgraph train $(TRAIN_ARGS)
+	$(VENV)/bin/stepgraph train $(OVERWRITE) $(TRAIN_ARGS)
 
 test: $(VENV)/.stamp-test
 	$(VPY) -m pytest $(PYTEST_ARGS)

@@ -7,6 +7,7 @@ from . import amp, backends, cuda, distributed, losses, nn, ops, optim, return_t
 from .amp import autocast
 from .loop import hooks as _loop_hooks
 from .loop import session as _loop_session
+from . import checkpoint  # noqa: F401  (checkpoint.model_state: a run's weights)
 from .api import Predictor, TrainStep, compile_predict, compile_train_step
 from .backends import cuda_available
 from .errors import (BackendUnavailableError, CaptureError, DistributedError, LabelError,

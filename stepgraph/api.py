@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .backends import get_backend
+from .backends import get_backend, resolve_device
 from .backends.numpy import bf16
 from .compile.autocast import PRECISION as BF16_PRECISION
 from .compile.autocast import check_bf16_support, copy_values, parse_weight_copy
@@ -58,6 +58,7 @@ class _CompiledModel:
             raise TypeError(f"model must be a stepgraph.nn.Module, got {type(model).__name__}")
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        device = resolve_device(device)
         if device == "cpu" and precision == "tf32":
             raise ValueError("precision='tf32' needs device='cuda'")
         self.model = model
@@ -353,14 +354,14 @@ class TrainStep(_CompiledModel):
         return 0 if self._guard is None else self._guard.skipped()
 
     def profile(self, *arrays, iters: int = 50):
-        """The per-op device-time table of this step on the batch `arrays` (profile.py's
+        """The per-op device-time table of this step on the batch `arrays` (step_profile.py's
         StepProfile; print its .table()). CUDA only. It runs the step many times; the step's
         parameters and state are restored afterwards."""
         if self.device != "cuda":
             raise BackendUnavailableError(
                 "step.profile() times each op on the GPU: compile the step with device='cuda' "
                 f"(this one runs on {self.device})")
-        from .profile import profile_step
+        from .step_profile import profile_step
 
         return profile_step(self, arrays, iters=iters)
 
@@ -456,7 +457,8 @@ def compile_train_step(model: Module, loss=None, optimizer=None, example_inputs=
     requires_grad=False are frozen: traced as constant inputs, no gradient, no update, no
     optimizer state. A step keeps the frozen set it was compiled with; after changing
     requires_grad, compile again (that compile builds a new step, with fresh optimizer state).
-    `graph` defaults to True on CUDA.
+    device: "cpu" (the NumPy backend), "cuda", or "auto" (cuda when a GPU backend is usable
+    here, else cpu, as `stepgraph train --device auto`). `graph` defaults to True on CUDA.
     on_bad_batch ("raise", "skip" or "ignore"): what a batch with bad labels or a non-finite
     loss or gradient does (TrainStep's docstring). distributed (True, or a
     stepgraph.distributed.DataParallel with options): average the gradients across the
@@ -470,6 +472,7 @@ def compile_train_step(model: Module, loss=None, optimizer=None, example_inputs=
         raise TypeError("compile_train_step needs optimizer= and example_inputs=")
     if loss is None:
         loss = ModelLoss(loss_index, loss_key)
+    device = resolve_device(device)     # "auto" and the device it picks share one cached step
     frozen = tuple(k for k, p in model.named_parameters() if not p.requires_grad)
     key = (loss if isinstance(loss, ModelLoss) else id(loss), id(optimizer),
            signature_of(_input_names(len(example_inputs), not isinstance(loss, ModelLoss)),
@@ -487,6 +490,6 @@ def compile_train_step(model: Module, loss=None, optimizer=None, example_inputs=
 def compile_predict(model: Module, example_inputs, device: str = "cpu", graph: bool | None = None,
                     precision: str = "fp32", memory_format: str = "auto") -> Predictor:
     """Compile the model's eval-mode forward pass; it reads the same parameter buffers as any
-    train step of the model, so it always sees the latest trained values. memory_format as
-    compile_train_step's."""
+    train step of the model, so it always sees the latest trained values. device ("cpu",
+    "cuda" or "auto") and memory_format as compile_train_step's."""
     return Predictor(model, example_inputs, device, graph, precision, memory_format)

@@ -187,6 +187,34 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
                       signature, metadata.get(VERSION_METADATA_KEY))
 
 
+# The step's own state beside the model's: optimizer state (moments, step counter, LR
+# schedule) and a loss module's buffers (compile_train_step keys them "loss.*").
+TRAINING_STATE_PREFIXES = ("optimizer.", "loss.")
+
+
+def model_state(path: str | Path) -> dict[str, np.ndarray]:
+    """The model's state_dict held in a training checkpoint (`stepgraph train`'s
+    checkpoint.safetensors): its parameters and buffers under their PyTorch keys, without
+    the optimizer's state and the loop's, so that it loads for inference with a strict
+    `model.load_state_dict(stepgraph.checkpoint.model_state(path))`. The file is checked as
+    for a resume (CheckpointError naming it and the fault)."""
+    saved = load_checkpoint(path)
+    modules = None
+    if saved.signature is not None:     # the model's module paths: "(root): GPT", "lm_head: ..."
+        modules = {entry.split(": ", 1)[0] for entry in saved.signature.get("modules", [])}
+    return {k: v for k, v in saved.state.items() if _is_model_key(k, modules)}
+
+
+def _is_model_key(key: str, modules: set[str] | None) -> bool:
+    """Whether a checkpoint's state key is the model's: the key of a parameter or buffer of
+    one of its modules (by the step's signature, when the checkpoint has one), else any key
+    outside TRAINING_STATE_PREFIXES."""
+    owner = key.rpartition(".")[0] or "(root)"
+    if modules is not None and owner in modules:
+        return True
+    return modules is None and not key.startswith(TRAINING_STATE_PREFIXES)
+
+
 def _check_digest(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
     """CheckpointError unless the file's SHA-256 matches its header and tensors (or, written
     before the header was covered, its tensors)."""
@@ -223,6 +251,9 @@ def check_compatible(saved: dict, current: dict, keys: tuple[str, ...], advice: 
 # ---- step signatures -----------------------------------------------------------------------
 
 def _callable_name(fn) -> str:
+    wrapped = getattr(fn, "__wrapped__", None)     # a checking wrapper names what it wraps
+    if wrapped is not None:
+        return _callable_name(wrapped)
     if isinstance(fn, functools.partial):
         args = [repr(a) for a in fn.args] + [f"{k}={v!r}" for k, v in sorted(fn.keywords.items())]
         return f"{_callable_name(fn.func)}({', '.join(args)})"

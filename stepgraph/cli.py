@@ -68,7 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .api import PRECISIONS
     from .train import BAD_BATCH_POLICIES, DATA, DEVICES
 
+    from .version import __version__
+
     parser = argparse.ArgumentParser(prog="stepgraph", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"stepgraph {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in DELEGATED.items():
         commands.add_parser(name, help=help_text, add_help=False)

@@ -45,6 +45,11 @@ class LossSelectionError(StepgraphError, ValueError):
     hold it (says what the model returned and which argument picks the entry)."""
 
 
+class NothingToTrainError(StepgraphError, ValueError):
+    """compile_train_step on a model whose loss depends on no trainable parameter (none, all
+    frozen, or unused by forward); says which and what to change."""
+
+
 class BackendUnavailableError(StepgraphError, RuntimeError):
     """The requested device has no working backend on this machine."""
 

@@ -1,15 +1,17 @@
 """A user's model file for `stepgraph train --model path/to/file.py:ClassName`.
 
-The file is imported as a module of its own (its directory is not put on sys.path, so it
-cannot shadow or be shadowed by installed packages); the class is constructed with the
-`--model-args` JSON object as keyword arguments (none by default). Every way this can fail is
-a ModelFileError naming the file and what is wrong.
+The file is imported as a module of its own, with its directory first on sys.path, as Python
+does for a script (`python file.py`), so that it can import helper modules beside it (`from
+layers import Block`); the class is constructed with the `--model-args` JSON object as keyword
+arguments (none by default). Every way this can fail is a ModelFileError naming the file and
+what is wrong.
 """
 from __future__ import annotations
 
 import hashlib
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 from .errors import StepgraphError
@@ -45,6 +47,7 @@ def load_model_class(name: str) -> type:
     tag = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(f"stepgraph_model_{tag}", path)
     module = importlib.util.module_from_spec(spec)
+    add_to_path(path.resolve().parent)
     try:
         spec.loader.exec_module(module)
     except Exception as err:    # the file's own code failed: say where, keep the cause chained
@@ -62,6 +65,13 @@ def load_model_class(name: str) -> type:
                              f"(it is {type(cls).__name__} {cls!r:.60}); write it as "
                              f"`class {class_name}(nn.Module)` with `from stepgraph import nn`")
     return cls
+
+
+def add_to_path(folder: Path) -> None:
+    """`folder` first on sys.path, as Python puts a script's folder there, and kept there: a
+    model's forward may import its helpers late, when the step is compiled."""
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 
 def parse_model_args(text: str | None) -> dict:

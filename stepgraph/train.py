@@ -45,16 +45,17 @@ import numpy as np
 import stepgraph as sg
 
 from . import checkpoint as ckpt
-from . import losses, models, nn, optim
+from . import backends, losses, models, nn, optim
 from .api import PRECISIONS
 from .data import BatchLoader, RandomCropFlip, load_dataset, to_device, with_layout
 from .data.augment import array_module
 from .data.text import TokenBatches, load_text
 from .errors import BackendUnavailableError, LabelError, NonFiniteError, StepgraphError
-from .model_file import build_model_from_file, is_model_file, split_model_file
+from .model_file import (ModelFileError, build_model_from_file, is_model_file,
+                         split_model_file)
 from .nn import init as nn_init
 
-DEVICES = ("auto", "cpu", "cuda")
+DEVICES = backends.DEVICES             # --device: auto, cpu, cuda
 BAD_BATCH_POLICIES = ("raise", "skip")   # what a guarded step does with a bad batch
 DEFAULT_LR = 1e-3                        # AdamW, for models without a recipe of their own
 # The resnet recipe (docs/BENCHMARKS.md): SGD with Nesterov momentum and weight decay, a linear
@@ -91,6 +92,11 @@ class TrainConfigError(StepgraphError, ValueError):
 
 class TrainingDivergedError(StepgraphError, ArithmeticError):
     """The loss or the model's state became NaN or infinite."""
+
+
+class NothingTrainedError(StepgraphError, RuntimeError):
+    """A run that would train nothing: a resume already at or past its length, or a period
+    whose every batch the guard skipped (--on-bad-batch skip)."""
 
 
 class RunFileError(StepgraphError, OSError):
@@ -232,8 +238,55 @@ def _build_from_file(config, dataset) -> ModelSpec:
     (B, T) to next-token logits (B, T, V)."""
     module = build_model_from_file(config.model, config.model_args or {})
     if DATA[config.data_set].kind == "text":
-        return ModelSpec(module, models.next_token_loss, "tokens")
-    return ModelSpec(module, losses.cross_entropy, "image")
+        loss = ModelFileLoss(models.next_token_loss, config.model, "text", dataset.vocab_size)
+        return ModelSpec(module, loss, "tokens")
+    loss = ModelFileLoss(losses.cross_entropy, config.model, config.data_set, dataset.classes)
+    return ModelSpec(module, loss, "image")
+
+
+@dataclass(frozen=True)
+class ModelFileLoss:
+    """A model file's loss, checking at trace time what its forward returned: one tensor of
+    logits, (N, classes) on image data or (B, T, V) on text, with at least as many classes
+    as the data has. A mismatch is a ModelFileError saying what was returned and what to
+    return, instead of an error from inside the loss or a non-finite loss at the first step
+    (a token past the logits' vocabulary reads no logit)."""
+
+    loss: Callable
+    model: str                  # --model FILE.py:CLASS
+    data: str                   # the data set's name ("text" for text)
+    classes: int                # labels (image) or tokens (text) lie in [0, classes)
+
+    @property
+    def __wrapped__(self) -> Callable:
+        """The loss it checks for: a checkpoint's step signature names that one, as it did
+        before the check (checkpoint._callable_name), so earlier runs still resume."""
+        return self.loss
+
+    def __call__(self, out, target):
+        text = self.data == "text"
+        wanted = "next-token logits (B, T, V)" if text else "logits (N, classes)"
+        if not isinstance(out, sg.Tensor):
+            what = f"a {type(out).__name__}"
+            if isinstance(out, (tuple, list, dict)):
+                what += f" of {len(out)} entr{'y' if len(out) == 1 else 'ies'}"
+            raise ModelFileError(f"--model {self.model}: forward returned {what}; on --data "
+                                 f"{self.data} it must return one tensor, the {wanted} (return "
+                                 "the logits alone)")
+        if out.ndim != (3 if text else 2):
+            raise ModelFileError(f"--model {self.model}: forward returned a tensor of shape "
+                                 f"{tuple(out.shape)}; on --data {self.data} it must return "
+                                 f"the {wanted}")
+        if out.shape[-1] < self.classes:
+            unit = "tokens" if text else "labels"
+            raise ModelFileError(
+                f"--model {self.model}: its logits have {out.shape[-1]} classes but "
+                f"--data {self.data} has {self.classes} ({unit} must be in "
+                f"[0, {out.shape[-1]}), the data's are in [0, {self.classes})): build the "
+                f"model with {self.classes} outputs"
+                + (f" (the vocabulary size, e.g. --model-args '{{\"vocab_size\": "
+                   f"{self.classes}}}')" if text else ""))
+        return self.loss(out, target)
 
 
 # A model file trains on every data set, with AdamW at a constant LR.
@@ -504,7 +557,7 @@ class Session:
 def resolve_device(device: str) -> str:
     """`auto` -> cuda when a GPU backend works here, else cpu; `cuda` must be available."""
     if device == "auto":
-        return "cuda" if sg.cuda_available() else "cpu"
+        return backends.resolve_device(device)
     if device == "cuda" and not sg.cuda_available():
         raise BackendUnavailableError(
             "--device cuda: no usable GPU (needs an NVIDIA GPU and `pip install -e \".[cuda]\"`)")
@@ -581,9 +634,17 @@ def _located(err, epoch: int, first: int | None, n: int):
     batch = None if first is None or err.step is None else err.step - first
     where = f"epoch {epoch + 1}" + (f", batch {batch + 1} of {n}" if batch is not None
                                     and 0 <= batch < n else "")
-    located = type(err)(f"{where}: {err}")
+    located = type(err)(f"{where}: {_with_advice(err)}")
     located.step = err.step
     return located
+
+
+def _with_advice(err) -> str:
+    """A guard's error message, with what to try when it is a NaN or Inf."""
+    if not isinstance(err, NonFiniteError):
+        return str(err)
+    return (f"{err} (a learning rate too large for the model, or values that overflow float32:"
+            " try a smaller --lr; --on-bad-batch skip goes on without such batches)")
 
 
 def train_epoch(session: Session, epoch: int) -> EpochMetrics:
@@ -655,7 +716,7 @@ def run_steps(session: Session, first: int, last: int, bar) -> tuple[float, floa
                 bar.set_postfix_str(f"loss={value:.4f} tok/s={rate:,.0f}", refresh=False)
             bar.update(1)
     except (LabelError, NonFiniteError) as err:
-        located = type(err)(f"step {err.step}: {err}" if err.step is not None else str(err))
+        located = type(err)(_with_advice(err))     # the guard's message names the step
         located.step = err.step
         raise located from err
     mean = float(np.mean(losses_read)) if losses_read else math.nan
@@ -751,6 +812,11 @@ class ImageRun:
         return train_epoch(session, first)
 
     @staticmethod
+    def steps(session: Session, first: int, last: int) -> int:
+        """Steps the period first..last (epochs) ran."""
+        return (last - first) * len(session.batches)
+
+    @staticmethod
     def save(session: Session, done: int) -> Path:
         return save_epoch_checkpoint(session, done - 1)
 
@@ -768,7 +834,7 @@ class ImageRun:
     def final(session: Session, history: list[EpochMetrics]) -> float:
         if history and history[-1].epoch == session.config.total_epochs:
             return history[-1].test_accuracy
-        # nothing left to train, or metrics of earlier epochs lost: measure now
+        # the metrics of earlier epochs were lost (unreadable metrics.json): measure now
         return evaluate(session.predict, *session.eval_sets["test"])
 
     @staticmethod
@@ -842,6 +908,11 @@ class TextRun:
         return train_interval(session, first, last, bar)
 
     @staticmethod
+    def steps(session: Session, first: int, last: int) -> int:
+        """Steps the period first..last (steps) ran."""
+        return last - first
+
+    @staticmethod
     def save(session: Session, done: int) -> Path:
         """The checkpoint after `done` steps (in the Checkpoint's `epoch` field), its record
         holding what `stepgraph sample` needs too: the vocabulary."""
@@ -868,7 +939,7 @@ class TextRun:
     def final(session: Session, history: list[EvalMetrics]) -> float:
         if history and history[-1].step == session.config.steps:
             return history[-1].val_loss
-        # nothing left to train, or metrics of earlier evaluations lost: measure now
+        # the metrics of earlier evaluations were lost (unreadable metrics.json): measure now
         return estimate_loss(session.predict, session.eval_sets["val"])
 
     @staticmethod
@@ -1105,6 +1176,7 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> TrainResul
     if config.resume:
         saved = read_resume_checkpoint(config)
         check_world_size(saved, config)
+        check_left_to_train(saved, config)
     session = build_session(config, log if config.processes == 1 else _rank0(log))
     kind = RUN_KINDS[config.kind]
     writes = session.rank == 0          # data-parallel: rank 0 writes the run's files
@@ -1119,6 +1191,7 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> TrainResul
     with kind.progress(session, start) as bar:
         for point in kind.points(config, start):
             history.append(kind.train_period(session, start, point, bar))
+            check_trained(history[-1], kind.steps(session, start, point), kind.unit, point)
             if writes:
                 kind.save(session, point)
                 write_metrics(session, history)
@@ -1133,6 +1206,34 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> TrainResul
 def _rank0(log: Callable[[str], None]) -> Callable[[str], None]:
     """`log` on rank 0 of a data-parallel run; silence on the others."""
     return lambda line: log(line) if sg.distributed.get_rank() == 0 else None
+
+
+def check_left_to_train(saved: ckpt.Checkpoint, config: TrainConfig) -> None:
+    """A resume must have something to train: --epochs (--steps) is the run's total length,
+    so a checkpoint already at or past it is refused, saying so, before anything is
+    compiled (exit status 2, as any refused resume: a script that resumes to train further
+    must not read the old score as the result of new training)."""
+    unit, flag = (("epoch", "--epochs") if config.kind == "image" else ("step", "--steps"))
+    total = config.total_epochs if config.kind == "image" else config.steps
+    if saved.epoch >= total:
+        where = ("has finished its" if saved.epoch == total
+                 else f"is at {unit} {saved.epoch}, past")
+        raise NothingTrainedError(
+            f"nothing to resume: the run in {config.out_dir} {where} {flag} {total} ({flag} "
+            f"is the run's total, not the number to add); pass {flag} {saved.epoch + 1} or "
+            "more to train further")
+
+
+def check_trained(metrics, steps: int, unit: str, point: int) -> None:
+    """A period whose every step the guard skipped (--on-bad-batch skip) trained nothing:
+    stop there, before writing its checkpoint, rather than report a score of the untrained
+    model. Each skipped batch was reported, with its cause, as it was skipped."""
+    if steps > 0 and metrics.skipped >= steps:
+        raise NothingTrainedError(
+            f"{unit} {point}: all {steps} steps were skipped (--on-bad-batch skip: each gave "
+            "bad labels or a NaN/Inf loss or gradient, as reported above), so nothing was "
+            "trained; fix the model or the data (a smaller --lr if the loss overflows), or "
+            "run with --on-bad-batch raise to stop at the first bad batch")
 
 
 def check_world_size(saved: ckpt.Checkpoint, config: TrainConfig) -> None:

@@ -60,6 +60,19 @@ def cuda_available() -> bool:
         return False
 
 
+DEVICES = ("auto", "cpu", "cuda")   # what compile_train_step(device=...) accepts
+
+
+def resolve_device(device: str) -> str:
+    """`device` as a backend's name: "auto" is "cuda" when a GPU backend is usable here
+    (cuda_available), else "cpu"; "cpu" and "cuda" stay as they are."""
+    if device == "auto":
+        return "cuda" if cuda_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    return device
+
+
 def __getattr__(name: str):
     """A torch.backends name stepgraph lacks: UnsupportedOpError (an AttributeError)."""
     return _lookup_torch_name(__name__, "torch.backends", name)

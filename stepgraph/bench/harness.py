@@ -1,6 +1,14 @@
 """`stepgraph bench`: run every workload on stepgraph and on each installed peer in one process,
 time the steps the same way for all, and report a table (printed last), JSON and a bar chart.
 
+Two configurations of the peers: a default run compiles each peer once, quickly (torch.compile
+in one mode, "reduce-overhead"; tinygrad without its BEAM kernel search), each row within
+DEFAULT_PEER_TIMEOUT_S, so that it finishes in minutes with a progress line per row; `--fair`
+gives each peer its fastest documented configuration (every torch.compile mode, tinygrad's
+BEAM search), at up to FAIR_PEER_TIMEOUT_S a row. A peer's measured row is kept in a cache file
+(result_cache.py) and reused by a later run with the same peer versions, device, workload,
+precision and options; the table marks those rows and names the file.
+
 Timing rule (BENCHMARKS.md): data already on the device, warm-up first, then `repeats` runs of
 N steps each with ONE device sync at the end of a run; N is sized so a run lasts about
 `target_seconds`. The figure is the median over runs of (run time / N); the spread is the
@@ -30,7 +38,9 @@ from stepgraph.bench.peers import (
     COMPILE_MODE_TIMEOUT_S,
     COMPILE_MODES,
     DEFAULT_COMPILE_MODES,
-    TINYGRAD_BEAM,
+    DEFAULT_TINYGRAD_BEAM,
+    FAIR_COMPILE_MODES,
+    FAIR_TINYGRAD_BEAM,
     PeerInfo,
     PeerTimeout,
     PreparedStep,
@@ -39,11 +49,16 @@ from stepgraph.bench.peers import (
     deadline,
     select_peers,
 )
+from stepgraph.bench.result_cache import PeerResultCache, peer_key, restore_row, row_fields
 from stepgraph.errors import BackendUnavailableError
 
-# One peer's whole budget: torch compile's search gives each of its default modes up to
+# One peer's whole budget with --fair: torch compile's search gives each of its modes up to
 # COMPILE_MODE_TIMEOUT_S, and the timing comes after (3600 s for five modes of 600 s).
-PEER_TIMEOUT_S = COMPILE_MODE_TIMEOUT_S * (len(DEFAULT_COMPILE_MODES) + 1)
+FAIR_PEER_TIMEOUT_S = COMPILE_MODE_TIMEOUT_S * (len(FAIR_COMPILE_MODES) + 1)
+# ... and in a default run: a build, one compile without autotuning or kernel search (the
+# slowest, torch.compile's Inductor and Triton compiling a step cold, takes about a minute),
+# warm-up and timing (about 2 s); a peer that hangs costs at most this.
+DEFAULT_PEER_TIMEOUT_S = 180.0
 SETUP_STEPS = 3  # JAX compiles on call 1, TinyJit captures on call 2, cudagraph trees record
 STATUS_OK, STATUS_MISSING, STATUS_FAILED, STATUS_NA = "ok", "missing", "failed", "n/a"
 LIBRARIES = ("stepgraph", "torch", "jax", "jaxlib", "optax", "tinygrad", "cupy", "nvmath-python",
@@ -73,9 +88,11 @@ class BenchConfig:
     device: str = "cuda"  # "cpu" only for smoke tests
     tiny: bool = False  # CPU smoke-test model sizes
     compile_modes: tuple[str, ...] = DEFAULT_COMPILE_MODES  # torch.compile modes to try
-    peer_timeout_s: float = PEER_TIMEOUT_S  # one peer's build + compile + timing; 0: no limit
-    tinygrad_beam: int = TINYGRAD_BEAM  # tinygrad's BEAM search width; 0: no search
+    peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S  # one peer's build + compile + timing; 0: none
+    tinygrad_beam: int = DEFAULT_TINYGRAD_BEAM  # tinygrad's BEAM search width; 0: no search
     floor: bool = False  # also measure each (workload, precision)'s step floor (floor.py)
+    fair: bool = False  # the peers' fastest configurations (--fair): the three fields above
+    use_cache: bool = True  # reuse peers' rows from the cache file (--no-cache: measure again)
 
 
 @dataclass
@@ -107,6 +124,7 @@ class PeerResult:
     traceback: str = ""
     # the arithmetic when it differs from what `precision` names (stepgraph's fp32 attention)
     precision_label: str = ""
+    cached: str = ""  # reused from the cache file: the date of the run that measured it
 
     @property
     def spread_percent(self) -> float | None:
@@ -129,6 +147,7 @@ class BenchReport:
     workloads: dict[str, dict[str, Any]]
     results: list[PeerResult]
     floors: list[StepFloor] = field(default_factory=list)  # with --floor
+    cache_file: str = ""  # where peers' rows are kept between runs ("" when off)
 
 
 # ---------------------------------------------------------------- device
@@ -375,34 +394,66 @@ def make_spec(workload: wl.Workload, precision: str, config: BenchConfig) -> Run
                    tuple(config.compile_modes), config.tinygrad_beam)
 
 
-def run_benchmark(config: BenchConfig) -> BenchReport:
-    """Measure every selected peer on every selected workload and precision.
+def run_benchmark(config: BenchConfig, cache: PeerResultCache | None = None) -> BenchReport:
+    """Measure every selected peer on every selected workload and precision, reusing the
+    peers' rows `cache` holds (default: the cache file; config.use_cache False measures them
+    again), with a progress line on stderr before and after each row.
 
     Raises NoGpuError when config.device is "cuda" and no CUDA device is visible.
     """
     device_name = require_device(config)
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    if cache is None:   # a CPU run is a smoke test (--device cpu is hidden): it keeps nothing
+        cache = PeerResultCache(enabled=None if config.device == "cuda" else False)
     peers = select_peers(config.peers)
     results: list[PeerResult] = []
+    total = len(config.precisions) * len(config.workloads) * len(peers)
+    started = time.perf_counter()
     for precision in config.precisions:
         for name in config.workloads:
             workload = wl.get_workload(name, config.tiny)
             spec = make_spec(workload, precision, config)
             for peer in peers:
-                print(f"stepgraph bench: {name} {precision} {peer.name} ...", file=sys.stderr,
-                      flush=True)
-                results.append(measure_peer(peer, spec, config))
-                if config.device == "cuda":
-                    restore_primary_context()
-                print(f"  -> {describe_result(results[-1])}", file=sys.stderr, flush=True)
+                elapsed = _minutes(time.perf_counter() - started)
+                _progress(f"stepgraph bench [{len(results) + 1}/{total}, {elapsed}]: {name} "
+                          f"{precision} {peer.name} ...")
+                key = None if peer.is_stepgraph else peer_key(peer, config, device_name,
+                                                              workload, precision)
+                result = _cached(cache, key) if config.use_cache else None
+                if result is None:
+                    result = measure_peer(peer, spec, config)
+                    if config.device == "cuda":
+                        restore_primary_context()
+                    if key is not None and result.status == STATUS_OK:
+                        cache.put(key, row_fields(result), date)
+                results.append(result)
+                _progress(f"  -> {describe_result(results[-1])}")
     fill_speed_vs_best_peer(results)
     floors = []
     if config.floor and config.device == "cuda":
-        print("stepgraph bench: measuring the GEMM peak and the copy bandwidth (--floor) ...",
-              file=sys.stderr, flush=True)
+        _progress("stepgraph bench: measuring the GEMM peak and the copy bandwidth (--floor) ...")
         floors = measure_floors(config.workloads, config.precisions, config.tiny)
-    return BenchReport(datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       device_name, platform.node(), platform.python_version(),
-                       library_versions(), config, describe_workloads(config), results, floors)
+    _progress(f"stepgraph bench: done in {_minutes(time.perf_counter() - started)}")
+    return BenchReport(date, device_name, platform.node(), platform.python_version(),
+                       library_versions(), config, describe_workloads(config), results, floors,
+                       str(cache.path) if cache.enabled else "")
+
+
+def _cached(cache: PeerResultCache, key) -> PeerResult | None:
+    """The row the cache holds for `key` (None for stepgraph's rows, which it never holds)."""
+    if key is None:
+        return None
+    hit = cache.get(key)
+    return None if hit is None else restore_row(PeerResult, hit)
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _minutes(seconds: float) -> str:
+    """m:ss"""
+    return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
 
 
 def restore_primary_context() -> None:
@@ -442,6 +493,8 @@ def describe_result(r: PeerResult) -> str:
     if r.status != STATUS_OK:
         return f"{r.status}: {r.reason}"
     line = f"{r.step_us:.1f} us/step, setup {r.setup_s:.2f} s, loss {r.final_loss:.4f}"
+    if r.cached:
+        line = f"cached (measured {r.cached}): {line}"
     if r.tokens_per_s is not None:
         line += f", {r.tokens_per_s:,.0f} tokens/s"
     if r.kernels_per_step is not None:
@@ -467,7 +520,8 @@ def _row_cells(r: PeerResult) -> list[str]:
     note = r.reason if r.status != STATUS_OK else ""
     if len(note) > 80:
         note = note[:77] + "..."
-    return [r.workload, r.precision_label or r.precision, r.peer, r.status,
+    return [r.workload, r.precision_label or r.precision,
+            r.peer + (f" {CACHED_MARK}" if r.cached else ""), r.status,
             _fmt(r.step_us, "{:.1f}"),
             "—" if spread is None else f"±{spread:.1f}%", _fmt(r.tflops, "{:.2f}"),
             _fmt(r.tokens_per_s, "{:,.0f}"), _fmt(r.speed_vs_best_peer, "{:.2f}x"),
@@ -475,6 +529,7 @@ def _row_cells(r: PeerResult) -> list[str]:
             _fmt(r.layout_conversions, "{:d}"), note]
 
 
+CACHED_MARK = "(cached)"  # after the system's name: a row an earlier run measured
 TABLE_HEADER = ["workload", "prec", "system", "status", "µs/step", "spread", "TFLOP/s",
                 "tokens/s", "vs best peer", "setup s", "memory", "kernels", "layout", "note"]
 TEXT_COLUMNS = {"workload", "prec", "system", "status", "note"}  # left-aligned; figures right
@@ -503,6 +558,10 @@ def render_table(report: BenchReport) -> str:
     lines.append("memory: peak allocated during the peer's run; * = held after the timed steps "
                  "(the library keeps no peak); setup s = build + compile + first "
                  f"{SETUP_STEPS} steps")
+    if any(r.cached for r in report.results):
+        lines.append(f"{CACHED_MARK}: measured by an earlier run with the same peer versions, "
+                     f"device, workload, precision and options, kept in {report.cache_file} "
+                     "(--no-cache measures again)")
     return "\n".join(lines)
 
 
@@ -609,24 +668,37 @@ def build_parser() -> argparse.ArgumentParser:
                         help="pre-made device batches the steps rotate among (default: 4)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench-out", help="output folder (default: bench-out)")
-    parser.add_argument("--compile-modes", default=",".join(DEFAULT_COMPILE_MODES),
+    parser.add_argument("--fair", action="store_true",
+                        help="give each peer its fastest documented configuration: every "
+                             "torch.compile mode searched (--compile-modes "
+                             f"{','.join(FAIR_COMPILE_MODES)}), tinygrad's BEAM kernel search "
+                             f"(--tinygrad-beam {FAIR_TINYGRAD_BEAM}), --peer-timeout "
+                             f"{FAIR_PEER_TIMEOUT_S:.0f}; options given explicitly win. Takes "
+                             "far longer (each compile mode up to "
+                             f"{COMPILE_MODE_TIMEOUT_S:.0f} s)")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="measure every peer again instead of reusing its row from the "
+                             "cache file of earlier runs (the new rows replace the cached)")
+    parser.add_argument("--compile-modes", default=None,
                         help="torch.compile modes the torch compile row tries, each within "
                              f"{COMPILE_MODE_TIMEOUT_S:.0f} s, keeping the fastest: any of "
                              f"{','.join(COMPILE_MODES)} "
-                             f"(default: {','.join(DEFAULT_COMPILE_MODES)})")
+                             f"(default: {','.join(DEFAULT_COMPILE_MODES)}; --fair: "
+                             f"{','.join(FAIR_COMPILE_MODES)})")
     parser.add_argument("--floor", action="store_true",
                         help="also measure each workload's step floor: the larger of the GEMM "
                              "FLOPs it needs at the best measured GEMM peak (cuBLAS or "
                              "cuBLASLt) and its optimizer's bytes at the measured copy "
                              "bandwidth, and each row's distance from it")
-    parser.add_argument("--peer-timeout", type=float, default=PEER_TIMEOUT_S,
+    parser.add_argument("--peer-timeout", type=float, default=None,
                         help="seconds one peer may take (build, compile, timing) before its "
                              "row fails and the run goes on; 0: no limit "
-                             f"(default: {PEER_TIMEOUT_S:.0f}, room for every torch.compile "
-                             "mode's own budget)")
-    parser.add_argument("--tinygrad-beam", type=int, default=TINYGRAD_BEAM,
+                             f"(default: {DEFAULT_PEER_TIMEOUT_S:.0f}; --fair: "
+                             f"{FAIR_PEER_TIMEOUT_S:.0f}, room for every torch.compile mode's "
+                             "own budget)")
+    parser.add_argument("--tinygrad-beam", type=int, default=None,
                         help="tinygrad's BEAM kernel search width; 0: no search "
-                             f"(default: {TINYGRAD_BEAM})")
+                             f"(default: {DEFAULT_TINYGRAD_BEAM}; --fair: {FAIR_TINYGRAD_BEAM})")
     # Smoke tests only: run the peers on the CPU at tiny sizes.
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help=argparse.SUPPRESS)
@@ -637,6 +709,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_config(argv: list[str] | None) -> BenchConfig:
     """BenchConfig from command-line arguments; ValueError names a bad choice."""
     args = build_parser().parse_args(argv)
+    peer_options(args)
     workloads, precisions = _csv(args.workloads), _csv(args.precision)
     for name in workloads:
         wl.get_workload(name)
@@ -662,7 +735,20 @@ def parse_config(argv: list[str] | None) -> BenchConfig:
                        batches=args.batches, seed=args.seed, out_dir=args.out,
                        device=args.device, tiny=args.tiny, compile_modes=tuple(compile_modes),
                        peer_timeout_s=args.peer_timeout, floor=args.floor,
-                       tinygrad_beam=args.tinygrad_beam)
+                       tinygrad_beam=args.tinygrad_beam, fair=args.fair,
+                       use_cache=not args.no_cache)
+
+
+def peer_options(args: argparse.Namespace) -> None:
+    """Fill the peer options not given (None) with the default run's values, or with
+    --fair's: the full torch.compile search, tinygrad's BEAM search and a peer budget that
+    leaves each compile mode its own."""
+    defaults = ((",".join(FAIR_COMPILE_MODES), FAIR_PEER_TIMEOUT_S, FAIR_TINYGRAD_BEAM)
+                if args.fair else
+                (",".join(DEFAULT_COMPILE_MODES), DEFAULT_PEER_TIMEOUT_S, DEFAULT_TINYGRAD_BEAM))
+    for name, value in zip(("compile_modes", "peer_timeout", "tinygrad_beam"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ..autodiff import append_backward
 from ..ir.graph import Graph
-from ..errors import LossSelectionError
+from ..errors import LossSelectionError, NothingToTrainError
 from ..ir.trace import Tensor, Tracer
 from ..nn.module import Module
 from .feed import Signature
@@ -100,8 +100,7 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
         autocast(tracer.graph)
     params = list(tracer.graph.params)
     if not params:
-        raise ValueError("nothing to train: the loss depends on no parameter with "
-                         "requires_grad=True")
+        raise NothingToTrainError(_nothing_to_train(model))
     grads = append_backward(tracer, loss.value, params)
     if grad_hook is not None:
         grads = grad_hook(tracer, params, grads)
@@ -112,6 +111,21 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
         emit_record_loss(tracer, loss.value)
     tracer.graph.outputs = {**tracer.graph.outputs, "loss": loss.value}
     return tracer.graph
+
+
+def _nothing_to_train(model: Module) -> str:
+    """Why a model's loss depends on no trainable parameter, and what to change."""
+    named = list(model.named_parameters())
+    trainable = [k for k, p in named if p.requires_grad]
+    if not named:
+        return ("nothing to train: the model has no parameters; give it a layer with weights "
+                "(nn.Linear, nn.Conv2d, ...) that its output depends on")
+    if not trainable:
+        return (f"nothing to train: all {len(named)} parameters of the model have "
+                "requires_grad=False; set requires_grad=True on those to train")
+    shown = ", ".join(trainable[:3]) + (", ..." if len(trainable) > 3 else "")
+    return (f"nothing to train: the loss depends on none of the model's {len(trainable)} "
+            f"trainable parameters ({shown}); forward must compute its output from them")
 
 
 def build_predict_graph(model: Module, signature: Signature,

@@ -16,6 +16,7 @@ if not cuda_available():
     pytest.skip("no GPU visible to CuPy", allow_module_level=True)
 
 from stepgraph.backends.cuda.conv import conv, conv_tiled  # noqa: E402
+from stepgraph.backends.cuda.conv import geometry as conv_geometry  # noqa: E402
 from stepgraph.backends.cuda.matmul import gemm, linear  # noqa: E402
 from stepgraph.errors import PlanError, ShapeError  # noqa: E402
 from stepgraph.ir.graph import Node, Value  # noqa: E402
@@ -410,7 +411,7 @@ def test_conv2d_in_chunks(backend, monkeypatch):
     cfg = (5, 3, 7, 6, 4, 3, 3, (1, 1), (1, 1), True)
     x, w, b, attrs = conv_arrays(cfg, 6)
     per_sample = (3 * 9 + 4) * 7 * 6 * 4    # the largest (grad_weight) need, 2 samples a chunk
-    monkeypatch.setattr(conv, "SCRATCH_CHUNK_BYTES", 2 * per_sample)
+    monkeypatch.setattr(conv_geometry, "SCRATCH_CHUNK_BYTES", 2 * per_sample)
     ref, got = run_both(backend, ctx, make_node("conv2d", [x, w, b], **attrs), [x, w, b])
     check(ref, got, 1e-5, "conv2d chunked")
     dy = random(np.random.default_rng(8), *ref[0].shape)

@@ -18,6 +18,7 @@ from stepgraph.bench.peers import (
     COMPILE_MODE_TIMEOUT_S,
     COMPILE_MODES,
     DEFAULT_COMPILE_MODES,
+    FAIR_COMPILE_MODES,
     PeerTimeout,
     deadline,
     stepgraph_runner,
@@ -27,20 +28,29 @@ from tests.unit.bench_support import bench_config
 # ---------------------------------------------------------------- torch.compile's search
 
 
-def test_default_compile_search_includes_the_autotuning_modes():
-    assert {"max-autotune", "max-autotune-no-cudagraphs"} <= set(DEFAULT_COMPILE_MODES)
-    assert {"reduce-overhead", "default"} <= set(DEFAULT_COMPILE_MODES)
-    assert set(DEFAULT_COMPILE_MODES) <= set(COMPILE_MODES)
-    config = harness.parse_config([])
-    assert config.compile_modes == DEFAULT_COMPILE_MODES
+def test_the_fair_compile_search_includes_the_autotuning_modes():
+    assert {"max-autotune", "max-autotune-no-cudagraphs"} <= set(FAIR_COMPILE_MODES)
+    assert {"reduce-overhead", "default"} <= set(FAIR_COMPILE_MODES)
+    assert set(FAIR_COMPILE_MODES) <= set(COMPILE_MODES)
+    config = harness.parse_config(["--fair"])
+    assert config.fair and config.compile_modes == FAIR_COMPILE_MODES
 
 
-def test_peer_timeout_leaves_every_compile_mode_its_own_budget():
+def test_a_default_run_compiles_one_mode_without_autotuning():
     config = harness.parse_config([])
+    assert not config.fair and config.compile_modes == DEFAULT_COMPILE_MODES
+    assert DEFAULT_COMPILE_MODES == ("reduce-overhead",)
+
+
+def test_peer_timeout_leaves_every_fair_compile_mode_its_own_budget():
+    config = harness.parse_config(["--fair"])
     assert COMPILE_MODE_TIMEOUT_S == 600.0
-    assert config.peer_timeout_s == 3600.0  # five default modes of 600 s, then the timing
-    assert config.peer_timeout_s > len(DEFAULT_COMPILE_MODES) * COMPILE_MODE_TIMEOUT_S
+    assert config.peer_timeout_s == 3600.0  # five modes of 600 s, then the timing
+    assert config.peer_timeout_s > len(FAIR_COMPILE_MODES) * COMPILE_MODE_TIMEOUT_S
+    # a default run bounds each peer to a few minutes: one compile, no search
+    assert harness.parse_config([]).peer_timeout_s == 180.0
     assert harness.parse_config(["--peer-timeout", "60"]).peer_timeout_s == 60.0
+    assert harness.parse_config(["--fair", "--peer-timeout", "60"]).peer_timeout_s == 60.0
 
 
 def test_an_inner_deadline_raises_its_own_error_and_rearms_the_outer_one():
@@ -143,12 +153,16 @@ def test_jax_dropout_keys_come_from_the_rbg_prng(fake_jax):
     assert jax_jit.configure("tf32")["jax_default_matmul_precision"] == "tensorfloat32"
 
 
-def test_tinygrad_kernels_are_searched_with_beam():
-    from stepgraph.bench.peers import TINYGRAD_BEAM, tinygrad_jit
-    assert TINYGRAD_BEAM == 2
-    spec = harness.make_spec(wl.get_workload("mlp", tiny=True), "fp32", bench_config())
+def test_tinygrad_kernels_are_searched_with_beam_in_a_fair_run():
+    from stepgraph.bench.peers import FAIR_TINYGRAD_BEAM, tinygrad_jit
+    assert FAIR_TINYGRAD_BEAM == 2
+    config = harness.parse_config(["--fair"])
+    spec = harness.make_spec(wl.get_workload("mlp", tiny=True), "fp32", config)
     assert tinygrad_jit.kernel_settings(spec) == {"ALLOW_TF32": 0, "BEAM": 2}
-    config = harness.parse_config(["--tinygrad-beam", "0", "--precision", "tf32"])
+    config = harness.parse_config([])          # a default run: no search
+    spec = harness.make_spec(wl.get_workload("mlp", tiny=True), "fp32", config)
+    assert tinygrad_jit.kernel_settings(spec) == {"ALLOW_TF32": 0, "BEAM": 0}
+    config = harness.parse_config(["--fair", "--tinygrad-beam", "0", "--precision", "tf32"])
     spec = harness.make_spec(wl.get_workload("mlp", tiny=True), "tf32", config)
     assert tinygrad_jit.kernel_settings(spec) == {"ALLOW_TF32": 1, "BEAM": 0}
     with pytest.raises(ValueError, match="--tinygrad-beam"):

@@ -181,13 +181,13 @@ def test_alignment():
 
 
 def test_conv_chunks_bound_the_scratch(monkeypatch):
-    from stepgraph.backends.cuda.conv import conv
+    from stepgraph.backends.cuda.conv import conv, geometry
 
     g = conv.Geometry(n=10, c=3, h=8, w=8, o=4, kh=3, kw=3, sh=1, sw=1, ph=1, pw=1)
     assert (g.ho, g.wo, g.ck, g.p) == (8, 8, 27, 64)
-    monkeypatch.setattr(conv, "SCRATCH_CHUNK_BYTES", 3 * 27 * 64 * 4)
+    monkeypatch.setattr(geometry, "SCRATCH_CHUNK_BYTES", 3 * 27 * 64 * 4)
     assert g.chunk(27 * 64 * 4) == 3
-    monkeypatch.setattr(conv, "SCRATCH_CHUNK_BYTES", 1)
+    monkeypatch.setattr(geometry, "SCRATCH_CHUNK_BYTES", 1)
     assert g.chunk(27 * 64 * 4) == 1
     assert conv.Geometry(2, 5, 4, 3, 7, 1, 1, 1, 1, 0, 0).pointwise
 

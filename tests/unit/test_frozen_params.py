@@ -195,6 +195,6 @@ def test_no_scalar_loss_in_the_output_is_a_clear_error():
 
 def test_a_model_with_every_parameter_frozen_is_refused():
     model = sg_mlp().requires_grad_(False)
-    with pytest.raises(ValueError, match="no parameter with requires_grad=True"):
+    with pytest.raises(ValueError, match="all 4 parameters of the model have requires_grad=False"):
         sg.compile_train_step(model, losses.cross_entropy, optim.SGD(lr=0.1),
                               example_inputs=batches("all-frozen")[0])

@@ -202,3 +202,50 @@ def test_records_and_resume_settings():
     assert "steps" in GPTTrainConfig().run_settings()
     assert "eval_interval" not in GPTTrainConfig().run_settings()
     assert "model_args" in TrainConfig(model="x.py:Net").run_settings()
+
+
+HELPER_TEXT = '''
+from stepgraph import nn
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.linear(x).relu()
+'''
+
+IMPORTING_MODEL_TEXT = '''
+from stepgraph import nn
+from trust_helper_layers import Block      # a module beside this file
+
+
+class WithHelper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), Block(16))
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+'''
+
+
+def test_a_model_file_imports_a_module_beside_it(capsys, tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setattr(sys, "path", list(sys.path))     # the folder added is undone after
+    monkeypatch.delitem(sys.modules, "trust_helper_layers", raising=False)
+    folder = tmp_path / "user"
+    folder.mkdir()
+    (folder / "trust_helper_layers.py").write_text(HELPER_TEXT)
+    (folder / "net.py").write_text(IMPORTING_MODEL_TEXT)
+    code = main(["train", "--model", f"{folder / 'net.py'}:WithHelper", "--epochs", "1",
+                 "--device", "cpu", "--out", str(tmp_path / "run"), "--no-progress"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out.strip().splitlines()[-1].startswith("test accuracy: ")
+    assert sys.path[0] == str(folder.resolve())
+    sys.modules.pop("trust_helper_layers", None)

@@ -62,6 +62,13 @@ class NumpyBackend(Backend):
         return self.to_numpy(buffer)
 
     def run_node(self, node, ins, outs, ctx=None) -> None:
+        # Overflow and NaN are reported by the step's guard (on_bad_batch), naming the step,
+        # as the CUDA kernels' are; NumPy's RuntimeWarnings would name a line of an op's
+        # reference instead, before that error, and torch does not warn either.
+        with np.errstate(all="ignore"):
+            self._run_node(node, ins, outs, ctx)
+
+    def _run_node(self, node, ins, outs, ctx) -> None:
         if not any(map(bf16.is_bf16, ins)) and not any(map(bf16.is_bf16, outs)):
             return super().run_node(node, ins, outs, ctx)
         wide_ins = [bf16.from_bits(a) if bf16.is_bf16(a) else a for a in ins]

@@ -29,23 +29,31 @@ class PeerTimeout(BaseException):
     configuration search that skips a failing candidate) does not swallow it."""
 
 
-# Every torch.compile mode is searched by default, the autotuning ones included: they are the
-# modes a reviewer asks for, and on convnet the full search is what decides the row
+# `stepgraph bench --fair` searches every torch.compile mode, the autotuning ones included: they
+# are the modes a reviewer asks for, and on convnet the full search is what decides the row
 # (docs/BENCHMARKS.md). Each mode has its own time budget, COMPILE_MODE_TIMEOUT_S: one that runs
 # past it is reported as timed out and the others are kept. A mode ending in
 # "+compiled-autograd" is that torch.compile mode with the backward run by compiled autograd
 # (torch_compile.py).
 COMPILE_MODES = ("reduce-overhead", "default", "max-autotune-no-cudagraphs", "max-autotune",
                  "reduce-overhead+compiled-autograd", "default+compiled-autograd")
-DEFAULT_COMPILE_MODES = ("reduce-overhead", "default", "max-autotune",
-                         "max-autotune-no-cudagraphs", "reduce-overhead+compiled-autograd")
-# Seconds one torch.compile mode may take (compile, CUDA graph recording, probe): max-autotune's
-# Triton search of every GEMM and conv shape takes minutes on the vision workloads; this leaves
-# it room to spare.
+FAIR_COMPILE_MODES = ("reduce-overhead", "default", "max-autotune",
+                      "max-autotune-no-cudagraphs", "reduce-overhead+compiled-autograd")
+# A default run (no --fair) compiles one mode, "reduce-overhead": Inductor's kernels replayed
+# as CUDA graphs, the like-for-like of stepgraph's graph row (both remove the per-kernel
+# launch cost that decides these small steps), compiled without the Triton autotuning of
+# every GEMM and conv shape that makes the max-autotune modes take minutes per workload; it
+# was the fastest mode of the full search on mlp (H100, 2026-11-23, docs/BENCHMARKS.md).
+DEFAULT_COMPILE_MODES = ("reduce-overhead",)
+# Seconds one torch.compile mode of a search may take (compile, CUDA graph recording, probe):
+# max-autotune's Triton search of every GEMM and conv shape takes minutes on the vision
+# workloads; this leaves it room to spare.
 COMPILE_MODE_TIMEOUT_S = 600.0
 # tinygrad's kernel search (its BEAM setting: the width of the beam search over each kernel's
-# optimisations); 0 turns it off. 2: a narrow beam, so that the search fits a peer's budget.
-TINYGRAD_BEAM = 2
+# optimisations); 0 turns it off. --fair: 2, a narrow beam, so that the search fits a peer's
+# budget; a default run: 0, tinygrad's own unsearched kernels (the search takes minutes).
+FAIR_TINYGRAD_BEAM = 2
+DEFAULT_TINYGRAD_BEAM = 0
 
 
 @contextlib.contextmanager
@@ -95,7 +103,7 @@ class RunSpec:
     seed: int = 0
     # torch.compile modes the torch compile peer tries, keeping the fastest (torch_compile.py).
     compile_modes: tuple[str, ...] = DEFAULT_COMPILE_MODES
-    tinygrad_beam: int = TINYGRAD_BEAM  # tinygrad's BEAM search width (tinygrad_jit.py)
+    tinygrad_beam: int = DEFAULT_TINYGRAD_BEAM  # tinygrad's BEAM search width (tinygrad_jit.py)
 
 
 @dataclass

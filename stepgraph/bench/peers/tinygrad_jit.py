@@ -3,10 +3,11 @@ zero_grad, loss.backward(), and `loss.realize(*opt.schedule_step())` so the opti
 scheduled together with the backward; TinyJit captures it on the 2nd call and replays it after.
 Written for tinygrad 0.14 (TRAINING via Context, device chosen with DEV=CUDA).
 
-Kernels are searched with BEAM (spec.tinygrad_beam, default 2; `stepgraph bench --tinygrad-beam`),
-tinygrad's documented setting for fast kernels: each kernel's optimisations are picked by timing a
-beam of candidates when the kernel is first compiled, in the first two steps, so the search time
-is part of the row's setup time (and tinygrad's disk cache keeps the result for later runs).
+Kernels are searched with BEAM (spec.tinygrad_beam: 2 with `stepgraph bench --fair`, 0, no
+search, in a default run; `--tinygrad-beam`), tinygrad's documented setting for fast kernels:
+each kernel's optimisations are picked by timing a beam of candidates when the kernel is first
+compiled, in the first two steps, so the search time is part of the row's setup time (and
+tinygrad's disk cache keeps the result for later runs).
 """
 
 from __future__ import annotations

@@ -21,8 +21,9 @@ gradient accumulation) into a graph of its own, compiled in the step's mode, so 
 three compiled regions, the backward's reached through a cache lookup on the autograd graph
 (docs/BENCHMARKS.md). Whether that is faster is measured, like the modes.
 
-Modes: spec.compile_modes (default: every mode, "max-autotune" and "max-autotune-no-cudagraphs"
-included, see peers/__init__.py). Each mode gets MODE_TIMEOUT_S for its compile, its CUDA graph
+Modes: spec.compile_modes ("reduce-overhead" alone in a default run; with `stepgraph bench
+--fair` every mode, "max-autotune" and "max-autotune-no-cudagraphs" included, see
+peers/__init__.py). Each mode gets MODE_TIMEOUT_S for its compile, its CUDA graph
 recording and its probe; a mode past it is noted as timed out and the search goes on with the
 others. Each mode's compile time (the compile and the recording steps) is noted apart from its
 step time. The mode that wins on a workload's first precision is reused for its other precisions

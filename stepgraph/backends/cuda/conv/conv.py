@@ -10,8 +10,8 @@ below. W (O, C, kh, kw) is the row-major (O, CK) matrix as it is (CK = C*kh*kw, 
 The column buffers live in a grow-only scratch pool per context (never freed, so a captured
 graph's pointers stay valid; shared by every conv node, which run one after another on the
 context's stream). A node takes its scratch on its first, eager call: run an eager warm-up
-before capture. A batch needing more than SCRATCH_CHUNK_BYTES runs in chunks of samples
-(two launches per chunk).
+before capture. A batch needing more than geometry.SCRATCH_CHUNK_BYTES runs in chunks of
+samples (two launches per chunk).
 
 Small convolutions skip all of that. Two kernel families compute each op in one launch (the
 weight gradient: two), no im2col, no GEMM:
@@ -71,13 +71,10 @@ import functools
 import itertools
 from typing import Callable, Iterable
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from ....errors import ShapeError, UnsupportedOpError
 from ....ir.graph import Node, Value, storage_dtype
-from ....ops.conv import conv_out
 from ....ops.layout import (TO_NCHW, TO_NHWC, channel_sum_axes, layout_of, nchw_attrs,
                             nchw_shape, stored_shape)
 from .. import reduce
@@ -87,8 +84,9 @@ from ..runtime.launch import _node_memory
 from ..runtime.scratch import ScratchPool
 from . import conv_cudnn
 from . import conv_tiled as tiled
+from .geometry import Geometry
+from .geometry import geometry as _geometry
 
-SCRATCH_CHUNK_BYTES = 256 << 20
 BLOCK = 256
 MAX_BLOCKS = 1 << 15     # grid-stride loops cover the rest
 _CTYPES = compiler.FLOAT_CTYPES
@@ -114,80 +112,6 @@ GRAD_WEIGHT_THREADS = 256     # at most, per grad_weight block
 GRAD_WEIGHT_TILES = ((4, 4), (2, 4), (2, 2), (1, 2), (1, 1))   # (out channels, taps) per block
 GRAD_WEIGHT_MIN_BLOCKS = 128  # the largest tile that still gives about one block per SM wins
 GRAD_WEIGHT_TARGET_BLOCKS = 1024  # tiles x sample splits: enough blocks to fill the GPU
-
-
-@dataclass(frozen=True)
-class Geometry:
-    n: int
-    c: int
-    h: int
-    w: int
-    o: int
-    kh: int
-    kw: int
-    sh: int
-    sw: int
-    ph: int
-    pw: int
-    dil_h: int = 1
-    dil_w: int = 1
-    groups: int = 1
-
-    @property
-    def ho(self) -> int:
-        return conv_out(self.h, self.dil_h * (self.kh - 1) + 1, self.sh, self.ph)
-
-    @property
-    def wo(self) -> int:
-        return conv_out(self.w, self.dil_w * (self.kw - 1) + 1, self.sw, self.pw)
-
-    @property
-    def plain(self) -> bool:
-        """groups 1 and dilation 1: what the own kernels (gemm, direct, tiled) run."""
-        return (self.groups, self.dil_h, self.dil_w) == (1, 1, 1)
-
-    @property
-    def w_shape(self) -> tuple[int, int, int, int]:
-        return (self.o, self.c // self.groups, self.kh, self.kw)
-
-    @property
-    def ck(self) -> int:
-        return self.c * self.kh * self.kw
-
-    @property
-    def p(self) -> int:
-        return self.ho * self.wo
-
-    @property
-    def macs(self) -> int:
-        """Multiply-adds of the forward (and of each gradient)."""
-        return self.n * self.o * self.p * self.ck
-
-    @property
-    def pointwise(self) -> bool:
-        """1x1, stride 1, no padding: cols[n] is x[n] itself, no im2col needed."""
-        return (self.kh, self.kw, self.sh, self.sw, self.ph, self.pw) == (1, 1, 1, 1, 0, 0)
-
-    def kernel_args(self) -> tuple:
-        """The GEOMETRY_PARAMS of conv.cu, in order."""
-        return tuple(np.int32(v) for v in (self.c, self.h, self.w, self.kh, self.kw, self.sh,
-                                           self.sw, self.ph, self.pw, self.ho, self.wo))
-
-    def chunk(self, bytes_per_sample: int) -> int:
-        """Samples per chunk so that the scratch stays under SCRATCH_CHUNK_BYTES."""
-        return max(1, min(self.n, SCRATCH_CHUNK_BYTES // max(1, bytes_per_sample)))
-
-
-def _geometry(x_shape, w_shape, attrs: dict) -> Geometry:
-    (sh, sw), (ph, pw) = attrs["stride"], attrs["padding"]
-    dil_h, dil_w = attrs.get("dilation", (1, 1))
-    groups = int(attrs.get("groups", 1))
-    n, c, h, w = x_shape
-    o, c2, kh, kw = w_shape
-    if c != c2 * groups or o % groups:
-        raise ShapeError(f"conv2d: input has {c} channels and weight {tuple(w_shape)}, which "
-                         f"do not make {groups} group(s) (want C = {c2} * groups, O % groups 0)")
-    return Geometry(n, c, h, w, o, kh, kw, sh, sw, ph, pw, dil_h, dil_w, groups)
 
 
 def _contiguous(arr, name: str, shape=None):

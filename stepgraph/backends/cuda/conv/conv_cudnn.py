@@ -52,15 +52,13 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ....errors import BackendUnavailableError, CaptureError
 from ....ir.graph import ir_dtype
 from ..runtime.launch import _capturing
 from ..runtime.scratch import ScratchPool
-
-if TYPE_CHECKING:
-    from .conv import Geometry
+from .geometry import Geometry
 
 MAX_PLANS = 12                     # candidates per problem, in heuristic rank order
 MAX_PLANS_B = 8                    # more from heuristic mode B, not among those already

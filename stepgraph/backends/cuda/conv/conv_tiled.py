@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ....errors import ShapeError
 from ..runtime import compiler
-
-if TYPE_CHECKING:
-    from .conv import Geometry
+from .geometry import Geometry
 
 SOURCE = "conv_tiled.cu"
 # Storage dtype of the tensors -> the kernels' (S, T): the C type stored and the one computed
