@@ -52,12 +52,60 @@ def assert_close_to_reference(got, ref64, ref32, what: str = "",
                           f"x{factor:g} plus the floor)")
 
 
+def change_bound(change64, change32, factor: float = FACTOR) -> float:
+    """The bound on a parameter change's largest elementwise error against float64: `factor`
+    times torch float32's own largest error there. A floor only where that error is 0 (torch
+    float32 lands exactly on float64, as for a change of exactly representable steps): then
+    FLOOR_ULPS float32 roundings of the change's largest element, what one more rounding of
+    our own may cost; still far below the change itself, so a missing update cannot pass."""
+    change64 = np.asarray(change64, np.float64)
+    torch_err = max_error(change32, change64)
+    if torch_err > 0:
+        return factor * torch_err
+    scale = float(np.max(np.abs(change64))) if change64.size else 0.0
+    return FLOOR_ULPS * float(np.finfo(np.float32).eps) * scale
+
+
 def assert_changes_close(before, after, after64, after32, what: str = "",
-                         factor: float = FACTOR) -> None:
-    """Parameter *changes* (after - before) judged by the policy against a float64 run's and
-    a torch float32 run's changes from the same `before`: a missing or halved update fails
-    here even when it is small next to the parameter's value."""
+                         factor: float = FACTOR, moves: bool = True) -> None:
+    """Parameter *changes* (after - before), the tolerance policy's one judge of training:
+    the change is within `factor` x torch float32's error (change_bound) of a float64 run's
+    change from the same `before`, elementwise max over the tensor. A missing, halved or 1%
+    off update fails here even when it is small next to the parameter's value.
+
+    moves: the float64 change must not be zero (the parameter trains in this problem), so a
+    test whose reference did not train cannot pass; a frozen parameter (moves=False) must
+    keep its value exactly."""
     before = np.asarray(before, np.float64)
-    assert_close_to_reference(np.asarray(after, np.float64) - before,
-                              np.asarray(after64, np.float64) - before,
-                              np.asarray(after32, np.float64) - before, what, factor)
+    ours = np.asarray(after, np.float64) - before
+    change64 = np.asarray(after64, np.float64) - before
+    change32 = np.asarray(after32, np.float64) - before
+    assert ours.shape == change64.shape, f"{what}: shape {ours.shape}, reference {change64.shape}"
+    assert np.isfinite(ours).all(), f"{what}: a non-finite change"
+    if not moves:
+        assert not ours.any(), f"{what}: frozen, but it changed by up to {np.abs(ours).max():.3g}"
+        return
+    size = float(np.max(np.abs(change64))) if change64.size else 0.0
+    assert size > 0, f"{what}: the float64 run did not change it: the test cannot fail"
+    err, bound = max_error(ours, change64), change_bound(change64, change32, factor)
+    assert err <= bound, (f"{what}: change (largest {size:.3g}) off float64's by {err:.3g}, past "
+                          f"the bound {bound:.3g} (torch float32's own error "
+                          f"{max_error(change32, change64):.3g}, x{factor:g})")
+
+
+def assert_state_changes_close(before: dict, after: dict, after64: dict, after32: dict,
+                               what: str = "", factor: float = FACTOR, frozen=(),
+                               counters: int | None = None) -> None:
+    """assert_changes_close over every floating entry of a state_dict (parameters and running
+    statistics), with the same keys on every side; integer entries (BatchNorm's
+    num_batches_tracked) must equal `counters` when given, else float64's. `frozen` names the
+    entries that must not change."""
+    assert list(after) == list(after64), f"{what}: keys {list(after)} vs {list(after64)}"
+    for key, value64 in after64.items():
+        value = np.asarray(after[key])
+        if not np.issubdtype(value.dtype, np.floating):
+            want = int(value64) if counters is None else counters
+            assert int(value) == want, f"{what}{key}: {int(value)}, expected {want}"
+            continue
+        assert_changes_close(before[key], value, value64, after32[key], f"{what}{key}", factor,
+                             moves=key not in frozen)
