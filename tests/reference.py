@@ -67,25 +67,26 @@ def change_bound(change64, change32, factor: float = FACTOR) -> float:
 
 
 def assert_changes_close(before, after, after64, after32, what: str = "",
-                         factor: float = FACTOR, moves: bool = True) -> None:
+                         factor: float = FACTOR, moves: bool | None = True) -> None:
     """Parameter *changes* (after - before), the tolerance policy's one judge of training:
     the change is within `factor` x torch float32's error (change_bound) of a float64 run's
     change from the same `before`, elementwise max over the tensor. A missing, halved or 1%
     off update fails here even when it is small next to the parameter's value.
 
-    moves: the float64 change must not be zero (the parameter trains in this problem), so a
-    test whose reference did not train cannot pass; a frozen parameter (moves=False) must
-    keep its value exactly."""
+    moves: True, the float64 change must not be zero (the parameter trains in this problem), so
+    a test whose reference did not train cannot pass; False (a frozen parameter), it must keep
+    its value exactly; None (a buffer), either, as the float64 run's does."""
     before = np.asarray(before, np.float64)
     ours = np.asarray(after, np.float64) - before
     change64 = np.asarray(after64, np.float64) - before
     change32 = np.asarray(after32, np.float64) - before
     assert ours.shape == change64.shape, f"{what}: shape {ours.shape}, reference {change64.shape}"
     assert np.isfinite(ours).all(), f"{what}: a non-finite change"
-    if not moves:
-        assert not ours.any(), f"{what}: frozen, but it changed by up to {np.abs(ours).max():.3g}"
-        return
     size = float(np.max(np.abs(change64))) if change64.size else 0.0
+    if moves is False or (moves is None and size == 0):
+        assert not ours.any(), (f"{what}: {'frozen' if moves is False else 'constant'}, but it "
+                                f"changed by up to {np.abs(ours).max():.3g}")
+        return
     assert size > 0, f"{what}: the float64 run did not change it: the test cannot fail"
     err, bound = max_error(ours, change64), change_bound(change64, change32, factor)
     assert err <= bound, (f"{what}: change (largest {size:.3g}) off float64's by {err:.3g}, past "
@@ -95,11 +96,12 @@ def assert_changes_close(before, after, after64, after32, what: str = "",
 
 def assert_state_changes_close(before: dict, after: dict, after64: dict, after32: dict,
                                what: str = "", factor: float = FACTOR, frozen=(),
-                               counters: int | None = None) -> None:
+                               trained=None, counters: int | None = None) -> None:
     """assert_changes_close over every floating entry of a state_dict (parameters and running
     statistics), with the same keys on every side; integer entries (BatchNorm's
     num_batches_tracked) must equal `counters` when given, else float64's. `frozen` names the
-    entries that must not change."""
+    entries that must not change; `trained` those that must (None: every floating entry not
+    frozen); the others (constant buffers) change as the float64 run's do, or not at all."""
     assert list(after) == list(after64), f"{what}: keys {list(after)} vs {list(after64)}"
     for key, value64 in after64.items():
         value = np.asarray(after[key])
@@ -107,5 +109,6 @@ def assert_state_changes_close(before: dict, after: dict, after64: dict, after32
             want = int(value64) if counters is None else counters
             assert int(value) == want, f"{what}{key}: {int(value)}, expected {want}"
             continue
+        moves = False if key in frozen else (trained is None or key in trained) or None
         assert_changes_close(before[key], value, value64, after32[key], f"{what}{key}", factor,
-                             moves=key not in frozen)
+                             moves)
