@@ -98,16 +98,17 @@ def assert_state_changes_close(before: dict, after: dict, after64: dict, after32
                                what: str = "", factor: float = FACTOR, frozen=(),
                                trained=None, counters: int | None = None) -> None:
     """assert_changes_close over every floating entry of a state_dict (parameters and running
-    statistics), with the same keys on every side; integer entries (BatchNorm's
-    num_batches_tracked) must equal `counters` when given, else float64's. `frozen` names the
+    statistics), with the same keys on every side; integer entries must equal float64's, and
+    BatchNorm's num_batches_tracked `counters` when given. `frozen` names the
     entries that must not change; `trained` those that must (None: every floating entry not
     frozen); the others (constant buffers) change as the float64 run's do, or not at all."""
     assert list(after) == list(after64), f"{what}: keys {list(after)} vs {list(after64)}"
     for key, value64 in after64.items():
         value = np.asarray(after[key])
         if not np.issubdtype(value.dtype, np.floating):
-            want = int(value64) if counters is None else counters
-            assert int(value) == want, f"{what}{key}: {int(value)}, expected {want}"
+            counter = counters is not None and key.endswith("num_batches_tracked")
+            want = np.asarray(counters if counter else value64)
+            assert np.array_equal(value, want), f"{what}{key}: {value}, expected {want}"
             continue
         moves = False if key in frozen else (trained is None or key in trained) or None
         assert_changes_close(before[key], value, value64, after32[key], f"{what}{key}", factor,
