@@ -54,16 +54,15 @@ def assert_close_to_reference(got, ref64, ref32, what: str = "",
 
 def change_bound(change64, change32, factor: float = FACTOR) -> float:
     """The bound on a parameter change's largest elementwise error against float64: `factor`
-    times torch float32's own largest error there. A floor only where that error is 0 (torch
-    float32 lands exactly on float64, as for a change of exactly representable steps): then
-    FLOOR_ULPS float32 roundings of the change's largest element, what one more rounding of
-    our own may cost; still far below the change itself, so a missing update cannot pass."""
+    times torch float32's own largest error there. A floor only where that error is (in
+    float32's terms) 0, below one float32 rounding of the change's largest element: torch
+    float32 then landed on float64 by luck of its last rounding, which measures nothing, and
+    one rounding is the finest float32 can hold the change to; the bound is then `factor`
+    roundings, still far below the change itself, so a missing update cannot pass."""
     change64 = np.asarray(change64, np.float64)
-    torch_err = max_error(change32, change64)
-    if torch_err > 0:
-        return factor * torch_err
     scale = float(np.max(np.abs(change64))) if change64.size else 0.0
-    return FLOOR_ULPS * float(np.finfo(np.float32).eps) * scale
+    resolution = float(np.finfo(np.float32).eps) * scale
+    return factor * max(max_error(change32, change64), resolution)
 
 
 def assert_changes_close(before, after, after64, after32, what: str = "",
