@@ -52,12 +52,63 @@ def assert_close_to_reference(got, ref64, ref32, what: str = "",
                           f"x{factor:g} plus the floor)")
 
 
+def change_bound(change64, change32, factor: float = FACTOR) -> float:
+    """The bound on a parameter change's largest elementwise error against float64: `factor`
+    times torch float32's own largest error there. A floor only where that error is (in
+    float32's terms) 0, below one float32 rounding of the change's largest element: torch
+    float32 then landed on float64 by luck of its last rounding, which measures nothing, and
+    one rounding is the finest float32 can hold the change to; the bound is then `factor`
+    roundings, still far below the change itself, so a missing update cannot pass."""
+    change64 = np.asarray(change64, np.float64)
+    scale = float(np.max(np.abs(change64))) if change64.size else 0.0
+    resolution = float(np.finfo(np.float32).eps) * scale
+    return factor * max(max_error(change32, change64), resolution)
+
+
 def assert_changes_close(before, after, after64, after32, what: str = "",
-                         factor: float = FACTOR) -> None:
-    """Parameter *changes* (after - before) judged by the policy against a float64 run's and
-    a torch float32 run's changes from the same `before`: a missing or halved update fails
-    here even when it is small next to the parameter's value."""
+                         factor: float = FACTOR, moves: bool | None = True) -> None:
+    """Parameter *changes* (after - before), the tolerance policy's one judge of training:
+    the change is within `factor` x torch float32's error (change_bound) of a float64 run's
+    change from the same `before`, elementwise max over the tensor. A missing, halved or 1%
+    off update fails here even when it is small next to the parameter's value.
+
+    moves: True, the float64 change must not be zero (the parameter trains in this problem), so
+    a test whose reference did not train cannot pass; False (a frozen parameter), it must keep
+    its value exactly; None (a buffer), either, as the float64 run's does."""
     before = np.asarray(before, np.float64)
-    assert_close_to_reference(np.asarray(after, np.float64) - before,
-                              np.asarray(after64, np.float64) - before,
-                              np.asarray(after32, np.float64) - before, what, factor)
+    ours = np.asarray(after, np.float64) - before
+    change64 = np.asarray(after64, np.float64) - before
+    change32 = np.asarray(after32, np.float64) - before
+    assert ours.shape == change64.shape, f"{what}: shape {ours.shape}, reference {change64.shape}"
+    assert np.isfinite(ours).all(), f"{what}: a non-finite change"
+    size = float(np.max(np.abs(change64))) if change64.size else 0.0
+    if moves is False or (moves is None and size == 0):
+        assert not ours.any(), (f"{what}: {'frozen' if moves is False else 'constant'}, but it "
+                                f"changed by up to {np.abs(ours).max():.3g}")
+        return
+    assert size > 0, f"{what}: the float64 run did not change it: the test cannot fail"
+    err, bound = max_error(ours, change64), change_bound(change64, change32, factor)
+    assert err <= bound, (f"{what}: change (largest {size:.3g}) off float64's by {err:.3g}, past "
+                          f"the bound {bound:.3g} (torch float32's own error "
+                          f"{max_error(change32, change64):.3g}, x{factor:g})")
+
+
+def assert_state_changes_close(before: dict, after: dict, after64: dict, after32: dict,
+                               what: str = "", factor: float = FACTOR, frozen=(),
+                               trained=None, counters: int | None = None) -> None:
+    """assert_changes_close over every floating entry of a state_dict (parameters and running
+    statistics), with the same keys on every side; integer entries must equal float64's, and
+    BatchNorm's num_batches_tracked `counters` when given. `frozen` names the
+    entries that must not change; `trained` those that must (None: every floating entry not
+    frozen); the others (constant buffers) change as the float64 run's do, or not at all."""
+    assert list(after) == list(after64), f"{what}: keys {list(after)} vs {list(after64)}"
+    for key, value64 in after64.items():
+        value = np.asarray(after[key])
+        if not np.issubdtype(value.dtype, np.floating):
+            counter = counters is not None and key.endswith("num_batches_tracked")
+            want = np.asarray(counters if counter else value64)
+            assert np.array_equal(value, want), f"{what}{key}: {value}, expected {want}"
+            continue
+        moves = False if key in frozen else (trained is None or key in trained) or None
+        assert_changes_close(before[key], value, value64, after32[key], f"{what}{key}", factor,
+                             moves)

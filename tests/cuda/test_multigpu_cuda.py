@@ -1,6 +1,8 @@
 """Data parallelism on two GPUs (marker multigpu: skipped with fewer; one test wants four):
-two ranks started by `stepgraph launch` or torchrun train like one process on the same global
-batch (float32 and bf16), hold bit-identical parameters, and average their gradients with
+two ranks started by `stepgraph launch` or torchrun, each fed its own half of every global
+batch, train like one process on the union batch (float32 and bf16: parameter changes judged
+by the tolerance policy against torch float64, tests/unit/dist_reference.py), hold
+bit-identical parameters that did change, and average their gradients with
 NCCL inside the step's CUDA graph (or, with sharded optimizer state, reduce-scatter them and
 all-gather the parameters there, training like the unsharded step); they exit promptly after
 their last step, and a rank killed mid-run is named by the others, which end instead of
@@ -20,15 +22,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.reference import assert_close_to_reference, assert_state_changes_close
+
 pytestmark = [pytest.mark.cuda, pytest.mark.multigpu]
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "unit" / "dist_worker.py"
 sys.path.insert(0, str(WORKER.parent))
 
-# Relative error of the parameters after the run against the one-process reference. The
-# ranks' smaller GEMMs add their rows in another order (and cuDNN may plan them otherwise).
-TOLERANCE = {"mlp": 1e-4, "cnn": 1e-4, "resnet": 2e-3}
 # A two-rank run of these sizes takes seconds (resnet's first compile about 15 s): a process
 # still running after LAUNCH_TIMEOUT_S is stuck. A rank waits RANK_TIMEOUT_S for the others.
 LAUNCH_TIMEOUT_S = 60
@@ -70,34 +71,66 @@ def launch_workers(out: Path, *args: str, timeout: float = LAUNCH_TIMEOUT_S) -> 
     return [np.load(out / f"rank{r}.npz") for r in (0, 1)]
 
 
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 def parameters(record) -> dict:
     return {k[len("state/"):]: record[k] for k in record.files if k.startswith("state/")}
 
 
-@pytest.mark.parametrize("model", ["mlp", "cnn", "resnet"])
-def test_two_ranks_train_like_one_on_the_global_batch(tmp_path, model):
+def assert_same_on_every_rank(ranks: list, keys=None) -> None:
+    """The ranks hold bit-identical values of `keys` (default: every state entry)."""
+    for name, value in parameters(ranks[0]).items():
+        if keys is None or name in keys:
+            for r in ranks[1:]:
+                np.testing.assert_array_equal(value, r[f"state/{name}"], err_msg=name)
+
+
+def assert_trained(ranks: list, model: str, size: int = 8) -> None:
+    """Every parameter moved from the start the ranks share (rank 0's initialisation): ranks
+    that agree because none of them trained fail here."""
+    import dist_reference
+
+    start = dist_reference.initial_state(model, size)
+    for r, record in enumerate(ranks):
+        for name in trained_names(model, size):
+            assert np.any(record[f"state/{name}"] != start[name]), f"rank {r}: {name} unchanged"
+
+
+def trained_names(model: str, size: int = 8) -> list[str]:
     import dist_worker
 
+    return [k for k, _ in dist_worker.make_model(model, size)[0].named_parameters()]
+
+
+def assert_ranks_match_torch(ranks: list, model: str, steps: int, batch: int, size: int = 8,
+                             **options) -> None:
+    """Each rank's losses and state changes judged by the tolerance policy against one torch
+    process over the union of the ranks' batches (dist_reference.py): float64 the reference,
+    float32's error the measure. Parameters are shared; BatchNorm's running statistics are
+    the rank's own, from its shards alone."""
+    import dist_reference
+    import torch
+
+    ref64, ref32 = (dist_reference.torch_reference(model, steps, batch, dtype, size,
+                                                   len(ranks), **options)
+                    for dtype in (torch.float64, torch.float32))
+    for r, record in enumerate(ranks):
+        assert_state_changes_close(ref64.initial, parameters(record), ref64.states[r],
+                                   ref32.states[r], f"rank {r}: ",
+                                   trained=trained_names(model, size), counters=steps)
+        assert_close_to_reference([record[f"loss/{i}"] for i in range(steps)],
+                                  ref64.losses[r], ref32.losses[r], f"rank {r}: losses")
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn", "resnet"])
+def test_two_ranks_train_like_one_on_the_global_batch(tmp_path, model):
+    """The ranks see different halves of each global batch (resnet's BatchNorm normalises by
+    its rank's half, as DDP's does, and the reference does the same): a missing all-reduce
+    leaves each rank with its half's gradient, which the judge against the union batch and
+    the ranks' agreement both catch."""
     steps, batch, size = 8, 32, (16 if model == "resnet" else 8)
-    # resnet: every rank gets the whole global batch, so that its per-rank BatchNorm
-    # statistics are the single process's (stepgraph, like DDP, does not sync them); its
-    # loss is then the reference's on every rank, else the ranks' mean is.
-    duplicate = model == "resnet"
     ranks = launch_workers(tmp_path, "--model", model, "--steps", str(steps), "--global-batch",
-                           str(batch), "--size", str(size), *(("--duplicate",) * duplicate))
-    reference, _, losses = dist_worker.train(model, steps, batch, device="cuda", size=size)
-    expected = reference.state_dict()
-    for name, value in parameters(ranks[0]).items():
-        np.testing.assert_array_equal(value, ranks[1][f"state/{name}"], err_msg=name)
-        assert rel(value, expected[name]) < TOLERANCE[model], name
-    per_rank = np.array([[r[f"loss/{i}"] for i in range(steps)] for r in ranks])
-    np.testing.assert_allclose(per_rank[0] if duplicate else per_rank.mean(axis=0), losses,
-                               rtol=1e-3)
+                           str(batch), "--size", str(size))
+    assert_same_on_every_rank(ranks, trained_names(model, size))
+    assert_ranks_match_torch(ranks, model, steps, batch, size)
 
 
 @pytest.mark.parametrize("strategy", ["flat", "grouped"])
@@ -106,9 +139,8 @@ def test_parameters_stay_bit_identical_across_ranks_for_100_steps(tmp_path, stra
     ranks = launch_workers(tmp_path, "--model", "cnn", "--steps", "100", "--global-batch", "32",
                            "--strategy", strategy, "--bucket-cap-mb", "0.02")
     assert list(ranks[0]["plan/ops"]).count("all_reduce") > 1
-    for name, value in parameters(ranks[0]).items():
-        np.testing.assert_array_equal(value, ranks[1][f"state/{name}"], err_msg=name)
-    assert parameters(ranks[0])
+    assert_same_on_every_rank(ranks)
+    assert_trained(ranks, "cnn")
 
 
 def test_the_all_reduce_is_inside_the_step_graph(tmp_path):
@@ -125,29 +157,26 @@ def test_the_all_reduce_is_inside_the_step_graph(tmp_path):
     assert buckets >= 1
     for r in ranks:
         assert int(r["graph/nodes"]) >= plain_nodes + buckets + 1
-    for name, value in parameters(ranks[0]).items():
-        np.testing.assert_array_equal(value, ranks[1][f"state/{name}"], err_msg=name)
+    assert_same_on_every_rank(ranks)
+    assert_ranks_match_torch(ranks, "mlp", 10, 32)
 
 
 @pytest.mark.parametrize("optimizer,clip", [("sgd", None), ("adamw", "0.05")])
 def test_sharded_optimizer_state_trains_like_unsharded_on_two_gpus(tmp_path, optimizer, clip):
-    """ZeRO-1 (DataParallel(shard_optimizer=True)) against the unsharded data-parallel step:
-    NCCL's reduce-scatter may add the ranks in another order than its all-reduce, so the
-    parameter changes agree to float32 rounding (rel 1e-5), not bit for bit; the ranks'
-    parameters are bit-identical, and each rank holds half the optimizer state."""
+    """ZeRO-1 (DataParallel(shard_optimizer=True)) and the unsharded data-parallel step, both
+    judged by the policy against torch over the union batch (NCCL's reduce-scatter may add the
+    ranks in another order than its all-reduce, so they need not agree bit for bit); the
+    ranks' parameters are bit-identical, and each rank holds half the optimizer state."""
     args = ["--model", "cnn", "--steps", "10", "--global-batch", "32", "--bucket-cap-mb",
             "0.02", "--optimizer", optimizer] + (["--max-grad-norm", clip] if clip else [])
     (tmp_path / "full").mkdir()
     (tmp_path / "zero").mkdir()
     full = launch_workers(tmp_path / "full", *args)
     zero = launch_workers(tmp_path / "zero", *args, "--shard-optimizer")
-    import dist_worker
-
-    dist_worker.nn_init.manual_seed(0)
-    before = dist_worker.make_model("cnn", 8)[0].state_dict()
-    for name, value in parameters(zero[0]).items():
-        np.testing.assert_array_equal(value, zero[1][f"state/{name}"], err_msg=name)
-        assert rel(value - before[name], full[0][f"state/{name}"] - before[name]) < 1e-5, name
+    for ranks in (full, zero):
+        assert_same_on_every_rank(ranks)
+        assert_ranks_match_torch(ranks, "cnn", 10, 32, optimizer=optimizer,
+                                 max_grad_norm=float(clip) if clip else None)
 
     def slots(record) -> int:
         return sum(record[k].size for k in record.files
@@ -176,8 +205,8 @@ def test_the_reduce_scatter_and_all_gather_are_inside_the_step_graph(tmp_path):
     for r in zero:
         assert "graph/nodes" in r.files, "the sharded step was not captured"
         assert int(r["graph/nodes"]) >= int(full[0]["graph/nodes"]) + 3 * buckets
-    for name, value in parameters(zero[0]).items():
-        np.testing.assert_array_equal(value, zero[1][f"state/{name}"], err_msg=name)
+    assert_same_on_every_rank(zero)
+    assert_trained(zero, "cnn")
 
 
 def test_bench_gpus_measures_both_frameworks_at_each_world_size():
@@ -247,35 +276,26 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str
     return out
 
 
-def change(after: dict, before: dict, name: str) -> np.ndarray:
-    return np.asarray(after[name], np.float64) - np.asarray(before[name], np.float64)
-
-
 @pytest.mark.parametrize("reduce_dtype", ["fp32", "bf16"])
 def test_bf16_two_ranks_train_like_one_on_the_global_batch(tmp_path, reduce_dtype):
+    """Parameter changes judged by the policy against torch float64 over the union batch,
+    with the one-rank bf16 run's own error as the measure: the two-rank run rounds in other
+    places (each rank's half-batch gradient to bf16 before the average, the mean once more),
+    errors of the kind and size bf16 itself makes."""
+    import dist_reference
     import dist_worker
-    from stepgraph.nn import init as nn_init
+    import torch
 
     steps, batch = 8, 32
     ranks = launch_workers(tmp_path, "--model", "mlp", "--steps", str(steps), "--global-batch",
                            str(batch), "--precision", "bf16", "--reduce-dtype", reduce_dtype,
                            "--bucket-cap-mb", "0.02")
-    nn_init.manual_seed(0)
-    before = dist_worker.make_model("mlp", 8)[0].state_dict()
+    assert_same_on_every_rank(ranks)
+    ref64 = dist_reference.torch_reference("mlp", steps, batch, torch.float64)
     one = dist_worker.train("mlp", steps, batch, device="cuda", precision="bf16")[0]
-    fp32 = dist_worker.train("mlp", steps, batch, device="cuda")[0]
-    one, fp32 = one.state_dict(), fp32.state_dict()
-    for name in before:
-        two = parameters(ranks[0])[name]
-        np.testing.assert_array_equal(two, ranks[1][f"state/{name}"], err_msg=name)
-        # Parameter changes, not values. The 2-rank run rounds in other places than the
-        # 1-rank run (each rank's half-batch gradient to bf16 before the average, the mean
-        # once more; with 2 ranks a bf16 sum rounds once, as float32's final rounding does):
-        # errors of the kind and size bf16 itself makes against float32, so the runs may
-        # differ by a small multiple of how far the 1-rank bf16 run is from float32.
-        bf16_error = np.linalg.norm(change(one, before, name) - change(fp32, before, name))
-        assert np.linalg.norm(change({name: two}, before, name) - change(one, before, name)) \
-            <= 2 * bf16_error, name
+    assert_state_changes_close(ref64.initial, parameters(ranks[0]), ref64.states[0],
+                               {k: np.asarray(v) for k, v in one.state_dict().items()},
+                               "bf16: ")
 
 
 def test_two_ranks_under_torchrun_hold_identical_parameters(tmp_path):
@@ -290,8 +310,8 @@ def test_two_ranks_under_torchrun_hold_identical_parameters(tmp_path):
                        STEPGRAPH_DIST_TIMEOUT=str(RANK_TIMEOUT_S)))
     ranks = [np.load(tmp_path / f"rank{r}.npz") for r in (0, 1)]
     assert "graph/nodes" in ranks[0].files
-    for name, value in parameters(ranks[0]).items():
-        np.testing.assert_array_equal(value, ranks[1][f"state/{name}"], err_msg=name)
+    assert_same_on_every_rank(ranks)
+    assert_ranks_match_torch(ranks, "cnn", 10, 32)
 
 
 def test_four_ranks_under_torchrun_hold_identical_parameters(tmp_path):
@@ -307,9 +327,8 @@ def test_four_ranks_under_torchrun_hold_identical_parameters(tmp_path):
               env=dict(os.environ, NCCL_NVLS_ENABLE="0",
                        STEPGRAPH_DIST_TIMEOUT=str(RANK_TIMEOUT_S)))
     ranks = [np.load(tmp_path / f"rank{r}.npz") for r in range(4)]
-    for name, value in parameters(ranks[0]).items():
-        for r in (1, 2, 3):
-            np.testing.assert_array_equal(value, ranks[r][f"state/{name}"], err_msg=name)
+    assert_same_on_every_rank(ranks)
+    assert_ranks_match_torch(ranks, "mlp", 10, 32)
 
 
 def test_two_gpu_ranks_exit_promptly_after_their_last_step(tmp_path):

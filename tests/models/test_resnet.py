@@ -42,9 +42,9 @@ class TorchBlock(tnn.Module):
 
 class TorchResNet(tnn.Module):
     # Alike stepgraph.models.ResNet on purpose: the oracle is written for torch, independently.
-    def __init__(self, widths, blocks_per_stage, num_classes=10):
+    def __init__(self, widths, blocks_per_stage, num_classes=10, in_channels=3):
         super().__init__()
-        self.conv1 = tnn.Conv2d(3, widths[0], 3, padding=1, bias=False)
+        self.conv1 = tnn.Conv2d(in_channels, widths[0], 3, padding=1, bias=False)
         self.bn1 = tnn.BatchNorm2d(widths[0])
         in_planes = widths[0]
         for i, planes in enumerate(widths):
