@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -205,8 +205,13 @@ class RNNBase(Module):
     def _walk(self, x: Tensor, time_dim: int, state: tuple, w: CellWeights, reverse: bool):
         """One direction of one layer: the hidden state of every step in time order, and
         the final state."""
+        bias = w.bias_ih
+        if self.mode != "GRU" and w.bias_hh is not None:
+            # b_hh joins b_ih in the projection of all steps: its gradient is then one sum
+            # over the sequence, not one per step (GRU's b_hn stays inside r * (...)).
+            bias, w = x._coerce(w.bias_ih, "bias_ih") + w.bias_hh, replace(w, bias_hh=None)
         hs = []
-        for xp in time_steps(F.linear(x, w.weight_ih, w.bias_ih), time_dim, reverse):
+        for xp in time_steps(F.linear(x, w.weight_ih, bias), time_dim, reverse):
             state = rnn_step(self.mode, xp, state, w)
             hs.append(state[0])
         return (hs[::-1] if reverse else hs), state

@@ -319,6 +319,27 @@ def test_unstack_op_and_its_gradient(reverse):
     np.testing.assert_array_equal(dx, want)
 
 
+
+@pytest.mark.parametrize("dim,reverse", [(0, False), (0, True), (1, True)])
+def test_unstack_cuda_launcher_slices_each_position_into_its_output(monkeypatch, dim, reverse):
+    """The cuda unstack writes output k through shape.cu's slice of position k (reversed
+    when asked), viewed with the unit axis; the slice launcher is stood in for by NumPy."""
+    from stepgraph.backends.cuda import recurrent as launchers
+
+    def numpy_slice(ctx, x, y, d, start, stop, step=1):
+        assert y.shape == x.shape[:d] + (1,) + x.shape[d + 1:]
+        y[...] = x[(slice(None),) * d + (slice(start, stop, step),)]
+
+    monkeypatch.setattr(launchers, "_check", lambda *a, **k: None)
+    monkeypatch.setattr(launchers, "slice_forward", numpy_slice)
+    x = randn(seeded("unstack cuda"), 3, 4, 2)
+    want = op_forward("unstack", {"x": x}, dim=dim, reverse=reverse)
+    outs = [np.full(w.shape, np.nan, np.float32) for w in want]     # poisoned
+    node = type("Node", (), {"attrs": {"dim": dim, "reverse": reverse}})()
+    launchers.IMPLS["unstack"](node, [x], outs, None)
+    for got, w in zip(outs, want):
+        np.testing.assert_array_equal(got, w)
+
 def test_graph_holds_one_unstack_per_walk_and_no_slice_grad():
     """The steps come from one unstack per layer and direction, so the backward sums no
     zero-filled slice gradients of the whole sequence."""
