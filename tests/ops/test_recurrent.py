@@ -72,7 +72,7 @@ def make_arrays(model, case: str, batch: int | None, steps: int, given_state: bo
     return arrays
 
 
-def call(model, x, states: list, torch_side: bool):
+def call(model, x, states: list):
     """model(x, hx) with hx as each layer takes it; the results as a flat list."""
     lstm = model.mode == "LSTM" if hasattr(model, "mode") else isinstance(
         model, (torch.nn.LSTM, torch.nn.LSTMCell))
@@ -89,7 +89,7 @@ def run_torch(twin, arrays: dict, wrt):
     every parameter), torch autograd."""
     ts = {k: torch.tensor(v, requires_grad=True) for k, v in arrays.items()}
     states = [ts[n] for n in ("h0", "c0") if n in ts]
-    results = call(twin, ts["x"], states, torch_side=True)
+    results = call(twin, ts["x"], states)
     if wrt is None:
         return [r.detach().numpy() for r in results], {}
     loss = sum((r * ts[f"w{i}"]).sum() for i, r in enumerate(results))
@@ -110,7 +110,7 @@ def run_stepgraph(model, arrays: dict, wrt, fused: bool = False):
     tracer = Tracer(training=model.training)
     ins = {k: tracer.input(v.shape, str(v.dtype), k) for k, v in arrays.items()}
     states = [ins[n] for n in ("h0", "c0") if n in ins]
-    results = call(model, ins["x"], states, torch_side=False)
+    results = call(model, ins["x"], states)
     loss = None
     for i, r in enumerate(results):
         term = (r * ins[f"w{i}"]).sum()
