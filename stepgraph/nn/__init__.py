@@ -15,6 +15,7 @@ from .layers import (ConstantPad1d, ConstantPad2d, CosineSimilarity, PairwiseDis
 from .loss_modules import (BCELoss, BCEWithLogitsLoss, CrossEntropyLoss, HuberLoss, KLDivLoss,
                            L1Loss, MSELoss, NLLLoss, SmoothL1Loss)
 from .module import Buffer, Module, Parameter
+from .recurrent import GRU, LSTM, RNN, GRUCell, LSTMCell, RNNBase, RNNCell, RNNCellBase
 
 __all__ = ["Module", "Parameter", "Linear", "Conv2d", "MaxPool2d", "Flatten", "Dropout",
            "Dropout2d", "ReLU", "LeakyReLU", "Sigmoid", "Tanh", "GELU", "LogSoftmax",
@@ -28,7 +29,8 @@ __all__ = ["Module", "Parameter", "Linear", "Conv2d", "MaxPool2d", "Flatten", "D
            "UpsamplingBilinear2d", "MultiheadAttention", "AdaptiveMaxPool2d",
            "Softmax", "Softmin", "PixelShuffle", "PixelUnshuffle", "Unflatten",
            "CosineSimilarity", "PairwiseDistance", "ConstantPad1d", "ConstantPad2d", "ZeroPad2d",
-           "ReflectionPad1d", "ReflectionPad2d", "ReplicationPad1d", "ReplicationPad2d"]
+           "ReflectionPad1d", "ReflectionPad2d", "ReplicationPad1d", "ReplicationPad2d",
+           "RNNBase", "RNN", "LSTM", "GRU", "RNNCellBase", "RNNCell", "LSTMCell", "GRUCell"]
 
 
 def __getattr__(name: str):

@@ -5,3 +5,4 @@ registers every family."""
 from . import (activation, attention, bmm, cast, collective, compare, conv,  # noqa: F401
                dropout, elementwise, embedding, guard, index, layer_norm, linear, loss, norm,
                optim, pointwise, pool, reduce, reduce_axis, shape, softmax, unary)
+from . import recurrent  # noqa: F401
