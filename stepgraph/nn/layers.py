@@ -215,12 +215,12 @@ class _BatchNorm(Module):
     ranks: tuple[int, ...] = ()
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
-                 affine: bool = True, track_running_stats: bool = True):
+                 affine: bool = True, track_running_stats: bool = True, *, bias: bool = True):
         super().__init__()
         self.num_features, self.eps, self.momentum = num_features, eps, momentum
         self.affine, self.track_running_stats = affine, track_running_stats
         self.weight = Parameter(np.empty(num_features, np.float32)) if affine else None
-        self.bias = Parameter(np.empty(num_features, np.float32)) if affine else None
+        self.bias = Parameter(np.empty(num_features, np.float32)) if affine and bias else None
         track = track_running_stats
         self.register_buffer("running_mean", np.zeros(num_features, np.float32) if track else None)
         self.register_buffer("running_var", np.ones(num_features, np.float32) if track else None)
@@ -237,6 +237,7 @@ class _BatchNorm(Module):
         self.reset_running_stats()
         if self.affine:
             init.ones_(self.weight)
+        if self.bias is not None:
             init.zeros_(self.bias)
 
     def forward(self, x):
@@ -254,7 +255,7 @@ class _BatchNorm(Module):
 
     def extra_repr(self):
         return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
-                f"affine={self.affine}, bias=True, "   # torch 2.13 prints its bias argument
+                f"affine={self.affine}, bias={self.bias is not None}, "   # torch 2.13's
                 f"track_running_stats={self.track_running_stats}")
 
     def _label_args(self):
@@ -305,7 +306,7 @@ class Conv3d(Module):
         s = (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
              f"stride={self.stride}")
         if self.padding != (0, 0, 0):
-            s += f", padding={self.padding!r}"
+            s += f", padding={self.padding}"
         if self.dilation != (1, 1, 1):
             s += f", dilation={self.dilation}"
         if self.groups != 1:
@@ -613,6 +614,7 @@ class GroupNorm(Module):
     def reset_parameters(self) -> None:
         if self.affine:
             init.ones_(self.weight)
+        if self.bias is not None:
             init.zeros_(self.bias)
 
     def forward(self, x):
