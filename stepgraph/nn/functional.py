@@ -976,7 +976,8 @@ def adaptive_avg_pool3d(input: Tensor, output_size) -> Tensor:
     torch.nn.functional.adaptive_avg_pool3d. Where every output size divides its input size
     the bins are kernel = stride = In / Out windows (avg_pool3d); otherwise an averaging
     matrix per resized axis, applied by matmul."""
-    sizes = (output_size,) * 3 if output_size is None or isinstance(output_size, int) else         tuple(output_size)
+    sizes = (output_size,) * 3 if output_size is None or isinstance(output_size, int) \
+        else tuple(output_size)
     if len(sizes) != 3:
         raise ValueError(f"adaptive_avg_pool3d: output_size must be an int or a triple, got "
                          f"{output_size}")
