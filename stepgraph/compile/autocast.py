@@ -54,6 +54,7 @@ POLICIES = {
     "matmul": LOWER,
     "bmm": LOWER,
     "conv2d": LOWER,
+    "conv3d": LOWER,
     # scaled_dot_product_attention is on the list too (flash attention: bf16 q, k, v and
     # output, the softmax and its logsumexp in float32 inside the kernel).
     "sdpa": LOWER,
@@ -82,6 +83,8 @@ POLICIES = {
     "dropout": KEEP,
     "maxpool2d": KEEP,
     "avgpool2d": KEEP,
+    "maxpool3d": KEEP,
+    "avgpool3d": KEEP,
     "reshape": KEEP,
     "permute": KEEP,
     "slice": KEEP,

@@ -12,6 +12,7 @@ from .layers import (AdaptiveMaxPool2d, Conv1d, ConvTranspose2d, GroupNorm, Mult
 from .layers import (ConstantPad1d, ConstantPad2d, CosineSimilarity, PairwiseDistance,
                      PixelShuffle, PixelUnshuffle, ReflectionPad1d, ReflectionPad2d,
                      ReplicationPad1d, ReplicationPad2d, Softmax, Softmin, Unflatten, ZeroPad2d)
+from .layers import AdaptiveAvgPool3d, AvgPool3d, BatchNorm3d, Conv3d, MaxPool3d
 from .loss_modules import (BCELoss, BCEWithLogitsLoss, CrossEntropyLoss, HuberLoss, KLDivLoss,
                            L1Loss, MSELoss, NLLLoss, SmoothL1Loss)
 from .module import Buffer, Module, Parameter
@@ -30,7 +31,8 @@ __all__ = ["Module", "Parameter", "Linear", "Conv2d", "MaxPool2d", "Flatten", "D
            "Softmax", "Softmin", "PixelShuffle", "PixelUnshuffle", "Unflatten",
            "CosineSimilarity", "PairwiseDistance", "ConstantPad1d", "ConstantPad2d", "ZeroPad2d",
            "ReflectionPad1d", "ReflectionPad2d", "ReplicationPad1d", "ReplicationPad2d",
-           "RNNBase", "RNN", "LSTM", "GRU", "RNNCellBase", "RNNCell", "LSTMCell", "GRUCell"]
+           "RNNBase", "RNN", "LSTM", "GRU", "RNNCellBase", "RNNCell", "LSTMCell", "GRUCell",
+           "Conv3d", "BatchNorm3d", "MaxPool3d", "AvgPool3d", "AdaptiveAvgPool3d"]
 
 
 def __getattr__(name: str):

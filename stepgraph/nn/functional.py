@@ -109,18 +109,25 @@ def dropout2d(input: Tensor, p: float = 0.5, training: bool = True,
 
 # ---- convolution, pooling, batch norm and classification losses ---------------------------
 
-def _conv_padding(padding, kernel: tuple[int, int], dilation: tuple[int, int], stride):
-    """PyTorch's conv padding argument as a pair; "valid" is 0, "same" the symmetric padding
-    keeping the size at stride 1."""
+def _conv_padding(padding, kernel: tuple[int, ...], dilation: tuple[int, ...], stride,
+                  what: str = "conv2d"):
+    """PyTorch's conv padding argument as a tuple (one entry per kernel axis); "valid" is 0,
+    "same" the symmetric padding keeping the size at stride 1."""
+    dims = len(kernel)
     if padding == "valid":
-        return (0, 0)
+        return (0,) * dims
     if padding == "same":
         total = [d * (k - 1) for d, k in zip(dilation, kernel)]
-        if _pair(stride) != (1, 1) or any(t % 2 for t in total):
-            raise UnsupportedOpError(f"conv2d padding='same' with stride {stride} and kernel "
+        if _ntuple(stride, dims) != (1,) * dims or any(t % 2 for t in total):
+            raise UnsupportedOpError(f"{what} padding='same' with stride {stride} and kernel "
                                      f"{kernel} (dilation {dilation}) needs asymmetric padding")
-        return (total[0] // 2, total[1] // 2)
-    return _pair(padding)
+        return tuple(t // 2 for t in total)
+    return _ntuple(padding, dims)
+
+
+def _ntuple(v, n: int) -> tuple[int, ...]:
+    """An int or a sequence as an n-tuple of ints (torch's _ntuple)."""
+    return (int(v),) * n if isinstance(v, int) else tuple(int(e) for e in v)
 
 
 def conv2d(input: Tensor, weight, bias=None, stride=1, padding=0, dilation=1,
@@ -897,6 +904,98 @@ def _adaptive_size(input: Tensor, output_size, what: str) -> tuple[int, int]:
     oh, ow = (None, None) if output_size is None else \
         (output_size, output_size) if isinstance(output_size, int) else tuple(output_size)
     return oh or h, ow or w
+
+
+# ---- 3-d convolution and pooling ------------------------------------------------------------
+# Ops of their own (conv3d, maxpool3d, avgpool3d: ops/conv.py, ops/pool.py) over (N, C, D, H, W)
+# input; an unbatched (C, D, H, W) input runs as a batch of one, as torch.
+
+def _unbatched(input: Tensor, what: str, run) -> Tensor:
+    """run(x) over a 5-d input, or over a 4-d one as a batch of one (the result unbatched)."""
+    if input.ndim == 4:
+        y = run(input.reshape(1, *input.shape))
+        return y.reshape(*y.shape[1:])
+    if input.ndim != 5:
+        raise ShapeError(f"{what}: input must be (N, C, D, H, W) or (C, D, H, W), got "
+                         f"{input.shape}")
+    return run(input)
+
+
+def conv3d(input: Tensor, weight, bias=None, stride=1, padding=0, dilation=1,
+           groups: int = 1) -> Tensor:
+    """3-D cross-correlation of an (N, C, D, H, W) input with weight (O, C/groups, kd, kh,
+    kw) and an optional bias (O,), zero padding (also "valid" and "same"), as
+    torch.nn.functional.conv3d."""
+    w, b = _traced(input, weight), _traced(input, bias)
+    if w.ndim != 5:
+        raise ShapeError(f"conv3d: weight must be (O, C/groups, kd, kh, kw), got {w.shape}")
+    dilation = _ntuple(dilation, 3)
+    padding = _conv_padding(padding, tuple(w.shape[2:]), dilation, stride, "conv3d")
+    return _unbatched(input, "conv3d", lambda x: x.tracer.op(
+        "conv3d", [x, w] + ([b] if b is not None else []), stride=_ntuple(stride, 3),
+        padding=padding, dilation=dilation, groups=int(groups)))
+
+
+def _window3d(kernel_size, stride, padding):
+    kernel = _ntuple(kernel_size, 3)
+    stride = kernel if stride is None or stride == [] else _ntuple(stride, 3)
+    return kernel, stride, _ntuple(padding, 3)
+
+
+def max_pool3d(input: Tensor, kernel_size, stride=None, padding=0, dilation=1,
+               ceil_mode: bool = False, return_indices: bool = False) -> Tensor:
+    """Max over the windows of an (N, C, D, H, W) input (stride defaults to the kernel; -inf
+    padding of at most half the kernel; dilation; ceil_mode), as
+    torch.nn.functional.max_pool3d: op maxpool3d."""
+    if return_indices:
+        raise UnsupportedOpError("max_pool3d with return_indices is not supported")
+    kernel, stride, padding = _window3d(kernel_size, stride, padding)
+    return _unbatched(input, "max_pool3d", lambda x: x.tracer.op_all(
+        "maxpool3d", [x], kernel=kernel, stride=stride, padding=padding,
+        dilation=_ntuple(dilation, 3), ceil_mode=bool(ceil_mode))[0])
+
+
+def avg_pool3d(input: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bool = False,
+               count_include_pad: bool = True, divisor_override=None) -> Tensor:
+    """Mean over the windows of an (N, C, D, H, W) input (stride defaults to the kernel; zero
+    padding of at most half the kernel; ceil_mode; count_include_pad; divisor_override), as
+    torch.nn.functional.avg_pool3d: op avgpool3d."""
+    kernel, stride, padding = _window3d(kernel_size, stride, padding)
+    if divisor_override is not None and int(divisor_override) <= 0:
+        raise ValueError(f"avg_pool3d: divisor_override must be positive, got "
+                         f"{divisor_override}")
+    return _unbatched(input, "avg_pool3d", lambda x: x.tracer.op(
+        "avgpool3d", [x], kernel=kernel, stride=stride, padding=padding,
+        ceil_mode=bool(ceil_mode), count_include_pad=bool(count_include_pad),
+        divisor_override=None if divisor_override is None else int(divisor_override)))
+
+
+def adaptive_avg_pool3d(input: Tensor, output_size) -> Tensor:
+    """Average pooling of an (N, C, D, H, W) input to `output_size` (an int or a triple; None
+    keeps that axis) over torch's bins [floor(o * In / Out), ceil((o + 1) * In / Out)), as
+    torch.nn.functional.adaptive_avg_pool3d. Where every output size divides its input size
+    the bins are kernel = stride = In / Out windows (avg_pool3d); otherwise an averaging
+    matrix per resized axis, applied by matmul."""
+    sizes = (output_size,) * 3 if output_size is None or isinstance(output_size, int) \
+        else tuple(output_size)
+    if len(sizes) != 3:
+        raise ValueError(f"adaptive_avg_pool3d: output_size must be an int or a triple, got "
+                         f"{output_size}")
+
+    def run(x: Tensor) -> Tensor:
+        spatial = x.shape[2:]
+        out = tuple(n if o is None else int(o) for o, n in zip(sizes, spatial))
+        if all(n % o == 0 for n, o in zip(spatial, out)):
+            kernel = tuple(n // o for n, o in zip(spatial, out))
+            return avg_pool3d(x, kernel, kernel)
+        for axis, (o, n) in enumerate(zip(out, spatial), start=2):
+            if o == n:
+                continue
+            bins = _adaptive_bins(x, o, n).transpose(0, 1)      # x @ bins^T along `axis`
+            x = x @ bins if axis == 4 else (x.transpose(axis, 4) @ bins).transpose(axis, 4)
+        return x
+
+    return _unbatched(input, "adaptive_avg_pool3d", run)
 
 
 # ---- normalize, pad ------------------------------------------------------------------------

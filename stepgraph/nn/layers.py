@@ -215,12 +215,12 @@ class _BatchNorm(Module):
     ranks: tuple[int, ...] = ()
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
-                 affine: bool = True, track_running_stats: bool = True):
+                 affine: bool = True, track_running_stats: bool = True, *, bias: bool = True):
         super().__init__()
         self.num_features, self.eps, self.momentum = num_features, eps, momentum
         self.affine, self.track_running_stats = affine, track_running_stats
         self.weight = Parameter(np.empty(num_features, np.float32)) if affine else None
-        self.bias = Parameter(np.empty(num_features, np.float32)) if affine else None
+        self.bias = Parameter(np.empty(num_features, np.float32)) if affine and bias else None
         track = track_running_stats
         self.register_buffer("running_mean", np.zeros(num_features, np.float32) if track else None)
         self.register_buffer("running_var", np.ones(num_features, np.float32) if track else None)
@@ -237,6 +237,7 @@ class _BatchNorm(Module):
         self.reset_running_stats()
         if self.affine:
             init.ones_(self.weight)
+        if self.bias is not None:
             init.zeros_(self.bias)
 
     def forward(self, x):
@@ -254,7 +255,7 @@ class _BatchNorm(Module):
 
     def extra_repr(self):
         return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
-                f"affine={self.affine}, bias=True, "   # torch 2.13 prints its bias argument
+                f"affine={self.affine}, bias={self.bias is not None}, "   # torch 2.13's
                 f"track_running_stats={self.track_running_stats}")
 
     def _label_args(self):
@@ -269,6 +270,108 @@ class BatchNorm1d(_BatchNorm):
 class BatchNorm2d(_BatchNorm):
     """Over (N, C, H, W) inputs."""
     ranks = (4,)
+
+
+class BatchNorm3d(_BatchNorm):
+    """Over (N, C, D, H, W) inputs: the batch_norm_train op takes (N, C, *spatial) as it is
+    (statistics over N and every spatial axis), no reshape."""
+    ranks = (5,)
+
+
+class Conv3d(Module):
+    """F.conv3d; weight (out, in/groups, kd, kh, kw), bias (out,); torch's init."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0,
+                 dilation=1, groups: int = 1, bias: bool = True, padding_mode: str = "zeros"):
+        super().__init__()
+        _check_conv_args("Conv3d", in_channels, out_channels, groups, padding_mode)
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.kernel_size, self.stride = F._ntuple(kernel_size, 3), F._ntuple(stride, 3)
+        self.padding = padding if isinstance(padding, str) else F._ntuple(padding, 3)
+        self.dilation, self.groups = F._ntuple(dilation, 3), groups
+        self.padding_mode = padding_mode
+        self.weight = Parameter(np.empty((out_channels, in_channels // groups,
+                                          *self.kernel_size), np.float32))
+        self.bias = Parameter(np.empty(out_channels, np.float32)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _reset_fan_in(self.weight, self.bias)
+
+    def forward(self, x):
+        return F.conv3d(x, self.weight, self.bias, self.stride, self.padding, self.dilation,
+                        self.groups)
+
+    def extra_repr(self):
+        s = (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+             f"stride={self.stride}")
+        if self.padding != (0, 0, 0):
+            s += f", padding={self.padding}"
+        if self.dilation != (1, 1, 1):
+            s += f", dilation={self.dilation}"
+        if self.groups != 1:
+            s += f", groups={self.groups}"
+        return s + (", bias=False" if self.bias is None else "")
+
+    def _label_args(self):
+        return f"{self.in_channels},{self.out_channels},{self.kernel_size[0]}"
+
+
+class MaxPool3d(Module):
+    def __init__(self, kernel_size, stride=None, padding=0, dilation=1,
+                 return_indices: bool = False, ceil_mode: bool = False):
+        super().__init__()
+        self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
+        self.dilation, self.return_indices, self.ceil_mode = dilation, return_indices, ceil_mode
+
+    def forward(self, x):
+        return F.max_pool3d(x, self.kernel_size, self.stride, self.padding, self.dilation,
+                            self.ceil_mode, self.return_indices)
+
+    def extra_repr(self):
+        stride = self.kernel_size if self.stride is None else self.stride
+        return (f"kernel_size={self.kernel_size}, stride={stride}, padding={self.padding}, "
+                f"dilation={self.dilation}, ceil_mode={self.ceil_mode}")
+
+    def _label_args(self):
+        return f"{self.kernel_size}"
+
+
+class AvgPool3d(Module):
+    def __init__(self, kernel_size, stride=None, padding=0, ceil_mode: bool = False,
+                 count_include_pad: bool = True, divisor_override=None):
+        super().__init__()
+        self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
+        self.ceil_mode, self.count_include_pad = ceil_mode, count_include_pad
+        self.divisor_override = divisor_override
+
+    def forward(self, x):
+        return F.avg_pool3d(x, self.kernel_size, self.stride, self.padding, self.ceil_mode,
+                            self.count_include_pad, self.divisor_override)
+
+    def extra_repr(self):
+        stride = self.kernel_size if self.stride is None else self.stride
+        return f"kernel_size={self.kernel_size}, stride={stride}, padding={self.padding}"
+
+    def _label_args(self):
+        return f"{self.kernel_size}"
+
+
+class AdaptiveAvgPool3d(Module):
+    """Average pooling of (N, C, D, H, W) inputs to a fixed output size, torch's bins."""
+
+    def __init__(self, output_size):
+        super().__init__()
+        self.output_size = output_size
+
+    def forward(self, x):
+        return F.adaptive_avg_pool3d(x, self.output_size)
+
+    def extra_repr(self):
+        return f"output_size={self.output_size}"
+
+    def _label_args(self):
+        return f"{self.output_size}"
 
 
 class Flatten(Module):
@@ -511,6 +614,7 @@ class GroupNorm(Module):
     def reset_parameters(self) -> None:
         if self.affine:
             init.ones_(self.weight)
+        if self.bias is not None:
             init.zeros_(self.bias)
 
     def forward(self, x):

@@ -87,6 +87,18 @@ CASES = {
     "avgpool2d": ("avgpool2d", dict(kernel=(3, 3), stride=(2, 2), padding=(1, 1),
                                     count_include_pad=False),
                   lambda g: {"x": f64(g, 2, 3, 7, 6)}, ("x",)),
+    # the 3-d family (more cases in test_3d_ops.py)
+    "conv3d": ("conv3d", dict(stride=(2, 1, 1), padding=(1, 0, 1), dilation=(1, 1, 2),
+                              groups=1),
+               lambda g: {"x": f64(g, 2, 2, 5, 4, 6), "w": f64(g, 3, 2, 3, 2, 2),
+                          "b": f64(g, 3)}, ("x", "w", "b")),
+    "maxpool3d": ("maxpool3d", dict(kernel=(3, 2, 2), stride=(2, 2, 1), padding=(1, 0, 1),
+                                    dilation=(1, 1, 2), ceil_mode=True),
+                  lambda g: {"x": f64(g, 2, 2, 6, 5, 5)}, ("x",)),
+    "avgpool3d": ("avgpool3d", dict(kernel=(3, 3, 2), stride=(2, 2, 1), padding=(1, 1, 0),
+                                    ceil_mode=True, count_include_pad=False,
+                                    divisor_override=None),
+                  lambda g: {"x": f64(g, 2, 2, 6, 5, 5)}, ("x",)),
     # transformer ops (more cases in test_transformer_ops.py)
     "embedding": ("embedding", {},
                   lambda g: {"w": f64(g, 7, 5), "i": np.array([[3, 1, 3], [0, 6, 3]])}, ("w",)),

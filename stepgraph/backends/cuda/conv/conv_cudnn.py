@@ -1,6 +1,8 @@
 """conv2d and its two gradients through cuDNN (NVIDIA's cuDNN frontend, `import cudnn`): a
 family of candidate paths beside conv.py's own kernels, and the only one that runs groups > 1
-or dilation != 1.
+or dilation != 1. conv3d and its gradients (conv3d.py) run only here: the same graphs over
+5-D NCDHW tensors (a geometry gives its tensors' dims and the convolution's per-axis
+padding, stride and dilation: `cudnn_dims`, `cudnn_conv`).
 
 One `cudnn.pygraph` per problem and heuristic (op, geometry with dilation and groups, dtype,
 precision, fused bias / ReLU, layout, determinism), memoised for the process:
@@ -110,7 +112,7 @@ def _cudnn(op: str, g: Geometry):
     cudnn, why = _load()
     if cudnn is None and needed(g):
         raise BackendUnavailableError(
-            f"{op} with groups={g.groups}, dilation={(g.dil_h, g.dil_w)} runs only through "
+            f"{op} with groups={g.groups}, dilation={g.dilation} runs only through "
             f"cuDNN, which is not usable here ({why}): {INSTALL_HINT}")
     return cudnn
 
@@ -120,7 +122,7 @@ def _cudnn(op: str, g: Geometry):
 @dataclass(frozen=True)
 class Problem:
     """What one cuDNN graph computes: the key of its memoised Plans."""
-    op: str                  # conv2d, conv2d_grad_input or conv2d_grad_weight
+    op: str                  # conv2d, conv2d_grad_input or conv2d_grad_weight (or conv3d...)
     g: Geometry
     dtype: str               # IR dtype of every operand: float32 or bfloat16
     precision: str
@@ -160,10 +162,15 @@ _CHOSEN: dict[tuple[Problem, str], Plans] = {}   # one candidate's plan alone (p
 
 
 def _strides(dims: list[int], layout: str) -> list[int]:
-    n, c, h, w = dims
+    """Strides of a tensor of logical dims (N, C, *spatial): row-major, or with layout "NHWC"
+    (4-D only) the channels innermost."""
     if layout == "NHWC":
+        n, c, h, w = dims
         return [h * w * c, 1, w * c, c]
-    return [c * h * w, h * w, w, 1]
+    strides = [1]
+    for d in reversed(dims[1:]):
+        strides.insert(0, strides[0] * d)
+    return strides
 
 
 def _graph(cudnn, p: Problem, handle) -> tuple[Any, dict[str, Any]]:
@@ -174,15 +181,14 @@ def _graph(cudnn, p: Problem, handle) -> tuple[Any, dict[str, Any]]:
     # types): a bf16 graph rounds only what it writes.
     graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=f32, compute_data_type=f32,
                           handle=handle)
-    dims = {"x": [g.n, g.c, g.h, g.w], "w": [g.o, g.c // g.groups, g.kh, g.kw],
-            "y": [g.n, g.o, g.ho, g.wo], "b": [1, g.o, 1, 1]}
+    dims = g.cudnn_dims()
 
     def tensor(name: str, kind: str):
         return graph.tensor(name=name, dim=dims[kind], stride=_strides(dims[kind], p.layout),
                             data_type=io)
 
-    conv = {"padding": [g.ph, g.pw], "stride": [g.sh, g.sw], "dilation": [g.dil_h, g.dil_w]}
-    if p.op == "conv2d":
+    conv = g.cudnn_conv()
+    if p.op in ("conv2d", "conv3d"):
         ops = {"x": tensor("x", "x"), "w": tensor("w", "w")}
         out, kind = graph.conv_fprop(image=ops["x"], weight=ops["w"], **conv), "y"
         if p.bias or p.relu:    # virtual: the sum stays float32 until the last op stores it
@@ -193,7 +199,7 @@ def _graph(cudnn, p: Problem, handle) -> tuple[Any, dict[str, Any]]:
         if p.relu:
             out = graph.relu(input=out)
         name = "y"
-    elif p.op == "conv2d_grad_input":
+    elif p.op.endswith("_grad_input"):
         ops = {"dy": tensor("dy", "y"), "w": tensor("w", "w")}
         out, kind, name = graph.conv_dgrad(loss=ops["dy"], filter=ops["w"], **conv), "x", "dx"
     else:
@@ -437,11 +443,12 @@ def _problem(ctx, op: str, g: Geometry, dtype, layout: str = "NCHW", **kw) -> Pr
 # ---- paths of the three ops ------------------------------------------------------------------
 
 def conv2d_paths(ctx, g: Geometry, x, w, y, bias=None, relu: bool = False, layout: str = "NCHW",
-                 only: str | None = None) -> dict[str, Callable[[], None]]:
+                 only: str | None = None, op: str = "conv2d") -> dict[str, Callable[[], None]]:
     """y = conv2d(x, w) (+ bias) (then ReLU) in one cuDNN graph per plan; {} when cuDNN is
     absent or has no plan (raises where only cuDNN could run it: module docstring). With
-    `only` (a path name), that candidate alone, its plan alone built ({} if it does not)."""
-    p = _problem(ctx, "conv2d", g, x.dtype, layout, bias=bias is not None, relu=relu)
+    `only` (a path name), that candidate alone, its plan alone built ({} if it does not).
+    op "conv3d": the same over a 3-D geometry's 5-D tensors (conv3d.py)."""
+    p = _problem(ctx, op, g, x.dtype, layout, bias=bias is not None, relu=relu)
     if p is None:
         return {}
     arrays = {"x": x, "w": w, "y": y} | ({} if bias is None else {"b": bias})
@@ -449,16 +456,20 @@ def conv2d_paths(ctx, g: Geometry, x, w, y, bias=None, relu: bool = False, layou
 
 
 def grad_input_paths(ctx, g: Geometry, dy, w, dx, layout: str = "NCHW",
-                     only: str | None = None) -> dict[str, Callable[[], None]]:
-    """dx of conv2d given dy and w, a cuDNN conv_dgrad per plan (see conv2d_paths)."""
-    p = _problem(ctx, "conv2d_grad_input", g, dy.dtype, layout)
+                     only: str | None = None, op: str = "conv2d_grad_input"
+                     ) -> dict[str, Callable[[], None]]:
+    """dx of conv2d (op "conv3d_grad_input": conv3d) given dy and w, a cuDNN conv_dgrad per
+    plan (see conv2d_paths)."""
+    p = _problem(ctx, op, g, dy.dtype, layout)
     return {} if p is None else _paths(ctx, p, {"dy": dy, "w": w, "dx": dx}, only)
 
 
 def grad_weight_paths(ctx, g: Geometry, dy, x, dw, layout: str = "NCHW",
-                      only: str | None = None) -> dict[str, Callable[[], None]]:
-    """dw of conv2d given dy and x, a cuDNN conv_wgrad per plan (see conv2d_paths)."""
-    p = _problem(ctx, "conv2d_grad_weight", g, x.dtype, layout)
+                      only: str | None = None, op: str = "conv2d_grad_weight"
+                      ) -> dict[str, Callable[[], None]]:
+    """dw of conv2d (op "conv3d_grad_weight": conv3d) given dy and x, a cuDNN conv_wgrad per
+    plan (see conv2d_paths)."""
+    p = _problem(ctx, op, g, x.dtype, layout)
     return {} if p is None else _paths(ctx, p, {"x": x, "dy": dy, "dw": dw}, only)
 
 

@@ -52,6 +52,20 @@ class Geometry:
         return (self.o, self.c // self.groups, self.kh, self.kw)
 
     @property
+    def dilation(self) -> tuple[int, int]:
+        return (self.dil_h, self.dil_w)
+
+    def cudnn_dims(self) -> dict[str, list[int]]:
+        """Logical (NCHW-ordered) dims of the cuDNN graph's tensors x, w, y and the bias b."""
+        return {"x": [self.n, self.c, self.h, self.w], "w": list(self.w_shape),
+                "y": [self.n, self.o, self.ho, self.wo], "b": [1, self.o, 1, 1]}
+
+    def cudnn_conv(self) -> dict[str, list[int]]:
+        """The cuDNN convolution's padding, stride and dilation, per spatial axis."""
+        return {"padding": [self.ph, self.pw], "stride": [self.sh, self.sw],
+                "dilation": [self.dil_h, self.dil_w]}
+
+    @property
     def ck(self) -> int:
         return self.c * self.kh * self.kw
 
