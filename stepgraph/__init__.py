@@ -16,6 +16,7 @@ from .dtypes import *  # noqa: F401,F403
 from .dtypes import __all__ as _dtype_names
 from .functions import *  # noqa: F401,F403
 from .functions import factories as _factories
+from .functions.asserts import _assert
 from .grad_mode import (enable_grad, inference_mode, is_grad_enabled, no_grad,
                         set_grad_enabled)
 from .ir.trace import Size, Tensor

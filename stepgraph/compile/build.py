@@ -15,6 +15,7 @@ from .history import emit_record_loss
 from .autocast import PRECISION as BF16_PRECISION
 from .autocast import as_float32, autocast, bind_weight_copies
 from .layout import apply_memory_format
+from .recompute import recompute
 
 
 @contextmanager
@@ -96,7 +97,10 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
     if not params:
         raise ValueError("nothing to train: the loss depends on no parameter with "
                          "requires_grad=True")
+    n_forward = len(tracer.graph.nodes)
     grads = append_backward(tracer, loss.value, params)
+    if tracer.recomputed:       # torch.utils.checkpoint regions: recomputed in the backward
+        recompute(tracer.graph, tracer.recomputed, n_forward)
     copies = bind_weight_copies(tracer.graph) if bf16 else None
     guard = emit_guard(tracer, on_bad_batch, loss.value, target.value, grads)
     optimizer.emit(tracer, params, grads, guard=guard, weight_copies=copies)

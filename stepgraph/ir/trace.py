@@ -1533,6 +1533,9 @@ class Tracer:
         self.module_path: list[str] = []           # paths of the modules being called
         self.module_paths: dict[int, str] = {}     # id(module) -> path, set by the root call
         self._constants: dict[int, tuple] = {}     # id(eager Tensor) -> (it, constant Value)
+        # Values computed inside torch.utils.checkpoint regions: the backward recomputes them
+        # instead of keeping them (compile/recompute.py).
+        self.recomputed: set[Value] = set()
 
     # ---- where ops come from ----
     def where(self) -> str:
