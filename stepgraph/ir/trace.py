@@ -1489,11 +1489,6 @@ class Tensor:
         raise UnsupportedOpError(f"{op} is not supported by stepgraph (called in "
                                  f"{self.tracer.where()})")
 
-    def __setitem__(self, index, value):
-        self._unsupported("item assignment x[...] = v (Tensor.__setitem__; traced tensors are "
-                          "immutable: build the result with torch.where(mask, v, x), "
-                          "masked_fill, torch.cat, or index_put's out-of-place form)")
-
     def __iter__(self):
         self._unsupported("iteration over a tensor")
 
@@ -1713,7 +1708,9 @@ def tensor_of(array: np.ndarray) -> Tensor:
     return Tensor(Value(array.shape, ir_dtype(array.dtype)), EAGER, array)
 
 
-# Tensor surface kept in modules of its own (random draws), attached here once Tensor exists.
-from . import tensor_random  # noqa: E402
+# Tensor surface kept in modules of its own (random draws, index assignment), attached here
+# once Tensor exists.
+from . import tensor_indexing, tensor_random  # noqa: E402
 
+tensor_indexing.attach(Tensor)
 tensor_random.attach(Tensor)
