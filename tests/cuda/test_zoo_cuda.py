@@ -1,7 +1,8 @@
 """cuda vs numpy for the `random` op (uniform draws bit for bit, normal draws within float32
 rounding: random.cu computes Box-Muller in double as rng.normal does), a captured graph that
-draws anew from the device step counter at every replay, and a compiled train step with
-torchvision's stochastic depth: eager CUDA == graph replay == the numpy backend's losses."""
+draws anew from the device step counter at every replay, and a compiled train step with the
+model-zoo idioms (torchvision's stochastic depth, randn_like noise, an index-put in forward,
+torch.utils.checkpoint): eager CUDA and graph replays against the numpy backend's losses."""
 from __future__ import annotations
 
 import numpy as np
@@ -61,8 +62,16 @@ class Net(nn.Module):
         super().__init__()
         self.fc1, self.fc2, self.head = nn.Linear(32, 64), nn.Linear(64, 32), nn.Linear(32, 10)
 
+    def branch(self, x):
+        h = self.fc1(x).relu()
+        h[:, 5:9] = h[:, 5:9] * 2.0 + 1.0
+        h[h > 3.0] = 3.0
+        return self.fc2(nn.functional.dropout(h, 0.2))
+
     def forward(self, x):
-        x = x + stochastic_depth(self.fc2(self.fc1(x).relu()), 0.3, "row", self.training)
+        from stepgraph.utils.checkpoint import checkpoint
+        x = x + stochastic_depth(checkpoint(self.branch, x, use_reentrant=False), 0.3, "row",
+                                 self.training)
         return self.head(x + torch.randn_like(x) * 0.1)
 
 
