@@ -1,5 +1,5 @@
-"""cuda vs numpy for the `random` op (uniform draws bit for bit, normal draws within float32
-rounding: random.cu computes Box-Muller in double as rng.normal does), a captured graph that
+"""cuda vs numpy for the `random` op (bit for bit: random.cu computes Box-Muller in double and
+rounds once, as rng.normal does), a captured graph that
 draws anew from the device step counter at every replay, and a compiled train step with the
 model-zoo idioms (torchvision's stochastic depth, randn_like noise, an index-put in forward,
 torch.utils.checkpoint): eager CUDA and graph replays against the numpy backend's losses."""
@@ -35,11 +35,8 @@ def test_random_matches_numpy(ctx, impls, kind, shape):
     step = np.array((5 << 32) | 17, np.int64)
     node = make_node("random", [step], kind=kind, shape=shape, seed=(3 << 40) | 9, site=4)
     ref, got = run_both(ctx, node, [step], impls)
-    if kind == "uniform":
-        np.testing.assert_array_equal(got[0], ref[0])
-    else:
-        np.testing.assert_allclose(got[0], ref[0], rtol=1e-6, atol=1e-6)
-        assert np.mean(got[0] == ref[0]) > 0.99 or got[0].size < 100
+    # bit for bit, normal draws too (seen on an H200: Box-Muller in double, rounded once)
+    np.testing.assert_array_equal(got[0], ref[0])
 
 
 def test_random_draws_anew_at_every_replay(ctx, impls):
