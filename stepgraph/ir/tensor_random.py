@@ -9,9 +9,8 @@ Two sources, by where the tensor lives:
 - a traced tensor (inside a train forward) draws inside the step: a `random` node (uniform or
   standard normal draws from the step's Philox stream, ops/random.py) and ordinary elementwise
   ops after it. Every step draws fresh values, deterministically: the same in an eager CUDA
-  run and in a replayed graph, and within a float32 rounding of the NumPy backend's (the
-  uniform draws bit for bit). torchvision's stochastic depth (`torch.empty(...).bernoulli_(1 -
-  p).div_(1 - p)`) is such a draw.
+  run and in a replayed graph, and bit for bit the NumPy backend's (seen on an H200).
+  torchvision's stochastic depth (`torch.empty(...).bernoulli_(1 - p).div_(1 - p)`) is one.
 A predict trace (compile_predict) has no step counter to draw fresh values from: a draw there
 is refused, as values drawn once at trace time would repeat every call.
 """
