@@ -1,6 +1,6 @@
-"""Counter-based randomness of dropout and the random ops (ops/random.py): Philox4x32-10 (Salmon et al., "Parallel random numbers:
-as easy as 1, 2, 3"), written with uint32 arithmetic so the CUDA kernel
-(`backends/cuda/include/philox.cuh`) produces the same bits.
+"""Counter-based randomness of dropout and the random ops (ops/random.py): Philox4x32-10
+(Salmon et al., "Parallel random numbers: as easy as 1, 2, 3"), written with uint32
+arithmetic so the CUDA kernels (`backends/cuda/include/philox.cuh`) produce the same bits.
 
 Element i of dropout site `site` at step `step` uses counter (i >> 2, site, step lo, step hi),
 key (seed lo, seed hi), and output word i & 3. An element is kept when (word >> 8) >= threshold,

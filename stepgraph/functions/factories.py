@@ -1,5 +1,6 @@
 """Tensor factories with torch's names and arguments: zeros, ones, full, empty, the *_like
-forms, randn, rand, randint (and rand_like, randn_like, randint_like, bernoulli), eye, tensor, as_tensor, from_numpy, arange, linspace.
+forms, randn, rand, randint (and rand_like, randn_like, randint_like, bernoulli), eye, tensor,
+as_tensor, from_numpy, arange, linspace.
 
 Outside a traced forward they make eager tensors (values at once, in host memory); inside
 one (`current_tracer`), graph values: `fill` and `arange` nodes where those ops make them,

@@ -1,5 +1,6 @@
 """Index assignment (`x[idx] = v`, and `x[idx] += v`, which Python runs as a read, an in-place
-add and this assignment) and formatting (`f"{loss:.4f}"`), attached to Tensor by ir/trace.py.
+add and this assignment) and formatting (`f"{loss:.4f}"`), attached to Tensor when this module
+is imported (stepgraph/__init__.py imports it).
 
 An eager tensor is written in place with NumPy's indexing, which is torch's for what model
 code writes: ints, slices, `...`, None, bool masks, integer tensors and lists; v a number or a
@@ -195,3 +196,6 @@ def attach(cls: type) -> None:
     """Give Tensor the indexing surface of this module."""
     for fn in (__setitem__, __getitem__, __format__):
         setattr(cls, fn.__name__, fn)
+
+
+attach(Tensor)

@@ -1,6 +1,7 @@
 """Random tensors and the random in-place Tensor methods (torch.rand / randn / randint /
 rand_like / randn_like / bernoulli inside forward, Tensor.bernoulli / bernoulli_ / uniform_ /
-normal_ / exponential_), attached to Tensor by ir/trace.py.
+normal_ / exponential_), attached to Tensor when this module is imported
+(stepgraph/__init__.py imports it).
 
 Two sources, by where the tensor lives:
 - an eager tensor (constructors, initialisation, scripts) draws from the host generator that
@@ -165,3 +166,6 @@ def attach(cls: type) -> None:
     """Give Tensor the random methods of this module."""
     for fn in (uniform_, normal_, exponential_, bernoulli_, bernoulli):
         setattr(cls, fn.__name__, fn)
+
+
+attach(Tensor)

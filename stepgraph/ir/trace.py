@@ -1706,11 +1706,3 @@ def tensor_of(array: np.ndarray) -> Tensor:
     """An eager tensor holding `array` (storage dtype; uint16 is bfloat16 bits), not copied."""
     array = np.asarray(array)
     return Tensor(Value(array.shape, ir_dtype(array.dtype)), EAGER, array)
-
-
-# Tensor surface kept in modules of its own (random draws, index assignment), attached here
-# once Tensor exists.
-from . import tensor_indexing, tensor_random  # noqa: E402
-
-tensor_indexing.attach(Tensor)
-tensor_random.attach(Tensor)

@@ -196,7 +196,8 @@ def test_checkpoint_trains_bit_for_bit_with_a_smaller_arena(norm):
     # each block keeps only its input into the backward: its GELU input and dropout mask are
     # recomputed there instead (measured without norm: 1.34 MB against 2.03 MB); BatchNorm
     # (it updates its running statistics in place) is not recomputed: its output is kept
-    assert arena < (0.9 if norm else 0.75) * plain_arena, (arena, plain_arena)
+    # (measured with it: 1.88 MB against 2.87 MB)
+    assert arena < 0.75 * plain_arena, (arena, plain_arena)
 
 
 def test_checkpoint_outside_a_train_trace_runs_the_function():
