@@ -20,9 +20,12 @@ from .dtypes import *  # noqa: F401,F403
 from .dtypes import __all__ as _dtype_names
 from .functions import *  # noqa: F401,F403
 from .functions import factories as _factories
+from .functions.asserts import _assert
 from .grad_mode import (enable_grad, inference_mode, is_grad_enabled, no_grad,
                         set_grad_enabled)
 from .ir.trace import Size, Tensor
+from .ir import tensor_indexing as _tensor_indexing  # noqa: F401  (Tensor's x[i] = v)
+from .ir import tensor_random as _tensor_random  # noqa: F401  (Tensor's random draws)
 from .nn.module import to_numpy
 from .serialization import load, save
 from .version import __version__

@@ -82,6 +82,17 @@ ALTERNATIVES = {
     "torch.Tensor.index_add": "x.scatter_add(dim, index, src)",
     "torch.utils.data.DistributedSampler": "stepgraph.data.BatchLoader(x, y, batch_size, "
                                            "rank=..., world_size=...), which shards as it does",
+    "torch.autograd.grad": "compile_train_step(model, loss=...), which derives the gradients "
+                           "from the loss",
+    "torch.autograd.backward": "compile_train_step(model, loss=...), which derives the "
+                               "gradients from the loss",
+    "torch.autograd.Function": "the ops stepgraph has (each has its gradient rule); "
+                               "compile_train_step derives the gradients",
+    "torch.jit.save": "model.state_dict() (NumPy arrays under torch's keys)",
+    "torch.jit.load": "model.load_state_dict(state_dict) on the model's Python class",
+    "torch.fx.Tracer": "stepgraph.compile_train_step / compile_predict (they trace forward)",
+    "torch.fx.GraphModule": "stepgraph.compile_train_step / compile_predict (they trace "
+                            "forward)",
 }
 
 

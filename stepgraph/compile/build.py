@@ -15,6 +15,7 @@ from .history import emit_record_loss
 from .autocast import PRECISION as BF16_PRECISION
 from .autocast import as_float32, autocast, bind_weight_copies
 from .layout import apply_memory_format
+from .recompute import recompute
 
 
 @contextmanager
@@ -101,7 +102,10 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
     params = list(tracer.graph.params)
     if not params:
         raise NothingToTrainError(_nothing_to_train(model))
+    n_forward = len(tracer.graph.nodes)
     grads = append_backward(tracer, loss.value, params)
+    if tracer.recomputed:       # torch.utils.checkpoint regions: recomputed in the backward
+        recompute(tracer.graph, tracer.recomputed, n_forward)
     if grad_hook is not None:
         grads = grad_hook(tracer, params, grads)
     copies = bind_weight_copies(tracer.graph) if bf16 else None

@@ -1,12 +1,13 @@
 """Tensor factories with torch's names and arguments: zeros, ones, full, empty, the *_like
-forms, randn, rand, randint, randperm, eye, tensor, as_tensor, from_numpy, arange, linspace.
+forms, randn, rand, randint, randperm (and rand_like, randn_like, randint_like, bernoulli),
+eye, tensor, as_tensor, from_numpy, arange, linspace.
 
 Outside a traced forward they make eager tensors (values at once, in host memory); inside
 one (`current_tracer`), graph values: `fill` and `arange` nodes where those ops make them,
 else a `constant` of the values computed at trace time. Random factories draw from the
 generator the module constructors use (`manual_seed`), or a `generator=` (generator.py): the
-same distributions as torch, not torch's bits; inside a forward they are refused, since values
-drawn once at trace time would repeat every step.
+same distributions as torch, not torch's bits; inside a train forward they draw in the step,
+anew every step, from the step's Philox stream (ir/tensor_random.py).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from ..errors import UnsupportedOpError
 from .generator import (Generator, default_generator, get_rng_state, host_rng, initial_seed,
                         seed, set_rng_state)
 from ..ir.graph import BF16, storage_dtype
+from ..ir import tensor_random as _random_tensors
 from ..ir.trace import Tensor, _shape_args, current_tracer, tensor_of
 from ..ops.shape import ARANGE_DTYPES
 
@@ -123,39 +125,91 @@ def manual_seed(seed: int) -> Generator:
     return default_generator.manual_seed(seed)
 
 
-def _random(what: str, generator, device) -> np.random.Generator:
-    if current_tracer() is not None:
-        raise UnsupportedOpError(f"torch.{what} inside a traced forward is not supported by "
-                                 "stepgraph (values drawn once at trace time would repeat "
-                                 "every step); draw in the constructor or use dropout")
+def _random(what: str, generator, device):
+    """(tracer, None) inside a train forward (its step draws the values, anew every step:
+    ir/tensor_random.py), else (None, the host generator: `generator=` or manual_seed's)."""
     as_device(device)
-    return host_rng(generator, f"torch.{what}")
+    tracer = current_tracer()
+    if tracer is None:
+        return None, host_rng(generator, f"torch.{what}")
+    if generator is not None:
+        raise UnsupportedOpError(f"torch.{what}(generator=...) inside a forward is not "
+                                 "supported by stepgraph: the step draws from its own stream, "
+                                 "seeded by compile_train_step(seed=...)")
+    return tracer, None
 
 
 def randn(*size, generator=None, dtype=None, device=None, requires_grad: bool = False):
-    """Standard normal draws (float32 unless `dtype`)."""
+    """Standard normal draws (float32 unless `dtype`); inside a train forward drawn anew
+    every step (ir/tensor_random.py)."""
     dtype = tensor_dtype(dtype or get_default_dtype(), "randn")
-    rng = _random("randn", generator, device)
-    return _place(rng.standard_normal(_size(size, "randn")), dtype)
+    (tracer, rng), shape = _random("randn", generator, device), _size(size, "randn")
+    if tracer is not None:
+        return _random_tensors.draw(tracer, "normal", shape, "torch.randn")._cast(str(dtype))
+    return _place(rng.standard_normal(shape), dtype)
 
 
 def rand(*size, generator=None, dtype=None, device=None, requires_grad: bool = False):
-    """Uniform draws on [0, 1) (float32 unless `dtype`)."""
+    """Uniform draws on [0, 1) (float32 unless `dtype`); inside a train forward drawn anew
+    every step."""
     dtype = tensor_dtype(dtype or get_default_dtype(), "rand")
-    rng = _random("rand", generator, device)
-    return _place(rng.random(_size(size, "rand")), dtype)
+    (tracer, rng), shape = _random("rand", generator, device), _size(size, "rand")
+    if tracer is not None:
+        return _random_tensors.draw(tracer, "uniform", shape, "torch.rand")._cast(str(dtype))
+    return _place(rng.random(shape), dtype)
 
 
 def randint(*args, size=None, generator=None, dtype=None, device=None,
             requires_grad: bool = False):
     """Integers uniform on [low, high): randint(high, size) or randint(low, high, size)
-    (int64 unless `dtype`)."""
+    (int64 unless `dtype`); inside a train forward drawn anew every step."""
     if size is None:
         *args, size = args
     low, high = (0, *args) if len(args) == 1 else args
     dtype = tensor_dtype(dtype or "int64", "randint")
-    rng = _random("randint", generator, device)
-    return _place(rng.integers(int(low), int(high), _size((size,), "randint")), dtype)
+    (tracer, rng), shape = _random("randint", generator, device), _size((size,), "randint")
+    if tracer is not None:
+        return _random_tensors.randint_values(tracer, low, high, shape, str(dtype),
+                                              "torch.randint")
+    return _place(rng.integers(int(low), int(high), shape), dtype)
+
+
+def rand_like(input, *, dtype=None, device=None, requires_grad: bool = False,
+              memory_format=None):
+    """Uniform draws on [0, 1) of input's shape and (unless `dtype`) dtype; of a traced
+    tensor drawn anew every step."""
+    as_device(device)
+    return _random_tensors.random_like(input, "uniform", "torch.rand_like", dtype)
+
+
+def randn_like(input, *, dtype=None, device=None, requires_grad: bool = False,
+               memory_format=None):
+    """Standard normal draws of input's shape and (unless `dtype`) dtype."""
+    as_device(device)
+    return _random_tensors.random_like(input, "normal", "torch.randn_like", dtype)
+
+
+def randint_like(input, low=0, high=None, *, dtype=None, device=None,
+                 requires_grad: bool = False, memory_format=None):
+    """Integers uniform on [low, high) (randint_like(input, high) too) of input's shape and
+    (unless `dtype`) dtype."""
+    as_device(device)
+    if high is None:
+        low, high = 0, low
+    if not isinstance(input, Tensor):
+        input = tensor_of(np.asarray(input))
+    dtype = str(tensor_dtype(dtype or input.dtype, "randint_like"))
+    return _random_tensors.randint_values(input.tracer, low, high, input.shape, dtype,
+                                          "torch.randint_like")
+
+
+def bernoulli(input, p=None, *, generator=None, out=None):
+    """1 with probability input (or the number p), else 0, of input's shape and dtype (as
+    Tensor.bernoulli)."""
+    if out is not None:
+        raise UnsupportedOpError("torch.bernoulli(out=...) is not supported by stepgraph: use "
+                                 "the result")
+    return input.bernoulli(p, generator=generator)
 
 
 def randperm(n: int, *, generator=None, dtype=None, device=None, requires_grad: bool = False,
@@ -165,7 +219,10 @@ def randperm(n: int, *, generator=None, dtype=None, device=None, requires_grad: 
     if not isinstance(n, numbers.Integral) or n < 0:
         raise RuntimeError(f"randperm: n must be a non-negative int, got {n!r}")
     dtype = tensor_dtype(dtype or "int64", "randperm")
-    rng = _random("randperm", generator, device)
+    tracer, rng = _random("randperm", generator, device)
+    if tracer is not None:
+        raise UnsupportedOpError("torch.randperm inside a forward is not supported by "
+                                 "stepgraph: permute the batch in the script")
     return _place(rng.permutation(int(n)), dtype)
 
 
@@ -265,6 +322,7 @@ def numel(input) -> int:
 
 
 __all__ = ["zeros", "ones", "empty", "full", "zeros_like", "ones_like", "empty_like",
-           "full_like", "manual_seed", "randn", "rand", "randint", "eye", "tensor", "as_tensor",
-           "from_numpy", "arange", "linspace", "is_tensor", "numel", "Generator", "randperm",
-           "default_generator", "initial_seed", "seed", "get_rng_state", "set_rng_state"]
+           "full_like", "manual_seed", "randn", "rand", "randint", "rand_like", "randn_like",
+           "randint_like", "bernoulli", "eye", "tensor", "as_tensor", "from_numpy", "arange",
+           "linspace", "is_tensor", "numel", "Generator", "randperm", "default_generator",
+           "initial_seed", "seed", "get_rng_state", "set_rng_state"]

@@ -1514,11 +1514,6 @@ class Tensor:
         raise UnsupportedOpError(f"{op} is not supported by stepgraph (called in "
                                  f"{self.tracer.where()})")
 
-    def __setitem__(self, index, value):
-        self._unsupported("item assignment x[...] = v (Tensor.__setitem__; traced tensors are "
-                          "immutable: build the result with torch.where(mask, v, x), "
-                          "masked_fill, torch.cat, or index_put's out-of-place form)")
-
     def __iter__(self):
         self._unsupported("iteration over a tensor")
 
@@ -1558,6 +1553,9 @@ class Tracer:
         self.module_path: list[str] = []           # paths of the modules being called
         self.module_paths: dict[int, str] = {}     # id(module) -> path, set by the root call
         self._constants: dict[int, tuple] = {}     # id(eager Tensor) -> (it, constant Value)
+        # Values computed inside torch.utils.checkpoint regions: the backward recomputes them
+        # instead of keeping them (compile/recompute.py).
+        self.recomputed: set[Value] = set()
 
     # ---- where ops come from ----
     def where(self) -> str:

@@ -157,8 +157,10 @@ def max_pool2d(input: Tensor, kernel_size, stride=None, padding=0, dilation=1,
                ceil_mode: bool = False, return_indices: bool = False) -> Tensor:
     """Max over kernel windows (stride defaults to the kernel; -inf padding of at most half
     the kernel; dilation; ceil_mode: a last partial window that starts inside the input or
-    its left padding), as torch.nn.functional.max_pool2d. Dilation or ceil_mode take the
-    composed form (a max over the kernel's offsets of selections, per axis)."""
+    its left padding), as torch.nn.functional.max_pool2d: op maxpool2d (ceil_mode's partial
+    windows through -inf appended to the input), whose gradient goes to the first maximum of
+    a window, as torch's. Dilation takes a composed form (a max over the kernel's offsets of
+    selections, per axis; ties there split the gradient)."""
     kernel, stride = _kernel_stride(kernel_size, stride)
     padding, dilation = _pair(padding), _pair(dilation)
     if return_indices:
@@ -168,15 +170,24 @@ def max_pool2d(input: Tensor, kernel_size, stride=None, padding=0, dilation=1,
     if any(2 * p > k for p, k in zip(padding, kernel)):
         raise ShapeError(f"max_pool2d: padding {padding} must be at most half the kernel "
                          f"{kernel}")
-    if dilation == (1, 1) and not ceil_mode:
-        return input.tracer.op_all("maxpool2d", [input], kernel=kernel, stride=stride,
-                                   padding=padding)[0]
-    axes = []
+    outs = []
     for n, k, s, p, d in zip(input.shape[2:], kernel, stride, padding, dilation):
         span = n + 2 * p - d * (k - 1) - 1
         out = (-(-span // s) if ceil_mode else span // s) + 1
         if ceil_mode and (out - 1) * s >= n + p:       # the last window starts in the padding
             out -= 1
+        outs.append(out)
+    if dilation == (1, 1):
+        # ceil_mode's partial last windows: -inf rows / columns appended, so that the floor
+        # mode windows of the op are torch's; the op's first-maximum rule then routes a tie's
+        # gradient to one element, as torch does (a max of selections would split it)
+        extra = [max(0, (o - 1) * s + k - (n + 2 * p)) for o, n, k, s, p in
+                 zip(outs, input.shape[2:], kernel, stride, padding)]
+        x = pad(input, (0, extra[1], 0, extra[0]), value=-math.inf) if any(extra) else input
+        return input.tracer.op_all("maxpool2d", [x], kernel=kernel, stride=stride,
+                                   padding=padding)[0]
+    axes = []
+    for n, k, s, p, d, out in zip(input.shape[2:], kernel, stride, padding, dilation, outs):
         o = _positions(input, out)
         axes.append([o * float(s) + float(a * d - p) for a in range(k)])
     return _max_of_selections(input, *axes)

@@ -44,8 +44,20 @@ def _shape(tensor) -> tuple[int, ...]:
     return tuple(int(d) for d in tensor.shape)
 
 
-def _write(tensor, values: np.ndarray):
-    """Copy values into tensor in place; returns tensor."""
+def _write(tensor, values: np.ndarray, drawn: bool = True):
+    """Copy values into tensor in place; returns tensor. Drawn values are refused for a
+    traced tensor (inside a forward) or while a forward is traced: drawn once at trace time,
+    they would repeat every step (Tensor.normal_ and its kin draw in the step instead)."""
+    from ..ir.trace import Tensor, current_tracer
+    traced = isinstance(tensor, Tensor) and not tensor.is_eager
+    if drawn and (traced or isinstance(tensor, Tensor) and current_tracer() is not None):
+        from ..errors import UnsupportedOpError
+        where = (tensor.tracer if traced else current_tracer()).where()
+        raise UnsupportedOpError(
+            f"nn.init's random initialisers on a tensor inside a traced forward are not "
+            f"supported by stepgraph (called in {where}): values drawn once at trace time "
+            "would repeat every step; initialise in the constructor, or use the tensor's "
+            "normal_ / uniform_ methods on a tensor of the forward, which draw every step")
     if hasattr(tensor, "assign"):                     # Parameter, Buffer
         tensor.assign(values)
     elif isinstance(tensor, np.ndarray):
@@ -126,7 +138,7 @@ def trunc_normal_(tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0, 
 
 def constant_(tensor, val: float):
     """Fill with `val`."""
-    return _write(tensor, np.full(_shape(tensor), val))
+    return _write(tensor, np.full(_shape(tensor), val), drawn=False)
 
 
 def ones_(tensor):
@@ -142,7 +154,7 @@ def eye_(tensor):
     shape = _shape(tensor)
     if len(shape) != 2:
         raise ValueError(f"Only tensors with 2 dimensions are supported, got shape {shape}")
-    return _write(tensor, np.eye(*shape))
+    return _write(tensor, np.eye(*shape), drawn=False)
 
 
 def dirac_(tensor, groups: int = 1):
@@ -159,7 +171,7 @@ def dirac_(tensor, groups: int = 1):
     for g in range(groups):
         for d in range(min(per_group, shape[1])):
             values[(g * per_group + d, d) + centre] = 1.0
-    return _write(tensor, values)
+    return _write(tensor, values, drawn=False)
 
 
 def xavier_uniform_(tensor, gain: float = 1.0, generator=None):

@@ -390,20 +390,23 @@ class Flatten(Module):
 
 
 class Dropout(Module):
+    """Zeroes elements with probability p when training. `inplace` is accepted, as torch's:
+    the result is the same (a traced value is never overwritten; ir/trace.py _assign)."""
     per_channel = False
 
-    def __init__(self, p: float = 0.5):
+    def __init__(self, p: float = 0.5, inplace: bool = False):
         super().__init__()
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
         self.p = p
+        self.inplace = bool(inplace)
 
     def forward(self, x):
         drop = F.dropout2d if self.per_channel else F.dropout
         return drop(x, self.p, self.training)
 
     def extra_repr(self):
-        return f"p={self.p}, inplace=False"
+        return f"p={self.p}, inplace={self.inplace}"
 
     def _label_args(self):
         return f"p={self.p}"
@@ -419,6 +422,7 @@ class _Activation(Module):
 
     def __init__(self, inplace: bool = False):
         super().__init__()              # inplace: accepted as PyTorch does; traced ops copy
+        self.inplace = bool(inplace)
 
     def forward(self, x):
         return F.activation(x, self.kind)
@@ -452,15 +456,17 @@ class Identity(Module):
 
 
 class LeakyReLU(Module):
-    def __init__(self, negative_slope: float = 0.01):
-        super().__init__()
+    def __init__(self, negative_slope: float = 0.01, inplace: bool = False):
+        super().__init__()              # inplace: accepted as PyTorch does; traced ops copy
         self.negative_slope = negative_slope
+        self.inplace = bool(inplace)
 
     def forward(self, x):
         return F.activation(x, "leaky_relu", self.negative_slope)
 
     def extra_repr(self):
-        return f"negative_slope={self.negative_slope}"
+        return f"negative_slope={self.negative_slope}" + (", inplace=True" if self.inplace
+                                                          else "")
 
     def _label_args(self):
         return ""
@@ -538,6 +544,7 @@ class _Composed(Module):
 
     def __init__(self, inplace: bool = False):
         super().__init__()
+        self.inplace = bool(inplace)
 
     def forward(self, x):
         return type(self).fn(x)

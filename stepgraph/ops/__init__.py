@@ -4,5 +4,5 @@ launchers live beside their kernels in backends/cuda/<family>.py. Importing this
 registers every family."""
 from . import (activation, attention, bmm, cast, collective, compare, conv,  # noqa: F401
                dropout, elementwise, embedding, guard, index, layer_norm, linear, loss, norm,
-               optim, pointwise, pool, reduce, reduce_axis, shape, softmax, unary)
+               optim, pointwise, pool, random, reduce, reduce_axis, shape, softmax, unary)
 from . import recurrent  # noqa: F401

@@ -205,7 +205,6 @@ def test_index_ops_recorded():
     (lambda x, m, i: x[i, i], "several integer tensors"),
     (lambda x, m, i: x[i, None, 0], "an int apart"),
     (lambda x, m, i: x[[0, 1]], "list"),
-    (lambda x, m, i: x.__setitem__(0, 1.0), "index_put|torch.where"),
     (lambda x, m, i: x.cumsum(0, dtype="float64"), "cumsum with dtype"),
 ])
 def test_unsupported_indexing_raises(expr, match):

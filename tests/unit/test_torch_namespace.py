@@ -327,14 +327,16 @@ def test_factories_in_forward_through_compile_train_step():
     assert model.state_dict()["shift"].tolist() == [[0.25] * 3]   # buffers are not trained
 
 
-def test_random_factories_inside_forward_are_refused():
+def test_random_factories_inside_forward_draw_in_the_step():
     class Noisy(nn.Module):
         def forward(self, x):
             return x + torch.randn(3)
 
     tracer = Tracer()
-    with pytest.raises(UnsupportedOpError, match="torch.randn inside a traced forward"):
-        Noisy()(tracer.input((2, 3), "float32", "x"))
+    Noisy()(tracer.input((2, 3), "float32", "x"))
+    assert [n.op for n in tracer.graph.nodes] == ["random", "binary"]
+    with pytest.raises(UnsupportedOpError, match="torch.randn in a compile_predict forward"):
+        Noisy()(Tracer(training=False).input((2, 3), "float32", "x"))
 
 
 # ---- a nanoGPT-style model -----------------------------------------------------------------
