@@ -206,10 +206,10 @@ class Tensor:
         that computed this loss; optimizer.step() then runs forward, backward and update as
         one compiled step. gradient, create_graph and inputs other than the defaults are
         refused; retain_graph is accepted (a pass is compiled whole either way)."""
-        from ..errors import ALTERNATIVES
-        from ..loop import hooks
+        from ..loop import hooks       # no cycle: hooks imports nothing
 
         if getattr(self.tracer, "backward", None) is None or hooks.SESSION is None:
+            from ..errors import ALTERNATIVES
             self._unsupported("Tensor.backward outside a training loop with a torch-style "
                               "optimizer (make one with model.parameters(), or use "
                               f"{ALTERNATIVES['torch.Tensor.backward']})")

@@ -276,7 +276,7 @@ class Pass(Tracer):
         return v
 
     def _fill(self, t: Tensor, want: Value) -> None:
-        self.arrays[self.program.feeds.index(want)] = t.array
+        self.arrays[self.program.feed_index[want]] = t.array
         self._feed_of[id(t)] = (t, want)
 
     def _foreign(self, t: Tensor) -> Value:
@@ -298,59 +298,63 @@ class Pass(Tracer):
         return events[self.cursor] if self.cursor < len(events) else None
 
     def _node_mismatch(self, event, op: str, inputs: list, attrs: dict) -> str:
-        where = f"op {self.cursor + 1} of the captured pass"
+        def where():
+            return f"op {self.cursor + 1} of the captured pass"
         if not isinstance(event, NodeEvent):
             got = "a module call" if isinstance(event, CallEvent) else "backward()"
-            return f"{where} was {got}, the loop now does {op}"
+            return f"{where()} was {got}, the loop now does {op}"
         node = event.node
         if node.op != op or not same_attrs(node.attrs, attrs):
-            return f"{where} was {node.op}{_short(node.attrs)}, now {op}{_short(attrs)}"
+            return f"{where()} was {node.op}{_short(node.attrs)}, now {op}{_short(attrs)}"
         return self._inputs_mismatch(where, inputs, node.inputs)
 
     def _call_mismatch(self, event, module, mode, args, kwargs) -> str:
-        where = f"step {self.cursor + 1} of the captured pass"
+        def where():
+            return f"step {self.cursor + 1} of the captured pass"
         if not isinstance(event, CallEvent) or event.module is not module:
-            return f"{where} was {_event_name(event)}, now a call of {type(module).__name__}"
+            return f"{where()} was {_event_name(event)}, now a call of {type(module).__name__}"
         if event.mode != mode:
             return f"{type(module).__name__}'s mode changed (train/eval, grad, autocast)"
-        got, want = tree_leaves((args, kwargs)), tree_leaves((event.args, event.kwargs))
-        if len(got) != len(want):
+        got = tree_leaves(args) + (tree_leaves(tuple(kwargs.values())) if kwargs else [])
+        want = event.leaves
+        if len(got) != len(want) or (kwargs.keys() != event.kwargs.keys()):
             return f"{type(module).__name__} is called with other arguments"
-        values = [self._value(as_feed_tensor(a)) if isinstance(as_feed_tensor(a), Tensor) else a
-                  for a in got]
-        plain = [(g, w) for g, w in zip(values, want)
-                 if not isinstance(w, Value) and not isinstance(g, (Value, _Feed))]
-        for g, w in plain:
-            if type(g) is not type(w) or not _equal(g, w):
-                return f"{type(module).__name__}'s argument {describe(g)} was {describe(w)}"
-        reason = self._inputs_mismatch(
-            where, [g for g, w in zip(values, want) if isinstance(w, Value)
-                    or isinstance(g, (Value, _Feed))],
-            [w for g, w in zip(values, want) if isinstance(w, Value)
-             or isinstance(g, (Value, _Feed))])
+        tensors, expected = [], []
+        for a, w in zip(got, want):
+            a = as_feed_tensor(a)
+            if isinstance(a, Tensor):
+                tensors.append(self._value(a))
+                expected.append(w)
+            elif isinstance(w, Value) or type(a) is not type(w) or not _equal(a, w):
+                return f"{type(module).__name__}'s argument {describe(a)} was {describe(w)}"
+        reason = self._inputs_mismatch(where, tensors, expected)
         if not reason:
-            for g, w in zip(values, want):
+            for g, w in zip(tensors, expected):
                 if isinstance(g, _Feed):
                     self._fill(g.tensor, w)
         return reason
 
-    def _inputs_mismatch(self, where: str, got: list, want: list) -> str:
+    def _inputs_mismatch(self, where, got: list, want: list) -> str:
+        """Why inputs `got` are not the event's `want` ("" when they are); `where` is called
+        for the reason's text only."""
         if len(got) != len(want):
-            return f"{where} had {len(want)} inputs, now {len(got)}"
+            return f"{where()} had {len(want)} inputs, now {len(got)}"
+        feeds = self.program.feed_index
         claimed: dict[int, int] = {}
         for i, (g, w) in enumerate(zip(got, want)):
-            if isinstance(g, _Feed):
-                if w not in self.program.feeds:
-                    return f"{where}: input {i} was a computed value, now data"
-                j = self.program.feeds.index(w)
-                if (g.tensor.shape, g.tensor.value.dtype) != (w.shape, w.dtype):
-                    return (f"{where}: input {i} was {describe(w)}, now "
-                            f"{describe(g.tensor)}")
-                if self.arrays[j] is not None or claimed.setdefault(j, id(g.tensor)) != \
-                        id(g.tensor):
-                    return f"{where}: input {i} is another tensor than the captured one"
-            elif g is not w:
-                return f"{where}: input {i} is another value than the captured one"
+            if g is w:
+                continue
+            if not isinstance(g, _Feed):
+                return f"{where()}: input {i} is another value than the captured one"
+            j = feeds.get(w)
+            if j is None:
+                return f"{where()}: input {i} was a computed value, now data"
+            t = g.tensor.value
+            if t.shape != w.shape or t.dtype != w.dtype:
+                return f"{where()}: input {i} was {describe(w)}, now {describe(g.tensor)}"
+            if self.arrays[j] is not None or claimed.setdefault(j, id(g.tensor)) != \
+                    id(g.tensor):
+                return f"{where()}: input {i} is another tensor than the captured one"
         return ""
 
     def adopt(self, program: Program, m: dict[Value, Value]) -> None:

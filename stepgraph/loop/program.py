@@ -25,6 +25,10 @@ class CallEvent:
     sites_after: int          # the dropout-site counter after the call (replays skip forward)
     mode: tuple               # the modules' training flags, grad mode and autocast then
 
+    def __post_init__(self):
+        # args then keyword values, flat: what a replayed call is compared with
+        self.leaves = tree_leaves(self.args) + tree_leaves(tuple(self.kwargs.values()))
+
 
 @dataclass
 class NodeEvent:
@@ -45,12 +49,23 @@ class Program:
     loss: Value | None = None
 
     @property
+    def feed_index(self) -> dict[Value, int]:
+        """Each feed's position (a replayed program is complete: made once)."""
+        index = self.__dict__.get("_feed_index")
+        if index is None or len(index) != len(self.feeds):
+            index = self.__dict__["_feed_index"] = {v: i for i, v in enumerate(self.feeds)}
+        return index
+
+    @property
     def signature(self) -> tuple:
         return tuple((v.shape, v.dtype) for v in self.feeds)
 
 
 def tree_map(fn: Callable, obj):
     """fn applied to every leaf of nested tuples, lists and dicts (their types kept)."""
+    if type(obj) is tuple and not any(type(o) in _CONTAINERS for o in obj):   # flat: fast
+        return tuple(fn(o) if not isinstance(o, _CONTAINERS) else tree_map(fn, o)
+                     for o in obj)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):       # a namedtuple
         return type(obj)(*(tree_map(fn, o) for o in obj))
     if isinstance(obj, (tuple, list)):
@@ -61,9 +76,14 @@ def tree_map(fn: Callable, obj):
 
 
 def tree_leaves(obj) -> list:
+    if type(obj) is tuple and not any(isinstance(o, _CONTAINERS) for o in obj):
+        return list(obj)
     leaves: list = []
     tree_map(leaves.append, obj)
     return leaves
+
+
+_CONTAINERS = (tuple, list, dict)
 
 
 def describe(obj) -> str:

@@ -343,6 +343,9 @@ def _grad_hook(clip, wanted: list[tuple[str, Value]]):
 
 def _signature(obj) -> tuple:
     """The shapes and dtypes of the tensors of a call's arguments, and the other leaves."""
+    args, kwargs = obj
+    if not kwargs and all(type(a) is Tensor for a in args):      # the common call: fast
+        return tuple(("tensor", a.value.shape, a.value.dtype, a.is_eager) for a in args)
     out = []
     for leaf in tree_leaves(obj):
         if isinstance(leaf, Tensor):

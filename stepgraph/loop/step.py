@@ -101,7 +101,7 @@ class LoopStep(TrainStep):
                  arrays, device: str, precision: str, on_bad_batch: str, seed: int,
                  grad_hook=None):
         self._trained = trained
-        self._signatures: dict[tuple, Signature] = {}
+        self._launched: dict[tuple, tuple] = {}   # launch key -> (Executable, check labels)
         self._use(programs, kept, grad_hook)
         super().__init__(model, ModelLoss(), optimizer, arrays, device=device, seed=seed,
                          precision=precision, on_bad_batch=on_bad_batch)
@@ -140,24 +140,24 @@ class LoopStep(TrainStep):
             self.executables[key] = exe
         return exe
 
-    def _check_values(self, arrays) -> None:
-        # The label check of the first program set's last feed (TrainStep's), where the
-        # feeds have that signature; other sets feed other things last.
-        if len(arrays) == len(self.signature) and \
-                tuple(a.shape for a in arrays) == tuple(s.shape for s in self.signature):
-            super()._check_values(arrays)
-
     def launch(self, programs, kept, arrays, grad_hook=None) -> Executable:
         """Run one step over these passes' feeds; returns the Executable whose outputs hold
-        the kept values until its next run."""
-        self._use(programs, kept, grad_hook)
-        shapes = tuple((a.shape, a.dtype) for a in arrays)
-        signature = self._signatures.get(shapes)
-        if signature is None:
+        the kept values until its next run. The Executable of a (program set, kept values,
+        gradient hook, feed shapes) is found by one dict lookup after its first step."""
+        key = (tuple(map(id, programs)), tuple(tuple(v.id for v in k) for k in kept),
+               None if grad_hook is None else grad_hook.key,
+               tuple((a.shape, a.dtype) for a in arrays))
+        found = self._launched.get(key)
+        if found is None:
+            self._use(programs, kept, grad_hook)
             signature = signature_of(_input_names(len(arrays), False), arrays)
-            self._signatures[shapes] = signature
-        self._check_values(arrays)
-        exe = self.executable(signature)
+            # the first program set's label check (TrainStep's) where the feeds are its
+            labels = tuple(s.shape for s in signature) == \
+                tuple(s.shape for s in self.signature)
+            found = self._launched[key] = (self.executable(signature), labels)
+        exe, labels = found
+        if labels:
+            self._check_values(arrays)
         exe.feed(arrays)
         if self._versions != self._param_versions():
             self._refresh_weight_copies()
