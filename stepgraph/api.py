@@ -455,8 +455,11 @@ class TrainStep(_CompiledModel):
         self._host_step = None
         if self._guard is not None:
             self._guard.reset(int(np.asarray(state_dict[STEP_KEY])))
-        # The schedule's base lr; every group moves with it (Optimizer.lr).
-        self.optimizer.lr = float(np.asarray(state_dict[SCHEDULE_KEY])[0])
+        # The schedule's base lr, held in float32 there: every group moves with it
+        # (Optimizer.lr), unless it is this optimizer's own (kept in float64).
+        saved_lr = np.float32(np.asarray(state_dict[SCHEDULE_KEY])[0])
+        if saved_lr != np.float32(self.optimizer.lr):
+            self.optimizer.lr = float(saved_lr)
         if self.precision == BF16_PRECISION:
             self._refresh_weight_copies()
 

@@ -1,6 +1,7 @@
 """Adagrad with torch.optim.Adagrad's formulas (ops/optim.py adagrad_update):
 g = -g (maximize); g += wd * p; clr = lr / (1 + (t - 1) lr_decay); sum += g^2;
-p -= clr g / (sqrt(sum) + eps), sum starting at the group's initial_accumulator_value.
+p -= clr g / (sqrt(sum) + eps), sum starting at initial_accumulator_value (the constructor's,
+as PyTorch's, also for a group that sets its own).
 Every group may set lr, lr_decay, weight_decay and eps and change them between steps
 (optimizer.py); maximize is fixed once a step is compiled."""
 from __future__ import annotations
@@ -36,7 +37,8 @@ class Adagrad(Optimizer):
         return ("sum",)
 
     def slot_start(self, slot: str, group: dict) -> float:
-        return group["initial_accumulator_value"]
+        # PyTorch starts every sum at the constructor's value, whatever the group says.
+        return self.defaults["initial_accumulator_value"]
 
     def hyperparameters(self) -> dict:
         d = self.defaults

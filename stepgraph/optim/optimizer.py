@@ -457,6 +457,13 @@ class Optimizer:
         count, slots = step.optimizer_state_of(p, self._slots or ())
         if count == 0:
             return {}
+        return self.state_entry(self._group_of(p), count, slots)
+
+    def state_entry(self, group: dict, count: int, slots: dict) -> dict:
+        """A parameter's state_dict entry from the step counter and its slots (PyTorch's
+        keys: a group with momentum 0 has no momentum_buffer)."""
+        if "momentum_buffer" in slots and not group["momentum"]:
+            slots = {k: v for k, v in slots.items() if k != "momentum_buffer"}
         return {"step": np.array(float(count), np.float32), **slots}
 
     @property

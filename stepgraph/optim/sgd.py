@@ -45,6 +45,13 @@ class SGD(Optimizer):
     def slots_for(self, groups) -> tuple[str, ...]:
         return ("momentum_buffer",) if any(g["momentum"] for g in groups) else ()
 
+    def state_entry(self, group: dict, count: int, slots: dict) -> dict:
+        # PyTorch's SGD keeps a momentum buffer only, and nothing without momentum; the step
+        # is stepgraph's counter (PyTorch ignores it when loading).
+        if not group["momentum"] or "momentum_buffer" not in slots:
+            return {}
+        return super().state_entry(group, count, slots)
+
     def formula_attrs(self, group: dict) -> dict:
         return {"nesterov": group["nesterov"], "maximize": group["maximize"]}
 
