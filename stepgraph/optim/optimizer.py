@@ -283,18 +283,22 @@ class Optimizer:
         if key in self.dynamic_keys:
             self._version += 1
 
-    def _group_of(self, p) -> dict:
+    def _group_of(self, p, by_id: dict | None = None) -> dict:
         """The group of Parameter p (None: a parameter without a Parameter object, in the
-        implicit group)."""
-        for g in self.param_groups:
-            if any(q is p for q in g["params"]):
-                return g
+        implicit group); by_id: `_groups_by_id()`, for many lookups."""
+        by_id = self._groups_by_id() if by_id is None else by_id
+        if id(p) in by_id:
+            return by_id[id(p)]
         if self._implicit:
             if p is not None:
                 self.param_groups[0]["params"].append(p)
+                by_id[id(p)] = self.param_groups[0]
             return self.param_groups[0]
         raise ValueError(f"{type(self).__name__}: parameter {p!r} is in no parameter group "
                          "(every trained parameter must be in one)")
+
+    def _groups_by_id(self) -> dict[int, dict]:
+        return {id(p): g for g in self.param_groups for p in g["params"]}
 
     def _param_index(self) -> list:
         """Every Parameter in PyTorch's state_dict order (group by group)."""
@@ -311,7 +315,8 @@ class Optimizer:
         from ..ops.optim import HYPER_COLUMNS, hyperparameter_table   # ops imports optim
 
         rows = self._rows if rows is None else rows
-        groups = [self._group_of(p) for p in rows]
+        by_id = self._groups_by_id()
+        groups = [self._group_of(p, by_id) for p in rows]
         values = {c: [self.column(g, c) for g in groups] for c in HYPER_COLUMNS[self.update_op]}
         return hyperparameter_table(self.update_op, values, len(rows))
 
@@ -341,7 +346,12 @@ class Optimizer:
         by_value = {tracer.param_values[id(p)]: p for p in tracer.parameters
                     if id(p) in tracer.param_values}
         rows = [by_value.get(v) for v in params]
-        groups = [self._group_of(p) for p in rows]
+        by_id = self._groups_by_id()
+        groups = [self._group_of(p, by_id) for p in rows]
+        for key in self.static_keys:
+            if len({g[key] for g in groups}) > 1:
+                raise ValueError(f"{type(self).__name__}: {key} must be the same in every "
+                                 "parameter group (it selects the update's formula)")
         slots = self.slots_for(groups)
         if self._emitted and slots != self._slots:
             raise ValueError(f"{type(self).__name__}: this step would keep state {slots}, the "
