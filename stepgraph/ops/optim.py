@@ -1,8 +1,8 @@
 """Optim family: a step's bookkeeping (step counter, learning-rate factor from the schedule,
 loss history; advance_step does the three in one op), the gradients' global norm for clipping,
 and the multi-tensor parameter updates (PyTorch's SGD, Adam, AdamW, RMSprop, Adagrad) with the
-join of updates that ran on the update stream. optim/ emits them; the formulas of the schedules are in
-optim/schedules.py.
+join of updates that ran on the update stream. optim/ emits them; the formulas of the
+schedules are in optim/schedules.py.
 
 The NumPy references compute the scalars PyTorch computes in Python floats (bias
 corrections, schedules) in float64 and cast once.

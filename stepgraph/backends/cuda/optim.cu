@@ -2,8 +2,9 @@
 // Adagrad as ONE multi-tensor launch over every parameter. Nothing a step needs is a host
 // scalar: lr, step, the clipping norm and every parameter's hyperparameters (a float64 row of
 // the state `optimizer.hyperparameters`, ops/optim.py HYPER_COLUMNS) are read from device
-// memory, so a captured graph stays valid when they change. Formulas, operation order and rounding follow the numpy reference
-// (PyTorch's); __f*_rn keep the compiler from fusing a product and a sum into one FMA.
+// memory, so a captured graph stays valid when they change. Formulas, operation order and
+// rounding follow the numpy reference (PyTorch's); __f*_rn keep the compiler from fusing a
+// product and a sum into one FMA.
 // A guarded step (ops/guard.py) moves the counter and applies the update only when it passes.
 // precision="bf16": the update also writes each parameter's bf16 weight copy (attrs copies)
 // from the freshly updated float32 value, in the same pass (UpdateEntry.copy).
