@@ -39,9 +39,6 @@ SCHEDULE_KEY = "optimizer.lr_schedule"
 STEP_KEY = "optimizer.step"
 HYPERPARAMETERS_KEY = "optimizer.hyperparameters"
 SLOT_PREFIX = "optimizer."
-# Constructor flags PyTorch has for its own kernels: accepted, kept in the groups, unused
-# (stepgraph's update is always one fused multi-tensor launch inside the captured step).
-IGNORED_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 
 
 class ParamGroup(dict):
