@@ -29,10 +29,10 @@ from .compile.overlap import check_option as check_overlap_option
 from .compile.overlap import resolve as resolve_overlap
 from .compile.plan import Plan, make_plan
 from .distributed.buckets import cap_bytes_of
-from .errors import BackendUnavailableError, StateDictError
+from .errors import BackendUnavailableError, PlanError, StateDictError
 from .ir.graph import PARAM, STATE, Graph, Value
 from .nn.module import Module
-from .optim.optimizer import SCHEDULE_KEY, STEP_KEY
+from .optim.optimizer import HYPERPARAMETERS_KEY, SCHEDULE_KEY, SLOT_PREFIX, STEP_KEY
 
 # fp32; tf32 (CUDA: TF32 tensor-core GEMMs); bf16 (PyTorch autocast semantics with float32
 # master weights, compile/autocast.py; on CUDA only where the ops have bf16 kernels).
@@ -197,6 +197,7 @@ class TrainStep(_CompiledModel):
         if self.group is not None:
             self._broadcast_parameters()
         self._host_step: int | None = None
+        self._rows: list | None = None       # the Parameter of each hyperparameter row
         first = self.executable(self.signature)
         self.classes, self.ignore_index = label_check(first.plan.graph,
                                                      first.plan.graph.inputs[-1])
@@ -204,7 +205,8 @@ class TrainStep(_CompiledModel):
         if COUNTERS_KEY in self.state:
             self._guard = GuardMonitor(self.backend, self.state[COUNTERS_KEY], on_bad_batch,
                                        self.classes, self._nonfinite_params)
-        optimizer.attach(self._write_schedule)
+        optimizer.attach(self)
+        self._optimizer_version = optimizer.version    # what the device holds
         self._versions = self._param_versions()   # the bf16 weight copies' source versions
 
     def _nonfinite_params(self) -> list[str]:
@@ -222,6 +224,13 @@ class TrainStep(_CompiledModel):
 
     def plan(self, signature: Signature) -> Plan:
         graph = fuse(self.build_graph(signature))
+        rows = self.optimizer.emitted_rows()
+        if self._rows is None:
+            self._rows = rows
+        elif [id(p) for p in rows] != [id(p) for p in self._rows]:
+            raise PlanError("the step traced for this batch shape uses the parameters in "
+                            "another order than the first: they share one table of "
+                            "hyperparameters")
         dp = self.data_parallel
         if self.group is not None and dp.shard_optimizer:
             graph = shard_optimizer_state(graph, self.group.id, self.group.world_size,
@@ -253,7 +262,8 @@ class TrainStep(_CompiledModel):
         if v.name not in self.state:
             self.state[v.name] = self.backend.empty(v.shape, v.dtype)
             if parse_weight_copy(v.name) is None:
-                self.backend.copy_into(self.state[v.name], self.optimizer.initial_state(v))
+                self.backend.copy_into(self.state[v.name],
+                                       self.optimizer.initial_state(v, self._rows))
             else:                                  # a bf16 weight copy starts as bf16(param)
                 self._write_weight_copy(v.name, self.state[v.name])
         return self.state[v.name]
@@ -279,14 +289,66 @@ class TrainStep(_CompiledModel):
         if self.classes is not None and self.on_bad_batch != "skip":
             check_labels(self.signature[-1].name, arrays[-1], self.classes, self.ignore_index)
 
-    def _write_schedule(self, vector: np.ndarray) -> None:
-        self.backend.copy_into(self.state[SCHEDULE_KEY], vector)
+    def _sync_optimizer(self) -> None:
+        """Write the optimizer's schedule and hyperparameters to the device when they changed
+        since the last write (optimizer.param_groups, optimizer.lr, a scheduler). The copies
+        are queued on the backend's stream, the one the steps run (and replay) on: they land
+        after the previous step has read the old values and before the next one reads."""
+        opt = self.optimizer
+        if self._optimizer_version == opt.version:
+            return
+        self.backend.copy_into(self.state[SCHEDULE_KEY], opt.schedule_vector())
+        self.backend.copy_into(self.state[HYPERPARAMETERS_KEY],
+                               opt.hyperparameter_table(self._rows))
+        self._optimizer_version = opt.version
+
+    # ---- what Optimizer.state_dict / load_state_dict read and write (optim/optimizer.py) ----
+    def optimizer_holds(self, p) -> bool:
+        """Whether this step updates Parameter p."""
+        return any(q is p for q in self._rows or ())
+
+    def optimizer_state_of(self, p, slots) -> tuple[int, dict[str, np.ndarray]]:
+        """(step counter, {slot: Parameter p's state as a NumPy array}) from the device."""
+        keys = {slot: f"{SLOT_PREFIX}{slot}.{p.name}" for slot in slots}
+        sharded = [k for k in keys.values() if k not in self.state]
+        if sharded:
+            raise StateDictError(f"{sharded} are not kept per parameter (a ZeRO-sharded step): "
+                                 "use the step's state_dict()")
+        return (int(self.backend.to_numpy(self.state[STEP_KEY])),
+                {slot: self.backend.to_numpy(self.state[k]) for slot, k in keys.items()})
+
+    def load_optimizer_state(self, optimizer, state: dict, step: int | None,
+                             at_least_one: bool) -> None:
+        """Write loaded optimizer state (Optimizer.load_state_dict): state {id(Parameter):
+        {slot: array}}; a parameter of this step without a slot there starts it afresh;
+        step: the counter (None: kept, raised to 1 when at_least_one)."""
+        writes = []
+        for p in self._rows or ():
+            for slot in optimizer._slots or ():
+                key = f"{SLOT_PREFIX}{slot}.{p.name}"
+                if key not in self.state:
+                    raise StateDictError(f"{key} is not kept per parameter (a ZeRO-sharded "
+                                         "step): use the step's load_state_dict()")
+                value = state.get(id(p), {}).get(slot)
+                if value is None:
+                    value = np.full(p.shape, optimizer.slot_start(slot, optimizer._group_of(p)))
+                writes.append((self.state[key], np.asarray(value, np.float32).reshape(p.shape)))
+        for buf, value in writes:
+            self.backend.copy_into(buf, value)
+        if step is None and at_least_one:
+            step = max(1, int(self.backend.to_numpy(self.state[STEP_KEY])))
+        if step is not None:
+            self.backend.copy_into(self.state[STEP_KEY], np.array(step, np.int64))
+            self._host_step = None
+            if self._guard is not None:
+                self._guard.reset(step)
 
     def __call__(self, *arrays):
         """Run one step on (inputs..., target); returns the loss (float() reads it)."""
         if self._guard is not None:
             self._guard.check_call()
         exe = self._prepare(arrays)
+        self._sync_optimizer()
         if self.precision == BF16_PRECISION and self._versions != self._param_versions():
             self._refresh_weight_copies()
         if self._host_step is None:   # mirror the device counter once; then count on the host
@@ -323,6 +385,7 @@ class TrainStep(_CompiledModel):
         signature, launches = check_steps_feed(self.signature, batches, steps)
         self._check_values(batches)       # every step's labels, before any step runs
         replay = self.executable(signature).replay(steps)
+        self._sync_optimizer()
         if self.precision == BF16_PRECISION and self._versions != self._param_versions():
             self._refresh_weight_copies()
         if self._host_step is None:
@@ -368,14 +431,17 @@ class TrainStep(_CompiledModel):
     def state_dict(self) -> dict[str, np.ndarray]:
         """Parameters and buffers (PyTorch keys), optimizer state and the step counter, as
         NumPy arrays."""
+        self._sync_optimizer()
         out = dict(self.model.state_dict())
         out.update((k, self.backend.to_numpy(v)) for k, v in sorted(self._training_state()))
         return out
 
     def _training_state(self):
-        return [(k, v) for k, v in self.state.items()   # bf16 weight copies: derived, not kept
+        # bf16 weight copies and the hyperparameters (the optimizer's param_groups, written
+        # before each step): derived, not kept
+        return [(k, v) for k, v in self.state.items()
                 if not k.startswith((HISTORY_PREFIX, GUARD_PREFIX))
-                and parse_weight_copy(k) is None]
+                and parse_weight_copy(k) is None and k != HYPERPARAMETERS_KEY]
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore what state_dict() returned, in place (compiled graphs keep their buffers)."""
@@ -394,7 +460,11 @@ class TrainStep(_CompiledModel):
         self._host_step = None
         if self._guard is not None:
             self._guard.reset(int(np.asarray(state_dict[STEP_KEY])))
-        self.optimizer._lr = float(np.asarray(state_dict[SCHEDULE_KEY])[0])
+        # The schedule's base lr, held in float32 there: every group moves with it
+        # (Optimizer.lr), unless it is this optimizer's own (kept in float64).
+        saved_lr = np.float32(np.asarray(state_dict[SCHEDULE_KEY])[0])
+        if saved_lr != np.float32(self.optimizer.lr):
+            self.optimizer.lr = float(saved_lr)
         if self.precision == BF16_PRECISION:
             self._refresh_weight_copies()
 

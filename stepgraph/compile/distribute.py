@@ -30,9 +30,8 @@ from ..errors import PlanError
 from ..ir.graph import STATE, Graph, Node, Value
 from ..ir.ops import OPS, infer_outputs
 from ..ops.collective import reduce_dtype_of
+from ..ops.optim import UPDATE_OPS, hyper_rows
 from .rewrite import _copy
-
-UPDATE_OPS = ("sgd_update", "adam_update")
 
 
 def gradients_of(graph: Graph) -> tuple[Node, list[Value]]:
@@ -149,9 +148,10 @@ def shard_optimizer_state(graph: Graph, group: str, world_size: int, cap_bytes: 
 
 def _check_shardable(update: Node) -> None:
     """One update over flat chunks mixes parameters: hyperparameters must be the same for all
-    of them, and there can be no per-parameter bf16 weight copies."""
+    of them (one parameter group: the optimizer marks several with attrs param_group), and
+    there can be no per-parameter bf16 weight copies."""
     per_param = [key for key, v in update.attrs.items() if isinstance(v, (tuple, list))
-                 and key not in ("copies", "copy_dims")]
+                 and key not in ("copies", "copy_dims", "hyper_rows")]
     if per_param:
         raise PlanError(f"shard_optimizer: parameter groups ({', '.join(sorted(per_param))} "
                         "per parameter) are not supported; one group only")
@@ -184,7 +184,10 @@ def _sharded_update(graph: Graph, update: Node, params, buckets, shards, grad_sh
     dropped = set(old_slots)
     graph.state = [v for v in graph.state if v not in dropped] + slots
     m = len(param_shards)
-    attrs = dict(a, n_params=m)
+    # Every chunk reads the hyperparameter row of the bucket's first parameter (one group:
+    # every row holds the same values).
+    rows = tuple(hyper_rows(a)[bucket.indices[0]] for bucket in buckets)
+    attrs = dict(a, n_params=m, hyper_rows=rows)
     inputs = update.inputs[:k] + param_shards + grad_shards + slots + flags
     sharded = Node(update.op, inputs, [], attrs, OPS[update.op].mutates(attrs), update.label)
     return before + [sharded] + after

@@ -19,8 +19,8 @@ from .plan import VIEW_OPS, Plan
 TRAIN, INFERENCE = "train", "inference"
 LOSS_OPS = ("cross_entropy", "cross_entropy_train", "nll_loss", "mse")
 UPDATE_OPS = ("step_increment", "lr_schedule", "advance_step", "global_norm", "sgd_update",
-              "adam_update", "record_loss", "guard_check", "guard_advance", "guard_save",
-              "guard_restore", "all_reduce_max", "update_join")
+              "adam_update", "rmsprop_update", "adagrad_update", "record_loss", "guard_check",
+              "guard_advance", "guard_save", "guard_restore", "all_reduce_max", "update_join")
 STATIC_ROLES = {TRAIN: (INPUT, PARAM, STATE), INFERENCE: (INPUT, PARAM)}
 COPY_ROLES = {TRAIN: (INPUT,), INFERENCE: (INPUT,)}
 

@@ -11,6 +11,7 @@ from ..ir.graph import BF16, Graph, Node, Value
 from ..ir.ops import OPS
 from ..ops.layout import channel_sum_axes, layout_of
 from ..ops.loss import IGNORE_INDEX
+from ..ops.optim import UPDATE_OPS
 from .attention import pack_attention_heads
 from .pointwise import fuse_pointwise
 from .rewrite import _copy, _join, _live, _rebuild
@@ -327,7 +328,7 @@ def fuse_step_bookkeeping(graph: Graph) -> Graph:
 def _reads_gradient(reader: Node, v: Value) -> bool:
     """Whether `reader` reads v only as a gradient it may take in bf16: an update's, the
     clipping norm's, or the guard's check (any input but its float32 loss)."""
-    return reader.op in ("sgd_update", "adam_update", "global_norm") or \
+    return reader.op in UPDATE_OPS + ("global_norm",) or \
         (reader.op == "guard_check" and v is not reader.inputs[1])
 
 

@@ -5,10 +5,11 @@ train-step graph (compile_train_step's overlap_update).
     after:   forward  loss  advance_step  backward [update bucket 0] backward
              [update bucket 1] ... backward [update bucket k]  update_join
 
-The step's one multi-tensor update (sgd_update or adam_update) becomes one update of the same
-op per bucket of parameters, each a multi-tensor launch over its own slice of the parameters,
-gradients, optimizer slots and bf16 weight copies, with the same hyperparameters (parameter
-groups' per-parameter attrs sliced alike). A parameter's update is safe right after the last
+The step's one multi-tensor update (sgd_update, adam_update, ...) becomes one update of the
+same op per bucket of parameters, each a multi-tensor launch over its own slice of the
+parameters, gradients, optimizer slots and bf16 weight copies, reading the same hyperparameter
+rows (attrs hyper_rows: each parameter's row of the step's hyperparameters; per-parameter
+attrs sliced alike). A parameter's update is safe right after the last
 node that conflicts with it: the node that finalises its gradient, and the last node that reads
 the parameter, its slots or its bf16 copy (a product's backward may finalise dW before it
 reads W again for dx), views included. Parameters are bucketed in the order they become safe, about
@@ -47,8 +48,7 @@ from ..errors import PlanError
 from ..ir.graph import Graph, Node, Value
 from ..ir.ops import OPS
 from ..ops.collective import COLLECTIVE_OPS
-from ..ops.optim import update_weight_copies
-from .distribute import UPDATE_OPS
+from ..ops.optim import UPDATE_OPS, UPDATE_SCALARS, hyper_rows, update_weight_copies
 from .plan import _view_roots
 from .rewrite import _copy
 
@@ -72,7 +72,7 @@ def check_option(value) -> bool | str:
 class UpdateInputs:
     """An update node's inputs by role (ops/optim.py sgd_update), one list entry a parameter."""
 
-    scalars: list[Value]            # lr, step (a clipped update would add the norm)
+    scalars: list[Value]            # lr, step, hyperparameters (a clipped update adds the norm)
     params: list[Value]
     grads: list[Value]
     slots: list[list[Value]]        # per slot (momentum; exp_avg, exp_avg_sq): per parameter
@@ -110,7 +110,7 @@ def overlap_blocker(graph: Graph) -> str | None:
         return ("on_bad_batch='raise' or 'skip' adds a guard whose check reads every gradient "
                 "before any update and skips the whole update on a bad batch; compile with "
                 "on_bad_batch='ignore'")
-    if update.attrs["n_scalars"] != 2 or update.attrs.get("max_norm") is not None:
+    if update.attrs["n_scalars"] != UPDATE_SCALARS or update.attrs.get("max_norm") is not None:
         return ("gradient clipping (the optimizer's max_grad_norm) scales every gradient by "
                 "their global norm, known only once the last one is final; use "
                 "max_grad_norm=None")
@@ -215,6 +215,7 @@ def _bucket_update(update: Node, inputs: UpdateInputs, indices: list[int], b: in
     """The update of parameters `indices` (ascending) alone: the same op and hyperparameters,
     per-parameter attrs and inputs sliced, forked onto the update stream (attrs update_stream)."""
     n = update.attrs["n_params"]
+    rows = hyper_rows(update.attrs)
     attrs = {}
     for key, value in update.attrs.items():
         if isinstance(value, (tuple, list)) and key not in COPY_ATTRS:
@@ -230,7 +231,8 @@ def _bucket_update(update: Node, inputs: UpdateInputs, indices: list[int], b: in
         if "copy_dims" in update.attrs:
             attrs["copy_dims"] = tuple(update.attrs["copy_dims"][inputs.copies[indices[j]]]
                                        for j in copied)
-    attrs.update(n_params=len(indices), update_stream=True)
+    attrs.update(n_params=len(indices), update_stream=True,
+                 hyper_rows=tuple(rows[i] for i in indices))
     ins = list(inputs.scalars) + [inputs.params[i] for i in indices] \
         + [inputs.grads[i] for i in indices] \
         + [slot[i] for slot in inputs.slots for i in indices] \

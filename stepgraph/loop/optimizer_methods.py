@@ -14,10 +14,11 @@ class LoopMethods:
         hooks.session().register(self)
 
     def trained_parameters(self) -> list:
-        """The Parameters this optimizer updates (empty when it was made without them, for
+        """The Parameters this optimizer updates (none when it was made without them, for
         compile_train_step, which updates every parameter of the step)."""
-        groups = getattr(self, "_groups", None) or ()
-        return [p for g in groups for p in g["params"]]
+        if getattr(self, "_implicit", False):
+            return []
+        return [p for g in self.param_groups for p in g["params"]]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's: clear the gradients. A captured loop keeps no gradients between steps;

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..ir.ops import _need, defop, impl
-from ..optim.schedules import schedule_lr
+from ..optim.schedules import schedule_factor
 
 GUARD_LABELS = 1        # a label outside [0, classes)
 GUARD_LOSS = 2          # the loss is NaN or infinite
@@ -87,7 +87,7 @@ def _guard_advance(ins, attrs):
     int32 (R,)); attrs sticky ("raise": once a step is bad, skip every later one until the
     host has reported it). bits = flags[PENDING]; flags[PENDING] = 0; calls += 1; the first bad
     step is noted in FIRST_BAD/FIRST_BITS; skip = bits != 0 or (sticky and FIRST_BAD != 0);
-    flags[SKIP] = skip; skipped += skip, else step += 1; lr = schedule_lr(schedule, step) (the
+    flags[SKIP] = skip; skipped += skip, else step += 1; lr = schedule_factor(schedule, step) (the
     output); the loss, the call number and bits (| GUARD_HELD when skipped for an earlier
     step) recorded at slot calls % R."""
     flags, counters, step = ins[0], ins[1], ins[2]
@@ -174,7 +174,7 @@ def _guard_advance_impl(node, ins, outs, ctx):
         counters[SKIPPED] += 1
     else:
         step[...] += 1
-    outs[0][...] = schedule_lr(schedule, int(step))
+    outs[0][...] = schedule_factor(schedule, int(step))
     slot = calls % history_loss.shape[0]
     history_loss[slot] = loss
     history_step[slot] = calls

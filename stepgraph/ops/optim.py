@@ -1,8 +1,8 @@
-"""Optim family: a step's bookkeeping (step counter, learning rate from the schedule, loss
-history; advance_step does the three in one op), the gradients' global norm for clipping, and
-the multi-tensor parameter updates (PyTorch's SGD, Adam, AdamW) with the join of updates that
-ran on the update stream. optim/ emits them; the formulas of the schedules are in
-optim/schedules.py.
+"""Optim family: a step's bookkeeping (step counter, learning-rate factor from the schedule,
+loss history; advance_step does the three in one op), the gradients' global norm for clipping,
+and the multi-tensor parameter updates (PyTorch's SGD, Adam, AdamW, RMSprop, Adagrad) with the
+join of updates that ran on the update stream. optim/ emits them; the formulas of the
+schedules are in optim/schedules.py.
 
 The NumPy references compute the scalars PyTorch computes in Python floats (bias
 corrections, schedules) in float64 and cast once.
@@ -15,7 +15,7 @@ import numpy as np
 
 from ..ir.graph import BF16, Node
 from ..ir.ops import defop, impl
-from ..optim.schedules import schedule_lr
+from ..optim.schedules import schedule_factor
 from .guard import FLAG_SKIP
 
 
@@ -29,7 +29,8 @@ def _step_increment(ins, attrs):
 
 @defop("lr_schedule")
 def _lr_schedule(ins, attrs):
-    """lr = schedule_lr(schedule, step): ins (step int64 scalar, schedule float32 (6,) =
+    """lr = schedule_factor(schedule, step), the factor of every parameter group's lr (exactly
+    1.0 for the constant schedule): ins (step int64 scalar, schedule float32 (6,) =
     [base_lr, warmup_steps, total_steps, min_lr, step_size, gamma]); optim/schedules.py has
     the formulas, computed in double."""
     return [((), "float32")]
@@ -46,7 +47,7 @@ def _record_loss(ins, attrs):
 @defop("advance_step", mutates=lambda attrs: (0, 3, 4))
 def _advance_step(ins, attrs):
     """step_increment, lr_schedule and record_loss of one step in one op: ins (step, schedule,
-    loss, history_loss, history_step); step += 1, then lr = schedule_lr(schedule, step) and
+    loss, history_loss, history_step); step += 1, then lr = schedule_factor(schedule, step) and
     the loss recorded under the new step."""
     return [((), "float32")]
 
@@ -59,7 +60,7 @@ def step_increment(node: Node, ins, outs, ctx):
 @impl("lr_schedule")
 def lr_schedule(node: Node, ins, outs, ctx):
     step, schedule = ins
-    outs[0][...] = schedule_lr(schedule, int(step))
+    outs[0][...] = schedule_factor(schedule, int(step))
 
 
 @impl("record_loss")
@@ -95,10 +96,52 @@ def global_norm(node: Node, ins, outs, ctx):
 
 # ---- parameter updates ---------------------------------------------------------------------
 
+# The multi-tensor updates (PyTorch's SGD, Adam / AdamW, RMSprop, Adagrad).
+UPDATE_OPS = ("sgd_update", "adam_update", "rmsprop_update", "adagrad_update")
+# An update's scalar inputs: lr (the schedule's factor), step, the hyperparameters[, norm].
+UPDATE_SCALARS = 3
+HYPER_AT, NORM_AT = 2, 3
+# The hyperparameters every script may change: graph state (optim/optimizer.py
+# HYPERPARAMETERS_KEY), one float64 row per parameter, written from the host between steps
+# (never baked into a captured graph). float64 because PyTorch computes the scalars of its
+# updates (lr * weight_decay, 1 - beta1 ** t, lr / (1 + (t - 1) * lr_decay)) in Python floats
+# from the group's float64 values; the updates do the same and cast each scalar once.
+# Column "lr" is the group's lr: parameter i's lr is the lr input (the schedule's factor,
+# exactly 1.0 without a schedule) times it. Flags that change the formula (nesterov,
+# maximize, amsgrad, centered, decoupled) stay attrs.
+HYPER_COLUMNS = {
+    "sgd_update": ("lr", "weight_decay", "momentum", "dampening"),
+    "adam_update": ("lr", "weight_decay", "beta1", "beta2", "eps"),
+    "rmsprop_update": ("lr", "weight_decay", "alpha", "eps", "momentum"),
+    "adagrad_update": ("lr", "weight_decay", "lr_decay", "eps"),
+}
+HYPER_DTYPE = "float64"
+
+
+def hyper_rows(attrs) -> tuple[int, ...]:
+    """The hyperparameter row of each parameter of an update: attrs hyper_rows (an update of
+    some of the step's parameters: compile/overlap.py buckets, distribute.py's ZeRO shards),
+    else parameter i reads row i."""
+    rows = attrs.get("hyper_rows")
+    return tuple(range(attrs["n_params"])) if rows is None else tuple(rows)
+
+
+def hyperparameter_table(op: str, values: dict, n: int) -> np.ndarray:
+    """The (n, columns) float64 hyperparameters of `op` from `values`: per column a number
+    (every parameter alike) or a sequence of n (one a parameter); a missing column is 0."""
+    columns = HYPER_COLUMNS[op]
+    table = np.zeros((n, len(columns)), np.float64)
+    for j, name in enumerate(columns):
+        value = values.get(name, 0.0)
+        table[:, j] = [float(v) for v in value] if isinstance(value, (tuple, list)) \
+            else float(value)
+    return table
+
+
 def _update_mutates(attrs) -> tuple[int, ...]:
-    # inputs: n_scalars scalars (lr, step[, norm]), then params, grads and n_slots groups of
-    # per-parameter state (momentum buffers; Adam's exp_avg, exp_avg_sq), n_params each, then
-    # one bf16 weight copy per entry of attrs copies (precision="bf16").
+    # inputs: n_scalars scalars (lr, step, hyperparameters[, norm]), then params, grads and
+    # n_slots groups of per-parameter state (momentum buffers; Adam's exp_avg, exp_avg_sq),
+    # n_params each, then one bf16 weight copy per entry of attrs copies (precision="bf16").
     n, k = attrs["n_params"], attrs["n_scalars"]
     written = list(range(k, k + n))
     for s in range(attrs["n_slots"]):
@@ -119,9 +162,14 @@ def update_weight_copies(attrs) -> list[tuple[int, int, tuple[int, ...] | None]]
 
 @defop("sgd_update", mutates=_update_mutates)
 def _sgd_update(ins, attrs):
-    """PyTorch SGD over every parameter in one op. ins = lr, step[, norm], params, grads,
-    momentum buffers[, bf16 weight copies][, guard flags]. Grads are scaled by min(1, max_norm
-    / (norm + 1e-6)) when clipping. attrs copies (precision="bf16", compile/autocast.py): the
+    """PyTorch SGD over every parameter in one op. ins = lr, step, hyperparameters[, norm],
+    params, grads, momentum buffers[, bf16 weight copies][, guard flags]. lr is the schedule's
+    factor; hyperparameters the (rows, 4) float64 state of HYPER_COLUMNS (lr, weight_decay,
+    momentum, dampening), parameter i reading row hyper_rows(attrs)[i]; n_slots 1 (a momentum
+    buffer each) or 0 (the step was built without momentum: a row's momentum is then unused).
+    A row with momentum 0 updates as plain SGD and leaves its buffer as it is (PyTorch's). attrs
+    nesterov, maximize. Grads are scaled by min(1, max_norm / (norm + 1e-6)) when clipping.
+    attrs copies (precision="bf16", compile/autocast.py): the
     indices of the parameters with a bf16 copy, one copy input each in that order; after the
     update, copy j = bf16(params[copies[j]]) rounded to nearest even, transposed by copy_dims[j]
     when attrs copy_dims gives dims (not None) and viewed with the copy's shape (a conv
@@ -136,8 +184,27 @@ def _sgd_update(ins, attrs):
 @defop("adam_update", mutates=_update_mutates)
 def _adam_update(ins, attrs):
     """PyTorch Adam (decoupled=False) or AdamW (decoupled=True) over every parameter.
-    ins = lr, step[, norm], params, grads, exp_avg, exp_avg_sq[, bf16 weight copies][, guard
-    flags] (as sgd_update)."""
+    ins = lr, step, hyperparameters (lr, weight_decay, beta1, beta2, eps)[, norm], params,
+    grads, exp_avg, exp_avg_sq[, max_exp_avg_sq with attrs amsgrad][, bf16 weight copies][,
+    guard flags] (as sgd_update); attrs maximize."""
+    return []
+
+
+@defop("rmsprop_update", mutates=_update_mutates)
+def _rmsprop_update(ins, attrs):
+    """PyTorch RMSprop over every parameter. ins = lr, step, hyperparameters (lr,
+    weight_decay, alpha, eps, momentum)[, norm], params, grads, square_avg[, grad_avg with
+    attrs centered][, momentum_buffer: n_slots = 1 + centered + 1 when the step was built with
+    momentum][, bf16 weight copies][, guard flags] (as sgd_update); attrs maximize."""
+    return []
+
+
+@defop("adagrad_update", mutates=_update_mutates)
+def _adagrad_update(ins, attrs):
+    """PyTorch Adagrad over every parameter. ins = lr, step, hyperparameters (lr,
+    weight_decay, lr_decay, eps)[, norm], params, grads, sum (starting at the group's
+    initial_accumulator_value)[, bf16 weight copies][, guard flags] (as sgd_update); attrs
+    maximize."""
     return []
 
 
@@ -155,16 +222,19 @@ def _skipped(node: Node, ins) -> bool:
 
 
 def _update_groups(node: Node, ins):
-    """Split an update op's inputs: (lr, step, clip coefficient, params, grads, state slots)."""
+    """Split an update op's inputs: (lr, step, clip coefficient, params, grads, state slots,
+    each parameter's hyperparameters as a dict of HYPER_COLUMNS)."""
     a = node.attrs
     n, k = a["n_params"], a["n_scalars"]
-    lr, step = float(ins[0]), int(ins[1])
+    lr, step, hyper = float(ins[0]), int(ins[1]), ins[HYPER_AT]
     coef = 1.0
-    if k == 3:
-        coef = min(1.0, a["max_norm"] / (float(ins[2]) + 1e-6))
+    if k == NORM_AT + 1:
+        coef = min(1.0, a["max_norm"] / (float(ins[NORM_AT]) + 1e-6))
     params, grads = ins[k:k + n], ins[k + n:k + 2 * n]
     slots = [ins[k + (2 + s) * n:k + (3 + s) * n] for s in range(a["n_slots"])]
-    return lr, step, coef, params, grads, slots
+    columns = HYPER_COLUMNS[node.op]
+    rows = [dict(zip(columns, (float(x) for x in hyper[r]))) for r in hyper_rows(a)]
+    return lr, step, coef, params, grads, slots, rows
 
 
 def _write_weight_copies(node: Node, ins) -> None:
@@ -176,10 +246,16 @@ def _write_weight_copies(node: Node, ins) -> None:
         copy[...] = (p if dims is None else p.transpose(dims)).reshape(copy.shape)
 
 
-def _per_param(attrs: dict, key: str, i: int, default=None):
-    """attrs[key], or its entry for parameter i when parameter groups made it a tuple."""
-    v = attrs.get(key, default)
-    return v[i] if isinstance(v, (tuple, list)) else v
+def _direction(g, p, coef: float, maximize: bool, weight_decay: float):
+    """The gradient an update steps along: clipped, negated for maximize, plus wd * p
+    (PyTorch's order); a new array."""
+    t = p.dtype.type
+    d = g * t(coef) if coef != 1.0 else g.copy()
+    if maximize:
+        d = -d
+    if weight_decay:
+        d = d + t(weight_decay) * p
+    return d
 
 
 @impl("sgd_update")
@@ -187,22 +263,20 @@ def sgd_update(node: Node, ins, outs, ctx):
     if _skipped(node, ins):
         return
     a = node.attrs
-    lr, step, coef, params, grads, slots = _update_groups(node, ins)
-    for i, (p, g) in enumerate(zip(params, grads)):
+    lr, step, coef, params, grads, slots, rows = _update_groups(node, ins)
+    for i, (p, g, h) in enumerate(zip(params, grads, rows)):
         t = p.dtype.type
-        lr_i, wd = lr * _per_param(a, "lr_scale", i, 1.0), _per_param(a, "weight_decay", i)
-        d = g * t(coef) if coef != 1.0 else g.copy()
-        if wd:
-            d = d + t(wd) * p
-        if a["momentum"]:
+        d = _direction(g, p, coef, a.get("maximize", False), h["weight_decay"])
+        momentum = h["momentum"] if slots else 0.0
+        if momentum:
             buf = slots[0][i]
             if step == 1:
                 buf[...] = d
             else:
-                buf *= t(a["momentum"])
-                buf += t(1 - a["dampening"]) * d
-            d = d + t(a["momentum"]) * buf if a["nesterov"] else buf
-        p -= t(lr_i) * d
+                buf *= t(momentum)
+                buf += t(1 - h["dampening"]) * d
+            d = d + t(momentum) * buf if a.get("nesterov") else buf
+        p -= t(lr * h["lr"]) * d
     _write_weight_copies(node, ins)
 
 
@@ -211,23 +285,74 @@ def adam_update(node: Node, ins, outs, ctx):
     if _skipped(node, ins):
         return
     a = node.attrs
-    lr, step, coef, params, grads, (exp_avg, exp_avg_sq) = _update_groups(node, ins)
-    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avg, exp_avg_sq)):
+    lr, step, coef, params, grads, slots, rows = _update_groups(node, ins)
+    for i, (p, g, h) in enumerate(zip(params, grads, rows)):
         t = p.dtype.type
-        lr_i, wd = lr * _per_param(a, "lr_scale", i, 1.0), _per_param(a, "weight_decay", i)
-        b1, b2 = _per_param(a, "beta1", i), _per_param(a, "beta2", i)
+        m, v = slots[0][i], slots[1][i]
+        lr_i, wd, b1, b2 = lr * h["lr"], h["weight_decay"], h["beta1"], h["beta2"]
         step_size = lr_i / (1 - b1**step)
         bc2_sqrt = math.sqrt(1 - b2**step)
-        d = g * t(coef) if coef != 1.0 else g
-        if wd and a["decoupled"]:
+        decoupled = a.get("decoupled", False)
+        d = _direction(g, p, coef, a.get("maximize", False), 0.0 if decoupled else wd)
+        if wd and decoupled:
             p *= t(1 - lr_i * wd)
-        elif wd:
-            d = d + t(wd) * p
         m += (d - m) * t(1 - b1)           # PyTorch: exp_avg.lerp_(grad, 1 - beta1)
         v *= t(b2)
         v += t(1 - b2) * d * d
-        denom = np.sqrt(v) / t(bc2_sqrt) + t(a["eps"])
+        if a.get("amsgrad"):
+            np.maximum(slots[2][i], v, out=slots[2][i])
+            v = slots[2][i]
+        denom = np.sqrt(v) / t(bc2_sqrt) + t(h["eps"])
         p -= t(step_size) * (m / denom)
+    _write_weight_copies(node, ins)
+
+
+@impl("rmsprop_update")
+def rmsprop_update(node: Node, ins, outs, ctx):
+    if _skipped(node, ins):
+        return
+    a = node.attrs
+    lr, step, coef, params, grads, slots, rows = _update_groups(node, ins)
+    centered = bool(a.get("centered"))
+    has_buffer = a["n_slots"] == 2 + centered
+    for i, (p, g, h) in enumerate(zip(params, grads, rows)):
+        t = p.dtype.type
+        alpha = h["alpha"]
+        d = _direction(g, p, coef, a.get("maximize", False), h["weight_decay"])
+        square_avg = slots[0][i]
+        square_avg *= t(alpha)
+        square_avg += t(1 - alpha) * d * d
+        if centered:
+            grad_avg = slots[1][i]
+            grad_avg += (d - grad_avg) * t(1 - alpha)     # lerp_(grad, 1 - alpha)
+            avg = np.sqrt(square_avg - grad_avg * grad_avg)
+        else:
+            avg = np.sqrt(square_avg)
+        avg = avg + t(h["eps"])
+        if has_buffer and h["momentum"] > 0:
+            buf = slots[-1][i]
+            buf *= t(h["momentum"])
+            buf += d / avg
+            p -= t(lr * h["lr"]) * buf
+        else:
+            p -= t(lr * h["lr"]) * (d / avg)
+    _write_weight_copies(node, ins)
+
+
+@impl("adagrad_update")
+def adagrad_update(node: Node, ins, outs, ctx):
+    if _skipped(node, ins):
+        return
+    a = node.attrs
+    lr, step, coef, params, grads, slots, rows = _update_groups(node, ins)
+    for i, (p, g, h) in enumerate(zip(params, grads, rows)):
+        t = p.dtype.type
+        d = _direction(g, p, coef, a.get("maximize", False), h["weight_decay"])
+        clr = lr * h["lr"] / (1 + (step - 1) * h["lr_decay"])
+        total = slots[0][i]
+        total += d * d
+        std = np.sqrt(total) + t(h["eps"])
+        p -= t(clr) * (d / std)
     _write_weight_copies(node, ins)
 
 

@@ -11,6 +11,10 @@ At step t (1-based, counted before the update, as PyTorch's schedulers stepped p
                                    e = clamp(t - 1 - warmup_steps, 0, T), T = total - warmup
 - step decay, step_size > 0:       base_lr * gamma ** ((t - 1) // step_size)
 - otherwise constant:              base_lr
+
+Inside the step the schedule gives a factor, schedule_lr / base_lr (`schedule_factor`), and
+each parameter's lr is that factor times its group's lr (optim/optimizer.py): exactly the
+group's lr under the constant schedule, and every group moved alike under the others.
 """
 from __future__ import annotations
 
@@ -78,3 +82,15 @@ def schedule_lr(vector: np.ndarray, step: int) -> float:
     if step_size > 0:
         return base * gamma ** ((step - 1) // int(step_size))
     return base
+
+
+def schedule_factor(vector: np.ndarray, step: int) -> float:
+    """schedule_lr(vector, step) / base_lr in float64 (1.0 exactly for the constant schedule):
+    the factor of every group's lr at `step` (the update ops' lr input). With base_lr 0 the
+    schedule's shape for a base of 1 and min_lr 0 (the groups' lrs then set the scale)."""
+    base = float(vector[0])
+    if base == 0.0:
+        unit = np.array(vector, dtype=np.float64)
+        unit[0], unit[3] = 1.0, 0.0
+        return schedule_lr(unit, step)
+    return schedule_lr(vector, step) / base

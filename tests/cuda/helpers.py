@@ -10,6 +10,7 @@ from stepgraph.ir.graph import Node, Value
 from stepgraph.ir.ops import IMPLS as NUMPY_IMPLS
 from stepgraph.ir.ops import OPS, infer_outputs
 from stepgraph.nn import functional as F
+from stepgraph.ops.optim import HYPER_COLUMNS, hyperparameter_table
 
 # What outputs hold before a run, so that an element no kernel wrote cannot pass for a result.
 POISON = {"float32": np.nan, "float64": np.nan, "int32": -7, "int64": -7, "uint8": 7}
@@ -143,15 +144,33 @@ def pool_input(shape, seed):
 PARAM_SHAPES = [(3, 5), (7,), (1,), (33, 17), (4100,), (2, 3, 3, 3)]
 
 
-def run_update_steps(ctx, impls, op, attrs, n_slots, seed, clip=False, steps=3):
+def update_hyperparameters(op, attrs, n):
+    """(the attrs of the formula, the (n, columns) float64 hyperparameters) of an update from
+    one dict: the HYPER_COLUMNS values (numbers, or tuples of one per parameter; lr_scale as
+    the lr column, 1.0 when absent) and the formula's attrs."""
+    columns = HYPER_COLUMNS[op]
+    values = {k: v for k, v in attrs.items() if k in columns}
+    values["lr"] = attrs.get("lr_scale", 1.0)
+    rest = {k: v for k, v in attrs.items() if k not in columns and k != "lr_scale"}
+    return rest, hyperparameter_table(op, values, n)
+
+
+def run_update_steps(ctx, impls, op, attrs, n_slots, seed, clip=False, steps=3,
+                     rows_reversed=False):
     """`steps` updates of every parameter through numpy and impls[op], compared after each;
-    the device inputs after each step. clip: a global-norm scalar and max_norm 0.5."""
+    the device inputs after each step. attrs: update_hyperparameters's. clip: a global-norm
+    scalar and max_norm 0.5. rows_reversed: the table's rows in reverse order behind two
+    unused rows, the node's attrs hyper_rows saying which is whose."""
     rng = np.random.default_rng(seed)
     n = len(PARAM_SHAPES)
+    attrs, hyper = update_hyperparameters(op, attrs, n)
+    if rows_reversed:
+        hyper = np.concatenate([np.full((2, hyper.shape[1]), np.nan), hyper[::-1]])
+        attrs = dict(attrs, hyper_rows=tuple(2 + n - 1 - i for i in range(n)))
     params = [random(rng, *s) for s in PARAM_SHAPES]
     slots = [np.zeros(s, np.float32) for _ in range(n_slots) for s in PARAM_SHAPES]
     lr, step, norm = np.array(0.05, np.float32), np.array(0, np.int64), np.array(0, np.float32)
-    scalars = [lr, step] + ([norm] if clip else [])
+    scalars = [lr, step, hyper] + ([norm] if clip else [])
     attrs = dict(attrs, n_params=n, n_scalars=len(scalars), n_slots=n_slots,
                  max_norm=0.5 if clip else None)
     grads = [random(rng, *s) for s in PARAM_SHAPES]
@@ -161,7 +180,7 @@ def run_update_steps(ctx, impls, op, attrs, n_slots, seed, clip=False, steps=3):
     results = []
     for t in range(1, steps + 1):
         fresh = [random(rng, *s) for s in PARAM_SHAPES]          # new grads every step
-        new_scalars = [np.array(0.05 / t, np.float32), np.array(t, np.int64)]
+        new_scalars = [np.array(0.05 / t, np.float32), np.array(t, np.int64), None]
         if clip:
             new_scalars.append(np.array(np.sqrt(sum((g.astype(np.float64) ** 2).sum()
                                                     for g in fresh)), np.float32))

@@ -26,6 +26,7 @@ from stepgraph.backends.cuda.loss import cross_entropy_train  # noqa: E402
 from stepgraph.backends.numpy import bf16  # noqa: E402
 from stepgraph.ir.graph import Node  # noqa: E402
 from stepgraph.ops.guard import GUARD_GRADS  # noqa: E402
+from tests.cuda.helpers import update_hyperparameters  # noqa: E402
 from tests.ops.helpers import seeded  # noqa: E402
 
 
@@ -37,15 +38,16 @@ def ctx(backend):
 def _update(ctx, op, params, grads, n_slots, attrs):
     """Runs `op` over copies of params (float32) with `grads` (float32 or bf16 bits) and zero
     slots; returns the parameters and slots after."""
+    attrs, hyper = update_hyperparameters(op, attrs, len(params))
     with ctx.stream:
-        ins = [cp.asarray(np.float32(1e-2)), cp.asarray(np.int64(2))]
+        ins = [cp.asarray(np.float32(1e-2)), cp.asarray(np.int64(2)), cp.asarray(hyper)]
         ins += [cp.asarray(p) for p in params] + [cp.asarray(g) for g in grads]
         ins += [cp.zeros(p.shape, np.float32) + 0.25 for _ in range(n_slots) for p in params]
-    node = Node(op, [], [], dict(n_params=len(params), n_scalars=2, n_slots=n_slots,
+    node = Node(op, [], [], dict(n_params=len(params), n_scalars=3, n_slots=n_slots,
                                  max_norm=None, **attrs))
     getattr(optim, op)(ctx, node, ins)
     ctx.stream.synchronize()
-    return [cp.asnumpy(a) for a in ins[2:2 + len(params)] + ins[2 + 2 * len(params):]]
+    return [cp.asnumpy(a) for a in ins[3:3 + len(params)] + ins[3 + 2 * len(params):]]
 
 
 @pytest.mark.parametrize("op", ["sgd_update", "adam_update"])

@@ -31,6 +31,7 @@ from stepgraph.backends.cuda.matmul import small_matmul  # noqa: E402
 from stepgraph.backends.numpy import NumpyBackend, bf16  # noqa: E402
 from stepgraph.ir.graph import BF16, Node, Value  # noqa: E402
 from stepgraph.ir.ops import OPS, infer_outputs  # noqa: E402
+from tests.cuda.helpers import update_hyperparameters  # noqa: E402
 from tests.ops.helpers import relative_error as rel, seeded  # noqa: E402
 
 POISON = {"float32": np.float32(np.nan), "uint8": np.uint8(7), "int64": np.int64(-7),
@@ -302,8 +303,9 @@ def test_small_matmul(backend, ctx, monkeypatch, trans_a, trans_b, m, k, n, requ
 # ---- optimizer weight copies ---------------------------------------------------------------
 
 def update_node(op, params, n_slots, copies, copy_dims=None, **attrs):
-    arrays = [np.array(1e-2, np.float32), np.array(1, np.int64)]
-    dtypes = ["float32", "int64"]
+    attrs, hyper = update_hyperparameters(op, attrs, len(params))
+    arrays = [np.array(1e-2, np.float32), np.array(1, np.int64), hyper]
+    dtypes = ["float32", "int64", "float64"]
     rng = seeded(f"{op}-{n_slots}-{copy_dims}")
     for group in range(2 + n_slots):
         for p in params:
@@ -316,7 +318,7 @@ def update_node(op, params, n_slots, copies, copy_dims=None, **attrs):
         shape = params[i].shape if dims is None else tuple(params[i].shape[d] for d in dims)
         arrays.append(np.full(shape, 0x1234, np.uint16))
         dtypes.append(BF16)
-    full = dict(n_params=len(params), n_scalars=2, n_slots=n_slots, max_norm=None,
+    full = dict(n_params=len(params), n_scalars=3, n_slots=n_slots, max_norm=None,
                 copies=tuple(copies), **attrs)
     if copy_dims:
         full["copy_dims"] = tuple(copy_dims)
@@ -335,9 +337,9 @@ def test_update_writes_bf16_copies_of_the_updated_parameters(backend, ctx, op):
     node, arrays = update_node(op, params, 2 if op == "adam_update" else 1, copies=(0, 1, 2),
                                **attrs)
     _, _, ref_ins, dev_ins = run_both(backend, ctx, node, arrays)
-    first = 2 + (2 + node.attrs["n_slots"]) * len(params)
+    first = 3 + (2 + node.attrs["n_slots"]) * len(params)
     for j, i in enumerate((0, 1, 2)):
-        p_dev, p_ref = dev_ins[2 + i], ref_ins[2 + i]
+        p_dev, p_ref = dev_ins[3 + i], ref_ins[3 + i]
         np.testing.assert_allclose(p_dev, p_ref, rtol=1e-6, atol=1e-7)
         # The copy is the device's own updated parameter rounded once: bit for bit.
         np.testing.assert_array_equal(dev_ins[first + j], bf16.to_bits(p_dev))
@@ -352,10 +354,10 @@ def test_sgd_update_writes_transposed_copies(backend, ctx):
                                copy_dims=((0, 2, 3, 1), None), momentum=0.9, dampening=0.0,
                                weight_decay=5e-4, nesterov=True)
     _, _, ref_ins, dev_ins = run_both(backend, ctx, node, arrays)
-    first = 2 + 3 * len(params)
+    first = 3 + 3 * len(params)
     np.testing.assert_array_equal(dev_ins[first],
-                                  bf16.to_bits(dev_ins[2].transpose(0, 2, 3, 1)))
-    np.testing.assert_array_equal(dev_ins[first + 1], bf16.to_bits(dev_ins[3]))
+                                  bf16.to_bits(dev_ins[3].transpose(0, 2, 3, 1)))
+    np.testing.assert_array_equal(dev_ins[first + 1], bf16.to_bits(dev_ins[4]))
     assert_bf16_within(dev_ins[first], ref_ins[first], what="transposed copy")
 
 

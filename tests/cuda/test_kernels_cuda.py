@@ -23,6 +23,7 @@ from stepgraph.backends.cuda.runtime.context import CudaContext  # noqa: E402
 from stepgraph.errors import CaptureError  # noqa: E402
 from stepgraph.ir.ops import IMPLS as NUMPY_IMPLS  # noqa: E402
 from stepgraph.ops.activation import ACTIVATIONS, GRAD_FROM_OUTPUT  # noqa: E402
+from stepgraph.ops.optim import hyperparameter_table  # noqa: E402
 from stepgraph.optim import schedules  # noqa: E402
 from tests.cuda import helpers  # noqa: E402
 from tests.cuda.helpers import (  # noqa: E402
@@ -389,11 +390,62 @@ def test_adam_update(ctx, decoupled, weight_decay, clip):
     run_update_steps(ctx, CORE_IMPLS, "adam_update", attrs, 2, [61, 2, int(clip)], clip)
 
 
+@pytest.mark.parametrize("amsgrad,maximize", [(True, False), (False, True), (True, True)])
+def test_adam_update_amsgrad_maximize(ctx, amsgrad, maximize):
+    attrs = dict(beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.01, decoupled=False,
+                 amsgrad=amsgrad, maximize=maximize)
+    run_update_steps(ctx, CORE_IMPLS, "adam_update", attrs, 2 + amsgrad,
+                     [63, int(amsgrad), int(maximize)], steps=4)
+
+
+@pytest.mark.parametrize("centered,momentum", [(False, 0.0), (True, 0.0), (False, 0.9),
+                                               (True, 0.5)])
+@pytest.mark.parametrize("clip", [False, True])
+def test_rmsprop_update(ctx, centered, momentum, clip):
+    """Slots: square_avg[, grad_avg][, momentum_buffer] (the kernel's s0, s1, s2)."""
+    attrs = dict(alpha=0.9, eps=1e-6, weight_decay=0.02, momentum=momentum, centered=centered,
+                 maximize=clip)
+    n_slots = 1 + centered + (momentum > 0)
+    run_update_steps(ctx, CORE_IMPLS, "rmsprop_update", attrs, n_slots,
+                     [65, n_slots, int(clip)], clip, steps=4)
+
+
+def test_rmsprop_update_momentum_switched_off_per_row(ctx):
+    """A step built with momentum buffers whose rows say momentum 0: plain RMSprop there,
+    the buffer left as it is."""
+    per = lambda values: tuple(values[g] for g in GROUPS_OF_PARAMS)   # noqa: E731
+    attrs = dict(alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=per([0.9, 0.0]))
+    run_update_steps(ctx, CORE_IMPLS, "rmsprop_update", attrs, 2, [66], steps=3)
+
+
+@pytest.mark.parametrize("lr_decay,weight_decay,maximize", [(0.0, 0.0, False),
+                                                            (0.1, 0.01, False),
+                                                            (0.05, 0.0, True)])
+@pytest.mark.parametrize("clip", [False, True])
+def test_adagrad_update(ctx, lr_decay, weight_decay, maximize, clip):
+    attrs = dict(lr_decay=lr_decay, weight_decay=weight_decay, eps=1e-10, maximize=maximize)
+    run_update_steps(ctx, CORE_IMPLS, "adagrad_update", attrs, 1, [67, int(clip)], clip,
+                     steps=4)
+
+
+def test_sgd_update_reads_hyperparameter_rows_of_a_bucket(ctx):
+    """attrs hyper_rows (an overlapped bucket): parameter i reads the given row of a longer
+    table, not row i."""
+    per = lambda values: tuple(values[g] for g in GROUPS_OF_PARAMS)   # noqa: E731
+    attrs = dict(lr_scale=per([1.0, 0.25]), momentum=per([0.9, 0.0]), dampening=0.1,
+                 weight_decay=per([0.0, 0.05]), nesterov=False)
+    run_update_steps(ctx, CORE_IMPLS, "sgd_update", attrs, 1, [69], rows_reversed=True)
+
+
+GROUPS_OF_PARAMS = [0, 1, 0, 1, 1, 0]      # parameter -> group, for per-parameter values
+
+
 def test_update_tables_must_exist_before_capture(ctx):
     p, g = random(np.random.default_rng(67), 5), random(np.random.default_rng(68), 5)
-    ins = [np.array(0.1, np.float32), np.array(1, np.int64), p, g]
-    node = make_node("sgd_update", ins, n_params=1, n_scalars=2, n_slots=0, momentum=0.0,
-                     dampening=0.0, weight_decay=0.0, nesterov=False, max_norm=None)
+    hyper = hyperparameter_table("sgd_update", {"lr": 1.0}, 1)
+    ins = [np.array(0.1, np.float32), np.array(1, np.int64), hyper, p, g]
+    node = make_node("sgd_update", ins, n_params=1, n_scalars=3, n_slots=0, nesterov=False,
+                     max_norm=None)
     cold = CudaContext(stream=ctx.stream, capturing=True)
     with pytest.raises(CaptureError):
         CORE_IMPLS["sgd_update"](node, to_device(ctx, ins), [], cold)
@@ -422,21 +474,23 @@ def test_captured_step_replays(ctx):
     gsum = random(rng, c)      # the parameter's gradient: fixed, the schedule still moves
     norm = np.zeros((), np.float32)
     m, v = np.zeros_like(w), np.zeros_like(w)
-    upd_ins = [lr, step, norm, w, gsum, m, v]
-    upd = make_node("adam_update", upd_ins, n_params=1, n_scalars=3, n_slots=2, beta1=0.9,
-                    beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, max_norm=1.0)
+    hyper = hyperparameter_table("adam_update", dict(lr=1.0, beta1=0.9, beta2=0.999, eps=1e-8,
+                                                     weight_decay=0.01), 1)
+    upd_ins = [lr, step, hyper, norm, w, gsum, m, v]
+    upd = make_node("adam_update", upd_ins, n_params=1, n_scalars=4, n_slots=2, decoupled=True,
+                    max_norm=1.0)
     gn = make_node("global_norm", [gsum])
 
     def program(impls, arrays, ctx_):
-        s, vec, lr_, x_, xd_, mask_, lab, loss_, dx_, gs, norm_, w_, m_, v_ = arrays
+        s, vec, lr_, x_, xd_, mask_, lab, loss_, dx_, gs, norm_, w_, m_, v_, h_ = arrays
         impls["step_increment"](nodes[0], [s], [], ctx_)
         impls["lr_schedule"](nodes[1], [s, vec], [lr_], ctx_)
         impls["dropout"](drop, [x_, s], [xd_, mask_], ctx_)
         impls["cross_entropy_train"](ce, [xd_, lab], [loss_, dx_], ctx_)
         impls["global_norm"](gn, [gs], [norm_], ctx_)
-        impls["adam_update"](upd, [lr_, s, norm_, w_, gs, m_, v_], [], ctx_)
+        impls["adam_update"](upd, [lr_, s, h_, norm_, w_, gs, m_, v_], [], ctx_)
 
-    host = [step, vector, lr, x, xd, mask, labels, loss, dx, gsum, norm, w, m, v]
+    host = [step, vector, lr, x, xd, mask, labels, loss, dx, gsum, norm, w, m, v, hyper]
     dev = to_device(ctx, [a.copy() for a in host])
     program(NUMPY_IMPLS, host, None)
     program(CORE_IMPLS, dev, ctx)                     # eager warm-up

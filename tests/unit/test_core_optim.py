@@ -1,6 +1,7 @@
 """Optimizers (stepgraph/optim): the update ops they emit against torch.optim over several
 steps with random gradients, the LR schedule formulas, and argument checks. Whole training
-trajectories are in tests/models/test_trajectories.py."""
+trajectories are in tests/models/test_trajectories.py; torch-style construction, param_groups
+and state_dict in test_optim_torch.py."""
 from __future__ import annotations
 
 import math
@@ -42,6 +43,27 @@ OPTIMIZERS = {
     "adamw": (lambda: optim.AdamW(lr=0.01, weight_decay=0.1),
               lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
               ("exp_avg", "exp_avg_sq")),
+    "adamw-amsgrad-maximize": (
+        lambda: optim.AdamW(lr=0.01, weight_decay=0.1, amsgrad=True, maximize=True),
+        lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, amsgrad=True,
+                                     maximize=True),
+        ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")),
+    "sgd-maximize": (lambda: optim.SGD(lr=0.1, momentum=0.9, maximize=True),
+                     lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, maximize=True),
+                     ("momentum_buffer",)),
+    "rmsprop": (lambda: optim.RMSprop(lr=0.01, weight_decay=0.1),
+                lambda ps: torch.optim.RMSprop(ps, lr=0.01, weight_decay=0.1), ("square_avg",)),
+    "rmsprop-centered-momentum-maximize": (
+        lambda: optim.RMSprop(lr=0.01, alpha=0.9, eps=1e-6, momentum=0.8, centered=True,
+                              maximize=True),
+        lambda ps: torch.optim.RMSprop(ps, lr=0.01, alpha=0.9, eps=1e-6, momentum=0.8,
+                                       centered=True, maximize=True),
+        ("square_avg", "grad_avg", "momentum_buffer")),
+    "adagrad": (lambda: optim.Adagrad(lr=0.1, lr_decay=0.1, weight_decay=0.05,
+                                      initial_accumulator_value=0.2, eps=1e-6),
+                lambda ps: torch.optim.Adagrad(ps, lr=0.1, lr_decay=0.1, weight_decay=0.05,
+                                               initial_accumulator_value=0.2, eps=1e-6),
+                ("sum",)),
 }
 
 

@@ -440,27 +440,40 @@ def _assert_launches_match(launched) -> None:
         assert all(g >= 1 for g in grid) and len(grid) <= 3, (name, grid)
 
 
+# op -> (n_slots, attrs of the formula), one case each: every slot layout the launchers take
+UPDATE_CASES = {
+    "sgd_update": (1, dict(nesterov=False)),
+    "adam_update": (2, dict(decoupled=True)),
+    "adam_update-amsgrad": (3, dict(decoupled=False, amsgrad=True, maximize=True)),
+    "rmsprop_update": (1, dict()),
+    "rmsprop_update-centered-momentum": (3, dict(centered=True)),
+    "adagrad_update": (1, dict(maximize=True)),
+}
+
+
 @pytest.mark.parametrize("guarded", [False, True])
-@pytest.mark.parametrize("op", ["sgd_update", "adam_update"])
-def test_update_launch_arguments_match_the_kernels(monkeypatch, op, guarded):
+@pytest.mark.parametrize("case", UPDATE_CASES)
+def test_update_launch_arguments_match_the_kernels(monkeypatch, case, guarded):
     from stepgraph.backends.cuda import optim
     from stepgraph.ir.graph import Node
+    from stepgraph.ops.optim import HYPER_COLUMNS
 
     launched = _record_launches(monkeypatch, optim)
-    slots = 2 if op == "adam_update" else 1
-    attrs = dict(n_params=2, n_scalars=3, n_slots=slots, max_norm=1.0, momentum=0.9,
-                 dampening=0.0, weight_decay=0.01, nesterov=False, beta1=0.9, beta2=0.999,
-                 eps=1e-8, decoupled=True)
+    op = case.split("-")[0]
+    slots, formula = UPDATE_CASES[case]
+    attrs = dict(n_params=2, n_scalars=4, n_slots=slots, max_norm=1.0, **formula)
     if guarded:
         attrs["guard"] = True
-    ins = [Fake(()), Fake((), "int64"), Fake(())] \
+    hyper = Fake((2, len(HYPER_COLUMNS[op])), "float64")
+    ins = [Fake(()), Fake((), "int64"), hyper, Fake(())] \
         + [Fake((3, 4)) for _ in range((2 + slots) * 2)] \
         + ([Fake((2,), "int32")] if guarded else [])
     getattr(optim, op)(None, Node(op, [], [], attrs), ins)
     (filename, name, _, _, args), = launched
     assert (filename, name) == ("optim.cu", f"{op}_kernel")
     _assert_launches_match(launched)
-    assert (args[8] is ins[-1]) if guarded else (args[8] == 0)    # the guard flags pointer
+    assert args[5] is hyper and args[6] == len(HYPER_COLUMNS[op])    # the device rows
+    assert (args[10] is ins[-1]) if guarded else (args[10] == 0)    # the guard flags pointer
 
 
 @pytest.mark.parametrize("dtype", ["float32", "uint16"])

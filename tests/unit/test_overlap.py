@@ -240,18 +240,20 @@ def test_the_split_keeps_the_serial_program_but_for_the_step_bookkeeping():
     (serial_update,) = [n for n in serial.nodes if n.op in UPDATE_OPS]
     updates = [n for n in graph.nodes if n.op in UPDATE_OPS]
     assert sum(n.attrs["n_params"] for n in updates) == serial_update.attrs["n_params"]
-    # Each bucket keeps its parameters' group hyperparameters.
-    for n in updates:
-        for key in ("lr_scale", "weight_decay", "beta1", "beta2"):
-            assert len(n.attrs[key]) == n.attrs["n_params"]
+    # Each bucket reads its parameters' rows of the one hyperparameter table (and group).
+    hyper = serial_update.inputs[2]
+    assert hyper.name == "optimizer.hyperparameters"
     by_param = {}
     for n in updates:
         k, count = n.attrs["n_scalars"], n.attrs["n_params"]
+        assert n.inputs[2] is hyper and len(n.attrs["hyper_rows"]) == count
+        assert len(n.attrs["param_group"]) == count
         for j, p in enumerate(n.inputs[k:k + count]):
-            by_param[p] = n.attrs["weight_decay"][j]
+            by_param[p] = (n.attrs["hyper_rows"][j], n.attrs["param_group"][j])
     k, count = serial_update.attrs["n_scalars"], serial_update.attrs["n_params"]
+    assert "hyper_rows" not in serial_update.attrs     # parameter i reads row i
     for j, p in enumerate(serial_update.inputs[k:k + count]):
-        assert by_param[p] == serial_update.attrs["weight_decay"][j]
+        assert by_param[p] == (j, serial_update.attrs["param_group"][j])
 
 
 def test_a_late_reader_of_the_step_counter_holds_the_bookkeeping_back():
@@ -274,7 +276,7 @@ def test_join_holds_the_gradients_until_the_end():
     graph = overlap.overlap_update(fused_graph(mlp, plain_sgd, losses.cross_entropy, data), 1)
     join = graph.nodes[-1]
     grads = {v for n in graph.nodes if n.op in UPDATE_OPS
-             for v in n.inputs[2 + n.attrs["n_params"]:2 + 2 * n.attrs["n_params"]]}
+             for v in n.inputs[3 + n.attrs["n_params"]:3 + 2 * n.attrs["n_params"]]}
     assert grads <= set(join.inputs)
     assert not any(v.is_external for v in join.inputs)
 

@@ -1,8 +1,10 @@
-// Optimizer kernels: the step counter, the LR schedule, and SGD / Adam / AdamW as ONE
-// multi-tensor launch over every parameter. Nothing a step needs is a host scalar: lr, step
-// and the clipping norm are read from device memory, so a captured graph stays valid when
-// they change. Formulas, operation order and rounding follow the numpy reference
-// (PyTorch's); __f*_rn keep the compiler from fusing a product and a sum into one FMA.
+// Optimizer kernels: the step counter, the LR schedule, and SGD / Adam / AdamW / RMSprop /
+// Adagrad as ONE multi-tensor launch over every parameter. Nothing a step needs is a host
+// scalar: lr, step, the clipping norm and every parameter's hyperparameters (a float64 row of
+// the state `optimizer.hyperparameters`, ops/optim.py HYPER_COLUMNS) are read from device
+// memory, so a captured graph stays valid when they change. Formulas, operation order and
+// rounding follow the numpy reference (PyTorch's); __f*_rn keep the compiler from fusing a
+// product and a sum into one FMA.
 // A guarded step (ops/guard.py) moves the counter and applies the update only when it passes.
 // precision="bf16": the update also writes each parameter's bf16 weight copy (attrs copies)
 // from the freshly updated float32 value, in the same pass (UpdateEntry.copy).
@@ -29,11 +31,12 @@ extern "C" __global__ void record_loss_kernel(const float* loss, const long long
     record(*loss, *step, history_loss, history_step, length);
 }
 
-// lr at step t from the (6,) float32 vector [base_lr, warmup_steps, total_steps, min_lr,
-// step_size, gamma] (optim/schedules.py), in float64 and cast once.
-__device__ __forceinline__ float scheduled_lr(const float* schedule, long long t) {
-    const double base = schedule[0], warmup = schedule[1], total = schedule[2];
-    const double min_lr = schedule[3], step_size = schedule[4], gamma = schedule[5];
+// The lr at step t from the (6,) float32 vector [base_lr, warmup_steps, total_steps, min_lr,
+// step_size, gamma] (optim/schedules.py schedule_lr), in float64.
+__device__ __forceinline__ double scheduled_lr(double base, double min_lr, const float* schedule,
+                                               long long t) {
+    const double warmup = schedule[1], total = schedule[2];
+    const double step_size = schedule[4], gamma = schedule[5];
     double r = base;
     if (warmup > 0.0 && (double)t <= warmup) {
         r = base * (double)t / warmup;
@@ -47,13 +50,22 @@ __device__ __forceinline__ float scheduled_lr(const float* schedule, long long t
         const long long k = a >= 0 ? a / s : -((-a + s - 1) / s);
         r = base * pow(gamma, (double)k);
     }
-    return (float)r;
+    return r;
+}
+
+// The factor of every group's lr at step t (schedules.py schedule_factor): scheduled lr /
+// base_lr in float64, cast once; 1.0 exactly for the constant schedule. base_lr 0: the
+// schedule's shape for base 1 and min_lr 0.
+__device__ __forceinline__ float scheduled_factor(const float* schedule, long long t) {
+    const double base = schedule[0];
+    if (base == 0.0) return (float)scheduled_lr(1.0, 0.0, schedule, t);
+    return (float)(scheduled_lr(base, schedule[3], schedule, t) / base);
 }
 
 extern "C" __global__ void lr_schedule_kernel(const long long* step, const float* schedule,
                                               float* lr) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
-    *lr = scheduled_lr(schedule, *step);
+    *lr = scheduled_factor(schedule, *step);
 }
 
 // step_increment, lr_schedule and record_loss in one thread: the bookkeeping of a step.
@@ -64,7 +76,7 @@ extern "C" __global__ void advance_step_kernel(long long* step, const float* sch
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     const long long t = *step + 1;
     *step = t;
-    *lr = scheduled_lr(schedule, t);
+    *lr = scheduled_factor(schedule, t);
     record(*loss, t, history_loss, history_step, length);
 }
 
@@ -98,31 +110,29 @@ extern "C" __global__ void guard_advance_kernel(int* flags, long long* counters,
         t += 1;
         *step = t;
     }
-    *lr = scheduled_lr(schedule, t);
+    *lr = scheduled_factor(schedule, t);
     record(*loss, calls, history_loss, history_step, length);
     history_flag[calls % length] = bits | (skip && bits == 0 ? 8 : 0);  // 8: GUARD_HELD
 }
 
 // One row of the device table built once per update node by optim.py: the tensors of one
 // parameter (slots unused by the optimizer are null), whether all of them are 16-byte aligned
-// (float4 path), and the hyperparameters of the parameter's group (optimizer parameter groups;
-// without groups every row holds the optimizer's own values, and the arithmetic is the same).
-// The gradient is float32, or bf16 bits (grad_bf16: precision="bf16", where the update reads
-// the bf16 gradient of the weight's copy and widens it itself, exactly as the dropped cast
-// would have: compile/fuse.py fuse_gradient_casts).
+// (float4 path), and `row`: the parameter's row of the hyperparameters (ops/optim.py
+// hyper_rows), read at every launch, so that a write from the host between steps takes effect
+// without a new table or capture. The gradient is float32, or bf16 bits (grad_bf16:
+// precision="bf16", where the update reads the bf16 gradient of the weight's copy and widens
+// it itself, exactly as the dropped cast would have: compile/fuse.py fuse_gradient_casts).
 struct UpdateEntry {
     float* p;
     const void* g;
-    float* s0;  // SGD momentum buffer / Adam exp_avg
-    float* s1;  // Adam exp_avg_sq
+    float* s0;  // SGD momentum buffer / Adam exp_avg / RMSprop square_avg / Adagrad sum
+    float* s1;  // Adam exp_avg_sq / RMSprop grad_avg
+    float* s2;  // Adam max_exp_avg_sq / RMSprop momentum_buffer
     unsigned short* copy;  // bf16 weight copy of p, same element order (null: none)
     long long n;
     long long aligned;
     long long grad_bf16;
-    double lr_scale;  // the group's lr / the optimizer's lr (the schedule scales the latter)
-    double weight_decay;
-    double beta1;  // Adam only
-    double beta2;
+    long long row;
 };
 
 // The table row of the parameter block blockIdx.x updates.
@@ -131,11 +141,19 @@ __device__ __forceinline__ const UpdateEntry& block_entry(const UpdateEntry* ent
     return entries[blocks[blockIdx.x].x];
 }
 
-// The multi-tensor loop both optimizers share. Block k updates chunk blocks[k] = (parameter,
+// The block's hyperparameter row (width float64 columns, ops/optim.py HYPER_COLUMNS).
+__device__ __forceinline__ const double* block_hyper(const UpdateEntry* entries,
+                                                     const int2* blocks, const double* hyper,
+                                                     int width) {
+    return hyper + block_entry(entries, blocks).row * (long long)width;
+}
+
+// The multi-tensor loop every optimizer shares. Block k updates chunk blocks[k] = (parameter,
 // chunk index): elements [chunk * index, min(chunk * (index + 1), n)), four a thread (one
 // float4 of each tensor where the parameter's tensors are aligned; chunk is a multiple of 4,
-// so float4 groups never straddle a chunk). element(p, g, s0, s1) updates one element in
-// place; `slots` state tensors (0, 1 or 2) are read and written back.
+// so float4 groups never straddle a chunk). element(p, g, s0, s1, s2) updates one element in
+// place; the state tensors whose bit is set in `slots` (1: s0, 2: s1, 4: s2) are read and
+// written back, the others read as 0.
 template <typename Element>
 __device__ __forceinline__ void update_chunk(const UpdateEntry* entries, const int2* blocks,
                                              int chunk, int slots, Element element) {
@@ -143,32 +161,36 @@ __device__ __forceinline__ void update_chunk(const UpdateEntry* entries, const i
     const UpdateEntry e = entries[job.x];
     const long long start = (long long)job.y * chunk, end = min(start + chunk, e.n);
     const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    const bool u0 = slots & 1, u1 = slots & 2, u2 = slots & 4;
     for (long long i = start + 4 * (long long)threadIdx.x; i < end; i += 4LL * blockDim.x) {
         if (e.aligned && i + 4 <= end) {
             float4 p = *reinterpret_cast<float4*>(e.p + i);
             float w[4];
             load4_either_as_float(e.g, e.grad_bf16, i, w);
             const float4 g = make_float4(w[0], w[1], w[2], w[3]);
-            float4 a = slots > 0 ? *reinterpret_cast<float4*>(e.s0 + i) : zero;
-            float4 b = slots > 1 ? *reinterpret_cast<float4*>(e.s1 + i) : zero;
-            element(p.x, g.x, a.x, b.x);
-            element(p.y, g.y, a.y, b.y);
-            element(p.z, g.z, a.z, b.z);
-            element(p.w, g.w, a.w, b.w);
+            float4 a = u0 ? *reinterpret_cast<float4*>(e.s0 + i) : zero;
+            float4 b = u1 ? *reinterpret_cast<float4*>(e.s1 + i) : zero;
+            float4 c = u2 ? *reinterpret_cast<float4*>(e.s2 + i) : zero;
+            element(p.x, g.x, a.x, b.x, c.x);
+            element(p.y, g.y, a.y, b.y, c.y);
+            element(p.z, g.z, a.z, b.z, c.z);
+            element(p.w, g.w, a.w, b.w, c.w);
             *reinterpret_cast<float4*>(e.p + i) = p;
             if (e.copy) {
                 const float q[4] = {p.x, p.y, p.z, p.w};
                 store4_from_float(e.copy, i, q);
             }
-            if (slots > 0) *reinterpret_cast<float4*>(e.s0 + i) = a;
-            if (slots > 1) *reinterpret_cast<float4*>(e.s1 + i) = b;
+            if (u0) *reinterpret_cast<float4*>(e.s0 + i) = a;
+            if (u1) *reinterpret_cast<float4*>(e.s1 + i) = b;
+            if (u2) *reinterpret_cast<float4*>(e.s2 + i) = c;
         } else {
             for (long long j = i; j < i + 4 && j < end; ++j) {
-                float a = slots > 0 ? e.s0[j] : 0.f, b = slots > 1 ? e.s1[j] : 0.f;
-                element(e.p[j], load_either_as_float(e.g, e.grad_bf16, j), a, b);
+                float a = u0 ? e.s0[j] : 0.f, b = u1 ? e.s1[j] : 0.f, c = u2 ? e.s2[j] : 0.f;
+                element(e.p[j], load_either_as_float(e.g, e.grad_bf16, j), a, b, c);
                 if (e.copy) store_from_float(e.copy, j, e.p[j]);
-                if (slots > 0) e.s0[j] = a;
-                if (slots > 1) e.s1[j] = b;
+                if (u0) e.s0[j] = a;
+                if (u1) e.s1[j] = b;
+                if (u2) e.s2[j] = c;
             }
         }
     }
@@ -185,16 +207,25 @@ __device__ __forceinline__ float clip_coef(int clip, const float* norm, double m
     return clip ? (float)fmin(1.0, max_norm / ((double)*norm + 1e-6)) : 1.f;
 }
 
+// What every update steps along (ops/optim.py _direction): the gradient clipped, negated for
+// maximize, plus weight_decay * p (PyTorch's order).
+__device__ __forceinline__ float direction(float g, float p, float coef, int maximize,
+                                           int has_weight_decay, float weight_decay) {
+    float d = coef != 1.f ? __fmul_rn(g, coef) : g;
+    if (maximize) d = -d;
+    if (has_weight_decay) d = __fadd_rn(d, __fmul_rn(weight_decay, p));
+    return d;
+}
+
 struct SgdScalars {
     float lr, coef, momentum, one_minus_dampening, weight_decay;
-    int first, has_momentum, has_weight_decay, nesterov, skip;
+    int first, has_momentum, has_weight_decay, nesterov, maximize, skip;
 };
 
-// torch.optim.SGD: d = g (* coef); d += wd * p; buf = d at step 1 else momentum * buf +
+// torch.optim.SGD: d = direction(g); buf = d at step 1 else momentum * buf +
 // (1 - dampening) * d; d = d + momentum * buf (nesterov) or buf; p -= lr * d.
 __device__ __forceinline__ void sgd_element(float& p, float g, float& buf, const SgdScalars& s) {
-    float d = s.coef != 1.f ? __fmul_rn(g, s.coef) : g;
-    if (s.has_weight_decay) d = __fadd_rn(d, __fmul_rn(s.weight_decay, p));
+    float d = direction(g, p, s.coef, s.maximize, s.has_weight_decay, s.weight_decay);
     if (s.has_momentum) {
         buf = s.first ? d
                       : __fadd_rn(__fmul_rn(buf, s.momentum), __fmul_rn(s.one_minus_dampening, d));
@@ -203,64 +234,75 @@ __device__ __forceinline__ void sgd_element(float& p, float g, float& buf, const
     p = __fsub_rn(p, __fmul_rn(s.lr, d));
 }
 
+// hyper row: lr, weight_decay, momentum, dampening. has_buffer: the step has momentum buffers;
+// a row with momentum 0 then updates as plain SGD and leaves its buffer untouched.
 extern "C" __global__ void sgd_update_kernel(const UpdateEntry* entries, const int2* blocks,
                                              int chunk, const float* lr, const long long* step,
-                                             const float* norm, int clip, double max_norm,
-                                             const int* guard, float momentum,
-                                             float one_minus_dampening, int has_momentum,
-                                             int nesterov) {
+                                             const double* hyper, int width, const float* norm,
+                                             int clip, double max_norm, const int* guard,
+                                             int has_buffer, int nesterov, int maximize) {
     __shared__ SgdScalars s;
     if (threadIdx.x == 0) {
-        const UpdateEntry& e = block_entry(entries, blocks);
+        const double* h = block_hyper(entries, blocks, hyper, width);
         s.skip = skipped(guard);
-        s.lr = (float)((double)*lr * e.lr_scale);  // lr_scale 1: *lr exactly
+        s.lr = (float)((double)*lr * h[0]);  // lr factor 1: the group's lr exactly
         s.coef = clip_coef(clip, norm, max_norm);
         s.first = *step == 1;  // PyTorch's momentum buffer starts as the first gradient
-        s.momentum = momentum;
-        s.one_minus_dampening = one_minus_dampening;
-        s.weight_decay = (float)e.weight_decay;
-        s.has_momentum = has_momentum;
-        s.has_weight_decay = e.weight_decay != 0.0;
+        s.momentum = (float)h[2];
+        s.one_minus_dampening = (float)(1.0 - h[3]);
+        s.weight_decay = (float)h[1];
+        s.has_momentum = has_buffer && h[2] != 0.0;
+        s.has_weight_decay = h[1] != 0.0;
         s.nesterov = nesterov;
+        s.maximize = maximize;
     }
     __syncthreads();
     if (s.skip) return;
     update_chunk(entries, blocks, chunk, s.has_momentum ? 1 : 0,
-                 [&](float& p, float g, float& buf, float&) { sgd_element(p, g, buf, s); });
+                 [&](float& p, float g, float& buf, float&, float&) {
+                     sgd_element(p, g, buf, s);
+                 });
 }
 
 struct AdamScalars {
     float coef, decay, weight_decay, one_minus_beta1, beta2, one_minus_beta2, eps;
     float step_size, bias2_sqrt;
-    int has_weight_decay, decoupled, skip;
+    int has_weight_decay, decoupled, amsgrad, maximize, skip;
 };
 
-// torch.optim.Adam / AdamW: m = lerp(m, d, 1 - b1); v = b2 v + (1 - b2) d^2;
-// p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps). Adam adds wd * p to d; AdamW
-// first scales p by (1 - lr * wd).
-__device__ __forceinline__ void adam_element(float& p, float g, float& m, float& v,
+// torch.optim.Adam / AdamW: m = lerp(m, d, 1 - b1); v = b2 v + (1 - b2) d^2; amsgrad:
+// vmax = max(vmax, v), read in place of v; p -= lr / (1 - b1^t) * m / (sqrt(v) /
+// sqrt(1 - b2^t) + eps). Adam adds wd * p to d; AdamW first scales p by (1 - lr * wd).
+__device__ __forceinline__ void adam_element(float& p, float g, float& m, float& v, float& vmax,
                                              const AdamScalars& s) {
-    float d = s.coef != 1.f ? __fmul_rn(g, s.coef) : g;
+    const int coupled = s.has_weight_decay && !s.decoupled;
+    const float d = direction(g, p, s.coef, s.maximize, coupled, s.weight_decay);
     if (s.has_weight_decay && s.decoupled) p = __fmul_rn(p, s.decay);
-    else if (s.has_weight_decay) d = __fadd_rn(d, __fmul_rn(s.weight_decay, p));
     m = __fadd_rn(m, __fmul_rn(__fsub_rn(d, m), s.one_minus_beta1));
     v = __fmul_rn(v, s.beta2);
     v = __fadd_rn(v, __fmul_rn(__fmul_rn(s.one_minus_beta2, d), d));
-    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), s.bias2_sqrt), s.eps);
+    float second = v;
+    if (s.amsgrad) {
+        vmax = fmaxf(vmax, v);
+        second = vmax;
+    }
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(second), s.bias2_sqrt), s.eps);
     p = __fsub_rn(p, __fmul_rn(s.step_size, __fdiv_rn(m, denom)));
 }
 
+// hyper row: lr, weight_decay, beta1, beta2, eps.
 extern "C" __global__ void adam_update_kernel(const UpdateEntry* entries, const int2* blocks,
                                               int chunk, const float* lr, const long long* step,
-                                              const float* norm, int clip, double max_norm,
-                                              const int* guard, float eps, int decoupled) {
+                                              const double* hyper, int width, const float* norm,
+                                              int clip, double max_norm, const int* guard,
+                                              int decoupled, int amsgrad, int maximize) {
     __shared__ AdamScalars s;
     if (threadIdx.x == 0) {
         // Bias corrections and the decoupled decay in float64 (Python floats in PyTorch).
-        const UpdateEntry& e = block_entry(entries, blocks);
-        const double beta1 = e.beta1, beta2 = e.beta2, weight_decay = e.weight_decay;
+        const double* h = block_hyper(entries, blocks, hyper, width);
+        const double weight_decay = h[1], beta1 = h[2], beta2 = h[3];
         s.skip = skipped(guard);
-        const double lr_d = (double)*lr * e.lr_scale, t = (double)*step;
+        const double lr_d = (double)*lr * h[0], t = (double)*step;
         s.coef = clip_coef(clip, norm, max_norm);
         s.step_size = (float)(lr_d / (1.0 - pow(beta1, t)));
         s.bias2_sqrt = (float)sqrt(1.0 - pow(beta2, t));
@@ -269,14 +311,120 @@ extern "C" __global__ void adam_update_kernel(const UpdateEntry* entries, const 
         s.one_minus_beta1 = (float)(1.0 - beta1);
         s.beta2 = (float)beta2;
         s.one_minus_beta2 = (float)(1.0 - beta2);
-        s.eps = eps;
+        s.eps = (float)h[4];
         s.has_weight_decay = weight_decay != 0.0;
         s.decoupled = decoupled;
+        s.amsgrad = amsgrad;
+        s.maximize = maximize;
     }
     __syncthreads();
     if (s.skip) return;
-    update_chunk(entries, blocks, chunk, 2,
-                 [&](float& p, float g, float& m, float& v) { adam_element(p, g, m, v, s); });
+    update_chunk(entries, blocks, chunk, s.amsgrad ? 7 : 3,
+                 [&](float& p, float g, float& m, float& v, float& vmax) {
+                     adam_element(p, g, m, v, vmax, s);
+                 });
+}
+
+struct RmspropScalars {
+    float lr, coef, weight_decay, alpha, one_minus_alpha, eps, momentum;
+    int has_weight_decay, centered, has_momentum, maximize, skip;
+};
+
+// torch.optim.RMSprop: sq = alpha sq + (1 - alpha) d^2; centered: ga = lerp(ga, d, 1 - alpha),
+// avg = sqrt(sq - ga^2) + eps, else avg = sqrt(sq) + eps; momentum > 0: buf = momentum buf +
+// d / avg, p -= lr buf; else p -= lr d / avg.
+__device__ __forceinline__ void rmsprop_element(float& p, float g, float& sq, float& ga,
+                                                float& buf, const RmspropScalars& s) {
+    const float d = direction(g, p, s.coef, s.maximize, s.has_weight_decay, s.weight_decay);
+    sq = __fadd_rn(__fmul_rn(sq, s.alpha), __fmul_rn(__fmul_rn(s.one_minus_alpha, d), d));
+    float avg;
+    if (s.centered) {
+        ga = __fadd_rn(ga, __fmul_rn(__fsub_rn(d, ga), s.one_minus_alpha));
+        avg = __fsqrt_rn(__fsub_rn(sq, __fmul_rn(ga, ga)));
+    } else {
+        avg = __fsqrt_rn(sq);
+    }
+    avg = __fadd_rn(avg, s.eps);
+    if (s.has_momentum) {
+        buf = __fadd_rn(__fmul_rn(buf, s.momentum), __fdiv_rn(d, avg));
+        p = __fsub_rn(p, __fmul_rn(s.lr, buf));
+    } else {
+        p = __fsub_rn(p, __fmul_rn(s.lr, __fdiv_rn(d, avg)));
+    }
+}
+
+// hyper row: lr, weight_decay, alpha, eps, momentum. Table slots: s0 square_avg, s1 grad_avg
+// (centered), s2 momentum_buffer (has_buffer: the step was built with momentum).
+extern "C" __global__ void rmsprop_update_kernel(const UpdateEntry* entries, const int2* blocks,
+                                                 int chunk, const float* lr,
+                                                 const long long* step, const double* hyper,
+                                                 int width, const float* norm, int clip,
+                                                 double max_norm, const int* guard,
+                                                 int centered, int has_buffer, int maximize) {
+    __shared__ RmspropScalars s;
+    if (threadIdx.x == 0) {
+        const double* h = block_hyper(entries, blocks, hyper, width);
+        s.skip = skipped(guard);
+        s.lr = (float)((double)*lr * h[0]);
+        s.coef = clip_coef(clip, norm, max_norm);
+        s.weight_decay = (float)h[1];
+        s.has_weight_decay = h[1] != 0.0;
+        s.alpha = (float)h[2];
+        s.one_minus_alpha = (float)(1.0 - h[2]);
+        s.eps = (float)h[3];
+        s.momentum = (float)h[4];
+        s.has_momentum = has_buffer && h[4] > 0.0;
+        s.centered = centered;
+        s.maximize = maximize;
+    }
+    __syncthreads();
+    if (s.skip) return;
+    update_chunk(entries, blocks, chunk, 1 | (s.centered ? 2 : 0) | (s.has_momentum ? 4 : 0),
+                 [&](float& p, float g, float& sq, float& ga, float& buf) {
+                     rmsprop_element(p, g, sq, ga, buf, s);
+                 });
+}
+
+struct AdagradScalars {
+    float clr, coef, weight_decay, eps;
+    int has_weight_decay, maximize, skip;
+};
+
+// torch.optim.Adagrad: sum += d^2; p -= clr * d / (sqrt(sum) + eps), clr = lr / (1 + (t - 1)
+// lr_decay) in float64.
+__device__ __forceinline__ void adagrad_element(float& p, float g, float& sum,
+                                                const AdagradScalars& s) {
+    const float d = direction(g, p, s.coef, s.maximize, s.has_weight_decay, s.weight_decay);
+    sum = __fadd_rn(sum, __fmul_rn(d, d));
+    const float std = __fadd_rn(__fsqrt_rn(sum), s.eps);
+    p = __fsub_rn(p, __fmul_rn(s.clr, __fdiv_rn(d, std)));
+}
+
+// hyper row: lr, weight_decay, lr_decay, eps.
+extern "C" __global__ void adagrad_update_kernel(const UpdateEntry* entries, const int2* blocks,
+                                                 int chunk, const float* lr,
+                                                 const long long* step, const double* hyper,
+                                                 int width, const float* norm, int clip,
+                                                 double max_norm, const int* guard,
+                                                 int maximize) {
+    __shared__ AdagradScalars s;
+    if (threadIdx.x == 0) {
+        const double* h = block_hyper(entries, blocks, hyper, width);
+        s.skip = skipped(guard);
+        const double lr_d = (double)*lr * h[0], t = (double)*step;
+        s.clr = (float)(lr_d / (1.0 + (t - 1.0) * h[2]));
+        s.coef = clip_coef(clip, norm, max_norm);
+        s.weight_decay = (float)h[1];
+        s.has_weight_decay = h[1] != 0.0;
+        s.eps = (float)h[3];
+        s.maximize = maximize;
+    }
+    __syncthreads();
+    if (s.skip) return;
+    update_chunk(entries, blocks, chunk, 1,
+                 [&](float& p, float g, float& sum, float&, float&) {
+                     adagrad_element(p, g, sum, s);
+                 });
 }
 
 // A bf16 weight copy whose element order differs from its parameter's (attrs copy_dims: a conv

@@ -1,10 +1,12 @@
 """Launchers of optim.cu: the step bookkeeping (step counter, LR schedule, loss history) and
-the multi-tensor optimizer updates (torch.optim.SGD, Adam, AdamW), each over every parameter
-in one launch.
+the multi-tensor optimizer updates (torch.optim.SGD, Adam, AdamW, RMSprop, Adagrad), each over
+every parameter in one launch.
 
-sgd_update / adam_update keep a table of tensor pointers, sizes and each parameter's group
+The updates keep a table of tensor pointers, sizes and each parameter's row of the
 hyperparameters, and per-block work items, made at the first eager call on their buffers
-(runtime/launch.py `_node_memory`). They read float32 or bf16 gradients and write the bf16
+(runtime/launch.py `_node_memory`); the hyperparameters themselves are read from their device
+buffer (state `optimizer.hyperparameters`) at every launch, so a write between steps is seen
+by a replayed graph. They read float32 or bf16 gradients and write the bf16
 weight copies (attrs copies). An update with attrs update_stream (compile/overlap.py) runs
 forked onto the context's update stream (runtime/update_stream.py); update_join makes
 ctx.stream wait for the updates forked since the last join.
@@ -18,14 +20,15 @@ import numpy as np
 
 from ...errors import ShapeError
 from ...ir.graph import Node
-from ...ops.optim import update_weight_copies
+from ...ops.optim import (HYPER_AT, HYPER_COLUMNS, HYPER_DTYPE, NORM_AT, UPDATE_OPS,
+                          UPDATE_SCALARS, hyper_rows, update_weight_copies)
 from .runtime.launch import (BLOCK, UPDATE_CHUNK, _aligned, _buffers_key, _check,
                              _check_scalar, _chunk_jobs, _element_ctype, _grid, _launch,
                              _node_memory)
 from .runtime.update_stream import launch_update, update_join
 
 # update_join runs no kernel: its (held) operands may be of any dtype.
-BF16_OPS = frozenset({"sgd_update", "adam_update", "update_join"})
+BF16_OPS = frozenset(UPDATE_OPS + ("update_join",))
 
 
 def step_increment(ctx, step) -> None:
@@ -65,41 +68,21 @@ def advance_step(ctx, step, schedule, loss, history_loss, history_step, lr) -> N
 
 
 def _update_groups(node: Node, ins: list):
-    """(lr, step, norm or None, params, grads, slots) of an update op's inputs (ops.py); the
-    bf16 weight copies (attrs copies) follow the slots, a guarded one's flags (attrs guard)
-    come last."""
+    """(lr, step, hyperparameters, norm or None, params, grads, slots) of an update op's inputs
+    (ops.py); the bf16 weight copies (attrs copies) follow the slots, a guarded one's flags
+    (attrs guard) come last."""
     a = node.attrs
     n, k, s = a["n_params"], a["n_scalars"], a["n_slots"]
     copies = len(a.get("copies", ()))
-    if k not in (2, 3) or len(ins) != k + (2 + s) * n + copies + bool(a.get("guard")):
+    if k not in (UPDATE_SCALARS, UPDATE_SCALARS + 1) or \
+            len(ins) != k + (2 + s) * n + copies + bool(a.get("guard")):
         raise ShapeError(f"{node.op}: {len(ins)} inputs do not match n_params={n}, "
                          f"n_scalars={k}, n_slots={s}, {copies} bf16 copies")
-    if k == 3 and a.get("max_norm") is None:
+    if k == NORM_AT + 1 and a.get("max_norm") is None:
         raise ShapeError(f"{node.op}: a norm input needs attrs max_norm")
     slots = [ins[k + (2 + j) * n:k + (3 + j) * n] for j in range(s)]
-    return ins[0], ins[1], (ins[2] if k == 3 else None), ins[k:k + n], ins[k + n:k + 2 * n], slots
-
-
-UPDATE_HYPERPARAMETERS = ("lr_scale", "weight_decay", "beta1", "beta2")   # optim.cu UpdateEntry
-
-
-def _hyperparameters(node: Node) -> list[tuple[float, ...]]:
-    """Per parameter (lr_scale, weight_decay, beta1, beta2): from attrs tuples (optimizer
-    parameter groups, one entry a parameter) or the scalar attrs (1.0 for a missing lr_scale,
-    0.0 for a missing weight decay or beta: SGD has none)."""
-    a, n = node.attrs, node.attrs["n_params"]
-    columns = []
-    for name in UPDATE_HYPERPARAMETERS:
-        value = a.get(name)
-        if isinstance(value, (tuple, list)):
-            if len(value) != n:
-                raise ShapeError(f"{node.op}: attrs {name} has {len(value)} entries for {n} "
-                                 "parameters")
-            columns.append([float(v or 0.0) for v in value])
-        else:
-            default = 1.0 if name == "lr_scale" else 0.0
-            columns.append([default if value is None else float(value)] * n)
-    return list(zip(*columns))
+    norm = ins[NORM_AT] if k == NORM_AT + 1 else None
+    return (ins[0], ins[1], ins[HYPER_AT], norm, ins[k:k + n], ins[k + n:k + 2 * n], slots)
 
 
 def _weight_copies(node: Node, ins: list) -> list[tuple[int, Any, Any]]:
@@ -122,46 +105,68 @@ def _weight_copies(node: Node, ins: list) -> list[tuple[int, Any, Any]]:
     return found
 
 
-def _build_update_tables(op: str, params, grads, slots, hyper, copies) -> dict:
-    """The update kernels' UpdateEntry rows and (parameter, chunk) jobs. copies: {parameter
-    index: its bf16 copy in the parameter's element order}, written by the update itself."""
-    rows = []
+def _build_update_tables(op: str, params, grads, slots, positions, rows, copies) -> dict:
+    """The update kernels' UpdateEntry rows and (parameter, chunk) jobs. slots: per slot, its
+    tensor of each parameter, placed at table slot positions[j] (s0, s1, s2); rows: each
+    parameter's hyperparameter row; copies: {parameter index: its bf16 copy in the parameter's
+    element order}, written by the update itself."""
+    entries = []
     for i, (p, g) in enumerate(zip(params, grads)):
-        tensors = [p, g] + [group[i] for group in slots]
-        for what, t in zip(("param", "grad", "slot 0", "slot 1"), tensors):
+        placed = [None, None, None]
+        for position, group in zip(positions, slots):
+            placed[position] = group[i]
+        for what, t in [("param", p), ("grad", g)] + [(f"slot {j}", t) for j, t in
+                                                      enumerate(placed) if t is not None]:
             _check(f"{op} {what} {i}", t, dtype=None if what == "grad" else "float32",
                    shape=p.shape)
         _element_ctype(f"{op} grad {i}", g)    # or bf16 bits (fuse.py fuse_gradient_casts)
-        ptrs = [t.data.ptr for t in tensors] + [0] * (4 - len(tensors))
+        ptrs = [p.data.ptr, g.data.ptr] + [0 if t is None else t.data.ptr for t in placed]
         copy = copies.get(i)
         ptrs.append(0 if copy is None else copy.data.ptr)
-        aligned = _aligned(*tensors, *([] if copy is None else [copy]))
-        doubles = np.array(hyper[i], dtype=np.float64).view(np.int64).tolist()
-        rows.append(ptrs + [p.size, int(aligned), int(g.dtype == np.uint16)] + doubles)
+        used = [p, g] + [t for t in placed if t is not None]
+        aligned = _aligned(*used, *([] if copy is None else [copy]))
+        entries.append(ptrs + [p.size, int(aligned), int(g.dtype == np.uint16), rows[i]])
     jobs = _chunk_jobs([p.size for p in params])
-    width = 8 + len(UPDATE_HYPERPARAMETERS)
-    return dict(entries=cp.asarray(np.array(rows, dtype=np.int64).reshape(-1, width)),
+    return dict(entries=cp.asarray(np.array(entries, dtype=np.int64).reshape(-1, ENTRY_WIDTH)),
                 jobs=cp.asarray(jobs))
 
 
+ENTRY_WIDTH = 10     # optim.cu UpdateEntry: 6 pointers, n, aligned, grad_bf16, row
+
+
+def _slot_positions(node: Node) -> list[int]:
+    """The table slot (s0, s1, s2 of optim.cu UpdateEntry) of each of the node's state slots:
+    in order, except RMSprop's momentum buffer, always s2 (its grad_avg, s1, only centered)."""
+    if node.op == "rmsprop_update" and node.attrs["n_slots"] == 2 + bool(
+            node.attrs.get("centered")):
+        return list(range(node.attrs["n_slots"] - 1)) + [2]
+    return list(range(node.attrs["n_slots"]))
+
+
 def _update_tables(node: Node, ins: list, ctx):
-    lr, step, norm, params, grads, slots = _update_groups(node, ins)
+    lr, step, hyper, norm, params, grads, slots = _update_groups(node, ins)
     _check_scalar(f"{node.op} lr", lr, "float32")
     _check_scalar(f"{node.op} step", step, "int64")
+    width = len(HYPER_COLUMNS[node.op])
+    rows = hyper_rows(node.attrs)
+    _check(f"{node.op} hyperparameters", hyper, HYPER_DTYPE)
+    if hyper.ndim != 2 or hyper.shape[1] != width or (rows and max(rows) >= hyper.shape[0]):
+        raise ShapeError(f"{node.op}: hyperparameters {tuple(hyper.shape)} are not rows of "
+                         f"{width} ({', '.join(HYPER_COLUMNS[node.op])}) for rows {rows}")
     if norm is not None:
         _check_scalar(f"{node.op} norm", norm, "float32")
     key = ("update",) + _buffers_key(ins)
     in_order = {i: copy for i, copy, dims in _weight_copies(node, ins) if dims is None}
     tables = _node_memory(node, key, ctx, lambda: _build_update_tables(
-        node.op, params, grads, slots, _hyperparameters(node), in_order))
+        node.op, params, grads, slots, _slot_positions(node), rows, in_order))
     clip = (norm if norm is not None else lr, np.int32(norm is not None),
             np.float64(node.attrs.get("max_norm") or 0.0))
     guard = np.uint64(0)   # null: no guard; else the step's flags, whose [1] says skip
     if node.attrs.get("guard"):
         guard = ins[-1]
         _check(f"{node.op} guard flags", guard, "int32", (2,))
-    return tables, (tables["entries"], tables["jobs"], np.int32(UPDATE_CHUNK), lr, step) + clip \
-        + (guard,)
+    return tables, (tables["entries"], tables["jobs"], np.int32(UPDATE_CHUNK), lr, step, hyper,
+                    np.int32(width)) + clip + (guard,)
 
 
 def _permuted_copies(ctx, node: Node, ins: list) -> None:
@@ -182,41 +187,67 @@ def _permuted_copies(ctx, node: Node, ins: list) -> None:
                  *(np.int64(v) for v in strides), guard))
 
 
-def sgd_update(ctx, node: Node, ins: list) -> None:
-    """torch.optim.SGD over every parameter in one launch (ins layout: ops.py sgd_update);
-    lr_scale and weight_decay per parameter group from the table (_hyperparameters)."""
-    a = node.attrs
-    momentum = float(a.get("momentum") or 0.0)
-    if momentum and a["n_slots"] < 1:
-        raise ShapeError("sgd_update: momentum needs a momentum buffer slot (n_slots=1)")
-    if not a["n_params"]:
+def _flag(node: Node, name: str) -> np.int32:
+    return np.int32(bool(node.attrs.get(name)))
+
+
+def _launch_update(ctx, node: Node, ins: list, flags: tuple) -> None:
+    """The node's update kernel over every parameter in one launch, then the permuted bf16
+    copies; flags: the kernel's trailing int arguments (formula switches from attrs)."""
+    if not node.attrs["n_params"]:
         return
     tables, args = _update_tables(node, ins, ctx)
-    args += (np.float32(momentum), np.float32(1.0 - float(a.get("dampening") or 0.0)),
-             np.int32(bool(momentum)), np.int32(bool(a.get("nesterov"))))
-    _launch(ctx, "optim.cu", "sgd_update_kernel", (len(tables["jobs"]),), (BLOCK,), args)
+    _launch(ctx, "optim.cu", f"{node.op}_kernel", (len(tables["jobs"]),), (BLOCK,),
+            args + flags)
     _permuted_copies(ctx, node, ins)
+
+
+def _need_slots(node: Node, allowed: tuple[int, ...], what: str) -> None:
+    if node.attrs["n_slots"] not in allowed:
+        raise ShapeError(f"{node.op}: needs n_slots in {allowed} ({what}), got "
+                         f"{node.attrs['n_slots']}")
+
+
+def sgd_update(ctx, node: Node, ins: list) -> None:
+    """torch.optim.SGD over every parameter in one launch (ins layout: ops.py sgd_update);
+    lr, weight_decay, momentum and dampening per parameter from the hyperparameters."""
+    _need_slots(node, (0, 1), "a momentum buffer or none")
+    _launch_update(ctx, node, ins, (np.int32(node.attrs["n_slots"] == 1),
+                                    _flag(node, "nesterov"), _flag(node, "maximize")))
 
 
 def adam_update(ctx, node: Node, ins: list) -> None:
     """torch.optim.Adam (decoupled=False) / AdamW (True) over every parameter in one launch;
-    lr_scale, weight_decay, beta1 and beta2 per parameter group from the table."""
-    a = node.attrs
-    if a["n_slots"] != 2:
-        raise ShapeError(
-            f"adam_update: needs n_slots=2 (exp_avg, exp_avg_sq), got {a['n_slots']}")
-    if not a["n_params"]:
-        return
-    tables, args = _update_tables(node, ins, ctx)
-    args += (np.float32(a["eps"]), np.int32(bool(a.get("decoupled"))))
-    _launch(ctx, "optim.cu", "adam_update_kernel", (len(tables["jobs"]),), (BLOCK,), args)
-    _permuted_copies(ctx, node, ins)
+    lr, weight_decay, beta1, beta2 and eps per parameter from the hyperparameters."""
+    amsgrad = bool(node.attrs.get("amsgrad"))
+    _need_slots(node, (3,) if amsgrad else (2,), "exp_avg, exp_avg_sq[, max_exp_avg_sq]")
+    _launch_update(ctx, node, ins, (_flag(node, "decoupled"), np.int32(amsgrad),
+                                    _flag(node, "maximize")))
+
+
+def rmsprop_update(ctx, node: Node, ins: list) -> None:
+    """torch.optim.RMSprop over every parameter in one launch; lr, weight_decay, alpha, eps
+    and momentum per parameter from the hyperparameters."""
+    centered = bool(node.attrs.get("centered"))
+    _need_slots(node, (1 + centered, 2 + centered),
+                "square_avg[, grad_avg][, momentum_buffer]")
+    has_buffer = node.attrs["n_slots"] == 2 + centered
+    _launch_update(ctx, node, ins, (np.int32(centered), np.int32(has_buffer),
+                                    _flag(node, "maximize")))
+
+
+def adagrad_update(ctx, node: Node, ins: list) -> None:
+    """torch.optim.Adagrad over every parameter in one launch; lr, weight_decay, lr_decay and
+    eps per parameter from the hyperparameters."""
+    _need_slots(node, (1,), "sum")
+    _launch_update(ctx, node, ins, (_flag(node, "maximize"),))
 
 
 def kernel_names() -> dict[str, set[str]]:
     """{.cu file: every kernel name these launchers may launch} (as elementwise.py's)."""
-    return {"optim.cu": {"adam_update_kernel", "advance_step_kernel", "lr_schedule_kernel",
-                         "record_loss_kernel", "sgd_update_kernel", "step_increment_kernel",
+    return {"optim.cu": {"adagrad_update_kernel", "adam_update_kernel", "advance_step_kernel",
+                         "lr_schedule_kernel", "record_loss_kernel", "rmsprop_update_kernel",
+                         "sgd_update_kernel", "step_increment_kernel",
                          "weight_copy_permute_kernel"}}
 
 
@@ -227,5 +258,7 @@ IMPLS: dict[str, Callable] = {
     "advance_step": lambda node, ins, outs, ctx: advance_step(ctx, *ins, outs[0]),
     "sgd_update": lambda node, ins, outs, ctx: launch_update(ctx, node, ins, sgd_update),
     "adam_update": lambda node, ins, outs, ctx: launch_update(ctx, node, ins, adam_update),
+    "rmsprop_update": lambda node, ins, outs, ctx: launch_update(ctx, node, ins, rmsprop_update),
+    "adagrad_update": lambda node, ins, outs, ctx: launch_update(ctx, node, ins, adagrad_update),
     "update_join": lambda node, ins, outs, ctx: update_join(ctx),
 }
