@@ -159,6 +159,7 @@ class LoopStep(TrainStep):
         if labels:
             self._check_values(arrays)
         exe.feed(arrays)
+        self._sync_optimizer()          # param_groups writes (a scheduler's) reach the device
         if self._versions != self._param_versions():
             self._refresh_weight_copies()
         exe.run(self.use_graph)

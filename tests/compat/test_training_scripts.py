@@ -5,8 +5,9 @@ Each script starts from one set of initial weights: the torch run writes them wi
 the stepgraph run loads them with torch.load. The numbers each prints (training losses, test
 losses, accuracies) are judged by the tolerance policy: torch float64 (the same script under
 torch.set_default_dtype(float64), data in float64) is the reference, and stepgraph's printed
-value may be at most FACTOR times farther from it than torch float32's, plus the print
-resolution (the scripts print 6 decimals).
+value may be at most FACTOR times farther from it than torch float32's, plus one unit of
+the last printed digit (the scripts print 6 decimals: two values within float32's error may
+round to neighbouring digits).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from tests.compat import loader
 
 SCRIPTS = Path(__file__).parent / "scripts"
 FACTOR = 4.0
-PRINTED = 1e-6          # two half-units of the printed last digit
+PRINTED = 1.5e-6        # one unit of the printed last digit (6 decimals), and float slack
 
 
 def run_script(name: str, framework: str, argv: list[str], cwd: Path, float64=False,
