@@ -15,7 +15,8 @@ from .errors import (BackendUnavailableError, CaptureError, DistributedError, La
                      LossSelectionError, UnsupportedOpError)
 from .errors import lookup_torch_name as _lookup_torch_name
 from .backends.flags import get_float32_matmul_precision, set_float32_matmul_precision
-from .devices import device
+from .devices import (channels_last, channels_last_3d, contiguous_format, device,
+                      memory_format, preserve_format)
 from .dtypes import *  # noqa: F401,F403
 from .dtypes import __all__ as _dtype_names
 from .functions import *  # noqa: F401,F403
@@ -38,7 +39,8 @@ __all__ = ["nn", "optim", "losses", "distributed", "compile_train_step", "compil
            "inference_mode", "set_grad_enabled", "is_grad_enabled",
            "set_float32_matmul_precision", "get_float32_matmul_precision",
            *(n for n in _dtype_names if n not in ("float", "int", "bool")),  # keep builtins
-           "LossSelectionError", "amp", "autocast", "compile", *_factories.__all__, "save",
+           "LossSelectionError", "amp", "autocast", "compile", "memory_format", "channels_last",
+           "channels_last_3d", "contiguous_format", "preserve_format", *_factories.__all__, "save",
            "load"]
 
 

@@ -58,4 +58,26 @@ def as_device(d) -> device:
     return device("cpu") if d is None else device(d)
 
 
-__all__ = ["device"]
+__all__ = ["device", "memory_format", "channels_last", "channels_last_3d", "contiguous_format",
+           "preserve_format"]
+
+
+class memory_format:  # noqa: N801 - torch's name
+    """torch.memory_format: channels_last and the others, as names. Tensors, modules and
+    casts accept them (`model.to(memory_format=torch.channels_last)`); where a step stores its
+    image tensors is compile_train_step(memory_format=...)'s (channels-last on CUDA at tf32 and
+    bf16 by default), for a training script too."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self):
+        return f"torch.{self.name}"
+
+    __str__ = __repr__
+
+
+channels_last = memory_format("channels_last")
+channels_last_3d = memory_format("channels_last_3d")
+contiguous_format = memory_format("contiguous_format")
+preserve_format = memory_format("preserve_format")

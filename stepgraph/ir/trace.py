@@ -345,8 +345,10 @@ class Tensor:
 
     view = reshape
 
-    def contiguous(self) -> Tensor:
-        return self                 # every traced value is contiguous
+    def contiguous(self, memory_format=None) -> Tensor:
+        """This tensor: every value is contiguous (memory_format as _memory_format's)."""
+        self._memory_format(memory_format, "Tensor.contiguous")
+        return self
 
     def flatten(self, start_dim: int = 0, end_dim: int = -1) -> Tensor:
         """Merge axes start_dim..end_dim (inclusive) into one, as torch.flatten."""
