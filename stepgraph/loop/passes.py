@@ -151,16 +151,17 @@ class Pass(Tracer):
         return self.program.rng
 
     # ---- module calls ----
-    def call_module(self, module, args: tuple, kwargs: dict):
+    def call_module(self, module, args: tuple, kwargs: dict, mode: tuple | None = None):
         """A module called with this pass's tensors (or, for the pass's first call, the
-        script's eager tensors): traced inside a forward, an event at script level."""
+        script's eager tensors): traced inside a forward, an event at script level. `mode`:
+        the session's call_mode(module), where the caller has it."""
         if self.module_path:
             return trace_call(self, module, args, kwargs)
         if self.phase != OPEN:
             raise CaptureError(f"{type(module).__name__} was called on a value of a training "
                                "pass after its backward(): stepgraph compiles a pass from the "
                                "model call to backward(); detach() the value first")
-        mode = self.session.call_mode(module)
+        mode = mode or self.session.call_mode(module)
         if self.mode == REPLAY:
             event = self._next_event()
             reason = self._call_mismatch(event, module, mode, args, kwargs)

@@ -112,10 +112,11 @@ class LoopSession:
 
     # ---- passes ----
     def start_pass(self, module, args: tuple, kwargs: dict):
-        key = (id(module), self.call_mode(module), _signature((args, kwargs)))
+        mode = self.call_mode(module)
+        key = (id(module), mode, _signature((args, kwargs)))
         known = self.programs.get(key)
         self.current = Pass(self, key, self.seed, known[0] if known else None)
-        return self.current.call_module(module, args, kwargs)
+        return self.current.call_module(module, args, kwargs, mode)
 
     def programs_add(self, pass_: Pass) -> None:
         """A recorded pass's program, first among its key's; a recording equal to a known
@@ -169,10 +170,13 @@ class LoopSession:
         if not passes:
             return                  # torch: no gradients, nothing to update
         clip, self.clip = self.clip, None
-        grads = {i: v for i, v in self.grads.items() if v[0] is passes[-1]}
-        self.grads, self.grads_kept = {}, {}
+        grads = {i: v for i, v in self.grads.items() if v[0] is passes[-1]} if self.grads \
+            else {}
+        self.grads = {}
+        self.grads_kept.clear()
         skip, self.skip_nonfinite = self.skip_nonfinite, False
-        self._detach_done()
+        if self.done:
+            self._detach_done()
         kept = [self._kept(p) for p in passes]
         arrays = [a for p in passes for a in p.arrays]
         precision = passes[0].key[1][2] or self._float32_precision()

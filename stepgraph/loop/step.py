@@ -8,6 +8,7 @@ partial batch's) and of values kept for the script is one Executable of it, shar
 from __future__ import annotations
 
 from ..api import TrainStep, _input_names
+from ..compile.autocast import PRECISION as BF16_PRECISION
 from ..compile.build import ModelLoss, build_train_graph
 from ..compile.executable import COPY_ROLES, STATIC_ROLES, Executable, GraphKey
 from ..compile.feed import Signature, signature_of
@@ -160,7 +161,7 @@ class LoopStep(TrainStep):
             self._check_values(arrays)
         exe.feed(arrays)
         self._sync_optimizer()          # param_groups writes (a scheduler's) reach the device
-        if self._versions != self._param_versions():
+        if self.precision == BF16_PRECISION and self._versions != self._param_versions():
             self._refresh_weight_copies()
         exe.run(self.use_graph)
         return exe
