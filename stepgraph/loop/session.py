@@ -46,6 +46,7 @@ class LoopSession:
         self.precision = "fp32"                            # set by autocast at the first call
         self.device = "cuda" if cuda_available() else "cpu"
         self.predictors: dict[tuple, Any] = {}
+        self.spares: dict[tuple, list] = {}                # detached values' buffers
         self.eager_depth = 0                               # inside an eager forward
         self.grads: dict[int, tuple] = {}                  # p.grad asked before a step
         self.grads_kept: dict[int, tuple] = {}             # p.grad the last step kept
@@ -246,13 +247,28 @@ class LoopSession:
 
     def _detach_done(self) -> None:
         """Before a step overwrites its outputs: copy out the values of earlier steps the
-        script still holds (none in a loop that rebinds its variables)."""
+        script still holds (a loop that keeps the last loss until the next step returns, a
+        list of losses). The copies go into buffers recycled once their pass is dropped, so
+        a loop in its steady state allocates nothing."""
         for ref in self.done:
             p = ref()
             for v in p.live_values() if p is not None else ():
                 if v in p.kept and v not in p.host:
-                    p.kept[v] = p.backend.copy_result(p.kept[v])
+                    p.kept[v] = self._spare_copy(p, p.kept[v])
         self.done = []
+
+    def _spare_copy(self, pass_: Pass, buffer):
+        """A copy of `buffer` (queued on the step's stream) in a spare buffer of its shape
+        and dtype, given back to the spares when `pass_` is garbage."""
+        key = (tuple(buffer.shape), str(buffer.dtype))
+        free = self.spares.setdefault(key, [])
+        if free:
+            copy = free.pop()
+            pass_.backend.copy_into(copy, buffer)
+        else:
+            copy = pass_.backend.copy_result(buffer)       # allocates: once per shape
+        weakref.finalize(pass_, free.append, copy)
+        return copy
 
     @staticmethod
     def to_host(backend, buffer, dtype: str) -> np.ndarray:
