@@ -260,14 +260,15 @@ class LoopSession:
     def _spare_copy(self, pass_: Pass, buffer):
         """A copy of `buffer` (queued on the step's stream) in a spare buffer of its shape
         and dtype, given back to the spares when `pass_` is garbage."""
-        key = (tuple(buffer.shape), str(buffer.dtype))
-        free = self.spares.setdefault(key, [])
+        free = self.spares.setdefault((tuple(buffer.shape), str(buffer.dtype)), [])
         if free:
             copy = free.pop()
             pass_.backend.copy_into(copy, buffer)
         else:
             copy = pass_.backend.copy_result(buffer)       # allocates: once per shape
-        weakref.finalize(pass_, free.append, copy)
+        # back among the spares of its own dtype (the CPU backend widens bf16 when it copies)
+        spares = self.spares.setdefault((tuple(copy.shape), str(copy.dtype)), [])
+        weakref.finalize(pass_, spares.append, copy)
         return copy
 
     @staticmethod
