@@ -278,15 +278,21 @@ def _batch_norm_eval(x: Tensor, rm: Tensor, rv: Tensor, w, b, eps: float) -> Ten
 
 def embedding(input: Tensor, weight, padding_idx=None, max_norm=None, norm_type: float = 2.0,
               scale_grad_by_freq: bool = False, sparse: bool = False) -> Tensor:
-    """The rows of weight (V, C) at the integer indices `input` (any shape): input.shape +
-    (C,), as torch.nn.functional.embedding."""
+    """The rows of weight (V, C) at the integer indices `input` (any shape, 0-d included):
+    input.shape + (C,), as torch.nn.functional.embedding. `input` may be an eager tensor
+    (torch.tensor(3)), a Python int or a NumPy integer array: constant indices."""
+    if not isinstance(input, Tensor):       # a Python int or NumPy integer array: constant
+        index = np.asarray(input)
+        if index.dtype not in (np.int32, np.int64):
+            raise ShapeError(f"embedding: indices must be int32 or int64, got {index.dtype}")
+        input = tensor_of(index)
     if padding_idx is not None or max_norm is not None or scale_grad_by_freq or sparse:
         raise UnsupportedOpError("embedding with padding_idx, max_norm, scale_grad_by_freq "
                                  f"or sparse is not supported (in {input.tracer.where()})")
-    w = _traced(input, weight)
     if input.dtype not in ("int32", "int64"):
         raise ShapeError(f"embedding: indices must be int32 or int64, got {input.dtype}")
-    return input.tracer.op("embedding", [w, input])
+    # an eager index (torch.tensor(3)) beside a traced weight is a constant of its trace
+    return input.tracer.op("embedding", [_traced(input, weight), input])
 
 
 def normalized_dims(normalized_shape) -> tuple[int, ...]:
@@ -904,9 +910,11 @@ def _adaptive_size(input: Tensor, output_size, what: str) -> tuple[int, int]:
 def normalize(input: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12,
               out=None) -> Tensor:
     """input / max(||input||_p over dim, eps), as torch.nn.functional.normalize."""
-    from ..ir.trace import _vector_norm
+    from ..ir.trace import _is_scalar, _vector_norm
     if out is not None:
         input._unsupported("normalize with out= (use the returned tensor)")
+    if _is_scalar(p) and not p > 0:     # p = 0 or negative: the norm clamped below at eps
+        return input / _vector_norm(input, p, dim, keepdim=True, eps=0.0).clamp_min(eps)
     return input / _vector_norm(input, p, dim, keepdim=True, eps=float(eps))
 
 
@@ -984,7 +992,7 @@ def cosine_similarity(x1: Tensor, x2: Tensor, dim: int = 1, eps: float = 1e-8) -
 def pairwise_distance(x1: Tensor, x2: Tensor, p: float = 2.0, eps: float = 1e-6,
                       keepdim: bool = False) -> Tensor:
     """||x1 - x2 + eps||_p over the last dim, as torch."""
-    from ..ir.trace import _vector_norm
+    from ..ir.trace import _is_scalar, _vector_norm
     return _vector_norm(x1 - x2 + eps, p, -1, keepdim, eps=0.0)
 
 
