@@ -236,6 +236,8 @@ class _Feed:
             return type(x)(self(e) for e in x)
         if isinstance(x, torch.dtype):
             return getattr(stepgraph, str(x).removeprefix("torch."))
+        if isinstance(x, torch.device):
+            return stepgraph.device(str(x))
         if not isinstance(x, torch.Tensor):
             return x
         if constants and not x.is_floating_point() and x.ndim == 0:
@@ -341,7 +343,8 @@ def torch_run(op, sample, dtype: torch.dtype, cotangents: list[np.ndarray] | Non
               problem: torch.dtype | None = None):
     """(outputs, input gradients) of the OpInfo's torch function on `sample` in `dtype`
     (no gradients without cotangents), solving the problem of a run in `problem` (PROBLEM;
-    the sample's own when None)."""
+    the sample's own when None). Results come back as host arrays: on a machine with a GPU,
+    torch's samples of `to` and new_* name device 'cuda' too."""
     inp = _torch_copy(sample.input, dtype)
     args = [_torch_copy(a, dtype) for a in sample.args]
     kwargs = {k: _torch_copy(v, dtype) for k, v in sample.kwargs.items()}
@@ -356,7 +359,7 @@ def torch_run(op, sample, dtype: torch.dtype, cotangents: list[np.ndarray] | Non
         grads = torch.autograd.grad([o for o, _ in pairs], leaves, [c for _, c in pairs],
                                     allow_unused=True) if pairs else [None] * len(leaves)
         grads = [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
-    return ([o.detach().numpy() for o in outs], [g.numpy() for g in grads])
+    return ([o.detach().cpu().numpy() for o in outs], [g.cpu().numpy() for g in grads])
 
 
 # ---- what a sample may do other than match torch: each rule names its samples ----------------
@@ -444,6 +447,18 @@ def _in_f64(rule: Applies) -> Applies:
 
 
 _CHANNELS_LAST = _kw("memory_format", lambda f: f == torch.channels_last)
+
+
+def _float64_on_cuda(s, run) -> bool:
+    """A float64 result on the cuda backend, whose elementwise kernels compute float32."""
+    def f64(a) -> bool:
+        return a is torch.float64 or isinstance(a, torch.Tensor) and a.dtype == torch.float64
+    return run.device == "cuda" and any(f64(a) for a in (*s.args, *s.kwargs.values()))
+
+
+_FLOAT64_CUDA = Refusal("a float64 result on the cuda backend (float32 elementwise kernels)",
+                        _float64_on_cuda, UnsupportedOpError,
+                        "float64 values in the cuda backend's elementwise kernels")
 _LIST_INDEX = lambda s, run: any(    # noqa: E731
     isinstance(i, (list, tuple)) and not isinstance(i, torch.Tensor)
     for i in (s.args[0] if isinstance(s.args[0], tuple) else (s.args[0],)))
@@ -455,7 +470,7 @@ U, S = UnsupportedOpError, ShapeError
 # OpInfo name -> the rules of its refused samples (an op's variants share them)
 REFUSALS: dict[str, tuple[Refusal, ...]] = {
     "matmul": (
-        Refusal("a batched right operand whose batch dims the left's differ from "
+        Refusal("a batched right operand of other batch dims than the left's "
                 "((10,) @ (5, 10, 5), (5, 5, 5) @ (1, 5, 5))", _broadcast_batch, U,
                 "batched operands need the same batch dims"),
         Refusal("K = 0 with batch dims ((5, 5, 0) @ (0, 5))",
@@ -522,7 +537,13 @@ REFUSALS: dict[str, tuple[Refusal, ...]] = {
                 and s.kwargs.get("repeats", _arg(s, 0)).ndim > 0, U, "a tensor of repeats"),),
     **{name: (Refusal("memory_format=torch.channels_last", _CHANNELS_LAST, U,
                       "memory_format=torch.channels_last"),)
-       for name in ("to", "float", "double", "bool", "int", "long")},
+       for name in ("float", "bool", "int", "long")},
+    "to": (Refusal("memory_format=torch.channels_last", _CHANNELS_LAST, U,
+                   "memory_format=torch.channels_last"), _FLOAT64_CUDA),
+    "double": (Refusal("memory_format=torch.channels_last", _CHANNELS_LAST, U,
+                       "memory_format=torch.channels_last"),
+               dataclasses.replace(_FLOAT64_CUDA, applies=lambda s, r: r.device == "cuda")),
+    "nn.functional.softmin": (_FLOAT64_CUDA,),
     "gather": (
         Refusal("a uint8 index", lambda s, r: _arg(s, 1).dtype == torch.uint8, S,
                 "index must be int32 or int64"),
