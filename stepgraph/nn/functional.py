@@ -82,14 +82,20 @@ def log_softmax(input: Tensor, dim: int | None = None) -> Tensor:
 
 
 def _dropout(x: Tensor, p: float, training: bool, per_channel: bool) -> Tensor:
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
     # A predict trace (compile_predict) has dropout off even where the model asks for it
     # (training=True): it has no step counter to draw fresh masks from, as sdpa's dropout_p.
     if not training or p == 0.0 or not (x.tracer.training or x.is_eager):
         return x
+    if per_channel and x.ndim == 3:
+        # torch reads a 3-d input of dropout2d as (N, C, L) (with a warning that a future
+        # release reads it as unbatched (C, H, W)): one draw per (N, C) row
+        return _dropout(x.reshape(*x.shape, 1), p, training, True).reshape(*x.shape)
     if per_channel and x.ndim != 4:
-        raise ShapeError(f"Dropout2d expects (N, C, H, W) input, got {x.shape}")
+        raise ShapeError(f"Dropout2d expects (N, C, H, W) or 3-d input, got {x.shape}")
+    if p == 1.0:                # every element dropped: x * 0, as torch (inf * 0 is NaN)
+        return x * 0.0
     t = x.tracer
     return t.op_all("dropout", [x, t.rng_step()], p=float(p), seed=t.seed,
                     site=t.next_dropout_site(), per_channel=per_channel)[0]
@@ -103,7 +109,8 @@ def dropout(input: Tensor, p: float = 0.5, training: bool = True,
 
 def dropout2d(input: Tensor, p: float = 0.5, training: bool = True,
               inplace: bool = False) -> Tensor:
-    """Zero whole channels of an (N, C, H, W) input with probability p when training."""
+    """Zero whole channels of an (N, C, H, W) input with probability p when training; a 3-d
+    input is read as (N, C, L), as torch does (one draw per (N, C) row)."""
     return _dropout(input, p, training, per_channel=True)
 
 
