@@ -19,19 +19,24 @@ def max_error(got, ref64) -> float:
     return float(np.max(np.abs(got - ref64))) if got.size else 0.0
 
 
-def reference_bound(ref64, ref32, factor: float = FACTOR, precision=np.float32) -> float:
+def reference_bound(ref64, ref32, factor: float = FACTOR, precision=np.float32,
+                    terms: float = 0.0) -> float:
     """factor x torch float32's largest error against float64, plus the absolute floor. For a
     result computed in float64 (`precision`), torch float32's error scaled by the ratio of the
-    unit roundoffs stands for torch's own float64 error, which nothing finer can measure."""
+    unit roundoffs stands for torch's own float64 error, which nothing finer can measure.
+    `terms`: the scale of terms the result cancels (a gradient near zero computed as a
+    difference of large ones): the floor covers a few roundings of those too."""
     ref64 = np.asarray(ref64, np.float64)
     scale = float(np.max(np.abs(ref64))) if ref64.size else 0.0
     eps = float(np.finfo(precision).eps)
     ratio = eps / float(np.finfo(np.float32).eps)
-    return factor * ratio * max_error(ref32, ref64) + FLOOR_ULPS * eps * scale + 1e-300
+    return factor * ratio * max_error(ref32, ref64) + FLOOR_ULPS * eps * max(scale, terms) \
+        + 1e-300
 
 
 def assert_close_to_reference(got, ref64, ref32, what: str = "",
-                              factor: float = FACTOR, precision=np.float32) -> None:
+                              factor: float = FACTOR, precision=np.float32,
+                              terms: float = 0.0) -> None:
     """`got` (computed in `precision`, float32 by default) is within `factor` times torch
     float32's error (`ref32`) of the float64 reference `ref64`, elementwise max over the
     tensor, plus the floor (reference_bound). Shapes must match and non-finite values must sit
@@ -44,7 +49,7 @@ def assert_close_to_reference(got, ref64, ref32, what: str = "",
     err = max_error(np.where(finite, got, 0), np.where(finite, ref64, 0))
     bound = reference_bound(np.where(finite, ref64, 0),
                             np.where(finite, np.asarray(ref32, np.float64), 0), factor,
-                            precision)
+                            precision, terms)
     torch_err = max_error(np.where(finite, np.asarray(ref32, np.float64), 0),
                           np.where(finite, ref64, 0))
     assert err <= bound, (f"{what}: max error {err:.3g} against float64 exceeds the bound "

@@ -410,15 +410,18 @@ class Tensor:
         other = self._coerce(other, kind)
         a, b = (other, self) if reverse else (self, other)
         floats = kind == "div" or a.dtype.is_floating_point or b.dtype.is_floating_point
-        a, b = a._to_float(floats), b._to_float(floats)
+        # an integer operand takes the float operand's dtype (int32 with float64 is float64)
+        like = next((t.value.dtype for t in (a, b) if t.dtype.is_floating_point), "float32")
+        a, b = a._to_float(floats, like), b._to_float(floats, like)
         return self.tracer.op("binary", [a, b], kind=kind)
 
-    def _to_float(self, needed: bool) -> Tensor:
-        """An integer tensor cast to float32 where torch's type promotion gives a float
-        (division, a float operand); else this tensor. The int + int forms keep the int."""
+    def _to_float(self, needed: bool, dtype: str = "float32") -> Tensor:
+        """An integer tensor cast to `dtype` (float32 unless the other operand's float) where
+        torch's type promotion gives a float (division, a float operand); else this tensor.
+        The int + int forms keep the int."""
         if not needed or self.dtype.is_floating_point:
             return self
-        return self.tracer.op("cast", [self], dtype="float32")
+        return self.tracer.op("cast", [self], dtype=dtype)
 
     def _coerce(self, other, op: str) -> Tensor:
         """`other` as a tensor of this trace: Parameters and Buffers are traced on use."""
@@ -706,7 +709,7 @@ class Tensor:
         slice is the whole axis). start and length are ints or constant 0-d integer arrays
         (a torch / NumPy scalar tensor); a traced tensor is refused."""
         d = _dim(dim, self.ndim, "narrow")
-        if isinstance(start, Tensor):
+        if isinstance(start, Tensor) and not start.is_eager:
             self._unsupported("narrow with a traced tensor start (the slice must be known "
                               "when tracing; pass an int or a constant 0-d int tensor)")
         start, length = operator.index(start), operator.index(length)
@@ -1057,7 +1060,8 @@ class Tensor:
         order (stable)."""
         from .. import return_types
         d = _dim(dim, self.ndim, "sort")
-        values, indices = self.topk(self.shape[d], d, largest=descending)
+        # a 0-d tensor is one element along dim 0 (as topk reads it)
+        values, indices = self.topk(self.shape[d] if self.ndim else 1, d, largest=descending)
         return return_types.sort(values, indices)
 
     def var(self, dim=None, unbiased=None, keepdim: bool = False, *, correction=None):
@@ -1100,6 +1104,10 @@ class Tensor:
     def gather(self, dim: int, index) -> Tensor:
         """y[p] = x[p with axis `dim` replaced by index[p]], as torch.gather."""
         index = self._coerce(index, "gather")
+        if self.ndim == 0:          # torch reads a 0-d tensor as one element along dim 0
+            _dim(dim, 1, "gather")
+            y = self.reshape(1).gather(0, index.reshape(1) if index.ndim == 0 else index)
+            return y.reshape(()) if index.ndim == 0 else y
         d, x = _dim(dim, self.ndim, "gather"), self
         if index.ndim != self.ndim:
             raise ShapeError(f"gather: index {index.shape} must have the rank of {self.shape}")
@@ -1112,6 +1120,8 @@ class Tensor:
         """x with src[p] added at x[p with axis `dim` replaced by index[p]] for every p of
         index (out-of-place torch.scatter_add; repeated indices add up). index has x's shape
         off `dim`; src is read over index's shape. Gradient: dy to x, dy gathered to src."""
+        if self.ndim == 0:
+            return self._one_element("scatter_add", dim, index, src)
         d = _dim(dim, self.ndim, "scatter_add")
         return self + self._scattered(d, self._coerce(index, "scatter_add"), src,
                                       "scatter_add")
@@ -1124,16 +1134,28 @@ class Tensor:
         if reduce is not None:
             self._unsupported(f"Tensor.scatter with reduce={reduce!r} (use scatter_add, or "
                               "scatter_reduce's out-of-place forms)")
-        d = _dim(dim, self.ndim, "scatter")
-        index = self._coerce(index, "scatter")
         src = value if src is None else src
         if src is None:
             raise TypeError("scatter: give src (a tensor or a number) or value")
+        if self.ndim == 0:
+            return self._one_element("scatter", dim, index, src)
+        d = _dim(dim, self.ndim, "scatter")
+        index = self._coerce(index, "scatter")
         ones = self.tracer.op("fill", [], value=1.0, shape=index.shape, dtype=self.value.dtype)
         hit = self._scattered(d, index, ones, "scatter") > 0
         if _is_scalar(src):
             return self.masked_fill(hit, src)
         return self._scattered(d, index, src, "scatter").where(hit, self)
+
+    def _one_element(self, what: str, dim: int, index, src) -> Tensor:
+        """scatter / scatter_add of a 0-d tensor: torch reads it, a 0-d index and a 0-d src
+        as one element along dim 0."""
+        _dim(dim, 1, what)
+        index = self._coerce(index, what)
+        as_1d = lambda t: t.reshape(1) if isinstance(t, Tensor) and t.ndim == 0 else t  # noqa
+        if not _is_scalar(src):
+            src = as_1d(self._coerce(src, what))
+        return getattr(self.reshape(1), what)(0, as_1d(index), src).reshape(())
 
     def _scattered(self, d: int, index: Tensor, src, what: str) -> Tensor:
         """src's values over index's shape summed into zeros of x's shape at the places
@@ -1392,23 +1414,36 @@ class Tensor:
                               "only)")
         return self.tracer.op("logical", [self, self._coerce(other, kind)], kind=kind)
 
+    def _truth(self) -> Tensor:
+        """This tensor as a bool mask: a non-bool one compared with zero (NaN is true)."""
+        return self if self.dtype == "bool" else self != 0
+
     def logical_and(self, other) -> Tensor:
-        return self._logical(other, "and")
+        """x and y elementwise; non-bool operands are compared with zero first, as
+        torch.logical_and (the `&` operator takes bool masks only)."""
+        return self._truth()._logical(self._coerce(other, "logical_and")._truth(), "and")
 
     def logical_or(self, other) -> Tensor:
-        return self._logical(other, "or")
+        return self._truth()._logical(self._coerce(other, "logical_or")._truth(), "or")
 
     def logical_xor(self, other) -> Tensor:
-        return self._logical(other, "xor")
+        return self._truth()._logical(self._coerce(other, "logical_xor")._truth(), "xor")
 
     def logical_not(self) -> Tensor:
         """not x; a non-bool x is compared with zero first, as torch.logical_not."""
         x = self if self.dtype == "bool" else self != 0
         return self.tracer.op("logical_not", [x])
 
-    __and__ = __rand__ = logical_and
-    __or__ = __ror__ = logical_or
-    __xor__ = __rxor__ = logical_xor
+    def __and__(self, other) -> Tensor:
+        return self._logical(other, "and")
+
+    def __or__(self, other) -> Tensor:
+        return self._logical(other, "or")
+
+    def __xor__(self, other) -> Tensor:
+        return self._logical(other, "xor")
+
+    __rand__, __ror__, __rxor__ = __and__, __or__, __xor__
 
     def __invert__(self) -> Tensor:
         if self.dtype != "bool":

@@ -82,14 +82,20 @@ def log_softmax(input: Tensor, dim: int | None = None) -> Tensor:
 
 
 def _dropout(x: Tensor, p: float, training: bool, per_channel: bool) -> Tensor:
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
     # A predict trace (compile_predict) has dropout off even where the model asks for it
     # (training=True): it has no step counter to draw fresh masks from, as sdpa's dropout_p.
     if not training or p == 0.0 or not (x.tracer.training or x.is_eager):
         return x
+    if per_channel and x.ndim == 3:
+        # torch reads a 3-d input of dropout2d as (N, C, L) (with a warning that a future
+        # release reads it as unbatched (C, H, W)): one draw per (N, C) row
+        return _dropout(x.reshape(*x.shape, 1), p, training, True).reshape(*x.shape)
     if per_channel and x.ndim != 4:
-        raise ShapeError(f"Dropout2d expects (N, C, H, W) input, got {x.shape}")
+        raise ShapeError(f"Dropout2d expects (N, C, H, W) or 3-d input, got {x.shape}")
+    if p == 1.0:                # every element dropped: x * 0, as torch (inf * 0 is NaN)
+        return x * 0.0
     t = x.tracer
     return t.op_all("dropout", [x, t.rng_step()], p=float(p), seed=t.seed,
                     site=t.next_dropout_site(), per_channel=per_channel)[0]
@@ -103,7 +109,8 @@ def dropout(input: Tensor, p: float = 0.5, training: bool = True,
 
 def dropout2d(input: Tensor, p: float = 0.5, training: bool = True,
               inplace: bool = False) -> Tensor:
-    """Zero whole channels of an (N, C, H, W) input with probability p when training."""
+    """Zero whole channels of an (N, C, H, W) input with probability p when training; a 3-d
+    input is read as (N, C, L), as torch does (one draw per (N, C) row)."""
     return _dropout(input, p, training, per_channel=True)
 
 
@@ -296,15 +303,21 @@ def _batch_norm_eval(x: Tensor, rm: Tensor, rv: Tensor, w, b, eps: float) -> Ten
 
 def embedding(input: Tensor, weight, padding_idx=None, max_norm=None, norm_type: float = 2.0,
               scale_grad_by_freq: bool = False, sparse: bool = False) -> Tensor:
-    """The rows of weight (V, C) at the integer indices `input` (any shape): input.shape +
-    (C,), as torch.nn.functional.embedding."""
+    """The rows of weight (V, C) at the integer indices `input` (any shape, 0-d included):
+    input.shape + (C,), as torch.nn.functional.embedding. `input` may be an eager tensor
+    (torch.tensor(3)), a Python int or a NumPy integer array: constant indices."""
+    if not isinstance(input, Tensor):       # a Python int or NumPy integer array: constant
+        index = np.asarray(input)
+        if index.dtype not in (np.int32, np.int64):
+            raise ShapeError(f"embedding: indices must be int32 or int64, got {index.dtype}")
+        input = tensor_of(index)
     if padding_idx is not None or max_norm is not None or scale_grad_by_freq or sparse:
         raise UnsupportedOpError("embedding with padding_idx, max_norm, scale_grad_by_freq "
                                  f"or sparse is not supported (in {input.tracer.where()})")
-    w = _traced(input, weight)
     if input.dtype not in ("int32", "int64"):
         raise ShapeError(f"embedding: indices must be int32 or int64, got {input.dtype}")
-    return input.tracer.op("embedding", [w, input])
+    # an eager index (torch.tensor(3)) beside a traced weight is a constant of its trace
+    return input.tracer.op("embedding", [_traced(input, weight), input])
 
 
 def normalized_dims(normalized_shape) -> tuple[int, ...]:
@@ -1014,9 +1027,11 @@ def adaptive_avg_pool3d(input: Tensor, output_size) -> Tensor:
 def normalize(input: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12,
               out=None) -> Tensor:
     """input / max(||input||_p over dim, eps), as torch.nn.functional.normalize."""
-    from ..ir.trace import _vector_norm
+    from ..ir.trace import _is_scalar, _vector_norm
     if out is not None:
         input._unsupported("normalize with out= (use the returned tensor)")
+    if _is_scalar(p) and not p > 0:     # p = 0 or negative: the norm clamped below at eps
+        return input / _vector_norm(input, p, dim, keepdim=True, eps=0.0).clamp_min(eps)
     return input / _vector_norm(input, p, dim, keepdim=True, eps=float(eps))
 
 
@@ -1094,7 +1109,7 @@ def cosine_similarity(x1: Tensor, x2: Tensor, dim: int = 1, eps: float = 1e-8) -
 def pairwise_distance(x1: Tensor, x2: Tensor, p: float = 2.0, eps: float = 1e-6,
                       keepdim: bool = False) -> Tensor:
     """||x1 - x2 + eps||_p over the last dim, as torch."""
-    from ..ir.trace import _vector_norm
+    from ..ir.trace import _is_scalar, _vector_norm
     return _vector_norm(x1 - x2 + eps, p, -1, keepdim, eps=0.0)
 
 

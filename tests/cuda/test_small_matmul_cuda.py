@@ -107,10 +107,23 @@ def test_tile_linear_epilogue_after_splits(ctx, monkeypatch, act):
 
 
 def test_linear_path_is_timed_once_per_problem_and_shared(monkeypatch):
-    """With PATH "auto" a mid-size fp32 linear times cuBLASLt against the tiled kernel at the
-    first call of its problem; another node with the same problem, in another context of the
-    backend, reuses the choice and gives the same bits."""
+    """With PATH "auto" a mid-size fp32 linear times each candidate (cuBLASLt and the tiled
+    kernel's splits) once, at the first call of its problem, and runs the fastest; another
+    node with the same problem, in another context of the backend, reuses the choice and
+    gives the same bits. The clock is a stand-in that makes the last candidate timed the
+    fastest (a loaded GPU's timings would make any path win, the logic is what is tested
+    here), and the disk cache is off (a choice stored by an earlier or a parallel process
+    would skip the timing)."""
     monkeypatch.setattr(linear, "PATH", "auto")
+    monkeypatch.setenv("STEPGRAPH_DISK_CACHE", "0")
+    timed = []
+
+    def clock(ctx, run, repeats: int = 5) -> float:
+        run()                                   # as time_on_device: the candidate runs
+        timed.append(run)
+        return 1.0 / len(timed)                 # each later candidate "faster"
+
+    monkeypatch.setattr(linear.autotune, "time_on_device", clock)
     backend = get_backend("cuda")
     ctx = backend.make_context("fp32")
     ctx.paths = {}                                    # no choice made by earlier tests
@@ -120,16 +133,20 @@ def test_linear_path_is_timed_once_per_problem_and_shared(monkeypatch):
     b = rng.standard_normal(512).astype(np.float32)
     attrs = dict(act="relu", slope=0.01, save_preact=False)
     dev = [cp.asarray(a) for a in (x, w, b)]
-    outs = []
+    outs, chosen = [], ctx.paths
     for _ in range(2):
         node = make_node("linear", [x, w, b], **attrs)
         outs.append(cp.full((128, 512), np.nan, np.float32))
         linear.IMPLS["linear"](node, dev, [outs[-1]], ctx)
-        assert len(ctx.paths) == 1
+        assert len(chosen) == 1
         monkeypatch.setattr(linear.autotune, "time_on_device",
                             lambda *a, **k: pytest.fail("timed twice"))
         twin_ctx = backend.make_context("fp32")
         twin_ctx.paths, ctx = ctx.paths, twin_ctx
+    # every candidate timed once, distinct, and the fastest (the last) kept
+    assert len(timed) >= 2 and len({id(run) for run in timed}) == len(timed)
+    (name,) = chosen.values()
+    assert name.startswith("tile:s"), name
     first, second = outs[0].get(), outs[1].get()
     np.testing.assert_array_equal(first, second)
     assert rel(first, np.maximum(x @ w.T + b, 0)) < 1e-5

@@ -19,7 +19,7 @@ from stepgraph.ops.activation import ACTIVATIONS
 from stepgraph.ir.trace import Tracer
 from stepgraph.nn import functional as F
 from tests.ops.helpers import (assert_close, build_train_graph, forward_and_grads, op_forward,
-                               op_vjp, randn, seeded, torch_forward_and_grads)
+                               op_vjp, randn, run_graph, seeded, torch_forward_and_grads)
 
 FUSED = pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 LEAKY_SLOPE = 0.2     # not torch's default 0.01, so a dropped slope attribute shows
@@ -284,6 +284,41 @@ def test_dropout_sites_in_a_traced_model_are_distinct():
     assert [n.attrs["site"] for n in drops] == [0, 1, 2]
     assert {n.attrs["seed"] for n in drops} == {5}
     assert all(n.inputs[1] is tracer.rng_step() for n in drops)
+
+
+def _train_dropout(fn, x: np.ndarray, step: int = 3) -> np.ndarray:
+    """fn(x) traced for training and run on the numpy backend at dropout step `step`."""
+    tracer = Tracer(seed=5, training=True)
+    y = fn(tracer.input(x.shape, str(x.dtype), "x"))
+    tracer.graph.outputs = {"y": y.value}
+    bound = {v.name: np.array(step, np.int64) for v in tracer.graph.state}
+    return run_graph(tracer.graph, {"x": x}, bound)["y"]
+
+
+def test_dropout_p1_gives_zeros_as_torch(gen):
+    x = randn(gen, 4, 6)
+    x[0, 0] = np.inf
+    want = TF.dropout(torch.from_numpy(x), 1.0, training=True).numpy()   # inf * 0 is NaN
+    for fn in (lambda t: F.dropout(t, 1.0), lambda t: nn.Dropout(1.0)(t),
+               lambda t: F.dropout2d(t.reshape(2, 2, 3, 2), 1.0).reshape(4, 6)):
+        np.testing.assert_array_equal(_train_dropout(fn, x), want)
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        nn.Dropout(1.5)
+
+
+def test_dropout2d_of_a_3d_input_drops_rows_as_torch(gen):
+    """torch reads a 3-d dropout2d input as (N, C, L): each (n, c) row kept whole (scaled by
+    1 / (1 - p)) or zeroed, with probability p."""
+    x = randn(gen, 64, 32, 5)
+    p = 0.25
+    y = _train_dropout(lambda t: F.dropout2d(t, p), x)
+    kept = (y != 0).all(axis=2)
+    assert ((y == 0).all(axis=2) | kept).all()          # whole rows only
+    np.testing.assert_array_equal(y[kept], x[kept] * np.float32(1 / (1 - p)))
+    n = kept.size
+    assert abs(kept.mean() - (1 - p)) < 4 * np.sqrt(p * (1 - p) / n), kept.mean()
+    torch_kept = (TF.dropout2d(torch.ones(64, 32, 5), p, training=True) != 0).all(dim=2)
+    assert abs(torch_kept.float().mean().item() - (1 - p)) < 4 * np.sqrt(p * (1 - p) / n)
 
 
 # ---- layers with their default arguments, as torch.nn builds them ---------------------------

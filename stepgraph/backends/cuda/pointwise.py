@@ -35,7 +35,7 @@ import struct
 import cupy as cp  # imports without a GPU; kernels compile at their first launch
 import numpy as np
 
-from ...errors import ShapeError
+from ...errors import ShapeError, UnsupportedOpError
 from ...ir.graph import BF16, Node, storage_dtype
 from ... import rng
 from ...ops.pointwise import Instr, register_dtypes
@@ -181,6 +181,13 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
     uint8 masks and the int64 step counter where input_dtypes say so)."""
     k = len(input_shapes)
     dtypes = register_dtypes(program, input_dtypes or ("float32",) * k)
+    # float64 would compute through float intrinsics and literals: refused, not rounded
+    unsupported = sorted(set(dtypes) - set(_CTYPES))
+    if unsupported:
+        raise UnsupportedOpError(
+            f"{', '.join(unsupported)} values in the cuda backend's elementwise kernels (they "
+            "compute float32, bfloat16, integers and bool; .double() / .to(torch.float64) "
+            "run on device='cpu')")
     ctype = [_CTYPES[d] for d in dtypes]                     # storage: parameters
     rtype = [_REGISTER_CTYPES[d] for d in dtypes]                       # registers
     params = [f"const {ctype[j]}* __restrict__ in{j}" for j in range(k)]
