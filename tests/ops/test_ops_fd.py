@@ -116,6 +116,10 @@ CASES = {
     "softmax-scale-causal": ("softmax", dict(scale=0.7, causal=True),
                              lambda g: {"x": 3 * f64(g, 2, 3, 5)}, ("x",)),
     "slice": ("slice", dict(dim=1, start=1, stop=3), lambda g: {"x": f64(g, 2, 4, 3)}, ("x",)),
+    # the cotangent on the first output (time step); the others' VJP rows add zero
+    "unstack": ("unstack", dict(dim=1), lambda g: {"x": f64(g, 2, 3, 4)}, ("x",)),
+    "unstack-reverse": ("unstack", dict(dim=1, reverse=True),
+                        lambda g: {"x": f64(g, 2, 3, 4)}, ("x",)),
     # attention family (more cases in test_attention_ops.py)
     "sdpa-causal": ("sdpa", dict(scale=0.6, causal=True, dropout_p=0.0),
                     lambda g: {"q": f64(g, 2, 3, 5, 4), "k": f64(g, 2, 3, 5, 4),
