@@ -54,6 +54,9 @@ def trace_call(tracer: Tracer, module, args, kwargs):
 
 
 class Pass(Tracer):
+    """One training pass of a script: records a Program, or replays `expected` (module
+    docstring). Tensors the script holds have this pass as their tracer."""
+
     def __init__(self, session, key: tuple, seed: int, expected: Program | None):
         super().__init__(seed=seed, training=True)
         self.session, self.key = session, key
@@ -113,11 +116,10 @@ class Pass(Tracer):
             return self.remap.get(t.value, t.value)
         return t
 
-    def constant(self, t: Tensor) -> Value:
-        if self.module_path:
-            return super().constant(t)
-        v = self._feed(t)
-        return v if isinstance(v, Value) else self._resolve(v)
+    def constant(self, t: Tensor):
+        """Inside a forward an eager tensor is a constant, as always; at script level a feed
+        (a placeholder matched at the next op while replaying)."""
+        return super().constant(t) if self.module_path else self._feed(t)
 
     def param(self, p) -> Tensor:
         if self.mode == REPLAY and not self.module_path:
@@ -226,8 +228,9 @@ class Pass(Tracer):
         v = self.remap.get(v, v)
         if v in self.host:
             return self.host[v]
-        if v in self.program.feeds and self.arrays[self.program.feeds.index(v)] is not None:
-            return self.arrays[self.program.feeds.index(v)]
+        at = self.program.feed_index.get(v)
+        if at is not None and self.arrays[at] is not None:
+            return self.arrays[at]
         if self.phase != DONE:
             raise ValueNotReadyError(
                 "a value of a training pass was read before optimizer.step(): stepgraph runs "
