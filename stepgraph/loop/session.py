@@ -4,8 +4,8 @@ waiting for optimizer.step(), and the compiled LoopSteps.
 It exists from the first optimizer made with parameters (torch's style: `SGD(model.
 parameters(), lr=...)`). A module holding such parameters, called with concrete tensors:
 - with grad enabled and in training mode, opens a training pass (passes.Pass);
-- under no_grad or in eval mode, runs the compiled predictor (compile_predict) when the
-  forward has one tensor output, else eagerly on the host;
+- under no_grad in eval mode, runs a compiled predictor (loop/predict.py) when it is called
+  with tensors only, else eagerly on the host;
 every other module call runs as before.
 """
 from __future__ import annotations
@@ -18,12 +18,11 @@ import numpy as np
 
 from ..amp import autocast_state
 from ..backends import cuda_available
-from ..errors import CaptureError
 from ..grad_mode import is_grad_enabled
 from ..ir.graph import INPUT, PARAM, STATE, Value
-from ..ir.trace import Tensor, tensor_of
+from ..ir.trace import Tensor
 from . import hooks
-from .passes import DONE, OPEN, PENDING, Pass, RecaptureWarning, as_feed_tensor
+from .passes import DONE, OPEN, Pass, RecaptureWarning, as_feed_tensor
 from .program import Program, align, tree_leaves
 from .step import GRAD_NORM, LoopStep, ProgramModel, export_name
 
@@ -43,7 +42,6 @@ class LoopSession:
         self.roots = 0
         self.clip: tuple | None = None                     # clip_grad_norm_/value_ until step
         self.skip_nonfinite = False                        # GradScaler.step: skip bad steps
-        self.precision = "fp32"                            # set by autocast at the first call
         self.device = "cuda" if cuda_available() else "cpu"
         self.predictors: dict[tuple, Any] = {}
         self.spares: dict[tuple, list] = {}                # detached values' buffers

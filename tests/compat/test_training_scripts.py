@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 from tests.compat import loader
