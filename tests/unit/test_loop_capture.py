@@ -420,3 +420,30 @@ def test_eval_of_a_forward_returning_a_tuple_is_compiled():
     assert none is None and logits.shape == (8, CLASSES)
     np.testing.assert_allclose(loss.item(), ref.item(), rtol=1e-6)
     np.testing.assert_array_equal(only.numpy(), logits.numpy())
+
+
+def test_resuming_from_a_torch_checkpoint_trains_as_torch(tmp_path):
+    """A checkpoint torch.save'd by torch mid-training (model and AdamW state) loads with
+    stepgraph's torch.load into a captured loop, which then goes on as torch does (torch
+    float32 and float64 resumed from the same checkpoint are the yardstick)."""
+    t32, t64, ours = twins()
+    data = batches(6)
+    opt32 = ADAMW(torch, t32)
+    classic_loop(torch, t32, opt32, data[:3])
+    torch.save({"model": t32.state_dict(), "optimizer": opt32.state_dict()}, tmp_path / "c.pt")
+    saved = torch.load(tmp_path / "c.pt", weights_only=True)
+    t64.load_state_dict(saved["model"])
+    opt64 = ADAMW(torch, t64)
+    opt64.load_state_dict(saved["optimizer"])            # torch casts the moments to float64
+    start = _state(t32)
+    checkpoint = sg.load(tmp_path / "c.pt")
+    ours.load_state_dict(checkpoint["model"])
+    opt = ADAMW(sg, ours)
+    opt.load_state_dict(checkpoint["optimizer"])
+    l32 = classic_loop(torch, t32, opt32, data[3:])
+    l64 = classic_loop(torch, t64, opt64, data[3:], dtype=np.float64)
+    lsg = classic_loop(sg, ours, opt, data[3:])
+    assert_close_to_reference(lsg, l64, l32, "losses after resuming")
+    c32, c64, csg = changes(t32, start), changes(t64, start), changes(ours, start)
+    for k in c64:
+        assert_close_to_reference(csg[k], c64[k], c32[k], f"change of {k} after resuming")
