@@ -16,7 +16,7 @@ from .backends import get_backend, resolve_device
 from .backends.numpy import bf16
 from .compile.autocast import PRECISION as BF16_PRECISION
 from .compile.autocast import check_bf16_support, copy_values, parse_weight_copy
-from .compile.build import ModelLoss, build_predict_graph, build_train_graph
+from .compile.build import PREDICT_RNG_KEY, ModelLoss, build_predict_graph, build_train_graph
 from .compile.distribute import average_gradients, shard_optimizer_state
 from .compile.executable import COPY_ROLES, INFERENCE, STATIC_ROLES, TRAIN, Executable, GraphKey
 from .compile.feed import Signature, check_feed, check_labels, check_steps_feed, signature_of
@@ -484,18 +484,35 @@ def _data_parallel(distributed):
 
 
 class Predictor(_CompiledModel):
-    """The model's forward pass in eval mode, reading the same parameter buffers."""
+    """The model's forward pass in eval mode, reading the same parameter buffers.
+
+    Random draws of the forward (F.dropout(x, p, training=True) as Monte-Carlo dropout does,
+    torch.rand, ...) come from the Philox stream keyed by `seed`, at a counter this predictor
+    owns on the device (every feed signature's graph shares it) and each call advances
+    inside its graph: fresh values every call, no host sync, no re-capture, and the same
+    sequence from a new predictor with the same seed."""
 
     mode = INFERENCE
 
     def __init__(self, model, example_inputs, device="cpu", graph=None, precision="fp32",
-                 memory_format="auto"):
+                 memory_format="auto", seed: int = 0):
         super().__init__(model, example_inputs, device, graph, precision, with_target=False,
                          memory_format=memory_format)
+        self.seed = int(seed)
+        self._rng_counter = None        # made when a graph first draws (bind)
         self.executable(self.signature)
 
     def build_graph(self, signature: Signature) -> Graph:
-        return build_predict_graph(self.model, signature, self.memory_format, self.precision)
+        return build_predict_graph(self.model, signature, self.memory_format, self.precision,
+                                   self.seed)
+
+    def bind(self, v: Value) -> Any:
+        if v.role == STATE and v.name == PREDICT_RNG_KEY:
+            if self._rng_counter is None:
+                self._rng_counter = self.backend.empty((), "int64")
+                self.backend.copy_into(self._rng_counter, np.zeros((), np.int64))
+            return self._rng_counter
+        return super().bind(v)
 
     def __call__(self, *arrays):
         """The model's output for this batch, as a new array on the step's device."""
@@ -558,8 +575,15 @@ def compile_train_step(model: Module, loss=None, optimizer=None, example_inputs=
 
 
 def compile_predict(model: Module, example_inputs, device: str = "cpu", graph: bool | None = None,
-                    precision: str = "fp32", memory_format: str = "auto") -> Predictor:
+                    precision: str = "fp32", memory_format: str = "auto",
+                    seed: int = 0) -> Predictor:
     """Compile the model's eval-mode forward pass; it reads the same parameter buffers as any
     train step of the model, so it always sees the latest trained values. device ("cpu",
-    "cuda" or "auto") and memory_format as compile_train_step's."""
-    return Predictor(model, example_inputs, device, graph, precision, memory_format)
+    "cuda" or "auto") and memory_format as compile_train_step's.
+
+    The modules are in eval mode (nn.Dropout does not drop), but a dropout the forward asks
+    for explicitly (F.dropout(x, p, training=True): Monte-Carlo dropout) drops, and random
+    draws (torch.rand, randn, bernoulli, ...) draw, as in torch: from the Philox stream keyed
+    by `seed`, fresh at every call and the same sequence for every predictor compiled with
+    that seed (Predictor's docstring)."""
+    return Predictor(model, example_inputs, device, graph, precision, memory_format, seed)

@@ -5,7 +5,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..autodiff import append_backward
-from ..ir.graph import Graph
+from ..ir.graph import Graph, Node
+from ..ir.ops import OPS
 from ..errors import LossSelectionError, NothingToTrainError
 from ..ir.trace import Tensor, Tracer
 from ..nn.module import Module
@@ -132,15 +133,42 @@ def _nothing_to_train(model: Module) -> str:
             f"trainable parameters ({shown}); forward must compute its output from them")
 
 
+# The predictor's own random counter (a `state` value bound by Predictor): what dropout with
+# training=True and random draws read in a predict graph, advanced by the graph at each call.
+PREDICT_RNG_KEY = "predict.rng_step"
+
+
+def predict_tracer(seed: int = 0) -> Tracer:
+    """The tracer of an eval-mode forward: its random draws read PREDICT_RNG_KEY."""
+    return Tracer(seed=seed, training=False, rng_key=PREDICT_RNG_KEY)
+
+
+def advance_predict_rng(tracer: Tracer) -> None:
+    """A step_increment of the predictor's counter as the first node of a predict graph that
+    draws (F.dropout(x, p, training=True), torch.rand, ...), so every call, a replayed CUDA
+    graph's too, draws fresh values without a host write; a graph that draws nothing is left
+    as it is."""
+    counter = tracer.rng_counter
+    if counter is None:
+        return
+    attrs: dict = {}
+    tracer.graph.nodes.insert(0, Node("step_increment", [counter], [], attrs,
+                                      OPS["step_increment"].mutates(attrs), "predict rng"))
+
+
 def build_predict_graph(model: Module, signature: Signature,
-                        memory_format: str = "contiguous", precision: str = "fp32") -> Graph:
-    """The forward pass in eval mode (dropout off); memory_format and precision as
-    build_train_graph's (a bf16 output is returned as float32)."""
+                        memory_format: str = "contiguous", precision: str = "fp32",
+                        seed: int = 0) -> Graph:
+    """The forward pass in eval mode (nn.Dropout off, as its module's training flag is False;
+    a dropout asked for with training=True and random draws read the predictor's counter,
+    advance_predict_rng); memory_format and precision as build_train_graph's (a bf16 output is
+    returned as float32)."""
     model.name_parameters()
-    tracer = Tracer(training=False)
+    tracer = predict_tracer(seed)
     xs = _trace_inputs(tracer, signature)
     with _mode(model, False):
         out = model(*xs)
+    advance_predict_rng(tracer)
     tracer.graph.outputs = {"output": _predicted(out).value}
     graph = tracer.graph
     graph = apply_memory_format(graph, memory_format)

@@ -21,7 +21,9 @@ LOSS_OPS = ("cross_entropy", "cross_entropy_train", "nll_loss", "mse")
 UPDATE_OPS = ("step_increment", "lr_schedule", "advance_step", "global_norm", "sgd_update",
               "adam_update", "rmsprop_update", "adagrad_update", "record_loss", "guard_check",
               "guard_advance", "guard_save", "guard_restore", "all_reduce_max", "update_join")
-STATIC_ROLES = {TRAIN: (INPUT, PARAM, STATE), INFERENCE: (INPUT, PARAM)}
+# Inference state: buffers (BatchNorm's running statistics), frozen parameters and the
+# predictor's random counter (compile/build.py PREDICT_RNG_KEY), which its graph advances.
+STATIC_ROLES = {TRAIN: (INPUT, PARAM, STATE), INFERENCE: (INPUT, PARAM, STATE)}
 COPY_ROLES = {TRAIN: (INPUT,), INFERENCE: (INPUT,)}
 
 

@@ -12,8 +12,9 @@ Two sources, by where the tensor lives:
   ops after it. Every step draws fresh values, deterministically: the same in an eager CUDA
   run and in a replayed graph, and bit for bit the NumPy backend's (seen on an H200).
   torchvision's stochastic depth (`torch.empty(...).bernoulli_(1 - p).div_(1 - p)`) is one.
-A predict trace (compile_predict) has no step counter to draw fresh values from: a draw there
-is refused, as values drawn once at trace time would repeat every call.
+A predict trace (compile_predict) draws the same way from the predictor's own counter, which
+its graph advances at every call (compile/build.py): fresh values each call, deterministic
+given compile_predict(seed=...).
 """
 from __future__ import annotations
 
@@ -42,17 +43,12 @@ def host_rng(generator, what: str) -> np.random.Generator:
 
 def draw(tracer, kind: str, shape, what: str) -> Tensor:
     """float32 draws of `kind` ("uniform" on [0, 1), "normal") of `shape`: a `random` node of
-    a train trace, or host-generator values for the eager tracer."""
+    a train or predict trace, or host-generator values for the eager tracer."""
     shape = tuple(int(d) for d in shape)
     if tracer is EAGER:
         rng = host_rng(None, what)
         values = rng.random(shape) if kind == "uniform" else rng.standard_normal(shape)
         return tensor_of(np.asarray(values, np.float32))
-    if not tracer.training:
-        raise UnsupportedOpError(
-            f"{what} in a compile_predict forward is not supported by stepgraph (called in "
-            f"{tracer.where()}): a predict step has no step counter to draw fresh values "
-            "from; draw in a train step, or outside the forward")
     return tracer.op("random", [tracer.rng_step()], kind=kind, shape=shape, seed=tracer.seed,
                      site=tracer.next_dropout_site())
 
@@ -60,7 +56,7 @@ def draw(tracer, kind: str, shape, what: str) -> Tensor:
 def _no_generator(t: Tensor, generator, what: str) -> None:
     if generator is not None and not t.is_eager:
         t._unsupported(f"{what}(generator=...) inside a forward (the step's draws come from "
-                       "compile_train_step(seed=...))")
+                       "compile_train_step(seed=...) / compile_predict(seed=...))")
 
 
 def _float_only(t: Tensor, what: str) -> None:

@@ -1576,11 +1576,13 @@ def current_tracer() -> Tracer | None:
 class Tracer:
     """Records nodes into `graph`. Parameters and state become external values once each."""
 
-    def __init__(self, seed: int = 0, training: bool = True, frozen: frozenset = frozenset()):
+    def __init__(self, seed: int = 0, training: bool = True, frozen: frozenset = frozenset(),
+                 rng_key: str = "optimizer.step"):
         self.graph = Graph()
         self.frozen = frozen                       # ids of Parameters traced as constants
         self.seed = seed
         self.training = training
+        self.rng_key = rng_key                     # the state value random draws read
         self.param_values: dict[int, Value] = {}   # id(Parameter) -> Value
         self.parameters: list[Parameter] = []
         self.buffer_values: dict[int, Value] = {}  # id(Buffer) -> its state Value
@@ -1651,9 +1653,16 @@ class Tracer:
         return v
 
     def rng_step(self) -> Value:
-        """The device step counter dropout reads; shared with the optimizer (`optimizer.step`)."""
+        """The device step counter dropout and random draws read: a train trace's is shared
+        with the optimizer (`optimizer.step`), a predict trace's is the predictor's own
+        (`rng_key`, compile/build.py)."""
         if self._rng_step is None:
-            self._rng_step = self.state((), "int64", "optimizer.step")
+            self._rng_step = self.state((), "int64", self.rng_key)
+        return self._rng_step
+
+    @property
+    def rng_counter(self) -> Value | None:
+        """The counter `rng_step` made, or None when nothing traced so far draws."""
         return self._rng_step
 
     def next_dropout_site(self) -> int:

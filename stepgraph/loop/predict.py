@@ -6,11 +6,11 @@ from __future__ import annotations
 from ..api import Predictor
 from ..compile.autocast import PRECISION as BF16_PRECISION
 from ..compile.autocast import as_float32, autocast
-from ..compile.build import _mode
+from ..compile.build import _mode, advance_predict_rng, predict_tracer
 from ..compile.feed import Signature
 from ..compile.layout import apply_memory_format
 from ..ir.graph import TEMP, Graph
-from ..ir.trace import Tensor, Tracer, tensor_of
+from ..ir.trace import Tensor, tensor_of
 from .program import tree_map
 
 
@@ -22,10 +22,11 @@ class TreePredictor(Predictor):
     def build_graph(self, signature: Signature) -> Graph:
         model = self.model
         model.name_parameters()
-        tracer = Tracer(training=False)
+        tracer = predict_tracer(self.seed)
         xs = [tracer.input(s.shape, s.dtype, s.name) for s in signature]
         with _mode(model, False):
             out = model(*xs)
+        advance_predict_rng(tracer)
         outputs: dict = {}
 
         def name(leaf):

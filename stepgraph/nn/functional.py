@@ -84,9 +84,10 @@ def log_softmax(input: Tensor, dim: int | None = None) -> Tensor:
 def _dropout(x: Tensor, p: float, training: bool, per_channel: bool) -> Tensor:
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
-    # A predict trace (compile_predict) has dropout off even where the model asks for it
-    # (training=True): it has no step counter to draw fresh masks from, as sdpa's dropout_p.
-    if not training or p == 0.0 or not (x.tracer.training or x.is_eager):
+    # `training` alone decides, as torch's: nn.Dropout passes its module's flag (False in
+    # compile_predict's eval-mode trace), while F.dropout(x, p, training=True) drops there too
+    # (Monte-Carlo dropout), drawing from the predictor's own counter (compile/build.py).
+    if not training or p == 0.0:
         return x
     if per_channel and x.ndim == 3:
         # torch reads a 3-d input of dropout2d as (N, C, L) (with a warning that a future

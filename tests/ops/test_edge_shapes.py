@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import stepgraph as sg
-from stepgraph import losses, nn, optim
+from stepgraph import losses, nn, optim, rng
 from stepgraph.errors import UnsupportedOpError
 from stepgraph.ir.trace import Tracer
 from stepgraph.nn import functional as F
@@ -104,12 +104,14 @@ def test_0d_parameter_stays_0d_and_trains_like_torch():
     np.testing.assert_allclose(after - 2.0, -0.1 * scale.grad.numpy(), rtol=1e-5)
 
 
-def test_dropout_with_training_true_is_off_in_a_predictor():
+def test_dropout_with_training_true_drops_in_a_predictor():
     """compile_predict traces the model in eval mode; a dropout the model forces on
-    (F.dropout's default training=True) is off there, as sdpa's dropout_p is."""
+    (F.dropout's default training=True) drops there as in torch, with the mask the
+    predictor's counter gives its first call (tests/unit/test_predict_random.py)."""
     model = Scaled(dropout=True)
     x = np.random.default_rng(5).standard_normal((6, 3)).astype(np.float32)
     got = sg.compile_predict(model, example_inputs=(x,))(x)
     sd = model.state_dict()
-    want = (x @ sd["lin.weight"].T + sd["lin.bias"]) * sd["scale"]
+    keep = rng.dropout_keep_mask(12, 0.5, 0, 0, 1).reshape(6, 2)
+    want = (x @ sd["lin.weight"].T + sd["lin.bias"]) * keep * 2.0 * sd["scale"]
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -785,3 +785,21 @@ def test_index_and_reduce_axis_launch_arguments_match_the_kernels(monkeypatch, d
     assert set(names) <= index.kernel_names()["index.cu"] | \
         reduce_axis.kernel_names()["reduce_axis.cu"]
     _assert_launches_match(launched)
+
+
+def test_plain_kernels_keep_their_names():
+    """A kernel launched by a plain name (no template arguments) is extern "C": CuPy looks it
+    up by that symbol, which a C++ (mangled) kernel lacks, and the compile above resolves names
+    through name expressions, so it would not notice (random.cu's kernels were found so on a
+    GPU)."""
+    kernels = launched_kernels()
+    for name in kernel_families():
+        for filename, names in family(name).kernel_names().items():
+            kernels.setdefault(filename, set()).update(names)
+    assert "random.cu" in kernels
+    for filename, names in sorted(kernels.items()):
+        plain = sorted(n for n in names if "<" not in n)
+        if plain:
+            cubin = compiler.compile_to_cubin(compiler.source_path(filename), "sm_90", ())
+            missing = [n for n in plain if b"\0" + n.encode() + b"\0" not in cubin]
+            assert not missing, f"{filename}: {missing} are not extern \"C\""

@@ -100,13 +100,16 @@ def test_exponential_and_fresh_draws_every_step():
     assert not np.array_equal(first, later)
 
 
-def test_draws_in_a_predict_forward_are_refused():
+def test_draws_in_a_predict_forward_draw_at_every_call():
+    """From the predictor's counter, advanced at each call (tests/unit/test_predict_random.py)."""
     class Noisy(nn.Module):
         def forward(self, x):
             return x + torch.randn(x.shape[0], x.shape[1])
     x = np.ones((2, 3), np.float32)
-    with pytest.raises(UnsupportedOpError, match="torch.randn in a compile_predict forward"):
-        torch.compile_predict(Noisy(), (x,))
+    predict = torch.compile_predict(Noisy(), (x,), seed=7)
+    first, second = np.asarray(predict(x)), np.asarray(predict(x))
+    np.testing.assert_array_equal(first.ravel(), 1 + rng.normal(6, 7, 0, 1))
+    np.testing.assert_array_equal(second.ravel(), 1 + rng.normal(6, 7, 0, 2))
 
 
 # ---- stochastic depth, trained against torch ------------------------------------------------

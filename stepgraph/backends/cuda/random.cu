@@ -6,8 +6,9 @@
 #include "philox.cuh"
 #include "grid.cuh"
 
-__global__ void random_uniform_kernel(const long long* step, float* y, long long n,
-                                      unsigned long long seed, unsigned int site) {
+// extern "C": launched by their plain names (CuPy looks a kernel up by its symbol).
+extern "C" __global__ void random_uniform_kernel(const long long* step, float* y, long long n,
+                                                 unsigned long long seed, unsigned int site) {
     const long long t = *step;
     GRID_STRIDE_GROUPS(g, n) {
         const uint4 w = dropout_words((unsigned long long)g, site, t, seed);
@@ -24,8 +25,8 @@ __device__ __forceinline__ float box_muller(unsigned int a, unsigned int b) {
 }
 
 // One Philox call gives the two elements of a pair (counter word 0 = i >> 1).
-__global__ void random_normal_kernel(const long long* step, float* y, long long n,
-                                     unsigned long long seed, unsigned int site) {
+extern "C" __global__ void random_normal_kernel(const long long* step, float* y, long long n,
+                                                unsigned long long seed, unsigned int site) {
     const long long t = *step;
     GRID_STRIDE_LOOP(pair, (n + 1) >> 1) {
         const uint4 w = dropout_words((unsigned long long)pair, site, t, seed);
