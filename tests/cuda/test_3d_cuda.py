@@ -225,5 +225,11 @@ def test_3d_cnn_trains_on_cuda_as_on_numpy(graph):
     got_losses, got = _train("cuda", graph, data)
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-4)
     for k in want:
+        if k == "4.bias":
+            # The second conv's bias feeds BatchNorm, which subtracts its mean: its true
+            # gradient is 0 and either backend's change is rounding noise (an H200 run gave
+            # 0 on CUDA, 3.7e-9 in one element on the CPU).
+            assert max(np.abs(got[k]).max(), np.abs(want[k]).max()) < 1e-6, k
+            continue
         assert np.abs(want[k]).max() > 0, k
         assert rel_err(got[k], want[k]) < 1e-3, (k, rel_err(got[k], want[k]))

@@ -74,6 +74,13 @@ def train(name, device, graph=None, steps_per_launch=None, overlap_update=False,
     return losses_, model.state_dict(), step
 
 
+# How far the CUDA trajectory may drift from the CPU's: the GEMMs round differently, and
+# centered RMSprop divides by sqrt(v - m^2), which amplifies that: measured on an H200
+# (2026-11-28) 3.3e-4 relative on 1 of 12,288 weights after 8 steps. Every write in WRITES
+# moves some weight by far more (a missed write fails at any of these bounds).
+PARAM_RTOL = {"rmsprop": 1e-3}
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_replayed_graph_sees_param_group_writes(name):
     cpu_losses, cpu_params, _ = train(name, "cpu")
@@ -81,7 +88,8 @@ def test_replayed_graph_sees_param_group_writes(name):
     assert len(step.executables) == 1
     np.testing.assert_allclose(got_losses, cpu_losses, rtol=2e-5)
     for k, v in cpu_params.items():
-        np.testing.assert_allclose(got_params[k], v, rtol=1e-4, atol=1e-6, err_msg=k)
+        np.testing.assert_allclose(got_params[k], v, rtol=PARAM_RTOL.get(name, 1e-4), atol=1e-6,
+                                   err_msg=k)
 
 
 @pytest.mark.parametrize("name", ["sgd", "rmsprop"])
@@ -93,7 +101,8 @@ def test_k_step_replay_reads_the_writes_per_launch(name):
                                       writes=writes)
     np.testing.assert_allclose(got_losses, cpu_losses, rtol=2e-5)
     for k, v in cpu_params.items():
-        np.testing.assert_allclose(got_params[k], v, rtol=1e-4, atol=1e-6, err_msg=k)
+        np.testing.assert_allclose(got_params[k], v, rtol=PARAM_RTOL.get(name, 1e-4), atol=1e-6,
+                                   err_msg=k)
 
 
 @pytest.mark.parametrize("name", ["adamw", "rmsprop"])
