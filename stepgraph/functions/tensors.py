@@ -43,7 +43,7 @@ def _eager(t) -> bool:
 
 def cat(tensors, dim: int = 0):
     """The tensors joined along `dim` (one concat node; its gradient is one slice each)."""
-    from ..ir.trace import _dim
+    from ..ir.tensor import _dim
     tensors = _joined("cat", tensors)
     first = tensors[0]
     d = _dim(dim, first.ndim, "cat")
@@ -62,7 +62,7 @@ concat = concatenate = cat
 
 def stack(tensors, dim: int = 0):
     """The tensors (all of one shape) joined along a new axis `dim`."""
-    from ..ir.trace import _dim
+    from ..ir.tensor import _dim
     tensors = _joined("stack", tensors)
     shapes = {t.shape for t in tensors}
     if len(shapes) != 1:
