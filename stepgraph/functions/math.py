@@ -1,7 +1,7 @@
 """torch.exp, torch.where, torch.clamp, ...: elementwise math, comparisons and selection.
 
-Each is the Tensor method of the same name (ir/trace.py), so a model calling either records
-the same ops (ops/unary.py, ops/compare.py, ops/elementwise.py).
+Each is the Tensor method of the same name (ir/tensor_unary.py, tensor_compare.py), so a
+model calling either records the same ops (ops/unary.py, ops/compare.py, ops/elementwise.py).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 triu, max / min / amax / amin / argmax / argmin, var / std / logsumexp, cumsum, gather,
 index_select, topk / sort, prod / median / norm, scatter / scatter_add, the arithmetic and
 product names (add, matmul, outer, ...), and einsum. Each but einsum is the Tensor method of
-the same name (ir/trace.py), so it works wherever those methods do."""
+the same name (ir/tensor_*.py), so it works wherever those methods do."""
 from __future__ import annotations
 
 import builtins
