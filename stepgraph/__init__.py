@@ -25,6 +25,15 @@ from .functions.asserts import _assert
 from .grad_mode import (enable_grad, inference_mode, is_grad_enabled, no_grad,
                         set_grad_enabled)
 from .ir.trace import Size, Tensor
+from .ir import tensor_cast as _tensor_cast  # noqa: F401  (Tensor's to, float, long, ...)
+from .ir import tensor_compare as _tensor_compare  # noqa: F401  (Tensor's <, ==, &, where)
+from .ir import tensor_inplace as _tensor_inplace  # noqa: F401  (Tensor's add_, +=, copy_)
+from .ir import tensor_math as _tensor_math  # noqa: F401  (Tensor's + - * / @, mm)
+from .ir import tensor_new as _tensor_new  # noqa: F401  (Tensor's new_zeros, clone)
+from .ir import tensor_reduce as _tensor_reduce  # noqa: F401  (Tensor's sum, max, topk)
+from .ir import tensor_select as _tensor_select  # noqa: F401  (Tensor's x[i], gather)
+from .ir import tensor_shape as _tensor_shape  # noqa: F401  (Tensor's reshape, permute)
+from .ir import tensor_unary as _tensor_unary  # noqa: F401  (Tensor's exp, relu, clamp)
 from .ir import tensor_indexing as _tensor_indexing  # noqa: F401  (Tensor's x[i] = v)
 from .ir import tensor_random as _tensor_random  # noqa: F401  (Tensor's random draws)
 from .nn.module import to_numpy

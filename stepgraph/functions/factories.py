@@ -23,7 +23,8 @@ from .generator import (Generator, default_generator, get_rng_state, host_rng, i
                         seed, set_rng_state)
 from ..ir.graph import BF16, storage_dtype
 from ..ir import tensor_random as _random_tensors
-from ..ir.trace import Tensor, _shape_args, current_tracer, tensor_of
+from ..ir.tensor import _shape_args
+from ..ir.trace import Tensor, current_tracer, tensor_of
 from ..ops.shape import ARANGE_DTYPES
 
 

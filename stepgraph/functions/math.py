@@ -1,11 +1,12 @@
 """torch.exp, torch.where, torch.clamp, ...: elementwise math, comparisons and selection.
 
-Each is the Tensor method of the same name (ir/trace.py), so a model calling either records
-the same ops (ops/unary.py, ops/compare.py, ops/elementwise.py).
+Each is the Tensor method of the same name (ir/tensor_unary.py, tensor_compare.py), so a
+model calling either records the same ops (ops/unary.py, ops/compare.py, ops/elementwise.py).
 """
 from __future__ import annotations
 
-from ..ir.trace import Tensor, _is_scalar, current_tracer
+from ..ir.tensor import Tensor, _is_scalar
+from ..ir.trace import current_tracer
 
 __all__ = ["exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "abs", "neg", "negative",
            "reciprocal", "sign", "sin", "cos", "erf", "square", "floor", "ceil", "round",

@@ -2,7 +2,7 @@
 triu, max / min / amax / amin / argmax / argmin, var / std / logsumexp, cumsum, gather,
 index_select, topk / sort, prod / median / norm, scatter / scatter_add, the arithmetic and
 product names (add, matmul, outer, ...), and einsum. Each but einsum is the Tensor method of
-the same name (ir/trace.py), so it works wherever those methods do."""
+the same name (ir/tensor_*.py), so it works wherever those methods do."""
 from __future__ import annotations
 
 import builtins
@@ -43,7 +43,7 @@ def _eager(t) -> bool:
 
 def cat(tensors, dim: int = 0):
     """The tensors joined along `dim` (one concat node; its gradient is one slice each)."""
-    from ..ir.trace import _dim
+    from ..ir.tensor import _dim
     tensors = _joined("cat", tensors)
     first = tensors[0]
     d = _dim(dim, first.ndim, "cat")
@@ -62,7 +62,7 @@ concat = concatenate = cat
 
 def stack(tensors, dim: int = 0):
     """The tensors (all of one shape) joined along a new axis `dim`."""
-    from ..ir.trace import _dim
+    from ..ir.tensor import _dim
     tensors = _joined("stack", tensors)
     shapes = {t.shape for t in tensors}
     if len(shapes) != 1:

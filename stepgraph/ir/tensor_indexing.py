@@ -27,7 +27,9 @@ import numbers
 import numpy as np
 
 from ..errors import ShapeError
-from .trace import Tensor, _is_scalar, current_tracer, tensor_of
+from . import tensor_select  # noqa: F401  (Tensor.__getitem__ first: wrapped below)
+from .tensor import Tensor, _is_scalar
+from .trace import current_tracer, tensor_of
 
 _TRACED = object()     # an index item whose values exist only in the step
 
@@ -166,7 +168,7 @@ _getitem = Tensor.__getitem__
 
 def __getitem__(self: Tensor, index):
     """x[index]; an eager tensor indexed by bool masks, lists or several integer tensors
-    reads through NumPy (its values are known), every other case as ir/trace.py's."""
+    reads through NumPy (its values are known), every other case as ir/tensor_select.py's."""
     if self.is_eager:
         items = _items(index)
         advanced = [i for i in items if not (i is None or i is Ellipsis or

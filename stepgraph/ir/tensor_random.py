@@ -23,7 +23,8 @@ import numbers
 import numpy as np
 
 from ..errors import UnsupportedOpError
-from .trace import EAGER, Tensor, _is_scalar, current_tracer, tensor_of
+from .tensor import Tensor, _is_scalar
+from .trace import EAGER, current_tracer, tensor_of
 
 
 def host_rng(generator, what: str) -> np.random.Generator:

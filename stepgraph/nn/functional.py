@@ -1028,7 +1028,8 @@ def adaptive_avg_pool3d(input: Tensor, output_size) -> Tensor:
 def normalize(input: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12,
               out=None) -> Tensor:
     """input / max(||input||_p over dim, eps), as torch.nn.functional.normalize."""
-    from ..ir.trace import _is_scalar, _vector_norm
+    from ..ir.tensor import _is_scalar
+    from ..ir.tensor_reduce import _vector_norm
     if out is not None:
         input._unsupported("normalize with out= (use the returned tensor)")
     if _is_scalar(p) and not p > 0:     # p = 0 or negative: the norm clamped below at eps
@@ -1110,7 +1111,7 @@ def cosine_similarity(x1: Tensor, x2: Tensor, dim: int = 1, eps: float = 1e-8) -
 def pairwise_distance(x1: Tensor, x2: Tensor, p: float = 2.0, eps: float = 1e-6,
                       keepdim: bool = False) -> Tensor:
     """||x1 - x2 + eps||_p over the last dim, as torch."""
-    from ..ir.trace import _is_scalar, _vector_norm
+    from ..ir.tensor_reduce import _vector_norm
     return _vector_norm(x1 - x2 + eps, p, -1, keepdim, eps=0.0)
 
 

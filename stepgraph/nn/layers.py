@@ -391,7 +391,7 @@ class Flatten(Module):
 
 class Dropout(Module):
     """Zeroes elements with probability p when training. `inplace` is accepted, as torch's:
-    the result is the same (a traced value is never overwritten; ir/trace.py _assign)."""
+    the result is the same (a traced value is never overwritten; ir/tensor_inplace.py _assign)."""
     per_channel = False
 
     def __init__(self, p: float = 0.5, inplace: bool = False):

@@ -1,6 +1,6 @@
 """The torch names model code meets beyond the op families' own: arithmetic and products by
 name, in-place forms, prod / median / norm, scatter / scatter_add, einsum, F.normalize and
-F.pad, the torch.* functions of them, and new_* factories (ir/trace.py,
+F.pad, the torch.* functions of them, and new_* factories (ir/tensor_*.py,
 functions/tensors.py, nn/functional.py) against torch.
 
 Each case is one function applied to both sides, with T the stepgraph or the torch module

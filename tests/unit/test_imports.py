@@ -4,7 +4,7 @@ The import graph is read from the source (ast), not by importing: an edge A -> B
 `import B` / `from B import name` (B.name where that is a module) that A holds, at module
 level (also under `if TYPE_CHECKING:`: an annotation naming a module that imports this one
 ties the two into a circle as much as a run-time import) or, for the second graph, deferred
-into functions as well. Neither graph may have a cycle, except the one edge ALLOWED names.
+into functions as well. Neither graph may have a cycle.
 """
 from __future__ import annotations
 
@@ -13,16 +13,6 @@ import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "stepgraph"
-
-# (importer, imported) of the one edge allowed to close a cycle, and why. ir/trace.py names
-# nn.module's Parameter and Buffer in annotations (under TYPE_CHECKING) while nn/module.py
-# imports the tracer: the change that moves the tensor-method surface out of trace.py owns
-# this circle. Nothing else may be added here.
-ALLOWED = {
-    ("stepgraph.ir.trace", "stepgraph.nn.module"):
-        "trace.py's annotations name nn.module's Parameter and Buffer (TYPE_CHECKING)",
-}
-
 
 def _modules() -> dict[str, Path]:
     """Every module of the package by dotted name (a package by its __init__.py)."""
@@ -109,51 +99,38 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def _reaches(graph: dict[str, set[str]], start: str, goal: str) -> bool:
-    seen, todo = {start}, [start]
-    while todo:
-        for nxt in graph[todo.pop()]:
-            if nxt == goal:
-                return True
-            if nxt not in seen:
-                seen.add(nxt)
-                todo.append(nxt)
-    return False
-
-
 def test_find_cycle_finds_one_and_only_where_there_is_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"b", "c"}, "c": set()}) == ["b", "b"]
 
 
-def test_graph_reads_relative_submodule_type_checking_and_deferred_imports():
+def test_graph_reads_relative_submodule_and_deferred_imports():
     module_level, deferred = import_graph(False), import_graph(True)
     assert "stepgraph.ir.ops" in module_level["stepgraph.ir.trace"]        # from .ops import
     assert "stepgraph.ops.linear" in module_level["stepgraph.ops"]         # from . import linear
-    assert "stepgraph.nn.module" in module_level["stepgraph.ir.trace"]     # TYPE_CHECKING
     assert "stepgraph.backends.cuda.backend" not in module_level["stepgraph.backends"]
     assert "stepgraph.backends.cuda.backend" in deferred["stepgraph.backends"]
 
 
-def _without_allowed(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    for importer, imported in ALLOWED:
-        graph[importer].discard(imported)
-    return graph
+def test_type_checking_imports_are_edges():
+    """An import under `if TYPE_CHECKING:` is read as an edge (no module of the package has
+    one now, so a snippet stands in)."""
+    tree = ast.parse("from typing import TYPE_CHECKING\n"
+                     "if TYPE_CHECKING:\n"
+                     "    from ..nn.module import Buffer, Parameter\n")
+    nodes = list(_import_nodes(tree.body, deferred=False))
+    assert len(nodes) == 2
+    assert _targets("stepgraph.ir.trace", False, nodes[1], _modules()) == \
+        {"stepgraph.nn.module"}
 
 
 def test_module_level_imports_form_no_cycle():
-    cycle = find_cycle(_without_allowed(import_graph(deferred=False)))
+    cycle = find_cycle(import_graph(deferred=False))
     assert cycle is None, f"module-level import cycle: {' -> '.join(cycle)}"
 
 
 def test_deferred_imports_form_no_cycle_either():
-    cycle = find_cycle(_without_allowed(import_graph(deferred=True)))
+    cycle = find_cycle(import_graph(deferred=True))
     assert cycle is None, f"import cycle (deferred imports included): {' -> '.join(cycle)}"
 
-
-def test_the_allowed_cycle_still_exists():
-    graph = import_graph(deferred=False)
-    for (importer, imported), why in ALLOWED.items():
-        assert imported in graph[importer] and _reaches(graph, imported, importer), \
-            f"{importer} -> {imported} closes no cycle now ({why}): remove it from ALLOWED"
