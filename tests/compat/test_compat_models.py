@@ -169,10 +169,15 @@ def setup(name: str, test_id: str) -> Setup:
     torch.manual_seed(0)
     t32 = getattr(tmod, case.cls)(**case.kwargs)
     start = {k: v.detach().numpy().copy() for k, v in t32.state_dict().items()}
+    buffers = [k for k, _ in t32.named_buffers()]
 
     def stepgraph_model():
         model = getattr(smod, case.cls)(**case.kwargs)
-        assert list(model.state_dict()) == list(start)
+        built = model.state_dict()
+        assert list(built) == list(start)
+        for k in buffers:       # what __init__ computes (Swin's index, a causal mask) as torch
+            np.testing.assert_allclose(np.asarray(built[k]), start[k], rtol=1e-6, atol=0,
+                                       err_msg=f"buffer {k} as built")
         model.load_state_dict(start)
         return model
     return Setup(case, batches, t32, state(t32), stepgraph_model)
