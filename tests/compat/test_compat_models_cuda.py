@@ -14,7 +14,7 @@ import torch
 
 import stepgraph as sg
 from stepgraph import optim
-from tests.compat.test_compat_models import (CASES, LR, MOMENTUM, check_against_torch,
+from tests.compat.test_compat_models import (LR, MOMENTUM, check_against_torch, running,
                                              frozen_names, setup, state, stepgraph_run,
                                              torch_references, torch_run, trained_names)
 from tests.reference import assert_close_to_reference, assert_state_changes_close
@@ -27,7 +27,7 @@ if not sg.cuda_available():
 BF16_STEPS = 4
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", running())
 def test_model_file_graph_replays_match_eager_bit_for_bit(name, request):
     s = setup(name, request.node.name)
     runs = {}
