@@ -150,7 +150,11 @@ class Conv2d(Module):
         return f"{self.in_channels},{self.out_channels},{self.kernel_size[0]}"
 
 
-class MaxPool2d(Module):
+class _MaxPoolNd(Module):
+    """MaxPool2d and MaxPool3d: the same arguments, the functional form of their rank."""
+
+    _pool = staticmethod(F.max_pool2d)
+
     def __init__(self, kernel_size, stride=None, padding=0, dilation=1,
                  return_indices: bool = False, ceil_mode: bool = False):
         super().__init__()
@@ -158,8 +162,8 @@ class MaxPool2d(Module):
         self.dilation, self.return_indices, self.ceil_mode = dilation, return_indices, ceil_mode
 
     def forward(self, x):
-        return F.max_pool2d(x, self.kernel_size, self.stride, self.padding, self.dilation,
-                            self.ceil_mode, self.return_indices)
+        return self._pool(x, self.kernel_size, self.stride, self.padding, self.dilation,
+                          self.ceil_mode, self.return_indices)
 
     def extra_repr(self):
         stride = self.kernel_size if self.stride is None else self.stride
@@ -170,7 +174,15 @@ class MaxPool2d(Module):
         return f"{self.kernel_size}"
 
 
-class AvgPool2d(Module):
+class MaxPool2d(_MaxPoolNd):
+    pass
+
+
+class _AvgPoolNd(Module):
+    """AvgPool2d and AvgPool3d: the same arguments, the functional form of their rank."""
+
+    _pool = staticmethod(F.avg_pool2d)
+
     def __init__(self, kernel_size, stride=None, padding=0, ceil_mode: bool = False,
                  count_include_pad: bool = True, divisor_override=None):
         super().__init__()
@@ -179,8 +191,8 @@ class AvgPool2d(Module):
         self.divisor_override = divisor_override
 
     def forward(self, x):
-        return F.avg_pool2d(x, self.kernel_size, self.stride, self.padding, self.ceil_mode,
-                            self.count_include_pad, self.divisor_override)
+        return self._pool(x, self.kernel_size, self.stride, self.padding, self.ceil_mode,
+                          self.count_include_pad, self.divisor_override)
 
     def extra_repr(self):
         stride = self.kernel_size if self.stride is None else self.stride
@@ -190,21 +202,31 @@ class AvgPool2d(Module):
         return f"{self.kernel_size}"
 
 
-class AdaptiveAvgPool2d(Module):
+class AvgPool2d(_AvgPoolNd):
+    pass
+
+
+class _AdaptiveAvgPoolNd(Module):
     """Average pooling to a fixed output size (1: global), torch's bins."""
+
+    _pool = staticmethod(F.adaptive_avg_pool2d)
 
     def __init__(self, output_size):
         super().__init__()
         self.output_size = output_size
 
     def forward(self, x):
-        return F.adaptive_avg_pool2d(x, self.output_size)
+        return self._pool(x, self.output_size)
 
     def extra_repr(self):
         return f"output_size={self.output_size}"
 
     def _label_args(self):
         return f"{self.output_size}"
+
+
+class AdaptiveAvgPool2d(_AdaptiveAvgPoolNd):
+    pass
 
 
 class _BatchNorm(Module):
@@ -317,61 +339,18 @@ class Conv3d(Module):
         return f"{self.in_channels},{self.out_channels},{self.kernel_size[0]}"
 
 
-class MaxPool3d(Module):
-    def __init__(self, kernel_size, stride=None, padding=0, dilation=1,
-                 return_indices: bool = False, ceil_mode: bool = False):
-        super().__init__()
-        self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
-        self.dilation, self.return_indices, self.ceil_mode = dilation, return_indices, ceil_mode
-
-    def forward(self, x):
-        return F.max_pool3d(x, self.kernel_size, self.stride, self.padding, self.dilation,
-                            self.ceil_mode, self.return_indices)
-
-    def extra_repr(self):
-        stride = self.kernel_size if self.stride is None else self.stride
-        return (f"kernel_size={self.kernel_size}, stride={stride}, padding={self.padding}, "
-                f"dilation={self.dilation}, ceil_mode={self.ceil_mode}")
-
-    def _label_args(self):
-        return f"{self.kernel_size}"
+class MaxPool3d(_MaxPoolNd):
+    _pool = staticmethod(F.max_pool3d)
 
 
-class AvgPool3d(Module):
-    def __init__(self, kernel_size, stride=None, padding=0, ceil_mode: bool = False,
-                 count_include_pad: bool = True, divisor_override=None):
-        super().__init__()
-        self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
-        self.ceil_mode, self.count_include_pad = ceil_mode, count_include_pad
-        self.divisor_override = divisor_override
-
-    def forward(self, x):
-        return F.avg_pool3d(x, self.kernel_size, self.stride, self.padding, self.ceil_mode,
-                            self.count_include_pad, self.divisor_override)
-
-    def extra_repr(self):
-        stride = self.kernel_size if self.stride is None else self.stride
-        return f"kernel_size={self.kernel_size}, stride={stride}, padding={self.padding}"
-
-    def _label_args(self):
-        return f"{self.kernel_size}"
+class AvgPool3d(_AvgPoolNd):
+    _pool = staticmethod(F.avg_pool3d)
 
 
-class AdaptiveAvgPool3d(Module):
+class AdaptiveAvgPool3d(_AdaptiveAvgPoolNd):
     """Average pooling of (N, C, D, H, W) inputs to a fixed output size, torch's bins."""
 
-    def __init__(self, output_size):
-        super().__init__()
-        self.output_size = output_size
-
-    def forward(self, x):
-        return F.adaptive_avg_pool3d(x, self.output_size)
-
-    def extra_repr(self):
-        return f"output_size={self.output_size}"
-
-    def _label_args(self):
-        return f"{self.output_size}"
+    _pool = staticmethod(F.adaptive_avg_pool3d)
 
 
 class Flatten(Module):
