@@ -20,6 +20,7 @@ import numbers
 import numpy as np
 
 from ..errors import ShapeError, UnsupportedOpError
+from ..loop import hooks as loop_hooks    # imports nothing: a training script's backward()
 from .graph import Value
 
 
@@ -162,9 +163,7 @@ class Tensor:
         that computed this loss; optimizer.step() then runs forward, backward and update as
         one compiled step. gradient, create_graph and inputs other than the defaults are
         refused; retain_graph is accepted (a pass is compiled whole either way)."""
-        from ..loop import hooks       # no cycle: hooks imports nothing
-
-        if getattr(self.tracer, "backward", None) is None or hooks.SESSION is None:
+        if getattr(self.tracer, "backward", None) is None or loop_hooks.SESSION is None:
             from ..errors import ALTERNATIVES
             self._unsupported("Tensor.backward outside a training loop with a torch-style "
                               "optimizer (make one with model.parameters(), or use "
@@ -172,7 +171,7 @@ class Tensor:
         if gradient is not None or create_graph or inputs is not None:
             self._unsupported("Tensor.backward(gradient=, create_graph=True or inputs=): a "
                               "captured loop differentiates a scalar loss")
-        hooks.SESSION.backward(self.tracer, self)
+        loop_hooks.SESSION.backward(self.tracer, self)
 
     def detach(self) -> Tensor:
         """The same values, cut from the backward (a stop_gradient view)."""

@@ -3,14 +3,14 @@ script (loop/session.py runs them). Kept apart from the update rules (optim/), w
 emit graph ops."""
 from __future__ import annotations
 
+from . import hooks             # imports nothing: no cycle through the optimizers
+
 
 class LoopMethods:
     """zero_grad / step for an optimizer made with parameters, as torch's."""
 
     def _join_loop(self) -> None:
         """An optimizer made with parameters may drive a training script's loop."""
-        from . import hooks
-
         hooks.session().register(self)
 
     def trained_parameters(self) -> list:
@@ -23,17 +23,13 @@ class LoopMethods:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's: clear the gradients. A captured loop keeps no gradients between steps;
         backward() passes that no step() used are dropped (with a warning)."""
-        from .hooks import SESSION
-
-        if SESSION is not None:
-            SESSION.zero_grad()
+        if hooks.SESSION is not None:
+            hooks.SESSION.zero_grad()
 
     def step(self, closure=None):
         """torch's: apply the update. In a training script this runs every backward() pass
         since the last step as one compiled step (forward, backward, update). closure (as
         torch's LBFGS-style optimizers take): called first, its loss returned."""
-        from . import hooks
-
         loss = None
         if closure is not None:
             from ..grad_mode import enable_grad

@@ -176,7 +176,7 @@ class LoopSession:
         skip, self.skip_nonfinite = self.skip_nonfinite, False
         if self.done:
             self._detach_done()
-        kept = [self._kept(p) for p in passes]
+        kept = [self._kept(p, len(passes) == 1) for p in passes]
         arrays = [a for p in passes for a in p.arrays]
         precision = passes[0].key[1][2] or self._float32_precision()
         hook = _grad_hook(clip, [(self.names[i], v[1]) for i, v in grads.items()])
@@ -186,6 +186,8 @@ class LoopSession:
             p.kept = {v: exe.outputs[export_name(j, k)] for k, v in enumerate(values)}
             p.phase, p.backend = DONE, step.backend
             self.done.append(weakref.ref(p))
+        if len(passes) == 1:
+            passes[0].loss_handle = step.last_loss
         if clip is not None and clip[2] is not None:
             passes[-1].kept[clip[2]] = exe.outputs[GRAD_NORM]
         for i, (_, value, _) in grads.items():
@@ -232,16 +234,20 @@ class LoopSession:
         return trained, tuple(sorted(n for i, n in self.names.items()
                                      if i in trained and not self.named[i].requires_grad))
 
-    def _kept(self, p: Pass) -> list[Value]:
+    def _kept(self, p: Pass, alone: bool) -> list[Value]:
         """The values of a pass the script holds now, and every value kept for its program
         before (so a loop keeps one Executable): computed values only (feeds are on the
-        host, parameters in the model)."""
+        host, parameters in the model). The loss of a pass stepped `alone` is not among
+        them: the step records it in its loss history (compile/history.py), which keeps it
+        readable for many steps without a copy."""
         ever = self.kept.setdefault(id(p.program), [])
-        for v in p.live_values():
-            if v.role not in (INPUT, PARAM, STATE) and v not in p.extra and \
-                    not any(v is e for e in ever):
+        loss = p.program.loss
+        live = p.live_values()
+        for v in live:
+            if v.role not in (INPUT, PARAM, STATE) and v not in p.extra and v is not loss \
+                    and not any(v is e for e in ever):
                 ever.append(v)
-        return list(ever)
+        return list(ever) if alone or not any(v is loss for v in live) else [*ever, loss]
 
     def _detach_done(self) -> None:
         """Before a step overwrites its outputs: copy out the values of earlier steps the

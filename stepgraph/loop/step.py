@@ -163,5 +163,9 @@ class LoopStep(TrainStep):
         self._sync_optimizer()          # param_groups writes (a scheduler's) reach the device
         if self.precision == BF16_PRECISION and self._versions != self._param_versions():
             self._refresh_weight_copies()
+        if self._host_step is None:      # mirror the device counter once; then count here
+            self._host_step = self._device_calls()
         exe.run(self.use_graph)
+        self._host_step += 1
+        self.last_loss = self._loss_handle(self._host_step)
         return exe
