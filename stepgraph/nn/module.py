@@ -525,8 +525,11 @@ class Module:
         return self
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing to do: a compiled step computes gradients and consumes them inside the step,
-        so none are kept between steps."""
+        """As optimizer.zero_grad() in a training script (loop/): the gradients kept for
+        p.grad are dropped, and so is a backward() no optimizer.step() used. Otherwise
+        nothing to do: a compiled step computes gradients and consumes them inside the step."""
+        if loop_hooks.SESSION is not None:
+            loop_hooks.SESSION.zero_grad()
 
     def to(self, *args, **kwargs) -> Module:
         """A placement hint (device, dtype, tensor): returns self. The compile call's device
