@@ -180,8 +180,9 @@ class LoopSession:
         arrays = [a for p in passes for a in p.arrays]
         precision = passes[0].key[1][2] or self._float32_precision()
         hook = _grad_hook(clip, [(self.names[i], v[1]) for i, v in grads.items()])
-        step = self._loop_step(optimizer, passes, kept, arrays, precision, skip, clip, hook)
-        exe = step.launch([p.program for p in passes], kept, arrays, hook)
+        max_norm = clip[1] if clip is not None and clip[0] == "norm" else None
+        step = self._loop_step(optimizer, passes, kept, arrays, precision, skip, hook, max_norm)
+        exe = step.launch([p.program for p in passes], kept, arrays, hook, max_norm)
         for j, (p, values) in enumerate(zip(passes, kept)):
             p.kept = {v: exe.outputs[export_name(j, k)] for k, v in enumerate(values)}
             p.phase, p.backend = DONE, step.backend
@@ -197,27 +198,20 @@ class LoopSession:
                 self.grads_kept[i] = (weakref.ref(passes[-1]), value)
         self.last_step, self.last_executable = step, exe
 
-    def _loop_step(self, optimizer, passes, kept, arrays, precision, skip, clip,
-                   hook) -> LoopStep:
+    def _loop_step(self, optimizer, passes, kept, arrays, precision, skip, hook,
+                   max_norm) -> LoopStep:
+        """The LoopStep (its optimizer state) of this optimizer, device, precision, bad-step
+        policy (GradScaler's skip) and trainable set; clipping and the rest are its
+        Executables'."""
         trained, frozen = self._cached_for(optimizer, "optimizer",
                                            lambda: self._trainable(optimizer))
         policy = "skip" if skip else "ignore"
-        key = (id(optimizer), self.device, precision, policy, frozen,
-               None if clip is None else (clip[0], clip[1]))
+        key = (id(optimizer), self.device, precision, policy, frozen)
         step = self.steps.get(key)
         if step is None:
-            if clip is not None and clip[0] == "norm":
-                optimizer.max_grad_norm = clip[1]
-            try:
-                step = LoopStep(self._model(), optimizer, trained,
-                                [p.program for p in passes], kept, arrays, self.device,
-                                precision, policy, self.seed, hook)
-            finally:
-                if clip is not None and clip[0] == "norm":
-                    optimizer.max_grad_norm = None
-            self.steps[key] = step
-        elif clip is not None and clip[0] == "norm":
-            optimizer.max_grad_norm = clip[1]     # read again only by a new executable
+            step = self.steps[key] = LoopStep(
+                self._model(), optimizer, trained, [p.program for p in passes], kept, arrays,
+                self.device, precision, policy, self.seed, hook, max_norm)
         return step
 
     def _float32_precision(self) -> str:

@@ -96,14 +96,16 @@ def export_name(j: int, k: int) -> str:
 
 class LoopStep(TrainStep):
     """A TrainStep whose model is the waiting passes (ProgramModel). `launch` runs one set of
-    passes; the Executable of each (program set, kept values) is built once."""
+    passes; the Executable of each (program set, kept values, gradient treatment) is built
+    once, and all of them share the optimizer state (a step that clips and one that does not
+    are two Executables of one LoopStep)."""
 
     def __init__(self, model: ProgramModel, optimizer, trained: frozenset, programs, kept,
                  arrays, device: str, precision: str, on_bad_batch: str, seed: int,
-                 grad_hook=None):
+                 grad_hook=None, max_norm: float | None = None):
         self._trained = trained
         self._launched: dict[tuple, tuple] = {}   # launch key -> (Executable, check labels)
-        self._use(programs, kept, grad_hook)
+        self._use(programs, kept, grad_hook, max_norm)
         super().__init__(model, ModelLoss(), optimizer, arrays, device=device, seed=seed,
                          precision=precision, on_bad_batch=on_bad_batch)
 
@@ -112,20 +114,30 @@ class LoopStep(TrainStep):
         # optimizer's: the others are constants of this step.
         return p.requires_grad and id(p) in self._trained
 
-    def _use(self, programs, kept, grad_hook) -> None:
+    def _use(self, programs, kept, grad_hook, max_norm) -> None:
+        """What the next Executable built is made of: the passes' programs, the values kept
+        for the script, the gradients' hook (clip_grad_value_, p.grad) and clip_grad_norm_'s
+        max_norm (None: no clip)."""
         self._programs, self._kept, self._grad_hook = tuple(programs), tuple(kept), grad_hook
+        self._max_norm = max_norm
         self._program_key = (tuple(id(p) for p in programs),
                              tuple(tuple(v.id for v in k) for k in kept),
-                             None if grad_hook is None else grad_hook.key)
+                             None if grad_hook is None else grad_hook.key, max_norm)
 
     def build_graph(self, signature: Signature):
         model = self.model
         object.__setattr__(model, "programs", self._programs)
         object.__setattr__(model, "kept", self._kept)
-        graph = build_train_graph(model, self.loss_fn, self.optimizer, signature, self.seed,
-                                  self.on_bad_batch, self.memory_format, self.precision,
-                                  frozen=self.frozen, extra_outputs=model.exports,
-                                  grad_hook=self._grad_hook)
+        # clip_grad_norm_'s max_norm, carried as compile_train_step's optimizer carries it
+        opt, saved = self.optimizer, self.optimizer.max_grad_norm
+        opt.max_grad_norm = saved if self._max_norm is None else self._max_norm
+        try:
+            graph = build_train_graph(model, self.loss_fn, opt, signature, self.seed,
+                                      self.on_bad_batch, self.memory_format, self.precision,
+                                      frozen=self.frozen, extra_outputs=model.exports,
+                                      grad_hook=self._grad_hook)
+        finally:
+            opt.max_grad_norm = saved
         norm = next((n.outputs[0] for n in graph.nodes if n.op == "global_norm"), None)
         if norm is not None:
             graph.outputs[GRAD_NORM] = norm
@@ -141,16 +153,17 @@ class LoopStep(TrainStep):
             self.executables[key] = exe
         return exe
 
-    def launch(self, programs, kept, arrays, grad_hook=None) -> Executable:
+    def launch(self, programs, kept, arrays, grad_hook=None,
+               max_norm: float | None = None) -> Executable:
         """Run one step over these passes' feeds; returns the Executable whose outputs hold
         the kept values until its next run. The Executable of a (program set, kept values,
-        gradient hook, feed shapes) is found by one dict lookup after its first step."""
+        gradient treatment, feed shapes) is found by one dict lookup after its first step."""
         key = (tuple(map(id, programs)), tuple(tuple(v.id for v in k) for k in kept),
-               None if grad_hook is None else grad_hook.key,
+               None if grad_hook is None else grad_hook.key, max_norm,
                tuple((a.shape, a.dtype) for a in arrays))
         found = self._launched.get(key)
         if found is None:
-            self._use(programs, kept, grad_hook)
+            self._use(programs, kept, grad_hook, max_norm)
             signature = signature_of(_input_names(len(arrays), False), arrays)
             # the first program set's label check (TrainStep's) where the feeds are its
             labels = tuple(s.shape for s in signature) == \

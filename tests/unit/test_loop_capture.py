@@ -447,3 +447,11 @@ def test_resuming_from_a_torch_checkpoint_trains_as_torch(tmp_path):
     c32, c64, csg = changes(t32, start), changes(t64, start), changes(ours, start)
     for k in c64:
         assert_close_to_reference(csg[k], c64[k], c32[k], f"change of {k} after resuming")
+
+
+def test_clipping_applies_to_the_steps_that_ask_for_it():
+    """clip_grad_norm_ in the first step only: the later steps are not clipped (torch's)."""
+    def clip_first(fw, opt, i):
+        if i == 0:
+            fw.nn.utils.clip_grad_norm_(opt.param_groups[0]["params"], 0.01)
+    judge(SGD, batches(3), after_backward=clip_first)
