@@ -3,7 +3,8 @@ TrainStep (the same trace -> autodiff -> update -> fuse -> plan -> Executable pi
 
 One LoopStep per optimizer (and device, precision, trainable set, bad-batch policy) holds the
 optimizer state; each distinct set of waiting passes (one pass, k accumulated passes, the last
-partial batch's) and of values kept for the script is one Executable of it, sharing that state.
+partial batch's), of values kept for the script and of gradient treatment (clip_grad_norm_,
+clip_grad_value_, p.grad asked for) is one Executable of it, sharing that state.
 """
 from __future__ import annotations
 
