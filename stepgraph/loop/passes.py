@@ -24,8 +24,8 @@ from ..errors import CaptureError, StepgraphError
 from ..ir.graph import Value, ir_dtype
 from ..ir.ops import infer_outputs
 from ..ir.trace import EAGER, Tensor, Tracer, tensor_of
-from .program import (CallEvent, NodeEvent, Program, align, describe, same_attrs,
-                      tree_leaves, tree_map)
+from .program import (CallEvent, NodeEvent, Program, align, describe, plain_equal,
+                      same_attrs, tree_leaves, tree_map)
 
 RECORD, REPLAY = "record", "replay"
 OPEN, PENDING, DONE = "open", "pending", "done"
@@ -332,7 +332,7 @@ class Pass(Tracer):
             if isinstance(a, Tensor):
                 tensors.append(self._value(a))
                 expected.append(w)
-            elif isinstance(w, Value) or type(a) is not type(w) or not _equal(a, w):
+            elif isinstance(w, Value) or not plain_equal(a, w):
                 return f"{type(module).__name__}'s argument {describe(a)} was {describe(w)}"
         reason = self._inputs_mismatch(where, tensors, expected)
         if not reason:
@@ -441,13 +441,6 @@ def as_feed_tensor(a):
 
 def _value_of(x):
     return x.value if isinstance(x, Tensor) else x
-
-
-def _equal(a, b) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:                   # noqa: BLE001 - objects without a plain ==
-        return a is b
 
 
 def _short(attrs: dict) -> str:

@@ -56,10 +56,6 @@ class Program:
             index = self.__dict__["_feed_index"] = {v: i for i, v in enumerate(self.feeds)}
         return index
 
-    @property
-    def signature(self) -> tuple:
-        return tuple((v.shape, v.dtype) for v in self.feeds)
-
 
 def tree_map(fn: Callable, obj):
     """fn applied to every leaf of nested tuples, lists and dicts (their types kept)."""
@@ -124,7 +120,7 @@ def align(a: Program, b: Program, events: int | None = None) -> dict[Value, Valu
 
     def same(x, y) -> bool:
         if not isinstance(x, Value) or not isinstance(y, Value):
-            return not isinstance(x, Value) and not isinstance(y, Value) and _plain_equal(x, y)
+            return not isinstance(x, Value) and not isinstance(y, Value) and plain_equal(x, y)
         if x in m:
             return m[x] is y
         if x in a.feeds:
@@ -145,7 +141,7 @@ def align(a: Program, b: Program, events: int | None = None) -> dict[Value, Valu
         for x, y in zip(xs, ys):
             if isinstance(x, Value) and isinstance(y, Value) and x.shape == y.shape:
                 m[x] = y
-            elif isinstance(x, Value) or isinstance(y, Value) or not _plain_equal(x, y):
+            elif isinstance(x, Value) or isinstance(y, Value) or not plain_equal(x, y):
                 return False
         return True
 
@@ -171,7 +167,8 @@ def align(a: Program, b: Program, events: int | None = None) -> dict[Value, Valu
     return m
 
 
-def _plain_equal(x, y) -> bool:
+def plain_equal(x, y) -> bool:
+    """Equal non-tensor arguments: the same type and ==, or the same object where == fails."""
     try:
         return type(x) is type(y) and bool(x == y)
     except Exception:                    # noqa: BLE001 - objects without a plain ==

@@ -69,6 +69,15 @@ def _state(model):
                 else np.asarray(v)).astype(np.float64) for k, v in model.state_dict().items()}
 
 
+def judge_changes(start, t32, t64, ours, what="change"):
+    """Every parameter's change from `start`: stepgraph's within the policy's bound of torch
+    float64's, torch float32's error the yardstick; the float64 run must have trained it."""
+    c32, c64, csg = changes(t32, start), changes(t64, start), changes(ours, start)
+    for k in c64:
+        assert np.abs(c64[k]).max() > 1e-4, f"{k} did not train: the test could not fail"
+        assert_close_to_reference(csg[k], c64[k], c32[k], f"{what} of {k}")
+
+
 def judge(make_opt, data, **loop):
     """Run the loop on the three twins; stepgraph's losses and parameter changes within the
     policy's bound of torch float64, torch float32's error the yardstick."""
@@ -78,10 +87,7 @@ def judge(make_opt, data, **loop):
     l64 = classic_loop(torch, t64, make_opt(torch, t64), data, dtype=np.float64, **loop)
     lsg = classic_loop(sg, ours, make_opt(sg, ours), data, **loop)
     assert_close_to_reference(lsg, l64, l32, "losses")
-    c32, c64, csg = changes(t32, start), changes(t64, start), changes(ours, start)
-    for k in c64:
-        assert np.abs(c64[k]).max() > 1e-4, f"{k} did not train: the test could not fail"
-        assert_close_to_reference(csg[k], c64[k], c32[k], f"change of {k}")
+    judge_changes(start, t32, t64, ours)
     return lsg
 
 
@@ -191,9 +197,7 @@ def test_a_changed_op_recaptures_with_a_warning():
     loop(torch, t64, SGD(torch, t64), data, np.float64)
     with pytest.warns(RecaptureWarning, match="scalar"):
         loop(sg, ours, SGD(sg, ours), data)
-    c32, c64, csg = changes(t32, start), changes(t64, start), changes(ours, start)
-    for k in c64:
-        assert_close_to_reference(csg[k], c64[k], c32[k], f"change of {k}")
+    judge_changes(start, t32, t64, ours)
 
 
 def test_last_partial_batch_shares_the_optimizer_state():
@@ -262,9 +266,7 @@ def test_script_level_parameter_terms_get_gradients():
     l2(torch, t32, SGD(torch, t32), data)
     l2(torch, t64, SGD(torch, t64), data, np.float64)
     l2(sg, ours, SGD(sg, ours), data)
-    c32, c64, csg = changes(t32, start), changes(t64, start), changes(ours, start)
-    for k in c64:
-        assert_close_to_reference(csg[k], c64[k], c32[k], f"change of {k}")
+    judge_changes(start, t32, t64, ours)
 
 
 def test_eval_under_no_grad_uses_the_predictor():
@@ -444,9 +446,7 @@ def test_resuming_from_a_torch_checkpoint_trains_as_torch(tmp_path):
     l64 = classic_loop(torch, t64, opt64, data[3:], dtype=np.float64)
     lsg = classic_loop(sg, ours, opt, data[3:])
     assert_close_to_reference(lsg, l64, l32, "losses after resuming")
-    c32, c64, csg = changes(t32, start), changes(t64, start), changes(ours, start)
-    for k in c64:
-        assert_close_to_reference(csg[k], c64[k], c32[k], f"change of {k} after resuming")
+    judge_changes(start, t32, t64, ours, "change after resuming")
 
 
 def test_clipping_applies_to_the_steps_that_ask_for_it():
