@@ -201,6 +201,28 @@ def test_an_input_dropped_after_the_call_is_read_before_its_memory_is_reused():
     del junk
 
 
+
+def test_a_prediction_read_on_the_callers_stream_waits_for_the_step():
+    """compile_predict's output is written on the backend's non-blocking stream; code that
+    reads it on its own current stream (cp.asnumpy on CuPy's default stream) must see the
+    values, not the memory before the queued work wrote it. The backend's stream is kept busy
+    ~0.5 s ahead of the call, so a read that does not wait sees zeros or stale memory."""
+    model = models.mlp(784, hidden=64, classes=10)
+    x = np.random.default_rng(3).standard_normal((32, 784)).astype(np.float32)
+    want = sg.compile_predict(model, (x,), device="cpu")(x)
+    predict = sg.compile_predict(model, (x,), device="cuda", graph=True)
+    xd = cp.asarray(x)
+    for _ in range(2):                                   # warm-up and capture
+        predict(xd)
+    spin = cp.RawKernel(SPIN, "spin")
+    spin((1,), (1,), (np.int64(1),))
+    cp.cuda.runtime.deviceSynchronize()
+    with predict.backend.stream:
+        spin((1,), (1,), (np.int64(1_000_000_000),))
+    got = predict(xd)
+    assert not predict.backend.stream.done, "the race was not set up: the step has run"
+    assert rel(cp.asnumpy(got), want) < 1e-5
+
 def test_bad_feeds_raise_before_touching_state():
     (step,), shape = twin_steps("mlp", 0.1, "adamw", ["cuda"], graph=True)
     x, y = batches(shape, 1, seed=8)[0]

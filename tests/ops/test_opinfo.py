@@ -42,7 +42,7 @@ from stepgraph.ir.graph import Value
 from stepgraph.ir.trace import Tensor, Tracer
 from stepgraph.nn import functional as F
 from tests.ops.helpers import run_graph
-from tests.reference import assert_close_to_reference
+from tests.reference import FACTOR, assert_close_to_reference
 
 # torch's test internals import expecttest (a test-only package) for its TestCase base class;
 # the samples need nothing from it.
@@ -241,9 +241,10 @@ class _Feed:
         if not isinstance(x, torch.Tensor):
             return x
         if constants and not x.is_floating_point() and x.ndim == 0:
-            return stepgraph.tensor(x.numpy())
+            return stepgraph.tensor(x.cpu().numpy())
         name = f"t{len(self.arrays)}"
-        a = x.detach().to(self.dtype if x.is_floating_point() else x.dtype).numpy()
+        # .cpu(): torch's samples of `to` name device 'cuda' on a machine with a GPU
+        a = x.detach().cpu().to(self.dtype if x.is_floating_point() else x.dtype).numpy()
         self.arrays[name] = np.array(a, copy=True)   # keeps 0-d (ascontiguousarray would not)
         t = self.tracer.input(a.shape, str(a.dtype), name)
         if x.requires_grad:
@@ -390,10 +391,13 @@ class Refusal:
 class Known:
     """Samples that run but miss torch's float64 reference by more than the bound, for
     `reason` (docs/TESTING.md, known mismatches): those `applies` names must fail their
-    comparison (a strict expected failure, per sample); every other sample is compared."""
+    comparison (a strict expected failure, per sample); every other sample is compared.
+    With `looser` set, the samples are of an arithmetic coarser than float32 on purpose
+    (3xTF32): they are compared against the bound times `looser` instead, and must meet it."""
     kind: str
     applies: Applies
     reason: str
+    looser: float | None = None
 
 
 def _shape(x) -> tuple:
@@ -450,10 +454,11 @@ _CHANNELS_LAST = _kw("memory_format", lambda f: f == torch.channels_last)
 
 
 def _float64_on_cuda(s, run) -> bool:
-    """A float64 result on the cuda backend, whose elementwise kernels compute float32."""
-    def f64(a) -> bool:
-        return a is torch.float64 or isinstance(a, torch.Tensor) and a.dtype == torch.float64
-    return run.device == "cuda" and any(f64(a) for a in (*s.args, *s.kwargs.values()))
+    """A float64 result on the cuda backend, whose elementwise kernels compute float32: a
+    dtype argument of float64 (a tensor argument, `x.to(other)`'s, is cast to the run's
+    dtype on both sides, as every sample tensor is)."""
+    return run.device == "cuda" and any(a is torch.float64
+                                        for a in (*s.args, *s.kwargs.values()))
 
 
 _FLOAT64_CUDA = Refusal("a float64 result on the cuda backend (float32 elementwise kernels)",
@@ -544,6 +549,7 @@ REFUSALS: dict[str, tuple[Refusal, ...]] = {
     "double": (Refusal("memory_format=torch.channels_last", _CHANNELS_LAST, U,
                        "memory_format=torch.channels_last"),
                dataclasses.replace(_FLOAT64_CUDA, applies=lambda s, r: r.device == "cuda")),
+    # (every sample of double and of softmin's with_dtype variant on cuda: CUDA_REFUSED_OPS)
     "nn.functional.softmin": (_FLOAT64_CUDA,),
     "gather": (
         Refusal("a uint8 index", lambda s, r: _arg(s, 1).dtype == torch.uint8, S,
@@ -579,10 +585,11 @@ KNOWN: dict[tuple[str, torch.dtype], tuple[Known, ...]] = {
               "finer reference to show the true one)"),),
     ("nn.functional.nll_loss", torch.float32): (
         Known("samples 33 and 53: a (2, 3, 2, 2) input (the composed path), reduction "
-              "'mean' and 'sum'", lambda s, r: r.index in (33, 53),
-              "(N, C, d...) inputs take the composed path (a picked-value product and a mean): "
-              "1.64e-7 from float64 against a bound of 8.76e-8 (sample 53, the sum: 1.31e-6 "
-              "against 7.01e-7); the fused op covers (N, C)"),),
+              "'mean' and 'sum'", lambda s, r: r.index in (33, 53) and r.device == "cpu",
+              "(N, C, d...) inputs take the composed path (a picked-value product and a mean) "
+              "of the numpy backend: 1.64e-7 from float64 against a bound of 8.76e-8 (sample "
+              "53, the sum: 1.31e-6 against 7.01e-7); the fused op covers (N, C). The cuda "
+              "backend's reductions meet the bound (sample 33 on an H200, 2026-11-28)"),),
 }
 
 # OpInfo name -> CUDA float32 mismatches (the kernel is not strict FP32 on purpose)
@@ -590,8 +597,13 @@ KNOWN_CUDA: dict[str, tuple[Known, ...]] = {
     "nn.functional.scaled_dot_product_attention": (
         Known("every sample", lambda s, r: True,
               "the attention kernels' fp32 products are 3xTF32, not strict FP32: dv 9.6e-6 "
-              "from float64 against a bound of 1.65e-6 on an H200 (2026-11-28)"),),
+              "from float64 against a bound of 1.65e-6 on an H200 (2026-11-28); judged "
+              "against 16x the bound", looser=16.0),),
 }
+
+# Ops whose every sample is refused on the cuda backend, each checked to stay refused there:
+# a float64 result, which the cuda backend's elementwise kernels do not compute
+CUDA_REFUSED_OPS = {("double", ""), ("nn.functional.softmin", "with_dtype")}
 
 
 def _random(sample) -> str | None:
@@ -610,10 +622,12 @@ class Report:
     known: list[str] = dataclasses.field(default_factory=list)
     left_out: list[str] = dataclasses.field(default_factory=list)
     failures: list[str] = dataclasses.field(default_factory=list)
+    looser: list[int] = dataclasses.field(default_factory=list)   # met a Known's looser bound
 
     def listing(self) -> str:
-        lines = [f"{self.what}: {len(self.compared)} compared, {len(self.refused)} refused, "
-                 f"{len(self.known)} known mismatches, {len(self.left_out)} left out"]
+        lines = [f"{self.what}: {len(self.compared)} compared, {len(self.looser)} compared "
+                 f"at a looser bound, {len(self.refused)} refused, {len(self.known)} known "
+                 f"mismatches, {len(self.left_out)} left out"]
         for title, items in (("refused", self.refused), ("known mismatch", self.known),
                              ("left out", self.left_out), ("FAILED", self.failures)):
             lines += [f"  {title}: {item}" for item in items]
@@ -627,7 +641,7 @@ class Report:
             assert self.refused and not self.compared and not self.known, \
                 f"{self.listing()}\nno longer wholly refused: move the op to OPS"
         else:
-            assert self.compared, f"{self.listing()}\ncompared no sample"
+            assert self.compared or self.looser, f"{self.listing()}\ncompared no sample"
 
 
 def _rms_norm_terms(sample, cts: list, dtype: torch.dtype) -> dict:
@@ -655,14 +669,15 @@ def _shape_of(normalized_shape) -> tuple:
 TERMS = {"nn.functional.rms_norm": _rms_norm_terms}
 
 
-def _compare(got, ref64, ref32, what: str, dtype: torch.dtype, terms: dict) -> None:
+def _compare(got, ref64, ref32, what: str, dtype: torch.dtype, terms: dict,
+             factor: float = FACTOR) -> None:
     for kind, g, r64, r32 in (("out", got[0], ref64[0], ref32[0]),
                               ("grad", got[1], ref64[1], ref32[1])):
         assert len(g) == len(r64), f"{what}: {len(g)} {kind}s, torch {len(r64)}"
         for j, (a, b, c) in enumerate(zip(g, r64, r32)):
             if b.dtype.kind == "f":
                 assert_close_to_reference(a, b, c, f"{what}: {kind} {j}",
-                                          precision=DTYPES[dtype],
+                                          factor, precision=DTYPES[dtype],
                                           terms=terms.get((kind, j), 0.0))
             else:       # indices, masks: no rounding, so exactly torch's
                 assert a.shape == b.shape, f"{what}: {kind} {j} shape {a.shape}, {b.shape}"
@@ -722,8 +737,16 @@ def check_op(key: tuple[str, str], limit: int | None, device: str = "cpu",
                                    f"{'; '.join(r.kind for r in refusals)}): delete the rule "
                                    "or narrow it")
             continue
+        terms = TERMS[key[0]](sample, cts, dtype) if key[0] in TERMS else {}
+        if expected and expected[0].looser:
+            try:
+                _compare(got, ref64, ref32, what, dtype, terms, FACTOR * expected[0].looser)
+                report.looser.append(i)
+            except AssertionError as err:
+                report.failures.append(f"{str(err).splitlines()[0]} (at {expected[0].looser:g}"
+                                       f"x the bound: {expected[0].kind})")
+            continue
         try:
-            terms = TERMS[key[0]](sample, cts, dtype) if key[0] in TERMS else {}
             _compare(got, ref64, ref32, what, dtype, terms)
         except AssertionError as err:
             if expected:
@@ -794,7 +817,7 @@ def test_opinfo_every_sample(key, dtype):
 def test_opinfo_samples_cuda(key):
     report = check_op(key, FAST_SAMPLES, device="cuda")
     print(report.listing())
-    report.check()
+    report.check(all_refused=key in CUDA_REFUSED_OPS)
 
 
 def _documented_rows() -> list[str]:

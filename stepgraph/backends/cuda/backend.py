@@ -192,9 +192,16 @@ class CudaBackend(Backend):
         return array.get(stream=self.stream)   # blocking: waits for the copy, in stream order
 
     def copy_result(self, buffer):
-        """A new device array holding buffer's current value (ordered after the step)."""
+        """A new device array holding buffer's current value (ordered after the step). The
+        caller's current stream waits for the copy on the device (no host sync): CuPy or
+        PyTorch code reading the result on its own stream (cp.asnumpy, a kernel) then sees
+        the value, not the memory before the step's work on this non-blocking stream wrote it."""
         with self.stream:
-            return buffer.copy()
+            result = buffer.copy()
+        current = self._cp.cuda.get_current_stream()
+        if current != self.stream:
+            current.wait_event(self.stream.record())
+        return result
 
     def synchronize(self) -> None:
         self.stream.synchronize()
