@@ -220,7 +220,7 @@ class TrainStep(_CompiledModel):
         seed = self.seed if self.group is None else self.seed + (self.group.rank << 32)
         return build_train_graph(self.model, self.loss_fn, self.optimizer, signature, seed,
                                  self.on_bad_batch, self.memory_format, self.precision,
-                                 frozen=self.frozen)
+                                 frozen=self.frozen, device=self.device)
 
     def plan(self, signature: Signature) -> Plan:
         graph = fuse(self.build_graph(signature))
@@ -504,7 +504,7 @@ class Predictor(_CompiledModel):
 
     def build_graph(self, signature: Signature) -> Graph:
         return build_predict_graph(self.model, signature, self.memory_format, self.precision,
-                                   self.seed)
+                                   self.seed, self.device)
 
     def bind(self, v: Value) -> Any:
         if v.role == STATE and v.name == PREDICT_RNG_KEY:
