@@ -38,7 +38,8 @@ class TreePredictor(Predictor):
             return leaf
         self._structures[signature] = tree_map(name, out)
         tracer.graph.outputs = outputs
-        graph = rewrite_forward_attention(tracer.graph, model, self.device)
+        graph = rewrite_forward_attention(tracer.graph, model, self.device,
+                                          values=self.module_values)
         graph = apply_memory_format(graph, self.memory_format)
         if self.precision == BF16_PRECISION:
             autocast(graph)

@@ -18,6 +18,7 @@ import stepgraph as sg
 from stepgraph import losses, optim
 from stepgraph.autodiff import append_backward
 from stepgraph.compile.attention_rewrite import SWITCH_ENV, rewrite_attention
+from stepgraph.errors import PlanError
 from stepgraph.ir.trace import Tracer
 from tests.ops.helpers import randn, run_graph, seeded, trace_inputs
 from tests.reference import assert_close_to_reference, assert_state_changes_close
@@ -357,3 +358,18 @@ def test_hand_written_attention_trains_on_cuda_as_on_numpy():
         assert_state_changes_close({k: np.asarray(v, np.float64) for k, v in start.items()},
                                    final,
                                    state(t64), state(t32), f"{device} ", trained=trained)
+
+
+def test_a_folded_buffer_given_new_values_stops_the_step():
+    """The causal mask is read from the buffer when the step compiles: writing the same values
+    again is fine, other values (a state_dict of another mask) stop the step with a reason."""
+    x, y = randn(seeded("folded"), B, T, C), randn(seeded("folded-y"), B, T, C)
+    model = MinGPTAttention()
+    step = sg.compile_train_step(model, sg.nn.functional.mse_loss, optim.SGD(lr=LR),
+                                 example_inputs=(x, y))
+    step(x, y)
+    model.bias.data = np.tril(np.ones((16, 16), np.float32)).reshape(1, 1, 16, 16)
+    step(x, y)
+    model.bias.data = np.ones((1, 1, 16, 16), np.float32)
+    with pytest.raises(PlanError, match="bias was given new values"):
+        step(x, y)
