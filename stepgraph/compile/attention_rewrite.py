@@ -40,8 +40,12 @@ a parameter, a mask that is not causal where the backend takes no mask, a causal
 L > S, and head dims above MAX_HEAD_DIM: those run as written.
 
 A module buffer folded into the step (the causal case, or a constant mask) is read when the
-step is compiled; load_state_dict or an assignment to that buffer afterwards is not seen by
-the compiled step (compile again). STEPGRAPH_ATTENTION_REWRITE=0 turns the pass off.
+step is compiled (compile/build.py ModuleValues); a compiled step whose folded buffer was
+later given other values (load_state_dict, `.data =`) refuses to run, naming it.
+STEPGRAPH_ATTENTION_REWRITE=0 turns the pass off (read when a step is compiled), to compare.
+
+Dropout: the CUDA kernels and the NumPy reference draw the dropout op's mask bit for bit;
+cuDNN's bf16 attention draws its own (same distribution and 1 / (1 - p) scaling, other bits).
 """
 from __future__ import annotations
 
