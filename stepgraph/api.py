@@ -16,7 +16,8 @@ from .backends import get_backend, resolve_device
 from .backends.numpy import bf16
 from .compile.autocast import PRECISION as BF16_PRECISION
 from .compile.autocast import check_bf16_support, copy_values, parse_weight_copy
-from .compile.build import PREDICT_RNG_KEY, ModelLoss, build_predict_graph, build_train_graph
+from .compile.build import (PREDICT_RNG_KEY, ModelLoss, ModuleValues, build_predict_graph,
+                            build_train_graph)
 from .compile.distribute import average_gradients, shard_optimizer_state
 from .compile.executable import COPY_ROLES, INFERENCE, STATIC_ROLES, TRAIN, Executable, GraphKey
 from .compile.feed import Signature, check_feed, check_labels, check_steps_feed, signature_of
@@ -64,6 +65,7 @@ class _CompiledModel:
         self.model = model
         self.backend = get_backend(device)
         self.device = device
+        self.module_values = ModuleValues(model)     # what the compiled steps folded in
         self.use_graph = (device == "cuda") if graph is None else bool(graph)
         if self.use_graph and device != "cuda":
             raise ValueError("graph=True needs device='cuda' (the CPU backend runs eagerly)")
@@ -125,6 +127,7 @@ class _CompiledModel:
     def _prepare(self, arrays) -> Executable:
         signature = check_feed(self.signature, arrays)
         self._check_values(arrays)
+        self.module_values.check()
         exe = self.executable(signature)
         exe.feed(arrays)
         return exe
@@ -220,7 +223,8 @@ class TrainStep(_CompiledModel):
         seed = self.seed if self.group is None else self.seed + (self.group.rank << 32)
         return build_train_graph(self.model, self.loss_fn, self.optimizer, signature, seed,
                                  self.on_bad_batch, self.memory_format, self.precision,
-                                 frozen=self.frozen)
+                                 frozen=self.frozen, device=self.device,
+                                 values=self.module_values)
 
     def plan(self, signature: Signature) -> Plan:
         graph = fuse(self.build_graph(signature))
@@ -384,6 +388,7 @@ class TrainStep(_CompiledModel):
             self._guard.check_call()
         signature, launches = check_steps_feed(self.signature, batches, steps)
         self._check_values(batches)       # every step's labels, before any step runs
+        self.module_values.check()
         replay = self.executable(signature).replay(steps)
         self._sync_optimizer()
         if self.precision == BF16_PRECISION and self._versions != self._param_versions():
@@ -504,7 +509,7 @@ class Predictor(_CompiledModel):
 
     def build_graph(self, signature: Signature) -> Graph:
         return build_predict_graph(self.model, signature, self.memory_format, self.precision,
-                                   self.seed)
+                                   self.seed, self.device, self.module_values)
 
     def bind(self, v: Value) -> Any:
         if v.role == STATE and v.name == PREDICT_RNG_KEY:

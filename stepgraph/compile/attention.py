@@ -127,6 +127,8 @@ class _Matcher:
         return None
 
     def site(self, n: Node) -> _Site | None:
+        if n.attrs.get("mask"):         # the packed op takes no mask
+            return None
         q, k, v = n.inputs[:3]
         x = self.split_source(q, 0)
         if x is None or self.split_source(k, 1) is not x or self.split_source(v, 2) is not x \

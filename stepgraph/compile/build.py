@@ -4,10 +4,12 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..autodiff import append_backward
-from ..ir.graph import Graph, Node
+from ..ir.graph import Graph, Node, Value
 from ..ir.ops import OPS
-from ..errors import LossSelectionError, NothingToTrainError
+from ..errors import LossSelectionError, NothingToTrainError, PlanError
 from ..ir.trace import Tensor, Tracer
 from ..nn.module import Module
 from .feed import Signature
@@ -15,6 +17,7 @@ from .guard import emit_guard
 from .history import emit_record_loss
 from .autocast import PRECISION as BF16_PRECISION
 from .autocast import as_float32, autocast, bind_weight_copies
+from .attention_rewrite import masks_supported, rewrite_attention
 from .layout import apply_memory_format
 from .recompute import recompute
 
@@ -69,10 +72,52 @@ class ModelLoss:
         return t
 
 
+class ModuleValues:
+    """known(v) of compile/attention_rewrite.py for one model: the host values of the buffer
+    (or frozen parameter) a `state` value stands for, read when the step is compiled, each
+    kept with the version its array had then. `check` (before every call of a compiled step)
+    refuses to run once one of them was given other values (load_state_dict, `.data =`): the
+    step folded the old ones in (a causal mask)."""
+
+    def __init__(self, model: Module):
+        self.model = model
+        self.read: dict[str, tuple] = {}        # name -> (stored, version, values read)
+
+    def __call__(self, v: Value):
+        stored = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
+        held = stored.get(v.name)
+        if held is None:
+            return None
+        values = np.array(held.numpy(), copy=True)
+        self.read[v.name] = (held, held.version, values)
+        return values
+
+    def check(self) -> None:
+        for name, (held, version, values) in list(self.read.items()):
+            if held.version == version:
+                continue
+            if not np.array_equal(held.numpy(), values):
+                raise PlanError(f"{name} was given new values after the step was compiled, "
+                                "which folded its old ones in (a hand-written attention mask, "
+                                "compile/attention_rewrite.py): compile the step again, or "
+                                "set STEPGRAPH_ATTENTION_REWRITE=0 before compiling")
+            self.read[name] = (held, held.version, values)
+
+
+def rewrite_forward_attention(graph: Graph, model: Module, device: str | None,
+                              kept: tuple = (), values: ModuleValues | None = None) -> Graph:
+    """The traced forward with hand-written attention as sdpa (compile/attention_rewrite.py);
+    masks other than causal become sdpa inputs only on devices whose sdpa takes them. values:
+    the step's ModuleValues (a fresh one, unchecked, without)."""
+    known = ModuleValues(model) if values is None else values
+    return rewrite_attention(graph, known, masks_supported(device), kept)
+
+
 def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, seed: int,
                       on_bad_batch: str = "ignore", memory_format: str = "contiguous",
                       precision: str = "fp32", frozen: frozenset = frozenset(),
-                      extra_outputs: dict | None = None, grad_hook=None) -> Graph:
+                      extra_outputs: dict | None = None, grad_hook=None,
+                      device: str | None = None, values: ModuleValues | None = None) -> Graph:
     """forward + loss + backward (+ guard) + update. The last feed entry is the loss target,
     or with loss_fn a ModelLoss the model's last argument (it computes the loss itself).
     on_bad_batch "raise" or "skip" adds the guard (compile/guard.py); "ignore" does not.
@@ -84,7 +129,9 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
     extra_outputs: a dict the forward fills with more outputs of the step (name -> Value: the
     values a captured loop keeps for the script, loop/step.py); they are outputs before the
     layout and precision passes, so those passes keep them readable. grad_hook(tracer, params,
-    grads) -> grads: a rewrite of the gradients before the update (clip_grad_value_)."""
+    grads) -> grads: a rewrite of the gradients before the update (clip_grad_value_).
+    device: where the step runs ("cpu", "cuda"; None: unknown), which decides the masks the
+    attention rewrite hands to sdpa, values the step's ModuleValues (rewrite_forward_attention)."""
     model.name_parameters()
     tracer = Tracer(seed=seed, training=True, frozen=frozen)
     inputs = _trace_inputs(tracer, signature)
@@ -96,6 +143,7 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
             out = model(*inputs[:-1])
             loss = loss_fn(out, target)
     tracer.graph.outputs = dict(extra_outputs or {})
+    tracer.graph = rewrite_forward_attention(tracer.graph, model, device, (loss.value,), values)
     tracer.graph = apply_memory_format(tracer.graph, memory_format)
     bf16 = precision == BF16_PRECISION
     if bf16:
@@ -158,11 +206,12 @@ def advance_predict_rng(tracer: Tracer) -> None:
 
 def build_predict_graph(model: Module, signature: Signature,
                         memory_format: str = "contiguous", precision: str = "fp32",
-                        seed: int = 0) -> Graph:
+                        seed: int = 0, device: str | None = None,
+                        values: ModuleValues | None = None) -> Graph:
     """The forward pass in eval mode (nn.Dropout off, as its module's training flag is False;
     a dropout asked for with training=True and random draws read the predictor's counter,
-    advance_predict_rng); memory_format and precision as build_train_graph's (a bf16 output is
-    returned as float32)."""
+    advance_predict_rng); memory_format, precision and device as build_train_graph's (a bf16
+    output is returned as float32)."""
     model.name_parameters()
     tracer = predict_tracer(seed)
     xs = _trace_inputs(tracer, signature)
@@ -170,7 +219,7 @@ def build_predict_graph(model: Module, signature: Signature,
         out = model(*xs)
     advance_predict_rng(tracer)
     tracer.graph.outputs = {"output": _predicted(out).value}
-    graph = tracer.graph
+    graph = rewrite_forward_attention(tracer.graph, model, device, values=values)
     graph = apply_memory_format(graph, memory_format)
     if precision == BF16_PRECISION:
         autocast(graph)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ..api import Predictor
 from ..compile.autocast import PRECISION as BF16_PRECISION
 from ..compile.autocast import as_float32, autocast
-from ..compile.build import _mode, advance_predict_rng, predict_tracer
+from ..compile.build import _mode, advance_predict_rng, predict_tracer, rewrite_forward_attention
 from ..compile.feed import Signature
 from ..compile.layout import apply_memory_format
 from ..ir.graph import TEMP, Graph
@@ -38,7 +38,9 @@ class TreePredictor(Predictor):
             return leaf
         self._structures[signature] = tree_map(name, out)
         tracer.graph.outputs = outputs
-        graph = apply_memory_format(tracer.graph, self.memory_format)
+        graph = rewrite_forward_attention(tracer.graph, model, self.device,
+                                          values=self.module_values)
+        graph = apply_memory_format(graph, self.memory_format)
         if self.precision == BF16_PRECISION:
             autocast(graph)
             graph.outputs = {k: as_float32(graph, v) for k, v in graph.outputs.items()}

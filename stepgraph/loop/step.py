@@ -136,7 +136,8 @@ class LoopStep(TrainStep):
             graph = build_train_graph(model, self.loss_fn, opt, signature, self.seed,
                                       self.on_bad_batch, self.memory_format, self.precision,
                                       frozen=self.frozen, extra_outputs=model.exports,
-                                      grad_hook=self._grad_hook)
+                                      grad_hook=self._grad_hook, device=self.device,
+                                      values=self.module_values)
         finally:
             opt.max_grad_norm = saved
         norm = next((n.outputs[0] for n in graph.nodes if n.op == "global_norm"), None)

@@ -213,6 +213,9 @@ class _Stored:
     def __neg__(self):
         return -self.as_tensor()
 
+    def __invert__(self):
+        return ~self.as_tensor()        # a bool mask buffer: `~self.mask`
+
     def __repr__(self):
         return f"{type(self).__name__}({self.name or '?'}, shape={self.shape})"
 

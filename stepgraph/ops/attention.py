@@ -1,13 +1,14 @@
 """Attention family: scaled dot-product attention in one op (`sdpa`) and its gradient
-(`sdpa_grad`), what F.scaled_dot_product_attention records.
+(`sdpa_grad`), what F.scaled_dot_product_attention records and what hand-written attention
+becomes (compile/attention_rewrite.py).
 
-The op means exactly what the composed path means (bmm(q, k^T), softmax(scale, causal), the
-dropout op on the (..., L, S) probabilities, bmm with v), dropout mask included: element
-(n, i, j) of the probabilities, n the flattened leading index, is kept by the dropout op's
-Philox rule at flat index (n * L + i) * S + j of that tensor, with the node's seed, site and
-the step counter input (rng.py). The CUDA kernels never hold the (L, S) scores in memory:
-they save each query row's logsumexp instead and recompute the probabilities from it in the
-backward, where the NumPy reference does the same.
+The op means exactly what the composed path means (bmm(q, k^T), softmax(scale, causal, an
+optional additive mask), the dropout op on the (..., L, S) probabilities, bmm with v),
+dropout mask included: element (n, i, j) of the probabilities, n the flattened leading index,
+is kept by the dropout op's Philox rule at flat index (n * L + i) * S + j of that tensor, with
+the node's seed, site and the step counter input (rng.py). The CUDA kernels never hold the
+(L, S) scores in memory: they save each query row's logsumexp instead and recompute the
+probabilities from it in the backward, where the NumPy reference does the same.
 """
 from __future__ import annotations
 
@@ -48,7 +49,23 @@ def _check_qkv(op: str, q, k, v, attrs) -> None:
     _need(0.0 <= p < 1.0, op, f"dropout_p must be in [0, 1), got {p}")
 
 
+def _check_mask(op: str, ins, first: int, attrs) -> int:
+    """The index after the operands and the optional additive mask (at `first`), checking
+    that the mask broadcasts to the (..., L, S) scores of q = ins[first - 3] and k."""
+    if not attrs.get("mask"):
+        return first
+    _need(len(ins) > first, op, "attrs mask=True needs the mask input after q, k, v")
+    q, k, mask = ins[first - 3], ins[first - 2], ins[first]
+    scores = q.shape[:-1] + (k.shape[-2],)
+    fits = len(mask.shape) <= len(scores) and all(
+        m in (1, s) for m, s in zip(mask.shape[::-1], scores[::-1]))
+    _need(fits and mask.dtype in FLOAT_DTYPES, op,
+          f"the mask must be float and broadcast to the scores {scores}, got {mask!r}")
+    return first + 1
+
+
 def _check_step(op: str, ins, first: int, attrs) -> None:
+    first = _check_mask(op, ins, first, attrs)
     dropout = float(attrs.get("dropout_p", 0.0)) > 0.0
     _need(len(ins) == first + dropout, op,
           f"{first + dropout} inputs (the step counter with dropout_p > 0), got {len(ins)}")
@@ -61,8 +78,11 @@ def _check_step(op: str, ins, first: int, attrs) -> None:
 def _sdpa(ins, attrs):
     """out (..., L, Ev) = dropout(softmax(scale * q @ k^T + M)) @ v; ins q (..., L, E),
     k (..., S, E), v (..., S, Ev) of one float dtype and the same leading dims, E, Ev <=
-    MAX_HEAD_DIM (128), L, S >= 1, then the int64 step counter when dropout_p > 0. attrs scale
-    (float), causal (bool: M = -inf where key j > query i + (S - L), L <= S; otherwise 0),
+    MAX_HEAD_DIM (128), L, S >= 1, then with attrs mask=True an additive float mask
+    broadcasting to (..., L, S) (no gradient: compile/attention_rewrite.py gives it only masks
+    that need none; the CUDA kernels take none), then the int64 step counter when dropout_p >
+    0. attrs scale (float), causal (bool: M = -inf where key j > query i + (S - L), L <= S;
+    otherwise 0; plus the mask where given),
     dropout_p (float in [0, 1), default 0), and with dropout_p > 0 seed and site: the
     probabilities are dropped as the dropout op drops a (..., L, S) tensor of its own (mask
     from Philox at the element's flat index, survivors scaled by 1 / (1 - dropout_p)).
@@ -76,7 +96,8 @@ def _sdpa(ins, attrs):
 
 @defop("sdpa_grad")
 def _sdpa_grad(ins, attrs):
-    """dq, dk, dv of sdpa; ins (dout, q, k, v, out, lse [, step]) with the forward's attrs.
+    """dq, dk, dv of sdpa; ins (dout, q, k, v, out, lse [, mask] [, step]) with the forward's
+    attrs.
     P = exp(scale * q @ k^T + M - lse) (0 where masked), K = keep mask / (1 - dropout_p)
     (1 without dropout), dP = (dout @ v^T) * K, D = rowsum(dP * P) (= rowsum(dout * out),
     which the CUDA kernels sum); dS = P * (dP - D);
@@ -106,15 +127,25 @@ def _as_3d(x: np.ndarray) -> np.ndarray:
     return x.reshape((-1,) + x.shape[-2:])
 
 
-def _scores(node, q: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """scale * q @ k^T with -inf where the causal mask hides (the softmax op's input)."""
+def _scores(node, q: np.ndarray, k: np.ndarray, extra: list, lead: tuple) -> np.ndarray:
+    """scale * q @ k^T (+ the mask, the first of `extra` with attrs mask, broadcast over the
+    leading dims `lead` of the unflattened q) with -inf where the causal mask hides (the
+    softmax op's input)."""
     x = np.matmul(q, k.transpose(0, 2, 1))
     scale = node.attrs.get("scale", 1.0)
     if scale != 1.0:
         x = x * x.dtype.type(scale)
+    if node.attrs.get("mask"):
+        x = x + _as_3d(np.broadcast_to(extra[0], lead + x.shape[-2:])).astype(x.dtype)
     if node.attrs.get("causal"):
         x = np.where(causal_mask(*x.shape[-2:]), x.dtype.type(-np.inf), x)
     return x
+
+
+def step_of(node, extra: list):
+    """The step counter among the inputs after q, k, v (and out, lse): 0 without dropout."""
+    rest = extra[1:] if node.attrs.get("mask") else extra
+    return rest[0] if rest else 0
 
 
 def dropout_keep(node, shape: tuple, dtype, step) -> np.ndarray | None:
@@ -129,12 +160,12 @@ def dropout_keep(node, shape: tuple, dtype, step) -> np.ndarray | None:
 @impl("sdpa")
 def _sdpa_impl(node, ins, outs, ctx):
     q, k, v = (_as_3d(x) for x in ins[:3])
-    x = _scores(node, q, k)
+    x = _scores(node, q, k, list(ins[3:]), ins[0].shape[:-2])
     m = x.max(axis=-1, keepdims=True)
     e = np.exp(x - m)
     total = e.sum(axis=-1, keepdims=True)
     p = e / total
-    keep = dropout_keep(node, p.shape, p.dtype, ins[3] if len(ins) > 3 else 0)
+    keep = dropout_keep(node, p.shape, p.dtype, step_of(node, list(ins[3:])))
     if keep is not None:
         p = p * keep
     outs[0][...] = np.matmul(p, v).reshape(outs[0].shape)
@@ -149,9 +180,9 @@ def _sdpa_grad_impl(node, ins, outs, ctx):
     # per row, so the rows sum to 1 + delta; D = rowsum(dP * P) then picks up delta * D, which
     # dq and dk amplify. Renormalising removes the factor (the CUDA kernels take D from
     # rowsum(dout * out) instead, which the forward normalised exactly).
-    p = np.exp(_scores(node, q, k) - lse)
+    p = np.exp(_scores(node, q, k, list(ins[6:]), ins[1].shape[:-2]) - lse)
     p /= p.sum(axis=-1, keepdims=True)
-    keep = dropout_keep(node, p.shape, p.dtype, ins[6] if len(ins) > 6 else 0)
+    keep = dropout_keep(node, p.shape, p.dtype, step_of(node, list(ins[6:])))
     dp = np.matmul(dout, v.transpose(0, 2, 1))
     kept = p
     if keep is not None:
@@ -177,6 +208,7 @@ def _check_packed(op: str, qkv, attrs) -> tuple:
           f"needs T >= 1 and a head dim in [1, {MAX_HEAD_DIM}], got {qkv.shape} with {heads} "
           f"heads")
     _need(qkv.dtype in FLOAT_DTYPES, op, f"qkv must be float, got {qkv.dtype}")
+    _need(not attrs.get("mask"), op, "packed heads take no mask")
     p = float(attrs.get("dropout_p", 0.0))
     _need(0.0 <= p < 1.0, op, f"dropout_p must be in [0, 1), got {p}")
     return qkv.shape[:-2], qkv.shape[-2], heads, d

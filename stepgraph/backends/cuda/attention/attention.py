@@ -95,7 +95,7 @@ def kernels_ahead(node: Node, precision: str) -> list[tuple[str, str]]:
         e = ev = q.shape[-1] // (3 * int(node.attrs["heads"]))
         rows = keys = q.shape[-2]
     ctype = STORAGE.get(np.dtype(storage_dtype(q.dtype)))
-    if ctype is None or max(e, ev) > HEAD_DIMS[-1]:
+    if ctype is None or max(e, ev) > HEAD_DIMS[-1] or node.attrs.get("mask"):
         return []       # the launcher refuses it, naming why
     if ctype == "unsigned short" and attention_cudnn.shape_reason(
             e, ev, bool(node.attrs.get("causal")), rows, keys) is None:
@@ -389,12 +389,22 @@ def cudnn_keep_mask(ctx, q, k, v, step, attn: Attn) -> np.ndarray:
     return attention_cudnn.keep_mask(ctx, pb, attn, layouts, q, k, v, step)
 
 
+def _no_mask(node: Node) -> None:
+    """These kernels take no attention mask (the numpy reference does); the hand-written
+    attention rewrite (compile/attention_rewrite.py) gives a CUDA step no masked sdpa."""
+    if node.attrs.get("mask"):
+        raise ShapeError(f"{node.op}: the CUDA kernels take no attention mask (attrs mask); "
+                         "masked attention runs as its composed ops on CUDA")
+
+
 def _sdpa(node: Node, ins, outs, ctx) -> None:
+    _no_mask(node)
     step = ins[3] if len(ins) > 3 else None
     sdpa_forward(ctx, *ins[:3], outs[0], outs[1], step, attn_of(node))
 
 
 def _sdpa_grad(node: Node, ins, outs, ctx) -> None:
+    _no_mask(node)
     dout, q, k, v, out, lse = ins[:6]
     step = ins[6] if len(ins) > 6 else None
     sdpa_backward(ctx, node, q, k, v, out, dout, lse, step, *outs, attn_of(node))
