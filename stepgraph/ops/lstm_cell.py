@@ -48,13 +48,15 @@ def _lstm_cell(ins, attrs):
 
 @defop("lstm_cell_grad")
 def _lstm_cell_grad(ins, attrs):
-    """Gradient of lstm_cell: ins ([dh' when attrs dh], [dc' when attrs dc], gates (the
-    forward's activated gates), c, c'); a gradient not given is zero (at least one is).
-    With tc = tanh(c') and dc'' = dc' + dh' * o * (1 - tc^2): outputs d(pre-activations)
-    (B, 4H) = (dc'' * g * i(1 - i), dc'' * c * f(1 - f), dc'' * i * (1 - g^2),
-    dh' * tc * o(1 - o)) and dc = dc'' * f (B, H)."""
-    dh, dc = bool(attrs.get("dh")), bool(attrs.get("dc"))
-    _need(dh or dc, "lstm_cell_grad", "needs dh or dc")
+    """Gradient of lstm_cell: ins (dh' addends (attrs dh of them: 0, 1 or 2; the
+    fusion pass compile/gradient_sums.py hands in both terms of a sum), [dc' when attrs dc],
+    gates (the forward's activated gates), c, c'); a gradient not given is zero (at least one
+    is). With tc = tanh(c') and dc'' = dc' + dh' * o * (1 - tc^2): outputs
+    d(pre-activations) (B, 4H) = (dc'' * g * i(1 - i), dc'' * c * f(1 - f),
+    dc'' * i * (1 - g^2), dh' * tc * o(1 - o)) and dc = dc'' * f (B, H)."""
+    dh, dc = int(attrs.get("dh", 0)), bool(attrs.get("dc"))
+    _need(0 <= dh <= 2 and (dh or dc), "lstm_cell_grad",
+          f"needs dh or dc (0 to 2 dh terms), got dh={dh}, dc={dc}")
     _need(len(ins) == dh + dc + 3, "lstm_cell_grad",
           f"{dh + dc + 3} inputs for dh={dh}, dc={dc}, got {len(ins)}")
     grads, (gates, c, c_new) = ins[:dh + dc], ins[dh + dc:]
@@ -74,7 +76,7 @@ def _lstm_cell_vjp(emit, node, dy, wants) -> list:
     _, c_new, gates = node.outputs
     c = node.inputs[-1]
     ins = [g for g in (dh, dc) if g is not None] + [gates, c, c_new]
-    d_pre, d_c = emit("lstm_cell_grad", ins, dh=dh is not None, dc=dc is not None)
+    d_pre, d_c = emit("lstm_cell_grad", ins, dh=int(dh is not None), dc=dc is not None)
     last = len(node.inputs) - 1
     return [d_pre if wants(k) else None for k in range(last)] + [d_c if wants(last) else None]
 
@@ -97,11 +99,11 @@ def _lstm_cell_impl(node, ins, outs, ctx):
 
 @impl("lstm_cell_grad")
 def _lstm_cell_grad_impl(node, ins, outs, ctx):
-    dh_given, dc_given = bool(node.attrs.get("dh")), bool(node.attrs.get("dc"))
+    dh_terms, dc_given = int(node.attrs.get("dh", 0)), bool(node.attrs.get("dc"))
     ins = [a.astype(np.float64) for a in ins]
     gates, c, c_new = ins[-3:]
-    dh = ins[0] if dh_given else np.zeros_like(c)
-    dc = ins[dh_given] if dc_given else np.zeros_like(c)
+    dh = sum(ins[:dh_terms], np.zeros_like(c))
+    dc = ins[dh_terms] if dc_given else np.zeros_like(c)
     i, f, g, o = np.split(gates, 4, axis=1)
     tc = np.tanh(c_new)
     dc = dc + dh * o * (1.0 - tc * tc)

@@ -1,5 +1,6 @@
 """cuda vs numpy for the lstm_cell family (backends/cuda/lstm_cell.cu): the forward with two
-addends and with one, the backward with dh' and dc', dh' only and dc' only, at shapes whose
+addends and with one, the backward with dh' (one or two terms) and dc', either alone, at
+shapes whose
 B * H is not a multiple of the block; fresh random inputs, cuda outputs poisoned first."""
 from __future__ import annotations
 
@@ -37,17 +38,17 @@ def test_lstm_cell_forward(ctx, impls, batch, hidden, addends):
         assert_close(g, r, rtol=1e-5, atol=1e-6, what=what, all_finite=True)
 
 
-@pytest.mark.parametrize("given", [(True, True), (True, False), (False, True)],
-                         ids=["dh_dc", "dh", "dc"])
+@pytest.mark.parametrize("dh,dc", [(2, True), (1, True), (1, False), (0, True), (2, False)],
+                         ids=["dh2_dc", "dh_dc", "dh", "dc", "dh2"])
 @pytest.mark.parametrize("batch,hidden", SHAPES)
-def test_lstm_cell_backward(ctx, impls, batch, hidden, given):
-    rng = np.random.default_rng([batch, hidden, *given, 1])
+def test_lstm_cell_backward(ctx, impls, batch, hidden, dh, dc):
+    rng = np.random.default_rng([batch, hidden, dh, dc, 1])
     pre = [random(rng, batch, 4 * hidden, scale=2.0), random(rng, batch, 4 * hidden)]
     c = random(rng, batch, hidden)
     _, c_new, gates = run_both(ctx, make_node("lstm_cell", [*pre, c]), [*pre, c], impls)[0]
-    grads = [random(rng, batch, hidden) for flag in given if flag]
+    grads = [random(rng, batch, hidden) for _ in range(dh + dc)]
     ins = [*grads, gates, c, c_new]
-    node = make_node("lstm_cell_grad", ins, dh=given[0], dc=given[1])
+    node = make_node("lstm_cell_grad", ins, dh=dh, dc=dc)
     ref, got = run_both(ctx, node, ins, impls)
     for what, g, r in zip(("d(pre)", "dc"), got, ref):
         assert_close(g, r, rtol=1e-5, atol=1e-6, what=what, all_finite=True)

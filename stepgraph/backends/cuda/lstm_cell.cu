@@ -34,10 +34,12 @@ extern "C" __global__ void lstm_cell_forward_kernel(const float* xg, const float
     }
 }
 
-// tc = tanh(c_new); dcc = dc + dh * o * (1 - tc^2) (dh, dc null: zero);
+// dh = dh1 + dh2 (each may be null: zero); tc = tanh(c_new); dcc = dc + dh * o * (1 - tc^2)
+// (dc null: zero);
 // dpre = (dcc * g * i(1 - i), dcc * c * f(1 - f), dcc * i * (1 - g^2), dh * tc * o(1 - o));
 // dc_prev = dcc * f.
-extern "C" __global__ void lstm_cell_backward_kernel(const float* dh, const float* dc,
+extern "C" __global__ void lstm_cell_backward_kernel(const float* dh1, const float* dh2,
+                                                     const float* dc,
                                                      const float* gates, const float* c,
                                                      const float* c_new, float* dpre,
                                                      float* dc_prev, int batch, int hidden) {
@@ -49,7 +51,7 @@ extern "C" __global__ void lstm_cell_backward_kernel(const float* dh, const floa
         const float i = gates[row], f = gates[row + hidden];
         const float g = gates[row + 2 * hidden], o = gates[row + 3 * hidden];
         const float tc = tanhf(c_new[k]);
-        const float dhk = dh ? dh[k] : 0.f;
+        const float dhk = (dh1 ? dh1[k] : 0.f) + (dh2 ? dh2[k] : 0.f);
         const float dcc = (dc ? dc[k] : 0.f) + dhk * o * (1.f - tc * tc);
         dpre[row] = dcc * g * i * (1.f - i);
         dpre[row + hidden] = dcc * c[k] * f * (1.f - f);

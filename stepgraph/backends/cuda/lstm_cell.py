@@ -46,22 +46,24 @@ def lstm_cell_forward(ctx, xg, hg, c, h_out, c_out, gates) -> None:
             (xg, _or_null(hg), c, h_out, c_out, gates, np.int32(b), np.int32(h)))
 
 
-def lstm_cell_backward(ctx, dh, dc, gates, c, c_new, dpre, dc_prev) -> None:
-    """d(pre-activations) (B, 4H) and dc_prev (B, H) from dh', dc' (either may be None: zero),
-    the forward's activated gates, c and c'."""
+def lstm_cell_backward(ctx, dh: list, dc, gates, c, c_new, dpre, dc_prev) -> None:
+    """d(pre-activations) (B, 4H) and dc_prev (B, H) from dh' (the sum of the 0 to 2 arrays
+    in the list dh) and dc' (None: zero), the forward's activated gates, c and c'."""
     b, h = _cell_shape("lstm_cell_grad", c)
-    if dh is None and dc is None:
-        raise ShapeError("lstm_cell_grad: needs dh or dc")
-    for what, a in (("dh", dh), ("dc", dc), ("c'", c_new), ("dc_prev", dc_prev)):
+    if not dh and dc is None or len(dh) > 2:
+        raise ShapeError(f"lstm_cell_grad: needs dh or dc, and at most 2 dh terms (got "
+                         f"{len(dh)} dh terms, dc {'given' if dc is not None else 'None'})")
+    for what, a in (*(("dh", t) for t in dh), ("dc", dc), ("c'", c_new), ("dc_prev", dc_prev)):
         if a is not None:
             _check(f"lstm_cell_grad {what}", a, shape=(b, h))
     for what, a in (("gates", gates), ("dpre", dpre)):
         _check(f"lstm_cell_grad {what}", a, shape=(b, 4 * h))
     if not c.size:
         return
+    dh1, dh2 = (list(dh) + [None, None])[:2]
     _launch(ctx, SOURCE, "lstm_cell_backward_kernel", _grid(c.size), (BLOCK,),
-            (_or_null(dh), _or_null(dc), gates, c, c_new, dpre, dc_prev, np.int32(b),
-             np.int32(h)))
+            (_or_null(dh1), _or_null(dh2), _or_null(dc), gates, c, c_new, dpre, dc_prev,
+             np.int32(b), np.int32(h)))
 
 
 def _forward_impl(node, ins, outs, ctx) -> None:
@@ -70,10 +72,9 @@ def _forward_impl(node, ins, outs, ctx) -> None:
 
 
 def _backward_impl(node, ins, outs, ctx) -> None:
-    given_dh, given_dc = bool(node.attrs.get("dh")), bool(node.attrs.get("dc"))
-    dh = ins[0] if given_dh else None
-    dc = ins[given_dh] if given_dc else None
-    lstm_cell_backward(ctx, dh, dc, *ins[-3:], *outs)
+    dh_terms, given_dc = int(node.attrs.get("dh", 0)), bool(node.attrs.get("dc"))
+    dc = ins[dh_terms] if given_dc else None
+    lstm_cell_backward(ctx, list(ins[:dh_terms]), dc, *ins[-3:], *outs)
 
 
 IMPLS: dict[str, Callable] = {

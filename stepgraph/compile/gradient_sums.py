@@ -1,11 +1,16 @@
-"""Sums of weight-gradient products as one product: sum_k a_kᵀ b_k  =>  [a_1; ...; a_n]ᵀ [b_1; ...; b_n].
+"""Gradient sums that autodiff writes as `add` nodes, taken into the nodes that read them.
 
-A weight used n times in a step (an unrolled recurrence's W_hh at every time step, a tied
-weight) gets n gradients matmul(g_k, x_k, trans_a) that autodiff sums with `add` nodes: n
-small GEMMs, each writing a gradient of the weight's size, all of them live until the sum
-reads them. Stacking the operands' rows gives the same sum from one GEMM over all rows: two
-concats of the operands (copies of what the n GEMMs read anyway), one GEMM with a long inner
-dimension (far better use of the GPU than n short ones), one output of the weight's size.
+fuse_product_sums: sum_k a_kᵀ b_k  =>  [a_1; ...; a_n]ᵀ [b_1; ...; b_n]. A weight used n times
+in a step (an unrolled recurrence's W_hh at every time step, a tied weight) gets n gradients
+matmul(g_k, x_k, trans_a) that autodiff sums with `add` nodes: n small GEMMs, each writing a
+gradient of the weight's size, all of them live until the sum reads them. Stacking the
+operands' rows gives the same sum from one GEMM over all rows: two concats of the operands
+(copies of what the n GEMMs read anyway), one GEMM with a long inner dimension (far better
+use of the GPU than n short ones), one output of the weight's size.
+
+fuse_cell_grad_sums: an LSTM step's h' feeds the layer's output and the next step, so its
+gradient is an add of two terms; lstm_cell_grad (ops/lstm_cell.py) takes both terms and adds
+them itself: one kernel fewer per time step.
 """
 from __future__ import annotations
 
@@ -110,3 +115,25 @@ def fuse_product_sums(graph: Graph) -> Graph:
         replace[root] = new
     nodes = [m for n in graph.nodes for m in replace.get(n, [] if n in drop else [n])]
     return _rebuild(graph, nodes, subst)
+
+
+def fuse_cell_grad_sums(graph: Graph) -> Graph:
+    """add(a, b) -> dh; lstm_cell_grad(dh, ...) with dh its only reader   =>
+    lstm_cell_grad(a, b, ...) with attrs dh = 2."""
+    graph = _copy(graph)
+    producers, users = graph.producers(), graph.consumers()
+    outputs = set(graph.outputs.values())
+    drop: set[Node] = set()
+    for n in graph.nodes:
+        if n.op != "lstm_cell_grad" or int(n.attrs.get("dh", 0)) != 1:
+            continue
+        dh = n.inputs[0]
+        p = producers.get(dh)
+        if p is None or not _is_sum(p) or len(users.get(dh, [])) != 1 or dh in outputs \
+                or any(v.shape != dh.shape or v.dtype != dh.dtype for v in p.inputs):
+            continue
+        n.inputs = [*p.inputs, *n.inputs[1:]]
+        n.attrs = dict(n.attrs, dh=2)
+        n.label = _join(n.label, p.label)
+        drop.add(p)
+    return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})

@@ -1,6 +1,8 @@
-"""compile/product_sums.py: the gradients of a weight used several times, summed by autodiff
+"""compile/gradient_sums.py: the gradients of a weight used several times, summed by autodiff
 from one matmul(g_k, x_k, trans_a) per use, become one matmul over the stacked rows, and
-the step computes what it did (float64, to rounding; torch's gradient of the tied weight)."""
+the step computes what it did (float64, to rounding; torch's gradient of the tied weight);
+an LSTM cell gradient takes both terms of its dh' sum (tests/ops/test_recurrent.py's fused
+graphs judge the numbers against torch)."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +11,7 @@ import torch
 from stepgraph import nn
 from stepgraph.autodiff import append_backward
 from stepgraph.compile.fuse import fuse
-from stepgraph.compile.product_sums import fuse_product_sums
+from stepgraph.compile.gradient_sums import fuse_product_sums
 from stepgraph.ir.trace import Tracer
 from stepgraph.nn import functional as F
 from tests.ops.helpers import randn, relative_error, run_graph, seeded
@@ -90,4 +92,9 @@ def test_lstm_hidden_weight_gradient_is_one_product_per_layer_and_direction():
     grads = append_backward(tracer, out.sum().value, params)
     tracer.graph.outputs = {v.name: g for v, g in zip(params, grads)}
     assert len(weight_gradients(tracer.graph)) == 4 * (6 + 1)
-    assert len(weight_gradients(fuse(tracer.graph))) == 4 * 2
+    fused = fuse(tracer.graph)
+    assert len(weight_gradients(fused)) == 4 * 2
+    cells = [n for n in fused.nodes if n.op == "lstm_cell_grad"]
+    # the last step of each walk has the output's gradient alone; the others take two terms
+    assert sorted(n.attrs["dh"] for n in cells) == [1] * 4 + [2] * 4 * 5
+    assert all(len(n.inputs) == n.attrs["dh"] + n.attrs["dc"] + 3 for n in cells)
