@@ -14,6 +14,8 @@ them itself: one kernel fewer per time step.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ..ir.graph import Graph, Node, Value
 from .rewrite import _copy, _join, _rebuild
 
@@ -46,6 +48,11 @@ def _gradient_product(v: Value, producers, users, outputs: set) -> Node | None:
         return None
     if len(users.get(v, [])) != 1 or v in outputs:
         return None
+    # Only products with a short inner dimension (operands no bigger than the gradient): the
+    # stacked operands then live longer than the n GEMMs' did, but take less memory than
+    # the n gradients of the weight's size that the sum kept.
+    if sum(int(np.prod(a.shape)) for a in p.inputs) > int(np.prod(v.shape)):
+        return None
     return p
 
 
@@ -64,8 +71,7 @@ def _stacked(products: list[Node], label: str) -> tuple[list[Node], Value]:
 
 
 def _sum_nodes(terms: list[Value], root: Value, label: str) -> list[Node]:
-    """A chain of adds of `terms` whose last writes `root` (one term: a copy-free rename is
-    not possible, so the caller never passes one)."""
+    """A chain of adds of `terms` (at least two) whose last writes `root`."""
     nodes, acc = [], terms[0]
     for k, t in enumerate(terms[1:]):
         out = root if k == len(terms) - 2 else Value(root.shape, root.dtype)
@@ -76,7 +82,8 @@ def _sum_nodes(terms: list[Value], root: Value, label: str) -> list[Node]:
 
 def fuse_product_sums(graph: Graph) -> Graph:
     """add trees summing >= MIN_PRODUCTS matmul(a_k, b_k, trans_a) of one result shape and
-    operand dtypes  =>  concat(a_k), concat(b_k) (dim 0), one matmul, added to the other terms."""
+    operand dtypes, each with operands no bigger than its result  =>  concat(a_k),
+    concat(b_k) (dim 0), one matmul, added to the other terms."""
     graph = _copy(graph)
     producers, users = graph.producers(), graph.consumers()
     outputs = set(graph.outputs.values())
