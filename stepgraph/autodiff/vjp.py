@@ -2,7 +2,9 @@
 
 Walks the forward nodes backwards, calls each op's VJP rule (ir/ops.py VJPS, registered by
 the op's family in stepgraph/ops/), and appends the nodes the rules emit to the same graph.
-Gradients reaching a value from several uses are summed with `add` nodes. The result is
+Gradients reaching a value from several uses are summed with `add` nodes. A node is
+differentiated when any of its outputs has a gradient (an LSTM cell's c' may have one while
+its h' has none); its rule gets None for the others. The result is
 ordinary graph code: the planner, the fusion passes and the CUDA graph see the backward like
 any other nodes.
 """
@@ -39,7 +41,7 @@ def append_backward(tracer: Tracer, loss: Value, wrt: list[Value]) -> list[Value
     grads[loss] = tracer.emit("fill", [], value=1.0, shape=(), dtype=loss.dtype)[0]
     for node in reversed(forward):
         dys = [grads.get(v) for v in node.outputs]
-        if dys[0] is None or not any(v in needs for v in node.inputs):
+        if all(g is None for g in dys) or not any(v in needs for v in node.inputs):
             continue
         rule = VJPS.get(node.op)
         if rule is None:

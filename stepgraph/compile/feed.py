@@ -1,13 +1,18 @@
 """Feed signatures and validation: what a step accepts, checked before anything is copied.
 
-A signature is the shapes and dtypes of the arrays a step is called with. The batch (first)
-axis may change from call to call (the last partial batch of an epoch); everything else must
-match the example inputs exactly: nothing is silently broadcast or cast.
+A signature is the shapes and dtypes of the arrays a step is called with. The batch axis may
+change from call to call (the last partial batch of an epoch); everything else must match the
+example inputs exactly: nothing is silently broadcast or cast.
+
+The batch axis of each input is decided once, from the example inputs: the first input's
+axis 0 holds the batch, and every other input's batch axis is its first axis of that size
+(axis 0 of a target; axis 1 of a recurrent layer's initial state (num_layers, batch, hidden),
+as torch shapes it). An input without an axis of the batch size keeps its shape on every call.
 """
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -19,6 +24,12 @@ class FeedSpec:
     name: str
     shape: tuple[int, ...]
     dtype: str
+    batch_axis: int | None = 0      # the axis that may change between calls (None: none)
+
+    def dims(self) -> str:
+        """The shape in words, "batch" at the batch axis: "(2, batch, 24)"."""
+        return "(" + ", ".join("batch" if k == self.batch_axis else str(d)
+                               for k, d in enumerate(self.shape)) + ")"
 
 
 Signature = tuple[FeedSpec, ...]
@@ -52,7 +63,16 @@ def _host_array(array) -> np.ndarray | None:
 
 
 def signature_of(names: tuple[str, ...], arrays) -> Signature:
-    return tuple(FeedSpec(n, *describe(a)) for n, a in zip(names, arrays))
+    """The signature of example inputs, each input's batch axis decided from their shapes."""
+    described = [describe(a) for a in arrays]
+    batch = described[0][0][0] if described and described[0][0] else None
+    return tuple(FeedSpec(n, shape, dtype, _batch_axis(shape, batch))
+                 for n, (shape, dtype) in zip(names, described))
+
+
+def _batch_axis(shape: tuple[int, ...], batch: int | None) -> int | None:
+    """The first axis of `shape` of the batch size, None when it has none."""
+    return next((k for k, d in enumerate(shape) if d == batch), None)
 
 
 def check_feed(expected: Signature, arrays) -> Signature:
@@ -68,24 +88,32 @@ def _check_count(expected: Signature, arrays) -> None:
 
 
 def check_signature(expected: Signature, got: Signature) -> Signature:
-    """`got` (one step's feed), after checking it against the example signature."""
-    batch = got[0].shape[0] if got[0].shape else None
+    """`got` (one step's feed) with the example's batch axes, after checking it against the
+    example signature: every axis but an input's batch axis as the example's, and every batch
+    axis of the first input's batch size."""
+    first = expected[0]
+    batch = None if first.batch_axis is None or len(got[0].shape) != len(first.shape) \
+        else got[0].shape[first.batch_axis]
     for want, have in zip(expected, got):
         if have.dtype != want.dtype:
             raise ShapeError(f"input {want.name!r}: expected dtype {want.dtype}, got {have.dtype}")
         if len(have.shape) != len(want.shape):
             raise ShapeError(f"input {want.name!r}: expected rank {len(want.shape)} "
                              f"{want.shape}, got rank {len(have.shape)} {have.shape}")
-        if have.shape[1:] != want.shape[1:]:
-            raise ShapeError(f"input {want.name!r}: expected shape (batch, "
-                             f"{', '.join(map(str, want.shape[1:]))}), got {have.shape}")
-        if have.shape and have.shape[0] != batch:
-            raise ShapeError(f"input {want.name!r}: batch size {have.shape[0]} does not match "
-                             f"{got[0].name!r} batch size {batch}")
+        if any(h != w for k, (h, w) in enumerate(zip(have.shape, want.shape))
+               if k != want.batch_axis):
+            raise ShapeError(f"input {want.name!r}: expected shape {want.dims()}, got "
+                             f"{have.shape}")
+        if want.batch_axis is not None and have.shape[want.batch_axis] != batch:
+            where = "" if want.batch_axis == 0 else \
+                f" (its batch axis is {want.batch_axis}: its first axis of the example's " \
+                "batch size)"
+            raise ShapeError(f"input {want.name!r}: batch size {have.shape[want.batch_axis]} "
+                             f"does not match {got[0].name!r} batch size {batch}{where}")
     if batch == 0:
         raise ShapeError(f"input {got[0].name!r}: empty batch (batch size 0); a step needs at "
                          "least one sample")
-    return got
+    return tuple(replace(have, batch_axis=want.batch_axis) for want, have in zip(expected, got))
 
 
 def check_steps_feed(expected: Signature, arrays, steps: int) -> tuple[Signature, int]:
@@ -97,8 +125,10 @@ def check_steps_feed(expected: Signature, arrays, steps: int) -> tuple[Signature
     _check_count(expected, arrays)
     described = [describe(a) for a in arrays]
     for want, (shape, _) in zip(expected, described):
-        if len(shape) != len(want.shape) + 1 or shape[2:] != want.shape[1:]:
-            dims = ", ".join(["batch", *map(str, want.shape[1:])][:len(want.shape)])
+        if len(shape) != len(want.shape) + 1 or any(
+                h != w for k, (h, w) in enumerate(zip(shape[1:], want.shape))
+                if k != want.batch_axis):
+            dims = want.dims()[1:-1]
             raise ShapeError(f"input {want.name!r}: expected shape ({steps}, {dims}) (a "
                              f"leading axis of steps={steps}, or a multiple of it, before "
                              f"each step's shape), got {shape}")

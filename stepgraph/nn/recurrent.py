@@ -4,7 +4,8 @@ GRU and their cells RNNCell, LSTMCell, GRUCell.
 A layer is composed of traced ops, so it trains on every backend inside one compiled step and
 its backward comes from the ops' VJPs. Per layer and direction: one linear projects the
 inputs of every time step at once; `unstack` (ops/recurrent.py) hands out the steps; each
-step adds the hidden projection (one linear) and applies the gates (pointwise ops); the
+step adds the hidden projection (one linear) and applies the gates (pointwise ops; an LSTM's
+in one lstm_cell node, ops/lstm_cell.py, whose gradient is one lstm_cell_grad node); the
 hidden states are stacked back into the output with one concat. The sequence is unrolled at
 trace time, so the graph grows with its length.
 
@@ -85,11 +86,11 @@ def rnn_step(mode: str, xp: Tensor, state: tuple, w: CellWeights) -> tuple:
         r, z = (xr + hr).sigmoid(), (xz + hz).sigmoid()
         n = (xn + r * hn).tanh()
         return (n + z * (h - n),)                 # (1 - z) * n + z * h
-    pre = xp + hh
     if mode == "LSTM":
-        i, f, g, o = _gates(pre, 4)
-        c = f.sigmoid() * state[1] + i.sigmoid() * g.tanh()
-        return o.sigmoid() * c.tanh(), c
+        # one lstm_cell node adds the two products and applies the gates (ops/lstm_cell.py)
+        h, c, _ = xp.tracer.op_all("lstm_cell", [xp, hh, xp._coerce(state[1], "c")])
+        return h, c
+    pre = xp + hh
     return (pre.tanh() if mode == "RNN_TANH" else pre.relu(),)
 
 

@@ -6,3 +6,4 @@ from . import (activation, attention, bmm, cast, collective, compare, conv,  # n
                dropout, elementwise, embedding, guard, index, layer_norm, linear, loss, norm,
                optim, pointwise, pool, random, reduce, reduce_axis, shape, softmax, unary)
 from . import recurrent  # noqa: F401
+from . import lstm_cell  # noqa: F401

@@ -22,9 +22,7 @@ def unstack_order(n: int, reverse: bool) -> list[int]:
 def _unstack(ins, attrs):
     """ys = x's slices along axis attrs dim (non-negative), each without that axis: ys[k] =
     x[..., k, ...], or x[..., n - 1 - k, ...] when attrs reverse (a reverse-time walk takes
-    its first step first: autodiff reads a node's first output to know whether the node
-    needs a gradient, and the first step's result feeds every later one). One output per
-    position (at least one)."""
+    its first step first). One output per position (at least one)."""
     x, dim = ins[0], int(attrs["dim"])
     _need(0 <= dim < len(x.shape), "unstack", f"dim {dim} out of range for {x.shape}")
     _need(x.shape[dim] >= 1, "unstack", f"axis {dim} of {x.shape} is empty")

@@ -103,10 +103,7 @@ CASES = {
     "swin": Case("swin", "SwinTransformer", images((4, 3, 12, 12), 10), "cross_entropy"),
     "lstm_lm": Case("lstm_lm", "RNNModel", tokens(4, 12, 48), kwargs={"learn_init": True}),
     "lstm_lm_state": Case(
-        "lstm_lm", "StatefulRNNModel", tokens_and_state(4, 12, 48, 2, 24),
-        defect=Defect(ShapeError, "a step's inputs must all be batched along axis 0 "
-                      "(compile/feed.py), and torch's (h0, c0) is (num_layers, batch, hidden) "
-                      "even with batch_first: 'batch size 2 does not match 4'")),
+        "lstm_lm", "StatefulRNNModel", tokens_and_state(4, 12, 48, 2, 24)),
 }
 
 
@@ -282,3 +279,30 @@ def test_stochastic_depth_draws_in_the_step_at_its_rate():
     moved = {k for k, v in model.state_dict().items()
              if np.asarray(v).dtype.kind == "f" and not np.array_equal(v, s.initial[k])}
     assert moved >= set(trained_names(model))
+
+
+def test_lstm_state_fed_with_the_batch_on_axis_1_is_used():
+    """lstm_lm.py's StatefulRNNModel takes (h0, c0) as step inputs, (num_layers, batch,
+    hidden) as torch shapes them: the feed's batch axis of h0 and c0 is 1 (compile/feed.py).
+    A step with lr 0 keeps the weights, so its losses are the forward's on each feed: another
+    h0, another c0 and a partial batch of 3 (the state's axis 1 shrinks with the tokens') each
+    give torch's loss, and the state moves the loss."""
+    s = setup("lstm_lm_state", "test_lstm_state_used")
+    idx, h0, c0, y = s.batches[0]
+    h1, c1 = s.batches[1][1], s.batches[1][2]
+    feeds = [(idx, h0, c0, y), (idx, h1, c0, y), (idx, h0, c1, y),
+             (idx[:3], h1[:, :3], c1[:, :3], y[:3])]
+    model = s.stepgraph_model()
+    step = sg.compile_train_step(model, None, optim.SGD(lr=0.0), example_inputs=feeds[0])
+    got = [float(step(*f)) for f in feeds]
+    t64 = copy.deepcopy(s.torch_model).double()
+    for f, loss in zip(feeds, got):
+        with torch.no_grad():
+            ref = {dt: m(*[torch.tensor(a).to(dt) if a.dtype == np.float32
+                           else torch.tensor(a) for a in f])[1].item()
+                   for dt, m in ((torch.float64, t64), (torch.float32, s.torch_model))}
+        assert_close_to_reference(loss, ref[torch.float64], ref[torch.float32], "loss")
+    assert len(set(got)) == len(got), f"the state did not move the loss: {got}"
+    with pytest.raises(ShapeError, match=r"'x1': batch size 2 does not match 'x0' "
+                       r"batch size 3 \(its batch axis is 1"):
+        step(idx[:3], h1[:, :2], c1[:, :3], y[:3])
