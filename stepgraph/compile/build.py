@@ -16,6 +16,7 @@ from .history import emit_record_loss
 from .autocast import PRECISION as BF16_PRECISION
 from .autocast import as_float32, autocast, bind_weight_copies
 from .layout import apply_memory_format
+from .loss_scale import LossScaling, emit_scale_update, unscale_gradients
 from .recompute import recompute
 
 
@@ -72,7 +73,8 @@ class ModelLoss:
 def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, seed: int,
                       on_bad_batch: str = "ignore", memory_format: str = "contiguous",
                       precision: str = "fp32", frozen: frozenset = frozenset(),
-                      extra_outputs: dict | None = None, grad_hook=None) -> Graph:
+                      extra_outputs: dict | None = None, grad_hook=None,
+                      loss_scaling: LossScaling | None = None) -> Graph:
     """forward + loss + backward (+ guard) + update. The last feed entry is the loss target,
     or with loss_fn a ModelLoss the model's last argument (it computes the loss itself).
     on_bad_batch "raise" or "skip" adds the guard (compile/guard.py); "ignore" does not.
@@ -84,7 +86,10 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
     extra_outputs: a dict the forward fills with more outputs of the step (name -> Value: the
     values a captured loop keeps for the script, loop/step.py); they are outputs before the
     layout and precision passes, so those passes keep them readable. grad_hook(tracer, params,
-    grads) -> grads: a rewrite of the gradients before the update (clip_grad_value_)."""
+    grads) -> grads: a rewrite of the gradients before the update (clip_grad_value_).
+    loss_scaling: a GradScaler's (compile/loss_scale.py): the loss is already scaled (the
+    script's scaler.scale), the gradients are unscaled before grad_hook, clipping and the
+    guard (on_bad_batch "skip"), and the scale moves after the update."""
     model.name_parameters()
     tracer = Tracer(seed=seed, training=True, frozen=frozen)
     inputs = _trace_inputs(tracer, signature)
@@ -107,11 +112,16 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
     grads = append_backward(tracer, loss.value, params)
     if tracer.recomputed:       # torch.utils.checkpoint regions: recomputed in the backward
         recompute(tracer.graph, tracer.recomputed, n_forward)
+    if loss_scaling is not None:
+        grads = unscale_gradients(tracer, loss_scaling, grads)
     if grad_hook is not None:
         grads = grad_hook(tracer, params, grads)
     copies = bind_weight_copies(tracer.graph) if bf16 else None
-    guard = emit_guard(tracer, on_bad_batch, loss.value, target.value, grads)
+    guard = emit_guard(tracer, on_bad_batch, loss.value, target.value, grads,
+                       loss_scaled=loss_scaling is not None)
     optimizer.emit(tracer, params, grads, guard=guard, weight_copies=copies)
+    if loss_scaling is not None:
+        emit_scale_update(tracer, loss_scaling, guard)
     if guard is None:   # a guard records the loss itself, under its call counter
         emit_record_loss(tracer, loss.value)
     tracer.graph.outputs = {**tracer.graph.outputs, "loss": loss.value}
