@@ -1,10 +1,10 @@
 """torch.amp (also torch.cuda.amp and torch.autocast): mixed precision as a training script
 asks for it.
 
-- autocast(device_type, dtype=torch.bfloat16): the training pass recorded inside it compiles
-  with precision="bf16" (PyTorch's autocast semantics, float32 master weights:
-  compile/autocast.py), and so does a predictor called inside it. float16 is refused: the
-  IR has no float16 tensors; bfloat16 needs no loss scaling.
+- autocast(device_type, dtype=torch.bfloat16 or torch.float16): the training pass recorded
+  inside it compiles with precision="bf16" or "fp16" (PyTorch's autocast semantics, float32
+  master weights: compile/autocast.py), and so does a predictor called inside it. float16
+  runs on the NumPy backend (the CUDA kernels take bf16, not float16).
 - GradScaler: dynamic loss scaling as torch's, inside the one compiled step of a captured
   loop (compile/loss_scale.py). Its scale and growth counter are two Buffers, state of
   every step that uses the scaler: scale(loss) multiplies the loss by the device scale (a
@@ -28,27 +28,27 @@ _STATE: list[str | None] = [None]       # the innermost autocast's precision, or
 
 
 def autocast_state() -> str | None:
-    """"bf16" inside an enabled bfloat16 autocast, else None."""
+    """"bf16" or "fp16" inside an enabled bfloat16 or float16 autocast, else None."""
     return _STATE[-1]
 
 
 def _precision(dtype) -> str:
     from .dtypes import as_dtype
 
-    name = str(as_dtype(dtype)) if dtype is not None else "bfloat16"
-    if name in ("bfloat16", "torch.bfloat16"):
-        return "bf16"
-    if name in ("float32", "torch.float32"):
-        return "fp32"
-    raise UnsupportedOpError(f"autocast(dtype={name}) is not supported by stepgraph: use "
-                             "dtype=torch.bfloat16 (bf16 compute with float32 master weights, "
-                             "no loss scaling needed)")
+    if dtype is None:       # torch's CPU default; its CUDA default, float16, only by name
+        dtype = "bfloat16"
+    name = str(as_dtype(dtype))
+    precision = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(name)
+    if precision is None:
+        raise UnsupportedOpError(f"autocast(dtype={name}) is not supported by stepgraph: use "
+                                 "dtype=torch.bfloat16 or torch.float16")
+    return precision
 
 
 class autocast:  # noqa: N801 - torch's name
     """torch.autocast(device_type, dtype=None, enabled=True, cache_enabled=None): a context
-    manager or decorator. dtype None means bfloat16 here (torch's CUDA default, float16, is
-    refused when asked for by name)."""
+    manager or decorator. dtype None means bfloat16 (torch's CUDA default, float16, is taken
+    when named: it runs on the NumPy backend only)."""
 
     def __init__(self, device_type: str = "cuda", dtype=None, enabled: bool = True,
                  cache_enabled=None):
@@ -136,6 +136,8 @@ class GradScaler:
         from .compile.loss_scale import LossScaling
         from .loop import hooks
 
+        if any(p.dtype == "float16" for p in optimizer.trained_parameters()):
+            raise ValueError("Attempting to unscale FP16 gradients.")      # as torch's
         s = hooks.SESSION              # made with the optimizer (it was given parameters)
         if s is None:
             return optimizer.step()

@@ -14,7 +14,7 @@ from .feed import Signature
 from .guard import emit_guard
 from .history import emit_record_loss
 from .autocast import PRECISION as BF16_PRECISION
-from .autocast import as_float32, autocast, bind_weight_copies
+from .autocast import LOW_DTYPES, as_float32, autocast, bind_weight_copies
 from .layout import apply_memory_format
 from .loss_scale import LossScaling, emit_scale_update, unscale_gradients
 from .recompute import recompute
@@ -81,7 +81,8 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
     memory_format "channels_last" lays the forward's image tensors out NHWC before autodiff
     (compile/layout.py); "contiguous" keeps them NCHW; "auto" decides by the model
     (layout.channels_last_pays). precision "bf16" autocasts the forward
-    before autodiff and has the update write the weights' bf16 copies (compile/autocast.py).
+    before autodiff and has the update write the weights' bf16 copies (compile/autocast.py);
+    "fp16" autocasts to float16 (each weight cast in the forward, as torch's autocast does).
     frozen: ids of the Parameters traced as constant `state` inputs (no gradient, no update).
     extra_outputs: a dict the forward fills with more outputs of the step (name -> Value: the
     values a captured loop keeps for the script, loop/step.py); they are outputs before the
@@ -103,8 +104,8 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
     tracer.graph.outputs = dict(extra_outputs or {})
     tracer.graph = apply_memory_format(tracer.graph, memory_format)
     bf16 = precision == BF16_PRECISION
-    if bf16:
-        autocast(tracer.graph)
+    if precision in LOW_DTYPES:
+        autocast(tracer.graph, LOW_DTYPES[precision])
     params = list(tracer.graph.params)
     if not params:
         raise NothingToTrainError(_nothing_to_train(model))
@@ -182,8 +183,9 @@ def build_predict_graph(model: Module, signature: Signature,
     tracer.graph.outputs = {"output": _predicted(out).value}
     graph = tracer.graph
     graph = apply_memory_format(graph, memory_format)
-    if precision == BF16_PRECISION:
-        autocast(graph)
+    if precision in LOW_DTYPES:
+        autocast(graph, LOW_DTYPES[precision])
+    if precision == BF16_PRECISION:        # float16 outputs stay float16, as torch's
         graph.outputs["output"] = as_float32(graph, graph.outputs["output"])
     return graph
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..api import Predictor
 from ..compile.autocast import PRECISION as BF16_PRECISION
-from ..compile.autocast import as_float32, autocast
+from ..compile.autocast import LOW_DTYPES, as_float32, autocast
 from ..compile.build import _mode, advance_predict_rng, predict_tracer
 from ..compile.feed import Signature
 from ..compile.layout import apply_memory_format
@@ -39,8 +39,9 @@ class TreePredictor(Predictor):
         self._structures[signature] = tree_map(name, out)
         tracer.graph.outputs = outputs
         graph = apply_memory_format(tracer.graph, self.memory_format)
-        if self.precision == BF16_PRECISION:
-            autocast(graph)
+        if self.precision in LOW_DTYPES:
+            autocast(graph, LOW_DTYPES[self.precision])
+        if self.precision == BF16_PRECISION:     # float16 outputs stay float16, as torch's
             graph.outputs = {k: as_float32(graph, v) for k, v in graph.outputs.items()}
         return graph
 
