@@ -1,4 +1,6 @@
-"""precision="bf16": PyTorch's CUDA autocast(dtype=torch.bfloat16) as a pass over the forward.
+"""precision="bf16": PyTorch's CUDA autocast(dtype=torch.bfloat16) as a pass over the forward;
+precision="fp16" the same with dtype=torch.float16 (the same op lists; no weight copies: the
+forward casts each weight, as torch's autocast does, and its VJP widens the gradient).
 
     trace -> autocast -> autodiff -> bind_weight_copies -> optimizer -> fuse -> plan
 
@@ -36,11 +38,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import UnsupportedPrecisionError
-from ..ir.graph import BF16, PARAM, STATE, Graph, Node, Value
+from ..ir.graph import BF16, FP16, HALF_DTYPES, PARAM, STATE, Graph, Node, Value
 from ..ir.ops import infer_outputs
 from .plan import VIEW_OPS
 
 PRECISION = "bf16"
+FP16_PRECISION = "fp16"
+# precision -> the dtype autocast lowers to
+LOW_DTYPES = {PRECISION: BF16, FP16_PRECISION: FP16}
 
 LOWER, FP32, PROMOTE, KEEP = "lower_precision_fp", "fp32", "promote", "keep"
 
@@ -142,26 +147,27 @@ def policy_of(node: Node) -> str:
     return POLICIES.get(node.op, DEFAULT_POLICY)
 
 
-def _wanted(node: Node, inputs: list[Value]) -> list[str]:
-    """The dtype each input should have under the node's policy."""
+def _wanted(node: Node, inputs: list[Value], low: str) -> list[str]:
+    """The dtype each input should have under the node's policy (`low`: bf16 or float16)."""
     policy = policy_of(node)
     dtypes = [v.dtype for v in inputs]
     if policy == LOWER:
-        return [BF16 if d == "float32" else d for d in dtypes]
+        return [low if d == "float32" else d for d in dtypes]
     if policy == FP32 or (policy == PROMOTE and "float32" in dtypes):
-        return ["float32" if d == BF16 else d for d in dtypes]
+        return ["float32" if d in HALF_DTYPES else d for d in dtypes]
     return dtypes
 
 
-def autocast(graph: Graph) -> Graph:
+def autocast(graph: Graph, low: str = BF16) -> Graph:
     """Apply the autocast policies to a traced forward (+ loss) graph, in place: cast nodes
     are inserted where a node wants another input dtype (one cast per value and dtype, shared
-    by every reader), and every node's outputs take the dtype its shape rule infers."""
+    by every reader), and every node's outputs take the dtype its shape rule infers. `low`:
+    the dtype of the lower_precision_fp list (bfloat16, or float16 for precision="fp16")."""
     casts: dict[tuple[Value, str], Value] = {}
     nodes: list[Node] = []
     for node in graph.nodes:
         inputs = list(node.inputs)
-        for i, (v, dtype) in enumerate(zip(inputs, _wanted(node, inputs))):
+        for i, (v, dtype) in enumerate(zip(inputs, _wanted(node, inputs, low))):
             if dtype == v.dtype:
                 continue
             if (v, dtype) not in casts:
@@ -180,9 +186,9 @@ def autocast(graph: Graph) -> Graph:
 
 
 def as_float32(graph: Graph, v: Value, label: str = "") -> Value:
-    """v, or a cast of a bf16 v to float32 appended to the graph (a step's outputs reach the
-    host as float32: NumPy has no bfloat16)."""
-    if v.dtype != BF16:
+    """v, or a cast of a bf16 or float16 v to float32 appended to the graph (a step's outputs
+    reach the host as float32, as an autocast forward's are used in float32 code)."""
+    if v.dtype not in HALF_DTYPES:
         return v
     out = Value(v.shape, "float32")
     graph.nodes.append(Node("cast", [v], [out], {"dtype": "float32"}, (), label))

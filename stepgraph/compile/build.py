@@ -16,9 +16,10 @@ from .feed import Signature
 from .guard import emit_guard
 from .history import emit_record_loss
 from .autocast import PRECISION as BF16_PRECISION
-from .autocast import as_float32, autocast, bind_weight_copies
+from .autocast import LOW_DTYPES, as_float32, autocast, bind_weight_copies
 from .attention_rewrite import masks_supported, rewrite_attention
 from .layout import apply_memory_format
+from .loss_scale import LossScaling, emit_scale_update, unscale_gradients
 from .recompute import recompute
 
 
@@ -117,21 +118,26 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
                       on_bad_batch: str = "ignore", memory_format: str = "contiguous",
                       precision: str = "fp32", frozen: frozenset = frozenset(),
                       extra_outputs: dict | None = None, grad_hook=None,
-                      device: str | None = None, values: ModuleValues | None = None) -> Graph:
+                      device: str | None = None, values: ModuleValues | None = None,
+                      loss_scaling: LossScaling | None = None) -> Graph:
     """forward + loss + backward (+ guard) + update. The last feed entry is the loss target,
     or with loss_fn a ModelLoss the model's last argument (it computes the loss itself).
     on_bad_batch "raise" or "skip" adds the guard (compile/guard.py); "ignore" does not.
     memory_format "channels_last" lays the forward's image tensors out NHWC before autodiff
     (compile/layout.py); "contiguous" keeps them NCHW; "auto" decides by the model
     (layout.channels_last_pays). precision "bf16" autocasts the forward
-    before autodiff and has the update write the weights' bf16 copies (compile/autocast.py).
+    before autodiff and has the update write the weights' bf16 copies (compile/autocast.py);
+    "fp16" autocasts to float16 (each weight cast in the forward, as torch's autocast does).
     frozen: ids of the Parameters traced as constant `state` inputs (no gradient, no update).
     extra_outputs: a dict the forward fills with more outputs of the step (name -> Value: the
     values a captured loop keeps for the script, loop/step.py); they are outputs before the
     layout and precision passes, so those passes keep them readable. grad_hook(tracer, params,
     grads) -> grads: a rewrite of the gradients before the update (clip_grad_value_).
     device: where the step runs ("cpu", "cuda"; None: unknown), which decides the masks the
-    attention rewrite hands to sdpa, values the step's ModuleValues (rewrite_forward_attention)."""
+    attention rewrite hands to sdpa, values the step's ModuleValues (rewrite_forward_attention).
+    loss_scaling: a GradScaler's (compile/loss_scale.py): the loss is already scaled (the
+    script's scaler.scale), the gradients are unscaled before grad_hook, clipping and the
+    guard (on_bad_batch "skip"), and the scale moves after the update."""
     model.name_parameters()
     tracer = Tracer(seed=seed, training=True, frozen=frozen)
     inputs = _trace_inputs(tracer, signature)
@@ -146,8 +152,8 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
     tracer.graph = rewrite_forward_attention(tracer.graph, model, device, (loss.value,), values)
     tracer.graph = apply_memory_format(tracer.graph, memory_format)
     bf16 = precision == BF16_PRECISION
-    if bf16:
-        autocast(tracer.graph)
+    if precision in LOW_DTYPES:
+        autocast(tracer.graph, LOW_DTYPES[precision])
     params = list(tracer.graph.params)
     if not params:
         raise NothingToTrainError(_nothing_to_train(model))
@@ -155,11 +161,16 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
     grads = append_backward(tracer, loss.value, params)
     if tracer.recomputed:       # torch.utils.checkpoint regions: recomputed in the backward
         recompute(tracer.graph, tracer.recomputed, n_forward)
+    if loss_scaling is not None:
+        grads = unscale_gradients(tracer, loss_scaling, grads)
     if grad_hook is not None:
         grads = grad_hook(tracer, params, grads)
     copies = bind_weight_copies(tracer.graph) if bf16 else None
-    guard = emit_guard(tracer, on_bad_batch, loss.value, target.value, grads)
+    guard = emit_guard(tracer, on_bad_batch, loss.value, target.value, grads,
+                       loss_scaled=loss_scaling is not None)
     optimizer.emit(tracer, params, grads, guard=guard, weight_copies=copies)
+    if loss_scaling is not None:
+        emit_scale_update(tracer, loss_scaling, guard)
     if guard is None:   # a guard records the loss itself, under its call counter
         emit_record_loss(tracer, loss.value)
     tracer.graph.outputs = {**tracer.graph.outputs, "loss": loss.value}
@@ -221,8 +232,9 @@ def build_predict_graph(model: Module, signature: Signature,
     tracer.graph.outputs = {"output": _predicted(out).value}
     graph = rewrite_forward_attention(tracer.graph, model, device, values=values)
     graph = apply_memory_format(graph, memory_format)
-    if precision == BF16_PRECISION:
-        autocast(graph)
+    if precision in LOW_DTYPES:
+        autocast(graph, LOW_DTYPES[precision])
+    if precision == BF16_PRECISION:        # float16 outputs stay float16, as torch's
         graph.outputs["output"] = as_float32(graph, graph.outputs["output"])
     return graph
 

@@ -96,9 +96,12 @@ def _emit_save_first(tracer: Tracer, buffers: list[Value]) -> tuple[Value, tuple
 
 
 def emit_guard(tracer: Tracer, policy: str, loss: Value, target: Value,
-               grads: list[Value]) -> GraphGuard | None:
+               grads: list[Value], loss_scaled: bool = False) -> GraphGuard | None:
     """guard_check over the labels (when a loss reads `target` as labels), the loss and every
-    gradient, after the backward; None for policy "ignore"."""
+    gradient, after the backward; None for policy "ignore". loss_scaled (GradScaler's skip,
+    compile/loss_scale.py): as torch's found_inf, only the gradients decide, and the forward's
+    in-place state (BatchNorm's running statistics) keeps this step's update, as in torch,
+    where the forward ran before the skip was known."""
     if check_policy(policy) == "ignore":
         return None
     flags = tracer.state((N_FLAGS,), "int32", FLAGS_KEY)
@@ -106,10 +109,11 @@ def emit_guard(tracer: Tracer, policy: str, loss: Value, target: Value,
     classes, ignore = label_check(tracer.graph, target)
     labels = [target] if classes is not None else []
     tracer.label = "guard"
-    buffers = _mutated_state(tracer.graph.nodes)
+    buffers = [] if loss_scaled else _mutated_state(tracer.graph.nodes)
     saved, offsets = _emit_save_first(tracer, buffers) if buffers else (None, ())
+    checks = dict(check_loss=False) if loss_scaled else {}
     tracer.emit("guard_check", [flags, loss] + labels + list(grads), classes=classes,
-                ignore_index=ignore)
+                ignore_index=ignore, **checks)
     return GraphGuard(flags, counters, loss, policy == "raise", buffers, saved, offsets)
 
 

@@ -23,9 +23,15 @@ TEMP = "temp"
 # as its raw bits in uint16 arrays (`storage_dtype`); kernels widen to float32 on load and
 # round to nearest even on store (backends/numpy/bf16.py has the reference conversions).
 BF16 = "bfloat16"
+# float16 (torch.half: autocast(dtype=torch.float16), precision="fp16", model.half()): 1 sign,
+# 5 exponent, 10 mantissa bits; NumPy has it natively, so it is its own storage. Kernels widen
+# to float32 on load and round on store, as for bf16 (backends/numpy/backend.py).
+FP16 = "float16"
+# The 16-bit float dtypes: computed in float32, rounded once where a node stores them.
+HALF_DTYPES = (BF16, FP16)
 # bool: comparison results and masks (torch.bool), one byte an element as NumPy's and CuPy's.
-DTYPES = ("float32", "float64", "int32", "int64", "uint8", "bool", BF16)
-FLOAT_DTYPES = ("float32", "float64", BF16)
+DTYPES = ("float32", "float64", "int32", "int64", "uint8", "bool", BF16, FP16)
+FLOAT_DTYPES = ("float32", "float64", BF16, FP16)
 
 
 def storage_dtype(dtype: str) -> str:

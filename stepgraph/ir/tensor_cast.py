@@ -99,8 +99,9 @@ class _CastMethods:
     def bfloat16(self) -> Tensor:
         return self._cast(BF16)
 
-    def half(self) -> Tensor:
-        self._unsupported(f"Tensor.half (float16 is not an IR dtype; {FLOAT16_HINT})")
+    def half(self, memory_format=None) -> Tensor:
+        self._memory_format(memory_format, "Tensor.half")
+        return self._cast("float16")
 
     def long(self, memory_format=None) -> Tensor:
         self._memory_format(memory_format, "Tensor.long")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..api import Predictor
 from ..compile.autocast import PRECISION as BF16_PRECISION
-from ..compile.autocast import as_float32, autocast
+from ..compile.autocast import LOW_DTYPES, as_float32, autocast
 from ..compile.build import _mode, advance_predict_rng, predict_tracer, rewrite_forward_attention
 from ..compile.feed import Signature
 from ..compile.layout import apply_memory_format
@@ -41,8 +41,9 @@ class TreePredictor(Predictor):
         graph = rewrite_forward_attention(tracer.graph, model, self.device,
                                           values=self.module_values)
         graph = apply_memory_format(graph, self.memory_format)
-        if self.precision == BF16_PRECISION:
-            autocast(graph)
+        if self.precision in LOW_DTYPES:
+            autocast(graph, LOW_DTYPES[self.precision])
+        if self.precision == BF16_PRECISION:     # float16 outputs stay float16, as torch's
             graph.outputs = {k: as_float32(graph, v) for k, v in graph.outputs.items()}
         return graph
 

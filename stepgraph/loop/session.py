@@ -41,7 +41,7 @@ class LoopSession:
         self.named: dict[int, Any] = {}                    # id -> the object (kept alive)
         self.roots = 0
         self.clip: tuple | None = None                     # clip_grad_norm_/value_ until step
-        self.skip_nonfinite = False                        # GradScaler.step: skip bad steps
+        self.loss_scaling = None                           # GradScaler.step's, until step
         self.device = "cuda" if cuda_available() else "cpu"
         self.predictors: dict[tuple, Any] = {}
         self.spares: dict[tuple, list] = {}                # detached values' buffers
@@ -173,7 +173,9 @@ class LoopSession:
             else {}
         self.grads = {}
         self.grads_kept.clear()
-        skip, self.skip_nonfinite = self.skip_nonfinite, False
+        scaling, self.loss_scaling = self.loss_scaling, None
+        if scaling is not None:
+            self._name_state([scaling.scale, scaling.growth_tracker])
         if self.done:
             self._detach_done()
         kept = [self._kept(p, len(passes) == 1) for p in passes]
@@ -181,8 +183,9 @@ class LoopSession:
         precision = passes[0].key[1][2] or self._float32_precision()
         hook = _grad_hook(clip, [(self.names[i], v[1]) for i, v in grads.items()])
         max_norm = clip[1] if clip is not None and clip[0] == "norm" else None
-        step = self._loop_step(optimizer, passes, kept, arrays, precision, skip, hook, max_norm)
-        exe = step.launch([p.program for p in passes], kept, arrays, hook, max_norm)
+        step = self._loop_step(optimizer, passes, kept, arrays, precision, scaling, hook,
+                               max_norm)
+        exe = step.launch([p.program for p in passes], kept, arrays, hook, max_norm, scaling)
         for j, (p, values) in enumerate(zip(passes, kept)):
             p.kept = {v: exe.outputs[export_name(j, k)] for k, v in enumerate(values)}
             p.phase, p.backend = DONE, step.backend
@@ -198,20 +201,20 @@ class LoopSession:
                 self.grads_kept[i] = (weakref.ref(passes[-1]), value)
         self.last_step, self.last_executable = step, exe
 
-    def _loop_step(self, optimizer, passes, kept, arrays, precision, skip, hook,
+    def _loop_step(self, optimizer, passes, kept, arrays, precision, scaling, hook,
                    max_norm) -> LoopStep:
         """The LoopStep (its optimizer state) of this optimizer, device, precision, bad-step
-        policy (GradScaler's skip) and trainable set; clipping and the rest are its
-        Executables'."""
+        policy (GradScaler's skip) and trainable set; clipping, loss scaling and the rest
+        are its Executables'."""
         trained, frozen = self._cached_for(optimizer, "optimizer",
                                            lambda: self._trainable(optimizer))
-        policy = "skip" if skip else "ignore"
+        policy = "skip" if scaling is not None else "ignore"
         key = (id(optimizer), self.device, precision, policy, frozen)
         step = self.steps.get(key)
         if step is None:
             step = self.steps[key] = LoopStep(
                 self._model(), optimizer, trained, [p.program for p in passes], kept, arrays,
-                self.device, precision, policy, self.seed, hook, max_norm)
+                self.device, precision, policy, self.seed, hook, max_norm, scaling)
         return step
 
     def _float32_precision(self) -> str:
@@ -298,6 +301,14 @@ class LoopSession:
                 self.names[id(t)] = f"loop.extra{len(self.names)}"
                 self.named[id(t)] = t
         hooks.changed()                          # the frozen names may have grown
+
+    def _name_state(self, buffers) -> None:
+        """Names for Buffers a step binds that no pass traced (GradScaler's growth counter)."""
+        for b in buffers:
+            if id(b) not in self.names:
+                self.names[id(b)] = f"loop.extra{len(self.names)}"
+                self.named[id(b)] = b
+                hooks.changed()
 
     def _model(self) -> ProgramModel:
         from ..nn.module import Buffer, Parameter

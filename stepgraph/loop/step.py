@@ -4,7 +4,8 @@ TrainStep (the same trace -> autodiff -> update -> fuse -> plan -> Executable pi
 One LoopStep per optimizer (and device, precision, trainable set, bad-batch policy) holds the
 optimizer state; each distinct set of waiting passes (one pass, k accumulated passes, the last
 partial batch's), of values kept for the script and of gradient treatment (clip_grad_norm_,
-clip_grad_value_, p.grad asked for) is one Executable of it, sharing that state.
+clip_grad_value_, p.grad asked for, a GradScaler's loss scaling) is one Executable of it,
+sharing that state.
 """
 from __future__ import annotations
 
@@ -103,10 +104,10 @@ class LoopStep(TrainStep):
 
     def __init__(self, model: ProgramModel, optimizer, trained: frozenset, programs, kept,
                  arrays, device: str, precision: str, on_bad_batch: str, seed: int,
-                 grad_hook=None, max_norm: float | None = None):
+                 grad_hook=None, max_norm: float | None = None, loss_scaling=None):
         self._trained = trained
         self._launched: dict[tuple, tuple] = {}   # launch key -> (Executable, check labels)
-        self._use(programs, kept, grad_hook, max_norm)
+        self._use(programs, kept, grad_hook, max_norm, loss_scaling)
         super().__init__(model, ModelLoss(), optimizer, arrays, device=device, seed=seed,
                          precision=precision, on_bad_batch=on_bad_batch)
 
@@ -115,15 +116,16 @@ class LoopStep(TrainStep):
         # optimizer's: the others are constants of this step.
         return p.requires_grad and id(p) in self._trained
 
-    def _use(self, programs, kept, grad_hook, max_norm) -> None:
+    def _use(self, programs, kept, grad_hook, max_norm, loss_scaling) -> None:
         """What the next Executable built is made of: the passes' programs, the values kept
-        for the script, the gradients' hook (clip_grad_value_, p.grad) and clip_grad_norm_'s
-        max_norm (None: no clip)."""
+        for the script, the gradients' hook (clip_grad_value_, p.grad), clip_grad_norm_'s
+        max_norm (None: no clip) and a GradScaler's LossScaling (None: none)."""
         self._programs, self._kept, self._grad_hook = tuple(programs), tuple(kept), grad_hook
-        self._max_norm = max_norm
+        self._max_norm, self._loss_scaling = max_norm, loss_scaling
         self._program_key = (tuple(id(p) for p in programs),
                              tuple(tuple(v.id for v in k) for k in kept),
-                             None if grad_hook is None else grad_hook.key, max_norm)
+                             None if grad_hook is None else grad_hook.key, max_norm,
+                             None if loss_scaling is None else loss_scaling.key)
 
     def build_graph(self, signature: Signature):
         model = self.model
@@ -137,7 +139,8 @@ class LoopStep(TrainStep):
                                       self.on_bad_batch, self.memory_format, self.precision,
                                       frozen=self.frozen, extra_outputs=model.exports,
                                       grad_hook=self._grad_hook, device=self.device,
-                                      values=self.module_values)
+                                      values=self.module_values,
+                                      loss_scaling=self._loss_scaling)
         finally:
             opt.max_grad_norm = saved
         norm = next((n.outputs[0] for n in graph.nodes if n.op == "global_norm"), None)
@@ -156,16 +159,17 @@ class LoopStep(TrainStep):
         return exe
 
     def launch(self, programs, kept, arrays, grad_hook=None,
-               max_norm: float | None = None) -> Executable:
+               max_norm: float | None = None, loss_scaling=None) -> Executable:
         """Run one step over these passes' feeds; returns the Executable whose outputs hold
         the kept values until its next run. The Executable of a (program set, kept values,
         gradient treatment, feed shapes) is found by one dict lookup after its first step."""
         key = (tuple(map(id, programs)), tuple(tuple(v.id for v in k) for k in kept),
                None if grad_hook is None else grad_hook.key, max_norm,
+               None if loss_scaling is None else loss_scaling.key,
                tuple((a.shape, a.dtype) for a in arrays))
         found = self._launched.get(key)
         if found is None:
-            self._use(programs, kept, grad_hook, max_norm)
+            self._use(programs, kept, grad_hook, max_norm, loss_scaling)
             signature = signature_of(_input_names(len(arrays), False), arrays)
             # the first program set's label check (TrainStep's) where the feeds are its
             labels = tuple(s.shape for s in signature) == \

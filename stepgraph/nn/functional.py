@@ -292,12 +292,16 @@ def _batches_tracked(input: Tensor, counter, momentum):
 def _batch_norm_eval(x: Tensor, rm: Tensor, rv: Tensor, w, b, eps: float) -> Tensor:
     # Centre first, as torch does: x * scale + (b - rm * scale) is the same function, but its
     # weight gradient, inv * (sum(dy * x) - rm * sum(dy)), cancels when |rm| >> |x - rm|.
+    # A float16 x with float32 statistics (a net.half() whose BatchNorms were turned back
+    # with float()): computed in float32, y in x's dtype, as torch's mixed-type BatchNorm.
+    mixed = x.dtype != rm.dtype and x.dtype == "float16"
     channel = _channel_shape(x)
     scale = (rv + float(eps)) ** -0.5
     if w is not None:
         scale = w * scale
-    y = (x - rm.reshape(channel)) * scale.reshape(channel)
-    return y if b is None else y + b.reshape(channel)
+    y = ((x.float() if mixed else x) - rm.reshape(channel)) * scale.reshape(channel)
+    y = y if b is None else y + b.reshape(channel)
+    return y.to(x.dtype) if mixed else y
 
 
 # ---- transformer ops ---------------------------------------------------------------------

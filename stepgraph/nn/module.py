@@ -120,6 +120,15 @@ class _Stored:
             _device_synchronize()
         self.version += 1
 
+    def _convert(self, dtype: str) -> None:
+        """Hold the values in float dtype `dtype` (Module.half / float): a new storage of the
+        rounded values, on the device the old one was on; integer buffers are left alone."""
+        if self.dtype == dtype or self.dtype not in ("float32", "float16"):
+            return
+        self.storage = self.storage.astype(dtype)
+        self.version += 1
+        loop_hooks.changed()
+
     # torch's in-place initialisers (nn.init draws from the module generator)
     def fill_(self, value) -> _Stored:
         self.assign(np.full(self.shape, value))
@@ -301,11 +310,12 @@ class Module:
     sub-Modules as attributes in __init__ and write forward, which runs once, on symbolic
     tensors, when a step is compiled.
 
-    Placement and precision belong to the compile call here, not to the module: to(), cuda()
-    and cpu() are accepted hints that change nothing (compile_train_step's `device` decides
-    where parameters live; the storage moves there then); float() keeps the float32
-    parameters; double(), half() and bfloat16() are refused (parameters are float32; bf16
-    compute is compile_train_step(precision="bf16"), which keeps float32 master weights).
+    Placement belongs to the compile call here, not to the module: to(), cuda() and cpu() are
+    accepted hints that change nothing (compile_train_step's `device` decides where parameters
+    live; the storage moves there then). half() holds the float parameters and buffers in
+    float16 and float() back in float32, as torch's (float16 steps run on the NumPy backend);
+    double() and bfloat16() are refused (bf16 compute is compile_train_step(precision="bf16"),
+    which keeps float32 master weights).
     Gradients are not kept between steps, so zero_grad() has nothing to clear."""
 
     def __init__(self):
@@ -536,14 +546,16 @@ class Module:
 
     def to(self, *args, **kwargs) -> Module:
         """A placement hint (device, dtype, tensor): returns self. The compile call's device
-        decides where parameters live; a dtype other than float32 is refused (see the class
-        docstring)."""
+        decides where parameters live; float32 and float16 convert as float() and half() do,
+        other dtypes are refused (see the class docstring)."""
         for arg in (*args, kwargs.get("dtype"), kwargs.get("device")):   # not memory_format,
             if arg is None or _is_device(arg) or isinstance(arg, bool):     # non_blocking
                 continue
             dtype = arg if isinstance(arg, (type, str)) else getattr(arg, "dtype", arg)
-            if _dtype_name(dtype) != "float32":
-                self._refuse_dtype(_dtype_name(dtype), "to")
+            name = "float16" if _dtype_name(dtype) == "half" else _dtype_name(dtype)
+            if name not in ("float32", "float16"):
+                self._refuse_dtype(name, "to")
+            self._convert_floats(name)
         return self
 
     def cuda(self, device=None) -> Module:
@@ -555,21 +567,29 @@ class Module:
         return self
 
     def float(self) -> Module:
-        """Parameters are float32 already: returns self."""
-        return self
+        """Float parameters and buffers in float32 (after half()); returns self."""
+        return self._convert_floats("float32")
 
     def double(self) -> Module:
         self._refuse_dtype("float64", "double")
 
     def half(self) -> Module:
-        self._refuse_dtype("float16", "half")
+        """Float parameters and buffers in float16, as torch's (BatchNorm's too; a script
+        turns those back with float()); returns self. Trained as torch trains them: the
+        optimizer updates the float16 parameters, its state float16 too."""
+        return self._convert_floats("float16")
+
+    def _convert_floats(self, dtype: str) -> Module:
+        for t in [*self.parameters(), *self.buffers()]:
+            t._convert(dtype)
+        return self
 
     def bfloat16(self) -> Module:
         self._refuse_dtype("bfloat16", "bfloat16")
 
     def _refuse_dtype(self, dtype: str, method: str):
         raise UnsupportedOpError(
-            f"{type(self).__name__}.{method}(): parameters are float32 and stay float32 "
+            f"{type(self).__name__}.{method}(): parameters are float32 or float16 "
             f"(asked for {dtype}); for bf16 compute compile with "
             "compile_train_step(..., precision='bf16'), which keeps float32 master weights")
 

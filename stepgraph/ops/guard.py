@@ -11,6 +11,9 @@ A guarded step keeps two small state values on the device:
 The step counter, parameters and optimizer state only change on steps that pass. State the
 forward pass updates in place before the guard can know (BatchNorm's running statistics) is
 copied by guard_save before anything runs and put back by guard_restore on a skipped step.
+
+Dynamic loss scaling (GradScaler, compile/loss_scale.py) adds loss_scale_update: the scale and
+its growth counter are state too, moved after guard_advance by what it decided.
 """
 from __future__ import annotations
 
@@ -68,7 +71,10 @@ def _guard_check(ins, attrs):
     when g * g is finite. SGD's buffers and Adam's exp_avg are convex combinations of
     gradients; Adam's exp_avg_sq is one of their squares, so it overflows (and freezes the
     weight for good: its update is then 0 forever) exactly when some g * g does. A finite but
-    huge batch (1e38) gives such gradients with a finite loss."""
+    huge batch (1e38) gives such gradients with a finite loss.
+
+    attrs check_loss False: the loss is not checked (GradScaler's found_inf reads the
+    gradients only: a scaled loss may overflow while its gradients stay finite)."""
     flags, loss = ins[0], ins[1]
     _need(flags.shape == (N_FLAGS,) and flags.dtype == "int32", "guard_check",
           f"flags must be int32 ({N_FLAGS},), got {flags!r}")
@@ -115,6 +121,41 @@ def _guard_restore(ins, attrs):
     return []
 
 
+@defop("loss_scale_update", mutates=lambda attrs: (1, 2))
+def _loss_scale_update(ins, attrs):
+    """GradScaler.update on the device, after guard_advance. ins (flags int32 (2,), scale
+    float32 (), growth_tracker int32 ()); attrs growth_factor, backoff_factor,
+    growth_interval. A skipped step (flags[FLAG_SKIP]): scale *= backoff_factor, tracker = 0;
+    else tracker += 1, and when it reaches growth_interval: scale *= growth_factor (kept
+    only if finite) and tracker = 0. float32 arithmetic, as torch's _amp_update_scale_."""
+    flags, scale, tracker = ins
+    _need(flags.shape == (N_FLAGS,) and flags.dtype == "int32", "loss_scale_update",
+          f"flags must be int32 ({N_FLAGS},), got {flags!r}")
+    _need(scale.shape == () and scale.dtype == "float32", "loss_scale_update",
+          f"scale must be a float32 scalar, got {scale!r}")
+    _need(tracker.shape == () and tracker.dtype == "int32", "loss_scale_update",
+          f"growth_tracker must be an int32 scalar, got {tracker!r}")
+    return []
+
+
+@impl("loss_scale_update")
+def _loss_scale_update_impl(node, ins, outs, ctx):
+    flags, scale, tracker = ins
+    a = node.attrs
+    if flags[FLAG_SKIP]:
+        scale[...] = scale * np.float32(a["backoff_factor"])
+        tracker[...] = 0
+        return
+    good = int(tracker) + 1
+    if good == a["growth_interval"]:
+        with np.errstate(over="ignore"):
+            grown = scale * np.float32(a["growth_factor"])
+        if np.isfinite(grown):
+            scale[...] = grown
+        good = 0
+    tracker[...] = good
+
+
 def _bytes_of(array: np.ndarray) -> np.ndarray:
     """A writable uint8 view of a contiguous array's memory (0-d arrays too)."""
     return array.reshape(-1).view(np.uint8)
@@ -150,7 +191,7 @@ def _guard_check_impl(node, ins, outs, ctx):
             outside &= labels != ignore
         if outside.any():
             bits |= GUARD_LABELS
-    if not np.isfinite(loss).all():
+    if node.attrs.get("check_loss", True) and not np.isfinite(loss).all():
         bits |= GUARD_LOSS
     with np.errstate(over="ignore", invalid="ignore"):
         if not all(np.isfinite(g * g).all() for g in rest):

@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from ..backends.numpy import bf16
+from ..ir.graph import HALF_DTYPES
 from ..ir.ops import _need, defop, impl, vjp
 from .layout import channels_last_capable, layout_attrs, layout_of
 
@@ -95,7 +96,7 @@ def _batch_norm_train(ins, attrs):
         count = ins[1 + channels]
         _need(count.shape == () and count.dtype == "int64", "batch_norm_train",
               f"num_batches_tracked must be an int64 scalar, got {count!r}")
-    stats = "float32" if x.dtype == "bfloat16" else x.dtype    # bf16 x: float32 statistics
+    stats = "float32" if x.dtype in HALF_DTYPES else x.dtype    # 16-bit x: float32 statistics
     return [(x.shape, x.dtype), ((c,), stats), ((c,), stats)]
 
 
@@ -118,7 +119,7 @@ def _batch_norm_stats(ins, attrs):
     c = _channels("batch_norm_stats", x, attrs)
     for v in ins[1:3]:
         _need(v.shape == (c,), "batch_norm_stats", f"{v!r} must be ({c},) for input {x.shape}")
-    stats = "float32" if x.dtype == "bfloat16" else x.dtype
+    stats = "float32" if x.dtype in HALF_DTYPES else x.dtype
     return [((c,), stats), ((c,), stats)]
 
 
@@ -188,9 +189,8 @@ def _normalised(x: np.ndarray, mean, var, eps: float, weight=None, bias=None) ->
 
 
 def _stored(y: np.ndarray, dtype: str) -> np.ndarray:
-    """y as a node of IR dtype `dtype` stores it: float32, rounded to bf16 for bfloat16."""
-    y = y.astype(np.float32)
-    return bf16.round_bf16(y) if dtype == "bfloat16" else y
+    """y as a node of IR dtype `dtype` stores it: float32, rounded for bfloat16 and float16."""
+    return bf16.round_to(y, dtype)
 
 
 def _update_running(running_mean, running_var, count, attrs, mean, var, shape) -> None:
@@ -257,9 +257,7 @@ def _batch_norm_grad_impl(node, ins, outs, ctx):
     dy, x = ins[0].astype(np.float64), ins[1].astype(np.float64)
     if a.get("dy_sum"):          # the unfused add's store: the float32 sum, rounded to bf16
         dy = ins[0].astype(np.float32) + ins[-1].astype(np.float32)
-        if node.inputs[0].dtype == "bfloat16":
-            dy = bf16.round_bf16(dy)
-        dy = dy.astype(np.float64)
+        dy = bf16.round_to(dy, node.inputs[0].dtype).astype(np.float64)
     save_mean, save_invstd = ins[2 + affine], ins[3 + affine]
     if relu:
         dy = dy * relu_mask(ins[1], save_mean, save_invstd,

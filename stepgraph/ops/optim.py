@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from ..ir.graph import BF16, Node
+from ..ir.graph import HALF_DTYPES, Node
 from ..ir.ops import defop, impl
 from ..optim.schedules import schedule_factor
 from .guard import FLAG_SKIP
@@ -85,7 +85,7 @@ def advance_step(node: Node, ins, outs, ctx):
 def _global_norm(ins, attrs):
     """norm = sqrt(sum over every input of sum(g^2)); float32 when the inputs are bf16
     gradients (compile/fuse.py fuse_gradient_casts)."""
-    return [((), "float32" if ins[0].dtype == BF16 else ins[0].dtype)]
+    return [((), "float32" if ins[0].dtype in HALF_DTYPES else ins[0].dtype)]
 
 
 @impl("global_norm")

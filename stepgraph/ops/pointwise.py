@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..backends.numpy import bf16
-from ..ir.graph import BF16, Node, Value
+from ..ir.graph import HALF_DTYPES, Node, Value
 from ..ir.ops import IMPLS, _need, defop, impl
 from .dropout import keep_mask
 
@@ -102,13 +102,13 @@ def _pointwise_impl(node: Node, ins, outs, ctx):
     for instr in program:
         args = [regs[r] for r in instr.args]
         ir_dtype = ir_dtypes[len(regs)]
-        dtype = "float32" if ir_dtype == BF16 else ir_dtype
+        dtype = "float32" if ir_dtype in HALF_DTYPES else ir_dtype
         step = Node(instr.op, [Value(np.shape(a), str(a.dtype)) for a in args],
                     [Value(shape, dtype)], instr.attr)
         out = np.empty(shape, dtype=dtype)
         (_PROGRAM_IMPLS.get(instr.op) or IMPLS[instr.op])(step, args, [out], ctx)
-        if ir_dtypes[len(regs)] == BF16:     # the store of the unfused bf16 node
-            out = bf16.round_bf16(out)
+        if ir_dtype in HALF_DTYPES:     # the store of the unfused bf16 or float16 node
+            out = bf16.round_to(out, ir_dtype)
         regs.append(out)
     for out, r in zip(outs, node.attrs["results"]):
         out[...] = regs[r]

@@ -119,3 +119,24 @@ def test_nanogpt_style_script_prints_torchs_numbers(tmp_path):
     checkpoint = torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)
     assert checkpoint["iter_num"] == 9
     assert {"state", "param_groups"} <= set(checkpoint["optimizer"])
+
+
+def test_half_convnet_script_prints_torchs_float16_numbers(tmp_path):
+    """net.half() with BatchNorms back in float (and, with --dtype autocast, float16 autocast
+    with a GradScaler): torch float16 is the yardstick of the same run against float64."""
+    gen = np.random.default_rng(0)
+    x = gen.standard_normal((128, 3, 8, 8)).astype(np.float32)
+    y = gen.integers(0, 10, 128).astype(np.int64)
+    np.savez(tmp_path / "images.npz", x=x, y=y)
+    np.savez(tmp_path / "images64.npz", x=x.astype(np.float64), y=y)
+    for dtype in ("half", "autocast"):
+        argv = ["--init", f"init_{dtype}.pt", "--epochs", "2"]
+        t16, t64, ours = three_runs("half_convnet", tmp_path,
+                                    argv + ["--data", "images.npz", "--dtype", dtype],
+                                    argv + ["--data", "images64.npz", "--dtype", "default"])
+        for what, pattern in (("training losses", r"loss ([0-9.]+)\n"),
+                              ("test losses", r"test loss ([0-9.]+)")):
+            judge(numbers(ours, pattern), numbers(t64, pattern), numbers(t16, pattern),
+                  f"{dtype}: {what}")
+        scale = r"scale ([0-9.]+)"
+        assert numbers(ours, scale).tolist() == numbers(t16, scale).tolist()

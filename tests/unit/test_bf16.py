@@ -591,7 +591,7 @@ def test_tf32_still_needs_cuda_and_bf16_runs_on_the_cpu():
                               precision="tf32")
     with pytest.raises(ValueError, match="precision"):
         sg.compile_train_step(model, losses.cross_entropy, optim.SGD(lr=0.1), (x, y),
-                              precision="fp16")
+                              precision="fp8")
     step = sg.compile_train_step(model, losses.cross_entropy, optim.SGD(lr=0.1), (x, y),
                                  precision="bf16")
     assert math.isfinite(float(step(x, y)))

@@ -224,7 +224,7 @@ def test_requires_grad_zero_grad_and_placement_hints():
     assert m.to("cpu", np.float32) is m and m.to(dtype="float32", non_blocking=True) is m
     assert m.to(torch.float32) is m and m.to(torch.device("cuda:0")) is m
     assert m.zero_grad() is None and m.zero_grad(set_to_none=False) is None
-    for method in ("half", "bfloat16", "double"):
+    for method in ("bfloat16", "double"):
         with pytest.raises(UnsupportedOpError, match="precision='bf16'"):
             getattr(m, method)()
     with pytest.raises(UnsupportedOpError, match="asked for float64"):

@@ -105,3 +105,23 @@ extern "C" __global__ void guard_copy_kernel(const CopyEntry* entries, const int
         for (long long i = start + threadIdx.x; i < end; i += blockDim.x) e.dst[i] = e.src[i];
     }
 }
+
+// GradScaler.update on the device (ops/guard.py loss_scale_update), after guard_advance wrote
+// flags[1], the skip flag: back off on a skipped step, grow after growth_interval good ones.
+extern "C" __global__ void loss_scale_update_kernel(const int* flags, float* scale,
+                                                    int* growth_tracker, float growth_factor,
+                                                    float backoff_factor, int growth_interval) {
+    if (flags[1] != 0) {
+        *scale = *scale * backoff_factor;
+        *growth_tracker = 0;
+        return;
+    }
+    const int good = *growth_tracker + 1;
+    if (good == growth_interval) {
+        const float grown = *scale * growth_factor;
+        if (isfinite(grown)) *scale = grown;
+        *growth_tracker = 0;
+    } else {
+        *growth_tracker = good;
+    }
+}

@@ -1,5 +1,5 @@
-"""Launchers of the guard ops (ops/guard.py, compile/guard.py): guard_check, guard_save and
-guard_restore (guard.cu), guard_advance (optim.cu, beside the step bookkeeping
+"""Launchers of the guard ops (ops/guard.py, compile/guard.py): guard_check, guard_save,
+guard_restore and loss_scale_update (guard.cu), guard_advance (optim.cu, beside the step bookkeeping
 it extends), and the mailbox through which guard_advance tells the host about a bad step
 without a sync.
 
@@ -35,14 +35,15 @@ COPY_CHUNK = UPDATE_CHUNK     # bytes a block copies (the saved state is small: 
 
 def kernel_names() -> dict[str, set[str]]:
     """Every kernel this module launches, by source file (for the NVRTC compile test)."""
-    return {SOURCE: {"guard_check_kernel", "guard_copy_kernel"},
+    return {SOURCE: {"guard_check_kernel", "guard_copy_kernel", "loss_scale_update_kernel"},
             "optim.cu": {"guard_advance_kernel"}}
 
 
 # ---- guard_check -----------------------------------------------------------------------------
 
 def _check_tables(node: Node, loss, labels, grads) -> dict:
-    rows = [(loss, GUARD_LOSS)] + ([(labels, GUARD_LABELS)] if labels is not None else []) \
+    checked = [(loss, GUARD_LOSS)] if node.attrs.get("check_loss", True) else []
+    rows = checked + ([(labels, GUARD_LABELS)] if labels is not None else []) \
         + [(g, GUARD_GRADS) for g in grads]
     entries = np.zeros(len(rows), ENTRY)
     for i, (t, bit) in enumerate(rows):
@@ -187,7 +188,21 @@ def guard_advance(ctx, node: Node, ins: list, lr) -> None:
              np.uint64(box.ptr if box is not None else 0)))
 
 
+def loss_scale_update(ctx, node: Node, ins: list) -> None:
+    """GradScaler's scale and growth counter moved by the step's skip flag (ops/guard.py,
+    "loss_scale_update") in one thread."""
+    flags, scale, tracker = ins
+    _check("loss_scale_update flags", flags, "int32", (N_FLAGS,))
+    _check_scalar("loss_scale_update scale", scale, "float32")
+    _check_scalar("loss_scale_update growth_tracker", tracker, "int32")
+    a = node.attrs
+    _launch(ctx, SOURCE, "loss_scale_update_kernel", (1,), (1,),
+            (flags, scale, tracker, np.float32(a["growth_factor"]),
+             np.float32(a["backoff_factor"]), np.int32(a["growth_interval"])))
+
+
 IMPLS: dict[str, Callable] = {
+    "loss_scale_update": lambda node, ins, outs, ctx: loss_scale_update(ctx, node, ins),
     "guard_check": lambda node, ins, outs, ctx: guard_check(ctx, node, ins),
     "guard_advance": lambda node, ins, outs, ctx: guard_advance(ctx, node, ins, outs[0]),
     "guard_save": lambda node, ins, outs, ctx: guard_copy(ctx, node, outs[0], ins),

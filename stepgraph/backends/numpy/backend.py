@@ -8,7 +8,8 @@ is rounded to nearest even when the node finishes, and so is a bf16 input the no
 place. A bf16 value is thus rounded exactly once, by the node that writes it, after that node
 computed everything in float32: what a CUDA kernel does (load bf16, compute in float32
 registers, round on store), cuBLASLt's bf16 GEMMs included (float32 accumulation, epilogue
-in float32, one rounding of D).
+in float32, one rounding of D). float16 (precision="fp16", model.half()) is NumPy's own
+float16, handed to kernels the same way: widened, computed in float32, rounded once on store.
 """
 from __future__ import annotations
 
@@ -69,17 +70,32 @@ class NumpyBackend(Backend):
             self._run_node(node, ins, outs, ctx)
 
     def _run_node(self, node, ins, outs, ctx) -> None:
-        if not any(map(bf16.is_bf16, ins)) and not any(map(bf16.is_bf16, outs)):
+        if not any(map(_is_half, ins)) and not any(map(_is_half, outs)):
             return super().run_node(node, ins, outs, ctx)
-        wide_ins = [bf16.from_bits(a) if bf16.is_bf16(a) else a for a in ins]
-        wide_outs = [np.empty(a.shape, np.float32) if bf16.is_bf16(a) else a for a in outs]
+        wide_ins = [_widen(a) if _is_half(a) else a for a in ins]
+        wide_outs = [np.empty(a.shape, np.float32) if _is_half(a) else a for a in outs]
         super().run_node(node, wide_ins, wide_outs, ctx)
         for a, wide in zip(outs, wide_outs):
-            if bf16.is_bf16(a):
-                a[...] = bf16.to_bits(wide)
+            if _is_half(a):
+                _store(a, wide)
         for i in node.mutates:
-            if bf16.is_bf16(ins[i]):
-                ins[i][...] = bf16.to_bits(wide_ins[i])
+            if _is_half(ins[i]):
+                _store(ins[i], wide_ins[i])
 
     def synchronize(self) -> None:
         pass
+
+
+# float16 is handled as bf16 is: its kernels see float32 arrays, and what they write is rounded
+# once (NumPy's float32 -> float16 conversion rounds to nearest even, overflow to +-inf, as
+# torch's and the CUDA kernels' do).
+def _is_half(array) -> bool:
+    return bf16.is_bf16(array) or getattr(array, "dtype", None) == np.float16
+
+
+def _widen(array) -> np.ndarray:
+    return bf16.from_bits(array) if bf16.is_bf16(array) else array.astype(np.float32)
+
+
+def _store(array, wide) -> None:
+    array[...] = bf16.to_bits(wide) if bf16.is_bf16(array) else wide

@@ -37,6 +37,15 @@ def round_bf16(x) -> np.ndarray:
     return from_bits(to_bits(x))
 
 
+def round_to(x, dtype: str) -> np.ndarray:
+    """float32 x as a node of IR dtype `dtype` stores it: rounded once for bfloat16 and
+    float16 (as float32 values), unchanged otherwise."""
+    x = np.asarray(x, dtype=np.float32)
+    if dtype == "bfloat16":
+        return round_bf16(x)
+    return x.astype(np.float16).astype(np.float32) if dtype == "float16" else x
+
+
 def is_bf16(array) -> bool:
     """Whether a backend array holds bf16 bits (the storage no other IR dtype uses)."""
     return getattr(array, "dtype", None) == STORAGE
