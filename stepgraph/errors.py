@@ -123,8 +123,11 @@ def lookup_torch_name(module: str, torch_module: str, name: str):
 
     if name.startswith("_"):
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
-    if importlib.util.find_spec(f"{module}.{name}") is not None:
-        return importlib.import_module(f"{module}.{name}")     # a submodule not loaded yet
+    # a submodule not loaded yet (only a package has them: find_spec on a plain module's
+    # child raises, and pickle's whichmodule asks every loaded module for names it lacks)
+    if hasattr(sys.modules.get(module), "__path__") and \
+            importlib.util.find_spec(f"{module}.{name}") is not None:
+        return importlib.import_module(f"{module}.{name}")
     raise missing_torch_name(f"{torch_module}.{name}")
 
 

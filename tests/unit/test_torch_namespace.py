@@ -523,3 +523,17 @@ def test_refusals_say_what_to_use():
     with pytest.raises(UnsupportedOpError, match="truth value"):
         bool(x)
     from stepgraph import data, train  # noqa: F401  (submodules still import lazily)
+
+
+def test_unknown_names_of_plain_namespace_modules_are_attribute_errors():
+    """pickle's whichmodule (torch.compile's inductor hashes graphs with pickle) asks every
+    loaded module for a name and skips those raising AttributeError: a plain module such as
+    stepgraph.amp must not raise another error (it once raised ModuleNotFoundError, looking
+    for a submodule of a module that is no package)."""
+    import pickle
+
+    import stepgraph.amp
+
+    with pytest.raises(AttributeError):
+        stepgraph.amp.no_such_name
+    assert pickle.whichmodule(object(), "no_such_global") == "__main__"   # asks every module
