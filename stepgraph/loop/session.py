@@ -93,26 +93,40 @@ class LoopSession:
     def call_handler(self, module):
         if self.eager_depth:
             return None
-        if self.open_pass() is not None and self.current.live_values():
-            return self.current.call_module     # a second model call of the same pass
-        self.current = None                     # a forward nothing holds: forgotten
-        trained = self.trained_ids()
-        if not self._cached_for(module, "trains",
-                                lambda: any(id(p) in trained for p in module.parameters())):
+        current = self.current
+        if current is not None:
+            if current.phase == OPEN and not current.module_path and current.live_values():
+                return current.call_module      # a second model call of the same pass
+            self.current = None                 # a forward nothing holds: forgotten
+        if not self._module_facts(module)[0]:
             return None
         if is_grad_enabled() and module.training:
             return self.start_pass
         return self.predict
 
+    def _module_facts(self, module) -> tuple:
+        """(whether `module` holds a parameter an optimizer trains, the training flags of
+        its modules), remembered until a mode, trainable set or optimizer changes (hooks),
+        and held by weak reference: another module at the same address never sees them.
+        Every model call asks; one dict lookup answers."""
+        if self._cache_version != hooks.VERSION[0]:
+            self._cache.clear()
+            self._cache_version = hooks.VERSION[0]
+        facts = self._cache.get(id(module))
+        if facts is None or facts[2]() is not module:
+            trained = self.trained_ids()
+            facts = self._cache[id(module)] = (
+                any(id(p) in trained for p in module.parameters()),
+                tuple(m.training for m in module.modules()), weakref.ref(module))
+        return facts
+
     def call_mode(self, module) -> tuple:
-        training = self._cached_for(module, "mode",
-                                    lambda: tuple(m.training for m in module.modules()))
-        return (training, is_grad_enabled(), autocast_state())
+        return (self._module_facts(module)[1], is_grad_enabled(), autocast_state())
 
     # ---- passes ----
     def start_pass(self, module, args: tuple, kwargs: dict):
-        mode = self.call_mode(module)
-        key = (id(module), mode, _signature((args, kwargs)))
+        mode = (self._module_facts(module)[1], is_grad_enabled(), autocast_state())
+        key = (id(module), mode, _signature(args, kwargs))
         known = self.programs.get(key)
         self.current = Pass(self, key, self.seed, known[0] if known else None)
         return self.current.call_module(module, args, kwargs, mode)
@@ -360,13 +374,19 @@ def _grad_hook(clip, wanted: list[tuple[str, Value]]):
     return hook
 
 
-def _signature(obj) -> tuple:
+def _signature(args: tuple, kwargs: dict) -> tuple:
     """The shapes and dtypes of the tensors of a call's arguments, and the other leaves."""
-    args, kwargs = obj
-    if not kwargs and all(type(a) is Tensor for a in args):      # the common call: fast
-        return tuple(("tensor", a.value.shape, a.value.dtype, a.is_eager) for a in args)
+    if not kwargs:                                                # the common call: fast
+        out = []
+        for a in args:
+            if type(a) is not Tensor:
+                break
+            v = a.value
+            out.append(("tensor", v.shape, v.dtype, a.array is not None))
+        else:
+            return tuple(out)
     out = []
-    for leaf in tree_leaves(obj):
+    for leaf in tree_leaves((args, kwargs)):
         if isinstance(leaf, Tensor):
             out.append(("tensor", tuple(leaf.shape), leaf.value.dtype, leaf.is_eager))
         elif isinstance(leaf, np.ndarray) or hasattr(leaf, "__cuda_array_interface__"):
