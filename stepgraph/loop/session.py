@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..amp import autocast_state
-from ..backends import cuda_available
+from ..backends import cuda_available, flags
 from ..grad_mode import is_grad_enabled
 from ..ir.graph import INPUT, PARAM, STATE, Value
 from ..ir.trace import Tensor
@@ -68,13 +68,17 @@ class LoopSession:
         return self._cache[key]
 
     def _cached_for(self, obj, name: str, compute):
-        """_cached for a value of one object (a module, an optimizer), held by weak reference
-        so that another object at the same address never sees it."""
-        ref, value = self._cached((name, id(obj)), lambda: (weakref.ref(obj), compute()))
-        if ref() is not obj:
-            self._cache[(name, id(obj))] = (weakref.ref(obj), compute())
-            return self._cache[(name, id(obj))][1]
-        return value
+        """compute(obj) for one object (a module, an optimizer), remembered as _cached's
+        values are, and held by weak reference so that another object at the same address
+        never sees it. Asked at every model call and step: one dict lookup."""
+        if self._cache_version != hooks.VERSION[0]:
+            self._cache.clear()
+            self._cache_version = hooks.VERSION[0]
+        key = (name, id(obj))
+        entry = self._cache.get(key)
+        if entry is None or entry[0]() is not obj:
+            entry = self._cache[key] = (weakref.ref(obj), compute(obj))
+        return entry[1]
 
     def trained_ids(self) -> frozenset[int]:
         def compute():
@@ -98,34 +102,26 @@ class LoopSession:
             if current.phase == OPEN and not current.module_path and current.live_values():
                 return current.call_module      # a second model call of the same pass
             self.current = None                 # a forward nothing holds: forgotten
-        if not self._module_facts(module)[0]:
+        if not self._cached_for(module, "module", self._module_facts)[0]:
             return None
         if is_grad_enabled() and module.training:
             return self.start_pass
         return self.predict
 
-    def _module_facts(self, module) -> tuple:
-        """(whether `module` holds a parameter an optimizer trains, the training flags of
-        its modules), remembered until a mode, trainable set or optimizer changes (hooks),
-        and held by weak reference: another module at the same address never sees them.
-        Every model call asks; one dict lookup answers."""
-        if self._cache_version != hooks.VERSION[0]:
-            self._cache.clear()
-            self._cache_version = hooks.VERSION[0]
-        facts = self._cache.get(id(module))
-        if facts is None or facts[2]() is not module:
-            trained = self.trained_ids()
-            facts = self._cache[id(module)] = (
-                any(id(p) in trained for p in module.parameters()),
-                tuple(m.training for m in module.modules()), weakref.ref(module))
-        return facts
+    def _module_facts(self, module) -> tuple[bool, tuple]:
+        """Whether `module` holds a parameter an optimizer trains, and the training flags of
+        its modules (kept by _cached_for until a mode, trainable set or optimizer changes)."""
+        trained = self.trained_ids()
+        return (any(id(p) in trained for p in module.parameters()),
+                tuple(m.training for m in module.modules()))
 
     def call_mode(self, module) -> tuple:
-        return (self._module_facts(module)[1], is_grad_enabled(), autocast_state())
+        return (self._cached_for(module, "module", self._module_facts)[1], is_grad_enabled(),
+                autocast_state())
 
     # ---- passes ----
     def start_pass(self, module, args: tuple, kwargs: dict):
-        mode = (self._module_facts(module)[1], is_grad_enabled(), autocast_state())
+        mode = self.call_mode(module)
         key = (id(module), mode, _signature(args, kwargs))
         known = self.programs.get(key)
         self.current = Pass(self, key, self.seed, known[0] if known else None)
@@ -217,8 +213,7 @@ class LoopSession:
         """The LoopStep (its optimizer state) of this optimizer, device, precision, bad-step
         policy (GradScaler's skip) and trainable set; clipping and the rest are its
         Executables'."""
-        trained, frozen = self._cached_for(optimizer, "optimizer",
-                                           lambda: self._trainable(optimizer))
+        trained, frozen = self._cached_for(optimizer, "optimizer", self._trainable)
         policy = "skip" if skip else "ignore"
         key = (id(optimizer), self.device, precision, policy, frozen)
         step = self.steps.get(key)
@@ -231,8 +226,6 @@ class LoopSession:
     def _float32_precision(self) -> str:
         """"tf32" where a script asks for TF32 matmuls (torch.backends.cuda.matmul.allow_tf32
         or set_float32_matmul_precision("high" / "medium")) and the step runs on CUDA."""
-        from ..backends import flags
-
         tf32 = flags.matmul.allow_tf32 or flags.get_float32_matmul_precision() != "highest"
         return "tf32" if tf32 and self.device == "cuda" else "fp32"
 
@@ -251,11 +244,11 @@ class LoopSession:
         ever = self.kept.setdefault(id(p.program), [])
         loss = p.program.loss
         live = p.live_values()
-        for v in live:
-            if v.role not in (INPUT, PARAM, STATE) and v not in p.extra and v is not loss \
-                    and not any(v is e for e in ever):
+        for v in live:          # `in` on Values (eq=False) compares identities
+            if v is not loss and v.role not in (INPUT, PARAM, STATE) and v not in p.extra \
+                    and v not in ever:
                 ever.append(v)
-        return list(ever) if alone or not any(v is loss for v in live) else [*ever, loss]
+        return list(ever) if alone or loss not in live else [*ever, loss]
 
     def _detach_done(self) -> None:
         """Before a step overwrites its outputs: copy out the values of earlier steps the

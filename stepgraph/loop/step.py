@@ -159,9 +159,11 @@ class LoopStep(TrainStep):
         """Run one step over these passes' feeds; returns the Executable whose outputs hold
         the kept values until its next run. The Executable of a (program set, kept values,
         gradient treatment, feed shapes) is found by one dict lookup after its first step."""
-        key = (tuple(map(id, programs)), tuple(tuple(v.id for v in k) for k in kept),
+        # kept Values stand for themselves (eq=False: hashed and compared by identity; the
+        # key holds them, so no other Value takes their place)
+        key = (tuple(map(id, programs)), tuple(map(tuple, kept)),
                None if grad_hook is None else grad_hook.key, max_norm,
-               tuple((a.shape, a.dtype) for a in arrays))
+               tuple([(a.shape, a.dtype) for a in arrays]))
         found = self._launched.get(key)
         if found is None:
             self._use(programs, kept, grad_hook, max_norm)
