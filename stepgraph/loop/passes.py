@@ -114,6 +114,11 @@ class Pass(Tracer):
         among them filling its feeds); else the pass re-records and emits the op."""
         events = self.program.events
         event = events[self.cursor] if self.cursor < len(events) else None
+        if type(event) is NodeEvent and event.node.op == op \
+                and same_attrs(event.node.attrs, attrs) \
+                and self._fill_inputs(inputs, event.node.inputs):
+            self.cursor += 1
+            return event.node.outputs
         reason = self._node_mismatch(event, op, inputs, attrs)
         if reason:
             self._rerecord(reason)
@@ -127,7 +132,7 @@ class Pass(Tracer):
 
     def _value(self, t):
         if isinstance(t, Tensor):
-            if t.is_eager:
+            if t.array is not None:             # eager (Tensor.is_eager)
                 return self.constant(t) if self.module_path else self._feed(t)
             if t.tracer is not self:
                 return self._foreign(t)
@@ -388,6 +393,32 @@ class Pass(Tracer):
         for a, w, j in zip(args, want, slots):
             arrays[j] = a.array
             feed_of[id(a)] = (a, w)
+        return True
+
+    def _fill_inputs(self, got: list, want: list) -> bool:
+        """_fill_call for an op's inputs: each the event's own Value, or an eager tensor of
+        the shape and dtype of the event's feed there, unmatched so far. True: its feeds
+        filled; False (nothing filled): _inputs_mismatch decides."""
+        if len(got) != len(want):
+            return False
+        fills = None
+        for g, w in zip(got, want):
+            if g is w:
+                continue
+            if type(g) is not _Feed:
+                return False
+            j = self.program.feed_index.get(w)
+            v = g.tensor.value
+            if j is None or self.arrays[j] is not None or v.shape != w.shape \
+                    or v.dtype != w.dtype:
+                return False
+            fills = [(j, g.tensor, w)] if fills is None else [*fills, (j, g.tensor, w)]
+        if fills is not None:
+            if len(fills) > 1 and len({j for j, _, _ in fills}) != len(fills):
+                return False
+            for j, t, w in fills:
+                self.arrays[j] = t.array
+                self._feed_of[id(t)] = (t, w)
         return True
 
     def _inputs_mismatch(self, what: str, got: list, want: list) -> str:

@@ -175,29 +175,36 @@ class LoopSession:
 
     # ---- the step ----
     def step(self, optimizer) -> None:
-        passes, self.pending = self.pending, []
+        passes = self.pending
         if not passes:
             return                  # torch: no gradients, nothing to update
+        self.pending = []
         clip, self.clip = self.clip, None
-        grads = {i: v for i, v in self.grads.items() if v[0] is passes[-1]} if self.grads \
-            else {}
-        self.grads = {}
-        self.grads_kept.clear()
+        grads = self.grads
+        if grads:
+            grads = {i: v for i, v in grads.items() if v[0] is passes[-1]}
+            self.grads = {}
+        if self.grads_kept:
+            self.grads_kept.clear()
         skip, self.skip_nonfinite = self.skip_nonfinite, False
         if self.done:
             self._detach_done()
-        kept = [self._kept(p, len(passes) == 1) for p in passes]
-        arrays = [a for p in passes for a in p.arrays]
+        alone = len(passes) == 1
+        kept = [self._kept(p, alone) for p in passes]
+        arrays = passes[0].arrays if alone else [a for p in passes for a in p.arrays]
         precision = passes[0].key[1][2] or self._float32_precision()
-        hook = _grad_hook(clip, [(self.names[i], v[1]) for i, v in grads.items()])
+        hook = None if clip is None and not grads else \
+            _grad_hook(clip, [(self.names[i], v[1]) for i, v in grads.items()])
         max_norm = clip[1] if clip is not None and clip[0] == "norm" else None
         step = self._loop_step(optimizer, passes, kept, arrays, precision, skip, hook, max_norm)
         exe = step.launch([p.program for p in passes], kept, arrays, hook, max_norm)
+        outputs, backend = exe.outputs, step.backend
         for j, (p, values) in enumerate(zip(passes, kept)):
-            p.kept = {v: exe.outputs[export_name(j, k)] for k, v in enumerate(values)}
-            p.phase, p.backend = DONE, step.backend
+            p.kept = {v: outputs[export_name(j, k)] for k, v in enumerate(values)} \
+                if values else {}
+            p.phase, p.backend = DONE, backend
             self.done.append(weakref.ref(p))
-        if len(passes) == 1:
+        if alone:
             passes[0].loss_handle = step.last_loss
         if clip is not None and clip[2] is not None:
             passes[-1].kept[clip[2]] = exe.outputs[GRAD_NORM]
@@ -226,8 +233,10 @@ class LoopSession:
     def _float32_precision(self) -> str:
         """"tf32" where a script asks for TF32 matmuls (torch.backends.cuda.matmul.allow_tf32
         or set_float32_matmul_precision("high" / "medium")) and the step runs on CUDA."""
+        if self.device != "cuda":
+            return "fp32"
         tf32 = flags.matmul.allow_tf32 or flags.get_float32_matmul_precision() != "highest"
-        return "tf32" if tf32 and self.device == "cuda" else "fp32"
+        return "tf32" if tf32 else "fp32"
 
     def _trainable(self, optimizer) -> tuple[frozenset, tuple]:
         """The ids of the optimizer's parameters and the names of those frozen now."""
@@ -257,7 +266,9 @@ class LoopSession:
         a loop in its steady state allocates nothing."""
         for ref in self.done:
             p = ref()
-            for v in p.live_values() if p is not None else ():
+            if p is None or not p.kept:
+                continue                # gone, or nothing of it kept: nothing to copy
+            for v in p.live_values():
                 if v in p.kept and v not in p.host:
                     p.kept[v] = self._spare_copy(p, p.kept[v])
         self.done = []

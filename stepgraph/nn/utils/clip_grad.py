@@ -9,11 +9,10 @@ import math
 from ...errors import CaptureError, UnsupportedOpError
 from ...ir.graph import Value
 from ...ir.trace import Tensor  # noqa: F401 - the returned type
+from ...loop import hooks          # imports nothing: no cycle
 
 
 def _pending_pass(name: str):
-    from ...loop import hooks
-
     session = hooks.SESSION
     if session is None or not session.pending:
         raise CaptureError(f"torch.nn.utils.{name} between loss.backward() and "
