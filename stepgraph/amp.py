@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 
+from .dtypes import as_dtype        # imports only errors and ir.graph: no cycle
 from .errors import UnsupportedOpError
 
 _STATE: list[str | None] = [None]       # the innermost autocast's precision, or None
@@ -28,8 +29,6 @@ def autocast_state() -> str | None:
 
 
 def _precision(dtype) -> str:
-    from .dtypes import as_dtype
-
     name = str(as_dtype(dtype)) if dtype is not None else "bfloat16"
     if name in ("bfloat16", "torch.bfloat16"):
         return "bf16"
