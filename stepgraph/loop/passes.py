@@ -302,7 +302,7 @@ class Pass(Tracer):
         if self.mode == REPLAY:
             return _Feed(t)
         v = self.input(t.shape, t.value.dtype, f"feed{len(self.program.feeds)}").value
-        self.program.feeds.append(v)
+        self.program.add_feed(v)
         self.arrays.append(t.array)
         self._feed_of[id(t)] = (t, v)                 # held: its id stays unique
         return v
