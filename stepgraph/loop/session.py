@@ -90,6 +90,16 @@ class LoopSession:
             return frozenset(ids)
         return self._cached("trained", compute)
 
+    def trained_used(self) -> frozenset[int]:
+        """The ids of the trained parameters (requires_grad) the waiting passes use."""
+        def compute():
+            trained = self.trained_ids()
+            return frozenset(id(p) for pass_ in self.pending
+                             for p in pass_.program.params.values()
+                             if id(p) in trained and p.requires_grad)
+        # programs are complete once waiting (and live as long as the session)
+        return self._cached(("used", *(id(p.program) for p in self.pending)), compute)
+
     def open_pass(self) -> Pass | None:
         p = self.current
         return p if p is not None and p.phase == OPEN and not p.module_path else None
