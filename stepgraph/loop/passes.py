@@ -75,7 +75,7 @@ class Pass(Tracer):
         self.host: dict[Value, np.ndarray] = {}    # values read back (or computed) on the host
         self.backend = None
         self.extra: set[Value] = set()             # step outputs not of the program (p.grad)
-        self.loss_handle = None                    # the step's loss history entry (alone)
+        self.loss_at = None             # (LoopStep, call): its loss history entry (alone)
 
     def extra_tensor(self, v: Value) -> Tensor:
         """A tensor of a value the step computes beside the program (a gradient, a clipped
@@ -262,8 +262,9 @@ class Pass(Tracer):
                 "a value of a training pass was read before optimizer.step(): stepgraph runs "
                 "forward, backward and update as one compiled step at optimizer.step(); read "
                 "it after that (or evaluate under torch.no_grad() with model.eval())")
-        if v is self.program.loss and self.loss_handle is not None:
-            self.host[v] = self.loss_handle.numpy()
+        if v is self.program.loss and self.loss_at is not None:
+            step, call = self.loss_at
+            self.host[v] = step.loss_of(call).numpy()
         elif v in self.deferred:
             self.host[v] = self._run_thunk(v)
         elif v in self.kept:

@@ -203,8 +203,8 @@ class LoopSession:
         kept = [self._kept(p, alone) for p in passes]
         arrays = passes[0].arrays if alone else [a for p in passes for a in p.arrays]
         precision = passes[0].key[1][2] or self._float32_precision()
-        hook = None if clip is None and not grads else \
-            _grad_hook(clip, [(self.names[i], v[1]) for i, v in grads.items()])
+        hook = _grad_hook(clip, [(self.names[i], v[1]) for i, v in grads.items()]) \
+            if grads or (clip is not None and clip[0] == "value") else None
         max_norm = clip[1] if clip is not None and clip[0] == "norm" else None
         step = self._loop_step(optimizer, passes, kept, arrays, precision, skip, hook, max_norm)
         exe = step.launch([p.program for p in passes], kept, arrays, hook, max_norm)
@@ -215,7 +215,7 @@ class LoopSession:
             p.phase, p.backend = DONE, backend
             self.done.append(weakref.ref(p))
         if alone:
-            passes[0].loss_handle = step.last_loss
+            passes[0].loss_at = (step, step._host_step)
         if clip is not None and clip[2] is not None:
             passes[-1].kept[clip[2]] = exe.outputs[GRAD_NORM]
         for i, (_, value, _) in grads.items():

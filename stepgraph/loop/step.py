@@ -183,5 +183,9 @@ class LoopStep(TrainStep):
             self._host_step = self._device_calls()
         exe.run(self.use_graph)
         self._host_step += 1
-        self.last_loss = self._loss_handle(self._host_step)
         return exe
+
+    def loss_of(self, call: int):
+        """The LossHandle of this step's call number `call` (its loss history entry): made
+        when the script reads a loss, not at every step."""
+        return self._loss_handle(call)
