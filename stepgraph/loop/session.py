@@ -92,13 +92,18 @@ class LoopSession:
 
     def trained_used(self) -> frozenset[int]:
         """The ids of the trained parameters (requires_grad) the waiting passes use."""
+        # programs are complete once waiting (and live as long as the session)
+        key = ("used", *[id(p.program) for p in self.pending])
+        found = self._cache.get(key) if self._cache_version == hooks.VERSION[0] else None
+        if found is not None:
+            return found
+
         def compute():
             trained = self.trained_ids()
             return frozenset(id(p) for pass_ in self.pending
                              for p in pass_.program.params.values()
                              if id(p) in trained and p.requires_grad)
-        # programs are complete once waiting (and live as long as the session)
-        return self._cached(("used", *(id(p.program) for p in self.pending)), compute)
+        return self._cached(key, compute)
 
     def open_pass(self) -> Pass | None:
         p = self.current
