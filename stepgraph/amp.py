@@ -22,6 +22,7 @@ import functools
 
 import numpy as np
 
+from .dtypes import as_dtype        # imports only errors and ir.graph: no cycle
 from .errors import UnsupportedOpError
 
 _STATE: list[str | None] = [None]       # the innermost autocast's precision, or None
@@ -33,8 +34,6 @@ def autocast_state() -> str | None:
 
 
 def _precision(dtype) -> str:
-    from .dtypes import as_dtype
-
     if dtype is None:       # torch's CPU default; its CUDA default, float16, only by name
         dtype = "bfloat16"
     name = str(as_dtype(dtype))

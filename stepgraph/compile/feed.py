@@ -150,11 +150,16 @@ def check_labels(name: str, labels, classes: int, ignore_index: int | None = Non
     arrays only: a device array would need a sync, which a step must not do; kernels write
     NaN for an invalid label."""
     labels = _host_array(labels)
-    if labels is not None and ignore_index is not None:
-        labels = labels[labels != ignore_index]
     if labels is None or labels.size == 0:
         return
     lo, hi = int(labels.min()), int(labels.max())
+    if lo >= 0 and hi < classes:
+        return                  # all in range (the common batch): no mask to build
+    if ignore_index is not None:
+        labels = labels[labels != ignore_index]
+        if labels.size == 0:
+            return
+        lo, hi = int(labels.min()), int(labels.max())
     if lo < 0 or hi >= classes:
         raise LabelError(f"input {name!r}: labels must be in [0, {classes}), "
                          f"got values in [{lo}, {hi}]")

@@ -19,6 +19,7 @@ import numbers
 
 import numpy as np
 
+from ..dtypes import as_dtype     # imports only errors and ir.graph: no cycle
 from ..errors import ShapeError, UnsupportedOpError
 from ..loop import hooks as loop_hooks    # imports nothing: a training script's backward()
 from .graph import Value
@@ -116,7 +117,6 @@ class Tensor:
 
     @property
     def dtype(self):
-        from ..dtypes import as_dtype
         return as_dtype(self.value.dtype)
 
     @property

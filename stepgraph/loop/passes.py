@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CaptureError, StepgraphError
+from ..grad_mode import is_grad_enabled
 from ..ir.graph import Value, ir_dtype
 from ..ir.ops import infer_outputs
 from ..ir.trace import EAGER, Tensor, Tracer, tensor_of
@@ -74,7 +75,7 @@ class Pass(Tracer):
         self.host: dict[Value, np.ndarray] = {}    # values read back (or computed) on the host
         self.backend = None
         self.extra: set[Value] = set()             # step outputs not of the program (p.grad)
-        self.loss_handle = None                    # the step's loss history entry (alone)
+        self.loss_at = None             # (LoopStep, call): its loss history entry (alone)
 
     def extra_tensor(self, v: Value) -> Tensor:
         """A tensor of a value the step computes beside the program (a gradient, a clipped
@@ -84,11 +85,20 @@ class Pass(Tracer):
 
     # ---- what the script's tensors reach ----
     def op_all(self, op: str, inputs: list, **attrs) -> list[Tensor]:
-        if self.phase != OPEN and not self.module_path:
+        if self.module_path:
+            return super().op_all(op, inputs, **attrs)
+        if self.phase != OPEN:
             return self._after_backward(op, inputs, attrs)
-        out = super().op_all(op, inputs, **attrs)
-        if not self.module_path:
-            self._hand(out)
+        # Tracer.op_all at script level, where a replay spends its time: inline
+        values = [self._value(t) for t in inputs]
+        values = self._replay(op, values, attrs, None) if self.mode == REPLAY else \
+            self.emit(op, values, **attrs)
+        if not is_grad_enabled():            # self.training: a pass always trains
+            values = [self.emit("stop_gradient", [v])[0] for v in values]
+        out = [Tensor(v, self) for v in values]
+        handed = self.handed
+        for t in out:
+            handed.append(weakref.ref(t))
         return out
 
     def emit(self, op: str, inputs: list, label: str | None = None, **attrs) -> list[Value]:
@@ -97,20 +107,32 @@ class Pass(Tracer):
             if not self.module_path:
                 self.program.events.append(NodeEvent(self.graph.nodes[-1]))
             return outs
-        event = self._next_event()
+        return list(self._replay(op, inputs, attrs, label))
+
+    def _replay(self, op: str, inputs: list, attrs: dict, label: str | None) -> list[Value]:
+        """The next event's outputs when it is this op on these inputs (the eager ones
+        among them filling its feeds); else the pass re-records and emits the op."""
+        events = self.program.events
+        event = events[self.cursor] if self.cursor < len(events) else None
+        if type(event) is NodeEvent and event.node.op == op \
+                and same_attrs(event.node.attrs, attrs) \
+                and self._fill_inputs(inputs, event.node.inputs):
+            self.cursor += 1
+            return event.node.outputs
         reason = self._node_mismatch(event, op, inputs, attrs)
         if reason:
             self._rerecord(reason)
             return self.emit(op, inputs, label, **attrs)
-        for got, want in zip(inputs, event.node.inputs):
-            if isinstance(got, _Feed):
+        node = event.node
+        for got, want in zip(inputs, node.inputs):
+            if type(got) is _Feed:
                 self._fill(got.tensor, want)
         self.cursor += 1
-        return list(event.node.outputs)
+        return node.outputs
 
     def _value(self, t):
         if isinstance(t, Tensor):
-            if t.is_eager:
+            if t.array is not None:             # eager (Tensor.is_eager)
                 return self.constant(t) if self.module_path else self._feed(t)
             if t.tracer is not self:
                 return self._foreign(t)
@@ -171,8 +193,11 @@ class Pass(Tracer):
             if not reason:
                 self.cursor += 1
                 self._dropout_sites = event.sites_after
+                outputs = event.outputs
+                if type(outputs) is Value:          # a forward returning one tensor
+                    return self._hand1(Tensor(outputs, self))
                 return tree_map(lambda v: self._hand1(Tensor(v, self))
-                                if isinstance(v, Value) else v, event.outputs)
+                                if isinstance(v, Value) else v, outputs)
             self._rerecord(reason)
             return self.call_module(module, args, kwargs)
         args, kwargs = tree_map(self._as_input, args), tree_map(self._as_input, kwargs)
@@ -194,7 +219,7 @@ class Pass(Tracer):
             raise CaptureError("backward() was called twice on one training pass (torch: "
                                "'Trying to backward through the graph a second time'); "
                                "compute the loss again")
-        if loss.shape != ():
+        if loss.value.shape != ():
             raise CaptureError(f"backward() needs a scalar loss, got shape {tuple(loss.shape)} "
                                "(torch: grad can be implicitly created only for scalar outputs)")
         v = self._resolve(self._value(loss))
@@ -237,8 +262,9 @@ class Pass(Tracer):
                 "a value of a training pass was read before optimizer.step(): stepgraph runs "
                 "forward, backward and update as one compiled step at optimizer.step(); read "
                 "it after that (or evaluate under torch.no_grad() with model.eval())")
-        if v is self.program.loss and self.loss_handle is not None:
-            self.host[v] = self.loss_handle.numpy()
+        if v is self.program.loss and self.loss_at is not None:
+            step, call = self.loss_at
+            self.host[v] = step.loss_of(call).numpy()
         elif v in self.deferred:
             self.host[v] = self._run_thunk(v)
         elif v in self.kept:
@@ -277,7 +303,7 @@ class Pass(Tracer):
         if self.mode == REPLAY:
             return _Feed(t)
         v = self.input(t.shape, t.value.dtype, f"feed{len(self.program.feeds)}").value
-        self.program.feeds.append(v)
+        self.program.add_feed(v)
         self.arrays.append(t.array)
         self._feed_of[id(t)] = (t, v)                 # held: its id stays unique
         return v
@@ -305,23 +331,27 @@ class Pass(Tracer):
         return events[self.cursor] if self.cursor < len(events) else None
 
     def _node_mismatch(self, event, op: str, inputs: list, attrs: dict) -> str:
-        def where():
-            return f"op {self.cursor + 1} of the captured pass"
-        if not isinstance(event, NodeEvent):
+        if type(event) is not NodeEvent:
             got = "a module call" if isinstance(event, CallEvent) else "backward()"
-            return f"{where()} was {got}, the loop now does {op}"
+            return f"{self._where('op')} was {got}, the loop now does {op}"
         node = event.node
         if node.op != op or not same_attrs(node.attrs, attrs):
-            return f"{where()} was {node.op}{_short(node.attrs)}, now {op}{_short(attrs)}"
-        return self._inputs_mismatch(where, inputs, node.inputs)
+            return f"{self._where('op')} was {node.op}{_short(node.attrs)}, " \
+                f"now {op}{_short(attrs)}"
+        return self._inputs_mismatch("op", inputs, node.inputs)
+
+    def _where(self, what: str) -> str:
+        """The event being compared, for a reason's text: op or step n of the pass."""
+        return f"{what} {self.cursor + 1} of the captured pass"
 
     def _call_mismatch(self, event, module, mode, args, kwargs) -> str:
-        def where():
-            return f"step {self.cursor + 1} of the captured pass"
-        if not isinstance(event, CallEvent) or event.module is not module:
-            return f"{where()} was {_event_name(event)}, now a call of {type(module).__name__}"
+        if type(event) is not CallEvent or event.module is not module:
+            return f"{self._where('step')} was {_event_name(event)}, now a call of " \
+                f"{type(module).__name__}"
         if event.mode != mode:
             return f"{type(module).__name__}'s mode changed (train/eval, grad, autocast)"
+        if not kwargs and not event.kwargs and self._fill_call(args, event.args):
+            return ""
         got = tree_leaves(args) + (tree_leaves(tuple(kwargs.values())) if kwargs else [])
         want = event.leaves
         if len(got) != len(want) or (kwargs.keys() != event.kwargs.keys()):
@@ -334,16 +364,69 @@ class Pass(Tracer):
                 expected.append(w)
             elif isinstance(w, Value) or not plain_equal(a, w):
                 return f"{type(module).__name__}'s argument {describe(a)} was {describe(w)}"
-        reason = self._inputs_mismatch(where, tensors, expected)
+        reason = self._inputs_mismatch("step", tensors, expected)
         if not reason:
             for g, w in zip(tensors, expected):
                 if isinstance(g, _Feed):
                     self._fill(g.tensor, w)
         return reason
 
-    def _inputs_mismatch(self, where, got: list, want: list) -> str:
-        """Why inputs `got` are not the event's `want` ("" when they are); `where` is called
-        for the reason's text only."""
+    def _fill_call(self, args: tuple, want) -> bool:
+        """The common module call, decided without building the general comparison: each
+        argument an eager tensor of the shape and dtype of its own feed of the event, none
+        of them matched yet. Fills those feeds and says True; False (nothing filled) sends
+        the call to the general comparison, which finds the same or says what differs."""
+        if type(want) is not tuple or len(args) != len(want):
+            return False
+        feeds, arrays, feed_of = self.program.feed_index, self.arrays, self._feed_of
+        slots = []
+        for a, w in zip(args, want):
+            if type(a) is not Tensor or a.array is None or type(w) is not Value \
+                    or id(a) in feed_of:
+                return False
+            j = feeds.get(w)
+            v = a.value
+            if j is None or arrays[j] is not None or v.shape != w.shape or v.dtype != w.dtype:
+                return False
+            slots.append(j)
+        if len(slots) > 1 and len(set(slots)) != len(slots):
+            return False
+        for a, w, j in zip(args, want, slots):
+            arrays[j] = a.array
+            feed_of[id(a)] = (a, w)
+        return True
+
+    def _fill_inputs(self, got: list, want: list) -> bool:
+        """_fill_call for an op's inputs: each the event's own Value, or an eager tensor of
+        the shape and dtype of the event's feed there, unmatched so far. True: its feeds
+        filled; False (nothing filled): _inputs_mismatch decides."""
+        if len(got) != len(want):
+            return False
+        fills = None
+        for g, w in zip(got, want):
+            if g is w:
+                continue
+            if type(g) is not _Feed:
+                return False
+            j = self.program.feed_index.get(w)
+            v = g.tensor.value
+            if j is None or self.arrays[j] is not None or v.shape != w.shape \
+                    or v.dtype != w.dtype:
+                return False
+            fills = [(j, g.tensor, w)] if fills is None else [*fills, (j, g.tensor, w)]
+        if fills is not None:
+            if len(fills) > 1 and len({j for j, _, _ in fills}) != len(fills):
+                return False
+            for j, t, w in fills:
+                self.arrays[j] = t.array
+                self._feed_of[id(t)] = (t, w)
+        return True
+
+    def _inputs_mismatch(self, what: str, got: list, want: list) -> str:
+        """Why inputs `got` are not the event's `want` ("" when they are); `what` ("op" or
+        "step") names the event in the reason's text."""
+        def where():
+            return self._where(what)
         if len(got) != len(want):
             return f"{where()} had {len(want)} inputs, now {len(got)}"
         feeds = self.program.feed_index
@@ -432,6 +515,8 @@ def as_feed_tensor(a):
     """A module argument as a tensor where it is an array: NumPy arrays as eager tensors, a
     batch already on the GPU (CuPy, __cuda_array_interface__) as an eager tensor holding it,
     fed to the step as it is."""
+    if type(a) is Tensor:                 # the common argument: first, and cheap
+        return a
     if isinstance(a, np.ndarray):
         return tensor_of(a)
     if hasattr(a, "__cuda_array_interface__") and hasattr(a, "dtype"):

@@ -47,14 +47,11 @@ class Program:
     buffers: dict = field(default_factory=dict)     # Value -> Buffer
     rng: Value | None = None
     loss: Value | None = None
+    feed_index: dict = field(default_factory=dict, repr=False)   # feed Value -> position
 
-    @property
-    def feed_index(self) -> dict[Value, int]:
-        """Each feed's position (a replayed program is complete: made once)."""
-        index = self.__dict__.get("_feed_index")
-        if index is None or len(index) != len(self.feeds):
-            index = self.__dict__["_feed_index"] = {v: i for i, v in enumerate(self.feeds)}
-        return index
+    def add_feed(self, v: Value) -> None:
+        self.feed_index[v] = len(self.feeds)
+        self.feeds.append(v)
 
 
 def tree_map(fn: Callable, obj):

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..amp import autocast_state
-from ..backends import cuda_available
+from ..backends import cuda_available, flags
 from ..grad_mode import is_grad_enabled
 from ..ir.graph import INPUT, PARAM, STATE, Value
 from ..ir.trace import Tensor
@@ -68,13 +68,17 @@ class LoopSession:
         return self._cache[key]
 
     def _cached_for(self, obj, name: str, compute):
-        """_cached for a value of one object (a module, an optimizer), held by weak reference
-        so that another object at the same address never sees it."""
-        ref, value = self._cached((name, id(obj)), lambda: (weakref.ref(obj), compute()))
-        if ref() is not obj:
-            self._cache[(name, id(obj))] = (weakref.ref(obj), compute())
-            return self._cache[(name, id(obj))][1]
-        return value
+        """compute(obj) for one object (a module, an optimizer), remembered as _cached's
+        values are, and held by weak reference so that another object at the same address
+        never sees it. Asked at every model call and step: one dict lookup."""
+        if self._cache_version != hooks.VERSION[0]:
+            self._cache.clear()
+            self._cache_version = hooks.VERSION[0]
+        key = (name, id(obj))
+        entry = self._cache.get(key)
+        if entry is None or entry[0]() is not obj:
+            entry = self._cache[key] = (weakref.ref(obj), compute(obj))
+        return entry[1]
 
     def trained_ids(self) -> frozenset[int]:
         def compute():
@@ -86,6 +90,21 @@ class LoopSession:
             return frozenset(ids)
         return self._cached("trained", compute)
 
+    def trained_used(self) -> frozenset[int]:
+        """The ids of the trained parameters (requires_grad) the waiting passes use."""
+        # programs are complete once waiting (and live as long as the session)
+        key = ("used", *[id(p.program) for p in self.pending])
+        found = self._cache.get(key) if self._cache_version == hooks.VERSION[0] else None
+        if found is not None:
+            return found
+
+        def compute():
+            trained = self.trained_ids()
+            return frozenset(id(p) for pass_ in self.pending
+                             for p in pass_.program.params.values()
+                             if id(p) in trained and p.requires_grad)
+        return self._cached(key, compute)
+
     def open_pass(self) -> Pass | None:
         p = self.current
         return p if p is not None and p.phase == OPEN and not p.module_path else None
@@ -93,26 +112,32 @@ class LoopSession:
     def call_handler(self, module):
         if self.eager_depth:
             return None
-        if self.open_pass() is not None and self.current.live_values():
-            return self.current.call_module     # a second model call of the same pass
-        self.current = None                     # a forward nothing holds: forgotten
-        trained = self.trained_ids()
-        if not self._cached_for(module, "trains",
-                                lambda: any(id(p) in trained for p in module.parameters())):
+        current = self.current
+        if current is not None:
+            if current.phase == OPEN and not current.module_path and current.live_values():
+                return current.call_module      # a second model call of the same pass
+            self.current = None                 # a forward nothing holds: forgotten
+        if not self._cached_for(module, "module", self._module_facts)[0]:
             return None
         if is_grad_enabled() and module.training:
             return self.start_pass
         return self.predict
 
+    def _module_facts(self, module) -> tuple[bool, tuple]:
+        """Whether `module` holds a parameter an optimizer trains, and the training flags of
+        its modules (kept by _cached_for until a mode, trainable set or optimizer changes)."""
+        trained = self.trained_ids()
+        return (any(id(p) in trained for p in module.parameters()),
+                tuple(m.training for m in module.modules()))
+
     def call_mode(self, module) -> tuple:
-        training = self._cached_for(module, "mode",
-                                    lambda: tuple(m.training for m in module.modules()))
-        return (training, is_grad_enabled(), autocast_state())
+        return (self._cached_for(module, "module", self._module_facts)[1], is_grad_enabled(),
+                autocast_state())
 
     # ---- passes ----
     def start_pass(self, module, args: tuple, kwargs: dict):
         mode = self.call_mode(module)
-        key = (id(module), mode, _signature((args, kwargs)))
+        key = (id(module), mode, _signature(args, kwargs))
         known = self.programs.get(key)
         self.current = Pass(self, key, self.seed, known[0] if known else None)
         return self.current.call_module(module, args, kwargs, mode)
@@ -165,33 +190,40 @@ class LoopSession:
 
     # ---- the step ----
     def step(self, optimizer) -> None:
-        passes, self.pending = self.pending, []
+        passes = self.pending
         if not passes:
             return                  # torch: no gradients, nothing to update
+        self.pending = []
         clip, self.clip = self.clip, None
-        grads = {i: v for i, v in self.grads.items() if v[0] is passes[-1]} if self.grads \
-            else {}
-        self.grads = {}
-        self.grads_kept.clear()
+        grads = self.grads
+        if grads:
+            grads = {i: v for i, v in grads.items() if v[0] is passes[-1]}
+            self.grads = {}
+        if self.grads_kept:
+            self.grads_kept.clear()
         scaling, self.loss_scaling = self.loss_scaling, None
         if scaling is not None:
             self._name_state([scaling.scale, scaling.growth_tracker])
         if self.done:
             self._detach_done()
-        kept = [self._kept(p, len(passes) == 1) for p in passes]
-        arrays = [a for p in passes for a in p.arrays]
+        alone = len(passes) == 1
+        kept = [self._kept(p, alone) for p in passes]
+        arrays = passes[0].arrays if alone else [a for p in passes for a in p.arrays]
         precision = passes[0].key[1][2] or self._float32_precision()
-        hook = _grad_hook(clip, [(self.names[i], v[1]) for i, v in grads.items()])
+        hook = _grad_hook(clip, [(self.names[i], v[1]) for i, v in grads.items()]) \
+            if grads or (clip is not None and clip[0] == "value") else None
         max_norm = clip[1] if clip is not None and clip[0] == "norm" else None
         step = self._loop_step(optimizer, passes, kept, arrays, precision, scaling, hook,
                                max_norm)
         exe = step.launch([p.program for p in passes], kept, arrays, hook, max_norm, scaling)
+        outputs, backend = exe.outputs, step.backend
         for j, (p, values) in enumerate(zip(passes, kept)):
-            p.kept = {v: exe.outputs[export_name(j, k)] for k, v in enumerate(values)}
-            p.phase, p.backend = DONE, step.backend
+            p.kept = {v: outputs[export_name(j, k)] for k, v in enumerate(values)} \
+                if values else {}
+            p.phase, p.backend = DONE, backend
             self.done.append(weakref.ref(p))
-        if len(passes) == 1:
-            passes[0].loss_handle = step.last_loss
+        if alone:
+            passes[0].loss_at = (step, step._host_step)
         if clip is not None and clip[2] is not None:
             passes[-1].kept[clip[2]] = exe.outputs[GRAD_NORM]
         for i, (_, value, _) in grads.items():
@@ -206,8 +238,7 @@ class LoopSession:
         """The LoopStep (its optimizer state) of this optimizer, device, precision, bad-step
         policy (GradScaler's skip) and trainable set; clipping, loss scaling and the rest
         are its Executables'."""
-        trained, frozen = self._cached_for(optimizer, "optimizer",
-                                           lambda: self._trainable(optimizer))
+        trained, frozen = self._cached_for(optimizer, "optimizer", self._trainable)
         policy = "skip" if scaling is not None else "ignore"
         key = (id(optimizer), self.device, precision, policy, frozen)
         step = self.steps.get(key)
@@ -220,10 +251,10 @@ class LoopSession:
     def _float32_precision(self) -> str:
         """"tf32" where a script asks for TF32 matmuls (torch.backends.cuda.matmul.allow_tf32
         or set_float32_matmul_precision("high" / "medium")) and the step runs on CUDA."""
-        from ..backends import flags
-
+        if self.device != "cuda":
+            return "fp32"
         tf32 = flags.matmul.allow_tf32 or flags.get_float32_matmul_precision() != "highest"
-        return "tf32" if tf32 and self.device == "cuda" else "fp32"
+        return "tf32" if tf32 else "fp32"
 
     def _trainable(self, optimizer) -> tuple[frozenset, tuple]:
         """The ids of the optimizer's parameters and the names of those frozen now."""
@@ -240,11 +271,11 @@ class LoopSession:
         ever = self.kept.setdefault(id(p.program), [])
         loss = p.program.loss
         live = p.live_values()
-        for v in live:
-            if v.role not in (INPUT, PARAM, STATE) and v not in p.extra and v is not loss \
-                    and not any(v is e for e in ever):
+        for v in live:          # `in` on Values (eq=False) compares identities
+            if v is not loss and v.role not in (INPUT, PARAM, STATE) and v not in p.extra \
+                    and v not in ever:
                 ever.append(v)
-        return list(ever) if alone or not any(v is loss for v in live) else [*ever, loss]
+        return list(ever) if alone or loss not in live else [*ever, loss]
 
     def _detach_done(self) -> None:
         """Before a step overwrites its outputs: copy out the values of earlier steps the
@@ -253,7 +284,9 @@ class LoopSession:
         a loop in its steady state allocates nothing."""
         for ref in self.done:
             p = ref()
-            for v in p.live_values() if p is not None else ():
+            if p is None or not p.kept:
+                continue                # gone, or nothing of it kept: nothing to copy
+            for v in p.live_values():
                 if v in p.kept and v not in p.host:
                     p.kept[v] = self._spare_copy(p, p.kept[v])
         self.done = []
@@ -371,13 +404,19 @@ def _grad_hook(clip, wanted: list[tuple[str, Value]]):
     return hook
 
 
-def _signature(obj) -> tuple:
+def _signature(args: tuple, kwargs: dict) -> tuple:
     """The shapes and dtypes of the tensors of a call's arguments, and the other leaves."""
-    args, kwargs = obj
-    if not kwargs and all(type(a) is Tensor for a in args):      # the common call: fast
-        return tuple(("tensor", a.value.shape, a.value.dtype, a.is_eager) for a in args)
+    if not kwargs:                                                # the common call: fast
+        out = []
+        for a in args:
+            if type(a) is not Tensor:
+                break
+            v = a.value
+            out.append(("tensor", v.shape, v.dtype, a.array is not None))
+        else:
+            return tuple(out)
     out = []
-    for leaf in tree_leaves(obj):
+    for leaf in tree_leaves((args, kwargs)):
         if isinstance(leaf, Tensor):
             out.append(("tensor", tuple(leaf.shape), leaf.value.dtype, leaf.is_eager))
         elif isinstance(leaf, np.ndarray) or hasattr(leaf, "__cuda_array_interface__"):

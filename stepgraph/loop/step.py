@@ -163,10 +163,12 @@ class LoopStep(TrainStep):
         """Run one step over these passes' feeds; returns the Executable whose outputs hold
         the kept values until its next run. The Executable of a (program set, kept values,
         gradient treatment, feed shapes) is found by one dict lookup after its first step."""
-        key = (tuple(map(id, programs)), tuple(tuple(v.id for v in k) for k in kept),
+        # kept Values stand for themselves (eq=False: hashed and compared by identity; the
+        # key holds them, so no other Value takes their place)
+        key = (tuple(map(id, programs)), tuple(map(tuple, kept)),
                None if grad_hook is None else grad_hook.key, max_norm,
                None if loss_scaling is None else loss_scaling.key,
-               tuple((a.shape, a.dtype) for a in arrays))
+               tuple([(a.shape, a.dtype) for a in arrays]))
         found = self._launched.get(key)
         if found is None:
             self._use(programs, kept, grad_hook, max_norm, loss_scaling)
@@ -186,5 +188,9 @@ class LoopStep(TrainStep):
             self._host_step = self._device_calls()
         exe.run(self.use_graph)
         self._host_step += 1
-        self.last_loss = self._loss_handle(self._host_step)
         return exe
+
+    def loss_of(self, call: int):
+        """The LossHandle of this step's call number `call` (its loss history entry): made
+        when the script reads a loss, not at every step."""
+        return self._loss_handle(call)

@@ -387,8 +387,15 @@ class Module:
 
     def __call__(self, *args, **kwargs):
         """forward(*args), traced under this module's path ("model.layer1.0") and label."""
-        tracer = next((a.tracer for a in (*args, *kwargs.values())
-                       if isinstance(a, Tensor) and not a.is_eager), None)
+        tracer = None
+        for a in args:                  # the first traced tensor argument's tracer
+            if isinstance(a, Tensor) and a.array is None:
+                tracer = a.tracer
+                break
+        else:
+            if kwargs:
+                tracer = next((a.tracer for a in kwargs.values()
+                               if isinstance(a, Tensor) and not a.is_eager), None)
         if tracer is None:
             # concrete tensors: a training script's pass (loop/), or eagerly, op by op
             handler = loop_hooks.call_handler(self)

@@ -141,3 +141,18 @@ def test_strided_and_single_sample_batches_train_like_contiguous_ones():
     assert float(a(x[:1], y[:1])) == float(b(x[:1].copy(), y[:1].copy()))
     for k, v in a.state_dict().items():
         np.testing.assert_array_equal(v, b.state_dict()[k], err_msg=k)
+
+
+def test_host_labels_are_checked_around_the_ignore_index():
+    """check_labels: every label in [0, classes) or the loss's ignore_index (the all-valid
+    batch is decided without masking; the others are masked first)."""
+    from stepgraph.compile.feed import check_labels
+
+    check_labels("y", np.array([0, 3, 1]), CLASSES, -100)
+    check_labels("y", np.array([0, -100, 3]), CLASSES, -100)
+    check_labels("y", np.array([-100, -100]), CLASSES, -100)
+    check_labels("y", np.array([], np.int64), CLASSES, None)
+    for bad, ignore in (([0, -100, 4], -100), ([-1, 2], -100), ([-100, 1], None), ([4], None),
+                        ([5, CLASSES], CLASSES)):
+        with pytest.raises(LabelError, match=r"'y'.*\[0, 4\)"):
+            check_labels("y", np.array(bad), CLASSES, ignore)

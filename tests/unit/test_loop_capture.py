@@ -455,3 +455,141 @@ def test_clipping_applies_to_the_steps_that_ask_for_it():
         if i == 0:
             fw.nn.utils.clip_grad_norm_(opt.param_groups[0]["params"], 0.01)
     judge(SGD, batches(3), after_backward=clip_first)
+
+
+# ---- what the replay's fast paths must still catch ----
+
+def pair_net(fw):
+    """A model of two inputs: forward(u, v) = a(u) + b(v)."""
+    class Pair(fw.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = fw.nn.Linear(D_IN, CLASSES)
+            self.b = fw.nn.Linear(D_IN, CLASSES)
+
+        def forward(self, u, v):
+            return self.a(u) + self.b(v)
+    return Pair()
+
+
+def pair_twins():
+    torch.manual_seed(0)
+    t32 = pair_net(torch)
+    t64 = pair_net(torch).double()
+    t64.load_state_dict({k: v.double() for k, v in t32.state_dict().items()})
+    ours = pair_net(sg)
+    ours.load_state_dict({k: v.numpy() for k, v in t32.state_dict().items()})
+    return t32, t64, ours
+
+
+def test_one_tensor_for_two_arguments_then_two_tensors_recaptures():
+    """Recorded as model(x, x) (one feed for both arguments), then model(x, z): the replay
+    must not fill that one feed twice; it re-records, and trains as torch."""
+    def loop(fw, model, opt, data, dtype=np.float32):
+        F = fw.nn.functional
+        for i, (x, y) in enumerate(data):
+            opt.zero_grad()
+            u = fw.from_numpy(x.astype(dtype))
+            v = u if i < 2 else fw.from_numpy(x[::-1].astype(dtype).copy())
+            F.cross_entropy(model(u, v), fw.from_numpy(y)).backward()
+            opt.step()
+    t32, t64, ours = pair_twins()
+    start = _state(t32)
+    data = batches(4)
+    loop(torch, t32, SGD(torch, t32), data)
+    loop(torch, t64, SGD(torch, t64), data, np.float64)
+    with pytest.warns(RecaptureWarning, match="another tensor"):
+        loop(sg, ours, SGD(sg, ours), data)
+    judge_changes(start, t32, t64, ours)
+
+
+def test_one_tensor_twice_in_a_script_op_then_two_tensors_recaptures():
+    """A script-level op recorded with one eager tensor in two places (one feed), later with
+    two tensors: re-recorded, the step computes with both (checked against torch)."""
+    def loop(fw, model, opt, data, dtype=np.float32):
+        F = fw.nn.functional
+        for i, (x, y) in enumerate(data):
+            opt.zero_grad()
+            out = model(fw.from_numpy(x.astype(dtype)))
+            m = fw.from_numpy(np.full(out.shape, 0.5, dtype))
+            n = m if i < 2 else fw.from_numpy(np.full(out.shape, -2.0, dtype))
+            loss = F.cross_entropy(out, fw.from_numpy(y)) + (fw.cat([out, m, n]) ** 2).mean()
+            loss.backward()
+            opt.step()
+    t32, t64, ours = twins()
+    start = _state(t32)
+    data = batches(4)
+    loop(torch, t32, SGD(torch, t32), data)
+    loop(torch, t64, SGD(torch, t64), data, np.float64)
+    with pytest.warns(RecaptureWarning, match="another tensor"):
+        loop(sg, ours, SGD(sg, ours), data)
+    judge_changes(start, t32, t64, ours)
+
+
+def test_clipped_norms_kept_over_steps_are_each_steps_own():
+    """The norms clip_grad_norm_ returned, read after later steps: each its step's (torch's)."""
+    t32, _, ours = twins()
+    got = {}
+    for fw, model in ((torch, t32), (sg, ours)):
+        opt, norms = SGD(fw, model), []
+        for x, y in batches(3):
+            opt.zero_grad()
+            fw.nn.functional.cross_entropy(model(fw.from_numpy(x)), fw.from_numpy(y)).backward()
+            norms.append(fw.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+            opt.step()
+        got[fw] = [float(n) for n in norms]
+    assert len(set(got[sg])) == 3
+    np.testing.assert_allclose(got[sg], got[torch], rtol=1e-5)
+
+
+def test_clipping_part_of_the_parameters_follows_requires_grad():
+    """clip_grad_norm_ over one layer is refused while the other trains too, and accepted
+    once the other is frozen (what the waiting passes train is asked again)."""
+    _, _, ours = twins()
+    opt = SGD(sg, ours)
+    x, y = batches(1)[0]
+
+    def iteration():
+        opt.zero_grad()
+        sg.nn.functional.cross_entropy(ours(sg.from_numpy(x)), sg.from_numpy(y)).backward()
+        sg.nn.utils.clip_grad_norm_(ours[0].parameters(), 0.05)
+        opt.step()
+    with pytest.raises(sg.UnsupportedOpError, match="a part of"):
+        iteration()
+    with pytest.warns(RecaptureWarning, match="dropped 1"):
+        opt.zero_grad()
+    ours[2].requires_grad_(False)
+    before = _state(ours)
+    iteration()
+    after = _state(ours)
+    assert np.array_equal(after["2.weight"], before["2.weight"])
+    assert not np.array_equal(after["0.weight"], before["0.weight"])
+
+
+def test_a_submodules_mode_set_directly_records_its_own_pass():
+    """model[1].training = False (no .eval() call) between iterations: the next pass is
+    recorded in that mode (BatchNorm's running statistics), as torch computes it."""
+    def bn_net(fw):
+        return fw.nn.Sequential(fw.nn.Linear(D_IN, HIDDEN), fw.nn.BatchNorm1d(HIDDEN),
+                                fw.nn.ReLU(), fw.nn.Linear(HIDDEN, CLASSES))
+
+    def loop(fw, model, opt, data, dtype=np.float32):
+        F = fw.nn.functional
+        for i, (x, y) in enumerate(data):
+            if i == 2:
+                model[1].training = False
+            opt.zero_grad()
+            F.cross_entropy(model(fw.from_numpy(x.astype(dtype))), fw.from_numpy(y)).backward()
+            opt.step()
+    torch.manual_seed(0)
+    t32 = bn_net(torch)
+    t64 = bn_net(torch).double()
+    t64.load_state_dict({k: v.double() for k, v in t32.state_dict().items()})
+    ours = bn_net(sg)
+    ours.load_state_dict({k: v.numpy() for k, v in t32.state_dict().items()})
+    start = _state(t32)
+    data = batches(4)
+    loop(torch, t32, SGD(torch, t32), data)
+    loop(torch, t64, SGD(torch, t64), data, np.float64)
+    loop(sg, ours, SGD(sg, ours), data)
+    judge_changes(start, t32, t64, ours)

@@ -121,6 +121,7 @@ class CudaBackend(Backend):
         compiler.prefetch(sorted(shared), ctypes=("float",))
         self._staging: dict[tuple, _Staging] = {}
         self._being_read: list[tuple[Any, list]] = []   # (event, device sources): keep_until_read
+        self._order_event = None     # _copy_device's: the caller's stream, recorded again
 
     @property
     def bf16_ops(self) -> frozenset[str]:
@@ -286,7 +287,13 @@ class CudaBackend(Backend):
             # src was written on the caller's current stream: order our copy after it.
             current = cp.cuda.get_current_stream()
             if current.ptr != self.stream.ptr:
-                self.stream.wait_event(current.record())
+                # One event, recorded again for every copy: a wait already queued waits for
+                # the record before it (cudaStreamWaitEvent), so reusing it is safe, and a
+                # step no longer creates (and destroys) a timing event per device feed.
+                if self._order_event is None:
+                    self._order_event = cp.cuda.Event(disable_timing=True)
+                self._order_event.record(current)
+                self.stream.wait_event(self._order_event)
         if src.data.ptr == dst.data.ptr and src.strides == dst.strides:
             return
         if src.flags.c_contiguous:

@@ -9,11 +9,14 @@ import math
 from ...errors import CaptureError, UnsupportedOpError
 from ...ir.graph import Value
 from ...ir.trace import Tensor  # noqa: F401 - the returned type
+from ...loop import hooks          # imports nothing: no cycle
+
+# The value of the clipped norm: an output of the step beside the passes' programs, kept per
+# pass (Pass.kept), so one Value serves every iteration.
+NORM = Value((), "float32")
 
 
 def _pending_pass(name: str):
-    from ...loop import hooks
-
     session = hooks.SESSION
     if session is None or not session.pending:
         raise CaptureError(f"torch.nn.utils.{name} between loss.backward() and "
@@ -24,10 +27,7 @@ def _pending_pass(name: str):
 def _check_all_trained(session, parameters, name: str) -> None:
     given = {id(p) for p in ([parameters] if not hasattr(parameters, "__iter__")
                              else parameters)}
-    trained = session.trained_ids()
-    used = {id(p) for pass_ in session.pending for p in pass_.program.params.values()
-            if id(p) in trained and p.requires_grad}
-    if not given >= used:
+    if not given >= session.trained_used():
         raise UnsupportedOpError(
             f"torch.nn.utils.{name} over a part of the optimizer's parameters is not supported "
             "by stepgraph (the clip is one step-wide operation): pass every trained "
@@ -50,9 +50,8 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
         raise ValueError(f"max_norm must be a positive finite number, got {max_norm}")
     _check_all_trained(session, parameters, "clip_grad_norm_")
     last = session.pending[-1]
-    norm = Value((), "float32")
-    session.clip = ("norm", float(max_norm), norm)
-    return last.extra_tensor(norm)
+    session.clip = ("norm", float(max_norm), NORM)
+    return last.extra_tensor(NORM)
 
 
 def clip_grad_value_(parameters, clip_value: float, foreach=None) -> None:
