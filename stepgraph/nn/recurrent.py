@@ -7,7 +7,11 @@ inputs of every time step at once; `unstack` (ops/recurrent.py) hands out the st
 step adds the hidden projection (one linear) and applies the gates (pointwise ops; an LSTM's
 in one lstm_cell node, ops/lstm_cell.py, whose gradient is one lstm_cell_grad node); the
 hidden states are stacked back into the output with one concat. The sequence is unrolled at
-trace time, so the graph grows with its length.
+trace time, so the graph grows with its length. The layers walk (T, B, ...) tensors, so the
+planner (compile/aliases.py) makes the unstack views of the projection, the concat the steps
+writing their places of the output in place, and likewise in the backward: no copies per
+step. Without a given state, the first step's hidden product of zeros is folded away
+(compile/zeros.py).
 
 Gate orders are torch's, so a torch state_dict loads: LSTM (i, f, g, o), GRU (r, z, n) with
 n = tanh(W_in x + b_in + r * (W_hn h + b_hn)).
