@@ -21,6 +21,7 @@ from .attention_rewrite import masks_supported, rewrite_attention
 from .layout import apply_memory_format
 from .loss_scale import LossScaling, emit_scale_update, unscale_gradients
 from .recompute import recompute
+from .zeros import fold_zeros
 
 
 @contextmanager
@@ -151,6 +152,7 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
     tracer.graph.outputs = dict(extra_outputs or {})
     tracer.graph = rewrite_forward_attention(tracer.graph, model, device, (loss.value,), values)
     tracer.graph = apply_memory_format(tracer.graph, memory_format)
+    tracer.graph = fold_zeros(tracer.graph, (loss.value, *tracer.recomputed))
     bf16 = precision == BF16_PRECISION
     if precision in LOW_DTYPES:
         autocast(tracer.graph, LOW_DTYPES[precision])
@@ -231,7 +233,7 @@ def build_predict_graph(model: Module, signature: Signature,
     advance_predict_rng(tracer)
     tracer.graph.outputs = {"output": _predicted(out).value}
     graph = rewrite_forward_attention(tracer.graph, model, device, values=values)
-    graph = apply_memory_format(graph, memory_format)
+    graph = fold_zeros(apply_memory_format(graph, memory_format))
     if precision in LOW_DTYPES:
         autocast(graph, LOW_DTYPES[precision])
     if precision == BF16_PRECISION:        # float16 outputs stay float16, as torch's

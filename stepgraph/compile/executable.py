@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from itertools import groupby
 from typing import Any, Callable
 
-from ..errors import CaptureError
+from ..errors import CaptureError, PlanError
 from ..ir.graph import INPUT, PARAM, STATE, Value
-from .plan import VIEW_OPS, Plan
+from .plan import Plan
 
 TRAIN, INFERENCE = "train", "inference"
 LOSS_OPS = ("cross_entropy", "cross_entropy_train", "nll_loss", "mse")
@@ -59,18 +59,30 @@ class Executable:
         for v, slot in plan.slots.items():
             buffers[v] = backend.view(self.arena, slot.offset, v.shape, v.dtype)
         for v, root in plan.views.items():
-            buffers[v] = buffers[root].reshape(v.shape)
+            buffers[v] = self._alias(buffers, v, root)
         self.buffers = buffers
         self.input_buffers = [buffers[v] for v in plan.graph.inputs]
         self.outputs = {k: buffers[v] for k, v in plan.graph.outputs.items()}
         self.calls = [(n, [buffers[v] for v in n.inputs], [buffers[v] for v in n.outputs])
-                      for n in plan.steps if n.op not in VIEW_OPS]
+                      for i, n in enumerate(plan.steps) if plan.runs(i)]
         self.phases = [(phase, list(calls))
                        for phase, calls in groupby(self.calls, key=lambda c: phase_of(c[0]))]
         self.captured = None
         self.runs = 0
         self.replays: dict[int, StepsReplay] = {}   # by steps per launch
         backend.prepare([n for n, _, _ in self.calls], getattr(ctx, "precision", "fp32"))
+
+    def _alias(self, buffers: dict, v: Value, root: Value):
+        """The buffer of alias v: its root's whole buffer reshaped, or the range of the arena
+        at the root's slot plus v's offset (compile/aliases.py)."""
+        offset = self.plan.offsets.get(v, 0)
+        if offset == 0 and v.nbytes == root.nbytes:
+            return buffers[root].reshape(v.shape)
+        slot = self.plan.slots.get(root)
+        if slot is None:
+            raise PlanError(f"alias {v!r} at offset {offset} of {root!r}, which has no slot "
+                            "in the arena")
+        return self.backend.view(self.arena, slot.offset + offset, v.shape, v.dtype)
 
     def _check_static(self) -> None:
         for v in self.plan.graph.externals:

@@ -56,6 +56,15 @@ def _gradient_product(v: Value, producers, users, outputs: set) -> Node | None:
     return p
 
 
+def _first_written(product: Node, position: dict[Value, int]) -> int:
+    """Where the earlier of a product's operands is written (-1: an external). Stacking the
+    products in this order lays their rows out in forward order (an unrolled recurrence's
+    time order, where autodiff sums them last step first): the order in which the forward's
+    own stacks hold those rows, so the planner can read the stack as a view of them
+    (compile/aliases.py) instead of copying."""
+    return min(position.get(v, -1) for v in product.inputs)
+
+
 def _stacked(products: list[Node], label: str) -> tuple[list[Node], Value]:
     """concat the products' operands along their rows, one matmul: its nodes and output."""
     nodes, operands = [], []
@@ -83,9 +92,11 @@ def _sum_nodes(terms: list[Value], root: Value, label: str) -> list[Node]:
 def fuse_product_sums(graph: Graph) -> Graph:
     """add trees summing >= MIN_PRODUCTS matmul(a_k, b_k, trans_a) of one result shape and
     operand dtypes, each with operands no bigger than its result  =>  concat(a_k),
-    concat(b_k) (dim 0), one matmul, added to the other terms."""
+    concat(b_k) (dim 0), one matmul, added to the other terms. The products are stacked in
+    the order their operands were written (_first_written)."""
     graph = _copy(graph)
     producers, users = graph.producers(), graph.consumers()
+    position = {v: i for i, n in enumerate(graph.nodes) for v in n.outputs}
     outputs = set(graph.outputs.values())
     roots = [n for n in graph.nodes if _is_sum(n) and not (
         len(users.get(n.outputs[0], [])) == 1 and _is_sum(users[n.outputs[0]][0])
@@ -110,7 +121,7 @@ def fuse_product_sums(graph: Graph) -> Graph:
         merged = {p.outputs[0] for ps in groups.values() for p in ps}
         rest = [t for t in terms if t not in merged]
         for ps in groups.values():
-            nodes, out = _stacked(ps, label)
+            nodes, out = _stacked(sorted(ps, key=lambda p: _first_written(p, position)), label)
             new += nodes
             rest.append(out)
             drop.update(ps)

@@ -1,9 +1,11 @@
 """The Plan: schedule, liveness and a memory plan placing every intermediate in one arena.
 
 The schedule is the graph's program order (already topological; nodes that mutate state keep
-their place relative to readers). Views (reshape) alias their source and extend its lifetime.
-Intermediates get offsets in one arena by first-fit over lifetimes, so buffers whose lifetimes
-do not overlap share memory. Externals (inputs, params, state) live in their own fixed buffers.
+their place relative to readers). Aliases (compile/aliases.py: views, contiguous slices, concats
+whose inputs are written in place) live inside another value's buffer, at an offset, and extend
+its lifetime; the nodes computing them run no kernel. Intermediates get offsets in one arena by
+first-fit over lifetimes, so buffers whose lifetimes do not overlap share memory. Externals
+(inputs, params, state) live in their own fixed buffers.
 """
 from __future__ import annotations
 
@@ -11,9 +13,10 @@ from dataclasses import dataclass, field
 
 from ..errors import PlanError
 from ..ir.graph import Graph, Node, Value
+from .aliases import VIEW_OPS, find_aliases, view_roots
 
 ALIGN = 256          # bytes; cuBLASLt and float4 kernels want aligned operands
-VIEW_OPS = ("reshape", "stop_gradient")   # alias their input: no kernel runs them
+__all__ = ["ALIGN", "VIEW_OPS", "Plan", "make_plan"]
 
 
 @dataclass(frozen=True)
@@ -47,9 +50,15 @@ class Plan:
     graph: Graph
     steps: list[Node]
     slots: dict[Value, Slot]                 # intermediates -> arena placement
-    views: dict[Value, Value]                # view value -> the value whose memory it shares
+    views: dict[Value, Value]                # alias -> the value whose memory it shares
     lifetimes: dict[Value, Lifetime] = field(repr=False, default_factory=dict)
     arena_bytes: int = 0
+    offsets: dict[Value, int] = field(repr=False, default_factory=dict)  # alias -> byte offset
+    elided: frozenset[int] = frozenset()     # positions in steps of nodes that run no kernel
+
+    def runs(self, i: int) -> bool:
+        """Whether steps[i] launches work (else all its outputs are aliases)."""
+        return i not in self.elided
 
     def summary(self) -> PlanSummary:
         return PlanSummary(len(self.steps), self.arena_bytes,
@@ -61,13 +70,7 @@ def _aligned(n: int) -> int:
     return max(ALIGN, (n + ALIGN - 1) // ALIGN * ALIGN)
 
 
-def _view_roots(steps: list[Node]) -> dict[Value, Value]:
-    roots: dict[Value, Value] = {}
-    for n in steps:
-        if n.op in VIEW_OPS:
-            src = n.inputs[0]
-            roots[n.outputs[0]] = roots.get(src, src)
-    return roots
+_view_roots = view_roots      # compile/overlap.py reads views of the graph before planning
 
 
 def _check_order(graph: Graph) -> None:
@@ -141,10 +144,13 @@ def _coalesce(free: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
-def make_plan(graph: Graph) -> Plan:
+def make_plan(graph: Graph, aliases: bool = True) -> Plan:
+    """The plan of `graph`; aliases False keeps every slice and concat a kernel of its own
+    (views only), the reference the aliased plan must match bit for bit."""
     _check_order(graph)
     steps = list(graph.nodes)
-    roots = _view_roots(steps)
-    lifetimes = _lifetimes(graph, steps, roots)
+    found = find_aliases(steps, ALIGN, aliases)
+    lifetimes = _lifetimes(graph, steps, found.roots)
     slots, arena = _place(lifetimes, len(steps))
-    return Plan(graph, steps, slots, roots, lifetimes, arena)
+    return Plan(graph, steps, slots, found.roots, lifetimes, arena, found.offsets,
+                frozenset(found.elided))

@@ -7,7 +7,11 @@ inputs of every time step at once; `unstack` (ops/recurrent.py) hands out the st
 step adds the hidden projection (one linear) and applies the gates (pointwise ops; an LSTM's
 in one lstm_cell node, ops/lstm_cell.py, whose gradient is one lstm_cell_grad node); the
 hidden states are stacked back into the output with one concat. The sequence is unrolled at
-trace time, so the graph grows with its length.
+trace time, so the graph grows with its length. The layers walk (T, B, ...) tensors, so the
+planner (compile/aliases.py) makes the unstack views of the projection, the concat the steps
+writing their places of the output in place, and likewise in the backward: no copies per
+step. Without a given state, the first step's hidden product of zeros is folded away
+(compile/zeros.py).
 
 Gate orders are torch's, so a torch state_dict loads: LSTM (i, f, g, o), GRU (r, z, n) with
 n = tanh(W_in x + b_in + r * (W_hn h + b_hn)).
@@ -178,41 +182,49 @@ class RNNBase(Module):
                              f"{self.input_size}, got {input.shape[-1]}")
         batched = input.ndim == 3
         x = input if batched else input.unsqueeze(1)
-        time_dim = 1 if batched and self.batch_first else 0
-        states = self._initial_states(x, hx, batched, x.shape[1 - time_dim])
-        output, finals = self._layers(x, time_dim, states)
+        # The layers walk (T, B, ...): each step's slice of the input projection and each
+        # step's place in the output are then contiguous, so the planner makes them views
+        # into one buffer (compile/aliases.py); batch_first costs one transpose each way.
+        batch_first = batched and self.batch_first
+        if batch_first:
+            x = x.transpose(0, 1)
+        states = self._initial_states(x, hx, batched, x.shape[1])
+        output, finals = self._layers(x, states)
         final = tuple(stack([s[k] for s in finals], 0) for k in range(len(finals[0])))
+        if batch_first:
+            output = output.transpose(0, 1)
         if not batched:
             output, final = output.squeeze(1), tuple(f.squeeze(1) for f in final)
         return output, (final if self.mode == "LSTM" else final[0])
 
-    def _layers(self, x: Tensor, time_dim: int, states: list[tuple]):
-        """The last layer's output and every layer and direction's final state."""
+    def _layers(self, x: Tensor, states: list[tuple]):
+        """The last layer's output (T, B, directions * H) and every layer and direction's
+        final state, for x (T, B, features)."""
         directions = 2 if self.bidirectional else 1
         finals = []
         for layer in range(self.num_layers):
             outputs = []
             for direction in range(directions):
                 state = states[layer * directions + direction]
-                hs, state = self._walk(x, time_dim, state, self.weights(layer, direction),
+                hs, state = self._walk(x, state, self.weights(layer, direction),
                                        reverse=direction == 1)
-                outputs.append(stack(hs, time_dim))
+                outputs.append(stack(hs, 0))
                 finals.append(state)
             x = outputs[0] if directions == 1 else cat(outputs, -1)
             if self.dropout and layer < self.num_layers - 1:
                 x = F.dropout(x, self.dropout, self.training)
         return x, finals
 
-    def _walk(self, x: Tensor, time_dim: int, state: tuple, w: CellWeights, reverse: bool):
-        """One direction of one layer: the hidden state of every step in time order, and
-        the final state."""
+    def _walk(self, x: Tensor, state: tuple, w: CellWeights, reverse: bool):
+        """One direction of one layer over x (T, B, features): the hidden state of every step
+        in time order, and the final state."""
         bias = w.bias_ih
         if self.mode != "GRU" and w.bias_hh is not None:
             # b_hh joins b_ih in the projection of all steps: its gradient is then one sum
             # over the sequence, not one per step (GRU's b_hn stays inside r * (...)).
             bias, w = x._coerce(w.bias_ih, "bias_ih") + w.bias_hh, replace(w, bias_hh=None)
         hs = []
-        for xp in time_steps(F.linear(x, w.weight_ih, bias), time_dim, reverse):
+        for xp in time_steps(F.linear(x, w.weight_ih, bias), 0, reverse):
             state = rnn_step(self.mode, xp, state, w)
             hs.append(state[0])
         return (hs[::-1] if reverse else hs), state

@@ -4,7 +4,9 @@ A recurrent layer projects the inputs of every time step at once (one matmul ove
 and then walks the steps. Taking step t with `slice` would make each step's gradient a
 zero-filled tensor of the whole sequence (slice_grad), and summing T of them costs T times
 the sequence: quadratic in T. `unstack` gives all T steps from one node, and its gradient is
-one concat of the steps' gradients: linear in T.
+one concat of the steps' gradients: linear in T. Where the steps are contiguous ranges of x
+(time on the leading axis), the planner makes them views of x and writes the steps' gradients
+in place into the concat's output (compile/aliases.py): neither copies.
 """
 from __future__ import annotations
 

@@ -99,3 +99,27 @@ def test_lstm_hidden_weight_gradient_is_one_product_per_layer_and_direction():
     # the last step of each walk has the output's gradient alone; the others take two terms
     assert sorted(n.attrs["dh"] for n in cells) == [1] * 4 + [2] * 4 * 5
     assert all(len(n.inputs) == n.attrs["dh"] + n.attrs["dc"] + 3 for n in cells)
+
+
+def test_stacked_rows_come_in_forward_order():
+    """The stacked products come in the order their operands were written: an LSTM's h_t
+    rows and its gate gradients in time order (autodiff sums them last step first), the
+    order of the layer's own output and input gradient, so the planner reads the stacks
+    as views of those (tests/unit/test_aliases.py)."""
+    nn.manual_seed(0)
+    model = nn.LSTM(3, 4)
+    model.name_parameters()
+    tracer = Tracer()
+    out, _ = model(tracer.input((5, 2, 3), "float32", "x"))
+    params = list(tracer.graph.params)
+    grads = append_backward(tracer, out.sum().value, params)
+    tracer.graph.outputs = {v.name: g for v, g in zip(params, grads)}
+    fused = fuse_product_sums(tracer.graph)
+    position = {v: i for i, n in enumerate(fused.nodes) for v in n.outputs}
+    stacks = [n for n in fused.nodes if n.op == "concat" and n.attrs["dim"] == 0
+              and n.outputs[0].shape[0] == 2 * 5]
+    assert len(stacks) == 2
+    hs, gates = sorted(stacks, key=lambda n: n.outputs[0].shape[1])
+    assert [position[v] for v in hs.inputs] == sorted(position[v] for v in hs.inputs)
+    assert [position[v] for v in gates.inputs] == sorted(
+        (position[v] for v in gates.inputs), reverse=True)       # backward: last step first
