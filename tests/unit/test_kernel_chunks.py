@@ -132,3 +132,27 @@ def test_no_kernel_file_instantiates_a_template_itself():
     are instantiated by the name expressions of their chunk alone."""
     for path in compiler.kernel_sources():
         assert not re.search(r"^\s*template\s+__global__", path.read_text(), re.M), path.name
+
+
+def test_prepare_starts_each_file_with_the_element_types_of_the_nodes_using_it(monkeypatch):
+    """A float32 conv's files are not prefetched for the float64 of another node's values
+    (the optimizer's hyperparameter table); files come in the order of first use."""
+    from types import SimpleNamespace
+
+    started = []
+    monkeypatch.setattr(compiler, "prefetch",
+                        lambda files, generated=(), kernels=(), ctypes=(): started.append(
+                            (list(files), sorted(ctypes), list(generated), list(kernels))))
+    cuda = backend.CudaBackend.__new__(backend.CudaBackend)
+    cuda.kernel_files = {"conv2d": frozenset({"conv_direct.cu", "loss.cu"}),
+                         "adam_update": frozenset({"optim_adam.cu", "loss.cu"})}
+    cuda.generated_kernels, cuda.kernels_ahead = {}, {}
+    value = lambda dtype: SimpleNamespace(dtype=dtype)          # noqa: E731
+    nodes = [SimpleNamespace(op="conv2d", inputs=[value("float32")], outputs=[]),
+             SimpleNamespace(op="adam_update", inputs=[value("float64"), value("float32")],
+                             outputs=[])]
+    cuda.prepare(nodes)
+    assert started == [(["conv_direct.cu"], ["float"], [], []),
+                       (["loss.cu"], ["double", "float"], [], []),
+                       (["optim_adam.cu"], ["double", "float"], [], []),
+                       ([], [], [], [])]

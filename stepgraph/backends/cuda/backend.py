@@ -143,15 +143,22 @@ class CudaBackend(Backend):
         from .elementwise import FILL_CTYPES
         from .runtime import compiler
 
-        # in the order of the nodes' first launches (the pool takes them in that order)
-        files = dict.fromkeys(f for n in nodes for f in sorted(self.kernel_files.get(n.op, ())))
+        # Each file with the element types of the nodes that launch from it (a float32 conv
+        # does not wait behind the float64 chunks the optimizer's float64 table would name),
+        # in the order of the nodes' first launches: the pool takes them in that order.
+        wanted: dict[str, set[str]] = {}
+        for n in nodes:
+            ctypes = {FILL_CTYPES.get(np.dtype(storage_dtype(v.dtype)))
+                      for v in (*n.inputs, *n.outputs)} - {None}
+            for filename in sorted(self.kernel_files.get(n.op, ())):
+                wanted.setdefault(filename, set()).update(ctypes)
+        for filename, ctypes in wanted.items():
+            compiler.prefetch([filename], ctypes=ctypes)
         generated = [pair for n in nodes if n.op in self.generated_kernels
                      for pair in self.generated_kernels[n.op](n)]
         kernels = [pair for n in nodes if n.op in self.kernels_ahead
                    for pair in self.kernels_ahead[n.op](n, precision)]
-        ctypes = {FILL_CTYPES.get(np.dtype(storage_dtype(v.dtype)))
-                  for n in nodes for v in (*n.inputs, *n.outputs)}
-        compiler.prefetch(files, generated, kernels, ctypes - {None})
+        compiler.prefetch((), generated, kernels)
 
     # ---- contexts and capture ------------------------------------------------------------
 

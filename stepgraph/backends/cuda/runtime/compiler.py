@@ -58,9 +58,9 @@ TYPED_SOURCES = frozenset({"elementwise.cu", "loss.cu", "reduce.cu", "broadcast.
 # compiles in about 0.2 s on a build machine (its kernels cost 0.03-0.15 s each, the file's
 # parse 0.02-0.1 s). Smaller chunks cost more modules to look up in a warm start.
 DEFAULT_CHUNK_INSTANTIATIONS = 4
-CHUNK_INSTANTIATIONS = {"elementwise.cu": 3, "layer_norm.cu": 3, "loss.cu": 2, "norm.cu": 3,
-                        "pool3d.cu": 2, "reduce.cu": 3, "broadcast.cu": 5, "index.cu": 5,
-                        "shape.cu": 6}
+CHUNK_INSTANTIATIONS = {"elementwise.cu": 3, "layer_norm.cu": 2, "loss.cu": 2, "norm.cu": 2,
+                        "pool3d.cu": 2, "reduce.cu": 3, "conv.cu": 3, "reduce_axis.cu": 3,
+                        "index.cu": 5, "shape.cu": 6}
 
 _declared: dict[str, frozenset[str]] = {}          # file -> the kernel names its launchers use
 _chunk_maps: dict[str, dict[str, tuple[str, ...]]] = {}   # file -> {instantiation: its chunk}
