@@ -156,3 +156,29 @@ def test_prepare_starts_each_file_with_the_element_types_of_the_nodes_using_it(m
                        (["loss.cu"], ["double", "float"], [], []),
                        (["optim_adam.cu"], ["double", "float"], [], []),
                        ([], [], [], [])]
+
+
+def test_precompile_compiles_every_declared_module_and_reports_each(monkeypatch, declared):
+    class Done:
+        def __init__(self, module):
+            self.module = module
+
+        def result(self):
+            compiled.append(self.module)
+
+    compiled, reported = [], []
+    monkeypatch.setattr(compiler, "_start_module", lambda filename, names=(): Done(
+        (filename, names)))
+    count = compiler.precompile(lambda filename, names: reported.append((filename, names)))
+    assert count == len(compiled) == len(reported) > 100
+    assert compiled == reported == compiler.declared_modules()
+
+
+def test_precompile_command_needs_a_gpu(capsys):
+    from stepgraph.backends import cuda_available
+    from stepgraph.cli import main
+
+    if cuda_available():
+        pytest.skip("a GPU is visible")
+    assert main(["precompile"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out
