@@ -59,8 +59,8 @@ TYPED_SOURCES = frozenset({"elementwise.cu", "loss.cu", "reduce.cu", "broadcast.
 # parse 0.02-0.1 s). Smaller chunks cost more modules to look up in a warm start.
 DEFAULT_CHUNK_INSTANTIATIONS = 4
 CHUNK_INSTANTIATIONS = {"elementwise.cu": 3, "layer_norm.cu": 2, "loss.cu": 2, "norm.cu": 2,
-                        "pool3d.cu": 2, "reduce.cu": 3, "conv.cu": 3, "reduce_axis.cu": 3,
-                        "index.cu": 5, "shape.cu": 6}
+                        "pool3d.cu": 2, "reduce.cu": 3, "conv.cu": 3, "conv_direct.cu": 2,
+                        "reduce_axis.cu": 3, "index.cu": 5, "shape.cu": 6}
 
 _declared: dict[str, frozenset[str]] = {}          # file -> the kernel names its launchers use
 _chunk_maps: dict[str, dict[str, tuple[str, ...]]] = {}   # file -> {instantiation: its chunk}
