@@ -30,6 +30,12 @@ def run_cache(argv: list[str]) -> int:
     return cache_main(argv)
 
 
+def run_precompile(argv: list[str]) -> int:
+    from .precompile import main as precompile_main
+
+    return precompile_main(argv)
+
+
 def run_run(argv: list[str]) -> int:
     from .run_script import main as run_main
 
@@ -47,6 +53,8 @@ DELEGATED = {"bench": (run_bench, "time a training step against PyTorch, JAX, ti
              "profile": (run_profile, "per-op device times of a training step, a bench "
                          "workload's or your own (--script) (GPU)"),
              "cache": (run_cache, "show (info) or empty (clear) the on-disk kernel choices"),
+             "precompile": (run_precompile, "compile every kernel into the kernel cache once "
+                            "per install, so that the first run starts warm (GPU)"),
              "launch": (run_launch, "start N processes of a command for data-parallel "
                         "training (--gpus N -- CMD ...), as torchrun does"),
              "run": (run_run, "run a PyTorch training script unchanged, with torch resolved "

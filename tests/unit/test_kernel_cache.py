@@ -235,29 +235,35 @@ def test_compile_parallel_compiles_each_once_and_leaves_failures_to_the_launch()
     assert sorted(done) == sorted(set(pairs))
 
 
-def test_typed_files_compile_one_module_per_element_type(monkeypatch):
-    """A TYPED_SOURCES file is compiled per element type (its plain kernels in a module of
-    their own), other files as one module of every declared instantiation; prefetch starts
-    only the types a plan names. No NVRTC here: the modules started are recorded."""
+def test_typed_files_compile_chunks_per_element_type(monkeypatch):
+    """A TYPED_SOURCES file is compiled in chunks per element type (its plain kernels in a
+    module of their own), other files in chunks of every declared instantiation; prefetch
+    starts only the types a plan names. No NVRTC here: the modules started are recorded."""
     compiler = pytest.importorskip("stepgraph.backends.cuda.runtime.compiler")
     started = []
     monkeypatch.setattr(compiler, "_declared", {})
+    monkeypatch.setattr(compiler, "_chunk_maps", {})
+    monkeypatch.setitem(compiler.CHUNK_INSTANTIATIONS, "loss.cu", 2)
+    monkeypatch.setitem(compiler.CHUNK_INSTANTIATIONS, "optim.cu", 2)
     monkeypatch.setattr(compiler, "_start_module",
                         lambda filename, names=(): started.append((filename, names)))
-    compiler.declare({"loss.cu": {"plain", "ce<int>", "ce<long long>", "nll<long long>"},
-                      "optim.cu": {"upd<float>", "upd<double, 4>", "step"}})
+    compiler.declare({"loss.cu": {"plain", "ce<int>", "ce<long long>", "nll<long long>",
+                                  "a<long long>", "b<long long>"},
+                      "optim.cu": {"upd<float>", "upd<double, 4>", "step", "upd<int>"}})
     assert "loss.cu" in compiler.TYPED_SOURCES and "optim.cu" not in compiler.TYPED_SOURCES
 
     compiler._start_kernel("loss.cu", "ce<long long>")
     compiler._start_kernel("loss.cu", "plain")
     compiler._start_kernel("loss.cu", "ce<double>")          # declared by nobody: its own
     compiler._start_kernel("optim.cu", "step")
+    compiler._start_kernel("optim.cu", "upd<int>")
     assert started == [("loss.cu", ("ce<long long>", "nll<long long>")), ("loss.cu", ()),
-                       ("loss.cu", ("ce<double>",)),
-                       ("optim.cu", ("upd<double, 4>", "upd<float>"))]
+                       ("loss.cu", ("ce<double>",)), ("optim.cu", ()), ("optim.cu", ("upd<int>",))]
 
     started.clear()
     compiler.prefetch(["loss.cu", "optim.cu"], ctypes={"long long", "float"})
-    assert sorted(started) == [("loss.cu", ()), ("loss.cu", ("ce<long long>", "nll<long long>")),
-                               ("optim.cu", ("upd<double, 4>", "upd<float>"))]
+    assert started == [("loss.cu", ()), ("loss.cu", ("a<long long>", "b<long long>")),
+                       ("loss.cu", ("ce<long long>", "nll<long long>")),
+                       ("optim.cu", ()), ("optim.cu", ("upd<double, 4>", "upd<float>")),
+                       ("optim.cu", ("upd<int>",))]
     assert compiler._element_type("upd<double, 4>") == "double"

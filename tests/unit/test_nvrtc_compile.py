@@ -209,19 +209,31 @@ def test_headers_live_in_the_include_folder():
         assert set(re.findall(r'#include "(\w+\.cuh)"', path.read_text())) <= headers, path
 
 
-def test_each_file_compiles_with_every_declared_kernel():
-    """At run time a file is one module holding every instantiation any family declares for
-    it (compiler.declare), or of a TYPED_SOURCES file one module per element type, a part of
-    that union: the union compiles, file by file."""
+def _declared_files() -> list[str]:
     from stepgraph.backends.cuda.backend import declared_kernel_names
 
-    declared = declared_kernel_names(tuple(kernel_families()))
-    assert {"elementwise.cu", "loss.cu", "optim.cu", "guard.cu"} <= set(declared)
-    for filename, names in sorted(declared.items()):
-        if filename in compiler.PER_SHAPE_SOURCES:
-            continue
-        templates = tuple(sorted(n for n in names if "<" in n))
-        assert compiler.compile_to_cubin(compiler.source_path(filename), "sm_90", templates)
+    return sorted(set(declared_kernel_names(tuple(kernel_families())))
+                  - compiler.PER_SHAPE_SOURCES)
+
+
+def test_every_kernel_file_with_declared_kernels_is_compiled_below():
+    assert {"elementwise.cu", "loss.cu", "optim.cu", "guard.cu", "optim_adam.cu"} \
+        <= set(_declared_files())
+
+
+@pytest.mark.parametrize("filename", _declared_files())
+def test_each_module_of_a_file_compiles_with_its_declared_kernels(filename):
+    """At run time a file is compiled as several modules (compiler.file_modules): one of its
+    plain kernels, and chunks of a few of the instantiations any family declares for it
+    (of one element type for a TYPED_SOURCES file), which together hold every one: each
+    module compiles, as it is compiled at run time."""
+    from stepgraph.backends.cuda.backend import declared_kernel_names
+
+    compiler.declare(declared_kernel_names(tuple(kernel_families())))
+    modules = compiler.file_modules(filename)
+    assert modules
+    for names in modules:
+        assert compiler.compile_to_cubin(compiler.source_path(filename), "sm_90", names)
 
 
 def test_reduce_sum_fallback_is_launched():
@@ -301,11 +313,11 @@ def test_norm_column_walks_fall_back_to_a_channel_a_thread():
 
 
 def test_guard_launchers_name_existing_kernels():
-    """guards.py lists its kernels (guard.cu, and guard_advance in optim.cu)."""
+    """guards.py lists its kernels (guard.cu, guard_advance among them)."""
     from stepgraph.backends.cuda import guards
 
     kernels = guards.kernel_names()
-    assert set(kernels) == {"guard.cu", "optim.cu"}
+    assert set(kernels) == {"guard.cu"} and "guard_advance_kernel" in kernels["guard.cu"]
     for filename, names in sorted(kernels.items()):
         assert compiler.compile_to_cubin(compiler.source_path(filename), "sm_90",
                                          tuple(sorted(names)))
@@ -470,7 +482,7 @@ def test_update_launch_arguments_match_the_kernels(monkeypatch, case, guarded):
         + ([Fake((2,), "int32")] if guarded else [])
     getattr(optim, op)(None, Node(op, [], [], attrs), ins)
     (filename, name, _, _, args), = launched
-    assert (filename, name) == ("optim.cu", f"{op}_kernel")
+    assert (filename, name) == (optim.UPDATE_SOURCES[op], f"{op}_kernel")
     _assert_launches_match(launched)
     assert args[5] is hyper and args[6] == len(HYPER_COLUMNS[op])    # the device rows
     assert (args[10] is ins[-1]) if guarded else (args[10] == 0)    # the guard flags pointer
@@ -537,7 +549,7 @@ def test_guard_launch_arguments_match_the_kernels(monkeypatch):
     guards.IMPLS["guard_restore"](Node("guard_restore", [], [], copy),
                                   [flags, saved] + buffers, [], None)
     assert [(f, n) for f, n, *_ in launched] == [("guard.cu", "guard_check_kernel"),
-                                                ("optim.cu", "guard_advance_kernel"),
+                                                ("guard.cu", "guard_advance_kernel"),
                                                 ("guard.cu", "guard_copy_kernel"),
                                                 ("guard.cu", "guard_copy_kernel")]
     assert launched[2][4][-1] == 0 and launched[3][4][-1] is flags

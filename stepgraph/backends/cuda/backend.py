@@ -30,8 +30,13 @@ IMPL_MODULES = ("elementwise", "reduce", "loss", "optim", "matmul.linear", "conv
                 "lstm_cell")
 # The families whose kernels most plans launch (fills, activations, sums, losses, the step
 # bookkeeping and updates; other families call the first three): their files are compiled
-# for every op's plan, and started when the backend is made.
+# for every op's plan.
 SHARED_FAMILIES = ("elementwise", "reduce", "loss", "optim")
+# The families whose float32 kernels are started first, when the backend is made, before the
+# rest of its setup (cuBLASLt, the other families' imports) and the tracing: the shared ones,
+# the guards of every train step, and linear's GEMM kernels, whose timing opens most first
+# steps. None of the others declares instantiations in their files, so these chunks are final.
+EARLY_FAMILIES = SHARED_FAMILIES + ("guards", "matmul.linear")
 
 
 def _families(modules: tuple[str, ...] = IMPL_MODULES) -> list:
@@ -83,6 +88,15 @@ class CudaBackend(Backend):
         if not 0 <= device < count:
             raise BackendUnavailableError(
                 f"device='cuda' wants GPU {device}, but {count} GPU(s) are visible")
+        from .runtime import compiler
+
+        self._cp = cp
+        self.device_id = device
+        cp.cuda.Device(device).use()
+        # Most steps need them, on float32 values: NVRTC starts on them now, beside the rest
+        early = declared_kernel_names(EARLY_FAMILIES)
+        compiler.declare(early)
+        compiler.prefetch(sorted(early), ctypes=("float",))
         try:
             nvmath_bindings.load()
         except ImportError as err:
@@ -90,11 +104,7 @@ class CudaBackend(Backend):
                 "device='cuda' needs nvmath-python for cuBLASLt: pip install -e '.[cuda]' "
                 f"({err})") from err
         from .matmul import gemm
-        from .runtime import compiler
 
-        self._cp = cp
-        self.device_id = device
-        cp.cuda.Device(device).use()
         self.stream = cp.cuda.Stream(non_blocking=True)
         try:
             self.gemm = gemm.GemmCache()
@@ -117,8 +127,6 @@ class CudaBackend(Backend):
             self.kernel_files.update(dict.fromkeys(family.IMPLS, frozenset(names) | shared))
             self.generated_kernels.update(getattr(family, "GENERATED_KERNELS", {}))
             self.kernels_ahead.update(getattr(family, "KERNELS_AHEAD", {}))
-        # most steps need them, on float32 values: start while tracing
-        compiler.prefetch(sorted(shared), ctypes=("float",))
         self._staging: dict[tuple, _Staging] = {}
         self._being_read: list[tuple[Any, list]] = []   # (event, device sources): keep_until_read
         self._order_event = None     # _copy_device's: the caller's stream, recorded again
@@ -136,14 +144,22 @@ class CudaBackend(Backend):
         from .elementwise import FILL_CTYPES
         from .runtime import compiler
 
-        files = {f for n in nodes for f in self.kernel_files.get(n.op, ())}
+        # Each file with the element types of the nodes that launch from it (a float32 conv
+        # does not wait behind the float64 chunks the optimizer's float64 table would name),
+        # in the order of the nodes' first launches: the pool takes them in that order.
+        wanted: dict[str, set[str]] = {}
+        for n in nodes:
+            ctypes = {FILL_CTYPES.get(np.dtype(storage_dtype(v.dtype)))
+                      for v in (*n.inputs, *n.outputs)} - {None}
+            for filename in sorted(self.kernel_files.get(n.op, ())):
+                wanted.setdefault(filename, set()).update(ctypes)
+        for filename, ctypes in wanted.items():
+            compiler.prefetch([filename], ctypes=ctypes)
         generated = [pair for n in nodes if n.op in self.generated_kernels
                      for pair in self.generated_kernels[n.op](n)]
         kernels = [pair for n in nodes if n.op in self.kernels_ahead
                    for pair in self.kernels_ahead[n.op](n, precision)]
-        ctypes = {FILL_CTYPES.get(np.dtype(storage_dtype(v.dtype)))
-                  for n in nodes for v in (*n.inputs, *n.outputs)}
-        compiler.prefetch(sorted(files), generated, kernels, ctypes - {None})
+        compiler.prefetch((), generated, kernels)
 
     # ---- contexts and capture ------------------------------------------------------------
 

@@ -20,10 +20,3 @@ __global__ void cast_forward_kernel(const S* x, D* y, long long n, int vec) {
         }
     }
 }
-
-// Explicit instantiations: compiled by the NVRTC CI test without name_expressions.
-template __global__ void cast_forward_kernel<float, unsigned short>(const float*,
-                                                                    unsigned short*,
-                                                                    long long, int);
-template __global__ void cast_forward_kernel<unsigned short, float>(const unsigned short*,
-                                                                    float*, long long, int);

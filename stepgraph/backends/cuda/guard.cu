@@ -2,10 +2,11 @@
 // outside [0, classes) or whose loss or gradients hold a NaN or Inf (gradients: or a value
 // whose square overflows, which Adam's exp_avg_sq would keep as Inf). It only reads, and
 // writes the step's guard flags with an atomicOr from the blocks that found something, so a
-// good step costs one read of every gradient and no write. guard_advance (optim.cu) then
-// decides, and the update kernels skip a flagged step.
+// good step costs one read of every gradient and no write. guard_advance then
+// decides (the bookkeeping of a guarded step), and the update kernels skip a flagged step.
 
 #include "bf16.cuh"
+#include "step.cuh"
 
 #define KIND_FLOAT32 0
 #define KIND_INT32 1
@@ -124,4 +125,39 @@ extern "C" __global__ void loss_scale_update_kernel(const int* flags, float* sca
     } else {
         *growth_tracker = good;
     }
+}
+
+// A guarded step's bookkeeping (ops/guard.py, guard_advance): flags = [bits found by
+// guard_check, skip], counters = [calls, skipped, first bad call, its bits]. The step counter
+// moves only on a step that passes; with sticky ("raise"), every step after a bad one is
+// skipped until the host has reported it (and cleared counters[2]). The first bad call's
+// number is also posted to `mailbox` (mapped host memory, may be null) so the host sees it
+// without a sync; nothing is posted on a good step.
+extern "C" __global__ void guard_advance_kernel(int* flags, long long* counters, long long* step,
+                                                const float* schedule, const float* loss,
+                                                float* history_loss, long long* history_step,
+                                                int* history_flag, long long length, int sticky,
+                                                float* lr, long long* mailbox) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    const int bits = flags[0];
+    flags[0] = 0;
+    const long long calls = counters[0] + 1;
+    counters[0] = calls;
+    if (bits != 0 && counters[2] == 0) {
+        counters[3] = bits;
+        counters[2] = calls;
+        if (mailbox) *(volatile long long*)mailbox = calls;
+    }
+    const int skip = bits != 0 || (sticky && counters[2] != 0);
+    flags[1] = skip;
+    long long t = *step;
+    if (skip) {
+        counters[1] += 1;
+    } else {
+        t += 1;
+        *step = t;
+    }
+    *lr = scheduled_factor(schedule, t);
+    record(*loss, calls, history_loss, history_step, length);
+    history_flag[calls % length] = bits | (skip && bits == 0 ? 8 : 0);  // 8: GUARD_HELD
 }

@@ -1,7 +1,6 @@
 """Launchers of the guard ops (ops/guard.py, compile/guard.py): guard_check, guard_save,
-guard_restore and loss_scale_update (guard.cu), guard_advance (optim.cu, beside the step bookkeeping
-it extends), and the mailbox through which guard_advance tells the host about a bad step
-without a sync.
+guard_restore, loss_scale_update and guard_advance, a guarded step's bookkeeping (guard.cu),
+and the mailbox through which guard_advance tells the host about a bad step without a sync.
 
 guard_check and the copies keep a device table per node and buffers (pointers, sizes, kinds,
 flag bits, and the per-block work items), made at the first eager call like the update tables
@@ -35,8 +34,8 @@ COPY_CHUNK = UPDATE_CHUNK     # bytes a block copies (the saved state is small: 
 
 def kernel_names() -> dict[str, set[str]]:
     """Every kernel this module launches, by source file (for the NVRTC compile test)."""
-    return {SOURCE: {"guard_check_kernel", "guard_copy_kernel", "loss_scale_update_kernel"},
-            "optim.cu": {"guard_advance_kernel"}}
+    return {SOURCE: {"guard_advance_kernel", "guard_check_kernel", "guard_copy_kernel",
+                     "loss_scale_update_kernel"}}
 
 
 # ---- guard_check -----------------------------------------------------------------------------
@@ -182,7 +181,7 @@ def guard_advance(ctx, node: Node, ins: list, lr) -> None:
     _check("guard_advance history_flag", history_flag, "int32", shape=history_loss.shape)
     _check_scalar("guard_advance lr", lr, "float32")
     box = _MAILBOXES.get(_buffers_key([counters]))
-    _launch(ctx, "optim.cu", "guard_advance_kernel", (1,), (32,),
+    _launch(ctx, SOURCE, "guard_advance_kernel", (1,), (32,),
             (flags, counters, step, schedule, loss, history_loss, history_step, history_flag,
              np.int64(history_loss.size), np.int32(bool(node.attrs.get("sticky"))), lr,
              np.uint64(box.ptr if box is not None else 0)))

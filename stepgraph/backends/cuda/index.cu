@@ -55,29 +55,3 @@ __global__ void triangle_forward_kernel(const U* x, U* y, long long total, int R
         y[i] = keep ? x[i] : U();
     }
 }
-
-#define CONCAT_INSTANTIATION(U)                                                               \
-    template __global__ void concat_forward_kernel<U>(const U*, U*, long long, int, long long, \
-                                                      int, int);
-#define TRIANGLE_INSTANTIATION(U)                                                             \
-    template __global__ void triangle_forward_kernel<U>(const U*, U*, long long, int, int,    \
-                                                        int, int);
-#define GATHER_INSTANTIATIONS(T, I)                                                           \
-    template __global__ void gather_forward_kernel<T, I>(const T*, const I*, T*, long long,   \
-                                                         int, long long, int);                \
-    template __global__ void gather_backward_kernel<T, I>(const T*, const I*, T*, long long,  \
-                                                          int, long long, int);
-
-// Explicit instantiations: compiled by the NVRTC CI test without name_expressions.
-CONCAT_INSTANTIATION(unsigned char)
-CONCAT_INSTANTIATION(unsigned int)
-CONCAT_INSTANTIATION(unsigned long long)
-CONCAT_INSTANTIATION(uint4)
-TRIANGLE_INSTANTIATION(unsigned char)
-TRIANGLE_INSTANTIATION(unsigned short)
-TRIANGLE_INSTANTIATION(unsigned int)
-TRIANGLE_INSTANTIATION(unsigned long long)
-GATHER_INSTANTIATIONS(float, int)
-GATHER_INSTANTIATIONS(float, long long)
-GATHER_INSTANTIATIONS(double, int)
-GATHER_INSTANTIATIONS(double, long long)

@@ -318,39 +318,3 @@ layer_norm_grad_finalize_kernel(const float* partial_w, const float* partial_b, 
         out[c] = (float)t;
     }
 }
-
-#define LAYER_NORM_TYPED(T, VEC, K)                                                          \
-    template __global__ void layer_norm_forward_kernel<T, VEC, K>(                           \
-        const float*, const float*, const float*, T*, float*, float*, int, int, float);      \
-    template __global__ void layer_norm_backward_kernel<T, VEC, K>(                          \
-        const T*, const float*, const float*, const float*, const float*, float*, float*,    \
-        float*, int, int);
-#define LAYER_NORM_INSTANTIATIONS(VEC, K)                                                    \
-    LAYER_NORM_TYPED(float, VEC, K)                                                          \
-    LAYER_NORM_TYPED(unsigned short, VEC, K)
-
-template __global__ void layer_norm_forward_loop_kernel<float>(
-    const float*, const float*, const float*, float*, float*, float*, int, int, float);
-template __global__ void layer_norm_forward_loop_kernel<unsigned short>(
-    const float*, const float*, const float*, unsigned short*, float*, float*, int, int, float);
-template __global__ void layer_norm_backward_loop_kernel<float>(
-    const float*, const float*, const float*, const float*, const float*, float*, float*, float*,
-    int, int);
-template __global__ void layer_norm_backward_loop_kernel<unsigned short>(
-    const unsigned short*, const float*, const float*, const float*, const float*, float*,
-    float*, float*, int, int);
-
-// Explicit instantiations (layer_norm.py KS): compiled by the NVRTC CI test without
-// name_expressions.
-LAYER_NORM_INSTANTIATIONS(4, 1)
-LAYER_NORM_INSTANTIATIONS(4, 2)
-LAYER_NORM_INSTANTIATIONS(4, 3)
-LAYER_NORM_INSTANTIATIONS(4, 4)
-LAYER_NORM_INSTANTIATIONS(1, 1)
-LAYER_NORM_INSTANTIATIONS(1, 2)
-LAYER_NORM_INSTANTIATIONS(1, 3)
-LAYER_NORM_INSTANTIATIONS(1, 4)
-LAYER_NORM_INSTANTIATIONS(1, 6)
-LAYER_NORM_INSTANTIATIONS(1, 8)
-LAYER_NORM_INSTANTIATIONS(1, 12)
-LAYER_NORM_INSTANTIATIONS(1, 16)

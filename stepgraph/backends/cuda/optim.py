@@ -1,6 +1,7 @@
-"""Launchers of optim.cu: the step bookkeeping (step counter, LR schedule, loss history) and
-the multi-tensor optimizer updates (torch.optim.SGD, Adam, AdamW, RMSprop, Adagrad), each over
-every parameter in one launch.
+"""Launchers of optim.cu, the step bookkeeping (step counter, LR schedule, loss history) and
+the permuted bf16 weight copies, and of the multi-tensor optimizer updates (torch.optim.SGD,
+Adam, AdamW, RMSprop, Adagrad; a file each, UPDATE_SOURCES), each over every parameter in
+one launch.
 
 The updates keep a table of tensor pointers, sizes and each parameter's row of the
 hyperparameters, and per-block work items, made at the first eager call on their buffers
@@ -29,6 +30,10 @@ from .runtime.update_stream import launch_update, update_join
 
 # update_join runs no kernel: its (held) operands may be of any dtype.
 BF16_OPS = frozenset(UPDATE_OPS + ("update_join",))
+# The kernel file of each update op's `<op>_kernel`: one per optimizer, so that a plan's first
+# step waits for the compile of its own optimizer's kernel alone.
+UPDATE_SOURCES = {"sgd_update": "optim_sgd.cu", "adam_update": "optim_adam.cu",
+                  "rmsprop_update": "optim_rmsprop.cu", "adagrad_update": "optim_adagrad.cu"}
 
 
 def step_increment(ctx, step) -> None:
@@ -131,11 +136,11 @@ def _build_update_tables(op: str, params, grads, slots, positions, rows, copies)
                 jobs=cp.asarray(jobs))
 
 
-ENTRY_WIDTH = 10     # optim.cu UpdateEntry: 6 pointers, n, aligned, grad_bf16, row
+ENTRY_WIDTH = 10     # include/update.cuh UpdateEntry: 6 pointers, n, aligned, grad_bf16, row
 
 
 def _slot_positions(node: Node) -> list[int]:
-    """The table slot (s0, s1, s2 of optim.cu UpdateEntry) of each of the node's state slots:
+    """The table slot (s0, s1, s2 of update.cuh's UpdateEntry) of each of the node's state slots:
     in order, except RMSprop's momentum buffer, always s2 (its grad_avg, s1, only centered)."""
     if node.op == "rmsprop_update" and node.attrs["n_slots"] == 2 + bool(
             node.attrs.get("centered")):
@@ -197,8 +202,8 @@ def _launch_update(ctx, node: Node, ins: list, flags: tuple) -> None:
     if not node.attrs["n_params"]:
         return
     tables, args = _update_tables(node, ins, ctx)
-    _launch(ctx, "optim.cu", f"{node.op}_kernel", (len(tables["jobs"]),), (BLOCK,),
-            args + flags)
+    _launch(ctx, UPDATE_SOURCES[node.op], f"{node.op}_kernel", (len(tables["jobs"]),),
+            (BLOCK,), args + flags)
     _permuted_copies(ctx, node, ins)
 
 
@@ -245,10 +250,9 @@ def adagrad_update(ctx, node: Node, ins: list) -> None:
 
 def kernel_names() -> dict[str, set[str]]:
     """{.cu file: every kernel name these launchers may launch} (as elementwise.py's)."""
-    return {"optim.cu": {"adagrad_update_kernel", "adam_update_kernel", "advance_step_kernel",
-                         "lr_schedule_kernel", "record_loss_kernel", "rmsprop_update_kernel",
-                         "sgd_update_kernel", "step_increment_kernel",
-                         "weight_copy_permute_kernel"}}
+    return {"optim.cu": {"advance_step_kernel", "lr_schedule_kernel", "record_loss_kernel",
+                         "step_increment_kernel", "weight_copy_permute_kernel"},
+            **{source: {f"{op}_kernel"} for op, source in UPDATE_SOURCES.items()}}
 
 
 IMPLS: dict[str, Callable] = {

@@ -140,22 +140,3 @@ __global__ void cumsum_forward_kernel(const T* x, T* y, long long lines, int N, 
         }
     }
 }
-
-#define REDUCE_AXIS_INSTANTIATIONS(T)                                                         \
-    template __global__ void reduce_max_forward_kernel<T, true>(const T*, T*, long long, int,  \
-                                                                long long);                   \
-    template __global__ void reduce_max_forward_kernel<T, false>(const T*, T*, long long, int, \
-                                                                 long long);                  \
-    template __global__ void reduce_max_backward_kernel<T>(const T*, const T*, const T*, T*,   \
-                                                           long long, int, long long);        \
-    template __global__ void topk_forward_kernel<T>(const T*, T*, long long*, long long, int,  \
-                                                    long long, int, int);                     \
-    template __global__ void reduce_max_rows_kernel<T, true>(const T*, T*, long long, int);    \
-    template __global__ void reduce_max_rows_kernel<T, false>(const T*, T*, long long, int);   \
-    template __global__ void top1_rows_kernel<T>(const T*, T*, long long*, long long, int, int); \
-    template __global__ void cumsum_forward_kernel<T>(const T*, T*, long long, int, long long, \
-                                                      int);
-
-// Explicit instantiations: compiled by the NVRTC CI test without name_expressions.
-REDUCE_AXIS_INSTANTIATIONS(float)
-REDUCE_AXIS_INSTANTIATIONS(double)

@@ -39,19 +39,3 @@ __global__ void arange_forward_kernel(T* y, long long n) {
          i += (long long)gridDim.x * blockDim.x)
         y[i] = (T)i;
 }
-
-#define UNIT_INSTANTIATIONS(U)                                                                \
-    template __global__ void slice_forward_kernel<U>(const U*, U*, long long, int, long long,  \
-                                                     int, int, int);                          \
-    template __global__ void slice_backward_kernel<U>(const U*, U*, long long, int, long long, \
-                                                      int, int, int);
-
-// Explicit instantiations: compiled by the NVRTC CI test without name_expressions.
-UNIT_INSTANTIATIONS(unsigned char)
-UNIT_INSTANTIATIONS(unsigned int)
-UNIT_INSTANTIATIONS(unsigned long long)
-UNIT_INSTANTIATIONS(uint4)
-template __global__ void arange_forward_kernel<long long>(long long*, long long);
-template __global__ void arange_forward_kernel<int>(int*, long long);
-template __global__ void arange_forward_kernel<float>(float*, long long);
-template __global__ void arange_forward_kernel<double>(double*, long long);

@@ -1,4 +1,4 @@
-"""Launchers of small_matmul.cu: GEMMs cuBLASLt serves poorly.
+"""Launchers of small_matmul.cu and tile_matmul.cu: GEMMs cuBLASLt serves poorly.
 
 - small_matmul_forward: products of at most SMALL_MACS multiply-adds, one owner thread (or
   warp) per output: the 10-class output layers of the benchmark models and their gradients
@@ -46,7 +46,8 @@ def kernel_names() -> dict[str, set[str]]:
     """{.cu file: every kernel name the launchers here may launch} (linear.py's family
     declares them; the NVRTC compile test instantiates each)."""
     small = {_small_kernel(name, d) for name in SMALL_KERNELS for d in SMALL_DTYPES}
-    return {"small_matmul.cu": small | {"tile_matmul_kernel", "tile_matmul_finish_kernel"}}
+    return {"small_matmul.cu": small,
+            "tile_matmul.cu": {"tile_matmul_kernel", "tile_matmul_finish_kernel"}}
 
 
 def is_small(m: int, n: int, k: int) -> bool:
@@ -108,7 +109,7 @@ def small_matmul_forward(ctx, a, b, c, *, trans_a=False, trans_b=False, bias=Non
         stream=ctx.stream)
 
 
-TILE = 64                   # small_matmul.cu TILE_M = TILE_N
+TILE = 64                   # tile_matmul.cu TILE_M = TILE_N
 TILE_K = 16
 TILE_THREADS = 256
 TILE_SPLITS = (1, 2, 4, 8, 16)   # k ranges over blocks: candidates, timed per problem
@@ -141,14 +142,14 @@ def tile_matmul_forward(ctx, a, b, c, *, splits: int, partial=None, trans_a=Fals
     null = np.uint64(0)
     epilogue = (bias if bias is not None else null, c, z if z is not None else null)
     grid = (-(-n // TILE), -(-m // TILE), splits)
-    compiler.kernel("small_matmul.cu", "tile_matmul_kernel")(
+    compiler.kernel("tile_matmul.cu", "tile_matmul_kernel")(
         grid, (TILE_THREADS,),
         (a, b, *epilogue, partial if splits > 1 else null, np.int32(m), np.int32(n),
          np.int32(k), np.int32(-(-k // splits)), np.int64(a_i), np.int64(a_k), np.int64(b_k),
          np.int64(b_j), np.int32(ACT_CODES[act]), np.float32(slope)),
         stream=ctx.stream)
     if splits > 1:
-        compiler.kernel("small_matmul.cu", "tile_matmul_finish_kernel")(
+        compiler.kernel("tile_matmul.cu", "tile_matmul_finish_kernel")(
             (max(1, min(-(-m * n // BLOCK), MAX_BLOCKS)),), (BLOCK,),
             (partial, np.int32(splits), *epilogue, np.int32(m), np.int32(n),
              np.int32(ACT_CODES[act]), np.float32(slope)),

@@ -3,19 +3,30 @@
 A kernel file lives beside the launchers of its family (backends/cuda/<family>.cu, or
 backends/cuda/<family>/<file>.cu for the families of several modules) and is named by its file
 name alone, unique across the backend; the headers the files share are in include/, the one
-include directory NVRTC is given.
+include directory NVRTC is given. A file instantiates no template itself: what NVRTC compiles
+of a template is named per module (name expressions), so that a module holds only those.
 
-A file is compiled as one module holding every template instantiation its launchers declared
-(`declare`), or, for the files templated on the element type of the values they read
-(TYPED_SOURCES), as one module per C type: NVRTC's cost grows with the kernels instantiated
-(loss.cu: 0.23 s with its plain kernels alone, 0.96 s with the int64-label templates, 2.3 s with
-the int32 ones as well), so a float32 plan with int64 labels does not wait for the bf16 or
-int32-label kernels it never launches. Kernels instantiated per problem (the tiled
-convolutions, attention) are compiled one name at a time. Every compile runs on a small thread pool
-(NVRTC releases the GIL): `prefetch` starts those a plan will need when it is built, and they
-go on beside the host work that follows (planning, the first step's GEMM timing) until a
-launch waits for its module. CuPy keeps the cubins in its on-disk kernel cache
-(~/.cupy/kernel_cache), so a module is compiled once per machine. `compile_to_cubin` compiles
+NVRTC's time grows with the kernels instantiated in a module (loss.cu's float kernels: 0.74 s
+as one module on a build machine, ~0.15 s each in four), and a step's first launch of a kernel
+waits for the module that holds it. So a file's template instantiations that its launchers
+declared (`declare`) are compiled as several modules of a few instantiations each, the
+file's chunks (CHUNK_INSTANTIATIONS, sized so each compiles in about 0.2 s there), all
+started side by side; a launch waits only for the chunk holding its kernel. A file's plain
+extern "C" kernels are compiled as one module without name expressions (a file whose cost is
+in plain kernels is split into files by sub-family: optim_*.cu). The chunks of a
+TYPED_SOURCES file (templated on the element type of the values they read) are made per C
+type, so a float32 plan does not wait for the bf16 kernels it never launches. Kernels
+instantiated per problem (the tiled convolutions, attention) and any instantiation nobody
+declared are compiled one name at a time.
+
+Every compile runs on a thread pool (NVRTC releases the GIL): `prefetch` starts those a plan
+will need when it is built (the backend starts the families most steps need when it is made),
+and they go on beside the host work that follows (planning, the first step's GEMM timing). A
+launch that needs a module no pool thread has started yet compiles it itself, so it never
+waits behind the queue. CuPy keeps the cubins in its on-disk kernel cache
+(~/.cupy/kernel_cache, CUPY_CACHE_DIR), so a module is compiled once per machine; a warm
+start looks each module up there (one lookup per chunk). `precompile` fills that cache with
+every declared module (`stepgraph precompile`, once per install). `compile_to_cubin` compiles
 without a GPU, for CI.
 """
 from __future__ import annotations
@@ -37,12 +48,23 @@ COMPILE_THREADS = max(1, min(32, os.cpu_count() or 1))    # NVRTC compiles side 
 # compiled one kernel name at a time, only those a plan names (KERNELS_AHEAD hooks)
 PER_SHAPE_SOURCES = frozenset({"conv_tiled.cu", "attention.cu"})
 # Templated on the element type (first template argument: the C type of the values read):
-# one module per type, and one for the plain extern "C" kernels
+# chunks per type, and one module for the plain extern "C" kernels
 TYPED_SOURCES = frozenset({"elementwise.cu", "loss.cu", "reduce.cu", "broadcast.cu",
-                           "embedding.cu", "norm.cu", "pool.cu", "avgpool.cu"})
+                           "embedding.cu", "norm.cu", "pool.cu", "avgpool.cu", "conv.cu",
+                           "conv_direct.cu", "layer_norm.cu", "small_matmul.cu",
+                           "reduce_axis.cu", "pool3d.cu"})
+# Instantiations per module (chunk) of a file's declared templates, where not
+# DEFAULT_CHUNK_INSTANTIATIONS: sized with compile_to_cubin (scripts/nvrtc-chunks) so a chunk
+# compiles in about 0.2 s on a build machine (its kernels cost 0.03-0.15 s each, the file's
+# parse 0.02-0.1 s). Smaller chunks cost more modules to look up in a warm start.
+DEFAULT_CHUNK_INSTANTIATIONS = 4
+CHUNK_INSTANTIATIONS = {"elementwise.cu": 3, "layer_norm.cu": 2, "loss.cu": 2, "norm.cu": 2,
+                        "pool3d.cu": 2, "reduce.cu": 3, "conv.cu": 3, "conv_direct.cu": 2,
+                        "reduce_axis.cu": 3, "index.cu": 5, "shape.cu": 6}
 
 _declared: dict[str, frozenset[str]] = {}          # file -> the kernel names its launchers use
-_compiles: dict[tuple, Future] = {}                # every compile started, done or under way
+_chunk_maps: dict[str, dict[str, tuple[str, ...]]] = {}   # file -> {instantiation: its chunk}
+_compiles: dict[tuple, "_Compile"] = {}            # every compile started, done or under way
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 
@@ -86,19 +108,53 @@ def _headers_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def _start(key: tuple, build: Callable[[], object]) -> Future:
-    """The compile named `key`: started now on the pool (on the caller's current device)
+class _Compile:
+    """One module's compile, run once: by a pool thread, or by the first caller that needs
+    its result before a pool thread has taken it up (a launch never waits behind compiles
+    queued ahead of it)."""
+
+    def __init__(self, device: int, build: Callable[[], object]):
+        self.device, self.build = device, build
+        self.future: Future = Future()
+        self._taken = threading.Lock()
+
+    def run(self) -> None:
+        if not self._taken.acquire(blocking=False):
+            return                        # running or done elsewhere
+        self.future.set_running_or_notify_cancel()
+        try:
+            self.future.set_result(_on_device(self.device, self.build))
+        except BaseException as err:      # reported to whoever asks for the module
+            self.future.set_exception(err)
+
+    def result(self):
+        """The compiled module: compiled here if nobody has started it, else waited for."""
+        self.run()
+        return self.future.result()
+
+    def done(self) -> bool:
+        return self.future.done()
+
+
+def _start(key: tuple, build: Callable[[], object]) -> _Compile:
+    """The compile named `key`: queued now on the pool (on the caller's current device)
     unless it was started before."""
     global _pool
-    import cupy as cp
-
+    device = _current_device()
     with _lock:
-        future = _compiles.get(key)
-        if future is None:
+        compile_ = _compiles.get(key)
+        if compile_ is None:
             if _pool is None:
                 _pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="nvrtc")
-            future = _compiles[key] = _pool.submit(_on_device, cp.cuda.Device().id, build)
-    return future
+            compile_ = _compiles[key] = _Compile(device, build)
+            _pool.submit(compile_.run)
+    return compile_
+
+
+def _current_device() -> int:
+    import cupy as cp
+
+    return cp.cuda.Device().id
 
 
 def _on_device(device: int, build: Callable[[], object]):
@@ -123,7 +179,7 @@ def _compile(source: str, name_expressions: tuple[str, ...]):
     return compiled
 
 
-def _start_module(filename: str, name_expressions: tuple[str, ...] = ()) -> Future:
+def _start_module(filename: str, name_expressions: tuple[str, ...] = ()) -> _Compile:
     return _start(("file", filename, name_expressions), lambda: _compile(
         _source(source_path(filename).read_text()), name_expressions))
 
@@ -146,27 +202,30 @@ def compile_parallel(kernels: Iterable[tuple[str, str]],
                      compile_one: Callable[[tuple[str, str]], None] | None = None) -> None:
     """Compile (file, kernel name) pairs side by side and wait for them, ahead of their first
     launch; a failure is left for that launch to report. compile_one(pair) compiles one
-    (default: the pair's module on the pool)."""
+    (default: the pair's module on the pool, which this thread helps with)."""
     todo = list(dict.fromkeys(kernels))
     if compile_one is None:
-        futures = [_start_kernel(*pair) for pair in todo]
+        compiles = [_start_kernel(*pair) for pair in todo]
+        results = [compile_.result for compile_ in compiles]
     else:
         with ThreadPoolExecutor(max(1, min(COMPILE_THREADS, len(todo)))) as pool:
-            futures = [pool.submit(compile_one, pair) for pair in todo]
-    for future in futures:
+            results = [pool.submit(compile_one, pair).result for pair in todo]
+    for result in results:
         try:
-            future.result()
+            result()
         except Exception:   # the launch that needs the kernel reports it
             pass
 
 
 def declare(names: dict[str, Iterable[str]]) -> None:
     """Record {file: kernel names} that launchers may launch: each file's template
-    instantiations (of a TYPED_SOURCES file, those of one element type) are then compiled
-    together, in one NVRTC run."""
-    for filename, kernels in names.items():
-        if filename not in PER_SHAPE_SOURCES:
-            _declared[filename] = _declared.get(filename, frozenset()) | frozenset(kernels)
+    instantiations (of a TYPED_SOURCES file, those of one element type) are then compiled in
+    chunks of a few (CHUNK_INSTANTIATIONS), side by side."""
+    with _lock:
+        for filename, kernels in names.items():
+            if filename not in PER_SHAPE_SOURCES:
+                _declared[filename] = _declared.get(filename, frozenset()) | frozenset(kernels)
+                _chunk_maps.pop(filename, None)
 
 
 def _element_type(name: str) -> str:
@@ -174,22 +233,77 @@ def _element_type(name: str) -> str:
     return name[name.index("<") + 1:-1].split(",")[0].strip() if "<" in name else ""
 
 
-def _templates(filename: str, ctype: str | None = None) -> tuple[str, ...]:
-    """The declared template instantiations of `filename` (whose element type is `ctype`, when
-    given): the name expressions of its module. Plain kernels need none."""
-    return tuple(sorted(k for k in _declared.get(filename, ()) if "<" in k
-                        and (ctype is None or _element_type(k) == ctype)))
+def _group(filename: str, name: str) -> str:
+    """The group of instantiation `name` that is chunked apart from the others of its file:
+    its element type in a TYPED_SOURCES file, else "" (one group)."""
+    return _element_type(name) if filename in TYPED_SOURCES else ""
 
 
-def _start_kernel(filename: str, name: str) -> Future:
-    """The compile of the module that holds kernel `name` of kernel file `filename`: the file's
-    module (or its module for name's element type), or one of its own for a template
-    instantiation nobody declared."""
-    if "<" in name and name not in _declared.get(filename, ()):
-        return _start_module(filename, (name,))
-    if filename in TYPED_SOURCES:
-        return _start_module(filename, _templates(filename, _element_type(name)))
-    return _start_module(filename, _templates(filename))
+def split_evenly(names: list[str], size: int) -> list[tuple[str, ...]]:
+    """`names` in order, cut into the fewest runs of at most `size` whose lengths differ by at
+    most one (10 by 4: 4, 3, 3, not 4, 4, 2)."""
+    if not names:
+        return []
+    count = -(-len(names) // max(1, size))
+    quotient, extra = divmod(len(names), count)
+    runs, start = [], 0
+    for i in range(count):
+        end = start + quotient + (i < extra)
+        runs.append(tuple(names[start:end]))
+        start = end
+    return runs
+
+
+def chunks(filename: str, group: str | None = None) -> list[tuple[str, ...]]:
+    """The chunks (name expressions of one module each) of `filename`'s declared template
+    instantiations, of one group (an element type of a TYPED_SOURCES file) when given: the
+    names sorted, each group cut by split_evenly."""
+    groups: dict[str, list[str]] = {}
+    for name in sorted(_declared.get(filename, ())):
+        if "<" in name:
+            groups.setdefault(_group(filename, name), []).append(name)
+    size = CHUNK_INSTANTIATIONS.get(filename, DEFAULT_CHUNK_INSTANTIATIONS)
+    return [chunk for key, names in sorted(groups.items()) if group in (None, key)
+            for chunk in split_evenly(names, size)]
+
+
+def chunk_of(filename: str, name: str) -> tuple[str, ...]:
+    """The name expressions of the module that holds kernel `name` of `filename`: () for a
+    plain kernel (the file's plain module), its chunk for a declared instantiation, the name
+    alone for one nobody declared (or of a PER_SHAPE_SOURCES file)."""
+    if "<" not in name:
+        return ()
+    with _lock:
+        chunk_map = _chunk_maps.get(filename)
+        if chunk_map is None:
+            chunk_map = _chunk_maps[filename] = {
+                kernel: chunk for chunk in chunks(filename) for kernel in chunk}
+    return chunk_map.get(name, (name,))
+
+
+def _has_plain_kernels(filename: str) -> bool:
+    """Whether `filename` has plain kernels to compile: declared ones, or nothing declared
+    (a file of plain kernels only whose family declares none)."""
+    declared = _declared.get(filename)
+    return not declared or any("<" not in name for name in declared)
+
+
+def file_modules(filename: str, groups: Iterable[str] | None = None) -> list[tuple[str, ...]]:
+    """The name expressions of every module `filename` is compiled as (its plain module first,
+    if it has plain kernels), of its chunks only those of `groups` when given (element types
+    of a TYPED_SOURCES file; a file of one group always has all); none for a
+    PER_SHAPE_SOURCES file."""
+    if filename in PER_SHAPE_SOURCES:
+        return []
+    wanted = None if groups is None or filename not in TYPED_SOURCES else set(groups)
+    plain = [()] if _has_plain_kernels(filename) else []
+    return plain + [chunk for chunk in chunks(filename)
+                    if wanted is None or _group(filename, chunk[0]) in wanted]
+
+
+def _start_kernel(filename: str, name: str) -> _Compile:
+    """The compile of the module that holds kernel `name` of kernel file `filename`."""
+    return _start_module(filename, chunk_of(filename, name))
 
 
 def kernel(filename: str, name: str):
@@ -199,26 +313,43 @@ def kernel(filename: str, name: str):
 
 def prefetch(filenames: Iterable[str], generated: Iterable[tuple[str, str]] = (),
              kernels: Iterable[tuple[str, str]] = (), ctypes: Iterable[str] = ()) -> None:
-    """Start compiling these kernel files (with their declared instantiations; of a
-    TYPED_SOURCES file, its plain kernels and those for the element types in `ctypes`),
-    generated (source, kernel name) pairs and (file, kernel name) pairs, without waiting: the
-    first launch of a kernel waits for its module. What was compiled before, in this process
-    or in CuPy's disk cache, costs little."""
+    """Start compiling every module of these kernel files (of a TYPED_SOURCES file, its plain
+    kernels and the chunks of the element types in `ctypes`), generated (source, kernel name)
+    pairs and (file, kernel name) pairs, in that order, without waiting: the first launch of
+    a kernel waits for its module (or compiles it, if no pool thread has started it yet).
+    What was compiled before, in this process or in CuPy's disk cache, costs little."""
     ctypes = set(ctypes)
     for filename in filenames:
-        if filename in TYPED_SOURCES:
-            declared = _declared.get(filename, ())
-            for ctype in ({""} | ctypes) & {_element_type(k) for k in declared}:
-                _start_module(filename, _templates(filename, ctype))
-        elif filename not in PER_SHAPE_SOURCES:
-            _start_kernel(filename, "")
+        for name_expressions in file_modules(filename, ctypes):
+            _start_module(filename, name_expressions)
     for filename, name in kernels:
         _start_kernel(filename, name)
     for source, name in generated:
         _start_generated(source)
 
 
-def _start_generated(source: str) -> Future:
+def declared_modules() -> list[tuple[str, tuple[str, ...]]]:
+    """(file, name expressions) of every module the declared kernels are compiled as, every
+    element type's: what `precompile` compiles."""
+    return [(path.name, names) for path in kernel_sources()
+            for names in file_modules(path.name)]
+
+
+def precompile(progress: Callable[[str, tuple[str, ...]], None] | None = None) -> int:
+    """Compile every declared module (every element type's) for the current GPU into CuPy's
+    kernel cache, side by side, so that a later process finds each one there: its cold start
+    then costs what a warm one does. progress(file, name expressions) is called as each
+    module is done, in order; a module that fails raises. Returns the number of modules."""
+    started = [(filename, names, _start_module(filename, names))
+               for filename, names in declared_modules()]
+    for filename, names, compile_ in started:
+        compile_.result()
+        if progress is not None:
+            progress(filename, names)
+    return len(started)
+
+
+def _start_generated(source: str) -> _Compile:
     return _start(("generated", source), lambda: _compile(_source(source), ()))
 
 
