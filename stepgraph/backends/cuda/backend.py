@@ -56,6 +56,12 @@ def declared_bf16_ops() -> frozenset[str]:
     return frozenset(op for family in _families() for op in getattr(family, "BF16_OPS", ()))
 
 
+def declared_fp16_ops() -> frozenset[str]:
+    """Ops whose cuda launchers accept float16 operands: the union of the families'
+    `FP16_OPS` (importable without a GPU; compile/autocast.py check_fp16_support)."""
+    return frozenset(op for family in _families() for op in getattr(family, "FP16_OPS", ()))
+
+
 # DLPack device types that name CUDA device memory (kDLCUDA, kDLCUDAManaged).
 _DLPACK_CUDA = (2, 13)
 
@@ -127,6 +133,12 @@ class CudaBackend(Backend):
         """The ops whose launchers take bfloat16 operands (compile/autocast.py refuses a bf16
         plan with any other op on bf16 values)."""
         return declared_bf16_ops()
+
+    @property
+    def fp16_ops(self) -> frozenset[str]:
+        """The ops whose launchers take float16 operands (compile/autocast.py refuses a plan
+        with any other op on float16 values)."""
+        return declared_fp16_ops()
 
     def prepare(self, nodes, precision: str = "fp32") -> None:
         """Compile the kernel files and generated kernels these nodes launch at `precision`,

@@ -1,5 +1,7 @@
-// cast: y = x converted between float32 and bfloat16 (raw bits, bf16.cuh). float32 -> bf16
-// rounds to nearest even (NaN -> 0x7FC0), bf16 -> float32 is exact. vec 4 (the launcher checks
+// cast: y = x converted between float32, bfloat16 (raw bits, bf16.cuh) and float16 (fp16.cuh).
+// float32 -> bf16 rounds to nearest even (NaN -> 0x7FC0), -> float16 to nearest even (overflow
+// to inf); a 16-bit -> float32 cast is exact, and so is the widening between the two 16-bit
+// types before their one rounding. vec 4 (the launcher checks
 // n % 4 == 0 and 16-byte aligned pointers): four elements a thread, one 16-byte and one 8-byte
 // access.
 #include "bf16.cuh"
@@ -22,8 +24,11 @@ __global__ void cast_forward_kernel(const S* x, D* y, long long n, int vec) {
 }
 
 // Explicit instantiations: compiled by the NVRTC CI test without name_expressions.
-template __global__ void cast_forward_kernel<float, unsigned short>(const float*,
-                                                                    unsigned short*,
-                                                                    long long, int);
-template __global__ void cast_forward_kernel<unsigned short, float>(const unsigned short*,
-                                                                    float*, long long, int);
+#define CAST_INSTANTIATION(S, D) \
+    template __global__ void cast_forward_kernel<S, D>(const S*, D*, long long, int);
+CAST_INSTANTIATION(float, unsigned short)
+CAST_INSTANTIATION(unsigned short, float)
+CAST_INSTANTIATION(float, fp16_bits)
+CAST_INSTANTIATION(fp16_bits, float)
+CAST_INSTANTIATION(unsigned short, fp16_bits)
+CAST_INSTANTIATION(fp16_bits, unsigned short)

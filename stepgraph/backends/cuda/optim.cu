@@ -7,7 +7,10 @@
 // product and a sum into one FMA.
 // A guarded step (ops/guard.py) moves the counter and applies the update only when it passes.
 // precision="bf16": the update also writes each parameter's bf16 weight copy (attrs copies)
-// from the freshly updated float32 value, in the same pass (UpdateEntry.copy).
+// from the freshly updated float32 value, in the same pass (UpdateEntry.copy). model.half():
+// float16 parameters, gradients and state, each element widened, updated in float32 and
+// rounded once on store, as the NumPy backend's float16 update. A float16 model's loss and its
+// history are float16 (loss_kind: include/bf16.cuh STORAGE_*).
 #include "bf16.cuh"
 
 // step += 1 (int64 scalar state); one thread.
@@ -17,18 +20,20 @@ extern "C" __global__ void step_increment_kernel(long long* step) {
 
 // history_loss[t % R] = loss; history_step[t % R] = t: the step's loss stays on the device,
 // readable for R steps, without a copy issued from the host (compile/history.py).
-__device__ __forceinline__ void record(float loss, long long t, float* history_loss,
-                                       long long* history_step, long long length) {
+__device__ __forceinline__ void record(const void* loss, int loss_kind, long long t,
+                                       void* history_loss, long long* history_step,
+                                       long long length) {
     const long long slot = t % length;
-    history_loss[slot] = loss;
+    store_either_from_float(history_loss, loss_kind, slot,
+                            load_either_as_float(loss, loss_kind, 0));   // exact: one dtype
     history_step[slot] = t;
 }
 
-extern "C" __global__ void record_loss_kernel(const float* loss, const long long* step,
-                                              float* history_loss, long long* history_step,
-                                              long long length) {
+extern "C" __global__ void record_loss_kernel(const void* loss, const long long* step,
+                                              void* history_loss, long long* history_step,
+                                              long long length, int loss_kind) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
-    record(*loss, *step, history_loss, history_step, length);
+    record(loss, loss_kind, *step, history_loss, history_step, length);
 }
 
 // The lr at step t from the (6,) float32 vector [base_lr, warmup_steps, total_steps, min_lr,
@@ -70,14 +75,14 @@ extern "C" __global__ void lr_schedule_kernel(const long long* step, const float
 
 // step_increment, lr_schedule and record_loss in one thread: the bookkeeping of a step.
 extern "C" __global__ void advance_step_kernel(long long* step, const float* schedule,
-                                               const float* loss, float* history_loss,
+                                               const void* loss, void* history_loss,
                                                long long* history_step, long long length,
-                                               float* lr) {
+                                               float* lr, int loss_kind) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     const long long t = *step + 1;
     *step = t;
     *lr = scheduled_factor(schedule, t);
-    record(*loss, t, history_loss, history_step, length);
+    record(loss, loss_kind, t, history_loss, history_step, length);
 }
 
 // A guarded step's bookkeeping (ops/guard.py, guard_advance): flags = [bits found by
@@ -87,10 +92,10 @@ extern "C" __global__ void advance_step_kernel(long long* step, const float* sch
 // number is also posted to `mailbox` (mapped host memory, may be null) so the host sees it
 // without a sync; nothing is posted on a good step.
 extern "C" __global__ void guard_advance_kernel(int* flags, long long* counters, long long* step,
-                                                const float* schedule, const float* loss,
-                                                float* history_loss, long long* history_step,
+                                                const float* schedule, const void* loss,
+                                                void* history_loss, long long* history_step,
                                                 int* history_flag, long long length, int sticky,
-                                                float* lr, long long* mailbox) {
+                                                float* lr, long long* mailbox, int loss_kind) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     const int bits = flags[0];
     flags[0] = 0;
@@ -111,7 +116,7 @@ extern "C" __global__ void guard_advance_kernel(int* flags, long long* counters,
         *step = t;
     }
     *lr = scheduled_factor(schedule, t);
-    record(*loss, calls, history_loss, history_step, length);
+    record(loss, loss_kind, calls, history_loss, history_step, length);
     history_flag[calls % length] = bits | (skip && bits == 0 ? 8 : 0);  // 8: GUARD_HELD
 }
 
@@ -119,19 +124,21 @@ extern "C" __global__ void guard_advance_kernel(int* flags, long long* counters,
 // parameter (slots unused by the optimizer are null), whether all of them are 16-byte aligned
 // (float4 path), and `row`: the parameter's row of the hyperparameters (ops/optim.py
 // hyper_rows), read at every launch, so that a write from the host between steps takes effect
-// without a new table or capture. The gradient is float32, or bf16 bits (grad_bf16:
-// precision="bf16", where the update reads the bf16 gradient of the weight's copy and widens
-// it itself, exactly as the dropped cast would have: compile/fuse.py fuse_gradient_casts).
+// without a new table or capture. `kinds` holds storage codes (bf16.cuh STORAGE_*): bits 0-7
+// the gradient's, float32 or bf16 bits (precision="bf16", where the update reads the bf16
+// gradient of the weight's copy and widens it itself, exactly as the dropped cast would
+// have: compile/fuse.py fuse_gradient_casts) or float16; bits 8-15 the parameter's and its
+// state's, float32 or float16 (model.half()).
 struct UpdateEntry {
-    float* p;
+    void* p;
     const void* g;
-    float* s0;  // SGD momentum buffer / Adam exp_avg / RMSprop square_avg / Adagrad sum
-    float* s1;  // Adam exp_avg_sq / RMSprop grad_avg
-    float* s2;  // Adam max_exp_avg_sq / RMSprop momentum_buffer
+    void* s0;  // SGD momentum buffer / Adam exp_avg / RMSprop square_avg / Adagrad sum
+    void* s1;  // Adam exp_avg_sq / RMSprop grad_avg
+    void* s2;  // Adam max_exp_avg_sq / RMSprop momentum_buffer
     unsigned short* copy;  // bf16 weight copy of p, same element order (null: none)
     long long n;
     long long aligned;
-    long long grad_bf16;
+    long long kinds;
     long long row;
 };
 
@@ -160,37 +167,35 @@ __device__ __forceinline__ void update_chunk(const UpdateEntry* entries, const i
     const int2 job = blocks[blockIdx.x];
     const UpdateEntry e = entries[job.x];
     const long long start = (long long)job.y * chunk, end = min(start + chunk, e.n);
-    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
     const bool u0 = slots & 1, u1 = slots & 2, u2 = slots & 4;
+    const int gk = (int)(e.kinds & 0xff), pk = (int)((e.kinds >> 8) & 0xff);
     for (long long i = start + 4 * (long long)threadIdx.x; i < end; i += 4LL * blockDim.x) {
         if (e.aligned && i + 4 <= end) {
-            float4 p = *reinterpret_cast<float4*>(e.p + i);
-            float w[4];
-            load4_either_as_float(e.g, e.grad_bf16, i, w);
-            const float4 g = make_float4(w[0], w[1], w[2], w[3]);
-            float4 a = u0 ? *reinterpret_cast<float4*>(e.s0 + i) : zero;
-            float4 b = u1 ? *reinterpret_cast<float4*>(e.s1 + i) : zero;
-            float4 c = u2 ? *reinterpret_cast<float4*>(e.s2 + i) : zero;
-            element(p.x, g.x, a.x, b.x, c.x);
-            element(p.y, g.y, a.y, b.y, c.y);
-            element(p.z, g.z, a.z, b.z, c.z);
-            element(p.w, g.w, a.w, b.w, c.w);
-            *reinterpret_cast<float4*>(e.p + i) = p;
-            if (e.copy) {
-                const float q[4] = {p.x, p.y, p.z, p.w};
-                store4_from_float(e.copy, i, q);
-            }
-            if (u0) *reinterpret_cast<float4*>(e.s0 + i) = a;
-            if (u1) *reinterpret_cast<float4*>(e.s1 + i) = b;
-            if (u2) *reinterpret_cast<float4*>(e.s2 + i) = c;
+            float p[4], g[4], a[4] = {0.f, 0.f, 0.f, 0.f}, b[4] = {0.f, 0.f, 0.f, 0.f},
+                                 c[4] = {0.f, 0.f, 0.f, 0.f};
+            load4_either_as_float(e.p, pk, i, p);
+            load4_either_as_float(e.g, gk, i, g);
+            if (u0) load4_either_as_float(e.s0, pk, i, a);
+            if (u1) load4_either_as_float(e.s1, pk, i, b);
+            if (u2) load4_either_as_float(e.s2, pk, i, c);
+            for (int k = 0; k < 4; ++k) element(p[k], g[k], a[k], b[k], c[k]);
+            store4_either_from_float(e.p, pk, i, p);
+            if (e.copy) store4_from_float(e.copy, i, p);
+            if (u0) store4_either_from_float(e.s0, pk, i, a);
+            if (u1) store4_either_from_float(e.s1, pk, i, b);
+            if (u2) store4_either_from_float(e.s2, pk, i, c);
         } else {
             for (long long j = i; j < i + 4 && j < end; ++j) {
-                float a = u0 ? e.s0[j] : 0.f, b = u1 ? e.s1[j] : 0.f, c = u2 ? e.s2[j] : 0.f;
-                element(e.p[j], load_either_as_float(e.g, e.grad_bf16, j), a, b, c);
-                if (e.copy) store_from_float(e.copy, j, e.p[j]);
-                if (u0) e.s0[j] = a;
-                if (u1) e.s1[j] = b;
-                if (u2) e.s2[j] = c;
+                float p = load_either_as_float(e.p, pk, j);
+                float a = u0 ? load_either_as_float(e.s0, pk, j) : 0.f;
+                float b = u1 ? load_either_as_float(e.s1, pk, j) : 0.f;
+                float c = u2 ? load_either_as_float(e.s2, pk, j) : 0.f;
+                element(p, load_either_as_float(e.g, gk, j), a, b, c);
+                store_either_from_float(e.p, pk, j, p);
+                if (e.copy) store_from_float(e.copy, j, p);
+                if (u0) store_either_from_float(e.s0, pk, j, a);
+                if (u1) store_either_from_float(e.s1, pk, j, b);
+                if (u2) store_either_from_float(e.s2, pk, j, c);
             }
         }
     }
