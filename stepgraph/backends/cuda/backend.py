@@ -146,14 +146,17 @@ class CudaBackend(Backend):
         another."""
         from .elementwise import FILL_CTYPES
         from .runtime import compiler
+        from .runtime.launch import ELEMENT_CTYPES
 
         files = {f for n in nodes for f in self.kernel_files.get(n.op, ())}
         generated = [pair for n in nodes if n.op in self.generated_kernels
                      for pair in self.generated_kernels[n.op](n)]
         kernels = [pair for n in nodes if n.op in self.kernels_ahead
                    for pair in self.kernels_ahead[n.op](n, precision)]
-        ctypes = {FILL_CTYPES.get(np.dtype(storage_dtype(v.dtype)))
-                  for n in nodes for v in (*n.inputs, *n.outputs)}
+        storages = {np.dtype(storage_dtype(v.dtype)) for n in nodes
+                    for v in (*n.inputs, *n.outputs)}
+        # the fills' element types, and the storages' of the typed kernels (float16: fp16_bits)
+        ctypes = {table.get(s) for s in storages for table in (FILL_CTYPES, ELEMENT_CTYPES)}
         compiler.prefetch(sorted(files), generated, kernels, ctypes - {None})
 
     # ---- contexts and capture ------------------------------------------------------------
