@@ -36,8 +36,8 @@ def kernel_names() -> dict[str, set[str]]:
 
 def shared_ctype(op: str, arrays: dict) -> str:
     """The template argument (CAST_CTYPES) of an op's kernels whose float operands share one
-    storage dtype, float32, uint16 (bfloat16) or float16: the first array's, each array (None entries
-    skipped) checked to be a contiguous CuPy array of it."""
+    storage dtype, float32, uint16 (bfloat16) or float16: the first array's, each array (None
+    entries skipped) checked to be a contiguous CuPy array of it."""
     present = {what: a for what, a in arrays.items() if a is not None}
     first = next(iter(present.values()))
     for storage, ctype in CAST_CTYPES.values():

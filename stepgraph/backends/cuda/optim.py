@@ -8,8 +8,8 @@ hyperparameters, and per-block work items, made at the first eager call on their
 buffer (state `optimizer.hyperparameters`) at every launch, so a write between steps is seen
 by a replayed graph. They read float32 or bf16 gradients and write the bf16
 weight copies (attrs copies); a float16 parameter (model.half()) has float16 state and a
-float16 gradient, each widened, updated in float32 and rounded once on store. An update with attrs update_stream (compile/overlap.py) runs
-forked onto the context's update stream (runtime/update_stream.py); update_join makes
+float16 gradient, each widened, updated in float32 and rounded once on store. An update with
+attrs update_stream (compile/overlap.py) runs forked onto the context's update stream (runtime/update_stream.py); update_join makes
 ctx.stream wait for the updates forked since the last join.
 """
 from __future__ import annotations

@@ -93,10 +93,11 @@ __device__ __forceinline__ void storev_from_float(unsigned short* p, long long i
         store4_from_float(p, i, v);
 }
 
-// Loads and stores as above, from a tensor of multi-tensor tables (the updates, global_norm, guard_check) whose
-// storage is a runtime `kind` (FLOAT_KINDS of runtime/launch.py: 0 float32, 1 bf16 bits, 2
-// float16): a bf16 gradient whose cast to float32 was dropped (compile/fuse.py
-// fuse_gradient_casts) reads as its exact widening, and so does a float16 one (model.half()).
+// Loads and stores as above, from a tensor of multi-tensor tables (the updates, global_norm,
+// guard_check) whose storage is a runtime `kind` (FLOAT_KINDS of runtime/launch.py: 0
+// float32, 1 bf16 bits, 2 float16): a bf16 gradient whose cast to float32 was dropped
+// (compile/fuse.py fuse_gradient_casts) reads as its exact widening, and so does a float16
+// one (model.half()).
 #define STORAGE_F32 0
 #define STORAGE_BF16 1
 #define STORAGE_FP16 2
