@@ -5,11 +5,11 @@
 // compiler from fusing or approximating (division is __fdiv_rn, never the fast reciprocal), so
 // float32 results match numpy's bit for bit (up to -ftz denormals).
 //
-// binary, scalar and the strided copy are templates on the element storage T: float,
-// unsigned short (bfloat16 raw bits, bf16.cuh) or fp16_bits (float16, fp16.cuh), loaded as
-// float, computed in float32 and rounded once on store, as the numpy emulation
-// (backends/numpy/bf16.py) rounds a 16-bit node's output. The strided copy goes through float
-// too, so a bf16 NaN is stored as 0x7FC0 as the emulation's rounding stores it; every other value copies exactly (the transpose too).
+// binary, scalar and the strided copy are templates on the element storage T: float, unsigned short
+// (bfloat16 raw bits, bf16.cuh) or fp16_bits (float16, fp16.cuh), loaded as float, computed in
+// float32 and rounded once on store, as the numpy emulation (backends/numpy/bf16.py) rounds a
+// 16-bit node's output. The strided copy goes through float too, so a bf16 NaN is stored as 0x7FC0
+// as the emulation's rounding stores it; every other value copies exactly (the transpose too).
 //
 // Strided kernels take their layout as scalar arguments: up to MAX_DIMS dims (outermost first,
 // the launcher collapses dims that every operand walks contiguously and drops size-1 dims),

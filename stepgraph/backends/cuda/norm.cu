@@ -14,10 +14,11 @@
 // "columns" (inner == 1, x (N, C): threadIdx.x along C, V adjacent channels a thread in one
 // access, up to 32 lanes a block, coalesced).
 // Launchers keep sizes < 2^31.
-// The kernels are templates over the storage T of x, y, dy and dx: float, unsigned short
-// (bfloat16 bits, bf16.cuh) or fp16_bits (float16, fp16.cuh), widened on load and rounded to
-// nearest even once on store; the statistics, the per-channel values (mean, invstd, weight, bias, coef, running statistics,
-// dweight, dbias) and all arithmetic stay float32 / float64, as the NumPy emulation has them.
+// The kernels are templates over the storage T of x, y, dy and dx: float, unsigned short (bfloat16
+// bits, bf16.cuh) or fp16_bits (float16, fp16.cuh), widened on load and rounded to nearest even
+// once on store; the statistics, the per-channel values (mean, invstd, weight, bias, coef, running
+// statistics, dweight, dbias) and all arithmetic stay float32 / float64, as the NumPy emulation has
+// them.
 #include "bf16.cuh"
 #include "reduce.cuh"
 

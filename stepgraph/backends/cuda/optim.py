@@ -9,8 +9,9 @@ buffer (state `optimizer.hyperparameters`) at every launch, so a write between s
 by a replayed graph. They read float32 or bf16 gradients and write the bf16
 weight copies (attrs copies); a float16 parameter (model.half()) has float16 state and a
 float16 gradient, each widened, updated in float32 and rounded once on store. An update with
-attrs update_stream (compile/overlap.py) runs forked onto the context's update stream (runtime/update_stream.py); update_join makes
-ctx.stream wait for the updates forked since the last join.
+attrs update_stream (compile/overlap.py) runs forked onto the context's update stream
+(runtime/update_stream.py); update_join makes ctx.stream wait for the updates forked since the
+last join.
 """
 from __future__ import annotations
 

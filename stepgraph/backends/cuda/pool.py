@@ -6,11 +6,11 @@ Every op runs NCHW tensors, or channels-last ones (attrs layout "NHWC", compile/
 (include/pool.cuh). Launchers check their preconditions and launch on ctx.stream: no host
 sync, no allocation.
 
-Every kernel is a template over the element storage: float32, bfloat16 (precision="bf16":
-uint16 raw bits, ir/graph.py) or float16 (fp16_bits). 16-bit values are widened on load,
-windows are summed (and divided) in float32 and each output is rounded to nearest even once, when stored: the NumPy
-emulation's rounding point (NumpyBackend.run_node), so max pooling and its gradient match it
-bit for bit. The indices stay int32; an op's float operands share one dtype.
+Every kernel is a template over the element storage: float32, bfloat16 (precision="bf16": uint16 raw
+bits, ir/graph.py) or float16 (fp16_bits). 16-bit values are widened on load, windows are summed
+(and divided) in float32 and each output is rounded to nearest even once, when stored: the NumPy
+emulation's rounding point (NumpyBackend.run_node), so max pooling and its gradient match it bit for
+bit. The indices stay int32; an op's float operands share one dtype.
 """
 from __future__ import annotations
 
