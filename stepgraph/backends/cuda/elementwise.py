@@ -69,9 +69,10 @@ def fill_forward(ctx, y, value) -> None:
     """y[...] = value, for every stepgraph dtype (uint16 storage: bfloat16, value rounded;
     float16: value rounded from float32 as the NumPy backend's store, written as its bits)."""
     _check("fill output", y, dtype=None)
+    bits = np.dtype("uint16") if y.dtype == np.float16 else y.dtype    # float16: its bits
     if y.dtype == np.float16:
         with np.errstate(over="ignore"):       # overflow: inf, as the kernels' stores
-            y, scalar = y.view(np.uint16), np.float32(value).astype(np.float16).view(np.uint16)
+            scalar = np.float32(value).astype(np.float16).view(np.uint16)
     elif y.dtype == np.uint16:
         from ..numpy import bf16   # the rounding rule every bf16 kernel uses
 
@@ -81,7 +82,7 @@ def fill_forward(ctx, y, value) -> None:
     else:
         raise ShapeError(f"fill: unsupported dtype {y.dtype}")
     if y.size:
-        _launch(ctx, "elementwise.cu", f"fill_forward_kernel<{FILL_CTYPES[y.dtype]}>",
+        _launch(ctx, "elementwise.cu", f"fill_forward_kernel<{FILL_CTYPES[bits]}>",
                 _grid(y.size), (BLOCK,), (y, np.int64(y.size), scalar))
 
 
