@@ -3,8 +3,8 @@ asks for it.
 
 - autocast(device_type, dtype=torch.bfloat16 or torch.float16): the training pass recorded
   inside it compiles with precision="bf16" or "fp16" (PyTorch's autocast semantics, float32
-  master weights: compile/autocast.py), and so does a predictor called inside it. float16
-  runs on the NumPy backend (the CUDA kernels take bf16, not float16).
+  master weights: compile/autocast.py), and so does a predictor called inside it. On cuda,
+  float16 runs where the ops have float16 kernels (compile/autocast.py check_fp16_support).
 - GradScaler: dynamic loss scaling as torch's, inside the one compiled step of a captured
   loop (compile/loss_scale.py). Its scale and growth counter are two Buffers, state of
   every step that uses the scaler: scale(loss) multiplies the loss by the device scale (a
@@ -47,7 +47,7 @@ def _precision(dtype) -> str:
 class autocast:  # noqa: N801 - torch's name
     """torch.autocast(device_type, dtype=None, enabled=True, cache_enabled=None): a context
     manager or decorator. dtype None means bfloat16 (torch's CUDA default, float16, is taken
-    when named: it runs on the NumPy backend only)."""
+    when named)."""
 
     def __init__(self, device_type: str = "cuda", dtype=None, enabled: bool = True,
                  cache_enabled=None):

@@ -15,7 +15,8 @@ import numpy as np
 from .backends import get_backend, resolve_device
 from .backends.numpy import bf16
 from .compile.autocast import PRECISION as BF16_PRECISION
-from .compile.autocast import check_bf16_support, copy_values, parse_weight_copy
+from .compile.autocast import (check_bf16_support, check_fp16_support, copy_values,
+                               parse_weight_copy)
 from .compile.build import (PREDICT_RNG_KEY, ModelLoss, ModuleValues, build_predict_graph,
                             build_train_graph)
 from .compile.distribute import average_gradients, shard_optimizer_state
@@ -30,29 +31,21 @@ from .compile.overlap import check_option as check_overlap_option
 from .compile.overlap import resolve as resolve_overlap
 from .compile.plan import Plan, make_plan
 from .distributed.buckets import cap_bytes_of
-from .errors import BackendUnavailableError, PlanError, StateDictError, UnsupportedPrecisionError
+from .errors import BackendUnavailableError, PlanError, StateDictError
 from .ir.graph import PARAM, STATE, Graph, Value
 from .nn.module import Module
 from .optim.optimizer import HYPERPARAMETERS_KEY, SCHEDULE_KEY, SLOT_PREFIX, STEP_KEY
 
 # fp32; tf32 (CUDA: TF32 tensor-core GEMMs); bf16 (PyTorch autocast semantics with float32
-# master weights, compile/autocast.py; on CUDA only where the ops have bf16 kernels).
+# master weights, compile/autocast.py; on CUDA only where the ops have bf16 kernels); fp16
+# (the same with float16; on CUDA, as any float16 value, only where the ops have float16
+# kernels: compile/autocast.py check_fp16_support).
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 
 
 def _input_names(n: int, with_target: bool) -> tuple[str, ...]:
     xs = ("x",) if n - with_target == 1 else tuple(f"x{i}" for i in range(n - with_target))
     return xs + (("y",) if with_target else ())
-
-
-def _refuse_float16_on_cuda(model: Module, device: str, precision: str) -> None:
-    """float16 (precision="fp16", autocast(dtype=torch.float16), model.half()) runs on the NumPy
-    backend; the CUDA kernels take float32 and bf16 only."""
-    half = precision == "fp16" or any(p.dtype == "float16" for p in model.parameters())
-    if device == "cuda" and half:
-        raise UnsupportedPrecisionError(
-            "float16 on cuda is not supported by stepgraph yet (no float16 kernels): use "
-            "precision='bf16' (torch.autocast(dtype=torch.bfloat16), float32 master weights)")
 
 
 class _CompiledModel:
@@ -72,7 +65,6 @@ class _CompiledModel:
         device = resolve_device(device)
         if device == "cpu" and precision == "tf32":
             raise ValueError("precision='tf32' needs device='cuda'")
-        _refuse_float16_on_cuda(model, device, precision)
         self.model = model
         self.backend = get_backend(device)
         self.device = device
@@ -128,6 +120,7 @@ class _CompiledModel:
             if self.precision == BF16_PRECISION:
                 check_bf16_support(plan.graph, getattr(self.backend, "bf16_ops", None),
                                    self.device)
+            check_fp16_support(plan.graph, getattr(self.backend, "fp16_ops", None), self.device)
             exe = Executable(plan, self.backend, self.bind, self.ctx, self.mode, key)
             self.executables[key] = exe
         return exe

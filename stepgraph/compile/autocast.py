@@ -246,20 +246,40 @@ def bind_weight_copies(graph: Graph) -> list[WeightCopy]:
     return copies
 
 
+def _without_kernels(graph: Graph, supported: frozenset[str], dtype: str) -> str:
+    """"op (label), ..." of the ops of `graph` that read or write a `dtype` value and are not
+    in `supported`; "" when there are none. Views (plan.VIEW_OPS) run no kernel."""
+    missing: dict[str, str] = {}
+    for n in graph.nodes:
+        if n.op in VIEW_OPS or n.op in supported:
+            continue
+        if any(v.dtype == dtype for v in [*n.inputs, *n.outputs]):
+            missing.setdefault(n.op, n.label)
+    return ", ".join(f"{op} ({label})" if label else op for op, label in missing.items())
+
+
 def check_bf16_support(graph: Graph, supported: frozenset[str] | None, device: str) -> None:
     """Raise UnsupportedPrecisionError naming every op of `graph` that reads or writes a bf16
     value and whose kernels on `device` do not take bf16 (`supported`: the ops that do; None:
     every op, the NumPy reference). Views (plan.VIEW_OPS) run no kernel."""
     if supported is None:
         return
-    missing: dict[str, str] = {}
-    for n in graph.nodes:
-        if n.op in VIEW_OPS or n.op in supported:
-            continue
-        if any(v.dtype == BF16 for v in [*n.inputs, *n.outputs]):
-            missing.setdefault(n.op, n.label)
-    if missing:
-        ops = ", ".join(f"{op} ({label})" if label else op for op, label in missing.items())
+    ops = _without_kernels(graph, supported, BF16)
+    if ops:
         raise UnsupportedPrecisionError(
             f"precision='bf16' on {device}: no bf16 kernels yet for {ops}; the bf16 step runs "
             f"on device='cpu' (the NumPy emulation), or use precision='fp32' or 'tf32'")
+
+
+def check_fp16_support(graph: Graph, supported: frozenset[str] | None, device: str) -> None:
+    """check_bf16_support for float16 values, whatever made them (precision="fp16",
+    autocast(dtype=torch.float16), model.half(), a .half() in the forward): raise
+    UnsupportedPrecisionError naming every op that has no float16 kernel on `device`."""
+    if supported is None:
+        return
+    ops = _without_kernels(graph, supported, FP16)
+    if ops:
+        raise UnsupportedPrecisionError(
+            f"float16 on {device}: no float16 kernels yet for {ops}; use precision='bf16' "
+            "(torch.autocast(dtype=torch.bfloat16), float32 master weights), or run the "
+            "float16 step on device='cpu'")

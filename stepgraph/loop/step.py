@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ..api import TrainStep, _input_names
 from ..compile.autocast import PRECISION as BF16_PRECISION
+from ..compile.autocast import check_fp16_support
 from ..compile.build import ModelLoss, build_train_graph
 from ..compile.executable import COPY_ROLES, STATIC_ROLES, Executable, GraphKey
 from ..compile.feed import Signature, signature_of
@@ -153,8 +154,9 @@ class LoopStep(TrainStep):
                        COPY_ROLES[self.mode], (self._program_key, signature))
         exe = self.executables.get(key)
         if exe is None:
-            exe = Executable(self.plan(signature), self.backend, self.bind, self.ctx,
-                             self.mode, key)
+            plan = self.plan(signature)
+            check_fp16_support(plan.graph, getattr(self.backend, "fp16_ops", None), self.device)
+            exe = Executable(plan, self.backend, self.bind, self.ctx, self.mode, key)
             self.executables[key] = exe
         return exe
 

@@ -313,7 +313,7 @@ class Module:
     Placement belongs to the compile call here, not to the module: to(), cuda() and cpu() are
     accepted hints that change nothing (compile_train_step's `device` decides where parameters
     live; the storage moves there then). half() holds the float parameters and buffers in
-    float16 and float() back in float32, as torch's (float16 steps run on the NumPy backend);
+    float16 and float() back in float32, as torch's (on cuda where the ops have float16 kernels);
     double() and bfloat16() are refused (bf16 compute is compile_train_step(precision="bf16"),
     which keeps float32 master weights).
     Gradients are not kept between steps, so zero_grad() has nothing to clear."""

@@ -78,7 +78,8 @@ def _guard_check(ins, attrs):
     flags, loss = ins[0], ins[1]
     _need(flags.shape == (N_FLAGS,) and flags.dtype == "int32", "guard_check",
           f"flags must be int32 ({N_FLAGS},), got {flags!r}")
-    _need(loss.shape == () and loss.dtype in ("float32", "float64"), "guard_check",
+    # float16: a model.half() loss (checked widened, as the gradients)
+    _need(loss.shape == () and loss.dtype in ("float32", "float64", "float16"), "guard_check",
           f"loss must be a float scalar, got {loss!r}")
     if attrs.get("classes") is not None:
         _need(len(ins) > 2 and ins[2].dtype in ("int32", "int64"), "guard_check",

@@ -125,12 +125,20 @@ def test_grad_scaler_refuses_float16_parameters_as_torch():
         sg.amp.GradScaler().step(opt)
 
 
-def test_float16_on_cuda_names_the_bf16_alternative():
-    from stepgraph.api import _refuse_float16_on_cuda
+def test_float16_on_cuda_is_checked_per_op():
+    """No blanket refusal of float16 on cuda: a plan with float16 values is checked op by op
+    against the ops with float16 kernels (tests/unit/test_fp16_cuda_launch.py runs the cuda
+    families' declarations), the refusal naming the op and precision='bf16'."""
+    import stepgraph.api as api
+    from stepgraph.compile.autocast import check_fp16_support
 
-    model = sg.nn.Linear(3, 2)
-    with pytest.raises(UnsupportedPrecisionError, match="precision='bf16'"):
-        _refuse_float16_on_cuda(model, "cuda", "fp16")
-    _refuse_float16_on_cuda(model, "cpu", "fp16")
-    with pytest.raises(UnsupportedPrecisionError, match="float16 on cuda"):
-        _refuse_float16_on_cuda(model.half(), "cuda", "fp32")
+    assert not hasattr(api, "_refuse_float16_on_cuda")
+    model = sg.nn.Linear(3, 2).half()
+    x, y = np.ones((4, 3), np.float16), np.zeros(4, np.int64)
+    step = sg.compile_train_step(model, sg.nn.functional.cross_entropy,
+                                 sg.optim.SGD(model.parameters(), lr=0.1), (x, y))
+    graph = step.plan(step.signature).graph
+    with pytest.raises(UnsupportedPrecisionError,
+                       match="float16 on cuda.*linear.*precision='bf16'"):
+        check_fp16_support(graph, frozenset(), "cuda")
+    check_fp16_support(graph, frozenset({n.op for n in graph.nodes}), "cuda")

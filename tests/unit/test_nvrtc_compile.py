@@ -325,7 +325,8 @@ def test_guard_launchers_name_existing_kernels():
 
 # ---- launch arguments against the kernels' parameters (no GPU: fake arrays, PTX) ----------
 
-PTX_BYTES = {"u32": 4, "s32": 4, "b32": 4, "f32": 4, "u64": 8, "s64": 8, "b64": 8, "f64": 8}
+PTX_BYTES = {"u32": 4, "s32": 4, "b32": 4, "f32": 4, "u64": 8, "s64": 8, "b64": 8, "f64": 8,
+             "u16": 2, "s16": 2, "b16": 2}
 
 
 def kernel_params(filename: str, name: str) -> tuple[str, ...]:

@@ -61,6 +61,12 @@ def declared_bf16_ops() -> frozenset[str]:
     return frozenset(op for family in _families() for op in getattr(family, "BF16_OPS", ()))
 
 
+def declared_fp16_ops() -> frozenset[str]:
+    """Ops whose cuda launchers accept float16 operands: the union of the families'
+    `FP16_OPS` (importable without a GPU; compile/autocast.py check_fp16_support)."""
+    return frozenset(op for family in _families() for op in getattr(family, "FP16_OPS", ()))
+
+
 # DLPack device types that name CUDA device memory (kDLCUDA, kDLCUDAManaged).
 _DLPACK_CUDA = (2, 13)
 
@@ -137,20 +143,29 @@ class CudaBackend(Backend):
         plan with any other op on bf16 values)."""
         return declared_bf16_ops()
 
+    @property
+    def fp16_ops(self) -> frozenset[str]:
+        """The ops whose launchers take float16 operands (compile/autocast.py refuses a plan
+        with any other op on float16 values)."""
+        return declared_fp16_ops()
+
     def prepare(self, nodes, precision: str = "fp32") -> None:
         """Compile the kernel files and generated kernels these nodes launch at `precision`,
         side by side (compiler.prefetch), before the first step would compile them one after
         another."""
         from .elementwise import FILL_CTYPES
         from .runtime import compiler
+        from .runtime.launch import ELEMENT_CTYPES
 
         # Each file with the element types of the nodes that launch from it (a float32 conv
         # does not wait behind the float64 chunks the optimizer's float64 table would name),
         # in the order of the nodes' first launches: the pool takes them in that order.
+        # (the fills' element types, and the storages' of the typed kernels: float16's is
+        # fp16_bits)
         wanted: dict[str, set[str]] = {}
         for n in nodes:
-            ctypes = {FILL_CTYPES.get(np.dtype(storage_dtype(v.dtype)))
-                      for v in (*n.inputs, *n.outputs)} - {None}
+            ctypes = {table.get(np.dtype(storage_dtype(v.dtype))) for v in (*n.inputs, *n.outputs)
+                      for table in (FILL_CTYPES, ELEMENT_CTYPES)} - {None}
             for filename in sorted(self.kernel_files.get(n.op, ())):
                 wanted.setdefault(filename, set()).update(ctypes)
         for filename, ctypes in wanted.items():

@@ -5,11 +5,11 @@
 // compiler from fusing or approximating (division is __fdiv_rn, never the fast reciprocal), so
 // float32 results match numpy's bit for bit (up to -ftz denormals).
 //
-// binary, scalar and the strided copy are templates on the element storage T: float, or
-// unsigned short (bfloat16 raw bits, bf16.cuh), loaded as float, computed in float32 and
-// rounded once on store, as the numpy emulation (backends/numpy/bf16.py) rounds a bf16 node's
-// output. The strided copy goes through float too, so a bf16 NaN is stored as 0x7FC0 as the
-// emulation's rounding stores it; every other value copies exactly (the transpose too).
+// binary, scalar and the strided copy are templates on the element storage T: float, unsigned short
+// (bfloat16 raw bits, bf16.cuh) or fp16_bits (float16, fp16.cuh), loaded as float, computed in
+// float32 and rounded once on store, as the numpy emulation (backends/numpy/bf16.py) rounds a
+// 16-bit node's output. The strided copy goes through float too, so a bf16 NaN is stored as 0x7FC0
+// as the emulation's rounding stores it; every other value copies exactly (the transpose too).
 //
 // Strided kernels take their layout as scalar arguments: up to MAX_DIMS dims (outermost first,
 // the launcher collapses dims that every operand walks contiguously and drops size-1 dims),
@@ -91,13 +91,15 @@ __device__ __forceinline__ void load_group(const float* p, int off, int s, float
     }
 }
 
-__device__ __forceinline__ void load_group(const unsigned short* p, int off, int s, float v[4]) {
+// The 16-bit storages (bf16 bits, float16): one 8-byte access where aligned.
+template <typename T>
+__device__ __forceinline__ void load_group(const T* p, int off, int s, float v[4]) {
     if (s == 0) {
-        v[0] = v[1] = v[2] = v[3] = bf16_to_float(p[off]);
+        v[0] = v[1] = v[2] = v[3] = load_as_float(p, off);
     } else if (s == 1 && (reinterpret_cast<unsigned long long>(p + off) & 7ull) == 0ull) {
         load4_as_float(p, off, v);
     } else {
-        for (int k = 0; k < 4; ++k) v[k] = bf16_to_float(p[off + k * s]);
+        for (int k = 0; k < 4; ++k) v[k] = load_as_float(p, off + k * s);
     }
 }
 

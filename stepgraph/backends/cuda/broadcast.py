@@ -8,7 +8,8 @@ most launches index 1 to 3 dims. Launchers allocate nothing and never sync (capt
 
 precision="bf16": binary, scalar, expand and permute take float32 or bfloat16 (uint16 raw
 bits) operands, all of one dtype (autocast promotes a mixed binary to float32), through kernels
-templated on the storage (runtime/launch.py ELEMENT_CTYPES); `BF16_OPS` lists them.
+templated on the storage (runtime/launch.py ELEMENT_CTYPES); `BF16_OPS` lists them. float16
+(fp16_bits) takes the same kernels: `FP16_OPS`.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ MAX_GRID_YZ = 65535
 BINARY_CODES = {"add": 0, "sub": 1, "mul": 2, "div": 3}            # BINARY_* of broadcast.cu
 SCALAR_CODES = dict(BINARY_CODES, rsub=4, rdiv=5, pow=6)           # and SCALAR_*
 BF16_OPS = frozenset({"binary", "scalar", "expand", "permute"})
+FP16_OPS = BF16_OPS
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,7 @@
-// cast: y = x converted between float32 and bfloat16 (raw bits, bf16.cuh). float32 -> bf16
-// rounds to nearest even (NaN -> 0x7FC0), bf16 -> float32 is exact. vec 4 (the launcher checks
+// cast: y = x converted between float32, bfloat16 (raw bits, bf16.cuh) and float16 (fp16.cuh).
+// float32 -> bf16 rounds to nearest even (NaN -> 0x7FC0), -> float16 to nearest even (overflow
+// to inf); a 16-bit -> float32 cast is exact, and so is the widening between the two 16-bit
+// types before their one rounding. vec 4 (the launcher checks
 // n % 4 == 0 and 16-byte aligned pointers): four elements a thread, one 16-byte and one 8-byte
 // access.
 #include "bf16.cuh"

@@ -22,20 +22,22 @@ from .runtime.launch import BLOCK, _aligned, _check, _grid, _launch
 
 SOURCE = "cast.cu"
 # IR dtype -> (storage dtype, C type of the kernel template)
-CAST_CTYPES = {"float32": ("float32", "float"), "bfloat16": ("uint16", "unsigned short")}
+CAST_CTYPES = {"float32": ("float32", "float"), "bfloat16": ("uint16", "unsigned short"),
+               "float16": ("float16", "fp16_bits")}
 BF16_OPS = frozenset({"cast"})
+FP16_OPS = frozenset({"cast"})
 
 
 def kernel_names() -> dict[str, set[str]]:
     """{.cu file: every kernel name this module may launch} (the NVRTC compile test)."""
-    return {SOURCE: {"cast_forward_kernel<float, unsigned short>",
-                     "cast_forward_kernel<unsigned short, float>"}}
+    return {SOURCE: {f"cast_forward_kernel<{s}, {d}>" for _, s in CAST_CTYPES.values()
+                     for _, d in CAST_CTYPES.values() if s != d}}
 
 
 def shared_ctype(op: str, arrays: dict) -> str:
     """The template argument (CAST_CTYPES) of an op's kernels whose float operands share one
-    storage dtype, float32 or uint16 (bfloat16): the first array's, each array (None entries
-    skipped) checked to be a contiguous CuPy array of it."""
+    storage dtype, float32, uint16 (bfloat16) or float16: the first array's, each array (None
+    entries skipped) checked to be a contiguous CuPy array of it."""
     present = {what: a for what, a in arrays.items() if a is not None}
     first = next(iter(present.values()))
     for storage, ctype in CAST_CTYPES.values():
@@ -50,17 +52,19 @@ def shared_ctype(op: str, arrays: dict) -> str:
 
 def _ctype(what: str, a, dtype: str) -> str:
     if dtype not in CAST_CTYPES:
-        raise ShapeError(f"{what}: the cuda cast converts float32 <-> bfloat16, got {dtype}")
+        raise ShapeError(f"{what}: the cuda cast converts between float32, bfloat16 and "
+                         f"float16, got {dtype}")
     storage, ctype = CAST_CTYPES[dtype]
     _check(what, a, dtype=storage)
     return ctype
 
 
 def cast_forward(ctx, x, y, src: str, dst: str) -> None:
-    """y = x converted from IR dtype src to dst (float32 <-> bfloat16), same shape."""
-    if {src, dst} != set(CAST_CTYPES):
-        raise ShapeError(f"cast: the cuda kernel converts float32 <-> bfloat16, got {src} -> "
-                         f"{dst}")
+    """y = x converted from IR dtype src to dst (two of float32, bfloat16 and float16), same
+    shape: widened exactly, rounded once to nearest even."""
+    if src == dst or not {src, dst} <= set(CAST_CTYPES):
+        raise ShapeError(f"cast: the cuda kernel converts between float32, bfloat16 and "
+                         f"float16, got {src} -> {dst}")
     s, d = _ctype("cast input", x, src), _ctype("cast output", y, dst)
     if tuple(x.shape) != tuple(y.shape):
         raise ShapeError(f"cast: input {tuple(x.shape)} vs output {tuple(y.shape)}")
@@ -72,9 +76,11 @@ def cast_forward(ctx, x, y, src: str, dst: str) -> None:
 
 
 def _generated(node) -> bool:
-    """Casts other than float32 <-> bfloat16 (to and from bool and ints: a model's `.long()`,
-    `.bool()`, `.float()` of a mask) run as generated one-instruction programs."""
-    return {node.inputs[0].dtype, node.attrs["dtype"]} != set(CAST_CTYPES)
+    """Casts other than between float32, bfloat16 and float16 (to and from bool and ints: a
+    model's `.long()`, `.bool()`, `.float()` of a mask) run as generated one-instruction
+    programs."""
+    src, dst = node.inputs[0].dtype, node.attrs["dtype"]
+    return src == dst or not {src, dst} <= set(CAST_CTYPES)
 
 
 def _cast(node, ins, outs, ctx) -> None:

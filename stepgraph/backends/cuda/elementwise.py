@@ -4,7 +4,9 @@ masks, per element or per channel) and the bf16 linear's bias + activation epilo
 precision="bf16": the act, act_grad, add and dropout kernels are templates on the element
 storage (ELEMENT_CTYPES: float32, or bfloat16 as uint16 raw bits), computing in float32 and
 rounding each bf16 output once. `BF16_OPS` lists the ops of this family that take bf16
-operands (compile/autocast.py check_bf16_support).
+operands (compile/autocast.py check_bf16_support). float16 (ELEMENT_CTYPES' fp16_bits) takes
+the same kernels, rounded once on store as float16; `FP16_OPS` lists them, fill among them (its
+value rounded on the host, written as bits).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ FILL_CTYPES = {np.dtype("float32"): "float", np.dtype("float64"): "double",
                np.dtype("int32"): "int", np.dtype("int64"): "long long",
                np.dtype("uint8"): "unsigned char", np.dtype("uint16"): "unsigned short"}
 BF16_OPS = frozenset({"act", "act_grad", "add", "dropout", "dropout_grad"})
+FP16_OPS = BF16_OPS | {"fill"}
 
 
 def act_forward(ctx, x, y, kind: str, slope: float = 0.01) -> None:
@@ -63,19 +66,24 @@ def add_forward(ctx, a, b, c) -> None:
 
 
 def fill_forward(ctx, y, value) -> None:
-    """y[...] = value, for every stepgraph dtype (uint16 storage: bfloat16, value rounded)."""
+    """y[...] = value, for every stepgraph dtype (uint16 storage: bfloat16, value rounded;
+    float16: value rounded from float32 as the NumPy backend's store, written as its bits)."""
     _check("fill output", y, dtype=None)
-    ctype = FILL_CTYPES.get(y.dtype)
-    if ctype is None:
-        raise ShapeError(f"fill: unsupported dtype {y.dtype}")
-    scalar = y.dtype.type(value)
-    if y.dtype == np.uint16:
+    bits = np.dtype("uint16") if y.dtype == np.float16 else y.dtype    # float16: its bits
+    if y.dtype == np.float16:
+        with np.errstate(over="ignore"):       # overflow: inf, as the kernels' stores
+            scalar = np.float32(value).astype(np.float16).view(np.uint16)
+    elif y.dtype == np.uint16:
         from ..numpy import bf16   # the rounding rule every bf16 kernel uses
 
         scalar = np.uint16(bf16.to_bits(np.float32(value)))
+    elif y.dtype in FILL_CTYPES:
+        scalar = y.dtype.type(value)
+    else:
+        raise ShapeError(f"fill: unsupported dtype {y.dtype}")
     if y.size:
-        _launch(ctx, "elementwise.cu", f"fill_forward_kernel<{ctype}>", _grid(y.size), (BLOCK,),
-                (y, np.int64(y.size), scalar))
+        _launch(ctx, "elementwise.cu", f"fill_forward_kernel<{FILL_CTYPES[bits]}>",
+                _grid(y.size), (BLOCK,), (y, np.int64(y.size), scalar))
 
 
 def _dropout_constants(p: float) -> tuple[np.uint32, np.float32]:
@@ -168,7 +176,8 @@ def kernel_names() -> dict[str, set[str]]:
     typed = ("act_forward_kernel", "act_backward_kernel", "add_forward_kernel",
              "dropout_forward_kernel", "dropout_backward_kernel",
              "dropout_channel_forward_kernel", "dropout_channel_backward_kernel")
-    return {"elementwise.cu": {_typed("linear_bias_act_kernel", "unsigned short")}
+    return {"elementwise.cu": {_typed("linear_bias_act_kernel", c)
+                               for c in ("unsigned short", "fp16_bits")}
             | {_typed(k, ctype) for k in typed for ctype in ELEMENT_CTYPES.values()}
             | {f"fill_forward_kernel<{ctype}>" for ctype in FILL_CTYPES.values()}}
 

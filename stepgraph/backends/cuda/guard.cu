@@ -12,6 +12,7 @@
 #define KIND_INT32 1
 #define KIND_INT64 2
 #define KIND_BF16 3   // raw bits: a bf16 gradient the update widens itself (fuse_gradient_casts)
+#define KIND_FP16 4   // float16 bits: a model.half() gradient or loss
 
 // One row of the device table built once per guard_check node by guards.py (32 bytes):
 // a tensor, what it holds, the flag bit it sets, whether it is 16-byte aligned, and whether
@@ -59,16 +60,19 @@ extern "C" __global__ void guard_check_kernel(const GuardEntry* entries, const i
     const GuardEntry e = entries[job.x];
     const long long start = (long long)job.y * chunk, end = min(start + chunk, e.n);
     bool bad = false;
-    if (e.kind == KIND_FLOAT32 || e.kind == KIND_BF16) {   // bf16 widened: Inf and NaN stay
-        const bool bf16 = e.kind == KIND_BF16;
+    if (e.kind == KIND_FLOAT32 || e.kind == KIND_BF16 || e.kind == KIND_FP16) {
+        // 16-bit values widened exactly: Inf and NaN stay
+        const int storage = e.kind == KIND_BF16   ? STORAGE_BF16
+                            : e.kind == KIND_FP16 ? STORAGE_FP16
+                                                  : STORAGE_F32;
         for (long long i = start + 4 * (long long)threadIdx.x; i < end; i += 4LL * blockDim.x) {
             if (e.aligned && i + 4 <= end) {
                 float v[4];
-                load4_either_as_float(e.p, bf16, i, v);
+                load4_either_as_float(e.p, storage, i, v);
                 bad |= not_finite4(make_float4(v[0], v[1], v[2], v[3]), e.square);
             } else {
                 for (long long j = i; j < i + 4 && j < end; ++j)
-                    bad |= not_finite(load_either_as_float(e.p, bf16, j), e.square);
+                    bad |= not_finite(load_either_as_float(e.p, storage, j), e.square);
             }
         }
     } else if (e.kind == KIND_INT64) {
@@ -134,10 +138,10 @@ extern "C" __global__ void loss_scale_update_kernel(const int* flags, float* sca
 // number is also posted to `mailbox` (mapped host memory, may be null) so the host sees it
 // without a sync; nothing is posted on a good step.
 extern "C" __global__ void guard_advance_kernel(int* flags, long long* counters, long long* step,
-                                                const float* schedule, const float* loss,
-                                                float* history_loss, long long* history_step,
+                                                const float* schedule, const void* loss,
+                                                void* history_loss, long long* history_step,
                                                 int* history_flag, long long length, int sticky,
-                                                float* lr, long long* mailbox) {
+                                                float* lr, long long* mailbox, int loss_kind) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     const int bits = flags[0];
     flags[0] = 0;
@@ -158,6 +162,6 @@ extern "C" __global__ void guard_advance_kernel(int* flags, long long* counters,
         *step = t;
     }
     *lr = scheduled_factor(schedule, t);
-    record(*loss, calls, history_loss, history_step, length);
+    record(loss, loss_kind, calls, history_loss, history_step, length);
     history_flag[calls % length] = bits | (skip && bits == 0 ? 8 : 0);  // 8: GUARD_HELD
 }

@@ -19,16 +19,20 @@ from ...errors import ShapeError
 from ...ir.graph import Node
 from ...ops.guard import GUARD_GRADS, GUARD_LABELS, GUARD_LOSS, N_COUNTERS, N_FLAGS
 from .runtime.launch import (BLOCK, LABEL_CTYPES, UPDATE_CHUNK, _aligned, _buffers_key,
-                             _check, _check_scalar, _chunk_jobs, _launch, _node_memory,
-                             _or_null)
+                             _check, _check_scalar, _chunk_jobs, _float_kind, _launch,
+                             _node_memory, _or_null)
 
 SOURCE = "guard.cu"
-# guard.cu KIND_*; uint16 is bf16's storage (a gradient whose cast fuse_gradient_casts dropped)
-KINDS = {np.dtype("float32"): 0, np.dtype("int32"): 1, np.dtype("int64"): 2, np.dtype("uint16"): 3}
+# guard.cu KIND_*; uint16 is bf16's storage (a gradient whose cast fuse_gradient_casts dropped),
+# float16 a model.half() gradient or loss
+KINDS = {np.dtype("float32"): 0, np.dtype("int32"): 1, np.dtype("int64"): 2, np.dtype("uint16"): 3,
+         np.dtype("float16"): 4}
 ENTRY = np.dtype([("p", "<u8"), ("n", "<i8"), ("kind", "<i4"), ("bit", "<i4"),
                   ("aligned", "<i4"), ("square", "<i4")])  # guard.cu's GuardEntry, 32 bytes
 COPY_ENTRY = np.dtype([("src", "<u8"), ("dst", "<u8"), ("n", "<i8"), ("vec", "<i8")])
 BF16_OPS = frozenset({"guard_check"})   # bf16 gradients (KIND 3)
+# float16 gradients and losses (KIND 4); a float16 loss in a float16 history
+FP16_OPS = frozenset({"guard_check", "guard_advance"})
 COPY_CHUNK = UPDATE_CHUNK     # bytes a block copies (the saved state is small: BatchNorm's)
 
 
@@ -48,8 +52,8 @@ def _check_tables(node: Node, loss, labels, grads) -> dict:
     for i, (t, bit) in enumerate(rows):
         kind = KINDS.get(t.dtype)
         if kind is None:
-            raise ShapeError(f"guard_check input {i}: the kernel takes float32, bf16, int32 or "
-                             f"int64, got {t.dtype}")
+            raise ShapeError(f"guard_check input {i}: the kernel takes float32, bf16, float16, "
+                             f"int32 or int64, got {t.dtype}")
         _check(f"guard_check input {i}", t, dtype=None)
         # gradients: their squares (ops/guard.py guard_check says why)
         entries[i] = (t.data.ptr, t.size, kind, bit, int(_aligned(t)), int(bit == GUARD_GRADS))
@@ -65,7 +69,9 @@ def guard_check(ctx, node: Node, ins: list) -> None:
     labels = ins[2] if classes is not None else None
     grads = ins[3:] if classes is not None else ins[2:]
     _check("guard_check flags", flags, "int32", (N_FLAGS,))
-    _check_scalar("guard_check loss", loss, "float32")
+    _float_kind("guard_check loss", loss)
+    if loss.size != 1:
+        raise ShapeError(f"guard_check loss: expected a scalar, got shape {tuple(loss.shape)}")
     if labels is not None and labels.dtype not in LABEL_CTYPES:
         raise ShapeError(f"guard_check labels: expected int32 or int64, got {labels.dtype}")
     key = ("guard_check",) + _buffers_key(ins)
@@ -175,8 +181,9 @@ def guard_advance(ctx, node: Node, ins: list, lr) -> None:
     _check("guard_advance counters", counters, "int64", (N_COUNTERS,))
     _check_scalar("guard_advance step", step, "int64")
     _check("guard_advance schedule", schedule, shape=(6,))
-    _check_scalar("guard_advance loss", loss, "float32")
-    _check("guard_advance history_loss", history_loss)
+    kind = _float_kind("guard_advance loss", loss)
+    _check_scalar("guard_advance loss", loss, loss.dtype.name)
+    _check("guard_advance history_loss", history_loss, loss.dtype.name)
     _check("guard_advance history_step", history_step, "int64", shape=history_loss.shape)
     _check("guard_advance history_flag", history_flag, "int32", shape=history_loss.shape)
     _check_scalar("guard_advance lr", lr, "float32")
@@ -184,7 +191,7 @@ def guard_advance(ctx, node: Node, ins: list, lr) -> None:
     _launch(ctx, SOURCE, "guard_advance_kernel", (1,), (32,),
             (flags, counters, step, schedule, loss, history_loss, history_step, history_flag,
              np.int64(history_loss.size), np.int32(bool(node.attrs.get("sticky"))), lr,
-             np.uint64(box.ptr if box is not None else 0)))
+             np.uint64(box.ptr if box is not None else 0), kind))
 
 
 def loss_scale_update(ctx, node: Node, ins: list) -> None:

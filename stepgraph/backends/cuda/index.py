@@ -22,6 +22,7 @@ SOURCE = "index.cu"
 # Ops whose launchers here take bf16 (they move its bits; compile/autocast.py keeps or promotes
 # their bf16 inputs); gather runs in float32 under autocast.
 BF16_OPS = frozenset({"concat", "triangle"})
+FP16_OPS = BF16_OPS       # float16's bits move the same way (+0.0 is all zero bits too)
 # triangle's element types by item size
 ELEMENT_UNITS = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int",
                  8: "unsigned long long"}

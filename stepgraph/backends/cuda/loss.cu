@@ -94,22 +94,24 @@ cross_entropy_count_kernel(const L* labels, int N, long long ignore_index, int* 
     if (flat_thread() == 0) *count = k;
 }
 
-extern "C" __global__ void log_softmax_forward_kernel(const float* x, float* y, int N, int C) {
+// T: float, or the 16-bit storages (bf16 bits, float16), widened on load, rounded once on store.
+template <typename T>
+__global__ void log_softmax_forward_kernel(const T* x, T* y, int N, int C) {
     __shared__ float smem[32];
     for (long long base = first_row_base(); base < N; base += row_base_stride()) {
         const int row = (int)base + threadIdx.y;
         const bool valid = row < N;
-        const float* xr = x + (long long)row * C;
+        const T* xr = x + (long long)row * C;
         const float lse = row_logsumexp(xr, valid ? C : 0, smem);
         if (valid)
             for (int c = threadIdx.x; c < C; c += blockDim.x)
-                y[(long long)row * C + c] = xr[c] - lse;
+                store_from_float(y, (long long)row * C + c, load_as_float(xr, c) - lse);
     }
 }
 
 // dx = dy - exp(y) * sum(dy) per row.
-extern "C" __global__ void log_softmax_backward_kernel(const float* dy, const float* y,
-                                                       float* dx, int N, int C) {
+template <typename T>
+__global__ void log_softmax_backward_kernel(const T* dy, const T* y, T* dx, int N, int C) {
     __shared__ float smem[32];
     for (long long base = first_row_base(); base < N; base += row_base_stride()) {
         const int row = (int)base + threadIdx.y;
@@ -117,10 +119,11 @@ extern "C" __global__ void log_softmax_backward_kernel(const float* dy, const fl
         const long long r0 = (long long)row * C;
         const int cols = valid ? C : 0;
         float s = 0.f;
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) s += dy[r0 + c];
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) s += load_as_float(dy, r0 + c);
         s = row_sum(s, smem);
         for (int c = threadIdx.x; c < cols; c += blockDim.x)
-            dx[r0 + c] = dy[r0 + c] - __fmul_rn(expf(y[r0 + c]), s);
+            store_from_float(dx, r0 + c, load_as_float(dy, r0 + c) -
+                                             __fmul_rn(expf(load_as_float(y, r0 + c)), s));
     }
 }
 
@@ -209,12 +212,14 @@ __device__ __forceinline__ float mean_scale(int kept) {
 // read the kept rows' count from `count`; a single block keeps the losses in registers and
 // may count itself (count null). X, D: float, or bf16 logits (widened as loaded) and dlogits
 // (rounded once as stored) where the casts around the loss were dropped
-// (compile/fuse.py fuse_loss_casts): the same values as the float32 kernel between the casts.
+// (compile/fuse.py fuse_loss_casts): the same values as the float32 kernel between the casts;
+// or float16 logits and dlogits of a float16 model, whose loss is float16 too (loss_kind:
+// bf16.cuh STORAGE_*, the loss rounded once from float32 as stored).
 template <typename X, typename D, typename L>
 __global__ void __launch_bounds__(1024)
-cross_entropy_train_kernel(const X* x, const L* labels, float* loss, D* dx, float* rowloss,
+cross_entropy_train_kernel(const X* x, const L* labels, void* loss, D* dx, float* rowloss,
                            unsigned int* counter, const int* count, int N, int C, float eps,
-                           float hit, float off, long long ignore_index) {
+                           float hit, float off, long long ignore_index, int loss_kind) {
     __shared__ float smem[32];
     __shared__ double dsmem[32];
     __shared__ unsigned int last_flag;
@@ -251,7 +256,7 @@ cross_entropy_train_kernel(const X* x, const L* labels, float* loss, D* dx, floa
             acc += (double)__ldcg(rowloss + i);
     }
     acc = block_sum(acc, dsmem);
-    if (flat_thread() == 0) *loss = (float)(acc / kept);
+    if (flat_thread() == 0) store_either_from_float(loss, loss_kind, 0, (float)(acc / kept));
 }
 
 // cross_entropy_train_kernel for short rows (C <= 32) in one block: a thread per row. A warp
@@ -260,8 +265,9 @@ cross_entropy_train_kernel(const X* x, const L* labels, float* loss, D* dx, floa
 // of the rows' losses (fixed tree).
 template <typename X, typename D, typename L>
 __global__ void __launch_bounds__(1024)
-cross_entropy_train_short_kernel(const X* x, const L* labels, float* loss, D* dx, int N, int C,
-                                 float eps, float hit, float off, long long ignore_index) {
+cross_entropy_train_short_kernel(const X* x, const L* labels, void* loss, D* dx, int N, int C,
+                                 float eps, float hit, float off, long long ignore_index,
+                                 int loss_kind) {
     __shared__ double dsmem[32];
     const int kept = kept_rows((const int*)nullptr, labels, N, ignore_index);
     const float scale = mean_scale(kept);
@@ -292,7 +298,7 @@ cross_entropy_train_short_kernel(const X* x, const L* labels, float* loss, D* dx
         }
     }
     acc = block_sum(acc, dsmem);
-    if (threadIdx.x == 0) *loss = (float)(acc / kept);
+    if (threadIdx.x == 0) store_either_from_float(loss, loss_kind, 0, (float)(acc / kept));
 }
 
 // loss = -mean(logp[i, label_i]): one block (N gathers).

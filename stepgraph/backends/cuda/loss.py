@@ -6,7 +6,8 @@ cross_entropy_train over more than one block keep an arrival counter, the kept r
 (ignore_index) and N floats of per-row losses for the train kernel and the label-smoothed
 forward (without it, a capture falls back to one block); cross_entropy_grad the kept rows'
 count (without it, each block counts the labels). cross_entropy_train also takes bf16 logits
-and gradients (compile/fuse.py fuse_loss_casts).
+and gradients (compile/fuse.py fuse_loss_casts), and float16 ones with a float16 loss (a
+float16 model: model.half()); log_softmax and its gradient take float32, bf16 or float16.
 """
 from __future__ import annotations
 
@@ -18,12 +19,16 @@ import numpy as np
 from ...errors import ShapeError
 from ...ir.graph import Node
 from .runtime.launch import (BLOCK, ELEMENT_CTYPES, LABEL_CTYPES, _check, _check_int32,
-                             _check_rows, _check_scalar, _element_ctype, _grid, _launch,
-                             _node_memory, _or_null, _row_block, _row_grid)
+                             _check_scalar, _element_ctype, _float_kind, _grid, _launch,
+                             _node_memory, _or_null, _row_block, _row_grid, _typed)
 
 SINGLE_BLOCK_ELEMENTS = 1 << 15   # cross-entropy over at most this many logits: one block
 SHORT_ROW = 32                    # cross_entropy_train in one block: a thread per row up to here
-BF16_OPS = frozenset({"cross_entropy_train"})
+BF16_OPS = frozenset({"cross_entropy_train", "log_softmax", "log_softmax_grad"})
+FP16_OPS = BF16_OPS
+# (logits, dlogits) storages of the train kernels: float32 and bf16 in any mix, float16 alone
+TRAIN_CTYPES = [(x, d) for x in ("float", "unsigned short") for d in ("float", "unsigned short")] \
+    + [("fp16_bits", "fp16_bits")]
 
 
 def _check_logits(what: str, x, labels=None, dtype: str | None = "float32") -> tuple[int, int]:
@@ -38,25 +43,35 @@ def _check_logits(what: str, x, labels=None, dtype: str | None = "float32") -> t
     return x.shape
 
 
+def _typed_rows(what: str, x) -> tuple[str, int, int]:
+    """(C type, rows, cols) of x (rank >= 1, float32, bf16 or float16) viewed as rows of its
+    last axis."""
+    ctype = _element_ctype(what, x)
+    if x.ndim < 1:
+        raise ShapeError(f"{what}: expected rank >= 1 (rows of the last axis), got a scalar")
+    _check_int32(what, x.size)
+    return ctype, x.size // max(x.shape[-1], 1), x.shape[-1]
+
+
 def log_softmax_forward(ctx, x, y) -> None:
-    """y = x - logsumexp(x, last axis), any rank >= 1."""
-    n, c = _check_rows("log_softmax input", x)
-    _check("log_softmax output", y, shape=x.shape)
+    """y = x - logsumexp(x, last axis), any rank >= 1; y of x's dtype."""
+    ctype, n, c = _typed_rows("log_softmax input", x)
+    _check("log_softmax output", y, x.dtype, shape=x.shape)
     if x.size:
         block = _row_block(c, BLOCK)
-        _launch(ctx, "loss.cu", "log_softmax_forward_kernel", _row_grid(n, block[1]), block,
-                (x, y, np.int32(n), np.int32(c)))
+        _launch(ctx, "loss.cu", _typed("log_softmax_forward_kernel", ctype),
+                _row_grid(n, block[1]), block, (x, y, np.int32(n), np.int32(c)))
 
 
 def log_softmax_backward(ctx, dy, y, dx) -> None:
-    """dx = dy - exp(y) * dy.sum(last axis), any rank >= 1."""
-    n, c = _check_rows("log_softmax_grad dy", dy)
-    _check("log_softmax_grad y", y, shape=dy.shape)
-    _check("log_softmax_grad dx", dx, shape=dy.shape)
+    """dx = dy - exp(y) * dy.sum(last axis), any rank >= 1; one dtype."""
+    ctype, n, c = _typed_rows("log_softmax_grad dy", dy)
+    _check("log_softmax_grad y", y, dy.dtype, shape=dy.shape)
+    _check("log_softmax_grad dx", dx, dy.dtype, shape=dy.shape)
     if dy.size:
         block = _row_block(c, BLOCK)
-        _launch(ctx, "loss.cu", "log_softmax_backward_kernel", _row_grid(n, block[1]), block,
-                (dy, y, dx, np.int32(n), np.int32(c)))
+        _launch(ctx, "loss.cu", _typed("log_softmax_backward_kernel", ctype),
+                _row_grid(n, block[1]), block, (dy, y, dx, np.int32(n), np.int32(c)))
 
 
 def _loss_layout(node: Node, ctx, n: int, c: int, rowloss: bool):
@@ -159,9 +174,11 @@ def cross_entropy_train(ctx, node: Node, logits, labels, loss, dx,
     """Fused forward and backward with dloss = 1: loss and dlogits in one launch (several
     blocks: after a one-block launch counting the rows not ignored, which every block needs
     for the gradients' scale float32(1 / kept)). logits and dlogits float32, or bf16 where
-    compile/fuse.py fuse_loss_casts dropped the casts around the loss."""
+    compile/fuse.py fuse_loss_casts dropped the casts around the loss; or float16 logits,
+    dlogits and loss (a float16 model)."""
     n, c = _check_logits("cross_entropy_train", logits, labels, dtype=None)
-    _check_scalar("cross_entropy_train loss", loss, "float32")
+    loss_kind = _float_kind("cross_entropy_train loss", loss)
+    _check_scalar("cross_entropy_train loss", loss, loss.dtype.name)
     _check("cross_entropy_train dlogits", dx, dtype=None, shape=logits.shape)
     types = (_element_ctype("cross_entropy_train logits", logits),
              _element_ctype("cross_entropy_train dlogits", dx), LABEL_CTYPES[labels.dtype])
@@ -170,7 +187,8 @@ def cross_entropy_train(ctx, node: Node, logits, labels, loss, dx,
     if c <= SHORT_ROW and n * c <= SINGLE_BLOCK_ELEMENTS:
         _launch(ctx, "loss.cu", _train_loss_name("cross_entropy_train_short_kernel", *types),
                 (1,), (min(1024, max(32, -(-n // 32) * 32)),),
-                (logits, labels, loss, dx, np.int32(n), np.int32(c)) + smoothing + (ignore,))
+                (logits, labels, loss, dx, np.int32(n), np.int32(c)) + smoothing +
+                (ignore, loss_kind))
         return
     grid, block, scratch = _loss_layout(node, ctx, n, c, rowloss=True)
     rowloss, counter = _scratch_args(scratch, loss)
@@ -180,7 +198,7 @@ def cross_entropy_train(ctx, node: Node, logits, labels, loss, dx,
         _count_kept(ctx, labels, ignore, count)
     _launch(ctx, "loss.cu", _train_loss_name("cross_entropy_train_kernel", *types),
             grid, block, (logits, labels, loss, dx, rowloss, counter, count, np.int32(n),
-                          np.int32(c)) + smoothing + (ignore,))
+                          np.int32(c)) + smoothing + (ignore, loss_kind))
 
 
 def nll_loss_forward(ctx, logp, labels, loss) -> None:
@@ -225,12 +243,12 @@ def kernel_names() -> dict[str, set[str]]:
     label = ("cross_entropy_count", "cross_entropy_forward", "cross_entropy_backward",
              "nll_loss_forward", "nll_loss_backward")
     train = ("cross_entropy_train_short_kernel", "cross_entropy_train_kernel")
-    elements = ELEMENT_CTYPES.values()
-    return {"loss.cu": {"log_softmax_forward_kernel", "log_softmax_backward_kernel",
-                        "mse_forward_kernel", "mse_backward_kernel"}
+    return {"loss.cu": {"mse_forward_kernel", "mse_backward_kernel"}
+            | {_typed(f"log_softmax_{d}_kernel", ctype) for d in ("forward", "backward")
+               for ctype in ELEMENT_CTYPES.values()}
             | {f"{k}_kernel<{ctype}>" for k in label for ctype in LABEL_CTYPES.values()}
-            | {_train_loss_name(k, x, d, lab) for k in train for x in elements
-               for d in elements for lab in LABEL_CTYPES.values()}}
+            | {_train_loss_name(k, x, d, lab) for k in train for x, d in TRAIN_CTYPES
+               for lab in LABEL_CTYPES.values()}}
 
 
 IMPLS: dict[str, Callable] = {

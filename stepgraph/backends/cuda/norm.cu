@@ -14,10 +14,11 @@
 // "columns" (inner == 1, x (N, C): threadIdx.x along C, V adjacent channels a thread in one
 // access, up to 32 lanes a block, coalesced).
 // Launchers keep sizes < 2^31.
-// The kernels are templates over the storage T of x, y, dy and dx: float, or unsigned short
-// (bfloat16 bits, bf16.cuh), widened on load and rounded to nearest even once on store; the
-// statistics, the per-channel values (mean, invstd, weight, bias, coef, running statistics,
-// dweight, dbias) and all arithmetic stay float32 / float64, as the NumPy emulation has them.
+// The kernels are templates over the storage T of x, y, dy and dx: float, unsigned short (bfloat16
+// bits, bf16.cuh) or fp16_bits (float16, fp16.cuh), widened on load and rounded to nearest even
+// once on store; the statistics, the per-channel values (mean, invstd, weight, bias, coef, running
+// statistics, dweight, dbias) and all arithmetic stay float32 / float64, as the NumPy emulation has
+// them.
 #include "bf16.cuh"
 #include "reduce.cuh"
 
@@ -185,11 +186,13 @@ __device__ __forceinline__ float relu_masked(float g, float v, float mean, float
     return relu && !(bn_output(v, mean, invstd, affine, w, b, 0) > 0.f) ? 0.f : g;
 }
 
-// As stored in T: float as is, bf16 rounded to nearest even (a store then a load).
+// As stored in T: float as is, bf16 and float16 rounded to nearest even (a store then a
+// load).
 __device__ __forceinline__ float as_stored(float v, const float*) { return v; }
 __device__ __forceinline__ float as_stored(float v, const unsigned short*) {
     return bf16_round(v);
 }
+__device__ __forceinline__ float as_stored(float v, const fp16_bits*) { return fp16_round(v); }
 
 // The incoming gradient at a pack (planes) or V channels (columns): dy, or with the fused
 // gradient sum (SUM) dy + dy2 rounded as the unfused add stores it. A compile-time choice: a

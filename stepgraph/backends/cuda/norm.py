@@ -9,8 +9,9 @@ per-channel coefficients) live in device memory made once per node at its first 
 (runtime/launch.py _node_memory): a captured graph must not allocate, and Executable warms up
 eagerly before capture. Launchers check their preconditions and launch on ctx.stream: no host sync.
 
-The activations (x, y, dy, dx, the fused residual) are float32 or bfloat16 (precision="bf16":
-uint16 raw bits; the pass kernels are templates over that storage, norm.cu), all of one
+The activations (x, y, dy, dx, the fused residual) are float32, bfloat16 (precision="bf16":
+uint16 raw bits) or float16 (precision="fp16", model.half() with float BatchNorms); the pass
+kernels are templates over that storage, norm.cu), all of one
 dtype; the per-channel values stay float32 (torch's CUDA autocast runs batch_norm in the
 input's dtype with float32 weight, bias and statistics; compile/autocast.py). A bf16 kernel
 widens on load, computes exactly as the float32 one and rounds each output once, on store:
@@ -47,6 +48,7 @@ FINALIZE_BLOCK = 128         # a warp per channel (norm.cu channel_sums), blocks
 # IR dtype -> (storage dtype, the pass kernels' template argument T)
 ACTIVATION_CTYPES = CAST_CTYPES
 BF16_OPS = frozenset({"batch_norm_train", "batch_norm_stats", "batch_norm_grad"})
+FP16_OPS = BF16_OPS        # float16 activations (fp16_bits), float32 per-channel values
 KINDS = ("stats", "forward", "grad_stats", "backward")    # the passes of norm.cu
 # passes templated on a fused input: the gradient's on its fused sum (norm.cu SUM), the
 # forward's on the shortcut's fused BatchNorm (NORM_R)
@@ -59,6 +61,8 @@ COLUMN_WALKS = {
     "float": {"stats": (1, 4), "forward": (2, 4), "grad_stats": (4, 1), "backward": (2, 4)},
     "unsigned short": {"stats": (2, 4), "forward": (2, 4), "grad_stats": (2, 4),
                        "backward": (2, 4)},
+    # float16: bf16's walks (the same 2-byte accesses; not timed on their own)
+    "fp16_bits": {"stats": (2, 4), "forward": (2, 4), "grad_stats": (2, 4), "backward": (2, 4)},
 }
 
 

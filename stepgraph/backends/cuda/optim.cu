@@ -5,6 +5,8 @@
 // launch over every parameter) are in optim_<name>.cu, a file each (NVRTC compiles a file's
 // plain kernels together: a plan waits only for its own optimizer's), sharing update.cuh.
 // A guarded step (ops/guard.py) moves the counter in guard_advance (guard.cu) instead.
+// model.half(): float16 parameters, gradients and state (update.cuh), and a float16 loss and
+// its history (loss_kind: include/bf16.cuh STORAGE_*).
 #include "bf16.cuh"
 #include "step.cuh"
 #include "update.cuh"
@@ -14,11 +16,11 @@ extern "C" __global__ void step_increment_kernel(long long* step) {
     if (blockIdx.x == 0 && threadIdx.x == 0) *step += 1;
 }
 
-extern "C" __global__ void record_loss_kernel(const float* loss, const long long* step,
-                                              float* history_loss, long long* history_step,
-                                              long long length) {
+extern "C" __global__ void record_loss_kernel(const void* loss, const long long* step,
+                                              void* history_loss, long long* history_step,
+                                              long long length, int loss_kind) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
-    record(*loss, *step, history_loss, history_step, length);
+    record(loss, loss_kind, *step, history_loss, history_step, length);
 }
 
 extern "C" __global__ void lr_schedule_kernel(const long long* step, const float* schedule,
@@ -29,14 +31,14 @@ extern "C" __global__ void lr_schedule_kernel(const long long* step, const float
 
 // step_increment, lr_schedule and record_loss in one thread: the bookkeeping of a step.
 extern "C" __global__ void advance_step_kernel(long long* step, const float* schedule,
-                                               const float* loss, float* history_loss,
+                                               const void* loss, void* history_loss,
                                                long long* history_step, long long length,
-                                               float* lr) {
+                                               float* lr, int loss_kind) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     const long long t = *step + 1;
     *step = t;
     *lr = scheduled_factor(schedule, t);
-    record(*loss, t, history_loss, history_step, length);
+    record(loss, loss_kind, t, history_loss, history_step, length);
 }
 
 // A bf16 weight copy whose element order differs from its parameter's (attrs copy_dims: a conv

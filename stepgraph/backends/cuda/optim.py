@@ -8,9 +8,11 @@ hyperparameters, and per-block work items, made at the first eager call on their
 (runtime/launch.py `_node_memory`); the hyperparameters themselves are read from their device
 buffer (state `optimizer.hyperparameters`) at every launch, so a write between steps is seen
 by a replayed graph. They read float32 or bf16 gradients and write the bf16
-weight copies (attrs copies). An update with attrs update_stream (compile/overlap.py) runs
-forked onto the context's update stream (runtime/update_stream.py); update_join makes
-ctx.stream wait for the updates forked since the last join.
+weight copies (attrs copies); a float16 parameter (model.half()) has float16 state and a
+float16 gradient, each widened, updated in float32 and rounded once on store. An update with
+attrs update_stream (compile/overlap.py) runs forked onto the context's update stream
+(runtime/update_stream.py); update_join makes ctx.stream wait for the updates forked since the
+last join.
 """
 from __future__ import annotations
 
@@ -23,9 +25,9 @@ from ...errors import ShapeError
 from ...ir.graph import Node
 from ...ops.optim import (HYPER_AT, HYPER_COLUMNS, HYPER_DTYPE, NORM_AT, UPDATE_OPS,
                           UPDATE_SCALARS, hyper_rows, update_weight_copies)
-from .runtime.launch import (BLOCK, UPDATE_CHUNK, _aligned, _buffers_key, _check,
-                             _check_scalar, _chunk_jobs, _element_ctype, _grid, _launch,
-                             _node_memory)
+from .runtime.launch import (BLOCK, FLOAT_KINDS, UPDATE_CHUNK, _aligned, _buffers_key, _check,
+                             _check_scalar, _chunk_jobs, _element_ctype, _float_kind, _grid,
+                             _launch, _node_memory)
 from .runtime.update_stream import launch_update, update_join
 
 # update_join runs no kernel: its (held) operands may be of any dtype.
@@ -34,6 +36,8 @@ BF16_OPS = frozenset(UPDATE_OPS + ("update_join",))
 # step waits for the compile of its own optimizer's kernel alone.
 UPDATE_SOURCES = {"sgd_update": "optim_sgd.cu", "adam_update": "optim_adam.cu",
                   "rmsprop_update": "optim_rmsprop.cu", "adagrad_update": "optim_adagrad.cu"}
+# float16 parameters, gradients and state; a float16 loss recorded in a float16 history
+FP16_OPS = frozenset(UPDATE_OPS + ("update_join", "record_loss", "advance_step"))
 
 
 def step_increment(ctx, step) -> None:
@@ -51,25 +55,35 @@ def lr_schedule(ctx, step, schedule, lr) -> None:
 
 
 def record_loss(ctx, loss, step, history_loss, history_step) -> None:
-    """history_loss[step % R] = loss, history_step[step % R] = step (compile/history.py)."""
-    _check_scalar("record_loss loss", loss, "float32")
+    """history_loss[step % R] = loss, history_step[step % R] = step (compile/history.py); the
+    loss and its history float32, or both float16."""
+    kind = _loss_kind("record_loss", loss, history_loss)
     _check_scalar("record_loss step", step, "int64")
-    _check("record_loss history_loss", history_loss)
     _check("record_loss history_step", history_step, "int64", shape=history_loss.shape)
     _launch(ctx, "optim.cu", "record_loss_kernel", (1,), (32,),
-            (loss, step, history_loss, history_step, np.int64(history_loss.size)))
+            (loss, step, history_loss, history_step, np.int64(history_loss.size), kind))
+
+
+def _loss_kind(what: str, loss, history_loss) -> np.int32:
+    """The storage code of a scalar loss and its history (float32, or float16 for a float16
+    model's loss), which must agree."""
+    kind = _float_kind(f"{what} loss", loss)
+    if loss.size != 1:
+        raise ShapeError(f"{what} loss: expected a scalar, got shape {tuple(loss.shape)}")
+    _check(f"{what} history_loss", history_loss, loss.dtype.name)
+    return kind
 
 
 def advance_step(ctx, step, schedule, loss, history_loss, history_step, lr) -> None:
     """step += 1, lr = schedule(step), loss recorded under step: one launch."""
     _check_scalar("advance_step step", step, "int64")
     _check("advance_step schedule", schedule, shape=(6,))
-    _check_scalar("advance_step loss", loss, "float32")
-    _check("advance_step history_loss", history_loss)
+    kind = _loss_kind("advance_step", loss, history_loss)
     _check("advance_step history_step", history_step, "int64", shape=history_loss.shape)
     _check_scalar("advance_step lr", lr, "float32")
     _launch(ctx, "optim.cu", "advance_step_kernel", (1,), (32,),
-            (step, schedule, loss, history_loss, history_step, np.int64(history_loss.size), lr))
+            (step, schedule, loss, history_loss, history_step, np.int64(history_loss.size), lr,
+             kind))
 
 
 def _update_groups(node: Node, ins: list):
@@ -114,29 +128,34 @@ def _build_update_tables(op: str, params, grads, slots, positions, rows, copies)
     """The update kernels' UpdateEntry rows and (parameter, chunk) jobs. slots: per slot, its
     tensor of each parameter, placed at table slot positions[j] (s0, s1, s2); rows: each
     parameter's hyperparameter row; copies: {parameter index: its bf16 copy in the parameter's
-    element order}, written by the update itself."""
+    element order}, written by the update itself. A parameter and its state are float32 or
+    all float16; its gradient float32, bf16 bits or float16."""
     entries = []
     for i, (p, g) in enumerate(zip(params, grads)):
         placed = [None, None, None]
+        _float_kind(f"{op} param {i}", p)
         for position, group in zip(positions, slots):
             placed[position] = group[i]
         for what, t in [("param", p), ("grad", g)] + [(f"slot {j}", t) for j, t in
                                                       enumerate(placed) if t is not None]:
-            _check(f"{op} {what} {i}", t, dtype=None if what == "grad" else "float32",
+            _check(f"{op} {what} {i}", t, dtype=None if what == "grad" else p.dtype.name,
                    shape=p.shape)
         _element_ctype(f"{op} grad {i}", g)    # or bf16 bits (fuse.py fuse_gradient_casts)
+        if copies.get(i) is not None and p.dtype != np.float32:
+            raise ShapeError(f"{op} param {i}: a bf16 weight copy needs a float32 parameter")
         ptrs = [p.data.ptr, g.data.ptr] + [0 if t is None else t.data.ptr for t in placed]
         copy = copies.get(i)
         ptrs.append(0 if copy is None else copy.data.ptr)
         used = [p, g] + [t for t in placed if t is not None]
         aligned = _aligned(*used, *([] if copy is None else [copy]))
-        entries.append(ptrs + [p.size, int(aligned), int(g.dtype == np.uint16), rows[i]])
+        kinds = FLOAT_KINDS[g.dtype] | FLOAT_KINDS[p.dtype] << 8    # update.cuh UpdateEntry
+        entries.append(ptrs + [p.size, int(aligned), kinds, rows[i]])
     jobs = _chunk_jobs([p.size for p in params])
     return dict(entries=cp.asarray(np.array(entries, dtype=np.int64).reshape(-1, ENTRY_WIDTH)),
                 jobs=cp.asarray(jobs))
 
 
-ENTRY_WIDTH = 10     # include/update.cuh UpdateEntry: 6 pointers, n, aligned, grad_bf16, row
+ENTRY_WIDTH = 10     # include/update.cuh UpdateEntry: 6 pointers, n, aligned, kinds, row
 
 
 def _slot_positions(node: Node) -> list[int]:

@@ -24,7 +24,8 @@ bfloat16 programs (precision="bf16"; `BF16_OPS`): bf16 inputs are loaded as thei
 instruction that writes one rounds its float32 result to nearest even (bf16_round), as the
 unfused node's kernel rounds on store and as the NumPy reference (ops/pointwise.py) does; a bf16
 result is stored as its bits (exact: the value is already bf16). So fused and unfused bf16
-graphs give the same bits.
+graphs give the same bits. float16 programs (precision="fp16", model.half(); `FP16_OPS`) are
+the same with float16's conversions (fp16.cuh: storage fp16_bits, fp16_round).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ import cupy as cp  # imports without a GPU; kernels compile at their first launc
 import numpy as np
 
 from ...errors import ShapeError, UnsupportedOpError
-from ...ir.graph import BF16, Node, storage_dtype
+from ...ir.graph import BF16, FP16, HALF_DTYPES, Node, storage_dtype
 from ... import rng
 from ...ops.pointwise import Instr, register_dtypes
 from .runtime import compiler
@@ -47,6 +48,7 @@ VEC_KERNEL_NAME = "pointwise_vec4_kernel"
 VEC = 4                      # elements a thread of VEC_KERNEL_NAME
 BF16_OPS = frozenset({"pointwise", "unary", "compare", "compare_scalar", "where",
                       "masked_fill"})
+FP16_OPS = BF16_OPS
 _BINARY = {"add": "__fadd_rn({a}, {b})", "sub": "__fsub_rn({a}, {b})",
            "mul": "__fmul_rn({a}, {b})", "div": "__fdiv_rn({a}, {b})",
            "pow": "powf({a}, {b})", "maximum": "fmax_nan({a}, {b})",
@@ -114,7 +116,7 @@ def _expression(instr: Instr, r: list[str]) -> str:
         return f"__fmul_rn({args[0]}, {derivative})"
     if instr.op == "expand":
         return args[0]
-    if instr.op == "cast":          # a narrowing cast to bf16 rounds as any bf16 register
+    if instr.op == "cast":   # a narrowing cast to bf16 or float16 rounds as any such register
         return f"({_REGISTER_CTYPES[attr['dtype']]})({args[0]})"
     if instr.op == "unary":
         return _UNARY[attr["kind"]].format(x=args[0])
@@ -139,10 +141,13 @@ def _expression(instr: Instr, r: list[str]) -> str:
     raise ShapeError(f"pointwise: no CUDA code for op {instr.op!r}")
 
 
-# IR dtype -> C type of a kernel parameter (storage); registers of bf16 values are float.
+# IR dtype -> C type of a kernel parameter (storage); registers of 16-bit values are float.
 _CTYPES = {"float32": "float", "uint8": "unsigned char", "int64": "long long",
-           "int32": "int", "bool": "bool", BF16: "unsigned short"}
-_REGISTER_CTYPES = {**_CTYPES, BF16: "float"}
+           "int32": "int", "bool": "bool", BF16: "unsigned short", FP16: "fp16_bits"}
+_REGISTER_CTYPES = {**_CTYPES, BF16: "float", FP16: "float"}
+# 16-bit IR dtype -> (widening of a stored element, rounding of a float, narrowing to storage)
+_HALF_CODE = {BF16: ("bf16_to_float", "bf16_round", "bf16_from_float"),
+              FP16: ("fp16_to_float", "fp16_round", "fp16_from_float")}
 
 
 def _words(instr: Instr, r: list[str]) -> str:
@@ -159,13 +164,14 @@ def _words_line(instr: Instr, r: list[str]) -> str:
 
 def vectorizable(program: tuple[Instr, ...], results: tuple[int, ...], shape: tuple,
                  input_shapes: tuple[tuple, ...], input_dtypes: tuple[str, ...]) -> bool:
-    """True when every input and result is float32 or bf16 of `shape` (no broadcast input,
-    no mask, no dropout draws): the source then has VEC_KERNEL_NAME too."""
+    """True when every input and result is float32, bf16 or float16 of `shape` (no broadcast
+    input, no mask, no dropout draws): the source then has VEC_KERNEL_NAME too."""
     dtypes = register_dtypes(program, input_dtypes)
+    floats = ("float32", *HALF_DTYPES)
     return not uses_groups(program) \
         and all(tuple(s) == tuple(shape) for s in input_shapes) \
-        and all(dtypes[j] in ("float32", BF16) for j in range(len(input_shapes))) \
-        and all(dtypes[r] in ("float32", BF16) for r in results)
+        and all(dtypes[j] in floats for j in range(len(input_shapes))) \
+        and all(dtypes[r] in floats for r in results)
 
 
 def uses_groups(program: tuple[Instr, ...]) -> bool:
@@ -178,7 +184,7 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
                   input_shapes: tuple[tuple, ...],
                   input_dtypes: tuple[str, ...] | None = None) -> str:
     """CUDA source of KERNEL_NAME computing `program` over `shape` (float32 values; bfloat16,
-    uint8 masks and the int64 step counter where input_dtypes say so)."""
+    float16, uint8 masks and the int64 step counter where input_dtypes say so)."""
     k = len(input_shapes)
     dtypes = register_dtypes(program, input_dtypes or ("float32",) * k)
     # float64 would compute through float intrinsics and literals: refused, not rounded
@@ -186,7 +192,8 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
     if unsupported:
         raise UnsupportedOpError(
             f"{', '.join(unsupported)} values in the cuda backend's elementwise kernels (they "
-            "compute float32, bfloat16, integers and bool; .double() / .to(torch.float64) "
+            "compute float32, bfloat16, float16, integers and bool; .double() / "
+            ".to(torch.float64) "
             "run on device='cpu')")
     ctype = [_CTYPES[d] for d in dtypes]                     # storage: parameters
     rtype = [_REGISTER_CTYPES[d] for d in dtypes]                       # registers
@@ -196,16 +203,16 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
     # the step counter (0-d int64): read once
     scalars = [j for j in range(k) if dtypes[j] == "int64" and not input_shapes[j]]
     head = [f"    const long long r{j} = in{j}[0];" for j in scalars]
-    load = lambda j, s: (f"bf16_to_float(in{j}[{_offset(s, shape)}])" if dtypes[j] == BF16
-                         else f"in{j}[{_offset(s, shape)}]")      # noqa: E731
+    load = lambda j, s: (f"{_HALF_CODE[dtypes[j]][0]}(in{j}[{_offset(s, shape)}])"   # noqa
+                         if dtypes[j] in HALF_DTYPES else f"in{j}[{_offset(s, shape)}]")
     body = [f"const {rtype[j]} r{j} = {load(j, s)};"
             for j, s in enumerate(input_shapes) if j not in scalars]
     for j, instr in enumerate(program):
         value = _expression(instr, regs)
-        if dtypes[k + j] == BF16:               # the unfused node's store: one rounding
-            value = f"bf16_round({value})"
+        if dtypes[k + j] in HALF_DTYPES:        # the unfused node's store: one rounding
+            value = f"{_HALF_CODE[dtypes[k + j]][1]}({value})"
         body.append(f"const {rtype[k + j]} r{k + j} = {value};")
-    body += [f"out{j}[i] = bf16_from_float(r{r});" if dtypes[r] == BF16
+    body += [f"out{j}[i] = {_HALF_CODE[dtypes[r]][2]}(r{r});" if dtypes[r] in HALF_DTYPES
              else f"out{j}[i] = r{r};" for j, r in enumerate(results)]
     vec = []
     if vectorizable(program, results, shape, input_shapes, dtypes[:k]):
@@ -243,7 +250,7 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
                 "        }",
                 "    }"]
     return "\n".join([
-        *(['#include "bf16.cuh"'] if BF16 in dtypes or vec else []),
+        *(['#include "bf16.cuh"'] if set(HALF_DTYPES) & set(dtypes) or vec else []),
         '#include "elementwise.cuh"',
         *([_HELPERS] if any(i.op in ("unary", "binary", "scalar") for i in program) else []),
         *(['#include "philox.cuh"'] if uses_groups(program) else []),
@@ -276,7 +283,7 @@ def pointwise_forward(ctx, node: Node, ins: list, outs: list) -> None:
         raise ShapeError(f"pointwise: {n} elements exceed the kernel's 32-bit indexing")
     for what, values, arrays in (("input", node.inputs, ins), ("output", node.outputs, outs)):
         for v, a in zip(values, arrays):
-            # float32 or bf16 values, bool masks and casts' ints; uint8 masks and the int64
+            # float32, bf16 or float16 values, bool masks and casts' ints; uint8 masks, int64
             # step counter of dropout programs
             if v.dtype not in _CTYPES or not isinstance(a, cp.ndarray) \
                     or a.dtype != np.dtype(storage_dtype(v.dtype)) or not a.flags.c_contiguous:

@@ -6,11 +6,11 @@ Every op runs NCHW tensors, or channels-last ones (attrs layout "NHWC", compile/
 (include/pool.cuh). Launchers check their preconditions and launch on ctx.stream: no host
 sync, no allocation.
 
-Every kernel is a template over the element storage: float32, or bfloat16 (precision="bf16":
-uint16 raw bits, ir/graph.py). bf16 values are widened on load, windows are summed (and
-divided) in float32 and each output is rounded to nearest even once, when stored: the NumPy
-emulation's rounding point (NumpyBackend.run_node), so max pooling and its gradient match it
-bit for bit. The indices stay int32; an op's float operands share one dtype.
+Every kernel is a template over the element storage: float32, bfloat16 (precision="bf16": uint16 raw
+bits, ir/graph.py) or float16 (fp16_bits). 16-bit values are widened on load, windows are summed
+(and divided) in float32 and each output is rounded to nearest even once, when stored: the NumPy
+emulation's rounding point (NumpyBackend.run_node), so max pooling and its gradient match it bit for
+bit. The indices stay int32; an op's float operands share one dtype.
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ MAX_KERNELS = ("maxpool2d_forward_kernel", "maxpool2d_forward_nhwc_kernel",
 # IR dtype -> (storage dtype, the kernels' template argument T)
 POOL_CTYPES = CAST_CTYPES
 BF16_OPS = frozenset({"maxpool2d", "maxpool2d_grad", "avgpool2d", "avgpool2d_grad"})
+FP16_OPS = BF16_OPS          # float16: the fp16_bits instantiations (CAST_CTYPES)
 
 
 def kernel_names() -> dict[str, set[str]]:

@@ -22,6 +22,7 @@ SOURCE = "pool3d.cu"
 KERNELS = ("maxpool3d_forward_kernel", "maxpool3d_backward_kernel",
            "avgpool3d_forward_kernel", "avgpool3d_backward_kernel")
 BF16_OPS = frozenset({"maxpool3d", "maxpool3d_grad", "avgpool3d", "avgpool3d_grad"})
+FP16_OPS = BF16_OPS          # float16: the fp16_bits instantiations (CAST_CTYPES)
 
 
 def kernel_names() -> dict[str, set[str]]:

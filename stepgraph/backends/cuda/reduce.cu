@@ -171,13 +171,14 @@ act_bias_backward_kernel(const T* dy, const T* saved, T* dz, T* db, double* part
 }
 
 // One row of the device table built once per node by launchers.global_norm_forward: a float32
-// tensor, or the bf16 bits of a gradient whose cast to float32 compile/fuse.py dropped
-// (fuse_gradient_casts; widened exactly, so the norm is the same).
+// tensor, the bf16 bits of a gradient whose cast to float32 compile/fuse.py dropped
+// (fuse_gradient_casts; widened exactly, so the norm is the same), or a float16 gradient
+// (model.half()); `kind` is its storage code (bf16.cuh STORAGE_*).
 struct NormEntry {
     const void* data;
     long long n;
     long long aligned;  // data is 16-byte aligned: one vector load of four elements
-    long long bf16;
+    long long kind;
 };
 
 // out = sqrt(sum over tensors of sum(g^2)), in float64 like the numpy reference. Block k sums
@@ -198,12 +199,12 @@ extern "C" __global__ void global_norm_forward_kernel(const NormEntry* entries,
     for (long long i = start + 4 * (long long)threadIdx.x; i < end; i += stride) {
         if (e.aligned && i + 4 <= end) {
             float v[4];
-            load4_either_as_float(e.data, e.bf16, i, v);
+            load4_either_as_float(e.data, (int)e.kind, i, v);
             acc += (double)v[0] * v[0] + (double)v[1] * v[1] + (double)v[2] * v[2] +
                    (double)v[3] * v[3];
         } else {
             for (long long j = i; j < i + 4 && j < end; ++j) {
-                const double g = load_either_as_float(e.data, e.bf16, j);
+                const double g = load_either_as_float(e.data, (int)e.kind, j);
                 acc += g * g;
             }
         }

@@ -5,7 +5,8 @@ fallback), the activation gradient fused with the bias gradient's column sum
 Device memory kept per node (runtime/launch.py `_node_memory`): reduce_sum and act_bias_grad
 split over rows keep the splits' float64 partial sums; global_norm a table of tensor pointers
 and sizes, per-block work items, a float64 partial per block and an arrival counter.
-reduce_sum, act_bias_grad and global_norm take float32 or bf16 (uint16 bits) operands.
+reduce_sum, act_bias_grad and global_norm take float32, bf16 (uint16 bits) or float16 operands
+(a float16 sum is accumulated as the float32 one and rounded once).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import numpy as np
 from ...errors import ShapeError
 from ...ir.graph import Node
 from .elementwise import fill_forward
-from .runtime.launch import (BLOCK, ELEMENT_CTYPES, UPDATE_CHUNK, _act_code, _aligned,
+from .runtime.launch import (BLOCK, ELEMENT_CTYPES, FLOAT_KINDS, UPDATE_CHUNK, _act_code, _aligned,
                              _buffers_key, _check, _check_int32, _check_scalar, _chunk_jobs,
                              _element_ctype, _grid, _launch, _node_memory, _slope, _typed)
 
@@ -28,6 +29,7 @@ COLUMN_SPLIT_ROWS = 256       # rows per split at least
 REDUCE_DIMS = 4               # reduce_sum_strided_kernel: kept and reduced dims, 4 runs each
 COLUMN_BLOCK = (32, 16)       # reduce.cu COLUMN_TILE x COLUMN_ROWS
 BF16_OPS = frozenset({"reduce_sum", "act_bias_grad", "global_norm"})
+FP16_OPS = BF16_OPS
 
 
 def _column_splits(rows: int, column_blocks: int) -> int:
@@ -181,7 +183,7 @@ def act_bias_backward(ctx, node: Node, dy, saved, dz, db, kind: str,
 
 
 def _build_norm_tables(tensors) -> dict:
-    entries = np.array([(t.data.ptr, t.size, _aligned(t), t.dtype == np.uint16)
+    entries = np.array([(t.data.ptr, t.size, _aligned(t), FLOAT_KINDS[t.dtype])
                         for t in tensors], dtype=np.int64)
     jobs = _chunk_jobs([t.size for t in tensors])
     return dict(entries=cp.asarray(entries), jobs=cp.asarray(jobs),
@@ -202,7 +204,7 @@ def global_norm_forward(ctx, node: Node, tensors, out) -> None:
 
 def _checked_norm_tables(tensors) -> dict:
     for i, t in enumerate(tensors):
-        # float32, or a bf16 gradient whose cast fuse_gradient_casts dropped
+        # float32, a bf16 gradient whose cast fuse_gradient_casts dropped, or float16
         _element_ctype(f"global_norm input {i}", t)
     return _build_norm_tables(tensors)
 

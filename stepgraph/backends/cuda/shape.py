@@ -21,6 +21,8 @@ SOURCE = "shape.cu"
 # slice and slice_grad move bits, so bf16 values (compile/autocast.py keeps slices in bf16)
 # take the same kernels.
 BF16_OPS = frozenset({"slice", "slice_grad"})
+# float16 too; and constant, whose upload holds the node's float16 values as they are stored
+FP16_OPS = BF16_OPS | {"constant"}
 UNIT_CTYPES = {16: "uint4", 8: "unsigned long long", 4: "unsigned int", 1: "unsigned char"}
 ARANGE_CTYPES = {np.dtype("int64"): "long long", np.dtype("int32"): "int",
                  np.dtype("float32"): "float", np.dtype("float64"): "double"}

@@ -16,10 +16,11 @@
 // scores [BQ][BK + 4]; the pads keep the per-thread accesses free of bank conflicts.
 // Templates <HD, BQ, BK, MATH, T>: head dims up to HD (32, 64, 128), BQ queries x BK keys per
 // tile, T the storage of q, k, v, out and their gradients (float, or unsigned short: bf16 bits,
-// widened on load, rounded once on store; lse and D are float32 either way), and the
-// products' arithmetic:
-//   SDPA_TF32   inputs rounded to TF32 (precision="tf32", as the GEMMs; and "bf16", whose
-//               q, k, v are exact in TF32, only the probabilities and dS are rounded);
+// or fp16_bits: float16, widened on load, rounded once on store; lse and D are float32 either
+// way), and the products' arithmetic:
+//   SDPA_TF32   inputs rounded to TF32 (precision="tf32", as the GEMMs; and "bf16" and
+//               "fp16", whose q, k, v are exact in TF32, only the probabilities and dS are
+//               rounded);
 //   SDPA_3XTF32 each input split into a TF32 part and a TF32 remainder, three products per
 //               step (a_lo b_hi + a_hi b_lo + a_hi b_hi): float32-level accuracy
 //               (precision="fp32"; the scheme cuBLAS and CUTLASS call 3xTF32).

@@ -55,16 +55,19 @@ TILES = {"forward": {32: (64, 64), 64: (64, 64), 128: (64, 32)},
 
 # attention.cu's SDPA_TF32 and SDPA_3XTF32, and the storages each is launched for
 TF32, TF32X3 = 1, 2
-CTYPES = {TF32: ("float", "unsigned short"), TF32X3: ("float",)}
-# precision -> the products' arithmetic on float32 operands; bf16 operands (uint16 bits, exact
-# in TF32) always take TF32
-MATH = {"fp32": TF32X3, "tf32": TF32, "bf16": TF32}
-STORAGE = ELEMENT_CTYPES             # float32, or uint16 (bf16 bits) -> the kernels' T
+CTYPES = {TF32: ("float", "unsigned short", "fp16_bits"), TF32X3: ("float",)}
+# precision -> the products' arithmetic on float32 operands; bf16 and float16 operands (exact
+# in TF32: 8 and 11 significant bits, TF32 has 11) always take TF32
+MATH = {"fp32": TF32X3, "tf32": TF32, "bf16": TF32, "fp16": TF32}
+STORAGE = ELEMENT_CTYPES             # float32, uint16 (bf16 bits) or float16 -> the kernels' T
 BF16_OPS = frozenset({"sdpa", "sdpa_grad", "sdpa_qkv", "sdpa_qkv_grad"})
+# float16 runs on the own kernels (fp16_bits, TF32 products); cuDNN's fused attention is
+# taken for bf16 only (attention_cudnn.py)
+FP16_OPS = BF16_OPS
 
 
 def math_of(precision: str, ctype: str) -> int:
-    if ctype == "unsigned short":
+    if ctype != "float":
         return TF32
     if precision not in MATH:
         raise ShapeError(f"sdpa: no kernels for precision {precision!r}")
@@ -193,10 +196,10 @@ def _collapsed_stride(shape: tuple, strides: tuple) -> int | None:
 
 
 def storage(q) -> str:
-    """The kernels' T for q's dtype: float32, or uint16 (bf16 bits); k, v, out and the
-    gradients must have the same (_heads)."""
+    """The kernels' T for q's dtype: float32, uint16 (bf16 bits) or float16; k, v, out and
+    the gradients must have the same (_heads)."""
     if not isinstance(q, cp.ndarray) or q.dtype not in STORAGE:
-        raise ShapeError(f"sdpa: q must be a float32 or bf16 (uint16) CuPy array, got "
+        raise ShapeError(f"sdpa: q must be a float32, bf16 (uint16) or float16 CuPy array, got "
                          f"{getattr(q, 'dtype', type(q).__name__)}")
     return STORAGE[q.dtype]
 

@@ -141,3 +141,17 @@ __global__ void conv2d_bias_act_kernel<unsigned short>(unsigned short* __restric
         y[e] = bf16_from_float(relu && v < 0.f ? 0.f : v);
     }
 }
+
+// float16 y and bias (fp16.cuh): as the bfloat16 specialisation.
+template <>
+__global__ void conv2d_bias_act_kernel<fp16_bits>(fp16_bits* __restrict__ y,
+                                                  const fp16_bits* __restrict__ bias,
+                                                  long long total, int O, int P, int has_bias,
+                                                  int relu) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += stride) {
+        float v = fp16_to_float(y[e]);
+        if (has_bias) v += fp16_to_float(bias[(e / P) % O]);
+        y[e] = fp16_from_float(relu && v < 0.f ? 0.f : v);
+    }
+}

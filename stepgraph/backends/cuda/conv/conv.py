@@ -57,7 +57,9 @@ does a bf16 forward with bias also offer a plain cuDNN plan + the epilogue kerne
 ("cudnn:<i>+epilogue"), which rounds y twice (the convolution's sum, then with the bias
 added): the emulation rounds once, so such a result can differ from it by the rounding of the
 sum. A ReLU alone commutes with the rounding: its epilogue is exact. On a cuDNN path
-conv2d_grad_weight's db is reduce_sum's (bf16 dy summed in float32, rounded once).
+conv2d_grad_weight's db is reduce_sum's (bf16 dy summed in float32, rounded once). float16
+(precision="fp16", model.half(): float16 storage, fp16_bits in the kernels, cuDNN's HALF data)
+takes every bfloat16 path above with float16's rounding.
 
 Channels-last nodes (attrs layout "NHWC", compile/layout.py: x (N, H, W, C), w (O, kh, kw,
 C/groups), y (N, Ho, Wo, O)) run through cuDNN: the own kernels are NCHW. Their bias and ReLU
@@ -94,9 +96,13 @@ GEMM_PATH_KERNELS = ("conv2d_im2col_kernel", "conv2d_grad_weight_gather_kernel",
                      "conv2d_col2im_kernel")
 EPILOGUE_KERNEL = "conv2d_bias_act_kernel"
 EPILOGUE_SUFFIX = "+epilogue"     # of a plain cuDNN plan's path, run with the epilogue kernel
-# The epilogue also runs bfloat16 (uint16 bits: conv.cu's unsigned short specialisation)
-EPILOGUE_CTYPES = {**compiler.FLOAT_CTYPES, "uint16": "unsigned short"}
+# The epilogue also runs bfloat16 (uint16 bits: conv.cu's unsigned short specialisation) and
+# float16 (its fp16_bits specialisation)
+EPILOGUE_CTYPES = {**compiler.FLOAT_CTYPES, "uint16": "unsigned short", "float16": "fp16_bits"}
 BF16_OPS = frozenset({"conv2d", "conv2d_grad_input", "conv2d_grad_weight"})
+# float16 (precision="fp16", model.half()): bf16's families, the tiled kernels and cuDNN's
+# plans with HALF data and float32 compute, the same roundings (module docstring)
+FP16_OPS = BF16_OPS
 
 PATHS = ("direct", "direct_narrow", "tiled", "gemm", "cudnn")
 PATH = "auto"                 # "auto" (timed per problem) or one of PATHS: tests force one
@@ -338,9 +344,10 @@ def kernel_names() -> dict[str, set[str]]:
              for channels in (DIRECT_CHANNELS, NARROW_CHANNELS)]
             + [_direct_name("grad_weight", ctype, tile) for tile in GRAD_WEIGHT_TILES]
             + [f"conv2d_direct_grad_weight_sum_kernel<{ctype}>"])
-    for dtype in tiled.TYPES:          # bfloat16 too (uint16 storage)
+    for dtype in tiled.TYPES:          # bfloat16 (uint16 storage) and float16 too
         names[tiled.SOURCE].update(tiled.kernel_names(TILED_NAME_GEOMETRIES, dtype))
-    names["conv.cu"].add(f"{EPILOGUE_KERNEL}<{EPILOGUE_CTYPES['uint16']}>")
+    names["conv.cu"].update(f"{EPILOGUE_KERNEL}<{EPILOGUE_CTYPES[s]}>"
+                            for s in ("uint16", "float16"))
     return names
 
 

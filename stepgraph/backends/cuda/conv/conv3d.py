@@ -108,7 +108,7 @@ def _forward_paths(ctx, g: Geometry3d, x, w, y, bias,
         return with_epilogue(only.removesuffix(EPILOGUE_SUFFIX))
     fused = conv_cudnn.conv2d_paths(ctx, g, x, w, y, bias, op="conv3d", only=only)
     # bf16: the epilogue rounds the sum before adding the bias; only where nothing fuses it
-    if only is not None or (str(x.dtype) == "uint16" and bias is not None and fused):
+    if only is not None or (str(x.dtype) in ("uint16", "float16") and bias is not None and fused):
         return fused
     return fused | with_epilogue(None)
 
@@ -158,6 +158,7 @@ IMPLS = {
     "conv3d_grad_weight": conv3d_grad_weight,
 }
 BF16_OPS = frozenset(IMPLS)        # cuDNN's bf16 graphs; the epilogue's uint16 instantiation
+FP16_OPS = BF16_OPS                # cuDNN's HALF graphs; the epilogue's fp16_bits one
 
 
 def kernel_names() -> dict[str, set[str]]:

@@ -10,7 +10,8 @@ precision, fused bias / ReLU, layout, determinism), memoised for the process:
   conv2d_grad_input  conv_dgrad
   conv2d_grad_weight conv_wgrad (conv.py adds db with a reduce_sum launch)
 float32 in and out, float32 accumulation; or bfloat16 in and out (precision="bf16": x, w, the
-bias, y, dy, dx, dw all bf16 raw bits in uint16 arrays) with float32 compute and intermediate
+bias, y, dy, dx, dw all bf16 raw bits in uint16 arrays; float16 the same with HALF data, for
+precision="fp16" and model.half()) with float32 compute and intermediate
 data types, so cuDNN accumulates in float32, adds the fused bias and applies the ReLU in
 float32 and rounds each output once, on store: the NumPy emulation's rounding point (its
 einsum sums in another order, so results may differ in the last bf16 place where a sum lies
@@ -22,9 +23,9 @@ MAX_PLANS_B more, those A's candidates do not already hold, as "cudnn:B<i>" (its
 its own graph). Filters, applied before building:
   - precision "fp32" excludes tensor-core engines (on float32 they compute in TF32) and engines
     that down-convert inputs or reduce in lower precision; "tf32" lets them compete;
-  - bfloat16 problems let tensor cores compete (they compute bf16 products exactly and
-    accumulate in float32) but exclude engines that reduce in lower precision, so that every
-    sum stays float32 as the compute type says;
+  - bfloat16 and float16 problems let tensor cores compete (they compute 16-bit products
+    exactly and accumulate in float32) but exclude engines that reduce in lower precision, so
+    that every sum stays float32 as the compute type says;
   - nondeterministic engines (atomics) are excluded unless the context opts in
     (ctx.deterministic False: compile_train_step(deterministic=False)), so every path gives the
     same bits on every run, as the own kernels and the GEMMs do;
@@ -74,7 +75,9 @@ MAX_WORKSPACE_BYTES = 4 << 30
 WORKSPACE_MEMORY_FRACTION = 16     # ... and at most 1/16 of the GPU's memory
 RUNTIME_COMPILED = False           # admit engines cuDNN compiles at plan build (NVRTC)
 LAYOUTS = ("NCHW", "NHWC")         # of every tensor of a problem (module docstring)
-DTYPES = ("float32", "bfloat16")   # IR dtypes of the problems (module docstring)
+DTYPES = ("float32", "bfloat16", "float16")   # IR dtypes of the problems (module docstring)
+# The 16-bit ones: HALF or BFLOAT16 data, float32 compute, tensor cores allowed
+HALF_DTYPES = ("bfloat16", "float16")
 INSTALL_HINT = "pip install -e '.[cuda]' (nvidia-cudnn-frontend and nvidia-cudnn-cu13)"
 
 
@@ -124,7 +127,7 @@ class Problem:
     """What one cuDNN graph computes: the key of its memoised Plans."""
     op: str                  # conv2d, conv2d_grad_input or conv2d_grad_weight (or conv3d...)
     g: Geometry
-    dtype: str               # IR dtype of every operand: float32 or bfloat16
+    dtype: str               # IR dtype of every operand: float32, bfloat16 or float16
     precision: str
     bias: bool = False       # conv2d: bias add in the graph
     relu: bool = False       # conv2d: ReLU in the graph, after the bias
@@ -176,7 +179,8 @@ def _strides(dims: list[int], layout: str) -> list[int]:
 def _graph(cudnn, p: Problem, handle) -> tuple[Any, dict[str, Any]]:
     """The problem's pygraph (validated, not yet planned) and its operand tensors by name."""
     g, f32 = p.g, cudnn.data_type.FLOAT
-    io = cudnn.data_type.BFLOAT16 if p.dtype == "bfloat16" else f32
+    io = {"bfloat16": cudnn.data_type.BFLOAT16,
+          "float16": cudnn.data_type.HALF}.get(p.dtype, f32)
     # Compute and intermediates float32 in both (every op of the graph takes these global
     # types): a bf16 graph rounds only what it writes.
     graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=f32, compute_data_type=f32,
@@ -224,7 +228,7 @@ def _ranked(cudnn, p: Problem, handle, modes: tuple[str, ...]):
     graph.create_execution_plans([getattr(cudnn.heur_mode, m) for m in modes])
     notes = cudnn.numerical_note
     barred = [notes.NONDETERMINISTIC] if p.deterministic else []
-    if p.dtype == "bfloat16":
+    if p.dtype in HALF_DTYPES:
         barred += [notes.REDUCED_PRECISION_REDUCTION]
     elif p.precision == "fp32":
         barred += [notes.TENSOR_CORE, notes.DOWN_CONVERT_INPUTS,

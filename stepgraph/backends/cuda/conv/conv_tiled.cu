@@ -21,14 +21,16 @@ struct alignas(sizeof(T) * K) Pack {
     T v[K];
 };
 
-// S -> T and T -> S: the identity for float and double; bf16 bits widen exactly and round to
-// nearest even on store (bf16.cuh, the NumPy emulation's rule).
+// S -> T and T -> S: the identity for float and double; bf16 and float16 bits widen exactly and
+// round to nearest even on store (bf16.cuh, fp16.cuh: the NumPy emulation's rule).
 __device__ __forceinline__ float widen(float v) { return v; }
 __device__ __forceinline__ double widen(double v) { return v; }
 __device__ __forceinline__ float widen(unsigned short v) { return bf16_to_float(v); }
+__device__ __forceinline__ float widen(fp16_bits v) { return fp16_to_float(v); }
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store(double* p, double v) { *p = v; }
 __device__ __forceinline__ void store(unsigned short* p, float v) { *p = bf16_from_float(v); }
+__device__ __forceinline__ void store(fp16_bits* p, float v) { *p = fp16_from_float(v); }
 
 __host__ __device__ constexpr int odd(int stride) { return stride | 1; }
 __host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }

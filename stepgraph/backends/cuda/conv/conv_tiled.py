@@ -28,9 +28,9 @@ from .geometry import Geometry
 
 SOURCE = "conv_tiled.cu"
 # Storage dtype of the tensors -> the kernels' (S, T): the C type stored and the one computed
-# in (bf16.cuh widens and rounds the unsigned short bits of bfloat16)
+# in (bf16.cuh widens and rounds the unsigned short bits of bfloat16, fp16.cuh float16's)
 TYPES = {"float32": ("float", "float"), "float64": ("double", "double"),
-         "uint16": ("unsigned short", "float")}
+         "uint16": ("unsigned short", "float"), "float16": ("fp16_bits", "float")}
 
 # Candidates, each timed per problem: (channels, pixels) a thread computes x input-channel
 # splits (forward, grad_input); (row ranges, output-channel ranges) per sample (grad_weight).

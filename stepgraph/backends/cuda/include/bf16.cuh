@@ -5,6 +5,8 @@
 // NaN becomes 0x7FC0. No cuda_bf16.h: the bit arithmetic needs no header and pins the NaN.
 #pragma once
 
+#include "fp16.cuh"      // float16's storage and its overloads of the loads and stores below
+
 __device__ __forceinline__ unsigned short bf16_from_float(float f) {
     const unsigned int u = __float_as_uint(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)0x7fc0u;
@@ -39,18 +41,6 @@ __device__ __forceinline__ void load4_as_float(const unsigned short* p, long lon
     const ushort4 a = *reinterpret_cast<const ushort4*>(p + i);
     v[0] = bf16_to_float(a.x); v[1] = bf16_to_float(a.y);
     v[2] = bf16_to_float(a.z); v[3] = bf16_to_float(a.w);
-}
-// The same, from a tensor of multi-tensor tables (the updates, global_norm, guard_check) that
-// is float32 or bf16 by a runtime flag: a bf16 gradient whose cast to float32 was dropped
-// (compile/fuse.py fuse_gradient_casts) reads as its exact widening.
-__device__ __forceinline__ float load_either_as_float(const void* p, bool bf16, long long i) {
-    return bf16 ? load_as_float(static_cast<const unsigned short*>(p), i)
-                : static_cast<const float*>(p)[i];
-}
-__device__ __forceinline__ void load4_either_as_float(const void* p, bool bf16, long long i,
-                                                      float v[4]) {
-    if (bf16) load4_as_float(static_cast<const unsigned short*>(p), i, v);
-    else load4_as_float(static_cast<const float*>(p), i, v);
 }
 // V adjacent elements (V = 1, 2 or 4) from p + i as float, and back: one access of V elements
 // (i % V == 0, p aligned to V elements).
@@ -101,4 +91,36 @@ __device__ __forceinline__ void storev_from_float(unsigned short* p, long long i
                                                           bf16_from_float(v[1]));
     else
         store4_from_float(p, i, v);
+}
+
+// Loads and stores as above, from a tensor of multi-tensor tables (the updates, global_norm,
+// guard_check) whose storage is a runtime `kind` (FLOAT_KINDS of runtime/launch.py: 0
+// float32, 1 bf16 bits, 2 float16): a bf16 gradient whose cast to float32 was dropped
+// (compile/fuse.py fuse_gradient_casts) reads as its exact widening, and so does a float16
+// one (model.half()).
+#define STORAGE_F32 0
+#define STORAGE_BF16 1
+#define STORAGE_FP16 2
+__device__ __forceinline__ float load_either_as_float(const void* p, int kind, long long i) {
+    if (kind == STORAGE_BF16) return load_as_float(static_cast<const unsigned short*>(p), i);
+    if (kind == STORAGE_FP16) return load_as_float(static_cast<const fp16_bits*>(p), i);
+    return static_cast<const float*>(p)[i];
+}
+__device__ __forceinline__ void load4_either_as_float(const void* p, int kind, long long i,
+                                                      float v[4]) {
+    if (kind == STORAGE_BF16) load4_as_float(static_cast<const unsigned short*>(p), i, v);
+    else if (kind == STORAGE_FP16) load4_as_float(static_cast<const fp16_bits*>(p), i, v);
+    else load4_as_float(static_cast<const float*>(p), i, v);
+}
+__device__ __forceinline__ void store_either_from_float(void* p, int kind, long long i,
+                                                        float v) {
+    if (kind == STORAGE_BF16) store_from_float(static_cast<unsigned short*>(p), i, v);
+    else if (kind == STORAGE_FP16) store_from_float(static_cast<fp16_bits*>(p), i, v);
+    else static_cast<float*>(p)[i] = v;
+}
+__device__ __forceinline__ void store4_either_from_float(void* p, int kind, long long i,
+                                                         const float v[4]) {
+    if (kind == STORAGE_BF16) store4_from_float(static_cast<unsigned short*>(p), i, v);
+    else if (kind == STORAGE_FP16) store4_from_float(static_cast<fp16_bits*>(p), i, v);
+    else store4_from_float(static_cast<float*>(p), i, v);
 }

@@ -2,13 +2,16 @@
 // optim.cu (step_increment, lr_schedule, record_loss, advance_step) and guard.cu
 // (guard_advance, a guarded step's bookkeeping).
 #pragma once
+#include "bf16.cuh"
 
 // history_loss[t % R] = loss; history_step[t % R] = t: the step's loss stays on the device,
 // readable for R steps, without a copy issued from the host (compile/history.py).
-__device__ __forceinline__ void record(float loss, long long t, float* history_loss,
-                                       long long* history_step, long long length) {
+__device__ __forceinline__ void record(const void* loss, int loss_kind, long long t,
+                                       void* history_loss, long long* history_step,
+                                       long long length) {
     const long long slot = t % length;
-    history_loss[slot] = loss;
+    store_either_from_float(history_loss, loss_kind, slot,
+                            load_either_as_float(loss, loss_kind, 0));   // exact: one dtype
     history_step[slot] = t;
 }
 

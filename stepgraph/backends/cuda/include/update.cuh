@@ -10,19 +10,21 @@
 // parameter (slots unused by the optimizer are null), whether all of them are 16-byte aligned
 // (float4 path), and `row`: the parameter's row of the hyperparameters (ops/optim.py
 // hyper_rows), read at every launch, so that a write from the host between steps takes effect
-// without a new table or capture. The gradient is float32, or bf16 bits (grad_bf16:
-// precision="bf16", where the update reads the bf16 gradient of the weight's copy and widens
-// it itself, exactly as the dropped cast would have: compile/fuse.py fuse_gradient_casts).
+// without a new table or capture. `kinds` holds storage codes (bf16.cuh STORAGE_*): bits 0-7
+// the gradient's, float32 or bf16 bits (precision="bf16", where the update reads the bf16
+// gradient of the weight's copy and widens it itself, exactly as the dropped cast would
+// have: compile/fuse.py fuse_gradient_casts) or float16; bits 8-15 the parameter's and its
+// state's, float32 or float16 (model.half()).
 struct UpdateEntry {
-    float* p;
+    void* p;
     const void* g;
-    float* s0;  // SGD momentum buffer / Adam exp_avg / RMSprop square_avg / Adagrad sum
-    float* s1;  // Adam exp_avg_sq / RMSprop grad_avg
-    float* s2;  // Adam max_exp_avg_sq / RMSprop momentum_buffer
+    void* s0;  // SGD momentum buffer / Adam exp_avg / RMSprop square_avg / Adagrad sum
+    void* s1;  // Adam exp_avg_sq / RMSprop grad_avg
+    void* s2;  // Adam max_exp_avg_sq / RMSprop momentum_buffer
     unsigned short* copy;  // bf16 weight copy of p, same element order (null: none)
     long long n;
     long long aligned;
-    long long grad_bf16;
+    long long kinds;
     long long row;
 };
 
@@ -51,37 +53,35 @@ __device__ __forceinline__ void update_chunk(const UpdateEntry* entries, const i
     const int2 job = blocks[blockIdx.x];
     const UpdateEntry e = entries[job.x];
     const long long start = (long long)job.y * chunk, end = min(start + chunk, e.n);
-    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
     const bool u0 = slots & 1, u1 = slots & 2, u2 = slots & 4;
+    const int gk = (int)(e.kinds & 0xff), pk = (int)((e.kinds >> 8) & 0xff);
     for (long long i = start + 4 * (long long)threadIdx.x; i < end; i += 4LL * blockDim.x) {
         if (e.aligned && i + 4 <= end) {
-            float4 p = *reinterpret_cast<float4*>(e.p + i);
-            float w[4];
-            load4_either_as_float(e.g, e.grad_bf16, i, w);
-            const float4 g = make_float4(w[0], w[1], w[2], w[3]);
-            float4 a = u0 ? *reinterpret_cast<float4*>(e.s0 + i) : zero;
-            float4 b = u1 ? *reinterpret_cast<float4*>(e.s1 + i) : zero;
-            float4 c = u2 ? *reinterpret_cast<float4*>(e.s2 + i) : zero;
-            element(p.x, g.x, a.x, b.x, c.x);
-            element(p.y, g.y, a.y, b.y, c.y);
-            element(p.z, g.z, a.z, b.z, c.z);
-            element(p.w, g.w, a.w, b.w, c.w);
-            *reinterpret_cast<float4*>(e.p + i) = p;
-            if (e.copy) {
-                const float q[4] = {p.x, p.y, p.z, p.w};
-                store4_from_float(e.copy, i, q);
-            }
-            if (u0) *reinterpret_cast<float4*>(e.s0 + i) = a;
-            if (u1) *reinterpret_cast<float4*>(e.s1 + i) = b;
-            if (u2) *reinterpret_cast<float4*>(e.s2 + i) = c;
+            float p[4], g[4], a[4] = {0.f, 0.f, 0.f, 0.f}, b[4] = {0.f, 0.f, 0.f, 0.f},
+                                 c[4] = {0.f, 0.f, 0.f, 0.f};
+            load4_either_as_float(e.p, pk, i, p);
+            load4_either_as_float(e.g, gk, i, g);
+            if (u0) load4_either_as_float(e.s0, pk, i, a);
+            if (u1) load4_either_as_float(e.s1, pk, i, b);
+            if (u2) load4_either_as_float(e.s2, pk, i, c);
+            for (int k = 0; k < 4; ++k) element(p[k], g[k], a[k], b[k], c[k]);
+            store4_either_from_float(e.p, pk, i, p);
+            if (e.copy) store4_from_float(e.copy, i, p);
+            if (u0) store4_either_from_float(e.s0, pk, i, a);
+            if (u1) store4_either_from_float(e.s1, pk, i, b);
+            if (u2) store4_either_from_float(e.s2, pk, i, c);
         } else {
             for (long long j = i; j < i + 4 && j < end; ++j) {
-                float a = u0 ? e.s0[j] : 0.f, b = u1 ? e.s1[j] : 0.f, c = u2 ? e.s2[j] : 0.f;
-                element(e.p[j], load_either_as_float(e.g, e.grad_bf16, j), a, b, c);
-                if (e.copy) store_from_float(e.copy, j, e.p[j]);
-                if (u0) e.s0[j] = a;
-                if (u1) e.s1[j] = b;
-                if (u2) e.s2[j] = c;
+                float p = load_either_as_float(e.p, pk, j);
+                float a = u0 ? load_either_as_float(e.s0, pk, j) : 0.f;
+                float b = u1 ? load_either_as_float(e.s1, pk, j) : 0.f;
+                float c = u2 ? load_either_as_float(e.s2, pk, j) : 0.f;
+                element(p, load_either_as_float(e.g, gk, j), a, b, c);
+                store_either_from_float(e.p, pk, j, p);
+                if (e.copy) store_from_float(e.copy, j, p);
+                if (u0) store_either_from_float(e.s0, pk, j, a);
+                if (u1) store_either_from_float(e.s1, pk, j, b);
+                if (u2) store_either_from_float(e.s2, pk, j, c);
             }
         }
     }

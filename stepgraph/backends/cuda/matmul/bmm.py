@@ -16,6 +16,7 @@ from ..elementwise import fill_forward
 from ..runtime.launch import _check
 
 BF16_OPS = frozenset({"bmm"})
+FP16_OPS = BF16_OPS      # float16 operands: CUDA_R_16F, float32 accumulation (gemm.py)
 
 
 def _check_bmm(a, b, c, trans_a: bool, trans_b: bool) -> int:

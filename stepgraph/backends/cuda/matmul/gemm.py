@@ -26,7 +26,9 @@ uses): A and B bf16, D bf16 or float32 (`GemmSpec.d_dtype`), CUBLAS_COMPUTE_32F 
 alpha/beta: products accumulated in float32, the epilogue (bias, activation) applied in
 float32, D rounded once. A bias is bf16 like D (CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, whose
 default is D's type, set explicitly), and so is GELU_AUX's pre-activation (aux type = D's).
-This is the numpy emulation's arithmetic but for the order of the float32 sums.
+This is the numpy emulation's arithmetic but for the order of the float32 sums. float16
+(precision="fp16", model.half(): CUDA_R_16F operands) is the same: COMPUTE_32F (float16
+products are exact in float32), D float16 or float32, bias and aux of D's type.
 """
 from __future__ import annotations
 
@@ -49,7 +51,9 @@ BIAS_EPILOGUES = frozenset({"BIAS", "RELU_BIAS", "RELU_AUX_BIAS", "GELU_BIAS", "
 AUX_EPILOGUES = frozenset({"RELU_AUX", "RELU_AUX_BIAS", "GELU_AUX", "GELU_AUX_BIAS",
                            "DRELU", "DRELU_BGRAD", "DGELU", "DGELU_BGRAD"})
 EPILOGUES = frozenset({"DEFAULT", "RELU", "GELU"}) | BIAS_EPILOGUES | AUX_EPILOGUES
-DTYPES = ("float32", "float64", "bfloat16")
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+# The 16-bit operand dtypes: float32 accumulation, D of their own dtype or float32.
+HALF_GEMM_DTYPES = ("bfloat16", "float16")
 
 
 class GemmUnsupportedError(StepgraphError):
@@ -73,8 +77,8 @@ class GemmSpec:
     when `accumulate` (beta = 1, C is D), then the epilogue. Layouts describe A, B and D as
     stored (before op). `align` is the byte alignment of the A, B and D pointers (and batch
     strides): cuBLASLt assumes 256 unless told, and views into an arena may have less.
-    `dtype` is A's and B's; `d_dtype` D's (and C's) when it differs (bf16 A/B with a float32
-    D: the bf16 linear's unfused epilogue), else None."""
+    `dtype` is A's and B's; `d_dtype` D's (and C's) when it differs (bf16 or float16 A/B with
+    a float32 D: the 16-bit linear's unfused epilogue), else None."""
 
     a: Layout
     b: Layout
@@ -117,9 +121,10 @@ class GemmSpec:
                 raise ShapeError(f"gemm: bad layout for {name}: {lay}")
         if self.dtype not in DTYPES:
             raise ShapeError(f"gemm: dtype {self.dtype!r} not supported (want one of {DTYPES})")
-        if self.d_dtype is not None and (self.dtype, self.d_dtype) != ("bfloat16", "float32"):
+        if self.d_dtype is not None and (self.dtype not in HALF_GEMM_DTYPES or
+                                         self.d_dtype != "float32"):
             raise ShapeError(f"gemm: {self.dtype} operands with a {self.d_dtype} result: only "
-                             "bfloat16 -> float32 mixes")
+                             "bfloat16 or float16 -> float32 mixes")
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"gemm: unknown epilogue {self.epilogue!r}")
         if self.epilogue in AUX_EPILOGUES and self.aux_ld < 1:
@@ -132,7 +137,7 @@ def _compute_and_scale_type(dtype: str, precision: str) -> tuple[int, int]:
 
     if dtype == "float64":
         return cublas.ComputeType.COMPUTE_64F, CudaDataType.CUDA_R_64F
-    if dtype == "bfloat16":   # float32 accumulation and epilogue, whatever the precision
+    if dtype in HALF_GEMM_DTYPES:   # float32 accumulation and epilogue, whatever the precision
         return cublas.ComputeType.COMPUTE_32F, CudaDataType.CUDA_R_32F
     # float32: exact FP32 unless the context opts in to TF32.
     compute = (cublas.ComputeType.COMPUTE_32F_FAST_TF32 if precision == "tf32"
@@ -143,8 +148,8 @@ def _compute_and_scale_type(dtype: str, precision: str) -> tuple[int, int]:
 def _data_type(dtype: str) -> int:
     CudaDataType = nvmath_bindings.load().CudaDataType
 
-    return {"float64": CudaDataType.CUDA_R_64F, "bfloat16": CudaDataType.CUDA_R_16BF}.get(
-        dtype, CudaDataType.CUDA_R_32F)
+    return {"float64": CudaDataType.CUDA_R_64F, "bfloat16": CudaDataType.CUDA_R_16BF,
+            "float16": CudaDataType.CUDA_R_16F}.get(dtype, CudaDataType.CUDA_R_32F)
 
 
 def _scale_dtype(dtype: str) -> str:
@@ -386,10 +391,10 @@ class GemmCache:
         if spec.epilogue in BIAS_EPILOGUES:
             set_("BIAS_POINTER", bias_ptr or stand_in)
             set_("BIAS_BATCH_STRIDE", 0)      # one bias vector for every batch item
-            if spec.out_dtype == "bfloat16" and "BIAS_DATA_TYPE" in attr.__members__:
+            if spec.out_dtype in HALF_GEMM_DTYPES and "BIAS_DATA_TYPE" in attr.__members__:
                 # The default (-1) already means D's type; said explicitly, as the graph's
-                # bias is bf16 (a float32 bias would need the float32 type here).
-                set_("BIAS_DATA_TYPE", _data_type("bfloat16"))
+                # bias is 16-bit (a float32 bias would need the float32 type here).
+                set_("BIAS_DATA_TYPE", _data_type(spec.out_dtype))
         if spec.epilogue in AUX_EPILOGUES:
             set_("EPILOGUE_AUX_POINTER", aux_ptr or stand_in)
             set_("EPILOGUE_AUX_LD", spec.aux_ld)
@@ -529,9 +534,10 @@ def matmul_spec(a, b, c, *, trans_a: bool = False, trans_b: bool = False,
         batch = 1
     dtypes = {ir_dtype(a), ir_dtype(b)}
     out = ir_dtype(c)
-    if len(dtypes) != 1 or (out not in dtypes and (dtypes, out) != ({"bfloat16"}, "float32")):
+    if len(dtypes) != 1 or (out not in dtypes and not (
+            dtypes <= set(HALF_GEMM_DTYPES) and out == "float32")):
         raise ShapeError(f"gemm: mixed dtypes a {ir_dtype(a)}, b {ir_dtype(b)}, c {out} (only "
-                         "bfloat16 operands may give a float32 result)")
+                         "bfloat16 or float16 operands may give a float32 result)")
     dtype = dtypes.pop()
     lay_b, align_b = _rowmajor_layout(b, "b")
     lay_a, align_a = _rowmajor_layout(a, "a")
@@ -568,7 +574,8 @@ def matmul(ctx, a, b, c, *, trans_a: bool = False, trans_b: bool = False,
 
 
 def ir_dtype(arr: Any) -> str:
-    """The IR dtype of a GEMM operand: uint16 storage is bfloat16 (ir/graph.py)."""
+    """The IR dtype of a GEMM operand: uint16 storage is bfloat16, float16 its own
+    (ir/graph.py)."""
     return graph_ir_dtype(arr.dtype)
 
 

@@ -21,7 +21,8 @@ cuBLASLt spent ~23 µs a step there, in wmma, gemv and sgemm kernels). The other
 cuBLASLt epilogue (exact gelu, or relu with its pre-activation saved) runs its GEMM into a
 float32 scratch of the node and then elementwise.linear_bias_act, so that y and z are each
 rounded once from float32 (the BIAS epilogue into bf16 z, then the activation of that, would
-round y twice). The autotuner's key holds the operands' dtypes.
+round y twice). The autotuner's key holds the operands' dtypes. float16 (precision="fp16",
+model.half()) takes the same paths as bf16.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ GELU_TANH_IN_EPILOGUE = True
 # tf32 144 against 116 µs, fp32 487 against 460; scripts/epilogue-bench).
 TIMED_AGAINST_KERNEL = frozenset({"gelu_tanh"})
 BF16_OPS = frozenset({"linear", "matmul"})
+FP16_OPS = BF16_OPS            # float16 operands: the bf16 paths with CUDA_R_16F and fp16_bits
 
 
 def kernel_names() -> dict[str, set[str]]:
@@ -129,7 +131,7 @@ def _linear_cublaslt(ctx, x, w, y, z, bias, kind, slope, node=None) -> None:
             return
         if z is not None and _gemm_fused(ctx, x, w, y, "GELU_AUX", bias, aux=z):
             return
-    if gemm.ir_dtype(y) == "bfloat16":
+    if gemm.ir_dtype(y) in gemm.HALF_GEMM_DTYPES:
         _linear_bf16_unfused(ctx, node, x, w, y, z, bias, kind, slope)
         return
     _linear_then_act(ctx, x, w, y, z, bias, kind, slope)
@@ -144,9 +146,9 @@ def _linear_then_act(ctx, x, w, y, z, bias, kind, slope) -> None:
 
 
 def _linear_bf16_unfused(ctx, node, x, w, y, z, bias, kind, slope) -> None:
-    """bf16 y = kind(x @ w.T + bias) (and z = x @ w.T + bias): the GEMM into the node's float32
-    scratch (bf16 A and B, float32 D), then bias, activation and both roundings in one
-    elementwise launch."""
+    """bf16 or float16 y = kind(x @ w.T + bias) (and z = x @ w.T + bias): the GEMM into the
+    node's float32 scratch (16-bit A and B, float32 D), then bias, activation and both
+    roundings in one elementwise launch."""
     import cupy as cp
 
 

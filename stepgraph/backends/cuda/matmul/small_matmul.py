@@ -11,7 +11,8 @@ Arithmetic in float32, every sum in a fixed order, so results are deterministic;
 operands give exact float32. bfloat16 operands (precision="bf16", uint16 bits; the small
 kernels only) are widened exactly, their products accumulated in float32, bias and activation
 applied in float32, and each bf16 output rounded once as it is stored: the numpy emulation's
-arithmetic but for the order of the sums.
+arithmetic but for the order of the sums. float16 operands (precision="fp16", model.half()) the
+same.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ ACT_CODES = {None: -1, "relu": 0, "leaky_relu": 1, "sigmoid": 2, "tanh": 3, "gel
              "gelu_tanh": 5}
 # (operands' IR dtype, outputs' IR dtype) the small kernels are instantiated for: those of the
 # linear and matmul nodes (an IR product writes its operands' dtype).
-SMALL_DTYPES = (("float32", "float32"), ("bfloat16", "bfloat16"))
+SMALL_DTYPES = (("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16"))
 SMALL_KERNELS = ("small_matmul_thread_kernel", "small_matmul_warp_kernel")
 
 
@@ -90,7 +91,7 @@ def _check_operands(a, b, c, bias, z, m, n, k, k2, trans_a, trans_b,
 def small_matmul_forward(ctx, a, b, c, *, trans_a=False, trans_b=False, bias=None, z=None,
                          act=None, slope=0.01) -> None:
     """c = act(op(a) @ op(b) + bias), z = the pre-activation when given; one launch. a and b
-    float32 or bfloat16, c, bias and z the same (SMALL_DTYPES)."""
+    float32, bfloat16 or float16, c, bias and z the same (SMALL_DTYPES)."""
     m, k, a_i, a_k = _operand(a, trans_a)
     k2, n, b_k, b_j = _operand(b, trans_b)
     dtypes = _check_operands(a, b, c, bias, z, m, n, k, k2, trans_a, trans_b, SMALL_DTYPES)

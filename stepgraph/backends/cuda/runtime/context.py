@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # bf16: the step's GEMMs take bf16 operands (compile/autocast.py); float32 GEMMs stay exact.
-PRECISIONS = ("fp32", "tf32", "bf16")
+# fp16: the same with float16 operands.
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 
 
 @dataclass

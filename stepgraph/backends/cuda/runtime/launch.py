@@ -29,8 +29,13 @@ ACT_CODES = {"none": -1, "relu": 0, "leaky_relu": 1, "sigmoid": 2, "tanh": 3, "g
              "gelu_tanh": 5, "silu": 6}      # the ACT_* codes of include/elementwise.cuh
 LABEL_CTYPES = {np.dtype("int32"): "int", np.dtype("int64"): "long long"}
 # Storage -> C type of the kernels templated on their element type; uint16 is the storage of
-# IR dtype bfloat16 only (ir/graph.py storage_dtype), so it always means bf16 bits here.
-ELEMENT_CTYPES = {np.dtype("float32"): "float", np.dtype("uint16"): "unsigned short"}
+# IR dtype bfloat16 only (ir/graph.py storage_dtype), so it always means bf16 bits here;
+# float16 is its own storage, fp16_bits in the kernels (include/fp16.cuh).
+ELEMENT_CTYPES = {np.dtype("float32"): "float", np.dtype("uint16"): "unsigned short",
+                  np.dtype("float16"): "fp16_bits"}
+# Storage -> the runtime storage code of a kernel that reads a table of tensors of mixed
+# storages (include/bf16.cuh STORAGE_*: load_either_as_float).
+FLOAT_KINDS = {np.dtype("float32"): 0, np.dtype("uint16"): 1, np.dtype("float16"): 2}
 
 
 @functools.cache
@@ -60,11 +65,21 @@ def _check_scalar(what: str, a, dtype: str) -> None:
 
 
 def _element_ctype(what: str, a) -> str:
-    """The C type of a float32 or bf16 (uint16 bits) operand of a templated kernel."""
+    """The C type of a float32, bf16 (uint16 bits) or float16 operand of a templated kernel."""
     _check(what, a, dtype=None)
     if a.dtype not in ELEMENT_CTYPES:
-        raise ShapeError(f"{what}: the cuda kernels take float32 or bfloat16, got {a.dtype}")
+        raise ShapeError(f"{what}: the cuda kernels take float32, bfloat16 or float16, got "
+                         f"{a.dtype}")
     return ELEMENT_CTYPES[a.dtype]
+
+
+def _float_kind(what: str, a, allowed=("float32", "float16")) -> np.int32:
+    """The storage code (FLOAT_KINDS) of an operand that may be any of `allowed` (a loss and
+    its history: float16 where the model computes in float16, model.half())."""
+    _check(what, a, dtype=None)
+    if a.dtype.name not in allowed:
+        raise ShapeError(f"{what}: the cuda kernels take {' or '.join(allowed)}, got {a.dtype}")
+    return np.int32(FLOAT_KINDS[a.dtype])
 
 
 def _typed(name: str, ctype: str) -> str:
