@@ -47,8 +47,9 @@ def test_model_file_graph_replays_match_eager_bit_for_bit(name, request):
 
 @pytest.mark.parametrize("name", ["gpt", "vit"])
 def test_hand_written_attention_trains_in_bf16_as_the_numpy_emulation(name, request):
-    """The files that write attention out by hand (q @ k^T, softmax, att @ v) run their batched
-    products as bf16 `bmm` at precision="bf16". Four steps of the CUDA graph are judged by the
+    """The files that write attention out by hand (q @ k^T, softmax, att @ v) run it in bf16
+    at precision="bf16": as the fused attention op where the rewrite takes it
+    (compile/attention_rewrite.py), else as bf16 `bmm`. Four steps of the CUDA graph are judged by the
     policy against torch float64, with the NumPy backend's bf16 emulation (the same roundings
     but for the order of the GEMMs' sums) as the measure of what bf16 rounding does there:
     losses, and every parameter's change (values would hide a LayerNorm weight's whole change,
@@ -64,7 +65,8 @@ def test_hand_written_attention_trains_in_bf16_as_the_numpy_emulation(name, requ
                                            precision="bf16"))
     cpu, gpu = steps
     calls = gpu.executable(gpu.signature).calls
-    assert any(n.op == "bmm" and n.outputs[0].dtype == "bfloat16" for n, _, _ in calls)
+    assert any(n.op in ("bmm", "sdpa", "sdpa_qkv") and n.inputs[0].dtype == "bfloat16"
+               for n, _, _ in calls)
     emulated = [float(cpu(*batch)) for batch in batches]
     got = [float(gpu(*(cp.asarray(a) for a in batch))) for batch in batches]
     t64 = copy.deepcopy(s.torch_model)

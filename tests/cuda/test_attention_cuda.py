@@ -206,6 +206,7 @@ def test_strided_heads_give_the_contiguous_bits(ctx, p):
     with ctx.stream:
         attention.sdpa_forward(ctx, *views, out_view, lse, step, attn)
         attention.sdpa_forward(ctx, *dense, out_d, lse_d, step, attn)
+    ctx.stream.synchronize()      # asnumpy reads on CuPy's stream, not ordered after ctx's
     np.testing.assert_array_equal(cp.asnumpy(out_view), cp.asnumpy(out_d))
     np.testing.assert_array_equal(cp.asnumpy(lse), cp.asnumpy(lse_d))
     dout = cp.asarray(random(rng, b, t, c))
