@@ -355,7 +355,8 @@ def torch_run(op, sample, dtype: torch.dtype, cotangents: list[np.ndarray] | Non
     leaves = _grad_leaves([inp, args, list(kwargs.values())])
     grads = []
     if leaves and cotangents is not None and any(c is not None for c in cotangents):
-        pairs = [(o, torch.tensor(c, dtype=o.dtype)) for o, c in zip(outs, cotangents)
+        pairs = [(o, torch.tensor(c, dtype=o.dtype, device=o.device))
+                 for o, c in zip(outs, cotangents)
                  if c is not None and o.requires_grad]
         grads = torch.autograd.grad([o for o, _ in pairs], leaves, [c for _, c in pairs],
                                     allow_unused=True) if pairs else [None] * len(leaves)
@@ -596,9 +597,9 @@ KNOWN: dict[tuple[str, torch.dtype], tuple[Known, ...]] = {
 KNOWN_CUDA: dict[str, tuple[Known, ...]] = {
     "nn.functional.scaled_dot_product_attention": (
         Known("every sample", lambda s, r: True,
-              "the attention kernels' fp32 products are 3xTF32, not strict FP32: dv 9.6e-6 "
-              "from float64 against a bound of 1.65e-6 on an H200 (2026-11-28); judged "
-              "against 16x the bound", looser=16.0),),
+              "the attention kernels' fp32 products are 3xTF32, not strict FP32: dv 9.61e-6 "
+              "from float64 where torch float32's own error is 1.19e-7 (sample 4, H200, "
+              "2026-11-28); judged against 32x the bound", looser=32.0),),
 }
 
 # Ops whose every sample is refused on the cuda backend, each checked to stay refused there:
