@@ -97,7 +97,7 @@ def _guard_advance(ins, attrs):
     flags[SKIP] = skip; skipped += skip, else step += 1; lr = schedule_factor(schedule, step) (the
     output); the loss, the call number and bits (| GUARD_HELD when skipped for an earlier
     step) recorded at slot calls % R."""
-    flags, counters, step = ins[0], ins[1], ins[2]
+    counters, step = ins[1], ins[2]
     _need(counters.shape == (N_COUNTERS,) and counters.dtype == "int64", "guard_advance",
           f"counters must be int64 ({N_COUNTERS},), got {counters!r}")
     _need(step.shape == () and step.dtype == "int64", "guard_advance",

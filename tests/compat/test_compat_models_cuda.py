@@ -49,15 +49,15 @@ def test_model_file_graph_replays_match_eager_bit_for_bit(name, request):
 def test_hand_written_attention_trains_in_bf16_as_the_numpy_emulation(name, request):
     """The files that write attention out by hand (q @ k^T, softmax, att @ v) run it in bf16
     at precision="bf16": as the fused attention op where the rewrite takes it
-    (compile/attention_rewrite.py), else as bf16 `bmm`. Four steps of the CUDA graph are judged by the
-    policy against torch float64, with the NumPy backend's bf16 emulation (the same roundings
-    but for the order of the GEMMs' sums) as the measure of what bf16 rounding does there:
+    (compile/attention_rewrite.py), else as bf16 `bmm`. Four steps of the CUDA graph are judged
+    by the policy against torch float64, with the NumPy backend's bf16 emulation (the same
+    roundings but for the order of the GEMMs' sums) as the measure of what bf16 rounding does:
     losses, and every parameter's change (values would hide a LayerNorm weight's whole change,
     4.6e-5 to 6.3e-4 after four steps, under a bound of bf16's resolution)."""
     s = setup(name, request.node.name)
     batches = s.batches[:BF16_STEPS]
     loss = getattr(sg.nn.functional, s.case.loss) if s.case.loss else None
-    steps, runs = [], []
+    steps = []
     for device in ("cpu", "cuda"):
         model = s.stepgraph_model()
         steps.append(sg.compile_train_step(model, loss, optim.SGD(lr=LR, momentum=MOMENTUM),
