@@ -195,6 +195,24 @@ def test_sgd_update_of_float16_parameters(backend, ctx):
               f"sgd_update input {i}")
 
 
+
+@pytest.mark.parametrize("c", [48, 384, 6000])
+def test_layer_norm_of_a_half_model(backend, ctx, c):
+    """model.half(): x, weight, bias float16; float32 statistics; dx, dweight, dbias float16
+    (the finalize rounds each sum once); and a float32 x with a fused float16 y."""
+    rng = np.random.default_rng(7)
+    x, w, b = half(rng, 2, 9, c), half(rng, c), half(rng, c)
+    got, _ = check(backend, ctx, "layer_norm", [x, w, b], eps=1e-5, weight=True, bias=True)
+    mean, rstd = got[1], got[2]
+    check(backend, ctx, "layer_norm_grad", [half(rng, *x.shape), x, w, mean, rstd],
+          weight=True, bias=True)
+    x32 = x.astype(np.float32)
+    node = node_of("layer_norm", [x32], eps=1e-5)
+    node.outputs[0] = Value(x.shape, F16)            # fuse_layer_norm_casts' float16 y
+    (dev, _), (ref16, _), (ref64, _) = run_three(backend, ctx, node, [x32])
+    judge(dev[0], ref16[0], ref64[0].astype(np.float64), "layer_norm float16 y")
+
+
 # ---- whole steps --------------------------------------------------------------------------
 
 def _loop(device, mode, data, init):

@@ -278,3 +278,36 @@ def test_an_op_without_float16_kernels_is_refused_in_one_line():
     assert "\n" not in message and "layer_norm" in message and "precision='bf16'" in message
     assert "linear" not in message.split("kernels yet for")[1].split(";")[0]
     check_fp16_support(graph, None, "cpu")    # the NumPy reference runs everything
+
+
+@pytest.mark.parametrize("c", [33, 384, 8196])
+@pytest.mark.parametrize("x_dtype", [F16, "float32"], ids=["half-model", "fused-cast"])
+def test_layer_norm_launches(monkeypatch, c, x_dtype):
+    """model.half(): x, weight, bias, y, dy, dx, dweight and dbias float16 (X = fp16_bits, the
+    finalize writing float16); precision="fp16": a float32 x with the float16 y or dy of a
+    fused cast (fuse_layer_norm_casts)."""
+    from stepgraph.backends.cuda import layer_norm
+
+    launched = _record_launches(monkeypatch, layer_norm)
+    monkeypatch.setattr(layer_norm, "resident_blocks", lambda name, threads: 528)
+    x, stats = Fake((3, 7, c), x_dtype), [Fake((21,)), Fake((21,))]
+    w, b = Fake((c,), x_dtype), Fake((c,), x_dtype)
+    layer_norm.layer_norm_forward(None, x, w, b, Fake(x.shape, F16), *stats, 1e-5)
+    layer_norm.layer_norm_backward(None, object(), Fake(x.shape, F16), x, w, *stats,
+                                   Fake(x.shape, x_dtype), Fake((c,), x_dtype),
+                                   Fake((c,), x_dtype))
+    names = [name for _, name, *_ in launched]
+    assert len(names) == 3 and all(n.split("<")[1].startswith("fp16_bits") for n in names[:2])
+    half_x = x_dtype == F16
+    assert all(n.endswith(", fp16_bits>") == half_x for n in names[:2] if "loop" not in n)
+    assert names[2] == f"layer_norm_grad_finalize_kernel<{'fp16_bits' if half_x else 'float'}>"
+    assert set(names) <= layer_norm.kernel_names()["layer_norm.cu"]
+    _assert_launches_match(launched)
+
+
+def test_layer_norm_refuses_mixed_float16_inputs():
+    """A float16 x takes float16 parameters and output (torch's half LayerNorm)."""
+    from stepgraph.backends.cuda import layer_norm
+
+    with pytest.raises(sg.errors.ShapeError, match="float32 or float16"):
+        layer_norm._x_ctype("layer_norm input", Fake((2, 4), "float64"))
