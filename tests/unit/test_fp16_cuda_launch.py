@@ -311,3 +311,44 @@ def test_layer_norm_refuses_mixed_float16_inputs():
 
     with pytest.raises(sg.errors.ShapeError, match="float32 or float16"):
         layer_norm._x_ctype("layer_norm input", Fake((2, 4), "float64"))
+
+
+def test_softmax_launches(monkeypatch):
+    """float16 x, y, dy and dx: the plain and the scaled (causal) kernels' fp16_bits twins."""
+    from stepgraph.backends.cuda import softmax
+
+    launched = _record_launches(monkeypatch, softmax)
+    x = Fake((2, 3, 5, 9), F16)
+    softmax.softmax_forward(None, x, Fake(x.shape, F16))
+    softmax.softmax_backward(None, x, Fake(x.shape, F16), Fake(x.shape, F16))
+    softmax.softmax_forward(None, x, Fake(x.shape, F16), 0.125, True)
+    softmax.softmax_backward(None, x, Fake(x.shape, F16), Fake(x.shape, F16), 0.5, True)
+    names = [name for _, name, *_ in launched]
+    assert names == [f"softmax_{k}_kernel<fp16_bits>" for k in (
+        "forward", "backward", "scaled_forward", "scaled_backward")]
+    assert set(names) <= softmax.kernel_names()["softmax.cu"]
+    _assert_launches_match(launched)
+    with pytest.raises(sg.errors.ShapeError, match="float32 or float16"):
+        softmax._rows("softmax input", Fake((4, 4), "uint16"))
+
+
+@pytest.mark.parametrize("ptr", [0x7000, 0x7004], ids=["vec4", "vec1"])
+def test_embedding_launches(monkeypatch, ptr):
+    """A float16 table: the lookup and both gradient paths take T = fp16_bits (the float32
+    names unchanged: T defaults to float)."""
+    from stepgraph.backends.cuda import embedding
+
+    launched = _record_launches(monkeypatch, embedding)
+    v, c, n = 300, 12, 2500
+    idx = Fake((5, n // 5), "int64")
+    embedding.embedding_forward(None, Fake((v, c), F16, ptr), idx, Fake((5, n // 5, c), F16, ptr))
+    for path in ("scan", "sorted"):
+        monkeypatch.setattr(embedding, "PATH", path)
+        embedding.embedding_backward(None, object(), Fake((5, n // 5, c), F16, ptr), idx,
+                                     Fake((v, c), F16, ptr))
+    names = [name for _, name, *_ in launched]
+    assert names[:2] == ["embedding_forward_kernel<long long, fp16_bits>",
+                         "embedding_backward_scan_kernel<long long, fp16_bits>"]
+    assert names[-1] == "embedding_backward_sorted_kernel<fp16_bits>"
+    assert set(names) <= embedding.kernel_names()["embedding.cu"]
+    _assert_launches_match(launched)
