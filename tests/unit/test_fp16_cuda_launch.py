@@ -262,21 +262,23 @@ def test_half_convnet_steps_have_float16_kernels_on_cuda(mode):
 
 
 def test_an_op_without_float16_kernels_is_refused_in_one_line():
-    """A LayerNorm of a model.half() (no float16 layer_norm kernel on cuda): refused when the
-    step is planned, in one line that names the op and the bf16 alternative."""
+    """A model.half() with a float16 mse loss (no float16 mse kernel on cuda): refused when
+    the step is planned, in one line that names the op and the bf16 alternative; its
+    LayerNorm (float16 kernels) is not named."""
     from stepgraph.backends.cuda.backend import declared_fp16_ops
     from stepgraph.compile.autocast import check_fp16_support
 
     model = sg.nn.Sequential(sg.nn.Linear(6, 8), sg.nn.LayerNorm(8), sg.nn.Linear(8, 4)).half()
-    x, y = np.ones((2, 6), np.float16), np.zeros(2, np.int64)
-    step = sg.compile_train_step(model, sg.nn.functional.cross_entropy,
+    x, y = np.ones((2, 6), np.float16), np.zeros((2, 4), np.float16)
+    step = sg.compile_train_step(model, sg.nn.functional.mse_loss,
                                  sg.optim.SGD(model.parameters(), lr=0.1), (x, y), device="cpu")
     graph = step.plan(step.signature).graph
     with pytest.raises(UnsupportedPrecisionError) as err:
         check_fp16_support(graph, declared_fp16_ops(), "cuda")
     message = str(err.value)
-    assert "\n" not in message and "layer_norm" in message and "precision='bf16'" in message
-    assert "linear" not in message.split("kernels yet for")[1].split(";")[0]
+    assert "\n" not in message and "mse" in message and "precision='bf16'" in message
+    named = message.split("kernels yet for")[1].split(";")[0]
+    assert "linear" not in named and "layer_norm" not in named
     check_fp16_support(graph, None, "cpu")    # the NumPy reference runs everything
 
 
@@ -352,3 +354,64 @@ def test_embedding_launches(monkeypatch, ptr):
     assert names[-1] == "embedding_backward_sorted_kernel<fp16_bits>"
     assert set(names) <= embedding.kernel_names()["embedding.cu"]
     _assert_launches_match(launched)
+
+
+def _gpt_half_graph():
+    from stepgraph.models import gpt, next_token_loss
+
+    sg.manual_seed(0)
+    model = gpt(64, block_size=16, n_layer=1, n_head=2, n_embd=32, dropout=0.1).half()
+    x = np.random.default_rng(0).integers(0, 64, (2, 16)).astype(np.int64)
+    step = sg.compile_train_step(model, next_token_loss,
+                                 sg.optim.AdamW(model.parameters(), lr=1e-3), (x, x))
+    return step.plan(step.signature).graph
+
+
+def test_a_half_gpt_has_float16_kernels_on_cuda():
+    """model.half() of the GPT (Embedding, LayerNorm, attention, AdamW): every op of its step
+    has a float16 kernel on cuda; without layer_norm's and embedding's it would be refused."""
+    from stepgraph.backends.cuda.backend import declared_fp16_ops
+    from stepgraph.compile.autocast import check_fp16_support
+
+    graph = _gpt_half_graph()
+    half_ops = {n.op for n in graph.nodes if any(v.dtype == F16 for v in n.outputs)}
+    assert {"embedding", "embedding_grad", "layer_norm", "layer_norm_grad"} <= half_ops
+    check_fp16_support(graph, declared_fp16_ops(), "cuda")
+    for op in ("layer_norm", "embedding"):
+        with pytest.raises(UnsupportedPrecisionError, match=op):
+            check_fp16_support(graph, declared_fp16_ops() - {op}, "cuda")
+
+
+def test_a_gpt_under_float16_autocast_and_grad_scaler_has_float16_kernels_on_cuda():
+    """A GPT model file with hand-written attention (masked_fill, softmax), trained by a
+    script under torch.autocast(dtype=torch.float16) with a GradScaler: the step's plan passes
+    the float16 check, its LayerNorms write the float16 y the next GEMM reads (the cast fused
+    into the kernel, fuse_layer_norm_casts) and their gradients read float16 dy."""
+    from stepgraph.backends.cuda.backend import declared_fp16_ops
+    from stepgraph.compile.autocast import check_fp16_support
+    from stepgraph.loop import hooks
+    from tests.compat.loader import load
+
+    sg.manual_seed(0)
+    model = load("gpt", "stepgraph").GPT()
+    model.name_parameters()
+    opt = sg.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = sg.amp.GradScaler()
+    gen = np.random.default_rng(0)
+    for _ in range(2):
+        idx = sg.from_numpy(gen.integers(0, 64, (2, 16)))
+        opt.zero_grad()
+        with sg.autocast("cuda", dtype=sg.float16):
+            _, loss = model(idx, idx)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert hooks.SESSION.last_step.precision == "fp16"
+    graph = hooks.SESSION.last_executable.plan.graph
+    check_fp16_support(graph, declared_fp16_ops(), "cuda")
+    norms = [n for n in graph.nodes if n.op == "layer_norm"]
+    grads = [n for n in graph.nodes if n.op == "layer_norm_grad"]
+    assert len(norms) == len(grads) == 5
+    assert all(n.inputs[0].dtype == "float32" for n in norms)
+    assert sum(n.outputs[0].dtype == F16 for n in norms) == 5
+    assert sum(n.inputs[0].dtype == F16 for n in grads) >= 4
