@@ -415,3 +415,21 @@ def test_a_gpt_under_float16_autocast_and_grad_scaler_has_float16_kernels_on_cud
     assert all(n.inputs[0].dtype == "float32" for n in norms)
     assert sum(n.outputs[0].dtype == F16 for n in norms) == 5
     assert sum(n.inputs[0].dtype == F16 for n in grads) >= 4
+
+
+def test_float16_gradients_all_reduce_as_ncclfloat16():
+    """A model.half()'s gradient buckets: all_reduce takes float16 and sums in float16
+    (ncclFloat16, 6 in nccl.h, whether or not CuPy names it); other reduce dtypes refused."""
+    from types import SimpleNamespace
+
+    from stepgraph.backends.cuda import collective
+    from stepgraph.ir.graph import Value
+    from stepgraph.ir.ops import infer_outputs
+
+    assert {"all_reduce", "all_reduce_join"} <= collective.FP16_OPS
+    assert collective._nccl_dtype(SimpleNamespace(), Fake((3,), F16)) == 6
+    assert collective._nccl_dtype(SimpleNamespace(NCCL_FLOAT16=6), Fake((3,), F16)) == 6
+    grads = [Value((3, 2), F16), Value((5,), F16)]
+    assert [d for _, d in infer_outputs("all_reduce", grads, {"group": 0})] == [F16, F16]
+    with pytest.raises(sg.errors.ShapeError, match="summed in float16"):
+        infer_outputs("all_reduce", grads, {"group": 0, "reduce_dtype": "float32"})
