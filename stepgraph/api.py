@@ -205,6 +205,9 @@ class TrainStep(_CompiledModel):
             self._broadcast_parameters()
         self._host_step: int | None = None
         self._rows: list | None = None       # the Parameter of each hyperparameter row
+        # id(Parameter) -> the steps it missed (its own step count is the counter less this;
+        # a training script's frozen layers, loop/session.py)
+        self.step_offsets: dict[int, int] = {}
         first = self.executable(self.signature)
         self.classes, self.ignore_index = label_check(first.plan.graph,
                                                      first.plan.graph.inputs[-1])
@@ -307,7 +310,7 @@ class TrainStep(_CompiledModel):
             return
         self.backend.copy_into(self.state[SCHEDULE_KEY], opt.schedule_vector())
         self.backend.copy_into(self.state[HYPERPARAMETERS_KEY],
-                               opt.hyperparameter_table(self._rows))
+                               opt.hyperparameter_table(self._rows, self.step_offsets))
         self._optimizer_version = opt.version
 
     # ---- what Optimizer.state_dict / load_state_dict read and write (optim/optimizer.py) ----
@@ -322,8 +325,8 @@ class TrainStep(_CompiledModel):
         if sharded:
             raise StateDictError(f"{sharded} are not kept per parameter (a ZeRO-sharded step): "
                                  "use the step's state_dict()")
-        return (int(self.backend.to_numpy(self.state[STEP_KEY])),
-                {slot: self.backend.to_numpy(self.state[k]) for slot, k in keys.items()})
+        own = int(self.backend.to_numpy(self.state[STEP_KEY])) - self.step_offsets.get(id(p), 0)
+        return (own, {slot: self.backend.to_numpy(self.state[k]) for slot, k in keys.items()})
 
     def load_optimizer_state(self, optimizer, state: dict, step: int | None,
                              at_least_one: bool) -> None:

@@ -92,7 +92,7 @@ _KINDS = {k.storage: k for k in (
     _Kind("LongStorage", "int64", 8, "int64"), _Kind("IntStorage", "int32", 4, "int32"),
     _Kind("ByteStorage", "uint8", 1, "uint8"), _Kind("BoolStorage", "bool", 1, "bool"),
     _Kind("BFloat16Storage", BF16, 2, storage_dtype(BF16)),
-    _Kind("HalfStorage", "float16", 2, None), _Kind("ShortStorage", "int16", 2, None),
+    _Kind("HalfStorage", "float16", 2, "float16"), _Kind("ShortStorage", "int16", 2, None),
     _Kind("CharStorage", "int8", 1, None), _Kind("ComplexFloatStorage", "complex64", 8, None),
     _Kind("ComplexDoubleStorage", "complex128", 16, None))}
 _UNTYPED = _Kind("UntypedStorage", "uint8", 1, "uint8")   # bytes; _rebuild_tensor_v3 types them
@@ -416,7 +416,7 @@ def load(f, map_location=None, pickle_module=None, *, weights_only: bool | None 
     stepgraph never runs code from a checkpoint. `map_location` (any value torch takes: a
     device, a string, a dict, a callable) and `mmap` are accepted and change nothing: eager
     tensors live in host memory, and where a step runs is `compile_train_step(device=...)`.
-    Tensors of dtypes stepgraph tensors cannot hold (float16, int16, int8, complex) raise
+    Tensors of dtypes stepgraph tensors cannot hold (int16, int8, complex) raise
     SerializationError; so do big-endian legacy files and TorchScript archives."""
     if pickle_module not in (None, pickle):
         raise SerializationError("torch.load: stepgraph reads checkpoints with its own "
@@ -671,8 +671,8 @@ def _tensor(record: _TensorRecord):
     kind, storage = record.kind, record.storage
     if kind.numpy is None:
         raise SerializationError(f"torch.load: a tensor of {kind.dtype}: stepgraph tensors "
-                                 "hold float32, float64, bfloat16, int64, int32, uint8 and "
-                                 "bool (convert it in torch before saving)")
+                                 "hold float32, float64, float16, bfloat16, int64, int32, "
+                                 "uint8 and bool (convert it in torch before saving)")
     data = storage.data[0] if storage.data else b""
     nbytes = storage.numel * storage.kind.itemsize
     if len(data) < nbytes:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ir.graph import BF16, Graph, Node, Value
+from ..ir.graph import BF16, HALF_DTYPES, Graph, Node, Value
 from ..ir.ops import OPS
 from ..ops.layout import channel_sum_axes, layout_of
 from ..ops.loss import IGNORE_INDEX
@@ -386,7 +386,8 @@ def fuse_layer_norm_casts(graph: Graph) -> Graph:
         =>   layer_norm -> y in bf16 [-> reshape] = c   (the kernel rounds y once, as the cast)
         cast(d bf16 -> float32) [-> reshape] -> layer_norm_grad(dy, ...)
         =>   [reshape ->] layer_norm_grad(d in bf16, ...)   (widened as loaded, exactly)
-    where each value on the way has that one reader. x, the statistics and dx stay float32."""
+    where each value on the way has that one reader. x, the statistics and dx stay float32.
+    precision="fp16" alike, with float16 in place of bf16."""
     graph = _copy(graph)
     users, producers = graph.consumers(), graph.producers()
     drop: set[Node] = set()
@@ -395,12 +396,12 @@ def fuse_layer_norm_casts(graph: Graph) -> Graph:
             y = n.outputs[0]
             view = _sole_view(graph, users, y)
             cast = _sole_reader(graph, users, view.outputs[0] if view else y, "cast")
-            if cast is None or cast.attrs["dtype"] != BF16:
+            if cast is None or cast.attrs["dtype"] not in HALF_DTYPES or y.dtype != "float32":
                 continue
             if view is None:
                 n.outputs = [cast.outputs[0], *n.outputs[1:]]
             else:
-                n.outputs = [Value(y.shape, BF16, y.name), *n.outputs[1:]]
+                n.outputs = [Value(y.shape, cast.attrs["dtype"], y.name), *n.outputs[1:]]
                 view.inputs, view.outputs = [n.outputs[0]], [cast.outputs[0]]
             drop.add(cast)
         elif n.op == "layer_norm_grad":
@@ -412,14 +413,15 @@ def fuse_layer_norm_casts(graph: Graph) -> Graph:
             else:
                 view, wide = None, dy
             cast = producers.get(wide)
-            if cast is None or cast.op != "cast" or cast.inputs[0].dtype != BF16 or \
+            if cast is None or cast.op != "cast" or cast.inputs[0].dtype not in HALF_DTYPES or \
+                    n.inputs[1].dtype != "float32" or \
                     _sole_reader(graph, users, wide, view.op if view else n.op) is None:
                 continue
             if view is None:
                 n.inputs = [cast.inputs[0], *n.inputs[1:]]
             else:
                 view.inputs = [cast.inputs[0]]
-                view.outputs = [Value(dy.shape, BF16, dy.name)]
+                view.outputs = [Value(dy.shape, cast.inputs[0].dtype, dy.name)]
                 n.inputs = [view.outputs[0], *n.inputs[1:]]
             drop.add(cast)
     return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})

@@ -22,6 +22,7 @@ from ..grad_mode import is_grad_enabled
 from ..ir.graph import INPUT, PARAM, STATE, Value
 from ..ir.trace import Tensor
 from . import hooks
+from .carry import StateCarry
 from .passes import DONE, OPEN, Pass, RecaptureWarning, as_feed_tensor
 from .program import Program, align, tree_leaves
 from .step import GRAD_NORM, LoopStep, ProgramModel, export_name
@@ -36,6 +37,7 @@ class LoopSession:
         self.pending: list[Pass] = []                      # backward() done, waiting for step
         self.done: list[weakref.ref] = []                  # stepped passes whose values may live
         self.steps: dict[tuple, LoopStep] = {}
+        self.carries: dict[tuple, StateCarry] = {}         # (id(optimizer), device) -> state
         self.kept: dict[int, list[Value]] = {}             # id(program) -> Values ever kept
         self.names: dict[int, str] = {}                    # id(Parameter or Buffer) -> name
         self.named: dict[int, Any] = {}                    # id -> the object (kept alive)
@@ -235,9 +237,9 @@ class LoopSession:
 
     def _loop_step(self, optimizer, passes, kept, arrays, precision, scaling, hook,
                    max_norm) -> LoopStep:
-        """The LoopStep (its optimizer state) of this optimizer, device, precision, bad-step
-        policy (GradScaler's skip) and trainable set; clipping, loss scaling and the rest
-        are its Executables'."""
+        """The LoopStep of this optimizer, device, precision, bad-step policy (GradScaler's
+        skip) and trainable set, holding the optimizer state the script's last step left
+        (carry.py); clipping, loss scaling and the rest are its Executables'."""
         trained, frozen = self._cached_for(optimizer, "optimizer", self._trainable)
         policy = "skip" if scaling is not None else "ignore"
         key = (id(optimizer), self.device, precision, policy, frozen)
@@ -246,6 +248,8 @@ class LoopSession:
             step = self.steps[key] = LoopStep(
                 self._model(), optimizer, trained, [p.program for p in passes], kept, arrays,
                 self.device, precision, policy, self.seed, hook, max_norm, scaling)
+        # torch's optimizer state is per parameter: it carries over to this step (carry.py)
+        self.carries.setdefault((id(optimizer), self.device), StateCarry()).switch(step)
         return step
 
     def _float32_precision(self) -> str:

@@ -112,6 +112,23 @@ class LoopStep(TrainStep):
         super().__init__(model, ModelLoss(), optimizer, arrays, device=device, seed=seed,
                          precision=precision, on_bad_batch=on_bad_batch)
 
+    def trained_rows(self) -> tuple:
+        """The Parameters this step updates (its hyperparameter rows)."""
+        return tuple(self._rows or ())
+
+    def resume(self, step_offsets: dict[int, int]) -> None:
+        """Run next after another step of the optimizer ran (carry.py copied the optimizer
+        state in): `step_offsets` {id(Parameter): steps it missed} go to the device with the
+        hyperparameters before the next step, the host mirror of the counter is read again,
+        bf16 weight copies are made from the parameters again, and the optimizer's
+        state_dict reads this step."""
+        self.step_offsets = step_offsets
+        self._optimizer_version = None
+        self._host_step = None
+        if self.precision == BF16_PRECISION:
+            self._refresh_weight_copies()
+        self.optimizer.attach(self)
+
     def _trains(self, p) -> bool:
         # torch computes a gradient for every requires_grad parameter but updates only the
         # optimizer's: the others are constants of this step.

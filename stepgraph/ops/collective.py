@@ -20,8 +20,9 @@ from ..ir.ops import _need, defop, impl
 COLLECTIVE_OPS = ("all_reduce", "all_reduce_join", "all_reduce_max", "reduce_scatter",
                   "zero_shard", "all_reduce_norm", "all_gather")
 # The dtypes a bucket of each gradient dtype may be summed in (attrs reduce_dtype).
+# float16 gradients (a model.half()'s) are summed in float16, as torch's DDP all-reduces them.
 REDUCE_DTYPES = {"float32": ("float32",), "float64": ("float64",),
-                 "bfloat16": ("float32", "bfloat16")}
+                 "bfloat16": ("float32", "bfloat16"), "float16": ("float16",)}
 
 
 def reduce_dtype_of(grad_dtype: str, bf16_communication: bool) -> str:
@@ -120,16 +121,20 @@ def _all_gather(ins, attrs):
     return []
 
 
+def _round_fp16(x) -> np.ndarray:
+    """float32 x rounded to the nearest float16 value, as float32."""
+    return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
+
+
 @impl("all_reduce")
 def _all_reduce_impl(node, ins, outs, ctx):
-    """bf16 gradients arrive widened to float32 (the backend rounds the outputs back once):
-    summed in float32 as they are, or rounded to bf16 after every partial sum, as a bf16
-    all-reduce does (attrs reduce_dtype "bfloat16")."""
+    """bf16 and float16 gradients arrive widened to float32 (the backend rounds the outputs
+    back once): summed in float32 as they are, or rounded to bf16 (float16) after every
+    partial sum, as a bf16 (float16) all-reduce does (attrs reduce_dtype)."""
     group = lookup_group(node.attrs["group"])
-    narrow = node.attrs.get("reduce_dtype") == "bfloat16"
+    narrow = {"bfloat16": round_bf16, "float16": _round_fp16}.get(node.attrs.get("reduce_dtype"))
     means = group.all_reduce_mean(list(ins), f"all_reduce of gradient bucket "
-                                             f"{node.attrs.get('bucket')}",
-                                  round_sum=round_bf16 if narrow else None)
+                                             f"{node.attrs.get('bucket')}", round_sum=narrow)
     for out, mean in zip(outs, means):
         out[...] = mean
 

@@ -10,17 +10,18 @@ import numpy as np
 from ..ir.ops import _need, defop, impl, vjp
 
 INDEX_DTYPES = ("int32", "int64")
+WEIGHT_DTYPES = ("float32", "float64", "float16")     # float16: a model.half()'s table
 
 
 @defop("embedding")
 def _embedding(ins, attrs):
-    """out[..., :] = weight[idx[...], :]; ins (weight (V, C) float, idx int32/int64 of any
-    shape) -> out idx.shape + (C,) of weight's dtype. An index outside [0, V) gives a row of
+    """out[..., :] = weight[idx[...], :]; ins (weight (V, C) float32, float64 or float16, idx
+    int32/int64 of any shape) -> out idx.shape + (C,) of weight's dtype. An index outside [0, V) gives a row of
     NaN (PyTorch raises; a device kernel cannot)."""
     weight, idx = ins
     _need(len(weight.shape) == 2, "embedding", f"weight must be (V, C), got {weight.shape}")
-    _need(weight.dtype in ("float32", "float64"), "embedding",
-          f"weight must be float32 or float64, got {weight.dtype}")
+    _need(weight.dtype in WEIGHT_DTYPES, "embedding",
+          f"weight must be float32, float64 or float16, got {weight.dtype}")
     _need(idx.dtype in INDEX_DTYPES, "embedding", f"indices must be int32 or int64, got "
           f"{idx.dtype}")
     return [(tuple(idx.shape) + (weight.shape[1],), weight.dtype)]

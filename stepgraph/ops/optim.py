@@ -109,11 +109,16 @@ HYPER_AT, NORM_AT = 2, 3
 # Column "lr" is the group's lr: parameter i's lr is the lr input (the schedule's factor,
 # exactly 1.0 without a schedule) times it. Flags that change the formula (nesterov,
 # maximize, amsgrad, centered, decoupled) stay attrs.
+# step_offset: the steps a parameter did not take part in (frozen for a while in a training
+# script, or trained from a later step on: loop/session.py); its own step count, which torch
+# keeps per parameter and the update's step-dependent terms read (SGD's first momentum step,
+# Adam's bias corrections, Adagrad's lr decay), is the step counter minus its offset.
+STEP_OFFSET = "step_offset"
 HYPER_COLUMNS = {
-    "sgd_update": ("lr", "weight_decay", "momentum", "dampening"),
-    "adam_update": ("lr", "weight_decay", "beta1", "beta2", "eps"),
+    "sgd_update": ("lr", "weight_decay", "momentum", "dampening", STEP_OFFSET),
+    "adam_update": ("lr", "weight_decay", "beta1", "beta2", "eps", STEP_OFFSET),
     "rmsprop_update": ("lr", "weight_decay", "alpha", "eps", "momentum"),
-    "adagrad_update": ("lr", "weight_decay", "lr_decay", "eps"),
+    "adagrad_update": ("lr", "weight_decay", "lr_decay", "eps", STEP_OFFSET),
 }
 HYPER_DTYPE = "float64"
 
@@ -270,7 +275,7 @@ def sgd_update(node: Node, ins, outs, ctx):
         momentum = h["momentum"] if slots else 0.0
         if momentum:
             buf = slots[0][i]
-            if step == 1:
+            if step - h[STEP_OFFSET] == 1:
                 buf[...] = d
             else:
                 buf *= t(momentum)
@@ -290,8 +295,9 @@ def adam_update(node: Node, ins, outs, ctx):
         t = p.dtype.type
         m, v = slots[0][i], slots[1][i]
         lr_i, wd, b1, b2 = lr * h["lr"], h["weight_decay"], h["beta1"], h["beta2"]
-        step_size = lr_i / (1 - b1**step)
-        bc2_sqrt = math.sqrt(1 - b2**step)
+        own = step - h[STEP_OFFSET]                     # the parameter's own step count
+        step_size = lr_i / (1 - b1**own)
+        bc2_sqrt = math.sqrt(1 - b2**own)
         decoupled = a.get("decoupled", False)
         d = _direction(g, p, coef, a.get("maximize", False), 0.0 if decoupled else wd)
         if wd and decoupled:
@@ -348,7 +354,7 @@ def adagrad_update(node: Node, ins, outs, ctx):
     for i, (p, g, h) in enumerate(zip(params, grads, rows)):
         t = p.dtype.type
         d = _direction(g, p, coef, a.get("maximize", False), h["weight_decay"])
-        clr = lr * h["lr"] / (1 + (step - 1) * h["lr_decay"])
+        clr = lr * h["lr"] / (1 + (step - h[STEP_OFFSET] - 1) * h["lr_decay"])
         total = slots[0][i]
         total += d * d
         std = np.sqrt(total) + t(h["eps"])

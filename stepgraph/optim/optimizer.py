@@ -309,15 +309,19 @@ class Optimizer(LoopMethods):
         """The value of HYPER_COLUMNS column `name` for a parameter of `group`."""
         return float(group[name])
 
-    def hyperparameter_table(self, rows: list | None = None) -> np.ndarray:
+    def hyperparameter_table(self, rows: list | None = None,
+                             step_offsets: dict | None = None) -> np.ndarray:
         """The (parameters, columns) float64 hyperparameters of the Parameters `rows` (None:
-        those of the last update emitted), one row each from its group."""
-        from ..ops.optim import HYPER_COLUMNS, hyperparameter_table   # ops imports optim
+        those of the last update emitted), one row each from its group; step_offsets {id of a
+        Parameter: the steps it missed} fills the step_offset column (0 where absent)."""
+        from ..ops.optim import HYPER_COLUMNS, STEP_OFFSET, hyperparameter_table
 
         rows = self._rows if rows is None else rows
         by_id = self._groups_by_id()
         groups = [self._group_of(p, by_id) for p in rows]
-        values = {c: [self.column(g, c) for g in groups] for c in HYPER_COLUMNS[self.update_op]}
+        values = {c: [self.column(g, c) for g in groups] for c in HYPER_COLUMNS[self.update_op]
+                  if c != STEP_OFFSET}
+        values[STEP_OFFSET] = [(step_offsets or {}).get(id(p), 0) for p in rows]
         return hyperparameter_table(self.update_op, values, len(rows))
 
     # ---- graph emission ----

@@ -195,6 +195,53 @@ def test_sgd_update_of_float16_parameters(backend, ctx):
               f"sgd_update input {i}")
 
 
+
+@pytest.mark.parametrize("c", [48, 384, 6000])
+def test_layer_norm_of_a_half_model(backend, ctx, c):
+    """model.half(): x, weight, bias float16; float32 statistics; dx, dweight, dbias float16
+    (the finalize rounds each sum once); and a float32 x with a fused float16 y."""
+    rng = np.random.default_rng(7)
+    x, w, b = half(rng, 2, 9, c), half(rng, c), half(rng, c)
+    got, _ = check(backend, ctx, "layer_norm", [x, w, b], eps=1e-5, weight=True, bias=True)
+    mean, rstd = got[1], got[2]
+    check(backend, ctx, "layer_norm_grad", [half(rng, *x.shape), x, w, mean, rstd],
+          weight=True, bias=True)
+    x32 = x.astype(np.float32)
+    node = node_of("layer_norm", [x32], eps=1e-5)
+    node.outputs[0] = Value(x.shape, F16)            # fuse_layer_norm_casts' float16 y
+    (dev, _), (ref16, _), (ref64, _) = run_three(backend, ctx, node, [x32])
+    judge(dev[0], ref16[0], ref64[0].astype(np.float64), "layer_norm float16 y")
+
+
+
+def test_softmax_plain_and_scaled(backend, ctx):
+    rng = np.random.default_rng(8)
+    x = half(rng, 2, 3, 40, 40, scale=3.0)
+    y = check(backend, ctx, "softmax", [x], dim=-1)[0][0]
+    check(backend, ctx, "softmax_grad", [half(rng, *x.shape), y], dim=-1)
+    ys = check(backend, ctx, "softmax", [x], dim=-1, scale=0.125, causal=True)[0][0]
+    check(backend, ctx, "softmax_grad", [half(rng, *x.shape), ys], dim=-1, scale=0.125,
+          causal=True)
+
+
+@pytest.mark.parametrize("path", ["scan", "sorted"])
+@pytest.mark.parametrize("c", [12, 13])                          # float4 groups or not
+def test_embedding_of_a_float16_table(backend, ctx, monkeypatch, path, c):
+    """The lookup moves float16 values bit for bit (NaN rows for indices out of range); the
+    gradient's per-row sums in float32, each rounded once."""
+    from stepgraph.backends.cuda import embedding
+
+    monkeypatch.setattr(embedding, "PATH", path)
+    rng = np.random.default_rng(9)
+    w, idx = half(rng, 300, c), rng.integers(0, 300, (7, 40)).astype(np.int64)
+    idx[0, :3] = [-1, 300, 299]
+    (got, _), (ref, _), _ = run_three(backend, ctx, node_of("embedding", [w, idx]), [w, idx])
+    np.testing.assert_array_equal(got[0].view(np.uint16)[1:], ref[0].view(np.uint16)[1:])
+    assert np.isnan(got[0][0, :2]).all() and np.array_equal(got[0][0, 2], w[299])
+    dy = half(rng, 7, 40, c)
+    check(backend, ctx, "embedding_grad", [dy, idx], num_embeddings=300)
+
+
 # ---- whole steps --------------------------------------------------------------------------
 
 def _loop(device, mode, data, init):

@@ -142,3 +142,36 @@ def test_float16_on_cuda_is_checked_per_op():
                        match="float16 on cuda.*linear.*precision='bf16'"):
         check_fp16_support(graph, frozenset(), "cuda")
     check_fp16_support(graph, frozenset({n.op for n in graph.nodes}), "cuda")
+
+
+def test_float16_embedding_and_indexing_as_torch():
+    """A float16 table (a model.half()'s Embedding): the lookup returns its values, x[idx] and
+    index_select too, and the gradient sums float16 rows once rounded, as torch's CPU half."""
+    gen = np.random.default_rng(3)
+    w = gen.standard_normal((11, 6)).astype(np.float16)
+    idx = gen.integers(0, 11, (4, 5))
+    got = sg.nn.functional.embedding(sg.from_numpy(idx), sg.from_numpy(w))
+    assert got.dtype == sg.float16
+    np.testing.assert_array_equal(got.numpy(), w[idx])
+    np.testing.assert_array_equal(sg.from_numpy(w)[sg.from_numpy(idx[0])].numpy(), w[idx[0]])
+    emb = torch.nn.Embedding(11, 6).half()
+    ours = sg.nn.Embedding(11, 6).half()
+    with torch.no_grad():
+        emb.weight.copy_(torch.from_numpy(w))
+    ours.load_state_dict({"weight": w})
+    dy = gen.standard_normal((4, 5, 6)).astype(np.float16)
+    out = emb(torch.from_numpy(idx))
+    out.backward(torch.from_numpy(dy))
+    step = sg.compile_train_step(ours, lambda out, d: (out.float() * d).sum(),
+                                 sg.optim.SGD(ours.parameters(), lr=1.0),
+                                 (idx, dy.astype(np.float32)))
+    step(idx, dy.astype(np.float32))
+    grad64 = np.zeros((11, 6))
+    np.add.at(grad64, idx.reshape(-1), dy.reshape(-1, 6).astype(np.float64))
+    before = w.astype(np.float64)
+    got = ours.weight.numpy()
+    assert got.dtype == np.float16
+    theirs = before - emb.weight.grad.double().numpy()        # torch half's sums, SGD lr 1
+    assert_close_to_reference(got.astype(np.float64) - before, -grad64,
+                              theirs.astype(np.float16).astype(np.float64) - before,
+                              "embedding change", precision=np.float16)

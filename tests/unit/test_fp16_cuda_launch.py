@@ -262,19 +262,174 @@ def test_half_convnet_steps_have_float16_kernels_on_cuda(mode):
 
 
 def test_an_op_without_float16_kernels_is_refused_in_one_line():
-    """A LayerNorm of a model.half() (no float16 layer_norm kernel on cuda): refused when the
-    step is planned, in one line that names the op and the bf16 alternative."""
+    """A model.half() with a float16 mse loss (no float16 mse kernel on cuda): refused when
+    the step is planned, in one line that names the op and the bf16 alternative; its
+    LayerNorm (float16 kernels) is not named."""
     from stepgraph.backends.cuda.backend import declared_fp16_ops
     from stepgraph.compile.autocast import check_fp16_support
 
     model = sg.nn.Sequential(sg.nn.Linear(6, 8), sg.nn.LayerNorm(8), sg.nn.Linear(8, 4)).half()
-    x, y = np.ones((2, 6), np.float16), np.zeros(2, np.int64)
-    step = sg.compile_train_step(model, sg.nn.functional.cross_entropy,
+    x, y = np.ones((2, 6), np.float16), np.zeros((2, 4), np.float16)
+    step = sg.compile_train_step(model, sg.nn.functional.mse_loss,
                                  sg.optim.SGD(model.parameters(), lr=0.1), (x, y), device="cpu")
     graph = step.plan(step.signature).graph
     with pytest.raises(UnsupportedPrecisionError) as err:
         check_fp16_support(graph, declared_fp16_ops(), "cuda")
     message = str(err.value)
-    assert "\n" not in message and "layer_norm" in message and "precision='bf16'" in message
-    assert "linear" not in message.split("kernels yet for")[1].split(";")[0]
+    assert "\n" not in message and "mse" in message and "precision='bf16'" in message
+    named = message.split("kernels yet for")[1].split(";")[0]
+    assert "linear" not in named and "layer_norm" not in named
     check_fp16_support(graph, None, "cpu")    # the NumPy reference runs everything
+
+
+@pytest.mark.parametrize("c", [33, 384, 8196])
+@pytest.mark.parametrize("x_dtype", [F16, "float32"], ids=["half-model", "fused-cast"])
+def test_layer_norm_launches(monkeypatch, c, x_dtype):
+    """model.half(): x, weight, bias, y, dy, dx, dweight and dbias float16 (X = fp16_bits, the
+    finalize writing float16); precision="fp16": a float32 x with the float16 y or dy of a
+    fused cast (fuse_layer_norm_casts)."""
+    from stepgraph.backends.cuda import layer_norm
+
+    launched = _record_launches(monkeypatch, layer_norm)
+    monkeypatch.setattr(layer_norm, "resident_blocks", lambda name, threads: 528)
+    x, stats = Fake((3, 7, c), x_dtype), [Fake((21,)), Fake((21,))]
+    w, b = Fake((c,), x_dtype), Fake((c,), x_dtype)
+    layer_norm.layer_norm_forward(None, x, w, b, Fake(x.shape, F16), *stats, 1e-5)
+    layer_norm.layer_norm_backward(None, object(), Fake(x.shape, F16), x, w, *stats,
+                                   Fake(x.shape, x_dtype), Fake((c,), x_dtype),
+                                   Fake((c,), x_dtype))
+    names = [name for _, name, *_ in launched]
+    assert len(names) == 3 and all(n.split("<")[1].startswith("fp16_bits") for n in names[:2])
+    half_x = x_dtype == F16
+    assert all(n.endswith(", fp16_bits>") == half_x for n in names[:2] if "loop" not in n)
+    assert names[2] == f"layer_norm_grad_finalize_kernel<{'fp16_bits' if half_x else 'float'}>"
+    assert set(names) <= layer_norm.kernel_names()["layer_norm.cu"]
+    _assert_launches_match(launched)
+
+
+def test_layer_norm_refuses_mixed_float16_inputs():
+    """A float16 x takes float16 parameters and output (torch's half LayerNorm)."""
+    from stepgraph.backends.cuda import layer_norm
+
+    with pytest.raises(sg.errors.ShapeError, match="float32 or float16"):
+        layer_norm._x_ctype("layer_norm input", Fake((2, 4), "float64"))
+
+
+def test_softmax_launches(monkeypatch):
+    """float16 x, y, dy and dx: the plain and the scaled (causal) kernels' fp16_bits twins."""
+    from stepgraph.backends.cuda import softmax
+
+    launched = _record_launches(monkeypatch, softmax)
+    x = Fake((2, 3, 5, 9), F16)
+    softmax.softmax_forward(None, x, Fake(x.shape, F16))
+    softmax.softmax_backward(None, x, Fake(x.shape, F16), Fake(x.shape, F16))
+    softmax.softmax_forward(None, x, Fake(x.shape, F16), 0.125, True)
+    softmax.softmax_backward(None, x, Fake(x.shape, F16), Fake(x.shape, F16), 0.5, True)
+    names = [name for _, name, *_ in launched]
+    assert names == [f"softmax_{k}_kernel<fp16_bits>" for k in (
+        "forward", "backward", "scaled_forward", "scaled_backward")]
+    assert set(names) <= softmax.kernel_names()["softmax.cu"]
+    _assert_launches_match(launched)
+    with pytest.raises(sg.errors.ShapeError, match="float32 or float16"):
+        softmax._rows("softmax input", Fake((4, 4), "uint16"))
+
+
+@pytest.mark.parametrize("ptr", [0x7000, 0x7004], ids=["vec4", "vec1"])
+def test_embedding_launches(monkeypatch, ptr):
+    """A float16 table: the lookup and both gradient paths take T = fp16_bits (the float32
+    names unchanged: T defaults to float)."""
+    from stepgraph.backends.cuda import embedding
+
+    launched = _record_launches(monkeypatch, embedding)
+    v, c, n = 300, 12, 2500
+    idx = Fake((5, n // 5), "int64")
+    embedding.embedding_forward(None, Fake((v, c), F16, ptr), idx, Fake((5, n // 5, c), F16, ptr))
+    for path in ("scan", "sorted"):
+        monkeypatch.setattr(embedding, "PATH", path)
+        embedding.embedding_backward(None, object(), Fake((5, n // 5, c), F16, ptr), idx,
+                                     Fake((v, c), F16, ptr))
+    names = [name for _, name, *_ in launched]
+    assert names[:2] == ["embedding_forward_kernel<long long, fp16_bits>",
+                         "embedding_backward_scan_kernel<long long, fp16_bits>"]
+    assert names[-1] == "embedding_backward_sorted_kernel<fp16_bits>"
+    assert set(names) <= embedding.kernel_names()["embedding.cu"]
+    _assert_launches_match(launched)
+
+
+def _gpt_half_graph():
+    from stepgraph.models import gpt, next_token_loss
+
+    sg.manual_seed(0)
+    model = gpt(64, block_size=16, n_layer=1, n_head=2, n_embd=32, dropout=0.1).half()
+    x = np.random.default_rng(0).integers(0, 64, (2, 16)).astype(np.int64)
+    step = sg.compile_train_step(model, next_token_loss,
+                                 sg.optim.AdamW(model.parameters(), lr=1e-3), (x, x))
+    return step.plan(step.signature).graph
+
+
+def test_a_half_gpt_has_float16_kernels_on_cuda():
+    """model.half() of the GPT (Embedding, LayerNorm, attention, AdamW): every op of its step
+    has a float16 kernel on cuda; without layer_norm's and embedding's it would be refused."""
+    from stepgraph.backends.cuda.backend import declared_fp16_ops
+    from stepgraph.compile.autocast import check_fp16_support
+
+    graph = _gpt_half_graph()
+    half_ops = {n.op for n in graph.nodes if any(v.dtype == F16 for v in n.outputs)}
+    assert {"embedding", "embedding_grad", "layer_norm", "layer_norm_grad"} <= half_ops
+    check_fp16_support(graph, declared_fp16_ops(), "cuda")
+    for op in ("layer_norm", "embedding"):
+        with pytest.raises(UnsupportedPrecisionError, match=op):
+            check_fp16_support(graph, declared_fp16_ops() - {op}, "cuda")
+
+
+def test_a_gpt_under_float16_autocast_and_grad_scaler_has_float16_kernels_on_cuda():
+    """A GPT model file with hand-written attention (masked_fill, softmax), trained by a
+    script under torch.autocast(dtype=torch.float16) with a GradScaler: the step's plan passes
+    the float16 check, its LayerNorms write the float16 y the next GEMM reads (the cast fused
+    into the kernel, fuse_layer_norm_casts) and their gradients read float16 dy."""
+    from stepgraph.backends.cuda.backend import declared_fp16_ops
+    from stepgraph.compile.autocast import check_fp16_support
+    from stepgraph.loop import hooks
+    from tests.compat.loader import load
+
+    sg.manual_seed(0)
+    model = load("gpt", "stepgraph").GPT()
+    model.name_parameters()
+    opt = sg.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = sg.amp.GradScaler()
+    gen = np.random.default_rng(0)
+    for _ in range(2):
+        idx = sg.from_numpy(gen.integers(0, 64, (2, 16)))
+        opt.zero_grad()
+        with sg.autocast("cuda", dtype=sg.float16):
+            _, loss = model(idx, idx)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert hooks.SESSION.last_step.precision == "fp16"
+    graph = hooks.SESSION.last_executable.plan.graph
+    check_fp16_support(graph, declared_fp16_ops(), "cuda")
+    norms = [n for n in graph.nodes if n.op == "layer_norm"]
+    grads = [n for n in graph.nodes if n.op == "layer_norm_grad"]
+    assert len(norms) == len(grads) == 5
+    assert all(n.inputs[0].dtype == "float32" for n in norms)
+    assert sum(n.outputs[0].dtype == F16 for n in norms) == 5
+    assert sum(n.inputs[0].dtype == F16 for n in grads) >= 4
+
+
+def test_float16_gradients_all_reduce_as_ncclfloat16():
+    """A model.half()'s gradient buckets: all_reduce takes float16 and sums in float16
+    (ncclFloat16, 6 in nccl.h, whether or not CuPy names it); other reduce dtypes refused."""
+    from types import SimpleNamespace
+
+    from stepgraph.backends.cuda import collective
+    from stepgraph.ir.graph import Value
+    from stepgraph.ir.ops import infer_outputs
+
+    assert {"all_reduce", "all_reduce_join"} <= collective.FP16_OPS
+    assert collective._nccl_dtype(SimpleNamespace(), Fake((3,), F16)) == 6
+    assert collective._nccl_dtype(SimpleNamespace(NCCL_FLOAT16=6), Fake((3,), F16)) == 6
+    grads = [Value((3, 2), F16), Value((5,), F16)]
+    assert [d for _, d in infer_outputs("all_reduce", grads, {"group": 0})] == [F16, F16]
+    with pytest.raises(sg.errors.ShapeError, match="summed in float16"):
+        infer_outputs("all_reduce", grads, {"group": 0, "reduce_dtype": "float32"})

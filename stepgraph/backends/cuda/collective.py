@@ -30,10 +30,14 @@ from .runtime.graph import NCCL_GROUPS_KEY
 from .runtime.side_stream import fork_events, forked, join
 
 NCCL_DTYPES = {"float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64", "int32": "NCCL_INT32",
-               "int64": "NCCL_INT64", "uint8": "NCCL_UINT8"}
+               "int64": "NCCL_INT64", "uint8": "NCCL_UINT8", "float16": "NCCL_FLOAT16"}
+NCCL_FLOAT16 = 6             # ncclFloat16 (ncclHalf) in nccl.h; by number, as NCCL_BFLOAT16
 NCCL_BFLOAT16 = 9           # ncclBfloat16 in nccl.h (NCCL >= 2.10); CuPy may not name it
 EXTRAS_KEY = "collective"
 BF16_OPS = frozenset({"all_reduce", "all_reduce_join"})   # bf16 gradients (uint16 bits)
+# float16 gradients (a model.half()): ncclFloat16, summed in float16 (REDUCE_DTYPES), one
+# all-reduce a gradient (the flat bucket buffer is float32's)
+FP16_OPS = BF16_OPS
 
 
 def kernel_names() -> dict[str, set[str]]:
@@ -51,7 +55,7 @@ def _nccl_dtype(nccl, array) -> int:
     name = NCCL_DTYPES.get(str(array.dtype))
     if name is None:
         raise ShapeError(f"NCCL collectives take {sorted(NCCL_DTYPES)}, got {array.dtype}")
-    return getattr(nccl, name)
+    return getattr(nccl, name, NCCL_FLOAT16 if name == "NCCL_FLOAT16" else None)
 
 
 def _communicator(group, ctx):

@@ -13,6 +13,10 @@
 // Indices are int or long long (templates); invalid ones sort into bucket V, which no
 // vocabulary row reads.
 
+// float16 (T = fp16_bits; a model.half()): the lookup moves the table's values, the gradient
+// sums float16 dy rows in float32 in the same order and rounds each sum once on store.
+#include "bf16.cuh"
+
 #define FULL_MASK 0xffffffffu
 #define QUIET_NAN __int_as_float(0x7fc00000)
 #define RADIX_BITS 8
@@ -29,8 +33,10 @@ __device__ __forceinline__ int sort_key(const L* keys, long long i, int V) {
 
 // out[i, c] = weight[idx[i], c]; vec 4: C % 4 == 0 and both pointers 16-byte aligned, each
 // thread copying float4s. Elements are (row, group) pairs of the flattened output.
-template <typename L>
-__global__ void embedding_forward_kernel(const float* weight, const L* idx, float* out,
+// T: the storage of weight and out, float or fp16_bits (float16: 4 elements are one 8-byte
+// copy; a float16 value survives its widening to float and back exactly).
+template <typename L, typename T = float>
+__global__ void embedding_forward_kernel(const T* weight, const L* idx, T* out,
                                          long long n, int V, int C, int vec) {
     const int groups = C / vec;
     const long long total = n * groups;
@@ -41,12 +47,12 @@ __global__ void embedding_forward_kernel(const float* weight, const L* idx, floa
         const L k = idx[row];
         const bool valid = k >= 0 && k < (L)V;
         if (vec == 4) {
-            const float4* w4 = reinterpret_cast<const float4*>(weight);
-            reinterpret_cast<float4*>(out)[i] =
-                valid ? w4[(long long)k * groups + g]
-                      : make_float4(QUIET_NAN, QUIET_NAN, QUIET_NAN, QUIET_NAN);
+            float v[4] = {QUIET_NAN, QUIET_NAN, QUIET_NAN, QUIET_NAN};
+            if (valid) loadv_as_float<4>(weight, ((long long)k * groups + g) * 4, v);
+            storev_from_float<4>(out, i * 4, v);
         } else {
-            out[i] = valid ? weight[(long long)k * C + g] : QUIET_NAN;
+            store_from_float(out, i, valid ? load_as_float(weight, (long long)k * C + g)
+                                           : QUIET_NAN);
         }
     }
 }
@@ -58,12 +64,32 @@ __device__ __forceinline__ void add4(float4& a, const float4& b) {
     a.w += b.w;
 }
 
+// Adds the vec (1 or 4) dy values at element e to acc, widened to float.
+template <typename T>
+__device__ __forceinline__ void add_dy(float4& acc, const T* dy, long long e, int vec) {
+    if (vec == 4) {
+        float v[4];
+        loadv_as_float<4>(dy, e, v);
+        add4(acc, make_float4(v[0], v[1], v[2], v[3]));
+    } else {
+        acc.x += load_as_float(dy, e);
+    }
+}
+
+// dweight's vec (1 or 4) values at element e, each rounded once to T.
+template <typename T>
+__device__ __forceinline__ void store_sum(T* dweight, long long e, const float4& acc, int vec) {
+    const float v[4] = {acc.x, acc.y, acc.z, acc.w};
+    if (vec == 4) storev_from_float<4>(dweight, e, v);
+    else store_from_float(dweight, e, acc.x);
+}
+
 // Scan path. grid (V, column chunks), block (32, SCAN_WARPS). Lane l of a chunk owns columns
 // [(chunk * 32 + l) * vec, + vec). Warp w visits the tiles of 32 positions starting at
 // w * 32, (w + SCAN_WARPS) * 32, ...; within a tile, the matches in position order.
-template <typename L>
+template <typename L, typename T = float>
 __global__ void __launch_bounds__(32 * SCAN_WARPS)
-embedding_backward_scan_kernel(const float* dy, const L* idx, float* dweight, int n, int V,
+embedding_backward_scan_kernel(const T* dy, const L* idx, T* dweight, int n, int V,
                                int C, int vec) {
     __shared__ float4 partial[SCAN_WARPS][32];
     const int lane = threadIdx.x, warp = threadIdx.y;
@@ -80,8 +106,7 @@ embedding_backward_scan_kernel(const float* dy, const L* idx, float* dweight, in
                     const long long p = base + __ffs(hits) - 1;
                     hits &= hits - 1;
                     if (!mine) continue;
-                    if (vec == 4) add4(acc, reinterpret_cast<const float4*>(dy)[p * groups + g]);
-                    else acc.x += dy[p * C + g];
+                    add_dy(acc, dy, (p * groups + g) * vec, vec);
                 }
             }
             partial[warp][lane] = acc;
@@ -89,8 +114,7 @@ embedding_backward_scan_kernel(const float* dy, const L* idx, float* dweight, in
             if (warp == 0 && mine) {
                 float4 total = partial[0][lane];
                 for (int w = 1; w < SCAN_WARPS; ++w) add4(total, partial[w][lane]);
-                if (vec == 4) reinterpret_cast<float4*>(dweight)[(long long)v * groups + g] = total;
-                else dweight[(long long)v * C + g] = total.x;
+                store_sum(dweight, ((long long)v * groups + g) * vec, total, vec);
             }
             __syncthreads();  // partial is reused by the next chunk
         }
@@ -205,25 +229,19 @@ __device__ __forceinline__ int lower_bound(const int* keys, int n, int v) {
 // Sorted path, the sums. block (32, rows per block); grid (row groups, column chunks), both
 // strided. Warp (row v, chunk): dweight[v, chunk] = sum over v's positions in sorted (= position)
 // order of dy[position, chunk].
-extern "C" __global__ void embedding_backward_sorted_kernel(const float* dy, const int* keys,
-                                                            const int* positions, float* dweight,
-                                                            int n, int V, int C, int vec) {
+template <typename T>
+__global__ void embedding_backward_sorted_kernel(const T* dy, const int* keys,
+                                                 const int* positions, T* dweight, int n, int V,
+                                                 int C, int vec) {
     const int lane = threadIdx.x, groups = C / vec;
     for (int v = blockIdx.x * blockDim.y + threadIdx.y; v < V; v += gridDim.x * blockDim.y) {
         const int lo = lower_bound(keys, n, v), hi = lower_bound(keys, n, v + 1);
         for (int g = blockIdx.y * 32 + lane; g < groups; g += gridDim.y * 32) {
-            if (vec == 4) {
-                const float4* dy4 = reinterpret_cast<const float4*>(dy);
-                float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 4
-                for (int j = lo; j < hi; ++j) add4(acc, dy4[(long long)positions[j] * groups + g]);
-                reinterpret_cast<float4*>(dweight)[(long long)v * groups + g] = acc;
-            } else {
-                float acc = 0.f;
-#pragma unroll 4
-                for (int j = lo; j < hi; ++j) acc += dy[(long long)positions[j] * C + g];
-                dweight[(long long)v * C + g] = acc;
-            }
+            for (int j = lo; j < hi; ++j)
+                add_dy(acc, dy, ((long long)positions[j] * groups + g) * vec, vec);
+            store_sum(dweight, ((long long)v * groups + g) * vec, acc, vec);
         }
     }
 }

@@ -15,6 +15,10 @@ two ways (`PATH` forces one, for tests):
   memory made once per node at the first eager call (runtime/launch.py _node_memory): a capture may
   not allocate, and Executable warms up eagerly before capture.
 Launchers check their preconditions and launch on ctx.stream: no host sync.
+
+float16 (a model.half()'s table): the same kernels with the storage T = fp16_bits (the
+float32 ones keep their names: T defaults to float); the gradient sums in float32, in the same
+order, rounding each sum once: `FP16_OPS`.
 """
 from __future__ import annotations
 
@@ -39,18 +43,35 @@ SORT_TILE = 1024              # embedding.cu SORT_TILE: positions per sort block
 SCAN_WARPS = 8                # embedding.cu SCAN_WARPS
 SUM_ROWS = 8                  # vocabulary rows (warps) per block of the sorted sums
 MAX_GRID_Y = 65535
+FP16_OPS = frozenset({"embedding", "embedding_grad"})
+VALUE_CTYPES = {np.dtype("float32"): "float", np.dtype("float16"): "fp16_bits"}
 
 
 def kernel_names() -> dict[str, set[str]]:
     """{.cu file: every kernel name this module may launch} (the NVRTC compile test)."""
-    names = {"embedding_sort_scan_kernel", "embedding_backward_sorted_kernel"}
+    names = {"embedding_sort_scan_kernel"}
     for ctype in LABEL_CTYPES.values():
-        names |= {f"embedding_forward_kernel<{ctype}>",
-                  f"embedding_backward_scan_kernel<{ctype}>",
-                  f"embedding_sort_histogram_kernel<{ctype}>",
+        names |= {f"embedding_sort_histogram_kernel<{ctype}>",
                   f"embedding_sort_scatter_kernel<{ctype}>"}
+        for vtype in VALUE_CTYPES.values():
+            names |= {_valued(f"embedding_forward_kernel<{ctype}", vtype),
+                      _valued(f"embedding_backward_scan_kernel<{ctype}", vtype)}
+    names |= {f"embedding_backward_sorted_kernel<{vtype}>" for vtype in VALUE_CTYPES.values()}
     names |= {"embedding_sort_histogram_kernel<int>", "embedding_sort_scatter_kernel<int>"}
     return {SOURCE: names}
+
+
+def _valued(head: str, vtype: str) -> str:
+    """head ("kernel<index type") closed for value storage vtype (float: the default)."""
+    return head + (">" if vtype == "float" else f", {vtype}>")
+
+
+def _value_ctype(what: str, a, dtype=None) -> str:
+    """The C type of a float32 or float16 table (or rows of one), of `dtype` when given."""
+    _check(what, a, dtype=dtype)
+    if a.dtype not in VALUE_CTYPES:
+        raise ShapeError(f"{what}: the cuda kernels take float32 or float16, got {a.dtype}")
+    return VALUE_CTYPES[a.dtype]
 
 
 def _check_idx(what: str, idx) -> str:
@@ -67,17 +88,18 @@ def _vec(c: int, *arrays) -> int:
 
 def embedding_forward(ctx, weight, idx, out) -> None:
     """out (idx.shape + (C,)) = weight[idx] for weight (V, C)."""
-    _check("embedding weight", weight)
+    vtype = _value_ctype("embedding weight", weight)
     if weight.ndim != 2:
         raise ShapeError(f"embedding weight: expected (V, C), got {tuple(weight.shape)}")
     ctype = _check_idx("embedding indices", idx)
     v, c = weight.shape
-    _check("embedding output", out, shape=tuple(idx.shape) + (c,))
+    _check("embedding output", out, weight.dtype, shape=tuple(idx.shape) + (c,))
     _check_int32("embedding weight", v)
     if not out.size:
         return
     vec = _vec(c, weight, out)
-    _launch(ctx, SOURCE, f"embedding_forward_kernel<{ctype}>", _grid(out.size // vec), (BLOCK,),
+    _launch(ctx, SOURCE, _valued(f"embedding_forward_kernel<{ctype}", vtype),
+            _grid(out.size // vec), (BLOCK,),
             (weight, idx, out, np.int64(idx.size), np.int32(v), np.int32(c), np.int32(vec)))
 
 
@@ -129,12 +151,12 @@ def _path(v: int, n: int) -> str:
 
 def embedding_backward(ctx, node: Node, dy, idx, dweight) -> None:
     """dweight (V, C) = the rows of dy (idx.shape + (C,)) summed per index (module docstring)."""
-    _check("embedding_grad dweight", dweight)
+    vtype = _value_ctype("embedding_grad dweight", dweight)
     if dweight.ndim != 2:
         raise ShapeError(f"embedding_grad dweight: expected (V, C), got {tuple(dweight.shape)}")
     v, c = dweight.shape
     ctype = _check_idx("embedding_grad indices", idx)
-    _check("embedding_grad dy", dy, shape=tuple(idx.shape) + (c,))
+    _check("embedding_grad dy", dy, dweight.dtype, shape=tuple(idx.shape) + (c,))
     if v >= MAX_INT:
         raise ShapeError(f"embedding_grad: {v} rows exceed the kernels' 32-bit keys")
     _check_int32("embedding_grad dy", dy.size)
@@ -147,13 +169,13 @@ def embedding_backward(ctx, node: Node, dy, idx, dweight) -> None:
     vec = _vec(c, dy, dweight)
     chunks = _column_chunks(c, vec)
     if _path(v, n) == "scan":
-        _launch(ctx, SOURCE, f"embedding_backward_scan_kernel<{ctype}>",
+        _launch(ctx, SOURCE, _valued(f"embedding_backward_scan_kernel<{ctype}", vtype),
                 (min(v, MAX_INT), chunks), (32, SCAN_WARPS),
                 (dy, idx, dweight, np.int32(n), np.int32(v), np.int32(c), np.int32(vec)))
         return
     keys, positions = sort_indices(ctx, node, idx, v)
     grid = (max(1, min(-(-v // SUM_ROWS), MAX_INT)), chunks)
-    _launch(ctx, SOURCE, "embedding_backward_sorted_kernel", grid, (32, SUM_ROWS),
+    _launch(ctx, SOURCE, f"embedding_backward_sorted_kernel<{vtype}>", grid, (32, SUM_ROWS),
             (dy, keys, positions, dweight, np.int32(n), np.int32(v), np.int32(c), np.int32(vec)))
 
 

@@ -18,6 +18,10 @@
 // (Y, rounded once on store: what the cast to bf16 after it did) and the backward may read dy
 // in bf16 (DY, widened exactly: what the cast to float32 before it did); x, the statistics,
 // the parameters and dx stay float32, as autocast runs layer_norm.
+// float16 (a model.half(), X = fp16_bits): x, the parameters, y, dx, dweight and dbias are
+// float16, loaded as float and each rounded once on store; the statistics, the partial sums
+// and all the arithmetic stay float32 (torch's CUDA layer_norm of a half tensor: float
+// accumulation, float mean and rstd).
 #include "reduce.cuh"
 
 #define LAYER_NORM_MAX_THREADS 512   // threads of a block (layer_norm.py MAX_THREADS)
@@ -34,8 +38,8 @@ __device__ __forceinline__ float inverse_std(float var, float eps) {
 }
 
 // This thread's columns of a (C,) parameter (zeros where it owns none, or p is null).
-template <int VEC, int K>
-__device__ __forceinline__ void load_columns(const float* p, int groups, float (&v)[K][VEC]) {
+template <int VEC, int K, typename X>
+__device__ __forceinline__ void load_columns(const X* p, int groups, float (&v)[K][VEC]) {
 #pragma unroll
     for (int k = 0; k < K; ++k) {
         const int g = threadIdx.x + k * blockDim.x;
@@ -67,9 +71,9 @@ __device__ __forceinline__ float2 row_sum2(float a, float b, float2* smem) {
 }
 
 // y = (x - mean) * rstd [* weight] [+ bias]; mean and rstd (rows,) per row.
-template <typename Y, int VEC, int K>
+template <typename Y, int VEC, int K, typename X = float>
 __global__ void __launch_bounds__(LAYER_NORM_MAX_THREADS)
-layer_norm_forward_kernel(const float* x, const float* weight, const float* bias, Y* y,
+layer_norm_forward_kernel(const X* x, const X* weight, const X* bias, Y* y,
                           float* mean_out, float* rstd_out, int rows, int C, float eps) {
     __shared__ float smem[32];
     const int groups = C / VEC;
@@ -161,10 +165,10 @@ __device__ __forceinline__ void store_block_partial(const float (&acc)[K][VEC], 
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy [* weight], xhat = (x - mean) *
 // rstd; block b sums dy * xhat and dy over its rows into row b of partial_w / partial_b
 // [gridDim.x, C] (either null when not wanted).
-template <typename DY, int VEC, int K>
+template <typename DY, int VEC, int K, typename X = float>
 __global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
-layer_norm_backward_kernel(const DY* dy, const float* x, const float* weight,
-                           const float* mean, const float* rstd, float* dx, float* partial_w,
+layer_norm_backward_kernel(const DY* dy, const X* x, const X* weight,
+                           const float* mean, const float* rstd, X* dx, float* partial_w,
                            float* partial_b, int rows, int C) {
     __shared__ float2 sums[32];
     __shared__ __align__(16) float red[LAYER_NORM_BLOCK_ROWS_THREADS * K * VEC];
@@ -222,21 +226,21 @@ layer_norm_backward_kernel(const DY* dy, const float* x, const float* weight,
 }
 
 // The forward for rows of any width: x re-read from global memory for each pass.
-template <typename Y>
+template <typename Y, typename X = float>
 __global__ void __launch_bounds__(1024)
-layer_norm_forward_loop_kernel(const float* x, const float* weight, const float* bias, Y* y,
+layer_norm_forward_loop_kernel(const X* x, const X* weight, const X* bias, Y* y,
                                float* mean_out, float* rstd_out, int rows, int C, float eps) {
     __shared__ float smem[32];
     for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
         const long long row = base + threadIdx.y;
         const int cols = row < rows ? C : 0;
-        const float* xr = x + row * C;
+        const X* xr = x + row * C;
         float s = 0.f;
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) s += xr[c];
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) s += load_as_float(xr, c);
         const float mean = __fdiv_rn(row_sum(s, smem), (float)C);
         float q = 0.f;
         for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            const float t = __fsub_rn(xr[c], mean);
+            const float t = __fsub_rn(load_as_float(xr, c), mean);
             q = __fmaf_rn(t, t, q);
         }
         const float rstd = inverse_std(__fdiv_rn(row_sum(q, smem), (float)C), eps);
@@ -245,9 +249,9 @@ layer_norm_forward_loop_kernel(const float* x, const float* weight, const float*
             rstd_out[row] = rstd;
         }
         for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            float t = __fmul_rn(__fsub_rn(xr[c], mean), rstd);
-            if (weight) t = __fmul_rn(t, weight[c]);
-            if (bias) t = __fadd_rn(t, bias[c]);
+            float t = __fmul_rn(__fsub_rn(load_as_float(xr, c), mean), rstd);
+            if (weight) t = __fmul_rn(t, load_as_float(weight, c));
+            if (bias) t = __fadd_rn(t, load_as_float(bias, c));
             store_from_float(y, row * C + c, t);
         }
     }
@@ -256,10 +260,10 @@ layer_norm_forward_loop_kernel(const float* x, const float* weight, const float*
 // The backward for rows of any width, one row a block (blockDim.y == 1): the block's partial
 // sums accumulate in place in its row of partial_w / partial_b (each element read and written
 // by one thread only).
-template <typename DY>
+template <typename DY, typename X = float>
 __global__ void __launch_bounds__(1024)
-layer_norm_backward_loop_kernel(const DY* dy, const float* x, const float* weight,
-                                const float* mean, const float* rstd, float* dx,
+layer_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight,
+                                const float* mean, const float* rstd, X* dx,
                                 float* partial_w, float* partial_b, int rows, int C) {
     __shared__ float2 sums[32];
     float* pw = partial_w ? partial_w + (long long)blockIdx.x * C : nullptr;
@@ -275,8 +279,9 @@ layer_norm_backward_loop_kernel(const DY* dy, const float* x, const float* weigh
         const float m = cols ? mean[row] : 0.f, r = cols ? rstd[row] : 0.f;
         float sg = 0.f, sgh = 0.f;
         for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            const float h = __fmul_rn(__fsub_rn(x[r0 + c], m), r), d = load_as_float(dy, r0 + c);
-            const float g = weight ? __fmul_rn(d, weight[c]) : d;
+            const float h = __fmul_rn(__fsub_rn(load_as_float(x, r0 + c), m), r);
+            const float d = load_as_float(dy, r0 + c);
+            const float g = weight ? __fmul_rn(d, load_as_float(weight, c)) : d;
             sg += g;
             sgh = __fmaf_rn(g, h, sgh);
             if (pw) pw[c] = __fmaf_rn(d, h, pw[c]);
@@ -285,9 +290,11 @@ layer_norm_backward_loop_kernel(const DY* dy, const float* x, const float* weigh
         const float2 t = row_sum2(sg, sgh, sums);
         const float mg = __fdiv_rn(t.x, (float)C), mgh = __fdiv_rn(t.y, (float)C);
         for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            const float h = __fmul_rn(__fsub_rn(x[r0 + c], m), r), d = load_as_float(dy, r0 + c);
-            const float g = weight ? __fmul_rn(d, weight[c]) : d;
-            dx[r0 + c] = __fmul_rn(r, __fsub_rn(__fsub_rn(g, mg), __fmul_rn(h, mgh)));
+            const float h = __fmul_rn(__fsub_rn(load_as_float(x, r0 + c), m), r);
+            const float d = load_as_float(dy, r0 + c);
+            const float g = weight ? __fmul_rn(d, load_as_float(weight, c)) : d;
+            const float v = __fmul_rn(r, __fsub_rn(__fsub_rn(g, mg), __fmul_rn(h, mgh)));
+            store_from_float(dx, r0 + c, v);
         }
     }
 }
@@ -296,13 +303,15 @@ layer_norm_backward_loop_kernel(const DY* dy, const float* x, const float* weigh
 // float64 and a fixed order: lane l of FINALIZE_LANES adds slots l, l + lanes, ... in turn,
 // then the lanes are added in order. Blocks of (32 columns, FINALIZE_LANES); blockIdx.y picks
 // the table: dweight first when it is wanted, then dbias.
-extern "C" __global__ void __launch_bounds__(32 * FINALIZE_LANES)
-layer_norm_grad_finalize_kernel(const float* partial_w, const float* partial_b, float* dweight,
-                                float* dbias, int slots, int C) {
+// T: dweight's and dbias's storage (float16 for a float16 x; the sum rounded once).
+template <typename T>
+__global__ void __launch_bounds__(32 * FINALIZE_LANES)
+layer_norm_grad_finalize_kernel(const float* partial_w, const float* partial_b, T* dweight,
+                                T* dbias, int slots, int C) {
     __shared__ double lanes[FINALIZE_LANES][32];
     const bool first = partial_w && blockIdx.y == 0;
     const float* partial = first ? partial_w : partial_b;
-    float* out = first ? dweight : dbias;
+    T* out = first ? dweight : dbias;
     const int c = blockIdx.x * 32 + threadIdx.x;
     double s = 0.0;
     if (c < C) {
@@ -315,6 +324,6 @@ layer_norm_grad_finalize_kernel(const float* partial_w, const float* partial_b, 
     if (threadIdx.y == 0 && c < C) {
         double t = lanes[0][threadIdx.x];
         for (int l = 1; l < FINALIZE_LANES; ++l) t += lanes[l][threadIdx.x];
-        out[c] = (float)t;
+        store_from_float(out, c, (float)t);
     }
 }

@@ -16,6 +16,11 @@ bytes of x) and every block has the same work. The partial sums live in device m
 once per node at its first eager call (runtime/launch.py _node_memory): a capture may not allocate,
 and Executable warms up eagerly before capture. Launchers check their preconditions and launch
 on ctx.stream: no host sync.
+
+float16 (model.half(): x, weight, bias, y, dy, dx, dweight and dbias all float16): the same
+kernels with X = fp16_bits, float32 statistics and arithmetic, each float16 store rounded once;
+`FP16_OPS`. precision="fp16" keeps x float32 (autocast runs layer_norm in float32) and takes
+the bf16 instantiations' float16 twins for a fused cast's y or dy (fuse_layer_norm_casts).
 """
 from __future__ import annotations
 
@@ -31,11 +36,15 @@ from ...errors import ShapeError
 from ...ir.graph import Node
 from .elementwise import fill_forward
 from .runtime.launch import (ELEMENT_CTYPES, _aligned, _check, _check_int32, _element_ctype,
-                             _kernel, _launch, _node_memory, _or_null, _row_grid)
+                             _kernel, _launch, _node_memory, _or_null, _row_grid, _typed)
 
 SOURCE = "layer_norm.cu"
 # bf16 y (forward) or dy (backward) where compile/fuse.py fuse_layer_norm_casts dropped a cast
 BF16_OPS = frozenset({"layer_norm", "layer_norm_grad"})
+FP16_OPS = BF16_OPS
+# (x, y) C types of the forward (x, dx) and (dy) of the backward alike: float32 x with a
+# float32, bf16 or float16 y (a fused cast); a float16 x with float16 everywhere.
+IO_CTYPES = [("float", ctype) for ctype in ELEMENT_CTYPES.values()] + [("fp16_bits", "fp16_bits")]
 MAX_THREADS = 512            # threads of a block (LAYER_NORM_MAX_THREADS, __launch_bounds__)
 ROWS_BLOCK_THREADS = 256     # threads of a block of several rows (LAYER_NORM_BLOCK_ROWS_THREADS)
 FLOATS_PER_THREAD = 16       # K * VEC at most: dy, xhat, weight and two sums in registers
@@ -55,12 +64,14 @@ class Layout:
     threads: int
     rows_per_block: int
 
-    def kernel(self, direction: str, ctype: str = "float") -> str:
+    def kernel(self, direction: str, ctype: str = "float", xtype: str = "float") -> str:
         """The forward's or backward's kernel for a y (forward) or dy (backward) of C type
-        ctype: float, or unsigned short for bf16 bits (fuse_layer_norm_casts)."""
+        ctype: float, or unsigned short for bf16 bits (fuse_layer_norm_casts); and x (weight,
+        bias, dx) of C type xtype: float, or fp16_bits (a float16 model)."""
+        x = "" if xtype == "float" else f", {xtype}"     # the template's default: float
         if self.k == 0:
-            return f"layer_norm_{direction}_loop_kernel<{ctype}>"
-        return f"layer_norm_{direction}_kernel<{ctype}, {self.vec}, {self.k}>"
+            return f"layer_norm_{direction}_loop_kernel<{ctype}{x}>"
+        return f"layer_norm_{direction}_kernel<{ctype}, {self.vec}, {self.k}{x}>"
 
     @property
     def block(self) -> tuple[int, int]:
@@ -84,12 +95,12 @@ def row_layout(c: int, arrays) -> Layout:
 
 def kernel_names() -> dict[str, set[str]]:
     """{.cu file: every kernel name this module may launch} (the NVRTC compile test)."""
-    names = {"layer_norm_grad_finalize_kernel"}
+    names = {_typed("layer_norm_grad_finalize_kernel", t) for t in ("float", "fp16_bits")}
     layouts = [Layout(1, 0, LOOP_THREADS, 1)] + [Layout(vec, k, 32, 1)
                                                  for vec, ks in KS.items() for k in ks]
     for lay in layouts:
-        names |= {lay.kernel(d, ctype) for d in ("forward", "backward")
-                  for ctype in ELEMENT_CTYPES.values()}
+        names |= {lay.kernel(d, ctype, xtype) for d in ("forward", "backward")
+                  for xtype, ctype in IO_CTYPES}
     return {SOURCE: names}
 
 
@@ -114,6 +125,13 @@ def _rows(what: str, x, dtype: str | None = "float32") -> tuple[int, int]:
     return math.prod(x.shape[:-1]), x.shape[-1]
 
 
+def _x_ctype(what: str, x) -> str:
+    """The C type of x (and of the parameters and dx): float, or fp16_bits for float16."""
+    if x.dtype not in (np.float32, np.float16):
+        raise ShapeError(f"{what}: the cuda kernels take float32 or float16, got {x.dtype}")
+    return ELEMENT_CTYPES[x.dtype]
+
+
 def _check_stats(what: str, rows: int, *stats) -> None:
     for name, t in zip(("mean", "rstd"), stats):
         _check(f"{what} {name}", t)
@@ -124,19 +142,21 @@ def _check_stats(what: str, rows: int, *stats) -> None:
 
 def layer_norm_forward(ctx, x, weight, bias, y, mean, rstd, eps: float) -> None:
     """y = (x - mean) * rstd [* weight] [+ bias] over the last axis; mean and rstd (rows,)
-    float32, rstd = 1 / sqrt(biased variance + eps)."""
-    rows, c = _rows("layer_norm input", x)
+    float32, rstd = 1 / sqrt(biased variance + eps). x, weight and bias float32 (y float32,
+    bf16 or float16) or all float16 with y."""
+    rows, c = _rows("layer_norm input", x, dtype=None)
+    xtype = _x_ctype("layer_norm input", x)
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None:
-            _check(f"layer_norm {name}", t, shape=(c,))
-    _check("layer_norm output", y, dtype=None, shape=x.shape)
+            _check(f"layer_norm {name}", t, x.dtype, shape=(c,))
+    _check("layer_norm output", y, dtype=None if xtype == "float" else x.dtype, shape=x.shape)
     ctype = _element_ctype("layer_norm output", y)       # bf16: fuse_layer_norm_casts
     _check_stats("layer_norm", rows, mean, rstd)
     if not rows:
         return
     lay = row_layout(c, [a for a in (x, y, weight, bias) if a is not None])
-    _launch(ctx, SOURCE, lay.kernel("forward", ctype), _row_grid(rows, lay.rows_per_block),
-            lay.block,
+    _launch(ctx, SOURCE, lay.kernel("forward", ctype, xtype),
+            _row_grid(rows, lay.rows_per_block), lay.block,
             (x, _or_null(weight), _or_null(bias), y, mean, rstd, np.int32(rows), np.int32(c),
              np.float32(eps)))
 
@@ -153,19 +173,22 @@ def layer_norm_backward(ctx, node: Node, dy, x, weight, mean, rstd, dx, dweight=
     mean) * rstd; dweight = sum over rows of dy * xhat and dbias = sum of dy (each optional)."""
     rows, c = _rows("layer_norm_grad dy", dy, dtype=None)
     ctype = _element_ctype("layer_norm_grad dy", dy)      # bf16: fuse_layer_norm_casts
-    _check("layer_norm_grad x", x, shape=dy.shape)
+    _check("layer_norm_grad x", x, dtype=None, shape=dy.shape)
+    xtype = _x_ctype("layer_norm_grad x", x)
+    if xtype != "float":
+        _check("layer_norm_grad dy", dy, x.dtype)
     _check_stats("layer_norm_grad", rows, mean, rstd)
-    _check("layer_norm_grad dx", dx, shape=dy.shape)
+    _check("layer_norm_grad dx", dx, x.dtype, shape=dy.shape)
     for name, t in (("weight", weight), ("dweight", dweight), ("dbias", dbias)):
         if t is not None:
-            _check(f"layer_norm_grad {name}", t, shape=(c,))
+            _check(f"layer_norm_grad {name}", t, x.dtype, shape=(c,))
     if not rows:
         for t in (dweight, dbias):
             if t is not None:
                 fill_forward(ctx, t, 0.0)
         return
     lay = row_layout(c, [a for a in (dy, x, dx, weight) if a is not None])
-    name = lay.kernel("backward", ctype)
+    name = lay.kernel("backward", ctype, xtype)
     blocks = grad_blocks(rows, c, lay, resident_blocks(name, lay.threads * lay.rows_per_block))
     partial_w = partial_b = None
     if dweight is not None or dbias is not None:
@@ -179,8 +202,8 @@ def layer_norm_backward(ctx, node: Node, dy, x, weight, mean, rstd, dx, dweight=
              np.int32(rows), np.int32(c)))
     tables = (partial_w is not None) + (partial_b is not None)
     if tables:
-        _launch(ctx, SOURCE, "layer_norm_grad_finalize_kernel", (-(-c // 32), tables),
-                (32, FINALIZE_LANES),
+        _launch(ctx, SOURCE, _typed("layer_norm_grad_finalize_kernel", xtype),
+                (-(-c // 32), tables), (32, FINALIZE_LANES),
                 (_or_null(partial_w), _or_null(partial_b), _or_null(dweight), _or_null(dbias),
                  np.int32(blocks), np.int32(c)))
 

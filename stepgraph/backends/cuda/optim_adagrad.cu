@@ -22,7 +22,7 @@ __device__ __forceinline__ void adagrad_element(float& p, float g, float& sum,
     p = __fsub_rn(p, __fmul_rn(s.clr, __fdiv_rn(d, std)));
 }
 
-// hyper row: lr, weight_decay, lr_decay, eps.
+// hyper row: lr, weight_decay, lr_decay, eps, step_offset.
 extern "C" __global__ void adagrad_update_kernel(const UpdateEntry* entries, const int2* blocks,
                                                  int chunk, const float* lr,
                                                  const long long* step, const double* hyper,
@@ -33,7 +33,7 @@ extern "C" __global__ void adagrad_update_kernel(const UpdateEntry* entries, con
     if (threadIdx.x == 0) {
         const double* h = block_hyper(entries, blocks, hyper, width);
         s.skip = skipped(guard);
-        const double lr_d = (double)*lr * h[0], t = (double)*step;
+        const double lr_d = (double)*lr * h[0], t = (double)*step - h[4];   // own step
         s.clr = (float)(lr_d / (1.0 + (t - 1.0) * h[2]));
         s.coef = clip_coef(clip, norm, max_norm);
         s.weight_decay = (float)h[1];

@@ -33,7 +33,7 @@ __device__ __forceinline__ void adam_element(float& p, float g, float& m, float&
     p = __fsub_rn(p, __fmul_rn(s.step_size, __fdiv_rn(m, denom)));
 }
 
-// hyper row: lr, weight_decay, beta1, beta2, eps.
+// hyper row: lr, weight_decay, beta1, beta2, eps, step_offset.
 extern "C" __global__ void adam_update_kernel(const UpdateEntry* entries, const int2* blocks,
                                               int chunk, const float* lr, const long long* step,
                                               const double* hyper, int width, const float* norm,
@@ -45,7 +45,8 @@ extern "C" __global__ void adam_update_kernel(const UpdateEntry* entries, const 
         const double* h = block_hyper(entries, blocks, hyper, width);
         const double weight_decay = h[1], beta1 = h[2], beta2 = h[3];
         s.skip = skipped(guard);
-        const double lr_d = (double)*lr * h[0], t = (double)*step;
+        // t: the parameter's own step count (the counter less its step_offset, h[5])
+        const double lr_d = (double)*lr * h[0], t = (double)*step - h[5];
         s.coef = clip_coef(clip, norm, max_norm);
         s.step_size = (float)(lr_d / (1.0 - pow(beta1, t)));
         s.bias2_sqrt = (float)sqrt(1.0 - pow(beta2, t));

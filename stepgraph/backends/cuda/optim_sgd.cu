@@ -24,7 +24,7 @@ __device__ __forceinline__ void sgd_element(float& p, float g, float& buf, const
     p = __fsub_rn(p, __fmul_rn(s.lr, d));
 }
 
-// hyper row: lr, weight_decay, momentum, dampening. has_buffer: the step has momentum buffers;
+// hyper row: lr, weight_decay, momentum, dampening, step_offset. has_buffer: the step has momentum buffers;
 // a row with momentum 0 then updates as plain SGD and leaves its buffer untouched.
 extern "C" __global__ void sgd_update_kernel(const UpdateEntry* entries, const int2* blocks,
                                              int chunk, const float* lr, const long long* step,
@@ -37,7 +37,9 @@ extern "C" __global__ void sgd_update_kernel(const UpdateEntry* entries, const i
         s.skip = skipped(guard);
         s.lr = (float)((double)*lr * h[0]);  // lr factor 1: the group's lr exactly
         s.coef = clip_coef(clip, norm, max_norm);
-        s.first = *step == 1;  // PyTorch's momentum buffer starts as the first gradient
+        // PyTorch's momentum buffer starts as the first gradient (the parameter's own first
+        // step: the counter less its step_offset, h[4])
+        s.first = (double)*step - h[4] == 1.0;
         s.momentum = (float)h[2];
         s.one_minus_dampening = (float)(1.0 - h[3]);
         s.weight_decay = (float)h[1];

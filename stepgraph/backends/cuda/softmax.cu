@@ -4,35 +4,42 @@
 // over the grid. Row sums and maxima combine in a fixed order (reduce.cuh): deterministic.
 // The scaled kernels add attrs scale and causal (softmax(scale * x + mask)): the softmax and
 // softmax_grad kernels above them stay the plain ones, so attr-less nodes keep their bits.
+// Templates on the storage T of x, y, dy and dx (one storage a launch): float, or fp16_bits
+// (float16, a model.half()), widened on load, computed in float32 as the float kernels do, and
+// each output rounded once on store.
 #include "reduce.cuh"
 
 // y = exp(x - max) / sum(exp(x - max)) per row (the division IEEE-rounded, as numpy's).
-extern "C" __global__ void softmax_forward_kernel(const float* x, float* y, int N, int C) {
+template <typename T>
+__global__ void softmax_forward_kernel(const T* x, T* y, int N, int C) {
     __shared__ float smem[32];
     for (long long base = first_row_base(); base < N; base += row_base_stride()) {
         const int row = (int)base + threadIdx.y;
         const int cols = row < N ? C : 0;
-        const float* xr = x + (long long)row * C;
+        const T* xr = x + (long long)row * C;
         const float m = row_max_of(xr, cols, smem);
         const float s = row_sum_exp(xr, cols, m, smem);
         for (int c = threadIdx.x; c < cols; c += blockDim.x)
-            y[(long long)row * C + c] = __fdiv_rn(expf(xr[c] - m), s);
+            store_from_float(y, (long long)row * C + c,
+                             __fdiv_rn(expf(load_as_float(xr, c) - m), s));
     }
 }
 
 // dx = y * (dy - sum(dy * y)) per row.
-extern "C" __global__ void softmax_backward_kernel(const float* dy, const float* y, float* dx,
-                                                   int N, int C) {
+template <typename T>
+__global__ void softmax_backward_kernel(const T* dy, const T* y, T* dx, int N, int C) {
     __shared__ float smem[32];
     for (long long base = first_row_base(); base < N; base += row_base_stride()) {
         const int row = (int)base + threadIdx.y;
         const int cols = row < N ? C : 0;
         const long long r0 = (long long)row * C;
         float s = 0.f;
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) s += __fmul_rn(dy[r0 + c], y[r0 + c]);
+        for (int c = threadIdx.x; c < cols; c += blockDim.x)
+            s += __fmul_rn(load_as_float(dy, r0 + c), load_as_float(y, r0 + c));
         s = row_sum(s, smem);
         for (int c = threadIdx.x; c < cols; c += blockDim.x)
-            dx[r0 + c] = __fmul_rn(y[r0 + c], dy[r0 + c] - s);
+            store_from_float(dx, r0 + c, __fmul_rn(load_as_float(y, r0 + c),
+                                                   load_as_float(dy, r0 + c) - s));
     }
 }
 
@@ -47,32 +54,34 @@ __device__ __forceinline__ int visible_columns(int row, int N, int C, int R, int
 
 // y = softmax(scale * x) over the visible columns (z = scale * x rounded to float32 first, as
 // numpy's float32 product); masked columns are written 0 exactly.
-extern "C" __global__ void softmax_scaled_forward_kernel(const float* x, float* y, int N, int C,
-                                                         int R, float scale, int causal) {
+template <typename T>
+__global__ void softmax_scaled_forward_kernel(const T* x, T* y, int N, int C, int R,
+                                              float scale, int causal) {
     __shared__ float smem[32];
     for (long long base = first_row_base(); base < N; base += row_base_stride()) {
         const int row = (int)base + threadIdx.y;
         const int cols = row < N ? C : 0;
         const int limit = visible_columns(row, N, C, R, causal);
-        const float* xr = x + (long long)row * C;
+        const T* xr = x + (long long)row * C;
         float m = NEG_INF;
         for (int c = threadIdx.x; c < limit; c += blockDim.x)
-            m = fmaxf(m, __fmul_rn(scale, xr[c]));
+            m = fmaxf(m, __fmul_rn(scale, load_as_float(xr, c)));
         m = row_max(m, smem);
         float s = 0.f;
         for (int c = threadIdx.x; c < limit; c += blockDim.x)
-            s += expf(__fmul_rn(scale, xr[c]) - m);
+            s += expf(__fmul_rn(scale, load_as_float(xr, c)) - m);
         s = row_sum(s, smem);
-        for (int c = threadIdx.x; c < cols; c += blockDim.x)
-            y[(long long)row * C + c] =
-                c < limit ? __fdiv_rn(expf(__fmul_rn(scale, xr[c]) - m), s) : 0.f;
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+            const float e = c < limit ? expf(__fmul_rn(scale, load_as_float(xr, c)) - m) : 0.f;
+            store_from_float(y, (long long)row * C + c, c < limit ? __fdiv_rn(e, s) : 0.f);
+        }
     }
 }
 
 // dx = scale * (y * (dy - sum(dy * y))) over the visible columns, 0 at masked ones.
-extern "C" __global__ void softmax_scaled_backward_kernel(const float* dy, const float* y,
-                                                          float* dx, int N, int C, int R,
-                                                          float scale, int causal) {
+template <typename T>
+__global__ void softmax_scaled_backward_kernel(const T* dy, const T* y, T* dx, int N, int C,
+                                               int R, float scale, int causal) {
     __shared__ float smem[32];
     for (long long base = first_row_base(); base < N; base += row_base_stride()) {
         const int row = (int)base + threadIdx.y;
@@ -81,9 +90,11 @@ extern "C" __global__ void softmax_scaled_backward_kernel(const float* dy, const
         const long long r0 = (long long)row * C;
         float s = 0.f;
         for (int c = threadIdx.x; c < limit; c += blockDim.x)
-            s += __fmul_rn(dy[r0 + c], y[r0 + c]);
+            s += __fmul_rn(load_as_float(dy, r0 + c), load_as_float(y, r0 + c));
         s = row_sum(s, smem);
-        for (int c = threadIdx.x; c < cols; c += blockDim.x)
-            dx[r0 + c] = c < limit ? __fmul_rn(scale, __fmul_rn(y[r0 + c], dy[r0 + c] - s)) : 0.f;
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+            const float d = load_as_float(dy, r0 + c), v = load_as_float(y, r0 + c);
+            store_from_float(dx, r0 + c, c < limit ? __fmul_rn(scale, __fmul_rn(v, d - s)) : 0.f);
+        }
     }
 }
