@@ -228,7 +228,6 @@ def test_softmax_over_a_middle_dim_permutes_there_and_back():
     (lambda x: x.unique(), "Tensor.unique"),
     (lambda x: x[[0, 1]], "indexing with a list"),
     (lambda x: x.masked_select(x > 0), "Tensor.masked_select"),
-    (lambda x: x.half(), "Tensor.half"),
 ])
 def test_unsupported_tensor_methods_raise(expr, op):
     _, t = traced(x=(3, 4))
