@@ -10,8 +10,18 @@ compiled with `distributed=True` (or a `DataParallel` with options) broadcasts r
 parameters and buffers to every rank, then averages the gradients with one all-reduce per
 bucket of about 25 MiB (buckets.py), each launched as soon as its last gradient is final
 (compile/distribute.py): NCCL on a second stream, joined before the optimizer, on CUDA (inside
-the captured graph); through the store on the CPU backend. BatchNorm statistics stay per rank,
-as in PyTorch DDP. `stepgraph launch --gpus N -- CMD` (launch.py) starts the processes.
+the captured graph); through the store on the CPU backend. `stepgraph launch --gpus N -- CMD`
+(launch.py) starts the processes.
+
+Buffers (BatchNorm's running statistics): PyTorch DDP's default semantics,
+broadcast_buffers=True. Each rank's forward normalises by its own batch, and the running
+statistics every rank holds are rank 0's: at the end of every step rank 0's updated buffers
+are broadcast to all ranks inside the step's graph (compile/distribute.py broadcast_buffers;
+NCCL on CUDA, the store on the CPU). torch broadcasts at the start of the next forward
+instead, so rank 0's values are the same bits in both; here the other ranks hold them between
+steps too, and every rank's state_dict is the same. DataParallel(broadcast_buffers=False)
+keeps each rank's own statistics. nn.SyncBatchNorm normalises by the statistics of the global
+batch (nn/sync_batch_norm.py).
 """
 from __future__ import annotations
 
@@ -55,13 +65,17 @@ class DataParallel:
     the parameters are all-gathered. The results are the unsharded step's (the same bits
     without clipping; the clipping norm is summed from the shards' squared norms). One
     parameter group and precision "fp32" only (PlanError otherwise). CUDA: NCCL
-    reduceScatter / allGather inside the captured graph."""
+    reduceScatter / allGather inside the captured graph.
+
+    broadcast_buffers (DDP's, default True): rank 0's buffers (running statistics) on every
+    rank after every step (the module docstring); False: each rank keeps its own."""
 
     bucket_cap_mb: float = BUCKET_CAP_MB
     strategy: str = "flat"
     group: ProcessGroup | None = None
     reduce_dtype: str = "fp32"
     shard_optimizer: bool = False
+    broadcast_buffers: bool = True
 
     def __post_init__(self):
         cap_bytes_of(self.bucket_cap_mb)
