@@ -11,7 +11,9 @@ parameters and buffers to every rank, then averages the gradients with one all-r
 bucket of about 25 MiB (buckets.py), each launched as soon as its last gradient is final
 (compile/distribute.py): NCCL on a second stream, joined before the optimizer, on CUDA (inside
 the captured graph); through the store on the CPU backend. `stepgraph launch --gpus N -- CMD`
-(launch.py) starts the processes.
+(launch.py) starts the processes. torch.distributed's names for scripts (init_process_group,
+all_reduce, ...) are torch_api.py's; nn.parallel.DistributedDataParallel makes a captured
+training loop data-parallel.
 
 Buffers (BatchNorm's running statistics): PyTorch DDP's default semantics,
 broadcast_buffers=True. Each rank's forward normalises by its own batch, and the running
@@ -32,6 +34,8 @@ from .buckets import BUCKET_CAP_MB, Bucket, GradientInfo, cap_bytes_of, plan_buc
 from .detect import DistEnv, detect_launch, slurm_hosts
 from .group import ProcessGroup, default_timeout, lookup_group, rendezvous
 from .zero import BucketShards, ShardSlice, plan_shards
+from .torch_api import (ReduceOp, Work, all_reduce, barrier, broadcast, destroy_process_group,
+                        get_backend, init_process_group, is_available)
 
 STRATEGIES = ("flat", "grouped")
 REDUCE_DTYPES = ("fp32", "bf16")
@@ -124,16 +128,16 @@ def is_initialized() -> bool:
     return get_group() is not None
 
 
-def get_rank() -> int:
-    """This process's rank (0 without init())."""
-    group = get_group()
-    return 0 if group is None else group.rank
+def get_rank(group=None) -> int:
+    """This process's rank (0 without init()); torch's `group` may only be the default."""
+    found = get_group()
+    return 0 if found is None else found.rank
 
 
-def get_world_size() -> int:
-    """The number of processes (1 without init())."""
-    group = get_group()
-    return 1 if group is None else group.world_size
+def get_world_size(group=None) -> int:
+    """The number of processes (1 without init()); torch's `group` may only be the default."""
+    found = get_group()
+    return 1 if found is None else found.world_size
 
 
 def destroy() -> None:
@@ -154,4 +158,12 @@ __all__ = ["BUCKET_CAP_MB", "Bucket", "BucketShards", "DataParallel", "DistEnv",
            "DistributedError", "GradientInfo", "ProcessGroup", "ShardSlice", "default_timeout",
            "destroy", "detect_launch", "get_group", "get_rank", "get_world_size", "init",
            "is_initialized", "launched_world_size", "lookup_group", "plan_buckets",
-           "plan_shards", "rendezvous", "slurm_hosts"]
+           "plan_shards", "rendezvous", "slurm_hosts", "ReduceOp", "Work", "all_reduce",
+           "barrier", "broadcast", "destroy_process_group", "get_backend", "init_process_group",
+           "is_available"]
+
+
+def __getattr__(name: str):
+    """A torch.distributed name stepgraph lacks: UnsupportedOpError, an AttributeError."""
+    from ..errors import lookup_torch_name
+    return lookup_torch_name(__name__, "torch.distributed", name)

@@ -10,6 +10,7 @@ every other module call runs as before.
 """
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 from typing import Any
@@ -240,12 +241,14 @@ class LoopSession:
         are its Executables'."""
         trained, frozen = self._cached_for(optimizer, "optimizer", self._trainable)
         policy = "skip" if scaling is not None else "ignore"
-        key = (id(optimizer), self.device, precision, policy, frozen)
+        data_parallel = _data_parallel(passes)
+        key = (id(optimizer), self.device, precision, policy, frozen, data_parallel)
         step = self.steps.get(key)
         if step is None:
             step = self.steps[key] = LoopStep(
                 self._model(), optimizer, trained, [p.program for p in passes], kept, arrays,
-                self.device, precision, policy, self.seed, hook, max_norm, scaling)
+                self.device, precision, policy, self.seed, hook, max_norm, scaling,
+                data_parallel)
         return step
 
     def _float32_precision(self) -> str:
@@ -376,6 +379,19 @@ class LoopSession:
             return module.forward(*args, **kwargs)
         finally:
             self.eager_depth -= 1
+
+
+def _data_parallel(passes) -> object:
+    """The DataParallel options of the DistributedDataParallel the passes call (nn/parallel.py;
+    torch's DDP averages the gradients of the passes run through it), else False."""
+    parallel = sys.modules.get("stepgraph.nn.parallel")    # none made: nothing to look for
+    if parallel is None:
+        return False
+    for p in passes:
+        for event in p.program.events:
+            if isinstance(getattr(event, "module", None), parallel.DistributedDataParallel):
+                return event.module.data_parallel
+    return False
 
 
 def grad_name(param_name: str) -> str:
