@@ -158,3 +158,50 @@ def test_convert_sync_batchnorm_keeps_the_parameters_and_buffers():
     assert list(out.state_dict()) == keys
     single = nn.SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm3d(2))
     assert type(single) is nn.SyncBatchNorm and single.num_features == 2
+
+
+def test_cuda_buffer_broadcast_and_sync_sums_call_nccl_in_order(monkeypatch):
+    """broadcast_buffers: one NCCL group of byte broadcasts from rank 0 on the step's stream
+    (float32 statistics and the int64 counter alike). all_reduce_sum: an NCCL_SUM on the
+    communication stream, forked after ctx.stream's work and joined at once (the next
+    kernels read the sums), so every NCCL call of a step goes out on one stream in program
+    order."""
+    pytest.importorskip("cupy")
+    from types import SimpleNamespace
+
+    from stepgraph.backends.cuda import collective
+    from stepgraph.backends.cuda.runtime import launch, side_stream
+    from stepgraph.distributed import group as group_module
+    from stepgraph.ir.graph import Node
+    from tests.unit.test_distributed import FakeArray, FakeGroup, fake_cuda
+
+    calls = []
+    cp, Stream = fake_cuda(calls)
+    nccl = SimpleNamespace(NCCL_UINT8=1, NCCL_SUM=0, NCCL_FLOAT32=7,
+                           groupStart=lambda: calls.append(("groupStart",)),
+                           groupEnd=lambda: calls.append(("groupEnd",)))
+    for module in (collective, side_stream, launch):
+        monkeypatch.setattr(module, "cp", cp)
+    monkeypatch.setattr(collective, "_nccl", lambda: nccl)
+    monkeypatch.setattr(collective, "_check", lambda *a, **k: None)
+    fake = FakeGroup(calls)
+    fake.comm.bcast = lambda buff, count, dtype, root, stream: calls.append(
+        ("bcast", buff, count, dtype, root, stream))
+    monkeypatch.setitem(group_module._GROUPS, "g", fake)
+    ctx = SimpleNamespace(stream=Stream("main"), extras={}, capturing=False)
+    node = Node("broadcast_buffers", [], [], {"group": "g", "n": 3})
+    collective.broadcast_buffers(ctx, node, [FakeArray(8, "float32", 0x100),
+                                             FakeArray(1, "int64", 0x200),
+                                             FakeArray(0, "float32", 0x300)])
+    main = ctx.stream.ptr
+    assert calls == [("groupStart",), ("bcast", 0x100, 32, 1, 0, main),
+                     ("bcast", 0x200, 8, 1, 0, main), ("groupEnd",)]
+    calls.clear()
+    node = Node("all_reduce_sum", [], [], {"group": "g", "world_size": 2})
+    collective.all_reduce_sum(ctx, node, [FakeArray(9, ptr=0x400)], [FakeArray(9, ptr=0x500)])
+    comm = ctx.extras["collective"].stream.ptr
+    assert [c[0] for c in calls] == ["record", "wait", "allReduce", "record", "wait"]
+    assert calls[0][1] == "main" and calls[1][1] == "comm"
+    assert calls[2] == ("allReduce", 0x400, 0x500, 9, 0, comm)
+    assert calls[-1] == ("wait", "main", calls[-2][2])
+    assert ctx.extras["collective"].pending is None
