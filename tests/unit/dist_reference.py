@@ -5,8 +5,10 @@ measure of what rounding alone does).
 
 Each rank's shard runs its own forward, as on its rank: BatchNorm normalises by the shard's
 statistics; the running statistics every rank keeps are rank 0's, from rank 0's shards alone
-(DDP's broadcast_buffers, and stepgraph's: distributed/__init__.py), and the gradient is the mean of the shards' mean-loss gradients, which is the global batch's when
-nothing couples the samples (mlp, cnn). Data-parallel tests judge every rank's parameter
+(DDP's broadcast_buffers, and stepgraph's: distributed/__init__.py), and the gradient is
+the mean of the shards' mean-loss gradients, which is the global batch's when nothing couples
+the samples (mlp, cnn). `torch_sync_reference` is the --sync-bn run's: BatchNorm over the
+concatenated global batch. Data-parallel tests judge every rank's parameter
 changes against it (tests/reference.py): a missing or partial all-reduce leaves a rank with
 its own shard's gradient, far past the bound."""
 from __future__ import annotations
