@@ -19,7 +19,7 @@ from .compile.autocast import (check_bf16_support, check_fp16_support, copy_valu
                                parse_weight_copy)
 from .compile.build import (PREDICT_RNG_KEY, ModelLoss, ModuleValues, build_predict_graph,
                             build_train_graph)
-from .compile.distribute import average_gradients, shard_optimizer_state
+from .compile.distribute import average_gradients, broadcast_buffers, shard_optimizer_state
 from .compile.executable import COPY_ROLES, INFERENCE, STATIC_ROLES, TRAIN, Executable, GraphKey
 from .compile.feed import Signature, check_feed, check_labels, check_steps_feed, signature_of
 from .compile.fuse import fuse
@@ -156,7 +156,9 @@ class TrainStep(_CompiledModel):
     (distributed.init()): rank 0's parameters and buffers are copied to every rank now, and
     each step averages the gradients across ranks before the update (compile/distribute.py),
     so every rank holds the same parameters after every step. The loss a step returns is
-    this rank's; BatchNorm statistics stay per rank; dropout masks differ between ranks.
+    this rank's; the buffers the step updates (BatchNorm's running statistics) are rank 0's
+    on every rank after every step (DataParallel.broadcast_buffers); dropout masks differ
+    between ranks.
 
     memory_format ("auto", "channels_last" or "contiguous", PyTorch's names): how the image
     tensors between convolutions are stored on the device (compile/layout.py). "auto" is
@@ -250,6 +252,9 @@ class TrainStep(_CompiledModel):
             graph = average_gradients(graph, self.group.id, self.group.world_size,
                                       cap_bytes_of(dp.bucket_cap_mb), dp.strategy,
                                       dp.reduce_dtype == "bf16")
+        if self.group is not None and dp.broadcast_buffers:
+            graph = broadcast_buffers(graph, self.group.id, self.group.world_size,
+                                      self.buffers)
         return make_plan(resolve_overlap(self.overlap_update, graph, self.device))
 
     def _broadcast_parameters(self) -> None:

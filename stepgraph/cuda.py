@@ -1,6 +1,7 @@
 """torch.cuda as model and training code calls it: is_available, device_count, manual_seed,
-manual_seed_all, synchronize, current_device, is_bf16_supported. Where a step runs is `compile_train_step(device=
-...)`; these answer questions about the machine and never move tensors."""
+manual_seed_all, synchronize, current_device, set_device, is_bf16_supported. Where a step
+runs is `compile_train_step(device=...)`; these answer questions about the machine and never
+move tensors."""
 from __future__ import annotations
 
 import sys
@@ -28,6 +29,22 @@ def current_device() -> int:
     """The GPU this process's steps run on (LOCAL_RANK in a data-parallel run, else 0)."""
     from .backends import local_gpu
     return local_gpu()
+
+
+def set_device(device) -> None:
+    """torch.cuda.set_device, as a DDP script calls it with its LOCAL_RANK: each process's
+    steps run on its LOCAL_RANK's GPU (current_device(); distributed.init() makes it CuPy's
+    current device), so naming that GPU is accepted; another one is refused. Nothing
+    without a GPU."""
+    from .devices import as_device
+    from .errors import UnsupportedOpError
+
+    index = as_device(device).index or 0
+    if cuda_available() and index != current_device():
+        raise UnsupportedOpError(f"torch.cuda.set_device({index}) is not supported by "
+                                 f"stepgraph: this process runs on GPU {current_device()} "
+                                 "(LOCAL_RANK); start one process per GPU with torchrun or "
+                                 "`stepgraph launch --gpus N`")
 
 
 def synchronize(device=None) -> None:

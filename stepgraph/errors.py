@@ -67,11 +67,10 @@ FLOAT16_HINT = 'for 16-bit compute use compile_train_step(precision="bf16")'
 ALTERNATIVES = {
     "torch.float16": 'torch.bfloat16, or compile_train_step(precision="bf16")',
     "torch.half": 'torch.bfloat16, or compile_train_step(precision="bf16")',
-    "torch.nn.SyncBatchNorm": "torch.nn.BatchNorm2d (statistics of each rank's batch)",
-    "torch.nn.DataParallel": "compile_train_step(distributed=stepgraph.distributed."
-                             "DataParallel()) under the launcher",
-    "torch.nn.parallel": "compile_train_step(distributed=stepgraph.distributed."
-                         "DataParallel()) under the launcher",
+    "torch.nn.DataParallel": "torch.nn.parallel.DistributedDataParallel, one process per GPU "
+                             "under torchrun or `stepgraph launch --gpus N`",
+    "torch.nn.parallel.DataParallel": "torch.nn.parallel.DistributedDataParallel, one process "
+                                      "per GPU under torchrun or `stepgraph launch --gpus N`",
     "torch.Tensor.backward": "compile_train_step(model, loss=...), which derives the "
                              "gradients and applies the update",
     "torch.Tensor.masked_select": "x.masked_fill(~mask, 0) or torch.where(mask, x, 0)",
@@ -80,8 +79,6 @@ ALTERNATIVES = {
     "torch.Tensor.index_put": "torch.where(mask, v, x) or x.scatter(dim, index, v)",
     "torch.Tensor.index_put_": "torch.where(mask, v, x) or x.scatter(dim, index, v)",
     "torch.Tensor.index_add": "x.scatter_add(dim, index, src)",
-    "torch.utils.data.DistributedSampler": "stepgraph.data.BatchLoader(x, y, batch_size, "
-                                           "rank=..., world_size=...), which shards as it does",
     "torch.autograd.grad": "compile_train_step(model, loss=...), which derives the gradients "
                            "from the loss",
     "torch.autograd.backward": "compile_train_step(model, loss=...), which derives the "

@@ -20,6 +20,14 @@ size of its chunks: 1/world of the state), and all-gathers the updated parameter
     global_norm(shards); all_reduce_norm; zero_shard(params) per bucket;
     update(param shards, gradient shards, shard slots); all_gather(shard, params) per bucket
 
+Buffers the step updates in place (BatchNorm's running statistics and counters) are made
+rank 0's on every rank at the end of the step (`broadcast_buffers`): PyTorch DDP's default
+(broadcast_buffers=True) broadcasts rank 0's buffers at every forward, so that the statistics
+a run keeps are rank 0's; here every rank also holds them between steps, and a state_dict
+saved on any rank is the same.
+
+    ... update(params, averaged grads); [guard, history]; broadcast_buffers(running stats)
+
 It runs after fusion: the program order is then final, and no pass moves the collectives.
 """
 from __future__ import annotations
@@ -191,3 +199,21 @@ def _sharded_update(graph: Graph, update: Node, params, buckets, shards, grad_sh
     inputs = update.inputs[:k] + param_shards + grad_shards + slots + flags
     sharded = Node(update.op, inputs, [], attrs, OPS[update.op].mutates(attrs), update.label)
     return before + [sharded] + after
+
+
+def broadcast_buffers(graph: Graph, group: str, world_size: int, buffers) -> Graph:
+    """`graph` with rank 0's values of the buffers it writes in place (those named in
+    `buffers`: the model's, not the optimizer's state) broadcast to every rank as its last
+    node, after anything (the guard's restore) that may still write them."""
+    graph = _copy(graph)
+    names, written = set(buffers), []
+    for node in graph.nodes:
+        for i in node.mutates:
+            v = node.inputs[i]
+            if v.role == STATE and v.name in names and v not in written:
+                written.append(v)
+    if written:
+        graph.nodes.append(Node("broadcast_buffers", written, [],
+                                {"group": group, "world_size": world_size, "n": len(written)},
+                                tuple(range(len(written))), "buffer broadcast"))
+    return graph

@@ -10,8 +10,20 @@ compiled with `distributed=True` (or a `DataParallel` with options) broadcasts r
 parameters and buffers to every rank, then averages the gradients with one all-reduce per
 bucket of about 25 MiB (buckets.py), each launched as soon as its last gradient is final
 (compile/distribute.py): NCCL on a second stream, joined before the optimizer, on CUDA (inside
-the captured graph); through the store on the CPU backend. BatchNorm statistics stay per rank,
-as in PyTorch DDP. `stepgraph launch --gpus N -- CMD` (launch.py) starts the processes.
+the captured graph); through the store on the CPU backend. `stepgraph launch --gpus N -- CMD`
+(launch.py) starts the processes. torch.distributed's names for scripts (init_process_group,
+all_reduce, ...) are torch_api.py's; nn.parallel.DistributedDataParallel makes a captured
+training loop data-parallel.
+
+Buffers (BatchNorm's running statistics): PyTorch DDP's default semantics,
+broadcast_buffers=True. Each rank's forward normalises by its own batch, and the running
+statistics every rank holds are rank 0's: at the end of every step rank 0's updated buffers
+are broadcast to all ranks inside the step's graph (compile/distribute.py broadcast_buffers;
+NCCL on CUDA, the store on the CPU). torch broadcasts at the start of the next forward
+instead, so rank 0's values are the same bits in both; here the other ranks hold them between
+steps too, and every rank's state_dict is the same. DataParallel(broadcast_buffers=False)
+keeps each rank's own statistics. nn.SyncBatchNorm normalises by the statistics of the global
+batch (nn/sync_batch_norm.py).
 """
 from __future__ import annotations
 
@@ -22,6 +34,8 @@ from .buckets import BUCKET_CAP_MB, Bucket, GradientInfo, cap_bytes_of, plan_buc
 from .detect import DistEnv, detect_launch, slurm_hosts
 from .group import ProcessGroup, default_timeout, lookup_group, rendezvous
 from .zero import BucketShards, ShardSlice, plan_shards
+from .torch_api import (ReduceOp, Work, all_reduce, barrier, broadcast, destroy_process_group,
+                        get_backend, init_process_group, is_available)
 
 STRATEGIES = ("flat", "grouped")
 REDUCE_DTYPES = ("fp32", "bf16")
@@ -55,13 +69,17 @@ class DataParallel:
     the parameters are all-gathered. The results are the unsharded step's (the same bits
     without clipping; the clipping norm is summed from the shards' squared norms). One
     parameter group and precision "fp32" only (PlanError otherwise). CUDA: NCCL
-    reduceScatter / allGather inside the captured graph."""
+    reduceScatter / allGather inside the captured graph.
+
+    broadcast_buffers (DDP's, default True): rank 0's buffers (running statistics) on every
+    rank after every step (the module docstring); False: each rank keeps its own."""
 
     bucket_cap_mb: float = BUCKET_CAP_MB
     strategy: str = "flat"
     group: ProcessGroup | None = None
     reduce_dtype: str = "fp32"
     shard_optimizer: bool = False
+    broadcast_buffers: bool = True
 
     def __post_init__(self):
         cap_bytes_of(self.bucket_cap_mb)
@@ -110,16 +128,16 @@ def is_initialized() -> bool:
     return get_group() is not None
 
 
-def get_rank() -> int:
-    """This process's rank (0 without init())."""
-    group = get_group()
-    return 0 if group is None else group.rank
+def get_rank(group=None) -> int:
+    """This process's rank (0 without init()); torch's `group` may only be the default."""
+    found = get_group()
+    return 0 if found is None else found.rank
 
 
-def get_world_size() -> int:
-    """The number of processes (1 without init())."""
-    group = get_group()
-    return 1 if group is None else group.world_size
+def get_world_size(group=None) -> int:
+    """The number of processes (1 without init()); torch's `group` may only be the default."""
+    found = get_group()
+    return 1 if found is None else found.world_size
 
 
 def destroy() -> None:
@@ -140,4 +158,12 @@ __all__ = ["BUCKET_CAP_MB", "Bucket", "BucketShards", "DataParallel", "DistEnv",
            "DistributedError", "GradientInfo", "ProcessGroup", "ShardSlice", "default_timeout",
            "destroy", "detect_launch", "get_group", "get_rank", "get_world_size", "init",
            "is_initialized", "launched_world_size", "lookup_group", "plan_buckets",
-           "plan_shards", "rendezvous", "slurm_hosts"]
+           "plan_shards", "rendezvous", "slurm_hosts", "ReduceOp", "Work", "all_reduce",
+           "barrier", "broadcast", "destroy_process_group", "get_backend", "init_process_group",
+           "is_available"]
+
+
+def __getattr__(name: str):
+    """A torch.distributed name stepgraph lacks: UnsupportedOpError, an AttributeError."""
+    from ..errors import lookup_torch_name
+    return lookup_torch_name(__name__, "torch.distributed", name)

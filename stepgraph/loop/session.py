@@ -10,6 +10,7 @@ every other module call runs as before.
 """
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 from typing import Any
@@ -242,12 +243,14 @@ class LoopSession:
         (carry.py); clipping, loss scaling and the rest are its Executables'."""
         trained, frozen = self._cached_for(optimizer, "optimizer", self._trainable)
         policy = "skip" if scaling is not None else "ignore"
-        key = (id(optimizer), self.device, precision, policy, frozen)
+        data_parallel = _data_parallel(passes)
+        key = (id(optimizer), self.device, precision, policy, frozen, data_parallel)
         step = self.steps.get(key)
         if step is None:
             step = self.steps[key] = LoopStep(
                 self._model(), optimizer, trained, [p.program for p in passes], kept, arrays,
-                self.device, precision, policy, self.seed, hook, max_norm, scaling)
+                self.device, precision, policy, self.seed, hook, max_norm, scaling,
+                data_parallel)
         # torch's optimizer state is per parameter: it carries over to this step (carry.py)
         self.carries.setdefault((id(optimizer), self.device), StateCarry()).switch(step)
         return step
@@ -380,6 +383,19 @@ class LoopSession:
             return module.forward(*args, **kwargs)
         finally:
             self.eager_depth -= 1
+
+
+def _data_parallel(passes) -> object:
+    """The DataParallel options of the DistributedDataParallel the passes call (nn/parallel.py;
+    torch's DDP averages the gradients of the passes run through it), else False."""
+    parallel = sys.modules.get("stepgraph.nn.parallel")    # none made: nothing to look for
+    if parallel is None:
+        return False
+    for p in passes:
+        for event in p.program.events:
+            if isinstance(getattr(event, "module", None), parallel.DistributedDataParallel):
+                return event.module.data_parallel
+    return False
 
 
 def grad_name(param_name: str) -> str:

@@ -105,12 +105,15 @@ class LoopStep(TrainStep):
 
     def __init__(self, model: ProgramModel, optimizer, trained: frozenset, programs, kept,
                  arrays, device: str, precision: str, on_bad_batch: str, seed: int,
-                 grad_hook=None, max_norm: float | None = None, loss_scaling=None):
+                 grad_hook=None, max_norm: float | None = None, loss_scaling=None,
+                 distributed=False):
         self._trained = trained
         self._launched: dict[tuple, tuple] = {}   # launch key -> (Executable, check labels)
         self._use(programs, kept, grad_hook, max_norm, loss_scaling)
+        # distributed: a DistributedDataParallel's options (nn/parallel.py), else False
         super().__init__(model, ModelLoss(), optimizer, arrays, device=device, seed=seed,
-                         precision=precision, on_bad_batch=on_bad_batch)
+                         precision=precision, on_bad_batch=on_bad_batch,
+                         distributed=distributed)
 
     def trained_rows(self) -> tuple:
         """The Parameters this step updates (its hyperparameter rows)."""
@@ -208,6 +211,17 @@ class LoopStep(TrainStep):
         exe.run(self.use_graph)
         self._host_step += 1
         return exe
+
+    # Optimizer.state_dict / load_state_dict find a parameter's state by its name, which a
+    # state_dict() of another root (a DistributedDataParallel's .module) renamed since: the
+    # session's names are put back first.
+    def optimizer_state_of(self, p, slots):
+        self.model.name_parameters()
+        return super().optimizer_state_of(p, slots)
+
+    def load_optimizer_state(self, optimizer, state: dict, step, at_least_one: bool) -> None:
+        self.model.name_parameters()
+        super().load_optimizer_state(optimizer, state, step, at_least_one)
 
     def loss_of(self, call: int):
         """The LossHandle of this step's call number `call` (its loss history entry): made

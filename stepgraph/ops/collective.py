@@ -1,11 +1,13 @@
 """Collective family: the ops a data-parallel step uses to average gradients across ranks
 (compile/distribute.py inserts them; backends/cuda/collective.py runs them through NCCL), and
 those of a step with sharded optimizer state (ZeRO-1): reduce_scatter, zero_shard,
-all_reduce_norm and all_gather.
+all_reduce_norm and all_gather; broadcast_buffers, rank 0's buffers on every rank at the end of
+a step; all_reduce_sum, the one collective of a forward pass (nn.SyncBatchNorm's statistics).
 
-attrs group names the process group (distributed/group.py) and world_size its size. No VJPs:
-the ops are inserted after the backward pass. The numpy references talk through the group's
-store, so CPU processes really communicate; every rank gets the same bits.
+attrs group names the process group (distributed/group.py) and world_size its size. Only
+all_reduce_sum has a VJP (the others are inserted after the backward pass). The numpy
+references talk through the group's store, so CPU processes really communicate; every rank
+gets the same bits.
 """
 from __future__ import annotations
 
@@ -15,10 +17,11 @@ import numpy as np
 
 from ..backends.numpy.bf16 import round_bf16
 from ..distributed.group import lookup_group
-from ..ir.ops import _need, defop, impl
+from ..ir.ops import _need, defop, impl, vjp
 
 COLLECTIVE_OPS = ("all_reduce", "all_reduce_join", "all_reduce_max", "reduce_scatter",
-                  "zero_shard", "all_reduce_norm", "all_gather")
+                  "zero_shard", "all_reduce_norm", "all_gather", "broadcast_buffers",
+                  "all_reduce_sum")
 # The dtypes a bucket of each gradient dtype may be summed in (attrs reduce_dtype).
 # float16 gradients (a model.half()'s) are summed in float16, as torch's DDP all-reduces them.
 REDUCE_DTYPES = {"float32": ("float32",), "float64": ("float64",),
@@ -121,6 +124,34 @@ def _all_gather(ins, attrs):
     return []
 
 
+@defop("broadcast_buffers", mutates=lambda attrs: tuple(range(attrs["n"])))
+def _broadcast_buffers(ins, attrs):
+    """ins[i] = rank 0's ins[i], in place, every dtype (bits are copied): the buffers a
+    data-parallel step updates (BatchNorm's running statistics, the counter), at its end, so
+    that every rank holds rank 0's (compile/distribute.py broadcast_buffers). attrs n =
+    len(ins)."""
+    _need(len(ins) == attrs["n"], "broadcast_buffers",
+          f"attrs n={attrs['n']}, {len(ins)} inputs")
+    return []
+
+
+@defop("all_reduce_sum")
+def _all_reduce_sum(ins, attrs):
+    """out = sum over ranks of ins[0] (float32 or float64, any shape), in a forward pass:
+    nn.SyncBatchNorm's per-channel sums over the global batch. Every rank gets the same bits
+    (summed in rank order on the CPU). Its VJP is itself: with y = sum_r x_r on every rank
+    and the ranks' losses summed, d/dx_r = sum over ranks of dL_s/dy."""
+    _need(len(ins) == 1, "all_reduce_sum", f"takes one tensor, got {len(ins)}")
+    _need(ins[0].dtype in ("float32", "float64"), "all_reduce_sum",
+          f"sums float32 or float64, got {ins[0].dtype}")
+    return [(ins[0].shape, ins[0].dtype)]
+
+
+@vjp("all_reduce_sum")
+def _all_reduce_sum_vjp(emit, node, dy, wants):
+    return emit("all_reduce_sum", [dy[0]], **node.attrs)
+
+
 def _round_fp16(x) -> np.ndarray:
     """float32 x rounded to the nearest float16 value, as float32."""
     return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
@@ -200,3 +231,22 @@ def _all_gather_impl(node, ins, outs, ctx):
     for p in ins[1:]:
         p[...] = flat[offset:offset + p.size].reshape(p.shape)
         offset += p.size
+
+
+@impl("broadcast_buffers")
+def _broadcast_buffers_impl(node, ins, outs, ctx):
+    group = lookup_group(node.attrs["group"])
+    for array, value in zip(ins, group.broadcast(list(ins), what="buffer broadcast")):
+        array[...] = value
+
+
+@impl("all_reduce_sum")
+def _all_reduce_sum_impl(node, ins, outs, ctx):
+    """Every rank's tensor summed in rank order (the same bits on every rank)."""
+    group = lookup_group(node.attrs["group"])
+    parts = group.all_gather(np.ascontiguousarray(ins[0]), "all_reduce_sum of SyncBatchNorm "
+                                                           "statistics")
+    total = parts[0].copy()
+    for part in parts[1:]:
+        total += part
+    outs[0][...] = total

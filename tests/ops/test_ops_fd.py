@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from stepgraph.distributed import DistEnv, rendezvous
 from stepgraph.ir.ops import VJPS
 from stepgraph.ops.activation import ACTIVATIONS
 from stepgraph.ops.unary import UNARY_KINDS
@@ -30,8 +31,14 @@ def labels(gen, n, classes) -> np.ndarray:
     return gen.integers(0, classes, n).astype(np.int64)
 
 
+# all_reduce_sum's group: a world of one (no store; two ranks: tests/unit/test_ddp_buffers.py),
+# held here because groups are looked up by id through a weak table
+ONE_RANK = rendezvous(DistEnv(0, 1, 0, "127.0.0.1", 1, "single", "none"))
+
 # name -> (op, attrs, inputs(gen), differentiable input names)
 CASES = {
+    "all_reduce_sum": ("all_reduce_sum", dict(group=ONE_RANK.id, world_size=1),
+                       lambda g: {"x": f64(g, 5, 3)}, ("x",)),
     "linear": ("linear", dict(act=None),
                lambda g: {"x": f64(g, 6, 5), "w": f64(g, 4, 5), "b": f64(g, 4)}, ("x", "w", "b")),
     "linear-nobias": ("linear", dict(act=None),

@@ -437,9 +437,9 @@ def test_errors_in_a_forward_name_the_module_path(use, names):
 
 def test_missing_names_outside_a_forward_name_the_torch_name_and_alternative():
     with pytest.raises(UnsupportedOpError) as info:
-        nn.SyncBatchNorm(4)
+        nn.DataParallel(nn.Linear(2, 2))
     message = str(info.value)
-    assert "torch.nn.SyncBatchNorm is not supported" in message
-    assert "torch.nn.BatchNorm2d" in message and "called in" not in message
+    assert "torch.nn.DataParallel is not supported" in message
+    assert "DistributedDataParallel" in message and "called in" not in message
     with pytest.raises(UnsupportedOpError, match="torch.nn.NoSuchLayer .*TORCH_COMPAT"):
         nn.NoSuchLayer

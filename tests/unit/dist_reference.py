@@ -4,9 +4,11 @@ the union of the ranks' batches, at float64 (the tolerance policy's reference) o
 measure of what rounding alone does).
 
 Each rank's shard runs its own forward, as on its rank: BatchNorm normalises by the shard's
-statistics and keeps that rank's running statistics (DDP's semantics, and stepgraph's), and
-the gradient is the mean of the shards' mean-loss gradients, which is the global batch's when
-nothing couples the samples (mlp, cnn). Data-parallel tests judge every rank's parameter
+statistics; the running statistics every rank keeps are rank 0's, from rank 0's shards alone
+(DDP's broadcast_buffers, and stepgraph's: distributed/__init__.py), and the gradient is
+the mean of the shards' mean-loss gradients, which is the global batch's when nothing couples
+the samples (mlp, cnn). `torch_sync_reference` is the --sync-bn run's: BatchNorm over the
+concatenated global batch. Data-parallel tests judge every rank's parameter
 changes against it (tests/reference.py): a missing or partial all-reduce leaves a rank with
 its own shard's gradient, far past the bound."""
 from __future__ import annotations
@@ -24,7 +26,7 @@ from stepgraph.data import BatchLoader
 @dataclass
 class Reference:
     """initial: the state every rank starts from (float64); states[r], losses[r]: rank r's
-    state_dict (parameters shared, running statistics its own) and per-step losses."""
+    state_dict (parameters and running statistics, rank 0's, shared) and per-step losses."""
     initial: dict[str, np.ndarray]
     states: list[dict[str, np.ndarray]]
     losses: list[list[float]]
@@ -42,6 +44,11 @@ def torch_twin(name: str, size: int) -> tnn.Module:
                               tnn.Conv2d(16, 32, 3, padding=1), tnn.ReLU(), tnn.MaxPool2d(2),
                               tnn.Flatten(), tnn.Linear(32 * 2 * 2, 64), tnn.ReLU(),
                               tnn.Linear(64, classes))
+    if name == "bncnn":
+        return tnn.Sequential(tnn.Conv2d(1, 8, 3, padding=1, bias=False), tnn.BatchNorm2d(8),
+                              tnn.ReLU(), tnn.MaxPool2d(2), tnn.Flatten(),
+                              tnn.Linear(8 * (size // 2) ** 2, 16), tnn.BatchNorm1d(16),
+                              tnn.ReLU(), tnn.Linear(16, classes))
     if name == "resnet":
         from tests.models.test_resnet import TorchResNet
 
@@ -93,9 +100,38 @@ def torch_reference(name: str, steps: int, global_batch: int, dtype, size: int =
         opt.step()
     params = {k: p.detach().double().numpy() for k, p in twin.named_parameters()}
     states = []
+    rank0 = {k: (b.double() if b.is_floating_point() else b).numpy()
+             for k, b in buffers[0].items()}
     for r in range(world):
-        own = {k: (b.double() if b.is_floating_point() else b).numpy()
-               for k, b in buffers[r].items()}
-        states.append({k: params[k] if k in params else own[k] for k in initial})
+        states.append({k: params[k] if k in params else rank0[k] for k in initial})
     return Reference({k: v.astype(np.float64) if v.dtype.kind == "f" else v
                       for k, v in initial.items()}, states, losses)
+
+
+def torch_sync_reference(name: str, steps: int, global_batch: int, dtype, size: int = 8,
+                         world: int = 2) -> Reference:
+    """dist_worker.train's run on `world` ranks with --sync-bn, done by one torch process at
+    `dtype` with plain BatchNorm over the concatenated global batch (the ranks' shards in
+    rank order): rank r's loss is the mean loss of its rows of the global output, the loss
+    trained is the mean of the ranks' (the global batch's mean loss: equal shards), and every
+    rank holds the same state."""
+    initial = initial_state(name, size)
+    twin = torch_twin(name, size).to(dtype)
+    twin.load_state_dict({k: torch.from_numpy(v) for k, v in initial.items()})
+    opt = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+    losses: list[list[float]] = [[] for _ in range(world)]
+    for shards in rank_batches(name, steps, global_batch, size, world):
+        opt.zero_grad()
+        out = twin(torch.from_numpy(np.concatenate([x for x, _ in shards])).to(dtype))
+        per_rank, at = [], 0
+        for r, (x, y) in enumerate(shards):
+            per_rank.append(tnn.functional.cross_entropy(out[at:at + len(x)],
+                                                         torch.from_numpy(y)))
+            losses[r].append(per_rank[-1].item())
+            at += len(x)
+        (sum(per_rank) / world).backward()
+        opt.step()
+    state = {k: (v.detach().double() if v.is_floating_point() else v.detach()).numpy()
+             for k, v in twin.state_dict().items()}
+    return Reference({k: v.astype(np.float64) if v.dtype.kind == "f" else v
+                      for k, v in initial.items()}, [state] * world, losses)

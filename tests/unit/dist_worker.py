@@ -45,6 +45,12 @@ def make_model(name: str, size: int):
         return small_cnn(CLASSES), "image"
     if name == "resnet":
         return models.resnet(CLASSES, widths=(8, 16, 32), in_channels=1), "image"
+    if name == "bncnn":     # BatchNorm's running statistics, small enough for the CPU tests
+        return sg.nn.Sequential(sg.nn.Conv2d(1, 8, 3, padding=1, bias=False),
+                                sg.nn.BatchNorm2d(8), sg.nn.ReLU(), sg.nn.MaxPool2d(2),
+                                sg.nn.Flatten(), sg.nn.Linear(8 * (size // 2) ** 2, 16),
+                                sg.nn.BatchNorm1d(16), sg.nn.ReLU(),
+                                sg.nn.Linear(16, CLASSES)), "image"
     raise ValueError(name)
 
 
@@ -78,15 +84,18 @@ def train(model_name: str, steps: int, global_batch: int, device: str = "cpu",
           duplicate: bool = False, graph: bool | None = None, strategy: str = "flat",
           bucket_cap_mb: float = 25.0, precision: str = "fp32", reduce_dtype: str = "fp32",
           optimizer: str = "sgd", max_grad_norm: float | None = None,
-          shard_optimizer: bool = False, progress: bool = False):
+          shard_optimizer: bool = False, progress: bool = False, sync_bn: bool = False):
     """(model, step, losses) after `steps` steps. Distributed: this rank's shard of each
     global batch (duplicate: every rank gets the whole global batch, so per-rank BatchNorm
     statistics equal a single process's). progress: log each stage and each step's loss
-    (read at once: a sync per step)."""
+    (read at once: a sync per step). sync_bn: the model's BatchNorms converted to
+    nn.SyncBatchNorm (statistics of the global batch)."""
     group = sg.distributed.init() if distributed else None
     rank, world = (group.rank, group.world_size) if group else (0, 1)
     nn_init.manual_seed(init_seed)
     model, layout = make_model(model_name, size)
+    if sync_bn:
+        model = sg.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     x, y = make_data(steps * global_batch, size, layout)
     if duplicate or world == 1:
         loader = BatchLoader(x, y, global_batch, seed=3, device=device)
@@ -129,6 +138,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-grad-norm", type=float, default=None)
     parser.add_argument("--shard-optimizer", action="store_true")
     parser.add_argument("--progress", action="store_true")
+    parser.add_argument("--sync-bn", action="store_true")
     parser.add_argument("--stacks", default=os.environ.get("STEPGRAPH_STACKS_DIR"))
     parser.add_argument("--stacks-after", type=float,
                         default=float(os.environ.get("STEPGRAPH_STACKS_AFTER", "35")))
@@ -149,7 +159,7 @@ def main(argv=None) -> int:
                                  precision=args.precision, reduce_dtype=args.reduce_dtype,
                                  optimizer=args.optimizer, max_grad_norm=args.max_grad_norm,
                                  shard_optimizer=args.shard_optimizer,
-                                 progress=args.progress)
+                                 progress=args.progress, sync_bn=args.sync_bn)
     exe = next(iter(step.executables.values()))
     record = {f"state/{k}": v for k, v in model.state_dict().items()}
     record.update({f"loss/{i}": np.float32(v) for i, v in enumerate(losses_)})

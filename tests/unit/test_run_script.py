@@ -169,9 +169,9 @@ def test_unsupported_names_are_listed_at_the_end(tmp_path):
         import torch.nn as nn
         print("has xpu", hasattr(torch, "xpu"), getattr(nn, "Bilinear3", "none"))
         try:
-            layer = nn.SyncBatchNorm(4)
+            net = nn.DataParallel(nn.Linear(4, 4))
         except AttributeError as err:
-            layer = nn.BatchNorm2d(4)
+            net = nn.Linear(4, 4)
         try:
             optimizer_class = torch.optim.LBFGS
         except AttributeError:
@@ -188,8 +188,8 @@ def test_unsupported_names_are_listed_at_the_end(tmp_path):
     from stepgraph.errors import ALTERNATIVES
 
     assert report_lines(done.stderr) == [
-        "stepgraph run: torch.nn.SyncBatchNorm is not supported "
-        f"(use {ALTERNATIVES['torch.nn.SyncBatchNorm']})",
+        "stepgraph run: torch.nn.DataParallel is not supported "
+        f"(use {ALTERNATIVES['torch.nn.DataParallel']})",
         "stepgraph run: torch.optim.LBFGS is not supported",
         "stepgraph run: torch.optim.lr_scheduler.NoSuchLR is not supported",
         "stepgraph run: probed (hasattr / getattr) and not supported: torch.xpu, "
@@ -214,21 +214,19 @@ def test_unsupported_submodule_import_fails_with_a_clear_message(tmp_path):
     script = write(tmp_path, "dist.py", """
         import torch
         try:
-            import torch.nn.parallel
+            import torch.distributed.rpc
         except ImportError as err:
             print(type(err).__name__, err.name, "|", err)
         from torch.distributions import Normal
     """)
     done = stepgraph_run(script)
     assert done.returncode == 1
-    from stepgraph.errors import ALTERNATIVES
-
-    alternative = ALTERNATIVES["torch.nn.parallel"]
-    assert done.stdout == ("ModuleNotFoundError torch.nn.parallel | torch.nn.parallel is not "
-                           f"supported by stepgraph; use {alternative}\n")
+    assert done.stdout == ("ModuleNotFoundError torch.distributed.rpc | "
+                           "torch.distributed.rpc is not supported by stepgraph "
+                           "(see docs/TORCH_COMPAT.md for the torch names it has)\n")
     assert "ModuleNotFoundError: torch.distributions is not supported by stepgraph" in done.stderr
     assert report_lines(done.stderr) == [
-        f"stepgraph run: torch.nn.parallel is not supported (use {alternative})",
+        "stepgraph run: torch.distributed.rpc is not supported",
         "stepgraph run: torch.distributions is not supported"]
 
 

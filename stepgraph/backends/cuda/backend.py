@@ -27,7 +27,7 @@ IMPL_MODULES = ("elementwise", "reduce", "loss", "optim", "matmul.linear", "conv
                 "broadcast", "softmax", "norm", "pool", "pointwise", "guards", "embedding",
                 "layer_norm", "matmul.bmm", "shape", "collective", "cast", "attention.attention",
                 "index", "reduce_axis", "recurrent", "conv.conv3d", "pool3d", "random",
-                "lstm_cell")
+                "lstm_cell", "sync_batch_norm")
 # The families whose kernels most plans launch (fills, activations, sums, losses, the step
 # bookkeeping and updates; other families call the first three): their files are compiled
 # for every op's plan.

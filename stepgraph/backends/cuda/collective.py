@@ -1,7 +1,11 @@
 """Launchers of the collective ops (ops/collective.py) through NCCL (cupy.cuda.nccl), and the
 parameter broadcast of a data-parallel step; kernels in collective.cu. ZeRO-1's
 reduce_scatter runs on the communication stream as all_reduce does; zero_shard, all_gather and
-all_reduce_norm run in order on the step's stream.
+all_reduce_norm run in order on the step's stream, and so does broadcast_buffers (rank 0's
+BatchNorm statistics at the end of a step). all_reduce_sum (nn.SyncBatchNorm's statistics, in
+the forward and backward passes) is forked onto the communication stream and joined at once:
+every NCCL call of a step then goes out on that one stream in program order, the same order
+on every rank, beside the gradient buckets and never concurrently with them.
 
 A bucket's all_reduce is forked onto the context's communication stream (side_stream.py):
 an event recorded on ctx.stream at this point of the step, waited for by the communication
@@ -280,6 +284,39 @@ def broadcast_parameters(backend, group, arrays: list) -> None:
                                        backend.stream.ptr) for a in arrays if a.nbytes])
 
 
+def broadcast_buffers(ctx, node, ins: list) -> None:
+    """ins[i] = rank 0's ins[i], in place, as bytes (any dtype), in order on ctx.stream."""
+    group = lookup_group(node.attrs["group"])
+    for i, a in enumerate(ins):
+        _check(f"broadcast_buffers input {i}", a, dtype=None)
+    if group.world_size == 1:
+        return
+    nccl = _nccl()
+    comm = _communicator(group, ctx)
+    _grouped(nccl, lambda: [comm.bcast(a.data.ptr, a.nbytes, nccl.NCCL_UINT8, 0,
+                                       ctx.stream.ptr) for a in ins if a.nbytes])
+
+
+def all_reduce_sum(ctx, node, ins: list, outs: list) -> None:
+    """outs[0] = sum over ranks of ins[0] (NCCL_SUM), on the communication stream, which
+    ctx.stream waits for at once (the next kernels read the sums)."""
+    a, o = ins[0], outs[0]
+    _check("all_reduce_sum input", a, dtype=None)
+    _check("all_reduce_sum output", o, dtype=str(a.dtype), shape=a.shape)
+    group = lookup_group(node.attrs["group"])
+    if group.world_size == 1:
+        _copy_on(ctx.stream, o.data.ptr, a.data.ptr, a.nbytes)
+        return
+    nccl = _nccl()
+    comm = _communicator(group, ctx)
+    memory = _node_memory(node, ("all_reduce_sum",) + _buffers_key(ins + outs), ctx,
+                          fork_events)
+    with forked(ctx, EXTRAS_KEY, "all_reduce_sum", memory) as stream:
+        comm.allReduce(a.data.ptr, o.data.ptr, a.size, _nccl_dtype(nccl, a), nccl.NCCL_SUM,
+                       stream.ptr)
+    join(ctx, EXTRAS_KEY)
+
+
 IMPLS: dict[str, Callable] = {
     "all_reduce": lambda node, ins, outs, ctx: all_reduce_mean(ctx, node, ins, outs),
     "all_reduce_join": lambda node, ins, outs, ctx: all_reduce_join(ctx, node),
@@ -288,4 +325,6 @@ IMPLS: dict[str, Callable] = {
     "zero_shard": lambda node, ins, outs, ctx: zero_shard(ctx, node, ins, outs),
     "all_gather": lambda node, ins, outs, ctx: all_gather(ctx, node, ins),
     "all_reduce_norm": lambda node, ins, outs, ctx: all_reduce_norm(ctx, node, ins, outs),
+    "broadcast_buffers": lambda node, ins, outs, ctx: broadcast_buffers(ctx, node, ins),
+    "all_reduce_sum": lambda node, ins, outs, ctx: all_reduce_sum(ctx, node, ins, outs),
 }
