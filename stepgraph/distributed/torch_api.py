@@ -119,7 +119,7 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size:
     tcp://HOST:PORT. backend "nccl" / "gloo" (or "cpu:gloo,cuda:nccl") accepted; timeout a
     datetime.timedelta or seconds. A second call raises ValueError, as torch's."""
     global _backend
-    from . import init, is_initialized
+    from .default_group import init, is_initialized
 
     if is_initialized():
         raise ValueError("trying to initialize the default process group twice!")
@@ -142,7 +142,7 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size:
 def destroy_process_group(group=None) -> None:
     """torch.distributed.destroy_process_group: leave the run (distributed.destroy())."""
     global _backend
-    from . import destroy
+    from .default_group import destroy
 
     destroy()
     _backend = None
@@ -155,7 +155,7 @@ def get_backend(group=None) -> str:
 
 
 def _group_of(group):
-    from . import get_group
+    from .default_group import get_group
 
     if group is not None and group is not get_group():
         raise UnsupportedOpError("torch.distributed collectives on a group other than the "

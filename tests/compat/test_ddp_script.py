@@ -72,11 +72,15 @@ def test_ddp_script_on_two_processes_trains_like_one_on_the_global_batch(tmp_pat
 
 
 EAGER_COLLECTIVES = """
+    import functools
+
     import torch
     import torch.distributed as dist
 
     dist.init_process_group(backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    # each rank's lines in a file of its own: two processes' stdout can interleave in the pipe
+    print = functools.partial(print, file=open(f"rank{rank}.txt", "w"), flush=True)
     assert dist.is_initialized() and dist.get_backend() == "gloo"
     t = torch.tensor([1.0 + rank, 10.0 * rank])
     dist.all_reduce(t)                                  # SUM
@@ -99,7 +103,9 @@ EAGER_COLLECTIVES = """
 
 def test_eager_collectives_on_two_processes(tmp_path):
     (tmp_path / "collectives.py").write_text(textwrap.dedent(EAGER_COLLECTIVES))
-    lines = sorted(launch_two(tmp_path, "collectives.py").stdout.splitlines())
+    launch_two(tmp_path, "collectives.py")
+    lines = sorted(line for rank in (0, 1)
+                   for line in (tmp_path / f"rank{rank}.txt").read_text().splitlines())
     assert lines == [
         "0 2 [3.0, 10.0] [1.5, 5.0] [3, 1] [1.0, 1.0, 1.0]",
         "0 initialized after destroy: False",
