@@ -136,3 +136,8 @@ class UnsupportedPrecisionError(UnsupportedOpError):
 class DistributedError(StepgraphError, RuntimeError):
     """A data-parallel run cannot go on: a rank never arrived or stopped answering, the
     launch environment (RANK, WORLD_SIZE, ...) is inconsistent, or NCCL is unusable."""
+
+
+class TypePromotionError(StepgraphError, RuntimeError):
+    """An in-place op whose result type cannot be written into its tensor: torch's "result
+    type Float can't be cast to the desired output type Long" (ir/promotion.py)."""

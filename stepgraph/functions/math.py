@@ -5,6 +5,7 @@ model calling either records the same ops (ops/unary.py, ops/compare.py, ops/ele
 """
 from __future__ import annotations
 
+from ..ir.promotion import result_type
 from ..ir.tensor import Tensor, _is_scalar
 from ..ir.trace import current_tracer
 
@@ -58,12 +59,13 @@ def pow(input, exponent) -> Tensor:
 
 def where(condition: Tensor, input, other) -> Tensor:
     """input where condition (bool) else other; input and other tensors or Python numbers,
-    the three broadcast together. Two numbers give a float32 tensor of condition's shape."""
+    the three broadcast together. Two numbers give a tensor of condition's shape and their
+    result type (float32, int64 or bool, as torch's)."""
     input, other = _traced(input), _traced(other)
     if not _is_scalar(input):
         return input.where(condition, other)
     if not _is_scalar(other):
-        return other.masked_fill(condition, input)
+        return other._cast(result_type(input, other)).masked_fill(condition, input)
     filled = condition.tracer.op("fill", [], value=float(other), shape=condition.shape,
-                                 dtype="float32")
+                                 dtype=result_type(input, other))
     return filled.masked_fill(condition, input)

@@ -4,6 +4,7 @@ where). Attached to Tensor when this module is imported (ir/tensor.py `attach_me
 """
 from __future__ import annotations
 
+from .promotion import result_type
 from .tensor import Tensor, _is_scalar, attach_methods
 
 
@@ -12,11 +13,16 @@ class _CompareMethods:
 
     # ---- comparisons, logic and masks (ops/compare.py) ----
     def _compare(self, other, kind: str):
+        """self kind other in torch's result type of the two (ir/promotion.py): an int
+        tensor < 0.5 compares in float32, a float32 tensor == a float64 one in float64."""
         if _is_scalar(other):
-            return self.tracer.op("compare_scalar", [self], kind=kind, value=float(other))
+            x = self._cast(result_type(self, other))
+            return self.tracer.op("compare_scalar", [x], kind=kind, value=float(other))
         if not isinstance(other, Tensor) and getattr(other, "traced", None) is None:
             return NotImplemented       # == with any other object: Python's identity test
-        return self.tracer.op("compare", [self, self._coerce(other, kind)], kind=kind)
+        other = self._coerce(other, kind)
+        dtype = result_type(self, other)
+        return self.tracer.op("compare", [self._cast(dtype), other._cast(dtype)], kind=kind)
 
     def __lt__(self, other):
         return self._compare(other, "lt")
@@ -96,9 +102,11 @@ class _CompareMethods:
         """x where condition (bool) else other, a tensor or a Python number; the three
         broadcast together (torch.Tensor.where)."""
         cond = self._coerce(condition, "where")
+        other = other if _is_scalar(other) else self._coerce(other, "where")
+        dtype = result_type(self, other)          # torch.where promotes x and other
         if _is_scalar(other):
-            return self.masked_fill(cond.logical_not(), other)
-        return self.tracer.op("where", [cond, self, self._coerce(other, "where")])
+            return self._cast(dtype).masked_fill(cond.logical_not(), other)
+        return self.tracer.op("where", [cond, self._cast(dtype), other._cast(dtype)])
 
 
 def attach(cls: type) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ShapeError
+from .promotion import check_cast
 from .tensor import Tensor, _is_scalar, attach_methods
 from .trace import EAGER, tensor_of
 
@@ -31,11 +32,16 @@ class _InplaceMethods:
         array is written. A traced value is never overwritten: the object is rebound to the
         new node, so every name bound to it sees the change, as model code expects of
         `x += residual`; views taken before the call keep the old values (torch's views
-        share storage and would see it)."""
-        if result.shape != self.shape or result.dtype != self.dtype:
+        share storage and would see it). A result of another dtype is cast to this one
+        where torch casts it (float32 into bfloat16); a float into an integer tensor, or
+        anything but bool into a bool one, raises TypePromotionError as torch does."""
+        if result.shape != self.shape:
             raise ShapeError(f"{what}: the result {result.dtype}{list(result.shape)} cannot "
                              f"be written in place into a {self.dtype}{list(self.shape)} "
                              "tensor")
+        if result.value.dtype != self.value.dtype:
+            check_cast(result.value.dtype, self.value.dtype)
+            result = result._cast(self.value.dtype)
         if self.is_eager and result.is_eager:
             self.array[...] = result.array
         elif result.is_eager:                   # eager values for a traced tensor: a constant

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import numbers
 
-import numpy as np
-
 from ..errors import ShapeError
+from .promotion import DEFAULT_FLOAT, is_floating, result_type
 from .tensor import Tensor, _is_scalar, attach_methods
 
 
@@ -18,27 +17,20 @@ class _MathMethods:
 
     # ---- arithmetic ----
     def _binary(self, other, kind: str, reverse: bool = False) -> Tensor:
+        """self kind other (other kind self when reverse), both cast first to torch's result
+        type (ir/promotion.py): a true division of integers gives the default float."""
+        if not _is_scalar(other):
+            other = self._coerce(other, kind)
+        dtype = result_type(self, other)
+        if kind == "div" and not is_floating(dtype):
+            dtype = DEFAULT_FLOAT
+        x = self._cast(dtype)
         if _is_scalar(other):
             if reverse and kind in ("sub", "div"):
                 kind = "r" + kind
-            x = self._to_float(kind == "div" or kind == "rdiv" or
-                               isinstance(other, (float, np.floating)))
             return self.tracer.op("scalar", [x], kind=kind, value=float(other))
-        other = self._coerce(other, kind)
-        a, b = (other, self) if reverse else (self, other)
-        floats = kind == "div" or a.dtype.is_floating_point or b.dtype.is_floating_point
-        # an integer operand takes the float operand's dtype (int32 with float64 is float64)
-        like = next((t.value.dtype for t in (a, b) if t.dtype.is_floating_point), "float32")
-        a, b = a._to_float(floats, like), b._to_float(floats, like)
+        a, b = (other._cast(dtype), x) if reverse else (x, other._cast(dtype))
         return self.tracer.op("binary", [a, b], kind=kind)
-
-    def _to_float(self, needed: bool, dtype: str = "float32") -> Tensor:
-        """An integer tensor cast to `dtype` (float32 unless the other operand's float) where
-        torch's type promotion gives a float (division, a float operand); else this tensor.
-        The int + int forms keep the int."""
-        if not needed or self.dtype.is_floating_point:
-            return self
-        return self.tracer.op("cast", [self], dtype=dtype)
 
     def __add__(self, other):
         return self._binary(other, "add")
@@ -73,7 +65,7 @@ class _MathMethods:
     def __pow__(self, exponent):
         if not _is_scalar(exponent):
             return self._binary(exponent, "pow")
-        x = self._to_float(isinstance(exponent, (float, np.floating)))
+        x = self._cast(result_type(self, exponent))
         return x.tracer.op("scalar", [x], kind="pow", value=float(exponent))
 
     pow = __pow__

@@ -163,6 +163,8 @@ class Pass(Tracer):
                 self._rerecord("a buffer the captured pass did not use at script level")
                 return self.buffer(b)
             return Tensor(v, self)
+        if not self.module_path:
+            self.session.name_state([b])     # a buffer the script uses itself
         t = super().buffer(b)
         self.program.buffers[t.value] = b
         return t
@@ -201,6 +203,7 @@ class Pass(Tracer):
             self._rerecord(reason)
             return self.call_module(module, args, kwargs)
         args, kwargs = tree_map(self._as_input, args), tree_map(self._as_input, kwargs)
+        self.session.name_module(module)
         out = trace_call(self, module, args, kwargs)
         self.program.events.append(CallEvent(
             module, tree_map(_value_of, args), tree_map(_value_of, kwargs),

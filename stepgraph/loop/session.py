@@ -206,7 +206,7 @@ class LoopSession:
             self.grads_kept.clear()
         scaling, self.loss_scaling = self.loss_scaling, None
         if scaling is not None:
-            self._name_state([scaling.scale, scaling.growth_tracker])
+            self.name_state([scaling.scale, scaling.growth_tracker])
         if self.done:
             self._detach_done()
         alone = len(passes) == 1
@@ -327,27 +327,34 @@ class LoopSession:
     def _name(self, program: Program) -> None:
         for event in program.events:
             module = getattr(event, "module", None)
-            if module is None or id(module) in self.named:
-                continue
-            self.named[id(module)] = module
-            prefix = "" if self.roots == 0 else f"loop{self.roots}."
-            self.roots += 1
-            for name, t in [*module.named_parameters(), *module.named_buffers()]:
-                if id(t) not in self.names:
-                    self.names[id(t)] = prefix + name
-                    self.named[id(t)] = t
-        for v, t in [*program.params.items(), *program.buffers.items()]:
-            if id(t) not in self.names:          # used only at script level
-                self.names[id(t)] = f"loop.extra{len(self.names)}"
-                self.named[id(t)] = t
+            if module is not None:
+                self.name_module(module)
+        self.name_state([*program.params.values(), *program.buffers.values()])
         hooks.changed()                          # the frozen names may have grown
 
-    def _name_state(self, buffers) -> None:
-        """Names for Buffers a step binds that no pass traced (GradScaler's growth counter)."""
-        for b in buffers:
-            if id(b) not in self.names:
-                self.names[id(b)] = f"loop.extra{len(self.names)}"
-                self.named[id(b)] = b
+    def name_module(self, module) -> None:
+        """Names for a module's parameters and buffers (its state_dict keys, under a prefix
+        for a second root), given before a pass first traces its forward: the trace binds
+        a buffer by name, and a model never loaded or compiled has none yet."""
+        if id(module) in self.named:
+            return
+        self.named[id(module)] = module
+        prefix = "" if self.roots == 0 else f"loop{self.roots}."
+        self.roots += 1
+        for name, t in [*module.named_parameters(), *module.named_buffers()]:
+            if id(t) not in self.names:
+                self.names[id(t)] = prefix + name
+                self.named[id(t)] = t
+            t.name = t.name or self.names[id(t)]
+
+    def name_state(self, tensors) -> None:
+        """Names for Parameters and Buffers no module call reached: used only at script
+        level, or bound by a step that no pass traced (GradScaler's growth counter)."""
+        for t in tensors:
+            if id(t) not in self.names:
+                self.names[id(t)] = f"loop.extra{len(self.names)}"
+                self.named[id(t)] = t
+                t.name = t.name or self.names[id(t)]
                 hooks.changed()
 
     def _model(self) -> ProgramModel:

@@ -6,6 +6,8 @@ Every group may set lr, lr_decay, weight_decay and eps and change them between s
 (optimizer.py); maximize is fixed once a step is compiled."""
 from __future__ import annotations
 
+import numpy as np
+
 from .optimizer import Optimizer
 
 
@@ -39,6 +41,12 @@ class Adagrad(Optimizer):
     def slot_start(self, slot: str, group: dict) -> float:
         # PyTorch starts every sum at the constructor's value, whatever the group says.
         return self.defaults["initial_accumulator_value"]
+
+    def unstarted_entry(self, group: dict, p) -> dict:
+        # PyTorch's Adagrad makes every parameter's state in its constructor: step 0 and the
+        # sum's start, listed by state_dict() before (or without) any step.
+        return {"step": np.array(0.0, np.float32),
+                "sum": np.full(p.shape, self.slot_start("sum", group), np.float32)}
 
     def hyperparameters(self) -> dict:
         d = self.defaults

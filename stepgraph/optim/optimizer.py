@@ -466,12 +466,16 @@ class Optimizer(LoopMethods):
 
     def _device_state(self, p) -> dict:
         step = self._holder(p)
-        if step is None:
-            return {}
-        count, slots = step.optimizer_state_of(p, self._slots or ())
+        count, slots = (0, {}) if step is None else \
+            step.optimizer_state_of(p, self._slots or ())
         if count == 0:
-            return {}
+            return self.unstarted_entry(self._group_of(p), p)
         return self.state_entry(self._group_of(p), count, slots)
+
+    def unstarted_entry(self, group: dict, p) -> dict:
+        """A parameter's state_dict entry before its first step (never trained, or frozen
+        from the start): none, as PyTorch's optimizers make their state lazily."""
+        return {}
 
     def state_entry(self, group: dict, count: int, slots: dict) -> dict:
         """A parameter's state_dict entry from the step counter and its slots (PyTorch's

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import stepgraph as sg
-from tests.reference import assert_changes_close
+from tests.reference import assert_changes_close, assert_close_to_reference
 
 D_IN, HIDDEN, CLASSES = 12, 16, 5
 STEPS, FREEZE_AT, UNFREEZE_AT = 9, 3, 6
@@ -116,3 +116,58 @@ def test_the_changes_are_measurable():
         opt.step()
     with pytest.raises(AssertionError, match="past the bound"):
         judge(start, s32, s64, state(reset))
+
+
+STATE_OPTIMIZERS = {
+    **OPTIMIZERS,
+    "rmsprop-momentum": lambda fw, params: fw.optim.RMSprop(params, lr=0.01, momentum=0.5),
+    "adagrad": lambda fw, params: fw.optim.Adagrad(params, lr=0.1, lr_decay=0.01,
+                                                   initial_accumulator_value=0.1),
+}
+# layers 0, 2, 4 trainable (True) or frozen before each step: frozen from the start, frozen
+# mid-run and trained again, a step with one layer alone
+STATE_SCHEDULE = [{0: False, 2: True, 4: True}, {0: True, 2: False, 4: True},
+                  {0: True, 2: True, 4: True}, {0: False, 2: False, 4: True},
+                  {0: True, 2: False, 4: False}, {0: False, 2: True, 4: True},
+                  {0: True, 2: True, 4: True}]
+
+
+def optimizer_states(fw, model, make_opt, dtype) -> list[dict]:
+    """optimizer.state_dict()["state"] after each step of STATE_SCHEDULE, copied (torch's
+    arrays are the live state)."""
+    opt, out = make_opt(fw, model.parameters()), []
+    for i, (x, y) in enumerate(batches()[:len(STATE_SCHEDULE)]):
+        for layer, trainable in STATE_SCHEDULE[i].items():
+            model[layer].requires_grad_(trainable)
+        opt.zero_grad()
+        logits = model(fw.from_numpy(x.astype(dtype)))
+        fw.nn.functional.cross_entropy(logits, fw.from_numpy(y)).backward()
+        opt.step()
+        out.append({k: {s: np.array(v.numpy() if hasattr(v, "detach") else v, np.float64)
+                        for s, v in entry.items()}
+                    for k, entry in opt.state_dict()["state"].items()})
+    return out
+
+
+@pytest.mark.parametrize("name", STATE_OPTIMIZERS)
+def test_state_dict_lists_frozen_parameters_state_as_torch(name):
+    """optimizer.state_dict() after every step of a loop that freezes and unfreezes layers:
+    the same parameter indices and keys as torch's (a frozen parameter's state still listed,
+    Adagrad's made for every parameter from the start), each parameter's own step count, and
+    the slots' values judged against torch float64 by the tolerance policy."""
+    t32, t64, ours = triplets()
+    make_opt = STATE_OPTIMIZERS[name]
+    s32 = optimizer_states(torch, t32, make_opt, np.float32)
+    s64 = optimizer_states(torch, t64, make_opt, np.float64)
+    got = optimizer_states(sg, ours, make_opt, np.float32)
+    for i, (want, want32, have) in enumerate(zip(s64, s32, got)):
+        assert set(have) == set(want), f"after step {i}: parameters with state"
+        for k, entry in want.items():
+            # stepgraph's SGD entries carry its step count too (torch's SGD keeps none)
+            assert set(have[k]) - {"step"} == set(entry) - {"step"}, (i, k)
+            for slot, value in entry.items():
+                if slot == "step":
+                    assert float(have[k]["step"]) == float(value), (i, k)
+                else:
+                    assert_close_to_reference(have[k][slot], value, want32[k][slot],
+                                              f"step {i} parameter {k} {slot}")

@@ -356,8 +356,15 @@ def test_torch_constructors_and_defaults():
 def test_state_dict_layout_matches_torch_and_round_trips(case):
     data = batches(6, "state dict")
     model, opt, step = build(case, data)
-    assert opt.state_dict()["state"] == {}                  # torch's: none before a step
     init = {k: v.astype(np.float64) for k, v in model.state_dict().items()}
+    # torch's before a step: none, except Adagrad's (made in its constructor: step 0, sum)
+    fresh = run_torch(init, case, [], torch.float64)[1].state_dict()["state"]
+    before = opt.state_dict()["state"]
+    assert set(before) == set(fresh) == (set() if case != "adagrad" else {0, 1, 2, 3})
+    for i, entry in fresh.items():
+        assert set(before[i]) == set(entry)
+        for k, v in entry.items():
+            np.testing.assert_array_equal(before[i][k], v.numpy(), err_msg=f"{i} {k}")
     for x, y in data[:3]:
         step(x, y)
     ours = opt.state_dict()
