@@ -158,18 +158,23 @@ def all_reduce_join(ctx, node) -> None:
     join(ctx, EXTRAS_KEY)
 
 
-def all_reduce_max(ctx, node, ins: list) -> None:
-    """ins[i] = elementwise max over ranks of ins[i], in place, on ctx.stream (in order)."""
+def _in_place(ctx, node, ins: list, what: str, call) -> None:
+    """call(nccl, comm, a) for each of ins, grouped, in order on ctx.stream: a collective that
+    rewrites its inputs in place; nothing with one rank."""
     group = lookup_group(node.attrs["group"])
     for i, a in enumerate(ins):
-        _check(f"all_reduce_max input {i}", a, dtype=None)
+        _check(f"{what} input {i}", a, dtype=None)
     if group.world_size == 1:
         return
     nccl = _nccl()
     comm = _communicator(group, ctx)
-    _grouped(nccl, lambda: [comm.allReduce(a.data.ptr, a.data.ptr, a.size,
-                                           _nccl_dtype(nccl, a), nccl.NCCL_MAX, ctx.stream.ptr)
-                            for a in ins])
+    _grouped(nccl, lambda: [call(nccl, comm, a) for a in ins])
+
+
+def all_reduce_max(ctx, node, ins: list) -> None:
+    """ins[i] = elementwise max over ranks of ins[i], in place, on ctx.stream (in order)."""
+    _in_place(ctx, node, ins, "all_reduce_max", lambda nccl, comm, a: comm.allReduce(
+        a.data.ptr, a.data.ptr, a.size, _nccl_dtype(nccl, a), nccl.NCCL_MAX, ctx.stream.ptr))
 
 
 # ---- ZeRO-1 (compile/distribute.py shard_optimizer_state) ---------------------------------
@@ -286,15 +291,9 @@ def broadcast_parameters(backend, group, arrays: list) -> None:
 
 def broadcast_buffers(ctx, node, ins: list) -> None:
     """ins[i] = rank 0's ins[i], in place, as bytes (any dtype), in order on ctx.stream."""
-    group = lookup_group(node.attrs["group"])
-    for i, a in enumerate(ins):
-        _check(f"broadcast_buffers input {i}", a, dtype=None)
-    if group.world_size == 1:
-        return
-    nccl = _nccl()
-    comm = _communicator(group, ctx)
-    _grouped(nccl, lambda: [comm.bcast(a.data.ptr, a.nbytes, nccl.NCCL_UINT8, 0,
-                                       ctx.stream.ptr) for a in ins if a.nbytes])
+    _in_place(ctx, node, [a for a in ins if a.nbytes], "broadcast_buffers",
+              lambda nccl, comm, a: comm.bcast(a.data.ptr, a.nbytes, nccl.NCCL_UINT8, 0,
+                                               ctx.stream.ptr))
 
 
 def all_reduce_sum(ctx, node, ins: list, outs: list) -> None:
