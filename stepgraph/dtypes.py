@@ -3,14 +3,14 @@
 A `dtype` is a str subclass equal to the IR dtype name ("float32", "bfloat16", ...), so
 `x.dtype == torch.float32` and `x.dtype == "float32"` both hold, and a dtype can be handed to
 anything that takes stepgraph's dtype strings. Only the dtypes in `ir.graph.DTYPES` can be held
-by a tensor; the others (float16, int16, int8, bool) exist so model code can name them, and a
+by a tensor; the others (int16, int8) exist so model code can name them, and a
 tensor of one is refused with UnsupportedOpError.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .errors import FLOAT16_HINT, UnsupportedOpError, called_in
+from .errors import UnsupportedOpError, called_in
 from .ir.graph import BF16, DTYPES
 
 
@@ -79,9 +79,8 @@ def tensor_dtype(d, what: str) -> dtype:
     """`d` (as `as_dtype` takes it) checked to be one a stepgraph tensor can hold."""
     d = as_dtype(d, what)
     if d not in DTYPES:
-        hint = f"; {FLOAT16_HINT}" if d == "float16" else ""
         raise UnsupportedOpError(f"{what}: tensors of {d!r} are not supported by stepgraph "
-                                 f"(supported: {', '.join(DTYPES)}){hint}{called_in()}")
+                                 f"(supported: {', '.join(DTYPES)}){called_in()}")
     return d
 
 

@@ -60,13 +60,8 @@ class UnsupportedOpError(StepgraphError, NotImplementedError, AttributeError):
     lacks (`torch.foo`), hence an AttributeError: hasattr and getattr with a default work."""
 
 
-# What float16 tensors are refused for: the IR holds bf16, and precision="bf16" computes in it.
-FLOAT16_HINT = 'for 16-bit compute use compile_train_step(precision="bf16")'
-
 # What a model uses instead of a torch name stepgraph lacks, where there is something.
 ALTERNATIVES = {
-    "torch.float16": 'torch.bfloat16, or compile_train_step(precision="bf16")',
-    "torch.half": 'torch.bfloat16, or compile_train_step(precision="bf16")',
     "torch.nn.DataParallel": "torch.nn.parallel.DistributedDataParallel, one process per GPU "
                              "under torchrun or `stepgraph launch --gpus N`",
     "torch.nn.parallel.DataParallel": "torch.nn.parallel.DistributedDataParallel, one process "

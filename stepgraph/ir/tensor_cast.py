@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import FLOAT16_HINT, UnsupportedOpError
+from ..errors import UnsupportedOpError
 from .graph import BF16, DTYPES
 from .tensor import Tensor, attach_methods
 
@@ -27,9 +27,8 @@ def dtype_name(dtype) -> str:
         name = str(dtype).rsplit(".", 1)[-1]
     name = _DTYPE_ALIASES.get(name, name)
     if name not in DTYPES:
-        hint = f" ({FLOAT16_HINT})" if name == "float16" else ""
         raise UnsupportedOpError(f"dtype {dtype!r} is not supported by stepgraph: "
-                                 f"one of {DTYPES}{hint}")
+                                 f"one of {DTYPES}")
     return name
 
 
