@@ -113,18 +113,25 @@ def _check_conv_args(layer: str, in_channels: int, out_channels: int, groups: in
         raise UnsupportedOpError(f"{layer} padding_mode={padding_mode!r} (only 'zeros')")
 
 
-class Conv2d(Module):
+class _ConvNd(Module):
+    """Conv2d and Conv3d: the same arguments, weight (out, in/groups, *kernel), bias (out,),
+    torch's init, the functional form of their rank."""
+
+    _rank = 2
+    _conv = staticmethod(F.conv2d)
+
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0,
                  dilation=1, groups: int = 1, bias: bool = True, padding_mode: str = "zeros"):
         super().__init__()
-        _check_conv_args("Conv2d", in_channels, out_channels, groups, padding_mode)
-        kh, kw = F._pair(kernel_size)
+        n = self._rank
+        _check_conv_args(f"Conv{n}d", in_channels, out_channels, groups, padding_mode)
         self.in_channels, self.out_channels = in_channels, out_channels
-        self.kernel_size, self.stride = (kh, kw), F._pair(stride)
-        self.padding = padding if isinstance(padding, str) else F._pair(padding)
-        self.dilation, self.groups = F._pair(dilation), groups
-        self.weight = Parameter(np.empty((out_channels, in_channels // groups, kh, kw),
-                                         np.float32))
+        self.kernel_size, self.stride = F._ntuple(kernel_size, n), F._ntuple(stride, n)
+        self.padding = padding if isinstance(padding, str) else F._ntuple(padding, n)
+        self.dilation, self.groups = F._ntuple(dilation, n), groups
+        self.padding_mode = padding_mode
+        self.weight = Parameter(np.empty((out_channels, in_channels // groups,
+                                          *self.kernel_size), np.float32))
         self.bias = Parameter(np.empty(out_channels, np.float32)) if bias else None
         self.reset_parameters()
 
@@ -132,15 +139,18 @@ class Conv2d(Module):
         _reset_fan_in(self.weight, self.bias)
 
     def forward(self, x):
-        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation,
-                        self.groups)
+        return self._conv(x, self.weight, self.bias, self.stride, self.padding, self.dilation,
+                          self.groups)
+
+    def _padding_repr(self) -> str:
+        return str(self.padding)
 
     def extra_repr(self):
         s = (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
              f"stride={self.stride}")
-        if self.padding != (0, 0):
-            s += f", padding={self.padding!r}"
-        if self.dilation != (1, 1):
+        if self.padding != (0,) * self._rank:
+            s += f", padding={self._padding_repr()}"
+        if self.dilation != (1,) * self._rank:
             s += f", dilation={self.dilation}"
         if self.groups != 1:
             s += f", groups={self.groups}"
@@ -148,6 +158,11 @@ class Conv2d(Module):
 
     def _label_args(self):
         return f"{self.in_channels},{self.out_channels},{self.kernel_size[0]}"
+
+
+class Conv2d(_ConvNd):
+    def _padding_repr(self) -> str:
+        return repr(self.padding)       # a string padding quoted (torch's is not)
 
 
 class _MaxPoolNd(Module):
@@ -300,43 +315,11 @@ class BatchNorm3d(_BatchNorm):
     ranks = (5,)
 
 
-class Conv3d(Module):
+class Conv3d(_ConvNd):
     """F.conv3d; weight (out, in/groups, kd, kh, kw), bias (out,); torch's init."""
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0,
-                 dilation=1, groups: int = 1, bias: bool = True, padding_mode: str = "zeros"):
-        super().__init__()
-        _check_conv_args("Conv3d", in_channels, out_channels, groups, padding_mode)
-        self.in_channels, self.out_channels = in_channels, out_channels
-        self.kernel_size, self.stride = F._ntuple(kernel_size, 3), F._ntuple(stride, 3)
-        self.padding = padding if isinstance(padding, str) else F._ntuple(padding, 3)
-        self.dilation, self.groups = F._ntuple(dilation, 3), groups
-        self.padding_mode = padding_mode
-        self.weight = Parameter(np.empty((out_channels, in_channels // groups,
-                                          *self.kernel_size), np.float32))
-        self.bias = Parameter(np.empty(out_channels, np.float32)) if bias else None
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        _reset_fan_in(self.weight, self.bias)
-
-    def forward(self, x):
-        return F.conv3d(x, self.weight, self.bias, self.stride, self.padding, self.dilation,
-                        self.groups)
-
-    def extra_repr(self):
-        s = (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
-             f"stride={self.stride}")
-        if self.padding != (0, 0, 0):
-            s += f", padding={self.padding}"
-        if self.dilation != (1, 1, 1):
-            s += f", dilation={self.dilation}"
-        if self.groups != 1:
-            s += f", groups={self.groups}"
-        return s + (", bias=False" if self.bias is None else "")
-
-    def _label_args(self):
-        return f"{self.in_channels},{self.out_channels},{self.kernel_size[0]}"
+    _rank = 3
+    _conv = staticmethod(F.conv3d)
 
 
 class MaxPool3d(_MaxPoolNd):
