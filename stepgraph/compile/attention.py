@@ -130,6 +130,8 @@ class _Matcher:
         if n.attrs.get("mask"):         # the packed op takes no mask
             return None
         q, k, v = n.inputs[:3]
+        if q.shape[:-2] != k.shape[:-2]:        # nor grouped heads
+            return None
         x = self.split_source(q, 0)
         if x is None or self.split_source(k, 1) is not x or self.split_source(v, 2) is not x \
                 or len({q, k, v}) != 3:

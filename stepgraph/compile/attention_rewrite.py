@@ -24,12 +24,16 @@ What it matches, each intermediate (scores, probabilities) read by nothing else:
   at compile time, through slices and comparisons: minGPT's `self.bias[:, :, :T, :T] == 0`)
   that blocks exactly sdpa's causal pattern (key j > query i + (S - L): tril when L == S) for
   every batch entry becomes causal=True; any other mask becomes sdpa's additive mask input,
-  where the backend's sdpa takes one (the NumPy reference; the CUDA kernels take none);
+  where the backend's sdpa takes one (the NumPy reference and the CUDA kernels both do);
 - softmax over the last axis (the `softmax` op without its own scale or causal attrs);
 - dropout on the probabilities: sdpa keeps its p, seed and site, and draws the dropout op's
   very mask (ops/attention.py: same Philox rule at the same flat index), so with p > 0 the
   rewritten step drops the same elements as the composed one;
-- bmm(probabilities, v) with v (..., S, Ev).
+- bmm(probabilities, v) with v (..., S, Ev);
+- grouped heads: k and v both repeat_interleave'd along the head axis (-3) by one factor
+  (unsqueeze, expand, merge: what Tensor.repeat_interleave and Hugging Face's repeat_kv
+  trace as), the copies read by the chain alone, become sdpa's grouped k and v (query head h
+  reads kv head h // group: no repeated copies, dk and dv summed in the kernels).
 
 What it leaves: a score or probability read by anything else (or a step output), softmax over
 another axis, a scale that is not a Python constant (a parameter, a tensor), a scale after a
@@ -38,6 +42,11 @@ rows the compiler cannot prove are never wholly blocked (the composed op then gi
 uniform row, sdpa's additive mask a NaN one), a known mask blocking a whole row, a mask fed by
 a parameter, a mask that is not causal where the backend takes no mask, a causal mask with
 L > S, and head dims above MAX_HEAD_DIM: those run as written.
+
+A row that a mask known only at run time blocks wholly (-inf at every key) gives NaN through
+the written softmax and 0 through sdpa (with no gradient), as torch's
+F.scaled_dot_product_attention gives: the one place the rewritten step differs, and only
+where the written one is NaN.
 
 A module buffer folded into the step (the causal case, or a constant mask) is read when the
 step is compiled (compile/build.py ModuleValues); a compiled step whose folded buffer was
@@ -67,8 +76,8 @@ SWITCH_ENV = "STEPGRAPH_ATTENTION_REWRITE"
 # float32 and float64 for any row max above v + 750, i.e. any score of a row that is not
 # wholly blocked, unless scores reach 1e9 in magnitude.
 BLOCKING = -1e9
-# Devices whose sdpa takes an additive mask input (the NumPy reference).
-MASKED_SDPA_DEVICES = frozenset({"cpu"})
+# Devices whose sdpa takes an additive mask input (the NumPy reference, the CUDA kernels).
+MASKED_SDPA_DEVICES = frozenset({"cpu", "cuda"})
 # Ops the compiler evaluates to know a mask's values: deterministic, of their inputs only.
 FOLDABLE_OPS = frozenset({
     "constant", "fill", "arange", "triangle", "slice", "reshape", "permute", "expand",
@@ -195,6 +204,28 @@ class _Matcher:
                 return None
             chain.nodes.append(n)
             reader, x = n, nxt
+
+    def repeated_heads(self, x: Value, chain: _Chain) -> tuple[Value, int, list[Node]] | None:
+        """(source (..., Hkv, S, E), group, nodes) where x (..., Hkv * group, S, E) is the
+        source repeat_interleave'd along the head axis: reshape of an expand of source
+        reshaped to (..., Hkv, 1, S, E), each copy read once, x by the chain alone."""
+        readers = self.users.get(x, [])
+        if len(x.shape) < 3 or x in self.kept or len(readers) != 1 or \
+                readers[0] not in chain.nodes:
+            return None
+        merge = self.producers.get(x)
+        if merge is None or merge.op != "reshape":
+            return None
+        spread = self.lone_producer(merge.inputs[0], merge, "expand")
+        if spread is None:
+            return None
+        one = self.lone_producer(spread.inputs[0], spread, "reshape")
+        lead, (heads, group) = x.shape[:-3], spread.outputs[0].shape[-4:-2]
+        if one is None or spread.outputs[0].shape != lead + (heads, group) + x.shape[-2:] \
+                or one.outputs[0].shape != lead + (heads, 1) + x.shape[-2:] \
+                or one.inputs[0].shape != lead + (heads,) + x.shape[-2:] or group < 2:
+            return None
+        return one.inputs[0], group, [merge, spread, one]
 
     def reaches_bmm(self, x: Value) -> bool:
         """Whether x is the scores side of an add: a bmm through scales, masks and reshapes."""
@@ -454,6 +485,7 @@ def rewrite_attention(graph: Graph, known: Callable[[Value], np.ndarray | None] 
         plan = _mask_plan(chain, folder, matcher.producers, masked, sm.label)
         if plan is None:
             continue
+        _group_heads(matcher, chain)
         replaced[_last(graph, chain.nodes)] = plan.nodes + [_sdpa_node(chain, plan, sm.label)]
         dropped |= set(chain.nodes)
     if not replaced:
@@ -465,6 +497,18 @@ def rewrite_attention(graph: Graph, known: Callable[[Value], np.ndarray | None] 
         elif n not in dropped:
             nodes.append(n)
     return Graph(nodes, graph.inputs, graph.params, graph.state, dict(graph.outputs))
+
+
+def _group_heads(matcher: _Matcher, chain: _Chain) -> None:
+    """k and v repeated along the head axis by one factor: sdpa reads the sources as grouped
+    heads instead, and the repeats go with the chain."""
+    if chain.k is chain.v:
+        return
+    k, v = matcher.repeated_heads(chain.k, chain), matcher.repeated_heads(chain.v, chain)
+    if k is None or v is None or k[1] != v[1] or k[0].shape[:-2] != v[0].shape[:-2]:
+        return
+    chain.k, chain.v = k[0], v[0]
+    chain.nodes += k[2] + v[2]
 
 
 def _last(graph: Graph, nodes: list[Node]) -> Node:

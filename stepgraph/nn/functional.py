@@ -353,22 +353,24 @@ def layer_norm(input: Tensor, normalized_shape, weight=None, bias=None,
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask=None,
                                  dropout_p: float = 0.0, is_causal: bool = False,
-                                 scale: float | None = None) -> Tensor:
+                                 scale: float | None = None, enable_gqa: bool = False) -> Tensor:
     """softmax(q @ k^T * scale + mask) @ v over (..., L, E) queries, (..., S, E) keys and
-    (..., S, Ev) values with the same batch dims, as
+    (..., S, Ev) values whose batch dims broadcast, as
     torch.nn.functional.scaled_dot_product_attention; scale defaults to 1/sqrt(E). attn_mask
     broadcasts to (..., L, S): bool (True: attend) or float (added to the scores); is_causal
-    lets query i attend keys j <= i (torch's top-left alignment when L != S). Without a mask,
-    or causal with L == S, one `sdpa` op (flash-style kernels: no (L, S) scores in memory);
-    otherwise, and for head dims above ops.attention.MAX_HEAD_DIM, the composed ops (bmm,
-    softmax, dropout, bmm). dropout_p > 0 drops attention weights when the trace is in
-    training mode."""
+    lets query i attend keys j <= i (torch's top-left alignment when L != S). enable_gqa: k
+    and v may have fewer heads (dim -3) than q, each shared by q_heads / kv_heads query
+    heads, which the sdpa op indexes without copies (as a k, v head dim of 1 broadcasts).
+    Without a mask, or causal with L == S, one `sdpa` op (flash-style kernels: no (L, S)
+    scores in memory); otherwise, and for head dims above ops.attention.MAX_HEAD_DIM, the
+    composed ops (bmm, softmax, dropout, bmm), which compile/attention_rewrite.py turns into
+    sdpa with its additive mask input where the mask needs no gradient. dropout_p > 0 drops
+    attention weights when the trace is in training mode."""
     t = query.tracer
     k, v = _traced(query, key), _traced(query, value)
-    if query.ndim < 2 or not (query.ndim == k.ndim == v.ndim) or \
-            not (query.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
-        raise UnsupportedOpError(f"scaled_dot_product_attention needs q, k, v of the same "
-                                 f"batch dims, got {query.shape}, {k.shape}, {v.shape} "
+    if min(query.ndim, k.ndim, v.ndim) < 2:
+        raise UnsupportedOpError(f"scaled_dot_product_attention needs q, k, v of at least two "
+                                 f"dims, got {query.shape}, {k.shape}, {v.shape} "
                                  f"(in {t.where()})")
     (length, e), (s, e_k), (s_v, ev) = query.shape[-2:], k.shape[-2:], v.shape[-2:]
     if e != e_k or s != s_v:
@@ -378,9 +380,13 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         raise ValueError(f"dropout probability must be in [0, 1), got {dropout_p}")
     if is_causal and attn_mask is not None:
         raise ValueError("scaled_dot_product_attention: give attn_mask or is_causal, not both")
+    query, k, v = _attention_operands(query, k, v, bool(enable_gqa))
     scale = 1.0 / math.sqrt(e) if scale is None else float(scale)
     mask = _attention_mask(query, _traced(query, attn_mask), bool(is_causal), length, s)
     if mask is not None or max(e, ev) > MAX_HEAD_DIM or min(length, s) == 0:
+        if k.shape[:-2] != query.shape[:-2]:       # grouped heads: repeated for the bmm
+            group = query.shape[-3] // k.shape[-3]
+            k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
         probs = _attention_probs(query, k, mask, is_causal and mask is None, scale)
         return _dropout(probs, dropout_p, t.training, per_channel=False) @ v
     p = float(dropout_p) if t.training else 0.0
@@ -388,6 +394,34 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         return t.op("sdpa", [query, k, v], scale=scale, causal=bool(is_causal), dropout_p=0.0)
     return t.op("sdpa", [query, k, v, t.rng_step()], scale=scale, causal=bool(is_causal),
                 dropout_p=p, seed=t.seed, site=t.next_dropout_site())
+
+
+def _attention_operands(query: Tensor, k: Tensor, v: Tensor, gqa: bool):
+    """q, k, v expanded to one set of batch dims (torch broadcasts them), except that k and v
+    keep a head dim (-3) that divides q's: fewer heads with enable_gqa, or one head, which
+    both mean query head h reads kv head h // (q_heads / kv_heads) (the sdpa op's grouped
+    heads: no repeated copies)."""
+    t = query.tracer
+    rank = max(query.ndim, k.ndim, v.ndim)
+    query, k, v = (x.reshape(*(1,) * (rank - x.ndim), *x.shape) if x.ndim < rank else x
+                   for x in (query, k, v))
+    try:
+        lead = tuple(np.broadcast_shapes(query.shape[:-2], *(
+            x.shape[:-3] + (query.shape[-3] if gqa and x.ndim >= 3 else x.shape[-3],)
+            if x.ndim >= 3 else () for x in (k, v))))
+    except ValueError:
+        raise ShapeError(f"scaled_dot_product_attention: the batch dims of q {query.shape}, "
+                         f"k {k.shape}, v {v.shape} do not broadcast (in {t.where()})") from None
+    heads = k.shape[-3] if query.ndim >= 3 else None
+    grouped = heads is not None and heads == v.shape[-3] and len(lead) >= 1 and \
+        lead[-1] % heads == 0 and (gqa or heads == 1)
+    if gqa and query.ndim >= 3 and not grouped:
+        raise ShapeError(f"scaled_dot_product_attention: enable_gqa needs k and v of one head "
+                         f"count dividing q's, got q {query.shape}, k {k.shape}, v {v.shape}")
+    kv_lead = lead[:-1] + (heads,) if grouped else lead
+    query = query.expand(*lead, *query.shape[-2:])
+    k, v = (x.expand(*kv_lead, *x.shape[-2:]) for x in (k, v))
+    return query, k, v
 
 
 def _attention_mask(query: Tensor, attn_mask, causal: bool, length: int, s: int):

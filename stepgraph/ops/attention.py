@@ -20,7 +20,7 @@ from ..ir.ops import _need, defop, impl, vjp
 from .dropout import keep_mask
 from .softmax import causal_mask
 
-MAX_HEAD_DIM = 128          # the CUDA kernels' widest head (templates for 32, 64 and 128)
+MAX_HEAD_DIM = 128          # the CUDA kernels' widest head (templates for 32, 64, 96 and 128)
 
 
 def lse_dtype(dtype: str) -> str:
@@ -29,11 +29,25 @@ def lse_dtype(dtype: str) -> str:
     return "float64" if dtype == "float64" else "float32"
 
 
+def group_of(q_shape: tuple, k_shape: tuple) -> int | None:
+    """Query heads per key/value head (grouped-query attention: q (..., Hq, L, E), k and v
+    (..., Hkv, S, E) with Hq = group * Hkv, query head h reading kv head h // group, as
+    torch's enable_gqa repeat_interleave's k and v); 1 for equal leading dims; None where the
+    leading dims fit neither way."""
+    if q_shape[:-2] == k_shape[:-2]:
+        return 1
+    if len(q_shape) < 3 or len(q_shape) != len(k_shape) or q_shape[:-3] != k_shape[:-3] \
+            or k_shape[-3] < 1 or q_shape[-3] % k_shape[-3]:
+        return None
+    return q_shape[-3] // k_shape[-3]
+
+
 def _check_qkv(op: str, q, k, v, attrs) -> None:
     _need(len(q.shape) >= 2 and len(q.shape) == len(k.shape) == len(v.shape), op,
           f"q, k, v must be (..., rows, dim) of one rank, got {q.shape}, {k.shape}, {v.shape}")
-    _need(q.shape[:-2] == k.shape[:-2] == v.shape[:-2], op,
-          f"q, k, v must share their leading dims, got {q.shape}, {k.shape}, {v.shape}")
+    _need(k.shape[:-2] == v.shape[:-2] and group_of(q.shape, k.shape) is not None, op,
+          f"q, k, v must share their leading dims (or q's heads be a multiple of k and v's, "
+          f"grouped-query attention), got {q.shape}, {k.shape}, {v.shape}")
     _need(q.shape[-1] == k.shape[-1] and k.shape[-2] == v.shape[-2], op,
           f"q {q.shape}, k {k.shape}, v {v.shape} do not fit together")
     _need(q.shape[-2] >= 1 and k.shape[-2] >= 1, op,
@@ -49,13 +63,13 @@ def _check_qkv(op: str, q, k, v, attrs) -> None:
     _need(0.0 <= p < 1.0, op, f"dropout_p must be in [0, 1), got {p}")
 
 
-def _check_mask(op: str, ins, first: int, attrs) -> int:
+def _check_mask(op: str, ins, first: int, attrs, q, k) -> int:
     """The index after the operands and the optional additive mask (at `first`), checking
-    that the mask broadcasts to the (..., L, S) scores of q = ins[first - 3] and k."""
+    that the mask broadcasts to the (..., L, S) scores of q and k."""
     if not attrs.get("mask"):
         return first
     _need(len(ins) > first, op, "attrs mask=True needs the mask input after q, k, v")
-    q, k, mask = ins[first - 3], ins[first - 2], ins[first]
+    mask = ins[first]
     scores = q.shape[:-1] + (k.shape[-2],)
     fits = len(mask.shape) <= len(scores) and all(
         m in (1, s) for m, s in zip(mask.shape[::-1], scores[::-1]))
@@ -64,8 +78,8 @@ def _check_mask(op: str, ins, first: int, attrs) -> int:
     return first + 1
 
 
-def _check_step(op: str, ins, first: int, attrs) -> None:
-    first = _check_mask(op, ins, first, attrs)
+def _check_step(op: str, ins, first: int, attrs, q=None, k=None) -> None:
+    first = _check_mask(op, ins, first, attrs, q, k)
     dropout = float(attrs.get("dropout_p", 0.0)) > 0.0
     _need(len(ins) == first + dropout, op,
           f"{first + dropout} inputs (the step counter with dropout_p > 0), got {len(ins)}")
@@ -77,12 +91,16 @@ def _check_step(op: str, ins, first: int, attrs) -> None:
 @defop("sdpa")
 def _sdpa(ins, attrs):
     """out (..., L, Ev) = dropout(softmax(scale * q @ k^T + M)) @ v; ins q (..., L, E),
-    k (..., S, E), v (..., S, Ev) of one float dtype and the same leading dims, E, Ev <=
-    MAX_HEAD_DIM (128), L, S >= 1, then with attrs mask=True an additive float mask
-    broadcasting to (..., L, S) (no gradient: compile/attention_rewrite.py gives it only masks
-    that need none; the CUDA kernels take none), then the int64 step counter when dropout_p >
-    0. attrs scale (float), causal (bool: M = -inf where key j > query i + (S - L), L <= S;
-    otherwise 0; plus the mask where given),
+    k (..., S, E), v (..., S, Ev) of one float dtype and the same leading dims (or grouped
+    heads: q (..., Hq, L, E), k and v (..., Hkv, S, .) with Hq a multiple of Hkv, query head
+    h reading kv head h // (Hq / Hkv), group_of), E, Ev <= MAX_HEAD_DIM (128), L, S >= 1,
+    then with attrs mask=True an additive float mask broadcasting to (..., L, S) of q's
+    leading dims (no gradient: F.scaled_dot_product_attention and
+    compile/attention_rewrite.py give it only masks that need none), then the int64 step
+    counter when dropout_p > 0. attrs scale (float), causal (bool: M = -inf where key j >
+    query i + (S - L), L <= S; otherwise 0; plus the mask where given). A row the mask
+    blocks wholly (-inf at every key) gives out 0, lse -inf and no gradient, as torch's
+    scaled_dot_product_attention gives (its safe softmax; softmax alone gives NaN there),
     dropout_p (float in [0, 1), default 0), and with dropout_p > 0 seed and site: the
     probabilities are dropped as the dropout op drops a (..., L, S) tensor of its own (mask
     from Philox at the element's flat index, survivors scaled by 1 / (1 - dropout_p)).
@@ -90,21 +108,22 @@ def _sdpa(ins, attrs):
     float64 for float64 inputs), which sdpa_grad reads."""
     q, k, v = ins[:3]
     _check_qkv("sdpa", q, k, v, attrs)
-    _check_step("sdpa", ins, 3, attrs)
+    _check_step("sdpa", ins, 3, attrs, q, k)
     return [(q.shape[:-1] + (v.shape[-1],), q.dtype), (q.shape[:-1], lse_dtype(q.dtype))]
 
 
 @defop("sdpa_grad")
 def _sdpa_grad(ins, attrs):
     """dq, dk, dv of sdpa; ins (dout, q, k, v, out, lse [, mask] [, step]) with the forward's
-    attrs.
-    P = exp(scale * q @ k^T + M - lse) (0 where masked), K = keep mask / (1 - dropout_p)
+    attrs; with grouped heads dk and dv sum over the query heads of their kv head.
+    P = exp(scale * q @ k^T + M - lse) (0 where masked, and in wholly blocked rows),
+    K = keep mask / (1 - dropout_p)
     (1 without dropout), dP = (dout @ v^T) * K, D = rowsum(dP * P) (= rowsum(dout * out),
     which the CUDA kernels sum); dS = P * (dP - D);
     dq = scale * dS @ k, dk = scale * dS^T @ q, dv = (P * K)^T @ dout."""
     dout, q, k, v, out, lse = ins[:6]
     _check_qkv("sdpa_grad", q, k, v, attrs)
-    _check_step("sdpa_grad", ins, 6, attrs)
+    _check_step("sdpa_grad", ins, 6, attrs, q, k)
     want = q.shape[:-1] + (v.shape[-1],)
     _need(dout.shape == want and out.shape == want, "sdpa_grad",
           f"dout {dout.shape} and out {out.shape} must be {want}")
@@ -116,9 +135,9 @@ def _sdpa_grad(ins, attrs):
 def _sdpa_vjp(emit, node, dy, wants) -> list:
     q, k, v = node.inputs[:3]
     out, lse = node.outputs
-    step = node.inputs[3:]
-    grads = emit("sdpa_grad", [dy[0], q, k, v, out, lse] + step, **node.attrs)
-    return list(grads) + [None] * len(step)
+    rest = node.inputs[3:]              # the mask (no gradient) and the step counter
+    grads = emit("sdpa_grad", [dy[0], q, k, v, out, lse] + rest, **node.attrs)
+    return list(grads) + [None] * len(rest)
 
 
 # ---- NumPy reference: the composed path's arithmetic, op for op -----------------------------
@@ -157,31 +176,56 @@ def dropout_keep(node, shape: tuple, dtype, step) -> np.ndarray | None:
     return keep_mask(shape, p, node.attrs, step) * np.dtype(dtype).type(1.0 / (1.0 - p))
 
 
+def _kv_heads(q: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """k or v with each kv head repeated for the query heads of its group (the reference
+    may copy; the CUDA kernels index kv head h // group instead)."""
+    group = group_of(q.shape, x.shape)
+    return x if group == 1 else np.repeat(x, group, axis=-3)
+
+
+def _kv_grad(g: np.ndarray, shape: tuple) -> np.ndarray:
+    """The gradient of repeated kv heads summed back over each group: `shape` (k's or v's)."""
+    if g.shape == shape:
+        return g
+    return g.reshape(shape[:-2] + (-1,) + shape[-2:]).sum(axis=-3)
+
+
+def _blocked(lse: np.ndarray) -> np.ndarray:
+    """The rows (..., 1) whose every key is masked: lse -inf."""
+    return lse == -np.inf
+
+
 @impl("sdpa")
 def _sdpa_impl(node, ins, outs, ctx):
-    q, k, v = (_as_3d(x) for x in ins[:3])
+    q = _as_3d(ins[0])
+    k, v = (_as_3d(_kv_heads(ins[0], x)) for x in ins[1:3])
     x = _scores(node, q, k, list(ins[3:]), ins[0].shape[:-2])
     m = x.max(axis=-1, keepdims=True)
-    e = np.exp(x - m)
+    blocked = _blocked(m)
+    e = np.exp(x - np.where(blocked, 0.0, m))          # 0 across a wholly blocked row
     total = e.sum(axis=-1, keepdims=True)
-    p = e / total
+    p = e / np.where(blocked, 1.0, total)
     keep = dropout_keep(node, p.shape, p.dtype, step_of(node, list(ins[3:])))
     if keep is not None:
         p = p * keep
     outs[0][...] = np.matmul(p, v).reshape(outs[0].shape)
-    outs[1][...] = (m + np.log(total)).reshape(outs[1].shape)
+    outs[1][...] = np.where(blocked, -np.inf, m + np.log(total)).reshape(outs[1].shape)
 
 
 @impl("sdpa_grad")
 def _sdpa_grad_impl(node, ins, outs, ctx):
-    dout, q, k, v = (_as_3d(x) for x in ins[:4])
+    dout, q = _as_3d(ins[0]), _as_3d(ins[1])
+    k, v = (_as_3d(_kv_heads(ins[1], x)) for x in ins[2:4])
     lse = ins[5].reshape(q.shape[:2] + (1,)).astype(q.dtype)
+    blocked = _blocked(lse)
     # exp(s - lse) carries lse's rounding (|lse| * eps, large for large scores) as one factor
     # per row, so the rows sum to 1 + delta; D = rowsum(dP * P) then picks up delta * D, which
     # dq and dk amplify. Renormalising removes the factor (the CUDA kernels take D from
     # rowsum(dout * out) instead, which the forward normalised exactly).
-    p = np.exp(_scores(node, q, k, list(ins[6:]), ins[1].shape[:-2]) - lse)
-    p /= p.sum(axis=-1, keepdims=True)
+    p = np.exp(_scores(node, q, k, list(ins[6:]), ins[1].shape[:-2])
+               - np.where(blocked, 0.0, lse))
+    p = np.where(blocked, 0.0, p)                       # no gradient through a blocked row
+    p /= np.where(blocked, 1.0, p.sum(axis=-1, keepdims=True))
     keep = dropout_keep(node, p.shape, p.dtype, step_of(node, list(ins[6:])))
     dp = np.matmul(dout, v.transpose(0, 2, 1))
     kept = p
@@ -191,9 +235,12 @@ def _sdpa_grad_impl(node, ins, outs, ctx):
     # exactly dP where a row has one key (the gradients of q and k then vanish exactly).
     ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
     scale = q.dtype.type(node.attrs.get("scale", 1.0))
+    q_lead = ins[1].shape[:-2]
     outs[0][...] = (np.matmul(ds, k) * scale).reshape(outs[0].shape)
-    outs[1][...] = (np.matmul(ds.transpose(0, 2, 1), q) * scale).reshape(outs[1].shape)
-    outs[2][...] = np.matmul(kept.transpose(0, 2, 1), dout).reshape(outs[2].shape)
+    dk = (np.matmul(ds.transpose(0, 2, 1), q) * scale).reshape(q_lead + k.shape[-2:])
+    dv = np.matmul(kept.transpose(0, 2, 1), dout).reshape(q_lead + v.shape[-2:])
+    outs[1][...] = _kv_grad(dk, outs[1].shape)
+    outs[2][...] = _kv_grad(dv, outs[2].shape)
 
 
 # ---- packed heads: what compile/attention.py rewrites a GPT's attention into ----------------

@@ -34,7 +34,12 @@ def load(name: str, framework: str) -> types.ModuleType:
     """tests/compat/models/<name>.py as a fresh module: framework "torch" runs it as written,
     "stepgraph" with the imports substituted. Registered in sys.modules under a private name
     (classes defined in it pickle and report a module)."""
-    path = MODELS / f"{name}.py"
+    return load_file(MODELS / f"{name}.py", framework)
+
+
+def load_file(path: Path, framework: str) -> types.ModuleType:
+    """Any model file, as load() loads the suite's (scripts/compat-bench times a user's)."""
+    path, name = Path(path), Path(path).stem
     source = path.read_text()
     if framework == "stepgraph":
         source = substitute_imports(source)

@@ -62,3 +62,55 @@ def test_the_table_names_every_model(report):
     assert lines[0].split()[:2] == ["model", "precision"]
     for model in MODELS:
         assert sum(line.split()[0] == model for line in lines[1:] if line.strip()) == 2, model
+
+
+USER_FILE = '''import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+BENCH_KWARGS = {"d": 24}
+BENCH_LOSS = "cross_entropy"
+BENCH_BATCH = "float32:8x24,int64:8:5"
+
+
+class Net(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 32), nn.Linear(32, 5)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+'''
+
+
+def test_a_user_model_file_is_timed_with_torch_compile(tmp_path):
+    """A model file given by path (its class found alone, the rest from its BENCH_* names)
+    gets the suite's rows, and --compile-modes adds the torch.compile peer: timed, its mode
+    named in the table, its loss that of torch eager (one weights, batches, optimizer)."""
+    path = tmp_path / "my_net.py"
+    path.write_text(USER_FILE)
+    out = tmp_path / "report.json"
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "compat-bench"), "--device",
+                          "cpu", "--models", str(path), "--precisions", "fp32", "--steps", "2",
+                          "--repeats", "1", "--warmup", "1", "--compile-modes", "default",
+                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["models"][str(path)]["batch"] == [[8, 24], [8]]
+    (row,) = data["rows"]
+    compiled = row["systems"]["torch compile"]
+    assert compiled["status"] == "ok" and compiled["precision_label"] == "default"
+    assert set(row["compile_modes"]) == {"default"} and row["speedup_vs_compile"] > 0
+    losses = [row["systems"][s]["final_loss"] for s in ("stepgraph", "torch eager",
+                                                        "torch compile")]
+    assert max(losses) - min(losses) <= LOSS_AGREEMENT * abs(losses[1]), losses
+    assert any(line.startswith("my_net.py") and "(default)" in line
+               for line in run.stdout.splitlines())
+
+
+def test_an_unknown_model_is_refused():
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "compat-bench"), "--device",
+                          "cpu", "--models", "no_such_model"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2 and "neither a suite model" in run.stderr

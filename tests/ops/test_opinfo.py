@@ -513,10 +513,6 @@ REFUSALS: dict[str, tuple[Refusal, ...]] = {
         Refusal("modes other than nearest and bilinear; 3-d and 5-d inputs",
                 lambda s, r: s.input.ndim != 4 or s.kwargs.get("mode") not in (
                     "nearest", "bilinear"), U, "only 4-d nearest and bilinear"),),
-    "nn.functional.scaled_dot_product_attention": (
-        Refusal("q of other batch dims than k, v (GQA-style broadcast)",
-                lambda s, r: _shape(s.input)[:-2] != _shape(s.args[0])[:-2], U,
-                "the same batch dims"),),
     "nn.functional.one_hot": (
         Refusal("num_classes=-1 (the width would depend on the data)",
                 lambda s, r: s.kwargs.get("num_classes", _arg(s, 0, -1)) == -1, U,

@@ -138,6 +138,13 @@ CASES = {
                             lambda g: {"q": f64(g, 2, 6, 3), "k": f64(g, 2, 7, 3),
                                        "v": f64(g, 2, 7, 4), "step": np.array(5, np.int64)},
                             ("q", "k", "v")),
+    "sdpa-grouped-masked": ("sdpa", dict(scale=0.5, causal=False, dropout_p=0.2, seed=7,
+                                         site=1, mask=True),
+                            lambda g: {"q": f64(g, 2, 4, 5, 3), "k": f64(g, 2, 2, 6, 3),
+                                       "v": f64(g, 2, 2, 6, 4),
+                                       "mask": np.where(np.arange(6) < 4, 0.0, -np.inf)
+                                       + 0.3 * f64(g, 2, 1, 5, 6),
+                                       "step": np.array(3, np.int64)}, ("q", "k", "v")),
     # elementwise math, selection and the new binary and scalar kinds (test_pointwise_ops.py
     # tests them against torch)
     **{f"unary-{kind}": ("unary", dict(kind=kind),

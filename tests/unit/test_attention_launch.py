@@ -85,7 +85,8 @@ def test_sdpa_launch_arguments_match_the_kernels(monkeypatch, lead, L, S, E, Ev,
         tiles = -(-S // bk) if kind == "backward_dkdv" else -(-L // bq)
         assert grid == (tiles * bh,) and block == (attention.THREADS,)
         assert shared == attention.shared_floats(kind, hd) * 4 <= H100_SHARED
-        assert int(args[-2]) == (p > 0)                       # the dropout flag
+        assert int(args[-8]) == (p > 0)                       # the dropout flag
+        assert int(args[-6]) == 1 and args[-5] == 0           # no groups, no mask
         step_arg = args[5 if kind == "forward" else 6]
         assert step_arg is step[0] if p else step_arg == 0
 
@@ -151,8 +152,8 @@ def test_every_tile_fits_two_blocks_where_it_matters():
 
 
 def test_head_dim_templates():
-    assert [attention.head_dim_template(e, e) for e in (1, 32, 33, 64, 65, 128)] == \
-        [32, 32, 64, 64, 128, 128]
+    assert [attention.head_dim_template(e, e) for e in (1, 32, 33, 64, 65, 80, 96, 97, 128)] \
+        == [32, 32, 64, 64, 96, 96, 96, 128, 128]
     assert attention.head_dim_template(16, 100) == 128
     with pytest.raises(Exception, match="head dims"):
         attention.head_dim_template(129, 8)
@@ -167,3 +168,64 @@ def test_leading_dims_collapse_to_one_stride():
     assert attention._collapsed_stride((), ()) == 0
     assert attention._collapsed_stride((1, 1), (5, 7)) == 0
     assert attention._collapsed_stride((2, 3), (40, 10)) is None
+
+
+# (q lead, kv lead, L, S, E, mask shape or None, causal): grouped heads, masks broadcast over
+# batch, heads, queries or keys, head dims 80 and 96 (96's template)
+MASKED = [((2, 4), (2, 2), 7, 9, 64, (2, 1, 1, 9), False),
+          ((2, 6), (2, 1), 33, 33, 80, (33, 33), True),
+          ((3, 2), (3, 2), 5, 70, 96, (1, 2, 5, 70), False),
+          ((2, 8), (2, 2), 40, 40, 128, (2, 1, 40, 1), False),
+          ((1, 4), (1, 4), 16, 16, 32, None, True)]
+
+
+@pytest.mark.skipif(not _nvrtc_usable(), reason="libnvrtc is not loadable")
+@pytest.mark.parametrize("dtype", ["float32", "uint16"])
+@pytest.mark.parametrize("lead,kv_lead,L,S,E,mshape,causal", MASKED)
+def test_grouped_and_masked_launches_match_the_kernels(monkeypatch, lead, kv_lead, L, S, E,
+                                                       mshape, causal, dtype):
+    """Grouped heads and masks reach the kernels: the group, the mask's pointer and its
+    broadcast strides as the last arguments, one dk/dv block per key tile and kv head, and
+    neither on cuDNN's path (bf16 included)."""
+    launched = record(monkeypatch)
+    monkeypatch.setattr(attention.attention_cudnn, "USE_CUDNN", True)
+    attrs = dict(scale=0.125, causal=causal, dropout_p=0.0, mask=mshape is not None)
+    q, k, v = Fake((*lead, L, E), dtype), Fake((*kv_lead, S, E), dtype), \
+        Fake((*kv_lead, S, E), dtype)
+    out, lse, dout = Fake((*lead, L, E), dtype), Fake((*lead, L)), Fake((*lead, L, E), dtype)
+    mask = [Fake(mshape, dtype, ptr=0x9000)] if mshape else []
+    ctx = SimpleNamespace(stream=None, precision="fp32")
+    attention.IMPLS["sdpa"](Node("sdpa", [], [], attrs), [q, k, v] + mask, [out, lse], ctx)
+    grads = [Fake(x.shape, dtype) for x in (q, k, v)]
+    attention.IMPLS["sdpa_grad"](Node("sdpa_grad", [], [], attrs),
+                                 [dout, q, k, v, out, lse] + mask, grads, ctx)
+    hd = attention.head_dim_template(E, E)
+    assert len(launched) == 3 and all(f"<{hd}," in name for name, *_ in launched)
+    bh, group = int(np.prod(lead)), lead[-1] // kv_lead[-1]
+    want = (0, 0, 0, 0) if not mshape else attention.mask_strides(
+        mshape, Fake(mshape).strides, 4, lead, L, S)
+    for (name, grid, block, args, shared), kind in zip(launched, attention.TILES):
+        assert_args_match(attention.SOURCE, name, args)
+        bq, bk = attention.TILES[kind][hd]
+        blocks = -(-S // bk) * bh // group if kind == "backward_dkdv" else -(-L // bq) * bh
+        assert grid == (blocks,)
+        assert int(args[-6]) == group
+        assert (args[-5] is mask[0]) if mshape else args[-5] == 0
+        assert tuple(int(a) for a in args[-4:]) == want
+
+
+def test_mask_strides_follow_the_broadcast():
+    """Element strides of masks broadcast to (B, H, L, S) scores: 0 along broadcast dims,
+    None where the leading dims do not flatten (the launcher copies the mask then)."""
+    def strides(shape, lead=(2, 3), L=5, S=7):
+        return attention.mask_strides(shape, np.zeros(shape, np.float32).strides, 4, lead, L, S)
+
+    assert strides((2, 1, 1, 7)) == (7, 0, 0, 1)              # key padding
+    assert strides((5, 7)) == (0, 0, 7, 1)                    # one (L, S) for every head
+    assert strides((1, 3, 5, 7)) == (0, 35, 7, 1)             # per head
+    assert strides((2, 3, 5, 1)) == (15, 5, 1, 0)             # per query row
+    assert strides((2, 3, 5, 7), lead=(2, 3)) == (105, 35, 7, 1)
+    assert strides((4, 1, 1, 5, 7), lead=(4, 2, 3)) is None  # broadcast inside the batch
+    assert strides((1, 1, 1, 5, 7), lead=(4, 2, 3)) == (0, 0, 7, 1)
+    with pytest.raises(Exception, match="broadcast"):
+        strides((2, 5, 7))

@@ -217,8 +217,9 @@ def test_causal_needs_a_buffer_the_step_never_writes():
 
 
 def test_masks_that_are_not_causal_stay_where_sdpa_takes_none():
-    """On a device whose sdpa takes no mask (CUDA), a known non-causal mask or a runtime one
-    leaves the composed ops; a causal one still rewrites."""
+    """Where sdpa takes no mask (masked=False: no backend now, numpy and CUDA both take one),
+    a known non-causal mask or a runtime one leaves the composed ops; a causal one still
+    rewrites."""
     for kind, want in (("triu", False), ("tril", True), ("input", False)):
         tracer = Tracer()
         ins = trace_inputs(tracer, {n: np.zeros((B, HEADS, T, D)) for n in "qkv"})
@@ -338,12 +339,15 @@ def test_mingpt_attention_with_dropout_rewrites_in_training_and_predict():
 
 
 @pytest.mark.cuda
-def test_hand_written_attention_trains_on_cuda_as_on_numpy():
-    """The causal-buffer model on CUDA: one sdpa (packed or not) a step, and its losses and
-    parameter changes within the policy of the numpy run's (float32 both; judged against
-    torch float64 with torch float32's error as the bound, as on the CPU)."""
+@pytest.mark.parametrize("variant", ["causal_buffer", "bool_mask", "additive_mask",
+                                     "constant_additive"])
+def test_hand_written_attention_trains_on_cuda_as_on_numpy(variant):
+    """The causal-buffer model and the masked ones (a runtime key-padding mask, bool or
+    additive, and a constant ALiBi-like bias: sdpa's mask input on CUDA too) on CUDA: one
+    sdpa (packed or not) a step, and its losses and parameter changes within the policy of
+    the numpy run's (float32 both; judged against torch float64 with torch float32's error as
+    the bound, as on the CPU)."""
     pytest.importorskip("cupy")
-    variant = "causal_buffer"
     torch.manual_seed(0)
     t32 = model_class(torch, variant)()
     start = {k: v.detach().numpy().copy() for k, v in t32.state_dict().items()}

@@ -817,3 +817,19 @@ def test_plain_kernels_keep_their_names():
             cubin = compiler.compile_to_cubin(compiler.source_path(filename), "sm_90", ())
             missing = [n for n in plain if b"\0" + n.encode() + b"\0" not in cubin]
             assert not missing, f"{filename}: {missing} are not extern \"C\""
+
+
+def test_attention_head_dim_96_compiles_in_every_storage_and_kernel():
+    """The head dim template 96 (head dims 65..96: 80, 96), with the mask and grouped-head
+    parameters every attention kernel now takes, in each storage and arithmetic the launchers
+    pick: declared, and compiled by NVRTC."""
+    from stepgraph.backends.cuda.attention import attention
+
+    names = {attention.kernel_name(kind, 96, math, ctype) for kind in attention.TILES
+             for math, ctypes in attention.CTYPES.items() for ctype in ctypes}
+    assert len(names) == 12 and names <= attention.kernel_names()[attention.SOURCE]
+    assert compiler.compile_to_cubin(compiler.source_path(attention.SOURCE), "sm_90",
+                                     tuple(sorted(names)))
+    for name in names:          # (..., vec, group, mask, its four strides)
+        assert kernel_params(attention.SOURCE, name)[-6:] == ("u32", "u64", "u64", "u64",
+                                                              "u64", "u64"), name

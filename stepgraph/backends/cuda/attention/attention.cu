@@ -12,12 +12,18 @@
 // reductions are three shuffles), a thread owning rows rg + 16 i and columns 4 cg + 32 j + e
 // of a (rows x cols) tile (e < 4: four consecutive keys, one Philox draw for four elements).
 // Operands are read with explicit batch / head / row strides (columns contiguous): bh = b *
-// heads + h. Tiles in shared memory: "rows" [R][HD + 4] (a row's columns contiguous) and
-// scores [BQ][BK + 4]; the pads keep the per-thread accesses free of bank conflicts.
-// Templates <HD, BQ, BK, MATH, T>: head dims up to HD (32, 64, 128), BQ queries x BK keys per
-// tile, T the storage of q, k, v, out and their gradients (float, or unsigned short: bf16 bits,
-// or fp16_bits: float16, widened on load, rounded once on store; lse and D are float32 either
-// way), and the products' arithmetic:
+// heads + h. Grouped heads (k, v of heads / group heads): query head h reads kv head h / group
+// (kv_offset), and the dk/dv kernel sums a kv head's group of query heads in one block. An
+// optional additive mask (the op's mask input, of T) is read through four strides, 0 along
+// the dims it broadcasts over (no (bh, L, S) copy); a row it blocks wholly gives out 0, lse
+// -inf and no gradient (torch's safe softmax). Tiles in shared memory: "rows" [R][HD + 4] (a
+// row's columns contiguous) and scores [BQ][BK + 4]; the pads keep the per-thread accesses
+// free of bank conflicts.
+// Templates <HD, BQ, BK, MATH, T>: head dims up to HD (32, 64, 96, 128: a thread's columns
+// step by 32, so HD is a multiple of 32; other head dims run zero padded), BQ queries x BK
+// keys per tile, T the storage of q, k, v, out and their gradients (float, or unsigned short:
+// bf16 bits, or fp16_bits: float16, widened on load, rounded once on store; lse and D are
+// float32 either way), and the products' arithmetic:
 //   SDPA_TF32   inputs rounded to TF32 (precision="tf32", as the GEMMs; and "bf16" and
 //               "fp16", whose q, k, v are exact in TF32, only the probabilities and dS are
 //               rounded);
@@ -55,6 +61,30 @@ struct SdpaDropout {
 
 __device__ __forceinline__ long long head_offset(int bh, int heads, long long sb, long long sh) {
     return (long long)(bh / heads) * sb + (long long)(bh % heads) * sh;
+}
+
+// The kv head that query head bh reads: heads / group kv heads, each shared by `group` query
+// heads (group 1: bh's own head).
+__device__ __forceinline__ long long kv_offset(int bh, int heads, int group, long long sb,
+                                               long long sh) {
+    return (long long)(bh / heads) * sb + (long long)((bh % heads) / group) * sh;
+}
+
+// One head's additive mask: element (r, c) at p[r sr + c sc] (strides 0 where it broadcasts);
+// p null: no mask.
+template <typename T>
+struct SdpaMask {
+    const T* p;
+    long long sr, sc;
+    __device__ __forceinline__ float at(int r, int c) const {
+        return load_as_float(p, (long long)r * sr + (long long)c * sc);
+    }
+};
+
+template <typename T>
+__device__ __forceinline__ SdpaMask<T> mask_of(const T* mask, int bh, int heads, long long sb,
+                                               long long sh, long long sr, long long sc) {
+    return SdpaMask<T>{mask ? mask + head_offset(bh, heads, sb, sh) : nullptr, sr, sc};
 }
 
 __device__ __forceinline__ float row_max8(float x) {
@@ -325,7 +355,9 @@ sdpa_forward_kernel(const T* q, const T* k, const T* v, T* out, float* lse,
                     long long k_sh, long long k_sr, long long v_sb, long long v_sh,
                     long long v_sr, long long o_sb, long long o_sh, long long o_sr,
                     float scale_log2, int causal, unsigned long long seed, unsigned int site,
-                    unsigned int threshold, float drop_scale, int dropout, int vec) {
+                    unsigned int threshold, float drop_scale, int dropout, int vec, int group,
+                    const T* mask, long long m_sb, long long m_sh, long long m_sr,
+                    long long m_sc) {
     constexpr int TR = BQ / 16, TS = BK / 8, TO = HD / 8;
     constexpr int LQ = HD + 4, LT = BK + 4;
     extern __shared__ __align__(16) float smem[];
@@ -342,8 +374,9 @@ sdpa_forward_kernel(const T* q, const T* k, const T* v, T* out, float* lse,
     const int q0 = (tiles - 1 - (int)(blockIdx.x / bh_count)) * BQ;
     const int off = S - L;
     const SdpaDropout drop{dropout, dropout ? *step : 0, seed, site, threshold, drop_scale};
-    const T* kh = k + head_offset(bh, heads, k_sb, k_sh);
-    const T* vh = v + head_offset(bh, heads, v_sb, v_sh);
+    const T* kh = k + kv_offset(bh, heads, group, k_sb, k_sh);
+    const T* vh = v + kv_offset(bh, heads, group, v_sb, v_sh);
+    const SdpaMask<T> mk = mask_of(mask, bh, heads, m_sb, m_sh, m_sr, m_sc);
     load_rows<BQ, HD>(qs, q + head_offset(bh, heads, q_sb, q_sh), q_sr, q0, L, E, vec);
 
     float m[TR], l[TR];
@@ -362,7 +395,7 @@ sdpa_forward_kernel(const T* q, const T* k, const T* v, T* out, float* lse,
         mma_tc<MATH, BQ, BK, HD, LQ, false, LQ, true>(scores, qs, ks);
         store_tc<BQ, BK, LT>(ps, scores);
         __syncthreads();
-        const bool edge = c0 + BK > S || (causal && c0 + BK - 1 > q0 + off);
+        const bool edge = mk.p || c0 + BK > S || (causal && c0 + BK - 1 > q0 + off);
 #pragma unroll
         for (int i = 0; i < TR; ++i) {
             const int r = q0 + th.rg + 16 * i;
@@ -373,6 +406,8 @@ sdpa_forward_kernel(const T* q, const T* k, const T* v, T* out, float* lse,
             for (int j = 0; j < TS; ++j) {
                 const int c = c0 + 4 * th.cg + 32 * (j / 4) + j % 4;
                 s[j] = edge && !visible(r, c, S, off, causal) ? SDPA_NEG_INF : s[j] * scale_log2;
+                if (mk.p && r < L && visible(r, c, S, off, causal))
+                    s[j] += mk.at(r, c) * SDPA_LOG2E;
                 mx = fmaxf(mx, s[j]);
             }
             const float m_new = fmaxf(m[i], row_max8(mx));
@@ -414,7 +449,9 @@ sdpa_forward_kernel(const T* q, const T* k, const T* v, T* out, float* lse,
         if (r < L) {
             float row[TO];
             load_row<TO, LQ>(row, qs, th.rg + 16 * i, th);
-            write_row<TO>(oh + (long long)r * o_sr, row, 1.f / total, Ev, vec, th);
+            // total is 0 only in a row the mask blocks wholly: out 0 there, lse -inf
+            write_row<TO>(oh + (long long)r * o_sr, row, total > 0.f ? 1.f / total : 0.f, Ev,
+                          vec, th);
             if (th.cg == 0) lse[(long long)bh * L + r] = (m[i] + log2f(total)) * SDPA_LN2;
         }
     }
@@ -424,11 +461,11 @@ sdpa_forward_kernel(const T* q, const T* k, const T* v, T* out, float* lse,
 
 // P (dropped: kept * scale or 0) and dS = P * (dP * keep * scale - D) of one tile, in place
 // of s (scores q k^T) and dp (dout v^T); rows outside [0, L) and masked keys give 0.
-template <int TR, int TS>
+template <int TR, int TS, typename T>
 __device__ __forceinline__ void probabilities_and_grads(
     float (&s)[TR][TS], float (&dp)[TR][TS], const float (&lse2)[TR], const float (&delta)[TR],
     int bh, int q0, int c0, int L, int S, int off, int causal, float scale_log2,
-    const SdpaDropout& drop, const SdpaThread& th) {
+    const SdpaDropout& drop, const SdpaMask<T>& mk, const SdpaThread& th) {
 #pragma unroll
     for (int i = 0; i < TR; ++i) {
         const int r = q0 + th.rg + 16 * i;
@@ -440,8 +477,13 @@ __device__ __forceinline__ void probabilities_and_grads(
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int jj = 4 * j + e;
-                const float p = r < L && visible(r, cb + e, S, off, causal)
-                                    ? exp2f(s[i][jj] * scale_log2 - lse2[i]) : 0.f;
+                // lse -inf: a row the mask blocks wholly, which has no gradient
+                float p = 0.f;
+                if (r < L && lse2[i] != SDPA_NEG_INF && visible(r, cb + e, S, off, causal)) {
+                    float x = s[i][jj] * scale_log2;
+                    if (mk.p) x += mk.at(r, cb + e) * SDPA_LOG2E;
+                    p = exp2f(x - lse2[i]);
+                }
                 float g = dp[i][jj];
                 float kept = p;
                 if (drop.on) {
@@ -492,7 +534,9 @@ sdpa_backward_dq_kernel(const T* q, const T* k, const T* v, const T* out, const 
                         long long do_sb, long long do_sh, long long do_sr, long long dq_sb,
                         long long dq_sh, long long dq_sr, float scale_log2, float scale,
                         int causal, unsigned long long seed, unsigned int site,
-                        unsigned int threshold, float drop_scale, int dropout, int vec) {
+                        unsigned int threshold, float drop_scale, int dropout, int vec,
+                        int group, const T* mask, long long m_sb, long long m_sh,
+                        long long m_sr, long long m_sc) {
     constexpr int TR = BQ / 16, TS = BK / 8, TO = HD / 8;
     constexpr int LQ = HD + 4, LT = BK + 4;
     extern __shared__ __align__(16) float smem[];
@@ -510,9 +554,10 @@ sdpa_backward_dq_kernel(const T* q, const T* k, const T* v, const T* out, const 
     const int q0 = (tiles - 1 - (int)(blockIdx.x / bh_count)) * BQ;
     const int off = S - L;
     const SdpaDropout drop{dropout, dropout ? *step : 0, seed, site, threshold, drop_scale};
-    const T* kh = k + head_offset(bh, heads, k_sb, k_sh);
-    const T* vh = v + head_offset(bh, heads, v_sb, v_sh);
+    const T* kh = k + kv_offset(bh, heads, group, k_sb, k_sh);
+    const T* vh = v + kv_offset(bh, heads, group, v_sb, v_sh);
     const T* oh = out + head_offset(bh, heads, o_sb, o_sh);
+    const SdpaMask<T> mk = mask_of(mask, bh, heads, m_sb, m_sh, m_sr, m_sc);
     load_rows<BQ, HD>(qs, q + head_offset(bh, heads, q_sb, q_sh), q_sr, q0, L, E, vec);
     load_rows<BQ, HD>(dos, dout + head_offset(bh, heads, do_sb, do_sh), do_sr, q0, L, Ev, vec);
     __syncthreads();
@@ -549,7 +594,7 @@ sdpa_backward_dq_kernel(const T* q, const T* k, const T* v, const T* out, const 
         float s[TR][TS], dp[TR][TS];
         scores_and_grads<MATH, HD, BQ, BK>(s, dp, ss, dss, qs, dos, ks, vs, th);
         probabilities_and_grads<TR, TS>(s, dp, lse2, dl, bh, q0, c0, L, S, off, causal,
-                                        scale_log2, drop, th);
+                                        scale_log2, drop, mk, th);
 #pragma unroll
         for (int i = 0; i < TR; ++i) store_row<TS, LT>(dss, dp[i], th.rg + 16 * i, th);
         __syncthreads();
@@ -570,8 +615,10 @@ sdpa_backward_dq_kernel(const T* q, const T* k, const T* v, const T* out, const 
     }
 }
 
-// dk and dv for key tile c0 of head bh, looping over the query tiles that see it; reads the
-// delta rows the dq kernel wrote. Blocks of the first key tiles (most causal work) first.
+// dk and dv for key tile c0 of kv head bkv (b * kv heads + kv head), looping over the `group`
+// query heads sharing it and, for each, the query tiles that see the tile (no atomics: the
+// group's sum stays in the block); reads the delta rows the dq kernel wrote. Blocks of the
+// first key tiles (most causal work) first.
 template <int HD, int BQ, int BK, int MATH, typename T>
 __global__ void __launch_bounds__(SDPA_THREADS)
 sdpa_backward_dkdv_kernel(const T* q, const T* k, const T* v, const T* dout,
@@ -583,7 +630,9 @@ sdpa_backward_dkdv_kernel(const T* q, const T* k, const T* v, const T* dout,
                           long long do_sr, long long dk_sb, long long dk_sh, long long dk_sr,
                           long long dv_sb, long long dv_sh, long long dv_sr, float scale_log2,
                           float scale, int causal, unsigned long long seed, unsigned int site,
-                          unsigned int threshold, float drop_scale, int dropout, int vec) {
+                          unsigned int threshold, float drop_scale, int dropout, int vec,
+                          int group, const T* mask, long long m_sb, long long m_sh,
+                          long long m_sr, long long m_sc) {
     constexpr int TQ = BQ / 16, TK = BK / 16, TS = BK / 8, TO = HD / 8;
     constexpr int LQ = HD + 4, LT = BK + 4;
     static_assert(BK <= BQ, "dk and dv leave through the q and dout tiles");
@@ -597,51 +646,57 @@ sdpa_backward_dkdv_kernel(const T* q, const T* k, const T* v, const T* dout,
     check_shared(2 * BK * LQ + 2 * BQ * LQ + 2 * BQ * LT);
 
     const SdpaThread th;
-    const int bh = blockIdx.x % bh_count;
-    const int c0 = (int)(blockIdx.x / bh_count) * BK;
+    const int kv_heads = heads / group, kv_count = bh_count / group;
+    const int bkv = blockIdx.x % kv_count;
+    const int c0 = (int)(blockIdx.x / kv_count) * BK;
+    const long long b = bkv / kv_heads, hk = bkv % kv_heads;
     const int off = S - L;
     const SdpaDropout drop{dropout, dropout ? *step : 0, seed, site, threshold, drop_scale};
-    const T* qh = q + head_offset(bh, heads, q_sb, q_sh);
-    const T* doh = dout + head_offset(bh, heads, do_sb, do_sh);
-    load_rows<BK, HD>(ks, k + head_offset(bh, heads, k_sb, k_sh), k_sr, c0, S, E, vec);
-    load_rows<BK, HD>(vs, v + head_offset(bh, heads, v_sb, v_sh), v_sr, c0, S, Ev, vec);
+    load_rows<BK, HD>(ks, k + b * k_sb + hk * k_sh, k_sr, c0, S, E, vec);
+    load_rows<BK, HD>(vs, v + b * v_sb + hk * v_sh, v_sr, c0, S, Ev, vec);
 
     TcTile<BK, HD> gk, gv;
     zero(gk);
     zero(gv);
     // Queries r see key c0 when c0 <= r + off: start at the tile holding r = c0 - off.
     const int first = causal ? max(0, c0 - off) / BQ * BQ : 0;
-    for (int q0 = first; q0 < L; q0 += BQ) {
-        __syncthreads();     // the previous tile's readers are done with qs, dos, ps and dss
-        load_rows<BQ, HD>(qs, qh, q_sr, q0, L, E, vec);
-        load_rows<BQ, HD>(dos, doh, do_sr, q0, L, Ev, vec);
-        float lse2[TQ], dl[TQ];
+    for (int g = 0; g < group; ++g) {
+        const int bh = (int)(b * heads + hk * group + g);       // query head g of the group
+        const T* qh = q + head_offset(bh, heads, q_sb, q_sh);
+        const T* doh = dout + head_offset(bh, heads, do_sb, do_sh);
+        const SdpaMask<T> mk = mask_of(mask, bh, heads, m_sb, m_sh, m_sr, m_sc);
+        for (int q0 = first; q0 < L; q0 += BQ) {
+            __syncthreads();     // the previous tile's readers are done with qs, dos, ps, dss
+            load_rows<BQ, HD>(qs, qh, q_sr, q0, L, E, vec);
+            load_rows<BQ, HD>(dos, doh, do_sr, q0, L, Ev, vec);
+            float lse2[TQ], dl[TQ];
 #pragma unroll
-        for (int i = 0; i < TQ; ++i) {
-            const int r = q0 + th.rg + 16 * i;
-            lse2[i] = r < L ? lse[(long long)bh * L + r] * SDPA_LOG2E : 0.f;
-            dl[i] = r < L ? delta[(long long)bh * L + r] : 0.f;
-        }
-        __syncthreads();
-        float s[TQ][TS], dp[TQ][TS];
-        scores_and_grads<MATH, HD, BQ, BK>(s, dp, ps, dss, qs, dos, ks, vs, th);
-        probabilities_and_grads<TQ, TS>(s, dp, lse2, dl, bh, q0, c0, L, S, off, causal,
-                                        scale_log2, drop, th);
+            for (int i = 0; i < TQ; ++i) {
+                const int r = q0 + th.rg + 16 * i;
+                lse2[i] = r < L ? lse[(long long)bh * L + r] * SDPA_LOG2E : 0.f;
+                dl[i] = r < L ? delta[(long long)bh * L + r] : 0.f;
+            }
+            __syncthreads();
+            float s[TQ][TS], dp[TQ][TS];
+            scores_and_grads<MATH, HD, BQ, BK>(s, dp, ps, dss, qs, dos, ks, vs, th);
+            probabilities_and_grads<TQ, TS>(s, dp, lse2, dl, bh, q0, c0, L, S, off, causal,
+                                            scale_log2, drop, mk, th);
 #pragma unroll
-        for (int i = 0; i < TQ; ++i) {
-            store_row<TS, LT>(ps, s[i], th.rg + 16 * i, th);
-            store_row<TS, LT>(dss, dp[i], th.rg + 16 * i, th);
+            for (int i = 0; i < TQ; ++i) {
+                store_row<TS, LT>(ps, s[i], th.rg + 16 * i, th);
+                store_row<TS, LT>(dss, dp[i], th.rg + 16 * i, th);
+            }
+            __syncthreads();
+            mma_tc<MATH, BK, HD, BQ, LT, true, LQ, false>(gv, ps, dos);   // dv += P^T dout
+            mma_tc<MATH, BK, HD, BQ, LT, true, LQ, false>(gk, dss, qs);   // dk += dS^T q
         }
-        __syncthreads();
-        mma_tc<MATH, BK, HD, BQ, LT, true, LQ, false>(gv, ps, dos);   // dv += P^T dout
-        mma_tc<MATH, BK, HD, BQ, LT, true, LQ, false>(gk, dss, qs);   // dk += dS^T q
     }
     __syncthreads();         // every warp's last products are done with qs and dos
     store_tc<BK, HD, LQ>(qs, gk);
     store_tc<BK, HD, LQ>(dos, gv);
     __syncthreads();
-    T* dkh = dk + head_offset(bh, heads, dk_sb, dk_sh);
-    T* dvh = dv + head_offset(bh, heads, dv_sb, dv_sh);
+    T* dkh = dk + b * dk_sb + hk * dk_sh;
+    T* dvh = dv + b * dv_sb + hk * dv_sh;
 #pragma unroll
     for (int i = 0; i < TK; ++i) {
         const int c = c0 + th.rg + 16 * i;

@@ -7,7 +7,16 @@ tensor is one layout among others, so callers may pass CuPy views without copies
 and sdpa_qkv_grad (compile/attention.py) read the heads out of a packed (..., T, 3C)
 projection and write out and dq/dk/dv in (..., T, heads, hd) order.
 
-One template per head dim (the smallest of HEAD_DIMS holding E and Ev; zero padded), per
+Grouped heads (k, v of fewer heads than q, ops/attention.py group_of) are read in place:
+query head h reads kv head h // group, and the dk/dv kernel sums each kv head's group (no
+repeated copies, no atomics). The op's additive mask (of q's dtype) is read through its
+broadcast strides (batch, head, row, column; 0 where it broadcasts), copied into the node's
+own memory only where its leading dims do not flatten to one batch stride; rows it blocks
+wholly give out 0, lse -inf and no gradient (torch's safe softmax). cuDNN's path takes
+neither.
+
+One template per head dim (the smallest of HEAD_DIMS holding E and Ev; zero padded: 80 runs
+on 96's), per
 kernel its (queries, keys) tile (`TILES`), and per precision the arithmetic of the tensor-core
 tile products (`MATH`), each kernel compiled on its own when a plan names it: "tf32"
 rounds the inputs to TF32, as the GEMMs do; "fp32" splits each input into two TF32 parts and
@@ -38,19 +47,21 @@ import numpy as np
 
 from ....errors import ShapeError
 from ....ir.graph import Node, storage_dtype
+from ....ops.attention import group_of
 from . import attention_cudnn
 from ..elementwise import _dropout_constants
 from ..runtime.launch import ELEMENT_CTYPES, _kernel, _node_memory
 
 SOURCE = "attention.cu"
 THREADS = 128                 # attention.cu SDPA_THREADS
-HEAD_DIMS = (32, 64, 128)     # the templates' head dims
+HEAD_DIMS = (32, 64, 96, 128)     # the templates' head dims (multiples of 32: attention.cu)
 LOG2E = 1.4426950408889634
 DEFAULT_SHARED = 48 * 1024    # bytes of dynamic shared memory a kernel gets without opting in
 # kernel -> head dim -> (queries, keys) per tile
-TILES = {"forward": {32: (64, 64), 64: (64, 64), 128: (64, 32)},
-         "backward_dq": {32: (64, 64), 64: (64, 64), 128: (32, 32)},
-         "backward_dkdv": {32: (64, 64), 64: (64, 64), 128: (32, 32)}}
+# (96 takes 128's tiles: its registers and shared memory fit where 128's do)
+TILES = {"forward": {32: (64, 64), 64: (64, 64), 96: (64, 32), 128: (64, 32)},
+         "backward_dq": {32: (64, 64), 64: (64, 64), 96: (32, 32), 128: (32, 32)},
+         "backward_dkdv": {32: (64, 64), 64: (64, 64), 96: (32, 32), 128: (32, 32)}}
 
 
 # attention.cu's SDPA_TF32 and SDPA_3XTF32, and the storages each is launched for
@@ -90,17 +101,20 @@ def kernels_ahead(node: Node, precision: str) -> list[tuple[str, str]]:
     """(file, kernel) of the kernels the node will launch, compiled side by side with the
     plan's others when it is built (CudaBackend.prepare): the forward's for sdpa and
     sdpa_qkv, dq's and dk/dv's for their gradients; none where cuDNN will run it."""
+    grouped = False
     if node.op in ("sdpa", "sdpa_grad"):
         q, k, v = node.inputs[:3] if node.op == "sdpa" else node.inputs[1:4]
         e, ev, rows, keys = q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2]
+        grouped = q.shape[:-2] != k.shape[:-2]
     else:                   # packed: q, k, v are thirds of the projection's last axis
         q = node.inputs[0] if node.op == "sdpa_qkv" else node.inputs[1]
         e = ev = q.shape[-1] // (3 * int(node.attrs["heads"]))
         rows = keys = q.shape[-2]
     ctype = STORAGE.get(np.dtype(storage_dtype(q.dtype)))
-    if ctype is None or max(e, ev) > HEAD_DIMS[-1] or node.attrs.get("mask"):
+    if ctype is None or max(e, ev) > HEAD_DIMS[-1]:
         return []       # the launcher refuses it, naming why
-    if ctype == "unsigned short" and attention_cudnn.shape_reason(
+    if ctype == "unsigned short" and not node.attrs.get("mask") and not grouped and \
+            attention_cudnn.shape_reason(
             e, ev, bool(node.attrs.get("causal")), rows, keys) is None:
         return []       # cuDNN's (its own kernels compile at a first launch if it declines)
     math, hd = math_of(precision, ctype), head_dim_template(e, ev)
@@ -165,8 +179,9 @@ class Heads:
 
 @dataclass(frozen=True)
 class Problem:
-    """bh = prod(leading dims) (batch x heads) attention problems of L queries and S keys,
-    head dims E (q, k) and Ev (v); `heads` is the last leading dim (1 without two)."""
+    """bh = prod(q's leading dims) (batch x heads) attention problems of L queries and S keys,
+    head dims E (q, k) and Ev (v); `heads` is q's last leading dim (1 without two), `group`
+    the query heads per kv head (k and v have heads / group)."""
 
     bh: int
     heads: int
@@ -174,6 +189,7 @@ class Problem:
     S: int
     E: int
     Ev: int
+    group: int = 1
 
     def args(self) -> tuple:
         return tuple(np.int32(x) for x in (self.heads, self.bh, self.L, self.S, self.E,
@@ -229,16 +245,93 @@ def _heads(what: str, a, shape: tuple, dtype) -> Heads:
 
 def problem(q, k, v) -> Problem:
     q_shape, k_shape, v_shape = tuple(q.shape), tuple(k.shape), tuple(v.shape)
-    if not (len(q_shape) >= 2 and len(q_shape) == len(k_shape) == len(v_shape)
-            and q_shape[:-2] == k_shape[:-2] == v_shape[:-2] and q_shape[-1] == k_shape[-1]
+    group = group_of(q_shape, k_shape) if len(q_shape) == len(k_shape) >= 2 else None
+    if not (group is not None and len(k_shape) == len(v_shape)
+            and k_shape[:-2] == v_shape[:-2] and q_shape[-1] == k_shape[-1]
             and k_shape[-2] == v_shape[-2]):
         raise ShapeError(f"sdpa: q {q_shape}, k {k_shape}, v {v_shape} do not fit together")
     lead = q_shape[:-2]
+    if group > 1 and len(lead) < 2:
+        raise ShapeError(f"sdpa: grouped heads need (batch, heads) leading dims, got q "
+                         f"{q_shape} (view 3-d operands as 4-d: grouped_views)")
     heads = lead[-1] if len(lead) >= 2 else 1
     bh = math.prod(lead)
     if bh >= 2**31 or max(q_shape[-2], k_shape[-2]) >= 2**31:
         raise ShapeError(f"sdpa: sizes {q_shape}, {k_shape} exceed the kernels' 32-bit counts")
-    return Problem(bh, max(heads, 1), q_shape[-2], k_shape[-2], q_shape[-1], v_shape[-1])
+    return Problem(bh, max(heads, 1), q_shape[-2], k_shape[-2], q_shape[-1], v_shape[-1],
+                   group)
+
+
+@dataclass(frozen=True)
+class Mask:
+    """The additive mask as the kernels read it: element (bh = b * heads + h, r, c) at
+    array[b * batch + h * head + r * row + c * col] (elements; 0 where it broadcasts)."""
+
+    array: object                 # the mask input (or the node's broadcast copy of it)
+    batch: int
+    head: int
+    row: int
+    col: int
+
+    def args(self) -> tuple:
+        return (self.array,) + tuple(np.int64(x) for x in (self.batch, self.head, self.row,
+                                                            self.col))
+
+
+NO_MASK = (np.uint64(0),) + (np.int64(0),) * 4
+
+
+def mask_strides(shape: tuple, strides: tuple, itemsize: int, lead: tuple, L: int,
+                 S: int) -> tuple[int, int, int, int] | None:
+    """(batch, head, row, col) element strides of a mask of `shape` and byte `strides`
+    broadcast to the (lead..., L, S) scores (0 along the dims it broadcasts over), or None
+    where the leading dims do not flatten to one batch stride."""
+    full = tuple(lead) + (L, S)
+    if len(shape) > len(full) or any(m not in (1, f) for m, f in zip(shape[::-1],
+                                                                      full[::-1])):
+        raise ShapeError(f"sdpa: mask {shape} does not broadcast to the scores {full}")
+    if any(st % itemsize for st in strides):
+        raise ShapeError(f"sdpa: mask strides {strides} are not whole elements")
+    st = (0,) * (len(full) - len(shape)) + tuple(
+        x // itemsize if m > 1 else 0 for m, x in zip(shape, strides))
+    head = st[-3] if len(lead) >= 2 and lead[-1] > 1 else 0
+    outer = lead if len(lead) < 2 else lead[:-1]
+    batch = _collapsed_stride(tuple(outer), st[:len(outer)])
+    return None if batch is None else (batch, head, st[-2], st[-1])
+
+
+def mask_layout(mask, q, pb: Problem) -> Mask | None:
+    """The mask (broadcasting to q's (..., L, S) scores, of q's dtype) read in place through
+    its broadcast strides, or None where they do not fit the kernels (mask_operand copies it
+    then)."""
+    if mask.dtype != q.dtype:
+        raise ShapeError(f"sdpa: the mask must have q's dtype {q.dtype}, got {mask.dtype}")
+    st = mask_strides(tuple(mask.shape), tuple(mask.strides), mask.itemsize,
+                      tuple(q.shape[:-2]), pb.L, pb.S)
+    return None if st is None else Mask(mask, *st)
+
+
+def mask_operand(ctx, node: Node, mask, q, pb: Problem) -> Mask:
+    """mask_layout's, else a copy of the broadcast mask in the node's own memory (made at the
+    first eager call, refilled by a copy kernel on every call)."""
+    layout = mask_layout(mask, q, pb)
+    if layout is not None:
+        return layout
+    shape = tuple(q.shape[:-2]) + (pb.L, pb.S)
+    copy = _node_memory(node, ("sdpa_mask", shape), ctx, lambda: cp.empty(shape, q.dtype))
+    with ctx.stream:
+        cp.copyto(copy, cp.broadcast_to(mask, shape))
+    return mask_layout(copy, q, pb)
+
+
+def grouped_views(q, k, *arrays) -> list:
+    """q, k and `arrays` as given, or, for 3-d operands (heads, rows, dim) of grouped heads
+    (q's heads a multiple of k's), viewed as (1, heads, rows, dim): the kernels index kv heads
+    within the last leading dim."""
+    everything = [q, k, *arrays]
+    if q.ndim != 3 or q.shape[0] == k.shape[0]:
+        return everything
+    return [a[None] for a in everything]
 
 
 def _vectorized(pb: Problem, arrays, layouts) -> int:
@@ -298,9 +391,10 @@ def _step_arg(attn: Attn, step):
 
 # ---- launchers -------------------------------------------------------------------------------
 
-def sdpa_forward(ctx, q, k, v, out, lse, step, attn: Attn) -> None:
-    """out = dropout(softmax(scale * q @ k^T + causal mask)) @ v and lse (bh * L rows) =
-    logsumexp of the scaled, masked scores; step (int64 device scalar) with dropout."""
+def sdpa_forward(ctx, q, k, v, out, lse, step, attn: Attn, mask: Mask | None = None) -> None:
+    """out = dropout(softmax(scale * q @ k^T + causal mask + mask)) @ v and lse (bh * L rows)
+    = logsumexp of the scaled, masked scores; step (int64 device scalar) with dropout; k, v
+    of grouped heads read in place."""
     pb, ctype = problem(q, k, v), storage(q)
     lead = tuple(q.shape[:-2])
     layouts = [_heads("sdpa q", q, q.shape, q.dtype), _heads("sdpa k", k, k.shape, q.dtype),
@@ -313,17 +407,24 @@ def sdpa_forward(ctx, q, k, v, out, lse, step, attn: Attn) -> None:
         return
     if pb.S == 0:
         raise ShapeError("sdpa: needs at least one key")
-    if ctype == "unsigned short" and attention_cudnn.forward(ctx, pb, attn, layouts, q, k, v,
-                                                             out, lse, step):
+    if ctype == "unsigned short" and mask is None and pb.group == 1 and \
+            attention_cudnn.forward(ctx, pb, attn, layouts, q, k, v, out, lse, step):
         return
     hd = head_dim_template(pb.E, pb.Ev)
     vec = _vectorized(pb, (q, k, v, out), layouts)
     args = (q, k, v, out, lse, _step_arg(attn, step)) + pb.args() \
-        + sum((h.args() for h in layouts), ()) + attn.args(step, False) + (np.int32(vec),)
+        + sum((h.args() for h in layouts), ()) + attn.args(step, False) + (np.int32(vec),) \
+        + _extra(pb, mask)
     _launch_tiles(ctx, "forward", hd, ctype, -(-pb.L // TILES["forward"][hd][0]), pb.bh, args)
 
 
-def sdpa_backward_dq(ctx, q, k, v, out, dout, lse, step, dq, delta, attn: Attn) -> None:
+def _extra(pb: Problem, mask: Mask | None) -> tuple:
+    """The kernels' last arguments: group, then the mask pointer and its four strides."""
+    return (np.int32(pb.group),) + (NO_MASK if mask is None else mask.args())
+
+
+def sdpa_backward_dq(ctx, q, k, v, out, dout, lse, step, dq, delta, attn: Attn,
+                     mask: Mask | None = None) -> None:
     """dq of sdpa, and delta (bh * L) = rowsum(dout * out), which sdpa_backward_dkdv reads."""
     pb, ctype = problem(q, k, v), storage(q)
     o_shape = tuple(q.shape[:-1]) + (pb.Ev,)
@@ -337,13 +438,16 @@ def sdpa_backward_dq(ctx, q, k, v, out, dout, lse, step, dq, delta, attn: Attn) 
     hd = head_dim_template(pb.E, pb.Ev)
     vec = _vectorized(pb, (q, k, v, out, dout, dq), layouts)
     args = (q, k, v, out, dout, lse, _step_arg(attn, step), dq, delta) + pb.args() \
-        + sum((h.args() for h in layouts), ()) + attn.args(step, True) + (np.int32(vec),)
+        + sum((h.args() for h in layouts), ()) + attn.args(step, True) + (np.int32(vec),) \
+        + _extra(pb, mask)
     _launch_tiles(ctx, "backward_dq", hd, ctype, -(-pb.L // TILES["backward_dq"][hd][0]),
                   pb.bh, args)
 
 
-def sdpa_backward_dkdv(ctx, q, k, v, dout, lse, delta, step, dk, dv, attn: Attn) -> None:
-    """dk and dv of sdpa; delta as sdpa_backward_dq left it."""
+def sdpa_backward_dkdv(ctx, q, k, v, dout, lse, delta, step, dk, dv, attn: Attn,
+                       mask: Mask | None = None) -> None:
+    """dk and dv of sdpa (of grouped heads: summed over each kv head's query heads, one
+    block per key tile and kv head); delta as sdpa_backward_dq left it."""
     pb, ctype = problem(q, k, v), storage(q)
     o_shape = tuple(q.shape[:-1]) + (pb.Ev,)
     layouts = [_heads(f"sdpa_grad {name}", a, shape, q.dtype) for name, a, shape in
@@ -358,15 +462,17 @@ def sdpa_backward_dkdv(ctx, q, k, v, dout, lse, delta, step, dk, dv, attn: Attn)
     hd = head_dim_template(pb.E, pb.Ev)
     vec = _vectorized(pb, (q, k, v, dout, dk, dv), layouts)
     args = (q, k, v, dout, lse, delta, _step_arg(attn, step), dk, dv) + pb.args() \
-        + sum((h.args() for h in layouts), ()) + attn.args(step, True) + (np.int32(vec),)
+        + sum((h.args() for h in layouts), ()) + attn.args(step, True) + (np.int32(vec),) \
+        + _extra(pb, mask)
     _launch_tiles(ctx, "backward_dkdv", hd, ctype, -(-pb.S // TILES["backward_dkdv"][hd][1]),
-                  pb.bh, args)
+                  pb.bh // pb.group, args)
 
 
 def sdpa_backward(ctx, node: Node, q, k, v, out, dout, lse, step, dq, dk, dv,
-                  attn: Attn) -> None:
-    """dq, dk, dv of sdpa: on cuDNN where the problem runs there (attention_cudnn), else the
-    dq launch (summing D into the node's scratch) and the dk/dv launch."""
+                  attn: Attn, mask: Mask | None = None) -> None:
+    """dq, dk, dv of sdpa: on cuDNN where the problem runs there (attention_cudnn: no mask,
+    no grouped heads), else the dq launch (summing D into the node's scratch) and the dk/dv
+    launch."""
     pb = problem(q, k, v)
     o_shape = tuple(q.shape[:-1]) + (pb.Ev,)
     layouts = [_heads(f"sdpa_grad {name}", a, shape, q.dtype) for name, a, shape in
@@ -374,13 +480,14 @@ def sdpa_backward(ctx, node: Node, q, k, v, out, dout, lse, step, dq, dk, dv,
                 ("dout", dout, o_shape), ("dq", dq, q.shape), ("dk", dk, k.shape),
                 ("dv", dv, v.shape))]
     _check_rows("sdpa_grad lse", lse, pb)
-    if storage(q) == "unsigned short" and pb.bh and pb.L and pb.S and attention_cudnn.backward(
-            ctx, pb, attn, layouts, q, k, v, out, dout, lse, step, dq, dk, dv):
+    if storage(q) == "unsigned short" and mask is None and pb.group == 1 and pb.bh and pb.L \
+            and pb.S and attention_cudnn.backward(ctx, pb, attn, layouts, q, k, v, out, dout,
+                                                  lse, step, dq, dk, dv):
         return
     rows = lse.size
     delta = _node_memory(node, ("sdpa_delta", rows), ctx, lambda: cp.empty(rows, np.float32))
-    sdpa_backward_dq(ctx, q, k, v, out, dout, lse, step, dq, delta, attn)
-    sdpa_backward_dkdv(ctx, q, k, v, dout, lse, delta, step, dk, dv, attn)
+    sdpa_backward_dq(ctx, q, k, v, out, dout, lse, step, dq, delta, attn, mask)
+    sdpa_backward_dkdv(ctx, q, k, v, dout, lse, delta, step, dk, dv, attn, mask)
 
 
 def cudnn_keep_mask(ctx, q, k, v, step, attn: Attn) -> np.ndarray:
@@ -392,25 +499,26 @@ def cudnn_keep_mask(ctx, q, k, v, step, attn: Attn) -> np.ndarray:
     return attention_cudnn.keep_mask(ctx, pb, attn, layouts, q, k, v, step)
 
 
-def _no_mask(node: Node) -> None:
-    """These kernels take no attention mask (the numpy reference does); the hand-written
-    attention rewrite (compile/attention_rewrite.py) gives a CUDA step no masked sdpa."""
-    if node.attrs.get("mask"):
-        raise ShapeError(f"{node.op}: the CUDA kernels take no attention mask (attrs mask); "
-                         "masked attention runs as its composed ops on CUDA")
+def _mask_and_step(node: Node, rest: list) -> tuple:
+    """(mask, step) of the inputs after the operands: the mask first with attrs mask."""
+    mask = rest[0] if node.attrs.get("mask") else None
+    rest = rest[1:] if mask is not None else rest
+    return mask, (rest[0] if rest else None)
 
 
 def _sdpa(node: Node, ins, outs, ctx) -> None:
-    _no_mask(node)
-    step = ins[3] if len(ins) > 3 else None
-    sdpa_forward(ctx, *ins[:3], outs[0], outs[1], step, attn_of(node))
+    raw_mask, step = _mask_and_step(node, list(ins[3:]))
+    q, k, v, out = grouped_views(*ins[:3], outs[0])
+    mask = None if raw_mask is None else mask_operand(ctx, node, raw_mask, q, problem(q, k, v))
+    sdpa_forward(ctx, q, k, v, out, outs[1], step, attn_of(node), mask)
 
 
 def _sdpa_grad(node: Node, ins, outs, ctx) -> None:
-    _no_mask(node)
-    dout, q, k, v, out, lse = ins[:6]
-    step = ins[6] if len(ins) > 6 else None
-    sdpa_backward(ctx, node, q, k, v, out, dout, lse, step, *outs, attn_of(node))
+    raw_mask, step = _mask_and_step(node, list(ins[6:]))
+    q, k, v, dout, out, dq, dk, dv = grouped_views(ins[1], ins[2], ins[3], ins[0], ins[4],
+                                                   *outs)
+    mask = None if raw_mask is None else mask_operand(ctx, node, raw_mask, q, problem(q, k, v))
+    sdpa_backward(ctx, node, q, k, v, out, dout, ins[5], step, dq, dk, dv, attn_of(node), mask)
 
 
 def heads_of(x, heads: int):
