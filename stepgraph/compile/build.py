@@ -19,6 +19,7 @@ from .autocast import PRECISION as BF16_PRECISION
 from .autocast import LOW_DTYPES, as_float32, autocast, bind_weight_copies
 from .attention_rewrite import masks_supported, rewrite_attention
 from .layout import apply_memory_format
+from .norm_rewrite import rewrite_norms
 from .loss_scale import LossScaling, emit_scale_update, unscale_gradients
 from .recompute import recompute
 from .zeros import fold_zeros
@@ -156,6 +157,7 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
     bf16 = precision == BF16_PRECISION
     if precision in LOW_DTYPES:
         autocast(tracer.graph, LOW_DTYPES[precision])
+    tracer.graph = rewrite_norms(tracer.graph, (loss.value,))
     params = list(tracer.graph.params)
     if not params:
         raise NothingToTrainError(_nothing_to_train(model))
@@ -236,6 +238,7 @@ def build_predict_graph(model: Module, signature: Signature,
     graph = fold_zeros(apply_memory_format(graph, memory_format))
     if precision in LOW_DTYPES:
         autocast(graph, LOW_DTYPES[precision])
+    graph = rewrite_norms(graph)
     if precision == BF16_PRECISION:        # float16 outputs stay float16, as torch's
         graph.outputs["output"] = as_float32(graph, graph.outputs["output"])
     return graph
