@@ -64,9 +64,21 @@ def _pointwise_operand(add: Node, producers, users) -> bool:
     leave the elementwise node its own pass over memory."""
     for v in add.inputs:
         p = producers.get(v)
-        if p is not None and users.get(v) == [add] and _eligible(p):
+        if p is not None and users.get(v) == [add] and _eligible(p) and \
+                not _linear_activation(p, producers):
             return True
     return False
+
+
+def _linear_activation(node: Node, producers) -> bool:
+    """An act on a linear's output (through its view): compile/fuse.py fuse_linear_activation
+    takes it into the GEMM's epilogue, so it is no elementwise pass of its own."""
+    if node.op != "act":
+        return False
+    p = producers.get(node.inputs[0])
+    if p is not None and p.op == "reshape":
+        p = producers.get(p.inputs[0])
+    return p is not None and p.op == "linear"
 
 
 def rewrite_add_layer_norm(graph: Graph) -> Graph:
