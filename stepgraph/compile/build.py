@@ -130,6 +130,8 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
     (layout.channels_last_pays). precision "bf16" autocasts the forward
     before autodiff and has the update write the weights' bf16 copies (compile/autocast.py);
     "fp16" autocasts to float16 (each weight cast in the forward, as torch's autocast does).
+    After autocast, residual adds into LayerNorms and hand-written RMSNorms become fused ops
+    (compile/norm_rewrite.py), so autodiff sees them whole.
     frozen: ids of the Parameters traced as constant `state` inputs (no gradient, no update).
     extra_outputs: a dict the forward fills with more outputs of the step (name -> Value: the
     values a captured loop keeps for the script, loop/step.py); they are outputs before the

@@ -180,7 +180,7 @@ def test_pre_norm_net_trains_like_torch_with_and_without_the_rewrite(rewrite, re
 
 def _near_miss_net(kind: str):
     def make(t):
-        nn, F = t.nn, t.nn.functional
+        nn = t.nn
 
         class Net(nn.Module):
             def __init__(self):
