@@ -19,6 +19,7 @@ from .autocast import PRECISION as BF16_PRECISION
 from .autocast import LOW_DTYPES, as_float32, autocast, bind_weight_copies
 from .attention_rewrite import masks_supported, rewrite_attention
 from .layout import apply_memory_format
+from .norm_rewrite import rewrite_norms
 from .loss_scale import LossScaling, emit_scale_update, unscale_gradients
 from .recompute import recompute
 from .zeros import fold_zeros
@@ -129,6 +130,8 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
     (layout.channels_last_pays). precision "bf16" autocasts the forward
     before autodiff and has the update write the weights' bf16 copies (compile/autocast.py);
     "fp16" autocasts to float16 (each weight cast in the forward, as torch's autocast does).
+    After autocast, residual adds into LayerNorms and hand-written RMSNorms become fused ops
+    (compile/norm_rewrite.py), so autodiff sees them whole.
     frozen: ids of the Parameters traced as constant `state` inputs (no gradient, no update).
     extra_outputs: a dict the forward fills with more outputs of the step (name -> Value: the
     values a captured loop keeps for the script, loop/step.py); they are outputs before the
@@ -156,6 +159,7 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
     bf16 = precision == BF16_PRECISION
     if precision in LOW_DTYPES:
         autocast(tracer.graph, LOW_DTYPES[precision])
+    tracer.graph = rewrite_norms(tracer.graph, (loss.value,))
     params = list(tracer.graph.params)
     if not params:
         raise NothingToTrainError(_nothing_to_train(model))
@@ -236,6 +240,7 @@ def build_predict_graph(model: Module, signature: Signature,
     graph = fold_zeros(apply_memory_format(graph, memory_format))
     if precision in LOW_DTYPES:
         autocast(graph, LOW_DTYPES[precision])
+    graph = rewrite_norms(graph)
     if precision == BF16_PRECISION:        # float16 outputs stay float16, as torch's
         graph.outputs["output"] = as_float32(graph, graph.outputs["output"])
     return graph

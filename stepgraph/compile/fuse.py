@@ -387,12 +387,14 @@ def fuse_layer_norm_casts(graph: Graph) -> Graph:
         cast(d bf16 -> float32) [-> reshape] -> layer_norm_grad(dy, ...)
         =>   [reshape ->] layer_norm_grad(d in bf16, ...)   (widened as loaded, exactly)
     where each value on the way has that one reader. x, the statistics and dx stay float32.
-    precision="fp16" alike, with float16 in place of bf16."""
+    precision="fp16" alike, with float16 in place of bf16. The residual forms
+    (add_layer_norm, add_layer_norm_grad: compile/norm_rewrite.py) alike: their y and dy sit
+    where layer_norm's do; s and ds stay float32."""
     graph = _copy(graph)
     users, producers = graph.consumers(), graph.producers()
     drop: set[Node] = set()
     for n in graph.nodes:
-        if n.op == "layer_norm":
+        if n.op in ("layer_norm", "add_layer_norm"):
             y = n.outputs[0]
             view = _sole_view(graph, users, y)
             cast = _sole_reader(graph, users, view.outputs[0] if view else y, "cast")
@@ -404,7 +406,7 @@ def fuse_layer_norm_casts(graph: Graph) -> Graph:
                 n.outputs = [Value(y.shape, cast.attrs["dtype"], y.name), *n.outputs[1:]]
                 view.inputs, view.outputs = [n.outputs[0]], [cast.outputs[0]]
             drop.add(cast)
-        elif n.op == "layer_norm_grad":
+        elif n.op in ("layer_norm_grad", "add_layer_norm_grad"):
             dy = n.inputs[0]
             view = producers.get(dy)
             if view is not None and view.op == "reshape" and \

@@ -1,5 +1,7 @@
 """LayerNorm family: normalisation over the last axis and its gradient (PyTorch's
-F.layer_norm with normalized_shape = the last dim).
+F.layer_norm with normalized_shape = the last dim); the residual add fused before it
+(add_layer_norm) and RMSNorm (F.rms_norm over the last dim), both made by
+compile/norm_rewrite.py of what model files write.
 
 x (any rank >= 1) is viewed as (rows, C). The statistics are saved for the backward. The
 NumPy reference computes in float64 and casts once.
@@ -10,6 +12,7 @@ import math
 
 import numpy as np
 
+from ..backends.numpy.bf16 import round_to
 from ..ir.ops import _need, defop, impl, vjp
 
 
@@ -100,3 +103,140 @@ def _layer_norm_grad_impl(node, ins, outs, ctx):
         rest.pop(0)[...] = (dy * xhat).reshape(-1, c).sum(axis=0)
     if bias:
         rest.pop(0)[...] = dy.reshape(-1, c).sum(axis=0)
+
+
+# ---- residual add + LayerNorm (made only by compile/norm_rewrite.py) -----------------------
+
+def _stored(v: np.ndarray, dtype: str) -> np.ndarray:
+    """float64 v as a node storing IR dtype `dtype` holds it, widened back to float64: the
+    unfused add's rounding of the residual sum, which the LayerNorm then reads."""
+    if dtype == "float64":
+        return v
+    return round_to(v.astype(np.float32), dtype).astype(np.float64)
+
+
+@defop("add_layer_norm")
+def _add_layer_norm(ins, attrs):
+    """s = a + b (stored in a's dtype, as the add it replaces stores it) and y = layer_norm(s)
+    in one op: compile/norm_rewrite.py makes it of a residual add whose sum a LayerNorm reads
+    (pre-norm transformer blocks: x = x + f(ln(x))). ins (a, b, [weight], [bias]); a and b of
+    one shape and dtype; attrs eps, weight, bias as layer_norm's. Outputs y, mean, rstd as
+    layer_norm's of s, then s (a.shape, a.dtype): the residual stream that the next add and
+    the backward read."""
+    a, b = ins[0], ins[1]
+    _need(a.shape == b.shape and a.dtype == b.dtype, "add_layer_norm",
+          f"a {a.shape} {a.dtype} and b {b.shape} {b.dtype} must match")
+    outs = _layer_norm([a, *ins[2:]], attrs)
+    return outs + [(a.shape, a.dtype)]
+
+
+@defop("add_layer_norm_grad")
+def _add_layer_norm_grad(ins, attrs):
+    """Gradient of add_layer_norm when both y and s have one: ins (dy, s, [weight], mean,
+    rstd, ds), attrs weight, bias. dx = layer_norm_grad's dx of dy plus ds (the gradient the
+    residual stream brings: the sum autodiff would add after the LayerNorm's gradient), the
+    sum rounded once to s's dtype; dx is the gradient of a and of b. Then dweight, dbias as
+    layer_norm_grad's."""
+    _need(len(ins) >= 5, "add_layer_norm_grad", f"at least 5 inputs, got {len(ins)}")
+    ds, x = ins[-1], ins[1]
+    _need(ds.shape == x.shape, "add_layer_norm_grad", f"ds {ds.shape} vs s {x.shape}")
+    return _layer_norm_grad(ins[:-1], attrs)
+
+
+@vjp("add_layer_norm")
+def _add_layer_norm_vjp(emit, node, dy, wants) -> list:
+    """dy of y and ds of s: one add_layer_norm_grad (layer_norm_grad without ds, ds itself
+    without dy); a's and b's gradient is the same value."""
+    weight, bias = bool(node.attrs.get("weight")), bool(node.attrs.get("bias"))
+    y_grad, ds = dy[0], dy[3]
+    if y_grad is None:
+        return [ds, ds] + [None] * (weight + bias)
+    _, mean, rstd, s = node.outputs
+    ins = [y_grad, s] + ([node.inputs[2]] if weight else []) + [mean, rstd]
+    if ds is None:
+        grads = emit("layer_norm_grad", ins, weight=weight, bias=bias)
+    else:
+        grads = emit("add_layer_norm_grad", ins + [ds], weight=weight, bias=bias)
+    return [grads[0], grads[0], *grads[1:]]
+
+
+@impl("add_layer_norm")
+def _add_layer_norm_impl(node, ins, outs, ctx):
+    s = _stored(ins[0].astype(np.float64) + ins[1].astype(np.float64), node.outputs[3].dtype)
+    outs[3][...] = s
+    _layer_norm_impl(node, [s, *ins[2:]], outs[:3], ctx)
+
+
+@impl("add_layer_norm_grad")
+def _add_layer_norm_grad_impl(node, ins, outs, ctx):
+    dx = np.empty(outs[0].shape, np.float64)
+    _layer_norm_grad_impl(node, ins[:-1], [dx, *outs[1:]], ctx)
+    outs[0][...] = dx + ins[-1].astype(np.float64)
+
+
+# ---- RMSNorm (made only by compile/norm_rewrite.py, of the form model files write) ---------
+
+@defop("rms_norm")
+def _rms_norm(ins, attrs):
+    """y = x * rstd [* weight] over the last axis of x (rank >= 1); ins (x, [weight (C,)
+    when attrs weight]); attrs eps (> 0). rstd = 1 / sqrt(mean(x^2) + eps) per row. Outputs
+    y (x.shape, x.dtype) and rstd (rows,) (float32; float64 for a float64 x)."""
+    x = ins[0]
+    _need(len(x.shape) >= 1, "rms_norm", f"input must have rank >= 1, got {x.shape}")
+    weight = bool(attrs.get("weight"))
+    _need(len(ins) == 1 + weight, "rms_norm",
+          f"{1 + weight} inputs for weight={weight}, got {len(ins)}")
+    _need(float(attrs["eps"]) > 0.0, "rms_norm", f"eps must be positive, got {attrs['eps']}")
+    if weight:
+        _need(ins[1].shape == (x.shape[-1],) and ins[1].dtype == x.dtype, "rms_norm",
+              f"{ins[1]!r} must be ({x.shape[-1]},) {x.dtype} for input {x.shape}")
+    return [(x.shape, x.dtype), ((_rows(x.shape),), stats_dtype(x.dtype))]
+
+
+@defop("rms_norm_grad")
+def _rms_norm_grad(ins, attrs):
+    """Gradient of rms_norm. ins (dy, x, [weight when attrs weight], rstd). xhat = x * rstd,
+    g = dy * weight (dy without weight); per row dx = rstd * (g - xhat * mean(g * xhat)).
+    Outputs dx (x.shape, x.dtype), then dweight = sum over rows of dy * xhat when attrs
+    weight."""
+    dy, x = ins[0], ins[1]
+    weight = bool(attrs.get("weight"))
+    _need(len(ins) == 3 + weight, "rms_norm_grad",
+          f"{3 + weight} inputs for weight={weight}, got {len(ins)}")
+    _need(dy.shape == x.shape, "rms_norm_grad", f"dy {dy.shape} vs x {x.shape}")
+    return [(x.shape, x.dtype)] + [((x.shape[-1],), x.dtype)] * weight
+
+
+@vjp("rms_norm")
+def _rms_norm_vjp(emit, node, dy, wants) -> list:
+    weight = bool(node.attrs.get("weight"))
+    ins = [dy[0], node.inputs[0]] + node.inputs[1:1 + weight] + [node.outputs[1]]
+    return emit("rms_norm_grad", ins, weight=weight)
+
+
+def _rstd(x: np.ndarray, eps: float) -> np.ndarray:
+    return 1.0 / np.sqrt(np.square(x).mean(axis=-1, keepdims=True) + eps)
+
+
+@impl("rms_norm")
+def _rms_norm_impl(node, ins, outs, ctx):
+    x = ins[0].astype(np.float64)
+    rstd = _rstd(x, float(node.attrs["eps"]))
+    y = x * rstd
+    if node.attrs.get("weight"):
+        y = y * ins[1].astype(np.float64)
+    outs[0][...] = y
+    outs[1][...] = rstd.reshape(-1)
+
+
+@impl("rms_norm_grad")
+def _rms_norm_grad_impl(node, ins, outs, ctx):
+    weight = bool(node.attrs.get("weight"))
+    dy, x = ins[0].astype(np.float64), ins[1].astype(np.float64)
+    c = x.shape[-1]
+    rstd = ins[-1].astype(np.float64).reshape(x.shape[:-1] + (1,))
+    xhat = x * rstd
+    g = dy * ins[2].astype(np.float64) if weight else dy
+    outs[0][...] = rstd * (g - xhat * (g * xhat).mean(axis=-1, keepdims=True))
+    if weight:
+        outs[1][...] = (dy * xhat).reshape(-1, c).sum(axis=0)

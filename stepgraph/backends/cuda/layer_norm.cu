@@ -327,3 +327,385 @@ layer_norm_grad_finalize_kernel(const float* partial_w, const float* partial_b, 
         store_from_float(out, c, (float)t);
     }
 }
+
+// ---- residual add + LayerNorm (add_layer_norm, compile/norm_rewrite.py) --------------------
+// The forward reads a and b, writes s = a + b (rounded to X, as the add it replaces stores it)
+// and normalises that rounded s: the same bits as add then layer_norm. The backward is
+// layer_norm's with the residual gradient ds added to dx in float32 before the one store.
+
+// v as a store to X then a load give it back: the rounding of a value stored in X.
+template <typename X>
+__device__ __forceinline__ float stored_as(float v) {
+    X t;
+    store_from_float(&t, 0, v);
+    return load_as_float(&t, 0);
+}
+
+template <typename Y, int VEC, int K, typename X = float>
+__global__ void __launch_bounds__(LAYER_NORM_MAX_THREADS)
+add_layer_norm_forward_kernel(const X* a, const X* b, const X* weight, const X* bias, Y* y,
+                              X* s_out, float* mean_out, float* rstd_out, int rows, int C,
+                              float eps) {
+    __shared__ float smem[32];
+    const int groups = C / VEC;
+    float w[K][VEC], bb[K][VEC];
+    load_columns<VEC, K>(weight, groups, w);
+    load_columns<VEC, K>(bias, groups, bb);
+    for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
+        const long long row = base + threadIdx.y;
+        const bool valid = row < rows;
+        const long long r0 = row * C;
+        float v[K][VEC];
+        float s = 0.f;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int g = threadIdx.x + k * blockDim.x;
+            if (valid && g < groups) {
+                float t[VEC];
+                loadv_as_float<VEC>(a, r0 + (long long)g * VEC, v[k]);
+                loadv_as_float<VEC>(b, r0 + (long long)g * VEC, t);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    v[k][j] = stored_as<X>(__fadd_rn(v[k][j], t[j]));
+                    s += v[k][j];
+                }
+                storev_from_float<VEC>(s_out, r0 + (long long)g * VEC, v[k]);
+            }
+        }
+        const float mean = __fdiv_rn(row_sum(s, smem), (float)C);
+        float q = 0.f;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int g = threadIdx.x + k * blockDim.x;
+            if (valid && g < groups) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    v[k][j] = __fsub_rn(v[k][j], mean);
+                    q = __fmaf_rn(v[k][j], v[k][j], q);
+                }
+            }
+        }
+        const float rstd = inverse_std(__fdiv_rn(row_sum(q, smem), (float)C), eps);
+        if (!valid) continue;
+        if (threadIdx.x == 0) {
+            mean_out[row] = mean;
+            rstd_out[row] = rstd;
+        }
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int g = threadIdx.x + k * blockDim.x;
+            if (g >= groups) continue;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                float t = __fmul_rn(v[k][j], rstd);
+                if (weight) t = __fmul_rn(t, w[k][j]);
+                if (bias) t = __fadd_rn(t, bb[k][j]);
+                v[k][j] = t;
+            }
+            storev_from_float<VEC>(y, r0 + (long long)g * VEC, v[k]);
+        }
+    }
+}
+
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) + ds, g = dy [* weight], xhat = (s -
+// mean) * rstd; partial sums of dweight / dbias as layer_norm_backward_kernel's.
+template <typename DY, int VEC, int K, typename X = float>
+__global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
+add_layer_norm_backward_kernel(const DY* dy, const X* x, const X* weight, const float* mean,
+                               const float* rstd, const X* ds, X* dx, float* partial_w,
+                               float* partial_b, int rows, int C) {
+    __shared__ float2 sums[32];
+    __shared__ __align__(16) float red[LAYER_NORM_BLOCK_ROWS_THREADS * K * VEC];
+    const int groups = C / VEC;
+    float acc_w[K][VEC], acc_b[K][VEC];
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) acc_w[k][j] = acc_b[k][j] = 0.f;
+    for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
+        const long long row = base + threadIdx.y;
+        const bool valid = row < rows;
+        const long long r0 = row * C;
+        const float m = valid ? mean[row] : 0.f, r = valid ? rstd[row] : 0.f;
+        float d[K][VEC], h[K][VEC];   // dy, then g; x, then xhat
+        float sg = 0.f, sgh = 0.f;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int g = threadIdx.x + k * blockDim.x;
+            if (!valid || g >= groups) continue;
+            loadv_as_float<VEC>(dy, r0 + (long long)g * VEC, d[k]);
+            loadv_as_float<VEC>(x, r0 + (long long)g * VEC, h[k]);
+        }
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int g = threadIdx.x + k * blockDim.x;
+            if (!valid || g >= groups) continue;
+            float w[VEC];
+            if (weight) loadv_as_float<VEC>(weight, (long long)g * VEC, w);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                h[k][j] = __fmul_rn(__fsub_rn(h[k][j], m), r);
+                acc_w[k][j] = __fmaf_rn(d[k][j], h[k][j], acc_w[k][j]);
+                acc_b[k][j] += d[k][j];
+                if (weight) d[k][j] = __fmul_rn(d[k][j], w[j]);
+                sg += d[k][j];
+                sgh = __fmaf_rn(d[k][j], h[k][j], sgh);
+            }
+        }
+        const float2 t = row_sum2(sg, sgh, sums);
+        const float mg = __fdiv_rn(t.x, (float)C), mgh = __fdiv_rn(t.y, (float)C);
+        if (!valid) continue;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int g = threadIdx.x + k * blockDim.x;
+            if (g >= groups) continue;
+            float e[VEC];
+            loadv_as_float<VEC>(ds, r0 + (long long)g * VEC, e);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                const float v = __fmul_rn(r, __fsub_rn(__fsub_rn(d[k][j], mg),
+                                                       __fmul_rn(h[k][j], mgh)));
+                d[k][j] = __fadd_rn(v, e[j]);
+            }
+            storev_from_float<VEC>(dx, r0 + (long long)g * VEC, d[k]);
+        }
+    }
+    store_block_partial<VEC, K>(acc_w, partial_w, red, groups, C);
+    store_block_partial<VEC, K>(acc_b, partial_b, red, groups, C);
+}
+
+// The forward for rows of any width: s written in the first pass, then re-read (L1/L2).
+template <typename Y, typename X = float>
+__global__ void __launch_bounds__(1024)
+add_layer_norm_forward_loop_kernel(const X* a, const X* b, const X* weight, const X* bias,
+                                   Y* y, X* s_out, float* mean_out, float* rstd_out, int rows,
+                                   int C, float eps) {
+    __shared__ float smem[32];
+    for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
+        const long long row = base + threadIdx.y;
+        const int cols = row < rows ? C : 0;
+        const long long r0 = row * C;
+        float s = 0.f;
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+            const float v = stored_as<X>(__fadd_rn(load_as_float(a, r0 + c),
+                                                   load_as_float(b, r0 + c)));
+            store_from_float(s_out, r0 + c, v);
+            s += v;
+        }
+        // each thread re-reads only the columns it wrote: no barrier needed for s_out
+        const float mean = __fdiv_rn(row_sum(s, smem), (float)C);
+        float q = 0.f;
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+            const float t = __fsub_rn(load_as_float(s_out, r0 + c), mean);
+            q = __fmaf_rn(t, t, q);
+        }
+        const float rstd = inverse_std(__fdiv_rn(row_sum(q, smem), (float)C), eps);
+        if (cols && threadIdx.x == 0) {
+            mean_out[row] = mean;
+            rstd_out[row] = rstd;
+        }
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+            float t = __fmul_rn(__fsub_rn(load_as_float(s_out, r0 + c), mean), rstd);
+            if (weight) t = __fmul_rn(t, load_as_float(weight, c));
+            if (bias) t = __fadd_rn(t, load_as_float(bias, c));
+            store_from_float(y, r0 + c, t);
+        }
+    }
+}
+
+// The backward for rows of any width, one row a block, as layer_norm_backward_loop_kernel's.
+template <typename DY, typename X = float>
+__global__ void __launch_bounds__(1024)
+add_layer_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight,
+                                    const float* mean, const float* rstd, const X* ds, X* dx,
+                                    float* partial_w, float* partial_b, int rows, int C) {
+    __shared__ float2 sums[32];
+    float* pw = partial_w ? partial_w + (long long)blockIdx.x * C : nullptr;
+    float* pb = partial_b ? partial_b + (long long)blockIdx.x * C : nullptr;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        if (pw) pw[c] = 0.f;
+        if (pb) pb[c] = 0.f;
+    }
+    for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
+        const long long row = base + threadIdx.y;
+        const int cols = row < rows ? C : 0;
+        const long long r0 = row * C;
+        const float m = cols ? mean[row] : 0.f, r = cols ? rstd[row] : 0.f;
+        float sg = 0.f, sgh = 0.f;
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+            const float h = __fmul_rn(__fsub_rn(load_as_float(x, r0 + c), m), r);
+            const float d = load_as_float(dy, r0 + c);
+            const float g = weight ? __fmul_rn(d, load_as_float(weight, c)) : d;
+            sg += g;
+            sgh = __fmaf_rn(g, h, sgh);
+            if (pw) pw[c] = __fmaf_rn(d, h, pw[c]);
+            if (pb) pb[c] += d;
+        }
+        const float2 t = row_sum2(sg, sgh, sums);
+        const float mg = __fdiv_rn(t.x, (float)C), mgh = __fdiv_rn(t.y, (float)C);
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+            const float h = __fmul_rn(__fsub_rn(load_as_float(x, r0 + c), m), r);
+            const float d = load_as_float(dy, r0 + c);
+            const float g = weight ? __fmul_rn(d, load_as_float(weight, c)) : d;
+            const float v = __fmul_rn(r, __fsub_rn(__fsub_rn(g, mg), __fmul_rn(h, mgh)));
+            store_from_float(dx, r0 + c, __fadd_rn(v, load_as_float(ds, r0 + c)));
+        }
+    }
+}
+
+// ---- RMSNorm (rms_norm, compile/norm_rewrite.py) -------------------------------------------
+// y = x * rstd [* weight], rstd = 1 / sqrt(mean(x^2) + eps); backward dx = rstd * (g - xhat *
+// mean(g * xhat)), g = dy [* weight], xhat = x * rstd, and dweight through the same per-block
+// partial sums and finalize as layer_norm's (no bias). Layouts, storages and determinism as
+// layer_norm's kernels.
+
+template <typename Y, int VEC, int K, typename X = float>
+__global__ void __launch_bounds__(LAYER_NORM_MAX_THREADS)
+rms_norm_forward_kernel(const X* x, const X* weight, Y* y, float* rstd_out, int rows, int C,
+                        float eps) {
+    __shared__ float smem[32];
+    const int groups = C / VEC;
+    float w[K][VEC];
+    load_columns<VEC, K>(weight, groups, w);
+    for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
+        const long long row = base + threadIdx.y;
+        const bool valid = row < rows;
+        const long long r0 = row * C;
+        float v[K][VEC];
+        float q = 0.f;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int g = threadIdx.x + k * blockDim.x;
+            if (valid && g < groups) {
+                loadv_as_float<VEC>(x, r0 + (long long)g * VEC, v[k]);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) q = __fmaf_rn(v[k][j], v[k][j], q);
+            }
+        }
+        const float rstd = inverse_std(__fdiv_rn(row_sum(q, smem), (float)C), eps);
+        if (!valid) continue;
+        if (threadIdx.x == 0) rstd_out[row] = rstd;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int g = threadIdx.x + k * blockDim.x;
+            if (g >= groups) continue;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                float t = __fmul_rn(v[k][j], rstd);
+                if (weight) t = __fmul_rn(t, w[k][j]);
+                v[k][j] = t;
+            }
+            storev_from_float<VEC>(y, r0 + (long long)g * VEC, v[k]);
+        }
+    }
+}
+
+template <typename DY, int VEC, int K, typename X = float>
+__global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
+rms_norm_backward_kernel(const DY* dy, const X* x, const X* weight, const float* rstd, X* dx,
+                         float* partial_w, int rows, int C) {
+    __shared__ float smem[32];
+    __shared__ __align__(16) float red[LAYER_NORM_BLOCK_ROWS_THREADS * K * VEC];
+    const int groups = C / VEC;
+    float acc_w[K][VEC];
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) acc_w[k][j] = 0.f;
+    for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
+        const long long row = base + threadIdx.y;
+        const bool valid = row < rows;
+        const long long r0 = row * C;
+        const float r = valid ? rstd[row] : 0.f;
+        float d[K][VEC], h[K][VEC];   // dy, then g; x, then xhat
+        float sgh = 0.f;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int g = threadIdx.x + k * blockDim.x;
+            if (!valid || g >= groups) continue;
+            loadv_as_float<VEC>(dy, r0 + (long long)g * VEC, d[k]);
+            loadv_as_float<VEC>(x, r0 + (long long)g * VEC, h[k]);
+        }
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int g = threadIdx.x + k * blockDim.x;
+            if (!valid || g >= groups) continue;
+            float w[VEC];
+            if (weight) loadv_as_float<VEC>(weight, (long long)g * VEC, w);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                h[k][j] = __fmul_rn(h[k][j], r);
+                acc_w[k][j] = __fmaf_rn(d[k][j], h[k][j], acc_w[k][j]);
+                if (weight) d[k][j] = __fmul_rn(d[k][j], w[j]);
+                sgh = __fmaf_rn(d[k][j], h[k][j], sgh);
+            }
+        }
+        const float mgh = __fdiv_rn(row_sum(sgh, smem), (float)C);
+        if (!valid) continue;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int g = threadIdx.x + k * blockDim.x;
+            if (g >= groups) continue;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j)
+                d[k][j] = __fmul_rn(r, __fsub_rn(d[k][j], __fmul_rn(h[k][j], mgh)));
+            storev_from_float<VEC>(dx, r0 + (long long)g * VEC, d[k]);
+        }
+    }
+    store_block_partial<VEC, K>(acc_w, partial_w, red, groups, C);
+}
+
+template <typename Y, typename X = float>
+__global__ void __launch_bounds__(1024)
+rms_norm_forward_loop_kernel(const X* x, const X* weight, Y* y, float* rstd_out, int rows,
+                             int C, float eps) {
+    __shared__ float smem[32];
+    for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
+        const long long row = base + threadIdx.y;
+        const int cols = row < rows ? C : 0;
+        const X* xr = x + row * C;
+        float q = 0.f;
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+            const float t = load_as_float(xr, c);
+            q = __fmaf_rn(t, t, q);
+        }
+        const float rstd = inverse_std(__fdiv_rn(row_sum(q, smem), (float)C), eps);
+        if (cols && threadIdx.x == 0) rstd_out[row] = rstd;
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+            float t = __fmul_rn(load_as_float(xr, c), rstd);
+            if (weight) t = __fmul_rn(t, load_as_float(weight, c));
+            store_from_float(y, row * C + c, t);
+        }
+    }
+}
+
+template <typename DY, typename X = float>
+__global__ void __launch_bounds__(1024)
+rms_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight, const float* rstd,
+                              X* dx, float* partial_w, int rows, int C) {
+    __shared__ float smem[32];
+    float* pw = partial_w ? partial_w + (long long)blockIdx.x * C : nullptr;
+    for (int c = threadIdx.x; c < C; c += blockDim.x)
+        if (pw) pw[c] = 0.f;
+    for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
+        const long long row = base + threadIdx.y;
+        const int cols = row < rows ? C : 0;
+        const long long r0 = row * C;
+        const float r = cols ? rstd[row] : 0.f;
+        float sgh = 0.f;
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+            const float h = __fmul_rn(load_as_float(x, r0 + c), r);
+            const float d = load_as_float(dy, r0 + c);
+            const float g = weight ? __fmul_rn(d, load_as_float(weight, c)) : d;
+            sgh = __fmaf_rn(g, h, sgh);
+            if (pw) pw[c] = __fmaf_rn(d, h, pw[c]);
+        }
+        const float mgh = __fdiv_rn(row_sum(sgh, smem), (float)C);
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+            const float h = __fmul_rn(load_as_float(x, r0 + c), r);
+            const float d = load_as_float(dy, r0 + c);
+            const float g = weight ? __fmul_rn(d, load_as_float(weight, c)) : d;
+            store_from_float(dx, r0 + c, __fmul_rn(r, __fsub_rn(g, __fmul_rn(h, mgh))));
+        }
+    }
+}

@@ -1,4 +1,5 @@
-"""Launchers of layer_norm.cu (layer_norm, layer_norm_grad) and their cuda op table.
+"""Launchers of layer_norm.cu (layer_norm, layer_norm_grad; add_layer_norm, rms_norm and their
+gradients, made by compile/norm_rewrite.py) and their cuda op table.
 
 x (any rank >= 1) is viewed as (rows, C), normalised over C. A row group of `threads` threads
 (a multiple of 32) handles a row, `rows_per_block` rows a block; each thread keeps K groups of
@@ -40,7 +41,10 @@ from .runtime.launch import (ELEMENT_CTYPES, _aligned, _check, _check_int32, _el
 
 SOURCE = "layer_norm.cu"
 # bf16 y (forward) or dy (backward) where compile/fuse.py fuse_layer_norm_casts dropped a cast
-BF16_OPS = frozenset({"layer_norm", "layer_norm_grad"})
+BF16_OPS = frozenset({"layer_norm", "layer_norm_grad", "add_layer_norm", "add_layer_norm_grad",
+                      "rms_norm", "rms_norm_grad"})
+# The kernel name prefixes of layer_norm.cu, each with the same templates and layouts.
+KERNEL_OPS = ("layer_norm", "add_layer_norm", "rms_norm")
 FP16_OPS = BF16_OPS
 # (x, y) C types of the forward (x, dx) and (dy) of the backward alike: float32 x with a
 # float32, bf16 or float16 y (a fused cast); a float16 x with float16 everywhere.
@@ -64,14 +68,16 @@ class Layout:
     threads: int
     rows_per_block: int
 
-    def kernel(self, direction: str, ctype: str = "float", xtype: str = "float") -> str:
-        """The forward's or backward's kernel for a y (forward) or dy (backward) of C type
-        ctype: float, or unsigned short for bf16 bits (fuse_layer_norm_casts); and x (weight,
-        bias, dx) of C type xtype: float, or fp16_bits (a float16 model)."""
+    def kernel(self, direction: str, ctype: str = "float", xtype: str = "float",
+               op: str = "layer_norm") -> str:
+        """The forward's or backward's kernel of `op` (layer_norm, add_layer_norm, rms_norm)
+        for a y (forward) or dy (backward) of C type ctype: float, or unsigned short for bf16
+        bits (fuse_layer_norm_casts); and x (weight, bias, dx) of C type xtype: float, or
+        fp16_bits (a float16 model)."""
         x = "" if xtype == "float" else f", {xtype}"     # the template's default: float
         if self.k == 0:
-            return f"layer_norm_{direction}_loop_kernel<{ctype}{x}>"
-        return f"layer_norm_{direction}_kernel<{ctype}, {self.vec}, {self.k}{x}>"
+            return f"{op}_{direction}_loop_kernel<{ctype}{x}>"
+        return f"{op}_{direction}_kernel<{ctype}, {self.vec}, {self.k}{x}>"
 
     @property
     def block(self) -> tuple[int, int]:
@@ -99,8 +105,8 @@ def kernel_names() -> dict[str, set[str]]:
     layouts = [Layout(1, 0, LOOP_THREADS, 1)] + [Layout(vec, k, 32, 1)
                                                  for vec, ks in KS.items() for k in ks]
     for lay in layouts:
-        names |= {lay.kernel(d, ctype, xtype) for d in ("forward", "backward")
-                  for xtype, ctype in IO_CTYPES}
+        names |= {lay.kernel(d, ctype, xtype, op) for d in ("forward", "backward")
+                  for xtype, ctype in IO_CTYPES for op in KERNEL_OPS}
     return {SOURCE: names}
 
 
@@ -228,7 +234,180 @@ def _backward_impl(node: Node, ins, outs, ctx) -> None:
     layer_norm_backward(ctx, node, dy, x, weight, mean, rstd, outs[0], dweight, dbias)
 
 
+# ---- add_layer_norm and rms_norm: the same layouts, storages and partial-sum tables -------
+
+def _norm_input(what: str, x, c: int, weight, bias=None) -> str:
+    """xtype of a normalisation's x, after checking its weight and bias against it."""
+    xtype = _x_ctype(what, x)
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None:
+            _check(f"{what} {name}", t, x.dtype, shape=(c,))
+    return xtype
+
+
+def add_layer_norm_forward(ctx, a, b, weight, bias, y, s, mean, rstd, eps: float) -> None:
+    """s = a + b rounded to a's storage; y = layer_norm(s) as layer_norm_forward's; a, b, s,
+    weight and bias all float32 (y float32, bf16 or float16) or all float16 with y."""
+    rows, c = _rows("add_layer_norm a", a, dtype=None)
+    xtype = _norm_input("add_layer_norm", a, c, weight, bias)
+    for name, t in (("b", b), ("s", s)):
+        _check(f"add_layer_norm {name}", t, a.dtype, shape=a.shape)
+    _check("add_layer_norm output", y, dtype=None if xtype == "float" else a.dtype,
+           shape=a.shape)
+    ctype = _element_ctype("add_layer_norm output", y)
+    _check_stats("add_layer_norm", rows, mean, rstd)
+    if not rows:
+        return
+    lay = row_layout(c, [t for t in (a, b, s, y, weight, bias) if t is not None])
+    _launch(ctx, SOURCE, lay.kernel("forward", ctype, xtype, "add_layer_norm"),
+            _row_grid(rows, lay.rows_per_block), lay.block,
+            (a, b, _or_null(weight), _or_null(bias), y, s, mean, rstd, np.int32(rows),
+             np.int32(c), np.float32(eps)))
+
+
+def _grad_tables(ctx, node: Node, name: str, lay: Layout, rows: int, c: int, dweight, dbias):
+    """(blocks, partial_w, partial_b) of a backward kernel `name`: its grid and the node's
+    partial-sum tables (None where that gradient is not wanted)."""
+    blocks = grad_blocks(rows, c, lay, resident_blocks(name, lay.threads * lay.rows_per_block))
+    if dweight is None and dbias is None:
+        return blocks, None, None
+    key = (node.op, blocks, c, dweight is not None, dbias is not None)
+    tables = _node_memory(node, key, ctx, lambda: dict(
+        w=cp.empty(blocks * c, np.float32) if dweight is not None else None,
+        b=cp.empty(blocks * c, np.float32) if dbias is not None else None))
+    return blocks, tables["w"], tables["b"]
+
+
+def _finalize(ctx, xtype: str, blocks: int, c: int, partial_w, partial_b, dweight,
+              dbias) -> None:
+    tables = (partial_w is not None) + (partial_b is not None)
+    if tables:
+        _launch(ctx, SOURCE, _typed("layer_norm_grad_finalize_kernel", xtype),
+                (-(-c // 32), tables), (32, FINALIZE_LANES),
+                (_or_null(partial_w), _or_null(partial_b), _or_null(dweight), _or_null(dbias),
+                 np.int32(blocks), np.int32(c)))
+
+
+def _check_grad(what: str, dy, x, dx) -> tuple[int, int, str, str]:
+    """(rows, c, ctype, xtype) of a backward's dy, x and dx."""
+    rows, c = _rows(f"{what} dy", dy, dtype=None)
+    ctype = _element_ctype(f"{what} dy", dy)
+    _check(f"{what} x", x, dtype=None, shape=dy.shape)
+    xtype = _x_ctype(f"{what} x", x)
+    if xtype != "float":
+        _check(f"{what} dy", dy, x.dtype)
+    _check(f"{what} dx", dx, x.dtype, shape=dy.shape)
+    return rows, c, ctype, xtype
+
+
+def _zero_grads(ctx, *grads) -> None:
+    for t in grads:
+        if t is not None:
+            fill_forward(ctx, t, 0.0)
+
+
+def add_layer_norm_backward(ctx, node: Node, dy, x, weight, mean, rstd, ds, dx, dweight=None,
+                            dbias=None) -> None:
+    """dx = layer_norm_backward's dx + ds (x is the forward's s); dweight, dbias as
+    layer_norm_backward's."""
+    what = "add_layer_norm_grad"
+    rows, c, ctype, xtype = _check_grad(what, dy, x, dx)
+    _check(f"{what} ds", ds, x.dtype, shape=x.shape)
+    _check_stats(what, rows, mean, rstd)
+    _norm_input(what, x, c, weight)
+    for name, t in (("dweight", dweight), ("dbias", dbias)):
+        if t is not None:
+            _check(f"{what} {name}", t, x.dtype, shape=(c,))
+    if not rows:
+        _zero_grads(ctx, dweight, dbias)
+        return
+    lay = row_layout(c, [t for t in (dy, x, ds, dx, weight) if t is not None])
+    name = lay.kernel("backward", ctype, xtype, "add_layer_norm")
+    blocks, partial_w, partial_b = _grad_tables(ctx, node, name, lay, rows, c, dweight, dbias)
+    _launch(ctx, SOURCE, name, (blocks,), lay.block,
+            (dy, x, _or_null(weight), mean, rstd, ds, dx, _or_null(partial_w),
+             _or_null(partial_b), np.int32(rows), np.int32(c)))
+    _finalize(ctx, xtype, blocks, c, partial_w, partial_b, dweight, dbias)
+
+
+def rms_norm_forward(ctx, x, weight, y, rstd, eps: float) -> None:
+    """y = x * rstd [* weight], rstd = 1 / sqrt(mean(x^2) + eps) (rows,) float32; x and
+    weight float32 (y float32, bf16 or float16) or all float16 with y."""
+    rows, c = _rows("rms_norm input", x, dtype=None)
+    xtype = _norm_input("rms_norm", x, c, weight)
+    _check("rms_norm output", y, dtype=None if xtype == "float" else x.dtype, shape=x.shape)
+    ctype = _element_ctype("rms_norm output", y)
+    _check("rms_norm rstd", rstd)
+    if rstd.size != rows:
+        raise ShapeError(f"rms_norm rstd: expected {rows} values (one a row), got shape "
+                         f"{tuple(rstd.shape)}")
+    if not rows:
+        return
+    lay = row_layout(c, [t for t in (x, y, weight) if t is not None])
+    _launch(ctx, SOURCE, lay.kernel("forward", ctype, xtype, "rms_norm"),
+            _row_grid(rows, lay.rows_per_block), lay.block,
+            (x, _or_null(weight), y, rstd, np.int32(rows), np.int32(c), np.float32(eps)))
+
+
+def rms_norm_backward(ctx, node: Node, dy, x, weight, rstd, dx, dweight=None) -> None:
+    """dx = rstd * (g - xhat * mean(g * xhat)), g = dy [* weight], xhat = x * rstd; dweight =
+    sum over rows of dy * xhat (optional)."""
+    what = "rms_norm_grad"
+    rows, c, ctype, xtype = _check_grad(what, dy, x, dx)
+    _check(f"{what} rstd", rstd)
+    if rstd.size != rows:
+        raise ShapeError(f"{what} rstd: expected {rows} values (one a row), got shape "
+                         f"{tuple(rstd.shape)}")
+    _norm_input(what, x, c, weight)
+    if dweight is not None:
+        _check(f"{what} dweight", dweight, x.dtype, shape=(c,))
+    if not rows:
+        _zero_grads(ctx, dweight)
+        return
+    lay = row_layout(c, [t for t in (dy, x, dx, weight) if t is not None])
+    name = lay.kernel("backward", ctype, xtype, "rms_norm")
+    blocks, partial_w, _ = _grad_tables(ctx, node, name, lay, rows, c, dweight, None)
+    _launch(ctx, SOURCE, name, (blocks,), lay.block,
+            (dy, x, _or_null(weight), rstd, dx, _or_null(partial_w), np.int32(rows),
+             np.int32(c)))
+    _finalize(ctx, xtype, blocks, c, partial_w, None, dweight, None)
+
+
+def _add_forward_impl(node: Node, ins, outs, ctx) -> None:
+    a = node.attrs
+    rest = list(ins[2:])
+    weight = rest.pop(0) if a.get("weight") else None
+    bias = rest.pop(0) if a.get("bias") else None
+    add_layer_norm_forward(ctx, ins[0], ins[1], weight, bias, outs[0], outs[3], outs[1],
+                           outs[2], a.get("eps", 1e-5))
+
+
+def _add_backward_impl(node: Node, ins, outs, ctx) -> None:
+    a = node.attrs
+    weight = ins[2] if a.get("weight") else None
+    rest = list(outs[1:])
+    dweight = rest.pop(0) if a.get("weight") else None
+    dbias = rest.pop(0) if a.get("bias") else None
+    add_layer_norm_backward(ctx, node, ins[0], ins[1], weight, ins[-3], ins[-2], ins[-1],
+                            outs[0], dweight, dbias)
+
+
+def _rms_forward_impl(node: Node, ins, outs, ctx) -> None:
+    weight = ins[1] if node.attrs.get("weight") else None
+    rms_norm_forward(ctx, ins[0], weight, outs[0], outs[1], node.attrs["eps"])
+
+
+def _rms_backward_impl(node: Node, ins, outs, ctx) -> None:
+    weight = ins[2] if node.attrs.get("weight") else None
+    dweight = outs[1] if node.attrs.get("weight") else None
+    rms_norm_backward(ctx, node, ins[0], ins[1], weight, ins[-1], outs[0], dweight)
+
+
 IMPLS: dict[str, Callable] = {
     "layer_norm": _forward_impl,
     "layer_norm_grad": _backward_impl,
+    "add_layer_norm": _add_forward_impl,
+    "add_layer_norm_grad": _add_backward_impl,
+    "rms_norm": _rms_forward_impl,
+    "rms_norm_grad": _rms_backward_impl,
 }

@@ -1,0 +1,265 @@
+"""Normalisations written out in a model file become one op each, on the traced forward after
+autocast and before autodiff, so their backward is the fused op's own VJP.
+
+rewrite_add_layer_norm: a pre-norm transformer block (nanoGPT, minGPT, ViT) runs
+    x = x + attn(ln_1(x)); x = x + mlp(ln_2(x))
+so every residual sum s = a + b is read by the next block's LayerNorm and by the next residual
+add. add(a, b) -> s; layer_norm(s, [w], [b]) -> y  becomes  add_layer_norm(a, b, [w], [b]) ->
+(y, mean, rstd, s) (ops/layer_norm.py): one pass that reads a and b, writes s and y, and never
+reads s back. On the backward side autodiff then hands the fused op's VJP both gradients, dy
+(through the block) and ds (what the next residual add passes back unchanged), and it emits one
+add_layer_norm_grad that adds ds to the LayerNorm's dx as it stores it: the `add` node that
+joins the two paths at the residual is gone with it. Matched: an add of two values of one
+shape and float dtype (no broadcasting) whose sum a layer_norm reads as its x (any other
+readers of s keep reading it); the LayerNorm's weight and bias written before the add. Left
+alone: an add of an elementwise node's output that only the add reads (residual dropout),
+which compile/pointwise.py fuses into the add instead. STEPGRAPH_ADD_LAYER_NORM_REWRITE=0 turns
+it off.
+
+rewrite_rms_norm: a hand-written RMSNorm (LLaMA's, and F.rms_norm over the last dim, which
+composes the same ops)
+    x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+becomes rms_norm(x, [weight]) -> (y, rstd) (ops/rms_norm.py). Matched, each intermediate read
+only by the next step of the chain and no step output: the square of x (x.pow(2), x ** 2,
+x * x, x.square()); its sum over the last axis, divided by C (mean; keepdim or unsqueezed back,
+in either order); plus a positive constant eps; rsqrt, or 1 / sqrt, or x / sqrt(...); times x
+itself; then, optionally, times a (C,) weight of x's dtype, on either side. Left alone: a mean
+over another axis, no eps, a scale applied to x before the product (x * w * rsqrt(mean(x^2) +
+eps) multiplies x * w, not x), and everything else. STEPGRAPH_RMS_NORM_REWRITE=0 turns it off.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..ir.graph import FLOAT_DTYPES, Graph, Node, Value
+from ..ir.ops import infer_outputs
+from .pointwise import _eligible
+from .rewrite import _join
+
+ADD_LAYER_NORM_SWITCH = "STEPGRAPH_ADD_LAYER_NORM_REWRITE"
+RMS_NORM_SWITCH = "STEPGRAPH_RMS_NORM_REWRITE"
+
+
+def enabled(switch: str) -> bool:
+    """Whether the pass of environment variable `switch` runs (read when a step is compiled;
+    "0" turns it off, to compare a step with and without it)."""
+    return os.environ.get(switch, "1") != "0"
+
+
+def _is_add(node: Node | None) -> bool:
+    return node is not None and len(node.inputs) == 2 and (
+        node.op == "add" or (node.op == "binary" and node.attrs.get("kind") == "add"))
+
+
+def _replaced(graph: Graph, replace: dict[Node, Node], drop: set[Node]) -> Graph:
+    nodes = [replace.get(n, n) for n in graph.nodes if n not in drop]
+    return Graph(nodes, graph.inputs, graph.params, graph.state, dict(graph.outputs))
+
+
+def _pointwise_operand(add: Node, producers, users) -> bool:
+    """Whether an operand of `add` comes from an elementwise node that only the add reads
+    (residual dropout: x + dropout(proj(h))): compile/pointwise.py then makes one kernel of
+    the two, which writes s in one pass, and fusing the add into the LayerNorm instead would
+    leave the elementwise node its own pass over memory."""
+    for v in add.inputs:
+        p = producers.get(v)
+        if p is not None and users.get(v) == [add] and _eligible(p) and \
+                not _linear_activation(p, producers):
+            return True
+    return False
+
+
+def _linear_activation(node: Node, producers) -> bool:
+    """An act on a linear's output (through its view): compile/fuse.py fuse_linear_activation
+    takes it into the GEMM's epilogue, so it is no elementwise pass of its own."""
+    if node.op != "act":
+        return False
+    p = producers.get(node.inputs[0])
+    if p is not None and p.op == "reshape":
+        p = producers.get(p.inputs[0])
+    return p is not None and p.op == "linear"
+
+
+def rewrite_add_layer_norm(graph: Graph) -> Graph:
+    """`graph` with each add whose sum a layer_norm reads as add_layer_norm (module
+    docstring); the graph given is not changed."""
+    if not enabled(ADD_LAYER_NORM_SWITCH):
+        return graph
+    producers, users = graph.producers(), graph.consumers()
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    replace: dict[Node, Node] = {}
+    drop: set[Node] = set()
+    for ln in graph.nodes:
+        if ln.op != "layer_norm":
+            continue
+        s = ln.inputs[0]
+        add = producers.get(s)
+        if not _is_add(add) or add in replace or s.dtype not in FLOAT_DTYPES or \
+                any(v.shape != s.shape or v.dtype != s.dtype for v in add.inputs) or \
+                s in ln.inputs[1:] or _pointwise_operand(add, producers, users):
+            continue
+        # The fused node runs where the add ran: the LayerNorm's parameters must exist there.
+        if any(v in producers and position[producers[v]] > position[add]
+               for v in ln.inputs[1:]):
+            continue
+        y, mean, rstd = ln.outputs
+        ins = [*add.inputs, *ln.inputs[1:]]
+        attrs = dict(ln.attrs)
+        specs = infer_outputs("add_layer_norm", ins, attrs)
+        if specs != [(v.shape, v.dtype) for v in (y, mean, rstd, s)]:
+            raise AssertionError(f"add_layer_norm rewrite: the op gives {specs}, the graph "
+                                 f"{[(v.shape, v.dtype) for v in (y, mean, rstd, s)]}")
+        replace[add] = Node("add_layer_norm", ins, [y, mean, rstd, s], attrs, (),
+                            _join(add.label, ln.label))
+        drop.add(ln)
+    return _replaced(graph, replace, drop) if replace else graph
+
+
+@dataclass
+class _Rms:
+    """One matched RMSNorm chain: x, eps, the (C,) weight or None, the chain's nodes (the last
+    writes y)."""
+    x: Value
+    eps: float
+    weight: Value | None
+    nodes: list[Node]
+
+
+class _RmsMatcher:
+    def __init__(self, graph: Graph, kept: set[Value]):
+        self.producers, self.users = graph.producers(), graph.consumers()
+        self.kept = set(graph.outputs.values()) | kept
+
+    def next(self, node: Node) -> Node | None:
+        """The only reader of node's (only) output, when that output is no step output."""
+        v = node.outputs[0]
+        readers = self.users.get(v, [])
+        if len(node.outputs) != 1 or v in self.kept or len(readers) != 1:
+            return None
+        return readers[0]
+
+    def square_of(self, node: Node | None) -> Value | None:
+        """x when node computes x^2: scalar pow 2, or x * x."""
+        if node is None:
+            return None
+        if node.op == "scalar" and node.attrs.get("kind") == "pow" and \
+                float(node.attrs["value"]) == 2.0:
+            return node.inputs[0]
+        if node.op == "binary" and node.attrs.get("kind") == "mul" and \
+                node.inputs[0] is node.inputs[1]:
+            return node.inputs[0]
+        return None
+
+    def mean(self, total: Node, x: Value, nodes: list[Node]) -> Node | None:
+        """From the last-axis reduce_sum `total`: the division by C and the reshape to
+        (..., 1) in either order; the node after them (appended to nodes), else None."""
+        c, keep = x.shape[-1], x.shape[:-1] + (1,)
+        divided = reshaped = False
+        n = self.next(total)
+        while n is not None and not (divided and reshaped):
+            kind, value = n.attrs.get("kind"), n.attrs.get("value")
+            if n.op == "scalar" and not divided and (
+                    (kind == "div" and float(value) == c) or
+                    (kind == "mul" and float(value) == 1.0 / c)):
+                divided = True
+            elif n.op == "reshape" and not reshaped and n.outputs[0].shape == keep:
+                reshaped = True
+            else:
+                return None
+            nodes.append(n)
+            n = self.next(n)
+        return n
+
+    def product(self, n: Node | None, x: Value, nodes: list[Node]) -> Node | None:
+        """From the node reading mean + eps: rsqrt then x * it, sqrt then 1 / it then x * it,
+        or sqrt then x / it; the product node (appended to nodes), else None."""
+        if n is None or n.op != "unary":
+            return None
+        nodes.append(n)
+        kind = n.attrs.get("kind")
+        if kind == "sqrt":
+            m = self.next(n)
+            if m is not None and m.op == "binary" and m.attrs.get("kind") == "div" and \
+                    m.inputs[0] is x and m.inputs[1] is n.outputs[0]:
+                nodes.append(m)
+                return m
+            if m is None or m.op != "scalar" or m.attrs.get("kind") != "rdiv" or \
+                    float(m.attrs["value"]) != 1.0:
+                return None
+            nodes.append(m)
+            n = m
+        elif kind != "rsqrt":
+            return None
+        m = self.next(n)
+        if m is None or m.op != "binary" or m.attrs.get("kind") != "mul" or \
+                {id(v) for v in m.inputs} != {id(x), id(n.outputs[0])}:
+            return None
+        nodes.append(m)
+        return m
+
+    def weight(self, prod: Node, x: Value) -> tuple[Value | None, Node | None]:
+        """The (C,) weight the normalised value is multiplied by next, and that node."""
+        m = self.next(prod)
+        if m is None or m.op != "binary" or m.attrs.get("kind") != "mul":
+            return None, None
+        y = prod.outputs[0]
+        w = m.inputs[1] if m.inputs[0] is y else m.inputs[0]
+        if w is y or w.shape != (x.shape[-1],) or w.dtype != x.dtype or \
+                m.outputs[0].shape != x.shape:
+            return None, None
+        return w, m
+
+    def chain(self, total: Node) -> _Rms | None:
+        """The RMSNorm around reduce_sum node `total`, or None (module docstring)."""
+        square = self.producers.get(total.inputs[0])
+        x = self.square_of(square)
+        if x is None or x.dtype not in FLOAT_DTYPES or not x.shape or \
+                tuple(total.attrs["axes"]) != (len(x.shape) - 1,) or \
+                self.next(square) is not total:
+            return None
+        nodes = [square, total]
+        plus = self.mean(total, x, nodes)
+        if plus is None or plus.op != "scalar" or plus.attrs.get("kind") != "add" or \
+                not float(plus.attrs["value"]) > 0.0:
+            return None
+        nodes.append(plus)
+        prod = self.product(self.next(plus), x, nodes)
+        if prod is None or prod.outputs[0].shape != x.shape:
+            return None
+        w, scale = self.weight(prod, x)
+        if scale is not None:
+            nodes.append(scale)
+        if any(v.dtype != x.dtype for n in nodes for v in n.outputs):
+            return None
+        return _Rms(x, float(plus.attrs["value"]), w, nodes)
+
+
+def rewrite_rms_norm(graph: Graph, kept: tuple[Value, ...] = ()) -> Graph:
+    """`graph` with each hand-written RMSNorm over the last axis as one rms_norm node (module
+    docstring); kept: values the caller still reads beyond graph.outputs (the loss). The
+    graph given is not changed."""
+    if not enabled(RMS_NORM_SWITCH) or not any(n.op == "reduce_sum" for n in graph.nodes):
+        return graph
+    matcher = _RmsMatcher(graph, set(kept))
+    replace: dict[Node, Node] = {}
+    drop: set[Node] = set()
+    for total in graph.nodes:
+        if total.op != "reduce_sum":
+            continue
+        found = matcher.chain(total)
+        if found is None or drop & set(found.nodes):
+            continue
+        last = found.nodes[-1]
+        ins = [found.x] + ([found.weight] if found.weight is not None else [])
+        attrs = {"eps": found.eps, "weight": found.weight is not None}
+        (_, _), (rows, stats) = infer_outputs("rms_norm", ins, attrs)
+        replace[last] = Node("rms_norm", ins, [last.outputs[0], Value(rows, stats)], attrs, (),
+                             _join(*(n.label for n in found.nodes)))
+        drop.update(found.nodes[:-1])
+    return _replaced(graph, replace, drop) if replace else graph
+
+
+def rewrite_norms(graph: Graph, kept: tuple[Value, ...] = ()) -> Graph:
+    """Both rewrites: hand-written RMSNorms first, then residual adds into their LayerNorm."""
+    return rewrite_add_layer_norm(rewrite_rms_norm(graph, kept))

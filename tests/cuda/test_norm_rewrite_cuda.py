@@ -1,0 +1,184 @@
+"""The kernels of the ops compile/norm_rewrite.py makes (layer_norm.cu: add_layer_norm and its
+gradient, rms_norm and its gradient) against the numpy backend on fresh random inputs with
+poisoned outputs: float32, a bf16 or float16 y / dy beside float32 x (the casts
+fuse_layer_norm_casts drops), and float16 everywhere (a model.half()); row widths that take
+the float4-register kernels, the one-float kernels and the loop kernels. Then whole steps of
+a pre-norm net with both rewrites on CUDA (eager and graph) against the same steps on the
+CPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.cuda
+
+cp = pytest.importorskip("cupy")
+
+from stepgraph.backends import cuda_available  # noqa: E402
+
+if not cuda_available():
+    pytest.skip("no GPU visible to CuPy", allow_module_level=True)
+
+import stepgraph as sg  # noqa: E402
+from stepgraph import optim  # noqa: E402
+from stepgraph.backends.cuda import layer_norm  # noqa: E402
+from stepgraph.backends.numpy import bf16  # noqa: E402
+from stepgraph.ir.graph import Value, storage_dtype  # noqa: E402
+from stepgraph.ir.ops import IMPLS as NUMPY_IMPLS  # noqa: E402
+from tests.cuda.helpers import make_node  # noqa: E402
+from tests.ops.helpers import seeded  # noqa: E402
+from tests.unit.test_norm_rewrite import C as NET_C  # noqa: E402
+from tests.unit.test_norm_rewrite import ROWS as NET_ROWS  # noqa: E402
+from tests.unit.test_norm_rewrite import op_counts, pre_norm_net  # noqa: E402
+
+WIDTHS = [384, 33, 9000]          # float4 registers; one float a thread; the loop kernels
+ROWS = 37
+
+
+def _rand(rng, shape, dtype):
+    return (rng.standard_normal(shape) * 1.5 + 0.3).astype(dtype)
+
+
+def _wide(a: np.ndarray) -> np.ndarray:
+    return bf16.from_bits(a) if a.dtype == np.uint16 else a.astype(np.float32)
+
+
+# What outputs hold before a run (NaN of each storage), so an unwritten element shows.
+POISON = {"float32": np.float32(np.nan), "float16": np.float16(np.nan),
+          "bfloat16": np.uint16(0x7FC1)}
+
+
+def _poisoned(node) -> list[np.ndarray]:
+    return [np.full(v.shape, POISON[v.dtype], storage_dtype(v.dtype)) for v in node.outputs]
+
+
+def reference(node, arrays) -> list[np.ndarray]:
+    """The numpy backend's outputs of one node: bf16 inputs widened, bf16 outputs computed
+    in float32 scratch and rounded once (backends/numpy/backend.py), in their storage."""
+    ins = [bf16.from_bits(a) if v.dtype == "bfloat16" else a.copy()
+           for v, a in zip(node.inputs, arrays)]
+    outs = [np.full(v.shape, np.nan, np.float32) if v.dtype == "bfloat16" else o
+            for v, o in zip(node.outputs, _poisoned(node))]
+    NUMPY_IMPLS[node.op](node, ins, outs, None)
+    return [bf16.to_bits(o) if v.dtype == "bfloat16" else o
+            for v, o in zip(node.outputs, outs)]
+
+
+def run_cuda(ctx, node, arrays, impls) -> list[np.ndarray]:
+    with ctx.stream:
+        dev_in = [cp.asarray(a) for a in arrays]
+        dev_out = [cp.asarray(o) for o in _poisoned(node)]
+    impls[node.op](node, dev_in, dev_out, ctx)
+    ctx.stream.synchronize()
+    return [cp.asnumpy(o) for o in dev_out]
+
+
+def _retyped(v: Value, dtype: str) -> Value:
+    return Value(v.shape, dtype)
+
+
+def _compare(got: list, want: list, bound: float, what: str):
+    for i, (g, w) in enumerate(zip(got, want)):
+        g, w = _wide(g).astype(np.float64), _wide(w).astype(np.float64)
+        assert np.isfinite(g).all(), f"{what} output {i}: an element not written"
+        scale = max(1.0, float(np.abs(w).max()))
+        err = float(np.abs(g - w).max())
+        assert err <= bound * scale, f"{what} output {i}: max error {err:.3g}"
+
+
+# float32 kernels do float32 arithmetic against the float64 reference: a few float32
+# roundings a term over sums of C terms; 16-bit storage: one rounding of the stored value.
+BOUNDS = {"float32": 2e-5, "bfloat16": 1e-2, "float16": 2e-3}
+
+
+@pytest.mark.parametrize("c", WIDTHS)
+@pytest.mark.parametrize("x_dtype,y_dtype", [("float32", "float32"), ("float32", "bfloat16"),
+                                             ("float32", "float16"), ("float16", "float16")])
+@pytest.mark.parametrize("affine", [(True, True), (True, False), (False, False)])
+def test_add_layer_norm_forward_and_backward_match_numpy(ctx, c, x_dtype, y_dtype, affine):
+    weight, bias = affine
+    rng = seeded(f"add_layer_norm {c} {x_dtype} {y_dtype} {affine}")
+    a, b, ds = (_rand(rng, (ROWS, c), x_dtype) for _ in range(3))
+    params = [_rand(rng, (c,), x_dtype) for _ in range(weight + bias)]
+    attrs = {"eps": 1e-5, "weight": weight, "bias": bias}
+    node = make_node("add_layer_norm", [a, b, *params], **attrs)
+    if y_dtype != x_dtype:         # the y a fused cast leaves in bf16 / float16
+        node.outputs[0] = _retyped(node.outputs[0], y_dtype)
+    want = reference(node, [a, b, *params])
+    got = run_cuda(ctx, node, [a, b, *params], layer_norm.IMPLS)
+    _compare(got, want, BOUNDS[y_dtype if y_dtype != "float32" else x_dtype],
+             "add_layer_norm")
+    # s is the add's own rounding of a + b, bit for bit
+    np.testing.assert_array_equal(got[3], (a.astype(np.float32) + b).astype(x_dtype))
+
+    dy = _rand(rng, (ROWS, c), "float32")
+    dy = bf16.to_bits(dy) if y_dtype == "bfloat16" else dy.astype(y_dtype)
+    s, mean, rstd = want[3], want[1], want[2]
+    grad_ins = [dy, s, *params[:weight], mean, rstd, ds]
+    grad = make_node("add_layer_norm_grad", [_wide(dy).astype(x_dtype), s, *params[:weight],
+                                             mean, rstd, ds], weight=weight, bias=bias)
+    grad.inputs[0] = _retyped(grad.inputs[0], y_dtype)
+    want = reference(grad, grad_ins)
+    got = run_cuda(ctx, grad, grad_ins, layer_norm.IMPLS)
+    _compare(got, want, 5 * BOUNDS[x_dtype], "add_layer_norm_grad")
+
+
+@pytest.mark.parametrize("c", WIDTHS)
+@pytest.mark.parametrize("x_dtype,y_dtype", [("float32", "float32"), ("float32", "bfloat16"),
+                                             ("float16", "float16")])
+@pytest.mark.parametrize("weight", [True, False])
+def test_rms_norm_forward_and_backward_match_numpy(ctx, c, x_dtype, y_dtype, weight):
+    rng = seeded(f"rms_norm {c} {x_dtype} {y_dtype} {weight}")
+    x = _rand(rng, (ROWS, c), x_dtype)
+    params = [_rand(rng, (c,), x_dtype)] if weight else []
+    node = make_node("rms_norm", [x, *params], eps=1e-6, weight=weight)
+    if y_dtype != x_dtype:
+        node.outputs[0] = _retyped(node.outputs[0], y_dtype)
+    want = reference(node, [x, *params])
+    got = run_cuda(ctx, node, [x, *params], layer_norm.IMPLS)
+    _compare(got, want, BOUNDS[y_dtype if y_dtype != "float32" else x_dtype], "rms_norm")
+
+    dy = _rand(rng, (ROWS, c), "float32")
+    dy = bf16.to_bits(dy) if y_dtype == "bfloat16" else dy.astype(y_dtype)
+    grad_ins = [dy, x, *params, want[1]]
+    grad = make_node("rms_norm_grad", [_wide(dy).astype(x_dtype), x, *params, want[1]],
+                     weight=weight)
+    grad.inputs[0] = _retyped(grad.inputs[0], y_dtype)
+    want = reference(grad, grad_ins)
+    got = run_cuda(ctx, grad, grad_ins, layer_norm.IMPLS)
+    _compare(got, want, 5 * BOUNDS[x_dtype], "rms_norm_grad")
+
+
+def test_norm_kernels_handle_zero_rows(ctx):
+    """No rows: nothing launched but dweight / dbias written as zeros."""
+    x = np.zeros((0, 8), np.float32)
+    w = np.ones(8, np.float32)
+    grad = make_node("rms_norm_grad", [x, x, w, np.zeros(0, np.float32)], weight=True)
+    got = run_cuda(ctx, grad, [x, x, w, np.zeros(0, np.float32)], layer_norm.IMPLS)
+    np.testing.assert_array_equal(got[1], np.zeros(8, np.float32))
+
+
+@pytest.mark.parametrize("rms", [None, "rsqrt_pow"])
+@pytest.mark.parametrize("graph", [False, True])
+def test_pre_norm_steps_on_cuda_match_the_cpu(rms, graph):
+    """Six steps of the pre-norm net (residual sums into LayerNorms, or hand-written RMSNorms)
+    on CUDA, eager and replayed as a graph, against the same steps on the CPU, fresh data
+    each step; the plans hold the fused ops."""
+    rng = seeded(f"pre-norm cuda {rms} {graph}")
+    data = [(rng.standard_normal((NET_ROWS, NET_C)).astype(np.float32),
+             rng.integers(0, 5, NET_ROWS).astype(np.int64)) for _ in range(6)]
+    losses, states = {}, {}
+    start = pre_norm_net(sg, rms=rms)().state_dict()
+    for device in ("cpu", "cuda"):
+        model = pre_norm_net(sg, rms=rms)()
+        model.load_state_dict(start)
+        step = sg.compile_train_step(model, sg.nn.functional.cross_entropy, optim.SGD(lr=0.05),
+                                     example_inputs=data[0], device=device,
+                                     graph=graph if device == "cuda" else None)
+        counts = op_counts(step)
+        assert counts.get("rms_norm" if rms else "add_layer_norm", 0) == 4
+        losses[device] = [float(step(*b)) for b in data]
+        states[device] = {k: np.asarray(v) for k, v in model.state_dict().items()}
+    np.testing.assert_allclose(losses["cuda"], losses["cpu"], rtol=1e-4, atol=1e-5)
+    for k, v in states["cpu"].items():
+        np.testing.assert_allclose(states["cuda"][k], v, rtol=1e-4, atol=1e-5, err_msg=k)
