@@ -79,7 +79,7 @@ class FakeGraph:
         self.log.append(("build",))
 
 
-FAKE = SimpleNamespace(data_type=SimpleNamespace(FLOAT="f32", BFLOAT16="bf16"),
+FAKE = SimpleNamespace(data_type=SimpleNamespace(FLOAT="f32", BFLOAT16="bf16", HALF="f16"),
                        pygraph=FakeGraph)
 
 
