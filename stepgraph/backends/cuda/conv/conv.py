@@ -36,7 +36,8 @@ earlier one: `_with_cudnn`) the cuDNN plans are not all built: only the chosen o
 for an own path; building every plan of every problem was most of a warm process's first
 step. What a node's first launch will build is started when the plan gets its buffers
 (`start_plans`, from CudaBackend.prepare) on the ahead lane (runtime/ahead.py), beside the
-NVRTC compiles: the launch then waits for its own builds alone. A capture with no timing yet takes a tiled path, else `use_direct`'s rule:
+NVRTC compiles: the launch then waits for its own builds alone. A capture with no timing
+yet takes a tiled path, else `use_direct`'s rule:
   direct  iff  it can run, N*O*Ho*Wo * C*kh*kw <= 2^26 multiply-adds (about 10 us of direct
                work; above it cuBLASLt's throughput pays for the im2col traffic)
           and, for grad_weight, N*Ho*Wo <= 2^18  (one block sums each weight's products)
@@ -472,8 +473,9 @@ def start_plans(offer_of, node, ins, outs, ctx) -> None:
     """Start building on the ahead lane the cuDNN plans this node's first launch will ask for
     (CudaBackend.prepare, once the plan has its buffers): _with_cudnn's decision on the same
     offer (every candidate's plans while the problem's choice is unknown, the chosen one's
-    alone, none for a chosen own path), without its effects on ctx.paths. The launch waits
-    for exactly these builds (conv_cudnn.plans_for), so what it chooses is unchanged."""
+    alone, none for a chosen own path), without its effects on ctx.paths. The launch asks
+    for its builds as it always did and finds these under way (conv_cudnn.plans_for): what
+    is started ahead changes how long it waits, never what it chooses."""
     if not conv_cudnn.available():
         return
     offer = offer_of(node, ins, outs, ctx)

@@ -41,8 +41,9 @@ class Job:
         if not self._taken.acquire(blocking=False):
             return                        # running or done elsewhere
         self.future.set_running_or_notify_cancel()
+        build, self.build = self.build, None    # what it holds (a context) is not kept
         try:
-            self.future.set_result(self.build())
+            self.future.set_result(build())
         except BaseException as err:      # kept for whoever asks for the result
             self.future.set_exception(err)
 
