@@ -54,6 +54,8 @@ def cuda_backend():
     cuda.builds_ahead = {}
     for family in backend._families():
         cuda.builds_ahead.update(getattr(family, "BUILDS_AHEAD", {}))
+    assert set(cuda.builds_ahead) == set(conv.IMPLS) | {"conv3d", "conv3d_grad_input",
+                                                         "conv3d_grad_weight"}
     return cuda
 
 
