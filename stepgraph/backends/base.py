@@ -69,9 +69,11 @@ class Backend(ABC):
         """Record `run()` once for replay (`.launch()`); only backends with graphs can."""
         raise NotImplementedError(f"backend {self.name!r} cannot capture a step")
 
-    def prepare(self, nodes: list[Node], precision: str = "fp32") -> None:
+    def prepare(self, nodes: list[Node], precision: str = "fp32", calls=(), ctx=None) -> None:
         """Called once per executable before its first run: a backend may build ahead what
-        the nodes' first launches would otherwise build one by one (CUDA: compile kernels)."""
+        the nodes' first launches would otherwise build one by one (CUDA: compile kernels,
+        build cuDNN plans). calls: (node, inputs, outputs) on the executable's buffers; ctx:
+        the context its runs will get."""
 
     def annotate(self, name: str):
         """A named range around device work (NVTX on CUDA), for profilers."""

@@ -70,7 +70,8 @@ class Executable:
         self.captured = None
         self.runs = 0
         self.replays: dict[int, StepsReplay] = {}   # by steps per launch
-        backend.prepare([n for n, _, _ in self.calls], getattr(ctx, "precision", "fp32"))
+        backend.prepare([n for n, _, _ in self.calls], getattr(ctx, "precision", "fp32"),
+                        self.calls, ctx)
 
     def _alias(self, buffers: dict, v: Value, root: Value):
         """The buffer of alias v: its root's whole buffer reshaped, or the range of the arena

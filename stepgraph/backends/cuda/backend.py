@@ -125,6 +125,9 @@ class CudaBackend(Backend):
         self.kernel_files: dict[str, frozenset[str]] = {}
         self.generated_kernels: dict[str, Any] = {}
         self.kernels_ahead: dict[str, Any] = {}
+        # op -> start(node, ins, outs, ctx): the host builds (cuDNN plans) a node's first
+        # launch would make, started by prepare() on the ahead lane (runtime/ahead.py)
+        self.builds_ahead: dict[str, Any] = {}
         shared = frozenset(declared_kernel_names(SHARED_FAMILIES))
         for family in _families():
             names = getattr(family, "kernel_names", dict)()
@@ -133,6 +136,7 @@ class CudaBackend(Backend):
             self.kernel_files.update(dict.fromkeys(family.IMPLS, frozenset(names) | shared))
             self.generated_kernels.update(getattr(family, "GENERATED_KERNELS", {}))
             self.kernels_ahead.update(getattr(family, "KERNELS_AHEAD", {}))
+            self.builds_ahead.update(getattr(family, "BUILDS_AHEAD", {}))
         self._staging: dict[tuple, _Staging] = {}
         self._being_read: list[tuple[Any, list]] = []   # (event, device sources): keep_until_read
         self._order_event = None     # _copy_device's: the caller's stream, recorded again
@@ -149,10 +153,13 @@ class CudaBackend(Backend):
         with any other op on float16 values)."""
         return declared_fp16_ops()
 
-    def prepare(self, nodes, precision: str = "fp32") -> None:
-        """Compile the kernel files and generated kernels these nodes launch at `precision`,
-        side by side (compiler.prefetch), before the first step would compile them one after
-        another."""
+    def prepare(self, nodes, precision: str = "fp32", calls=(), ctx=None) -> None:
+        """What a plan needs before its first step, started now so that the step's launches
+        wait only for their own: the kernel files and generated kernels these nodes launch at
+        `precision`, compiled side by side (compiler.prefetch), then, given the plan's calls
+        ((node, inputs, outputs) on their buffers) and the context that will run them, the
+        host builds of the families' BUILDS_AHEAD hooks (cuDNN plans), one after another on
+        the ahead lane (runtime/ahead.py)."""
         from .elementwise import FILL_CTYPES
         from .runtime import compiler
         from .runtime.launch import ELEMENT_CTYPES
@@ -175,6 +182,14 @@ class CudaBackend(Backend):
         kernels = [pair for n in nodes if n.op in self.kernels_ahead
                    for pair in self.kernels_ahead[n.op](n, precision)]
         compiler.prefetch((), generated, kernels)
+        for node, ins, outs in calls if ctx is not None else ():
+            start = self.builds_ahead.get(node.op)
+            if start is None:
+                continue
+            try:
+                start(node, ins, outs, ctx)
+            except Exception:     # the node's launch meets the same error and reports it
+                pass
 
     # ---- contexts and capture ------------------------------------------------------------
 

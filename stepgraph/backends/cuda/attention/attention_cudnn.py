@@ -197,7 +197,8 @@ def _plan(ctx, p: Problem) -> Plan | None:
                            "eagerly once before capturing")
     cudnn = conv_cudnn._load()[0]
     try:
-        graph, ops = _graph(cudnn, p, conv_cudnn.handle(ctx))
+        with conv_cudnn._FRONTEND:      # the handle is shared with the lane's conv builds
+            graph, ops = _graph(cudnn, p, conv_cudnn.handle(ctx))
     except Exception as err:     # the frontend's several "not supported" types
         _FAILED[p] = f"{type(err).__name__}: {str(err)[:300]}"
         return None
@@ -232,10 +233,10 @@ def _seeds(ctx, attn, step, role: str):
 
 
 def _execute(ctx, plan: Plan, pointers: dict[str, int]) -> None:
-    scratch = conv_cudnn._workspace(ctx, plan.workspace)
-    plan.graph.execute({plan.uids[n]: ptr for n, ptr in pointers.items()},
-                       None if scratch is None else scratch.data.ptr,
-                       handle=conv_cudnn.handle(ctx))
+    scratch, h = conv_cudnn._workspace(ctx, plan.workspace), conv_cudnn.handle(ctx)
+    with conv_cudnn._FRONTEND:          # the handle is shared with the lane's conv builds
+        plan.graph.execute({plan.uids[n]: ptr for n, ptr in pointers.items()},
+                           None if scratch is None else scratch.data.ptr, handle=h)
 
 
 def _forward_key(pb, attn) -> tuple:

@@ -34,7 +34,10 @@ the backend keeps the fastest for every node with that problem: no size rule pre
 benchmark convs. Where the choice is known already (this process's, or on disk from an
 earlier one: `_with_cudnn`) the cuDNN plans are not all built: only the chosen one, or none
 for an own path; building every plan of every problem was most of a warm process's first
-step. A capture with no timing yet takes a tiled path, else `use_direct`'s rule:
+step. What a node's first launch will build is started when the plan gets its buffers
+(`start_plans`, from CudaBackend.prepare) on the ahead lane (runtime/ahead.py), beside the
+NVRTC compiles: the launch then waits for its own builds alone. A capture with no timing
+yet takes a tiled path, else `use_direct`'s rule:
   direct  iff  it can run, N*O*Ho*Wo * C*kh*kw <= 2^26 multiply-adds (about 10 us of direct
                work; above it cuBLASLt's throughput pays for the im2col traffic)
           and, for grad_weight, N*Ho*Wo <= 2^18  (one block sums each weight's products)
@@ -71,7 +74,8 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -443,6 +447,47 @@ def _known_choice(ctx, key: tuple) -> str | None:
     return autotune.stored_choice(ctx, key, lambda name: isinstance(name, str))
 
 
+@dataclass
+class Offer:
+    """What can run a conv node, before any cuDNN plan is built: its problem's geometry and IR
+    dtype, its own paths (name -> launch) and cudnn(only), the cuDNN candidates bound to its
+    arrays, whose plans it builds (`only`: one candidate's; see _with_cudnn)."""
+    g: Any                # Geometry, or conv3d's Geometry3d
+    dtype: str
+    own: dict[str, Callable[[], None]]
+    cudnn: Callable[[str | None], dict[str, Callable[[], None]]]
+
+
+def _run_offer(impl, offer_of, node, ins, outs, ctx) -> None:
+    """Run a conv node (impl) through the fastest of its offer's own paths and the cuDNN
+    candidates worth building (_with_cudnn, _run_faster); a channels-last node with none
+    runs as its NCHW twin."""
+    offer = offer_of(node, ins, outs, ctx)
+    paths = _with_cudnn(node, ctx, offer.g, offer.dtype, offer.own, offer.cudnn)
+    if not paths and layout_of(node.op, node.attrs) == "NHWC":
+        return _through_nchw(impl, node, ins, outs, ctx)
+    _run_faster(node, ctx, offer.g, offer.dtype, paths)
+
+
+def start_plans(offer_of, node, ins, outs, ctx) -> None:
+    """Start building on the ahead lane the cuDNN plans this node's first launch will ask for
+    (CudaBackend.prepare, once the plan has its buffers): _with_cudnn's decision on the same
+    offer (every candidate's plans while the problem's choice is unknown, the chosen one's
+    alone, none for a chosen own path), without its effects on ctx.paths. The launch asks
+    for its builds as it always did and finds these under way (conv_cudnn.plans_for): what
+    is started ahead changes how long it waits, never what it chooses."""
+    if not conv_cudnn.available():
+        return
+    offer = offer_of(node, ins, outs, ctx)
+    only = None
+    if PATH == "auto":
+        only = _known_choice(ctx, _choice_key(node, ctx, offer.g, offer.dtype, offer.own))
+        if only in offer.own:
+            return
+    with conv_cudnn.starting_ahead():
+        offer.cudnn(only)
+
+
 # ---- op impls ------------------------------------------------------------------------------
 
 def conv2d_forward(node, ins, outs, ctx) -> None:
@@ -456,6 +501,10 @@ def conv2d_forward(node, ins, outs, ctx) -> None:
     The bias runs along O, D's columns, where cuBLASLt's bias epilogue cannot go; instead the
     im2col kernel fills y with the bias and the GEMM accumulates onto it (beta = 1), exact FP32.
     """
+    _run_offer(conv2d_forward, _forward_offer, node, ins, outs, ctx)
+
+
+def _forward_offer(node, ins, outs, ctx) -> Offer:
     x, w = _contiguous(ins[0], "x"), _contiguous(ins[1], "weight")
     layout = layout_of(node.op, node.attrs)
     g = _geometry(nchw_shape(x.shape, layout), nchw_shape(w.shape, layout), node.attrs)
@@ -476,12 +525,8 @@ def conv2d_forward(node, ins, outs, ctx) -> None:
         if relu:        # bf16: ReLU commutes with the rounding, the epilogue is exact
             paths = {name: _then(run, lambda: conv2d_bias_act(ctx, y, None, True))
                      for name, run in paths.items()}
-    dtype = conv_cudnn.ir_dtype(x.dtype)
-    paths = _with_cudnn(node, ctx, g, dtype, paths, functools.partial(
+    return Offer(g, conv_cudnn.ir_dtype(x.dtype), paths, functools.partial(
         _forward_cudnn_paths, ctx, g, x, w, y, bias, relu, layout))
-    if not paths and layout == "NHWC":
-        return _through_nchw(conv2d_forward, node, ins, outs, ctx)
-    _run_faster(node, ctx, g, dtype, paths)
 
 
 def _forward_cudnn_paths(ctx, g: Geometry, x, w, y, bias, relu: bool, layout: str,
@@ -500,7 +545,9 @@ def _forward_cudnn_paths(ctx, g: Geometry, x, w, y, bias, relu: bool, layout: st
         return with_epilogue(only.removesuffix(EPILOGUE_SUFFIX))
     fused = conv_cudnn.conv2d_paths(ctx, g, x, w, y, bias, relu, layout=layout, only=only)
     # bf16: the epilogue rounds the sum before adding the bias; only where nothing fuses it
-    if only is not None or (str(x.dtype) not in _CTYPES and bias is not None and fused):
+    # (ahead of the builds, the fused plans are expected to build: conv_cudnn.starting_ahead)
+    fuses = bool(fused) or conv_cudnn.is_starting_ahead()
+    if only is not None or (str(x.dtype) not in _CTYPES and bias is not None and fuses):
         return fused
     return fused | with_epilogue(None)
 
@@ -577,6 +624,10 @@ def conv2d_grad_input(node, ins, outs, ctx) -> None:
       cuBLASLt D = dcols[n]: stored (P, CK) ld P, batch stride CK*P
     then col2im gathers dcols into dx. Pointwise convolutions write dx[n] (C, HW) directly.
     """
+    _run_offer(conv2d_grad_input, _grad_input_offer, node, ins, outs, ctx)
+
+
+def _grad_input_offer(node, ins, outs, ctx) -> Offer:
     w = _contiguous(ins[1], "weight")
     layout = layout_of(node.op, node.attrs)
     g = _geometry(nchw_shape(node.attrs["input_shape"], layout), nchw_shape(w.shape, layout),
@@ -594,12 +645,8 @@ def conv2d_grad_input(node, ins, outs, ctx) -> None:
                                                                       NARROW_CHANNELS)
         if _gemm_dtype(dy.dtype):
             paths["gemm"] = lambda: _grad_input_gemm(ctx, node, g, dy, w, dx)
-    dtype = conv_cudnn.ir_dtype(dy.dtype)
-    paths = _with_cudnn(node, ctx, g, dtype, paths, lambda only: conv_cudnn.grad_input_paths(
-        ctx, g, dy, w, dx, layout=layout, only=only))
-    if not paths and layout == "NHWC":
-        return _through_nchw(conv2d_grad_input, node, ins, outs, ctx)
-    _run_faster(node, ctx, g, dtype, paths)
+    return Offer(g, conv_cudnn.ir_dtype(dy.dtype), paths, lambda only: (
+        conv_cudnn.grad_input_paths(ctx, g, dy, w, dx, layout=layout, only=only)))
 
 
 def _grad_input_gemm(ctx, node, g: Geometry, dy, w, dx) -> None:
@@ -628,6 +675,10 @@ def conv2d_grad_weight(node, ins, outs, ctx) -> None:
       cuBLASLt B = dy_t:   stored (nbP, O) ld nbP, op N
       cuBLASLt D = dW:     stored (CK, O) ld CK
     """
+    _run_offer(conv2d_grad_weight, _grad_weight_offer, node, ins, outs, ctx)
+
+
+def _grad_weight_offer(node, ins, outs, ctx) -> Offer:
     x = _contiguous(ins[1], "x")
     layout = layout_of(node.op, node.attrs)
     g = _geometry(nchw_shape(x.shape, layout), nchw_shape(node.attrs["weight_shape"], layout),
@@ -664,13 +715,9 @@ def conv2d_grad_weight(node, ins, outs, ctx) -> None:
         paths["direct"] = with_bias(lambda: conv2d_direct_grad_weight(ctx, g, dy, x, dw))
     if own and _gemm_dtype(x.dtype):
         paths["gemm"] = with_bias(lambda: _grad_weight_gemm(ctx, node, g, dy, x, dw))
-    dtype = conv_cudnn.ir_dtype(x.dtype)
-    paths = _with_cudnn(node, ctx, g, dtype, paths, lambda only: {
+    return Offer(g, conv_cudnn.ir_dtype(x.dtype), paths, lambda only: {
         name: with_bias(run) for name, run in conv_cudnn.grad_weight_paths(
             ctx, g, dy, x, dw, layout=layout, only=only).items()})
-    if not paths and layout == "NHWC":
-        return _through_nchw(conv2d_grad_weight, node, ins, outs, ctx)
-    _run_faster(node, ctx, g, dtype, paths)
 
 
 def _grad_weight_gemm(ctx, node, g: Geometry, dy, x, dw) -> None:
@@ -762,3 +809,7 @@ IMPLS = {
     "conv2d_grad_weight": conv2d_grad_weight,
 }
 KERNELS_AHEAD = dict.fromkeys(IMPLS, tiled_kernels)
+OFFERS = {"conv2d": _forward_offer, "conv2d_grad_input": _grad_input_offer,
+          "conv2d_grad_weight": _grad_weight_offer}
+# op -> start(node, ins, outs, ctx): the host builds its first launch needs (CudaBackend.prepare)
+BUILDS_AHEAD = {op: functools.partial(start_plans, offer) for op, offer in OFFERS.items()}

@@ -22,8 +22,8 @@ from typing import Callable
 from ....errors import ShapeError
 from ....ops.conv import conv_out
 from . import conv_cudnn
-from .conv import (EPILOGUE_SUFFIX, _contiguous, _run_faster, _same_dtype, _then,
-                   _with_cudnn, conv2d_bias_act)
+from .conv import (EPILOGUE_SUFFIX, Offer, _contiguous, _run_offer, _same_dtype, _then,
+                   conv2d_bias_act, start_plans)
 
 
 @dataclass(frozen=True)
@@ -108,48 +108,56 @@ def _forward_paths(ctx, g: Geometry3d, x, w, y, bias,
         return with_epilogue(only.removesuffix(EPILOGUE_SUFFIX))
     fused = conv_cudnn.conv2d_paths(ctx, g, x, w, y, bias, op="conv3d", only=only)
     # bf16: the epilogue rounds the sum before adding the bias; only where nothing fuses it
-    if only is not None or (str(x.dtype) in ("uint16", "float16") and bias is not None and fused):
+    # (ahead of the builds, the fused plans are expected to build: conv_cudnn.starting_ahead)
+    fuses = bool(fused) or conv_cudnn.is_starting_ahead()
+    if only is not None or (str(x.dtype) in ("uint16", "float16") and bias is not None and fuses):
         return fused
     return fused | with_epilogue(None)
 
 
 def conv3d_forward(node, ins, outs, ctx) -> None:
     """y = conv3d(x, w) + b (ops/conv.py, "conv3d")."""
+    _run_offer(conv3d_forward, _forward_offer, node, ins, outs, ctx)
+
+
+def _forward_offer(node, ins, outs, ctx) -> Offer:
     x, w = _contiguous(ins[0], "x"), _contiguous(ins[1], "weight")
     g = geometry(x.shape, w.shape, node.attrs)
     bias = _contiguous(ins[2], "bias", (g.o,)) if len(ins) == 3 else None
     y = _contiguous(outs[0], "y", g.y_shape)
     _same_dtype(node.op, x=x, weight=w, bias=bias, y=y)
-    dtype = conv_cudnn.ir_dtype(x.dtype)
-    paths = _with_cudnn(node, ctx, g, dtype, {}, functools.partial(
+    return Offer(g, conv_cudnn.ir_dtype(x.dtype), {}, functools.partial(
         _forward_paths, ctx, g, x, w, y, bias))
-    _run_faster(node, ctx, g, dtype, paths)
 
 
 def conv3d_grad_input(node, ins, outs, ctx) -> None:
     """dx of conv3d given dy and w (ops/conv.py, "conv3d_grad_input"): cuDNN conv_dgrad."""
+    _run_offer(conv3d_grad_input, _grad_input_offer, node, ins, outs, ctx)
+
+
+def _grad_input_offer(node, ins, outs, ctx) -> Offer:
     w = _contiguous(ins[1], "weight")
     g = geometry(tuple(node.attrs["input_shape"]), w.shape, node.attrs)
     dy = _contiguous(ins[0], "dy", g.y_shape)
     dx = _contiguous(outs[0], "dx", g.x_shape)
     _same_dtype(node.op, dy=dy, weight=w, dx=dx)
-    dtype = conv_cudnn.ir_dtype(dy.dtype)
-    paths = _with_cudnn(node, ctx, g, dtype, {}, lambda only: conv_cudnn.grad_input_paths(
-        ctx, g, dy, w, dx, op=node.op, only=only))
-    _run_faster(node, ctx, g, dtype, paths)
+    return Offer(g, conv_cudnn.ir_dtype(dy.dtype), {}, lambda only: (
+        conv_cudnn.grad_input_paths(ctx, g, dy, w, dx, op=node.op, only=only)))
 
 
 def conv3d_grad_weight(node, ins, outs, ctx) -> None:
     """dw of conv3d given dy and x (ops/conv.py, "conv3d_grad_weight"): cuDNN conv_wgrad."""
+    _run_offer(conv3d_grad_weight, _grad_weight_offer, node, ins, outs, ctx)
+
+
+def _grad_weight_offer(node, ins, outs, ctx) -> Offer:
     x = _contiguous(ins[1], "x")
     g = geometry(x.shape, tuple(node.attrs["weight_shape"]), node.attrs)
     dy = _contiguous(ins[0], "dy", g.y_shape)
     dw = _contiguous(outs[0], "dw", g.w_shape)
     _same_dtype(node.op, dy=dy, x=x, dw=dw)
-    dtype = conv_cudnn.ir_dtype(x.dtype)
-    paths = _with_cudnn(node, ctx, g, dtype, {}, lambda only: conv_cudnn.grad_weight_paths(
-        ctx, g, dy, x, dw, op=node.op, only=only))
-    _run_faster(node, ctx, g, dtype, paths)
+    return Offer(g, conv_cudnn.ir_dtype(x.dtype), {}, lambda only: (
+        conv_cudnn.grad_weight_paths(ctx, g, dy, x, dw, op=node.op, only=only)))
 
 
 IMPLS = {
@@ -157,6 +165,10 @@ IMPLS = {
     "conv3d_grad_input": conv3d_grad_input,
     "conv3d_grad_weight": conv3d_grad_weight,
 }
+OFFERS = {"conv3d": _forward_offer, "conv3d_grad_input": _grad_input_offer,
+          "conv3d_grad_weight": _grad_weight_offer}
+# op -> start(node, ins, outs, ctx): its cuDNN plans, built ahead (CudaBackend.prepare)
+BUILDS_AHEAD = {op: functools.partial(start_plans, offer) for op, offer in OFFERS.items()}
 BF16_OPS = frozenset(IMPLS)        # cuDNN's bf16 graphs; the epilogue's uint16 instantiation
 FP16_OPS = BF16_OPS                # cuDNN's HALF graphs; the epilogue's fp16_bits one
 

@@ -40,7 +40,16 @@ allocates. Each context has one cuDNN handle (ctx.extras["cudnn_handle"]) bound 
 Building a plan is the costly step (cuDNN finalises the engine configuration), so a problem
 whose choice is already known (conv.py: this process's, or the on-disk cache's) builds only
 the chosen candidate's plan (`only`: the ranked list it belongs to, then that one index);
-every candidate is built only where the problem must be timed.
+every candidate is built only where the problem must be timed. Each build is a job
+(runtime/ahead.py) memoised by (problem, only): when a plan is bound (CudaBackend.prepare),
+conv.py's `start_plans` asks for each conv node's candidates inside `starting_ahead()`, which
+queues the very builds its first launch will ask for on the ahead lane and binds nothing; the
+launch then waits for its own build (or runs it, if the lane has not reached it) and a build
+that failed raises there. Built ahead or at the launch, a problem's Plans are the same (the
+same function of the problem, the library and the GPU), so the autotuner's candidates and
+choices are too. The frontend's calls on the shared handle take `_FRONTEND` (cuDNN: a handle
+is used by one thread at a time; the bindings hold the GIL today, the lock keeps the rule if
+they stop).
 
 Layouts: "NCHW" tensors as the graph's NCHW ops hold them; "NHWC" (channels-last nodes,
 compile/layout.py) with x, dy, y, dx stored (N, H, W, C) and the filter (O, kh, kw, C/groups)
@@ -54,11 +63,14 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from ....errors import BackendUnavailableError, CaptureError
 from ....ir.graph import ir_dtype
+from ..runtime import ahead
 from ..runtime.launch import _capturing
 from ..runtime.scratch import ScratchPool
 from .geometry import Geometry
@@ -160,8 +172,12 @@ class Plans:
         return max((c.workspace for c in self.entries), default=0)
 
 
-_PLANS: dict[Problem, Plans] = {}                # every candidate of each problem
-_CHOSEN: dict[tuple[Problem, str], Plans] = {}   # one candidate's plan alone (plans_for's only)
+# The build of every candidate of each problem, and of one candidate's plan alone
+# (plans_for's only): jobs, done or under way (runtime/ahead.py)
+_PLANS: dict[Problem, ahead.Job] = {}
+_CHOSEN: dict[tuple[Problem, str], ahead.Job] = {}
+_FRONTEND = threading.RLock()     # held by each frontend call on a handle (module docstring)
+_ahead = threading.local()        # .on: inside starting_ahead() on this thread
 
 
 def _strides(dims: list[int], layout: str) -> list[int]:
@@ -248,7 +264,8 @@ def _build(cudnn, p: Problem, handle) -> Plans:
     for prefix, modes in HEURISTICS if HEURISTIC_B else HEURISTICS[:1]:
         limit = MAX_PLANS_B if prefix else MAX_PLANS
         try:
-            graph, ops, count = _ranked(cudnn, p, handle, modes)
+            with _FRONTEND:
+                graph, ops, count = _ranked(cudnn, p, handle, modes)
         except Exception as err:    # the frontend raises several types for "not supported"
             failures.append(f"heuristics {'+'.join(modes)}: {type(err).__name__}: {err}")
             continue
@@ -266,7 +283,8 @@ def _build(cudnn, p: Problem, handle) -> Plans:
             if name in seen:
                 continue
             try:
-                name, workspace = _build_plan(graph, index)
+                with _FRONTEND:
+                    name, workspace = _build_plan(graph, index)
             except Exception as err:    # barred by a filter, the engine declined, too large
                 failures.append(f"[{prefix}{index}] {type(err).__name__}: {str(err)[:200]}")
                 continue
@@ -335,32 +353,94 @@ def _build_one(cudnn, p: Problem, handle, path: str) -> Plans:
         return Plans([], [], f"{path} is not a cuDNN candidate of this build")
     modes, index = where
     try:
-        graph, ops, count = _ranked(cudnn, p, handle, modes)
-        if index >= count:
-            return Plans([], [], f"{path}: heuristics {'+'.join(modes)} rank {count} plans")
-        name, workspace = _build_plan(graph, index)
+        with _FRONTEND:
+            graph, ops, count = _ranked(cudnn, p, handle, modes)
+            if index >= count:
+                return Plans([], [], f"{path}: heuristics {'+'.join(modes)} rank {count} plans")
+            name, workspace = _build_plan(graph, index)
     except Exception as err:    # as in _build: the frontend's many "not supported" types
         return Plans([], [], f"{path}: {type(err).__name__}: {str(err)[:200]}")
     return Plans([(graph, _uids(ops))], [Candidate(path, 0, index, name, workspace)])
 
 
 def plans_for(ctx, p: Problem, only: str | None = None) -> Plans:
-    """The problem's Plans, built at its first call (never during a capture). With `only` (a
-    candidate's path) just that candidate, if it still builds: taken from the problem's
-    Plans where every candidate is built already, else its plan alone is built."""
+    """The problem's Plans: built at its first call (never during a capture), or waited for
+    where its build was started ahead (start_ahead); a build that failed raises here, once (a
+    later call builds again). With `only` (a candidate's path) just that candidate, if it
+    still builds: taken from the problem's Plans where every candidate is built (or being
+    built) already, else its plan alone is built."""
     if only is not None and p in _PLANS:
-        every = _PLANS[p]
+        every = _wait(ctx, _PLANS, p)
         return Plans(every.graphs, [c for c in every.entries if c.path == only], every.reason)
-    memo, key = (_PLANS, p) if only is None else (_CHOSEN, (p, only))
-    plans = memo.get(key)
-    if plans is None:
-        if _capturing(ctx):
-            raise CaptureError(f"{p.op}: its cuDNN plans are built at the first eager call; run "
-                               "the step eagerly once before capturing")
-        cudnn, h = _load()[0], handle(ctx)
-        plans = _build(cudnn, p, h) if only is None else _build_one(cudnn, p, h, only)
-        memo[key] = plans
-    return plans
+    memo, key = _memo(p, only)
+    if key not in memo and _capturing(ctx):
+        raise CaptureError(f"{p.op}: its cuDNN plans are built at the first eager call; run "
+                           "the step eagerly once before capturing")
+    _job(ctx, p, only)
+    return _wait(ctx, memo, key)
+
+
+def _memo(p: Problem, only: str | None) -> tuple[dict, Any]:
+    """The memo of the build plans_for(_, p, only) does, and its key there."""
+    return (_PLANS, p) if only is None else (_CHOSEN, (p, only))
+
+
+def _job(ctx, p: Problem, only: str | None) -> ahead.Job:
+    """The build of the problem's plans (`only`: that candidate's alone), made now if there
+    is none (not started: whoever needs it first runs it)."""
+    memo, key = _memo(p, only)
+    job = memo.get(key)
+    if job is None:
+        job = memo[key] = ahead.Job(functools.partial(_build_problem, ctx, p, only), p.device)
+    return job
+
+
+def _build_problem(ctx, p: Problem, only: str | None) -> Plans:
+    cudnn, h = _load()[0], handle(ctx)
+    return _build(cudnn, p, h) if only is None else _build_one(cudnn, p, h, only)
+
+
+def _wait(ctx, memo: dict, key) -> Plans:
+    """The Plans of memo[key]'s build, waited for (run here if the lane has not taken it up).
+    Its failure is raised, and the job forgotten, so that a later call builds again."""
+    job = memo[key]
+    if not job.done() and _capturing(ctx):
+        raise CaptureError("a cuDNN plan is still being built: run the step eagerly once "
+                           "before capturing")
+    try:
+        return job.result()
+    except Exception:
+        if memo.get(key) is job:
+            del memo[key]
+        raise
+
+
+@contextmanager
+def starting_ahead():
+    """Inside it (on this thread), asking for a problem's candidates (`_paths`) starts the
+    build plans_for would do on the ahead lane (start_ahead) and answers none: conv.py's
+    start_plans runs a node's own code in it, so the builds started are those its first
+    launch will ask for, and nothing is bound or allocated."""
+    _ahead.on = True
+    try:
+        yield
+    finally:
+        _ahead.on = False
+
+
+def is_starting_ahead() -> bool:
+    """Whether this thread is inside starting_ahead()."""
+    return getattr(_ahead, "on", False)
+
+
+def start_ahead(ctx, p: Problem, only: str | None = None) -> None:
+    """Queue on the ahead lane the build plans_for(ctx, p, only) would do (nothing where that
+    would take every candidate's build, asked for already). The handle is made now, on this
+    thread, while no capture of the step can be under way."""
+    if only is not None and p in _PLANS:
+        return
+    handle(ctx)
+    ahead.start(_job(ctx, p, only))
 
 
 def candidates_key() -> tuple | None:
@@ -395,8 +475,12 @@ def handle(ctx):
                 raise CaptureError("a cuDNN handle is made at the first eager conv call; run "
                                    "the step eagerly once before capturing")
             cudnn = _load()[0]
-            h = _HANDLES[key] = cudnn.create_handle()
-            cudnn.set_stream(handle=h, stream=ctx.stream.ptr)
+            with _FRONTEND:     # one per key, whichever thread asks first (the lane too)
+                h = _HANDLES.get(key)
+                if h is None:
+                    h = cudnn.create_handle()
+                    cudnn.set_stream(handle=h, stream=ctx.stream.ptr)
+                    _HANDLES[key] = h
         ctx.extras["cudnn_handle"] = h
     return h
 
@@ -413,7 +497,11 @@ def _workspace(ctx, nbytes: int):
 def _paths(ctx, p: Problem, arrays: dict[str, Any],
            only: str | None = None) -> dict[str, Callable[[], None]]:
     """{"cudnn:<i>": launch} for each of the problem's plans (`only`: that candidate's alone,
-    if it builds), bound to these arrays."""
+    if it builds), bound to these arrays; none inside starting_ahead(), which starts the
+    build instead."""
+    if is_starting_ahead():
+        start_ahead(ctx, p, only)
+        return {}
     plans = plans_for(ctx, p, only)
     if not plans.entries:
         return {}
@@ -425,10 +513,11 @@ def _paths(ctx, p: Problem, arrays: dict[str, Any],
                 for _, uids in plans.graphs]
 
     def launch(c: Candidate) -> None:
-        scratch = _workspace(ctx, c.workspace)
-        plans.graphs[c.graph][0].execute_plan_at_index(
-            operands[c.graph], None if scratch is None else scratch.data.ptr, index=c.index,
-            handle=handle(ctx))
+        scratch, h = _workspace(ctx, c.workspace), handle(ctx)
+        with _FRONTEND:
+            plans.graphs[c.graph][0].execute_plan_at_index(
+                operands[c.graph], None if scratch is None else scratch.data.ptr,
+                index=c.index, handle=h)
 
     return {c.path: functools.partial(launch, c) for c in plans.entries}
 

@@ -1,0 +1,80 @@
+"""Host work a plan's first step would do op after op, started ahead on one thread.
+
+When a plan is bound to its buffers (CudaBackend.prepare), the families that build something
+on the host at a node's first launch start it here (their BUILDS_AHEAD hooks): today the
+cuDNN plans of the convolutions (conv/conv_cudnn.py), the first step's largest host cost on
+a cold start. The NVRTC compiles started at the same time have their own pool (compiler.py).
+
+One thread, the lane: the cuDNN frontend's bindings hold the GIL for the whole of each call
+(its pybind11 methods release nothing: python/pygraph/pygraph.cpp of NVIDIA/cudnn-frontend,
+whose build_plans still says "TODO: Add multithreaded support in python"). Two builds on two
+threads would interleave, not overlap, and each would finish later; one thread builds them in
+the order the step first launches them. What overlaps them is the work that runs without the
+GIL: NVRTC's compiles on their pool, the device work the first step's autotuner times, and
+the main thread waiting for either (a launch waiting for a module or a build releases the GIL).
+
+A launch that needs a job waits for that job alone: if the lane has not taken it up yet, the
+launch runs it itself, so it never waits behind the jobs queued before it. A job's failure is
+kept for whoever asks for its result (the launch that needs it), never raised when started.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+_lane: ThreadPoolExecutor | None = None
+_lock = threading.Lock()
+
+
+class Job:
+    """One piece of host work, run once: by the lane, or by the first caller that needs its
+    result before the lane has taken it up. `device`: the GPU it is for, made current on the
+    lane (the current device is per thread; a caller runs it on its own), None for any."""
+
+    def __init__(self, build: Callable[[], object], device: int | None = None):
+        self.build, self.device = build, device
+        self.future: Future = Future()
+        self._taken = threading.Lock()
+
+    def run(self) -> None:
+        if not self._taken.acquire(blocking=False):
+            return                        # running or done elsewhere
+        self.future.set_running_or_notify_cancel()
+        build, self.build = self.build, None    # what it holds (a context) is not kept
+        try:
+            self.future.set_result(build())
+        except BaseException as err:      # kept for whoever asks for the result
+            self.future.set_exception(err)
+
+    def result(self):
+        """The job's result: computed here if nobody has started it, else waited for (without
+        the GIL); its failure is raised here."""
+        self.run()
+        return self.future.result()
+
+    def started(self) -> bool:
+        return self._taken.locked()
+
+    def done(self) -> bool:
+        return self.future.done()
+
+
+def start(job: Job) -> Job:
+    """Queue `job` on the lane (a job that is running or done stays as it is)."""
+    global _lane
+    with _lock:
+        if _lane is None:
+            _lane = ThreadPoolExecutor(1, thread_name_prefix="ahead")
+        if not job.started():
+            _lane.submit(_on_device, job.device, job.run)
+    return job
+
+
+def _on_device(device: int | None, run: Callable[[], None]) -> None:
+    if device is None:
+        return run()
+    import cupy as cp
+
+    with cp.cuda.Device(device):
+        return run()
