@@ -24,9 +24,8 @@ Exposed communication, how much the gradient all-reduces add to a step beyond it
         [--frameworks stepgraph,torch-ddp,torch-ddp-compile] [--no-comm]
         [--bucket-caps [1,5,25,100]] [--compile-mode default] [--out bench-out]
 
-The table is printed to stdout and written, with every row's notes, to
-OUT/bench_gpus<N>_<models>_<precisions>.json; a failed launch's stderr is kept beside it in
-OUT/multigpu-logs/.
+The table is printed to stdout and written, with every row's notes, to a JSON file in OUT
+(json_path names it); a failed launch's stderr is kept beside it in OUT/multigpu-logs/.
 """
 from __future__ import annotations
 
@@ -420,8 +419,13 @@ def run(config: MultiGpuConfig) -> list[ScalingRow]:
 
 
 def json_path(config: MultiGpuConfig) -> Path:
+    """OUT/bench_gpus<N>_<models>_<precisions>_<frameworks>[_no-comm][_caps<C-C>].json: runs
+    that measure different things into one folder keep apart."""
+    caps = "-".join(f"{c:g}" for c in config.bucket_caps)
     return Path(config.out) / (f"bench_gpus{config.gpus}_{'-'.join(config.models)}_"
-                               f"{'-'.join(config.precisions)}.json")
+                               f"{'-'.join(config.precisions)}_{'-'.join(config.frameworks)}"
+                               + ("_no-comm" if config.no_comm else "")
+                               + (f"_caps{caps}" if caps else "") + ".json")
 
 
 def report_to_json(config: MultiGpuConfig, rows: list[ScalingRow],

@@ -71,7 +71,8 @@ def test_the_cli_hands_gpus_to_the_multigpu_bench(monkeypatch, tmp_path):
     monkeypatch.setattr(multigpu, "run", lambda config: seen.append(config) or [])
     assert cli_main(["bench", "--gpus", "3", "--models", "resnet", "--out", str(tmp_path)]) == 0
     assert seen == [MultiGpuConfig(3, ("resnet",), out=str(tmp_path))]
-    assert (tmp_path / "bench_gpus3_resnet_fp32.json").exists()
+    assert (tmp_path / "bench_gpus3_resnet_fp32_stepgraph-torch-ddp-torch-ddp-compile.json"
+            ).exists()
 
 
 @pytest.mark.parametrize("gpus,sizes", [(1, [1]), (2, [1, 2]), (6, [1, 2, 4, 6]),
@@ -210,7 +211,8 @@ def test_run_measures_the_plan_in_order_and_main_writes_the_json(monkeypatch, tm
             "--no-comm", "--bucket-caps", "1,25", "--out", str(tmp_path)]
     assert multigpu.main(argv) == 0
     assert seen == multigpu.plan(multigpu.parse_config(argv))
-    report = json.loads((tmp_path / "bench_gpus2_resnet_fp32.json").read_text())
+    path = tmp_path / "bench_gpus2_resnet_fp32_torch-ddp-compile_no-comm_caps1-25.json"
+    report = json.loads(path.read_text())
     assert report["config"]["no_comm"] is True and report["config"]["bucket_caps"] == [1, 25]
     by_kind = {(r["gpus"], r["collectives"], r["bucket_cap_mb"]): r for r in report["rows"]}
     assert by_kind[(2, True, 25.0)]["exposed_ms"] == pytest.approx(1.0)
@@ -222,7 +224,7 @@ def test_run_measures_the_plan_in_order_and_main_writes_the_json(monkeypatch, tm
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith("framework")
     assert "best bucket cap, torch-ddp-compile resnet fp32 at 2 GPUs: 25 MiB" in out
-    assert out.strip().endswith(f"wrote {tmp_path / 'bench_gpus2_resnet_fp32.json'}")
+    assert out.strip().endswith(f"wrote {path}")
 
 
 TORCHRUN_FAILURE = """\
