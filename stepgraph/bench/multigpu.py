@@ -1,14 +1,14 @@
 """`stepgraph bench --gpus N`: data-parallel throughput, scaling and exposed communication.
 
-On 1..N GPUs, for each framework (stepgraph's data-parallel step; PyTorch DDP in eager
-mode; PyTorch DDP under torch.compile, `torch.compile(DDP(model))` as PyTorch documents
-compiled DDP), each workload (resnet, gpt; BENCHMARKS.md's per-GPU batch), each precision
-and each world size (1, 2, 4, ... and N), the ranks are started as processes (`stepgraph launch` for stepgraph,
-torchrun for PyTorch; one rank is multigpu_rank.py); each rank trains on its own batch of the
-workload's size (weak scaling, as DDP is used), and rank 0 writes its timing to a JSON file
-this process reads. A row's throughput is samples (gpt: tokens) per second over all ranks; its
-scaling is that throughput over `gpus` times the same framework's one-GPU throughput (1.0 is
-perfect).
+On 1..N GPUs, for each framework (stepgraph's data-parallel step; PyTorch DDP in eager mode;
+PyTorch DDP under torch.compile, `torch.compile(DDP(model))` as PyTorch documents compiled
+DDP), each workload (resnet, gpt; BENCHMARKS.md's per-GPU batch), each precision and each
+world size (1, 2, 4, ... and N), the ranks are started as processes (`stepgraph launch` for
+stepgraph, torchrun for PyTorch; one rank is multigpu_rank.py); each rank trains on its own
+batch of the workload's size (weak scaling, as DDP is used), and rank 0 writes its timing to a
+JSON file this process reads. A row's throughput is samples (gpt: tokens) per second over all
+ranks; its scaling is that throughput over `gpus` times the same framework's one-GPU
+throughput (1.0 is perfect).
 
 Exposed communication, how much the gradient all-reduces add to a step beyond its compute:
 - "vs 1 GPU" (every row above one GPU): its step time minus the same framework's one-GPU step
