@@ -63,10 +63,12 @@ def given_mask(monkeypatch, keep: np.ndarray | None, p: float) -> None:
 
 
 def drawn_mask(ctx, qkv: np.ndarray, heads: int, step, attrs) -> np.ndarray:
-    q, k, v = attention.qkv_heads(cp.asarray(qkv), heads)
+    with ctx.stream:       # on the device before the seed and attention kernels read them
+        q, k, v = attention.qkv_heads(cp.asarray(qkv), heads)
+        step = cp.asarray(step)
     attn = attention.Attn(attrs["scale"], attrs["causal"], attrs["dropout_p"], attrs["seed"],
                           attrs["site"])
-    return attention.cudnn_keep_mask(ctx, q, k, v, cp.asarray(step), attn)
+    return attention.cudnn_keep_mask(ctx, q, k, v, step, attn)
 
 
 @pytest.mark.parametrize("lead,t,heads,d,causal,p", [

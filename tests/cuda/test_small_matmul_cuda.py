@@ -133,10 +133,12 @@ def test_linear_path_is_timed_once_per_problem_and_shared(monkeypatch):
     b = rng.standard_normal(512).astype(np.float32)
     attrs = dict(act="relu", slope=0.01, save_preact=False)
     dev = [cp.asarray(a) for a in (x, w, b)]
+    cp.cuda.Device().synchronize()     # uploaded before another stream's kernels read them
     outs, chosen = [], ctx.paths
     for _ in range(2):
         node = make_node("linear", [x, w, b], **attrs)
-        outs.append(cp.full((128, 512), np.nan, np.float32))
+        with ctx.stream:
+            outs.append(cp.full((128, 512), np.nan, np.float32))
         linear.IMPLS["linear"](node, dev, [outs[-1]], ctx)
         assert len(chosen) == 1
         monkeypatch.setattr(linear.autotune, "time_on_device",
@@ -147,6 +149,7 @@ def test_linear_path_is_timed_once_per_problem_and_shared(monkeypatch):
     assert len(timed) >= 2 and len({id(run) for run in timed}) == len(timed)
     (name,) = chosen.values()
     assert name.startswith("tile:s"), name
+    cp.cuda.Device().synchronize()     # both contexts' streams: the launches are not on CuPy's
     first, second = outs[0].get(), outs[1].get()
     np.testing.assert_array_equal(first, second)
     assert rel(first, np.maximum(x @ w.T + b, 0)) < 1e-5

@@ -45,10 +45,12 @@ def test_constant_replays_in_a_captured_graph(ctx, impls):
     out = poisoned(ctx, node)
     impls["constant"](node, [], out, ctx)                      # eager: uploads once
     np.testing.assert_array_equal(to_host(ctx, out)[0], values)
-    out[0].fill(np.nan)
+    with ctx.stream:       # the poison lands before the replay, on the replay's stream
+        out[0].fill(np.nan)
     graph = capture(ctx, lambda: impls["constant"](node, [], out, ctx))
     for _ in range(3):
-        out[0].fill(np.nan)
+        with ctx.stream:
+            out[0].fill(np.nan)
         graph.launch(ctx.stream)
         np.testing.assert_array_equal(to_host(ctx, out)[0], values)
 
