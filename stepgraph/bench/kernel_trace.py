@@ -37,14 +37,17 @@ RULES: tuple[tuple[str, re.Pattern], ...] = (
     ("norm", re.compile(r"batch_?norm|layer_?norm|rms_?norm|group_?norm|instance_?norm"
                         r"|(?<![a-z])bn_(?:fw|bw)|welford|GammaBeta|RowwiseMoments"
                         r"|Compute\w*(?:Gradients|Params)|running_stats", _I)),
-    ("copy / layout", re.compile(r"copy|transpose|permute|nchwToNhwc|nhwcToNchw|nchw2nhwc"
-                                 r"|nhwc2nchw|(?<![a-z])cat(?![a-z])|CatArray|concat|slice_"
-                                 r"|gather(?!TopK)|scatter|index|embedding|(?<![a-z])cast_"
-                                 r"|pad_nd|reflection_pad|replication_pad", _I)),
+    # cuDNN's layout transposes, before the rule that takes the rest of its kernels as convs
+    ("copy / layout", re.compile(r"nchwToNhwc|nhwcToNchw|nchw2nhwc|nhwc2nchw", _I)),
     ("pointwise", re.compile(r"bias_act", _I)),    # conv2d_bias_act: the epilogue, not the conv
     ("conv fprop", re.compile(r"fprop|conv(?:olution|olve|_depthwise|[123]d|_)|im2col"
                               r"|winograd|cudnn", _I)),
     ("gemm", re.compile(r"gemm|gemv|cublas|cutlass|nvjet|matmul|splitKreduce|dot_kernel", _I)),
+    # after the convs and GEMMs, whose names say "indexed" (cuDNN) or carry CUTLASS's copy atoms
+    ("copy / layout", re.compile(r"copy|transpose|permute|(?<![a-z])cat(?![a-z])|CatArray"
+                                 r"|concat|slice_|gather(?!TopK)|scatter|(?<![a-z])index(?!ed)"
+                                 r"|embedding|(?<![a-z])cast_|pad_nd|reflection_pad"
+                                 r"|replication_pad", _I)),
     ("softmax", re.compile(r"softmax", _I)),
     ("loss", re.compile(r"cross_entropy|nll_loss|mse_|_loss|smooth_l1|binary_cross", _I)),
     ("pool / resize", re.compile(r"pool|upsample|interp|resize|bilinear|bicubic|nearest"

@@ -79,6 +79,8 @@ NAMES = {
     "_stage4_warpsize2x2x1_g1_tensor16x8x8_execute_kernel__5x_cudnn": "conv dgrad",
     "sm80_xmma_wgrad_implicit_gemm_indexed_wo_smem_tf32f32_tf32f32_f32_nhwckrsc_nhwc_tilesize"
     "128x32x32_stage4_warpsize4x1x1_g1_tensor16x8x8_execute_kernel__5x_cudnn": "conv wgrad",
+    "sm80_xmma_fprop_implicit_gemm_indexed_tf32f32_tf32f32_f32_nhwckrsc_nchw_tilesize128x128x16"
+    "_stage4_warpsize2x2x1_g1_tensor16x8x8_execute_kernel__5x_cudnn": "conv fprop",
     "void cudnn::cnn::wgrad2d_grouped_direct_kernel<false, true, int, float, float, float>"
     "(cudnn::cnn::WgradGroupedDirectParams, float const*, float const*, float*, float, float)":
         "conv wgrad",
@@ -119,6 +121,12 @@ NAMES = {
     "(cublasGemvParamsEx<int, cublasGemvTensorStrided<float const>, "
     "cublasGemvTensorStrided<float const>, cublasGemvTensorStrided<float>, float>, float, "
     "float)": "gemm",
+    "void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cute::tuple<int, int, "
+    "int, int>, cutlass::gemm::collective::CollectiveMma<cutlass::gemm::"
+    "MainloopSm90TmaGmmaWarpSpecialized<4, cute::tuple<cute::C<2>, cute::C<1>, cute::C<1> >, "
+    "cutlass::gemm::KernelTmaWarpSpecializedCooperative>, cute::SM90_TMA_LOAD, "
+    "cute::AutoVectorizingCopyWithAssumedAlignment<128> > > >(cutlass::gemm::kernel::"
+    "GemmUniversal<...>::Params)": "gemm",
     # ATen
     "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, "
     "at::detail::Array<char*, 3> >(int, at::native::CUDAFunctor_add<float>, "
