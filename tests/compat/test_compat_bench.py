@@ -5,6 +5,8 @@ weights and train on the same batches with the same optimizer, their fp32 losses
 run agree to float32 rounding."""
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import json
 import subprocess
 import sys
@@ -114,3 +116,80 @@ def test_an_unknown_model_is_refused():
                           "cpu", "--models", "no_such_model"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 2 and "neither a suite model" in run.stderr
+
+
+def load_script():
+    """scripts/compat-bench as a module (its file name has no .py), loaded once."""
+    name = "compat_bench_script"
+    if name not in sys.modules:
+        loader_ = importlib.machinery.SourceFileLoader(name,
+                                                       str(ROOT / "scripts" / "compat-bench"))
+        module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader_))
+        sys.modules[name] = module    # its dataclasses look their module up by name
+        loader_.exec_module(module)
+    return sys.modules[name]
+
+
+def test_trace_options_are_parsed():
+    bench = load_script()
+    args = bench.parse_args(["--trace", "--trace-steps", "3", "--trace-top", "7"])
+    assert (args.trace, args.trace_steps, args.trace_top) == (True, 3, 7)
+    args = bench.parse_args([])
+    assert (args.trace, args.trace_steps, args.trace_top) == (False, 5, 15)
+
+
+def test_a_failed_trace_is_an_error_entry_not_a_failed_stage(monkeypatch):
+    """trace_step guards its stage: what the step raises comes back as {"error"} (the timing of
+    that system stays as measured). The recording runs the steps without the profiler here,
+    which needs CUDA; a step that runs is summarised."""
+    bench = load_script()
+    args = bench.parse_args(["--trace", "--trace-steps", "2", "--trace-top", "1"])
+
+    def record(run_step, synchronize, steps, n_batches):
+        return [event for i in range(steps) for event in run_step(i % n_batches)]
+    monkeypatch.setattr(bench.kernel_trace, "record", record)
+    working = bench.PreparedStep(lambda i: [("sgd_update_kernel", 4.0 + i),
+                                            ("tile_matmul_kernel", 10.0)], lambda: None, float)
+    trace = bench.trace_step(working, args)
+    assert trace["total_us"] == pytest.approx(14.5) and trace["families"]["optimizer"] == 4.5
+    assert list(trace["kernels"]) == ["tile_matmul_kernel"]
+
+    def broken(i):
+        raise RuntimeError("no kernels today")
+    prepared = bench.PreparedStep(broken, lambda: None, float)
+    assert bench.trace_step(prepared, args) == {"error": "RuntimeError: no kernels today"}
+
+
+def test_the_trace_tables_put_systems_side_by_side():
+    bench = load_script()
+    sg_trace = {"total_us": 30.0, "launches_per_step": 2.0,
+                "families": {"gemm": 20.0, "norm": 10.0}, "kernels": {}}
+    eager_trace = {"total_us": 50.0, "launches_per_step": 9.0,
+                   "families": {"gemm": 25.0, "pointwise": 25.0}, "kernels": {}}
+    rows = [{"model": "/x/my_net.py", "precision": "bf16",
+             "systems": {"stepgraph": {"trace": sg_trace}, "torch eager": {"trace": eager_trace},
+                         "torch graph": {"trace": None}}},
+            {"model": "gpt", "precision": "fp32", "systems": {"stepgraph": {"trace": None}}}]
+    lines = bench.trace_tables(rows).splitlines()
+    assert lines[0] == "my_net.py bf16: device time by kernel family"
+    assert lines[1].split()[-5:] == ["stepgraph", "torch", "eager", "torch", "graph"]
+    assert lines[2].split() == ["gemm", "20.0", "25.0", "-"]
+    assert lines[-2].split() == ["total", "30.0", "50.0", "-"]
+    assert not any(line.startswith("gpt") for line in lines)   # no system traced
+
+
+def test_trace_on_the_cpu_says_it_needs_cuda_and_the_run_goes_on(tmp_path):
+    path = tmp_path / "my_net.py"
+    path.write_text(USER_FILE)
+    out = tmp_path / "report.json"
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "compat-bench"), "--device",
+                          "cpu", "--models", str(path), "--precisions", "fp32", "--steps", "1",
+                          "--repeats", "1", "--warmup", "1", "--trace", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [line for line in run.stderr.splitlines() if "--trace" in line] == \
+        ["compat-bench: --trace needs CUDA (torch.profiler's CUPTI kernel records): running "
+         "without it"]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["systems"]["stepgraph"]["status"] == "ok"
+    assert all(m["trace"] is None for m in row["systems"].values())
