@@ -281,7 +281,12 @@ class Tensor:
                                  f"{self.tracer.where()})")
 
     def __iter__(self):
-        self._unsupported("iteration over a tensor")
+        """The slices along the first axis, as torch iterates (`unbind(0)`): an eager tensor's
+        values (`[r.item() for r in torch.linspace(...)]` in a constructor) or a traced
+        tensor's views, one per index of its static first axis."""
+        if not self.shape:
+            raise TypeError("iteration over a 0-d tensor")
+        return iter(self.unbind(0))
 
     def __repr__(self):
         if self.is_eager or getattr(self.tracer, "phase", None) == "done":   # a stepped pass

@@ -15,7 +15,8 @@ deterministic, since stepgraph draws from its own Philox stream and torch from i
 Dropout p=0 and LSTM dropout 0; the mobile net's stochastic depth runs with p = 1e-9, so its
 bernoulli_ / div_ / mul nodes are in the step but every row survives on both sides (u < 1 - p
 for every float32 u of stepgraph's [0, 1) draws; torch's chance of a drop is 1e-9 a row), and
-test_stochastic_depth_draws_in_the_step_at_its_rate checks p = 0.5 by its counts.
+test_stochastic_depth_draws_in_the_step_at_its_rate checks p = 0.5 by its counts. ConvNeXt
+(convnext.py) trains the same way, its hand-written DropPath at drop_path_rate = 1e-9.
 """
 from __future__ import annotations
 
@@ -101,6 +102,8 @@ CASES = {
     "vision_transformer": Case("vision_transformer", "VisionTransformer",
                                images((8, 3, 16, 16), 10), "cross_entropy"),
     "swin": Case("swin", "SwinTransformer", images((4, 3, 12, 12), 10), "cross_entropy"),
+    "convnext": Case("convnext", "ConvNeXt", images((4, 3, 32, 32), 10), "cross_entropy",
+                     {"drop_path_rate": 1e-9}),
     "lstm_lm": Case("lstm_lm", "RNNModel", tokens(4, 12, 48), kwargs={"learn_init": True}),
     "lstm_lm_state": Case(
         "lstm_lm", "StatefulRNNModel", tokens_and_state(4, 12, 48, 2, 24)),

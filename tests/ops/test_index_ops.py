@@ -56,6 +56,7 @@ CASES = {
                                                                           "i": ints(g, 4, 3)}),
     "index_select": (lambda T, x, i: T.index_select(x, -1, i), lambda g, t: {**x3(g, t),
                                                                            "i": ints(g, 5, 7)}),
+    "iter": (lambda T, x: T.cat([r * float(i + 1) for i, r in enumerate(x)], -1), x3),
     # shapes
     "unsqueeze-neg": (lambda T, x: x.unsqueeze(-1) * 2.0, x3),
     "squeeze-all": (lambda T, x: x.squeeze() * 2.0,

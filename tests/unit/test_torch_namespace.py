@@ -232,6 +232,19 @@ def test_eager_tensor_reads_back():
         x.item()
 
 
+def test_eager_tensors_iterate_as_torch():
+    """Iteration yields the slices along the first axis (ConvNeXt's drop rates are
+    `[x.item() for x in torch.linspace(0, rate, n)]` in a constructor); a 0-d tensor refuses."""
+    rates = [v.item() for v in torch.linspace(0, 0.1, 4)]
+    assert rates == pytest.approx([v.item() for v in real.linspace(0, 0.1, 4)], rel=1e-6)
+    assert all(isinstance(r, float) for r in rates)
+    for ours, theirs in zip(torch.arange(6).reshape(3, 2), real.arange(6).reshape(3, 2)):
+        same(ours, theirs)
+    assert len(list(torch.ones(3, 2))) == 3
+    with pytest.raises(TypeError, match="0-d"):
+        iter(torch.tensor(1.5))
+
+
 
 def test_eager_in_place_writes():
     x = torch.ones(2, 3)
