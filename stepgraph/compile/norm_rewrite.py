@@ -35,6 +35,12 @@ in either order); plus a positive constant eps; rsqrt, or 1 / sqrt, or x / sqrt(
 itself; then, optionally, times a (C,) weight of x's dtype, on either side. Left alone: a mean
 over another axis, no eps, a scale applied to x before the product (x * w * rsqrt(mean(x^2) +
 eps) multiplies x * w, not x), and everything else. STEPGRAPH_RMS_NORM_REWRITE=0 turns it off.
+    Under precision="bf16" a bf16 x's square stays bf16 (x * x, x.square(): on no autocast
+list) and the float32 sum reads it through a cast, while the product reads x's float32 cast:
+matched too, as rms_norm of that float32 cast (the square and its cast go). This one differs
+from the unfused bf16 step: the op squares in float32 where the unfused step rounded each x^2
+to bf16 before the sum, so its rstd is nearer float64's. (x.pow(2) is on autocast's float32
+list: the whole chain reads x's float32 cast already.)
 """
 from __future__ import annotations
 
@@ -242,15 +248,34 @@ class _RmsMatcher:
             return None, None
         return w, m
 
+    def widened(self, total: Node) -> tuple[Node | None, Node | None]:
+        """(the square, the cast to float32 between it and `total`, or None): under autocast
+        a bf16 x * x stays bf16 and the float32 reduce_sum reads it through a cast."""
+        square = self.producers.get(total.inputs[0])
+        if square is None or square.op != "cast" or square.attrs["dtype"] != "float32" or \
+                square.inputs[0].dtype not in HALF_DTYPES or self.next(square) is not total:
+            return square, None
+        return self.producers.get(square.inputs[0]), square
+
+    def float32_of(self, x: Value) -> Value | None:
+        """The one float32 cast of half x (autocast's, which every float32 reader shares)."""
+        casts = [u.outputs[0] for u in self.users.get(x, [])
+                 if u.op == "cast" and u.attrs["dtype"] == "float32"]
+        return casts[0] if len(casts) == 1 else None
+
     def chain(self, total: Node) -> _Rms | None:
         """The RMSNorm around reduce_sum node `total`, or None (module docstring)."""
-        square = self.producers.get(total.inputs[0])
+        square, widen = self.widened(total)
         x = self.square_of(square)
         if x is None or x.dtype not in FLOAT_DTYPES or not x.shape or \
                 tuple(total.attrs["axes"]) != (len(x.shape) - 1,) or \
-                self.next(square) is not total:
+                self.next(square) is not (widen or total):
             return None
-        nodes = [square, total]
+        nodes = [square, total] if widen is None else [square, widen, total]
+        if widen is not None:         # the chain goes on from x's float32 cast
+            x = self.float32_of(x)
+            if x is None:
+                return None
         plus = self.mean(total, x, nodes)
         if plus is None or plus.op != "scalar" or plus.attrs.get("kind") != "add" or \
                 not float(plus.attrs["value"]) > 0.0:
@@ -262,7 +287,7 @@ class _RmsMatcher:
         w, scale = self.weight(prod, x)
         if scale is not None:
             nodes.append(scale)
-        if any(v.dtype != x.dtype for n in nodes for v in n.outputs):
+        if any(v.dtype != x.dtype for n in nodes[1 if widen else 0:] for v in n.outputs):
             return None
         return _Rms(x, float(plus.attrs["value"]), w, nodes)
 
