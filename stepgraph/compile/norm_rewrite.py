@@ -15,6 +15,15 @@ readers of s keep reading it); the LayerNorm's weight and bias written before th
 alone: an add of an elementwise node's output that only the add reads (residual dropout),
 which compile/pointwise.py fuses into the add instead. STEPGRAPH_ADD_LAYER_NORM_REWRITE=0 turns
 it off.
+    Under precision="bf16" (the pass runs after autocast) a float32 residual stream x (GPT's
+embeddings, ViT's cat with the class token) meets the branch's bf16 GEMM output h through a
+cast: add(x, cast(h -> float32)). When only the add reads the cast, add_layer_norm reads h
+itself (b bf16, widened as loaded: exact, as the cast) and the cast goes; s, y and the
+gradients are the bits of the unfused step, but for dx + ds, which the fused backward rounds
+once where the unfused one rounded dx and then the sum (as in float32). Left alone: a bf16
+residual stream (x itself the output of a GEMM: add(bf16, bf16) -> s, then cast(s -> float32)
+for the LayerNorm), since the fused op would have to store s in bf16 yet normalise it with
+float32 weights into a float32 y, which it does not do.
 
 rewrite_rms_norm: a hand-written RMSNorm (LLaMA's, and F.rms_norm over the last dim, which
 composes the same ops)
@@ -26,13 +35,19 @@ in either order); plus a positive constant eps; rsqrt, or 1 / sqrt, or x / sqrt(
 itself; then, optionally, times a (C,) weight of x's dtype, on either side. Left alone: a mean
 over another axis, no eps, a scale applied to x before the product (x * w * rsqrt(mean(x^2) +
 eps) multiplies x * w, not x), and everything else. STEPGRAPH_RMS_NORM_REWRITE=0 turns it off.
+    Under precision="bf16" a bf16 x's square stays bf16 (x * x, x.square(): on no autocast
+list) and the float32 sum reads it through a cast, while the product reads x's float32 cast:
+matched too, as rms_norm of that float32 cast (the square and its cast go). This one differs
+from the unfused bf16 step: the op squares in float32 where the unfused step rounded each x^2
+to bf16 before the sum, so its rstd is nearer float64's. (x.pow(2) is on autocast's float32
+list: the whole chain reads x's float32 cast already.)
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 
-from ..ir.graph import FLOAT_DTYPES, Graph, Node, Value
+from ..ir.graph import FLOAT_DTYPES, HALF_DTYPES, Graph, Node, Value
 from ..ir.ops import infer_outputs
 from .pointwise import _eligible
 from .rewrite import _join
@@ -57,12 +72,28 @@ def _replaced(graph: Graph, replace: dict[Node, Node], drop: set[Node]) -> Graph
     return Graph(nodes, graph.inputs, graph.params, graph.state, dict(graph.outputs))
 
 
+def _widening_cast(v: Value, add: Node, producers, users) -> Node | None:
+    """The cast of a bfloat16 / float16 value to float32 that wrote `v`, when only `add`
+    reads v: under precision="bf16" the residual branch's last GEMM writes bf16 and autocast
+    widens it for the float32 residual add (torch's type promotion). add_layer_norm reads
+    the half value itself and widens it as it loads it (exact), so the cast goes too."""
+    p = producers.get(v)
+    if p is None or p.op != "cast" or users.get(v) != [add] or v.dtype != "float32" or \
+            p.inputs[0].dtype not in HALF_DTYPES:
+        return None
+    return p
+
+
 def _pointwise_operand(add: Node, producers, users) -> bool:
     """Whether an operand of `add` comes from an elementwise node that only the add reads
-    (residual dropout: x + dropout(proj(h))): compile/pointwise.py then makes one kernel of
-    the two, which writes s in one pass, and fusing the add into the LayerNorm instead would
-    leave the elementwise node its own pass over memory."""
+    (residual dropout: x + dropout(proj(h))), also through a widening cast (_widening_cast):
+    compile/pointwise.py then makes one kernel of the two, which writes s in one pass, and
+    fusing the add into the LayerNorm instead would leave the elementwise node its own pass
+    over memory."""
     for v in add.inputs:
+        cast = _widening_cast(v, add, producers, users)
+        if cast is not None:
+            v, add = cast.inputs[0], cast
         p = producers.get(v)
         if p is not None and users.get(v) == [add] and _eligible(p) and \
                 not _linear_activation(p, producers):
@@ -104,7 +135,14 @@ def rewrite_add_layer_norm(graph: Graph) -> Graph:
                for v in ln.inputs[1:]):
             continue
         y, mean, rstd = ln.outputs
-        ins = [*add.inputs, *ln.inputs[1:]]
+        a, b = add.inputs
+        widen = _widening_cast(b, add, producers, users) or \
+            _widening_cast(a, add, producers, users)
+        if widen is not None:         # the half operand is b (a + b == b + a, bit for bit)
+            a = b if widen.outputs[0] is a else a
+            b = widen.inputs[0]
+            drop.add(widen)
+        ins = [a, b, *ln.inputs[1:]]
         attrs = dict(ln.attrs)
         specs = infer_outputs("add_layer_norm", ins, attrs)
         if specs != [(v.shape, v.dtype) for v in (y, mean, rstd, s)]:
@@ -210,15 +248,34 @@ class _RmsMatcher:
             return None, None
         return w, m
 
+    def widened(self, total: Node) -> tuple[Node | None, Node | None]:
+        """(the square, the cast to float32 between it and `total`, or None): under autocast
+        a bf16 x * x stays bf16 and the float32 reduce_sum reads it through a cast."""
+        square = self.producers.get(total.inputs[0])
+        if square is None or square.op != "cast" or square.attrs["dtype"] != "float32" or \
+                square.inputs[0].dtype not in HALF_DTYPES or self.next(square) is not total:
+            return square, None
+        return self.producers.get(square.inputs[0]), square
+
+    def float32_of(self, x: Value) -> Value | None:
+        """The one float32 cast of half x (autocast's, which every float32 reader shares)."""
+        casts = [u.outputs[0] for u in self.users.get(x, [])
+                 if u.op == "cast" and u.attrs["dtype"] == "float32"]
+        return casts[0] if len(casts) == 1 else None
+
     def chain(self, total: Node) -> _Rms | None:
         """The RMSNorm around reduce_sum node `total`, or None (module docstring)."""
-        square = self.producers.get(total.inputs[0])
+        square, widen = self.widened(total)
         x = self.square_of(square)
         if x is None or x.dtype not in FLOAT_DTYPES or not x.shape or \
                 tuple(total.attrs["axes"]) != (len(x.shape) - 1,) or \
-                self.next(square) is not total:
+                self.next(square) is not (widen or total):
             return None
-        nodes = [square, total]
+        nodes = [square, total] if widen is None else [square, widen, total]
+        if widen is not None:         # the chain goes on from x's float32 cast
+            x = self.float32_of(x)
+            if x is None:
+                return None
         plus = self.mean(total, x, nodes)
         if plus is None or plus.op != "scalar" or plus.attrs.get("kind") != "add" or \
                 not float(plus.attrs["value"]) > 0.0:
@@ -230,7 +287,7 @@ class _RmsMatcher:
         w, scale = self.weight(prod, x)
         if scale is not None:
             nodes.append(scale)
-        if any(v.dtype != x.dtype for n in nodes for v in n.outputs):
+        if any(v.dtype != x.dtype for n in nodes[1 if widen else 0:] for v in n.outputs):
             return None
         return _Rms(x, float(plus.attrs["value"]), w, nodes)
 

@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from ..backends.numpy.bf16 import round_to
+from ..ir.graph import HALF_DTYPES
 from ..ir.ops import _need, defop, impl, vjp
 
 
@@ -120,12 +121,16 @@ def _add_layer_norm(ins, attrs):
     """s = a + b (stored in a's dtype, as the add it replaces stores it) and y = layer_norm(s)
     in one op: compile/norm_rewrite.py makes it of a residual add whose sum a LayerNorm reads
     (pre-norm transformer blocks: x = x + f(ln(x))). ins (a, b, [weight], [bias]); a and b of
-    one shape and dtype; attrs eps, weight, bias as layer_norm's. Outputs y, mean, rstd as
-    layer_norm's of s, then s (a.shape, a.dtype): the residual stream that the next add and
-    the backward read."""
+    one shape and dtype, or a float32 and b bfloat16 / float16, widened exactly as it is read
+    (precision="bf16": the cast to float32 that autocast put between the residual branch's
+    bf16 output and the float32 residual add, folded in by the rewrite); attrs eps, weight,
+    bias as layer_norm's. Outputs y, mean, rstd as layer_norm's of s, then s (a.shape,
+    a.dtype): the residual stream that the next add and the backward read."""
     a, b = ins[0], ins[1]
-    _need(a.shape == b.shape and a.dtype == b.dtype, "add_layer_norm",
-          f"a {a.shape} {a.dtype} and b {b.shape} {b.dtype} must match")
+    widened = a.dtype == "float32" and b.dtype in HALF_DTYPES
+    _need(a.shape == b.shape and (a.dtype == b.dtype or widened), "add_layer_norm",
+          f"a {a.shape} {a.dtype} and b {b.shape} {b.dtype} must match (or a float32 and b "
+          f"bfloat16 / float16)")
     outs = _layer_norm([a, *ins[2:]], attrs)
     return outs + [(a.shape, a.dtype)]
 
@@ -146,18 +151,25 @@ def _add_layer_norm_grad(ins, attrs):
 @vjp("add_layer_norm")
 def _add_layer_norm_vjp(emit, node, dy, wants) -> list:
     """dy of y and ds of s: one add_layer_norm_grad (layer_norm_grad without ds, ds itself
-    without dy); a's and b's gradient is the same value."""
+    without dy); a's and b's gradient is the same value, cast to b's dtype where b is a
+    widened half (what the folded cast's VJP did)."""
     weight, bias = bool(node.attrs.get("weight")), bool(node.attrs.get("bias"))
     y_grad, ds = dy[0], dy[3]
+    b = node.inputs[1]
+
+    def of_b(g):
+        if g.dtype == b.dtype or not wants(1):
+            return g if wants(1) else None
+        return emit("cast", [g], dtype=b.dtype)[0]
     if y_grad is None:
-        return [ds, ds] + [None] * (weight + bias)
+        return [ds, of_b(ds)] + [None] * (weight + bias)
     _, mean, rstd, s = node.outputs
     ins = [y_grad, s] + ([node.inputs[2]] if weight else []) + [mean, rstd]
     if ds is None:
         grads = emit("layer_norm_grad", ins, weight=weight, bias=bias)
     else:
         grads = emit("add_layer_norm_grad", ins + [ds], weight=weight, bias=bias)
-    return [grads[0], grads[0], *grads[1:]]
+    return [grads[0], of_b(grads[0]), *grads[1:]]
 
 
 @impl("add_layer_norm")

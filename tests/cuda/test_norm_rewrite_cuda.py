@@ -124,6 +124,27 @@ def test_add_layer_norm_forward_and_backward_match_numpy(ctx, c, x_dtype, y_dtyp
 
 
 @pytest.mark.parametrize("c", WIDTHS)
+@pytest.mark.parametrize("b_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("y_dtype", ["float32", "bfloat16"])
+def test_add_layer_norm_widens_a_half_b_as_loaded(ctx, c, b_dtype, y_dtype):
+    """precision="bf16": a float32 residual stream a plus the branch's bf16 (or float16) GEMM
+    output b, whose widening cast the rewrite folded into the op: s bit for bit a + float32(b)
+    rounded to float32, y and the statistics as the numpy backend's."""
+    rng = seeded(f"add_layer_norm widened b {c} {b_dtype} {y_dtype}")
+    a, w, bias = _rand(rng, (ROWS, c), "float32"), _rand(rng, (c,), "float32"), \
+        _rand(rng, (c,), "float32")
+    b32 = _rand(rng, (ROWS, c), "float32")
+    b = bf16.to_bits(b32) if b_dtype == "bfloat16" else b32.astype(np.float16)
+    node = make_node("add_layer_norm", [a, b32, w, bias], eps=1e-5, weight=True, bias=True)
+    node.inputs[1] = _retyped(node.inputs[1], b_dtype)
+    node.outputs[0] = _retyped(node.outputs[0], y_dtype)
+    want = reference(node, [a, b, w, bias])
+    got = run_cuda(ctx, node, [a, b, w, bias], layer_norm.IMPLS)
+    _compare(got, want, BOUNDS[y_dtype], "add_layer_norm")
+    np.testing.assert_array_equal(got[3], a + _wide(b))
+
+
+@pytest.mark.parametrize("c", WIDTHS)
 @pytest.mark.parametrize("x_dtype,y_dtype", [("float32", "float32"), ("float32", "bfloat16"),
                                              ("float16", "float16")])
 @pytest.mark.parametrize("weight", [True, False])

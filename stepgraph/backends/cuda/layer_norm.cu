@@ -332,6 +332,8 @@ layer_norm_grad_finalize_kernel(const float* partial_w, const float* partial_b, 
 // The forward reads a and b, writes s = a + b (rounded to X, as the add it replaces stores it)
 // and normalises that rounded s: the same bits as add then layer_norm. The backward is
 // layer_norm's with the residual gradient ds added to dx in float32 before the one store.
+// B: b's storage, X's but for precision="bf16", where a float32 a and a bf16 / float16 b
+// (the residual branch's GEMM output) are widened as loaded, exactly as the cast did.
 
 // v as a store to X then a load give it back: the rounding of a value stored in X.
 template <typename X>
@@ -341,9 +343,9 @@ __device__ __forceinline__ float stored_as(float v) {
     return load_as_float(&t, 0);
 }
 
-template <typename Y, int VEC, int K, typename X = float>
+template <typename Y, int VEC, int K, typename X = float, typename B = X>
 __global__ void __launch_bounds__(LAYER_NORM_MAX_THREADS)
-add_layer_norm_forward_kernel(const X* a, const X* b, const X* weight, const X* bias, Y* y,
+add_layer_norm_forward_kernel(const X* a, const B* b, const X* weight, const X* bias, Y* y,
                               X* s_out, float* mean_out, float* rstd_out, int rows, int C,
                               float eps) {
     __shared__ float smem[32];
@@ -475,9 +477,9 @@ add_layer_norm_backward_kernel(const DY* dy, const X* x, const X* weight, const 
 }
 
 // The forward for rows of any width: s written in the first pass, then re-read (L1/L2).
-template <typename Y, typename X = float>
+template <typename Y, typename X = float, typename B = X>
 __global__ void __launch_bounds__(1024)
-add_layer_norm_forward_loop_kernel(const X* a, const X* b, const X* weight, const X* bias,
+add_layer_norm_forward_loop_kernel(const X* a, const B* b, const X* weight, const X* bias,
                                    Y* y, X* s_out, float* mean_out, float* rstd_out, int rows,
                                    int C, float eps) {
     __shared__ float smem[32];

@@ -49,6 +49,9 @@ FP16_OPS = BF16_OPS
 # (x, y) C types of the forward (x, dx) and (dy) of the backward alike: float32 x with a
 # float32, bf16 or float16 y (a fused cast); a float16 x with float16 everywhere.
 IO_CTYPES = [("float", ctype) for ctype in ELEMENT_CTYPES.values()] + [("fp16_bits", "fp16_bits")]
+# C types of add_layer_norm's b besides x's: a bf16 or float16 b with a float32 a (precision
+# "bf16" / "fp16": the widening cast before the residual add, compile/norm_rewrite.py).
+HALF_BTYPES = ("unsigned short", "fp16_bits")
 MAX_THREADS = 512            # threads of a block (LAYER_NORM_MAX_THREADS, __launch_bounds__)
 ROWS_BLOCK_THREADS = 256     # threads of a block of several rows (LAYER_NORM_BLOCK_ROWS_THREADS)
 FLOATS_PER_THREAD = 16       # K * VEC at most: dy, xhat, weight and two sums in registers
@@ -69,12 +72,15 @@ class Layout:
     rows_per_block: int
 
     def kernel(self, direction: str, ctype: str = "float", xtype: str = "float",
-               op: str = "layer_norm") -> str:
+               op: str = "layer_norm", btype: str | None = None) -> str:
         """The forward's or backward's kernel of `op` (layer_norm, add_layer_norm, rms_norm)
         for a y (forward) or dy (backward) of C type ctype: float, or unsigned short for bf16
         bits (fuse_layer_norm_casts); and x (weight, bias, dx) of C type xtype: float, or
-        fp16_bits (a float16 model)."""
+        fp16_bits (a float16 model). btype: add_layer_norm's forward's b when it is not
+        xtype (a bf16 or float16 b widened as loaded; None: xtype)."""
         x = "" if xtype == "float" else f", {xtype}"     # the template's default: float
+        if btype is not None and btype != xtype:
+            x = f", {xtype}, {btype}"
         if self.k == 0:
             return f"{op}_{direction}_loop_kernel<{ctype}{x}>"
         return f"{op}_{direction}_kernel<{ctype}, {self.vec}, {self.k}{x}>"
@@ -107,6 +113,8 @@ def kernel_names() -> dict[str, set[str]]:
     for lay in layouts:
         names |= {lay.kernel(d, ctype, xtype, op) for d in ("forward", "backward")
                   for xtype, ctype in IO_CTYPES for op in KERNEL_OPS}
+        names |= {lay.kernel("forward", ctype, "float", "add_layer_norm", btype)
+                  for ctype in ELEMENT_CTYPES.values() for btype in HALF_BTYPES}
     return {SOURCE: names}
 
 
@@ -247,11 +255,14 @@ def _norm_input(what: str, x, c: int, weight, bias=None) -> str:
 
 def add_layer_norm_forward(ctx, a, b, weight, bias, y, s, mean, rstd, eps: float) -> None:
     """s = a + b rounded to a's storage; y = layer_norm(s) as layer_norm_forward's; a, b, s,
-    weight and bias all float32 (y float32, bf16 or float16) or all float16 with y."""
+    weight and bias all float32 (y float32, bf16 or float16) or all float16 with y; b may be
+    bf16 or float16 with a float32 a (widened as loaded)."""
     rows, c = _rows("add_layer_norm a", a, dtype=None)
     xtype = _norm_input("add_layer_norm", a, c, weight, bias)
-    for name, t in (("b", b), ("s", s)):
-        _check(f"add_layer_norm {name}", t, a.dtype, shape=a.shape)
+    _check("add_layer_norm s", s, a.dtype, shape=a.shape)
+    btype = _element_ctype("add_layer_norm b", b)
+    _check("add_layer_norm b", b, a.dtype if xtype != "float" or btype == "float" else None,
+           shape=a.shape)
     _check("add_layer_norm output", y, dtype=None if xtype == "float" else a.dtype,
            shape=a.shape)
     ctype = _element_ctype("add_layer_norm output", y)
@@ -259,7 +270,7 @@ def add_layer_norm_forward(ctx, a, b, weight, bias, y, s, mean, rstd, eps: float
     if not rows:
         return
     lay = row_layout(c, [t for t in (a, b, s, y, weight, bias) if t is not None])
-    _launch(ctx, SOURCE, lay.kernel("forward", ctype, xtype, "add_layer_norm"),
+    _launch(ctx, SOURCE, lay.kernel("forward", ctype, xtype, "add_layer_norm", btype),
             _row_grid(rows, lay.rows_per_block), lay.block,
             (a, b, _or_null(weight), _or_null(bias), y, s, mean, rstd, np.int32(rows),
              np.int32(c), np.float32(eps)))
