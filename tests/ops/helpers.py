@@ -63,17 +63,20 @@ def op_forward(op: str, arrays: Arrays, **attrs) -> list[np.ndarray]:
     return [result[f"out{i}"] for i in range(len(outs))]
 
 
-def op_vjp(op: str, arrays: Arrays, cotangent: np.ndarray, wrt: tuple[str, ...],
-           **attrs) -> Arrays:
+def op_vjp(op: str, arrays: Arrays, cotangent: np.ndarray | dict[int, np.ndarray],
+           wrt: tuple[str, ...], **attrs) -> Arrays:
     """J^T v of one `op` node through its registered VJP rule, v = `cotangent` on the node's
-    first output: the gradient nodes the rule emits, run after the forward node."""
+    first output (or {output index: cotangent} for several outputs, the others None): the
+    gradient nodes the rule emits, run after the forward node."""
+    cotangents = cotangent if isinstance(cotangent, dict) else {0: cotangent}
     tracer = Tracer()
     ins = trace_inputs(tracer, arrays)
     tracer.emit(op, [t.value for t in ins.values()], **attrs)
     node = tracer.graph.nodes[-1]
-    dy = tracer.input(cotangent.shape, str(cotangent.dtype), "cotangent").value
+    dys = [None] * len(node.outputs)
+    for i, v in cotangents.items():
+        dys[i] = tracer.input(v.shape, str(v.dtype), f"cotangent{i}").value
     wanted = {ins[name].value for name in wrt}
-    dys = [dy] + [None] * (len(node.outputs) - 1)
     grads = VJPS[op](tracer.emit, node, dys, lambda i: node.inputs[i] in wanted)
     outputs = {}
     for name, g in zip(ins, grads):
@@ -81,7 +84,8 @@ def op_vjp(op: str, arrays: Arrays, cotangent: np.ndarray, wrt: tuple[str, ...],
             assert g is not None, f"{op}: the VJP rule gave no gradient for {name}"
             outputs[name] = g
     tracer.graph.outputs = outputs
-    return run_graph(tracer.graph, {**arrays, "cotangent": cotangent})
+    return run_graph(tracer.graph, {**arrays,
+                                    **{f"cotangent{i}": v for i, v in cotangents.items()}})
 
 
 def build_train_graph(body: Body, arrays: Arrays, wrt: tuple[str, ...], fused: bool) -> Graph:

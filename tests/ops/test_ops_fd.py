@@ -35,7 +35,8 @@ def labels(gen, n, classes) -> np.ndarray:
 # held here because groups are looked up by id through a weak table
 ONE_RANK = rendezvous(DistEnv(0, 1, 0, "127.0.0.1", 1, "single", "none"))
 
-# name -> (op, attrs, inputs(gen), differentiable input names)
+# name -> (op, attrs, inputs(gen), differentiable input names[, outputs whose cotangents are
+# set together: (0,) when absent])
 CASES = {
     "all_reduce_sum": ("all_reduce_sum", dict(group=ONE_RANK.id, world_size=1),
                        lambda g: {"x": f64(g, 5, 3)}, ("x",)),
@@ -116,6 +117,22 @@ CASES = {
                           lambda g: {"x": f64(g, 4, 5), "w": f64(g, 5)}, ("x", "w")),
     "layer_norm-plain": ("layer_norm", dict(eps=1e-5, weight=False, bias=False),
                          lambda g: {"x": f64(g, 4, 5)}, ("x",)),
+    "add_layer_norm": ("add_layer_norm", dict(eps=1e-5, weight=True, bias=True),
+                       lambda g: {"a": f64(g, 2, 3, 6), "b": f64(g, 2, 3, 6), "w": f64(g, 6),
+                                  "bias": f64(g, 6)}, ("a", "b", "w", "bias")),
+    # y and the residual stream s (output 3) both read downstream, as in a pre-norm block
+    "add_layer_norm-y-and-s": ("add_layer_norm", dict(eps=1e-5, weight=True, bias=True),
+                               lambda g: {"a": f64(g, 2, 3, 6), "b": f64(g, 2, 3, 6),
+                                          "w": f64(g, 6), "bias": f64(g, 6)},
+                               ("a", "b", "w", "bias"), (0, 3)),
+    "add_layer_norm-s-only": ("add_layer_norm", dict(eps=1e-5, weight=False, bias=False),
+                              lambda g: {"a": f64(g, 4, 5), "b": f64(g, 4, 5)}, ("a", "b"), (3,)),
+    "add_layer_norm-plain": ("add_layer_norm", dict(eps=1e-5, weight=False, bias=False),
+                             lambda g: {"a": f64(g, 4, 5), "b": f64(g, 4, 5)}, ("a", "b")),
+    "rms_norm": ("rms_norm", dict(eps=1e-6, weight=True),
+                 lambda g: {"x": f64(g, 2, 3, 6), "w": f64(g, 6)}, ("x", "w")),
+    "rms_norm-plain": ("rms_norm", dict(eps=1e-6, weight=False),
+                       lambda g: {"x": f64(g, 4, 5)}, ("x",)),
     **{f"bmm-{ta:d}{tb:d}": ("bmm", dict(trans_a=ta, trans_b=tb),
                              lambda g, ta=ta, tb=tb: {"a": f64(g, 2, *((4, 3) if ta else (3, 4))),
                                                       "b": f64(g, 2, *((5, 4) if tb else (4, 5)))},
@@ -195,20 +212,22 @@ CASES = {
 
 
 def directional_fd(op, attrs, arrays, name, u, v) -> float:
-    """(<v, f(x + eps u)> - <v, f(x - eps u)>) / (2 eps), f = the op's first output."""
-    plus = op_forward(op, {**arrays, name: arrays[name] + EPS * u}, **attrs)[0]
-    minus = op_forward(op, {**arrays, name: arrays[name] - EPS * u}, **attrs)[0]
-    return float(np.sum(v * (plus - minus))) / (2 * EPS)
+    """(<v, f(x + eps u)> - <v, f(x - eps u)>) / (2 eps), f = the op's first output; v may be
+    {output index: cotangent}, the pairings summed."""
+    vs = v if isinstance(v, dict) else {0: v}
+    plus = op_forward(op, {**arrays, name: arrays[name] + EPS * u}, **attrs)
+    minus = op_forward(op, {**arrays, name: arrays[name] - EPS * u}, **attrs)
+    return sum(float(np.sum(w * (plus[i] - minus[i]))) for i, w in vs.items()) / (2 * EPS)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_vjp_matches_finite_differences(case):
-    op, attrs, make_inputs, wrt = CASES[case]
+    op, attrs, make_inputs, wrt, *outs = CASES[case]
     gen = seeded(case)
     arrays = make_inputs(gen)
-    y = op_forward(op, arrays, **attrs)[0]
-    assert y.dtype == np.float64, f"{op} lost float64"
-    v = f64(gen, *y.shape)
+    ys = op_forward(op, arrays, **attrs)
+    assert ys[0].dtype == np.float64, f"{op} lost float64"
+    v = {i: f64(gen, *ys[i].shape) for i in (outs[0] if outs else (0,))}
     grads = op_vjp(op, arrays, v, wrt, **attrs)
     for name in wrt:
         assert grads[name].dtype == np.float64 and grads[name].shape == arrays[name].shape
