@@ -194,3 +194,10 @@ def test_trace_on_the_cpu_says_it_needs_cuda_and_the_run_goes_on(tmp_path):
     (row,) = json.loads(out.read_text())["rows"]
     assert row["systems"]["stepgraph"]["status"] == "ok"
     assert all(m["trace"] is None for m in row["systems"].values())
+
+
+def test_tf32_is_a_precision_and_not_applicable_to_the_numpy_backend():
+    bench = load_script()
+    assert bench.parse_args(["--precisions", "tf32", "bf16"]).precisions == ["tf32", "bf16"]
+    with pytest.raises(bench.NotApplicable, match="tf32"):
+        bench.prepare_stepgraph(None, "tf32", "cpu")
