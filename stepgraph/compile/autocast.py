@@ -60,6 +60,8 @@ POLICIES = {
     "bmm": LOWER,
     "conv2d": LOWER,
     "conv3d": LOWER,
+    # conv_transpose2d (torch's list has it) runs as conv2d's data gradient
+    "conv2d_grad_input": LOWER,
     # scaled_dot_product_attention is on the list too (flash attention: bf16 q, k, v and
     # output, the softmax and its logsumexp in float32 inside the kernel).
     "sdpa": LOWER,

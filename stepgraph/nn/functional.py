@@ -842,12 +842,12 @@ def _resample(x: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
 
 def conv_transpose2d(input: Tensor, weight, bias=None, stride=1, padding=0, output_padding=0,
                      groups: int = 1, dilation=1) -> Tensor:
-    """Transposed 2-D convolution (the input gradient of conv2d) of an (N, Cin, H, W) input
-    with weight (Cin, Cout/groups, kh, kw), as torch.nn.functional.conv_transpose2d: the
-    input is spread out by the stride (zeros between), padded by dilation * (k - 1) - padding
-    (cropped where negative), padded by output_padding at the end, and convolved at stride 1
-    with the flipped kernel whose in/out channels are swapped."""
-    w = _traced(input, weight)
+    """Transposed 2-D convolution of an (N, Cin, H, W) input with weight (Cin, Cout/groups,
+    kh, kw) and an optional bias (Cout,), as torch.nn.functional.conv_transpose2d. It is the
+    input gradient of the conv2d that maps Cout channels to Cin with that very weight, so it
+    runs as one conv2d_grad_input node (cuDNN's data-gradient kernels on CUDA; no zeros spread
+    between the pixels); output_padding only sets the output size."""
+    w, b = _traced(input, weight), _traced(input, bias)
     if input.ndim != 4 or w.ndim != 4 or input.shape[1] != w.shape[0] or \
             w.shape[0] % groups:
         raise ShapeError(f"conv_transpose2d: input (N, Cin, H, W) and weight (Cin, Cout/groups,"
@@ -858,17 +858,22 @@ def conv_transpose2d(input: Tensor, weight, bias=None, stride=1, padding=0, outp
     if any(op >= max(s, d) for op, s, d in zip(output_padding, stride, dilation)):
         raise ValueError(f"conv_transpose2d: output_padding {output_padding} must be smaller "
                          f"than the stride {stride} or the dilation {dilation}")
-    size = input.shape[2:]
-    spread = []
-    for n, k, s, p, d, op in zip(size, w.shape[2:], stride, padding, dilation, output_padding):
-        out = (n - 1) * s - 2 * p + d * (k - 1) + op + 1
-        spread.append(_placement(input, out + d * (k - 1), n, s, d * (k - 1) - p))
-    x = _resample(input, *spread)
-    cin, cout_g, kh, kw = w.shape
-    flipped = _resample(w, _placement(w, kh, kh, -1, kh - 1), _placement(w, kw, kw, -1, kw - 1))
-    kernel = flipped.reshape(groups, cin // groups, cout_g, kh, kw).permute(0, 2, 1, 3, 4) \
-        .reshape(groups * cout_g, cin // groups, kh, kw)
-    return conv2d(x, kernel, bias, 1, 0, dilation, groups)
+    size = tuple((n - 1) * s - 2 * p + d * (k - 1) + op + 1 for n, k, s, p, d, op in
+                 zip(input.shape[2:], w.shape[2:], stride, padding, dilation, output_padding))
+    if min(size) < 1:
+        raise ShapeError(f"conv_transpose2d: the output size {size} of input {input.shape} "
+                         f"is not positive")
+    # An output_padding of a stride or more (allowed below the dilation) makes conv2d map the
+    # output onto more positions than the input has: the input is zero-padded to them (zeros
+    # give no contribution), so the data gradient has exactly the transposed size.
+    covers = [(o + 2 * p - d * (k - 1) - 1) // s + 1 for o, k, s, p, d in
+              zip(size, w.shape[2:], stride, padding, dilation)]
+    extra = [c - n for c, n in zip(covers, input.shape[2:])]
+    x = pad(input, (0, extra[1], 0, extra[0])) if any(extra) else input
+    n, cout = input.shape[0], w.shape[1] * groups
+    y = input.tracer.op("conv2d_grad_input", [x, w], input_shape=(n, cout, *size),
+                        stride=stride, padding=padding, dilation=dilation, groups=int(groups))
+    return y if b is None else y + b.reshape(1, cout, 1, 1)
 
 
 def _out_size(size, scale_factor, recompute: bool, shape: tuple[int, ...], what: str):

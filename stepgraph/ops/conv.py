@@ -135,6 +135,20 @@ vjp("conv2d")(_conv_vjp)
 vjp("conv3d")(_conv_vjp)
 
 
+@vjp("conv2d_grad_input")
+def _conv_grad_input_vjp(emit: Emit, node: Node, dz: list, wants) -> list:
+    """conv_transpose2d runs as conv2d_grad_input(x, w) (nn/functional.py), linear in each
+    operand: x's gradient is the conv2d of dz with w (same geometry), w's the conv2d weight
+    gradient with x in dy's place and dz in the input's."""
+    (g,), (x, w) = dz, node.inputs
+    geometry = {k: node.attrs[k] for k in ("stride", "padding", "dilation", "groups")
+                if k in node.attrs} | layout_attrs(node)
+    dx = emit("conv2d", [g, w], **geometry)[0] if wants(0) else None
+    dw = emit("conv2d_grad_weight", [x, g], weight_shape=w.shape, **geometry)[0] \
+        if wants(1) else None
+    return [dx, dw]
+
+
 def _pad(x: np.ndarray, padding) -> np.ndarray:
     """x (N, C, *spatial) zero-padded by padding[i] on both sides of spatial axis i."""
     if not any(padding):

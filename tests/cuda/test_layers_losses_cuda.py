@@ -51,11 +51,35 @@ def weighted_loss(F):
     return of
 
 
+def make_transposed(torch_ns):
+    """ConvTranspose2d as U-Nets and decoders use it (k2 s2), and with padding, groups,
+    dilation and an output_padding of a stride or more (reaching past the input's taps)."""
+    nn = torch_ns.nn
+
+    class Transposed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.ConvTranspose2d(4, 6, kernel_size=2, stride=2)
+            self.odd = nn.ConvTranspose2d(6, 4, kernel_size=(3, 4), stride=(2, 1), padding=1,
+                                          output_padding=(1, 0), groups=2, bias=False)
+            self.far = nn.ConvTranspose2d(4, 2, kernel_size=3, stride=(3, 2), padding=(1, 2),
+                                          output_padding=(2, 2), dilation=3)
+
+        def forward(self, x):
+            return self.far(torch_ns.relu(self.odd(self.up(x)))).mean((2, 3))
+
+    return Transposed()
+
+
 # name -> (model over a namespace, loss of a model over a functional namespace, batches)
 CASES = {
     "zoo": (lambda ns: make_zoo(ns.nn), lambda F: lambda m: (
         lambda pred, y: F.cross_entropy(pred, y, label_smoothing=0.1, reduction="sum")),
         zoo_data(3)),
+    "transposed": (make_transposed, lambda F: lambda m: (
+        lambda pred, y: F.cross_entropy(pred, y)),
+        [(np.random.default_rng(i).standard_normal((3, 4, 5, 4)).astype(np.float32),
+          np.random.default_rng(i).integers(0, 2, 3).astype(np.int64)) for i in range(3)]),
     "weighted": (make_heads, weighted_loss,
                  [(np.random.default_rng(i).standard_normal((9, 12)).astype(np.float32),
                    np.random.default_rng(i).integers(0, 5, 9).astype(np.int64))

@@ -49,6 +49,15 @@ CASES = {
     "conv2d-pad-stride": ("conv2d", dict(stride=(2, 1), padding=(1, 2)),
                           lambda g: {"x": f64(g, 2, 3, 7, 6), "w": f64(g, 4, 3, 3, 2),
                                      "b": f64(g, 4)}, ("x", "w", "b")),
+    # conv_transpose2d's node: x (N, O, Ho, Wo) spread back onto input_shape through w
+    "conv2d_grad_input": ("conv2d_grad_input",
+                          dict(stride=(2, 2), padding=(1, 0), input_shape=(2, 3, 6, 5)),
+                          lambda g: {"x": f64(g, 2, 4, 3, 2), "w": f64(g, 4, 3, 3, 2)},
+                          ("x", "w")),
+    "conv2d_grad_input-groups-dilation": (
+        "conv2d_grad_input", dict(stride=(1, 2), padding=(0, 1), dilation=(2, 1), groups=2,
+                                  input_shape=(1, 4, 7, 6)),
+        lambda g: {"x": f64(g, 1, 2, 3, 3), "w": f64(g, 2, 2, 3, 3)}, ("x", "w")),
     "conv2d-nobias": ("conv2d", dict(stride=(1, 1), padding=(0, 0)),
                       lambda g: {"x": f64(g, 2, 2, 6, 6), "w": f64(g, 3, 2, 3, 3)}, ("x", "w")),
     "maxpool2d-k2s2": ("maxpool2d", dict(kernel=(2, 2), stride=(2, 2)),
