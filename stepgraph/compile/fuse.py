@@ -15,6 +15,7 @@ from ..ops.optim import UPDATE_OPS
 from .attention import pack_attention_heads
 from .pointwise import fuse_pointwise
 from .gradient_sums import fuse_cell_grad_sums, fuse_product_sums
+from .slice_sums import concat_slice_gradients
 from .rewrite import _copy, _join, _live, _rebuild
 
 
@@ -489,7 +490,8 @@ def eliminate_dead_code(graph: Graph) -> Graph:
     return _rebuild(graph, _live(graph.nodes, graph.outputs.values()), {})
 
 
-PASSES = (pack_attention_heads, fuse_product_sums, fuse_cell_grad_sums, fuse_linear_activation,
+PASSES = (pack_attention_heads, fuse_product_sums, fuse_cell_grad_sums, concat_slice_gradients,
+          fuse_linear_activation,
           fuse_pool_relu, fuse_batch_norm_residual, fuse_batch_norm_relu, fuse_batch_norm_grad_sum,
           fuse_activation_bias_grad, fuse_conv_bias_grad, fuse_cross_entropy,
           fuse_log_softmax_nll, fuse_loss_casts, fuse_layer_norm_casts, fuse_step_bookkeeping,

@@ -93,6 +93,14 @@ def test_add(backend, ctx, shape, request):
     assert_bits(got, want, True, "add")
 
 
+@pytest.mark.parametrize("value", [0.0, 0.1, -3.0])
+def test_fill(backend, ctx, value):
+    """bf16 fill: the zero blocks between slice gradients (compile/slice_sums.py)."""
+    (want,), (got,), _, _ = run_both(backend, ctx, node_of("fill", [], [], shape=(7, 13),
+                                                           dtype=BF16, value=value), [])
+    assert_bits(got, want, True, "fill")
+
+
 def test_unaligned_and_in_place_launches(ctx, request):
     """Views one element off 16 bytes take the kernels' scalar path; y = x in place works."""
     rng = seeded(request.node.name)

@@ -23,7 +23,8 @@ from .runtime.launch import (BLOCK, ELEMENT_CTYPES, _act_code, _aligned, _check,
 FILL_CTYPES = {np.dtype("float32"): "float", np.dtype("float64"): "double",
                np.dtype("int32"): "int", np.dtype("int64"): "long long",
                np.dtype("uint8"): "unsigned char", np.dtype("uint16"): "unsigned short"}
-BF16_OPS = frozenset({"act", "act_grad", "add", "dropout", "dropout_grad"})
+# fill: zero blocks of bf16 gradients (compile/slice_sums.py)
+BF16_OPS = frozenset({"act", "act_grad", "add", "dropout", "dropout_grad", "fill"})
 FP16_OPS = BF16_OPS | {"fill"}
 
 
