@@ -20,8 +20,17 @@ VJPs:
   whose H and W are 1 (global pooling's output) is the same bytes in both layouts: it is
   converted by a reshape (a view), not a copy.
 
+- a user's permute of a 4-D value is a layout change the pass sees through: x.permute(0, 2, 3,
+  1) of a value with an NHWC twin IS that twin (a reshape: a view), and x.permute(0, 3, 1, 2)
+  makes an NCHW value whose twin is x (nothing is emitted; an NCHW reader gets it by the
+  conversion back, the copy the user's permute was). Other permutes are emitted where first
+  read, composed with the permutes or the twin they read (a chain of transposes, movedim: the
+  tracer emits each as a permute), so each chain costs at most one copy.
+
 So the ResNet's step converts its input once (NCHW -> NHWC) and nothing else: the pooled
-features reach flatten and the classifier through a view.
+features reach flatten and the classifier through a view. A ConvNeXt block (depthwise conv,
+permute to NHWC, LayerNorm and Linears on the last axis, permute back, residual add) runs
+with no conversion at all.
 
 Values stay what their shapes say (row-major, contiguous): a value's NHWC "twin" is a new Value
 of shape (N, H, W, C); the NCHW original keeps its object, and is produced again (by the
@@ -54,6 +63,8 @@ class LayoutReport:
     to_nchw: int = 0          # activation copies NHWC -> NCHW (permute)
     weights: int = 0          # conv weights permuted to (O, kh, kw, C/groups) (1x1: views)
     views: int = 0            # conversions that are reshapes (size-1 axes only): no copy
+    absorbed: int = 0         # user permutes between NCHW and NHWC that became a twin or a
+                              # view of one (no copy)
     nhwc_nodes: int = 0       # forward nodes that run channels-last
 
     @property
@@ -175,6 +186,8 @@ class _Rewrite:
         self.twin: dict[Value, Value] = {}
         self.relaid: dict[Value, Value] = {}     # broadcast operands of rank < 4, re-laid
         self.krsc: dict[Value, Value] = {}       # conv weights as (O, kh, kw, C/groups)
+        # user permutes not emitted yet: value -> (a ready value, dims of it, the node's label)
+        self.pending: dict[Value, tuple[Value, tuple[int, ...], str]] = {}
         self.ready: set[Value] = set(graph.externals)
         self.report = LayoutReport()
 
@@ -204,16 +217,38 @@ class _Rewrite:
 
     # ---- the two layouts of a value ----------------------------------------------------------
     def nhwc(self, v: Value) -> Value:
-        """v's NHWC twin, made from v (once) when v has none."""
+        """v's NHWC twin, made from v (once) when v has none; a pending permute's from what
+        it permutes (one copy for both permutes)."""
         if v not in self.twin:
-            self.twin[v] = self.convert(self.nchw(v), TO_NHWC, what="to_nhwc")
+            if v in self.pending and v not in self.ready:
+                base, dims, _ = self.pending[v]
+                self.twin[v] = self.convert(base, tuple(dims[d] for d in TO_NHWC),
+                                            what="to_nhwc")
+            else:
+                self.twin[v] = self.convert(self.nchw(v), TO_NHWC, what="to_nhwc")
         return self.twin[v]
 
     def nchw(self, v: Value) -> Value:
-        """v itself, produced (once) from its twin when its producer now runs NHWC."""
+        """v itself, produced (once) from its twin when its producer now runs NHWC, or by its
+        pending permute."""
         if v not in self.ready:
-            self.convert(self.twin[v], TO_NCHW, out=v, what="to_nchw")
+            if v in self.pending:
+                base, dims, label = self.pending[v]
+                op, attrs = ("reshape", {"shape": v.shape}) if _is_view(base.shape, dims) \
+                    else ("permute", {"dims": dims})
+                self.emit(op, [base], attrs, label, [v])
+            else:
+                self.convert(self.twin[v], TO_NCHW, out=v, what="to_nchw")
         return v
+
+    def as_permuted(self, v: Value) -> tuple[Value, tuple[int, ...]]:
+        """(u, dims) with u ready and v == u.permute(dims), u v's NHWC twin where it has one,
+        what v's pending permute reads where it is one, else v itself."""
+        if v in self.twin:
+            return self.twin[v], TO_NCHW
+        if v in self.pending:
+            return self.pending[v][:2]
+        return self.nchw(v), tuple(range(len(v.shape)))
 
     def relay(self, v: Value, rank: int) -> Value:
         """A broadcast operand of an NHWC binary: 4-D ones as twins; lower ranks (aligned
@@ -251,6 +286,8 @@ class _Rewrite:
         elif n.op == "binary" and len(n.outputs[0].shape) == 4 and \
                 any(v in self.twin for v in n.inputs):
             self.channels_last(n, [self.relay(v, 4) for v in n.inputs], layout=False)
+        elif n.op == "permute" and four_d:
+            self.permute(n)
         elif n.op == "reduce_sum" and four_d and x in self.twin and _keeps_order(n.attrs["axes"]):
             axes = tuple(sorted(_NHWC_AXIS[a % 4] for a in n.attrs["axes"]))
             self.emit("reduce_sum", [self.twin[x]], dict(n.attrs, axes=axes), n.label,
@@ -258,6 +295,21 @@ class _Rewrite:
             self.report.nhwc_nodes += 1
         else:
             self.emit(n.op, [self.nchw(v) for v in n.inputs], n.attrs, n.label, n.outputs)
+
+    def permute(self, n: Node) -> None:
+        """A user's permute of a 4-D value (module docstring): composed with what its input
+        is a permute of, it is a view of a ready value, an NCHW value whose twin is a ready
+        value, or a permute emitted when first read."""
+        base, dims = self.as_permuted(n.inputs[0])
+        dims = tuple(dims[d] for d in n.attrs["dims"])
+        y = n.outputs[0]
+        if tuple(dims[d] for d in TO_NHWC) == tuple(range(4)):     # y.permute(TO_NHWC) is base
+            self.twin[y] = base
+            self.report.absorbed += 1
+            return
+        if dims == tuple(range(4)):
+            self.report.absorbed += 1
+        self.pending[y] = (base, dims, n.label)
 
     def conv2d(self, n: Node) -> None:
         w = n.inputs[1]
