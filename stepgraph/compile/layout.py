@@ -16,6 +16,8 @@ VJPs:
   operand of a binary is re-laid to match (a channel vector (C, 1, 1) becomes a (1, 1, 1, C)
   view); reduce_sum runs over the matching axes when its result is the same either way
   (x.mean((2, 3)));
+- concat of 4-D values runs on their twins, along the matching axis (torch.cat(.., dim=1) of
+  feature maps: the last axis);
 - every other op reads NCHW: a value is converted back once, where first needed. A value
   whose H and W are 1 (global pooling's output) is the same bytes in both layouts: it is
   converted by a reshape (a view), not a copy.
@@ -288,6 +290,11 @@ class _Rewrite:
             self.channels_last(n, [self.relay(v, 4) for v in n.inputs], layout=False)
         elif n.op == "permute" and four_d:
             self.permute(n)
+        elif n.op == "concat" and four_d and any(v in self.twin for v in n.inputs):
+            # torch.cat of feature maps (a U-Net's skip connections): along the same axis
+            # of the twins
+            self.channels_last(n, [self.nhwc(v) for v in n.inputs], layout=False,
+                               attrs=dict(n.attrs, dim=_NHWC_AXIS[n.attrs["dim"] % 4]))
         elif n.op == "reduce_sum" and four_d and x in self.twin and _keeps_order(n.attrs["axes"]):
             axes = tuple(sorted(_NHWC_AXIS[a % 4] for a in n.attrs["axes"]))
             self.emit("reduce_sum", [self.twin[x]], dict(n.attrs, axes=axes), n.label,
@@ -319,10 +326,13 @@ class _Rewrite:
         bias = [self.nchw(v) for v in n.inputs[2:]]
         self.channels_last(n, [self.nhwc(n.inputs[0]), w_krsc] + bias)
 
-    def channels_last(self, n: Node, inputs: list[Value], layout: bool = True) -> None:
-        """n run on NHWC `inputs`: with attrs layout "NHWC" (image ops) or as it is
-        (elementwise); each 4-D output gets its twin, the others keep their Values."""
-        attrs = dict(n.attrs, layout="NHWC") if layout else dict(n.attrs)
+    def channels_last(self, n: Node, inputs: list[Value], layout: bool = True,
+                      attrs: dict | None = None) -> None:
+        """n run on NHWC `inputs`: with attrs layout "NHWC" (image ops), as it is
+        (elementwise) or with `attrs`; each 4-D output gets its twin, the others keep their
+        Values."""
+        if attrs is None:
+            attrs = dict(n.attrs, layout="NHWC") if layout else dict(n.attrs)
         specs = infer_outputs(n.op, inputs, attrs)
         outs = []
         for v, (shape, dtype) in zip(n.outputs, specs):
