@@ -163,8 +163,9 @@ class TrainStep(_CompiledModel):
     memory_format ("auto", "channels_last" or "contiguous", PyTorch's names): how the image
     tensors between convolutions are stored on the device (compile/layout.py). "auto" is
     channels_last (NHWC, cuDNN's fast tensor-core layout) on CUDA at precision "tf32" or
-    "bf16" with cuDNN present, for models whose convolutions past the stem have channel counts
-    in multiples of 8 (layout.channels_last_pays); else contiguous (NCHW). Parameters,
+    "bf16" with cuDNN present, for models whose convolutions with channel counts in multiples
+    of 8 carry at least half the convolution FLOPs (layout.channels_last_pays); else
+    contiguous (NCHW). Parameters,
     gradients and the state_dict keep PyTorch's layouts either way.
 
     deterministic (default True): every kernel gives the same bits on every run. False lets

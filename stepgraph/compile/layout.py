@@ -16,12 +16,23 @@ VJPs:
   operand of a binary is re-laid to match (a channel vector (C, 1, 1) becomes a (1, 1, 1, C)
   view); reduce_sum runs over the matching axes when its result is the same either way
   (x.mean((2, 3)));
+- concat of 4-D values runs on their twins, along the matching axis (torch.cat(.., dim=1) of
+  feature maps: the last axis);
 - every other op reads NCHW: a value is converted back once, where first needed. A value
   whose H and W are 1 (global pooling's output) is the same bytes in both layouts: it is
   converted by a reshape (a view), not a copy.
 
+- a user's permute of a 4-D value is a layout change the pass sees through: x.permute(0, 2, 3,
+  1) of a value with an NHWC twin IS that twin (a reshape: a view), and x.permute(0, 3, 1, 2)
+  makes an NCHW value whose twin is x (nothing is emitted; an NCHW reader gets it by the
+  conversion back, the copy the user's permute was). Other permutes are emitted where first
+  read, composed with the permutes or the twin they read (a chain of transposes, movedim: the
+  tracer emits each as a permute), so each chain costs at most one copy.
+
 So the ResNet's step converts its input once (NCHW -> NHWC) and nothing else: the pooled
-features reach flatten and the classifier through a view.
+features reach flatten and the classifier through a view. A ConvNeXt block (depthwise conv,
+permute to NHWC, LayerNorm and Linears on the last axis, permute back, residual add) runs
+with no conversion at all.
 
 Values stay what their shapes say (row-major, contiguous): a value's NHWC "twin" is a new Value
 of shape (N, H, W, C); the NCHW original keeps its object, and is produced again (by the
@@ -29,6 +40,7 @@ conversion back) only where an NCHW reader needs it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..ir.graph import Graph, Node, Value
@@ -53,6 +65,8 @@ class LayoutReport:
     to_nchw: int = 0          # activation copies NHWC -> NCHW (permute)
     weights: int = 0          # conv weights permuted to (O, kh, kw, C/groups) (1x1: views)
     views: int = 0            # conversions that are reshapes (size-1 axes only): no copy
+    absorbed: int = 0         # user permutes between NCHW and NHWC that became a twin or a
+                              # view of one (no copy)
     nhwc_nodes: int = 0       # forward nodes that run channels-last
 
     @property
@@ -80,20 +94,58 @@ def resolve_memory_format(memory_format: str, device: str, precision: str) -> st
 
 
 TENSOR_CORE_CHANNELS = 8      # channel multiple of cuDNN's NHWC tensor-core kernels
+# Channels-last pays when the convolutions cuDNN runs on its NHWC fast kernels carry at least
+# this share of the convolution FLOPs. Those run 1.4-5.9x faster NHWC; the others run NHWC too
+# (cuDNN converts inside the call, or _through_nchw), at worst about as slow as NCHW plus a
+# transform of their input and output. At half the FLOPs the paying half's gain (>= 1.4x on
+# it) covers the rest's transforms, which are memory-bound and cost about one pass over
+# tensors the paying convs also read and write; below half the balance tips to the
+# conversions (the MNIST cnn, where no conv pays, ran 161 µs channels-last against 109 µs
+# NCHW in tf32 on an H100).
+PAYING_SHARE = 0.5
 
 
 def channels_last_pays(graph: Graph) -> bool:
-    """Whether channels-last is worth its conversions for this forward: every conv reading at
-    least TENSOR_CORE_CHANNELS channels (an RGB stem's 3 do not count) has input and output
-    channels that are multiples of it, and there is such a conv. Otherwise (the MNIST nets'
-    1 -> 10 -> 20 channels) cuDNN's NHWC tensor-core kernels do not apply and the permutes are
-    pure cost: measured on an H100, the cnn's tf32 graph step took 161 µs channels-last
-    against 109 µs NCHW."""
-    convs = [n for n in graph.nodes
-             if n.op == "conv2d" and n.inputs[0].shape[1] >= TENSOR_CORE_CHANNELS]
-    return bool(convs) and all(
-        n.inputs[0].shape[1] % TENSOR_CORE_CHANNELS == 0
-        and n.inputs[1].shape[0] % TENSOR_CORE_CHANNELS == 0 for n in convs)
+    """Whether channels-last is worth its conversions for this forward: the convs with
+    tensor-core channel counts (_conv_pays) carry at least PAYING_SHARE of the FLOPs of the
+    convs that vote. So one odd conv (a U-Net's 32 -> 2 output conv, SqueezeNet's 512 -> 10
+    classifier) no longer sends a whole net to NCHW, while the MNIST cnn (1 -> 10 -> 20: no conv
+    pays) stays NCHW."""
+    return paying_share(graph) >= PAYING_SHARE
+
+
+def paying_share(graph: Graph) -> float:
+    """The share of the voting convs' FLOPs that cuDNN's NHWC tensor-core kernels run (0 when
+    no conv votes)."""
+    total = paying = 0
+    for n in graph.nodes:
+        if n.op != "conv2d" or len(n.inputs[0].shape) != 4:
+            continue
+        pays = _conv_pays(n)
+        if pays is None:
+            continue
+        flops = math.prod(n.outputs[0].shape) * math.prod(n.inputs[1].shape[1:])
+        total += flops
+        paying += flops if pays else 0
+    return paying / total if total else 0.0
+
+
+def _conv_pays(n: Node) -> bool | None:
+    """Whether an NCHW conv2d node has channel counts cuDNN's NHWC fast kernels take; None for
+    a conv reading fewer than TENSOR_CORE_CHANNELS channels (an RGB stem, an MNIST net's first
+    conv), which does not vote: its input is converted once whatever the layout, and it is a
+    small share of a net that pays. Dense and grouped convs need their per-group input and
+    output channels in multiples of TENSOR_CORE_CHANNELS (each group is a GEMM of that
+    depth); a depthwise conv (one input channel per group) needs its channel counts in
+    multiples of it (cuDNN's NHWC depthwise kernels, which PyTorch's channels_last gets)."""
+    c, o, groups = n.inputs[0].shape[1], n.inputs[1].shape[0], n.attrs.get("groups", 1)
+    if c < TENSOR_CORE_CHANNELS:
+        return None
+    if c == groups:                         # depthwise (o = c * multiplier)
+        c_unit, o_unit = c, o
+    else:
+        c_unit, o_unit = c // groups, o // groups
+    return c_unit % TENSOR_CORE_CHANNELS == 0 and o_unit % TENSOR_CORE_CHANNELS == 0
 
 
 def apply_memory_format(graph: Graph, memory_format: str) -> Graph:
@@ -136,6 +188,8 @@ class _Rewrite:
         self.twin: dict[Value, Value] = {}
         self.relaid: dict[Value, Value] = {}     # broadcast operands of rank < 4, re-laid
         self.krsc: dict[Value, Value] = {}       # conv weights as (O, kh, kw, C/groups)
+        # user permutes not emitted yet: value -> (a ready value, dims of it, the node's label)
+        self.pending: dict[Value, tuple[Value, tuple[int, ...], str]] = {}
         self.ready: set[Value] = set(graph.externals)
         self.report = LayoutReport()
 
@@ -165,16 +219,38 @@ class _Rewrite:
 
     # ---- the two layouts of a value ----------------------------------------------------------
     def nhwc(self, v: Value) -> Value:
-        """v's NHWC twin, made from v (once) when v has none."""
+        """v's NHWC twin, made from v (once) when v has none; a pending permute's from what
+        it permutes (one copy for both permutes)."""
         if v not in self.twin:
-            self.twin[v] = self.convert(self.nchw(v), TO_NHWC, what="to_nhwc")
+            if v in self.pending and v not in self.ready:
+                base, dims, _ = self.pending[v]
+                self.twin[v] = self.convert(base, tuple(dims[d] for d in TO_NHWC),
+                                            what="to_nhwc")
+            else:
+                self.twin[v] = self.convert(self.nchw(v), TO_NHWC, what="to_nhwc")
         return self.twin[v]
 
     def nchw(self, v: Value) -> Value:
-        """v itself, produced (once) from its twin when its producer now runs NHWC."""
+        """v itself, produced (once) from its twin when its producer now runs NHWC, or by its
+        pending permute."""
         if v not in self.ready:
-            self.convert(self.twin[v], TO_NCHW, out=v, what="to_nchw")
+            if v in self.pending:
+                base, dims, label = self.pending[v]
+                op, attrs = ("reshape", {"shape": v.shape}) if _is_view(base.shape, dims) \
+                    else ("permute", {"dims": dims})
+                self.emit(op, [base], attrs, label, [v])
+            else:
+                self.convert(self.twin[v], TO_NCHW, out=v, what="to_nchw")
         return v
+
+    def as_permuted(self, v: Value) -> tuple[Value, tuple[int, ...]]:
+        """(u, dims) with u ready and v == u.permute(dims), u v's NHWC twin where it has one,
+        what v's pending permute reads where it is one, else v itself."""
+        if v in self.twin:
+            return self.twin[v], TO_NCHW
+        if v in self.pending:
+            return self.pending[v][:2]
+        return self.nchw(v), tuple(range(len(v.shape)))
 
     def relay(self, v: Value, rank: int) -> Value:
         """A broadcast operand of an NHWC binary: 4-D ones as twins; lower ranks (aligned
@@ -212,6 +288,13 @@ class _Rewrite:
         elif n.op == "binary" and len(n.outputs[0].shape) == 4 and \
                 any(v in self.twin for v in n.inputs):
             self.channels_last(n, [self.relay(v, 4) for v in n.inputs], layout=False)
+        elif n.op == "permute" and four_d:
+            self.permute(n)
+        elif n.op == "concat" and four_d and any(v in self.twin for v in n.inputs):
+            # torch.cat of feature maps (a U-Net's skip connections): along the same axis
+            # of the twins
+            self.channels_last(n, [self.nhwc(v) for v in n.inputs], layout=False,
+                               attrs=dict(n.attrs, dim=_NHWC_AXIS[n.attrs["dim"] % 4]))
         elif n.op == "reduce_sum" and four_d and x in self.twin and _keeps_order(n.attrs["axes"]):
             axes = tuple(sorted(_NHWC_AXIS[a % 4] for a in n.attrs["axes"]))
             self.emit("reduce_sum", [self.twin[x]], dict(n.attrs, axes=axes), n.label,
@@ -219,6 +302,21 @@ class _Rewrite:
             self.report.nhwc_nodes += 1
         else:
             self.emit(n.op, [self.nchw(v) for v in n.inputs], n.attrs, n.label, n.outputs)
+
+    def permute(self, n: Node) -> None:
+        """A user's permute of a 4-D value (module docstring): composed with what its input
+        is a permute of, it is a view of a ready value, an NCHW value whose twin is a ready
+        value, or a permute emitted when first read."""
+        base, dims = self.as_permuted(n.inputs[0])
+        dims = tuple(dims[d] for d in n.attrs["dims"])
+        y = n.outputs[0]
+        if tuple(dims[d] for d in TO_NHWC) == tuple(range(4)):     # y.permute(TO_NHWC) is base
+            self.twin[y] = base
+            self.report.absorbed += 1
+            return
+        if dims == tuple(range(4)):
+            self.report.absorbed += 1
+        self.pending[y] = (base, dims, n.label)
 
     def conv2d(self, n: Node) -> None:
         w = n.inputs[1]
@@ -228,10 +326,13 @@ class _Rewrite:
         bias = [self.nchw(v) for v in n.inputs[2:]]
         self.channels_last(n, [self.nhwc(n.inputs[0]), w_krsc] + bias)
 
-    def channels_last(self, n: Node, inputs: list[Value], layout: bool = True) -> None:
-        """n run on NHWC `inputs`: with attrs layout "NHWC" (image ops) or as it is
-        (elementwise); each 4-D output gets its twin, the others keep their Values."""
-        attrs = dict(n.attrs, layout="NHWC") if layout else dict(n.attrs)
+    def channels_last(self, n: Node, inputs: list[Value], layout: bool = True,
+                      attrs: dict | None = None) -> None:
+        """n run on NHWC `inputs`: with attrs layout "NHWC" (image ops), as it is
+        (elementwise) or with `attrs`; each 4-D output gets its twin, the others keep their
+        Values."""
+        if attrs is None:
+            attrs = dict(n.attrs, layout="NHWC") if layout else dict(n.attrs)
         specs = infer_outputs(n.op, inputs, attrs)
         outs = []
         for v, (shape, dtype) in zip(n.outputs, specs):

@@ -67,6 +67,12 @@ CONVS = [
     (4, 16, 8, 8, 16, 3, 3, (1, 1), (1, 1), (1, 1), 1),
     (2, 6, 9, 8, 4, 3, 3, (1, 1), (2, 2), (2, 2), 2),        # groups 2, dilation 2
     (2, 8, 10, 9, 8, 3, 3, (2, 2), (1, 1), (1, 1), 8),       # depthwise
+    # odd channel counts that memory_format "auto" now leaves channels-last (a FLOP share
+    # decides, layout.channels_last_pays): a U-Net's output conv, a classifier conv, a
+    # 7x7 depthwise conv of 12 channels
+    (2, 16, 8, 8, 2, 1, 1, (1, 1), (0, 0), (1, 1), 1),
+    (2, 24, 5, 5, 10, 1, 1, (1, 1), (0, 0), (1, 1), 1),
+    (2, 12, 9, 9, 12, 7, 7, (1, 1), (3, 3), (1, 1), 12),
 ]
 IDS = [f"{n}x{c}x{h}x{w}-o{o}-k{kh}{kw}-s{s[0]}p{p[0]}d{d[0]}g{grp}"
        for n, c, h, w, o, kh, kw, s, p, d, grp in CONVS]
