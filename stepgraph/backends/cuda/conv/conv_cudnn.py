@@ -29,8 +29,12 @@ its own graph). Filters, applied before building:
   - nondeterministic engines (atomics) are excluded unless the context opts in
     (ctx.deterministic False: compile_train_step(deterministic=False)), so every path gives the
     same bits on every run, as the own kernels and the GEMMs do;
-  - engines compiled at run time (NVRTC inside cuDNN) are excluded: building one costs seconds
-    per problem at the first call;
+  - engines compiled at run time (NVRTC inside cuDNN) are excluded, building one costs seconds
+    per problem at the first call, except for grouped convolutions (depthwise ones above all):
+    since cuDNN 9.10 its fast NHWC depthwise kernels (conv2d_c1_k1_nhwc_specialized and their
+    dgrad / wgrad twins, what torch's cudnn.benchmark finds) are such engines, and the
+    precompiled grouped kernels left took 3-6x their time on an H200 (ConvNeXt's and
+    MobileNet's convolutions, docs/perf-notes.md);
   - plans needing more than workspace_limit() bytes of workspace are skipped.
 The workspace comes from conv.py's grow-only scratch pool (ctx.extras["conv_scratch"]): the
 largest that a problem's plans need is taken at its first eager call, so a capture never
@@ -85,7 +89,8 @@ HEURISTIC_B = True                 # query mode B as well (its candidates "cudnn
 # times a problem, the largest of its candidates), so smaller GPUs get a smaller limit.
 MAX_WORKSPACE_BYTES = 4 << 30
 WORKSPACE_MEMORY_FRACTION = 16     # ... and at most 1/16 of the GPU's memory
-RUNTIME_COMPILED = False           # admit engines cuDNN compiles at plan build (NVRTC)
+RUNTIME_COMPILED = False           # admit engines cuDNN compiles at plan build (NVRTC) ...
+RUNTIME_COMPILED_GROUPED = True    # ... for grouped convolutions only (module docstring)
 LAYOUTS = ("NCHW", "NHWC")         # of every tensor of a problem (module docstring)
 DTYPES = ("float32", "bfloat16", "float16")   # IR dtypes of the problems (module docstring)
 # The 16-bit ones: HALF or BFLOAT16 data, float32 compute, tensor cores allowed
@@ -251,7 +256,7 @@ def _ranked(cudnn, p: Problem, handle, modes: tuple[str, ...]):
                    notes.REDUCED_PRECISION_REDUCTION]
     if barred:
         graph.deselect_numeric_notes(barred)
-    if not RUNTIME_COMPILED:
+    if not (RUNTIME_COMPILED or (RUNTIME_COMPILED_GROUPED and p.g.groups > 1)):
         graph.deselect_behavior_notes([cudnn.behavior_note.RUNTIME_COMPILATION])
     return graph, ops, graph.get_execution_plan_count()
 
@@ -452,7 +457,7 @@ def candidates_key() -> tuple | None:
     if cudnn is None:
         return None
     return (getattr(cudnn, "__version__", None), MAX_PLANS, MAX_PLANS_B if HEURISTIC_B else 0,
-            workspace_limit(), RUNTIME_COMPILED)
+            workspace_limit(), RUNTIME_COMPILED, RUNTIME_COMPILED_GROUPED)
 
 
 # ---- handle, workspace, launch ---------------------------------------------------------------
