@@ -280,6 +280,9 @@ class _Rewrite:
         four_d = x is not None and len(x.shape) == 4
         if n.op == "conv2d" and four_d and n.attrs.get("layout", "NCHW") == "NCHW":
             self.conv2d(n)
+        elif n.op == "conv2d_grad_input" and four_d and \
+                n.attrs.get("layout", "NCHW") == "NCHW":
+            self.conv_transpose(n)
         elif n.op in IMAGE_OPS[1:] and four_d and x in self.twin \
                 and n.attrs.get("layout", "NCHW") == "NCHW":
             self.channels_last(n, [self.nhwc(x)] + [self.nchw(v) for v in n.inputs[1:]])
@@ -319,12 +322,22 @@ class _Rewrite:
         self.pending[y] = (base, dims, n.label)
 
     def conv2d(self, n: Node) -> None:
-        w = n.inputs[1]
-        if w not in self.krsc:          # once per weight, however many convs share it
-            self.krsc[w] = self.convert(self.nchw(w), TO_NHWC, what="weights")
-        w_krsc = self.krsc[w]
         bias = [self.nchw(v) for v in n.inputs[2:]]
-        self.channels_last(n, [self.nhwc(n.inputs[0]), w_krsc] + bias)
+        self.channels_last(n, [self.nhwc(n.inputs[0]), self.weight_krsc(n.inputs[1])] + bias)
+
+    def conv_transpose(self, n: Node) -> None:
+        """conv_transpose2d's node (conv2d's data gradient): NHWC as the backward of an NHWC
+        conv2d runs it, its input_shape given channels-last too."""
+        shape = tuple(n.attrs["input_shape"][d] for d in TO_NHWC)
+        self.channels_last(n, [self.nhwc(n.inputs[0]), self.weight_krsc(n.inputs[1])],
+                           attrs=dict(n.attrs, layout="NHWC", input_shape=shape))
+
+    def weight_krsc(self, w: Value) -> Value:
+        """A conv weight (O, C/groups, kh, kw) as cuDNN's KRSC filter, permuted once however
+        many convs share it."""
+        if w not in self.krsc:
+            self.krsc[w] = self.convert(self.nchw(w), TO_NHWC, what="weights")
+        return self.krsc[w]
 
     def channels_last(self, n: Node, inputs: list[Value], layout: bool = True,
                       attrs: dict | None = None) -> None:

@@ -229,9 +229,11 @@ def test_compat_unet_with_its_odd_conv_equals_nchw():
         tracer.graph.outputs = {"out": out.value}        # 4-D: produced back in NCHW
         if channels_last:
             tracer.graph, report = to_channels_last(tracer.graph)
-            # the input in, the output back; each ConvTranspose2d (traced as a zero-insertion
-            # of NCHW matmuls, then a conv) back and forth; the skip concats run on the twins
-            assert (report.to_nhwc, report.to_nchw) == (3, 3), report
+            # the input in, the output back, nothing else: each ConvTranspose2d (one
+            # conv2d_grad_input node) and the skip concats run on the twins
+            assert (report.to_nhwc, report.to_nchw) == (1, 1), report
+            assert sum(n.op == "conv2d_grad_input" and n.attrs["layout"] == "NHWC"
+                       for n in tracer.graph.nodes) == 2
             assert all(n.attrs["dim"] == 3 for n in tracer.graph.nodes if n.op == "concat")
         params = list(tracer.graph.params)
         grads = append_backward(tracer, loss.value, params)
