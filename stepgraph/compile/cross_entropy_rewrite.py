@@ -19,7 +19,9 @@ sums) read by nothing else and no step output:
 - either gather along that same last axis by an integer index (..., 1) of logits' leading
   shape, then, in any order, reshapes (the squeeze), one negation (a scale by exactly -1) and
   one sum over every axis, then optionally a division by the number of rows (the mean): the
-  sum becomes cross_entropy * rows (one scalar node), the mean cross_entropy itself;
+  mean becomes cross_entropy itself, the sum cross_entropy * rows (one scalar node; its
+  backward seed is then rows, not 1, so the forward and cross_entropy_grad stay two kernels
+  where a mean's fuse into one cross_entropy_train);
 - or the nll_loss op (F.nll_loss of (N, V) with mean reduction, no weight, the default
   ignore_index) reading the log-probabilities, or their (N, V) view merging the leading axes.
 The logits go to cross_entropy as their (N, V) view (free), the targets as (N,).
