@@ -48,11 +48,12 @@ def model_class(tm, form: str):
                 return -picked.mean()
             if form == "negated_after_mean":
                 return -(picked.squeeze(-1).mean())
-            nll = -picked.squeeze(-1)
-            if form == "scale_half":
-                nll = -0.5 * picked.squeeze(-1)
+            squeezed = picked.squeeze(-1)
+            nll = -0.5 * squeezed if form == "scale_half" else -squeezed
             if form in ("sum", "sum_2d"):
                 return nll.sum()
+            if form == "divided_by_batch":
+                return nll.sum() / B
             if form == "partial_mean":
                 return nll.mean(dim=-1).sum()
             if form == "logp_read_elsewhere":
@@ -73,7 +74,7 @@ def nll_form(tm, F, logits, t):
 
 
 REWRITTEN = ["mean", "sum", "mean_2d", "sum_2d", "unsqueezed_mean", "negated_after_mean",
-             "nll_view", "nll_2d"]
+             "nll_view", "nll_2d", "divided_by_batch"]
 LEFT = ["softmax_other_axis", "gather_other_axis", "logp_read_elsewhere", "picked_read_elsewhere",
         "partial_mean", "scale_half"]
 
@@ -139,7 +140,8 @@ def test_hand_written_cross_entropy_becomes_one_fused_op_and_trains_as_torch(for
     not 1, so the forward and its gradient stay two ops (cross_entropy, cross_entropy_grad)
     where a mean's fuse into one cross_entropy_train."""
     ops = check_trains_as_torch(form)
-    fused = ("cross_entropy", "cross_entropy_grad") if form.startswith("sum") else \
+    summed = form.startswith("sum") or form == "divided_by_batch"     # nll.sum() / B
+    fused = ("cross_entropy", "cross_entropy_grad") if summed else \
         ("cross_entropy_train",)
     assert [o for o in ops if o.startswith("cross_entropy")] == list(fused), ops
     assert composed(ops) == 0, ops
