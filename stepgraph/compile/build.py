@@ -18,6 +18,7 @@ from .history import emit_record_loss
 from .autocast import PRECISION as BF16_PRECISION
 from .autocast import LOW_DTYPES, as_float32, autocast, bind_weight_copies
 from .attention_rewrite import masks_supported, rewrite_attention
+from .cross_entropy_rewrite import rewrite_cross_entropy
 from .layout import apply_memory_format
 from .norm_rewrite import rewrite_norms
 from .loss_scale import LossScaling, emit_scale_update, unscale_gradients
@@ -130,8 +131,10 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
     (layout.channels_last_pays). precision "bf16" autocasts the forward
     before autodiff and has the update write the weights' bf16 copies (compile/autocast.py);
     "fp16" autocasts to float16 (each weight cast in the forward, as torch's autocast does).
-    After autocast, residual adds into LayerNorms and hand-written RMSNorms become fused ops
-    (compile/norm_rewrite.py), so autodiff sees them whole.
+    Before autocast, hand-written cross-entropy becomes the fused op
+    (compile/cross_entropy_rewrite.py). After autocast, residual adds into LayerNorms and
+    hand-written RMSNorms become fused ops (compile/norm_rewrite.py), so autodiff sees them
+    whole.
     frozen: ids of the Parameters traced as constant `state` inputs (no gradient, no update).
     extra_outputs: a dict the forward fills with more outputs of the step (name -> Value: the
     values a captured loop keeps for the script, loop/step.py); they are outputs before the
@@ -154,6 +157,7 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
             loss = loss_fn(out, target)
     tracer.graph.outputs = dict(extra_outputs or {})
     tracer.graph = rewrite_forward_attention(tracer.graph, model, device, (loss.value,), values)
+    tracer.graph = rewrite_cross_entropy(tracer.graph, (loss.value, *tracer.recomputed))
     tracer.graph = apply_memory_format(tracer.graph, memory_format)
     tracer.graph = fold_zeros(tracer.graph, (loss.value, *tracer.recomputed))
     bf16 = precision == BF16_PRECISION
@@ -237,6 +241,7 @@ def build_predict_graph(model: Module, signature: Signature,
     advance_predict_rng(tracer)
     tracer.graph.outputs = {"output": _predicted(out).value}
     graph = rewrite_forward_attention(tracer.graph, model, device, values=values)
+    graph = rewrite_cross_entropy(graph)
     graph = fold_zeros(apply_memory_format(graph, memory_format))
     if precision in LOW_DTYPES:
         autocast(graph, LOW_DTYPES[precision])

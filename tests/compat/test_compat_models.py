@@ -309,3 +309,15 @@ def test_lstm_state_fed_with_the_batch_on_axis_1_is_used():
     with pytest.raises(ShapeError, match=r"'x1': batch size 2 does not match 'x0' "
                        r"batch size 3 \(its batch axis is 1"):
         step(idx[:3], h1[:, :2], c1[:, :3], y[:3])
+
+
+def test_prefix_seq_hand_written_nll_runs_as_the_fused_cross_entropy(request):
+    """prefix_seq writes its loss as -log_softmax(logits).gather(targets).mean():
+    compile/cross_entropy_rewrite.py makes it one cross_entropy_train (no log_softmax or
+    gather kernels, forward or backward)."""
+    s = setup("prefix_seq", request.node.name)
+    step = sg.compile_train_step(s.stepgraph_model(), None, optim.SGD(lr=LR, momentum=MOMENTUM),
+                                 example_inputs=s.batches[0])
+    ops = [n.op for n in step.plan(step.signature).graph.nodes]
+    assert ops.count("cross_entropy_train") == 1, ops
+    assert not {"log_softmax", "log_softmax_grad", "gather", "gather_grad"} & set(ops), ops
