@@ -39,6 +39,8 @@ class FakeCudnn:
     built: list[str] = field(default_factory=list)
     ran: list[str] = field(default_factory=list)
     timed: list[str] = field(default_factory=list)
+    compiled: set[str] = field(default_factory=set)    # engines compiled at build (NVRTC)
+    behavior_note = types.SimpleNamespace(RUNTIME_COMPILATION="runtime compilation")
     __version__: str = "1.99.0"
 
     def forget(self) -> None:
@@ -56,6 +58,10 @@ class FakeGraph:
 
     def get_plan_name_at_index(self, index):
         return self.engines[index]
+
+    def get_behavior_notes_for_plan_at_index(self, index):
+        compiled = self.engines[index].removeprefix("fused-") in self.fake.compiled
+        return [self.fake.behavior_note.RUNTIME_COMPILATION] if compiled else []
 
     def build_plan_at_index(self, index):
         self.fake.built.append(self.engines[index])
@@ -194,6 +200,18 @@ def test_a_warm_forward_builds_only_the_chosen_plain_plan_and_its_epilogue(fake,
 
     forward_with_bias(fresh(fake, monkeypatch))
     assert fake.built == ["engB1"] and fake.timed == [] and fake.ran == ["engB1"]
+
+
+def test_runtime_compiled_plans_are_capped_per_ranked_list(fake):
+    """Engines cuDNN compiles at their build (admitted for grouped convs) cost seconds each:
+    only the first MAX_RUNTIME_COMPILED of a ranked list are candidates, the list's others
+    fill the remaining places."""
+    fake.compiled = {"eng1", "eng3", "eng4", "engB1", "engB2", "engB4"}
+    grad_input(fake_ctx())
+    # A (6 places): eng0, eng1 and eng3 (compiled, the two allowed), eng2 declined at its
+    # build, eng4 skipped unbuilt, eng5..eng7; B: engB1 and engB2 (compiled), engB4 skipped
+    assert fake.built == ["eng0", "eng1", "eng2", "eng3", "eng5", "eng6", "eng7",
+                          "engB1", "engB2"]
 
 
 def test_a_cached_plan_that_no_longer_builds_is_timed_again(fake, monkeypatch):

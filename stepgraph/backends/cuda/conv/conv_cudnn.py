@@ -90,7 +90,9 @@ HEURISTIC_B = True                 # query mode B as well (its candidates "cudnn
 MAX_WORKSPACE_BYTES = 4 << 30
 WORKSPACE_MEMORY_FRACTION = 16     # ... and at most 1/16 of the GPU's memory
 RUNTIME_COMPILED = False           # admit engines cuDNN compiles at plan build (NVRTC) ...
-RUNTIME_COMPILED_GROUPED = True    # ... for grouped convolutions only (module docstring)
+RUNTIME_COMPILED_GROUPED = True    # ... for grouped convolutions only (module docstring),
+MAX_RUNTIME_COMPILED = 2           # the first this many of a ranked list: each compiles at its
+                                   # build (an H200: MobileNet's setup 13 -> 33 s with all)
 LAYOUTS = ("NCHW", "NHWC")         # of every tensor of a problem (module docstring)
 DTYPES = ("float32", "bfloat16", "float16")   # IR dtypes of the problems (module docstring)
 # The 16-bit ones: HALF or BFLOAT16 data, float32 compute, tensor cores allowed
@@ -261,6 +263,16 @@ def _ranked(cudnn, p: Problem, handle, modes: tuple[str, ...]):
     return graph, ops, graph.get_execution_plan_count()
 
 
+def _runtime_compiled(cudnn, graph, index: int) -> bool:
+    """Whether the ranked plan at `index` is an engine cuDNN compiles when it is built (only
+    such plans pass the filters where _ranked admits them)."""
+    try:
+        notes = graph.get_behavior_notes_for_plan_at_index(index)
+    except Exception:           # a frontend without per-plan notes: not counted
+        return False
+    return cudnn.behavior_note.RUNTIME_COMPILATION in list(notes)
+
+
 def _build(cudnn, p: Problem, handle) -> Plans:
     """Rank the problem's plans by each heuristic of HEURISTICS (B only when HEURISTIC_B) and
     build, in rank order, each that passes the filters and is not a candidate already, up to
@@ -276,7 +288,7 @@ def _build(cudnn, p: Problem, handle) -> Plans:
             continue
         source = len(plans.graphs)
         plans.graphs.append((graph, _uids(ops)))
-        taken = 0
+        taken = compiled_taken = 0
         for index in range(count):
             if taken == limit:
                 break
@@ -286,6 +298,9 @@ def _build(cudnn, p: Problem, handle) -> Plans:
             except Exception:       # named once built, then
                 name = None
             if name in seen:
+                continue
+            compiled = _runtime_compiled(cudnn, graph, index)
+            if compiled and compiled_taken == MAX_RUNTIME_COMPILED:
                 continue
             try:
                 with _FRONTEND:
@@ -298,6 +313,7 @@ def _build(cudnn, p: Problem, handle) -> Plans:
             plans.entries.append(Candidate(f"cudnn:{prefix}{index}", source, index, name,
                                            workspace))
             taken += 1
+            compiled_taken += compiled
     if not plans.entries:
         plans.reason = "no plan built: " + "; ".join(failures[:4])
     return plans
@@ -457,7 +473,7 @@ def candidates_key() -> tuple | None:
     if cudnn is None:
         return None
     return (getattr(cudnn, "__version__", None), MAX_PLANS, MAX_PLANS_B if HEURISTIC_B else 0,
-            workspace_limit(), RUNTIME_COMPILED, RUNTIME_COMPILED_GROUPED)
+            workspace_limit(), RUNTIME_COMPILED, RUNTIME_COMPILED_GROUPED, MAX_RUNTIME_COMPILED)
 
 
 # ---- handle, workspace, launch ---------------------------------------------------------------
