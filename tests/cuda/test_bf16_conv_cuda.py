@@ -384,10 +384,9 @@ def test_conv2d_bf16_through_cudnn_is_within_the_summation_bound(ctx, case, requ
 @needs_cudnn
 @pytest.mark.parametrize("kernel", [3, 7])
 def test_depthwise_conv2d_bf16_with_bias_through_cudnn(ctx, kernel, request):
-    """A ConvNeXt / MobileNet depthwise conv (NHWC, bias): its fastest cuDNN engines fuse no
-    bias, so a plain plan + the epilogue kernel competes (conv.py), rounding y twice as
-    torch's conv then bias add does. Bound: the float32 summation bound plus one bf16
-    rounding (2^-8 relative) of |y|; the gradients keep the summation bound."""
+    """A ConvNeXt / MobileNet depthwise conv (NHWC, bias) on the cuDNN plans the autotuner
+    keeps (for grouped convolutions cuDNN's runtime-compiled engines compete too): y, dx and
+    dw within the float32 summation bound of the emulation's once-rounded results."""
     rng = seeded(request.node.name)
     c, p = 32, kernel // 2
     attrs = dict(stride=(1, 1), padding=(p, p), dilation=(1, 1), groups=c, layout="NHWC")
@@ -396,9 +395,8 @@ def test_depthwise_conv2d_bf16_with_bias_through_cudnn(ctx, kernel, request):
     ins = [x, w, bf16_random(rng, c)]
     fwd = node_of("conv2d", ins, **attrs)
     want, got = both(ctx, fwd, ins)
-    double = np.abs(bf16.from_bits(want[0]).astype(np.float64)) * 2.0 ** -8
-    assert_near_bits(got[0], want[0], "depthwise conv2d y", max_fraction=0.5,
-                     slack=abs_bound(fwd, ins)[0] + double)
+    assert_near_bits(got[0], want[0], "depthwise conv2d y", max_fraction=0.15,
+                     slack=abs_bound(fwd, ins)[0])
     dy = bf16_random(rng, *want[0].shape)
     dgrad = node_of("conv2d_grad_input", [dy, w], input_shape=x.shape, **attrs)
     want, got = both(ctx, dgrad, [dy, w])
