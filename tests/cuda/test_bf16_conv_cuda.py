@@ -409,6 +409,50 @@ def test_depthwise_conv2d_bf16_with_bias_through_cudnn(ctx, kernel, request):
                      slack=bounds[0])
 
 
+@needs_cudnn
+@pytest.mark.parametrize("bias", [False, True], ids=["plain", "bias"])
+@pytest.mark.parametrize("kernel", [3, 7])
+def test_every_depthwise_bf16_plan_is_within_the_summation_bound(monkeypatch, ctx, kernel,
+                                                                 bias, request):
+    """Each cuDNN plan offered for a bf16 depthwise conv (the runtime-compiled engines among
+    them), run on its own against the emulation: names every plan (and its engine) that puts
+    an element of y beyond the float32 summation bound, rather than only the one the
+    autotuner keeps."""
+    from tests.cuda.test_layout_cuda import paths_of
+
+    rng = seeded(request.node.name)
+    c, p = 32, kernel // 2
+    attrs = dict(stride=(1, 1), padding=(p, p), dilation=(1, 1), groups=c, layout="NHWC")
+    x = to_layout(bf16_random(rng, 8, c, 14, 14), "NHWC")
+    w = to_layout(bf16_random(rng, c, 1, kernel, kernel, scale=0.3), "NHWC")
+    ins = [x, w] + ([bf16_random(rng, c)] if bias else [])
+    node = node_of("conv2d", ins, **attrs)
+    want = emulate(node, ins)[0][0]
+    slack = abs_bound(node, ins)[0]
+    with ctx.stream:
+        dev_in = [cp.asarray(a) for a in ins]
+        dev_out = [cp.empty(v.shape, np.uint16) for v in node.outputs]
+    paths, through = paths_of(monkeypatch, ctx, node, dev_in, dev_out)
+    assert paths and not through, sorted(paths)
+    engines = {c.path: c.name for plans in conv_cudnn._PLANS.values() for c in plans.entries}
+    bad = []
+    for name, run in sorted(paths.items()):
+        with ctx.stream:
+            dev_out[0].fill(POISON["uint16"])
+        run()
+        ctx.stream.synchronize()
+        got = cp.asnumpy(dev_out[0])
+        d = ulps(got, want)
+        g, r = bf16.from_bits(got).astype(np.float64), bf16.from_bits(want).astype(np.float64)
+        off = ~((d <= 1) | (np.abs(g - r) <= slack))
+        print(f"{name} ({engines.get(name.removesuffix(conv.EPILOGUE_SUFFIX))}): "
+              f"{off.mean():.2%} beyond the bound, worst {int(d.max())} ulps")
+        if off.any():
+            bad.append(f"{name} ({engines.get(name.removesuffix(conv.EPILOGUE_SUFFIX))}): "
+                       f"{off.mean():.2%} off, worst {int(d.max())} ulps")
+    assert not bad, bad
+
+
 # ---- convolutions on the tiled kernels -------------------------------------------------------
 
 # (x shape, weight shape, padding): the cnn's two convs at its batch, and an odd one (3
