@@ -70,6 +70,7 @@ from ..ir.ops import IMPLS, OPS, infer_outputs
 from ..ir.trace import Constant
 from ..ops.attention import MAX_HEAD_DIM
 from ..ops.softmax import causal_mask
+from .rewrite import splice
 
 SWITCH_ENV = "STEPGRAPH_ATTENTION_REWRITE"
 # masked_fill values at or below this block an entry as -inf does: exp(v - row max) is 0 in
@@ -488,15 +489,7 @@ def rewrite_attention(graph: Graph, known: Callable[[Value], np.ndarray | None] 
         _group_heads(matcher, chain)
         replaced[_last(graph, chain.nodes)] = plan.nodes + [_sdpa_node(chain, plan, sm.label)]
         dropped |= set(chain.nodes)
-    if not replaced:
-        return graph
-    nodes: list[Node] = []
-    for n in graph.nodes:
-        if n in replaced:
-            nodes += replaced[n]
-        elif n not in dropped:
-            nodes.append(n)
-    return Graph(nodes, graph.inputs, graph.params, graph.state, dict(graph.outputs))
+    return splice(graph, replaced, dropped) if replaced else graph
 
 
 def _group_heads(matcher: _Matcher, chain: _Chain) -> None:

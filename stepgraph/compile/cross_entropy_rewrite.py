@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 from ..ir.graph import Graph, Node, Value
 from ..ir.ops import OPS, infer_outputs
-from .rewrite import _join
+from .rewrite import _join, splice
 
 SWITCH_ENV = "STEPGRAPH_CROSS_ENTROPY_REWRITE"
 LOGIT_DTYPES = ("float32", "float64")         # cross_entropy's loss has its logits' dtype
@@ -217,12 +217,4 @@ def rewrite_cross_entropy(graph: Graph, kept: tuple[Value, ...] = ()) -> Graph:
             continue
         replaced[found.nodes[-1]] = _fused(found)
         dropped |= set(found.nodes)
-    if not replaced:
-        return graph
-    nodes: list[Node] = []
-    for n in graph.nodes:
-        if n in replaced:
-            nodes += replaced[n]
-        elif n not in dropped:
-            nodes.append(n)
-    return Graph(nodes, graph.inputs, graph.params, graph.state, dict(graph.outputs))
+    return splice(graph, replaced, dropped) if replaced else graph

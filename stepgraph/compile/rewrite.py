@@ -36,3 +36,16 @@ def _live(nodes: list[Node], outputs) -> list[Node]:
 
 def _join(*labels: str) -> str:
     return "+".join(dict.fromkeys(l.split(" ")[0] for l in labels if l))
+
+
+def splice(graph: Graph, replaced: dict[Node, list[Node]], dropped: set[Node]) -> Graph:
+    """`graph` with each matched chain spliced out: the nodes in `dropped` go, and the nodes
+    that run instead are placed where the chain's last node was (`replaced`: that node ->
+    them), after everything the chain read."""
+    nodes: list[Node] = []
+    for n in graph.nodes:
+        if n in replaced:
+            nodes += replaced[n]
+        elif n not in dropped:
+            nodes.append(n)
+    return Graph(nodes, graph.inputs, graph.params, graph.state, dict(graph.outputs))
