@@ -72,7 +72,7 @@ def lane(monkeypatch, fake):
 @pytest.fixture
 def real_lane(monkeypatch, fake):
     """The real ahead thread, with no device to make current (no GPU here)."""
-    monkeypatch.setattr(ahead, "_on_device", lambda device, run: run())
+    monkeypatch.setattr(ahead, "on_device", lambda device, run: run())
     monkeypatch.setattr(compiler, "prefetch", lambda *args, **kwargs: None)
 
 

@@ -110,17 +110,16 @@ def test_early_families_declare_their_files_whole(declared):
         assert {n for n in declared[filename] if "<" in n} == {n for n in names if "<" in n}
 
 
-def test_a_launch_compiles_a_module_no_pool_thread_has_started(monkeypatch):
+def test_a_launch_compiles_a_module_no_pool_thread_has_started():
     """The waiting caller runs a queued compile itself, once; a pool thread taking it up
     later does nothing; a failure reaches the caller."""
-    monkeypatch.setattr(compiler, "_on_device", lambda device, build: build())
     ran = []
-    job = compiler._Compile(0, lambda: ran.append(threading.current_thread().name) or "mod")
+    job = compiler.Job(lambda: ran.append(threading.current_thread().name) or "mod")
     assert not job.done()
     assert job.result() == "mod" and job.done()
     job.run()                                         # the pool thread, too late
     assert ran == [threading.current_thread().name]
-    failing = compiler._Compile(0, lambda: 1 / 0)
+    failing = compiler.Job(lambda: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         failing.result()
     with pytest.raises(ZeroDivisionError):

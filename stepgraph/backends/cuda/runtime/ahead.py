@@ -28,9 +28,10 @@ _lock = threading.Lock()
 
 
 class Job:
-    """One piece of host work, run once: by the lane, or by the first caller that needs its
-    result before the lane has taken it up. `device`: the GPU it is for, made current on the
-    lane (the current device is per thread; a caller runs it on its own), None for any."""
+    """One piece of host work, run once: by a pool thread (the lane here, compiler.py's NVRTC
+    pool), or by the first caller that needs its result before a thread has taken it up.
+    `device`: the GPU it is for, made current on the lane (the current device is per thread;
+    a caller runs it on its own), None for any."""
 
     def __init__(self, build: Callable[[], object], device: int | None = None):
         self.build, self.device = build, device
@@ -67,14 +68,15 @@ def start(job: Job) -> Job:
         if _lane is None:
             _lane = ThreadPoolExecutor(1, thread_name_prefix="ahead")
         if not job.started():
-            _lane.submit(_on_device, job.device, job.run)
+            _lane.submit(on_device, job.device, job.run)
     return job
 
 
-def _on_device(device: int | None, run: Callable[[], None]) -> None:
+def on_device(device: int | None, build: Callable[[], object]):
+    """build() with `device` current on this thread (None: as it is)."""
     if device is None:
-        return run()
+        return build()
     import cupy as cp
 
     with cp.cuda.Device(device):
-        return run()
+        return build()

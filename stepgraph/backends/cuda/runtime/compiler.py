@@ -35,9 +35,11 @@ import functools
 import hashlib
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable
+
+from .ahead import Job, on_device
 
 SOURCE_ROOT = Path(__file__).resolve().parents[1]    # backends/cuda: the families' .cu files
 INCLUDE_DIR = SOURCE_ROOT / "include"                 # the .cuh headers the .cu files share
@@ -64,7 +66,7 @@ CHUNK_INSTANTIATIONS = {"elementwise.cu": 3, "layer_norm.cu": 2, "loss.cu": 2, "
 
 _declared: dict[str, frozenset[str]] = {}          # file -> the kernel names its launchers use
 _chunk_maps: dict[str, dict[str, tuple[str, ...]]] = {}   # file -> {instantiation: its chunk}
-_compiles: dict[tuple, "_Compile"] = {}            # every compile started, done or under way
+_compiles: dict[tuple, Job] = {}            # every compile started, done or under way
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 
@@ -108,35 +110,7 @@ def _headers_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-class _Compile:
-    """One module's compile, run once: by a pool thread, or by the first caller that needs
-    its result before a pool thread has taken it up (a launch never waits behind compiles
-    queued ahead of it)."""
-
-    def __init__(self, device: int, build: Callable[[], object]):
-        self.device, self.build = device, build
-        self.future: Future = Future()
-        self._taken = threading.Lock()
-
-    def run(self) -> None:
-        if not self._taken.acquire(blocking=False):
-            return                        # running or done elsewhere
-        self.future.set_running_or_notify_cancel()
-        try:
-            self.future.set_result(_on_device(self.device, self.build))
-        except BaseException as err:      # reported to whoever asks for the module
-            self.future.set_exception(err)
-
-    def result(self):
-        """The compiled module: compiled here if nobody has started it, else waited for."""
-        self.run()
-        return self.future.result()
-
-    def done(self) -> bool:
-        return self.future.done()
-
-
-def _start(key: tuple, build: Callable[[], object]) -> _Compile:
+def _start(key: tuple, build: Callable[[], object]) -> Job:
     """The compile named `key`: queued now on the pool (on the caller's current device)
     unless it was started before."""
     global _pool
@@ -146,7 +120,8 @@ def _start(key: tuple, build: Callable[[], object]) -> _Compile:
         if compile_ is None:
             if _pool is None:
                 _pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="nvrtc")
-            compile_ = _compiles[key] = _Compile(device, build)
+            # on the device it was started for, whichever thread runs it
+            compile_ = _compiles[key] = Job(functools.partial(on_device, device, build))
             _pool.submit(compile_.run)
     return compile_
 
@@ -155,13 +130,6 @@ def _current_device() -> int:
     import cupy as cp
 
     return cp.cuda.Device().id
-
-
-def _on_device(device: int, build: Callable[[], object]):
-    import cupy as cp
-
-    with cp.cuda.Device(device):        # the current device is per thread
-        return build()
 
 
 def _source(text: str) -> str:
@@ -179,7 +147,7 @@ def _compile(source: str, name_expressions: tuple[str, ...]):
     return compiled
 
 
-def _start_module(filename: str, name_expressions: tuple[str, ...] = ()) -> _Compile:
+def _start_module(filename: str, name_expressions: tuple[str, ...] = ()) -> Job:
     return _start(("file", filename, name_expressions), lambda: _compile(
         _source(source_path(filename).read_text()), name_expressions))
 
@@ -301,7 +269,7 @@ def file_modules(filename: str, groups: Iterable[str] | None = None) -> list[tup
                     if wanted is None or _group(filename, chunk[0]) in wanted]
 
 
-def _start_kernel(filename: str, name: str) -> _Compile:
+def _start_kernel(filename: str, name: str) -> Job:
     """The compile of the module that holds kernel `name` of kernel file `filename`."""
     return _start_module(filename, chunk_of(filename, name))
 
@@ -349,7 +317,7 @@ def precompile(progress: Callable[[str, tuple[str, ...]], None] | None = None) -
     return len(started)
 
 
-def _start_generated(source: str) -> _Compile:
+def _start_generated(source: str) -> Job:
     return _start(("generated", source), lambda: _compile(_source(source), ()))
 
 
