@@ -26,6 +26,14 @@ def _is_sum(node: Node) -> bool:
     return node.op == "add" and len(node.inputs) == 2
 
 
+def _sum_roots(graph: Graph, users, outputs: set) -> list[Node]:
+    """The add nodes that end an add tree: read by something other than one more add, or a
+    graph output."""
+    return [n for n in graph.nodes if _is_sum(n) and not (
+        len(users.get(n.outputs[0], [])) == 1 and _is_sum(users[n.outputs[0]][0])
+        and n.outputs[0] not in outputs)]
+
+
 def _leaves(v: Value, producers, users, outputs: set, tree: list[Node]) -> list[Value]:
     """The terms of the add tree computing v, its add nodes appended to `tree`: an add's
     input is a term unless it is itself an add read by nothing else."""
@@ -98,9 +106,7 @@ def fuse_product_sums(graph: Graph) -> Graph:
     producers, users = graph.producers(), graph.consumers()
     position = {v: i for i, n in enumerate(graph.nodes) for v in n.outputs}
     outputs = set(graph.outputs.values())
-    roots = [n for n in graph.nodes if _is_sum(n) and not (
-        len(users.get(n.outputs[0], [])) == 1 and _is_sum(users[n.outputs[0]][0])
-        and n.outputs[0] not in outputs)]
+    roots = _sum_roots(graph, users, outputs)
     drop: set[Node] = set()
     replace: dict[Node, list[Node]] = {}
     subst: dict[Value, Value] = {}

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ir.graph import Graph, Node, Value
-from .gradient_sums import _is_sum, _leaves, _sum_nodes
+from .gradient_sums import _leaves, _sum_nodes, _sum_roots
 from .rewrite import _copy, _join, _rebuild
 
 MIN_SLICES = 2
@@ -114,9 +114,7 @@ def concat_slice_gradients(graph: Graph) -> Graph:
     graph = _copy(graph)
     producers, users = graph.producers(), graph.consumers()
     outputs = set(graph.outputs.values())
-    roots = [n for n in graph.nodes if _is_sum(n) and not (
-        len(users.get(n.outputs[0], [])) == 1 and _is_sum(users[n.outputs[0]][0])
-        and n.outputs[0] not in outputs)]
+    roots = _sum_roots(graph, users, outputs)
     drop: set[Node] = set()
     replace: dict[Node, list[Node]] = {}
     for root in roots:
