@@ -69,8 +69,12 @@ def use(directory: str | os.PathLike) -> dict:
     import importlib
     applied, missing = {}, []
     for module_name, name, value in CONFIG:
-        module = importlib.import_module(module_name)
         key = f"{module_name}.{name}"
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:     # no torch: the environment alone, for whatever compiles later
+            missing.append(key)
+            continue
         if hasattr(module, name):
             setattr(module, name, value)
             applied[key] = getattr(module, name)

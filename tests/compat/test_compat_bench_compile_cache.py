@@ -255,3 +255,29 @@ def test_jobs_compile_each_model_in_its_own_process(tmp_path):
                                                           "2-prefix_seq.log"]
     assert "--compile-only: no system timed" in (logs / "1-mixer.log").read_text()
     assert not (cache / ".jobs").exists()
+
+
+def test_stepgraph_bench_takes_the_cache_folder_before_anything_runs(tmp_path, monkeypatch):
+    """`stepgraph bench --compile-cache DIR`: the config keeps it, run_benchmark points the
+    caches at it before it looks at the device, and the table's footer names it."""
+    from stepgraph.bench import harness
+    folder = str(tmp_path / "c")
+    config = harness.parse_config(["--compile-cache", folder, "--device", "cpu", "--tiny",
+                                   "--workloads", "mlp", "--peers", "stepgraph"])
+    assert config.compile_cache == folder
+    assert harness.parse_config(["--device", "cpu"]).compile_cache == ""
+    calls = []
+    monkeypatch.setattr(harness.inductor_cache, "use", lambda d: calls.append(("use", d)))
+
+    def no_device(config):
+        calls.append(("device",))
+        raise harness.NoGpuError("stop here")
+    monkeypatch.setattr(harness, "require_device", no_device)
+    with pytest.raises(harness.NoGpuError):
+        harness.run_benchmark(config)
+    assert calls == [("use", folder), ("device",)]
+    report = harness.BenchReport("today", "cpu", "host", "3", {}, config, {}, [])
+    assert f"compile cache: {folder} (" in harness.render_table(report)
+    plain = harness.BenchReport("today", "cpu", "host", "3", {},
+                                harness.parse_config(["--device", "cpu"]), {}, [])
+    assert "compile cache:" not in harness.render_table(plain)
