@@ -281,3 +281,33 @@ def test_stepgraph_bench_takes_the_cache_folder_before_anything_runs(tmp_path, m
     plain = harness.BenchReport("today", "cpu", "host", "3", {},
                                 harness.parse_config(["--device", "cpu"]), {}, [])
     assert "compile cache:" not in harness.render_table(plain)
+
+
+@pytest.mark.parametrize("hit, note", [
+    (True, "Inductor caches warm: autograd_cache_hit 1"),
+    (False, "Inductor caches cold: fxgraph_cache_miss 1"),
+])
+def test_the_bench_torch_compile_row_notes_its_cache_use(monkeypatch, hit, note):
+    """stepgraph bench's torch compile peer (its mode search faked: what a compile that hits
+    or misses counts) notes how its compile used the on-disk caches."""
+    from torch._dynamo.utils import counters
+
+    from stepgraph.bench import harness
+    from stepgraph.bench import workloads as wl
+    from stepgraph.bench.peers import torch_compile as tc
+    from tests.unit.bench_support import bench_config
+
+    def search(spec, layout, synchronize):
+        if hit:
+            counters["aot_autograd"]["autograd_cache_hit"] += 1
+        else:
+            counters["inductor"]["fxgraph_cache_miss"] += 1
+        return tc._Candidate("default", lambda i: 0.0, lambda: None), ["searched"]
+    monkeypatch.setattr(tc, "_search", search)
+    spec = harness.make_spec(wl.get_workload("mlp", tiny=True), "fp32", bench_config())
+    prepared = tc.prepare(spec)
+    try:
+        assert note in prepared.notes and "searched" in prepared.notes
+        assert sum(n.startswith("Inductor caches") for n in prepared.notes) == 1
+    finally:
+        prepared.close()
