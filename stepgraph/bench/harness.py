@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stepgraph.bench import inductor_cache
 from stepgraph.bench import workloads as wl
 from stepgraph.bench.floor import StepFloor, measure_floors, render_floors
 from stepgraph.bench.peers import (
@@ -93,6 +94,7 @@ class BenchConfig:
     floor: bool = False  # also measure each (workload, precision)'s step floor (floor.py)
     fair: bool = False  # the peers' fastest configurations (--fair): the three fields above
     use_cache: bool = True  # reuse peers' rows from the cache file (--no-cache: measure again)
+    compile_cache: str = ""  # --compile-cache: Inductor's and Triton's cache folder ("": torch's)
 
 
 @dataclass
@@ -401,6 +403,8 @@ def run_benchmark(config: BenchConfig, cache: PeerResultCache | None = None) -> 
 
     Raises NoGpuError when config.device is "cuda" and no CUDA device is visible.
     """
+    if config.compile_cache:   # before anything compiles: inductor_cache.py
+        inductor_cache.use(config.compile_cache)
     device_name = require_device(config)
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if cache is None:   # a CPU run is a smoke test (--device cpu is hidden): it keeps nothing
@@ -558,6 +562,9 @@ def render_table(report: BenchReport) -> str:
     lines.append("memory: peak allocated during the peer's run; * = held after the timed steps "
                  "(the library keeps no peak); setup s = build + compile + first "
                  f"{SETUP_STEPS} steps")
+    if report.config.compile_cache:
+        lines.append(f"compile cache: {report.config.compile_cache} (the torch compile row's "
+                     "notes say whether its compile found it warm)")
     if any(r.cached for r in report.results):
         lines.append(f"{CACHED_MARK}: measured by an earlier run with the same peer versions, "
                      f"device, workload, precision and options, kept in {report.cache_file} "
@@ -696,6 +703,10 @@ def build_parser() -> argparse.ArgumentParser:
                              f"(default: {DEFAULT_PEER_TIMEOUT_S:.0f}; --fair: "
                              f"{FAIR_PEER_TIMEOUT_S:.0f}, room for every torch.compile mode's "
                              "own budget)")
+    parser.add_argument("--compile-cache", metavar="DIR", default="",
+                        help="keep Inductor's and Triton's caches (FX graph, AOTAutograd, "
+                             "autotuning choices, kernels) in DIR, so that a later run given "
+                             "DIR reuses the torch compile row's compiles (docs/BENCHMARKS.md)")
     parser.add_argument("--tinygrad-beam", type=int, default=None,
                         help="tinygrad's BEAM kernel search width; 0: no search "
                              f"(default: {DEFAULT_TINYGRAD_BEAM}; --fair: {FAIR_TINYGRAD_BEAM})")
@@ -736,7 +747,7 @@ def parse_config(argv: list[str] | None) -> BenchConfig:
                        device=args.device, tiny=args.tiny, compile_modes=tuple(compile_modes),
                        peer_timeout_s=args.peer_timeout, floor=args.floor,
                        tinygrad_beam=args.tinygrad_beam, fair=args.fair,
-                       use_cache=not args.no_cache)
+                       use_cache=not args.no_cache, compile_cache=args.compile_cache)
 
 
 def peer_options(args: argparse.Namespace) -> None:

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stepgraph.bench import inductor_cache
 from stepgraph.bench.peers import (
     COMPILE_MODE_TIMEOUT_S,
     KernelCensus,
@@ -245,9 +246,14 @@ def prepare(spec: RunSpec) -> PreparedStep:
     memory = start_memory_count(spec.device)
     torch._dynamo.reset()  # a fresh cache per run: earlier workloads must not count as warm-up
     skips_before = counters["inductor"]["cudagraph_skips"]
+    cache_before = inductor_cache.counts()
     synchronize = synchronizer(spec.device)
     best, search_notes = _search(spec, layout, synchronize)
     notes += search_notes + [f"memory format {layout}; optimizer foreach, capturable on CUDA"]
+    cache = inductor_cache.state(cache_before, inductor_cache.counts())
+    if cache["cache"] != "none":   # the on-disk caches (--compile-cache): was the compile reused
+        notes.append(f"Inductor caches {cache['cache']}: " + ", ".join(
+            f"{key.split('.')[1]} {n}" for key, n in cache.items() if key != "cache" and n))
     skips = counters["inductor"]["cudagraph_skips"] - skips_before
     if skips and spec.device == "cuda" and _split_mode(best.mode)[0] in CUDA_GRAPH_MODES:
         notes.append(f"Inductor skipped CUDA graphs {skips} time(s) "
