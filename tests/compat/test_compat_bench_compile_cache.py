@@ -166,13 +166,16 @@ def test_compile_only_builds_each_mode_and_precision_untimed(tmp_path, monkeypat
                        ("bf16", "default", "ok", "cold", 0)]
 
 
-def test_a_timed_compile_row_says_whether_its_setup_was_warm(monkeypatch):
-    """measure() notes a torch compile setup's cache use, and the table shows it by the mode."""
+def test_a_timed_compile_row_says_whether_its_setup_was_warm(monkeypatch, tmp_path):
+    """With --compile-cache, measure() notes a torch compile setup's cache use, and the table
+    shows it by the mode; without it (inductor's default caches) no verdict is given."""
     bench = load_script()
     monkeypatch.setattr(bench, "prepare_torch_compile",
                         lambda s, precision, device, mode: FakeStep(hit=True))
-    args = bench.parse_args(["--device", "cpu", "--warmup", "2", "--steps", "1",
-                             "--repeats", "1"])
+    plain = ["--device", "cpu", "--warmup", "2", "--steps", "1", "--repeats", "1"]
+    unnamed = bench.measure("torch compile", None, "fp32", bench.parse_args(plain), "default")
+    assert unnamed.status == "ok" and unnamed.compile_cache is None
+    args = bench.parse_args(plain + ["--compile-cache", str(tmp_path / "cache")])
     m = bench.measure("torch compile", None, "fp32", args, "max-autotune")
     assert m.status == "ok", m.error
     assert m.compile_cache["cache"] == "warm" and m.setup_s is not None and m.step_us > 0
