@@ -39,6 +39,12 @@ def test_ddp_script_on_two_processes_trains_like_one_on_the_global_batch(tmp_pat
     and the final weights are one torch process's over the global batch (float64 the
     reference, float32's error the measure); both ranks end with the same bits, optimizer
     state included."""
+    check_ddp_script(tmp_path, lambda script, *argv: launch_two(tmp_path, script, *argv).stdout)
+
+
+def check_ddp_script(tmp_path: Path, run_ours) -> None:
+    """scripts/ddp_train.py on two ranks (run_ours(script, *argv) -> what rank 0 printed)
+    against one torch process over the global batch, float32 and float64."""
     gen = np.random.default_rng(0)
     x = gen.standard_normal((320, 1, 8, 8)).astype(np.float32)
     y = gen.integers(0, 10, 320).astype(np.int64)
@@ -50,12 +56,12 @@ def test_ddp_script_on_two_processes_trains_like_one_on_the_global_batch(tmp_pat
     t32 = run_script("ddp_train", "torch", argv + ["--out", "t32"], tmp_path)
     t64 = run_script("ddp_train", "torch", argv + ["--out", "t64", "--data", "data64.npz"],
                      tmp_path, float64=True)
-    ours = launch_two(tmp_path, str(SCRIPTS / "ddp_train.py"), *argv, "--out", "ours").stdout
+    ours = run_ours(str(SCRIPTS / "ddp_train.py"), *argv, "--out", "ours")
     for what, pattern in (("training losses", r"step \d+ loss ([0-9.]+)"),
                           ("test loss", r"test loss ([0-9.]+)")):
         judge(numbers(ours, pattern), numbers(t64, pattern), numbers(t32, pattern), what)
     assert len(numbers(ours, r"step \d+ loss ([0-9.]+)")) == 8          # rank 0 prints alone
-    load = lambda name: {k: v.numpy() for k, v in torch.load(  # noqa: E731
+    load = lambda name: {k: v.cpu().numpy() for k, v in torch.load(  # noqa: E731
         tmp_path / name, weights_only=True).items()}
     init, rank0, rank1 = load("init.pt"), load("ours/final_rank0.pt"), load("ours/final_rank1.pt")
     for key, value in rank0.items():
@@ -63,8 +69,8 @@ def test_ddp_script_on_two_processes_trains_like_one_on_the_global_batch(tmp_pat
     optimizers = [torch.load(tmp_path / f"ours/optimizer_rank{r}.pt", weights_only=True)
                   for r in (0, 1)]
     for k, entry in optimizers[0]["state"].items():
-        np.testing.assert_array_equal(optimizers[1]["state"][k]["momentum_buffer"].numpy(),
-                                      entry["momentum_buffer"].numpy())
+        np.testing.assert_array_equal(optimizers[1]["state"][k]["momentum_buffer"].cpu().numpy(),
+                                      entry["momentum_buffer"].cpu().numpy())
     trained = [k for k in init if "running" not in k and "num_batches" not in k]
     assert_state_changes_close(init, rank0, load("t64/final_rank0.pt"),
                                load("t32/final_rank0.pt"), "final state: ", trained=trained,

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.reference import assert_close_to_reference, assert_state_changes_close
+from tests.unit.test_ddp_buffers import assert_bit_identical, judge, trained_names
 
 pytestmark = [pytest.mark.cuda, pytest.mark.multigpu]
 
@@ -42,30 +42,6 @@ def worker_ranks(out: Path, *args: str) -> list:
     return [np.load(out / f"rank{r}.npz") for r in (0, 1)]
 
 
-def entries(record, prefix: str) -> dict:
-    return {k[len(prefix):]: record[k] for k in record.files if k.startswith(prefix)}
-
-
-def assert_bit_identical(ranks: list) -> None:
-    for prefix in ("state/", "optimizer/"):
-        mine = entries(ranks[0], prefix)
-        for key, value in mine.items():
-            np.testing.assert_array_equal(entries(ranks[1], prefix)[key], value,
-                                          err_msg=prefix + key)
-
-
-def judge(ranks: list, ref64, ref32) -> None:
-    import dist_worker
-
-    trained = [k for k, _ in dist_worker.make_model("bncnn", 8)[0].named_parameters()]
-    for r, record in enumerate(ranks):
-        assert_state_changes_close(ref64.initial, entries(record, "state/"), ref64.states[r],
-                                   ref32.states[r], f"rank {r}: ", trained=trained,
-                                   counters=STEPS)
-        assert_close_to_reference([record[f"loss/{i}"] for i in range(STEPS)],
-                                  ref64.losses[r], ref32.losses[r], f"rank {r}: losses")
-
-
 def test_every_gpu_holds_rank_zeros_batchnorm_statistics(tmp_path):
     import dist_reference
     import torch
@@ -75,7 +51,7 @@ def test_every_gpu_holds_rank_zeros_batchnorm_statistics(tmp_path):
     assert list(ranks[0]["plan/ops"])[-1] == "broadcast_buffers"
     assert_bit_identical(ranks)
     judge(ranks, *(dist_reference.torch_reference("bncnn", STEPS, BATCH, dtype)
-                   for dtype in (torch.float64, torch.float32)))
+                   for dtype in (torch.float64, torch.float32)), trained_names(), steps=STEPS)
 
 
 def test_sync_batchnorm_on_two_gpus_is_batchnorm_on_the_global_batch(tmp_path):
@@ -87,41 +63,14 @@ def test_sync_batchnorm_on_two_gpus_is_batchnorm_on_the_global_batch(tmp_path):
     assert list(ranks[0]["plan/ops"]).count("all_reduce_sum") == 8
     assert_bit_identical(ranks)
     judge(ranks, *(dist_reference.torch_sync_reference("bncnn", STEPS, BATCH, dtype)
-                   for dtype in (torch.float64, torch.float32)))
+                   for dtype in (torch.float64, torch.float32)), trained_names(), steps=STEPS)
 
 
 def test_ddp_script_on_two_gpus_trains_like_one_process(tmp_path):
     """scripts/ddp_train.py under `stepgraph run` on two GPUs (backend "nccl",
-    torch.cuda.set_device(LOCAL_RANK)) against the script on one torch process."""
-    import torch
+    torch.cuda.set_device(LOCAL_RANK)) against the script on one torch process, judged as the
+    CPU test judges its two processes."""
+    from tests.compat.test_ddp_script import check_ddp_script
 
-    from tests.compat.test_training_scripts import SCRIPTS, judge as judge_printed
-    from tests.compat.test_training_scripts import numbers, run_script
-
-    gen = np.random.default_rng(0)
-    x = gen.standard_normal((320, 1, 8, 8)).astype(np.float32)
-    y = gen.integers(0, 10, 320).astype(np.int64)
-    np.savez(tmp_path / "data.npz", x=x, y=y)
-    np.savez(tmp_path / "data64.npz", x=x.astype(np.float64), y=y)
-    for out in ("t32", "t64", "ours"):
-        (tmp_path / out).mkdir()
-    argv = ["--epochs", "2", "--batch-size", "32", "--init", "init.pt"]
-    t32 = run_script("ddp_train", "torch", argv + ["--out", "t32"], tmp_path)
-    t64 = run_script("ddp_train", "torch", argv + ["--out", "t64", "--data", "data64.npz"],
-                     tmp_path, float64=True)
-    ours = launch(tmp_path, sys.executable, "-m", "stepgraph", "run",
-                  str(SCRIPTS / "ddp_train.py"), *argv, "--out", "ours").stdout
-    for what, pattern in (("training losses", r"step \d+ loss ([0-9.]+)"),
-                          ("test loss", r"test loss ([0-9.]+)")):
-        judge_printed(numbers(ours, pattern), numbers(t64, pattern), numbers(t32, pattern),
-                      what)
-    load = lambda name: {k: v.cpu().numpy() for k, v in torch.load(  # noqa: E731
-        tmp_path / name, weights_only=True).items()}
-    rank0, rank1 = load("ours/final_rank0.pt"), load("ours/final_rank1.pt")
-    for key, value in rank0.items():
-        np.testing.assert_array_equal(rank1[key], value, err_msg=key)
-    init = load("init.pt")
-    trained = [k for k in init if "running" not in k and "num_batches" not in k]
-    assert_state_changes_close(init, rank0, load("t64/final_rank0.pt"),
-                               load("t32/final_rank0.pt"), "final state: ", trained=trained,
-                               counters=16)
+    check_ddp_script(tmp_path, lambda script, *argv: launch(
+        tmp_path, sys.executable, "-m", "stepgraph", "run", script, *argv).stdout)

@@ -44,12 +44,14 @@ def assert_bit_identical(ranks: list) -> None:
                 np.testing.assert_array_equal(theirs[key], value, err_msg=prefix + key)
 
 
-def judge(ranks: list, ref64, ref32, trained) -> None:
+def judge(ranks: list, ref64, ref32, trained, steps: int = STEPS) -> None:
+    """Each rank's parameter changes and losses over `steps` against the references' by the
+    policy (tests/cuda/test_ddp_cuda.py's two-GPU mirrors judge theirs here too)."""
     for r, record in enumerate(ranks):
         assert_state_changes_close(ref64.initial, entries(record, "state/"), ref64.states[r],
                                    ref32.states[r], f"rank {r}: ", trained=trained,
-                                   counters=STEPS)
-        assert_close_to_reference([record[f"loss/{i}"] for i in range(STEPS)],
+                                   counters=steps)
+        assert_close_to_reference([record[f"loss/{i}"] for i in range(steps)],
                                   ref64.losses[r], ref32.losses[r], f"rank {r}: losses")
 
 
