@@ -28,13 +28,15 @@ def batches(n, batch=8, seed=0):
              gen.integers(0, CLASSES, batch).astype(np.int64)) for _ in range(n)]
 
 
-def twins():
-    """torch float32 / float64 models and a stepgraph model, all with the same weights."""
+def twins(make=None):
+    """torch float32 / float64 models and a stepgraph model of make(fw) (default: net), all
+    with the same weights."""
+    make = make or net
     torch.manual_seed(0)
-    t32 = net(torch)
-    t64 = net(torch).double()
+    t32 = make(torch)
+    t64 = make(torch).double()
     t64.load_state_dict({k: v.double() for k, v in t32.state_dict().items()})
-    ours = net(sg)
+    ours = make(sg)
     ours.load_state_dict({k: v.numpy() for k, v in t32.state_dict().items()})
     return t32, t64, ours
 

@@ -12,6 +12,7 @@ import torch
 
 import stepgraph as sg
 from tests.reference import assert_changes_close, assert_close_to_reference
+from tests.unit.test_loop_capture import twins
 
 D_IN, HIDDEN, CLASSES = 12, 16, 5
 STEPS, FREEZE_AT, UNFREEZE_AT = 9, 3, 6
@@ -21,17 +22,6 @@ def net(fw):
     return fw.nn.Sequential(fw.nn.Linear(D_IN, HIDDEN), fw.nn.Tanh(),
                             fw.nn.Linear(HIDDEN, HIDDEN), fw.nn.Tanh(),
                             fw.nn.Linear(HIDDEN, CLASSES))
-
-
-def triplets():
-    """torch float32 / float64 and stepgraph models with the same weights."""
-    torch.manual_seed(0)
-    t32 = net(torch)
-    t64 = net(torch).double()
-    t64.load_state_dict({k: v.double() for k, v in t32.state_dict().items()})
-    ours = net(sg)
-    ours.load_state_dict({k: v.numpy() for k, v in t32.state_dict().items()})
-    return t32, t64, ours
 
 
 def state(model) -> dict[str, np.ndarray]:
@@ -64,7 +54,7 @@ def loop(fw, model, make_opt, dtype, schedule):
 
 
 def run_three(make_opt, schedule):
-    t32, t64, ours = triplets()
+    t32, t64, ours = twins(net)
     start = state(t32)
     loop(torch, t32, make_opt, np.float32, schedule)
     loop(torch, t64, make_opt, np.float64, schedule)
@@ -101,7 +91,7 @@ def test_the_changes_are_measurable():
     be off: a run whose state restarts at step 3 is far from torch's, so the judge can fail."""
     start, s32, s64, _ = run_three(OPTIMIZERS["adamw"], lambda i: {0: not FREEZE_AT <= i <
                                                                    UNFREEZE_AT})
-    t32, t64, _ = triplets()
+    t32, t64, _ = twins(net)
     reset = net(torch)
     reset.load_state_dict(t32.state_dict())
     data = batches()
@@ -155,7 +145,7 @@ def test_state_dict_lists_frozen_parameters_state_as_torch(name):
     the same parameter indices and keys as torch's (a frozen parameter's state still listed,
     Adagrad's made for every parameter from the start), each parameter's own step count, and
     the slots' values judged against torch float64 by the tolerance policy."""
-    t32, t64, ours = triplets()
+    t32, t64, ours = twins(net)
     make_opt = STATE_OPTIMIZERS[name]
     s32 = optimizer_states(torch, t32, make_opt, np.float32)
     s64 = optimizer_states(torch, t64, make_opt, np.float64)
