@@ -258,9 +258,14 @@ def _ranked(cudnn, p: Problem, handle, modes: tuple[str, ...]):
                    notes.REDUCED_PRECISION_REDUCTION]
     if barred:
         graph.deselect_numeric_notes(barred)
-    if not (RUNTIME_COMPILED or (RUNTIME_COMPILED_GROUPED and p.g.groups > 1)):
+    if not _admits_runtime_compiled(p):
         graph.deselect_behavior_notes([cudnn.behavior_note.RUNTIME_COMPILATION])
     return graph, ops, graph.get_execution_plan_count()
+
+
+def _admits_runtime_compiled(p: Problem) -> bool:
+    """Whether engines cuDNN compiles at their build compete for `p` (module docstring)."""
+    return RUNTIME_COMPILED or (RUNTIME_COMPILED_GROUPED and p.g.groups > 1)
 
 
 def _runtime_compiled(cudnn, graph, index: int) -> bool:
@@ -278,6 +283,7 @@ def _build(cudnn, p: Problem, handle) -> Plans:
     build, in rank order, each that passes the filters and is not a candidate already, up to
     that heuristic's limit."""
     plans, failures = Plans([], []), []
+    admitted = _admits_runtime_compiled(p)      # else none is ranked: no notes to read
     for prefix, modes in HEURISTICS if HEURISTIC_B else HEURISTICS[:1]:
         limit = MAX_PLANS_B if prefix else MAX_PLANS
         try:
@@ -299,7 +305,7 @@ def _build(cudnn, p: Problem, handle) -> Plans:
                 name = None
             if name in seen:
                 continue
-            compiled = _runtime_compiled(cudnn, graph, index)
+            compiled = admitted and _runtime_compiled(cudnn, graph, index)
             if compiled and compiled_taken == MAX_RUNTIME_COMPILED:
                 continue
             try:
