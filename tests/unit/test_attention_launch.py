@@ -255,3 +255,27 @@ def test_mask_strides_follow_the_broadcast():
     assert strides((1, 1, 1, 5, 7), lead=(4, 2, 3)) == (0, 0, 7, 1)
     with pytest.raises(Exception, match="broadcast"):
         strides((2, 5, 7))
+
+
+def test_kernel_names_cover_every_candidate_tile():
+    """Every tile the autotuner may choose is one the kernels take (multiples of 32, BK <= BQ
+    for dk/dv: attention.cu's static_asserts), its default first, and listed in
+    kernel_names() in every arithmetic and storage (so the NVRTC compile test builds it)."""
+    listed = attention.kernel_names()[attention.SOURCE]
+    count = 0
+    for kind, per_hd in attention.CANDIDATES.items():
+        assert set(per_hd) == set(attention.HEAD_DIMS)
+        for hd, tiles in per_hd.items():
+            assert tiles[0] == attention.TILES[kind][hd] and len(set(tiles)) == len(tiles)
+            for bq, bk in tiles:
+                assert bq % 32 == 0 and bk % 32 == 0, (kind, hd, bq, bk)
+                assert kind != "backward_dkdv" or bk <= bq
+                for math, ctypes in attention.CTYPES.items():
+                    for ctype in ctypes:
+                        name = attention.kernel_name(kind, hd, math, ctype, (bq, bk))
+                        assert name in listed and f"<{hd}, {bq}, {bk}, {math}," in name
+                        count += 1
+    assert count == len(listed)
+    # the short-sequence tiles of the bench's head dims are among them
+    assert all((32, 32) in attention.CANDIDATES[kind][hd] for kind in attention.CANDIDATES
+               for hd in (32, 64))
