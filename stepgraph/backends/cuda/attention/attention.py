@@ -133,9 +133,10 @@ def choice_key(kind: str, hd: int, bh: int, L: int, S: int, group: int, causal: 
 
 
 def kernels_ahead(node: Node, precision: str) -> list[tuple[str, str]]:
-    """(file, kernel) of the kernels the node will launch, compiled side by side with the
-    plan's others when it is built (CudaBackend.prepare): the forward's for sdpa and
-    sdpa_qkv, dq's and dk/dv's for their gradients; none where cuDNN will run it."""
+    """(file, kernel) of the kernels the node will launch or time, compiled side by side
+    with the plan's others when it is built (CudaBackend.prepare): the forward's for sdpa and
+    sdpa_qkv, dq's and dk/dv's for their gradients, on each candidate tile (only the chosen
+    one where the disk holds the problem's choice); none where cuDNN will run it."""
     grouped = False
     if node.op in ("sdpa", "sdpa_grad"):
         q, k, v = node.inputs[:3] if node.op == "sdpa" else node.inputs[1:4]
