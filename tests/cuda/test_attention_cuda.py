@@ -299,3 +299,45 @@ def test_sdpa_qkv_matches_numpy(ctx, impls, lead, t, heads, d, causal, p):
     grad = make_node("sdpa_qkv_grad", grad_ins, **attrs)
     assert_matches(run_cuda(ctx, grad, grad_ins, impls)[0], reference(grad, grad_ins)[0],
                    "dqkv")
+
+
+def tiles_of(hd: int) -> list[tuple[int, int]]:
+    """Every candidate tile of head dim template hd, of any kernel."""
+    return sorted({tile for per_hd in attention.CANDIDATES.values() for tile in per_hd[hd]})
+
+
+def force_tile(monkeypatch, hd: int, tile: tuple[int, int]) -> list:
+    """Make `tile` the only candidate of each kernel that has it (the others keep theirs) for
+    head dim template hd; return the log of (kind, tile) the launches then take."""
+    for kind, per_hd in attention.CANDIDATES.items():
+        if tile in per_hd[hd]:
+            monkeypatch.setitem(per_hd, hd, (tile,))
+    taken = []
+    launch = attention._launch_tile
+
+    def logged(ctx, kind, hd, arith, ctype, tile, pb, args):
+        taken.append((kind, tile))
+        launch(ctx, kind, hd, arith, ctype, tile, pb, args)
+
+    monkeypatch.setattr(attention, "_launch_tile", logged)
+    return taken
+
+
+def assert_took(taken: list, hd: int, tile: tuple[int, int]) -> None:
+    """Every kernel with `tile` among its candidates ran on it, the others on their default."""
+    want = {kind: tile if tile in attention.CANDIDATES[kind][hd] else attention.TILES[kind][hd]
+            for kind in attention.CANDIDATES}
+    assert taken and all(t == want[kind] for kind, t in taken), (taken, want)
+    assert {kind for kind, _ in taken} == set(want)
+
+
+@pytest.mark.parametrize("t,causal,p", [(65, False, 0.0), (100, True, 0.0), (100, True, 0.2)])
+@pytest.mark.parametrize("hd,tile", [(hd, tile) for hd in (64, 128) for tile in tiles_of(hd)])
+def test_every_candidate_tile_matches_numpy(ctx, impls, monkeypatch, hd, tile, t, causal, p):
+    """Each tile the autotuner may choose, forced: forward and both gradients against the
+    reference (float32, 3xTF32), at lengths just above a tile multiple (65: a last query
+    tile of one row) and causal ones that end mid-tile."""
+    taken = force_tile(monkeypatch, hd, tile)
+    rng = np.random.default_rng([461, hd, *tile, t, int(p * 10)])
+    forward_and_backward(ctx, impls, rng, (2, 3), t, t, hd, hd, causal, p)
+    assert_took(taken, hd, tile)

@@ -31,6 +31,7 @@ from stepgraph import models, optim  # noqa: E402
 from stepgraph.backends.cuda.attention import attention_cudnn  # noqa: E402
 from stepgraph.backends.numpy import bf16  # noqa: E402
 from stepgraph.ir.graph import BF16  # noqa: E402
+from tests.cuda.test_attention_cuda import assert_took, force_tile, tiles_of  # noqa: E402
 from tests.cuda.test_bf16_cuda import (POISON, bits, node_of, ordered, rel,  # noqa: E402
                                        run_both)
 from tests.ops.helpers import seeded  # noqa: E402
@@ -135,3 +136,16 @@ def test_bf16_gpt_graph_replay_is_bit_identical_to_eager():
     (eager, graph), data = gpt_steps(["cuda", "cuda"], seed=3)
     ops = assert_replay_matches_eager(eager, graph, data)
     assert ops.count("sdpa_qkv") == 2 and ops.count("sdpa_qkv_grad") == 2
+
+
+@pytest.mark.parametrize("t,causal", [(65, False), (100, True)])
+@pytest.mark.parametrize("d,tile", [(d, tile) for d in (64, 128) for tile in tiles_of(d)])
+def test_bf16_every_candidate_tile_matches_the_numpy_emulation(backend, ctx, monkeypatch, d,
+                                                               tile, t, causal, request):
+    """Each tile the autotuner may choose, forced, on bf16 storage (the packed ops, own
+    kernels): out, lse and dqkv against the emulation at 65 tokens and a causal 100."""
+    taken = force_tile(monkeypatch, d, tile)
+    rng = seeded(request.node.name)
+    check_sdpa_qkv(backend, ctx, rng, bits(rng, 2, t, 3 * 2 * d), [],
+                   dict(heads=2, scale=d ** -0.5, causal=causal, dropout_p=0.0))
+    assert_took(taken, d, tile)

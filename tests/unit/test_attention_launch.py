@@ -20,6 +20,18 @@ from tests.unit.test_nvrtc_compile import (Fake, _nvrtc_usable,  # noqa: E402
 H100_SHARED = 227 * 1024        # bytes of shared memory one block may opt into
 
 
+class CapturingStream:
+    """A stream in the middle of a capture: the launchers run each kernel's default tile
+    (autotune.run_fastest times nothing then)."""
+
+    def is_capturing(self):
+        return True
+
+
+def fake_ctx(precision: str) -> SimpleNamespace:
+    return SimpleNamespace(stream=CapturingStream(), paths={}, precision=precision)
+
+
 def record(monkeypatch):
     """Patch out the CuPy-only parts; return the launches as (kernel, grid, block, args,
     shared bytes)."""
@@ -38,6 +50,7 @@ def record(monkeypatch):
         return attention.Heads(batch, head, int(strides[-2]))
 
     monkeypatch.setattr(attention.attention_cudnn, "USE_CUDNN", False)   # the own kernels'
+    monkeypatch.setenv("STEPGRAPH_DISK_CACHE", "0")       # no stored tile choices
     monkeypatch.setattr(attention, "_function", function)
     monkeypatch.setattr(attention, "_heads", contiguous)
     monkeypatch.setattr(attention, "storage", lambda q: attention.STORAGE[q.dtype])
@@ -65,7 +78,7 @@ def test_sdpa_launch_arguments_match_the_kernels(monkeypatch, lead, L, S, E, Ev,
     q, k, v = Fake((*lead, L, E), dtype), Fake((*lead, S, E), dtype), Fake((*lead, S, Ev), dtype)
     out, lse, dout = Fake((*lead, L, Ev), dtype), Fake((*lead, L)), Fake((*lead, L, Ev), dtype)
     step = [Fake((), "int64")] if p else []
-    ctx = SimpleNamespace(stream=None, precision=precision)
+    ctx = fake_ctx(precision)
     attention.IMPLS["sdpa"](Node("sdpa", [], [], attrs), [q, k, v] + step, [out, lse], ctx)
     grads = [Fake(x.shape, dtype) for x in (q, k, v)]
     attention.IMPLS["sdpa_grad"](Node("sdpa_grad", [], [], attrs),
@@ -95,28 +108,37 @@ def test_sdpa_launch_arguments_match_the_kernels(monkeypatch, lead, L, S, E, Ev,
                                              ("bf16", "bfloat16")])
 def test_kernels_ahead_name_what_the_launches_take(monkeypatch, precision, dtype):
     """The kernels a plan compiles ahead for each attention node (CudaBackend.prepare) are
-    the ones its launches then take, for the plain ops and the packed ones a GPT's attention
-    becomes: nothing compiles at the first step, nothing that no step launches."""
+    the ones its first step's launches may take, for the plain ops and the packed ones a
+    GPT's attention becomes: every candidate tile of an untimed problem (the first eager step
+    times them all), the default one among them (what a capture runs untimed)."""
     from stepgraph.ir.graph import Value
 
     launched = record(monkeypatch)
     storage = "uint16" if dtype == "bfloat16" else dtype
     lead, t, heads, hd = (2, 3), 9, 3, 40
     attrs = dict(scale=0.2, causal=True, dropout_p=0.0)
-    ctx = SimpleNamespace(stream=None, precision=precision)
+    ctx = fake_ctx(precision)
     q, lse = Fake((*lead, t, hd), storage), Fake((*lead, t))
     fwd = Node("sdpa", [Value(q.shape, dtype)] * 3, [], attrs)
     grad = Node("sdpa_grad", [Value(q.shape, dtype)] * 5, [], attrs)
     attention.IMPLS["sdpa"](fwd, [q, q, q], [Fake(q.shape, storage), lse], ctx)
     attention.IMPLS["sdpa_grad"](grad, [q, q, q, q, q, lse], [Fake(q.shape, storage)] * 3, ctx)
-    ahead = attention.kernels_ahead(fwd, precision) + attention.kernels_ahead(grad, precision)
-    assert ahead == [(attention.SOURCE, name) for name, *_ in launched]
+    forward, backward = attention.kernels_ahead(fwd, precision), \
+        attention.kernels_ahead(grad, precision)
+    # untimed: every candidate tile of each kernel, its default (what a capture runs) first
+    template, ctype = 64, "unsigned short" if dtype == "bfloat16" else "float"
+    math = attention.math_of(precision, ctype)
+    assert forward + backward == [
+        (attention.SOURCE, attention.kernel_name(kind, template, math, ctype, tile))
+        for kind in attention.CANDIDATES for tile in attention.CANDIDATES[kind][template]]
+    assert [name for name, *_ in launched] == [
+        attention.kernel_name(kind, template, math, ctype) for kind in attention.CANDIDATES]
     packed = Value((lead[0], t, 3 * heads * hd), dtype)
     out = Value((lead[0], t, heads * hd), dtype)
     assert attention.kernels_ahead(Node("sdpa_qkv", [packed], [], attrs | {"heads": heads}),
-                                   precision) == ahead[:1]
+                                   precision) == forward
     assert attention.kernels_ahead(Node("sdpa_qkv_grad", [out, packed], [],
-                                        attrs | {"heads": heads}), precision) == ahead[1:]
+                                        attrs | {"heads": heads}), precision) == backward
 
 
 def test_bf16_attention_that_cudnn_runs_compiles_no_own_kernels_ahead(monkeypatch):
@@ -127,6 +149,7 @@ def test_bf16_attention_that_cudnn_runs_compiles_no_own_kernels_ahead(monkeypatc
     from stepgraph.ir.graph import Value
 
     monkeypatch.setattr(conv_cudnn, "unavailable_reason", lambda: None)
+    monkeypatch.setenv("STEPGRAPH_DISK_CACHE", "0")       # no stored tile choices
 
     def ahead(dtype, rows, keys, hd, causal=True, precision="bf16"):
         q, k = Value((2, 3, rows, hd), dtype), Value((2, 3, keys, hd), dtype)
@@ -144,11 +167,14 @@ def test_bf16_attention_that_cudnn_runs_compiles_no_own_kernels_ahead(monkeypatc
 
 
 def test_every_tile_fits_two_blocks_where_it_matters():
-    """The bench's head dim (64) and 32 run at least two blocks per SM; 128 at least one."""
-    for kind, per_hd in attention.TILES.items():
-        for hd in per_hd:
-            blocks = (228 * 1024) // (attention.shared_floats(kind, hd) * 4 + 1024)
-            assert blocks >= (2 if hd <= 64 else 1), (kind, hd, blocks)
+    """The bench's head dim (64) and 32 run at least two blocks per SM; 128 at least one;
+    on every candidate tile."""
+    for kind, per_hd in attention.CANDIDATES.items():
+        for hd, tiles in per_hd.items():
+            for tile in tiles:
+                shared = attention.shared_floats(kind, hd, tile) * 4
+                blocks = (228 * 1024) // (shared + 1024)
+                assert blocks >= (2 if hd <= 64 else 1), (kind, hd, tile, blocks)
 
 
 def test_head_dim_templates():
@@ -194,7 +220,7 @@ def test_grouped_and_masked_launches_match_the_kernels(monkeypatch, lead, kv_lea
         Fake((*kv_lead, S, E), dtype)
     out, lse, dout = Fake((*lead, L, E), dtype), Fake((*lead, L)), Fake((*lead, L, E), dtype)
     mask = [Fake(mshape, dtype, ptr=0x9000)] if mshape else []
-    ctx = SimpleNamespace(stream=None, precision="fp32")
+    ctx = fake_ctx("fp32")
     attention.IMPLS["sdpa"](Node("sdpa", [], [], attrs), [q, k, v] + mask, [out, lse], ctx)
     grads = [Fake(x.shape, dtype) for x in (q, k, v)]
     attention.IMPLS["sdpa_grad"](Node("sdpa_grad", [], [], attrs),
@@ -229,3 +255,27 @@ def test_mask_strides_follow_the_broadcast():
     assert strides((1, 1, 1, 5, 7), lead=(4, 2, 3)) == (0, 0, 7, 1)
     with pytest.raises(Exception, match="broadcast"):
         strides((2, 5, 7))
+
+
+def test_kernel_names_cover_every_candidate_tile():
+    """Every tile the autotuner may choose is one the kernels take (multiples of 32, BK <= BQ
+    for dk/dv: attention.cu's static_asserts), its default first, and listed in
+    kernel_names() in every arithmetic and storage (so the NVRTC compile test builds it)."""
+    listed = attention.kernel_names()[attention.SOURCE]
+    count = 0
+    for kind, per_hd in attention.CANDIDATES.items():
+        assert set(per_hd) == set(attention.HEAD_DIMS)
+        for hd, tiles in per_hd.items():
+            assert tiles[0] == attention.TILES[kind][hd] and len(set(tiles)) == len(tiles)
+            for bq, bk in tiles:
+                assert bq % 32 == 0 and bk % 32 == 0, (kind, hd, bq, bk)
+                assert kind != "backward_dkdv" or bk <= bq
+                for math, ctypes in attention.CTYPES.items():
+                    for ctype in ctypes:
+                        name = attention.kernel_name(kind, hd, math, ctype, (bq, bk))
+                        assert name in listed and f"<{hd}, {bq}, {bk}, {math}," in name
+                        count += 1
+    assert count == len(listed)
+    # the short-sequence tiles of the bench's head dims are among them
+    assert all((32, 32) in attention.CANDIDATES[kind][hd] for kind in attention.CANDIDATES
+               for hd in (32, 64))

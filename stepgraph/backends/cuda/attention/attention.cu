@@ -21,7 +21,8 @@
 // free of bank conflicts.
 // Templates <HD, BQ, BK, MATH, T>: head dims up to HD (32, 64, 96, 128: a thread's columns
 // step by 32, so HD is a multiple of 32; other head dims run zero padded), BQ queries x BK
-// keys per tile, T the storage of q, k, v, out and their gradients (float, or unsigned short:
+// keys per tile (multiples of 32: the 2 x 2 warps' fragments of 16 rows, a thread's columns
+// stepping by 32; BK <= BQ for dk/dv; the launcher times a few per problem), T the storage of q, k, v, out and their gradients (float, or unsigned short:
 // bf16 bits, or fp16_bits: float16, widened on load, rounded once on store; lse and D are
 // float32 either way), and the products' arithmetic:
 //   SDPA_TF32   inputs rounded to TF32 (precision="tf32", as the GEMMs; and "bf16" and
@@ -31,7 +32,7 @@
 //               step (a_lo b_hi + a_hi b_lo + a_hi b_hi): float32-level accuracy
 //               (precision="fp32"; the scheme cuBLAS and CUTLASS call 3xTF32).
 // No explicit instantiations: each kernel a problem needs is compiled on its own
-// (compiler.PER_SHAPE_SOURCES), so a step compiles the three it launches, not all 27.
+// (compiler.PER_SHAPE_SOURCES), so a step compiles the few it launches or times, not all.
 #include "bf16.cuh"
 #include "philox.cuh"
 
@@ -360,6 +361,7 @@ sdpa_forward_kernel(const T* q, const T* k, const T* v, T* out, float* lse,
                     long long m_sc) {
     constexpr int TR = BQ / 16, TS = BK / 8, TO = HD / 8;
     constexpr int LQ = HD + 4, LT = BK + 4;
+    static_assert(BQ % 32 == 0 && BK % 32 == 0, "tiles of whole 32-row, 32-column steps");
     extern __shared__ __align__(16) float smem[];
     float* qs = smem;                  // [BQ][LQ]
     float* ks = qs + BQ * LQ;          // [BK][LQ]
@@ -539,6 +541,7 @@ sdpa_backward_dq_kernel(const T* q, const T* k, const T* v, const T* out, const 
                         long long m_sr, long long m_sc) {
     constexpr int TR = BQ / 16, TS = BK / 8, TO = HD / 8;
     constexpr int LQ = HD + 4, LT = BK + 4;
+    static_assert(BQ % 32 == 0 && BK % 32 == 0, "tiles of whole 32-row, 32-column steps");
     extern __shared__ __align__(16) float smem[];
     float* qs = smem;                  // [BQ][LQ]
     float* dos = qs + BQ * LQ;         // [BQ][LQ]
@@ -636,6 +639,7 @@ sdpa_backward_dkdv_kernel(const T* q, const T* k, const T* v, const T* dout,
     constexpr int TQ = BQ / 16, TK = BK / 16, TS = BK / 8, TO = HD / 8;
     constexpr int LQ = HD + 4, LT = BK + 4;
     static_assert(BK <= BQ, "dk and dv leave through the q and dout tiles");
+    static_assert(BQ % 32 == 0 && BK % 32 == 0, "tiles of whole 32-row, 32-column steps");
     extern __shared__ __align__(16) float smem[];
     float* ks = smem;                  // [BK][LQ]
     float* vs = ks + BK * LQ;          // [BK][LQ]

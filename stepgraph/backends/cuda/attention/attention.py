@@ -16,8 +16,9 @@ wholly give out 0, lse -inf and no gradient (torch's safe softmax). cuDNN's path
 neither.
 
 One template per head dim (the smallest of HEAD_DIMS holding E and Ev; zero padded: 80 runs
-on 96's), per
-kernel its (queries, keys) tile (`TILES`), and per precision the arithmetic of the tensor-core
+on 96's), per kernel and problem its (queries, keys) tile (the fastest of `CANDIDATES`, timed
+once per problem as other families choose among kernels: runtime/autotune.py), and per
+precision the arithmetic of the tensor-core
 tile products (`MATH`), each kernel compiled on its own when a plan names it: "tf32"
 rounds the inputs to TF32, as the GEMMs do; "fp32" splits each input into two TF32 parts and
 makes three products (float32-level accuracy, the scheme cuBLAS and CUTLASS call 3xTF32;
@@ -50,6 +51,7 @@ from ....ir.graph import Node, storage_dtype
 from ....ops.attention import group_of
 from . import attention_cudnn
 from ..elementwise import _dropout_constants
+from ..runtime import autotune
 from ..runtime.launch import ELEMENT_CTYPES, _kernel, _node_memory
 
 SOURCE = "attention.cu"
@@ -57,11 +59,25 @@ THREADS = 128                 # attention.cu SDPA_THREADS
 HEAD_DIMS = (32, 64, 96, 128)     # the templates' head dims (multiples of 32: attention.cu)
 LOG2E = 1.4426950408889634
 DEFAULT_SHARED = 48 * 1024    # bytes of dynamic shared memory a kernel gets without opting in
-# kernel -> head dim -> (queries, keys) per tile
-# (96 takes 128's tiles: its registers and shared memory fit where 128's do)
-TILES = {"forward": {32: (64, 64), 64: (64, 64), 96: (64, 32), 128: (64, 32)},
-         "backward_dq": {32: (64, 64), 64: (64, 64), 96: (32, 32), 128: (32, 32)},
-         "backward_dkdv": {32: (64, 64), 64: (64, 64), 96: (32, 32), 128: (32, 32)}}
+# kernel -> head dim -> the (queries, keys) tiles timed per problem (`_run_tiled`), the first
+# the default: the one run untimed (during a capture before the problem's choice, or where
+# it is the only one). attention.cu takes BQ and BK multiples of 32 (TcTile splits a tile
+# into 2 x 2 warps of 16-row, 8-column fragments, a thread's columns step by 32: 4 cg + 32 j)
+# and, for dk/dv, BK <= BQ (dk and dv leave through the q and dout tiles). The smaller tiles
+# waste less where a length sits just above a tile multiple (65 rows: two 64-row tiles, the
+# second of one row, against three of 32) and give few heads more blocks; the default wins
+# on long sequences. 96 takes 128's tiles (its registers and shared memory fit where 128's
+# do); their backward runs 32 x 32 already, the smallest the kernels take.
+CANDIDATES = {
+    "forward": {32: ((64, 64), (64, 32), (32, 32)), 64: ((64, 64), (64, 32), (32, 32)),
+                96: ((64, 32), (32, 32)), 128: ((64, 32), (32, 32))},
+    "backward_dq": {32: ((64, 64), (64, 32), (32, 32)), 64: ((64, 64), (64, 32), (32, 32)),
+                    96: ((32, 32),), 128: ((32, 32),)},
+    "backward_dkdv": {32: ((64, 64), (64, 32), (32, 32)), 64: ((64, 64), (64, 32), (32, 32)),
+                      96: ((32, 32),), 128: ((32, 32),)}}
+# kernel -> head dim -> its default (queries, keys) tile
+TILES = {kind: {hd: tiles[0] for hd, tiles in per_hd.items()}
+         for kind, per_hd in CANDIDATES.items()}
 
 
 # attention.cu's SDPA_TF32 and SDPA_3XTF32, and the storages each is launched for
@@ -85,31 +101,54 @@ def math_of(precision: str, ctype: str) -> int:
     return MATH[precision]
 
 
-def kernel_name(kind: str, hd: int, math: int, ctype: str) -> str:
-    bq, bk = TILES[kind][hd]
+def kernel_name(kind: str, hd: int, math: int, ctype: str,
+                tile: tuple[int, int] | None = None) -> str:
+    """The kernel of `kind` for head dim template hd on `tile` (default: TILES')."""
+    bq, bk = tile or TILES[kind][hd]
     return f"sdpa_{kind}_kernel<{hd}, {bq}, {bk}, {math}, {ctype}>"
 
 
 def kernel_names() -> dict[str, set[str]]:
-    """{.cu file: every kernel name this module may launch} (the NVRTC compile test)."""
-    return {SOURCE: {kernel_name(kind, hd, math, ctype) for kind in TILES for hd in HEAD_DIMS
-                     for math, ctypes in CTYPES.items() for ctype in ctypes},
+    """{.cu file: every kernel name this module may launch} (the NVRTC compile test): every
+    candidate tile of every kernel, head dim, arithmetic and storage."""
+    return {SOURCE: {kernel_name(kind, hd, math, ctype, tile)
+                     for kind, per_hd in CANDIDATES.items() for hd, tiles in per_hd.items()
+                     for tile in tiles for math, ctypes in CTYPES.items() for ctype in ctypes},
             **attention_cudnn.kernel_names()}
 
 
+def tile_label(tile: tuple[int, int]) -> str:
+    """A tile's name among the autotuner's paths (and on disk): "64x32"."""
+    return f"{tile[0]}x{tile[1]}"
+
+
+def choice_key(kind: str, hd: int, bh: int, L: int, S: int, group: int, causal: bool,
+               dropout: bool, masked: bool, ctype: str, math: int) -> tuple:
+    """The problem whose tile the autotuner chooses (in memory and on disk): what changes the
+    kernels' work, not the operands' strides, so that a packed problem and its contiguous
+    twin run the same tile and give the same bits. The candidates' names are part of it: a
+    changed candidate list times again."""
+    return ("sdpa", kind, hd, bh, L, S, group, bool(causal), bool(dropout), bool(masked),
+            ctype, math, tuple(tile_label(t) for t in CANDIDATES[kind][hd]))
+
+
 def kernels_ahead(node: Node, precision: str) -> list[tuple[str, str]]:
-    """(file, kernel) of the kernels the node will launch, compiled side by side with the
-    plan's others when it is built (CudaBackend.prepare): the forward's for sdpa and
-    sdpa_qkv, dq's and dk/dv's for their gradients; none where cuDNN will run it."""
+    """(file, kernel) of the kernels the node will launch or time, compiled side by side
+    with the plan's others when it is built (CudaBackend.prepare): the forward's for sdpa and
+    sdpa_qkv, dq's and dk/dv's for their gradients, on each candidate tile (only the chosen
+    one where the disk holds the problem's choice); none where cuDNN will run it."""
     grouped = False
     if node.op in ("sdpa", "sdpa_grad"):
         q, k, v = node.inputs[:3] if node.op == "sdpa" else node.inputs[1:4]
         e, ev, rows, keys = q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2]
         grouped = q.shape[:-2] != k.shape[:-2]
+        bh, group = math.prod(q.shape[:-2]), group_of(tuple(q.shape), tuple(k.shape)) or 1
     else:                   # packed: q, k, v are thirds of the projection's last axis
         q = node.inputs[0] if node.op == "sdpa_qkv" else node.inputs[1]
-        e = ev = q.shape[-1] // (3 * int(node.attrs["heads"]))
+        heads = int(node.attrs["heads"])
+        e = ev = q.shape[-1] // (3 * heads)
         rows = keys = q.shape[-2]
+        bh, group = math.prod(q.shape[:-2]) * heads, 1
     ctype = STORAGE.get(np.dtype(storage_dtype(q.dtype)))
     if ctype is None or max(e, ev) > HEAD_DIMS[-1]:
         return []       # the launcher refuses it, naming why
@@ -117,16 +156,39 @@ def kernels_ahead(node: Node, precision: str) -> list[tuple[str, str]]:
             attention_cudnn.shape_reason(
             e, ev, bool(node.attrs.get("causal")), rows, keys) is None:
         return []       # cuDNN's (its own kernels compile at a first launch if it declines)
-    math, hd = math_of(precision, ctype), head_dim_template(e, ev)
+    arith, hd = math_of(precision, ctype), head_dim_template(e, ev)
     kinds = ("forward",) if node.op in ("sdpa", "sdpa_qkv") else ("backward_dq",
                                                                    "backward_dkdv")
-    return [(SOURCE, kernel_name(kind, hd, math, ctype)) for kind in kinds]
+    # Every candidate tile while the problem is untimed: its first eager step times them all
+    # (run_fastest compiles each then), so compiling them here, side by side with the plan's
+    # other kernels, adds no compile to a cold start, only moves it ahead; where an earlier
+    # process chose (the disk's choice), only the chosen tile's kernel.
+    ahead = []
+    for kind in kinds:
+        key = choice_key(kind, hd, bh, rows, keys, group, bool(node.attrs.get("causal")),
+                         float(node.attrs.get("dropout_p", 0.0)) > 0.0,
+                         bool(node.attrs.get("mask")), ctype, arith)
+        chosen = _stored_tile(kind, hd, key)
+        ahead += [(SOURCE, kernel_name(kind, hd, arith, ctype, tile))
+                  for tile in ([chosen] if chosen else CANDIDATES[kind][hd])]
+    return ahead
 
 
-def shared_floats(kind: str, hd: int) -> int:
-    """Floats of dynamic shared memory of a kernel: its tiles as attention.cu lays them out
-    ("rows" tiles [R][HD + 4], scores [BQ][BK + 4])."""
-    bq, bk = TILES[kind][hd]
+def _stored_tile(kind: str, hd: int, key: tuple) -> tuple[int, int] | None:
+    """The tile an earlier process chose for problem `key` (autotune.py's "paths" on disk);
+    None with the cache off, without an entry, or with one a candidate no longer has."""
+    tiles = {tile_label(t): t for t in CANDIDATES[kind][hd]}
+    if len(tiles) == 1:
+        return next(iter(tiles.values()))
+    disk = autotune.choices(None, "paths")
+    name = None if disk is None else disk.get(repr(key), lambda value: value in tiles)
+    return None if name is None else tiles[name]
+
+
+def shared_floats(kind: str, hd: int, tile: tuple[int, int] | None = None) -> int:
+    """Floats of dynamic shared memory of a kernel on `tile` (default: TILES'): its tiles as
+    attention.cu lays them out ("rows" tiles [R][HD + 4], scores [BQ][BK + 4])."""
+    bq, bk = tile or TILES[kind][hd]
     rows_q, rows_k, tile = bq * (hd + 4), bk * (hd + 4), bq * (bk + 4)
     if kind == "forward":           # q, k, v, P, the rows' rescale
         return rows_q + 2 * rows_k + tile + bq
@@ -150,16 +212,40 @@ def _function(name: str, shared_bytes: int):
     return fn
 
 
-def _launch_tiles(ctx, kind: str, hd: int, ctype: str, tiles: int, bh: int,
-                  args: tuple) -> None:
-    """One block per (tile, head): tile-major, so the heaviest causal tiles start first."""
-    blocks = tiles * bh
+def _run_tiled(ctx, kind: str, hd: int, ctype: str, pb: Problem, attn: Attn, masked: bool,
+               args: tuple) -> None:
+    """Launch `kind` on the fastest of its candidate tiles (CANDIDATES) for this problem:
+    timed once per problem on the real buffers at its first eager call, the choice shared by
+    the backend's contexts and kept on disk (autotune.run_fastest); the default tile during
+    a capture before the problem's choice. Every candidate writes the same outputs (the dq
+    kernel's delta included), so timing one leaves the buffers as the chosen one would."""
+    arith = math_of(getattr(ctx, "precision", "fp32"), ctype)
+    paths = {tile_label(tile): autotune.compiling(
+        functools.partial(_launch_tile, ctx, kind, hd, arith, ctype, tile, pb, args),
+        (SOURCE, kernel_name(kind, hd, arith, ctype, tile)))
+        for tile in CANDIDATES[kind][hd]}
+    default = tile_label(CANDIDATES[kind][hd][0])
+    if len(paths) == 1:
+        paths[default]()
+        return
+    key = choice_key(kind, hd, pb.bh, pb.L, pb.S, pb.group, attn.causal, attn.dropout_p > 0.0,
+                     masked, ctype, arith)
+    autotune.run_fastest(ctx, key, paths, default)
+
+
+def _launch_tile(ctx, kind: str, hd: int, arith: int, ctype: str, tile: tuple[int, int],
+                 pb: Problem, args: tuple) -> None:
+    """One block per (tile, head): tile-major, so the heaviest causal tiles start first; the
+    forward and dq kernels tile the queries, dk/dv the keys of each kv head."""
+    bq, bk = tile
+    tiles, heads = (-(-pb.S // bk), pb.bh // pb.group) if kind == "backward_dkdv" else \
+        (-(-pb.L // bq), pb.bh)
+    blocks = tiles * heads
     if blocks > 2**31 - 1:
-        raise ShapeError(f"sdpa: {tiles} tiles x {bh} heads exceed the grid")
-    math = math_of(getattr(ctx, "precision", "fp32"), ctype)
-    shared = shared_floats(kind, hd) * 4
-    _function(kernel_name(kind, hd, math, ctype), shared)((blocks,), (THREADS,), args,
-                                                          shared_mem=shared, stream=ctx.stream)
+        raise ShapeError(f"sdpa: {tiles} tiles x {heads} heads exceed the grid")
+    shared = shared_floats(kind, hd, tile) * 4
+    _function(kernel_name(kind, hd, arith, ctype, tile), shared)(
+        (blocks,), (THREADS,), args, shared_mem=shared, stream=ctx.stream)
 
 
 # ---- operands: strides, checks ---------------------------------------------------------------
@@ -415,7 +501,7 @@ def sdpa_forward(ctx, q, k, v, out, lse, step, attn: Attn, mask: Mask | None = N
     args = (q, k, v, out, lse, _step_arg(attn, step)) + pb.args() \
         + sum((h.args() for h in layouts), ()) + attn.args(step, False) + (np.int32(vec),) \
         + _extra(pb, mask)
-    _launch_tiles(ctx, "forward", hd, ctype, -(-pb.L // TILES["forward"][hd][0]), pb.bh, args)
+    _run_tiled(ctx, "forward", hd, ctype, pb, attn, mask is not None, args)
 
 
 def _extra(pb: Problem, mask: Mask | None) -> tuple:
@@ -440,8 +526,7 @@ def sdpa_backward_dq(ctx, q, k, v, out, dout, lse, step, dq, delta, attn: Attn,
     args = (q, k, v, out, dout, lse, _step_arg(attn, step), dq, delta) + pb.args() \
         + sum((h.args() for h in layouts), ()) + attn.args(step, True) + (np.int32(vec),) \
         + _extra(pb, mask)
-    _launch_tiles(ctx, "backward_dq", hd, ctype, -(-pb.L // TILES["backward_dq"][hd][0]),
-                  pb.bh, args)
+    _run_tiled(ctx, "backward_dq", hd, ctype, pb, attn, mask is not None, args)
 
 
 def sdpa_backward_dkdv(ctx, q, k, v, dout, lse, delta, step, dk, dv, attn: Attn,
@@ -464,8 +549,7 @@ def sdpa_backward_dkdv(ctx, q, k, v, dout, lse, delta, step, dk, dv, attn: Attn,
     args = (q, k, v, dout, lse, delta, _step_arg(attn, step), dk, dv) + pb.args() \
         + sum((h.args() for h in layouts), ()) + attn.args(step, True) + (np.int32(vec),) \
         + _extra(pb, mask)
-    _launch_tiles(ctx, "backward_dkdv", hd, ctype, -(-pb.S // TILES["backward_dkdv"][hd][1]),
-                  pb.bh // pb.group, args)
+    _run_tiled(ctx, "backward_dkdv", hd, ctype, pb, attn, mask is not None, args)
 
 
 def sdpa_backward(ctx, node: Node, q, k, v, out, dout, lse, step, dq, dk, dv,
