@@ -1,9 +1,20 @@
 """Helpers shared by the unit and the cuda test folders."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Callable
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def child_pythonpath() -> str:
+    """PYTHONPATH for a process a test starts: this checkout first, then the caller's path,
+    kept because it may name where the GPU packages live (the GPU machines install
+    nvmath-python and cuDNN's frontend into a folder on PYTHONPATH)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 
 class Interrupt(Exception):

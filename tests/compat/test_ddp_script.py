@@ -16,13 +16,14 @@ import pytest
 import torch
 
 from tests.compat.test_training_scripts import SCRIPTS, judge, numbers, run_script
+from tests.helpers import child_pythonpath
 from tests.reference import assert_state_changes_close
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def launch_two(cwd: Path, *command: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), STEPGRAPH_DIST_TIMEOUT="60")
+    env = dict(os.environ, PYTHONPATH=child_pythonpath(), STEPGRAPH_DIST_TIMEOUT="60")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(name, None)
     done = subprocess.run([sys.executable, "-m", "stepgraph", "launch", "--gpus", "2", "--",

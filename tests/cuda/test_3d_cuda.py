@@ -159,7 +159,8 @@ def test_pool3d_matches_numpy(op, case, shape, dtype, plain_ctx):
     """Max pooling and its gradient bit for bit (a maximum is an input; the gather adds in
     np.add.at's window order), in both dtypes; inputs on a coarse grid, so windows hold
     ties and the first maximum must win. Average pooling: float32 to rounding, bfloat16
-    within one ulp (float32 sums in another order, then one rounding) in a few elements."""
+    within one ulp (float32 sums in another order, then one rounding) in a few elements, or
+    within the float32 summation bound where the terms cancel."""
     attrs = _op_attrs((MAX_CASES if op == "maxpool3d" else AVG_CASES)[case], op)
     rng = np.random.default_rng(abs(hash((op, case, shape, dtype))) % 2**32)
     x = (np.round(rng.standard_normal(shape) * 2) / 2 if op == "maxpool3d" else
@@ -179,10 +180,17 @@ def test_pool3d_matches_numpy(op, case, shape, dtype, plain_ctx):
         return
     bwd = _pool_node("avgpool3d_grad", [dy], input_shape=shape, **attrs)
     g_want, g_got = _pool_both(plain_ctx, bwd, [dy])
-    for what, a, b in [("y", got[0], want[0]), ("dx", g_got[0], g_want[0])]:
+    for what, a, b, src in [("y", got[0], want[0], x), ("dx", g_got[0], g_want[0], dy)]:
         if bits:
+            # An element whose terms cancel to near zero can round to bf16 values far apart
+            # in ulps (even of opposite signs) after float32 sums in two orders; such an
+            # element passes within the float32 summation bound: at most 27 terms of at
+            # most max|term| (dx: at most 8 windows, each 1/count of one dy).
             d = _ulps(a, b)
-            assert d.max() <= 1 and (d > 0).mean() <= 2e-2, (what, d.max(), (d > 0).mean())
+            g, r = (bf16.from_bits(v).astype(np.float64) for v in (a, b))
+            slack = 27 * 2.0**-23 * np.abs(bf16.from_bits(src)).max()
+            off = (d > 1) & (np.abs(g - r) > slack)
+            assert not off.any() and (d > 0).mean() <= 2e-2, (what, d[off], (d > 0).mean())
         else:
             assert_close(a, b, 1e-6, 1e-6, f"{op} {what}", all_finite=True)
 

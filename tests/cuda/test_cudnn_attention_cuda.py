@@ -52,7 +52,7 @@ def cudnn_only(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the own attention kernels ran where cuDNN should have")
     monkeypatch.setattr(attention_cudnn, "USE_CUDNN", True)
-    monkeypatch.setattr(attention, "_launch_tiles", refuse)
+    monkeypatch.setattr(attention, "_launch_tile", refuse)
 
 
 def given_mask(monkeypatch, keep: np.ndarray | None, p: float) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.helpers import child_pythonpath
 from tests.unit.test_ddp_buffers import assert_bit_identical, judge, trained_names
 
 pytestmark = [pytest.mark.cuda, pytest.mark.multigpu]
@@ -27,7 +28,7 @@ LAUNCH_TIMEOUT_S = 120
 
 
 def launch(cwd: Path, *command: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), STEPGRAPH_DIST_TIMEOUT="30",
+    env = dict(os.environ, PYTHONPATH=child_pythonpath(), STEPGRAPH_DIST_TIMEOUT="30",
                NCCL_NVLS_ENABLE="0")
     done = subprocess.run([sys.executable, "-m", "stepgraph", "launch", "--gpus", "2", "--",
                            *command], cwd=cwd, env=env, capture_output=True, text=True,

@@ -1,7 +1,7 @@
 """`stepgraph bench --gpus N` without GPUs: argument handling, world sizes, the launches a run
 plans, their commands, scaling, exposed communication, the bucket sweep's choice, the table
 and the JSON (the measurements themselves: test_bench_multigpu_ranks.py on CPU processes,
-tests/cuda/test_multigpu_cuda.py on GPUs)."""
+tests/cuda/test_bench_gpus_cuda.py on GPUs)."""
 from __future__ import annotations
 
 import json
