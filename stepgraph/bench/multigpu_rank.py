@@ -145,12 +145,22 @@ def stepgraph_rank(opts: RankOptions) -> RankStep:
         net, runner.build_loss(workload), runner.build_optimizer(workload.optimizer, net),
         (x, y), device=opts.device, graph=opts.device == "cuda", precision=opts.precision,
         deterministic=deterministic,
-        distributed=sg.distributed.DataParallel(bucket_cap_mb=opts.bucket_cap_mb))
+        distributed=sg.distributed.DataParallel(bucket_cap_mb=opts.bucket_cap_mb,
+                                                reduce_dtype=communication_dtype(opts)))
     buckets = sum(node.op == "all_reduce" for node, _, _ in step.executable(step.signature).calls)
-    notes = [f"{buckets} gradient buckets"] + ([] if deterministic else ["deterministic=False"])
-    if opts.device == "cuda":
-        notes.append(f"CuPy {xp.__version__}, NCCL {xp.cuda.nccl.get_version()}")
+    notes = [f"{buckets} gradient buckets, all-reduced in {communication_dtype(opts)}"] + (
+        [] if deterministic else ["deterministic=False"])
+    if opts.device == "cuda":    # a world of one sets up no communicator: import nccl here
+        from cupy.cuda import nccl
+        notes.append(f"CuPy {xp.__version__}, NCCL {nccl.get_version()}")
     return RankStep(lambda: step(x, y), synchronize, sg.distributed.destroy, silenced, notes)
+
+
+def communication_dtype(opts: RankOptions) -> str:
+    """What the gradients are all-reduced in: bf16 at precision bf16 on CUDA (PyTorch's side
+    then registers DDP's bf16_compress_hook, the usual choice of a bf16 DDP run, which needs
+    NCCL: gloo's CPU ranks have none), else float32."""
+    return "bf16" if opts.precision == "bf16" and opts.device == "cuda" else "fp32"
 
 
 def _nothing() -> None:
@@ -201,6 +211,11 @@ def torch_rank(opts: RankOptions) -> RankStep:
     silenced = [0]
     if not opts.collectives:
         ddp.register_comm_hook(silenced, counting_noop_hook)
+    elif communication_dtype(opts) == "bf16":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import \
+            bf16_compress_hook
+        ddp.register_comm_hook(None, bf16_compress_hook)
+        notes.append("DDP comm hook bf16_compress_hook")
     model = ddp
     if opts.framework == "torch-ddp-compile":
         model = torch.compile(ddp, **compile_options(opts))

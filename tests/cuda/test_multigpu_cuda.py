@@ -78,13 +78,15 @@ def parameters(record) -> dict:
 
 def assert_same_on_every_rank(ranks: list, keys=None) -> None:
     """The ranks hold bit-identical values of `keys` (default: every state entry, and the
-    optimizer's state where the worker recorded it)."""
+    optimizer's state where the worker recorded it, but for sharded slots: each rank holds
+    its own chunk, "<slot>.zero.bucket<b>")."""
     for name, value in parameters(ranks[0]).items():
         if keys is None or name in keys:
             for r in ranks[1:]:
                 np.testing.assert_array_equal(value, r[f"state/{name}"], err_msg=name)
     if keys is None:
-        for name in (k for k in ranks[0].files if k.startswith("optimizer/")):
+        for name in (k for k in ranks[0].files
+                     if k.startswith("optimizer/") and ".zero.bucket" not in k):
             for r in ranks[1:]:
                 np.testing.assert_array_equal(ranks[0][name], r[name], err_msg=name)
 
@@ -148,9 +150,11 @@ def test_parameters_stay_bit_identical_across_ranks_for_100_steps(tmp_path, stra
     """After 100 steps every rank holds the same bits in every precision: parameters,
     BatchNorm's running statistics (rank 0's, broadcast in the step) and the optimizer's
     momentum; a checksum per rank is printed for the log."""
-    # A small bucket cap gives several buckets: each its own all-reduce beside the backward.
+    # A small bucket cap gives several buckets: each its own all-reduce beside the backward
+    # (bncnn's gradients are 10 KB in all).
+    cap = "0.02" if model == "cnn" else "0.002"
     ranks = launch_workers(tmp_path, "--model", model, "--steps", "100", "--global-batch", "32",
-                           "--strategy", strategy, "--bucket-cap-mb", "0.02",
+                           "--strategy", strategy, "--bucket-cap-mb", cap,
                            "--precision", precision)
     assert list(ranks[0]["plan/ops"]).count("all_reduce") > 1
     print(f"{model} {precision}: checksums", [

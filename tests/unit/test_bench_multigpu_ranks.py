@@ -23,11 +23,11 @@ def test_stepgraph_ranks_take_the_bucket_cap_and_the_no_op_all_reduce(tmp_path):
     assert not small.error, small.error
     assert small.step_ms > 0 and small.unit == "samples/s" and small.silenced_all_reduces == 0
     buckets = int(small.notes[0].split()[0])
-    assert small.notes[0] == f"{buckets} gradient buckets" and buckets > 1
+    assert small.notes[0] == f"{buckets} gradient buckets, all-reduced in fp32" and buckets > 1
     silent = multigpu.measure(Measurement("stepgraph", "resnet", "fp32", 2, 0.001,
                                           collectives=False), config)
     assert not silent.error, silent.error
-    assert silent.notes[0] == f"{buckets} gradient buckets"
+    assert silent.notes[0] == f"{buckets} gradient buckets, all-reduced in fp32"
     # every bucket of every step (warm-up included) skipped, on rank 0 as on the others
     assert silent.silenced_all_reduces == buckets * (STEPS + WARMUP)
 
