@@ -381,12 +381,22 @@ def test_conv2d_bf16_through_cudnn_is_within_the_summation_bound(ctx, case, requ
                          slack=bounds[1])
 
 
+def first_rounding(ins: list, attrs: dict) -> np.ndarray:
+    """What a plain plan + the epilogue kernel may add to a bf16 conv's error: the sum is
+    rounded to bf16 before the bias is added (2^-8 of |sum|: one rounding, with room for the
+    summation order flipping it). Where the bias cancels the sum, that is many ulps of y."""
+    plain = node_of("conv2d", ins[:2], **attrs)
+    return np.abs(run_float32(plain, ins[:2])[0].astype(np.float64)) * 2.0 ** -8
+
+
 @needs_cudnn
 @pytest.mark.parametrize("kernel", [3, 7])
 def test_depthwise_conv2d_bf16_with_bias_through_cudnn(ctx, kernel, request):
-    """A ConvNeXt / MobileNet depthwise conv (NHWC, bias) on the cuDNN plans the autotuner
-    keeps (for grouped convolutions cuDNN's runtime-compiled engines compete too): y, dx and
-    dw within the float32 summation bound of the emulation's once-rounded results."""
+    """A ConvNeXt / MobileNet depthwise conv (NHWC, bias): its fastest cuDNN engines fuse no
+    bias, so a plain plan + the epilogue kernel competes (conv.py), rounding y twice as
+    torch's conv then bias add does. Bound: the float32 summation bound plus one bf16
+    rounding of the sum before the bias (first_rounding); the gradients keep the summation
+    bound."""
     rng = seeded(request.node.name)
     c, p = 32, kernel // 2
     attrs = dict(stride=(1, 1), padding=(p, p), dilation=(1, 1), groups=c, layout="NHWC")
@@ -395,8 +405,8 @@ def test_depthwise_conv2d_bf16_with_bias_through_cudnn(ctx, kernel, request):
     ins = [x, w, bf16_random(rng, c)]
     fwd = node_of("conv2d", ins, **attrs)
     want, got = both(ctx, fwd, ins)
-    assert_near_bits(got[0], want[0], "depthwise conv2d y", max_fraction=0.15,
-                     slack=abs_bound(fwd, ins)[0])
+    assert_near_bits(got[0], want[0], "depthwise conv2d y", max_fraction=0.5,
+                     slack=abs_bound(fwd, ins)[0] + first_rounding(ins, attrs))
     dy = bf16_random(rng, *want[0].shape)
     dgrad = node_of("conv2d_grad_input", [dy, w], input_shape=x.shape, **attrs)
     want, got = both(ctx, dgrad, [dy, w])
@@ -415,9 +425,10 @@ def test_depthwise_conv2d_bf16_with_bias_through_cudnn(ctx, kernel, request):
 def test_every_depthwise_bf16_plan_is_within_the_summation_bound(monkeypatch, ctx, kernel,
                                                                  bias, request):
     """Each cuDNN plan offered for a bf16 depthwise conv (the runtime-compiled engines among
-    them), run on its own against the emulation: names every plan (and its engine) that puts
-    an element of y beyond the float32 summation bound, rather than only the one the
-    autotuner keeps."""
+    them, and with a bias the plain plans + the epilogue kernel), run on its own against the
+    emulation: names every plan (and its engine) that puts an element of y beyond the float32
+    summation bound (plus first_rounding where the epilogue adds the bias), rather than only
+    the one the autotuner keeps."""
     from tests.cuda.test_layout_cuda import paths_of
 
     rng = seeded(request.node.name)
@@ -436,6 +447,7 @@ def test_every_depthwise_bf16_plan_is_within_the_summation_bound(monkeypatch, ct
     assert paths and not through, sorted(paths)
     engines = {c.path: c.name for job in conv_cudnn._PLANS.values()
                for c in job.result().entries}
+    twice = slack + first_rounding(ins, attrs)
     bad = []
     for name, run in sorted(paths.items()):
         with ctx.stream:
@@ -445,7 +457,8 @@ def test_every_depthwise_bf16_plan_is_within_the_summation_bound(monkeypatch, ct
         got = cp.asnumpy(dev_out[0])
         d = ulps(got, want)
         g, r = bf16.from_bits(got).astype(np.float64), bf16.from_bits(want).astype(np.float64)
-        off = ~((d <= 1) | (np.abs(g - r) <= slack))
+        bound = twice if name.endswith(conv.EPILOGUE_SUFFIX) else slack
+        off = ~((d <= 1) | (np.abs(g - r) <= bound))
         print(f"{name} ({engines.get(name.removesuffix(conv.EPILOGUE_SUFFIX))}): "
               f"{off.mean():.2%} beyond the bound, worst {int(d.max())} ulps")
         if off.any():

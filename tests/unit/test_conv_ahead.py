@@ -104,12 +104,25 @@ def test_prepare_queues_every_conv_problems_build_and_builds_nothing(fake, lane)
 
 
 def test_a_bf16_forward_with_bias_queues_its_fused_plans_alone(fake, lane):
-    """bf16: plain plans + the epilogue are offered only where no fused plan builds, so
-    ahead of the builds only the fused ones are asked for."""
-    ctx = fake_ctx()
+    """bf16, groups 1: plain plans + the epilogue are offered only where no fused plan
+    builds, so ahead of the builds only the fused ones are asked for."""
+    node = Node("conv2d", [Value(s, BF16) for s in (X, PLAIN_W, B)], [Value(Y, BF16)],
+                dict(PLAIN_ATTRS))
+    call = (node, [fake_array(s, np.uint16) for s in (X, PLAIN_W, B)],
+            [fake_array(Y, np.uint16)])
+    cuda_backend().prepare([node], "bf16", [call], fake_ctx())
+    g = conv._geometry(X, PLAIN_W, PLAIN_ATTRS)
+    assert list(conv_cudnn._PLANS) == [conv_cudnn.Problem("conv2d", g, BF16, "fp32",
+                                                          bias=True, device=0)]
+
+
+def test_a_bf16_grouped_forward_with_bias_queues_its_plain_plans_too(fake, lane):
+    """bf16, groups > 1: the plain plans + the epilogue always compete (cuDNN's fast
+    depthwise engines fuse no bias), so both lists are asked for ahead."""
     forward = conv_calls(BF16, np.uint16)[:1]
-    cuda_backend().prepare([forward[0][0]], "bf16", forward, ctx)
-    assert list(conv_cudnn._PLANS) == [problem("conv2d", BF16, bias=True)]
+    cuda_backend().prepare([forward[0][0]], "bf16", forward, fake_ctx())
+    assert list(conv_cudnn._PLANS) == [problem("conv2d", BF16, bias=True),
+                                       problem("conv2d", BF16)]
 
 
 def test_a_known_choice_queues_its_plan_alone_and_an_own_choice_none(fake, lane, monkeypatch):

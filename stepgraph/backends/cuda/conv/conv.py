@@ -56,10 +56,11 @@ scratch, db comes alongside dw), so they differ from it only by the order of the
 sums; a fused ReLU runs after them in the epilogue kernel, exactly (ReLU commutes with the
 rounding). cuDNN's plans: bf16 in and out, float32 accumulation, bias and ReLU fused in
 float32, one rounding of what is stored (conv_cudnn.py). Only where no fused bias plan builds
-does a bf16 forward with bias also offer a plain cuDNN plan + the epilogue kernel
-("cudnn:<i>+epilogue"), which rounds y twice (the convolution's sum, then with the bias
-added): the emulation rounds once, so such a result can differ from it by the rounding of the
-sum. A ReLU alone commutes with the rounding: its epilogue is exact. On a cuDNN path
+(or, for a grouped convolution, always) does a bf16 forward with bias also offer a plain
+cuDNN plan + the epilogue kernel ("cudnn:<i>+epilogue"), which rounds y twice (the
+convolution's sum, then with the bias added): the emulation rounds once, so such a result can
+differ from it by the rounding of the sum (many ulps of y where the bias cancels the sum).
+A ReLU alone commutes with the rounding: its epilogue is exact. On a cuDNN path
 conv2d_grad_weight's db is reduce_sum's (bf16 dy summed in float32, rounded once). float16
 (precision="fp16", model.half(): float16 storage, fp16_bits in the kernels, cuDNN's HALF data)
 takes every bfloat16 path above with float16's rounding.
@@ -545,9 +546,13 @@ def _forward_cudnn_paths(ctx, g: Geometry, x, w, y, bias, relu: bool, layout: st
         return with_epilogue(only.removesuffix(EPILOGUE_SUFFIX))
     fused = conv_cudnn.conv2d_paths(ctx, g, x, w, y, bias, relu, layout=layout, only=only)
     # bf16: the epilogue rounds the sum before adding the bias; only where nothing fuses it
-    # (ahead of the builds, the fused plans are expected to build: conv_cudnn.starting_ahead)
+    # (ahead of the builds, the fused plans are expected to build: conv_cudnn.starting_ahead),
+    # or for grouped convolutions: cuDNN's fast depthwise engines fuse nothing, and its grouped
+    # kernels that fuse the bias took 4x their time (ConvNeXt's 7x7 depthwise convs on an
+    # H200); there the two roundings (torch's too: its conv, then its bias add) compete
     fuses = bool(fused) or conv_cudnn.is_starting_ahead()
-    if only is not None or (str(x.dtype) not in _CTYPES and bias is not None and fuses):
+    if only is not None or (str(x.dtype) not in _CTYPES and bias is not None and fuses
+                            and g.groups == 1):
         return fused
     return fused | with_epilogue(None)
 
