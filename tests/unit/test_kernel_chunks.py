@@ -185,10 +185,12 @@ def test_precompile_command_needs_a_gpu(capsys):
 
 def test_attention_head_dim_96_kernels_compile_one_at_a_time(declared):
     """attention.cu is compiled per kernel: the new head dim 96 instantiations (every kind,
-    storage and arithmetic) are declared and each maps to a module of its own."""
+    candidate tile, storage and arithmetic) are declared and each maps to a module of its
+    own."""
     from stepgraph.backends.cuda.attention import attention
 
     names = [n for n in declared[attention.SOURCE] if re.match(r"sdpa_\w+_kernel<96,", n)]
-    assert len(names) == 3 * sum(len(c) for c in attention.CTYPES.values())
+    tiles = sum(len(per_hd[96]) for per_hd in attention.CANDIDATES.values())
+    assert len(names) == tiles * sum(len(c) for c in attention.CTYPES.values())
     assert attention.SOURCE in compiler.PER_SHAPE_SOURCES
     assert all(compiler.chunk_of(attention.SOURCE, n) == (n,) for n in names)
