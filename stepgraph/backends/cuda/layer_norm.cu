@@ -22,6 +22,15 @@
 // float16, loaded as float and each rounded once on store; the statistics, the partial sums
 // and all the arithmetic stay float32 (torch's CUDA layer_norm of a half tensor: float
 // accumulation, float mean and rstd).
+// Residual add + LayerNorm (add_layer_norm, compile/norm_rewrite.py): the forward reads a and
+// b, writes s = a + b (rounded to X, as the add it replaces stores it) and normalises that
+// rounded s: the same bits as add then layer_norm. The backward is layer_norm's with the
+// residual gradient ds added to dx in float32 before the one store. B: b's storage, X's but
+// for precision="bf16", where a float32 a and a bf16 / float16 b (the residual branch's GEMM
+// output) are widened as loaded, exactly as the cast did. Each kind of kernel (forward,
+// backward, their *_loop) is one __device__ body templated on ADD that the layer_norm_* and
+// add_layer_norm_* kernels call, so the two normalise and differentiate with the same
+// arithmetic.
 #include "reduce.cuh"
 
 #define LAYER_NORM_MAX_THREADS 512   // threads of a block (layer_norm.py MAX_THREADS)
@@ -70,16 +79,26 @@ __device__ __forceinline__ float2 row_sum2(float a, float b, float2* smem) {
     return r;
 }
 
-// y = (x - mean) * rstd [* weight] [+ bias]; mean and rstd (rows,) per row.
-template <typename Y, int VEC, int K, typename X = float>
-__global__ void __launch_bounds__(LAYER_NORM_MAX_THREADS)
-layer_norm_forward_kernel(const X* x, const X* weight, const X* bias, Y* y,
-                          float* mean_out, float* rstd_out, int rows, int C, float eps) {
+// v as a store to X then a load give it back: the rounding of a value stored in X.
+template <typename X>
+__device__ __forceinline__ float stored_as(float v) {
+    X t;
+    store_from_float(&t, 0, v);
+    return load_as_float(&t, 0);
+}
+
+// y = (s - mean) * rstd [* weight] [+ bias]; mean and rstd (rows,) per row. s is x (ADD
+// false: b and s_out unused) or a + b rounded to X, written to s_out (ADD true).
+template <bool ADD, typename Y, int VEC, int K, typename X, typename B>
+__device__ __forceinline__ void layer_norm_forward_rows(const X* a, const B* b, const X* weight,
+                                                        const X* bias, Y* y, X* s_out,
+                                                        float* mean_out, float* rstd_out,
+                                                        int rows, int C, float eps) {
     __shared__ float smem[32];
     const int groups = C / VEC;
-    float w[K][VEC], b[K][VEC];
+    float w[K][VEC], bb[K][VEC];
     load_columns<VEC, K>(weight, groups, w);
-    load_columns<VEC, K>(bias, groups, b);
+    load_columns<VEC, K>(bias, groups, bb);
     for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
         const long long row = base + threadIdx.y;
         const bool valid = row < rows;
@@ -90,9 +109,15 @@ layer_norm_forward_kernel(const X* x, const X* weight, const X* bias, Y* y,
         for (int k = 0; k < K; ++k) {
             const int g = threadIdx.x + k * blockDim.x;
             if (valid && g < groups) {
-                loadv_as_float<VEC>(x, r0 + (long long)g * VEC, v[k]);
+                float t[VEC];
+                loadv_as_float<VEC>(a, r0 + (long long)g * VEC, v[k]);
+                if constexpr (ADD) loadv_as_float<VEC>(b, r0 + (long long)g * VEC, t);
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) s += v[k][j];
+                for (int j = 0; j < VEC; ++j) {
+                    if constexpr (ADD) v[k][j] = stored_as<X>(__fadd_rn(v[k][j], t[j]));
+                    s += v[k][j];
+                }
+                if constexpr (ADD) storev_from_float<VEC>(s_out, r0 + (long long)g * VEC, v[k]);
             }
         }
         const float mean = __fdiv_rn(row_sum(s, smem), (float)C);
@@ -122,12 +147,29 @@ layer_norm_forward_kernel(const X* x, const X* weight, const X* bias, Y* y,
             for (int j = 0; j < VEC; ++j) {
                 float t = __fmul_rn(v[k][j], rstd);
                 if (weight) t = __fmul_rn(t, w[k][j]);
-                if (bias) t = __fadd_rn(t, b[k][j]);
+                if (bias) t = __fadd_rn(t, bb[k][j]);
                 v[k][j] = t;
             }
             storev_from_float<VEC>(y, r0 + (long long)g * VEC, v[k]);
         }
     }
+}
+
+template <typename Y, int VEC, int K, typename X = float>
+__global__ void __launch_bounds__(LAYER_NORM_MAX_THREADS)
+layer_norm_forward_kernel(const X* x, const X* weight, const X* bias, Y* y,
+                          float* mean_out, float* rstd_out, int rows, int C, float eps) {
+    layer_norm_forward_rows<false, Y, VEC, K, X, X>(x, nullptr, weight, bias, y, nullptr,
+                                                    mean_out, rstd_out, rows, C, eps);
+}
+
+template <typename Y, int VEC, int K, typename X = float, typename B = X>
+__global__ void __launch_bounds__(LAYER_NORM_MAX_THREADS)
+add_layer_norm_forward_kernel(const X* a, const B* b, const X* weight, const X* bias, Y* y,
+                              X* s_out, float* mean_out, float* rstd_out, int rows, int C,
+                              float eps) {
+    layer_norm_forward_rows<true, Y, VEC, K, X, B>(a, b, weight, bias, y, s_out, mean_out,
+                                                   rstd_out, rows, C, eps);
 }
 
 // The block's row of partial [blocks, C]: acc (this thread's columns, summed over the rows of
@@ -325,87 +367,6 @@ layer_norm_grad_finalize_kernel(const float* partial_w, const float* partial_b, 
         double t = lanes[0][threadIdx.x];
         for (int l = 1; l < FINALIZE_LANES; ++l) t += lanes[l][threadIdx.x];
         store_from_float(out, c, (float)t);
-    }
-}
-
-// ---- residual add + LayerNorm (add_layer_norm, compile/norm_rewrite.py) --------------------
-// The forward reads a and b, writes s = a + b (rounded to X, as the add it replaces stores it)
-// and normalises that rounded s: the same bits as add then layer_norm. The backward is
-// layer_norm's with the residual gradient ds added to dx in float32 before the one store.
-// B: b's storage, X's but for precision="bf16", where a float32 a and a bf16 / float16 b
-// (the residual branch's GEMM output) are widened as loaded, exactly as the cast did.
-
-// v as a store to X then a load give it back: the rounding of a value stored in X.
-template <typename X>
-__device__ __forceinline__ float stored_as(float v) {
-    X t;
-    store_from_float(&t, 0, v);
-    return load_as_float(&t, 0);
-}
-
-template <typename Y, int VEC, int K, typename X = float, typename B = X>
-__global__ void __launch_bounds__(LAYER_NORM_MAX_THREADS)
-add_layer_norm_forward_kernel(const X* a, const B* b, const X* weight, const X* bias, Y* y,
-                              X* s_out, float* mean_out, float* rstd_out, int rows, int C,
-                              float eps) {
-    __shared__ float smem[32];
-    const int groups = C / VEC;
-    float w[K][VEC], bb[K][VEC];
-    load_columns<VEC, K>(weight, groups, w);
-    load_columns<VEC, K>(bias, groups, bb);
-    for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
-        const long long row = base + threadIdx.y;
-        const bool valid = row < rows;
-        const long long r0 = row * C;
-        float v[K][VEC];
-        float s = 0.f;
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int g = threadIdx.x + k * blockDim.x;
-            if (valid && g < groups) {
-                float t[VEC];
-                loadv_as_float<VEC>(a, r0 + (long long)g * VEC, v[k]);
-                loadv_as_float<VEC>(b, r0 + (long long)g * VEC, t);
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    v[k][j] = stored_as<X>(__fadd_rn(v[k][j], t[j]));
-                    s += v[k][j];
-                }
-                storev_from_float<VEC>(s_out, r0 + (long long)g * VEC, v[k]);
-            }
-        }
-        const float mean = __fdiv_rn(row_sum(s, smem), (float)C);
-        float q = 0.f;
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int g = threadIdx.x + k * blockDim.x;
-            if (valid && g < groups) {
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    v[k][j] = __fsub_rn(v[k][j], mean);
-                    q = __fmaf_rn(v[k][j], v[k][j], q);
-                }
-            }
-        }
-        const float rstd = inverse_std(__fdiv_rn(row_sum(q, smem), (float)C), eps);
-        if (!valid) continue;
-        if (threadIdx.x == 0) {
-            mean_out[row] = mean;
-            rstd_out[row] = rstd;
-        }
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int g = threadIdx.x + k * blockDim.x;
-            if (g >= groups) continue;
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                float t = __fmul_rn(v[k][j], rstd);
-                if (weight) t = __fmul_rn(t, w[k][j]);
-                if (bias) t = __fadd_rn(t, bb[k][j]);
-                v[k][j] = t;
-            }
-            storev_from_float<VEC>(y, r0 + (long long)g * VEC, v[k]);
-        }
     }
 }
 
