@@ -204,14 +204,16 @@ __device__ __forceinline__ void store_block_partial(const float (&acc)[K][VEC], 
     }
 }
 
-// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy [* weight], xhat = (x - mean) *
-// rstd; block b sums dy * xhat and dy over its rows into row b of partial_w / partial_b
-// [gridDim.x, C] (either null when not wanted).
-template <typename DY, int VEC, int K, typename X = float>
-__global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
-layer_norm_backward_kernel(const DY* dy, const X* x, const X* weight,
-                           const float* mean, const float* rstd, X* dx, float* partial_w,
-                           float* partial_b, int rows, int C) {
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) [+ ds], g = dy [* weight], xhat = (x -
+// mean) * rstd (x: add_layer_norm's s); ds (ADD true) added in float32 before the one store.
+// Block b sums dy * xhat and dy over its rows into row b of partial_w / partial_b [gridDim.x,
+// C] (either null when not wanted).
+template <bool ADD, typename DY, int VEC, int K, typename X>
+__device__ __forceinline__ void layer_norm_backward_rows(const DY* dy, const X* x,
+                                                         const X* weight, const float* mean,
+                                                         const float* rstd, const X* ds, X* dx,
+                                                         float* partial_w, float* partial_b,
+                                                         int rows, int C) {
     __shared__ float2 sums[32];
     __shared__ __align__(16) float red[LAYER_NORM_BLOCK_ROWS_THREADS * K * VEC];
     const int groups = C / VEC;
@@ -257,14 +259,37 @@ layer_norm_backward_kernel(const DY* dy, const X* x, const X* weight,
         for (int k = 0; k < K; ++k) {
             const int g = threadIdx.x + k * blockDim.x;
             if (g >= groups) continue;
+            float e[VEC];
+            if constexpr (ADD) loadv_as_float<VEC>(ds, r0 + (long long)g * VEC, e);
 #pragma unroll
-            for (int j = 0; j < VEC; ++j)
-                d[k][j] = __fmul_rn(r, __fsub_rn(__fsub_rn(d[k][j], mg), __fmul_rn(h[k][j], mgh)));
+            for (int j = 0; j < VEC; ++j) {
+                float v = __fmul_rn(r, __fsub_rn(__fsub_rn(d[k][j], mg), __fmul_rn(h[k][j], mgh)));
+                if constexpr (ADD) v = __fadd_rn(v, e[j]);
+                d[k][j] = v;
+            }
             storev_from_float<VEC>(dx, r0 + (long long)g * VEC, d[k]);
         }
     }
     store_block_partial<VEC, K>(acc_w, partial_w, red, groups, C);
     store_block_partial<VEC, K>(acc_b, partial_b, red, groups, C);
+}
+
+template <typename DY, int VEC, int K, typename X = float>
+__global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
+layer_norm_backward_kernel(const DY* dy, const X* x, const X* weight,
+                           const float* mean, const float* rstd, X* dx, float* partial_w,
+                           float* partial_b, int rows, int C) {
+    layer_norm_backward_rows<false, DY, VEC, K, X>(dy, x, weight, mean, rstd, nullptr, dx,
+                                                   partial_w, partial_b, rows, C);
+}
+
+template <typename DY, int VEC, int K, typename X = float>
+__global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
+add_layer_norm_backward_kernel(const DY* dy, const X* x, const X* weight, const float* mean,
+                               const float* rstd, const X* ds, X* dx, float* partial_w,
+                               float* partial_b, int rows, int C) {
+    layer_norm_backward_rows<true, DY, VEC, K, X>(dy, x, weight, mean, rstd, ds, dx, partial_w,
+                                                  partial_b, rows, C);
 }
 
 // The forward for rows of any width: x re-read from global memory for each pass.
@@ -368,73 +393,6 @@ layer_norm_grad_finalize_kernel(const float* partial_w, const float* partial_b, 
         for (int l = 1; l < FINALIZE_LANES; ++l) t += lanes[l][threadIdx.x];
         store_from_float(out, c, (float)t);
     }
-}
-
-// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) + ds, g = dy [* weight], xhat = (s -
-// mean) * rstd; partial sums of dweight / dbias as layer_norm_backward_kernel's.
-template <typename DY, int VEC, int K, typename X = float>
-__global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
-add_layer_norm_backward_kernel(const DY* dy, const X* x, const X* weight, const float* mean,
-                               const float* rstd, const X* ds, X* dx, float* partial_w,
-                               float* partial_b, int rows, int C) {
-    __shared__ float2 sums[32];
-    __shared__ __align__(16) float red[LAYER_NORM_BLOCK_ROWS_THREADS * K * VEC];
-    const int groups = C / VEC;
-    float acc_w[K][VEC], acc_b[K][VEC];
-#pragma unroll
-    for (int k = 0; k < K; ++k)
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) acc_w[k][j] = acc_b[k][j] = 0.f;
-    for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
-        const long long row = base + threadIdx.y;
-        const bool valid = row < rows;
-        const long long r0 = row * C;
-        const float m = valid ? mean[row] : 0.f, r = valid ? rstd[row] : 0.f;
-        float d[K][VEC], h[K][VEC];   // dy, then g; x, then xhat
-        float sg = 0.f, sgh = 0.f;
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int g = threadIdx.x + k * blockDim.x;
-            if (!valid || g >= groups) continue;
-            loadv_as_float<VEC>(dy, r0 + (long long)g * VEC, d[k]);
-            loadv_as_float<VEC>(x, r0 + (long long)g * VEC, h[k]);
-        }
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int g = threadIdx.x + k * blockDim.x;
-            if (!valid || g >= groups) continue;
-            float w[VEC];
-            if (weight) loadv_as_float<VEC>(weight, (long long)g * VEC, w);
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                h[k][j] = __fmul_rn(__fsub_rn(h[k][j], m), r);
-                acc_w[k][j] = __fmaf_rn(d[k][j], h[k][j], acc_w[k][j]);
-                acc_b[k][j] += d[k][j];
-                if (weight) d[k][j] = __fmul_rn(d[k][j], w[j]);
-                sg += d[k][j];
-                sgh = __fmaf_rn(d[k][j], h[k][j], sgh);
-            }
-        }
-        const float2 t = row_sum2(sg, sgh, sums);
-        const float mg = __fdiv_rn(t.x, (float)C), mgh = __fdiv_rn(t.y, (float)C);
-        if (!valid) continue;
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int g = threadIdx.x + k * blockDim.x;
-            if (g >= groups) continue;
-            float e[VEC];
-            loadv_as_float<VEC>(ds, r0 + (long long)g * VEC, e);
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                const float v = __fmul_rn(r, __fsub_rn(__fsub_rn(d[k][j], mg),
-                                                       __fmul_rn(h[k][j], mgh)));
-                d[k][j] = __fadd_rn(v, e[j]);
-            }
-            storev_from_float<VEC>(dx, r0 + (long long)g * VEC, d[k]);
-        }
-    }
-    store_block_partial<VEC, K>(acc_w, partial_w, red, groups, C);
-    store_block_partial<VEC, K>(acc_b, partial_b, red, groups, C);
 }
 
 // The forward for rows of any width: s written in the first pass, then re-read (L1/L2).
