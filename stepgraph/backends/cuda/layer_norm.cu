@@ -292,18 +292,32 @@ add_layer_norm_backward_kernel(const DY* dy, const X* x, const X* weight, const 
                                                   partial_b, rows, C);
 }
 
-// The forward for rows of any width: x re-read from global memory for each pass.
-template <typename Y, typename X = float>
-__global__ void __launch_bounds__(1024)
-layer_norm_forward_loop_kernel(const X* x, const X* weight, const X* bias, Y* y,
-                               float* mean_out, float* rstd_out, int rows, int C, float eps) {
+// The forward for rows of any width: x re-read from global memory for each pass; with ADD,
+// s written in the first pass, then re-read (L1/L2).
+template <bool ADD, typename Y, typename X, typename B>
+__device__ __forceinline__ void layer_norm_forward_loop_rows(const X* a, const B* b,
+                                                             const X* weight, const X* bias,
+                                                             Y* y, X* s_out, float* mean_out,
+                                                             float* rstd_out, int rows, int C,
+                                                             float eps) {
     __shared__ float smem[32];
     for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
         const long long row = base + threadIdx.y;
         const int cols = row < rows ? C : 0;
-        const X* xr = x + row * C;
+        const long long r0 = row * C;
+        const X* xr = (ADD ? s_out : a) + r0;   // the row the later passes read
         float s = 0.f;
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) s += load_as_float(xr, c);
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+            float v;
+            if constexpr (ADD) {
+                v = stored_as<X>(__fadd_rn(load_as_float(a, r0 + c), load_as_float(b, r0 + c)));
+                store_from_float(s_out, r0 + c, v);
+            } else {
+                v = load_as_float(xr, c);
+            }
+            s += v;
+        }
+        // each thread re-reads only the columns of s_out it wrote: no barrier needed
         const float mean = __fdiv_rn(row_sum(s, smem), (float)C);
         float q = 0.f;
         for (int c = threadIdx.x; c < cols; c += blockDim.x) {
@@ -319,19 +333,37 @@ layer_norm_forward_loop_kernel(const X* x, const X* weight, const X* bias, Y* y,
             float t = __fmul_rn(__fsub_rn(load_as_float(xr, c), mean), rstd);
             if (weight) t = __fmul_rn(t, load_as_float(weight, c));
             if (bias) t = __fadd_rn(t, load_as_float(bias, c));
-            store_from_float(y, row * C + c, t);
+            store_from_float(y, r0 + c, t);
         }
     }
 }
 
+template <typename Y, typename X = float>
+__global__ void __launch_bounds__(1024)
+layer_norm_forward_loop_kernel(const X* x, const X* weight, const X* bias, Y* y,
+                               float* mean_out, float* rstd_out, int rows, int C, float eps) {
+    layer_norm_forward_loop_rows<false, Y, X, X>(x, nullptr, weight, bias, y, nullptr, mean_out,
+                                                 rstd_out, rows, C, eps);
+}
+
+template <typename Y, typename X = float, typename B = X>
+__global__ void __launch_bounds__(1024)
+add_layer_norm_forward_loop_kernel(const X* a, const B* b, const X* weight, const X* bias,
+                                   Y* y, X* s_out, float* mean_out, float* rstd_out, int rows,
+                                   int C, float eps) {
+    layer_norm_forward_loop_rows<true, Y, X, B>(a, b, weight, bias, y, s_out, mean_out,
+                                                rstd_out, rows, C, eps);
+}
+
 // The backward for rows of any width, one row a block (blockDim.y == 1): the block's partial
 // sums accumulate in place in its row of partial_w / partial_b (each element read and written
-// by one thread only).
-template <typename DY, typename X = float>
-__global__ void __launch_bounds__(1024)
-layer_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight,
-                                const float* mean, const float* rstd, X* dx,
-                                float* partial_w, float* partial_b, int rows, int C) {
+// by one thread only); ds added to dx as layer_norm_backward_rows does.
+template <bool ADD, typename DY, typename X>
+__device__ __forceinline__ void layer_norm_backward_loop_rows(const DY* dy, const X* x,
+                                                              const X* weight, const float* mean,
+                                                              const float* rstd, const X* ds,
+                                                              X* dx, float* partial_w,
+                                                              float* partial_b, int rows, int C) {
     __shared__ float2 sums[32];
     float* pw = partial_w ? partial_w + (long long)blockIdx.x * C : nullptr;
     float* pb = partial_b ? partial_b + (long long)blockIdx.x * C : nullptr;
@@ -360,10 +392,29 @@ layer_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight,
             const float h = __fmul_rn(__fsub_rn(load_as_float(x, r0 + c), m), r);
             const float d = load_as_float(dy, r0 + c);
             const float g = weight ? __fmul_rn(d, load_as_float(weight, c)) : d;
-            const float v = __fmul_rn(r, __fsub_rn(__fsub_rn(g, mg), __fmul_rn(h, mgh)));
+            float v = __fmul_rn(r, __fsub_rn(__fsub_rn(g, mg), __fmul_rn(h, mgh)));
+            if constexpr (ADD) v = __fadd_rn(v, load_as_float(ds, r0 + c));
             store_from_float(dx, r0 + c, v);
         }
     }
+}
+
+template <typename DY, typename X = float>
+__global__ void __launch_bounds__(1024)
+layer_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight,
+                                const float* mean, const float* rstd, X* dx,
+                                float* partial_w, float* partial_b, int rows, int C) {
+    layer_norm_backward_loop_rows<false, DY, X>(dy, x, weight, mean, rstd, nullptr, dx,
+                                                partial_w, partial_b, rows, C);
+}
+
+template <typename DY, typename X = float>
+__global__ void __launch_bounds__(1024)
+add_layer_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight,
+                                    const float* mean, const float* rstd, const X* ds, X* dx,
+                                    float* partial_w, float* partial_b, int rows, int C) {
+    layer_norm_backward_loop_rows<true, DY, X>(dy, x, weight, mean, rstd, ds, dx, partial_w,
+                                               partial_b, rows, C);
 }
 
 // dweight[c] = the sum over slots of partial_w[slot, c] (dbias from partial_b alike), in
@@ -392,85 +443,6 @@ layer_norm_grad_finalize_kernel(const float* partial_w, const float* partial_b, 
         double t = lanes[0][threadIdx.x];
         for (int l = 1; l < FINALIZE_LANES; ++l) t += lanes[l][threadIdx.x];
         store_from_float(out, c, (float)t);
-    }
-}
-
-// The forward for rows of any width: s written in the first pass, then re-read (L1/L2).
-template <typename Y, typename X = float, typename B = X>
-__global__ void __launch_bounds__(1024)
-add_layer_norm_forward_loop_kernel(const X* a, const B* b, const X* weight, const X* bias,
-                                   Y* y, X* s_out, float* mean_out, float* rstd_out, int rows,
-                                   int C, float eps) {
-    __shared__ float smem[32];
-    for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
-        const long long row = base + threadIdx.y;
-        const int cols = row < rows ? C : 0;
-        const long long r0 = row * C;
-        float s = 0.f;
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            const float v = stored_as<X>(__fadd_rn(load_as_float(a, r0 + c),
-                                                   load_as_float(b, r0 + c)));
-            store_from_float(s_out, r0 + c, v);
-            s += v;
-        }
-        // each thread re-reads only the columns it wrote: no barrier needed for s_out
-        const float mean = __fdiv_rn(row_sum(s, smem), (float)C);
-        float q = 0.f;
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            const float t = __fsub_rn(load_as_float(s_out, r0 + c), mean);
-            q = __fmaf_rn(t, t, q);
-        }
-        const float rstd = inverse_std(__fdiv_rn(row_sum(q, smem), (float)C), eps);
-        if (cols && threadIdx.x == 0) {
-            mean_out[row] = mean;
-            rstd_out[row] = rstd;
-        }
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            float t = __fmul_rn(__fsub_rn(load_as_float(s_out, r0 + c), mean), rstd);
-            if (weight) t = __fmul_rn(t, load_as_float(weight, c));
-            if (bias) t = __fadd_rn(t, load_as_float(bias, c));
-            store_from_float(y, r0 + c, t);
-        }
-    }
-}
-
-// The backward for rows of any width, one row a block, as layer_norm_backward_loop_kernel's.
-template <typename DY, typename X = float>
-__global__ void __launch_bounds__(1024)
-add_layer_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight,
-                                    const float* mean, const float* rstd, const X* ds, X* dx,
-                                    float* partial_w, float* partial_b, int rows, int C) {
-    __shared__ float2 sums[32];
-    float* pw = partial_w ? partial_w + (long long)blockIdx.x * C : nullptr;
-    float* pb = partial_b ? partial_b + (long long)blockIdx.x * C : nullptr;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
-        if (pw) pw[c] = 0.f;
-        if (pb) pb[c] = 0.f;
-    }
-    for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
-        const long long row = base + threadIdx.y;
-        const int cols = row < rows ? C : 0;
-        const long long r0 = row * C;
-        const float m = cols ? mean[row] : 0.f, r = cols ? rstd[row] : 0.f;
-        float sg = 0.f, sgh = 0.f;
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            const float h = __fmul_rn(__fsub_rn(load_as_float(x, r0 + c), m), r);
-            const float d = load_as_float(dy, r0 + c);
-            const float g = weight ? __fmul_rn(d, load_as_float(weight, c)) : d;
-            sg += g;
-            sgh = __fmaf_rn(g, h, sgh);
-            if (pw) pw[c] = __fmaf_rn(d, h, pw[c]);
-            if (pb) pb[c] += d;
-        }
-        const float2 t = row_sum2(sg, sgh, sums);
-        const float mg = __fdiv_rn(t.x, (float)C), mgh = __fdiv_rn(t.y, (float)C);
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            const float h = __fmul_rn(__fsub_rn(load_as_float(x, r0 + c), m), r);
-            const float d = load_as_float(dy, r0 + c);
-            const float g = weight ? __fmul_rn(d, load_as_float(weight, c)) : d;
-            const float v = __fmul_rn(r, __fsub_rn(__fsub_rn(g, mg), __fmul_rn(h, mgh)));
-            store_from_float(dx, r0 + c, __fadd_rn(v, load_as_float(ds, r0 + c)));
-        }
     }
 }
 
