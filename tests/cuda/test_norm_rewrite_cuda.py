@@ -2,7 +2,8 @@
 gradient, rms_norm and its gradient) against the numpy backend on fresh random inputs with
 poisoned outputs: float32, a bf16 or float16 y / dy beside float32 x (the casts
 fuse_layer_norm_casts drops), and float16 everywhere (a model.half()); row widths that take
-the float4-register kernels, the one-float kernels and the loop kernels. Then whole steps of
+the float4-register kernels, the one-float kernels and the loop kernels; layer_norm's kernels,
+which share their bodies with add_layer_norm's, against both. Then whole steps of
 a pre-norm net with both rewrites on CUDA (eager and graph) against the same steps on the
 CPU."""
 from __future__ import annotations
@@ -142,6 +143,47 @@ def test_add_layer_norm_widens_a_half_b_as_loaded(ctx, c, b_dtype, y_dtype):
     got = run_cuda(ctx, node, [a, b, w, bias], layer_norm.IMPLS)
     _compare(got, want, BOUNDS[y_dtype], "add_layer_norm")
     np.testing.assert_array_equal(got[3], a + _wide(b))
+
+
+@pytest.mark.parametrize("c", WIDTHS)
+@pytest.mark.parametrize("x_dtype,y_dtype", [("float32", "float32"), ("float32", "bfloat16"),
+                                             ("float32", "float16"), ("float16", "float16")])
+def test_add_layer_norm_is_layer_norm_of_its_sum_bit_for_bit(ctx, c, x_dtype, y_dtype):
+    """layer_norm and add_layer_norm run one body per kernel kind (forward, backward, their
+    loop kernels at 9000 columns): layer_norm of add_layer_norm's s against numpy, and its y,
+    mean and rstd are add_layer_norm's bit for bit; layer_norm_grad against numpy, and with a
+    float32 x add_layer_norm_grad's dx is its dx + ds rounded once."""
+    rng = seeded(f"add_layer_norm vs layer_norm {c} {x_dtype} {y_dtype}")
+    a, b, ds = (_rand(rng, (ROWS, c), x_dtype) for _ in range(3))
+    params = [_rand(rng, (c,), x_dtype) for _ in range(2)]
+    attrs = {"eps": 1e-5, "weight": True, "bias": True}
+    add = make_node("add_layer_norm", [a, b, *params], **attrs)
+    add.outputs[0] = _retyped(add.outputs[0], y_dtype)
+    added = run_cuda(ctx, add, [a, b, *params], layer_norm.IMPLS)
+    s = added[3]
+    node = make_node("layer_norm", [s, *params], **attrs)
+    node.outputs[0] = _retyped(node.outputs[0], y_dtype)
+    want = reference(node, [s, *params])
+    got = run_cuda(ctx, node, [s, *params], layer_norm.IMPLS)
+    _compare(got, want, BOUNDS[y_dtype if y_dtype != "float32" else x_dtype], "layer_norm")
+    for i, what in enumerate(("y", "mean", "rstd")):
+        np.testing.assert_array_equal(added[i], got[i], err_msg=what)
+
+    dy = _rand(rng, (ROWS, c), "float32")
+    dy = bf16.to_bits(dy) if y_dtype == "bfloat16" else dy.astype(y_dtype)
+    grad_ins = [dy, s, params[0], got[1], got[2]]
+    grad = make_node("layer_norm_grad", [_wide(dy).astype(x_dtype), *grad_ins[1:]], **attrs)
+    grad.inputs[0] = _retyped(grad.inputs[0], y_dtype)
+    want = reference(grad, grad_ins)
+    got = run_cuda(ctx, grad, grad_ins, layer_norm.IMPLS)
+    _compare(got, want, 5 * BOUNDS[x_dtype], "layer_norm_grad")
+    if x_dtype != "float32":        # a float16 dx is rounded before ds could be added here
+        return
+    add_grad = make_node("add_layer_norm_grad", [_wide(dy).astype(x_dtype), *grad_ins[1:], ds],
+                         weight=True, bias=True)
+    add_grad.inputs[0] = _retyped(add_grad.inputs[0], y_dtype)
+    added = run_cuda(ctx, add_grad, grad_ins + [ds], layer_norm.IMPLS)
+    np.testing.assert_array_equal(added[0], got[0] + ds)
 
 
 @pytest.mark.parametrize("c", WIDTHS)

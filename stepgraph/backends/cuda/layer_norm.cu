@@ -22,6 +22,15 @@
 // float16, loaded as float and each rounded once on store; the statistics, the partial sums
 // and all the arithmetic stay float32 (torch's CUDA layer_norm of a half tensor: float
 // accumulation, float mean and rstd).
+// Residual add + LayerNorm (add_layer_norm, compile/norm_rewrite.py): the forward reads a and
+// b, writes s = a + b (rounded to X, as the add it replaces stores it) and normalises that
+// rounded s: the same bits as add then layer_norm. The backward is layer_norm's with the
+// residual gradient ds added to dx in float32 before the one store. B: b's storage, X's but
+// for precision="bf16", where a float32 a and a bf16 / float16 b (the residual branch's GEMM
+// output) are widened as loaded, exactly as the cast did. Each kind of kernel (forward,
+// backward, their *_loop) is one __device__ body templated on ADD that the layer_norm_* and
+// add_layer_norm_* kernels call, so the two normalise and differentiate with the same
+// arithmetic.
 #include "reduce.cuh"
 
 #define LAYER_NORM_MAX_THREADS 512   // threads of a block (layer_norm.py MAX_THREADS)
@@ -70,16 +79,26 @@ __device__ __forceinline__ float2 row_sum2(float a, float b, float2* smem) {
     return r;
 }
 
-// y = (x - mean) * rstd [* weight] [+ bias]; mean and rstd (rows,) per row.
-template <typename Y, int VEC, int K, typename X = float>
-__global__ void __launch_bounds__(LAYER_NORM_MAX_THREADS)
-layer_norm_forward_kernel(const X* x, const X* weight, const X* bias, Y* y,
-                          float* mean_out, float* rstd_out, int rows, int C, float eps) {
+// v as a store to X then a load give it back: the rounding of a value stored in X.
+template <typename X>
+__device__ __forceinline__ float stored_as(float v) {
+    X t;
+    store_from_float(&t, 0, v);
+    return load_as_float(&t, 0);
+}
+
+// y = (s - mean) * rstd [* weight] [+ bias]; mean and rstd (rows,) per row. s is x (ADD
+// false: b and s_out unused) or a + b rounded to X, written to s_out (ADD true).
+template <bool ADD, typename Y, int VEC, int K, typename X, typename B>
+__device__ __forceinline__ void layer_norm_forward_rows(const X* a, const B* b, const X* weight,
+                                                        const X* bias, Y* y, X* s_out,
+                                                        float* mean_out, float* rstd_out,
+                                                        int rows, int C, float eps) {
     __shared__ float smem[32];
     const int groups = C / VEC;
-    float w[K][VEC], b[K][VEC];
+    float w[K][VEC], bb[K][VEC];
     load_columns<VEC, K>(weight, groups, w);
-    load_columns<VEC, K>(bias, groups, b);
+    load_columns<VEC, K>(bias, groups, bb);
     for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
         const long long row = base + threadIdx.y;
         const bool valid = row < rows;
@@ -90,9 +109,15 @@ layer_norm_forward_kernel(const X* x, const X* weight, const X* bias, Y* y,
         for (int k = 0; k < K; ++k) {
             const int g = threadIdx.x + k * blockDim.x;
             if (valid && g < groups) {
-                loadv_as_float<VEC>(x, r0 + (long long)g * VEC, v[k]);
+                float t[VEC];
+                loadv_as_float<VEC>(a, r0 + (long long)g * VEC, v[k]);
+                if constexpr (ADD) loadv_as_float<VEC>(b, r0 + (long long)g * VEC, t);
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) s += v[k][j];
+                for (int j = 0; j < VEC; ++j) {
+                    if constexpr (ADD) v[k][j] = stored_as<X>(__fadd_rn(v[k][j], t[j]));
+                    s += v[k][j];
+                }
+                if constexpr (ADD) storev_from_float<VEC>(s_out, r0 + (long long)g * VEC, v[k]);
             }
         }
         const float mean = __fdiv_rn(row_sum(s, smem), (float)C);
@@ -122,12 +147,29 @@ layer_norm_forward_kernel(const X* x, const X* weight, const X* bias, Y* y,
             for (int j = 0; j < VEC; ++j) {
                 float t = __fmul_rn(v[k][j], rstd);
                 if (weight) t = __fmul_rn(t, w[k][j]);
-                if (bias) t = __fadd_rn(t, b[k][j]);
+                if (bias) t = __fadd_rn(t, bb[k][j]);
                 v[k][j] = t;
             }
             storev_from_float<VEC>(y, r0 + (long long)g * VEC, v[k]);
         }
     }
+}
+
+template <typename Y, int VEC, int K, typename X = float>
+__global__ void __launch_bounds__(LAYER_NORM_MAX_THREADS)
+layer_norm_forward_kernel(const X* x, const X* weight, const X* bias, Y* y,
+                          float* mean_out, float* rstd_out, int rows, int C, float eps) {
+    layer_norm_forward_rows<false, Y, VEC, K, X, X>(x, nullptr, weight, bias, y, nullptr,
+                                                    mean_out, rstd_out, rows, C, eps);
+}
+
+template <typename Y, int VEC, int K, typename X = float, typename B = X>
+__global__ void __launch_bounds__(LAYER_NORM_MAX_THREADS)
+add_layer_norm_forward_kernel(const X* a, const B* b, const X* weight, const X* bias, Y* y,
+                              X* s_out, float* mean_out, float* rstd_out, int rows, int C,
+                              float eps) {
+    layer_norm_forward_rows<true, Y, VEC, K, X, B>(a, b, weight, bias, y, s_out, mean_out,
+                                                   rstd_out, rows, C, eps);
 }
 
 // The block's row of partial [blocks, C]: acc (this thread's columns, summed over the rows of
@@ -162,14 +204,16 @@ __device__ __forceinline__ void store_block_partial(const float (&acc)[K][VEC], 
     }
 }
 
-// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy [* weight], xhat = (x - mean) *
-// rstd; block b sums dy * xhat and dy over its rows into row b of partial_w / partial_b
-// [gridDim.x, C] (either null when not wanted).
-template <typename DY, int VEC, int K, typename X = float>
-__global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
-layer_norm_backward_kernel(const DY* dy, const X* x, const X* weight,
-                           const float* mean, const float* rstd, X* dx, float* partial_w,
-                           float* partial_b, int rows, int C) {
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) [+ ds], g = dy [* weight], xhat = (x -
+// mean) * rstd (x: add_layer_norm's s); ds (ADD true) added in float32 before the one store.
+// Block b sums dy * xhat and dy over its rows into row b of partial_w / partial_b [gridDim.x,
+// C] (either null when not wanted).
+template <bool ADD, typename DY, int VEC, int K, typename X>
+__device__ __forceinline__ void layer_norm_backward_rows(const DY* dy, const X* x,
+                                                         const X* weight, const float* mean,
+                                                         const float* rstd, const X* ds, X* dx,
+                                                         float* partial_w, float* partial_b,
+                                                         int rows, int C) {
     __shared__ float2 sums[32];
     __shared__ __align__(16) float red[LAYER_NORM_BLOCK_ROWS_THREADS * K * VEC];
     const int groups = C / VEC;
@@ -215,9 +259,14 @@ layer_norm_backward_kernel(const DY* dy, const X* x, const X* weight,
         for (int k = 0; k < K; ++k) {
             const int g = threadIdx.x + k * blockDim.x;
             if (g >= groups) continue;
+            float e[VEC];
+            if constexpr (ADD) loadv_as_float<VEC>(ds, r0 + (long long)g * VEC, e);
 #pragma unroll
-            for (int j = 0; j < VEC; ++j)
-                d[k][j] = __fmul_rn(r, __fsub_rn(__fsub_rn(d[k][j], mg), __fmul_rn(h[k][j], mgh)));
+            for (int j = 0; j < VEC; ++j) {
+                float v = __fmul_rn(r, __fsub_rn(__fsub_rn(d[k][j], mg), __fmul_rn(h[k][j], mgh)));
+                if constexpr (ADD) v = __fadd_rn(v, e[j]);
+                d[k][j] = v;
+            }
             storev_from_float<VEC>(dx, r0 + (long long)g * VEC, d[k]);
         }
     }
@@ -225,18 +274,50 @@ layer_norm_backward_kernel(const DY* dy, const X* x, const X* weight,
     store_block_partial<VEC, K>(acc_b, partial_b, red, groups, C);
 }
 
-// The forward for rows of any width: x re-read from global memory for each pass.
-template <typename Y, typename X = float>
-__global__ void __launch_bounds__(1024)
-layer_norm_forward_loop_kernel(const X* x, const X* weight, const X* bias, Y* y,
-                               float* mean_out, float* rstd_out, int rows, int C, float eps) {
+template <typename DY, int VEC, int K, typename X = float>
+__global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
+layer_norm_backward_kernel(const DY* dy, const X* x, const X* weight,
+                           const float* mean, const float* rstd, X* dx, float* partial_w,
+                           float* partial_b, int rows, int C) {
+    layer_norm_backward_rows<false, DY, VEC, K, X>(dy, x, weight, mean, rstd, nullptr, dx,
+                                                   partial_w, partial_b, rows, C);
+}
+
+template <typename DY, int VEC, int K, typename X = float>
+__global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
+add_layer_norm_backward_kernel(const DY* dy, const X* x, const X* weight, const float* mean,
+                               const float* rstd, const X* ds, X* dx, float* partial_w,
+                               float* partial_b, int rows, int C) {
+    layer_norm_backward_rows<true, DY, VEC, K, X>(dy, x, weight, mean, rstd, ds, dx, partial_w,
+                                                  partial_b, rows, C);
+}
+
+// The forward for rows of any width: x re-read from global memory for each pass; with ADD,
+// s written in the first pass, then re-read (L1/L2).
+template <bool ADD, typename Y, typename X, typename B>
+__device__ __forceinline__ void layer_norm_forward_loop_rows(const X* a, const B* b,
+                                                             const X* weight, const X* bias,
+                                                             Y* y, X* s_out, float* mean_out,
+                                                             float* rstd_out, int rows, int C,
+                                                             float eps) {
     __shared__ float smem[32];
     for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
         const long long row = base + threadIdx.y;
         const int cols = row < rows ? C : 0;
-        const X* xr = x + row * C;
+        const long long r0 = row * C;
+        const X* xr = (ADD ? s_out : a) + r0;   // the row the later passes read
         float s = 0.f;
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) s += load_as_float(xr, c);
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+            float v;
+            if constexpr (ADD) {
+                v = stored_as<X>(__fadd_rn(load_as_float(a, r0 + c), load_as_float(b, r0 + c)));
+                store_from_float(s_out, r0 + c, v);
+            } else {
+                v = load_as_float(xr, c);
+            }
+            s += v;
+        }
+        // each thread re-reads only the columns of s_out it wrote: no barrier needed
         const float mean = __fdiv_rn(row_sum(s, smem), (float)C);
         float q = 0.f;
         for (int c = threadIdx.x; c < cols; c += blockDim.x) {
@@ -252,19 +333,37 @@ layer_norm_forward_loop_kernel(const X* x, const X* weight, const X* bias, Y* y,
             float t = __fmul_rn(__fsub_rn(load_as_float(xr, c), mean), rstd);
             if (weight) t = __fmul_rn(t, load_as_float(weight, c));
             if (bias) t = __fadd_rn(t, load_as_float(bias, c));
-            store_from_float(y, row * C + c, t);
+            store_from_float(y, r0 + c, t);
         }
     }
 }
 
+template <typename Y, typename X = float>
+__global__ void __launch_bounds__(1024)
+layer_norm_forward_loop_kernel(const X* x, const X* weight, const X* bias, Y* y,
+                               float* mean_out, float* rstd_out, int rows, int C, float eps) {
+    layer_norm_forward_loop_rows<false, Y, X, X>(x, nullptr, weight, bias, y, nullptr, mean_out,
+                                                 rstd_out, rows, C, eps);
+}
+
+template <typename Y, typename X = float, typename B = X>
+__global__ void __launch_bounds__(1024)
+add_layer_norm_forward_loop_kernel(const X* a, const B* b, const X* weight, const X* bias,
+                                   Y* y, X* s_out, float* mean_out, float* rstd_out, int rows,
+                                   int C, float eps) {
+    layer_norm_forward_loop_rows<true, Y, X, B>(a, b, weight, bias, y, s_out, mean_out,
+                                                rstd_out, rows, C, eps);
+}
+
 // The backward for rows of any width, one row a block (blockDim.y == 1): the block's partial
 // sums accumulate in place in its row of partial_w / partial_b (each element read and written
-// by one thread only).
-template <typename DY, typename X = float>
-__global__ void __launch_bounds__(1024)
-layer_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight,
-                                const float* mean, const float* rstd, X* dx,
-                                float* partial_w, float* partial_b, int rows, int C) {
+// by one thread only); ds added to dx as layer_norm_backward_rows does.
+template <bool ADD, typename DY, typename X>
+__device__ __forceinline__ void layer_norm_backward_loop_rows(const DY* dy, const X* x,
+                                                              const X* weight, const float* mean,
+                                                              const float* rstd, const X* ds,
+                                                              X* dx, float* partial_w,
+                                                              float* partial_b, int rows, int C) {
     __shared__ float2 sums[32];
     float* pw = partial_w ? partial_w + (long long)blockIdx.x * C : nullptr;
     float* pb = partial_b ? partial_b + (long long)blockIdx.x * C : nullptr;
@@ -293,10 +392,29 @@ layer_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight,
             const float h = __fmul_rn(__fsub_rn(load_as_float(x, r0 + c), m), r);
             const float d = load_as_float(dy, r0 + c);
             const float g = weight ? __fmul_rn(d, load_as_float(weight, c)) : d;
-            const float v = __fmul_rn(r, __fsub_rn(__fsub_rn(g, mg), __fmul_rn(h, mgh)));
+            float v = __fmul_rn(r, __fsub_rn(__fsub_rn(g, mg), __fmul_rn(h, mgh)));
+            if constexpr (ADD) v = __fadd_rn(v, load_as_float(ds, r0 + c));
             store_from_float(dx, r0 + c, v);
         }
     }
+}
+
+template <typename DY, typename X = float>
+__global__ void __launch_bounds__(1024)
+layer_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight,
+                                const float* mean, const float* rstd, X* dx,
+                                float* partial_w, float* partial_b, int rows, int C) {
+    layer_norm_backward_loop_rows<false, DY, X>(dy, x, weight, mean, rstd, nullptr, dx,
+                                                partial_w, partial_b, rows, C);
+}
+
+template <typename DY, typename X = float>
+__global__ void __launch_bounds__(1024)
+add_layer_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight,
+                                    const float* mean, const float* rstd, const X* ds, X* dx,
+                                    float* partial_w, float* partial_b, int rows, int C) {
+    layer_norm_backward_loop_rows<true, DY, X>(dy, x, weight, mean, rstd, ds, dx, partial_w,
+                                               partial_b, rows, C);
 }
 
 // dweight[c] = the sum over slots of partial_w[slot, c] (dbias from partial_b alike), in
@@ -325,233 +443,6 @@ layer_norm_grad_finalize_kernel(const float* partial_w, const float* partial_b, 
         double t = lanes[0][threadIdx.x];
         for (int l = 1; l < FINALIZE_LANES; ++l) t += lanes[l][threadIdx.x];
         store_from_float(out, c, (float)t);
-    }
-}
-
-// ---- residual add + LayerNorm (add_layer_norm, compile/norm_rewrite.py) --------------------
-// The forward reads a and b, writes s = a + b (rounded to X, as the add it replaces stores it)
-// and normalises that rounded s: the same bits as add then layer_norm. The backward is
-// layer_norm's with the residual gradient ds added to dx in float32 before the one store.
-// B: b's storage, X's but for precision="bf16", where a float32 a and a bf16 / float16 b
-// (the residual branch's GEMM output) are widened as loaded, exactly as the cast did.
-
-// v as a store to X then a load give it back: the rounding of a value stored in X.
-template <typename X>
-__device__ __forceinline__ float stored_as(float v) {
-    X t;
-    store_from_float(&t, 0, v);
-    return load_as_float(&t, 0);
-}
-
-template <typename Y, int VEC, int K, typename X = float, typename B = X>
-__global__ void __launch_bounds__(LAYER_NORM_MAX_THREADS)
-add_layer_norm_forward_kernel(const X* a, const B* b, const X* weight, const X* bias, Y* y,
-                              X* s_out, float* mean_out, float* rstd_out, int rows, int C,
-                              float eps) {
-    __shared__ float smem[32];
-    const int groups = C / VEC;
-    float w[K][VEC], bb[K][VEC];
-    load_columns<VEC, K>(weight, groups, w);
-    load_columns<VEC, K>(bias, groups, bb);
-    for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
-        const long long row = base + threadIdx.y;
-        const bool valid = row < rows;
-        const long long r0 = row * C;
-        float v[K][VEC];
-        float s = 0.f;
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int g = threadIdx.x + k * blockDim.x;
-            if (valid && g < groups) {
-                float t[VEC];
-                loadv_as_float<VEC>(a, r0 + (long long)g * VEC, v[k]);
-                loadv_as_float<VEC>(b, r0 + (long long)g * VEC, t);
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    v[k][j] = stored_as<X>(__fadd_rn(v[k][j], t[j]));
-                    s += v[k][j];
-                }
-                storev_from_float<VEC>(s_out, r0 + (long long)g * VEC, v[k]);
-            }
-        }
-        const float mean = __fdiv_rn(row_sum(s, smem), (float)C);
-        float q = 0.f;
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int g = threadIdx.x + k * blockDim.x;
-            if (valid && g < groups) {
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    v[k][j] = __fsub_rn(v[k][j], mean);
-                    q = __fmaf_rn(v[k][j], v[k][j], q);
-                }
-            }
-        }
-        const float rstd = inverse_std(__fdiv_rn(row_sum(q, smem), (float)C), eps);
-        if (!valid) continue;
-        if (threadIdx.x == 0) {
-            mean_out[row] = mean;
-            rstd_out[row] = rstd;
-        }
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int g = threadIdx.x + k * blockDim.x;
-            if (g >= groups) continue;
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                float t = __fmul_rn(v[k][j], rstd);
-                if (weight) t = __fmul_rn(t, w[k][j]);
-                if (bias) t = __fadd_rn(t, bb[k][j]);
-                v[k][j] = t;
-            }
-            storev_from_float<VEC>(y, r0 + (long long)g * VEC, v[k]);
-        }
-    }
-}
-
-// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) + ds, g = dy [* weight], xhat = (s -
-// mean) * rstd; partial sums of dweight / dbias as layer_norm_backward_kernel's.
-template <typename DY, int VEC, int K, typename X = float>
-__global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
-add_layer_norm_backward_kernel(const DY* dy, const X* x, const X* weight, const float* mean,
-                               const float* rstd, const X* ds, X* dx, float* partial_w,
-                               float* partial_b, int rows, int C) {
-    __shared__ float2 sums[32];
-    __shared__ __align__(16) float red[LAYER_NORM_BLOCK_ROWS_THREADS * K * VEC];
-    const int groups = C / VEC;
-    float acc_w[K][VEC], acc_b[K][VEC];
-#pragma unroll
-    for (int k = 0; k < K; ++k)
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) acc_w[k][j] = acc_b[k][j] = 0.f;
-    for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
-        const long long row = base + threadIdx.y;
-        const bool valid = row < rows;
-        const long long r0 = row * C;
-        const float m = valid ? mean[row] : 0.f, r = valid ? rstd[row] : 0.f;
-        float d[K][VEC], h[K][VEC];   // dy, then g; x, then xhat
-        float sg = 0.f, sgh = 0.f;
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int g = threadIdx.x + k * blockDim.x;
-            if (!valid || g >= groups) continue;
-            loadv_as_float<VEC>(dy, r0 + (long long)g * VEC, d[k]);
-            loadv_as_float<VEC>(x, r0 + (long long)g * VEC, h[k]);
-        }
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int g = threadIdx.x + k * blockDim.x;
-            if (!valid || g >= groups) continue;
-            float w[VEC];
-            if (weight) loadv_as_float<VEC>(weight, (long long)g * VEC, w);
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                h[k][j] = __fmul_rn(__fsub_rn(h[k][j], m), r);
-                acc_w[k][j] = __fmaf_rn(d[k][j], h[k][j], acc_w[k][j]);
-                acc_b[k][j] += d[k][j];
-                if (weight) d[k][j] = __fmul_rn(d[k][j], w[j]);
-                sg += d[k][j];
-                sgh = __fmaf_rn(d[k][j], h[k][j], sgh);
-            }
-        }
-        const float2 t = row_sum2(sg, sgh, sums);
-        const float mg = __fdiv_rn(t.x, (float)C), mgh = __fdiv_rn(t.y, (float)C);
-        if (!valid) continue;
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int g = threadIdx.x + k * blockDim.x;
-            if (g >= groups) continue;
-            float e[VEC];
-            loadv_as_float<VEC>(ds, r0 + (long long)g * VEC, e);
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                const float v = __fmul_rn(r, __fsub_rn(__fsub_rn(d[k][j], mg),
-                                                       __fmul_rn(h[k][j], mgh)));
-                d[k][j] = __fadd_rn(v, e[j]);
-            }
-            storev_from_float<VEC>(dx, r0 + (long long)g * VEC, d[k]);
-        }
-    }
-    store_block_partial<VEC, K>(acc_w, partial_w, red, groups, C);
-    store_block_partial<VEC, K>(acc_b, partial_b, red, groups, C);
-}
-
-// The forward for rows of any width: s written in the first pass, then re-read (L1/L2).
-template <typename Y, typename X = float, typename B = X>
-__global__ void __launch_bounds__(1024)
-add_layer_norm_forward_loop_kernel(const X* a, const B* b, const X* weight, const X* bias,
-                                   Y* y, X* s_out, float* mean_out, float* rstd_out, int rows,
-                                   int C, float eps) {
-    __shared__ float smem[32];
-    for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
-        const long long row = base + threadIdx.y;
-        const int cols = row < rows ? C : 0;
-        const long long r0 = row * C;
-        float s = 0.f;
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            const float v = stored_as<X>(__fadd_rn(load_as_float(a, r0 + c),
-                                                   load_as_float(b, r0 + c)));
-            store_from_float(s_out, r0 + c, v);
-            s += v;
-        }
-        // each thread re-reads only the columns it wrote: no barrier needed for s_out
-        const float mean = __fdiv_rn(row_sum(s, smem), (float)C);
-        float q = 0.f;
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            const float t = __fsub_rn(load_as_float(s_out, r0 + c), mean);
-            q = __fmaf_rn(t, t, q);
-        }
-        const float rstd = inverse_std(__fdiv_rn(row_sum(q, smem), (float)C), eps);
-        if (cols && threadIdx.x == 0) {
-            mean_out[row] = mean;
-            rstd_out[row] = rstd;
-        }
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            float t = __fmul_rn(__fsub_rn(load_as_float(s_out, r0 + c), mean), rstd);
-            if (weight) t = __fmul_rn(t, load_as_float(weight, c));
-            if (bias) t = __fadd_rn(t, load_as_float(bias, c));
-            store_from_float(y, r0 + c, t);
-        }
-    }
-}
-
-// The backward for rows of any width, one row a block, as layer_norm_backward_loop_kernel's.
-template <typename DY, typename X = float>
-__global__ void __launch_bounds__(1024)
-add_layer_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight,
-                                    const float* mean, const float* rstd, const X* ds, X* dx,
-                                    float* partial_w, float* partial_b, int rows, int C) {
-    __shared__ float2 sums[32];
-    float* pw = partial_w ? partial_w + (long long)blockIdx.x * C : nullptr;
-    float* pb = partial_b ? partial_b + (long long)blockIdx.x * C : nullptr;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
-        if (pw) pw[c] = 0.f;
-        if (pb) pb[c] = 0.f;
-    }
-    for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
-        const long long row = base + threadIdx.y;
-        const int cols = row < rows ? C : 0;
-        const long long r0 = row * C;
-        const float m = cols ? mean[row] : 0.f, r = cols ? rstd[row] : 0.f;
-        float sg = 0.f, sgh = 0.f;
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            const float h = __fmul_rn(__fsub_rn(load_as_float(x, r0 + c), m), r);
-            const float d = load_as_float(dy, r0 + c);
-            const float g = weight ? __fmul_rn(d, load_as_float(weight, c)) : d;
-            sg += g;
-            sgh = __fmaf_rn(g, h, sgh);
-            if (pw) pw[c] = __fmaf_rn(d, h, pw[c]);
-            if (pb) pb[c] += d;
-        }
-        const float2 t = row_sum2(sg, sgh, sums);
-        const float mg = __fdiv_rn(t.x, (float)C), mgh = __fdiv_rn(t.y, (float)C);
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            const float h = __fmul_rn(__fsub_rn(load_as_float(x, r0 + c), m), r);
-            const float d = load_as_float(dy, r0 + c);
-            const float g = weight ? __fmul_rn(d, load_as_float(weight, c)) : d;
-            const float v = __fmul_rn(r, __fsub_rn(__fsub_rn(g, mg), __fmul_rn(h, mgh)));
-            store_from_float(dx, r0 + c, __fadd_rn(v, load_as_float(ds, r0 + c)));
-        }
     }
 }
 
