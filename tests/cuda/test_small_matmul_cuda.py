@@ -118,7 +118,7 @@ def test_linear_path_is_timed_once_per_problem_and_shared(monkeypatch):
     monkeypatch.setenv("STEPGRAPH_DISK_CACHE", "0")
     timed = []
 
-    def clock(ctx, run, repeats: int = 5) -> float:
+    def clock(ctx, run, repeats: int = 5, give_up_above=None) -> float:
         run()                                   # as time_on_device: the candidate runs
         timed.append(run)
         return 1.0 / len(timed)                 # each later candidate "faster"

@@ -41,7 +41,7 @@ class Clock:
         self.timed: list[tuple[str, str]] = []
         self.compiled: list[list[str]] = []
 
-    def time_on_device(self, ctx, run) -> float:
+    def time_on_device(self, ctx, run, give_up_above=None) -> float:
         assert not ctx.stream.is_capturing()
         run()
         name = self.launched[-1][0]

@@ -122,7 +122,7 @@ def fake(tmp_path, monkeypatch):
     monkeypatch.setattr(autotune, "device_identity", lambda device: dict(IDENTITY))
     monkeypatch.setattr(autotune.compiler, "compile_parallel", lambda kernels: list(kernels))
 
-    def time_on_device(ctx, run):
+    def time_on_device(ctx, run, give_up_above=None):
         run()
         fake.timed.append(fake.ran[-1])
         return fake.times.get(fake.ran[-1], 5.0)

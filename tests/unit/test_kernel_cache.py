@@ -151,7 +151,7 @@ def fake_device(root, monkeypatch):
     monkeypatch.setattr(autotune, "_caches", {})
     timed, compiled = [], []
     monkeypatch.setattr(autotune, "time_on_device",
-                        lambda ctx, run: timed.append(run.__name__) or TIMES[run.__name__])
+                        lambda ctx, run, **_: timed.append(run.__name__) or TIMES[run.__name__])
     monkeypatch.setattr(autotune.compiler, "compile_parallel",
                         lambda kernels: compiled.extend(kernels))
     return timed, compiled

@@ -1,0 +1,60 @@
+"""graph.time_on_device's early cut on the GPU: a candidate whose second eager run takes longer
+than give_up_above returns that eager time without a capture; one under it is captured and
+timed as a replay (tests/unit/test_autotune_cutoff.py: the autotuner's use of it)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.cuda
+pytest.importorskip("cupy")
+pytest.importorskip("nvmath")
+
+from stepgraph.backends import cuda_available  # noqa: E402
+
+if not cuda_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+import cupy as cp  # noqa: E402
+
+from stepgraph.backends import get_backend  # noqa: E402
+from stepgraph.backends.cuda.runtime import graph  # noqa: E402
+
+SPIN = cp.RawKernel(r"""
+extern "C" __global__ void spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) {}
+}""", "spin")
+
+
+@pytest.fixture
+def captures(monkeypatch):
+    made = []
+    real = graph.capture
+
+    def counted(run, ctx):
+        made.append(run)
+        return real(run, ctx)
+
+    monkeypatch.setattr(graph, "capture", counted)
+    return made
+
+
+def spinner(ctx, cycles: int):
+    return lambda: SPIN((1,), (1,), (np.int64(cycles),), stream=ctx.stream)
+
+
+def test_a_candidate_past_the_cut_is_not_captured(captures):
+    ctx = get_backend("cuda").make_context("fp32")
+    slow = spinner(ctx, 8_000_000)            # milliseconds at any H100/H200 clock
+    ms = graph.time_on_device(ctx, slow, give_up_above=0.5)
+    assert ms > 0.5 and captures == []
+
+
+def test_a_candidate_under_the_cut_is_timed_as_a_replay(captures):
+    ctx = get_backend("cuda").make_context("fp32")
+    quick = spinner(ctx, 20_000)
+    eager_cut = graph.time_on_device(ctx, quick, give_up_above=100.0)
+    assert len(captures) == 1 and 0.0 < eager_cut < 100.0
+    plain = graph.time_on_device(ctx, quick)
+    assert len(captures) == 2 and plain == pytest.approx(eager_cut, rel=0.5)

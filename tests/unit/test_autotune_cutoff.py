@@ -1,0 +1,52 @@
+"""The autotuner's early cut (runtime/autotune.py _fastest): every candidate is timed in
+order, the first in full, each later one given the eager time past which it cannot win
+(give_up_above); the winner is the fastest whatever the order. No GPU: time_on_device is a
+fake that honours the cut as graph.py's does (tests/cuda/test_autotune_cutoff_cuda.py runs
+the real one)."""
+from __future__ import annotations
+
+import pytest
+
+from stepgraph.backends.cuda.runtime import autotune
+
+
+def fake_clock(monkeypatch, graph_ms: dict[str, float], eager_gap_ms: float = 0.01):
+    """time_on_device over named runs: a candidate's eager time is its graph time plus a
+    launch gap; past give_up_above that eager time is returned and no capture is made."""
+    calls = []
+
+    def time_on_device(ctx, run, repeats=5, give_up_above=None):
+        name = run()
+        eager = graph_ms[name] + eager_gap_ms
+        if give_up_above is not None and eager > give_up_above:
+            calls.append((name, give_up_above, "cut"))
+            return eager
+        calls.append((name, give_up_above, "captured"))
+        return graph_ms[name]
+
+    monkeypatch.setattr(autotune, "time_on_device", time_on_device)
+    return calls
+
+
+def paths_of(names):
+    return {name: (lambda name=name: name) for name in names}
+
+
+def test_the_first_candidate_is_timed_in_full_and_later_ones_get_the_cut(monkeypatch):
+    calls = fake_clock(monkeypatch, {"a": 1.0, "b": 0.4, "c": 5.0, "d": 0.45})
+    assert autotune._fastest(None, paths_of("abcd")) == "b"
+    assert calls == [("a", None, "captured"), ("b", 2.0, "captured"),
+                     ("c", pytest.approx(0.8), "cut"), ("d", pytest.approx(0.8), "captured")]
+
+
+def test_the_cut_keeps_room_for_launch_gaps_on_fast_kernels():
+    """Below 50 µs, twice the best is no cut: the margin decides."""
+    assert autotune.give_up_above(float("inf")) is None
+    assert autotune.give_up_above(0.01) == pytest.approx(0.06)
+    assert autotune.give_up_above(1.0) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("order", ["abc", "cba", "bca"])
+def test_the_winner_is_the_fastest_in_any_order(monkeypatch, order):
+    fake_clock(monkeypatch, {"a": 0.3, "b": 0.2, "c": 3.0})
+    assert autotune._fastest(None, paths_of(order)) == "b"
