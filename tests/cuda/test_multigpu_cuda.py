@@ -1,4 +1,5 @@
-"""Data parallelism on two GPUs (marker multigpu: skipped with fewer; one test wants four):
+"""Data parallelism on two GPUs (marker multigpu: skipped with fewer; the torchrun test of
+four ranks wants four, and the last tests run at every GPU of a host of more than two):
 two ranks started by `stepgraph launch` or torchrun, each fed its own half of every global
 batch, train like one process on the union batch (float32 and bf16: parameter changes judged
 by the tolerance policy against torch float64, tests/unit/dist_reference.py), hold
@@ -65,11 +66,12 @@ def run_ranks(command: list[str], timeout: float = LAUNCH_TIMEOUT_S, env=None) -
     return code, out, err
 
 
-def launch_workers(out: Path, *args: str, timeout: float = LAUNCH_TIMEOUT_S) -> list:
-    run_ranks([sys.executable, "-m", "stepgraph", "launch", "--gpus", "2", "--timeout",
+def launch_workers(out: Path, *args: str, timeout: float = LAUNCH_TIMEOUT_S,
+                   world: int = 2) -> list:
+    run_ranks([sys.executable, "-m", "stepgraph", "launch", "--gpus", str(world), "--timeout",
                str(RANK_TIMEOUT_S), "--", sys.executable, str(WORKER), "--device", "cuda",
                "--out", str(out), *args], timeout)
-    return [np.load(out / f"rank{r}.npz") for r in (0, 1)]
+    return [np.load(out / f"rank{r}.npz") for r in range(world)]
 
 
 def parameters(record) -> dict:
@@ -374,6 +376,13 @@ def test_a_killed_gpu_rank_is_named_and_the_others_exit(tmp_path):
     """kill -9 of rank 1 mid-run: rank 0 would wait in an NCCL kernel inside the graph
     forever; its watchdog sees rank 1's store connection drop, aborts the communicator and
     ends rank 0 with FAULT_EXIT_CODE and an error naming rank 1, well within the timeout."""
+    check_a_killed_rank_is_named(tmp_path, 2)
+
+
+def check_a_killed_rank_is_named(tmp_path: Path, world: int) -> None:
+    """`world` ranks train; the last is killed (-9) once every rank has stepped; rank 0 ends
+    within 20 s with FAULT_EXIT_CODE, naming it, and no rank is left running."""
+    import re
     import signal
     import time
 
@@ -381,17 +390,55 @@ def test_a_killed_gpu_rank_is_named_and_the_others_exit(tmp_path):
 
     script = tmp_path / "run.py"
     script.write_text(KILLED)
-    procs = start_ranks(2, [str(script), str(tmp_path)])
+    procs = start_ranks(world, [str(script), str(tmp_path)])
     try:
         deadline = time.monotonic() + LAUNCH_TIMEOUT_S - 25  # then 20 s more at most
-        while not all((tmp_path / str(r)).exists() for r in (0, 1)):
+        while not all((tmp_path / str(r)).exists() for r in range(world)):
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
             time.sleep(0.1)
         killed_at = time.monotonic()
-        procs[1].send_signal(signal.SIGKILL)
-        (code, err, _), = finish(procs[:1], timeout=20)
+        procs[-1].send_signal(signal.SIGKILL)
+        ended = finish(procs[:-1], timeout=20)
         assert time.monotonic() - killed_at < 20
+        code, err, _ = ended[0]
         assert code == FAULT_EXIT_CODE, err[-4000:]
-        assert "rank(s) [1] of 2 died" in err
+        # a rank that ended on the fault before rank 0 noticed may be named beside it
+        named = re.search(rf"rank\(s\) \[([\d, ]+)\] of {world} died", err)
+        assert named and world - 1 in {int(r) for r in named.group(1).split(",")}, err[-4000:]
     finally:
         finish(procs, timeout=1)
+
+
+# ---- every GPU of a larger host (4 or 8): the tests above at the host's world size ----------
+
+@pytest.fixture
+def host_gpus() -> int:
+    """Every GPU of the host, where it has more than two (the tests above cover two)."""
+    n = gpu_count()
+    if n <= 2:
+        pytest.skip(f"{n} GPUs visible: the two-rank tests cover them")
+    return n
+
+
+def test_every_gpu_of_the_host_trains_like_one_on_the_global_batch(tmp_path, host_gpus):
+    steps, batch = 8, 8 * host_gpus
+    ranks = launch_workers(tmp_path, "--model", "cnn", "--steps", str(steps), "--global-batch",
+                           str(batch), timeout=2 * LAUNCH_TIMEOUT_S, world=host_gpus)
+    assert_same_on_every_rank(ranks)
+    assert_ranks_match_torch(ranks, "cnn", steps, batch)
+
+
+def test_every_gpu_of_the_host_holds_the_same_bits_after_100_steps(tmp_path, host_gpus):
+    """bf16 with BatchNorm and several buckets, as the two-rank test's hardest case."""
+    ranks = launch_workers(tmp_path, "--model", "bncnn", "--steps", "100", "--global-batch",
+                           str(8 * host_gpus), "--bucket-cap-mb", "0.002", "--precision",
+                           "bf16", timeout=2 * LAUNCH_TIMEOUT_S, world=host_gpus)
+    print(f"bncnn bf16, {host_gpus} ranks: checksums", [
+        float(sum(np.asarray(r[k], np.float64).sum() for k in r.files
+                  if k.startswith(("state/", "optimizer/")))) for r in ranks])
+    assert_same_on_every_rank(ranks)
+    assert_trained(ranks, "bncnn")
+
+
+def test_a_killed_rank_of_the_host_is_named_and_the_others_exit(tmp_path, host_gpus):
+    check_a_killed_rank_is_named(tmp_path, host_gpus)
