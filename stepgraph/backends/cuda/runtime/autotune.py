@@ -109,8 +109,8 @@ def run_fastest(ctx, key: Hashable, paths: dict[str, Callable[[], None]], defaul
 # cost two runs, not a capture and ten. The margin is the room an eager run's host time
 # needs: the device idles while Python launches, and the events count that. At 0.05 ms
 # (H200, ConvNeXt and MobileNet files at bf16) setup fell from 24.5 to 13.4 s and from 17.7
-# to 16.2 s, but their steps got 3-4% slower: fast convolutions whose cuDNN launch took
-# longer on the host than their kernel on the device were dropped where they would have won.
+# to 16.2 s, but their steps got 3-4% slower, most likely because fast convolutions whose
+# cuDNN launch took longer on the host than their kernel on the device were dropped.
 SLOWER, MARGIN_MS = 2.0, 0.5
 
 
