@@ -13,6 +13,13 @@ FACTOR = 4.0                  # how much farther from float64 than torch's float
 FLOOR_ULPS = 4.0              # the absolute floor, in float32 roundings of the largest value
 
 
+def state_float64(model) -> dict[str, np.ndarray]:
+    """A torch or stepgraph model's state_dict as float64 arrays (integer counters too): what
+    the judges below compare."""
+    return {k: np.asarray(v.detach().double().numpy() if hasattr(v, "detach") else v,
+                          np.float64) for k, v in model.state_dict().items()}
+
+
 def max_error(got, ref64) -> float:
     """The largest elementwise |got - ref64| (in float64); 0 for empty arrays."""
     got, ref64 = np.asarray(got, np.float64), np.asarray(ref64, np.float64)

@@ -8,8 +8,9 @@ import pytest
 
 import stepgraph as sg
 from stepgraph.loop import hooks
+from tests.reference import state_float64
 from tests.unit.test_grad_scaler import (batches, float64_reference, judge, scaled_loop, skipped,
-                                         state, twins)
+                                         twins)
 
 pytestmark = pytest.mark.cuda
 pytest.importorskip("cupy")
@@ -21,7 +22,7 @@ def test_scaled_loop_on_cuda_follows_torch_in_one_graph():
     import torch
 
     t32, t64, ours = twins(norm=True)
-    start = state(t32)
+    start = state_float64(t32)
     data = batches(12)
     args = dict(init_scale=2.0 ** 127, growth_interval=3, growth_factor=2.0 ** 16,
                 backoff_factor=2.0 ** -16)
@@ -51,7 +52,7 @@ def test_scaled_loop_on_cuda_equals_the_numpy_backend():
         data = batches(8)
         data[4] = (np.full_like(data[4][0], np.inf), data[4][1])
         history, _ = scaled_loop(sg, ours, data, 1.0, init_scale=1024.0, growth_interval=2)
-        results[device] = (history, state(ours))
+        results[device] = (history, state_float64(ours))
     assert results["cuda"][0] == results["cpu"][0]
     for k, v in results["cpu"][1].items():     # running statistics: NaN after the inf batch
         np.testing.assert_allclose(results["cuda"][1][k], v, rtol=1e-4, atol=1e-5, err_msg=k)

@@ -21,7 +21,7 @@ from stepgraph.compile.attention_rewrite import SWITCH_ENV, rewrite_attention
 from stepgraph.errors import PlanError
 from stepgraph.ir.trace import Tracer
 from tests.ops.helpers import randn, run_graph, seeded, trace_inputs
-from tests.reference import assert_close_to_reference, assert_state_changes_close
+from tests.reference import assert_close_to_reference, assert_state_changes_close, state_float64
 
 B, T, HEADS, D = 2, 6, 2, 4
 C = HEADS * D
@@ -132,11 +132,6 @@ def torch_run(model, data, dtype) -> list[float]:
     return result
 
 
-def state(model) -> dict:
-    return {k: np.asarray(v.detach().double().numpy() if hasattr(v, "detach") else v,
-                          np.float64) for k, v in model.state_dict().items()}
-
-
 def stepgraph_run(variant: str, start: dict, data, device="cpu"):
     """(losses, final state, the plan's op names) of the stepgraph model trained on data."""
     model = model_class(sg, variant)()
@@ -145,7 +140,7 @@ def stepgraph_run(variant: str, start: dict, data, device="cpu"):
                                  example_inputs=data[0], device=device)
     result = [float(step(*b)) for b in data]
     ops = [n.op for n in step.plan(step.signature).graph.nodes]
-    return result, state(model), ops
+    return result, state_float64(model), ops
 
 
 def check_trains_as_torch(variant: str, seed: str | None = None) -> list[str]:
@@ -170,8 +165,8 @@ def check_trains_as_torch(variant: str, seed: str | None = None) -> list[str]:
     trained = [k for k, _ in t32.named_parameters()
                if k == extra or k not in ("temperature", "rel_bias")]
     assert_state_changes_close({k: np.asarray(v, np.float64) for k, v in start.items()},
-                               final, state(t64), state(t32), f"{variant} ", trained=trained,
-                               value_floor=True)
+                               final, state_float64(t64), state_float64(t32), f"{variant} ",
+                               trained=trained, value_floor=True)
     return ops
 
 
@@ -379,8 +374,8 @@ def test_hand_written_attention_trains_on_cuda_as_on_numpy(variant):
         assert_close_to_reference(got, ref64, ref32, f"{device} losses")
         trained = [k for k, _ in t32.named_parameters() if k not in ("temperature", "rel_bias")]
         assert_state_changes_close({k: np.asarray(v, np.float64) for k, v in start.items()},
-                                   final,
-                                   state(t64), state(t32), f"{device} ", trained=trained)
+                                   final, state_float64(t64), state_float64(t32), f"{device} ",
+                                   trained=trained)
 
 
 def test_a_folded_buffer_given_new_values_stops_the_step():

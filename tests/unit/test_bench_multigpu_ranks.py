@@ -1,7 +1,8 @@
 """The ranks of `stepgraph bench --gpus N` as real processes on the CPU (the hidden --device
 cpu --tiny of the smoke tests): two stepgraph ranks under `stepgraph launch`, two PyTorch DDP
 ranks under torchrun (gloo; torch.compile with aot_eager), each launch as multigpu.measure
-starts it, timing read back from rank 0's JSON. The GPU run is tests/cuda/test_bench_gpus_cuda.py."""
+starts it, timing read back from rank 0's JSON. The GPU run is
+tests/cuda/test_bench_gpus_cuda.py."""
 from __future__ import annotations
 
 import pytest

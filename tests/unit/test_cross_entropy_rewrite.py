@@ -18,7 +18,7 @@ from stepgraph import optim
 from stepgraph.compile.cross_entropy_rewrite import SWITCH_ENV, rewrite_cross_entropy
 from stepgraph.ir.trace import Tracer
 from tests.ops.helpers import randn, seeded, trace_inputs
-from tests.reference import assert_close_to_reference, assert_state_changes_close
+from tests.reference import assert_close_to_reference, assert_state_changes_close, state_float64
 
 B, T, C, H, V = 3, 6, 4, 8, 5
 STEPS, LR = 3, 0.5
@@ -99,11 +99,6 @@ def torch_run(model, data, dtype) -> list[float]:
     return result
 
 
-def state(model) -> dict:
-    return {k: np.asarray(v.detach().double().numpy() if hasattr(v, "detach") else v,
-                          np.float64) for k, v in model.state_dict().items()}
-
-
 def stepgraph_run(form: str, start: dict, data, precision: str = "fp32"):
     """(losses, final state, the plan's op names) of the stepgraph model trained on data."""
     model = model_class(sg, form)()
@@ -112,7 +107,7 @@ def stepgraph_run(form: str, start: dict, data, precision: str = "fp32"):
                                  device="cpu", precision=precision)
     result = [float(step(*b)) for b in data]
     ops = [n.op for n in step.plan(step.signature).graph.nodes]
-    return result, state(model), ops, step
+    return result, state_float64(model), ops, step
 
 
 def check_trains_as_torch(form: str) -> list[str]:
@@ -126,7 +121,8 @@ def check_trains_as_torch(form: str) -> list[str]:
     got, final, ops, _ = stepgraph_run(form, start, data)
     assert_close_to_reference(got, losses["float64"], losses["float32"], f"{form} losses")
     assert_state_changes_close({k: np.asarray(v, np.float64) for k, v in start.items()},
-                               final, state(t64), state(t32), f"{form} ", value_floor=True)
+                               final, state_float64(t64), state_float64(t32), f"{form} ",
+                               value_floor=True)
     return ops
 
 

@@ -10,8 +10,8 @@ import torch
 
 import stepgraph as sg
 from stepgraph.errors import UnsupportedPrecisionError
-from tests.reference import assert_close_to_reference
-from tests.unit.test_grad_scaler import batches, state, twins
+from tests.reference import assert_close_to_reference, state_float64
+from tests.unit.test_grad_scaler import batches, twins
 
 
 def test_float16_tensors_round_once_after_float32_compute():
@@ -33,7 +33,7 @@ def test_float16_tensors_round_once_after_float32_compute():
 
 def judge(start, t16, t64, ours, untrained=()):
     """Changes of every floating state entry within 4x torch float16's error of float64's."""
-    s16, s64, ssg = state(t16), state(t64), state(ours)
+    s16, s64, ssg = state_float64(t16), state_float64(t64), state_float64(ours)
     for k in s64:
         c64 = s64[k] - start[k]
         assert k in untrained or np.abs(c64).max() > 1e-4, f"{k} did not train"
@@ -43,7 +43,7 @@ def judge(start, t16, t64, ours, untrained=()):
 
 def test_autocast_float16_loop_as_torch_autocast():
     t16, t64, ours = twins(norm=False)
-    start = state(t16)
+    start = state_float64(t16)
     data = batches(4)
 
     def loop(fw, model, dtype, autocast):
@@ -82,7 +82,7 @@ def test_half_model_trains_as_torch_half():
     t16, t64, ours = twins(norm=True)
     half_net(torch, t16)
     half_net(sg, ours)
-    start = state(t16)
+    start = state_float64(t16)
     data = batches(4)
 
     def loop(fw, model, dtype):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import stepgraph as sg
-from tests.reference import assert_close_to_reference
+from tests.reference import assert_close_to_reference, state_float64
 
 D_IN, HIDDEN, CLASSES = 12, 16, 5
 
@@ -35,11 +35,6 @@ def batches(n, seed=0):
     gen = np.random.default_rng(seed)
     return [(gen.standard_normal((8, D_IN)).astype(np.float32),
              gen.integers(0, CLASSES, 8).astype(np.int64)) for _ in range(n)]
-
-
-def state(model):
-    return {k: np.asarray(v.detach().numpy() if hasattr(v, "detach") else v, np.float64)
-            for k, v in model.state_dict().items()}
 
 
 def scaled_loop(fw, model, data, gain, clip=None, **scaler_args):
@@ -80,7 +75,7 @@ def float64_reference(model, data, gain, applied, clip=None):
 def judge(start, t32, t64, ours, untrained=()):
     """Every state entry's change within the policy's bound; `untrained`: entries whose true
     change is zero (a bias before BatchNorm), judged but not required to move."""
-    s32, s64, ssg = state(t32), state(t64), state(ours)
+    s32, s64, ssg = state_float64(t32), state_float64(t64), state_float64(ours)
     for k in s64:
         c64 = s64[k] - start[k]
         assert k in untrained or np.abs(c64).max() > 1e-4, f"{k} did not train"
@@ -101,7 +96,7 @@ def test_overflow_skips_backs_off_and_grows_again_as_torch(clip):
     float32 limit whether an intermediate overflows depends on how each kernel orders its
     sums, in torch as here."""
     t32, t64, ours = twins(norm=True)
-    start = state(t32)
+    start = state_float64(t32)
     data = batches(12)
     args = dict(init_scale=2.0 ** 127, growth_interval=3, growth_factor=2.0 ** 16,
                 backoff_factor=2.0 ** -16)
@@ -121,7 +116,7 @@ def test_overflow_skips_backs_off_and_grows_again_as_torch(clip):
 
 def test_a_batch_with_inf_is_skipped_and_the_scale_backs_off():
     t32, t64, ours = twins(norm=False)
-    start = state(t32)
+    start = state_float64(t32)
     data = batches(6)
     data[2] = (np.full_like(data[2][0], np.inf), data[2][1])
     args = dict(init_scale=1024.0, growth_interval=2)
@@ -175,8 +170,8 @@ def test_disabled_scaler_trains_as_a_plain_loop():
         opt.zero_grad()
         sg.nn.functional.cross_entropy(b(sg.from_numpy(x)), sg.from_numpy(y)).backward()
         opt.step()
-    for k, v in state(a).items():
-        np.testing.assert_array_equal(v, state(b)[k])
+    for k, v in state_float64(a).items():
+        np.testing.assert_array_equal(v, state_float64(b)[k])
 
 
 def test_unscale_twice_is_refused_as_torch():

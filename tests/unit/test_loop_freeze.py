@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import stepgraph as sg
-from tests.reference import assert_changes_close, assert_close_to_reference
+from tests.reference import assert_changes_close, assert_close_to_reference, state_float64
 from tests.unit.test_loop_capture import twins
 
 D_IN, HIDDEN, CLASSES = 12, 16, 5
@@ -22,11 +22,6 @@ def net(fw):
     return fw.nn.Sequential(fw.nn.Linear(D_IN, HIDDEN), fw.nn.Tanh(),
                             fw.nn.Linear(HIDDEN, HIDDEN), fw.nn.Tanh(),
                             fw.nn.Linear(HIDDEN, CLASSES))
-
-
-def state(model) -> dict[str, np.ndarray]:
-    return {k: (v.detach().numpy() if hasattr(v, "detach") else np.asarray(v)).astype(np.float64)
-            for k, v in model.state_dict().items()}
 
 
 def batches(seed=0, batch=8):
@@ -55,11 +50,11 @@ def loop(fw, model, make_opt, dtype, schedule):
 
 def run_three(make_opt, schedule):
     t32, t64, ours = twins(net)
-    start = state(t32)
+    start = state_float64(t32)
     loop(torch, t32, make_opt, np.float32, schedule)
     loop(torch, t64, make_opt, np.float64, schedule)
     loop(sg, ours, make_opt, np.float32, schedule)
-    return start, state(t32), state(t64), state(ours)
+    return start, state_float64(t32), state_float64(t64), state_float64(ours)
 
 
 def judge(start, s32, s64, ours):
@@ -105,7 +100,7 @@ def test_the_changes_are_measurable():
                                           torch.from_numpy(y)).backward()
         opt.step()
     with pytest.raises(AssertionError, match="past the bound"):
-        judge(start, s32, s64, state(reset))
+        judge(start, s32, s64, state_float64(reset))
 
 
 STATE_OPTIMIZERS = {
