@@ -181,47 +181,6 @@ def grad_blocks(rows: int, c: int, lay: Layout, resident: int) -> int:
     return max(1, min(-(-rows // lay.rows_per_block), resident, PARTIAL_MAX // c))
 
 
-def layer_norm_backward(ctx, node: Node, dy, x, weight, mean, rstd, dx, dweight=None,
-                        dbias=None) -> None:
-    """dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy [* weight], xhat = (x -
-    mean) * rstd; dweight = sum over rows of dy * xhat and dbias = sum of dy (each optional)."""
-    rows, c = _rows("layer_norm_grad dy", dy, dtype=None)
-    ctype = _element_ctype("layer_norm_grad dy", dy)      # bf16: fuse_layer_norm_casts
-    _check("layer_norm_grad x", x, dtype=None, shape=dy.shape)
-    xtype = _x_ctype("layer_norm_grad x", x)
-    if xtype != "float":
-        _check("layer_norm_grad dy", dy, x.dtype)
-    _check_stats("layer_norm_grad", rows, mean, rstd)
-    _check("layer_norm_grad dx", dx, x.dtype, shape=dy.shape)
-    for name, t in (("weight", weight), ("dweight", dweight), ("dbias", dbias)):
-        if t is not None:
-            _check(f"layer_norm_grad {name}", t, x.dtype, shape=(c,))
-    if not rows:
-        for t in (dweight, dbias):
-            if t is not None:
-                fill_forward(ctx, t, 0.0)
-        return
-    lay = row_layout(c, [a for a in (dy, x, dx, weight) if a is not None])
-    name = lay.kernel("backward", ctype, xtype)
-    blocks = grad_blocks(rows, c, lay, resident_blocks(name, lay.threads * lay.rows_per_block))
-    partial_w = partial_b = None
-    if dweight is not None or dbias is not None:
-        key = ("layer_norm_grad", blocks, c, dweight is not None, dbias is not None)
-        tables = _node_memory(node, key, ctx, lambda: dict(
-            w=cp.empty(blocks * c, np.float32) if dweight is not None else None,
-            b=cp.empty(blocks * c, np.float32) if dbias is not None else None))
-        partial_w, partial_b = tables["w"], tables["b"]
-    _launch(ctx, SOURCE, name, (blocks,), lay.block,
-            (dy, x, _or_null(weight), mean, rstd, dx, _or_null(partial_w), _or_null(partial_b),
-             np.int32(rows), np.int32(c)))
-    tables = (partial_w is not None) + (partial_b is not None)
-    if tables:
-        _launch(ctx, SOURCE, _typed("layer_norm_grad_finalize_kernel", xtype),
-                (-(-c // 32), tables), (32, FINALIZE_LANES),
-                (_or_null(partial_w), _or_null(partial_b), _or_null(dweight), _or_null(dbias),
-                 np.int32(blocks), np.int32(c)))
-
-
 def _forward_impl(node: Node, ins, outs, ctx) -> None:
     a = node.attrs
     rest = list(ins[1:])
@@ -242,7 +201,7 @@ def _backward_impl(node: Node, ins, outs, ctx) -> None:
     layer_norm_backward(ctx, node, dy, x, weight, mean, rstd, outs[0], dweight, dbias)
 
 
-# ---- add_layer_norm and rms_norm: the same layouts, storages and partial-sum tables -------
+# ---- the backwards, add_layer_norm and rms_norm: shared checks and partial-sum tables ----
 
 def _norm_input(what: str, x, c: int, weight, bias=None) -> str:
     """xtype of a normalisation's x, after checking its weight and bias against it."""
@@ -276,13 +235,14 @@ def add_layer_norm_forward(ctx, a, b, weight, bias, y, s, mean, rstd, eps: float
              np.int32(c), np.float32(eps)))
 
 
-def _grad_tables(ctx, node: Node, name: str, lay: Layout, rows: int, c: int, dweight, dbias):
-    """(blocks, partial_w, partial_b) of a backward kernel `name`: its grid and the node's
-    partial-sum tables (None where that gradient is not wanted)."""
+def _grad_tables(ctx, node: Node, what: str, name: str, lay: Layout, rows: int, c: int,
+                 dweight, dbias):
+    """(blocks, partial_w, partial_b) of the backward op `what`'s kernel `name`: its grid and
+    the node's partial-sum tables (None where that gradient is not wanted)."""
     blocks = grad_blocks(rows, c, lay, resident_blocks(name, lay.threads * lay.rows_per_block))
     if dweight is None and dbias is None:
         return blocks, None, None
-    key = (node.op, blocks, c, dweight is not None, dbias is not None)
+    key = (what, blocks, c, dweight is not None, dbias is not None)
     tables = _node_memory(node, key, ctx, lambda: dict(
         w=cp.empty(blocks * c, np.float32) if dweight is not None else None,
         b=cp.empty(blocks * c, np.float32) if dbias is not None else None))
@@ -317,13 +277,16 @@ def _zero_grads(ctx, *grads) -> None:
             fill_forward(ctx, t, 0.0)
 
 
-def add_layer_norm_backward(ctx, node: Node, dy, x, weight, mean, rstd, ds, dx, dweight=None,
-                            dbias=None) -> None:
-    """dx = layer_norm_backward's dx + ds (x is the forward's s); dweight, dbias as
-    layer_norm_backward's."""
-    what = "add_layer_norm_grad"
+def layer_norm_backward(ctx, node: Node, dy, x, weight, mean, rstd, dx, dweight=None,
+                        dbias=None, ds=None) -> None:
+    """dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) [+ ds], g = dy [* weight], xhat =
+    (x - mean) * rstd; dweight = sum over rows of dy * xhat and dbias = sum of dy (each
+    optional). ds: add_layer_norm's residual gradient (x is then the forward's s), added to
+    dx by the add_layer_norm kernels."""
+    what = "layer_norm_grad" if ds is None else "add_layer_norm_grad"
     rows, c, ctype, xtype = _check_grad(what, dy, x, dx)
-    _check(f"{what} ds", ds, x.dtype, shape=x.shape)
+    if ds is not None:
+        _check(f"{what} ds", ds, x.dtype, shape=x.shape)
     _check_stats(what, rows, mean, rstd)
     _norm_input(what, x, c, weight)
     for name, t in (("dweight", dweight), ("dbias", dbias)):
@@ -333,11 +296,12 @@ def add_layer_norm_backward(ctx, node: Node, dy, x, weight, mean, rstd, ds, dx, 
         _zero_grads(ctx, dweight, dbias)
         return
     lay = row_layout(c, [t for t in (dy, x, ds, dx, weight) if t is not None])
-    name = lay.kernel("backward", ctype, xtype, "add_layer_norm")
-    blocks, partial_w, partial_b = _grad_tables(ctx, node, name, lay, rows, c, dweight, dbias)
+    name = lay.kernel("backward", ctype, xtype, "layer_norm" if ds is None else "add_layer_norm")
+    blocks, partial_w, partial_b = _grad_tables(ctx, node, what, name, lay, rows, c, dweight,
+                                                dbias)
     _launch(ctx, SOURCE, name, (blocks,), lay.block,
-            (dy, x, _or_null(weight), mean, rstd, ds, dx, _or_null(partial_w),
-             _or_null(partial_b), np.int32(rows), np.int32(c)))
+            (dy, x, _or_null(weight), mean, rstd) + (() if ds is None else (ds,))
+            + (dx, _or_null(partial_w), _or_null(partial_b), np.int32(rows), np.int32(c)))
     _finalize(ctx, xtype, blocks, c, partial_w, partial_b, dweight, dbias)
 
 
@@ -377,7 +341,7 @@ def rms_norm_backward(ctx, node: Node, dy, x, weight, rstd, dx, dweight=None) ->
         return
     lay = row_layout(c, [t for t in (dy, x, dx, weight) if t is not None])
     name = lay.kernel("backward", ctype, xtype, "rms_norm")
-    blocks, partial_w, _ = _grad_tables(ctx, node, name, lay, rows, c, dweight, None)
+    blocks, partial_w, _ = _grad_tables(ctx, node, what, name, lay, rows, c, dweight, None)
     _launch(ctx, SOURCE, name, (blocks,), lay.block,
             (dy, x, _or_null(weight), rstd, dx, _or_null(partial_w), np.int32(rows),
              np.int32(c)))
@@ -399,8 +363,8 @@ def _add_backward_impl(node: Node, ins, outs, ctx) -> None:
     rest = list(outs[1:])
     dweight = rest.pop(0) if a.get("weight") else None
     dbias = rest.pop(0) if a.get("bias") else None
-    add_layer_norm_backward(ctx, node, ins[0], ins[1], weight, ins[-3], ins[-2], ins[-1],
-                            outs[0], dweight, dbias)
+    layer_norm_backward(ctx, node, ins[0], ins[1], weight, ins[-3], ins[-2], outs[0], dweight,
+                        dbias, ds=ins[-1])
 
 
 def _rms_forward_impl(node: Node, ins, outs, ctx) -> None:
