@@ -93,6 +93,12 @@ def assert_same_on_every_rank(ranks: list, keys=None) -> None:
                 np.testing.assert_array_equal(ranks[0][name], r[name], err_msg=name)
 
 
+def checksums(ranks: list) -> list[float]:
+    """Each rank's sum of its state and optimizer entries, in float64 (for the log)."""
+    return [float(sum(np.asarray(r[k], np.float64).sum() for k in r.files
+                      if k.startswith(("state/", "optimizer/")))) for r in ranks]
+
+
 def assert_trained(ranks: list, model: str, size: int = 8) -> None:
     """Every parameter moved from the start the ranks share (rank 0's initialisation): ranks
     that agree because none of them trained fail here."""
@@ -159,9 +165,7 @@ def test_parameters_stay_bit_identical_across_ranks_for_100_steps(tmp_path, stra
                            "--strategy", strategy, "--bucket-cap-mb", cap,
                            "--precision", precision)
     assert list(ranks[0]["plan/ops"]).count("all_reduce") > 1
-    print(f"{model} {precision}: checksums", [
-        float(sum(np.asarray(r[k], np.float64).sum() for k in r.files
-                  if k.startswith(("state/", "optimizer/")))) for r in ranks])
+    print(f"{model} {precision}: checksums", checksums(ranks))
     assert any(k.startswith("optimizer/") for k in ranks[0].files)
     assert_same_on_every_rank(ranks)
     assert_trained(ranks, model)
@@ -433,9 +437,7 @@ def test_every_gpu_of_the_host_holds_the_same_bits_after_100_steps(tmp_path, hos
     ranks = launch_workers(tmp_path, "--model", "bncnn", "--steps", "100", "--global-batch",
                            str(8 * host_gpus), "--bucket-cap-mb", "0.002", "--precision",
                            "bf16", timeout=2 * LAUNCH_TIMEOUT_S, world=host_gpus)
-    print(f"bncnn bf16, {host_gpus} ranks: checksums", [
-        float(sum(np.asarray(r[k], np.float64).sum() for k in r.files
-                  if k.startswith(("state/", "optimizer/")))) for r in ranks])
+    print(f"bncnn bf16, {host_gpus} ranks: checksums", checksums(ranks))
     assert_same_on_every_rank(ranks)
     assert_trained(ranks, "bncnn")
 
