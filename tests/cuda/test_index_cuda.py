@@ -1,5 +1,5 @@
 """cuda vs numpy for the index and reduce families: slice with a step and its gradient,
-concat (every dtype, pieces of odd widths), gather and gather_grad (repeated and
+concat (every dtype, pieces of odd widths), step-1 slices and concats of channel runs, gather and gather_grad (repeated and
 out-of-range indices), triangle, reduce_max and its gradient (with ties), topk (largest and
 smallest, ties, k = n), cumsum both ways. Fresh random inputs (never zeros), cuda outputs
 poisoned first; one traced model with indexing, cat, max and topk trained 5 steps on both
@@ -60,6 +60,37 @@ def test_concat(ctx, impls, shapes, dim, dtype):
     rng = np.random.default_rng([len(shapes), dim, *shapes[0]])
     xs = [values(rng, s, dtype) for s in shapes]
     ref, got = run_both(ctx, make_node("concat", xs, dim=dim), xs, impls)
+    np.testing.assert_array_equal(got[0], ref[0])
+
+
+# Step-1 slices and concats move whole runs in the widest unit dividing them (shape.py
+# runs_in_units): last-axis runs of 2-byte channels of 128, 16, 8, 4 and 2 bytes, offsets at odd
+# multiples of each unit, a middle axis.
+RUN_SLICES = [((4, 5, 128), 2, 64, 128), ((4, 5, 128), 2, 8, 72), ((4, 5, 128), 2, 3, 67),
+              ((4, 5, 128), 2, 4, 8), ((6, 130), 1, 2, 66), ((4, 6, 3, 8), 1, 1, 4)]
+RUN_CONCATS = [[(4, 5, 64), (4, 5, 64)], [(4, 5, 16), (4, 5, 48), (4, 5, 64)],
+               [(4, 5, 3), (4, 5, 61)], [(4, 5, 4), (4, 5, 12)], [(2, 9, 1), (2, 9, 2)]]
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "float16", "float32"])
+@pytest.mark.parametrize("shape,dim,start,stop", RUN_SLICES)
+def test_slice_runs_of_channels(ctx, impls, shape, dim, start, stop, dtype):
+    x = values(np.random.default_rng([7, *shape, start]), shape, dtype)
+    ref, got = run_both(ctx, make_node("slice", [x], dim=dim, start=start, stop=stop), [x],
+                        impls)
+    np.testing.assert_array_equal(got[0], ref[0])
+    dy = values(np.random.default_rng([8, *shape, start]), ref[0].shape, dtype)
+    node = make_node("slice_grad", [dy], input_shape=shape, dim=dim, start=start, step=1)
+    ref, got = run_both(ctx, node, [dy], impls)
+    np.testing.assert_array_equal(got[0], ref[0])
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "float16", "float32"])
+@pytest.mark.parametrize("shapes", RUN_CONCATS)
+def test_concat_runs_of_channels(ctx, impls, shapes, dtype):
+    rng = np.random.default_rng([9, len(shapes), *shapes[0]])
+    xs = [values(rng, s, dtype) for s in shapes]
+    ref, got = run_both(ctx, make_node("concat", xs, dim=len(shapes[0]) - 1), xs, impls)
     np.testing.assert_array_equal(got[0], ref[0])
 
 

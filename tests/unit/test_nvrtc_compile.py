@@ -771,6 +771,8 @@ def test_index_and_reduce_axis_launch_arguments_match_the_kernels(monkeypatch, d
     index.concat_forward(None, [x, Fake((3, 1, 4), dtype)], Fake((3, 6, 4), dtype), 1)
     index.concat_forward(None, [Fake((3, 5, 3), "uint16"), Fake((3, 5, 1), "uint16")],
                          Fake((3, 5, 4), "uint16"), 2)
+    index.concat_forward(None, [Fake((3, 5, 64), "uint16"), Fake((3, 5, 64), "uint16")],
+                         Fake((3, 5, 128), "uint16"), 2)
     index.gather_forward(None, x, i, Fake((3, 2, 4), dtype), 1)
     index.gather_backward(None, Fake((3, 2, 4), dtype), i, x, 1)
     for element in (dtype, "int64", "uint8", "uint16"):
@@ -788,9 +790,10 @@ def test_index_and_reduce_axis_launch_arguments_match_the_kernels(monkeypatch, d
     names = [name for _, name, _, _, _ in launched]
     ctype = {"float32": "float", "float64": "double"}[dtype]
     itype = {"int32": "int", "int64": "long long"}[idx_dtype]
-    # rows of 16 or 32 bytes move as uint4; bf16 rows of 2 bytes byte by byte
-    assert names[:4] == ["concat_forward_kernel<uint4>"] * 2 + \
-        ["concat_forward_kernel<unsigned char>"] * 2
+    # rows of 16 or 32 bytes move as uint4; last-axis runs of 6 and 2 bytes (uint16) as units
+    # of 2 bytes, runs of 128 bytes in rows of 256 as uint4
+    assert names[:6] == ["concat_forward_kernel<uint4>"] * 2 + \
+        ["concat_forward_kernel<unsigned short>"] * 2 + ["concat_forward_kernel<uint4>"] * 2
     assert f"gather_forward_kernel<{ctype}, {itype}>" in names
     assert f"gather_backward_kernel<{ctype}, {itype}>" in names
     assert f"reduce_max_forward_kernel<{ctype}, false>" in names

@@ -1,7 +1,8 @@
 // Index family: concat (each input copied into its place along one axis), gather along one
 // axis and its gradient, and the triangular masks of tril / triu.
-// concat moves units U of 1, 4, 8 or 16 bytes (as slice in shape.cu) and triangle raw elements
-// (U: an unsigned type of the element's size), so both serve every dtype. gather_backward gives each dx element one owner that adds its dy terms
+// concat moves units U of 1, 2, 4, 8 or 16 bytes (as slice in shape.cu: whole runs, inner one
+// unit) and triangle raw elements (U: an unsigned type of the element's size), so both serve
+// every dtype. gather_backward gives each dx element one owner that adds its dy terms
 // in index order: deterministic, no atomics.
 
 // y (outer, D, inner)[:, offset:offset + L, :] = x (outer, L, inner); inner in units U.

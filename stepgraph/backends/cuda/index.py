@@ -1,7 +1,7 @@
 """Launchers of index.cu (concat, gather, gather_grad, triangle) and their cuda op
 table.
 
-concat launches one copy per input into its place along the axis, in units of 16, 8, 4 or 1
+concat launches one copy per input into its place along the axis, in units of 16, 8, 4, 2 or 1
 bytes as slice does (shape.py), so it serves every dtype; triangle masks raw elements of any
 dtype; gather and gather_grad take float32 / float64 with int32 / int64 indices. Launchers
 check their preconditions and launch on ctx.stream: no host sync, no allocation.
@@ -16,7 +16,7 @@ import numpy as np
 from ...errors import ShapeError
 from .runtime.compiler import FLOAT_CTYPES
 from .runtime.launch import BLOCK, LABEL_CTYPES, _check, _grid, _launch
-from .shape import UNIT_CTYPES, _unit
+from .shape import UNIT_CTYPES, runs_in_units
 
 SOURCE = "index.cu"
 # Ops whose launchers here take bf16 (they move its bits; compile/autocast.py keeps or promotes
@@ -62,12 +62,12 @@ def concat_forward(ctx, xs: list, y, dim: int) -> None:
 
 def _launch_concat(ctx, x, y, dim: int, offset: int) -> None:
     _, inner = _around(tuple(x.shape), dim)
-    unit = _unit(inner * x.itemsize, x, y)    # every piece starts at a multiple of inner
-    inner_units = inner * x.itemsize // unit
+    unit, (length, extent, offset) = runs_in_units(x.itemsize, inner,
+                                                   (x.shape[dim], y.shape[dim], offset), x, y)
     total = x.nbytes // unit
     _launch(ctx, SOURCE, f"concat_forward_kernel<{UNIT_CTYPES[unit]}>", _grid(total),
-            (BLOCK,), (x, y, np.int64(total), np.int32(x.shape[dim]), np.int64(inner_units),
-                       np.int32(y.shape[dim]), np.int32(offset)))
+            (BLOCK,), (x, y, np.int64(total), np.int32(length), np.int64(1),
+                       np.int32(extent), np.int32(offset)))
 
 
 def _gather_types(what: str, data, index) -> str:

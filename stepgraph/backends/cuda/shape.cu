@@ -1,9 +1,9 @@
 // Shape ops that move bytes: slice (a contiguous copy of x[..., start:stop:step, ...] along one
 // dim) and its gradient (zeros with dy placed), and arange. x is viewed as (outer, D, inner)
-// around the sliced dim, the slice as (outer, L, inner). Slices copy units U of 1, 4, 8 or 16 bytes
-// (the launcher picks the widest that divides the inner extent, the offset and the pointers),
-// so every dtype is served and most copies move 16 bytes a thread; zeros are all-zero bits
-// (0.0 of every float type).
+// around the sliced dim, the slice as (outer, L, inner). Slices copy units U of 1, 2, 4, 8 or 16
+// bytes, so every dtype is served; a step-1 slice is launched as a slice of whole runs (inner
+// one unit, L, D and start counted in units: shape.py runs_in_units), so a last-axis slice of
+// bf16 channels moves 16 bytes a thread too; zeros are all-zero bits (0.0 of every float type).
 
 // y (outer, L, inner) = x[:, start:start + L * step:step, :] with x (outer, D, inner); inner
 // in units.

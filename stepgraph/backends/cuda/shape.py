@@ -2,7 +2,7 @@
 
 slice views x as (outer, D, inner) around the sliced dim and copies x[:, start:stop:step, :] into
 a contiguous output; slice_grad writes zeros with dy placed at [:, start:stop:step, :]. Both move
-units of 16, 8, 4 or 1 bytes (the widest dividing the inner extent in bytes and both
+units of 16, 8, 4, 2 or 1 bytes (the widest dividing the copied runs in bytes and both
 pointers), so they serve every dtype. arange writes 0..n-1. Launchers check their
 preconditions and launch on ctx.stream: no host sync, no allocation. constant copies its
 values from a device copy of them uploaded at the node's first (eager) run.
@@ -23,7 +23,8 @@ SOURCE = "shape.cu"
 BF16_OPS = frozenset({"slice", "slice_grad"})
 # float16 too; and constant, whose upload holds the node's float16 values as they are stored
 FP16_OPS = BF16_OPS | {"constant"}
-UNIT_CTYPES = {16: "uint4", 8: "unsigned long long", 4: "unsigned int", 1: "unsigned char"}
+UNIT_CTYPES = {16: "uint4", 8: "unsigned long long", 4: "unsigned int", 2: "unsigned short",
+               1: "unsigned char"}
 ARANGE_CTYPES = {np.dtype("int64"): "long long", np.dtype("int32"): "int",
                  np.dtype("float32"): "float", np.dtype("float64"): "double"}
 
@@ -59,10 +60,27 @@ def _slice_args(what: str, shape: tuple, dim: int, start: int, stop: int | None 
     return dim, start, len(range(start, stop, step)), d, math.prod(shape[dim + 1:])
 
 
+def runs_in_units(itemsize: int, inner: int, counts: tuple[int, ...], *arrays
+                  ) -> tuple[int, tuple[int, ...]]:
+    """(unit, counts in units) of a step-1 slice or concat along an axis of `inner` elements
+    after it: each outer row's part is one run, so lengths, extents and offsets along the axis
+    (`counts`) become counts of units with an inner extent of one unit, in the widest unit
+    that divides them all and the pointers. A last-axis copy of bf16 channels (inner 1) then
+    moves 16 bytes a thread where the axis's extents allow, not one unit of 2 bytes."""
+    run_bytes = [n * inner * itemsize for n in counts]
+    unit = _unit(math.gcd(*run_bytes), *arrays)
+    return unit, tuple(n // unit for n in run_bytes)
+
+
 def _launch_slice(ctx, direction: str, src, dst, length: int, d: int, inner: int,
                   start: int, step: int) -> None:
-    unit = _unit(inner * dst.itemsize, src, dst)
-    inner_units = inner * dst.itemsize // unit
+    if step == 1:
+        unit, (length, d, start) = runs_in_units(dst.itemsize, inner, (length, d, start),
+                                                 src, dst)
+        inner_units = 1
+    else:
+        unit = _unit(inner * dst.itemsize, src, dst)
+        inner_units = inner * dst.itemsize // unit
     total = dst.nbytes // unit
     _launch(ctx, SOURCE, f"slice_{direction}_kernel<{UNIT_CTYPES[unit]}>", _grid(total),
             (BLOCK,), (src, dst, np.int64(total), np.int32(length), np.int64(inner_units),
