@@ -298,7 +298,9 @@ def test_nll_loss_and_grad(ctx, n, c, label_dtype):
     assert_close(got[0], ref[0], rtol=0, atol=0, what=f"nll_loss_grad {n}x{c}")
 
 
-@pytest.mark.parametrize("shape", [(1,), (7, 3), (100, 33), (5, 1)])
+# (8, 2, 128, 128): 64 blocks; (1_100_000,): the 264-block cap, threads striding
+@pytest.mark.parametrize("shape", [(1,), (7, 3), (100, 33), (5, 1), (8, 2, 128, 128),
+                                   (1_100_000,)])
 def test_mse_and_grad(ctx, shape):
     rng = np.random.default_rng([59, *shape])
     pred, target = random(rng, *shape), random(rng, *shape)

@@ -402,6 +402,8 @@ def _fake_memory(node, key, ctx, build, required=True):
                     rowloss=Fake((key[1],)))
     if kind == "cross_entropy_count":
         return Fake((1,), "int32")
+    if kind == "mse":
+        return dict(partials=Fake((key[1],), "float64"), counter=Fake((1,), "uint32"))
     if kind == "batch_norm":           # (op, channels, splits, extra floats per channel)
         return dict(partial=Fake((key[2] * key[3] * 2,), "float64"),
                     coef=Fake((key[2] * max(key[4], 1),)))
@@ -749,7 +751,12 @@ def test_softmax_shape_and_loss_launch_arguments_match_the_kernels(monkeypatch):
         # bf16 logits and dlogits (fuse_loss_casts)
         loss.cross_entropy_train(None, node, Fake((n, c), "uint16"), labels, Fake(()),
                                  Fake((n, c), "uint16"), 0.0, -1)
+    for size in (100, 8 * 2 * 128 * 128, 2_000_000):      # one block, 64, the cap of 264
+        loss.mse_forward(None, Fake((size,)), Fake((size,)), Fake(()), node)
+    loss.mse_backward(None, Fake(()), Fake((9,)), Fake((9,)), Fake((9,)))
     names = [name for _, name, _, _, _ in launched]
+    assert [grid for _, name, grid, _, _ in launched if name == "mse_forward_kernel"] == \
+        [(1,), (64,), (264,)]
     assert "cross_entropy_train_short_kernel<unsigned short, unsigned short, long long>" in names
     assert "cross_entropy_train_kernel<unsigned short, unsigned short, long long>" in names
     assert names[:3] == ["softmax_scaled_forward_kernel<float>",

@@ -326,16 +326,28 @@ __global__ void nll_loss_backward_kernel(const float* dloss, const L* labels, fl
     }
 }
 
-// loss = mean((pred - target)^2): one block, float64 partial sums of the float32 squares.
+// loss = mean((pred - target)^2): float64 partial sums of the float32 squares, a block's
+// elements strided over the block. With several blocks each parks its sum in partials and the
+// last to arrive adds them in block order (reduce.cuh arrive_last): deterministic for a grid.
 extern "C" __global__ void __launch_bounds__(1024)
-mse_forward_kernel(const float* pred, const float* target, float* loss, long long n) {
+mse_forward_kernel(const float* pred, const float* target, float* loss, long long n,
+                   double* partials, unsigned int* counter) {
     __shared__ double dsmem[32];
+    __shared__ unsigned int last_flag;
     double acc = 0.0;
-    for (long long i = threadIdx.x; i < n; i += blockDim.x) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
         const float d = pred[i] - target[i];
         acc += (double)__fmul_rn(d, d);
     }
     acc = block_sum(acc, dsmem);
+    if (gridDim.x > 1) {
+        if (threadIdx.x == 0) partials[blockIdx.x] = acc;
+        if (!arrive_last(counter, &last_flag)) return;
+        acc = 0.0;
+        for (int b = threadIdx.x; b < gridDim.x; b += blockDim.x) acc += __ldcg(partials + b);
+        acc = block_sum(acc, dsmem);
+    }
     if (threadIdx.x == 0) *loss = (float)(acc / (double)n);
 }
 

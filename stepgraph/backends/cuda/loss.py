@@ -5,7 +5,8 @@ Device memory kept per node (runtime/launch.py `_node_memory`): cross_entropy /
 cross_entropy_train over more than one block keep an arrival counter, the kept rows' count
 (ignore_index) and N floats of per-row losses for the train kernel and the label-smoothed
 forward (without it, a capture falls back to one block); cross_entropy_grad the kept rows'
-count (without it, each block counts the labels). cross_entropy_train also takes bf16 logits
+count (without it, each block counts the labels); mse over more than one block its blocks'
+partial sums and an arrival counter (without them, one block). cross_entropy_train also takes bf16 logits
 and gradients (compile/fuse.py fuse_loss_casts), and float16 ones with a float16 loss (a
 float16 model: model.half()); log_softmax and its gradient take float32, bf16 or float16.
 """
@@ -218,13 +219,29 @@ def nll_loss_backward(ctx, dloss, labels, dx) -> None:
                 _grid(dx.size), (BLOCK,), (dloss, labels, dx, np.int32(n), np.int32(c)))
 
 
-def mse_forward(ctx, pred, target, loss) -> None:
-    """loss = mean((pred - target)^2) over every element (one block)."""
+# mse over several blocks: one per MSE_ELEMENTS_PER_BLOCK elements (four a thread), at most
+# MSE_BLOCKS, so a (8, 2, 128, 128) U-Net output is summed by 32 blocks, not one.
+MSE_ELEMENTS_PER_BLOCK, MSE_BLOCKS = 4096, 264
+
+
+def mse_forward(ctx, pred, target, loss, node: Node | None = None) -> None:
+    """loss = mean((pred - target)^2) over every element: one block, or with the node's
+    scratch (partial sums and an arrival counter) one block per 4096 elements."""
     _check("mse pred", pred)
     _check("mse target", target, shape=pred.shape)
     _check_scalar("mse loss", loss, "float32")
-    _launch(ctx, "loss.cu", "mse_forward_kernel", (1,), (1024,),
-            (pred, target, loss, np.int64(pred.size)))
+    blocks = min(-(-pred.size // MSE_ELEMENTS_PER_BLOCK), MSE_BLOCKS)
+    scratch = None
+    if blocks > 1 and node is not None:
+        scratch = _node_memory(node, ("mse", blocks), ctx, lambda: dict(
+            partials=cp.empty(blocks, np.float64), counter=cp.zeros(1, np.uint32)),
+            required=False)
+    if scratch is None:      # small, or a capture without a warm-up: one block, still exact
+        blocks, partials, counter = 1, loss, loss     # unread by one block
+    else:
+        partials, counter = scratch["partials"], scratch["counter"]
+    _launch(ctx, "loss.cu", "mse_forward_kernel", (blocks,), (1024,),
+            (pred, target, loss, np.int64(pred.size), partials, counter))
 
 
 def mse_backward(ctx, dloss, pred, target, dx) -> None:
@@ -267,6 +284,6 @@ IMPLS: dict[str, Callable] = {
     "nll_loss": lambda node, ins, outs, ctx: nll_loss_forward(ctx, ins[0], ins[1], outs[0]),
     "nll_loss_grad": lambda node, ins, outs, ctx: nll_loss_backward(
         ctx, ins[0], ins[1], outs[0]),
-    "mse": lambda node, ins, outs, ctx: mse_forward(ctx, ins[0], ins[1], outs[0]),
+    "mse": lambda node, ins, outs, ctx: mse_forward(ctx, ins[0], ins[1], outs[0], node),
     "mse_grad": lambda node, ins, outs, ctx: mse_backward(ctx, ins[0], ins[1], ins[2], outs[0]),
 }
