@@ -50,3 +50,17 @@ def test_the_cut_keeps_room_for_an_eager_runs_host_time():
 def test_the_winner_is_the_fastest_in_any_order(monkeypatch, order):
     fake_clock(monkeypatch, {"a": 0.3, "b": 0.2, "c": 3.0})
     assert autotune._fastest(None, paths_of(order)) == "b"
+
+
+def test_the_log_names_each_candidates_time_and_the_choice(monkeypatch, tmp_path):
+    import json
+
+    fake_clock(monkeypatch, {"a": 1.0, "b": 0.4, "c": 5.0})
+    log = tmp_path / "autotune.jsonl"
+    monkeypatch.setenv("STEPGRAPH_AUTOTUNE_LOG", str(log))
+    autotune._fastest(None, paths_of("abc"), key=("conv2d", (8, 3)))
+    autotune._fastest(None, paths_of("cb"), key="second")
+    first, second = (json.loads(line) for line in log.read_text().splitlines())
+    assert first == {"key": "('conv2d', (8, 3))", "chosen": "b",
+                     "ms": {"a": [1.0, "graph"], "b": [0.4, "graph"], "c": [5.01, "eager"]}}
+    assert second["chosen"] == "b" and second["ms"]["c"] == [5.0, "graph"]

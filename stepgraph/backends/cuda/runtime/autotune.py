@@ -15,6 +15,8 @@ name themselves (`compiling`) are compiled first, side by side (compiler.compile
 from __future__ import annotations
 
 import functools
+import json
+import os
 from typing import Callable, Hashable
 
 from .... import cache
@@ -95,7 +97,7 @@ def run_fastest(ctx, key: Hashable, paths: dict[str, Callable[[], None]], defaul
         if name is None:
             compiler.compile_parallel(k for run in paths.values()
                                       for k in getattr(run, "kernels", ()))
-            name = _fastest(ctx, paths)
+            name = _fastest(ctx, paths, key)
             disk = choices(ctx, "paths")
             if disk is not None:
                 disk.put(repr(key), name)
@@ -121,15 +123,29 @@ def give_up_above(best_ms: float) -> float | None:
     return max(SLOWER * best_ms, best_ms + MARGIN_MS)
 
 
-def _fastest(ctx, paths: dict[str, Callable[[], None]]) -> str:
+def _fastest(ctx, paths: dict[str, Callable[[], None]], key: Hashable = None) -> str:
     """The name of the fastest of `paths`, each timed on the device in order (the first in
     full), a later one only until it is clearly slower than the best so far."""
     best_name, best = next(iter(paths)), float("inf")
+    times = {}
     for name, run in paths.items():
-        ms = time_on_device(ctx, run, give_up_above=give_up_above(best))
+        limit = give_up_above(best)
+        ms = time_on_device(ctx, run, give_up_above=limit)
+        times[name] = (round(ms, 4), "eager" if limit is not None and ms > limit else "graph")
         if ms < best:
             best_name, best = name, ms
+    _log_timings(key, times, best_name)
     return best_name
+
+
+def _log_timings(key: Hashable, times: dict, chosen: str) -> None:
+    """With STEPGRAPH_AUTOTUNE_LOG=FILE, one JSON line per timed problem: its key, each
+    candidate's ms and how it was timed (a graph replay, or an eager run past the cut),
+    and the choice; how to see why a problem runs the kernel it runs."""
+    path = os.environ.get("STEPGRAPH_AUTOTUNE_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"key": repr(key), "ms": times, "chosen": chosen}) + "\n")
 
 
 def run_family(paths: dict[str, Callable[[], None]], family: str, fallback: str) -> None:
