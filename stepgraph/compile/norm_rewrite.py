@@ -41,9 +41,25 @@ matched too, as rms_norm of that float32 cast (the square and its cast go). This
 from the unfused bf16 step: the op squares in float32 where the unfused step rounded each x^2
 to bf16 before the sum, so its rstd is nearer float64's. (x.pow(2) is on autocast's float32
 list: the whole chain reads x's float32 cast already.)
+
+rewrite_layer_norm: a hand-written LayerNorm over the last axis (ConvNeXt's channels-first
+LayerNorm, x.mean(1) of NCHW maps, is one once compile/layout.py stores them NHWC)
+    u = x.mean(-1, keepdim=True); s = (x - u).pow(2).mean(-1, keepdim=True)
+    x = (x - u) / torch.sqrt(s + eps); x = w * x + b
+becomes layer_norm(x, [w], [b]) -> (y, mean, rstd) (ops/layer_norm.py): two kernels where the
+chain ran about a dozen, and its backward the op's VJP. Matched, each intermediate read only
+inside the chain and no step output: a last-axis sum divided by C (reshapes of the row
+statistics anywhere between, as the layout pass leaves them); x - u once or once per use; its
+square (pow 2, d * d, d ** 2) summed and divided by C; plus a positive eps; sqrt then a
+division, or rsqrt then a product on either side; then optionally times a (C,) weight and
+plus a (C,) bias (through views of them, w[:, None, None]). Left alone: an unbiased variance,
+no eps, a mean read by anything else. The op's float32 two-pass statistics and its
+rstd product round differently from the chain: results within the tolerance policy, not the
+same bits. STEPGRAPH_LAYER_NORM_REWRITE=0 turns it off.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -54,6 +70,7 @@ from .rewrite import _join
 
 ADD_LAYER_NORM_SWITCH = "STEPGRAPH_ADD_LAYER_NORM_REWRITE"
 RMS_NORM_SWITCH = "STEPGRAPH_RMS_NORM_REWRITE"
+LAYER_NORM_SWITCH = "STEPGRAPH_LAYER_NORM_REWRITE"
 
 
 def enabled(switch: str) -> bool:
@@ -317,6 +334,162 @@ def rewrite_rms_norm(graph: Graph, kept: tuple[Value, ...] = ()) -> Graph:
     return _replaced(graph, replace, drop) if replace else graph
 
 
+@dataclass
+class _Ln:
+    """One matched LayerNorm chain: x, eps, the (C,) weight and bias or None, the chain's
+    nodes (the last writes y)."""
+    x: Value
+    eps: float
+    weight: Value | None
+    bias: Value | None
+    nodes: list[Node]
+
+
+class _LnMatcher(_RmsMatcher):
+    def rows_of(self, x: Value) -> tuple[int, ...]:
+        return x.shape[:-1] + (1,)
+
+    def walk(self, v: Value, c: int, nodes: list[Node], divide: bool) -> Value:
+        """From a row statistic v: through reshapes of it (views: one value per row) and,
+        with divide, its one division by C (a mean), each read only by the next; the value
+        reached (the division missing: v itself, which no rows_of shape check lets pass)."""
+        divided = not divide
+        while True:
+            n = self.next_of(v)
+            if n is None:
+                break
+            kind, value = n.attrs.get("kind"), n.attrs.get("value")
+            if n.op == "reshape" and math.prod(n.outputs[0].shape) == math.prod(v.shape):
+                pass
+            elif n.op == "scalar" and not divided and (
+                    (kind == "div" and float(value) == c) or
+                    (kind == "mul" and float(value) == 1.0 / c)):
+                divided = True
+            else:
+                break
+            nodes.append(n)
+            v = n.outputs[0]
+        return v if divided else None
+
+    def next_of(self, v: Value) -> Node | None:
+        readers = self.users.get(v, [])
+        if v in self.kept or len(readers) != 1 or len(readers[0].outputs) != 1:
+            return None
+        return readers[0]
+
+    def vector_of(self, v: Value, c: int) -> Value | None:
+        """The (C,) value whose reshapes (views) gave v, a (1, ..., 1, C) or (C,) operand."""
+        if v.shape[-1:] != (c,) or math.prod(v.shape) != c:
+            return None
+        while v.shape != (c,):
+            p = self.producers.get(v)
+            if p is None or p.op != "reshape":
+                return None
+            v = p.inputs[0]
+        return v
+
+    def affine(self, y: Node, x: Value, kind: str) -> tuple[Value | None, Node | None]:
+        """The (C,) operand and the node when y's only reader is a `kind` (mul, add) by one."""
+        n = self.next_of(y.outputs[0])
+        if n is None or n.op != "binary" or n.attrs.get("kind") != kind or \
+                n.outputs[0].shape != x.shape:
+            return None, None
+        other = n.inputs[1] if n.inputs[0] is y.outputs[0] else n.inputs[0]
+        vec = self.vector_of(other, x.shape[-1])
+        if other is y.outputs[0] or vec is None or vec.dtype != x.dtype:
+            return None, None
+        return vec, n
+
+    def chain(self, total: Node) -> _Ln | None:
+        """The LayerNorm whose mean is reduce_sum node `total`, or None (module docstring)."""
+        x = total.inputs[0]
+        if x.dtype not in FLOAT_DTYPES or len(x.shape) < 1 or \
+                tuple(total.attrs["axes"]) != (len(x.shape) - 1,):
+            return None
+        c, rows = x.shape[-1], self.rows_of(x)
+        nodes = [total]
+        mean = self.walk(total.outputs[0], c, nodes, divide=True)
+        if mean is None or mean.shape != rows or mean in self.kept:
+            return None
+        subs = self.users.get(mean, [])
+        if not subs or any(n.op != "binary" or n.attrs.get("kind") != "sub" or
+                           n.inputs[0] is not x or n.inputs[1] is not mean or
+                           n.outputs[0] in self.kept for n in subs):
+            return None
+        nodes += subs
+        centred = {n.outputs[0] for n in subs}
+        readers = list(dict.fromkeys(r for v in centred for r in self.users.get(v, [])))
+        square = next((r for r in readers if self.square_of(r) in centred), None)
+        if square is None or len(readers) != 2:
+            return None
+        scale = next(r for r in readers if r is not square)
+        variance = self.next(square)
+        if variance is None or variance.op != "reduce_sum" or \
+                tuple(variance.attrs["axes"]) != (len(x.shape) - 1,):
+            return None
+        nodes += [square, variance]
+        var = self.walk(variance.outputs[0], c, nodes, divide=True)
+        plus = self.next_of(var) if var is not None else None
+        if plus is None or plus.op != "scalar" or plus.attrs.get("kind") != "add" or \
+                not float(plus.attrs["value"]) > 0.0:
+            return None
+        nodes.append(plus)
+        root = self.walk(plus.outputs[0], c, nodes, divide=False)
+        unary = self.next_of(root)
+        if unary is None or unary.op != "unary" or unary.attrs.get("kind") not in \
+                ("sqrt", "rsqrt"):
+            return None
+        nodes.append(unary)
+        r = self.walk(unary.outputs[0], c, nodes, divide=False)
+        # (x - mean) / sqrt(var + eps), or (x - mean) * rsqrt(var + eps) on either side
+        if r.shape != rows or self.next_of(r) is not scale or scale.op != "binary" or \
+                scale.outputs[0].shape != x.shape:
+            return None
+        if unary.attrs["kind"] == "sqrt":
+            if scale.attrs.get("kind") != "div" or scale.inputs[1] is not r:
+                return None
+        elif scale.attrs.get("kind") != "mul" or r not in scale.inputs:
+            return None
+        nodes.append(scale)
+        weight, mul = self.affine(scale, x, "mul")
+        if mul is not None:
+            nodes.append(mul)
+        bias, add = self.affine(nodes[-1], x, "add")
+        if add is not None:
+            nodes.append(add)
+        if any(v.dtype != x.dtype for n in nodes for v in n.outputs):
+            return None
+        return _Ln(x, float(plus.attrs["value"]), weight, bias, nodes)
+
+
+def rewrite_layer_norm(graph: Graph, kept: tuple[Value, ...] = ()) -> Graph:
+    """`graph` with each hand-written LayerNorm over the last axis as one layer_norm node
+    (module docstring); kept: values the caller still reads beyond graph.outputs. The graph
+    given is not changed."""
+    if not enabled(LAYER_NORM_SWITCH) or not any(n.op == "reduce_sum" for n in graph.nodes):
+        return graph
+    matcher = _LnMatcher(graph, set(kept))
+    replace: dict[Node, Node] = {}
+    drop: set[Node] = set()
+    for total in graph.nodes:
+        if total.op != "reduce_sum" or total in drop:
+            continue
+        found = matcher.chain(total)
+        if found is None or drop & set(found.nodes):
+            continue
+        last = found.nodes[-1]
+        ins = [found.x] + [v for v in (found.weight, found.bias) if v is not None]
+        attrs = {"eps": found.eps, "weight": found.weight is not None,
+                 "bias": found.bias is not None}
+        (_, _), stats, _ = infer_outputs("layer_norm", ins, attrs)
+        replace[last] = Node("layer_norm", ins, [last.outputs[0], Value(*stats),
+                                                  Value(*stats)], attrs, (),
+                             _join(*(n.label for n in found.nodes)))
+        drop.update(found.nodes[:-1])
+    return _replaced(graph, replace, drop) if replace else graph
+
+
 def rewrite_norms(graph: Graph, kept: tuple[Value, ...] = ()) -> Graph:
-    """Both rewrites: hand-written RMSNorms first, then residual adds into their LayerNorm."""
-    return rewrite_add_layer_norm(rewrite_rms_norm(graph, kept))
+    """The three rewrites: hand-written LayerNorms and RMSNorms first, then residual adds
+    into their LayerNorm."""
+    return rewrite_add_layer_norm(rewrite_rms_norm(rewrite_layer_norm(graph, kept), kept))

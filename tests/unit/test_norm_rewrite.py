@@ -314,3 +314,135 @@ def test_rms_norm_reference_and_vjp_match_torch_in_float64(request):
     grads = op_vjp("rms_norm", {"x": x, "w": w}, dy, ("x", "w"), eps=1e-6, weight=True)
     np.testing.assert_allclose(grads["x"], tx.grad.numpy(), rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(grads["w"], tw.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+# ---- hand-written LayerNorm ---------------------------------------------------------------
+
+def _convnext_ln(t, x, w, b):
+    """ConvNeXt's channels-first LayerNorm, over the last axis: the mean once, x - u twice."""
+    u = x.mean(-1, keepdim=True)
+    s = (x - u).pow(2).mean(-1, keepdim=True)
+    x = (x - u) / t.sqrt(s + 1e-6)
+    return w * x + b
+
+
+def _one_centring_ln(t, x, w, b):
+    d = x - x.mean(-1, keepdim=True)
+    return d * t.rsqrt((d * d).mean(-1, keepdim=True) + 1e-5) * w + b
+
+
+def _weight_only_ln(t, x, w, b):
+    """rsqrt on the left, a weight and no bias (b.mean() is a scalar: no LayerNorm bias)."""
+    u = t.mean(x, -1, keepdim=True)
+    return t.rsqrt(((x - u) ** 2).mean(-1, keepdim=True) + 1e-5) * (x - u) * w + b.mean()
+
+
+def _unbiased_ln(t, x, w, b):
+    u = x.mean(-1, keepdim=True)
+    return (x - u) / t.sqrt(((x - u) ** 2).sum(-1, keepdim=True) / (C - 1) + 1e-5) * w + b
+
+
+def _no_eps_ln(t, x, w, b):
+    u = x.mean(-1, keepdim=True)
+    return (x - u) / t.sqrt((x - u).pow(2).mean(-1, keepdim=True)) * w + b
+
+
+def _mean_read_elsewhere_ln(t, x, w, b):
+    u = x.mean(-1, keepdim=True)
+    return (x - u) / t.sqrt((x - u).pow(2).mean(-1, keepdim=True) + 1e-5) * w + b + u
+
+
+LN_FORMS = {"convnext": _convnext_ln, "one_centring": _one_centring_ln,
+            "weight_only": _weight_only_ln}
+LN_NEAR_MISSES = {"unbiased": _unbiased_ln, "no_eps": _no_eps_ln,
+                  "mean_read_elsewhere": _mean_read_elsewhere_ln}
+
+
+def hand_ln_net(t, form: str):
+    """Two residual blocks x = x + fc(norm(x)), the norm written by hand as `form`."""
+    nn = t.nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(C, C)
+            self.w = nn.Parameter(1.0 + 0.1 * t.randn(C))
+            self.b = nn.Parameter(0.1 * t.randn(C))
+
+        def forward(self, x):
+            return x + self.fc({**LN_FORMS, **LN_NEAR_MISSES}[form](t, x, self.w, self.b))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.head = nn.Linear(C, C), nn.Linear(C, 5)
+            self.blocks = nn.ModuleList([Block() for _ in range(2)])
+
+        def forward(self, x):
+            x = self.inp(x)
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+    return Net
+
+
+@pytest.mark.parametrize("form", list(LN_FORMS))
+def test_hand_written_layer_norm_becomes_one_op_and_trains_like_torch(form, request):
+    step = assert_trains_like_torch(lambda t: hand_ln_net(t, form), batches(request.node.name))
+    counts = op_counts(step)
+    # the second block's norm reads the first block's residual sum: add_layer_norm
+    assert counts.get("layer_norm") == 1 and counts.get("add_layer_norm") == 1
+    assert counts.get("layer_norm_grad") == 1 and counts.get("add_layer_norm_grad") == 1
+    assert "sqrt" not in [n.attrs.get("kind") for n in step.plan(step.signature).graph.nodes]
+
+
+@pytest.mark.parametrize("form", list(LN_NEAR_MISSES))
+def test_layer_norm_near_misses_are_left_alone(form, request):
+    data = batches(request.node.name, 1)
+    counts = op_counts(compiled(models(lambda t: hand_ln_net(t, form))[1](), data))
+    assert "layer_norm" not in counts and "add_layer_norm" not in counts
+
+
+def test_layer_norm_switch_turns_the_pass_off(request, monkeypatch):
+    monkeypatch.setenv(norm_rewrite.LAYER_NORM_SWITCH, "0")
+    data = batches(request.node.name, 1)
+    counts = op_counts(compiled(models(lambda t: hand_ln_net(t, "convnext"))[1](), data))
+    assert "layer_norm" not in counts
+
+
+def test_channels_first_layer_norm_under_channels_last_becomes_layer_norm(request):
+    """ConvNeXt's LayerNorm over dim 1 of NCHW feature maps is a last-axis LayerNorm once the
+    layout pass stores them NHWC: one layer_norm, and the step trains as torch's NCHW one."""
+    def net(t):
+        class Net(t.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.conv1, self.conv2 = t.nn.Conv2d(3, 8, 2, 2), t.nn.Conv2d(8, 8, 3, 1, 1)
+                self.w = t.nn.Parameter(1.0 + 0.1 * t.randn(8))
+                self.b = t.nn.Parameter(0.1 * t.randn(8))
+                self.head = t.nn.Linear(8, 5)
+
+            def forward(self, x):
+                x = self.conv1(x)
+                u = x.mean(1, keepdim=True)
+                s = (x - u).pow(2).mean(1, keepdim=True)
+                x = (x - u) / t.sqrt(s + 1e-6)
+                x = self.w[:, None, None] * x + self.b[:, None, None]
+                return self.head(self.conv2(x).mean((2, 3)))
+        return Net
+
+    gen = seeded(request.node.name)
+    data = [(gen.standard_normal((4, 3, 8, 8)).astype(np.float32),
+             gen.integers(0, 5, 4).astype(np.int64)) for _ in range(STEPS)]
+    tm, ours = models(net)
+    initial = {k: v.detach().double().numpy() for k, v in tm.state_dict().items()}
+    loss64, final64 = torch_run(copy.deepcopy(tm), data, torch.float64)
+    loss32, final32 = torch_run(tm, data, torch.float32)
+    model = ours()
+    step = sg.compile_train_step(model, sgnn.functional.cross_entropy, optim.SGD(lr=LR),
+                                 example_inputs=data[0], memory_format="channels_last")
+    losses = [float(step(*b)) for b in data]
+    assert op_counts(step).get("layer_norm") == 1
+    assert_close_to_reference(losses, loss64, loss32, "losses")
+    final = {k: np.asarray(v) for k, v in model.state_dict().items()}
+    assert_state_changes_close(initial, final, final64, final32)
