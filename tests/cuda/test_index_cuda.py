@@ -19,7 +19,7 @@ if not cuda_available():
     pytest.skip("no GPU visible to CuPy", allow_module_level=True)
 
 import stepgraph  # noqa: E402,F401  (registers the op families)
-from tests.cuda.helpers import assert_close, make_node, random, run_both  # noqa: E402
+from tests.cuda.helpers import assert_close, make_node, random, run_both, to_host  # noqa: E402
 from tests.ops.test_index_ops import picker_losses  # noqa: E402
 
 
@@ -72,26 +72,51 @@ RUN_CONCATS = [[(4, 5, 64), (4, 5, 64)], [(4, 5, 16), (4, 5, 48), (4, 5, 64)],
                [(4, 5, 3), (4, 5, 61)], [(4, 5, 4), (4, 5, 12)], [(2, 9, 1), (2, 9, 2)]]
 
 
+def _poisoned(ctx, shape, dtype):
+    """A device array of every bit set (NaN for the float types), made on the context's
+    stream."""
+    bits = np.full(int(np.prod(shape)) * np.dtype(dtype).itemsize, 0xFF, np.uint8)
+    with ctx.stream:
+        return cp.asarray(bits.view(dtype).reshape(shape))
+
+
+# The launchers are called on CuPy arrays directly: 2-byte element types (bf16's and float16's
+# bits) whatever the IR's dtypes, compared with NumPy's slicing and concatenation bit for bit.
 @pytest.mark.parametrize("dtype", ["uint16", "float16", "float32"])
 @pytest.mark.parametrize("shape,dim,start,stop", RUN_SLICES)
-def test_slice_runs_of_channels(ctx, impls, shape, dim, start, stop, dtype):
+def test_slice_runs_of_channels(ctx, shape, dim, start, stop, dtype):
+    from stepgraph.backends.cuda import shape as shape_ops
+
     x = values(np.random.default_rng([7, *shape, start]), shape, dtype)
-    ref, got = run_both(ctx, make_node("slice", [x], dim=dim, start=start, stop=stop), [x],
-                        impls)
-    np.testing.assert_array_equal(got[0], ref[0])
-    dy = values(np.random.default_rng([8, *shape, start]), ref[0].shape, dtype)
-    node = make_node("slice_grad", [dy], input_shape=shape, dim=dim, start=start, step=1)
-    ref, got = run_both(ctx, node, [dy], impls)
-    np.testing.assert_array_equal(got[0], ref[0])
+    index = tuple(slice(start, stop) if a == dim else slice(None) for a in range(len(shape)))
+    want = x[index]
+    got = _poisoned(ctx, want.shape, dtype)
+    with ctx.stream:
+        dx = cp.asarray(x)
+    shape_ops.slice_forward(ctx, dx, got, dim, start, stop)
+    np.testing.assert_array_equal(to_host(ctx, [got])[0], want)
+    back = _poisoned(ctx, shape, dtype)
+    with ctx.stream:
+        dy = cp.asarray(want)
+    shape_ops.slice_backward(ctx, dy, back, dim, start)
+    grad = np.zeros_like(x)
+    grad[index] = want
+    np.testing.assert_array_equal(to_host(ctx, [back])[0], grad)
 
 
 @pytest.mark.parametrize("dtype", ["uint16", "float16", "float32"])
 @pytest.mark.parametrize("shapes", RUN_CONCATS)
-def test_concat_runs_of_channels(ctx, impls, shapes, dtype):
+def test_concat_runs_of_channels(ctx, shapes, dtype):
+    from stepgraph.backends.cuda import index
+
     rng = np.random.default_rng([9, len(shapes), *shapes[0]])
     xs = [values(rng, s, dtype) for s in shapes]
-    ref, got = run_both(ctx, make_node("concat", xs, dim=len(shapes[0]) - 1), xs, impls)
-    np.testing.assert_array_equal(got[0], ref[0])
+    want = np.concatenate(xs, axis=-1)
+    got = _poisoned(ctx, want.shape, dtype)
+    with ctx.stream:
+        dxs = [cp.asarray(x) for x in xs]
+    index.concat_forward(ctx, dxs, got, want.ndim - 1)
+    np.testing.assert_array_equal(to_host(ctx, [got])[0], want)
 
 
 GATHERS = [((3, 5, 4), 1, 7), ((6, 9), 0, 2), ((4, 1000), 1, 3), ((2, 3, 2, 5), 3, 5)]
