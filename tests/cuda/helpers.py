@@ -14,6 +14,13 @@ from stepgraph.ops.optim import HYPER_COLUMNS, hyperparameter_table
 
 # What outputs hold before a run, so that an element no kernel wrote cannot pass for a result.
 POISON = {"float32": np.nan, "float64": np.nan, "int32": -7, "int64": -7, "uint8": 7}
+# reduce_sum over the last axes of contiguous x (shape, axes), float32 and bf16 alike: the warp
+# per row path (backends/cuda/reduce.py _sums_rows) for (B, H, W, C) over C, rows shorter than a
+# warp, of odd lengths and of the longest it takes, and two last axes; the few-row ones (mid
+# 15, 6) stay on the planes path, for comparison.
+ROW_SUM_CASES = [((4, 16, 16, 96), (3,)), ((32768, 96), (1,)), ((1000, 7), (1,)),
+                 ((600, 300), (1,)), ((520, 1024), (1,)), ((128, 4, 4, 5), (2, 3)),
+                 ((3, 5, 300), (2,)), ((2, 3, 4, 5), (2, 3))]
 
 
 def random(rng, *shape, scale=1.0, shift=0.1, dtype="float32"):

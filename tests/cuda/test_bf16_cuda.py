@@ -31,7 +31,7 @@ from stepgraph.backends.cuda.matmul import small_matmul  # noqa: E402
 from stepgraph.backends.numpy import NumpyBackend, bf16  # noqa: E402
 from stepgraph.ir.graph import BF16, Node, Value  # noqa: E402
 from stepgraph.ir.ops import OPS, infer_outputs  # noqa: E402
-from tests.cuda.helpers import update_hyperparameters  # noqa: E402
+from tests.cuda.helpers import ROW_SUM_CASES, update_hyperparameters  # noqa: E402
 from tests.ops.helpers import relative_error as rel, seeded  # noqa: E402
 
 POISON = {"float32": np.float32(np.nan), "uint8": np.uint8(7), "int64": np.int64(-7),
@@ -139,6 +139,20 @@ def test_reduce_sum(backend, ctx, shape, axes, request):
     (want,), (got,), _, _ = run_both(backend, ctx, node, [x])
     n = np.prod(shape) // got.size
     assert_bf16_within(got, want, atol=1e-4 * np.sqrt(n), what="reduce_sum")
+
+
+@pytest.mark.parametrize("shape,axes", ROW_SUM_CASES)
+def test_reduce_sum_rows(backend, ctx, shape, axes, request):
+    """The last axes summed (a warp per row for many rows): within test_reduce_sum's bounds of
+    the numpy emulation, and the same bits on a second run."""
+    rng = seeded(request.node.name)
+    x = bits(rng, *shape)
+    node = node_of("reduce_sum", [x], [BF16], axes=axes)
+    (want,), (got,), _, _ = run_both(backend, ctx, node, [x])
+    n = np.prod(shape) // got.size
+    assert_bf16_within(got, want, atol=1e-4 * np.sqrt(n), what=f"reduce_sum {shape} {axes}")
+    _, (again,), _, _ = run_both(backend, ctx, node, [x])
+    np.testing.assert_array_equal(again, got)
 
 
 # ---- GEMMs ---------------------------------------------------------------------------------

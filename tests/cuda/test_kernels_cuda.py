@@ -141,6 +141,19 @@ def test_reduce_sum(ctx, shape, axes):
     assert_close(got[0], ref[0], rtol=1e-5, atol=2e-6 * scale, what=f"reduce_sum {shape} {axes}")
 
 
+@pytest.mark.parametrize("shape,axes", helpers.ROW_SUM_CASES)
+def test_reduce_sum_rows(ctx, shape, axes):
+    """The last axes summed (a warp per row for many rows): within test_reduce_sum's bounds of
+    the numpy sum, and the same bits on a second run."""
+    x = random(np.random.default_rng([19, *shape]), *shape)
+    node = make_node("reduce_sum", [x], axes=axes)
+    ref, got = run_both(ctx, node, [x])
+    scale = float(np.abs(x).sum(axis=axes).max())
+    assert_close(got[0], ref[0], rtol=1e-5, atol=2e-6 * scale, what=f"reduce_sum {shape} {axes}")
+    again = helpers.run_cuda(ctx, node, [x], CORE_IMPLS)
+    np.testing.assert_array_equal(again[0].view(np.uint32), got[0].view(np.uint32))
+
+
 @pytest.mark.parametrize("kind", ("none",) + ACTIVATIONS)
 @pytest.mark.parametrize("shape", [(1, 1), (5, 33), (130, 7), (64, 100), (3, 1), (1000, 40),
                                    (2048, 512)])

@@ -404,6 +404,8 @@ def _fake_memory(node, key, ctx, build, required=True):
         return Fake((1,), "int32")
     if kind == "mse":
         return dict(partials=Fake((key[1],), "float64"), counter=Fake((1,), "uint32"))
+    if kind == "reduce_sum":           # (op, planes, splits): the float64 partial sums
+        return Fake((key[1] * key[2],), "float64")
     if kind == "batch_norm":           # (op, channels, splits, extra floats per channel)
         return dict(partial=Fake((key[2] * key[3] * 2,), "float64"),
                     coef=Fake((key[2] * max(key[4], 1),)))
@@ -762,6 +764,32 @@ def test_softmax_shape_and_loss_launch_arguments_match_the_kernels(monkeypatch):
     assert names[:3] == ["softmax_scaled_forward_kernel<float>",
                          "softmax_scaled_backward_kernel<float>", "softmax_forward_kernel<float>"]
     assert names.count("cross_entropy_count_kernel<long long>") == 3 + 4   # grads, train x4
+    _assert_launches_match(launched)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "uint16"])
+def test_reduce_sum_launch_arguments_match_the_kernels(monkeypatch, dtype):
+    """reduce_sum's paths name declared kernels with arguments of their parameters' types; many
+    short last-axis rows take a warp per row, few planes or an outer axis the planes kernel."""
+    from stepgraph.backends.cuda import reduce
+
+    launched = _record_launches(monkeypatch, reduce)
+    cases = [((32768, 96), (1,)), ((4, 16, 16, 96), (3,)), ((128, 4, 4, 5), (2, 3)),
+             ((8, 64, 1024), (0, 2)), ((3, 5, 300), (2,)), ((600, 1025), (1,)),
+             ((40, 30), (0,)), ((4, 5, 6, 7), (0, 2))]
+    first = []
+    for shape, axes in cases:
+        first.append(len(launched))
+        out = tuple(d for i, d in enumerate(shape) if i not in axes)
+        reduce.reduce_sum_forward(None, object(), Fake(shape, dtype), Fake(out, dtype), axes)
+    ctype = {"float32": "float", "uint16": "unsigned short"}[dtype]
+    names = [launched[i][1].removesuffix(f"<{ctype}>") for i in first]
+    assert names == ["reduce_sum_rows_kernel"] * 3 + ["reduce_sum_planes_kernel"] * 3 + \
+        ["reduce_sum_columns_kernel", "reduce_sum_strided_kernel"]
+    _, _, grid, block, args = launched[0]                 # 32768 rows, 8 a block
+    assert (grid, block, args[2:]) == ((4096,), (32, 8), (32768, 96))
+    assert launched[first[3] + 1][1] == f"reduce_sum_splits_kernel<{ctype}>"  # outer 8 split
+    assert {name for _, name, *_ in launched} <= reduce.kernel_names()["reduce.cu"]
     _assert_launches_match(launched)
 
 

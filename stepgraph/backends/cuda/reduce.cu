@@ -1,7 +1,8 @@
 // Reductions: reduce_sum (column sums = bias gradients, per-channel sums of NCHW = conv bias
-// gradients, any other axes through a strided fallback), the fused activation-gradient +
-// bias-gradient act_bias_grad, and global_norm over many tensors. Deterministic: each sum
-// has a fixed owner and a fixed combination order; partial sums are float64.
+// gradients, many short rows = the last axes of a contiguous array, any other axes through a
+// strided fallback), the fused activation-gradient + bias-gradient act_bias_grad, and
+// global_norm over many tensors. Deterministic: each sum has a fixed owner and a fixed
+// combination order; partial sums are float64.
 // reduce_sum and act_bias_grad are templates on the element storage T: float, or unsigned
 // short for bfloat16 (bf16.cuh): inputs widened to float, sums in float64, each output
 // rounded to float32 and then to bf16 once, when it is stored (the numpy emulation sums the
@@ -82,6 +83,24 @@ __global__ void reduce_sum_planes_kernel(const T* x, T* y, double* partial, int 
     if (threadIdx.x != 0) return;
     if (splits == 1) store_from_float(y, b, (float)acc);
     else partial[b * splits + blockIdx.y] = acc;
+}
+
+// y[r] = sum over c of x[r, c] for x (rows, cols): a warp per row (blockDim (32, rows per
+// block)), rows strided over the grid, for many short rows (the last axes of a contiguous
+// array, e.g. a channels-last mean over C), where the planes kernel would spend a block and its
+// barriers on each row. Lane l adds columns l, l + 32, ... in float64 in that order, then the
+// warp's butterfly sum (warp_sum): a fixed order whatever the grid. A row is one warp's, so
+// warps leave the loop on their own (no block barrier inside).
+template <typename T>
+__global__ void reduce_sum_rows_kernel(const T* x, T* y, int rows, int cols) {
+    for (long long r = first_row_base() + threadIdx.y; r < rows; r += row_base_stride()) {
+        const T* xr = x + r * cols;
+        double acc = 0.0;
+#pragma unroll 4  // several loads in flight a lane; the additions keep their order
+        for (int c = threadIdx.x; c < cols; c += 32) acc += load_as_float(xr, c);
+        acc = warp_sum(acc);
+        if (threadIdx.x == 0) store_from_float(y, r, (float)acc);
+    }
 }
 
 // y[b] = sum over s of partial[b * splits + s], s ascending.

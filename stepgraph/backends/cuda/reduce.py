@@ -1,5 +1,6 @@
-"""Launchers of reduce.cu: reduce_sum over any axes (column sums, sums over planes, a strided
-fallback), the activation gradient fused with the bias gradient's column sum
+"""Launchers of reduce.cu: reduce_sum over any axes (column sums, sums over planes, a warp per
+row for many short rows (the last axes of a contiguous array), a strided fallback), the
+activation gradient fused with the bias gradient's column sum
 (act_bias_grad), and global_norm over many tensors in one launch.
 
 Device memory kept per node (runtime/launch.py `_node_memory`): reduce_sum and act_bias_grad
@@ -21,13 +22,17 @@ from ...ir.graph import Node
 from .elementwise import fill_forward
 from .runtime.launch import (BLOCK, ELEMENT_CTYPES, FLOAT_KINDS, UPDATE_CHUNK, _act_code, _aligned,
                              _buffers_key, _check, _check_int32, _check_scalar, _chunk_jobs,
-                             _element_ctype, _grid, _launch, _node_memory, _slope, _typed)
+                             _element_ctype, _grid, _launch, _node_memory, _row_grid, _slope,
+                             _typed)
 
 PLANE_TARGET_BLOCKS = 512     # reduce_sum over planes: split each plane's rows to about this
 COLUMN_TARGET_BLOCKS = 1024   # column sums (bias gradients): split tall inputs' rows to this
 COLUMN_SPLIT_ROWS = 256       # rows per split at least
 REDUCE_DIMS = 4               # reduce_sum_strided_kernel: kept and reduced dims, 4 runs each
 COLUMN_BLOCK = (32, 16)       # reduce.cu COLUMN_TILE x COLUMN_ROWS
+ROW_SUM_ROWS = 8              # reduce_sum_rows_kernel: rows (warps) per (32, 8) block
+ROW_SUM_MAX_COLS = 1024       # a warp per row up to here: at most 32 elements a lane
+ROW_SUM_MIN_ROWS = PLANE_TARGET_BLOCKS   # fewer rows keep the planes path (_sums_rows)
 BF16_OPS = frozenset({"reduce_sum", "act_bias_grad", "global_norm"})
 FP16_OPS = BF16_OPS
 
@@ -88,6 +93,25 @@ def reduce_sum_planes(ctx, node: Node, x, y, outer: int, mid: int, inner: int) -
                 (BLOCK,), (partial, y, np.int32(mid), np.int32(splits)))
 
 
+def reduce_sum_rows(ctx, x, y, rows: int, cols: int) -> None:
+    """y (rows,) = x viewed as (rows, cols) summed over cols: a warp per row."""
+    _launch(ctx, "reduce.cu", _typed("reduce_sum_rows_kernel", ELEMENT_CTYPES[y.dtype]),
+            _row_grid(rows, ROW_SUM_ROWS), (32, ROW_SUM_ROWS),
+            (x, y, np.int32(rows), np.int32(cols)))
+
+
+def _sums_rows(outer: int, mid: int, inner: int) -> bool:
+    """Whether a sum over (outer, inner) of x viewed as (outer, mid, inner) takes the warp per
+    row path: only the trailing axes reduced (outer 1), rows of at most ROW_SUM_MAX_COLS
+    elements, and at least ROW_SUM_MIN_ROWS of them. The planes path gives each row a block of
+    BLOCK threads: with that many blocks already (PLANE_TARGET_BLOCKS, its own target) it
+    cannot split further, and a short row leaves most of each block's time to its barriers
+    (e.g. (32768, 96): 32768 blocks adding 96 numbers each). Few rows, or long ones, keep the
+    planes path, whose BLOCK threads a row then read it sooner than one warp (conv bias
+    gradients, outer > 1, always do)."""
+    return outer == 1 and 1 < inner <= ROW_SUM_MAX_COLS and mid >= ROW_SUM_MIN_ROWS
+
+
 def _reduced_axes(shape: tuple, axes) -> list[int]:
     nd = len(shape)
     return sorted({a % nd for a in axes}) if nd else []
@@ -139,8 +163,9 @@ def reduce_sum_strided(ctx, x, y, axes) -> None:
 
 
 def reduce_sum_forward(ctx, node: Node, x, y, axes) -> None:
-    """y = x.sum(axis=axes): column sums (bias grads), sums over (outer, inner) per kept
-    index (axes (0, 2, 3) of NCHW: conv bias grads), or any other axes (strided fallback)."""
+    """y = x.sum(axis=axes): column sums (bias grads), many short rows (the last axes of a
+    contiguous array: a channels-last mean over C), sums over (outer, inner) per kept index
+    (axes (0, 2, 3) of NCHW: conv bias grads), or any other axes (strided fallback)."""
     _element_ctype("reduce_sum input", x)
     block = _kept_block(tuple(x.shape), axes)
     _check("reduce_sum output", y, x.dtype)
@@ -158,6 +183,8 @@ def reduce_sum_forward(ctx, node: Node, x, y, axes) -> None:
     outer, mid, inner = block
     if inner == 1 and mid > 1:    # one block per 32 columns; a full sum takes the planes path
         reduce_sum_columns(ctx, node, x, y, outer, mid)
+    elif _sums_rows(outer, mid, inner):
+        reduce_sum_rows(ctx, x, y, mid, inner)
     else:
         reduce_sum_planes(ctx, node, x, y, outer, mid, inner)
 
@@ -212,7 +239,8 @@ def _checked_norm_tables(tensors) -> dict:
 def kernel_names() -> dict[str, set[str]]:
     """{.cu file: every kernel name these launchers may launch} (as elementwise.py's)."""
     reduce = ("reduce_sum_planes_kernel", "reduce_sum_splits_kernel",
-              "reduce_sum_strided_kernel", "reduce_sum_columns_kernel")
+              "reduce_sum_strided_kernel", "reduce_sum_columns_kernel",
+              "reduce_sum_rows_kernel")
     elements = ELEMENT_CTYPES.values()
     return {"reduce.cu": {"global_norm_forward_kernel"}
             | {_typed(k, ctype) for k in reduce for ctype in elements}
