@@ -5,7 +5,9 @@ node writes) and through the cuda launchers.
 
 Where the cuda kernel does the reference's arithmetic in the reference's order the bits must
 match: max pooling and its gradient (a maximum is an input; the gradient's gather adds in
-np.add.at's row-major window order), average pooling's non-overlapping gradient (one term).
+np.add.at's row-major window order; the channels-last kernels with 16 bytes of channels a
+thread too, in float32 as well, NaNs among the inputs), average pooling's non-overlapping
+gradient (one term).
 Elsewhere the float32 values before the one rounding may differ in their last places, so the
 bf16 results may differ by one bf16 ulp where that float32 value lies next to a rounding
 boundary, which a random float32 does with probability about 2^-16 per float32 ulp of
@@ -88,10 +90,16 @@ def emulate(node: Node, arrays: list) -> tuple[list, list]:
     return outs, ins
 
 
-def on_cuda(ctx, node: Node, arrays: list) -> tuple[list, list]:
-    """(outputs, inputs after the run) of the cuda launcher, outputs poisoned first."""
+def on_cuda(ctx, node: Node, arrays: list, misalign_first: bool = False) -> tuple[list, list]:
+    """(outputs, inputs after the run) of the cuda launcher, outputs poisoned first.
+    misalign_first: the first input one element past a 16-byte boundary (still C-contiguous),
+    which turns the launchers' vector paths down."""
     with ctx.stream:
         ins = [cp.asarray(a) for a in arrays]
+        if misalign_first:
+            shifted = cp.empty(ins[0].size + 1, ins[0].dtype)[1:].reshape(ins[0].shape)
+            shifted[...] = ins[0]
+            ins[0] = shifted
         outs = [cp.full(v.shape, POISON[storage(v)], storage(v)) for v in node.outputs]
     CUDA_IMPLS[node.op](node, ins, outs, ctx)
     ctx.stream.synchronize()
@@ -167,6 +175,90 @@ def test_maxpool2d_bf16_forward_and_grad_match_the_emulation_bit_for_bit(ctx, ca
     bwd = node_of("maxpool2d_grad", grad_ins, input_shape=nchw, **attrs)
     want, got = both(ctx, bwd, grad_ins)
     assert_bits_equal(got[0], want[0], "maxpool2d_grad dx")
+
+
+# ---- max pooling, channels-last, 16 bytes of channels a thread ------------------------------
+
+# (N, H, W), kernel, stride, padding: overlapping 3x3/2 (SqueezeNet's pools), the same padded
+# (the gather), 2x2/2 (the tiling scatter)
+PACK_WINDOWS = [((2, 9, 11), (3, 3), (2, 2), (0, 0)), ((2, 9, 11), (3, 3), (2, 2), (1, 1)),
+                ((2, 8, 6), (2, 2), (2, 2), (0, 0))]
+
+
+def pool_values(rng, shape, storage: str) -> np.ndarray:
+    """Values on a coarse grid (windows hold ties and -0: the first maximum must win) with
+    NaNs among them (a window's first NaN wins), as float32 or bf16 bits."""
+    x = (np.round(rng.standard_normal(shape) * 2) / 2).astype(np.float32)
+    x[rng.random(shape) < 0.03] = np.nan
+    return bf16.to_bits(x) if storage == "uint16" else x
+
+
+def assert_same_floats(got, want, what):
+    """bf16 bits equal; float32 bits equal where want is a number (the sign of a zero too),
+    NaN where it is NaN."""
+    if want.dtype == np.uint16:
+        return assert_bits_equal(got, want, what)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan, err_msg=f"{what}: NaN positions")
+    np.testing.assert_array_equal(got.view(np.uint32)[~nan], want.view(np.uint32)[~nan],
+                                  err_msg=what)
+
+
+@pytest.fixture
+def max_launches(monkeypatch):
+    """The names of the pool.cu kernels launched during the test, in order."""
+    names, real = [], pool._launch
+
+    def record(ctx, filename, name, grid, block, args):
+        names.append(name)
+        real(ctx, filename, name, grid, block, args)
+
+    monkeypatch.setattr(pool, "_launch", record)
+    return names
+
+
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("window", PACK_WINDOWS, ids=str)
+@pytest.mark.parametrize("channels", [64, 8, 12, 3])
+@pytest.mark.parametrize("storage", ["uint16", "float32"])
+def test_nhwc_maxpool2d_channel_packs_match_the_emulation_bit_for_bit(
+        ctx, storage, channels, window, relu, max_launches, request):
+    """Channels-last max pooling and its gradient (fused ReLU or not) take the kernels with
+    16 bytes of channels a thread (_nhwc_vec_) where C is a multiple of 8 bf16 / 4 float32
+    values, the one-element kernels elsewhere: both give the emulation's bits, ties, -0 and
+    NaNs included. Where the pack kernels ran, the one-element kernels (an input off 16-byte
+    alignment sends the launch there) give the same bits on the same data."""
+    (n, h, w), kernel, stride, padding = window
+    rng = seeded(request.node.name)
+    x = pool_values(rng, (n, h, w, channels), storage)
+    attrs = dict(kernel=kernel, stride=stride, padding=padding, relu=relu, layout="NHWC")
+    fwd = node_of("maxpool2d", [x], **attrs)
+    want, got = both(ctx, fwd, [x])
+    assert_same_floats(got[0], want[0], "maxpool2d y")
+    np.testing.assert_array_equal(got[1], want[1], err_msg="maxpool2d indices")
+    y, idx = want
+    dy = bf16_random(rng, *y.shape) if storage == "uint16" \
+        else rng.standard_normal(y.shape).astype(np.float32)
+    grad_ins = [dy, idx] + ([y] if relu else [])
+    bwd = node_of("maxpool2d_grad", grad_ins, input_shape=x.shape, **attrs)
+    want_dx, got_dx = both(ctx, bwd, grad_ins)
+    assert_same_floats(got_dx[0], want_dx[0], "maxpool2d_grad dx")
+
+    vec = channels % (16 // x.itemsize) == 0
+    ctype = "unsigned short" if storage == "uint16" else "float"
+    backward = "maxpool2d_backward_tiling_kernel" if kernel == stride and padding == (0, 0) \
+        else "maxpool2d_backward_kernel"
+    ran = [pool._kernel(k, "_nhwc_vec" if vec else "_nhwc", ctype)
+           for k in ("maxpool2d_forward_kernel", backward)]
+    assert max_launches == ran
+    if vec:
+        element = on_cuda(ctx, fwd, [x], misalign_first=True)[0]
+        assert_same_floats(got[0], element[0], "maxpool2d y, one-element kernel")
+        np.testing.assert_array_equal(got[1], element[1], err_msg="maxpool2d indices")
+        element_dx = on_cuda(ctx, bwd, grad_ins, misalign_first=True)[0]
+        assert_same_floats(got_dx[0], element_dx[0], "maxpool2d_grad dx, one-element kernel")
+        assert max_launches[2:] == [pool._kernel(k, "_nhwc", ctype)
+                                    for k in ("maxpool2d_forward_kernel", backward)]
 
 
 # ---- average pooling -----------------------------------------------------------------------

@@ -261,8 +261,8 @@ def test_norm_and_pool_launchers_name_existing_kernels(family, sources):
 
 
 def test_pool_launchers_name_listed_kernels():
-    """Every kernel name pool.py builds (layout suffixes, float32 and bfloat16 elements) is
-    one kernel_names() lists."""
+    """Every kernel name pool.py builds (layout suffixes, the channel-pack max pooling kernels,
+    every element storage) is one kernel_names() lists."""
     from stepgraph.backends.cuda import pool
 
     listed = set().union(*pool.kernel_names().values())
@@ -272,6 +272,8 @@ def test_pool_launchers_name_listed_kernels():
                      "avgpool2d_backward_kernel", "avgpool2d_backward_tiling_kernel"):
             for suffix in ("", "_nhwc"):
                 assert pool._kernel(name, suffix, ctype) in listed
+            if name.startswith("maxpool2d"):            # channels-last, 16 bytes a thread
+                assert pool._kernel(name, "_nhwc_vec", ctype) in listed
         assert pool._kernel("avgpool2d_forward_warp_kernel", "", ctype) in listed
 
 
@@ -671,6 +673,53 @@ def test_cast_launch_arguments_match_the_kernels(monkeypatch, src, dst, ptr):
     assert set(names) <= cast.kernel_names()["cast.cu"] and len(set(names)) == 1
     vecs = [int(args[-1]) for *_, args in launched]
     assert vecs == ([4, 1] if ptr == 0x7000 else [1, 1])
+    _assert_launches_match(launched)
+
+
+# (storage, C): the 16-byte channel packs of the _nhwc_vec_ max pooling kernels (4 float32, 8
+# 16-bit values) fit C = 64 and 8 in every storage, 12 in float32 only, 3 in none
+POOL_PACKS = {"float32": 4, "uint16": 8, "float16": 8}
+
+
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+@pytest.mark.parametrize("ptr", [0x7000, 0x7008])          # 16-byte aligned or not
+@pytest.mark.parametrize("channels", [64, 8, 12, 3])
+@pytest.mark.parametrize("dtype", sorted(POOL_PACKS))
+def test_maxpool_launches_take_the_channel_pack_kernels_where_they_fit(monkeypatch, dtype,
+                                                                      channels, ptr, layout):
+    """Channels-last max pooling (forward, the gather backward of overlapping padded windows,
+    the tiling backward; fused ReLU or not) launches the _nhwc_vec_ kernels, a thread per
+    PACK<T> channels, exactly where C % PACK<T> == 0 and every array is 16-byte aligned;
+    else, and for NCHW, the element kernels. The grids cover the threads either way."""
+    from stepgraph.backends.cuda import cast, pool
+
+    launched = _record_launches(monkeypatch, pool, cast)
+    pack = POOL_PACKS[dtype]
+    vec = layout == "NHWC" and channels % pack == 0 and ptr == 0x7000
+    ctype = dict((s, t) for s, t in pool.POOL_CTYPES.values())[dtype]
+
+    def stored(n, h, w):
+        return (n, h, w, channels) if layout == "NHWC" else (n, channels, h, w)
+
+    windows = [((9, 9), (3, 3), (2, 2), (1, 1), (5, 5), "maxpool2d_backward"),
+               ((8, 6), (2, 2), (2, 2), (0, 0), (4, 3), "maxpool2d_backward_tiling")]
+    expected = []
+    for (h, w), kernel, stride, padding, (ho, wo), backward in windows:
+        for relu in (False, True):
+            x, y = Fake(stored(2, h, w), dtype, ptr), Fake(stored(2, ho, wo), dtype, ptr)
+            idx = Fake(stored(2, ho, wo), "int32", ptr)
+            pool.maxpool2d_forward(None, x, y, idx, kernel, stride, relu, padding, layout)
+            pool.maxpool2d_backward(None, Fake(y.shape, dtype, ptr), idx,
+                                    Fake(x.shape, dtype, ptr), kernel, stride,
+                                    y if relu else None, padding, layout)
+            expected += [("maxpool2d_forward", y.size), (backward, y.size if "tiling"
+                                                         in backward else x.size)]
+    suffix = {"NCHW": "", "NHWC": "_nhwc"}[layout] + ("_vec" if vec else "")
+    per_thread = pack if vec else 1
+    got = [(name, grid) for _, name, grid, _, _ in launched]
+    assert got == [(f"{k}{suffix}_kernel<{ctype}>", pool._grid(size // per_thread))
+                   for k, size in expected]
+    assert {name for name, _ in got} <= pool.kernel_names()["pool.cu"]
     _assert_launches_match(launched)
 
 

@@ -3,8 +3,10 @@ avgpool2d_grad), and their cuda op table.
 
 Every op runs NCHW tensors, or channels-last ones (attrs layout "NHWC", compile/layout.py:
 (N, H, W, C)) through the `_nhwc_` kernels, the same window code over the other layout
-(include/pool.cuh). Launchers check their preconditions and launch on ctx.stream: no host
-sync, no allocation.
+(include/pool.cuh). Channels-last max pooling takes the `_nhwc_vec_` kernels where C is a
+multiple of PACK (16 bytes of elements: 4 float32, 8 16-bit) and every array is 16-byte aligned:
+a thread per PACK adjacent channels of a pixel, the same results bit for bit. Launchers check
+their preconditions and launch on ctx.stream: no host sync, no allocation.
 
 Every kernel is a template over the element storage: float32, bfloat16 (precision="bf16": uint16 raw
 bits, ir/graph.py) or float16 (fp16_bits). 16-bit values are widened on load, windows are summed
@@ -20,7 +22,7 @@ import numpy as np
 
 from ...errors import ShapeError
 from ...ops.layout import layout_of, nchw_shape, stored_shape
-from .runtime.launch import BLOCK, _check, _check_int32, _grid, _launch, _or_null
+from .runtime.launch import BLOCK, _aligned, _check, _check_int32, _grid, _launch, _or_null
 from .cast import CAST_CTYPES, shared_ctype
 
 SOURCE, MAX_SOURCE = "avgpool.cu", "pool.cu"
@@ -32,7 +34,10 @@ KERNELS = ("avgpool2d_forward_kernel", "avgpool2d_forward_nhwc_kernel",
            "avgpool2d_backward_tiling_nhwc_kernel")
 MAX_KERNELS = ("maxpool2d_forward_kernel", "maxpool2d_forward_nhwc_kernel",
                "maxpool2d_backward_kernel", "maxpool2d_backward_nhwc_kernel",
-               "maxpool2d_backward_tiling_kernel", "maxpool2d_backward_tiling_nhwc_kernel")
+               "maxpool2d_backward_tiling_kernel", "maxpool2d_backward_tiling_nhwc_kernel",
+               "maxpool2d_forward_nhwc_vec_kernel", "maxpool2d_backward_nhwc_vec_kernel",
+               "maxpool2d_backward_tiling_nhwc_vec_kernel")
+PACK_BYTES = 16       # the _nhwc_vec_ kernels' access: PACK<T> = 16 / sizeof(T) channels
 # IR dtype -> (storage dtype, the kernels' template argument T)
 POOL_CTYPES = CAST_CTYPES
 BF16_OPS = frozenset({"maxpool2d", "maxpool2d_grad", "avgpool2d", "avgpool2d_grad"})
@@ -96,6 +101,17 @@ def _kernel(name: str, suffix: str, ctype: str = "float") -> str:
 
 # ---- max pooling (pool.cu) -----------------------------------------------------------------
 
+def _max_walk(suffix: str, channels: int, *arrays) -> tuple[str, int]:
+    """(layout suffix, elements a thread) of a max pooling kernel: ("_nhwc_vec", PACK<T>) for
+    a channels-last launch whose C is a multiple of PACK<T> and whose arrays (None entries
+    skipped; the first's storage is T) start 16-byte aligned; else (suffix, 1)."""
+    present = [a for a in arrays if a is not None]
+    pack = PACK_BYTES // present[0].dtype.itemsize
+    if suffix == "_nhwc" and channels % pack == 0 and _aligned(*present, to=PACK_BYTES):
+        return "_nhwc_vec", pack
+    return suffix, 1
+
+
 def maxpool2d_forward(ctx, x, y, idx, kernel, stride, relu: bool = False, padding=(0, 0),
                       layout: str = "NCHW") -> None:
     """y = window maxima (relu: relu of them; padding is -inf), idx (int32) = plane-local
@@ -107,8 +123,9 @@ def maxpool2d_forward(ctx, x, y, idx, kernel, stride, relu: bool = False, paddin
     _check("maxpool2d indices", idx, "int32", stored)
     _check_int32("maxpool2d", max(x.size, y.size))
     if y.size:
+        suffix, per_thread = _max_walk(suffix, xs[1], x, y, idx)
         _launch(ctx, MAX_SOURCE, _kernel("maxpool2d_forward_kernel", suffix, ctype),
-                _grid(y.size), (BLOCK,), (x, y, idx, np.int32(relu)) + extra
+                _grid(y.size // per_thread), (BLOCK,), (x, y, idx, np.int32(relu)) + extra
                 + _pool_args(xs, ys, kernel, stride, padding))
 
 
@@ -128,12 +145,13 @@ def maxpool2d_backward(ctx, dy, idx, dx, kernel, stride, y=None, padding=(0, 0),
     if not dx.size:
         return
     args = (dy, idx, _or_null(y), dx) + extra + _pool_args(xs, ys, kernel, stride, padding)
+    suffix, per_thread = _max_walk(suffix, xs[1], dy, idx, y, dx)
     if _tiles(xs, kernel, stride, padding):
         _launch(ctx, MAX_SOURCE, _kernel("maxpool2d_backward_tiling_kernel", suffix, ctype),
-                _grid(dy.size), (BLOCK,), args)
+                _grid(dy.size // per_thread), (BLOCK,), args)
     else:
         _launch(ctx, MAX_SOURCE, _kernel("maxpool2d_backward_kernel", suffix, ctype),
-                _grid(dx.size), (BLOCK,), args)
+                _grid(dx.size // per_thread), (BLOCK,), args)
 
 
 # ---- average pooling (avgpool.cu) ----------------------------------------------------------

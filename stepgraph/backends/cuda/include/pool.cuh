@@ -7,6 +7,8 @@
 // storage order (consecutive threads, consecutive addresses).
 #pragma once
 
+#include "bf16.cuh"
+
 struct PoolShape {
     int planes, H, W, Ho, Wo, kh, kw, sh, sw, ph, pw;
 };
@@ -46,11 +48,16 @@ struct PlaneAt {
     int step;
 };
 
+// Channel c of image n of a channels-last (N, R, Q, C) tensor.
+__device__ __forceinline__ PlaneAt nhwc_plane(int n, int c, int R, int Q, int C) {
+    return {(long long)n * R * Q * C + c, C};
+}
+
 template <bool NHWC>
 __device__ __forceinline__ PlaneAt plane_at(int p, int R, int Q, int C) {
     if (NHWC) {
         const int n = p / C;
-        return {(long long)n * R * Q * C + (p - n * C), C};
+        return nhwc_plane(n, p - n * C, R, Q, C);
     }
     return {(long long)p * R * Q, 1};
 }
@@ -74,4 +81,68 @@ __device__ __forceinline__ void element_of(int g, int R, int Q, int C, int& p, i
         r = t % R;
         p = t / R;
     }
+}
+
+// ---- channels-last, PACK<T> adjacent channels a thread (the _nhwc_vec_ kernels) ------------
+// A pixel's window and index arithmetic then serves 16 bytes of channels: 4 floats or 8
+// 16-bit values, moved as one uint4 (the launchers check C % PACK<T> == 0 and 16-byte aligned
+// pointers, so every group starts on a 16-byte boundary).
+template <typename T>
+constexpr int PACK = 16 / (int)sizeof(T);
+
+template <typename T>
+union Pack16 {
+    uint4 raw;
+    T v[PACK<T>];
+};
+
+// p[i .. i + PACK<T>) as float (i % PACK<T> == 0).
+template <typename T>
+__device__ __forceinline__ void load_pack(const T* p, long long i, float* v) {
+    Pack16<T> a;
+    a.raw = *reinterpret_cast<const uint4*>(p + i);
+#pragma unroll
+    for (int k = 0; k < PACK<T>; ++k) v[k] = load_as_float(a.v, k);
+}
+
+// p[i .. i + PACK<T>) = v, each rounded once as store_from_float does.
+template <typename T>
+__device__ __forceinline__ void store_pack(T* p, long long i, const float* v) {
+    Pack16<T> a;
+#pragma unroll
+    for (int k = 0; k < PACK<T>; ++k) store_from_float(a.v, k, v[k]);
+    *reinterpret_cast<uint4*>(p + i) = a.raw;
+}
+
+// int32 p[i .. i + V) (V % 4 == 0, i % 4 == 0, p 16-byte aligned): V / 4 int4 accesses.
+template <int V>
+__device__ __forceinline__ void load_ints(const int* p, long long i, int* v) {
+#pragma unroll
+    for (int k = 0; k < V; k += 4) {
+        const int4 a = *reinterpret_cast<const int4*>(p + i + k);
+        v[k] = a.x; v[k + 1] = a.y; v[k + 2] = a.z; v[k + 3] = a.w;
+    }
+}
+
+template <int V>
+__device__ __forceinline__ void store_ints(int* p, long long i, const int* v) {
+#pragma unroll
+    for (int k = 0; k < V; k += 4)
+        *reinterpret_cast<int4*>(p + i + k) = make_int4(v[k], v[k + 1], v[k + 2], v[k + 3]);
+}
+
+// Group g of a channels-last (N, R, Q, C) tensor walked V adjacent channels at a time (C % V
+// == 0; group g holds elements g * V .. g * V + V - 1, in storage order): its image n, pixel
+// (r, q) and first channel c. element_of's three divisions (with their remainders), once per
+// V elements.
+template <int V>
+__device__ __forceinline__ void group_of(int g, int R, int Q, int C, int& n, int& r, int& q,
+                                         int& c) {
+    const int groups = C / V;
+    const int t = g / groups;
+    c = (g - t * groups) * V;
+    q = t % Q;
+    const int u = t / Q;
+    r = u % R;
+    n = u / R;
 }
