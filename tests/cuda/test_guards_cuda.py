@@ -231,29 +231,32 @@ def test_long_skip_run_equals_the_run_without_the_bad_batches():
 @pytest.mark.parametrize("name", ["mlp", "cnn"])
 def test_guard_cost_on_graph_steps(name):
     """Replay time with guards ("raise") against without ("ignore"); the target is 3% (the
-    benchmark measures it); here only a loose bound, and the µs are printed."""
+    benchmark measures it); here only a loose bound, and the µs are printed. The two steps
+    are timed in alternating rounds and each keeps its best round, so a machine loaded by
+    other tests slows both alike (timed one after the other beside eleven other test
+    workers, the guarded mlp step once read 37% slower)."""
     shape = (784,) if name == "mlp" else (1, 28, 28)
     gen = np.random.default_rng(0)
     x = cp.asarray(gen.standard_normal((128, *shape), dtype=np.float32))
     y = cp.asarray(gen.integers(0, 10, 128))
-    times = {}
+    steps = {}
     for policy in ("ignore", "raise"):
         nn.manual_seed(0)
         model = models.mlp() if name == "mlp" else models.cnn()
         loss = losses.cross_entropy if name == "mlp" else losses.nll_loss
-        step = sg.compile_train_step(model, loss, optim.AdamW(lr=1e-4), (x, y), device="cuda",
-                                     graph=True, on_bad_batch=policy)
+        steps[policy] = sg.compile_train_step(model, loss, optim.AdamW(lr=1e-4), (x, y),
+                                              device="cuda", graph=True, on_bad_batch=policy)
         for _ in range(20):
-            step(x, y)
-        best = float("inf")
-        for _ in range(5):
+            steps[policy](x, y)
+    times = {policy: float("inf") for policy in steps}
+    for _ in range(7):
+        for policy, step in steps.items():
             step.backend.synchronize()
             start = time.perf_counter()
             for _ in range(200):
                 step(x, y)
             step.backend.synchronize()
-            best = min(best, (time.perf_counter() - start) / 200 * 1e6)
-        times[policy] = best
+            times[policy] = min(times[policy], (time.perf_counter() - start) / 200 * 1e6)
     print(f"\n{name}: step {times['ignore']:.1f} µs without guards, {times['raise']:.1f} µs "
           f"with ({(times['raise'] / times['ignore'] - 1) * 100:+.1f}%)")
     assert times["raise"] <= times["ignore"] * 1.15 + 2.0
