@@ -136,3 +136,40 @@ def test_vector_kernel_equals_the_scalar_kernel(ctx, shape):
     for r, g, o in zip(ref, got, outs):
         np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6)
         np.testing.assert_array_equal(cp.asnumpy(o), g)
+
+
+@pytest.mark.parametrize("shapes", [((4, 6, 6, 16), (1, 1, 1, 16), (4, 6, 6, 1)),
+                                    ((4, 3, 3, 8), (4, 1, 1, 8), ()),
+                                    ((2, 5, 4, 12), (1, 5, 1, 12), (1, 1, 4, 1))])
+def test_vector_kernel_with_broadcast_inputs_equals_the_scalar_kernel(ctx, shapes):
+    """x * scale + shift - x * shift with a per-channel and a per-pixel (or 0-d) operand runs
+    VEC_KERNEL_NAME on aligned arrays (each lane group reading four channels of the vector
+    and one element of the per-pixel value) and the scalar kernel on misaligned copies: the
+    same bits, and numpy's values."""
+    rng = seeded(f"vecb{shapes}")
+    arrays = {k: rng.standard_normal(s).astype(np.float32)
+              for k, s in zip(("x", "scale", "shift"), shapes)}
+
+    def body(t, ins):
+        y = t.op("binary", [ins["x"], ins["scale"]], kind="mul")
+        y = t.op("binary", [y, ins["shift"]], kind="add")
+        return [t.op("binary", [y, t.op("binary", [ins["x"], ins["shift"]], kind="mul")],
+                     kind="sub")]
+
+    node, ins = fused_node(body, arrays)
+    assert pointwise.vectorizable(*pointwise._program(node))
+    ref, got = run_both(ctx, node, ins)
+    with ctx.stream:
+        shifted = []
+        for a in ins:                  # one float past a 16-byte boundary
+            buf = cp.empty(a.size + 1, cp.float32)
+            buf[1:] = cp.asarray(a).ravel()
+            shifted.append(buf[1:].reshape(a.shape))
+        outs = [cp.full(v.size + 1, cp.nan, cp.float32)[1:].reshape(v.shape)
+                for v in node.outputs]
+    assert not all(a.data.ptr % 16 == 0 for a in shifted)
+    pointwise.pointwise_forward(ctx, node, shifted, outs)
+    ctx.stream.synchronize()
+    for r, g, o in zip(ref, got, outs):
+        np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(cp.asnumpy(o), g)

@@ -142,3 +142,28 @@ def test_kinds_without_a_kernel_of_their_own_compile_ahead(op, dtypes, attrs, ge
     table = {**broadcast.GENERATED_KERNELS, **cast.GENERATED_KERNELS}
     want = pointwise.generated_kernels(pointwise.as_program(node)) if generated else []
     assert table[op](node) == want and bool(want) == generated
+
+
+@pytest.mark.parametrize("dtype", ["float32", BF16])
+@pytest.mark.parametrize("shapes, vector", [
+    # (x, channel vector, per-pixel value): channels-last maps, last extent a multiple of 4
+    (((2, 3, 5, 8), (1, 1, 1, 8), (2, 3, 5, 1)), True),
+    (((2, 3, 5, 8), (2, 1, 1, 8), ()), True),           # SE-style scales, a 0-d value
+    (((2, 3, 5, 6), (1, 1, 1, 6), (2, 3, 5, 1)), False),  # 6 channels: lanes would straddle
+    (((2, 3, 5, 8), (1, 3, 1, 8), (2, 3, 5, 1)), True),
+    (((2, 3, 4, 8), (1, 1, 4, 1), (2, 3, 4, 8)), True),   # per column: one element for four
+])
+def test_broadcast_inputs_keep_the_vector_kernel_where_lanes_share_them(dtype, shapes, vector):
+    """x * scale + shift with broadcast operands: the four-elements-a-thread kernel exists
+    where each operand's four lanes are four consecutive elements of it or one element, and
+    its source compiles."""
+    from stepgraph.backends.cuda import pointwise
+
+    t = Tracer()
+    x, scale, shift = (t.input(s, dtype, name) for s, name in zip(shapes, "xyz"))
+    t.graph.outputs = {"y": (x * scale + shift).value}
+    (node,) = fuse_pointwise(t.graph).nodes
+    kernels = pointwise.generated_kernels(node)
+    want = [pointwise.KERNEL_NAME] + ([pointwise.VEC_KERNEL_NAME] if vector else [])
+    assert [name for _, name in kernels] == want
+    _compile(kernels[0][0])

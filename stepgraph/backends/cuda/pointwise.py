@@ -7,10 +7,12 @@ products use the round-to-nearest intrinsics (__fadd_rn, __fmul_rn, ...), which 
 never contracts into FMAs, so each instruction rounds as the op's own kernel and the NumPy
 reference do. Activations reuse elementwise.cuh, the code of the standalone act kernels.
 
-Where every input and output is float32 or bf16 of the output's shape (no broadcasting, no
-masks), the source also has VEC_KERNEL_NAME: four consecutive elements a thread, each input
-read and each output written in one 16- (float32) or 8-byte (bf16) access, the same
-per-element code in between. The launcher takes it when the element count is a multiple of
+Where every input and output is float32, bf16 or float16 (no masks) and every input has the
+output's shape or, with the last extent a multiple of four, broadcasts as a per-channel vector
+of channels-last maps (last axis kept) or per row (last axis 1), the source also has
+VEC_KERNEL_NAME: four consecutive elements a thread, each full or per-channel input read and
+each output written in one 16- (float32) or 8-byte (bf16) access, a per-row input read once
+for the four, the same per-element code in between. The launcher takes it when the element count is a multiple of
 four and every array is 16-byte aligned: a thread then keeps several accesses in flight (H200,
 resnet's gradient-sum + ReLU-gradient programs: see docs/perf-notes.md).
 
@@ -164,14 +166,31 @@ def _words_line(instr: Instr, r: list[str]) -> str:
 
 def vectorizable(program: tuple[Instr, ...], results: tuple[int, ...], shape: tuple,
                  input_shapes: tuple[tuple, ...], input_dtypes: tuple[str, ...]) -> bool:
-    """True when every input and result is float32, bf16 or float16 of `shape` (no broadcast
-    input, no mask, no dropout draws): the source then has VEC_KERNEL_NAME too."""
+    """True when every input and result is float32, bf16 or float16 (no mask, no dropout
+    draws) and every input either has `shape` or, where the last axis's extent is a multiple
+    of four, broadcasts along other axes only or along the last one (_lane_load): the source
+    then has VEC_KERNEL_NAME too."""
     dtypes = register_dtypes(program, input_dtypes)
     floats = ("float32", *HALF_DTYPES)
     return not uses_groups(program) \
-        and all(tuple(s) == tuple(shape) for s in input_shapes) \
+        and all(_lane_load(s, shape) is not None for s in input_shapes) \
         and all(dtypes[j] in floats for j in range(len(input_shapes))) \
         and all(dtypes[r] in floats for r in results)
+
+
+def _lane_load(in_shape: tuple, shape: tuple) -> str | None:
+    """How VEC_KERNEL_NAME reads an input for its four consecutive output elements: "full"
+    (the output's shape: four consecutive elements), "row" (a broadcast input whose last axis
+    is the output's: four consecutive elements at the first one's offset; channels-last
+    per-channel vectors (1, 1, 1, C), squeeze-excitation scales (N, 1, 1, C)), "one" (last
+    axis 1: one element for the four; per-pixel statistics (N, H, W, 1), 0-d values; a
+    broadcast input's last axis is one of the two), or None: the last two need the output's
+    last extent a multiple of four, so the four elements share every other index."""
+    if tuple(in_shape) == tuple(shape):
+        return "full"
+    if not shape or shape[-1] % VEC:
+        return None
+    return "one" if not in_shape or in_shape[-1] == 1 else "row"
 
 
 def uses_groups(program: tuple[Instr, ...]) -> bool:
@@ -219,8 +238,9 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
         vec = [f'extern "C" __global__ void {VEC_KERNEL_NAME}({", ".join(params)}, int n) {{',
                f"    for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < n / {VEC};"
                " q += gridDim.x * blockDim.x) {",
+               f"        const int i = {VEC} * q;",
                *(f"        float v{j}[{VEC}];" for j in range(k)),
-               *(f"        loadv_as_float<{VEC}>(in{j}, {VEC}LL * q, v{j});" for j in range(k)),
+               *(_vector_load(j, s, shape, load) for j, s in enumerate(input_shapes)),
                *(f"        float o{j}[{VEC}];" for j in range(len(results))),
                "#pragma unroll",
                f"        for (int lane = 0; lane < {VEC}; ++lane) {{",
@@ -260,6 +280,15 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
         "}",
         *vec,
         ""])
+
+
+def _vector_load(j: int, in_shape: tuple, shape: tuple, load) -> str:
+    """VEC_KERNEL_NAME's read of input j into v{j} for output elements i .. i + VEC - 1."""
+    how = _lane_load(in_shape, shape)
+    if how == "one":
+        return f"        for (int lane = 0; lane < {VEC}; ++lane) v{j}[lane] = {load(j, in_shape)};"
+    at = "i" if how == "full" else _offset(in_shape, shape)
+    return f"        loadv_as_float<{VEC}>(in{j}, (long long)({at}), v{j});"
 
 
 def _program(node: Node) -> tuple:
