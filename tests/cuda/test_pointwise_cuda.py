@@ -142,7 +142,7 @@ def test_vector_kernel_equals_the_scalar_kernel(ctx, shape):
                                     ((4, 3, 3, 8), (4, 1, 1, 8), ()),
                                     ((2, 5, 4, 12), (1, 5, 1, 12), (1, 1, 4, 1))])
 def test_vector_kernel_with_broadcast_inputs_equals_the_scalar_kernel(ctx, shapes):
-    """x * scale + shift - x * shift with a per-channel and a per-pixel (or 0-d) operand runs
+    """relu(x * scale + shift) with a per-channel and a per-pixel (or 0-d) operand runs
     VEC_KERNEL_NAME on aligned arrays (each lane group reading four channels of the vector
     and one element of the per-pixel value) and the scalar kernel on misaligned copies: the
     same bits, and numpy's values."""
@@ -153,10 +153,10 @@ def test_vector_kernel_with_broadcast_inputs_equals_the_scalar_kernel(ctx, shape
     def body(t, ins):
         y = t.op("binary", [ins["x"], ins["scale"]], kind="mul")
         y = t.op("binary", [y, ins["shift"]], kind="add")
-        return [t.op("binary", [y, t.op("binary", [ins["x"], ins["shift"]], kind="mul")],
-                     kind="sub")]
+        return [t.op("act", [y], kind="relu", slope=0.01)]
 
     node, ins = fused_node(body, arrays)
+    assert [v.name for v in node.inputs] == ["x", "scale", "shift"]
     assert pointwise.vectorizable(*pointwise._program(node))
     ref, got = run_both(ctx, node, ins)
     with ctx.stream:
@@ -172,4 +172,38 @@ def test_vector_kernel_with_broadcast_inputs_equals_the_scalar_kernel(ctx, shape
     ctx.stream.synchronize()
     for r, g, o in zip(ref, got, outs):
         np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(cp.asnumpy(o), g)
+
+
+def test_vector_kernel_with_masks_equals_the_scalar_kernel(ctx):
+    """A bool mask read and one written, four a thread in one 4-byte access: the same bits as
+    the scalar kernel on misaligned copies, and numpy's values."""
+    rng = seeded("vecmask")
+    shape = (4, 6, 6, 16)
+    arrays = {"x": rng.standard_normal(shape).astype(np.float32),
+              "dy": rng.standard_normal(shape).astype(np.float32),
+              "mask": rng.standard_normal(shape) > 0.3}
+
+    def body(t, ins):
+        y = t.op("masked_fill", [ins["dy"], ins["mask"]], value=0.0)
+        z = t.op("binary", [y, ins["x"]], kind="mul")
+        return [z, t.op("compare_scalar", [z], kind="gt", value=0.25)]
+
+    node, ins = fused_node(body, arrays)
+    assert pointwise.vectorizable(*pointwise._program(node))
+    ref, got = run_both(ctx, node, ins)
+    with ctx.stream:
+        shifted = []
+        for a in ins:                  # one element past a 16-byte boundary
+            buf = cp.empty(a.size + 1, a.dtype)
+            buf[1:] = cp.asarray(a).ravel()
+            shifted.append(buf[1:].reshape(a.shape))
+        outs = [cp.zeros(v.size + 1, np.dtype(v.dtype))[1:].reshape(v.shape)
+                for v in node.outputs]
+    assert not all(a.data.ptr % 16 == 0 for a in shifted)
+    pointwise.pointwise_forward(ctx, node, shifted, outs)
+    ctx.stream.synchronize()
+    assert [r.dtype for r in ref] == [np.float32, np.bool_]
+    for r, g, o in zip(ref, got, outs):
+        np.testing.assert_array_equal(g, r)
         np.testing.assert_array_equal(cp.asnumpy(o), g)

@@ -167,3 +167,31 @@ def test_broadcast_inputs_keep_the_vector_kernel_where_lanes_share_them(dtype, s
     want = [pointwise.KERNEL_NAME] + ([pointwise.VEC_KERNEL_NAME] if vector else [])
     assert [name for _, name in kernels] == want
     _compile(kernels[0][0])
+
+
+@pytest.mark.parametrize("dtype", ["float32", BF16])
+def test_mask_inputs_and_outputs_keep_the_vector_kernel(dtype):
+    """A saved bool mask read by a backward program (dy.masked_fill(mask, 0)) and a mask the
+    forward writes for it (x > 6 beside relu6-like arithmetic): four masks a thread in one
+    4-byte access; the sources compile."""
+    from stepgraph.backends.cuda import pointwise
+
+    t = Tracer()
+    x, dy = t.input(SHAPE, dtype, "x"), t.input(SHAPE, dtype, "dy")
+    mask = t.input(SHAPE, "bool", "mask")
+    t.graph.outputs = {"dx": (dy.masked_fill(mask, 0.0) * x).value}
+    (backward,) = fuse_pointwise(t.graph).nodes
+    t = Tracer()
+    x = t.input(SHAPE, dtype, "x")
+    y = x * 2.0
+    t.graph.outputs = {"y": y.value, "mask": (y > 6.0).value}
+    (forward,) = fuse_pointwise(t.graph).nodes
+    for node, mask_at in ((backward, "const bool* __restrict__ in"),
+                          (forward, "bool* __restrict__ out")):
+        assert mask_at in pointwise.kernel_source(*pointwise._program(node))
+        kernels = pointwise.generated_kernels(node)
+        assert [name for _, name in kernels] == [pointwise.KERNEL_NAME,
+                                                 pointwise.VEC_KERNEL_NAME]
+        source = kernels[0][0]
+        assert "load4_bytes" in source or "store4_bytes" in source
+        _compile(source)

@@ -7,14 +7,16 @@ products use the round-to-nearest intrinsics (__fadd_rn, __fmul_rn, ...), which 
 never contracts into FMAs, so each instruction rounds as the op's own kernel and the NumPy
 reference do. Activations reuse elementwise.cuh, the code of the standalone act kernels.
 
-Where every input and output is float32, bf16 or float16 (no masks) and every input has the
-output's shape or, with the last extent a multiple of four, broadcasts as a per-channel vector
-of channels-last maps (last axis kept) or per row (last axis 1), the source also has
-VEC_KERNEL_NAME: four consecutive elements a thread, each full or per-channel input read and
-each output written in one 16- (float32) or 8-byte (bf16) access, a per-row input read once
-for the four, the same per-element code in between. The launcher takes it when the element count is a multiple of
-four and every array is 16-byte aligned: a thread then keeps several accesses in flight (H200,
-resnet's gradient-sum + ReLU-gradient programs: see docs/perf-notes.md).
+Where every input and output is float32, bf16, float16 or a one-byte mask (bool, uint8) and
+every input has the output's shape or, with the last extent a multiple of four, broadcasts as
+a per-channel vector of channels-last maps (last axis kept) or per row (last axis 1), the
+source also has VEC_KERNEL_NAME: four consecutive elements a thread, each full or
+per-channel input read and each output written in one 16- (float32), 8- (bf16) or 4-byte
+(masks: a ReLU6's or hardswish's backward reads the forward's) access, a per-row input read
+once for the four, the same per-element code in between. The launcher takes it when the
+element count is a multiple of four and every array is 16-byte aligned: a thread then keeps
+several accesses in flight (H200, resnet's gradient-sum + ReLU-gradient programs: see
+docs/perf-notes.md).
 
 A program that draws dropout masks (`dropout_mask`) loops over groups of four consecutive
 elements instead: one Philox4x32-10 call per group and site gives the four elements' words
@@ -69,6 +71,18 @@ _UNARY = {"exp": "expf({x})", "log": "logf({x})", "log1p": "log1pf({x})",
           "trunc": "truncf({x})"}
 _COMPARE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
 _LOGICAL = {"and": "&&", "or": "||", "xor": "!="}
+BYTE_DTYPES = ("bool", "uint8")   # masks: VEC_KERNEL_NAME moves four in one 4-byte access
+_BYTE_HELPERS = """\
+template <typename T>
+__device__ __forceinline__ void load4_bytes(const T* p, long long i, T* v) {
+    const uchar4 a = *reinterpret_cast<const uchar4*>(p + i);
+    v[0] = (T)a.x; v[1] = (T)a.y; v[2] = (T)a.z; v[3] = (T)a.w;
+}
+template <typename T>
+__device__ __forceinline__ void store4_bytes(T* p, long long i, const T* v) {
+    *reinterpret_cast<uchar4*>(p + i) = make_uchar4((unsigned char)v[0], (unsigned char)v[1],
+                                                    (unsigned char)v[2], (unsigned char)v[3]);
+}"""
 # NaN-propagating max/min and sign, as NumPy's (fmaxf would drop a NaN operand).
 _HELPERS = """\
 __device__ __forceinline__ float fmax_nan(float a, float b) { return (a >= b || a != a) ? a : b; }
@@ -166,16 +180,16 @@ def _words_line(instr: Instr, r: list[str]) -> str:
 
 def vectorizable(program: tuple[Instr, ...], results: tuple[int, ...], shape: tuple,
                  input_shapes: tuple[tuple, ...], input_dtypes: tuple[str, ...]) -> bool:
-    """True when every input and result is float32, bf16 or float16 (no mask, no dropout
-    draws) and every input either has `shape` or, where the last axis's extent is a multiple
+    """True when every input and result is float32, bf16, float16 or a one-byte mask (bool,
+    uint8), there are no dropout draws, and every input either has `shape` or, where the last axis's extent is a multiple
     of four, broadcasts along other axes only or along the last one (_lane_load): the source
     then has VEC_KERNEL_NAME too."""
     dtypes = register_dtypes(program, input_dtypes)
-    floats = ("float32", *HALF_DTYPES)
+    moved = ("float32", *HALF_DTYPES, *BYTE_DTYPES)
     return not uses_groups(program) \
         and all(_lane_load(s, shape) is not None for s in input_shapes) \
-        and all(dtypes[j] in floats for j in range(len(input_shapes))) \
-        and all(dtypes[r] in floats for r in results)
+        and all(dtypes[j] in moved for j in range(len(input_shapes))) \
+        and all(dtypes[r] in moved for r in results)
 
 
 def _lane_load(in_shape: tuple, shape: tuple) -> str | None:
@@ -239,17 +253,19 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
                f"    for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < n / {VEC};"
                " q += gridDim.x * blockDim.x) {",
                f"        const int i = {VEC} * q;",
-               *(f"        float v{j}[{VEC}];" for j in range(k)),
-               *(_vector_load(j, s, shape, load) for j, s in enumerate(input_shapes)),
-               *(f"        float o{j}[{VEC}];" for j in range(len(results))),
+               *(f"        {rtype[j]} v{j}[{VEC}];" for j in range(k)),
+               *(_vector_load(j, s, shape, load, dtypes[j])
+                 for j, s in enumerate(input_shapes)),
+               *(f"        {rtype[r]} o{j}[{VEC}];" for j, r in enumerate(results)),
                "#pragma unroll",
                f"        for (int lane = 0; lane < {VEC}; ++lane) {{",
-               *(f"            const float r{j} = v{j}[lane];" for j in range(k)),
+               *(f"            const {rtype[j]} r{j} = v{j}[lane];" for j in range(k)),
                *(f"            {b}" for b in body[k:len(body) - len(results)]),
                *(f"            o{j}[lane] = r{r};" for j, r in enumerate(results)),
                "        }",
-               *(f"        storev_from_float<{VEC}>(out{j}, {VEC}LL * q, o{j});"
-                 for j in range(len(results))),
+               *(f"        store4_bytes(out{j}, {VEC}LL * q, o{j});" if dtypes[r] in BYTE_DTYPES
+                 else f"        storev_from_float<{VEC}>(out{j}, {VEC}LL * q, o{j});"
+                 for j, r in enumerate(results)),
                "    }",
                "}"]
     if not uses_groups(program):
@@ -273,6 +289,7 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
         *(['#include "bf16.cuh"'] if set(HALF_DTYPES) & set(dtypes) or vec else []),
         '#include "elementwise.cuh"',
         *([_HELPERS] if any(i.op in ("unary", "binary", "scalar") for i in program) else []),
+        *([_BYTE_HELPERS] if vec and set(BYTE_DTYPES) & set(dtypes) else []),
         *(['#include "philox.cuh"'] if uses_groups(program) else []),
         f'extern "C" __global__ void {KERNEL_NAME}({", ".join(params)}, int n) {{',
         *head,
@@ -282,12 +299,14 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
         ""])
 
 
-def _vector_load(j: int, in_shape: tuple, shape: tuple, load) -> str:
+def _vector_load(j: int, in_shape: tuple, shape: tuple, load, dtype: str) -> str:
     """VEC_KERNEL_NAME's read of input j into v{j} for output elements i .. i + VEC - 1."""
     how = _lane_load(in_shape, shape)
     if how == "one":
         return f"        for (int lane = 0; lane < {VEC}; ++lane) v{j}[lane] = {load(j, in_shape)};"
     at = "i" if how == "full" else _offset(in_shape, shape)
+    if dtype in BYTE_DTYPES:
+        return f"        load4_bytes(in{j}, (long long)({at}), v{j});"
     return f"        loadv_as_float<{VEC}>(in{j}, (long long)({at}), v{j});"
 
 
