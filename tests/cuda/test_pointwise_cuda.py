@@ -176,8 +176,9 @@ def test_vector_kernel_with_broadcast_inputs_equals_the_scalar_kernel(ctx, shape
 
 
 def test_vector_kernel_with_masks_equals_the_scalar_kernel(ctx):
-    """A bool mask read and one written, four a thread in one 4-byte access: the same bits as
-    the scalar kernel on misaligned copies, and numpy's values."""
+    """A bool mask read and one written, four a thread in one 4-byte access: numpy's bits on
+    aligned arrays (the vector kernel) and on misaligned copies (the scalar kernel); outputs
+    poisoned first (NaN, and the byte 2, no bool's value)."""
     rng = seeded("vecmask")
     shape = (4, 6, 6, 16)
     arrays = {"x": rng.standard_normal(shape).astype(np.float32),
@@ -191,19 +192,27 @@ def test_vector_kernel_with_masks_equals_the_scalar_kernel(ctx):
 
     node, ins = fused_node(body, arrays)
     assert pointwise.vectorizable(*pointwise._program(node))
-    ref, got = run_both(ctx, node, ins)
-    with ctx.stream:
-        shifted = []
-        for a in ins:                  # one element past a 16-byte boundary
-            buf = cp.empty(a.size + 1, a.dtype)
-            buf[1:] = cp.asarray(a).ravel()
-            shifted.append(buf[1:].reshape(a.shape))
-        outs = [cp.zeros(v.size + 1, np.dtype(v.dtype))[1:].reshape(v.shape)
-                for v in node.outputs]
-    assert not all(a.data.ptr % 16 == 0 for a in shifted)
-    pointwise.pointwise_forward(ctx, node, shifted, outs)
-    ctx.stream.synchronize()
+    ref = [np.empty(v.shape, v.dtype) for v in node.outputs]
+    helpers.NUMPY_IMPLS[node.op](node, [a.copy() for a in ins], ref, None)
     assert [r.dtype for r in ref] == [np.float32, np.bool_]
-    for r, g, o in zip(ref, got, outs):
-        np.testing.assert_array_equal(g, r)
-        np.testing.assert_array_equal(cp.asnumpy(o), g)
+
+    def run(offset: int) -> list[np.ndarray]:
+        """The outputs with every array `offset` elements past an allocation's start."""
+        with ctx.stream:
+            args = []
+            for a in ins:
+                buf = cp.empty(a.size + offset, a.dtype)
+                buf[offset:] = cp.asarray(a).ravel()
+                args.append(buf[offset:].reshape(a.shape))
+            outs = [cp.full(v.size + offset, np.nan, np.float32)[offset:] if v.dtype != "bool"
+                    else cp.full(v.size + offset, 2, np.uint8)[offset:].view(np.bool_)
+                    for v in node.outputs]
+            outs = [o.reshape(v.shape) for o, v in zip(outs, node.outputs)]
+        assert all(a.data.ptr % 16 == 0 for a in (*args, *outs)) == (offset == 0)
+        pointwise.pointwise_forward(ctx, node, args, outs)
+        ctx.stream.synchronize()
+        return [cp.asnumpy(o) for o in outs]
+
+    for got in (run(0), run(1)):
+        np.testing.assert_array_equal(got[0], ref[0])
+        np.testing.assert_array_equal(got[1].view(np.uint8), ref[1].view(np.uint8))
