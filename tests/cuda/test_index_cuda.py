@@ -1,9 +1,9 @@
 """cuda vs numpy for the index and reduce families: slice with a step and its gradient,
-concat (every dtype, pieces of odd widths), step-1 slices and concats of channel runs, gather and gather_grad (repeated and
-out-of-range indices), triangle, reduce_max and its gradient (with ties), topk (largest and
-smallest, ties, k = n), cumsum both ways. Fresh random inputs (never zeros), cuda outputs
-poisoned first; one traced model with indexing, cat, max and topk trained 5 steps on both
-backends."""
+concat (every dtype, pieces of odd widths), step-1 slices and concats of channel runs,
+gather and gather_grad (repeated and out-of-range indices), triangle, reduce_max and its
+gradient (with ties), topk (largest and smallest, ties, k = n), cumsum both ways. Fresh
+random inputs (never zeros), cuda outputs poisoned first; one traced model with indexing, cat,
+max and topk trained 5 steps on both backends."""
 from __future__ import annotations
 
 import numpy as np

@@ -6,9 +6,10 @@ cross_entropy_train over more than one block keep an arrival counter, the kept r
 (ignore_index) and N floats of per-row losses for the train kernel and the label-smoothed
 forward (without it, a capture falls back to one block); cross_entropy_grad the kept rows'
 count (without it, each block counts the labels); mse over more than one block its blocks'
-partial sums and an arrival counter (without them, one block). cross_entropy_train also takes bf16 logits
-and gradients (compile/fuse.py fuse_loss_casts), and float16 ones with a float16 loss (a
-float16 model: model.half()); log_softmax and its gradient take float32, bf16 or float16.
+partial sums and an arrival counter (without them, one block). cross_entropy_train also
+takes bf16 logits and gradients (compile/fuse.py fuse_loss_casts), and float16 ones with a
+float16 loss (a float16 model: model.half()); log_softmax and its gradient take float32,
+bf16 or float16.
 """
 from __future__ import annotations
 
@@ -220,7 +221,7 @@ def nll_loss_backward(ctx, dloss, labels, dx) -> None:
 
 
 # mse over several blocks: one per MSE_ELEMENTS_PER_BLOCK elements (four a thread), at most
-# MSE_BLOCKS, so a (8, 2, 128, 128) U-Net output is summed by 32 blocks, not one.
+# MSE_BLOCKS, so a (8, 2, 128, 128) U-Net output is summed by 64 blocks, not one.
 MSE_ELEMENTS_PER_BLOCK, MSE_BLOCKS = 4096, 264
 
 

@@ -181,9 +181,9 @@ def _words_line(instr: Instr, r: list[str]) -> str:
 def vectorizable(program: tuple[Instr, ...], results: tuple[int, ...], shape: tuple,
                  input_shapes: tuple[tuple, ...], input_dtypes: tuple[str, ...]) -> bool:
     """True when every input and result is float32, bf16, float16 or a one-byte mask (bool,
-    uint8), there are no dropout draws, and every input either has `shape` or, where the last axis's extent is a multiple
-    of four, broadcasts along other axes only or along the last one (_lane_load): the source
-    then has VEC_KERNEL_NAME too."""
+    uint8), there are no dropout draws, and every input either has `shape` or, where the
+    last axis's extent is a multiple of four, broadcasts along other axes only or along the
+    last one (_lane_load): the source then has VEC_KERNEL_NAME too."""
     dtypes = register_dtypes(program, input_dtypes)
     moved = ("float32", *HALF_DTYPES, *BYTE_DTYPES)
     return not uses_groups(program) \
@@ -303,7 +303,8 @@ def _vector_load(j: int, in_shape: tuple, shape: tuple, load, dtype: str) -> str
     """VEC_KERNEL_NAME's read of input j into v{j} for output elements i .. i + VEC - 1."""
     how = _lane_load(in_shape, shape)
     if how == "one":
-        return f"        for (int lane = 0; lane < {VEC}; ++lane) v{j}[lane] = {load(j, in_shape)};"
+        return (f"        for (int lane = 0; lane < {VEC}; ++lane) "
+                f"v{j}[lane] = {load(j, in_shape)};")
     at = "i" if how == "full" else _offset(in_shape, shape)
     if dtype in BYTE_DTYPES:
         return f"        load4_bytes(in{j}, (long long)({at}), v{j});"

@@ -108,8 +108,9 @@ def run_fastest(ctx, key: Hashable, paths: dict[str, Callable[[], None]], defaul
 # A candidate is timed in full (captured, replayed) only while it may still win: once one
 # has been timed, a later one whose eager runs (two, graph.time_on_device) both take SLOWER
 # times as long, and MARGIN_MS more, is dropped after them. The slow cuDNN engines of an odd
-# convolution (ms a call) then cost three runs, not a capture and ten. The margin is the room an eager run's host time
-# needs: the device idles while Python launches, and the events count that. At 0.05 ms
+# convolution (ms a call) then cost three runs, not a capture and ten. The margin is the room
+# an eager run's host time needs: the device idles while Python launches, and the events
+# count that. At 0.05 ms
 # (H200, ConvNeXt and MobileNet files at bf16) setup fell from 24.5 to 13.4 s and from 17.7
 # to 16.2 s, but their steps got 3-4% slower, most likely because fast convolutions whose
 # cuDNN launch took longer on the host than their kernel on the device were dropped.
