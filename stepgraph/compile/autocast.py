@@ -40,6 +40,7 @@ import numpy as np
 from ..errors import UnsupportedPrecisionError
 from ..ir.graph import BF16, FP16, HALF_DTYPES, PARAM, STATE, Graph, Node, Value
 from ..ir.ops import infer_outputs
+from .concat_casts import narrow_concats
 from .plan import VIEW_OPS
 
 PRECISION = "bf16"
@@ -163,8 +164,10 @@ def _wanted(node: Node, inputs: list[Value], low: str) -> list[str]:
 def autocast(graph: Graph, low: str = BF16) -> Graph:
     """Apply the autocast policies to a traced forward (+ loss) graph, in place: cast nodes
     are inserted where a node wants another input dtype (one cast per value and dtype, shared
-    by every reader), and every node's outputs take the dtype its shape rule infers. `low`:
-    the dtype of the lower_precision_fp list (bfloat16, or float16 for precision="fp16")."""
+    by every reader), and every node's outputs take the dtype its shape rule infers; then a
+    promoted float32 concat that is only cast back to `low` runs in `low`
+    (compile/concat_casts.py: the same bits). `low`: the dtype of the lower_precision_fp list
+    (bfloat16, or float16 for precision="fp16")."""
     casts: dict[tuple[Value, str], Value] = {}
     nodes: list[Node] = []
     for node in graph.nodes:
@@ -184,7 +187,7 @@ def autocast(graph: Graph, low: str = BF16) -> Graph:
             v.dtype = dtype
         nodes.append(node)
     graph.nodes = nodes
-    return graph
+    return narrow_concats(graph, low)
 
 
 def as_float32(graph: Graph, v: Value, label: str = "") -> Value:
