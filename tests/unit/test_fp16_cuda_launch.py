@@ -232,7 +232,8 @@ def test_generated_float16_program_compiles_and_rounds_each_store():
     source = kernel_source(*args)
     assert "fp16_round(__fmul_rn(r0, r1))" in source and "fp16_from_float(r3)" in source
     assert "const fp16_bits* __restrict__ in0" in source
-    assert not vectorizable(*args[:4], args[4])            # a bool result: the plain kernel
+    assert vectorizable(*args[:4], args[4])      # the bool result: four in one 4-byte store
+    assert "store4_bytes(out2" in source
     assert compile_source_to_cubin(source, "pointwise_fp16.cu")
     only_floats = (program[:3], (4,), (8, 4), ((8, 4), (8, 4)), (F16, F16))
     assert vectorizable(*only_floats)
