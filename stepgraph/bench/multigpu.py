@@ -441,7 +441,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
         run_rank(parse_worker(argv[1:]))
-        return 0
+        # The result is written and the process group destroyed: leave without the
+        # interpreter's teardown, where a torch rank's gloo threads, still joinable, can abort
+        # it ("terminate called without an active exception", exit 134) after a good run.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     try:
         config = parse_config(argv)
     except SystemExit as done:
