@@ -32,6 +32,8 @@ It runs after fusion: the program order is then final, and no pass moves the col
 """
 from __future__ import annotations
 
+import os
+
 from ..distributed.buckets import Bucket, GradientInfo, plan_buckets
 from ..distributed.zero import plan_shards
 from ..errors import PlanError
@@ -40,6 +42,15 @@ from ..ir.ops import OPS, infer_outputs
 from ..ops.collective import reduce_dtype_of
 from ..ops.optim import UPDATE_OPS, hyper_rows
 from .rewrite import _copy
+
+
+# STEPGRAPH_BUCKETS_BY_DTYPE=1: gradient buckets per dtype (distributed/buckets.py
+# per_dtype), an experiment for `stepgraph bench --gpus` beside the bucket-cap sweep. By default
+# a bucket closes where the dtype changes: a bf16 GPT has 25 buckets, half of them 3 KiB
+# float32 LayerNorm pairs; per dtype at the 25 MiB cap its 21 MB of bf16 gradients are one
+# bucket that starts after the last of them, overlapping nothing. Which wins is measured, not
+# assumed (docs/BENCHMARKS.md).
+BUCKETS_BY_DTYPE = "STEPGRAPH_BUCKETS_BY_DTYPE"
 
 
 def gradients_of(graph: Graph) -> tuple[Node, list[Value]]:
@@ -68,7 +79,8 @@ def bucket_gradients(graph: Graph, cap_bytes: int) -> tuple[list[Value], list[Bu
         raise PlanError(f"gradients {late} are finalised after node {first_read} "
                         f"({graph.nodes[first_read].op}) already reads gradients")
     infos = [GradientInfo(i, g.nbytes, g.dtype, position[g]) for i, g in enumerate(grads)]
-    return grads, plan_buckets(infos, cap_bytes), first_read
+    per_dtype = os.environ.get(BUCKETS_BY_DTYPE, "0") == "1"
+    return grads, plan_buckets(infos, cap_bytes, per_dtype), first_read
 
 
 def average_gradients(graph: Graph, group: str, world_size: int, cap_bytes: int,

@@ -2,8 +2,8 @@
 
 The backward pass finalises gradients roughly in the reverse of the forward order of their
 parameters. Taking them in the order they become final, consecutive gradients of one dtype
-are grouped into buckets of about `cap_bytes` (PyTorch DDP's 25 MiB by default; a gradient
-larger than the cap is a bucket of its own). A bucket's all-reduce can start as soon as its
+(per_dtype: the gradients of each dtype apart) are grouped into buckets of about `cap_bytes`
+(PyTorch DDP's 25 MiB by default; a gradient larger than the cap is a bucket of its own). A bucket's all-reduce can start as soon as its
 last gradient is final, while the backward pass goes on computing the next ones.
 """
 from __future__ import annotations
@@ -34,30 +34,38 @@ class Bucket:
     ready: int        # the position after which the bucket can launch: its last gradient's
 
 
-def plan_buckets(grads: Sequence[GradientInfo], cap_bytes: int) -> list[Bucket]:
+def plan_buckets(grads: Sequence[GradientInfo], cap_bytes: int,
+                 per_dtype: bool = False) -> list[Bucket]:
     """Buckets of consecutive gradients in finalisation order (ready, then the later
     parameter first), each at most `cap_bytes` unless a single gradient is larger, one dtype
-    per bucket."""
+    per bucket, in the order they can launch. per_dtype: each dtype fills a bucket of its
+    own, so a gradient of another dtype in between no longer closes it (DDP buckets by
+    dtype): a bf16 model's float32 LayerNorm gradients, a few KiB each between megabytes of
+    bf16 weight gradients, then share all-reduces instead of one apiece."""
     if cap_bytes <= 0:
         raise ValueError(f"bucket cap must be positive, got {cap_bytes} bytes")
     order = sorted(grads, key=lambda g: (g.ready, -g.index))
     buckets: list[Bucket] = []
-    current: list[GradientInfo] = []
+    filling: dict[str, list[GradientInfo]] = {}     # dtype -> the bucket it is filling
 
-    def close():
+    def close(dtype: str):
+        current = filling.pop(dtype, [])
         if current:
             buckets.append(Bucket(tuple(g.index for g in current),
-                                  sum(g.nbytes for g in current), current[0].dtype,
+                                  sum(g.nbytes for g in current), dtype,
                                   max(g.ready for g in current)))
-            current.clear()
 
     for g in order:
-        if current and (current[0].dtype != g.dtype
-                        or sum(c.nbytes for c in current) + g.nbytes > cap_bytes):
-            close()
-        current.append(g)
-    close()
-    return buckets
+        if not per_dtype:
+            for other in [d for d in filling if d != g.dtype]:
+                close(other)
+        current = filling.get(g.dtype, [])
+        if current and sum(c.nbytes for c in current) + g.nbytes > cap_bytes:
+            close(g.dtype)
+        filling.setdefault(g.dtype, []).append(g)
+    for dtype in list(filling):
+        close(dtype)
+    return sorted(buckets, key=lambda b: b.ready)
 
 
 def cap_bytes_of(bucket_cap_mb: float) -> int:

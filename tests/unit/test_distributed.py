@@ -64,6 +64,21 @@ def test_buckets_hold_one_dtype_and_ties_go_to_the_later_parameter():
         plan_buckets(infos, 0)
 
 
+def test_per_dtype_buckets_gather_small_gradients_across_the_other_dtype():
+    """A bf16 model's gradients alternate bf16 weight blocks and float32 LayerNorm pairs: by
+    default each change of dtype closes a bucket (seven buckets here); per dtype the float32
+    ones share one bucket, launched after its last gradient, and the bf16 ones fill theirs
+    by the cap (three buckets)."""
+    infos = [GradientInfo(i, 3 * 1024 if i % 2 else 2 * MiB, "float32" if i % 2 else "bfloat16",
+                          100 - i) for i in range(7)]
+    assert len(plan_buckets(infos, 5 * MiB)) == 7
+    buckets = plan_buckets(infos, 5 * MiB, per_dtype=True)
+    assert [(b.dtype, b.indices) for b in buckets] == [
+        ("bfloat16", (6, 4)), ("float32", (5, 3, 1)), ("bfloat16", (2, 0))]
+    assert [b.ready for b in buckets] == [96, 99, 100]
+    assert sorted(i for b in buckets for i in b.indices) == list(range(7))
+
+
 def test_every_gradient_is_in_exactly_one_bucket():
     rng = np.random.default_rng(0)
     infos = [GradientInfo(i, int(rng.integers(1, 8 * MiB)), "float32", int(rng.integers(0, 50)))
@@ -85,6 +100,31 @@ def small_step(dp, on_bad_batch="raise", seed=0):
     step = sg.compile_train_step(model, losses.cross_entropy, optim.SGD(lr=0.1, momentum=0.9),
                                  (x, y), on_bad_batch=on_bad_batch, distributed=dp)
     return model, step, (x, y)
+
+
+def test_buckets_by_dtype_is_a_switch_of_the_step(monkeypatch):
+    """STEPGRAPH_BUCKETS_BY_DTYPE=1: a bf16 step's float32 LayerNorm gradients no longer
+    close the bf16 buckets around them: fewer all-reduces, each of one dtype, every gradient
+    averaged once."""
+    def reduces():
+        nn.init.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 32), nn.LayerNorm(32), nn.Linear(32, 32),
+                              nn.LayerNorm(32), nn.Linear(32, 3))
+        rng = np.random.default_rng(0)
+        x, y = rng.standard_normal((8, 6)).astype(np.float32), rng.integers(0, 3, 8)
+        step = sg.compile_train_step(model, losses.cross_entropy, optim.SGD(lr=0.1), (x, y),
+                                     precision="bf16", distributed=DataParallel())
+        plan = next(iter(step.executables.values())).plan
+        found = [n for n in plan.steps if n.op == "all_reduce"]
+        assert all(len({v.dtype for v in n.inputs}) == 1 for n in found)
+        return found
+
+    default = reduces()
+    monkeypatch.setenv("STEPGRAPH_BUCKETS_BY_DTYPE", "1")
+    by_dtype = reduces()
+    assert len(by_dtype) < len(default)
+    assert sum(len(n.inputs) for n in by_dtype) == sum(len(n.inputs) for n in default)
+    assert sorted({v.dtype for n in by_dtype for v in n.inputs}) == ["bfloat16", "float32"]
 
 
 def test_all_reduces_sit_after_their_last_gradient_and_feed_the_update():
