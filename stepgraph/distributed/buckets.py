@@ -3,8 +3,9 @@
 The backward pass finalises gradients roughly in the reverse of the forward order of their
 parameters. Taking them in the order they become final, consecutive gradients of one dtype
 (per_dtype: the gradients of each dtype apart) are grouped into buckets of about `cap_bytes`
-(PyTorch DDP's 25 MiB by default; a gradient larger than the cap is a bucket of its own). A bucket's all-reduce can start as soon as its
-last gradient is final, while the backward pass goes on computing the next ones.
+(PyTorch DDP's 25 MiB by default; a gradient larger than the cap is a bucket of its own). A
+bucket's all-reduce can start as soon as its last gradient is final, while the backward pass
+goes on computing the next ones.
 """
 from __future__ import annotations
 
