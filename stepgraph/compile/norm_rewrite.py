@@ -313,9 +313,20 @@ def rewrite_rms_norm(graph: Graph, kept: tuple[Value, ...] = ()) -> Graph:
     """`graph` with each hand-written RMSNorm over the last axis as one rms_norm node (module
     docstring); kept: values the caller still reads beyond graph.outputs (the loss). The
     graph given is not changed."""
-    if not enabled(RMS_NORM_SWITCH) or not any(n.op == "reduce_sum" for n in graph.nodes):
+    def operands(found: _Rms) -> tuple[list[Value], dict]:
+        ins = [found.x] + ([found.weight] if found.weight is not None else [])
+        return ins, {"eps": found.eps, "weight": found.weight is not None}
+    return _rewrite_chains(graph, kept, RMS_NORM_SWITCH, _RmsMatcher, "rms_norm", operands)
+
+
+def _rewrite_chains(graph: Graph, kept: tuple[Value, ...], switch: str, matcher_type,
+                    op: str, operands) -> Graph:
+    """`graph` with each chain a `matcher_type` finds from a reduce_sum node as one `op` node
+    (operands(found): its inputs and attrs) that writes the chain's last value and its own
+    statistics; the rest of the chain goes. The graph given is not changed."""
+    if not enabled(switch) or not any(n.op == "reduce_sum" for n in graph.nodes):
         return graph
-    matcher = _RmsMatcher(graph, set(kept))
+    matcher = matcher_type(graph, set(kept))
     replace: dict[Node, Node] = {}
     drop: set[Node] = set()
     for total in graph.nodes:
@@ -325,11 +336,10 @@ def rewrite_rms_norm(graph: Graph, kept: tuple[Value, ...] = ()) -> Graph:
         if found is None or drop & set(found.nodes):
             continue
         last = found.nodes[-1]
-        ins = [found.x] + ([found.weight] if found.weight is not None else [])
-        attrs = {"eps": found.eps, "weight": found.weight is not None}
-        (_, _), (rows, stats) = infer_outputs("rms_norm", ins, attrs)
-        replace[last] = Node("rms_norm", ins, [last.outputs[0], Value(rows, stats)], attrs, (),
-                             _join(*(n.label for n in found.nodes)))
+        ins, attrs = operands(found)
+        _, *stats = infer_outputs(op, ins, attrs)
+        replace[last] = Node(op, ins, [last.outputs[0], *(Value(*spec) for spec in stats)],
+                             attrs, (), _join(*(n.label for n in found.nodes)))
         drop.update(found.nodes[:-1])
     return _replaced(graph, replace, drop) if replace else graph
 
@@ -466,27 +476,11 @@ def rewrite_layer_norm(graph: Graph, kept: tuple[Value, ...] = ()) -> Graph:
     """`graph` with each hand-written LayerNorm over the last axis as one layer_norm node
     (module docstring); kept: values the caller still reads beyond graph.outputs. The graph
     given is not changed."""
-    if not enabled(LAYER_NORM_SWITCH) or not any(n.op == "reduce_sum" for n in graph.nodes):
-        return graph
-    matcher = _LnMatcher(graph, set(kept))
-    replace: dict[Node, Node] = {}
-    drop: set[Node] = set()
-    for total in graph.nodes:
-        if total.op != "reduce_sum" or total in drop:
-            continue
-        found = matcher.chain(total)
-        if found is None or drop & set(found.nodes):
-            continue
-        last = found.nodes[-1]
+    def operands(found: _Ln) -> tuple[list[Value], dict]:
         ins = [found.x] + [v for v in (found.weight, found.bias) if v is not None]
-        attrs = {"eps": found.eps, "weight": found.weight is not None,
-                 "bias": found.bias is not None}
-        (_, _), stats, _ = infer_outputs("layer_norm", ins, attrs)
-        replace[last] = Node("layer_norm", ins, [last.outputs[0], Value(*stats),
-                                                  Value(*stats)], attrs, (),
-                             _join(*(n.label for n in found.nodes)))
-        drop.update(found.nodes[:-1])
-    return _replaced(graph, replace, drop) if replace else graph
+        return ins, {"eps": found.eps, "weight": found.weight is not None,
+                     "bias": found.bias is not None}
+    return _rewrite_chains(graph, kept, LAYER_NORM_SWITCH, _LnMatcher, "layer_norm", operands)
 
 
 def rewrite_norms(graph: Graph, kept: tuple[Value, ...] = ()) -> Graph:
