@@ -104,6 +104,26 @@ def test_fused_train_graph_nodes(ctx):
             np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6)
 
 
+def run_at_offset(ctx, node, ins, offset: int) -> list[np.ndarray]:
+    """node's outputs with every array `offset` elements past an allocation's start (0: the
+    16-byte aligned arrays VEC_KERNEL_NAME takes; 1: misaligned, the scalar kernel), outputs
+    poisoned first (NaN, and for a bool the byte 2, no bool's value)."""
+    with ctx.stream:
+        args = []
+        for a in ins:
+            buf = cp.empty(a.size + offset, a.dtype)
+            buf[offset:] = cp.asarray(a).ravel()
+            args.append(buf[offset:].reshape(a.shape))
+        outs = [cp.full(v.size + offset, 2, np.uint8)[offset:].view(np.bool_) if v.dtype == "bool"
+                else cp.full(v.size + offset, np.nan, np.dtype(v.dtype))[offset:]
+                for v in node.outputs]
+        outs = [o.reshape(v.shape) for o, v in zip(outs, node.outputs)]
+    assert all(a.data.ptr % 16 == 0 for a in (*args, *outs)) == (offset == 0)
+    pointwise.pointwise_forward(ctx, node, args, outs)
+    ctx.stream.synchronize()
+    return [cp.asnumpy(o) for o in outs]
+
+
 @pytest.mark.parametrize("shape", [(6, 40), (2, 16, 9, 9)])
 def test_vector_kernel_equals_the_scalar_kernel(ctx, shape):
     """A program without broadcast inputs over a multiple of 4 elements runs VEC_KERNEL_NAME
@@ -120,22 +140,9 @@ def test_vector_kernel_equals_the_scalar_kernel(ctx, shape):
     node, ins = fused_node(body, arrays)
     assert pointwise.vectorizable(*pointwise._program(node))
     ref, got = run_both(ctx, node, ins)
-    with ctx.stream:
-        shifted = []
-        for a in ins:                  # one float past a 16-byte boundary
-            buf = cp.empty(a.size + 1, cp.float32)
-            buf[1:] = cp.asarray(a).ravel()
-            shifted.append(buf[1:].reshape(a.shape))
-        outs = []
-        for v in node.outputs:
-            buf = cp.full(v.size + 1, cp.nan, cp.float32)
-            outs.append(buf[1:].reshape(v.shape))
-    assert not all(a.data.ptr % 16 == 0 for a in shifted)
-    pointwise.pointwise_forward(ctx, node, shifted, outs)
-    ctx.stream.synchronize()
-    for r, g, o in zip(ref, got, outs):
+    for r, g, o in zip(ref, got, run_at_offset(ctx, node, ins, 1)):
         np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6)
-        np.testing.assert_array_equal(cp.asnumpy(o), g)
+        np.testing.assert_array_equal(o, g)
 
 
 @pytest.mark.parametrize("shapes", [((4, 6, 6, 16), (1, 1, 1, 16), (4, 6, 6, 1)),
@@ -159,26 +166,14 @@ def test_vector_kernel_with_broadcast_inputs_equals_the_scalar_kernel(ctx, shape
     assert [v.name for v in node.inputs] == ["x", "scale", "shift"]
     assert pointwise.vectorizable(*pointwise._program(node))
     ref, got = run_both(ctx, node, ins)
-    with ctx.stream:
-        shifted = []
-        for a in ins:                  # one float past a 16-byte boundary
-            buf = cp.empty(a.size + 1, cp.float32)
-            buf[1:] = cp.asarray(a).ravel()
-            shifted.append(buf[1:].reshape(a.shape))
-        outs = [cp.full(v.size + 1, cp.nan, cp.float32)[1:].reshape(v.shape)
-                for v in node.outputs]
-    assert not all(a.data.ptr % 16 == 0 for a in shifted)
-    pointwise.pointwise_forward(ctx, node, shifted, outs)
-    ctx.stream.synchronize()
-    for r, g, o in zip(ref, got, outs):
+    for r, g, o in zip(ref, got, run_at_offset(ctx, node, ins, 1)):
         np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6)
-        np.testing.assert_array_equal(cp.asnumpy(o), g)
+        np.testing.assert_array_equal(o, g)
 
 
 def test_vector_kernel_with_masks_equals_the_scalar_kernel(ctx):
     """A bool mask read and one written, four a thread in one 4-byte access: numpy's bits on
-    aligned arrays (the vector kernel) and on misaligned copies (the scalar kernel); outputs
-    poisoned first (NaN, and the byte 2, no bool's value)."""
+    aligned arrays (the vector kernel) and on misaligned copies (the scalar kernel)."""
     rng = seeded("vecmask")
     shape = (4, 6, 6, 16)
     arrays = {"x": rng.standard_normal(shape).astype(np.float32),
@@ -196,23 +191,6 @@ def test_vector_kernel_with_masks_equals_the_scalar_kernel(ctx):
     helpers.NUMPY_IMPLS[node.op](node, [a.copy() for a in ins], ref, None)
     assert [r.dtype for r in ref] == [np.float32, np.bool_]
 
-    def run(offset: int) -> list[np.ndarray]:
-        """The outputs with every array `offset` elements past an allocation's start."""
-        with ctx.stream:
-            args = []
-            for a in ins:
-                buf = cp.empty(a.size + offset, a.dtype)
-                buf[offset:] = cp.asarray(a).ravel()
-                args.append(buf[offset:].reshape(a.shape))
-            outs = [cp.full(v.size + offset, np.nan, np.float32)[offset:] if v.dtype != "bool"
-                    else cp.full(v.size + offset, 2, np.uint8)[offset:].view(np.bool_)
-                    for v in node.outputs]
-            outs = [o.reshape(v.shape) for o, v in zip(outs, node.outputs)]
-        assert all(a.data.ptr % 16 == 0 for a in (*args, *outs)) == (offset == 0)
-        pointwise.pointwise_forward(ctx, node, args, outs)
-        ctx.stream.synchronize()
-        return [cp.asnumpy(o) for o in outs]
-
-    for got in (run(0), run(1)):
+    for got in (run_at_offset(ctx, node, ins, 0), run_at_offset(ctx, node, ins, 1)):
         np.testing.assert_array_equal(got[0], ref[0])
         np.testing.assert_array_equal(got[1].view(np.uint8), ref[1].view(np.uint8))
