@@ -77,8 +77,9 @@ def capture(run: Callable[[], None], ctx) -> CapturedGraph:
     return captured
 
 
-def _eager_ms(ctx, run: Callable[[], None]) -> float:
-    """Milliseconds between events around one eager run (host gaps included)."""
+def _elapsed_ms(ctx, run: Callable[[], None]) -> float:
+    """Milliseconds between events recorded on ctx's stream around `run()` (an eager run's
+    host gaps included)."""
     import cupy as cp
 
     start, end = cp.cuda.Event(), cp.cuda.Event()
@@ -98,15 +99,13 @@ def time_on_device(ctx, run: Callable[[], None], repeats: int = 5,
     faster's figure is returned without the capture (a candidate that cannot win; its eager
     time over-states its device time by its launch gaps only, so it is no smaller).
     Syncs the stream: never call it while a step is being captured."""
-    import cupy as cp
-
     run()
     if give_up_above is not None:
         # Two eager runs must both be past the cut: one alone may have waited on the host
         # (another thread holding the GIL, a collection), which the events count as device
         # time. (Most likely why one H200 run of the ConvNeXt file kept a 4x slower plan for
         # one depthwise conv that the next run, timing the same candidates, did not.)
-        eager = min(_eager_ms(ctx, run) for _ in range(2))
+        eager = min(_elapsed_ms(ctx, run) for _ in range(2))
         if eager > give_up_above:
             return eager
 
@@ -116,9 +115,4 @@ def time_on_device(ctx, run: Callable[[], None], repeats: int = 5,
 
     captured = capture(repeated, ctx)
     captured.launch()                    # first replay: upload and caches
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    start.record(ctx.stream)
-    captured.launch()
-    end.record(ctx.stream)
-    end.synchronize()
-    return cp.cuda.get_elapsed_time(start, end) / repeats
+    return _elapsed_ms(ctx, captured.launch) / repeats
