@@ -102,9 +102,9 @@ def models(make):
     return tm, ours
 
 
-def compiled(model, data):
+def compiled(model, data, **options):
     return sg.compile_train_step(model, sgnn.functional.cross_entropy, optim.SGD(lr=LR),
-                                 example_inputs=data[0])
+                                 example_inputs=data[0], **options)
 
 
 def op_counts(step) -> dict[str, int]:
@@ -128,15 +128,16 @@ def torch_run(model, data, dtype):
     return losses, {k: v.detach().double().numpy() for k, v in model.state_dict().items()}
 
 
-def assert_trains_like_torch(make, data):
-    """The step (with whatever rewrites are on) trains as torch: losses and every parameter's
-    change over the run within the policy's bound of torch float64's."""
+def assert_trains_like_torch(make, data, **options):
+    """The step (with whatever rewrites are on; options: compile_train_step's) trains as
+    torch: losses and every parameter's change over the run within the policy's bound of
+    torch float64's."""
     tm, ours = models(make)
     initial = {k: v.detach().double().numpy() for k, v in tm.state_dict().items()}
     loss64, final64 = torch_run(copy.deepcopy(tm), data, torch.float64)
     loss32, final32 = torch_run(tm, data, torch.float32)
     model = ours()
-    step = compiled(model, data)
+    step = compiled(model, data, **options)
     losses = [float(step(*b)) for b in data]
     assert_close_to_reference(losses, loss64, loss32, "losses")
     final = {k: np.asarray(v) for k, v in model.state_dict().items()}
@@ -434,15 +435,5 @@ def test_channels_first_layer_norm_under_channels_last_becomes_layer_norm(reques
     gen = seeded(request.node.name)
     data = [(gen.standard_normal((4, 3, 8, 8)).astype(np.float32),
              gen.integers(0, 5, 4).astype(np.int64)) for _ in range(STEPS)]
-    tm, ours = models(net)
-    initial = {k: v.detach().double().numpy() for k, v in tm.state_dict().items()}
-    loss64, final64 = torch_run(copy.deepcopy(tm), data, torch.float64)
-    loss32, final32 = torch_run(tm, data, torch.float32)
-    model = ours()
-    step = sg.compile_train_step(model, sgnn.functional.cross_entropy, optim.SGD(lr=LR),
-                                 example_inputs=data[0], memory_format="channels_last")
-    losses = [float(step(*b)) for b in data]
+    step = assert_trains_like_torch(net, data, memory_format="channels_last")
     assert op_counts(step).get("layer_norm") == 1
-    assert_close_to_reference(losses, loss64, loss32, "losses")
-    final = {k: np.asarray(v) for k, v in model.state_dict().items()}
-    assert_state_changes_close(initial, final, final64, final32)
