@@ -339,20 +339,45 @@ def fuse_gradient_casts(graph: Graph) -> Graph:
     guard's check   =>   they read g: the update and the norm widen each bf16 gradient as
     they load it, exactly as the cast did (bf16 -> float32 is exact), and a NaN or Inf shows in
     g as in g32. precision="bf16": the gradient of every weight's bf16 copy reaches its float32
-    master through such a cast (autocast.bind_weight_copies), a launch a parameter before."""
+    master through such a cast (autocast.bind_weight_copies), a launch a parameter before.
+    Where g32 reaches those readers through reshapes and permutes (a conv weight's gradient,
+    KRSC under channels-last, back to OIHW), each with that one reader, they move before the
+    cast and run on g: a copy moves bits, so it gives the same values at half the bytes."""
     graph = _copy(graph)
     users = graph.consumers()
     outputs = set(graph.outputs.values())
     subst: dict[Value, Value] = {}
+    narrowed: dict[Node, Node] = {}          # a view or permute -> its twin on bf16 values
+    dropped: set[Node] = set()
     for n in graph.nodes:
         if n.op != "cast" or n.attrs["dtype"] != "float32" or n.inputs[0].dtype != BF16:
             continue
-        wide = n.outputs[0]
+        chain, wide = _layout_chain(graph, users, n.outputs[0])
         readers = users.get(wide, [])
-        if readers and wide not in outputs and all(_reads_gradient(r, wide) for r in readers):
-            subst[wide] = n.inputs[0]
-    kept = [n for n in graph.nodes if not (n.op == "cast" and n.outputs[0] in subst)]
+        if not readers or wide in outputs or not all(_reads_gradient(r, wide) for r in readers):
+            continue
+        low = n.inputs[0]
+        for layout in chain:
+            narrow = Value(layout.outputs[0].shape, BF16)
+            narrowed[layout] = Node(layout.op, [low], [narrow], dict(layout.attrs), (),
+                                    layout.label)
+            low = narrow
+        subst[wide] = low
+        dropped.add(n)
+    kept = [narrowed.get(n, n) for n in graph.nodes if n not in dropped]
     return _rebuild(graph, kept, subst)
+
+
+def _layout_chain(graph: Graph, users, v: Value) -> tuple[list[Node], Value]:
+    """The reshapes and permutes that read v one after another, each the only reader of what
+    it reads (no graph output), and the value at the chain's end (v when there is none)."""
+    chain = []
+    while True:
+        step = _sole_reader(graph, users, v, "reshape") or _sole_reader(graph, users, v, "permute")
+        if step is None:
+            return chain, v
+        chain.append(step)
+        v = step.outputs[0]
 
 
 def fuse_loss_casts(graph: Graph) -> Graph:

@@ -466,7 +466,8 @@ def assert_same_run(got, want):
         np.testing.assert_array_equal(got[1][key], want[1][key], err_msg=key)
 
 
-def cnn_bf16_run(monkeypatch, opt, passes, max_grad_norm=None, steps: int = 3):
+def cnn_bf16_run(monkeypatch, opt, passes, max_grad_norm=None, steps: int = 3,
+                 memory_format: str = "auto"):
     """bf16_run of guarded cnn steps."""
     gen = seeded("gradient-casts")
     batch = randn(gen, 8, 1, 28, 28), gen.integers(0, 10, 8)
@@ -474,7 +475,7 @@ def cnn_bf16_run(monkeypatch, opt, passes, max_grad_norm=None, steps: int = 3):
     model.load_state_dict(_initial_cnn_state())
     opt.max_grad_norm = max_grad_norm
     return bf16_run(monkeypatch, passes, model, losses.nll_loss, opt, batch, steps,
-                    on_bad_batch="raise")
+                    on_bad_batch="raise", memory_format=memory_format)
 
 
 @functools.cache
@@ -510,6 +511,33 @@ def test_casts_around_the_loss_and_the_gradients_are_dropped(monkeypatch, opt, c
     assert [v.dtype for v in loss.inputs[:1] + loss.outputs] == [B, F32, B]
     assert [n.op for n in got[2].nodes].count("cast") == 1          # the input's
     assert [n.op for n in want[2].nodes].count("cast") == 11
+    assert_same_run(got, want)
+
+
+def test_gradient_casts_move_past_the_permutes_of_channels_last_weights(monkeypatch):
+    """Under channels-last a conv weight's bf16 copy is KRSC, so its gradient reaches the
+    float32 update through cast -> permute (or reshape) back to OIHW: fuse_gradient_casts
+    moves each such copy before the cast, which then goes, and the update reads the bf16
+    gradient. The steps give the bits of the graph with the casts."""
+    from stepgraph.compile.fuse import PASSES, fuse_gradient_casts
+
+    runs = [cnn_bf16_run(monkeypatch, optim.SGD(lr=0.1, momentum=0.9), passes,
+                         memory_format="channels_last")
+            for passes in (tuple(p for p in PASSES if p is not fuse_gradient_casts), PASSES)]
+    want, got = runs
+    for graph, casts in ((want[2], 8), (got[2], 0)):
+        update = next(n for n in graph.nodes if n.op == "sgd_update")
+        k, n = update.attrs["n_scalars"], update.attrs["n_params"]
+        grads = update.inputs[k + n:k + 2 * n]
+        producers = graph.producers()
+        weights = [g for g in grads if len(g.shape) == 4]
+        assert len(weights) == 2
+        # the conv weights' gradients come out of a permute (or a view) in both graphs
+        assert {producers[g].op for g in weights} <= {"permute", "reshape"}
+        assert [g.dtype for g in weights] == [BF16 if not casts else F32] * 2
+        widened = [c for c in graph.nodes if c.op == "cast" and c.attrs["dtype"] == F32
+                   and c.inputs[0].dtype == BF16]
+        assert len(widened) == casts
     assert_same_run(got, want)
 
 
