@@ -361,18 +361,20 @@ def test_update_writes_bf16_copies_of_the_updated_parameters(backend, ctx, op):
 
 
 def test_sgd_update_writes_transposed_copies(backend, ctx):
+    """Every transposed copy in one gather launch after the update: conv weights' KRSC copies
+    (one over many blocks of the gather), a matrix's transpose, beside an in-order copy."""
     rng = seeded("transposed copies")
-    params = [rng.standard_normal((6, 3, 5, 5)).astype(np.float32),
-              rng.standard_normal((6,)).astype(np.float32)]
-    node, arrays = update_node("sgd_update", params, 1, copies=(0, 1),
-                               copy_dims=((0, 2, 3, 1), None), momentum=0.9, dampening=0.0,
-                               weight_decay=5e-4, nesterov=True)
+    shapes = [(6, 3, 5, 5), (6,), (64, 32, 3, 3), (20, 7)]
+    dims = ((0, 2, 3, 1), None, (0, 2, 3, 1), (1, 0))
+    params = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    node, arrays = update_node("sgd_update", params, 1, copies=(0, 1, 2, 3), copy_dims=dims,
+                               momentum=0.9, dampening=0.0, weight_decay=5e-4, nesterov=True)
     _, _, ref_ins, dev_ins = run_both(backend, ctx, node, arrays)
     first = 3 + 3 * len(params)
-    np.testing.assert_array_equal(dev_ins[first],
-                                  bf16.to_bits(dev_ins[3].transpose(0, 2, 3, 1)))
-    np.testing.assert_array_equal(dev_ins[first + 1], bf16.to_bits(dev_ins[4]))
-    assert_bf16_within(dev_ins[first], ref_ins[first], what="transposed copy")
+    for j, order in enumerate(dims):
+        updated = dev_ins[3 + j] if order is None else dev_ins[3 + j].transpose(order)
+        np.testing.assert_array_equal(dev_ins[first + j], bf16.to_bits(updated))
+        assert_bf16_within(dev_ins[first + j], ref_ins[first + j], what=f"copy {j}")
 
 
 # ---- whole steps ---------------------------------------------------------------------------

@@ -69,7 +69,7 @@ NAMES = {
     "cast_forward_kernel<float, __nv_bfloat16>": "copy / layout",
     "embedding_forward_kernel<float>": "copy / layout",
     "gather_backward_kernel<float>": "copy / layout",
-    "weight_copy_permute_kernel": "copy / layout",
+    "weight_copies_permute_kernel": "copy / layout",
     "guard_check_kernel": "other",
     "lstm_cell_forward_kernel": "other",
     # cuDNN

@@ -41,19 +41,26 @@ extern "C" __global__ void advance_step_kernel(long long* step, const float* sch
     record(loss, loss_kind, t, history_loss, history_step, length);
 }
 
-// A bf16 weight copy whose element order differs from its parameter's (attrs copy_dims: a conv
-// weight's channels-last copy): copy = bf16(p.transpose(dims)) in that transpose's row-major
-// order, launched right after the update kernel (a gather by index: awkward inside the
-// chunked, vectorised update loop). Dims of the transposed shape (?, o1, o2, o3), padded in
-// front with size 1; s0..s3 their strides in p (elements). A skipped (guarded) step writes
-// nothing, as the update.
-extern "C" __global__ void weight_copy_permute_kernel(const float* p, unsigned short* copy,
-                                                      long long n, int o1, int o2, int o3,
-                                                      long long s0, long long s1, long long s2,
-                                                      long long s3, const int* guard) {
+// The bf16 weight copies whose element order differs from their parameter's (attrs copy_dims:
+// a conv weight's channels-last copy), every one in one launch right after the update kernel
+// (a gather by index: awkward inside the chunked, vectorised update loop): copy =
+// bf16(p.transpose(dims)) in that transpose's row-major order. entries: a row of
+// PERMUTE_ENTRY_WIDTH per copy: p, copy, n, the dims o1..o3 of the transposed shape
+// (?, o1, o2, o3), padded in front with size 1, and s0..s3 their strides in p (elements);
+// jobs: (copy, chunk) pairs, a block each, `chunk` elements a block. A skipped (guarded) step
+// writes nothing, as the update.
+#define PERMUTE_ENTRY_WIDTH 10
+extern "C" __global__ void weight_copies_permute_kernel(const long long* entries,
+                                                        const int* jobs, int chunk,
+                                                        const int* guard) {
     if (skipped(guard)) return;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
+    const long long* e = entries + jobs[2 * blockIdx.x] * PERMUTE_ENTRY_WIDTH;
+    const float* p = (const float*)e[0];
+    unsigned short* copy = (unsigned short*)e[1];
+    const long long n = e[2], o1 = e[3], o2 = e[4], o3 = e[5];
+    const long long begin = (long long)jobs[2 * blockIdx.x + 1] * chunk;
+    const long long end = min(n, begin + chunk);
+    for (long long i = begin + threadIdx.x; i < end; i += blockDim.x) {
         long long q = i;
         const long long i3 = q % o3;
         q /= o3;
@@ -61,6 +68,6 @@ extern "C" __global__ void weight_copy_permute_kernel(const float* p, unsigned s
         q /= o2;
         const long long i1 = q % o1;
         const long long i0 = q / o1;
-        copy[i] = bf16_from_float(p[i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3]);
+        copy[i] = bf16_from_float(p[i0 * e[6] + i1 * e[7] + i2 * e[8] + i3 * e[9]]);
     }
 }
