@@ -14,6 +14,7 @@ from ..ops.loss import IGNORE_INDEX
 from ..ops.optim import UPDATE_OPS
 from .attention import pack_attention_heads
 from .pointwise import fuse_pointwise
+from .pointwise_recompute import recompute_saved_pointwise
 from .gradient_sums import fuse_cell_grad_sums, fuse_product_sums
 from .slice_sums import concat_slice_gradients
 from .rewrite import _copy, _join, _live, _rebuild
@@ -520,7 +521,7 @@ PASSES = (pack_attention_heads, fuse_product_sums, fuse_cell_grad_sums, concat_s
           fuse_pool_relu, fuse_batch_norm_residual, fuse_batch_norm_relu, fuse_batch_norm_grad_sum,
           fuse_activation_bias_grad, fuse_conv_bias_grad, fuse_cross_entropy,
           fuse_log_softmax_nll, fuse_loss_casts, fuse_layer_norm_casts, fuse_step_bookkeeping,
-          fuse_gradient_casts, fuse_pointwise, eliminate_dead_code)
+          fuse_gradient_casts, recompute_saved_pointwise, fuse_pointwise, eliminate_dead_code)
 
 
 def fuse(graph: Graph, passes=PASSES) -> Graph:

@@ -10,7 +10,8 @@ reach memory; values read elsewhere (saved activations for the backward) become 
 A group grows in program order. A node joins the group of one of its producers when its output
 has the group's shape and when every value the group produced so far that is read outside the
 group is read only after this node: the fused node runs where its last member ran, so every
-outside reader must come after that point.
+outside reader must come after that point. Where the node reads from several such groups, those
+that meet the same condition merge with it into one.
 
 bfloat16 nodes (precision="bf16") fuse like float32 ones: a node's inputs and output share one
 dtype, and casts between float32 and bf16 join too, so a group may mix the two (autocast's
@@ -62,30 +63,38 @@ class _Group:
     produced: set = field(default_factory=set)
 
 
-def _groups(graph: Graph) -> list[_Group]:
+def _groups(graph: Graph, singles: bool = False) -> list[_Group]:
+    """The groups fuse_pointwise fuses (two members or more; every group with singles)."""
     users = graph.consumers()
     order = {n: i for i, n in enumerate(graph.nodes)}
     group_of: dict[Value, _Group] = {}     # value -> the group that produces it
     groups: list[_Group] = []
 
-    def can_join(g: _Group, n: Node) -> bool:
-        inside = set(g.members) | {n}
-        return all(order[u] > order[n] for v in g.produced for u in users.get(v, [])
-                   if u not in inside)
+    def can_join(joined: list[_Group], n: Node) -> bool:
+        inside = {n}.union(*(g.members for g in joined))
+        return all(order[u] > order[n] for g in joined for v in g.produced
+                   for u in users.get(v, []) if u not in inside)
 
     for n in graph.nodes:
         if not _eligible(n):
             continue
         shape = n.outputs[0].shape
-        candidates = [group_of[v] for v in n.inputs if v in group_of]
-        g = next((c for c in candidates if c.shape == shape and can_join(c, n)), None)
+        candidates = list({id(group_of[v]): group_of[v] for v in n.inputs
+                           if v in group_of and group_of[v].shape == shape}.values())
+        g = next((c for c in candidates if can_join([c], n)), None)
         if g is None:
             g = _Group(shape)
             groups.append(g)
+        for h in candidates:    # n's other producer groups, merged where n may join them too
+            if h is not g and can_join([g, h], n):
+                g.members = sorted(g.members + h.members, key=order.get)
+                g.produced |= h.produced
+                group_of.update((v, g) for v in h.produced)
+                groups.remove(h)
         g.members.append(n)
         g.produced.update(n.outputs)
         group_of.update((v, g) for v in n.outputs)
-    return [g for g in groups if len(g.members) > 1]
+    return [g for g in groups if singles or len(g.members) > 1]
 
 
 def _program(g: _Group, graph: Graph, users) -> Node:
