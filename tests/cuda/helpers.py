@@ -21,6 +21,11 @@ POISON = {"float32": np.nan, "float64": np.nan, "int32": -7, "int64": -7, "uint8
 ROW_SUM_CASES = [((4, 16, 16, 96), (3,)), ((32768, 96), (1,)), ((1000, 7), (1,)),
                  ((600, 300), (1,)), ((520, 1024), (1,)), ((128, 4, 4, 5), (2, 3)),
                  ((3, 5, 300), (2,)), ((2, 3, 4, 5), (2, 3))]
+# reduce_sum over a middle run of axes (batched column sums: reduce.py _reduced_block): H and W
+# of channels-last maps, one with its rows split (float64 partials, then their in-order sum),
+# the shortest kept run taken, a single middle axis; (4, 5, 6) over 1 keeps the strided path.
+MIDDLE_SUM_CASES = [((8, 16, 16, 96), (1, 2)), ((2, 64, 32, 24), (1, 2)),
+                    ((3, 5, 7, 16), (1, 2)), ((4, 6, 5, 20), (1,)), ((4, 5, 6), (1,))]
 
 
 def random(rng, *shape, scale=1.0, shift=0.1, dtype="float32"):

@@ -31,7 +31,8 @@ from stepgraph.backends.cuda.matmul import small_matmul  # noqa: E402
 from stepgraph.backends.numpy import NumpyBackend, bf16  # noqa: E402
 from stepgraph.ir.graph import BF16, Node, Value  # noqa: E402
 from stepgraph.ir.ops import OPS, infer_outputs  # noqa: E402
-from tests.cuda.helpers import ROW_SUM_CASES, update_hyperparameters  # noqa: E402
+from tests.cuda.helpers import (MIDDLE_SUM_CASES, ROW_SUM_CASES,  # noqa: E402
+                                update_hyperparameters)
 from tests.ops.helpers import relative_error as rel, seeded  # noqa: E402
 
 POISON = {"float32": np.float32(np.nan), "uint8": np.uint8(7), "int64": np.int64(-7),
@@ -141,10 +142,11 @@ def test_reduce_sum(backend, ctx, shape, axes, request):
     assert_bf16_within(got, want, atol=1e-4 * np.sqrt(n), what="reduce_sum")
 
 
-@pytest.mark.parametrize("shape,axes", ROW_SUM_CASES)
+@pytest.mark.parametrize("shape,axes", ROW_SUM_CASES + MIDDLE_SUM_CASES)
 def test_reduce_sum_rows(backend, ctx, shape, axes, request):
-    """The last axes summed (a warp per row for many rows): within test_reduce_sum's bounds of
-    the numpy emulation, and the same bits on a second run."""
+    """The last axes summed (a warp per row for many rows), or a middle run of them (batched
+    column sums): within test_reduce_sum's bounds of the numpy emulation, and the same bits on a
+    second run."""
     rng = seeded(request.node.name)
     x = bits(rng, *shape)
     node = node_of("reduce_sum", [x], [BF16], axes=axes)

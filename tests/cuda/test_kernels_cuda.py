@@ -141,10 +141,11 @@ def test_reduce_sum(ctx, shape, axes):
     assert_close(got[0], ref[0], rtol=1e-5, atol=2e-6 * scale, what=f"reduce_sum {shape} {axes}")
 
 
-@pytest.mark.parametrize("shape,axes", helpers.ROW_SUM_CASES)
+@pytest.mark.parametrize("shape,axes", helpers.ROW_SUM_CASES + helpers.MIDDLE_SUM_CASES)
 def test_reduce_sum_rows(ctx, shape, axes):
-    """The last axes summed (a warp per row for many rows): within test_reduce_sum's bounds of
-    the numpy sum, and the same bits on a second run."""
+    """The last axes summed (a warp per row for many rows), or a middle run of them (batched
+    column sums): within test_reduce_sum's bounds of the numpy sum, and the same bits on a
+    second run."""
     x = random(np.random.default_rng([19, *shape]), *shape)
     node = make_node("reduce_sum", [x], axes=axes)
     ref, got = run_both(ctx, node, [x])

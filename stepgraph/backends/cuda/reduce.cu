@@ -44,10 +44,15 @@ __device__ __forceinline__ void finish_columns(const double (&acc)[VEC], T* out,
     }
 }
 
-// y[c] = sum_r x[r, c] for x (rows, cols). Grid: ceil(cols / 32) blocks of (32, 16) threads.
+// y[c] = sum_r x[r, c] for x (rows, cols). Grid: ceil(cols / 32) blocks of (32, 16) threads
+// (x row splits), times gridDim.z batches: x (batches, rows, cols) -> y (batches, cols), e.g.
+// a channels-last (N, H, W, C) summed over H and W, the partials of batch z after batch z - 1's.
 template <typename T>
 __global__ void __launch_bounds__(512)
 reduce_sum_columns_kernel(const T* x, T* y, double* partial, int rows, int cols) {
+    x += (long long)blockIdx.z * rows * cols;
+    y += (long long)blockIdx.z * cols;
+    if (partial != nullptr) partial += (long long)blockIdx.z * cols * gridDim.y;
     const int col = blockIdx.x * COLUMN_TILE + threadIdx.x;
     int r0, r1;
     split_rows(rows, &r0, &r1);
