@@ -307,7 +307,9 @@ def test_nhwc_batch_norm_train_and_grad(ctx, shape, affine, track, momentum, act
 # (NHWC shape, kernel, stride, padding)
 POOLS = [((2, 7, 9, 3), (3, 3), (2, 2), (1, 1)), ((2, 5, 5, 4), (2, 3), (1, 2), (0, 1)),
          ((3, 8, 8, 16), (2, 2), (2, 2), (0, 0)),             # exact tiling
-         ((2, 9, 6, 5), (3, 2), (3, 2), (0, 0)), ((4, 8, 8, 32), (8, 8), (8, 8), (0, 0))]
+         ((2, 9, 6, 5), (3, 2), (3, 2), (0, 0)), ((4, 8, 8, 32), (8, 8), (8, 8), (0, 0)),
+         # global: channels past a block's 32, an odd image of 3 channels
+         ((3, 7, 7, 40), (7, 7), (7, 7), (0, 0)), ((5, 13, 11, 3), (13, 11), (13, 11), (0, 0))]
 
 
 @pytest.mark.parametrize("relu", [False, True])

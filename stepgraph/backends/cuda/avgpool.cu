@@ -83,6 +83,30 @@ __global__ void avgpool2d_forward_warp_kernel(const T* x, T* y,
     }
 }
 
+// Global average pooling of channels-last maps (one window, the whole H x W image, no
+// padding): blocks of (32 channels, GLOBAL_SLICES pixel slices) per 32 channels and sample.
+// Lane x of slice y adds pixels y, y + GLOBAL_SLICES, ... of its channel (the 32 lanes read 32
+// adjacent channels: coalesced), then slice 0 adds the slices' sums in order and divides. A
+// thread per output walked its H * W pixels alone: (N * C) threads too few to hide the loads.
+#define GLOBAL_SLICES 8
+template <typename T>
+__global__ void __launch_bounds__(32 * GLOBAL_SLICES)
+avgpool2d_forward_global_nhwc_kernel(const T* x, T* y, int pixels, int C) {
+    __shared__ float part[GLOBAL_SLICES][33];
+    const int c = blockIdx.x * 32 + threadIdx.x;
+    const long long n = blockIdx.y;
+    float acc = 0.f;
+    if (c < C)
+        for (int q = threadIdx.y; q < pixels; q += GLOBAL_SLICES)
+            acc += load_as_float(x, (n * pixels + q) * C + c);
+    part[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y != 0 || c >= C) return;
+    float sum = 0.f;
+    for (int k = 0; k < GLOBAL_SLICES; ++k) sum += part[k][threadIdx.x];
+    store_from_float(y, n * C + c, sum / (float)pixels);
+}
+
 // dx[p, h, w] = sum of dy[o] / divisor(o) over the windows o holding (h, w), row-major.
 template <bool NHWC, typename T>
 __device__ __forceinline__ void avgpool2d_backward(const T* dy, T* dx,

@@ -28,8 +28,10 @@ from .cast import CAST_CTYPES, shared_ctype
 SOURCE, MAX_SOURCE = "avgpool.cu", "pool.cu"
 WARP = 32
 WARP_WINDOW = 64      # NCHW windows of at least this many elements: a warp per output
+GLOBAL_SLICES = 8     # avgpool.cu's: pixel slices a block of global channels-last pooling
 KERNELS = ("avgpool2d_forward_kernel", "avgpool2d_forward_nhwc_kernel",
-           "avgpool2d_forward_warp_kernel", "avgpool2d_backward_kernel",
+           "avgpool2d_forward_warp_kernel", "avgpool2d_forward_global_nhwc_kernel",
+           "avgpool2d_backward_kernel",
            "avgpool2d_backward_nhwc_kernel", "avgpool2d_backward_tiling_kernel",
            "avgpool2d_backward_tiling_nhwc_kernel")
 MAX_KERNELS = ("maxpool2d_forward_kernel", "maxpool2d_forward_nhwc_kernel",
@@ -166,6 +168,12 @@ def avgpool2d_forward(ctx, x, y, kernel, stride, padding=(0, 0),
     _check("avgpool2d output", y, None, stored)
     _check_int32("avgpool2d", max(x.size, y.size))
     if not y.size:
+        return
+    n, c, h, w = xs
+    if suffix and tuple(kernel) == (h, w) and tuple(padding) == (0, 0):
+        # global pooling of channels-last maps: 32 channels x GLOBAL_SLICES a block
+        _launch(ctx, SOURCE, _kernel("avgpool2d_forward_global_nhwc_kernel", "", ctype),
+                (-(-c // WARP), n), (WARP, GLOBAL_SLICES), (x, y, np.int32(h * w), np.int32(c)))
         return
     args = (x, y, np.int32(bool(count_include_pad))) + extra \
         + _pool_args(xs, ys, kernel, stride, padding)
