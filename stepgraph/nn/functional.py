@@ -165,8 +165,8 @@ def max_pool2d(input: Tensor, kernel_size, stride=None, padding=0, dilation=1,
                ceil_mode: bool = False, return_indices: bool = False) -> Tensor:
     """Max over kernel windows (stride defaults to the kernel; -inf padding of at most half
     the kernel; dilation; ceil_mode: a last partial window that starts inside the input or
-    its left padding), as torch.nn.functional.max_pool2d: op maxpool2d (ceil_mode's partial
-    windows through -inf appended to the input), whose gradient goes to the first maximum of
+    its left padding), as torch.nn.functional.max_pool2d: op maxpool2d (with its ceil_mode
+    where a partial window exists), whose gradient goes to the first maximum of
     a window, as torch's. Dilation takes a composed form (a max over the kernel's offsets of
     selections, per axis; ties there split the gradient)."""
     kernel, stride = _kernel_stride(kernel_size, stride)
@@ -186,14 +186,14 @@ def max_pool2d(input: Tensor, kernel_size, stride=None, padding=0, dilation=1,
             out -= 1
         outs.append(out)
     if dilation == (1, 1):
-        # ceil_mode's partial last windows: -inf rows / columns appended, so that the floor
-        # mode windows of the op are torch's; the op's first-maximum rule then routes a tie's
-        # gradient to one element, as torch does (a max of selections would split it)
-        extra = [max(0, (o - 1) * s + k - (n + 2 * p)) for o, n, k, s, p in
-                 zip(outs, input.shape[2:], kernel, stride, padding)]
-        x = pad(input, (0, extra[1], 0, extra[0]), value=-math.inf) if any(extra) else input
-        return input.tracer.op_all("maxpool2d", [x], kernel=kernel, stride=stride,
-                                   padding=padding)[0]
+        # the op's first-maximum rule routes a tie's gradient to one element, as torch does
+        # (a max of selections would split it); ceil_mode's partial last windows are the op's
+        # own (clipped at the input's end), asked for only where they exist
+        extra = any((o - 1) * s + k > n + 2 * p for o, n, k, s, p in
+                    zip(outs, input.shape[2:], kernel, stride, padding))
+        ceil = {"ceil_mode": True} if extra else {}
+        return input.tracer.op_all("maxpool2d", [input], kernel=kernel, stride=stride,
+                                   padding=padding, **ceil)[0]
     axes = []
     for n, k, s, p, d, out in zip(input.shape[2:], kernel, stride, padding, dilation, outs):
         o = _positions(input, out)

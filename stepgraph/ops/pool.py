@@ -19,13 +19,15 @@ from .layout import channels_last_capable, layout_attrs, layout_of, nchw_shape, 
 
 def pool_geometry(op: str, shape, attrs) -> tuple[int, int]:
     """(Ho, Wo) of a pooling window sweep over an (N, C, H, W) input, checking the attrs
-    kernel, stride and padding (default (0, 0); at most half the kernel)."""
+    kernel, stride and padding (default (0, 0); at most half the kernel); attrs ceil_mode
+    (maxpool2d) counts torch's partial last windows."""
     _need(len(shape) == 4, op, f"input must be (N, C, H, W), got {tuple(shape)}")
     (kh, kw), (sh, sw) = attrs["kernel"], attrs["stride"]
     ph, pw = attrs.get("padding", (0, 0))
     _need(2 * ph <= kh and 2 * pw <= kw, op,
           f"padding {(ph, pw)} must be at most half the kernel {(kh, kw)}")
-    ho, wo = conv_out(shape[2], kh, sh, ph), conv_out(shape[3], kw, sw, pw)
+    ceil = bool(attrs.get("ceil_mode"))
+    ho, wo = pool_out(shape[2], kh, sh, ph, 1, ceil), pool_out(shape[3], kw, sw, pw, 1, ceil)
     _need(ho > 0 and wo > 0, op, f"window {(kh, kw)} larger than padded input {shape[2:]}")
     return ho, wo
 
@@ -35,10 +37,11 @@ def pool_geometry(op: str, shape, attrs) -> tuple[int, int]:
 @defop("maxpool2d")
 def _maxpool2d(ins, attrs):
     """y = max over kernel windows (attrs kernel, stride, padding pairs; padding default
-    (0, 0), implicit -inf padding of at most half the kernel, floor mode); idx (int32) =
-    h*W + w of the first maximum (row-major window order) in each window, within its (n, c)
-    plane: always a real element. With attrs relu, y = relu(max) (the ReLU that followed the
-    pool, fused). attrs layout "NHWC": x, y and idx stored (N, H, W, C) (idx still h*W + w)."""
+    (0, 0), implicit -inf padding of at most half the kernel; floor mode, or with attrs
+    ceil_mode torch's partial last windows, clipped at the input's end); idx (int32) = h*W + w
+    of the first maximum (row-major window order) in each window, within its (n, c) plane:
+    always a real element. With attrs relu, y = relu(max) (the ReLU that followed the pool,
+    fused). attrs layout "NHWC": x, y and idx stored (N, H, W, C) (idx still h*W + w)."""
     x, layout = ins[0], layout_of("maxpool2d", attrs)
     xs = nchw_shape(x.shape, layout)
     ho, wo = pool_geometry("maxpool2d", xs, attrs)
@@ -57,9 +60,11 @@ def _maxpool2d_grad(ins, attrs):
 
 @vjp("maxpool2d")
 def _maxpool2d_vjp(emit, node: Node, dy: list, wants) -> list:
+    ceil = {"ceil_mode": True} if node.attrs.get("ceil_mode") else {}
     return [emit("maxpool2d_grad", [dy[0], node.outputs[1]], input_shape=node.inputs[0].shape,
                  kernel=node.attrs["kernel"], stride=node.attrs["stride"],
-                 padding=tuple(node.attrs.get("padding", (0, 0))), **layout_attrs(node))[0]]
+                 padding=tuple(node.attrs.get("padding", (0, 0))), **ceil,
+                 **layout_attrs(node))[0]]
 
 
 def _windows(xp: np.ndarray, kh: int, kw: int, sh: int, sw: int) -> np.ndarray:
@@ -73,9 +78,13 @@ def maxpool2d(node: Node, ins, outs, ctx):
     x = ins[0]
     (kh, kw), (sh, sw) = node.attrs["kernel"], node.attrs["stride"]
     ph, pw = node.attrs.get("padding", (0, 0))
-    # -inf padding is never a window's maximum: at most half a window is padding
-    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=-np.inf) \
-        if ph or pw else x
+    ho, wo = pool_geometry("maxpool2d", x.shape, node.attrs)
+    # -inf padding is never a window's maximum: at most half a window is padding, and a
+    # ceil_mode window starts inside the input or its left padding
+    eh, ew = max(0, (ho - 1) * sh + kh - x.shape[2] - 2 * ph), \
+        max(0, (wo - 1) * sw + kw - x.shape[3] - 2 * pw)
+    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph + eh), (pw, pw + ew)), constant_values=-np.inf) \
+        if ph or pw or eh or ew else x
     win = _windows(xp, kh, kw, sh, sw)
     n, c, ho, wo = win.shape[:4]
     flat = win.reshape(n, c, ho, wo, kh * kw)

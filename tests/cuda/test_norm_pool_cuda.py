@@ -340,6 +340,31 @@ def test_maxpool2d_grad_padding(ctx, shape, kernel, stride, padding, relu):
     assert_close(got[0], ref[0], rtol=1e-6, atol=1e-6, what=f"maxpool2d_grad {shape} {padding}")
 
 
+# ceil_mode's partial last windows (SqueezeNet's 3x3 / 2 pools over 14 x 14), with padding,
+# and a 2x2 / 2 pool over odd sizes; NCHW x shapes
+CEIL_POOLS = [((4, 16, 14, 14), (3, 3), (2, 2), (0, 0)), ((2, 5, 8, 9), (3, 3), (2, 2), (1, 1)),
+              ((2, 40, 7, 9), (2, 2), (2, 2), (0, 0))]
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("shape,kernel,stride,padding", CEIL_POOLS)
+def test_maxpool2d_ceil_mode(ctx, shape, kernel, stride, padding, layout):
+    """The op's own ceil_mode windows, clipped at the input's end: the same maxima and
+    indices as the numpy reference, and the gradient to them."""
+    x = pool_input(shape, 141)
+    attrs = dict(kernel=kernel, stride=stride, padding=padding, ceil_mode=True)
+    if layout == "NHWC":
+        x, attrs = np.ascontiguousarray(x.transpose(0, 2, 3, 1)), dict(attrs, layout="NHWC")
+    fwd = make_node("maxpool2d", [x], **attrs)
+    ref, got = run_both(ctx, fwd, [x])
+    np.testing.assert_array_equal(got[1], ref[1], err_msg=f"maxpool2d idx {shape} {layout}")
+    np.testing.assert_array_equal(got[0], ref[0], err_msg=f"maxpool2d y {shape} {layout}")
+    dy = random(np.random.default_rng(143), *ref[0].shape)
+    bwd = make_node("maxpool2d_grad", [dy, ref[1]], input_shape=x.shape, **attrs)
+    ref, got = run_both(ctx, bwd, [dy, ref[1]])
+    assert_close(got[0], ref[0], rtol=1e-6, atol=1e-6, what=f"maxpool2d_grad {shape} {layout}")
+
+
 # ---- cross-entropy with label smoothing ----------------------------------------------------
 
 # One warp per row and wider rows; one block and many; the short-row train kernel.

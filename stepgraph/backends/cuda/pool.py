@@ -22,6 +22,7 @@ import numpy as np
 
 from ...errors import ShapeError
 from ...ops.layout import layout_of, nchw_shape, stored_shape
+from ...ops.pool import pool_out
 from .runtime.launch import BLOCK, _aligned, _check, _check_int32, _grid, _launch, _or_null
 from .cast import CAST_CTYPES, shared_ctype
 
@@ -63,13 +64,17 @@ def _pool_args(x_shape: tuple, y_shape: tuple, kernel, stride, padding=(0, 0)) -
                                        ph, pw))
 
 
-def _pool_out_shape(x_shape: tuple, kernel, stride, padding=(0, 0), op: str = "maxpool2d"):
-    """(N, C, Ho, Wo) of a floor-mode pool over an (N, C, H, W) input; padding at most half
-    the window (PyTorch's rule, which keeps a real element in every window)."""
+def _pool_out_shape(x_shape: tuple, kernel, stride, padding=(0, 0), op: str = "maxpool2d",
+                    ceil_mode: bool = False):
+    """(N, C, Ho, Wo) of a pool over an (N, C, H, W) input, floor mode or ceil_mode (torch's
+    partial last windows, which the kernels clip at the input's end as they clip padding);
+    padding at most half the window (PyTorch's rule, which keeps a real element in every
+    window)."""
     if len(x_shape) != 4:
         raise ShapeError(f"{op}: input must be 4-D (N, C, H, W or N, H, W, C), got {x_shape}")
     (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
-    ho, wo = (x_shape[2] + 2 * ph - kh) // sh + 1, (x_shape[3] + 2 * pw - kw) // sw + 1
+    ho = pool_out(x_shape[2], kh, sh, ph, 1, ceil_mode) if kh > 0 and sh > 0 else 0
+    wo = pool_out(x_shape[3], kw, sw, pw, 1, ceil_mode) if kw > 0 and sw > 0 else 0
     if ho <= 0 or wo <= 0 or min(kh, kw, sh, sw) <= 0 or min(ph, pw) < 0 \
             or 2 * ph > kh or 2 * pw > kw:
         raise ShapeError(f"{op}: window {tuple(kernel)} stride {tuple(stride)} padding "
@@ -77,13 +82,13 @@ def _pool_out_shape(x_shape: tuple, kernel, stride, padding=(0, 0), op: str = "m
     return (x_shape[0], x_shape[1], ho, wo)
 
 
-def _shapes(op: str, x_shape, kernel, stride, padding, layout: str):
+def _shapes(op: str, x_shape, kernel, stride, padding, layout: str, ceil_mode: bool = False):
     """(x (N, C, H, W), y (N, C, Ho, Wo), y as stored, the kernel name suffix and its layout
     arguments (C for channels-last)) of a pool over an input stored as x_shape."""
     if layout not in ("NCHW", "NHWC"):
         raise ShapeError(f"{op}: layout must be 'NCHW' or 'NHWC', got {layout!r}")
     xs = nchw_shape(x_shape, layout)
-    ys = _pool_out_shape(xs, kernel, stride, padding, op)
+    ys = _pool_out_shape(xs, kernel, stride, padding, op, ceil_mode)
     nhwc = layout == "NHWC" and len(xs) == 4
     return xs, ys, stored_shape(ys, layout), ("_nhwc" if nhwc else ""), \
         ((np.int32(xs[1]),) if nhwc else ())
@@ -115,12 +120,12 @@ def _max_walk(suffix: str, channels: int, *arrays) -> tuple[str, int]:
 
 
 def maxpool2d_forward(ctx, x, y, idx, kernel, stride, relu: bool = False, padding=(0, 0),
-                      layout: str = "NCHW") -> None:
+                      layout: str = "NCHW", ceil_mode: bool = False) -> None:
     """y = window maxima (relu: relu of them; padding is -inf), idx (int32) = plane-local
     h * W + w of each window's first maximum."""
     ctype = shared_ctype("maxpool2d", {"input": x, "output": y})
     xs, ys, stored, suffix, extra = _shapes("maxpool2d", tuple(x.shape), kernel, stride,
-                                            padding, layout)
+                                            padding, layout, ceil_mode)
     _check("maxpool2d output", y, None, stored)
     _check("maxpool2d indices", idx, "int32", stored)
     _check_int32("maxpool2d", max(x.size, y.size))
@@ -132,13 +137,13 @@ def maxpool2d_forward(ctx, x, y, idx, kernel, stride, relu: bool = False, paddin
 
 
 def maxpool2d_backward(ctx, dy, idx, dx, kernel, stride, y=None, padding=(0, 0),
-                       layout: str = "NCHW") -> None:
+                       layout: str = "NCHW", ceil_mode: bool = False) -> None:
     """dx = each dy added at its idx (windows may overlap: gathered, fixed order); with the
     fused ReLU's output y, only where y > 0. Windows that tile the input exactly (no
     padding) take the scatter kernel (a thread per window)."""
     ctype = shared_ctype("maxpool2d_grad", {"dx": dx, "dy": dy, "relu output": y})
     xs, ys, stored, suffix, extra = _shapes("maxpool2d_grad", tuple(dx.shape), kernel, stride,
-                                            padding, layout)
+                                            padding, layout, ceil_mode)
     _check("maxpool2d_grad dy", dy, None, stored)
     _check("maxpool2d_grad indices", idx, "int32", stored)
     if y is not None:
@@ -222,11 +227,11 @@ def _avg(node) -> dict:
 IMPLS: dict[str, Callable] = {
     "maxpool2d": lambda node, ins, outs, ctx: maxpool2d_forward(
         ctx, ins[0], outs[0], outs[1], *_window(node)[:2], bool(node.attrs.get("relu")),
-        _window(node)[2], layout_of(node.op, node.attrs)),
+        _window(node)[2], layout_of(node.op, node.attrs), bool(node.attrs.get("ceil_mode"))),
     "maxpool2d_grad": lambda node, ins, outs, ctx: maxpool2d_backward(
         ctx, ins[0], ins[1], outs[0], *_window(node)[:2],
         ins[2] if node.attrs.get("relu") else None, _window(node)[2],
-        layout_of(node.op, node.attrs)),
+        layout_of(node.op, node.attrs), bool(node.attrs.get("ceil_mode"))),
     "avgpool2d": lambda node, ins, outs, ctx: avgpool2d_forward(
         ctx, ins[0], outs[0], *_window(node), **_avg(node)),
     "avgpool2d_grad": lambda node, ins, outs, ctx: avgpool2d_backward(
