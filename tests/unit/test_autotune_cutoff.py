@@ -64,3 +64,19 @@ def test_the_log_names_each_candidates_time_and_the_choice(monkeypatch, tmp_path
     assert first == {"key": "('conv2d', (8, 3))", "chosen": "b",
                      "ms": {"a": [1.0, "graph"], "b": [0.4, "graph"], "c": [5.01, "eager"]}}
     assert second["chosen"] == "b" and second["ms"]["c"] == [5.0, "graph"]
+
+
+def test_candidates_compiling_kernels_of_their_own_are_timed_after_the_others(monkeypatch):
+    """Their compiles go on while the others are timed; all of them are waited for once,
+    before the first of them is timed. The winner is the fastest still."""
+    calls = fake_clock(monkeypatch, {"tiled:a": 0.1, "cudnn:0": 0.3, "tiled:b": 0.2,
+                                     "direct": 0.5})
+    waits = []
+    monkeypatch.setattr(autotune.compiler, "compile_parallel",
+                        lambda kernels: waits.append((len(calls), sorted(kernels))))
+    paths = paths_of(["tiled:a", "cudnn:0", "tiled:b", "direct"])
+    for name in ("tiled:a", "tiled:b"):
+        autotune.compiling(paths[name], ("conv_tiled.cu", f"k_{name}"))
+    assert autotune._fastest(None, paths) == "tiled:a"
+    assert [c[0] for c in calls] == ["cudnn:0", "direct", "tiled:a", "tiled:b"]
+    assert waits == [(2, [("conv_tiled.cu", "k_tiled:a"), ("conv_tiled.cu", "k_tiled:b")])]

@@ -9,8 +9,9 @@ so their results agree bit for bit.
 
 Choices also persist on disk (stepgraph/cache.py), keyed by the device identity and the
 problem, so a later process on the same GPU, driver and library versions runs the same kernel
-without timing, and compiles only that one. When it must time, the candidates' kernels that
-name themselves (`compiling`) are compiled first, side by side (compiler.compile_parallel).
+without timing, and compiles only that one. When it must time, the candidates whose kernels
+name themselves (`compiling`) are timed after the others, once those kernels are compiled
+(side by side, compiler.compile_parallel).
 """
 from __future__ import annotations
 
@@ -95,8 +96,6 @@ def run_fastest(ctx, key: Hashable, paths: dict[str, Callable[[], None]], defaul
     if key not in chosen and not ctx.stream.is_capturing() and len(paths) > 1:
         name = stored_choice(ctx, key, lambda value: value in paths)
         if name is None:
-            compiler.compile_parallel(k for run in paths.values()
-                                      for k in getattr(run, "kernels", ()))
             name = _fastest(ctx, paths, key)
             disk = choices(ctx, "paths")
             if disk is not None:
@@ -125,11 +124,18 @@ def give_up_above(best_ms: float) -> float | None:
 
 
 def _fastest(ctx, paths: dict[str, Callable[[], None]], key: Hashable = None) -> str:
-    """The name of the fastest of `paths`, each timed on the device in order (the first in
-    full), a later one only until it is clearly slower than the best so far."""
-    best_name, best = next(iter(paths)), float("inf")
+    """The name of the fastest of `paths`, each timed on the device (the first in full), a
+    later one only until it is clearly slower than the best so far. Those that compile
+    kernels of their own (`compiling`) come last: their compiles, started when the plan was
+    built, go on while the others are timed; then all of them are waited for, side by side."""
+    own = [name for name, run in paths.items() if getattr(run, "kernels", ())]
+    order = [name for name in paths if name not in own] + own
+    best_name, best = order[0], float("inf")
     times = {}
-    for name, run in paths.items():
+    for name in order:
+        run = paths[name]
+        if name == next(iter(own), None):
+            compiler.compile_parallel(k for o in own for k in paths[o].kernels)
         limit = give_up_above(best)
         ms = time_on_device(ctx, run, give_up_above=limit)
         times[name] = (round(ms, 4), "eager" if limit is not None and ms > limit else "graph")
