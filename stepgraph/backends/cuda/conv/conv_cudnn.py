@@ -82,6 +82,7 @@ from .geometry import Geometry
 MAX_PLANS = 12                     # candidates per problem, in heuristic rank order
 MAX_PLANS_B = 8                    # more from heuristic mode B, not among those already
 HEURISTIC_B = True                 # query mode B as well (its candidates "cudnn:B<i>")
+MAX_PLANS_GROUPED, MAX_PLANS_B_GROUPED = MAX_PLANS, MAX_PLANS_B   # grouped convolutions
 # A plan needing more workspace than the smaller of these is not a candidate. The resnet's
 # float32 convolutions at batch 512 run fastest on engines with large workspaces (transformed
 # operands): on an H200, 23.0 ms per step with 256 MiB and 6 + 4 candidates, 21.1 ms with 4 GiB
@@ -263,6 +264,13 @@ def _ranked(cudnn, p: Problem, handle, modes: tuple[str, ...]):
     return graph, ops, graph.get_execution_plan_count()
 
 
+def _limits(p: Problem) -> tuple[int, int]:
+    """How many candidates heuristic A's and B's lists may give `p` (module docstring)."""
+    if p.g.groups > 1:
+        return MAX_PLANS_GROUPED, MAX_PLANS_B_GROUPED
+    return MAX_PLANS, MAX_PLANS_B
+
+
 def _admits_runtime_compiled(p: Problem) -> bool:
     """Whether engines cuDNN compiles at their build compete for `p` (module docstring)."""
     return RUNTIME_COMPILED or (RUNTIME_COMPILED_GROUPED and p.g.groups > 1)
@@ -285,7 +293,7 @@ def _build(cudnn, p: Problem, handle) -> Plans:
     plans, failures = Plans([], []), []
     admitted = _admits_runtime_compiled(p)      # else none is ranked: no notes to read
     for prefix, modes in HEURISTICS if HEURISTIC_B else HEURISTICS[:1]:
-        limit = MAX_PLANS_B if prefix else MAX_PLANS
+        limit = _limits(p)[bool(prefix)]
         try:
             with _FRONTEND:
                 graph, ops, count = _ranked(cudnn, p, handle, modes)
@@ -479,7 +487,8 @@ def candidates_key() -> tuple | None:
     if cudnn is None:
         return None
     return (getattr(cudnn, "__version__", None), MAX_PLANS, MAX_PLANS_B if HEURISTIC_B else 0,
-            workspace_limit(), RUNTIME_COMPILED, RUNTIME_COMPILED_GROUPED, MAX_RUNTIME_COMPILED)
+            MAX_PLANS_GROUPED, MAX_PLANS_B_GROUPED, workspace_limit(), RUNTIME_COMPILED,
+            RUNTIME_COMPILED_GROUPED, MAX_RUNTIME_COMPILED)
 
 
 # ---- handle, workspace, launch ---------------------------------------------------------------
