@@ -106,6 +106,8 @@ def fake(tmp_path, monkeypatch):
     monkeypatch.setattr(conv, "PATH", "auto")
     monkeypatch.setattr(conv_cudnn, "MAX_PLANS", 6)          # what ENGINES above count with
     monkeypatch.setattr(conv_cudnn, "MAX_PLANS_B", 4)
+    monkeypatch.setattr(conv_cudnn, "MAX_PLANS_GROUPED", 6)  # the problems here are grouped
+    monkeypatch.setattr(conv_cudnn, "MAX_PLANS_B_GROUPED", 4)
     monkeypatch.setattr(conv_cudnn, "workspace_limit", lambda: 256 << 20)
     fake = FakeCudnn()
     monkeypatch.setattr(conv_cudnn, "_load", lambda: (fake, None))
