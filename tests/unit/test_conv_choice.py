@@ -204,10 +204,11 @@ def test_a_warm_forward_builds_only_the_chosen_plain_plan_and_its_epilogue(fake,
     assert fake.built == ["engB1"] and fake.timed == [] and fake.ran == ["engB1"]
 
 
-def test_runtime_compiled_plans_are_capped_per_ranked_list(fake):
+def test_runtime_compiled_plans_are_capped_per_ranked_list(fake, monkeypatch):
     """Engines cuDNN compiles at their build (admitted for grouped convs) cost seconds each:
-    only the first MAX_RUNTIME_COMPILED of a ranked list are candidates, the list's others
-    fill the remaining places."""
+    only the first MAX_RUNTIME_COMPILED (two here) of a ranked list are candidates, the
+    list's others fill the remaining places."""
+    monkeypatch.setattr(conv_cudnn, "MAX_RUNTIME_COMPILED", 2)
     fake.compiled = {"eng1", "eng3", "eng4", "engB1", "engB2", "engB4"}
     grad_input(fake_ctx())
     # A (6 places): eng0, eng1 and eng3 (compiled, the two allowed), eng2 declined at its

@@ -82,7 +82,11 @@ from .geometry import Geometry
 MAX_PLANS = 12                     # candidates per problem, in heuristic rank order
 MAX_PLANS_B = 8                    # more from heuristic mode B, not among those already
 HEURISTIC_B = True                 # query mode B as well (its candidates "cudnn:B<i>")
-MAX_PLANS_GROUPED, MAX_PLANS_B_GROUPED = MAX_PLANS, MAX_PLANS_B   # grouped convolutions
+# Grouped convolutions: their winner was the first of list A (23 of 24 problems of the
+# MobileNet and ConvNeXt files at bf16 on an H200) or of B (1), by 3-10x over the next; more
+# candidates only cost builds (MobileNet's first step 9.3 -> 8.1 s, ConvNeXt's 10.3 -> 7.2 s
+# with these limits, their steps unchanged).
+MAX_PLANS_GROUPED, MAX_PLANS_B_GROUPED = 4, 2
 # A plan needing more workspace than the smaller of these is not a candidate. The resnet's
 # float32 convolutions at batch 512 run fastest on engines with large workspaces (transformed
 # operands): on an H200, 23.0 ms per step with 256 MiB and 6 + 4 candidates, 21.1 ms with 4 GiB
@@ -92,8 +96,9 @@ MAX_WORKSPACE_BYTES = 4 << 30
 WORKSPACE_MEMORY_FRACTION = 16     # ... and at most 1/16 of the GPU's memory
 RUNTIME_COMPILED = False           # admit engines cuDNN compiles at plan build (NVRTC) ...
 RUNTIME_COMPILED_GROUPED = True    # ... for grouped convolutions only (module docstring),
-MAX_RUNTIME_COMPILED = 2           # the first this many of a ranked list: each compiles at its
-                                   # build (an H200: MobileNet's setup 13 -> 33 s with all)
+MAX_RUNTIME_COMPILED = 1           # the first this many of a ranked list: each compiles at its
+                                   # build (an H200, MobileNet's first step at bf16: 15.8 s
+                                   # with 2, 9.3 s with 1, its step the same)
 LAYOUTS = ("NCHW", "NHWC")         # of every tensor of a problem (module docstring)
 DTYPES = ("float32", "bfloat16", "float16")   # IR dtypes of the problems (module docstring)
 # The 16-bit ones: HALF or BFLOAT16 data, float32 compute, tensor cores allowed
