@@ -16,14 +16,18 @@ The backward already reads x, so it can compute t, m and r again from x in regis
 A value v is recomputed for its readers outside the group that computes it (the groups
 fuse_pointwise would form) when every such reader is elementwise, v is no step output, and the
 ops v depends on within its group are pure (no dropout) and at most MAX_OPS; each value those
-ops read from outside the group (a source) must be read at or after the reader anyway, or be
-small beside v (a per-channel bias, a scalar). The copy runs the same ops on the same inputs
-with the same dtypes, so it gives the same bits (ops/pointwise.py rounds each bf16 instruction
-as a store would). Each value is copied once, before its first reader; the later ones share it.
+ops read from outside the group (a source) must be read after v is made by something outside
+the group anyway (the backward keeps it), be an input, parameter or state, or be small beside
+v (a per-channel bias, a scalar); and nothing may write a source in place between v's making
+and its first reader (a running statistic updated later in the forward). The copy runs the
+same ops on the same inputs with the same dtypes, so it gives the same bits (ops/pointwise.py
+rounds each bf16 instruction as a store would). Each value is copied once, before its first
+reader; the later ones share it.
 """
 from __future__ import annotations
 
 from ..ir.graph import Graph, Node, Value
+from .aliases import view_roots
 from .pointwise import _groups
 from .rewrite import _copy, _rebuild
 
@@ -41,6 +45,11 @@ def recompute_saved_pointwise(graph: Graph) -> Graph:
     group_of = {n: id(g) for g in _groups(graph, singles=True) for n in g.members}
     kept = set(graph.outputs.values())
     always = {*graph.inputs, *graph.params, *graph.state}
+    roots = view_roots(graph.nodes)
+    writes: dict[Value, list[int]] = {}       # a buffer's root -> where nodes write it in place
+    for i, n in enumerate(graph.nodes):
+        for k in n.mutates:
+            writes.setdefault(roots.get(n.inputs[k], n.inputs[k]), []).append(i)
     copies: dict[Value, Value] = {}           # value -> its recomputed twin
     before: dict[Node, list[Node]] = {}       # reader -> the copies placed just before it
 
@@ -60,10 +69,13 @@ def recompute_saved_pointwise(graph: Graph) -> Graph:
                 todo.extend(p.inputs)
         return sorted(ops, key=order.get), list(sources)
 
-    def saved_anyway(s: Value, v: Value) -> bool:
+    def saved_anyway(s: Value, v: Value, start: int, first: Node) -> bool:
         """s is read later than v is made by something outside v's group (the backward
-        needs it anyway), or is no larger than a per-channel value."""
+        needs it anyway), is external or no larger than a per-channel value, and nothing
+        writes it between the first op v depends on (at `start`) and v's first reader."""
         p = producers[v]
+        if any(start < i < order[first] for i in writes.get(roots.get(s, s), ())):
+            return False
         return s in always or s.size * SMALL <= v.size or any(
             order[u] > order[p] and group_of.get(u) != group_of[p] for u in users.get(s, []))
 
@@ -79,7 +91,8 @@ def recompute_saved_pointwise(graph: Graph) -> Graph:
         if found is None:
             return None
         ops, sources = found
-        if not all(saved_anyway(s, v) for s in sources):
+        first = min(outside, key=order.get)
+        if not all(saved_anyway(s, v, order[ops[0]], first) for s in sources):
             return None
         return ops, outside
 

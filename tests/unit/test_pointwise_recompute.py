@@ -102,3 +102,28 @@ def test_a_value_whose_source_only_it_needs_stays_saved(monkeypatch):
     assert got[0] == want[0]
     ops = lambda graph: [(n.op, len(n.inputs), len(n.outputs)) for n in graph.nodes]  # noqa
     assert ops(got[2]) == ops(want[2])
+
+
+class StatisticBeforeItsUpdate(nn.Module):
+    """y * clamp(y + bn.running_mean, 0, 6), y = conv(x), then BatchNorm (which updates
+    running_mean in place) and conv: the backward reads y anyway, but the clamp's masks must
+    come from the statistic as it was before the update, so they stay saved rather than
+    recomputed there."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.c2 = nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.c1(x)
+        r = (y + self.bn.running_mean.reshape(1, 8, 1, 1)).clamp(0.0, 6.0) * y
+        return self.c2(self.bn(r))
+
+
+def test_a_source_written_in_place_before_the_reader_is_not_read_again(monkeypatch):
+    want = run(monkeypatch, StatisticBeforeItsUpdate, WITHOUT, "fp32")
+    got = run(monkeypatch, StatisticBeforeItsUpdate, PASSES, "fp32")
+    assert got[0] == want[0]
+    for key in want[1]:
+        np.testing.assert_array_equal(got[1][key], want[1][key], err_msg=key)
