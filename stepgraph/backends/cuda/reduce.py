@@ -124,25 +124,27 @@ def _reduced_axes(shape: tuple, axes) -> list[int]:
     return sorted({a % nd for a in axes}) if nd else []
 
 
+def _run_block(shape: tuple, run: list[int]) -> tuple[int, int, int] | None:
+    """(before, run, after) sizes of `shape` around the axes `run` when they are one
+    contiguous run (none: the sizes around the end), else None."""
+    if run and run != list(range(run[0], run[-1] + 1)):
+        return None
+    lo, hi = (run[0], run[-1] + 1) if run else (len(shape), len(shape))
+    return math.prod(shape[:lo]), math.prod(shape[lo:hi]), math.prod(shape[hi:])
+
+
 def _kept_block(shape: tuple, axes) -> tuple[int, int, int] | None:
     """(outer, kept, inner) sizes when the axes NOT reduced are one contiguous run, else None."""
-    nd = len(shape)
-    axes = _reduced_axes(shape, axes)
-    kept = [i for i in range(nd) if i not in axes]
-    if kept and kept != list(range(kept[0], kept[-1] + 1)):
-        return None
-    lo, hi = (kept[0], kept[-1] + 1) if kept else (nd, nd)
-    return math.prod(shape[:lo]), math.prod(shape[lo:hi]), math.prod(shape[hi:])
+    reduced = _reduced_axes(shape, axes)
+    return _run_block(shape, [i for i in range(len(shape)) if i not in reduced])
 
 
 def _reduced_block(shape: tuple, axes) -> tuple[int, int, int] | None:
-    """(outer, reduced, inner) sizes when the reduced axes are one contiguous run with kept
-    axes on both sides (a channels-last (N, H, W, C) over H and W), else None."""
-    axes = _reduced_axes(shape, axes)
-    if not axes or axes != list(range(axes[0], axes[-1] + 1)):
-        return None
-    lo, hi = axes[0], axes[-1] + 1
-    return math.prod(shape[:lo]), math.prod(shape[lo:hi]), math.prod(shape[hi:])
+    """(outer, reduced, inner) sizes when the reduced axes are one contiguous run (with kept
+    axes on both sides where _kept_block found none: a channels-last (N, H, W, C) over H and
+    W), else None."""
+    reduced = _reduced_axes(shape, axes)
+    return _run_block(shape, reduced) if reduced else None
 
 
 def _strided_reduction(shape: tuple, axes) -> tuple[list[int], list[int], list[int], list[int]]:
