@@ -186,13 +186,16 @@ class _RmsMatcher:
         self.producers, self.users = graph.producers(), graph.consumers()
         self.kept = set(graph.outputs.values()) | kept
 
-    def next(self, node: Node) -> Node | None:
-        """The only reader of node's (only) output, when that output is no step output."""
-        v = node.outputs[0]
+    def reader_of(self, v: Value) -> Node | None:
+        """The only reader of v, when v is no step output."""
         readers = self.users.get(v, [])
-        if len(node.outputs) != 1 or v in self.kept or len(readers) != 1:
+        if v in self.kept or len(readers) != 1:
             return None
         return readers[0]
+
+    def next(self, node: Node) -> Node | None:
+        """The only reader of node's (only) output, when that output is no step output."""
+        return self.reader_of(node.outputs[0]) if len(node.outputs) == 1 else None
 
     def square_of(self, node: Node | None) -> Value | None:
         """x when node computes x^2: scalar pow 2, or x * x."""
@@ -365,7 +368,7 @@ class _LnMatcher(_RmsMatcher):
         reached (the division missing: v itself, which no rows_of shape check lets pass)."""
         divided = not divide
         while True:
-            n = self.next_of(v)
+            n = self.reader_of(v)
             if n is None:
                 break
             kind, value = n.attrs.get("kind"), n.attrs.get("value")
@@ -381,12 +384,6 @@ class _LnMatcher(_RmsMatcher):
             v = n.outputs[0]
         return v if divided else None
 
-    def next_of(self, v: Value) -> Node | None:
-        readers = self.users.get(v, [])
-        if v in self.kept or len(readers) != 1 or len(readers[0].outputs) != 1:
-            return None
-        return readers[0]
-
     def vector_of(self, v: Value, c: int) -> Value | None:
         """The (C,) value whose reshapes (views) gave v, a (1, ..., 1, C) or (C,) operand."""
         if v.shape[-1:] != (c,) or math.prod(v.shape) != c:
@@ -400,7 +397,7 @@ class _LnMatcher(_RmsMatcher):
 
     def affine(self, y: Node, x: Value, kind: str) -> tuple[Value | None, Node | None]:
         """The (C,) operand and the node when y's only reader is a `kind` (mul, add) by one."""
-        n = self.next_of(y.outputs[0])
+        n = self.reader_of(y.outputs[0])
         if n is None or n.op != "binary" or n.attrs.get("kind") != kind or \
                 n.outputs[0].shape != x.shape:
             return None, None
@@ -439,20 +436,20 @@ class _LnMatcher(_RmsMatcher):
             return None
         nodes += [square, variance]
         var = self.walk(variance.outputs[0], c, nodes, divide=True)
-        plus = self.next_of(var) if var is not None else None
+        plus = self.reader_of(var) if var is not None else None
         if plus is None or plus.op != "scalar" or plus.attrs.get("kind") != "add" or \
                 not float(plus.attrs["value"]) > 0.0:
             return None
         nodes.append(plus)
         root = self.walk(plus.outputs[0], c, nodes, divide=False)
-        unary = self.next_of(root)
+        unary = self.reader_of(root)
         if unary is None or unary.op != "unary" or unary.attrs.get("kind") not in \
                 ("sqrt", "rsqrt"):
             return None
         nodes.append(unary)
         r = self.walk(unary.outputs[0], c, nodes, divide=False)
         # (x - mean) / sqrt(var + eps), or (x - mean) * rsqrt(var + eps) on either side
-        if r.shape != rows or self.next_of(r) is not scale or scale.op != "binary" or \
+        if r.shape != rows or self.reader_of(r) is not scale or scale.op != "binary" or \
                 scale.outputs[0].shape != x.shape:
             return None
         if unary.attrs["kind"] == "sqrt":
