@@ -134,7 +134,7 @@ def _fastest(ctx, paths: dict[str, Callable[[], None]], key: Hashable = None) ->
     times = {}
     for name in order:
         run = paths[name]
-        if name == next(iter(own), None):
+        if own and name == own[0]:
             compiler.compile_parallel(k for o in own for k in paths[o].kernels)
         limit = give_up_above(best)
         ms = time_on_device(ctx, run, give_up_above=limit)
