@@ -40,6 +40,7 @@ import numpy as np
 from ....errors import CaptureError, ShapeError, StepgraphError
 from ....ir.graph import ir_dtype as graph_ir_dtype
 from ..runtime import nvmath_bindings
+from . import split_k
 
 WORKSPACE_BYTES = 32 << 20
 HEURISTIC_RESULTS = 16
@@ -254,7 +255,7 @@ class GemmCache:
                       self.workspace.data.ptr, self.workspace_bytes, stream_ptr)
 
         if ctx is not None and self.autotune and not p.tuned and not spec.accumulate \
-                and len(p.heuristic) > 1:
+                and (len(p.heuristic) > 1 or split_k.wanted(spec)):
             self._autotune(p, call, ctx)
         try:
             call(p.algo_ptr)
@@ -270,13 +271,16 @@ class GemmCache:
     def _autotune(self, p: PlannedGemm, call, ctx) -> None:
         """Time every candidate the heuristic offered on the real operands and keep the
         fastest. The heuristic's first choice is often a split-K algorithm that launches
-        several kernels, slower than a one-kernel tile for the small GEMMs of a step. Runs at
+        several kernels, slower than a one-kernel tile for the small GEMMs of a step; for a
+        deep GEMM with a small result it offers one-kernel tiles only, and split-K variants
+        of them join the candidates (split_k.py). After the first, a candidate is timed in
+        full only while it may still win (autotune.give_up_above). Runs at
         the first (eager) call, never during capture: it syncs the stream. Each candidate is
         timed as a captured replay, so host launch costs do not decide. Specs that
         accumulate into D are not tuned (repeated calls would change D). The choice persists
         on disk (autotune.choices): a later process with the same GPU, driver and cuBLASLt
         takes it without timing (_restore)."""
-        from ..runtime.autotune import choices
+        from ..runtime.autotune import choices, give_up_above
         from ..runtime.graph import time_on_device
 
         if ctx.capturing or ctx.stream.is_capturing():
@@ -291,13 +295,18 @@ class GemmCache:
         if disk is not None and disk.get(problem, valid) is not None:
             p.algo_ptr, p.tuned = p.algo_address(found["index"]), True
             return
+        if split_k.wanted(p.spec):
+            p.heuristic = np.concatenate([p.heuristic, split_k.variants(self._lt, self.handle,
+                                                                        p)])
+            p.algo_ptr = p.algo_address(0)       # the old buffer is gone
         best, best_time = 0, float("inf")
         for i in range(len(p.heuristic)):
             algo = p.algo_address(i)
             if not _usable(p, i, self.workspace_bytes):
                 continue
             try:
-                elapsed = time_on_device(ctx, lambda: call(algo), AUTOTUNE_REPEATS)
+                elapsed = time_on_device(ctx, lambda: call(algo), AUTOTUNE_REPEATS,
+                                         give_up_above=give_up_above(best_time))
             except (self._lt.cuBLASLtError, CaptureError):
                 continue                         # an algorithm may refuse the call
             if elapsed < best_time:

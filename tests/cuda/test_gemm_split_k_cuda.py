@@ -1,0 +1,77 @@
+"""Split-K variants of cuBLASLt's candidates (matmul/split_k.py) on the GPU: for a weight
+gradient's deep, narrow product, cuBLASLt accepts variants, each one's product matches NumPy's
+float64 one under the fp32 and tf32 bounds of test_gemm_cuda.py, and the autotuner times them
+beside the heuristic's own candidates."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.cuda
+
+cp = pytest.importorskip("cupy")
+pytest.importorskip("nvmath")
+
+from stepgraph.backends import cuda_available  # noqa: E402
+
+if not cuda_available():
+    pytest.skip("no GPU visible to CuPy", allow_module_level=True)
+
+from stepgraph.backends.cuda.matmul import gemm, split_k  # noqa: E402
+from tests.cuda.helpers import rel_err  # noqa: E402
+
+TOL = {"fp32": 1e-5, "tf32": 3e-3}
+M, N, K = 200, 72, 16384           # dw (M, N) = dy^T (M, K) @ x (K, N): K over the batch
+
+
+def operands(seed):
+    rng = np.random.default_rng(seed)
+    dy_t = rng.standard_normal((K, M)).astype(np.float32)      # stored (K, M): trans_a
+    x = rng.standard_normal((K, N)).astype(np.float32)
+    return dy_t, x, dy_t.astype(np.float64).T @ x.astype(np.float64)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+def test_every_variant_computes_the_product(backend, precision):
+    ctx = backend.make_context(precision)
+    dy_t, x, want = operands(1)
+    a, b = cp.asarray(dy_t), cp.asarray(x)
+    c = cp.full((M, N), np.nan, np.float32)
+    spec = gemm.matmul_spec(a, b, c, trans_a=True, precision=precision)
+    assert split_k.wanted(spec)
+    cache = gemm.GemmCache(autotune=False)
+    p = cache.plan(spec)
+    own = len(p.heuristic)
+    rows = split_k.variants(cache._lt, cache.handle, p)
+    assert len(rows) > 0, "cuBLASLt accepted no split-K variant"
+    p.heuristic = np.concatenate([p.heuristic, rows])
+    for i in range(own, len(p.heuristic)):
+        if not gemm._usable(p, i, cache.workspace_bytes):
+            continue
+        c.fill(np.nan)
+        p.algo_ptr = p.algo_address(i)
+        cache.run(spec, ctx.stream.ptr, b.data.ptr, a.data.ptr, c.data.ptr)
+        ctx.stream.synchronize()
+        got = cp.asnumpy(c)
+        assert np.isfinite(got).all(), f"variant {i}: not every element was written"
+        assert rel_err(got, want) < TOL[precision], f"variant {i}: {rel_err(got, want):.2e}"
+    cache.close()
+
+
+def test_the_autotuner_times_the_variants_and_keeps_a_correct_choice(backend, monkeypatch):
+    monkeypatch.setenv("STEPGRAPH_DISK_CACHE", "0")       # time here, not a stored choice
+    ctx = backend.make_context("fp32")
+    dy_t, x, want = operands(2)
+    a, b = cp.asarray(dy_t), cp.asarray(x)
+    c = cp.full((M, N), np.nan, np.float32)
+    gemm.matmul(ctx, a, b, c, trans_a=True)
+    ctx.stream.synchronize()
+    p = ctx.gemm.plan(gemm.matmul_spec(a, b, c, trans_a=True, precision="fp32"))
+    assert p.tuned
+    split = [i for i in range(len(p.heuristic))
+             if split_k._get(ctx.gemm._lt.matmul_algo_config_get_attribute,
+                             ctx.gemm._lt.get_matmul_algo_config_attribute_dtype,
+                             p.algo_address(i),
+                             ctx.gemm._lt.MatmulAlgoConfigAttribute.SPLITK_NUM) > 1]
+    assert split, "no split-K candidate was among those timed"
+    assert rel_err(cp.asnumpy(c), want) < TOL["fp32"]
