@@ -82,9 +82,10 @@ def spec(m=384, n=96, k=32768, **kw):
 
 
 def planned(rows, s=None):
+    """A planned GEMM whose heuristic offered `rows`: (id, tile, split[, scheme])."""
     heuristic = np.zeros(len(rows), RESULT)
-    for i, (id_, tile, split) in enumerate(rows):
-        heuristic["algo"][i, [ID, TILE, SPLIT]] = id_, tile, split
+    for i, row in enumerate(rows):
+        heuristic["algo"][i, [ID, TILE, SPLIT, SCHEME][:len(row)]] = row
     return SimpleNamespace(spec=s or spec(), heuristic=heuristic, desc=1, layouts=(2, 3, 4))
 
 
@@ -101,14 +102,14 @@ def test_deep_narrow_products_are_wanted_and_others_not():
     assert split_k.splits_for(2048) == (2, 4, 8)           # parts of at least 256
 
 
-def test_every_split_and_scheme_of_the_first_bases_is_checked_and_kept():
+def test_every_split_and_scheme_of_every_candidate_is_checked_and_kept():
     lt, checks = fake_lt()
     p = planned([(16, 5, 1), (17, 6, 1), (18, 7, 1), (19, 8, 1)])
     rows = split_k.variants(lt, 0, p)
     kept = configs(rows)
-    # the first three algorithms only, each split of K = 32768, both deterministic schemes
+    # each algorithm, each split of K = 32768, both deterministic schemes
     assert kept == [(id_, tile, split, scheme)
-                    for id_, tile in ((16, 5), (17, 6), (18, 7))
+                    for id_, tile in ((16, 5), (17, 6), (18, 7), (19, 8))
                     for split in (2, 4, 8, 16, 32) for scheme in (1, 2)]
     assert len(checks) == len(kept)
     assert list(rows["workspace_size"]) == [4096 * c[2] for c in kept]   # from the check
@@ -120,13 +121,20 @@ def test_every_split_and_scheme_of_the_first_bases_is_checked_and_kept():
 def test_refused_configurations_and_algorithms_that_cannot_split_are_left_out():
     lt, checks = fake_lt(no_split_ids={17}, masks={16: Scheme.COMPUTE_TYPE},
                          refuse=lambda id_, split, scheme: split == 32 or id_ == 19)
-    p = planned([(16, 5, 1), (17, 6, 1), (18, 7, 4), (19, 8, 1), (20, 9, 1)], spec(k=4096))
+    p = planned([(16, 5, 1), (17, 6, 1), (18, 7, 4, 2), (19, 8, 1), (20, 9, 1)],
+                spec(k=4096))
     kept = configs(split_k.variants(lt, 0, p))
     assert kept == [(16, 5, s, 2) for s in (2, 4, 8, 16)] + \
+        [(18, 7, s, 2) for s in (2, 8, 16)] + \
         [(20, 9, s, c) for s in (2, 4, 8, 16) for c in (1, 2)]
-    # 17 cannot split, 18 is already split by the heuristic: neither counts as a base, so
-    # 19 (every variant refused) and 20 are the second and third
-    assert {c[0] for c in checks} == {16, 19, 20}
+    # 17 cannot split: never checked; 19's variants are all refused
+    assert {c[0] for c in checks} == {16, 18, 19, 20}
+
+
+def test_an_already_split_candidate_keeps_its_scheme_and_tries_the_other_counts():
+    lt, _ = fake_lt()
+    kept = configs(split_k.variants(lt, 0, planned([(16, 5, 16, 1)])))
+    assert kept == [(16, 5, s, 1) for s in (2, 4, 8, 32)]
 
 
 def test_a_failed_row_is_skipped_and_nothing_offered_twice():
@@ -134,7 +142,7 @@ def test_a_failed_row_is_skipped_and_nothing_offered_twice():
     p = planned([(9, 1, 1), (16, 5, 1), (16, 5, 1), (21, 2, 1)])
     p.heuristic["state"][0] = 7                         # a row the heuristic marked failed
     kept = configs(split_k.variants(lt, 0, p))
-    assert len(kept) == len(set(kept)) == 2 * 5 * 2     # 16's variants once, then 21's
+    assert len(kept) == len(set(kept)) == 2 * 5 * 2     # 16's variants once, and 21's
     assert {c[0] for c in kept} == {16, 21}
 
 
