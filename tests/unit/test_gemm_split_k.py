@@ -1,7 +1,7 @@
-"""Split-K variants of the heuristic's GEMM candidates (backends/cuda/matmul/split_k.py),
-against a fake cuBLASLt that keeps an algorithm's configuration in its struct's words and
-refuses what a real library may refuse. tests/cuda/test_gemm_split_k_cuda.py runs the real
-one and compares every variant's product with NumPy's."""
+"""cuBLASLt's configurations beyond its heuristic's (backends/cuda/matmul/split_k.py), against
+a fake cuBLASLt that keeps an algorithm's configuration in its struct's words and refuses what
+a real library may refuse. tests/cuda/test_gemm_split_k_cuda.py runs the real one and
+compares every configuration's product with NumPy's."""
 from __future__ import annotations
 
 import ctypes
@@ -13,20 +13,25 @@ import numpy as np
 from stepgraph.backends.cuda.matmul import split_k
 from stepgraph.backends.cuda.matmul.gemm import GemmSpec, Layout
 
-RESULT = np.dtype([("algo", np.uint64, (8,)), ("workspace_size", np.uint64),
-                   ("state", np.int32), ("waves_count", np.float32),
-                   ("reserved", np.int32, (4,))])
-ID, TILE, SPLIT, SCHEME = range(4)          # the words of the fake's algorithm struct
+ALGO = np.dtype([("data", np.uint64, (8,))])
+RESULT = np.dtype([("algo", ALGO), ("workspace_size", np.uint64), ("state", np.int32),
+                   ("waves_count", np.float32), ("reserved", np.int32, (4,))])
+TYPES = (68, 0, 0, 0)                        # compute, scale, A/B and D types: passed through
 
 
-class Config(enum.IntEnum):
+class Config(enum.IntEnum):                  # each the index of the word the fake keeps it in
+    ID = 0
+    TILE_ID = 1
     SPLITK_NUM = 2
     REDUCTION_SCHEME = 3
+    STAGES_ID = 4
 
 
 class Cap(enum.IntEnum):
     SPLITK_SUPPORT = 10
     REDUCTION_SCHEME_MASK = 11
+    TILE_IDS = 12
+    STAGES_IDS = 13
 
 
 class Scheme(enum.IntEnum):
@@ -37,43 +42,49 @@ class Refused(Exception):
     pass
 
 
-def fake_lt(no_split_ids=(), masks=None, refuse=lambda id_, split, scheme: False):
-    """A cuBLASLt whose algorithms `no_split_ids` cannot split K, whose reduction schemes are
-    masks[id] (INPLACE | COMPUTE_TYPE by default), and whose check refuses what `refuse`
-    says; checks are recorded."""
-    masks = masks or {}
-    checks = []
+def fake_lt(algos: dict, refuse=lambda id_, tile, stage, split: False):
+    """A cuBLASLt with the algorithms `algos`: id -> dict(tiles, stages, split, mask), whose
+    check refuses what `refuse` says; the checks and the ids asked for are recorded."""
+    calls = {"checks": [], "ids": []}
 
     def word(algo, i):
         return ctypes.c_uint64.from_address(algo + 8 * i)
 
-    def config_get(algo, attr, buf, size, written):
-        ctypes.c_uint32.from_address(buf).value = word(algo, attr).value
+    def get_ids(handle, compute, scale, a, b, c, d, count):
+        calls["ids"].append((compute, count))
+        return tuple(algos)
+
+    def init(handle, compute, scale, a, b, c, d, id_, algo):
+        word(algo, Config.ID).value = id_
+
+    def cap_get(algo, attr, buf, size, written):
+        caps = algos[word(algo, Config.ID).value]
+        values = {Cap.SPLITK_SUPPORT: [int(caps.get("split", True))],
+                  Cap.REDUCTION_SCHEME_MASK: [int(caps.get("mask", 3))],
+                  Cap.TILE_IDS: caps.get("tiles", []),
+                  Cap.STAGES_IDS: caps.get("stages", [])}[attr]
+        ctypes.c_uint64.from_address(written).value = 4 * len(values)
+        for i, v in enumerate(values[:size // 4]):
+            ctypes.c_uint32.from_address(buf + 4 * i).value = v
 
     def config_set(algo, attr, buf, size):
         word(algo, attr).value = ctypes.c_uint32.from_address(buf).value
 
-    def cap_get(algo, attr, buf, size, written):
-        id_ = word(algo, ID).value
-        value = (id_ not in no_split_ids if attr == Cap.SPLITK_SUPPORT
-                 else masks.get(id_, Scheme.INPLACE | Scheme.COMPUTE_TYPE))
-        ctypes.c_int32.from_address(buf).value = int(value)
-
     def check(handle, desc, a, b, c, d, algo, result):
-        id_, split, scheme = (word(algo, i).value for i in (ID, SPLIT, SCHEME))
-        checks.append((id_, split, scheme))
-        if refuse(id_, split, scheme):
-            raise Refused(f"id {id_} split {split} scheme {scheme}")
+        id_, tile, split, scheme, stage = (word(algo, i).value for i in range(5))
+        calls["checks"].append((id_, tile, stage, split, scheme))
+        if refuse(id_, tile, stage, split):
+            raise Refused(f"id {id_}")
         out = np.frombuffer((ctypes.c_char * RESULT.itemsize).from_address(result), RESULT)
         out["workspace_size"] = 4096 * split
 
     lt = SimpleNamespace(
         MatmulAlgoConfigAttribute=Config, MatmulAlgoCapAttribute=Cap, ReductionScheme=Scheme,
-        cuBLASLtError=Refused, matmul_algo_config_get_attribute=config_get,
-        matmul_algo_config_set_attribute=config_set, matmul_algo_cap_get_attribute=cap_get,
-        get_matmul_algo_config_attribute_dtype=lambda attr: np.uint32,
-        get_matmul_algo_cap_attribute_dtype=lambda attr: np.int32, matmul_algo_check=check)
-    return lt, checks
+        cuBLASLtError=Refused, matmul_algo_dtype=ALGO, matmul_algo_get_ids=get_ids,
+        matmul_algo_init=init, matmul_algo_cap_get_attribute=cap_get,
+        matmul_algo_config_set_attribute=config_set,
+        get_matmul_algo_config_attribute_dtype=lambda attr: np.uint32, matmul_algo_check=check)
+    return lt, calls
 
 
 def spec(m=384, n=96, k=32768, **kw):
@@ -81,16 +92,17 @@ def spec(m=384, n=96, k=32768, **kw):
     return GemmSpec(a=Layout(m, k, m), b=Layout(n, k, n), d=Layout(m, n, m), trans_b=True, **kw)
 
 
-def planned(rows, s=None):
-    """A planned GEMM whose heuristic offered `rows`: (id, tile, split[, scheme])."""
-    heuristic = np.zeros(len(rows), RESULT)
-    for i, row in enumerate(rows):
-        heuristic["algo"][i, [ID, TILE, SPLIT, SCHEME][:len(row)]] = row
+def planned(offered=(), s=None):
+    """A planned GEMM whose heuristic offered `offered`: (id, tile, split, scheme, stage)."""
+    heuristic = np.zeros(len(offered), RESULT)
+    for i, words in enumerate(offered):
+        heuristic["algo"]["data"][i, :5] = words
     return SimpleNamespace(spec=s or spec(), heuristic=heuristic, desc=1, layouts=(2, 3, 4))
 
 
 def configs(rows):
-    return [tuple(int(w) for w in row["algo"][[ID, TILE, SPLIT, SCHEME]]) for row in rows]
+    """(id, tile, stage, split, scheme) of each row."""
+    return [tuple(int(row["algo"]["data"][i]) for i in (0, 1, 4, 2, 3)) for row in rows]
 
 
 def test_deep_narrow_products_are_wanted_and_others_not():
@@ -98,63 +110,41 @@ def test_deep_narrow_products_are_wanted_and_others_not():
     assert not split_k.wanted(spec(m=4096, n=4096))        # 1,024 tiles fill the GPU
     assert not split_k.wanted(spec(k=1024))                # too shallow to split
     assert not split_k.wanted(spec(accumulate=True))       # never autotuned
-    assert split_k.splits_for(32768) == (2, 4, 8, 16, 32)
-    assert split_k.splits_for(2048) == (2, 4, 8)           # parts of at least 256
+    assert split_k.splits_for(32768) == (1, 2, 4, 8, 16, 32)
+    assert split_k.splits_for(2048) == (1, 2, 4, 8)        # parts of at least 256
 
 
-def test_every_split_and_scheme_of_every_candidate_is_checked_and_kept():
-    lt, checks = fake_lt()
-    p = planned([(16, 5, 1), (17, 6, 1), (18, 7, 1), (19, 8, 1)])
-    rows = split_k.variants(lt, 0, p)
-    kept = configs(rows)
-    # each algorithm, each split of K = 32768, both deterministic schemes
-    assert kept == [(id_, tile, split, scheme)
-                    for id_, tile in ((16, 5), (17, 6), (18, 7), (19, 8))
-                    for split in (2, 4, 8, 16, 32) for scheme in (1, 2)]
-    assert len(checks) == len(kept)
-    assert list(rows["workspace_size"]) == [4096 * c[2] for c in kept]   # from the check
-    assert (rows["state"] == 0).all()
-    # the heuristic's own rows are left as they were
-    assert configs(p.heuristic) == [(16, 5, 1, 0), (17, 6, 1, 0), (18, 7, 1, 0), (19, 8, 1, 0)]
+def test_every_tile_stage_and_split_is_checked_and_the_accepted_ones_kept():
+    lt, calls = fake_lt({20: dict(tiles=[17, 18], stages=[28, 29], mask=3),
+                         55: dict(tiles=[11], stages=[31], mask=1),
+                         7: dict(tiles=[3], stages=[], split=False)},
+                        refuse=lambda id_, tile, stage, split: stage == 29 and split == 4)
+    found = list(split_k.configurations(lt, 0, planned(), TYPES, (1, 4, 16)))
+    names = [name for name, _ in found]
+    kept = [c for _, row in found for c in configs(row)]
+    assert calls["ids"] == [(68, 256)]
+    # split counts past 1 add their parts in the compute type where the algorithm can, else
+    # in place; an algorithm that cannot split and lists no stages runs once, unsplit
+    assert kept == [(20, t, s, k, 2 if k > 1 else 0) for t in (17, 18) for s in (28, 29)
+                    for k in (1, 4, 16) if not (s == 29 and k == 4)] + \
+        [(55, 11, 31, k, 1 if k > 1 else 0) for k in (1, 4, 16)] + [(7, 3, 0, 1, 0)]
+    assert len(calls["checks"]) == len(kept) + 2                     # the two refused
+    assert names[0] == "id 20 tile 17 stages 28 split 1"
+    assert [int(row["workspace_size"][0]) for _, row in found] == [4096 * c[3] for c in kept]
 
 
-def test_refused_configurations_and_algorithms_that_cannot_split_are_left_out():
-    lt, checks = fake_lt(no_split_ids={17}, masks={16: Scheme.COMPUTE_TYPE},
-                         refuse=lambda id_, split, scheme: split == 32 or id_ == 19)
-    p = planned([(16, 5, 1), (17, 6, 1), (18, 7, 4, 2), (19, 8, 1), (20, 9, 1)],
-                spec(k=4096))
-    kept = configs(split_k.variants(lt, 0, p))
-    assert kept == [(16, 5, s, 2) for s in (2, 4, 8, 16)] + \
-        [(18, 7, s, 2) for s in (2, 8, 16)] + \
-        [(20, 9, s, c) for s in (2, 4, 8, 16) for c in (1, 2)]
-    # 17 cannot split: never checked; 19's variants are all refused
-    assert {c[0] for c in checks} == {16, 18, 19, 20}
+def test_candidates_leave_out_what_the_heuristic_offered_and_stop_at_the_cap(monkeypatch):
+    lt, _ = fake_lt({20: dict(tiles=[17, 18], stages=[28], mask=2)})
+    p = planned([(20, 17, 16, 2, 28)], spec(k=4096))               # offered: split 16
+    rows = split_k.candidates(lt, 0, p, TYPES)
+    assert configs(rows) == [(20, t, 28, k, 2 if k > 1 else 0) for t in (17, 18)
+                             for k in (1, 2, 4, 8, 16) if (t, k) != (17, 16)]
+    assert rows.dtype == RESULT
+    monkeypatch.setattr(split_k, "MAX_CANDIDATES", 3)
+    assert len(split_k.candidates(lt, 0, p, TYPES)) == 3
 
 
-def test_an_already_split_candidate_keeps_its_scheme_and_tries_the_other_counts():
-    lt, _ = fake_lt()
-    kept = configs(split_k.variants(lt, 0, planned([(16, 5, 16, 1)])))
-    assert kept == [(16, 5, s, 1) for s in (2, 4, 8, 32)]
-
-
-def test_a_failed_row_is_skipped_and_nothing_offered_twice():
-    lt, _ = fake_lt()
-    p = planned([(9, 1, 1), (16, 5, 1), (16, 5, 1), (21, 2, 1)])
-    p.heuristic["state"][0] = 7                         # a row the heuristic marked failed
-    kept = configs(split_k.variants(lt, 0, p))
-    assert len(kept) == len(set(kept)) == 2 * 5 * 2     # 16's variants once, and 21's
-    assert {c[0] for c in kept} == {16, 21}
-
-
-def test_no_variant_gives_an_empty_array_of_the_heuristics_rows():
-    lt, _ = fake_lt(refuse=lambda *a: True)
-    rows = split_k.variants(lt, 0, planned([(16, 5, 1)]))
+def test_nothing_accepted_gives_an_empty_array_of_the_heuristics_rows():
+    lt, _ = fake_lt({20: dict(tiles=[17], stages=[28])}, refuse=lambda *a: True)
+    rows = split_k.candidates(lt, 0, planned(), TYPES)
     assert rows.dtype == RESULT and len(rows) == 0
-
-
-def test_the_variant_is_the_base_algorithm_but_for_split_and_scheme():
-    lt, _ = fake_lt()
-    p = planned([(16, 5, 1)])
-    p.heuristic["algo"][0, 5:] = (11, 12, 13)            # the rest of the struct is kept
-    for variant in split_k.variants(lt, 0, p):
-        assert list(variant["algo"][[0, 1, 5, 6, 7]]) == [16, 5, 11, 12, 13]

@@ -272,10 +272,10 @@ class GemmCache:
         """Time every candidate the heuristic offered on the real operands and keep the
         fastest. The heuristic's first choice is often a split-K algorithm that launches
         several kernels, slower than a one-kernel tile for the small GEMMs of a step; for a
-        deep GEMM with a small result it offers one-kernel tiles only, and split-K variants
-        of them join the candidates (split_k.py). After the first, a candidate is timed in
-        full only while it may still win (autotune.give_up_above). Runs at
-        the first (eager) call, never during capture: it syncs the stream. Each candidate is
+        deep GEMM with a small result its few candidates miss the fastest split, so every
+        configuration cuBLASLt accepts joins them (split_k.py). After the first, a candidate
+        is timed in full only while it may still win (autotune.give_up_above). Runs at the
+        first (eager) call, never during capture: it syncs the stream. Each candidate is
         timed as a captured replay, so host launch costs do not decide. Specs that
         accumulate into D are not tuned (repeated calls would change D). The choice persists
         on disk (autotune.choices): a later process with the same GPU, driver and cuBLASLt
@@ -296,8 +296,11 @@ class GemmCache:
             p.algo_ptr, p.tuned = p.algo_address(found["index"]), True
             return
         if split_k.wanted(p.spec):
-            p.heuristic = np.concatenate([p.heuristic, split_k.variants(self._lt, self.handle,
-                                                                        p)])
+            spec = p.spec
+            compute, scale = _compute_and_scale_type(spec.dtype, spec.precision)
+            types = (compute, scale, _data_type(spec.dtype), _data_type(spec.out_dtype))
+            p.heuristic = np.concatenate([p.heuristic, split_k.candidates(self._lt, self.handle,
+                                                                          p, types)])
             p.algo_ptr = p.algo_address(0)       # the old buffer is gone
         best, best_time = 0, float("inf")
         for i in range(len(p.heuristic)):

@@ -1,35 +1,37 @@
-"""Split-K variants of the heuristic's GEMM candidates, for deep products with a small result.
+"""cuBLASLt's configurations beyond its heuristic's, for deep GEMMs with a small result.
 
 A weight gradient of a convolution or linear layer over a large batch is such a product: D is
 (out, in) and K runs over every pixel or token of the batch (ConvNeXt's 384 x 96 result over
-K = 32768). Its few output tiles leave most SMs idle unless K is split over more thread
-blocks and the partial results added in a second step. cuBLASLt's heuristic does split such
-products, but not by the best count: on an H200 its best fp32 candidate for that product took
-134.6 µs with K in 11 parts, where timing every configuration cuBLASLt accepts found 103 µs
-with 16 (scripts/gemm-algos; 192 x 768 x 8192: 97 -> 76 µs, also 16 parts).
+K = 32768). Its few output tiles leave most SMs idle unless K is split over more thread blocks
+and the parts added in a second step. cuBLASLt's heuristic does split such products, but its
+candidates are few and not the fastest: on an H200 its best fp32 candidate for that product
+took 134 µs (K in 11 parts), and the same candidates with every other split count were no
+faster; of the 114 configurations cuBLASLt's check accepts (every algorithm id, tile, stage
+count and split), the best took 103 µs (192 x 768 x 8192: 97 -> 76 µs). scripts/gemm-algos
+measures it for a model's GEMMs.
 
-The variants copy each heuristic candidate's algorithm (its tile, stages and the rest, chosen
-for this problem) with other split counts, each accepted by cublasLtMatmulAlgoCheck before it
-joins the candidates the autotuner times. A candidate already split keeps its reduction
-scheme; an unsplit one is tried with both schemes that add the parts in a fixed order
-(in place in D, or in the compute type in the workspace), so a variant is as deterministic as
-the heuristic's own candidates.
+So for such products the autotuner also times those configurations (`candidates`). Each is
+accepted by cublasLtMatmulAlgoCheck first, and a split one adds its parts in a fixed order
+(in the compute type in the workspace, or in place in D where that is the only scheme), so a
+configuration is as deterministic as the heuristic's candidates.
 """
 from __future__ import annotations
 
 import math
+from typing import Iterator
 
 import numpy as np
 
-SPLITS = (2, 4, 8, 16, 32)
+SPLITS = (1, 2, 4, 8, 16, 32)
 MIN_K_PER_SPLIT = 256      # a part shorter than this costs more in the reduction than it saves
 MAX_TILES = 64             # D's 128 x 128 tiles below which the GPU's 132 SMs sit mostly idle
 MIN_K = 2048
+MAX_CANDIDATES = 160       # configurations timed per problem at most (the setup it costs)
 
 
 def wanted(spec) -> bool:
-    """Whether `spec` is deep and narrow enough for split-K to be worth timing. Accumulating
-    GEMMs are never autotuned (repeated calls would change D), so none is split here."""
+    """Whether `spec` is deep and narrow enough for its other configurations to be worth
+    timing. Accumulating GEMMs are never autotuned (repeated calls would change D)."""
     tiles = math.ceil(spec.m / 128) * math.ceil(spec.n / 128)
     return (spec.batch == 1 and not spec.accumulate and tiles <= MAX_TILES
             and spec.k >= MIN_K)
@@ -39,57 +41,77 @@ def splits_for(k: int) -> tuple[int, ...]:
     return tuple(s for s in SPLITS if k // s >= MIN_K_PER_SPLIT)
 
 
-def variants(lt, handle: int, p) -> np.ndarray:
-    """Heuristic-result rows (p.heuristic's dtype) of split-K variants of p's usable
-    candidates, each accepted by cuBLASLt's check for p; none repeats an algorithm already
-    in p.heuristic."""
+def configurations(lt, handle: int, p, types: tuple[int, int, int, int],
+                   splits: tuple[int, ...]) -> Iterator[tuple[str, np.ndarray]]:
+    """(description, heuristic-result row of p.heuristic's dtype) of every configuration
+    cuBLASLt accepts for the planned GEMM p: each algorithm id for `types` (compute, scale,
+    A/B and D data types), each tile and stage count its capabilities list, each of `splits`
+    where it can split K."""
+    compute, scale, ab_type, d_type = types
     cap, config = lt.MatmulAlgoCapAttribute, lt.MatmulAlgoConfigAttribute
-    ordered = [lt.ReductionScheme.INPLACE, lt.ReductionScheme.COMPUTE_TYPE]
-    offset = p.heuristic.dtype.fields["algo"][1]
-    seen = {_algo_bytes(p.heuristic[i:i + 1]) for i in range(len(p.heuristic))}
+    in_compute, in_place = int(lt.ReductionScheme.COMPUTE_TYPE), int(lt.ReductionScheme.INPLACE)
     a_lay, b_lay, d_lay = p.layouts
-    found = []
-    for i in range(len(p.heuristic)):
-        base = p.heuristic[i:i + 1].copy()
-        if base["state"][0] != 0:
-            continue
-        address = base.ctypes.data + offset
+    offset = p.heuristic.dtype.fields["algo"][1]
+    ids = lt.matmul_algo_get_ids(handle, compute, scale, ab_type, ab_type, d_type, d_type, 256)
+    for algo_id in ids:
+        algo = np.zeros(1, lt.matmul_algo_dtype)
         try:
-            if not _get(lt.matmul_algo_cap_get_attribute,
-                        lt.get_matmul_algo_cap_attribute_dtype, address, cap.SPLITK_SUPPORT):
-                continue
-            split_now = _get(lt.matmul_algo_config_get_attribute,
-                             lt.get_matmul_algo_config_attribute_dtype, address,
-                             config.SPLITK_NUM)
-            scheme_now = _get(lt.matmul_algo_config_get_attribute,
-                              lt.get_matmul_algo_config_attribute_dtype, address,
-                              config.REDUCTION_SCHEME)
-            mask = _get(lt.matmul_algo_cap_get_attribute,
-                        lt.get_matmul_algo_cap_attribute_dtype, address,
-                        cap.REDUCTION_SCHEME_MASK)
+            lt.matmul_algo_init(handle, compute, scale, ab_type, ab_type, d_type, d_type,
+                                int(algo_id), algo.ctypes.data)
+            tiles = _cap(lt, algo, cap.TILE_IDS, np.uint32)
+            stages = _cap(lt, algo, cap.STAGES_IDS, np.uint32)
+            can_split = _cap(lt, algo, cap.SPLITK_SUPPORT, np.int32)
+            schemes = _cap(lt, algo, cap.REDUCTION_SCHEME_MASK, np.uint32)
         except lt.cuBLASLtError:
             continue
-        schemes = [scheme_now] if split_now > 1 and scheme_now else \
-            [int(s) for s in ordered if mask & int(s)]
-        for split in splits_for(p.spec.k):
-            for scheme in schemes if split != split_now else ():
-                row = base.copy()
-                where = row.ctypes.data + offset
-                check = np.zeros(1, dtype=p.heuristic.dtype)
-                try:
-                    _put(lt, where, config.SPLITK_NUM, split)
-                    _put(lt, where, config.REDUCTION_SCHEME, scheme)
-                    lt.matmul_algo_check(handle, p.desc, a_lay, b_lay, d_lay, d_lay, where,
-                                         check.ctypes.data)
-                except lt.cuBLASLtError:
-                    continue                     # this split or scheme refused for p
-                key = _algo_bytes(row)
-                if key in seen:
-                    continue
-                seen.add(key)
-                row["workspace_size"], row["state"] = check["workspace_size"], check["state"]
-                found.append(row)
+        scheme = in_compute if len(schemes) and schemes[0] & in_compute else in_place
+        for tile in (tiles if len(tiles) else [0]):
+            for stage in (stages if len(stages) else [0]):
+                for split in (splits if len(can_split) and can_split[0] else (1,)):
+                    row = np.zeros(1, dtype=p.heuristic.dtype)
+                    row.view(np.uint8)[offset:offset + algo.nbytes] = algo.view(np.uint8)
+                    where = row.ctypes.data + offset
+                    check = np.zeros(1, dtype=p.heuristic.dtype)
+                    try:
+                        for attr, value in ((config.TILE_ID, tile), (config.STAGES_ID, stage),
+                                            (config.SPLITK_NUM, split),
+                                            (config.REDUCTION_SCHEME,
+                                             scheme if split > 1 else 0)):
+                            _put(lt, where, attr, int(value))
+                        lt.matmul_algo_check(handle, p.desc, a_lay, b_lay, d_lay, d_lay, where,
+                                             check.ctypes.data)
+                    except lt.cuBLASLtError:
+                        continue                 # this configuration refused for p
+                    row["workspace_size"], row["state"] = check["workspace_size"], check["state"]
+                    yield (f"id {int(algo_id)} tile {int(tile)} stages {int(stage)} "
+                           f"split {split}"), row
+
+
+def candidates(lt, handle: int, p, types: tuple[int, int, int, int]) -> np.ndarray:
+    """Rows of p.heuristic's dtype: the first MAX_CANDIDATES configurations of p that the
+    heuristic did not offer."""
+    seen = {_algo_bytes(p.heuristic[i:i + 1]) for i in range(len(p.heuristic))}
+    found = []
+    for _, row in configurations(lt, handle, p, types, splits_for(p.spec.k)):
+        key = _algo_bytes(row)
+        if key not in seen:
+            seen.add(key)
+            found.append(row)
+            if len(found) == MAX_CANDIDATES:
+                break
     return np.concatenate(found) if found else p.heuristic[:0].copy()
+
+
+def _cap(lt, algo: np.ndarray, attr, dtype) -> np.ndarray:
+    """A capability of an initialised algorithm, as an array of `dtype` (its length asked
+    first)."""
+    written = np.zeros(1, np.uint64)
+    lt.matmul_algo_cap_get_attribute(algo.ctypes.data, attr, 0, 0, written.ctypes.data)
+    count = int(written[0]) // np.dtype(dtype).itemsize
+    buf = np.zeros(max(1, count), dtype)
+    lt.matmul_algo_cap_get_attribute(algo.ctypes.data, attr, buf.ctypes.data, buf.nbytes,
+                                     written.ctypes.data)
+    return buf[:count]
 
 
 def _algo_bytes(row: np.ndarray) -> bytes:
@@ -97,13 +119,6 @@ def _algo_bytes(row: np.ndarray) -> bytes:
     offset = row.dtype.fields["algo"][1]
     size = row.dtype.fields["algo"][0].itemsize
     return row.view(np.uint8)[offset:offset + size].tobytes()
-
-
-def _get(getter, dtype_of, algo: int, attr) -> int:
-    buf = np.zeros(1, dtype=dtype_of(attr))
-    written = np.zeros(1, np.uint64)
-    getter(algo, attr, buf.ctypes.data, buf.itemsize, written.ctypes.data)
-    return int(buf[0])
 
 
 def _put(lt, algo: int, attr, value: int) -> None:
