@@ -110,6 +110,8 @@ def test_deep_narrow_products_are_wanted_and_others_not():
     assert not split_k.wanted(spec(m=4096, n=4096))        # 1,024 tiles fill the GPU
     assert not split_k.wanted(spec(k=1024))                # too shallow to split
     assert not split_k.wanted(spec(accumulate=True))       # never autotuned
+    assert not split_k.wanted(spec(dtype="bfloat16"))      # measured slower in a step
+    assert split_k.wanted(spec(precision="tf32"))
     assert split_k.splits_for(32768) == (1, 2, 4, 8, 16, 32)
     assert split_k.splits_for(2048) == (1, 2, 4, 8)        # parts of at least 256
 

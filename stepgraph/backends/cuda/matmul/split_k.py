@@ -4,16 +4,21 @@ A weight gradient of a convolution or linear layer over a large batch is such a 
 (out, in) and K runs over every pixel or token of the batch (ConvNeXt's 384 x 96 result over
 K = 32768). Its few output tiles leave most SMs idle unless K is split over more thread blocks
 and the parts added in a second step. cuBLASLt's heuristic does split such products, but its
-candidates are few and not the fastest: on an H200 its best fp32 candidate for that product
-took 134 µs (K in 11 parts), and the same candidates with every other split count were no
-faster; of the 114 configurations cuBLASLt's check accepts (every algorithm id, tile, stage
-count and split), the best took 103 µs (192 x 768 x 8192: 97 -> 76 µs). scripts/gemm-algos
-measures it for a model's GEMMs.
+few candidates are not the fastest. On an H200, fp32:
+- its best for that product took 134 µs (K in 11 parts); its candidates with the other split
+  counts were no faster;
+- timing every configuration cuBLASLt's check accepts (each algorithm id, tile, stage count
+  and split count, scripts/gemm-algos), the best took 92.5 µs (32 parts); 192 x 768 x 8192
+  went from 97 to 76 µs.
 
-So for such products the autotuner also times those configurations (`candidates`). Each is
-accepted by cublasLtMatmulAlgoCheck first, and a split one adds its parts in a fixed order
-(in the compute type in the workspace, or in place in D where that is the only scheme), so a
-configuration is as deterministic as the heuristic's candidates.
+So for such products in float32 (fp32 and tf32) the autotuner times those configurations too
+(`candidates`): ConvNeXt's fp32 step went from 14,750 to 14,341 µs, for about 5 s more setup.
+Not in bf16: there the same search made ConvNeXt's step 6% slower (4,568 -> 4,850 µs, the
+GEMMs' choices timed faster alone than they ran in the step) and its setup 5 s longer.
+
+Each configuration is accepted by cublasLtMatmulAlgoCheck first, and a split one adds its parts
+in a fixed order (in the compute type in the workspace, or in place in D where that is the
+only scheme), so it is as deterministic as the heuristic's candidates.
 """
 from __future__ import annotations
 
@@ -30,11 +35,12 @@ MAX_CANDIDATES = 160       # configurations timed per problem at most (the setup
 
 
 def wanted(spec) -> bool:
-    """Whether `spec` is deep and narrow enough for its other configurations to be worth
-    timing. Accumulating GEMMs are never autotuned (repeated calls would change D)."""
+    """Whether `spec` is a float32 GEMM deep and narrow enough for its other configurations
+    to be worth timing. Accumulating GEMMs are never autotuned (repeated calls would change
+    D)."""
     tiles = math.ceil(spec.m / 128) * math.ceil(spec.n / 128)
-    return (spec.batch == 1 and not spec.accumulate and tiles <= MAX_TILES
-            and spec.k >= MIN_K)
+    return (spec.dtype == "float32" and spec.batch == 1 and not spec.accumulate
+            and tiles <= MAX_TILES and spec.k >= MIN_K)
 
 
 def splits_for(k: int) -> tuple[int, ...]:
