@@ -35,8 +35,9 @@ def operands(seed):
 def test_every_configuration_computes_the_product(backend, precision):
     ctx = backend.make_context(precision)
     dy_t, x, want = operands(1)
-    a, b = cp.asarray(dy_t), cp.asarray(x)
-    c = cp.full((M, N), np.nan, np.float32)
+    with ctx.stream:        # every buffer made and poisoned on the stream the GEMMs run on
+        a, b = cp.asarray(dy_t), cp.asarray(x)
+        c = cp.full((M, N), np.nan, np.float32)
     spec = gemm.matmul_spec(a, b, c, trans_a=True, precision=precision)
     assert split_k.wanted(spec)
     cache = gemm.GemmCache(autotune=False)
@@ -50,7 +51,8 @@ def test_every_configuration_computes_the_product(backend, precision):
     for i in range(own, len(p.heuristic)):
         if not gemm._usable(p, i, cache.workspace_bytes):
             continue
-        c.fill(np.nan)
+        with ctx.stream:
+            c.fill(np.nan)
         p.algo_ptr = p.algo_address(i)
         cache.run(spec, ctx.stream.ptr, b.data.ptr, a.data.ptr, c.data.ptr)
         ctx.stream.synchronize()
@@ -65,8 +67,9 @@ def test_the_autotuner_times_them_and_keeps_a_correct_choice(backend, monkeypatc
     monkeypatch.setenv("STEPGRAPH_DISK_CACHE", "0")       # time here, not a stored choice
     ctx = backend.make_context("fp32")
     dy_t, x, want = operands(2)
-    a, b = cp.asarray(dy_t), cp.asarray(x)
-    c = cp.full((M, N), np.nan, np.float32)
+    with ctx.stream:
+        a, b = cp.asarray(dy_t), cp.asarray(x)
+        c = cp.full((M, N), np.nan, np.float32)
     spec = gemm.matmul_spec(a, b, c, trans_a=True, precision="fp32")
     offered = len(ctx.gemm._make_plan(spec, 0, 0).heuristic)
     gemm.matmul(ctx, a, b, c, trans_a=True)
