@@ -43,9 +43,7 @@ def test_every_configuration_computes_the_product(backend, precision):
     cache = gemm.GemmCache(autotune=False)
     p = cache.plan(spec)
     own = len(p.heuristic)
-    compute, scale = gemm._compute_and_scale_type(spec.dtype, spec.precision)
-    types = (compute, scale, gemm._data_type(spec.dtype), gemm._data_type(spec.out_dtype))
-    rows = split_k.candidates(cache._lt, cache.handle, p, types)
+    rows = split_k.candidates(cache._lt, cache.handle, p, gemm.algo_types(spec))
     assert len(rows) > 0, "cuBLASLt accepted no configuration beyond its heuristic's"
     p.heuristic = np.concatenate([p.heuristic, rows])
     for i in range(own, len(p.heuristic)):
@@ -70,10 +68,10 @@ def test_the_autotuner_times_them_and_keeps_a_correct_choice(backend, monkeypatc
     with ctx.stream:
         a, b = cp.asarray(dy_t), cp.asarray(x)
         c = cp.full((M, N), np.nan, np.float32)
-    spec = gemm.matmul_spec(a, b, c, trans_a=True, precision="fp32")
-    offered = len(ctx.gemm._make_plan(spec, 0, 0).heuristic)
-    gemm.matmul(ctx, a, b, c, trans_a=True)
+    p = ctx.gemm.plan(gemm.matmul_spec(a, b, c, trans_a=True, precision="fp32"))
+    assert not p.tuned
+    offered = len(p.heuristic)
+    gemm.matmul(ctx, a, b, c, trans_a=True)             # plans nothing new: tunes p
     ctx.stream.synchronize()
-    p = ctx.gemm.plan(spec)
     assert p.tuned and len(p.heuristic) > offered, "no configuration joined the candidates"
     assert rel_err(cp.asnumpy(c), want) < TOL["fp32"]

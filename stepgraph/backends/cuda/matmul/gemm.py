@@ -153,6 +153,13 @@ def _data_type(dtype: str) -> int:
             "float16": CudaDataType.CUDA_R_16F}.get(dtype, CudaDataType.CUDA_R_32F)
 
 
+def algo_types(spec: GemmSpec) -> tuple[int, int, int, int]:
+    """cuBLASLt's compute type, scale type, A/B data type and D data type for `spec` (what
+    its algorithm ids and configurations are enumerated by)."""
+    compute, scale = _compute_and_scale_type(spec.dtype, spec.precision)
+    return compute, scale, _data_type(spec.dtype), _data_type(spec.out_dtype)
+
+
 def _scale_dtype(dtype: str) -> str:
     """The host dtype of alpha and beta (the scale type of _compute_and_scale_type)."""
     return "float64" if dtype == "float64" else "float32"
@@ -296,11 +303,8 @@ class GemmCache:
             p.algo_ptr, p.tuned = p.algo_address(found["index"]), True
             return
         if split_k.wanted(p.spec):
-            spec = p.spec
-            compute, scale = _compute_and_scale_type(spec.dtype, spec.precision)
-            types = (compute, scale, _data_type(spec.dtype), _data_type(spec.out_dtype))
-            p.heuristic = np.concatenate([p.heuristic, split_k.candidates(self._lt, self.handle,
-                                                                          p, types)])
+            more = split_k.candidates(self._lt, self.handle, p, algo_types(p.spec))
+            p.heuristic = np.concatenate([p.heuristic, more])
             p.algo_ptr = p.algo_address(0)       # the old buffer is gone
         best, best_time = 0, float("inf")
         for i in range(len(p.heuristic)):
