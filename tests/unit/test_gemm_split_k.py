@@ -112,8 +112,8 @@ def test_deep_narrow_products_are_wanted_and_others_not():
     assert not split_k.wanted(spec(accumulate=True))       # never autotuned
     assert not split_k.wanted(spec(dtype="bfloat16"))      # measured slower in a step
     assert split_k.wanted(spec(precision="tf32"))
-    assert split_k.splits_for(32768) == (1, 2, 4, 8, 16, 32)
-    assert split_k.splits_for(2048) == (1, 2, 4, 8)        # parts of at least 256
+    assert split_k.splits_for(32768) == (4, 8, 16, 32)
+    assert split_k.splits_for(2048) == (4, 8)              # parts of at least 256
 
 
 def test_every_tile_stage_and_split_is_checked_and_the_accepted_ones_kept():
@@ -139,8 +139,8 @@ def test_candidates_leave_out_what_the_heuristic_offered_and_stop_at_the_cap(mon
     lt, _ = fake_lt({20: dict(tiles=[17, 18], stages=[28], mask=2)})
     p = planned([(20, 17, 16, 2, 28)], spec(k=4096))               # offered: split 16
     rows = split_k.candidates(lt, 0, p, TYPES)
-    assert configs(rows) == [(20, t, 28, k, 2 if k > 1 else 0) for t in (17, 18)
-                             for k in (1, 2, 4, 8, 16) if (t, k) != (17, 16)]
+    assert configs(rows) == [(20, t, 28, k, 2) for t in (17, 18)
+                             for k in (4, 8, 16) if (t, k) != (17, 16)]
     assert rows.dtype == RESULT
     monkeypatch.setattr(split_k, "MAX_CANDIDATES", 3)
     assert len(split_k.candidates(lt, 0, p, TYPES)) == 3

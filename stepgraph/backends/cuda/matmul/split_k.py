@@ -11,8 +11,9 @@ few candidates are not the fastest. On an H200, fp32:
   and split count, scripts/gemm-algos), the best took 92.5 µs (32 parts); 192 x 768 x 8192
   went from 97 to 76 µs.
 
-So for such products in float32 (fp32 and tf32) the autotuner times those configurations too
-(`candidates`): ConvNeXt's fp32 step went from 14,750 to 14,341 µs, for about 5 s more setup.
+So for such products in float32 (fp32 and tf32) the autotuner times those configurations too,
+those with K in 4 to 32 parts (`candidates`): ConvNeXt's fp32 step went from 14,750 to
+14,341 µs, for about 5 s more setup while 1 and 2 parts were searched as well.
 Not in bf16: there the same search made ConvNeXt's step 6% slower (4,568 -> 4,850 µs, the
 GEMMs' choices timed faster alone than they ran in the step) and its setup 5 s longer.
 
@@ -27,7 +28,10 @@ from typing import Iterator
 
 import numpy as np
 
-SPLITS = (1, 2, 4, 8, 16, 32)
+# Split counts searched. Fewer parts are the heuristic's own candidates already, and they are
+# the slowest configurations to time for these products: an unsplit one took 1,896 µs for
+# ConvNeXt's 384 x 96 x 32768, where 16 and 32 parts won (103 and 92.5 µs).
+SPLITS = (4, 8, 16, 32)
 MIN_K_PER_SPLIT = 256      # a part shorter than this costs more in the reduction than it saves
 MAX_TILES = 64             # D's 128 x 128 tiles below which the GPU's 132 SMs sit mostly idle
 MIN_K = 2048
