@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import time
 from typing import Callable, Hashable
 
 from .... import cache
@@ -131,7 +132,7 @@ def _fastest(ctx, paths: dict[str, Callable[[], None]], key: Hashable = None) ->
     own = [name for name, run in paths.items() if getattr(run, "kernels", ())]
     order = [name for name in paths if name not in own] + own
     best_name, best = order[0], float("inf")
-    times = {}
+    times, started = {}, time.perf_counter()
     for name in order:
         run = paths[name]
         if own and name == own[0]:
@@ -141,18 +142,20 @@ def _fastest(ctx, paths: dict[str, Callable[[], None]], key: Hashable = None) ->
         times[name] = (round(ms, 4), "eager" if limit is not None and ms > limit else "graph")
         if ms < best:
             best_name, best = name, ms
-    _log_timings(key, times, best_name)
+    _log_timings(key, times, best_name, time.perf_counter() - started)
     return best_name
 
 
-def _log_timings(key: Hashable, times: dict, chosen: str) -> None:
+def _log_timings(key: Hashable, times: dict, chosen: str, seconds: float) -> None:
     """With STEPGRAPH_AUTOTUNE_LOG=FILE, one JSON line per timed problem: its key, each
     candidate's ms and how it was timed (a graph replay, or an eager run past the cut),
-    and the choice; how to see why a problem runs the kernel it runs."""
+    the choice, and the host seconds the timing took (waits for compiles included): why a
+    problem runs the kernel it runs, and what choosing it cost the setup."""
     path = os.environ.get("STEPGRAPH_AUTOTUNE_LOG")
     if path:
+        line = {"key": repr(key), "ms": times, "chosen": chosen, "s": round(seconds, 4)}
         with open(path, "a") as f:
-            f.write(json.dumps({"key": repr(key), "ms": times, "chosen": chosen}) + "\n")
+            f.write(json.dumps(line) + "\n")
 
 
 def run_family(paths: dict[str, Callable[[], None]], family: str, fallback: str) -> None:
