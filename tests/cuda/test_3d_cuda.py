@@ -14,15 +14,11 @@ import stepgraph as sg
 from stepgraph import nn, optim
 from stepgraph.nn import functional as F
 
+from tests.cuda.gpu import require_gpu
+
 pytestmark = pytest.mark.cuda
 
-cp = pytest.importorskip("cupy")
-pytest.importorskip("nvmath")
-
-from stepgraph.backends import cuda_available  # noqa: E402
-
-if not cuda_available():
-    pytest.skip("no GPU visible to CuPy", allow_module_level=True)
+cp = require_gpu("nvmath")
 
 from stepgraph.backends.cuda import norm, pool3d  # noqa: E402
 from stepgraph.backends.cuda.conv import conv3d, conv_cudnn  # noqa: E402

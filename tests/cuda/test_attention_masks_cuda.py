@@ -12,15 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.cuda.gpu import require_gpu
+
 pytestmark = pytest.mark.cuda
 
-cp = pytest.importorskip("cupy")
-pytest.importorskip("nvmath")
-
-from stepgraph.backends import cuda_available  # noqa: E402
-
-if not cuda_available():
-    pytest.skip("no GPU visible to CuPy", allow_module_level=True)
+cp = require_gpu("nvmath")
 
 import stepgraph as sg  # noqa: E402
 from stepgraph import optim  # noqa: E402

@@ -6,14 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.cuda.gpu import require_gpu
+
 pytestmark = pytest.mark.cuda
-pytest.importorskip("cupy")
-pytest.importorskip("nvmath")
-
-from stepgraph.backends import cuda_available  # noqa: E402
-
-if not cuda_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+require_gpu("nvmath")
 
 import cupy as cp  # noqa: E402
 

@@ -26,15 +26,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.cuda.gpu import require_gpu
+
 pytestmark = pytest.mark.cuda
 
-cp = pytest.importorskip("cupy")
+cp = require_gpu()
 torch = pytest.importorskip("torch")
-
-from stepgraph.backends import cuda_available  # noqa: E402
-
-if not cuda_available() or not torch.cuda.is_available():
-    pytest.skip("needs a GPU visible to CuPy and to PyTorch", allow_module_level=True)
+if not torch.cuda.is_available():
+    pytest.skip("needs a GPU visible to PyTorch", allow_module_level=True)
 
 import stepgraph as sg  # noqa: E402
 from stepgraph import optim  # noqa: E402

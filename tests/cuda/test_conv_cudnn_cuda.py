@@ -13,17 +13,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.cuda.gpu import require_gpu
+
 pytestmark = pytest.mark.cuda
 
-cp = pytest.importorskip("cupy")
-pytest.importorskip("nvmath")
+cp = require_gpu("nvmath")
 
 from stepgraph import cache  # noqa: E402
-from stepgraph.backends import cuda_available  # noqa: E402
-
-if not cuda_available():
-    pytest.skip("no GPU visible to CuPy", allow_module_level=True)
-
 from stepgraph.backends.cuda.conv import conv, conv_cudnn  # noqa: E402
 from stepgraph.ir.graph import Node, Value  # noqa: E402
 from stepgraph.ir.ops import IMPLS as NUMPY_IMPLS  # noqa: E402

@@ -9,12 +9,11 @@ import pytest
 import stepgraph as sg
 from stepgraph import losses, nn, optim
 from stepgraph.nn import functional as F
+from tests.cuda.gpu import require_gpu
 from tests.ops.helpers import relative_error, seeded
 
 pytestmark = pytest.mark.cuda
-cp = pytest.importorskip("cupy")
-if not sg.cuda_available():
-    pytest.skip("no CUDA GPU", allow_module_level=True)
+require_gpu()
 
 STEPS = 6
 FROZEN = ("0.weight", "0.bias", "4.bias")

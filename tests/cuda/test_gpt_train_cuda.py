@@ -9,17 +9,15 @@ import random
 import numpy as np
 import pytest
 
-import stepgraph as sg
 from stepgraph import train as train_gpt_module
 from stepgraph.sample import SampleConfig, sample
 from stepgraph.train import GPTTrainConfig
 from stepgraph.train import train as train_gpt
+from tests.cuda.gpu import require_gpu
 from tests.helpers import run_interrupted
 
 pytestmark = pytest.mark.cuda
-cp = pytest.importorskip("cupy")
-if not sg.cuda_available():
-    pytest.skip("no CUDA GPU", allow_module_level=True)
+require_gpu()
 
 TINY = dict(batch_size=8, block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.1,
             eval_batches=4, device="cuda", progress=False)

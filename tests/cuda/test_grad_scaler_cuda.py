@@ -8,14 +8,13 @@ import pytest
 
 import stepgraph as sg
 from stepgraph.loop import hooks
+from tests.cuda.gpu import require_gpu
 from tests.reference import state_float64
 from tests.unit.test_grad_scaler import (batches, float64_reference, judge, scaled_loop, skipped,
                                          twins)
 
 pytestmark = pytest.mark.cuda
-pytest.importorskip("cupy")
-if not sg.cuda_available():
-    pytest.skip("no CUDA GPU", allow_module_level=True)
+require_gpu()
 
 
 def test_scaled_loop_on_cuda_follows_torch_in_one_graph():

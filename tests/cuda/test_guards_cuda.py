@@ -16,10 +16,10 @@ from stepgraph import losses, models, nn, optim
 from stepgraph.errors import LabelError, NonFiniteError
 from stepgraph.ops.guard import FIRST_BAD
 
+from tests.cuda.gpu import require_gpu
+
 pytestmark = pytest.mark.cuda
-cp = pytest.importorskip("cupy")
-if not sg.cuda_available():
-    pytest.skip("no CUDA GPU", allow_module_level=True)
+cp = require_gpu()
 
 BATCH, FEATURES, HIDDEN, CLASSES = 32, 64, 128, 10
 

@@ -9,14 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.cuda.gpu import require_gpu
+
 pytestmark = pytest.mark.cuda
 
-cp = pytest.importorskip("cupy")
-
-from stepgraph.backends import cuda_available  # noqa: E402
-
-if not cuda_available():
-    pytest.skip("no GPU visible to CuPy", allow_module_level=True)
+cp = require_gpu()
 
 import stepgraph  # noqa: E402,F401  (registers the op families)
 from tests.cuda.helpers import assert_close, make_node, random, run_both, to_host  # noqa: E402

@@ -7,14 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import stepgraph as sg
 from stepgraph.errors import NonFiniteError
+from tests.cuda.gpu import require_gpu
 from tests.unit.test_kstep import assert_same_state, stacked, twins
 
 pytestmark = pytest.mark.cuda
-cp = pytest.importorskip("cupy")
-if not sg.cuda_available():
-    pytest.skip("no CUDA GPU", allow_module_level=True)
+cp = require_gpu()
 
 STEPS = 4
 

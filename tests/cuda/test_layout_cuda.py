@@ -19,11 +19,10 @@ import pytest
 import stepgraph as sg
 from stepgraph import cache, models, optim
 
+from tests.cuda.gpu import require_gpu
+
 pytestmark = pytest.mark.cuda
-cp = pytest.importorskip("cupy")
-pytest.importorskip("nvmath")
-if not sg.cuda_available():
-    pytest.skip("no CUDA GPU", allow_module_level=True)
+cp = require_gpu("nvmath")
 
 from stepgraph.backends.cuda import elementwise, loss, norm, pool, reduce  # noqa: E402
 from stepgraph.backends.cuda import optim as cuda_optim  # noqa: E402

@@ -10,10 +10,10 @@ from stepgraph import losses, models, optim
 from stepgraph.compile.executable import Executable
 from stepgraph.loop import hooks
 
+from tests.cuda.gpu import require_gpu
+
 pytestmark = pytest.mark.cuda
-cp = pytest.importorskip("cupy")
-if not sg.cuda_available():
-    pytest.skip("no CUDA GPU", allow_module_level=True)
+require_gpu()
 
 
 def data(n, batch=32, shape=(784,), seed=0):

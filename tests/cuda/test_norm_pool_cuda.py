@@ -10,14 +10,11 @@ import functools
 import numpy as np
 import pytest
 
+from tests.cuda.gpu import require_gpu
+
 pytestmark = pytest.mark.cuda
 
-cp = pytest.importorskip("cupy")
-
-from stepgraph.backends import cuda_available  # noqa: E402
-
-if not cuda_available():
-    pytest.skip("no GPU visible to CuPy", allow_module_level=True)
+require_gpu()
 
 import stepgraph  # noqa: E402,F401  (registers the op families)
 from stepgraph.backends.cuda import elementwise, loss, norm, optim, pool, reduce  # noqa: E402

@@ -14,10 +14,10 @@ import stepgraph as sg
 from stepgraph import losses, nn, optim
 from stepgraph.compile import overlap
 
+from tests.cuda.gpu import require_gpu
+
 pytestmark = pytest.mark.cuda
-cp = pytest.importorskip("cupy")
-if not sg.cuda_available():
-    pytest.skip("no CUDA GPU", allow_module_level=True)
+require_gpu()
 
 STEPS = 8
 OPTIMIZERS = {

@@ -16,10 +16,10 @@ from stepgraph import losses, models, nn, optim
 from stepgraph.compile import overlap
 from stepgraph.compile.distribute import UPDATE_OPS
 
+from tests.cuda.gpu import require_gpu
+
 pytestmark = pytest.mark.cuda
-cp = pytest.importorskip("cupy")
-if not sg.cuda_available():
-    pytest.skip("no CUDA GPU", allow_module_level=True)
+cp = require_gpu()
 
 # 16 KiB of parameters a bucket: the larger weights of the mlp and the cnn get a bucket each,
 # the biases share; several buckets without a model of hundreds of MiB.

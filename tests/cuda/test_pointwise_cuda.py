@@ -9,14 +9,11 @@ import functools
 import numpy as np
 import pytest
 
+from tests.cuda.gpu import require_gpu
+
 pytestmark = pytest.mark.cuda
 
-cp = pytest.importorskip("cupy")
-
-from stepgraph.backends import cuda_available  # noqa: E402
-
-if not cuda_available():
-    pytest.skip("no GPU visible to CuPy", allow_module_level=True)
+cp = require_gpu()
 
 from stepgraph.backends.cuda import pointwise  # noqa: E402
 from stepgraph.compile.pointwise import fuse_pointwise  # noqa: E402

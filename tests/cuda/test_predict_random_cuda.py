@@ -10,12 +10,11 @@ import pytest
 import stepgraph as sg
 from stepgraph import nn
 from stepgraph.nn import functional as F
+from tests.cuda.gpu import require_gpu
 from tests.unit.test_predict_random import MCDropout, Noisy
 
 pytestmark = pytest.mark.cuda
-cp = pytest.importorskip("cupy")
-if not sg.cuda_available():
-    pytest.skip("no CUDA GPU", allow_module_level=True)
+cp = require_gpu()
 
 from tests.cuda.test_step_cuda import kernels_of_ops  # noqa: E402
 

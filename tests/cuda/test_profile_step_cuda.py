@@ -8,10 +8,10 @@ import pytest
 import stepgraph as sg
 from stepgraph import losses, models, nn, optim
 
+from tests.cuda.gpu import require_gpu
+
 pytestmark = pytest.mark.cuda
-cp = pytest.importorskip("cupy")
-if not sg.cuda_available():
-    pytest.skip("no CUDA GPU", allow_module_level=True)
+cp = require_gpu()
 
 
 def test_profile_of_a_users_step_restores_its_state():

@@ -10,10 +10,10 @@ import pytest
 import stepgraph as sg
 from stepgraph import models, optim
 
+from tests.cuda.gpu import require_gpu
+
 pytestmark = pytest.mark.cuda
-cp = pytest.importorskip("cupy")
-if not sg.cuda_available():
-    pytest.skip("no CUDA GPU", allow_module_level=True)
+cp = require_gpu()
 
 import torch  # noqa: E402  (the float64 reference runs on the CPU)
 

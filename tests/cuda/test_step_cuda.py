@@ -7,12 +7,11 @@ import pytest
 
 import stepgraph as sg
 from stepgraph import losses, models, optim
+from tests.cuda.gpu import require_gpu
 from tests.ops.helpers import relative_error as rel
 
 pytestmark = pytest.mark.cuda
-cp = pytest.importorskip("cupy")
-if not sg.cuda_available():
-    pytest.skip("no CUDA GPU", allow_module_level=True)
+cp = require_gpu()
 
 
 def workload(name: str, dropout: float):
