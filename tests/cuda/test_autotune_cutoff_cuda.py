@@ -9,9 +9,7 @@ import pytest
 from tests.cuda.gpu import require_gpu
 
 pytestmark = pytest.mark.cuda
-require_gpu("nvmath")
-
-import cupy as cp  # noqa: E402
+cp = require_gpu("nvmath")
 
 from stepgraph.backends import get_backend  # noqa: E402
 from stepgraph.backends.cuda.runtime import graph  # noqa: E402
