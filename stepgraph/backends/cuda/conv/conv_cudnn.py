@@ -255,18 +255,25 @@ def _ranked(cudnn, p: Problem, handle, modes: tuple[str, ...]):
     module docstring applied; (graph, operand tensors by name, plan count)."""
     graph, ops = _graph(cudnn, p, handle)
     graph.create_execution_plans([getattr(cudnn.heur_mode, m) for m in modes])
-    notes = cudnn.numerical_note
-    barred = [notes.NONDETERMINISTIC] if p.deterministic else []
-    if p.dtype in HALF_DTYPES:
-        barred += [notes.REDUCED_PRECISION_REDUCTION]
-    elif p.precision == "fp32":
-        barred += [notes.TENSOR_CORE, notes.DOWN_CONVERT_INPUTS,
-                   notes.REDUCED_PRECISION_REDUCTION]
+    barred = barred_notes(cudnn, p.dtype, p.precision, p.deterministic)
     if barred:
         graph.deselect_numeric_notes(barred)
     if not _admits_runtime_compiled(p):
         graph.deselect_behavior_notes([cudnn.behavior_note.RUNTIME_COMPILATION])
     return graph, ops, graph.get_execution_plan_count()
+
+
+def barred_notes(cudnn, dtype: str, precision: str, deterministic: bool = True) -> list:
+    """The numerical notes whose engines are no candidates for operands of IR dtype `dtype`
+    at `precision` (module docstring's filters)."""
+    notes = cudnn.numerical_note
+    barred = [notes.NONDETERMINISTIC] if deterministic else []
+    if dtype in HALF_DTYPES:
+        barred += [notes.REDUCED_PRECISION_REDUCTION]
+    elif precision == "fp32":
+        barred += [notes.TENSOR_CORE, notes.DOWN_CONVERT_INPUTS,
+                   notes.REDUCED_PRECISION_REDUCTION]
+    return barred
 
 
 def _limits(p: Problem) -> tuple[int, int]:
