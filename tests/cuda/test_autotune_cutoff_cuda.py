@@ -1,7 +1,10 @@
-"""graph.time_on_device's early cut on the GPU: a candidate whose second eager run takes longer
-than give_up_above returns that eager time without a capture; one under it is captured and
-timed as a replay (tests/unit/test_autotune_cutoff.py: the autotuner's use of it)."""
+"""graph.time_on_device's early cut on the GPU: a candidate whose eager runs imply more device
+time than give_up_above returns its eager time without a capture; one under it is captured and
+timed as a replay, and so is a quick kernel behind a slow launch, whose eager time is mostly
+the host's (tests/unit/test_autotune_cutoff.py: the autotuner's use of it)."""
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
@@ -52,3 +55,16 @@ def test_a_candidate_under_the_cut_is_timed_as_a_replay(captures):
     assert len(captures) == 1 and 0.0 < eager_cut < 100.0
     plain = graph.time_on_device(ctx, quick)
     assert len(captures) == 2 and plain == pytest.approx(eager_cut, rel=0.5)
+
+
+def test_a_quick_kernel_behind_a_slow_launch_is_not_cut(captures):
+    ctx = get_backend("cuda").make_context("fp32")
+    quick = spinner(ctx, 20_000)
+
+    def slow_launch():
+        time.sleep(0.003)                     # 3 ms of host work before the launch
+        quick()
+
+    ms = graph.time_on_device(ctx, slow_launch, give_up_above=0.5)
+    assert len(captures) == 1, "cut for its host time"
+    assert 0.0 < ms < 0.5, "the replay times the kernel, not the host"

@@ -1,5 +1,5 @@
 """The autotuner's early cut (runtime/autotune.py _fastest): every candidate is timed in
-order, the first in full, each later one given the eager time past which it cannot win
+order, the first in full, each later one given the device time past which it cannot win
 (give_up_above); the winner is the fastest whatever the order. No GPU: time_on_device is a
 fake that honours the cut as graph.py's does (tests/cuda/test_autotune_cutoff_cuda.py runs
 the real one)."""
@@ -12,13 +12,14 @@ from stepgraph.backends.cuda.runtime import autotune
 
 def fake_clock(monkeypatch, graph_ms: dict[str, float], eager_gap_ms: float = 0.01):
     """time_on_device over named runs: a candidate's eager time is its graph time plus a
-    launch gap; past give_up_above that eager time is returned and no capture is made."""
+    launch gap, and the device time it implies its graph time; past give_up_above the eager
+    time is returned and no capture is made."""
     calls = []
 
     def time_on_device(ctx, run, repeats=5, give_up_above=None):
         name = run()
         eager = graph_ms[name] + eager_gap_ms
-        if give_up_above is not None and eager > give_up_above:
+        if give_up_above is not None and graph_ms[name] > give_up_above:
             calls.append((name, give_up_above, "cut"))
             return eager
         calls.append((name, give_up_above, "captured"))
@@ -36,13 +37,14 @@ def test_the_first_candidate_is_timed_in_full_and_later_ones_get_the_cut(monkeyp
     calls = fake_clock(monkeypatch, {"a": 1.0, "b": 0.4, "c": 5.0, "d": 0.45})
     assert autotune._fastest(None, paths_of("abcd")) == "b"
     assert calls == [("a", None, "captured"), ("b", 2.0, "captured"),
-                     ("c", pytest.approx(0.9), "cut"), ("d", pytest.approx(0.9), "captured")]
+                     ("c", pytest.approx(0.8), "cut"), ("d", pytest.approx(0.8), "captured")]
 
 
-def test_the_cut_keeps_room_for_an_eager_runs_host_time():
-    """Below 0.5 ms, twice the best is no cut: the margin decides."""
+def test_the_cut_is_twice_the_best_device_time():
+    """graph.time_on_device compares it with device time (host time taken out), so even a
+    few-µs best needs no margin for launch costs."""
     assert autotune.give_up_above(float("inf")) is None
-    assert autotune.give_up_above(0.01) == pytest.approx(0.51)
+    assert autotune.give_up_above(0.01) == pytest.approx(0.02)
     assert autotune.give_up_above(1.0) == pytest.approx(2.0)
 
 
@@ -62,6 +64,9 @@ def test_the_log_names_each_candidates_time_and_the_choice(monkeypatch, tmp_path
     autotune._fastest(None, paths_of("cb"), key="second")
     first, second = (json.loads(line) for line in log.read_text().splitlines())
     assert 0 <= first.pop("s") < 5 and 0 <= second.pop("s") < 5
+    # each candidate's own host seconds: the fake clock takes none
+    for row in (first, second):
+        assert all(0 <= timing.pop() < 1 for timing in row["ms"].values())
     assert first == {"key": "('conv2d', (8, 3))", "chosen": "b",
                      "ms": {"a": [1.0, "graph"], "b": [0.4, "graph"], "c": [5.01, "eager"]}}
     assert second["chosen"] == "b" and second["ms"]["c"] == [5.0, "graph"]

@@ -106,22 +106,23 @@ def run_fastest(ctx, key: Hashable, paths: dict[str, Callable[[], None]], defaul
 
 
 # A candidate is timed in full (captured, replayed) only while it may still win: once one
-# has been timed, a later one whose eager runs (two, graph.time_on_device) both take SLOWER
-# times as long, and MARGIN_MS more, is dropped after them. The slow cuDNN engines of an odd
-# convolution (ms a call) then cost three runs, not a capture and ten. The margin is the room
-# an eager run's host time needs: the device idles while Python launches, and the events
-# count that. At 0.05 ms
-# (H200, ConvNeXt and MobileNet files at bf16) setup fell from 24.5 to 13.4 s and from 17.7
-# to 16.2 s, but their steps got 3-4% slower, most likely because fast convolutions whose
-# cuDNN launch took longer on the host than their kernel on the device were dropped.
-SLOWER, MARGIN_MS = 2.0, 0.5
+# has been timed, a later one whose eager runs (two, graph.time_on_device) both imply more than
+# SLOWER times the best's device time is dropped after them. The slow cuDNN engines of an odd
+# convolution (ms a call) then cost three runs, not a capture and ten; so do a deep GEMM's
+# configurations that split it badly. An eager run's device time is bounded from below by its
+# elapsed time less the host's time enqueuing it, so a fast kernel behind a slow launch (a
+# cuDNN plan's host work can exceed its kernel's time) is never dropped for its launch. (A
+# fixed 0.5 ms margin over the best stood in for that bound before; at 0.05 ms, ConvNeXt's and
+# MobileNet's bf16 steps on an H200 got 3-4% slower, fast convolutions with slow launches
+# dropped.)
+SLOWER = 2.0
 
 
 def give_up_above(best_ms: float) -> float | None:
-    """The eager time past which a candidate cannot beat `best_ms` (None: nothing timed)."""
+    """The device time past which a candidate cannot beat `best_ms` (None: nothing timed)."""
     if best_ms == float("inf"):
         return None
-    return max(SLOWER * best_ms, best_ms + MARGIN_MS)
+    return SLOWER * best_ms
 
 
 def _fastest(ctx, paths: dict[str, Callable[[], None]], key: Hashable = None) -> str:
@@ -137,9 +138,10 @@ def _fastest(ctx, paths: dict[str, Callable[[], None]], key: Hashable = None) ->
         run = paths[name]
         if own and name == own[0]:
             compiler.compile_parallel(k for o in own for k in paths[o].kernels)
-        limit = give_up_above(best)
+        limit, begun = give_up_above(best), time.perf_counter()
         ms = time_on_device(ctx, run, give_up_above=limit)
-        times[name] = (round(ms, 4), "eager" if limit is not None and ms > limit else "graph")
+        times[name] = (round(ms, 4), "eager" if limit is not None and ms > limit else "graph",
+                       round(time.perf_counter() - begun, 4))
         if ms < best:
             best_name, best = name, ms
     _log_timings(key, times, best_name, time.perf_counter() - started)
@@ -148,9 +150,10 @@ def _fastest(ctx, paths: dict[str, Callable[[], None]], key: Hashable = None) ->
 
 def _log_timings(key: Hashable, times: dict, chosen: str, seconds: float) -> None:
     """With STEPGRAPH_AUTOTUNE_LOG=FILE, one JSON line per timed problem: its key, each
-    candidate's ms and how it was timed (a graph replay, or an eager run past the cut),
-    the choice, and the host seconds the timing took (waits for compiles included): why a
-    problem runs the kernel it runs, and what choosing it cost the setup."""
+    candidate's ms, how it was timed (a graph replay, or an eager run past the cut) and the
+    host seconds its timing took (its first run's lazy work included), the choice, and the
+    host seconds the whole timing took (waits for compiles included): why a problem runs
+    the kernel it runs, and what choosing it cost the setup."""
     path = os.environ.get("STEPGRAPH_AUTOTUNE_LOG")
     if path:
         line = {"key": repr(key), "ms": times, "chosen": chosen, "s": round(seconds, 4)}

@@ -80,14 +80,26 @@ def capture(run: Callable[[], None], ctx) -> CapturedGraph:
 def _elapsed_ms(ctx, run: Callable[[], None]) -> float:
     """Milliseconds between events recorded on ctx's stream around `run()` (an eager run's
     host gaps included)."""
+    return _eager_ms(ctx, run)[0]
+
+
+def _eager_ms(ctx, run: Callable[[], None]) -> tuple[float, float]:
+    """(ms between events recorded on ctx's stream around `run()`, host ms from the first
+    record to the second). The device can idle between the events only while the host has
+    not yet enqueued the rest, so run()'s device time is at least the first less the
+    second, whatever the host's gaps (launch costs, a thread holding the GIL)."""
+    import time
+
     import cupy as cp
 
     start, end = cp.cuda.Event(), cp.cuda.Event()
+    began = time.perf_counter()
     start.record(ctx.stream)
     run()
     end.record(ctx.stream)
+    host_ms = (time.perf_counter() - began) * 1e3
     end.synchronize()
-    return cp.cuda.get_elapsed_time(start, end)
+    return cp.cuda.get_elapsed_time(start, end), host_ms
 
 
 def time_on_device(ctx, run: Callable[[], None], repeats: int = 5,
@@ -95,19 +107,21 @@ def time_on_device(ctx, run: Callable[[], None], repeats: int = 5,
     """Device ms of one `run()`, without host launch gaps: one eager run first (it compiles,
     plans and takes scratch), then `repeats` runs captured into one graph and timed as one
     replay. Eager timings of short launches measure the host, which favours fewer launches.
-    give_up_above (ms): two more eager runs are timed first, and where both took longer the
-    faster's figure is returned without the capture (a candidate that cannot win; its eager
-    time over-states its device time by its launch gaps only, so it is no smaller).
-    Syncs the stream: never call it while a step is being captured."""
+    give_up_above (ms of device time): two more eager runs are timed first, and where the
+    device time each implies at least (_eager_ms: its elapsed time less its host time) is
+    past the cut in both, the faster's elapsed time is returned without the capture (a
+    candidate that cannot win; that figure over-states its device time by its launch gaps
+    only, so it is no smaller). Syncs the stream: never call it while a step is being
+    captured."""
     run()
     if give_up_above is not None:
-        # Two eager runs must both be past the cut: one alone may have waited on the host
-        # (another thread holding the GIL, a collection), which the events count as device
-        # time. (Most likely why one H200 run of the ConvNeXt file kept a 4x slower plan for
-        # one depthwise conv that the next run, timing the same candidates, did not.)
-        eager = min(_elapsed_ms(ctx, run) for _ in range(2))
-        if eager > give_up_above:
-            return eager
+        # Two eager runs must both be past the cut: one alone may have shared the device
+        # with other work. (With one run cut on its elapsed time, an H200 run of the ConvNeXt
+        # file kept a 4x slower plan for one depthwise conv that the next run did not, most
+        # likely after a host wait, which the bound now subtracts as well.)
+        eager = [_eager_ms(ctx, run) for _ in range(2)]
+        if min(elapsed - host for elapsed, host in eager) > give_up_above:
+            return min(elapsed for elapsed, _ in eager)
 
     def repeated():
         for _ in range(repeats):
