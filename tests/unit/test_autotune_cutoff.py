@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from stepgraph.backends.cuda.runtime import autotune
+from stepgraph.backends.cuda.runtime import autotune, graph
 
 
 def fake_clock(monkeypatch, graph_ms: dict[str, float], eager_gap_ms: float = 0.01):
@@ -21,7 +21,7 @@ def fake_clock(monkeypatch, graph_ms: dict[str, float], eager_gap_ms: float = 0.
         eager = graph_ms[name] + eager_gap_ms
         if give_up_above is not None and graph_ms[name] > give_up_above:
             calls.append((name, give_up_above, "cut"))
-            return eager
+            return graph.EagerMs(eager)
         calls.append((name, give_up_above, "captured"))
         return graph_ms[name]
 

@@ -23,7 +23,7 @@ from typing import Callable, Hashable
 
 from .... import cache
 from . import compiler
-from .graph import time_on_device
+from .graph import EagerMs, time_on_device
 
 
 def compiling(run: Callable[[], None], *kernels: tuple[str, str]) -> Callable[[], None]:
@@ -138,9 +138,9 @@ def _fastest(ctx, paths: dict[str, Callable[[], None]], key: Hashable = None) ->
         run = paths[name]
         if own and name == own[0]:
             compiler.compile_parallel(k for o in own for k in paths[o].kernels)
-        limit, begun = give_up_above(best), time.perf_counter()
-        ms = time_on_device(ctx, run, give_up_above=limit)
-        times[name] = (round(ms, 4), "eager" if limit is not None and ms > limit else "graph",
+        begun = time.perf_counter()
+        ms = time_on_device(ctx, run, give_up_above=give_up_above(best))
+        times[name] = (round(ms, 4), "eager" if isinstance(ms, EagerMs) else "graph",
                        round(time.perf_counter() - begun, 4))
         if ms < best:
             best_name, best = name, ms

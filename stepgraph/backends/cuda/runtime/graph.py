@@ -7,6 +7,7 @@ memory pool can never hand it to anyone else while the graph still writes it.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -88,8 +89,6 @@ def _eager_ms(ctx, run: Callable[[], None]) -> tuple[float, float]:
     record to the second). The device can idle between the events only while the host has
     not yet enqueued the rest, so run()'s device time is at least the first less the
     second, whatever the host's gaps (launch costs, a thread holding the GIL)."""
-    import time
-
     import cupy as cp
 
     start, end = cp.cuda.Event(), cp.cuda.Event()
@@ -102,6 +101,11 @@ def _eager_ms(ctx, run: Callable[[], None]) -> tuple[float, float]:
     return cp.cuda.get_elapsed_time(start, end), host_ms
 
 
+class EagerMs(float):
+    """What time_on_device returns for a candidate past its cut: an eager run's elapsed ms,
+    no capture made."""
+
+
 def time_on_device(ctx, run: Callable[[], None], repeats: int = 5,
                    give_up_above: float | None = None) -> float:
     """Device ms of one `run()`, without host launch gaps: one eager run first (it compiles,
@@ -109,9 +113,9 @@ def time_on_device(ctx, run: Callable[[], None], repeats: int = 5,
     replay. Eager timings of short launches measure the host, which favours fewer launches.
     give_up_above (ms of device time): two more eager runs are timed first, and where the
     device time each implies at least (_eager_ms: its elapsed time less its host time) is
-    past the cut in both, the faster's elapsed time is returned without the capture (a
-    candidate that cannot win; that figure over-states its device time by its launch gaps
-    only, so it is no smaller). Syncs the stream: never call it while a step is being
+    past the cut in both, the faster's elapsed time is returned (as an EagerMs) without the
+    capture (a candidate that cannot win; that figure over-states its device time by its
+    launch gaps only, so it is no smaller). Syncs the stream: never call it while a step is being
     captured."""
     run()
     if give_up_above is not None:
@@ -121,7 +125,7 @@ def time_on_device(ctx, run: Callable[[], None], repeats: int = 5,
         # likely after a host wait, which the bound now subtracts as well.)
         eager = [_eager_ms(ctx, run) for _ in range(2)]
         if min(elapsed - host for elapsed, host in eager) > give_up_above:
-            return min(elapsed for elapsed, _ in eager)
+            return EagerMs(min(elapsed for elapsed, _ in eager))
 
     def repeated():
         for _ in range(repeats):
