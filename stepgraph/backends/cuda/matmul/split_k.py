@@ -100,10 +100,10 @@ def configurations(lt, handle: int, p, types: tuple[int, int, int, int],
 def candidates(lt, handle: int, p, types: tuple[int, int, int, int]) -> np.ndarray:
     """Rows of p.heuristic's dtype: the first MAX_CANDIDATES configurations of p that the
     heuristic did not offer."""
-    seen = {_algo_bytes(p.heuristic[i:i + 1]) for i in range(len(p.heuristic))}
+    seen = {offered["algo"].tobytes() for offered in p.heuristic}
     found = []
     for _, row in configurations(lt, handle, p, types, splits_for(p.spec.k)):
-        key = _algo_bytes(row)
+        key = row["algo"].tobytes()
         if key not in seen:
             seen.add(key)
             found.append(row)
@@ -122,13 +122,6 @@ def _cap(lt, algo: np.ndarray, attr, dtype) -> np.ndarray:
     lt.matmul_algo_cap_get_attribute(algo.ctypes.data, attr, buf.ctypes.data, buf.nbytes,
                                      written.ctypes.data)
     return buf[:count]
-
-
-def _algo_bytes(row: np.ndarray) -> bytes:
-    """The algorithm struct of a one-row heuristic-result array, as bytes."""
-    offset = row.dtype.fields["algo"][1]
-    size = row.dtype.fields["algo"][0].itemsize
-    return row.view(np.uint8)[offset:offset + size].tobytes()
 
 
 def _put(lt, algo: int, attr, value: int) -> None:

@@ -78,12 +78,6 @@ def capture(run: Callable[[], None], ctx) -> CapturedGraph:
     return captured
 
 
-def _elapsed_ms(ctx, run: Callable[[], None]) -> float:
-    """Milliseconds between events recorded on ctx's stream around `run()` (an eager run's
-    host gaps included)."""
-    return _eager_ms(ctx, run)[0]
-
-
 def _eager_ms(ctx, run: Callable[[], None]) -> tuple[float, float]:
     """(ms between events recorded on ctx's stream around `run()`, host ms from the first
     record to the second). The device can idle between the events only while the host has
@@ -133,4 +127,4 @@ def time_on_device(ctx, run: Callable[[], None], repeats: int = 5,
 
     captured = capture(repeated, ctx)
     captured.launch()                    # first replay: upload and caches
-    return _elapsed_ms(ctx, captured.launch) / repeats
+    return _eager_ms(ctx, captured.launch)[0] / repeats
