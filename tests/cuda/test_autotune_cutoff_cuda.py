@@ -1,7 +1,9 @@
 """graph.time_on_device's early cut on the GPU: a candidate whose eager runs imply more device
 time than give_up_above returns its eager time without a capture; one under it is captured and
 timed as a replay, and so is a quick kernel behind a slow launch, whose eager time is mostly
-the host's (tests/unit/test_autotune_cutoff.py: the autotuner's use of it)."""
+the host's (tests/unit/test_autotune_cutoff.py: the autotuner's use of it). The replay is
+timed behind the host gate (runtime/host_gate.py): a host late to launch it is not timed, and
+one later than the gate's timeout has it timed again."""
 from __future__ import annotations
 
 import time
@@ -68,3 +70,57 @@ def test_a_quick_kernel_behind_a_slow_launch_is_not_cut(captures):
     ms = graph.time_on_device(ctx, slow_launch, give_up_above=0.5)
     assert len(captures) == 1 and not isinstance(ms, graph.EagerMs), "cut for its host time"
     assert 0.0 < ms < 0.5, "the replay times the kernel, not the host"
+
+
+def test_a_replay_is_timed_without_the_host_late_to_launch_it(monkeypatch):
+    """A host late to enqueue the replay (another thread holding the GIL on a first step) is
+    not timed: the replay waits behind the host gate until it is enqueued."""
+    from stepgraph.backends.cuda.runtime import host_gate
+
+    monkeypatch.setattr(host_gate, "TIMEOUT_NS", 500_000_000)   # well past the 20 ms late
+    ctx = get_backend("cuda").make_context("fp32")
+    quick = spinner(ctx, 20_000)
+    real_launch = graph.CapturedGraph.launch
+
+    def late_launch(self):
+        time.sleep(0.02)                      # 20 ms before every replay's launch
+        real_launch(self)
+
+    monkeypatch.setattr(graph.CapturedGraph, "launch", late_launch)
+    ms = graph.time_on_device(ctx, quick, repeats=1)
+    assert 0.0 < ms < 1.0, f"{ms} ms: the host's 20 ms were timed"
+
+
+def test_the_gate_opens_by_itself(monkeypatch):
+    """A gate never released opens after its timeout, so nothing waits on it forever."""
+    from stepgraph.backends.cuda.runtime import host_gate
+
+    monkeypatch.setattr(host_gate, "TIMEOUT_NS", 50_000_000)
+    ctx = get_backend("cuda").make_context("fp32")
+    gate = host_gate.gate(cp.cuda.runtime.getDevice())
+    began = time.perf_counter()
+    gate.hold(ctx.stream)
+    ctx.stream.synchronize()
+    waited = time.perf_counter() - began
+    assert 0.04 < waited < 0.5, waited
+
+
+def test_a_replay_enqueued_after_the_gate_opened_is_timed_again(monkeypatch):
+    """Where the host took longer than the gate's timeout to enqueue the replay, the gate may
+    have opened with the device idle before it: that replay is timed again."""
+    from stepgraph.backends.cuda.runtime import host_gate
+
+    monkeypatch.setattr(host_gate, "TIMEOUT_NS", 5_000_000)
+    ctx = get_backend("cuda").make_context("fp32")
+    quick = spinner(ctx, 20_000)
+    real_launch, launches = graph.CapturedGraph.launch, []
+
+    def once_late(self):
+        launches.append(1)
+        if len(launches) == 2:                # the first timed replay (after the upload's)
+            time.sleep(0.02)                  # past the 5 ms timeout
+        real_launch(self)
+
+    monkeypatch.setattr(graph.CapturedGraph, "launch", once_late)
+    ms = graph.time_on_device(ctx, quick, repeats=1)
+    assert len(launches) == 3 and 0.0 < ms < 1.0, (launches, ms)

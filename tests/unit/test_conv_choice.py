@@ -204,17 +204,25 @@ def test_a_warm_forward_builds_only_the_chosen_plain_plan_and_its_epilogue(fake,
     assert fake.built == ["engB1"] and fake.timed == [] and fake.ran == ["engB1"]
 
 
-def test_runtime_compiled_plans_are_capped_per_ranked_list(fake, monkeypatch):
+def test_runtime_compiled_plans_are_capped_per_problem(fake, monkeypatch):
     """Engines cuDNN compiles at their build (admitted for grouped convs) cost seconds each:
-    only the first MAX_RUNTIME_COMPILED (two here) of a ranked list are candidates, the
-    list's others fill the remaining places."""
+    only the first MAX_RUNTIME_COMPILED (two here) of a problem are candidates, A's first,
+    then B's; each list's others fill its remaining places."""
     monkeypatch.setattr(conv_cudnn, "MAX_RUNTIME_COMPILED", 2)
-    fake.compiled = {"eng1", "eng3", "eng4", "engB1", "engB2", "engB4"}
+    fake.compiled = {"eng1", "eng3", "eng4", "engB1", "engB2"}
     grad_input(fake_ctx())
     # A (6 places): eng0, eng1 and eng3 (compiled, the two allowed), eng2 declined at its
-    # build, eng4 skipped unbuilt, eng5..eng7; B: engB1 and engB2 (compiled), engB4 skipped
-    assert fake.built == ["eng0", "eng1", "eng2", "eng3", "eng5", "eng6", "eng7",
-                          "engB1", "engB2"]
+    # build, eng4 skipped unbuilt, eng5..eng7; B: engB1 and engB2 skipped (the problem has
+    # its two), engB4
+    assert fake.built == ["eng0", "eng1", "eng2", "eng3", "eng5", "eng6", "eng7", "engB4"]
+
+
+def test_b_gives_the_runtime_compiled_plans_a_left(fake, monkeypatch):
+    monkeypatch.setattr(conv_cudnn, "MAX_RUNTIME_COMPILED", 2)
+    fake.compiled = {"eng1", "engB1", "engB2", "engB4"}
+    grad_input(fake_ctx())
+    # A: eng1 its one compiled; B: engB1 the problem's second, engB2 and engB4 skipped
+    assert fake.built == [f"eng{i}" for i in range(7)] + ["engB1"]
 
 
 def test_a_cached_plan_that_no_longer_builds_is_timed_again(fake, monkeypatch):

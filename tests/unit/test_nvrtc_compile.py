@@ -36,6 +36,13 @@ def test_kernel_source_compiles_for_sm90(path):
     assert compiler.compile_to_cubin(path, "sm_90")
 
 
+def test_the_autotuners_host_gate_compiles_for_sm90():
+    """runtime/host_gate.py's kernel (source text, not a family's file)."""
+    from stepgraph.backends.cuda.runtime import host_gate
+
+    assert compiler.compile_source_to_cubin(host_gate.SOURCE, host_gate.NAME, "sm_90")
+
+
 def family_modules() -> list[str]:
     """Every module of the backend outside runtime/ (dotted below backends/cuda): the op
     families and the modules of the family packages."""

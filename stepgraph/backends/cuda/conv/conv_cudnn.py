@@ -34,7 +34,7 @@ its own graph). Filters, applied before building:
     since cuDNN 9.10 its fast NHWC depthwise kernels (conv2d_c1_k1_nhwc_specialized and their
     dgrad / wgrad twins, what torch's cudnn.benchmark finds) are such engines, and the
     precompiled grouped kernels left took 3-6x their time on an H200 (ConvNeXt's and
-    MobileNet's convolutions, docs/perf-notes.md);
+    MobileNet's convolutions, docs/perf-notes.md), at most MAX_RUNTIME_COMPILED a problem;
   - plans needing more than workspace_limit() bytes of workspace are skipped.
 The workspace comes from conv.py's grow-only scratch pool (ctx.extras["conv_scratch"]): the
 largest that a problem's plans need is taken at its first eager call, so a capture never
@@ -68,13 +68,14 @@ from __future__ import annotations
 import functools
 import re
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from ....errors import BackendUnavailableError, CaptureError
 from ....ir.graph import ir_dtype
-from ..runtime import ahead
+from ..runtime import ahead, autotune
 from ..runtime.launch import _capturing
 from ..runtime.scratch import ScratchPool
 from .geometry import Geometry
@@ -96,9 +97,12 @@ MAX_WORKSPACE_BYTES = 4 << 30
 WORKSPACE_MEMORY_FRACTION = 16     # ... and at most 1/16 of the GPU's memory
 RUNTIME_COMPILED = False           # admit engines cuDNN compiles at plan build (NVRTC) ...
 RUNTIME_COMPILED_GROUPED = True    # ... for grouped convolutions only (module docstring),
-MAX_RUNTIME_COMPILED = 1           # the first this many of a ranked list: each compiles at its
-                                   # build (an H200, MobileNet's first step at bf16: 15.8 s
-                                   # with 2, 9.3 s with 1, its step the same)
+MAX_RUNTIME_COMPILED = 1           # the first this many of a problem's (A's, then B's): each
+                                   # compiles at its build, 0.5-2 s (an H200, MobileNet's first
+                                   # step at bf16: 15.8 s with 2 a list, 9.3 s with 1 a list).
+                                   # One a problem, not a list: in the conv files at bf16 and
+                                   # fp32, B's won no problem where A's was there (7 builds,
+                                   # 4.4 s); where A's list had none, B's won one by 10x.
 LAYOUTS = ("NCHW", "NHWC")         # of every tensor of a problem (module docstring)
 DTYPES = ("float32", "bfloat16", "float16")   # IR dtypes of the problems (module docstring)
 # The 16-bit ones: HALF or BFLOAT16 data, float32 compute, tensor cores allowed
@@ -303,18 +307,23 @@ def _build(cudnn, p: Problem, handle) -> Plans:
     build, in rank order, each that passes the filters and is not a candidate already, up to
     that heuristic's limit."""
     plans, failures = Plans([], []), []
+    seconds: dict[str, float] = {}              # host seconds by list ranked, plan built
     admitted = _admits_runtime_compiled(p)      # else none is ranked: no notes to read
+    compiled_taken = 0
     for prefix, modes in HEURISTICS if HEURISTIC_B else HEURISTICS[:1]:
         limit = _limits(p)[bool(prefix)]
+        began = time.perf_counter()
         try:
             with _FRONTEND:
                 graph, ops, count = _ranked(cudnn, p, handle, modes)
         except Exception as err:    # the frontend raises several types for "not supported"
             failures.append(f"heuristics {'+'.join(modes)}: {type(err).__name__}: {err}")
             continue
+        finally:
+            seconds[f"rank {'+'.join(modes)}"] = time.perf_counter() - began
         source = len(plans.graphs)
         plans.graphs.append((graph, _uids(ops)))
-        taken = compiled_taken = 0
+        taken = 0
         for index in range(count):
             if taken == limit:
                 break
@@ -328,12 +337,15 @@ def _build(cudnn, p: Problem, handle) -> Plans:
             compiled = admitted and _runtime_compiled(cudnn, graph, index)
             if compiled and compiled_taken == MAX_RUNTIME_COMPILED:
                 continue
+            began = time.perf_counter()
             try:
                 with _FRONTEND:
                     name, workspace = _build_plan(graph, index)
             except Exception as err:    # barred by a filter, the engine declined, too large
                 failures.append(f"[{prefix}{index}] {type(err).__name__}: {str(err)[:200]}")
                 continue
+            finally:
+                seconds[f"{prefix}{index}"] = time.perf_counter() - began
             if name in seen:
                 continue
             plans.entries.append(Candidate(f"cudnn:{prefix}{index}", source, index, name,
@@ -342,6 +354,8 @@ def _build(cudnn, p: Problem, handle) -> Plans:
             compiled_taken += compiled
     if not plans.entries:
         plans.reason = "no plan built: " + "; ".join(failures[:4])
+    autotune.log_line({"cudnn_plans": repr(p), "built": [c.path for c in plans.entries],
+                       "s": {k: round(v, 4) for k, v in seconds.items()}})
     return plans
 
 

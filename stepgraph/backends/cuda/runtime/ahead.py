@@ -13,6 +13,12 @@ the order the step first launches them. What overlaps them is the work that runs
 GIL: NVRTC's compiles on their pool, the device work the first step's autotuner times, and
 the main thread waiting for either (a launch waiting for a module or a build releases the GIL).
 
+While the device times a candidate (graph.time_on_device holds `timing_on_device`), the lane starts no
+job: a build beside a timing made the timing wait for the GIL, a whole build at a time, and
+loaded the build's kernels while the candidate ran. (On an H200, the first problem MobileNet's
+bf16 step timed, its stem convolution, took 1-6 s of host time a candidate and timed a 22 µs
+plan at 33 ms while the lane built the other problems' plans.)
+
 A launch that needs a job waits for that job alone: if the lane has not taken it up yet, the
 launch runs it itself, so it never waits behind the jobs queued before it. A job's failure is
 kept for whoever asks for its result (the launch that needs it), never raised when started.
@@ -20,11 +26,17 @@ kept for whoever asks for its result (the launch that needs it), never raised wh
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Callable
 
 _lane: ThreadPoolExecutor | None = None
 _lock = threading.Lock()
+# held by a thread timing on the device (timing_on_device); the lane holds it for each job it
+# runs. Reentrant: a timed launch may run a job the lane has not taken up, on the timing thread.
+_timing = threading.RLock()
+_timers_waiting = 0               # threads waiting for _timing to time: the lane lets them first
 
 
 class Job:
@@ -68,8 +80,35 @@ def start(job: Job) -> Job:
         if _lane is None:
             _lane = ThreadPoolExecutor(1, thread_name_prefix="ahead")
         if not job.started():
-            _lane.submit(on_device, job.device, job.run)
+            _lane.submit(_run_on_lane, job)
     return job
+
+
+@contextmanager
+def timing_on_device():
+    """Held while the device times something: the lane starts no job meanwhile, and a job it
+    is running is waited for."""
+    global _timers_waiting
+    with _lock:
+        _timers_waiting += 1
+    try:
+        _timing.acquire()
+    finally:
+        with _lock:
+            _timers_waiting -= 1
+    try:
+        yield
+    finally:
+        _timing.release()
+
+
+def _run_on_lane(job: Job) -> None:
+    # A lock's release does not hand it to a waiting thread: the lane, going from job to job,
+    # would take it again and again before a waiting timer ran, so it lets waiting timers go first.
+    while _timers_waiting:
+        time.sleep(0.001)
+    with _timing:                         # never beside a timing on the device
+        on_device(job.device, job.run)
 
 
 def on_device(device: int | None, build: Callable[[], object]):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import threading
 import time
 from typing import Callable, Hashable
 
@@ -154,10 +155,18 @@ def _log_timings(key: Hashable, times: dict, chosen: str, seconds: float) -> Non
     host seconds its timing took (its first run's lazy work included), the choice, and the
     host seconds the whole timing took (waits for compiles included): why a problem runs
     the kernel it runs, and what choosing it cost the setup."""
+    log_line({"key": repr(key), "ms": times, "chosen": chosen, "s": round(seconds, 4)})
+
+
+_log_lock = threading.Lock()
+
+
+def log_line(line: dict) -> None:
+    """Append `line` to STEPGRAPH_AUTOTUNE_LOG's file as one JSON line (nothing when unset);
+    the ahead lane writes there too (conv_cudnn's plan builds)."""
     path = os.environ.get("STEPGRAPH_AUTOTUNE_LOG")
     if path:
-        line = {"key": repr(key), "ms": times, "chosen": chosen, "s": round(seconds, 4)}
-        with open(path, "a") as f:
+        with _log_lock, open(path, "a") as f:
             f.write(json.dumps(line) + "\n")
 
 
