@@ -108,6 +108,7 @@ def fake(tmp_path, monkeypatch):
     monkeypatch.setattr(conv_cudnn, "MAX_PLANS_B", 4)
     monkeypatch.setattr(conv_cudnn, "MAX_PLANS_GROUPED", 6)  # the problems here are grouped
     monkeypatch.setattr(conv_cudnn, "MAX_PLANS_B_GROUPED", 4)
+    monkeypatch.setattr(conv_cudnn, "SMALL_MACS", 0)         # the problems here are small
     monkeypatch.setattr(conv_cudnn, "workspace_limit", lambda: 256 << 20)
     fake = FakeCudnn()
     monkeypatch.setattr(conv_cudnn, "_load", lambda: (fake, None))
@@ -351,3 +352,15 @@ def test_bf16_nchw_problems_offer_the_tiled_kernels_beside_cudnn(fake, monkeypat
     assert {p.split(":")[0] for p in paths} == {"tiled", "cudnn"}
     paths[next(p for p in paths if p.startswith("tiled:"))]()
     assert got["partial"] == np.float32 and got["db"] is db and got["plan"].bias
+
+
+def test_a_small_problem_times_few_candidates(fake, monkeypatch):
+    """A problem of fewer than SMALL_MACS multiply-adds runs in its launch time on any plan:
+    only MAX_PLANS_SMALL of A's list and MAX_PLANS_B_SMALL of B's are candidates."""
+    monkeypatch.setattr(conv_cudnn, "SMALL_MACS", conv._geometry(X, W, ATTRS).macs + 1)
+    monkeypatch.setattr(conv_cudnn, "MAX_PLANS_SMALL", 3)
+    monkeypatch.setattr(conv_cudnn, "MAX_PLANS_B_SMALL", 1)
+    grad_input(fake_ctx())
+    # A: eng0, eng1, (eng2 declined), eng3; B: engB1
+    assert fake.built == ["eng0", "eng1", "eng2", "eng3", "engB1"]
+    assert len(fake.timed) == 4

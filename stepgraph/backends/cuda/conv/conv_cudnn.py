@@ -16,7 +16,8 @@ data types, so cuDNN accumulates in float32, adds the fused bias and applies the
 float32 and rounds each output once, on store: the NumPy emulation's rounding point (its
 einsum sums in another order, so results may differ in the last bf16 place where a sum lies
 near a rounding boundary). Heuristic modes A and FALLBACK rank the engine
-configurations; each that builds, up to MAX_PLANS, is a candidate path "cudnn:<i>" (i = its
+configurations; each that builds, up to MAX_PLANS (fewer for grouped and for small problems:
+_limits), is a candidate path "cudnn:<i>" (i = its
 index in the ranked list) that conv.py's autotuner times against the own kernels on the real
 buffers. Heuristic mode B (slower to query, ranked by a different model) adds up to
 MAX_PLANS_B more, those A's candidates do not already hold, as "cudnn:B<i>" (its own list,
@@ -88,6 +89,13 @@ HEURISTIC_B = True                 # query mode B as well (its candidates "cudnn
 # candidates only cost builds (MobileNet's first step 9.3 -> 8.1 s, ConvNeXt's 10.3 -> 7.2 s
 # with these limits, their steps unchanged).
 MAX_PLANS_GROUPED, MAX_PLANS_B_GROUPED = 4, 2
+# Problems of fewer multiply-adds than SMALL_MACS run in a few µs on any plan (their launch):
+# timing more candidates cannot gain more than that, and each plan's first run loads (and may
+# JIT) its kernel. On an H200, MobileNet's squeeze-excitation convolutions (n=128, 1x1 on 1x1
+# maps, 16K multiply-adds) took 3.9 s and 1.5 s of its bf16 setup to time 20 candidates, every
+# one 2.7-12 µs; the 18 such problems of the conv files at bf16 all chose among A's first three.
+SMALL_MACS = 1 << 22
+MAX_PLANS_SMALL, MAX_PLANS_B_SMALL = 3, 1
 # A plan needing more workspace than the smaller of these is not a candidate. The resnet's
 # float32 convolutions at batch 512 run fastest on engines with large workspaces (transformed
 # operands): on an H200, 23.0 ms per step with 256 MiB and 6 + 4 candidates, 21.1 ms with 4 GiB
@@ -282,6 +290,8 @@ def barred_notes(cudnn, dtype: str, precision: str, deterministic: bool = True) 
 
 def _limits(p: Problem) -> tuple[int, int]:
     """How many candidates heuristic A's and B's lists may give `p` (module docstring)."""
+    if p.g.macs < SMALL_MACS:
+        return MAX_PLANS_SMALL, MAX_PLANS_B_SMALL
     if p.g.groups > 1:
         return MAX_PLANS_GROUPED, MAX_PLANS_B_GROUPED
     return MAX_PLANS, MAX_PLANS_B
@@ -513,8 +523,9 @@ def candidates_key() -> tuple | None:
     if cudnn is None:
         return None
     return (getattr(cudnn, "__version__", None), MAX_PLANS, MAX_PLANS_B if HEURISTIC_B else 0,
-            MAX_PLANS_GROUPED, MAX_PLANS_B_GROUPED, workspace_limit(), RUNTIME_COMPILED,
-            RUNTIME_COMPILED_GROUPED, MAX_RUNTIME_COMPILED)
+            MAX_PLANS_GROUPED, MAX_PLANS_B_GROUPED, SMALL_MACS, MAX_PLANS_SMALL,
+            MAX_PLANS_B_SMALL, workspace_limit(), RUNTIME_COMPILED, RUNTIME_COMPILED_GROUPED,
+            MAX_RUNTIME_COMPILED)
 
 
 # ---- handle, workspace, launch ---------------------------------------------------------------
