@@ -1,6 +1,6 @@
 """The ahead lane (runtime/ahead.py) starts no job while a thread times on the device
-(ahead.timing_on_device held, as graph.time_on_device holds it), and the timing thread can still run a
-job the lane has not taken up (the lock is reentrant). No GPU."""
+(ahead.timing_on_device held, as graph.time_on_device holds it), and the timing thread can
+still run a job the lane has not taken up (the lock is reentrant). No GPU."""
 from __future__ import annotations
 
 import threading

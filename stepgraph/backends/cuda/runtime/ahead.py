@@ -13,11 +13,12 @@ the order the step first launches them. What overlaps them is the work that runs
 GIL: NVRTC's compiles on their pool, the device work the first step's autotuner times, and
 the main thread waiting for either (a launch waiting for a module or a build releases the GIL).
 
-While the device times a candidate (graph.time_on_device holds `timing_on_device`), the lane starts no
-job: a build beside a timing made the timing wait for the GIL, a whole build at a time, and
-loaded the build's kernels while the candidate ran. (On an H200, the first problem MobileNet's
-bf16 step timed, its stem convolution, took 1-6 s of host time a candidate and timed a 22 µs
-plan at 33 ms while the lane built the other problems' plans.)
+While the device times a candidate (graph.time_on_device holds `timing_on_device`), the lane
+starts no job: a build beside a timing made the timing wait for the GIL, a whole build at a
+time. (On an H200, the first problem MobileNet's bf16 step timed, its stem convolution, took
+1-6 s of host time a candidate while the lane built the other problems' plans, and a 22 µs
+plan was timed at 12-47 ms, with or without the host gate of host_gate.py; with the lane
+paused it timed at 22 µs.)
 
 A launch that needs a job waits for that job alone: if the lane has not taken it up yet, the
 launch runs it itself, so it never waits behind the jobs queued before it. A job's failure is

@@ -105,7 +105,8 @@ def time_on_device(ctx, run: Callable[[], None], repeats: int = 5,
                    give_up_above: float | None = None) -> float:
     """Device ms of one `run()`, without host launch gaps: one eager run first (it compiles,
     plans and takes scratch), then `repeats` runs captured into one graph and timed as one
-    replay, behind a host gate (_replay_ms). Eager timings of short launches measure the host, which favours fewer launches.
+    replay, behind a host gate (_replay_ms), with the ahead lane paused. Eager timings of
+    short launches measure the host, which favours fewer launches.
     give_up_above (ms of device time): two more eager runs are timed first, and where the
     device time each implies at least (_eager_ms: its elapsed time less its host time) is
     past the cut in both, the faster's elapsed time is returned (as an EagerMs) without the

@@ -2,13 +2,12 @@
 it time the device's work and never the host's gaps.
 
 A replay timed between two events measures the host too when the host is late to enqueue
-the replay after the first event: then the device idles between them. On a first step the
-host is late often: the ahead lane's cuDNN plan builds hold the GIL for whole calls
-(runtime/ahead.py), and an H200 autotune log showed a 25 µs convolution plan timed at 11.7 ms
-(and another at 47 ms) while the lane built the other problems' plans, so the plan chosen
-for it was a 35 µs one. The gate is a one-thread kernel enqueued first that spins until the
-host writes a word of mapped host memory, once every launch of the section is enqueued: the
-first event then records when the gate opens, with the section already queued behind it.
+the replay after the first event: the device idles between them. Any thread holding the GIL
+then makes the timing late (NVRTC's pool threads, the garbage collector; the ahead lane's
+cuDNN builds did, before it paused for timings: runtime/ahead.py). The gate is a one-thread
+kernel enqueued first that spins until the host writes a word of mapped host memory, once
+every launch of the section is enqueued: the first event then records when the gate opens,
+with the section already queued behind it.
 
 The gate opens by itself after TIMEOUT_NS. Another thread may wait for the device while the
 gate holds it, and the host for that thread (a module loaded lazily may synchronize the
