@@ -79,18 +79,25 @@ def capture(run: Callable[[], None], ctx) -> CapturedGraph:
     return captured
 
 
-def _eager_ms(ctx, run: Callable[[], None]) -> tuple[float, float]:
-    """(ms between events recorded on ctx's stream around `run()`, host ms from the first
-    record to the second). The device can idle between the events only while the host has
-    not yet enqueued the rest, so run()'s device time is at least the first less the
-    second, whatever the host's gaps (launch costs, a thread holding the GIL)."""
+def _eager_ms(ctx, run: Callable[[], None], gate=None) -> tuple[float, float]:
+    """(ms between events recorded on ctx's stream around `run()`, host ms enqueuing it). The
+    device can idle between the events only while the host has not yet enqueued the rest, so
+    run()'s device time is at least the first less the second, whatever the host's gaps
+    (launch costs, a thread holding the GIL). With a host gate (host_gate.py), the stream
+    waits behind it until everything is enqueued, so the first is device time alone."""
     import cupy as cp
 
     start, end = cp.cuda.Event(), cp.cuda.Event()
     began = time.perf_counter()
-    start.record(ctx.stream)
-    run()
-    end.record(ctx.stream)
+    if gate is not None:
+        gate.hold(ctx.stream)
+    try:
+        start.record(ctx.stream)
+        run()
+        end.record(ctx.stream)
+    finally:
+        if gate is not None:
+            gate.release()
     host_ms = (time.perf_counter() - began) * 1e3
     end.synchronize()
     return cp.cuda.get_elapsed_time(start, end), host_ms
@@ -146,22 +153,10 @@ def _replay_ms(ctx, captured: CapturedGraph, attempts: int = 3) -> float:
     import cupy as cp
 
     gate = host_gate.gate(cp.cuda.runtime.getDevice())
-    if gate is None:
-        return _eager_ms(ctx, captured.launch)[0]
     best = float("inf")
     for _ in range(attempts):
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        began = time.perf_counter_ns()
-        gate.hold(ctx.stream)
-        try:
-            start.record(ctx.stream)
-            captured.launch()
-            end.record(ctx.stream)
-        finally:
-            gate.release()
-        held_ns = time.perf_counter_ns() - began
-        end.synchronize()
-        best = min(best, cp.cuda.get_elapsed_time(start, end))
-        if held_ns < host_gate.TIMEOUT_NS:
+        elapsed, host_ms = _eager_ms(ctx, captured.launch, gate)
+        best = min(best, elapsed)
+        if gate is None or host_ms * 1e6 < host_gate.TIMEOUT_NS:
             break
     return best
