@@ -161,7 +161,7 @@ class ProcessGroup:
         """Every rank's `array` (one shape and dtype on every rank), in rank order."""
         if self.world_size == 1:
             return [np.array(array, copy=True)]
-        array = np.ascontiguousarray(array)
+        array = np.asarray(array, order="C")          # 0-d stays 0-d, as with one rank
         prefix = self._next("all_gather")
         self.store.set(f"{prefix}{self.rank}", array.tobytes())
         parts = self._gather(prefix, what)

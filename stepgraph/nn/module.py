@@ -116,7 +116,7 @@ class _Stored:
             self.storage[...] = values
         else:                                # no step may still be reading the old values
             _device_synchronize()
-            self.storage.set(np.ascontiguousarray(values))
+            self.storage.set(np.asarray(values, order="C"))   # keeps 0-d buffers 0-d
             _device_synchronize()
         self.version += 1
 

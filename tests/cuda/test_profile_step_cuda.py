@@ -34,3 +34,25 @@ def test_profile_of_a_users_step_restores_its_state():
         assert np.array_equal(before[k], after[k]), k
     loss = step(x, y)
     assert loss.step == 4 and np.isfinite(float(loss))
+
+
+def test_profile_and_load_state_dict_of_a_batchnorm_model_on_the_gpu():
+    """BatchNorm's num_batches_tracked is a 0-d buffer: putting it back on the device kept
+    failing with a (1,)-shaped copy (step.profile, model.load_state_dict)."""
+    nn.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
+    gen = np.random.default_rng(0)
+    x = cp.asarray(gen.standard_normal((4, 3, 8, 8), dtype=np.float32))
+    y = cp.asarray(gen.integers(0, 10, 4))
+    step = sg.compile_train_step(model, losses.cross_entropy, optim.SGD(lr=0.1), (x, y),
+                                 device="cuda")
+    step(x, y)
+    before = step.state_dict()
+    step.profile(x, y, iters=2)
+    after = step.state_dict()
+    assert np.shape(after["1.num_batches_tracked"]) == ()
+    for k in before:
+        assert np.array_equal(before[k], after[k]), k
+    model.load_state_dict(model.state_dict())
+    assert int(model.state_dict()["1.num_batches_tracked"]) == 1

@@ -666,3 +666,43 @@ def test_a_worker_sent_sigterm_dumps_its_stacks_and_ends_as_sigterm_would(tmp_pa
     assert done.returncode == -signal.SIGTERM, done.stderr[-2000:]
     dump = (tmp_path / "rank1-stacks.txt").read_text()
     assert dump.startswith("== pid ") and "in waiting_for_a_peer" in dump
+
+
+class DictStore:
+    """A store for one rank whose peers have already set their values."""
+
+    def __init__(self, values: dict):
+        self.values = values
+
+    def set(self, key, value):
+        self.values[key] = value
+
+    def get(self, key):
+        return self.values.get(key)
+
+    def add(self, key, amount):
+        self.values[key] = self.values.get(key, 0) + amount
+        return self.values[key]
+
+    def delete_keys(self, keys):
+        for k in keys:
+            self.values.pop(k, None)
+
+    def close(self, leave: bool = True):
+        pass
+
+
+@pytest.mark.parametrize("shape", [(), (3,), (2, 2)])
+def test_all_gather_keeps_each_ranks_shape_on_two_ranks_as_on_one(shape, monkeypatch):
+    """A 0-d value (a SyncBatchNorm count, a step counter) comes back 0-d from each rank."""
+    from stepgraph.distributed.group import ProcessGroup
+
+    mine = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
+    peer = mine + 10
+    one = ProcessGroup(DistEnv(0, 1, 0, "127.0.0.1", 1), None, None, 5.0)
+    assert one.all_gather(mine)[0].shape == shape
+    two = ProcessGroup(DistEnv(0, 2, 0, "127.0.0.1", 1), DictStore({}), None, 5.0)
+    monkeypatch.setattr(two, "_gather", lambda prefix, what: [mine.tobytes(), peer.tobytes()])
+    parts = two.all_gather(mine)
+    assert [p.shape for p in parts] == [shape, shape]
+    assert np.array_equal(parts[1], peer)
