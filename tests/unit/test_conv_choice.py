@@ -364,3 +364,20 @@ def test_a_small_problem_times_few_candidates(fake, monkeypatch):
     # A: eng0, eng1, (eng2 declined), eng3; B: engB1
     assert fake.built == ["eng0", "eng1", "eng2", "eng3", "engB1"]
     assert len(fake.timed) == 4
+
+
+def test_every_geometry_counts_its_multiply_adds_for_the_candidate_limits():
+    """A 3-D problem's limits read its multiply-adds too (conv3d raised AttributeError), and a
+    grouped convolution's output sums over C / groups channels only."""
+    from stepgraph.backends.cuda.conv.conv3d import Geometry3d
+    from stepgraph.backends.cuda.conv.geometry import Geometry
+
+    depthwise = Geometry(n=2, c=8, h=4, w=4, o=8, kh=3, kw=3, sh=1, sw=1, ph=1, pw=1, groups=8)
+    assert depthwise.macs == 2 * 8 * 16 * 9
+    volume = Geometry3d(2, 4, 3, 4, 4, 6, (3, 3, 3), (1, 1, 1), (1, 1, 1), groups=2)
+    assert volume.macs == 2 * 6 * 48 * 2 * 27
+    small = conv_cudnn.Problem("conv3d", volume, "float32", "fp32")
+    assert conv_cudnn._limits(small) == (conv_cudnn.MAX_PLANS_SMALL, conv_cudnn.MAX_PLANS_B_SMALL)
+    large = conv_cudnn.Problem("conv3d", Geometry3d(64, 64, 16, 32, 32, 64, (3, 3, 3), (1, 1, 1),
+                                                    (1, 1, 1)), "float32", "fp32")
+    assert conv_cudnn._limits(large) == (conv_cudnn.MAX_PLANS, conv_cudnn.MAX_PLANS_B)

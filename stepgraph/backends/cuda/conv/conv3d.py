@@ -16,6 +16,7 @@ plan for a problem (float64, say), UnsupportedOpError with cuDNN's reason.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -53,6 +54,11 @@ class Geometry3d:
     @property
     def w_shape(self) -> tuple[int, ...]:
         return (self.o, self.c // self.groups, *self.kernel)
+
+    @property
+    def macs(self) -> int:
+        """Multiply-adds of the forward (and of each gradient), as Geometry.macs."""
+        return math.prod(self.y_shape) * math.prod(self.w_shape[1:])
 
     @property
     def x_shape(self) -> tuple[int, ...]:

@@ -75,8 +75,9 @@ class Geometry:
 
     @property
     def macs(self) -> int:
-        """Multiply-adds of the forward (and of each gradient)."""
-        return self.n * self.o * self.p * self.ck
+        """Multiply-adds of the forward (and of each gradient): each output sums over its
+        group's C / groups input channels."""
+        return self.n * self.o * self.p * self.ck // self.groups
 
     @property
     def pointwise(self) -> bool:
