@@ -44,3 +44,33 @@ def test_a_waiting_timer_goes_before_the_lanes_next_job():
     t.join(5)
     second.result()
     assert order == ["job 1", "timed", "job 2"]
+
+
+def test_a_job_waiting_for_another_process_lets_a_timing_run():
+    """While a lane job waits for a build worker (waiting_elsewhere) it holds no GIL: a
+    timing goes ahead rather than waiting for the worker's answer too."""
+    order, answer = [], threading.Event()
+
+    def waits_for_a_worker():
+        with ahead.waiting_elsewhere():
+            answer.wait(5)
+        order.append("job")
+
+    job = ahead.start(ahead.Job(waits_for_a_worker))
+    while not job.started():
+        time.sleep(0.001)
+    with ahead.timing_on_device():
+        order.append("timed")
+    answer.set()
+    job.result()
+    assert order == ["timed", "job"]
+
+
+def test_waiting_elsewhere_off_the_lane_changes_nothing():
+    with ahead.timing_on_device():
+        with ahead.waiting_elsewhere():
+            pass
+        job = ahead.start(ahead.Job(lambda: "built"))
+        time.sleep(0.05)
+        assert not job.started()          # the timing still holds the lane off
+    assert job.result() == "built"

@@ -15,7 +15,7 @@ import pytest
 cupy = pytest.importorskip("cupy")    # conv.py's launchers import CuPy (no GPU needed)
 
 from stepgraph import cache  # noqa: E402
-from stepgraph.backends.cuda.conv import conv, conv_cudnn  # noqa: E402
+from stepgraph.backends.cuda.conv import conv, conv_cudnn, cudnn_compiled  # noqa: E402
 from stepgraph.backends.cuda.runtime import autotune  # noqa: E402
 from stepgraph.ir.graph import BF16, Node, Value  # noqa: E402
 
@@ -40,13 +40,34 @@ class FakeCudnn:
     ran: list[str] = field(default_factory=list)
     timed: list[str] = field(default_factory=list)
     compiled: set[str] = field(default_factory=set)    # engines compiled at build (NVRTC)
+    loaded: list[str] = field(default_factory=list)     # serialized plans deserialized
     behavior_note = types.SimpleNamespace(RUNTIME_COMPILATION="runtime compilation")
     __version__: str = "1.99.0"
 
     def forget(self) -> None:
         """Empty the logs (a new process)."""
-        for log in (self.built, self.ran, self.timed):
+        for log in (self.built, self.ran, self.timed, self.loaded):
             log.clear()
+
+    def pygraph(self, handle=None):
+        return FakeLoadedGraph(self)
+
+    def create_handle(self):
+        return "worker handle"
+
+
+class FakeLoadedGraph:
+    """A graph deserialized from FakeGraph.serialize's blob: one plan, run by execute()."""
+
+    def __init__(self, fake: FakeCudnn):
+        self.fake, self.engine = fake, None
+
+    def deserialize(self, handle, blob):
+        self.engine = blob.decode().removeprefix("plan:")
+        self.fake.loaded.append(self.engine)
+
+    def execute(self, operands, workspace, handle):
+        self.fake.ran.append(self.engine)
 
 
 class FakeGraph:
@@ -67,6 +88,10 @@ class FakeGraph:
         self.fake.built.append(self.engines[index])
         if self.engines[index].removeprefix("fused-") in self.fake.declined:
             raise RuntimeError("CUDNN_STATUS_NOT_SUPPORTED")
+        self.selected = index
+
+    def serialize(self, as_bytes=False):
+        return f"plan:{self.engines[self.selected]}".encode()
 
     def get_workspace_size_plan_at_index(self, index):
         return 0
@@ -104,6 +129,7 @@ def fake(tmp_path, monkeypatch):
     monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "sg-cache"))
     monkeypatch.delenv(cache.SWITCH_ENV, raising=False)
     monkeypatch.setattr(conv, "PATH", "auto")
+    monkeypatch.setenv(cudnn_compiled.WORKERS_ENV, "0")     # no build workers unless a test
     monkeypatch.setattr(conv_cudnn, "MAX_PLANS", 6)          # what ENGINES above count with
     monkeypatch.setattr(conv_cudnn, "MAX_PLANS_B", 4)
     monkeypatch.setattr(conv_cudnn, "MAX_PLANS_GROUPED", 6)  # the problems here are grouped
@@ -140,6 +166,8 @@ def new_process(monkeypatch):
     monkeypatch.setattr(conv_cudnn, "_PLANS", {})
     monkeypatch.setattr(conv_cudnn, "_CHOSEN", {})
     monkeypatch.setattr(autotune, "_caches", {})
+    monkeypatch.setattr(cudnn_compiled, "_asked", {})
+    monkeypatch.setattr(cudnn_compiled, "_pool", None)
 
 
 def fake_ctx():
@@ -152,11 +180,16 @@ ATTRS = {"stride": (1, 1), "padding": (1, 1), "groups": 2}    # grouped: only cu
 X, W, Y = (2, 4, 8, 8), (6, 2, 3, 3), (2, 6, 8, 8)
 
 
-def grad_input(ctx):
-    """Run a grouped conv2d_grad_input through conv.py on fake arrays."""
+def grad_input(ctx, ahead: bool = False):
+    """Run a grouped conv2d_grad_input through conv.py on fake arrays (`ahead`: start its
+    plans' builds instead, as binding a plan does)."""
     node = Node("conv2d_grad_input", [Value(Y, "float32"), Value(W, "float32")],
                 [Value(X, "float32")], {**ATTRS, "input_shape": X})
-    conv.IMPLS[node.op](node, [fake_array(Y), fake_array(W)], [fake_array(X)], ctx)
+    ins, outs = [fake_array(Y), fake_array(W)], [fake_array(X)]
+    if ahead:
+        conv.start_plans(conv._grad_input_offer, node, ins, outs, ctx)
+    else:
+        conv.IMPLS[node.op](node, ins, outs, ctx)
 
 
 def forward_with_bias(ctx):
@@ -381,3 +414,85 @@ def test_every_geometry_counts_its_multiply_adds_for_the_candidate_limits():
     large = conv_cudnn.Problem("conv3d", Geometry3d(64, 64, 16, 32, 32, 64, (3, 3, 3), (1, 1, 1),
                                                     (1, 1, 1)), "float32", "fp32")
     assert conv_cudnn._limits(large) == (conv_cudnn.MAX_PLANS, conv_cudnn.MAX_PLANS_B)
+
+
+def test_a_runtime_compiled_plan_built_once_is_loaded_by_later_processes(fake, monkeypatch):
+    """Its serialized plan goes to disk: a later process that must time every candidate loads
+    it rather than build it, and one that knows the choice runs the loaded plan."""
+    fake.compiled = {"eng1"}
+    fake.times["eng1"] = 1.0
+    grad_input(fake_ctx())
+    assert "eng1" in fake.built and fake.loaded == []
+
+    ctx = fresh(fake, monkeypatch)                       # the choice known: only eng1's plan
+    grad_input(ctx)
+    assert fake.built == [] and fake.loaded == ["eng1"] and fake.ran == ["eng1"]
+
+    for path in cache.entries():                         # choices gone, the plan kept
+        if path.parent.name == "paths":
+            path.unlink()
+    ctx = fresh(fake, monkeypatch)
+    grad_input(ctx)
+    assert fake.built == [e for e in BUILT_ON_A_MISS if e != "eng1"]
+    assert fake.loaded == ["eng1"] and list(ctx.paths.values()) == ["cudnn:1"]
+    assert fake.ran[-1] == "eng1"
+
+
+class AnsweringPool:
+    """A build pool whose workers answer each request with `answer(request)`."""
+
+    def __init__(self, answer):
+        self.answer, self.requests = answer, []
+
+    def submit(self, request):
+        from concurrent.futures import Future
+        self.requests.append(request)
+        future = Future()
+        try:
+            future.set_result(self.answer(request))
+        except cudnn_compiled.WorkerError as err:
+            future.set_exception(err)
+        return future
+
+
+@pytest.mark.parametrize("answer", ["eng1", "eng3", "died"])
+def test_plans_started_ahead_ask_the_build_workers_for_the_runtime_compiled_one(
+        fake, monkeypatch, answer):
+    """start_ahead sends the problem to the workers; the build takes their plan where it is
+    the one it would build (eng1: the first compiled), and builds it here otherwise (a plan at
+    another index; a worker that died)."""
+    fake.compiled = {"eng1", "eng3"}
+    monkeypatch.setenv(cudnn_compiled.WORKERS_ENV, "2")
+
+    def reply(request):
+        if answer == "died":
+            raise cudnn_compiled.WorkerError("worker ended (EOFError; exit status -9)")
+        index = int(answer.removeprefix("eng"))
+        return cudnn_compiled.CompiledPlan(("A", "FALLBACK"), index, answer, 0,
+                                           f"plan:{answer}".encode())
+
+    pool = AnsweringPool(reply)
+    monkeypatch.setattr(cudnn_compiled, "WorkerPool", lambda module, size: pool)
+    ctx = fake_ctx()
+    grad_input(ctx, ahead=True)
+    ((problem, want),) = pool.requests
+    assert problem.op == "conv2d_grad_input" and problem.g.groups == 2 and want is None
+    grad_input(ctx)
+    if answer == "eng1":
+        assert fake.loaded == ["eng1"] and "eng1" not in fake.built
+    else:
+        assert fake.loaded == [] and "eng1" in fake.built
+    assert "eng3" not in fake.built                      # one compiled plan a problem
+
+
+def test_a_build_worker_builds_the_first_runtime_compiled_plan_or_the_one_asked(fake,
+                                                                              monkeypatch):
+    monkeypatch.setattr(cupy.cuda, "Device", lambda device: types.SimpleNamespace(use=lambda: 0))
+    fake.compiled = {"eng3", "engB2"}
+    fake.declined.add("eng3")                            # the next that builds: engB2
+    p = conv_cudnn.Problem("conv2d_grad_input", conv._geometry(X, W, ATTRS), "float32", "fp32")
+    plan = cudnn_compiled.build_requested((p, None))
+    assert (plan.modes, plan.index, plan.name, plan.blob) == (("B",), 2, "engB2", b"plan:engB2")
+    assert cudnn_compiled.build_requested((p, (("A", "FALLBACK"), 1))) is None   # not compiled
+    fake.declined.discard("eng3")
+    assert cudnn_compiled.build_requested((p, (("A", "FALLBACK"), 3))).name == "eng3"

@@ -79,6 +79,7 @@ from ....ir.graph import ir_dtype
 from ..runtime import ahead, autotune
 from ..runtime.launch import _capturing
 from ..runtime.scratch import ScratchPool
+from . import cudnn_compiled
 from .geometry import Geometry
 
 MAX_PLANS = 12                     # candidates per problem, in heuristic rank order
@@ -349,8 +350,8 @@ def _build(cudnn, p: Problem, handle) -> Plans:
                 continue
             began = time.perf_counter()
             try:
-                with _FRONTEND:
-                    name, workspace = _build_plan(graph, index)
+                name, workspace, runs_in = _plan_of(cudnn, p, handle, graph, ops, modes, index,
+                                                    compiled, plans.graphs)
             except Exception as err:    # barred by a filter, the engine declined, too large
                 failures.append(f"[{prefix}{index}] {type(err).__name__}: {str(err)[:200]}")
                 continue
@@ -358,7 +359,8 @@ def _build(cudnn, p: Problem, handle) -> Plans:
                 seconds[f"{prefix}{index}"] = time.perf_counter() - began
             if name in seen:
                 continue
-            plans.entries.append(Candidate(f"cudnn:{prefix}{index}", source, index, name,
+            plans.entries.append(Candidate(f"cudnn:{prefix}{index}",
+                                           source if runs_in is None else runs_in, index, name,
                                            workspace))
             taken += 1
             compiled_taken += compiled
@@ -367,6 +369,24 @@ def _build(cudnn, p: Problem, handle) -> Plans:
     autotune.log_line({"cudnn_plans": repr(p), "built": [c.path for c in plans.entries],
                        "s": {k: round(v, 4) for k, v in seconds.items()}})
     return plans
+
+
+def _plan_of(cudnn, p: Problem, handle, graph, ops, modes, index: int, compiled: bool,
+             graphs: list) -> tuple[str, int, int | None]:
+    """Build the plan at `index` of the graph ranked by `modes`: (engine name, workspace
+    bytes, None). A runtime-compiled one (`compiled`) is loaded instead where the build
+    workers or the disk hold it (cudnn_compiled), as a graph of its own appended to `graphs`
+    (its position is the third value); one built here is stored for later processes."""
+    loaded = cudnn_compiled.take(cudnn, p, modes, index, handle) if compiled else None
+    if loaded is not None:
+        plan, runner = loaded
+        graphs.append((runner, _uids(ops)))
+        return plan.name, plan.workspace, len(graphs) - 1
+    with _FRONTEND:
+        name, workspace = _build_plan(graph, index)
+    if compiled:
+        cudnn_compiled.keep(p, modes, index, name, workspace, graph)
+    return name, workspace, None
 
 
 class WorkspaceTooLarge(Exception):
@@ -426,12 +446,15 @@ def _build_one(cudnn, p: Problem, handle, path: str) -> Plans:
     try:
         with _FRONTEND:
             graph, ops, count = _ranked(cudnn, p, handle, modes)
-            if index >= count:
-                return Plans([], [], f"{path}: heuristics {'+'.join(modes)} rank {count} plans")
-            name, workspace = _build_plan(graph, index)
+        if index >= count:
+            return Plans([], [], f"{path}: heuristics {'+'.join(modes)} rank {count} plans")
+        compiled = _admits_runtime_compiled(p) and _runtime_compiled(cudnn, graph, index)
+        graphs = [(graph, _uids(ops))]
+        name, workspace, runs_in = _plan_of(cudnn, p, handle, graph, ops, modes, index,
+                                            compiled, graphs)
     except Exception as err:    # as in _build: the frontend's many "not supported" types
         return Plans([], [], f"{path}: {type(err).__name__}: {str(err)[:200]}")
-    return Plans([(graph, _uids(ops))], [Candidate(path, 0, index, name, workspace)])
+    return Plans(graphs, [Candidate(path, runs_in or 0, index, name, workspace)])
 
 
 def plans_for(ctx, p: Problem, only: str | None = None) -> Plans:
@@ -511,6 +534,8 @@ def start_ahead(ctx, p: Problem, only: str | None = None) -> None:
     if only is not None and p in _PLANS:
         return
     handle(ctx)
+    if _admits_runtime_compiled(p) and (only is None or _ranked_list(only) is not None):
+        cudnn_compiled.prefetch(p, None if only is None else _ranked_list(only))
     ahead.start(_job(ctx, p, only))
 
 

@@ -20,6 +20,10 @@ time. (On an H200, the first problem MobileNet's bf16 step timed, its stem convo
 plan was timed at 12-47 ms, with or without the host gate of host_gate.py; with the lane
 paused it timed at 22 µs.)
 
+A job waiting for work done in another process (a cuDNN build worker's plan) lets timings run
+meanwhile (`waiting_elsewhere`): on an H200, the stem convolutions' timings of the MobileNet
+and ConvNeXt files waited 1.9 s and 3.7 s for the lane while it waited for a worker.
+
 A launch that needs a job waits for that job alone: if the lane has not taken it up yet, the
 launch runs it itself, so it never waits behind the jobs queued before it. A job's failure is
 kept for whoever asks for its result (the launch that needs it), never raised when started.
@@ -103,13 +107,35 @@ def timing_on_device():
         _timing.release()
 
 
+@contextmanager
+def waiting_elsewhere():
+    """Held by a job while it waits for work done outside this process (a build worker's
+    answer, cudnn_compiled.py) and so holds no GIL: on the lane, timings may run meanwhile
+    (it lets go of `_timing` until the wait ends). Elsewhere it changes nothing."""
+    if not getattr(_on_lane, "holding", False):
+        yield
+        return
+    _timing.release()
+    try:
+        yield
+    finally:
+        _timing.acquire()
+
+
+_on_lane = threading.local()       # .holding: this thread is the lane, holding _timing for a job
+
+
 def _run_on_lane(job: Job) -> None:
     # A lock's release does not hand it to a waiting thread: the lane, going from job to job,
     # would take it again and again before a waiting timer ran, so it lets waiting timers go first.
     while _timers_waiting:
         time.sleep(0.001)
     with _timing:                         # never beside a timing on the device
-        on_device(job.device, job.run)
+        _on_lane.holding = True
+        try:
+            on_device(job.device, job.run)
+        finally:
+            _on_lane.holding = False
 
 
 def on_device(device: int | None, build: Callable[[], object]):

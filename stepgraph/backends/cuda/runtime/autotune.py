@@ -70,12 +70,17 @@ _caches: dict[tuple[str, int], cache.ChoiceCache] = {}
 
 def choices(ctx, namespace: str) -> cache.ChoiceCache | None:
     """The on-disk choices of `namespace` for ctx's device (None when the cache is off)."""
-    if not cache.enabled():
-        return None
     device = getattr(ctx, "device_id", None)
     if device is None:      # a CudaContext: its work runs on the current device
         import cupy as cp
         device = cp.cuda.runtime.getDevice()
+    return disk(namespace, device)
+
+
+def disk(namespace: str, device: int) -> cache.ChoiceCache | None:
+    """The on-disk entries of `namespace` for GPU `device` (None when the cache is off)."""
+    if not cache.enabled():
+        return None
     key = (namespace, device)
     if key not in _caches:
         _caches[key] = cache.ChoiceCache(namespace, device_identity(device))

@@ -1,0 +1,203 @@
+"""cuDNN's runtime-compiled plans without their builds one after another: the engines cuDNN
+compiles with NVRTC when their plan is built (conv_cudnn admits them for grouped convolutions,
+whose fast depthwise kernels are such engines) take 0.2-2 s a build on an H200, on the GIL.
+MobileNet's file at bf16 built 15 of them, 10 s of its first step.
+
+A problem's first runtime-compiled plan, in the order conv_cudnn._build takes candidates
+(the one it takes: MAX_RUNTIME_COMPILED is 1), comes from the first of:
+- this process's answer from the build workers: when plans are bound (conv_cudnn.start_ahead,
+  before the first step runs), `prefetch` sends each such problem that the disk does not hold
+  to a pool of worker processes (runtime/worker_pool.py), which rank its plans as _build does
+  and build that one, in parallel with each other and with this process's own builds;
+- the on-disk cache (namespace "cudnn_compiled", cache.py): each plan built here or by a worker
+  is stored serialized (the frontend's graph.serialize; a loaded plan gave the same bits as
+  the one built, and loads in 10-20 ms);
+- else conv_cudnn builds it in this process, as without either, and `keep` stores it.
+A loaded plan is a graph of one plan (`LoadedPlan` runs it). An entry names its problem with
+conv_cudnn.candidates_key() (the frontend version, limits and filters) under the device
+identity (the GPU, driver, cuDNN version), so a plan from another GPU model or library is never
+loaded; cuDNN promises no compatibility of serialized plans beyond that.
+
+build_workers() sizes the pool: half the CPU cores (shared among the ranks of a node), at most
+8, and none below 2, where a worker's start (its imports and CUDA context, seconds) costs
+more than it saves; $STEPGRAPH_CUDNN_BUILD_WORKERS overrides it (0: every build here).
+"""
+from __future__ import annotations
+
+import base64
+import os
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from ..runtime import ahead, autotune
+from ..runtime.worker_pool import WorkerError, WorkerPool
+
+NAMESPACE = "cudnn_compiled"
+WORKERS_ENV = "STEPGRAPH_CUDNN_BUILD_WORKERS"
+MAX_BUILD_WORKERS = 8
+WORKER_MODULE = "stepgraph.backends.cuda.conv.cudnn_build_worker"
+WORKER_TIMEOUT_S = 300.0        # a worker's answer waited for at most this long
+
+
+def build_workers() -> int:
+    """How many worker processes may build plans at once (module docstring)."""
+    explicit = os.environ.get(WORKERS_ENV)
+    if explicit is not None:
+        return max(0, int(explicit))
+    ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))   # they share the cores
+    workers = min(MAX_BUILD_WORKERS, (os.cpu_count() or 1) // 2 // ranks_here)
+    return workers if workers >= 2 else 0
+
+
+@dataclass(frozen=True)
+class CompiledPlan:
+    """A built runtime-compiled plan: where it sits in the problem's ranked lists (heuristic
+    modes, index), its engine name and workspace bytes, and its serialized graph."""
+    modes: tuple[str, ...]
+    index: int
+    name: str
+    workspace: int
+    blob: bytes
+
+
+class LoadedPlan:
+    """A deserialized graph of one plan, run as conv_cudnn runs a ranked graph's plan."""
+
+    def __init__(self, graph):
+        self.graph = graph
+
+    def execute_plan_at_index(self, operands, workspace, index: int, handle) -> None:
+        self.graph.execute(operands, workspace, handle=handle)
+
+
+_pool: WorkerPool | None = None
+_asked: dict[Any, Future] = {}          # problem -> the workers' answer (CompiledPlan | None)
+_lock = threading.Lock()
+
+
+def _key(p) -> str:
+    from . import conv_cudnn
+    return f"{p!r} {conv_cudnn.candidates_key()!r}"
+
+
+def _stored(p) -> CompiledPlan | None:
+    disk = autotune.disk(NAMESPACE, p.device)
+    value = None if disk is None else disk.get(_key(p), _valid)
+    if value is None:
+        return None
+    return CompiledPlan(tuple(value["modes"]), value["index"], value["name"],
+                        value["workspace"], base64.b64decode(value["blob"]))
+
+
+def _valid(value) -> bool:
+    return (isinstance(value["modes"], list) and isinstance(value["index"], int)
+            and isinstance(value["name"], str) and isinstance(value["workspace"], int)
+            and isinstance(value["blob"], str))
+
+
+def _store(p, plan: CompiledPlan) -> None:
+    disk = autotune.disk(NAMESPACE, p.device)
+    if disk is not None:
+        disk.put(_key(p), {"modes": list(plan.modes), "index": plan.index, "name": plan.name,
+                           "workspace": plan.workspace,
+                           "blob": base64.b64encode(plan.blob).decode()})
+
+
+def prefetch(p, want: tuple[tuple[str, ...], int] | None = None) -> None:
+    """Have the workers build p's first runtime-compiled plan (`want`: the plan at that
+    (modes, index), only if it is runtime-compiled), unless it is asked for already, the disk
+    holds one, or there are no workers."""
+    global _pool
+    size = build_workers()
+    with _lock:
+        if size == 0 or p in _asked:
+            return
+    if _stored(p) is not None:
+        return
+    with _lock:
+        if p in _asked:
+            return
+        if _pool is None:
+            _pool = WorkerPool(WORKER_MODULE, size)
+        _asked[p] = _pool.submit((p, want))
+
+
+def take(cudnn, p, modes: tuple[str, ...], index: int,
+         handle) -> tuple[CompiledPlan, LoadedPlan] | None:
+    """p's runtime-compiled plan at (modes, index) from the workers' answer or the disk, and
+    its graph loaded; None when neither holds that plan (conv_cudnn then builds it)."""
+    from .conv_cudnn import _FRONTEND
+
+    with _lock:
+        asked = _asked.pop(p, None)
+    plan = None
+    if asked is not None:
+        try:
+            with ahead.waiting_elsewhere():         # holding no GIL: timings may run
+                plan = asked.result(timeout=WORKER_TIMEOUT_S)
+        except (WorkerError, TimeoutError):     # failed, died or hangs: built here instead
+            plan = None
+        if plan is not None:
+            _store(p, plan)
+    if plan is None:
+        plan = _stored(p)
+    if plan is None or (plan.modes, plan.index) != (tuple(modes), index):
+        return None
+    try:
+        with _FRONTEND:
+            graph = cudnn.pygraph(handle=handle)
+            graph.deserialize(handle, plan.blob)
+    except Exception:   # a blob this library or GPU does not load after all: built here
+        return None
+    return plan, LoadedPlan(graph)
+
+
+def keep(p, modes: tuple[str, ...], index: int, name: str, workspace: int, graph) -> None:
+    """Store the runtime-compiled plan just built at (modes, index) of p's lists (`graph` holds
+    it built), for later processes; nothing where the frontend cannot serialize it."""
+    from .conv_cudnn import _FRONTEND
+
+    try:
+        with _FRONTEND:
+            blob = bytes(graph.serialize(as_bytes=True))
+    except Exception:   # the frontend's several "not supported" types: built again next time
+        return
+    _store(p, CompiledPlan(tuple(modes), index, name, workspace, blob))
+
+
+def build_requested(request) -> CompiledPlan | None:
+    """In a build worker: the plan a `prefetch` asked for, built (None where the problem's
+    lists hold no runtime-compiled plan that builds, or `want`'s is not one)."""
+    import cupy as cp
+
+    from . import conv_cudnn
+
+    p, want = request
+    cudnn = conv_cudnn._load()[0]
+    cp.cuda.Device(p.device).use()
+    handle = _handles.get(p.device)
+    if handle is None:
+        handle = _handles[p.device] = cudnn.create_handle()
+    lists = dict(conv_cudnn.HEURISTICS if conv_cudnn.HEURISTIC_B else conv_cudnn.HEURISTICS[:1])
+    order = ([(want[0], [want[1]])] if want is not None
+             else [(modes, None) for modes in lists.values()])
+    for modes, indices in order:
+        try:
+            graph, _, count = conv_cudnn._ranked(cudnn, p, handle, tuple(modes))
+        except Exception:   # as in _build: this list does not rank the problem
+            continue
+        for index in indices if indices is not None else range(count):
+            if index >= count or not conv_cudnn._runtime_compiled(cudnn, graph, index):
+                continue
+            try:
+                name, workspace = conv_cudnn._build_plan(graph, index)
+            except Exception:   # as in _build: the next one that builds is taken
+                continue
+            blob = bytes(graph.serialize(as_bytes=True))
+            return CompiledPlan(tuple(modes), index, name, workspace, blob)
+    return None
+
+
+_handles: dict[int, Any] = {}           # a worker's cuDNN handle per device
