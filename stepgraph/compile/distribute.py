@@ -44,12 +44,11 @@ from ..ops.optim import UPDATE_OPS, hyper_rows
 from .rewrite import _copy
 
 
-# STEPGRAPH_BUCKETS_BY_DTYPE=1: gradient buckets per dtype (distributed/buckets.py
-# per_dtype), an experiment for `stepgraph bench --gpus` beside the bucket-cap sweep. By default
-# a bucket closes where the dtype changes: a bf16 GPT has 25 buckets, half of them 3 KiB
-# float32 LayerNorm pairs; per dtype at the 25 MiB cap its 21 MB of bf16 gradients are one
-# bucket that starts after the last of them, overlapping nothing. Which wins is measured, not
-# assumed (docs/BENCHMARKS.md).
+# Gradient buckets are filled per dtype (distributed/buckets.py per_dtype), as DDP buckets by
+# dtype; STEPGRAPH_BUCKETS_BY_DTYPE=0 closes a bucket wherever the dtype changes instead. A
+# bf16 GPT had 25 buckets that way, half of them 3 KiB float32 LayerNorm pairs; per dtype it
+# has 2, and on two H200s its step exposed 0.15 ms of communication rather than 0.29 ms (5.54
+# against 5.67 ms, 1.94x against 1.90x one GPU; docs/perf-notes.md, 2026-11-29 13:25 UTC).
 BUCKETS_BY_DTYPE = "STEPGRAPH_BUCKETS_BY_DTYPE"
 
 
@@ -79,7 +78,7 @@ def bucket_gradients(graph: Graph, cap_bytes: int) -> tuple[list[Value], list[Bu
         raise PlanError(f"gradients {late} are finalised after node {first_read} "
                         f"({graph.nodes[first_read].op}) already reads gradients")
     infos = [GradientInfo(i, g.nbytes, g.dtype, position[g]) for i, g in enumerate(grads)]
-    per_dtype = os.environ.get(BUCKETS_BY_DTYPE, "0") == "1"
+    per_dtype = os.environ.get(BUCKETS_BY_DTYPE, "1") != "0"
     return grads, plan_buckets(infos, cap_bytes, per_dtype), first_read
 
 

@@ -103,9 +103,9 @@ def small_step(dp, on_bad_batch="raise", seed=0):
 
 
 def test_buckets_by_dtype_is_a_switch_of_the_step(monkeypatch):
-    """STEPGRAPH_BUCKETS_BY_DTYPE=1: a bf16 step's float32 LayerNorm gradients no longer
-    close the bf16 buckets around them: fewer all-reduces, each of one dtype, every gradient
-    averaged once."""
+    """Buckets per dtype (the default): a bf16 step's float32 LayerNorm gradients do not close
+    the bf16 buckets around them, as they do with STEPGRAPH_BUCKETS_BY_DTYPE=0: fewer
+    all-reduces, each of one dtype, every gradient averaged once."""
     def reduces():
         nn.init.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 32), nn.LayerNorm(32), nn.Linear(32, 32),
@@ -119,11 +119,11 @@ def test_buckets_by_dtype_is_a_switch_of_the_step(monkeypatch):
         assert all(len({v.dtype for v in n.inputs}) == 1 for n in found)
         return found
 
-    default = reduces()
-    monkeypatch.setenv("STEPGRAPH_BUCKETS_BY_DTYPE", "1")
     by_dtype = reduces()
-    assert len(by_dtype) < len(default)
-    assert sum(len(n.inputs) for n in by_dtype) == sum(len(n.inputs) for n in default)
+    monkeypatch.setenv("STEPGRAPH_BUCKETS_BY_DTYPE", "0")
+    closing = reduces()
+    assert len(by_dtype) < len(closing)
+    assert sum(len(n.inputs) for n in by_dtype) == sum(len(n.inputs) for n in closing)
     assert sorted({v.dtype for n in by_dtype for v in n.inputs}) == ["bfloat16", "float32"]
 
 
