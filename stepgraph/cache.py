@@ -1,6 +1,8 @@
 """The on-disk cache of kernel choices, so that a new process does not time again what an
 earlier one on the same GPU already chose (the cuBLASLt algorithm of each GEMM, the path and
-variant of each conv and linear op: backends/cuda/matmul/gemm.py, runtime/autotune.py).
+variant of each conv and linear op: backends/cuda/matmul/gemm.py, runtime/autotune.py), nor
+build again the cuDNN plans cuDNN compiles at their build (namespace "cudnn_compiled", the
+serialized plan in the entry: backends/cuda/conv/cudnn_compiled.py).
 
 Where: $STEPGRAPH_CACHE_DIR, else $XDG_CACHE_HOME/stepgraph, else ~/.cache/stepgraph; the
 choices live under choices/<namespace>/. STEPGRAPH_DISK_CACHE=0 turns it off. `stepgraph cache
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     """`stepgraph cache info|clear`."""
     parser = argparse.ArgumentParser(
         prog="stepgraph cache", description="The on-disk cache of kernel choices (GEMM "
-        f"algorithms, conv and linear paths). Set {CACHE_ENV} to move it, {SWITCH_ENV}=0 to "
+        f"algorithms, conv and linear paths) and of cuDNN's runtime-compiled plans. Set {CACHE_ENV} to move it, {SWITCH_ENV}=0 to "
         "turn it off.")
     parser.add_argument("action", choices=("info", "clear"))
     args = parser.parse_args(argv)
