@@ -150,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     """`stepgraph cache info|clear`."""
     parser = argparse.ArgumentParser(
         prog="stepgraph cache", description="The on-disk cache of kernel choices (GEMM "
-        f"algorithms, conv and linear paths) and of cuDNN's runtime-compiled plans. Set {CACHE_ENV} to move it, {SWITCH_ENV}=0 to "
-        "turn it off.")
+        "algorithms, conv and linear paths) and of cuDNN's runtime-compiled plans. Set "
+        f"{CACHE_ENV} to move it, {SWITCH_ENV}=0 to turn it off.")
     parser.add_argument("action", choices=("info", "clear"))
     args = parser.parse_args(argv)
     if args.action == "clear":
