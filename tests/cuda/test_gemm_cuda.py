@@ -154,6 +154,7 @@ CONVS = [
     (2, 5, 4, 3, 7, 1, 1, (1, 1), (0, 0), False),
     (2, 2, 4, 4, 3, 4, 4, (1, 1), (0, 0), True),      # kernel covers the image: P = 1
     (2, 2, 9, 9, 3, 2, 2, (3, 3), (0, 0), False),     # stride > kernel: unread pixels
+    (2, 4, 8, 6, 3, 2, 2, (2, 2), (0, 0), True),      # stride = kernel (a 2x2 transposed conv)
     (1, 3, 6, 5, 2, 5, 5, (1, 1), (2, 2), True),      # padding larger than half
     (1, 1, 13, 11, 3, 3, 2, (2, 2), (1, 0), True),    # batch 1, C = 1, odd sizes, 3x2 kernel
     (3, 6, 11, 9, 9, 2, 5, (2, 1), (1, 2), False),    # 9 channels: a partial group of 4
