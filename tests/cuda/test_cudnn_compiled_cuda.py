@@ -78,18 +78,19 @@ def test_a_loaded_or_worker_built_plan_gives_the_bits_of_the_plan_built_here(fre
     assert not np.isnan(built.view(np.uint16).astype(np.uint32) << 16).any()
     modes = dict(conv_cudnn.HEURISTICS)["B" if c.path.startswith("cudnn:B") else ""]
 
-    plan, loaded = cudnn_compiled.take(cudnn, p, modes, c.index, handle)    # from the disk
+    key, lock = conv_cudnn._compiled_key(p), conv_cudnn._FRONTEND
+    plan, loaded = cudnn_compiled.take(cudnn, p, key, modes, c.index, handle, lock)  # the disk
     assert (plan.name, plan.workspace) == (c.name, c.workspace)
     assert np.array_equal(run(loaded, c.index, p, arrays, handle, plan.workspace), built)
 
     for entry in cache.entries():                        # a new process, the disk emptied
         entry.unlink()
     fresh_process.setenv(cudnn_compiled.WORKERS_ENV, "2")
-    cudnn_compiled.prefetch(p)
-    plan, loaded = cudnn_compiled.take(cudnn, p, modes, c.index, handle)    # the worker's
+    cudnn_compiled.prefetch(p, key)
+    plan, loaded = cudnn_compiled.take(cudnn, p, key, modes, c.index, handle, lock)  # worker
     assert cudnn_compiled._pool.started == 1 and plan.name == c.name
     assert np.array_equal(run(loaded, c.index, p, arrays, handle, plan.workspace), built)
-    assert cudnn_compiled._stored(p) is not None        # and stored for later processes
+    assert cudnn_compiled._stored(p, key) is not None   # and stored for later processes
 
 
 def depthwise_losses(precision: str) -> list[float]:

@@ -15,7 +15,8 @@ import pytest
 cupy = pytest.importorskip("cupy")    # conv.py's launchers import CuPy (no GPU needed)
 
 from stepgraph import cache  # noqa: E402
-from stepgraph.backends.cuda.conv import conv, conv_cudnn, cudnn_compiled  # noqa: E402
+from stepgraph.backends.cuda.conv import (conv, conv_cudnn, cudnn_build_worker,  # noqa: E402
+                                          cudnn_compiled)
 from stepgraph.backends.cuda.runtime import autotune  # noqa: E402
 from stepgraph.ir.graph import BF16, Node, Value  # noqa: E402
 
@@ -491,8 +492,8 @@ def test_a_build_worker_builds_the_first_runtime_compiled_plan_or_the_one_asked(
     fake.compiled = {"eng3", "engB2"}
     fake.declined.add("eng3")                            # the next that builds: engB2
     p = conv_cudnn.Problem("conv2d_grad_input", conv._geometry(X, W, ATTRS), "float32", "fp32")
-    plan = cudnn_compiled.build_requested((p, None))
+    plan = cudnn_build_worker.build_requested((p, None))
     assert (plan.modes, plan.index, plan.name, plan.blob) == (("B",), 2, "engB2", b"plan:engB2")
-    assert cudnn_compiled.build_requested((p, (("A", "FALLBACK"), 1))) is None   # not compiled
+    assert cudnn_build_worker.build_requested((p, (("A", "FALLBACK"), 1))) is None   # not compiled
     fake.declined.discard("eng3")
-    assert cudnn_compiled.build_requested((p, (("A", "FALLBACK"), 3))).name == "eng3"
+    assert cudnn_build_worker.build_requested((p, (("A", "FALLBACK"), 3))).name == "eng3"

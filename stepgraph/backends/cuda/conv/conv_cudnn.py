@@ -377,7 +377,8 @@ def _plan_of(cudnn, p: Problem, handle, graph, ops, modes, index: int, compiled:
     bytes, None). A runtime-compiled one (`compiled`) is loaded instead where the build
     workers or the disk hold it (cudnn_compiled), as a graph of its own appended to `graphs`
     (its position is the third value); one built here is stored for later processes."""
-    loaded = cudnn_compiled.take(cudnn, p, modes, index, handle) if compiled else None
+    loaded = cudnn_compiled.take(cudnn, p, _compiled_key(p), modes, index, handle,
+                                 _FRONTEND) if compiled else None
     if loaded is not None:
         plan, runner = loaded
         graphs.append((runner, _uids(ops)))
@@ -385,8 +386,15 @@ def _plan_of(cudnn, p: Problem, handle, graph, ops, modes, index: int, compiled:
     with _FRONTEND:
         name, workspace = _build_plan(graph, index)
     if compiled:
-        cudnn_compiled.keep(p, modes, index, name, workspace, graph)
+        cudnn_compiled.keep(p, _compiled_key(p), modes, index, name, workspace, graph,
+                            _FRONTEND)
     return name, workspace, None
+
+
+def _compiled_key(p: Problem) -> str:
+    """What names p's runtime-compiled plan on disk (cudnn_compiled): the problem and what
+    decides its candidates."""
+    return f"{p!r} {candidates_key()!r}"
 
 
 class WorkspaceTooLarge(Exception):
@@ -535,7 +543,8 @@ def start_ahead(ctx, p: Problem, only: str | None = None) -> None:
         return
     handle(ctx)
     if _admits_runtime_compiled(p) and (only is None or _ranked_list(only) is not None):
-        cudnn_compiled.prefetch(p, None if only is None else _ranked_list(only))
+        cudnn_compiled.prefetch(p, _compiled_key(p),
+                                None if only is None else _ranked_list(only))
     ahead.start(_job(ctx, p, only))
 
 

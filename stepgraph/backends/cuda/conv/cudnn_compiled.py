@@ -7,14 +7,15 @@ A problem's first runtime-compiled plan, in the order conv_cudnn._build takes ca
 (the one it takes: MAX_RUNTIME_COMPILED is 1), comes from the first of:
 - this process's answer from the build workers: when plans are bound (conv_cudnn.start_ahead,
   before the first step runs), `prefetch` sends each such problem that the disk does not hold
-  to a pool of worker processes (runtime/worker_pool.py), which rank its plans as _build does
-  and build that one, in parallel with each other and with this process's own builds;
+  to a pool of worker processes (runtime/worker_pool.py running cudnn_build_worker.py), which
+  rank its plans as _build does and build that one, in parallel with each other and with this
+  process's own builds (while conv_cudnn's lane waits for an answer, timings run);
 - the on-disk cache (namespace "cudnn_compiled", cache.py): each plan built here or by a worker
   is stored serialized (the frontend's graph.serialize; a loaded plan gave the same bits as
   the one built, and loads in 10-20 ms);
 - else conv_cudnn builds it in this process, as without either, and `keep` stores it.
-A loaded plan is a graph of one plan (`LoadedPlan` runs it). An entry names its problem with
-conv_cudnn.candidates_key() (the frontend version, limits and filters) under the device
+A loaded plan is a graph of one plan (`LoadedPlan` runs it). conv_cudnn names an entry by its
+problem and candidates_key() (the frontend version, limits and filters), under the device
 identity (the GPU, driver, cuDNN version), so a plan from another GPU model or library is never
 loaded; cuDNN promises no compatibility of serialized plans beyond that.
 
@@ -77,14 +78,9 @@ _asked: dict[Any, Future] = {}          # problem -> the workers' answer (Compil
 _lock = threading.Lock()
 
 
-def _key(p) -> str:
-    from . import conv_cudnn
-    return f"{p!r} {conv_cudnn.candidates_key()!r}"
-
-
-def _stored(p) -> CompiledPlan | None:
+def _stored(p, key: str) -> CompiledPlan | None:
     disk = autotune.disk(NAMESPACE, p.device)
-    value = None if disk is None else disk.get(_key(p), _valid)
+    value = None if disk is None else disk.get(key, _valid)
     if value is None:
         return None
     return CompiledPlan(tuple(value["modes"]), value["index"], value["name"],
@@ -97,24 +93,24 @@ def _valid(value) -> bool:
             and isinstance(value["blob"], str))
 
 
-def _store(p, plan: CompiledPlan) -> None:
+def _store(p, key: str, plan: CompiledPlan) -> None:
     disk = autotune.disk(NAMESPACE, p.device)
     if disk is not None:
-        disk.put(_key(p), {"modes": list(plan.modes), "index": plan.index, "name": plan.name,
+        disk.put(key, {"modes": list(plan.modes), "index": plan.index, "name": plan.name,
                            "workspace": plan.workspace,
                            "blob": base64.b64encode(plan.blob).decode()})
 
 
-def prefetch(p, want: tuple[tuple[str, ...], int] | None = None) -> None:
+def prefetch(p, key: str, want: tuple[tuple[str, ...], int] | None = None) -> None:
     """Have the workers build p's first runtime-compiled plan (`want`: the plan at that
     (modes, index), only if it is runtime-compiled), unless it is asked for already, the disk
-    holds one, or there are no workers."""
+    holds one under `key`, or there are no workers."""
     global _pool
     size = build_workers()
     with _lock:
         if size == 0 or p in _asked:
             return
-    if _stored(p) is not None:
+    if _stored(p, key) is not None:
         return
     with _lock:
         if p in _asked:
@@ -124,12 +120,11 @@ def prefetch(p, want: tuple[tuple[str, ...], int] | None = None) -> None:
         _asked[p] = _pool.submit((p, want))
 
 
-def take(cudnn, p, modes: tuple[str, ...], index: int,
-         handle) -> tuple[CompiledPlan, LoadedPlan] | None:
-    """p's runtime-compiled plan at (modes, index) from the workers' answer or the disk, and
-    its graph loaded; None when neither holds that plan (conv_cudnn then builds it)."""
-    from .conv_cudnn import _FRONTEND
-
+def take(cudnn, p, key: str, modes: tuple[str, ...], index: int, handle,
+         frontend: threading.RLock) -> tuple[CompiledPlan, LoadedPlan] | None:
+    """p's runtime-compiled plan at (modes, index) from the workers' answer or the disk (under
+    `key`), and its graph loaded holding `frontend` (conv_cudnn's lock of the frontend's calls);
+    None when neither holds that plan (conv_cudnn then builds it)."""
     with _lock:
         asked = _asked.pop(p, None)
     plan = None
@@ -140,13 +135,13 @@ def take(cudnn, p, modes: tuple[str, ...], index: int,
         except (WorkerError, TimeoutError):     # failed, died or hangs: built here instead
             plan = None
         if plan is not None:
-            _store(p, plan)
+            _store(p, key, plan)
     if plan is None:
-        plan = _stored(p)
+        plan = _stored(p, key)
     if plan is None or (plan.modes, plan.index) != (tuple(modes), index):
         return None
     try:
-        with _FRONTEND:
+        with frontend:
             graph = cudnn.pygraph(handle=handle)
             graph.deserialize(handle, plan.blob)
     except Exception:   # a blob this library or GPU does not load after all: built here
@@ -154,50 +149,14 @@ def take(cudnn, p, modes: tuple[str, ...], index: int,
     return plan, LoadedPlan(graph)
 
 
-def keep(p, modes: tuple[str, ...], index: int, name: str, workspace: int, graph) -> None:
-    """Store the runtime-compiled plan just built at (modes, index) of p's lists (`graph` holds
-    it built), for later processes; nothing where the frontend cannot serialize it."""
-    from .conv_cudnn import _FRONTEND
-
+def keep(p, key: str, modes: tuple[str, ...], index: int, name: str, workspace: int, graph,
+         frontend: threading.RLock) -> None:
+    """Store under `key` the runtime-compiled plan just built at (modes, index) of p's lists
+    (`graph` holds it built), for later processes; nothing where the frontend cannot
+    serialize it."""
     try:
-        with _FRONTEND:
+        with frontend:
             blob = bytes(graph.serialize(as_bytes=True))
     except Exception:   # the frontend's several "not supported" types: built again next time
         return
-    _store(p, CompiledPlan(tuple(modes), index, name, workspace, blob))
-
-
-def build_requested(request) -> CompiledPlan | None:
-    """In a build worker: the plan a `prefetch` asked for, built (None where the problem's
-    lists hold no runtime-compiled plan that builds, or `want`'s is not one)."""
-    import cupy as cp
-
-    from . import conv_cudnn
-
-    p, want = request
-    cudnn = conv_cudnn._load()[0]
-    cp.cuda.Device(p.device).use()
-    handle = _handles.get(p.device)
-    if handle is None:
-        handle = _handles[p.device] = cudnn.create_handle()
-    lists = dict(conv_cudnn.HEURISTICS if conv_cudnn.HEURISTIC_B else conv_cudnn.HEURISTICS[:1])
-    order = ([(want[0], [want[1]])] if want is not None
-             else [(modes, None) for modes in lists.values()])
-    for modes, indices in order:
-        try:
-            graph, _, count = conv_cudnn._ranked(cudnn, p, handle, tuple(modes))
-        except Exception:   # as in _build: this list does not rank the problem
-            continue
-        for index in indices if indices is not None else range(count):
-            if index >= count or not conv_cudnn._runtime_compiled(cudnn, graph, index):
-                continue
-            try:
-                name, workspace = conv_cudnn._build_plan(graph, index)
-            except Exception:   # as in _build: the next one that builds is taken
-                continue
-            blob = bytes(graph.serialize(as_bytes=True))
-            return CompiledPlan(tuple(modes), index, name, workspace, blob)
-    return None
-
-
-_handles: dict[int, Any] = {}           # a worker's cuDNN handle per device
+    _store(p, key, CompiledPlan(tuple(modes), index, name, workspace, blob))

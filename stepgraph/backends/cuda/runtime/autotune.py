@@ -70,6 +70,8 @@ _caches: dict[tuple[str, int], cache.ChoiceCache] = {}
 
 def choices(ctx, namespace: str) -> cache.ChoiceCache | None:
     """The on-disk choices of `namespace` for ctx's device (None when the cache is off)."""
+    if not cache.enabled():
+        return None
     device = getattr(ctx, "device_id", None)
     if device is None:      # a CudaContext: its work runs on the current device
         import cupy as cp
