@@ -35,7 +35,8 @@ its own graph). Filters, applied before building:
     since cuDNN 9.10 its fast NHWC depthwise kernels (conv2d_c1_k1_nhwc_specialized and their
     dgrad / wgrad twins, what torch's cudnn.benchmark finds) are such engines, and the
     precompiled grouped kernels left took 3-6x their time on an H200 (ConvNeXt's and
-    MobileNet's convolutions, docs/perf-notes.md), at most MAX_RUNTIME_COMPILED a problem;
+    MobileNet's convolutions, docs/perf-notes.md), at most MAX_RUNTIME_COMPILED a problem,
+    built by worker processes in parallel or loaded from disk (cudnn_compiled.py);
   - plans needing more than workspace_limit() bytes of workspace are skipped.
 The workspace comes from conv.py's grow-only scratch pool (ctx.extras["conv_scratch"]): the
 largest that a problem's plans need is taken at its first eager call, so a capture never

@@ -97,8 +97,7 @@ def _store(p, key: str, plan: CompiledPlan) -> None:
     disk = autotune.disk(NAMESPACE, p.device)
     if disk is not None:
         disk.put(key, {"modes": list(plan.modes), "index": plan.index, "name": plan.name,
-                           "workspace": plan.workspace,
-                           "blob": base64.b64encode(plan.blob).decode()})
+                       "workspace": plan.workspace, "blob": base64.b64encode(plan.blob).decode()})
 
 
 def prefetch(p, key: str, want: tuple[tuple[str, ...], int] | None = None) -> None:
@@ -107,17 +106,13 @@ def prefetch(p, key: str, want: tuple[tuple[str, ...], int] | None = None) -> No
     holds one under `key`, or there are no workers."""
     global _pool
     size = build_workers()
-    with _lock:
-        if size == 0 or p in _asked:
-            return
-    if _stored(p, key) is not None:
+    if size == 0 or p in _asked or _stored(p, key) is not None:
         return
     with _lock:
-        if p in _asked:
-            return
-        if _pool is None:
-            _pool = WorkerPool(WORKER_MODULE, size)
-        _asked[p] = _pool.submit((p, want))
+        if p not in _asked:
+            if _pool is None:
+                _pool = WorkerPool(WORKER_MODULE, size)
+            _asked[p] = _pool.submit((p, want))
 
 
 def take(cudnn, p, key: str, modes: tuple[str, ...], index: int, handle,
