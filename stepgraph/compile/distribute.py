@@ -48,7 +48,7 @@ from .rewrite import _copy
 # dtype; STEPGRAPH_BUCKETS_BY_DTYPE=0 closes a bucket wherever the dtype changes instead. A
 # bf16 GPT had 25 buckets that way, half of them 3 KiB float32 LayerNorm pairs; per dtype it
 # has 2, and on two H200s its step exposed 0.15 ms of communication rather than 0.29 ms (5.54
-# against 5.67 ms, 1.94x against 1.90x one GPU; docs/perf-notes.md, 2026-11-29, 12:35-13:10 UTC).
+# against 5.67 ms, 1.94x against 1.90x one GPU; docs/perf-notes.md, 2026-11-29, 12:35-13:20 UTC).
 BUCKETS_BY_DTYPE = "STEPGRAPH_BUCKETS_BY_DTYPE"
 
 
