@@ -42,10 +42,9 @@ def fresh_process(tmp_path, monkeypatch):
     return monkeypatch
 
 
-def run(runner, index, p, arrays, handle, workspace: int) -> np.ndarray:
+def run(runner, index, p, arrays, uids, handle, workspace: int) -> np.ndarray:
     out = arrays[OPERANDS[p.op][2]]
     out.fill(0xFFFF)                                    # poisoned: NaN in bf16
-    uids = run.uids
     scratch = cp.empty(max(1, workspace), cp.uint8)
     runner.execute_plan_at_index({uids[k]: a.data.ptr for k, a in arrays.items()},
                                  scratch.data.ptr, index=index, handle=handle)
@@ -67,21 +66,21 @@ def test_a_loaded_or_worker_built_plan_gives_the_bits_of_the_plan_built_here(fre
     if not compiled:
         pytest.skip(f"{op}: cuDNN ranks no runtime-compiled plan for this problem")
     (c,) = compiled
-    run.uids = plans.graphs[c.graph][1]
+    uids = plans.graphs[c.graph][1]
     dims = g.cudnn_dims()
     gen = np.random.default_rng(0)
     arrays = {}
     for name in OPERANDS[op]:
         f = gen.standard_normal(int(np.prod(dims[KIND[name]]))).astype(np.float32)
         arrays[name] = cp.asarray((f.view(np.uint32) >> 16).astype(np.uint16))
-    built = run(plans.graphs[c.graph][0], c.index, p, arrays, handle, c.workspace)
+    built = run(plans.graphs[c.graph][0], c.index, p, arrays, uids, handle, c.workspace)
     assert not np.isnan(built.view(np.uint16).astype(np.uint32) << 16).any()
-    modes = dict(conv_cudnn.HEURISTICS)["B" if c.path.startswith("cudnn:B") else ""]
+    modes = conv_cudnn._ranked_list(c.path)[0]
 
     key, lock = conv_cudnn._compiled_key(p), conv_cudnn._FRONTEND
     plan, loaded = cudnn_compiled.take(cudnn, p, key, modes, c.index, handle, lock)  # the disk
     assert (plan.name, plan.workspace) == (c.name, c.workspace)
-    assert np.array_equal(run(loaded, c.index, p, arrays, handle, plan.workspace), built)
+    assert np.array_equal(run(loaded, c.index, p, arrays, uids, handle, plan.workspace), built)
 
     for entry in cache.entries():                        # a new process, the disk emptied
         entry.unlink()
@@ -89,7 +88,7 @@ def test_a_loaded_or_worker_built_plan_gives_the_bits_of_the_plan_built_here(fre
     cudnn_compiled.prefetch(p, key)
     plan, loaded = cudnn_compiled.take(cudnn, p, key, modes, c.index, handle, lock)  # worker
     assert cudnn_compiled._pool.started == 1 and plan.name == c.name
-    assert np.array_equal(run(loaded, c.index, p, arrays, handle, plan.workspace), built)
+    assert np.array_equal(run(loaded, c.index, p, arrays, uids, handle, plan.workspace), built)
     assert cudnn_compiled._stored(p, key) is not None   # and stored for later processes
 
 

@@ -264,6 +264,12 @@ def _graph(cudnn, p: Problem, handle) -> tuple[Any, dict[str, Any]]:
 HEURISTICS = (("", ("A", "FALLBACK")), ("B", ("B",)))
 
 
+def heuristics() -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The ranked lists a problem's candidates are drawn from: HEURISTICS, B only when
+    HEURISTIC_B."""
+    return HEURISTICS if HEURISTIC_B else HEURISTICS[:1]
+
+
 def _ranked(cudnn, p: Problem, handle, modes: tuple[str, ...]):
     """The problem's graph with the execution plans of `modes` ranked and the filters of the
     module docstring applied; (graph, operand tensors by name, plan count)."""
@@ -322,7 +328,7 @@ def _build(cudnn, p: Problem, handle) -> Plans:
     seconds: dict[str, float] = {}              # host seconds by list ranked, plan built
     admitted = _admits_runtime_compiled(p)      # else none is ranked: no notes to read
     compiled_taken = 0
-    for prefix, modes in HEURISTICS if HEURISTIC_B else HEURISTICS[:1]:
+    for prefix, modes in heuristics():
         limit = _limits(p)[bool(prefix)]
         began = time.perf_counter()
         try:
@@ -378,17 +384,18 @@ def _plan_of(cudnn, p: Problem, handle, graph, ops, modes, index: int, compiled:
     bytes, None). A runtime-compiled one (`compiled`) is loaded instead where the build
     workers or the disk hold it (cudnn_compiled), as a graph of its own appended to `graphs`
     (its position is the third value); one built here is stored for later processes."""
-    loaded = cudnn_compiled.take(cudnn, p, _compiled_key(p), modes, index, handle,
-                                 _FRONTEND) if compiled else None
+    if not compiled:
+        with _FRONTEND:
+            return (*_build_plan(graph, index), None)
+    key = _compiled_key(p)
+    loaded = cudnn_compiled.take(cudnn, p, key, modes, index, handle, _FRONTEND)
     if loaded is not None:
         plan, runner = loaded
         graphs.append((runner, _uids(ops)))
         return plan.name, plan.workspace, len(graphs) - 1
     with _FRONTEND:
         name, workspace = _build_plan(graph, index)
-    if compiled:
-        cudnn_compiled.keep(p, _compiled_key(p), modes, index, name, workspace, graph,
-                            _FRONTEND)
+    cudnn_compiled.keep(p, key, modes, index, name, workspace, graph, _FRONTEND)
     return name, workspace, None
 
 
@@ -437,7 +444,7 @@ def _ranked_list(path: str) -> tuple[tuple[str, ...], int] | None:
     """(heuristic modes, index in their ranked list) of candidate `path` ("cudnn:<i>" or
     "cudnn:B<i>"); None where it names no list that _build draws from."""
     match = re.fullmatch(r"cudnn:(B?)(\d+)", path)
-    lists = dict(HEURISTICS if HEURISTIC_B else HEURISTICS[:1])
+    lists = dict(heuristics())
     if match is None or match[1] not in lists:
         return None
     return lists[match[1]], int(match[2])
@@ -543,9 +550,9 @@ def start_ahead(ctx, p: Problem, only: str | None = None) -> None:
     if only is not None and p in _PLANS:
         return
     handle(ctx)
-    if _admits_runtime_compiled(p) and (only is None or _ranked_list(only) is not None):
-        cudnn_compiled.prefetch(p, _compiled_key(p),
-                                None if only is None else _ranked_list(only))
+    want = None if only is None else _ranked_list(only)
+    if _admits_runtime_compiled(p) and (only is None or want is not None):
+        cudnn_compiled.prefetch(p, _compiled_key(p), want)
     ahead.start(_job(ctx, p, only))
 
 

@@ -23,9 +23,8 @@ def build_requested(request) -> CompiledPlan | None:
     handle = _handles.get(p.device)
     if handle is None:
         handle = _handles[p.device] = cudnn.create_handle()
-    lists = dict(conv_cudnn.HEURISTICS if conv_cudnn.HEURISTIC_B else conv_cudnn.HEURISTICS[:1])
     order = ([(want[0], [want[1]])] if want is not None
-             else [(modes, None) for modes in lists.values()])
+             else [(modes, None) for _, modes in conv_cudnn.heuristics()])
     for modes, indices in order:
         try:
             graph, _, count = conv_cudnn._ranked(cudnn, p, handle, tuple(modes))
