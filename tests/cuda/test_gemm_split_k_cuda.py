@@ -1,7 +1,8 @@
 """cuBLASLt's configurations beyond its heuristic's (matmul/split_k.py) on the GPU: for a
 weight gradient's deep, narrow product, cuBLASLt accepts some, each one's product matches
 NumPy's float64 one under the fp32 and tf32 bounds of test_gemm_cuda.py, and the autotuner
-times them beside the heuristic's own candidates."""
+times them beside the heuristic's own candidates, cutting them all short inside a timing the
+product cannot win."""
 from __future__ import annotations
 
 import numpy as np
@@ -20,9 +21,9 @@ TOL = {"fp32": 1e-5, "tf32": 3e-3}
 M, N, K = 200, 72, 16384           # dw (M, N) = dy^T (M, K) @ x (K, N): K over the batch
 
 
-def operands(seed):
+def operands(seed, m=M):
     rng = np.random.default_rng(seed)
-    dy_t = rng.standard_normal((K, M)).astype(np.float32)      # stored (K, M): trans_a
+    dy_t = rng.standard_normal((K, m)).astype(np.float32)      # stored (K, m): trans_a
     x = rng.standard_normal((K, N)).astype(np.float32)
     return dy_t, x, dy_t.astype(np.float64).T @ x.astype(np.float64)
 
@@ -70,4 +71,43 @@ def test_the_autotuner_times_them_and_keeps_a_correct_choice(backend, monkeypatc
     gemm.matmul(ctx, a, b, c, trans_a=True)             # plans nothing new: tunes p
     ctx.stream.synchronize()
     assert p.tuned and len(p.heuristic) > offered, "no configuration joined the candidates"
+    assert rel_err(cp.asnumpy(c), want) < TOL["fp32"]
+
+
+def test_inside_a_timing_it_cannot_win_its_search_is_cut_short(backend, monkeypatch):
+    """A conv's GEMM path timed after a kernel already faster than any configuration
+    (autotune.enclosing_cut): every configuration is dropped after its eager runs, none is
+    captured, the eager-fastest computes the product; the first call outside such a timing
+    tunes in full."""
+    from stepgraph.backends.cuda.runtime import autotune, graph
+
+    monkeypatch.setenv("STEPGRAPH_DISK_CACHE", "0")
+    timed_in_full = []
+    real = graph.time_on_device
+
+    def recording(*args, **kwargs):
+        ms = real(*args, **kwargs)
+        timed_in_full.append(not isinstance(ms, graph.EagerMs))
+        return ms
+
+    monkeypatch.setattr(graph, "time_on_device", recording)
+    ctx = backend.make_context("fp32")
+    dy_t, x, want = operands(3, m=136)      # a spec no other test plans in this process
+    with ctx.stream:
+        a, b = cp.asarray(dy_t), cp.asarray(x)
+        c = cp.full((136, N), np.nan, np.float32)
+    p = ctx.gemm.plan(gemm.matmul_spec(a, b, c, trans_a=True, precision="fp32"))
+    monkeypatch.setattr(autotune._enclosing, "cut", 1e-6, raising=False)
+    gemm.matmul(ctx, a, b, c, trans_a=True)
+    ctx.stream.synchronize()
+    assert p.tuned and p.cut_short
+    assert len(timed_in_full) > 1 and not any(timed_in_full)
+    assert rel_err(cp.asnumpy(c), want) < TOL["fp32"]
+    monkeypatch.setattr(autotune._enclosing, "cut", None)
+    timed_in_full.clear()
+    with ctx.stream:
+        c.fill(np.nan)
+    gemm.matmul(ctx, a, b, c, trans_a=True)
+    ctx.stream.synchronize()
+    assert p.tuned and not p.cut_short and any(timed_in_full)
     assert rel_err(cp.asnumpy(c), want) < TOL["fp32"]

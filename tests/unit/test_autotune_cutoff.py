@@ -86,3 +86,48 @@ def test_candidates_compiling_kernels_of_their_own_are_timed_after_the_others(mo
     assert autotune._fastest(None, paths) == "tiled:a"
     assert [c[0] for c in calls] == ["cudnn:0", "direct", "tiled:a", "tiled:b"]
     assert waits == [(2, [("conv_tiled.cu", "k_tiled:a"), ("conv_tiled.cu", "k_tiled:b")])]
+
+
+def test_searching_candidates_come_last_under_the_cut_of_all_the_others(monkeypatch):
+    """A candidate whose first call times candidates of its own (a conv's GEMM path) is timed
+    after the plain and the compiling ones, and sees the cut they set while it runs (and
+    nothing after)."""
+    graph_ms = {"gemm": 0.9, "direct": 0.5, "tiled:a": 0.2, "cudnn:0": 0.3}
+    calls = fake_clock(monkeypatch, graph_ms)
+    monkeypatch.setattr(autotune.compiler, "compile_parallel", lambda kernels: None)
+    seen = {}
+    paths = paths_of(graph_ms)
+    paths["gemm"] = autotune.searching(
+        lambda: seen.setdefault("gemm", autotune.enclosing_cut()) and "gemm")
+    paths["direct"] = lambda: seen.setdefault("direct", autotune.enclosing_cut()) or "direct"
+    autotune.compiling(paths["tiled:a"], ("conv_tiled.cu", "k"))
+    assert autotune._fastest(None, paths) == "tiled:a"
+    assert [c[0] for c in calls] == ["direct", "cudnn:0", "tiled:a", "gemm"]
+    assert seen == {"direct": None, "gemm": pytest.approx(0.4)}
+    assert autotune.enclosing_cut() is None
+
+
+def test_a_timing_inside_a_candidate_takes_the_tighter_cut(monkeypatch):
+    """run_fastest nested in a candidate's first call: each of its candidates gets the
+    smaller of its own cut and the enclosing one, the first included."""
+    calls = fake_clock(monkeypatch, {"x": 0.3, "y": 0.1, "z": 0.15})
+    monkeypatch.setattr(autotune._enclosing, "cut", 0.25, raising=False)
+    assert autotune._fastest(None, paths_of("xyz")) == "y"
+    assert calls == [("x", 0.25, "cut"), ("y", 0.25, "captured"),
+                     ("z", pytest.approx(0.2), "captured")]
+    assert autotune.enclosing_cut() == 0.25
+    assert autotune.tighter(None, None) is None and autotune.tighter(None, 2.0, 1.0) == 1.0
+
+
+def test_a_wrapped_launch_keeps_its_marks():
+    """conv.py wraps launches (a fused ReLU after, a bias gradient): the wrapper is still
+    compiled ahead and still timed last."""
+    def run():
+        return None
+    autotune.searching(autotune.compiling(run, ("conv_tiled.cu", "k")))
+
+    def wrapper():
+        return run()
+    wrapped = autotune.marked_like(wrapper, run)
+    assert wrapped.kernels == (("conv_tiled.cu", "k"),) and wrapped.searches
+    assert not hasattr(autotune.marked_like(lambda: None, lambda: None), "searches")

@@ -522,7 +522,8 @@ def _forward_offer(node, ins, outs, ctx) -> Offer:
             paths["direct_narrow"] = lambda: conv2d_direct_forward(ctx, g, x, w, bias, y,
                                                                    NARROW_CHANNELS)
         if _gemm_dtype(x.dtype):
-            paths["gemm"] = lambda: _forward_gemm(ctx, node, g, x, w, bias, y)
+            paths["gemm"] = autotune.searching(
+                lambda: _forward_gemm(ctx, node, g, x, w, bias, y))
         if relu:        # bf16: ReLU commutes with the rounding, the epilogue is exact
             paths = {name: _then(run, lambda: conv2d_bias_act(ctx, y, None, True))
                      for name, run in paths.items()}
@@ -590,7 +591,7 @@ def _then(run: Callable[[], None], after: Callable[[], None]) -> Callable[[], No
     def both() -> None:
         run()
         after()
-    return both
+    return autotune.marked_like(both, run)
 
 
 def _tiled_paths(op: str, g: Geometry, x, run) -> dict[str, Callable[[], None]]:
@@ -649,7 +650,7 @@ def _grad_input_offer(node, ins, outs, ctx) -> Offer:
             paths["direct_narrow"] = lambda: conv2d_direct_grad_input(ctx, g, dy, w, dx,
                                                                       NARROW_CHANNELS)
         if _gemm_dtype(dy.dtype):
-            paths["gemm"] = lambda: _grad_input_gemm(ctx, node, g, dy, w, dx)
+            paths["gemm"] = autotune.searching(lambda: _grad_input_gemm(ctx, node, g, dy, w, dx))
     return Offer(g, conv_cudnn.ir_dtype(dy.dtype), paths, lambda only: (
         conv_cudnn.grad_input_paths(ctx, g, dy, w, dx, layout=layout, only=only)))
 
@@ -719,7 +720,8 @@ def _grad_weight_offer(node, ins, outs, ctx) -> Offer:
     if own and direct_unsupported(g, x.dtype) is None:
         paths["direct"] = with_bias(lambda: conv2d_direct_grad_weight(ctx, g, dy, x, dw))
     if own and _gemm_dtype(x.dtype):
-        paths["gemm"] = with_bias(lambda: _grad_weight_gemm(ctx, node, g, dy, x, dw))
+        paths["gemm"] = autotune.searching(
+            with_bias(lambda: _grad_weight_gemm(ctx, node, g, dy, x, dw)))
     return Offer(g, conv_cudnn.ir_dtype(x.dtype), paths, lambda only: {
         name: with_bias(run) for name, run in conv_cudnn.grad_weight_paths(
             ctx, g, dy, x, dw, layout=layout, only=only).items()})

@@ -40,6 +40,7 @@ import numpy as np
 from ....errors import CaptureError, ShapeError, StepgraphError
 from ....ir.graph import ir_dtype as graph_ir_dtype
 from ..runtime import nvmath_bindings
+from ..runtime.autotune import enclosing_cut
 from . import split_k
 
 WORKSPACE_BYTES = 32 << 20
@@ -178,6 +179,9 @@ class PlannedGemm:
     pointer_buf: np.ndarray = field(default_factory=lambda: np.zeros((), np.int64))
     launched: bool = False                 # True once a call went through
     tuned: bool = False                    # True once the candidates have been timed
+    # True where every candidate was past an enclosing timing's cut (autotune.enclosing_cut):
+    # the eager-fastest runs, and the first call outside such a timing tunes in full.
+    cut_short: bool = False
 
     def algo_address(self, index: int) -> int:
         """Address of the algo struct of heuristic result `index`."""
@@ -261,7 +265,8 @@ class GemmCache:
                       beta.ctypes.data, c_ptr, d_lay, d_ptr, d_lay, algo_ptr,
                       self.workspace.data.ptr, self.workspace_bytes, stream_ptr)
 
-        if ctx is not None and self.autotune and not p.tuned and not spec.accumulate \
+        if ctx is not None and self.autotune and not spec.accumulate \
+                and (not p.tuned or p.cut_short and enclosing_cut() is None) \
                 and (len(p.heuristic) > 1 or split_k.wanted(spec)):
             self._autotune(p, call, ctx)
         try:
@@ -286,9 +291,12 @@ class GemmCache:
         timed as a captured replay, so host launch costs do not decide. Specs that
         accumulate into D are not tuned (repeated calls would change D). The choice persists
         on disk (autotune.choices): a later process with the same GPU, driver and cuBLASLt
-        takes it without timing (_restore)."""
-        from ..runtime.autotune import choices, give_up_above
-        from ..runtime.graph import time_on_device
+        takes it without timing (_restore). Inside a timing of paths (a conv's GEMM path
+        against its direct kernel and cuDNN), a candidate past that timing's cut is dropped
+        too, the first included: it could not make the path win. Where all were, nothing is
+        stored (cut_short)."""
+        from ..runtime.autotune import choices, give_up_above, tighter
+        from ..runtime.graph import EagerMs, time_on_device
 
         if ctx.capturing or ctx.stream.is_capturing():
             return
@@ -306,20 +314,23 @@ class GemmCache:
             more = split_k.candidates(self._lt, self.handle, p, algo_types(p.spec))
             p.heuristic = np.concatenate([p.heuristic, more])
             p.algo_ptr = p.algo_address(0)       # the old buffer is gone
-        best, best_time = 0, float("inf")
+        outer = enclosing_cut()
+        best, best_time, timed_in_full = 0, float("inf"), False
         for i in range(len(p.heuristic)):
             algo = p.algo_address(i)
             if not _usable(p, i, self.workspace_bytes):
                 continue
             try:
                 elapsed = time_on_device(ctx, lambda: call(algo), AUTOTUNE_REPEATS,
-                                         give_up_above=give_up_above(best_time))
+                                         give_up_above=tighter(give_up_above(best_time), outer))
             except (self._lt.cuBLASLtError, CaptureError):
                 continue                         # an algorithm may refuse the call
+            timed_in_full |= not isinstance(elapsed, EagerMs)
             if elapsed < best_time:
                 best, best_time = i, elapsed
         p.algo_ptr, p.tuned = p.algo_address(best), True
-        if disk is not None and best_time < float("inf"):
+        p.cut_short = outer is not None and not timed_in_full
+        if disk is not None and timed_in_full:
             disk.put(problem, {"index": best, "algo": p.heuristic[best]["algo"].tobytes().hex()})
 
     def _restore(self, p: PlannedGemm, value) -> int | None:
