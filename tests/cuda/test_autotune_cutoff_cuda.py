@@ -1,7 +1,8 @@
 """graph.time_on_device's early cut on the GPU: a candidate whose eager runs imply more device
 time than give_up_above returns its eager time without a capture; one under it is captured and
 timed as a replay, and so is a quick kernel behind a slow launch, whose eager time is mostly
-the host's (tests/unit/test_autotune_cutoff.py: the autotuner's use of it). The replay is
+the host's, while a slow kernel whose host work outlasts it is still cut: the eager runs wait
+behind the host gate too (tests/unit/test_autotune_cutoff.py: the autotuner's use of it). The replay is
 timed behind the host gate (runtime/host_gate.py): a host late to launch it is not timed, and
 one later than the gate's timeout has it timed again."""
 from __future__ import annotations
@@ -70,6 +71,22 @@ def test_a_quick_kernel_behind_a_slow_launch_is_not_cut(captures):
     ms = graph.time_on_device(ctx, slow_launch, give_up_above=0.5)
     assert len(captures) == 1 and not isinstance(ms, graph.EagerMs), "cut for its host time"
     assert 0.0 < ms < 0.5, "the replay times the kernel, not the host"
+
+
+def test_a_slow_kernel_whose_host_work_outlasts_it_is_cut(captures):
+    """Host work after the launch (a cuDNN execute's Python) once hid the kernel's time from
+    the bound (elapsed less host, near zero): behind the host gate the eager runs time the
+    device alone."""
+    ctx = get_backend("cuda").make_context("fp32")
+    slow = spinner(ctx, 4_000_000)            # 1-3 ms at any H100/H200 clock
+
+    def then_host_work():
+        slow()
+        time.sleep(0.008)                     # 8 ms of host work after the launch
+
+    ms = graph.time_on_device(ctx, then_host_work, give_up_above=0.5)
+    assert isinstance(ms, graph.EagerMs) and captures == [], "captured past the cut"
+    assert 0.5 < ms < 8.0, "the eager figure is the kernel's, not the host's"
 
 
 def test_a_replay_is_timed_without_the_host_late_to_launch_it(monkeypatch):

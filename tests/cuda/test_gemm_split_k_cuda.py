@@ -75,39 +75,46 @@ def test_the_autotuner_times_them_and_keeps_a_correct_choice(backend, monkeypatc
 
 
 def test_inside_a_timing_it_cannot_win_its_search_is_cut_short(backend, monkeypatch):
-    """A conv's GEMM path timed after a kernel already faster than any configuration
-    (autotune.enclosing_cut): every configuration is dropped after its eager runs, none is
-    captured, the eager-fastest computes the product; the first call outside such a timing
-    tunes in full."""
+    """A conv's GEMM path timed after a kernel already faster (autotune.enclosing_cut): every
+    configuration gets that cut, the first included. Where all of them are past it (here the
+    timing says so, as graph.time_on_device does for a candidate past its cut: an eager
+    figure), nothing is captured, the product is still right, and the first call outside
+    such a timing tunes in full, on the device."""
     from stepgraph.backends.cuda.runtime import autotune, graph
 
     monkeypatch.setenv("STEPGRAPH_DISK_CACHE", "0")
-    timed_in_full = []
-    real = graph.time_on_device
+    real, cuts, timed_in_full = graph.time_on_device, [], []
+
+    def past_every_cut(ctx, run, repeats=5, give_up_above=None):
+        cuts.append(give_up_above)
+        return graph.EagerMs(1.0)
 
     def recording(*args, **kwargs):
         ms = real(*args, **kwargs)
         timed_in_full.append(not isinstance(ms, graph.EagerMs))
         return ms
 
-    monkeypatch.setattr(graph, "time_on_device", recording)
     ctx = backend.make_context("fp32")
     dy_t, x, want = operands(3, m=136)      # a spec no other test plans in this process
     with ctx.stream:
         a, b = cp.asarray(dy_t), cp.asarray(x)
         c = cp.full((136, N), np.nan, np.float32)
     p = ctx.gemm.plan(gemm.matmul_spec(a, b, c, trans_a=True, precision="fp32"))
-    monkeypatch.setattr(autotune._enclosing, "cut", 1e-6, raising=False)
+    monkeypatch.setattr(graph, "time_on_device", past_every_cut)
+    monkeypatch.setattr(autotune._enclosing, "cut", 1e-3, raising=False)
     gemm.matmul(ctx, a, b, c, trans_a=True)
     ctx.stream.synchronize()
+    assert len(cuts) > 1 and all(cut == 1e-3 for cut in cuts)
     assert p.tuned and p.cut_short
-    assert len(timed_in_full) > 1 and not any(timed_in_full)
     assert rel_err(cp.asnumpy(c), want) < TOL["fp32"]
+    calls = len(cuts)
+    gemm.matmul(ctx, a, b, c, trans_a=True)         # within the same timing: no new search
+    assert len(cuts) == calls
+    monkeypatch.setattr(graph, "time_on_device", recording)
     monkeypatch.setattr(autotune._enclosing, "cut", None)
-    timed_in_full.clear()
     with ctx.stream:
         c.fill(np.nan)
     gemm.matmul(ctx, a, b, c, trans_a=True)
     ctx.stream.synchronize()
-    assert p.tuned and not p.cut_short and any(timed_in_full)
+    assert len(cuts) == calls and p.tuned and not p.cut_short and any(timed_in_full)
     assert rel_err(cp.asnumpy(c), want) < TOL["fp32"]

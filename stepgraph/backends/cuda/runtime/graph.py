@@ -103,6 +103,15 @@ def _eager_ms(ctx, run: Callable[[], None], gate=None) -> tuple[float, float]:
     return cp.cuda.get_elapsed_time(start, end), host_ms
 
 
+def _device_ms_at_least(elapsed_ms: float, host_ms: float, gate) -> float:
+    """A lower bound of the device time of a run timed by _eager_ms: its elapsed time where a
+    gate held the stream until the host had enqueued it all (the gate opened when released,
+    not by its timeout), else its elapsed time less the host's."""
+    if gate is not None and host_ms * 1e6 < host_gate.TIMEOUT_NS:
+        return elapsed_ms
+    return elapsed_ms - host_ms
+
+
 class EagerMs(float):
     """What time_on_device returns for a candidate past its cut: an eager run's elapsed ms,
     no capture made."""
@@ -114,26 +123,32 @@ def time_on_device(ctx, run: Callable[[], None], repeats: int = 5,
     plans and takes scratch), then `repeats` runs captured into one graph and timed as one
     replay, behind a host gate (_replay_ms), with the ahead lane paused. Eager timings of
     short launches measure the host, which favours fewer launches.
-    give_up_above (ms of device time): two more eager runs are timed first, and where the
-    device time each implies at least (_eager_ms: its elapsed time less its host time) is
-    past the cut in both, the faster's elapsed time is returned (as an EagerMs) without the
-    capture (a candidate that cannot win; that figure over-states its device time by its
-    launch gaps only, so it is no smaller). Syncs the stream: never call it while a step is being
-    captured."""
+    give_up_above (ms of device time): two more eager runs are timed first, behind the host
+    gate, and where the device time each implies at least (_device_ms_at_least) is past the
+    cut in both, the faster's elapsed time is returned (as an EagerMs) without the capture
+    (a candidate that cannot win; that figure is its device time, or more where the gate
+    opened by itself). Syncs the stream: never call it while a step is being captured."""
     with ahead.timing_on_device():        # the ahead lane builds nothing meanwhile
         return _time_on_device(ctx, run, repeats, give_up_above)
 
 
 def _time_on_device(ctx, run: Callable[[], None], repeats: int,
                     give_up_above: float | None) -> float:
+    import cupy as cp
+
     run()
     if give_up_above is not None:
         # Two eager runs must both be past the cut: one alone may have shared the device
         # with other work. (With one run cut on its elapsed time, an H200 run of the ConvNeXt
         # file kept a 4x slower plan for one depthwise conv that the next run did not, most
-        # likely after a host wait, which the bound now subtracts as well.)
-        eager = [_eager_ms(ctx, run) for _ in range(2)]
-        if min(elapsed - host for elapsed, host in eager) > give_up_above:
+        # likely after a host wait, which the bound now subtracts as well.) They run behind
+        # the host gate: without it, a launch whose host work outlasts its kernel (a cuDNN
+        # plan's execute, 0.1-0.3 ms of Python) left a bound near zero, and 262 candidates
+        # of the U-Net and MobileNet files at fp32 were captured and replayed past the cut.
+        gate = host_gate.gate(cp.cuda.runtime.getDevice())
+        eager = [_eager_ms(ctx, run, gate) for _ in range(2)]
+        if min(_device_ms_at_least(elapsed, host, gate) for elapsed, host in eager) \
+                > give_up_above:
             return EagerMs(min(elapsed for elapsed, _ in eager))
 
     def repeated():
