@@ -118,3 +118,45 @@ def test_inside_a_timing_it_cannot_win_its_search_is_cut_short(backend, monkeypa
     ctx.stream.synchronize()
     assert len(cuts) == calls and p.tuned and not p.cut_short and any(timed_in_full)
     assert rel_err(cp.asnumpy(c), want) < TOL["fp32"]
+
+
+def test_a_light_search_keeps_to_the_heuristic_and_a_later_call_searches_in_full(
+        backend, monkeypatch):
+    """A conv's GEMM path timed the first time (autotune.light_search): only the heuristic's
+    candidates are timed and nothing is stored; the first call outside that timing joins the
+    split-K configurations and times them; the one after searches nothing."""
+    from stepgraph.backends.cuda.runtime import autotune, graph
+
+    monkeypatch.setenv("STEPGRAPH_DISK_CACHE", "0")
+    real, timings = graph.time_on_device, []
+
+    def counted(*args, **kwargs):
+        timings.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(graph, "time_on_device", counted)
+    ctx = backend.make_context("fp32")
+    dy_t, x, want = operands(4, m=152)      # a spec no other test plans in this process
+    with ctx.stream:
+        a, b = cp.asarray(dy_t), cp.asarray(x)
+        c = cp.full((152, N), np.nan, np.float32)
+    p = ctx.gemm.plan(gemm.matmul_spec(a, b, c, trans_a=True, precision="fp32"))
+    offered = len(p.heuristic)
+    monkeypatch.setattr(autotune._enclosing, "light", True, raising=False)
+    gemm.matmul(ctx, a, b, c, trans_a=True)
+    ctx.stream.synchronize()
+    assert p.tuned and p.light and not p.extended and len(p.heuristic) == offered
+    assert 0 < len(timings) <= offered
+    assert rel_err(cp.asnumpy(c), want) < TOL["fp32"]
+    monkeypatch.setattr(autotune._enclosing, "light", False)
+    timings.clear()
+    with ctx.stream:
+        c.fill(np.nan)
+    gemm.matmul(ctx, a, b, c, trans_a=True)
+    ctx.stream.synchronize()
+    assert p.tuned and not p.light and p.extended and len(p.heuristic) > offered
+    assert len(timings) > offered
+    assert rel_err(cp.asnumpy(c), want) < TOL["fp32"]
+    timings.clear()
+    gemm.matmul(ctx, a, b, c, trans_a=True)
+    assert timings == []

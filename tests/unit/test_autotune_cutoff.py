@@ -131,3 +131,41 @@ def test_a_wrapped_launch_keeps_its_marks():
     wrapped = autotune.marked_like(wrapper, run)
     assert wrapped.kernels == (("conv_tiled.cu", "k"),) and wrapped.searches
     assert not hasattr(autotune.marked_like(lambda: None, lambda: None), "searches")
+
+
+def searching_gemm(seen: list):
+    """A searching candidate whose time depends on how far its search went: its light search
+    (the heuristic's candidates) gives 'gemm-light', its full one 'gemm-full'."""
+    def run():
+        seen.append(autotune.light_search())
+        return "gemm-light" if autotune.light_search() else "gemm-full"
+    return autotune.searching(run)
+
+
+@pytest.mark.parametrize("light_ms, full_ms, chosen, searches", [
+    (0.9, 0.3, "direct", [True]),               # past the cut light: no full search
+    (0.5, 0.3, "gemm", [True, False]),          # within reach: searched in full, wins
+    (0.5, 0.45, "direct", [True, False]),       # within reach, still slower in full
+    (0.35, 0.3, "gemm", [True]),                # the best already: full search comes later
+])
+def test_a_searching_candidate_is_searched_in_full_only_within_reach(
+        monkeypatch, light_ms, full_ms, chosen, searches):
+    calls = fake_clock(monkeypatch, {"direct": 0.4, "gemm-light": light_ms,
+                                     "gemm-full": full_ms})
+    seen = []
+    paths = {"gemm": searching_gemm(seen), "direct": lambda: "direct"}
+    assert autotune._fastest(None, paths) == chosen
+    assert seen == searches
+    assert [c[0] for c in calls] == ["direct"] + ["gemm-light", "gemm-full"][:len(searches)]
+    assert autotune.light_search() is False and autotune.enclosing_cut() is None
+
+
+def test_inside_a_light_timing_every_search_stays_light(monkeypatch):
+    """A timing nested in a light one keeps its searches light, and searches nothing in full
+    itself: the enclosing timing decides that."""
+    fake_clock(monkeypatch, {"direct": 0.4, "gemm-light": 0.5, "gemm-full": 0.3})
+    monkeypatch.setattr(autotune._enclosing, "light", True, raising=False)
+    seen = []
+    paths = {"gemm": searching_gemm(seen), "direct": lambda: "direct"}
+    assert autotune._fastest(None, paths) == "direct"
+    assert seen == [True] and autotune.light_search() is True

@@ -40,7 +40,7 @@ import numpy as np
 from ....errors import CaptureError, ShapeError, StepgraphError
 from ....ir.graph import ir_dtype as graph_ir_dtype
 from ..runtime import nvmath_bindings
-from ..runtime.autotune import enclosing_cut
+from ..runtime.autotune import enclosing_cut, light_search
 from . import split_k
 
 WORKSPACE_BYTES = 32 << 20
@@ -182,6 +182,10 @@ class PlannedGemm:
     # True where every candidate was past an enclosing timing's cut (autotune.enclosing_cut):
     # the eager-fastest runs, and the first call outside such a timing tunes in full.
     cut_short: bool = False
+    # True where the search kept to the heuristic's candidates (autotune.light_search): the
+    # next call outside a light timing searches in full.
+    light: bool = False
+    extended: bool = False                 # True once split_k's configurations joined
 
     def algo_address(self, index: int) -> int:
         """Address of the algo struct of heuristic result `index`."""
@@ -266,7 +270,8 @@ class GemmCache:
                       self.workspace.data.ptr, self.workspace_bytes, stream_ptr)
 
         if ctx is not None and self.autotune and not spec.accumulate \
-                and (not p.tuned or p.cut_short and enclosing_cut() is None) \
+                and (not p.tuned or p.light and not light_search()
+                     or p.cut_short and enclosing_cut() is None) \
                 and (len(p.heuristic) > 1 or split_k.wanted(spec)):
             self._autotune(p, call, ctx)
         try:
@@ -294,7 +299,8 @@ class GemmCache:
         takes it without timing (_restore). Inside a timing of paths (a conv's GEMM path
         against its direct kernel and cuDNN), a candidate past that timing's cut is dropped
         too, the first included: it could not make the path win. Where all were, nothing is
-        stored (cut_short)."""
+        stored (cut_short). A light search (autotune.light_search: the path's first timing)
+        times the heuristic's candidates alone, and is not stored either."""
         from ..runtime.autotune import choices, give_up_above, tighter
         from ..runtime.graph import EagerMs, time_on_device
 
@@ -307,12 +313,14 @@ class GemmCache:
             found["index"] = self._restore(p, value)
             return found["index"] is not None
 
-        if disk is not None and disk.get(problem, valid) is not None:
+        if disk is not None and disk.get(problem, valid) is not None:    # a full search's
             p.algo_ptr, p.tuned = p.algo_address(found["index"]), True
+            p.light = p.cut_short = False
             return
-        if split_k.wanted(p.spec):
+        p.light = light_search() and split_k.wanted(p.spec)
+        if split_k.wanted(p.spec) and not p.light and not p.extended:
             more = split_k.candidates(self._lt, self.handle, p, algo_types(p.spec))
-            p.heuristic = np.concatenate([p.heuristic, more])
+            p.heuristic, p.extended = np.concatenate([p.heuristic, more]), True
             p.algo_ptr = p.algo_address(0)       # the old buffer is gone
         outer = enclosing_cut()
         best, best_time, timed_in_full = 0, float("inf"), False
@@ -330,7 +338,7 @@ class GemmCache:
                 best, best_time = i, elapsed
         p.algo_ptr, p.tuned = p.algo_address(best), True
         p.cut_short = outer is not None and not timed_in_full
-        if disk is not None and timed_in_full:
+        if disk is not None and timed_in_full and not p.light:
             disk.put(problem, {"index": best, "algo": p.heuristic[best]["algo"].tobytes().hex()})
 
     def _restore(self, p: PlannedGemm, value) -> int | None:
