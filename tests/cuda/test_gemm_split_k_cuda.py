@@ -28,6 +28,18 @@ def operands(seed, m=M):
     return dy_t, x, dy_t.astype(np.float64).T @ x.astype(np.float64)
 
 
+def planned(backend, seed, m=M):
+    """An fp32 context, its operands and a NaN-poisoned product on its stream, the float64
+    product and the GEMM's plan (a spec another m leaves unplanned in this process)."""
+    ctx = backend.make_context("fp32")
+    dy_t, x, want = operands(seed, m)
+    with ctx.stream:
+        a, b = cp.asarray(dy_t), cp.asarray(x)
+        c = cp.full((m, N), np.nan, np.float32)
+    return ctx, a, b, c, want, ctx.gemm.plan(gemm.matmul_spec(a, b, c, trans_a=True,
+                                                                precision="fp32"))
+
+
 @pytest.mark.parametrize("precision", ["fp32", "tf32"])
 def test_every_configuration_computes_the_product(backend, precision):
     ctx = backend.make_context(precision)
@@ -60,12 +72,7 @@ def test_every_configuration_computes_the_product(backend, precision):
 
 def test_the_autotuner_times_them_and_keeps_a_correct_choice(backend, monkeypatch):
     monkeypatch.setenv("STEPGRAPH_DISK_CACHE", "0")       # time here, not a stored choice
-    ctx = backend.make_context("fp32")
-    dy_t, x, want = operands(2)
-    with ctx.stream:
-        a, b = cp.asarray(dy_t), cp.asarray(x)
-        c = cp.full((M, N), np.nan, np.float32)
-    p = ctx.gemm.plan(gemm.matmul_spec(a, b, c, trans_a=True, precision="fp32"))
+    ctx, a, b, c, want, p = planned(backend, 2)
     assert not p.tuned
     offered = len(p.heuristic)
     gemm.matmul(ctx, a, b, c, trans_a=True)             # plans nothing new: tunes p
@@ -94,12 +101,7 @@ def test_inside_a_timing_it_cannot_win_its_search_is_cut_short(backend, monkeypa
         timed_in_full.append(not isinstance(ms, graph.EagerMs))
         return ms
 
-    ctx = backend.make_context("fp32")
-    dy_t, x, want = operands(3, m=136)      # a spec no other test plans in this process
-    with ctx.stream:
-        a, b = cp.asarray(dy_t), cp.asarray(x)
-        c = cp.full((136, N), np.nan, np.float32)
-    p = ctx.gemm.plan(gemm.matmul_spec(a, b, c, trans_a=True, precision="fp32"))
+    ctx, a, b, c, want, p = planned(backend, 3, m=136)
     monkeypatch.setattr(graph, "time_on_device", past_every_cut)
     monkeypatch.setattr(autotune._enclosing, "cut", 1e-3, raising=False)
     gemm.matmul(ctx, a, b, c, trans_a=True)
@@ -123,8 +125,8 @@ def test_inside_a_timing_it_cannot_win_its_search_is_cut_short(backend, monkeypa
 def test_a_light_search_keeps_to_the_heuristic_and_a_later_call_searches_in_full(
         backend, monkeypatch):
     """A conv's GEMM path timed the first time (autotune.light_search): only the heuristic's
-    candidates are timed and nothing is stored; the first call outside that timing joins the
-    split-K configurations and times them; the one after searches nothing."""
+    candidates are timed; the first call outside that timing joins the split-K
+    configurations and times them; the one after searches nothing."""
     from stepgraph.backends.cuda.runtime import autotune, graph
 
     monkeypatch.setenv("STEPGRAPH_DISK_CACHE", "0")
@@ -135,12 +137,7 @@ def test_a_light_search_keeps_to_the_heuristic_and_a_later_call_searches_in_full
         return real(*args, **kwargs)
 
     monkeypatch.setattr(graph, "time_on_device", counted)
-    ctx = backend.make_context("fp32")
-    dy_t, x, want = operands(4, m=152)      # a spec no other test plans in this process
-    with ctx.stream:
-        a, b = cp.asarray(dy_t), cp.asarray(x)
-        c = cp.full((152, N), np.nan, np.float32)
-    p = ctx.gemm.plan(gemm.matmul_spec(a, b, c, trans_a=True, precision="fp32"))
+    ctx, a, b, c, want, p = planned(backend, 4, m=152)
     offered = len(p.heuristic)
     monkeypatch.setattr(autotune._enclosing, "light", True, raising=False)
     gemm.matmul(ctx, a, b, c, trans_a=True)
