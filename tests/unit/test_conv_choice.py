@@ -497,3 +497,28 @@ def test_a_build_worker_builds_the_first_runtime_compiled_plan_or_the_one_asked(
     assert cudnn_build_worker.build_requested((p, (("A", "FALLBACK"), 1))) is None   # not compiled
     fake.declined.discard("eng3")
     assert cudnn_build_worker.build_requested((p, (("A", "FALLBACK"), 3))).name == "eng3"
+
+
+def test_the_gemm_paths_search_and_wrapped_paths_keep_their_marks(fake, monkeypatch):
+    """Every float32 op's im2col + GEMM path is marked as searching (timed last, its cuBLASLt
+    search kept light: autotune._fastest); the tiled paths of a forward with a fused ReLU keep
+    the kernels they compile ahead through the ReLU wrapped after them."""
+    offered = []
+    monkeypatch.setattr(conv, "_run_faster",
+                        lambda node, ctx, g, dtype, paths: offered.append((node.op, paths)))
+    attrs = {"stride": (1, 1), "padding": (0, 0)}
+    x, w, y = (64, 10, 12, 12), (20, 10, 5, 5), (64, 20, 8, 8)
+    for op, ins, outs, extra in (("conv2d", (x, w), (y,), {"act": "relu"}),
+                                 ("conv2d_grad_input", (y, w), (x,), {"input_shape": x}),
+                                 ("conv2d_grad_weight", (y, x), (w,), {"weight_shape": w})):
+        node = Node(op, [Value(s, "float32") for s in ins], [Value(s, "float32") for s in outs],
+                    {**attrs, **extra})
+        conv.IMPLS[op](node, [fake_array(s) for s in ins], [fake_array(s) for s in outs],
+                       fake_ctx())
+    assert [op for op, _ in offered] == ["conv2d", "conv2d_grad_input", "conv2d_grad_weight"]
+    for op, paths in offered:
+        assert getattr(paths["gemm"], "searches", False), op
+        assert not any(getattr(run, "searches", False) for name, run in paths.items()
+                       if name != "gemm"), op
+        tiled = [run for name, run in paths.items() if name.startswith("tiled:")]
+        assert tiled and all(run.kernels for run in tiled), op
