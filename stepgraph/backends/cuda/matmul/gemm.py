@@ -317,8 +317,9 @@ class GemmCache:
             p.algo_ptr, p.tuned = p.algo_address(found["index"]), True
             p.light = p.cut_short = False
             return
-        p.light = light_search() and split_k.wanted(p.spec)
-        if split_k.wanted(p.spec) and not p.light and not p.extended:
+        wanted = split_k.wanted(p.spec)
+        p.light = wanted and light_search()
+        if wanted and not p.light and not p.extended:
             more = split_k.candidates(self._lt, self.handle, p, algo_types(p.spec))
             p.heuristic, p.extended = np.concatenate([p.heuristic, more]), True
             p.algo_ptr = p.algo_address(0)       # the old buffer is gone

@@ -103,11 +103,17 @@ def _eager_ms(ctx, run: Callable[[], None], gate=None) -> tuple[float, float]:
     return cp.cuda.get_elapsed_time(start, end), host_ms
 
 
+def _current_gate() -> host_gate.HostGate | None:
+    import cupy as cp
+
+    return host_gate.gate(cp.cuda.runtime.getDevice())
+
+
 def _device_ms_at_least(elapsed_ms: float, host_ms: float, gate) -> float:
     """A lower bound of the device time of a run timed by _eager_ms: its elapsed time where a
-    gate held the stream until the host had enqueued it all (the gate opened when released,
-    not by its timeout), else its elapsed time less the host's."""
-    if gate is not None and host_ms * 1e6 < host_gate.TIMEOUT_NS:
+    gate held the stream until the host had enqueued it all, else its elapsed time less the
+    host's."""
+    if gate is not None and host_gate.held_throughout(host_ms):
         return elapsed_ms
     return elapsed_ms - host_ms
 
@@ -134,18 +140,16 @@ def time_on_device(ctx, run: Callable[[], None], repeats: int = 5,
 
 def _time_on_device(ctx, run: Callable[[], None], repeats: int,
                     give_up_above: float | None) -> float:
-    import cupy as cp
-
     run()
     if give_up_above is not None:
         # Two eager runs must both be past the cut: one alone may have shared the device
         # with other work. (With one run cut on its elapsed time, an H200 run of the ConvNeXt
         # file kept a 4x slower plan for one depthwise conv that the next run did not, most
-        # likely after a host wait, which the bound now subtracts as well.) They run behind
+        # likely after a host wait, which the bound now leaves out as well.) They run behind
         # the host gate: without it, a launch whose host work outlasts its kernel (a cuDNN
         # plan's execute, 0.1-0.3 ms of Python) left a bound near zero, and 262 candidates
         # of the U-Net and MobileNet files at fp32 were captured and replayed past the cut.
-        gate = host_gate.gate(cp.cuda.runtime.getDevice())
+        gate = _current_gate()
         eager = [_eager_ms(ctx, run, gate) for _ in range(2)]
         if min(_device_ms_at_least(elapsed, host, gate) for elapsed, host in eager) \
                 > give_up_above:
@@ -165,13 +169,11 @@ def _replay_ms(ctx, captured: CapturedGraph, attempts: int = 3) -> float:
     host late to enqueue it (another thread holding the GIL) is not timed with it. Where the
     host took longer than the gate's timeout to enqueue it, the gate may have opened first:
     it is timed again (at most `attempts` times, the least kept)."""
-    import cupy as cp
-
-    gate = host_gate.gate(cp.cuda.runtime.getDevice())
+    gate = _current_gate()
     best = float("inf")
     for _ in range(attempts):
         elapsed, host_ms = _eager_ms(ctx, captured.launch, gate)
         best = min(best, elapsed)
-        if gate is None or host_ms * 1e6 < host_gate.TIMEOUT_NS:
+        if gate is None or host_gate.held_throughout(host_ms):
             break
     return best

@@ -62,6 +62,12 @@ class HostGate:
         self._word.value = 1
 
 
+def held_throughout(host_ms: float) -> bool:
+    """Whether a section the host took `host_ms` to enqueue behind a gate stayed behind it
+    (the gate opened when released, not by its timeout)."""
+    return host_ms * 1e6 < TIMEOUT_NS
+
+
 @functools.cache
 def gate(device: int) -> HostGate | None:
     """The gate of `device` (made once), None where its memory cannot be mapped."""
