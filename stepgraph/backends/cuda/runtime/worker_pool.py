@@ -113,7 +113,15 @@ class _Worker:
             return pickle.load(self.process.stdout)
         except (OSError, EOFError, pickle.UnpicklingError) as err:
             raise WorkerError(f"worker `python -m {self.module}` ended ({type(err).__name__}"
-                              f"; exit status {self.process.poll()}): {self._stderr_tail()}")
+                              f"; exit status {self._exit_status()}): {self._stderr_tail()}")
+
+    def _exit_status(self, wait_s: float = 5.0) -> int | None:
+        """The process's exit status, waited for a moment: its stdout closes just before it
+        exits, so polling at once may find it still running (None where it still is)."""
+        try:
+            return self.process.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            return None
 
     def _stderr_tail(self, limit: int = 2000) -> str:
         try:
