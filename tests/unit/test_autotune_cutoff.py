@@ -64,6 +64,7 @@ def test_the_log_names_each_candidates_time_and_the_choice(monkeypatch, tmp_path
     autotune._fastest(None, paths_of("cb"), key="second")
     first, second = (json.loads(line) for line in log.read_text().splitlines())
     assert 0 <= first.pop("s") < 5 and 0 <= second.pop("s") < 5
+    assert first.pop("end") <= second.pop("end")      # time.perf_counter() at each's end
     # each candidate's own host seconds: the fake clock takes none
     for row in (first, second):
         assert all(0 <= timing.pop() < 1 for timing in row["ms"].values())

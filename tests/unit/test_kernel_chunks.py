@@ -194,3 +194,26 @@ def test_attention_head_dim_96_kernels_compile_one_at_a_time(declared):
     assert len(names) == tiles * sum(len(c) for c in attention.CTYPES.values())
     assert attention.SOURCE in compiler.PER_SHAPE_SOURCES
     assert all(compiler.chunk_of(attention.SOURCE, n) == (n,) for n in names)
+
+
+def test_the_setup_log_gives_each_compile_its_queued_start_and_end_times(monkeypatch, tmp_path):
+    """With STEPGRAPH_AUTOTUNE_LOG set, a compile writes when it was queued, started and ended
+    and on which thread (scripts/cold-start lays a first step's waits out from them); without
+    it, the build is run as it is."""
+    import json
+
+    def build():
+        return "module"
+
+    assert compiler._logged(("file", "conv_tiled.cu", ("k<1>",)), build) is build
+    log = tmp_path / "setup.jsonl"
+    monkeypatch.setenv("STEPGRAPH_AUTOTUNE_LOG", str(log))
+    assert compiler._logged(("file", "conv_tiled.cu", ("k<1>",)), build)() == "module"
+    assert compiler._logged(("generated", "extern \"C\" __global__ void f() {}"), build)() \
+        == "module"
+    tiled, generated = (json.loads(line) for line in log.read_text().splitlines())
+    assert tiled["compile"] == "conv_tiled.cu" and tiled["names"] == ["k<1>"]
+    assert generated["compile"].startswith("generated ") and generated["names"] == []
+    for line in (tiled, generated):
+        assert line["queued"] <= line["start"] <= line["end"]
+        assert line["thread"] == threading.current_thread().name

@@ -77,7 +77,7 @@ from typing import Any, Callable
 
 from ....errors import BackendUnavailableError, CaptureError
 from ....ir.graph import ir_dtype
-from ..runtime import ahead, autotune
+from ..runtime import ahead, setup_log
 from ..runtime.launch import _capturing
 from ..runtime.scratch import ScratchPool
 from . import cudnn_compiled
@@ -373,8 +373,8 @@ def _build(cudnn, p: Problem, handle) -> Plans:
             compiled_taken += compiled
     if not plans.entries:
         plans.reason = "no plan built: " + "; ".join(failures[:4])
-    autotune.log_line({"cudnn_plans": repr(p), "built": [c.path for c in plans.entries],
-                       "s": {k: round(v, 4) for k, v in seconds.items()}})
+    setup_log.write({"cudnn_plans": repr(p), "built": [c.path for c in plans.entries],
+                     "s": {k: round(v, 4) for k, v in seconds.items()}})
     return plans
 
 

@@ -16,14 +16,12 @@ name themselves (`compiling`) are timed after the others, once those kernels are
 from __future__ import annotations
 
 import functools
-import json
-import os
 import threading
 import time
 from typing import Callable, Hashable
 
 from .... import cache
-from . import compiler
+from . import compiler, setup_log
 from .graph import EagerMs, time_on_device
 
 
@@ -230,20 +228,9 @@ def _log_timings(key: Hashable, times: dict, chosen: str, seconds: float) -> Non
     candidate's ms, how it was timed (a graph replay, or an eager run past the cut) and the
     host seconds its timing took (its first run's lazy work included), the choice, and the
     host seconds the whole timing took (waits for compiles included): why a problem runs
-    the kernel it runs, and what choosing it cost the setup."""
-    log_line({"key": repr(key), "ms": times, "chosen": chosen, "s": round(seconds, 4)})
-
-
-_log_lock = threading.Lock()
-
-
-def log_line(line: dict) -> None:
-    """Append `line` to STEPGRAPH_AUTOTUNE_LOG's file as one JSON line (nothing when unset);
-    the ahead lane writes there too (conv_cudnn's plan builds)."""
-    path = os.environ.get("STEPGRAPH_AUTOTUNE_LOG")
-    if path:
-        with _log_lock, open(path, "a") as f:
-            f.write(json.dumps(line) + "\n")
+    the kernel it runs, and what choosing it cost the setup; `end`: time.perf_counter() then."""
+    setup_log.write({"key": repr(key), "ms": times, "chosen": chosen,
+                     "s": round(seconds, 4), "end": time.perf_counter()})
 
 
 def run_family(paths: dict[str, Callable[[], None]], family: str, fallback: str) -> None:

@@ -35,10 +35,12 @@ import functools
 import hashlib
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable
 
+from . import setup_log
 from .ahead import Job, on_device
 
 SOURCE_ROOT = Path(__file__).resolve().parents[1]    # backends/cuda: the families' .cu files
@@ -121,9 +123,32 @@ def _start(key: tuple, build: Callable[[], object]) -> Job:
             if _pool is None:
                 _pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="nvrtc")
             # on the device it was started for, whichever thread runs it
-            compile_ = _compiles[key] = Job(functools.partial(on_device, device, build))
+            compile_ = _compiles[key] = Job(functools.partial(on_device, device,
+                                                              _logged(key, build)))
             _pool.submit(compile_.run)
     return compile_
+
+
+def _logged(key: tuple, build: Callable[[], object]) -> Callable[[], object]:
+    """build, writing to the setup log (when it is on) when it was queued, started and ended,
+    and on which thread (a caller that needed it before a pool thread took it runs it)."""
+    if not setup_log.enabled():
+        return build
+    queued = time.perf_counter()
+    if key[0] == "file":
+        what, names = key[1], list(key[2])
+    else:                          # generated source: named by its hash
+        what, names = f"generated {hashlib.sha256(key[1].encode()).hexdigest()[:8]}", []
+
+    def run():
+        started = time.perf_counter()
+        try:
+            return build()
+        finally:
+            setup_log.write({"compile": what, "names": names,
+                             "queued": queued, "start": started, "end": time.perf_counter(),
+                             "thread": threading.current_thread().name})
+    return run
 
 
 def _current_device() -> int:
