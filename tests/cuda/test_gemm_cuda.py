@@ -235,16 +235,16 @@ def launched(monkeypatch):
 STRIDE1_CONVS = [(cfg, i) for i, cfg in zip(CONV_IDS, CONVS) if cfg[7] == (1, 1)]
 
 
-@pytest.mark.parametrize("tile", conv_tiled.TILES, ids=lambda t: f"{t[0]}x{t[1]}")
-@pytest.mark.parametrize("ks", conv_tiled.CHANNEL_SPLITS, ids=lambda k: f"k{k}")
+@pytest.mark.parametrize("variant", conv_tiled.CONV_VARIANTS,
+                         ids=lambda v: f"{v[0][0]}x{v[0][1]}k{v[1]}")
 @pytest.mark.parametrize("cfg", [c for c, _ in STRIDE1_CONVS], ids=[i for _, i in STRIDE1_CONVS])
-def test_conv2d_tiled_every_tile(backend, ctx32, monkeypatch, launched, cfg, tile, ks):
-    """Each (channels, pixels) tile and input-channel split of conv2d_tiled_kernel, forward
-    and grad_input, partial channel groups and row tiles included; where that kernel exists
-    for the shape, it is what ran."""
+def test_conv2d_tiled_every_tile(backend, ctx32, monkeypatch, launched, cfg, variant):
+    """Each variant ((channels, pixels) tile, input-channel split) of conv2d_tiled_kernel,
+    forward and grad_input, partial channel groups and row tiles included; where that kernel
+    exists for the shape, it is what ran."""
+    tile, ks = variant
     monkeypatch.setattr(conv, "PATH", "tiled")
-    monkeypatch.setattr(conv_tiled, "TILES", (tile,))
-    monkeypatch.setattr(conv_tiled, "CHANNEL_SPLITS", (ks,))
+    monkeypatch.setattr(conv_tiled, "CONV_VARIANTS", (variant,))
     x, w, dy, attrs = conv_grad_inputs(cfg, 18)
     b = random(np.random.default_rng(19), w.shape[0])
     g = conv._geometry(x.shape, w.shape, attrs)

@@ -41,12 +41,10 @@ def test_chunks_cover_every_declared_instantiation_exactly_once(declared):
     """Of each file, the chunks hold each declared template instantiation once, none more
     than CHUNK_INSTANTIATIONS, and (TYPED_SOURCES) only those of one element type."""
     for filename, names in declared.items():
-        if filename in compiler.PER_SHAPE_SOURCES:
-            assert compiler.chunks(filename) == []
-            continue
         chunks = compiler.chunks(filename)
         held = [name for chunk in chunks for name in chunk]
-        assert sorted(held) == sorted(n for n in names if "<" in n), filename
+        assert sorted(held) == sorted(n for n in names
+                                      if "<" in n and not compiler.per_shape(filename, n))
         size = compiler.CHUNK_INSTANTIATIONS.get(filename,
                                                  compiler.DEFAULT_CHUNK_INSTANTIATIONS)
         assert all(0 < len(chunk) <= size for chunk in chunks), filename
@@ -61,7 +59,7 @@ def test_a_kernel_name_maps_to_the_chunk_that_holds_it(declared):
             chunk = compiler.chunk_of(filename, name)
             if "<" not in name:
                 assert chunk == ()                 # the file's plain module
-            elif filename in compiler.PER_SHAPE_SOURCES:
+            elif compiler.per_shape(filename, name):
                 assert chunk == (name,)
             else:
                 assert name in chunk and chunk in compiler.chunks(filename)
@@ -93,12 +91,15 @@ def test_file_modules_are_the_plain_module_and_the_chunks_of_the_types_asked(dec
     assert all(compiler._element_type(chunk[0]) == "float" for chunk in loss[1:])
     assert not any(() in [chunk] for chunk in compiler.file_modules("conv_direct.cu"))
     assert compiler.file_modules("optim.cu") == [()]              # plain kernels only
-    assert compiler.file_modules("conv_tiled.cu") == []          # per problem
+    # a per-shape file: its shape-free templates only (the partial sums, one per storage)
+    assert [name.split("<")[0] for chunk in compiler.file_modules("conv_tiled.cu")
+            for name in chunk] == ["conv2d_tiled_grad_weight_sum_kernel"] * 4
+    assert compiler.file_modules("attention.cu") == []
     everything = compiler.declared_modules()
     assert len(everything) == len(set(everything))
     held = {(f, n) for f, chunk in everything for n in chunk}
-    assert held == {(f, n) for f, names in declared.items() if f not in
-                    compiler.PER_SHAPE_SOURCES for n in names if "<" in n}
+    assert held == {(f, n) for f, names in declared.items() for n in names
+                    if "<" in n and not compiler.per_shape(f, n)}
 
 
 def test_early_families_declare_their_files_whole(declared):

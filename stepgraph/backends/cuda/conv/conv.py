@@ -74,7 +74,6 @@ permutes (`_through_nchw`): slow, but no convolution is left without a path.
 from __future__ import annotations
 
 import functools
-import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -595,12 +594,12 @@ def _then(run: Callable[[], None], after: Callable[[], None]) -> Callable[[], No
 
 
 def _tiled_paths(op: str, g: Geometry, x, run) -> dict[str, Callable[[], None]]:
-    """{"tiled:OBxPXkKS": launch} for each tile and channel split whose block fits (none
-    where the tiled kernels cannot run `op`); run(conv) launches one TiledConv."""
+    """{"tiled:OBxPXkKS": launch} for each variant (tile and channel split) whose block fits
+    (none where the tiled kernels cannot run `op`); run(conv) launches one TiledConv."""
     if tiled.unsupported(op, g, x.dtype) is not None:
         return {}
     paths, itemsize = {}, tiled.compute_dtype(x.dtype).itemsize    # bf16: float32 shared
-    for (ob, px), ks in itertools.product(tiled.TILES, tiled.CHANNEL_SPLITS):
+    for (ob, px), ks in tiled.CONV_VARIANTS:
         conv = tiled.plan_conv(g, op == "conv2d_grad_input", (ob, px), ks, itemsize)
         if conv is not None:
             paths[f"tiled:{ob}x{px}k{ks}"] = autotune.compiling(
@@ -806,7 +805,7 @@ def tiled_kernels(node, precision: str = "fp32") -> list[tuple[str, str]]:
                  for split in tiled.GRAD_WEIGHT_SPLITS]
     else:
         plans = [tiled.plan_conv(g, node.op == "conv2d_grad_input", tile, ks, itemsize)
-                 for tile, ks in itertools.product(tiled.TILES, tiled.CHANNEL_SPLITS)]
+                 for tile, ks in tiled.CONV_VARIANTS]
     return [(tiled.SOURCE, plan.name(storage)) for plan in plans if plan is not None]
 
 

@@ -32,11 +32,14 @@ SOURCE = "conv_tiled.cu"
 TYPES = {"float32": ("float", "float"), "float64": ("double", "double"),
          "uint16": ("unsigned short", "float"), "float16": ("fp16_bits", "float")}
 
-# Candidates, each timed per problem: (channels, pixels) a thread computes x input-channel
-# splits (forward, grad_input); (row ranges, output-channel ranges) per sample (grad_weight).
-TILES = ((2, 2), (2, 4))
-CHANNEL_SPLITS = (1, 2, 4, 5)
-GRAD_WEIGHT_SPLITS = ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1))
+# Candidates, each compiled and timed per problem: ((channels, pixels) a thread computes,
+# input-channel split) (forward, grad_input); (row ranges, output-channel ranges) per sample
+# (grad_weight). Each costs a cold start 0.1-0.2 s of NVRTC (0.3-1 s each when 16 compile at
+# once): kept are those that were ever the only fastest. Of 1,012 timings of 78 problems on an
+# H200 (docs/perf-notes.md, 2026-11-29), the splits 2 (both tiles), 4 with the 2x4 tile, 5
+# with the 2x2 tile and the (2, 2) grad_weight split never were.
+CONV_VARIANTS = (((2, 2), 1), ((2, 4), 1), ((2, 2), 4), ((2, 4), 5))
+GRAD_WEIGHT_SPLITS = ((1, 1), (1, 2), (1, 4), (2, 1), (4, 1))
 
 MAX_KERNEL = 7                    # larger windows unroll into too much code
 MAX_ELEMENTS = 1 << 30            # per tensor: the kernels' offsets are 32-bit ints
@@ -299,8 +302,8 @@ def kernel_names(geometries, dtype) -> set[str]:
     itemsize = compute_dtype(dtype).itemsize
     names = {sum_kernel_name(dtype)}
     for g in geometries:
-        convs = [plan_conv(g, flip, tile, ks, itemsize) for tile in TILES
-                 for ks in CHANNEL_SPLITS for flip in (False, True)]
+        convs = [plan_conv(g, flip, tile, ks, itemsize) for tile, ks in CONV_VARIANTS
+                 for flip in (False, True)]
         grads = [plan_grad_weight(g, split, bias, itemsize)
                  for split in GRAD_WEIGHT_SPLITS for bias in (False, True)]
         names.update(k.name(dtype) for k in convs + grads if k is not None)

@@ -48,9 +48,15 @@ INCLUDE_DIR = SOURCE_ROOT / "include"                 # the .cuh headers the .cu
 NVRTC_OPTIONS = ("-std=c++17", f"-I{INCLUDE_DIR}")
 FLOAT_CTYPES = {"float32": "float", "float64": "double"}   # templates' T per array dtype
 COMPILE_THREADS = max(1, min(32, os.cpu_count() or 1))    # NVRTC compiles side by side
-# Instantiated per problem (tiled conv shapes; attention head dims, storages, arithmetics):
-# compiled one kernel name at a time, only those a plan names (KERNELS_AHEAD hooks)
-PER_SHAPE_SOURCES = frozenset({"conv_tiled.cu", "attention.cu"})
+# Files of templates instantiated per problem (tiled conv shapes; attention head dims,
+# storages, arithmetics), each with the names of those templates ("": all of the file's):
+# compiled one kernel name at a time, only those a plan names (KERNELS_AHEAD hooks). Their
+# other templates (the tiled conv's partial-sum kernel, one per storage) are declared and
+# precompiled like any other file's.
+PER_SHAPE_TEMPLATES = {
+    "conv_tiled.cu": ("conv2d_tiled_kernel", "conv2d_tiled_grad_weight_kernel"),
+    "attention.cu": ("",)}
+PER_SHAPE_SOURCES = frozenset(PER_SHAPE_TEMPLATES)
 # Templated on the element type (first template argument: the C type of the values read):
 # chunks per type, and one module for the plain extern "C" kernels
 TYPED_SOURCES = frozenset({"elementwise.cu", "loss.cu", "reduce.cu", "broadcast.cu",
@@ -216,9 +222,16 @@ def declare(names: dict[str, Iterable[str]]) -> None:
     chunks of a few (CHUNK_INSTANTIATIONS), side by side."""
     with _lock:
         for filename, kernels in names.items():
-            if filename not in PER_SHAPE_SOURCES:
-                _declared[filename] = _declared.get(filename, frozenset()) | frozenset(kernels)
+            kept = frozenset(k for k in kernels if not per_shape(filename, k))
+            if kept:
+                _declared[filename] = _declared.get(filename, frozenset()) | kept
                 _chunk_maps.pop(filename, None)
+
+
+def per_shape(filename: str, name: str) -> bool:
+    """Whether kernel `name` of `filename` is instantiated per problem (PER_SHAPE_TEMPLATES)."""
+    template = name.split("<")[0]
+    return any(t in ("", template) for t in PER_SHAPE_TEMPLATES.get(filename, ()))
 
 
 def _element_type(name: str) -> str:
@@ -263,7 +276,7 @@ def chunks(filename: str, group: str | None = None) -> list[tuple[str, ...]]:
 def chunk_of(filename: str, name: str) -> tuple[str, ...]:
     """The name expressions of the module that holds kernel `name` of `filename`: () for a
     plain kernel (the file's plain module), its chunk for a declared instantiation, the name
-    alone for one nobody declared (or of a PER_SHAPE_SOURCES file)."""
+    alone for one nobody declared (a per-shape one included)."""
     if "<" not in name:
         return ()
     with _lock:
@@ -284,10 +297,10 @@ def _has_plain_kernels(filename: str) -> bool:
 def file_modules(filename: str, groups: Iterable[str] | None = None) -> list[tuple[str, ...]]:
     """The name expressions of every module `filename` is compiled as (its plain module first,
     if it has plain kernels), of its chunks only those of `groups` when given (element types
-    of a TYPED_SOURCES file; a file of one group always has all); none for a
-    PER_SHAPE_SOURCES file."""
+    of a TYPED_SOURCES file; a file of one group always has all); of a PER_SHAPE_SOURCES
+    file, the chunks of its shape-free templates only."""
     if filename in PER_SHAPE_SOURCES:
-        return []
+        return chunks(filename)       # its declared shape-free templates, if any
     wanted = None if groups is None or filename not in TYPED_SOURCES else set(groups)
     plain = [()] if _has_plain_kernels(filename) else []
     return plain + [chunk for chunk in chunks(filename)
