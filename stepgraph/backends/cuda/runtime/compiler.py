@@ -47,7 +47,11 @@ SOURCE_ROOT = Path(__file__).resolve().parents[1]    # backends/cuda: the famili
 INCLUDE_DIR = SOURCE_ROOT / "include"                 # the .cuh headers the .cu files share
 NVRTC_OPTIONS = ("-std=c++17", f"-I{INCLUDE_DIR}")
 FLOAT_CTYPES = {"float32": "float", "float64": "double"}   # templates' T per array dtype
-COMPILE_THREADS = max(1, min(32, os.cpu_count() or 1))    # NVRTC compiles side by side
+# NVRTC compiles side by side: half again as many threads as cores, so a plan's per-shape
+# kernels start in one wave, not two behind the last ones. (On a 16-core H200 host, cnn's
+# cold start with an installed kernel cache: 8 threads 1.74-1.77 s, 16 1.36-1.52 s, 24
+# 1.30-1.36 s; its 20 per-shape compiles took 0.3-1 s each, docs/perf-notes.md.)
+COMPILE_THREADS = max(1, min(32, 3 * (os.cpu_count() or 1) // 2))
 # Files of templates instantiated per problem (tiled conv shapes; attention head dims,
 # storages, arithmetics), each with the names of those templates ("": all of the file's):
 # compiled one kernel name at a time, only those a plan names (KERNELS_AHEAD hooks). Their
