@@ -27,7 +27,7 @@ cp = require_gpu()
 
 import stepgraph as sg  # noqa: E402
 from stepgraph import models, optim  # noqa: E402
-from stepgraph.backends.cuda import broadcast, elementwise  # noqa: E402
+from stepgraph.backends.cuda import broadcast, elementwise, pointwise  # noqa: E402
 from stepgraph.backends.numpy import bf16  # noqa: E402
 from stepgraph.compile.pointwise import fuse_pointwise  # noqa: E402
 from stepgraph.ir.graph import BF16, Node  # noqa: E402
@@ -230,18 +230,21 @@ def test_generated_program_rounds_each_instruction(backend, ctx):
     np.testing.assert_array_equal(bf16.from_bits(got), np.ones(37, np.float32))
 
 
-def test_generated_bf16_dropout_program(backend, ctx, request):
+@pytest.mark.parametrize("n", [(33, 70), (16, 384)])     # element loop; four a thread
+def test_generated_bf16_dropout_program(backend, ctx, n, request):
     """dropout + residual add in bf16 as one program: the mask bits are the op's, y is
-    rounded once as the dropout node's store, then the add's result once more."""
+    rounded once as the dropout node's store, then the add's result once more; the same
+    with four elements (one dropout group) a thread."""
     t = Tracer()
-    x, skip = t.input((33, 70), BF16, "x"), t.input((33, 70), BF16, "skip")
+    x, skip = t.input(n, BF16, "x"), t.input(n, BF16, "skip")
     step = t.input((), "int64", "step")
     y, mask = t.emit("dropout", [x.value, step.value], p=0.3, seed=5, site=2)
     (out,) = t.emit("binary", [y, skip.value], kind="add")
     t.graph.outputs = {"out": out, "mask": mask}
     (node,) = fuse_pointwise(t.graph).nodes
+    assert pointwise.vectorizable(*pointwise._program(node)) == (n[-1] % 4 == 0)
     rng = seeded(request.node.name)
-    feed = {"x": bits(rng, 33, 70), "skip": bits(rng, 33, 70), "step": np.array(4, np.int64)}
+    feed = {"x": bits(rng, *n), "skip": bits(rng, *n), "step": np.array(4, np.int64)}
     want, got, _, _ = run_both(backend, ctx, node, [feed[v.name] for v in node.inputs])
     for v, g, w in zip(node.outputs, got, want):
         np.testing.assert_array_equal(g, w, err_msg=v.dtype)

@@ -195,3 +195,26 @@ def test_mask_inputs_and_outputs_keep_the_vector_kernel(dtype):
         source = kernels[0][0]
         assert "load4_bytes" in source or "store4_bytes" in source
         _compile(source)
+
+
+def test_dropout_programs_have_the_vector_kernel():
+    """gpt's residual dropout under autocast (a bf16 dropout, its mask kept for the backward,
+    the widening cast and the float32 add, which fuse_pointwise makes one program):
+    the four-elements-a-thread kernel exists, one dropout group a thread (the group's Philox
+    words drawn once, the step counter read once, not per element), and it compiles."""
+    from stepgraph.backends.cuda import pointwise
+
+    t = Tracer()
+    x, resid = t.input((16, 384), BF16, "x"), t.input((16, 384), "float32", "resid")
+    step = t.input((), "int64", "step")
+    y, mask = t.emit("dropout", [x.value, step.value], p=0.2, seed=5, site=2)
+    (wide,) = t.emit("cast", [y], dtype="float32")
+    (out,) = t.emit("binary", [resid.value, wide], kind="add")
+    t.graph.outputs = {"out": out, "mask": mask}
+    (node,) = fuse_pointwise(t.graph).nodes
+    kernels = pointwise.generated_kernels(node)
+    assert [name for _, name in kernels] == [pointwise.KERNEL_NAME, pointwise.VEC_KERNEL_NAME]
+    vec = kernels[0][0].split(pointwise.VEC_KERNEL_NAME)[1]
+    assert vec.count("dropout_words(") == 1 and "const int g = q;" in vec
+    assert "store4_bytes(out" in vec
+    _compile(kernels[0][0])

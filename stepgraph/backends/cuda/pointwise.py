@@ -22,6 +22,9 @@ A program that draws dropout masks (`dropout_mask`) loops over groups of four co
 elements instead: one Philox4x32-10 call per group and site gives the four elements' words
 (philox.cuh), as in the standalone dropout kernel, so the masks are the same bits and the
 generator costs a quarter of a call per element. The step counter (int64) is read once.
+VEC_KERNEL_NAME's four elements a thread are one such group, so dropout programs have it
+too (gpt's residual dropout + add at bf16: one 8-byte load, one 16-byte and one 4-byte
+store a thread where the element loop made four strided accesses of each).
 
 bfloat16 programs (precision="bf16"; `BF16_OPS`): bf16 inputs are loaded as their raw bits
 (unsigned short) and widened exactly; a bf16 register is a float holding a bf16 value, each
@@ -181,15 +184,21 @@ def _words_line(instr: Instr, r: list[str]) -> str:
 def vectorizable(program: tuple[Instr, ...], results: tuple[int, ...], shape: tuple,
                  input_shapes: tuple[tuple, ...], input_dtypes: tuple[str, ...]) -> bool:
     """True when every input and result is float32, bf16, float16 or a one-byte mask (bool,
-    uint8), there are no dropout draws, and every input either has `shape` or, where the
-    last axis's extent is a multiple of four, broadcasts along other axes only or along the
-    last one (_lane_load): the source then has VEC_KERNEL_NAME too."""
+    uint8), besides a dropout program's step counter, and every input either has `shape` or,
+    where the last axis's extent is a multiple of four, broadcasts along other axes only or
+    along the last one (_lane_load): the source then has VEC_KERNEL_NAME too. Its four
+    elements a thread are one dropout group (the Philox call of a group's four words)."""
     dtypes = register_dtypes(program, input_dtypes)
     moved = ("float32", *HALF_DTYPES, *BYTE_DTYPES)
-    return not uses_groups(program) \
-        and all(_lane_load(s, shape) is not None for s in input_shapes) \
-        and all(dtypes[j] in moved for j in range(len(input_shapes))) \
+    steps = _step_counters(input_shapes, dtypes)
+    return all(_lane_load(s, shape) is not None for s in input_shapes) \
+        and all(dtypes[j] in moved for j in range(len(input_shapes)) if j not in steps) \
         and all(dtypes[r] in moved for r in results)
+
+
+def _step_counters(input_shapes: tuple[tuple, ...], dtypes) -> list[int]:
+    """The inputs read once per kernel, not per element: 0-d int64s (dropout's step)."""
+    return [j for j, s in enumerate(input_shapes) if dtypes[j] == "int64" and not s]
 
 
 def _lane_load(in_shape: tuple, shape: tuple) -> str | None:
@@ -233,8 +242,7 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
     params = [f"const {ctype[j]}* __restrict__ in{j}" for j in range(k)]
     params += [f"{ctype[r]}* __restrict__ out{j}" for j, r in enumerate(results)]
     regs = [f"r{j}" for j in range(k + len(program))]
-    # the step counter (0-d int64): read once
-    scalars = [j for j in range(k) if dtypes[j] == "int64" and not input_shapes[j]]
+    scalars = _step_counters(input_shapes, dtypes)   # read once
     head = [f"    const long long r{j} = in{j}[0];" for j in scalars]
     load = lambda j, s: (f"{_HALF_CODE[dtypes[j]][0]}(in{j}[{_offset(s, shape)}])"   # noqa
                          if dtypes[j] in HALF_DTYPES else f"in{j}[{_offset(s, shape)}]")
@@ -247,20 +255,24 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
         body.append(f"const {rtype[k + j]} r{k + j} = {value};")
     body += [f"out{j}[i] = {_HALF_CODE[dtypes[r]][2]}(r{r});" if dtypes[r] in HALF_DTYPES
              else f"out{j}[i] = r{r};" for j, r in enumerate(results)]
+    words = {_words(i, regs): _words_line(i, regs) for i in program if i.op == "dropout_mask"}
+    loaded = [j for j in range(k) if j not in scalars]
     vec = []
     if vectorizable(program, results, shape, input_shapes, dtypes[:k]):
         vec = [f'extern "C" __global__ void {VEC_KERNEL_NAME}({", ".join(params)}, int n) {{',
+               *head,
                f"    for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < n / {VEC};"
                " q += gridDim.x * blockDim.x) {",
                f"        const int i = {VEC} * q;",
-               *(f"        {rtype[j]} v{j}[{VEC}];" for j in range(k)),
-               *(_vector_load(j, s, shape, load, dtypes[j])
-                 for j, s in enumerate(input_shapes)),
+               *(["        const int g = q;   // the dropout group of these four elements",
+                  *words.values()] if words else []),
+               *(f"        {rtype[j]} v{j}[{VEC}];" for j in loaded),
+               *(_vector_load(j, input_shapes[j], shape, load, dtypes[j]) for j in loaded),
                *(f"        {rtype[r]} o{j}[{VEC}];" for j, r in enumerate(results)),
                "#pragma unroll",
                f"        for (int lane = 0; lane < {VEC}; ++lane) {{",
-               *(f"            const {rtype[j]} r{j} = v{j}[lane];" for j in range(k)),
-               *(f"            {b}" for b in body[k:len(body) - len(results)]),
+               *(f"            const {rtype[j]} r{j} = v{j}[lane];" for j in loaded),
+               *(f"            {b}" for b in body[len(loaded):len(body) - len(results)]),
                *(f"            o{j}[lane] = r{r};" for j, r in enumerate(results)),
                "        }",
                *(f"        store4_bytes(out{j}, {VEC}LL * q, o{j});" if dtypes[r] in BYTE_DTYPES
@@ -272,8 +284,6 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
         loop = ["    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n;"
                 " i += gridDim.x * blockDim.x) {", *(f"        {b}" for b in body), "    }"]
     else:
-        words = {_words(i, regs): _words_line(i, regs) for i in program
-                 if i.op == "dropout_mask"}
         loop = ["    const int groups = (n >> 2) + ((n & 3) != 0);",
                 "    for (int g = blockIdx.x * blockDim.x + threadIdx.x; g < groups;"
                 " g += gridDim.x * blockDim.x) {",
