@@ -136,6 +136,30 @@ def fuse_conv_bias_grad(graph: Graph) -> Graph:
     return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
 
 
+def fuse_matmul_bias_grad(graph: Graph) -> Graph:
+    """matmul(dz, x, trans_a) -> dw; reduce_sum(dz, axes=(0,)) -> db   =>
+    matmul(dz, x, trans_a, bias_grad) -> (dw, db): a Linear's weight and bias gradients from
+    one node, which on CUDA times cuBLASLt's bias-gradient epilogue (the sums taken while the
+    GEMM reads dz) against the GEMM and a column-sum kernel (backends/cuda/matmul/linear.py)."""
+    graph = _copy(graph)
+    users = graph.consumers()
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    drop: set[Node] = set()
+    for n in graph.nodes:
+        if n.op != "matmul" or not n.attrs.get("trans_a") or n.attrs.get("bias_grad"):
+            continue
+        dz = n.inputs[0]
+        # A later sum only, as in fuse_conv_bias_grad: db is then written before any reader.
+        sums = [u for u in users.get(dz, []) if u.op == "reduce_sum" and u not in drop
+                and {a % 2 for a in u.attrs["axes"]} == {0} and order[u] > order[n]]
+        if not sums:
+            continue
+        n.attrs = dict(n.attrs, bias_grad=True)
+        n.outputs = [n.outputs[0], sums[0].outputs[0]]
+        drop.add(sums[0])
+    return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
+
+
 def _sole_relu(graph: Graph, users, v: Value) -> Node | None:
     """The act(relu) node that is v's only reader, when v is no graph output: a producer of
     v can then write the ReLU's output instead of v."""
@@ -519,7 +543,8 @@ def eliminate_dead_code(graph: Graph) -> Graph:
 PASSES = (pack_attention_heads, fuse_product_sums, fuse_cell_grad_sums, concat_slice_gradients,
           fuse_linear_activation,
           fuse_pool_relu, fuse_batch_norm_residual, fuse_batch_norm_relu, fuse_batch_norm_grad_sum,
-          fuse_activation_bias_grad, fuse_conv_bias_grad, fuse_cross_entropy,
+          fuse_activation_bias_grad, fuse_conv_bias_grad, fuse_matmul_bias_grad,
+          fuse_cross_entropy,
           fuse_log_softmax_nll, fuse_loss_casts, fuse_layer_norm_casts, fuse_step_bookkeeping,
           fuse_gradient_casts, recompute_saved_pointwise, fuse_pointwise, eliminate_dead_code)
 

@@ -12,13 +12,19 @@ from .activation import act_forward
 
 @defop("matmul")
 def _matmul(ins, attrs):
-    """c = op(a) @ op(b), op = transpose when attrs trans_a / trans_b. 2-D only."""
+    """c = op(a) @ op(b), op = transpose when attrs trans_a / trans_b. 2-D only.
+    With attrs["bias_grad"] (trans_a only: a weight gradient dw = dz^T @ x) a second output
+    db = a.sum(0), the sums of op(a) over k: the bias gradient beside it
+    (compile/fuse.py fuse_matmul_bias_grad), which the GEMM's epilogue can produce."""
     a, b = ins
     _need(len(a.shape) == 2 and len(b.shape) == 2, "matmul",
           f"2-D operands, got {a.shape} @ {b.shape}")
     m, k = a.shape[::-1] if attrs.get("trans_a") else a.shape
     k2, n = b.shape[::-1] if attrs.get("trans_b") else b.shape
     _need(k == k2, "matmul", f"inner dims differ: {a.shape} @ {b.shape} with {attrs}")
+    if attrs.get("bias_grad"):
+        _need(bool(attrs.get("trans_a")), "matmul", "bias_grad needs trans_a (dz^T @ x)")
+        return [((m, n), a.dtype), ((m,), a.dtype)]
     return [((m, n), a.dtype)]
 
 
@@ -71,6 +77,8 @@ def _linear_vjp(emit: Emit, node: Node, dy: list, wants) -> list:
 @impl("matmul")
 def matmul(node: Node, ins, outs, ctx):
     a, b = ins
+    if node.attrs.get("bias_grad"):
+        outs[1][...] = a.sum(axis=0)      # as reduce_sum(a, axes=(0,)) computes it
     a = a.T if node.attrs.get("trans_a") else a
     b = b.T if node.attrs.get("trans_b") else b
     np.matmul(a, b, out=outs[0])

@@ -11,7 +11,7 @@ from stepgraph.compile.build import build_train_graph
 from stepgraph.compile.feed import signature_of
 from stepgraph.compile.fuse import (eliminate_dead_code, fuse, fuse_activation_bias_grad,
                                     fuse_conv_bias_grad, fuse_cross_entropy,
-                                    fuse_linear_activation,
+                                    fuse_linear_activation, fuse_matmul_bias_grad,
                                     fuse_log_softmax_nll, fuse_pool_relu,
                                     fuse_step_bookkeeping)
 from stepgraph.compile.layout import to_channels_last
@@ -163,7 +163,7 @@ def test_dead_code_is_removed_but_state_updates_stay():
 
 
 PASSES = [fuse_linear_activation, fuse_pool_relu, fuse_activation_bias_grad, fuse_conv_bias_grad,
-          fuse_cross_entropy, fuse_log_softmax_nll, fuse_step_bookkeeping, eliminate_dead_code,
+          fuse_matmul_bias_grad, fuse_cross_entropy, fuse_log_softmax_nll, fuse_step_bookkeeping, eliminate_dead_code,
           fuse]
 
 
@@ -241,6 +241,67 @@ def test_conv_bias_grad_joins_the_weight_grad(bias, layout):
     want, got = run_graph(conv_graph(bias, layout), arrays, {}), run_graph(fused, arrays, {})
     for k in want:
         assert_close(got[k], want[k], what=k)
+
+
+def linear_graph(bias: bool, sum_axis: int = 0):
+    """x -> linear -> mse(target), with the backward w.r.t. w (and b): matmul(dz, x, trans_a)
+    and reduce_sum(dz, axes=(0,)) read the same dz; sum_axis 1 adds a near miss, a row sum
+    of dz (another reader, another axis) that no rewrite may take."""
+    t = Tracer()
+    x, target = t.input((9, 4), "float32", "x"), t.input((9, 3), "float32", "target")
+    w, b = t.input((3, 4), "float32", "w"), t.input((3,), "float32", "b")
+    z = t.op("linear", [x, w] + ([b] if bias else []), act=None)
+    loss = t.op("mse", [z, target])
+    t.graph.outputs = {"loss": loss.value}
+    grads = append_backward(t, loss.value, [w.value] + ([b.value] if bias else []))
+    t.graph.outputs.update({f"d{i}": g for i, g in enumerate(grads)})
+    if sum_axis == 1:
+        (dw,) = [n for n in t.graph.nodes if n.op == "matmul" and n.attrs.get("trans_a")]
+        t.graph.outputs["rows"] = t.emit("reduce_sum", [dw.inputs[0]], axes=(1,))[0]
+    return t.graph
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_bias_grad_joins_the_weight_grad(bias):
+    """dw = dz^T @ x and db = dz.sum(0) become one matmul node with two outputs; the numbers
+    are the unfused graph's, bit for bit (the numpy sum is the reduce_sum's)."""
+    fused = fuse_matmul_bias_grad(linear_graph(bias))
+    (grad,) = [n for n in fused.nodes if n.op == "matmul" and n.attrs.get("trans_a")]
+    assert ("reduce_sum" in ops(fused)) is False
+    assert bool(grad.attrs.get("bias_grad")) == bias and len(grad.outputs) == 1 + bias
+    gen = seeded("linear_bias")
+    arrays = {"x": gen.standard_normal((9, 4)).astype(np.float32),
+              "target": gen.standard_normal((9, 3)).astype(np.float32),
+              "w": gen.standard_normal((3, 4)).astype(np.float32),
+              "b": gen.standard_normal(3).astype(np.float32)}
+    want, got = run_graph(linear_graph(bias), arrays, {}), run_graph(fused, arrays, {})
+    assert set(got) == set(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_a_row_sum_of_the_same_gradient_is_not_a_bias_grad():
+    """Beside the bias gradient, a sum of dz over its other axis stays a reduce_sum."""
+    fused = fuse_matmul_bias_grad(linear_graph(True, sum_axis=1))
+    (left,) = [n for n in fused.nodes if n.op == "reduce_sum"]
+    assert left.attrs["axes"] == (1,)
+    assert [n.attrs.get("bias_grad") for n in fused.nodes if n.op == "matmul"
+            and n.attrs.get("trans_a")] == [True]
+
+
+def test_a_sum_before_the_weight_grad_is_left_alone():
+    """A reduce_sum scheduled before the weight-gradient matmul keeps its place: joining it to
+    the later matmul would write db after a reader could have read it."""
+    graph = linear_graph(True)
+    nodes = list(graph.nodes)
+    (dw,) = [n for n in nodes if n.op == "matmul" and n.attrs.get("trans_a")]
+    (db,) = [n for n in nodes if n.op == "reduce_sum"]
+    nodes.remove(db)
+    nodes.insert(nodes.index(dw), db)
+    graph.nodes = nodes
+    fused = fuse_matmul_bias_grad(graph)
+    assert "reduce_sum" in ops(fused)
+    assert not any(n.attrs.get("bias_grad") for n in fused.nodes if n.op == "matmul")
 
 
 def test_step_bookkeeping_becomes_one_op():

@@ -30,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from .. import elementwise
+from .. import elementwise, reduce
 from ..runtime import autotune
 from ..runtime.launch import _node_memory
 from . import gemm, small_matmul
@@ -161,16 +161,41 @@ def _linear_bf16_unfused(ctx, node, x, w, y, z, bias, kind, slope) -> None:
 
 
 def matmul_forward(node, ins, outs, ctx) -> None:
-    """c = op(a) @ op(b) with attrs trans_a / trans_b (ops.py, "matmul")."""
+    """c = op(a) @ op(b) with attrs trans_a / trans_b (ops.py, "matmul"), and with bias_grad
+    db = a.sum(0) beside it: cuBLASLt's BGRADB epilogue (the sums of op(a) over k, taken as
+    the GEMM reads a) timed against the GEMM and reduce.cu's column sums, the latter also
+    after the small and tiled kernels, which have no such epilogue."""
     a, b, c = ins[0], ins[1], outs[0]
     trans_a, trans_b = bool(node.attrs.get("trans_a")), bool(node.attrs.get("trans_b"))
+    db = outs[1] if node.attrs.get("bias_grad") else None
     k = a.shape[0] if trans_a else a.shape[1]
+
+    def then_sum(launch):
+        if db is None:
+            return launch
+        return lambda: (launch(), reduce.reduce_sum_columns(ctx, node, a, db, *a.shape))
+
     if has_small_kernel(a, b, c) and is_small(c.shape[0], c.shape[1], k):
-        small_matmul_forward(ctx, a, b, c, trans_a=trans_a, trans_b=trans_b)
+        then_sum(lambda: small_matmul_forward(ctx, a, b, c, trans_a=trans_a,
+                                              trans_b=trans_b))()
         return
-    paths = {"cublaslt": lambda: gemm.matmul(ctx, a, b, c, trans_a=trans_a, trans_b=trans_b)}
-    paths.update(_tile_paths(node, ctx, a, b, c, trans_a=trans_a, trans_b=trans_b))
-    _run_fastest(node, ctx, (a, b, c), paths)
+    paths = {"cublaslt": then_sum(lambda: gemm.matmul(ctx, a, b, c, trans_a=trans_a,
+                                                      trans_b=trans_b))}
+    if db is not None:
+        paths["cublaslt:bgrad"] = lambda: _matmul_bias_grad(ctx, a, b, c, db, trans_b,
+                                                            paths["cublaslt"])
+    paths.update({name: then_sum(run) for name, run in
+                  _tile_paths(node, ctx, a, b, c, trans_a=trans_a, trans_b=trans_b).items()})
+    _run_fastest(node, ctx, (a, b, c) + ((db,) if db is not None else ()), paths)
+
+
+def _matmul_bias_grad(ctx, a, b, c, db, trans_b: bool, unfused: Callable[[], None]) -> None:
+    """c = a^T @ op(b) and db = a.sum(0) in one GEMM (BGRADB); `unfused` where cuBLASLt has no
+    algorithm for the epilogue with these layouts."""
+    try:
+        gemm.matmul(ctx, a, b, c, trans_a=True, trans_b=trans_b, epilogue="BGRADB", bias=db)
+    except gemm.GemmUnsupportedError:
+        unfused()
 
 
 # ---- choosing between cuBLASLt and the tiled kernel ------------------------------------------
