@@ -13,8 +13,6 @@
 
 #define COLUMN_TILE 32   // columns per block (one warp wide: coalesced row segments)
 #define COLUMN_ROWS 16   // row lanes per block (blockDim.y); launchers use (32, 16) blocks
-#define COLUMN_UNROLL 8  // rows a thread loads before adding them (reduce_sum_columns_kernel)
-#define ACT_UNROLL 4     // the same for act_bias_backward_kernel (two inputs of VEC each)
 
 // Column kernels split the rows into gridDim.y contiguous ranges (tall inputs: a few dozen
 // column blocks alone cannot fill the GPU). This is the range of block row split y.
@@ -59,21 +57,8 @@ reduce_sum_columns_kernel(const T* x, T* y, double* partial, int rows, int cols)
     int r0, r1;
     split_rows(rows, &r0, &r1);
     double acc[1] = {0.0};
-    if (col < cols) {
-        // COLUMN_UNROLL rows' loads in flight before their additions, which keep row order: a
-        // bf16 warp row is 64 bytes, one load at a time left the bias gradients of gpt's
-        // (16384, 384) at ~0.6 TB/s on an H200.
-        int r = r0 + threadIdx.y;
-        for (; r + (COLUMN_UNROLL - 1) * COLUMN_ROWS < r1; r += COLUMN_UNROLL * COLUMN_ROWS) {
-            float v[COLUMN_UNROLL];
-#pragma unroll
-            for (int u = 0; u < COLUMN_UNROLL; ++u)
-                v[u] = load_as_float(x, (long long)(r + u * COLUMN_ROWS) * cols + col);
-#pragma unroll
-            for (int u = 0; u < COLUMN_UNROLL; ++u) acc[0] += v[u];
-        }
-        for (; r < r1; r += COLUMN_ROWS) acc[0] += load_as_float(x, (long long)r * cols + col);
-    }
+    if (col < cols)
+        for (int r = r0 + threadIdx.y; r < r1; r += COLUMN_ROWS) acc[0] += load_as_float(x, (long long)r * cols + col);
     finish_columns<1>(acc, y, partial, col, cols);
 }
 
@@ -173,35 +158,6 @@ __global__ void reduce_sum_strided_kernel(const T* x, T* y, int n,
 // element a thread). Each column's sum keeps its order whatever VEC. In bf16, db sums the float32
 // dz before dz is rounded for its store (the numpy emulation's order: dz.sum(0) of the float32
 // dz, both rounded when the node finishes).
-template <typename T, int VEC, int ROWS>
-__device__ __forceinline__ void act_bias_rows(const T* dy, const T* saved, T* dz,
-                                              double (&acc)[VEC], int r, int cols, int col,
-                                              int kind, float slope) {
-    float d[ROWS][VEC], x[ROWS][VEC];
-#pragma unroll
-    for (int u = 0; u < ROWS; ++u) {
-        const long long i = (long long)(r + u * COLUMN_ROWS) * cols + col;
-        if constexpr (VEC == 4) load4_as_float(dy, i, d[u]);
-        else d[u][0] = load_as_float(dy, i);
-        if (kind != ACT_NONE) {
-            if constexpr (VEC == 4) load4_as_float(saved, i, x[u]);
-            else x[u][0] = load_as_float(saved, i);
-        }
-    }
-#pragma unroll
-    for (int u = 0; u < ROWS; ++u) {
-        float v[VEC];
-#pragma unroll
-        for (int j = 0; j < VEC; ++j)
-            v[j] = kind == ACT_NONE ? d[u][j] : __fmul_rn(d[u][j], act_derivative(x[u][j], kind, slope));
-        const long long i = (long long)(r + u * COLUMN_ROWS) * cols + col;
-        if constexpr (VEC == 4) store4_from_float(dz, i, v);
-        else store_from_float(dz, i, v[0]);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) acc[j] += v[j];
-    }
-}
-
 template <typename T, int VEC>
 __global__ void __launch_bounds__(512)
 act_bias_backward_kernel(const T* dy, const T* saved, T* dz, T* db, double* partial, int rows,
@@ -213,13 +169,27 @@ act_bias_backward_kernel(const T* dy, const T* saved, T* dz, T* db, double* part
 #pragma unroll
     for (int j = 0; j < VEC; ++j) acc[j] = 0.0;
     if (col < cols) {
-        // ACT_UNROLL rows at a time, every load issued before the first store (each element is
-        // its thread's alone, so dz may share dy's or saved's memory); sums in row order.
-        int r = r0 + threadIdx.y;
-        for (; r + (ACT_UNROLL - 1) * COLUMN_ROWS < r1; r += ACT_UNROLL * COLUMN_ROWS)
-            act_bias_rows<T, VEC, ACT_UNROLL>(dy, saved, dz, acc, r, cols, col, kind, slope);
-        for (; r < r1; r += COLUMN_ROWS)
-            act_bias_rows<T, VEC, 1>(dy, saved, dz, acc, r, cols, col, kind, slope);
+        for (int r = r0 + threadIdx.y; r < r1; r += COLUMN_ROWS) {
+            const long long i = (long long)r * cols + col;
+            float d[VEC], v[VEC];
+            if constexpr (VEC == 4) load4_as_float(dy, i, d);
+            else d[0] = load_as_float(dy, i);
+            if (kind == ACT_NONE) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) v[j] = d[j];
+            } else {
+                float x[VEC];
+                if constexpr (VEC == 4) load4_as_float(saved, i, x);
+                else x[0] = load_as_float(saved, i);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j)
+                    v[j] = __fmul_rn(d[j], act_derivative(x[j], kind, slope));
+            }
+            if constexpr (VEC == 4) store4_from_float(dz, i, v);
+            else store_from_float(dz, i, v[0]);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) acc[j] += v[j];
+        }
     }
     finish_columns<VEC>(acc, db, partial, col, cols);
 }
