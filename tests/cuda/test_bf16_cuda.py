@@ -181,6 +181,25 @@ def test_matmul(backend, ctx, gemm_path, trans_a, shape_a, shape_b, request):
     assert_bf16_within(got, want, atol=gemm_tolerance(shape_b[0]), what="matmul")
 
 
+@pytest.mark.parametrize("path", ["auto", "cublaslt", "cublaslt:bgrad"])
+@pytest.mark.parametrize("rows,m,n", [(40, 64, 48), (2048, 384, 96), (1024, 13, 24)])
+def test_matmul_with_bias_grad(backend, ctx, gemm_path, path, rows, m, n, monkeypatch, request):
+    """A Linear's weight and bias gradients from one bf16 matmul node (dz^T @ x, dz.sum(0)) on
+    each path: autotuned, the GEMM (small or cuBLASLt's) then reduce.cu's column sums, or
+    cuBLASLt's BGRADB epilogue; each output rounded once, within the summation-order slack."""
+    from stepgraph.backends.cuda.matmul import linear
+
+    rng = seeded(request.node.name)
+    dz, x = bits(rng, rows, m), bits(rng, rows, n)
+    node = node_of("matmul", [dz, x], [BF16, BF16], trans_a=True, bias_grad=True)
+    if path != "auto":
+        monkeypatch.setattr(linear, "_run_fastest",
+                            lambda node, ctx, operands, paths: paths[path]())
+    (want_w, want_b), (got_w, got_b), _, _ = run_both(backend, ctx, node, [dz, x])
+    assert_bf16_within(got_w, want_w, atol=gemm_tolerance(rows), what="matmul dw")
+    assert_bf16_within(got_b, want_b, atol=1e-4 * np.sqrt(rows), what="matmul db")
+
+
 @pytest.mark.parametrize("trans_a", [False, True])
 @pytest.mark.parametrize("trans_b", [False, True])
 @pytest.mark.parametrize("b,m,k,n", [(2, 16, 32, 16), (3, 65, 65, 32), (2, 7, 5, 9)])

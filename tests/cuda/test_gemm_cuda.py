@@ -67,6 +67,26 @@ def test_matmul_matches_numpy(backend, ctx, m, k, n, trans_a, trans_b):
     check(ref, got, TOL[ctx.precision], f"matmul {m}x{k}x{n} ta={trans_a} tb={trans_b}")
 
 
+@pytest.mark.parametrize("path", ["auto", "cublaslt", "cublaslt:bgrad"])
+@pytest.mark.parametrize("rows, m, n", [(37, 13, 20), (2048, 13, 8), (1024, 96, 64), (4096, 384, 40)])
+def test_matmul_with_bias_grad_matches_numpy(backend, ctx, rows, m, n, path, monkeypatch):
+    """dw = dz^T @ x and db = dz.sum(0) from one matmul node (compile/fuse.py
+    fuse_matmul_bias_grad) on each path: the autotuned one, the GEMM then reduce.cu's column
+    sums (one or four columns a thread, with row splits on the tall ones), and
+    cuBLASLt's BGRADB epilogue."""
+    rng = np.random.default_rng([rows, m, n])
+    dz, x = random(rng, rows, m), random(rng, rows, n)
+    node = make_node("matmul", [dz, x], trans_a=True, bias_grad=True)
+    assert [v.shape for v in node.outputs] == [(m, n), (m,)]
+    if path != "auto":
+        chosen = []
+        monkeypatch.setattr(linear, "_run_fastest", lambda node, ctx, operands, paths:
+                            chosen.append(path) or paths[path]())
+    ref, got = run_both(backend, ctx, node, [dz, x])
+    assert path == "auto" or chosen == [path]
+    check(ref, got, TOL[ctx.precision], f"matmul bias_grad {rows}x{m}x{n} {path}")
+
+
 def test_matmul_float64(backend, ctx32):
     rng = np.random.default_rng(64)
     a, b = random(rng, 9, 13, dtype="float64"), random(rng, 11, 13, dtype="float64")

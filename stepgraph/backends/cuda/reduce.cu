@@ -23,9 +23,10 @@ __device__ __forceinline__ void split_rows(int rows, int* begin, int* end) {
 }
 
 // Each column's threads combine their row partials in a fixed order (y = 0, 1, ...). One
-// split writes out[col]; several write partial[col * splits + split] for
-// reduce_sum_splits_kernel to add in order. A thread may own VEC adjacent columns, col .. col +
-// VEC - 1, its partials in acc[0 .. VEC - 1].
+// split writes out[col]; several write partial[split * total + batch * cols + col] (total =
+// cols * batches: split-major, so that reduce_sum_splits_kernel's threads, one per column,
+// read adjacent doubles) for reduce_sum_splits_kernel to add in order. A thread may own VEC
+// adjacent columns, col .. col + VEC - 1, its partials in acc[0 .. VEC - 1].
 template <int VEC, typename T>
 __device__ __forceinline__ void finish_columns(const double (&acc)[VEC], T* out,
                                                double* partial, int col, int cols) {
@@ -40,7 +41,7 @@ __device__ __forceinline__ void finish_columns(const double (&acc)[VEC], T* out,
         double s = 0.0;
         for (int k = 0; k < COLUMN_ROWS; ++k) s += part[k][threadIdx.x * VEC + j];
         if (gridDim.y == 1) store_from_float(out, col + j, (float)s);
-        else partial[(long long)(col + j) * gridDim.y + blockIdx.y] = s;
+        else partial[((long long)blockIdx.y * gridDim.z + blockIdx.z) * cols + col + j] = s;
     }
 }
 
@@ -52,7 +53,6 @@ __global__ void __launch_bounds__(512)
 reduce_sum_columns_kernel(const T* x, T* y, double* partial, int rows, int cols) {
     x += (long long)blockIdx.z * rows * cols;
     y += (long long)blockIdx.z * cols;
-    if (partial != nullptr) partial += (long long)blockIdx.z * cols * gridDim.y;
     const int col = blockIdx.x * COLUMN_TILE + threadIdx.x;
     int r0, r1;
     split_rows(rows, &r0, &r1);
@@ -62,9 +62,33 @@ reduce_sum_columns_kernel(const T* x, T* y, double* partial, int rows, int cols)
     finish_columns<1>(acc, y, partial, col, cols);
 }
 
+// reduce_sum_columns_kernel with VEC adjacent columns a thread (cols % VEC == 0, rows aligned
+// to VEC elements): a bf16 warp row of one column a thread is 64 bytes, which left gpt's bias
+// gradients ((16384, 384) bf16) far from the memory bandwidth. Each column's sum keeps its order.
+template <typename T, int VEC>
+__global__ void __launch_bounds__(512)
+reduce_sum_columns_vec_kernel(const T* x, T* y, double* partial, int rows, int cols) {
+    x += (long long)blockIdx.z * rows * cols;
+    y += (long long)blockIdx.z * cols;
+    const int col = (blockIdx.x * COLUMN_TILE + threadIdx.x) * VEC;
+    int r0, r1;
+    split_rows(rows, &r0, &r1);
+    double acc[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[j] = 0.0;
+    if (col < cols)
+        for (int r = r0 + threadIdx.y; r < r1; r += COLUMN_ROWS) {
+            float v[VEC];
+            load4_as_float(x, (long long)r * cols + col, v);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) acc[j] += v[j];
+        }
+    finish_columns<VEC>(acc, y, partial, col, cols);
+}
+
 // y[b] = sum over a, c of x[a, b, c] for x viewed as (outer, mid, inner): blocks (b, s) sum
 // the outer rows a = s, s + gridDim.y, ... of plane b. With one split the block writes y[b];
-// with several it writes partial[b * splits + s] and reduce_sum_splits_kernel adds them in
+// with several it writes partial[s * mid + b] and reduce_sum_splits_kernel adds them in
 // order (few planes, e.g. a conv's channels, cannot fill the GPU one block each).
 // Thread j walks the flat (a, c) index j, j + blockDim, ... with division-free increments.
 template <typename T>
@@ -87,7 +111,7 @@ __global__ void reduce_sum_planes_kernel(const T* x, T* y, double* partial, int 
     acc = block_sum(acc, smem);
     if (threadIdx.x != 0) return;
     if (splits == 1) store_from_float(y, b, (float)acc);
-    else partial[b * splits + blockIdx.y] = acc;
+    else partial[(long long)blockIdx.y * gridDim.x + b] = acc;
 }
 
 // y[r] = sum over c of x[r, c] for x (rows, cols): a warp per row (blockDim (32, rows per
@@ -108,13 +132,13 @@ __global__ void reduce_sum_rows_kernel(const T* x, T* y, int rows, int cols) {
     }
 }
 
-// y[b] = sum over s of partial[b * splits + s], s ascending.
+// y[b] = sum over s of partial[s * mid + b], s ascending (a warp reads 32 adjacent doubles).
 template <typename T>
 __global__ void reduce_sum_splits_kernel(const double* partial, T* y, int mid, int splits) {
     const int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= mid) return;
     double acc = 0.0;
-    for (int s = 0; s < splits; ++s) acc += partial[b * splits + s];
+    for (int s = 0; s < splits; ++s) acc += partial[(long long)s * mid + b];
     store_from_float(y, b, (float)acc);
 }
 

@@ -173,7 +173,7 @@ def matmul_forward(node, ins, outs, ctx) -> None:
     def then_sum(launch):
         if db is None:
             return launch
-        return lambda: (launch(), reduce.reduce_sum_columns(ctx, node, a, db, *a.shape))
+        return lambda: (launch(), reduce.reduce_sum_forward(ctx, node, a, db, (0,)))
 
     if has_small_kernel(a, b, c) and is_small(c.shape[0], c.shape[1], k):
         then_sum(lambda: small_matmul_forward(ctx, a, b, c, trans_a=trans_a,
