@@ -1,7 +1,8 @@
 """The GPT's fused train graph (compile/fuse.py, compile/pointwise.py): a Linear on (B, T, C)
 inputs traces as reshape -> linear -> reshape, and the passes still see through the views: the
 MLP's GELU rides its linear (one node, bias and activation in it) and the GELU's gradient and
-the bias gradient are one act_bias_grad; each residual branch's dropout and the add after it are
+the bias gradient are one act_bias_grad, the other Linears' bias gradients ride their
+weight-gradient matmuls; each residual branch's dropout and the add after it are
 one pointwise node (mask drawn as the dropout op draws it), and so are the backward's gradient
 sum and dropout_grad. On the numpy backend the fused step computes the same bits as unfused."""
 from __future__ import annotations
@@ -61,6 +62,26 @@ def test_gpt_mlp_gelu_rides_the_linear_forward_and_backward():
     # no other bias-gradient sum of the c_fc layers is left
     sums = [n for n in fused.nodes if n.op == "reduce_sum"]
     assert all(n.outputs[0].shape != (4 * EMBD,) for n in sums)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_gpt_bias_gradients_ride_the_weight_gradient_matmuls(bias):
+    """The Linears without an activation (c_attn, the attention's c_proj, the MLP's c_proj:
+    three a layer) get their bias gradients from their weight-gradient matmul
+    (fuse_matmul_bias_grad); the MLP's c_fc keeps its in act_bias_grad. No column sum of a
+    (tokens, features) gradient is left (the position embedding's sum over the batch stays);
+    without biases no matmul writes one."""
+    *_, unfused, fused = gpt_graphs(bias=bias)
+    column_sums = lambda graph: [n for n in graph.nodes  # noqa: E731
+                                 if n.op == "reduce_sum" and len(n.inputs[0].shape) == 2]
+    assert len(column_sums(unfused)) == (4 * LAYERS if bias else 0)
+    assert not column_sums(fused)
+    joined = [n for n in fused.nodes if n.op == "matmul" and n.attrs.get("bias_grad")]
+    assert len(joined) == (3 * LAYERS if bias else 0)
+    for n in joined:
+        dz, x = n.inputs
+        assert n.attrs["trans_a"] and n.outputs[1].shape == (dz.shape[1],)
+        assert n.outputs[0].shape == (dz.shape[1], x.shape[1])
 
 
 def test_gpt_residual_dropout_and_add_are_one_pointwise_node():
