@@ -45,29 +45,16 @@ __device__ __forceinline__ void finish_columns(const double (&acc)[VEC], T* out,
     }
 }
 
-// y[c] = sum_r x[r, c] for x (rows, cols). Grid: ceil(cols / 32) blocks of (32, 16) threads
-// (x row splits), times gridDim.z batches: x (batches, rows, cols) -> y (batches, cols), e.g.
-// a channels-last (N, H, W, C) summed over H and W, the partials of batch z after batch z - 1's.
-template <typename T>
-__global__ void __launch_bounds__(512)
-reduce_sum_columns_kernel(const T* x, T* y, double* partial, int rows, int cols) {
-    x += (long long)blockIdx.z * rows * cols;
-    y += (long long)blockIdx.z * cols;
-    const int col = blockIdx.x * COLUMN_TILE + threadIdx.x;
-    int r0, r1;
-    split_rows(rows, &r0, &r1);
-    double acc[1] = {0.0};
-    if (col < cols)
-        for (int r = r0 + threadIdx.y; r < r1; r += COLUMN_ROWS) acc[0] += load_as_float(x, (long long)r * cols + col);
-    finish_columns<1>(acc, y, partial, col, cols);
-}
-
-// reduce_sum_columns_kernel with VEC adjacent columns a thread (cols % VEC == 0, rows aligned
-// to VEC elements): a bf16 warp row of one column a thread is 64 bytes, which left gpt's bias
-// gradients ((16384, 384) bf16) far from the memory bandwidth. Each column's sum keeps its order.
+// y[c] = sum_r x[r, c] for x (rows, cols). Grid: ceil(cols / (32 VEC)) blocks of (32, 16)
+// threads (x row splits), times gridDim.z batches: x (batches, rows, cols) -> y (batches,
+// cols), e.g. a channels-last (N, H, W, C) summed over H and W, the partials of batch z after
+// batch z - 1's. VEC 4: four adjacent columns a thread (cols % 4 == 0, rows aligned to four
+// elements), one load each: a bf16 warp row of one column a thread is 64 bytes, which left
+// gpt's bias gradients ((16384, 384) bf16) far from the memory bandwidth. Each column's sum
+// keeps its order whatever VEC.
 template <typename T, int VEC>
 __global__ void __launch_bounds__(512)
-reduce_sum_columns_vec_kernel(const T* x, T* y, double* partial, int rows, int cols) {
+reduce_sum_columns_kernel(const T* x, T* y, double* partial, int rows, int cols) {
     x += (long long)blockIdx.z * rows * cols;
     y += (long long)blockIdx.z * cols;
     const int col = (blockIdx.x * COLUMN_TILE + threadIdx.x) * VEC;
@@ -79,7 +66,8 @@ reduce_sum_columns_vec_kernel(const T* x, T* y, double* partial, int rows, int c
     if (col < cols)
         for (int r = r0 + threadIdx.y; r < r1; r += COLUMN_ROWS) {
             float v[VEC];
-            load4_as_float(x, (long long)r * cols + col, v);
+            if constexpr (VEC == 4) load4_as_float(x, (long long)r * cols + col, v);
+            else v[0] = load_as_float(x, (long long)r * cols + col);
 #pragma unroll
             for (int j = 0; j < VEC; ++j) acc[j] += v[j];
         }

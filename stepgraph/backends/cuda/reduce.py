@@ -58,17 +58,17 @@ def _column_partials(node: Node, ctx, cols: int, splits: int):
 
 
 def _launch_columns(ctx, node: Node, name: str, rows: int, cols: int, out, arrays: tuple,
-                    scalars: tuple, vec: int | None = None, batches: int = 1) -> None:
+                    scalars: tuple, vec: int, batches: int = 1) -> None:
     """A column kernel (rows summed per column into `out`), args = arrays, the partials,
     scalars; with row splits, then the in-order sum of the splits' partials. `name` is the
-    template's name; both take out's element type, and with `vec` (columns per thread) the
-    kernel takes it as its second template argument. batches: that many (rows, cols) inputs
+    template's name; its template arguments are out's element type and `vec` (columns per
+    thread), the splits kernel's out's element type. batches: that many (rows, cols) inputs
     one after another, each summed into its own `cols` outputs (grid z)."""
     ctype = ELEMENT_CTYPES[out.dtype]
-    column_blocks = -(-cols // (32 * (vec or 1)))
+    column_blocks = -(-cols // (32 * vec))
     splits = _column_splits(rows, column_blocks * batches)
     partial = _column_partials(node, ctx, cols * batches, splits)
-    kernel = _typed(name, ctype) if vec is None else f"{name}<{ctype}, {vec}>"
+    kernel = f"{name}<{ctype}, {vec}>"
     _launch(ctx, "reduce.cu", kernel, (column_blocks, splits, batches), COLUMN_BLOCK,
             arrays + (partial,) + scalars)
     if splits > 1:
@@ -80,13 +80,9 @@ def _launch_columns(ctx, node: Node, name: str, rows: int, cols: int, out, array
 def reduce_sum_columns(ctx, node: Node, x, y, rows: int, cols: int, batches: int = 1) -> None:
     """y (batches, cols) = x viewed as (batches, rows, cols) summed over rows; four columns a
     thread where rows stay aligned to four elements (reduce.cu)."""
-    scalars = (np.int32(rows), np.int32(cols))
-    if cols % 4 == 0 and _aligned(x, to=4 * x.itemsize):
-        _launch_columns(ctx, node, "reduce_sum_columns_vec_kernel", rows, cols, y, (x, y),
-                        scalars, vec=4, batches=batches)
-    else:
-        _launch_columns(ctx, node, "reduce_sum_columns_kernel", rows, cols, y, (x, y), scalars,
-                        batches=batches)
+    vec = 4 if cols % 4 == 0 and _aligned(x, to=4 * x.itemsize) else 1
+    _launch_columns(ctx, node, "reduce_sum_columns_kernel", rows, cols, y, (x, y),
+                    (np.int32(rows), np.int32(cols)), vec, batches)
 
 
 def reduce_sum_planes(ctx, node: Node, x, y, outer: int, mid: int, inner: int) -> None:
@@ -270,14 +266,13 @@ def _checked_norm_tables(tensors) -> dict:
 def kernel_names() -> dict[str, set[str]]:
     """{.cu file: every kernel name these launchers may launch} (as elementwise.py's)."""
     reduce = ("reduce_sum_planes_kernel", "reduce_sum_splits_kernel",
-              "reduce_sum_strided_kernel", "reduce_sum_columns_kernel",
-              "reduce_sum_rows_kernel")
+              "reduce_sum_strided_kernel", "reduce_sum_rows_kernel")
     elements = ELEMENT_CTYPES.values()
     return {"reduce.cu": {"global_norm_forward_kernel"}
             | {_typed(k, ctype) for k in reduce for ctype in elements}
-            | {f"act_bias_backward_kernel<{ctype}, {vec}>" for ctype in elements
-               for vec in (1, 4)}
-            | {f"reduce_sum_columns_vec_kernel<{ctype}, 4>" for ctype in elements}}
+            | {f"{k}<{ctype}, {vec}>" for k in ("act_bias_backward_kernel",
+                                                  "reduce_sum_columns_kernel")
+               for ctype in elements for vec in (1, 4)}}
 
 
 IMPLS: dict[str, Callable] = {
