@@ -146,8 +146,7 @@ def fuse_matmul_bias_grad(graph: Graph) -> Graph:
     order = {n: i for i, n in enumerate(graph.nodes)}
     drop: set[Node] = set()
     for n in graph.nodes:
-        if n.op != "matmul" or not n.attrs.get("trans_a") or n.attrs.get("bias_grad") or \
-                n.attrs.get("act_grad"):
+        if n.op != "matmul" or not n.attrs.get("trans_a") or n.attrs.get("bias_grad"):
             continue
         dz = n.inputs[0]
         # A later sum only, as in fuse_conv_bias_grad: db is then written before any reader.
@@ -158,36 +157,6 @@ def fuse_matmul_bias_grad(graph: Graph) -> Graph:
         n.attrs = dict(n.attrs, bias_grad=True)
         n.outputs = [n.outputs[0], sums[0].outputs[0]]
         drop.add(sums[0])
-    return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
-
-
-# Activation gradients a GEMM's epilogue computes as it writes its product: cuBLASLt's DGELU is
-# the gradient of its GELU epilogue, the tanh approximation (backends/cuda/matmul/linear.py).
-EPILOGUE_ACT_GRADS = frozenset({"gelu_tanh"})
-
-
-def fuse_matmul_act_grad(graph: Graph) -> Graph:
-    """matmul(g, w) -> dh; act_bias_grad(dh, z) -> (dz, db), dh read by nothing else   =>
-    matmul(g, w, z, act_grad=kind) -> (dz, db): the gradient through a Linear + activation
-    from the GEMM of the next Linear's input gradient, which on CUDA times cuBLASLt's
-    activation-gradient epilogue (dz and db written as the GEMM finishes, dh never stored)
-    against the GEMM and the act_bias_grad kernel."""
-    graph = _copy(eliminate_dead_code(graph))   # the views of dh act_bias_grad no longer reads
-    users = graph.consumers()
-    producers = graph.producers()
-    drop: set[Node] = set()
-    for n in graph.nodes:
-        if n.op != "act_bias_grad" or n.attrs["kind"] not in EPILOGUE_ACT_GRADS:
-            continue
-        gemm = producers.get(n.inputs[0])
-        if gemm is None or gemm.op != "matmul" or len(gemm.outputs) != 1 or \
-                _sole_reader(graph, users, n.inputs[0], "act_bias_grad") is not n:
-            continue
-        n.op = "matmul"
-        n.inputs = [*gemm.inputs, n.inputs[1]]
-        n.attrs = dict(gemm.attrs, act_grad=n.attrs["kind"])
-        n.label = _join(gemm.label, n.label)
-        drop.add(gemm)
     return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
 
 
@@ -574,8 +543,8 @@ def eliminate_dead_code(graph: Graph) -> Graph:
 PASSES = (pack_attention_heads, fuse_product_sums, fuse_cell_grad_sums, concat_slice_gradients,
           fuse_linear_activation,
           fuse_pool_relu, fuse_batch_norm_residual, fuse_batch_norm_relu, fuse_batch_norm_grad_sum,
-          fuse_activation_bias_grad, fuse_matmul_act_grad, fuse_conv_bias_grad,
-          fuse_matmul_bias_grad, fuse_cross_entropy,
+          fuse_activation_bias_grad, fuse_conv_bias_grad, fuse_matmul_bias_grad,
+          fuse_cross_entropy,
           fuse_log_softmax_nll, fuse_loss_casts, fuse_layer_norm_casts, fuse_step_bookkeeping,
           fuse_gradient_casts, recompute_saved_pointwise, fuse_pointwise, eliminate_dead_code)
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backends.numpy.bf16 import round_to
-from ..ir.graph import HALF_DTYPES, Node
+from ..ir.graph import Node
 from ..ir.ops import Emit, _need, defop, impl, vjp
-from .activation import act_derivative, act_forward
+from .activation import act_forward
 
 
 @defop("matmul")
@@ -16,11 +15,8 @@ def _matmul(ins, attrs):
     """c = op(a) @ op(b), op = transpose when attrs trans_a / trans_b. 2-D only.
     With attrs["bias_grad"] (trans_a only: a weight gradient dw = dz^T @ x) a second output
     db = a.sum(0), the sums of op(a) over k: the bias gradient beside it
-    (compile/fuse.py fuse_matmul_bias_grad), which the GEMM's epilogue can produce.
-    With attrs["act_grad"] = kind a third input z (m, n), and the outputs are those of
-    act_bias_grad(op(a) @ op(b), z): dz = c * kind'(z) and db = dz.sum(0)
-    (fuse_matmul_act_grad); c itself is not an output."""
-    a, b = ins[:2]
+    (compile/fuse.py fuse_matmul_bias_grad), which the GEMM's epilogue can produce."""
+    a, b = ins
     _need(len(a.shape) == 2 and len(b.shape) == 2, "matmul",
           f"2-D operands, got {a.shape} @ {b.shape}")
     m, k = a.shape[::-1] if attrs.get("trans_a") else a.shape
@@ -29,11 +25,6 @@ def _matmul(ins, attrs):
     if attrs.get("bias_grad"):
         _need(bool(attrs.get("trans_a")), "matmul", "bias_grad needs trans_a (dz^T @ x)")
         return [((m, n), a.dtype), ((m,), a.dtype)]
-    if attrs.get("act_grad"):
-        _need(len(ins) == 3 and ins[2].shape == (m, n), "matmul",
-              f"act_grad needs the saved {(m, n)} input z, got {[v.shape for v in ins[2:]]}")
-        return [((m, n), a.dtype), ((n,), a.dtype)]
-    _need(len(ins) == 2, "matmul", f"two operands, got {len(ins)} inputs")
     return [((m, n), a.dtype)]
 
 
@@ -85,21 +76,12 @@ def _linear_vjp(emit: Emit, node: Node, dy: list, wants) -> list:
 
 @impl("matmul")
 def matmul(node: Node, ins, outs, ctx):
-    a, b = ins[:2]
+    a, b = ins
     if node.attrs.get("bias_grad"):
         outs[1][...] = a.sum(axis=0)      # as reduce_sum(a, axes=(0,)) computes it
     a = a.T if node.attrs.get("trans_a") else a
     b = b.T if node.attrs.get("trans_b") else b
-    kind = node.attrs.get("act_grad")
-    if not kind:
-        np.matmul(a, b, out=outs[0])
-        return
-    # the unfused bits: the product as the GEMM stored it (rounded to a 16-bit dtype), then
-    # act_bias_grad's arithmetic
-    c, dtype = a @ b, node.outputs[0].dtype
-    dz = (round_to(c, dtype) if dtype in HALF_DTYPES else c) * act_derivative(ins[2], kind)
-    outs[0][...] = dz
-    outs[1][...] = dz.sum(axis=0)
+    np.matmul(a, b, out=outs[0])
 
 
 @impl("linear")

@@ -88,37 +88,6 @@ def test_matmul_with_bias_grad_matches_numpy(backend, ctx, rows, m, n, path, mon
     check(ref, got, TOL[ctx.precision], f"matmul bias_grad {rows}x{m}x{n} {path}")
 
 
-@pytest.mark.parametrize("path", ["auto", "cublaslt", "cublaslt:dgelu_bgrad", "tile"])
-@pytest.mark.parametrize("rows, k, m", [(37, 13, 20), (1024, 96, 64), (2048, 64, 384)])
-def test_matmul_with_act_grad_matches_numpy(backend, ctx, rows, k, m, path, monkeypatch):
-    """dz = (dy @ w) * gelu_tanh'(z) and db = dz.sum(0) from one matmul node (compile/fuse.py
-    fuse_matmul_act_grad) on each path: the autotuned one, the GEMM then reduce.cu's
-    act_bias_grad kernel in place, cuBLASLt's DGELU_BGRAD epilogue, the tiled kernel then the
-    same act_bias_grad (fp32 only)."""
-    rng = np.random.default_rng([rows, k, m])
-    dy, w, z = random(rng, rows, k), random(rng, k, m), random(rng, rows, m)
-    node = make_node("matmul", [dy, w, z], act_grad="gelu_tanh")
-    assert [v.shape for v in node.outputs] == [(rows, m), (m,)]
-    if path == "tile" and ctx.precision != "fp32":
-        pytest.skip("the tiled kernel serves fp32 alone")
-    chosen = []
-
-    def run_path(node, ctx, operands, paths):     # "tile": its first k split
-        name = next(n for n in paths if n == path or n.startswith(path + ":"))
-        chosen.append(name)
-        paths[name]()
-
-    if path != "auto":      # the path itself, not the small-GEMM kernel small products take
-        monkeypatch.setattr(small_matmul, "SMALL_MACS", 0)
-        monkeypatch.setattr(linear, "_run_fastest", run_path)
-    ref, got = run_both(backend, ctx, node, [dy, w, z])
-    assert path == "auto" or len(chosen) == 1
-    # the epilogue's tanh may be a hardware approximation (as the GELU epilogue's)
-    tol = max(TOL[ctx.precision], GELU_TANH_EPILOGUE_TOL) if path != "cublaslt" else \
-        TOL[ctx.precision]
-    check(ref, got, tol, f"matmul act_grad {rows}x{k}x{m} {path}")
-
-
 def test_matmul_float64(backend, ctx32):
     rng = np.random.default_rng(64)
     a, b = random(rng, 9, 13, dtype="float64"), random(rng, 11, 13, dtype="float64")

@@ -11,8 +11,7 @@ from stepgraph.compile.build import build_train_graph
 from stepgraph.compile.feed import signature_of
 from stepgraph.compile.fuse import (eliminate_dead_code, fuse, fuse_activation_bias_grad,
                                     fuse_conv_bias_grad, fuse_cross_entropy,
-                                    fuse_linear_activation, fuse_matmul_act_grad,
-                                    fuse_matmul_bias_grad,
+                                    fuse_linear_activation, fuse_matmul_bias_grad,
                                     fuse_log_softmax_nll, fuse_pool_relu,
                                     fuse_step_bookkeeping)
 from stepgraph.compile.layout import to_channels_last
@@ -303,59 +302,6 @@ def test_a_sum_before_the_weight_grad_is_left_alone():
     fused = fuse_matmul_bias_grad(graph)
     assert "reduce_sum" in ops(fused)
     assert not any(n.attrs.get("bias_grad") for n in fused.nodes if n.op == "matmul")
-
-
-def mlp_graph(kind: str, dtype: str, reuse_dh: bool = False):
-    """x -> Linear(4, 6) -> act -> Linear(6, 3) -> sum of squares, with its backward w.r.t.
-    both weights and biases; reuse_dh: the gradient of the activation is a graph output too."""
-    t = Tracer()
-    x = t.input((5, 4), dtype, "x")
-    w1, b1 = t.input((6, 4), dtype, "w1"), t.input((6,), dtype, "b1")
-    w2, b2 = t.input((3, 6), dtype, "w2"), t.input((3,), dtype, "b2")
-    h = t.op("act", [t.op("linear", [x, w1, b1], act=None)], kind=kind, slope=0.2)
-    y = t.op("linear", [h, w2, b2], act=None)
-    loss = t.op("reduce_sum", [t.op("binary", [y, y], kind="mul")], axes=(0, 1))
-    t.graph.outputs = {"loss": loss.value}
-    grads = append_backward(t, loss.value, [w1.value, b1.value, w2.value, b2.value])
-    t.graph.outputs.update({f"d{i}": g for i, g in enumerate(grads)})
-    if reuse_dh:
-        (act_grad,) = [n for n in t.graph.nodes if n.op == "act_grad"]
-        t.graph.outputs["dh"] = act_grad.inputs[0]
-    return t.graph
-
-
-MLP_ARRAYS = {name: seeded(f"mlp-{name}").standard_normal(shape).astype(np.float32)
-              for name, shape in (("x", (5, 4)), ("w1", (6, 4)), ("b1", (6,)), ("w2", (3, 6)),
-                                  ("b2", (3,)))}
-MATMUL_ACT_PASSES = (fuse_linear_activation, fuse_activation_bias_grad, fuse_matmul_act_grad)
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_activation_gradient_joins_the_input_gradient_matmul(dtype):
-    """dh = dy @ w2 and act_bias_grad(dh, z) become one matmul node writing dz and db; the
-    numbers are those of the graph the pass was given, bit for bit, in bf16 too (dh rounded
-    as its GEMM stored it before the activation's gradient)."""
-    before = fuse(mlp_graph("gelu_tanh", dtype), MATMUL_ACT_PASSES[:-1])
-    assert "act_bias_grad" in ops(before)
-    fused = fuse_matmul_act_grad(before)
-    assert "act_bias_grad" not in ops(fused)
-    (grad,) = [n for n in fused.nodes if n.op == "matmul" and n.attrs.get("act_grad")]
-    assert grad.attrs["act_grad"] == "gelu_tanh" and len(grad.inputs) == 3
-    assert [v.shape for v in grad.outputs] == [(5, 6), (6,)]
-    want, got = run_graph(before, MLP_ARRAYS), run_graph(fused, MLP_ARRAYS)
-    assert set(got) == set(want)
-    for k in want:
-        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
-
-
-@pytest.mark.parametrize("kind,reuse_dh", [("gelu", False), ("relu", False),
-                                           ("gelu_tanh", True)])
-def test_activation_gradient_without_an_epilogue_stays(kind, reuse_dh):
-    """Exact GELU and ReLU have no matching GEMM epilogue, and a dh read elsewhere must be
-    stored: act_bias_grad stays beside its matmul."""
-    fused = fuse(mlp_graph(kind, "float32", reuse_dh), MATMUL_ACT_PASSES)
-    assert "act_bias_grad" in ops(fused)
-    assert not any(n.attrs.get("act_grad") for n in fused.nodes if n.op == "matmul")
 
 
 def test_step_bookkeeping_becomes_one_op():

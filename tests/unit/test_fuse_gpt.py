@@ -1,7 +1,7 @@
 """The GPT's fused train graph (compile/fuse.py, compile/pointwise.py): a Linear on (B, T, C)
 inputs traces as reshape -> linear -> reshape, and the passes still see through the views: the
-MLP's GELU rides its linear (one node, bias and activation in it), the GELU's gradient and
-its bias gradient ride the GEMM before them, the other Linears' bias gradients ride their
+MLP's GELU rides its linear (one node, bias and activation in it) and the GELU's gradient and
+the bias gradient are one act_bias_grad, the other Linears' bias gradients ride their
 weight-gradient matmuls; each residual branch's dropout and the add after it are
 one pointwise node (mask drawn as the dropout op draws it), and so are the backward's gradient
 sum and dropout_grad. On the numpy backend the fused step computes the same bits as unfused."""
@@ -50,17 +50,15 @@ def test_gpt_mlp_gelu_rides_the_linear_forward_and_backward():
         assert lin.attrs["act"] == "gelu_tanh" and lin.attrs["save_preact"]
         assert len(lin.inputs) == 3 and lin.inputs[0].shape == (BATCH * BLOCK, EMBD)
         assert [v.shape for v in lin.outputs] == [(BATCH * BLOCK, 4 * EMBD)] * 2
-    # The GELU's gradient and c_fc's bias gradient ride the GEMM of c_proj's input gradient
-    # (fuse_matmul_act_grad): dz and db from one matmul, the product itself never stored.
-    assert "act_bias_grad" not in ops(fused)
-    grads = [n for n in fused.nodes if n.op == "matmul" and n.attrs.get("act_grad")]
+    grads = [n for n in fused.nodes if n.op == "act_bias_grad"]
     assert len(grads) == LAYERS
+    producers = fused.producers()
     for grad, lin in zip(grads, reversed(gelu)):
-        assert grad.attrs["act_grad"] == "gelu_tanh"
-        assert grad.inputs[0].shape == (BATCH * BLOCK, EMBD)   # c_proj's output gradient
-        assert grad.inputs[1].shape == (EMBD, 4 * EMBD)        # c_proj's weight
-        assert grad.inputs[2] is lin.outputs[1]                # the saved pre-activation
-        assert [v.shape for v in grad.outputs] == [(BATCH * BLOCK, 4 * EMBD), (4 * EMBD,)]
+        assert grad.attrs["kind"] == "gelu_tanh"
+        assert [v.shape for v in grad.inputs] == [(BATCH * BLOCK, 4 * EMBD)] * 2
+        assert grad.inputs[1] is lin.outputs[1]                # the saved pre-activation
+        assert producers[grad.inputs[0]].op == "matmul"        # dy straight from the GEMM
+        assert grad.outputs[1].shape == (4 * EMBD,)            # c_fc's bias gradient
     # no other bias-gradient sum of the c_fc layers is left
     sums = [n for n in fused.nodes if n.op == "reduce_sum"]
     assert all(n.outputs[0].shape != (4 * EMBD,) for n in sums)
@@ -70,7 +68,7 @@ def test_gpt_mlp_gelu_rides_the_linear_forward_and_backward():
 def test_gpt_bias_gradients_ride_the_weight_gradient_matmuls(bias):
     """The Linears without an activation (c_attn, the attention's c_proj, the MLP's c_proj:
     three a layer) get their bias gradients from their weight-gradient matmul
-    (fuse_matmul_bias_grad); the MLP's c_fc's rides its GELU's gradient. No column sum of a
+    (fuse_matmul_bias_grad); the MLP's c_fc keeps its in act_bias_grad. No column sum of a
     (tokens, features) gradient is left (the position embedding's sum over the batch stays);
     without biases no matmul writes one."""
     *_, unfused, fused = gpt_graphs(bias=bias)

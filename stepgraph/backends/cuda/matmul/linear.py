@@ -30,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from .. import elementwise, reduce
+from .. import elementwise, reduce, shape
 from ..runtime import autotune
 from ..runtime.launch import _node_memory
 from . import gemm, small_matmul
@@ -75,9 +75,11 @@ def _epilogue(name: str, bias) -> str:
 def _gemm_fused(ctx, x, w, out, epilogue: str, bias, aux=None) -> bool:
     """out = epilogue(x @ w.T + bias); False, having launched nothing, when cuBLASLt has no
     algorithm for this epilogue and layout (the caller then runs the unfused path)."""
-    aux_ld = 0 if aux is None else _aux_ld(aux)
-    if aux_ld is None:
-        return False
+    aux_ld = 0
+    if aux is not None:
+        aux_ld = aux.strides[0] // aux.itemsize if aux.shape[0] > 1 else aux.shape[1]
+        if aux_ld % 8:        # cuBLASLt's GELU aux needs a leading dimension divisible by 8
+            return False
     try:
         gemm.matmul(ctx, x, w, out, trans_b=True, epilogue=_epilogue(epilogue, bias),
                     bias=bias, aux=aux, aux_ld=aux_ld)
@@ -86,63 +88,55 @@ def _gemm_fused(ctx, x, w, out, epilogue: str, bias, aux=None) -> bool:
     return True
 
 
-def _aux_ld(aux) -> int | None:
-    """The row stride of an epilogue's aux buffer in elements; None where cuBLASLt cannot take
-    it (its GELU aux needs a leading dimension divisible by 8)."""
-    ld = aux.strides[0] // aux.itemsize if aux.shape[0] > 1 else aux.shape[1]
-    return None if ld % 8 else ld
-
-
 # ---- staging operands whose rows are not 16-byte aligned --------------------------------------
 # A row of 65 bf16 elements (a 65-token vocabulary's logits) leaves cuBLASLt its align-1
 # kernels only, which took 22-60 µs a call for the tied LM head of the bundled gpt at bf16
-# (H200 trace): the staged path copies such operands into rows padded to 16 bytes (and writes
-# such a result there first), so the GEMM runs on aligned rows. The autotuner weighs the
-# copies against the slower kernel.
+# (H200 trace): the staged path copies such operands (shape.cu's slice kernels) into rows
+# padded to 16 bytes, and writes such a result there first, so that the GEMM runs on aligned
+# rows. The autotuner weighs the copies against the slower kernels.
 STAGE_ALIGN = 16
 
 
-def _misaligned(*arrays) -> bool:
-    """Whether a row of some 2-D array starts off a STAGE_ALIGN boundary."""
-    return any(a.ndim == 2 and a.shape[0] > 1 and
-               (a.strides[0] % STAGE_ALIGN or a.data.ptr % STAGE_ALIGN) for a in arrays)
+def _misaligned(a) -> bool:
+    """Whether some row of a 2-D array starts off a STAGE_ALIGN boundary."""
+    return a.ndim == 2 and a.shape[0] > 1 and bool(a.strides[0] % STAGE_ALIGN or
+                                                   a.data.ptr % STAGE_ALIGN)
 
 
-def _padded_like(node, ctx, slot: int, arr):
-    """A view shaped like arr in the node's memory whose rows start STAGE_ALIGN apart."""
+def _stageable(*arrays) -> bool:
+    """Some operand is misaligned, and each such one is contiguous (what the copies take)."""
+    off = [a for a in arrays if _misaligned(a)]
+    return bool(off) and all(a.flags.c_contiguous for a in off)
+
+
+def _padded(node, ctx, slot: int, arr):
+    """A contiguous (rows, ld) array of the node's whose rows of ld >= arr's columns start
+    STAGE_ALIGN bytes apart."""
     import cupy as cp
 
     rows, cols = arr.shape
     ld = -(-cols * arr.itemsize // STAGE_ALIGN) * STAGE_ALIGN // arr.itemsize
-    buf = _node_memory(node, ("staged", slot, arr.shape, str(arr.dtype)), ctx,
-                       lambda: cp.empty((rows, ld), arr.dtype))
-    return buf[:, :cols]
-
-
-def _copy_rows(ctx, dst, src) -> None:
-    """dst[...] = src for 2-D arrays of any row strides (last axis contiguous), on the stream."""
-    from cupy.cuda import runtime
-
-    runtime.memcpy2DAsync(dst.data.ptr, dst.strides[0], src.data.ptr, src.strides[0],
-                          src.shape[1] * src.itemsize, src.shape[0],
-                          runtime.memcpyDeviceToDevice, ctx.stream.ptr)
+    return _node_memory(node, ("staged", slot, arr.shape, str(arr.dtype)), ctx,
+                        lambda: cp.empty((rows, ld), arr.dtype))
 
 
 def _staged(node, ctx, inputs: tuple, out, launch: Callable) -> Callable[[], None]:
-    """launch(*inputs, out) on aligned copies of the misaligned ones, the result copied back
-    from its aligned stand-in if out is misaligned."""
+    """launch(*inputs, out) on padded copies of the misaligned ones (zeros in the padding),
+    into a padded stand-in for a misaligned out, copied back after."""
     def run():
         staged = []
         for slot, arr in enumerate(inputs):
             if _misaligned(arr):
-                copy = _padded_like(node, ctx, slot, arr)
-                _copy_rows(ctx, copy, arr)
-                arr = copy
+                buf = _padded(node, ctx, slot, arr)
+                shape.slice_backward(ctx, arr, buf, 1, 0)
+                arr = buf[:, :arr.shape[1]]
             staged.append(arr)
-        target = _padded_like(node, ctx, len(inputs), out) if _misaligned(out) else out
-        launch(*staged, target)
-        if target is not out:
-            _copy_rows(ctx, out, target)
+        if not _misaligned(out):
+            launch(*staged, out)
+            return
+        buf = _padded(node, ctx, len(inputs), out)
+        launch(*staged, buf[:, :out.shape[1]])
+        shape.slice_forward(ctx, buf, out, 1, 0, out.shape[1])
     return run
 
 
@@ -168,7 +162,7 @@ def linear_forward(node, ins, outs, ctx) -> None:
         small_matmul_forward(ctx, x, w, y, trans_b=True, bias=bias, z=z, act=kind, slope=slope)
         return
     paths = {"cublaslt": lambda: _linear_cublaslt(ctx, x, w, y, z, bias, kind, slope, node)}
-    if z is None and _misaligned(x, w, y):
+    if kind is None and z is None and _stageable(x, w, y):     # y written by the GEMM alone
         paths["cublaslt:staged"] = _staged(node, ctx, (x, w), y, lambda x, w, y:
                                            _linear_cublaslt(ctx, x, w, y, None, bias, kind,
                                                             slope, node))
@@ -226,11 +220,7 @@ def matmul_forward(node, ins, outs, ctx) -> None:
     """c = op(a) @ op(b) with attrs trans_a / trans_b (ops.py, "matmul"), and with bias_grad
     db = a.sum(0) beside it: cuBLASLt's BGRADB epilogue (the sums of op(a) over k, taken as
     the GEMM reads a) timed against the GEMM and reduce.cu's column sums, the latter also
-    after the small and tiled kernels, which have no such epilogue. With act_grad,
-    _matmul_act_grad."""
-    if node.attrs.get("act_grad"):
-        _matmul_act_grad(node, ins, outs, ctx)
-        return
+    after the small and tiled kernels, which have no such epilogue."""
     a, b, c = ins[0], ins[1], outs[0]
     trans_a, trans_b = bool(node.attrs.get("trans_a")), bool(node.attrs.get("trans_b"))
     db = outs[1] if node.attrs.get("bias_grad") else None
@@ -247,7 +237,7 @@ def matmul_forward(node, ins, outs, ctx) -> None:
         return
     paths = {"cublaslt": then_sum(lambda: gemm.matmul(ctx, a, b, c, trans_a=trans_a,
                                                       trans_b=trans_b))}
-    if _misaligned(a, b, c):
+    if _stageable(a, b, c):
         paths["cublaslt:staged"] = then_sum(_staged(node, ctx, (a, b), c, lambda a, b, c:
                                                     gemm.matmul(ctx, a, b, c, trans_a=trans_a,
                                                                 trans_b=trans_b)))
@@ -266,46 +256,6 @@ def _matmul_bias_grad(ctx, a, b, c, db, trans_b: bool, unfused: Callable[[], Non
         gemm.matmul(ctx, a, b, c, trans_a=True, trans_b=trans_b, epilogue="BGRADB", bias=db)
     except gemm.GemmUnsupportedError:
         unfused()
-
-
-# cuBLASLt's epilogue per activation gradient (compile/fuse.py EPILOGUE_ACT_GRADS): DGELU is
-# the gradient of its GELU epilogue, the tanh approximation, as GELU_TANH_IN_EPILOGUE says.
-ACT_GRAD_EPILOGUES = {"gelu_tanh": "DGELU_BGRAD"}
-
-
-def _matmul_act_grad(node, ins, outs, ctx) -> None:
-    """dz = (op(a) @ op(b)) * kind'(z) and db = dz.sum(0) (fuse_matmul_act_grad). cuBLASLt's
-    DGELU_BGRAD epilogue (dz and db written as the GEMM finishes, the product never stored)
-    timed against the GEMM into dz followed by reduce.cu's act_bias_grad kernel in place on
-    it (each element is read, then written, by one thread), after the small and tiled
-    kernels too."""
-    a, b, z = ins
-    dz, db = outs
-    kind = node.attrs["act_grad"]
-    trans_a, trans_b = bool(node.attrs.get("trans_a")), bool(node.attrs.get("trans_b"))
-    k = a.shape[0] if trans_a else a.shape[1]
-
-    def then_act(product):
-        return lambda: (product(), reduce.act_bias_backward(ctx, node, dz, z, dz, db, kind))
-
-    if has_small_kernel(a, b, dz) and is_small(dz.shape[0], dz.shape[1], k):
-        then_act(lambda: small_matmul_forward(ctx, a, b, dz, trans_a=trans_a,
-                                              trans_b=trans_b))()
-        return
-    paths = {"cublaslt": then_act(lambda: gemm.matmul(ctx, a, b, dz, trans_a=trans_a,
-                                                      trans_b=trans_b))}
-    epilogue, aux_ld = ACT_GRAD_EPILOGUES.get(kind), _aux_ld(z)
-    if epilogue and aux_ld is not None:
-        def fused():
-            try:
-                gemm.matmul(ctx, a, b, dz, trans_a=trans_a, trans_b=trans_b,
-                            epilogue=epilogue, bias=db, aux=z, aux_ld=aux_ld)
-            except gemm.GemmUnsupportedError:
-                paths["cublaslt"]()
-        paths[f"cublaslt:{epilogue.lower()}"] = fused
-    paths.update({name: then_act(run) for name, run in
-                  _tile_paths(node, ctx, a, b, dz, trans_a=trans_a, trans_b=trans_b).items()})
-    _run_fastest(node, ctx, (a, b, z, dz, db), paths)
 
 
 # ---- choosing between cuBLASLt and the tiled kernel ------------------------------------------
