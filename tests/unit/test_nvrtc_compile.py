@@ -415,10 +415,6 @@ def _fake_memory(node, key, ctx, build, required=True):
         return dict(partials=Fake((key[1],), "float64"), counter=Fake((1,), "uint32"))
     if kind == "reduce_sum":           # (op, planes, splits): the float64 partial sums
         return Fake((key[1] * key[2],), "float64")
-    if kind == "columns":              # (op, columns, splits): the float64 partial sums
-        return Fake((key[1] * key[2],), "float64")
-    if kind == "column counters":      # (op, column tiles): their arrival counters
-        return Fake((key[1],), "uint32")
     if kind == "batch_norm":           # (op, channels, splits, extra floats per channel)
         return dict(partial=Fake((key[2] * key[3] * 2,), "float64"),
                     coef=Fake((key[2] * max(key[4], 1),)))
@@ -851,26 +847,6 @@ def test_reduce_sum_launch_arguments_match_the_kernels(monkeypatch, dtype):
     assert (grid, block, args[2:]) == ((4096,), (32, 8), (32768, 96))
     assert launched[first[3] + 1][1] == f"reduce_sum_splits_kernel<{ctype}>"  # outer 8 split
     assert {name for _, name, *_ in launched} <= reduce.kernel_names()["reduce.cu"]
-    _assert_launches_match(launched)
-
-
-@pytest.mark.parametrize("dtype", ["float32", "uint16"])
-def test_column_sums_split_over_rows_are_one_launch(monkeypatch, dtype):
-    """Tall column sums (bias gradients; with the activation gradient, act_bias_grad) split
-    their rows over blocks, and the last split of each column tile adds the partials: one
-    launch, given the partials and a counter per column tile, and no splits kernel after."""
-    from stepgraph.backends.cuda import reduce
-
-    launched = _record_launches(monkeypatch, reduce)
-    rows, cols = 16384, 384
-    reduce.reduce_sum_forward(None, object(), Fake((rows, cols), dtype), Fake((cols,), dtype),
-                              (0,))
-    reduce.act_bias_backward(None, object(), *(Fake((rows, cols), dtype) for _ in range(3)),
-                             Fake((cols,), dtype), "gelu_tanh")
-    assert [name.split("<")[0] for _, name, *_ in launched] == \
-        ["reduce_sum_columns_kernel", "act_bias_backward_kernel"]
-    for _, _, grid, _, args in launched:
-        assert grid[1] == reduce._column_splits(rows, grid[0]) > 1
     _assert_launches_match(launched)
 
 

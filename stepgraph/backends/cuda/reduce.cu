@@ -23,54 +23,25 @@ __device__ __forceinline__ void split_rows(int rows, int* begin, int* end) {
 }
 
 // Each column's threads combine their row partials in a fixed order (y = 0, 1, ...). One
-// split writes out[col]. Several write partial[split * total + batch * cols + col] (total =
-// cols * batches), and the last split of the column tile to arrive at its counter (one per
-// tile and batch, arrive_last_of) adds them: row lane y the splits y, y + COLUMN_ROWS, ... in
-// that order, then the lanes in order, one launch in all. A thread may own VEC adjacent
-// columns, col .. col + VEC - 1, its partials in acc[0 .. VEC - 1]; out is this batch's.
+// split writes out[col]; several write partial[split * total + batch * cols + col] (total =
+// cols * batches: split-major, so that reduce_sum_splits_kernel's threads, one per column,
+// read adjacent doubles) for reduce_sum_splits_kernel to add in order. A thread may own VEC
+// adjacent columns, col .. col + VEC - 1, its partials in acc[0 .. VEC - 1].
 template <int VEC, typename T>
 __device__ __forceinline__ void finish_columns(const double (&acc)[VEC], T* out,
-                                               double* partial, unsigned int* counters,
-                                               int col, int cols) {
+                                               double* partial, int col, int cols) {
     __shared__ double part[COLUMN_ROWS][COLUMN_TILE * VEC + 1];
-    __shared__ unsigned int last_flag;
-    double* lane = part[threadIdx.y] + threadIdx.x * VEC;
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) lane[j] = acc[j];
-    __syncthreads();
-    double s[VEC];
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-        s[j] = 0.0;
-        for (int k = 0; k < COLUMN_ROWS; ++k) s[j] += part[k][threadIdx.x * VEC + j];
-    }
-    const int splits = gridDim.y;
-    const long long stride = (long long)gridDim.z * cols;     // from one split's partials to the next
-    double* mine = partial + (long long)blockIdx.z * cols;    // split 0 of this batch
-    if (threadIdx.y == 0)
-        for (int j = 0; j < VEC && col + j < cols; ++j) {
-            if (splits == 1) store_from_float(out, col + j, (float)s[j]);
-            else mine[blockIdx.y * stride + col + j] = s[j];
-        }
-    if (splits == 1 ||
-        !arrive_last_of(counters + blockIdx.z * gridDim.x + blockIdx.x, &last_flag, splits))
-        return;
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-        s[j] = 0.0;
-        if (col + j < cols)
-            for (int k = threadIdx.y; k < splits; k += COLUMN_ROWS)
-                s[j] += __ldcg(mine + k * stride + col + j);
-    }
-    __syncthreads();                           // every lane has read part above
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) lane[j] = s[j];
+    for (int j = 0; j < VEC; ++j) part[threadIdx.y][threadIdx.x * VEC + j] = acc[j];
     __syncthreads();
     if (threadIdx.y != 0) return;
-    for (int j = 0; j < VEC && col + j < cols; ++j) {
-        double total = 0.0;
-        for (int k = 0; k < COLUMN_ROWS; ++k) total += part[k][threadIdx.x * VEC + j];
-        store_from_float(out, col + j, (float)total);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+        if (col + j >= cols) break;
+        double s = 0.0;
+        for (int k = 0; k < COLUMN_ROWS; ++k) s += part[k][threadIdx.x * VEC + j];
+        if (gridDim.y == 1) store_from_float(out, col + j, (float)s);
+        else partial[((long long)blockIdx.y * gridDim.z + blockIdx.z) * cols + col + j] = s;
     }
 }
 
@@ -83,8 +54,7 @@ __device__ __forceinline__ void finish_columns(const double (&acc)[VEC], T* out,
 // keeps its order whatever VEC.
 template <typename T, int VEC>
 __global__ void __launch_bounds__(512)
-reduce_sum_columns_kernel(const T* x, T* y, double* partial, unsigned int* counters, int rows,
-                          int cols) {
+reduce_sum_columns_kernel(const T* x, T* y, double* partial, int rows, int cols) {
     x += (long long)blockIdx.z * rows * cols;
     y += (long long)blockIdx.z * cols;
     const int col = (blockIdx.x * COLUMN_TILE + threadIdx.x) * VEC;
@@ -101,7 +71,7 @@ reduce_sum_columns_kernel(const T* x, T* y, double* partial, unsigned int* count
 #pragma unroll
             for (int j = 0; j < VEC; ++j) acc[j] += v[j];
         }
-    finish_columns<VEC>(acc, y, partial, counters, col, cols);
+    finish_columns<VEC>(acc, y, partial, col, cols);
 }
 
 // y[b] = sum over a, c of x[a, b, c] for x viewed as (outer, mid, inner): blocks (b, s) sum
@@ -202,8 +172,8 @@ __global__ void reduce_sum_strided_kernel(const T* x, T* y, int n,
 // dz, both rounded when the node finishes).
 template <typename T, int VEC>
 __global__ void __launch_bounds__(512)
-act_bias_backward_kernel(const T* dy, const T* saved, T* dz, T* db, double* partial,
-                         unsigned int* counters, int rows, int cols, int kind, float slope) {
+act_bias_backward_kernel(const T* dy, const T* saved, T* dz, T* db, double* partial, int rows,
+                         int cols, int kind, float slope) {
     const int col = (blockIdx.x * COLUMN_TILE + threadIdx.x) * VEC;
     int r0, r1;
     split_rows(rows, &r0, &r1);
@@ -233,7 +203,7 @@ act_bias_backward_kernel(const T* dy, const T* saved, T* dz, T* db, double* part
             for (int j = 0; j < VEC; ++j) acc[j] += v[j];
         }
     }
-    finish_columns<VEC>(acc, db, partial, counters, col, cols);
+    finish_columns<VEC>(acc, db, partial, col, cols);
 }
 
 // One row of the device table built once per node by launchers.global_norm_forward: a float32

@@ -4,8 +4,7 @@ fallback), the activation gradient fused with the bias gradient's column sum (ac
 and global_norm over many tensors in one launch.
 
 Device memory kept per node (runtime/launch.py `_node_memory`): reduce_sum and act_bias_grad
-split over rows keep the splits' float64 partial sums and the column tiles' arrival counters;
-global_norm a table of tensor pointers
+split over rows keep the splits' float64 partial sums; global_norm a table of tensor pointers
 and sizes, per-block work items, a float64 partial per block and an arrival counter.
 reduce_sum, act_bias_grad and global_norm take float32, bf16 (uint16 bits) or float16 operands
 (a float16 sum is accumulated as the float32 one and rounded once).
@@ -50,31 +49,32 @@ def _column_splits(rows: int, column_blocks: int) -> int:
     return max(1, min(COLUMN_TARGET_BLOCKS // column_blocks, rows // COLUMN_SPLIT_ROWS))
 
 
-def _column_partials(node: Node, ctx, cols: int, splits: int, column_blocks: int):
-    """The node's float64 partial sums of (splits, cols) and its zeroed arrival counters, one
-    per column tile (reduce.cu finish_columns); dummy pointers for one split."""
+def _column_partials(node: Node, ctx, cols: int, splits: int):
+    """The node's float64 (cols, splits) partial sums, or a dummy pointer for one split."""
     if splits == 1:
-        return np.uint64(0), np.uint64(0)
-    return (_node_memory(node, ("columns", cols, splits), ctx,
-                         lambda: cp.empty(cols * splits, np.float64)),
-            _node_memory(node, ("column counters", column_blocks), ctx,
-                         lambda: cp.zeros(column_blocks, np.uint32)))
+        return np.uint64(0)
+    return _node_memory(node, ("columns", cols, splits), ctx,
+                        lambda: cp.empty(cols * splits, np.float64))
 
 
 def _launch_columns(ctx, node: Node, name: str, rows: int, cols: int, out, arrays: tuple,
                     scalars: tuple, vec: int, batches: int = 1) -> None:
-    """A column kernel (rows summed per column into `out`), args = arrays, the partials and
-    counters, scalars; with row splits, the last split of each column tile to finish adds the
-    splits' partials in order (one launch). `name` is the template's name; its template
-    arguments are out's element type and `vec` (columns per thread). batches: that many
-    (rows, cols) inputs one after another, each summed into its own `cols` outputs (grid z)."""
+    """A column kernel (rows summed per column into `out`), args = arrays, the partials,
+    scalars; with row splits, then the in-order sum of the splits' partials. `name` is the
+    template's name; its template arguments are out's element type and `vec` (columns per
+    thread), the splits kernel's out's element type. batches: that many (rows, cols) inputs
+    one after another, each summed into its own `cols` outputs (grid z)."""
     ctype = ELEMENT_CTYPES[out.dtype]
     column_blocks = -(-cols // (32 * vec))
     splits = _column_splits(rows, column_blocks * batches)
-    partial, counters = _column_partials(node, ctx, cols * batches, splits,
-                                         column_blocks * batches)
-    _launch(ctx, "reduce.cu", f"{name}<{ctype}, {vec}>", (column_blocks, splits, batches),
-            COLUMN_BLOCK, arrays + (partial, counters) + scalars)
+    partial = _column_partials(node, ctx, cols * batches, splits)
+    kernel = f"{name}<{ctype}, {vec}>"
+    _launch(ctx, "reduce.cu", kernel, (column_blocks, splits, batches), COLUMN_BLOCK,
+            arrays + (partial,) + scalars)
+    if splits > 1:
+        _launch(ctx, "reduce.cu", _typed("reduce_sum_splits_kernel", ctype),
+                _grid(cols * batches), (BLOCK,),
+                (partial, out, np.int32(cols * batches), np.int32(splits)))
 
 
 def reduce_sum_columns(ctx, node: Node, x, y, rows: int, cols: int, batches: int = 1) -> None:

@@ -92,17 +92,16 @@ __device__ __forceinline__ float row_sum_exp(const X* xr, int cols, float m, flo
     return row_sum(s, smem);
 }
 
-// The "last block finishes" pattern: after each of `arrivals` blocks has written its part, the
-// block that arrives last at `counter` sees every other block's writes and does the final pass
-// in a fixed order, so the result is deterministic whichever block is last. It resets the
-// counter for the next launch (graph replays included): counter starts at 0. Returns true in
-// every thread of the last block. arrive_last: every block of a one-dimensional grid.
-__device__ __forceinline__ bool arrive_last_of(unsigned int* counter, unsigned int* flag_smem,
-                                               unsigned int arrivals) {
-    if (arrivals == 1) return true;
+// The "last block finishes" pattern: after each block has written its part, the block that
+// arrives last at `counter` sees every other block's writes and does the final pass in a fixed
+// order, so the result is deterministic whichever block is last. It resets the counter for the
+// next launch (graph replays included): counter starts at 0. Returns true in every thread of
+// the last block.
+__device__ __forceinline__ bool arrive_last(unsigned int* counter, unsigned int* flag_smem) {
+    if (gridDim.x == 1) return true;
     __threadfence();  // publish this thread's writes before the block signals arrival
     __syncthreads();
-    if (flat_thread() == 0) *flag_smem = atomicAdd(counter, 1u) == arrivals - 1 ? 1u : 0u;
+    if (flat_thread() == 0) *flag_smem = atomicAdd(counter, 1u) == gridDim.x - 1 ? 1u : 0u;
     __syncthreads();
     const bool last = *flag_smem != 0u;
     // Every block has arrived, so the counter can be reset now. Readers of the other blocks'
@@ -110,7 +109,4 @@ __device__ __forceinline__ bool arrive_last_of(unsigned int* counter, unsigned i
     if (last && flat_thread() == 0) *counter = 0u;
     if (last) __threadfence();
     return last;
-}
-__device__ __forceinline__ bool arrive_last(unsigned int* counter, unsigned int* flag_smem) {
-    return arrive_last_of(counter, flag_smem, gridDim.x);
 }

@@ -30,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from .. import elementwise, reduce, shape
+from .. import elementwise, reduce
 from ..runtime import autotune
 from ..runtime.launch import _node_memory
 from . import gemm, small_matmul
@@ -88,58 +88,6 @@ def _gemm_fused(ctx, x, w, out, epilogue: str, bias, aux=None) -> bool:
     return True
 
 
-# ---- staging operands whose rows are not 16-byte aligned --------------------------------------
-# A row of 65 bf16 elements (a 65-token vocabulary's logits) leaves cuBLASLt its align-1
-# kernels only, which took 22-60 µs a call for the tied LM head of the bundled gpt at bf16
-# (H200 trace): the staged path copies such operands (shape.cu's slice kernels) into rows
-# padded to 16 bytes, and writes such a result there first, so that the GEMM runs on aligned
-# rows. The autotuner weighs the copies against the slower kernels.
-STAGE_ALIGN = 16
-
-
-def _misaligned(a) -> bool:
-    """Whether some row of a 2-D array starts off a STAGE_ALIGN boundary."""
-    return a.ndim == 2 and a.shape[0] > 1 and bool(a.strides[0] % STAGE_ALIGN or
-                                                   a.data.ptr % STAGE_ALIGN)
-
-
-def _stageable(*arrays) -> bool:
-    """Some operand is misaligned, and each such one is contiguous (what the copies take)."""
-    off = [a for a in arrays if _misaligned(a)]
-    return bool(off) and all(a.flags.c_contiguous for a in off)
-
-
-def _padded(node, ctx, slot: int, arr):
-    """A contiguous (rows, ld) array of the node's whose rows of ld >= arr's columns start
-    STAGE_ALIGN bytes apart."""
-    import cupy as cp
-
-    rows, cols = arr.shape
-    ld = -(-cols * arr.itemsize // STAGE_ALIGN) * STAGE_ALIGN // arr.itemsize
-    return _node_memory(node, ("staged", slot, arr.shape, str(arr.dtype)), ctx,
-                        lambda: cp.empty((rows, ld), arr.dtype))
-
-
-def _staged(node, ctx, inputs: tuple, out, launch: Callable) -> Callable[[], None]:
-    """launch(*inputs, out) on padded copies of the misaligned ones (zeros in the padding),
-    into a padded stand-in for a misaligned out, copied back after."""
-    def run():
-        staged = []
-        for slot, arr in enumerate(inputs):
-            if _misaligned(arr):
-                buf = _padded(node, ctx, slot, arr)
-                shape.slice_backward(ctx, arr, buf, 1, 0)
-                arr = buf[:, :arr.shape[1]]
-            staged.append(arr)
-        if not _misaligned(out):
-            launch(*staged, out)
-            return
-        buf = _padded(node, ctx, len(inputs), out)
-        launch(*staged, buf[:, :out.shape[1]])
-        shape.slice_forward(ctx, buf, out, 1, 0, out.shape[1])
-    return run
-
-
 def _copy(ctx, dst, src) -> None:
     """Device-to-device copy of a contiguous array on the stream (capturable, no allocation)."""
     from cupy.cuda import runtime
@@ -162,10 +110,6 @@ def linear_forward(node, ins, outs, ctx) -> None:
         small_matmul_forward(ctx, x, w, y, trans_b=True, bias=bias, z=z, act=kind, slope=slope)
         return
     paths = {"cublaslt": lambda: _linear_cublaslt(ctx, x, w, y, z, bias, kind, slope, node)}
-    if kind is None and z is None and _stageable(x, w, y):     # y written by the GEMM alone
-        paths["cublaslt:staged"] = _staged(node, ctx, (x, w), y, lambda x, w, y:
-                                           _linear_cublaslt(ctx, x, w, y, None, bias, kind,
-                                                            slope, node))
     if kind in TIMED_AGAINST_KERNEL and x.dtype == "float32":
         paths["cublaslt:unfused"] = lambda: _linear_then_act(ctx, x, w, y, z, bias, kind, slope)
     paths.update(_tile_paths(node, ctx, x, w, y, trans_a=False, trans_b=True, bias=bias, z=z,
@@ -237,10 +181,6 @@ def matmul_forward(node, ins, outs, ctx) -> None:
         return
     paths = {"cublaslt": then_sum(lambda: gemm.matmul(ctx, a, b, c, trans_a=trans_a,
                                                       trans_b=trans_b))}
-    if _stageable(a, b, c):
-        paths["cublaslt:staged"] = then_sum(_staged(node, ctx, (a, b), c, lambda a, b, c:
-                                                    gemm.matmul(ctx, a, b, c, trans_a=trans_a,
-                                                                trans_b=trans_b)))
     if db is not None:
         paths["cublaslt:bgrad"] = lambda: _matmul_bias_grad(ctx, a, b, c, db, trans_b,
                                                             paths["cublaslt"])
