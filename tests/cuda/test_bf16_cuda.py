@@ -108,11 +108,12 @@ def test_dropout_and_its_grad_match_the_numpy_bits(backend, ctx, shape, per_chan
     np.testing.assert_array_equal(dx, dx_ref)
 
 
-@pytest.mark.parametrize("kind", ["relu", "gelu", "none"])
-@pytest.mark.parametrize("rows,cols", [(64, 40), (3000, 24), (5, 1), (1024, 1536), (300, 30)])
+@pytest.mark.parametrize("kind", ["relu", "gelu", "gelu_tanh", "none"])
+@pytest.mark.parametrize("rows,cols", [(64, 40), (3000, 24), (5, 1), (1024, 1536), (300, 30),
+                                       (96, 12)])
 def test_act_bias_grad(backend, ctx, kind, rows, cols, request):
-    """Four columns a thread where cols % 4 == 0 (the GPT's (B * T, 1536) among them, its rows
-    split over blocks), one where not."""
+    """Eight columns a thread where cols % 8 == 0 (the GPT's (B * T, 1536) among them, its rows
+    split over blocks), four where cols % 4 == 0, one where not."""
     rng = seeded(request.node.name)
     dy, saved = bits(rng, rows, cols), bits(rng, rows, cols, scale=2.0)
     node = node_of("act_bias_grad", [dy, saved], [BF16, BF16], kind=kind, slope=0.01)
@@ -121,6 +122,9 @@ def test_act_bias_grad(backend, ctx, kind, rows, cols, request):
         # but in the far tails (|dz| ~ 1e-16 and below, 16 of 1.5M elements measured on an
         # H200), where float32's exp carries a larger relative error
         assert_bf16_within(dz, dz_ref, atol=1e-12, what="dz")
+    elif kind == "gelu_tanh":   # the hardware's tanh (2^-10.9 relative): within one ulp, or
+        # a small absolute error where the derivative crosses zero (near z = -0.75)
+        assert_bf16_within(dz, dz_ref, atol=2e-3, what="dz")
     else:                  # one float32 product, rounded once: the same bits
         np.testing.assert_array_equal(dz, dz_ref)
     # db: float64 column sums of the float32 dz vs numpy's float32 pairwise sums.

@@ -46,7 +46,18 @@ __device__ __forceinline__ float act_value(float z, int kind, float slope) {
     }
 }
 
+// tanh(x) from the hardware's approximation (one MUFU.TANH; relative error below 2^-10.9, an
+// eighth of a bf16 ulp), for kernels whose results are rounded to 16 bits anyway.
+__device__ __forceinline__ float tanh_approx(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // d act / d z from `saved`: the output y for relu/sigmoid/tanh, the input z for the others.
+// FAST_TANH: gelu_tanh's tanh by tanh_approx (act_bias_grad's 16-bit kernels, whose GELU
+// gradient was bound by the instructions of tanhf: reduce.cu).
+template <bool FAST_TANH = false>
 __device__ __forceinline__ float act_derivative(float s, int kind, float slope) {
     switch (kind) {
     case ACT_RELU:
@@ -63,7 +74,8 @@ __device__ __forceinline__ float act_derivative(float s, int kind, float slope) 
     case ACT_GELU_TANH: {
         const float c = (float)SQRT_2_OVER_PI;
         const float z3 = __fmul_rn(__fmul_rn(s, s), s);
-        const float t = tanhf(__fmul_rn(c, __fadd_rn(s, __fmul_rn(GELU_TANH_C, z3))));
+        const float u = __fmul_rn(c, __fadd_rn(s, __fmul_rn(GELU_TANH_C, z3)));
+        const float t = FAST_TANH ? tanh_approx(u) : tanhf(u);
         const float left = __fmul_rn(0.5f, 1.f + t);
         const float slope_t = __fmul_rn(__fmul_rn(__fmul_rn(0.5f, s), 1.f - __fmul_rn(t, t)), c);
         // numpy: 3 * 0.044715 folds in float64 first, then ((c3 * z) * z).
