@@ -157,3 +157,40 @@ def test_a_light_search_keeps_to_the_heuristic_and_a_later_call_searches_in_full
     timings.clear()
     gemm.matmul(ctx, a, b, c, trans_a=True)
     assert timings == []
+
+
+def test_a_bf16_narrow_products_splits_add_their_parts_in_float32(backend):
+    """A tied LM head's weight gradient at bf16 (dw (65, 384) over 16384 tokens): cuBLASLt
+    accepts split configurations beyond its heuristic's, and each adds its parts in float32,
+    so every product is NumPy's float64 one within a bf16 rounding (parts added in bf16 would
+    be several ulps off)."""
+    from stepgraph.backends.numpy import bf16
+
+    rng = np.random.default_rng(3)
+    g = bf16.to_bits(rng.standard_normal((K, 65)).astype(np.float32))      # (tokens, vocab)
+    x = bf16.to_bits(rng.standard_normal((K, 384)).astype(np.float32))
+    want = bf16.from_bits(g).astype(np.float64).T @ bf16.from_bits(x).astype(np.float64)
+    ctx = backend.make_context("bf16")
+    with ctx.stream:
+        a, b = cp.asarray(g), cp.asarray(x)
+        c = cp.full((65, 384), 0x7FC0, np.uint16)                          # NaN bits
+    spec = gemm.matmul_spec(a, b, c, trans_a=True, precision="bf16")
+    assert split_k.wanted(spec)
+    cache = gemm.GemmCache(autotune=False)
+    p = cache.plan(spec)
+    own = len(p.heuristic)
+    rows = split_k.candidates(cache._lt, cache.handle, p, gemm.algo_types(spec))
+    assert len(rows) > 0, "cuBLASLt accepted no configuration beyond its heuristic's"
+    p.heuristic = np.concatenate([p.heuristic, rows])
+    for i in range(own, len(p.heuristic)):
+        if not gemm._usable(p, i, cache.workspace_bytes):
+            continue
+        with ctx.stream:
+            c.fill(0x7FC0)
+        p.algo_ptr = p.algo_address(i)
+        cache.run(spec, ctx.stream.ptr, b.data.ptr, a.data.ptr, c.data.ptr)
+        ctx.stream.synchronize()
+        got = bf16.from_bits(cp.asnumpy(c)).astype(np.float64)
+        err = np.abs(got - want) - (2.0 ** -8 * np.abs(want) + 1e-3)
+        assert err.max() <= 0, f"configuration {i}: {int((err > 0).sum())} elements off"
+    cache.close()

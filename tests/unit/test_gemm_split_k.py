@@ -110,7 +110,11 @@ def test_deep_narrow_products_are_wanted_and_others_not():
     assert not split_k.wanted(spec(m=4096, n=4096))        # 1,024 tiles fill the GPU
     assert not split_k.wanted(spec(k=1024))                # too shallow to split
     assert not split_k.wanted(spec(accumulate=True))       # never autotuned
-    assert not split_k.wanted(spec(dtype="bfloat16"))      # measured slower in a step
+    # 16 bits: the narrowest results only (an LM head's weight gradient); ConvNeXt-sized
+    # ones measured slower in a step
+    assert split_k.wanted(spec(m=384, n=65, dtype="bfloat16"))
+    assert split_k.wanted(spec(dtype="float16"))
+    assert not split_k.wanted(spec(m=384, n=384, dtype="bfloat16"))     # 9 tiles
     assert split_k.wanted(spec(precision="tf32"))
     assert split_k.splits_for(32768) == (4, 8, 16, 32)
     assert split_k.splits_for(2048) == (4, 8)              # parts of at least 256
@@ -150,3 +154,15 @@ def test_nothing_accepted_gives_an_empty_array_of_the_heuristics_rows():
     lt, _ = fake_lt({20: dict(tiles=[17], stages=[28])}, refuse=lambda *a: True)
     rows = split_k.candidates(lt, 0, planned(), TYPES)
     assert rows.dtype == RESULT and len(rows) == 0
+
+
+def test_a_16_bit_result_is_never_split_in_place():
+    """Parts added in place would be added in D's 16 bits: an algorithm that can split only so
+    runs unsplit for a bf16 result, one with the compute-type scheme splits as for float32."""
+    lt, _ = fake_lt({20: dict(tiles=[17], stages=[28], mask=3),
+                     55: dict(tiles=[11], stages=[31], mask=1)})
+    p = planned(s=spec(dtype="bfloat16"))
+    kept = [c for _, row in split_k.configurations(lt, 0, p, TYPES, (1, 4, 16))
+            for c in configs(row)]
+    assert kept == [(20, 17, 28, k, 2 if k > 1 else 0) for k in (1, 4, 16)] + \
+        [(55, 11, 31, 1, 0)]

@@ -163,23 +163,21 @@ __global__ void reduce_sum_strided_kernel(const T* x, T* y, int n,
     }
 }
 
-// Whether T is a 16-bit storage (bf16 bits or float16), whose results are rounded to 8 or 11
-// bits of mantissa.
+// Whether T is a 16-bit storage (bf16 bits or float16): results rounded to 8 or 11 bits.
 template <typename T> struct is_16bit { static constexpr bool value = true; };
 template <> struct is_16bit<float> { static constexpr bool value = false; };
 
 // dz = dy * act'(saved) (kind ACT_NONE: dz = dy) and db = dz summed over rows, in one pass.
 // The (32, 16) column layout of reduce_sum_columns_kernel, each thread owning VEC adjacent
-// columns, one access of VEC elements a row (16 bytes: VEC 4 in float32, 8 in 16 bits; cols %
-// VEC == 0, arrays aligned to VEC elements), and UNROLL rows loaded before the first of them
-// is used, so that more bytes are in flight a thread. Each column's sum keeps its order (rows
-// ascending) whatever VEC and UNROLL. In 16 bits, gelu_tanh's tanh is the hardware's
-// approximation (act_derivative<true>): that kernel was bound by tanhf's instructions, not by
-// memory, and its result is rounded to bf16 (an ulp of 2^-8) anyway. db sums the float32 dz
-// before dz is rounded for its store (the numpy emulation's order: dz.sum(0) of the float32
-// dz, both rounded when the node finishes).
-template <typename T, int VEC, int UNROLL>
-__global__ void __launch_bounds__(512, 2)
+// columns: VEC 4 moves 4 elements a load (cols % 4 == 0, arrays aligned to 4 elements), which a
+// bf16 input needs to approach the memory bandwidth (a warp's row segment is 64 bytes with one
+// element a thread). Each column's sum keeps its order whatever VEC. In bf16, db sums the float32
+// dz before dz is rounded for its store (the numpy emulation's order: dz.sum(0) of the float32
+// dz, both rounded when the node finishes). In 16 bits gelu_tanh's tanh is the hardware's
+// approximation (act_derivative<true>): with tanhf the gpt's (16384, 1536) bf16 call took 81
+// µs against 63 for relu's, its instructions and not its bytes the bound (H200).
+template <typename T, int VEC>
+__global__ void __launch_bounds__(512)
 act_bias_backward_kernel(const T* dy, const T* saved, T* dz, T* db, double* partial, int rows,
                          int cols, int kind, float slope) {
     const int col = (blockIdx.x * COLUMN_TILE + threadIdx.x) * VEC;
@@ -189,28 +187,27 @@ act_bias_backward_kernel(const T* dy, const T* saved, T* dz, T* db, double* part
 #pragma unroll
     for (int j = 0; j < VEC; ++j) acc[j] = 0.0;
     if (col < cols) {
-        for (int r = r0 + threadIdx.y; r < r1; r += COLUMN_ROWS * UNROLL) {
-            float d[UNROLL][VEC], x[UNROLL][VEC];
+        for (int r = r0 + threadIdx.y; r < r1; r += COLUMN_ROWS) {
+            const long long i = (long long)r * cols + col;
+            float d[VEC], v[VEC];
+            if constexpr (VEC == 4) load4_as_float(dy, i, d);
+            else d[0] = load_as_float(dy, i);
+            if (kind == ACT_NONE) {
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const long long i = (long long)(r + u * COLUMN_ROWS) * cols + col;
-                if (r + u * COLUMN_ROWS < r1) {
-                    loadv_as_float<VEC>(dy, i, d[u]);
-                    if (kind != ACT_NONE) loadv_as_float<VEC>(saved, i, x[u]);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                if (r + u * COLUMN_ROWS >= r1) break;
-                float v[VEC];
+                for (int j = 0; j < VEC; ++j) v[j] = d[j];
+            } else {
+                float x[VEC];
+                if constexpr (VEC == 4) load4_as_float(saved, i, x);
+                else x[0] = load_as_float(saved, i);
 #pragma unroll
                 for (int j = 0; j < VEC; ++j)
-                    v[j] = kind == ACT_NONE ? d[u][j] : __fmul_rn(d[u][j],
-                        act_derivative<is_16bit<T>::value>(x[u][j], kind, slope));
-                storev_from_float<VEC>(dz, (long long)(r + u * COLUMN_ROWS) * cols + col, v);
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) acc[j] += v[j];
+                    v[j] = __fmul_rn(d[j], act_derivative<is_16bit<T>::value>(x[j], kind,
+                                                                              slope));
             }
+            if constexpr (VEC == 4) store4_from_float(dz, i, v);
+            else store_from_float(dz, i, v[0]);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) acc[j] += v[j];
         }
     }
     finish_columns<VEC>(acc, db, partial, col, cols);

@@ -38,7 +38,6 @@ ROW_SUM_MIN_ROWS = PLANE_TARGET_BLOCKS   # fewer rows keep the planes path (_sum
 # fallback, a thread per output walking its rows alone, took 21 us a call for the squeeze-
 # excitation gradients' sums of a MobileNet file at bf16 on an H200 (compat-bench trace).
 BATCHED_COLUMNS_MIN = 16
-ACT_BIAS_UNROLL = 2           # act_bias_grad: rows a thread loads before using the first
 BF16_OPS = frozenset({"reduce_sum", "act_bias_grad", "global_norm"})
 FP16_OPS = BF16_OPS
 
@@ -59,32 +58,23 @@ def _column_partials(node: Node, ctx, cols: int, splits: int):
 
 
 def _launch_columns(ctx, node: Node, name: str, rows: int, cols: int, out, arrays: tuple,
-                    scalars: tuple, vec: int, batches: int = 1, more: tuple = ()) -> None:
+                    scalars: tuple, vec: int, batches: int = 1) -> None:
     """A column kernel (rows summed per column into `out`), args = arrays, the partials,
     scalars; with row splits, then the in-order sum of the splits' partials. `name` is the
-    template's name; its template arguments are out's element type, `vec` (columns per
-    thread) and `more`, the splits kernel's out's element type. batches: that many (rows,
-    cols) inputs one after another, each summed into its own `cols` outputs (grid z)."""
+    template's name; its template arguments are out's element type and `vec` (columns per
+    thread), the splits kernel's out's element type. batches: that many (rows, cols) inputs
+    one after another, each summed into its own `cols` outputs (grid z)."""
     ctype = ELEMENT_CTYPES[out.dtype]
     column_blocks = -(-cols // (32 * vec))
     splits = _column_splits(rows, column_blocks * batches)
     partial = _column_partials(node, ctx, cols * batches, splits)
-    kernel = f"{name}<{', '.join(map(str, (ctype, vec, *more)))}>"
+    kernel = f"{name}<{ctype}, {vec}>"
     _launch(ctx, "reduce.cu", kernel, (column_blocks, splits, batches), COLUMN_BLOCK,
             arrays + (partial,) + scalars)
     if splits > 1:
         _launch(ctx, "reduce.cu", _typed("reduce_sum_splits_kernel", ctype),
                 _grid(cols * batches), (BLOCK,),
                 (partial, out, np.int32(cols * batches), np.int32(splits)))
-
-
-def _column_vec(cols: int, *arrays) -> int:
-    """Columns a thread of act_bias_grad's kernel owns: as many as one 16-byte access holds
-    (four float32, eight bf16 or float16) where every row stays aligned to them, else one."""
-    vec = 16 // arrays[0].itemsize
-    while vec > 1 and not (cols % vec == 0 and _aligned(*arrays, to=vec * arrays[0].itemsize)):
-        vec //= 2
-    return vec if vec >= 4 else 1
 
 
 def reduce_sum_columns(ctx, node: Node, x, y, rows: int, cols: int, batches: int = 1) -> None:
@@ -238,11 +228,12 @@ def act_bias_backward(ctx, node: Node, dy, saved, dz, db, kind: str,
     _check("act_bias_grad db", db, dy.dtype, (dy.shape[1],))
     _check_int32("act_bias_grad", dy.size)
     rows, cols = dy.shape
+    # four columns a thread where rows stay aligned to four elements (reduce.cu)
+    vec = 4 if cols % 4 == 0 and _aligned(dy, saved, dz, to=4 * dy.itemsize) else 1
     if cols:
         _launch_columns(ctx, node, "act_bias_backward_kernel", rows, cols, db,
                         (dy, saved, dz, db), (np.int32(rows), np.int32(cols), np.int32(code),
-                                              np.float32(slope)),
-                        _column_vec(cols, dy, saved, dz), more=(ACT_BIAS_UNROLL,))
+                                              np.float32(slope)), vec)
 
 
 def _build_norm_tables(tensors) -> dict:
@@ -279,10 +270,9 @@ def kernel_names() -> dict[str, set[str]]:
     elements = ELEMENT_CTYPES.values()
     return {"reduce.cu": {"global_norm_forward_kernel"}
             | {_typed(k, ctype) for k in reduce for ctype in elements}
-            | {f"reduce_sum_columns_kernel<{ctype}, {vec}>" for ctype in elements
-               for vec in (1, 4)}
-            | {f"act_bias_backward_kernel<{ctype}, {vec}, {ACT_BIAS_UNROLL}>"
-               for ctype in elements for vec in ((1, 4) if ctype == "float" else (1, 4, 8))}}
+            | {f"{k}<{ctype}, {vec}>" for k in ("act_bias_backward_kernel",
+                                                  "reduce_sum_columns_kernel")
+               for ctype in elements for vec in (1, 4)}}
 
 
 IMPLS: dict[str, Callable] = {

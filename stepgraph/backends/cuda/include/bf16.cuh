@@ -42,28 +42,8 @@ __device__ __forceinline__ void load4_as_float(const unsigned short* p, long lon
     v[0] = bf16_to_float(a.x); v[1] = bf16_to_float(a.y);
     v[2] = bf16_to_float(a.z); v[3] = bf16_to_float(a.w);
 }
-// Eight adjacent bf16 elements from p + i as float, and back (i % 8 == 0, p 16-byte aligned):
-// one 16-byte access, the widest a thread makes, two elements a 32-bit word, the lower first.
-__device__ __forceinline__ void load8_as_float(const unsigned short* p, long long i,
-                                               float v[8]) {
-    const uint4 a = *reinterpret_cast<const uint4*>(p + i);
-    const unsigned int w[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        v[2 * k] = __uint_as_float(w[k] << 16);
-        v[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
-    }
-}
-__device__ __forceinline__ void store8_from_float(unsigned short* p, long long i,
-                                                  const float v[8]) {
-    unsigned int w[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-        w[k] = bf16_from_float(v[2 * k]) | ((unsigned int)bf16_from_float(v[2 * k + 1]) << 16);
-    *reinterpret_cast<uint4*>(p + i) = make_uint4(w[0], w[1], w[2], w[3]);
-}
-// V adjacent elements (V = 1, 2, 4 or 8) from p + i as float, and back: one access of V
-// elements (i % V == 0, p aligned to V elements; float's eight are two 16-byte accesses).
+// V adjacent elements (V = 1, 2 or 4) from p + i as float, and back: one access of V elements
+// (i % V == 0, p aligned to V elements).
 template <int V>
 __device__ __forceinline__ void loadv_as_float(const float* p, long long i, float* v) {
     if constexpr (V == 1) {
@@ -71,11 +51,8 @@ __device__ __forceinline__ void loadv_as_float(const float* p, long long i, floa
     } else if constexpr (V == 2) {
         const float2 a = *reinterpret_cast<const float2*>(p + i);
         v[0] = a.x; v[1] = a.y;
-    } else if constexpr (V == 4) {
-        load4_as_float(p, i, v);
     } else {
         load4_as_float(p, i, v);
-        load4_as_float(p, i + 4, v + 4);
     }
 }
 template <int V>
@@ -85,10 +62,8 @@ __device__ __forceinline__ void loadv_as_float(const unsigned short* p, long lon
     } else if constexpr (V == 2) {
         const ushort2 a = *reinterpret_cast<const ushort2*>(p + i);
         v[0] = bf16_to_float(a.x); v[1] = bf16_to_float(a.y);
-    } else if constexpr (V == 4) {
-        load4_as_float(p, i, v);
     } else {
-        load8_as_float(p, i, v);
+        load4_as_float(p, i, v);
     }
 }
 __device__ __forceinline__ void store4_from_float(float* p, long long i, const float v[4]) {
@@ -105,11 +80,7 @@ template <int V>
 __device__ __forceinline__ void storev_from_float(float* p, long long i, const float* v) {
     if constexpr (V == 1) p[i] = v[0];
     else if constexpr (V == 2) *reinterpret_cast<float2*>(p + i) = make_float2(v[0], v[1]);
-    else if constexpr (V == 4) store4_from_float(p, i, v);
-    else {
-        store4_from_float(p, i, v);
-        store4_from_float(p, i + 4, v + 4);
-    }
+    else store4_from_float(p, i, v);
 }
 template <int V>
 __device__ __forceinline__ void storev_from_float(unsigned short* p, long long i, const float* v) {
@@ -118,10 +89,8 @@ __device__ __forceinline__ void storev_from_float(unsigned short* p, long long i
     else if constexpr (V == 2)
         *reinterpret_cast<ushort2*>(p + i) = make_ushort2(bf16_from_float(v[0]),
                                                           bf16_from_float(v[1]));
-    else if constexpr (V == 4)
-        store4_from_float(p, i, v);
     else
-        store8_from_float(p, i, v);
+        store4_from_float(p, i, v);
 }
 
 // Loads and stores as above, from a tensor of multi-tensor tables (the updates, global_norm,

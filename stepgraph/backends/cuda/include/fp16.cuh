@@ -47,25 +47,6 @@ __device__ __forceinline__ void store4_from_float(fp16_bits* p, long long i, con
         fp16_from_float(v[0]).bits, fp16_from_float(v[1]).bits, fp16_from_float(v[2]).bits,
         fp16_from_float(v[3]).bits);
 }
-// Eight adjacent elements (i % 8 == 0, p 16-byte aligned): one 16-byte access, two elements a
-// 32-bit word, the lower first.
-__device__ __forceinline__ void load8_as_float(const fp16_bits* p, long long i, float v[8]) {
-    const uint4 a = *reinterpret_cast<const uint4*>(p + i);
-    const unsigned int w[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        v[2 * k] = fp16_to_float(fp16_bits{(unsigned short)(w[k] & 0xffffu)});
-        v[2 * k + 1] = fp16_to_float(fp16_bits{(unsigned short)(w[k] >> 16)});
-    }
-}
-__device__ __forceinline__ void store8_from_float(fp16_bits* p, long long i, const float v[8]) {
-    unsigned int w[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-        w[k] = fp16_from_float(v[2 * k]).bits |
-               ((unsigned int)fp16_from_float(v[2 * k + 1]).bits << 16);
-    *reinterpret_cast<uint4*>(p + i) = make_uint4(w[0], w[1], w[2], w[3]);
-}
 template <int V>
 __device__ __forceinline__ void loadv_as_float(const fp16_bits* p, long long i, float* v) {
     if constexpr (V == 1) {
@@ -73,10 +54,8 @@ __device__ __forceinline__ void loadv_as_float(const fp16_bits* p, long long i, 
     } else if constexpr (V == 2) {
         const ushort2 a = *reinterpret_cast<const ushort2*>(p + i);
         v[0] = fp16_to_float(fp16_bits{a.x}); v[1] = fp16_to_float(fp16_bits{a.y});
-    } else if constexpr (V == 4) {
-        load4_as_float(p, i, v);
     } else {
-        load8_as_float(p, i, v);
+        load4_as_float(p, i, v);
     }
 }
 template <int V>
@@ -86,8 +65,6 @@ __device__ __forceinline__ void storev_from_float(fp16_bits* p, long long i, con
     else if constexpr (V == 2)
         *reinterpret_cast<ushort2*>(p + i) = make_ushort2(fp16_from_float(v[0]).bits,
                                                           fp16_from_float(v[1]).bits);
-    else if constexpr (V == 4)
-        store4_from_float(p, i, v);
     else
-        store8_from_float(p, i, v);
+        store4_from_float(p, i, v);
 }

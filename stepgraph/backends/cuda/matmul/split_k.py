@@ -14,8 +14,13 @@ few candidates are not the fastest. On an H200, fp32:
 So for such products in float32 (fp32 and tf32) the autotuner times those configurations too,
 those with K in 4 to 32 parts (`candidates`): ConvNeXt's fp32 step went from 14,750 to
 14,341 µs, for about 5 s more setup while 1 and 2 parts were searched as well.
-Not in bf16: there the same search made ConvNeXt's step 6% slower (4,568 -> 4,850 µs, the
-GEMMs' choices timed faster alone than they ran in the step) and its setup 5 s longer.
+Not in bf16 at those sizes: there the same search made ConvNeXt's step 6% slower (4,568 ->
+4,850 µs, the GEMMs' choices timed faster alone than they ran in the step) and its setup 5 s
+longer. In 16 bits it runs for the narrowest results alone (at most HALF_MAX_TILES tiles),
+with the parts added in float32 (the compute-type scheme; configurations that would add them
+in D's 16 bits are skipped, as gemm.py's heuristic preference skips them): the tied LM head
+of the bundled gpt, dw (65, 384) over K = 16384 tokens, took 308 µs unsplit on an H200 once
+its in-place (bf16) split was refused.
 
 Each configuration is accepted by cublasLtMatmulAlgoCheck first, and a split one adds its parts
 in a fixed order (in the compute type in the workspace, or in place in D where that is the
@@ -35,16 +40,19 @@ SPLITS = (4, 8, 16, 32)
 MIN_K_PER_SPLIT = 256      # a part shorter than this costs more in the reduction than it saves
 MAX_TILES = 64             # D's 128 x 128 tiles below which the GPU's 132 SMs sit mostly idle
 MIN_K = 2048
+HALF_MAX_TILES = 4         # bf16 / float16: results of at most this many tiles
 MAX_CANDIDATES = 160       # configurations timed per problem at most (the setup it costs)
 
 
 def wanted(spec) -> bool:
-    """Whether `spec` is a float32 GEMM deep and narrow enough for its other configurations
-    to be worth timing. Accumulating GEMMs are never autotuned (repeated calls would change
-    D)."""
+    """Whether `spec` is a GEMM deep and narrow enough for its other configurations to be
+    worth timing: float32 up to MAX_TILES tiles, 16-bit operands up to HALF_MAX_TILES.
+    Accumulating GEMMs are never autotuned (repeated calls would change D)."""
     tiles = math.ceil(spec.m / 128) * math.ceil(spec.n / 128)
-    return (spec.dtype == "float32" and spec.batch == 1 and not spec.accumulate
-            and tiles <= MAX_TILES and spec.k >= MIN_K)
+    limit = {"float32": MAX_TILES, "bfloat16": HALF_MAX_TILES,
+             "float16": HALF_MAX_TILES}.get(spec.dtype, 0)
+    return (spec.batch == 1 and not spec.accumulate and tiles <= limit
+            and spec.k >= MIN_K)
 
 
 def splits_for(k: int) -> tuple[int, ...]:
@@ -75,9 +83,13 @@ def configurations(lt, handle: int, p, types: tuple[int, int, int, int],
         except lt.cuBLASLtError:
             continue
         scheme = in_compute if len(schemes) and schemes[0] & in_compute else in_place
+        if scheme == in_place and p.spec.out_dtype != "float32":
+            split_schemes = (1,)      # 16-bit D: no parts added in 16 bits (gemm.py)
+        else:
+            split_schemes = splits if len(can_split) and can_split[0] else (1,)
         for tile in (tiles if len(tiles) else [0]):
             for stage in (stages if len(stages) else [0]):
-                for split in (splits if len(can_split) and can_split[0] else (1,)):
+                for split in split_schemes:
                     row = np.zeros(1, dtype=p.heuristic.dtype)
                     row.view(np.uint8)[offset:offset + algo.nbytes] = algo.view(np.uint8)
                     where = row.ctypes.data + offset
