@@ -163,9 +163,9 @@ __global__ void reduce_sum_strided_kernel(const T* x, T* y, int n,
     }
 }
 
-// Whether T is a 16-bit storage (bf16 bits or float16): results rounded to 8 or 11 bits.
-template <typename T> struct is_16bit { static constexpr bool value = true; };
-template <> struct is_16bit<float> { static constexpr bool value = false; };
+// Whether T is bf16's storage, whose results keep 8 bits of mantissa.
+template <typename T> struct is_bf16 { static constexpr bool value = false; };
+template <> struct is_bf16<unsigned short> { static constexpr bool value = true; };
 
 // dz = dy * act'(saved) (kind ACT_NONE: dz = dy) and db = dz summed over rows, in one pass.
 // The (32, 16) column layout of reduce_sum_columns_kernel, each thread owning VEC adjacent
@@ -173,9 +173,10 @@ template <> struct is_16bit<float> { static constexpr bool value = false; };
 // bf16 input needs to approach the memory bandwidth (a warp's row segment is 64 bytes with one
 // element a thread). Each column's sum keeps its order whatever VEC. In bf16, db sums the float32
 // dz before dz is rounded for its store (the numpy emulation's order: dz.sum(0) of the float32
-// dz, both rounded when the node finishes). In 16 bits gelu_tanh's tanh is the hardware's
-// approximation (act_derivative<true>): with tanhf the gpt's (16384, 1536) bf16 call took 81
-// µs against 63 for relu's, its instructions and not its bytes the bound (H200).
+// dz, both rounded when the node finishes). In bf16 gelu_tanh's tanh is the hardware's
+// approximation (act_derivative<true>, an eighth of a bf16 ulp): with tanhf the gpt's (16384,
+// 1536) call took 81 µs against 63 for relu's, its instructions and not its bytes the bound
+// (H200). float16's 11 bits keep tanhf.
 template <typename T, int VEC>
 __global__ void __launch_bounds__(512)
 act_bias_backward_kernel(const T* dy, const T* saved, T* dz, T* db, double* partial, int rows,
@@ -201,7 +202,7 @@ act_bias_backward_kernel(const T* dy, const T* saved, T* dz, T* db, double* part
                 else x[0] = load_as_float(saved, i);
 #pragma unroll
                 for (int j = 0; j < VEC; ++j)
-                    v[j] = __fmul_rn(d[j], act_derivative<is_16bit<T>::value>(x[j], kind,
+                    v[j] = __fmul_rn(d[j], act_derivative<is_bf16<T>::value>(x[j], kind,
                                                                               slope));
             }
             if constexpr (VEC == 4) store4_from_float(dz, i, v);

@@ -47,7 +47,7 @@ __device__ __forceinline__ float act_value(float z, int kind, float slope) {
 }
 
 // tanh(x) from the hardware's approximation (one MUFU.TANH; relative error below 2^-10.9, an
-// eighth of a bf16 ulp), for kernels whose results are rounded to 16 bits anyway.
+// eighth of a bf16 ulp), for kernels whose results are rounded to bf16 anyway.
 __device__ __forceinline__ float tanh_approx(float x) {
     float y;
     asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -55,7 +55,7 @@ __device__ __forceinline__ float tanh_approx(float x) {
 }
 
 // d act / d z from `saved`: the output y for relu/sigmoid/tanh, the input z for the others.
-// FAST_TANH: gelu_tanh's tanh by tanh_approx (act_bias_grad's 16-bit kernels, whose GELU
+// FAST_TANH: gelu_tanh's tanh by tanh_approx (act_bias_grad's bf16 kernel, whose GELU
 // gradient was bound by the instructions of tanhf: reduce.cu).
 template <bool FAST_TANH = false>
 __device__ __forceinline__ float act_derivative(float s, int kind, float slope) {
