@@ -109,8 +109,7 @@ def test_dropout_and_its_grad_match_the_numpy_bits(backend, ctx, shape, per_chan
 
 
 @pytest.mark.parametrize("kind", ["relu", "gelu", "gelu_tanh", "none"])
-@pytest.mark.parametrize("rows,cols", [(64, 40), (3000, 24), (5, 1), (1024, 1536), (300, 30),
-                                       (96, 12)])
+@pytest.mark.parametrize("rows,cols", [(64, 40), (3000, 24), (5, 1), (1024, 1536), (300, 30)])
 def test_act_bias_grad(backend, ctx, kind, rows, cols, request):
     """Four columns a thread where cols % 4 == 0 (the GPT's (B * T, 1536) among them, its rows
     split over blocks), one where not."""
