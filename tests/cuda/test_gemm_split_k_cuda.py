@@ -78,6 +78,95 @@ def test_every_configuration_computes_the_product(backend, precision):
             f"configuration {i}: {rel_err(got, want):.2e}"
 
 
+def test_the_autotuner_times_them_and_keeps_a_correct_choice(backend, monkeypatch):
+    monkeypatch.setenv("STEPGRAPH_DISK_CACHE", "0")       # time here, not a stored choice
+    ctx, a, b, c, want, p = planned(backend, 2)
+    assert not p.tuned
+    offered = len(p.heuristic)
+    gemm.matmul(ctx, a, b, c, trans_a=True)             # plans nothing new: tunes p
+    ctx.stream.synchronize()
+    assert p.tuned and len(p.heuristic) > offered, "no configuration joined the candidates"
+    assert rel_err(cp.asnumpy(c), want) < TOL["fp32"]
+
+
+def test_inside_a_timing_it_cannot_win_its_search_is_cut_short(backend, monkeypatch):
+    """A conv's GEMM path timed after a kernel already faster (autotune.enclosing_cut): every
+    configuration gets that cut, the first included. Where all of them are past it (here the
+    timing says so, as graph.time_on_device does for a candidate past its cut: an eager
+    figure), nothing is captured, the product is still right, and the first call outside
+    such a timing tunes in full, on the device."""
+    from stepgraph.backends.cuda.runtime import autotune, graph
+
+    monkeypatch.setenv("STEPGRAPH_DISK_CACHE", "0")
+    real, cuts, timed_in_full = graph.time_on_device, [], []
+
+    def past_every_cut(ctx, run, repeats=5, give_up_above=None):
+        cuts.append(give_up_above)
+        return graph.EagerMs(1.0)
+
+    def recording(*args, **kwargs):
+        ms = real(*args, **kwargs)
+        timed_in_full.append(not isinstance(ms, graph.EagerMs))
+        return ms
+
+    ctx, a, b, c, want, p = planned(backend, 3, m=136)
+    monkeypatch.setattr(graph, "time_on_device", past_every_cut)
+    monkeypatch.setattr(autotune._enclosing, "cut", 1e-3, raising=False)
+    gemm.matmul(ctx, a, b, c, trans_a=True)
+    ctx.stream.synchronize()
+    assert len(cuts) > 1 and all(cut == 1e-3 for cut in cuts)
+    assert p.tuned and p.cut_short
+    assert rel_err(cp.asnumpy(c), want) < TOL["fp32"]
+    calls = len(cuts)
+    gemm.matmul(ctx, a, b, c, trans_a=True)         # within the same timing: no new search
+    assert len(cuts) == calls
+    monkeypatch.setattr(graph, "time_on_device", recording)
+    monkeypatch.setattr(autotune._enclosing, "cut", None)
+    with ctx.stream:
+        c.fill(np.nan)
+    gemm.matmul(ctx, a, b, c, trans_a=True)
+    ctx.stream.synchronize()
+    assert len(cuts) == calls and p.tuned and not p.cut_short and any(timed_in_full)
+    assert rel_err(cp.asnumpy(c), want) < TOL["fp32"]
+
+
+def test_a_light_search_keeps_to_the_heuristic_and_a_later_call_searches_in_full(
+        backend, monkeypatch):
+    """A conv's GEMM path timed the first time (autotune.light_search): only the heuristic's
+    candidates are timed; the first call outside that timing joins the split-K
+    configurations and times them; the one after searches nothing."""
+    from stepgraph.backends.cuda.runtime import autotune, graph
+
+    monkeypatch.setenv("STEPGRAPH_DISK_CACHE", "0")
+    real, timings = graph.time_on_device, []
+
+    def counted(*args, **kwargs):
+        timings.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(graph, "time_on_device", counted)
+    ctx, a, b, c, want, p = planned(backend, 4, m=152)
+    offered = len(p.heuristic)
+    monkeypatch.setattr(autotune._enclosing, "light", True, raising=False)
+    gemm.matmul(ctx, a, b, c, trans_a=True)
+    ctx.stream.synchronize()
+    assert p.tuned and p.light and not p.extended and len(p.heuristic) == offered
+    assert 0 < len(timings) <= offered
+    assert rel_err(cp.asnumpy(c), want) < TOL["fp32"]
+    monkeypatch.setattr(autotune._enclosing, "light", False)
+    timings.clear()
+    with ctx.stream:
+        c.fill(np.nan)
+    gemm.matmul(ctx, a, b, c, trans_a=True)
+    ctx.stream.synchronize()
+    assert p.tuned and not p.light and p.extended and len(p.heuristic) > offered
+    assert len(timings) > offered
+    assert rel_err(cp.asnumpy(c), want) < TOL["fp32"]
+    timings.clear()
+    gemm.matmul(ctx, a, b, c, trans_a=True)
+    assert timings == []
+
+
 def test_a_bf16_narrow_products_splits_add_their_parts_in_float32(backend):
     """A tied LM head's weight gradient at bf16 (dw (65, 384) over 16384 tokens): cuBLASLt
     accepts split configurations beyond its heuristic's, and each adds its parts in float32,
