@@ -66,8 +66,7 @@ reduce_sum_columns_kernel(const T* x, T* y, double* partial, int rows, int cols)
     if (col < cols)
         for (int r = r0 + threadIdx.y; r < r1; r += COLUMN_ROWS) {
             float v[VEC];
-            if constexpr (VEC == 4) load4_as_float(x, (long long)r * cols + col, v);
-            else v[0] = load_as_float(x, (long long)r * cols + col);
+            loadv_as_float<VEC>(x, (long long)r * cols + col, v);
 #pragma unroll
             for (int j = 0; j < VEC; ++j) acc[j] += v[j];
         }
@@ -191,22 +190,19 @@ act_bias_backward_kernel(const T* dy, const T* saved, T* dz, T* db, double* part
         for (int r = r0 + threadIdx.y; r < r1; r += COLUMN_ROWS) {
             const long long i = (long long)r * cols + col;
             float d[VEC], v[VEC];
-            if constexpr (VEC == 4) load4_as_float(dy, i, d);
-            else d[0] = load_as_float(dy, i);
+            loadv_as_float<VEC>(dy, i, d);
             if (kind == ACT_NONE) {
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) v[j] = d[j];
             } else {
                 float x[VEC];
-                if constexpr (VEC == 4) load4_as_float(saved, i, x);
-                else x[0] = load_as_float(saved, i);
+                loadv_as_float<VEC>(saved, i, x);
 #pragma unroll
                 for (int j = 0; j < VEC; ++j)
                     v[j] = __fmul_rn(d[j], act_derivative<is_bf16<T>::value>(x[j], kind,
                                                                               slope));
             }
-            if constexpr (VEC == 4) store4_from_float(dz, i, v);
-            else store_from_float(dz, i, v[0]);
+            storev_from_float<VEC>(dz, i, v);
 #pragma unroll
             for (int j = 0; j < VEC; ++j) acc[j] += v[j];
         }

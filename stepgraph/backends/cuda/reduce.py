@@ -77,12 +77,17 @@ def _launch_columns(ctx, node: Node, name: str, rows: int, cols: int, out, array
                 (partial, out, np.int32(cols * batches), np.int32(splits)))
 
 
+def _column_vec(cols: int, *arrays) -> int:
+    """Columns a thread of a column kernel owns: four where rows stay aligned to four
+    elements (reduce.cu), else one."""
+    return 4 if cols % 4 == 0 and _aligned(*arrays, to=4 * arrays[0].itemsize) else 1
+
+
 def reduce_sum_columns(ctx, node: Node, x, y, rows: int, cols: int, batches: int = 1) -> None:
-    """y (batches, cols) = x viewed as (batches, rows, cols) summed over rows; four columns a
-    thread where rows stay aligned to four elements (reduce.cu)."""
-    vec = 4 if cols % 4 == 0 and _aligned(x, to=4 * x.itemsize) else 1
+    """y (batches, cols) = x viewed as (batches, rows, cols) summed over rows; several
+    columns a thread where rows allow (_column_vec)."""
     _launch_columns(ctx, node, "reduce_sum_columns_kernel", rows, cols, y, (x, y),
-                    (np.int32(rows), np.int32(cols)), vec, batches)
+                    (np.int32(rows), np.int32(cols)), _column_vec(cols, x), batches)
 
 
 def reduce_sum_planes(ctx, node: Node, x, y, outer: int, mid: int, inner: int) -> None:
@@ -228,12 +233,10 @@ def act_bias_backward(ctx, node: Node, dy, saved, dz, db, kind: str,
     _check("act_bias_grad db", db, dy.dtype, (dy.shape[1],))
     _check_int32("act_bias_grad", dy.size)
     rows, cols = dy.shape
-    # four columns a thread where rows stay aligned to four elements (reduce.cu)
-    vec = 4 if cols % 4 == 0 and _aligned(dy, saved, dz, to=4 * dy.itemsize) else 1
     if cols:
         _launch_columns(ctx, node, "act_bias_backward_kernel", rows, cols, db,
                         (dy, saved, dz, db), (np.int32(rows), np.int32(cols), np.int32(code),
-                                              np.float32(slope)), vec)
+                                              np.float32(slope)), _column_vec(cols, dy, saved, dz))
 
 
 def _build_norm_tables(tensors) -> dict:
