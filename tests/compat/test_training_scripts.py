@@ -4,10 +4,17 @@ pointed at stepgraph, against the same scripts on torch.
 Each script starts from one set of initial weights: the torch run writes them with torch.save,
 the stepgraph run loads them with torch.load. The numbers each prints (training losses, test
 losses, accuracies) are judged by the tolerance policy: torch float64 (the same script under
-torch.set_default_dtype(float64), data in float64) is the reference, and stepgraph's printed
-value may be at most FACTOR times farther from it than torch float32's, plus one unit of
-the last printed digit (the scripts print 6 decimals: two values within float32's error may
-round to neighbouring digits).
+torch.set_default_dtype(float64), data in float64) is the reference, and each loss stepgraph
+prints may be at most FACTOR times farther from it than torch float32's largest distance over
+all the losses the run prints (training and evaluation, in order), plus one unit of the last
+printed digit (the scripts print 6 decimals: two values within float32's error may round to
+neighbouring digits). The largest over the run, as the trajectory tests judge their losses: a
+run that has drifted from float64 stays drifted, by an amount that grows and shrinks from step
+to step, so torch's distance at one printed loss can land near 0 by luck. Measured on the
+float16 script, 12 seeds (data, initial weights) x (half, autocast) x (the CPU libraries' AVX-512 kernels, their
+AVX2 kernels): judged loss by loss, 23 of the 48 runs failed (as one CI run did: torch 2.7e-5
+from float64 at its fourth training loss, stepgraph 6.0e-4); judged per kind (training, test),
+6; over the run, none, stepgraph's largest distance at most 3.7x torch's (median 1.0x).
 """
 from __future__ import annotations
 
@@ -67,8 +74,10 @@ def numbers(text: str, pattern: str) -> np.ndarray:
 
 
 def judge(ours: np.ndarray, ref64: np.ndarray, ref32: np.ndarray, what: str) -> None:
+    """Each printed number of a run against the reference's: within FACTOR x torch float32's
+    largest distance from float64 over the run, plus PRINTED (module docstring)."""
     assert len(ours) == len(ref64) == len(ref32) > 0, what
-    bound = FACTOR * np.abs(ref32 - ref64) + PRINTED
+    bound = FACTOR * np.abs(ref32 - ref64).max() + PRINTED
     far = np.abs(ours - ref64) > bound
     assert not far.any(), (f"{what}: stepgraph {ours[far]} vs torch float64 {ref64[far]} "
                            f"(torch float32 {ref32[far]})")
@@ -94,9 +103,8 @@ def test_classic_mnist_script_prints_torchs_numbers(tmp_path):
             "--save-model", "final.pt"]
     t32, t64, ours = three_runs("mnist_classic", tmp_path, argv + ["--data", "mnist.npz"],
                                 argv + ["--data", "mnist64.npz"])
-    for what, pattern in (("training losses", r"Loss: ([0-9.]+)"),
-                          ("test losses", r"Average loss: ([0-9.]+)")):
-        judge(numbers(ours, pattern), numbers(t64, pattern), numbers(t32, pattern), what)
+    losses = r"[Ll]oss: ([0-9.]+)"          # training, then each epoch's test loss
+    judge(numbers(ours, losses), numbers(t64, losses), numbers(t32, losses), "losses")
     accuracy = r"Accuracy: (\d+)/"
     np.testing.assert_array_equal(numbers(ours, accuracy), numbers(t32, accuracy))
     # the weights stepgraph saved load in torch, and trained (they moved from the start)
@@ -111,10 +119,8 @@ def test_nanogpt_style_script_prints_torchs_numbers(tmp_path):
     np.save(tmp_path / "tokens.npy", gen.integers(0, 64, 4000).astype(np.uint16))
     argv = ["--init_weights=init.pt", "--device=cpu"]
     t32, t64, ours = three_runs("nanogpt_train", tmp_path, argv, siblings=("gpt",))
-    for what, pattern in (("training losses", r"iter \d+: loss ([0-9.]+)"),
-                          ("train estimates", r"train loss ([0-9.]+)"),
-                          ("val estimates", r"val loss ([0-9.]+)")):
-        judge(numbers(ours, pattern), numbers(t64, pattern), numbers(t32, pattern), what)
+    losses = r"loss ([0-9.]+)"              # each iteration's, and the train / val estimates
+    judge(numbers(ours, losses), numbers(t64, losses), numbers(t32, losses), "losses")
     assert numbers(ours, r"lr ([0-9.e+-]+)").tolist() == numbers(t32, r"lr ([0-9.e+-]+)").tolist()
     checkpoint = torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)
     assert checkpoint["iter_num"] == 9
@@ -134,9 +140,8 @@ def test_half_convnet_script_prints_torchs_float16_numbers(tmp_path):
         t16, t64, ours = three_runs("half_convnet", tmp_path,
                                     argv + ["--data", "images.npz", "--dtype", dtype],
                                     argv + ["--data", "images64.npz", "--dtype", "default"])
-        for what, pattern in (("training losses", r"loss ([0-9.]+)\n"),
-                              ("test losses", r"test loss ([0-9.]+)")):
-            judge(numbers(ours, pattern), numbers(t64, pattern), numbers(t16, pattern),
-                  f"{dtype}: {what}")
+        losses = r"loss ([0-9.]+)"          # each step's, and each epoch's test loss
+        judge(numbers(ours, losses), numbers(t64, losses), numbers(t16, losses),
+              f"{dtype}: losses")
         scale = r"scale ([0-9.]+)"
         assert numbers(ours, scale).tolist() == numbers(t16, scale).tolist()

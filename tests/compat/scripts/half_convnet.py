@@ -4,7 +4,7 @@ BatchNorms turned back to float, SGD with Nesterov momentum and two parameter gr
 label-smoothing cross-entropy summed over the batch, and an evaluation pass under no_grad.
 --dtype autocast trains float32 weights under torch.autocast(float16) with a GradScaler
 instead; --dtype default keeps the default dtype (the float64 reference run). Images come
-from an .npz file (x: N x 3 x H x W, y: N int64)."""
+from an .npz file (x: N x 3 x H x W, y: N int64); --seed seeds the initial weights."""
 import argparse
 import os
 
@@ -72,7 +72,9 @@ def main():
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.2)
     parser.add_argument("--label-smoothing", type=float, default=0.2)
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    torch.manual_seed(args.seed)
 
     data = np.load(args.data)
     x, y = torch.from_numpy(data["x"]), torch.from_numpy(data["y"])
