@@ -19,12 +19,12 @@ At torch's default eps (1e-8) that slope is 1e5; among the 262,144 elements of a
 weight, an L2-decayed d = g + wd * p lands within 1e-9 of zero by chance (measured:
 mlp-adam-weight-decay's 3.weight[172, 382]), where float32's rounding of d (~1e-11) decides
 the update, and the error spreads to the tensors that element feeds. One such element then
-holds both runs' largest error, and the ratio of two roundings has a heavy tail: 0.bias ended
-4.5x torch float32's error from float64 with the CPU libraries' AVX-512 kernels, 2.4x with
-their AVX2 kernels; at eps 1e-6, cnn-adamw's 8.weight 3.6x (AVX2). So the Adam runs here use
-eps = ADAM_EPS = 1e-4 (slope 10), where the bulk of the elements, not one, sets the largest
-error: measured, every tensor of the mlp and cnn runs with Adam and AdamW within 1.6x of
-torch's error, with either kind of kernel.
+holds both runs' largest error, and the ratio of two roundings has a heavy tail: over the mlp
+and cnn runs with Adam and AdamW, stepgraph's largest error was up to 4.5x torch float32's with
+the CPU libraries' AVX-512 kernels, 3.7x with their AVX2 kernels (OPENBLAS_CORETYPE=Haswell,
+DNNL_MAX_CPU_ISA=AVX2, ATEN_CPU_CAPABILITY=avx2, MKL_ENABLE_INSTRUCTIONS=AVX2), and still 3.6x
+at eps 1e-6. So the Adam runs here use eps = ADAM_EPS = 1e-4 (slope 10), where the bulk of the
+elements, not one, sets the largest error: at most 1.6x torch's, with either kind of kernel.
 """
 from __future__ import annotations
 
