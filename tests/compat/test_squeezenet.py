@@ -3,17 +3,19 @@
 that used to appear at some input sizes and batches, measured.
 
 The cause: its three MaxPool2d(3, 2, ceil_mode=True) sit on ReLU outputs, and now and then the
-two largest elements of a window are closer in float64 than float32 resolves (about one batch
-in three here: some 10^6 pairs of window elements). Each float32 computation then decides the
-window by its own rounding: float64 sends the window's gradient to the larger element, torch
-float32 to whichever its rounding makes larger (the first in window order where they round
-equal), and stepgraph, while ceil_mode took a composed max of selections, split it evenly
-where its float32 values rounded equal. The update then differs from float64's by all or half
-of that window's gradient (here torch float32 by all, 5e-3 of expand3x3's change, where
-stepgraph was at half; in the issue's report the other way round, 100x torch's error). Neither
-is wrong by float32's standard, but stepgraph now pools ceil_mode windows with the maxpool2d
-op (the partial windows padded with -inf), whose gradient goes to the first maximum as
-torch's: measured here, the same update as torch float32."""
+two largest elements of a window are closer in float64 than float32 resolves. Each float32
+computation then decides the window by its own rounding, and the window's whole gradient goes
+to one element or the other: the update differs from float64's by all of it (5e-3 of
+expand3x3's change, where torch float32's error is otherwise 100x smaller). Neither decision
+is wrong by float32's standard, and which way a run goes depends on the CPU's kernels: of 12
+batches, torch float32 decided a window otherwise than float64 in 2 with the CPU libraries'
+AVX-512 kernels and in none with their AVX2 kernels, and stepgraph, whose convolutions round
+otherwise, need not follow torch there. So the step test draws its batch away from near-ties,
+as the trajectory tests draw theirs away from kinks, and the tie rule itself (the gradient to
+the first maximum in window order, as torch's) is tested on exact ties, which every rounding
+keeps. (stepgraph once split a tied window's gradient evenly, while ceil_mode took a composed
+max of selections; it now pools ceil_mode windows with the maxpool2d op, the partial windows
+padded with -inf.)"""
 from __future__ import annotations
 
 import numpy as np
@@ -22,15 +24,26 @@ import torch.nn.functional as TF
 
 import stepgraph as sg
 from stepgraph import optim
+from stepgraph.nn import functional as F
 from tests.compat import loader
+from tests.ops.test_norm_pool_ops import check_against_torch, with_target
+from tests.reference import assert_state_changes_close
 
-SIZE, BATCH, CLASSES, LR, SEED = 64, 4, 10, 1.0, 3   # a batch with a float32 tie (below)
+SIZE, BATCH, CLASSES, LR, SEED = 64, 4, 10, 1.0, 3
+BATCHES = 12             # the cause test's batches
+NEAR_TIE = 1e-5          # a window's two largest values this close, relative: 100x float32's
+                         # resolution, so float32 and float64 may order them otherwise
 
 
-def _batch():
-    gen = np.random.default_rng(SIZE + 1000 * SEED)
+def _batch(seed: int = SEED):
+    gen = np.random.default_rng(SIZE + 1000 * seed)
     x = gen.standard_normal((BATCH, 3, SIZE, SIZE)).astype(np.float32)
-    return x, gen.integers(0, CLASSES, BATCH)
+    return x, gen.integers(0, CLASSES, BATCH), gen
+
+
+def _model(tv, dtype=torch.float32):
+    torch.manual_seed(0)
+    return tv.SqueezeNet("1_0", CLASSES, dropout=0.0).to(dtype)
 
 
 def _pool_inputs(model, x):
@@ -38,7 +51,8 @@ def _pool_inputs(model, x):
     seen = []
     hooks = [m.register_forward_hook(lambda m, i, o: seen.append(i[0].detach()))
              for m in model.features if isinstance(m, torch.nn.MaxPool2d)]
-    model(x)
+    with torch.no_grad():
+        model(x)
     for h in hooks:
         h.remove()
     return seen
@@ -52,52 +66,74 @@ def _window_tops(x):
     return windows.topk(2, dim=-1)
 
 
+def _near_ties(pool_inputs) -> torch.Tensor:
+    """Per sample, how many windows hold two largest (positive) values within NEAR_TIE."""
+    count = 0
+    for x in pool_inputs:
+        top = _window_tops(x).values
+        gap = (top[..., 0] - top[..., 1]) / top[..., 0]
+        count = count + ((top[..., 0] > 0) & (gap < NEAR_TIE)).flatten(1).sum(dim=1)
+    return count
+
+
 def test_near_ties_in_max_pool_windows_are_the_cause():
+    """Over BATCHES batches: every window torch float32 decides otherwise than float64 has its
+    two largest float64 values closer than float32 resolves, and windows that close, which a
+    float32 rounding may decide either way, occur (how many decide otherwise depends on the
+    CPU's kernels: module docstring)."""
     tv = loader.load("squeezenet", "torch")
-    torch.manual_seed(0)
-    model = tv.SqueezeNet("1_0", CLASSES, dropout=0.0)
-    x, _ = _batch()
-    f32 = _pool_inputs(model, torch.tensor(x))
-    f64 = _pool_inputs(model.double(), torch.tensor(x, dtype=torch.float64))
-    flipped = []
-    for a, b in zip(f32, f64):
-        (top, where), (top64, where64) = _window_tops(a), _window_tops(b)
-        moved = (where[..., 0] != where64[..., 0]) & (top64[..., 0] > 0)
-        # the windows float32 decides otherwise: their two largest float64 values closer
-        # than float32 resolves
-        gap = (top64[..., 0] - top64[..., 1])[moved] / top64[..., 0][moved]
-        flipped += gap.tolist()
-    assert len(flipped) >= 1 and max(flipped) < 1e-6, flipped
+    model, model64 = _model(tv), _model(tv, torch.float64)
+    flipped, near = [], 0
+    for seed in range(BATCHES):
+        x, _, _ = _batch(seed)
+        f32 = _pool_inputs(model, torch.tensor(x))
+        f64 = _pool_inputs(model64, torch.tensor(x, dtype=torch.float64))
+        near += int(_near_ties(f32).sum())
+        for a, b in zip(f32, f64):
+            (top, where), (top64, where64) = _window_tops(a), _window_tops(b)
+            moved = (where[..., 0] != where64[..., 0]) & (top64[..., 0] > 0)
+            gap = (top64[..., 0] - top64[..., 1])[moved] / top64[..., 0][moved]
+            flipped += gap.tolist()
+    assert near >= BATCHES, f"only {near} near-tie windows in {BATCHES} batches"
+    assert all(gap < 1e-6 for gap in flipped), flipped
 
 
 def test_one_sgd_step_as_torch_float32_against_float64():
+    """One SGD step on a batch drawn away from near-ties (samples with a near-tie window in
+    torch float32's forward are drawn again), judged by the tolerance policy."""
     tv, ours = loader.load("squeezenet", "torch"), loader.load("squeezenet", "stepgraph")
-    torch.manual_seed(0)
-    start = {k: v.detach().clone() for k, v in
-             tv.SqueezeNet("1_0", CLASSES, dropout=0.0).state_dict().items()}
-    x, y = _batch()
-    change = {}
+    start = {k: v.detach().clone() for k, v in _model(tv).state_dict().items()}
+    x, y, gen = _batch()
+    probe = _model(tv)
+    while (near := _near_ties(_pool_inputs(probe, torch.tensor(x))) > 0).any():
+        x[near.numpy()] = gen.standard_normal((int(near.sum()), 3, SIZE, SIZE))
+    after = {}
     for dtype in (torch.float64, torch.float32):
-        model = tv.SqueezeNet("1_0", CLASSES, dropout=0.0).to(dtype)
+        model = _model(tv, dtype)
         model.load_state_dict(start)
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         TF.cross_entropy(model(torch.tensor(x, dtype=dtype)), torch.tensor(y)).backward()
         opt.step()
-        change[dtype] = {k: v.detach().double().numpy() - start[k].double().numpy()
-                         for k, v in model.state_dict().items()}
+        after[dtype] = {k: v.detach().double().numpy() for k, v in model.state_dict().items()}
     model = ours.SqueezeNet("1_0", CLASSES, dropout=0.0)
     model.load_state_dict({k: v.numpy() for k, v in start.items()})
     before = {k: v.astype(np.float64) for k, v in model.state_dict().items()}
     step = sg.compile_train_step(model, sg.nn.functional.cross_entropy,
                                  optim.SGD(model.parameters(), lr=LR), (x, y))
     step(x, y)
-    for k, want in change[torch.float64].items():
-        got = model.state_dict()[k].astype(np.float64) - before[k]
-        ours_err = np.linalg.norm(got - want) / np.linalg.norm(want)
-        torch_err = np.linalg.norm(change[torch.float32][k] - want) / np.linalg.norm(want)
-        # torch float32's own error (up to 5e-3 here, at the near-tie) within 10%, or a
-        # rounding; and the window decided as torch float32 decides it (the split gradient
-        # of the composed max was 2.7e-3 from torch's update in expand3x3.weight)
-        assert ours_err <= 1.1 * torch_err + 2e-6, (k, ours_err, torch_err)
-        apart = np.linalg.norm(got - change[torch.float32][k]) / np.linalg.norm(want)
-        assert apart <= 1e-4, (k, apart)
+    assert_state_changes_close(before, model.state_dict(), after[torch.float64],
+                               after[torch.float32])
+
+
+def test_exact_ties_in_ceil_mode_windows_go_to_the_first_maximum():
+    """SqueezeNet's ReLU + MaxPool2d(3, 2, ceil_mode=True) on values from a coarse grid:
+    windows (the partial last ones too: 14 = 2 * 6 + 2) hold exact ties, which every rounding
+    keeps, and the gradient must go to the first maximum in window order, as torch's."""
+    gen = np.random.default_rng(0)
+    x = (gen.integers(-2, 3, (2, 3, 14, 14)) / 2).astype(np.float32)
+
+    def torch_fn(x):
+        return TF.max_pool2d(TF.relu(x), 3, 2, ceil_mode=True)
+
+    check_against_torch(lambda t, i: F.max_pool2d(F.relu(i["x"]), 3, 2, ceil_mode=True),
+                        torch_fn, with_target({"x": x}, torch_fn, gen), ("x",), False, 1e-6)

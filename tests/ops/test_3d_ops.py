@@ -21,6 +21,7 @@ from stepgraph.nn import functional as F
 from tests.ops.helpers import (assert_close, forward_and_grads, randn, relative_error,
                                seeded, torch_forward_and_grads, trace_inputs)
 from tests.ops.test_norm_pool_ops import fd_check
+from tests.reference import assert_changes_close
 
 FUSED = pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 # float32 vs torch float64: at most this many times torch float32's own error, with a floor of
@@ -335,6 +336,14 @@ def test_3d_cnn_trains_three_steps_like_torch():
     for k, before in start.items():
         if k.endswith("num_batches_tracked"):
             assert int(after[k]) == int(exact[k]) == 3
+            continue
+        if k == "4.bias":
+            # a convolution's bias before a training-mode BatchNorm: its true gradient is 0,
+            # so its change is float32 rounding alone (one ulp of the value or none; torch
+            # float32's is 0 or one ulp with the CPU's kernels), judged at one rounding of
+            # its values by the tolerance policy's judge
+            assert_changes_close(before, after[k], exact[k], f32[k], k, moves=None,
+                                 value_floor=True)
             continue
         change, want = after[k] - before, exact[k] - before
         assert np.abs(want).max() > 0, k
