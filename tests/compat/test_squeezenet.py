@@ -5,8 +5,8 @@ that used to appear at some input sizes and batches, measured.
 The cause: its three MaxPool2d(3, 2, ceil_mode=True) sit on ReLU outputs, and now and then the
 two largest elements of a window are closer in float64 than float32 resolves. Each float32
 computation then decides the window by its own rounding, and the window's whole gradient goes
-to one element or the other: the update differs from float64's by all of it (5e-3 of
-expand3x3's change, where torch float32's error is otherwise 100x smaller). Neither decision
+to one element or the other: the update differs from float64's by all of it (measured: 5e-3
+of expand3x3's change). Neither decision
 is wrong by float32's standard, and which way a run goes depends on the CPU's kernels: of 12
 batches, torch float32 decided a window otherwise than float64 in 2 with the CPU libraries'
 AVX-512 kernels and in none with their AVX2 kernels, and stepgraph, whose convolutions round
@@ -90,7 +90,7 @@ def test_near_ties_in_max_pool_windows_are_the_cause():
         f64 = _pool_inputs(model64, torch.tensor(x, dtype=torch.float64))
         near += int(_near_ties(f32).sum())
         for a, b in zip(f32, f64):
-            (top, where), (top64, where64) = _window_tops(a), _window_tops(b)
+            (_, where), (top64, where64) = _window_tops(a), _window_tops(b)
             moved = (where[..., 0] != where64[..., 0]) & (top64[..., 0] > 0)
             gap = (top64[..., 0] - top64[..., 1])[moved] / top64[..., 0][moved]
             flipped += gap.tolist()

@@ -11,10 +11,11 @@ printed digit (the scripts print 6 decimals: two values within float32's error m
 neighbouring digits). The largest over the run, as the trajectory tests judge their losses: a
 run that has drifted from float64 stays drifted, by an amount that grows and shrinks from step
 to step, so torch's distance at one printed loss can land near 0 by luck. Measured on the
-float16 script, 12 seeds (data, initial weights) x (half, autocast) x (the CPU libraries' AVX-512 kernels, their
-AVX2 kernels): judged loss by loss, 23 of the 48 runs failed (as one CI run did: torch 2.7e-5
-from float64 at its fourth training loss, stepgraph 6.0e-4); judged per kind (training, test),
-6; over the run, none, stepgraph's largest distance at most 3.7x torch's (median 1.0x).
+float16 script, 12 seeds (data, initial weights) x (half, autocast) x (the CPU libraries'
+AVX-512 kernels, their AVX2 kernels): judged loss by loss, 23 of the 48 runs failed (as one CI
+run did: torch 2.7e-5 from float64 at its fourth training loss, stepgraph 6.0e-4); judged per
+kind (training, test), 6; over the run, none, stepgraph's largest distance at most 3.7x
+torch's (median 1.0x).
 """
 from __future__ import annotations
 
