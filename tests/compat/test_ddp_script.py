@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.compat.test_training_scripts import SCRIPTS, judge, numbers, run_script
+from tests.compat.test_training_scripts import NUMBER, SCRIPTS, judge, numbers, run_script
 from tests.helpers import child_pythonpath
 from tests.reference import assert_state_changes_close
 
@@ -58,9 +58,8 @@ def check_ddp_script(tmp_path: Path, run_ours) -> None:
     t64 = run_script("ddp_train", "torch", argv + ["--out", "t64", "--data", "data64.npz"],
                      tmp_path, float64=True)
     ours = run_ours(str(SCRIPTS / "ddp_train.py"), *argv, "--out", "ours")
-    for what, pattern in (("training losses", r"step \d+ loss ([0-9.]+)"),
-                          ("test loss", r"test loss ([0-9.]+)")):
-        judge(numbers(ours, pattern), numbers(t64, pattern), numbers(t32, pattern), what)
+    losses = r"loss " + NUMBER                  # each step's, then the test loss
+    judge(numbers(ours, losses), numbers(t64, losses), numbers(t32, losses), "losses")
     assert len(numbers(ours, r"step \d+ loss ([0-9.]+)")) == 8          # rank 0 prints alone
     load = lambda name: {k: v.cpu().numpy() for k, v in torch.load(  # noqa: E731
         tmp_path / name, weights_only=True).items()}

@@ -71,13 +71,20 @@ def run_script(name: str, framework: str, argv: list[str], cwd: Path, float64=Fa
 
 
 def numbers(text: str, pattern: str) -> np.ndarray:
+    """Every match of pattern's group in text, as floats; a NUMBER group reads nan and inf
+    too, so that a run that printed them fails as non-finite, not as printing nothing."""
     return np.array([float(v) for v in re.findall(pattern, text)])
+
+
+NUMBER = r"([0-9.]+|nan|-?inf)"
 
 
 def judge(ours: np.ndarray, ref64: np.ndarray, ref32: np.ndarray, what: str) -> None:
     """Each printed number of a run against the reference's: within FACTOR x torch float32's
     largest distance from float64 over the run, plus PRINTED (module docstring)."""
     assert len(ours) == len(ref64) == len(ref32) > 0, what
+    for run, values in (("torch float64", ref64), ("torch", ref32), ("stepgraph", ours)):
+        assert np.isfinite(values).all(), f"{what}: {run} printed non-finite values {values}"
     bound = FACTOR * np.abs(ref32 - ref64).max() + PRINTED
     far = np.abs(ours - ref64) > bound
     assert not far.any(), (f"{what}: stepgraph {ours[far]} vs torch float64 {ref64[far]} "
@@ -104,7 +111,7 @@ def test_classic_mnist_script_prints_torchs_numbers(tmp_path):
             "--save-model", "final.pt"]
     t32, t64, ours = three_runs("mnist_classic", tmp_path, argv + ["--data", "mnist.npz"],
                                 argv + ["--data", "mnist64.npz"])
-    losses = r"[Ll]oss: ([0-9.]+)"          # training, then each epoch's test loss
+    losses = r"[Ll]oss: " + NUMBER          # training, then each epoch's test loss
     judge(numbers(ours, losses), numbers(t64, losses), numbers(t32, losses), "losses")
     accuracy = r"Accuracy: (\d+)/"
     np.testing.assert_array_equal(numbers(ours, accuracy), numbers(t32, accuracy))
@@ -120,7 +127,7 @@ def test_nanogpt_style_script_prints_torchs_numbers(tmp_path):
     np.save(tmp_path / "tokens.npy", gen.integers(0, 64, 4000).astype(np.uint16))
     argv = ["--init_weights=init.pt", "--device=cpu"]
     t32, t64, ours = three_runs("nanogpt_train", tmp_path, argv, siblings=("gpt",))
-    losses = r"loss ([0-9.]+)"              # each iteration's, and the train / val estimates
+    losses = r"loss " + NUMBER              # each iteration's, and the train / val estimates
     judge(numbers(ours, losses), numbers(t64, losses), numbers(t32, losses), "losses")
     assert numbers(ours, r"lr ([0-9.e+-]+)").tolist() == numbers(t32, r"lr ([0-9.e+-]+)").tolist()
     checkpoint = torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)
@@ -141,7 +148,7 @@ def test_half_convnet_script_prints_torchs_float16_numbers(tmp_path):
         t16, t64, ours = three_runs("half_convnet", tmp_path,
                                     argv + ["--data", "images.npz", "--dtype", dtype],
                                     argv + ["--data", "images64.npz", "--dtype", "default"])
-        losses = r"loss ([0-9.]+)"          # each step's, and each epoch's test loss
+        losses = r"loss " + NUMBER          # each step's, and each epoch's test loss
         judge(numbers(ours, losses), numbers(t64, losses), numbers(t16, losses),
               f"{dtype}: losses")
         scale = r"scale ([0-9.]+)"
