@@ -62,8 +62,8 @@ def _launch_columns(ctx, node: Node, name: str, rows: int, cols: int, out, array
     """A column kernel (rows summed per column into `out`), args = arrays, the partials,
     scalars; with row splits, then the in-order sum of the splits' partials. `name` is the
     template's name; its template arguments are out's element type and `vec` (columns per
-    thread), the splits kernel's out's element type. batches: that many (rows, cols) inputs
-    one after another, each summed into its own `cols` outputs (grid z)."""
+    thread). batches: that many (rows, cols) inputs one after another, each summed into its
+    own `cols` outputs (grid z)."""
     ctype = ELEMENT_CTYPES[out.dtype]
     column_blocks = -(-cols // (32 * vec))
     splits = _column_splits(rows, column_blocks * batches)
