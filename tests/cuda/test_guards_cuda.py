@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -231,14 +232,14 @@ def test_long_skip_run_equals_the_run_without_the_bad_batches():
 
 @pytest.mark.parametrize("name", ["mlp", "cnn"])
 def test_guard_cost_on_graph_steps(name):
-    """Replay time with guards ("raise") against without ("ignore"); the target is 3% (the
-    benchmark measures it); here only a loose bound, and the µs are printed. The two steps
-    are timed in alternating rounds and each keeps its best round, so a machine loaded by
-    other tests slows both alike (timed one after the other beside eleven other test
-    workers, the guarded mlp step once read 37% slower). The guard's kernels wait for their
-    turn on a GPU that eleven other test processes share: there the guarded cnn step read
-    17-25% slower in runs whose benchmark reads 3%, so the bound is 1.15x alone and only
-    a gross 1.5x among other pytest-xdist workers."""
+    """What a guard costs a graph step. The plan: guards ("raise") add the two guard kernels
+    in place of the step counter's, and nothing else. The time: the guarded replay against
+    the unguarded one ("ignore"), timed in alternating rounds, each keeping its best round; the
+    target is 3% (the benchmark measures it), the bound here a loose 1.15x. The time is
+    asserted only when the test has the GPU to itself: among other pytest-xdist workers the
+    guard's kernels wait for their turn on a GPU that the other processes share (the guarded
+    mlp step read 94% slower beside seven workers, the cnn step 17-25% beside eleven, in runs
+    whose benchmark reads 3%), so there only the µs are printed."""
     shape = (784,) if name == "mlp" else (1, 28, 28)
     gen = np.random.default_rng(0)
     x = cp.asarray(gen.standard_normal((128, *shape), dtype=np.float32))
@@ -252,6 +253,10 @@ def test_guard_cost_on_graph_steps(name):
                                               device="cuda", graph=True, on_bad_batch=policy)
         for _ in range(20):
             steps[policy](x, y)
+    ops = {policy: Counter(n.op for n in next(iter(step.executables.values())).plan.steps)
+           for policy, step in steps.items()}
+    assert ops["raise"] - ops["ignore"] == Counter(guard_check=1, guard_advance=1)
+    assert ops["ignore"] - ops["raise"] == Counter(advance_step=1)
     times = {policy: float("inf") for policy in steps}
     for _ in range(15):
         for policy, step in steps.items():
@@ -263,8 +268,8 @@ def test_guard_cost_on_graph_steps(name):
             times[policy] = min(times[policy], (time.perf_counter() - start) / 100 * 1e6)
     print(f"\n{name}: step {times['ignore']:.1f} µs without guards, {times['raise']:.1f} µs "
           f"with ({(times['raise'] / times['ignore'] - 1) * 100:+.1f}%)")
-    shared = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1
-    assert times["raise"] <= times["ignore"] * (1.5 if shared else 1.15) + 2.0
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) == 1:
+        assert times["raise"] <= times["ignore"] * 1.15 + 2.0
 
 
 @pytest.mark.parametrize("policy", ["skip", "raise"])
