@@ -6,6 +6,7 @@ candidate untimed. cuDNN is faked at its ranked plan lists (conv_cudnn._ranked),
 frontend or libcudnn is needed; the cache, the autotuner and the conv launchers are real."""
 from __future__ import annotations
 
+import time
 import types
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ from stepgraph import cache  # noqa: E402
 from stepgraph.backends.cuda.conv import (conv, conv_cudnn, cudnn_build_worker,  # noqa: E402
                                           cudnn_compiled)
 from stepgraph.backends.cuda.runtime import autotune  # noqa: E402
+from stepgraph.backends.cuda.runtime.worker_pool import Request  # noqa: E402
 from stepgraph.ir.graph import BF16, Node, Value  # noqa: E402
 
 IDENTITY = {"gpu": "Fake H100", "sm": "90", "driver": 13000, "cuda": 13000, "cudnn": 91000,
@@ -440,20 +442,29 @@ def test_a_runtime_compiled_plan_built_once_is_loaded_by_later_processes(fake, m
 
 
 class AnsweringPool:
-    """A build pool whose workers answer each request with `answer(request)`."""
+    """A build pool whose workers answer each request with `answer(request)`; an answer of
+    "hang" (taken up by a worker) or "queued" (taken up by none) never comes."""
 
     def __init__(self, answer):
-        self.answer, self.requests = answer, []
+        self.answer, self.requests, self.closed = answer, [], False
 
     def submit(self, request):
-        from concurrent.futures import Future
         self.requests.append(request)
-        future = Future()
+        future = Request()
         try:
-            future.set_result(self.answer(request))
+            answer = self.answer(request)
         except cudnn_compiled.WorkerError as err:
             future.set_exception(err)
+            return future
+        if answer == "hang":
+            future.set_running_or_notify_cancel()
+            future.taken_at, future.worker_pid = time.monotonic(), 4242
+        elif answer != "queued":
+            future.set_result(answer)
         return future
+
+    def close(self):
+        self.closed = True
 
 
 @pytest.mark.parametrize("answer", ["eng1", "eng3", "died"])
@@ -484,6 +495,35 @@ def test_plans_started_ahead_ask_the_build_workers_for_the_runtime_compiled_one(
     else:
         assert fake.loaded == [] and "eng1" in fake.built
     assert "eng3" not in fake.built                      # one compiled plan a problem
+
+
+@pytest.mark.parametrize("stall", ["hang", "queued"])
+def test_a_stalled_build_pool_is_closed_and_the_plans_built_here_with_one_warning(
+        fake, monkeypatch, stall):
+    """A worker that took the problem up and never answers (or a problem no worker takes
+    up) holds the build for BUILD_TIMEOUT_S (QUEUE_TIMEOUT_S), not longer: the plan is built
+    here, the pool closed, one warning names the switch, and later problems are not sent."""
+    fake.compiled = {"eng1"}
+    monkeypatch.setenv(cudnn_compiled.WORKERS_ENV, "2")
+    # the limit that applies is short, the other long: each stall must end by its own
+    monkeypatch.setattr(cudnn_compiled, "BUILD_TIMEOUT_S", 0.3 if stall == "hang" else 60.0)
+    monkeypatch.setattr(cudnn_compiled, "QUEUE_TIMEOUT_S", 0.3 if stall == "queued" else 60.0)
+    pool = AnsweringPool(lambda request: stall)
+    monkeypatch.setattr(cudnn_compiled, "WorkerPool", lambda module, size: pool)
+    ctx = fake_ctx()
+    grad_input(ctx, ahead=True)
+    start = time.monotonic()
+    with pytest.warns(RuntimeWarning, match=f"stalled.*{cudnn_compiled.WORKERS_ENV}=0") as seen:
+        grad_input(ctx)
+    waited = time.monotonic() - start
+    assert 0.3 <= waited < 5.0
+    assert len(seen) == 1 and ("worker 4242" in str(seen[0].message)) == (stall == "hang")
+    assert pool.closed and "eng1" in fake.built and fake.loaded == []
+    new_process(monkeypatch)
+    monkeypatch.setattr(cudnn_compiled, "_pool", pool)    # this process's closed pool
+    cudnn_compiled.prefetch(conv_cudnn.Problem("conv2d_grad_input", conv._geometry(X, W, ATTRS),
+                                               "float32", "fp32"), "another")
+    assert len(pool.requests) == 1
 
 
 def test_a_build_worker_builds_the_first_runtime_compiled_plan_or_the_one_asked(fake,

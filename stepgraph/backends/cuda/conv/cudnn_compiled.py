@@ -22,24 +22,31 @@ loaded; cuDNN promises no compatibility of serialized plans beyond that.
 build_workers() sizes the pool: half the CPU cores (shared among the ranks of a node), at most
 8, and none below 2, where a worker's start (its imports and CUDA context, seconds) costs
 more than it saves; $STEPGRAPH_CUDNN_BUILD_WORKERS overrides it (0: every build here).
+
+A build takes 0.2-2 s, so a worker that has not answered BUILD_TIMEOUT_S after taking a
+problem up, or a problem no worker has taken up in QUEUE_TIMEOUT_S, is taken as a stall:
+the pool is closed (its processes killed), that plan and every later one are built in this
+process, and one warning says so, rather than the first step waiting minutes in silence.
 """
 from __future__ import annotations
 
 import base64
 import os
 import threading
-from concurrent.futures import Future
+import warnings
+from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from typing import Any
 
 from ..runtime import ahead, autotune
-from ..runtime.worker_pool import WorkerError, WorkerPool
+from ..runtime.worker_pool import Request, WorkerError, WorkerPool
 
 NAMESPACE = "cudnn_compiled"
 WORKERS_ENV = "STEPGRAPH_CUDNN_BUILD_WORKERS"
 MAX_BUILD_WORKERS = 8
 WORKER_MODULE = "stepgraph.backends.cuda.conv.cudnn_build_worker"
-WORKER_TIMEOUT_S = 300.0        # a worker's answer waited for at most this long
+BUILD_TIMEOUT_S = 60.0          # a worker's answer, waited for at most this long after it
+QUEUE_TIMEOUT_S = 300.0         # took the problem up; a problem not yet taken up, this long
 
 
 def build_workers() -> int:
@@ -74,7 +81,7 @@ class LoadedPlan:
 
 
 _pool: WorkerPool | None = None
-_asked: dict[Any, Future] = {}          # problem -> the workers' answer (CompiledPlan | None)
+_asked: dict[Any, Request] = {}         # problem -> the workers' answer (CompiledPlan | None)
 _lock = threading.Lock()
 
 
@@ -109,7 +116,7 @@ def prefetch(p, key: str, want: tuple[tuple[str, ...], int] | None = None) -> No
     if size == 0 or p in _asked or _stored(p, key) is not None:
         return
     with _lock:
-        if p not in _asked:
+        if p not in _asked and (_pool is None or not _pool.closed):
             if _pool is None:
                 _pool = WorkerPool(WORKER_MODULE, size)
             _asked[p] = _pool.submit((p, want))
@@ -124,11 +131,7 @@ def take(cudnn, p, key: str, modes: tuple[str, ...], index: int, handle,
         asked = _asked.pop(p, None)
     plan = None
     if asked is not None:
-        try:
-            with ahead.waiting_elsewhere():         # holding no GIL: timings may run
-                plan = asked.result(timeout=WORKER_TIMEOUT_S)
-        except (WorkerError, TimeoutError):     # failed, died or hangs: built here instead
-            plan = None
+        plan = _answer(p, asked)
         if plan is not None:
             _store(p, key, plan)
     if plan is None:
@@ -142,6 +145,33 @@ def take(cudnn, p, key: str, modes: tuple[str, ...], index: int, handle,
     except Exception:   # a blob this library or GPU does not load after all: built here
         return None
     return plan, LoadedPlan(graph)
+
+
+def _answer(p, asked: Request) -> CompiledPlan | None:
+    """The workers' plan for p, None where they failed or the pool is closed; a stall closes
+    the pool (module docstring)."""
+    try:
+        with ahead.waiting_elsewhere():             # holding no GIL: timings may run
+            return asked.wait(BUILD_TIMEOUT_S, QUEUE_TIMEOUT_S)
+    except (WorkerError, CancelledError):           # failed, died, or the pool was closed
+        return None
+    except TimeoutError:
+        _stalled(p, asked)
+        return None
+
+
+def _stalled(p, asked: Request) -> None:
+    with _lock:
+        pool = _pool
+        if pool is None or pool.closed:
+            return
+        pool.close()
+    where = (f"worker {asked.worker_pid} took it up and did not answer in {BUILD_TIMEOUT_S:.0f} s"
+             if asked.taken_at is not None
+             else f"no worker took it up in {QUEUE_TIMEOUT_S:.0f} s")
+    warnings.warn(f"stepgraph: cuDNN's plan build workers stalled on {p.op} ({where}); cuDNN "
+                  f"plans are built in this process from now on. {WORKERS_ENV}=0 builds them "
+                  f"here from the start.", RuntimeWarning, stacklevel=2)
 
 
 def keep(p, key: str, modes: tuple[str, ...], index: int, name: str, workspace: int, graph,

@@ -9,6 +9,10 @@ corrupt the answers). Workers are started as requests wait, at most `size`, and 
 after `idle_s` seconds without a request: a pool holds no process (nor its CUDA context)
 once its work is done. Workers are plain subprocesses, not multiprocessing's: those import
 the user's __main__ again, which re-runs a training script that has no main guard.
+
+A request's future (`Request`) knows when a worker took it up, so that a caller can tell a
+long queue from a worker that hangs (`Request.wait`); `close()` ends the workers and cancels
+what no worker has taken.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -29,6 +34,31 @@ class WorkerError(StepgraphError):
     """A worker process failed a request or died; the text says how."""
 
 
+class Request(Future):
+    """The future of one request's answer, with when it was submitted and taken up."""
+
+    def __init__(self):
+        super().__init__()
+        self.submitted_at = time.monotonic()
+        self.taken_at: float | None = None      # when a worker took it up (None: queued)
+        self.worker_pid: int | None = None
+
+    def wait(self, run_s: float, queued_s: float):
+        """The answer, waited for at most `run_s` after a worker took the request up and at
+        most `queued_s` after it was submitted while none had; TimeoutError past either."""
+        while True:
+            now = time.monotonic()
+            deadline = (self.submitted_at + queued_s if self.taken_at is None
+                        else self.taken_at + run_s)
+            if now >= deadline and not self.done():
+                raise TimeoutError
+            try:
+                # in slices, so that a queued request's deadline moves once a worker takes it
+                return self.result(timeout=min(max(deadline - now, 0.0), 0.25))
+            except TimeoutError:
+                continue
+
+
 class WorkerPool:
     """Up to `size` worker processes running `python -m module` (module docstring)."""
 
@@ -37,18 +67,37 @@ class WorkerPool:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._workers = self._idle = 0
+        self._processes: set[_Worker] = set()
+        self.closed = False
         self.started = 0                    # processes started over the pool's life
 
-    def submit(self, request: Any) -> Future:
+    def submit(self, request: Any) -> Request:
         """A future of the answer to `request`."""
-        future: Future = Future()
+        future = Request()
         self._queue.put((request, future))
         with self._lock:
-            if self._queue.qsize() > self._idle and self._workers < self.size:
+            if self.closed:
+                future.cancel()
+            elif self._queue.qsize() > self._idle and self._workers < self.size:
                 self._workers += 1
                 threading.Thread(target=self._serve, daemon=True,
                                  name=f"stepgraph-{self.module.rsplit('.', 1)[-1]}").start()
         return future
+
+    def close(self) -> None:
+        """End every worker process now (a hung one included) and cancel the requests no
+        worker has taken up; a later submit is cancelled at once."""
+        with self._lock:
+            self.closed = True
+            processes = list(self._processes)
+        while True:
+            try:
+                _, future = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            future.cancel()
+        for worker in processes:
+            worker.kill()
 
     @property
     def workers(self) -> int:
@@ -74,15 +123,22 @@ class WorkerPool:
                     continue
                 with self._lock:
                     self._idle -= 1
+                    if self.closed:
+                        self._workers -= 1
+                        future.cancel()
+                        return
                 if not future.set_running_or_notify_cancel():
                     continue
                 if worker is None:
                     worker = _Worker(self.module)
-                    self.started += 1
+                    with self._lock:
+                        self._processes.add(worker)
+                        self.started += 1
+                future.taken_at, future.worker_pid = time.monotonic(), worker.process.pid
                 try:
                     kind, value = worker.ask(request)
                 except WorkerError as err:
-                    worker.close()
+                    self._end(worker)
                     worker = None
                     future.set_exception(err)
                     continue
@@ -92,7 +148,12 @@ class WorkerPool:
                     future.set_exception(WorkerError(value))
         finally:
             if worker is not None:
-                worker.close()
+                self._end(worker)
+
+    def _end(self, worker: _Worker) -> None:
+        with self._lock:
+            self._processes.discard(worker)
+        worker.close()
 
 
 class _Worker:
@@ -129,6 +190,13 @@ class _Worker:
             return self.stderr.read().decode(errors="replace")[-limit:].strip()
         except OSError:
             return ""
+
+    def kill(self) -> None:
+        """End the process at once; the thread waiting for its answer gets a WorkerError."""
+        try:
+            self.process.kill()
+        except OSError:
+            pass
 
     def close(self) -> None:
         for stream in (self.process.stdin, self.process.stdout):
