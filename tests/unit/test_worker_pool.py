@@ -51,16 +51,22 @@ def test_workers_end_when_idle_and_start_again_for_new_requests():
     assert pool.submit(2).result(timeout=60)[1] == 4 and pool.started == 2
 
 
-def test_a_request_knows_when_a_worker_took_it_up_and_wait_bounds_each_phase():
-    """One worker busy on a long request: the second waits in the queue (taken_at None),
-    so only its queued limit applies; the first has been taken up, so its run limit does."""
-    pool = WorkerPool(ECHO, size=1, idle_s=5.0)
-    busy = pool.submit(("sleep", 3.0))
-    queued = pool.submit(1)
+def busy_with_one_queued(pool, seconds):
+    """Submit a request that sleeps `seconds` and a second behind it; return both once a
+    worker has taken the first up."""
+    busy, queued = pool.submit(("sleep", seconds)), pool.submit(1)
     deadline = time.monotonic() + 60
     while busy.taken_at is None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert busy.taken_at is not None and busy.worker_pid is not None
+    return busy, queued
+
+
+def test_a_request_knows_when_a_worker_took_it_up_and_wait_bounds_each_phase():
+    """One worker busy on a long request: the second waits in the queue (taken_at None),
+    so only its queued limit applies; the first has been taken up, so its run limit does."""
+    pool = WorkerPool(ECHO, size=1, idle_s=5.0)
+    busy, queued = busy_with_one_queued(pool, 3.0)
     assert queued.taken_at is None
     with pytest.raises(TimeoutError):
         queued.wait(run_s=60.0, queued_s=0.2)
@@ -75,11 +81,7 @@ def test_close_kills_a_hung_worker_and_cancels_what_waits():
     """close() ends a worker in the middle of a request (its waiter gets a WorkerError), the
     queued request and any later one are cancelled."""
     pool = WorkerPool(ECHO, size=1, idle_s=5.0)
-    hung = pool.submit(("sleep", 600.0))
-    queued = pool.submit(1)
-    deadline = time.monotonic() + 60
-    while hung.taken_at is None and time.monotonic() < deadline:
-        time.sleep(0.01)
+    hung, queued = busy_with_one_queued(pool, 600.0)
     start = time.monotonic()
     pool.close()
     with pytest.raises(WorkerError, match="exit status -9"):
