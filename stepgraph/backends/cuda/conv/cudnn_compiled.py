@@ -23,8 +23,9 @@ build_workers() sizes the pool: half the CPU cores (shared among the ranks of a 
 8, and none below 2, where a worker's start (its imports and CUDA context, seconds) costs
 more than it saves; $STEPGRAPH_CUDNN_BUILD_WORKERS overrides it (0: every build here).
 
-A build takes 0.2-2 s, so a worker that has not answered BUILD_TIMEOUT_S after taking a
-problem up, or a problem no worker has taken up in QUEUE_TIMEOUT_S, is taken as a stall:
+A build takes 0.2-2 s (a worker's first also its start: imports and a CUDA context, seconds),
+so a worker that has not answered BUILD_TIMEOUT_S after taking a problem up, or a problem no
+worker has taken up in QUEUE_TIMEOUT_S, is taken as a stall:
 the pool is closed (its processes killed), that plan and every later one are built in this
 process, and one warning says so, rather than the first step waiting minutes in silence.
 """
