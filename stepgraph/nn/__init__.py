@@ -18,6 +18,8 @@ from .loss_modules import (BCELoss, BCEWithLogitsLoss, CrossEntropyLoss, HuberLo
 from .module import Buffer, Module, Parameter
 from .recurrent import GRU, LSTM, RNN, GRUCell, LSTMCell, RNNBase, RNNCell, RNNCellBase
 from .sync_batch_norm import SyncBatchNorm
+from .transformer import (Transformer, TransformerDecoder, TransformerDecoderLayer,
+                          TransformerEncoder, TransformerEncoderLayer)
 
 __all__ = ["Module", "Parameter", "Linear", "Conv2d", "MaxPool2d", "Flatten", "Dropout",
            "Dropout2d", "ReLU", "LeakyReLU", "Sigmoid", "Tanh", "GELU", "LogSoftmax",
@@ -34,7 +36,8 @@ __all__ = ["Module", "Parameter", "Linear", "Conv2d", "MaxPool2d", "Flatten", "D
            "ReflectionPad1d", "ReflectionPad2d", "ReplicationPad1d", "ReplicationPad2d",
            "RNNBase", "RNN", "LSTM", "GRU", "RNNCellBase", "RNNCell", "LSTMCell", "GRUCell",
            "Conv3d", "BatchNorm3d", "MaxPool3d", "AvgPool3d", "AdaptiveAvgPool3d",
-           "SyncBatchNorm"]
+           "SyncBatchNorm", "Transformer", "TransformerEncoder", "TransformerEncoderLayer",
+           "TransformerDecoder", "TransformerDecoderLayer"]
 
 
 def __getattr__(name: str):
