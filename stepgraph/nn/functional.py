@@ -310,19 +310,35 @@ def embedding(input: Tensor, weight, padding_idx=None, max_norm=None, norm_type:
               scale_grad_by_freq: bool = False, sparse: bool = False) -> Tensor:
     """The rows of weight (V, C) at the integer indices `input` (any shape, 0-d included):
     input.shape + (C,), as torch.nn.functional.embedding. `input` may be an eager tensor
-    (torch.tensor(3)), a Python int or a NumPy integer array: constant indices."""
+    (torch.tensor(3)), a Python int or a NumPy integer array: constant indices.
+    padding_idx (negative counts from V): the row's lookups give its value and no gradient,
+    as torch's; composed as a where() over the looked-up rows and their detached copy, so
+    every backend's embedding kernels serve it unchanged."""
     if not isinstance(input, Tensor):       # a Python int or NumPy integer array: constant
         index = np.asarray(input)
         if index.dtype not in (np.int32, np.int64):
             raise ShapeError(f"embedding: indices must be int32 or int64, got {index.dtype}")
         input = tensor_of(index)
-    if padding_idx is not None or max_norm is not None or scale_grad_by_freq or sparse:
-        raise UnsupportedOpError("embedding with padding_idx, max_norm, scale_grad_by_freq "
-                                 f"or sparse is not supported (in {input.tracer.where()})")
+    if max_norm is not None or scale_grad_by_freq or sparse:
+        raise UnsupportedOpError("embedding with max_norm, scale_grad_by_freq or sparse is "
+                                 f"not supported (in {input.tracer.where()})")
     if input.dtype not in ("int32", "int64"):
         raise ShapeError(f"embedding: indices must be int32 or int64, got {input.dtype}")
     # an eager index (torch.tensor(3)) beside a traced weight is a constant of its trace
-    return input.tracer.op("embedding", [_traced(input, weight), input])
+    weight = _traced(input, weight)
+    rows = input.tracer.op("embedding", [weight, input])
+    if padding_idx is None:
+        return rows
+    padding_idx = padding_index(padding_idx, weight.shape[0])
+    return rows.detach().where((input == padding_idx).unsqueeze(-1), rows)
+
+
+def padding_index(padding_idx: int, num_embeddings: int) -> int:
+    """padding_idx in [0, num_embeddings), a negative one counted from the end, as torch's
+    checks ("Padding_idx must be within num_embeddings")."""
+    if not -num_embeddings <= padding_idx < num_embeddings:
+        raise ShapeError("Padding_idx must be within num_embeddings")
+    return padding_idx + num_embeddings if padding_idx < 0 else padding_idx
 
 
 def normalized_dims(normalized_shape) -> tuple[int, ...]:

@@ -47,27 +47,35 @@ class Linear(Module):
 
 class Embedding(Module):
     """A (num_embeddings, embedding_dim) table of rows looked up by integer indices; weight
-    initialised N(0, 1) as torch.nn.Embedding."""
+    initialised N(0, 1) as torch.nn.Embedding, the padding_idx row (if any) zero, looked up
+    without gradient (F.embedding)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx=None,
                  max_norm=None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
                  sparse: bool = False):
         super().__init__()
-        if padding_idx is not None or max_norm is not None or scale_grad_by_freq or sparse:
-            raise UnsupportedOpError("Embedding with padding_idx, max_norm, scale_grad_by_freq "
-                                     "or sparse is not supported")
+        if max_norm is not None or scale_grad_by_freq or sparse:
+            raise UnsupportedOpError("Embedding with max_norm, scale_grad_by_freq or sparse "
+                                     "is not supported")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx = None if padding_idx is None else \
+            F.padding_index(padding_idx, num_embeddings)
         self.weight = Parameter(np.empty((num_embeddings, embedding_dim), np.float32))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         init.normal_(self.weight)
+        if self.padding_idx is not None:
+            values = np.array(self.weight.numpy())
+            values[self.padding_idx] = 0
+            self.weight.assign(values)
 
     def forward(self, input):
-        return F.embedding(input, self.weight)
+        return F.embedding(input, self.weight, self.padding_idx)
 
     def extra_repr(self):
-        return f"{self.num_embeddings}, {self.embedding_dim}"
+        padding = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
+        return f"{self.num_embeddings}, {self.embedding_dim}{padding}"
 
 
 class LayerNorm(Module):
