@@ -15,7 +15,8 @@ __all__ = ["exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "abs", "neg", "negat
            "pow", "maximum", "minimum", "clamp", "clip", "clamp_min", "clamp_max",
            "lt", "le", "gt", "ge", "eq", "ne", "less", "less_equal", "greater", "greater_equal",
            "not_equal", "logical_and", "logical_or", "logical_xor", "logical_not",
-           "where", "masked_fill"]
+           "where", "masked_fill", "isnan", "isinf", "isposinf", "isneginf", "isfinite",
+           "isclose", "allclose", "equal", "all", "any"]
 
 
 def _traced(x):
@@ -50,6 +51,27 @@ less, less_equal, greater, greater_equal, not_equal = (
 logical_and, logical_or, logical_xor, logical_not = (
     _method(n) for n in ("logical_and", "logical_or", "logical_xor", "logical_not"))
 masked_fill = _method("masked_fill")
+isnan, isinf, isposinf, isneginf, isfinite, isclose = (
+    _method(n) for n in ("isnan", "isinf", "isposinf", "isneginf", "isfinite", "isclose"))
+all, any = _method("all"), _method("any")
+
+
+def allclose(input, other, rtol: float = 1e-05, atol: float = 1e-08,
+             equal_nan: bool = False) -> bool:
+    """Whether every element of input is close to other's (isclose; the two broadcast), as
+    torch.allclose: a Python bool, so the values are read (eager tensors; a traced one has
+    none). Tensors of different dtypes raise RuntimeError, as torch's."""
+    input, other = _traced(input), _traced(other)
+    if isinstance(other, Tensor) and other.dtype != input.dtype:
+        raise RuntimeError(f"allclose: {other.dtype} did not match {input.dtype}")
+    return bool(input.isclose(other, rtol, atol, equal_nan).all())
+
+
+def equal(input, other) -> bool:
+    """Whether the two have the same shape and the same values (NaN equals nothing), as
+    torch.equal: a Python bool (eager tensors)."""
+    input, other = _traced(input), _traced(other)
+    return tuple(input.shape) == tuple(other.shape) and bool((input == other).all())
 
 
 def pow(input, exponent) -> Tensor:

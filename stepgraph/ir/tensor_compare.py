@@ -1,8 +1,11 @@
 """Tensor comparisons (< <= > >= == != and lt ... ne, giving bool tensors; ops/compare.py),
+the value tests (isnan, isinf, isposinf, isneginf, isfinite, isclose: comparisons composed),
 logical and / or / xor / not of bool masks (& | ^ ~), and selection by a mask (masked_fill,
 where). Attached to Tensor when this module is imported (ir/tensor.py `attach_methods`).
 """
 from __future__ import annotations
+
+import math
 
 from .promotion import result_type
 from .tensor import Tensor, _is_scalar, attach_methods
@@ -46,6 +49,44 @@ class _CompareMethods:
     __hash__ = object.__hash__
     lt, le, gt, ge, eq, ne = __lt__, __le__, __gt__, __ge__, __eq__, __ne__
     less, less_equal, greater, greater_equal, not_equal = lt, le, gt, ge, ne
+
+    # ---- value tests: comparisons, so every backend runs them ----
+    def _floating(self) -> bool:
+        return self.dtype not in ("bool", "int32", "int64", "uint8", "int8", "int16")
+
+    def isnan(self) -> Tensor:
+        """True where x is NaN (x != x); integer and bool tensors hold none."""
+        return self != self
+
+    def isposinf(self) -> Tensor:
+        return self == math.inf if self._floating() else self != self
+
+    def isneginf(self) -> Tensor:
+        return self == -math.inf if self._floating() else self != self
+
+    def isinf(self) -> Tensor:
+        """True where x is +inf or -inf."""
+        return self.isposinf() | self.isneginf()
+
+    def isfinite(self) -> Tensor:
+        """True where x is neither NaN nor +-inf."""
+        return (self.isnan() | self.isinf()).logical_not()
+
+    def isclose(self, other, rtol: float = 1e-05, atol: float = 1e-08,
+                equal_nan: bool = False) -> Tensor:
+        """x == other (equal infinities too), or both finite with |x - other| <= atol +
+        rtol * |other|, or both NaN with equal_nan, as torch.isclose (x and other promoted
+        together; other a tensor or a Python number)."""
+        scalar = _is_scalar(other)
+        other = other if scalar else self._coerce(other, "isclose")
+        x = self._cast(result_type(self, other))
+        y = other if scalar else other._cast(x.dtype)
+        within = (x - y).abs() <= (abs(y) if scalar else y.abs()) * rtol + atol
+        if scalar:
+            close = (x == y) | (x.isfinite() & within) if math.isfinite(y) else x == y
+            return close | x.isnan() if equal_nan and math.isnan(y) else close
+        close = (x == y) | (x.isfinite() & y.isfinite() & within)
+        return close | (x.isnan() & y.isnan()) if equal_nan else close
 
     def _logical(self, other, kind: str) -> Tensor:
         if self.dtype != "bool" or getattr(other, "dtype", None) != "bool":

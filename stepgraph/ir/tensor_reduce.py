@@ -83,6 +83,15 @@ class _ReduceMethods:
         """Minimum over `dim`, as amax."""
         return self._extreme("min", dim, keepdim, "amin")
 
+    def any(self, dim=None, keepdim: bool = False) -> Tensor:
+        """True where some element along `dim` (None: all) is nonzero, NaN included, as
+        torch.any (a bool tensor)."""
+        return self._truth()._cast("float32").amax(() if dim is None else dim, keepdim) > 0
+
+    def all(self, dim=None, keepdim: bool = False) -> Tensor:
+        """True where every element along `dim` (None: all) is nonzero, as torch.all."""
+        return self._truth()._cast("float32").amin(() if dim is None else dim, keepdim) > 0
+
     def max(self, dim=None, keepdim: bool = False):
         """The maximum of all elements; with an int `dim` (values, indices) along it, as
         torch.return_types.max; with a tensor, torch.maximum."""

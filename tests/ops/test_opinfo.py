@@ -116,7 +116,8 @@ OPS = {
         "exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "abs", "sign", "sin", "cos", "erf",
         "square", "floor", "ceil", "round", "trunc", "reciprocal", "maximum", "minimum",
         "clamp", "clamp_min", "clamp_max", "lt", "le", "gt", "ge", "eq", "ne", "logical_and",
-        "logical_or", "logical_xor", "logical_not")},
+        "logical_or", "logical_xor", "logical_not", "isnan", "isinf", "isposinf", "isneginf",
+        "isfinite", "isclose", "all", "any")},
     ("where", ""): lambda x, condition, other: M.where(condition, x, other),
     ("masked_fill", ""): _method("masked_fill"),
     # joining, splitting and viewing
