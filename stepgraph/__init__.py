@@ -14,7 +14,10 @@ from .errors import (BackendUnavailableError, CaptureError, DistributedError, La
                      NonFiniteError, PlanError, ShapeError, StateDictError, StepgraphError,
                      LossSelectionError, UnsupportedOpError)
 from .errors import lookup_torch_name as _lookup_torch_name
-from .backends.flags import get_float32_matmul_precision, set_float32_matmul_precision
+from .backends.flags import (are_deterministic_algorithms_enabled,
+                             get_float32_matmul_precision,
+                             is_deterministic_algorithms_warn_only_enabled,
+                             set_float32_matmul_precision, use_deterministic_algorithms)
 from .devices import (channels_last, channels_last_3d, contiguous_format, device,
                       memory_format, preserve_format)
 from .dtypes import *  # noqa: F401,F403
@@ -47,6 +50,8 @@ __all__ = ["nn", "optim", "losses", "distributed", "compile_train_step", "compil
            "backends", "cuda", "device", "Size", "Tensor", "no_grad", "enable_grad",
            "inference_mode", "set_grad_enabled", "is_grad_enabled",
            "set_float32_matmul_precision", "get_float32_matmul_precision",
+           "use_deterministic_algorithms", "are_deterministic_algorithms_enabled",
+           "is_deterministic_algorithms_warn_only_enabled",
            *(n for n in _dtype_names if n not in ("float", "int", "bool")),  # keep builtins
            "LossSelectionError", "amp", "autocast", "compile", "memory_format", "channels_last",
            "channels_last_3d", "contiguous_format", "preserve_format", *_factories.__all__, "save",

@@ -42,3 +42,21 @@ def set_float32_matmul_precision(precision: str) -> None:
 
 def get_float32_matmul_precision() -> str:
     return _float32_matmul_precision
+
+
+_deterministic = {"mode": False, "warn_only": False}
+
+
+def use_deterministic_algorithms(mode: bool, *, warn_only: bool = False) -> None:
+    """torch.use_deterministic_algorithms: kept for are_deterministic_algorithms_enabled, without
+    effect: compiled steps are deterministic unless compile_train_step(deterministic=False)
+    says otherwise (every kernel then gives the same bits on every run), whatever this says."""
+    _deterministic.update(mode=bool(mode), warn_only=bool(warn_only))
+
+
+def are_deterministic_algorithms_enabled() -> bool:
+    return _deterministic["mode"]
+
+
+def is_deterministic_algorithms_warn_only_enabled() -> bool:
+    return _deterministic["warn_only"]

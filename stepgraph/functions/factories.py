@@ -227,6 +227,45 @@ def randperm(n: int, *, generator=None, dtype=None, device=None, requires_grad: 
     return _place(rng.permutation(int(n)), dtype)
 
 
+def multinomial(input, num_samples: int, replacement: bool = False, *, generator=None,
+                out=None) -> Tensor:
+    """Category indices drawn from each row of `input` (C,) or (N, C), non-negative weights
+    that need not sum to 1: (num_samples,) or (N, num_samples) int64, with or without
+    replacement, as torch.multinomial; from `generator` or the host generator (not torch's
+    draws). Eager tensors (a predictor's output, as a sampling loop has): inside a traced
+    forward it is refused."""
+    if out is not None:
+        raise UnsupportedOpError("torch.multinomial(out=...) is not supported by stepgraph")
+    tracer, rng = _random("multinomial", generator, None)
+    if tracer is not None or (isinstance(input, Tensor) and not input.is_eager):
+        raise UnsupportedOpError("torch.multinomial inside a traced forward is not supported "
+                                 "by stepgraph: sample from the model's output in the script "
+                                 "(outside the step)")
+    weights = np.asarray(input.numpy() if isinstance(input, Tensor) else input, np.float64)
+    if weights.ndim not in (1, 2):
+        raise RuntimeError("prob_dist must be 1 or 2 dim")
+    rows = weights.reshape(-1, weights.shape[-1])
+    if not np.isfinite(rows).all() or (rows < 0).any():
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+    if (rows.sum(1) <= 0).any():
+        raise RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
+    if num_samples <= 0:
+        raise RuntimeError("cannot sample n_sample <= 0 samples")
+    if not replacement and num_samples > rows.shape[1]:
+        raise RuntimeError("cannot sample n_sample > prob_dist.size(-1) samples without "
+                           "replacement")
+    if replacement:             # inverse CDF: the first category whose cumulative weight
+        cdf = np.cumsum(rows, 1)    # exceeds a uniform draw of the row's total
+        draws = rng.random((rows.shape[0], num_samples)) * cdf[:, -1:]
+        drawn = np.stack([np.searchsorted(c, d, side="right") for c, d in zip(cdf, draws)])
+        drawn = np.minimum(drawn, rows.shape[1] - 1)
+    else:                       # the smallest Exp(1) / weight keys: sampling without
+        with np.errstate(divide="ignore"):      # replacement in proportion to the weights;
+            keys = rng.standard_exponential(rows.shape) / rows   # zero weights come last
+        drawn = np.argsort(keys, axis=1, kind="stable")[:, :num_samples]
+    return _place(drawn.reshape(*weights.shape[:-1], num_samples), "int64")
+
+
 # ---- from data ------------------------------------------------------------------------------
 
 def eye(n: int, m: int | None = None, *, dtype=None, device=None,
@@ -326,4 +365,4 @@ __all__ = ["zeros", "ones", "empty", "full", "zeros_like", "ones_like", "empty_l
            "full_like", "manual_seed", "randn", "rand", "randint", "rand_like", "randn_like",
            "randint_like", "bernoulli", "eye", "tensor", "as_tensor", "from_numpy", "arange",
            "linspace", "is_tensor", "numel", "Generator", "randperm", "default_generator",
-           "initial_seed", "seed", "get_rng_state", "set_rng_state"]
+           "initial_seed", "seed", "get_rng_state", "set_rng_state", "multinomial"]

@@ -550,3 +550,15 @@ def test_unknown_names_of_plain_namespace_modules_are_attribute_errors():
     with pytest.raises(AttributeError):
         stepgraph.amp.no_such_name
     assert pickle.whichmodule(object(), "no_such_global") == "__main__"   # asks every module
+
+
+def test_use_deterministic_algorithms_is_kept_and_read_back():
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+        torch.use_deterministic_algorithms(False)
+        assert not torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
