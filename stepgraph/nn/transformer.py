@@ -44,13 +44,26 @@ def _clones(layer: Module, n: int) -> ModuleList:
 
 
 class _Block(Module):
-    """What an encoder and a decoder layer share: the feed-forward block and the residual
-    arrangement (post-norm, or pre-norm when norm_first)."""
+    """What an encoder and a decoder layer share, under torch's names and in its order: the
+    attentions, the feed-forward block (linear1, dropout, linear2), one LayerNorm and one
+    Dropout per sublayer, and the residual arrangement (post-norm, or pre-norm when
+    norm_first)."""
 
-    def _feed_forward(self, d_model, dim_feedforward, dropout, activation, bias):
+    def __init__(self, attentions: tuple[str, ...], d_model, nhead, dim_feedforward, dropout,
+                 activation, layer_norm_eps, batch_first, norm_first, bias):
+        super().__init__()
+        for name in attentions:
+            setattr(self, name, MultiheadAttention(d_model, nhead, dropout=dropout, bias=bias,
+                                                   batch_first=batch_first))
         self.linear1 = Linear(d_model, dim_feedforward, bias=bias)
         self.dropout = Dropout(dropout)
         self.linear2 = Linear(dim_feedforward, d_model, bias=bias)
+        self.norm_first = norm_first
+        sublayers = range(1, len(attentions) + 2)
+        for i in sublayers:
+            setattr(self, f"norm{i}", LayerNorm(d_model, eps=layer_norm_eps, bias=bias))
+        for i in sublayers:
+            setattr(self, f"dropout{i}", Dropout(dropout))
         self.activation = _activation(activation)
 
     def _ff_block(self, x, dropout: Dropout):
@@ -68,14 +81,8 @@ class TransformerEncoderLayer(_Block):
                  dropout: float = 0.1, activation: str | Callable = F.relu,
                  layer_norm_eps: float = 1e-5, batch_first: bool = False,
                  norm_first: bool = False, bias: bool = True, device=None, dtype=None):
-        super().__init__()
-        self.self_attn = MultiheadAttention(d_model, nhead, dropout=dropout, bias=bias,
-                                            batch_first=batch_first)
-        self._feed_forward(d_model, dim_feedforward, dropout, activation, bias)
-        self.norm_first = norm_first
-        self.norm1 = LayerNorm(d_model, eps=layer_norm_eps, bias=bias)
-        self.norm2 = LayerNorm(d_model, eps=layer_norm_eps, bias=bias)
-        self.dropout1, self.dropout2 = Dropout(dropout), Dropout(dropout)
+        super().__init__(("self_attn",), d_model, nhead, dim_feedforward, dropout, activation,
+                         layer_norm_eps, batch_first, norm_first, bias)
 
     def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal: bool = False):
         def attend(x):
@@ -95,18 +102,8 @@ class TransformerDecoderLayer(_Block):
                  dropout: float = 0.1, activation: str | Callable = F.relu,
                  layer_norm_eps: float = 1e-5, batch_first: bool = False,
                  norm_first: bool = False, bias: bool = True, device=None, dtype=None):
-        super().__init__()
-        self.self_attn = MultiheadAttention(d_model, nhead, dropout=dropout, bias=bias,
-                                            batch_first=batch_first)
-        self.multihead_attn = MultiheadAttention(d_model, nhead, dropout=dropout, bias=bias,
-                                                 batch_first=batch_first)
-        self._feed_forward(d_model, dim_feedforward, dropout, activation, bias)
-        self.norm_first = norm_first
-        self.norm1 = LayerNorm(d_model, eps=layer_norm_eps, bias=bias)
-        self.norm2 = LayerNorm(d_model, eps=layer_norm_eps, bias=bias)
-        self.norm3 = LayerNorm(d_model, eps=layer_norm_eps, bias=bias)
-        self.dropout1, self.dropout2, self.dropout3 = (Dropout(dropout), Dropout(dropout),
-                                                       Dropout(dropout))
+        super().__init__(("self_attn", "multihead_attn"), d_model, nhead, dim_feedforward,
+                         dropout, activation, layer_norm_eps, batch_first, norm_first, bias)
 
     def forward(self, tgt, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
                 memory_key_padding_mask=None, tgt_is_causal: bool = False,

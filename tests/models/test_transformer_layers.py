@@ -34,7 +34,9 @@ def test_state_dict_keys_and_shapes_are_torchs(options):
                  lambda nn: nn.TransformerDecoder(
                      nn.TransformerDecoderLayer(D, HEADS, FF, **options), 2),
                  lambda nn: nn.Transformer(D, HEADS, 2, 1, FF, **options)):
-        assert shapes(make(snn)) == shapes(make(torch.nn))
+        ours, theirs = make(snn), make(torch.nn)
+        assert shapes(ours) == shapes(theirs)
+        assert [n for n, _ in ours.named_modules()] == [n for n, _ in theirs.named_modules()]
 
 
 def test_a_stacks_layers_start_equal_and_a_transformer_draws_its_matrices_again():
@@ -95,43 +97,54 @@ def batches(steps: int):
     return out
 
 
-def torch_run(ref, data, dtype):
-    ref = copy.deepcopy(ref).to(dtype)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+def train_script(ns, model, data) -> list[float]:
+    """A torch-style training loop written once, run with `ns` = torch or stepgraph (under
+    loop capture): zero_grad, forward, loss, backward, step; each loss read after its step."""
+    opt = ns.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = []
     for src, tgt, y in data:
         opt.zero_grad()
-        logits = ref(torch.from_numpy(src), torch.from_numpy(tgt))
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
-                                                 torch.from_numpy(y).reshape(-1))
+        logits = model(ns.from_numpy(src), ns.from_numpy(tgt))
+        loss = ns.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
+                                              ns.from_numpy(y).reshape(-1))
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return losses, {k: v.double().numpy() for k, v in ref.state_dict().items()}
+    return losses
 
 
-def assert_trained_like_torch(before, after, after64, after32):
-    """Every parameter's change judged by the policy; the causal mask buffer (its -inf has no
-    finite change) kept as it was."""
+def start(options):
+    """torch's model, the batches, torch's float64 and float32 runs (losses, final states),
+    and stepgraph's model from torch's initial state with that state."""
+    ref, data = make_seq2seq(torch.nn, options), batches(4)
+    runs = {}
+    for dtype in (torch.float64, torch.float32):
+        twin = copy.deepcopy(ref).to(dtype)
+        runs[dtype] = (train_script(torch, twin, data),
+                       {k: v.double().numpy() for k, v in twin.state_dict().items()})
+    model = make_seq2seq(snn, options)
+    model.load_state_dict({k: v.numpy() for k, v in ref.state_dict().items()})
+    before = {k: v.copy() for k, v in model.state_dict().items()}
+    return model, before, data, runs[torch.float64], runs[torch.float32]
+
+
+def assert_trained_like_torch(got, model, before, run64, run32, what):
+    """Losses and every parameter's change judged by the policy; the causal mask buffer
+    (its -inf has no finite change) kept as it was."""
+    assert_close_to_reference(got, run64[0], run32[0], what)
+    after = model.state_dict()
     np.testing.assert_array_equal(after["causal"], before["causal"])
-    params = [{k: v for k, v in d.items() if k != "causal"}
-              for d in (before, after, after64, after32)]
-    assert_state_changes_close(*params)
+    states = [{k: v for k, v in d.items() if k != "causal"}
+              for d in (before, after, run64[1], run32[1])]
+    assert_state_changes_close(*states)
 
 
 @pytest.mark.parametrize("options", [dict(), dict(norm_first=True, activation="gelu")],
                          ids=["post-norm", "pre-norm-gelu"])
 def test_an_encoder_decoder_trains_like_torch(options):
-    """Four SGD steps of a compiled train step, then the same in a loop captured from a
-    torch-style script; losses and every parameter's change against torch float64."""
-    ref = make_seq2seq(torch.nn, options)
-    data = batches(4)
-    losses64, after64 = torch_run(ref, data, torch.float64)
-    losses32, after32 = torch_run(ref, data, torch.float32)
-
-    model = make_seq2seq(snn, options)
-    model.load_state_dict({k: v.numpy() for k, v in ref.state_dict().items()})
-    before = {k: v.copy() for k, v in model.state_dict().items()}
+    """Four SGD steps of a compiled train step; losses and every parameter's change against
+    torch float64."""
+    model, before, data, run64, run32 = start(options)
 
     def loss(logits, y):
         return sg.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
@@ -142,29 +155,11 @@ def test_an_encoder_decoder_trains_like_torch(options):
     # each of the six attentions (encoder, masked decoder, cross) runs as the fused op
     ops = Counter(n.op for n in next(iter(step.executables.values())).plan.steps)
     assert ops["sdpa"] == ops["sdpa_grad"] == 6
-    assert_close_to_reference(got, losses64, losses32, "compiled step losses")
-    assert_trained_like_torch(before, model.state_dict(), after64, after32)
+    assert_trained_like_torch(got, model, before, run64, run32, "compiled step losses")
 
 
 def test_an_encoder_decoder_trains_like_torch_in_a_captured_loop():
-    """The same model trained by a torch-style loop (zero_grad, backward, step) under loop
-    capture, its losses read after each step."""
-    ref = make_seq2seq(torch.nn, {})
-    data = batches(4)
-    losses64, after64 = torch_run(ref, data, torch.float64)
-    losses32, after32 = torch_run(ref, data, torch.float32)
-    model = make_seq2seq(snn, {})
-    model.load_state_dict({k: v.numpy() for k, v in ref.state_dict().items()})
-    before = {k: v.copy() for k, v in model.state_dict().items()}
-    opt = sg.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    got = []
-    for src, tgt, y in data:
-        opt.zero_grad()
-        logits = model(sg.from_numpy(src), sg.from_numpy(tgt))
-        loss = sg.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
-                                              sg.from_numpy(y).reshape(-1))
-        loss.backward()
-        opt.step()
-        got.append(loss.item())
-    assert_close_to_reference(got, losses64, losses32, "captured loop losses")
-    assert_trained_like_torch(before, model.state_dict(), after64, after32)
+    """The same model trained by the torch-style loop itself, run with stepgraph."""
+    model, before, data, run64, run32 = start({})
+    got = train_script(sg, model, data)
+    assert_trained_like_torch(got, model, before, run64, run32, "captured loop losses")
