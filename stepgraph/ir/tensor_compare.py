@@ -51,18 +51,15 @@ class _CompareMethods:
     less, less_equal, greater, greater_equal, not_equal = lt, le, gt, ge, ne
 
     # ---- value tests: comparisons, so every backend runs them ----
-    def _floating(self) -> bool:
-        return self.dtype not in ("bool", "int32", "int64", "uint8", "int8", "int16")
-
     def isnan(self) -> Tensor:
         """True where x is NaN (x != x); integer and bool tensors hold none."""
         return self != self
 
     def isposinf(self) -> Tensor:
-        return self == math.inf if self._floating() else self != self
+        return self == math.inf if self.is_floating_point() else self != self
 
     def isneginf(self) -> Tensor:
-        return self == -math.inf if self._floating() else self != self
+        return self == -math.inf if self.is_floating_point() else self != self
 
     def isinf(self) -> Tensor:
         """True where x is +inf or -inf."""
