@@ -237,10 +237,12 @@ def multinomial(input, num_samples: int, replacement: bool = False, *, generator
     if out is not None:
         raise UnsupportedOpError("torch.multinomial(out=...) is not supported by stepgraph")
     tracer, rng = _random("multinomial", generator, None)
-    if tracer is not None or (isinstance(input, Tensor) and not input.is_eager):
-        raise UnsupportedOpError("torch.multinomial inside a traced forward is not supported "
-                                 "by stepgraph: sample from the model's output in the script "
-                                 "(outside the step)")
+    if isinstance(input, Tensor) and not input.is_eager:
+        tracer = input.tracer
+    if tracer is not None:
+        raise UnsupportedOpError(f"torch.multinomial inside a traced forward (called in "
+                                 f"{tracer.where()}) is not supported by stepgraph: sample "
+                                 "from the model's output in the script (outside the step)")
     weights = np.asarray(input.numpy() if isinstance(input, Tensor) else input, np.float64)
     if weights.ndim not in (1, 2):
         raise RuntimeError("prob_dist must be 1 or 2 dim")
