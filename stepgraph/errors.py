@@ -135,4 +135,5 @@ class DistributedError(StepgraphError, RuntimeError):
 
 class TypePromotionError(StepgraphError, RuntimeError):
     """An in-place op whose result type cannot be written into its tensor: torch's "result
-    type Float can't be cast to the desired output type Long" (ir/promotion.py)."""
+    type Float can't be cast to the desired output type Long" (ir/promotion.py); or operands
+    of dtypes an op needs to be one (lerp, heaviside), with torch's message."""

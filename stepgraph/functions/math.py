@@ -1,7 +1,9 @@
-"""torch.exp, torch.where, torch.clamp, ...: elementwise math, comparisons and selection.
+"""torch.exp, torch.where, torch.clamp, torch.lerp, ...: elementwise math, comparisons and
+selection.
 
-Each is the Tensor method of the same name (ir/tensor_unary.py, tensor_compare.py), so a
-model calling either records the same ops (ops/unary.py, ops/compare.py, ops/elementwise.py).
+Each is the Tensor method of the same name (ir/tensor_unary.py, tensor_compare.py,
+tensor_math.py), so a model calling either records the same ops (ops/unary.py,
+ops/compare.py, ops/elementwise.py).
 """
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ __all__ = ["exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "abs", "neg", "negat
            "lt", "le", "gt", "ge", "eq", "ne", "less", "less_equal", "greater", "greater_equal",
            "not_equal", "logical_and", "logical_or", "logical_xor", "logical_not",
            "where", "masked_fill", "isnan", "isinf", "isposinf", "isneginf", "isfinite",
-           "isclose", "allclose", "equal", "all", "any"]
+           "isclose", "allclose", "equal", "all", "any", "lerp", "addcmul", "addcdiv", "hypot",
+           "logaddexp", "xlogy", "frac", "fmod", "float_power", "nan_to_num", "heaviside",
+           "sinc"]
 
 
 def _traced(x):
@@ -54,6 +58,34 @@ masked_fill = _method("masked_fill")
 isnan, isinf, isposinf, isneginf, isfinite, isclose = (
     _method(n) for n in ("isnan", "isinf", "isposinf", "isneginf", "isfinite", "isclose"))
 all, any = _method("all"), _method("any")
+lerp, addcmul, addcdiv, hypot = (_method(n) for n in ("lerp", "addcmul", "addcdiv", "hypot"))
+logaddexp, frac, fmod = (_method(n) for n in ("logaddexp", "frac", "fmod"))
+nan_to_num, heaviside, sinc = (_method(n) for n in ("nan_to_num", "heaviside", "sinc"))
+
+
+def _number_first(input, other, what: str):
+    """(input, other) with a Python number input (torch.xlogy(2, y)) as a 0-d tensor of
+    other's trace: a 0-d operand promotes as the number would (ir/promotion.py)."""
+    input, other = _traced(input), _traced(other)
+    if not _is_scalar(input):
+        return input, other
+    if _is_scalar(other):
+        raise TypeError(f"{what}: expected a tensor among the arguments, got two numbers")
+    return other.new_full((), input, dtype=result_type(input, other)), other
+
+
+def xlogy(input, other) -> Tensor:
+    """input * log(other), 0 where input is 0 (unless other is NaN), as torch.xlogy; either
+    may be a Python number (Tensor.xlogy)."""
+    input, other = _number_first(input, other, "xlogy")
+    return input.xlogy(other)
+
+
+def float_power(input, exponent) -> Tensor:
+    """input ** exponent in float64, as torch.float_power; either may be a Python number
+    (Tensor.float_power)."""
+    input, exponent = _number_first(input, exponent, "float_power")
+    return input.float_power(exponent)
 
 
 def allclose(input, other, rtol: float = 1e-05, atol: float = 1e-08,

@@ -1,8 +1,11 @@
-"""torch.* functions on tensors: joining (cat / concat / stack), the shape helpers, tril /
-triu, max / min / amax / amin / argmax / argmin, var / std / logsumexp, cumsum, gather,
-index_select, topk / sort, prod / median / norm, scatter / scatter_add, the arithmetic and
-product names (add, matmul, outer, ...), and einsum. Each but einsum is the Tensor method of
-the same name (ir/tensor_*.py), so it works wherever those methods do."""
+"""torch.* functions on tensors: joining (cat / concat / stack, vstack / hstack / dstack /
+column_stack, block_diag, cartesian_prod), the shape helpers (atleast_*d, broadcast_tensors,
+tile, rot90, tensor_split, diagonal, ...), tril / triu, max / min / amax / amin / aminmax /
+argmax / argmin, var / std / var_mean / std_mean / logsumexp, count_nonzero, cumsum, diff,
+gather, take_along_dim, index_select, topk / sort, prod / median / norm / dist / renorm,
+scatter / scatter_add, the arithmetic and product names (add, matmul, outer, kron, ...), and
+einsum. Most are the Tensor method of the same name (ir/tensor_*.py), so they work wherever
+those methods do; the joining ones and einsum are composed here."""
 from __future__ import annotations
 
 import builtins
@@ -19,7 +22,12 @@ __all__ = ["cat", "concat", "concatenate", "stack", "unbind", "unsqueeze", "sque
            "narrow", "reshape", "permute", "transpose", "t", "scatter", "scatter_add", "add",
            "sub", "subtract", "mul", "multiply", "div", "divide", "true_divide", "matmul",
            "mm", "bmm", "mv", "dot", "inner", "outer", "ger", "addmm", "baddbmm", "einsum",
-           "floor_divide", "remainder", "flip", "roll", "repeat_interleave"]
+           "floor_divide", "remainder", "flip", "roll", "repeat_interleave",
+           "var_mean", "std_mean", "count_nonzero", "aminmax", "dist", "diff", "renorm", "tile",
+           "broadcast_to", "broadcast_tensors", "broadcast_shapes", "flipud", "fliplr", "rot90",
+           "vstack", "row_stack", "hstack", "dstack", "column_stack", "atleast_1d",
+           "atleast_2d", "atleast_3d", "select", "take_along_dim", "tensor_split", "diagonal",
+           "diag", "cartesian_prod", "block_diag", "kron"]
 
 
 def _joined(what: str, tensors) -> list:
@@ -186,6 +194,158 @@ roll, repeat_interleave = _method("roll"), _method("repeat_interleave")
 def flip(input, dims):
     """torch.flip(input, dims): the order along `dims` reversed."""
     return input.flip(dims)
+
+
+count_nonzero, dist, diff, renorm = (_method(n) for n in ("count_nonzero", "dist", "diff",
+                                                          "renorm"))
+tile, broadcast_to, flipud, fliplr = (_method(n) for n in ("tile", "broadcast_to", "flipud",
+                                                           "fliplr"))
+rot90, select, take_along_dim = _method("rot90"), _method("select"), _method("take_along_dim")
+tensor_split, diagonal, diag = (_method(n) for n in ("tensor_split", "diagonal", "diag"))
+aminmax, kron = _method("aminmax"), _method("kron")
+
+
+def var_mean(input, dim=None, unbiased=None, keepdim: bool = False, *, correction=None):
+    """(var, mean) over `dim`, as torch.var_mean (a tuple; var's arguments)."""
+    if isinstance(dim, bool):               # var_mean(x, False): the old unbiased argument
+        dim, unbiased = None, dim
+    return (input.var(dim, unbiased, keepdim, correction=correction),
+            input.mean(dim, keepdim))
+
+
+def std_mean(input, dim=None, unbiased=None, keepdim: bool = False, *, correction=None):
+    """(std, mean) over `dim`, as torch.std_mean (a tuple; std's arguments)."""
+    if isinstance(dim, bool):
+        dim, unbiased = None, dim
+    return (input.std(dim, unbiased, keepdim, correction=correction),
+            input.mean(dim, keepdim))
+
+
+def broadcast_shapes(*shapes):
+    """The shape the given shapes broadcast to, as torch.broadcast_shapes (ShapeError where
+    two sizes of an axis differ and neither is 1)."""
+    from ..ir.tensor import Size
+    shapes = [(s,) if isinstance(s, int) else tuple(s) for s in shapes]
+    rank = builtins.max((len(s) for s in shapes), default=0)
+    out = [1] * rank
+    for s in shapes:
+        for i, n in enumerate(s, rank - len(s)):
+            if n != out[i] and 1 not in (n, out[i]):
+                raise ShapeError(f"broadcast_shapes: shape mismatch: objects cannot be "
+                                 f"broadcast to a single shape ({list(s)} at axis {i} is {n}, "
+                                 f"another is {out[i]})")
+            out[i] = n if out[i] == 1 else out[i]
+    return Size(out)
+
+
+def broadcast_tensors(*tensors):
+    """The tensors expanded to their common broadcast shape, as torch.broadcast_tensors."""
+    tensors = _joined("broadcast_tensors", _unpacked(tensors))
+    shape = broadcast_shapes(*(t.shape for t in tensors))
+    return tuple(t.expand(*shape) for t in tensors)
+
+
+def _unpacked(tensors) -> list:
+    """f(a, b) and f([a, b]) alike (torch's *tensors functions take either)."""
+    return list(tensors[0]) if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)) \
+        else list(tensors)
+
+
+def _at_least(rank: int, tensors):
+    """One tensor viewed with at least `rank` axes, or a tuple of them for several (or a
+    list), as torch.atleast_1d / 2d / 3d: 0-d as (1,) * rank; 1-d (n,) as (1, n) or (1, n,
+    1); 2-d (m, n) as (m, n, 1)."""
+    def viewed(t):
+        if t.ndim >= rank:
+            return t
+        if t.ndim == 0:
+            return t.reshape(*(1,) * rank)
+        if t.ndim == 1:
+            return t.reshape(1, -1) if rank == 2 else t.reshape(1, -1, 1)
+        return t.unsqueeze(-1)
+    single = len(tensors) == 1 and not isinstance(tensors[0], (list, tuple))
+    out = tuple(viewed(t) for t in _unpacked(tensors))
+    return out[0] if single else out
+
+
+def atleast_1d(*tensors):
+    return _at_least(1, tensors)
+
+
+def atleast_2d(*tensors):
+    return _at_least(2, tensors)
+
+
+def atleast_3d(*tensors):
+    return _at_least(3, tensors)
+
+
+def vstack(tensors):
+    """The tensors (as atleast_2d) joined along axis 0, as torch.vstack / row_stack."""
+    return cat(atleast_2d(_joined("vstack", tensors)), 0)
+
+
+row_stack = vstack
+
+
+def hstack(tensors):
+    """The tensors (as atleast_1d) joined along axis 1, or axis 0 if all are 1-d, as
+    torch.hstack."""
+    tensors = atleast_1d(_joined("hstack", tensors))
+    return cat(tensors, 0 if builtins.all(t.ndim == 1 for t in tensors) else 1)
+
+
+def dstack(tensors):
+    """The tensors (as atleast_3d) joined along axis 2, as torch.dstack."""
+    return cat(atleast_3d(_joined("dstack", tensors)), 2)
+
+
+def column_stack(tensors):
+    """The tensors joined along axis 1, 0-d and 1-d ones as (n, 1) columns, as
+    torch.column_stack."""
+    tensors = _joined("column_stack", tensors)
+    return cat([t.reshape(t.numel(), 1) if t.ndim <= 1 else t for t in tensors], 1)
+
+
+def cartesian_prod(*tensors):
+    """Every combination of the elements of the 1-d tensors, one per row, the last varying
+    fastest (as itertools.product), as torch.cartesian_prod: each tensor broadcast over the
+    grid of all and flattened, the columns stacked. One tensor comes back as it is."""
+    tensors = _joined("cartesian_prod", _unpacked(tensors))
+    for t in tensors:
+        if t.ndim != 1:
+            raise ShapeError(f"Expect a 1D vector, but got shape {list(t.shape)}")
+    if len(tensors) == 1:
+        return tensors[0]
+    grid = tuple(t.shape[0] for t in tensors)
+    columns = [t.reshape(*(n if j == i else 1 for j, n in enumerate(grid))).expand(*grid)
+               .reshape(-1) for i, t in enumerate(tensors)]
+    return stack(columns, 1)
+
+
+def block_diag(*tensors):
+    """The tensors (0-d as (1, 1), 1-d as one row) on the diagonal of a matrix of zeros, as
+    torch.block_diag: each one's rows padded with zeros left and right, the rows joined; the
+    result has the tensors' promoted dtype."""
+    from ..ir.promotion import result_type
+    tensors = _joined("block_diag", _unpacked(tensors))
+    blocks = []
+    for i, t in enumerate(tensors):
+        if t.ndim > 2:
+            raise ShapeError(f"torch.block_diag: Input tensors must have 2 or fewer "
+                             f"dimensions. Input {i} has {t.ndim} dimensions")
+        blocks.append(t.reshape(1, 1) if t.ndim == 0 else t.reshape(1, -1) if t.ndim == 1
+                      else t)
+    dtype = result_type(*blocks)
+    width = builtins.sum(b.shape[1] for b in blocks)
+    rows, left = [], 0
+    for b in blocks:
+        r, c = b.shape
+        parts = [p for p in (b.new_zeros((r, left), dtype=dtype), b._cast(dtype),
+                             b.new_zeros((r, width - left - c), dtype=dtype)) if p.shape[1]]
+        rows.append(cat(parts, 1) if parts else b.new_zeros((r, width), dtype=dtype))
+        left += c
+    return cat(rows, 0)
 matmul, mm, bmm, mv = (_method(n) for n in ("matmul", "mm", "bmm", "mv"))
 dot, inner, outer, ger = (_method(n) for n in ("dot", "inner", "outer", "ger"))
 addmm, baddbmm = _method("addmm"), _method("baddbmm")

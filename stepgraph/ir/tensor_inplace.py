@@ -67,6 +67,10 @@ class _InplaceMethods:
     masked_fill_, addmm_, baddbmm_ = (_inplace(n) for n in ("masked_fill", "addmm",
                                                             "baddbmm"))
     scatter_, scatter_add_ = _inplace("scatter"), _inplace("scatter_add")
+    lerp_, addcmul_, addcdiv_ = (_inplace(n) for n in ("lerp", "addcmul", "addcdiv"))
+    fmod_, frac_, hypot_, xlogy_ = (_inplace(n) for n in ("fmod", "frac", "hypot", "xlogy"))
+    nan_to_num_, heaviside_, sinc_, renorm_ = (_inplace(n) for n in ("nan_to_num", "heaviside",
+                                                                     "sinc", "renorm"))
 
     # ---- writes ----
     def fill_(self, value) -> Tensor:

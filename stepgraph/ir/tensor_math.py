@@ -1,13 +1,15 @@
 """Tensor arithmetic: + - * / ** // % and @ with tensors (broadcasting) or Python scalars on
-either side, their names (add, sub, mul, div, floor_divide, remainder, ...), and the products
-mm / bmm / mv / dot / outer / addmm / baddbmm / t. Attached to Tensor when this module is
-imported (ir/tensor.py `attach_methods`).
+either side, their names (add, sub, mul, div, floor_divide, remainder, fmod, ...), the
+composed binary functions (lerp, addcmul, addcdiv, hypot, logaddexp, xlogy, float_power) and
+the products mm / bmm / mv / dot / outer / addmm / baddbmm / kron / t. Attached to Tensor when
+this module is imported (ir/tensor.py `attach_methods`).
 """
 from __future__ import annotations
 
+import math
 import numbers
 
-from ..errors import ShapeError
+from ..errors import ShapeError, TypePromotionError
 from .promotion import DEFAULT_FLOAT, is_floating, result_type
 from .tensor import Tensor, _is_scalar, attach_methods
 
@@ -124,8 +126,9 @@ class _MathMethods:
     subtract, multiply, divide, true_divide = sub, mul, div, div
 
     def _rounded(self, other, kind: str, reverse: bool = False) -> Tensor:
-        """floor(a / b) (kind "floor"), trunc(a / b) ("trunc") or a - b * floor(a / b)
-        ("mod", the remainder with the divisor's sign, as Python's %), a = self and b = other
+        """floor(a / b) (kind "floor"), trunc(a / b) ("trunc"), a - b * floor(a / b)
+        ("mod", the remainder with the divisor's sign, as Python's %) or a - b * trunc(a / b)
+        ("fmod", the remainder with the dividend's sign, as C's fmod), a = self and b = other
         (swapped when reverse). With integer operands only, the result is an integer tensor
         computed in float64: exact for magnitudes below 2^53."""
         ints = not self.dtype.is_floating_point and (
@@ -136,8 +139,8 @@ class _MathMethods:
         o = o._cast("float64") if ints and isinstance(o, Tensor) else o
         a, b = (o, x) if reverse else (x, o)
         q = a / b
-        y = q.trunc() if kind == "trunc" else q.floor()
-        if kind == "mod":
+        y = q.trunc() if kind in ("trunc", "fmod") else q.floor()
+        if kind in ("mod", "fmod"):
             y = a - b * y
         return y._cast(self.dtype) if ints else y
 
@@ -156,6 +159,96 @@ class _MathMethods:
         return self._rounded(other, "mod", reverse=True)
 
     floor_divide, remainder = __floordiv__, __mod__
+
+    def fmod(self, other) -> Tensor:
+        """self - other * trunc(self / other): the remainder with the dividend's sign, as
+        torch.fmod (`_rounded`; remainder takes the divisor's). Float operands give NaN for a
+        zero divisor, as torch; the quotient has gradient zero (torch's: -trunc(a / b) to b)."""
+        if not _is_scalar(other):
+            other = self._coerce(other, "fmod")
+        return self._rounded(other, "fmod")
+
+    # ---- composed binary and ternary functions (torch.lerp, addcmul, ...) ----
+    def _float_operands(self, *others, what: str):
+        """self and others (tensors of this trace or Python numbers) cast to their result
+        type, the default float where that is an integer type: the inputs of a function
+        that is only defined on floats (hypot, logaddexp, xlogy)."""
+        others = [o if _is_scalar(o) else self._coerce(o, what) for o in others]
+        dtype = result_type(self, *others)
+        dtype = dtype if is_floating(dtype) else DEFAULT_FLOAT
+        return [self._cast(dtype)] + [o if _is_scalar(o) else o._cast(dtype) for o in others]
+
+    def lerp(self, end, weight) -> Tensor:
+        """self + weight * (end - self), as torch.lerp: weight a number or a tensor (the three
+        broadcast); end and a tensor weight must have self's dtype (TypePromotionError, a
+        RuntimeError with torch's message, otherwise). Where weight >= 0.5 it is computed
+        end - (end - self) * (1 - weight), torch's form, exact at weight 1."""
+        end = self._coerce(end, "lerp")
+        if end.dtype != self.dtype:
+            raise TypePromotionError(f"expected dtype {self.dtype} for `end` but got dtype "
+                            f"{end.dtype}")
+        diff = end - self
+        if _is_scalar(weight):
+            return self + diff * weight if abs(weight) < 0.5 else end - diff * (1.0 - weight)
+        weight = self._coerce(weight, "lerp")
+        if weight.dtype != self.dtype:
+            raise TypePromotionError(f"expected dtype {self.dtype} for `weight` but got dtype "
+                            f"{weight.dtype}")
+        low = weight.abs() < 0.5        # torch's test, so NaN and |w| >= 0.5 take the end form
+        return (self + diff * weight).where(low, end - diff * (1.0 - weight))
+
+    def addcmul(self, tensor1, tensor2, *, value=1) -> Tensor:
+        """self + value * tensor1 * tensor2 (the three broadcast), as torch.addcmul."""
+        t1 = self._coerce(tensor1, "addcmul")
+        return self + (t1 * value if value != 1 else t1) * self._coerce(tensor2, "addcmul")
+
+    def addcdiv(self, tensor1, tensor2, *, value=1) -> Tensor:
+        """self + value * tensor1 / tensor2 (the three broadcast), as torch.addcdiv; integer
+        tensor1 and tensor2 are refused, as torch's (their quotient would truncate there)."""
+        t1, t2 = self._coerce(tensor1, "addcdiv"), self._coerce(tensor2, "addcdiv")
+        if not (t1.dtype.is_floating_point or t2.dtype.is_floating_point):
+            raise TypePromotionError("Integer division with addcdiv is no longer supported, "
+                                     "and in a future release addcdiv will perform a true "
+                                     "division of tensor1 and tensor2 (torch's message): cast "
+                                     "them to a float")
+        return self + (t1 * value if value != 1 else t1) / t2
+
+    def hypot(self, other) -> Tensor:
+        """sqrt(self^2 + other^2), as torch.hypot (float tensors; no rescaling, so squares past
+        the dtype's range overflow where torch's would not)."""
+        x, y = self._float_operands(other, what="hypot")
+        return (x * x + y * y).sqrt()
+
+    def logaddexp(self, other) -> Tensor:
+        """log(exp(self) + exp(other)) without overflow, as torch.logaddexp: max(a, b) +
+        log1p(exp(-|a - b|)); equal infinities give themselves (their difference, NaN, is
+        taken as 0), and the gradient at a tie is half each, as torch's."""
+        a, b = self._float_operands(other, what="logaddexp")
+        tie = a.isinf() & (a == b)
+        d = (a - b).masked_fill(tie, 0.0)
+        return a.maximum(b) + (-d.abs()).exp().log1p()
+
+    def xlogy(self, other) -> Tensor:
+        """self * log(other), 0 where self is 0 (unless other is NaN), as torch.xlogy; other
+        may be a Python number. Where self is 0 and other <= 0 or +inf (places the product
+        would be NaN), other is replaced by 1, so the result and self's gradient are 0 there,
+        as torch's (torch gives other a NaN gradient at other == 0; this gives 0)."""
+        x, y = self._float_operands(other, what="xlogy")
+        if _is_scalar(y):
+            if math.isnan(y) or 0 < y < math.inf:
+                return x * (y if math.isnan(y) else math.log(y))
+            log_y = -math.inf if y == 0 else math.inf if y == math.inf else math.nan
+            return (x * log_y).masked_fill(x == 0, 0.0)
+        bad = (x == 0) & ((y <= 0) | (y == math.inf))
+        return x * y.masked_fill(bad, 1.0).log()
+
+    def float_power(self, exponent) -> Tensor:
+        """self ** exponent in float64, as torch.float_power: both operands are cast to
+        float64 first and the result is float64 (the cuda backend's elementwise kernels
+        refuse float64, so there it is refused)."""
+        x = self._cast("float64")
+        return x ** (float(exponent) if _is_scalar(exponent) else
+                     self._coerce(exponent, "float_power")._cast("float64"))
 
     def _coerce_any(self, other, op: str):
         """A Python number as it is, anything else as a tensor of this trace."""
@@ -215,6 +308,18 @@ class _MathMethods:
         product = product if alpha == 1 else product * alpha
         # torch ignores self when beta is 0 (NaN in it does not propagate)
         return product if beta == 0 else (self if beta == 1 else self * beta) + product
+
+    def kron(self, other) -> Tensor:
+        """The Kronecker product, as torch.kron: both viewed with one rank (leading 1s), then
+        one broadcast multiply of (a0, 1, a1, 1, ...) by (1, b0, 1, b1, ...) merged pairwise
+        into (a0 * b0, a1 * b1, ...)."""
+        other = self._coerce(other, "kron")
+        n = max(self.ndim, other.ndim)
+        a = self.reshape(*(1,) * (n - self.ndim), *self.shape)
+        b = other.reshape(*(1,) * (n - other.ndim), *other.shape)
+        y = a.reshape(*(d for s in a.shape for d in (s, 1))) * \
+            b.reshape(*(d for s in b.shape for d in (1, s)))
+        return y.reshape(*(p * q for p, q in zip(a.shape, b.shape)))
 
     def t(self) -> Tensor:
         """The transpose of a matrix; a 0-d or 1-d tensor as it is."""

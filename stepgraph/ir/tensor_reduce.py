@@ -1,13 +1,14 @@
-"""Tensor reductions: sum / mean / prod, max / min / amax / amin / argmax / argmin, topk /
-sort / median, var / std / logsumexp, cumsum and the vector norms (`norm`, and
-`_vector_norm` for F.normalize). Attached to Tensor when this module is imported
-(ir/tensor.py `attach_methods`).
+"""Tensor reductions: sum / mean / prod, max / min / amax / amin / aminmax / argmax /
+argmin, topk / sort / median, var / std / logsumexp, count_nonzero, cumsum and the vector
+norms (`norm`, dist, renorm, and `_vector_norm` for F.normalize). Attached to Tensor when
+this module is imported (ir/tensor.py `attach_methods`).
 """
 from __future__ import annotations
 
 import math
 import numbers
 
+from ..errors import ShapeError
 from .tensor import Tensor, _dim, _dims, _is_scalar, attach_methods
 from .tensor_cast import dtype_name
 
@@ -91,6 +92,21 @@ class _ReduceMethods:
     def all(self, dim=None, keepdim: bool = False) -> Tensor:
         """True where every element along `dim` (None: all) is nonzero, as torch.all."""
         return self._truth()._cast("float32").amin(() if dim is None else dim, keepdim) > 0
+
+    def aminmax(self, *, dim=None, keepdim: bool = False):
+        """(min, max) over `dim` (an int; None: every element), as torch.aminmax: a
+        torch.return_types.aminmax with `.min` and `.max`; keepdim with dim None keeps every
+        axis with length 1, as torch's."""
+        if dim is not None and not isinstance(dim, numbers.Integral):
+            raise TypeError(f"aminmax: dim must be an int or None, got {dim!r}")
+        from .. import return_types
+        return return_types.aminmax(self.amin(() if dim is None else dim, keepdim),
+                                    self.amax(() if dim is None else dim, keepdim))
+
+    def count_nonzero(self, dim=None) -> Tensor:
+        """The int64 count of nonzero elements (NaN counts) over `dim` (None: all; an int or a
+        tuple), as torch.count_nonzero."""
+        return self._truth().sum(dim)
 
     def max(self, dim=None, keepdim: bool = False):
         """The maximum of all elements; with an int `dim` (values, indices) along it, as
@@ -246,6 +262,25 @@ class _ReduceMethods:
         if dtype is not None:
             return self.to(dtype).norm(p, dim, keepdim)
         return _vector_norm(self, p, dim, keepdim, eps=0.0)
+
+    def dist(self, other, p=2) -> Tensor:
+        """The p-norm of self - other (broadcast) over every element, as torch.dist."""
+        return _vector_norm(self - self._coerce(other, "dist"), p, None, False, eps=0.0)
+
+    def renorm(self, p, dim: int, maxnorm) -> Tensor:
+        """Each slice along `dim` whose p-norm (over the other axes) exceeds maxnorm scaled
+        to norm maxnorm, as torch.renorm: by maxnorm / (norm + 1e-7), torch's factor; the
+        others as they are. The factor is differentiated, as torch's backward does."""
+        d = _dim(dim, self.ndim, "renorm")
+        if not _is_scalar(p) or p <= 0:
+            raise ShapeError(f"renorm: non-positive-norm not supported (p={p!r})")
+        if self.ndim <= 1:
+            raise ShapeError(f"renorm: input needs at least 2 dimensions, got {self.ndim} "
+                             "dimensions")
+        rest = tuple(i for i in range(self.ndim) if i != d)
+        norm = _vector_norm(self, p, rest, True, eps=0.0)
+        scale = (maxnorm / (norm + 1e-7)).masked_fill(norm <= maxnorm, 1.0)
+        return self * scale
 
 
 def attach(cls: type) -> None:

@@ -1,5 +1,6 @@
 """Tensor elements picked by position: x[...] of a traced tensor (ints, slices, None, `...`
-and one integer tensor), index_select, gather, and the out-of-place scatter / scatter_add.
+and one integer tensor), index_select, gather, take_along_dim, and the out-of-place scatter /
+scatter_add.
 Attached to Tensor when this module is imported (ir/tensor.py `attach_methods`);
 ir/tensor_indexing.py adds index assignment and an eager tensor's NumPy reads on top.
 """
@@ -121,6 +122,34 @@ class _SelectMethods:
             if axis != d and n != x.shape[axis]:
                 x = x.narrow(axis, 0, n)
         return self.tracer.op("gather", [x, index], dim=d)
+
+    def take_along_dim(self, indices, dim=None) -> Tensor:
+        """Elements at `indices` along `dim`, as torch.take_along_dim: gather after x and
+        indices are broadcast to each other off `dim` (dim None: of the flattened tensor);
+        a negative index counts from the end, as torch's (gather's would not)."""
+        indices = self._coerce(indices, "take_along_dim")
+        if indices.dtype not in ("int64", "int32"):
+            raise ShapeError(f"take_along_dim(): dtype of indices should be Long but got "
+                             f"{indices.dtype}")
+        if dim is None:
+            return self.reshape(-1).take_along_dim(indices.reshape(-1), 0)
+        d = _dim(dim, self.ndim, "take_along_dim")
+        indices = indices + (indices < 0)._cast(indices.dtype) * self.shape[d]
+        if indices.ndim != self.ndim:
+            raise ShapeError(f"torch.take_along_dim(): input and indices should have the same "
+                             f"number of dimensions, but got {self.ndim} dimensions for input, "
+                             f"and {indices.ndim} dimensions for indices")
+        shape = []
+        for axis, (n, m) in enumerate(zip(self.shape, indices.shape)):
+            if axis != d and n != m and 1 not in (n, m):
+                raise ShapeError(f"take_along_dim: input {list(self.shape)} and indices "
+                                 f"{list(indices.shape)} do not broadcast at dim {axis}")
+            shape.append(max(n, m) if n and m else 0)
+        x = self.expand(*(n if a == d else s for a, (n, s) in enumerate(zip(self.shape,
+                                                                             shape))))
+        index = indices.expand(*(m if a == d else s for a, (m, s) in
+                                 enumerate(zip(indices.shape, shape))))
+        return x.gather(d, index)
 
     def scatter_add(self, dim: int, index, src) -> Tensor:
         """x with src[p] added at x[p with axis `dim` replaced by index[p]] for every p of

@@ -1,7 +1,8 @@
 """Tensor shape methods: views (reshape / view, flatten, unflatten, unsqueeze, squeeze,
 view_as), axis orders (permute, transpose, .T, movedim), broadcasts and tiles (expand,
-repeat, repeat_interleave), slicing along an axis (narrow, split, chunk, unbind), roll, flip
-and tril / triu. Attached to Tensor when this module is imported (ir/tensor.py
+broadcast_to, repeat, tile, repeat_interleave), slicing along an axis (narrow, select, split,
+tensor_split, chunk, unbind, diff), roll, flip / flipud / fliplr / rot90, diagonals (diagonal,
+diag) and tril / triu. Attached to Tensor when this module is imported (ir/tensor.py
 `attach_methods`).
 """
 from __future__ import annotations
@@ -13,7 +14,8 @@ import operator
 import numpy as np
 
 from ..errors import ShapeError
-from .tensor import Tensor, _dim, _dims, _shape_args, attach_methods
+from .promotion import result_type
+from .tensor import Tensor, _dim, _dims, _is_scalar, _shape_args, attach_methods
 from .trace import tensor_of
 
 
@@ -112,6 +114,36 @@ class _ShapeMethods:
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         return tuple(self.narrow(d, s, k) for s, k in zip(starts, sizes))
 
+    def tensor_split(self, indices_or_sections, dim: int = 0) -> tuple[Tensor, ...]:
+        """Pieces along `dim`, as torch.tensor_split: an int n gives n pieces, the first
+        size % n one longer (NumPy's array_split); a list of indices (or a 1-d integer
+        tensor of known values) cuts before each, indices past the end giving empty pieces."""
+        d = _dim(dim, self.ndim, "tensor_split")
+        size = self.shape[d]
+        cuts = indices_or_sections
+        if isinstance(cuts, Tensor):        # torch takes a 0-d tensor as sections too
+            if cuts.dtype.is_floating_point or cuts.ndim > 1:
+                raise ShapeError("tensor_split expected tensor_indices_or_sections to have "
+                                 f"integral dtype and be 0-d or 1-d, got {cuts.dtype} of "
+                                 f"{list(cuts.shape)}")
+            if not cuts.is_eager:
+                self._unsupported("tensor_split with a traced tensor of indices_or_sections "
+                                  "(the pieces' sizes would depend on its values; pass a list "
+                                  "of ints or an eager tensor)")
+            cuts = int(cuts.item()) if cuts.ndim == 0 else [int(i) for i in cuts.tolist()]
+        if isinstance(cuts, numbers.Integral):
+            n = int(cuts)
+            if n <= 0:
+                raise ShapeError(f"tensor_split: number of sections must be greater than 0, "
+                                 f"but got {n}")
+            lengths = [size // n + (i < size % n) for i in range(n)]
+            cuts = [sum(lengths[:i + 1]) for i in range(n - 1)]
+        bounds = [0, *(int(c) for c in cuts), size]
+        # torch clamps each cut into [0, size]; a piece ends no earlier than it starts
+        bounds = [min(max(b if b >= 0 else b + size, 0), size) for b in bounds]
+        return tuple(self.narrow(d, lo, max(hi - lo, 0))
+                     for lo, hi in zip(bounds, bounds[1:]))
+
     def chunk(self, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
         """`chunks` pieces along `dim` of ceil(size / chunks) each (fewer when that covers
         the axis sooner), as torch.chunk."""
@@ -124,6 +156,53 @@ class _ShapeMethods:
         """The slices along `dim`, each without that axis, as torch.unbind."""
         d = _dim(dim, self.ndim, "unbind")
         return tuple(self.narrow(d, i, 1).squeeze(d) for i in range(self.shape[d]))
+
+    def select(self, dim: int, index: int) -> Tensor:
+        """The slice at `index` (negative counts from the end) along `dim`, without that
+        axis, as torch.select (x[..., index, ...])."""
+        d = _dim(dim, self.ndim, "select")
+        if self.ndim == 0:
+            raise IndexError("select() cannot be applied to a 0-dim tensor.")
+        n, i = self.shape[d], operator.index(index)
+        if not -n <= i < n:
+            raise IndexError(f"select(): index {i} out of range for tensor of size "
+                             f"{list(self.shape)} at dimension {d}")
+        return self.narrow(d, i % n, 1).squeeze(d)
+
+    def diff(self, n: int = 1, dim: int = -1, prepend=None, append=None) -> Tensor:
+        """The n-th forward difference along `dim`, after prepend and append (tensors of
+        x's rank, joined along dim) are added, as torch.diff: each pass x[1:] - x[:-1]
+        (logical xor for bool tensors). n = 0 gives the input as it is (prepend and append
+        not joined), as torch's."""
+        if self.ndim == 0:
+            raise ShapeError("diff expects input to be at least one-dimensional")
+        if int(n) < 0:
+            raise ShapeError(f"order must be non-negative but got {int(n)}")
+        if int(n) == 0:
+            return self
+        d = _dim(dim, self.ndim, "diff")
+        parts = []
+        for extra in (prepend, self, append):
+            if extra is None:
+                continue
+            if _is_scalar(extra):
+                raise TypeError(f"diff(): argument 'prepend' / 'append' must be Tensor, not "
+                                f"{type(extra).__name__}")
+            extra = self._coerce(extra, "diff")
+            if extra.ndim != self.ndim:
+                raise ShapeError("diff expects prepend or append to be the same dimension as "
+                                 "input")
+            parts.append(extra)
+        dtype = result_type(*parts)             # joined as torch.cat promotes
+        parts = [p._cast(dtype) for p in parts]
+        y = parts[0] if len(parts) == 1 else self.tracer.op("concat", parts, dim=d)
+        for _ in range(int(n)):
+            m = y.shape[d]
+            if m == 0:
+                break
+            a, b = y.narrow(d, 1, m - 1), y.narrow(d, 0, m - 1)
+            y = a.logical_xor(b) if y.dtype == "bool" else a - b
+        return y
 
     def unsqueeze(self, dim: int) -> Tensor:
         """A view with a new axis of size 1 at `dim` (in [-ndim - 1, ndim])."""
@@ -170,6 +249,29 @@ class _ShapeMethods:
 
     def expand_as(self, other) -> Tensor:
         return self.expand(*other.shape)
+
+    def broadcast_to(self, *shape) -> Tensor:
+        """This tensor broadcast to `shape` (-1 keeps an axis), as torch.broadcast_to: only
+        axes of length 1 grow, and new ones go in front."""
+        shape = tuple(int(s) for s in _shape_args(shape))
+        lead = len(shape) - self.ndim
+        if lead < 0:
+            raise ShapeError(f"broadcast_to: the number of sizes provided ({len(shape)}) must "
+                             f"be greater or equal to the number of dimensions in the tensor "
+                             f"({self.ndim})")
+        for i, n in enumerate(self.shape):
+            if n != 1 and shape[lead + i] not in (n, -1):
+                raise ShapeError(f"broadcast_to: the expanded size of the tensor "
+                                 f"({shape[lead + i]}) must match the existing size ({n}) at "
+                                 f"non-singleton dimension {lead + i}: target "
+                                 f"{list(shape)}, tensor {list(self.shape)}")
+        return self.expand(*shape)
+
+    def tile(self, *dims) -> Tensor:
+        """The tensor tiled `dims` times along its axes, as torch.tile: repeat, with 1s in
+        front of dims when it names fewer axes than the tensor has."""
+        dims = tuple(int(d) for d in _shape_args(dims))
+        return self.repeat(*(1,) * (self.ndim - len(dims)), *dims)
 
     def repeat(self, *sizes) -> Tensor:
         """The tensor tiled `sizes` times along each axis, as torch.Tensor.repeat: viewed as
@@ -223,6 +325,76 @@ class _ShapeMethods:
             if self.shape[d] > 1:
                 y = y.index_select(d, tensor_of(np.arange(self.shape[d] - 1, -1, -1)))
         return y
+
+    def flipud(self) -> Tensor:
+        """The order along axis 0 reversed, as torch.flipud (at least 1-d)."""
+        if self.ndim < 1:
+            raise ShapeError("flipud: input must be >= 1-d.")
+        return self.flip(0)
+
+    def fliplr(self) -> Tensor:
+        """The order along axis 1 reversed, as torch.fliplr (at least 2-d)."""
+        if self.ndim < 2:
+            raise ShapeError("fliplr: input must be >= 2-d.")
+        return self.flip(1)
+
+    def rot90(self, k: int = 1, dims=(0, 1)) -> Tensor:
+        """Rotated by 90 degrees k times in the plane of `dims`, from the first axis towards
+        the second, as torch.rot90: a flip and a transpose (k mod 4)."""
+        dims = tuple(dims)
+        if len(dims) != 2:
+            raise ShapeError(f"expected total rotation dims == 2, but got dims = {len(dims)}")
+        if self.ndim < 2:
+            raise ShapeError(f"expected total dims >= 2, but got total dims = {self.ndim}")
+        a, b = _dim(dims[0], self.ndim, "rot90"), _dim(dims[1], self.ndim, "rot90")
+        if a == b:
+            raise ShapeError(f"expected rotation dims to be different, but got dim0 = {a} "
+                             f"and dim1 = {b}")
+        k = int(k) % 4
+        if k == 1:
+            return self.flip(b).transpose(a, b)
+        if k == 2:
+            return self.flip(a, b)
+        return self.flip(a).transpose(a, b) if k == 3 else self
+
+    def diagonal(self, offset: int = 0, dim1: int = 0, dim2: int = 1) -> Tensor:
+        """The diagonal `offset` (above the main one if positive) of the planes of axes dim1
+        and dim2, as a last axis, as torch.diagonal: those axes moved last and merged, then
+        one strided slice (step = the row length + 1), a copy rather than torch's view."""
+        a, b = _dim(dim1, self.ndim, "diagonal"), _dim(dim2, self.ndim, "diagonal")
+        if a == b:
+            raise ShapeError(f"diagonal dimensions cannot be identical {dim1}, {dim2}")
+        rows, cols = self.shape[a], self.shape[b]
+        offset = int(offset)
+        length = max(min(rows, cols - offset) if offset >= 0 else min(rows + offset, cols), 0)
+        rest = [i for i in range(self.ndim) if i not in (a, b)]
+        flat = self.permute(*rest, a, b).reshape(*(self.shape[i] for i in rest), rows * cols)
+        if length == 0:
+            return flat.narrow(-1, 0, 0)
+        start = offset if offset >= 0 else -offset * cols
+        return self.tracer.op("slice", [flat], dim=flat.ndim - 1, start=start,
+                              stop=start + (length - 1) * (cols + 1) + 1, step=cols + 1)
+
+    def diag(self, diagonal: int = 0) -> Tensor:
+        """torch.diag: of a matrix its diagonal `diagonal` (1-d); of a vector the square
+        matrix with it on that diagonal, zeros elsewhere: the vector as a column beside a
+        block of zeros, flattened, so that row i's element lands i * (size + 1) places on,
+        with the zeros before and after it joined (no scatter)."""
+        k = int(diagonal)
+        if self.ndim == 2:
+            return self.diagonal(k)
+        if self.ndim != 1:
+            raise ShapeError(f"diag(): Supports 1D or 2D tensors. Got {self.ndim}D")
+        n = self.shape[0]
+        size = n + abs(k)
+        rows = self.tracer.op("concat", [self.reshape(n, 1), self.new_zeros((n, size))],
+                              dim=1).reshape(n * (size + 1))
+        lead = k if k >= 0 else -k * size
+        parts = [self.new_zeros((lead,)), rows] if lead else [rows]
+        if lead + n * (size + 1) < size * size:
+            parts.append(self.new_zeros((size * size - lead - n * (size + 1),)))
+        flat = parts[0] if len(parts) == 1 else self.tracer.op("concat", parts, dim=0)
+        return flat.narrow(0, 0, size * size).reshape(size, size)
 
     def movedim(self, source, destination) -> Tensor:
         """Axes `source` (int or tuple) moved to positions `destination`, the others kept in

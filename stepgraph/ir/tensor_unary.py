@@ -1,10 +1,16 @@
 """Tensor's elementwise math (ops/unary.py: exp, log, sqrt, abs, sign, sin, floor, round,
-...), the activations relu / sigmoid / tanh / softmax / log_softmax, and maximum / minimum /
-clamp. Attached to Tensor when this module is imported (ir/tensor.py `attach_methods`).
+...; frac, sinc, nan_to_num and heaviside composed of them), the activations relu / sigmoid /
+tanh / softmax / log_softmax, and maximum / minimum / clamp. Attached to Tensor when this
+module is imported (ir/tensor.py `attach_methods`).
 """
 from __future__ import annotations
 
-from ..errors import ShapeError
+import math
+
+import numpy as np
+
+from ..errors import ShapeError, TypePromotionError
+from .promotion import DEFAULT_FLOAT
 from .tensor import Tensor, _dim, _is_scalar, attach_methods
 
 
@@ -102,6 +108,46 @@ class _UnaryMethods:
 
     def neg(self) -> Tensor:
         return -self
+
+    # ---- composed elementwise functions ----
+    def frac(self) -> Tensor:
+        """x - trunc(x): the fractional part with x's sign, as torch.frac (gradient 1)."""
+        return self - self.trunc()
+
+    def sinc(self) -> Tensor:
+        """sin(pi x) / (pi x), 1 at x == 0, as torch.sinc (integer tensors give the default
+        float). Zeros are replaced by 1 before the division, so their gradient is 0, as
+        torch's, and no 0 / 0 reaches the backward."""
+        x = self if self.dtype.is_floating_point else self._cast(DEFAULT_FLOAT)
+        zero = x == 0
+        px = x.masked_fill(zero, 1.0) * math.pi
+        return (px.sin() / px).masked_fill(zero, 1.0)
+
+    def nan_to_num(self, nan: float = 0.0, posinf=None, neginf=None) -> Tensor:
+        """NaN, +inf and -inf replaced by `nan`, `posinf` and `neginf`, as torch.nan_to_num;
+        the infinities default to the dtype's largest and lowest finite values. Integer and
+        bool tensors hold none and come back as they are. No gradient reaches the replaced
+        places (torch's: grad * isfinite(x))."""
+        if not self.dtype.is_floating_point:
+            return self
+        big = float(np.finfo(np.float32 if self.value.dtype == "bfloat16" else
+                             self.value.dtype).max)
+        if self.value.dtype == "bfloat16":      # bfloat16's own largest, 0x7F7F
+            big = 3.3895313892515355e38
+        y = self.masked_fill(self.isnan(), nan)
+        y = y.masked_fill(self.isposinf(), big if posinf is None else posinf)
+        return y.masked_fill(self.isneginf(), -big if neginf is None else neginf)
+
+    def heaviside(self, values) -> Tensor:
+        """0 where x < 0, `values` (broadcast) where x == 0, 1 where x > 0 (NaN gives 0), as
+        torch.heaviside; values must be a tensor of x's dtype, as torch's. No gradient (torch
+        has none)."""
+        values = self._coerce(values, "heaviside")
+        if values.dtype != self.dtype:
+            raise TypePromotionError("heaviside is not yet implemented for tensors with "
+                                     "different dtypes.")
+        step = (self > 0)._cast(self.dtype)
+        return values.detach().where(self == 0, step)
 
     negative = neg
 

@@ -117,7 +117,8 @@ OPS = {
         "square", "floor", "ceil", "round", "trunc", "reciprocal", "maximum", "minimum",
         "clamp", "clamp_min", "clamp_max", "lt", "le", "gt", "ge", "eq", "ne", "logical_and",
         "logical_or", "logical_xor", "logical_not", "isnan", "isinf", "isposinf", "isneginf",
-        "isfinite", "isclose", "all", "any")},
+        "isfinite", "isclose", "all", "any", "lerp", "addcmul", "addcdiv", "hypot", "logaddexp",
+        "xlogy", "frac", "fmod", "float_power", "nan_to_num", "heaviside", "sinc")},
     ("where", ""): lambda x, condition, other: M.where(condition, x, other),
     ("masked_fill", ""): _method("masked_fill"),
     # joining, splitting and viewing
@@ -178,6 +179,15 @@ OPS = {
     ("addmm", "decomposed"): TS.addmm,
     **{("norm", p): TS.norm for p in ("", "fro", "inf")},
     ("einsum", ""): lambda tensors, equation: TS.einsum(equation, *tensors),
+    # composed reductions, shapes and joins (functions/tensors.py)
+    **{(name, ""): getattr(TS, name) for name in (
+        "count_nonzero", "aminmax", "dist", "diff", "renorm", "tile", "broadcast_to",
+        "broadcast_tensors", "flipud", "fliplr", "rot90", "vstack", "hstack", "dstack",
+        "column_stack", "atleast_1d", "atleast_2d", "atleast_3d", "select", "take_along_dim",
+        "tensor_split", "diagonal", "diag", "cartesian_prod", "block_diag", "kron", "var_mean",
+        "std_mean")},
+    ("var_mean", "unbiased"): TS.var_mean,
+    ("std_mean", "unbiased"): TS.std_mean,
     ("div", "floor_rounding"): _method("div"),
     ("div", "trunc_rounding"): _method("div"),
     # new tensors (not new_empty: its values are whatever memory held) and casts
@@ -549,12 +559,19 @@ REFUSALS: dict[str, tuple[Refusal, ...]] = {
                dataclasses.replace(_FLOAT64_CUDA, applies=lambda s, r: r.device == "cuda")),
     # (every sample of double and of softmin's with_dtype variant on cuda: CUDA_REFUSED_OPS)
     "nn.functional.softmin": (_FLOAT64_CUDA,),
+    # float_power computes and returns float64, as torch's: every sample on cuda
+    "float_power": (dataclasses.replace(_FLOAT64_CUDA, applies=lambda s, r: r.device == "cuda"),
+                    ),
     "gather": (
         Refusal("a uint8 index", lambda s, r: _arg(s, 1).dtype == torch.uint8, S,
                 "index must be int32 or int64"),
         Refusal("an index of another rank than the input (an empty (2, 0) index of a (5,) "
                 "input)", lambda s, r: s.input.ndim and _arg(s, 1).ndim != s.input.ndim, S,
                 "must have the rank of"),),
+    "tensor_split": (
+        Refusal("a 1-d tensor of indices (a graph input: the pieces' sizes would depend on its "
+                "values)", lambda s, r: isinstance(_arg(s, 0), torch.Tensor) and
+                _arg(s, 0).ndim == 1, U, "a traced tensor of indices_or_sections"),),
     "cat": (
         Refusal("a 1-d empty (0,) tensor beside tensors of higher rank (torch's legacy skip)",
                 lambda s, r: any(t.shape == (0,) for t in s.input) and
@@ -581,6 +598,11 @@ KNOWN: dict[tuple[str, torch.dtype], tuple[Known, ...]] = {
               "the gradient of a 0-d exponent sums x^y * log(x) over terms that cancel: "
               "1.15x past the bound scaled down from torch float32's error (float64 has no "
               "finer reference to show the true one)"),),
+    ("float_power", torch.float64): (
+        Known("sample 1: a (5,) base with a 0-d tensor exponent", lambda s, r: r.index == 1,
+              "pow's (the same float64 pow): the gradient of a 0-d exponent sums x^y * log(x) "
+              "over terms that cancel, 1.15x past the bound scaled down from torch float32's "
+              "error"),),
     ("nn.functional.nll_loss", torch.float32): (
         Known("samples 33 and 53: a (2, 3, 2, 2) input (the composed path), reduction "
               "'mean' and 'sum'", lambda s, r: r.index in (33, 53) and r.device == "cpu",
@@ -600,8 +622,10 @@ KNOWN_CUDA: dict[str, tuple[Known, ...]] = {
 }
 
 # Ops whose every sample is refused on the cuda backend, each checked to stay refused there:
-# a float64 result, which the cuda backend's elementwise kernels do not compute
-CUDA_REFUSED_OPS = {("double", ""), ("nn.functional.softmin", "with_dtype")}
+# a float64 result (float_power's always), which the cuda backend's elementwise kernels do
+# not compute
+CUDA_REFUSED_OPS = {("double", ""), ("nn.functional.softmin", "with_dtype"),
+                    ("float_power", "")}
 
 
 def _random(sample) -> str | None:
