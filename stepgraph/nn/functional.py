@@ -31,6 +31,38 @@ def linear(input: Tensor, weight, bias=None) -> Tensor:
     return y if input.ndim == 2 else y.reshape(*input.shape[:-1], w.shape[0])
 
 
+def bilinear(input1: Tensor, input2: Tensor, weight, bias=None) -> Tensor:
+    """y_k = input1 @ weight[k] @ input2 + bias_k over any leading dims (the same in both
+    inputs), weight (out, in1, in2), bias (out,), as torch.nn.functional.bilinear (torch's
+    shape errors). Composed: one matmul of input1 with the weight laid out as (in1, out *
+    in2), then a product with input2 summed over in2, so no (in1 * in2) outer product is
+    held per row; the gradients follow from the matmul's and the product's."""
+    w, b = _traced(input1, weight), _traced(input1, bias)
+    input2 = _traced(input1, input2)
+    if input1.ndim != input2.ndim:
+        raise ShapeError(f"bilinear(): input dimensions do not match: got {input1.ndim} and "
+                         f"{input2.ndim}")
+    for i, (n1, n2) in enumerate(zip(input1.shape[:-1], input2.shape[:-1])):
+        if n1 != n2:
+            raise ShapeError(f"bilinear(): input batch dimensions do not match at dim {i}: "
+                             f"got {n1} and {n2}")
+    if w.ndim != 3:
+        raise ShapeError(f"bilinear(): weight must be (out, in1, in2), got {w.shape}")
+    out, in1, in2 = w.shape
+    for k, (x, n) in enumerate(((input1, in1), (input2, in2)), start=1):
+        if x.shape[-1] != n:
+            raise ShapeError(f"bilinear(): input{k} size does not match weight size: got "
+                             f"{x.shape[-1]} but expected {n}")
+    if b is not None and b.shape != (out,):
+        raise ShapeError(f"bilinear(): bias size does not match weight size: got "
+                         f"{b.shape[0] if b.ndim else b.shape} but expected {out}")
+    x1, x2 = input1.reshape(-1, in1), input2.reshape(-1, in2)
+    mixed = x1 @ w.permute(1, 0, 2).reshape(in1, out * in2)         # (M, out * in2)
+    y = (mixed.reshape(-1, out, in2) * x2.reshape(-1, 1, in2)).sum(-1)
+    y = y if b is None else y + b
+    return y.reshape(*input1.shape[:-1], out)
+
+
 def activation(x: Tensor, kind: str, slope: float = 0.01) -> Tensor:
     return x.tracer.op("act", [x], kind=kind, slope=float(slope))
 
@@ -112,6 +144,24 @@ def dropout2d(input: Tensor, p: float = 0.5, training: bool = True,
               inplace: bool = False) -> Tensor:
     """Zero whole channels of an (N, C, H, W) input with probability p when training; a 3-d
     input is read as (N, C, L), as torch does (one draw per (N, C) row)."""
+    return _dropout(input, p, training, per_channel=True)
+
+
+def dropout1d(input: Tensor, p: float = 0.5, training: bool = True,
+              inplace: bool = False) -> Tensor:
+    """Zero whole channels of an (N, C, L) input, or of an unbatched (C, L) one, with
+    probability p when training (the rest scaled by 1/(1-p)), as
+    torch.nn.functional.dropout1d: one draw per (N, C) row, dropout2d's per-channel draw of
+    a 3-d input; a 2-d input runs as a batch of one."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+    if input.ndim not in (2, 3):
+        raise ShapeError(f"dropout1d: Expected 2D or 3D input, but received a {input.ndim}D "
+                         "input. Note that dropout1d exists to provide channel-wise dropout on "
+                         "inputs with 1 spatial dimension, a channel dimension, and an optional "
+                         "batch dimension (i.e. 2D or 3D inputs).")
+    if input.ndim == 2:
+        return _dropout(input.reshape(1, *input.shape), p, training, True).reshape(*input.shape)
     return _dropout(input, p, training, per_channel=True)
 
 
@@ -555,6 +605,44 @@ def glu(input: Tensor, dim: int = -1) -> Tensor:
     return a * b.sigmoid()
 
 
+def softsign(input: Tensor) -> Tensor:
+    """x / (1 + |x|), torch's composition."""
+    return input / (input.abs() + 1.0)
+
+
+def tanhshrink(input: Tensor) -> Tensor:
+    """x - tanh(x), torch's composition."""
+    return input - input.tanh()
+
+
+def threshold(input: Tensor, threshold: float, value: float, inplace: bool = False) -> Tensor:
+    """x where x > threshold, else `value`; the gradient passes where x > threshold only, as
+    torch.nn.functional.threshold's."""
+    return input.where(input > float(threshold), float(value))
+
+
+def prelu(input: Tensor, weight) -> Tensor:
+    """x where x > 0, else weight * x, as torch.nn.functional.prelu: weight is one slope or
+    one per channel (dim 1; a 1-d input has one channel), torch's mismatch error."""
+    w = _traced(input, weight)
+    if w.ndim > 1:
+        raise ShapeError(f"prelu: Expected `weight` to be a scalar or 1D tensor, but got: "
+                         f"ndim = {w.ndim}")
+    if w.numel() != 1:
+        if input.ndim == 0:
+            raise ShapeError("Not allow zero-dim input tensor.")
+        channels = input.shape[1] if input.ndim > 1 else 1
+        if channels != w.numel():
+            raise ShapeError(f"Mismatch of parameter numbers and input channel size. Found "
+                             f"parameter numbers = {w.numel()} and channel size = {channels}.")
+    # one slope per channel broadcast along dim 1 (a single slope: to the input's rank, so
+    # a 0-d input stays 0-d)
+    shape = [1] * input.ndim
+    if input.ndim > 1:
+        shape[1] = w.numel()
+    return input.where(input > 0.0, w.reshape(tuple(shape)) * input)
+
+
 # ---- losses: reduction mean / sum / none and class weights, as torch.nn.functional --------
 # The default cases (mean, no weights) keep the fused ops (ops/loss.py); the others are
 # composed of log_softmax, a one-hot of the targets (arange == target) and sums, which
@@ -776,6 +864,165 @@ def kl_div(input: Tensor, target: Tensor, size_average=None, reduce=None,
     return _reduce(loss, reduction)
 
 
+# ---- margin, embedding and likelihood losses, composed as torch's own (aten's loss.cpp and
+# torch.nn.functional's Python): clamps, where()s and sums whose gradients follow from the
+# ops'. Inputs broadcast together, as torch's.
+
+def margin_ranking_loss(input1: Tensor, input2: Tensor, target: Tensor, margin: float = 0.0,
+                        size_average=None, reduce=None, reduction: str = "mean") -> Tensor:
+    """max(0, -target * (input1 - input2) + margin), reduced, as
+    torch.nn.functional.margin_ranking_loss; the three must have one rank (torch's error)."""
+    reduction = _reduction(reduction, size_average, reduce)
+    input2, target = _traced(input1, input2), _traced(input1, target)
+    if not input1.ndim == input2.ndim == target.ndim:
+        raise ShapeError(f"margin_ranking_loss : All input tensors should have same dimension "
+                         f"but got sizes: input1: {input1.shape}, input2: {input2.shape}, "
+                         f"target: {target.shape} ")
+    loss = (-target * (input1 - input2) + float(margin)).clamp(min=0.0)
+    return _reduce(loss, reduction)
+
+
+def hinge_embedding_loss(input: Tensor, target: Tensor, margin: float = 1.0,
+                         size_average=None, reduce=None, reduction: str = "mean") -> Tensor:
+    """x where target == 1, max(0, margin - x) where target == -1, as aten's: the margin term
+    where target != 1 plus x where target != -1 (so another target value gets both)."""
+    reduction = _reduction(reduction, size_average, reduce)
+    target = _traced(input, target)
+    hinge = (float(margin) - input).clamp(min=0.0)
+    loss = hinge.where(target != 1, 0.0) + input.where(target != -1, 0.0)
+    return _reduce(loss, reduction)
+
+
+def _softplus(z: Tensor) -> Tensor:
+    """log(1 + exp(z)) as relu(z) + log1p(exp(-|z|)): no overflow for large z."""
+    return z.relu() + (-z.abs()).exp().log1p()
+
+
+def soft_margin_loss(input: Tensor, target: Tensor, size_average=None, reduce=None,
+                     reduction: str = "mean") -> Tensor:
+    """log(1 + exp(-target * input)), reduced, as torch.nn.functional.soft_margin_loss (in
+    the overflow-free form: torch's log1p(exp(.)) is inf past exp's range)."""
+    reduction = _reduction(reduction, size_average, reduce)
+    return _reduce(_softplus(-_traced(input, target) * input), reduction)
+
+
+def multilabel_soft_margin_loss(input: Tensor, target: Tensor, weight=None, size_average=None,
+                                reduce=None, reduction: str = "mean") -> Tensor:
+    """-(y log sigmoid(x) + (1 - y) log sigmoid(-x)) times `weight`, averaged over the last
+    (class) dim, then reduced over the samples, as
+    torch.nn.functional.multilabel_soft_margin_loss."""
+    reduction = _reduction(reduction, size_average, reduce)
+    target = _traced(input, target)
+    loss = -(target * logsigmoid(input) + (1.0 - target) * logsigmoid(-input))
+    loss = _weighted(loss, weight)
+    classes = input.shape[-1] if input.ndim else 1
+    return _reduce(loss.sum(input.ndim - 1) / float(classes) if input.ndim else loss,
+                   reduction)
+
+
+COSINE_EPSILON = 1e-12      # aten's cosine_embedding_loss: added to each squared norm
+
+
+def cosine_embedding_loss(input1: Tensor, input2: Tensor, target: Tensor, margin: float = 0.0,
+                          size_average=None, reduce=None, reduction: str = "mean") -> Tensor:
+    """1 - cos(x1, x2) where target == 1, max(0, cos(x1, x2) - margin) where target == -1, 0
+    elsewhere, as torch.nn.functional.cosine_embedding_loss: (N, D) inputs with (N,) targets
+    or (D,) with a 0-d one (torch's errors); cos = sum(x1 x2) / sqrt((|x1|^2 + 1e-12)
+    (|x2|^2 + 1e-12)), aten's form."""
+    reduction = _reduction(reduction, size_average, reduce)
+    input2, target = _traced(input1, input2), _traced(input1, target)
+    if target.ndim not in (0, 1):
+        raise ShapeError("0D or 1D target tensor expected, multi-target not supported")
+    want = 2 if target.ndim == 1 else 1
+    if input1.ndim != want or input2.ndim != want:
+        raise ShapeError(f"{target.ndim}D target tensor expects {want}D input tensors, but "
+                         f"found inputs with sizes {list(input1.shape)} and "
+                         f"{list(input2.shape)}.")
+    dim = target.ndim
+    prod = (input1 * input2).sum(dim)
+    norms = ((input1 * input1).sum(dim) + COSINE_EPSILON) * \
+        ((input2 * input2).sum(dim) + COSINE_EPSILON)
+    cos = prod / norms.sqrt()
+    loss = (1.0 - cos).where(target == 1, 0.0) + \
+        (cos - float(margin)).clamp(min=0.0).where(target == -1, 0.0)
+    return _reduce(loss, reduction)
+
+
+def triplet_margin_loss(anchor: Tensor, positive: Tensor, negative: Tensor,
+                        margin: float = 1.0, p: float = 2, eps: float = 1e-6,
+                        swap: bool = False, size_average=None, reduce=None,
+                        reduction: str = "mean") -> Tensor:
+    """max(0, margin + d(a, p) - d(a, n)), d = pairwise_distance(., ., p, eps) over the last
+    dim; swap: d(a, n) replaced by min(d(a, n), d(p, n)), as
+    torch.nn.functional.triplet_margin_loss (torch's checks)."""
+    reduction = _reduction(reduction, size_average, reduce)
+    if margin <= 0:
+        raise ValueError(f"margin must be greater than 0, got {margin}")
+    positive, negative = _traced(anchor, positive), _traced(anchor, negative)
+    if not anchor.ndim == positive.ndim == negative.ndim:
+        raise ShapeError(f"The anchor, positive, and negative tensors are expected to have the "
+                         f"same number of dimensions, but got: anchor {anchor.ndim}D, positive "
+                         f"{positive.ndim}D, and negative {negative.ndim}D inputs")
+    d_pos = pairwise_distance(anchor, positive, p, eps)
+    d_neg = pairwise_distance(anchor, negative, p, eps)
+    if swap:
+        d_neg = d_neg.minimum(pairwise_distance(positive, negative, p, eps))
+    return _reduce((float(margin) + d_pos - d_neg).clamp(min=0.0), reduction)
+
+
+def poisson_nll_loss(input: Tensor, target: Tensor, log_input: bool = True, full: bool = False,
+                     size_average=None, eps: float = 1e-8, reduce=None,
+                     reduction: str = "mean") -> Tensor:
+    """exp(x) - y x (log_input), else x - y log(x + eps); full adds Stirling's term y log y -
+    y + log(2 pi y) / 2 where y > 1, as torch.nn.functional.poisson_nll_loss. The term reads
+    log of max(y, 1) elsewhere, so a target of 0 has a finite gradient (torch's is NaN)."""
+    reduction = _reduction(reduction, size_average, reduce)
+    target = _traced(input, target)
+    if log_input:
+        loss = input.exp() - target * input
+    else:
+        loss = input - target * (input + float(eps)).log()
+    if full:
+        big = target > 1.0
+        y = target.where(big, 1.0)
+        stirling = y * y.log() - y + (y * (2.0 * math.pi)).log() * 0.5
+        loss = loss + stirling.where(big, 0.0)
+    return _reduce(loss, reduction)
+
+
+def gaussian_nll_loss(input: Tensor, target: Tensor, var, full: bool = False,
+                      eps: float = 1e-6, reduction: str = "mean") -> Tensor:
+    """(log(max(var, eps)) + (input - target)^2 / max(var, eps)) / 2, plus log(2 pi) / 2 when
+    full, reduced, as torch.nn.functional.gaussian_nll_loss: var of input's shape, or one
+    short of it (the last dim) or with one dim of 1 (homoscedastic), or a number; torch's
+    errors. The clamp at eps passes the gradient through unchanged, as torch's (it clamps
+    under no_grad). A negative var raises where its values are known (eager or a number);
+    a traced var is not checked (that would read the data during the step)."""
+    target = _traced(input, target)
+    if isinstance(var, (int, float)):
+        if var < 0:
+            raise ValueError("var has negative entry/entries")
+        var = input.new_full(tuple(input.shape), float(var))
+    var = _traced(input, var)
+    if var.is_eager and bool((var < 0.0).any()):
+        raise ValueError("var has negative entry/entries")
+    if var.shape != input.shape:
+        if var.shape == input.shape[:-1]:
+            var = var.unsqueeze(-1)
+        elif not (input.ndim == var.ndim and
+                  sum(v for i, v in zip(input.shape, var.shape) if i != v) == 1):
+            raise ValueError("var is of incorrect size")
+    if reduction not in REDUCTIONS:
+        raise ValueError(reduction + " is not valid")
+    # torch clamps a copy of var in place under no_grad: the value clamped, the gradient as
+    # if unclamped (var - var.detach() is 0 with gradient 1)
+    var = var.clamp(min=float(eps)).detach() + (var - var.detach())
+    loss = (var.log() + (input - target).square() / var) * 0.5
+    if full:
+        loss = loss + 0.5 * math.log(2 * math.pi)
+    return _reduce(loss, reduction)
+
+
 # ---- group and RMS normalisation, composed (their gradients follow from the ops') -----------
 
 def group_norm(input: Tensor, num_groups: int, weight=None, bias=None,
@@ -809,6 +1056,53 @@ def rms_norm(input: Tensor, normalized_shape, weight=None, eps: float | None = N
     y = input * (input.square().mean(dims, keepdim=True) + eps).rsqrt()
     w = _traced(input, weight)
     return y if w is None else y * w
+
+
+def instance_norm(input: Tensor, running_mean=None, running_var=None, weight=None, bias=None,
+                  use_input_stats: bool = True, momentum: float = 0.1,
+                  eps: float = 1e-5) -> Tensor:
+    """Normalise each (n, c) slice of an (N, C, ...) input over its positions, then weight *
+    y + bias per channel, as torch.nn.functional.instance_norm: group_norm with one group per
+    channel (one layer_norm op over N * C rows). With use_input_stats and running_mean /
+    running_var, those are updated in place as torch's: momentum towards the mean over the
+    batch of each instance's mean and of its unbiased variance (running_stats_update, the
+    SyncBatchNorm op, with each instance's position count; its counter is a scratch one, as
+    torch never counts InstanceNorm's batches). use_input_stats=False normalises with the
+    running statistics (BatchNorm's eval form)."""
+    if input.ndim < 2:
+        raise ShapeError(f"instance_norm: input must be (N, C, ...), got {input.shape}")
+    rm, rv = _traced(input, running_mean), _traced(input, running_var)
+    if (rm is None) != (rv is None):
+        raise ValueError("instance_norm: give both running_mean and running_var, or neither")
+    if not use_input_stats:
+        if rm is None:
+            raise ValueError("Expected running_mean and running_var to be defined when "
+                             "use_input_stats is false")
+        return _batch_norm_eval(input, rm, rv, _traced(input, weight), _traced(input, bias),
+                                eps)
+    positions = int(np.prod(input.shape[2:], dtype=np.int64))
+    if positions == 1:
+        raise ValueError(f"Expected more than 1 spatial element when training, got input "
+                         f"size {list(input.shape)}")
+    y = group_norm(input, input.shape[1], weight, bias, eps)
+    if rm is not None:
+        _instance_running_stats(input.detach(), rm, rv, positions, momentum)
+    return y
+
+
+def _instance_running_stats(x: Tensor, rm: Tensor, rv: Tensor, positions: int,
+                            momentum) -> None:
+    """running_mean/var moved towards the batch mean of the instances' means and of their
+    variances: the op scales the biased variance it is given by L / (L - 1), L = positions,
+    so the mean of biased variances becomes the mean of torch's unbiased ones."""
+    rows = x.reshape(x.shape[0], x.shape[1], positions)
+    mean = rows.mean(-1, keepdim=True)
+    var = (rows - mean).square().mean(-1)
+    count = tensor_of(np.array([positions], np.dtype(x.dtype)))
+    x.tracer.op_all("running_stats_update",
+                    [rm, rv, _batches_tracked(x, None, momentum), mean.reshape(*mean.shape[:2])
+                     .mean(0), var.mean(0), count],
+                    momentum=None if momentum is None else float(momentum))
 
 
 # ---- 1-d convolution, transposed convolution, interpolation, adaptive pooling --------------
@@ -890,6 +1184,66 @@ def conv_transpose2d(input: Tensor, weight, bias=None, stride=1, padding=0, outp
     y = input.tracer.op("conv2d_grad_input", [x, w], input_shape=(n, cout, *size),
                         stride=stride, padding=padding, dilation=dilation, groups=int(groups))
     return y if b is None else y + b.reshape(1, cout, 1, 1)
+
+
+def _one_axis(input: Tensor, what: str, run) -> Tensor:
+    """run(x) over x = an (N, C, L) input with a unit axis inserted, (N, C, 1, L), the result
+    back to (N, C', L'); an unbatched (C, L) input as a batch of one, as torch's 1-d pools."""
+    if input.ndim not in (2, 3):
+        raise ShapeError(f"{what}: input must be (N, C, L) or (C, L), got {input.shape}")
+    x = input if input.ndim == 3 else input.reshape(1, *input.shape)
+    y = run(x.reshape(x.shape[0], x.shape[1], 1, x.shape[2]))
+    y = y.reshape(y.shape[0], y.shape[1], y.shape[3])
+    return y if input.ndim == 3 else y.reshape(*y.shape[1:])
+
+
+def max_pool1d(input: Tensor, kernel_size, stride=None, padding=0, dilation=1,
+               ceil_mode: bool = False, return_indices: bool = False) -> Tensor:
+    """Max over windows of the last axis of an (N, C, L) or (C, L) input, as
+    torch.nn.functional.max_pool1d: max_pool2d over a unit height axis (its padding,
+    dilation and ceil_mode rules; the gradient to a window's first maximum)."""
+    k = _single(kernel_size)
+    s = k if stride is None or stride == [] else _single(stride)
+    return _one_axis(input, "max_pool1d", lambda x: max_pool2d(
+        x, (1, k), (1, s), (0, _single(padding)), (1, _single(dilation)), ceil_mode,
+        return_indices))
+
+
+def avg_pool1d(input: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bool = False,
+               count_include_pad: bool = True) -> Tensor:
+    """Mean over windows of the last axis of an (N, C, L) or (C, L) input (zero padding,
+    counted when count_include_pad), as torch.nn.functional.avg_pool1d: avg_pool2d over a
+    unit height axis; ceil_mode is refused, as avg_pool2d's."""
+    if ceil_mode:
+        raise UnsupportedOpError("avg_pool1d with ceil_mode=True is not supported")
+    k = _single(kernel_size)
+    s = k if stride is None or stride == [] else _single(stride)
+    return _one_axis(input, "avg_pool1d", lambda x: avg_pool2d(
+        x, (1, k), (1, s), (0, _single(padding)), False, count_include_pad))
+
+
+def adaptive_avg_pool1d(input: Tensor, output_size) -> Tensor:
+    """Average pooling of the last axis of an (N, C, L) or (C, L) input to `output_size`
+    over torch's bins, as torch.nn.functional.adaptive_avg_pool1d: adaptive_avg_pool2d to
+    (1, output_size) over a unit height axis."""
+    out = _single(output_size)
+    return _one_axis(input, "adaptive_avg_pool1d",
+                     lambda x: adaptive_avg_pool2d(x, (1, out)))
+
+
+def conv_transpose1d(input: Tensor, weight, bias=None, stride=1, padding=0, output_padding=0,
+                     groups: int = 1, dilation=1) -> Tensor:
+    """Transposed 1-D convolution of an (N, Cin, L) or (Cin, L) input with weight (Cin,
+    Cout/groups, k) and an optional bias (Cout,), as torch.nn.functional.conv_transpose1d:
+    conv_transpose2d over a unit height axis."""
+    w = _traced(input, weight)
+    if w.ndim != 3:
+        raise ShapeError(f"conv_transpose1d: weight must be (Cin, Cout/groups, k), got "
+                         f"{w.shape}")
+    w = w.reshape(w.shape[0], w.shape[1], 1, w.shape[2])
+    return _one_axis(input, "conv_transpose1d", lambda x: conv_transpose2d(
+        x, w, bias, (1, _single(stride)), (0, _single(padding)), (0, _single(output_padding)),
+        groups, (1, _single(dilation))))
 
 
 def _out_size(size, scale_factor, recompute: bool, shape: tuple[int, ...], what: str):
