@@ -13,8 +13,14 @@ from .layers import (ConstantPad1d, ConstantPad2d, CosineSimilarity, PairwiseDis
                      PixelShuffle, PixelUnshuffle, ReflectionPad1d, ReflectionPad2d,
                      ReplicationPad1d, ReplicationPad2d, Softmax, Softmin, Unflatten, ZeroPad2d)
 from .layers import AdaptiveAvgPool3d, AvgPool3d, BatchNorm3d, Conv3d, MaxPool3d
+from .layers import (AdaptiveAvgPool1d, AvgPool1d, Bilinear, ConvTranspose1d, Dropout1d,
+                     InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, MaxPool1d, PReLU, Softsign,
+                     Tanhshrink, Threshold)
 from .loss_modules import (BCELoss, BCEWithLogitsLoss, CrossEntropyLoss, HuberLoss, KLDivLoss,
                            L1Loss, MSELoss, NLLLoss, SmoothL1Loss)
+from .loss_modules import (CosineEmbeddingLoss, GaussianNLLLoss, HingeEmbeddingLoss,
+                           MarginRankingLoss, MultiLabelSoftMarginLoss, PoissonNLLLoss,
+                           SoftMarginLoss, TripletMarginLoss)
 from .module import Buffer, Module, Parameter
 from .recurrent import GRU, LSTM, RNN, GRUCell, LSTMCell, RNNBase, RNNCell, RNNCellBase
 from .sync_batch_norm import SyncBatchNorm
@@ -37,7 +43,12 @@ __all__ = ["Module", "Parameter", "Linear", "Conv2d", "MaxPool2d", "Flatten", "D
            "RNNBase", "RNN", "LSTM", "GRU", "RNNCellBase", "RNNCell", "LSTMCell", "GRUCell",
            "Conv3d", "BatchNorm3d", "MaxPool3d", "AvgPool3d", "AdaptiveAvgPool3d",
            "SyncBatchNorm", "Transformer", "TransformerEncoder", "TransformerEncoderLayer",
-           "TransformerDecoder", "TransformerDecoderLayer"]
+           "TransformerDecoder", "TransformerDecoderLayer",
+           "Softsign", "Tanhshrink", "Threshold", "PReLU", "Dropout1d", "Bilinear", "MaxPool1d",
+           "AvgPool1d", "AdaptiveAvgPool1d", "ConvTranspose1d", "InstanceNorm1d",
+           "InstanceNorm2d", "InstanceNorm3d", "MarginRankingLoss", "HingeEmbeddingLoss",
+           "SoftMarginLoss", "MultiLabelSoftMarginLoss", "CosineEmbeddingLoss",
+           "TripletMarginLoss", "PoissonNLLLoss", "GaussianNLLLoss"]
 
 
 def __getattr__(name: str):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 
@@ -385,6 +386,13 @@ class Dropout(Module):
 class Dropout2d(Dropout):
     """Zeroes whole channels of an (N, C, H, W) input."""
     per_channel = True
+
+
+class Dropout1d(Dropout):
+    """Zeroes whole channels of an (N, C, L) or unbatched (C, L) input (F.dropout1d)."""
+
+    def forward(self, x):
+        return F.dropout1d(x, self.p, self.training)
 
 
 class _Activation(Module):
@@ -928,3 +936,193 @@ class ReplicationPad1d(ReflectionPad1d):
 
 class ReplicationPad2d(ReplicationPad1d):
     axes = 2
+
+
+# ---- more activations, PReLU, Bilinear, 1-d pooling and transposed convolution, InstanceNorm --
+
+class Softsign(_Composed):
+    fn = staticmethod(F.softsign)
+
+
+class Tanhshrink(_Composed):
+    fn = staticmethod(F.tanhshrink)
+
+
+class Threshold(Module):
+    """F.threshold: x where x > threshold, else value."""
+
+    def __init__(self, threshold: float, value: float, inplace: bool = False):
+        super().__init__()
+        self.threshold, self.value, self.inplace = threshold, value, bool(inplace)
+
+    def forward(self, x):
+        return F.threshold(x, self.threshold, self.value)
+
+    def extra_repr(self):
+        return f"threshold={self.threshold}, value={self.value}" + (
+            ", inplace=True" if self.inplace else "")
+
+
+class PReLU(Module):
+    """F.prelu with a learned slope: weight (num_parameters,) filled with `init`, as
+    torch.nn.PReLU (one slope, or one per channel of dim 1)."""
+
+    def __init__(self, num_parameters: int = 1, init: float = 0.25):
+        super().__init__()
+        self.num_parameters, self.init = num_parameters, init
+        self.weight = Parameter(np.empty(num_parameters, np.float32))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        init.constant_(self.weight, self.init)      # the module `init`: the argument is kept
+
+    def forward(self, x):
+        return F.prelu(x, self.weight)
+
+    def extra_repr(self):
+        return f"num_parameters={self.num_parameters}"
+
+
+class Bilinear(Module):
+    """F.bilinear; weight (out, in1, in2), bias (out,), both U(-1/sqrt(in1), 1/sqrt(in1)) as
+    torch.nn.Bilinear's reset_parameters."""
+
+    def __init__(self, in1_features: int, in2_features: int, out_features: int,
+                 bias: bool = True):
+        super().__init__()
+        self.in1_features, self.in2_features = in1_features, in2_features
+        self.out_features = out_features
+        self.weight = Parameter(np.empty((out_features, in1_features, in2_features),
+                                         np.float32))
+        self.bias = Parameter(np.empty(out_features, np.float32)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        bound = 1 / math.sqrt(self.weight.size(1))
+        init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, input1, input2):
+        return F.bilinear(input1, input2, self.weight, self.bias)
+
+    def extra_repr(self):
+        return (f"in1_features={self.in1_features}, in2_features={self.in2_features}, "
+                f"out_features={self.out_features}, bias={self.bias is not None}")
+
+
+class MaxPool1d(_MaxPoolNd):
+    _pool = staticmethod(F.max_pool1d)
+
+
+class AvgPool1d(Module):
+    """F.avg_pool1d; kernel_size, stride (the kernel's by default) and padding kept as
+    1-tuples, as torch's."""
+
+    def __init__(self, kernel_size, stride=None, padding=0, ceil_mode: bool = False,
+                 count_include_pad: bool = True):
+        super().__init__()
+        self.kernel_size = F._ntuple(kernel_size, 1)
+        self.stride = F._ntuple(kernel_size if stride is None else stride, 1)
+        self.padding = F._ntuple(padding, 1)
+        self.ceil_mode, self.count_include_pad = ceil_mode, count_include_pad
+
+    def forward(self, x):
+        return F.avg_pool1d(x, self.kernel_size, self.stride, self.padding, self.ceil_mode,
+                            self.count_include_pad)
+
+    def extra_repr(self):
+        return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
+
+
+class AdaptiveAvgPool1d(_AdaptiveAvgPoolNd):
+    _pool = staticmethod(F.adaptive_avg_pool1d)
+
+
+class ConvTranspose1d(Module):
+    """F.conv_transpose1d; weight (in, out/groups, k), bias (out,); torch's init (fan_in
+    out/groups * k, as ConvTranspose2d's)."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0,
+                 output_padding=0, groups: int = 1, bias: bool = True, dilation=1,
+                 padding_mode: str = "zeros"):
+        super().__init__()
+        _check_conv_args("ConvTranspose1d", in_channels, out_channels, groups, padding_mode)
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.kernel_size, self.stride = F._ntuple(kernel_size, 1), F._ntuple(stride, 1)
+        self.padding, self.output_padding = F._ntuple(padding, 1), F._ntuple(output_padding, 1)
+        self.groups, self.dilation = groups, F._ntuple(dilation, 1)
+        self.weight = Parameter(np.zeros((in_channels, out_channels // groups,
+                                          *self.kernel_size), np.float32))
+        self.bias = Parameter(np.zeros(out_channels, np.float32)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _reset_fan_in(self.weight, self.bias)
+
+    def forward(self, x):
+        return F.conv_transpose1d(x, self.weight, self.bias, self.stride, self.padding,
+                                  self.output_padding, self.groups, self.dilation)
+
+    def extra_repr(self):
+        s = (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+             f"stride={self.stride}")
+        for name, default in (("padding", (0,)), ("dilation", (1,)), ("output_padding", (0,))):
+            if getattr(self, name) != default:
+                s += f", {name}={getattr(self, name)}"
+        if self.groups != 1:
+            s += f", groups={self.groups}"
+        return s + (", bias=False" if self.bias is None else "")
+
+
+class _InstanceNorm(_BatchNorm):
+    """torch's _InstanceNorm: BatchNorm's parameters and buffers (weight 1, bias 0 when
+    affine; running_mean, running_var and num_batches_tracked when track_running_stats,
+    the counter never advanced, as torch's), affine and track_running_stats off by default.
+    forward is F.instance_norm with the batch's statistics in training mode or without
+    running statistics, else with those; an unbatched input runs as a batch of one."""
+
+    rank = 3            # of a batched input
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = False, track_running_stats: bool = False, *,
+                 bias: bool = True):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, bias=bias)
+
+    def forward(self, x):
+        if x.ndim not in (self.rank - 1, self.rank):
+            raise ValueError(f"expected {self.rank - 1}D or {self.rank}D input (got {x.ndim}D "
+                             f"input)")
+        feature_dim = x.ndim - (self.rank - 1)
+        if x.shape[feature_dim] != self.num_features:
+            if self.affine:
+                raise ValueError(f"expected input's size at dim={feature_dim} to match "
+                                 f"num_features ({self.num_features}), but got: "
+                                 f"{x.shape[feature_dim]}.")
+            warnings.warn(f"input's size at dim={feature_dim} does not match num_features. You "
+                          "can silence this warning by not passing in num_features, which is "
+                          "not used because affine=False")
+        if x.ndim == self.rank - 1:
+            return self._normalise(x.unsqueeze(0)).squeeze(0)
+        return self._normalise(x)
+
+    def _normalise(self, x):
+        # torch's momentum None (a cumulative average for BatchNorm) is 0 here: no update
+        return F.instance_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                               self.training or not self.track_running_stats,
+                               0.0 if self.momentum is None else self.momentum, self.eps)
+
+
+class InstanceNorm1d(_InstanceNorm):
+    """Over (N, C, L) or (C, L) inputs."""
+    rank = 3
+
+
+class InstanceNorm2d(_InstanceNorm):
+    """Over (N, C, H, W) or (C, H, W) inputs."""
+    rank = 4
+
+
+class InstanceNorm3d(_InstanceNorm):
+    """Over (N, C, D, H, W) or (C, D, H, W) inputs."""
+    rank = 5
