@@ -1086,6 +1086,10 @@ def instance_norm(input: Tensor, running_mean=None, running_var=None, weight=Non
                          f"size {list(input.shape)}")
     y = group_norm(input, input.shape[1], weight, bias, eps)
     if rm is not None:
+        if rm.dtype != "float32" or rv.dtype != "float32":
+            raise UnsupportedOpError(f"instance_norm updating {rm.dtype} running statistics "
+                                     "is not supported (float32 only, as the modules keep "
+                                     "them)")
         _instance_running_stats(input.detach(), rm, rv, positions, momentum)
     return y
 
@@ -1201,12 +1205,14 @@ def max_pool1d(input: Tensor, kernel_size, stride=None, padding=0, dilation=1,
                ceil_mode: bool = False, return_indices: bool = False) -> Tensor:
     """Max over windows of the last axis of an (N, C, L) or (C, L) input, as
     torch.nn.functional.max_pool1d: max_pool2d over a unit height axis (its padding,
-    dilation and ceil_mode rules; the gradient to a window's first maximum)."""
+    dilation and ceil_mode rules; the gradient to a window's first maximum); return_indices
+    is refused, as max_pool2d's."""
+    if return_indices:
+        raise UnsupportedOpError("max_pool1d with return_indices is not supported")
     k = _single(kernel_size)
     s = k if stride is None or stride == [] else _single(stride)
     return _one_axis(input, "max_pool1d", lambda x: max_pool2d(
-        x, (1, k), (1, s), (0, _single(padding)), (1, _single(dilation)), ceil_mode,
-        return_indices))
+        x, (1, k), (1, s), (0, _single(padding)), (1, _single(dilation)), ceil_mode))
 
 
 def avg_pool1d(input: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bool = False,

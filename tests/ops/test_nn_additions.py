@@ -171,10 +171,13 @@ def test_instance_norm_updates_running_statistics_as_torch(gen):
            "b": np.array([0.1, 0.0, -0.2, 0.3])}, ("x", "w", "b"))
 
 
-def test_instance_norm_refuses_one_position_when_training():
+def test_instance_norm_refuses_one_position_and_float64_statistics_to_update():
     tr = Tracer()
     with pytest.raises(ValueError, match="Expected more than 1 spatial element"):
         F.instance_norm(tr.input((4, 3, 1), "float32", "x"))
+    stats = sg.tensor(np.zeros(3))
+    with pytest.raises(UnsupportedOpError, match="updating float64 running statistics"):
+        F.instance_norm(tr.input((4, 3, 5), "float64", "y"), stats, stats)
 
 
 # ---- losses ---------------------------------------------------------------------------------
@@ -319,9 +322,12 @@ def test_pools_1d(gen, name, batched):
     check(lambda x: ours(x), lambda x: theirs(x), {"x": x}, ("x",))
 
 
-def test_avg_pool1d_ceil_mode_is_refused():
+def test_what_the_1d_pools_refuse():
+    x = Tracer().input((2, 3, 8), "float32", "x")
     with pytest.raises(UnsupportedOpError, match="avg_pool1d with ceil_mode"):
-        F.avg_pool1d(Tracer().input((2, 3, 8), "float32", "x"), 3, ceil_mode=True)
+        F.avg_pool1d(x, 3, ceil_mode=True)
+    with pytest.raises(UnsupportedOpError, match="max_pool1d with return_indices"):
+        F.max_pool1d(x, 3, return_indices=True)
 
 
 @pytest.mark.parametrize("kw,w_shape,batched", [
