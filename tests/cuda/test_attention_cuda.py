@@ -304,7 +304,9 @@ def tiles_of(hd: int) -> list[tuple[int, int]]:
 
 def force_tile(monkeypatch, hd: int, tile: tuple[int, int]) -> list:
     """Make `tile` the only candidate of each kernel that has it (the others keep theirs) for
-    head dim template hd; return the log of (kind, tile) the launches then take."""
+    head dim template hd; return the log of (kind, tile) the launches then take. The fused
+    kernels only: the composed path (timed against them) is not a candidate."""
+    monkeypatch.setattr(attention, "PATH", "fused")
     for kind, per_hd in attention.CANDIDATES.items():
         if tile in per_hd[hd]:
             monkeypatch.setitem(per_hd, hd, (tile,))

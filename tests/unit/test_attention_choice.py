@@ -60,6 +60,9 @@ def clock(tmp_path, monkeypatch):
     """The launches recorded, the device identity fixed, the clock faked, the choices on
     disk under tmp_path, a fresh process."""
     launched = record(monkeypatch)
+    # the tiles of the fused kernels only: the composed path (timed against them for float32,
+    # test_attention_composed.py) is not a candidate here
+    monkeypatch.setattr(attention.attention_composed, "takes", lambda pb, ctype: False)
     monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "sg-cache"))
     monkeypatch.delenv(cache.SWITCH_ENV, raising=False)
     monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)

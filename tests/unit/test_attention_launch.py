@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("cupy")
 
-from stepgraph.backends.cuda.attention import attention  # noqa: E402
+from stepgraph.backends.cuda.attention import attention, attention_composed  # noqa: E402
 from stepgraph.ir.graph import Node  # noqa: E402
 from tests.unit.test_nvrtc_compile import (Fake, _nvrtc_usable,  # noqa: E402
                                            assert_args_match)
@@ -128,9 +128,14 @@ def test_kernels_ahead_name_what_the_launches_take(monkeypatch, precision, dtype
     # untimed: every candidate tile of each kernel, its default (what a capture runs) first
     template, ctype = 64, "unsigned short" if dtype == "bfloat16" else "float"
     math = attention.math_of(precision, ctype)
-    assert forward + backward == [
-        (attention.SOURCE, attention.kernel_name(kind, template, math, ctype, tile))
-        for kind in attention.CANDIDATES for tile in attention.CANDIDATES[kind][template]]
+    tiles = {kind: [(attention.SOURCE, attention.kernel_name(kind, template, math, ctype, tile))
+                    for tile in attention.CANDIDATES[kind][template]]
+             for kind in attention.CANDIDATES}
+    # float32: the composed path's row kernel too (attention_composed.py, timed against them)
+    rows = ctype == "float"
+    assert forward == tiles["forward"] + (attention_composed.kernels(True) if rows else [])
+    assert backward == tiles["backward_dq"] + tiles["backward_dkdv"] + (
+        attention_composed.kernels(False) if rows else [])
     assert [name for name, *_ in launched] == [
         attention.kernel_name(kind, template, math, ctype) for kind in attention.CANDIDATES]
     packed = Value((lead[0], t, 3 * heads * hd), dtype)

@@ -713,3 +713,119 @@ sdpa_backward_dkdv_kernel(const T* q, const T* k, const T* v, const T* dout,
         }
     }
 }
+
+// ---- composed path: the scores in memory, between cuBLASLt GEMMs (attention_composed.py) ----
+// Where the fused kernels waste work (65 keys take three 32-key tiles) the launcher may run a
+// problem as GEMMs over a (bh, L, S) float32 scores buffer with these two row kernels between
+// them, one warp a row. Same semantics as the fused kernels: scale, causal pattern, additive
+// mask, the dropout op's Philox mask at the same flat index (bh L + r) S + c, and a row
+// blocked wholly giving probabilities 0, lse -inf and no gradient.
+
+#define SDPA_ROWS_PER_BLOCK (SDPA_THREADS / 32)
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int o = 16; o; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int o = 16; o; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+// Score (r, c) of a row, scaled and masked, in log2 units; -inf where it is not visible.
+template <typename T>
+__device__ __forceinline__ float row_logit2(const float* srow, const SdpaMask<T>& mk, int r,
+                                            int c, int S, int off, int causal,
+                                            float scale_log2) {
+    if (!visible(r, c, S, off, causal)) return SDPA_NEG_INF;
+    float x = srow[c] * scale_log2;
+    if (mk.p) x += mk.at(r, c) * SDPA_LOG2E;
+    return x;
+}
+
+// Scores q k^T of one row -> dropout(softmax) in place, and the row's lse (natural log).
+// Lanes take four consecutive keys at a time (one Philox draw for four, as the fused kernels).
+template <typename T>
+__global__ void __launch_bounds__(SDPA_THREADS)
+sdpa_rows_forward_kernel(float* scores, float* lse, const long long* step, int heads,
+                         int bh_count, int L, int S, float scale_log2, int causal,
+                         unsigned long long seed, unsigned int site, unsigned int threshold,
+                         float drop_scale, int dropout, const T* mask, long long m_sb,
+                         long long m_sh, long long m_sr, long long m_sc) {
+    const int lane = threadIdx.x & 31;
+    const long long row = (long long)blockIdx.x * SDPA_ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    if (row >= (long long)bh_count * L) return;
+    const int bh = (int)(row / L), r = (int)(row % L), off = S - L;
+    float* srow = scores + row * S;
+    const SdpaMask<T> mk = mask_of(mask, bh, heads, m_sb, m_sh, m_sr, m_sc);
+    const SdpaDropout drop{dropout, dropout ? *step : 0, seed, site, threshold, drop_scale};
+    float m = SDPA_NEG_INF;
+    for (int c = lane; c < S; c += 32)
+        m = fmaxf(m, row_logit2(srow, mk, r, c, S, off, causal, scale_log2));
+    m = warp_max(m);
+    float total = 0.f;
+    if (m != SDPA_NEG_INF)
+        for (int c = lane; c < S; c += 32)
+            total += exp2f(row_logit2(srow, mk, r, c, S, off, causal, scale_log2) - m);
+    total = warp_sum(total);
+    const float inv = total > 0.f ? 1.f / total : 0.f;     // total 0: a row blocked wholly
+    for (int c0 = 4 * lane; c0 < S; c0 += 128) {
+        const unsigned int bits = drop.on ? keep_bits(drop, row * S + c0) : 0xfu;
+        float p[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            p[e] = c0 + e < S && total > 0.f
+                       ? exp2f(row_logit2(srow, mk, r, c0 + e, S, off, causal, scale_log2) - m) * inv
+                       : 0.f;
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            if (c0 + e < S) srow[c0 + e] = (bits >> e) & 1u ? p[e] * (drop.on ? drop.scale : 1.f) : 0.f;
+    }
+    if (lane == 0) lse[row] = total > 0.f ? (m + log2f(total)) * SDPA_LN2 : SDPA_NEG_INF;
+}
+
+// One row of the gradient: scores q k^T -> the dropped probabilities P (for dv = P^T dout),
+// dscores dout v^T -> scale * P * (dP - D) (for dq = dS k, dk = dS^T q), both in place, with D =
+// rowsum(dout * out) from the row's out and dout (read through their head strides).
+template <typename T>
+__global__ void __launch_bounds__(SDPA_THREADS)
+sdpa_rows_backward_kernel(float* scores, float* dscores, const float* lse, const T* out,
+                          const T* dout, const long long* step, int heads, int bh_count, int L,
+                          int S, int Ev, long long o_sb, long long o_sh, long long o_sr,
+                          long long d_sb, long long d_sh, long long d_sr, float scale_log2,
+                          float scale, int causal, unsigned long long seed, unsigned int site,
+                          unsigned int threshold, float drop_scale, int dropout, const T* mask,
+                          long long m_sb, long long m_sh, long long m_sr, long long m_sc) {
+    const int lane = threadIdx.x & 31;
+    const long long row = (long long)blockIdx.x * SDPA_ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    if (row >= (long long)bh_count * L) return;
+    const int bh = (int)(row / L), r = (int)(row % L), off = S - L;
+    float* srow = scores + row * S;
+    float* dsrow = dscores + row * S;
+    const SdpaMask<T> mk = mask_of(mask, bh, heads, m_sb, m_sh, m_sr, m_sc);
+    const SdpaDropout drop{dropout, dropout ? *step : 0, seed, site, threshold, drop_scale};
+    const T* orow = out + head_offset(bh, heads, o_sb, o_sh) + (long long)r * o_sr;
+    const T* drow = dout + head_offset(bh, heads, d_sb, d_sh) + (long long)r * d_sr;
+    float delta = 0.f;
+    for (int e = lane; e < Ev; e += 32) delta += load_as_float(orow, e) * load_as_float(drow, e);
+    delta = warp_sum(delta);
+    const float lse2 = lse[row] * SDPA_LOG2E;              // -inf: a row blocked wholly
+    for (int c0 = 4 * lane; c0 < S; c0 += 128) {
+        const unsigned int bits = drop.on ? keep_bits(drop, row * S + c0) : 0xfu;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int c = c0 + e;
+            if (c >= S) break;
+            const float p = lse2 != SDPA_NEG_INF
+                                ? exp2f(row_logit2(srow, mk, r, c, S, off, causal, scale_log2) - lse2)
+                                : 0.f;
+            const bool keep = (bits >> e) & 1u;
+            const float mul = drop.on ? (keep ? drop.scale : 0.f) : 1.f;
+            dsrow[c] = p * (dsrow[c] * mul - delta) * scale;
+            srow[c] = p * mul;
+        }
+    }
+}

@@ -49,13 +49,12 @@ import numpy as np
 from ....errors import ShapeError
 from ....ir.graph import Node, storage_dtype
 from ....ops.attention import group_of
-from . import attention_cudnn
+from . import attention_composed, attention_cudnn
+from .operands import SOURCE, THREADS, Heads, Problem
 from ..elementwise import _dropout_constants
 from ..runtime import autotune
 from ..runtime.launch import ELEMENT_CTYPES, _kernel, _node_memory
 
-SOURCE = "attention.cu"
-THREADS = 128                 # attention.cu SDPA_THREADS
 HEAD_DIMS = (32, 64, 96, 128)     # the templates' head dims (multiples of 32: attention.cu)
 LOG2E = 1.4426950408889634
 DEFAULT_SHARED = 48 * 1024    # bytes of dynamic shared memory a kernel gets without opting in
@@ -157,8 +156,8 @@ def kernels_ahead(node: Node, precision: str) -> list[tuple[str, str]]:
             e, ev, bool(node.attrs.get("causal")), rows, keys) is None:
         return []       # cuDNN's (its own kernels compile at a first launch if it declines)
     arith, hd = math_of(precision, ctype), head_dim_template(e, ev)
-    kinds = ("forward",) if node.op in ("sdpa", "sdpa_qkv") else ("backward_dq",
-                                                                   "backward_dkdv")
+    forward = node.op in ("sdpa", "sdpa_qkv")
+    kinds = ("forward",) if forward else ("backward_dq", "backward_dkdv")
     # Every candidate tile while the problem is untimed: its first eager step times them all
     # (run_fastest compiles each then), so compiling them here, side by side with the plan's
     # other kernels, adds no compile to a cold start, only moves it ahead; where an earlier
@@ -171,6 +170,9 @@ def kernels_ahead(node: Node, precision: str) -> list[tuple[str, str]]:
         chosen = _stored_tile(kind, hd, key)
         ahead += [(SOURCE, kernel_name(kind, hd, arith, ctype, tile))
                   for tile in ([chosen] if chosen else CANDIDATES[kind][hd])]
+    pb = Problem(bh, 1, rows, keys, e, ev, group)
+    if attention_composed.takes(pb, ctype):
+        ahead += attention_composed.kernels(forward)
     return ahead
 
 
@@ -249,38 +251,6 @@ def _launch_tile(ctx, kind: str, hd: int, arith: int, ctype: str, tile: tuple[in
 
 
 # ---- operands: strides, checks ---------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Heads:
-    """An operand (..., rows, dim): row r of head h of batch entry b starts at element
-    b * batch + h * head + r * row (elements; columns contiguous)."""
-
-    batch: int
-    head: int
-    row: int
-
-    def args(self) -> tuple:
-        return np.int64(self.batch), np.int64(self.head), np.int64(self.row)
-
-
-@dataclass(frozen=True)
-class Problem:
-    """bh = prod(q's leading dims) (batch x heads) attention problems of L queries and S keys,
-    head dims E (q, k) and Ev (v); `heads` is q's last leading dim (1 without two), `group`
-    the query heads per kv head (k and v have heads / group)."""
-
-    bh: int
-    heads: int
-    L: int
-    S: int
-    E: int
-    Ev: int
-    group: int = 1
-
-    def args(self) -> tuple:
-        return tuple(np.int32(x) for x in (self.heads, self.bh, self.L, self.S, self.E,
-                                           self.Ev))
-
 
 def _collapsed_stride(shape: tuple, strides: tuple) -> int | None:
     """The element stride of the flattened index over dims `shape` (dims of 1 ignored), or
@@ -477,10 +447,12 @@ def _step_arg(attn: Attn, step):
 
 # ---- launchers -------------------------------------------------------------------------------
 
-def sdpa_forward(ctx, q, k, v, out, lse, step, attn: Attn, mask: Mask | None = None) -> None:
+def sdpa_forward(ctx, q, k, v, out, lse, step, attn: Attn, mask: Mask | None = None,
+                 node: Node | None = None) -> None:
     """out = dropout(softmax(scale * q @ k^T + causal mask + mask)) @ v and lse (bh * L rows)
     = logsumexp of the scaled, masked scores; step (int64 device scalar) with dropout; k, v
-    of grouped heads read in place."""
+    of grouped heads read in place. With the node (whose memory holds the composed path's
+    scores), the composed path is timed against the fused kernels (_run_path)."""
     pb, ctype = problem(q, k, v), storage(q)
     lead = tuple(q.shape[:-2])
     layouts = [_heads("sdpa q", q, q.shape, q.dtype), _heads("sdpa k", k, k.shape, q.dtype),
@@ -501,7 +473,51 @@ def sdpa_forward(ctx, q, k, v, out, lse, step, attn: Attn, mask: Mask | None = N
     args = (q, k, v, out, lse, _step_arg(attn, step)) + pb.args() \
         + sum((h.args() for h in layouts), ()) + attn.args(step, False) + (np.int32(vec),) \
         + _extra(pb, mask)
-    _run_tiled(ctx, "forward", hd, ctype, pb, attn, mask is not None, args)
+    fused = functools.partial(_run_tiled, ctx, "forward", hd, ctype, pb, attn,
+                              mask is not None, args)
+    composed = functools.partial(attention_composed.forward, ctx, node, pb, layouts, q, k, v,
+                                 out, lse, _step_arg(attn, step),
+                                 attn.args(step, False) + _mask_args(mask))
+    _run_path(ctx, node, True, pb, ctype, attn, mask is not None, fused, composed)
+
+
+def _mask_args(mask: Mask | None) -> tuple:
+    return NO_MASK if mask is None else mask.args()
+
+
+PATHS = ("fused", attention_composed.NAME)
+PATH = "auto"          # "auto" (timed per problem) or one of PATHS: tests force one
+
+
+def path_key(forward: bool, pb: Problem, ctype: str, attn: Attn, masked: bool,
+             precision: str) -> tuple:
+    """The problem whose path (fused kernels or composed GEMMs) the autotuner chooses: what
+    changes either's work (not the operands' strides)."""
+    return ("sdpa-path", "forward" if forward else "backward", pb.bh, pb.L, pb.S, pb.E,
+            pb.Ev, bool(attn.causal), attn.dropout_p > 0.0, bool(masked), ctype, precision,
+            PATHS)
+
+
+def _run_path(ctx, node: Node | None, forward: bool, pb: Problem, ctype: str, attn: Attn,
+              masked: bool, fused: Callable[[], None], composed: Callable[[], None]) -> None:
+    """The fused kernels, or the composed GEMMs (attention_composed.py) where they are a
+    candidate: the faster of the two for this problem, timed once at its first eager call
+    (autotune.run_fastest; the fused kernels during a capture before the choice). Both are
+    `searching` candidates: the fused one times its tiles, the composed one its GEMMs'
+    algorithms, inside their first run."""
+    if node is None or not attention_composed.takes(pb, ctype):
+        fused()
+        return
+    if PATH != "auto":
+        if PATH not in PATHS:
+            raise ValueError(f"attention.PATH must be 'auto' or one of {PATHS}, got {PATH!r}")
+        (composed if PATH == attention_composed.NAME else fused)()
+        return
+    paths = {"fused": autotune.searching(fused),
+             attention_composed.NAME: autotune.searching(autotune.compiling(
+                 composed, *attention_composed.kernels(forward)))}
+    key = path_key(forward, pb, ctype, attn, masked, getattr(ctx, "precision", "fp32"))
+    autotune.run_fastest(ctx, key, paths, "fused")
 
 
 def _extra(pb: Problem, mask: Mask | None) -> tuple:
@@ -568,10 +584,20 @@ def sdpa_backward(ctx, node: Node, q, k, v, out, dout, lse, step, dq, dk, dv,
             and pb.S and attention_cudnn.backward(ctx, pb, attn, layouts, q, k, v, out, dout,
                                                   lse, step, dq, dk, dv):
         return
-    rows = lse.size
-    delta = _node_memory(node, ("sdpa_delta", rows), ctx, lambda: cp.empty(rows, np.float32))
-    sdpa_backward_dq(ctx, q, k, v, out, dout, lse, step, dq, delta, attn, mask)
-    sdpa_backward_dkdv(ctx, q, k, v, dout, lse, delta, step, dk, dv, attn, mask)
+    def fused():
+        rows = lse.size
+        delta = _node_memory(node, ("sdpa_delta", rows), ctx,
+                             lambda: cp.empty(rows, np.float32))
+        sdpa_backward_dq(ctx, q, k, v, out, dout, lse, step, dq, delta, attn, mask)
+        sdpa_backward_dkdv(ctx, q, k, v, dout, lse, delta, step, dk, dv, attn, mask)
+
+    if not (pb.bh and pb.L and pb.S):
+        fused()         # sdpa_backward_dkdv's checks
+        return
+    composed = functools.partial(attention_composed.backward, ctx, node, pb, layouts, q, k, v,
+                                 out, dout, lse, _step_arg(attn, step), dq, dk, dv,
+                                 attn.args(step, True) + _mask_args(mask))
+    _run_path(ctx, node, False, pb, storage(q), attn, mask is not None, fused, composed)
 
 
 def cudnn_keep_mask(ctx, q, k, v, step, attn: Attn) -> np.ndarray:
@@ -594,7 +620,7 @@ def _sdpa(node: Node, ins, outs, ctx) -> None:
     raw_mask, step = _mask_and_step(node, list(ins[3:]))
     q, k, v, out = grouped_views(*ins[:3], outs[0])
     mask = None if raw_mask is None else mask_operand(ctx, node, raw_mask, q, problem(q, k, v))
-    sdpa_forward(ctx, q, k, v, out, outs[1], step, attn_of(node), mask)
+    sdpa_forward(ctx, q, k, v, out, outs[1], step, attn_of(node), mask, node)
 
 
 def _sdpa_grad(node: Node, ins, outs, ctx) -> None:
@@ -629,7 +655,7 @@ def _sdpa_qkv(node: Node, ins, outs, ctx) -> None:
     _packed("sdpa_qkv", ins[0], outs[0])
     step = ins[1] if len(ins) > 1 else None
     sdpa_forward(ctx, *qkv_heads(ins[0], heads), heads_of(outs[0], heads), outs[1], step,
-                 attn_of(node))
+                 attn_of(node), node=node)
 
 
 def _sdpa_qkv_grad(node: Node, ins, outs, ctx) -> None:
