@@ -105,8 +105,9 @@ class _ReduceMethods:
 
     def count_nonzero(self, dim=None) -> Tensor:
         """The int64 count of nonzero elements (NaN counts) over `dim` (None: all; an int or a
-        tuple), as torch.count_nonzero."""
-        return self._truth().sum(dim)
+        tuple), as torch.count_nonzero. Summed in float32 (the cuda kernels have no int64
+        sums): exact for counts below 2**24."""
+        return self._truth()._cast("float32").sum(dim)._cast("int64")
 
     def max(self, dim=None, keepdim: bool = False):
         """The maximum of all elements; with an int `dim` (values, indices) along it, as

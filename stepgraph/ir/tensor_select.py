@@ -134,7 +134,10 @@ class _SelectMethods:
         if dim is None:
             return self.reshape(-1).take_along_dim(indices.reshape(-1), 0)
         d = _dim(dim, self.ndim, "take_along_dim")
-        indices = indices + (indices < 0)._cast(indices.dtype) * self.shape[d]
+        # the wrap in float32 (the cuda kernels have no int64 arithmetic): exact for any
+        # index below 2**24 in magnitude
+        wrapped = indices._cast("float32")
+        indices = (wrapped + (wrapped < 0)._cast("float32") * self.shape[d])._cast(indices.dtype)
         if indices.ndim != self.ndim:
             raise ShapeError(f"torch.take_along_dim(): input and indices should have the same "
                              f"number of dimensions, but got {self.ndim} dimensions for input, "
