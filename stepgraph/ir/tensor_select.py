@@ -134,10 +134,6 @@ class _SelectMethods:
         if dim is None:
             return self.reshape(-1).take_along_dim(indices.reshape(-1), 0)
         d = _dim(dim, self.ndim, "take_along_dim")
-        # the wrap in float32 (the cuda kernels have no int64 arithmetic): exact for any
-        # index below 2**24 in magnitude
-        wrapped = indices._cast("float32")
-        indices = (wrapped + (wrapped < 0)._cast("float32") * self.shape[d])._cast(indices.dtype)
         if indices.ndim != self.ndim:
             raise ShapeError(f"torch.take_along_dim(): input and indices should have the same "
                              f"number of dimensions, but got {self.ndim} dimensions for input, "
@@ -150,9 +146,13 @@ class _SelectMethods:
             shape.append(max(n, m) if n and m else 0)
         x = self.expand(*(n if a == d else s for a, (n, s) in enumerate(zip(self.shape,
                                                                              shape))))
-        index = indices.expand(*(m if a == d else s for a, (m, s) in
+        # the wrap and the broadcast in float32 (the cuda kernels have no int64 arithmetic or
+        # expand): exact for any index below 2**24 in magnitude
+        wrapped = indices._cast("float32")
+        wrapped = wrapped + (wrapped < 0)._cast("float32") * self.shape[d]
+        index = wrapped.expand(*(m if a == d else s for a, (m, s) in
                                  enumerate(zip(indices.shape, shape))))
-        return x.gather(d, index)
+        return x.gather(d, index._cast(indices.dtype))
 
     def scatter_add(self, dim: int, index, src) -> Tensor:
         """x with src[p] added at x[p with axis `dim` replaced by index[p]] for every p of
