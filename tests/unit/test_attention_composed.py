@@ -37,9 +37,10 @@ def _element_view(a, strides, shape):
 
 def rows_forward(args) -> None:
     """attention.cu sdpa_rows_forward_kernel (no dropout, no mask) on NumPy arrays."""
-    scores, lse, _, heads, bh, L, S, scale_log2, causal = args[:9]
-    assert int(args[13]) == 0 and int(args[14]) == 0, "the emulation has no dropout or mask"
-    s = scores.reshape(int(bh), int(L), int(S))
+    scores, lse, _, heads, bh, L, S, ld, scale_log2, causal = args[:10]
+    assert int(args[14]) == 0 and int(args[15]) == 0, "the emulation has no dropout or mask"
+    assert int(ld) % 4 == 0 and int(ld) >= int(S) and scores.shape[-1] == int(ld)
+    s = scores.reshape(int(bh), int(L), int(ld))[..., :int(S)]
     x = np.where(_visible(int(L), int(S), bool(causal)), s * np.float32(scale_log2), -np.inf)
     m = x.max(-1, keepdims=True)
     p = np.exp2(x - m)
@@ -50,16 +51,16 @@ def rows_forward(args) -> None:
 
 def rows_backward(args) -> None:
     """attention.cu sdpa_rows_backward_kernel (no dropout, no mask) on NumPy arrays."""
-    scores, dscores, lse, out, dout, _, heads, bh, L, S, Ev = args[:11]
-    o_st, d_st = [int(x) for x in args[11:14]], [int(x) for x in args[14:17]]
-    scale_log2, scale, causal = args[17:20]
-    assert int(args[24]) == 0 and int(args[25]) == 0, "the emulation has no dropout or mask"
-    bh, L, S, heads = int(bh), int(L), int(S), int(heads)
+    scores, dscores, lse, out, dout, _, heads, bh, L, S, ld, Ev = args[:12]
+    o_st, d_st = [int(x) for x in args[12:15]], [int(x) for x in args[15:18]]
+    scale_log2, scale, causal = args[18:21]
+    assert int(args[25]) == 0 and int(args[26]) == 0, "the emulation has no dropout or mask"
+    bh, L, S, ld, heads = int(bh), int(L), int(S), int(ld), int(heads)
     shape = (bh // heads, heads, L, int(Ev))
     o = _element_view(out, o_st + [1], shape).reshape(bh, L, int(Ev))
     do = _element_view(dout, d_st + [1], shape).reshape(bh, L, int(Ev))
     delta = (o * do).sum(-1, keepdims=True)
-    s, ds = scores.reshape(bh, L, S), dscores.reshape(bh, L, S)
+    s, ds = scores.reshape(bh, L, ld)[..., :S], dscores.reshape(bh, L, ld)[..., :S]
     x = np.where(_visible(L, S, bool(causal)), s * np.float32(scale_log2), -np.inf)
     p = np.exp2(x - lse.reshape(bh, L, 1) * LOG2E)
     ds[...] = p * (ds - delta) * np.float32(scale)
@@ -178,8 +179,9 @@ def test_gemm_batches_follow_the_layout(monkeypatch):
     for layout, B, H, launches in (("contiguous", 4, 3, 1), ("packed", 4, 3, 3),
                                    ("packed", 2, 5, 2)):
         q, k = operands(layout, B, H, 5, 4, rng)[:2]
-        scores = np.zeros((B * H, 5, 5), np.float32)
         pb = Problem(B * H, H, 5, 5, 4, 4)
+        ld = attention_composed.row_stride(pb)
+        scores = np.zeros((B * H, 5, ld), np.float32)
         groups = attention_composed.batches(pb, [
             (q, heads_of(q), 5, 4), (k, heads_of(k), 5, 4),
             (scores, attention_composed._scores(pb), 5, 5)])
@@ -187,7 +189,7 @@ def test_gemm_batches_follow_the_layout(monkeypatch):
         for qb, kb, sb in groups:
             sb[...] = np.matmul(qb, np.swapaxes(kb, -1, -2))
         want = np.einsum("bhld,bhsd->bhls", q, k).reshape(B * H, 5, 5)
-        np.testing.assert_allclose(scores, want, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(scores[..., :5], want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.skipif(not _nvrtc_usable(), reason="libnvrtc is not loadable")

@@ -719,7 +719,9 @@ sdpa_backward_dkdv_kernel(const T* q, const T* k, const T* v, const T* dout,
 // problem as GEMMs over a (bh, L, S) float32 scores buffer with these two row kernels between
 // them, one warp a row. Same semantics as the fused kernels: scale, causal pattern, additive
 // mask, the dropout op's Philox mask at the same flat index (bh L + r) S + c, and a row
-// blocked wholly giving probabilities 0, lse -inf and no gradient.
+// blocked wholly giving probabilities 0, lse -inf and no gradient. A row's scores start every
+// `ld` floats (S rounded up to a multiple of 4, the GEMMs' row stride), so each lane moves
+// four consecutive keys in one 16-byte access, the four of one Philox draw.
 
 #define SDPA_ROWS_PER_BLOCK (SDPA_THREADS / 32)
 
@@ -735,23 +737,29 @@ __device__ __forceinline__ float warp_sum(float x) {
     return x;
 }
 
-// Score (r, c) of a row, scaled and masked, in log2 units; -inf where it is not visible.
+// Scores c0 .. c0 + 3 of a row (c0 a multiple of 4, the row 16-byte aligned), scaled and
+// masked, in log2 units; -inf where not visible (keys past S included).
 template <typename T>
-__device__ __forceinline__ float row_logit2(const float* srow, const SdpaMask<T>& mk, int r,
-                                            int c, int S, int off, int causal,
-                                            float scale_log2) {
-    if (!visible(r, c, S, off, causal)) return SDPA_NEG_INF;
-    float x = srow[c] * scale_log2;
-    if (mk.p) x += mk.at(r, c) * SDPA_LOG2E;
-    return x;
+__device__ __forceinline__ void row_logits2(float (&x)[4], const float* srow,
+                                            const SdpaMask<T>& mk, int r, int c0, int S,
+                                            int off, int causal, float scale_log2) {
+    const float4 v = *reinterpret_cast<const float4*>(srow + c0);
+    const float raw[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        x[e] = SDPA_NEG_INF;
+        if (visible(r, c0 + e, S, off, causal)) {
+            x[e] = raw[e] * scale_log2;
+            if (mk.p) x[e] += mk.at(r, c0 + e) * SDPA_LOG2E;
+        }
+    }
 }
 
 // Scores q k^T of one row -> dropout(softmax) in place, and the row's lse (natural log).
-// Lanes take four consecutive keys at a time (one Philox draw for four, as the fused kernels).
 template <typename T>
 __global__ void __launch_bounds__(SDPA_THREADS)
 sdpa_rows_forward_kernel(float* scores, float* lse, const long long* step, int heads,
-                         int bh_count, int L, int S, float scale_log2, int causal,
+                         int bh_count, int L, int S, int ld, float scale_log2, int causal,
                          unsigned long long seed, unsigned int site, unsigned int threshold,
                          float drop_scale, int dropout, const T* mask, long long m_sb,
                          long long m_sh, long long m_sr, long long m_sc) {
@@ -759,30 +767,35 @@ sdpa_rows_forward_kernel(float* scores, float* lse, const long long* step, int h
     const long long row = (long long)blockIdx.x * SDPA_ROWS_PER_BLOCK + (threadIdx.x >> 5);
     if (row >= (long long)bh_count * L) return;
     const int bh = (int)(row / L), r = (int)(row % L), off = S - L;
-    float* srow = scores + row * S;
+    float* srow = scores + row * ld;
     const SdpaMask<T> mk = mask_of(mask, bh, heads, m_sb, m_sh, m_sr, m_sc);
     const SdpaDropout drop{dropout, dropout ? *step : 0, seed, site, threshold, drop_scale};
-    float m = SDPA_NEG_INF;
-    for (int c = lane; c < S; c += 32)
-        m = fmaxf(m, row_logit2(srow, mk, r, c, S, off, causal, scale_log2));
+    float x[4], m = SDPA_NEG_INF;
+    for (int c0 = 4 * lane; c0 < S; c0 += 128) {
+        row_logits2(x, srow, mk, r, c0, S, off, causal, scale_log2);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) m = fmaxf(m, x[e]);
+    }
     m = warp_max(m);
     float total = 0.f;
     if (m != SDPA_NEG_INF)
-        for (int c = lane; c < S; c += 32)
-            total += exp2f(row_logit2(srow, mk, r, c, S, off, causal, scale_log2) - m);
+        for (int c0 = 4 * lane; c0 < S; c0 += 128) {
+            row_logits2(x, srow, mk, r, c0, S, off, causal, scale_log2);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) total += exp2f(x[e] - m);
+        }
     total = warp_sum(total);
-    const float inv = total > 0.f ? 1.f / total : 0.f;     // total 0: a row blocked wholly
+    // total 0: a row blocked wholly (probabilities 0)
+    const float inv = total > 0.f ? 1.f / total : 0.f, base = total > 0.f ? m : 0.f;
     for (int c0 = 4 * lane; c0 < S; c0 += 128) {
+        row_logits2(x, srow, mk, r, c0, S, off, causal, scale_log2);
         const unsigned int bits = drop.on ? keep_bits(drop, row * S + c0) : 0xfu;
         float p[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-            p[e] = c0 + e < S && total > 0.f
-                       ? exp2f(row_logit2(srow, mk, r, c0 + e, S, off, causal, scale_log2) - m) * inv
-                       : 0.f;
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-            if (c0 + e < S) srow[c0 + e] = (bits >> e) & 1u ? p[e] * (drop.on ? drop.scale : 1.f) : 0.f;
+            p[e] = (bits >> e) & 1u ? exp2f(x[e] - base) * inv * (drop.on ? drop.scale : 1.f)
+                                    : 0.f;
+        *reinterpret_cast<float4*>(srow + c0) = make_float4(p[0], p[1], p[2], p[3]);
     }
     if (lane == 0) lse[row] = total > 0.f ? (m + log2f(total)) * SDPA_LN2 : SDPA_NEG_INF;
 }
@@ -794,7 +807,7 @@ template <typename T>
 __global__ void __launch_bounds__(SDPA_THREADS)
 sdpa_rows_backward_kernel(float* scores, float* dscores, const float* lse, const T* out,
                           const T* dout, const long long* step, int heads, int bh_count, int L,
-                          int S, int Ev, long long o_sb, long long o_sh, long long o_sr,
+                          int S, int ld, int Ev, long long o_sb, long long o_sh, long long o_sr,
                           long long d_sb, long long d_sh, long long d_sr, float scale_log2,
                           float scale, int causal, unsigned long long seed, unsigned int site,
                           unsigned int threshold, float drop_scale, int dropout, const T* mask,
@@ -803,8 +816,8 @@ sdpa_rows_backward_kernel(float* scores, float* dscores, const float* lse, const
     const long long row = (long long)blockIdx.x * SDPA_ROWS_PER_BLOCK + (threadIdx.x >> 5);
     if (row >= (long long)bh_count * L) return;
     const int bh = (int)(row / L), r = (int)(row % L), off = S - L;
-    float* srow = scores + row * S;
-    float* dsrow = dscores + row * S;
+    float* srow = scores + row * ld;
+    float* dsrow = dscores + row * ld;
     const SdpaMask<T> mk = mask_of(mask, bh, heads, m_sb, m_sh, m_sr, m_sc);
     const SdpaDropout drop{dropout, dropout ? *step : 0, seed, site, threshold, drop_scale};
     const T* orow = out + head_offset(bh, heads, o_sb, o_sh) + (long long)r * o_sr;
@@ -814,18 +827,20 @@ sdpa_rows_backward_kernel(float* scores, float* dscores, const float* lse, const
     delta = warp_sum(delta);
     const float lse2 = lse[row] * SDPA_LOG2E;              // -inf: a row blocked wholly
     for (int c0 = 4 * lane; c0 < S; c0 += 128) {
+        float x[4];
+        row_logits2(x, srow, mk, r, c0, S, off, causal, scale_log2);
+        const float4 g4 = *reinterpret_cast<const float4*>(dsrow + c0);
+        const float g[4] = {g4.x, g4.y, g4.z, g4.w};
         const unsigned int bits = drop.on ? keep_bits(drop, row * S + c0) : 0xfu;
+        float kept[4], ds[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int c = c0 + e;
-            if (c >= S) break;
-            const float p = lse2 != SDPA_NEG_INF
-                                ? exp2f(row_logit2(srow, mk, r, c, S, off, causal, scale_log2) - lse2)
-                                : 0.f;
-            const bool keep = (bits >> e) & 1u;
-            const float mul = drop.on ? (keep ? drop.scale : 0.f) : 1.f;
-            dsrow[c] = p * (dsrow[c] * mul - delta) * scale;
-            srow[c] = p * mul;
+            const float p = lse2 != SDPA_NEG_INF ? exp2f(x[e] - lse2) : 0.f;
+            const float mul = drop.on ? ((bits >> e) & 1u ? drop.scale : 0.f) : 1.f;
+            ds[e] = p * (g[e] * mul - delta) * scale;
+            kept[e] = p * mul;
         }
+        *reinterpret_cast<float4*>(dsrow + c0) = make_float4(ds[0], ds[1], ds[2], ds[3]);
+        *reinterpret_cast<float4*>(srow + c0) = make_float4(kept[0], kept[1], kept[2], kept[3]);
     }
 }

@@ -97,13 +97,20 @@ def batches(pb: Problem, operands: list[tuple[object, Heads, int, int]]) -> list
     return [[v[i] for v in views] for i in range(outer)]
 
 
+def row_stride(pb: Problem) -> int:
+    """Floats from one row of scores to the next: S rounded up to a multiple of 4, so that
+    every row starts 16-byte aligned for the row kernels' four-key accesses."""
+    return -(-pb.S // 4) * 4
+
+
 def _scores(pb: Problem) -> Heads:
-    """The layout of a C-contiguous (bh, L, S) scores buffer seen as (outer, heads, L, S)."""
-    return Heads(pb.heads * pb.L * pb.S, pb.L * pb.S, pb.S)
+    """The layout of a (bh, L, row_stride) scores buffer seen as (outer, heads, L, S)."""
+    ld = row_stride(pb)
+    return Heads(pb.heads * pb.L * ld, pb.L * ld, ld)
 
 
 def _buffer(node: Node, name: str, pb: Problem, ctx):
-    shape = (pb.bh, pb.L, pb.S)
+    shape = (pb.bh, pb.L, row_stride(pb))
     return _node_memory(node, (name, shape), ctx, lambda: cp.empty(shape, np.float32))
 
 
@@ -124,7 +131,7 @@ def forward(ctx, node: Node, pb: Problem, layouts: list[Heads], q, k, v, out, ls
     for qb, kb, sb in batches(pb, [(q, lq, pb.L, pb.E), (k, lk, pb.S, pb.E), s]):
         gemm.matmul(ctx, qb, kb, sb, trans_b=True)
     args = (scores, lse, step, np.int32(pb.heads), np.int32(pb.bh), np.int32(pb.L),
-            np.int32(pb.S)) + tail
+            np.int32(pb.S), np.int32(row_stride(pb))) + tail
     _kernel(SOURCE, FORWARD)(_blocks(pb), (THREADS,), args, stream=ctx.stream)
     for sb, vb, ob in batches(pb, [s, (v, lv, pb.S, pb.Ev), (out, lo, pb.L, pb.Ev)]):
         gemm.matmul(ctx, sb, vb, ob)
@@ -144,7 +151,8 @@ def backward(ctx, node: Node, pb: Problem, layouts: list[Heads], q, k, v, out, d
         gemm.matmul(ctx, qb, kb, sb, trans_b=True)
         gemm.matmul(ctx, dob, vb, dsb, trans_b=True)
     args = (scores, dscores, lse, out, dout, step, np.int32(pb.heads), np.int32(pb.bh),
-            np.int32(pb.L), np.int32(pb.S), np.int32(pb.Ev)) + lo.args() + ldo.args() + tail
+            np.int32(pb.L), np.int32(pb.S), np.int32(row_stride(pb)), np.int32(pb.Ev)) \
+        + lo.args() + ldo.args() + tail
     _kernel(SOURCE, BACKWARD)(_blocks(pb), (THREADS,), args, stream=ctx.stream)
     for sb, dsb, qb, kb, dob, dqb, dkb, dvb in batches(pb, [
             s, ds, q_, k_, do_, (dq, ldq, pb.L, pb.E), (dk, ldk, pb.S, pb.E),
