@@ -6,7 +6,12 @@ A GPT's attention traces as
 and its backward as
     G (..., T, C) -> reshape -> permute -> sdpa_grad -> dq, dk, dv -> permute -> reshape
     -> slice_grad (each a zero-filled (..., T, 3C)) -> add -> add -> dX.
-The sdpa kernels read and write through strides, so this pass rewrites that into
+or, as timm's ViT writes it (`qkv.reshape(B, N, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)`),
+    X (B, T, 3C) -> reshape (B, T, 3, H, D) -> permute (3, B, H, T, D) -> slice thirds
+    -> reshape -> q, k, v
+with the gradient's thirds summed into the (3, B, H, T, D) value, permuted back and reshaped
+to dX: the same q, k, v read out of the same X. The sdpa kernels read and write through
+strides, so this pass rewrites either into
     sdpa_qkv(X) -> Y, lse        sdpa_qkv_grad(G, X, Y, lse) -> dX
 (attention.py ops: the same arithmetic on the same logical tensors, dropout mask included)
 and every copy, zero fill and sum in between becomes dead code. It rewrites only the whole
@@ -19,6 +24,11 @@ from dataclasses import dataclass
 
 from ..ir.graph import Graph, Node, Value
 from .rewrite import _copy, _live, _rebuild
+
+
+# (B, T, 3, H, D) -> (3, B, H, T, D), and back: the stacked split's permutes
+STACKED = (2, 0, 3, 1, 4)
+UNSTACKED = (1, 3, 0, 2, 4)
 
 
 def _swaps_heads(n: Node | None) -> bool:
@@ -59,6 +69,43 @@ class _Matcher:
         return readers[0]
 
     def split_source(self, v: Value, third: int):
+        """X when v is the `third` head-first third of X (..., T, 3C), alone: sliced then
+        permuted, or stacked (stacked_source)."""
+        return self.sliced_source(v, third) or self.stacked_source(v, third)
+
+    def stacked_source(self, v: Value, third: int):
+        """X when v = reshape(slice(permute(reshape(X), STACKED), dim 0, third)), alone:
+        X (B, T, 3C) viewed as (B, T, 3, H, D) and permuted to (3, B, H, T, D), whose three
+        slices along dim 0 are read by nothing else."""
+        view = self.producers.get(v)
+        if view is None or view.op != "reshape":
+            return None
+        cut = self.producers.get(view.inputs[0])
+        if cut is None or cut.op != "slice" or self.only_user(view.inputs[0], "reshape") \
+                is not view or int(cut.attrs.get("step") or 1) != 1 or \
+                int(cut.attrs["dim"]) % 5 != 0 or \
+                (int(cut.attrs["start"]), int(cut.attrs["stop"])) != (third, third + 1):
+            return None
+        perm = self.producers.get(cut.inputs[0])
+        if perm is None or perm.op != "permute" or tuple(perm.attrs["dims"]) != STACKED or \
+                perm.outputs[0] in self.outputs or \
+                [u.op for u in self.users.get(perm.outputs[0], [])] != ["slice"] * 3:
+            return None
+        split = self.producers.get(perm.inputs[0])
+        if split is None or split.op != "reshape" or \
+                self.only_user(perm.inputs[0], "permute") is not perm:
+            return None
+        x = split.inputs[0]
+        if len(x.shape) != 3:
+            return None
+        b, t, c3 = x.shape
+        _, heads, d = split.outputs[0].shape[2:]
+        if split.outputs[0].shape != (b, t, 3, heads, d) or 3 * heads * d != c3 or \
+                v.shape != (b, heads, t, d):
+            return None
+        return x
+
+    def sliced_source(self, v: Value, third: int):
         """X when v = permute(reshape(slice(X, last axis, third))) heads-first, alone."""
         perm = self.producers.get(v)
         if not _swaps_heads(perm) or self.only_user(perm.inputs[0], "permute") is not perm:
@@ -105,26 +152,54 @@ class _Matcher:
             else None
 
     def gradient_sum(self, grads: list[Value], x: Value) -> tuple[Value, Node] | None:
-        """(dX, its add) when dq, dk, dv each go permute -> reshape -> slice_grad into x's
-        third and the three slice_grads are summed by `add` nodes reading nothing else."""
-        leaves = []
-        for third, v in enumerate(grads):
-            perm = self.only_user(v, "permute")
-            view = self.only_user(perm.outputs[0], "reshape") if _swaps_heads(perm) else None
-            back = self.only_user(view.outputs[0], "slice_grad") if view is not None else None
-            if back is None or tuple(back.attrs["input_shape"]) != x.shape or \
-                    int(back.attrs["dim"]) % len(x.shape) != len(x.shape) - 1 or \
-                    int(back.attrs["start"]) != third * (x.shape[-1] // 3):
+        """(dX, the node producing it) when dq, dk, dv each go into their third of x's
+        gradient and the three are summed by `add` nodes reading nothing else: sliced
+        (permute -> reshape -> slice_grad into x's third; the sum is dX) or stacked
+        (reshape -> slice_grad into the (3, B, H, T, D) value; the sum permuted back and
+        reshaped is dX)."""
+        leaves = [self._sliced_leaf(v, third, x) for third, v in enumerate(grads)]
+        stacked = None in leaves
+        if stacked:
+            leaves = [self._stacked_leaf(v, third) for third, v in enumerate(grads)]
+            if None in leaves:
                 return None
-            leaves.append(back.outputs[0])
         covered = {v: 1 << i for i, v in enumerate(leaves)}
         for n in self.graph.nodes:
             if n.op == "add" and all(v in covered and self.only_user(v, "add") is n
                                      for v in n.inputs):
                 covered[n.outputs[0]] = covered[n.inputs[0]] | covered[n.inputs[1]]
                 if covered[n.outputs[0]] == 0b111:
-                    return n.outputs[0], n
+                    return self._unstacked(n.outputs[0], x) if stacked else (n.outputs[0], n)
         return None
+
+    def _sliced_leaf(self, v: Value, third: int, x: Value) -> Value | None:
+        perm = self.only_user(v, "permute")
+        view = self.only_user(perm.outputs[0], "reshape") if _swaps_heads(perm) else None
+        back = self.only_user(view.outputs[0], "slice_grad") if view is not None else None
+        if back is None or tuple(back.attrs["input_shape"]) != x.shape or \
+                int(back.attrs["dim"]) % len(x.shape) != len(x.shape) - 1 or \
+                int(back.attrs["start"]) != third * (x.shape[-1] // 3):
+            return None
+        return back.outputs[0]
+
+    def _stacked_leaf(self, v: Value, third: int) -> Value | None:
+        view = self.only_user(v, "reshape")
+        back = self.only_user(view.outputs[0], "slice_grad") if view is not None else None
+        if back is None or tuple(back.attrs["input_shape"]) != (3,) + v.shape or \
+                int(back.attrs["dim"]) % 5 != 0 or int(back.attrs["start"]) != third:
+            return None
+        return back.outputs[0]
+
+    def _unstacked(self, total: Value, x: Value) -> tuple[Value, Node] | None:
+        """(dX, its reshape) when the summed (3, B, H, T, D) gradient is permuted back
+        (UNSTACKED) and reshaped to x's shape, each read by nothing else."""
+        perm = self.only_user(total, "permute")
+        if perm is None or tuple(perm.attrs["dims"]) != UNSTACKED:
+            return None
+        view = self.only_user(perm.outputs[0], "reshape")
+        if view is None or view.outputs[0].shape != x.shape:
+            return None
+        return view.outputs[0], view
 
     def site(self, n: Node) -> _Site | None:
         if n.attrs.get("mask"):         # the packed op takes no mask

@@ -1,5 +1,6 @@
-"""compile/attention.py: a GPT's head split (slice, reshape, permute), sdpa, head merge and
-their gradients (permutes, slice_grads and their sum) become sdpa_qkv / sdpa_qkv_grad on the
+"""compile/attention.py: a GPT's head split (slice, reshape, permute), or a ViT's (timm's
+reshape to (B, T, 3, H, D), permute (2, 0, 3, 1, 4), unbind), sdpa, head merge and their
+gradients (permutes, slice_grads and their sum) become sdpa_qkv / sdpa_qkv_grad on the
 packed projection, with the same results bit for bit on the NumPy backend (the same
 arithmetic on the same logical tensors; the dropped sums only added zeros). Patterns whose
 intermediates are read elsewhere stay as they are."""
@@ -27,6 +28,17 @@ def attention(extra_use: bool = False, dropout_p: float = 0.25):
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C) * ins["w"]
         return y + k.transpose(1, 2).reshape(B, T, C) if extra_use else y
+    return body
+
+
+def stacked_attention(extra_use: bool = False, dropout_p: float = 0.25):
+    """timm's ViT attention on a packed (B, T, 3C) projection x, times a weight w."""
+    def body(t, ins):
+        qkv = ins["x"].reshape(B, T, 3, HEADS, D).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+        y = y.transpose(1, 2).reshape(B, T, C) * ins["w"]
+        return y + qkv.sum(0).transpose(1, 2).reshape(B, T, C) if extra_use else y
     return body
 
 
@@ -86,3 +98,50 @@ def test_gpt_step_runs_packed_attention_in_every_layer():
     ops = [n.op for n in graph.nodes]
     assert ops.count("sdpa_qkv") == 2 and ops.count("sdpa_qkv_grad") == 2
     assert not {"sdpa", "sdpa_grad", "permute", "slice", "slice_grad"} & set(ops)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_stacked_split_packs_with_the_same_bits(dropout_p):
+    """The ViT form packs as the GPT form does: one sdpa_qkv each way, no copies left, the
+    plain graph's bits."""
+    data = arrays(f"stacked{dropout_p}")
+    plain = build_train_graph(stacked_attention(dropout_p=dropout_p), data, ("x", "w"),
+                              fused=False)
+    fused = build_train_graph(stacked_attention(dropout_p=dropout_p), data, ("x", "w"),
+                              fused=True)
+    ops = [n.op for n in fused.nodes]
+    assert ops.count("sdpa_qkv") == 1 and ops.count("sdpa_qkv_grad") == 1
+    assert not {"sdpa", "sdpa_grad", "slice", "slice_grad", "permute"} & set(ops)
+    want, got = run_graph(plain, data, dict(STEP)), run_graph(fused, data, dict(STEP))
+    for name in ("out", "loss", "grad:x", "grad:w"):
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_a_stacked_split_read_elsewhere_keeps_the_plain_ops():
+    data = arrays("stacked-shared")
+    plain = build_train_graph(stacked_attention(extra_use=True), data, ("x", "w"), fused=False)
+    fused = build_train_graph(stacked_attention(extra_use=True), data, ("x", "w"), fused=True)
+    ops = [n.op for n in fused.nodes]
+    assert "sdpa_qkv" not in ops and "sdpa" in ops and "sdpa_grad" in ops
+    want, got = run_graph(plain, data, dict(STEP)), run_graph(fused, data, dict(STEP))
+    for name in ("out", "grad:x", "grad:w"):
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_vit_file_runs_packed_attention_in_every_block():
+    """The compatibility suite's ViT (hand-written, timm's split): its attentions become
+    sdpa (the rewrite) and then sdpa_qkv on its qkv projection."""
+    import stepgraph as sg
+    from stepgraph import losses
+    from tests.compat.loader import load
+
+    model = load("vit", "stepgraph").VisionTransformer(img_size=8, patch_size=4, embed_dim=32,
+                                                       depth=2, num_heads=2)
+    gen = seeded("vit-packed")
+    x = gen.standard_normal((4, 3, 8, 8)).astype(np.float32)
+    y = gen.integers(0, 10, 4).astype(np.int64)
+    step = sg.compile_train_step(model, losses.cross_entropy, optim.SGD(lr=0.1),
+                                 example_inputs=(x, y), device="cpu")
+    ops = [n.op for n in step.plan(step.signature).graph.nodes]
+    assert ops.count("sdpa_qkv") == 2 and ops.count("sdpa_qkv_grad") == 2
+    assert not {"sdpa", "sdpa_grad"} & set(ops)
