@@ -662,19 +662,23 @@ class Conv1d(Module):
         return f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}"
 
 
-class ConvTranspose2d(Module):
-    """F.conv_transpose2d; weight (in, out/groups, kh, kw), bias (out,); torch's init, whose
-    fan_in is weight.size(1) * kh * kw (out/groups * kh * kw)."""
+class _ConvTranspose(Module):
+    """What ConvTranspose1d and 2d share: torch's arguments as `dims`-tuples, weight (in,
+    out/groups, *kernel), bias (out,), torch's init (fan_in weight.size(1) * kernel
+    positions: out/groups * the kernel's)."""
+
+    dims = 2
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0,
                  output_padding=0, groups: int = 1, bias: bool = True, dilation=1,
                  padding_mode: str = "zeros"):
         super().__init__()
-        _check_conv_args("ConvTranspose2d", in_channels, out_channels, groups, padding_mode)
+        _check_conv_args(type(self).__name__, in_channels, out_channels, groups, padding_mode)
+        size = lambda v: F._ntuple(v, self.dims)       # noqa: E731
         self.in_channels, self.out_channels = in_channels, out_channels
-        self.kernel_size, self.stride = F._pair(kernel_size), F._pair(stride)
-        self.padding, self.output_padding = F._pair(padding), F._pair(output_padding)
-        self.groups, self.dilation = groups, F._pair(dilation)
+        self.kernel_size, self.stride = size(kernel_size), size(stride)
+        self.padding, self.output_padding = size(padding), size(output_padding)
+        self.groups, self.dilation = groups, size(dilation)
         self.weight = Parameter(np.zeros((in_channels, out_channels // groups,
                                           *self.kernel_size), np.float32))
         self.bias = Parameter(np.zeros(out_channels, np.float32)) if bias else None
@@ -682,6 +686,11 @@ class ConvTranspose2d(Module):
 
     def reset_parameters(self) -> None:
         _reset_fan_in(self.weight, self.bias)
+
+
+class ConvTranspose2d(_ConvTranspose):
+    """F.conv_transpose2d; weight (in, out/groups, kh, kw), bias (out,); torch's init, whose
+    fan_in is weight.size(1) * kh * kw (out/groups * kh * kw)."""
 
     def forward(self, x):
         return F.conv_transpose2d(x, self.weight, self.bias, self.stride, self.padding,
@@ -1039,26 +1048,11 @@ class AdaptiveAvgPool1d(_AdaptiveAvgPoolNd):
     _pool = staticmethod(F.adaptive_avg_pool1d)
 
 
-class ConvTranspose1d(Module):
+class ConvTranspose1d(_ConvTranspose):
     """F.conv_transpose1d; weight (in, out/groups, k), bias (out,); torch's init (fan_in
     out/groups * k, as ConvTranspose2d's)."""
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0,
-                 output_padding=0, groups: int = 1, bias: bool = True, dilation=1,
-                 padding_mode: str = "zeros"):
-        super().__init__()
-        _check_conv_args("ConvTranspose1d", in_channels, out_channels, groups, padding_mode)
-        self.in_channels, self.out_channels = in_channels, out_channels
-        self.kernel_size, self.stride = F._ntuple(kernel_size, 1), F._ntuple(stride, 1)
-        self.padding, self.output_padding = F._ntuple(padding, 1), F._ntuple(output_padding, 1)
-        self.groups, self.dilation = groups, F._ntuple(dilation, 1)
-        self.weight = Parameter(np.zeros((in_channels, out_channels // groups,
-                                          *self.kernel_size), np.float32))
-        self.bias = Parameter(np.zeros(out_channels, np.float32)) if bias else None
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        _reset_fan_in(self.weight, self.bias)
+    dims = 1
 
     def forward(self, x):
         return F.conv_transpose1d(x, self.weight, self.bias, self.stride, self.padding,

@@ -19,10 +19,9 @@ pytestmark = pytest.mark.cuda
 cp = require_gpu("nvmath")
 
 from stepgraph.backends.cuda.attention import attention  # noqa: E402
-from tests.cuda.helpers import (  # noqa: E402
-    capture, make_node, poisoned, random, reference, run_cuda, to_device, to_host)
+from tests.cuda.helpers import make_node, random, reference, run_cuda  # noqa: E402
 from tests.cuda.test_attention_cuda import (  # noqa: E402
-    assert_matches, forward_and_backward, inputs)
+    assert_matches, assert_reruns_and_replays_are_bit_identical, forward_and_backward, inputs)
 from tests.cuda.test_attention_masks_cuda import mask_of, run_case  # noqa: E402
 
 
@@ -103,37 +102,8 @@ def test_composed_packed_sdpa_qkv_matches_numpy(ctx, impls, composed, b, heads):
 
 def test_composed_reruns_and_replays_are_bit_identical(ctx, impls, composed):
     rng = np.random.default_rng(631)
-    lead, t, hd, p = (2, 3), 65, 64, 0.2
-    node, ins, grad, grad_ins = forward_and_backward(ctx, impls, rng, lead, t, t, hd, hd,
-                                                     True, p)
-    dev = to_device(ctx, ins + [grad_ins[0]])            # q, k, v, step, dout
-
-    def program(outs, grads):
-        impls["sdpa"](node, dev[:-1], outs, ctx)
-        impls["sdpa_grad"](grad, [dev[-1]] + dev[:3] + outs + dev[3:-1], grads, ctx)
-
-    outs, grads = poisoned(ctx, node), poisoned(ctx, grad)
-    program(outs, grads)
-    first = to_host(ctx, outs + grads)
-    assert all(np.isfinite(a).all() for a in first)
-    program(outs, grads)
-    assert all(np.array_equal(a, b) for a, b in zip(first, to_host(ctx, outs + grads)))
-    graph = capture(ctx, lambda: program(outs, grads))
-    for step in range(3):
-        fresh = inputs(rng, lead, t, t, hd, hd, p, step=2000 + step)
-        fresh.append(random(rng, *lead, t, hd))
-        for d, h in zip(dev, fresh):
-            d.set(h, stream=ctx.stream)
-        eager, eager_grads = poisoned(ctx, node), poisoned(ctx, grad)
-        program(eager, eager_grads)
-        with ctx.stream:
-            for o in outs + grads:
-                o.fill(np.nan)
-        graph.launch(ctx.stream)
-        for i, (g, w) in enumerate(zip(to_host(ctx, outs + grads),
-                                       to_host(ctx, eager + eager_grads))):
-            assert np.isfinite(w).all()
-            np.testing.assert_array_equal(g, w, err_msg=f"replay {step} output {i}")
+    assert_reruns_and_replays_are_bit_identical(ctx, impls, rng, (2, 3), 65, 64, True, 0.2,
+                                                replays=3)
 
 
 def test_the_timed_choice_runs_and_matches_numpy(backend, impls):

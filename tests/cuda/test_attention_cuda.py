@@ -140,12 +140,12 @@ def test_sdpa_dropout_drops_what_the_dropout_op_drops(ctx, impls):
     np.testing.assert_array_equal(out == 0, mask == 0)
 
 
-@pytest.mark.parametrize("causal,p", [(True, 0.2), (False, 0.0)])
-def test_sdpa_reruns_and_replays_are_bit_identical(ctx, impls, causal, p):
+def assert_reruns_and_replays_are_bit_identical(ctx, impls, rng, lead, t, hd, causal, p,
+                                                 replays=5, fresh_node_raises=False):
     """Forward then gradient (reading the forward's out and lse, as in a step): two eager
-    runs, and a captured graph replayed on fresh inputs, against eager runs on the same."""
-    rng = np.random.default_rng([421, causal])
-    lead, t, hd = (2, 3), 255, 64
+    runs, and a captured graph replayed on fresh inputs, against eager runs on the same.
+    fresh_node_raises: a gradient node never run eagerly refuses a capture first (its
+    scratch is made at the first eager run)."""
     node, ins, grad, grad_ins = forward_and_backward(ctx, impls, rng, lead, t, t, hd, hd,
                                                      causal, p)
     dev = to_device(ctx, ins + [grad_ins[0]])            # q, k, v [, step], dout
@@ -154,10 +154,12 @@ def test_sdpa_reruns_and_replays_are_bit_identical(ctx, impls, causal, p):
         impls["sdpa"](node, dev[:-1], outs, ctx)
         impls["sdpa_grad"](grad, [dev[-1]] + dev[:3] + outs + dev[3:-1], grads, ctx)
 
-    cold = CudaContext(stream=ctx.stream, capturing=True, gemm=ctx.gemm)
-    fresh_node = make_node("sdpa_grad", grad_ins, **grad.attrs)
-    with pytest.raises(CaptureError):                 # delta scratch: warm up eagerly first
-        impls["sdpa_grad"](fresh_node, to_device(ctx, grad_ins), poisoned(ctx, grad), cold)
+    if fresh_node_raises:
+        cold = CudaContext(stream=ctx.stream, capturing=True, gemm=ctx.gemm)
+        fresh_node = make_node("sdpa_grad", grad_ins, **grad.attrs)
+        with pytest.raises(CaptureError):             # delta scratch: warm up eagerly first
+            impls["sdpa_grad"](fresh_node, to_device(ctx, grad_ins), poisoned(ctx, grad),
+                               cold)
     outs, grads = poisoned(ctx, node), poisoned(ctx, grad)
     program(outs, grads)
     first = to_host(ctx, outs + grads)
@@ -165,7 +167,7 @@ def test_sdpa_reruns_and_replays_are_bit_identical(ctx, impls, causal, p):
     program(outs, grads)
     assert all(np.array_equal(a, b) for a, b in zip(first, to_host(ctx, outs + grads)))
     graph = capture(ctx, lambda: program(outs, grads))
-    for step in range(5):
+    for step in range(replays):
         fresh = inputs(rng, lead, t, t, hd, hd, p, step=1000 + step)
         fresh.append(random(rng, *lead, t, hd))
         for d, h in zip(dev, fresh):
@@ -180,6 +182,13 @@ def test_sdpa_reruns_and_replays_are_bit_identical(ctx, impls, causal, p):
         for i, (g, w) in enumerate(zip(got, want)):
             assert np.isfinite(w).all()
             np.testing.assert_array_equal(g, w, err_msg=f"replay {step} output {i}")
+
+
+@pytest.mark.parametrize("causal,p", [(True, 0.2), (False, 0.0)])
+def test_sdpa_reruns_and_replays_are_bit_identical(ctx, impls, causal, p):
+    rng = np.random.default_rng([421, causal])
+    assert_reruns_and_replays_are_bit_identical(ctx, impls, rng, (2, 3), 255, 64, causal, p,
+                                                fresh_node_raises=True)
 
 
 @pytest.mark.parametrize("p", [0.0, 0.2])

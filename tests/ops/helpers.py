@@ -161,3 +161,26 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
     """Norm-wise relative error of a whole tensor."""
     return float(np.linalg.norm(np.asarray(got, np.float64) - want) /
                  max(np.linalg.norm(np.asarray(want, np.float64)), 1e-30))
+
+
+def check_with_torch(ours, theirs, arrays: dict, wrt, rtol: float) -> None:
+    """ours(**tensors) and theirs(**torch tensors) agree, forward and the gradients of the
+    inputs named in `wrt`; a non-scalar result is reduced by a random weighting ("proj") so
+    that every element's gradient is checked. Traced and run as a graph (numpy backend)."""
+    ref = theirs(**{k: torch.tensor(v) for k, v in arrays.items()})
+    proj = np.random.default_rng(1).standard_normal(ref.shape).astype(ref.numpy().dtype)
+    arrays = {**arrays, "proj": proj}
+
+    def body(tracer, ins):
+        y = ours(**{k: v for k, v in ins.items() if k != "proj"})
+        return y if y.shape == () else (y * ins["proj"]).sum()
+
+    got, grads = forward_and_grads(body, arrays, wrt, fused=False)
+    ts = {k: torch.tensor(v, requires_grad=k in wrt) for k, v in arrays.items()}
+    y = theirs(**{k: v for k, v in ts.items() if k != "proj"})
+    y = y if y.ndim == 0 else (y * ts["proj"]).sum()
+    t_grads = torch.autograd.grad(y, [ts[k] for k in wrt])
+    assert_close(got, y.detach().numpy(), rtol, "forward")
+    for name, g in zip(wrt, t_grads):
+        assert grads[name].dtype == arrays[name].dtype
+        assert_close(grads[name], g.numpy(), rtol, f"grad of {name}")

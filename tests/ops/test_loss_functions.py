@@ -13,7 +13,7 @@ from stepgraph import nn
 from stepgraph.errors import ShapeError
 from stepgraph.nn import functional as F
 from stepgraph.ir.trace import Tracer
-from tests.ops.helpers import assert_close, forward_and_grads, randn, run_graph, seeded
+from tests.ops.helpers import check_with_torch, assert_close, forward_and_grads, randn, run_graph, seeded
 
 DTYPES = pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
 RTOL = {np.float32: 1e-5, np.float64: 1e-10}
@@ -25,26 +25,7 @@ def gen(request) -> np.random.Generator:
     return seeded(request.node.name)
 
 
-def check(ours, theirs, arrays, wrt, rtol):
-    """ours(**tensors) and theirs(**torch tensors) -> loss; a non-scalar loss is reduced by a
-    random weighting (input "proj") so that every element's gradient is checked."""
-    proj = np.random.default_rng(1).standard_normal(
-        theirs(**{k: torch.tensor(v) for k, v in arrays.items()}).shape)
-    arrays = {**arrays, "proj": proj.astype(arrays["x"].dtype)}
-
-    def body(tracer, ins):
-        y = ours(**{k: v for k, v in ins.items() if k != "proj"})
-        return y if y.shape == () else (y * ins["proj"]).sum()
-
-    got, grads = forward_and_grads(body, arrays, wrt, fused=False)
-    ts = {k: torch.tensor(v, requires_grad=k in wrt) for k, v in arrays.items()}
-    y = theirs(**{k: v for k, v in ts.items() if k != "proj"})
-    y = y if y.ndim == 0 else (y * ts["proj"]).sum()
-    t_grads = torch.autograd.grad(y, [ts[k] for k in wrt])
-    assert_close(got, y.detach().numpy(), rtol, "loss")
-    for name, g in zip(wrt, t_grads):
-        assert grads[name].dtype == arrays[name].dtype
-        assert_close(grads[name], g.numpy(), rtol, f"grad of {name}")
+check = check_with_torch
 
 
 def labels(gen, n, classes, ignore=None):

@@ -51,11 +51,19 @@ def arrays(case: str) -> dict:
 STEP = {"optimizer.step": np.array(4, np.int64)}
 
 
+FORMS = pytest.mark.parametrize("form", ["sliced", "stacked"])
+
+
+def body_of(form: str, **kw):
+    return (attention if form == "sliced" else stacked_attention)(**kw)
+
+
+@FORMS
 @pytest.mark.parametrize("dropout_p", [0.0, 0.25])
-def test_packed_attention_gives_the_same_bits(dropout_p):
-    data = arrays(f"packed{dropout_p}")
-    plain = build_train_graph(attention(dropout_p=dropout_p), data, ("x", "w"), fused=False)
-    fused = build_train_graph(attention(dropout_p=dropout_p), data, ("x", "w"), fused=True)
+def test_packed_attention_gives_the_same_bits(form, dropout_p):
+    data = arrays(f"packed{form}{dropout_p}")
+    plain = build_train_graph(body_of(form, dropout_p=dropout_p), data, ("x", "w"), fused=False)
+    fused = build_train_graph(body_of(form, dropout_p=dropout_p), data, ("x", "w"), fused=True)
     ops = [n.op for n in fused.nodes]
     assert ops.count("sdpa_qkv") == 1 and ops.count("sdpa_qkv_grad") == 1
     assert not {"sdpa", "sdpa_grad", "slice", "slice_grad", "permute"} & set(ops)
@@ -64,10 +72,11 @@ def test_packed_attention_gives_the_same_bits(dropout_p):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
-def test_intermediates_read_elsewhere_keep_the_plain_ops():
-    data = arrays("shared-k")
-    plain = build_train_graph(attention(extra_use=True), data, ("x", "w"), fused=False)
-    fused = build_train_graph(attention(extra_use=True), data, ("x", "w"), fused=True)
+@FORMS
+def test_intermediates_read_elsewhere_keep_the_plain_ops(form):
+    data = arrays(f"shared-{form}")
+    plain = build_train_graph(body_of(form, extra_use=True), data, ("x", "w"), fused=False)
+    fused = build_train_graph(body_of(form, extra_use=True), data, ("x", "w"), fused=True)
     ops = [n.op for n in fused.nodes]
     assert "sdpa_qkv" not in ops and "sdpa" in ops and "sdpa_grad" in ops
     want, got = run_graph(plain, data, dict(STEP)), run_graph(fused, data, dict(STEP))
@@ -98,34 +107,6 @@ def test_gpt_step_runs_packed_attention_in_every_layer():
     ops = [n.op for n in graph.nodes]
     assert ops.count("sdpa_qkv") == 2 and ops.count("sdpa_qkv_grad") == 2
     assert not {"sdpa", "sdpa_grad", "permute", "slice", "slice_grad"} & set(ops)
-
-
-@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
-def test_stacked_split_packs_with_the_same_bits(dropout_p):
-    """The ViT form packs as the GPT form does: one sdpa_qkv each way, no copies left, the
-    plain graph's bits."""
-    data = arrays(f"stacked{dropout_p}")
-    plain = build_train_graph(stacked_attention(dropout_p=dropout_p), data, ("x", "w"),
-                              fused=False)
-    fused = build_train_graph(stacked_attention(dropout_p=dropout_p), data, ("x", "w"),
-                              fused=True)
-    ops = [n.op for n in fused.nodes]
-    assert ops.count("sdpa_qkv") == 1 and ops.count("sdpa_qkv_grad") == 1
-    assert not {"sdpa", "sdpa_grad", "slice", "slice_grad", "permute"} & set(ops)
-    want, got = run_graph(plain, data, dict(STEP)), run_graph(fused, data, dict(STEP))
-    for name in ("out", "loss", "grad:x", "grad:w"):
-        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
-
-
-def test_a_stacked_split_read_elsewhere_keeps_the_plain_ops():
-    data = arrays("stacked-shared")
-    plain = build_train_graph(stacked_attention(extra_use=True), data, ("x", "w"), fused=False)
-    fused = build_train_graph(stacked_attention(extra_use=True), data, ("x", "w"), fused=True)
-    ops = [n.op for n in fused.nodes]
-    assert "sdpa_qkv" not in ops and "sdpa" in ops and "sdpa_grad" in ops
-    want, got = run_graph(plain, data, dict(STEP)), run_graph(fused, data, dict(STEP))
-    for name in ("out", "grad:x", "grad:w"):
-        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
 def test_vit_file_runs_packed_attention_in_every_block():
