@@ -179,6 +179,8 @@ def test_gemm_batches_follow_the_layout(monkeypatch):
     for layout, B, H, launches in (("contiguous", 4, 3, 1), ("packed", 4, 3, 3),
                                    ("packed", 2, 5, 2)):
         q, k = operands(layout, B, H, 5, 4, rng)[:2]
+        assert attention_composed.gemm_launches(Problem(B * H, H, 5, 5, 4, 4),
+                                                [heads_of(q), heads_of(k)]) == launches
         pb = Problem(B * H, H, 5, 5, 4, 4)
         ld = attention_composed.row_stride(pb)
         scores = np.zeros((B * H, 5, ld), np.float32)
@@ -230,16 +232,18 @@ def _paths(monkeypatch, dtype, q_shape, k_shape, capturing=False):
     pb = attention.problem(Fake(q_shape, dtype), Fake(k_shape, dtype), Fake(k_shape, dtype))
     ctx = SimpleNamespace(precision="fp32")
     ran = []
+    layouts = [Heads(q_shape[1] * q_shape[2] * q_shape[3], q_shape[2] * q_shape[3],
+                     q_shape[3])] * 4
     attention._run_path(ctx, Node("sdpa", [], [], {}), True, pb, attention.STORAGE[
-        np.dtype(dtype)], attention.Attn(0.1, False), False, lambda: ran.append("fused"),
-        lambda: ran.append("composed"))
+        np.dtype(dtype)], attention.Attn(0.1, False), False, layouts,
+        lambda: ran.append("fused"), lambda: ran.append("composed"))
     return offered, ran
 
 
 def test_the_composed_path_is_offered_where_it_applies(monkeypatch):
     offered, ran = _paths(monkeypatch, "float32", (2, 4, 65, 64), (2, 4, 65, 64))
     assert [names for _, names in offered] == [{"fused", "composed"}] and not ran
-    assert offered[0][0][0] == "sdpa-path" and offered[0][0][-1] == ("fused", "composed")
+    assert offered[0][0][0] == "sdpa-path" and offered[0][0][-2:] == (1, ("fused", "composed"))
     for args in (("uint16", (2, 4, 65, 64), (2, 4, 65, 64)),     # bf16: cuDNN or fused
                  ("float32", (2, 4, 65, 64), (2, 2, 65, 64)),    # grouped heads
                  ("float32", (64, 16, 2048, 64), (64, 16, 2048, 64))):   # 16 GiB of scores

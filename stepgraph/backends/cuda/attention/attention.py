@@ -29,7 +29,9 @@ float32), which is the NumPy emulation's arithmetic but for TF32's rounding of t
 probabilities and of dS inside the products.
 
 bf16 problems that cuDNN's fused attention takes run there instead (attention_cudnn.py:
-four times faster on the gpt workload's attention).
+four times faster on the gpt workload's attention). float32 problems have a second path,
+cuBLASLt GEMMs over the scores in memory (attention_composed.py), timed against these kernels
+per problem and direction (_run_path): it wins where the tiles waste work (65 tokens).
 
 The forward is one launch; the gradient two, dq (which also sums D = rowsum(dout * out) into
 a per-node scratch of bh * L floats, made at the first eager call: runtime/launch.py _node_memory),
@@ -478,7 +480,7 @@ def sdpa_forward(ctx, q, k, v, out, lse, step, attn: Attn, mask: Mask | None = N
     composed = functools.partial(attention_composed.forward, ctx, node, pb, layouts, q, k, v,
                                  out, lse, _step_arg(attn, step),
                                  attn.args(step, False) + _mask_args(mask))
-    _run_path(ctx, node, True, pb, ctype, attn, mask is not None, fused, composed)
+    _run_path(ctx, node, True, pb, ctype, attn, mask is not None, layouts, fused, composed)
 
 
 def _mask_args(mask: Mask | None) -> tuple:
@@ -490,16 +492,18 @@ PATH = "auto"          # "auto" (timed per problem) or one of PATHS: tests force
 
 
 def path_key(forward: bool, pb: Problem, ctype: str, attn: Attn, masked: bool,
-             precision: str) -> tuple:
+             precision: str, launches: int) -> tuple:
     """The problem whose path (fused kernels or composed GEMMs) the autotuner chooses: what
-    changes either's work (not the operands' strides)."""
+    changes either's work, the composed GEMMs' launches a product included (heads read out
+    of a packed projection take one a head: attention_composed.gemm_launches)."""
     return ("sdpa-path", "forward" if forward else "backward", pb.bh, pb.L, pb.S, pb.E,
             pb.Ev, bool(attn.causal), attn.dropout_p > 0.0, bool(masked), ctype, precision,
-            PATHS)
+            launches, PATHS)
 
 
 def _run_path(ctx, node: Node | None, forward: bool, pb: Problem, ctype: str, attn: Attn,
-              masked: bool, fused: Callable[[], None], composed: Callable[[], None]) -> None:
+              masked: bool, layouts: list[Heads], fused: Callable[[], None],
+              composed: Callable[[], None]) -> None:
     """The fused kernels, or the composed GEMMs (attention_composed.py) where they are a
     candidate: the faster of the two for this problem, timed once at its first eager call
     (autotune.run_fastest; the fused kernels during a capture before the choice). Both are
@@ -516,7 +520,8 @@ def _run_path(ctx, node: Node | None, forward: bool, pb: Problem, ctype: str, at
     paths = {"fused": autotune.searching(fused),
              attention_composed.NAME: autotune.searching(autotune.compiling(
                  composed, *attention_composed.kernels(forward)))}
-    key = path_key(forward, pb, ctype, attn, masked, getattr(ctx, "precision", "fp32"))
+    key = path_key(forward, pb, ctype, attn, masked, getattr(ctx, "precision", "fp32"),
+                   attention_composed.gemm_launches(pb, layouts))
     autotune.run_fastest(ctx, key, paths, "fused")
 
 
@@ -597,7 +602,8 @@ def sdpa_backward(ctx, node: Node, q, k, v, out, dout, lse, step, dq, dk, dv,
     composed = functools.partial(attention_composed.backward, ctx, node, pb, layouts, q, k, v,
                                  out, dout, lse, _step_arg(attn, step), dq, dk, dv,
                                  attn.args(step, True) + _mask_args(mask))
-    _run_path(ctx, node, False, pb, storage(q), attn, mask is not None, fused, composed)
+    _run_path(ctx, node, False, pb, storage(q), attn, mask is not None, layouts, fused,
+              composed)
 
 
 def cudnn_keep_mask(ctx, q, k, v, step, attn: Attn) -> np.ndarray:

@@ -79,6 +79,13 @@ def _four_d(a, h: Heads, outer: int, heads: int, rows: int, cols: int):
         a, (outer, heads, rows, cols), (h.batch * item, h.head * item, h.row * item, item))
 
 
+def gemm_launches(pb: Problem, layouts: list[Heads]) -> int:
+    """GEMM launches a product of these operands takes (batches'): 1, heads or batch
+    entries. The composed path's cost depends on it, so the path choice's key holds it."""
+    outer, heads, collapsed = _split(pb, layouts)
+    return 1 if collapsed else min(outer, heads)
+
+
 def batches(pb: Problem, operands: list[tuple[object, Heads, int, int]]) -> list[list]:
     """Each operand (array, layout, rows, cols) as 3-D views, one list per GEMM launch: all
     bh problems in one where the strides collapse, else per head or per batch entry (the
