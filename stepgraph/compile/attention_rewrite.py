@@ -16,7 +16,10 @@ What it matches, each intermediate (scores, probabilities) read by nothing else:
 - bmm(q, k^T) over q (..., L, E), k (..., S, E): k^T a transpose of k's last two axes (or the
   bmm's trans_b); head dims up to MAX_HEAD_DIM;
 - scales: `scalar` mul / div by a nonzero constant, on the scores or on q or k before the
-  product (folded into sdpa's scale), all before any mask;
+  product (folded into sdpa's scale), all before any mask; and a tensor factor of the scores
+  constant along queries and keys (shape (..., 1, 1): a learned per-head temperature, as
+  Swin v2's logit scale or a `nn.Parameter(torch.full((heads, 1, 1), s))`), which multiplies
+  q instead (q * f @ k^T is the scores times f), so its gradient still flows;
 - masks, in any number and order: masked_fill(scores, bool mask, value) with value -inf or at
   most BLOCKING (a finite "large negative"), and scores + float mask (a mask no parameter
   feeds: sdpa gives a mask no gradient). A mask whose values the compiler knows (constants,
@@ -36,7 +39,7 @@ What it matches, each intermediate (scores, probabilities) read by nothing else:
   reads kv head h // group: no repeated copies, dk and dv summed in the kernels).
 
 What it leaves: a score or probability read by anything else (or a step output), softmax over
-another axis, a scale that is not a Python constant (a parameter, a tensor), a scale after a
+another axis, a tensor scale that varies along the queries or keys, a scale after a
 mask, masked_fill with a value above BLOCKING or a where(), a finite fill over a mask whose
 rows the compiler cannot prove are never wholly blocked (the composed op then gives a
 uniform row, sdpa's additive mask a NaN one), a known mask blocking a whole row, a mask fed by
@@ -116,6 +119,13 @@ class _Chain:
     masks: list[_Mask]
     dropout: Node | None
     nodes: list[Node] = field(default_factory=list)    # the nodes sdpa replaces
+    factors: list[Value] = field(default_factory=list)   # tensor scales, (..., 1, 1)
+
+
+def _per_score_matrix(shape: tuple, rank: int) -> bool:
+    """Whether a factor of this shape is constant along the scores' last two axes (queries
+    and keys): its last two dims are 1 (or it has no more dims than ones)."""
+    return len(shape) <= rank and all(n == 1 for n in shape[-2:])
 
 
 def _positive_swap(n: Node | None) -> bool:
@@ -196,6 +206,14 @@ class _Matcher:
             elif _scale_of(n) is not None:
                 chain.scale *= _scale_of(n)
                 scaled, nxt = True, n.inputs[0]
+            elif n.op == "binary" and n.attrs.get("kind") == "mul":
+                a, b = n.inputs
+                nxt, f = (a, b) if self.reaches_bmm(a) else (b, a)
+                if nxt.shape != n.outputs[0].shape or f.dtype != x.dtype or \
+                        not _per_score_matrix(f.shape, len(x.shape)):
+                    return None
+                chain.factors.append(f)
+                scaled = True
             elif n.op == "reshape" and n.inputs[0].shape == (math.prod(lead),) + x.shape[-2:]:
                 nxt = n.inputs[0]
             elif n.op == "bmm" and not n.attrs.get("trans_a"):
@@ -487,9 +505,20 @@ def rewrite_attention(graph: Graph, known: Callable[[Value], np.ndarray | None] 
         if plan is None:
             continue
         _group_heads(matcher, chain)
-        replaced[_last(graph, chain.nodes)] = plan.nodes + [_sdpa_node(chain, plan, sm.label)]
+        factors = _scale_q(chain, sm.label)
+        replaced[_last(graph, chain.nodes)] = plan.nodes + factors + \
+            [_sdpa_node(chain, plan, sm.label)]
         dropped |= set(chain.nodes)
     return splice(graph, replaced, dropped) if replaced else graph
+
+
+def _scale_q(chain: _Chain, label: str) -> list[Node]:
+    """The nodes multiplying q by the chain's tensor factors (each (..., 1, 1): constant
+    along the queries and keys, so q * f @ k^T = (q @ k^T) * f), q replaced by the product."""
+    emit = _Emitter(label)
+    for f in chain.factors:
+        chain.q = emit("binary", [chain.q, f], kind="mul")
+    return emit.nodes
 
 
 def _group_heads(matcher: _Matcher, chain: _Chain) -> None:

@@ -47,6 +47,8 @@ def model_class(tm, variant: str):
             self.register_buffer("alibi", -0.25 * rel.float().abs())
             self.temperature = nn.Parameter(tm.ones(()))
             self.rel_bias = nn.Parameter(0.1 * tm.ones(HEADS, T, T))
+            self.head_scale = nn.Parameter(tm.full((HEADS, 1, 1), 1.5))
+            self.key_scale = nn.Parameter(1.0 + 0.1 * tm.arange(T).float().view(1, T))
             self.drop = nn.Dropout(0.0)
 
         def heads(self, x):
@@ -83,6 +85,11 @@ def model_class(tm, variant: str):
                 att = att.masked_fill(~m, float("-inf"))
             elif variant == "parameter_scale":
                 att = att * self.temperature
+            elif variant == "head_scale":             # mixer's / Swin v2's temperature
+                att = (att * self.head_scale).masked_fill(self.bias[:, :, :T, :T] == 0,
+                                                          float("-inf"))
+            elif variant == "key_scale":              # varies along the keys: not q's
+                att = att * self.key_scale
             elif variant == "parameter_mask":
                 att = att + self.rel_bias
             elif variant == "scale_after_mask":
@@ -94,8 +101,8 @@ def model_class(tm, variant: str):
 
 REWRITTEN = ["scores_scaled", "q_scaled_first", "div_sqrt", "causal_buffer", "bool_buffer",
              "tril_in_forward", "constant_additive", "additive_mask", "bool_mask",
-             "dropout_p0", "grouped_heads"]
-LEFT = ["softmax_other_axis", "probs_read_elsewhere", "parameter_scale", "parameter_mask",
+             "dropout_p0", "grouped_heads", "parameter_scale", "head_scale"]
+LEFT = ["softmax_other_axis", "probs_read_elsewhere", "key_scale", "parameter_mask",
         "scale_after_mask", "finite_fill_runtime"]
 
 
@@ -161,9 +168,10 @@ def check_trains_as_torch(variant: str, seed: str | None = None) -> list[str]:
               "float32": torch_run(t32, data, torch.float32)}
     got, final, ops = stepgraph_run(variant, start, data)
     assert_close_to_reference(got, losses["float64"], losses["float32"], f"{variant} losses")
-    extra = {"parameter_scale": "temperature", "parameter_mask": "rel_bias"}.get(variant)
+    own = {"parameter_scale": "temperature", "parameter_mask": "rel_bias",
+           "head_scale": "head_scale", "key_scale": "key_scale"}
     trained = [k for k, _ in t32.named_parameters()
-               if k == extra or k not in ("temperature", "rel_bias")]
+               if k == own.get(variant) or k not in own.values()]
     assert_state_changes_close({k: np.asarray(v, np.float64) for k, v in start.items()},
                                final, state_float64(t64), state_float64(t32), f"{variant} ",
                                trained=trained, value_floor=True)
