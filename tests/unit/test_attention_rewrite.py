@@ -362,7 +362,7 @@ def test_mingpt_attention_with_dropout_rewrites_in_training_and_predict():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("variant", ["causal_buffer", "bool_mask", "additive_mask",
-                                     "constant_additive"])
+                                     "constant_additive", "head_scale"])
 def test_hand_written_attention_trains_on_cuda_as_on_numpy(variant):
     """The causal-buffer model and the masked ones (a runtime key-padding mask, bool or
     additive, and a constant ALiBi-like bias: sdpa's mask input on CUDA too) on CUDA: one
