@@ -150,6 +150,16 @@ def stepgraph_run(variant: str, start: dict, data, device="cpu"):
     return result, state_float64(model), ops
 
 
+# parameter -> the variant whose scores read it (the others leave it untouched)
+OWN = {"temperature": "parameter_scale", "rel_bias": "parameter_mask",
+       "head_scale": "head_scale", "key_scale": "key_scale"}
+
+
+def trained(model, variant: str) -> list[str]:
+    """The parameters a step of `variant` trains: all but the other variants' own."""
+    return [k for k, _ in model.named_parameters() if OWN.get(k, variant) == variant]
+
+
 def check_trains_as_torch(variant: str, seed: str | None = None) -> list[str]:
     """seed: the name the batches are drawn from (the variant's own by default).
     The parameter changes are judged with the floor of one float32 rounding of the
@@ -168,13 +178,9 @@ def check_trains_as_torch(variant: str, seed: str | None = None) -> list[str]:
               "float32": torch_run(t32, data, torch.float32)}
     got, final, ops = stepgraph_run(variant, start, data)
     assert_close_to_reference(got, losses["float64"], losses["float32"], f"{variant} losses")
-    own = {"parameter_scale": "temperature", "parameter_mask": "rel_bias",
-           "head_scale": "head_scale", "key_scale": "key_scale"}
-    trained = [k for k, _ in t32.named_parameters()
-               if k == own.get(variant) or k not in own.values()]
     assert_state_changes_close({k: np.asarray(v, np.float64) for k, v in start.items()},
                                final, state_float64(t64), state_float64(t32), f"{variant} ",
-                               trained=trained, value_floor=True)
+                               trained=trained(t32, variant), value_floor=True)
     return ops
 
 
@@ -380,10 +386,9 @@ def test_hand_written_attention_trains_on_cuda_as_on_numpy(variant):
         got, final, ops = stepgraph_run(variant, start, data, device=device)
         assert attention_counts(ops) == (1, 1, 0), (device, ops)
         assert_close_to_reference(got, ref64, ref32, f"{device} losses")
-        trained = [k for k, _ in t32.named_parameters() if k not in ("temperature", "rel_bias")]
         assert_state_changes_close({k: np.asarray(v, np.float64) for k, v in start.items()},
                                    final, state_float64(t64), state_float64(t32), f"{device} ",
-                                   trained=trained)
+                                   trained=trained(t32, variant))
 
 
 def test_a_folded_buffer_given_new_values_stops_the_step():
