@@ -24,6 +24,7 @@ from stepgraph.errors import ShapeError, UnsupportedOpError
 from stepgraph.ir.trace import Tracer
 from stepgraph.nn import functional as F
 from tests.ops.helpers import check_with_torch, assert_close, randn, run_graph, seeded
+from tests.ops.test_ops_torch import _train_dropout
 from tests.reference import (assert_close_to_reference, assert_state_changes_close,
                              state_float64)
 
@@ -75,26 +76,19 @@ def test_prelu_mismatched_slopes_raise_torchs_error():
 
 # ---- dropout1d: Philox masks (torch's generator differs: statistics and shapes) ------------
 
-def _train(fn, x: np.ndarray, step: int = 3) -> np.ndarray:
-    tracer = Tracer(seed=5, training=True)
-    y = fn(tracer.input(x.shape, str(x.dtype), "x"))
-    tracer.graph.outputs = {"y": y.value}
-    bound = {v.name: np.array(step, np.int64) for v in tracer.graph.state}
-    return run_graph(tracer.graph, {"x": x}, bound)["y"]
-
-
 @pytest.mark.parametrize("shape", [(64, 32, 5), (256, 5)], ids=["batched", "unbatched"])
 def test_dropout1d_drops_whole_rows(gen, shape):
     """Each (n, c) row (each c of an unbatched (C, L) input) kept whole, scaled by 1 / (1 - p),
     or zeroed, with probability p; eval mode or p = 0 leave the input as it is."""
     x, p = randn(gen, *shape), 0.25
-    y = _train(lambda t: F.dropout1d(t, p), x)
+    y = _train_dropout(lambda t: F.dropout1d(t, p), x)
     kept = (y != 0).all(axis=-1)
     assert ((y == 0).all(axis=-1) | kept).all()
     np.testing.assert_array_equal(y[kept], x[kept] * np.float32(1 / (1 - p)))
     assert abs(kept.mean() - (1 - p)) < 4 * np.sqrt(p * (1 - p) / kept.size), kept.mean()
-    np.testing.assert_array_equal(_train(lambda t: F.dropout1d(t, p, training=False), x), x)
-    np.testing.assert_array_equal(_train(lambda t: F.dropout1d(t, 0.0), x), x)
+    eval_mode = _train_dropout(lambda t: F.dropout1d(t, p, training=False), x)
+    np.testing.assert_array_equal(eval_mode, x)
+    np.testing.assert_array_equal(_train_dropout(lambda t: F.dropout1d(t, 0.0), x), x)
 
 
 def test_dropout1d_rejects_what_torch_rejects():
