@@ -11,6 +11,8 @@ from __future__ import annotations
 import builtins
 import math
 
+import numpy as np
+
 from ..errors import ShapeError, UnsupportedOpError
 from .math import _method
 
@@ -225,17 +227,12 @@ def broadcast_shapes(*shapes):
     """The shape the given shapes broadcast to, as torch.broadcast_shapes (ShapeError where
     two sizes of an axis differ and neither is 1)."""
     from ..ir.tensor import Size
-    shapes = [(s,) if isinstance(s, int) else tuple(s) for s in shapes]
-    rank = builtins.max((len(s) for s in shapes), default=0)
-    out = [1] * rank
-    for s in shapes:
-        for i, n in enumerate(s, rank - len(s)):
-            if n != out[i] and 1 not in (n, out[i]):
-                raise ShapeError(f"broadcast_shapes: shape mismatch: objects cannot be "
-                                 f"broadcast to a single shape ({list(s)} at axis {i} is {n}, "
-                                 f"another is {out[i]})")
-            out[i] = n if out[i] == 1 else out[i]
-    return Size(out)
+    try:
+        return Size(np.broadcast_shapes(*((s,) if isinstance(s, int) else tuple(s)
+                                          for s in shapes)))
+    except ValueError:
+        raise ShapeError(f"broadcast_shapes: shape mismatch: objects cannot be broadcast to "
+                         f"a single shape: {list(shapes)}") from None
 
 
 def broadcast_tensors(*tensors):
