@@ -186,14 +186,14 @@ class _MathMethods:
         end = self._coerce(end, "lerp")
         if end.dtype != self.dtype:
             raise TypePromotionError(f"expected dtype {self.dtype} for `end` but got dtype "
-                            f"{end.dtype}")
+                                     f"{end.dtype}")
         diff = end - self
         if _is_scalar(weight):
             return self + diff * weight if abs(weight) < 0.5 else end - diff * (1.0 - weight)
         weight = self._coerce(weight, "lerp")
         if weight.dtype != self.dtype:
             raise TypePromotionError(f"expected dtype {self.dtype} for `weight` but got dtype "
-                            f"{weight.dtype}")
+                                     f"{weight.dtype}")
         low = weight.abs() < 0.5        # torch's test, so NaN and |w| >= 0.5 take the end form
         return (self + diff * weight).where(low, end - diff * (1.0 - weight))
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
+from ..dtypes import finfo
 from ..errors import ShapeError, TypePromotionError
 from .promotion import DEFAULT_FLOAT
 from .tensor import Tensor, _dim, _is_scalar, attach_methods
@@ -130,10 +129,7 @@ class _UnaryMethods:
         places (torch's: grad * isfinite(x))."""
         if not self.dtype.is_floating_point:
             return self
-        big = float(np.finfo(np.float32 if self.value.dtype == "bfloat16" else
-                             self.value.dtype).max)
-        if self.value.dtype == "bfloat16":      # bfloat16's own largest, 0x7F7F
-            big = 3.3895313892515355e38
+        big = finfo(self.value.dtype).max
         y = self.masked_fill(self.isnan(), nan)
         y = y.masked_fill(self.isposinf(), big if posinf is None else posinf)
         return y.masked_fill(self.isneginf(), -big if neginf is None else neginf)
