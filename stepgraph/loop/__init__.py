@@ -16,7 +16,9 @@ replay the program; anything else re-records it, with a one-line RecaptureWarnin
 difference. `optimizer.step()` runs every pass waiting since the last step (several when the
 script accumulates gradients) as one compiled step (step.LoopStep): forward of each pass,
 backward of the sum of their losses, update. Values the script still holds at that moment
-(the output, the loss, a clipped gradient norm) are outputs of the step, read on demand.
+(the output, the loss, a clipped gradient norm) are outputs of the step, read on demand; a value
+of the forward read before `optimizer.step()` (the loss after each backward() of a gradient
+accumulation) is computed ahead of the step by one more run of the pass's forward (early.py).
 
 What the loop changes between iterations lives on the device (learning rate and the other
 `param_groups` values, the step counter); what a capture cannot prove unchanged is a key of

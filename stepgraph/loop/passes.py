@@ -10,7 +10,8 @@ tensors the script already holds keep working through `remap`.
 Eager tensors entering a pass at script level (inputs, labels, a mask made this iteration)
 become its feeds, filled with this iteration's arrays; inside a module's forward they stay
 constants, as in compile_train_step. After backward() (phase PENDING) further ops are kept as
-thunks, and once the step ran (DONE) they run eagerly on the values the step kept.
+thunks, and once the step ran (DONE) they run eagerly on the values the step kept. A value read
+before the step (OPEN or PENDING) is computed ahead of it by the pass's forward (loop/early.py).
 """
 from __future__ import annotations
 
@@ -37,8 +38,15 @@ class RecaptureWarning(UserWarning):
     saying what differed). A loop that alternates between a few programs keeps them all."""
 
 
+NOT_READY = ("a value of a training pass was read before optimizer.step(): stepgraph runs "
+             "forward, backward and update as one compiled step at optimizer.step(); read it "
+             "after that (or evaluate under torch.no_grad() with model.eval())")
+
+
 class ValueNotReadyError(StepgraphError, RuntimeError):
-    """A value of a training pass read before optimizer.step() ran it."""
+    """A value of a training pass read before optimizer.step() ran it that cannot be computed
+    ahead of the step: a gradient, a clipped norm, or any value of a pass drawing random
+    numbers (loop/early.py)."""
 
 
 class _Feed:
@@ -253,7 +261,8 @@ class Pass(Tracer):
         return found
 
     def read_value(self, v: Value) -> np.ndarray:
-        """The values of one of this pass's tensors (storage dtype), once the step ran."""
+        """The values of one of this pass's tensors (storage dtype): the step's once it ran;
+        before, those the pass's forward computes, evaluated ahead of it (loop/early.py)."""
         v = self.remap.get(v, v)
         if v in self.host:
             return self.host[v]
@@ -261,10 +270,7 @@ class Pass(Tracer):
         if at is not None and self.arrays[at] is not None:
             return self.arrays[at]
         if self.phase != DONE:
-            raise ValueNotReadyError(
-                "a value of a training pass was read before optimizer.step(): stepgraph runs "
-                "forward, backward and update as one compiled step at optimizer.step(); read "
-                "it after that (or evaluate under torch.no_grad() with model.eval())")
+            return self._read_before_step(v)
         if v is self.program.loss and self.loss_at is not None:
             step, call = self.loss_at
             self.host[v] = step.loss_of(call).numpy()
@@ -275,6 +281,21 @@ class Pass(Tracer):
         else:
             raise CaptureError("this value of the training pass was not kept: no tensor held "
                                "it when optimizer.step() ran")
+        return self.host[v]
+
+    def _read_before_step(self, v: Value) -> np.ndarray:
+        """A value read before the step: an op after backward() runs on its inputs' values;
+        a gradient or clipped norm waits for the step; a value of the forward is computed by
+        one run of the pass's compiled forward, with the other scalars the script holds."""
+        from .early import values_before_step     # early.py imports this module
+
+        if v in self.deferred:
+            self.host[v] = self._run_thunk(v)
+        elif v in self.extra:
+            raise ValueNotReadyError(NOT_READY)
+        else:
+            for u, values in values_before_step(self.session, self, v).items():
+                self.host.setdefault(u, values)          # a value read once stays as read
         return self.host[v]
 
     # ---- after backward ----

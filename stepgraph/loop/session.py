@@ -47,6 +47,7 @@ class LoopSession:
         self.loss_scaling = None                           # GradScaler.step's, until step
         self.device = "cuda" if cuda_available() else "cpu"
         self.predictors: dict[tuple, Any] = {}
+        self.early: dict[tuple, tuple] = {}                # values read before a step (early.py)
         self.spares: dict[tuple, list] = {}                # detached values' buffers
         self.eager_depth = 0                               # inside an eager forward
         self.grads: dict[int, tuple] = {}                  # p.grad asked before a step

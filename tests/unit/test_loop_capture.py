@@ -240,16 +240,24 @@ def test_values_after_the_step_compute_eagerly():
     assert "tensor(" in repr(loss)
 
 
-def test_reading_a_value_before_step_says_when():
-    _, _, ours = twins()
-    opt = SGD(sg, ours)
+def test_reading_a_value_before_step_gives_the_steps_value():
+    """loss.item() between backward() and step() is the loss the step computes (one more
+    forward, loop/early.py; tests/unit/test_loop_early_read.py); a gradient read there still
+    waits for the step and says so."""
     x, y = batches(1)[0]
-    loss = sg.nn.functional.cross_entropy(ours(sg.from_numpy(x)), sg.from_numpy(y))
-    loss.backward()
-    with pytest.raises(ValueNotReadyError, match="after that"):
-        loss.item()
-    opt.step()
-    assert np.isfinite(loss.item())
+    read = []
+    for early in (True, False):
+        _, _, ours = twins()
+        opt = SGD(sg, ours)
+        loss = sg.nn.functional.cross_entropy(ours(sg.from_numpy(x)), sg.from_numpy(y))
+        loss.backward()
+        if early:
+            read.append(loss.item())
+            with pytest.raises(ValueNotReadyError, match="after that"):
+                ours[0].weight.grad.numpy()
+        opt.step()
+        read.append(loss.item())
+    assert read[0] == read[1] == read[2]
 
 
 def test_script_level_parameter_terms_get_gradients():
