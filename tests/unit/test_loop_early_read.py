@@ -52,7 +52,9 @@ def models(count=2, dropout=0.0):
 
 
 def state(model) -> dict[str, np.ndarray]:
-    return {k: np.array(v.detach().numpy() if hasattr(v, "detach") else v.numpy())
+    """A copy of the state_dict's values in their dtypes (a stepgraph entry, array or tensor,
+    as np.array reads it)."""
+    return {k: v.detach().numpy().copy() if isinstance(v, torch.Tensor) else np.array(v)
             for k, v in model.state_dict().items()}
 
 
