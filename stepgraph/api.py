@@ -450,7 +450,9 @@ class TrainStep(_CompiledModel):
         """Parameters and buffers (PyTorch keys), optimizer state and the step counter, as
         NumPy arrays."""
         self._sync_optimizer()
-        out = dict(self.model.state_dict())
+        # NumPy, as the optimizer state beside them (the model's own state_dict holds eager
+        # tensors, as torch's): a host copy of each Parameter and Buffer under each of its keys
+        out = {k: p.numpy() for k, p in self.model.state_dict(keep_vars=True).items()}
         out.update((k, self.backend.to_numpy(v)) for k, v in sorted(self._training_state()))
         return out
 

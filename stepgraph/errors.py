@@ -80,7 +80,8 @@ ALTERNATIVES = {
                                "gradients from the loss",
     "torch.autograd.Function": "the ops stepgraph has (each has its gradient rule); "
                                "compile_train_step derives the gradients",
-    "torch.jit.save": "model.state_dict() (NumPy arrays under torch's keys)",
+    "torch.jit.save": "torch.save(model.state_dict(), f) (torch's zip format, tensors under "
+                      "torch's keys)",
     "torch.jit.load": "model.load_state_dict(state_dict) on the model's Python class",
     "torch.fx.Tracer": "stepgraph.compile_train_step / compile_predict (they trace forward)",
     "torch.fx.GraphModule": "stepgraph.compile_train_step / compile_predict (they trace "

@@ -109,12 +109,13 @@ def save(obj, f, pickle_module=pickle, pickle_protocol: int = 2,
     which `torch.load` reads (weights_only=True included).
 
     `obj` may nest dict, OrderedDict, list, tuple, set, numbers, strings, bytes and None
-    around eager tensors, Parameters and Buffers (a Parameter loads in torch as
-    nn.Parameter), NumPy arrays (`model.state_dict()`'s values) and NumPy scalars (saved as
-    Python numbers), torch.Size, dtypes and devices. Tensors are written from host memory
-    with location "cpu"; an array saved twice (the same object) is one storage. The pickle
-    is written with protocol 2's opcodes, torch's default (`pickle_protocol` is accepted and
-    ignored: any torch reads them); the legacy non-zip format is read but not written."""
+    around eager tensors (`model.state_dict()`'s values), Parameters and Buffers (a Parameter
+    loads in torch as nn.Parameter), NumPy arrays and NumPy scalars (saved as Python
+    numbers), torch.Size, dtypes and devices. Tensors are written from host memory with
+    location "cpu"; an array or tensor saved twice (the same object: a tied parameter in a
+    state_dict) is one storage. The pickle is written with protocol 2's opcodes, torch's
+    default (`pickle_protocol` is accepted and ignored: any torch reads them); the legacy
+    non-zip format is read but not written."""
     if pickle_module is not pickle:
         raise SerializationError("torch.save: stepgraph writes torch's pickle itself; "
                                  f"pickle_module={pickle_module!r} is not supported")

@@ -12,6 +12,7 @@ from typing import Iterator, NamedTuple
 import numpy as np
 
 from ..errors import StateDictError, UnsupportedOpError
+from ..ir.graph import DTYPES, ir_dtype
 from ..ir.trace import Tensor, current_tracer, tensor_of
 from ..loop import hooks as loop_hooks
 
@@ -296,6 +297,19 @@ class Buffer(_Stored):
     def traced(self, tracer) -> Tensor:
         """This buffer in `tracer`'s trace: its `state` value, made once per trace."""
         return tracer.buffer(self)
+
+
+def state_tensor(stored: _Stored, key: str) -> Tensor:
+    """An eager tensor of a host copy of a Parameter's or Buffer's values, in its dtype: what
+    state_dict() holds under `key`. A copy, not a view as PyTorch's: the storage may live on
+    the GPU while eager tensors hold host arrays, and a write through a view would skip
+    `assign`, so compiled steps holding derived copies (precision="bf16") would not see it."""
+    dtype = str(stored.storage.dtype)
+    if ir_dtype(dtype) not in DTYPES:
+        raise StateDictError(f"{key}: a buffer of {dtype} has no stepgraph tensor dtype "
+                             f"(tensors hold {', '.join(DTYPES)}); state_dict(keep_vars=True) "
+                             "gives the Buffer, whose numpy() reads it")
+    return tensor_of(stored.numpy())
 
 
 class IncompatibleKeys(NamedTuple):
@@ -625,12 +639,21 @@ class Module:
                 p.name = name
 
     def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
-        """Current parameters and buffers as NumPy arrays under PyTorch's keys, in PyTorch's
-        order (frozen parameters included); a tied parameter under each of its keys, as
-        PyTorch's. keep_vars=True gives the Parameter and Buffer objects instead."""
+        """Current parameters and buffers as eager tensors (their dtypes) under PyTorch's keys,
+        in PyTorch's order (frozen parameters included). Each tensor holds a copy of the values
+        taken now: writing it leaves the model alone, and later steps do not change it
+        (PyTorch's share the parameters' storage). A tied parameter is one tensor under each
+        of its keys, so torch.save writes its values once, as PyTorch's. keep_vars=True gives
+        the Parameter and Buffer objects instead."""
         out = OrderedDict() if destination is None else destination
+        snapshots: dict[int, Tensor] = {}
         for name, p in self._named_state(prefix):
-            out[name] = p if keep_vars else p.numpy()
+            if keep_vars:
+                out[name] = p
+                continue
+            if id(p) not in snapshots:
+                snapshots[id(p)] = state_tensor(p, name)
+            out[name] = snapshots[id(p)]
         return out
 
     def load_state_dict(self, state_dict, strict: bool = True) -> IncompatibleKeys:

@@ -119,7 +119,7 @@ def test_one_sgd_step_as_torch_float32_against_float64():
         after[dtype] = {k: v.detach().double().numpy() for k, v in model.state_dict().items()}
     model = ours.SqueezeNet("1_0", CLASSES, dropout=0.0)
     model.load_state_dict({k: v.numpy() for k, v in start.items()})
-    before = {k: v.astype(np.float64) for k, v in model.state_dict().items()}
+    before = {k: v.numpy().astype(np.float64) for k, v in model.state_dict().items()}
     step = sg.compile_train_step(model, sg.nn.functional.cross_entropy,
                                  optim.SGD(model.parameters(), lr=LR), (x, y))
     step(x, y)

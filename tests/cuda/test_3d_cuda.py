@@ -212,9 +212,9 @@ def _train(device, graph, data):
     step = sg.compile_train_step(model, loss=F.cross_entropy,
                                  optimizer=optim.SGD(lr=0.1, momentum=0.9),
                                  example_inputs=data[0], device=device, graph=graph)
-    before = {k: v.copy() for k, v in model.state_dict().items()}
+    before = {k: v.numpy() for k, v in model.state_dict().items()}
     losses = [float(step(x, y)) for x, y in data]
-    after = model.state_dict()
+    after = {k: v.numpy() for k, v in model.state_dict().items()}
     return losses, {k: after[k] - before[k] for k in before if "num_batches" not in k}
 
 

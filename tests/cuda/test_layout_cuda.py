@@ -422,8 +422,8 @@ def test_channels_last_resnet_follows_numpy(precision, loss_rtol, param_rtol):
         elif precision == "fp32":
             assert rel(got[k], ref[k]) < param_rtol, k
     floats = [k for k in ref if not k.endswith("num_batches_tracked")]
-    whole = rel(np.concatenate([got[k].ravel() for k in floats]),
-                np.concatenate([ref[k].ravel() for k in floats]))
+    whole = rel(np.concatenate([got[k].numpy().ravel() for k in floats]),
+                np.concatenate([ref[k].numpy().ravel() for k in floats]))
     assert whole < param_rtol, whole
 
 

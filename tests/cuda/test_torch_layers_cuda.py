@@ -42,7 +42,7 @@ def test_the_padding_row_never_moves_in_a_cuda_graph():
     state = {k: v.numpy().copy() for k, v in ref.state_dict().items()}
     state["emb.weight"][0] = row
     model.load_state_dict(state)
-    before = {k: v.copy() for k, v in model.state_dict().items()}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     step = sg.compile_train_step(model, sg.nn.functional.cross_entropy,
                                  optim.SGD(lr=0.5, momentum=0.9), example_inputs=data[0],
                                  device="cuda", graph=True)

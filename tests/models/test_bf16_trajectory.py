@@ -129,6 +129,10 @@ def torch_step(w, tmodel, topt, x, y, autocast: bool) -> float:
     return loss.item()
 
 
+def state_arrays(model) -> dict[str, np.ndarray]:
+    return {k: v.numpy() for k, v in model.state_dict().items()}
+
+
 def changes(model_state: dict, initial: dict) -> np.ndarray:
     return np.concatenate([(model_state[k] - initial[k]).ravel() for k in sorted(initial)])
 
@@ -139,12 +143,12 @@ def test_first_step_matches_torch_autocast(name, request):
     model, t16, t32 = twins(name, 1)
     x, y = Batches(request.node.name, w.x_shape).draw(BATCH)
     step = sg.compile_train_step(model, w.loss, optim.SGD(lr=1.0), (x, y), precision="bf16")
-    before = model.state_dict()
+    before = state_arrays(model)
     loss = float(step(x, y))
     want = torch_step(w, t16, torch.optim.SGD(t16.parameters(), lr=1.0), x, y, True)
     torch_step(w, t32, torch.optim.SGD(t32.parameters(), lr=1.0), x, y, False)
     assert abs(loss - want) <= FIRST_LOSS_RTOL * abs(want), (loss, want)
-    after, p16, p32 = model.state_dict(), t16.state_dict(), t32.state_dict()
+    after, p16, p32 = state_arrays(model), t16.state_dict(), t32.state_dict()
     for k in before:
         got, g16, g32 = (before[k] - after[k], before[k] - p16[k].numpy(),
                          before[k] - p32[k].numpy())
@@ -165,7 +169,7 @@ def test_20_steps_follow_torch_autocast(name, opt, request):
         make = lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.5)          # noqa: E731
     o16, o32 = make(t16.parameters()), make(t32.parameters())
     batches = Batches(request.node.name, w.x_shape)
-    initial = model.state_dict()
+    initial = state_arrays(model)
     step = sg.compile_train_step(model, w.loss, sg_opt, batches.draw(BATCH), precision="bf16")
     got, want = [], []
     for _ in range(STEPS):
@@ -177,7 +181,7 @@ def test_20_steps_follow_torch_autocast(name, opt, request):
     p16 = {k: v.numpy() for k, v in t16.state_dict().items()}
     p32 = {k: v.numpy() for k, v in t32.state_dict().items()}
     torch_change = changes(p16, initial)
-    err = relative_error(changes(model.state_dict(), initial), torch_change)
+    err = relative_error(changes(state_arrays(model), initial), torch_change)
     fp32_err = relative_error(changes(p32, initial), torch_change)
     assert errors[0] <= FIRST_LOSS_RTOL and max(errors) <= LOSS_RTOL, \
         f"losses\nstepgraph {got}\ntorch     {want}"

@@ -83,7 +83,7 @@ def test_a_padded_model_trains_like_torch_and_never_moves_the_padding_row(paddin
     state["emb.weight"] = state["emb.weight"].copy()
     state["emb.weight"][0] = row
     model.load_state_dict(state)
-    before = {k: v.copy() for k, v in model.state_dict().items()}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     step = sg.compile_train_step(model, sg.nn.functional.cross_entropy,
                                  optim.SGD(lr=0.5, momentum=0.9), example_inputs=data[0],
                                  device="cpu")

@@ -79,7 +79,7 @@ def test_layer_zoo_trains_like_torch():
     data = zoo_data(3)
     step = sg.compile_train_step(model, loss=zoo_loss, optimizer=optim.SGD(lr=0.05),
                                  example_inputs=data[0], device="cpu")
-    before = {k: v.copy() for k, v in model.state_dict().items()}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     got = [float(step(x, y)) for x, y in data]
     losses64, after64 = torch_zoo_run(ref, data, torch.float64)
     losses32, after32 = torch_zoo_run(ref, data, torch.float32)

@@ -184,7 +184,7 @@ def test_resnet_trajectory_predictions_and_state_dict_match_torch(request):
 
     # stepgraph -> torch: a fresh torch model loads the trained state strictly, predicts alike
     reloaded = TorchNet()
-    reloaded.load_state_dict({k: torch.tensor(v) for k, v in model.state_dict().items()})
+    reloaded.load_state_dict({k: torch.tensor(v.numpy()) for k, v in model.state_dict().items()})
     assert reloaded.bn1.num_batches_tracked.dtype == torch.int64
     assert_close(torch_predict(reloaded, x_eval), want_pred, PREDICT_RTOL, "torch reloaded")
     # torch -> stepgraph again, into a fresh model

@@ -50,8 +50,8 @@ def test_a_stacks_layers_start_equal_and_a_transformer_draws_its_matrices_again(
         assert not np.array_equal(state[f"encoder.layers.0.{k}"], state[f"encoder.layers.1.{k}"])
     bound = np.sqrt(6 / (D + FF))                      # xavier_uniform_ of linear1 (FF, D)
     assert np.abs(state["decoder.layers.0.linear1.weight"]).max() <= bound
-    assert not np.any(state["encoder.layers.0.self_attn.in_proj_bias"])
-    assert np.all(state["decoder.norm.weight"] == 1)
+    assert not state["encoder.layers.0.self_attn.in_proj_bias"].any()
+    assert (state["decoder.norm.weight"] == 1).all()
 
 
 def test_the_causal_mask_and_mistakes_are_torchs():
@@ -124,7 +124,7 @@ def start(options):
                        {k: v.double().numpy() for k, v in twin.state_dict().items()})
     model = make_seq2seq(snn, options)
     model.load_state_dict({k: v.numpy() for k, v in ref.state_dict().items()})
-    before = {k: v.copy() for k, v in model.state_dict().items()}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     return model, before, data, runs[torch.float64], runs[torch.float32]
 
 

@@ -332,7 +332,7 @@ def test_3d_cnn_trains_three_steps_like_torch():
     (exact_losses, exact), (f32_losses, f32) = runs[torch.float64], runs[torch.float32]
     for got, torch32, want in zip(got_losses, f32_losses, exact_losses):
         assert abs(got - want) <= ERROR_FACTOR * abs(torch32 - want) + ERROR_FLOOR * abs(want)
-    after = model.state_dict()
+    after = {k: v.numpy() for k, v in model.state_dict().items()}
     for k, before in start.items():
         if k.endswith("num_batches_tracked"):
             assert int(after[k]) == int(exact[k]) == 3

@@ -171,7 +171,7 @@ def test_gpt_train_step_with_sdpa_matches_the_composed_path(monkeypatch):
                                      example_inputs=data[0],
                                      device="cpu", seed=7)
         losses = [float(step(x, y)) for x, y in data]
-        results.append((losses, {k: v.copy() for k, v in model.state_dict().items()}))
+        results.append((losses, {k: v.clone() for k, v in model.state_dict().items()}))
     (got, got_params), (want, want_params) = results
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for key, value in want_params.items():

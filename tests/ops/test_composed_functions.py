@@ -318,7 +318,7 @@ def test_a_model_of_the_composed_functions_trains_like_torch():
     losses32, after32 = torch_run(ref, data, torch.float32)
     model = make(sg, snn)
     model.load_state_dict({k: v.numpy() for k, v in ref.state_dict().items()})
-    before = {k: v.copy() for k, v in model.state_dict().items()}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     step = sg.compile_train_step(model, sg.nn.functional.mse_loss,
                                  optim.SGD(lr=0.01, momentum=0.9), example_inputs=data[0],
                                  device="cpu")

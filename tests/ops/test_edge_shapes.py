@@ -92,7 +92,7 @@ def test_0d_parameter_stays_0d_and_trains_like_torch():
     gen = np.random.default_rng(4)
     x, y = gen.standard_normal((4, 3)).astype(np.float32), np.zeros((4, 2), np.float32)
     lin = torch.nn.Linear(3, 2)
-    lin.load_state_dict({k[4:]: torch.tensor(v) for k, v in model.state_dict().items()
+    lin.load_state_dict({k[4:]: torch.tensor(v.numpy()) for k, v in model.state_dict().items()
                          if k.startswith("lin.")})
     scale = torch.nn.Parameter(torch.tensor(2.0))
     torch.nn.functional.mse_loss(lin(torch.tensor(x)) * scale, torch.tensor(y)).backward()

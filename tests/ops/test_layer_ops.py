@@ -232,7 +232,7 @@ def test_conv_init_bounds_like_torch(make, fan_in):
     m = make(nn)
     bound = 1 / np.sqrt(fan_in)
     for k, v in m.state_dict().items():
-        assert v.size >= 30, k
+        assert v.numel() >= 30, k
         assert bound / 2 < np.abs(v).max() <= bound, k
     before = m.weight.numpy().copy()
     m.reset_parameters()
@@ -356,6 +356,6 @@ def test_multihead_attention_dropout_trains_and_eval_is_deterministic(need_weigh
     model.train()
     step = sg.compile_train_step(model, loss=F.mse_loss, optimizer=optim.SGD(lr=0.1),
                                  example_inputs=(x, y), seed=3)
-    before = model.state_dict()["attn.in_proj_weight"].copy()
+    before = model.state_dict()["attn.in_proj_weight"].clone()
     assert abs(float(step(x, y)) - eval_loss) > 1e-4 * eval_loss
     assert not np.array_equal(before, model.state_dict()["attn.in_proj_weight"])

@@ -203,7 +203,7 @@ def test_loss_modules_match_torch(name, gen):
     tr = Tracer()
     xs, ts = tr.input(x.shape, "float32", "x"), tr.input(t.shape, str(t.dtype), "t")
     tr.graph.outputs = {"y": m(xs, ts).value}
-    bound = {k: v for k, v in m.state_dict().items()}
+    bound = {k: v.numpy() for k, v in m.state_dict().items()}
     got = run_graph(tr.graph, {"x": x, "t": t}, bound)["y"]
     assert_close(got, tm(torch.tensor(x), torch.tensor(t)).numpy(), 1e-5, name)
 

@@ -159,7 +159,7 @@ def test_lstm_loss_of_the_final_cell_state_alone_matches_torch():
         p.storage = p.storage.astype(np.float32)
 
     twin = torch.nn.LSTM(3, 4, num_layers=2).double()
-    twin.load_state_dict({k: torch.from_numpy(v.astype(np.float64))
+    twin.load_state_dict({k: torch.from_numpy(v.numpy().astype(np.float64))
                           for k, v in model.state_dict().items()})
     tx = torch.tensor(x, requires_grad=True)
     _, (_, tc) = twin(tx)

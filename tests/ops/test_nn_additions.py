@@ -409,7 +409,7 @@ def test_init_ranges_are_torchs():
     """PReLU: every slope `init`; Bilinear: U(-1/sqrt(in1), 1/sqrt(in1)) for weight and bias;
     ConvTranspose1d: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = out/groups * k: each
     draw within its bound and reaching near it."""
-    assert np.all(nn.PReLU(5, init=-0.3).state_dict()["weight"] == np.float32(-0.3))
+    assert np.all(nn.PReLU(5, init=-0.3).state_dict()["weight"].numpy() == np.float32(-0.3))
     nn.init.manual_seed(0)
     for module, bound in ((nn.Bilinear(16, 3, 40), 1 / 4), (nn.Bilinear(9, 30, 64), 1 / 3),
                           (nn.ConvTranspose1d(30, 64, 2, groups=2), 1 / math.sqrt(32 * 2))):

@@ -302,7 +302,7 @@ def test_compiled_train_step_matches_torch():
     y = gen.integers(0, 3, 16).astype(np.int64)
     model = MaskedNet()
     ref = torch.nn.ModuleDict({"fc1": torch.nn.Linear(6, 8), "fc2": torch.nn.Linear(8, 3)})
-    ref.load_state_dict({k: torch.tensor(v) for k, v in model.state_dict().items()})
+    ref.load_state_dict({k: torch.tensor(v.numpy()) for k, v in model.state_dict().items()})
     step = stepgraph.compile_train_step(model, loss=stepgraph.losses.cross_entropy,
                                         optimizer=stepgraph.optim.SGD(lr=0.5),
                                         example_inputs=(x, y), device="cpu")
@@ -317,7 +317,7 @@ def test_compiled_train_step_matches_torch():
         opt.step()
         assert abs(loss - want.item()) <= 1e-5 * abs(want.item())
     for k, v in model.state_dict().items():         # parameter changes, not only values
-        assert_close(v - initial[k], ref.state_dict()[k].numpy() - initial[k], 1e-4, k)
+        assert_close(v.numpy() - initial[k], ref.state_dict()[k].numpy() - initial[k], 1e-4, k)
 
 
 def test_autocast_follows_torch_lists():

@@ -41,7 +41,7 @@ def torch_twin(model) -> torch.nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")           # dropout with one layer
         twin = cls(model.input_size, model.hidden_size, **kw)
-    twin.load_state_dict({k: torch.from_numpy(v) for k, v in model.state_dict().items()})
+    twin.load_state_dict({k: torch.from_numpy(v.numpy()) for k, v in model.state_dict().items()})
     return twin.train(model.training)
 
 
@@ -225,7 +225,7 @@ def test_parameters_keys_shapes_and_initialisation_are_torchs():
         sd, tsd = ours.state_dict(), theirs.state_dict()
         assert list(sd) == list(tsd)
         assert [v.shape for v in sd.values()] == [tuple(v.shape) for v in tsd.values()]
-        assert all(v.dtype == np.float32 for v in sd.values())
+        assert all(v.dtype == sg.float32 for v in sd.values())
         ours.load_state_dict({k: v.numpy() for k, v in tsd.items()})   # loads as it is
         bound = 1 / np.sqrt(16)
         for k, v in sd.items():                # U(-1/sqrt(H), 1/sqrt(H)), not constant
@@ -420,7 +420,7 @@ def test_lstm_language_model_trains_like_torch(opt):
                          lambda ps: torch.optim.Adam(ps, lr=3e-2))}[opt]
     step = sg.compile_train_step(model, loss=lm_loss, optimizer=make_opt[0](),
                                  example_inputs=batches[0], device="cpu")
-    before = {k: v.copy() for k, v in model.state_dict().items()}
+    before = {k: v.numpy() for k, v in model.state_dict().items()}
     torch_runs = []
     for net in (ref, ref64):
         topt, losses = make_opt[1](net.parameters()), []
@@ -438,7 +438,7 @@ def test_lstm_language_model_trains_like_torch(opt):
     assert np.abs(np.array(got) - t64).max() <= 8 * max(np.abs(t32 - t64).max(), 1e-6)
     after, a32, a64 = model.state_dict(), ref.state_dict(), ref64.state_dict()
     for k in before:
-        change = after[k] - before[k]
+        change = after[k].numpy() - before[k]
         want = a64[k].numpy() - before[k]
         t_err = relative_error(a32[k].numpy() - before[k], want)
         assert np.abs(want).max() > 0, k

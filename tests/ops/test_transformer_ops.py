@@ -262,7 +262,7 @@ def torch_module_like(model: PositionalEmbedding):
     t = torch.nn.ModuleDict(dict(wte=torch.nn.Embedding(*model.wte.weight.shape),
                                  wpe=torch.nn.Embedding(*model.wpe.weight.shape),
                                  ln=torch.nn.LayerNorm(model.ln.weight.shape[0]))).double()
-    t.load_state_dict({k: torch.tensor(v, dtype=torch.float64)
+    t.load_state_dict({k: torch.tensor(v.numpy(), dtype=torch.float64)
                        for k, v in model.state_dict().items()})
     return t
 

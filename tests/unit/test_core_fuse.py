@@ -355,7 +355,7 @@ def test_fused_and_unfused_train_steps_compute_the_same(name):
     unfused = build_train_graph(model, loss_fn, opt, signature, seed=3)
     fused = fuse(build_train_graph(model, loss_fn, opt, signature, seed=3))
     assert len(fused.nodes) < len(unfused.nodes)
-    params = model.state_dict()
+    params = {k: v.numpy() for k, v in model.state_dict().items()}
     loss_u, params_u = run_one_step(unfused, params, opt, arrays)
     loss_f, params_f = run_one_step(fused, params, opt, arrays)
     assert_close(loss_f, loss_u, what="loss")

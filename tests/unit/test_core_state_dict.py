@@ -36,7 +36,7 @@ def test_keys_shapes_and_init_bounds_match_torch(name):
     sd, want = MODELS[name][0]().state_dict(), torch_numpy_state(torch_twin(name))
     assert list(sd) == list(want)
     for k in want:
-        assert sd[k].shape == want[k].shape and sd[k].dtype == np.float32, k
+        assert sd[k].shape == want[k].shape and sd[k].dtype == sg.float32, k
         # torch's default init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weights and biases
         weight = want[k.replace("bias", "weight")]
         bound = 1 / np.sqrt(np.prod(weight.shape[1:]))

@@ -63,7 +63,7 @@ def test_autocast_float16_loop_as_torch_autocast():
     loop(sg, ours, np.float32, True)
     from stepgraph.loop.hooks import SESSION
     assert SESSION.last_step.precision == "fp16"
-    assert all(v.dtype == np.float32 for v in ours.state_dict().values())
+    assert all(v.dtype == sg.float32 for v in ours.state_dict().values())
     judge(start, t16, t64, ours)
 
 

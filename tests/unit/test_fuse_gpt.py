@@ -106,7 +106,7 @@ def test_gpt_residual_dropout_and_add_are_one_pointwise_node():
 def test_gpt_fused_step_equals_unfused_on_numpy(dropout, bias):
     model, opt, arrays, unfused, fused = gpt_graphs(dropout, bias)
     assert len(fused.nodes) < len(unfused.nodes)
-    params = model.state_dict()
+    params = {k: v.numpy() for k, v in model.state_dict().items()}
     results = []
     for graph in (unfused, fused):
         bound = {k: v.copy() for k, v in params.items()}

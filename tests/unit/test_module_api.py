@@ -171,7 +171,8 @@ def test_load_state_dict_reports_missing_and_unexpected_keys():
     assert result.missing_keys == ["1.bias"] and result.unexpected_keys == ["extra"]
     assert (sg.state_dict()["0.weight"] == 4.0).all()
     tm = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
-    want = tm.load_state_dict({k: torch.tensor(v) for k, v in partial.items()}, strict=False)
+    want = tm.load_state_dict({k: torch.tensor(np.asarray(v)) for k, v in partial.items()},
+                              strict=False)
     assert (result.missing_keys, result.unexpected_keys) == (want.missing_keys,
                                                              want.unexpected_keys)
     with pytest.raises(StateDictError, match="0.weight: expected shape"):
@@ -258,7 +259,7 @@ def test_non_persistent_buffer_is_bound_but_not_in_the_state_dict():
     m, tm = build(nn), build(torch.nn)
     assert list(m.state_dict()) == list(tm.state_dict()) == ["fc.weight", "fc.bias"]
     assert names(m.named_buffers()) == names(tm.named_buffers()) == ["mask"]
-    tm.load_state_dict({k: torch.tensor(v) for k, v in m.state_dict().items()})
+    tm.load_state_dict({k: torch.tensor(v.numpy()) for k, v in m.state_dict().items()})
     x = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
     got = sg.compile_predict(m, example_inputs=(x,))(x)
     np.testing.assert_allclose(got, tm(torch.tensor(x)).detach().numpy(), rtol=1e-6, atol=1e-6)

@@ -78,7 +78,7 @@ def test_buffers_load_in_place_and_keep_their_dtype():
     sd = {k: np.full_like(v.numpy(), 3) for k, v in TorchOuter().state_dict().items()}
     m.load_state_dict(sd)
     assert m.inner.count is count and count.numpy().dtype == np.int64 and int(count.numpy()) == 3
-    assert m.state_dict()["blocks.1.num_batches_tracked"].dtype == np.int64
+    assert m.state_dict()["blocks.1.num_batches_tracked"].dtype == sg.int64
 
 
 def test_register_buffer_rejects_bad_names():

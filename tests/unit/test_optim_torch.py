@@ -38,7 +38,7 @@ def sg_model():
 def torch_twin(model, dtype):
     twin = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(),
                                torch.nn.Linear(HIDDEN, OUT)).to(dtype)
-    twin.load_state_dict({k: torch.tensor(v, dtype=dtype) for k, v in
+    twin.load_state_dict({k: torch.tensor(v.numpy(), dtype=dtype) for k, v in
                           model.state_dict().items()})
     return twin
 
@@ -125,7 +125,7 @@ def run_sg(model, step, opt, data, between=None):
         if between is not None:
             between(t, opt.param_groups)
         step(x, y)
-        out.append({k: v.astype(np.float64) for k, v in model.state_dict().items()})
+        out.append({k: v.numpy().astype(np.float64) for k, v in model.state_dict().items()})
     return out
 
 
@@ -146,7 +146,7 @@ def assert_changes_match(init, got, want64, want32, what=""):
 def test_optimizer_with_groups_matches_torch(case):
     data = batches(STEPS)
     model, opt, step = build(case, data)
-    init = {k: v.astype(np.float64) for k, v in model.state_dict().items()}
+    init = {k: v.numpy().astype(np.float64) for k, v in model.state_dict().items()}
     got = run_sg(model, step, opt, data)
     want64, _ = run_torch(init, case, data, torch.float64)
     want32, _ = run_torch(init, case, data, torch.float32)
@@ -185,7 +185,7 @@ def test_param_group_writes_take_effect_at_the_next_step_without_a_new_trace(nam
     executables = dict(step.executables)
     graphs = {k: e.plan.graph for k, e in executables.items()}
     groups = opt.param_groups
-    init = {k: v.astype(np.float64) for k, v in model.state_dict().items()}
+    init = {k: v.numpy().astype(np.float64) for k, v in model.state_dict().items()}
     got = run_sg(model, step, opt, data, writer(writes))
     want64, _ = run_torch(init, case, data, torch.float64, writer(writes))
     want32, _ = run_torch(init, case, data, torch.float32, writer(writes))
@@ -202,7 +202,7 @@ def test_without_the_writes_the_trajectory_differs():
     case, writes = WRITES["adam"]
     data = batches(STEPS, "writes")
     model, opt, step = build(case, data)
-    init = {k: v.astype(np.float64) for k, v in model.state_dict().items()}
+    init = {k: v.numpy().astype(np.float64) for k, v in model.state_dict().items()}
     got = run_sg(model, step, opt, data)
     want64, _ = run_torch(init, case, data, torch.float64, writer(writes))
     want32, _ = run_torch(init, case, data, torch.float32, writer(writes))
@@ -268,7 +268,7 @@ def test_exact_group_lr_without_a_schedule():
     assert [schedule_factor(vector, t) for t in (1, 2, 1000)] == [1.0] * 3
     table = step.backend.to_numpy(step.state[HYPERPARAMETERS_KEY])
     assert table.dtype == np.float64 and list(table[:, 0]) == [lr, lr, 1 / 3, 1 / 3]
-    init = {k: v.astype(np.float64) for k, v in model.state_dict().items()}
+    init = {k: v.numpy().astype(np.float64) for k, v in model.state_dict().items()}
     twin64, twin32 = torch_twin(model, torch.float64), torch_twin(model, torch.float32)
     results = []
     for twin in (twin64, twin32):
@@ -279,7 +279,7 @@ def test_exact_group_lr_without_a_schedule():
         topt.step()
         results.append({k: v.double().numpy() for k, v in twin.state_dict().items()})
     step(*data[2])
-    got = {k: v.astype(np.float64) for k, v in model.state_dict().items()}
+    got = {k: v.numpy().astype(np.float64) for k, v in model.state_dict().items()}
     assert_changes_match(init, [got], [results[0]], [results[1]])
 
 
@@ -356,7 +356,7 @@ def test_torch_constructors_and_defaults():
 def test_state_dict_layout_matches_torch_and_round_trips(case):
     data = batches(6, "state dict")
     model, opt, step = build(case, data)
-    init = {k: v.astype(np.float64) for k, v in model.state_dict().items()}
+    init = {k: v.numpy().astype(np.float64) for k, v in model.state_dict().items()}
     # torch's before a step: none, except Adagrad's (made in its constructor: step 0, sum)
     fresh = run_torch(init, case, [], torch.float64)[1].state_dict()["state"]
     before = opt.state_dict()["state"]
@@ -381,7 +381,7 @@ def test_state_dict_layout_matches_torch_and_round_trips(case):
     by_param = opt.state
     assert set(map(id, by_param)) == set(map(id, model.parameters()))
     # Round trip: a fresh model and optimizer loading both go on as the original, bit for bit.
-    saved, middle = copy.deepcopy(ours), {k: v.copy() for k, v in model.state_dict().items()}
+    saved, middle = copy.deepcopy(ours), {k: v.clone() for k, v in model.state_dict().items()}
     want = [float(step(x, y)) for x, y in data[3:]]
     cls, defaults, _, _ = CASES[case]
     model2 = sg_model()
@@ -402,7 +402,7 @@ def test_a_torch_made_state_dict_loads_into_a_compiled_step(case):
     already compiled step and both go on for 3 more: the changes agree with torch float64's."""
     data = batches(6, "torch made")
     model, opt, step = build(case, data)
-    init = {k: v.astype(np.float64) for k, v in model.state_dict().items()}
+    init = {k: v.numpy().astype(np.float64) for k, v in model.state_dict().items()}
     step(*data[5])                                # state to be overwritten
     cls, defaults, _, _ = CASES[case]
     results = {}
@@ -422,7 +422,7 @@ def test_a_torch_made_state_dict_loads_into_a_compiled_step(case):
     opt.load_state_dict(state)
     for x, y in data[3:]:
         step(x, y)
-    got = {k: v.astype(np.float64) for k, v in model.state_dict().items()}
+    got = {k: v.numpy().astype(np.float64) for k, v in model.state_dict().items()}
     start = {k: v.astype(np.float64) for k, v in middle.items()}
     assert_changes_match(start, [got], [results[torch.float64]], [results[torch.float32]],
                          case)

@@ -123,7 +123,7 @@ def test_nn_dropout_in_eval_does_not_drop_and_adds_nothing():
     np.testing.assert_array_equal(first, second)
     ref = real.nn.Sequential(real.nn.Linear(5, 7), real.nn.BatchNorm1d(7), real.nn.ReLU(),
                              real.nn.Dropout(0.5)).double().eval()
-    ref.load_state_dict({k.replace("fc.", "0.").replace("bn.", "1."): real.tensor(v)
+    ref.load_state_dict({k.replace("fc.", "0.").replace("bn.", "1."): real.tensor(v.numpy())
                          for k, v in model.state_dict().items()})
     want = ref(real.tensor(x, dtype=real.float64)).detach().numpy()
     ref32 = ref.float()(real.tensor(x)).detach().numpy()

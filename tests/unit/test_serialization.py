@@ -242,7 +242,7 @@ def test_a_torch_state_dict_loads_into_the_stepgraph_model_and_back(tmp_path):
         np.testing.assert_array_equal(ours.state_dict()[key], value.numpy())
     assert list(ours.state_dict()) == list(theirs.state_dict())
 
-    sg.save(ours.state_dict(), tmp_path / "ours.pt")       # NumPy arrays -> torch tensors
+    sg.save(ours.state_dict(), tmp_path / "ours.pt")       # eager tensors -> torch tensors
     again = _twin(torch.nn)
     again.load_state_dict(torch.load(tmp_path / "ours.pt", weights_only=True))
     for key, value in theirs.state_dict().items():

@@ -396,7 +396,8 @@ def torch_gpt(model):
     t.wte, t.head = real.nn.Embedding(V, C), real.nn.Linear(C, V, bias=False)
     t.c_attn, t.c_proj = real.nn.Linear(C, 3 * C), real.nn.Linear(C, C)
     t.wpe = real.nn.Parameter(real.zeros(1, T, C))
-    sd = {k.removeprefix("attn."): real.tensor(v) for k, v in model.state_dict().items()}
+    sd = {k.removeprefix("attn."): real.tensor(v.numpy())
+          for k, v in model.state_dict().items()}
     mask = sd.pop("bias")
     t.load_state_dict(sd)
 
@@ -490,7 +491,7 @@ def test_no_grad_and_detach_cut_the_backward_as_torch():
     rng = np.random.default_rng(12)
     x, y = rng.standard_normal((6, 4)).astype("float32"), rng.integers(0, 3, 6)
     t = real.nn.Linear(4, 3)
-    t.load_state_dict({k.removeprefix("lin."): real.tensor(v)
+    t.load_state_dict({k.removeprefix("lin."): real.tensor(v.numpy())
                        for k, v in model.state_dict().items()})
     h = t(real.tensor(x))
     with real.no_grad():

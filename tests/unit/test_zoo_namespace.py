@@ -183,7 +183,7 @@ def _train(checkpointed: bool, steps: int = 3, norm: bool = False):
                                     (xs[0], ys[0]), seed=5)
     losses = [float(step(x, y)) for x, y in zip(xs, ys)]
     arena = next(iter(step.executables.values())).plan.arena_bytes
-    return losses, {k: v.copy() for k, v in model.state_dict().items()}, arena
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}, arena
 
 
 @pytest.mark.parametrize("norm", [False, True])

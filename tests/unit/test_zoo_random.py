@@ -132,7 +132,7 @@ def test_stochastic_depth_trains_as_torch_given_the_same_noise():
     rs = np.random.default_rng(0)
     xs = rs.standard_normal((steps, 32, 8)).astype(np.float32)
     ts = rs.standard_normal((steps, 32, 8)).astype(np.float32)
-    before = {k: v.copy() for k, v in ours.state_dict().items()}
+    before = {k: v.numpy() for k, v in ours.state_dict().items()}
     step = torch.compile_train_step(ours, torch.nn.functional.mse_loss,
                                     optim.SGD(ours.parameters(), lr=0.1), (xs[0], ts[0]),
                                     seed=seed)
@@ -154,7 +154,7 @@ def test_stochastic_depth_trains_as_torch_given_the_same_noise():
         want.append(loss.item())
     np.testing.assert_allclose(losses, want, rtol=2e-6)
     for k, v in theirs.state_dict().items():
-        change, want_change = ours.state_dict()[k] - before[k], v.numpy() - before[k]
+        change, want_change = ours.state_dict()[k].numpy() - before[k], v.numpy() - before[k]
         np.testing.assert_allclose(change, want_change, rtol=1e-4, atol=1e-6)
 
 
