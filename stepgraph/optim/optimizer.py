@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..ir.graph import Value
-from ..ir.trace import Tracer
+from ..ir.trace import Tracer, tensor_of
 from ..loop.optimizer_methods import LoopMethods
 from .schedules import SCHEDULE_SLOTS, Constant
 
@@ -436,12 +436,13 @@ class Optimizer(LoopMethods):
 
     # ---- PyTorch's state_dict ----
     def state_dict(self) -> dict:
-        """PyTorch's layout: {"state": {index: {"step": 0-d float32, slot: array, ...}},
+        """PyTorch's layout: {"state": {index: {"step": 0-d float32, slot: tensor, ...}},
         "param_groups": [{hyperparameters..., "params": [indices]}]}, indices counting the
         parameters group by group. State is read from the compiled step's device memory
-        (the latest compiled step holding the parameter; syncs), as NumPy arrays; a parameter
-        has none before its first step (PyTorch's). SGD's entries carry "step" too
-        (stepgraph's counter; PyTorch's SGD keeps none and ignores it)."""
+        (the latest compiled step holding the parameter; syncs) into eager tensors holding
+        copies (PyTorch's are the optimizer's own tensors); a parameter has none before its
+        first step (PyTorch's). SGD's entries carry "step" too (stepgraph's counter;
+        PyTorch's SGD keeps none and ignores it)."""
         params = self._param_index()
         groups, at = [], 0
         for g in self.param_groups:
@@ -469,8 +470,12 @@ class Optimizer(LoopMethods):
         count, slots = (0, {}) if step is None else \
             step.optimizer_state_of(p, self._slots or ())
         if count == 0:
-            return self.unstarted_entry(self._group_of(p), p)
-        return self.state_entry(self._group_of(p), count, slots)
+            entry = self.unstarted_entry(self._group_of(p), p)
+        else:
+            entry = self.state_entry(self._group_of(p), count, slots)
+        # eager tensors, as torch's state (a 0-d float32 step): torch code calls tensor
+        # methods on them (exp_avg.clone(), step.item())
+        return {k: tensor_of(v) if isinstance(v, np.ndarray) else v for k, v in entry.items()}
 
     def unstarted_entry(self, group: dict, p) -> dict:
         """A parameter's state_dict entry before its first step (never trained, or frozen
