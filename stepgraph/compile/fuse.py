@@ -17,6 +17,8 @@ from .pointwise import fuse_pointwise
 from .pointwise_recompute import recompute_saved_pointwise
 from .gradient_sums import fuse_cell_grad_sums, fuse_product_sums
 from .slice_sums import concat_slice_gradients
+from .concat_slices import read_concat_inputs
+from .layout_chains import collapse_layout_chains
 from .rewrite import _copy, _join, _live, _rebuild
 
 
@@ -541,7 +543,7 @@ def eliminate_dead_code(graph: Graph) -> Graph:
 
 
 PASSES = (pack_attention_heads, fuse_product_sums, fuse_cell_grad_sums, concat_slice_gradients,
-          fuse_linear_activation,
+          read_concat_inputs, collapse_layout_chains, fuse_linear_activation,
           fuse_pool_relu, fuse_batch_norm_residual, fuse_batch_norm_relu, fuse_batch_norm_grad_sum,
           fuse_activation_bias_grad, fuse_conv_bias_grad, fuse_matmul_bias_grad,
           fuse_cross_entropy,

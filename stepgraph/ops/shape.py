@@ -1,6 +1,7 @@
 """Shape family: reshape (a view: the planner aliases it, no reference runs), permute
-(materialised transpose), slice along one axis (with a step) and its gradient, arange, constant,
-and stop_gradient (a view the backward does not cross)."""
+(materialised transpose), slice along one axis (with a step) and its gradient, layout_copy (a
+chain of those as one strided copy), arange, constant, and stop_gradient (a view the backward
+does not cross)."""
 from __future__ import annotations
 
 import numpy as np
@@ -110,6 +111,30 @@ def _slice_grad_impl(node, ins, outs, ctx):
     step = int(node.attrs.get("step") or 1)
     dx[...] = 0
     dx[(slice(None),) * dim + (slice(start, start + dy.shape[dim] * step, step),)] = dy
+
+
+@defop("layout_copy")
+def _layout_copy(ins, attrs):
+    """y (attrs shape, contiguous) = x's elements, in x's row-major order, read at attrs
+    offset + sum(i_k * strides_k) (elements, strides non-negative): a chain of slices,
+    reshapes and permutes as one copy (compile/layout_chains.py emits it after autodiff, so
+    it has no VJP)."""
+    x = ins[0]
+    shape, strides = tuple(attrs["shape"]), tuple(attrs["strides"])
+    offset = int(attrs["offset"])
+    _need(len(shape) == len(strides) and min(strides, default=0) >= 0 and offset >= 0,
+          "layout_copy", f"shape {shape}, strides {strides}, offset {offset}")
+    last = offset + sum((n - 1) * s for n, s in zip(shape, strides))
+    _need(0 in shape or last < x.size, "layout_copy",
+          f"shape {shape} at strides {strides} from {offset} reads past {x.size} elements")
+    return [(shape, x.dtype)]
+
+
+@impl("layout_copy")
+def _layout_copy_impl(node, ins, outs, ctx):
+    flat = ins[0].reshape(-1)[int(node.attrs["offset"]):]
+    strides = tuple(s * flat.itemsize for s in node.attrs["strides"])
+    outs[0][...] = np.lib.stride_tricks.as_strided(flat, tuple(node.attrs["shape"]), strides)
 
 
 ARANGE_DTYPES = ("int64", "int32", "float32", "float64")

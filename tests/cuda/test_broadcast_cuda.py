@@ -20,6 +20,7 @@ cp = require_gpu()
 
 from stepgraph.backends.cuda import broadcast, elementwise, loss, reduce, softmax  # noqa: E402
 from stepgraph.errors import ShapeError  # noqa: E402
+from stepgraph.ir.graph import Node, Value  # noqa: E402
 from stepgraph.ir.ops import IMPLS as NUMPY_IMPLS  # noqa: E402
 from tests.cuda import helpers  # noqa: E402
 from tests.cuda.helpers import capture, make_node, random, to_device, to_host  # noqa: E402
@@ -147,6 +148,34 @@ def test_permute(ctx, shape, dims):
     x = random(seed("permute", shape, dims), *shape)
     ref, got = run_both(ctx, make_node("permute", [x], dims=dims), [x])
     assert_close(got[0], ref[0], rtol=0, atol=0, what=f"permute {shape} {dims}")
+
+
+# (input shape, output shape, strides, offset): a head split of a packed qkv at each of its
+# three offsets (vectorised reads where 16-byte aligned), a slice and permute back of a
+# convolution's gradient, odd offsets and strides, every dim of the input read with a step
+LAYOUT_COPIES = [((64, 96), (2, 4, 32, 8), (1536, 8, 96, 1), off) for off in (0, 32, 64)]
+LAYOUT_COPIES += [((4, 6, 130), (4, 128, 6), (780, 1, 130), 2),
+                  ((5, 33), (3, 4, 5), (1, 33, 6), 7), ((1000,), (7, 9), (3, 111), 1),
+                  ((2, 3, 4, 5, 6), (2, 3, 2, 5, 3), (360, 120, 60, 6, 2), 1), ((4,), (0, 3), (1, 1), 0)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "uint16", "float16"])
+@pytest.mark.parametrize("x_shape,shape,strides,offset", LAYOUT_COPIES)
+def test_layout_copy(ctx, x_shape, shape, strides, offset, dtype):
+    """Bits moved as they lie: bf16 (uint16 storage) and float16 as float32."""
+    x = random(seed("layout_copy", x_shape, shape, offset), *x_shape)
+    x = x.view(np.uint16)[..., ::2].copy() if dtype == "uint16" else x.astype(dtype)
+    ir_dtype = "bfloat16" if dtype == "uint16" else dtype          # uint16 holds bf16 bits
+    attrs = dict(shape=shape, strides=strides, offset=offset)
+    node = Node("layout_copy", [Value(x.shape, ir_dtype)], [Value(shape, ir_dtype)], attrs)
+    poison = np.array(0x7FC1 if dtype == "uint16" else np.nan).astype(dtype)[()]
+    ref = np.full(shape, poison, dtype=dtype)
+    NUMPY_IMPLS["layout_copy"](node, [x.copy()], [ref], None)
+    with ctx.stream:
+        out = cp.full(shape, poison, dtype=dtype)
+    broadcast.IMPLS["layout_copy"](node, to_device(ctx, [x]), [out], ctx)
+    np.testing.assert_array_equal(to_host(ctx, [out])[0], ref,
+                                  err_msg=f"layout_copy {shape} {strides} {offset}")
 
 
 # ---- reduce_sum over any axes --------------------------------------------------------------

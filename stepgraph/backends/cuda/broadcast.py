@@ -1,15 +1,15 @@
-"""Launchers of broadcast.cu: binary (NumPy broadcasting), scalar, expand and permute,
-and the cuda op table `IMPLS` of those ops.
+"""Launchers of broadcast.cu: binary (NumPy broadcasting), scalar, expand, permute and
+layout_copy, and the cuda op table `IMPLS` of those ops.
 
 Strided launches describe their operands by a layout: the output's dims with every size-1
 dim dropped and neighbours merged where each operand walks them contiguously (a (N, C, H, W)
 plus (1, C, 1, 1) add becomes (N, C, H*W) with strides (C*H*W, H*W, 1) and (0, 1, 0)), so
 most launches index 1 to 3 dims. Launchers allocate nothing and never sync (capture-safe).
 
-precision="bf16": binary, scalar, expand and permute take float32 or bfloat16 (uint16 raw
-bits) operands, all of one dtype (autocast promotes a mixed binary to float32), through kernels
-templated on the storage (runtime/launch.py ELEMENT_CTYPES); `BF16_OPS` lists them. float16
-(fp16_bits) takes the same kernels: `FP16_OPS`.
+precision="bf16": binary, scalar, expand, permute and layout_copy take float32 or bfloat16
+(uint16 raw bits) operands, all of one dtype (autocast promotes a mixed binary to float32),
+through kernels templated on the storage (runtime/launch.py ELEMENT_CTYPES); `BF16_OPS` lists
+them. float16 (fp16_bits) takes the same kernels: `FP16_OPS`.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ TRANSPOSE_MIN_SIDE = 16       # narrower matrices waste most of a tile: strided 
 MAX_GRID_YZ = 65535
 BINARY_CODES = {"add": 0, "sub": 1, "mul": 2, "div": 3}            # BINARY_* of broadcast.cu
 SCALAR_CODES = dict(BINARY_CODES, rsub=4, rdiv=5, pow=6)           # and SCALAR_*
-BF16_OPS = frozenset({"binary", "scalar", "expand", "permute"})
+BF16_OPS = frozenset({"binary", "scalar", "expand", "permute", "layout_copy"})
 FP16_OPS = BF16_OPS
 
 
@@ -215,6 +215,19 @@ def permute_forward(ctx, x, y, dims) -> None:
             (x, y, np.int32(batch), np.int32(rows), np.int32(cols)))
 
 
+def layout_copy_forward(ctx, x, y, shape, strides, offset: int) -> None:
+    """y (contiguous, `shape`) = x's elements read at offset + sum(i_k * strides_k): a chain
+    of slices, reshapes and permutes (compile/layout_chains.py) as one strided copy."""
+    shape = tuple(int(d) for d in shape)
+    _element_ctype("layout_copy input", x)
+    _check("layout_copy output", y, x.dtype, shape)
+    _check_int32("layout_copy", x.size)
+    if y.size:
+        source = x.reshape(-1)[int(offset):]
+        strided_copy(ctx, source, y, collapse(shape, [tuple(int(s) for s in strides)]),
+                     "layout_copy")
+
+
 # ---- the op table --------------------------------------------------------------------------
 
 def kernel_names() -> dict[str, set[str]]:
@@ -252,6 +265,8 @@ IMPLS: dict[str, Callable] = {
         ctx, ins[0], outs[0], node.attrs["shape"]),
     "permute": lambda node, ins, outs, ctx: permute_forward(
         ctx, ins[0], outs[0], node.attrs["dims"]),
+    "layout_copy": lambda node, ins, outs, ctx: layout_copy_forward(
+        ctx, ins[0], outs[0], node.attrs["shape"], node.attrs["strides"], node.attrs["offset"]),
 }
 # The generated programs the backend compiles ahead (backend.prepare).
 GENERATED_KERNELS = {op: lambda node: generated_kernels(as_program(node)) if _generated(node)

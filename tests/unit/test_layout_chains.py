@@ -1,0 +1,146 @@
+"""compile/layout_chains.py and compile/concat_slices.py: chains of slices, reshapes and
+permutes become one layout_copy; slices of a concat that give back one of its inputs read
+that input. Both move bits only, so the rewritten graph equals the one without the passes bit
+for bit on the NumPy backend; the graphs are a hand-written attention head split with a
+normalisation between it and the attention (forward and backward), and `stack(...).prod(-1)`."""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+import stepgraph
+import stepgraph.nn.functional as F
+from stepgraph.autodiff import append_backward
+from stepgraph.compile.concat_slices import read_concat_inputs
+from stepgraph.compile.fuse import PASSES, fuse
+from stepgraph.compile.layout_chains import collapse_layout_chains
+from stepgraph.compile.plan import make_plan
+from stepgraph.errors import ShapeError
+from stepgraph.ir.ops import infer_outputs
+from stepgraph.ir.graph import Value
+from stepgraph.ir.trace import Tracer
+from tests.ops.helpers import op_forward, randn, run_graph, seeded
+
+WITHOUT = tuple(p for p in PASSES if p not in (collapse_layout_chains, read_concat_inputs))
+B, T, H, D = 2, 5, 3, 4
+C = H * D
+
+
+def head_split(x, w):
+    """A qk-normalised attention block's head split, as model files write it."""
+    q, k, v = (x @ w).split(C, dim=2)
+    q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in (q, k, v))
+    q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    y = ((q @ k.transpose(-2, -1)).softmax(-1) @ v).transpose(1, 2).reshape(B, T, C)
+    return (y * y.tanh()).sum()
+
+
+def stack_prod(x, w):
+    """A product gate written as a stack's product (the mixer compat file's)."""
+    a, b = (x @ w).chunk(2, dim=-1)
+    return (x.tanh() * stepgraph.stack([a.sigmoid(), b.tanh()], -1).prod(-1)).sum()
+
+
+def traced(loss_fn, wide: int):
+    tracer = Tracer()
+    x = tracer.input((B, T, C), "float32", "x")
+    w = tracer.input((C, wide), "float32", "w")
+    loss = loss_fn(x, w)
+    dx, dw = append_backward(tracer, loss.value, [x.value, w.value])
+    tracer.graph.outputs = {"loss": loss.value, "dx": dx, "dw": dw}
+    return tracer.graph
+
+
+def arrays(request, wide: int):
+    rng = seeded(request.node.name)
+    return {"x": randn(rng, B, T, C), "w": randn(rng, C, wide)}
+
+
+def test_the_head_split_is_one_copy_per_head_and_the_same_bits(request):
+    graph = traced(head_split, 3 * C)
+    before = Counter(n.op for n in make_plan(fuse(graph, WITHOUT)).steps)
+    after = Counter(n.op for n in make_plan(fuse(graph)).steps)
+    # q, k, v: slice + permute each, now one strided copy each
+    assert after["layout_copy"] == 3
+    assert after["slice"] == before["slice"] - 3 and after["permute"] == before["permute"] - 3
+    a = arrays(request, 3 * C)
+    want, got = run_graph(fuse(graph, WITHOUT), a), run_graph(fuse(graph), a)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_stack_then_prod_reads_the_stacked_values(request):
+    graph = traced(stack_prod, 2 * C)
+    before = Counter(n.op for n in make_plan(fuse(graph, WITHOUT)).steps)
+    after = Counter(n.op for n in make_plan(fuse(graph)).steps)
+    # the forward's stack and its two slices, and the backward's, are gone
+    assert before["concat"] - after["concat"] == 2
+    assert before["slice"] - after["slice"] == 4
+    a = arrays(request, 2 * C)
+    want, got = run_graph(fuse(graph, WITHOUT), a), run_graph(fuse(graph), a)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def chain(shape, *steps):
+    """A graph x -> steps (op, attrs) -> sin, and the rewritten one's ops."""
+    tracer = Tracer()
+    x = tracer.input(shape, "float32", "x")
+    v = x.value
+    for op, attrs in steps:
+        (v,) = tracer.emit(op, [v], **attrs)
+    (y,) = tracer.emit("unary", [v], kind="sin")
+    tracer.graph.outputs = {"y": y}
+    return tracer.graph, Counter(n.op for n in collapse_layout_chains(tracer.graph).nodes)
+
+
+SLICE = ("slice", dict(dim=1, start=1, stop=3))
+PERMUTE = ("permute", dict(dims=(0, 2, 1)))
+
+
+@pytest.mark.parametrize("steps, copies", [
+    ((SLICE, PERMUTE), 1),                                        # two copies: one now
+    ((PERMUTE, ("slice", dict(dim=1, start=0, stop=4, step=2)), PERMUTE), 1),
+    ((SLICE,), 0),                                                # one copy: left alone
+    ((PERMUTE,), 0),
+    ((("slice", dict(dim=0, start=1, stop=2)), PERMUTE), 0),      # an in-place slice: a view
+    # a reshape that needs a copy ends the chain: permute, then view(-1) of it
+    ((PERMUTE, ("reshape", dict(shape=(24,))), ("slice", dict(dim=0, start=2, stop=9))), 0),
+])
+def test_which_chains_collapse(steps, copies, request):
+    graph, ops = chain((2, 3, 4), *steps)
+    assert ops["layout_copy"] == copies
+    a = {"x": randn(seeded(request.node.name), 2, 3, 4)}
+    np.testing.assert_array_equal(run_graph(collapse_layout_chains(graph), a)["y"],
+                                  run_graph(graph, a)["y"])
+
+
+def test_a_root_written_in_place_keeps_its_chain():
+    tracer = Tracer()
+    x = tracer.input((2, 3, 4), "float32", "x")
+    v = x.value
+    for op, attrs in (SLICE, PERMUTE):
+        (v,) = tracer.emit(op, [v], **attrs)
+    (y,) = tracer.emit("unary", [v], kind="sin")
+    graph = tracer.graph
+    graph.outputs = {"y": y}
+    graph.nodes[-1].mutates = (0,)           # as if the reader wrote its input's root
+    graph.nodes[0].mutates = (0,)
+    assert "layout_copy" not in {n.op for n in collapse_layout_chains(graph).nodes}
+
+
+def test_layout_copy_reads_its_strided_view(request):
+    x = randn(seeded(request.node.name), 6, 10)
+    (got,) = op_forward("layout_copy", {"x": x}, shape=(2, 3, 4), strides=(20, 1, 3),
+                        offset=5)
+    want = np.lib.stride_tricks.as_strided(x.reshape(-1)[5:], (2, 3, 4), (80, 4, 12))
+    np.testing.assert_array_equal(got, want)
+    assert got[1, 2, 3] == x.reshape(-1)[5 + 20 + 2 + 9]
+
+
+def test_layout_copy_refuses_a_view_past_its_input():
+    x = Value((6, 10), "float32")
+    with pytest.raises(ShapeError, match="reads past 60 elements"):
+        infer_outputs("layout_copy", [x], dict(shape=(2, 3, 4), strides=(50, 1, 3), offset=5))
