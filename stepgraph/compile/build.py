@@ -117,6 +117,23 @@ def rewrite_forward_attention(graph: Graph, model: Module, device: str | None,
     return rewrite_attention(graph, known, masks_supported(device), kept)
 
 
+def rewrite_train_forward(graph: Graph, model: Module, device: str | None, loss: tuple,
+                          recomputed: tuple, values: ModuleValues | None, memory_format: str,
+                          precision: str) -> Graph:
+    """The passes a training forward goes through before autodiff, in their order: attention
+    and cross-entropy written by hand as the fused ops, the memory format, zeros folded,
+    autocast, fused norms. `loss`: () or the loss Value, kept by the rewrites with the
+    checkpointed values `recomputed`. Shared by build_train_graph and a captured loop's
+    forward evaluated ahead of its step (loop/early.py), so both compute the same numbers."""
+    graph = rewrite_forward_attention(graph, model, device, loss, values)
+    graph = rewrite_cross_entropy(graph, (*loss, *recomputed))
+    graph = apply_memory_format(graph, memory_format)
+    graph = fold_zeros(graph, (*loss, *recomputed))
+    if precision in LOW_DTYPES:
+        autocast(graph, LOW_DTYPES[precision])
+    return rewrite_norms(graph, loss)
+
+
 def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, seed: int,
                       on_bad_batch: str = "ignore", memory_format: str = "contiguous",
                       precision: str = "fp32", frozen: frozenset = frozenset(),
@@ -156,14 +173,10 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
             out = model(*inputs[:-1])
             loss = loss_fn(out, target)
     tracer.graph.outputs = dict(extra_outputs or {})
-    tracer.graph = rewrite_forward_attention(tracer.graph, model, device, (loss.value,), values)
-    tracer.graph = rewrite_cross_entropy(tracer.graph, (loss.value, *tracer.recomputed))
-    tracer.graph = apply_memory_format(tracer.graph, memory_format)
-    tracer.graph = fold_zeros(tracer.graph, (loss.value, *tracer.recomputed))
+    tracer.graph = rewrite_train_forward(tracer.graph, model, device, (loss.value,),
+                                         tuple(tracer.recomputed), values, memory_format,
+                                         precision)
     bf16 = precision == BF16_PRECISION
-    if precision in LOW_DTYPES:
-        autocast(tracer.graph, LOW_DTYPES[precision])
-    tracer.graph = rewrite_norms(tracer.graph, (loss.value,))
     params = list(tracer.graph.params)
     if not params:
         raise NothingToTrainError(_nothing_to_train(model))

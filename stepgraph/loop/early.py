@@ -6,8 +6,8 @@ torch has computed the loss by the time `loss.backward()` returns, so scripts re
 backward()). A captured loop computes it in the one step optimizer.step() runs; a read before
 that runs the pass's forward once more, here, and the value is the one the step computes:
 - the same arithmetic: the forward is traced as the step traces it (emit_program, training
-  mode, grad enabled, the step's frozen set and precision) and goes through the forward half
-  of compile/build.py's build_train_graph, pass for pass in its order;
+  mode, grad enabled, the step's frozen set and precision) and goes through the same passes
+  before autodiff (compile/build.py rewrite_train_forward);
 - no state changes: what the forward writes in place (BatchNorm's running statistics and
   num_batches_tracked) goes to scratch copies of those buffers, filled before each run; the
   optimizer state, the step counter and the loss history are the step's alone;
@@ -21,14 +21,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..api import _CompiledModel
-from ..compile.autocast import LOW_DTYPES, autocast
-from ..compile.build import _trace_inputs, rewrite_forward_attention
-from ..compile.cross_entropy_rewrite import rewrite_cross_entropy
+from ..compile.build import _trace_inputs, rewrite_train_forward
 from ..compile.executable import INFERENCE
 from ..compile.feed import Signature
-from ..compile.layout import apply_memory_format
-from ..compile.norm_rewrite import rewrite_norms
-from ..compile.zeros import fold_zeros
 from ..grad_mode import enable_grad
 from ..ir.graph import PARAM, Graph, Value
 from ..ir.trace import Tracer
@@ -69,15 +64,8 @@ class PassForward(_CompiledModel):
         recomputed = tuple(tracer.recomputed)
         graph = tracer.graph
         graph.outputs = {f"value{i}": m[v] for i, v in enumerate(self.wanted)}
-        # build_train_graph's passes before autodiff, in its order and with its kept values
-        graph = rewrite_forward_attention(graph, self.model, self.device, loss,
-                                          self.module_values)
-        graph = rewrite_cross_entropy(graph, (*loss, *recomputed))
-        graph = apply_memory_format(graph, self.memory_format)
-        graph = fold_zeros(graph, (*loss, *recomputed))
-        if self.precision in LOW_DTYPES:
-            autocast(graph, LOW_DTYPES[self.precision])
-        return rewrite_norms(graph, loss)
+        return rewrite_train_forward(graph, self.model, self.device, loss, recomputed,
+                                     self.module_values, self.memory_format, self.precision)
 
     def plan(self, signature: Signature):
         plan = super().plan(signature)
