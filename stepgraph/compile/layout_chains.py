@@ -1,4 +1,4 @@
-"""Chains of slices, reshapes and permutes as one copy (layout_copy).
+"""Chains of slices, reshapes and permutes as one copy (layout_copy, layout_concat).
 
 Every value of the graph is contiguous, so each slice across the leading axes and each permute
 is a copy; a chain of them copies the same elements several times. The head split of
@@ -15,7 +15,10 @@ read as a contiguous value (by another op, a graph output, or a reshape that end
 and which took two or more copies from its root becomes one layout_copy of the root; the
 nodes only it read go with dead-code elimination. A chain of one
 copy is left alone (a permute keeps its tiled transpose kernel; a slice of a contiguous range
-stays a view, compile/aliases.py).
+stays a view, compile/aliases.py), except where a concat reads it: a concat of which one
+input or more is a chain that copied becomes a layout_concat of their roots, each read
+through its view straight into its range of the output (the gradients of q, k and v
+permuted back and joined for the packed projection's backward).
 
 Left alone: roots some node writes in place (the copy now reads the root where the chain's
 last node stood, which must see the values its first node saw) and dtypes the strided copy
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..ir.graph import Graph, Value
+from ..ir.graph import Graph, Node, Value
 from ..ops.shape import _slice_bounds, slice_length
 from .rewrite import _copy
 
@@ -99,10 +102,67 @@ def collapse_layout_chains(graph: Graph) -> Graph:
         return y in outputs or any(u.op not in LAYOUT_OPS or views[u.outputs[0]] is None
                                    for u in users.get(y, []))
 
+    def usable(view: _View | None, copies: int) -> bool:
+        return view is not None and view.copies >= copies and view.root not in written \
+            and view.root.dtype in COPY_DTYPES
+
     for n in chain:
         view = views[n.outputs[0]]
-        if view is not None and view.copies >= MIN_COPIES and materialised(n.outputs[0]) \
-                and view.root not in written and view.root.dtype in COPY_DTYPES:
+        if usable(view, MIN_COPIES) and materialised(n.outputs[0]):
             n.op, n.inputs = "layout_copy", [view.root]
             n.attrs = {"shape": view.shape, "strides": view.strides, "offset": view.offset}
+    producers = graph.producers()
+    nodes = []
+    for n in graph.nodes:
+        nodes.append(n)
+        if n.op == "concat":
+            nodes += _concat_of_views(n, views, producers, usable)
+    graph.nodes = nodes
     return graph
+
+
+def _concat_of_views(n: Node, views: dict, producers: dict, usable) -> list[Node]:
+    """Turn concat node n into a layout_concat where one of its inputs or more is a chain that
+    copied; the nodes to place after it (the reshape back from a lifted shape), or none.
+
+    An input whose chain ends in a reshape that is no view (the heads merged back, (B, H, T,
+    D) permuted to (B, T, H, D) then viewed as (B, T, H * D)) is read at the shape before that
+    reshape: the concat then runs at that rank (along the same dim, its size split the same
+    way for every input) and a reshape gives the concat's own shape."""
+    dim = int(n.attrs["dim"]) % len(n.outputs[0].shape)
+
+    def plain(x: Value) -> _View:
+        return _View(x, tuple(x.shape), _contiguous(x.shape), 0, 0)
+
+    def before_reshape(x: Value) -> _View | None:
+        p = producers.get(x)
+        if p is None or p.op != "reshape" or not usable(views.get(p.inputs[0]), 1):
+            return None
+        return views[p.inputs[0]]
+
+    parts = [views[x] if usable(views.get(x), 1) else plain(x) for x in n.inputs]
+    if not any(p.copies for p in parts):
+        lifted = [before_reshape(x) for x in n.inputs]
+        first = next((v for v in lifted if v is not None), None)
+        if first is None or first.shape[:dim] != n.outputs[0].shape[:dim]:
+            return []
+        tail = first.shape[dim + 1:]
+        parts = []
+        for x, v in zip(n.inputs, lifted):
+            want = x.shape[:dim] + (x.shape[dim] // max(math.prod(tail), 1),) + tail
+            if v is None or v.shape != want:
+                v = _reshaped(plain(x), want) if x.shape[dim] % max(math.prod(tail), 1) == 0 \
+                    else None
+            if v is None:
+                return []
+            parts.append(v)
+    if not all(p.root.dtype in COPY_DTYPES for p in parts):
+        return []
+    out = n.outputs[0]
+    shape = parts[0].shape[:dim] + (sum(p.shape[dim] for p in parts),) + parts[0].shape[dim + 1:]
+    joined = out if shape == out.shape else Value(shape, out.dtype)
+    n.op, n.inputs, n.outputs = "layout_concat", [p.root for p in parts], [joined]
+    n.attrs = {"dim": dim, "views": tuple((p.shape, p.strides, p.offset) for p in parts)}
+    if joined is out:
+        return []
+    return [Node("reshape", [joined], [out], {"shape": tuple(out.shape)}, label=n.label)]

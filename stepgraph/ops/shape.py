@@ -1,7 +1,7 @@
 """Shape family: reshape (a view: the planner aliases it, no reference runs), permute
 (materialised transpose), slice along one axis (with a step) and its gradient, layout_copy (a
-chain of those as one strided copy), arange, constant, and stop_gradient (a view the backward
-does not cross)."""
+chain of those as one strided copy) and layout_concat (a concat of such chains), arange,
+constant, and stop_gradient (a view the backward does not cross)."""
 from __future__ import annotations
 
 import numpy as np
@@ -119,22 +119,54 @@ def _layout_copy(ins, attrs):
     offset + sum(i_k * strides_k) (elements, strides non-negative): a chain of slices,
     reshapes and permutes as one copy (compile/layout_chains.py emits it after autodiff, so
     it has no VJP)."""
-    x = ins[0]
-    shape, strides = tuple(attrs["shape"]), tuple(attrs["strides"])
-    offset = int(attrs["offset"])
+    shape = tuple(attrs["shape"])
+    _check_view("layout_copy", ins[0], shape, tuple(attrs["strides"]), int(attrs["offset"]))
+    return [(shape, ins[0].dtype)]
+
+
+def _check_view(op: str, x, shape, strides, offset) -> None:
     _need(len(shape) == len(strides) and min(strides, default=0) >= 0 and offset >= 0,
-          "layout_copy", f"shape {shape}, strides {strides}, offset {offset}")
+          op, f"shape {shape}, strides {strides}, offset {offset}")
     last = offset + sum((n - 1) * s for n, s in zip(shape, strides))
-    _need(0 in shape or last < x.size, "layout_copy",
+    _need(0 in shape or last < x.size, op,
           f"shape {shape} at strides {strides} from {offset} reads past {x.size} elements")
-    return [(shape, x.dtype)]
+
+
+def _viewed(x: np.ndarray, shape, strides, offset) -> np.ndarray:
+    flat = x.reshape(-1)[int(offset):]
+    return np.lib.stride_tricks.as_strided(flat, tuple(shape),
+                                           tuple(s * flat.itemsize for s in strides))
 
 
 @impl("layout_copy")
 def _layout_copy_impl(node, ins, outs, ctx):
-    flat = ins[0].reshape(-1)[int(node.attrs["offset"]):]
-    strides = tuple(s * flat.itemsize for s in node.attrs["strides"])
-    outs[0][...] = np.lib.stride_tricks.as_strided(flat, tuple(node.attrs["shape"]), strides)
+    a = node.attrs
+    outs[0][...] = _viewed(ins[0], a["shape"], a["strides"], a["offset"])
+
+
+@defop("layout_concat")
+def _layout_concat(ins, attrs):
+    """y = concat along attrs dim of each input read at its view, attrs views one (shape,
+    strides, offset) per input as layout_copy's: a concat whose inputs are chains of slices,
+    reshapes and permutes reads their roots (compile/layout_chains.py; no VJP)."""
+    views, dim = attrs["views"], int(attrs["dim"])
+    _need(len(views) == len(ins) >= 1, "layout_concat", f"{len(views)} views, {len(ins)} inputs")
+    for x, (shape, strides, offset) in zip(ins, views):
+        _check_view("layout_concat", x, shape, strides, offset)
+    first = tuple(views[0][0])
+    _need(0 <= dim < len(first) and all(
+        len(s) == len(first) and tuple(s[:dim]) + tuple(s[dim + 1:]) == first[:dim] + first[dim + 1:]
+        for s, _, _ in views) and len({x.dtype for x in ins}) == 1, "layout_concat",
+        f"views {[tuple(s) for s, _, _ in views]} of {[x.dtype for x in ins]} do not concat "
+        f"along {dim}")
+    size = sum(s[dim] for s, _, _ in views)
+    return [(first[:dim] + (size,) + first[dim + 1:], ins[0].dtype)]
+
+
+@impl("layout_concat")
+def _layout_concat_impl(node, ins, outs, ctx):
+    parts = [_viewed(x, *view) for x, view in zip(ins, node.attrs["views"])]
+    outs[0][...] = np.concatenate(parts, axis=int(node.attrs["dim"]))
 
 
 ARANGE_DTYPES = ("int64", "int32", "float32", "float64")

@@ -21,6 +21,7 @@ cp = require_gpu()
 from stepgraph.backends.cuda import broadcast, elementwise, loss, reduce, softmax  # noqa: E402
 from stepgraph.errors import ShapeError  # noqa: E402
 from stepgraph.ir.graph import Node, Value  # noqa: E402
+from stepgraph.ir.ops import infer_outputs  # noqa: E402
 from stepgraph.ir.ops import IMPLS as NUMPY_IMPLS  # noqa: E402
 from tests.cuda import helpers  # noqa: E402
 from tests.cuda.helpers import capture, make_node, random, to_device, to_host  # noqa: E402
@@ -286,3 +287,28 @@ def test_family_ops_capture_and_replay(ctx):
         got = to_host(ctx, dev)
         for i in range(2, len(host)):
             assert_close(got[i], host[i], rtol=1e-5, atol=1e-5, what=f"replayed {nodes[i - 2]}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "uint16", "float16"])
+def test_layout_concat(ctx, dtype):
+    """The backward of a head split: three (B, H, T, D) gradients read as (B, T, H, D) and
+    joined along the heads; a zero block and a transposed one, as a causal padding makes."""
+    rng = seed("layout_concat", dtype)
+    ir_dtype = "bfloat16" if dtype == "uint16" else dtype
+    cases = [([(2, 4, 6, 8)] * 3, 2, [((2, 6, 4, 8), (192, 8, 48, 1), 0)] * 3),
+             ([(3, 5, 2), (3, 7, 5)], 2, [((3, 5, 2), (10, 2, 1), 0), ((3, 5, 7), (35, 1, 5), 0)])]
+    for shapes, dim, views in cases:
+        xs = [random(rng, *shape) for shape in shapes]
+        xs = [x.view(np.uint16)[..., ::2].copy() if dtype == "uint16" else x.astype(dtype)
+              for x in xs]
+        attrs = dict(dim=dim, views=tuple(views))
+        (shape, _), = infer_outputs("layout_concat", [Value(x.shape, ir_dtype) for x in xs], attrs)
+        node = Node("layout_concat", [Value(x.shape, ir_dtype) for x in xs],
+                    [Value(shape, ir_dtype)], attrs)
+        poison = np.array(0x7FC1 if dtype == "uint16" else np.nan).astype(dtype)[()]
+        ref = np.full(shape, poison, dtype=dtype)
+        NUMPY_IMPLS["layout_concat"](node, [x.copy() for x in xs], [ref], None)
+        with ctx.stream:
+            out = cp.full(shape, poison, dtype=dtype)
+        broadcast.IMPLS["layout_concat"](node, to_device(ctx, xs), [out], ctx)
+        np.testing.assert_array_equal(to_host(ctx, [out])[0], ref, err_msg=f"{shapes} {views}")

@@ -1,5 +1,5 @@
 """compile/layout_chains.py and compile/concat_slices.py: chains of slices, reshapes and
-permutes become one layout_copy; slices of a concat that give back one of its inputs read
+permutes become one layout_copy, a concat of such chains one layout_concat; slices of a concat that give back one of its inputs read
 that input. Both move bits only, so the rewritten graph equals the one without the passes bit
 for bit on the NumPy backend; the graphs are a hand-written attention head split with a
 normalisation between it and the attention (forward and backward), and `stack(...).prod(-1)`."""
@@ -14,7 +14,7 @@ import stepgraph
 import stepgraph.nn.functional as F
 from stepgraph.autodiff import append_backward
 from stepgraph.compile.concat_slices import read_concat_inputs
-from stepgraph.compile.fuse import PASSES, fuse
+from stepgraph.compile.fuse import PASSES, eliminate_dead_code, fuse
 from stepgraph.compile.layout_chains import collapse_layout_chains
 from stepgraph.compile.plan import make_plan
 from stepgraph.errors import ShapeError
@@ -62,9 +62,11 @@ def test_the_head_split_is_one_copy_per_head_and_the_same_bits(request):
     graph = traced(head_split, 3 * C)
     before = Counter(n.op for n in make_plan(fuse(graph, WITHOUT)).steps)
     after = Counter(n.op for n in make_plan(fuse(graph)).steps)
-    # q, k, v: slice + permute each, now one strided copy each
-    assert after["layout_copy"] == 3
-    assert after["slice"] == before["slice"] - 3 and after["permute"] == before["permute"] - 3
+    # forward: q, k, v a slice and a permute each, now one strided copy each; backward: their
+    # gradients permuted back and joined, now read by one layout_concat at (B, T, 3H, D)
+    assert after["layout_copy"] == 3 and after["layout_concat"] == 1
+    assert after["slice"] == before["slice"] - 3 and after["permute"] == before["permute"] - 6
+    assert after["concat"] == before["concat"] - 1
     a = arrays(request, 3 * C)
     want, got = run_graph(fuse(graph, WITHOUT), a), run_graph(fuse(graph), a)
     for k in want:
@@ -144,3 +146,32 @@ def test_layout_copy_refuses_a_view_past_its_input():
     x = Value((6, 10), "float32")
     with pytest.raises(ShapeError, match="reads past 60 elements"):
         infer_outputs("layout_copy", [x], dict(shape=(2, 3, 4), strides=(50, 1, 3), offset=5))
+
+
+def test_a_padded_permute_is_read_by_the_concat(request):
+    """F.pad(h.transpose(1, 2), (2, 0)) as the mixer file writes it: zeros and a permute
+    joined; the concat reads the permute's input through its view."""
+    tracer = Tracer()
+    x = tracer.input((2, 5, 3), "float32", "x")
+    (t,) = tracer.emit("permute", [x.value], dims=(0, 2, 1))
+    (z,) = tracer.emit("fill", [], value=0.0, shape=(2, 3, 2), dtype="float32")
+    (c,) = tracer.emit("concat", [z, t], dim=2)
+    (y,) = tracer.emit("unary", [c], kind="sin")
+    graph = tracer.graph
+    graph.outputs = {"y": y}
+    rewritten = fuse(graph, (collapse_layout_chains, eliminate_dead_code))
+    ops = Counter(n.op for n in rewritten.nodes)
+    assert ops["layout_concat"] == 1 and ops["permute"] == 0 and ops["concat"] == 0
+    a = {"x": randn(seeded(request.node.name), 2, 5, 3)}
+    np.testing.assert_array_equal(run_graph(rewritten, a)["y"], run_graph(graph, a)["y"])
+
+
+def test_layout_concat_joins_its_views(request):
+    rng = seeded(request.node.name)
+    a, b = randn(rng, 3, 4), randn(rng, 4, 2)
+    (got,) = op_forward("layout_concat", {"a": a, "b": b}, dim=1,
+                        views=(((4, 3), (1, 4), 0), ((4, 2), (2, 1), 0)))
+    np.testing.assert_array_equal(got, np.concatenate([a.T, b], axis=1))
+    with pytest.raises(ShapeError, match="do not concat along 1"):
+        infer_outputs("layout_concat", [Value((3, 4), "float32"), Value((4, 2), "float32")],
+                      dict(dim=1, views=(((3, 4), (4, 1), 0), ((4, 2), (2, 1), 0))))

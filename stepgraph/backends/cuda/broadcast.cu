@@ -170,6 +170,23 @@ __global__ void strided_copy_kernel(const T* x, T* y, int n, int vec, DIM_PARAMS
     }
 }
 
+// y at strides sy = x at strides sx, over the collapsed sizes, both offsets given by the
+// pointers: one input of a layout_concat read through its view and written at its range of
+// the output. One element a thread: the ranges are rarely 16-byte aligned.
+template <typename T, int NDIM>
+__global__ void strided_copy_to_kernel(const T* x, T* y, int n, DIM_PARAMS(size), DIM_PARAMS(sx),
+                                       DIM_PARAMS(sy)) {
+    const int size[MAX_DIMS] = DIM_ARRAY(size);
+    const int stride_x[MAX_DIMS] = DIM_ARRAY(sx);
+    const int stride_y[MAX_DIMS] = DIM_ARRAY(sy);
+    for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < (unsigned int)n;
+         i += gridDim.x * blockDim.x) {
+        int ox, oy;
+        strided_offsets<NDIM>(i, size, stride_x, stride_y, &ox, &oy);
+        store_from_float(y, oy, load_as_float(x, ox));
+    }
+}
+
 #define TILE 32
 #define TILE_ROWS 8
 

@@ -1,12 +1,12 @@
-"""Launchers of broadcast.cu: binary (NumPy broadcasting), scalar, expand, permute and
-layout_copy, and the cuda op table `IMPLS` of those ops.
+"""Launchers of broadcast.cu: binary (NumPy broadcasting), scalar, expand, permute,
+layout_copy and layout_concat, and the cuda op table `IMPLS` of those ops.
 
 Strided launches describe their operands by a layout: the output's dims with every size-1
 dim dropped and neighbours merged where each operand walks them contiguously (a (N, C, H, W)
 plus (1, C, 1, 1) add becomes (N, C, H*W) with strides (C*H*W, H*W, 1) and (0, 1, 0)), so
 most launches index 1 to 3 dims. Launchers allocate nothing and never sync (capture-safe).
 
-precision="bf16": binary, scalar, expand, permute and layout_copy take float32 or bfloat16
+precision="bf16": binary, scalar, expand, permute and the layout ops take float32 or bfloat16
 (uint16 raw bits) operands, all of one dtype (autocast promotes a mixed binary to float32),
 through kernels templated on the storage (runtime/launch.py ELEMENT_CTYPES); `BF16_OPS` lists
 them. float16 (fp16_bits) takes the same kernels: `FP16_OPS`.
@@ -31,7 +31,8 @@ TRANSPOSE_MIN_SIDE = 16       # narrower matrices waste most of a tile: strided 
 MAX_GRID_YZ = 65535
 BINARY_CODES = {"add": 0, "sub": 1, "mul": 2, "div": 3}            # BINARY_* of broadcast.cu
 SCALAR_CODES = dict(BINARY_CODES, rsub=4, rdiv=5, pow=6)           # and SCALAR_*
-BF16_OPS = frozenset({"binary", "scalar", "expand", "permute", "layout_copy"})
+BF16_OPS = frozenset({"binary", "scalar", "expand", "permute", "layout_copy",
+                      "layout_concat"})
 FP16_OPS = BF16_OPS
 
 
@@ -228,6 +229,28 @@ def layout_copy_forward(ctx, x, y, shape, strides, offset: int) -> None:
                      "layout_copy")
 
 
+def layout_concat_forward(ctx, roots, y, dim: int, views) -> None:
+    """y = the concat along `dim` of each root read at its (shape, strides, offset) view: one
+    strided copy per input, from its root to its range of y."""
+    _element_ctype("layout_concat output", y)
+    _check_int32("layout_concat", y.size)
+    out_strides = [math.prod(y.shape[d + 1:]) for d in range(y.ndim)]
+    at = 0
+    for x, (shape, strides, offset) in zip(roots, views):
+        _check("layout_concat input", x, y.dtype, tuple(x.shape))
+        _check_int32("layout_concat input", x.size)
+        n = math.prod(shape)
+        if n:
+            layout = collapse(tuple(shape), [tuple(strides), tuple(out_strides)])
+            _check_layout("layout_concat", layout, tuple(shape))
+            source = x.reshape(-1)[int(offset):]
+            target = y.reshape(-1)[at * out_strides[dim]:]
+            _launch(ctx, "broadcast.cu",
+                    f"strided_copy_to_kernel<{ELEMENT_CTYPES[y.dtype]}, {len(layout.sizes)}>",
+                    _grid(n), (BLOCK,), (source, target, np.int32(n)) + layout.args())
+        at += shape[dim]
+
+
 # ---- the op table --------------------------------------------------------------------------
 
 def kernel_names() -> dict[str, set[str]]:
@@ -238,7 +261,8 @@ def kernel_names() -> dict[str, set[str]]:
                                              "transpose_forward_kernel")}
         for nd in range(1, MAX_DIMS + 1):
             names |= {f"binary_broadcast_kernel<{ctype}, {nd}>",
-                      f"strided_copy_kernel<{ctype}, {nd}>"}
+                      f"strided_copy_kernel<{ctype}, {nd}>",
+                      f"strided_copy_to_kernel<{ctype}, {nd}>"}
     return {"broadcast.cu": names}
 
 
@@ -267,6 +291,8 @@ IMPLS: dict[str, Callable] = {
         ctx, ins[0], outs[0], node.attrs["dims"]),
     "layout_copy": lambda node, ins, outs, ctx: layout_copy_forward(
         ctx, ins[0], outs[0], node.attrs["shape"], node.attrs["strides"], node.attrs["offset"]),
+    "layout_concat": lambda node, ins, outs, ctx: layout_concat_forward(
+        ctx, ins, outs[0], node.attrs["dim"], node.attrs["views"]),
 }
 # The generated programs the backend compiles ahead (backend.prepare).
 GENERATED_KERNELS = {op: lambda node: generated_kernels(as_program(node)) if _generated(node)
