@@ -165,17 +165,24 @@ def test_captured_loop_equals_compile_train_step_bit_for_bit():
     assert all(np.array_equal(sa[k], sb[k]) for k in sa)
 
 
-def test_replayed_iterations_run_no_model_python():
-    """After the first iteration the model's forward is not called again: the pass replays."""
-    _, _, ours = twins()
+def counting_forward(model) -> list:
+    """A list that grows by one at each call of model's forward (its class swapped for a
+    subclass that counts)."""
     calls = []
-    forward = type(ours).forward
+    forward = type(model).forward
 
-    class Counting(type(ours)):
+    class Counting(type(model)):
         def forward(self, *args):
             calls.append(1)
             return forward(self, *args)
-    ours.__class__ = Counting
+    model.__class__ = Counting
+    return calls
+
+
+def test_replayed_iterations_run_no_model_python():
+    """After the first iteration the model's forward is not called again: the pass replays."""
+    _, _, ours = twins()
+    calls = counting_forward(ours)
     classic_loop(sg, ours, SGD(sg, ours), batches(4))
     assert len(calls) == 2            # the recording, and the step's trace of its program
 

@@ -15,6 +15,7 @@ import torch
 import stepgraph as sg
 from stepgraph.loop.passes import ValueNotReadyError
 from tests.reference import assert_close_to_reference, assert_state_changes_close, state_float64
+from tests.unit.test_loop_capture import counting_forward
 
 CLASSES, BATCH = 5, 8
 BEFORE, AFTER_BACKWARD, AFTER_STEP = "before backward", "after backward", "after step"
@@ -180,14 +181,7 @@ def test_replayed_passes_reuse_one_compiled_forward():
     loss, run six times (and one of the output, for the accuracy); the model's Python runs at
     the recording, in the step's trace of its two passes and in each compiled forward's."""
     _, _, (ours,) = models(1)
-    calls = []
-    forward = type(ours).forward
-
-    class Counting(type(ours)):
-        def forward(self, *args):
-            calls.append(1)
-            return forward(self, *args)
-    ours.__class__ = Counting
+    calls = counting_forward(ours)
     losses, _ = loop(sg, ours, batches(6), AFTER_BACKWARD, accumulate=2)
     from stepgraph.loop.hooks import SESSION
     assert len(set(losses)) == 6
