@@ -287,14 +287,12 @@ class Pass(Tracer):
         """A value read before the step: an op after backward() runs on its inputs' values;
         a gradient or clipped norm waits for the step; a value of the forward is computed by
         one run of the pass's compiled forward, with the other scalars the script holds."""
-        from .early import values_before_step     # early.py imports this module
-
         if v in self.deferred:
             self.host[v] = self._run_thunk(v)
         elif v in self.extra:
             raise ValueNotReadyError(NOT_READY)
         else:
-            for u, values in values_before_step(self.session, self, v).items():
+            for u, values in self.session.values_before_step(self, v).items():
                 self.host.setdefault(u, values)          # a value read once stays as read
         return self.host[v]
 

@@ -24,6 +24,7 @@ from ..ir.graph import INPUT, PARAM, STATE, Value
 from ..ir.trace import Tensor
 from . import hooks
 from .carry import StateCarry
+from .early import values_before_step
 from .passes import DONE, OPEN, Pass, RecaptureWarning, as_feed_tensor
 from .program import Program, align, tree_leaves
 from .step import GRAD_NORM, LoopStep, ProgramModel, export_name
@@ -56,6 +57,11 @@ class LoopSession:
         self.last_executable = None
         self._cache: dict = {}
         self._cache_version = -1
+
+    def values_before_step(self, pass_: Pass, v: Value) -> dict[Value, np.ndarray]:
+        """A value of a pass read before optimizer.step(), with the other scalars of the pass
+        the script holds, from one run of the pass's compiled forward (loop/early.py)."""
+        return values_before_step(self, pass_, v)
 
     # ---- optimizers and modules ----
     def register(self, optimizer) -> None:
