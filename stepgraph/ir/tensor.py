@@ -22,7 +22,7 @@ import numpy as np
 from ..dtypes import as_dtype     # imports only errors and ir.graph: no cycle
 from ..errors import ShapeError, UnsupportedOpError
 from ..loop import hooks as loop_hooks    # imports nothing: a training script's backward()
-from .graph import Value
+from .graph import DTYPES, Value
 
 
 def _is_scalar(x) -> bool:
@@ -262,6 +262,11 @@ class Tensor:
         traced = getattr(other, "traced", None)
         if traced is not None:
             return traced(self.tracer)
+        if isinstance(other, np.ndarray) and self.is_eager and str(other.dtype) in DTYPES \
+                and other.dtype != np.uint16:     # uint16 would read as bfloat16 bits
+            # torch takes a NumPy operand as a tensor of it (`sd[k] - before[k]`, a snapshot
+            # taken with .numpy()); the reverse already works: NumPy reads the tensor
+            return Tensor(Value(other.shape, str(other.dtype)), self.tracer, other)
         raise UnsupportedOpError(f"{op} with a {type(other).__name__} operand is not supported "
                                  f"(in {self.tracer.where()}); use a traced tensor or a "
                                  "Python number")

@@ -89,6 +89,19 @@ def test_torch_tensor_methods_work_on_the_values():
     assert not sg.equal(sd["0.weight"], sd["0.weight"] + 1)
 
 
+def test_a_value_minus_a_numpy_snapshot_is_a_tensor_as_torchs():
+    """`after[k] - before[k]` where before holds .numpy() snapshots: torch takes the array as
+    a tensor; so does an eager tensor (float64 arrays promote as torch's)."""
+    ours, theirs = sg.tensor([1.5, -2.0, 3.25]), torch.tensor([1.5, -2.0, 3.25])
+    for snapshot in (np.array([0.5, 1.0, -1.0], np.float32), np.array([0.5, 1.0, -1.0])):
+        for got, want in ((ours - snapshot, theirs - snapshot),
+                          (ours * snapshot, theirs * snapshot)):
+            assert isinstance(got, sg.Tensor) and str(got.dtype) == str(want.dtype).split(".")[1]
+            np.testing.assert_array_equal(got.numpy(), want.numpy())
+    with pytest.raises(sg.errors.UnsupportedOpError, match="uint16 operand|ndarray operand"):
+        ours + np.zeros(3, np.uint16)
+
+
 def test_a_buffer_of_a_dtype_tensors_lack_is_refused_by_name():
     model = sg.nn.Linear(2, 2)
     model.register_buffer("codes", np.arange(4, dtype=np.int16))
