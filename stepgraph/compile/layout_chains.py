@@ -13,12 +13,12 @@ elements over the root's contiguous buffer; a reshape keeps it only where it is 
 NumPy's no-copy reshape decides, else the chain ends before it). A chain node whose output is
 read as a contiguous value (by another op, a graph output, or a reshape that ends the chain)
 and which took two or more copies from its root becomes one layout_copy of the root; the
-nodes only it read go with dead-code elimination. A chain of one
-copy is left alone (a permute keeps its tiled transpose kernel; a slice of a contiguous range
-stays a view, compile/aliases.py), except where a concat reads it: a concat of which one
-input or more is a chain that copied becomes a layout_concat of their roots, each read
-through its view straight into its range of the output (the gradients of q, k and v
-permuted back and joined for the packed projection's backward).
+nodes only it read go with dead-code elimination. A chain of one copy is left alone (a
+permute keeps its tiled transpose kernel; a slice of a contiguous range stays a view,
+compile/aliases.py), except where a concat reads it: a concat of which one input or more is
+a chain that copied becomes a layout_concat of their roots, each read through its view
+straight into its range of the output (the gradients of q, k and v permuted back and joined
+for the packed projection's backward).
 
 Left alone: roots some node writes in place (the copy now reads the root where the chain's
 last node stood, which must see the values its first node saw) and dtypes the strided copy
@@ -33,6 +33,7 @@ import numpy as np
 
 from ..ir.graph import Graph, Node, Value
 from ..ops.shape import _slice_bounds, slice_length
+from .aliases import view_roots
 from .rewrite import _copy
 
 LAYOUT_OPS = ("reshape", "permute", "slice")
@@ -94,7 +95,8 @@ def collapse_layout_chains(graph: Graph) -> Graph:
         views[n.outputs[0]] = _step(n, base)
     users = graph.consumers()
     outputs = set(graph.outputs.values())
-    written = {n.inputs[i] for n in graph.nodes for i in n.mutates}
+    roots = view_roots(graph.nodes)         # a write through a reshape writes its input
+    written = {roots.get(n.inputs[i], n.inputs[i]) for n in graph.nodes for i in n.mutates}
 
     def materialised(y: Value) -> bool:
         """Read as a contiguous value: by a graph output, a node of another op, or a layout
@@ -103,8 +105,8 @@ def collapse_layout_chains(graph: Graph) -> Graph:
                                    for u in users.get(y, []))
 
     def usable(view: _View | None, copies: int) -> bool:
-        return view is not None and view.copies >= copies and view.root not in written \
-            and view.root.dtype in COPY_DTYPES
+        return view is not None and view.copies >= copies and \
+            roots.get(view.root, view.root) not in written and view.root.dtype in COPY_DTYPES
 
     for n in chain:
         view = views[n.outputs[0]]
