@@ -59,6 +59,12 @@ def view_roots(steps: list[Node]) -> dict[Value, Value]:
     return roots
 
 
+def written_buffers(steps: list[Node], views: dict[Value, Value]) -> set[Value]:
+    """The buffers some node writes in place (`mutates`), each named by its view root
+    (`views`, view_roots'): a write through a reshape writes its input."""
+    return {views.get(n.inputs[i], n.inputs[i]) for n in steps for i in n.mutates}
+
+
 class _Placer:
     """The alias decisions over one schedule: parent[v] = (value whose buffer holds v, byte
     offset of v in it)."""
@@ -67,9 +73,7 @@ class _Placer:
         self.steps, self.align = steps, align
         self.parent: dict[Value, tuple[Value, int]] = {}
         self.views = view_roots(steps)
-        # buffers some node writes in place, named by their view root
-        self.blocked = {self.views.get(n.inputs[i], n.inputs[i])
-                        for n in steps for i in n.mutates}
+        self.blocked = written_buffers(steps, self.views)
 
     def locate(self, v: Value) -> tuple[Value, int]:
         """(root, byte offset): the buffer holding v, following every alias."""

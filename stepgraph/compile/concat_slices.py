@@ -16,13 +16,15 @@ from __future__ import annotations
 
 from ..ir.graph import Graph, Value
 from ..ops.shape import _slice_bounds
+from .aliases import view_roots, written_buffers
 from .rewrite import _copy, _rebuild
 
 
 def read_concat_inputs(graph: Graph) -> Graph:
     graph = _copy(graph)
     producers = graph.producers()
-    written = {n.inputs[i] for n in graph.nodes for i in n.mutates}
+    roots = view_roots(graph.nodes)
+    written = written_buffers(graph.nodes, roots)
     subst: dict[Value, Value] = {}
     for n in graph.nodes:
         if n.op != "slice":
@@ -36,7 +38,8 @@ def read_concat_inputs(graph: Graph) -> Graph:
         at = 0
         for x in cat.inputs:
             if (at, at + x.shape[dim]) == (start, stop):
-                if x in producers and x not in written and x.dtype == n.outputs[0].dtype:
+                if x in producers and roots.get(x, x) not in written and \
+                        x.dtype == n.outputs[0].dtype:
                     subst[n.outputs[0]] = subst.get(x, x)
                 break
             at += x.shape[dim]

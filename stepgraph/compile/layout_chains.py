@@ -33,7 +33,7 @@ import numpy as np
 
 from ..ir.graph import Graph, Node, Value
 from ..ops.shape import _slice_bounds, slice_length
-from .aliases import view_roots
+from .aliases import view_roots, written_buffers
 from .rewrite import _copy
 
 LAYOUT_OPS = ("reshape", "permute", "slice")
@@ -95,8 +95,8 @@ def collapse_layout_chains(graph: Graph) -> Graph:
         views[n.outputs[0]] = _step(n, base)
     users = graph.consumers()
     outputs = set(graph.outputs.values())
-    roots = view_roots(graph.nodes)         # a write through a reshape writes its input
-    written = {roots.get(n.inputs[i], n.inputs[i]) for n in graph.nodes for i in n.mutates}
+    roots = view_roots(graph.nodes)
+    written = written_buffers(graph.nodes, roots)
 
     def materialised(y: Value) -> bool:
         """Read as a contiguous value: by a graph output, a node of another op, or a layout
