@@ -14,7 +14,8 @@ import torch
 import stepgraph as sg
 from stepgraph import losses, optim
 from stepgraph.errors import StateDictError
-from tests.reference import assert_state_changes_close, state_float64
+from tests.reference import (assert_close_to_reference, assert_state_changes_close,
+                             state_float64)
 
 D_IN, HIDDEN, CLASSES = 6, 8, 3
 
@@ -263,11 +264,12 @@ def test_load_state_dict_takes_tensors_numpy_and_torch_values():
 
 # ---- the optimizer's state -----------------------------------------------------------------
 
-def train(fw, model, opt, data):
-    """The classic loop's steps (cross-entropy) on `data`; returns `opt`."""
+def train(fw, model, opt, data, dtype=np.float32):
+    """The classic loop's steps (cross-entropy) on `data`, inputs in `dtype`; returns `opt`."""
     for x, y in data:
         opt.zero_grad()
-        fw.nn.functional.cross_entropy(model(fw.from_numpy(x)), fw.from_numpy(y)).backward()
+        fw.nn.functional.cross_entropy(model(fw.from_numpy(x.astype(dtype))),
+                                       fw.from_numpy(y)).backward()
         opt.step()
     return opt
 
@@ -279,9 +281,11 @@ def train(fw, model, opt, data):
     lambda fw, ps: fw.optim.Adagrad(ps, lr=0.1)], ids=["adam", "adamw", "sgd", "rmsprop",
                                                        "adagrad"])
 def test_optimizer_state_values_are_tensors_as_torchs(make):
-    t32, _, ours = twins(mlp)
+    t32, t64, ours = twins(mlp)
     data = batches(3, seed=2)
     theirs = train(torch, t32, make(torch, t32.parameters()), data).state_dict()["state"]
+    theirs64 = train(torch, t64, make(torch, t64.parameters()), data,
+                     np.float64).state_dict()["state"]
     opt = train(sg, ours, make(sg, ours.parameters()), data)
     got = opt.state_dict()["state"]
     assert set(got) == set(theirs)
@@ -291,8 +295,8 @@ def test_optimizer_state_values_are_tensors_as_torchs(make):
             assert isinstance(value, sg.Tensor) and isinstance(v, torch.Tensor), (i, k)
             assert str(value.dtype) == str(v.dtype).removeprefix("torch."), (i, k)
             assert value.shape == v.shape, (i, k)
-            np.testing.assert_allclose(value.numpy(), v.numpy(), rtol=1e-4, atol=1e-6,
-                                       err_msg=f"{i} {k}")
+            assert_close_to_reference(value.numpy(), theirs64[i][k].numpy(), v.numpy(),
+                                      f"{i} {k}")
         if "step" in entry:                      # torch's: a 0-d float32 tensor
             assert got[i]["step"].shape == () and got[i]["step"].item() == 3.0
     p = next(iter(ours.parameters()))
