@@ -1,0 +1,175 @@
+"""Launchers of conv_depthwise.cu: depthwise convolutions (groups == C == O, a filter per
+channel), NCHW and NHWC, float32 / bfloat16 (uint16 bits) / float16 storage computed in float32.
+conv.py offers them as the "depthwise" path of the three conv ops, timed against cuDNN's plans:
+
+  forward      conv2d_depthwise_forward       y = conv + bias, the fused ReLU (attrs act) in it
+  grad_input   conv2d_depthwise_grad_input    dx, a gather per input element
+  grad_weight  conv2d_depthwise_grad_weight   dw, and db alongside it; blocks per channel (NCHW)
+                                              or 32 channels (NHWC) and split of the N*Ho*Wo
+                                              pixels, then a sum kernel over the splits
+
+Sizes are runtime ints (no per-shape compile): 7 templates x 3 storages, declared like
+conv_direct.cu's. Each output is rounded once, on store (conv_depthwise.cu).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ....errors import ShapeError
+from ..runtime.launch import _launch
+from .geometry import Geometry
+
+SOURCE = "conv_depthwise.cu"
+# Storage dtype -> the kernels' S (bf16.cuh / fp16.cuh load and store each as float)
+CTYPES = {"float32": "float", "uint16": "unsigned short", "float16": "fp16_bits"}
+LAYOUTS = ("NCHW", "NHWC")
+KINDS = ("forward", "grad_input", "grad_weight")
+SUM_KERNEL = "conv2d_depthwise_grad_weight_sum_kernel"
+MAX_ELEMENTS = 1 << 30       # per tensor: the kernels' offsets are 32-bit ints
+MAX_TAPS = 64                # conv_depthwise.cu's: kh*kw of an NHWC block's staged filters
+BLOCK = 256                  # threads of an NCHW block (flat kernels, grad_weight)
+LANES, ROWS = 32, 8          # an NHWC block: channels x pixel rows (conv_depthwise.cu)
+TAP_BLOCK = 16               # grad_weight: taps (and db) a block sums (conv_depthwise.cu)
+MAX_FLAT_BLOCKS = 1 << 20    # flat kernels stride over the rest
+MAX_ROW_BLOCKS = 65535       # NHWC grid.y: blocks stride over the rest
+# grad_weight's batch splits: about TARGET_BLOCKS blocks fill an H200 (132 SMs), but a split
+# keeps at least MIN_SPLIT_ROWS output pixels (its block's threads each sum several) and the
+# partial sums stay few (MAX_SPLITS).
+TARGET_BLOCKS = 1024
+MIN_SPLIT_ROWS = 1024
+MAX_SPLITS = 64
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def supported(g: Geometry, layout: str, dtype) -> str | None:
+    """Why the depthwise kernels cannot run this convolution, or None if they can. `dtype`:
+    the tensors' storage dtype (uint16 for bfloat16)."""
+    if str(dtype) not in CTYPES:
+        return f"dtype {dtype} (want one of {list(CTYPES)}, uint16 being bfloat16)"
+    if layout not in LAYOUTS:
+        return f"layout {layout!r} (want one of {LAYOUTS})"
+    if not g.groups == g.c == g.o:
+        return (f"not depthwise: groups {g.groups}, {g.c} input and {g.o} output channels "
+                f"(want groups == C == O)")
+    if layout == "NHWC" and g.kh * g.kw > MAX_TAPS:
+        return f"kernel {g.kh}x{g.kw} has more than {MAX_TAPS} taps (NHWC stages the filters)"
+    if max(g.n * g.c * g.h * g.w, g.n * g.o * g.p) > MAX_ELEMENTS:
+        return f"a tensor of more than {MAX_ELEMENTS} elements (32-bit offsets)"
+    return None
+
+
+def kernel_name(kind: str, layout: str, dtype) -> str:
+    """The kernel of op `kind` (KINDS) in `layout` for tensors of storage `dtype`."""
+    suffix = "_nhwc" if layout == "NHWC" else ""
+    return f"conv2d_depthwise_{kind}{suffix}_kernel<{CTYPES[str(dtype)]}>"
+
+
+def sum_kernel_name(dtype) -> str:
+    return f"{SUM_KERNEL}<{CTYPES[str(dtype)]}>"
+
+
+def kernel_names() -> dict[str, set[str]]:
+    """{SOURCE: every kernel name the launchers below may launch} (the NVRTC compile test
+    instantiates each; conv.py's kernel_names declares them to the compiler)."""
+    names = {kernel_name(kind, layout, dtype) for kind in KINDS for layout in LAYOUTS
+             for dtype in CTYPES}
+    return {SOURCE: names | {sum_kernel_name(dtype) for dtype in CTYPES}}
+
+
+def _geometry_args(g: Geometry) -> tuple:
+    """DEPTHWISE_PARAMS of conv_depthwise.cu, in order."""
+    return tuple(np.int32(v) for v in (g.n, g.c, g.h, g.w, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw,
+                                       g.dil_h, g.dil_w, g.ho, g.wo))
+
+
+def _checked_dtype(op: str, g: Geometry, layout: str, arrays: dict):
+    """The storage dtype every array shares, after checking that the kernels run them."""
+    dtype = next(iter(arrays.values())).dtype
+    for what, arr in arrays.items():
+        if arr.dtype != dtype:
+            raise ShapeError(f"{op}: {what} is {arr.dtype}, the other operands {dtype}")
+    why = supported(g, layout, dtype)
+    if why is not None:
+        raise ShapeError(f"{op}: the depthwise kernels cannot run {g} ({layout}): {why}")
+    return dtype
+
+
+def _grid(g: Geometry, layout: str, pixels: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(grid, block) of a forward or grad_input launch over `pixels` pixels per channel
+    (N*Ho*Wo or N*H*W): flat over the elements (NCHW), or channels x pixel rows (NHWC)."""
+    if layout == "NHWC":
+        return (_cdiv(g.c, LANES), min(_cdiv(pixels, ROWS), MAX_ROW_BLOCKS)), (LANES, ROWS)
+    return (min(_cdiv(pixels * g.c, BLOCK), MAX_FLAT_BLOCKS),), (BLOCK,)
+
+
+def conv2d_depthwise_forward(ctx, g: Geometry, layout: str, x, w, bias, y, relu: bool) -> None:
+    """y = conv2d(x, w) + bias (None: no bias), then ReLU where relu: one launch."""
+    arrays = {"x": x, "weight": w, "y": y} | ({} if bias is None else {"bias": bias})
+    dtype = _checked_dtype("conv2d_depthwise_forward", g, layout, arrays)
+    if g.n * g.c * g.p == 0:
+        return
+    grid, block = _grid(g, layout, g.n * g.p)
+    args = (x, w, w if bias is None else bias, y, np.int32(bias is not None),
+            np.int32(relu)) + _geometry_args(g)
+    _launch(ctx, SOURCE, kernel_name("forward", layout, dtype), grid, block, args)
+
+
+def conv2d_depthwise_grad_input(ctx, g: Geometry, layout: str, dy, w, dx) -> None:
+    """dx of the depthwise conv2d given dy and w: one launch."""
+    dtype = _checked_dtype("conv2d_depthwise_grad_input", g, layout,
+                           {"dy": dy, "weight": w, "dx": dx})
+    if g.n * g.c * g.h * g.w == 0:
+        return
+    grid, block = _grid(g, layout, g.n * g.h * g.w)
+    _launch(ctx, SOURCE, kernel_name("grad_input", layout, dtype), grid, block,
+            (dy, w, dx) + _geometry_args(g))
+
+
+def grad_weight_taps(g: Geometry, bias: bool) -> int:
+    """The sums of a channel: its kh*kw weights, and db's."""
+    return g.kh * g.kw + int(bias)
+
+
+def grad_weight_splits(g: Geometry, layout: str, bias: bool) -> int:
+    """Splits of the N*Ho*Wo pixels among grad_weight's blocks (see TARGET_BLOCKS)."""
+    channel_blocks = g.c if layout == "NCHW" else _cdiv(g.c, LANES)
+    blocks = channel_blocks * _cdiv(grad_weight_taps(g, bias), TAP_BLOCK)
+    return max(1, min(_cdiv(TARGET_BLOCKS, blocks), g.n * g.p // MIN_SPLIT_ROWS, MAX_SPLITS))
+
+
+def grad_weight_scratch(g: Geometry, layout: str, bias: bool) -> int:
+    """float32 elements of the partial sums grad_weight needs (0: one split, none)."""
+    splits = grad_weight_splits(g, layout, bias)
+    return 0 if splits == 1 else splits * g.c * grad_weight_taps(g, bias)
+
+
+def conv2d_depthwise_grad_weight(ctx, g: Geometry, layout: str, dy, x, dw, db,
+                                 partial) -> None:
+    """dw (and db = dy summed over N, Ho, Wo, unless None) of the depthwise conv2d: a block per
+    channel (NCHW) or LANES channels (NHWC), TAP_BLOCK taps and split of the output pixels;
+    with several splits their float32 partial sums go to `partial` (grad_weight_scratch
+    elements) and a second launch adds them in order and rounds dw and db."""
+    arrays = {"dy": dy, "x": x, "dw": dw} | ({} if db is None else {"db": db})
+    dtype = _checked_dtype("conv2d_depthwise_grad_weight", g, layout, arrays)
+    if g.c == 0:
+        return
+    taps, splits = grad_weight_taps(g, db is not None), grad_weight_splits(g, layout,
+                                                                          db is not None)
+    if splits > 1 and (partial is None or partial.dtype != np.float32
+                       or partial.size < grad_weight_scratch(g, layout, db is not None)):
+        raise ShapeError(f"conv2d_depthwise_grad_weight: {splits} splits need "
+                         f"{grad_weight_scratch(g, layout, db is not None)} float32 partial "
+                         f"sums, got {None if partial is None else (partial.size, partial.dtype)}")
+    channel_blocks, block = (g.c, (BLOCK,)) if layout == "NCHW" else \
+        (_cdiv(g.c, LANES), (LANES, ROWS))
+    sums = dw if partial is None else partial      # unused with one split: any pointer
+    args = (dy, x, dw, dw if db is None else db, sums, np.int32(taps)) + _geometry_args(g)
+    _launch(ctx, SOURCE, kernel_name("grad_weight", layout, dtype),
+            (channel_blocks, _cdiv(taps, TAP_BLOCK), splits), block, args)
+    if splits > 1:
+        _launch(ctx, SOURCE, sum_kernel_name(dtype), (_cdiv(g.c * taps, BLOCK),), (BLOCK,),
+                (partial, dw, dw if db is None else db, np.int32(g.c), np.int32(taps),
+                 np.int32(g.kh * g.kw), np.int32(splits)))
