@@ -13,8 +13,8 @@ context's stream). A node takes its scratch on its first, eager call: run an eag
 before capture. A batch needing more than geometry.SCRATCH_CHUNK_BYTES runs in chunks of
 samples (two launches per chunk).
 
-Small convolutions skip all of that. Two kernel families compute each op in one launch (the
-weight gradient: two), no im2col, no GEMM:
+Small and depthwise convolutions skip all of that. Three kernel families compute each op in
+one launch (the weight gradient: two), no im2col, no GEMM:
   tiled  (conv_tiled.py) stride 1, kernels up to 7x7, a kernel compiled per conv shape:
          a block stages a sample in shared memory, threads keep register tiles; dx is the same
          kernel over dy with the flipped weights; dw comes with db (the fused bias gradient).
@@ -23,11 +23,20 @@ weight gradient: two), no im2col, no GEMM:
          and 4 channels ("direct") or 1 ("direct_narrow"); usable when
            C*kh*kw <= 1024 and O*kh*kw <= 1024   (a block's slice of w fits shared memory)
            and x, y have <= 2^30 elements         (32-bit offsets in the kernels)
+  depthwise (conv_depthwise.py) groups == C == O only (a filter per channel: MobileNet's and
+         ConvNeXt's), NCHW and NHWC, float32, bfloat16 and float16, any stride, padding and
+         dilation, sizes as runtime ints: a thread per output element (dx: per input
+         element, gathering), threads along W (NCHW) or C (NHWC); dw and db from blocks per
+         channel and split of the pixels, then an in-order sum of the splits. Memory-bound
+         work, where cuDNN's grouped kernels took 3-5x what the traffic needs (H200: a 1x3
+         depthwise forward over 4 MB, 13.6 us); the bias and the fused ReLU are in the
+         forward kernel, y rounded once.
 cuDNN (conv_cudnn.py) adds a candidate per execution plan ("cudnn:<i>"), and is the only
-family that runs groups > 1 or dilation != 1 (the three above decline those). A forward with
-bias also offers each plain cuDNN plan followed by conv2d_bias_act ("cudnn:<i>+epilogue"):
-few float32 engines fuse the bias. With attrs act "relu" (the ReLU that followed, fused) every
-path applies it: in the cuDNN graph, or through that epilogue kernel.
+family beside "depthwise" that runs groups > 1 or dilation != 1 (tiled, direct and im2col +
+GEMM decline those). A forward with bias also offers each plain cuDNN plan followed by
+conv2d_bias_act ("cudnn:<i>+epilogue"): few float32 engines fuse the bias. With attrs act
+"relu" (the ReLU that followed, fused) every path applies it: in the cuDNN graph, in the
+depthwise kernel, or through that epilogue kernel.
 Every path that can run an op is a candidate; the first eager call of a problem (op,
 geometry, dtype, precision) times each on its real buffers (`_run_faster`, autotune.py) and
 the backend keeps the fastest for every node with that problem: no size rule predicted the
@@ -37,21 +46,23 @@ for an own path; building every plan of every problem was most of a warm process
 step. What a node's first launch will build is started when the plan gets its buffers
 (`start_plans`, from CudaBackend.prepare) on the ahead lane (runtime/ahead.py), beside the
 NVRTC compiles: the launch then waits for its own builds alone. A capture with no timing
-yet takes a tiled path, else `use_direct`'s rule:
+yet takes the depthwise path where there is one, else a tiled path, else `use_direct`'s rule:
   direct  iff  it can run, N*O*Ho*Wo * C*kh*kw <= 2^26 multiply-adds (about 10 us of direct
                work; above it cuBLASLt's throughput pays for the im2col traffic)
           and, for grad_weight, N*Ho*Wo <= 2^18  (one block sums each weight's products)
   else im2col + GEMM. `PATH` = one of PATHS forces a family (tests).
-The direct and tiled kernels are exact FP32 (FMA) whatever ctx.precision says: TF32 only speeds
-GEMMs. Each output has one owner summing in a fixed order, so they are deterministic like the
-GEMMs.
+The direct, tiled and depthwise kernels are exact FP32 (FMA) whatever ctx.precision says:
+TF32 only speeds GEMMs. Each output has one owner summing in a fixed order, so they are
+deterministic like the GEMMs.
 
 bfloat16 (precision="bf16": every operand bf16, stored as uint16 raw bits) has two families
-of candidates, timed against each other like any others: the tiled kernels, for the plain NCHW
-problems they run (the MNIST cnn's convs, where cuDNN took ~70 us a step and the float32 tiled
-kernels ~30), and cuDNN's plans; direct and im2col + GEMM stay float32 / float64. The tiled
-kernels compute as the NumPy emulation does: bf16 widened to float32, float32 sums (the bias
-first), y, dx, dw and db each rounded once on store (grad_weight's partial sums are float32
+of candidates, timed against each other like any others (a depthwise conv has a third, its
+own kernels, computing as the tiled ones do with the bias and ReLU before the one
+rounding): the tiled kernels, for the plain NCHW problems they run (the MNIST cnn's convs,
+where cuDNN took ~70 us a step and the float32 tiled kernels ~30), and cuDNN's plans;
+direct and im2col + GEMM stay float32 / float64. The tiled kernels compute as the NumPy
+emulation does: bf16 widened to float32, float32 sums (the bias first), y, dx, dw and db
+each rounded once on store (grad_weight's partial sums are float32
 scratch, db comes alongside dw), so they differ from it only by the order of the float32
 sums; a fused ReLU runs after them in the epilogue kernel, exactly (ReLU commutes with the
 rounding). cuDNN's plans: bf16 in and out, float32 accumulation, bias and ReLU fused in
@@ -66,7 +77,8 @@ conv2d_grad_weight's db is reduce_sum's (bf16 dy summed in float32, rounded once
 takes every bfloat16 path above with float16's rounding.
 
 Channels-last nodes (attrs layout "NHWC", compile/layout.py: x (N, H, W, C), w (O, kh, kw,
-C/groups), y (N, Ho, Wo, O)) run through cuDNN: the own kernels are NCHW. Their bias and ReLU
+C/groups), y (N, Ho, Wo, O)) run through cuDNN, and the depthwise ones through the depthwise
+kernels too: the other own kernels are NCHW. Their bias and ReLU
 epilogue and the bias gradient's sum read the channels along the last axis. A channels-last
 problem cuDNN has no plan for (or every one, without cuDNN) runs as its NCHW twin between
 permutes (`_through_nchw`): slow, but no convolution is left without a path.
@@ -89,6 +101,7 @@ from ..runtime import autotune, compiler
 from ..runtime.launch import _node_memory
 from ..runtime.scratch import ScratchPool
 from . import conv_cudnn
+from . import conv_depthwise as depthwise
 from . import conv_tiled as tiled
 from .geometry import Geometry
 from .geometry import geometry as _geometry
@@ -108,7 +121,7 @@ BF16_OPS = frozenset({"conv2d", "conv2d_grad_input", "conv2d_grad_weight"})
 # plans with HALF data and float32 compute, the same roundings (module docstring)
 FP16_OPS = BF16_OPS
 
-PATHS = ("direct", "direct_narrow", "tiled", "gemm", "cudnn")
+PATHS = ("direct", "direct_narrow", "tiled", "gemm", "cudnn", "depthwise")
 PATH = "auto"                 # "auto" (timed per problem) or one of PATHS: tests force one
 DIRECT_SOURCE = "conv_direct.cu"
 DIRECT_MAX_TAPS = 1024        # conv_direct.cu's MAX_TAPS: a block's slice of w in shared memory
@@ -338,7 +351,8 @@ TILED_NAME_GEOMETRIES = (Geometry(64, 1, 28, 28, 10, 5, 5, 1, 1, 0, 0),
 
 def kernel_names() -> dict[str, set[str]]:
     """{.cu file: every kernel name this module may launch}, template instantiations included
-    (the NVRTC compile test instantiates each; the tiled kernels for TILED_NAME_GEOMETRIES)."""
+    (the NVRTC compile test instantiates each; the tiled kernels for TILED_NAME_GEOMETRIES),
+    conv_depthwise's among them."""
     names: dict[str, set[str]] = {"conv.cu": set(), DIRECT_SOURCE: set(), tiled.SOURCE: set()}
     for ctype in _CTYPES.values():
         names["conv.cu"].update(f"{kernel}<{ctype}>"
@@ -352,7 +366,7 @@ def kernel_names() -> dict[str, set[str]]:
         names[tiled.SOURCE].update(tiled.kernel_names(TILED_NAME_GEOMETRIES, dtype))
     names["conv.cu"].update(f"{EPILOGUE_KERNEL}<{EPILOGUE_CTYPES[s]}>"
                             for s in ("uint16", "float16"))
-    return names
+    return names | depthwise.kernel_names()
 
 
 # ---- choosing the path ---------------------------------------------------------------------
@@ -364,7 +378,9 @@ def _run_faster(node, ctx, g: Geometry, dtype, paths: dict[str, Callable[[], Non
     for "cudnn"); else the fastest as timed on real buffers once per problem (autotune.py: no
     size rule predicted the benchmark convs, the direct kernel won 4x on conv1's forward and
     lost 2.5x on conv2's grad_input); during a capture with no timing yet, a tiled path if
-    there is one, else `use_direct`'s rule, else the first cuDNN plan."""
+    there is one, else `use_direct`'s rule, else the first cuDNN plan; a depthwise problem
+    takes the depthwise path there (made for it: cuDNN's grouped kernels took 3-5x what
+    the traffic needs)."""
     layout = layout_of(node.op, node.attrs)
     if not paths:
         raise UnsupportedOpError(f"{node.op}: no cuda path runs {g} ({dtype}, {layout}): "
@@ -377,8 +393,9 @@ def _run_faster(node, ctx, g: Geometry, dtype, paths: dict[str, Callable[[], Non
         autotune.run_family(paths, PATH, first)
         return
     tiled = [name for name in paths if name.startswith("tiled")]
-    default = tiled[0] if tiled else "direct" if "direct" in paths and \
-        use_direct(node.op, g, dtype) else "gemm" if "gemm" in paths else first
+    default = "depthwise" if "depthwise" in paths else tiled[0] if tiled else \
+        "direct" if "direct" in paths and use_direct(node.op, g, dtype) else \
+        "gemm" if "gemm" in paths else first
     own = [name for name in paths if name.split(":")[0] != "cudnn"]
     key = _choice_key(node, ctx, g, dtype, own)
     autotune.run_fastest(ctx, key, paths, default)
@@ -526,6 +543,10 @@ def _forward_offer(node, ins, outs, ctx) -> Offer:
         if relu:        # bf16: ReLU commutes with the rounding, the epilogue is exact
             paths = {name: _then(run, lambda: conv2d_bias_act(ctx, y, None, True))
                      for name, run in paths.items()}
+    if depthwise.supported(g, layout, x.dtype) is None:     # bias and ReLU in the kernel
+        paths["depthwise"] = autotune.compiling(
+            lambda: depthwise.conv2d_depthwise_forward(ctx, g, layout, x, w, bias, y, relu),
+            (depthwise.SOURCE, depthwise.kernel_name("forward", layout, x.dtype)))
     return Offer(g, conv_cudnn.ir_dtype(x.dtype), paths, functools.partial(
         _forward_cudnn_paths, ctx, g, x, w, y, bias, relu, layout))
 
@@ -650,6 +671,10 @@ def _grad_input_offer(node, ins, outs, ctx) -> Offer:
                                                                       NARROW_CHANNELS)
         if _gemm_dtype(dy.dtype):
             paths["gemm"] = autotune.searching(lambda: _grad_input_gemm(ctx, node, g, dy, w, dx))
+    if depthwise.supported(g, layout, dy.dtype) is None:
+        paths["depthwise"] = autotune.compiling(
+            lambda: depthwise.conv2d_depthwise_grad_input(ctx, g, layout, dy, w, dx),
+            (depthwise.SOURCE, depthwise.kernel_name("grad_input", layout, dy.dtype)))
     return Offer(g, conv_cudnn.ir_dtype(dy.dtype), paths, lambda only: (
         conv_cudnn.grad_input_paths(ctx, g, dy, w, dx, layout=layout, only=only)))
 
@@ -721,9 +746,21 @@ def _grad_weight_offer(node, ins, outs, ctx) -> Offer:
     if own and _gemm_dtype(x.dtype):
         paths["gemm"] = autotune.searching(
             with_bias(lambda: _grad_weight_gemm(ctx, node, g, dy, x, dw)))
+    if depthwise.supported(g, layout, x.dtype) is None:     # db alongside dw
+        paths["depthwise"] = autotune.compiling(
+            lambda: _grad_weight_depthwise(ctx, g, layout, dy, x, dw, db),
+            (depthwise.SOURCE, depthwise.kernel_name("grad_weight", layout, x.dtype)),
+            (depthwise.SOURCE, depthwise.sum_kernel_name(x.dtype)))
     return Offer(g, conv_cudnn.ir_dtype(x.dtype), paths, lambda only: {
         name: with_bias(run) for name, run in conv_cudnn.grad_weight_paths(
             ctx, g, dy, x, dw, layout=layout, only=only).items()})
+
+
+def _grad_weight_depthwise(ctx, g: Geometry, layout: str, dy, x, dw, db) -> None:
+    """The depthwise kernels' dw (and db), their partial sums in the conv scratch pool."""
+    elements = depthwise.grad_weight_scratch(g, layout, db is not None)
+    partial = _scratch(ctx, [(elements,)], np.float32)[0] if elements else None
+    depthwise.conv2d_depthwise_grad_weight(ctx, g, layout, dy, x, dw, db, partial)
 
 
 def _grad_weight_gemm(ctx, node, g: Geometry, dy, x, dw) -> None:
