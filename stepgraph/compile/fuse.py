@@ -15,10 +15,13 @@ from ..ops.optim import UPDATE_OPS
 from .attention import pack_attention_heads
 from .pointwise import fuse_pointwise
 from .pointwise_recompute import recompute_saved_pointwise
+from .pointwise_views import read_pointwise_views
+from .pointwise_sums import fuse_row_sums
 from .gradient_sums import fuse_cell_grad_sums, fuse_product_sums
 from .slice_sums import concat_slice_gradients
 from .concat_slices import read_concat_inputs
 from .layout_chains import collapse_layout_chains
+from .elementwise_reshapes import move_elementwise_before_reshapes
 from .rewrite import _copy, _join, _live, _rebuild
 
 
@@ -548,7 +551,8 @@ PASSES = (pack_attention_heads, fuse_product_sums, fuse_cell_grad_sums, concat_s
           fuse_activation_bias_grad, fuse_conv_bias_grad, fuse_matmul_bias_grad,
           fuse_cross_entropy,
           fuse_log_softmax_nll, fuse_loss_casts, fuse_layer_norm_casts, fuse_step_bookkeeping,
-          fuse_gradient_casts, recompute_saved_pointwise, fuse_pointwise, eliminate_dead_code)
+          fuse_gradient_casts, move_elementwise_before_reshapes, recompute_saved_pointwise,
+          fuse_pointwise, read_pointwise_views, fuse_row_sums, eliminate_dead_code)
 
 
 def fuse(graph: Graph, passes=PASSES) -> Graph:

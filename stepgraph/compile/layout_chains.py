@@ -59,9 +59,8 @@ def _reshaped(view: _View, shape: tuple) -> _View | None:
     """The view reshaped without a copy, or None where NumPy's reshape would copy."""
     probe = np.lib.stride_tricks.as_strided(np.zeros(1, np.int8), view.shape, view.strides)
     try:
-        probe = probe.view()
-        probe.shape = shape            # raises where the reshape needs a copy
-    except AttributeError:
+        probe = np.reshape(probe, shape, copy=False)   # raises where the reshape would copy
+    except ValueError:
         return None
     return _View(view.root, tuple(shape), tuple(probe.strides), view.offset, view.copies)
 
@@ -85,14 +84,26 @@ def _step(node, view: _View) -> _View | None:
                  view.copies + (not in_place))
 
 
+def chain_views(nodes: list[Node]) -> dict[Value, _View | None]:
+    """The view of its root each layout node's output is (None where a reshape would copy);
+    a layout_copy's output is its attrs view of its input, one copy."""
+    views: dict[Value, _View | None] = {}
+    for n in nodes:
+        if n.op == "layout_copy":
+            a = n.attrs
+            views[n.outputs[0]] = _View(n.inputs[0], tuple(a["shape"]), tuple(a["strides"]),
+                                        int(a["offset"]), 1)
+        elif n.op in LAYOUT_OPS:
+            x = n.inputs[0]
+            base = views.get(x) or _View(x, tuple(x.shape), _contiguous(x.shape), 0, 0)
+            views[n.outputs[0]] = _step(n, base)
+    return views
+
+
 def collapse_layout_chains(graph: Graph) -> Graph:
     graph = _copy(graph)
     chain = [n for n in graph.nodes if n.op in LAYOUT_OPS]
-    views: dict[Value, _View | None] = {}
-    for n in chain:
-        x = n.inputs[0]
-        base = views.get(x) or _View(x, tuple(x.shape), _contiguous(x.shape), 0, 0)
-        views[n.outputs[0]] = _step(n, base)
+    views = chain_views(chain)
     users = graph.consumers()
     outputs = set(graph.outputs.values())
     roots = view_roots(graph.nodes)

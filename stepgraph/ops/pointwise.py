@@ -2,7 +2,9 @@
 
 Made only by the fusion pass (compile/pointwise.py), after autodiff, so it has no VJP. Its
 program reads the node's inputs (broadcast to attrs shape) as registers 0..k-1; instruction j
-writes register k + j; attrs results name the registers the node's outputs hold. The NumPy
+writes register k + j; attrs results name the registers the node's outputs hold. An input may
+be read through a strided view of its elements (attrs views: per input None or (shape,
+strides, offset)), as a slice or permute of it would hold them (compile/pointwise_views.py). The NumPy
 reference runs each instruction through the op's own reference implementation, so a fused
 graph computes exactly what the unfused one did.
 
@@ -71,15 +73,42 @@ def register_dtypes(program: tuple[Instr, ...], input_dtypes: tuple[str, ...]) -
     return dtypes
 
 
+def input_views(attrs: dict, n: int) -> tuple:
+    """attrs views, one entry an input: None (the input as it is) or (shape, strides, offset),
+    the input read as that strided view of its elements (compile/pointwise_views.py)."""
+    return tuple(attrs.get("views") or (None,) * n)
+
+
+def read_through(view, a: np.ndarray) -> np.ndarray:
+    """Array a (C-contiguous) read as view (shape, strides, offset in elements)."""
+    if view is None:
+        return a
+    shape, strides, offset = view
+    flat = a.reshape(-1)[offset:]
+    return np.lib.stride_tricks.as_strided(flat, tuple(shape),
+                                           tuple(s * a.itemsize for s in strides),
+                                           writeable=False)
+
+
+def _view_fits(view, v: Value) -> bool:
+    shape, strides, offset = view
+    last = offset + sum((d - 1) * s for d, s in zip(shape, strides))
+    return len(shape) == len(strides) and offset >= 0 and all(s >= 0 for s in strides) and \
+        (0 in shape or last < v.size)
+
+
 @defop("pointwise")
 def _pointwise(ins, attrs):
     """outs = the registers attrs results of attrs program run elementwise over attrs shape,
-    every input broadcast to that shape (see ops/pointwise.py)."""
+    every input (or its attrs views entry) broadcast to that shape (see ops/pointwise.py)."""
     shape = tuple(attrs["shape"])
-    for v in ins:
-        _need(len(v.shape) <= len(shape) and all(
-            d in (1, s) for d, s in zip(v.shape[::-1], shape[::-1])),
-            "pointwise", f"input {v.shape} does not broadcast to {shape}")
+    for v, view in zip(ins, input_views(attrs, len(ins))):
+        _need(view is None or _view_fits(view, v), "pointwise",
+              f"view {view} reads past input {v.shape}")
+        seen = tuple(view[0]) if view is not None else v.shape
+        _need(len(seen) <= len(shape) and all(
+            d in (1, s) for d, s in zip(seen[::-1], shape[::-1])),
+            "pointwise", f"input {seen} does not broadcast to {shape}")
     dtypes = register_dtypes(attrs["program"], tuple(v.dtype for v in ins))
     return [(shape, dtypes[r]) for r in attrs["results"]]
 
@@ -98,7 +127,8 @@ def _pointwise_impl(node: Node, ins, outs, ctx):
     program = node.attrs["program"]
     # IR dtypes of the registers; the arrays themselves are float32 for bf16 (run_node widens).
     ir_dtypes = register_dtypes(program, tuple(v.dtype for v in node.inputs))
-    regs = list(ins)
+    regs = [read_through(view, a) for view, a in
+            zip(input_views(node.attrs, len(ins)), ins)]
     for instr in program:
         args = [regs[r] for r in instr.args]
         ir_dtype = ir_dtypes[len(regs)]
@@ -112,3 +142,52 @@ def _pointwise_impl(node: Node, ins, outs, ctx):
         regs.append(out)
     for out, r in zip(outs, node.attrs["results"]):
         out[...] = regs[r]
+
+
+# ---- pointwise_sum: a program summed over the last axis, then a program over the sums -----
+
+def _parts(ins: list, attrs: dict) -> tuple[dict, dict | None, int]:
+    """pointwise_sum's two programs as `pointwise` attrs: the prologue's (its result the
+    summed register, on the first attrs n_prologue inputs) and the epilogue's (None where
+    attrs epilogue is empty; its input 0 is the sums, then the remaining inputs)."""
+    k = int(attrs["n_prologue"])
+    shape = tuple(attrs["shape"])
+    prologue = dict(program=attrs["program"], results=(int(attrs["summed"]),), shape=shape,
+                    views=input_views(attrs, k))
+    if not attrs["epilogue"]:
+        return prologue, None, k
+    return prologue, dict(program=attrs["epilogue"], results=tuple(attrs["epilogue_results"]),
+                          shape=shape[:-1]), k
+
+
+@defop("pointwise_sum")
+def _pointwise_sum(ins, attrs):
+    """The register attrs summed of attrs program (a pointwise program over attrs shape on the
+    first attrs n_prologue inputs, read through attrs views) summed over the last axis, then,
+    where attrs epilogue is a program, that program over the sums' shape: its register 0 is
+    the sums, registers 1.. the remaining inputs; outs its attrs epilogue_results, or the sums
+    alone (compile/pointwise_sums.py)."""
+    prologue, epilogue, k = _parts(ins, attrs)
+    ((shape, dtype),) = _pointwise(ins[:k], prologue)
+    _need(len(shape) >= 1, "pointwise_sum", "the program's shape has no axis to sum")
+    _need(dtype == "float32", "pointwise_sum", f"sums float32 values, got {dtype}")
+    sums = Value(shape[:-1], dtype)
+    if epilogue is None:
+        return [(sums.shape, dtype)]
+    return _pointwise([sums, *ins[k:]], epilogue)
+
+
+@impl("pointwise_sum")
+def _pointwise_sum_impl(node: Node, ins, outs, ctx):
+    prologue, epilogue, k = _parts(node.inputs, node.attrs)
+    shape = tuple(prologue["shape"])
+    values = np.empty(shape, np.float32)
+    _pointwise_impl(Node("pointwise", node.inputs[:k], [Value(shape, "float32")], prologue),
+                    ins[:k], [values], ctx)
+    sums = values.sum(axis=-1)            # as reduce_sum's reference sums the stored values
+    if epilogue is None:
+        outs[0][...] = sums
+        return
+    first = Value(sums.shape, "float32")
+    _pointwise_impl(Node("pointwise", [first, *node.inputs[k:]], node.outputs, epilogue),
+                    [sums, *ins[k:]], outs, ctx)

@@ -18,6 +18,11 @@ element count is a multiple of four and every array is 16-byte aligned: a thread
 several accesses in flight (H200, resnet's gradient-sum + ReLU-gradient programs: see
 docs/perf-notes.md).
 
+An input read through a strided view (attrs views, compile/pointwise_views.py: a slice or
+permute of it that no kernel copies out any more) is loaded at the offset its strides give;
+in VEC_KERNEL_NAME four at once where the view's last axis is contiguous and its strides and
+offset are multiples of four (the gate halves of a Linear's output, heads of a projection).
+
 A program that draws dropout masks (`dropout_mask`) loops over groups of four consecutive
 elements instead: one Philox4x32-10 call per group and site gives the four elements' words
 (philox.cuh), as in the standalone dropout kernel, so the masks are the same bits and the
@@ -101,8 +106,11 @@ def _float(value: float) -> str:
     return f"__int_as_float({bits})"
 
 
-def _offset(in_shape: tuple, out_shape: tuple) -> str:
-    """The C expression of an input element's offset for output element i (broadcasting)."""
+def _offset(in_shape: tuple, out_shape: tuple, view=None) -> str:
+    """The C expression of an input element's offset for output element i (broadcasting;
+    through view (shape, strides, offset) of the input's elements where one is given)."""
+    if view is not None:
+        return _view_offset(view, out_shape)
     if tuple(in_shape) == tuple(out_shape):
         return "i"
     in_shape = (1,) * (len(out_shape) - len(in_shape)) + tuple(in_shape)
@@ -116,6 +124,23 @@ def _offset(in_shape: tuple, out_shape: tuple) -> str:
             stride *= in_shape[d]
         inner *= out_shape[d]
     return " + ".join(reversed(terms)) or "0"
+
+
+def _view_offset(view, out_shape: tuple) -> str:
+    """The offset of output element i's element of an input read through view (shape,
+    strides, offset), the view broadcast to out_shape."""
+    shape, strides, offset = view
+    pad = len(out_shape) - len(shape)
+    shape, strides = (1,) * pad + tuple(shape), (0,) * pad + tuple(strides)
+    terms, inner = [], 1
+    for d in reversed(range(len(out_shape))):
+        if shape[d] != 1 and strides[d]:
+            index = "i" if inner == 1 else f"(i / {inner})"
+            if d > 0:
+                index = f"({index} % {out_shape[d]})"
+            terms.append(index if strides[d] == 1 else f"{index} * {strides[d]}")
+        inner *= out_shape[d]
+    return " + ".join([*reversed(terms), *([str(offset)] if offset else [])]) or "0"
 
 
 def _expression(instr: Instr, r: list[str]) -> str:
@@ -182,7 +207,8 @@ def _words_line(instr: Instr, r: list[str]) -> str:
 
 
 def vectorizable(program: tuple[Instr, ...], results: tuple[int, ...], shape: tuple,
-                 input_shapes: tuple[tuple, ...], input_dtypes: tuple[str, ...]) -> bool:
+                 input_shapes: tuple[tuple, ...], input_dtypes: tuple[str, ...],
+                 input_views: tuple | None = None) -> bool:
     """True when every input and result is float32, bf16, float16 or a one-byte mask (bool,
     uint8), besides a dropout program's step counter, and every input either has `shape` or,
     where the last axis's extent is a multiple of four, broadcasts along other axes only or
@@ -191,7 +217,8 @@ def vectorizable(program: tuple[Instr, ...], results: tuple[int, ...], shape: tu
     dtypes = register_dtypes(program, input_dtypes)
     moved = ("float32", *HALF_DTYPES, *BYTE_DTYPES)
     steps = _step_counters(input_shapes, dtypes)
-    return all(_lane_load(s, shape) is not None for s in input_shapes) \
+    views = input_views or (None,) * len(input_shapes)
+    return all(_lane_load(s, shape, view) is not None for s, view in zip(input_shapes, views)) \
         and all(dtypes[j] in moved for j in range(len(input_shapes)) if j not in steps) \
         and all(dtypes[r] in moved for r in results)
 
@@ -201,14 +228,22 @@ def _step_counters(input_shapes: tuple[tuple, ...], dtypes) -> list[int]:
     return [j for j, s in enumerate(input_shapes) if dtypes[j] == "int64" and not s]
 
 
-def _lane_load(in_shape: tuple, shape: tuple) -> str | None:
+def _lane_load(in_shape: tuple, shape: tuple, view=None) -> str | None:
     """How VEC_KERNEL_NAME reads an input for its four consecutive output elements: "full"
     (the output's shape: four consecutive elements), "row" (a broadcast input whose last axis
     is the output's: four consecutive elements at the first one's offset; channels-last
     per-channel vectors (1, 1, 1, C), squeeze-excitation scales (N, 1, 1, C)), "one" (last
     axis 1: one element for the four; per-pixel statistics (N, H, W, 1), 0-d values; a
     broadcast input's last axis is one of the two), or None: the last two need the output's
-    last extent a multiple of four, so the four elements share every other index."""
+    last extent a multiple of four, so the four elements share every other index. An input
+    read through a view (shape, strides, offset) is "strided" where the view has the output's
+    shape, its last axis is contiguous and every stride and the offset are multiples of four
+    (the four elements lie together, as aligned as the buffer), else None."""
+    if view is not None:
+        vshape, strides, offset = view
+        aligned = all(s % VEC == 0 for s in (*strides[:-1], offset))
+        return "strided" if tuple(vshape) == tuple(shape) and shape[-1] % VEC == 0 and \
+            strides[-1] == 1 and aligned else None
     if tuple(in_shape) == tuple(shape):
         return "full"
     if not shape or shape[-1] % VEC:
@@ -224,10 +259,13 @@ def uses_groups(program: tuple[Instr, ...]) -> bool:
 @functools.cache
 def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: tuple,
                   input_shapes: tuple[tuple, ...],
-                  input_dtypes: tuple[str, ...] | None = None) -> str:
+                  input_dtypes: tuple[str, ...] | None = None,
+                  input_views: tuple | None = None) -> str:
     """CUDA source of KERNEL_NAME computing `program` over `shape` (float32 values; bfloat16,
-    float16, uint8 masks and the int64 step counter where input_dtypes say so)."""
+    float16, uint8 masks and the int64 step counter where input_dtypes say so; inputs read
+    through the strided views of input_views where an entry is not None)."""
     k = len(input_shapes)
+    views = input_views or (None,) * k
     dtypes = register_dtypes(program, input_dtypes or ("float32",) * k)
     # float64 would compute through float intrinsics and literals: refused, not rounded
     unsupported = sorted(set(dtypes) - set(_CTYPES))
@@ -244,8 +282,9 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
     regs = [f"r{j}" for j in range(k + len(program))]
     scalars = _step_counters(input_shapes, dtypes)   # read once
     head = [f"    const long long r{j} = in{j}[0];" for j in scalars]
-    load = lambda j, s: (f"{_HALF_CODE[dtypes[j]][0]}(in{j}[{_offset(s, shape)}])"   # noqa
-                         if dtypes[j] in HALF_DTYPES else f"in{j}[{_offset(s, shape)}]")
+    at = lambda j, s: _offset(s, shape, views[j])   # noqa: E731
+    load = lambda j, s: (f"{_HALF_CODE[dtypes[j]][0]}(in{j}[{at(j, s)}])"   # noqa
+                         if dtypes[j] in HALF_DTYPES else f"in{j}[{at(j, s)}]")
     body = [f"const {rtype[j]} r{j} = {load(j, s)};"
             for j, s in enumerate(input_shapes) if j not in scalars]
     for j, instr in enumerate(program):
@@ -258,7 +297,7 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
     words = {_words(i, regs): _words_line(i, regs) for i in program if i.op == "dropout_mask"}
     loaded = [j for j in range(k) if j not in scalars]
     vec = []
-    if vectorizable(program, results, shape, input_shapes, dtypes[:k]):
+    if vectorizable(program, results, shape, input_shapes, dtypes[:k], input_views):
         vec = [f'extern "C" __global__ void {VEC_KERNEL_NAME}({", ".join(params)}, int n) {{',
                *head,
                f"    for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < n / {VEC};"
@@ -267,7 +306,8 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
                *(["        const int g = q;   // the dropout group of these four elements",
                   *words.values()] if words else []),
                *(f"        {rtype[j]} v{j}[{VEC}];" for j in loaded),
-               *(_vector_load(j, input_shapes[j], shape, load, dtypes[j]) for j in loaded),
+               *(_vector_load(j, input_shapes[j], shape, load, dtypes[j], views[j])
+                 for j in loaded),
                *(f"        {rtype[r]} o{j}[{VEC}];" for j, r in enumerate(results)),
                "#pragma unroll",
                f"        for (int lane = 0; lane < {VEC}; ++lane) {{",
@@ -309,13 +349,13 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
         ""])
 
 
-def _vector_load(j: int, in_shape: tuple, shape: tuple, load, dtype: str) -> str:
+def _vector_load(j: int, in_shape: tuple, shape: tuple, load, dtype: str, view=None) -> str:
     """VEC_KERNEL_NAME's read of input j into v{j} for output elements i .. i + VEC - 1."""
-    how = _lane_load(in_shape, shape)
+    how = _lane_load(in_shape, shape, view)
     if how == "one":
         return (f"        for (int lane = 0; lane < {VEC}; ++lane) "
                 f"v{j}[lane] = {load(j, in_shape)};")
-    at = "i" if how == "full" else _offset(in_shape, shape)
+    at = "i" if how == "full" else _offset(in_shape, shape, view)
     if dtype in BYTE_DTYPES:
         return f"        load4_bytes(in{j}, (long long)({at}), v{j});"
     return f"        loadv_as_float<{VEC}>(in{j}, (long long)({at}), v{j});"
@@ -323,8 +363,10 @@ def _vector_load(j: int, in_shape: tuple, shape: tuple, load, dtype: str) -> str
 
 def _program(node: Node) -> tuple:
     """kernel_source's (and vectorizable's) arguments for node."""
+    views = node.attrs.get("views")
     return (node.attrs["program"], node.attrs["results"], tuple(node.attrs["shape"]),
-            tuple(tuple(v.shape) for v in node.inputs), tuple(v.dtype for v in node.inputs))
+            tuple(tuple(v.shape) for v in node.inputs), tuple(v.dtype for v in node.inputs),
+            tuple(views) if views else None)
 
 
 def generated_kernels(node: Node) -> list[tuple[str, str]]:
@@ -338,7 +380,7 @@ def pointwise_forward(ctx, node: Node, ins: list, outs: list) -> None:
     """Run node's program (ops/pointwise.py) as one generated kernel."""
     shape = tuple(node.attrs["shape"])
     n = math.prod(shape)
-    if n > MAX_INT:
+    if max([n, *(v.size for v in node.inputs)]) > MAX_INT:
         raise ShapeError(f"pointwise: {n} elements exceed the kernel's 32-bit indexing")
     for what, values, arrays in (("input", node.inputs, ins), ("output", node.outputs, outs)):
         for v, a in zip(values, arrays):

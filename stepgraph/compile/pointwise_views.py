@@ -1,0 +1,70 @@
+"""Pointwise programs read a slice or permute of a value in place instead of its copy.
+
+Every value is contiguous, so a slice across leading axes, a permute or a layout_copy
+(compile/layout_chains.py) is a kernel that copies. Where only elementwise code reads that
+copy, the copy is a wasted pass over memory and a launch: `a, b = self.gate(x).chunk(2, -1)`
+then `sigmoid(a) * b` (a gated MLP, SwiGLU) slices both halves out of the Linear's output, and
+the head split `q.view(B, T, H, D).transpose(1, 2)` copies q before a normalisation reads it.
+A `pointwise` node (compile/pointwise.py) can read any input through a strided view of its
+elements (ops/pointwise.py attrs views), so each such input becomes the chain's root read at
+the chain's (shape, strides, offset), and the copy goes with dead-code elimination. A lone
+elementwise node reading such a copy becomes a one-instruction pointwise node to do the same.
+
+Only where every reader of the copy is elementwise (else the copy stays, and reading it is
+cheaper than reading strided) and nothing writes the root in place (the program runs where
+its node is, later than the copy did, and must see what the copy saw). Same bits: the program
+reads the same elements.
+"""
+from __future__ import annotations
+
+from ..ir.graph import FLOAT_DTYPES, Graph, Node, Value
+from ..ops.pointwise import Instr, input_views
+from .aliases import view_roots, written_buffers
+from .layout_chains import chain_views
+from .pointwise import _eligible
+from .rewrite import _copy
+
+
+def _as_program(n: Node) -> Node:
+    """Elementwise node n as the one-instruction pointwise node computing it."""
+    k = len(n.inputs)
+    program = (Instr(n.op, tuple(range(k)), tuple(sorted(n.attrs.items()))),)
+    return Node("pointwise", list(n.inputs), list(n.outputs),
+                dict(program=program, results=(k,), shape=tuple(n.outputs[0].shape)),
+                label=n.label)
+
+
+def _elementwise(n: Node) -> bool:
+    return n.op == "pointwise" or (_eligible(n) and n.op not in ("dropout", "expand")
+                                   and not n.mutates)
+
+
+def read_pointwise_views(graph: Graph) -> Graph:
+    graph = _copy(graph)
+    views = chain_views(graph.nodes)
+    users = graph.consumers()
+    outputs = set(graph.outputs.values())
+    roots = view_roots(graph.nodes)
+    written = written_buffers(graph.nodes, roots)
+
+    def readable(v: Value) -> bool:
+        view = views.get(v)
+        return view is not None and view.copies > 0 and v not in outputs and \
+            v.dtype in FLOAT_DTYPES and view.root.dtype == v.dtype and \
+            roots.get(view.root, view.root) not in written and \
+            all(_elementwise(u) for u in users.get(v, []))
+
+    nodes = []
+    for n in graph.nodes:
+        if _elementwise(n) and any(readable(v) for v in n.inputs):
+            n = n if n.op == "pointwise" else _as_program(n)
+            entries = list(input_views(n.attrs, len(n.inputs)))
+            for i, v in enumerate(n.inputs):
+                if entries[i] is None and readable(v):
+                    view = views[v]
+                    n.inputs[i] = view.root
+                    entries[i] = (view.shape, view.strides, view.offset)
+            n.attrs = {**n.attrs, "views": tuple(entries)}
+        nodes.append(n)
+    graph.nodes = nodes
+    return graph
