@@ -191,3 +191,47 @@ def test_vector_kernel_with_masks_equals_the_scalar_kernel(ctx):
     for got in (run_at_offset(ctx, node, ins, 0), run_at_offset(ctx, node, ins, 1)):
         np.testing.assert_array_equal(got[0], ref[0])
         np.testing.assert_array_equal(got[1].view(np.uint8), ref[1].view(np.uint8))
+
+
+@pytest.mark.parametrize("second, permuted, vec", [(8, False, True), (7, False, False),
+                                                    (8, True, False)],
+                         ids=["aligned", "unaligned", "permuted"])
+def test_inputs_read_through_views(ctx, second, permuted, vec):
+    """A program reading two halves of one buffer (and a permute of another) through strided
+    views (compile/pointwise_views.py): the four-elements-a-thread kernel where every view
+    is aligned with a contiguous last axis, the element loop where one is not (an offset of
+    7, a permute); the same bits as NumPy's reads of the same views (bf16 views run in the
+    compat files' replays)."""
+    from stepgraph.ops.pointwise import Instr
+
+    rng = seeded(f"views-{second}-{permuted}")
+    x = rng.standard_normal((10, 24)).astype(np.float32)
+    p = rng.standard_normal((2, 8, 5) if permuted else (2, 5, 8)).astype(np.float32)
+    program = (Instr("binary", (0, 1), (("kind", "mul"),)),
+               Instr("binary", (3, 2), (("kind", "add"),)))
+    views = (((2, 5, 8), (120, 24, 1), 0), ((2, 5, 8), (120, 24, 1), second),
+             ((2, 5, 8), (40, 1, 5), 0) if permuted else None)
+    node = helpers.make_node("pointwise", [x, x, p], program=program, results=(4,),
+                             shape=(2, 5, 8), views=views)
+    assert pointwise.vectorizable(*pointwise._program(node)) == vec
+    ref, got = run_both(ctx, node, [x, x, p])
+    np.testing.assert_array_equal(got[0], ref[0])
+
+
+@pytest.mark.parametrize("shape", [(6, 40), (512, 64), (3, 1024), (7, 1)])
+def test_pointwise_sum(ctx, shape):
+    """compile/pointwise_sums.py's fused node (a product summed over the last axis, a clamp,
+    square root and exp of the sums, the sums kept too) against its NumPy reference, outputs
+    poisoned: the sums agree to float32 rounding (float64 lanes here, float32 pairwise
+    there), the epilogue's value to its functions' ulps."""
+    from stepgraph.backends.cuda import pointwise_sum
+    from tests.unit.test_pointwise_views import fuse, sum_graph
+
+    (node,) = fuse(sum_graph(shape)).nodes
+    assert node.op == "pointwise_sum"
+    rng = seeded(f"sum-{shape}")
+    arrays = [rng.standard_normal(shape).astype(np.float32) for _ in range(2)]
+    ref, got = helpers.run_both(ctx, node, arrays, pointwise_sum.IMPLS)
+    scale = np.abs(arrays[0] * arrays[1]).sum(axis=-1)       # the sums' condition
+    for r, g in zip(ref, got):
+        assert np.all(np.abs(g - r) <= 4e-7 * scale + 2e-6 * np.abs(r)), (g, r)

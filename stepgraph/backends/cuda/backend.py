@@ -24,7 +24,8 @@ from .runtime import nvmath_bindings
 # make up the backend's op table, in this order; a later module's entry replaces an earlier
 # one's for the same op.
 IMPL_MODULES = ("elementwise", "reduce", "loss", "optim", "matmul.linear", "conv.conv",
-                "broadcast", "softmax", "norm", "pool", "pointwise", "guards", "embedding",
+                "broadcast", "softmax", "norm", "pool", "pointwise", "pointwise_sum", "guards",
+                "embedding",
                 "layer_norm", "matmul.bmm", "shape", "collective", "cast", "attention.attention",
                 "index", "reduce_axis", "recurrent", "conv.conv3d", "pool3d", "random",
                 "lstm_cell", "sync_batch_norm")
