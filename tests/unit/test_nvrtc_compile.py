@@ -104,7 +104,7 @@ def test_families_are_found():
     """The walk finds the op families at the top and in the family packages."""
     modules = set(family_modules())
     assert {"elementwise", "reduce", "loss", "optim", "conv.conv", "conv.conv_tiled",
-            "attention.attention", "matmul.small_matmul"} <= modules
+            "conv.conv_depthwise", "attention.attention", "matmul.small_matmul"} <= modules
     from stepgraph.backends.cuda.backend import IMPL_MODULES
 
     assert set(IMPL_MODULES) <= modules
@@ -137,6 +137,20 @@ def test_conv_launchers_name_existing_kernels():
     as_float = {name.replace("<unsigned short, float", "<float, float") for name in tiled
                 if name.startswith("conv2d_tiled") and "<unsigned short, float" in name}
     assert as_float == {name for name in tiled if "<float, float" in name}
+
+
+def test_depthwise_launchers_name_existing_kernels():
+    """conv_depthwise.py names its kernels from layout and storage: every one it lists (conv.py
+    declares them) compiles, in each storage and layout."""
+    from stepgraph.backends.cuda.conv import conv_depthwise
+
+    names = conv_depthwise.kernel_names()[conv_depthwise.SOURCE]
+    assert len(names) == 21 and {conv_depthwise.kernel_name(kind, layout, dtype)
+                                 for kind in conv_depthwise.KINDS
+                                 for layout in conv_depthwise.LAYOUTS
+                                 for dtype in conv_depthwise.CTYPES} <= names
+    assert compiler.compile_to_cubin(compiler.source_path(conv_depthwise.SOURCE), "sm_90",
+                                     tuple(sorted(names)))
 
 
 @pytest.mark.parametrize("name", kernel_families())
