@@ -17,7 +17,8 @@ A reduce_sum over the last axis only, of float32 values, becomes one where:
   epilogue), and that node's outputs are the fused node's, the sums too where a later node
   reads them (a normalisation's backward reads the forward's). Without a prologue, only this
   makes it worth it.
-Rows of at most MAX_COLS elements (a warp sums a row). The fused node runs where the last of
+Rows of at most MAX_COLS elements (a warp sums a row); float32 programs only (a bf16 step's
+sums are left to reduce_sum), and no epilogue that reads an input through a view. The fused node runs where the last of
 the nodes it replaces ran, so nothing it reads may be written in place in between: roots some
 node writes in place are left alone. Same numbers: each program computes what its node did,
 and the sum adds the same float32 values.
@@ -25,7 +26,7 @@ and the sum adds the same float32 values.
 from __future__ import annotations
 
 from ..ir.graph import Graph, Node, Value
-from ..ops.pointwise import Instr, input_views
+from ..ops.pointwise import Instr, input_views, register_dtypes
 from .aliases import view_roots, written_buffers
 from .pointwise_views import _as_program, _elementwise
 from .rewrite import _copy
@@ -54,6 +55,13 @@ def _epilogue(q: Node, sums: Value) -> tuple[list[Value], tuple, tuple]:
     fix = lambda r: moved.get(r, r)        # noqa: E731 -- instructions keep their registers
     program = tuple(Instr(i.op, tuple(map(fix, i.args)), i.attrs) for i in q.attrs["program"])
     return [q.inputs[i] for i in order[1:]], program, tuple(map(fix, q.attrs["results"]))
+
+
+def _float32(n: Node) -> bool:
+    """Whether pointwise node n reads float32 values and computes float32 (or bool) ones
+    only: the fused kernel's arithmetic (backends/cuda/pointwise_sum.py)."""
+    dtypes = register_dtypes(n.attrs["program"], tuple(v.dtype for v in n.inputs))
+    return all(v.dtype == "float32" for v in n.inputs) and set(dtypes) <= {"float32", "bool"}
 
 
 def fuse_row_sums(graph: Graph) -> Graph:
@@ -89,11 +97,11 @@ def fuse_row_sums(graph: Graph) -> Graph:
         q = readers[0] if readers else None
         epi = _program_of(q)
         if epi is not None and (tuple(epi.attrs["shape"]) != sums.shape
-                                or epi.inputs.count(sums) != 1
-                                or input_views(epi.attrs, len(epi.inputs))
-                                [epi.inputs.index(sums)] is not None
-                                or q in replaced or q in dropped):
+                                or epi.inputs.count(sums) != 1 or epi.attrs.get("views")
+                                or not _float32(epi) or q in replaced or q in dropped):
             epi = None
+        if pro is not None and not _float32(pro):
+            pro = None
         if epi is None and pro is None:
             continue
         fused_producer = p if pro is not None else None

@@ -308,6 +308,7 @@ def test_resnet_bf16_steps_run_on_cuda_with_fused_bf16_programs(memory_format, g
         print(f"loss numpy {lc:.6f} cuda {lg:.6f}")
         assert abs(lg - lc) <= 2e-2 * abs(lc), (lc, lg)
     plan = next(iter(gpu.executables.values())).plan
-    programs = [n for n in plan.graph.nodes if n.op == "pointwise"]
+    # (the float32 input's cast to bf16 reads it through the channels-last permute's view)
+    programs = [n for n in plan.graph.nodes if n.op == "pointwise" and not n.attrs.get("views")]
     assert programs and all(v.dtype == BF16 for n in programs for v in n.inputs)
     assert_params_follow(cpu.model.state_dict(), gpu.model.state_dict(), 2e-2)
