@@ -170,7 +170,7 @@ def test_conv2d_every_cudnn_plan(monkeypatch, backend, ctx, cfg, bias, relu):
     paths = check_every_cudnn_plan(monkeypatch, backend, ctx, node, arrays, want,
                                    f"conv2d {cfg} bias={bias} relu={relu}")
     if cfg[9:] != ((1, 1), 1):
-        assert all(name.startswith("cudnn") for name in paths), sorted(paths)
+        assert all(name.startswith(("cudnn", "depthwise")) for name in paths), sorted(paths)
     if bias or relu:
         assert any(name.endswith("+epilogue") for name in paths), sorted(paths)
 
@@ -185,7 +185,7 @@ def test_conv2d_grad_input_every_cudnn_plan(monkeypatch, backend, ctx, cfg):
     paths = check_every_cudnn_plan(monkeypatch, backend, ctx, node, arrays, want,
                                    f"conv2d_grad_input {cfg}")
     if cfg[9:] != ((1, 1), 1):
-        assert all(name.startswith("cudnn") for name in paths), sorted(paths)
+        assert all(name.startswith(("cudnn", "depthwise")) for name in paths), sorted(paths)
 
 
 @pytest.mark.parametrize("cfg", CONVS, ids=IDS)
@@ -201,7 +201,7 @@ def test_conv2d_grad_weight_every_cudnn_plan(monkeypatch, backend, ctx, cfg, bia
     paths = check_every_cudnn_plan(monkeypatch, backend, ctx, node, arrays, want,
                                    f"conv2d_grad_weight {cfg} db={bias}")
     if cfg[9:] != ((1, 1), 1):
-        assert all(name.startswith("cudnn") for name in paths), sorted(paths)
+        assert all(name.startswith(("cudnn", "depthwise")) for name in paths), sorted(paths)
 
 
 def test_reference_matches_numpy_on_plain_convs():

@@ -135,7 +135,7 @@ def check_every_plan(monkeypatch, backend, ctx, node, arrays, want, what, repeat
             err = rel_err(backend.to_numpy(got), ref)
             assert err < tol, f"{what} through NCHW output {i}: rel err {err:.2e} >= {tol}"
         return {}
-    assert paths and all(name.startswith("cudnn") for name in paths), sorted(paths)
+    assert paths and all(name.startswith(("cudnn", "depthwise")) for name in paths), sorted(paths)
     for name, run in paths.items():
         runs = []
         for _ in range(2 if repeatable else 1):

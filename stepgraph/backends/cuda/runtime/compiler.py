@@ -66,7 +66,7 @@ PER_SHAPE_SOURCES = frozenset(PER_SHAPE_TEMPLATES)
 TYPED_SOURCES = frozenset({"elementwise.cu", "loss.cu", "reduce.cu", "broadcast.cu",
                            "embedding.cu", "norm.cu", "pool.cu", "avgpool.cu", "conv.cu",
                            "conv_direct.cu", "layer_norm.cu", "small_matmul.cu",
-                           "reduce_axis.cu", "pool3d.cu", "softmax.cu"})
+                           "reduce_axis.cu", "pool3d.cu", "softmax.cu", "conv_depthwise.cu"})
 # Instantiations per module (chunk) of a file's declared templates, where not
 # DEFAULT_CHUNK_INSTANTIATIONS: sized with compile_to_cubin (scripts/nvrtc-chunks) so a chunk
 # compiles in about 0.2 s on a build machine (its kernels cost 0.03-0.15 s each, the file's
