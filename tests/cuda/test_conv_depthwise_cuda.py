@@ -54,9 +54,9 @@ def launched(monkeypatch):
     monkeypatch.setattr(conv, "PATH", "depthwise")
     names, real = [], conv_depthwise._launch
 
-    def record(ctx, filename, name, grid, block, args):
+    def record(ctx, filename, name, grid, block, args, *shared):
         names.append(name)
-        real(ctx, filename, name, grid, block, args)
+        real(ctx, filename, name, grid, block, args, *shared)
 
     monkeypatch.setattr(conv_depthwise, "_launch", record)
     return names
@@ -129,8 +129,46 @@ def f32(rng, *shape, scale=1.0):
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_depthwise_float32_matches_float64_within_torchs_error(ctx, launched, case, layout,
                                                                relu, request):
+    check_float32(ctx, case, layout, relu, request.node.name)
+    # the forward (and its ReLU), dx, dw + db: twice each, nothing but the depthwise kernels
+    kinds = {name.split("_kernel")[0].removeprefix("conv2d_depthwise_") for name in launched}
+    suffix = "_nhwc" if layout == "NHWC" else ""
+    assert {f"forward{suffix}", f"grad_input{suffix}", f"grad_weight{suffix}"} <= kinds, kinds
+
+
+PLANE_CASES = [i for i, (_, _, s, _, d) in enumerate(CASES) if s == 1 and d == 1]
+
+
+@pytest.fixture
+def launched_plane(launched, monkeypatch):
+    """conv.PATH forced to the plane kernels ("depthwise_plane")."""
+    monkeypatch.setattr(conv, "PATH", "depthwise_plane")
+    return launched
+
+
+@pytest.mark.parametrize("relu", [False, True], ids=["bias", "bias_relu"])
+@pytest.mark.parametrize("i", PLANE_CASES, ids=[IDS[i] for i in PLANE_CASES])
+def test_plane_kernels_float32_match_float64_within_torchs_error(ctx, launched_plane, i, relu,
+                                                                 request):
+    """The plane kernels (NCHW, stride 1, dilation 1) judged as the flat ones are."""
+    check_float32(ctx, CASES[i], "NCHW", relu, request.node.name)
+    assert set(launched_plane) <= conv_depthwise.plane_kernel_names() | {
+        conv_depthwise.sum_kernel_name("float32")}, launched_plane
+    assert {"plane", "plane_grad_weight"} <= {
+        n.split("_kernel")[0].removeprefix("conv2d_depthwise_") for n in launched_plane}
+
+
+@pytest.mark.parametrize("i", PLANE_CASES, ids=[IDS[i] for i in PLANE_CASES])
+def test_plane_kernels_bf16_are_within_the_summation_bound(ctx, launched_plane, i, request):
+    check_bf16(ctx, CASES[i], "NCHW", request.node.name)
+    assert launched_plane and all("plane" in n or "sum" in n for n in launched_plane)
+
+
+def check_float32(ctx, case, layout: str, relu: bool, name: str) -> None:
+    """y, dx, dw and db of one problem on cuda (twice, the same bits) against the NumPy
+    backend in float64, bound by torch float32's error (tests/reference.py)."""
     xs, (kh, kw) = case[0], case[1]
-    rng = seeded(request.node.name)
+    rng = seeded(name)
     c = xs[1]
     x, w, b = f32(rng, *xs), f32(rng, c, 1, kh, kw, scale=0.3), f32(rng, c)
     y_shape = numpy64("conv2d", [x, w], **attrs_of(case, "NCHW"))[0].shape
@@ -159,19 +197,20 @@ def test_depthwise_float32_matches_float64_within_torchs_error(ctx, launched, ca
     assert_close_to_reference(from_layout(got[0], layout), from_layout(want[0], layout),
                               ref32["dw"], "depthwise conv2d_grad_weight dw")
     assert_close_to_reference(got[1], want[1], ref32["db"], "depthwise conv2d_grad_weight db")
-    # the forward (and its ReLU), dx, dw + db: twice each, nothing but the depthwise kernels
-    kinds = {name.split("_kernel")[0].removeprefix("conv2d_depthwise_") for name in launched}
-    suffix = "_nhwc" if layout == "NHWC" else ""
-    assert {f"forward{suffix}", f"grad_input{suffix}", f"grad_weight{suffix}"} <= kinds, kinds
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_depthwise_bf16_is_within_the_summation_bound(ctx, launched, case, layout, request):
+    check_bf16(ctx, case, layout, request.node.name)
+    assert launched and all("<unsigned short>" in name for name in launched), launched
+
+
+def check_bf16(ctx, case, layout: str, name: str) -> None:
     """y (bias and the fused ReLU before the one rounding), dx, dw and db against the
     emulation, as the tiled kernels are judged."""
     xs, (kh, kw) = case[0], case[1]
-    rng = seeded(request.node.name)
+    rng = seeded(name)
     c = xs[1]
     x = to_layout(bf16_random(rng, *xs), layout)
     w = to_layout(bf16_random(rng, c, 1, kh, kw, scale=0.3), layout)
@@ -199,7 +238,6 @@ def test_depthwise_bf16_is_within_the_summation_bound(ctx, launched, case, layou
                      slack=bounds[0])
     assert_near_bits(got_w[1], want_w[1], "depthwise db", max_fraction=TILED_DB_FRACTION,
                      slack=bounds[1])
-    assert launched and all("<unsigned short>" in name for name in launched), launched
 
 
 def fp16_bound(ref64: np.ndarray, terms: np.ndarray, k: int) -> np.ndarray:

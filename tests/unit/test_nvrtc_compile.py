@@ -445,7 +445,7 @@ def _record_launches(monkeypatch, *modules):
     launched = []
     for mod in set(modules) | {launch, elementwise, reduce, loss, optim}:
         for name, fake in (("_check", lambda *a, **k: None), ("_node_memory", _fake_memory),
-                           ("_launch", lambda ctx, filename, name, grid, block, args:
+                           ("_launch", lambda ctx, filename, name, grid, block, args, *_:
                             launched.append((filename, name, grid, block, args)))):
             monkeypatch.setattr(mod, name, fake, raising=False)
     return launched
