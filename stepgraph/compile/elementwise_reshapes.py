@@ -9,9 +9,13 @@ where one does.
 
 An elementwise op computes the same numbers at any shape of the same elements in the same
 order, so an op whose every input is a reshape of a value of one shape S (its own output's
-shape, the inputs' shape) runs at S instead, and a reshape gives its old output. A reshape of
-a reshape reads the first one's input, and is gone where it gives that input's shape back.
-Same bits: every element is computed by the same op from the same elements.
+shape, the inputs' shape), or the output of an op moved to S, runs at S instead, and a
+reshape gives its old output; a reshape of a reshape reads the first one's input, and is gone
+where it gives that input's shape back. Only where that loses no fusion at the op's own
+shape: an elementwise reader of that shape that does not move keeps it there (a cast or a
+scale read by the ops after it: ConvNeXt's bf16 step took 15 more kernels, and MobileNet's 3,
+when every such op moved). Same bits: every element is computed by the same op from the same
+elements.
 
 Left alone: broadcasting (an input of another shape), ops with an attribute of the shape
 (expand) and the dropout ops (their masks are drawn per element of their own shape).
@@ -25,50 +29,89 @@ from .rewrite import _copy, _live, _rebuild
 _SHAPED = ("expand", "dropout_grad", "dropout_mask")
 
 
-def _source_shape(n: Node, producers: dict) -> tuple | None:
-    """S where every input of elementwise node n is a reshape of a value of shape S and has
-    n's output shape; else None."""
-    if n.op not in PROGRAM_OPS or n.op in _SHAPED or len(n.outputs) != 1 or not n.inputs:
-        return None
-    sources = []
-    for v in n.inputs:
-        p = producers.get(v)
-        if p is None or p.op != "reshape" or v.shape != n.outputs[0].shape:
-            return None
-        sources.append(p.inputs[0].shape)
-    return sources[0] if len(set(sources)) == 1 and sources[0] != n.outputs[0].shape else None
+def _elementwise(n: Node) -> bool:
+    return n.op in PROGRAM_OPS and n.op not in _SHAPED and len(n.outputs) == 1 \
+        and bool(n.inputs) and not n.mutates
 
 
-def move_elementwise_before_reshapes(graph: Graph) -> Graph:
-    graph = _copy(graph)
+def _without_double_reshapes(graph: Graph) -> Graph:
+    """A reshape of a reshape reads the first one's input; gone where it gives it back."""
     producers: dict[Value, Node] = {}
     subst: dict[Value, Value] = {}
     nodes: list[Node] = []
+    for n in graph.nodes:
+        n.inputs = [subst.get(v, v) for v in n.inputs]
+        p = producers.get(n.inputs[0]) if n.op == "reshape" and not n.mutates else None
+        if p is not None and p.op == "reshape":
+            n.inputs = [p.inputs[0]]
+            if n.inputs[0].shape == n.outputs[0].shape:
+                subst[n.outputs[0]] = n.inputs[0]
+                continue
+        nodes.append(n)
+        producers.update((v, n) for v in n.outputs)
+    graph = _rebuild(graph, nodes, subst)
+    graph.nodes = _live(graph.nodes, graph.outputs.values())
+    return graph
 
-    def place(*placed: Node) -> None:
+
+def _moving(graph: Graph) -> dict[Node, tuple]:
+    """{elementwise node: the shape S it moves to}. A node may move where each input is a
+    reshape of a value of shape S or the output of a node that moves to S; it does where
+    moving loses no fusion at its own shape T: none of its readers is an elementwise node of
+    output shape T that stays (reshapes, other ops and moving nodes read it as well at S)."""
+    producers, users = graph.producers(), graph.consumers()
+    moving: dict[Node, tuple] = {}
+    for n in graph.nodes:
+        if not _elementwise(n):
+            continue
+        here = n.outputs[0].shape
+        sources = set()
+        for v in n.inputs:
+            p = producers.get(v)
+            if p in moving:
+                sources.add(moving[p])
+            elif p is not None and p.op == "reshape" and v.shape == here:
+                sources.add(p.inputs[0].shape)
+            else:
+                sources.add(None)
+        if len(sources) == 1 and None not in sources and sources != {here}:
+            moving[n] = sources.pop()
+
+    def stays_fused(n: Node) -> bool:
+        """Whether n would lose a fusion by moving: an elementwise reader at its shape that
+        stays, or an input from a node that no longer moves."""
+        here = n.outputs[0].shape
+        return any(_elementwise(u) and u.outputs[0].shape == here and u not in moving
+                   for u in users.get(n.outputs[0], [])) or \
+            any(producers.get(v) is not None and producers[v].op != "reshape"
+                and producers[v] not in moving for v in n.inputs)
+
+    changed = True
+    while changed:
+        kept = {n: s for n, s in moving.items() if not stays_fused(n)}
+        changed, moving = len(kept) != len(moving), kept
+    return moving
+
+
+def move_elementwise_before_reshapes(graph: Graph) -> Graph:
+    graph = _without_double_reshapes(_copy(graph))
+    moving = _moving(graph)
+    if not moving:
+        return graph
+    producers: dict[Value, Node] = {}
+    nodes: list[Node] = []
+    for n in graph.nodes:
+        if n in moving:
+            out = n.outputs[0]
+            moved = Value(moving[n], out.dtype)
+            placed = [Node(n.op, [producers[v].inputs[0] for v in n.inputs], [moved], n.attrs,
+                           label=n.label),
+                      Node("reshape", [moved], [out], {"shape": tuple(out.shape)},
+                           label=n.label)]
+        else:
+            placed = [n]
         for node in placed:
             nodes.append(node)
             producers.update((v, node) for v in node.outputs)
-
-    for n in graph.nodes:
-        n.inputs = [subst.get(v, v) for v in n.inputs]
-        if n.op == "reshape" and not n.mutates:
-            p = producers.get(n.inputs[0])
-            if p is not None and p.op == "reshape":
-                n.inputs = [p.inputs[0]]
-                if n.inputs[0].shape == n.outputs[0].shape:
-                    subst[n.outputs[0]] = n.inputs[0]
-                    continue
-        shape = _source_shape(n, producers)
-        if shape is not None and not n.mutates:
-            out = n.outputs[0]
-            moved = Value(shape, out.dtype)
-            place(Node(n.op, [producers[v].inputs[0] for v in n.inputs], [moved], n.attrs,
-                       label=n.label),
-                  Node("reshape", [moved], [out], {"shape": tuple(out.shape)}, label=n.label))
-            continue
-        place(n)
-    graph = _rebuild(graph, nodes, subst)
-    # The reshapes now read by no one go here: fusion must not see them as readers.
-    graph.nodes = _live(graph.nodes, graph.outputs.values())
-    return graph
+    graph.nodes = nodes
+    return _without_double_reshapes(graph)

@@ -254,3 +254,19 @@ def test_the_cuda_sum_source_compiles():
     source = pointwise_sum._source(node)
     assert "warp_sum(acc)" in source and "c < 40; c += 32" in source
     assert compile_source_to_cubin(source, "pointwise_sum.cu")
+
+
+def test_an_op_stays_where_it_fuses_with_its_reader():
+    """scale(reshape(x)) read by an add at the reshaped shape: moving the scale would split
+    the pair into two kernels, so it stays, and both fuse into one program."""
+    tracer = Tracer()
+    x = tracer.input((3, 4), "float32", "x")
+    c = tracer.input((3, 4, 1), "float32", "c")
+    (r,) = tracer.emit("reshape", [x.value], shape=(3, 4, 1))
+    (s,) = tracer.emit("scalar", [r], kind="mul", value=2.0)
+    (t,) = tracer.emit("binary", [s, c.value], kind="add")
+    tracer.graph.outputs = {"t": t}
+    moved = move_elementwise_before_reshapes(tracer.graph)
+    scale = next(n for n in moved.nodes if n.op == "scalar")
+    assert scale.outputs[0].shape == (3, 4, 1)
+    assert Counter(n.op for n in fuse(tracer.graph).nodes) == {"reshape": 1, "pointwise": 1}
