@@ -270,3 +270,23 @@ def test_an_op_stays_where_it_fuses_with_its_reader():
     scale = next(n for n in moved.nodes if n.op == "scalar")
     assert scale.outputs[0].shape == (3, 4, 1)
     assert Counter(n.op for n in fuse(tracer.graph).nodes) == {"reshape": 1, "pointwise": 1}
+
+
+def test_a_sum_keeps_an_epilogue_that_reads_through_a_view(request):
+    """The epilogue program runs over the sums' shape with its inputs loaded as they are: a
+    reader of the sums that reads another input through a view (a column of m) stays a
+    pointwise node of its own (its NumPy reference once broadcast the whole of m)."""
+    tracer = Tracer()
+    x = tracer.input((6, 40), "float32", "x")
+    m = tracer.input((6, 12), "float32", "m")
+    (s,) = tracer.emit("reduce_sum", [x.value], axes=(1,))
+    program = (Instr("binary", (0, 1), (("kind", "add"),)),)
+    (y,) = tracer.emit("pointwise", [s, m.value], program=program, results=(2,), shape=(6,),
+                       views=(None, ((6,), (12,), 3)))
+    tracer.graph.outputs = {"y": y}
+    fused = fuse_row_sums(tracer.graph)
+    assert Counter(n.op for n in fused.nodes) == {"reduce_sum": 1, "pointwise": 1}
+    rng = seeded(request.node.name)
+    a = {"x": randn(rng, 6, 40), "m": randn(rng, 6, 12)}
+    np.testing.assert_array_equal(run_graph(tracer.graph, a)["y"],
+                                  a["x"].sum(axis=1) + a["m"][:, 3])
