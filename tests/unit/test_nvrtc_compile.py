@@ -145,10 +145,11 @@ def test_depthwise_launchers_name_existing_kernels():
     from stepgraph.backends.cuda.conv import conv_depthwise
 
     names = conv_depthwise.kernel_names()[conv_depthwise.SOURCE]
-    assert len(names) == 21 and {conv_depthwise.kernel_name(kind, layout, dtype)
-                                 for kind in conv_depthwise.KINDS
-                                 for layout in conv_depthwise.LAYOUTS
-                                 for dtype in conv_depthwise.CTYPES} <= names
+    flat = {conv_depthwise.kernel_name(kind, layout, dtype) for kind in conv_depthwise.KINDS
+            for layout in conv_depthwise.LAYOUTS for dtype in conv_depthwise.CTYPES}
+    plane = conv_depthwise.plane_kernel_names()
+    sums = {conv_depthwise.sum_kernel_name(dtype) for dtype in conv_depthwise.CTYPES}
+    assert names == flat | plane | sums and len(names) == 27
     assert compiler.compile_to_cubin(compiler.source_path(conv_depthwise.SOURCE), "sm_90",
                                      tuple(sorted(names)))
 

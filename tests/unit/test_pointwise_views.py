@@ -15,7 +15,6 @@ import pytest
 
 import stepgraph
 import stepgraph.nn.functional as F
-from stepgraph.autodiff import append_backward
 from stepgraph.compile.elementwise_reshapes import move_elementwise_before_reshapes
 from stepgraph.compile.fuse import PASSES, eliminate_dead_code, fuse
 from stepgraph.compile.plan import make_plan
@@ -27,11 +26,10 @@ from stepgraph.ir.ops import infer_outputs
 from stepgraph.ir.trace import Tracer
 from stepgraph.ops.pointwise import Instr
 from tests.ops.helpers import randn, run_graph, seeded
+from tests.unit.test_layout_chains import B, C, T, head_split, traced
 
 NEW = (read_pointwise_views, move_elementwise_before_reshapes, fuse_row_sums)
 WITHOUT = tuple(p for p in PASSES if p not in NEW)
-B, T, H, D = 2, 5, 3, 4
-C = H * D
 
 
 def gated_mlp(x, w):
@@ -41,27 +39,9 @@ def gated_mlp(x, w):
     return (F.silu(a) * b).pow(2).sum()
 
 
-def head_split(x, w):
-    q, k, v = (x @ w).split(C, dim=2)
-    q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in (q, k, v))
-    q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-    y = ((q @ k.transpose(-2, -1)).softmax(-1) @ v).transpose(1, 2).reshape(B, T, C)
-    return (y * y.tanh()).sum()
-
-
 def stack_prod(x, w):
     a, b = (x @ w).chunk(2, dim=-1)
     return (x.tanh() * stepgraph.stack([a.sigmoid(), b.tanh()], -1).prod(-1)).relu().sum()
-
-
-def traced(loss_fn, wide: int):
-    tracer = Tracer()
-    x = tracer.input((B, T, C), "float32", "x")
-    w = tracer.input((C, wide), "float32", "w")
-    loss = loss_fn(x, w)
-    dx, dw = append_backward(tracer, loss.value, [x.value, w.value])
-    tracer.graph.outputs = {"loss": loss.value, "dx": dx, "dw": dw}
-    return tracer.graph
 
 
 def steps(graph) -> Counter:

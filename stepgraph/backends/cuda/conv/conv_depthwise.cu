@@ -199,6 +199,17 @@ __device__ __forceinline__ Tap tap_of(int k, int taps, int kh, int kw, int ph, i
     return Tap{(kc / kw) * dil_h - ph, (kc % kw) * dil_w - pw, k < taps, k == kk};
 }
 
+// A block's taps k0 .. k0 + TAP_BLOCK - 1 (tap_of), their sums zeroed.
+__device__ __forceinline__ void start_taps(Tap (&tap)[TAP_BLOCK], float (&acc)[TAP_BLOCK], int k0,
+                                           int taps, int kh, int kw, int ph, int pw, int dil_h,
+                                           int dil_w) {
+#pragma unroll
+    for (int t = 0; t < TAP_BLOCK; ++t) {
+        tap[t] = tap_of(k0 + t, taps, kh, kw, ph, pw, dil_h, dil_w);
+        acc[t] = 0.f;
+    }
+}
+
 template <typename S>
 __device__ __forceinline__ void store_tap(S* dw, S* db, int c, int k, int kk, float v) {
     if (k < kk)
@@ -252,11 +263,7 @@ conv2d_depthwise_grad_weight_kernel(const S* __restrict__ dy, const S* __restric
     const int c = blockIdx.x, k0 = blockIdx.y * TAP_BLOCK, kk = kh * kw, P = Ho * Wo;
     Tap tap[TAP_BLOCK];
     float acc[TAP_BLOCK];
-#pragma unroll
-    for (int t = 0; t < TAP_BLOCK; ++t) {
-        tap[t] = tap_of(k0 + t, taps, kh, kw, ph, pw, dil_h, dil_w);
-        acc[t] = 0.f;
-    }
+    start_taps(tap, acc, k0, taps, kh, kw, ph, pw, dil_h, dil_w);
     int r0, r1;
     split_rows(N * P, r0, r1);
     for (int r = r0 + threadIdx.x; r < r1; r += blockDim.x) {
@@ -297,11 +304,7 @@ conv2d_depthwise_grad_weight_nhwc_kernel(const S* __restrict__ dy, const S* __re
     const int k0 = blockIdx.y * TAP_BLOCK, kk = kh * kw, P = Ho * Wo;
     Tap tap[TAP_BLOCK];
     float acc[TAP_BLOCK];
-#pragma unroll
-    for (int t = 0; t < TAP_BLOCK; ++t) {
-        tap[t] = tap_of(k0 + t, taps, kh, kw, ph, pw, dil_h, dil_w);
-        acc[t] = 0.f;
-    }
+    start_taps(tap, acc, k0, taps, kh, kw, ph, pw, dil_h, dil_w);
     int r0, r1;
     split_rows(N * P, r0, r1);
     for (int r = r0 + threadIdx.y; r < r1; r += ROWS) {
