@@ -18,10 +18,10 @@ A reduce_sum over the last axis only, of float32 values, becomes one where:
   reads them (a normalisation's backward reads the forward's). Without a prologue, only this
   makes it worth it.
 Rows of at most MAX_COLS elements (a warp sums a row); float32 programs only (a bf16 step's
-sums are left to reduce_sum), and no epilogue that reads an input through a view. The fused node runs where the last of
-the nodes it replaces ran, so nothing it reads may be written in place in between: roots some
-node writes in place are left alone. Same numbers: each program computes what its node did,
-and the sum adds the same float32 values.
+sums are left to reduce_sum), and no epilogue that reads an input through a view. The fused
+node runs where the last of the nodes it replaces ran, so nothing it reads may be written in
+place in between: roots some node writes in place are left alone. Same numbers: each program
+computes what its node did, and the sum adds the same float32 values.
 """
 from __future__ import annotations
 
@@ -119,7 +119,8 @@ def fuse_row_sums(graph: Graph) -> Graph:
                           shape=tuple(x.shape), n_prologue=k,
                           views=views if any(v is not None for v in views) else None,
                           epilogue=program, epilogue_results=results),
-                     label="+".join(n.label for n in (p, r, q) if n is not None and n.label))
+                     label="+".join(n.label for n in (fused_producer, r, q if epi else None)
+                                    if n is not None and n.label))
         last = q if epi is not None else r
         replaced[last] = fused
         dropped.update(n for n in (fused_producer, r) if n is not None and n is not last)

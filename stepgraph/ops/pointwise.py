@@ -4,9 +4,9 @@ Made only by the fusion pass (compile/pointwise.py), after autodiff, so it has n
 program reads the node's inputs (broadcast to attrs shape) as registers 0..k-1; instruction j
 writes register k + j; attrs results name the registers the node's outputs hold. An input may
 be read through a strided view of its elements (attrs views: per input None or (shape,
-strides, offset)), as a slice or permute of it would hold them (compile/pointwise_views.py). The NumPy
-reference runs each instruction through the op's own reference implementation, so a fused
-graph computes exactly what the unfused one did.
+strides, offset)), as a slice or permute of it would hold them (compile/pointwise_views.py).
+The NumPy reference runs each instruction through the op's own reference implementation, so a
+fused graph computes exactly what the unfused one did.
 
 A dropout node becomes two instructions: `dropout_mask` (program-only: the uint8 keep mask of
 the step counter register, drawn from Philox at each element's flat index in attrs shape,

@@ -109,21 +109,12 @@ def _float(value: float) -> str:
 def _offset(in_shape: tuple, out_shape: tuple, view=None) -> str:
     """The C expression of an input element's offset for output element i (broadcasting;
     through view (shape, strides, offset) of the input's elements where one is given)."""
-    if view is not None:
-        return _view_offset(view, out_shape)
-    if tuple(in_shape) == tuple(out_shape):
-        return "i"
-    in_shape = (1,) * (len(out_shape) - len(in_shape)) + tuple(in_shape)
-    terms, inner, stride = [], 1, 1
-    for d in reversed(range(len(out_shape))):
-        if in_shape[d] != 1:
-            index = "i" if inner == 1 else f"(i / {inner})"
-            if d > 0:
-                index = f"({index} % {out_shape[d]})"
-            terms.append(index if stride == 1 else f"{index} * {stride}")
-            stride *= in_shape[d]
-        inner *= out_shape[d]
-    return " + ".join(reversed(terms)) or "0"
+    if view is None:
+        if tuple(in_shape) == tuple(out_shape):
+            return "i"
+        strides = tuple(math.prod(in_shape[d + 1:]) for d in range(len(in_shape)))
+        view = (tuple(in_shape), strides, 0)
+    return _view_offset(view, out_shape)
 
 
 def _view_offset(view, out_shape: tuple) -> str:
