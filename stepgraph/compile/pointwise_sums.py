@@ -26,9 +26,9 @@ computes what its node did, and the sum adds the same float32 values.
 from __future__ import annotations
 
 from ..ir.graph import Graph, Node, Value
-from ..ops.pointwise import Instr, input_views, register_dtypes
+from ..ops.pointwise import Instr, as_program, input_views, register_dtypes
 from .aliases import view_roots, written_buffers
-from .pointwise_views import _as_program, _elementwise
+from .pointwise_views import _elementwise
 from .rewrite import _copy
 
 MAX_COLS = 1024          # backends/cuda/reduce.py ROW_SUM_MAX_COLS: a warp per row
@@ -38,7 +38,7 @@ def _program_of(n: Node | None) -> Node | None:
     """n as a pointwise node (a lone elementwise one as its one-instruction program)."""
     if n is None or not _elementwise(n):
         return None
-    return n if n.op == "pointwise" else _as_program(n)
+    return n if n.op == "pointwise" else as_program(n)
 
 
 def _identity(x: Value) -> Node:

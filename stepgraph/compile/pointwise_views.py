@@ -21,20 +21,11 @@ reads the same elements.
 from __future__ import annotations
 
 from ..ir.graph import FLOAT_DTYPES, Graph, Node, Value
-from ..ops.pointwise import Instr, input_views
+from ..ops.pointwise import as_program, input_views
 from .aliases import view_roots, written_buffers
 from .layout_chains import chain_views
 from .pointwise import _eligible
 from .rewrite import _copy
-
-
-def _as_program(n: Node) -> Node:
-    """Elementwise node n as the one-instruction pointwise node computing it."""
-    k = len(n.inputs)
-    program = (Instr(n.op, tuple(range(k)), tuple(sorted(n.attrs.items()))),)
-    return Node("pointwise", list(n.inputs), list(n.outputs),
-                dict(program=program, results=(k,), shape=tuple(n.outputs[0].shape)),
-                label=n.label)
 
 
 def _elementwise(n: Node) -> bool:
@@ -61,7 +52,7 @@ def read_pointwise_views(graph: Graph) -> Graph:
     nodes = []
     for n in graph.nodes:
         if _elementwise(n) and any(readable(v) for v in n.inputs):
-            n = n if n.op == "pointwise" else _as_program(n)
+            n = n if n.op == "pointwise" else as_program(n)
             entries = list(input_views(n.attrs, len(n.inputs)))
             for i, v in enumerate(n.inputs):
                 if entries[i] is None and readable(v):

@@ -73,6 +73,17 @@ def register_dtypes(program: tuple[Instr, ...], input_dtypes: tuple[str, ...]) -
     return dtypes
 
 
+def as_program(node: Node) -> Node:
+    """A lone elementwise node (an op of PROGRAM_OPS) as the one-instruction `pointwise` node
+    computing it: for the ops without a kernel of their own, and for a lone node that reads a
+    view (compile/pointwise_views.py)."""
+    k = len(node.inputs)
+    program = (Instr(node.op, tuple(range(k)), tuple(sorted(node.attrs.items()))),)
+    return Node("pointwise", list(node.inputs), list(node.outputs),
+                dict(program=program, results=(k,), shape=tuple(node.outputs[0].shape)),
+                (), node.label)
+
+
 def input_views(attrs: dict, n: int) -> tuple:
     """attrs views, one entry an input: None (the input as it is) or (shape, strides, offset),
     the input read as that strided view of its elements (compile/pointwise_views.py)."""

@@ -51,7 +51,7 @@ import numpy as np
 from ...errors import ShapeError, UnsupportedOpError
 from ...ir.graph import BF16, FP16, HALF_DTYPES, Node, storage_dtype
 from ... import rng
-from ...ops.pointwise import Instr, register_dtypes
+from ...ops.pointwise import Instr, as_program, register_dtypes
 from .runtime import compiler
 from .runtime.launch import ACT_CODES, BLOCK, MAX_INT, _grid, _slope
 
@@ -395,16 +395,6 @@ def pointwise_forward(ctx, node: Node, ins: list, outs: list) -> None:
         work = (n + 3) // 4 if uses_groups(node.attrs["program"]) else n
     kernel = compiler.generated_kernel(source, name)
     kernel(_grid(work), (BLOCK,), (*ins, *outs, np.int32(n)), stream=ctx.stream)
-
-
-def as_program(node: Node) -> Node:
-    """A lone elementwise node (an op of PROGRAM_OPS) as the one-instruction `pointwise` node
-    computing it: the ops that have no kernel of their own run generated code."""
-    k = len(node.inputs)
-    program = (Instr(node.op, tuple(range(k)), tuple(sorted(node.attrs.items()))),)
-    return Node("pointwise", node.inputs, node.outputs,
-                dict(program=program, results=(k,), shape=tuple(node.outputs[0].shape)),
-                (), node.label)
 
 
 def instruction_forward(ctx, node: Node, ins: list, outs: list) -> None:
