@@ -96,10 +96,12 @@ def offers(x_nchw, w_nchw, layout, storage="float32", **attrs) -> dict[str, list
 def test_conv_offers_depthwise_for_depthwise_geometries(layout, storage):
     for attrs in ({}, {"stride": (2, 2)}, {"dilation": (2, 2), "padding": (2, 2)}):
         got = offers((2, 16, 9, 9), (16, 1, 3, 3), layout, storage, groups=16, **attrs)
-        # grouped: no other own path; NCHW at stride 1 and dilation 1 the plane kernels too
+        # grouped: no other own path; NCHW at stride 1 and dilation 1 the plane kernel too,
+        # for the forward and dx
         plane = layout == "NCHW" and not attrs
         for op, paths in got.items():
-            assert paths == ["depthwise"] + ["depthwise_plane"] * plane, (op, attrs, paths)
+            extra = ["depthwise_plane"] * (plane and op != "conv2d_grad_weight")
+            assert paths == ["depthwise"] + extra, (op, attrs, paths)
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
@@ -198,21 +200,15 @@ def test_depthwise_launch_arguments_match_the_kernels(monkeypatch, layout, stora
 @pytest.mark.skipif(not _nvrtc_usable(), reason="libnvrtc is not loadable")
 @pytest.mark.parametrize("storage", ["float32", "uint16", "float16"])
 def test_plane_launch_arguments_match_the_kernels(monkeypatch, storage):
-    """The plane kernels' launches: declared names, their parameters' types, blocks of at most
-    256 threads, and the sum kernel where grad_weight splits the batch (the pencil conv)."""
+    """The plane kernel's launches (forward with bias and ReLU, dx): declared names, their
+    parameters' types, blocks of at most 256 threads."""
     launched = _record_launches(monkeypatch, dw)
     for g in (CASES[0], CASES[2]):
         x, y = Fake((g.n, g.c, g.h, g.w), storage), Fake((g.n, g.o, g.ho, g.wo), storage)
         w, b = Fake(g.w_shape, storage), Fake((g.o,), storage)
         dw.conv2d_depthwise_plane_forward(None, g, x, w, b, y, True)
         dw.conv2d_depthwise_plane_grad_input(None, g, y, w, x)
-        for db in (b, None):
-            scratch = dw.plane_grad_weight_scratch(g, db is not None)
-            partial = Fake((scratch,), "float32") if scratch else None
-            dw.conv2d_depthwise_plane_grad_weight(None, g, y, x, w, db, partial)
-    names = [name for _, name, _, _, _ in launched]
-    assert set(names) <= dw.kernel_names()[dw.SOURCE]
-    assert dw.sum_kernel_name(storage) in names
+    assert {name for _, name, _, _, _ in launched} == {dw.plane_kernel_name(storage)}
     assert all(np.prod(block) <= 256 for _, _, _, block, _ in launched)
     _assert_launches_match(launched)
 

@@ -31,11 +31,11 @@ one launch (the weight gradient: two), no im2col, no GEMM:
          work, where cuDNN's grouped kernels took 3-5x what the traffic needs (H200: a 1x3
          depthwise forward over 4 MB, 13.6 us); the bias and the fused ReLU are in the
          forward kernel, y rounded once.
-  depthwise_plane (conv_depthwise.py) the same convolutions in NCHW at stride 1 and
-         dilation 1, a block per plane (and per channel and split of the batch for dw):
-         the padded plane and its filter staged in shared memory once, each output's taps
-         read from there without index arithmetic (dx: the same kernel over dy with the
-         filter flipped). Measured against the flat kernels and cuDNN per problem.
+  depthwise_plane (conv_depthwise.py) the same convolutions' forward and dx in NCHW at
+         stride 1 and dilation 1, a block per plane: the padded plane and its filter staged
+         in shared memory once, each output's taps read from there without index arithmetic
+         (dx: the same kernel over dy with the filter flipped). Measured against the flat
+         kernels and cuDNN per problem.
 cuDNN (conv_cudnn.py) adds a candidate per execution plan ("cudnn:<i>"), and is the only
 family beside "depthwise" that runs groups > 1 or dilation != 1 (tiled, direct and im2col +
 GEMM decline those). A forward with bias also offers each plain cuDNN plan followed by
@@ -555,7 +555,7 @@ def _forward_offer(node, ins, outs, ctx) -> Offer:
     if depthwise.plane_supported(g, layout, x.dtype) is None:
         paths["depthwise_plane"] = autotune.compiling(
             lambda: depthwise.conv2d_depthwise_plane_forward(ctx, g, x, w, bias, y, relu),
-            (depthwise.SOURCE, depthwise.plane_kernel_name("plane", x.dtype)))
+            (depthwise.SOURCE, depthwise.plane_kernel_name(x.dtype)))
     return Offer(g, conv_cudnn.ir_dtype(x.dtype), paths, functools.partial(
         _forward_cudnn_paths, ctx, g, x, w, y, bias, relu, layout))
 
@@ -687,7 +687,7 @@ def _grad_input_offer(node, ins, outs, ctx) -> Offer:
     if depthwise.plane_supported(g, layout, dy.dtype) is None:
         paths["depthwise_plane"] = autotune.compiling(
             lambda: depthwise.conv2d_depthwise_plane_grad_input(ctx, g, dy, w, dx),
-            (depthwise.SOURCE, depthwise.plane_kernel_name("plane", dy.dtype)))
+            (depthwise.SOURCE, depthwise.plane_kernel_name(dy.dtype)))
     return Offer(g, conv_cudnn.ir_dtype(dy.dtype), paths, lambda only: (
         conv_cudnn.grad_input_paths(ctx, g, dy, w, dx, layout=layout, only=only)))
 
@@ -764,11 +764,6 @@ def _grad_weight_offer(node, ins, outs, ctx) -> Offer:
             lambda: _grad_weight_depthwise(ctx, g, layout, dy, x, dw, db),
             (depthwise.SOURCE, depthwise.kernel_name("grad_weight", layout, x.dtype)),
             (depthwise.SOURCE, depthwise.sum_kernel_name(x.dtype)))
-    if depthwise.plane_supported(g, layout, x.dtype) is None:
-        paths["depthwise_plane"] = autotune.compiling(
-            lambda: _grad_weight_depthwise_plane(ctx, g, dy, x, dw, db),
-            (depthwise.SOURCE, depthwise.plane_kernel_name("plane_grad_weight", x.dtype)),
-            (depthwise.SOURCE, depthwise.sum_kernel_name(x.dtype)))
     return Offer(g, conv_cudnn.ir_dtype(x.dtype), paths, lambda only: {
         name: with_bias(run) for name, run in conv_cudnn.grad_weight_paths(
             ctx, g, dy, x, dw, layout=layout, only=only).items()})
@@ -779,13 +774,6 @@ def _grad_weight_depthwise(ctx, g: Geometry, layout: str, dy, x, dw, db) -> None
     elements = depthwise.grad_weight_scratch(g, layout, db is not None)
     partial = _scratch(ctx, [(elements,)], np.float32)[0] if elements else None
     depthwise.conv2d_depthwise_grad_weight(ctx, g, layout, dy, x, dw, db, partial)
-
-
-def _grad_weight_depthwise_plane(ctx, g: Geometry, dy, x, dw, db) -> None:
-    """The plane kernel's dw (and db), their partial sums in the conv scratch pool."""
-    elements = depthwise.plane_grad_weight_scratch(g, db is not None)
-    partial = _scratch(ctx, [(elements,)], np.float32)[0] if elements else None
-    depthwise.conv2d_depthwise_plane_grad_weight(ctx, g, dy, x, dw, db, partial)
 
 
 def _grad_weight_gemm(ctx, node, g: Geometry, dy, x, dw) -> None:

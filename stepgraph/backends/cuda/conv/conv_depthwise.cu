@@ -348,7 +348,8 @@ __global__ void conv2d_depthwise_grad_weight_sum_kernel(const float* __restrict_
 // by (ph, pw) (i then j ascending; a padded tap adds 0 * w). grad_input is the same kernel
 // over dy padded by (kh - 1 - ph, kw - 1 - pw) with the filter flipped (flip = 1): dx[h, w] =
 // sum dy[h + ph - i, w + pw - j] * w[i, j]. Block (bx, by) strides over the plane's columns and
-// rows; grid-stride over the planes.
+// rows; grid-stride over the planes. (dw stays with the flat kernel: a block per channel
+// staging each sample's planes, a warp per tap, lost to it on 8 of 9 problems on an H200.)
 template <typename S>
 __global__ void __launch_bounds__(256)
 conv2d_depthwise_plane_kernel(const S* __restrict__ x, const S* __restrict__ w,
@@ -387,76 +388,6 @@ conv2d_depthwise_plane_kernel(const S* __restrict__ x, const S* __restrict__ w,
                 }
                 store_from_float(yp, ho * Wo + wo, relu && acc < 0.f ? 0.f : acc);
             }
-        }
-    }
-}
-
-// dw[c, i, j] = sum_{n, ho, wo} dy[n, c, ho, wo] * xp[n, c, ho + i, wo + j] (and db[c] = sum dy
-// as tap kh*kw): grid (C, splits), 256 threads. A block stages each sample of its split of the
-// batch (samples [z*per, (z+1)*per)): the padded window of x and the plane of dy; warp k sums
-// taps k, k + 8, ... with its lanes along wo (wo = lane, lane + 32, ...; rows, then samples in
-// order), then a butterfly per tap. One split stores dw and db, several write partial[(z*C +
-// c)*taps + t] for conv2d_depthwise_grad_weight_sum_kernel, as the flat kernel's.
-constexpr int PLANE_TAPS = 8;    // taps a warp keeps in registers per pass over the planes
-template <typename S>
-__global__ void __launch_bounds__(256)
-conv2d_depthwise_plane_grad_weight_kernel(const S* __restrict__ dy, const S* __restrict__ x,
-                                          S* __restrict__ dw, S* __restrict__ db,
-                                          float* __restrict__ partial, int taps, int N, int C,
-                                          int H, int W, int kh, int kw, int ph, int pw, int Ho,
-                                          int Wo) {
-    extern __shared__ float smem[];
-    const int c = blockIdx.x, kk = kh * kw, Hp = Ho + kh - 1, Wp = Wo + kw - 1;
-    float* xs = smem;
-    float* gs = smem + ((Hp * Wp + 3) & ~3);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const int per = (N + gridDim.y - 1) / gridDim.y, n0 = blockIdx.y * per;
-    const int n1 = min(N, n0 + per);
-    // Passes over the split's planes, each summing PLANE_TAPS taps a warp (warp k: taps
-    // k + warps*m for m in the pass's range), so the accumulators stay in registers.
-    for (int base = 0; base < taps; base += warps * PLANE_TAPS) {
-        float acc[PLANE_TAPS];
-#pragma unroll
-        for (int m = 0; m < PLANE_TAPS; ++m) acc[m] = 0.f;
-        for (int n = n0; n < n1; ++n) {
-            const long long plane = (long long)n * C + c;
-            __syncthreads();
-            for (int e = threadIdx.x; e < Hp * Wp; e += blockDim.x) {
-                const int h = e / Wp - ph, wi = e % Wp - pw;
-                xs[e] = (unsigned)h < (unsigned)H && (unsigned)wi < (unsigned)W
-                    ? load_as_float(x, plane * H * W + h * W + wi) : 0.f;
-            }
-            for (int e = threadIdx.x; e < Ho * Wo; e += blockDim.x)
-                gs[e] = load_as_float(dy, plane * Ho * Wo + e);
-            __syncthreads();
-#pragma unroll
-            for (int m = 0; m < PLANE_TAPS; ++m) {
-                const int t = base + warp + warps * m;
-                if (t >= taps) break;                              // uniform over the warp
-                const bool is_bias = t == kk;
-                const int i = is_bias ? 0 : t / kw, j = is_bias ? 0 : t % kw;
-                float a = acc[m];
-                for (int ho = 0; ho < Ho; ++ho) {
-                    const float* xr = xs + (ho + i) * Wp + j;
-                    const float* gr = gs + ho * Wo;
-                    for (int wo = lane; wo < Wo; wo += 32)
-                        a = fmaf(gr[wo], is_bias ? 1.f : xr[wo], a);
-                }
-                acc[m] = a;
-            }
-        }
-#pragma unroll
-        for (int m = 0; m < PLANE_TAPS; ++m) {
-            const int t = base + warp + warps * m;
-            if (t >= taps) break;
-            float v = acc[m];
-#pragma unroll
-            for (int s = 16; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffffu, v, s);
-            if (lane != 0) continue;
-            if (gridDim.y == 1)
-                store_tap(dw, db, c, t, kk, v);
-            else
-                partial[((long long)blockIdx.y * C + c) * taps + t] = v;
         }
     }
 }

@@ -182,9 +182,8 @@ def conv2d_depthwise_grad_weight(ctx, g: Geometry, layout: str, dy, x, dw, db,
                  np.int32(g.kh * g.kw), np.int32(splits)))
 
 
-# ---- plane kernels (conv_depthwise.cu): NCHW, stride 1, dilation 1 ---------------------------
+# ---- plane kernel (conv_depthwise.cu): forward and dx in NCHW, stride 1, dilation 1 ----------
 
-PLANE_KINDS = ("plane", "plane_grad_weight")
 PLANE_SMEM = 48 * 1024       # bytes of shared memory a block may take without opting in
 PLANE_MAX_BLOCKS = 1 << 20   # blocks stride over the rest of the planes
 
@@ -195,11 +194,10 @@ def _floats(n: int) -> int:
 
 def _plane_bytes(g: Geometry) -> dict[str, int]:
     """Shared memory of each op's plane kernel: the filter and the padded window of the
-    plane it reads (forward: x; grad_input: dy), or the window of x and the plane of dy."""
+    plane it reads (forward: x; grad_input: dy)."""
     taps = _floats(g.kh * g.kw)
     return {"forward": 4 * (taps + (g.ho + g.kh - 1) * (g.wo + g.kw - 1)),
-            "grad_input": 4 * (taps + (g.h + g.kh - 1) * (g.w + g.kw - 1)),
-            "grad_weight": 4 * (_floats((g.ho + g.kh - 1) * (g.wo + g.kw - 1)) + g.ho * g.wo)}
+            "grad_input": 4 * (taps + (g.h + g.kh - 1) * (g.w + g.kw - 1))}
 
 
 def plane_supported(g: Geometry, layout: str, dtype) -> str | None:
@@ -216,12 +214,12 @@ def plane_supported(g: Geometry, layout: str, dtype) -> str | None:
     return None
 
 
-def plane_kernel_name(kind: str, dtype) -> str:
-    return f"conv2d_depthwise_{kind}_kernel<{CTYPES[str(dtype)]}>"
+def plane_kernel_name(dtype) -> str:
+    return f"conv2d_depthwise_plane_kernel<{CTYPES[str(dtype)]}>"
 
 
 def plane_kernel_names() -> set[str]:
-    return {plane_kernel_name(kind, dtype) for kind in PLANE_KINDS for dtype in CTYPES}
+    return {plane_kernel_name(dtype) for dtype in CTYPES}
 
 
 def _plane_block(rows: int, cols: int) -> tuple[int, int]:
@@ -240,7 +238,7 @@ def _plane(ctx, g: Geometry, src, w, bias, out, relu: bool, flip: bool, rows: in
     args = (src, w, w if bias is None else bias, out, np.int32(bias is not None),
             np.int32(relu), np.int32(flip), np.int32(planes), np.int32(g.c),
             *map(np.int32, (*src_hw, g.kh, g.kw, *pad, rows, cols)))
-    _launch(ctx, SOURCE, plane_kernel_name("plane", dtype), (min(planes, PLANE_MAX_BLOCKS),),
+    _launch(ctx, SOURCE, plane_kernel_name(dtype), (min(planes, PLANE_MAX_BLOCKS),),
             _plane_block(rows, cols), args, _plane_bytes(g)[op])
 
 
@@ -261,37 +259,3 @@ def conv2d_depthwise_plane_grad_input(ctx, g: Geometry, dy, w, dx) -> None:
     """dx: the plane kernel over dy padded by (kh - 1 - ph, kw - 1 - pw), the filter flipped."""
     _plane(ctx, g, dy, w, None, dx, False, True, g.h, g.w,
            (g.kh - 1 - g.ph, g.kw - 1 - g.pw), (g.ho, g.wo), "grad_input")
-
-
-def plane_grad_weight_splits(g: Geometry) -> int:
-    """Splits of the batch among a channel's blocks: about TARGET_BLOCKS blocks in all."""
-    return max(1, min(g.n, _cdiv(TARGET_BLOCKS, g.c), MAX_SPLITS))
-
-
-def plane_grad_weight_scratch(g: Geometry, bias: bool) -> int:
-    splits = plane_grad_weight_splits(g)
-    return 0 if splits == 1 else splits * g.c * grad_weight_taps(g, bias)
-
-
-def conv2d_depthwise_plane_grad_weight(ctx, g: Geometry, dy, x, dw, db, partial) -> None:
-    """dw (and db unless None): a block per channel and split of the batch, each sample's
-    planes staged in shared memory; several splits write `partial` (plane_grad_weight_scratch
-    float32 elements), which the flat path's sum kernel adds in order."""
-    dtype = _checked_plane("grad_weight", g, {"dy": dy, "x": x, "dw": dw}
-                           | ({} if db is None else {"db": db}))
-    if g.c == 0:
-        return
-    taps, splits = grad_weight_taps(g, db is not None), plane_grad_weight_splits(g)
-    if splits > 1 and (partial is None or partial.dtype != np.float32
-                       or partial.size < plane_grad_weight_scratch(g, db is not None)):
-        raise ShapeError(f"conv2d_depthwise_plane_grad_weight: {splits} splits need "
-                         f"{plane_grad_weight_scratch(g, db is not None)} float32 partial sums")
-    args = (dy, x, dw, dw if db is None else db, dw if partial is None else partial,
-            np.int32(taps), *map(np.int32, (g.n, g.c, g.h, g.w, g.kh, g.kw, g.ph, g.pw,
-                                            g.ho, g.wo)))
-    _launch(ctx, SOURCE, plane_kernel_name("plane_grad_weight", dtype), (g.c, splits),
-            (BLOCK,), args, _plane_bytes(g)["grad_weight"])
-    if splits > 1:
-        _launch(ctx, SOURCE, sum_kernel_name(dtype), (_cdiv(g.c * taps, BLOCK),), (BLOCK,),
-                (partial, dw, dw if db is None else db, np.int32(g.c), np.int32(taps),
-                 np.int32(g.kh * g.kw), np.int32(splits)))
