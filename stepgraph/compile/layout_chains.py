@@ -58,8 +58,14 @@ def _contiguous(shape) -> tuple[int, ...]:
 def _reshaped(view: _View, shape: tuple) -> _View | None:
     """The view reshaped without a copy, or None where NumPy's reshape would copy."""
     probe = np.lib.stride_tricks.as_strided(np.zeros(1, np.int8), view.shape, view.strides)
-    try:
-        probe = np.reshape(probe, shape, copy=False)   # raises where the reshape would copy
+    try:        # raises where the reshape would copy (NumPy >= 2.1; setting the shape before)
+        probe = np.reshape(probe, shape, copy=False)
+    except TypeError:
+        probe = probe.view()
+        try:
+            probe.shape = shape
+        except AttributeError:
+            return None
     except ValueError:
         return None
     return _View(view.root, tuple(shape), tuple(probe.strides), view.offset, view.copies)
