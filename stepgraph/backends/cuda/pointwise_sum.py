@@ -4,9 +4,10 @@ A warp per row, as reduce_sum's rows kernel (reduce.cu reduce_sum_rows_kernel): 
 computes the prologue program at columns l, l + 32, ... and adds each value in float64 in that
 order, then the warp's butterfly sum (warp_sum); lane 0 rounds the sum to float32 (what the
 unfused reduce_sum stored), runs the epilogue program on it and the row's other inputs, and
-stores the results. So the fused node gives the bits of the unfused pointwise, reduce_sum (on
-its rows path) and pointwise kernels. The program code is pointwise.py's, float32 only (the
-pass fuses float32 sums alone).
+stores the results: the same float32 values added in the same order as the unfused
+pointwise, reduce_sum (on its rows path) and pointwise kernels add them
+(tests/cuda/test_pointwise_cuda.py judges it against NumPy by the summation bound). The program
+code is pointwise.py's, float32 only (the pass fuses float32 sums alone).
 """
 from __future__ import annotations
 
