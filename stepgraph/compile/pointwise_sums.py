@@ -26,19 +26,12 @@ computes what its node did, and the sum adds the same float32 values.
 from __future__ import annotations
 
 from ..ir.graph import Graph, Node, Value
-from ..ops.pointwise import Instr, as_program, input_views, register_dtypes
+from ..ops.pointwise import Instr, input_views, register_dtypes
 from .aliases import view_roots, written_buffers
-from .pointwise_views import _elementwise
+from .pointwise_views import program_of
 from .rewrite import _copy
 
 MAX_COLS = 1024          # backends/cuda/reduce.py ROW_SUM_MAX_COLS: a warp per row
-
-
-def _program_of(n: Node | None) -> Node | None:
-    """n as a pointwise node (a lone elementwise one as its one-instruction program)."""
-    if n is None or not _elementwise(n):
-        return None
-    return n if n.op == "pointwise" else as_program(n)
 
 
 def _identity(x: Value) -> Node:
@@ -91,11 +84,11 @@ def fuse_row_sums(graph: Graph) -> Graph:
         if p is None or p in dropped or p in replaced or only_reader(x) is not r or \
                 len(p.outputs) != 1:
             p = None
-        pro = _program_of(p)
+        pro = program_of(p)
         sums = r.outputs[0]
         readers = sorted(users.get(sums, []), key=order.get)
         q = readers[0] if readers else None
-        epi = _program_of(q)
+        epi = program_of(q)
         if epi is not None and (tuple(epi.attrs["shape"]) != sums.shape
                                 or epi.inputs.count(sums) != 1 or epi.attrs.get("views")
                                 or not _float32(epi) or q in replaced or q in dropped):

@@ -33,6 +33,14 @@ def _elementwise(n: Node) -> bool:
                                    and not n.mutates)
 
 
+def program_of(n: Node | None) -> Node | None:
+    """n as a pointwise node (a lone elementwise one as its one-instruction program), or None
+    where n is not elementwise."""
+    if n is None or not _elementwise(n):
+        return None
+    return n if n.op == "pointwise" else as_program(n)
+
+
 def read_pointwise_views(graph: Graph) -> Graph:
     graph = _copy(graph)
     views = chain_views(graph.nodes)
@@ -52,7 +60,7 @@ def read_pointwise_views(graph: Graph) -> Graph:
     nodes = []
     for n in graph.nodes:
         if _elementwise(n) and any(readable(v) for v in n.inputs):
-            n = n if n.op == "pointwise" else as_program(n)
+            n = program_of(n)
             entries = list(input_views(n.attrs, len(n.inputs)))
             for i, v in enumerate(n.inputs):
                 if entries[i] is None and readable(v):

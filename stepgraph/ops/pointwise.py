@@ -157,7 +157,7 @@ def _pointwise_impl(node: Node, ins, outs, ctx):
 
 # ---- pointwise_sum: a program summed over the last axis, then a program over the sums -----
 
-def _parts(ins: list, attrs: dict) -> tuple[dict, dict | None, int]:
+def _parts(attrs: dict) -> tuple[dict, dict | None, int]:
     """pointwise_sum's two programs as `pointwise` attrs: the prologue's (its result the
     summed register, on the first attrs n_prologue inputs) and the epilogue's (None where
     attrs epilogue is empty; its input 0 is the sums, then the remaining inputs)."""
@@ -178,7 +178,7 @@ def _pointwise_sum(ins, attrs):
     where attrs epilogue is a program, that program over the sums' shape: its register 0 is
     the sums, registers 1.. the remaining inputs; outs its attrs epilogue_results, or the sums
     alone (compile/pointwise_sums.py)."""
-    prologue, epilogue, k = _parts(ins, attrs)
+    prologue, epilogue, k = _parts(attrs)
     ((shape, dtype),) = _pointwise(ins[:k], prologue)
     _need(len(shape) >= 1, "pointwise_sum", "the program's shape has no axis to sum")
     _need(dtype == "float32", "pointwise_sum", f"sums float32 values, got {dtype}")
@@ -190,7 +190,7 @@ def _pointwise_sum(ins, attrs):
 
 @impl("pointwise_sum")
 def _pointwise_sum_impl(node: Node, ins, outs, ctx):
-    prologue, epilogue, k = _parts(node.inputs, node.attrs)
+    prologue, epilogue, k = _parts(node.attrs)
     shape = tuple(prologue["shape"])
     values = np.empty(shape, np.float32)
     _pointwise_impl(Node("pointwise", node.inputs[:k], [Value(shape, "float32")], prologue),

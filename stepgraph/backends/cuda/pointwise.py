@@ -185,6 +185,19 @@ _HALF_CODE = {BF16: ("bf16_to_float", "bf16_round", "bf16_from_float"),
               FP16: ("fp16_to_float", "fp16_round", "fp16_from_float")}
 
 
+def instruction_lines(program: tuple[Instr, ...], names: list[str], dtypes: list[str],
+                      k: int) -> list[str]:
+    """One declaration per instruction of `program`, register k + j named names[k + j]; a
+    bf16 or float16 register rounds its value, as the unfused node's store did."""
+    lines = []
+    for j, instr in enumerate(program):
+        value = _expression(instr, names)
+        if dtypes[k + j] in HALF_DTYPES:
+            value = f"{_HALF_CODE[dtypes[k + j]][1]}({value})"
+        lines.append(f"const {_REGISTER_CTYPES[dtypes[k + j]]} {names[k + j]} = {value};")
+    return lines
+
+
 def _words(instr: Instr, r: list[str]) -> str:
     """The name of the Philox words of a dropout_mask instruction's (step register, site)."""
     return f"w_{r[instr.args[0]]}_{int(instr.attr['site'])}"
@@ -278,11 +291,7 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
                          if dtypes[j] in HALF_DTYPES else f"in{j}[{at(j, s)}]")
     body = [f"const {rtype[j]} r{j} = {load(j, s)};"
             for j, s in enumerate(input_shapes) if j not in scalars]
-    for j, instr in enumerate(program):
-        value = _expression(instr, regs)
-        if dtypes[k + j] in HALF_DTYPES:        # the unfused node's store: one rounding
-            value = f"{_HALF_CODE[dtypes[k + j]][1]}({value})"
-        body.append(f"const {rtype[k + j]} r{k + j} = {value};")
+    body += instruction_lines(program, regs, dtypes, k)
     body += [f"out{j}[i] = {_HALF_CODE[dtypes[r]][2]}(r{r});" if dtypes[r] in HALF_DTYPES
              else f"out{j}[i] = r{r};" for j, r in enumerate(results)]
     words = {_words(i, regs): _words_line(i, regs) for i in program if i.op == "dropout_mask"}

@@ -20,18 +20,12 @@ import numpy as np
 from ...errors import ShapeError
 from ...ir.graph import Node
 from ...ops.pointwise import Instr, register_dtypes
-from .pointwise import _CTYPES, _HELPERS, _REGISTER_CTYPES, _expression, _offset
+from .pointwise import _CTYPES, _HELPERS, _offset, instruction_lines
 from .reduce import ROW_SUM_ROWS
 from .runtime import compiler
 from .runtime.launch import MAX_INT, _row_grid
 
 KERNEL_NAME = "pointwise_sum_kernel"
-
-
-def _lines(program: tuple[Instr, ...], names: list[str], dtypes: list[str], k: int) -> list[str]:
-    """One declaration per instruction: register k + j of `program`."""
-    return [f"const {_REGISTER_CTYPES[dtypes[k + j]]} {names[k + j]} = "
-            f"{_expression(instr, names)};" for j, instr in enumerate(program)]
 
 
 @functools.cache
@@ -68,14 +62,14 @@ def kernel_source(program: tuple[Instr, ...], summed: int, shape: tuple,
         "#pragma unroll 4  // several loads in flight a lane; the additions keep their order",
         f"        for (int c = threadIdx.x; c < {cols}; c += 32) {{",
         f"            const int i = (int)row * {cols} + c;",
-        *(f"            {line}" for line in loads + _lines(program, p_names, pro, k)),
+        *(f"            {line}" for line in loads + instruction_lines(program, p_names, pro, k)),
         f"            acc += (double){p_names[summed]};",
         "        }",
         "        acc = warp_sum(acc);",
         "        if (threadIdx.x != 0) continue;",
         "        const int i = (int)row;",
         "        const float e0 = (float)acc;",
-        *(f"        {line}" for line in row_loads + _lines(epilogue, e_names, epi, m + 1)),
+        *(f"        {line}" for line in row_loads + instruction_lines(epilogue, e_names, epi, m + 1)),
         *(f"        {line}" for line in stores),
         "    }",
         "}",
