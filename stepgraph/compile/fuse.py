@@ -13,6 +13,7 @@ from ..ops.layout import channel_sum_axes, layout_of
 from ..ops.loss import IGNORE_INDEX
 from ..ops.optim import UPDATE_OPS
 from .attention import pack_attention_heads
+from .attention_views import attention_views
 from .pointwise import fuse_pointwise
 from .pointwise_recompute import recompute_saved_pointwise
 from .pointwise_views import read_pointwise_views
@@ -552,7 +553,8 @@ PASSES = (pack_attention_heads, fuse_product_sums, fuse_cell_grad_sums, concat_s
           fuse_cross_entropy,
           fuse_log_softmax_nll, fuse_loss_casts, fuse_layer_norm_casts, fuse_step_bookkeeping,
           fuse_gradient_casts, move_elementwise_before_reshapes, recompute_saved_pointwise,
-          fuse_pointwise, read_pointwise_views, fuse_row_sums, eliminate_dead_code)
+          fuse_pointwise, attention_views, read_pointwise_views, fuse_row_sums,
+          eliminate_dead_code)
 
 
 def fuse(graph: Graph, passes=PASSES) -> Graph:

@@ -12,15 +12,86 @@ probabilities from it in the backward, where the NumPy reference does the same.
 """
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
 
 import numpy as np
 
 from ..ir.graph import FLOAT_DTYPES
 from ..ir.ops import _need, defop, impl, vjp
 from .dropout import keep_mask
+from .pointwise import _view_fits, input_views, read_through
 from .softmax import causal_mask
 
 MAX_HEAD_DIM = 128          # the CUDA kernels' widest head (templates for 32, 64, 96 and 128)
+
+# ---- layouts: operands read through views, results written permuted ------------------------
+# compile/attention_views.py lets sdpa and sdpa_grad read a slice or permute of a value in
+# place (attrs views: per input None or (shape, strides, offset) over the input's elements,
+# as pointwise programs read them, ops/pointwise.py) and write a result straight into the
+# permute that read it (attrs out_perms: per output None or that permute's dims; the output
+# then holds the result so permuted). Every path of the CUDA backend walks any strides with
+# contiguous columns, so neither costs a copy.
+VIEW_INPUTS = {"sdpa": 3, "sdpa_grad": 5}      # q, k, v; dout, q, k, v, out
+PERMUTED_OUTPUTS = {"sdpa": 1, "sdpa_grad": 3}  # out; dq, dk, dv
+
+
+class Seen(NamedTuple):
+    """An input as the op reads it (its view's shape)."""
+    shape: tuple
+    dtype: str
+
+
+def seen_inputs(op: str, ins, attrs) -> list:
+    """The inputs as the op reads them: attrs views entries in place of their inputs."""
+    views = input_views(attrs, len(ins))
+    _need(len(views) == len(ins), op, f"attrs views has {len(views)} entries for {len(ins)} "
+          "inputs")
+    for i, (x, view) in enumerate(zip(ins, views)):
+        _need(view is None or (i < VIEW_INPUTS.get(op, 0) and _view_fits(view, x)), op,
+              f"input {i} {x.shape} cannot be read through the view {view}")
+    return [x if view is None else Seen(tuple(view[0]), x.dtype) for x, view in zip(ins, views)]
+
+
+def out_perms(op: str, attrs, n: int) -> tuple:
+    """attrs out_perms, one entry an output (None: the op's own layout)."""
+    perms = tuple(attrs.get("out_perms") or ())
+    _need(len(perms) <= min(n, PERMUTED_OUTPUTS.get(op, 0)), op,
+          f"out_perms {perms} for {n} outputs")
+    return perms + (None,) * (n - len(perms))
+
+
+def unpermuted(shape: tuple, perm) -> tuple:
+    """The shape whose transpose by perm is `shape`."""
+    return shape if perm is None else tuple(shape[list(perm).index(i)] for i in range(len(perm)))
+
+
+def _permuted(op: str, specs: list, attrs) -> list:
+    out = []
+    for (shape, dtype), perm in zip(specs, out_perms(op, attrs, len(specs))):
+        if perm is not None:
+            _need(sorted(perm) == list(range(len(shape))) and perm[-1] == len(shape) - 1, op,
+                  f"out_perms entry {perm} is not a permutation of {len(shape)} axes keeping "
+                  "the last")
+            shape = tuple(shape[d] for d in perm)
+        out.append((shape, dtype))
+    return out
+
+
+def in_layouts(reference):
+    """The reference of sdpa or sdpa_grad run on its inputs read through their views, into
+    results of the op's own layout, then written permuted where attrs out_perms says."""
+    @functools.wraps(reference)
+    def run(node, ins, outs, ctx):
+        ins = [read_through(view, a) for view, a in zip(input_views(node.attrs, len(ins)), ins)]
+        perms = out_perms(node.op, node.attrs, len(outs))
+        own = [o if p is None else np.empty(unpermuted(o.shape, p), o.dtype)
+               for o, p in zip(outs, perms)]
+        reference(node, ins, own, ctx)
+        for o, r, p in zip(outs, own, perms):
+            if p is not None:
+                o[...] = r.transpose(p)
+    return run
 
 
 def lse_dtype(dtype: str) -> str:
@@ -106,10 +177,12 @@ def _sdpa(ins, attrs):
     from Philox at the element's flat index, survivors scaled by 1 / (1 - dropout_p)).
     Outputs out and lse (..., L) = logsumexp over keys of scale * q @ k^T + M (float32;
     float64 for float64 inputs), which sdpa_grad reads."""
+    ins = seen_inputs("sdpa", ins, attrs)
     q, k, v = ins[:3]
     _check_qkv("sdpa", q, k, v, attrs)
     _check_step("sdpa", ins, 3, attrs, q, k)
-    return [(q.shape[:-1] + (v.shape[-1],), q.dtype), (q.shape[:-1], lse_dtype(q.dtype))]
+    return _permuted("sdpa", [(q.shape[:-1] + (v.shape[-1],), q.dtype),
+                              (q.shape[:-1], lse_dtype(q.dtype))], attrs)
 
 
 @defop("sdpa_grad")
@@ -121,6 +194,7 @@ def _sdpa_grad(ins, attrs):
     (1 without dropout), dP = (dout @ v^T) * K, D = rowsum(dP * P) (= rowsum(dout * out),
     which the CUDA kernels sum); dS = P * (dP - D);
     dq = scale * dS @ k, dk = scale * dS^T @ q, dv = (P * K)^T @ dout."""
+    ins = seen_inputs("sdpa_grad", ins, attrs)
     dout, q, k, v, out, lse = ins[:6]
     _check_qkv("sdpa_grad", q, k, v, attrs)
     _check_step("sdpa_grad", ins, 6, attrs, q, k)
@@ -128,11 +202,15 @@ def _sdpa_grad(ins, attrs):
     _need(dout.shape == want and out.shape == want, "sdpa_grad",
           f"dout {dout.shape} and out {out.shape} must be {want}")
     _need(lse.shape == q.shape[:-1], "sdpa_grad", f"lse {lse.shape} must be {q.shape[:-1]}")
-    return [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)]
+    return _permuted("sdpa_grad", [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)],
+                     attrs)
 
 
 @vjp("sdpa")
 def _sdpa_vjp(emit, node, dy, wants) -> list:
+    _need(not node.attrs.get("views") and not node.attrs.get("out_perms"), "sdpa",
+          "the gradient of an sdpa reading views or writing permuted (a rewrite of the "
+          "differentiated graph) is not defined")
     q, k, v = node.inputs[:3]
     out, lse = node.outputs
     rest = node.inputs[3:]              # the mask (no gradient) and the step counter
@@ -196,6 +274,7 @@ def _blocked(lse: np.ndarray) -> np.ndarray:
 
 
 @impl("sdpa")
+@in_layouts
 def _sdpa_impl(node, ins, outs, ctx):
     q = _as_3d(ins[0])
     k, v = (_as_3d(_kv_heads(ins[0], x)) for x in ins[1:3])
@@ -213,6 +292,7 @@ def _sdpa_impl(node, ins, outs, ctx):
 
 
 @impl("sdpa_grad")
+@in_layouts
 def _sdpa_grad_impl(node, ins, outs, ctx):
     dout, q = _as_3d(ins[0]), _as_3d(ins[1])
     k, v = (_as_3d(_kv_heads(ins[1], x)) for x in ins[2:4])

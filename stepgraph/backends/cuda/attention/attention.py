@@ -50,7 +50,8 @@ import numpy as np
 
 from ....errors import ShapeError
 from ....ir.graph import Node, storage_dtype
-from ....ops.attention import group_of
+from ....ops.attention import group_of, out_perms, seen_inputs
+from ....ops.pointwise import input_views
 from . import attention_composed, attention_cudnn
 from .operands import SOURCE, THREADS, Heads, Problem
 from ..elementwise import _dropout_constants
@@ -140,7 +141,8 @@ def kernels_ahead(node: Node, precision: str) -> list[tuple[str, str]]:
     one where the disk holds the problem's choice); none where cuDNN will run it."""
     grouped = False
     if node.op in ("sdpa", "sdpa_grad"):
-        q, k, v = node.inputs[:3] if node.op == "sdpa" else node.inputs[1:4]
+        seen = seen_inputs(node.op, node.inputs, node.attrs)
+        q, k, v = seen[:3] if node.op == "sdpa" else seen[1:4]
         e, ev, rows, keys = q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2]
         grouped = q.shape[:-2] != k.shape[:-2]
         bh, group = math.prod(q.shape[:-2]), group_of(tuple(q.shape), tuple(k.shape)) or 1
@@ -622,7 +624,25 @@ def _mask_and_step(node: Node, rest: list) -> tuple:
     return mask, (rest[0] if rest else None)
 
 
+def _in_layouts(node: Node, ins, outs) -> tuple[list, list]:
+    """ins read through the node's attrs views and outs as views of the op's own layout where
+    attrs out_perms writes them permuted (ops/attention.py): the kernels walk the strides."""
+    ins = [_read_through(view, a) for view, a in zip(input_views(node.attrs, len(ins)), ins)]
+    outs = [o if p is None else o.transpose(tuple(int(d) for d in np.argsort(p)))
+            for o, p in zip(outs, out_perms(node.op, node.attrs, len(outs)))]
+    return ins, outs
+
+
+def _read_through(view, a):
+    if view is None:
+        return a
+    shape, strides, offset = view
+    return cp.lib.stride_tricks.as_strided(a.reshape(-1)[offset:], tuple(shape),
+                                           tuple(s * a.itemsize for s in strides))
+
+
 def _sdpa(node: Node, ins, outs, ctx) -> None:
+    ins, outs = _in_layouts(node, ins, outs)
     raw_mask, step = _mask_and_step(node, list(ins[3:]))
     q, k, v, out = grouped_views(*ins[:3], outs[0])
     mask = None if raw_mask is None else mask_operand(ctx, node, raw_mask, q, problem(q, k, v))
@@ -630,6 +650,7 @@ def _sdpa(node: Node, ins, outs, ctx) -> None:
 
 
 def _sdpa_grad(node: Node, ins, outs, ctx) -> None:
+    ins, outs = _in_layouts(node, ins, outs)
     raw_mask, step = _mask_and_step(node, list(ins[6:]))
     q, k, v, dout, out, dq, dk, dv = grouped_views(ins[1], ins[2], ins[3], ins[0], ins[4],
                                                    *outs)

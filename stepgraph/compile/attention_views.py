@@ -1,0 +1,130 @@
+"""Attention reads its operands where they lie and writes its results where they are read.
+
+Attention written by hand splits heads with a view and a transpose (`q.view(B, T, H,
+D).transpose(1, 2)`, a slice of a packed projection first when q, k and v come from one) and
+merges them back the same way (`y.transpose(1, 2).reshape(B, T, C)`). Every value of the graph
+is contiguous, so each transpose is a copy: of v before sdpa, of the output after it, of the
+output's gradient before sdpa_grad and of q's, k's and v's gradients after it. The attention
+kernels walk any (batch, head, row) strides with contiguous columns
+(backends/cuda/attention/attention.py), so the copies are passes over memory and launches for
+nothing. (A projection packed the way nanoGPT's and timm's are becomes sdpa_qkv instead,
+compile/attention.py; this pass takes the rest.)
+
+- Reads: an operand of sdpa (q, k, v) or sdpa_grad (dout, q, k, v, out) that a chain of
+  slices, reshapes and permutes (or their layout_copy, compile/layout_chains.py) made from a
+  root is read as the root at the chain's (shape, strides, offset) (ops/attention.py attrs
+  views), where every reader of the chain's value can do the same; the copy goes with
+  dead-code elimination.
+- Writes: a result of sdpa (out) or sdpa_grad (dq, dk, dv) whose one reader besides
+  attention ops is a permute keeping the last axis is written straight into that permute's
+  output (attrs out_perms); the permute goes, and sdpa_grad reads out through its view of
+  that output.
+
+Left alone, as in compile/pointwise_views.py: graph outputs, roots some node writes in place
+(the node reads the root where it stands, later than the copy did), a view whose last axis is
+strided, and leading dims that do not flatten to (batch, heads). Same bits: the kernels read
+and write the same elements.
+"""
+from __future__ import annotations
+
+from ..ir.graph import Graph, Node, Value
+from ..ops.attention import PERMUTED_OUTPUTS, VIEW_INPUTS, out_perms
+from ..ops.pointwise import input_views
+from .aliases import view_roots, written_buffers
+from .layout_chains import _contiguous, chain_views
+from .rewrite import _copy
+
+
+def attention_views(graph: Graph) -> Graph:
+    return read_attention_views(write_attention_permuted(graph))
+
+
+def _flattens(shape: tuple, strides: tuple) -> bool:
+    """Whether the leading dims before (heads, rows, columns) flatten to one batch stride."""
+    outer = [(n, s) for n, s in zip(shape[:-3], strides[:-3]) if n > 1]
+    return all(s == s_in * n_in for (_, s), (n_in, s_in) in zip(outer, outer[1:]))
+
+
+def _fits(shape: tuple, strides: tuple) -> bool:
+    return len(shape) >= 2 and (shape[-1] == 1 or strides[-1] == 1) and _flattens(shape, strides)
+
+
+def _reads_views(u: Node, v: Value) -> bool:
+    """Whether every read of v by u is at an operand u can read through a view (and is not
+    one already)."""
+    views = input_views(u.attrs, len(u.inputs))
+    return u.op in VIEW_INPUTS and all(i < VIEW_INPUTS[u.op] and views[i] is None
+                                       for i, x in enumerate(u.inputs) if x is v)
+
+
+def _view_into(n: Node, i: int, root: Value, view: tuple) -> None:
+    """Node n reads `root` through `view` where it read its input i."""
+    views = list(input_views(n.attrs, len(n.inputs)))
+    n.inputs[i], views[i] = root, view
+    n.attrs = {**n.attrs, "views": tuple(views)}
+
+
+def write_attention_permuted(graph: Graph) -> Graph:
+    graph = _copy(graph)
+    users = graph.consumers()
+    outputs = set(graph.outputs.values())
+    roots = view_roots(graph.nodes)
+    written = written_buffers(graph.nodes, roots)
+    gone: set[int] = set()
+    for n in graph.nodes:
+        if n.op not in PERMUTED_OUTPUTS:
+            continue
+        perms = list(out_perms(n.op, n.attrs, len(n.outputs)))
+        for i in range(PERMUTED_OUTPUTS[n.op]):
+            o = n.outputs[i]
+            readers = users.get(o, [])
+            permutes = [u for u in readers if u.op == "permute"]
+            others = [u for u in readers if u.op != "permute"]
+            if o in outputs or o in written or len(permutes) != 1 or \
+                    not all(_reads_views(u, o) for u in others):
+                continue
+            p = permutes[0]
+            dims, out = tuple(p.attrs["dims"]), p.outputs[0]
+            if dims[-1] != len(dims) - 1 or roots.get(out, out) in written:
+                continue
+            # o's element (i...) lies in out at sum(i[perm[j]] * out's stride j).
+            at = _contiguous(out.shape)
+            strides = tuple(at[dims.index(d)] for d in range(len(dims)))
+            if not _fits(o.shape, strides):
+                continue
+            n.outputs[i], perms[i] = out, dims
+            gone.add(id(p))
+            for u in others:
+                for j, x in enumerate(u.inputs):
+                    if x is o:
+                        _view_into(u, j, out, (tuple(o.shape), strides, 0))
+        if any(p is not None for p in perms):
+            last = max(j for j, p in enumerate(perms) if p is not None)
+            n.attrs = {**n.attrs, "out_perms": tuple(perms[:last + 1])}
+    graph.nodes = [n for n in graph.nodes if id(n) not in gone]
+    return graph
+
+
+def read_attention_views(graph: Graph) -> Graph:
+    graph = _copy(graph)
+    views = chain_views(graph.nodes)
+    users = graph.consumers()
+    outputs = set(graph.outputs.values())
+    roots = view_roots(graph.nodes)
+    written = written_buffers(graph.nodes, roots)
+
+    def readable(v: Value) -> bool:
+        view = views.get(v)
+        return view is not None and view.copies > 0 and v not in outputs and \
+            _fits(view.shape, view.strides) and view.root.dtype == v.dtype and \
+            roots.get(view.root, view.root) not in written and \
+            all(_reads_views(u, v) for u in users.get(v, []))
+
+    for n in graph.nodes:
+        if n.op not in VIEW_INPUTS:
+            continue
+        for i, v in enumerate(n.inputs[:VIEW_INPUTS[n.op]]):
+            if input_views(n.attrs, len(n.inputs))[i] is None and readable(v):
+                view = views[v]
+                _view_into(n, i, view.root, (view.shape, view.strides, view.offset))
+    return graph
