@@ -15,17 +15,34 @@ def _matmul(ins, attrs):
     """c = op(a) @ op(b), op = transpose when attrs trans_a / trans_b. 2-D only.
     With attrs["bias_grad"] (trans_a only: a weight gradient dw = dz^T @ x) a second output
     db = a.sum(0), the sums of op(a) over k: the bias gradient beside it
-    (compile/fuse.py fuse_matmul_bias_grad), which the GEMM's epilogue can produce."""
-    a, b = ins
+    (compile/fuse.py fuse_matmul_bias_grad), which the GEMM's epilogue can produce.
+    With attrs["add_c"] a third input c of the result's shape and dtype (float32 or float64)
+    and the result op(a) @ op(b) + c: a sum that read the product alone
+    (compile/matmul_add.py), which the GEMM adds as cuBLASLt's C with beta = 1."""
+    a, b = ins[:2]
+    _need(len(ins) == 2 + bool(attrs.get("add_c")), "matmul",
+          f"{len(ins)} inputs with add_c={bool(attrs.get('add_c'))}: a, b and c only with add_c")
     _need(len(a.shape) == 2 and len(b.shape) == 2, "matmul",
           f"2-D operands, got {a.shape} @ {b.shape}")
     m, k = a.shape[::-1] if attrs.get("trans_a") else a.shape
     k2, n = b.shape[::-1] if attrs.get("trans_b") else b.shape
     _need(k == k2, "matmul", f"inner dims differ: {a.shape} @ {b.shape} with {attrs}")
+    if attrs.get("add_c"):
+        _check_addend(ins[2], (m, n), a.dtype, attrs)
     if attrs.get("bias_grad"):
         _need(bool(attrs.get("trans_a")), "matmul", "bias_grad needs trans_a (dz^T @ x)")
         return [((m, n), a.dtype), ((m,), a.dtype)]
     return [((m, n), a.dtype)]
+
+
+def _check_addend(c, shape: tuple, dtype: str, attrs: dict) -> None:
+    """add_c's c: the result's shape and dtype, a wide float (in 16 bits the unfused graph
+    rounds the product before the add, the GEMM would not), no bias_grad beside it."""
+    _need(not attrs.get("bias_grad"), "matmul", "add_c and bias_grad together (one epilogue)")
+    _need(c.shape == shape and c.dtype == dtype, "matmul",
+          f"add_c's c is {c.dtype}{list(c.shape)}, the product {dtype}{list(shape)}")
+    _need(dtype in ("float32", "float64"), "matmul",
+          f"add_c in {dtype}: only float32 or float64 products take a c")
 
 
 @defop("linear")
@@ -60,7 +77,15 @@ def product_vjp(op: str):
     return rule
 
 
-vjp("matmul")(product_vjp("matmul"))
+_product_rule = product_vjp("matmul")
+
+
+@vjp("matmul")
+def _matmul_vjp(emit: Emit, node: Node, dy: list, wants) -> list:
+    if node.attrs.get("add_c"):
+        raise NotImplementedError("matmul: no VJP with add_c; compile/matmul_add.py makes "
+                                  "such nodes after autodiff, differentiate the matmul and add")
+    return _product_rule(emit, node, dy, wants)
 
 
 @vjp("linear")
@@ -76,12 +101,14 @@ def _linear_vjp(emit: Emit, node: Node, dy: list, wants) -> list:
 
 @impl("matmul")
 def matmul(node: Node, ins, outs, ctx):
-    a, b = ins
+    a, b = ins[:2]
     if node.attrs.get("bias_grad"):
         outs[1][...] = a.sum(axis=0)      # as reduce_sum(a, axes=(0,)) computes it
     a = a.T if node.attrs.get("trans_a") else a
     b = b.T if node.attrs.get("trans_b") else b
     np.matmul(a, b, out=outs[0])
+    if node.attrs.get("add_c"):
+        np.add(outs[0], ins[2], out=outs[0])    # as the add it replaced: the stored product + c
 
 
 @impl("linear")

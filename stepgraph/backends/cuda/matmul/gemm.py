@@ -80,9 +80,12 @@ class Layout:
 @dataclass(frozen=True)
 class GemmSpec:
     """One cuBLASLt call, column-major: D (m, n) = op(A) (m, k) @ op(B) (k, n), plus D itself
-    when `accumulate` (beta = 1, C is D), then the epilogue. Layouts describe A, B and D as
-    stored (before op). `align` is the byte alignment of the A, B and D pointers (and batch
-    strides): cuBLASLt assumes 256 unless told, and views into an arena may have less.
+    when `accumulate` (beta = 1, C is D), or plus C, an input of D's layout and type apart
+    from D, when `add_c` (beta = 1: compile/matmul_add.py's sums; the DEFAULT epilogue only),
+    then the epilogue. Layouts describe A, B and D as stored (before op). `align` is the byte
+    alignment of the A, B and D pointers (and batch strides; with add_c, C's too: the
+    smaller of the two): cuBLASLt assumes 256 unless told, and views into an arena may have
+    less.
     `dtype` is A's and B's; `d_dtype` D's (and C's) when it differs (bf16 or float16 A/B with
     a float32 D: the 16-bit linear's unfused epilogue), else None."""
 
@@ -96,6 +99,7 @@ class GemmSpec:
     precision: str = "fp32"
     epilogue: str = "DEFAULT"
     accumulate: bool = False
+    add_c: bool = False
     aux_ld: int = 0
     align: tuple[int, int, int] = (256, 256, 256)
     d_dtype: str | None = None
@@ -135,6 +139,10 @@ class GemmSpec:
             raise ValueError(f"gemm: unknown epilogue {self.epilogue!r}")
         if self.epilogue in AUX_EPILOGUES and self.aux_ld < 1:
             raise ValueError(f"gemm: epilogue {self.epilogue} needs aux_ld")
+        if self.add_c and (self.accumulate or self.epilogue != "DEFAULT"):
+            raise ValueError(f"gemm: add_c with accumulate={self.accumulate} and epilogue "
+                             f"{self.epilogue}: a separate C goes with the DEFAULT epilogue "
+                             "alone, never with C = D")
 
 
 def _compute_and_scale_type(dtype: str, precision: str) -> tuple[int, int]:
@@ -241,10 +249,14 @@ class GemmCache:
         return True
 
     def run(self, spec: GemmSpec, stream_ptr: int, a_ptr: int, b_ptr: int, d_ptr: int,
-            bias_ptr: int = 0, aux_ptr: int = 0, ctx=None) -> None:
-        """Enqueue D = op(A) @ op(B) [+ D] + epilogue on the stream; pointers are device
-        addresses laid out as `spec` says. No allocation, no host sync, except that the
-        first call of a spec given the context `ctx` autotunes (it syncs, outside capture)."""
+            bias_ptr: int = 0, aux_ptr: int = 0, ctx=None, c_ptr: int = 0) -> None:
+        """Enqueue D = op(A) @ op(B) [+ D | + C] + epilogue on the stream; pointers are device
+        addresses laid out as `spec` says (c_ptr: C's, with spec.add_c). No allocation, no
+        host sync, except that the first call of a spec given the context `ctx` autotunes (it
+        syncs, outside capture)."""
+        if spec.add_c != bool(c_ptr):
+            raise ValueError(f"gemm: add_c={spec.add_c} with a C pointer {c_ptr:#x}: C is "
+                             "given exactly when the spec adds it")
         if spec.epilogue in BIAS_EPILOGUES and not bias_ptr:
             raise ValueError(f"gemm: epilogue {spec.epilogue} needs a bias pointer")
         if spec.epilogue in AUX_EPILOGUES and not aux_ptr:
@@ -262,10 +274,11 @@ class GemmCache:
                                          p.pointer_buf.ctypes.data, 8)
         scale = _scale_dtype(spec.dtype)
         alpha = self._one[scale]
-        # Accumulate: C is D itself (same layout, in place). Otherwise beta = 0 and C is null,
-        # so D's old contents (NaN poison, garbage) are never read.
-        beta = self._one[scale] if spec.accumulate else self._zero[scale]
-        c_ptr = d_ptr if spec.accumulate else 0
+        # Accumulate: C is D itself (same layout, in place); add_c: C is its own input, of
+        # D's layout. Otherwise beta = 0 and C is null, so D's old contents (NaN poison,
+        # garbage) are never read.
+        beta = self._one[scale] if spec.accumulate or spec.add_c else self._zero[scale]
+        c_ptr = d_ptr if spec.accumulate else c_ptr
         a_lay, b_lay, d_lay = p.layouts
 
         def call(algo_ptr: int) -> None:
@@ -298,7 +311,8 @@ class GemmCache:
         is timed in full only while it may still win (autotune.give_up_above). Runs at the
         first (eager) call, never during capture: it syncs the stream. Each candidate is
         timed as a captured replay, so host launch costs do not decide. Specs that
-        accumulate into D are not tuned (repeated calls would change D). The choice persists
+        accumulate into D are not tuned (repeated calls would change D); those adding a
+        separate C are (C is only read: every timed call writes the same D). The choice persists
         on disk (autotune.choices): a later process with the same GPU, driver and cuBLASLt
         takes it without timing (_restore). Inside a timing of paths (a conv's GEMM path
         against its direct kernel and cuDNN), a candidate past that timing's cut is dropped
@@ -558,8 +572,9 @@ def _rowmajor_layout(arr, name: str) -> tuple[Layout, int]:
 
 def matmul_spec(a, b, c, *, trans_a: bool = False, trans_b: bool = False,
                 precision: str = "fp32", epilogue: str = "DEFAULT", accumulate: bool = False,
-                aux_ld: int = 0) -> GemmSpec:
-    """The cuBLASLt call computing the row-major c = op(a) @ op(b) (+ c when accumulate).
+                aux_ld: int = 0, addend=None) -> GemmSpec:
+    """The cuBLASLt call computing the row-major c = op(a) @ op(b) (+ c when accumulate,
+    + addend when given: cuBLASLt's C, laid out and typed as c).
 
     a, b, c are CuPy arrays, 2-D, or 3-D batches (c 3-D; a 2-D operand is used for every
     item). Derivation, row-major c (m, n), op(a) (m, k), op(b) (k, n):
@@ -586,23 +601,38 @@ def matmul_spec(a, b, c, *, trans_a: bool = False, trans_b: bool = False,
     lay_b, align_b = _rowmajor_layout(b, "b")
     lay_a, align_a = _rowmajor_layout(a, "a")
     lay_c, align_c = _rowmajor_layout(c, "c")
+    if addend is not None:
+        align_c = min(align_c, _addend_alignment(addend, c, lay_c))
     return GemmSpec(a=lay_b, b=lay_a, d=lay_c, trans_a=bool(trans_b), trans_b=bool(trans_a),
                     batch=batch, dtype=dtype, precision=precision, epilogue=epilogue,
-                    accumulate=accumulate, aux_ld=aux_ld, align=(align_b, align_a, align_c),
-                    d_dtype=None if out == dtype else out)
+                    accumulate=accumulate, add_c=addend is not None, aux_ld=aux_ld,
+                    align=(align_b, align_a, align_c), d_dtype=None if out == dtype else out)
+
+
+def _addend_alignment(addend, c, lay_c: Layout) -> int:
+    """The alignment of cuBLASLt's C pointer for `addend`, which must be laid out and typed
+    as the result c (one layout describes both)."""
+    lay, align = _rowmajor_layout(addend, "addend")
+    if lay != lay_c or addend.shape != c.shape or ir_dtype(addend) != ir_dtype(c):
+        raise ShapeError(f"gemm: the addend {ir_dtype(addend)}{list(addend.shape)} strides "
+                         f"{addend.strides} is not laid out as the result "
+                         f"{ir_dtype(c)}{list(c.shape)} strides {c.strides}")
+    return align
 
 
 def matmul(ctx, a, b, c, *, trans_a: bool = False, trans_b: bool = False,
            epilogue: str = "DEFAULT", bias=None, aux=None, aux_ld: int = 0,
-           accumulate: bool = False) -> None:
-    """c = epilogue(op(a) @ op(b) [+ c] [+ bias]) for row-major CuPy arrays, on ctx.stream.
+           accumulate: bool = False, addend=None) -> None:
+    """c = epilogue(op(a) @ op(b) [+ c | + addend] [+ bias]) for row-major CuPy arrays, on
+    ctx.stream. `addend` (cuBLASLt's C, beta = 1, DEFAULT epilogue only) has c's shape,
+    strides and dtype and is only read.
 
     `bias` is read by BIAS-type epilogues (length c.shape[-1], the features) and written by
     BGRAD ones (BGRADA: c.shape[-1] = sums of op(b) over k; BGRADB: c.shape[-2] = sums of
     op(a) over k, e.g. db = dz.sum(0) beside dw = dz^T @ x). `aux` is the epilogue's auxiliary
     buffer, shaped like c (row-major, row stride aux_ld), e.g. GELU_AUX's pre-activation."""
     spec = matmul_spec(a, b, c, trans_a=trans_a, trans_b=trans_b, precision=ctx.precision,
-                       epilogue=epilogue, accumulate=accumulate, aux_ld=aux_ld)
+                       epilogue=epilogue, accumulate=accumulate, aux_ld=aux_ld, addend=addend)
     if bias is not None:
         # BIAS, BGRADA: one entry per row of cuBLASLt's D (c's last axis); BGRADB: per column.
         length = spec.d.cols if epilogue == "BGRADB" else spec.d.rows
@@ -614,7 +644,7 @@ def matmul(ctx, a, b, c, *, trans_a: bool = False, trans_b: bool = False,
                          f"result, got {ir_dtype(aux)}")
     ctx.gemm.run(spec, ctx.stream.ptr, b.data.ptr, a.data.ptr, c.data.ptr,
                  bias.data.ptr if bias is not None else 0, aux.data.ptr if aux is not None else 0,
-                 ctx=ctx)
+                 ctx=ctx, c_ptr=addend.data.ptr if addend is not None else 0)
 
 
 def ir_dtype(arr: Any) -> str:

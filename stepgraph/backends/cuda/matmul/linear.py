@@ -164,11 +164,15 @@ def matmul_forward(node, ins, outs, ctx) -> None:
     """c = op(a) @ op(b) with attrs trans_a / trans_b (ops.py, "matmul"), and with bias_grad
     db = a.sum(0) beside it: cuBLASLt's BGRADB epilogue (the sums of op(a) over k, taken as
     the GEMM reads a) timed against the GEMM and reduce.cu's column sums, the latter also
-    after the small and tiled kernels, which have no such epilogue."""
+    after the small and tiled kernels, which have no such epilogue. With add_c, c = op(a) @
+    op(b) + ins[2] (compile/matmul_add.py): cuBLASLt's C with beta = 1, and the small and
+    tiled kernels add it as they store c; no path launches an add."""
     a, b, c = ins[0], ins[1], outs[0]
     trans_a, trans_b = bool(node.attrs.get("trans_a")), bool(node.attrs.get("trans_b"))
     db = outs[1] if node.attrs.get("bias_grad") else None
+    addend = ins[2] if node.attrs.get("add_c") else None
     k = a.shape[0] if trans_a else a.shape[1]
+    product = dict(trans_a=trans_a, trans_b=trans_b, addend=addend)
 
     def then_sum(launch):
         if db is None:
@@ -176,17 +180,15 @@ def matmul_forward(node, ins, outs, ctx) -> None:
         return lambda: (launch(), reduce.reduce_sum_forward(ctx, node, a, db, (0,)))
 
     if has_small_kernel(a, b, c) and is_small(c.shape[0], c.shape[1], k):
-        then_sum(lambda: small_matmul_forward(ctx, a, b, c, trans_a=trans_a,
-                                              trans_b=trans_b))()
+        then_sum(lambda: small_matmul_forward(ctx, a, b, c, **product))()
         return
-    paths = {"cublaslt": then_sum(lambda: gemm.matmul(ctx, a, b, c, trans_a=trans_a,
-                                                      trans_b=trans_b))}
+    paths = {"cublaslt": then_sum(lambda: gemm.matmul(ctx, a, b, c, **product))}
     if db is not None:
         paths["cublaslt:bgrad"] = lambda: _matmul_bias_grad(ctx, a, b, c, db, trans_b,
                                                             paths["cublaslt"])
     paths.update({name: then_sum(run) for name, run in
-                  _tile_paths(node, ctx, a, b, c, trans_a=trans_a, trans_b=trans_b).items()})
-    _run_fastest(node, ctx, (a, b, c) + ((db,) if db is not None else ()), paths)
+                  _tile_paths(node, ctx, a, b, c, **product).items()})
+    _run_fastest(node, ctx, (a, b, c) + tuple(x for x in (db, addend) if x is not None), paths)
 
 
 def _matmul_bias_grad(ctx, a, b, c, db, trans_b: bool, unfused: Callable[[], None]) -> None:

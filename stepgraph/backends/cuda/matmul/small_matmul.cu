@@ -1,13 +1,15 @@
-// GEMMs too small to fill the GPU: C (m, n) = op(A) @ op(B) [+ bias along n] [activation].
+// GEMMs too small to fill the GPU: C (m, n) = op(A) @ op(B) [+ addend] [+ bias along n]
+// [activation].
 // cuBLASLt spends 5-10 µs on a 128x10x512 product (a grid of one or two tiles plus split-K
 // kernels); here every output element has one owner that runs its whole dot product, so one
 // launch does it in a few µs and the sum order is fixed (deterministic).
 // Operands are addressed through strides, so transposed operands need no copy:
 // A(i, k) = a[i * a_i + k * a_k], B(k, j) = b[k * b_k + j * b_j], C row-major.
 // The small kernels are templates on the operands' storage S and the outputs' D (float, or
-// bf16 as unsigned short bits; bias, c and z share D): they compute in float32 whatever the
-// storage, so a bf16 linear rounds y and z once each as it stores them, from registers, with
-// no float32 scratch (linear.py's cuBLASLt path needs one where its epilogues fall short).
+// bf16 as unsigned short bits; bias, addend, c and z share D): they compute in float32
+// whatever the storage, so a bf16 linear rounds y and z once each as it stores them, from
+// registers, with no float32 scratch (linear.py's cuBLASLt path needs one where its epilogues
+// fall short).
 #include "matmul_epilogue.cuh"
 #include "reduce.cuh"
 
@@ -20,8 +22,8 @@ constexpr int TAPS = 8;
 
 template <typename S, typename D>
 __global__ void small_matmul_thread_kernel(
-        const S* a, const S* b, const D* bias, D* c, D* z, int m, int n, int k, long long a_i,
-        long long a_k, long long b_k, long long b_j, int act, float slope) {
+        const S* a, const S* b, const D* bias, const D* addend, D* c, D* z, int m, int n, int k,
+        long long a_i, long long a_k, long long b_k, long long b_j, int act, float slope) {
     const int total = m * n;
     for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < total;
          idx += gridDim.x * blockDim.x) {
@@ -42,15 +44,15 @@ __global__ void small_matmul_thread_kernel(
         }
         for (; kk < k; ++kk)
             acc = fmaf(load_as_float(ap, kk * a_k), load_as_float(bp, kk * b_k), acc);
-        finish_output(acc, idx, j, bias, c, z, act, slope);
+        finish_output(acc, idx, j, bias, addend, c, z, act, slope);
     }
 }
 
 // Long dot products: one warp per output, lanes stride over k, then a fixed shuffle tree.
 template <typename S, typename D>
 __global__ void small_matmul_warp_kernel(
-        const S* a, const S* b, const D* bias, D* c, D* z, int m, int n, int k, long long a_i,
-        long long a_k, long long b_k, long long b_j, int act, float slope) {
+        const S* a, const S* b, const D* bias, const D* addend, D* c, D* z, int m, int n, int k,
+        long long a_i, long long a_k, long long b_k, long long b_j, int act, float slope) {
     const long long total = (long long)m * n;
     const int lane = threadIdx.x & 31;
     const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
@@ -63,6 +65,6 @@ __global__ void small_matmul_warp_kernel(
         for (int kk = lane; kk < k; kk += 32)
             acc = fmaf(load_as_float(ap, kk * a_k), load_as_float(bp, kk * b_k), acc);
         acc = warp_sum(acc);
-        if (lane == 0) finish_output(acc, idx, j, bias, c, z, act, slope);
+        if (lane == 0) finish_output(acc, idx, j, bias, addend, c, z, act, slope);
     }
 }

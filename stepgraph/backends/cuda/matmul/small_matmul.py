@@ -68,10 +68,10 @@ def _operand(x, transposed: bool) -> tuple[int, int, int, int]:
 
 
 def _check_operands(a, b, c, bias, z, m, n, k, k2, trans_a, trans_b,
-                    dtypes: tuple[tuple[str, str], ...]) -> tuple[str, str]:
-    """The (operands', outputs') IR dtypes, one of `dtypes`: a and b share one, c, bias and z
-    the other; ShapeError when they do not, or when a shape does not fit."""
-    outs = (("c", c), ("bias", bias), ("z", z))
+                    dtypes: tuple[tuple[str, str], ...], addend=None) -> tuple[str, str]:
+    """The (operands', outputs') IR dtypes, one of `dtypes`: a and b share one, c, bias, z
+    and addend the other; ShapeError when they do not, or when a shape does not fit."""
+    outs = (("c", c), ("bias", bias), ("z", z), ("addend", addend))
     got = (ir_dtype(a.dtype), ir_dtype(c.dtype))
     if a.dtype != b.dtype or got not in dtypes or any(
             x is not None and x.dtype != c.dtype for _, x in outs):
@@ -83,18 +83,22 @@ def _check_operands(a, b, c, bias, z, m, n, k, k2, trans_a, trans_b,
                          f"{b.shape}{'T' if trans_b else ''} -> {c.shape}")
     if bias is not None and tuple(bias.shape) != (n,):
         raise ShapeError(f"small_matmul bias: expected ({n},), got {bias.shape}")
-    if z is not None and (tuple(z.shape) != (m, n) or not z.flags.c_contiguous):
-        raise ShapeError(f"small_matmul z: expected contiguous ({m}, {n}), got {z.shape}")
+    for name, x in (("z", z), ("addend", addend)):
+        if x is not None and (tuple(x.shape) != (m, n) or not x.flags.c_contiguous):
+            raise ShapeError(f"small_matmul {name}: expected contiguous ({m}, {n}), "
+                             f"got {x.shape}")
     return got
 
 
 def small_matmul_forward(ctx, a, b, c, *, trans_a=False, trans_b=False, bias=None, z=None,
-                         act=None, slope=0.01) -> None:
-    """c = act(op(a) @ op(b) + bias), z = the pre-activation when given; one launch. a and b
-    float32, bfloat16 or float16, c, bias and z the same (SMALL_DTYPES)."""
+                         act=None, slope=0.01, addend=None) -> None:
+    """c = act(op(a) @ op(b) [+ addend] + bias), z = the pre-activation when given; one
+    launch. a and b float32, bfloat16 or float16, c, bias, z and addend (matmul's add_c,
+    shaped as c) the same (SMALL_DTYPES)."""
     m, k, a_i, a_k = _operand(a, trans_a)
     k2, n, b_k, b_j = _operand(b, trans_b)
-    dtypes = _check_operands(a, b, c, bias, z, m, n, k, k2, trans_a, trans_b, SMALL_DTYPES)
+    dtypes = _check_operands(a, b, c, bias, z, m, n, k, k2, trans_a, trans_b, SMALL_DTYPES,
+                             addend)
     if m * n >= 2**31:
         raise ShapeError(f"small_matmul: {m} x {n} outputs exceed the kernels' 32-bit indices")
     per_thread = k <= THREAD_K or m * n > WARP_MAX_OUTPUTS
@@ -104,9 +108,10 @@ def small_matmul_forward(ctx, a, b, c, *, trans_a=False, trans_b=False, bias=Non
     null = np.uint64(0)     # a null pointer argument
     compiler.kernel("small_matmul.cu", name)(
         grid, (BLOCK,),
-        (a, b, bias if bias is not None else null, c, z if z is not None else null,
-         np.int32(m), np.int32(n), np.int32(k), np.int64(a_i), np.int64(a_k), np.int64(b_k),
-         np.int64(b_j), np.int32(ACT_CODES[act]), np.float32(slope)),
+        (a, b, bias if bias is not None else null, addend if addend is not None else null, c,
+         z if z is not None else null, np.int32(m), np.int32(n), np.int32(k), np.int64(a_i),
+         np.int64(a_k), np.int64(b_k), np.int64(b_j), np.int32(ACT_CODES[act]),
+         np.float32(slope)),
         stream=ctx.stream)
 
 
@@ -129,19 +134,21 @@ def tile_splits(m: int, n: int, k: int) -> list[int]:
 
 
 def tile_matmul_forward(ctx, a, b, c, *, splits: int, partial=None, trans_a=False,
-                        trans_b=False, bias=None, z=None, act=None, slope=0.01) -> None:
-    """c = act(op(a) @ op(b) + bias), z = the pre-activation when given, through 64 x 64
-    tiles with k split `splits` ways; splits > 1 needs `partial`, a float32 buffer of at
-    least splits * m * n (the second launch adds the splits in order)."""
+                        trans_b=False, bias=None, z=None, act=None, slope=0.01,
+                        addend=None) -> None:
+    """c = act(op(a) @ op(b) [+ addend] + bias), z = the pre-activation when given, through
+    64 x 64 tiles with k split `splits` ways; splits > 1 needs `partial`, a float32 buffer of
+    at least splits * m * n (the second launch adds the splits in order, then the addend)."""
     m, k, a_i, a_k = _operand(a, trans_a)
     k2, n, b_k, b_j = _operand(b, trans_b)
-    _check_operands(a, b, c, bias, z, m, n, k, k2, trans_a, trans_b, TILE_DTYPES)
+    _check_operands(a, b, c, bias, z, m, n, k, k2, trans_a, trans_b, TILE_DTYPES, addend)
     if splits * m * n >= 2**31:
         raise ShapeError(f"tile_matmul: {splits} x {m} x {n} partial sums exceed 32-bit indices")
     if splits > 1 and (partial is None or partial.size < splits * m * n):
         raise ShapeError(f"tile_matmul: {splits} splits need a buffer of {splits * m * n} floats")
     null = np.uint64(0)
-    epilogue = (bias if bias is not None else null, c, z if z is not None else null)
+    epilogue = (bias if bias is not None else null, addend if addend is not None else null, c,
+                z if z is not None else null)
     grid = (-(-n // TILE), -(-m // TILE), splits)
     compiler.kernel("tile_matmul.cu", "tile_matmul_kernel")(
         grid, (TILE_THREADS,),

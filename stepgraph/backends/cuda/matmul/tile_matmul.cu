@@ -18,9 +18,10 @@ constexpr int TILE_M = 64, TILE_N = 64, TILE_K = 16, TILE_THREADS = 256;
 constexpr int TILE_PAD = 4;   // keeps float4 rows aligned and spreads the staging stores
 
 extern "C" __global__ void __launch_bounds__(TILE_THREADS)
-tile_matmul_kernel(const float* a, const float* b, const float* bias, float* c, float* z,
-                   float* partial, int m, int n, int k, int k_split, long long a_i,
-                   long long a_k, long long b_k, long long b_j, int act, float slope) {
+tile_matmul_kernel(const float* a, const float* b, const float* bias, const float* addend,
+                   float* c, float* z, float* partial, int m, int n, int k, int k_split,
+                   long long a_i, long long a_k, long long b_k, long long b_j, int act,
+                   float slope) {
     __shared__ __align__(16) float as[TILE_K][TILE_M + TILE_PAD];   // as[kk][i]
     __shared__ __align__(16) float bs[TILE_K][TILE_N + TILE_PAD];   // bs[kk][j]
     constexpr int PER_THREAD = TILE_K * TILE_M / TILE_THREADS;     // staged values (4)
@@ -104,7 +105,8 @@ tile_matmul_kernel(const float* a, const float* b, const float* bias, float* c, 
         for (int s = 0; s < 4; ++s) {
             const int j = j0 + tx * 4 + s;
             if (i >= m || j >= n) continue;
-            if (gridDim.z == 1) finish_output(acc[r][s], i * n + j, j, bias, c, z, act, slope);
+            if (gridDim.z == 1)
+                finish_output(acc[r][s], i * n + j, j, bias, addend, c, z, act, slope);
             else partial[(blockIdx.z * m + i) * n + j] = acc[r][s];
         }
     }
@@ -112,13 +114,14 @@ tile_matmul_kernel(const float* a, const float* b, const float* bias, float* c, 
 
 // c = epilogue(sum over splits s ascending of partial[s]) for tile_matmul_kernel's splits.
 extern "C" __global__ void tile_matmul_finish_kernel(const float* partial, int splits,
-                                                     const float* bias, float* c, float* z,
-                                                     int m, int n, int act, float slope) {
+                                                     const float* bias, const float* addend,
+                                                     float* c, float* z, int m, int n, int act,
+                                                     float slope) {
     const int total = m * n;
     for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < total;
          idx += gridDim.x * blockDim.x) {
         float acc = 0.f;
         for (int s = 0; s < splits; ++s) acc += partial[s * total + idx];
-        finish_output(acc, idx, idx % n, bias, c, z, act, slope);
+        finish_output(acc, idx, idx % n, bias, addend, c, z, act, slope);
     }
 }
