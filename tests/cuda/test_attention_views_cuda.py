@@ -51,8 +51,8 @@ def test_views_and_permuted_results_match_numpy(ctx, impls, monkeypatch, path, t
     if p:
         attrs.update(seed=2**33 + 5, site=1)
     ins = [packed] * 3 + step
-    node = make_node("sdpa", ins, views=tuple(merged(t, 3 * C, i * C) for i in range(3)),
-                     out_perms=(MERGE,), **attrs)
+    node = make_node("sdpa", ins, views=tuple(merged(t, 3 * C, i * C) for i in range(3))
+                     + (None,) * len(step), out_perms=(MERGE,), **attrs)
     want, got = reference(node, ins), run_cuda(ctx, node, ins, impls)
     assert want[0].shape == (B, t, H, D)
     assert_matches(got[0], want[0], "out")
@@ -61,7 +61,8 @@ def test_views_and_permuted_results_match_numpy(ctx, impls, monkeypatch, path, t
     grad_ins = [dout] + [packed] * 3 + want + step
     grad = make_node("sdpa_grad", grad_ins,
                      views=(merged(t, C),) + tuple(merged(t, 3 * C, i * C) for i in range(3))
-                     + (merged(t, C),), out_perms=(MERGE,) * 3, **attrs)
+                     + (merged(t, C),) + (None,) * (1 + len(step)), out_perms=(MERGE,) * 3,
+                     **attrs)
     want_g, got_g = reference(grad, grad_ins), run_cuda(ctx, grad, grad_ins, impls)
     for name, g, w in zip(("dq", "dk", "dv"), got_g, want_g):
         assert w.shape == (B, t, H, D)

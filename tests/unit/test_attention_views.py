@@ -184,3 +184,24 @@ def test_the_reference_reads_views_and_writes_permuted(request):
     got = op_forward("sdpa", {"q": packed, "k": packed, "v": packed}, scale=0.5, causal=True,
                      views=views, out_perms=((0, 2, 1, 3),))[0]
     np.testing.assert_array_equal(got, want.transpose(0, 2, 1, 3))
+
+
+def test_the_gradient_reference_reads_views_and_writes_permuted(request):
+    rng = seeded(request.node.name)
+    packed, dout = randn(rng, B, T, 3 * C), randn(rng, B, T, C)
+    split = [np.ascontiguousarray(packed[..., i * C:(i + 1) * C].reshape(B, T, H, D)
+                                  .transpose(0, 2, 1, 3)) for i in range(3)]
+    attrs = dict(scale=0.5, causal=True)
+    out, lse = op_forward("sdpa", dict(zip("qkv", split)), **attrs)
+    heads_first = np.ascontiguousarray(dout.reshape(B, T, H, D).transpose(0, 2, 1, 3))
+    want = op_forward("sdpa_grad", {"dout": heads_first, "q": split[0], "k": split[1],
+                                    "v": split[2], "out": out, "lse": lse}, **attrs)
+    merged = ((B, H, T, D), (T * C, D, C, 1), 0)
+    views = (merged,) + tuple(((B, H, T, D), (T * 3 * C, D, 3 * C, 1), i * C)
+                              for i in range(3)) + (merged, None)
+    got = op_forward("sdpa_grad", {"dout": dout, "q": packed, "k": packed, "v": packed,
+                                   "out": np.ascontiguousarray(out.transpose(0, 2, 1, 3)),
+                                   "lse": lse}, **attrs, views=views,
+                     out_perms=((0, 2, 1, 3),) * 3)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w.transpose(0, 2, 1, 3))
