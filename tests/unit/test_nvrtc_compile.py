@@ -145,11 +145,15 @@ def test_depthwise_launchers_name_existing_kernels():
     from stepgraph.backends.cuda.conv import conv_depthwise
 
     names = conv_depthwise.kernel_names()[conv_depthwise.SOURCE]
-    flat = {conv_depthwise.kernel_name(kind, layout, dtype) for kind in conv_depthwise.KINDS
-            for layout in conv_depthwise.LAYOUTS for dtype in conv_depthwise.CTYPES}
+    flat = {conv_depthwise.kernel_name(kind, layout, dtype, taps)
+            for kind in conv_depthwise.KINDS for layout in conv_depthwise.LAYOUTS
+            for dtype in conv_depthwise.CTYPES for taps in conv_depthwise.TAP_BLOCKS}
     plane = conv_depthwise.plane_kernel_names()
     sums = {conv_depthwise.sum_kernel_name(dtype) for dtype in conv_depthwise.CTYPES}
-    assert names == flat | plane | sums and len(names) == 24
+    # grad_weight's in both tap blocks: a 1 x 3 filter and its bias (4 sums) takes the small
+    assert conv_depthwise.kernel_name("grad_weight", "NCHW", "float32", 4).endswith(", 4>")
+    assert conv_depthwise.kernel_name("grad_weight", "NCHW", "float32", 10).endswith(", 16>")
+    assert names == flat | plane | sums and len(names) == 30
     assert compiler.compile_to_cubin(compiler.source_path(conv_depthwise.SOURCE), "sm_90",
                                      tuple(sorted(names)))
 

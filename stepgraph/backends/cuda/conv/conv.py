@@ -762,7 +762,8 @@ def _grad_weight_offer(node, ins, outs, ctx) -> Offer:
     if depthwise.supported(g, layout, x.dtype) is None:     # db alongside dw
         paths["depthwise"] = autotune.compiling(
             lambda: _grad_weight_depthwise(ctx, g, layout, dy, x, dw, db),
-            (depthwise.SOURCE, depthwise.kernel_name("grad_weight", layout, x.dtype)),
+            (depthwise.SOURCE, depthwise.kernel_name(
+                "grad_weight", layout, x.dtype, depthwise.grad_weight_taps(g, db is not None))),
             (depthwise.SOURCE, depthwise.sum_kernel_name(x.dtype)))
     return Offer(g, conv_cudnn.ir_dtype(x.dtype), paths, lambda only: {
         name: with_bias(run) for name, run in conv_cudnn.grad_weight_paths(

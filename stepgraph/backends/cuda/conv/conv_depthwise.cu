@@ -23,7 +23,9 @@
 constexpr int LANES = 32;        // channels of an NHWC block row (conv_depthwise.py LANES)
 constexpr int ROWS = 8;          // pixel rows of an NHWC block (conv_depthwise.py ROWS)
 constexpr int MAX_TAPS = 64;     // NHWC: kh*kw of a staged filter (conv_depthwise.py MAX_TAPS)
-constexpr int TAP_BLOCK = 16;    // grad_weight: taps (and db) a block sums (TAP_BLOCK there)
+// grad_weight: a block sums TB taps (and db), TB a template argument (the launcher's
+// tap_block): 4 where a filter has so few (a 1 x 3 or 2 x 2 one), else 16. Each thread sets
+// up and reduces all TB of them, which for a few taps over many rows was most of its work.
 constexpr int MAX_WARPS = 8;     // grad_weight NCHW: 256 threads a block
 
 // The first tap t with 0 <= base + t*step, and one past the last with base + t*step < size
@@ -180,7 +182,7 @@ conv2d_depthwise_grad_input_nhwc_kernel(const S* __restrict__ dy, const S* __res
 
 // ---- grad_weight: dw[c, i, j] = sum_{n,ho,wo} dy[n,c,ho,wo] * x[n,c,ho*sh-ph+i*dil_h, ...],
 // and db[c] = sum dy[n,c,:,:] as one more tap (index kh*kw, the x value 1).
-// A block sums TAP_BLOCK taps (blockIdx.y's) of its channels over its split of the N*Ho*Wo
+// A block sums TB taps (blockIdx.y's) of its channels over its split of the N*Ho*Wo
 // output pixels ("rows", blockIdx.z's: [z*per, (z+1)*per)); taps past `taps` are skipped.
 // With one split it stores dw and db (rounded once); with several, float32 partial sums
 // partial[(z*C + c)*taps + k], which the sum kernel adds in split order.
@@ -199,12 +201,13 @@ __device__ __forceinline__ Tap tap_of(int k, int taps, int kh, int kw, int ph, i
     return Tap{(kc / kw) * dil_h - ph, (kc % kw) * dil_w - pw, k < taps, k == kk};
 }
 
-// A block's taps k0 .. k0 + TAP_BLOCK - 1 (tap_of), their sums zeroed.
-__device__ __forceinline__ void start_taps(Tap (&tap)[TAP_BLOCK], float (&acc)[TAP_BLOCK], int k0,
-                                           int taps, int kh, int kw, int ph, int pw, int dil_h,
+// A block's taps k0 .. k0 + TB - 1 (tap_of), their sums zeroed.
+template <int TB>
+__device__ __forceinline__ void start_taps(Tap (&tap)[TB], float (&acc)[TB], int k0, int taps,
+                                           int kh, int kw, int ph, int pw, int dil_h,
                                            int dil_w) {
 #pragma unroll
-    for (int t = 0; t < TAP_BLOCK; ++t) {
+    for (int t = 0; t < TB; ++t) {
         tap[t] = tap_of(k0 + t, taps, kh, kw, ph, pw, dil_h, dil_w);
         acc[t] = 0.f;
     }
@@ -236,12 +239,12 @@ __device__ __forceinline__ void split_rows(int rows, int& r0, int& r1) {
 }
 
 // acc[t] += g * (tap t's x at output pixel (hs, ws) = (ho*sh, wo*sw)) for the live taps.
-template <typename S>
-__device__ __forceinline__ void add_row(float (&acc)[TAP_BLOCK], const Tap (&tap)[TAP_BLOCK],
-                                        float g, const S* __restrict__ xp, int row, int col,
-                                        int hs, int ws, int H, int W) {
+template <typename S, int TB>
+__device__ __forceinline__ void add_row(float (&acc)[TB], const Tap (&tap)[TB], float g,
+                                        const S* __restrict__ xp, int row, int col, int hs,
+                                        int ws, int H, int W) {
 #pragma unroll
-    for (int t = 0; t < TAP_BLOCK; ++t) {
+    for (int t = 0; t < TB; ++t) {
         if (!tap[t].live) continue;            // uniform over the block
         const int h = hs + tap[t].dh, w = ws + tap[t].dw;
         const float v = tap[t].bias ? 1.f
@@ -251,18 +254,18 @@ __device__ __forceinline__ void add_row(float (&acc)[TAP_BLOCK], const Tap (&tap
     }
 }
 
-// NCHW: grid (C, ceil(taps / TAP_BLOCK), splits), 256 threads along the rows (wo fastest: dy
+// NCHW: grid (C, ceil(taps / TB), splits), 256 threads along the rows (wo fastest: dy
 // and x read along W). Thread j sums rows r0 + j, r0 + j + 256, ...; then a warp butterfly,
 // then warps 0, 1, ... in order.
-template <typename S>
+template <typename S, int TB>
 __global__ void __launch_bounds__(256)
 conv2d_depthwise_grad_weight_kernel(const S* __restrict__ dy, const S* __restrict__ x,
                                     S* __restrict__ dw, S* __restrict__ db,
                                     float* __restrict__ partial, int taps, DEPTHWISE_PARAMS) {
-    __shared__ float warp_sums[MAX_WARPS][TAP_BLOCK];
-    const int c = blockIdx.x, k0 = blockIdx.y * TAP_BLOCK, kk = kh * kw, P = Ho * Wo;
-    Tap tap[TAP_BLOCK];
-    float acc[TAP_BLOCK];
+    __shared__ float warp_sums[MAX_WARPS][TB];
+    const int c = blockIdx.x, k0 = blockIdx.y * TB, kk = kh * kw, P = Ho * Wo;
+    Tap tap[TB];
+    float acc[TB];
     start_taps(tap, acc, k0, taps, kh, kw, ph, pw, dil_h, dil_w);
     int r0, r1;
     split_rows(N * P, r0, r1);
@@ -274,7 +277,7 @@ conv2d_depthwise_grad_weight_kernel(const S* __restrict__ dy, const S* __restric
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
-    for (int t = 0; t < TAP_BLOCK; ++t) {
+    for (int t = 0; t < TB; ++t) {
         if (!tap[t].live) continue;
         float v = acc[t];
 #pragma unroll
@@ -283,27 +286,27 @@ conv2d_depthwise_grad_weight_kernel(const S* __restrict__ dy, const S* __restric
     }
     __syncthreads();
     const int t = threadIdx.x;
-    if (t < TAP_BLOCK && k0 + t < taps) {
+    if (t < TB && k0 + t < taps) {
         float v = 0.f;
         for (int k = 0; k < (int)(blockDim.x >> 5); ++k) v += warp_sums[k][t];
         finish_tap(dw, db, partial, c, k0 + t, taps, kk, C, v);
     }
 }
 
-// NHWC: grid (ceil(C / LANES), ceil(taps / TAP_BLOCK), splits), block (LANES, ROWS): a lane
+// NHWC: grid (ceil(C / LANES), ceil(taps / TB), splits), block (LANES, ROWS): a lane
 // per channel (dy and x read along C), block row y summing rows r0 + y, r0 + y + ROWS, ...;
 // then rows 0, 1, ... added in order.
-template <typename S>
+template <typename S, int TB>
 __global__ void __launch_bounds__(256)
 conv2d_depthwise_grad_weight_nhwc_kernel(const S* __restrict__ dy, const S* __restrict__ x,
                                          S* __restrict__ dw, S* __restrict__ db,
                                          float* __restrict__ partial, int taps,
                                          DEPTHWISE_PARAMS) {
-    __shared__ float row_sums[ROWS][TAP_BLOCK][LANES];
+    __shared__ float row_sums[ROWS][TB][LANES];
     const int c = blockIdx.x * LANES + threadIdx.x, cc = min(c, C - 1);  // cc: loads only
-    const int k0 = blockIdx.y * TAP_BLOCK, kk = kh * kw, P = Ho * Wo;
-    Tap tap[TAP_BLOCK];
-    float acc[TAP_BLOCK];
+    const int k0 = blockIdx.y * TB, kk = kh * kw, P = Ho * Wo;
+    Tap tap[TB];
+    float acc[TB];
     start_taps(tap, acc, k0, taps, kh, kw, ph, pw, dil_h, dil_w);
     int r0, r1;
     split_rows(N * P, r0, r1);
@@ -313,11 +316,11 @@ conv2d_depthwise_grad_weight_nhwc_kernel(const S* __restrict__ dy, const S* __re
                 ho * sh, wo * sw, H, W);
     }
 #pragma unroll
-    for (int t = 0; t < TAP_BLOCK; ++t) row_sums[threadIdx.y][t][threadIdx.x] = acc[t];
+    for (int t = 0; t < TB; ++t) row_sums[threadIdx.y][t][threadIdx.x] = acc[t];
     __syncthreads();
     if (threadIdx.y != 0 || c >= C) return;
 #pragma unroll
-    for (int t = 0; t < TAP_BLOCK; ++t) {
+    for (int t = 0; t < TB; ++t) {
         if (!tap[t].live) continue;
         float v = 0.f;
         for (int y = 0; y < ROWS; ++y) v += row_sums[y][t][threadIdx.x];

@@ -29,7 +29,7 @@ MAX_ELEMENTS = 1 << 30       # per tensor: the kernels' offsets are 32-bit ints
 MAX_TAPS = 64                # conv_depthwise.cu's: kh*kw of an NHWC block's staged filters
 BLOCK = 256                  # threads of an NCHW block (flat kernels, grad_weight)
 LANES, ROWS = 32, 8          # an NHWC block: channels x pixel rows (conv_depthwise.cu)
-TAP_BLOCK = 16               # grad_weight: taps (and db) a block sums (conv_depthwise.cu)
+TAP_BLOCKS = (4, 16)         # grad_weight: taps (and db) a block sums, its kernel's TB
 MAX_FLAT_BLOCKS = 1 << 20    # flat kernels stride over the rest
 MAX_ROW_BLOCKS = 65535       # NHWC grid.y: blocks stride over the rest
 # grad_weight's batch splits: about TARGET_BLOCKS blocks fill an H200 (132 SMs), but a split
@@ -67,10 +67,18 @@ def supported(g: Geometry, layout: str, dtype) -> str | None:
     return None
 
 
-def kernel_name(kind: str, layout: str, dtype) -> str:
-    """The kernel of op `kind` (KINDS) in `layout` for tensors of storage `dtype`."""
+def kernel_name(kind: str, layout: str, dtype, taps: int = 0) -> str:
+    """The kernel of op `kind` (KINDS) in `layout` for tensors of storage `dtype`; grad_weight's
+    for `taps` sums a channel (grad_weight_taps)."""
     suffix = "_nhwc" if layout == "NHWC" else ""
-    return f"conv2d_depthwise_{kind}{suffix}_kernel<{CTYPES[str(dtype)]}>"
+    block = f", {tap_block(taps)}" if kind == "grad_weight" else ""
+    return f"conv2d_depthwise_{kind}{suffix}_kernel<{CTYPES[str(dtype)]}{block}>"
+
+
+def tap_block(taps: int) -> int:
+    """The taps a grad_weight block sums: the fewest of TAP_BLOCKS holding a channel's, else
+    the most (blocks then share them): every thread sets up and reduces that many."""
+    return next((tb for tb in TAP_BLOCKS if taps <= tb), TAP_BLOCKS[-1])
 
 
 def sum_kernel_name(dtype) -> str:
@@ -80,8 +88,8 @@ def sum_kernel_name(dtype) -> str:
 def kernel_names() -> dict[str, set[str]]:
     """{SOURCE: every kernel name the launchers below may launch} (the NVRTC compile test
     instantiates each; conv.py's kernel_names declares them to the compiler)."""
-    names = {kernel_name(kind, layout, dtype) for kind in KINDS for layout in LAYOUTS
-             for dtype in CTYPES}
+    names = {kernel_name(kind, layout, dtype, taps) for kind in KINDS for layout in LAYOUTS
+             for dtype in CTYPES for taps in TAP_BLOCKS}
     return {SOURCE: names | {sum_kernel_name(dtype) for dtype in CTYPES}
             | plane_kernel_names()}
 
@@ -143,7 +151,8 @@ def grad_weight_taps(g: Geometry, bias: bool) -> int:
 def grad_weight_splits(g: Geometry, layout: str, bias: bool) -> int:
     """Splits of the N*Ho*Wo pixels among grad_weight's blocks (see TARGET_BLOCKS)."""
     channel_blocks = g.c if layout == "NCHW" else _cdiv(g.c, LANES)
-    blocks = channel_blocks * _cdiv(grad_weight_taps(g, bias), TAP_BLOCK)
+    taps = grad_weight_taps(g, bias)
+    blocks = channel_blocks * _cdiv(taps, tap_block(taps))
     return max(1, min(_cdiv(TARGET_BLOCKS, blocks), g.n * g.p // MIN_SPLIT_ROWS, MAX_SPLITS))
 
 
@@ -156,7 +165,7 @@ def grad_weight_scratch(g: Geometry, layout: str, bias: bool) -> int:
 def conv2d_depthwise_grad_weight(ctx, g: Geometry, layout: str, dy, x, dw, db,
                                  partial) -> None:
     """dw (and db = dy summed over N, Ho, Wo, unless None) of the depthwise conv2d: a block per
-    channel (NCHW) or LANES channels (NHWC), TAP_BLOCK taps and split of the output pixels;
+    channel (NCHW) or LANES channels (NHWC), tap_block taps and split of the output pixels;
     with several splits their float32 partial sums go to `partial` (grad_weight_scratch
     elements) and a second launch adds them in order and rounds dw and db."""
     arrays = {"dy": dy, "x": x, "dw": dw} | ({} if db is None else {"db": db})
@@ -174,8 +183,8 @@ def conv2d_depthwise_grad_weight(ctx, g: Geometry, layout: str, dy, x, dw, db,
         (_cdiv(g.c, LANES), (LANES, ROWS))
     sums = dw if partial is None else partial      # unused with one split: any pointer
     args = (dy, x, dw, dw if db is None else db, sums, np.int32(taps)) + _geometry_args(g)
-    _launch(ctx, SOURCE, kernel_name("grad_weight", layout, dtype),
-            (channel_blocks, _cdiv(taps, TAP_BLOCK), splits), block, args)
+    _launch(ctx, SOURCE, kernel_name("grad_weight", layout, dtype, taps),
+            (channel_blocks, _cdiv(taps, tap_block(taps)), splits), block, args)
     if splits > 1:
         _launch(ctx, SOURCE, sum_kernel_name(dtype), (_cdiv(g.c * taps, BLOCK),), (BLOCK,),
                 (partial, dw, dw if db is None else db, np.int32(g.c), np.int32(taps),
