@@ -204,7 +204,7 @@ def check_float32(ctx, case, layout: str, relu: bool, name: str) -> None:
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_depthwise_bf16_is_within_the_summation_bound(ctx, launched, case, layout, request):
     check_bf16(ctx, case, layout, request.node.name)
-    assert launched and all("<unsigned short>" in name for name in launched), launched
+    assert launched and all("<unsigned short" in name for name in launched), launched
 
 
 def check_bf16(ctx, case, layout: str, name: str) -> None:
@@ -272,7 +272,7 @@ def test_depthwise_float16_rounds_once(ctx, launched, case, layout, request):
             assert g.dtype == np.float16 and np.isfinite(g).all(), (op, i)
             err = np.abs(g.astype(np.float64) - r)
             assert (err <= fp16_bound(r, t, k)).all(), (op, i, float(err.max()))
-    assert launched and all("<fp16_bits>" in name for name in launched), launched
+    assert launched and all("<fp16_bits" in name for name in launched), launched
 
 
 # ---- a model ---------------------------------------------------------------------------------

@@ -33,10 +33,12 @@ TAP_BLOCKS = (4, 16)         # grad_weight: taps (and db) a block sums, its kern
 MAX_FLAT_BLOCKS = 1 << 20    # flat kernels stride over the rest
 MAX_ROW_BLOCKS = 65535       # NHWC grid.y: blocks stride over the rest
 # grad_weight's batch splits: about TARGET_BLOCKS blocks fill an H200 (132 SMs), but a split
-# keeps at least MIN_SPLIT_ROWS output pixels (its block's threads each sum several) and the
-# partial sums stay few (MAX_SPLITS).
+# keeps at least MIN_ROWS_PER_THREAD output pixels for each of its block's threads along the
+# pixels (BLOCK of an NCHW block, ROWS of an NHWC one, whose lanes run along the channels:
+# counted as an NCHW block's, a 256-channel NHWC problem had 32 blocks of 128 pixels a thread)
+# and the partial sums stay few (MAX_SPLITS).
 TARGET_BLOCKS = 1024
-MIN_SPLIT_ROWS = 1024
+MIN_ROWS_PER_THREAD = 4
 MAX_SPLITS = 64
 
 
@@ -153,7 +155,9 @@ def grad_weight_splits(g: Geometry, layout: str, bias: bool) -> int:
     channel_blocks = g.c if layout == "NCHW" else _cdiv(g.c, LANES)
     taps = grad_weight_taps(g, bias)
     blocks = channel_blocks * _cdiv(taps, tap_block(taps))
-    return max(1, min(_cdiv(TARGET_BLOCKS, blocks), g.n * g.p // MIN_SPLIT_ROWS, MAX_SPLITS))
+    along_pixels = BLOCK if layout == "NCHW" else ROWS
+    return max(1, min(_cdiv(TARGET_BLOCKS, blocks),
+                      g.n * g.p // (MIN_ROWS_PER_THREAD * along_pixels), MAX_SPLITS))
 
 
 def grad_weight_scratch(g: Geometry, layout: str, bias: bool) -> int:
