@@ -31,7 +31,7 @@ from ..ir.graph import Graph, Node, Value
 from ..ops.attention import PERMUTED_OUTPUTS, VIEW_INPUTS, out_perms
 from ..ops.pointwise import input_views
 from .aliases import view_roots, written_buffers
-from .layout_chains import _contiguous, chain_views
+from .layout_chains import _contiguous, view_reads
 from .rewrite import _copy
 
 
@@ -107,18 +107,8 @@ def write_attention_permuted(graph: Graph) -> Graph:
 
 def read_attention_views(graph: Graph) -> Graph:
     graph = _copy(graph)
-    views = chain_views(graph.nodes)
-    users = graph.consumers()
-    outputs = set(graph.outputs.values())
-    roots = view_roots(graph.nodes)
-    written = written_buffers(graph.nodes, roots)
-
-    def readable(v: Value) -> bool:
-        view = views.get(v)
-        return view is not None and view.copies > 0 and v not in outputs and \
-            _fits(view.shape, view.strides) and view.root.dtype == v.dtype and \
-            roots.get(view.root, view.root) not in written and \
-            all(_reads_views(u, v) for u in users.get(v, []))
+    views, readable = view_reads(graph, lambda view, v: _fits(view.shape, view.strides),
+                                 _reads_views)
 
     for n in graph.nodes:
         if n.op not in VIEW_INPUTS:

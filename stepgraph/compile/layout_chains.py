@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -104,6 +105,28 @@ def chain_views(nodes: list[Node]) -> dict[Value, _View | None]:
             base = views.get(x) or _View(x, tuple(x.shape), _contiguous(x.shape), 0, 0)
             views[n.outputs[0]] = _step(n, base)
     return views
+
+
+def view_reads(graph: Graph, fits: Callable[[_View, Value], bool],
+               reads: Callable[[Node, Value], bool]):
+    """(views, readable): chain_views of the graph, and whether a value may be read through
+    its view in place of its copy by nodes that can (compile/pointwise_views.py,
+    attention_views.py): the chain copied, the value is no graph output, the view `fits`
+    those nodes, its root has the value's dtype and nothing writes the root in place (a reader
+    reads the root where it stands, later than the copy did), and every reader `reads` it
+    through a view."""
+    views = chain_views(graph.nodes)
+    users = graph.consumers()
+    outputs = set(graph.outputs.values())
+    roots = view_roots(graph.nodes)
+    written = written_buffers(graph.nodes, roots)
+
+    def readable(v: Value) -> bool:
+        view = views.get(v)
+        return view is not None and view.copies > 0 and v not in outputs and fits(view, v) \
+            and view.root.dtype == v.dtype and roots.get(view.root, view.root) not in written \
+            and all(reads(u, v) for u in users.get(v, []))
+    return views, readable
 
 
 def collapse_layout_chains(graph: Graph) -> Graph:

@@ -20,10 +20,9 @@ reads the same elements.
 """
 from __future__ import annotations
 
-from ..ir.graph import FLOAT_DTYPES, Graph, Node, Value
+from ..ir.graph import FLOAT_DTYPES, Graph, Node
 from ..ops.pointwise import as_program, input_views
-from .aliases import view_roots, written_buffers
-from .layout_chains import chain_views
+from .layout_chains import view_reads
 from .pointwise import _eligible
 from .rewrite import _copy
 
@@ -43,19 +42,10 @@ def program_of(n: Node | None) -> Node | None:
 
 def read_pointwise_views(graph: Graph) -> Graph:
     graph = _copy(graph)
-    views = chain_views(graph.nodes)
-    users = graph.consumers()
-    outputs = set(graph.outputs.values())
-    roots = view_roots(graph.nodes)
-    written = written_buffers(graph.nodes, roots)
-
-    def readable(v: Value) -> bool:
-        view = views.get(v)
-        return view is not None and view.copies > 0 and v not in outputs and \
-            (not view.shape or view.strides[-1] == 1 or view.shape[-1] == 1) and \
-            v.dtype in FLOAT_DTYPES and view.root.dtype == v.dtype and \
-            roots.get(view.root, view.root) not in written and \
-            all(_elementwise(u) for u in users.get(v, []))
+    views, readable = view_reads(
+        graph, lambda view, v: v.dtype in FLOAT_DTYPES and (
+            not view.shape or view.strides[-1] == 1 or view.shape[-1] == 1),
+        lambda u, v: _elementwise(u))
 
     nodes = []
     for n in graph.nodes:
