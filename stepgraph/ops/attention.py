@@ -20,7 +20,8 @@ import numpy as np
 from ..ir.graph import FLOAT_DTYPES
 from ..ir.ops import _need, defop, impl, vjp
 from .dropout import keep_mask
-from .pointwise import _view_fits, input_views, read_through
+from .pointwise import input_views, read_through
+from .shape import view_fits
 from .softmax import causal_mask
 
 MAX_HEAD_DIM = 128          # the CUDA kernels' widest head (templates for 32, 64, 96 and 128)
@@ -48,7 +49,7 @@ def seen_inputs(op: str, ins, attrs) -> list:
     _need(len(views) == len(ins), op, f"attrs views has {len(views)} entries for {len(ins)} "
           "inputs")
     for i, (x, view) in enumerate(zip(ins, views)):
-        _need(view is None or (i < VIEW_INPUTS.get(op, 0) and _view_fits(view, x)), op,
+        _need(view is None or (i < VIEW_INPUTS.get(op, 0) and view_fits(view, x.size)), op,
               f"input {i} {x.shape} cannot be read through the view {view}")
     return [x if view is None else Seen(tuple(view[0]), x.dtype) for x, view in zip(ins, views)]
 

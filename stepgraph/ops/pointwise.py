@@ -35,6 +35,7 @@ from ..backends.numpy import bf16
 from ..ir.graph import HALF_DTYPES, Node, Value
 from ..ir.ops import IMPLS, _need, defop, impl
 from .dropout import keep_mask
+from .shape import view_fits, viewed
 
 # Elementwise ops a program may hold: one output, the output's shape is the broadcast shape
 # of the inputs, every element depends only on the same (broadcast) element of each input.
@@ -91,21 +92,9 @@ def input_views(attrs: dict, n: int) -> tuple:
 
 
 def read_through(view, a: np.ndarray) -> np.ndarray:
-    """Array a (C-contiguous) read as view (shape, strides, offset in elements)."""
-    if view is None:
-        return a
-    shape, strides, offset = view
-    flat = a.reshape(-1)[offset:]
-    return np.lib.stride_tricks.as_strided(flat, tuple(shape),
-                                           tuple(s * a.itemsize for s in strides),
-                                           writeable=False)
-
-
-def _view_fits(view, v: Value) -> bool:
-    shape, strides, offset = view
-    last = offset + sum((d - 1) * s for d, s in zip(shape, strides))
-    return len(shape) == len(strides) and offset >= 0 and all(s >= 0 for s in strides) and \
-        (0 in shape or last < v.size)
+    """Array a (C-contiguous) read as view (shape, strides, offset in elements), or as it is
+    where view is None."""
+    return a if view is None else viewed(a, *view)
 
 
 @defop("pointwise")
@@ -114,7 +103,7 @@ def _pointwise(ins, attrs):
     every input (or its attrs views entry) broadcast to that shape (see ops/pointwise.py)."""
     shape = tuple(attrs["shape"])
     for v, view in zip(ins, input_views(attrs, len(ins))):
-        _need(view is None or _view_fits(view, v), "pointwise",
+        _need(view is None or view_fits(view, v.size), "pointwise",
               f"view {view} reads past input {v.shape}")
         seen = tuple(view[0]) if view is not None else v.shape
         _need(len(seen) <= len(shape) and all(

@@ -124,24 +124,42 @@ def _layout_copy(ins, attrs):
     return [(shape, ins[0].dtype)]
 
 
-def _check_view(op: str, x, shape, strides, offset) -> None:
-    _need(len(shape) == len(strides) and min(strides, default=0) >= 0 and offset >= 0,
-          op, f"shape {shape}, strides {strides}, offset {offset}")
+def _well_formed(shape, strides, offset) -> bool:
+    return len(shape) == len(strides) and min(strides, default=0) >= 0 and offset >= 0
+
+
+def _inside(size: int, shape, strides, offset) -> bool:
     last = offset + sum((n - 1) * s for n, s in zip(shape, strides))
-    _need(0 in shape or last < x.size, op,
+    return 0 in shape or last < size
+
+
+def view_fits(view, size: int) -> bool:
+    """Whether view (shape, strides, offset in elements) reads only elements of a value of
+    `size` elements (layout_copy's and layout_concat's views, pointwise and sdpa's attrs
+    views)."""
+    return _well_formed(*view) and _inside(size, *view)
+
+
+def _check_view(op: str, x, shape, strides, offset) -> None:
+    _need(_well_formed(shape, strides, offset),
+          op, f"shape {shape}, strides {strides}, offset {offset}")
+    _need(_inside(x.size, shape, strides, offset), op,
           f"shape {shape} at strides {strides} from {offset} reads past {x.size} elements")
 
 
-def _viewed(x: np.ndarray, shape, strides, offset) -> np.ndarray:
+def viewed(x: np.ndarray, shape, strides, offset) -> np.ndarray:
+    """Array x (C-contiguous) read, not written, as the view (shape, strides, offset in
+    elements) of its elements."""
     flat = x.reshape(-1)[int(offset):]
     return np.lib.stride_tricks.as_strided(flat, tuple(shape),
-                                           tuple(s * flat.itemsize for s in strides))
+                                           tuple(s * flat.itemsize for s in strides),
+                                           writeable=False)
 
 
 @impl("layout_copy")
 def _layout_copy_impl(node, ins, outs, ctx):
     a = node.attrs
-    outs[0][...] = _viewed(ins[0], a["shape"], a["strides"], a["offset"])
+    outs[0][...] = viewed(ins[0], a["shape"], a["strides"], a["offset"])
 
 
 @defop("layout_concat")
@@ -165,7 +183,7 @@ def _layout_concat(ins, attrs):
 
 @impl("layout_concat")
 def _layout_concat_impl(node, ins, outs, ctx):
-    parts = [_viewed(x, *view) for x, view in zip(ins, node.attrs["views"])]
+    parts = [viewed(x, *view) for x, view in zip(ins, node.attrs["views"])]
     outs[0][...] = np.concatenate(parts, axis=int(node.attrs["dim"]))
 
 
