@@ -28,7 +28,7 @@ and write the same elements.
 from __future__ import annotations
 
 from ..ir.graph import Graph, Node, Value
-from ..ops.attention import PERMUTED_OUTPUTS, VIEW_INPUTS, out_perms
+from ..ops.attention import PERMUTED_OUTPUTS, VIEW_INPUTS, collapsed_stride, out_perms
 from ..ops.pointwise import input_views
 from .aliases import view_roots, written_buffers
 from .layout_chains import _contiguous, view_reads
@@ -39,14 +39,11 @@ def attention_views(graph: Graph) -> Graph:
     return read_attention_views(write_attention_permuted(graph))
 
 
-def _flattens(shape: tuple, strides: tuple) -> bool:
-    """Whether the leading dims before (heads, rows, columns) flatten to one batch stride."""
-    outer = [(n, s) for n, s in zip(shape[:-3], strides[:-3]) if n > 1]
-    return all(s == s_in * n_in for (_, s), (n_in, s_in) in zip(outer, outer[1:]))
-
-
 def _fits(shape: tuple, strides: tuple) -> bool:
-    return len(shape) >= 2 and (shape[-1] == 1 or strides[-1] == 1) and _flattens(shape, strides)
+    """Columns contiguous, and the leading dims before (heads, rows, columns) flattening to
+    one batch stride, as the kernels take operands."""
+    return len(shape) >= 2 and (shape[-1] == 1 or strides[-1] == 1) and \
+        collapsed_stride(shape[:-3], strides[:-3]) is not None
 
 
 def _reads_views(u: Node, v: Value) -> bool:

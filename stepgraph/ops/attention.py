@@ -37,6 +37,22 @@ VIEW_INPUTS = {"sdpa": 3, "sdpa_grad": 5}      # q, k, v; dout, q, k, v, out
 PERMUTED_OUTPUTS = {"sdpa": 1, "sdpa_grad": 3}  # out; dq, dk, dv
 
 
+def collapsed_stride(shape: tuple, strides: tuple) -> int | None:
+    """The element stride of the flattened index over dims `shape` (dims of 1 ignored), or
+    None where they do not collapse into one stride: the kernels take an operand's leading
+    dims as one batch stride and a head stride (backends/cuda/attention/attention.py)."""
+    stride = span = None
+    for n, s in zip(reversed(shape), reversed(strides)):
+        if n == 1:
+            continue
+        if stride is None:
+            stride = s
+        elif s != span:
+            return None
+        span = s * n
+    return 0 if stride is None else stride
+
+
 class Seen(NamedTuple):
     """An input as the op reads it (its view's shape)."""
     shape: tuple

@@ -50,6 +50,7 @@ import numpy as np
 
 from ....errors import ShapeError
 from ....ir.graph import Node, storage_dtype
+from ....ops.attention import collapsed_stride as _collapsed_stride
 from ....ops.attention import group_of, out_perms, seen_inputs
 from ....ops.pointwise import input_views
 from . import attention_composed, attention_cudnn
@@ -255,21 +256,6 @@ def _launch_tile(ctx, kind: str, hd: int, arith: int, ctype: str, tile: tuple[in
 
 
 # ---- operands: strides, checks ---------------------------------------------------------------
-
-def _collapsed_stride(shape: tuple, strides: tuple) -> int | None:
-    """The element stride of the flattened index over dims `shape` (dims of 1 ignored), or
-    None where they do not collapse into one stride."""
-    stride = span = None
-    for n, s in zip(reversed(shape), reversed(strides)):
-        if n == 1:
-            continue
-        if stride is None:
-            stride = s
-        elif s != span:
-            return None
-        span = s * n
-    return 0 if stride is None else stride
-
 
 def storage(q) -> str:
     """The kernels' T for q's dtype: float32, uint16 (bf16 bits) or float16; k, v, out and
