@@ -18,6 +18,7 @@ from .pointwise import fuse_pointwise
 from .pointwise_recompute import recompute_saved_pointwise
 from .pointwise_views import read_pointwise_views
 from .pointwise_sums import fuse_row_sums
+from .pointwise_joins import join_pointwise_results
 from .gradient_sums import fuse_cell_grad_sums, fuse_product_sums
 from .slice_sums import concat_slice_gradients
 from .concat_slices import read_concat_inputs
@@ -555,7 +556,7 @@ PASSES = (pack_attention_heads, fuse_product_sums, fuse_cell_grad_sums, concat_s
           fuse_log_softmax_nll, fuse_loss_casts, fuse_layer_norm_casts, fuse_step_bookkeeping,
           fuse_gradient_casts, move_elementwise_before_reshapes, recompute_saved_pointwise,
           fuse_pointwise, attention_views, read_pointwise_views, fuse_row_sums,
-          eliminate_dead_code)
+          join_pointwise_results, eliminate_dead_code)
 
 
 def fuse(graph: Graph, passes=PASSES) -> Graph:

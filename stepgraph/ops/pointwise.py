@@ -5,6 +5,9 @@ program reads the node's inputs (broadcast to attrs shape) as registers 0..k-1; 
 writes register k + j; attrs results name the registers the node's outputs hold. An input may
 be read through a strided view of its elements (attrs views: per input None or (shape,
 strides, offset)), as a slice or permute of it would hold them (compile/pointwise_views.py).
+An output may hold several registers joined along an axis (a `Joined` entry of attrs results),
+as a concat of the program's results would (compile/pointwise_joins.py): each register is
+stored through the strided view its part is of the output, so the concat's copy goes.
 The NumPy reference runs each instruction through the op's own reference implementation, so a
 fused graph computes exactly what the unfused one did.
 
@@ -26,8 +29,9 @@ widened exactly, and outputs stored as bits, by the backend (NumpyBackend.run_no
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -55,6 +59,40 @@ class Instr:
     @property
     def attr(self) -> dict:
         return dict(self.attrs)
+
+
+@dataclass(frozen=True)
+class Joined:
+    """An attrs results entry: one output holding `registers` concatenated along `dim`."""
+    dim: int
+    registers: tuple[int, ...]
+
+
+class Store(NamedTuple):
+    """One register stored into output `out`: at the output's own index (view None) or
+    through view (shape, strides, offset), the part of a Joined output it fills."""
+    out: int
+    register: int
+    view: tuple | None
+
+
+def result_stores(results, shape: tuple) -> list[Store]:
+    """The stores of attrs results over the program's `shape`, output by output."""
+    stores = []
+    for j, r in enumerate(results):
+        if not isinstance(r, Joined):
+            stores.append(Store(j, int(r), None))
+            continue
+        joined = joined_shape(shape, r)
+        strides = tuple(math.prod(joined[d + 1:]) for d in range(len(joined)))
+        for p, reg in enumerate(r.registers):
+            stores.append(Store(j, reg, (tuple(shape), strides, p * shape[r.dim] * strides[r.dim])))
+    return stores
+
+
+def joined_shape(shape: tuple, joined: Joined) -> tuple:
+    """The shape of an output joining joined's registers, each of `shape`."""
+    return tuple(d * len(joined.registers) if i == joined.dim else d for i, d in enumerate(shape))
 
 
 def _result_dtype(instr: Instr, dtypes: list[str]) -> str:
@@ -110,7 +148,16 @@ def _pointwise(ins, attrs):
             d in (1, s) for d, s in zip(seen[::-1], shape[::-1])),
             "pointwise", f"input {seen} does not broadcast to {shape}")
     dtypes = register_dtypes(attrs["program"], tuple(v.dtype for v in ins))
-    return [(shape, dtypes[r]) for r in attrs["results"]]
+    specs = []
+    for r in attrs["results"]:
+        if not isinstance(r, Joined):
+            specs.append((shape, dtypes[r]))
+            continue
+        _need(0 <= r.dim < len(shape) and len(r.registers) > 1 and
+              len({dtypes[x] for x in r.registers}) == 1, "pointwise",
+              f"{r} joins registers of one dtype along an axis of {shape}")
+        specs.append((joined_shape(shape, r), dtypes[r.registers[0]]))
+    return specs
 
 
 def _dropout_mask(node: Node, ins, outs, ctx):
@@ -141,7 +188,8 @@ def _pointwise_impl(node: Node, ins, outs, ctx):
             out = bf16.round_to(out, ir_dtype)
         regs.append(out)
     for out, r in zip(outs, node.attrs["results"]):
-        out[...] = regs[r]
+        out[...] = np.concatenate([regs[x] for x in r.registers], r.dim) \
+            if isinstance(r, Joined) else regs[r]
 
 
 # ---- pointwise_sum: a program summed over the last axis, then a program over the sums -----

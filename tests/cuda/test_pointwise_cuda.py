@@ -235,3 +235,29 @@ def test_pointwise_sum(ctx, shape):
     scale = np.abs(arrays[0] * arrays[1]).sum(axis=-1)       # the sums' condition
     for r, g in zip(ref, got):
         assert np.all(np.abs(g - r) <= 4e-7 * scale + 2e-6 * np.abs(r)), (g, r)
+
+
+@pytest.mark.parametrize("shape, dim, vec", [((4, 6, 16), 2, True), ((4, 6, 16), 1, True),
+                                             ((3, 5, 6), 2, False), ((7, 9), 0, False)],
+                         ids=["last", "inner", "rows-of-6", "first"])
+def test_results_joined_into_one_output(ctx, shape, dim, vec):
+    """A program storing three registers into the parts of one joined output and one more on
+    its own (compile/pointwise_joins.py): NumPy's bits, with four elements a thread where each
+    part starts at a multiple of four (aligned arrays) and element by element where not (and
+    on misaligned arrays); every element of the output written (poisoned first)."""
+    from stepgraph.ops.pointwise import Instr, Joined
+
+    rng = seeded(f"joins-{shape}-{dim}")
+    x, g = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    program = (Instr("act", (0,), (("kind", "sigmoid"), ("slope", 0.01))),
+               Instr("binary", (2, 1), (("kind", "mul"),)),
+               Instr("scalar", (3,), (("kind", "mul"), ("value", 0.5))))
+    node = helpers.make_node("pointwise", [x, g], program=program,
+                             results=(Joined(dim, (3, 2, 4)), 4), shape=shape)
+    assert pointwise.vectorizable(*pointwise._program(node)) == vec
+    ref = [np.empty(v.shape, v.dtype) for v in node.outputs]
+    helpers.NUMPY_IMPLS[node.op](node, [x.copy(), g.copy()], ref, None)
+    for offset in (0, 1):
+        got = run_at_offset(ctx, node, [x, g], offset)
+        for r, o in zip(ref, got):
+            np.testing.assert_array_equal(o, r)

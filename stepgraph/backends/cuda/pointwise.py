@@ -51,7 +51,7 @@ import numpy as np
 from ...errors import ShapeError, UnsupportedOpError
 from ...ir.graph import BF16, FP16, HALF_DTYPES, Node, storage_dtype
 from ... import rng
-from ...ops.pointwise import Instr, as_program, register_dtypes
+from ...ops.pointwise import Instr, as_program, register_dtypes, result_stores
 from .runtime import compiler
 from .runtime.launch import ACT_CODES, BLOCK, MAX_INT, _grid, _slope
 
@@ -216,15 +216,18 @@ def vectorizable(program: tuple[Instr, ...], results: tuple[int, ...], shape: tu
     """True when every input and result is float32, bf16, float16 or a one-byte mask (bool,
     uint8), besides a dropout program's step counter, and every input either has `shape` or,
     where the last axis's extent is a multiple of four, broadcasts along other axes only or
-    along the last one (_lane_load): the source then has VEC_KERNEL_NAME too. Its four
+    along the last one (_lane_load), and every part of a joined result is stored as such a
+    view would be read: the source then has VEC_KERNEL_NAME too. Its four
     elements a thread are one dropout group (the Philox call of a group's four words)."""
     dtypes = register_dtypes(program, input_dtypes)
     moved = ("float32", *HALF_DTYPES, *BYTE_DTYPES)
     steps = _step_counters(input_shapes, dtypes)
     views = input_views or (None,) * len(input_shapes)
+    stores = result_stores(results, shape)
     return all(_lane_load(s, shape, view) is not None for s, view in zip(input_shapes, views)) \
         and all(dtypes[j] in moved for j in range(len(input_shapes)) if j not in steps) \
-        and all(dtypes[r] in moved for r in results)
+        and all(dtypes[s.register] in moved for s in stores) \
+        and all(_lane_load(shape, shape, s.view) is not None for s in stores)
 
 
 def _step_counters(input_shapes: tuple[tuple, ...], dtypes) -> list[int]:
@@ -282,7 +285,9 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
     ctype = [_CTYPES[d] for d in dtypes]                     # storage: parameters
     rtype = [_REGISTER_CTYPES[d] for d in dtypes]                       # registers
     params = [f"const {ctype[j]}* __restrict__ in{j}" for j in range(k)]
-    params += [f"{ctype[r]}* __restrict__ out{j}" for j, r in enumerate(results)]
+    stores = result_stores(results, shape)
+    kinds = {s.out: ctype[s.register] for s in stores}     # a joined output's parts: one dtype
+    params += [f"{c}* __restrict__ out{j}" for j, c in kinds.items()]
     regs = [f"r{j}" for j in range(k + len(program))]
     scalars = _step_counters(input_shapes, dtypes)   # read once
     head = [f"    const long long r{j} = in{j}[0];" for j in scalars]
@@ -292,8 +297,10 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
     body = [f"const {rtype[j]} r{j} = {load(j, s)};"
             for j, s in enumerate(input_shapes) if j not in scalars]
     body += instruction_lines(program, regs, dtypes, k)
-    body += [f"out{j}[i] = {_HALF_CODE[dtypes[r]][2]}(r{r});" if dtypes[r] in HALF_DTYPES
-             else f"out{j}[i] = r{r};" for j, r in enumerate(results)]
+    stored = lambda s, value: (f"{_HALF_CODE[dtypes[s.register]][2]}({value})"   # noqa: E731
+                               if dtypes[s.register] in HALF_DTYPES else value)
+    body += [f"out{s.out}[{_store_offset(s, shape)}] = {stored(s, f'r{s.register}')};"
+             for s in stores]
     words = {_words(i, regs): _words_line(i, regs) for i in program if i.op == "dropout_mask"}
     loaded = [j for j in range(k) if j not in scalars]
     vec = []
@@ -308,16 +315,18 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
                *(f"        {rtype[j]} v{j}[{VEC}];" for j in loaded),
                *(_vector_load(j, input_shapes[j], shape, load, dtypes[j], views[j])
                  for j in loaded),
-               *(f"        {rtype[r]} o{j}[{VEC}];" for j, r in enumerate(results)),
+               *(f"        {rtype[s.register]} o{j}[{VEC}];" for j, s in enumerate(stores)),
                "#pragma unroll",
                f"        for (int lane = 0; lane < {VEC}; ++lane) {{",
                *(f"            const {rtype[j]} r{j} = v{j}[lane];" for j in loaded),
-               *(f"            {b}" for b in body[len(loaded):len(body) - len(results)]),
-               *(f"            o{j}[lane] = r{r};" for j, r in enumerate(results)),
+               *(f"            {b}" for b in body[len(loaded):len(body) - len(stores)]),
+               *(f"            o{j}[lane] = r{s.register};" for j, s in enumerate(stores)),
                "        }",
-               *(f"        store4_bytes(out{j}, {VEC}LL * q, o{j});" if dtypes[r] in BYTE_DTYPES
-                 else f"        storev_from_float<{VEC}>(out{j}, {VEC}LL * q, o{j});"
-                 for j, r in enumerate(results)),
+               *(f"        store4_bytes(out{s.out}, (long long)({_store_offset(s, shape)}), o{j});"
+                 if dtypes[s.register] in BYTE_DTYPES else
+                 f"        storev_from_float<{VEC}>(out{s.out}, "
+                 f"(long long)({_store_offset(s, shape)}), o{j});"
+                 for j, s in enumerate(stores)),
                "    }",
                "}"]
     if not uses_groups(program):
@@ -347,6 +356,12 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
         "}",
         *vec,
         ""])
+
+
+def _store_offset(store, shape: tuple) -> str:
+    """The C expression of the element output element i of the program stores to: i, or its
+    place in a joined output (the view its part is)."""
+    return "i" if store.view is None else _view_offset(store.view, shape)
 
 
 def _vector_load(j: int, in_shape: tuple, shape: tuple, load, dtype: str, view=None) -> str:
@@ -380,7 +395,7 @@ def pointwise_forward(ctx, node: Node, ins: list, outs: list) -> None:
     """Run node's program (ops/pointwise.py) as one generated kernel."""
     shape = tuple(node.attrs["shape"])
     n = math.prod(shape)
-    if max([n, *(v.size for v in node.inputs)]) > MAX_INT:
+    if max([n, *(v.size for v in (*node.inputs, *node.outputs))]) > MAX_INT:
         raise ShapeError(f"pointwise: {n} elements exceed the kernel's 32-bit indexing")
     for what, values, arrays in (("input", node.inputs, ins), ("output", node.outputs, outs)):
         for v, a in zip(values, arrays):

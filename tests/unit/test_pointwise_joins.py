@@ -1,0 +1,150 @@
+"""compile/pointwise_joins.py: a concat of one pointwise program's results is stored by the
+program into the parts of one output (ops/pointwise.py `Joined`). The rewritten graphs equal
+the graphs without the pass bit for bit on the NumPy backend (a gated MLP's backward, sines and
+cosines joined along an inner axis); the near-misses keep their concat; the op joins along any
+axis; the generated CUDA source stores the parts through their views and compiles with NVRTC
+(no GPU needed)."""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+import stepgraph
+import stepgraph.nn.functional as F
+from stepgraph.compile.fuse import PASSES, fuse
+from stepgraph.compile.pointwise_joins import join_pointwise_results
+from stepgraph.errors import ShapeError
+from stepgraph.ir.graph import Value
+from stepgraph.ir.ops import infer_outputs
+from stepgraph.ir.trace import Tracer
+from stepgraph.ops.pointwise import Instr, Joined, result_stores
+from tests.ops.helpers import randn, run_graph, seeded
+from tests.unit.test_layout_chains import B, C, T, traced
+
+WITHOUT = tuple(p for p in PASSES if p is not join_pointwise_results)
+
+
+def gated_mlp(x, w):
+    """SwiGLU's gate on one projection: its backward computes both halves' gradients in one
+    program, and the projection's backward reads them joined."""
+    a, b = (x @ w).chunk(2, dim=-1)
+    return (F.silu(a) * b).pow(2).sum()
+
+
+def position_features(x, w):
+    """sin and cos of one table joined along an inner axis (the tokens), then used."""
+    angles = (x @ w) * 0.5
+    return (stepgraph.cat([angles.sin(), angles.cos()], 1) * 3.0).sum()
+
+
+def ops(graph) -> Counter:
+    return Counter(n.op for n in graph.nodes)
+
+
+@pytest.mark.parametrize("loss", [gated_mlp, position_features], ids=["gated", "inner-axis"])
+def test_the_concat_is_stored_by_its_program(request, loss):
+    graph = traced(loss, 2 * C)
+    before, after = fuse(graph, WITHOUT), fuse(graph)
+    assert ops(before)["concat"] == 1 and ops(after)["concat"] == 0
+    (joined,) = [n for n in after.nodes if n.op == "pointwise"
+                 and any(isinstance(r, Joined) for r in n.attrs["results"])]
+    assert len(joined.outputs) == len(joined.attrs["results"])
+    rng = seeded(request.node.name)
+    a = {"x": randn(rng, B, T, C), "w": randn(rng, C, 2 * C)}
+    want, got = run_graph(before, a), run_graph(after, a)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def two_results(case: str):
+    """y = cat([sin(2x), cos(2x)], 1), made in one program unless `case` says otherwise."""
+    tracer = Tracer()
+    x = tracer.input((3, 8), "float32", "x")
+    (t,) = tracer.emit("scalar", [x.value], kind="mul", value=2.0)
+    (s,) = tracer.emit("unary", [t], kind="sin")
+    (c,) = tracer.emit("unary", [t], kind="cos")
+    if case == "two programs":                 # a reduction between: two programs
+        (m,) = tracer.emit("reduce_sum", [s], axes=(0,))
+        (s,) = tracer.emit("binary", [s, m], kind="mul")
+    (y,) = tracer.emit("concat", [c, x.value] if case == "an input" else [s, c], dim=1)
+    tracer.graph.outputs = {"y": y}
+    if case == "a graph output":
+        tracer.graph.outputs["s"] = s
+    if case == "another reader":
+        tracer.graph.outputs["z"] = tracer.emit("reduce_sum", [s], axes=(0,))[0]
+    return tracer.graph
+
+
+def test_two_results_of_one_program_are_joined(request):
+    graph = fuse(two_results("one program"))
+    assert ops(graph) == {"pointwise": 1}
+    (node,) = graph.nodes
+    assert node.attrs["results"] == (Joined(1, (2, 3)),)
+    x = randn(seeded(request.node.name), 3, 8)
+    np.testing.assert_array_equal(run_graph(graph, {"x": x})["y"],
+                                  np.concatenate([np.sin(x * 2), np.cos(x * 2)], 1))
+
+
+@pytest.mark.parametrize("case", ["another reader", "a graph output", "two programs",
+                                  "an input"])
+def test_near_misses_keep_their_concat(case):
+    graph = two_results(case)
+    assert ops(fuse(graph))["concat"] == 1
+    x = randn(seeded(case), 3, 8)
+    want = run_graph(fuse(graph, WITHOUT), {"x": x})
+    got = run_graph(fuse(graph), {"x": x})
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_the_op_joins_along_any_axis(request, dim):
+    rng = seeded(request.node.name)
+    x = randn(rng, 2, 3, 4)
+    program = (Instr("unary", (0,), (("kind", "exp"),)),
+               Instr("scalar", (0,), (("kind", "mul"), ("value", 2.0))))
+    tracer = Tracer()
+    xs = tracer.input((2, 3, 4), "float32", "x")
+    (y, z) = tracer.emit("pointwise", [xs.value], program=program,
+                         results=(Joined(dim, (1, 0, 2)), 2), shape=(2, 3, 4))
+    tracer.graph.outputs = {"y": y, "z": z}
+    got = run_graph(tracer.graph, {"x": x})
+    np.testing.assert_array_equal(got["y"], np.concatenate([np.exp(x), x, x * 2], dim))
+    np.testing.assert_array_equal(got["z"], x * 2)
+    # each part is the view of the output a slice of it would read
+    stores = result_stores((Joined(dim, (1, 0, 2)), 2), (2, 3, 4))
+    assert [(s.out, s.register) for s in stores] == [(0, 1), (0, 0), (0, 2), (1, 2)]
+    flat = got["y"].reshape(-1)
+    for part, s in enumerate(stores[:3]):
+        seen = np.lib.stride_tricks.as_strided(flat[s.view[2]:], s.view[0],
+                                               [4 * d for d in s.view[1]])
+        want = np.take(got["y"], range(part * x.shape[dim], (part + 1) * x.shape[dim]), dim)
+        np.testing.assert_array_equal(seen, want)
+
+
+def test_a_join_of_two_dtypes_is_refused():
+    x = Value((3, 4), "float32")
+    program = (Instr("compare_scalar", (0,), (("kind", "gt"), ("value", 0.0))),)
+    with pytest.raises(ShapeError, match="one dtype"):
+        infer_outputs("pointwise", [x], dict(program=program, results=(Joined(1, (0, 1)),),
+                                             shape=(3, 4)))
+
+
+def test_the_cuda_source_stores_the_parts_and_compiles():
+    from stepgraph.backends.cuda import pointwise
+    from stepgraph.backends.cuda.runtime.compiler import compile_source_to_cubin
+
+    program = (Instr("act", (0,), (("kind", "sigmoid"), ("slope", 0.01))),
+               Instr("binary", (1, 0), (("kind", "mul"),)))
+    args = (program, (Joined(2, (1, 2)),), (2, 5, 8), ((2, 5, 8),), ("float32",), None)
+    source = pointwise.kernel_source(*args)
+    assert "out0[" in source and "+ 8]" in source and "out1" not in source
+    assert pointwise.vectorizable(*args)                 # rows of 8: parts at 0 and 8
+    assert compile_source_to_cubin(source, "pointwise_joins.cu")
+    odd = (program, (Joined(2, (1, 2)),), (2, 5, 6), ((2, 5, 6),), ("float32",), None)
+    assert not pointwise.vectorizable(*odd)              # rows of 6: a part at 6
+    bf16 = (program, (Joined(0, (1, 2)),), (2, 5, 8), ((2, 5, 8),), ("bfloat16",), None)
+    assert pointwise.vectorizable(*bf16)
+    assert compile_source_to_cubin(pointwise.kernel_source(*bf16), "pointwise_joins_bf16.cu")
