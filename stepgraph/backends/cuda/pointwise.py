@@ -322,10 +322,10 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
                *(f"            {b}" for b in body[len(loaded):len(body) - len(stores)]),
                *(f"            o{j}[lane] = r{s.register};" for j, s in enumerate(stores)),
                "        }",
-               *(f"        store4_bytes(out{s.out}, (long long)({_store_offset(s, shape)}), o{j});"
+               *(f"        store4_bytes(out{s.out}, {_vector_store_offset(s, shape)}, o{j});"
                  if dtypes[s.register] in BYTE_DTYPES else
                  f"        storev_from_float<{VEC}>(out{s.out}, "
-                 f"(long long)({_store_offset(s, shape)}), o{j});"
+                 f"{_vector_store_offset(s, shape)}, o{j});"
                  for j, s in enumerate(stores)),
                "    }",
                "}"]
@@ -362,6 +362,15 @@ def _store_offset(store, shape: tuple) -> str:
     """The C expression of the element output element i of the program stores to: i, or its
     place in a joined output (the view its part is)."""
     return "i" if store.view is None else _view_offset(store.view, shape)
+
+
+def _vector_store_offset(store, shape: tuple) -> str:
+    """VEC_KERNEL_NAME's offset of its four elements' store: the first's place in a joined
+    output, else the elements' own index (spelt from q as it always was: the every-instruction
+    program's comparisons came out different with `(long long)(i)` there, on an H200)."""
+    if store.view is None:
+        return f"{VEC}LL * q"
+    return f"(long long)({_view_offset(store.view, shape)})"
 
 
 def _vector_load(j: int, in_shape: tuple, shape: tuple, load, dtype: str, view=None) -> str:
