@@ -1,22 +1,31 @@
-"""A concat of one pointwise program's results is written by the program itself.
+"""A concat that a pointwise program can write is written by that program.
 
 A gated unit's backward computes the gradients of both halves of one projection in one
 program (`a, b = self.gate(x).chunk(2, -1)`, SwiGLU, GLU, a product gate), and the projection's
-backward reads them joined: `torch.cat` of the two, a copy of both. Sines and cosines of one
-angle table joined into position features are the same pattern in the forward. The program
-can store each result straight into its part of the joined value (ops/pointwise.py `Joined`:
-the part is a strided view of the output, as a slice would read it), so the concat and the
-separate results go.
+backward reads them joined: `torch.cat` of the two, a copy of both. A packed q, k, v projection
+whose q and k are normalised (or rotated) after the head split joins their gradients and v's
+the same way, each read through the head split's permute (a `layout_concat`). The program can
+store each part straight into its place in the joined value (ops/pointwise.py `Joined`: the
+part is a strided view of the output), so the concat goes with its pass over memory:
 
-Only where every input of the concat is a result of the one program that nothing else reads
-(no other node, no graph output, no write in place), so the separate results need not exist.
-Same bits: the program stores the values the concat copied.
+- the program's own results that only the concat reads are stored there and not kept;
+- the concat's other inputs, of the program's shape, are read by the program as inputs and
+  stored as they are (a copy, as the concat made). The program chosen is the last of the
+  concat's producers, so every such input is made before it runs.
+
+Only where at least one part is the program's own result, a layout_concat reads each input
+through a permutation of its axes (the head split's transpose; a slice or reshape is left to
+the concat), and the program's results given up are no graph output and nothing writes them
+in place. Same bits: the program stores the values the concat copied.
 """
 from __future__ import annotations
 
-from ..ir.graph import Graph
-from ..ops.pointwise import Joined
+import math
+
+from ..ir.graph import Graph, Node, Value
+from ..ops.pointwise import Instr, Joined, contiguous_strides, input_views
 from .aliases import view_roots, written_buffers
+from .pointwise_views import program_of
 from .rewrite import _copy
 
 
@@ -25,28 +34,118 @@ def join_pointwise_results(graph: Graph) -> Graph:
     producers, users = graph.producers(), graph.consumers()
     outputs = set(graph.outputs.values())
     written = written_buffers(graph.nodes, view_roots(graph.nodes))
+    order = {id(n): i for i, n in enumerate(graph.nodes)}
     gone: set[int] = set()
     for cat in graph.nodes:
-        if cat.op != "concat" or len(cat.inputs) < 2:
+        if cat.op not in ("concat", "layout_concat") or len(cat.inputs) < 2:
             continue
-        program = producers.get(cat.inputs[0])
-        if program is None or program.op != "pointwise":
+        programs = [producers[v] for v in cat.inputs
+                    if v in producers and program_of(producers[v]) is not None]
+        if not programs:
             continue
+        last = max(programs, key=lambda n: order[id(n)])
+        program = program_of(last)
+        shape = tuple(program.attrs["shape"])
+        parts = part_views(cat, shape)
+        if parts is None:
+            continue
+
+        def own(v: Value) -> bool:
+            return producers.get(v) in (last, program) and v not in outputs \
+                and v not in written \
+                and isinstance(program.attrs["results"][program.outputs.index(v)], int) \
+                and all(u is cat for u in users[v])
+
+        def readable(v: Value) -> bool:
+            p = producers.get(v)
+            return p is None or order[id(p)] < order[id(last)]
+
+        if not all(own(v) or readable(v) for v in cat.inputs) or \
+                not any(own(v) for v in cat.inputs):
+            continue
+        if program is not last:                  # a lone elementwise node: its program
+            graph.nodes[order[id(last)]] = program
+            order[id(program)] = order[id(last)]
+            producers.update((v, program) for v in program.outputs)
+        read = {id(v): _read(program, v) for v in cat.inputs if not own(v)}
         results = list(program.attrs["results"])
-        at = {id(v): j for j, v in enumerate(program.outputs)}
-        if not all(id(v) in at and isinstance(results[at[id(v)]], int) and v not in outputs
-                   and v not in written and all(u is cat for u in users[v])
-                   for v in cat.inputs):
-            continue
-        joined = Joined(int(cat.attrs["dim"]),
-                        tuple(results[at[id(v)]] for v in cat.inputs))
-        parts = {at[id(v)] for v in cat.inputs}
-        first = min(parts)
-        keep = [j for j in range(len(results)) if j not in parts or j == first]
-        results[first] = joined
-        program.outputs[first] = cat.outputs[0]
+        registers = tuple(read[id(v)] if id(v) in read else results[program.outputs.index(v)]
+                          for v in cat.inputs)
+        mine = sorted({program.outputs.index(v) for v in cat.inputs if own(v)})
+        results[mine[0]] = Joined(tuple(cat.outputs[0].shape), registers, parts)
+        program.outputs[mine[0]] = cat.outputs[0]
+        keep = [j for j in range(len(results)) if j not in mine[1:]]
         program.outputs = [program.outputs[j] for j in keep]
         program.attrs = {**program.attrs, "results": tuple(results[j] for j in keep)}
+        producers[cat.outputs[0]] = program
         gone.add(id(cat))
     graph.nodes = [n for n in graph.nodes if id(n) not in gone]
     return graph
+
+
+def part_views(cat: Node, shape: tuple) -> tuple | None:
+    """(strides, offset) over the output's elements of each input of a concat or
+    layout_concat, the input indexed as `shape` (the program's: each input holds that many
+    elements), or None where an input does not have that shape (a concat) or is read
+    through a view that is no permutation of the axes of `shape` (a layout_concat)."""
+    out = tuple(cat.outputs[0].shape)
+    dim, at, parts = int(cat.attrs["dim"]), contiguous_strides(out), []
+    views = cat.attrs.get("views") or [None] * len(cat.inputs)
+    start = 0
+    for v, view in zip(cat.inputs, views):
+        if view is None:
+            axes = tuple(range(len(shape))) if tuple(v.shape) == shape else None
+        else:
+            axes = permuted_axes(shape, view) if v.size == math.prod(shape) else None
+        if axes is None:
+            return None
+        # axis axes[d] of the input, indexed as `shape`, is the output's axis d
+        strides = [0] * len(shape)
+        for d, a in enumerate(axes):
+            strides[a] = at[d]
+        parts.append((tuple(strides), start * at[dim]))
+        start += (v.shape if view is None else view[0])[dim]
+    return tuple(parts)
+
+
+def permuted_axes(shape: tuple, view) -> tuple | None:
+    """axes such that the view (vshape, strides, offset) reads a contiguous array of `shape`
+    as its transpose by axes (view axis d is axis axes[d]), or None."""
+    vshape, strides, _ = view            # a full-size view of the array: its offset is 0
+    own = contiguous_strides(shape)
+    if len(vshape) != len(shape):
+        return None
+    axes, free = [], [a for a in range(len(shape)) if shape[a] == 1]
+    for n, s in zip(vshape, strides):
+        found = [a for a in range(len(shape)) if shape[a] == n > 1 and own[a] == s]
+        if n == 1 and free:
+            found = [free.pop()]
+        if len(found) != 1 or found[0] in axes:
+            return None
+        axes.append(found[0])
+    return tuple(axes)
+
+
+def _read(program: Node, v: Value) -> int:
+    """The register in which program reads v at its shape (v holds as many elements,
+    contiguous; read through a reshaping view where its shape differs): an input it has, or
+    one more (the registers from the new one on move up by one)."""
+    shape = tuple(program.attrs["shape"])
+    wanted = None if tuple(v.shape) == shape else (shape, contiguous_strides(shape), 0)
+    views = input_views(program.attrs, len(program.inputs))
+    for j, (x, view) in enumerate(zip(program.inputs, views)):
+        if x is v and view == wanted:
+            return j
+    k = len(program.inputs)
+    up = lambda r: r + 1 if r >= k else r   # noqa: E731
+    program.inputs.append(v)
+    attrs = dict(program.attrs)
+    attrs["program"] = tuple(Instr(i.op, tuple(map(up, i.args)), i.attrs)
+                             for i in attrs["program"])
+    attrs["results"] = tuple(
+        Joined(r.shape, tuple(map(up, r.registers)), r.views) if isinstance(r, Joined)
+        else up(r) for r in attrs["results"])
+    if attrs.get("views") or wanted is not None:
+        attrs["views"] = (*input_views(attrs, k), wanted)
+    program.attrs = attrs
+    return k

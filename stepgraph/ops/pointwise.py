@@ -5,9 +5,10 @@ program reads the node's inputs (broadcast to attrs shape) as registers 0..k-1; 
 writes register k + j; attrs results name the registers the node's outputs hold. An input may
 be read through a strided view of its elements (attrs views: per input None or (shape,
 strides, offset)), as a slice or permute of it would hold them (compile/pointwise_views.py).
-An output may hold several registers joined along an axis (a `Joined` entry of attrs results),
-as a concat of the program's results would (compile/pointwise_joins.py): each register is
-stored through the strided view its part is of the output, so the concat's copy goes.
+An output may be made of parts (a `Joined` entry of attrs results), as a concat of the
+program's results and of values it reads would be (compile/pointwise_joins.py): each part's
+register is stored through the strided view that part is of the output, so the concat's copy
+goes.
 The NumPy reference runs each instruction through the op's own reference implementation, so a
 fused graph computes exactly what the unfused one did.
 
@@ -39,7 +40,7 @@ from ..backends.numpy import bf16
 from ..ir.graph import HALF_DTYPES, Node, Value
 from ..ir.ops import IMPLS, _need, defop, impl
 from .dropout import keep_mask
-from .shape import view_fits, viewed
+from .shape import view_fits, viewed, written_through
 
 # Elementwise ops a program may hold: one output, the output's shape is the broadcast shape
 # of the inputs, every element depends only on the same (broadcast) element of each input.
@@ -63,9 +64,26 @@ class Instr:
 
 @dataclass(frozen=True)
 class Joined:
-    """An attrs results entry: one output holding `registers` concatenated along `dim`."""
-    dim: int
+    """An attrs results entry: one output of `shape` made of parts, register registers[p]
+    stored through views[p] = (strides, offset) over the output's elements, indexed as the
+    program's shape (compile/pointwise_joins.py). The parts tile the output."""
+    shape: tuple[int, ...]
     registers: tuple[int, ...]
+    views: tuple[tuple[tuple[int, ...], int], ...]
+
+
+def concat_joined(shape: tuple, dim: int, registers: tuple[int, ...]) -> Joined:
+    """The Joined entry of `registers`, each of the program's `shape`, concatenated along
+    `dim`: part p is the slice p of the output along dim."""
+    joined = tuple(d * len(registers) if i == dim else d for i, d in enumerate(shape))
+    strides = contiguous_strides(joined)
+    return Joined(joined, tuple(registers),
+                  tuple((strides, p * shape[dim] * strides[dim]) for p in range(len(registers))))
+
+
+def contiguous_strides(shape: tuple) -> tuple[int, ...]:
+    """The element strides of a C-contiguous array of `shape`."""
+    return tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
 
 
 class Store(NamedTuple):
@@ -80,19 +98,12 @@ def result_stores(results, shape: tuple) -> list[Store]:
     """The stores of attrs results over the program's `shape`, output by output."""
     stores = []
     for j, r in enumerate(results):
-        if not isinstance(r, Joined):
+        if isinstance(r, Joined):
+            stores += [Store(j, reg, (tuple(shape), tuple(strides), int(offset)))
+                       for reg, (strides, offset) in zip(r.registers, r.views)]
+        else:
             stores.append(Store(j, int(r), None))
-            continue
-        joined = joined_shape(shape, r)
-        strides = tuple(math.prod(joined[d + 1:]) for d in range(len(joined)))
-        for p, reg in enumerate(r.registers):
-            stores.append(Store(j, reg, (tuple(shape), strides, p * shape[r.dim] * strides[r.dim])))
     return stores
-
-
-def joined_shape(shape: tuple, joined: Joined) -> tuple:
-    """The shape of an output joining joined's registers, each of `shape`."""
-    return tuple(d * len(joined.registers) if i == joined.dim else d for i, d in enumerate(shape))
 
 
 def _result_dtype(instr: Instr, dtypes: list[str]) -> str:
@@ -153,10 +164,13 @@ def _pointwise(ins, attrs):
         if not isinstance(r, Joined):
             specs.append((shape, dtypes[r]))
             continue
-        _need(0 <= r.dim < len(shape) and len(r.registers) > 1 and
+        size = math.prod(r.shape)
+        _need(len(r.registers) == len(r.views) >= 1 and
+              len(r.registers) * math.prod(shape) == size and
+              all(view_fits((shape, strides, offset), size) for strides, offset in r.views) and
               len({dtypes[x] for x in r.registers}) == 1, "pointwise",
-              f"{r} joins registers of one dtype along an axis of {shape}")
-        specs.append((joined_shape(shape, r), dtypes[r.registers[0]]))
+              f"{r} does not tile an output with parts of {shape} in registers of one dtype")
+        specs.append((tuple(r.shape), dtypes[r.registers[0]]))
     return specs
 
 
@@ -187,9 +201,11 @@ def _pointwise_impl(node: Node, ins, outs, ctx):
         if ir_dtype in HALF_DTYPES:     # the store of the unfused bf16 or float16 node
             out = bf16.round_to(out, ir_dtype)
         regs.append(out)
-    for out, r in zip(outs, node.attrs["results"]):
-        out[...] = np.concatenate([regs[x] for x in r.registers], r.dim) \
-            if isinstance(r, Joined) else regs[r]
+    for store in result_stores(node.attrs["results"], shape):
+        out = outs[store.out]
+        if store.view is not None:
+            out = written_through(out, store.view)
+        out[...] = regs[store.register]
 
 
 # ---- pointwise_sum: a program summed over the last axis, then a program over the sums -----

@@ -156,6 +156,15 @@ def viewed(x: np.ndarray, shape, strides, offset) -> np.ndarray:
                                            writeable=False)
 
 
+def written_through(x: np.ndarray, view) -> np.ndarray:
+    """Array x (C-contiguous) as the writable view (shape, strides, offset in elements) of
+    its elements; view_fits(view, x.size) must hold."""
+    shape, strides, offset = view
+    flat = x.reshape(-1)[int(offset):]
+    return np.lib.stride_tricks.as_strided(flat, tuple(shape),
+                                           tuple(s * flat.itemsize for s in strides))
+
+
 @impl("layout_copy")
 def _layout_copy_impl(node, ins, outs, ctx):
     a = node.attrs

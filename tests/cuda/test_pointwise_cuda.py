@@ -246,7 +246,7 @@ def test_results_joined_into_one_output(ctx, shape, dim, vec):
     elements a thread where each part starts at a multiple of four (aligned arrays) and element
     by element where not (and on misaligned arrays), the two kernels' bits the same; every
     element of the output written (poisoned first)."""
-    from stepgraph.ops.pointwise import Instr, Joined
+    from stepgraph.ops.pointwise import Instr, concat_joined
 
     rng = seeded(f"joins-{shape}-{dim}")
     x, g = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
@@ -254,11 +254,33 @@ def test_results_joined_into_one_output(ctx, shape, dim, vec):
                Instr("binary", (2, 1), (("kind", "mul"),)),
                Instr("scalar", (3,), (("kind", "mul"), ("value", 0.5))))
     node = helpers.make_node("pointwise", [x, g], program=program,
-                             results=(Joined(dim, (3, 2, 4)), 4), shape=shape)
+                             results=(concat_joined(shape, dim, (3, 2, 4)), 4),
+                             shape=shape)
     assert pointwise.vectorizable(*pointwise._program(node)) == vec
     ref = [np.empty(v.shape, v.dtype) for v in node.outputs]
     helpers.NUMPY_IMPLS[node.op](node, [x.copy(), g.copy()], ref, None)
     aligned, misaligned = (run_at_offset(ctx, node, [x, g], offset) for offset in (0, 1))
+    for r, a, m in zip(ref, aligned, misaligned):
+        assert np.isfinite(a).all()
+        np.testing.assert_allclose(a, r, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(m, a)
+
+
+def test_the_heads_gradients_joined_in_the_head_layout(ctx):
+    """compile/pointwise_joins.py's program joining q's, k's and v's gradients through the
+    head split's permute (tests/unit/test_pointwise_joins.py), on fresh inputs: NumPy's values
+    to float32 division's rounding, on aligned arrays (four elements a thread, permuted
+    stores) and misaligned ones (element by element) with the same bits; every element of the
+    joined output written (poisoned first)."""
+    from tests.unit.test_pointwise_joins import heads_join_node
+
+    node = heads_join_node()
+    rng = seeded("heads-join")
+    ins = [(rng.standard_normal(v.shape) + (3.0 if v.shape[-1] == 1 else 0.0))
+           .astype(np.float32) for v in node.inputs]
+    ref = [np.empty(v.shape, v.dtype) for v in node.outputs]
+    helpers.NUMPY_IMPLS[node.op](node, [a.copy() for a in ins], ref, None)
+    aligned, misaligned = (run_at_offset(ctx, node, ins, offset) for offset in (0, 1))
     for r, a, m in zip(ref, aligned, misaligned):
         assert np.isfinite(a).all()
         np.testing.assert_allclose(a, r, rtol=1e-6, atol=1e-6)

@@ -17,6 +17,7 @@ from stepgraph.compile.concat_slices import read_concat_inputs
 from stepgraph.compile.fuse import PASSES, eliminate_dead_code, fuse
 from stepgraph.compile.elementwise_reshapes import move_elementwise_before_reshapes
 from stepgraph.compile.layout_chains import collapse_layout_chains
+from stepgraph.compile.pointwise_joins import join_pointwise_results
 from stepgraph.compile.pointwise_views import read_pointwise_views
 from stepgraph.compile.plan import make_plan
 from stepgraph.errors import ShapeError
@@ -26,8 +27,8 @@ from stepgraph.ir.trace import Tracer
 from tests.ops.helpers import op_forward, randn, run_graph, seeded
 
 # The passes after these that remove more copies are tested on their own
-# (test_pointwise_views.py, test_elementwise_reshapes.py).
-LATER = (read_pointwise_views, move_elementwise_before_reshapes)
+# (test_pointwise_views.py, test_elementwise_reshapes.py, test_pointwise_joins.py).
+LATER = (read_pointwise_views, move_elementwise_before_reshapes, join_pointwise_results)
 WITH = tuple(p for p in PASSES if p not in LATER)
 WITHOUT = tuple(p for p in WITH if p not in (collapse_layout_chains, read_concat_inputs))
 B, T, H, D = 2, 5, 3, 4

@@ -19,9 +19,9 @@ from stepgraph.errors import ShapeError
 from stepgraph.ir.graph import Value
 from stepgraph.ir.ops import infer_outputs
 from stepgraph.ir.trace import Tracer
-from stepgraph.ops.pointwise import Instr, Joined, result_stores
+from stepgraph.ops.pointwise import Instr, Joined, concat_joined, result_stores
 from tests.ops.helpers import randn, run_graph, seeded
-from tests.unit.test_layout_chains import B, C, T, traced
+from tests.unit.test_layout_chains import B, C, T, head_split, traced
 
 WITHOUT = tuple(p for p in PASSES if p is not join_pointwise_results)
 
@@ -59,16 +59,24 @@ def test_the_concat_is_stored_by_its_program(request, loss):
 
 
 def two_results(case: str):
-    """y = cat([sin(2x), cos(2x)], 1), made in one program unless `case` says otherwise."""
+    """y = cat([sin(2x), cos(2x)], 1), made in one program, or with `case`'s change."""
     tracer = Tracer()
     x = tracer.input((3, 8), "float32", "x")
     (t,) = tracer.emit("scalar", [x.value], kind="mul", value=2.0)
     (s,) = tracer.emit("unary", [t], kind="sin")
     (c,) = tracer.emit("unary", [t], kind="cos")
-    if case == "two programs":                 # a reduction between: two programs
+    if case == "two programs":                 # a reduction between: s made by a second one
         (m,) = tracer.emit("reduce_sum", [s], axes=(0,))
         (s,) = tracer.emit("binary", [s, m], kind="mul")
-    (y,) = tracer.emit("concat", [c, x.value] if case == "an input" else [s, c], dim=1)
+    if case == "made later":                   # made after the program, by no program
+        (c,) = tracer.emit("softmax", [x.value], axis=1)
+    if case == "an input":
+        c = x.value
+    if case == "a slice":                      # read through a view that is no permutation
+        (y,) = tracer.emit("layout_concat", [s, c], dim=1,
+                           views=(((3, 8), (8, 1), 0), ((3, 4), (8, 1), 4)))
+    else:
+        (y,) = tracer.emit("concat", [s, c], dim=1)
     tracer.graph.outputs = {"y": y}
     if case == "a graph output":
         tracer.graph.outputs["s"] = s
@@ -77,26 +85,64 @@ def two_results(case: str):
     return tracer.graph
 
 
+def same_bits_on_numpy(graph, seed: str) -> None:
+    x = randn(seeded(seed), 3, 8)
+    want = run_graph(fuse(graph, WITHOUT), {"x": x})
+    got = run_graph(fuse(graph), {"x": x})
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
 def test_two_results_of_one_program_are_joined(request):
     graph = fuse(two_results("one program"))
     assert ops(graph) == {"pointwise": 1}
     (node,) = graph.nodes
-    assert node.attrs["results"] == (Joined(1, (2, 3)),)
+    assert node.attrs["results"] == (concat_joined((3, 8), 1, (2, 3)),)
     x = randn(seeded(request.node.name), 3, 8)
     np.testing.assert_array_equal(run_graph(graph, {"x": x})["y"],
                                   np.concatenate([np.sin(x * 2), np.cos(x * 2)], 1))
 
 
-@pytest.mark.parametrize("case", ["another reader", "a graph output", "two programs",
-                                  "an input"])
+@pytest.mark.parametrize("case", ["an input", "two programs"])
+def test_the_last_program_also_stores_the_other_parts(case):
+    """A part the program does not make (an input, another program's result made before it)
+    is read by the program and stored as it is."""
+    graph = two_results(case)
+    assert ops(fuse(graph, WITHOUT))["concat"] == 1 and ops(fuse(graph))["concat"] == 0
+    same_bits_on_numpy(graph, case)
+
+
+@pytest.mark.parametrize("case", ["another reader", "a graph output", "made later", "a slice"])
 def test_near_misses_keep_their_concat(case):
     graph = two_results(case)
-    assert ops(fuse(graph))["concat"] == 1
-    x = randn(seeded(case), 3, 8)
-    want = run_graph(fuse(graph, WITHOUT), {"x": x})
-    got = run_graph(fuse(graph), {"x": x})
+    op = "layout_concat" if case == "a slice" else "concat"
+    assert ops(fuse(graph))[op] == 1
+    same_bits_on_numpy(graph, case)
+
+
+def test_the_heads_gradients_are_joined_in_the_head_layout(request):
+    """q and k normalised after the head split of one packed projection: the backward joins
+    q's and k's gradients (programs) and v's (a GEMM) through the split's permute; the last
+    program stores all three where the projection's backward reads them."""
+    graph = traced(head_split, 3 * C)
+    before, after = fuse(graph, WITHOUT), fuse(graph)
+    assert ops(before)["layout_concat"] == 1 and ops(after)["layout_concat"] == 0
+    (joined,) = [n for n in after.nodes if n.op == "pointwise"
+                 and any(isinstance(r, Joined) for r in n.attrs["results"])]
+    assert joined.attrs.get("views")       # v's (B * H, T, D) gradient read at (B, H, T, D)
+    rng = seeded(request.node.name)
+    a = {"x": randn(rng, B, T, C), "w": randn(rng, C, 3 * C)}
+    want, got = run_graph(before, a), run_graph(after, a)
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def heads_join_node():
+    """The program of test_the_heads_gradients_are_joined_in_the_head_layout that stores the
+    joined gradients (also run on a GPU, tests/cuda/test_pointwise_cuda.py)."""
+    (node,) = [n for n in fuse(traced(head_split, 3 * C)).nodes if n.op == "pointwise"
+               and any(isinstance(r, Joined) for r in n.attrs["results"])]
+    return node
 
 
 @pytest.mark.parametrize("dim", [0, 1, 2])
@@ -108,13 +154,14 @@ def test_the_op_joins_along_any_axis(request, dim):
     tracer = Tracer()
     xs = tracer.input((2, 3, 4), "float32", "x")
     (y, z) = tracer.emit("pointwise", [xs.value], program=program,
-                         results=(Joined(dim, (1, 0, 2)), 2), shape=(2, 3, 4))
+                         results=(concat_joined((2, 3, 4), dim, (1, 0, 2)), 2),
+                         shape=(2, 3, 4))
     tracer.graph.outputs = {"y": y, "z": z}
     got = run_graph(tracer.graph, {"x": x})
     np.testing.assert_array_equal(got["y"], np.concatenate([np.exp(x), x, x * 2], dim))
     np.testing.assert_array_equal(got["z"], x * 2)
     # each part is the view of the output a slice of it would read
-    stores = result_stores((Joined(dim, (1, 0, 2)), 2), (2, 3, 4))
+    stores = result_stores((concat_joined((2, 3, 4), dim, (1, 0, 2)), 2), (2, 3, 4))
     assert [(s.out, s.register) for s in stores] == [(0, 1), (0, 0), (0, 2), (1, 2)]
     flat = got["y"].reshape(-1)
     for part, s in enumerate(stores[:3]):
@@ -128,8 +175,8 @@ def test_a_join_of_two_dtypes_is_refused():
     x = Value((3, 4), "float32")
     program = (Instr("compare_scalar", (0,), (("kind", "gt"), ("value", 0.0))),)
     with pytest.raises(ShapeError, match="one dtype"):
-        infer_outputs("pointwise", [x], dict(program=program, results=(Joined(1, (0, 1)),),
-                                             shape=(3, 4)))
+        infer_outputs("pointwise", [x], dict(program=program, shape=(3, 4),
+                                             results=(concat_joined((3, 4), 1, (0, 1)),)))
 
 
 def test_the_cuda_source_stores_the_parts_and_compiles():
@@ -138,13 +185,29 @@ def test_the_cuda_source_stores_the_parts_and_compiles():
 
     program = (Instr("act", (0,), (("kind", "sigmoid"), ("slope", 0.01))),
                Instr("binary", (1, 0), (("kind", "mul"),)))
-    args = (program, (Joined(2, (1, 2)),), (2, 5, 8), ((2, 5, 8),), ("float32",), None)
-    source = pointwise.kernel_source(*args)
+    def args(shape, dim, dtype="float32"):
+        return program, (concat_joined(shape, dim, (1, 2)),), shape, (shape,), (dtype,), None
+
+    args8 = args((2, 5, 8), 2)
+    source = pointwise.kernel_source(*args8)
     assert "out0[" in source and "+ 8]" in source and "out1" not in source
-    assert pointwise.vectorizable(*args)                 # rows of 8: parts at 0 and 8
+    assert pointwise.vectorizable(*args8)                # rows of 8: parts at 0 and 8
     assert compile_source_to_cubin(source, "pointwise_joins.cu")
-    odd = (program, (Joined(2, (1, 2)),), (2, 5, 6), ((2, 5, 6),), ("float32",), None)
-    assert not pointwise.vectorizable(*odd)              # rows of 6: a part at 6
-    bf16 = (program, (Joined(0, (1, 2)),), (2, 5, 8), ((2, 5, 8),), ("bfloat16",), None)
+    assert not pointwise.vectorizable(*args((2, 5, 6), 2))   # rows of 6: a part at 6
+    bf16 = args((2, 5, 8), 0, "bfloat16")
     assert pointwise.vectorizable(*bf16)
     assert compile_source_to_cubin(pointwise.kernel_source(*bf16), "pointwise_joins_bf16.cu")
+
+
+def test_the_heads_join_source_compiles():
+    """The parts of the head layout are stored through permuted strides, four elements at a
+    time (each part's rows of D = 4 start at multiples of four), and v's gradient is read
+    through the view that gives its (B * H, T, D) layout the program's (B, H, T, D)."""
+    from stepgraph.backends.cuda import pointwise
+    from stepgraph.backends.cuda.runtime.compiler import compile_source_to_cubin
+
+    args = pointwise._program(heads_join_node())
+    assert pointwise.vectorizable(*args)
+    source = pointwise.kernel_source(*args)
+    assert "+ 12]" in source and "+ 24]" in source       # k's and v's parts: H * D further
+    assert compile_source_to_cubin(source, "pointwise_heads_join.cu")
