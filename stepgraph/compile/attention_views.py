@@ -30,8 +30,9 @@ from __future__ import annotations
 from ..ir.graph import Graph, Node, Value
 from ..ops.attention import PERMUTED_OUTPUTS, VIEW_INPUTS, collapsed_stride, out_perms
 from ..ops.pointwise import input_views
+from ..ops.shape import contiguous_strides
 from .aliases import view_roots, written_buffers
-from .layout_chains import _contiguous, view_reads
+from .layout_chains import view_reads
 from .rewrite import _copy
 
 
@@ -85,7 +86,7 @@ def write_attention_permuted(graph: Graph) -> Graph:
             if dims[-1] != len(dims) - 1 or roots.get(out, out) in written:
                 continue
             # o's element (i...) lies in out at sum(i[perm[j]] * out's stride j).
-            at = _contiguous(out.shape)
+            at = contiguous_strides(out.shape)
             strides = tuple(at[dims.index(d)] for d in range(len(dims)))
             if not _fits(o.shape, strides):
                 continue

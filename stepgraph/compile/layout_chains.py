@@ -33,7 +33,7 @@ from typing import Callable
 import numpy as np
 
 from ..ir.graph import Graph, Node, Value
-from ..ops.shape import _slice_bounds, slice_length
+from ..ops.shape import _slice_bounds, contiguous_strides, slice_length
 from .aliases import view_roots, written_buffers
 from .rewrite import _copy
 
@@ -50,10 +50,6 @@ class _View:
     strides: tuple[int, ...]
     offset: int
     copies: int
-
-
-def _contiguous(shape) -> tuple[int, ...]:
-    return tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
 
 
 def _reshaped(view: _View, shape: tuple) -> _View | None:
@@ -102,7 +98,7 @@ def chain_views(nodes: list[Node]) -> dict[Value, _View | None]:
                                         int(a["offset"]), 1)
         elif n.op in LAYOUT_OPS:
             x = n.inputs[0]
-            base = views.get(x) or _View(x, tuple(x.shape), _contiguous(x.shape), 0, 0)
+            base = views.get(x) or _View(x, tuple(x.shape), contiguous_strides(x.shape), 0, 0)
             views[n.outputs[0]] = _step(n, base)
     return views
 
@@ -174,7 +170,7 @@ def _concat_of_views(n: Node, views: dict, producers: dict, usable) -> list[Node
     dim = int(n.attrs["dim"]) % len(n.outputs[0].shape)
 
     def plain(x: Value) -> _View:
-        return _View(x, tuple(x.shape), _contiguous(x.shape), 0, 0)
+        return _View(x, tuple(x.shape), contiguous_strides(x.shape), 0, 0)
 
     def before_reshape(x: Value) -> _View | None:
         p = producers.get(x)

@@ -23,7 +23,8 @@ from __future__ import annotations
 import math
 
 from ..ir.graph import Graph, Node, Value
-from ..ops.pointwise import Instr, Joined, contiguous_strides, input_views
+from ..ops.pointwise import Instr, Joined, input_views
+from ..ops.shape import contiguous_strides
 from .aliases import view_roots, written_buffers
 from .pointwise_views import program_of
 from .rewrite import _copy

@@ -40,7 +40,7 @@ from ..backends.numpy import bf16
 from ..ir.graph import HALF_DTYPES, Node, Value
 from ..ir.ops import IMPLS, _need, defop, impl
 from .dropout import keep_mask
-from .shape import view_fits, viewed, written_through
+from .shape import contiguous_strides, view_fits, viewed
 
 # Elementwise ops a program may hold: one output, the output's shape is the broadcast shape
 # of the inputs, every element depends only on the same (broadcast) element of each input.
@@ -79,11 +79,6 @@ def concat_joined(shape: tuple, dim: int, registers: tuple[int, ...]) -> Joined:
     strides = contiguous_strides(joined)
     return Joined(joined, tuple(registers),
                   tuple((strides, p * shape[dim] * strides[dim]) for p in range(len(registers))))
-
-
-def contiguous_strides(shape: tuple) -> tuple[int, ...]:
-    """The element strides of a C-contiguous array of `shape`."""
-    return tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
 
 
 class Store(NamedTuple):
@@ -204,7 +199,7 @@ def _pointwise_impl(node: Node, ins, outs, ctx):
     for store in result_stores(node.attrs["results"], shape):
         out = outs[store.out]
         if store.view is not None:
-            out = written_through(out, store.view)
+            out = viewed(out, *store.view, writeable=True)
         out[...] = regs[store.register]
 
 

@@ -4,6 +4,8 @@ chain of those as one strided copy) and layout_concat (a concat of such chains),
 constant, and stop_gradient (a view the backward does not cross)."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..ir.graph import storage_dtype
@@ -147,22 +149,18 @@ def _check_view(op: str, x, shape, strides, offset) -> None:
           f"shape {shape} at strides {strides} from {offset} reads past {x.size} elements")
 
 
-def viewed(x: np.ndarray, shape, strides, offset) -> np.ndarray:
-    """Array x (C-contiguous) read, not written, as the view (shape, strides, offset in
-    elements) of its elements."""
+def viewed(x: np.ndarray, shape, strides, offset, writeable: bool = False) -> np.ndarray:
+    """Array x (C-contiguous) as the view (shape, strides, offset in elements) of its
+    elements: read only, or written where writeable (a pointwise program's joined parts)."""
     flat = x.reshape(-1)[int(offset):]
     return np.lib.stride_tricks.as_strided(flat, tuple(shape),
                                            tuple(s * flat.itemsize for s in strides),
-                                           writeable=False)
+                                           writeable=writeable)
 
 
-def written_through(x: np.ndarray, view) -> np.ndarray:
-    """Array x (C-contiguous) as the writable view (shape, strides, offset in elements) of
-    its elements; view_fits(view, x.size) must hold."""
-    shape, strides, offset = view
-    flat = x.reshape(-1)[int(offset):]
-    return np.lib.stride_tricks.as_strided(flat, tuple(shape),
-                                           tuple(s * flat.itemsize for s in strides))
+def contiguous_strides(shape) -> tuple[int, ...]:
+    """The element strides of a C-contiguous array of `shape`."""
+    return tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
 
 
 @impl("layout_copy")
