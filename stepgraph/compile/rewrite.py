@@ -1,15 +1,14 @@
 """What every fusion pass uses to rewrite a graph without touching the one it was given."""
 from __future__ import annotations
 
-from dataclasses import replace
-
 from ..ir.graph import Graph, Node, Value
 
 
 def _copy(graph: Graph) -> Graph:
     """The same program over the same Values, in fresh Node objects: passes rewrite nodes in
-    place, and the graph they were given must still compute what it did."""
-    nodes = [replace(n, inputs=list(n.inputs), outputs=list(n.outputs), attrs=dict(n.attrs))
+    place, and the graph they were given must still compute what it did. (Node's own
+    constructor: dataclasses.replace took half of a transformer file's fusion time.)"""
+    nodes = [Node(n.op, list(n.inputs), list(n.outputs), dict(n.attrs), n.mutates, n.label)
              for n in graph.nodes]
     return Graph(nodes, graph.inputs, graph.params, graph.state, dict(graph.outputs))
 
