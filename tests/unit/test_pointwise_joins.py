@@ -1,9 +1,11 @@
-"""compile/pointwise_joins.py: a concat of one pointwise program's results is stored by the
-program into the parts of one output (ops/pointwise.py `Joined`). The rewritten graphs equal
-the graphs without the pass bit for bit on the NumPy backend (a gated MLP's backward, sines and
-cosines joined along an inner axis); the near-misses keep their concat; the op joins along any
-axis; the generated CUDA source stores the parts through their views and compiles with NVRTC
-(no GPU needed)."""
+"""compile/pointwise_joins.py: a concat (or a head-layout layout_concat) with a part made by
+a pointwise program is stored by the last such program into the parts of one output
+(ops/pointwise.py `Joined`). The rewritten graphs equal the graphs without the pass bit for
+bit on the NumPy backend: a gated MLP's backward, sines and cosines joined along an inner
+axis, parts the program reads and stores (an input, another program's result), the head
+split's gradients joined through its permute, and the mixer file trained at fp32 and bf16.
+The near-misses keep their concat; the op joins along any axis; the generated CUDA sources
+store the parts through their views and compile with NVRTC (no GPU needed)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -211,3 +213,40 @@ def test_the_heads_join_source_compiles():
     source = pointwise.kernel_source(*args)
     assert "+ 12]" in source and "+ 24]" in source       # k's and v's parts: H * D further
     assert compile_source_to_cubin(source, "pointwise_heads_join.cu")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_mixer_file_trains_bit_for_bit_with_the_joins(monkeypatch, precision):
+    """tests/compat/models/mixer.py (gate gradients, the sin/cos table and the packed
+    projection's head gradients joined) trains three steps on NumPy to the same losses and
+    parameters, bit for bit, with and without the pass."""
+    import torch
+
+    import stepgraph.compile.fuse as fuse_module
+    from tests.compat import loader
+
+    kw = dict(vocab_size=32, dim=24, heads=3, layers=2, block_size=12)
+    torch.manual_seed(0)
+    state = {k: v.numpy() for k, v in loader.load("mixer", "torch").TokenMixer(**kw)
+             .state_dict().items()}
+    rng = np.random.default_rng(0)
+    batches = [tuple(rng.integers(0, 32, (4, 12)) for _ in range(2)) for _ in range(3)]
+
+    def train(passes):
+        monkeypatch.setattr(fuse_module.fuse, "__defaults__", (passes,))
+        model = loader.load("mixer", "stepgraph").TokenMixer(**kw)
+        model.load_state_dict(state)
+        step = stepgraph.compile_train_step(
+            model, None, stepgraph.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+            example_inputs=batches[0], device="cpu", precision=precision)
+        plan = step.plan(step.signature)
+        joins = sum(isinstance(r, Joined) for n in plan.steps if n.op == "pointwise"
+                    for r in n.attrs["results"])
+        losses = [float(step(*b)) for b in batches]
+        return joins, losses, {k: np.asarray(v).copy() for k, v in model.state_dict().items()}
+
+    (joins, losses, params), (none, want_losses, want) = train(PASSES), train(WITHOUT)
+    assert joins == 5 and none == 0          # two gates, two heads' joins, the sin/cos table
+    assert losses == want_losses
+    for k in want:
+        np.testing.assert_array_equal(params[k], want[k], err_msg=k)
