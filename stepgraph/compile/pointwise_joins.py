@@ -15,8 +15,9 @@ part is a strided view of the output), so the concat goes with its pass over mem
 
 Only where at least one part is the program's own result, a layout_concat reads each input
 through a permutation of its axes (the head split's transpose; a slice or reshape is left to
-the concat), and the program's results given up are no graph output and nothing writes them
-in place. Same bits: the program stores the values the concat copied.
+the concat), every part can be stored four elements at a time (rows of a multiple of four),
+and the program's results given up are no graph output and nothing writes them in place.
+Same bits: the program stores the values the concat copied.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from ..ops.shape import contiguous_strides
 from .aliases import view_roots, written_buffers
 from .pointwise_views import program_of
 from .rewrite import _copy
+
+VECTOR = 4          # elements a thread of the CUDA vector kernel (backends/cuda/pointwise.py)
 
 
 def join_pointwise_results(graph: Graph) -> Graph:
@@ -48,7 +51,7 @@ def join_pointwise_results(graph: Graph) -> Graph:
         program = program_of(last)
         shape = tuple(program.attrs["shape"])
         parts = part_views(cat, shape)
-        if parts is None:
+        if parts is None or not all(_four_at_a_time(shape, part) for part in parts):
             continue
 
         def own(v: Value) -> bool:
@@ -82,6 +85,16 @@ def join_pointwise_results(graph: Graph) -> Graph:
         gone.add(id(cat))
     graph.nodes = [n for n in graph.nodes if id(n) not in gone]
     return graph
+
+
+def _four_at_a_time(shape: tuple, part) -> bool:
+    """Whether a part can be stored four elements at a time, as the CUDA vector kernel stores
+    (backends/cuda/pointwise.py VEC): rows whose length is a multiple of four, contiguous, at
+    multiples of four. A part that cannot would turn the whole program's kernel to one element
+    a thread, which may cost more than the concat's copy saves."""
+    strides, offset = part
+    return bool(shape) and shape[-1] % VECTOR == 0 and strides[-1] == 1 and \
+        all(s % VECTOR == 0 for s in (*strides[:-1], offset))
 
 
 def part_views(cat: Node, shape: tuple) -> tuple | None:
