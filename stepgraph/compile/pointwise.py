@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..ir.graph import BF16, FLOAT_DTYPES, Graph, Node, Value
-from ..ops.pointwise import Instr, PROGRAM_OPS
+from ..ops.pointwise import Instr, PROGRAM_OPS, renumbered
 from .rewrite import _copy, _join, _rebuild
 
 
@@ -127,9 +127,9 @@ def _program(g: _Group, graph: Graph, users) -> Node:
     # Registers are renumbered so loads come first: input i is register i, instruction j is
     # register len(inputs) + j (what ops/pointwise.py and the CUDA code generator read).
     k = len(inputs)
-    fix = lambda r: -r - 1 if r < 0 else k + r   # noqa: E731
-    program = tuple(Instr(i.op, tuple(map(fix, i.args)), i.attrs) for i in instrs)
-    attrs = dict(program=program, results=tuple(fix(reg[v]) for v in outputs), shape=g.shape)
+    program, results = renumbered(tuple(instrs), tuple(reg[v] for v in outputs),
+                                  lambda r: -r - 1 if r < 0 else k + r)
+    attrs = dict(program=program, results=results, shape=g.shape)
     return Node("pointwise", inputs, outputs, attrs, (), _join(*(n.label for n in g.members)))
 
 

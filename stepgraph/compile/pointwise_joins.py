@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 
 from ..ir.graph import Graph, Node, Value
-from ..ops.pointwise import Instr, Joined, input_views
+from ..ops.pointwise import Joined, input_views, renumbered
 from ..ops.shape import contiguous_strides
 from .aliases import view_roots, written_buffers
 from .pointwise_views import program_of
@@ -151,14 +151,10 @@ def _read(program: Node, v: Value) -> int:
         if x is v and view == wanted:
             return j
     k = len(program.inputs)
-    up = lambda r: r + 1 if r >= k else r   # noqa: E731
     program.inputs.append(v)
     attrs = dict(program.attrs)
-    attrs["program"] = tuple(Instr(i.op, tuple(map(up, i.args)), i.attrs)
-                             for i in attrs["program"])
-    attrs["results"] = tuple(
-        Joined(r.shape, tuple(map(up, r.registers)), r.views) if isinstance(r, Joined)
-        else up(r) for r in attrs["results"])
+    attrs["program"], attrs["results"] = renumbered(attrs["program"], attrs["results"],
+                                                    lambda r: r + 1 if r >= k else r)
     if attrs.get("views") or wanted is not None:
         attrs["views"] = (*input_views(attrs, k), wanted)
     program.attrs = attrs

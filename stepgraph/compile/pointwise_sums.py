@@ -26,7 +26,7 @@ computes what its node did, and the sum adds the same float32 values.
 from __future__ import annotations
 
 from ..ir.graph import Graph, Node, Value
-from ..ops.pointwise import Instr, input_views, register_dtypes
+from ..ops.pointwise import input_views, register_dtypes, renumbered
 from .aliases import view_roots, written_buffers
 from .pointwise_views import program_of
 from .rewrite import _copy
@@ -45,9 +45,10 @@ def _epilogue(q: Node, sums: Value) -> tuple[list[Value], tuple, tuple]:
     at = q.inputs.index(sums)
     order = [at] + [i for i in range(len(q.inputs)) if i != at]
     moved = {old: new for new, old in enumerate(order)}
-    fix = lambda r: moved.get(r, r)        # noqa: E731 -- instructions keep their registers
-    program = tuple(Instr(i.op, tuple(map(fix, i.args)), i.attrs) for i in q.attrs["program"])
-    return [q.inputs[i] for i in order[1:]], program, tuple(map(fix, q.attrs["results"]))
+    # instructions keep their registers
+    program, results = renumbered(q.attrs["program"], q.attrs["results"],
+                                  lambda r: moved.get(r, r))
+    return [q.inputs[i] for i in order[1:]], program, results
 
 
 def _float32(n: Node) -> bool:

@@ -101,6 +101,14 @@ def result_stores(results, shape: tuple) -> list[Store]:
     return stores
 
 
+def renumbered(program: tuple[Instr, ...], results, fix) -> tuple[tuple[Instr, ...], tuple]:
+    """program and its results (attrs results, Joined entries too) with every register r
+    read as fix(r): a program's inputs reordered, loads moved first, or an input added."""
+    return (tuple(Instr(i.op, tuple(map(fix, i.args)), i.attrs) for i in program),
+            tuple(Joined(r.shape, tuple(map(fix, r.registers)), r.views)
+                  if isinstance(r, Joined) else fix(r) for r in results))
+
+
 def _result_dtype(instr: Instr, dtypes: list[str]) -> str:
     """The dtype of instr's register, given the dtypes of the registers before it."""
     if instr.op == "cast":
