@@ -25,15 +25,13 @@ from .concat_slices import read_concat_inputs
 from .layout_chains import collapse_layout_chains
 from .matmul_add import fuse_matmul_add
 from .elementwise_reshapes import move_elementwise_before_reshapes
-from .rewrite import _copy, _join, _live, _rebuild
+from .rewrite import _copy, _join, _live, _rebuild, sole_reader
 
 
 def _sole_reader(graph: Graph, users, v: Value, op: str) -> Node | None:
     """The `op` node that is v's only reader, when v is no graph output."""
-    readers = users.get(v, [])
-    if len(readers) != 1 or readers[0].op != op or v in graph.outputs.values():
-        return None
-    return readers[0]
+    reader = sole_reader(graph, users, v)
+    return reader if reader is not None and reader.op == op else None
 
 
 def _sole_view(graph: Graph, users, v: Value) -> Node | None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from ..ir.graph import Graph, Node, Value
 from .aliases import view_roots
-from .rewrite import _copy, _join, splice
+from .rewrite import _copy, _join, sole_reader, splice
 
 WIDE_DTYPES = ("float32", "float64")
 
@@ -33,12 +33,6 @@ WIDE_DTYPES = ("float32", "float64")
 def _is_add(node: Node) -> bool:
     return (node.op == "add" or (node.op == "binary" and node.attrs.get("kind") == "add")) \
         and len(node.inputs) == 2
-
-
-def _sole_user(graph: Graph, users, v: Value) -> Node | None:
-    """The one node reading v (once), when v is no graph output."""
-    readers = users.get(v, [])
-    return readers[0] if len(readers) == 1 and v not in graph.outputs.values() else None
 
 
 def _product_of(graph: Graph, users, producers, v: Value, add: Node) \
@@ -53,7 +47,7 @@ def _product_of(graph: Graph, users, producers, v: Value, add: Node) \
         mm, view, hops = view, None, [(v, add)]
     if mm is None or mm.op != "matmul" or mm.attrs.get("bias_grad") or mm.attrs.get("add_c"):
         return None
-    if any(_sole_user(graph, users, value) is not reader for value, reader in hops):
+    if any(sole_reader(graph, users, value) is not reader for value, reader in hops):
         return None
     return mm, view
 

@@ -13,6 +13,12 @@ def _copy(graph: Graph) -> Graph:
     return Graph(nodes, graph.inputs, graph.params, graph.state, dict(graph.outputs))
 
 
+def sole_reader(graph: Graph, users, v: Value) -> Node | None:
+    """The one node reading v (once), when v is no graph output."""
+    readers = users.get(v, [])
+    return readers[0] if len(readers) == 1 and v not in graph.outputs.values() else None
+
+
 def _rebuild(graph: Graph, nodes: list[Node], subst: dict[Value, Value]) -> Graph:
     """A copy of `graph` with `nodes`, every input and output renamed through `subst`."""
     for n in nodes:
