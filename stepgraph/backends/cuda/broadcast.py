@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 from ...errors import ShapeError
+from ...ops.shape import contiguous_strides
 from .pointwise import as_program, generated_kernels, instruction_forward
 from .runtime.launch import (BLOCK, ELEMENT_CTYPES, _aligned, _check, _check_int32,
                              _element_ctype, _grid, _launch, _typed)
@@ -83,8 +84,8 @@ def broadcast_strides(shape: tuple, out_shape: tuple) -> tuple[int, ...]:
     """Strides (elements) of a contiguous `shape` read as `out_shape` (NumPy broadcasting):
     0 along broadcast dims."""
     padded = (1,) * (len(out_shape) - len(shape)) + tuple(shape)
-    contiguous = [math.prod(padded[d + 1:]) for d in range(len(padded))]
-    return tuple(0 if size == 1 else stride for size, stride in zip(padded, contiguous))
+    return tuple(0 if size == 1 else stride
+                 for size, stride in zip(padded, contiguous_strides(padded)))
 
 
 def _broadcast_shape(what: str, *shapes) -> tuple:
@@ -204,7 +205,7 @@ def permute_forward(ctx, x, y, dims) -> None:
     _check_int32("permute", x.size)
     if not y.size:
         return
-    contiguous = [math.prod(x.shape[d + 1:]) for d in range(x.ndim)]
+    contiguous = contiguous_strides(x.shape)
     layout = collapse(shape, [tuple(contiguous[d] for d in dims)])
     tiles = _transpose_dims(layout)
     if tiles is None:
@@ -234,7 +235,7 @@ def layout_concat_forward(ctx, roots, y, dim: int, views) -> None:
     strided copy per input, from its root to its range of y."""
     _element_ctype("layout_concat output", y)
     _check_int32("layout_concat", y.size)
-    out_strides = [math.prod(y.shape[d + 1:]) for d in range(y.ndim)]
+    out_strides = contiguous_strides(y.shape)
     at = 0
     for x, (shape, strides, offset) in zip(roots, views):
         _check("layout_concat input", x, y.dtype, tuple(x.shape))

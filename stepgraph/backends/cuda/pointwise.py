@@ -52,6 +52,7 @@ from ...errors import ShapeError, UnsupportedOpError
 from ...ir.graph import BF16, FP16, HALF_DTYPES, Node, storage_dtype
 from ... import rng
 from ...ops.pointwise import Instr, as_program, register_dtypes, result_stores
+from ...ops.shape import contiguous_strides
 from .runtime import compiler
 from .runtime.launch import ACT_CODES, BLOCK, MAX_INT, _grid, _slope
 
@@ -112,8 +113,7 @@ def _offset(in_shape: tuple, out_shape: tuple, view=None) -> str:
     if view is None:
         if tuple(in_shape) == tuple(out_shape):
             return "i"
-        strides = tuple(math.prod(in_shape[d + 1:]) for d in range(len(in_shape)))
-        view = (tuple(in_shape), strides, 0)
+        view = (tuple(in_shape), contiguous_strides(in_shape), 0)
     return _view_offset(view, out_shape)
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from ...errors import ShapeError
 from ...ir.graph import Node
+from ...ops.shape import contiguous_strides
 from .elementwise import fill_forward
 from .runtime.launch import (BLOCK, ELEMENT_CTYPES, FLOAT_KINDS, UPDATE_CHUNK, _act_code, _aligned,
                              _buffers_key, _check, _check_int32, _check_scalar, _chunk_jobs,
@@ -159,7 +160,7 @@ def _strided_reduction(shape: tuple, axes) -> tuple[list[int], list[int], list[i
     outermost first: size-1 axes dropped, neighbours of the same kind merged (x is contiguous,
     so they always can be), each list padded in front to REDUCE_DIMS entries."""
     axes = set(_reduced_axes(shape, axes))
-    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    strides = contiguous_strides(shape)
     groups: dict[bool, list[list[int]]] = {False: [], True: []}   # reduced? -> [size, stride]
     last = None
     for i, (size, stride) in enumerate(zip(shape, strides)):
