@@ -20,6 +20,15 @@ a chain that copied becomes a layout_concat of their roots, each read through it
 straight into its range of the output (the gradients of q, k and v permuted back and joined
 for the packed projection's backward).
 
+Two chains copy nothing at all, or once where they copied twice:
+- a chain whose view is its root's whole buffer in another shape (permutes that cancel, as
+  channels-last's conversion back to NCHW followed by the user's transpose to (B, T, C))
+  becomes a reshape of the root: a view;
+- a layout_concat read by nothing but a chain that ends in a copy of the whole of it in
+  another axis order (a padded (B, C, T + 2) converted to channels-last for a convolution)
+  is written in that order: the copy's node becomes the layout_concat, each part's view
+  carried through the chain's axes.
+
 Left alone: roots some node writes in place (the copy now reads the root where the chain's
 last node stood, which must see the values its first node saw) and dtypes the strided copy
 kernels lack (the float dtypes only).
@@ -147,8 +156,11 @@ def collapse_layout_chains(graph: Graph) -> Graph:
     for n in chain:
         view = views[n.outputs[0]]
         if usable(view, MIN_COPIES) and materialised(n.outputs[0]):
-            n.op, n.inputs = "layout_copy", [view.root]
-            n.attrs = {"shape": view.shape, "strides": view.strides, "offset": view.offset}
+            if _whole(view):          # permutes that cancel: the root's own bytes
+                n.op, n.inputs, n.attrs = "reshape", [view.root], {"shape": view.shape}
+            else:
+                n.op, n.inputs = "layout_copy", [view.root]
+                n.attrs = {"shape": view.shape, "strides": view.strides, "offset": view.offset}
     producers = graph.producers()
     nodes = []
     for n in graph.nodes:
@@ -156,7 +168,82 @@ def collapse_layout_chains(graph: Graph) -> Graph:
         if n.op == "concat":
             nodes += _concat_of_views(n, views, producers, usable)
     graph.nodes = nodes
+    return _permuted_concats(graph, outputs, usable)
+
+
+def _whole(view: _View) -> bool:
+    """Whether the view is its root's contiguous buffer in another shape (strides of extent-1
+    axes do not matter)."""
+    kept = [(e, s) for e, s in zip(view.shape, view.strides) if e != 1]
+    shape = tuple(e for e, _ in kept)
+    return view.offset == 0 and math.prod(shape) == view.root.size and \
+        tuple(s for _, s in kept) == contiguous_strides(shape)
+
+
+def _permuted_concats(graph: Graph, outputs: set, usable) -> Graph:
+    """A layout_concat read by nothing but a chain of reshapes and permutes that ends in a
+    copy of all of it (a permute, or a layout_copy of the whole) writes that copy's layout
+    itself: the copy's node becomes the layout_concat, its parts' views carried through the
+    chain (a causal convolution's padded input concatenated and then converted to
+    channels-last is one copy)."""
+    users = graph.consumers()
+    views = chain_views([n for n in graph.nodes if n.op in LAYOUT_OPS + ("layout_copy",)])
+    for joined in [n for n in graph.nodes if n.op == "layout_concat"]:
+        end = _sole_chain_end(joined.outputs[0], users, outputs)
+        if end is None:
+            continue
+        view = views.get(end.outputs[0])
+        dim = int(joined.attrs["dim"])
+        parts = [_View(x, *v, 0) for x, v in zip(joined.inputs, joined.attrs["views"])]
+        carried = _carried(view, joined.outputs[0].shape, dim, parts) if view else None
+        if carried is None or not all(usable(p, 0) for p in parts):
+            continue
+        end_dim, part_views = carried
+        end.op, end.inputs = "layout_concat", list(joined.inputs)
+        end.attrs = {"dim": end_dim, "views": part_views}
     return graph
+
+
+def _sole_chain_end(y: Value, users: dict, outputs: set) -> Node | None:
+    """The last node of the chain of reshapes, permutes and layout_copies that alone reads
+    y, each value of it read by the next node only; None where y or a chain value has another
+    reader or is a graph output, or where the chain copies nothing."""
+    node, copied = None, False
+    while True:
+        readers = users.get(y, [])
+        if y in outputs or len(readers) != 1 or readers[0].op not in \
+                ("reshape", "permute", "layout_copy"):
+            return node if node is not None and copied and node.outputs[0] is y else None
+        node = readers[0]
+        copied |= node.op != "reshape"
+        y = node.outputs[0]
+
+
+def _carried(view: _View, shape: tuple, dim: int, parts: list[_View]):
+    """(end_dim, views): where the concat's axis `dim` lands in `view` (a view of the whole
+    concat output of `shape`, its axes only permuted, with extent-1 axes added or dropped) and
+    each part's view carried there; None where the view slices, merges or splits axes."""
+    if view.offset or math.prod(view.shape) != math.prod(shape):
+        return None
+    strides = contiguous_strides(shape)
+    axis_of = {}                 # view axis -> concat output axis
+    for j, (extent, stride) in enumerate(zip(view.shape, view.strides)):
+        if extent == 1:
+            continue
+        match = [i for i, (e, s) in enumerate(zip(shape, strides)) if e == extent and s == stride]
+        if len(match) != 1:
+            return None
+        axis_of[j] = match[0]
+    if sorted(axis_of.values()) != [i for i, e in enumerate(shape) if e != 1] or \
+            dim not in axis_of.values():
+        return None
+    end_dim = next(j for j, i in axis_of.items() if i == dim)
+    carried = []
+    for p in parts:
+        extents = tuple(p.shape[axis_of[j]] if j in axis_of else 1 for j in range(len(view.shape)))
+        steps = tuple(p.strides[axis_of[j]] if j in axis_of else 0 for j in range(len(view.shape)))
+        carried.append((extents, steps, p.offset))
+    return end_dim, tuple(carried)
 
 
 def _concat_of_views(n: Node, views: dict, producers: dict, usable) -> list[Node]:

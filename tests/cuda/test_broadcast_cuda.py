@@ -293,11 +293,15 @@ def test_family_ops_capture_and_replay(ctx):
 @pytest.mark.parametrize("dtype", ["float32", "uint16", "float16"])
 def test_layout_concat(ctx, dtype):
     """The backward of a head split: three (B, H, T, D) gradients read as (B, T, H, D) and
-    joined along the heads; a zero block and a transposed one, as a causal padding makes."""
+    joined along the heads; a zero block and a transposed one, as a causal padding makes; the
+    same padding written channels-last, (B, 1, T + 2, C), with stride 0 on the unit axis
+    (layout_chains.py _permuted_concats)."""
     rng = seed("layout_concat", dtype)
     ir_dtype = "bfloat16" if dtype == "uint16" else dtype
     cases = [([(2, 4, 6, 8)] * 3, 2, [((2, 6, 4, 8), (192, 8, 48, 1), 0)] * 3),
-             ([(3, 5, 2), (3, 7, 5)], 2, [((3, 5, 2), (10, 2, 1), 0), ((3, 5, 7), (35, 1, 5), 0)])]
+             ([(3, 5, 2), (3, 7, 5)], 2, [((3, 5, 2), (10, 2, 1), 0), ((3, 5, 7), (35, 1, 5), 0)]),
+             ([(3, 8, 2), (3, 7, 8)], 2, [((3, 1, 2, 8), (16, 0, 1, 2), 0),
+                                          ((3, 1, 7, 8), (56, 0, 8, 1), 0)])]
     for shapes, dim, views in cases:
         xs = [random(rng, *shape) for shape in shapes]
         xs = [x.view(np.uint16)[..., 1::2].copy() if dtype == "uint16" else x.astype(dtype)

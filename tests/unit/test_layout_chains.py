@@ -126,6 +126,18 @@ def test_which_chains_collapse(steps, copies, request):
                                   run_graph(graph, a)["y"])
 
 
+def test_permutes_that_cancel_are_a_view(request):
+    """A (B, T, C) value transposed to (B, C, T), viewed as (B, C, 1, T), permuted to NHWC and
+    flattened (the mixer's convolution output on its way to a Linear at channels-last): the
+    chain ends in the root's own bytes, a reshape, no copy at all."""
+    graph, _ = chain((2, 3, 4), PERMUTE, ("reshape", dict(shape=(2, 4, 1, 3))),
+                     ("permute", dict(dims=(0, 2, 3, 1))), ("reshape", dict(shape=(6, 4))))
+    rewritten = fuse(graph, (collapse_layout_chains, eliminate_dead_code))
+    assert [n.op for n in rewritten.nodes] == ["reshape", "unary"]
+    a = {"x": randn(seeded(request.node.name), 2, 3, 4)}
+    np.testing.assert_array_equal(run_graph(rewritten, a)["y"], run_graph(graph, a)["y"])
+
+
 def test_a_root_written_in_place_keeps_its_chain():
     tracer = Tracer()
     x = tracer.input((2, 3, 4), "float32", "x")
@@ -173,6 +185,49 @@ def test_a_padded_permute_is_read_by_the_concat(request):
     np.testing.assert_array_equal(run_graph(rewritten, a)["y"], run_graph(graph, a)["y"])
 
 
+def padded_then_permuted(dims=(0, 2, 3, 1), shape=(2, 3, 1, 7), more_readers=False):
+    """The mixer file's causal convolution input at channels-last: F.pad(h.transpose(1, 2),
+    (2, 0)) viewed as (B, C, 1, T + 2) and permuted to NHWC for the convolution."""
+    tracer = Tracer()
+    x = tracer.input((2, 5, 3), "float32", "x")
+    (t,) = tracer.emit("permute", [x.value], dims=(0, 2, 1))
+    (z,) = tracer.emit("fill", [], value=0.0, shape=(2, 3, 2), dtype="float32")
+    (c,) = tracer.emit("concat", [z, t], dim=2)
+    (r,) = tracer.emit("reshape", [c], shape=shape)
+    (p,) = tracer.emit("permute", [r], dims=dims)
+    (y,) = tracer.emit("unary", [p], kind="sin")
+    graph = tracer.graph
+    graph.outputs = {"y": y, **({"c": c} if more_readers else {})}
+    return graph
+
+
+@pytest.mark.parametrize("dims, shape, joined", [
+    ((0, 2, 3, 1), (2, 3, 1, 7), True),       # to NHWC: the concat writes (B, 1, T + 2, C)
+    ((0, 3, 2, 1), (2, 3, 1, 7), True),
+    ((0, 2, 1), (2, 3, 7), True),             # back to (B, T + 2, C)
+    ((1, 0, 2), (3, 2, 7), False),            # a reshape mixing B and C: left a copy
+])
+def test_a_permuted_concat_is_written_in_the_permuted_layout(dims, shape, joined, request):
+    graph = padded_then_permuted(dims, shape)
+    rewritten = fuse(graph, (collapse_layout_chains, eliminate_dead_code))
+    ops = Counter(n.op for n in rewritten.nodes)
+    assert ops["layout_concat"] == 1
+    assert (ops["permute"] + ops["layout_copy"] == 0) == joined
+    a = {"x": randn(seeded(request.node.name), 2, 5, 3)}
+    np.testing.assert_array_equal(run_graph(rewritten, a)["y"], run_graph(graph, a)["y"])
+
+
+def test_a_concat_read_elsewhere_keeps_its_layout_and_the_copy(request):
+    graph = padded_then_permuted(more_readers=True)
+    rewritten = fuse(graph, (collapse_layout_chains, eliminate_dead_code))
+    ops = Counter(n.op for n in rewritten.nodes)
+    assert ops["layout_concat"] == 1 and ops["permute"] == 1
+    a = {"x": randn(seeded(request.node.name), 2, 5, 3)}
+    want, got = run_graph(graph, a), run_graph(rewritten, a)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
 def test_layout_concat_joins_its_views(request):
     rng = seeded(request.node.name)
     a, b = randn(rng, 3, 4), randn(rng, 4, 2)
@@ -182,3 +237,52 @@ def test_layout_concat_joins_its_views(request):
     with pytest.raises(ShapeError, match="do not concat along 1"):
         infer_outputs("layout_concat", [Value((3, 4), "float32"), Value((4, 2), "float32")],
                       dict(dim=1, views=(((3, 4), (4, 1), 0), ((4, 2), (2, 1), 0))))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_mixer_file_at_channels_last_copies_once_each_way(monkeypatch, precision):
+    """tests/compat/models/mixer.py at channels-last (its causal convolution's input is
+    h.transpose(1, 2) padded): each block's padded input is one layout_concat written NHWC
+    from h as it is, the convolution's output reaches the gate's Linear as a view, and its
+    output gradient reaches the convolution's backward as a view; the step trains three
+    steps on NumPy to the same losses and parameters, bit for bit, as with those two rules
+    off (each of those moves was a copy)."""
+    import torch
+
+    import stepgraph.compile.layout_chains as chains
+    from tests.compat import loader
+
+    kw = dict(vocab_size=32, dim=24, heads=3, layers=2, block_size=12)
+    torch.manual_seed(0)
+    state = {k: v.numpy() for k, v in loader.load("mixer", "torch").TokenMixer(**kw)
+             .state_dict().items()}
+    rng = np.random.default_rng(0)
+    batches = [tuple(rng.integers(0, 32, (4, 12)) for _ in range(2)) for _ in range(3)]
+
+    def train():
+        model = loader.load("mixer", "stepgraph").TokenMixer(**kw)
+        model.load_state_dict(state)
+        step = stepgraph.compile_train_step(
+            model, None, stepgraph.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+            example_inputs=batches[0], device="cpu", precision=precision,
+            memory_format="channels_last")
+        plan = step.plan(step.signature)
+        ops = Counter(n.op for i, n in enumerate(plan.steps) if plan.runs(i))
+        losses = [float(step(*b)) for b in batches]
+        return ops, losses, {k: np.asarray(v).copy() for k, v in model.state_dict().items()}
+
+    ops, losses, params = train()
+    monkeypatch.setattr(chains, "_whole", lambda view: False)
+    monkeypatch.setattr(chains, "_permuted_concats", lambda graph, outputs, usable: graph)
+    old, want_losses, want = train()
+    layers = kw["layers"]
+    # per block, gone: the permute to NHWC after the padded input's layout_concat, and the
+    # two layout_copies of a whole value (the output on its way to the Linear, the output
+    # gradient on its way back); left: that layout_concat, and at fp32 the input gradient's
+    # slice (a GEMM adds it as its C operand; at bf16 a program reads it through its view)
+    assert ops["permute"] == 0 and old["permute"] == layers
+    assert ops["layout_concat"] == old["layout_concat"] == layers
+    assert old["layout_copy"] - ops["layout_copy"] == 2 * layers
+    assert losses == want_losses
+    for k in want:
+        np.testing.assert_array_equal(params[k], want[k], err_msg=k)
