@@ -12,6 +12,7 @@ from ..ir.ops import OPS
 from ..ops.layout import channel_sum_axes, layout_of
 from ..ops.loss import IGNORE_INDEX
 from ..ops.optim import UPDATE_OPS
+from ..ops.pointwise import PROGRAM_OPS
 from .attention import pack_attention_heads
 from .attention_views import attention_views
 from .pointwise import fuse_pointwise
@@ -199,6 +200,31 @@ def fuse_pool_relu(graph: Graph) -> Graph:
                 grad.attrs = dict(grad.attrs, relu=True)
                 grad.label = pool.label + " bwd"
                 drop.add(g)
+    return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
+
+
+def fuse_conv_relu(graph: Graph) -> Graph:
+    """conv2d -> z; act(relu)(z) -> y, the ReLU z's only reader   =>   conv2d(act="relu") -> y:
+    every CUDA path applies it (in the cuDNN graph, in the depthwise kernels, else in place
+    after the kernel), so where the kernel fuses it one pass over the activations goes, and z
+    is never stored. The backward's act_grad reads y as before. ReLU commutes with a bf16
+    rounding: the fused result is the same bits. Left alone where elementwise code reads y
+    (a dropout, a residual add): the ReLU then joins that code's kernel at no cost, where an
+    own convolution kernel would apply it in a pass of its own."""
+    graph = _copy(graph)
+    users = graph.consumers()
+    drop: set[Node] = set()
+    for conv in graph.nodes:
+        if conv.op != "conv2d" or conv.attrs.get("act") not in (None, "none"):
+            continue
+        relu = _sole_relu(graph, users, conv.outputs[0])
+        if relu is None or any(u.op in PROGRAM_OPS and u.op != "act_grad"
+                               for u in users.get(relu.outputs[0], [])):
+            continue
+        conv.attrs = dict(conv.attrs, act="relu")
+        conv.outputs = [relu.outputs[0]]
+        conv.label = _join(conv.label, relu.label)
+        drop.add(relu)
     return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
 
 
@@ -548,9 +574,9 @@ def eliminate_dead_code(graph: Graph) -> Graph:
 
 PASSES = (pack_attention_heads, fuse_product_sums, fuse_cell_grad_sums, concat_slice_gradients,
           read_concat_inputs, collapse_layout_chains, fuse_linear_activation,
-          fuse_pool_relu, fuse_batch_norm_residual, fuse_batch_norm_relu, fuse_batch_norm_grad_sum,
-          fuse_activation_bias_grad, fuse_conv_bias_grad, fuse_matmul_bias_grad,
-          fuse_matmul_add, fuse_cross_entropy,
+          fuse_pool_relu, fuse_conv_relu, fuse_batch_norm_residual, fuse_batch_norm_relu,
+          fuse_batch_norm_grad_sum, fuse_activation_bias_grad, fuse_conv_bias_grad,
+          fuse_matmul_bias_grad, fuse_matmul_add, fuse_cross_entropy,
           fuse_log_softmax_nll, fuse_loss_casts, fuse_layer_norm_casts, fuse_step_bookkeeping,
           fuse_gradient_casts, move_elementwise_before_reshapes, recompute_saved_pointwise,
           fuse_pointwise, attention_views, read_pointwise_views, fuse_row_sums,

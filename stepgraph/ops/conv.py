@@ -55,7 +55,11 @@ def _conv2d(ins, attrs):
     of group g read only input channels of group g, both split in equal groups), zero
     padding; y (N,O,Ho,Wo), Ho = (H + 2 ph - dh (kh - 1) - 1) // sh + 1 (PyTorch's).
     attrs layout "NHWC" (default "NCHW"): x (N,H,W,C), w (O,kh,kw,C/groups), y (N,Ho,Wo,O),
-    the same numbers stored channels-last."""
+    the same numbers stored channels-last. attrs act "relu" (default none): y = max(y, 0),
+    the ReLU that read the convolution alone, fused (compile/fuse.py fuse_conv_relu); no VJP
+    needed, fusion runs after autodiff."""
+    _need(attrs.get("act") in (None, "none", "relu"), "conv2d",
+          f"fused activation must be 'relu', got {attrs.get('act')!r}")
     layout = layout_of("conv2d", attrs)
     _need(len(ins[0].shape) == 4, "conv2d",
           f"input must be ({'N, H, W, C' if layout == 'NHWC' else 'N, C, H, W'}), got "
@@ -187,6 +191,8 @@ def _forward(node: Node, ins, outs, ctx):
                   optimize=True).reshape(outs[0].shape)
     if len(ins) == 3:
         y += ins[2].reshape((1, -1) + (1,) * dims)
+    if node.attrs.get("act") == "relu":
+        np.maximum(y, 0, out=y)
     outs[0][...] = y
 
 

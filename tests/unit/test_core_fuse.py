@@ -12,10 +12,11 @@ from stepgraph.compile.feed import signature_of
 from stepgraph.compile.fuse import (eliminate_dead_code, fuse, fuse_activation_bias_grad,
                                     fuse_conv_bias_grad, fuse_cross_entropy,
                                     fuse_linear_activation, fuse_matmul_bias_grad,
-                                    fuse_log_softmax_nll, fuse_pool_relu,
+                                    fuse_conv_relu, fuse_log_softmax_nll, fuse_pool_relu,
                                     fuse_step_bookkeeping)
 from stepgraph.compile.layout import to_channels_last
 from stepgraph.ops.activation import ACTIVATIONS, GRAD_FROM_OUTPUT
+from stepgraph.errors import ShapeError
 from stepgraph.ir.trace import Tracer
 from tests.ops.helpers import assert_close, run_graph, seeded
 
@@ -162,7 +163,8 @@ def test_dead_code_is_removed_but_state_updates_stay():
     assert eliminate_dead_code(t.graph).nodes[0].attrs["kind"] == "relu"
 
 
-PASSES = [fuse_linear_activation, fuse_pool_relu, fuse_activation_bias_grad, fuse_conv_bias_grad,
+PASSES = [fuse_linear_activation, fuse_pool_relu, fuse_conv_relu, fuse_activation_bias_grad,
+          fuse_conv_bias_grad,
           fuse_matmul_bias_grad, fuse_cross_entropy, fuse_log_softmax_nll, fuse_step_bookkeeping, eliminate_dead_code,
           fuse]
 
@@ -171,7 +173,7 @@ PASSES = [fuse_linear_activation, fuse_pool_relu, fuse_activation_bias_grad, fus
 def test_passes_leave_their_input_graph_unchanged(fusion):
     """A pass returns a new graph: the one it was given still computes what it did."""
     for graph in (linear_act_graph("gelu"), log_softmax_nll_graph(False), cross_entropy_graph(),
-                  conv_graph(True)):
+                  conv_graph(True), conv_graph(True, relu=True)):
         before = str(graph)
         nodes = [(n.op, list(n.inputs), list(n.outputs), dict(n.attrs)) for n in graph.nodes]
         fusion(graph)
@@ -209,20 +211,105 @@ def test_pool_relu_fuse_forward_and_backward():
         assert_close(got[k], want[k], what=k)
 
 
-def conv_graph(bias: bool, layout: str = "NCHW"):
-    """x -> conv2d -> mse(target), with the backward w.r.t. w (and b); with layout "NHWC" the
-    forward is first rewritten channels-last (compile/layout.py), as a step's would be."""
+def conv_graph(bias: bool, layout: str = "NCHW", relu: bool = False, keep_z: bool = False):
+    """x -> conv2d [-> relu] -> mse(target), with the backward w.r.t. w (and b); with layout
+    "NHWC" the forward is first rewritten channels-last (compile/layout.py), as a step's would
+    be; keep_z: the convolution's output is a graph output too."""
     t = Tracer()
     x, target = t.input((2, 3, 7, 6), "float32", "x"), t.input((2, 4, 5, 4), "float32", "target")
     w, b = t.input((4, 3, 3, 3), "float32", "w"), t.input((4,), "float32", "b")
-    y = t.op("conv2d", [x, w] + ([b] if bias else []), stride=(1, 1), padding=(0, 0))
+    z = y = t.op("conv2d", [x, w] + ([b] if bias else []), stride=(1, 1), padding=(0, 0))
+    if relu:
+        y = t.op("act", [z], kind="relu", slope=0.01)
     loss = t.op("mse", [y, target])
-    t.graph.outputs = {"loss": loss.value}
+    t.graph.outputs = {"loss": loss.value, **({"z": z.value} if keep_z else {})}
     if layout == "NHWC":
         t.graph = to_channels_last(t.graph)[0]
     grads = append_backward(t, loss.value, [w.value] + ([b.value] if bias else []))
     t.graph.outputs.update({f"d{i}": g for i, g in enumerate(grads)})
     return t.graph
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_conv_relu_fuses_into_the_convolution(bias, layout):
+    graph = conv_graph(bias, layout, relu=True)
+    fused = eliminate_dead_code(fuse_conv_relu(graph))
+    (conv,) = [n for n in fused.nodes if n.op == "conv2d"]
+    assert "act" not in ops(fused) and conv.attrs["act"] == "relu"
+    assert "act_grad" in ops(fused)                  # the backward's mask reads the conv's y
+    gen = seeded(f"conv_relu {bias} {layout}")
+    arrays = {"x": gen.standard_normal((2, 3, 7, 6)).astype(np.float32),
+              "target": gen.standard_normal((2, 4, 5, 4)).astype(np.float32),
+              "w": gen.standard_normal((4, 3, 3, 3)).astype(np.float32),
+              "b": gen.standard_normal(4).astype(np.float32)}
+    want, got = run_graph(graph, arrays, {}), run_graph(fused, arrays, {})
+    assert set(got) == set(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_conv_relu_stays_apart_where_the_convolution_is_read_elsewhere():
+    fused = fuse_conv_relu(conv_graph(True, relu=True, keep_z=True))
+    assert "act" in ops(fused)
+    assert all(n.attrs.get("act", "none") == "none" for n in fused.nodes if n.op == "conv2d")
+
+
+def test_conv_relu_stays_apart_where_elementwise_code_reads_the_relu():
+    """conv -> relu -> scale: the ReLU joins the scale's program instead."""
+    t = Tracer()
+    x, w = t.input((1, 2, 5, 5), "float32", "x"), t.input((3, 2, 3, 3), "float32", "w")
+    y = t.op("act", [t.op("conv2d", [x, w], stride=(1, 1), padding=(0, 0))], kind="relu",
+             slope=0.01)
+    t.graph.outputs = {"y": t.op("scalar", [y], kind="mul", value=2.0).value}
+    assert "act" in ops(fuse_conv_relu(t.graph))
+
+
+def test_a_conv_with_another_fused_activation_is_refused():
+    t = Tracer()
+    x, w = t.input((1, 2, 4, 4), "float32", "x"), t.input((3, 2, 3, 3), "float32", "w")
+    with pytest.raises(ShapeError, match="fused activation must be 'relu'"):
+        t.op("conv2d", [x, w], stride=(1, 1), padding=(0, 0), act="gelu")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_squeezenet_trains_bit_for_bit_with_its_relus_fused(monkeypatch, precision):
+    """tests/compat/models/squeezenet.py (every convolution followed by an in-place ReLU):
+    each ReLU runs in its convolution, and three steps on NumPy reach the same losses and
+    parameters, bit for bit, as with the pass off."""
+    import torch
+
+    import stepgraph
+    import stepgraph.compile.fuse as fuse_module
+    from tests.compat import loader
+
+    kw = dict(version="1_1", num_classes=10, dropout=0.0)
+    torch.manual_seed(0)
+    state = {k: v.numpy() for k, v in loader.load("squeezenet", "torch").SqueezeNet(**kw)
+             .state_dict().items()}
+    rng = np.random.default_rng(0)
+    batches = [(rng.standard_normal((2, 3, 32, 32)).astype(np.float32),
+                rng.integers(0, 10, 2)) for _ in range(3)]
+
+    def train(passes):
+        monkeypatch.setattr(fuse_module.fuse, "__defaults__", (passes,))
+        model = loader.load("squeezenet", "stepgraph").SqueezeNet(**kw)
+        model.load_state_dict(state)
+        step = stepgraph.compile_train_step(
+            model, stepgraph.nn.functional.cross_entropy,
+            stepgraph.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+            example_inputs=batches[0], device="cpu", precision=precision)
+        plan = step.plan(step.signature)
+        fused = sum(n.op == "conv2d" and n.attrs.get("act") == "relu" for n in plan.steps)
+        losses = [float(step(*b)) for b in batches]
+        return fused, losses, {k: np.asarray(v).copy() for k, v in model.state_dict().items()}
+
+    without = tuple(p for p in fuse_module.PASSES if p is not fuse_conv_relu)
+    (fused, losses, params), (none, want_losses, want) = train(fuse_module.PASSES), train(without)
+    assert fused == 26 and none == 0
+    assert losses == want_losses
+    for k in want:
+        np.testing.assert_array_equal(params[k], want[k], err_msg=k)
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
