@@ -201,3 +201,22 @@ def test_tf32_is_a_precision_and_not_applicable_to_the_numpy_backend():
     assert bench.parse_args(["--precisions", "tf32", "bf16"]).precisions == ["tf32", "bf16"]
     with pytest.raises(bench.NotApplicable, match="tf32"):
         bench.prepare_stepgraph(None, "tf32", "cpu")
+
+
+def test_memory_format_reaches_the_stepgraph_step(monkeypatch):
+    """--memory-format times stepgraph's step in the layout asked (a model measured both
+    ways); the default is the step's own choice."""
+    bench = load_script()
+    assert bench.parse_args(["--device", "cpu"]).memory_format == "auto"
+    args = bench.parse_args(["--device", "cpu", "--tiny", "--models", "squeezenet",
+                             "--memory-format", "channels_last"])
+    asked = []
+    compile_train_step = bench.sg.compile_train_step
+
+    def spy(*a, **kw):
+        asked.append(kw["memory_format"])
+        return compile_train_step(*a, **kw)
+
+    monkeypatch.setattr(bench.sg, "compile_train_step", spy)
+    prepared = bench.prepare_stepgraph(bench.make_setup("squeezenet", args), "fp32", "cpu")
+    assert asked == ["channels_last"] and float(prepared.run_step(0)) > 0
