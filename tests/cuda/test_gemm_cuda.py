@@ -218,12 +218,17 @@ def conv_tol(ctx, path):
     return TOL["fp32"] if path != "gemm" else TOL[ctx.precision]   # direct is exact FP32
 
 
+@pytest.mark.parametrize("act", ["none", "relu"])
 @pytest.mark.parametrize("cfg", CONVS, ids=CONV_IDS)
-def test_conv2d_forward_matches_numpy(backend, ctx, conv_path, cfg):
+def test_conv2d_forward_matches_numpy(backend, ctx, conv_path, cfg, act):
+    """Each path, plain and with the ReLU fused (compile/fuse.py fuse_conv_relu): the gemm
+    path in cuBLASLt's RELU epilogue, the others in place after their kernel."""
     x, w, b, attrs = conv_arrays(cfg, 1)
     arrays = [x, w] if b is None else [x, w, b]
-    ref, got = run_both(backend, ctx, make_node("conv2d", arrays, **attrs), arrays)
-    check(ref, got, conv_tol(ctx, conv_path), f"conv2d {conv_path} {cfg}")
+    ref, got = run_both(backend, ctx, make_node("conv2d", arrays, **attrs, act=act), arrays)
+    if act == "relu":
+        assert (np.asarray(got[0]) >= 0).all() and (np.asarray(ref[0]) == 0).any()
+    check(ref, got, conv_tol(ctx, conv_path), f"conv2d {conv_path} {cfg} {act}")
 
 
 @pytest.mark.parametrize("cfg", CONVS, ids=CONV_IDS)

@@ -542,12 +542,12 @@ def _forward_offer(node, ins, outs, ctx) -> Offer:
             paths["direct"] = lambda: conv2d_direct_forward(ctx, g, x, w, bias, y)
             paths["direct_narrow"] = lambda: conv2d_direct_forward(ctx, g, x, w, bias, y,
                                                                    NARROW_CHANNELS)
-        if _gemm_dtype(x.dtype):
-            paths["gemm"] = autotune.searching(
-                lambda: _forward_gemm(ctx, node, g, x, w, bias, y))
         if relu:        # bf16: ReLU commutes with the rounding, the epilogue is exact
             paths = {name: _then(run, lambda: conv2d_bias_act(ctx, y, None, True))
                      for name, run in paths.items()}
+        if _gemm_dtype(x.dtype):        # the ReLU in cuBLASLt's epilogue where it takes it
+            paths["gemm"] = autotune.searching(
+                lambda: _forward_gemm(ctx, node, g, x, w, bias, y, relu))
     if depthwise.supported(g, layout, x.dtype) is None:     # bias and ReLU in the kernel
         paths["depthwise"] = autotune.compiling(
             lambda: depthwise.conv2d_depthwise_forward(ctx, g, layout, x, w, bias, y, relu),
@@ -637,17 +637,30 @@ def _tiled_paths(op: str, g: Geometry, x, run) -> dict[str, Callable[[], None]]:
     return paths
 
 
-def _forward_gemm(ctx, node, g: Geometry, x, w, bias, y) -> None:
+def _forward_gemm(ctx, node, g: Geometry, x, w, bias, y, relu: bool = False) -> None:
+    """The im2col + GEMM forward; with relu, cuBLASLt's RELU epilogue applies it to each
+    chunk's sum (bias included: the GEMM accumulates onto it); from a chunk cuBLASLt has no
+    such algorithm for on (it then launched nothing), plain GEMMs and one ReLU pass over the
+    whole y after the last (ReLU twice is ReLU once)."""
     w2 = w.reshape(g.o, g.ck)
     nb, shapes = _chunk_plan(node.op, g, x.itemsize)
     cols = _scratch(ctx, shapes, x.dtype)[0] if shapes else None
+    fused = relu
     for n0 in range(0, g.n, nb):
         m = min(nb, g.n - n0)
         xc, yc = x[n0:n0 + m], y[n0:n0 + m].reshape(m, g.o, g.p)
         cc = xc.reshape(m, g.c, g.h * g.w) if g.pointwise else cols[:m]
         if not g.pointwise or bias is not None:
             conv2d_im2col(ctx, g, xc, None if g.pointwise else cc, bias, yc)
+        if fused:
+            try:
+                gemm.matmul(ctx, w2, cc, yc, accumulate=bias is not None, epilogue="RELU")
+                continue
+            except gemm.GemmUnsupportedError:
+                fused = False
         gemm.matmul(ctx, w2, cc, yc, accumulate=bias is not None)
+    if relu and not fused:
+        conv2d_bias_act(ctx, y, None, True)
 
 
 def conv2d_grad_input(node, ins, outs, ctx) -> None:
