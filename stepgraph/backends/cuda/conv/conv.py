@@ -41,7 +41,7 @@ family beside "depthwise" that runs groups > 1 or dilation != 1 (tiled, direct a
 GEMM decline those). A forward with bias also offers each plain cuDNN plan followed by
 conv2d_bias_act ("cudnn:<i>+epilogue"): few float32 engines fuse the bias. With attrs act
 "relu" (the ReLU that followed, fused) every path applies it: in the cuDNN graph, in the
-depthwise kernel, or through that epilogue kernel.
+depthwise kernel, in cuBLASLt's RELU epilogue (im2col + GEMM), or through that epilogue kernel.
 Every path that can run an op is a candidate; the first eager call of a problem (op,
 geometry, dtype, precision) times each on its real buffers (`_run_faster`, autotune.py) and
 the backend keeps the fastest for every node with that problem: no size rule predicted the
