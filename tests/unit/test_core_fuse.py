@@ -19,6 +19,7 @@ from stepgraph.ops.activation import ACTIVATIONS, GRAD_FROM_OUTPUT
 from stepgraph.errors import ShapeError
 from stepgraph.ir.trace import Tracer
 from tests.ops.helpers import assert_close, run_graph, seeded
+from tests.unit.compat_training import torch_state, train_steps
 
 
 def ops(graph) -> list[str]:
@@ -277,32 +278,22 @@ def test_squeezenet_trains_bit_for_bit_with_its_relus_fused(monkeypatch, precisi
     """tests/compat/models/squeezenet.py (every convolution followed by an in-place ReLU):
     each ReLU runs in its convolution, and three steps on NumPy reach the same losses and
     parameters, bit for bit, as with the pass off."""
-    import torch
-
     import stepgraph
     import stepgraph.compile.fuse as fuse_module
-    from tests.compat import loader
 
     kw = dict(version="1_1", num_classes=10, dropout=0.0)
-    torch.manual_seed(0)
-    state = {k: v.numpy() for k, v in loader.load("squeezenet", "torch").SqueezeNet(**kw)
-             .state_dict().items()}
+    state = torch_state("squeezenet", "SqueezeNet", kw)
     rng = np.random.default_rng(0)
     batches = [(rng.standard_normal((2, 3, 32, 32)).astype(np.float32),
                 rng.integers(0, 10, 2)) for _ in range(3)]
 
     def train(passes):
         monkeypatch.setattr(fuse_module.fuse, "__defaults__", (passes,))
-        model = loader.load("squeezenet", "stepgraph").SqueezeNet(**kw)
-        model.load_state_dict(state)
-        step = stepgraph.compile_train_step(
-            model, stepgraph.nn.functional.cross_entropy,
-            stepgraph.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-            example_inputs=batches[0], device="cpu", precision=precision)
-        plan = step.plan(step.signature)
+        plan, losses, params = train_steps("squeezenet", "SqueezeNet", kw, state, batches,
+                                           stepgraph.nn.functional.cross_entropy,
+                                           precision=precision)
         fused = sum(n.op == "conv2d" and n.attrs.get("act") == "relu" for n in plan.steps)
-        losses = [float(step(*b)) for b in batches]
-        return fused, losses, {k: np.asarray(v).copy() for k, v in model.state_dict().items()}
+        return fused, losses, params
 
     without = tuple(p for p in fuse_module.PASSES if p is not fuse_conv_relu)
     (fused, losses, params), (none, want_losses, want) = train(fuse_module.PASSES), train(without)

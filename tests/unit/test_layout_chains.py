@@ -25,6 +25,7 @@ from stepgraph.ir.ops import infer_outputs
 from stepgraph.ir.graph import Value
 from stepgraph.ir.trace import Tracer
 from tests.ops.helpers import op_forward, randn, run_graph, seeded
+from tests.unit.compat_training import torch_state, train_steps
 
 # The passes after these that remove more copies are tested on their own
 # (test_pointwise_views.py, test_elementwise_reshapes.py, test_pointwise_joins.py).
@@ -247,29 +248,17 @@ def test_the_mixer_file_at_channels_last_copies_once_each_way(monkeypatch, preci
     output gradient reaches the convolution's backward as a view; the step trains three
     steps on NumPy to the same losses and parameters, bit for bit, as with those two rules
     off (each of those moves was a copy)."""
-    import torch
-
     import stepgraph.compile.layout_chains as chains
-    from tests.compat import loader
 
     kw = dict(vocab_size=32, dim=24, heads=3, layers=2, block_size=12)
-    torch.manual_seed(0)
-    state = {k: v.numpy() for k, v in loader.load("mixer", "torch").TokenMixer(**kw)
-             .state_dict().items()}
+    state = torch_state("mixer", "TokenMixer", kw)
     rng = np.random.default_rng(0)
     batches = [tuple(rng.integers(0, 32, (4, 12)) for _ in range(2)) for _ in range(3)]
 
     def train():
-        model = loader.load("mixer", "stepgraph").TokenMixer(**kw)
-        model.load_state_dict(state)
-        step = stepgraph.compile_train_step(
-            model, None, stepgraph.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-            example_inputs=batches[0], device="cpu", precision=precision,
-            memory_format="channels_last")
-        plan = step.plan(step.signature)
-        ops = Counter(n.op for i, n in enumerate(plan.steps) if plan.runs(i))
-        losses = [float(step(*b)) for b in batches]
-        return ops, losses, {k: np.asarray(v).copy() for k, v in model.state_dict().items()}
+        plan, losses, params = train_steps("mixer", "TokenMixer", kw, state, batches,
+                                           precision=precision, memory_format="channels_last")
+        return Counter(n.op for i, n in enumerate(plan.steps) if plan.runs(i)), losses, params
 
     ops, losses, params = train()
     monkeypatch.setattr(chains, "_whole", lambda view: False)

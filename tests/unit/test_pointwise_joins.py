@@ -23,6 +23,7 @@ from stepgraph.ir.ops import infer_outputs
 from stepgraph.ir.trace import Tracer
 from stepgraph.ops.pointwise import Instr, Joined, concat_joined, result_stores
 from tests.ops.helpers import randn, run_graph, seeded
+from tests.unit.compat_training import torch_state, train_steps
 from tests.unit.test_layout_chains import B, C, T, head_split, traced
 
 WITHOUT = tuple(p for p in PASSES if p is not join_pointwise_results)
@@ -223,30 +224,20 @@ def test_the_mixer_file_trains_bit_for_bit_with_the_joins(monkeypatch, precision
     """tests/compat/models/mixer.py (gate gradients, the sin/cos table and the packed
     projection's head gradients joined) trains three steps on NumPy to the same losses and
     parameters, bit for bit, with and without the pass."""
-    import torch
-
     import stepgraph.compile.fuse as fuse_module
-    from tests.compat import loader
 
     kw = dict(vocab_size=32, dim=24, heads=3, layers=2, block_size=12)
-    torch.manual_seed(0)
-    state = {k: v.numpy() for k, v in loader.load("mixer", "torch").TokenMixer(**kw)
-             .state_dict().items()}
+    state = torch_state("mixer", "TokenMixer", kw)
     rng = np.random.default_rng(0)
     batches = [tuple(rng.integers(0, 32, (4, 12)) for _ in range(2)) for _ in range(3)]
 
     def train(passes):
         monkeypatch.setattr(fuse_module.fuse, "__defaults__", (passes,))
-        model = loader.load("mixer", "stepgraph").TokenMixer(**kw)
-        model.load_state_dict(state)
-        step = stepgraph.compile_train_step(
-            model, None, stepgraph.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-            example_inputs=batches[0], device="cpu", precision=precision)
-        plan = step.plan(step.signature)
+        plan, losses, params = train_steps("mixer", "TokenMixer", kw, state, batches,
+                                           precision=precision)
         joins = sum(isinstance(r, Joined) for n in plan.steps if n.op == "pointwise"
                     for r in n.attrs["results"])
-        losses = [float(step(*b)) for b in batches]
-        return joins, losses, {k: np.asarray(v).copy() for k, v in model.state_dict().items()}
+        return joins, losses, params
 
     (joins, losses, params), (none, want_losses, want) = train(PASSES), train(WITHOUT)
     assert joins == 5 and none == 0          # two gates, two heads' joins, the sin/cos table
