@@ -266,15 +266,16 @@ STRIDE1_CONVS = [(cfg, i) for i, cfg in zip(CONV_IDS, CONVS) if cfg[7] == (1, 1)
 @pytest.mark.parametrize("cfg", [c for c, _ in STRIDE1_CONVS], ids=[i for _, i in STRIDE1_CONVS])
 def test_conv2d_tiled_every_tile(backend, ctx32, monkeypatch, launched, cfg, variant):
     """Each variant ((channels, pixels) tile, input-channel split) of conv2d_tiled_kernel,
-    forward and grad_input, partial channel groups and row tiles included; where that kernel
-    exists for the shape, it is what ran."""
+    forward (also with a fused ReLU, applied in the store after the splits' sums) and
+    grad_input, partial channel groups and row tiles included; where that kernel exists for
+    the shape, it is what ran (the ReLU in the same launch)."""
     tile, ks = variant
     monkeypatch.setattr(conv, "PATH", "tiled")
     monkeypatch.setattr(conv_tiled, "CONV_VARIANTS", (variant,))
     x, w, dy, attrs = conv_grad_inputs(cfg, 18)
     b = random(np.random.default_rng(19), w.shape[0])
     g = conv._geometry(x.shape, w.shape, attrs)
-    for op, arrays, extra in [("conv2d", [x, w, b], {}),
+    for op, arrays, extra in [("conv2d", [x, w, b], {}), ("conv2d", [x, w, b], {"act": "relu"}),
                               ("conv2d_grad_input", [dy, w], {"input_shape": x.shape})]:
         launched.clear()
         node = make_node(op, arrays, **attrs, **extra)

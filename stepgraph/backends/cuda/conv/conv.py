@@ -41,7 +41,8 @@ family beside "depthwise" that runs groups > 1 or dilation != 1 (tiled, direct a
 GEMM decline those). A forward with bias also offers each plain cuDNN plan followed by
 conv2d_bias_act ("cudnn:<i>+epilogue"): few float32 engines fuse the bias. With attrs act
 "relu" (the ReLU that followed, fused) every path applies it: in the cuDNN graph, in the
-depthwise kernel, in cuBLASLt's RELU epilogue (im2col + GEMM), or through that epilogue kernel.
+depthwise and tiled kernels, in cuBLASLt's RELU epilogue (im2col + GEMM), or through that
+epilogue kernel (the direct kernels).
 Every path that can run an op is a candidate; the first eager call of a problem (op,
 geometry, dtype, precision) times each on its real buffers (`_run_faster`, autotune.py) and
 the backend keeps the fastest for every node with that problem: no size rule predicted the
@@ -536,15 +537,16 @@ def _forward_offer(node, ins, outs, ctx) -> Offer:
     _same_dtype(node.op, x=x, weight=w, bias=bias, y=y)
     paths: dict[str, Callable[[], None]] = {}
     if _own(g, layout):
-        paths = _tiled_paths("conv2d", g, x,
-                             lambda conv: tiled.conv2d_tiled(ctx, conv, x, w, bias, y))
+        paths = _tiled_paths("conv2d", g, x,      # the ReLU in the kernel's store
+                             lambda conv: tiled.conv2d_tiled(ctx, conv, x, w, bias, y, relu))
         if direct_unsupported(g, x.dtype) is None:
-            paths["direct"] = lambda: conv2d_direct_forward(ctx, g, x, w, bias, y)
-            paths["direct_narrow"] = lambda: conv2d_direct_forward(ctx, g, x, w, bias, y,
-                                                                   NARROW_CHANNELS)
-        if relu:        # bf16: ReLU commutes with the rounding, the epilogue is exact
-            paths = {name: _then(run, lambda: conv2d_bias_act(ctx, y, None, True))
-                     for name, run in paths.items()}
+            direct = {"direct": lambda: conv2d_direct_forward(ctx, g, x, w, bias, y),
+                      "direct_narrow": lambda: conv2d_direct_forward(ctx, g, x, w, bias, y,
+                                                                     NARROW_CHANNELS)}
+            if relu:    # bf16: ReLU commutes with the rounding, the epilogue is exact
+                direct = {name: _then(run, lambda: conv2d_bias_act(ctx, y, None, True))
+                          for name, run in direct.items()}
+            paths.update(direct)
         if _gemm_dtype(x.dtype):        # the ReLU in cuBLASLt's epilogue where it takes it
             paths["gemm"] = autotune.searching(
                 lambda: _forward_gemm(ctx, node, g, x, w, bias, y, relu))

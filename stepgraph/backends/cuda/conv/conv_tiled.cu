@@ -114,12 +114,13 @@ __device__ __forceinline__ void accumulate_taps(T (&acc)[OB][PX], const T* x0,
 // KS > 1 splits the input channels of an item over KS threads (more warps to hide latency;
 // conv.py makes KS * GB * HOUT * cdiv(WOUT, PX) <= blockDim, one pass): splits 1.. hand their
 // sums to split 0 through shared memory. Sum order: bias, split 0's channels (ic, i, j
-// ascending), then each later split's sum in split order.
+// ascending), then each later split's sum in split order. flags: 1 adds the bias, 2 stores
+// max(sum, 0) (a fused ReLU: negatives become +0, as conv.cu's epilogue makes them).
 template <typename S, typename T, int CIN, int HIN, int WIN, int COUT, int KH, int KW, int PH,
           int PW, int OB, int PX, int GB, int KS, bool FLIP>
 __global__ void __launch_bounds__(512)
 conv2d_tiled_kernel(const S* __restrict__ in, const S* __restrict__ w,
-                    const S* __restrict__ bias, S* __restrict__ out, int has_bias) {
+                    const S* __restrict__ bias, S* __restrict__ out, int flags) {
     constexpr int KK = KH * KW;
     constexpr int HOUT = HIN + 2 * PH - KH + 1, WOUT = WIN + 2 * PW - KW + 1;
     constexpr int GROUPS = cdiv(COUT, OB), WG = cdiv(WOUT, PX);   // pixel groups per row
@@ -170,7 +171,7 @@ conv2d_tiled_kernel(const S* __restrict__ in, const S* __restrict__ w,
 #pragma unroll
         for (int ob = 0; ob < OB; ++ob) {
             const int oc = oc0 + g * OB + ob;
-            const T b = with_bias && has_bias && oc < COUT ? widen(bias[oc]) : T(0);
+            const T b = with_bias && (flags & 1) && oc < COUT ? widen(bias[oc]) : T(0);
 #pragma unroll
             for (int px = 0; px < PX; ++px) acc[ob][px] = b;
         }
@@ -187,7 +188,8 @@ conv2d_tiled_kernel(const S* __restrict__ in, const S* __restrict__ w,
             S* o = out + ((n * COUT + oc) * HOUT + ho) * WOUT + wo0;
 #pragma unroll
             for (int px = 0; px < PX; ++px) {
-                if (wo0 + px < WOUT) store(o + px, acc[ob][px]);
+                if (wo0 + px < WOUT) store(o + px, (flags & 2) && acc[ob][px] < T(0) ? T(0)
+                                                                           : acc[ob][px]);
             }
         }
     };

@@ -260,14 +260,17 @@ def _dtype(arrays: dict) -> np.dtype:
     return dtype
 
 
-def conv2d_tiled(ctx, conv: TiledConv, src, w, bias, out) -> None:
-    """y = conv2d(x, w) + bias (conv.flip False: src = x, out = y) or dx of it (flip True:
-    src = dy, out = dx, bias None): one launch of conv2d_tiled_kernel."""
+def conv2d_tiled(ctx, conv: TiledConv, src, w, bias, out, relu: bool = False) -> None:
+    """y = conv2d(x, w) + bias, then max(y, 0) when relu (conv.flip False: src = x, out = y),
+    or dx of it (flip True: src = dy, out = dx, bias None, no relu): one launch of
+    conv2d_tiled_kernel."""
     dtype = _dtype({"input": src, "weight": w, "output": out}
                    | ({} if bias is None else {"bias": bias}))
+    if relu and conv.flip:
+        raise ShapeError("conv2d tiled: a fused ReLU is the forward's only")
     kern = compiler.kernel(SOURCE, conv.name(dtype))
-    kern(conv.grid, (conv.threads,),
-         (src, w, w if bias is None else bias, out, np.int32(bias is not None)),
+    flags = (bias is not None) | (relu << 1)
+    kern(conv.grid, (conv.threads,), (src, w, w if bias is None else bias, out, np.int32(flags)),
          stream=ctx.stream)
 
 
