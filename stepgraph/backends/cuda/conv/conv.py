@@ -41,8 +41,8 @@ family beside "depthwise" that runs groups > 1 or dilation != 1 (tiled, direct a
 GEMM decline those). A forward with bias also offers each plain cuDNN plan followed by
 conv2d_bias_act ("cudnn:<i>+epilogue"): few float32 engines fuse the bias. With attrs act
 "relu" (the ReLU that followed, fused) every path applies it: in the cuDNN graph, in the
-depthwise and tiled kernels, in cuBLASLt's RELU epilogue (im2col + GEMM), or through that
-epilogue kernel (the direct kernels).
+depthwise, tiled and direct kernels, in cuBLASLt's RELU epilogue (im2col + GEMM), or through
+that epilogue kernel.
 Every path that can run an op is a candidate; the first eager call of a problem (op,
 geometry, dtype, precision) times each on its real buffers (`_run_faster`, autotune.py) and
 the backend keeps the fastest for every node with that problem: no size rule predicted the
@@ -290,16 +290,18 @@ def grad_weight_block(g: Geometry) -> tuple[int, int]:
 
 
 def conv2d_direct_forward(ctx, g: Geometry, x, w, bias, y,
-                          channels: int = DIRECT_CHANNELS) -> None:
-    """y (N, O, Ho, Wo) = conv2d(x, w) + bias (None: no bias), one launch: a thread per output
-    pixel and DIRECT_CHANNELS output channels, the block's weights in shared memory."""
+                          channels: int = DIRECT_CHANNELS, relu: bool = False) -> None:
+    """y (N, O, Ho, Wo) = conv2d(x, w) + bias (None: no bias), then max(y, 0) when relu, one
+    launch: a thread per output pixel and DIRECT_CHANNELS output channels, the block's weights
+    in shared memory."""
     arrays = {"x": x, "weight": w, "y": y} | ({} if bias is None else {"bias": bias})
     kern = _direct_kernel("conv2d_direct_forward", g, "forward", (channels,), arrays)
     pixels = g.n * g.p
     if pixels == 0 or g.o == 0:
         return
     grid = (-(-pixels // DIRECT_BLOCK), -(-g.o // channels))
-    args = (x, w, w if bias is None else bias, y, np.int32(bias is not None), np.int32(g.n),
+    flags = (bias is not None) | (relu << 1)
+    args = (x, w, w if bias is None else bias, y, np.int32(flags), np.int32(g.n),
             np.int32(g.o)) + g.kernel_args()
     kern(grid, (DIRECT_BLOCK,), args, stream=ctx.stream)
 
@@ -537,16 +539,12 @@ def _forward_offer(node, ins, outs, ctx) -> Offer:
     _same_dtype(node.op, x=x, weight=w, bias=bias, y=y)
     paths: dict[str, Callable[[], None]] = {}
     if _own(g, layout):
-        paths = _tiled_paths("conv2d", g, x,      # the ReLU in the kernel's store
+        paths = _tiled_paths("conv2d", g, x,      # each kernel stores the ReLU itself
                              lambda conv: tiled.conv2d_tiled(ctx, conv, x, w, bias, y, relu))
         if direct_unsupported(g, x.dtype) is None:
-            direct = {"direct": lambda: conv2d_direct_forward(ctx, g, x, w, bias, y),
-                      "direct_narrow": lambda: conv2d_direct_forward(ctx, g, x, w, bias, y,
-                                                                     NARROW_CHANNELS)}
-            if relu:    # bf16: ReLU commutes with the rounding, the epilogue is exact
-                direct = {name: _then(run, lambda: conv2d_bias_act(ctx, y, None, True))
-                          for name, run in direct.items()}
-            paths.update(direct)
+            paths["direct"] = lambda: conv2d_direct_forward(ctx, g, x, w, bias, y, relu=relu)
+            paths["direct_narrow"] = lambda: conv2d_direct_forward(ctx, g, x, w, bias, y,
+                                                                   NARROW_CHANNELS, relu)
         if _gemm_dtype(x.dtype):        # the ReLU in cuBLASLt's epilogue where it takes it
             paths["gemm"] = autotune.searching(
                 lambda: _forward_gemm(ctx, node, g, x, w, bias, y, relu))

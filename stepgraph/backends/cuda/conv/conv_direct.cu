@@ -24,10 +24,11 @@ struct alignas(sizeof(T) * K) Pack {
 // grid (ceil(N*Ho*Wo / blockDim), ceil(O / OB)): a thread owns one output pixel of one sample
 // and OB output channels (one x load feeds OB FMAs); the block stages w[o0 : o0+OB] as
 // ws[ck].v[ob], zero past O. Sum order: bias, then c, i, j ascending, taps inside the image only.
+// flags: 1 adds the bias, 2 stores max(sum, 0) (a fused ReLU, as conv.cu's epilogue).
 template <typename T, int OB>
 __global__ void __launch_bounds__(256)
 conv2d_direct_forward_kernel(const T* __restrict__ x, const T* __restrict__ w,
-                             const T* __restrict__ bias, T* __restrict__ y, int has_bias,
+                             const T* __restrict__ bias, T* __restrict__ y, int flags,
                              int N, int O, GEOMETRY_PARAMS) {
     __shared__ Pack<T, OB> ws[MAX_TAPS];
     const int CK = C * kh * kw;
@@ -47,7 +48,7 @@ conv2d_direct_forward_kernel(const T* __restrict__ x, const T* __restrict__ w,
     const int j0 = max(0, -wb), j1 = min(kw, W - wb);
     T acc[OB];
 #pragma unroll
-    for (int ob = 0; ob < OB; ++ob) acc[ob] = has_bias && o0 + ob < O ? bias[o0 + ob] : T(0);
+    for (int ob = 0; ob < OB; ++ob) acc[ob] = (flags & 1) && o0 + ob < O ? bias[o0 + ob] : T(0);
     for (int c = 0; c < C; ++c) {
 #pragma unroll 5
         for (int i = i0; i < i1; ++i) {
@@ -65,7 +66,8 @@ conv2d_direct_forward_kernel(const T* __restrict__ x, const T* __restrict__ w,
     }
 #pragma unroll
     for (int ob = 0; ob < OB; ++ob) {
-        if (o0 + ob < O) y[(n * O + o0 + ob) * P + p] = acc[ob];
+        if (o0 + ob < O) y[(n * O + o0 + ob) * P + p] = (flags & 2) && acc[ob] < T(0) ? T(0)
+                                                                              : acc[ob];
     }
 }
 
