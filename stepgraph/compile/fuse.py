@@ -26,7 +26,7 @@ from .concat_slices import read_concat_inputs
 from .layout_chains import collapse_layout_chains
 from .matmul_add import fuse_matmul_add
 from .elementwise_reshapes import move_elementwise_before_reshapes
-from .rewrite import _copy, _join, _live, _rebuild, sole_reader
+from .rewrite import _copy, _join, _live, _rebuild, sole_chain, sole_reader
 
 
 def _sole_reader(graph: Graph, users, v: Value, op: str) -> Node | None:
@@ -409,7 +409,7 @@ def fuse_gradient_casts(graph: Graph) -> Graph:
     for n in graph.nodes:
         if n.op != "cast" or n.attrs["dtype"] != "float32" or n.inputs[0].dtype != BF16:
             continue
-        chain, wide = _layout_chain(graph, users, n.outputs[0])
+        chain, wide = sole_chain(graph, users, n.outputs[0], ("reshape", "permute"))
         readers = users.get(wide, [])
         if not readers or wide in outputs or not all(_reads_gradient(r, wide) for r in readers):
             continue
@@ -423,18 +423,6 @@ def fuse_gradient_casts(graph: Graph) -> Graph:
         dropped.add(n)
     kept = [narrowed.get(n, n) for n in graph.nodes if n not in dropped]
     return _rebuild(graph, kept, subst)
-
-
-def _layout_chain(graph: Graph, users, v: Value) -> tuple[list[Node], Value]:
-    """The reshapes and permutes that read v one after another, each the only reader of what
-    it reads (no graph output), and the value at the chain's end (v when there is none)."""
-    chain = []
-    while True:
-        step = _sole_reader(graph, users, v, "reshape") or _sole_reader(graph, users, v, "permute")
-        if step is None:
-            return chain, v
-        chain.append(step)
-        v = step.outputs[0]
 
 
 def fuse_loss_casts(graph: Graph) -> Graph:

@@ -42,9 +42,9 @@ from typing import Callable
 import numpy as np
 
 from ..ir.graph import Graph, Node, Value
-from ..ops.shape import _slice_bounds, contiguous_strides, slice_length
+from ..ops.shape import _slice_bounds, contiguous_strides, matched_axes, slice_length
 from .aliases import view_roots, written_buffers
-from .rewrite import _copy
+from .rewrite import _copy, sole_chain
 
 LAYOUT_OPS = ("reshape", "permute", "slice")
 COPY_DTYPES = ("float32", "bfloat16", "float16")
@@ -168,7 +168,7 @@ def collapse_layout_chains(graph: Graph) -> Graph:
         if n.op == "concat":
             nodes += _concat_of_views(n, views, producers, usable)
     graph.nodes = nodes
-    return _permuted_concats(graph, outputs, usable)
+    return _permuted_concats(graph, usable)
 
 
 def _whole(view: _View) -> bool:
@@ -180,7 +180,7 @@ def _whole(view: _View) -> bool:
         tuple(s for _, s in kept) == contiguous_strides(shape)
 
 
-def _permuted_concats(graph: Graph, outputs: set, usable) -> Graph:
+def _permuted_concats(graph: Graph, usable) -> Graph:
     """A layout_concat read by nothing but a chain of reshapes and permutes that ends in a
     copy of all of it (a permute, or a layout_copy of the whole) writes that copy's layout
     itself: the copy's node becomes the layout_concat, its parts' views carried through the
@@ -189,9 +189,11 @@ def _permuted_concats(graph: Graph, outputs: set, usable) -> Graph:
     users = graph.consumers()
     views = chain_views([n for n in graph.nodes if n.op in LAYOUT_OPS + ("layout_copy",)])
     for joined in [n for n in graph.nodes if n.op == "layout_concat"]:
-        end = _sole_chain_end(joined.outputs[0], users, outputs)
-        if end is None:
+        chain, _ = sole_chain(graph, users, joined.outputs[0],
+                              ("reshape", "permute", "layout_copy"))
+        if all(n.op == "reshape" for n in chain):       # none, or views only: nothing to fold
             continue
+        end = chain[-1]
         view = views.get(end.outputs[0])
         dim = int(joined.attrs["dim"])
         parts = [_View(x, *v, 0) for x, v in zip(joined.inputs, joined.attrs["views"])]
@@ -204,38 +206,14 @@ def _permuted_concats(graph: Graph, outputs: set, usable) -> Graph:
     return graph
 
 
-def _sole_chain_end(y: Value, users: dict, outputs: set) -> Node | None:
-    """The last node of the chain of reshapes, permutes and layout_copies that alone reads
-    y, each value of it read by the next node only; None where y or a chain value has another
-    reader or is a graph output, or where the chain copies nothing."""
-    node, copied = None, False
-    while True:
-        readers = users.get(y, [])
-        if y in outputs or len(readers) != 1 or readers[0].op not in \
-                ("reshape", "permute", "layout_copy"):
-            return node if node is not None and copied and node.outputs[0] is y else None
-        node = readers[0]
-        copied |= node.op != "reshape"
-        y = node.outputs[0]
-
-
 def _carried(view: _View, shape: tuple, dim: int, parts: list[_View]):
     """(end_dim, views): where the concat's axis `dim` lands in `view` (a view of the whole
     concat output of `shape`, its axes only permuted, with extent-1 axes added or dropped) and
     each part's view carried there; None where the view slices, merges or splits axes."""
     if view.offset or math.prod(view.shape) != math.prod(shape):
         return None
-    strides = contiguous_strides(shape)
-    axis_of = {}                 # view axis -> concat output axis
-    for j, (extent, stride) in enumerate(zip(view.shape, view.strides)):
-        if extent == 1:
-            continue
-        match = [i for i, (e, s) in enumerate(zip(shape, strides)) if e == extent and s == stride]
-        if len(match) != 1:
-            return None
-        axis_of[j] = match[0]
-    if sorted(axis_of.values()) != [i for i, e in enumerate(shape) if e != 1] or \
-            dim not in axis_of.values():
+    axis_of = matched_axes(view.shape, view.strides, shape)     # view axis -> output axis
+    if axis_of is None or dim not in axis_of.values():
         return None
     end_dim = next(j for j, i in axis_of.items() if i == dim)
     carried = []

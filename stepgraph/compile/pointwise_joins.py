@@ -25,7 +25,7 @@ import math
 
 from ..ir.graph import Graph, Node, Value
 from ..ops.pointwise import Joined, input_views, renumbered
-from ..ops.shape import contiguous_strides
+from ..ops.shape import contiguous_strides, matched_axes
 from .aliases import view_roots, written_buffers
 from .pointwise_views import program_of
 from .rewrite import _copy
@@ -126,18 +126,11 @@ def permuted_axes(shape: tuple, view) -> tuple | None:
     """axes such that the view (vshape, strides, offset) reads a contiguous array of `shape`
     as its transpose by axes (view axis d is axis axes[d]), or None."""
     vshape, strides, _ = view            # a full-size view of the array: its offset is 0
-    own = contiguous_strides(shape)
-    if len(vshape) != len(shape):
+    matched = matched_axes(vshape, strides, shape) if len(vshape) == len(shape) else None
+    free = [a for a in range(len(shape)) if shape[a] == 1]
+    if matched is None or len(matched) + len(free) != len(shape):     # an axis unmatched
         return None
-    axes, free = [], [a for a in range(len(shape)) if shape[a] == 1]
-    for n, s in zip(vshape, strides):
-        found = [a for a in range(len(shape)) if shape[a] == n > 1 and own[a] == s]
-        if n == 1 and free:
-            found = [free.pop()]
-        if len(found) != 1 or found[0] in axes:
-            return None
-        axes.append(found[0])
-    return tuple(axes)
+    return tuple(matched[d] if d in matched else free.pop() for d in range(len(vshape)))
 
 
 def _read(program: Node, v: Value) -> int:

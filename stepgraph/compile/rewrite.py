@@ -19,6 +19,18 @@ def sole_reader(graph: Graph, users, v: Value) -> Node | None:
     return readers[0] if len(readers) == 1 and v not in graph.outputs.values() else None
 
 
+def sole_chain(graph: Graph, users, v: Value, ops: tuple[str, ...]) -> tuple[list[Node], Value]:
+    """The nodes of `ops` that read v one after another, each the only reader of what it reads
+    (no graph output), and the value at the chain's end (v when there is none)."""
+    chain = []
+    while True:
+        step = sole_reader(graph, users, v)
+        if step is None or step.op not in ops:
+            return chain, v
+        chain.append(step)
+        v = step.outputs[0]
+
+
 def _rebuild(graph: Graph, nodes: list[Node], subst: dict[Value, Value]) -> Graph:
     """A copy of `graph` with `nodes`, every input and output renamed through `subst`."""
     for n in nodes:

@@ -163,6 +163,23 @@ def contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
 
 
+def matched_axes(view_shape, view_strides, shape) -> dict[int, int] | None:
+    """{view axis: array axis} for each axis of extent > 1 of a view of a C-contiguous array
+    of `shape` (as many elements): the array axis of the same extent and stride, which makes
+    the view a transpose of the array with extent-1 axes added or dropped; None where an axis
+    has no such twin, or shares one with another (the view slices, merges, splits or repeats
+    axes)."""
+    own, axes = contiguous_strides(shape), {}
+    for d, (n, s) in enumerate(zip(view_shape, view_strides)):
+        if n == 1:
+            continue
+        found = [a for a in range(len(shape)) if shape[a] == n and own[a] == s]
+        if not found or found[0] in axes.values():  # one at most: axes of extent > 1 have
+            return None                              # distinct strides
+        axes[d] = found[0]
+    return axes
+
+
 @impl("layout_copy")
 def _layout_copy_impl(node, ins, outs, ctx):
     a = node.attrs

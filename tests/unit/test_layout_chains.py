@@ -262,7 +262,7 @@ def test_the_mixer_file_at_channels_last_copies_once_each_way(monkeypatch, preci
 
     ops, losses, params = train()
     monkeypatch.setattr(chains, "_whole", lambda view: False)
-    monkeypatch.setattr(chains, "_permuted_concats", lambda graph, outputs, usable: graph)
+    monkeypatch.setattr(chains, "_permuted_concats", lambda graph, usable: graph)
     old, want_losses, want = train()
     layers = kw["layers"]
     # per block, gone: the permute to NHWC after the padded input's layout_concat, and the
