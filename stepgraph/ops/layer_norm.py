@@ -52,14 +52,35 @@ def _layer_norm_grad(ins, attrs):
     weight, bias as the forward's. xhat = (x - mean) * rstd, g = dy * weight (dy without
     weight); per row dx = rstd * (g - mean(g) - xhat * mean(g * xhat)). Outputs dx, then
     dweight = sum over rows of dy * xhat when attrs weight, dbias = sum over rows of dy when
-    attrs bias."""
+    attrs bias, then dx rounded to attrs dx_half when given (_dx_half). dx itself may be
+    stored in bfloat16 / float16 for a float32 x (compile/norm_casts.py)."""
     dy, x = ins[0], ins[1]
     weight, bias = bool(attrs.get("weight")), bool(attrs.get("bias"))
     _need(len(ins) == 4 + weight, "layer_norm_grad",
           f"{4 + weight} inputs for weight={weight}, got {len(ins)}")
     _need(dy.shape == x.shape, "layer_norm_grad", f"dy {dy.shape} vs x {x.shape}")
     c = (x.shape[-1],)
-    return [(x.shape, x.dtype)] + [(c, x.dtype)] * (weight + bias)
+    return [(x.shape, x.dtype)] + [(c, x.dtype)] * (weight + bias) + _dx_half(x, attrs)
+
+
+def _dx_half(x, attrs) -> list:
+    """The normalisation gradients' optional last output: dx rounded to attrs dx_half
+    (bfloat16 or float16) as well as stored in x's float32, for the half GEMM that reads it
+    beside a float32 reader (compile/norm_casts.py: the cast it replaces)."""
+    half = attrs.get("dx_half")
+    if half is None:
+        return []
+    _need(half in HALF_DTYPES and x.dtype == "float32", "dx_half",
+          f"a bfloat16 or float16 copy of a float32 dx, got {half} of {x.dtype}")
+    return [(x.shape, half)]
+
+
+def _store_dx(node, outs, dx: np.ndarray) -> None:
+    """dx into outs[0], and into the dx_half copy (outs[-1]) when the node has one: rounded
+    from the float32 dx, as the cast it replaces rounded it."""
+    outs[0][...] = dx
+    if node.attrs.get("dx_half"):
+        outs[-1][...] = outs[0]
 
 
 @vjp("layer_norm")
@@ -89,6 +110,11 @@ def _layer_norm_impl(node, ins, outs, ctx):
 
 @impl("layer_norm_grad")
 def _layer_norm_grad_impl(node, ins, outs, ctx):
+    _store_dx(node, outs, _layer_norm_grads(node, ins, outs))
+
+
+def _layer_norm_grads(node, ins, outs) -> np.ndarray:
+    """dweight and dbias into outs (as attrs ask); dx returned in float64."""
     a = node.attrs
     weight, bias = bool(a.get("weight")), bool(a.get("bias"))
     dy, x = ins[0].astype(np.float64), ins[1].astype(np.float64)
@@ -97,13 +123,13 @@ def _layer_norm_grad_impl(node, ins, outs, ctx):
     rstd = ins[-1].astype(np.float64).reshape(x.shape[:-1] + (1,))
     xhat = (x - mean) * rstd
     g = dy * ins[2].astype(np.float64) if weight else dy
-    outs[0][...] = rstd * (g - g.mean(axis=-1, keepdims=True)
-                           - xhat * (g * xhat).mean(axis=-1, keepdims=True))
     rest = list(outs[1:])
     if weight:
         rest.pop(0)[...] = (dy * xhat).reshape(-1, c).sum(axis=0)
     if bias:
         rest.pop(0)[...] = dy.reshape(-1, c).sum(axis=0)
+    return rstd * (g - g.mean(axis=-1, keepdims=True)
+                   - xhat * (g * xhat).mean(axis=-1, keepdims=True))
 
 
 # ---- residual add + LayerNorm (made only by compile/norm_rewrite.py) -----------------------
@@ -140,8 +166,8 @@ def _add_layer_norm_grad(ins, attrs):
     """Gradient of add_layer_norm when both y and s have one: ins (dy, s, [weight], mean,
     rstd, ds), attrs weight, bias. dx = layer_norm_grad's dx of dy plus ds (the gradient the
     residual stream brings: the sum autodiff would add after the LayerNorm's gradient), the
-    sum rounded once to s's dtype; dx is the gradient of a and of b. Then dweight, dbias as
-    layer_norm_grad's."""
+    sum rounded once to s's dtype; dx is the gradient of a and of b. Then dweight, dbias and
+    the dx_half copy as layer_norm_grad's."""
     _need(len(ins) >= 5, "add_layer_norm_grad", f"at least 5 inputs, got {len(ins)}")
     ds, x = ins[-1], ins[1]
     _need(ds.shape == x.shape, "add_layer_norm_grad", f"ds {ds.shape} vs s {x.shape}")
@@ -181,9 +207,7 @@ def _add_layer_norm_impl(node, ins, outs, ctx):
 
 @impl("add_layer_norm_grad")
 def _add_layer_norm_grad_impl(node, ins, outs, ctx):
-    dx = np.empty(outs[0].shape, np.float64)
-    _layer_norm_grad_impl(node, ins[:-1], [dx, *outs[1:]], ctx)
-    outs[0][...] = dx + ins[-1].astype(np.float64)
+    _store_dx(node, outs, _layer_norm_grads(node, ins[:-1], outs) + ins[-1].astype(np.float64))
 
 
 # ---- RMSNorm (made only by compile/norm_rewrite.py, of the form model files write) ---------
@@ -210,13 +234,13 @@ def _rms_norm_grad(ins, attrs):
     """Gradient of rms_norm. ins (dy, x, [weight when attrs weight], rstd). xhat = x * rstd,
     g = dy * weight (dy without weight); per row dx = rstd * (g - xhat * mean(g * xhat)).
     Outputs dx (x.shape, x.dtype), then dweight = sum over rows of dy * xhat when attrs
-    weight."""
+    weight, then the dx_half copy as layer_norm_grad's."""
     dy, x = ins[0], ins[1]
     weight = bool(attrs.get("weight"))
     _need(len(ins) == 3 + weight, "rms_norm_grad",
           f"{3 + weight} inputs for weight={weight}, got {len(ins)}")
     _need(dy.shape == x.shape, "rms_norm_grad", f"dy {dy.shape} vs x {x.shape}")
-    return [(x.shape, x.dtype)] + [((x.shape[-1],), x.dtype)] * weight
+    return [(x.shape, x.dtype)] + [((x.shape[-1],), x.dtype)] * weight + _dx_half(x, attrs)
 
 
 @vjp("rms_norm")
@@ -249,6 +273,6 @@ def _rms_norm_grad_impl(node, ins, outs, ctx):
     rstd = ins[-1].astype(np.float64).reshape(x.shape[:-1] + (1,))
     xhat = x * rstd
     g = dy * ins[2].astype(np.float64) if weight else dy
-    outs[0][...] = rstd * (g - xhat * (g * xhat).mean(axis=-1, keepdims=True))
     if weight:
         outs[1][...] = (dy * xhat).reshape(-1, c).sum(axis=0)
+    _store_dx(node, outs, rstd * (g - xhat * (g * xhat).mean(axis=-1, keepdims=True)))

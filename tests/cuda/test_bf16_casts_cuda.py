@@ -160,3 +160,47 @@ def test_layer_norm_with_a_bf16_y_and_dy(ctx, c):
     assert np.isfinite(want[0]).all()
     for g, wnt in zip(got, want):
         np.testing.assert_array_equal(g, wnt)
+
+
+@pytest.mark.parametrize("c", [384, 33, 8196])          # float4 registers; one a thread; loop
+@pytest.mark.parametrize("op", ["layer_norm", "add_layer_norm", "rms_norm"])
+@pytest.mark.parametrize("half", [np.uint16, np.float16], ids=["bf16", "fp16"])
+def test_norm_grads_store_dx_in_half_beside_or_alone(ctx, c, op, half):
+    """compile/norm_casts.py: the backward's half dx (the node's dx_half copy beside the
+    float32 dx, or a half dx in its place) is its float32 dx rounded once, as the cast it
+    replaces; the float32 dx, dweight and dbias are the plain kernel's, bit for bit."""
+    rng = seeded(f"norm grad half dx {op} {c}")
+    rows = 40
+    x = (rng.standard_normal((rows, c)) * 2 + 0.5).astype(np.float32)
+    w, dy, ds = (rng.standard_normal(s).astype(np.float32) for s in (c, (rows, c), (rows, c)))
+    mean = x.mean(axis=1, dtype=np.float32)
+    rstd = (1 / np.sqrt(x.var(axis=1) + 1e-5)).astype(np.float32)
+    poison = np.uint16(0x7FA1) if half is np.uint16 else np.float16(np.nan)
+
+    def backward(dx_dtype, copy: bool):
+        node = Node(f"{op}_grad", [], [], {})
+        with ctx.stream:
+            ins = [cp.asarray(a) for a in (dy, x, w, mean, rstd, ds)]
+            dx = cp.full((rows, c), np.nan if dx_dtype == np.float32 else poison, dx_dtype)
+            dw = cp.full(c, np.nan, np.float32)
+            dx_half = cp.full((rows, c), poison, half) if copy else None
+        if op == "rms_norm":
+            layer_norm.rms_norm_backward(ctx, node, ins[0], ins[1], ins[2], ins[4], dx, dw,
+                                         dx_half=dx_half)
+        else:
+            layer_norm.layer_norm_backward(ctx, node, *ins[:5], dx, dw,
+                                           ds=ins[5] if op == "add_layer_norm" else None,
+                                           dx_half=dx_half)
+        ctx.stream.synchronize()
+        return [None if a is None else cp.asnumpy(a) for a in (dx, dw, dx_half)]
+
+    dx32, dw32, _ = backward(np.float32, False)
+    assert np.isfinite(dx32).all() and np.isfinite(dw32).all()
+    rounded = bf16.to_bits(dx32) if half is np.uint16 else dx32.astype(np.float16)
+    dx, dw, copy = backward(np.float32, True)
+    np.testing.assert_array_equal(dx, dx32)
+    np.testing.assert_array_equal(dw, dw32)
+    np.testing.assert_array_equal(copy, rounded)
+    alone, dw, _ = backward(half, False)
+    np.testing.assert_array_equal(alone, rounded)
+    np.testing.assert_array_equal(dw, dw32)

@@ -304,9 +304,12 @@ def test_every_value_of_a_train_step_has_its_autocast_dtype(name):
                 assert n.outputs[0].dtype == F32 and \
                     n.inputs[0].dtype == n.outputs[1].dtype, n
             elif n.op in ("layer_norm", "layer_norm_grad") and fused:
-                # fuse_layer_norm_casts: y (forward) or dy (backward) may be bf16
-                loose = n.outputs[0] if n.op == "layer_norm" else n.inputs[0]
-                assert {v.dtype for v in [*n.inputs, *n.outputs] if v is not loose} == {F32}, n
+                # fuse_layer_norm_casts: y (forward) or dy (backward) may be bf16;
+                # fuse_norm_grad_casts: dx too, or its dx_half copy beside a float32 dx
+                loose = [n.outputs[0]] if n.op == "layer_norm" else [n.inputs[0], n.outputs[0]]
+                if n.attrs.get("dx_half"):
+                    loose.append(n.outputs[-1])
+                assert {v.dtype for v in [*n.inputs, *n.outputs] if v not in loose} == {F32}, n
             elif n.op in ("layer_norm", "layer_norm_grad", "softmax", "softmax_grad",
                           "log_softmax", "log_softmax_grad", "cross_entropy",
                           "cross_entropy_grad", "cross_entropy_train", "nll_loss"):

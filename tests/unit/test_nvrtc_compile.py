@@ -422,7 +422,7 @@ def _fake_memory(node, key, ctx, build, required=True):
         return dict(keys=(Fake((key[1],), "int32"), Fake((key[1],), "int32")),
                     positions=(Fake((key[1],), "int32"), Fake((key[1],), "int32")),
                     hist=Fake((256 * blocks,), "int32"), blocks=blocks)
-    if kind == "layer_norm_grad":
+    if kind in ("layer_norm_grad", "add_layer_norm_grad", "rms_norm_grad"):
         return dict(w=Fake((key[1] * key[2],)) if key[3] else None,
                     b=Fake((key[1] * key[2],)) if key[4] else None)
     if kind == "cross_entropy":
@@ -802,6 +802,52 @@ def test_layer_norm_launch_arguments_match_the_kernels(monkeypatch, c, has_w, ha
         (_, _, grid, _, args), blocks = launched[2], launched[1][2][0]
         assert grid == (-(-c // 32), has_w + has_b) and int(args[-2]) == blocks
         assert 1 <= blocks <= min(21, 528)
+
+
+@pytest.mark.parametrize("c", [33, 384, 8196])
+@pytest.mark.parametrize("op", ["layer_norm", "add_layer_norm", "rms_norm"])
+@pytest.mark.parametrize("half", ["uint16", "float16"])
+@pytest.mark.parametrize("form", ["copy", "alone"])
+def test_norm_grads_store_a_half_dx(monkeypatch, c, op, half, form):
+    """compile/norm_casts.py: a float32 x's backward stores dx rounded to bf16 / float16 beside
+    the float32 dx (copy: the node's dx_half output) or alone (a half dx output, the float32
+    pointer null), with dy float32 or of that half dtype."""
+    from stepgraph.backends.cuda import layer_norm
+
+    launched = _record_launches(monkeypatch, layer_norm)
+    monkeypatch.setattr(layer_norm, "resident_blocks", lambda name, threads: 528)
+    x, w, stats = Fake((3, 7, c)), Fake((c,)), [Fake((21,)), Fake((21,))]
+    dx, copy = (Fake(x.shape), Fake(x.shape, half)) if form == "copy" else \
+        (Fake(x.shape, half), None)
+    for dy in (Fake(x.shape), Fake(x.shape, half)):
+        if op == "rms_norm":
+            layer_norm.rms_norm_backward(None, object(), dy, x, w, stats[1], dx, Fake((c,)),
+                                         dx_half=copy)
+        else:
+            layer_norm.layer_norm_backward(None, object(), dy, x, w, *stats, dx, Fake((c,)),
+                                           ds=Fake(x.shape) if op == "add_layer_norm" else None,
+                                           dx_half=copy)
+    ctype = "unsigned short" if half == "uint16" else "fp16_bits"
+    backwards = [(name, args) for _, name, _, _, args in launched if "finalize" not in name]
+    assert [name.startswith(f"{op}_backward") and name.endswith(f", float, {ctype}>")
+            for name, _ in backwards] == [True, True]
+    dx_at = 5 + (op == "add_layer_norm") - (op == "rms_norm")      # after dy, x, w, stats[, ds]
+    for _, args in backwards:      # a null pointer is np.uint64(0); an array a Fake
+        assert isinstance(args[dx_at], Fake) == (form == "copy")
+        assert args[dx_at + 1] is (copy if form == "copy" else dx)
+    assert {name for _, name, *_ in launched} <= layer_norm.kernel_names()["layer_norm.cu"]
+    _assert_launches_match(launched)
+
+
+def test_a_half_dx_copy_is_of_a_float32_x(monkeypatch):
+    from stepgraph.backends.cuda import layer_norm
+    from stepgraph.errors import ShapeError
+
+    _record_launches(monkeypatch, layer_norm)
+    x, stats = Fake((4, 8), "float16"), [Fake((4,)), Fake((4,))]
+    with pytest.raises(ShapeError, match="half dx copy"):
+        layer_norm.layer_norm_backward(None, object(), Fake((4, 8), "float16"), x, None, *stats,
+                                       Fake((4, 8), "float16"), dx_half=Fake((4, 8), "uint16"))
 
 
 def test_softmax_shape_and_loss_launch_arguments_match_the_kernels(monkeypatch):

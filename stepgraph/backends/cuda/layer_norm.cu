@@ -17,7 +17,9 @@
 // precision="bf16" (compile/fuse.py fuse_layer_norm_casts): the forward may write y in bf16
 // (Y, rounded once on store: what the cast to bf16 after it did) and the backward may read dy
 // in bf16 (DY, widened exactly: what the cast to float32 before it did); x, the statistics,
-// the parameters and dx stay float32, as autocast runs layer_norm.
+// the parameters and dx stay float32, as autocast runs layer_norm. The backwards may also
+// store dx rounded to H (dx_half, compile/norm_casts.py: the cast to bf16 of the GEMM that
+// reads dx), beside the float32 dx or, dx null, in its place.
 // float16 (a model.half(), X = fp16_bits): x, the parameters, y, dx, dweight and dbias are
 // float16, loaded as float and each rounded once on store; the statistics, the partial sums
 // and all the arithmetic stay float32 (torch's CUDA layer_norm of a half tensor: float
@@ -85,6 +87,14 @@ __device__ __forceinline__ float stored_as(float v) {
     X t;
     store_from_float(&t, 0, v);
     return load_as_float(&t, 0);
+}
+
+// A backward's VEC values of dx at element i: into dx and into its half copy dx_half, each
+// where given (either may be null: compile/norm_casts.py).
+template <int VEC, typename X, typename H>
+__device__ __forceinline__ void store_dx(X* dx, H* dx_half, long long i, const float* v) {
+    if (dx) storev_from_float<VEC>(dx, i, v);
+    if (dx_half) storev_from_float<VEC>(dx_half, i, v);
 }
 
 // y = (s - mean) * rstd [* weight] [+ bias]; mean and rstd (rows,) per row. s is x (ADD
@@ -208,12 +218,12 @@ __device__ __forceinline__ void store_block_partial(const float (&acc)[K][VEC], 
 // mean) * rstd (x: add_layer_norm's s); ds (ADD true) added in float32 before the one store.
 // Block b sums dy * xhat and dy over its rows into row b of partial_w / partial_b [gridDim.x,
 // C] (either null when not wanted).
-template <bool ADD, typename DY, int VEC, int K, typename X>
+template <bool ADD, typename DY, int VEC, int K, typename X, typename H>
 __device__ __forceinline__ void layer_norm_backward_rows(const DY* dy, const X* x,
                                                          const X* weight, const float* mean,
                                                          const float* rstd, const X* ds, X* dx,
-                                                         float* partial_w, float* partial_b,
-                                                         int rows, int C) {
+                                                         H* dx_half, float* partial_w,
+                                                         float* partial_b, int rows, int C) {
     __shared__ float2 sums[32];
     __shared__ __align__(16) float red[LAYER_NORM_BLOCK_ROWS_THREADS * K * VEC];
     const int groups = C / VEC;
@@ -267,29 +277,29 @@ __device__ __forceinline__ void layer_norm_backward_rows(const DY* dy, const X* 
                 if constexpr (ADD) v = __fadd_rn(v, e[j]);
                 d[k][j] = v;
             }
-            storev_from_float<VEC>(dx, r0 + (long long)g * VEC, d[k]);
+            store_dx<VEC>(dx, dx_half, r0 + (long long)g * VEC, d[k]);
         }
     }
     store_block_partial<VEC, K>(acc_w, partial_w, red, groups, C);
     store_block_partial<VEC, K>(acc_b, partial_b, red, groups, C);
 }
 
-template <typename DY, int VEC, int K, typename X = float>
+template <typename DY, int VEC, int K, typename X = float, typename H = X>
 __global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
 layer_norm_backward_kernel(const DY* dy, const X* x, const X* weight,
-                           const float* mean, const float* rstd, X* dx, float* partial_w,
-                           float* partial_b, int rows, int C) {
-    layer_norm_backward_rows<false, DY, VEC, K, X>(dy, x, weight, mean, rstd, nullptr, dx,
-                                                   partial_w, partial_b, rows, C);
+                           const float* mean, const float* rstd, X* dx, H* dx_half,
+                           float* partial_w, float* partial_b, int rows, int C) {
+    layer_norm_backward_rows<false, DY, VEC, K, X, H>(dy, x, weight, mean, rstd, nullptr, dx,
+                                                      dx_half, partial_w, partial_b, rows, C);
 }
 
-template <typename DY, int VEC, int K, typename X = float>
+template <typename DY, int VEC, int K, typename X = float, typename H = X>
 __global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
 add_layer_norm_backward_kernel(const DY* dy, const X* x, const X* weight, const float* mean,
-                               const float* rstd, const X* ds, X* dx, float* partial_w,
-                               float* partial_b, int rows, int C) {
-    layer_norm_backward_rows<true, DY, VEC, K, X>(dy, x, weight, mean, rstd, ds, dx, partial_w,
-                                                  partial_b, rows, C);
+                               const float* rstd, const X* ds, X* dx, H* dx_half,
+                               float* partial_w, float* partial_b, int rows, int C) {
+    layer_norm_backward_rows<true, DY, VEC, K, X, H>(dy, x, weight, mean, rstd, ds, dx, dx_half,
+                                                     partial_w, partial_b, rows, C);
 }
 
 // The forward for rows of any width: x re-read from global memory for each pass; with ADD,
@@ -358,11 +368,12 @@ add_layer_norm_forward_loop_kernel(const X* a, const B* b, const X* weight, cons
 // The backward for rows of any width, one row a block (blockDim.y == 1): the block's partial
 // sums accumulate in place in its row of partial_w / partial_b (each element read and written
 // by one thread only); ds added to dx as layer_norm_backward_rows does.
-template <bool ADD, typename DY, typename X>
+template <bool ADD, typename DY, typename X, typename H>
 __device__ __forceinline__ void layer_norm_backward_loop_rows(const DY* dy, const X* x,
                                                               const X* weight, const float* mean,
                                                               const float* rstd, const X* ds,
-                                                              X* dx, float* partial_w,
+                                                              X* dx, H* dx_half,
+                                                              float* partial_w,
                                                               float* partial_b, int rows, int C) {
     __shared__ float2 sums[32];
     float* pw = partial_w ? partial_w + (long long)blockIdx.x * C : nullptr;
@@ -394,27 +405,28 @@ __device__ __forceinline__ void layer_norm_backward_loop_rows(const DY* dy, cons
             const float g = weight ? __fmul_rn(d, load_as_float(weight, c)) : d;
             float v = __fmul_rn(r, __fsub_rn(__fsub_rn(g, mg), __fmul_rn(h, mgh)));
             if constexpr (ADD) v = __fadd_rn(v, load_as_float(ds, r0 + c));
-            store_from_float(dx, r0 + c, v);
+            store_dx<1>(dx, dx_half, r0 + c, &v);
         }
     }
 }
 
-template <typename DY, typename X = float>
+template <typename DY, typename X = float, typename H = X>
 __global__ void __launch_bounds__(1024)
 layer_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight,
-                                const float* mean, const float* rstd, X* dx,
+                                const float* mean, const float* rstd, X* dx, H* dx_half,
                                 float* partial_w, float* partial_b, int rows, int C) {
-    layer_norm_backward_loop_rows<false, DY, X>(dy, x, weight, mean, rstd, nullptr, dx,
-                                                partial_w, partial_b, rows, C);
+    layer_norm_backward_loop_rows<false, DY, X, H>(dy, x, weight, mean, rstd, nullptr, dx,
+                                                   dx_half, partial_w, partial_b, rows, C);
 }
 
-template <typename DY, typename X = float>
+template <typename DY, typename X = float, typename H = X>
 __global__ void __launch_bounds__(1024)
 add_layer_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight,
                                     const float* mean, const float* rstd, const X* ds, X* dx,
-                                    float* partial_w, float* partial_b, int rows, int C) {
-    layer_norm_backward_loop_rows<true, DY, X>(dy, x, weight, mean, rstd, ds, dx, partial_w,
-                                               partial_b, rows, C);
+                                    H* dx_half, float* partial_w, float* partial_b, int rows,
+                                    int C) {
+    layer_norm_backward_loop_rows<true, DY, X, H>(dy, x, weight, mean, rstd, ds, dx, dx_half,
+                                                  partial_w, partial_b, rows, C);
 }
 
 // dweight[c] = the sum over slots of partial_w[slot, c] (dbias from partial_b alike), in
@@ -493,10 +505,10 @@ rms_norm_forward_kernel(const X* x, const X* weight, Y* y, float* rstd_out, int 
     }
 }
 
-template <typename DY, int VEC, int K, typename X = float>
+template <typename DY, int VEC, int K, typename X = float, typename H = X>
 __global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
 rms_norm_backward_kernel(const DY* dy, const X* x, const X* weight, const float* rstd, X* dx,
-                         float* partial_w, int rows, int C) {
+                         H* dx_half, float* partial_w, int rows, int C) {
     __shared__ float smem[32];
     __shared__ __align__(16) float red[LAYER_NORM_BLOCK_ROWS_THREADS * K * VEC];
     const int groups = C / VEC;
@@ -542,7 +554,7 @@ rms_norm_backward_kernel(const DY* dy, const X* x, const X* weight, const float*
 #pragma unroll
             for (int j = 0; j < VEC; ++j)
                 d[k][j] = __fmul_rn(r, __fsub_rn(d[k][j], __fmul_rn(h[k][j], mgh)));
-            storev_from_float<VEC>(dx, r0 + (long long)g * VEC, d[k]);
+            store_dx<VEC>(dx, dx_half, r0 + (long long)g * VEC, d[k]);
         }
     }
     store_block_partial<VEC, K>(acc_w, partial_w, red, groups, C);
@@ -572,10 +584,10 @@ rms_norm_forward_loop_kernel(const X* x, const X* weight, Y* y, float* rstd_out,
     }
 }
 
-template <typename DY, typename X = float>
+template <typename DY, typename X = float, typename H = X>
 __global__ void __launch_bounds__(1024)
 rms_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight, const float* rstd,
-                              X* dx, float* partial_w, int rows, int C) {
+                              X* dx, H* dx_half, float* partial_w, int rows, int C) {
     __shared__ float smem[32];
     float* pw = partial_w ? partial_w + (long long)blockIdx.x * C : nullptr;
     for (int c = threadIdx.x; c < C; c += blockDim.x)
@@ -598,7 +610,8 @@ rms_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight, const f
             const float h = __fmul_rn(load_as_float(x, r0 + c), r);
             const float d = load_as_float(dy, r0 + c);
             const float g = weight ? __fmul_rn(d, load_as_float(weight, c)) : d;
-            store_from_float(dx, r0 + c, __fmul_rn(r, __fsub_rn(g, __fmul_rn(h, mgh))));
+            const float v = __fmul_rn(r, __fsub_rn(g, __fmul_rn(h, mgh)));
+            store_dx<1>(dx, dx_half, r0 + c, &v);
         }
     }
 }

@@ -18,6 +18,9 @@ once per node at its first eager call (runtime/launch.py _node_memory): a captur
 and Executable warms up eagerly before capture. Launchers check their preconditions and launch
 on ctx.stream: no host sync.
 
+The backwards may store dx rounded to bf16 or float16 for a float32 x as well (the node's
+dx_half output) or in its place (a half dx output): compile/norm_casts.py, the kernels' H.
+
 float16 (model.half(): x, weight, bias, y, dy, dx, dweight and dbias all float16): the same
 kernels with X = fp16_bits, float32 statistics and arithmetic, each float16 store rounded once;
 `FP16_OPS`. precision="fp16" keeps x float32 (autocast runs layer_norm in float32) and takes
@@ -49,6 +52,8 @@ FP16_OPS = BF16_OPS
 # (x, y) C types of the forward (x, dx) and (dy) of the backward alike: float32 x with a
 # float32, bf16 or float16 y (a fused cast); a float16 x with float16 everywhere.
 IO_CTYPES = [("float", ctype) for ctype in ELEMENT_CTYPES.values()] + [("fp16_bits", "fp16_bits")]
+# C types of a float32 x's backward's half dx copy (H; compile/norm_casts.py).
+HALF_CTYPES = ("unsigned short", "fp16_bits")
 # C types of add_layer_norm's b besides x's: a bf16 or float16 b with a float32 a (precision
 # "bf16" / "fp16": the widening cast before the residual add, compile/norm_rewrite.py).
 HALF_BTYPES = ("unsigned short", "fp16_bits")
@@ -72,15 +77,19 @@ class Layout:
     rows_per_block: int
 
     def kernel(self, direction: str, ctype: str = "float", xtype: str = "float",
-               op: str = "layer_norm", btype: str | None = None) -> str:
+               op: str = "layer_norm", btype: str | None = None,
+               htype: str | None = None) -> str:
         """The forward's or backward's kernel of `op` (layer_norm, add_layer_norm, rms_norm)
         for a y (forward) or dy (backward) of C type ctype: float, or unsigned short for bf16
         bits (fuse_layer_norm_casts); and x (weight, bias, dx) of C type xtype: float, or
         fp16_bits (a float16 model). btype: add_layer_norm's forward's b when it is not
-        xtype (a bf16 or float16 b widened as loaded; None: xtype)."""
+        xtype (a bf16 or float16 b widened as loaded; None: xtype). htype: a backward's half
+        dx copy (None: none)."""
         x = "" if xtype == "float" else f", {xtype}"     # the template's default: float
         if btype is not None and btype != xtype:
             x = f", {xtype}, {btype}"
+        if htype is not None:
+            x = f", {xtype}, {htype}"
         if self.k == 0:
             return f"{op}_{direction}_loop_kernel<{ctype}{x}>"
         return f"{op}_{direction}_kernel<{ctype}, {self.vec}, {self.k}{x}>"
@@ -115,6 +124,8 @@ def kernel_names() -> dict[str, set[str]]:
                   for xtype, ctype in IO_CTYPES for op in KERNEL_OPS}
         names |= {lay.kernel("forward", ctype, "float", "add_layer_norm", btype)
                   for ctype in ELEMENT_CTYPES.values() for btype in HALF_BTYPES}
+        names |= {lay.kernel("backward", ctype, "float", op, htype=htype)
+                  for htype in HALF_CTYPES for ctype in ("float", htype) for op in KERNEL_OPS}
     return {SOURCE: names}
 
 
@@ -190,15 +201,23 @@ def _forward_impl(node: Node, ins, outs, ctx) -> None:
                        a.get("eps", 1e-5))
 
 
+def _grad_outputs(node: Node, outs) -> tuple:
+    """(dx, dweight, dbias, dx_half) of a backward's outputs, None where it has none."""
+    a = node.attrs
+    rest = list(outs[1:])
+    dweight = rest.pop(0) if a.get("weight") else None
+    dbias = rest.pop(0) if a.get("bias") else None
+    return outs[0], dweight, dbias, rest.pop(0) if a.get("dx_half") else None
+
+
 def _backward_impl(node: Node, ins, outs, ctx) -> None:
     a = node.attrs
     dy, x = ins[0], ins[1]
     weight = ins[2] if a.get("weight") else None
     mean, rstd = ins[-2], ins[-1]
-    rest = list(outs[1:])
-    dweight = rest.pop(0) if a.get("weight") else None
-    dbias = rest.pop(0) if a.get("bias") else None
-    layer_norm_backward(ctx, node, dy, x, weight, mean, rstd, outs[0], dweight, dbias)
+    dx, dweight, dbias, dx_half = _grad_outputs(node, outs)
+    layer_norm_backward(ctx, node, dy, x, weight, mean, rstd, dx, dweight, dbias,
+                        dx_half=dx_half)
 
 
 # ---- the backwards, add_layer_norm and rms_norm: shared checks and partial-sum tables ----
@@ -259,16 +278,29 @@ def _finalize(ctx, xtype: str, blocks: int, c: int, partial_w, partial_b, dweigh
                  np.int32(blocks), np.int32(c)))
 
 
-def _check_grad(what: str, dy, x, dx) -> tuple[int, int, str, str]:
-    """(rows, c, ctype, xtype) of a backward's dy, x and dx."""
+def _check_grad(what: str, dy, x, dx, dx_half) -> tuple[int, int, str, str, object, object]:
+    """(rows, c, ctype, xtype, dx, dx_half) of a backward's dy, x, dx and its half copy: a
+    half dx of a float32 x is stored as the copy alone (dx None)."""
     rows, c = _rows(f"{what} dy", dy, dtype=None)
     ctype = _element_ctype(f"{what} dy", dy)
     _check(f"{what} x", x, dtype=None, shape=dy.shape)
     xtype = _x_ctype(f"{what} x", x)
     if xtype != "float":
         _check(f"{what} dy", dy, x.dtype)
-    _check(f"{what} dx", dx, x.dtype, shape=dy.shape)
-    return rows, c, ctype, xtype
+    if xtype == "float" and dx.dtype != x.dtype and dx_half is None:
+        dx, dx_half = None, dx
+    if dx is not None:
+        _check(f"{what} dx", dx, x.dtype, shape=dy.shape)
+    if dx_half is not None:
+        if xtype != "float" or _element_ctype(f"{what} dx_half", dx_half) == "float":
+            raise ShapeError(f"{what}: a half dx copy is of a float32 x, got {dx_half.dtype} "
+                             f"of {x.dtype}")
+        _check(f"{what} dx_half", dx_half, dtype=None, shape=dy.shape)
+    return rows, c, ctype, xtype, dx, dx_half
+
+
+def _half_ctype(dx_half) -> str | None:
+    return None if dx_half is None else ELEMENT_CTYPES[dx_half.dtype]
 
 
 def _zero_grads(ctx, *grads) -> None:
@@ -278,13 +310,14 @@ def _zero_grads(ctx, *grads) -> None:
 
 
 def layer_norm_backward(ctx, node: Node, dy, x, weight, mean, rstd, dx, dweight=None,
-                        dbias=None, ds=None) -> None:
+                        dbias=None, ds=None, dx_half=None) -> None:
     """dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) [+ ds], g = dy [* weight], xhat =
     (x - mean) * rstd; dweight = sum over rows of dy * xhat and dbias = sum of dy (each
     optional). ds: add_layer_norm's residual gradient (x is then the forward's s), added to
-    dx by the add_layer_norm kernels."""
+    dx by the add_layer_norm kernels. dx_half: dx rounded to bf16 / float16 as well (a half
+    dx alone: in place of the float32 one)."""
     what = "layer_norm_grad" if ds is None else "add_layer_norm_grad"
-    rows, c, ctype, xtype = _check_grad(what, dy, x, dx)
+    rows, c, ctype, xtype, dx, dx_half = _check_grad(what, dy, x, dx, dx_half)
     if ds is not None:
         _check(f"{what} ds", ds, x.dtype, shape=x.shape)
     _check_stats(what, rows, mean, rstd)
@@ -295,13 +328,15 @@ def layer_norm_backward(ctx, node: Node, dy, x, weight, mean, rstd, dx, dweight=
     if not rows:
         _zero_grads(ctx, dweight, dbias)
         return
-    lay = row_layout(c, [t for t in (dy, x, ds, dx, weight) if t is not None])
-    name = lay.kernel("backward", ctype, xtype, "layer_norm" if ds is None else "add_layer_norm")
+    lay = row_layout(c, [t for t in (dy, x, ds, dx, dx_half, weight) if t is not None])
+    name = lay.kernel("backward", ctype, xtype, "layer_norm" if ds is None else "add_layer_norm",
+                      htype=_half_ctype(dx_half))
     blocks, partial_w, partial_b = _grad_tables(ctx, node, what, name, lay, rows, c, dweight,
                                                 dbias)
     _launch(ctx, SOURCE, name, (blocks,), lay.block,
             (dy, x, _or_null(weight), mean, rstd) + (() if ds is None else (ds,))
-            + (dx, _or_null(partial_w), _or_null(partial_b), np.int32(rows), np.int32(c)))
+            + (_or_null(dx), _or_null(dx_half), _or_null(partial_w), _or_null(partial_b),
+               np.int32(rows), np.int32(c)))
     _finalize(ctx, xtype, blocks, c, partial_w, partial_b, dweight, dbias)
 
 
@@ -324,11 +359,12 @@ def rms_norm_forward(ctx, x, weight, y, rstd, eps: float) -> None:
             (x, _or_null(weight), y, rstd, np.int32(rows), np.int32(c), np.float32(eps)))
 
 
-def rms_norm_backward(ctx, node: Node, dy, x, weight, rstd, dx, dweight=None) -> None:
+def rms_norm_backward(ctx, node: Node, dy, x, weight, rstd, dx, dweight=None,
+                      dx_half=None) -> None:
     """dx = rstd * (g - xhat * mean(g * xhat)), g = dy [* weight], xhat = x * rstd; dweight =
-    sum over rows of dy * xhat (optional)."""
+    sum over rows of dy * xhat (optional); dx_half as layer_norm_backward's."""
     what = "rms_norm_grad"
-    rows, c, ctype, xtype = _check_grad(what, dy, x, dx)
+    rows, c, ctype, xtype, dx, dx_half = _check_grad(what, dy, x, dx, dx_half)
     _check(f"{what} rstd", rstd)
     if rstd.size != rows:
         raise ShapeError(f"{what} rstd: expected {rows} values (one a row), got shape "
@@ -339,12 +375,12 @@ def rms_norm_backward(ctx, node: Node, dy, x, weight, rstd, dx, dweight=None) ->
     if not rows:
         _zero_grads(ctx, dweight)
         return
-    lay = row_layout(c, [t for t in (dy, x, dx, weight) if t is not None])
-    name = lay.kernel("backward", ctype, xtype, "rms_norm")
+    lay = row_layout(c, [t for t in (dy, x, dx, dx_half, weight) if t is not None])
+    name = lay.kernel("backward", ctype, xtype, "rms_norm", htype=_half_ctype(dx_half))
     blocks, partial_w, _ = _grad_tables(ctx, node, what, name, lay, rows, c, dweight, None)
     _launch(ctx, SOURCE, name, (blocks,), lay.block,
-            (dy, x, _or_null(weight), rstd, dx, _or_null(partial_w), np.int32(rows),
-             np.int32(c)))
+            (dy, x, _or_null(weight), rstd, _or_null(dx), _or_null(dx_half),
+             _or_null(partial_w), np.int32(rows), np.int32(c)))
     _finalize(ctx, xtype, blocks, c, partial_w, None, dweight, None)
 
 
@@ -358,13 +394,10 @@ def _add_forward_impl(node: Node, ins, outs, ctx) -> None:
 
 
 def _add_backward_impl(node: Node, ins, outs, ctx) -> None:
-    a = node.attrs
-    weight = ins[2] if a.get("weight") else None
-    rest = list(outs[1:])
-    dweight = rest.pop(0) if a.get("weight") else None
-    dbias = rest.pop(0) if a.get("bias") else None
-    layer_norm_backward(ctx, node, ins[0], ins[1], weight, ins[-3], ins[-2], outs[0], dweight,
-                        dbias, ds=ins[-1])
+    weight = ins[2] if node.attrs.get("weight") else None
+    dx, dweight, dbias, dx_half = _grad_outputs(node, outs)
+    layer_norm_backward(ctx, node, ins[0], ins[1], weight, ins[-3], ins[-2], dx, dweight,
+                        dbias, ds=ins[-1], dx_half=dx_half)
 
 
 def _rms_forward_impl(node: Node, ins, outs, ctx) -> None:
@@ -374,8 +407,8 @@ def _rms_forward_impl(node: Node, ins, outs, ctx) -> None:
 
 def _rms_backward_impl(node: Node, ins, outs, ctx) -> None:
     weight = ins[2] if node.attrs.get("weight") else None
-    dweight = outs[1] if node.attrs.get("weight") else None
-    rms_norm_backward(ctx, node, ins[0], ins[1], weight, ins[-1], outs[0], dweight)
+    dx, dweight, _, dx_half = _grad_outputs(node, outs)
+    rms_norm_backward(ctx, node, ins[0], ins[1], weight, ins[-1], dx, dweight, dx_half)
 
 
 IMPLS: dict[str, Callable] = {

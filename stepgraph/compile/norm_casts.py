@@ -1,0 +1,50 @@
+"""The cast that rounds a normalisation's float32 dx for a half GEMM, stored by the gradient
+kernel itself (precision="bf16" / "fp16").
+
+Autocast runs LayerNorm and RMSNorm in float32, so their gradient's dx is float32, and the
+GEMM that reads it next (the backward of the Linear or convolution before the norm) reads it
+through a cast to bf16: one more pass over a (tokens, C) tensor per norm and step. The
+gradient kernel holds dx in registers when it stores it, so it rounds and stores the half copy
+as well:
+
+    layer_norm_grad -> dx (float32) -> cast(bf16) -> d16          (dx read elsewhere too)
+    =>   layer_norm_grad(dx_half=bf16) -> (dx, ..., d16)
+
+and where the cast is dx's only reader, dx itself is stored in bf16 (the float32 store goes):
+
+    layer_norm_grad -> dx -> cast(bf16) -> d16    =>    layer_norm_grad -> d16 (as dx)
+
+Both are the cast's bits: the float32 dx rounded once. add_layer_norm_grad (the residual
+stream's: its dx is also the next block's ds, read in float32) and rms_norm_grad alike.
+"""
+from __future__ import annotations
+
+from ..ir.graph import HALF_DTYPES, Graph, Node
+from .rewrite import _copy, _rebuild
+
+NORM_GRADS = ("layer_norm_grad", "add_layer_norm_grad", "rms_norm_grad")
+
+
+def fuse_norm_grad_casts(graph: Graph) -> Graph:
+    """`graph` with each float32 dx's cast to a half dtype stored by its norm gradient
+    (module docstring); every other node as it was."""
+    graph = _copy(graph)
+    users = graph.consumers()
+    outputs = set(graph.outputs.values())
+    drop: set[Node] = set()
+    for n in graph.nodes:
+        if n.op not in NORM_GRADS or n.attrs.get("dx_half"):
+            continue
+        dx = n.outputs[0]
+        readers = users.get(dx, [])
+        casts = [r for r in readers if r.op == "cast" and r.attrs["dtype"] in HALF_DTYPES]
+        if not casts or dx.dtype != "float32":
+            continue
+        cast = casts[0]
+        if len(readers) == 1 and dx not in outputs:
+            n.outputs = [cast.outputs[0], *n.outputs[1:]]
+        else:
+            n.attrs["dx_half"] = cast.attrs["dtype"]
+            n.outputs = [*n.outputs, cast.outputs[0]]
+        drop.add(cast)
+    return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
