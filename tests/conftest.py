@@ -1,5 +1,8 @@
 """Shared pytest setup: the `cuda` marker skips cleanly on machines without a usable GPU, the
-`multigpu` marker on machines with fewer than two, and `slow` sweeps unless STEPGRAPH_SLOW=1."""
+`multigpu` marker on machines with fewer than two, and `slow` sweeps unless STEPGRAPH_SLOW=1.
+Under pytest-xdist each worker's torch (the oracle) takes its share of the host's cores: ten
+workers each starting a thread per core oversubscribed a 32-core host until the float64
+reference runs of the model files ran past the tests' limits."""
 from __future__ import annotations
 
 import functools
@@ -20,6 +23,7 @@ SLOW_ENV = "STEPGRAPH_SLOW"     # set to 1 to run the `slow` sweeps
 
 
 def pytest_configure(config):
+    _share_cores_among_workers()
     config.addinivalue_line(
         "markers", f"{CUDA_MARKER}: needs an NVIDIA GPU with CuPy; skipped when none is available")
     config.addinivalue_line(
@@ -27,6 +31,17 @@ def pytest_configure(config):
         "skipped with fewer")
     config.addinivalue_line(
         "markers", f"{SLOW_MARKER}: a long sweep, skipped unless {SLOW_ENV}=1")
+
+
+def _share_cores_among_workers() -> None:
+    """torch's intra-op threads: the cores divided among the xdist workers (none: untouched)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        try:
+            import torch
+        except ImportError:      # the oracle is a test extra; without it nothing needs sharing
+            return
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def stepgraph_probe() -> bool | None:

@@ -204,3 +204,33 @@ def test_norm_grads_store_dx_in_half_beside_or_alone(ctx, c, op, half):
     alone, dw, _ = backward(half, False)
     np.testing.assert_array_equal(alone, rounded)
     np.testing.assert_array_equal(dw, dw32)
+
+
+@pytest.mark.parametrize("c", [384, 33, 8196])          # float4 registers; one a thread; loop
+def test_layer_norm_reads_a_bf16_x(ctx, c):
+    """compile/norm_casts.py fuse_norm_input_casts: layer_norm and layer_norm_grad on a bf16
+    x (float32 parameters) give, bit for bit, what they give on that x widened to float32
+    (the cast they replace): y, mean, rstd, dx, dweight and dbias."""
+    rng = seeded(f"bf16 x layer norm {c}")
+    rows = 40
+    x16 = bf16.to_bits((rng.standard_normal((rows, c)) * 2 + 0.5).astype(np.float32))
+    w, b = (rng.standard_normal(c).astype(np.float32) for _ in range(2))
+    dy = rng.standard_normal((rows, c)).astype(np.float32)
+
+    def run(x):
+        node = Node("layer_norm_grad", [], [], {})
+        with ctx.stream:
+            xs, ws, bs, dys = (cp.asarray(a) for a in (x, w, b, dy))
+            y = cp.full((rows, c), np.nan, np.float32)
+            mean, rstd = cp.full(rows, np.nan, np.float32), cp.full(rows, np.nan, np.float32)
+            dx = cp.full((rows, c), np.nan, np.float32)
+            dw, db = cp.full(c, np.nan, np.float32), cp.full(c, np.nan, np.float32)
+        layer_norm.layer_norm_forward(ctx, xs, ws, bs, y, mean, rstd, 1e-5)
+        layer_norm.layer_norm_backward(ctx, node, dys, xs, ws, mean, rstd, dx, dw, db)
+        ctx.stream.synchronize()
+        return [cp.asnumpy(a) for a in (y, mean, rstd, dx, dw, db)]
+
+    got, want = run(x16), run(bf16.from_bits(x16))
+    assert all(np.isfinite(a).all() for a in want)
+    for g, wnt in zip(got, want):
+        np.testing.assert_array_equal(g, wnt)

@@ -1,7 +1,8 @@
 """compile/norm_casts.py: a normalisation gradient's float32 dx, cast to bf16 for the GEMM
 before the norm, is stored in bf16 by the gradient itself: as a second copy (dx_half) where
 the float32 dx is read too (the residual stream), or in its place where the cast was its only
-reader. The steps train to the same bits as with the casts."""
+reader; a LayerNorm and its gradient read a bf16 x without the cast to float32 before them.
+The steps train to the same bits as with the casts."""
 from __future__ import annotations
 
 from collections import Counter
@@ -14,7 +15,7 @@ from tests.unit.compat_training import torch_state, train_steps
 
 pytest.importorskip("torch")
 
-NORM_GRADS = norm_casts.NORM_GRADS
+NORM_GRADS, NORM_INPUTS = norm_casts.NORM_GRADS, norm_casts.NORM_INPUTS
 
 
 def norm_grad_forms(plan) -> Counter:
@@ -24,6 +25,8 @@ def norm_grad_forms(plan) -> Counter:
     made = {v: n for n in steps for v in n.outputs}
     forms = Counter()
     for n in steps:
+        if n.op == "layer_norm" and n.inputs[0].dtype == "bfloat16":
+            forms["bf16 x"] += 1
         if n.op in NORM_GRADS:
             forms["copy" if n.attrs.get("dx_half") else
                   "alone" if n.outputs[0].dtype != "float32" else "float32"] += 1
@@ -34,6 +37,7 @@ def norm_grad_forms(plan) -> Counter:
 
 def trained(monkeypatch, name, cls, kw, batches, on, **options):
     monkeypatch.setattr(norm_casts, "NORM_GRADS", NORM_GRADS if on else ())
+    monkeypatch.setattr(norm_casts, "NORM_INPUTS", NORM_INPUTS if on else ())
     plan, losses, params = train_steps(name, cls, kw, torch_state(name, cls, kw), batches,
                                        precision="bf16", **options)
     return norm_grad_forms(plan), losses, params
@@ -60,9 +64,10 @@ def test_the_gpt_files_residual_gradients_keep_float32_and_store_a_bf16_copy(mon
     assert_same_training(got, want)
 
 
-def test_the_convnext_files_block_norms_store_dx_in_bf16_alone(monkeypatch):
-    """tests/compat/models/convnext.py at channels-last: a block's LayerNorm gradient goes
-    only to the depthwise convolution's backward (in bf16), so dx is stored in bf16 alone."""
+def test_the_convnext_files_block_norms_read_and_store_bf16(monkeypatch):
+    """tests/compat/models/convnext.py at channels-last: a block's LayerNorm reads its
+    depthwise convolution's bf16 output (its gradient too), and its gradient goes only to
+    that convolution's backward (in bf16), so dx is stored in bf16 alone."""
     import torch.nn.functional as F  # noqa: F401  (the loss is the stepgraph module's)
 
     import stepgraph
@@ -79,4 +84,5 @@ def test_the_convnext_files_block_norms_store_dx_in_bf16_alone(monkeypatch):
     # a cast that pointwise fusion would have taken into a program is taken here too
     assert got[0]["cast"] == 0 < want[0]["cast"] <= got[0]["alone"] + got[0]["copy"]
     assert got[0]["alone"] >= 1
+    assert got[0]["bf16 x"] >= 3 and want[0]["bf16 x"] == 0     # a stage's blocks and stem
     assert_same_training(got, want)

@@ -839,6 +839,46 @@ def test_norm_grads_store_a_half_dx(monkeypatch, c, op, half, form):
     _assert_launches_match(launched)
 
 
+@pytest.mark.parametrize("c", [33, 384, 8196])
+@pytest.mark.parametrize("y", ["float32", "uint16"])
+@pytest.mark.parametrize("copy", [False, True])
+def test_layer_norm_reads_a_bf16_x_with_float32_parameters(monkeypatch, c, y, copy):
+    """compile/norm_casts.py fuse_norm_input_casts: layer_norm and layer_norm_grad read a bf16
+    x (XI) beside float32 weight, bias, statistics and dx; y and dy float32 or bf16; the
+    backward with or without its bf16 dx copy."""
+    from stepgraph.backends.cuda import layer_norm
+
+    launched = _record_launches(monkeypatch, layer_norm)
+    monkeypatch.setattr(layer_norm, "resident_blocks", lambda name, threads: 528)
+    x, w, b, stats = Fake((3, 7, c), "uint16"), Fake((c,)), Fake((c,)), [Fake((21,)), Fake((21,))]
+    layer_norm.layer_norm_forward(None, x, w, b, Fake(x.shape, y), *stats, 1e-5)
+    layer_norm.layer_norm_backward(None, object(), Fake(x.shape, y), x, w, *stats,
+                                   Fake(x.shape), Fake((c,)), Fake((c,)),
+                                   dx_half=Fake(x.shape, "uint16") if copy else None)
+    ctype = "unsigned short" if y == "uint16" else "float"
+    names = [name for _, name, *_ in launched]
+    assert names[0].startswith("layer_norm_forward") and \
+        names[0].endswith(", float, unsigned short>") and f"<{ctype}" in names[0]
+    h = "unsigned short" if copy else "float"
+    assert names[1].startswith("layer_norm_backward") and \
+        names[1].endswith(f", float, {h}, unsigned short>") and f"<{ctype}" in names[1]
+    assert set(names) <= layer_norm.kernel_names()["layer_norm.cu"]
+    _assert_launches_match(launched)
+
+
+def test_a_bf16_x_is_layer_norms_alone(monkeypatch):
+    from stepgraph.backends.cuda import layer_norm
+    from stepgraph.errors import ShapeError
+
+    _record_launches(monkeypatch, layer_norm)
+    x, stats = Fake((4, 8), "uint16"), [Fake((4,)), Fake((4,))]
+    with pytest.raises(ShapeError, match="layer_norm_grad's alone"):
+        layer_norm.layer_norm_backward(None, object(), Fake((4, 8)), x, None, *stats,
+                                       Fake((4, 8)), ds=Fake((4, 8)))
+    with pytest.raises(ShapeError, match="float32 or float16"):
+        layer_norm.rms_norm_forward(None, x, None, Fake((4, 8)), stats[1], 1e-5)
+
+
 def test_a_half_dx_copy_is_of_a_float32_x(monkeypatch):
     from stepgraph.backends.cuda import layer_norm
     from stepgraph.errors import ShapeError

@@ -19,7 +19,9 @@
 // in bf16 (DY, widened exactly: what the cast to float32 before it did); x, the statistics,
 // the parameters and dx stay float32, as autocast runs layer_norm. The backwards may also
 // store dx rounded to H (dx_half, compile/norm_casts.py: the cast to bf16 of the GEMM that
-// reads dx), beside the float32 dx or, dx null, in its place.
+// reads dx), beside the float32 dx or, dx null, in its place. layer_norm's kernels may read
+// a bf16 x with float32 parameters (XI, widened as loaded: the cast to float32 that autocast
+// put before the norm, compile/norm_casts.py).
 // float16 (a model.half(), X = fp16_bits): x, the parameters, y, dx, dweight and dbias are
 // float16, loaded as float and each rounded once on store; the statistics, the partial sums
 // and all the arithmetic stay float32 (torch's CUDA layer_norm of a half tensor: float
@@ -98,9 +100,9 @@ __device__ __forceinline__ void store_dx(X* dx, H* dx_half, long long i, const f
 }
 
 // y = (s - mean) * rstd [* weight] [+ bias]; mean and rstd (rows,) per row. s is x (ADD
-// false: b and s_out unused) or a + b rounded to X, written to s_out (ADD true).
-template <bool ADD, typename Y, int VEC, int K, typename X, typename B>
-__device__ __forceinline__ void layer_norm_forward_rows(const X* a, const B* b, const X* weight,
+// false: b and s_out unused; x stored as A) or a + b rounded to X, written to s_out (ADD true).
+template <bool ADD, typename Y, int VEC, int K, typename X, typename B, typename A = X>
+__device__ __forceinline__ void layer_norm_forward_rows(const A* a, const B* b, const X* weight,
                                                         const X* bias, Y* y, X* s_out,
                                                         float* mean_out, float* rstd_out,
                                                         int rows, int C, float eps) {
@@ -165,12 +167,12 @@ __device__ __forceinline__ void layer_norm_forward_rows(const X* a, const B* b, 
     }
 }
 
-template <typename Y, int VEC, int K, typename X = float>
+template <typename Y, int VEC, int K, typename X = float, typename XI = X>
 __global__ void __launch_bounds__(LAYER_NORM_MAX_THREADS)
-layer_norm_forward_kernel(const X* x, const X* weight, const X* bias, Y* y,
+layer_norm_forward_kernel(const XI* x, const X* weight, const X* bias, Y* y,
                           float* mean_out, float* rstd_out, int rows, int C, float eps) {
-    layer_norm_forward_rows<false, Y, VEC, K, X, X>(x, nullptr, weight, bias, y, nullptr,
-                                                    mean_out, rstd_out, rows, C, eps);
+    layer_norm_forward_rows<false, Y, VEC, K, X, X, XI>(x, nullptr, weight, bias, y, nullptr,
+                                                        mean_out, rstd_out, rows, C, eps);
 }
 
 template <typename Y, int VEC, int K, typename X = float, typename B = X>
@@ -218,8 +220,8 @@ __device__ __forceinline__ void store_block_partial(const float (&acc)[K][VEC], 
 // mean) * rstd (x: add_layer_norm's s); ds (ADD true) added in float32 before the one store.
 // Block b sums dy * xhat and dy over its rows into row b of partial_w / partial_b [gridDim.x,
 // C] (either null when not wanted).
-template <bool ADD, typename DY, int VEC, int K, typename X, typename H>
-__device__ __forceinline__ void layer_norm_backward_rows(const DY* dy, const X* x,
+template <bool ADD, typename DY, int VEC, int K, typename X, typename H, typename XI = X>
+__device__ __forceinline__ void layer_norm_backward_rows(const DY* dy, const XI* x,
                                                          const X* weight, const float* mean,
                                                          const float* rstd, const X* ds, X* dx,
                                                          H* dx_half, float* partial_w,
@@ -284,13 +286,14 @@ __device__ __forceinline__ void layer_norm_backward_rows(const DY* dy, const X* 
     store_block_partial<VEC, K>(acc_b, partial_b, red, groups, C);
 }
 
-template <typename DY, int VEC, int K, typename X = float, typename H = X>
+template <typename DY, int VEC, int K, typename X = float, typename H = X, typename XI = X>
 __global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
-layer_norm_backward_kernel(const DY* dy, const X* x, const X* weight,
+layer_norm_backward_kernel(const DY* dy, const XI* x, const X* weight,
                            const float* mean, const float* rstd, X* dx, H* dx_half,
                            float* partial_w, float* partial_b, int rows, int C) {
-    layer_norm_backward_rows<false, DY, VEC, K, X, H>(dy, x, weight, mean, rstd, nullptr, dx,
-                                                      dx_half, partial_w, partial_b, rows, C);
+    layer_norm_backward_rows<false, DY, VEC, K, X, H, XI>(dy, x, weight, mean, rstd, nullptr,
+                                                          dx, dx_half, partial_w, partial_b,
+                                                          rows, C);
 }
 
 template <typename DY, int VEC, int K, typename X = float, typename H = X>
@@ -304,8 +307,8 @@ add_layer_norm_backward_kernel(const DY* dy, const X* x, const X* weight, const 
 
 // The forward for rows of any width: x re-read from global memory for each pass; with ADD,
 // s written in the first pass, then re-read (L1/L2).
-template <bool ADD, typename Y, typename X, typename B>
-__device__ __forceinline__ void layer_norm_forward_loop_rows(const X* a, const B* b,
+template <bool ADD, typename Y, typename X, typename B, typename A = X>
+__device__ __forceinline__ void layer_norm_forward_loop_rows(const A* a, const B* b,
                                                              const X* weight, const X* bias,
                                                              Y* y, X* s_out, float* mean_out,
                                                              float* rstd_out, int rows, int C,
@@ -315,7 +318,11 @@ __device__ __forceinline__ void layer_norm_forward_loop_rows(const X* a, const B
         const long long row = base + threadIdx.y;
         const int cols = row < rows ? C : 0;
         const long long r0 = row * C;
-        const X* xr = (ADD ? s_out : a) + r0;   // the row the later passes read
+        // the row the later passes read: s (ADD) or x
+        const auto xr = [&](int c) {
+            if constexpr (ADD) return load_as_float(s_out, r0 + c);
+            else return load_as_float(a, r0 + c);
+        };
         float s = 0.f;
         for (int c = threadIdx.x; c < cols; c += blockDim.x) {
             float v;
@@ -323,7 +330,7 @@ __device__ __forceinline__ void layer_norm_forward_loop_rows(const X* a, const B
                 v = stored_as<X>(__fadd_rn(load_as_float(a, r0 + c), load_as_float(b, r0 + c)));
                 store_from_float(s_out, r0 + c, v);
             } else {
-                v = load_as_float(xr, c);
+                v = xr(c);
             }
             s += v;
         }
@@ -331,7 +338,7 @@ __device__ __forceinline__ void layer_norm_forward_loop_rows(const X* a, const B
         const float mean = __fdiv_rn(row_sum(s, smem), (float)C);
         float q = 0.f;
         for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            const float t = __fsub_rn(load_as_float(xr, c), mean);
+            const float t = __fsub_rn(xr(c), mean);
             q = __fmaf_rn(t, t, q);
         }
         const float rstd = inverse_std(__fdiv_rn(row_sum(q, smem), (float)C), eps);
@@ -340,7 +347,7 @@ __device__ __forceinline__ void layer_norm_forward_loop_rows(const X* a, const B
             rstd_out[row] = rstd;
         }
         for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            float t = __fmul_rn(__fsub_rn(load_as_float(xr, c), mean), rstd);
+            float t = __fmul_rn(__fsub_rn(xr(c), mean), rstd);
             if (weight) t = __fmul_rn(t, load_as_float(weight, c));
             if (bias) t = __fadd_rn(t, load_as_float(bias, c));
             store_from_float(y, r0 + c, t);
@@ -348,12 +355,12 @@ __device__ __forceinline__ void layer_norm_forward_loop_rows(const X* a, const B
     }
 }
 
-template <typename Y, typename X = float>
+template <typename Y, typename X = float, typename XI = X>
 __global__ void __launch_bounds__(1024)
-layer_norm_forward_loop_kernel(const X* x, const X* weight, const X* bias, Y* y,
+layer_norm_forward_loop_kernel(const XI* x, const X* weight, const X* bias, Y* y,
                                float* mean_out, float* rstd_out, int rows, int C, float eps) {
-    layer_norm_forward_loop_rows<false, Y, X, X>(x, nullptr, weight, bias, y, nullptr, mean_out,
-                                                 rstd_out, rows, C, eps);
+    layer_norm_forward_loop_rows<false, Y, X, X, XI>(x, nullptr, weight, bias, y, nullptr,
+                                                     mean_out, rstd_out, rows, C, eps);
 }
 
 template <typename Y, typename X = float, typename B = X>
@@ -368,8 +375,8 @@ add_layer_norm_forward_loop_kernel(const X* a, const B* b, const X* weight, cons
 // The backward for rows of any width, one row a block (blockDim.y == 1): the block's partial
 // sums accumulate in place in its row of partial_w / partial_b (each element read and written
 // by one thread only); ds added to dx as layer_norm_backward_rows does.
-template <bool ADD, typename DY, typename X, typename H>
-__device__ __forceinline__ void layer_norm_backward_loop_rows(const DY* dy, const X* x,
+template <bool ADD, typename DY, typename X, typename H, typename XI = X>
+__device__ __forceinline__ void layer_norm_backward_loop_rows(const DY* dy, const XI* x,
                                                               const X* weight, const float* mean,
                                                               const float* rstd, const X* ds,
                                                               X* dx, H* dx_half,
@@ -410,13 +417,13 @@ __device__ __forceinline__ void layer_norm_backward_loop_rows(const DY* dy, cons
     }
 }
 
-template <typename DY, typename X = float, typename H = X>
+template <typename DY, typename X = float, typename H = X, typename XI = X>
 __global__ void __launch_bounds__(1024)
-layer_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight,
+layer_norm_backward_loop_kernel(const DY* dy, const XI* x, const X* weight,
                                 const float* mean, const float* rstd, X* dx, H* dx_half,
                                 float* partial_w, float* partial_b, int rows, int C) {
-    layer_norm_backward_loop_rows<false, DY, X, H>(dy, x, weight, mean, rstd, nullptr, dx,
-                                                   dx_half, partial_w, partial_b, rows, C);
+    layer_norm_backward_loop_rows<false, DY, X, H, XI>(dy, x, weight, mean, rstd, nullptr, dx,
+                                                       dx_half, partial_w, partial_b, rows, C);
 }
 
 template <typename DY, typename X = float, typename H = X>

@@ -20,6 +20,9 @@ on ctx.stream: no host sync.
 
 The backwards may store dx rounded to bf16 or float16 for a float32 x as well (the node's
 dx_half output) or in its place (a half dx output): compile/norm_casts.py, the kernels' H.
+layer_norm and layer_norm_grad may read a bf16 x with float32 parameters (XI), for the same
+pass: the cast to float32 autocast put before a LayerNorm that reads a bf16 GEMM or
+convolution output directly, widened as loaded.
 
 float16 (model.half(): x, weight, bias, y, dy, dx, dweight and dbias all float16): the same
 kernels with X = fp16_bits, float32 statistics and arithmetic, each float16 store rounded once;
@@ -54,6 +57,7 @@ FP16_OPS = BF16_OPS
 IO_CTYPES = [("float", ctype) for ctype in ELEMENT_CTYPES.values()] + [("fp16_bits", "fp16_bits")]
 # C types of a float32 x's backward's half dx copy (H; compile/norm_casts.py).
 HALF_CTYPES = ("unsigned short", "fp16_bits")
+BF16_CTYPE = "unsigned short"      # layer_norm's bf16 x beside float32 parameters (XI)
 # C types of add_layer_norm's b besides x's: a bf16 or float16 b with a float32 a (precision
 # "bf16" / "fp16": the widening cast before the residual add, compile/norm_rewrite.py).
 HALF_BTYPES = ("unsigned short", "fp16_bits")
@@ -78,18 +82,22 @@ class Layout:
 
     def kernel(self, direction: str, ctype: str = "float", xtype: str = "float",
                op: str = "layer_norm", btype: str | None = None,
-               htype: str | None = None) -> str:
+               htype: str | None = None, itype: str | None = None) -> str:
         """The forward's or backward's kernel of `op` (layer_norm, add_layer_norm, rms_norm)
         for a y (forward) or dy (backward) of C type ctype: float, or unsigned short for bf16
         bits (fuse_layer_norm_casts); and x (weight, bias, dx) of C type xtype: float, or
         fp16_bits (a float16 model). btype: add_layer_norm's forward's b when it is not
         xtype (a bf16 or float16 b widened as loaded; None: xtype). htype: a backward's half
-        dx copy (None: none)."""
+        dx copy (None: none). itype: layer_norm's x when it is not xtype (a bf16 x with float32
+        parameters; None: xtype)."""
         x = "" if xtype == "float" else f", {xtype}"     # the template's default: float
         if btype is not None and btype != xtype:
             x = f", {xtype}, {btype}"
         if htype is not None:
             x = f", {xtype}, {htype}"
+        if itype is not None:     # a backward's H comes before XI: explicit then
+            x = f", {xtype}, {itype}" if direction == "forward" else \
+                f", {xtype}, {htype or xtype}, {itype}"
         if self.k == 0:
             return f"{op}_{direction}_loop_kernel<{ctype}{x}>"
         return f"{op}_{direction}_kernel<{ctype}, {self.vec}, {self.k}{x}>"
@@ -126,6 +134,10 @@ def kernel_names() -> dict[str, set[str]]:
                   for ctype in ELEMENT_CTYPES.values() for btype in HALF_BTYPES}
         names |= {lay.kernel("backward", ctype, "float", op, htype=htype)
                   for htype in HALF_CTYPES for ctype in ("float", htype) for op in KERNEL_OPS}
+        names |= {lay.kernel("forward", ctype, "float", itype=BF16_CTYPE)
+                  for ctype in ELEMENT_CTYPES.values()}
+        names |= {lay.kernel("backward", ctype, "float", htype=htype, itype=BF16_CTYPE)
+                  for ctype in ("float", BF16_CTYPE) for htype in (None, BF16_CTYPE)}
     return {SOURCE: names}
 
 
@@ -150,6 +162,19 @@ def _rows(what: str, x, dtype: str | None = "float32") -> tuple[int, int]:
     return math.prod(x.shape[:-1]), x.shape[-1]
 
 
+def _input_ctypes(what: str, x) -> tuple[str, str | None]:
+    """(xtype, itype) of layer_norm's x: the C type of its parameters and dx (_x_ctype's), and
+    of x itself where that differs: a bf16 x with float32 parameters (None: x is xtype)."""
+    if x.dtype == np.uint16:
+        return "float", BF16_CTYPE
+    return _x_ctype(what, x), None
+
+
+def _param_dtype(x):
+    """The dtype of the parameters (and dx) of a norm of x: float32 for a bf16 x, else x's."""
+    return np.dtype(np.float32) if x.dtype == np.uint16 else x.dtype
+
+
 def _x_ctype(what: str, x) -> str:
     """The C type of x (and of the parameters and dx): float, or fp16_bits for float16."""
     if x.dtype not in (np.float32, np.float16):
@@ -168,19 +193,20 @@ def _check_stats(what: str, rows: int, *stats) -> None:
 def layer_norm_forward(ctx, x, weight, bias, y, mean, rstd, eps: float) -> None:
     """y = (x - mean) * rstd [* weight] [+ bias] over the last axis; mean and rstd (rows,)
     float32, rstd = 1 / sqrt(biased variance + eps). x, weight and bias float32 (y float32,
-    bf16 or float16) or all float16 with y."""
+    bf16 or float16) or all float16 with y; a bf16 x with the float32 ones (widened as
+    loaded)."""
     rows, c = _rows("layer_norm input", x, dtype=None)
-    xtype = _x_ctype("layer_norm input", x)
+    xtype, itype = _input_ctypes("layer_norm input", x)
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None:
-            _check(f"layer_norm {name}", t, x.dtype, shape=(c,))
+            _check(f"layer_norm {name}", t, _param_dtype(x), shape=(c,))
     _check("layer_norm output", y, dtype=None if xtype == "float" else x.dtype, shape=x.shape)
     ctype = _element_ctype("layer_norm output", y)       # bf16: fuse_layer_norm_casts
     _check_stats("layer_norm", rows, mean, rstd)
     if not rows:
         return
     lay = row_layout(c, [a for a in (x, y, weight, bias) if a is not None])
-    _launch(ctx, SOURCE, lay.kernel("forward", ctype, xtype),
+    _launch(ctx, SOURCE, lay.kernel("forward", ctype, xtype, itype=itype),
             _row_grid(rows, lay.rows_per_block), lay.block,
             (x, _or_null(weight), _or_null(bias), y, mean, rstd, np.int32(rows), np.int32(c),
              np.float32(eps)))
@@ -278,19 +304,23 @@ def _finalize(ctx, xtype: str, blocks: int, c: int, partial_w, partial_b, dweigh
                  np.int32(blocks), np.int32(c)))
 
 
-def _check_grad(what: str, dy, x, dx, dx_half) -> tuple[int, int, str, str, object, object]:
+def _check_grad(what: str, dy, x, dx, dx_half, bf16_x: bool = False
+                ) -> tuple[int, int, str, str, object, object]:
     """(rows, c, ctype, xtype, dx, dx_half) of a backward's dy, x, dx and its half copy: a
-    half dx of a float32 x is stored as the copy alone (dx None)."""
+    half dx of a float32 x is stored as the copy alone (dx None). bf16_x: x may be bf16 (with
+    float32 parameters and dx: layer_norm_grad's)."""
     rows, c = _rows(f"{what} dy", dy, dtype=None)
     ctype = _element_ctype(f"{what} dy", dy)
     _check(f"{what} x", x, dtype=None, shape=dy.shape)
-    xtype = _x_ctype(f"{what} x", x)
+    if x.dtype == np.uint16 and not bf16_x:
+        raise ShapeError(f"{what}: a bf16 x is layer_norm_grad's alone")
+    xtype = _input_ctypes(f"{what} x", x)[0]
     if xtype != "float":
         _check(f"{what} dy", dy, x.dtype)
-    if xtype == "float" and dx.dtype != x.dtype and dx_half is None:
+    if xtype == "float" and dx.dtype != np.float32 and dx_half is None:
         dx, dx_half = None, dx
     if dx is not None:
-        _check(f"{what} dx", dx, x.dtype, shape=dy.shape)
+        _check(f"{what} dx", dx, _param_dtype(x), shape=dy.shape)
     if dx_half is not None:
         if xtype != "float" or _element_ctype(f"{what} dx_half", dx_half) == "float":
             raise ShapeError(f"{what}: a half dx copy is of a float32 x, got {dx_half.dtype} "
@@ -317,20 +347,19 @@ def layer_norm_backward(ctx, node: Node, dy, x, weight, mean, rstd, dx, dweight=
     dx by the add_layer_norm kernels. dx_half: dx rounded to bf16 / float16 as well (a half
     dx alone: in place of the float32 one)."""
     what = "layer_norm_grad" if ds is None else "add_layer_norm_grad"
-    rows, c, ctype, xtype, dx, dx_half = _check_grad(what, dy, x, dx, dx_half)
+    rows, c, ctype, xtype, dx, dx_half = _check_grad(what, dy, x, dx, dx_half, ds is None)
     if ds is not None:
         _check(f"{what} ds", ds, x.dtype, shape=x.shape)
     _check_stats(what, rows, mean, rstd)
-    _norm_input(what, x, c, weight)
-    for name, t in (("dweight", dweight), ("dbias", dbias)):
+    for name, t in (("weight", weight), ("dweight", dweight), ("dbias", dbias)):
         if t is not None:
-            _check(f"{what} {name}", t, x.dtype, shape=(c,))
+            _check(f"{what} {name}", t, _param_dtype(x), shape=(c,))
     if not rows:
         _zero_grads(ctx, dweight, dbias)
         return
     lay = row_layout(c, [t for t in (dy, x, ds, dx, dx_half, weight) if t is not None])
     name = lay.kernel("backward", ctype, xtype, "layer_norm" if ds is None else "add_layer_norm",
-                      htype=_half_ctype(dx_half))
+                      htype=_half_ctype(dx_half), itype=_input_ctypes(what, x)[1])
     blocks, partial_w, partial_b = _grad_tables(ctx, node, what, name, lay, rows, c, dweight,
                                                 dbias)
     _launch(ctx, SOURCE, name, (blocks,), lay.block,
