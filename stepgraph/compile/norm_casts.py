@@ -1,5 +1,5 @@
-"""The cast that rounds a normalisation's float32 dx for a half GEMM, stored by the gradient
-kernel itself (precision="bf16" / "fp16").
+"""Autocast's casts around a normalisation, done by the norm's own kernels (precision="bf16";
+"fp16" for the first).
 
 Autocast runs LayerNorm and RMSNorm in float32, so their gradient's dx is float32, and the
 GEMM that reads it next (the backward of the Linear or convolution before the norm) reads it

@@ -33,7 +33,9 @@ def _layer_norm(ins, attrs):
     the product of the leading dims); ins (x, [weight (C,) when attrs weight], [bias (C,)
     when attrs bias]); attrs eps. mean = the row mean, rstd = 1 / sqrt(biased var + eps).
     Outputs y (x.shape, x.dtype), mean (rows,), rstd (rows,) (float32; float64 for a float64
-    x). Statistics in float32 with two passes (the NumPy reference in float64)."""
+    x). Statistics in float32 with two passes (the NumPy reference in float64). After fusion
+    y may be stored in bf16 (fuse_layer_norm_casts) and x read in bf16 beside float32
+    parameters (compile/norm_casts.py), as layer_norm_grad's x."""
     x = ins[0]
     _need(len(x.shape) >= 1, "layer_norm", f"input must have rank >= 1, got {x.shape}")
     want = 1 + bool(attrs.get("weight")) + bool(attrs.get("bias"))
