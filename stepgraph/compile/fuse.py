@@ -458,18 +458,25 @@ def fuse_layer_norm_casts(graph: Graph) -> Graph:
         =>   layer_norm -> y in bf16 [-> reshape] = c   (the kernel rounds y once, as the cast)
         cast(d bf16 -> float32) [-> reshape] -> layer_norm_grad(dy, ...)
         =>   [reshape ->] layer_norm_grad(d in bf16, ...)   (widened as loaded, exactly)
-    where each value on the way has that one reader. x, the statistics and dx stay float32.
+    where each value on the way has that one reader, or every reader of y is such a cast (one
+    bf16 y for all). x, the statistics and dx stay float32.
     precision="fp16" alike, with float16 in place of bf16. The residual forms
     (add_layer_norm, add_layer_norm_grad: compile/norm_rewrite.py) alike: their y and dy sit
     where layer_norm's do; s and ds stay float32."""
     graph = _copy(graph)
     users, producers = graph.consumers(), graph.producers()
     drop: set[Node] = set()
+    subst: dict[Value, Value] = {}
     for n in graph.nodes:
         if n.op in ("layer_norm", "add_layer_norm"):
             y = n.outputs[0]
             view = _sole_view(graph, users, y)
             cast = _sole_reader(graph, users, view.outputs[0] if view else y, "cast")
+            if view is None and cast is None:
+                low = _narrow_all_readers(graph, users, y, subst, drop)
+                if low is not None:
+                    n.outputs = [low, *n.outputs[1:]]
+                continue
             if cast is None or cast.attrs["dtype"] not in HALF_DTYPES or y.dtype != "float32":
                 continue
             if view is None:
@@ -498,7 +505,32 @@ def fuse_layer_norm_casts(graph: Graph) -> Graph:
                 view.outputs = [Value(dy.shape, cast.inputs[0].dtype, dy.name)]
                 n.inputs = [view.outputs[0], *n.inputs[1:]]
             drop.add(cast)
-    return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
+    return _rebuild(graph, [n for n in graph.nodes if n not in drop], subst)
+
+
+def _narrow_all_readers(graph: Graph, users, y: Value, subst: dict, drop: set
+                        ) -> Value | None:
+    """y in bf16 (or float16) when every reader of y casts it to that dtype, directly or
+    through a reshape that the cast alone reads, and y is no step output (each op reading y
+    under autocast casts it itself: mixer.py's Linear, through its (B * T, C) view, and its
+    padded convolution input, which concat_casts.py narrowed): the casts go into `drop`,
+    their outputs renamed to it in `subst`, and each reshape reads it. None otherwise."""
+    readers = users.get(y, [])
+    casts = [r if r.op == "cast" else
+             _sole_reader(graph, users, r.outputs[0], "cast") if r.op == "reshape" else None
+             for r in readers]
+    if len(readers) < 2 or y in graph.outputs.values() or y.dtype != "float32" or \
+            any(c is None or c.attrs["dtype"] != casts[0].attrs["dtype"] for c in casts) or \
+            casts[0].attrs["dtype"] not in HALF_DTYPES:
+        return None
+    low = Value(y.shape, casts[0].attrs["dtype"], y.name)
+    for reader, cast in zip(readers, casts):
+        if reader is cast:
+            subst[cast.outputs[0]] = low
+        else:
+            reader.inputs, reader.outputs = [low], [cast.outputs[0]]
+        drop.add(cast)
+    return low
 
 
 def _is_unit_seed(graph: Graph, v: Value) -> bool:

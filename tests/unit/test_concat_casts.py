@@ -87,3 +87,45 @@ def test_widened_inputs_are_joined_as_they_are_and_float32_ones_cast_once():
     assert concat.op == "concat" and concat.inputs[0].name == "a"
     assert concat.inputs[1:] == [cast.outputs[0]] * 2
     assert concat.outputs[0] is t.graph.outputs["low"]
+
+
+def test_a_padded_permute_is_joined_in_bf16_and_the_norm_writes_bf16(monkeypatch):
+    """tests/compat/models/mixer.py's causal convolution reads F.pad(h.transpose(1, 2), (2, 0))
+    viewed as 4-D: the zeros, the transpose, the join and the view run in bf16, the zeros are
+    made in bf16, and h's LayerNorm stores one bf16 h that its Linear and the join both read
+    (compile/fuse.py fuse_layer_norm_casts); three steps train to the same bits as with every
+    cast in place."""
+    from collections import Counter
+
+    from tests.unit.compat_training import torch_state, train_steps
+
+    kw = dict(vocab_size=32, dim=24, heads=3, layers=2, block_size=12)
+    state = torch_state("mixer", "TokenMixer", kw)
+    gen = seeded("mixer concat casts")
+    batches = [tuple(gen.integers(0, 32, (4, 12)) for _ in range(2)) for _ in range(3)]
+
+    def train():
+        plan, losses, params = train_steps("mixer", "TokenMixer", kw, state, batches,
+                                           precision="bf16")
+        steps = [n for i, n in enumerate(plan.steps) if plan.runs(i)]
+        return steps, losses, params
+
+    steps, losses, params = train()
+    monkeypatch.setattr(autocast_pass, "narrow_concats", lambda graph, low: graph)
+    steps0, losses0, params0 = train()
+    assert losses == losses0
+    for k in params0:
+        np.testing.assert_array_equal(params[k], params0[k], err_msg=k)
+
+    def joins(nodes):
+        return Counter(n.outputs[0].dtype for n in nodes if n.op in ("concat", "layout_concat"))
+
+    def casts(nodes):
+        return Counter((n.inputs[0].dtype, n.outputs[0].dtype) for n in nodes if n.op == "cast")
+    layers = kw["layers"]
+    assert joins(steps0) == {"float32": layers} and joins(steps) == {"bfloat16": layers}
+    assert [n.outputs[0].dtype for n in steps if n.op == "layer_norm"] == ["bfloat16"] * layers
+    # per block, gone: the casts of h for its Linear and of the join (the zeros cast none)
+    assert casts(steps0)["float32", "bfloat16"] - casts(steps)["float32", "bfloat16"] == \
+        2 * layers
+    assert len(steps) < len(steps0)
