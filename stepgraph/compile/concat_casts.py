@@ -112,15 +112,12 @@ def _narrowed(concat: Node, low: str, producers, users, kept
         elif v.dtype == "float32":
             if v not in narrowed:
                 views, top = _views_above(v, concat, producers, users, kept)
-                if top.dtype != "float32":
-                    return None
                 made_top = producers.get(top)
-                if made_top is not None and made_top.op == "fill" and not made_top.inputs and \
-                        (views or users.get(top) == [concat]):   # F.pad's zeros: made in low
-                    dropped.append(made_top)
+                if made_top is not None and made_top.op == "fill" and top not in kept and \
+                        users.get(top) == [views[0] if views else concat]:
+                    dropped.append(made_top)             # F.pad's zeros: made in low
                     narrowing = Node("fill", [], [Value(top.shape, low)],
-                                     dict(made_top.attrs, dtype=low),
-                                     (), made_top.label)
+                                     dict(made_top.attrs, dtype=low), (), made_top.label)
                 else:
                     narrowing = Node("cast", [top], [Value(top.shape, low)], {"dtype": low}, (),
                                      concat.label)

@@ -129,3 +129,29 @@ def test_a_padded_permute_is_joined_in_bf16_and_the_norm_writes_bf16(monkeypatch
     assert casts(steps0)["float32", "bfloat16"] - casts(steps)["float32", "bfloat16"] == \
         2 * layers
     assert len(steps) < len(steps0)
+
+
+@pytest.mark.parametrize("permute_out", [False, True])
+def test_the_join_narrows_through_views_and_makes_its_zeros_in_bf16(permute_out):
+    """cast(bf16) <- reshape <- concat(fill f32, permute(x f32)): the fill is made in bf16, x
+    is cast before its permute, and the join and the view run in bf16, the view writing the
+    cast's value. A permute whose output is a step output is left, and its output cast."""
+    t = Tracer()
+    x = t.input((2, 3, 5), "float32", "x")
+    moved = t.op("permute", [x], dims=(0, 2, 1))
+    zeros = t.op("fill", [], value=0.0, shape=(2, 5, 2), dtype="float32")
+    joined = t.op("concat", [zeros, moved], dim=2)
+    low = t.op("cast", [t.op("reshape", [joined], shape=(2, 5, 1, 5))], dtype="bfloat16")
+    t.graph.outputs = {"low": low.value}
+    if permute_out:
+        t.graph.outputs["moved"] = moved.value
+    graph = narrow_concats(t.graph, "bfloat16")
+    ops = [(n.op, n.inputs[0].name if n.inputs else "", n.outputs[0].dtype) for n in graph.nodes]
+    if permute_out:
+        assert ("permute", "x", "float32") in ops and ("cast", "", "bfloat16") in ops
+    else:
+        assert ("cast", "x", "bfloat16") in ops and \
+            not any(op == "permute" and dtype == "float32" for op, _, dtype in ops)
+    assert ("fill", "", "bfloat16") in ops and ("fill", "", "float32") not in ops
+    assert [dtype for op, _, dtype in ops if op in ("concat", "reshape")] == ["bfloat16"] * 2
+    assert graph.nodes[-1].op == "reshape" and graph.nodes[-1].outputs[0] is low.value
