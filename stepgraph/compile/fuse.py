@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ir.graph import BF16, HALF_DTYPES, Graph, Node, Value
+from ..ir.graph import BF16, Graph, Node, Value
 from ..ir.ops import OPS
 from ..ops.layout import channel_sum_axes, layout_of
 from ..ops.loss import IGNORE_INDEX
@@ -25,22 +25,16 @@ from .slice_sums import concat_slice_gradients
 from .concat_slices import read_concat_inputs
 from .layout_chains import collapse_layout_chains
 from .matmul_add import fuse_matmul_add
-from .norm_casts import fuse_norm_grad_casts, fuse_norm_input_casts
+from .norm_casts import fuse_layer_norm_casts, fuse_norm_grad_casts, fuse_norm_input_casts
 from .elementwise_reshapes import move_elementwise_before_reshapes
 from .rewrite import _copy, _join, _live, _rebuild, sole_chain, sole_reader
-
-
-def _sole_reader(graph: Graph, users, v: Value, op: str) -> Node | None:
-    """The `op` node that is v's only reader, when v is no graph output."""
-    reader = sole_reader(graph, users, v)
-    return reader if reader is not None and reader.op == op else None
 
 
 def _sole_view(graph: Graph, users, v: Value) -> Node | None:
     """The reshape that is v's only reader, when v is no graph output. A Linear on (..., K)
     inputs traces as reshape -> linear -> reshape (nn.functional.linear), so its activation
     reads the linear's (N, M) output through this view."""
-    return _sole_reader(graph, users, v, "reshape")
+    return sole_reader(graph, users, v, "reshape")
 
 
 def fuse_linear_activation(graph: Graph) -> Graph:
@@ -171,7 +165,7 @@ def fuse_matmul_bias_grad(graph: Graph) -> Graph:
 def _sole_relu(graph: Graph, users, v: Value) -> Node | None:
     """The act(relu) node that is v's only reader, when v is no graph output: a producer of
     v can then write the ReLU's output instead of v."""
-    act = _sole_reader(graph, users, v, "act")
+    act = sole_reader(graph, users, v, "act")
     return act if act is not None and act.attrs["kind"] == "relu" else None
 
 
@@ -206,9 +200,10 @@ def fuse_pool_relu(graph: Graph) -> Graph:
 
 def fuse_conv_relu(graph: Graph) -> Graph:
     """conv2d -> z; act(relu)(z) -> y, the ReLU z's only reader   =>   conv2d(act="relu") -> y:
-    every CUDA path applies it (in the cuDNN graph, in the depthwise kernels, else in place
-    after the kernel), so where the kernel fuses it one pass over the activations goes, and z
-    is never stored. The backward's act_grad reads y as before. ReLU commutes with a bf16
+    every CUDA path stores it with the convolution's output (the cuDNN graph, the depthwise,
+    tiled and direct kernels, cuBLASLt's RELU epilogue; in place after plain cuDNN plans and
+    GEMM chunks cuBLASLt has no RELU algorithm for), so one pass over the activations goes
+    and z is never stored. The backward's act_grad reads y as before. ReLU commutes with a bf16
     rounding: the fused result is the same bits. Left alone where elementwise code reads y
     (a dropout, a residual add): the ReLU then joins that code's kernel at no cost, where an
     own convolution kernel would apply it in a pass of its own."""
@@ -440,97 +435,15 @@ def fuse_loss_casts(graph: Graph) -> Graph:
         if n.op != "cross_entropy_train":
             continue
         widen = producers.get(n.inputs[0])
-        narrow = _sole_reader(graph, users, n.outputs[1], "cast")
+        narrow = sole_reader(graph, users, n.outputs[1], "cast")
         if widen is None or widen.op != "cast" or widen.inputs[0].dtype != BF16 or \
-                _sole_reader(graph, users, n.inputs[0], n.op) is not n or narrow is None or \
+                sole_reader(graph, users, n.inputs[0], n.op) is not n or narrow is None or \
                 narrow.attrs["dtype"] != BF16:
             continue
         n.inputs = [widen.inputs[0], *n.inputs[1:]]
         n.outputs = [n.outputs[0], narrow.outputs[0]]
         drop.update((widen, narrow))
     return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
-
-
-def fuse_layer_norm_casts(graph: Graph) -> Graph:
-    """precision="bf16": autocast runs layer_norm in float32, so its y reaches the next GEMM
-    through a cast to bf16, and that GEMM's float32-cast dx reaches layer_norm_grad as dy:
-        layer_norm -> y [-> reshape] -> cast(bf16) -> c
-        =>   layer_norm -> y in bf16 [-> reshape] = c   (the kernel rounds y once, as the cast)
-        cast(d bf16 -> float32) [-> reshape] -> layer_norm_grad(dy, ...)
-        =>   [reshape ->] layer_norm_grad(d in bf16, ...)   (widened as loaded, exactly)
-    where each value on the way has that one reader, or every reader of y is such a cast (one
-    bf16 y for all). x, the statistics and dx stay float32.
-    precision="fp16" alike, with float16 in place of bf16. The residual forms
-    (add_layer_norm, add_layer_norm_grad: compile/norm_rewrite.py) alike: their y and dy sit
-    where layer_norm's do; s and ds stay float32."""
-    graph = _copy(graph)
-    users, producers = graph.consumers(), graph.producers()
-    drop: set[Node] = set()
-    subst: dict[Value, Value] = {}
-    for n in graph.nodes:
-        if n.op in ("layer_norm", "add_layer_norm"):
-            y = n.outputs[0]
-            view = _sole_view(graph, users, y)
-            cast = _sole_reader(graph, users, view.outputs[0] if view else y, "cast")
-            if view is None and cast is None:
-                low = _narrow_all_readers(graph, users, y, subst, drop)
-                if low is not None:
-                    n.outputs = [low, *n.outputs[1:]]
-                continue
-            if cast is None or cast.attrs["dtype"] not in HALF_DTYPES or y.dtype != "float32":
-                continue
-            if view is None:
-                n.outputs = [cast.outputs[0], *n.outputs[1:]]
-            else:
-                n.outputs = [Value(y.shape, cast.attrs["dtype"], y.name), *n.outputs[1:]]
-                view.inputs, view.outputs = [n.outputs[0]], [cast.outputs[0]]
-            drop.add(cast)
-        elif n.op in ("layer_norm_grad", "add_layer_norm_grad"):
-            dy = n.inputs[0]
-            view = producers.get(dy)
-            if view is not None and view.op == "reshape" and \
-                    _sole_reader(graph, users, dy, n.op) is n:
-                wide = view.inputs[0]
-            else:
-                view, wide = None, dy
-            cast = producers.get(wide)
-            if cast is None or cast.op != "cast" or cast.inputs[0].dtype not in HALF_DTYPES or \
-                    n.inputs[1].dtype != "float32" or \
-                    _sole_reader(graph, users, wide, view.op if view else n.op) is None:
-                continue
-            if view is None:
-                n.inputs = [cast.inputs[0], *n.inputs[1:]]
-            else:
-                view.inputs = [cast.inputs[0]]
-                view.outputs = [Value(dy.shape, cast.inputs[0].dtype, dy.name)]
-                n.inputs = [view.outputs[0], *n.inputs[1:]]
-            drop.add(cast)
-    return _rebuild(graph, [n for n in graph.nodes if n not in drop], subst)
-
-
-def _narrow_all_readers(graph: Graph, users, y: Value, subst: dict, drop: set
-                        ) -> Value | None:
-    """y in bf16 (or float16) when every reader of y casts it to that dtype, directly or
-    through a reshape that the cast alone reads, and y is no step output (each op reading y
-    under autocast casts it itself: mixer.py's Linear, through its (B * T, C) view, and its
-    padded convolution input, which concat_casts.py narrowed): the casts go into `drop`,
-    their outputs renamed to it in `subst`, and each reshape reads it. None otherwise."""
-    readers = users.get(y, [])
-    casts = [r if r.op == "cast" else
-             _sole_reader(graph, users, r.outputs[0], "cast") if r.op == "reshape" else None
-             for r in readers]
-    if len(readers) < 2 or y in graph.outputs.values() or y.dtype != "float32" or \
-            any(c is None or c.attrs["dtype"] != casts[0].attrs["dtype"] for c in casts) or \
-            casts[0].attrs["dtype"] not in HALF_DTYPES:
-        return None
-    low = Value(y.shape, casts[0].attrs["dtype"], y.name)
-    for reader, cast in zip(readers, casts):
-        if reader is cast:
-            subst[cast.outputs[0]] = low
-        else:
-            reader.inputs, reader.outputs = [low], [cast.outputs[0]]
-        drop.add(cast)
-    return low
 
 
 def _is_unit_seed(graph: Graph, v: Value) -> bool:

@@ -1,5 +1,8 @@
 """Autocast's casts around a normalisation, done by the norm's own kernels (precision="bf16";
-"fp16" for the first).
+"fp16" for the first two).
+
+The LayerNorm's y rounded to bf16 for the GEMM after it, and that GEMM's dx widened back as
+the norm gradient's dy, are stored and loaded so by the norm's kernels (fuse_layer_norm_casts).
 
 Autocast runs LayerNorm and RMSNorm in float32, so their gradient's dx is float32, and the
 GEMM that reads it next (the backward of the Linear or convolution before the norm) reads it
@@ -24,11 +27,80 @@ gradient reads that float32 copy again. Both read the bf16 value instead, widene
 """
 from __future__ import annotations
 
-from ..ir.graph import BF16, HALF_DTYPES, Graph, Node
-from .rewrite import _copy, _rebuild
+from ..ir.graph import BF16, HALF_DTYPES, Graph, Node, Value
+from .rewrite import _copy, _rebuild, sole_reader
 
 NORM_GRADS = ("layer_norm_grad", "add_layer_norm_grad", "rms_norm_grad")
 NORM_INPUTS = ("layer_norm",)     # the norms whose kernels read a bf16 x (fuse_norm_input_casts)
+
+
+def fuse_layer_norm_casts(graph: Graph) -> Graph:
+    """precision="bf16": autocast runs layer_norm in float32, so its y reaches the next GEMM
+    through a cast to bf16, and that GEMM's float32-cast dx reaches layer_norm_grad as dy:
+        layer_norm -> y [-> reshape] -> cast(bf16) -> c
+        =>   layer_norm -> y in bf16 [-> reshape] = c   (the kernel rounds y once, as the cast)
+        cast(d bf16 -> float32) [-> reshape] -> layer_norm_grad(dy, ...)
+        =>   [reshape ->] layer_norm_grad(d in bf16, ...)   (widened as loaded, exactly)
+    where each value on the way has that one reader, or every reader of y is such a cast (one
+    bf16 y for all). x, the statistics and dx stay float32.
+    precision="fp16" alike, with float16 in place of bf16. The residual forms
+    (add_layer_norm, add_layer_norm_grad: compile/norm_rewrite.py) alike: their y and dy sit
+    where layer_norm's do; s and ds stay float32."""
+    graph = _copy(graph)
+    users, producers = graph.consumers(), graph.producers()
+    drop: set[Node] = set()
+    subst: dict[Value, Value] = {}
+    for n in graph.nodes:
+        if n.op in ("layer_norm", "add_layer_norm"):
+            low = _narrowed_y(graph, users, n.outputs[0], subst, drop)
+            if low is not None:
+                n.outputs = [low, *n.outputs[1:]]
+        elif n.op in ("layer_norm_grad", "add_layer_norm_grad"):
+            dy = n.inputs[0]
+            view = producers.get(dy)
+            if view is not None and view.op == "reshape" and \
+                    sole_reader(graph, users, dy, n.op) is n:
+                wide = view.inputs[0]
+            else:
+                view, wide = None, dy
+            cast = producers.get(wide)
+            if cast is None or cast.op != "cast" or cast.inputs[0].dtype not in HALF_DTYPES or \
+                    n.inputs[1].dtype != "float32" or \
+                    sole_reader(graph, users, wide, view.op if view else n.op) is None:
+                continue
+            if view is None:
+                n.inputs = [cast.inputs[0], *n.inputs[1:]]
+            else:
+                view.inputs = [cast.inputs[0]]
+                view.outputs = [Value(dy.shape, cast.inputs[0].dtype, dy.name)]
+                n.inputs = [view.outputs[0], *n.inputs[1:]]
+            drop.add(cast)
+    return _rebuild(graph, [n for n in graph.nodes if n not in drop], subst)
+
+
+def _narrowed_y(graph: Graph, users, y: Value, subst: dict, drop: set) -> Value | None:
+    """y in bf16 (or float16) when every reader of y casts it to that dtype, directly or
+    through a reshape that the cast alone reads (a Linear on (B, T, C) reads it through its
+    (B * T, C) view), and y is no step output; several readers each cast it (autocast casts
+    for each op: mixer.py's Linear and its padded convolution input, which concat_casts.py
+    narrowed). The casts go into `drop`, their outputs renamed to it in `subst`, and each
+    reshape reads it. None otherwise."""
+    readers = users.get(y, [])
+    casts = [r if r.op == "cast" else
+             sole_reader(graph, users, r.outputs[0], "cast") if r.op == "reshape" else None
+             for r in readers]
+    if not readers or y in graph.outputs.values() or y.dtype != "float32" or \
+            any(c is None or c.attrs["dtype"] != casts[0].attrs["dtype"] for c in casts) or \
+            casts[0].attrs["dtype"] not in HALF_DTYPES:
+        return None
+    low = Value(y.shape, casts[0].attrs["dtype"], y.name)
+    for reader, cast in zip(readers, casts):
+        if reader is cast:
+            subst[cast.outputs[0]] = low
+        else:
+            reader.inputs, reader.outputs = [low], [cast.outputs[0]]
+        drop.add(cast)
+    return low
 
 
 def fuse_norm_grad_casts(graph: Graph) -> Graph:

@@ -13,10 +13,13 @@ def _copy(graph: Graph) -> Graph:
     return Graph(nodes, graph.inputs, graph.params, graph.state, dict(graph.outputs))
 
 
-def sole_reader(graph: Graph, users, v: Value) -> Node | None:
-    """The one node reading v (once), when v is no graph output."""
+def sole_reader(graph: Graph, users, v: Value, op: str | None = None) -> Node | None:
+    """The one node reading v (once), when v is no graph output (and, given `op`, that node
+    is an `op` node)."""
     readers = users.get(v, [])
-    return readers[0] if len(readers) == 1 and v not in graph.outputs.values() else None
+    if len(readers) != 1 or v in graph.outputs.values() or op not in (None, readers[0].op):
+        return None
+    return readers[0]
 
 
 def sole_chain(graph: Graph, users, v: Value, ops: tuple[str, ...]) -> tuple[list[Node], Value]:

@@ -93,7 +93,7 @@ def test_a_padded_permute_is_joined_in_bf16_and_the_norm_writes_bf16(monkeypatch
     """tests/compat/models/mixer.py's causal convolution reads F.pad(h.transpose(1, 2), (2, 0))
     viewed as 4-D: the zeros, the transpose, the join and the view run in bf16, the zeros are
     made in bf16, and h's LayerNorm stores one bf16 h that its Linear and the join both read
-    (compile/fuse.py fuse_layer_norm_casts); three steps train to the same bits as with every
+    (compile/norm_casts.py fuse_layer_norm_casts); three steps train to the same bits as with every
     cast in place."""
     from collections import Counter
 

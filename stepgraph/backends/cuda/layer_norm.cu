@@ -14,7 +14,7 @@
 // rows per thread in registers, adds its row lanes in order through shared memory into the
 // block's own row of partial_w / partial_b [blocks, C], and the finalize adds the blocks' rows
 // in a fixed order, in float64: no atomics anywhere.
-// precision="bf16" (compile/fuse.py fuse_layer_norm_casts): the forward may write y in bf16
+// precision="bf16" (compile/norm_casts.py fuse_layer_norm_casts): the forward may write y in bf16
 // (Y, rounded once on store: what the cast to bf16 after it did) and the backward may read dy
 // in bf16 (DY, widened exactly: what the cast to float32 before it did); x, the statistics,
 // the parameters and dx stay float32, as autocast runs layer_norm. The backwards may also

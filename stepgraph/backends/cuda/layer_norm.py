@@ -46,7 +46,7 @@ from .runtime.launch import (ELEMENT_CTYPES, _aligned, _check, _check_int32, _el
                              _kernel, _launch, _node_memory, _or_null, _row_grid, _typed)
 
 SOURCE = "layer_norm.cu"
-# bf16 y (forward) or dy (backward) where compile/fuse.py fuse_layer_norm_casts dropped a cast
+# bf16 y (forward) or dy (backward) where compile/norm_casts.py fuse_layer_norm_casts dropped a cast
 BF16_OPS = frozenset({"layer_norm", "layer_norm_grad", "add_layer_norm", "add_layer_norm_grad",
                       "rms_norm", "rms_norm_grad"})
 # The kernel name prefixes of layer_norm.cu, each with the same templates and layouts.
