@@ -26,7 +26,9 @@ from .compile.fuse import fuse
 from .compile.guard import (COUNTERS_KEY, GUARD_PREFIX, HISTORY_FLAG_KEY, GuardMonitor,
                             check_policy, label_check)
 from .compile.history import HISTORY_PREFIX, LossHandle
+from .compile import layout_choice
 from .compile.layout import resolve_memory_format
+from .compile.layout_choice import LayoutChoice
 from .compile.overlap import check_option as check_overlap_option
 from .compile.overlap import resolve as resolve_overlap
 from .compile.plan import Plan, make_plan
@@ -72,9 +74,11 @@ class _CompiledModel:
         self.use_graph = (device == "cuda") if graph is None else bool(graph)
         if self.use_graph and device != "cuda":
             raise ValueError("graph=True needs device='cuda' (the CPU backend runs eagerly)")
-        self.ctx = self.backend.make_context(precision, deterministic=bool(deterministic))
+        self.deterministic = bool(deterministic)
+        self.ctx = self.backend.make_context(precision, deterministic=self.deterministic)
         self.precision = precision
         self.memory_format = resolve_memory_format(memory_format, device, precision)
+        self.layout_choice: LayoutChoice | None = None    # set where "auto" was timed
         example_inputs = tuple(example_inputs)
         self.signature = signature_of(_input_names(len(example_inputs), with_target),
                                       example_inputs)
@@ -116,14 +120,19 @@ class _CompiledModel:
                        COPY_ROLES[self.mode], signature)
         exe = self.executables.get(key)
         if exe is None:
-            plan = self.plan(signature)
-            if self.precision == BF16_PRECISION:
-                check_bf16_support(plan.graph, getattr(self.backend, "bf16_ops", None),
-                                   self.device)
-            check_fp16_support(plan.graph, getattr(self.backend, "fp16_ops", None), self.device)
-            exe = Executable(plan, self.backend, self.bind, self.ctx, self.mode, key)
-            self.executables[key] = exe
+            exe = self.executables[key] = self.new_executable(signature, key)
         return exe
+
+    def new_executable(self, signature: Signature, key: GraphKey) -> Executable:
+        return self.executable_of(self.plan(signature), key)
+
+    def executable_of(self, plan: Plan, key: GraphKey) -> Executable:
+        """The plan bound to this model's buffers, after the checks that the backend runs
+        every op of it at this precision."""
+        if self.precision == BF16_PRECISION:
+            check_bf16_support(plan.graph, getattr(self.backend, "bf16_ops", None), self.device)
+        check_fp16_support(plan.graph, getattr(self.backend, "fp16_ops", None), self.device)
+        return Executable(plan, self.backend, self.bind, self.ctx, self.mode, key)
 
     def plan(self, signature: Signature) -> Plan:
         return make_plan(fuse(self.build_graph(signature)))
@@ -162,11 +171,15 @@ class TrainStep(_CompiledModel):
 
     memory_format ("auto", "channels_last" or "contiguous", PyTorch's names): how the image
     tensors between convolutions are stored on the device (compile/layout.py). "auto" is
-    channels_last (NHWC, cuDNN's fast tensor-core layout) on CUDA at precision "tf32" or
-    "bf16" with cuDNN present, for models whose convolutions with channel counts in multiples
-    of 8 carry at least half the convolution FLOPs (layout.channels_last_pays); else
-    contiguous (NCHW). Parameters,
-    gradients and the state_dict keep PyTorch's layouts either way.
+    contiguous (NCHW) on the CPU, at fp32 and without cuDNN; on CUDA at precision "tf32" or
+    "bf16" with cuDNN present, a model with convolutions has its first step built both ways,
+    channels_last (NHWC, cuDNN's fast tensor-core layout) and contiguous, each timed for a
+    few steps from the same state (restored afterwards), and the faster kept, the decision
+    stored on disk for later processes (compile/layout_choice.py; `layout_choice` says how
+    it was decided; STEPGRAPH_LAYOUT_MEASURE=0, or data parallelism, leaves it to the rule:
+    channels_last where the convolutions with channel counts in multiples of 8 carry at
+    least half the convolution FLOPs, layout.channels_last_pays). Parameters, gradients and
+    the state_dict keep PyTorch's layouts either way.
 
     deterministic (default True): every kernel gives the same bits on every run. False lets
     the autotuner also pick cuDNN plans that accumulate with atomics (what PyTorch does with
@@ -226,6 +239,15 @@ class TrainStep(_CompiledModel):
         """Names of the parameters holding a NaN or Inf (syncs; asked when a step failed)."""
         return [name for name, p in self.params.items()
                 if not np.isfinite(self.backend.to_numpy(p.storage)).all()]
+
+    def new_executable(self, signature: Signature, key: GraphKey) -> Executable:
+        """The step of `signature`; the first one built with memory_format "auto" (and one
+        process, and convolutions) is built both ways and the faster kept
+        (compile/layout_choice.py), which sets memory_format for every later one."""
+        if self.memory_format != "auto" or self.group is not None or not layout_choice.enabled():
+            return super().new_executable(signature, key)
+        self.layout_choice, exe = layout_choice.choose(self, signature, key)
+        return exe
 
     def build_graph(self, signature: Signature) -> Graph:
         # Each rank draws its own dropout masks (the same key would repeat one rank's masks

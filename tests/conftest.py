@@ -1,5 +1,6 @@
 """Shared pytest setup: the `cuda` marker skips cleanly on machines without a usable GPU, the
 `multigpu` marker on machines with fewer than two, and `slow` sweeps unless STEPGRAPH_SLOW=1.
+memory_format "auto" is left to its rule (STEPGRAPH_LAYOUT_MEASURE=0) unless a test asks.
 Under pytest-xdist each worker's torch (the oracle) takes its share of the host's cores: ten
 workers each starting a thread per core oversubscribed a 32-core host until the float64
 reference runs of the model files ran past the tests' limits."""
@@ -15,6 +16,10 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("MPLBACKEND", "Agg")
+# memory_format "auto" by the rule, not by timing the two layouts (compile/layout_choice.py):
+# a test's small model takes the same layout on every machine and run; the tests of the
+# timing turn it back on.
+os.environ.setdefault("STEPGRAPH_LAYOUT_MEASURE", "0")
 
 CUDA_MARKER = "cuda"
 MULTIGPU_MARKER = "multigpu"

@@ -116,10 +116,11 @@ def channels_last_pays(graph: Graph) -> bool:
 
 def paying_share(graph: Graph) -> float:
     """The share of the voting convs' FLOPs that cuDNN's NHWC tensor-core kernels run (0 when
-    no conv votes)."""
+    no conv votes). Of a forward's convs: in a whole step's graph, the backward's are left
+    out."""
     total = paying = 0
     for n in graph.nodes:
-        if n.op != "conv2d" or len(n.inputs[0].shape) != 4:
+        if n.op != "conv2d" or len(n.inputs[0].shape) != 4 or n.label.endswith(" bwd"):
             continue
         pays = _conv_pays(n)
         if pays is None:

@@ -8,7 +8,8 @@ nondeterministic plans a context opts into; BatchNorm's columns layout (forward 
 statistics, backward, fused ReLU); max and average pooling and their gradients (gathers and the
 tiling scatter). Whole steps: a channels-last ResNet's captured graph replays bit for bit what
 eager steps compute (node count asserted), follows the numpy backend over steps, predicts what
-the NCHW CPU twin predicts, and "auto" picks channels-last at tf32 only."""
+the NCHW CPU twin predicts; "auto" by its rule picks channels-last at tf32 only, and by timing
+(compile/layout_choice.py) keeps the faster layout without a trace in the trajectory."""
 from __future__ import annotations
 
 import functools
@@ -441,11 +442,59 @@ def test_channels_last_predictions_equal_the_cpu():
     assert rel(cp.asnumpy(predict(cp.asarray(x))), want) < 1e-5
 
 
-def test_auto_memory_format_is_channels_last_at_tf32_only():
+def test_auto_memory_format_by_rule_is_channels_last_at_tf32_only():
+    """Without the timing (tests/conftest.py turns it off), the rule decides."""
     tf32, fp32 = (twins(["cuda"], precision=p)[0] for p in ("tf32", "fp32"))
     assert tf32.memory_format == "auto" and fp32.memory_format == "contiguous"
+    assert tf32.layout_choice is None and fp32.layout_choice is None
     assert any(n.attrs.get("layout") == "NHWC" for n in plan_ops(tf32))
     assert all(n.attrs.get("layout", "NCHW") == "NCHW" for n in plan_ops(fp32))
+
+
+@pytest.fixture
+def timed_layouts(monkeypatch, tmp_path):
+    """memory_format "auto" decided by timing both layouts, the decisions stored under
+    tmp_path (not in the user's cache, where an earlier run's would be found)."""
+    from stepgraph.backends.cuda.runtime import autotune
+    from stepgraph.compile import layout_choice
+
+    monkeypatch.setenv(layout_choice.MEASURE_ENV, "1")
+    disk = cache.ChoiceCache(layout_choice.NAMESPACE,
+                             autotune.device_identity(cp.cuda.runtime.getDevice()), tmp_path)
+    monkeypatch.setattr(layout_choice, "_disk", lambda compiled: disk)
+    return disk
+
+
+def seeded_twin(**options):
+    sg.nn.manual_seed(0)
+    return twins(["cuda"], graph=True, **options)[0]
+
+
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_auto_memory_format_keeps_the_faster_layout_and_leaves_no_trace(timed_layouts,
+                                                                          precision):
+    from stepgraph.compile.layout_choice import LayoutChoice
+
+    step = seeded_twin(precision=precision)
+    choice = step.layout_choice
+    assert choice.source == "measured", choice
+    assert set(choice.step_us) == {"channels_last", "contiguous"}
+    assert all(0 < us < 1e5 for us in choice.step_us.values()), choice
+    assert step.memory_format == min(choice.step_us, key=choice.step_us.get)
+    nhwc = any(n.attrs.get("layout") == "NHWC" for n in plan_ops(step))
+    assert nhwc == (step.memory_format == "channels_last")
+    # the timed steps changed nothing: the trajectory, bit for bit, of a step built in the
+    # chosen layout from the same initial weights
+    same = seeded_twin(precision=precision, memory_format=step.memory_format)
+    for x, y in batches(3, seed=6):
+        x, y = cp.asarray(x), cp.asarray(y)
+        assert float(step(x, y)) == float(same(x, y))
+    want = same.model.state_dict()
+    for k, v in step.model.state_dict().items():
+        np.testing.assert_array_equal(v.numpy(), want[k].numpy(), err_msg=k)
+    # a later step of the same model finds the decision stored and times nothing
+    again = seeded_twin(precision=precision)
+    assert again.layout_choice == LayoutChoice(step.memory_format, "cached")
 
 
 def test_nondeterministic_step_trains():

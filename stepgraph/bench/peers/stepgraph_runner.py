@@ -35,6 +35,20 @@ LAYOUT_OPS = ("permute", "transpose")
 ATTENTION_OPS = ("sdpa", "sdpa_grad", "sdpa_qkv", "sdpa_qkv_grad")
 
 
+def layout_notes(step) -> list[str]:
+    """How a step's memory format was decided, where memory_format "auto" timed it
+    (compile/layout_choice.py): "layout measured: channels_last 812.3 µs, contiguous 1104.9
+    µs", or "layout cached" / "layout by rule"."""
+    choice = step.layout_choice
+    if choice is None:
+        return []
+    if choice.source != "measured":
+        how = "by rule" if choice.source == "rule" else "cached"
+        return [f"layout {choice.memory_format} ({how})"]
+    timed = ", ".join(f"{fmt} {us:.1f} µs" for fmt, us in choice.step_us.items())
+    return [f"layout measured: {timed}"]
+
+
 def precision_label(precision: str, device: str, ops: set[str]) -> str:
     """The row's arithmetic when it is not strict `precision` ("" when it is)."""
     if precision == "fp32" and device == "cuda" and ops & set(ATTENTION_OPS):
@@ -215,7 +229,7 @@ def _prepare(spec: RunSpec, graph: bool, on_bad_batch: str = "raise") -> Prepare
     calls = step.executable(step.signature).calls
     nhwc = any(node.attrs.get("layout") == "NHWC" for node, _, _ in calls)
     notes = [f"graph={graph}", f"layout={'NHWC' if nhwc else 'NCHW'}", init_note,
-             f"on_bad_batch={on_bad_batch}"]
+             f"on_bad_batch={on_bad_batch}", *layout_notes(step)]
     overlapped = sum(bool(node.attrs.get("update_stream")) for node, _, _ in calls)
     if overlapped:
         notes.append(f"update overlapping the backward in {overlapped} buckets")
