@@ -200,20 +200,27 @@ def as_float32(graph: Graph, v: Value, label: str = "") -> Value:
     return out
 
 
-def weight_copy_name(param_name: str, dims: tuple[int, ...] | None = None) -> str:
-    """"autocast.bf16.<param>", or "autocast.bf16@<dims>.<param>" for a transposed copy."""
+def weight_copy_name(param_name: str, dims: tuple[int, ...] | None = None,
+                     shape: tuple[int, ...] | None = None) -> str:
+    """"autocast.bf16.<param>"; "autocast.bf16@<dims>.<param>" for a transposed copy,
+    "autocast.bf16#<shape>.<param>" for a reshaped one (a 1x1 conv's weight in channels-last
+    order), so that a name always names one shape: the steps of both layouts, built side by
+    side (compile/layout_choice.py), bind their copies by name."""
     tag = "" if dims is None else "@" + "".join(map(str, dims))
+    if dims is None and shape is not None:
+        tag = "#" + "x".join(map(str, shape))
     return f"{WEIGHT_COPY_PREFIX}{tag}.{param_name}"
 
 
 def parse_weight_copy(state_name: str) -> tuple[str, tuple[int, ...] | None] | None:
-    """(parameter name, dims) of a bf16 weight copy's state name; None for other state."""
+    """(parameter name, dims) of a bf16 weight copy's state name; None for other state. A
+    reshaped copy's dims are None (copy_values reshapes to the buffer's shape)."""
     if not state_name.startswith(WEIGHT_COPY_PREFIX):
         return None
     tag, dot, param = state_name[len(WEIGHT_COPY_PREFIX):].partition(".")
-    if not dot or (tag and not tag.startswith("@")):
+    if not dot or (tag and tag[0] not in "@#"):
         return None
-    return param, (tuple(int(d) for d in tag[1:]) if tag else None)
+    return param, (tuple(int(d) for d in tag[1:]) if tag.startswith("@") else None)
 
 
 def copy_values(param: np.ndarray, dims: tuple[int, ...] | None, shape) -> np.ndarray:
@@ -235,15 +242,18 @@ def bind_weight_copies(graph: Graph) -> list[WeightCopy]:
     for n in graph.nodes:
         if n.op != "cast" or n.attrs["dtype"] != BF16:
             continue
-        src, dims, via = n.inputs[0], None, producers.get(n.inputs[0])
+        src, dims, shape, via = n.inputs[0], None, None, producers.get(n.inputs[0])
         if via is not None and via.op in ("permute", "reshape") and \
                 via.inputs[0].role == PARAM and users[src] == [n]:
             src = via.inputs[0]
-            dims = tuple(via.attrs["dims"]) if via.op == "permute" else None
+            if via.op == "permute":
+                dims = tuple(via.attrs["dims"])
+            else:
+                shape = tuple(n.outputs[0].shape)
         if src.role != PARAM:
             continue
         copy = n.outputs[0]
-        copy.role, copy.name = STATE, weight_copy_name(src.name, dims)
+        copy.role, copy.name = STATE, weight_copy_name(src.name, dims, shape)
         graph.state.append(copy)
         copies.append(WeightCopy(src, copy, dims))
         drop.update((n, via) if src is not n.inputs[0] else (n,))

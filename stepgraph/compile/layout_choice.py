@@ -113,9 +113,18 @@ def choose(compiled, signature, key) -> tuple[LayoutChoice, Executable]:
         return LayoutChoice(ruled, "rule"), exes[ruled]
     chosen = min(step_us, key=step_us.get)
     compiled.memory_format = chosen
+    _drop_state_of_the_other(compiled, exes[chosen])
     if disk is not None:
         disk.put(asked, chosen)
     return LayoutChoice(chosen, "measured", step_us), exes[chosen]
+
+
+def _drop_state_of_the_other(compiled, kept: Executable) -> None:
+    """Free the state only the dropped step bound (its layout's bf16 weight copies): nothing
+    reads or updates it any more."""
+    bound = {v.name for v in kept.plan.graph.state}
+    for name in [k for k in compiled.state if k not in bound]:
+        del compiled.state[name]
 
 
 def _time(exes: dict[str, Executable], use_graph: bool) -> dict[str, float]:
