@@ -171,15 +171,16 @@ class TrainStep(_CompiledModel):
 
     memory_format ("auto", "channels_last" or "contiguous", PyTorch's names): how the image
     tensors between convolutions are stored on the device (compile/layout.py). "auto" is
-    contiguous (NCHW) on the CPU, at fp32 and without cuDNN; on CUDA at precision "tf32" or
-    "bf16" with cuDNN present, a model with convolutions has its first step built both ways,
-    channels_last (NHWC, cuDNN's fast tensor-core layout) and contiguous, each timed for a
-    few steps from the same state (restored afterwards), and the faster kept, the decision
-    stored on disk for later processes (compile/layout_choice.py; `layout_choice` says how
-    it was decided; STEPGRAPH_LAYOUT_MEASURE=0, or data parallelism, leaves it to the rule:
-    channels_last where the convolutions with channel counts in multiples of 8 carry at
-    least half the convolution FLOPs, layout.channels_last_pays). Parameters, gradients and
-    the state_dict keep PyTorch's layouts either way.
+    contiguous (NCHW) on the CPU, at fp32 and without cuDNN. On CUDA at precision "tf32" or
+    "bf16" with cuDNN present it is channels_last (NHWC, cuDNN's fast tensor-core layout)
+    where the convolutions with channel counts in multiples of 8 carry nearly all the
+    convolution FLOPs (layout.rule_is_sure); where the split is closer, the first step is
+    built both ways, each timed for a few steps from the same state (restored afterwards),
+    and the faster kept, the decision stored on disk for later processes
+    (compile/layout_choice.py; `layout_choice` says how it was decided;
+    STEPGRAPH_LAYOUT_MEASURE=always times every model with convolutions, =0 none; data
+    parallelism takes the rule, layout.channels_last_pays). Parameters, gradients and the
+    state_dict keep PyTorch's layouts either way.
 
     deterministic (default True): every kernel gives the same bits on every run. False lets
     the autotuner also pick cuDNN plans that accumulate with atomics (what PyTorch does with
@@ -241,9 +242,9 @@ class TrainStep(_CompiledModel):
                 if not np.isfinite(self.backend.to_numpy(p.storage)).all()]
 
     def new_executable(self, signature: Signature, key: GraphKey) -> Executable:
-        """The step of `signature`; the first one built with memory_format "auto" (and one
-        process, and convolutions) is built both ways and the faster kept
-        (compile/layout_choice.py), which sets memory_format for every later one."""
+        """The step of `signature`; the first one built with memory_format "auto" (one
+        process) decides the layout, timing both where the rule is unsure
+        (compile/layout_choice.py), and sets memory_format for every later one."""
         if self.memory_format != "auto" or self.group is not None or not layout_choice.enabled():
             return super().new_executable(signature, key)
         self.layout_choice, exe = layout_choice.choose(self, signature, key)

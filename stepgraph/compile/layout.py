@@ -114,6 +114,22 @@ def channels_last_pays(graph: Graph) -> bool:
     return paying_share(graph) >= PAYING_SHARE
 
 
+# The paying share from which the rule is not second-guessed by timing both layouts
+# (compile/layout_choice.py): timed both ways on an H200 (docs/perf-notes.md, 2026-11-30
+# 23:00 UTC), every compatibility conv net (share 0.999-1.0) ran channels-last 1.3-1.7x
+# faster at bf16 and 1.1-1.3x at tf32, and mixer (1.0, where its convolutions are a small part
+# of the step) 1.04x; building the other layout as well cost a first compile up to 13 s more
+# (mobilenet: its depthwise convolutions' cuDNN plans), over the 10 s a first step may take.
+SURE_SHARE = 0.9
+
+
+def rule_is_sure(graph: Graph) -> bool:
+    """Whether the rule's answer stands without timing: the tensor-core convolutions carry at
+    least SURE_SHARE of the voting FLOPs. A net with mixed channel counts, or none that vote,
+    is timed both ways."""
+    return paying_share(graph) >= SURE_SHARE
+
+
 def paying_share(graph: Graph) -> float:
     """The share of the voting convs' FLOPs that cuDNN's NHWC tensor-core kernels run (0 when
     no conv votes). Of a forward's convs: in a whole step's graph, the backward's are left

@@ -1,18 +1,25 @@
-"""memory_format="auto" decided by timing the step both ways.
+"""memory_format="auto" decided by timing the step both ways where the rule is unsure.
 
 compile/layout.py's rule (channels-last where the convolutions cuDNN runs on its NHWC
 tensor-core kernels carry half the convolution FLOPs) is an estimate: what a layout costs also
 depends on the conversions it adds, on the norms, pools and joins between the convolutions and
-on which kernels the autotuner finds for each shape. So a TrainStep whose memory_format is still
-"auto" when it builds its first step (CUDA, tf32 or bf16, cuDNN present, a model with
-convolutions, no data parallelism) builds the step in both layouts, the rule's first, runs each
-a few times from the same parameters and optimizer state (restored afterwards, so the
-measurement leaves no trace in training) and keeps the faster. The other is dropped.
+on which kernels the autotuner finds for each shape. Where that estimate is close (the
+tensor-core convolutions carry less than layout.SURE_SHARE of the FLOPs: mixed channel counts,
+or none that vote), a TrainStep whose memory_format is still "auto" when it builds its first
+step (CUDA, tf32 or bf16, cuDNN present, no data parallelism) builds the step in both layouts,
+the rule's first, runs each a few times from the same parameters and optimizer state (restored
+afterwards, so the measurement leaves no trace in training) and keeps the faster. The other is
+dropped, with the state only it bound (its bf16 weight copies).
+
+Where the rule is sure it decides alone: building the second layout costs a first compile
+seconds (cuDNN plans and kernels of every convolution in the other layout), and on every net
+timed both ways with a sure rule the rule's layout was the faster (layout.SURE_SHARE says
+where). STEPGRAPH_LAYOUT_MEASURE=always times every step with convolutions; =0 none.
 
 The decision is stored in the on-disk choice cache (namespace "layout", stepgraph/cache.py:
 keyed by the GPU and library identity and a digest of the step's graph), so a later process
-building the same step on the same kind of GPU builds one layout only. STEPGRAPH_LAYOUT_MEASURE=0
-keeps the rule without timing. The step's `layout_choice` says what was decided and how.
+building the same step on the same kind of GPU builds one layout only. The step's
+`layout_choice` says what was decided and how.
 
 A captured training loop (stepgraph/loop/) and compile_predict keep the rule: a loop's forward
 evaluated ahead of its step and its predictors are built before the step exists, and must lay
@@ -28,9 +35,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .executable import Executable
-from .layout import channels_last_pays
+from .layout import channels_last_pays, rule_is_sure
 
-MEASURE_ENV = "STEPGRAPH_LAYOUT_MEASURE"     # "0": the rule decides, nothing is timed
+# "0": the rule decides, nothing is timed; "always": every step with convolutions is timed;
+# unset (or anything else): the steps the rule is unsure of (layout.rule_is_sure).
+MEASURE_ENV = "STEPGRAPH_LAYOUT_MEASURE"
 CANDIDATES = ("channels_last", "contiguous")
 CONV_OPS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
 ROUNDS = 3            # timed rounds, the candidates alternating; each keeps its fastest
@@ -43,7 +52,8 @@ class LayoutChoice:
     """How a step's memory format was decided: source "measured" (step_us holds each
     candidate's µs a step, the fastest round's), "cached" (an earlier process measured this
     step on this kind of GPU) or "rule" (layout.channels_last_pays: a step without
-    convolutions, or one whose second layout did not fit in memory beside the first)."""
+    convolutions, one the rule is sure of, or one whose second layout did not fit in memory
+    beside the first)."""
 
     memory_format: str
     source: str
@@ -52,6 +62,10 @@ class LayoutChoice:
 
 def enabled() -> bool:
     return os.environ.get(MEASURE_ENV, "1") != "0"
+
+
+def _always() -> bool:
+    return os.environ.get(MEASURE_ENV) == "always"
 
 
 def has_convolutions(plan) -> bool:
@@ -97,6 +111,8 @@ def choose(compiled, signature, key) -> tuple[LayoutChoice, Executable]:
             return LayoutChoice(fmt, "rule"), compiled.executable_of(plans[fmt], key)
     ruled = "channels_last" if channels_last_pays(plans["contiguous"].graph) else "contiguous"
     compiled.memory_format = ruled
+    if not _always() and rule_is_sure(plans["contiguous"].graph):
+        return LayoutChoice(ruled, "rule"), compiled.executable_of(plans[ruled], key)
     asked = problem(plans["contiguous"], compiled.precision, compiled.deterministic)
     disk = _disk(compiled)
     stored = None if disk is None else disk.get(asked, lambda value: value in CANDIDATES)

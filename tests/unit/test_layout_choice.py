@@ -1,6 +1,6 @@
 """memory_format="auto" decided by timing the step both ways (compile/layout_choice.py), on the
-NumPy backend with "auto" let through (on the CPU it resolves to contiguous): the faster
-layout is kept and set for every later step, the timing leaves parameters, optimizer state and
+NumPy backend with "auto" let through (on the CPU it resolves to contiguous): by default only
+where the rule is unsure (mixed channel counts); the faster layout is kept and set for every later step, the timing leaves parameters, optimizer state and
 running statistics as they were (the trajectory is that of a step built in the chosen layout
 from the start), the decision is stored and reused by a later step, and a model without
 convolutions, STEPGRAPH_LAYOUT_MEASURE=0 and a second layout that does not fit in memory are
@@ -38,7 +38,8 @@ def batch(seed):
 def auto_on_cpu(monkeypatch, tmp_path):
     """"auto" kept on the CPU, decisions stored under tmp_path; yields the stored cache."""
     monkeypatch.setattr(api, "resolve_memory_format", lambda fmt, device, precision: fmt)
-    monkeypatch.setenv(layout_choice.MEASURE_ENV, "1")     # tests/conftest.py turns it off
+    # every step with convolutions timed (tests/conftest.py turns the timing off)
+    monkeypatch.setenv(layout_choice.MEASURE_ENV, "always")
     disk = ChoiceCache(layout_choice.NAMESPACE, {"device": "test"}, tmp_path)
     monkeypatch.setattr(layout_choice, "_disk", lambda compiled: disk)
     return disk
@@ -108,6 +109,33 @@ def test_a_step_of_another_shape_follows_the_choice(auto_on_cpu, monkeypatch):
     assert len(calls) == 1 and len(step.executables) == 2
     assert all(any(n.op == "conv2d" and n.attrs.get("layout") == "NHWC"
                    for n in exe.plan.graph.nodes) for exe in step.executables.values())
+
+
+def mixed_net():
+    """Convolutions of 16 and of 12 channels (the 12s run no NHWC tensor-core kernel), the
+    tensor-core ones carrying about half the FLOPs: the rule is unsure."""
+    sg.nn.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(),
+                         nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
+                         nn.Conv2d(16, 12, 3, padding=1), nn.ReLU(),
+                         nn.Conv2d(12, 12, 3, padding=1), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(12, 10))
+
+
+@pytest.mark.parametrize("model, timed", [(resnet, False), (mixed_net, True)])
+def test_by_default_only_an_unsure_rule_is_timed(auto_on_cpu, monkeypatch, model, timed):
+    """The ResNet's convolutions all run on tensor-core channel counts: the rule stands. The
+    mixed net's split: both layouts are timed."""
+    monkeypatch.setenv(layout_choice.MEASURE_ENV, "1")
+    calls = timed_as(monkeypatch, {"channels_last": 2.0, "contiguous": 1.0})
+    net = model()
+    step = sg.compile_train_step(net, ce, optim.SGD(net.parameters(), lr=0.1),
+                                 example_inputs=batch(0), memory_format="auto")
+    assert len(calls) == timed
+    assert step.layout_choice == (
+        layout_choice.LayoutChoice("contiguous", "measured", {"channels_last": 2.0,
+                                                              "contiguous": 1.0})
+        if timed else layout_choice.LayoutChoice("channels_last", "rule"))
 
 
 def test_without_convolutions_the_rule_decides(auto_on_cpu, monkeypatch):
