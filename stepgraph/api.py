@@ -28,7 +28,6 @@ from .compile.guard import (COUNTERS_KEY, GUARD_PREFIX, HISTORY_FLAG_KEY, GuardM
 from .compile.history import HISTORY_PREFIX, LossHandle
 from .compile import layout_choice
 from .compile.layout import resolve_memory_format
-from .compile.layout_choice import LayoutChoice
 from .compile.overlap import check_option as check_overlap_option
 from .compile.overlap import resolve as resolve_overlap
 from .compile.plan import Plan, make_plan
@@ -78,7 +77,7 @@ class _CompiledModel:
         self.ctx = self.backend.make_context(precision, deterministic=self.deterministic)
         self.precision = precision
         self.memory_format = resolve_memory_format(memory_format, device, precision)
-        self.layout_choice: LayoutChoice | None = None    # set where "auto" was timed
+        self.layout_choice: layout_choice.LayoutChoice | None = None   # how "auto" was decided
         example_inputs = tuple(example_inputs)
         self.signature = signature_of(_input_names(len(example_inputs), with_target),
                                       example_inputs)

@@ -104,7 +104,7 @@ def choose(compiled, signature, key) -> tuple[LayoutChoice, Executable]:
     """The Executable of `signature` in the faster memory format, and how it was chosen.
     `compiled` is a TrainStep whose memory_format is "auto"; it is left at the choice."""
     plans = {}
-    for fmt in reversed(CANDIDATES):
+    for fmt in ("contiguous", "channels_last"):
         compiled.memory_format = fmt
         plans[fmt] = compiled.plan(signature)
         if not has_convolutions(plans[fmt]):     # nothing to lay out: the rule's answer
@@ -125,7 +125,7 @@ def choose(compiled, signature, key) -> tuple[LayoutChoice, Executable]:
         exes[other] = compiled.executable_of(plans[other], key)
         step_us = _time(exes, compiled.use_graph)
     except MemoryError:       # both steps' activations at once do not fit: keep the rule's
-        exes.pop(other, None)
+        _drop_state_of_the_other(compiled, exes[ruled])
         return LayoutChoice(ruled, "rule"), exes[ruled]
     chosen = min(step_us, key=step_us.get)
     compiled.memory_format = chosen
@@ -148,8 +148,7 @@ def _time(exes: dict[str, Executable], use_graph: bool) -> dict[str, float]:
     restored afterwards. Each runs twice first (its warm-up, which autotunes its kernels, and
     its capture), then ROUNDS rounds of RUNS steps alternate between them; the fastest round
     counts."""
-    any_exe = next(iter(exes.values()))
-    backend = any_exe.backend
+    backend = next(iter(exes.values())).backend
     saved = _snapshot(exes.values())
     try:
         for exe in exes.values():

@@ -38,7 +38,7 @@ ATTENTION_OPS = ("sdpa", "sdpa_grad", "sdpa_qkv", "sdpa_qkv_grad")
 def layout_notes(step) -> list[str]:
     """How a step's memory format was decided, where memory_format "auto" timed it
     (compile/layout_choice.py): "layout measured: channels_last 812.3 µs, contiguous 1104.9
-    µs", or "layout cached" / "layout by rule"."""
+    µs", "layout channels_last (cached)" or "layout channels_last (by rule)"."""
     choice = step.layout_choice
     if choice is None:
         return []
