@@ -118,6 +118,14 @@ class Executable:
             owner.captured = self.backend.capture(body, self.ctx)
         owner.captured.launch()
 
+    def uncapture(self) -> None:
+        """Drop the captured graph, keeping the warm-up done: the next run captures again.
+        For runs made before the owner finished its setup (compile/layout_choice.py times
+        steps inside TrainStep's constructor, before the guard's mailbox, whose address a
+        capture records, exists)."""
+        self.captured = None
+        self.runs = min(self.runs, 1)
+
     def replay(self, steps: int) -> StepsReplay:
         """The cached StepsReplay of `steps` steps of this plan per launch."""
         replay = self.replays.get(steps)

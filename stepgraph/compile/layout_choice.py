@@ -147,7 +147,8 @@ def _time(exes: dict[str, Executable], use_graph: bool) -> dict[str, float]:
     """µs a step of each Executable, from the same parameters and state each time, those
     restored afterwards. Each runs twice first (its warm-up, which autotunes its kernels, and
     its capture), then ROUNDS rounds of RUNS steps alternate between them; the fastest round
-    counts."""
+    counts. The graphs captured here are dropped: a capture records launch arguments the
+    step's setup has not made yet (the guard's mailbox)."""
     backend = next(iter(exes.values())).backend
     saved = _snapshot(exes.values())
     try:
@@ -168,6 +169,8 @@ def _time(exes: dict[str, Executable], use_graph: bool) -> dict[str, float]:
         for buf, copy in saved:
             backend.copy_into(buf, copy)
         backend.synchronize()
+        for exe in exes.values():     # the step captures its own graph at its first call
+            exe.uncapture()
     return best
 
 

@@ -19,6 +19,8 @@ import pytest
 
 import stepgraph as sg
 from stepgraph import cache, models, optim
+from stepgraph.errors import NonFiniteError
+from stepgraph.ops.guard import FIRST_BAD
 
 from tests.cuda.gpu import require_gpu
 
@@ -492,6 +494,16 @@ def test_auto_memory_format_keeps_the_faster_layout_and_leaves_no_trace(timed_la
     want = same.model.state_dict()
     for k, v in step.model.state_dict().items():
         np.testing.assert_array_equal(v.numpy(), want[k].numpy(), err_msg=k)
+    # the graph it replays was captured after its setup: a bad step is posted to the guard's
+    # mailbox (a capture made while timing would hold no mailbox) and raised at the next call
+    x, y = batches(2, seed=7)
+    poisoned = x[0].copy()
+    poisoned[0, 0, 0, 0] = np.nan
+    bad = step(cp.asarray(poisoned), cp.asarray(x[1]))
+    step.backend.synchronize()
+    assert step._guard.mirror[FIRST_BAD] == bad.step
+    with pytest.raises(NonFiniteError):
+        step(cp.asarray(y[0]), cp.asarray(y[1]))
     # a later step of the same model finds the decision stored and times nothing
     again = seeded_twin(precision=precision)
     assert again.layout_choice == LayoutChoice(step.memory_format, "cached")
