@@ -120,6 +120,7 @@ class FakeStep:
         self.steps, self.hit = 0, hit
 
     precision_label = "max-autotune"
+    notes: list = []
     read_loss = float
 
     def run_step(self, i):
