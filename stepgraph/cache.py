@@ -2,7 +2,8 @@
 earlier one on the same GPU already chose (the cuBLASLt algorithm of each GEMM, the path and
 variant of each conv and linear op: backends/cuda/matmul/gemm.py, runtime/autotune.py), nor
 build again the cuDNN plans cuDNN compiles at their build (namespace "cudnn_compiled", the
-serialized plan in the entry: backends/cuda/conv/cudnn_compiled.py).
+serialized plan in the entry: backends/cuda/conv/cudnn_compiled.py), nor time again the two
+layouts of a step (namespace "layout": compile/layout_choice.py).
 
 Where: $STEPGRAPH_CACHE_DIR, else $XDG_CACHE_HOME/stepgraph, else ~/.cache/stepgraph; the
 choices live under choices/<namespace>/. STEPGRAPH_DISK_CACHE=0 turns it off. `stepgraph cache
