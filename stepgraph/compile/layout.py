@@ -116,7 +116,7 @@ def channels_last_pays(graph: Graph) -> bool:
 
 # The paying share from which the rule is not second-guessed by timing both layouts
 # (compile/layout_choice.py): timed both ways on an H200 (docs/perf-notes.md, "2026-11-30,
-# 22:30-23:10 UTC"), every compatibility conv net (share 0.999-1.0) ran channels-last 1.3-1.7x
+# 22:30-23:20 UTC"), every compatibility conv net (share 0.999-1.0) ran channels-last 1.3-1.7x
 # faster at bf16 and 1.1-1.3x at tf32, and mixer (1.0, where its convolutions are a small part
 # of the step) 1.04x; building the other layout as well cost a first compile up to 13 s more
 # (mobilenet: its depthwise convolutions' cuDNN plans), over the 10 s a first step may take.
