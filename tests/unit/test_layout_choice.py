@@ -1,10 +1,10 @@
 """memory_format="auto" decided by timing the step both ways (compile/layout_choice.py), on the
 NumPy backend with "auto" let through (on the CPU it resolves to contiguous): by default only
-where the rule is unsure (mixed channel counts); the faster layout is kept and set for every later step, the timing leaves parameters, optimizer state and
-running statistics as they were (the trajectory is that of a step built in the chosen layout
-from the start), the decision is stored and reused by a later step, and a model without
-convolutions, STEPGRAPH_LAYOUT_MEASURE=0 and a second layout that does not fit in memory are
-left to the rule."""
+where the rule is unsure (mixed channel counts); the faster layout is kept and set for every
+later step; the timing leaves parameters, optimizer state and running statistics as they were
+(the trajectory is that of a step built in the chosen layout from the start); the decision is
+stored and reused by a later step; a model without convolutions, STEPGRAPH_LAYOUT_MEASURE=0
+and a second layout that does not fit in memory are left to the rule."""
 from __future__ import annotations
 
 import numpy as np
