@@ -55,12 +55,11 @@ FP16_OPS = BF16_OPS
 # (x, y) C types of the forward (x, dx) and (dy) of the backward alike: float32 x with a
 # float32, bf16 or float16 y (a fused cast); a float16 x with float16 everywhere.
 IO_CTYPES = [("float", ctype) for ctype in ELEMENT_CTYPES.values()] + [("fp16_bits", "fp16_bits")]
-# C types of a float32 x's backward's half dx copy (H; compile/norm_casts.py).
+# The half C types (bf16, float16) a float32 norm's kernels also take: add_layer_norm's b
+# beside a float32 a (precision "bf16" / "fp16": the widening cast before the residual add,
+# compile/norm_rewrite.py), and a backward's half dx copy (H; compile/norm_casts.py).
 HALF_CTYPES = ("unsigned short", "fp16_bits")
 BF16_CTYPE = "unsigned short"      # layer_norm's bf16 x beside float32 parameters (XI)
-# C types of add_layer_norm's b besides x's: a bf16 or float16 b with a float32 a (precision
-# "bf16" / "fp16": the widening cast before the residual add, compile/norm_rewrite.py).
-HALF_BTYPES = ("unsigned short", "fp16_bits")
 MAX_THREADS = 512            # threads of a block (LAYER_NORM_MAX_THREADS, __launch_bounds__)
 ROWS_BLOCK_THREADS = 256     # threads of a block of several rows (LAYER_NORM_BLOCK_ROWS_THREADS)
 FLOATS_PER_THREAD = 16       # K * VEC at most: dy, xhat, weight and two sums in registers
@@ -131,7 +130,7 @@ def kernel_names() -> dict[str, set[str]]:
         names |= {lay.kernel(d, ctype, xtype, op) for d in ("forward", "backward")
                   for xtype, ctype in IO_CTYPES for op in KERNEL_OPS}
         names |= {lay.kernel("forward", ctype, "float", "add_layer_norm", btype)
-                  for ctype in ELEMENT_CTYPES.values() for btype in HALF_BTYPES}
+                  for ctype in ELEMENT_CTYPES.values() for btype in HALF_CTYPES}
         names |= {lay.kernel("backward", ctype, "float", op, htype=htype)
                   for htype in HALF_CTYPES for ctype in ("float", htype) for op in KERNEL_OPS}
         names |= {lay.kernel("forward", ctype, "float", itype=BF16_CTYPE)
