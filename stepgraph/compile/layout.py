@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from ..ir.graph import Graph, Node, Value
 from ..ir.ops import OPS, infer_outputs
-from ..ops.layout import TO_NCHW, TO_NHWC
+from ..ops.layout import TO_NCHW, TO_NHWC, layout_of, nchw_shape
 
 MEMORY_FORMATS = ("auto", "channels_last", "contiguous")
 # Precisions at which the CUDA backend's convolutions run on tensor cores, where cuDNN's NHWC
@@ -134,8 +134,8 @@ def rule_is_sure(graph: Graph) -> bool:
 
 def paying_share(graph: Graph) -> float:
     """The share of the voting convs' FLOPs that cuDNN's NHWC tensor-core kernels run (0 when
-    no conv votes). Of a forward's convs: in a whole step's graph, the backward's are left
-    out."""
+    no conv votes). Of a forward's convs, in either layout: in a whole step's graph, the
+    backward's are left out."""
     total = paying = 0
     for n in graph.nodes:
         if n.op != "conv2d" or len(n.inputs[0].shape) != 4 or n.label.endswith(" bwd"):
@@ -150,14 +150,15 @@ def paying_share(graph: Graph) -> float:
 
 
 def _conv_pays(n: Node) -> bool | None:
-    """Whether an NCHW conv2d node has channel counts cuDNN's NHWC fast kernels take; None for
+    """Whether a conv2d node has channel counts cuDNN's NHWC fast kernels take; None for
     a conv reading fewer than TENSOR_CORE_CHANNELS channels (an RGB stem, an MNIST net's first
     conv), which does not vote: its input is converted once whatever the layout, and it is a
     small share of a net that pays. Dense and grouped convs need their per-group input and
     output channels in multiples of TENSOR_CORE_CHANNELS (each group is a GEMM of that
     depth); a depthwise conv (one input channel per group) needs its channel counts in
     multiples of it (cuDNN's NHWC depthwise kernels, which PyTorch's channels_last gets)."""
-    c, o, groups = n.inputs[0].shape[1], n.inputs[1].shape[0], n.attrs.get("groups", 1)
+    c = nchw_shape(n.inputs[0].shape, layout_of("conv2d", n.attrs))[1]
+    o, groups = n.inputs[1].shape[0], n.attrs.get("groups", 1)
     if c < TENSOR_CORE_CHANNELS:
         return None
     if c == groups:                         # depthwise (o = c * multiplier)

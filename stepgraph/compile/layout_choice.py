@@ -103,16 +103,18 @@ def _disk(compiled):
 def choose(compiled, signature, key) -> tuple[LayoutChoice, Executable]:
     """The Executable of `signature` in the faster memory format, and how it was chosen.
     `compiled` is a TrainStep whose memory_format is "auto"; it is left at the choice."""
-    plans = {}
-    for fmt in ("contiguous", "channels_last"):
-        compiled.memory_format = fmt
-        plans[fmt] = compiled.plan(signature)
-        if not has_convolutions(plans[fmt]):     # nothing to lay out: the rule's answer
-            return LayoutChoice(fmt, "rule"), compiled.executable_of(plans[fmt], key)
-    ruled = "channels_last" if channels_last_pays(plans["contiguous"].graph) else "contiguous"
+    planned = compiled.plan(signature)            # laid out by the rule
+    if not has_convolutions(planned):              # nothing to lay out
+        compiled.memory_format = "contiguous"
+        return LayoutChoice("contiguous", "rule"), compiled.executable_of(planned, key)
+    ruled = "channels_last" if channels_last_pays(planned.graph) else "contiguous"
     compiled.memory_format = ruled
-    if not _always() and rule_is_sure(plans["contiguous"].graph):
-        return LayoutChoice(ruled, "rule"), compiled.executable_of(plans[ruled], key)
+    if not _always() and rule_is_sure(planned.graph):
+        return LayoutChoice(ruled, "rule"), compiled.executable_of(planned, key)
+    other = CANDIDATES[1] if ruled == CANDIDATES[0] else CANDIDATES[0]
+    compiled.memory_format = other
+    plans = {ruled: planned, other: compiled.plan(signature)}
+    compiled.memory_format = ruled
     asked = problem(plans["contiguous"], compiled.precision, compiled.deterministic)
     disk = _disk(compiled)
     stored = None if disk is None else disk.get(asked, lambda value: value in CANDIDATES)
@@ -120,7 +122,6 @@ def choose(compiled, signature, key) -> tuple[LayoutChoice, Executable]:
         compiled.memory_format = stored
         return LayoutChoice(stored, "cached"), compiled.executable_of(plans[stored], key)
     exes = {ruled: compiled.executable_of(plans[ruled], key)}
-    other = CANDIDATES[1] if ruled == CANDIDATES[0] else CANDIDATES[0]
     try:
         exes[other] = compiled.executable_of(plans[other], key)
         step_us = _time(exes, compiled.use_graph)
