@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ("gpt", "resnet", "unet", "vit", "prefix_seq", "mixer", "mobilenet", "squeezenet",
-          "convnext")
+          "convnext", "shufflenet", "squeezenet11", "unet_pad", "resnet18")
 # relative: the compatibility suite measured stepgraph's and torch float32's losses within
 # 1.4e-7 of float64's over 20 steps; this run has 3, so 1e-5 is 30 times that, and far below
 # what another initialisation or a skipped update changes

@@ -82,6 +82,14 @@ def tokens_and_state(batch, length, vocab, layers, hidden):
     return draw
 
 
+def pixel_classes(shape, classes):
+    """Images and a class per pixel (a segmentation target)."""
+    def draw(gen):
+        x = gen.standard_normal(shape).astype(np.float32)
+        return x, gen.integers(0, classes, (shape[0], *shape[2:])).astype(np.int64)
+    return draw
+
+
 def dense_target(shape, out_channels):
     def draw(gen):
         x = gen.standard_normal(shape).astype(np.float32)
@@ -104,6 +112,14 @@ CASES = {
     "swin": Case("swin", "SwinTransformer", images((4, 3, 12, 12), 10), "cross_entropy"),
     "convnext": Case("convnext", "ConvNeXt", images((4, 3, 32, 32), 10), "cross_entropy",
                      {"drop_path_rate": 1e-9}),
+    "shufflenet": Case("shufflenet", "ShuffleNetV2", images((8, 3, 64, 64), 10),
+                       "cross_entropy", {"stages_repeats": (2, 2, 2), "num_classes": 10,
+                                         "stages_out_channels": (24, 48, 96, 192, 256)}),
+    # 18 x 18: the up-sampled 8 x 8 map is padded to its 9 x 9 skip (F.pad)
+    "unet_pad": Case("unet_pad", "UNet", pixel_classes((2, 3, 18, 18), 2), "cross_entropy",
+                     {"bilinear": True}),
+    "resnet18": Case("resnet18", "resnet18", images((8, 3, 64, 64), 10), "cross_entropy",
+                     {"num_classes": 10}),
     "lstm_lm": Case("lstm_lm", "RNNModel", tokens(4, 12, 48), kwargs={"learn_init": True}),
     "lstm_lm_state": Case(
         "lstm_lm", "StatefulRNNModel", tokens_and_state(4, 12, 48, 2, 24)),
