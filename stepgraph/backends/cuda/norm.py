@@ -44,6 +44,7 @@ STATS_MIN_PER_SPLIT = BLOCK * 4   # packs (planes) a stats split takes at least
 APPLY_MIN_PER_SPLIT = BLOCK * 4   # packs an elementwise split takes at least
 STATS_MIN_ROWS = 256         # rows a columns stats split takes at least
 APPLY_MIN_ROWS = 64          # rows a columns elementwise split takes at least
+FEW_BLOCKS_SHARE = 4         # columns passes under target / 4 blocks: splits of one round
 FINALIZE_BLOCK = 128         # a warp per channel (norm.cu channel_sums), blocks over channels
 # IR dtype -> (storage dtype, the pass kernels' template argument T)
 ACTIVATION_CTYPES = CAST_CTYPES
@@ -128,6 +129,12 @@ class Layout:
             kernel += f", {'true' if fused else 'false'}"
         kernel += ">"
         splits = max(1, min(-(-work // minimum), target // blocks))
+        if self.columns and blocks * splits < target // FEW_BLOCKS_SHARE:
+            # few rows (a late stage's small maps at a small batch): splits of `minimum`
+            # rows would leave most of the GPU idle and each thread walking its rows one
+            # after another; splits of one round of rows a thread fill it
+            rounds = block[1] * self.column_walk(kind, ctype)[1]
+            splits = max(1, min(-(-work // rounds), target // blocks))
         per = max(1, -(-work // splits))
         if block is None:   # short channels (few elements per split) get fewer threads
             block = (min(BLOCK, max(32, -(-per // 32) * 32)),)

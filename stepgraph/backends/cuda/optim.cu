@@ -57,17 +57,22 @@ extern "C" __global__ void weight_copies_permute_kernel(const long long* entries
     const long long* e = entries + jobs[2 * blockIdx.x] * PERMUTE_ENTRY_WIDTH;
     const float* p = (const float*)e[0];
     unsigned short* copy = (unsigned short*)e[1];
-    const long long n = e[2], o1 = e[3], o2 = e[4], o3 = e[5];
-    const long long begin = (long long)jobs[2 * blockIdx.x + 1] * chunk;
-    const long long end = min(n, begin + chunk);
-    for (long long i = begin + threadIdx.x; i < end; i += blockDim.x) {
-        long long q = i;
-        const long long i3 = q % o3;
+    // 32-bit index arithmetic (a weight has fewer than 2^31 elements, launcher-checked): the
+    // 64-bit divisions made this gather several times slower than its memory traffic
+    const unsigned int n = (unsigned int)e[2], o1 = (unsigned int)e[3], o2 = (unsigned int)e[4],
+                       o3 = (unsigned int)e[5];
+    const unsigned int s0 = (unsigned int)e[6], s1 = (unsigned int)e[7],
+                       s2 = (unsigned int)e[8], s3 = (unsigned int)e[9];
+    const unsigned int begin = (unsigned int)jobs[2 * blockIdx.x + 1] * (unsigned int)chunk;
+    const unsigned int end = min(n, begin + (unsigned int)chunk);
+    for (unsigned int i = begin + threadIdx.x; i < end; i += blockDim.x) {
+        unsigned int q = i;
+        const unsigned int i3 = q % o3;
         q /= o3;
-        const long long i2 = q % o2;
+        const unsigned int i2 = q % o2;
         q /= o2;
-        const long long i1 = q % o1;
-        const long long i0 = q / o1;
-        copy[i] = bf16_from_float(p[i0 * e[6] + i1 * e[7] + i2 * e[8] + i3 * e[9]]);
+        const unsigned int i1 = q % o1;
+        const unsigned int i0 = q / o1;
+        copy[i] = bf16_from_float(p[i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3]);
     }
 }

@@ -26,7 +26,7 @@ from ...ir.graph import Node
 from ...ops.optim import (HYPER_AT, HYPER_COLUMNS, HYPER_DTYPE, NORM_AT, UPDATE_OPS,
                           UPDATE_SCALARS, hyper_rows, update_weight_copies)
 from .runtime.launch import (BLOCK, FLOAT_KINDS, UPDATE_CHUNK, _aligned, _buffers_key, _check,
-                             _check_scalar, _chunk_jobs, _element_ctype, _float_kind,
+                             _check_int32, _check_scalar, _chunk_jobs, _element_ctype, _float_kind,
                              _launch, _node_memory)
 from .runtime.update_stream import launch_update, update_join
 
@@ -219,6 +219,7 @@ def _permute_tables(permuted: list) -> dict:
 
     entries = []
     for p, copy, dims in permuted:
+        _check_int32("permuted weight copy", p.size)   # the kernel indexes in 32 bits
         elem = [st // p.itemsize for st in p.strides]
         shape = [1] * (4 - p.ndim) + [p.shape[d] for d in dims]
         strides = [0] * (4 - p.ndim) + [elem[d] for d in dims]
