@@ -2,8 +2,8 @@
 changed, against the same files on torch.
 
 Each file is loaded twice (loader.py). torch builds the model and its initial weights; the
-stepgraph model, built by the same code, loads torch's state_dict; both train 20 steps with
-momentum SGD on the same random batches. Judged as docs/TESTING.md's policy (DESIGN.md,
+stepgraph model, built by the same code, loads torch's state_dict; both train 20 steps (a case
+may set fewer) with momentum SGD on the same random batches. Judged as docs/TESTING.md's policy (DESIGN.md,
 "Judging numbers", tests/reference.py): torch float64 is the reference, and stepgraph
 float32's distance to it (losses per step, and each parameter's change over the run,
 elementwise) may be at most 4x torch float32's own distance. A missing, doubled or 1% off
@@ -35,7 +35,7 @@ from tests.compat import loader
 from tests.ops.helpers import seeded
 from tests.reference import assert_close_to_reference, assert_state_changes_close
 
-STEPS, LR, MOMENTUM = 20, 0.05, 0.9
+LR, MOMENTUM = 0.05, 0.9
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,7 @@ class Case:
     loss: str | None = None        # a torch.nn.functional name, taken from each framework
     kwargs: dict = field(default_factory=dict)
     defect: Defect | None = None
+    steps: int = 20                # steps trained (fewer where a later one meets a near-tie)
 
 
 def images(shape, classes):
@@ -115,9 +116,14 @@ CASES = {
     "shufflenet": Case("shufflenet", "ShuffleNetV2", images((8, 3, 64, 64), 10),
                        "cross_entropy", {"stages_repeats": (2, 2, 2), "num_classes": 10,
                                          "stages_out_channels": (24, 48, 96, 192, 256)}),
-    # 18 x 18: the up-sampled 8 x 8 map is padded to its 9 x 9 skip (F.pad)
-    "unet_pad": Case("unet_pad", "UNet", pixel_classes((2, 3, 18, 18), 2), "cross_entropy",
-                     {"bilinear": True}),
+    # 34 x 34: the up-sampled 16 x 16 map is padded to its 17 x 17 skip (F.pad). Four steps:
+    # at the sixth, a window of the first max-pool holds its two largest values 1.7e-6 apart
+    # in float64, a near-tie each float32 computation breaks by its own rounding (the one
+    # that follows moves a step's update by percents, the policy's bound sees a defect); at
+    # 18 x 18 the 1 x 1 bottleneck's BatchNorm over two values makes torch float32 itself
+    # 40% off float64 by step 20
+    "unet_pad": Case("unet_pad", "UNet", pixel_classes((2, 3, 34, 34), 2), "cross_entropy",
+                     {"bilinear": True}, steps=4),
     "resnet18": Case("resnet18", "resnet18", images((8, 3, 64, 64), 10), "cross_entropy",
                      {"num_classes": 10}),
     "lstm_lm": Case("lstm_lm", "RNNModel", tokens(4, 12, 48), kwargs={"learn_init": True}),
@@ -180,7 +186,7 @@ class Setup:
 def setup(name: str, test_id: str) -> Setup:
     case = CASES[name]
     gen = seeded(test_id)
-    batches = [case.batch(gen) for _ in range(STEPS)]
+    batches = [case.batch(gen) for _ in range(case.steps)]
     tmod, smod = loader.load(case.file, "torch"), loader.load(case.file, "stepgraph")
     torch.manual_seed(0)
     t32 = getattr(tmod, case.cls)(**case.kwargs)
@@ -215,7 +221,7 @@ def torch_references(s: Setup):
     return losses, {"float64": state(t64), "torch32": state(s.torch_model)}
 
 
-def check_against_torch(initial, losses, finals, frozen, trained):
+def check_against_torch(initial, losses, finals, frozen, trained, steps):
     """The tolerance policy (tests/reference.py) on the losses and on every state entry's
     change over the run: every trained parameter moves, frozen ones keep their values, constant
     buffers (a causal mask, rotary frequencies) theirs, BatchNorm counts the steps."""
@@ -223,7 +229,7 @@ def check_against_torch(initial, losses, finals, frozen, trained):
                               "losses")
     assert_state_changes_close(initial, finals["stepgraph"], finals["float64"],
                                finals["torch32"], frozen=frozen, trained=trained,
-                               counters=STEPS)
+                               counters=steps)
 
 
 @pytest.mark.parametrize("name", running())
@@ -234,7 +240,8 @@ def test_model_file_trains_as_on_torch(name, request):
     losses, finals = torch_references(s)
     losses["stepgraph"] = stepgraph_run(model, s.case, s.batches)
     finals["stepgraph"] = {k: np.asarray(v) for k, v in model.state_dict().items()}
-    check_against_torch(s.initial, losses, finals, frozen_names(model), trained_names(model))
+    check_against_torch(s.initial, losses, finals, frozen_names(model), trained_names(model),
+                        s.case.steps)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -42,7 +42,8 @@ def test_model_file_graph_replays_match_eager_bit_for_bit(name, request):
 
     losses, finals = torch_references(s)
     losses["stepgraph"], finals["stepgraph"] = graph_losses, replayed
-    check_against_torch(s.initial, losses, finals, frozen_names(model), trained_names(model))
+    check_against_torch(s.initial, losses, finals, frozen_names(model), trained_names(model),
+                        s.case.steps)
 
 
 @pytest.mark.parametrize("name", ["gpt", "vit"])
