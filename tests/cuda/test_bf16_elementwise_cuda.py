@@ -161,7 +161,7 @@ def test_expand(backend, ctx, src, dst, request):
 @pytest.mark.parametrize("shape,dims", [((8, 16, 16, 32), (0, 2, 3, 1)),   # NCHW -> NHWC tiles
                                         ((8, 16, 16, 32), (0, 3, 1, 2)),
                                         ((40, 70), (1, 0)),
-                                        ((16, 130, 3, 3), (0, 2, 3, 1)),      # narrow tiles
+                                        ((16, 130, 3, 3), (0, 2, 3, 1)),      # conv weights
                                         ((16, 3, 3, 130), (0, 3, 1, 2)),
                                         ((2, 3, 4), (2, 0, 1)),               # strided copy
                                         ((3, 5, 7), (1, 0, 2))])

@@ -140,9 +140,8 @@ PERMUTES = [((33, 65), (1, 0)), ((64, 64), (1, 0)), ((16, 1000), (1, 0)),
             ((1, 3, 1, 5, 2), (4, 3, 2, 1, 0)), ((2, 3, 4), (0, 1, 2)), ((), ()),
             ((16, 20, 3), (1, 0, 2)), ((20, 17, 30, 2), (0, 2, 1, 3)), ((7, 1), (1, 0)),
             ((3, 2, 4, 5, 2), (0, 3, 1, 4, 2))]
-# narrow tiles (a side under 16): conv weights to and from (O, kh, kw, C), a long side over
-# several 128-wide tiles with a partial last one, an even short side (padded tile rows), an
-# image's 3 channels to channels-last
+# a side under 16 (strided copies): conv weights to and from (O, kh, kw, C), an image's 3
+# channels to channels-last
 PERMUTES += [((64, 32, 3, 3), (0, 2, 3, 1)), ((64, 3, 3, 32), (0, 3, 1, 2)),
              ((5, 300, 2, 2), (0, 2, 3, 1)), ((5, 2, 2, 300), (0, 3, 1, 2)),
              ((3, 130, 14), (0, 2, 1)), ((8, 3, 40, 40), (0, 2, 3, 1)), ((15, 1000), (1, 0))]

@@ -187,57 +187,6 @@ __global__ void strided_copy_to_kernel(const T* x, T* y, int n, DIM_PARAMS(size)
     }
 }
 
-
-// y (batch, cols, rows) = x (batch, rows, cols) transposed per batch where one side is short
-// (fewer than 16: a conv weight's kh*kw taps, an image's 3 channels), the other long: a tile is
-// NARROW_TILE of the long side by the whole short side, one contiguous run of x and `short`
-// contiguous runs of y (or the reverse), staged in shared memory so that both coalesce (the
-// strided copy reads x `short` elements apart). Grid (ceil(long / NARROW_TILE), batches
-// strided over gridDim.y); 256 threads. The tile's rows are short + 1 wide when short is
-// even (no bank conflicts on the transposed walk), so at most 15 wide.
-#define NARROW_TILE 128
-#define NARROW_MAX_PITCH 15
-template <typename T>
-__global__ void __launch_bounds__(256)
-transpose_narrow_kernel(const T* x, T* y, int batch, int rows, int cols) {
-    __shared__ float tile[NARROW_TILE * NARROW_MAX_PITCH];
-    const bool short_cols = cols < rows;
-    const int longer = short_cols ? rows : cols, shorter = short_cols ? cols : rows;
-    const int pitch = shorter | 1;                  // odd: conflict-free columns
-    const int l0 = blockIdx.x * NARROW_TILE;
-    const int n = min(NARROW_TILE, longer - l0);    // long-side positions in this tile
-    const int count = n * shorter;
-    const long long plane = (long long)rows * cols;
-    for (int z = blockIdx.y; z < batch; z += gridDim.y) {
-        const T* xb = x + z * plane;
-        T* yb = y + z * plane;
-        // x (long, short): the tile is one run; x (short, long): `shorter` runs of n
-        for (int t = threadIdx.x; t < count; t += blockDim.x) {
-            int l, s;
-            long long at;
-            if (short_cols) {
-                l = t / shorter, s = t - l * shorter, at = (long long)l0 * shorter + t;
-            } else {
-                s = t / n, l = t - s * n, at = (long long)s * longer + l0 + l;
-            }
-            tile[l * pitch + s] = load_as_float(xb, at);
-        }
-        __syncthreads();
-        // y (short, long): `shorter` runs of n; y (long, short): one run
-        for (int t = threadIdx.x; t < count; t += blockDim.x) {
-            int l, s;
-            long long at;
-            if (short_cols) {
-                s = t / n, l = t - s * n, at = (long long)s * longer + l0 + l;
-            } else {
-                l = t / shorter, s = t - l * shorter, at = (long long)l0 * shorter + t;
-            }
-            store_from_float(yb, at, tile[l * pitch + s]);
-        }
-        __syncthreads();   // the tile is refilled for the next batch
-    }
-}
-
 #define TILE 32
 #define TILE_ROWS 8
 

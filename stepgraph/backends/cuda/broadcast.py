@@ -28,9 +28,7 @@ from .runtime.launch import (BLOCK, ELEMENT_CTYPES, _aligned, _check, _check_int
 MAX_DIMS = 6                  # broadcast.cu MAX_DIMS: dims of a layout after collapsing
 TILE = 32                     # broadcast.cu TILE: transpose tiles are TILE x TILE
 TRANSPOSE_BLOCK = (32, 8)     # (TILE, TILE_ROWS)
-TRANSPOSE_MIN_SIDE = 16       # narrower matrices waste most of a tile: the narrow kernel
-NARROW_TILE = 128             # broadcast.cu NARROW_TILE: long-side positions a narrow tile
-NARROW_MIN_LONG = 32          # a narrow transpose whose long side is shorter: strided copy
+TRANSPOSE_MIN_SIDE = 16       # narrower matrices waste most of a tile: strided copy instead
 MAX_GRID_YZ = 65535
 BINARY_CODES = {"add": 0, "sub": 1, "mul": 2, "div": 3}            # BINARY_* of broadcast.cu
 SCALAR_CODES = dict(BINARY_CODES, rsub=4, rdiv=5, pow=6)           # and SCALAR_*
@@ -181,8 +179,7 @@ def expand_forward(ctx, x, y, shape) -> None:
 
 def _transpose_dims(layout: Layout) -> tuple[int, int, int] | None:
     """(batch, rows, cols) when the layout reads a contiguous (batch, rows, cols) input
-    transposed into (batch, cols, rows), and a tiled kernel pays off (square tiles, or narrow
-    ones where a side is under TRANSPOSE_MIN_SIDE); else None."""
+    transposed into (batch, cols, rows), and tiles pay off; else None."""
     sizes, (strides,) = layout.sizes, layout.strides
     if len(sizes) == 2 and strides == (1, sizes[0]):
         batch, (cols, rows) = 1, sizes
@@ -190,7 +187,7 @@ def _transpose_dims(layout: Layout) -> tuple[int, int, int] | None:
         batch, cols, rows = sizes
     else:
         return None
-    if max(rows, cols) < NARROW_MIN_LONG or -(-rows // TILE) > MAX_GRID_YZ:
+    if min(rows, cols) < TRANSPOSE_MIN_SIDE or -(-rows // TILE) > MAX_GRID_YZ:
         return None
     return batch, rows, cols
 
@@ -198,9 +195,7 @@ def _transpose_dims(layout: Layout) -> tuple[int, int, int] | None:
 def permute_forward(ctx, x, y, dims) -> None:
     """y = x.transpose(dims), materialised (contiguous). Swaps of the last two dims (after
     collapsing: 2-D transposes, (B, M, N) -> (B, N, M), NCHW -> NHWC) go through shared-memory
-    tiles, square or narrow (a side under TRANSPOSE_MIN_SIDE: a conv weight's (O, C, kh, kw)
-    <-> (O, kh, kw, C), an image's 3 channels); other permutations through the strided
-    copy."""
+    tiles; other permutations through the strided copy."""
     dims = tuple(int(d) for d in dims)
     ctype = _element_ctype("permute input", x)
     if sorted(dims) != list(range(x.ndim)):
@@ -217,15 +212,9 @@ def permute_forward(ctx, x, y, dims) -> None:
         strided_copy(ctx, x, y, layout, "permute")
         return
     batch, rows, cols = tiles
-    sizes = (x, y, np.int32(batch), np.int32(rows), np.int32(cols))
-    if min(rows, cols) < TRANSPOSE_MIN_SIDE:
-        grid = (-(-max(rows, cols) // NARROW_TILE), min(batch, MAX_GRID_YZ))
-        _launch(ctx, "broadcast.cu", _typed("transpose_narrow_kernel", ctype), grid, (BLOCK,),
-                sizes)
-        return
     grid = (-(-cols // TILE), -(-rows // TILE), min(batch, MAX_GRID_YZ))
     _launch(ctx, "broadcast.cu", _typed("transpose_forward_kernel", ctype), grid, TRANSPOSE_BLOCK,
-            sizes)
+            (x, y, np.int32(batch), np.int32(rows), np.int32(cols)))
 
 
 def layout_copy_forward(ctx, x, y, shape, strides, offset: int) -> None:
@@ -270,8 +259,7 @@ def kernel_names() -> dict[str, set[str]]:
     names = set()
     for ctype in ELEMENT_CTYPES.values():
         names |= {_typed(k, ctype) for k in ("binary_forward_kernel", "scalar_forward_kernel",
-                                             "transpose_forward_kernel",
-                                             "transpose_narrow_kernel")}
+                                             "transpose_forward_kernel")}
         for nd in range(1, MAX_DIMS + 1):
             names |= {f"binary_broadcast_kernel<{ctype}, {nd}>",
                       f"strided_copy_kernel<{ctype}, {nd}>",
