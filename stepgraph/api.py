@@ -30,6 +30,7 @@ from .compile import layout_choice
 from .compile.layout import resolve_memory_format
 from .compile.overlap import check_option as check_overlap_option
 from .compile.overlap import resolve as resolve_overlap
+from .compile.permute_groups import group_permutes
 from .compile.plan import Plan, make_plan
 from .distributed.buckets import cap_bytes_of
 from .errors import BackendUnavailableError, PlanError, StateDictError
@@ -134,7 +135,7 @@ class _CompiledModel:
         return Executable(plan, self.backend, self.bind, self.ctx, self.mode, key)
 
     def plan(self, signature: Signature) -> Plan:
-        return make_plan(fuse(self.build_graph(signature)))
+        return make_plan(group_permutes(fuse(self.build_graph(signature))))
 
     def _prepare(self, arrays) -> Executable:
         signature = check_feed(self.signature, arrays)
@@ -278,7 +279,8 @@ class TrainStep(_CompiledModel):
         if self.group is not None and dp.broadcast_buffers:
             graph = broadcast_buffers(graph, self.group.id, self.group.world_size,
                                       self.buffers)
-        return make_plan(resolve_overlap(self.overlap_update, graph, self.device))
+        return make_plan(group_permutes(resolve_overlap(self.overlap_update, graph,
+                                                        self.device)))
 
     def _broadcast_parameters(self) -> None:
         """Rank 0's parameters and buffers on every rank: NCCL on CUDA, the store on the CPU."""

@@ -1,5 +1,5 @@
 """Shape family: reshape (a view: the planner aliases it, no reference runs), permute
-(materialised transpose), slice along one axis (with a step) and its gradient, layout_copy (a
+(materialised transpose) and permute_group (several at once, compile/permute_groups.py), slice along one axis (with a step) and its gradient, layout_copy (a
 chain of those as one strided copy) and layout_concat (a concat of such chains), arange,
 constant, and stop_gradient (a view the backward does not cross)."""
 from __future__ import annotations
@@ -47,6 +47,30 @@ def _permute_vjp(emit, node, dy, wants) -> list:
 @impl("permute")
 def _permute_impl(node, ins, outs, ctx):
     outs[0][...] = ins[0].transpose(tuple(node.attrs["dims"]))
+
+
+@defop("permute_group")
+def _permute_group(ins, attrs):
+    """y_i = x_i.transpose(attrs dims[i]) materialised, for every input: the permutes of one
+    program point (a step's conv weights to channels-last, their gradients back) as one node,
+    so that a backend runs them in one launch."""
+    dims = [tuple(d) for d in attrs["dims"]]
+    _need(len(dims) == len(ins) > 0, "permute_group",
+          f"{len(ins)} inputs but {len(dims)} permutations")
+    return [_permute([x], {"dims": d})[0] for x, d in zip(ins, dims)]
+
+
+@vjp("permute_group")
+def _permute_group_vjp(emit, node, dy, wants) -> list:
+    return [emit("permute", [g], dims=tuple(int(i) for i in np.argsort(d)))[0]
+            if wants(i) and g is not None else None
+            for i, (g, d) in enumerate(zip(dy, node.attrs["dims"]))]
+
+
+@impl("permute_group")
+def _permute_group_impl(node, ins, outs, ctx):
+    for x, y, dims in zip(ins, outs, node.attrs["dims"]):
+        y[...] = x.transpose(tuple(dims))
 
 
 # ---- slice and arange ----------------------------------------------------------------------

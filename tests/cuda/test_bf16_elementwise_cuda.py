@@ -172,6 +172,16 @@ def test_permute(backend, ctx, shape, dims, request):
     assert_bits(got, want, True, f"permute {shape} {dims}")
 
 
+def test_permute_group(backend, ctx, request):
+    """A bf16 weight gradients' group back to (O, C, kh, kw): bits as the permutes store them."""
+    rng = seeded(request.node.name)
+    arrays = [specials(bits(rng, *shape)) for shape in ((64, 3, 3, 32), (9, 5, 5, 3))]
+    node = node_of("permute_group", arrays, [BF16, BF16], dims=((0, 3, 1, 2), (0, 3, 1, 2)))
+    want, got, _, _ = run_both(backend, ctx, node, arrays)
+    for k, (g, w) in enumerate(zip(got, want)):
+        assert_bits(g, w, True, f"permute_group {k}")
+
+
 # ---- generated bf16 pointwise programs -------------------------------------------------------
 
 def _program_node(body, shapes: dict) -> Node:

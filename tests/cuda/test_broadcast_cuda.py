@@ -156,6 +156,18 @@ def test_permute(ctx, shape, dims):
     assert_close(got[0], ref[0], rtol=0, atol=0, what=f"permute {shape} {dims}")
 
 
+def test_permute_group(ctx):
+    """Several permutes in one gather launch (compile/permute_groups.py): conv weights to
+    channels-last and back, over several of the launch's 1024-element chunks with a partial
+    last one, a matrix transpose and a 3-D permute beside them."""
+    shapes = [(64, 32, 3, 3), (40, 3, 3, 30), (7, 3, 5, 5), (33, 65), (4, 5, 6)]
+    dims = ((0, 2, 3, 1), (0, 3, 1, 2), (0, 2, 3, 1), (1, 0), (2, 0, 1))
+    arrays = [random(seed("permute_group", shape), *shape) for shape in shapes]
+    ref, got = run_both(ctx, make_node("permute_group", arrays, dims=dims), arrays)
+    for k, (g, r) in enumerate(zip(got, ref)):
+        assert_close(g, r, rtol=0, atol=0, what=f"permute_group {shapes[k]} {dims[k]}")
+
+
 # (input shape, output shape, strides, offset): a head split of a packed qkv at each of its
 # three offsets (vectorised reads where 16-byte aligned), a slice and permute back of a
 # convolution's gradient, odd offsets and strides, every dim of the input read with a step

@@ -188,7 +188,10 @@ def test_resnet_float32_steps_equal_nchw():
     ops = [n for n, _, _ in steps[1].executable(steps[1].signature).calls]
     fused = [n for n in ops if n.op == "batch_norm_train" and n.attrs.get("act") == "relu"]
     assert fused and all(n.attrs["layout"] == "NHWC" for n in fused)    # BN + ReLU still fuse
-    assert sum(n.op == "permute" for n in ops) == 15
+    # the input's permute; the 7 weights' permutes and their gradients' as two groups
+    # (compile/permute_groups.py)
+    assert sum(n.op == "permute" for n in ops) == 1
+    assert [len(n.inputs) for n in ops if n.op == "permute_group"] == [7, 7]
 
 
 def test_resnet_predictions_equal_nchw():
@@ -201,7 +204,8 @@ def test_resnet_predictions_equal_nchw():
     want, got = preds[0](x), preds[1](x)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
     nodes = [n for n, _, _ in preds[1].executable(preds[1].signature).calls]
-    assert sum(n.op == "permute" for n in nodes) == 8    # the input and 7 weights
+    assert sum(n.op == "permute" for n in nodes) == 1    # the input's
+    assert [len(n.inputs) for n in nodes if n.op == "permute_group"] == [7]    # the weights'
 
 
 # ---- other image ops and broadcasts -----------------------------------------------------------

@@ -32,6 +32,7 @@
 
 #include "bf16.cuh"
 #include "grid.cuh"
+#include "permute.cuh"
 
 __device__ __forceinline__ float binary_value(float a, float b, int kind) {
     switch (kind) {
@@ -216,4 +217,18 @@ transpose_forward_kernel(const T* x, T* y, int batch, int rows, int cols) {
         }
         __syncthreads();   // the tile is refilled for the next batch
     }
+}
+
+// permute_group: y_i = x_i.transpose(dims_i) for every tensor of the group in one launch, a
+// gather in each y's row-major order (permute.cuh: entries (x, y, ...), jobs (tensor, chunk)).
+// Through float as the strided copy, so the group stores what its permutes would.
+template <typename T>
+__global__ void permute_group_kernel(const long long* entries, const int* jobs, int chunk) {
+    const PermuteEntry e = permute_entry(entries + jobs[2 * blockIdx.x] * PERMUTE_ENTRY_WIDTH);
+    const T* x = (const T*)e.source;
+    T* y = (T*)e.destination;
+    permute_chunk(e, (unsigned int)jobs[2 * blockIdx.x + 1] * (unsigned int)chunk,
+                  (unsigned int)chunk, [&](unsigned int i, unsigned int at) {
+                      store_from_float(y, i, load_as_float(x, at));
+                  });
 }

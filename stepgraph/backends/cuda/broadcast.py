@@ -22,8 +22,9 @@ import numpy as np
 from ...errors import ShapeError
 from ...ops.shape import contiguous_strides
 from .pointwise import as_program, generated_kernels, instruction_forward
-from .runtime.launch import (BLOCK, ELEMENT_CTYPES, _aligned, _check, _check_int32,
-                             _element_ctype, _grid, _launch, _typed)
+from .runtime.launch import (BLOCK, ELEMENT_CTYPES, UPDATE_CHUNK, _aligned, _buffers_key, _check,
+                             _check_int32, _chunk_jobs, _element_ctype, _grid, _launch,
+                             _node_memory, _typed)
 
 MAX_DIMS = 6                  # broadcast.cu MAX_DIMS: dims of a layout after collapsing
 TILE = 32                     # broadcast.cu TILE: transpose tiles are TILE x TILE
@@ -32,8 +33,9 @@ TRANSPOSE_MIN_SIDE = 16       # narrower matrices waste most of a tile: strided 
 MAX_GRID_YZ = 65535
 BINARY_CODES = {"add": 0, "sub": 1, "mul": 2, "div": 3}            # BINARY_* of broadcast.cu
 SCALAR_CODES = dict(BINARY_CODES, rsub=4, rdiv=5, pow=6)           # and SCALAR_*
-BF16_OPS = frozenset({"binary", "scalar", "expand", "permute", "layout_copy",
+BF16_OPS = frozenset({"binary", "scalar", "expand", "permute", "permute_group", "layout_copy",
                       "layout_concat"})
+PERMUTE_ENTRY_WIDTH = 10      # include/permute.cuh: a row of the multi-tensor permute tables
 FP16_OPS = BF16_OPS
 
 
@@ -217,6 +219,43 @@ def permute_forward(ctx, x, y, dims) -> None:
             (x, y, np.int32(batch), np.int32(rows), np.int32(cols)))
 
 
+def permute_tables(permuted: list) -> dict:
+    """The device tables of a multi-tensor permute gather (include/permute.cuh) over
+    `permuted`, (source, destination, dims) triples: a row per destination (source and
+    destination pointers, n, the transposed shape padded to 4 dims in front, and its strides
+    in the source) and the (tensor, chunk) jobs, UPDATE_CHUNK elements a block."""
+    import cupy as cp
+
+    entries = []
+    for x, y, dims in permuted:
+        _check_int32("permuted tensor", x.size)        # the kernels index in 32 bits
+        if len(dims) > 4:
+            raise ShapeError(f"multi-tensor permute: {len(dims)} dims, at most 4")
+        elem = [st // x.itemsize for st in x.strides]
+        shape = [1] * (4 - x.ndim) + [x.shape[d] for d in dims]
+        strides = [0] * (4 - x.ndim) + [elem[d] for d in dims]
+        entries.append([x.data.ptr, y.data.ptr, y.size, *shape[1:], *strides])
+    rows = np.array(entries, dtype=np.int64).reshape(-1, PERMUTE_ENTRY_WIDTH)
+    return dict(entries=cp.asarray(rows),
+                jobs=cp.asarray(_chunk_jobs([y.size for _, y, _ in permuted])))
+
+
+def permute_group_forward(ctx, node, ins, outs) -> None:
+    """Every y_i = x_i.transpose(attrs dims[i]) of a permute_group in one gather launch
+    (broadcast.cu permute_group_kernel); one dtype across the group."""
+    ctype = _element_ctype("permute_group input", ins[0])
+    for x, y, dims in zip(ins, outs, node.attrs["dims"]):
+        _check("permute_group output", y, ins[0].dtype, tuple(x.shape[d] for d in dims))
+    permuted = [(x, y, dims) for x, y, dims in zip(ins, outs, node.attrs["dims"]) if y.size]
+    if not permuted:
+        return
+    tables = _node_memory(node, ("permute group",) + _buffers_key(ins + outs), ctx,
+                          lambda: permute_tables(permuted))
+    _launch(ctx, "broadcast.cu", _typed("permute_group_kernel", ctype),
+            (len(tables["jobs"]),), (BLOCK,),
+            (tables["entries"], tables["jobs"], np.int32(UPDATE_CHUNK)))
+
+
 def layout_copy_forward(ctx, x, y, shape, strides, offset: int) -> None:
     """y (contiguous, `shape`) = x's elements read at offset + sum(i_k * strides_k): a chain
     of slices, reshapes and permutes (compile/layout_chains.py) as one strided copy."""
@@ -259,7 +298,8 @@ def kernel_names() -> dict[str, set[str]]:
     names = set()
     for ctype in ELEMENT_CTYPES.values():
         names |= {_typed(k, ctype) for k in ("binary_forward_kernel", "scalar_forward_kernel",
-                                             "transpose_forward_kernel")}
+                                             "transpose_forward_kernel",
+                                             "permute_group_kernel")}
         for nd in range(1, MAX_DIMS + 1):
             names |= {f"binary_broadcast_kernel<{ctype}, {nd}>",
                       f"strided_copy_kernel<{ctype}, {nd}>",
@@ -290,6 +330,7 @@ IMPLS: dict[str, Callable] = {
         ctx, ins[0], outs[0], node.attrs["shape"]),
     "permute": lambda node, ins, outs, ctx: permute_forward(
         ctx, ins[0], outs[0], node.attrs["dims"]),
+    "permute_group": permute_group_forward,
     "layout_copy": lambda node, ins, outs, ctx: layout_copy_forward(
         ctx, ins[0], outs[0], node.attrs["shape"], node.attrs["strides"], node.attrs["offset"]),
     "layout_concat": lambda node, ins, outs, ctx: layout_concat_forward(

@@ -8,6 +8,7 @@
 // model.half(): float16 parameters, gradients and state (update.cuh), and a float16 loss and
 // its history (loss_kind: include/bf16.cuh STORAGE_*).
 #include "bf16.cuh"
+#include "permute.cuh"
 #include "step.cuh"
 #include "update.cuh"
 
@@ -44,35 +45,17 @@ extern "C" __global__ void advance_step_kernel(long long* step, const float* sch
 // The bf16 weight copies whose element order differs from their parameter's (attrs copy_dims:
 // a conv weight's channels-last copy), every one in one launch right after the update kernel
 // (a gather by index: awkward inside the chunked, vectorised update loop): copy =
-// bf16(p.transpose(dims)) in that transpose's row-major order. entries: a row of
-// PERMUTE_ENTRY_WIDTH per copy: p, copy, n, the dims o1..o3 of the transposed shape
-// (?, o1, o2, o3), padded in front with size 1, and s0..s3 their strides in p (elements);
-// jobs: (copy, chunk) pairs, a block each, `chunk` elements a block. A skipped (guarded) step
-// writes nothing, as the update.
-#define PERMUTE_ENTRY_WIDTH 10
+// bf16(p.transpose(dims)) in that transpose's row-major order. entries: permute.cuh's rows
+// (p, copy, ...); jobs: (copy, chunk) pairs, a block each, `chunk` elements a block. A skipped
+// (guarded) step writes nothing, as the update.
 extern "C" __global__ void weight_copies_permute_kernel(const long long* entries,
                                                         const int* jobs, int chunk,
                                                         const int* guard) {
     if (skipped(guard)) return;
-    const long long* e = entries + jobs[2 * blockIdx.x] * PERMUTE_ENTRY_WIDTH;
-    const float* p = (const float*)e[0];
-    unsigned short* copy = (unsigned short*)e[1];
-    // 32-bit index arithmetic (a weight has fewer than 2^31 elements, launcher-checked): the
-    // 64-bit divisions made this gather several times slower than its memory traffic
-    const unsigned int n = (unsigned int)e[2], o1 = (unsigned int)e[3], o2 = (unsigned int)e[4],
-                       o3 = (unsigned int)e[5];
-    const unsigned int s0 = (unsigned int)e[6], s1 = (unsigned int)e[7],
-                       s2 = (unsigned int)e[8], s3 = (unsigned int)e[9];
-    const unsigned int begin = (unsigned int)jobs[2 * blockIdx.x + 1] * (unsigned int)chunk;
-    const unsigned int end = min(n, begin + (unsigned int)chunk);
-    for (unsigned int i = begin + threadIdx.x; i < end; i += blockDim.x) {
-        unsigned int q = i;
-        const unsigned int i3 = q % o3;
-        q /= o3;
-        const unsigned int i2 = q % o2;
-        q /= o2;
-        const unsigned int i1 = q % o1;
-        const unsigned int i0 = q / o1;
-        copy[i] = bf16_from_float(p[i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3]);
-    }
+    const PermuteEntry e = permute_entry(entries + jobs[2 * blockIdx.x] * PERMUTE_ENTRY_WIDTH);
+    const float* p = (const float*)e.source;
+    unsigned short* copy = (unsigned short*)e.destination;
+    permute_chunk(e, (unsigned int)jobs[2 * blockIdx.x + 1] * (unsigned int)chunk,
+                  (unsigned int)chunk,
+                  [&](unsigned int i, unsigned int at) { copy[i] = bf16_from_float(p[at]); });
 }

@@ -26,8 +26,9 @@ from ...ir.graph import Node
 from ...ops.optim import (HYPER_AT, HYPER_COLUMNS, HYPER_DTYPE, NORM_AT, UPDATE_OPS,
                           UPDATE_SCALARS, hyper_rows, update_weight_copies)
 from .runtime.launch import (BLOCK, FLOAT_KINDS, UPDATE_CHUNK, _aligned, _buffers_key, _check,
-                             _check_int32, _check_scalar, _chunk_jobs, _element_ctype, _float_kind,
+                             _check_scalar, _chunk_jobs, _element_ctype, _float_kind,
                              _launch, _node_memory)
+from .broadcast import permute_tables
 from .runtime.update_stream import launch_update, update_join
 
 # update_join runs no kernel: its (held) operands may be of any dtype.
@@ -193,9 +194,6 @@ def _update_tables(node: Node, ins: list, ctx):
                     np.int32(width)) + clip + (guard,)
 
 
-PERMUTE_ENTRY_WIDTH = 10   # optim.cu weight_copies_permute_kernel's rows
-
-
 def _permuted_copies(ctx, node: Node, ins: list) -> None:
     """After the update launch: the bf16 copies whose element order is a transpose of their
     parameter's (attrs copy_dims), all in one gather launch (the others were written by the
@@ -206,27 +204,10 @@ def _permuted_copies(ctx, node: Node, ins: list) -> None:
     if not permuted:
         return
     key = ("permuted copies",) + _buffers_key(ins)
-    tables = _node_memory(node, key, ctx, lambda: _permute_tables(permuted))
+    tables = _node_memory(node, key, ctx, lambda: permute_tables(permuted))
     guard = ins[-1] if node.attrs.get("guard") else np.uint64(0)
     _launch(ctx, "optim.cu", "weight_copies_permute_kernel", (len(tables["jobs"]),), (BLOCK,),
             (tables["entries"], tables["jobs"], np.int32(UPDATE_CHUNK), guard))
-
-
-def _permute_tables(permuted: list) -> dict:
-    """weight_copies_permute_kernel's rows (p, copy, n, o1..o3, s0..s3: the transposed
-    shape padded to 4 dims in front, and its strides in p) and (copy, chunk) jobs."""
-    import cupy as cp
-
-    entries = []
-    for p, copy, dims in permuted:
-        _check_int32("permuted weight copy", p.size)   # the kernel indexes in 32 bits
-        elem = [st // p.itemsize for st in p.strides]
-        shape = [1] * (4 - p.ndim) + [p.shape[d] for d in dims]
-        strides = [0] * (4 - p.ndim) + [elem[d] for d in dims]
-        entries.append([p.data.ptr, copy.data.ptr, copy.size, *shape[1:], *strides])
-    rows = np.array(entries, dtype=np.int64).reshape(-1, PERMUTE_ENTRY_WIDTH)
-    return dict(entries=cp.asarray(rows),
-                jobs=cp.asarray(_chunk_jobs([copy.size for _, copy, _ in permuted])))
 
 
 def _flag(node: Node, name: str) -> np.int32:
