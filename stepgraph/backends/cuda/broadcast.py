@@ -245,11 +245,12 @@ def permute_group_forward(ctx, node, ins, outs) -> None:
     (broadcast.cu permute_group_kernel); one dtype across the group."""
     ctype = _element_ctype("permute_group input", ins[0])
     for x, y, dims in zip(ins, outs, node.attrs["dims"]):
-        _check("permute_group output", y, ins[0].dtype, tuple(x.shape[d] for d in dims))
+        _check("permute_group input", x, ins[0].dtype, tuple(x.shape))
+        _check("permute_group output", y, x.dtype, tuple(x.shape[d] for d in dims))
     permuted = [(x, y, dims) for x, y, dims in zip(ins, outs, node.attrs["dims"]) if y.size]
     if not permuted:
         return
-    tables = _node_memory(node, ("permute group",) + _buffers_key(ins + outs), ctx,
+    tables = _node_memory(node, ("permute group",) + _buffers_key([*ins, *outs]), ctx,
                           lambda: permute_tables(permuted))
     _launch(ctx, "broadcast.cu", _typed("permute_group_kernel", ctype),
             (len(tables["jobs"]),), (BLOCK,),
@@ -330,7 +331,7 @@ IMPLS: dict[str, Callable] = {
         ctx, ins[0], outs[0], node.attrs["shape"]),
     "permute": lambda node, ins, outs, ctx: permute_forward(
         ctx, ins[0], outs[0], node.attrs["dims"]),
-    "permute_group": permute_group_forward,
+    "permute_group": lambda node, ins, outs, ctx: permute_group_forward(ctx, node, ins, outs),
     "layout_copy": lambda node, ins, outs, ctx: layout_copy_forward(
         ctx, ins[0], outs[0], node.attrs["shape"], node.attrs["strides"], node.attrs["offset"]),
     "layout_concat": lambda node, ins, outs, ctx: layout_concat_forward(
