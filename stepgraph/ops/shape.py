@@ -1,7 +1,8 @@
 """Shape family: reshape (a view: the planner aliases it, no reference runs), permute
-(materialised transpose) and permute_group (several at once, compile/permute_groups.py), slice along one axis (with a step) and its gradient, layout_copy (a
-chain of those as one strided copy) and layout_concat (a concat of such chains), arange,
-constant, and stop_gradient (a view the backward does not cross)."""
+(materialised transpose) and permute_group (several at once, compile/permute_groups.py), slice
+along one axis (with a step) and its gradient, layout_copy (a chain of those as one strided
+copy) and layout_concat (a concat of such chains), arange, constant, and stop_gradient (a view
+the backward does not cross)."""
 from __future__ import annotations
 
 import math

@@ -25,10 +25,10 @@ from ...errors import ShapeError
 from ...ir.graph import Node
 from ...ops.optim import (HYPER_AT, HYPER_COLUMNS, HYPER_DTYPE, NORM_AT, UPDATE_OPS,
                           UPDATE_SCALARS, hyper_rows, update_weight_copies)
+from .broadcast import permute_tables
 from .runtime.launch import (BLOCK, FLOAT_KINDS, UPDATE_CHUNK, _aligned, _buffers_key, _check,
                              _check_scalar, _chunk_jobs, _element_ctype, _float_kind,
                              _launch, _node_memory)
-from .broadcast import permute_tables
 from .runtime.update_stream import launch_update, update_join
 
 # update_join runs no kernel: its (held) operands may be of any dtype.
