@@ -3,8 +3,8 @@ changed, against the same files on torch.
 
 Each file is loaded twice (loader.py). torch builds the model and its initial weights; the
 stepgraph model, built by the same code, loads torch's state_dict; both train 20 steps (a case
-may set fewer) with momentum SGD on the same random batches. Judged as docs/TESTING.md's policy (DESIGN.md,
-"Judging numbers", tests/reference.py): torch float64 is the reference, and stepgraph
+may set fewer) with momentum SGD on the same random batches. Judged as docs/TESTING.md's policy
+(DESIGN.md, "Judging numbers", tests/reference.py): torch float64 is the reference, and stepgraph
 float32's distance to it (losses per step, and each parameter's change over the run,
 elementwise) may be at most 4x torch float32's own distance. A missing, doubled or 1% off
 update is far past that.
