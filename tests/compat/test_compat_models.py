@@ -124,8 +124,12 @@ CASES = {
     # 40% off float64 by step 20
     "unet_pad": Case("unet_pad", "UNet", pixel_classes((2, 3, 34, 34), 2), "cross_entropy",
                      {"bilinear": True}, steps=4),
-    "resnet18": Case("resnet18", "resnet18", images((8, 3, 64, 64), 10), "cross_entropy",
-                     {"num_classes": 10}),
+    # Three steps: at the suite's learning rate the loss climbs (2.6 -> 4.5 by the third) and
+    # from the fourth torch float32 itself is percents off float64. At 8 x 64 x 64 the first
+    # step held a ReLU input 1.6e-6 from zero in float64 that float32 rounds either way (torch
+    # float32 off by 1.3e-6 there): hosts whose BLAS rounds otherwise flipped its mask.
+    "resnet18": Case("resnet18", "resnet18", images((16, 3, 32, 32), 10), "cross_entropy",
+                     {"num_classes": 10}, steps=3),
     "lstm_lm": Case("lstm_lm", "RNNModel", tokens(4, 12, 48), kwargs={"learn_init": True}),
     "lstm_lm_state": Case(
         "lstm_lm", "StatefulRNNModel", tokens_and_state(4, 12, 48, 2, 24)),

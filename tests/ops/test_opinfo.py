@@ -869,6 +869,8 @@ def _documented_rows() -> list[str]:
     """The rows of docs/TESTING.md's refusal table."""
     text = TESTING_DOC.read_text()
     table = text[text.index("### Refusals"):]
+    end = table.find("\n#")                  # the next heading ends it
+    table = table if end < 0 else table[:end]
     return [line for line in table.splitlines()[4:] if line.startswith("| `")]
 
 
