@@ -10,6 +10,7 @@ import numpy as np
 
 from ..ir.graph import Node
 from ..ir.ops import _need, defop, impl, vjp
+from .erf import erf
 
 ACTIVATIONS = ("relu", "leaky_relu", "sigmoid", "tanh", "gelu", "gelu_tanh", "silu")
 # Activations whose derivative is computed from the output y; the others need the input z.
@@ -47,11 +48,6 @@ def _act_vjp(emit, node: Node, dy: list, wants) -> list:
     return [emit("act_grad", [dy[0], saved], kind=kind, slope=node.attrs["slope"])[0]]
 
 
-def _erf(x: np.ndarray) -> np.ndarray:
-    # numpy has no erf; math.erf per element in float64 is exact enough and fast at our sizes.
-    return np.vectorize(math.erf, otypes=[np.float64])(x.astype(np.float64))
-
-
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
@@ -65,7 +61,7 @@ def act_forward(z: np.ndarray, kind: str, slope: float = 0.01) -> np.ndarray:
     if kind == "tanh":
         return np.tanh(z)
     if kind == "gelu":
-        return (0.5 * z * (1 + _erf(z / math.sqrt(2.0)))).astype(z.dtype)
+        return (0.5 * z * (1 + erf(z / math.sqrt(2.0), z.dtype))).astype(z.dtype)
     if kind == "gelu_tanh":
         return 0.5 * z * (1 + np.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z**3)))
     if kind == "silu":
@@ -86,7 +82,7 @@ def act_derivative(saved: np.ndarray, kind: str, slope: float = 0.01) -> np.ndar
         return 1 - saved * saved
     if kind == "gelu":
         z = saved.astype(np.float64)
-        cdf = 0.5 * (1 + _erf(z / math.sqrt(2.0)))
+        cdf = 0.5 * (1 + erf(z / math.sqrt(2.0), saved.dtype))
         pdf = np.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
         return (cdf + z * pdf).astype(saved.dtype)
     if kind == "gelu_tanh":

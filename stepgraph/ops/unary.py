@@ -17,6 +17,7 @@ import numpy as np
 
 from ..ir.graph import FLOAT_DTYPES
 from ..ir.ops import _need, defop, impl, vjp
+from .erf import erf
 
 UNARY_KINDS = ("exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "abs", "sign", "sin", "cos",
                "erf", "floor", "ceil", "round", "trunc")
@@ -84,17 +85,12 @@ _UFUNCS = {"exp": np.exp, "log": np.log, "log1p": np.log1p, "expm1": np.expm1,
            "floor": np.floor, "ceil": np.ceil, "round": np.rint, "trunc": np.trunc}
 
 
-def _erf(x: np.ndarray) -> np.ndarray:
-    # NumPy has no erf: math.erf per element, in float64, rounded once to x's dtype.
-    return np.vectorize(math.erf, otypes=[np.float64])(x.astype(np.float64))
-
-
 @impl("unary")
 def _unary_impl(node, ins, outs, ctx):
     kind, x = node.attrs["kind"], ins[0]
     if kind == "rsqrt":                          # two roundings, as 1 / sqrt(x) in the kernel
         np.divide(x.dtype.type(1), np.sqrt(x), out=outs[0])
     elif kind == "erf":
-        outs[0][...] = _erf(x)
+        outs[0][...] = erf(x, outs[0].dtype)     # in float64, rounded once to the output's
     else:
         _UFUNCS[kind](x, out=outs[0])
