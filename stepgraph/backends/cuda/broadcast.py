@@ -35,7 +35,7 @@ BINARY_CODES = {"add": 0, "sub": 1, "mul": 2, "div": 3}            # BINARY_* of
 SCALAR_CODES = dict(BINARY_CODES, rsub=4, rdiv=5, pow=6)           # and SCALAR_*
 BF16_OPS = frozenset({"binary", "scalar", "expand", "permute", "permute_group", "layout_copy",
                       "layout_concat"})
-PERMUTE_ENTRY_WIDTH = 10      # include/permute.cuh: a row of the multi-tensor permute tables
+PERMUTE_ENTRY_WIDTH = 16      # include/permute.cuh: a row of the multi-tensor permute tables
 FP16_OPS = BF16_OPS
 
 
@@ -219,22 +219,39 @@ def permute_forward(ctx, x, y, dims) -> None:
             (x, y, np.int32(batch), np.int32(rows), np.int32(cols)))
 
 
+def division_magic(d: int) -> tuple[int, int]:
+    """(m, l) with n // d == (umulhi(n, m) + n) >> l for every 0 <= n < 2^31
+    (include/divide.cuh): l = ceil(log2 d), m = floor(2^32 (2^l - d) / d) + 1 < 2^32."""
+    if not 0 < d < 2**31:
+        raise ShapeError(f"division by {d}: the kernels' divisors are in [1, 2^31)")
+    l = (d - 1).bit_length()
+    return (1 << 32) * ((1 << l) - d) // d + 1, l
+
+
+def permute_row(source: int, destination: int, shape, strides, dims) -> list[int]:
+    """A row of a multi-tensor permute table (include/permute.cuh) for y = x.transpose(dims),
+    x of `shape` with `strides` (elements) at address `source`, y at `destination`: n, the
+    transposed shape padded to 4 dims in front, its strides in the source, and the division
+    pairs of its last three dims."""
+    if len(dims) > 4:
+        raise ShapeError(f"multi-tensor permute: {len(dims)} dims, at most 4")
+    pad = 4 - len(shape)
+    out = [1] * pad + [shape[d] for d in dims]
+    return [source, destination, math.prod(shape), *out[1:], *([0] * pad),
+            *(strides[d] for d in dims), *(v for o in out[:0:-1] for v in division_magic(o))]
+
+
 def permute_tables(permuted: list) -> dict:
     """The device tables of a multi-tensor permute gather (include/permute.cuh) over
-    `permuted`, (source, destination, dims) triples: a row per destination (source and
-    destination pointers, n, the transposed shape padded to 4 dims in front, and its strides
-    in the source) and the (tensor, chunk) jobs, UPDATE_CHUNK elements a block."""
+    `permuted`, (source, destination, dims) triples: a row per destination (permute_row) and
+    the (tensor, chunk) jobs, UPDATE_CHUNK elements a block."""
     import cupy as cp
 
     entries = []
     for x, y, dims in permuted:
         _check_int32("permuted tensor", x.size)        # the kernels index in 32 bits
-        if len(dims) > 4:
-            raise ShapeError(f"multi-tensor permute: {len(dims)} dims, at most 4")
-        elem = [st // x.itemsize for st in x.strides]
-        shape = [1] * (4 - x.ndim) + [x.shape[d] for d in dims]
-        strides = [0] * (4 - x.ndim) + [elem[d] for d in dims]
-        entries.append([x.data.ptr, y.data.ptr, y.size, *shape[1:], *strides])
+        entries.append(permute_row(x.data.ptr, y.data.ptr, x.shape,
+                                   [st // x.itemsize for st in x.strides], dims))
     rows = np.array(entries, dtype=np.int64).reshape(-1, PERMUTE_ENTRY_WIDTH)
     return dict(entries=cp.asarray(rows),
                 jobs=cp.asarray(_chunk_jobs([y.size for _, y, _ in permuted])))
