@@ -13,13 +13,21 @@
 //
 // Strided kernels take their layout as scalar arguments: up to MAX_DIMS dims (outermost first,
 // the launcher collapses dims that every operand walks contiguously and drops size-1 dims),
-// one size and one stride (elements) per operand and dim. The output is C-contiguous. NDIM is a
-// template parameter so the index arithmetic unrolls into registers. Indices are 32-bit: the
-// launchers keep every size below 2^31.
+// one size, its division pair (divide.cuh: multiplier, shift) and one stride (elements) per
+// operand and dim. The output is C-contiguous. NDIM is a template parameter so the index
+// arithmetic unrolls into registers. Indices are 32-bit: the launchers keep every size below
+// 2^31.
 
 #define MAX_DIMS 6
 #define DIM_PARAMS(p) int p##0, int p##1, int p##2, int p##3, int p##4, int p##5
+#define DIVISION_PARAMS(p)                                                                     \
+    unsigned int p##_m0, unsigned int p##_m1, unsigned int p##_m2, unsigned int p##_m3,        \
+        unsigned int p##_m4, unsigned int p##_m5, unsigned int p##_l0, unsigned int p##_l1,    \
+        unsigned int p##_l2, unsigned int p##_l3, unsigned int p##_l4, unsigned int p##_l5
 #define DIM_ARRAY(p) {p##0, p##1, p##2, p##3, p##4, p##5}
+#define DIVISION_ARRAYS(p)                                                                     \
+    const unsigned int p##_m[MAX_DIMS] = {p##_m0, p##_m1, p##_m2, p##_m3, p##_m4, p##_m5};     \
+    const unsigned int p##_l[MAX_DIMS] = {p##_l0, p##_l1, p##_l2, p##_l3, p##_l4, p##_l5}
 
 // binary kinds (broadcast.py BINARY_CODES); scalar kinds extend them (SCALAR_CODES).
 #define BINARY_ADD 0
@@ -63,14 +71,16 @@ __device__ __forceinline__ float scalar_value(float x, int kind, float v) {
     }
 }
 
-// Flat element index i of the output -> the offsets of two operands (b may be unused).
+// Flat element index i of the output -> the offsets of two operands (b may be unused); m, l:
+// the sizes' division pairs.
 template <int NDIM>
-__device__ __forceinline__ void strided_offsets(unsigned int i, const int* size, const int* sa,
-                                                const int* sb, int* oa, int* ob) {
+__device__ __forceinline__ void strided_offsets(unsigned int i, const int* size,
+                                                const unsigned int* m, const unsigned int* l,
+                                                const int* sa, const int* sb, int* oa, int* ob) {
     int a = 0, b = 0;
 #pragma unroll
     for (int d = NDIM - 1; d > 0; --d) {
-        const unsigned int q = i / (unsigned int)size[d];
+        const unsigned int q = divide(i, m[d], l[d]);
         const int k = (int)(i - q * (unsigned int)size[d]);
         a += k * sa[d];
         b += k * sb[d];
@@ -116,8 +126,10 @@ __global__ void binary_forward_kernel(const T* a, const T* b, T* c, long long n,
 // multiple of 4 and c is 16-byte aligned) per group of 4 elements along the innermost dim.
 template <typename T, int NDIM>
 __global__ void binary_broadcast_kernel(const T* a, const T* b, T* c, int n, int kind, int vec,
-                                        DIM_PARAMS(size), DIM_PARAMS(sa), DIM_PARAMS(sb)) {
+                                        DIM_PARAMS(size), DIVISION_PARAMS(size), DIM_PARAMS(sa),
+                                        DIM_PARAMS(sb)) {
     const int size[MAX_DIMS] = DIM_ARRAY(size);
+    DIVISION_ARRAYS(size);
     const int stride_a[MAX_DIMS] = DIM_ARRAY(sa);
     const int stride_b[MAX_DIMS] = DIM_ARRAY(sb);
     const int width = vec ? 4 : 1;
@@ -126,7 +138,7 @@ __global__ void binary_broadcast_kernel(const T* a, const T* b, T* c, int n, int
          u += gridDim.x * blockDim.x) {
         const unsigned int i = u * width;
         int oa, ob;
-        strided_offsets<NDIM>(i, size, stride_a, stride_b, &oa, &ob);
+        strided_offsets<NDIM>(i, size, size_m, size_l, stride_a, stride_b, &oa, &ob);
         if (vec) {
             float x[4], y[4];
             load_group(a, oa, stride_a[NDIM - 1], x);
@@ -151,8 +163,9 @@ __global__ void scalar_forward_kernel(const T* x, T* y, long long n, int kind, f
 // dims) and permute (the input's strides in output order). vec as binary_broadcast_kernel.
 template <typename T, int NDIM>
 __global__ void strided_copy_kernel(const T* x, T* y, int n, int vec, DIM_PARAMS(size),
-                                    DIM_PARAMS(sx)) {
+                                    DIVISION_PARAMS(size), DIM_PARAMS(sx)) {
     const int size[MAX_DIMS] = DIM_ARRAY(size);
+    DIVISION_ARRAYS(size);
     const int stride_x[MAX_DIMS] = DIM_ARRAY(sx);
     const int width = vec ? 4 : 1;
     const unsigned int units = (unsigned int)n / width;
@@ -160,7 +173,7 @@ __global__ void strided_copy_kernel(const T* x, T* y, int n, int vec, DIM_PARAMS
          u += gridDim.x * blockDim.x) {
         const unsigned int i = u * width;
         int ox, unused;
-        strided_offsets<NDIM>(i, size, stride_x, stride_x, &ox, &unused);
+        strided_offsets<NDIM>(i, size, size_m, size_l, stride_x, stride_x, &ox, &unused);
         if (vec) {
             float v[4];
             load_group(x, ox, stride_x[NDIM - 1], v);
@@ -175,15 +188,16 @@ __global__ void strided_copy_kernel(const T* x, T* y, int n, int vec, DIM_PARAMS
 // pointers: one input of a layout_concat read through its view and written at its range of
 // the output. One element a thread: the ranges are rarely 16-byte aligned.
 template <typename T, int NDIM>
-__global__ void strided_copy_to_kernel(const T* x, T* y, int n, DIM_PARAMS(size), DIM_PARAMS(sx),
-                                       DIM_PARAMS(sy)) {
+__global__ void strided_copy_to_kernel(const T* x, T* y, int n, DIM_PARAMS(size),
+                                       DIVISION_PARAMS(size), DIM_PARAMS(sx), DIM_PARAMS(sy)) {
     const int size[MAX_DIMS] = DIM_ARRAY(size);
+    DIVISION_ARRAYS(size);
     const int stride_x[MAX_DIMS] = DIM_ARRAY(sx);
     const int stride_y[MAX_DIMS] = DIM_ARRAY(sy);
     for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < (unsigned int)n;
          i += gridDim.x * blockDim.x) {
         int ox, oy;
-        strided_offsets<NDIM>(i, size, stride_x, stride_y, &ox, &oy);
+        strided_offsets<NDIM>(i, size, size_m, size_l, stride_x, stride_y, &ox, &oy);
         store_from_float(y, oy, load_as_float(x, ox));
     }
 }

@@ -39,6 +39,15 @@ PERMUTE_ENTRY_WIDTH = 16      # include/permute.cuh: a row of the multi-tensor p
 FP16_OPS = BF16_OPS
 
 
+def division_magic(d: int) -> tuple[int, int]:
+    """(m, l) with n // d == (umulhi(n, m) + n) >> l for every 0 <= n < 2^31
+    (include/divide.cuh): l = ceil(log2 d), m = floor(2^32 (2^l - d) / d) + 1 < 2^32."""
+    if not 0 < d < 2**31:
+        raise ShapeError(f"division by {d}: the kernels' divisors are in [1, 2^31)")
+    l = (d - 1).bit_length()
+    return (1 << 32) * ((1 << l) - d) // d + 1, l
+
+
 @dataclass(frozen=True)
 class Layout:
     """Collapsed dims of a contiguous output: sizes, and per operand its strides (elements)."""
@@ -47,12 +56,14 @@ class Layout:
     strides: tuple[tuple[int, ...], ...]
 
     def args(self) -> tuple:
-        """The kernels' DIM_PARAMS: sizes, then each operand's strides, padded to MAX_DIMS."""
+        """The kernels' layout parameters, each padded to MAX_DIMS: the sizes, their division
+        pairs (multipliers, then shifts: division_magic), then each operand's strides."""
         pad = MAX_DIMS - len(self.sizes)
-        values = list(self.sizes) + [1] * pad
-        for strides in self.strides:
-            values += list(strides) + [0] * pad
-        return tuple(np.int32(v) for v in values)
+        sizes = list(self.sizes) + [1] * pad
+        pairs = [division_magic(n) for n in sizes]
+        strides = [v for st in self.strides for v in list(st) + [0] * pad]
+        return (tuple(np.int32(v) for v in sizes) + tuple(np.uint32(m) for m, _ in pairs) +
+                tuple(np.uint32(l) for _, l in pairs) + tuple(np.int32(v) for v in strides))
 
     def vectorised(self, out) -> bool:
         """Groups of 4 along the innermost dim: it must hold whole groups, and out take float4s."""
@@ -217,15 +228,6 @@ def permute_forward(ctx, x, y, dims) -> None:
     grid = (-(-cols // TILE), -(-rows // TILE), min(batch, MAX_GRID_YZ))
     _launch(ctx, "broadcast.cu", _typed("transpose_forward_kernel", ctype), grid, TRANSPOSE_BLOCK,
             (x, y, np.int32(batch), np.int32(rows), np.int32(cols)))
-
-
-def division_magic(d: int) -> tuple[int, int]:
-    """(m, l) with n // d == (umulhi(n, m) + n) >> l for every 0 <= n < 2^31
-    (include/divide.cuh): l = ceil(log2 d), m = floor(2^32 (2^l - d) / d) + 1 < 2^32."""
-    if not 0 < d < 2**31:
-        raise ShapeError(f"division by {d}: the kernels' divisors are in [1, 2^31)")
-    l = (d - 1).bit_length()
-    return (1 << 32) * ((1 << l) - d) // d + 1, l
 
 
 def permute_row(source: int, destination: int, shape, strides, dims) -> list[int]:

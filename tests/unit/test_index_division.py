@@ -1,13 +1,15 @@
-"""The multi-tensor permute tables (backends/cuda/broadcast.py permute_row, division_magic) and
-the index arithmetic of include/permute.cuh and divide.cuh, followed here in integers: every
-destination element reads the source element numpy's transpose puts there, and each division
-by a launch-fixed divisor equals Python's for every index the kernels take."""
+"""Index arithmetic of the gathers that divide by launch-fixed sizes (include/divide.cuh),
+followed here in integers: the multi-tensor permute tables (broadcast.py permute_row,
+include/permute.cuh) and the strided kernels' layout arguments (Layout.args, broadcast.cu
+strided_offsets). Every division by a size equals Python's for every index the kernels take,
+and every element reads the source element numpy puts there."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from stepgraph.backends.cuda.broadcast import PERMUTE_ENTRY_WIDTH, division_magic, permute_row
+from stepgraph.backends.cuda.broadcast import (PERMUTE_ENTRY_WIDTH, broadcast_strides, collapse,
+                                               division_magic, permute_row)
 from stepgraph.errors import ShapeError
 
 LIMIT = 2**31      # the kernels' indices and divisors stay below it
@@ -74,3 +76,35 @@ def test_rows_gather_numpys_transpose(shape, dims):
 def test_rows_of_more_than_four_dims_are_refused():
     with pytest.raises(ShapeError, match="at most 4"):
         permute_row(0, 0, (1, 2, 3, 4, 5), (120, 60, 20, 5, 1), (4, 3, 2, 1, 0))
+
+
+def strided_offsets(i: int, args: tuple, ndim: int, operand: int) -> int:
+    """broadcast.cu strided_offsets over Layout.args(): sizes, multipliers, shifts, then each
+    operand's strides, MAX_DIMS apiece."""
+    sizes, m, l = args[0:6], args[6:12], args[12:18]
+    strides = args[18 + 6 * operand: 24 + 6 * operand]
+    offset = 0
+    for d in range(ndim - 1, 0, -1):
+        q = divide(i, int(m[d]), int(l[d]))
+        offset += (i - q * int(sizes[d])) * int(strides[d])
+        i = q
+    return offset + i * int(strides[0])
+
+
+@pytest.mark.parametrize("shape, dims", [((4, 5, 6), (2, 0, 1)), ((3, 58, 7, 7), (0, 2, 3, 1)),
+                                         ((2, 3, 4, 5, 6), (4, 1, 3, 0, 2))])
+def test_layout_args_give_the_strided_kernels_their_offsets(shape, dims):
+    """A permute read through collapse(): each output element's input offset, and a broadcast
+    operand's, as numpy has them."""
+    x = np.arange(int(np.prod(shape))).reshape(shape)
+    y = x.transpose(dims)
+    elem = [s // x.itemsize for s in x.strides]
+    bias = np.arange(y.shape[-1])                  # broadcast along every outer dim
+    layout = collapse(y.shape, [tuple(elem[d] for d in dims), broadcast_strides(bias.shape,
+                                                                                y.shape)])
+    args = layout.args()
+    assert len(args) == 18 + 6 * 2
+    got = [[strided_offsets(i, args, len(layout.sizes), k) for i in range(y.size)]
+           for k in (0, 1)]
+    assert got[0] == y.ravel().tolist()
+    assert got[1] == np.broadcast_to(bias, y.shape).ravel().tolist()
