@@ -39,6 +39,7 @@
 #define SCALAR_POW 6
 
 #include "bf16.cuh"
+#include "divide.cuh"
 #include "grid.cuh"
 #include "permute.cuh"
 
