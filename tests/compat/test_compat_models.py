@@ -20,6 +20,7 @@ test_stochastic_depth_draws_in_the_step_at_its_rate checks p = 0.5 by its counts
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 
@@ -144,17 +145,17 @@ def running(cases=CASES) -> list:
             if c.defect else name for name, c in cases.items()]
 
 
-def torch_run(model, case: Case, batches, dtype) -> list[float]:
-    """Train a torch model on `batches` at `dtype`; the losses per step."""
-    model = model.to(dtype)
+def torch_run(model, case: Case, batches, dtype, device: str = "cpu") -> list[float]:
+    """Train a torch model on `batches` at `dtype` on `device`; the losses per step."""
+    model = model.to(device=device, dtype=dtype)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
     loss_fn = getattr(torch.nn.functional, case.loss) if case.loss else None
     losses = []
     for *inputs, target in batches:
-        inputs = [torch.tensor(a).to(dtype) if a.dtype == np.float32 else torch.tensor(a)
-                  for a in inputs]
-        target = torch.tensor(target)
+        inputs = [torch.tensor(a).to(device, dtype) if a.dtype == np.float32
+                  else torch.tensor(a).to(device) for a in inputs]
+        target = torch.tensor(target).to(device)
         target = target.to(dtype) if target.is_floating_point() else target
         opt.zero_grad()
         loss = loss_fn(model(*inputs), target) if loss_fn else model(*inputs, target)[1]
@@ -165,8 +166,8 @@ def torch_run(model, case: Case, batches, dtype) -> list[float]:
 
 
 def state(model) -> dict[str, np.ndarray]:
-    return {k: v.detach().double().numpy() if v.is_floating_point() else v.numpy().copy()
-            for k, v in model.state_dict().items()}
+    return {k: v.detach().cpu().double().numpy() if v.is_floating_point()
+            else v.cpu().numpy().copy() for k, v in model.state_dict().items()}
 
 
 def stepgraph_run(model, case: Case, batches, device="cpu", graph=None):
@@ -217,12 +218,35 @@ def trained_names(model) -> list[str]:
     return sorted(k for k, p in model.named_parameters() if p.requires_grad)
 
 
-def torch_references(s: Setup):
-    """Losses and final states of torch float64 and float32 (which trains s.torch_model)."""
+def torch_references(s: Setup, device: str = "cpu"):
+    """Losses and final states of torch float64 (on the CPU) and float32 on `device` (which
+    trains s.torch_model): the error the policy scales is torch's own where the step runs.
+    On CUDA that is cuDNN's and cuBLAS's float32 (TF32 off, deterministic algorithms, as the
+    step's defaults), whose sums run in other orders than the CPU's: unet_pad's fourth loss
+    is 5.6e-4 off float64 there, 3.4e-5 on the CPU (docs/perf-notes.md, 2026-12-01)."""
     t64 = copy.deepcopy(s.torch_model)
-    losses = {"float64": torch_run(t64, s.case, s.batches, torch.float64),
-              "torch32": torch_run(s.torch_model, s.case, s.batches, torch.float32)}
+    losses = {"float64": torch_run(t64, s.case, s.batches, torch.float64)}
+    with torch_float32_on(device):
+        losses["torch32"] = torch_run(s.torch_model, s.case, s.batches, torch.float32, device)
     return losses, {"float64": state(t64), "torch32": state(s.torch_model)}
+
+
+@contextlib.contextmanager
+def torch_float32_on(device: str):
+    """torch's float32 as the step's fp32 on `device`: on CUDA, no TF32 in cuDNN or cuBLAS and
+    cuDNN's deterministic algorithms; the flags are restored after."""
+    if device == "cpu":
+        yield
+        return
+    flags = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
+         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark) = flags
 
 
 def check_against_torch(initial, losses, finals, frozen, trained, steps):
