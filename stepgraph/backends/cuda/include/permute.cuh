@@ -33,32 +33,17 @@ __device__ __forceinline__ PermuteEntry permute_entry(const long long* e) {
             (unsigned int)e[15]};
 }
 
-// Loads a thread issues before it stores any of them. One load at a time left every thread
-// waiting out the memory latency per element: the gather and the tiles alike moved 1.3-2.2
-// TB/s on an H200, whatever their access pattern (docs/perf-notes.md, 2026-12-01).
-#define PERMUTE_UNROLL 8
-
-// The block's chunk of a gather row: y[i] = x[its offset], store(i, load(offset)).
-template <typename Load, typename Store>
+// f(i, offset in the source of destination element i) for the block's chunk
+template <typename F>
 __device__ __forceinline__ void permute_chunk(const PermuteEntry& p, unsigned int begin,
-                                              unsigned int chunk, Load load, Store store) {
+                                              unsigned int chunk, F f) {
     const unsigned int end = min(p.n, begin + chunk);
-    for (unsigned int i0 = begin + threadIdx.x; i0 < end; i0 += PERMUTE_UNROLL * blockDim.x) {
-        float v[PERMUTE_UNROLL];
-#pragma unroll
-        for (int u = 0; u < PERMUTE_UNROLL; ++u) {
-            const unsigned int i = i0 + u * blockDim.x;
-            if (i < end) {
-                const unsigned int q3 = divide(i, p.m3, p.l3);
-                const unsigned int q2 = divide(q3, p.m2, p.l2);
-                const unsigned int q1 = divide(q2, p.m1, p.l1);
-                v[u] = load(q1 * p.s0 + (q2 - q1 * p.o1) * p.s1 + (q3 - q2 * p.o2) * p.s2 +
-                            (i - q3 * p.o3) * p.s3);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < PERMUTE_UNROLL; ++u)
-            if (i0 + u * blockDim.x < end) store(i0 + u * blockDim.x, v[u]);
+    for (unsigned int i = begin + threadIdx.x; i < end; i += blockDim.x) {
+        const unsigned int q3 = divide(i, p.m3, p.l3);
+        const unsigned int q2 = divide(q3, p.m2, p.l2);
+        const unsigned int i0 = divide(q2, p.m1, p.l1);
+        f(i, i0 * p.s0 + (q2 - i0 * p.o1) * p.s1 + (q3 - q2 * p.o2) * p.s2 +
+                 (i - q3 * p.o3) * p.s3);
     }
 }
 
@@ -86,19 +71,9 @@ __device__ __forceinline__ void permute_tile(const PermuteTile& t, unsigned int 
     const unsigned int row0 = i1 * t.t1, col0 = i2 * t.t2;
     const unsigned int h = min(t.t1, t.r1 - row0), w = min(t.t2, t.r2 - col0);
     const unsigned int base = b * t.r1 * t.r2, pitch = t.t2 | 1u, count = t.t1 * t.t2;
-    for (unsigned int k0 = threadIdx.x; k0 < count; k0 += PERMUTE_UNROLL * blockDim.x) {
-        float v[PERMUTE_UNROLL];
-        unsigned int at[PERMUTE_UNROLL];
-#pragma unroll
-        for (int u = 0; u < PERMUTE_UNROLL; ++u) {
-            const unsigned int k = k0 + u * blockDim.x;
-            const unsigned int r = divide(k, t.m2, t.l2), c = k - r * t.t2;
-            at[u] = k < count && r < h && c < w ? r * pitch + c : PERMUTE_TILE_CAPACITY;
-            if (at[u] < PERMUTE_TILE_CAPACITY) v[u] = load(base + (row0 + r) * t.r2 + col0 + c);
-        }
-#pragma unroll
-        for (int u = 0; u < PERMUTE_UNROLL; ++u)
-            if (at[u] < PERMUTE_TILE_CAPACITY) cells[at[u]] = v[u];
+    for (unsigned int k = threadIdx.x; k < count; k += blockDim.x) {
+        const unsigned int r = divide(k, t.m2, t.l2), c = k - r * t.t2;
+        if (r < h && c < w) cells[r * pitch + c] = load(base + (row0 + r) * t.r2 + col0 + c);
     }
     __syncthreads();
     for (unsigned int k = threadIdx.x; k < count; k += blockDim.x) {
@@ -120,5 +95,6 @@ __device__ __forceinline__ void permute_job(const long long* entries, const int*
         permute_tile(t, job, cells, load, store);
         return;
     }
-    permute_chunk(permute_entry(row), job * chunk, chunk, load, store);
+    permute_chunk(permute_entry(row), job * chunk, chunk,
+                  [&](unsigned int i, unsigned int at) { store(i, load(at)); });
 }
