@@ -1,17 +1,15 @@
 """Index arithmetic of the gathers that divide by launch-fixed sizes (include/divide.cuh),
-followed here in integers: the multi-tensor permute tables (broadcast.py permute_row and
-permute_jobs, include/permute.cuh: gather rows and transpose tiles) and the strided kernels'
-layout arguments (Layout.args, broadcast.cu strided_offsets). Every division by a size equals
-Python's for every index the kernels take, and every element reads the source element numpy
-puts there."""
+followed here in integers: the multi-tensor permute tables (broadcast.py permute_row,
+include/permute.cuh) and the strided kernels' layout arguments (Layout.args, broadcast.cu
+strided_offsets). Every division by a size equals Python's for every index the kernels take,
+and every element reads the source element numpy puts there."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from stepgraph.backends.cuda.broadcast import (PERMUTE_ENTRY_WIDTH, PERMUTE_TILE_CAPACITY,
-                                               batched_transpose, broadcast_strides, collapse,
-                                               division_magic, permute_jobs, permute_row)
+from stepgraph.backends.cuda.broadcast import (PERMUTE_ENTRY_WIDTH, broadcast_strides, collapse,
+                                               division_magic, permute_row)
 from stepgraph.errors import ShapeError
 
 LIMIT = 2**31      # the kernels' indices and divisors stay below it
@@ -73,63 +71,6 @@ def test_rows_gather_numpys_transpose(shape, dims):
     assert len(row) == PERMUTE_ENTRY_WIDTH and row[:2] == [1000, 2000]
     want = np.arange(int(np.prod(shape))).reshape(shape).transpose(dims).ravel()
     assert gathered_offsets(row) == want.tolist()
-
-
-def tiled_offsets(row: list[int], job: int) -> list[tuple[int, int]]:
-    """permute_tile's (destination, source) offset pairs of tile `job` of a tile row: the
-    store pass's order, each cell through the load pass's slot of the shared tile."""
-    r1, r2, t1, t2, tiles1, tiles2, m2, l2, m1, l1 = row[17:27]
-    per_batch = tiles1 * tiles2
-    b, rest = job // per_batch, job % per_batch
-    row0, col0 = rest // tiles2 * t1, rest % tiles2 * t2
-    h, w = min(t1, r1 - row0), min(t2, r2 - col0)
-    base, pitch = b * r1 * r2, t2 | 1
-    assert t1 * pitch <= PERMUTE_TILE_CAPACITY
-    cells = {}
-    for k in range(t1 * t2):
-        r = divide(k, m2, l2)
-        c = k - r * t2
-        if r < h and c < w:
-            cells[r * pitch + c] = base + (row0 + r) * r2 + col0 + c
-    pairs = []
-    for k in range(t1 * t2):
-        c = divide(k, m1, l1)
-        r = k - c * t1
-        if r < h and c < w:
-            pairs.append((base + (col0 + c) * r1 + row0 + r, cells[r * pitch + c]))
-    return pairs
-
-
-@pytest.mark.parametrize("shape, dims", [
-    ((16, 3, 7, 7), (0, 2, 3, 1)),       # conv weights to channels-last: R2 = kh*kw short
-    ((64, 512, 3, 3), (0, 2, 3, 1)),
-    ((16, 7, 7, 3), (0, 3, 1, 2)),       # their gradients back: R1 = kh*kw short
-    ((8, 3, 3, 1000), (0, 3, 1, 2)),
-    ((3, 100, 70), (0, 2, 1)),           # both sides long: 64 x 32 tiles
-    ((5, 7), (1, 0)),
-    ((2, 3, 4), (2, 0, 1)),              # the last axis to the front: one 6 x 4 transpose
-])
-def test_tiles_move_every_element_once_as_numpy(shape, dims):
-    strides = [int(s) // 4 for s in np.zeros(shape, np.float32).strides]
-    row = permute_row(0, 0, shape, strides, dims)
-    assert len(row) == PERMUTE_ENTRY_WIDTH and row[16] == 1
-    jobs = permute_jobs(np.array([row], dtype=np.int64))
-    assert (jobs[:, 0] == 0).all()
-    want = np.arange(int(np.prod(shape))).reshape(shape).transpose(dims).ravel()
-    moved = [pair for job in jobs[:, 1].tolist() for pair in tiled_offsets(row, job)]
-    assert sorted(d for d, _ in moved) == list(range(want.size))
-    assert all(want[d] == s for d, s in moved)
-
-
-def test_other_permutes_stay_gathers():
-    assert batched_transpose((2, 3, 4), (12, 4, 1), (1, 0, 2)) is None
-    assert batched_transpose((2, 3, 4), (1, 2, 6), (0, 2, 1)) is None     # x not contiguous
-    assert batched_transpose((4, 1, 5), (5, 5, 1), (0, 2, 1)) is None     # a view: R1 = 1
-    assert batched_transpose((16, 3, 7, 7), (147, 49, 7, 1), (0, 2, 3, 1)) == (16, 3, 49)
-    row = permute_row(0, 0, (2, 3, 4), (12, 4, 1), (1, 0, 2))
-    assert row[16:] == [0] * 11
-    jobs = permute_jobs(np.array([row], dtype=np.int64))
-    assert jobs.tolist() == [[0, 0]]           # 24 elements: one chunk
 
 
 def test_rows_of_more_than_four_dims_are_refused():

@@ -234,15 +234,16 @@ transpose_forward_kernel(const T* x, T* y, int batch, int rows, int cols) {
     }
 }
 
-// permute_group: y_i = x_i.transpose(dims_i) for every tensor of the group in one launch
-// (permute.cuh: entries (x, y, ...), jobs (tensor, chunk or tile)). Through float as the
-// strided copy, so the group stores what its permutes would.
+// permute_group: y_i = x_i.transpose(dims_i) for every tensor of the group in one launch, a
+// gather in each y's row-major order (permute.cuh: entries (x, y, ...), jobs (tensor, chunk)).
+// Through float as the strided copy, so the group stores what its permutes would.
 template <typename T>
 __global__ void permute_group_kernel(const long long* entries, const int* jobs, int chunk) {
-    const long long* row = entries + jobs[2 * blockIdx.x] * PERMUTE_ENTRY_WIDTH;
-    const T* x = (const T*)row[0];
-    T* y = (T*)row[1];
-    permute_job(entries, jobs, (unsigned int)chunk,
-                [&](unsigned int at) { return load_as_float(x, at); },
-                [&](unsigned int i, float v) { store_from_float(y, i, v); });
+    const PermuteEntry e = permute_entry(entries + jobs[2 * blockIdx.x] * PERMUTE_ENTRY_WIDTH);
+    const T* x = (const T*)e.source;
+    T* y = (T*)e.destination;
+    permute_chunk(e, (unsigned int)jobs[2 * blockIdx.x + 1] * (unsigned int)chunk,
+                  (unsigned int)chunk, [&](unsigned int i, unsigned int at) {
+                      store_from_float(y, i, load_as_float(x, at));
+                  });
 }

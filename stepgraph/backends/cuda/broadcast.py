@@ -22,9 +22,9 @@ import numpy as np
 from ...errors import ShapeError
 from ...ops.shape import contiguous_strides
 from .pointwise import as_program, generated_kernels, instruction_forward
-from .runtime.launch import (BLOCK, ELEMENT_CTYPES, MAX_INT, UPDATE_CHUNK, _aligned,
-                             _buffers_key, _check, _check_int32, _element_ctype,
-                             _grid, _launch, _node_memory, _typed)
+from .runtime.launch import (BLOCK, ELEMENT_CTYPES, UPDATE_CHUNK, _aligned, _buffers_key, _check,
+                             _check_int32, _chunk_jobs, _element_ctype, _grid, _launch,
+                             _node_memory, _typed)
 
 MAX_DIMS = 6                  # broadcast.cu MAX_DIMS: dims of a layout after collapsing
 TILE = 32                     # broadcast.cu TILE: transpose tiles are TILE x TILE
@@ -35,9 +35,7 @@ BINARY_CODES = {"add": 0, "sub": 1, "mul": 2, "div": 3}            # BINARY_* of
 SCALAR_CODES = dict(BINARY_CODES, rsub=4, rdiv=5, pow=6)           # and SCALAR_*
 BF16_OPS = frozenset({"binary", "scalar", "expand", "permute", "permute_group", "layout_copy",
                       "layout_concat"})
-PERMUTE_ENTRY_WIDTH = 27      # include/permute.cuh: a row of the multi-tensor permute tables
-PERMUTE_TILE_CELLS = 2048     # cells a transpose tile aims at (a block's 8 KB of floats)
-PERMUTE_TILE_CAPACITY = 4096  # include/permute.cuh: floats of a tile with its padded rows
+PERMUTE_ENTRY_WIDTH = 16      # include/permute.cuh: a row of the multi-tensor permute tables
 FP16_OPS = BF16_OPS
 
 
@@ -235,71 +233,20 @@ def permute_forward(ctx, x, y, dims) -> None:
 def permute_row(source: int, destination: int, shape, strides, dims) -> list[int]:
     """A row of a multi-tensor permute table (include/permute.cuh) for y = x.transpose(dims),
     x of `shape` with `strides` (elements) at address `source`, y at `destination`: n, the
-    transposed shape padded to 4 dims in front, its strides in the source and the division
-    pairs of its last three dims (the gather), then the tile fields (transpose_tiles)."""
+    transposed shape padded to 4 dims in front, its strides in the source, and the division
+    pairs of its last three dims."""
     if len(dims) > 4:
         raise ShapeError(f"multi-tensor permute: {len(dims)} dims, at most 4")
     pad = 4 - len(shape)
     out = [1] * pad + [shape[d] for d in dims]
     return [source, destination, math.prod(shape), *out[1:], *([0] * pad),
-            *(strides[d] for d in dims), *(v for o in out[:0:-1] for v in division_magic(o)),
-            *transpose_tiles(shape, strides, dims)]
-
-
-def batched_transpose(shape, strides, dims) -> tuple[int, int, int] | None:
-    """(B, R1, R2) when x.transpose(dims) is x viewed as B row-major R1 x R2 matrices, each
-    transposed (dims: the leading axes in place, then the trailing run of axes moved before
-    the run it followed; x contiguous): a conv weight (O, C, kh, kw) to (O, kh, kw, C) is
-    (O, C, kh*kw), and its gradient back (O, kh*kw, C). None for any other permute."""
-    if tuple(strides) != tuple(contiguous_strides(shape)):
-        return None
-    nd, kept = len(dims), 0
-    while kept < nd and dims[kept] == kept:
-        kept += 1
-    for split in range(kept + 1, nd):
-        if tuple(dims[kept:]) == (*range(split, nd), *range(kept, split)):
-            r1, r2 = math.prod(shape[kept:split]), math.prod(shape[split:])
-            return (math.prod(shape[:kept]), r1, r2) if r1 > 1 and r2 > 1 else None
-    return None
-
-
-def transpose_tiles(shape, strides, dims) -> list[int]:
-    """A permute row's tile fields: [1, R1, R2, T1, T2, tiles along R1, along R2, T2's and
-    T1's division pairs] for a batched transpose (batched_transpose), eleven zeros for a
-    gather. A tile is whole rows of x where they are short (R2 <= 64: a conv weight's kh*kw),
-    whole columns where those are (R1 <= 64), else 64 x 32; about PERMUTE_TILE_CELLS cells,
-    split evenly along each side."""
-    found = batched_transpose(shape, strides, dims)
-    if found is None:
-        return [0] * 11
-    _, r1, r2 = found
-    if r2 <= 64:
-        t1, t2 = max(1, PERMUTE_TILE_CELLS // r2), r2
-    elif r1 <= 64:
-        t1, t2 = r1, max(1, PERMUTE_TILE_CELLS // r1)
-    else:
-        t1, t2 = 64, 32
-    tiles1, tiles2 = -(-r1 // t1), -(-r2 // t2)
-    t1, t2 = -(-r1 // tiles1), -(-r2 // tiles2)          # the same count of even tiles
-    assert t1 * (t2 | 1) <= PERMUTE_TILE_CAPACITY, (r1, r2, t1, t2)
-    return [1, r1, r2, t1, t2, tiles1, tiles2, *division_magic(t2), *division_magic(t1)]
-
-
-def permute_jobs(rows: np.ndarray) -> np.ndarray:
-    """The (row, chunk or tile) jobs of a permute table, a block each: a gather row's
-    UPDATE_CHUNK-element chunks, a tile row's B * tiles1 * tiles2 tiles."""
-    counts = [int(r[2]) // (int(r[17]) * int(r[18])) * int(r[21]) * int(r[22]) if r[16]
-              else max(1, -(-int(r[2]) // UPDATE_CHUNK)) for r in rows]
-    if sum(counts) > MAX_INT:
-        raise ShapeError(f"multi-tensor permute: {sum(counts)} blocks exceed the grid limit")
-    return np.array([(t, c) for t, n in enumerate(counts) for c in range(n)],
-                    dtype=np.int32).reshape(-1, 2)
+            *(strides[d] for d in dims), *(v for o in out[:0:-1] for v in division_magic(o))]
 
 
 def permute_tables(permuted: list) -> dict:
-    """The device tables of a multi-tensor permute (include/permute.cuh) over `permuted`,
-    (source, destination, dims) triples: a row per destination (permute_row) and its jobs
-    (permute_jobs)."""
+    """The device tables of a multi-tensor permute gather (include/permute.cuh) over
+    `permuted`, (source, destination, dims) triples: a row per destination (permute_row) and
+    the (tensor, chunk) jobs, UPDATE_CHUNK elements a block."""
     import cupy as cp
 
     entries = []
@@ -308,7 +255,8 @@ def permute_tables(permuted: list) -> dict:
         entries.append(permute_row(x.data.ptr, y.data.ptr, x.shape,
                                    [st // x.itemsize for st in x.strides], dims))
     rows = np.array(entries, dtype=np.int64).reshape(-1, PERMUTE_ENTRY_WIDTH)
-    return dict(entries=cp.asarray(rows), jobs=cp.asarray(permute_jobs(rows)))
+    return dict(entries=cp.asarray(rows),
+                jobs=cp.asarray(_chunk_jobs([y.size for _, y, _ in permuted])))
 
 
 def permute_group_forward(ctx, node, ins, outs) -> None:

@@ -46,15 +46,16 @@ extern "C" __global__ void advance_step_kernel(long long* step, const float* sch
 // a conv weight's channels-last copy), every one in one launch right after the update kernel
 // (a gather by index: awkward inside the chunked, vectorised update loop): copy =
 // bf16(p.transpose(dims)) in that transpose's row-major order. entries: permute.cuh's rows
-// (p, copy, ...); jobs: (copy, chunk or tile) pairs, a block each. A skipped
+// (p, copy, ...); jobs: (copy, chunk) pairs, a block each, `chunk` elements a block. A skipped
 // (guarded) step writes nothing, as the update.
 extern "C" __global__ void weight_copies_permute_kernel(const long long* entries,
                                                         const int* jobs, int chunk,
                                                         const int* guard) {
     if (skipped(guard)) return;
-    const long long* row = entries + jobs[2 * blockIdx.x] * PERMUTE_ENTRY_WIDTH;
-    const float* p = (const float*)row[0];
-    unsigned short* copy = (unsigned short*)row[1];
-    permute_job(entries, jobs, (unsigned int)chunk, [&](unsigned int at) { return p[at]; },
-                [&](unsigned int i, float v) { copy[i] = bf16_from_float(v); });
+    const PermuteEntry e = permute_entry(entries + jobs[2 * blockIdx.x] * PERMUTE_ENTRY_WIDTH);
+    const float* p = (const float*)e.source;
+    unsigned short* copy = (unsigned short*)e.destination;
+    permute_chunk(e, (unsigned int)jobs[2 * blockIdx.x + 1] * (unsigned int)chunk,
+                  (unsigned int)chunk,
+                  [&](unsigned int i, unsigned int at) { copy[i] = bf16_from_float(p[at]); });
 }
