@@ -207,7 +207,7 @@ def _permuted_copies(ctx, node: Node, ins: list) -> None:
     tables = _node_memory(node, key, ctx, lambda: permute_tables(permuted))
     guard = ins[-1] if node.attrs.get("guard") else np.uint64(0)
     _launch(ctx, "optim.cu", "weight_copies_permute_kernel", (len(tables["jobs"]),), (BLOCK,),
-            (tables["entries"], tables["jobs"], np.int32(UPDATE_CHUNK), guard))
+            (tables["entries"], tables["jobs"], tables["chunk"], guard))
 
 
 def _flag(node: Node, name: str) -> np.int32:
