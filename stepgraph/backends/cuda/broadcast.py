@@ -23,7 +23,7 @@ from ...errors import ShapeError
 from ...ops.shape import contiguous_strides
 from .pointwise import as_program, generated_kernels, instruction_forward
 from .runtime.launch import (BLOCK, ELEMENT_CTYPES, _aligned, _buffers_key, _check,
-                             _check_int32, _element_ctype, _grid, _launch,
+                             _check_int32, _chunk_jobs, _element_ctype, _grid, _launch,
                              _node_memory, _typed)
 
 MAX_DIMS = 6                  # broadcast.cu MAX_DIMS: dims of a layout after collapsing
@@ -260,10 +260,8 @@ def permute_tables(permuted: list) -> dict:
         entries.append(permute_row(x.data.ptr, y.data.ptr, x.shape,
                                    [st // x.itemsize for st in x.strides], dims))
     rows = np.array(entries, dtype=np.int64).reshape(-1, PERMUTE_ENTRY_WIDTH)
-    jobs = [(t, c) for t, (_, y, _) in enumerate(permuted)
-            for c in range(max(1, -(-y.size // PERMUTE_CHUNK)))]
-    return dict(entries=cp.asarray(rows), chunk=np.int32(PERMUTE_CHUNK),
-                jobs=cp.asarray(np.array(jobs, dtype=np.int32).reshape(-1, 2)))
+    jobs = _chunk_jobs([y.size for _, y, _ in permuted], PERMUTE_CHUNK)
+    return dict(entries=cp.asarray(rows), chunk=np.int32(PERMUTE_CHUNK), jobs=cp.asarray(jobs))
 
 
 def permute_group_forward(ctx, node, ins, outs) -> None:

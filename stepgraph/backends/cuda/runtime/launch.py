@@ -145,9 +145,10 @@ def _buffers_key(arrays) -> tuple:
     return tuple((a.data.ptr, a.size) for a in arrays)
 
 
-def _chunk_jobs(sizes: list[int]) -> np.ndarray:
-    """(tensor, chunk) work items of a multi-tensor kernel, at least one per tensor."""
-    jobs = [(t, c) for t, n in enumerate(sizes) for c in range(max(1, -(-n // UPDATE_CHUNK)))]
+def _chunk_jobs(sizes: list[int], chunk: int = UPDATE_CHUNK) -> np.ndarray:
+    """(tensor, chunk) work items of a multi-tensor kernel, `chunk` elements each, at least
+    one per tensor."""
+    jobs = [(t, c) for t, n in enumerate(sizes) for c in range(max(1, -(-n // chunk)))]
     if len(jobs) > MAX_INT:
         raise ShapeError(f"multi-tensor kernel: {len(jobs)} blocks exceed the grid limit")
     return np.array(jobs, dtype=np.int32).reshape(-1, 2)
