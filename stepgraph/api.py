@@ -31,6 +31,7 @@ from .compile.layout import resolve_memory_format
 from .compile.overlap import check_option as check_overlap_option
 from .compile.overlap import resolve as resolve_overlap
 from .compile.permute_groups import group_permutes
+from .compile.update_permutes import read_gradients_through_permutes
 from .compile.plan import Plan, make_plan
 from .distributed.buckets import cap_bytes_of
 from .errors import BackendUnavailableError, PlanError, StateDictError
@@ -279,8 +280,8 @@ class TrainStep(_CompiledModel):
         if self.group is not None and dp.broadcast_buffers:
             graph = broadcast_buffers(graph, self.group.id, self.group.world_size,
                                       self.buffers)
-        return make_plan(group_permutes(resolve_overlap(self.overlap_update, graph,
-                                                        self.device)))
+        graph = resolve_overlap(self.overlap_update, graph, self.device)
+        return make_plan(group_permutes(read_gradients_through_permutes(graph)))
 
     def _broadcast_parameters(self) -> None:
         """Rank 0's parameters and buffers on every rank: NCCL on CUDA, the store on the CPU."""

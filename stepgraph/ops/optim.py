@@ -123,6 +123,33 @@ HYPER_COLUMNS = {
 HYPER_DTYPE = "float64"
 
 
+# The float32 elements of the shared-memory tile an update moves one parameter's axis-0 slices
+# through when it reads a transposed gradient or writes a transposed copy (include/update.cuh):
+# 48 KB, what a launch may take without opting in.
+UPDATE_TILE = 12_288
+
+
+def is_slice_transpose(dims) -> bool:
+    """Whether dims move axis 1 last and keep the others in order, (0, 2, ..., d - 1, 1): a
+    conv weight (O, C, kh, kw) to its channels-last (O, kh, kw, C), each axis-0 slice a
+    (C, rest) -> (rest, C) transpose."""
+    return dims is not None and len(dims) >= 3 and \
+        tuple(dims) == (0, *range(2, len(dims)), 1)
+
+
+def slice_tile_fits(shape) -> bool:
+    """Whether one axis-0 slice of a parameter of `shape`, its rows padded by one element
+    against bank conflicts ((rest, C + 1) floats), fits UPDATE_TILE."""
+    rest = math.prod(shape[2:])
+    return len(shape) >= 3 and shape[1] > 0 and rest * (shape[1] + 1) <= UPDATE_TILE
+
+
+def update_grad_dims(attrs) -> tuple:
+    """Per parameter, the dims that give its gradient input from a gradient in the parameter's
+    own order (attrs grad_dims, compile/update_permutes.py), or None: read as it is."""
+    return tuple(attrs.get("grad_dims") or (None,) * attrs["n_params"])
+
+
 def hyper_rows(attrs) -> tuple[int, ...]:
     """The hyperparameter row of each parameter of an update: attrs hyper_rows (an update of
     some of the step's parameters: compile/overlap.py buckets, distribute.py's ZeRO shards),
@@ -178,7 +205,10 @@ def _sgd_update(ins, attrs):
     indices of the parameters with a bf16 copy, one copy input each in that order; after the
     update, copy j = bf16(params[copies[j]]) rounded to nearest even, transposed by copy_dims[j]
     when attrs copy_dims gives dims (not None) and viewed with the copy's shape (a conv
-    weight's channels-last copy (O, kh, kw, C/groups)). With attrs guard, the
+    weight's channels-last copy (O, kh, kw, C/groups)). attrs grad_dims (optional, one entry
+    a parameter): gradient i is given as the parameter-ordered gradient transposed by
+    grad_dims[i] (None: in the parameter's order), as a channels-last convolution made it
+    (compile/update_permutes.py). With attrs guard, the
     last input is a guard's flags (ops/guard.py): nothing is written when flags[1]
     (FLAG_SKIP) is set. attrs update_stream (compile/overlap.py: one bucket of a step's
     parameters, placed inside the backward pass): on a backend with streams it runs beside the
@@ -235,7 +265,9 @@ def _update_groups(node: Node, ins):
     coef = 1.0
     if k == NORM_AT + 1:
         coef = min(1.0, a["max_norm"] / (float(ins[NORM_AT]) + 1e-6))
-    params, grads = ins[k:k + n], ins[k + n:k + 2 * n]
+    params = ins[k:k + n]
+    grads = [g if dims is None else g.transpose(np.argsort(dims))
+             for g, dims in zip(ins[k + n:k + 2 * n], update_grad_dims(a))]
     slots = [ins[k + (2 + s) * n:k + (3 + s) * n] for s in range(a["n_slots"])]
     columns = HYPER_COLUMNS[node.op]
     rows = [dict(zip(columns, (float(x) for x in hyper[r]))) for r in hyper_rows(a)]

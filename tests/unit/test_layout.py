@@ -188,10 +188,12 @@ def test_resnet_float32_steps_equal_nchw():
     ops = [n for n, _, _ in steps[1].executable(steps[1].signature).calls]
     fused = [n for n in ops if n.op == "batch_norm_train" and n.attrs.get("act") == "relu"]
     assert fused and all(n.attrs["layout"] == "NHWC" for n in fused)    # BN + ReLU still fuse
-    # the input's permute; the 7 weights' permutes and their gradients' as two groups
-    # (compile/permute_groups.py)
+    # the input's permute; the 7 weights' permutes as a group (compile/permute_groups.py),
+    # their gradients read by the update as they are (compile/update_permutes.py)
     assert sum(n.op == "permute" for n in ops) == 1
-    assert [len(n.inputs) for n in ops if n.op == "permute_group"] == [7, 7]
+    assert [len(n.inputs) for n in ops if n.op == "permute_group"] == [7]
+    update = next(n for n in ops if n.op == "sgd_update")
+    assert sum(d is not None for d in update.attrs["grad_dims"]) == 7
 
 
 def test_resnet_predictions_equal_nchw():

@@ -415,7 +415,10 @@ class Fake:
 def _fake_memory(node, key, ctx, build, required=True):
     """Stand-ins for the scratch each launcher asks _node_memory for."""
     kind = key[0]
-    if kind in ("update", "guard_check", "guard_save", "guard_restore"):
+    if kind == "update":        # jobs in plain chunks only: one launch
+        return {"entries": Fake((4,), "int64"), "plain": Fake((3, 2)), "sliced": Fake((0, 2)),
+                "tile": 0}
+    if kind in ("guard_check", "guard_save", "guard_restore"):
         return {"entries": Fake((4,), "int64"), "jobs": Fake((3, 2))}
     if kind == "embedding_sort":
         blocks = -(-key[1] // 1024)
@@ -450,7 +453,7 @@ def _record_launches(monkeypatch, *modules):
     launched = []
     for mod in set(modules) | {launch, elementwise, reduce, loss, optim}:
         for name, fake in (("_check", lambda *a, **k: None), ("_node_memory", _fake_memory),
-                           ("_launch", lambda ctx, filename, name, grid, block, args, *_:
+                           ("_launch", lambda ctx, filename, name, grid, block, args, *_, **__:
                             launched.append((filename, name, grid, block, args)))):
             monkeypatch.setattr(mod, name, fake, raising=False)
     return launched

@@ -24,10 +24,11 @@ import numpy as np
 from ...errors import ShapeError
 from ...ir.graph import Node
 from ...ops.optim import (HYPER_AT, HYPER_COLUMNS, HYPER_DTYPE, NORM_AT, UPDATE_OPS,
-                          UPDATE_SCALARS, hyper_rows, update_weight_copies)
+                          UPDATE_SCALARS, UPDATE_TILE, hyper_rows, is_slice_transpose,
+                          slice_tile_fits, update_grad_dims, update_weight_copies)
 from .broadcast import permute_tables
 from .runtime.launch import (BLOCK, FLOAT_KINDS, UPDATE_CHUNK, _aligned, _buffers_key, _check,
-                             _check_scalar, _chunk_jobs, _element_ctype, _float_kind,
+                             _check_scalar, _element_ctype, _float_kind,
                              _launch, _node_memory)
 from .runtime.update_stream import launch_update, update_join
 
@@ -125,38 +126,71 @@ def _weight_copies(node: Node, ins: list) -> list[tuple[int, Any, Any]]:
     return found
 
 
-def _build_update_tables(op: str, params, grads, slots, positions, rows, copies) -> dict:
-    """The update kernels' UpdateEntry rows and (parameter, chunk) jobs. slots: per slot, its
-    tensor of each parameter, placed at table slot positions[j] (s0, s1, s2); rows: each
-    parameter's hyperparameter row; copies: {parameter index: its bf16 copy in the parameter's
-    element order}, written by the update itself. A parameter and its state are float32 or
-    all float16; its gradient float32, bf16 bits or float16."""
-    entries = []
+def _build_update_tables(op: str, params, grads, slots, positions, rows, copies,
+                         grad_dims=None) -> dict:
+    """The update kernels' UpdateEntry rows and their (parameter, block) jobs: `plain`, chunks
+    of UPDATE_CHUNK elements, and `sliced`, the transposed entries' spans of whole slices
+    (include/update.cuh update_slices), with the shared memory those take. slots: per slot,
+    its tensor of each parameter, placed at table slot positions[j] (s0, s1, s2); rows: each
+    parameter's hyperparameter row; copies: {parameter index: (its bf16 copy, whether it holds
+    the parameter's slices transposed)}, written by the update itself; grad_dims: per
+    parameter, None or the slice transpose its gradient is given in. A parameter and its
+    state are float32 or all float16; its gradient float32, bf16 bits or float16."""
+    entries, plain, sliced, tile = [], [], [], 0
+    grad_dims = grad_dims or (None,) * len(params)
     for i, (p, g) in enumerate(zip(params, grads)):
         placed = [None, None, None]
         _float_kind(f"{op} param {i}", p)
         for position, group in zip(positions, slots):
             placed[position] = group[i]
-        for what, t in [("param", p), ("grad", g)] + [(f"slot {j}", t) for j, t in
-                                                      enumerate(placed) if t is not None]:
-            _check(f"{op} {what} {i}", t, dtype=None if what == "grad" else p.dtype.name,
-                   shape=p.shape)
+        transposed_grad = grad_dims[i] is not None
+        if transposed_grad and not (is_slice_transpose(grad_dims[i]) and
+                                    slice_tile_fits(p.shape)):
+            raise ShapeError(f"{op} grad {i}: grad_dims {grad_dims[i]} is no slice transpose of "
+                             f"{tuple(p.shape)} whose slices fit the update's tile")
+        grad_shape = tuple(p.shape[d] for d in grad_dims[i]) if transposed_grad else p.shape
+        for what, t in [("param", p)] + [(f"slot {j}", t) for j, t in enumerate(placed)
+                                         if t is not None]:
+            _check(f"{op} {what} {i}", t, dtype=p.dtype.name, shape=p.shape)
+        _check(f"{op} grad {i}", g, dtype=None, shape=grad_shape)
         _element_ctype(f"{op} grad {i}", g)    # or bf16 bits (fuse.py fuse_gradient_casts)
-        if copies.get(i) is not None and p.dtype != np.float32:
+        copy, transposed_copy = copies.get(i, (None, False))
+        if copy is not None and p.dtype != np.float32:
             raise ShapeError(f"{op} param {i}: a bf16 weight copy needs a float32 parameter")
         ptrs = [p.data.ptr, g.data.ptr] + [0 if t is None else t.data.ptr for t in placed]
-        copy = copies.get(i)
         ptrs.append(0 if copy is None else copy.data.ptr)
         used = [p, g] + [t for t in placed if t is not None]
         aligned = _aligned(*used, *([] if copy is None else [copy]))
-        kinds = FLOAT_KINDS[g.dtype] | FLOAT_KINDS[p.dtype] << 8    # update.cuh UpdateEntry
-        entries.append(ptrs + [p.size, int(aligned), kinds, rows[i]])
-    jobs = _chunk_jobs([p.size for p in params])
+        kinds = FLOAT_KINDS[g.dtype] | FLOAT_KINDS[p.dtype] << 8 | \
+            GRAD_TRANSPOSED * transposed_grad | COPY_TRANSPOSED * transposed_copy
+        cols = rest = span = 0
+        if transposed_grad or transposed_copy:
+            cols, rest = p.shape[1], int(np.prod(p.shape[2:]))
+            per = max(1, min(UPDATE_TILE // (rest * (cols + 1)), SLICED_SPAN // (cols * rest)))
+            if per >= 4 and per * cols * rest % 4:
+                per -= per % 4                     # whole float4 groups a block
+            span = per * cols * rest
+            aligned = aligned and span % 4 == 0
+            tile = max(tile, per * rest * (cols + 1) * 4)
+            sliced += [(i, b) for b in range(max(1, -(-p.size // span)))]
+        else:
+            plain += [(i, b) for b in range(max(1, -(-p.size // UPDATE_CHUNK)))]
+        entries.append(ptrs + [p.size, int(aligned), kinds, rows[i], cols, rest, span])
+
+    def jobs(items):
+        return cp.asarray(np.array(items, dtype=np.int32).reshape(-1, 2))
+
     return dict(entries=cp.asarray(np.array(entries, dtype=np.int64).reshape(-1, ENTRY_WIDTH)),
-                jobs=cp.asarray(jobs))
+                plain=jobs(plain), sliced=jobs(sliced), tile=tile)
 
 
-ENTRY_WIDTH = 10     # include/update.cuh UpdateEntry: 6 pointers, n, aligned, kinds, row
+ENTRY_WIDTH = 13     # include/update.cuh UpdateEntry: 6 pointers, n, aligned, kinds, row, cols,
+                     # rest, span
+GRAD_TRANSPOSED, COPY_TRANSPOSED = 1 << 16, 1 << 17     # include/update.cuh, bits of kinds
+# Elements a block of a transposed entry updates, at most (whole slices, at least one): small
+# slices (a 64-channel 3x3 weight's 576) are taken several a block, so that its two
+# synchronisations are paid over about 16 elements a thread.
+SLICED_SPAN = 4 * UPDATE_CHUNK
 
 
 def _slot_positions(node: Node) -> list[int]:
@@ -181,26 +215,34 @@ def _update_tables(node: Node, ins: list, ctx):
     if norm is not None:
         _check_scalar(f"{node.op} norm", norm, "float32")
     key = ("update",) + _buffers_key(ins)
-    in_order = {i: copy for i, copy, dims in _weight_copies(node, ins) if dims is None}
+    copies = {i: (copy, dims is not None) for i, copy, dims in _weight_copies(node, ins)
+              if dims is None or _in_update(dims, ins[node.attrs["n_scalars"] + i])}
     tables = _node_memory(node, key, ctx, lambda: _build_update_tables(
-        node.op, params, grads, slots, _slot_positions(node), rows, in_order))
+        node.op, params, grads, slots, _slot_positions(node), rows, copies,
+        update_grad_dims(node.attrs)))
     clip = (norm if norm is not None else lr, np.int32(norm is not None),
             np.float64(node.attrs.get("max_norm") or 0.0))
     guard = np.uint64(0)   # null: no guard; else the step's flags, whose [1] says skip
     if node.attrs.get("guard"):
         guard = ins[-1]
         _check(f"{node.op} guard flags", guard, "int32", (2,))
-    return tables, (tables["entries"], tables["jobs"], np.int32(UPDATE_CHUNK), lr, step, hyper,
+    return tables, (tables["entries"], np.int32(UPDATE_CHUNK), lr, step, hyper,
                     np.int32(width)) + clip + (guard,)
+
+
+def _in_update(copy_dims, p) -> bool:
+    """Whether the update writes a copy transposed by copy_dims itself (a conv weight's
+    channels-last copy whose slices fit its tile), not the gather after it."""
+    return is_slice_transpose(copy_dims) and slice_tile_fits(p.shape)
 
 
 def _permuted_copies(ctx, node: Node, ins: list) -> None:
     """After the update launch: the bf16 copies whose element order is a transpose of their
-    parameter's (attrs copy_dims), all in one gather launch (the others were written by the
-    update itself)."""
+    parameter's (attrs copy_dims) other than those the update writes itself (_in_update), all
+    in one gather launch."""
     k = node.attrs["n_scalars"]
     permuted = [(ins[k + i], copy, dims) for i, copy, dims in _weight_copies(node, ins)
-                if dims is not None and copy.size]
+                if dims is not None and copy.size and not _in_update(dims, ins[k + i])]
     if not permuted:
         return
     key = ("permuted copies",) + _buffers_key(ins)
@@ -215,13 +257,18 @@ def _flag(node: Node, name: str) -> np.int32:
 
 
 def _launch_update(ctx, node: Node, ins: list, flags: tuple) -> None:
-    """The node's update kernel over every parameter in one launch, then the permuted bf16
-    copies; flags: the kernel's trailing int arguments (formula switches from attrs)."""
+    """The node's update kernel over every parameter: one launch for the parameters in plain
+    chunks, one for those whose transposed gradient or copy it moves through its shared-memory
+    tile (as many bytes a block as the largest takes, which the plain blocks need not hold);
+    then the bf16 copies it does not write. flags: the kernel's trailing int arguments (formula
+    switches from attrs)."""
     if not node.attrs["n_params"]:
         return
     tables, args = _update_tables(node, ins, ctx)
-    _launch(ctx, UPDATE_SOURCES[node.op], f"{node.op}_kernel", (len(tables["jobs"]),),
-            (BLOCK,), args + flags)
+    for jobs, tile in ((tables["plain"], 0), (tables["sliced"], tables["tile"])):
+        if len(jobs):
+            _launch(ctx, UPDATE_SOURCES[node.op], f"{node.op}_kernel", (len(jobs),), (BLOCK,),
+                    (args[0], jobs) + args[1:] + flags, shared_mem=tile)
     _permuted_copies(ctx, node, ins)
 
 

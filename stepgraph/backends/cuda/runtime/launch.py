@@ -43,8 +43,9 @@ def _kernel(filename: str, name: str):
     return compiler.kernel(filename, name)
 
 
-def _launch(ctx, filename: str, name: str, grid: tuple, block: tuple, args: tuple) -> None:
-    _kernel(filename, name)(grid, block, args, stream=ctx.stream)
+def _launch(ctx, filename: str, name: str, grid: tuple, block: tuple, args: tuple,
+            shared_mem: int = 0) -> None:
+    _kernel(filename, name)(grid, block, args, stream=ctx.stream, shared_mem=shared_mem)
 
 
 def _check(what: str, a, dtype: str | None = "float32", shape: tuple | None = None) -> None:
