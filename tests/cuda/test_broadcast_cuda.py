@@ -216,7 +216,8 @@ def test_reduce_sum_any_axes(ctx, shape, axes):
 # ---- softmax and log_softmax at any rank ---------------------------------------------------
 
 SOFTMAX_SHAPES = [shape + (c,) for c in (1, 7, 33, 1000, 5000)
-                  for shape in [(), (3,), (2, 3), (2, 1, 3)]] + [(4000, 10), (1, 9000)]
+                  for shape in [(), (3,), (2, 3), (2, 1, 3)]] + [(4000, 10), (1, 9000)] \
+    + [(8, 64, 64, 2), (300, 16)]                 # narrow rows, several a warp, many blocks
 
 
 def softmax_of(x):

@@ -224,9 +224,11 @@ def test_maxpool2d_grad(ctx, shape, kernel, stride, relu):
 
 # ---- softmax and losses --------------------------------------------------------------------
 
-# Rows of one warp, of 128 threads (C > 1024) and 256 threads (C > 8192); one block and many.
+# Rows of one warp, of 128 threads (C > 1024) and 256 threads (C > 8192); one block and many;
+# log_softmax's narrow rows (C <= 16: 1 to 16 lanes, several rows a warp), a segmentation
+# head's two classes over many blocks among them.
 ROWS = [(1, 1), (1, 10), (7, 3), (128, 10), (8, 2000), (3, 20000), (33, 1025), (5, 9000),
-        (4000, 10), (40, 1500)]
+        (4000, 10), (40, 1500), (5000, 2), (999, 16), (77, 5)]
 
 
 @pytest.mark.parametrize("n,c", ROWS)
@@ -244,6 +246,23 @@ def test_log_softmax_grad(ctx, n, c):
     ref, got = run_both(ctx, make_node("log_softmax_grad", [dy, y]), [dy, y])
     scale = float(np.abs(dy).sum(axis=1).max())
     assert_close(got[0], ref[0], rtol=1e-5, atol=2e-6 * scale, what=f"log_softmax_grad {n}x{c}")
+
+
+@pytest.mark.parametrize("n,c", [(5000, 2), (999, 16), (77, 5), (7, 3), (1, 1)])
+def test_narrow_log_softmax_rows_give_the_warp_rows_bits(ctx, n, c, monkeypatch):
+    """Rows of at most 16 columns on 1-16 lanes each, several a warp, compute what one warp a
+    row computes, bit for bit, both ways (include/reduce.cuh lanes_sum, lanes_max)."""
+    rng = np.random.default_rng([53, n, c])
+    x, dy = random(rng, n, c) * 4, random(rng, n, c)
+    y = (x - np.log(np.exp(x).sum(axis=1, keepdims=True))).astype(np.float32)
+    cases = [("log_softmax", [x]), ("log_softmax_grad", [dy, y])]
+    narrow = [run_both(ctx, make_node(op, ins), ins)[1][0] for op, ins in cases]
+    wide = loss._row_block
+    monkeypatch.setattr(loss, "_row_block", lambda cols, threads, narrow=False:
+                        wide(cols, threads))
+    warp = [run_both(ctx, make_node(op, ins), ins)[1][0] for op, ins in cases]
+    for (op, _), a, b in zip(cases, narrow, warp):
+        np.testing.assert_array_equal(a, b, err_msg=op)
 
 
 @pytest.mark.parametrize("label_dtype", ["int32", "int64"])

@@ -1036,3 +1036,21 @@ def test_attention_head_dim_96_compiles_in_every_storage_and_kernel():
     for name in names:          # (..., vec, group, mask, its four strides)
         assert kernel_params(attention.SOURCE, name)[-6:] == ("u32", "u64", "u64", "u64",
                                                               "u64", "u64"), name
+
+
+@pytest.mark.parametrize("c,block", [(1, (1, 256)), (2, (2, 128)), (5, (8, 32)), (16, (16, 16)),
+                                     (17, (32, 8)), (1000, (32, 8)), (5000, (128, 2))])
+def test_softmax_rows_of_at_most_16_columns_share_warps(monkeypatch, c, block):
+    """log_softmax and softmax give a row of at most 16 columns the power of two of lanes that
+    covers it, several rows a warp; longer rows keep a warp or more (runtime/launch.py
+    _row_block narrow)."""
+    from stepgraph.backends.cuda import loss, softmax
+    from stepgraph.ir.graph import Node
+
+    launched = _record_launches(monkeypatch, loss, softmax)
+    x, y = Fake((300, c)), Fake((300, c))
+    loss.log_softmax_forward(None, x, y)
+    loss.log_softmax_backward(None, x, y, Fake((300, c)))
+    softmax.IMPLS["softmax"](Node("softmax", [], [], {}), [x], [y], None)
+    assert [launch[3] for launch in launched] == [block] * 3
+    _assert_launches_match(launched)

@@ -1,7 +1,8 @@
 // Softmax and losses over (N, C) rows: log_softmax and its gradient, cross-entropy (forward,
 // gradient and the fused train kernel: loss and dlogits in one launch), nll_loss, mse.
 // Row kernels: a row is handled by a group of blockDim.x threads (a multiple of 32, usually one
-// warp), blockDim.y rows per block, rows strided over the grid. Scalar losses are means:
+// warp; log_softmax's rows of at most 16 columns a power of two of lanes below it), blockDim.y
+// rows per block, rows strided over the grid. Scalar losses are means:
 // float64 partial sums in a fixed order (one block), or, over several blocks, per-row values
 // summed in index order by the last block to finish (reduce.cuh arrive_last): deterministic.
 // Labels are int or long long (templates); a label outside [0, C) gives a NaN loss.

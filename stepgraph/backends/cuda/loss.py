@@ -60,7 +60,7 @@ def log_softmax_forward(ctx, x, y) -> None:
     ctype, n, c = _typed_rows("log_softmax input", x)
     _check("log_softmax output", y, x.dtype, shape=x.shape)
     if x.size:
-        block = _row_block(c, BLOCK)
+        block = _row_block(c, BLOCK, narrow=True)
         _launch(ctx, "loss.cu", _typed("log_softmax_forward_kernel", ctype),
                 _row_grid(n, block[1]), block, (x, y, np.int32(n), np.int32(c)))
 
@@ -71,7 +71,7 @@ def log_softmax_backward(ctx, dy, y, dx) -> None:
     _check("log_softmax_grad y", y, dy.dtype, shape=dy.shape)
     _check("log_softmax_grad dx", dx, dy.dtype, shape=dy.shape)
     if dy.size:
-        block = _row_block(c, BLOCK)
+        block = _row_block(c, BLOCK, narrow=True)
         _launch(ctx, "loss.cu", _typed("log_softmax_backward_kernel", ctype),
                 _row_grid(n, block[1]), block, (dy, y, dx, np.int32(n), np.int32(c)))
 

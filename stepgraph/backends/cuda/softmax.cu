@@ -1,7 +1,8 @@
 // softmax and its gradient over the last axis of any rank, viewed as (rows, cols) rows. The
 // layout of loss.cu's log_softmax kernels: a row is handled by a group of blockDim.x threads
-// (a warp up to 1024 columns, more for longer rows), blockDim.y rows per block, rows strided
-// over the grid. Row sums and maxima combine in a fixed order (reduce.cuh): deterministic.
+// (a warp up to 1024 columns, more for longer rows, fewer lanes for rows of at most 16),
+// blockDim.y rows per block, rows strided over the grid. Row sums and maxima combine in a
+// fixed order (reduce.cuh): deterministic.
 // The scaled kernels add attrs scale and causal (softmax(scale * x + mask)): the softmax and
 // softmax_grad kernels above them stay the plain ones, so attr-less nodes keep their bits.
 // Templates on the storage T of x, y, dy and dx (one storage a launch): float, or fp16_bits

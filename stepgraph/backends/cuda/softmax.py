@@ -1,7 +1,8 @@
 """Launchers of softmax.cu: softmax and softmax_grad over the last axis of any rank,
 and the cuda op table `IMPLS` of those ops. (log_softmax, whose kernels share loss.cu with the
 cross-entropy kernels, is launched from loss.py.) Inputs are viewed as (rows, cols): a warp
-per row up to 1024 columns, 128 or 256 threads for longer rows (runtime/launch.py _row_block).
+per row up to 1024 columns, 128 or 256 threads for longer rows, a power of two of lanes for rows
+of at most 16 (runtime/launch.py _row_block).
 attrs scale (default 1.0) and causal (default False) take the scaled kernels; nodes without
 them run the plain kernels, unchanged. The kernels are templates on the storage of x, y, dy
 and dx (one a launch): float32, or float16 (a model.half(); float32 arithmetic, each output
@@ -54,7 +55,7 @@ def _launch_rows(ctx, direction: str, ctype: str, n: int, c: int, arrays: tuple,
     """softmax_<direction>_kernel<ctype> over n rows of c columns, or its scaled twin when
     `scaled` holds the scaled kernels' arguments (_scaled_args)."""
     kind = direction if scaled is None else f"scaled_{direction}"
-    block = _row_block(c, BLOCK)
+    block = _row_block(c, BLOCK, narrow=True)
     _launch(ctx, "softmax.cu", _typed(f"softmax_{kind}_kernel", ctype), _row_grid(n, block[1]),
             block, arrays + (np.int32(n), np.int32(c)) + (scaled or ()))
 

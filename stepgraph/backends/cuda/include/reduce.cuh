@@ -21,6 +21,25 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// The same butterflies over each aligned group of `width` lanes (a power of two, at most 32):
+// the rows of a narrow row layout, several to a warp. For width 32 they are warp_sum and
+// warp_max; for a row of at most width columns, each lane holding at most one, the lanes a
+// wider butterfly would add hold the identity, so a narrower group gives the same value.
+template <typename T>
+__device__ __forceinline__ T lanes_sum(T v, int width) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        if (o < width) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float lanes_max(float v, int width) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        if (o < width) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
 __device__ __forceinline__ int flat_thread() {
     return threadIdx.x + threadIdx.y * blockDim.x;
 }
@@ -40,14 +59,14 @@ __device__ __forceinline__ T block_sum(T v, T* smem) {
     return total;
 }
 
-// Rows handled by groups of blockDim.x threads (a multiple of 32), blockDim.y rows per block.
-// The result is returned to every thread of the row group. Every thread of the block must
-// call these (a uniform branch on blockDim.x skips shared memory for one-warp rows).
-// row_combine takes each warp's already reduced value and combines the row group's warps in
-// order with op.
+// Rows handled by groups of blockDim.x threads (a multiple of 32, or a power of two below it:
+// narrow rows, several a warp), blockDim.y rows per block. The result is returned to every
+// thread of the row group. Every thread of the block must call these (a uniform branch on
+// blockDim.x skips shared memory for rows of one warp or less). row_combine takes each warp's
+// already reduced value and combines the row group's warps in order with op.
 template <typename Op>
 __device__ __forceinline__ float row_combine(float v, float* smem, Op op) {
-    if (blockDim.x == 32) return v;
+    if (blockDim.x <= 32) return v;
     const int per_row = blockDim.x >> 5, first = threadIdx.y * per_row;
     __syncthreads();
     if ((threadIdx.x & 31) == 0) smem[first + (threadIdx.x >> 5)] = v;
@@ -58,11 +77,13 @@ __device__ __forceinline__ float row_combine(float v, float* smem, Op op) {
 }
 
 __device__ __forceinline__ float row_max(float v, float* smem) {
-    return row_combine(warp_max(v), smem, [](float a, float b) { return fmaxf(a, b); });
+    return row_combine(lanes_max(v, min(blockDim.x, 32u)), smem,
+                       [](float a, float b) { return fmaxf(a, b); });
 }
 
 __device__ __forceinline__ float row_sum(float v, float* smem) {
-    return row_combine(warp_sum(v), smem, [](float a, float b) { return a + b; });
+    return row_combine(lanes_sum(v, min(blockDim.x, 32u)), smem,
+                       [](float a, float b) { return a + b; });
 }
 
 // Row loops visit rows base by base: every thread of a block runs the same number of
