@@ -11,8 +11,8 @@ read, written and read again (docs/perf-notes.md: a U-Net's 31M weights' gradien
 a step at bf16, 195 at tf32, in their own permutes).
 
 Only the transposes that keep each axis-0 slice whole ((O, C, ...) -> (O, ..., C), the conv
-weights') whose slices fit the kernel's tile (ops/optim.py slice_tile_fits) are taken; any other permute
-stays. It runs on the final program order (after data parallelism and the overlapped update),
+weights') whose slices fit the kernel's tile (ops/optim.py slice_tile_fits) are taken; any
+other permute stays. It runs on the final program order (after data parallelism and the overlapped update),
 so each bucket's update reads its own gradients."""
 from __future__ import annotations
 

@@ -8,9 +8,9 @@
 
 // One row of the device table built once per update node by optim.py: the tensors of one
 // parameter (slots unused by the optimizer are null; the copy in p's element order unless
-// transposed, below), whether all of them are 16-byte aligned (float4 path), and `row`: the parameter's row of the hyperparameters (ops/optim.py
-// hyper_rows), read at every launch, so that a write from the host between steps takes effect
-// without a new table or capture. `kinds` holds storage codes (bf16.cuh STORAGE_*): bits 0-7
+// transposed, below), whether all of them are 16-byte aligned (float4 path), and `row`: the
+// parameter's row of the hyperparameters (ops/optim.py hyper_rows), read at every launch, so
+// that a write from the host between steps takes effect without a new table or capture. `kinds` holds storage codes (bf16.cuh STORAGE_*): bits 0-7
 // the gradient's, float32 or bf16 bits (precision="bf16", where the update reads the bf16
 // gradient of the weight's copy and widens it itself, exactly as the dropped cast would
 // have: compile/fuse.py fuse_gradient_casts) or float16; bits 8-15 the parameter's and its
@@ -50,12 +50,6 @@ __device__ __forceinline__ const double* block_hyper(const UpdateEntry* entries,
     return hyper + block_entry(entries, blocks).row * (long long)width;
 }
 
-// The multi-tensor loop every optimizer shares. Block k updates chunk blocks[k] = (parameter,
-// chunk index) (a transposed entry's: its span, through update_slices): elements [chunk * index, min(chunk * (index + 1), n)), four a thread (one
-// float4 of each tensor where the parameter's tensors are aligned; chunk is a multiple of 4,
-// so float4 groups never straddle a chunk). element(p, g, s0, s1, s2) updates one element in
-// place; the state tensors whose bit is set in `slots` (1: s0, 2: s1, 4: s2) are read and
-// written back, the others read as 0.
 // A transposed entry's block: elements [start, end), whole slices, moved through the tile,
 // whose row k (row k % rest of slice k / rest) holds the slice's (rest, cols) row k at cols + 1
 // floats a row (the pad spreads a column's reads over the banks). The transposed gradient is
@@ -155,6 +149,13 @@ __device__ __forceinline__ void update_slices(const UpdateEntry& e, long long st
     }
 }
 
+// The multi-tensor loop every optimizer shares. Block k updates chunk blocks[k] = (parameter,
+// chunk index): elements [chunk * index, min(chunk * (index + 1), n)), four a thread (one
+// float4 of each tensor where the parameter's tensors are aligned; chunk is a multiple of 4,
+// so float4 groups never straddle a chunk); a transposed entry's block, its span instead,
+// through update_slices. element(p, g, s0, s1, s2) updates one element in
+// place; the state tensors whose bit is set in `slots` (1: s0, 2: s1, 4: s2) are read and
+// written back, the others read as 0.
 template <typename Element>
 __device__ __forceinline__ void update_chunk(const UpdateEntry* entries, const int2* blocks,
                                              int chunk, int slots, Element element) {
