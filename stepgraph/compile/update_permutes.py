@@ -11,25 +11,20 @@ read, written and read again (docs/perf-notes.md: a U-Net's 31M weights' gradien
 a step at bf16, 195 at tf32, in their own permutes).
 
 Only the transposes that keep each axis-0 slice whole ((O, C, ...) -> (O, ..., C), the conv
-weights') whose slices fit the kernel's tile (ops/optim.py slice_tile_fits) are taken; any
-other permute stays. It runs on the final program order (after data parallelism and the overlapped update),
-so each bucket's update reads its own gradients."""
+weights') whose slices fit the kernel's tile (ops/optim.py update_transposes) are taken; any
+other permute stays. It runs on the final program order (after data parallelism and the
+overlapped update), so each bucket's update reads its own gradients."""
 from __future__ import annotations
 
+import numpy as np
+
 from ..ir.graph import Graph, Node, Value
-from ..ops.optim import UPDATE_OPS, is_slice_transpose, slice_tile_fits
+from ..ops.optim import UPDATE_OPS, update_transposes
 from .rewrite import _copy, _rebuild
 
 # What else may read such a gradient: the guard's check, and the join of an overlapped update
 # (which only holds the memory its buckets read: it then holds the permute's input instead).
 HOLDERS = ("guard_check", "update_join")
-
-
-def _inverse(dims: tuple[int, ...]) -> tuple[int, ...]:
-    inverse = [0] * len(dims)
-    for i, d in enumerate(dims):
-        inverse[d] = i
-    return tuple(inverse)
 
 
 def read_gradients_through_permutes(graph: Graph) -> Graph:
@@ -49,10 +44,9 @@ def read_gradients_through_permutes(graph: Graph) -> Graph:
             if permute is None or permute.op != "permute" or g in outputs or dims[i]:
                 continue
             source = permute.inputs[0]
-            to_source = _inverse(tuple(permute.attrs["dims"]))
+            to_source = tuple(int(d) for d in np.argsort(permute.attrs["dims"]))
             readers = users.get(g, [])
-            if source in written or not is_slice_transpose(to_source) or \
-                    not slice_tile_fits(p.shape) or \
+            if source in written or not update_transposes(to_source, p.shape) or \
                     any(r is not update and r.op not in HOLDERS for r in readers) or \
                     sum(v is g for v in update.inputs) != 1:
                 continue

@@ -144,6 +144,13 @@ def slice_tile_fits(shape) -> bool:
     return len(shape) >= 3 and shape[1] > 0 and rest * (shape[1] + 1) <= UPDATE_TILE
 
 
+def update_transposes(dims, shape) -> bool:
+    """Whether an update reads a gradient, or writes a copy, of a parameter of `shape` given
+    transposed by dims itself, moving its slices through its tile: a slice transpose whose
+    slices fit."""
+    return is_slice_transpose(dims) and slice_tile_fits(shape)
+
+
 def update_grad_dims(attrs) -> tuple:
     """Per parameter, the dims that give its gradient input from a gradient in the parameter's
     own order (attrs grad_dims, compile/update_permutes.py), or None: read as it is."""

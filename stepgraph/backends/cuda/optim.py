@@ -24,11 +24,11 @@ import numpy as np
 from ...errors import ShapeError
 from ...ir.graph import Node
 from ...ops.optim import (HYPER_AT, HYPER_COLUMNS, HYPER_DTYPE, NORM_AT, UPDATE_OPS,
-                          UPDATE_SCALARS, UPDATE_TILE, hyper_rows, is_slice_transpose,
-                          slice_tile_fits, update_grad_dims, update_weight_copies)
+                          UPDATE_SCALARS, UPDATE_TILE, hyper_rows, update_grad_dims,
+                          update_transposes, update_weight_copies)
 from .broadcast import permute_tables
 from .runtime.launch import (BLOCK, FLOAT_KINDS, UPDATE_CHUNK, _aligned, _buffers_key, _check,
-                             _check_scalar, _element_ctype, _float_kind,
+                             _check_scalar, _chunk_jobs, _element_ctype, _float_kind,
                              _launch, _node_memory)
 from .runtime.update_stream import launch_update, update_join
 
@@ -136,7 +136,7 @@ def _build_update_tables(op: str, params, grads, slots, positions, rows, copies,
     the parameter's slices transposed)}, written by the update itself; grad_dims: per
     parameter, None or the slice transpose its gradient is given in. A parameter and its
     state are float32 or all float16; its gradient float32, bf16 bits or float16."""
-    entries, plain, sliced, tile = [], [], [], 0
+    entries, tile = [], 0
     grad_dims = grad_dims or (None,) * len(params)
     for i, (p, g) in enumerate(zip(params, grads)):
         placed = [None, None, None]
@@ -144,8 +144,7 @@ def _build_update_tables(op: str, params, grads, slots, positions, rows, copies,
         for position, group in zip(positions, slots):
             placed[position] = group[i]
         transposed_grad = grad_dims[i] is not None
-        if transposed_grad and not (is_slice_transpose(grad_dims[i]) and
-                                    slice_tile_fits(p.shape)):
+        if transposed_grad and not update_transposes(grad_dims[i], p.shape):
             raise ShapeError(f"{op} grad {i}: grad_dims {grad_dims[i]} is no slice transpose of "
                              f"{tuple(p.shape)} whose slices fit the update's tile")
         grad_shape = tuple(p.shape[d] for d in grad_dims[i]) if transposed_grad else p.shape
@@ -172,16 +171,11 @@ def _build_update_tables(op: str, params, grads, slots, positions, rows, copies,
             span = per * cols * rest
             aligned = aligned and span % 4 == 0
             tile = max(tile, per * rest * (cols + 1) * 4)
-            sliced += [(i, b) for b in range(max(1, -(-p.size // span)))]
-        else:
-            plain += [(i, b) for b in range(max(1, -(-p.size // UPDATE_CHUNK)))]
         entries.append(ptrs + [p.size, int(aligned), kinds, rows[i], cols, rest, span])
-
-    def jobs(items):
-        return cp.asarray(np.array(items, dtype=np.int32).reshape(-1, 2))
-
+    sizes, spans = [p.size for p in params], [e[-1] for e in entries]
     return dict(entries=cp.asarray(np.array(entries, dtype=np.int64).reshape(-1, ENTRY_WIDTH)),
-                plain=jobs(plain), sliced=jobs(sliced), tile=tile)
+                plain=cp.asarray(_chunk_jobs(sizes, [0 if s else UPDATE_CHUNK for s in spans])),
+                sliced=cp.asarray(_chunk_jobs(sizes, spans)), tile=tile)
 
 
 ENTRY_WIDTH = 13     # include/update.cuh UpdateEntry: 6 pointers, n, aligned, kinds, row, cols,
@@ -216,7 +210,7 @@ def _update_tables(node: Node, ins: list, ctx):
         _check_scalar(f"{node.op} norm", norm, "float32")
     key = ("update",) + _buffers_key(ins)
     copies = {i: (copy, dims is not None) for i, copy, dims in _weight_copies(node, ins)
-              if dims is None or _in_update(dims, ins[node.attrs["n_scalars"] + i])}
+              if dims is None or update_transposes(dims, ins[node.attrs["n_scalars"] + i].shape)}
     tables = _node_memory(node, key, ctx, lambda: _build_update_tables(
         node.op, params, grads, slots, _slot_positions(node), rows, copies,
         update_grad_dims(node.attrs)))
@@ -230,19 +224,13 @@ def _update_tables(node: Node, ins: list, ctx):
                     np.int32(width)) + clip + (guard,)
 
 
-def _in_update(copy_dims, p) -> bool:
-    """Whether the update writes a copy transposed by copy_dims itself (a conv weight's
-    channels-last copy whose slices fit its tile), not the gather after it."""
-    return is_slice_transpose(copy_dims) and slice_tile_fits(p.shape)
-
-
 def _permuted_copies(ctx, node: Node, ins: list) -> None:
     """After the update launch: the bf16 copies whose element order is a transpose of their
-    parameter's (attrs copy_dims) other than those the update writes itself (_in_update), all
-    in one gather launch."""
+    parameter's (attrs copy_dims) other than those the update writes itself
+    (update_transposes), all in one gather launch."""
     k = node.attrs["n_scalars"]
     permuted = [(ins[k + i], copy, dims) for i, copy, dims in _weight_copies(node, ins)
-                if dims is not None and copy.size and not _in_update(dims, ins[k + i])]
+                if dims is not None and copy.size and not update_transposes(dims, ins[k + i].shape)]
     if not permuted:
         return
     key = ("permuted copies",) + _buffers_key(ins)

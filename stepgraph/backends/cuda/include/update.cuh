@@ -10,10 +10,11 @@
 // parameter (slots unused by the optimizer are null; the copy in p's element order unless
 // transposed, below), whether all of them are 16-byte aligned (float4 path), and `row`: the
 // parameter's row of the hyperparameters (ops/optim.py hyper_rows), read at every launch, so
-// that a write from the host between steps takes effect without a new table or capture. `kinds` holds storage codes (bf16.cuh STORAGE_*): bits 0-7
-// the gradient's, float32 or bf16 bits (precision="bf16", where the update reads the bf16
-// gradient of the weight's copy and widens it itself, exactly as the dropped cast would
-// have: compile/fuse.py fuse_gradient_casts) or float16; bits 8-15 the parameter's and its
+// that a write from the host between steps takes effect without a new table or capture.
+// `kinds` holds storage codes (bf16.cuh STORAGE_*): bits 0-7 the gradient's, float32 or bf16
+// bits (precision="bf16", where the update reads the bf16 gradient of the weight's copy and
+// widens it itself, exactly as the dropped cast would have: compile/fuse.py
+// fuse_gradient_casts) or float16; bits 8-15 the parameter's and its
 // state's, float32 or float16 (model.half()); bit 16 GRAD_TRANSPOSED, bit 17 COPY_TRANSPOSED.
 struct UpdateEntry {
     void* p;

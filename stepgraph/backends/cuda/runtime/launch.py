@@ -146,10 +146,13 @@ def _buffers_key(arrays) -> tuple:
     return tuple((a.data.ptr, a.size) for a in arrays)
 
 
-def _chunk_jobs(sizes: list[int], chunk: int = UPDATE_CHUNK) -> np.ndarray:
+def _chunk_jobs(sizes: list[int], chunk: int | list[int] = UPDATE_CHUNK) -> np.ndarray:
     """(tensor, chunk) work items of a multi-tensor kernel, `chunk` elements each, at least
-    one per tensor."""
-    jobs = [(t, c) for t, n in enumerate(sizes) for c in range(max(1, -(-n // chunk)))]
+    one per tensor; or, given one chunk a tensor, each tensor's own (0: no work items for
+    that tensor, which another launch of the same table takes)."""
+    chunks = chunk if isinstance(chunk, list) else [chunk] * len(sizes)
+    jobs = [(t, c) for t, (n, size) in enumerate(zip(sizes, chunks)) if size
+            for c in range(max(1, -(-n // size)))]
     if len(jobs) > MAX_INT:
         raise ShapeError(f"multi-tensor kernel: {len(jobs)} blocks exceed the grid limit")
     return np.array(jobs, dtype=np.int32).reshape(-1, 2)
