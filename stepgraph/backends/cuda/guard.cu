@@ -49,9 +49,29 @@ __device__ __forceinline__ bool bad_labels(const L* labels, long long start, lon
     return bad;
 }
 
+// 16 bytes of a float tensor, 16-byte aligned: four float32 or eight 16-bit values (bits
+// widened exactly, so Inf and NaN stay).
+__device__ __forceinline__ bool not_finite16(const void* p, int storage, long long i,
+                                             int square) {
+    if (storage == STORAGE_F32)
+        return not_finite4(*reinterpret_cast<const float4*>(static_cast<const float*>(p) + i),
+                           square);
+    const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(p) + i);
+    const unsigned int words[4] = {raw.x, raw.y, raw.z, raw.w};
+    bool bad = false;
+    for (int k = 0; k < 8; ++k) {
+        const unsigned short bits = (unsigned short)(words[k / 2] >> (16 * (k % 2)));
+        bad |= not_finite(storage == STORAGE_BF16 ? bf16_to_float(bits)
+                                                  : fp16_to_float(fp16_bits{bits}),
+                          square);
+    }
+    return bad;
+}
+
 // Block k checks chunk blocks[k] = (tensor, chunk index) of the table: elements
-// [chunk * index, min(chunk * (index + 1), n)), float tensors four a thread (float4 where
-// aligned; chunk is a multiple of 4).
+// [chunk * index, min(chunk * (index + 1), n)), float tensors 16 bytes a thread at a time
+// where aligned (chunk is a multiple of 8). Chunks of several loads a thread: a block of one
+// load a thread spent as long starting as reading (guards.py GUARD_CHUNK).
 extern "C" __global__ void guard_check_kernel(const GuardEntry* entries, const int2* blocks,
                                               int chunk, long long classes,
                                               long long ignore_index, int has_ignore,
@@ -61,17 +81,16 @@ extern "C" __global__ void guard_check_kernel(const GuardEntry* entries, const i
     const long long start = (long long)job.y * chunk, end = min(start + chunk, e.n);
     bool bad = false;
     if (e.kind == KIND_FLOAT32 || e.kind == KIND_BF16 || e.kind == KIND_FP16) {
-        // 16-bit values widened exactly: Inf and NaN stay
         const int storage = e.kind == KIND_BF16   ? STORAGE_BF16
                             : e.kind == KIND_FP16 ? STORAGE_FP16
                                                   : STORAGE_F32;
-        for (long long i = start + 4 * (long long)threadIdx.x; i < end; i += 4LL * blockDim.x) {
-            if (e.aligned && i + 4 <= end) {
-                float v[4];
-                load4_either_as_float(e.p, storage, i, v);
-                bad |= not_finite4(make_float4(v[0], v[1], v[2], v[3]), e.square);
+        const int width = storage == STORAGE_F32 ? 4 : 8;   // elements in 16 bytes
+        for (long long i = start + width * (long long)threadIdx.x; i < end;
+             i += (long long)width * blockDim.x) {
+            if (e.aligned && i + width <= end) {
+                bad |= not_finite16(e.p, storage, i, e.square);
             } else {
-                for (long long j = i; j < i + 4 && j < end; ++j)
+                for (long long j = i; j < i + width && j < end; ++j)
                     bad |= not_finite(load_either_as_float(e.p, storage, j), e.square);
             }
         }

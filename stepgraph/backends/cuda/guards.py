@@ -34,6 +34,10 @@ BF16_OPS = frozenset({"guard_check"})   # bf16 gradients (KIND 3)
 # float16 gradients and losses (KIND 4); a float16 loss in a float16 history
 FP16_OPS = frozenset({"guard_check", "guard_advance"})
 COPY_CHUNK = UPDATE_CHUNK     # bytes a block copies (the saved state is small: BatchNorm's)
+# Elements guard_check_kernel's block reads (a multiple of 8): four 16-byte loads a thread at
+# float32, two at 16 bits. At one load a thread (UPDATE_CHUNK) the check read unet_pad's
+# gradients at 1.1-2.3 TB/s, its blocks as long starting as reading.
+GUARD_CHUNK = 4 * UPDATE_CHUNK
 
 
 def kernel_names() -> dict[str, set[str]]:
@@ -57,7 +61,7 @@ def _check_tables(node: Node, loss, labels, grads) -> dict:
         _check(f"guard_check input {i}", t, dtype=None)
         # gradients: their squares (ops/guard.py guard_check says why)
         entries[i] = (t.data.ptr, t.size, kind, bit, int(_aligned(t)), int(bit == GUARD_GRADS))
-    jobs = _chunk_jobs([t.size for t, _ in rows])
+    jobs = _chunk_jobs([t.size for t, _ in rows], GUARD_CHUNK)
     return dict(entries=cp.asarray(entries.view(np.int64)), jobs=cp.asarray(jobs))
 
 
@@ -78,7 +82,7 @@ def guard_check(ctx, node: Node, ins: list) -> None:
     tables = _node_memory(node, key, ctx, lambda: _check_tables(node, loss, labels, grads))
     ignore = node.attrs.get("ignore_index")
     _launch(ctx, SOURCE, "guard_check_kernel", (len(tables["jobs"]),), (BLOCK,),
-            (tables["entries"], tables["jobs"], np.int32(UPDATE_CHUNK),
+            (tables["entries"], tables["jobs"], np.int32(GUARD_CHUNK),
              np.int64(classes or 0), np.int64(ignore if ignore is not None else -1),
              np.int32(ignore is not None), flags))
 
