@@ -16,7 +16,7 @@ from .backends import get_backend, resolve_device
 from .backends.numpy import bf16
 from .compile.autocast import PRECISION as BF16_PRECISION
 from .compile.autocast import (check_bf16_support, check_fp16_support, copy_values,
-                               parse_weight_copy)
+                               is_bf16_copy, parse_weight_copy)
 from .compile.build import (PREDICT_RNG_KEY, ModelLoss, ModuleValues, build_predict_graph,
                             build_train_graph)
 from .compile.distribute import average_gradients, broadcast_buffers, shard_optimizer_state
@@ -213,6 +213,7 @@ class TrainStep(_CompiledModel):
                          memory_format=memory_format, deterministic=deterministic)
         self.loss_fn, self.optimizer, self.seed = loss, optimizer, int(seed)
         self.state: dict[str, Any] = {}
+        self._has_copies = False   # whether state holds weight copies (bind)
         if isinstance(loss, Module):
             # A loss module's buffers (class weights, pos_weight) are state bound by key.
             for name, b in loss.named_buffers("loss."):
@@ -235,7 +236,7 @@ class TrainStep(_CompiledModel):
                                        self.classes, self._nonfinite_params)
         optimizer.attach(self)
         self._optimizer_version = optimizer.version    # what the device holds
-        self._versions = self._param_versions()   # the bf16 weight copies' source versions
+        self._versions = self._param_versions()   # the weight copies' source versions
 
     def _nonfinite_params(self) -> list[str]:
         """Names of the parameters holding a NaN or Inf (syncs; asked when a step failed)."""
@@ -306,21 +307,29 @@ class TrainStep(_CompiledModel):
             if parse_weight_copy(v.name) is None:
                 self.backend.copy_into(self.state[v.name],
                                        self.optimizer.initial_state(v, self._rows))
-            else:                                  # a bf16 weight copy starts as bf16(param)
+            else:                                  # a weight copy starts as its param
                 self._write_weight_copy(v.name, self.state[v.name])
+                self._has_copies = True
         return self.state[v.name]
 
     def _write_weight_copy(self, name: str, buf) -> None:
         param, dims = parse_weight_copy(name)
         values = copy_values(self.params[param].numpy(), dims, tuple(buf.shape))
-        self.backend.copy_into(buf, bf16.to_bits(values))
+        self.backend.copy_into(buf, bf16.to_bits(values) if is_bf16_copy(name) else
+                               values.astype(np.float32))
 
     def _param_versions(self) -> tuple[int, ...]:
         return tuple(p.version for p in self.params.values())
 
+    def _copies_stale(self) -> bool:
+        """Whether a parameter was written from outside the step since the weight copies
+        were made from it."""
+        return self._has_copies and self._versions != self._param_versions()
+
     def _refresh_weight_copies(self) -> None:
-        """bf16(param) into every bf16 weight copy: after parameters were written from outside
-        the step (model.load_state_dict, Parameter.assign), which the copies cannot see."""
+        """Each weight copy made again from its parameter (bf16, or float32 transposed): after
+        parameters were written from outside the step (model.load_state_dict,
+        Parameter.assign), which the copies cannot see."""
         for name, buf in self.state.items():
             if parse_weight_copy(name) is not None:
                 self._write_weight_copy(name, buf)
@@ -391,7 +400,7 @@ class TrainStep(_CompiledModel):
             self._guard.check_call()
         exe = self._prepare(arrays)
         self._sync_optimizer()
-        if self.precision == BF16_PRECISION and self._versions != self._param_versions():
+        if self._copies_stale():
             self._refresh_weight_copies()
         if self._host_step is None:   # mirror the device counter once; then count on the host
             self._host_step = self._device_calls()
@@ -429,7 +438,7 @@ class TrainStep(_CompiledModel):
         self.module_values.check()
         replay = self.executable(signature).replay(steps)
         self._sync_optimizer()
-        if self.precision == BF16_PRECISION and self._versions != self._param_versions():
+        if self._copies_stale():
             self._refresh_weight_copies()
         if self._host_step is None:
             self._host_step = self._device_calls()
@@ -510,7 +519,7 @@ class TrainStep(_CompiledModel):
         saved_lr = np.float32(np.asarray(state_dict[SCHEDULE_KEY])[0])
         if saved_lr != np.float32(self.optimizer.lr):
             self.optimizer.lr = float(saved_lr)
-        if self.precision == BF16_PRECISION:
+        if self._has_copies:
             self._refresh_weight_copies()
 
 

@@ -128,8 +128,10 @@ FP32_KINDS = {"scalar": FP32_SCALAR_KINDS, "binary": ("pow",),
 # An op missing above runs in float32 (its bf16 inputs cast up): safe until it is reviewed.
 DEFAULT_POLICY = FP32
 
-# State names of the bf16 weight copies the optimizer writes (weight_copy_name).
+# State names of the weight copies the optimizer writes (weight_copy_name): the bf16 copies,
+# and the float32 transposed copies of a channels-last step (compile/weight_permutes.py).
 WEIGHT_COPY_PREFIX = "autocast.bf16"
+PERMUTED_WEIGHT_PREFIX = "layout.float32"
 
 
 @dataclass(frozen=True)
@@ -201,26 +203,35 @@ def as_float32(graph: Graph, v: Value, label: str = "") -> Value:
 
 
 def weight_copy_name(param_name: str, dims: tuple[int, ...] | None = None,
-                     shape: tuple[int, ...] | None = None) -> str:
+                     shape: tuple[int, ...] | None = None,
+                     prefix: str = WEIGHT_COPY_PREFIX) -> str:
     """"autocast.bf16.<param>"; "autocast.bf16@<dims>.<param>" for a transposed copy,
     "autocast.bf16#<shape>.<param>" for a reshaped one (a 1x1 conv's weight in channels-last
     order), so that a name always names one shape: the steps of both layouts, built side by
-    side (compile/layout_choice.py), bind their copies by name."""
+    side (compile/layout_choice.py), bind their copies by name. A float32 copy's name starts
+    with PERMUTED_WEIGHT_PREFIX instead."""
     tag = "" if dims is None else "@" + "".join(map(str, dims))
     if dims is None and shape is not None:
         tag = "#" + "x".join(map(str, shape))
-    return f"{WEIGHT_COPY_PREFIX}{tag}.{param_name}"
+    return f"{prefix}{tag}.{param_name}"
 
 
 def parse_weight_copy(state_name: str) -> tuple[str, tuple[int, ...] | None] | None:
-    """(parameter name, dims) of a bf16 weight copy's state name; None for other state. A
-    reshaped copy's dims are None (copy_values reshapes to the buffer's shape)."""
-    if not state_name.startswith(WEIGHT_COPY_PREFIX):
+    """(parameter name, dims) of a weight copy's state name, bf16 or float32; None for other
+    state. A reshaped copy's dims are None (copy_values reshapes to the buffer's shape)."""
+    prefix = next((p for p in (WEIGHT_COPY_PREFIX, PERMUTED_WEIGHT_PREFIX)
+                   if state_name.startswith(p)), None)
+    if prefix is None:
         return None
-    tag, dot, param = state_name[len(WEIGHT_COPY_PREFIX):].partition(".")
+    tag, dot, param = state_name[len(prefix):].partition(".")
     if not dot or (tag and tag[0] not in "@#"):
         return None
     return param, (tuple(int(d) for d in tag[1:]) if tag.startswith("@") else None)
+
+
+def is_bf16_copy(state_name: str) -> bool:
+    """Whether a weight copy's state name (parse_weight_copy) names a bf16 copy."""
+    return state_name.startswith(WEIGHT_COPY_PREFIX)
 
 
 def copy_values(param: np.ndarray, dims: tuple[int, ...] | None, shape) -> np.ndarray:

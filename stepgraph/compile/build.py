@@ -17,6 +17,7 @@ from .guard import emit_guard
 from .history import emit_record_loss
 from .autocast import PRECISION as BF16_PRECISION
 from .autocast import LOW_DTYPES, as_float32, autocast, bind_weight_copies
+from .weight_permutes import bind_permuted_weights
 from .attention_rewrite import masks_supported, rewrite_attention
 from .cross_entropy_rewrite import rewrite_cross_entropy
 from .layout import apply_memory_format
@@ -188,7 +189,8 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
         grads = unscale_gradients(tracer, loss_scaling, grads)
     if grad_hook is not None:
         grads = grad_hook(tracer, params, grads)
-    copies = bind_weight_copies(tracer.graph) if bf16 else None
+    copies = (bind_weight_copies(tracer.graph) if bf16 else []) + \
+        bind_permuted_weights(tracer.graph)
     guard = emit_guard(tracer, on_bad_batch, loss.value, target.value, grads,
                        loss_scaled=loss_scaling is not None)
     optimizer.emit(tracer, params, grads, guard=guard, weight_copies=copies)

@@ -10,7 +10,6 @@ sharing that state.
 from __future__ import annotations
 
 from ..api import TrainStep, _input_names
-from ..compile.autocast import PRECISION as BF16_PRECISION
 from ..compile.autocast import check_fp16_support
 from ..compile.build import ModelLoss, build_train_graph
 from ..compile.executable import COPY_ROLES, STATIC_ROLES, Executable, GraphKey
@@ -123,12 +122,12 @@ class LoopStep(TrainStep):
         """Run next after another step of the optimizer ran (carry.py copied the optimizer
         state in): `step_offsets` {id(Parameter): steps it missed} go to the device with the
         hyperparameters before the next step, the host mirror of the counter is read again,
-        bf16 weight copies are made from the parameters again, and the optimizer's
-        state_dict reads this step."""
+        weight copies are made from the parameters again, and the optimizer's state_dict
+        reads this step."""
         self.step_offsets = step_offsets
         self._optimizer_version = None
         self._host_step = None
-        if self.precision == BF16_PRECISION:
+        if self._has_copies:
             self._refresh_weight_copies()
         self.optimizer.attach(self)
 
@@ -204,7 +203,7 @@ class LoopStep(TrainStep):
             self._check_values(arrays)
         exe.feed(arrays)
         self._sync_optimizer()          # param_groups writes (a scheduler's) reach the device
-        if self.precision == BF16_PRECISION and self._versions != self._param_versions():
+        if self._copies_stale():
             self._refresh_weight_copies()
         if self._host_step is None:      # mirror the device counter once; then count here
             self._host_step = self._device_calls()

@@ -180,7 +180,7 @@ def hyperparameter_table(op: str, values: dict, n: int) -> np.ndarray:
 def _update_mutates(attrs) -> tuple[int, ...]:
     # inputs: n_scalars scalars (lr, step, hyperparameters[, norm]), then params, grads and
     # n_slots groups of per-parameter state (momentum buffers; Adam's exp_avg, exp_avg_sq),
-    # n_params each, then one bf16 weight copy per entry of attrs copies (precision="bf16").
+    # n_params each, then one weight copy per entry of attrs copies (bf16, or float32).
     n, k = attrs["n_params"], attrs["n_scalars"]
     written = list(range(k, k + n))
     for s in range(attrs["n_slots"]):
@@ -190,8 +190,8 @@ def _update_mutates(attrs) -> tuple[int, ...]:
 
 
 def update_weight_copies(attrs) -> list[tuple[int, int, tuple[int, ...] | None]]:
-    """(parameter input index, copy input index, transpose dims or None) of each bf16 weight
-    copy an update writes (attrs copies, copy_dims; sgd_update's docstring)."""
+    """(parameter input index, copy input index, transpose dims or None) of each weight copy
+    an update writes (attrs copies, copy_dims; sgd_update's docstring)."""
     n, k = attrs["n_params"], attrs["n_scalars"]
     first = k + (2 + attrs["n_slots"]) * n
     indices = attrs.get("copies", ())
@@ -202,17 +202,17 @@ def update_weight_copies(attrs) -> list[tuple[int, int, tuple[int, ...] | None]]
 @defop("sgd_update", mutates=_update_mutates)
 def _sgd_update(ins, attrs):
     """PyTorch SGD over every parameter in one op. ins = lr, step, hyperparameters[, norm],
-    params, grads, momentum buffers[, bf16 weight copies][, guard flags]. lr is the schedule's
+    params, grads, momentum buffers[, weight copies][, guard flags]. lr is the schedule's
     factor; hyperparameters the (rows, 4) float64 state of HYPER_COLUMNS (lr, weight_decay,
     momentum, dampening), parameter i reading row hyper_rows(attrs)[i]; n_slots 1 (a momentum
     buffer each) or 0 (the step was built without momentum: a row's momentum is then unused).
     A row with momentum 0 updates as plain SGD and leaves its buffer as it is (PyTorch's). attrs
     nesterov, maximize. Grads are scaled by min(1, max_norm / (norm + 1e-6)) when clipping.
-    attrs copies (precision="bf16", compile/autocast.py): the
-    indices of the parameters with a bf16 copy, one copy input each in that order; after the
-    update, copy j = bf16(params[copies[j]]) rounded to nearest even, transposed by copy_dims[j]
-    when attrs copy_dims gives dims (not None) and viewed with the copy's shape (a conv
-    weight's channels-last copy (O, kh, kw, C/groups)). attrs grad_dims (optional, one entry
+    attrs copies (compile/autocast.py, compile/weight_permutes.py): the indices of the
+    parameters with a weight copy, one copy input each in that order; after the update, copy j
+    = params[copies[j]] (a bf16 copy: rounded to nearest even; a float32 one: as is),
+    transposed by copy_dims[j] when attrs copy_dims gives dims (not None) and viewed with the
+    copy's shape (a conv weight's channels-last copy (O, kh, kw, C/groups)). attrs grad_dims (optional, one entry
     a parameter): gradient i is given as the parameter-ordered gradient transposed by
     grad_dims[i] (None: in the parameter's order), as a channels-last convolution made it
     (compile/update_permutes.py). With attrs guard, the
@@ -227,7 +227,7 @@ def _sgd_update(ins, attrs):
 def _adam_update(ins, attrs):
     """PyTorch Adam (decoupled=False) or AdamW (decoupled=True) over every parameter.
     ins = lr, step, hyperparameters (lr, weight_decay, beta1, beta2, eps)[, norm], params,
-    grads, exp_avg, exp_avg_sq[, max_exp_avg_sq with attrs amsgrad][, bf16 weight copies][,
+    grads, exp_avg, exp_avg_sq[, max_exp_avg_sq with attrs amsgrad][, weight copies][,
     guard flags] (as sgd_update); attrs maximize."""
     return []
 
@@ -237,7 +237,7 @@ def _rmsprop_update(ins, attrs):
     """PyTorch RMSprop over every parameter. ins = lr, step, hyperparameters (lr,
     weight_decay, alpha, eps, momentum)[, norm], params, grads, square_avg[, grad_avg with
     attrs centered][, momentum_buffer: n_slots = 1 + centered + 1 when the step was built with
-    momentum][, bf16 weight copies][, guard flags] (as sgd_update); attrs maximize."""
+    momentum][, weight copies][, guard flags] (as sgd_update); attrs maximize."""
     return []
 
 
@@ -245,7 +245,7 @@ def _rmsprop_update(ins, attrs):
 def _adagrad_update(ins, attrs):
     """PyTorch Adagrad over every parameter. ins = lr, step, hyperparameters (lr,
     weight_decay, lr_decay, eps)[, norm], params, grads, sum (starting at the group's
-    initial_accumulator_value)[, bf16 weight copies][, guard flags] (as sgd_update); attrs
+    initial_accumulator_value)[, weight copies][, guard flags] (as sgd_update); attrs
     maximize."""
     return []
 
@@ -282,9 +282,9 @@ def _update_groups(node: Node, ins):
 
 
 def _write_weight_copies(node: Node, ins) -> None:
-    """The bf16 weight copies of an update (attrs copies, copy_dims): copy j =
-    params[copies[j]] transposed by copy_dims[j] (None: as is) in the copy's shape, rounded
-    to bf16 by the backend, which holds the copies as bf16 (NumpyBackend.run_node)."""
+    """The weight copies of an update (attrs copies, copy_dims): copy j = params[copies[j]]
+    transposed by copy_dims[j] (None: as is) in the copy's shape; a bf16 copy rounded to bf16
+    by the backend, which holds it as bf16 (NumpyBackend.run_node), a float32 one as is."""
     for at_param, at_copy, dims in update_weight_copies(node.attrs):
         p, copy = ins[at_param], ins[at_copy]
         copy[...] = (p if dims is None else p.transpose(dims)).reshape(copy.shape)

@@ -342,8 +342,9 @@ class Optimizer(LoopMethods):
         """Append the update. With a guard (compile/guard.py), its guard_advance moves the
         step counter only on steps that pass, and the update op reads its flags (last input,
         attrs guard) and leaves everything as it was on a step that does not.
-        weight_copies (compile/autocast.py WeightCopy list, precision="bf16"): the update also
-        writes each bf16 copy from its freshly updated float32 parameter (attrs copies,
+        weight_copies (compile/autocast.py WeightCopy list: the bf16 copies of precision="bf16",
+        the float32 transposed conv weights of compile/weight_permutes.py): the update also
+        writes each copy from its freshly updated float32 parameter (attrs copies,
         copy_dims)."""
         from ..ops.optim import HYPER_COLUMNS, HYPER_DTYPE   # ops imports optim
 

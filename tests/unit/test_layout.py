@@ -188,12 +188,14 @@ def test_resnet_float32_steps_equal_nchw():
     ops = [n for n, _, _ in steps[1].executable(steps[1].signature).calls]
     fused = [n for n in ops if n.op == "batch_norm_train" and n.attrs.get("act") == "relu"]
     assert fused and all(n.attrs["layout"] == "NHWC" for n in fused)    # BN + ReLU still fuse
-    # the input's permute; the 7 weights' permutes as a group (compile/permute_groups.py),
-    # their gradients read by the update as they are (compile/update_permutes.py)
+    # the input's permute alone: the 7 conv weights are float32 copies the update writes
+    # transposed (compile/weight_permutes.py), their gradients read by the update as they are
+    # (compile/update_permutes.py)
     assert sum(n.op == "permute" for n in ops) == 1
-    assert [len(n.inputs) for n in ops if n.op == "permute_group"] == [7]
+    assert not any(n.op == "permute_group" for n in ops)
     update = next(n for n in ops if n.op == "sgd_update")
     assert sum(d is not None for d in update.attrs["grad_dims"]) == 7
+    assert len(update.attrs["copy_dims"]) == 7
 
 
 def test_resnet_predictions_equal_nchw():

@@ -166,13 +166,16 @@ def test_update_tables_mark_the_transposed_entries(monkeypatch):
     params = [Fake(s, ptr=0x10000 * (i + 1)) for i, s in enumerate(shapes)]
     grads = [Fake(tuple(s[d] for d in TO_KRSC) if len(s) == 4 else s, "uint16")
              for s in shapes]
-    copies = {1: (Fake((6, 5, 5, 3), "uint16", 0x90000), True)}
+    copies = {1: (Fake((6, 5, 5, 3), "uint16", 0x90000), True),
+              0: (Fake((64, 3, 3, 32), "float32", 0xa0000), True)}
     tables = cuda_optim._build_update_tables(
         "sgd_update", params, grads, [[Fake(s) for s in shapes]], [0], [0] * 4, copies,
         (TO_KRSC, None, None, TO_KRSC))
     e = tables["entries"]
     kinds, cols, rest, span = e[:, 8], e[:, 10], e[:, 11], e[:, 12]
-    assert [k >> 16 for k in kinds] == [1, 2, 0, 1]            # grad, copy, neither, grad
+    # grad (and a float32 copy), copy, neither, grad; the copies' storage codes in bits 24-31
+    assert [(k >> 16) & 0xff for k in kinds] == [3, 2, 0, 1]
+    assert [k >> 24 for k in kinds] == [0, 1, 0, 0]
     assert cols.tolist() == [32, 3, 0, 1024] and rest.tolist() == [9, 25, 0, 9]
     # 288-element slices 14 a block; 75-element ones 52 (54 fit, 52 make whole float4s); one
     # 9,216-element slice a block

@@ -6,13 +6,13 @@ one launch.
 The updates keep a table of tensor pointers, sizes and each parameter's row of the
 hyperparameters, and per-block work items, made at the first eager call on their buffers
 (runtime/launch.py `_node_memory`); the hyperparameters themselves are read from their device
-buffer (state `optimizer.hyperparameters`) at every launch, so a write between steps is seen
-by a replayed graph. They read float32 or bf16 gradients and write the bf16
-weight copies (attrs copies); a float16 parameter (model.half()) has float16 state and a
-float16 gradient, each widened, updated in float32 and rounded once on store. An update with
-attrs update_stream (compile/overlap.py) runs forked onto the context's update stream
-(runtime/update_stream.py); update_join makes ctx.stream wait for the updates forked since the
-last join.
+buffer (state `optimizer.hyperparameters`) at every launch, so a write between steps is seen by
+a replayed graph. They read float32 or bf16 gradients and write the weight copies (attrs
+copies: bf16, or a channels-last step's transposed float32 conv weights); a float16 parameter
+(model.half()) has float16 state and a float16 gradient, each widened, updated in float32 and
+rounded once on store. An update with attrs update_stream (compile/overlap.py) runs forked onto
+the context's update stream (runtime/update_stream.py); update_join makes ctx.stream wait for
+the updates forked since the last join.
 """
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def advance_step(ctx, step, schedule, loss, history_loss, history_step, lr) -> N
 
 def _update_groups(node: Node, ins: list):
     """(lr, step, hyperparameters, norm or None, params, grads, slots) of an update op's inputs
-    (ops.py); the bf16 weight copies (attrs copies) follow the slots, a guarded one's flags
+    (ops.py); the weight copies (attrs copies) follow the slots, a guarded one's flags
     (attrs guard) come last."""
     a = node.attrs
     n, k, s = a["n_params"], a["n_scalars"], a["n_slots"]
@@ -98,7 +98,7 @@ def _update_groups(node: Node, ins: list):
     if k not in (UPDATE_SCALARS, UPDATE_SCALARS + 1) or \
             len(ins) != k + (2 + s) * n + copies + bool(a.get("guard")):
         raise ShapeError(f"{node.op}: {len(ins)} inputs do not match n_params={n}, "
-                         f"n_scalars={k}, n_slots={s}, {copies} bf16 copies")
+                         f"n_scalars={k}, n_slots={s}, {copies} weight copies")
     if k == NORM_AT + 1 and a.get("max_norm") is None:
         raise ShapeError(f"{node.op}: a norm input needs attrs max_norm")
     slots = [ins[k + (2 + j) * n:k + (3 + j) * n] for j in range(s)]
@@ -107,19 +107,27 @@ def _update_groups(node: Node, ins: list):
 
 
 def _weight_copies(node: Node, ins: list) -> list[tuple[int, Any, Any]]:
-    """(parameter index, bf16 copy, transpose dims or None) of each weight copy of an update
-    (attrs copies, copy_dims: ops.py sgd_update), each copy checked against its parameter."""
+    """(parameter index, copy, transpose dims or None) of each weight copy of an update (attrs
+    copies, copy_dims: ops.py sgd_update), each copy checked against its parameter: bf16
+    bits, or float32 transposed as the update writes it itself (compile/weight_permutes.py)."""
     k = node.attrs["n_scalars"]
     found = []
     for j, (at_param, at_copy, dims) in enumerate(update_weight_copies(node.attrs)):
         i, p, copy = at_param - k, ins[at_param], ins[at_copy]
-        _check(f"{node.op} bf16 copy {j}", copy, "uint16")
+        _check(f"{node.op} weight copy {j}", copy, dtype=None)
+        if copy.dtype.name not in ("uint16", "float32"):
+            raise ShapeError(f"{node.op} weight copy {j}: bf16 bits (uint16) or float32, got "
+                             f"{copy.dtype}")
         if copy.size != p.size:
-            raise ShapeError(f"{node.op} bf16 copy {j}: {tuple(copy.shape)} does not hold "
+            raise ShapeError(f"{node.op} weight copy {j}: {tuple(copy.shape)} does not hold "
                              f"parameter {i} {tuple(p.shape)}")
         if dims is not None and (sorted(dims) != list(range(p.ndim)) or p.ndim > 4):
-            raise ShapeError(f"{node.op} bf16 copy {j}: copy_dims {dims} is no permutation of "
-                             f"a parameter of at most 4 dims {tuple(p.shape)}")
+            raise ShapeError(f"{node.op} weight copy {j}: copy_dims {dims} is no permutation "
+                             f"of a parameter of at most 4 dims {tuple(p.shape)}")
+        if copy.dtype.name == "float32" and not update_transposes(dims, p.shape):
+            raise ShapeError(f"{node.op} weight copy {j}: a float32 copy must be a transpose "
+                             f"the update writes itself, not copy_dims {dims} of "
+                             f"{tuple(p.shape)}")
         if dims is not None and tuple(dims) == tuple(range(p.ndim)):
             dims = None              # the identity: the same element order
         found.append((i, copy, None if dims is None else tuple(dims)))
@@ -132,7 +140,7 @@ def _build_update_tables(op: str, params, grads, slots, positions, rows, copies,
     of UPDATE_CHUNK elements, and `sliced`, the transposed entries' spans of whole slices
     (include/update.cuh update_slices), with the shared memory those take. slots: per slot,
     its tensor of each parameter, placed at table slot positions[j] (s0, s1, s2); rows: each
-    parameter's hyperparameter row; copies: {parameter index: (its bf16 copy, whether it holds
+    parameter's hyperparameter row; copies: {parameter index: (its weight copy, whether it holds
     the parameter's slices transposed)}, written by the update itself; grad_dims: per
     parameter, None or the slice transpose its gradient is given in. A parameter and its
     state are float32 or all float16; its gradient float32, bf16 bits or float16."""
@@ -155,13 +163,14 @@ def _build_update_tables(op: str, params, grads, slots, positions, rows, copies,
         _element_ctype(f"{op} grad {i}", g)    # or bf16 bits (fuse.py fuse_gradient_casts)
         copy, transposed_copy = copies.get(i, (None, False))
         if copy is not None and p.dtype != np.float32:
-            raise ShapeError(f"{op} param {i}: a bf16 weight copy needs a float32 parameter")
+            raise ShapeError(f"{op} param {i}: a weight copy needs a float32 parameter")
         ptrs = [p.data.ptr, g.data.ptr] + [0 if t is None else t.data.ptr for t in placed]
         ptrs.append(0 if copy is None else copy.data.ptr)
         used = [p, g] + [t for t in placed if t is not None]
         aligned = _aligned(*used, *([] if copy is None else [copy]))
         kinds = FLOAT_KINDS[g.dtype] | FLOAT_KINDS[p.dtype] << 8 | \
-            GRAD_TRANSPOSED * transposed_grad | COPY_TRANSPOSED * transposed_copy
+            GRAD_TRANSPOSED * transposed_grad | COPY_TRANSPOSED * transposed_copy | \
+            (0 if copy is None else FLOAT_KINDS[copy.dtype] << 24)
         cols = rest = span = 0
         if transposed_grad or transposed_copy:
             cols, rest = p.shape[1], int(np.prod(p.shape[2:]))
@@ -227,7 +236,8 @@ def _update_tables(node: Node, ins: list, ctx):
 def _permuted_copies(ctx, node: Node, ins: list) -> None:
     """After the update launch: the bf16 copies whose element order is a transpose of their
     parameter's (attrs copy_dims) other than those the update writes itself
-    (update_transposes), all in one gather launch."""
+    (update_transposes; every float32 copy is one of those: _weight_copies), all in one
+    gather launch."""
     k = node.attrs["n_scalars"]
     permuted = [(ins[k + i], copy, dims) for i, copy, dims in _weight_copies(node, ins)
                 if dims is not None and copy.size and not update_transposes(dims, ins[k + i].shape)]

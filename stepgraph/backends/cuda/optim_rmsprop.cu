@@ -2,9 +2,9 @@
 // needs is a host scalar: lr, step, the clipping norm and every parameter's hyperparameters (a
 // float64 row of the state `optimizer.hyperparameters`, ops/optim.py HYPER_COLUMNS) are read from
 // device memory, so a captured graph stays valid when they change. A guarded step's update writes
-// nothing when guard_advance skipped it. precision="bf16": the update also writes each parameter's
-// bf16 weight copy (attrs copies) from the freshly updated float32 value, in the same pass
-// (UpdateEntry.copy).
+// nothing when guard_advance skipped it. The update also writes each parameter's weight copy (attrs
+// copies: bf16 with precision="bf16", a channels-last step's transposed float32 conv weight) from
+// the freshly updated float32 value, in the same pass (UpdateEntry.copy).
 #include "update.cuh"
 
 struct RmspropScalars {

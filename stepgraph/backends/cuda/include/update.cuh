@@ -15,14 +15,16 @@
 // bits (precision="bf16", where the update reads the bf16 gradient of the weight's copy and
 // widens it itself, exactly as the dropped cast would have: compile/fuse.py
 // fuse_gradient_casts) or float16; bits 8-15 the parameter's and its
-// state's, float32 or float16 (model.half()); bit 16 GRAD_TRANSPOSED, bit 17 COPY_TRANSPOSED.
+// state's, float32 or float16 (model.half()); bit 16 GRAD_TRANSPOSED, bit 17 COPY_TRANSPOSED;
+// bits 24-31 the weight copy's, bf16 (precision="bf16") or float32 (a channels-last step's
+// transposed conv weight, compile/weight_permutes.py).
 struct UpdateEntry {
     void* p;
     const void* g;
     void* s0;  // SGD momentum buffer / Adam exp_avg / RMSprop square_avg / Adagrad sum
     void* s1;  // Adam exp_avg_sq / RMSprop grad_avg
     void* s2;  // Adam max_exp_avg_sq / RMSprop momentum_buffer
-    unsigned short* copy;  // bf16 weight copy of p (null: none)
+    void* copy;  // weight copy of p (null: none)
     long long n;
     long long aligned;
     long long kinds;
@@ -37,6 +39,11 @@ struct UpdateEntry {
 
 #define GRAD_TRANSPOSED (1LL << 16)
 #define COPY_TRANSPOSED (1LL << 17)
+
+// The storage code (bf16.cuh STORAGE_*) of an entry's weight copy.
+__device__ __forceinline__ int copy_kind(const UpdateEntry& e) {
+    return (int)((e.kinds >> 24) & 0xff);
+}
 
 // The table row of the parameter block blockIdx.x updates.
 __device__ __forceinline__ const UpdateEntry& block_entry(const UpdateEntry* entries,
@@ -69,6 +76,7 @@ __device__ __forceinline__ void update_slices(const UpdateEntry& e, long long st
     const bool u0 = slots & 1, u1 = slots & 2, u2 = slots & 4;
     const bool gt = e.kinds & GRAD_TRANSPOSED, ct = e.kinds & COPY_TRANSPOSED;
     const int gk = (int)(e.kinds & 0xff), pk = (int)((e.kinds >> 8) & 0xff);
+    const int ck = copy_kind(e);
     if (gt) {
         for (int j = 4 * threadIdx.x; j < count; j += 4 * blockDim.x) {
             const int m = min(4, count - j);
@@ -120,14 +128,14 @@ __device__ __forceinline__ void update_slices(const UpdateEntry& e, long long st
         }
         if (e.aligned && m == 4) {
             store4_either_from_float(e.p, pk, i, p);
-            if (e.copy && !ct) store4_from_float(e.copy, i, p);
+            if (e.copy && !ct) store4_either_from_float(e.copy, ck, i, p);
             if (u0) store4_either_from_float(e.s0, pk, i, a);
             if (u1) store4_either_from_float(e.s1, pk, i, b);
             if (u2) store4_either_from_float(e.s2, pk, i, c);
         } else {
             for (int k = 0; k < m; ++k) {
                 store_either_from_float(e.p, pk, i + k, p[k]);
-                if (e.copy && !ct) store_from_float(e.copy, i + k, p[k]);
+                if (e.copy && !ct) store_either_from_float(e.copy, ck, i + k, p[k]);
                 if (u0) store_either_from_float(e.s0, pk, i + k, a[k]);
                 if (u1) store_either_from_float(e.s1, pk, i + k, b[k]);
                 if (u2) store_either_from_float(e.s2, pk, i + k, c[k]);
@@ -144,8 +152,10 @@ __device__ __forceinline__ void update_slices(const UpdateEntry& e, long long st
                 v[k] = tile[row * pitch + c];
                 if (++c == cols) c = 0, ++row;
             }
-            if (e.aligned && m == 4) store4_from_float(e.copy, start + j, v);
-            else for (int k = 0; k < m; ++k) store_from_float(e.copy, start + j + k, v[k]);
+            if (e.aligned && m == 4) store4_either_from_float(e.copy, ck, start + j, v);
+            else
+                for (int k = 0; k < m; ++k)
+                    store_either_from_float(e.copy, ck, start + j + k, v[k]);
         }
     }
 }
@@ -169,7 +179,7 @@ __device__ __forceinline__ void update_chunk(const UpdateEntry* entries, const i
     }
     const long long start = (long long)job.y * chunk, end = min(start + chunk, e.n);
     const bool u0 = slots & 1, u1 = slots & 2, u2 = slots & 4;
-    const int gk = (int)(e.kinds & 0xff), pk = (int)((e.kinds >> 8) & 0xff);
+    const int gk = (int)(e.kinds & 0xff), pk = (int)((e.kinds >> 8) & 0xff), ck = copy_kind(e);
     for (long long i = start + 4 * (long long)threadIdx.x; i < end; i += 4LL * blockDim.x) {
         if (e.aligned && i + 4 <= end) {
             float p[4], g[4], a[4] = {0.f, 0.f, 0.f, 0.f}, b[4] = {0.f, 0.f, 0.f, 0.f},
@@ -181,7 +191,7 @@ __device__ __forceinline__ void update_chunk(const UpdateEntry* entries, const i
             if (u2) load4_either_as_float(e.s2, pk, i, c);
             for (int k = 0; k < 4; ++k) element(p[k], g[k], a[k], b[k], c[k]);
             store4_either_from_float(e.p, pk, i, p);
-            if (e.copy) store4_from_float(e.copy, i, p);
+            if (e.copy) store4_either_from_float(e.copy, ck, i, p);
             if (u0) store4_either_from_float(e.s0, pk, i, a);
             if (u1) store4_either_from_float(e.s1, pk, i, b);
             if (u2) store4_either_from_float(e.s2, pk, i, c);
@@ -193,7 +203,7 @@ __device__ __forceinline__ void update_chunk(const UpdateEntry* entries, const i
                 float c = u2 ? load_either_as_float(e.s2, pk, j) : 0.f;
                 element(p, load_either_as_float(e.g, gk, j), a, b, c);
                 store_either_from_float(e.p, pk, j, p);
-                if (e.copy) store_from_float(e.copy, j, p);
+                if (e.copy) store_either_from_float(e.copy, ck, j, p);
                 if (u0) store_either_from_float(e.s0, pk, j, a);
                 if (u1) store_either_from_float(e.s1, pk, j, b);
                 if (u2) store_either_from_float(e.s2, pk, j, c);
