@@ -128,11 +128,11 @@ CASES = {
     # Three steps: at the suite's learning rate the loss climbs (2.3 -> 3.8 by the third) and
     # from the fourth torch float32 itself is percents off float64. At 8 x 64 x 64 the first
     # step held a ReLU input 1.6e-6 from zero in float64 that float32 rounds either way (torch
-    # float32 off by 1.3e-6 there): hosts whose BLAS rounds otherwise flipped its mask. Such
-    # near-ties move with the host's BLAS: on an AMD EPYC host (OpenBLAS 0.3.31, Haswell
-    # kernels) 16 x 32 x 32 and 16 x 28 x 28 flipped one at the second step (a conv weight's
-    # change 950x and 460x the policy's bound, every entry within half of it after the first
-    # step), while 16 x 36 x 36 stays within 0.23 of the bound at every step.
+    # float32 off by 1.3e-6 there): hosts whose BLAS rounds otherwise flipped its mask. Where
+    # such near-ties fall moves with the host's BLAS: on an AMD EPYC host (OpenBLAS 0.3.31,
+    # Haswell kernels) 16 x 32 x 32 and 16 x 28 x 28 jumped at the second step (a conv
+    # weight's change 950x and 460x the policy's bound, when every entry was within half of it
+    # after the first), while 16 x 36 x 36 stays within 0.23 of the bound at every step.
     "resnet18": Case("resnet18", "resnet18", images((16, 3, 36, 36), 10), "cross_entropy",
                      {"num_classes": 10}, steps=3),
     "lstm_lm": Case("lstm_lm", "RNNModel", tokens(4, 12, 48), kwargs={"learn_init": True}),
