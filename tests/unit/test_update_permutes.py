@@ -40,9 +40,10 @@ def batches(n: int = 4, size: int = 8):
              (np.arange(n) % 10).astype(np.int64)) for _ in range(3)]
 
 
-def steps(monkeypatch, make_optimizer, precision="fp32", model=ConvNet, **options):
-    """The channels-last step with the pass and without it (built with it off), the same
-    starting weights."""
+def steps(monkeypatch, make_optimizer, precision="fp32", model=ConvNet,
+          without=(api, "read_gradients_through_permutes", lambda graph: graph), **options):
+    """The channels-last step with the pass and without it (built with `without`: module,
+    name, replacement), the same starting weights."""
     data = batches()
     sg.nn.manual_seed(0)
     start = model().state_dict()
@@ -50,7 +51,7 @@ def steps(monkeypatch, make_optimizer, precision="fp32", model=ConvNet, **option
     for fused in (True, False):
         with monkeypatch.context() as patch:
             if not fused:
-                patch.setattr(api, "read_gradients_through_permutes", lambda graph: graph)
+                patch.setattr(*without)
             m = model()
             m.load_state_dict(start)
             step = sg.compile_train_step(m, nn.functional.cross_entropy, make_optimizer(),

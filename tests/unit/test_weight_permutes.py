@@ -14,27 +14,14 @@ from stepgraph.compile import build
 from stepgraph.compile.autocast import parse_weight_copy
 from stepgraph.ops.optim import UPDATE_OPS
 
-from tests.unit.test_update_permutes import TO_KRSC, ConvNet, assert_same_training, batches, plan_nodes
+from tests.unit.test_update_permutes import TO_KRSC, ConvNet, assert_same_training, plan_nodes
+from tests.unit.test_update_permutes import steps as update_steps
 
 
 def steps(monkeypatch, make_optimizer, model=ConvNet, precision="fp32"):
     """The channels-last step with the pass and without it, the same starting weights."""
-    data = batches()
-    sg.nn.manual_seed(0)
-    start = model().state_dict()
-    built = []
-    for bound in (True, False):
-        with monkeypatch.context() as patch:
-            if not bound:
-                patch.setattr(build, "bind_permuted_weights", lambda graph: [])
-            m = model()
-            m.load_state_dict(start)
-            step = sg.compile_train_step(m, nn.functional.cross_entropy, make_optimizer(),
-                                         example_inputs=data[0], precision=precision,
-                                         memory_format="channels_last")
-            step(*data[0])
-            built.append(step)
-    return built, data
+    return update_steps(monkeypatch, make_optimizer, precision, model,
+                        without=(build, "bind_permuted_weights", lambda graph: []))
 
 
 def weight_permutes(nodes):
