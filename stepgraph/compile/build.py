@@ -189,8 +189,8 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
         grads = unscale_gradients(tracer, loss_scaling, grads)
     if grad_hook is not None:
         grads = grad_hook(tracer, params, grads)
-    copies = (bind_weight_copies(tracer.graph) if bf16 else []) + \
-        bind_permuted_weights(tracer.graph)
+    copies = bind_weight_copies(tracer.graph) if bf16 else []
+    copies += bind_permuted_weights(tracer.graph, {c.param for c in copies})
     guard = emit_guard(tracer, on_bad_batch, loss.value, target.value, grads,
                        loss_scaled=loss_scaling is not None)
     optimizer.emit(tracer, params, grads, guard=guard, weight_copies=copies)

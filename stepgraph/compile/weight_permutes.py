@@ -20,21 +20,24 @@ from ..ops.optim import update_transposes
 from .autocast import PERMUTED_WEIGHT_PREFIX, WeightCopy, weight_copy_name
 
 
-def bind_permuted_weights(graph: Graph) -> list[WeightCopy]:
+def bind_permuted_weights(graph: Graph, copied=frozenset()) -> list[WeightCopy]:
     """Each permute of a float32 parameter that the update can write becomes a `state` value
     (`layout.float32@<dims>.<param>`) read by the permute's readers; the permute is dropped.
-    Returns the copies, for Optimizer.emit's weight_copies."""
+    A parameter gets one copy at most (the update's table has one a parameter): none for those
+    in `copied` (a bf16 copy's) or a second permute of one. Returns the copies, for
+    Optimizer.emit's weight_copies."""
     outputs = set(graph.outputs.values())
     copies: list[WeightCopy] = []
-    dropped = set()
+    dropped, taken = set(), set(copied)
     for n in graph.nodes:
         if n.op != "permute":
             continue
         param, copy = n.inputs[0], n.outputs[0]
         dims = tuple(int(d) for d in n.attrs["dims"])
-        if param.role != PARAM or param.dtype != "float32" or copy in outputs or \
-                not update_transposes(dims, param.shape):
+        if param.role != PARAM or param.dtype != "float32" or param in taken or \
+                copy in outputs or not update_transposes(dims, param.shape):
             continue
+        taken.add(param)
         copy.role = STATE
         copy.name = weight_copy_name(param.name, dims, prefix=PERMUTED_WEIGHT_PREFIX)
         graph.state.append(copy)

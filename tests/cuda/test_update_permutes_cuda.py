@@ -125,7 +125,7 @@ def test_channels_last_step_trains_as_with_the_permutes(precision, monkeypatch):
             if not fused:
                 patch.setattr(api, "read_gradients_through_permutes", lambda g: g)
             if not copied:
-                patch.setattr(build, "bind_permuted_weights", lambda g: [])
+                patch.setattr(build, "bind_permuted_weights", lambda g, copied: [])
             model = ConvNet(width=32)
             model.load_state_dict(start)
             step = sg.compile_train_step(model, sg.nn.functional.cross_entropy,

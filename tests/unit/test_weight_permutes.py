@@ -12,6 +12,9 @@ import stepgraph as sg
 from stepgraph import nn, optim
 from stepgraph.compile import build
 from stepgraph.compile.autocast import parse_weight_copy
+from stepgraph.compile.weight_permutes import bind_permuted_weights
+from stepgraph.ir.graph import PARAM, STATE
+from stepgraph.ir.trace import Tracer
 from stepgraph.ops.optim import UPDATE_OPS
 
 from tests.unit.test_update_permutes import TO_KRSC, ConvNet, assert_same_training, plan_nodes
@@ -21,7 +24,7 @@ from tests.unit.test_update_permutes import steps as update_steps
 def steps(monkeypatch, make_optimizer, model=ConvNet, precision="fp32"):
     """The channels-last step with the pass and without it, the same starting weights."""
     return update_steps(monkeypatch, make_optimizer, precision, model,
-                        without=(build, "bind_permuted_weights", lambda graph: []))
+                        without=(build, "bind_permuted_weights", lambda graph, copied: []))
 
 
 def weight_permutes(nodes):
@@ -103,3 +106,21 @@ def test_bf16_steps_keep_their_bf16_copies(monkeypatch):
     assert copies and all(v.dtype == "bfloat16" for v, _ in copies)
     assert [v.name for v, _ in copies] == [v.name for v, _ in update_copies(plan_nodes(plain))]
     assert_same_training(bound, plain, data)
+
+
+def test_one_copy_a_parameter():
+    """The update's table holds one copy a parameter: a second permute of a parameter, and one
+    of a parameter that already has a (bf16) copy, stay permutes."""
+    t = Tracer()
+    w, v = (t.input((8, 4, 3, 3), "float32", name).value for name in ("w", "v"))
+    w.role = v.role = PARAM
+    (first,) = t.emit("permute", [w], dims=TO_KRSC)
+    (second,) = t.emit("permute", [w], dims=TO_KRSC)
+    (other,) = t.emit("permute", [v], dims=TO_KRSC)
+    (s,) = t.emit("add", [first, second])
+    (total,) = t.emit("add", [s, other])
+    t.graph.outputs = {"total": total}
+    copies = bind_permuted_weights(t.graph, {v})
+    assert [(c.param, c.value, c.dims) for c in copies] == [(w, first, TO_KRSC)]
+    assert first.role == STATE and first in t.graph.state
+    assert [n.op for n in t.graph.nodes] == ["permute", "permute", "add", "add"]
