@@ -259,7 +259,12 @@ class TrainStep(_CompiledModel):
         return build_train_graph(self.model, self.loss_fn, self.optimizer, signature, seed,
                                  self.on_bad_batch, self.memory_format, self.precision,
                                  frozen=self.frozen, device=self.device,
-                                 values=self.module_values)
+                                 values=self.module_values,
+                                 permuted_weights=not self._shards_optimizer())
+
+    def _shards_optimizer(self) -> bool:
+        """Whether each rank's update writes its shard of the parameters only (ZeRO-1)."""
+        return self.group is not None and self.data_parallel.shard_optimizer
 
     def plan(self, signature: Signature) -> Plan:
         graph = fuse(self.build_graph(signature))
@@ -271,7 +276,7 @@ class TrainStep(_CompiledModel):
                             "another order than the first: they share one table of "
                             "hyperparameters")
         dp = self.data_parallel
-        if self.group is not None and dp.shard_optimizer:
+        if self._shards_optimizer():
             graph = shard_optimizer_state(graph, self.group.id, self.group.world_size,
                                           cap_bytes_of(dp.bucket_cap_mb))
         elif self.group is not None:

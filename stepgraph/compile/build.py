@@ -140,7 +140,8 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
                       precision: str = "fp32", frozen: frozenset = frozenset(),
                       extra_outputs: dict | None = None, grad_hook=None,
                       device: str | None = None, values: ModuleValues | None = None,
-                      loss_scaling: LossScaling | None = None) -> Graph:
+                      loss_scaling: LossScaling | None = None,
+                      permuted_weights: bool = True) -> Graph:
     """forward + loss + backward (+ guard) + update. The last feed entry is the loss target,
     or with loss_fn a ModelLoss the model's last argument (it computes the loss itself).
     on_bad_batch "raise" or "skip" adds the guard (compile/guard.py); "ignore" does not.
@@ -162,7 +163,10 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
     attention rewrite hands to sdpa, values the step's ModuleValues (rewrite_forward_attention).
     loss_scaling: a GradScaler's (compile/loss_scale.py): the loss is already scaled (the
     script's scaler.scale), the gradients are unscaled before grad_hook, clipping and the
-    guard (on_bad_batch "skip"), and the scale moves after the update."""
+    guard (on_bad_batch "skip"), and the scale moves after the update. permuted_weights: a
+    channels-last step's float32 conv weights become copies the update writes transposed
+    (compile/weight_permutes.py); off where the update does not write every parameter (a
+    sharded optimizer's, compile/distribute.py)."""
     model.name_parameters()
     tracer = Tracer(seed=seed, training=True, frozen=frozen)
     inputs = _trace_inputs(tracer, signature)
@@ -190,7 +194,8 @@ def build_train_graph(model: Module, loss_fn, optimizer, signature: Signature, s
     if grad_hook is not None:
         grads = grad_hook(tracer, params, grads)
     copies = bind_weight_copies(tracer.graph) if bf16 else []
-    copies += bind_permuted_weights(tracer.graph, {c.param for c in copies})
+    if permuted_weights:
+        copies += bind_permuted_weights(tracer.graph, {c.param for c in copies})
     guard = emit_guard(tracer, on_bad_batch, loss.value, target.value, grads,
                        loss_scaled=loss_scaling is not None)
     optimizer.emit(tracer, params, grads, guard=guard, weight_copies=copies)

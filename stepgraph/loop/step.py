@@ -160,7 +160,8 @@ class LoopStep(TrainStep):
                                       frozen=self.frozen, extra_outputs=model.exports,
                                       grad_hook=self._grad_hook, device=self.device,
                                       values=self.module_values,
-                                      loss_scaling=self._loss_scaling)
+                                      loss_scaling=self._loss_scaling,
+                                      permuted_weights=not self._shards_optimizer())
         finally:
             opt.max_grad_norm = saved
         norm = next((n.outputs[0] for n in graph.nodes if n.op == "global_norm"), None)
