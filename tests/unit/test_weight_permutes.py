@@ -10,14 +10,15 @@ import pytest
 
 import stepgraph as sg
 from stepgraph import nn, optim
-from stepgraph.compile import build
+from stepgraph.compile import build, overlap
 from stepgraph.compile.autocast import parse_weight_copy
 from stepgraph.compile.weight_permutes import bind_permuted_weights
 from stepgraph.ir.graph import PARAM, STATE
 from stepgraph.ir.trace import Tracer
 from stepgraph.ops.optim import UPDATE_OPS
 
-from tests.unit.test_update_permutes import TO_KRSC, ConvNet, assert_same_training, plan_nodes
+from tests.unit.test_update_permutes import (TO_KRSC, ConvNet, assert_same_training, batches,
+                                             plan_nodes)
 from tests.unit.test_update_permutes import steps as update_steps
 
 
@@ -124,3 +125,27 @@ def test_one_copy_a_parameter():
     assert [(c.param, c.value, c.dims) for c in copies] == [(w, first, TO_KRSC)]
     assert first.role == STATE and first in t.graph.state
     assert [n.op for n in t.graph.nodes] == ["permute", "permute", "add", "add"]
+
+
+def test_overlapped_updates_write_their_buckets_copies(monkeypatch):
+    """An update split into buckets (overlap_update) writes each bucket's copies, after the
+    backward's last read of them: the step trains as with the one update."""
+    monkeypatch.setattr(overlap, "UPDATE_BUCKET_CAP_MB", 1e-3)    # a bucket a kilobyte
+    data = batches()
+    sg.nn.manual_seed(0)
+    start = ConvNet().state_dict()
+    runs = []
+    for overlapped in (True, False):
+        model = ConvNet()
+        model.load_state_dict(start)
+        step = sg.compile_train_step(model, nn.functional.cross_entropy,
+                                     optim.SGD(lr=0.1, momentum=0.9), example_inputs=data[0],
+                                     memory_format="channels_last", on_bad_batch="ignore",
+                                     overlap_update=overlapped)
+        nodes = plan_nodes(step)
+        assert len(update_copies(nodes)) == 2
+        assert (sum(n.op in UPDATE_OPS for n in nodes) > 1) == overlapped
+        runs.append(([float(step(x, y)) for x, y in data * 2], model.state_dict()))
+    assert runs[0][0] == runs[1][0]
+    for k, v in runs[1][1].items():
+        np.testing.assert_array_equal(np.asarray(runs[0][1][k]), np.asarray(v), err_msg=k)
