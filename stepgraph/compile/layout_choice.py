@@ -9,7 +9,7 @@ or none that vote), a TrainStep whose memory_format is still "auto" when it buil
 step (CUDA, tf32 or bf16, cuDNN present, no data parallelism) builds the step in both layouts,
 the rule's first, runs each a few times from the same parameters and optimizer state (restored
 afterwards, so the measurement leaves no trace in training) and keeps the faster. The other is
-dropped, with the state only it bound (its bf16 weight copies).
+dropped, with the state only it bound (its weight copies, bf16 or float32).
 
 Where the rule is sure it decides alone: building the second layout costs a first compile
 seconds (cuDNN plans and kernels of every convolution in the other layout), and on every net
@@ -137,7 +137,7 @@ def choose(compiled, signature, key) -> tuple[LayoutChoice, Executable]:
 
 
 def _drop_state_of_the_other(compiled, kept: Executable) -> None:
-    """Free the state only the dropped step bound (its layout's bf16 weight copies): nothing
+    """Free the state only the dropped step bound (its layout's weight copies): nothing
     reads or updates it any more."""
     bound = {v.name for v in kept.plan.graph.state}
     for name in [k for k in compiled.state if k not in bound]:
