@@ -45,21 +45,31 @@ def steps(monkeypatch, make_optimizer, precision="fp32", model=ConvNet,
     """The channels-last step with the pass and without it (built with `without`: module,
     name, replacement), the same starting weights."""
     data = batches()
-    sg.nn.manual_seed(0)
-    start = model().state_dict()
+    start = initial_weights(model)
     built = []
     for fused in (True, False):
         with monkeypatch.context() as patch:
             if not fused:
                 patch.setattr(*without)
-            m = model()
-            m.load_state_dict(start)
-            step = sg.compile_train_step(m, nn.functional.cross_entropy, make_optimizer(),
-                                         example_inputs=data[0], precision=precision,
-                                         memory_format="channels_last", **options)
+            step = channels_last_step(model, start, make_optimizer, data[0],
+                                      precision=precision, **options)
             step(*data[0])
             built.append(step)
     return built, data
+
+
+def initial_weights(model=ConvNet) -> dict:
+    sg.nn.manual_seed(0)
+    return model().state_dict()
+
+
+def channels_last_step(model, start, make_optimizer, example, **options):
+    """The channels-last step of a fresh `model` holding the weights `start`."""
+    m = model()
+    m.load_state_dict(start)
+    return sg.compile_train_step(m, nn.functional.cross_entropy, make_optimizer(),
+                                 example_inputs=example, memory_format="channels_last",
+                                 **options)
 
 
 def plan_nodes(step):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import stepgraph as sg
-from stepgraph import nn, optim
+from stepgraph import optim
 from stepgraph.compile import build, overlap
 from stepgraph.compile.autocast import parse_weight_copy
 from stepgraph.compile.weight_permutes import bind_permuted_weights
@@ -18,7 +18,7 @@ from stepgraph.ir.trace import Tracer
 from stepgraph.ops.optim import UPDATE_OPS
 
 from tests.unit.test_update_permutes import (TO_KRSC, ConvNet, assert_same_training, batches,
-                                             plan_nodes)
+                                             channels_last_step, initial_weights, plan_nodes)
 from tests.unit.test_update_permutes import steps as update_steps
 
 
@@ -72,10 +72,7 @@ def test_copies_follow_parameters_loaded_from_outside(monkeypatch):
     sg.nn.manual_seed(5)
     other = ConvNet().state_dict()
     bound.model.load_state_dict(other)
-    fresh_model = ConvNet()
-    fresh_model.load_state_dict(other)
-    fresh = sg.compile_train_step(fresh_model, nn.functional.cross_entropy, sgd(),
-                                  example_inputs=data[0], memory_format="channels_last")
+    fresh = channels_last_step(ConvNet, other, sgd, data[0])
     x, y = data[1]
     assert float(bound(x, y)) == float(fresh(x, y))
     for k, v in fresh.model.state_dict().items():
@@ -131,21 +128,14 @@ def test_overlapped_updates_write_their_buckets_copies(monkeypatch):
     """An update split into buckets (overlap_update) writes each bucket's copies, after the
     backward's last read of them: the step trains as with the one update."""
     monkeypatch.setattr(overlap, "UPDATE_BUCKET_CAP_MB", 1e-3)    # a bucket a kilobyte
-    data = batches()
-    sg.nn.manual_seed(0)
-    start = ConvNet().state_dict()
-    runs = []
+    data, start = batches(), initial_weights()
+    sgd = lambda: optim.SGD(lr=0.1, momentum=0.9)     # noqa: E731
+    built = []
     for overlapped in (True, False):
-        model = ConvNet()
-        model.load_state_dict(start)
-        step = sg.compile_train_step(model, nn.functional.cross_entropy,
-                                     optim.SGD(lr=0.1, momentum=0.9), example_inputs=data[0],
-                                     memory_format="channels_last", on_bad_batch="ignore",
-                                     overlap_update=overlapped)
+        step = channels_last_step(ConvNet, start, sgd, data[0], on_bad_batch="ignore",
+                                  overlap_update=overlapped)
         nodes = plan_nodes(step)
         assert len(update_copies(nodes)) == 2
         assert (sum(n.op in UPDATE_OPS for n in nodes) > 1) == overlapped
-        runs.append(([float(step(x, y)) for x, y in data * 2], model.state_dict()))
-    assert runs[0][0] == runs[1][0]
-    for k, v in runs[1][1].items():
-        np.testing.assert_array_equal(np.asarray(runs[0][1][k]), np.asarray(v), err_msg=k)
+        built.append(step)
+    assert_same_training(*built, data * 2)

@@ -199,25 +199,15 @@ def test_a_sharded_channels_last_conv_step_keeps_its_weight_permutes():
     """A channels-last step's float32 conv weights are copies the update writes
     (compile/weight_permutes.py); a sharded update writes its rank's shard only, so a sharded
     step keeps the permutes, and in a world of one trains as the plain step does."""
-    from test_update_permutes import ConvNet, batches
+    from test_update_permutes import (ConvNet, assert_same_training, batches, channels_last_step,
+                                      initial_weights, plan_nodes)
     from test_weight_permutes import update_copies, weight_permutes
 
-    data = batches()
-    sg.nn.manual_seed(0)
-    start = ConvNet().state_dict()
-    runs = []
-    for distributed in (False, sg.distributed.DataParallel(shard_optimizer=True)):
-        model = ConvNet()
-        model.load_state_dict(start)
-        step = sg.compile_train_step(model, nn.functional.cross_entropy, optim.SGD(lr=0.1),
-                                     example_inputs=data[0], memory_format="channels_last",
-                                     distributed=distributed)
-        losses = [float(step(x, y)) for x, y in data]
-        runs.append((losses, model.state_dict(),
-                     step.executable(step.signature).plan.graph.nodes))
-    (plain_losses, plain_state, plain_nodes), (losses, state, nodes) = runs
-    assert len(update_copies(plain_nodes)) == 2 and not weight_permutes(plain_nodes)
+    data, start = batches(), initial_weights()
+    plain, sharded = (channels_last_step(ConvNet, start, lambda: optim.SGD(lr=0.1), data[0],
+                                         distributed=distributed)
+                      for distributed in (False, sg.distributed.DataParallel(shard_optimizer=True)))
+    assert len(update_copies(plan_nodes(plain))) == 2 and not weight_permutes(plan_nodes(plain))
+    nodes = plan_nodes(sharded)
     assert not update_copies(nodes) and len(weight_permutes(nodes)) == 2
-    assert losses == plain_losses
-    for key, value in plain_state.items():
-        np.testing.assert_array_equal(state[key], value, err_msg=key)
+    assert_same_training(sharded, plain, data)

@@ -114,10 +114,7 @@ def _weight_copies(node: Node, ins: list) -> list[tuple[int, Any, Any]]:
     found = []
     for j, (at_param, at_copy, dims) in enumerate(update_weight_copies(node.attrs)):
         i, p, copy = at_param - k, ins[at_param], ins[at_copy]
-        _check(f"{node.op} weight copy {j}", copy, dtype=None)
-        if copy.dtype.name not in ("uint16", "float32"):
-            raise ShapeError(f"{node.op} weight copy {j}: bf16 bits (uint16) or float32, got "
-                             f"{copy.dtype}")
+        _float_kind(f"{node.op} weight copy {j}", copy, ("uint16", "float32"))   # bf16 bits
         if copy.size != p.size:
             raise ShapeError(f"{node.op} weight copy {j}: {tuple(copy.shape)} does not hold "
                              f"parameter {i} {tuple(p.shape)}")
