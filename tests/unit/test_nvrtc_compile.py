@@ -330,7 +330,7 @@ def test_norm_column_walks_fall_back_to_a_channel_a_thread():
         "unsigned short"]["backward"]
     shape = wide.pass_shape("grad_stats", "float")
     vec = norm.COLUMN_WALKS["float"]["grad_stats"][0]
-    assert shape.block == (min(32, 64 // vec), norm.STATS_ROWS)      # 16 lanes at vec 4
+    assert shape.block == (min(32, 64 // vec), norm.STATS_ROWS)      # C / vec lanes, <= 32
     assert shape.grid[0] * shape.block[0] * vec >= 64
     assert f"<float, {vec}," in shape.kernel
     for layout in (norm.Layout(n=4096, c=9, inner=1, columns=True, vec=1),

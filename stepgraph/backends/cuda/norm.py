@@ -56,10 +56,11 @@ KINDS = ("stats", "forward", "grad_stats", "backward")    # the passes of norm.c
 FUSED_KINDS = ("forward", "grad_stats", "backward")
 # Columns passes: (V adjacent channels a thread in one access, R rows a round) by activation C
 # type and pass (norm.cu walk_column), chosen by each pass's time inside the resnet step on an
-# H200 (docs/perf-notes.md, 2026-11-26 03:40-04:10): wider accesses with several in flight.
+# H200 (docs/perf-notes.md, 2026-11-26 03:40-04:10): wider accesses with several in flight;
+# the float32 gradient sums' (2, 4) by the isolated passes of three nets' shapes (2026-12-02).
 # V falls back to 1 where C % V != 0 or an array is not 16-byte aligned.
 COLUMN_WALKS = {
-    "float": {"stats": (1, 4), "forward": (2, 4), "grad_stats": (4, 1), "backward": (2, 4)},
+    "float": {"stats": (1, 4), "forward": (2, 4), "grad_stats": (2, 4), "backward": (2, 4)},
     "unsigned short": {"stats": (2, 4), "forward": (2, 4), "grad_stats": (2, 4),
                        "backward": (2, 4)},
     # float16: bf16's walks (the same 2-byte accesses; not timed on their own)
