@@ -130,7 +130,11 @@ def test_dropout_grad(ctx, shape, per_channel):
                                         ((3, 5, 4, 3), (0, 2, 3)), ((1, 7, 1, 1), (0, 2, 3)),
                                         ((64, 3, 9, 9), (0, 2, 3)), ((9, 13), (1,)),
                                         ((6, 5, 3), (0, 1, 2)), ((1000,), (0,)),
-                                        ((2000, 45), (0,))])
+                                        ((2000, 45), (0,)),
+                                        # hundreds of row splits (reduce_sum_splits_kernel's
+                                        # warps over them, a last round part-filled)
+                                        ((70000, 67), (0,)), ((40000, 64), (0,)),
+                                        ((600, 5, 4, 4), (0, 2, 3))])
 def test_reduce_sum(ctx, shape, axes):
     x = random(np.random.default_rng([13, *shape]), *shape)
     ref, got = run_both(ctx, make_node("reduce_sum", [x], axes=axes), [x])

@@ -29,6 +29,7 @@ from .runtime.launch import (BLOCK, ELEMENT_CTYPES, FLOAT_KINDS, UPDATE_CHUNK, _
 PLANE_TARGET_BLOCKS = 512     # reduce_sum over planes: split each plane's rows to about this
 COLUMN_TARGET_BLOCKS = 1024   # column sums (bias gradients): split tall inputs' rows to this
 COLUMN_SPLIT_ROWS = 256       # rows per split at least
+SPLIT_WARPS = 16              # reduce.cu SPLIT_WARPS: warps adding a block's 32 splits' columns
 REDUCE_DIMS = 4               # reduce_sum_strided_kernel: kept and reduced dims, 4 runs each
 COLUMN_BLOCK = (32, 16)       # reduce.cu COLUMN_TILE x COLUMN_ROWS
 ROW_SUM_ROWS = 8              # reduce_sum_rows_kernel: rows (warps) per (32, 8) block
@@ -73,9 +74,14 @@ def _launch_columns(ctx, node: Node, name: str, rows: int, cols: int, out, array
     _launch(ctx, "reduce.cu", kernel, (column_blocks, splits, batches), COLUMN_BLOCK,
             arrays + (partial,) + scalars)
     if splits > 1:
-        _launch(ctx, "reduce.cu", _typed("reduce_sum_splits_kernel", ctype),
-                _grid(cols * batches), (BLOCK,),
-                (partial, out, np.int32(cols * batches), np.int32(splits)))
+        _add_splits(ctx, ctype, partial, out, cols * batches, splits)
+
+
+def _add_splits(ctx, ctype: str, partial, out, mid: int, splits: int) -> None:
+    """out (mid,) = the (splits, mid) float64 partials added over the splits in a fixed order
+    (reduce.cu reduce_sum_splits_kernel: SPLIT_WARPS warps a block of 32 outputs)."""
+    _launch(ctx, "reduce.cu", _typed("reduce_sum_splits_kernel", ctype), (-(-mid // 32),),
+            (32, SPLIT_WARPS), (partial, out, np.int32(mid), np.int32(splits)))
 
 
 def _column_vec(cols: int, *arrays) -> int:
@@ -104,8 +110,7 @@ def reduce_sum_planes(ctx, node: Node, x, y, outer: int, mid: int, inner: int) -
     _launch(ctx, "reduce.cu", _typed("reduce_sum_planes_kernel", ctype), (mid, splits),
             (BLOCK,), (x, y, partial, np.int32(outer), np.int32(mid), np.int32(inner)))
     if splits > 1:
-        _launch(ctx, "reduce.cu", _typed("reduce_sum_splits_kernel", ctype), _grid(mid),
-                (BLOCK,), (partial, y, np.int32(mid), np.int32(splits)))
+        _add_splits(ctx, ctype, partial, y, mid, splits)
 
 
 def reduce_sum_rows(ctx, x, y, rows: int, cols: int) -> None:
