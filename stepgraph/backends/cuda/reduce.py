@@ -29,7 +29,7 @@ from .runtime.launch import (BLOCK, ELEMENT_CTYPES, FLOAT_KINDS, UPDATE_CHUNK, _
 PLANE_TARGET_BLOCKS = 512     # reduce_sum over planes: split each plane's rows to about this
 COLUMN_TARGET_BLOCKS = 1024   # column sums (bias gradients): split tall inputs' rows to this
 COLUMN_SPLIT_ROWS = 256       # rows per split at least
-SPLIT_WARPS = 16              # reduce.cu SPLIT_WARPS: warps adding a block's 32 splits' columns
+SPLIT_WARPS = 16              # reduce.cu SPLIT_WARPS: the split sums' warps a block (32 outputs)
 REDUCE_DIMS = 4               # reduce_sum_strided_kernel: kept and reduced dims, 4 runs each
 COLUMN_BLOCK = (32, 16)       # reduce.cu COLUMN_TILE x COLUMN_ROWS
 ROW_SUM_ROWS = 8              # reduce_sum_rows_kernel: rows (warps) per (32, 8) block
@@ -62,7 +62,7 @@ def _column_partials(node: Node, ctx, cols: int, splits: int):
 def _launch_columns(ctx, node: Node, name: str, rows: int, cols: int, out, arrays: tuple,
                     scalars: tuple, vec: int, batches: int = 1) -> None:
     """A column kernel (rows summed per column into `out`), args = arrays, the partials,
-    scalars; with row splits, then the in-order sum of the splits' partials. `name` is the
+    scalars; with row splits, then the fixed-order sum of the splits' partials. `name` is the
     template's name; its template arguments are out's element type and `vec` (columns per
     thread). batches: that many (rows, cols) inputs one after another, each summed into its
     own `cols` outputs (grid z)."""
@@ -100,7 +100,7 @@ def reduce_sum_columns(ctx, node: Node, x, y, rows: int, cols: int, batches: int
 def reduce_sum_planes(ctx, node: Node, x, y, outer: int, mid: int, inner: int) -> None:
     """y (mid,) = x viewed as (outer, mid, inner) summed over outer and inner: blocks per
     plane and split of the outer rows, then (several splits) one launch adding the splits'
-    float64 partial sums in order, from the node's own memory."""
+    float64 partial sums in a fixed order, from the node's own memory."""
     splits = max(1, min(PLANE_TARGET_BLOCKS // max(mid, 1), outer))
     ctype = ELEMENT_CTYPES[y.dtype]
     partial = np.uint64(0)
