@@ -2,9 +2,10 @@
 on-disk kernel cache, once per install, so that even the first training process starts warm.
 
 The modules are those a step's launches look up (runtime/compiler.py: each kernel file's plain
-kernels and the chunks of its declared template instantiations, every element type's), built
-for the current GPU, side by side. Kernels made per problem (tiled convolutions, attention
-head sizes, fused pointwise programs) are still compiled by the first step that needs them.
+kernels and the chunks of its declared template instantiations, every element type's, and the
+attention kernels of every head dim, tile, storage and arithmetic, one a module), built for
+the current GPU, side by side. Kernels made per problem shape (tiled convolutions, fused
+pointwise programs) are still compiled by the first step that needs them.
 The cache is CuPy's (CUPY_CACHE_DIR, default ~/.cupy/kernel_cache).
 """
 from __future__ import annotations

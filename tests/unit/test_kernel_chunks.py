@@ -20,6 +20,7 @@ from stepgraph.backends.cuda.runtime import compiler  # noqa: E402
 def declared(monkeypatch):
     """The compiler's declarations as a backend makes them, in a private table."""
     monkeypatch.setattr(compiler, "_declared", {})
+    monkeypatch.setattr(compiler, "_declared_per_shape", {})
     monkeypatch.setattr(compiler, "_chunk_maps", {})
     names = backend.declared_kernel_names()
     compiler.declare(names)
@@ -98,8 +99,8 @@ def test_file_modules_are_the_plain_module_and_the_chunks_of_the_types_asked(dec
     everything = compiler.declared_modules()
     assert len(everything) == len(set(everything))
     held = {(f, n) for f, chunk in everything for n in chunk}
-    assert held == {(f, n) for f, names in declared.items() for n in names
-                    if "<" in n and not compiler.per_shape(f, n)}
+    assert held == {(f, n) for f, names in declared.items() for n in names if "<" in n
+                    and (f in compiler.PRECOMPILED_PER_SHAPE or not compiler.per_shape(f, n))}
 
 
 def test_early_families_declare_their_files_whole(declared):
@@ -172,6 +173,23 @@ def test_precompile_compiles_every_declared_module_and_reports_each(monkeypatch,
     count = compiler.precompile(lambda filename, names: reported.append((filename, names)))
     assert count == len(compiled) == len(reported) > 100
     assert compiled == reported == compiler.declared_modules()
+
+
+def test_precompile_takes_every_attention_kernel_one_a_module(declared):
+    """The attention kernels are made per head dim, tile, storage and arithmetic, a finite
+    set: precompile compiles each as the module its first launch looks up, so a first
+    training process does not wait for NVRTC on them; the tiled convolutions' kernels,
+    made per conv geometry, are not among the modules."""
+    from stepgraph.backends.cuda.attention import attention
+
+    modules = compiler.declared_modules()
+    own = [names for filename, names in modules if filename == attention.SOURCE]
+    expected = attention.kernel_names()[attention.SOURCE]
+    assert sorted(own) == sorted((name,) for name in expected)
+    assert all(compiler.chunk_of(attention.SOURCE, name) == (name,) for name in expected)
+    assert not any(filename == "conv_tiled.cu" and names
+                   and names[0].startswith("conv2d_tiled_kernel") for filename, names in modules)
+    assert len(modules) == len(set(modules))
 
 
 def test_precompile_command_needs_a_gpu(capsys):

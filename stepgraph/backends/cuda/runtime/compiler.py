@@ -61,6 +61,10 @@ PER_SHAPE_TEMPLATES = {
     "conv_tiled.cu": ("conv2d_tiled_kernel", "conv2d_tiled_grad_weight_kernel"),
     "attention.cu": ("",)}
 PER_SHAPE_SOURCES = frozenset(PER_SHAPE_TEMPLATES)
+# Per-shape files whose declared kernels are every kernel they can launch (attention: each head
+# dim, tile, storage and arithmetic), which `precompile` therefore compiles too, one a module;
+# the tiled convolutions declare a few sample geometries only (the NVRTC test's).
+PRECOMPILED_PER_SHAPE = frozenset({"attention.cu"})
 # Templated on the element type (first template argument: the C type of the values read):
 # chunks per type, and one module for the plain extern "C" kernels
 TYPED_SOURCES = frozenset({"elementwise.cu", "loss.cu", "reduce.cu", "broadcast.cu",
@@ -77,6 +81,8 @@ CHUNK_INSTANTIATIONS = {"elementwise.cu": 3, "layer_norm.cu": 2, "loss.cu": 2, "
                         "reduce_axis.cu": 3, "index.cu": 5, "shape.cu": 6}
 
 _declared: dict[str, frozenset[str]] = {}          # file -> the kernel names its launchers use
+# file of PRECOMPILED_PER_SHAPE -> its declared kernels (each its own module)
+_declared_per_shape: dict[str, frozenset[str]] = {}
 _chunk_maps: dict[str, dict[str, tuple[str, ...]]] = {}   # file -> {instantiation: its chunk}
 _compiles: dict[tuple, Job] = {}            # every compile started, done or under way
 _lock = threading.Lock()
@@ -223,13 +229,19 @@ def compile_parallel(kernels: Iterable[tuple[str, str]],
 def declare(names: dict[str, Iterable[str]]) -> None:
     """Record {file: kernel names} that launchers may launch: each file's template
     instantiations (of a TYPED_SOURCES file, those of one element type) are then compiled in
-    chunks of a few (CHUNK_INSTANTIATIONS), side by side."""
+    chunks of a few (CHUNK_INSTANTIATIONS), side by side; the per-shape ones among them
+    (PER_SHAPE_TEMPLATES) one a module, as their launches compile them (and `precompile`,
+    those of PRECOMPILED_PER_SHAPE)."""
     with _lock:
         for filename, kernels in names.items():
             kept = frozenset(k for k in kernels if not per_shape(filename, k))
             if kept:
                 _declared[filename] = _declared.get(filename, frozenset()) | kept
                 _chunk_maps.pop(filename, None)
+            shaped = frozenset(kernels) - kept
+            if shaped and filename in PRECOMPILED_PER_SHAPE:
+                _declared_per_shape[filename] = \
+                    _declared_per_shape.get(filename, frozenset()) | shaped
 
 
 def per_shape(filename: str, name: str) -> bool:
@@ -340,9 +352,12 @@ def prefetch(filenames: Iterable[str], generated: Iterable[tuple[str, str]] = ()
 
 def declared_modules() -> list[tuple[str, tuple[str, ...]]]:
     """(file, name expressions) of every module the declared kernels are compiled as, every
-    element type's: what `precompile` compiles."""
+    element type's, then those of PRECOMPILED_PER_SHAPE's kernels (one name a module, as
+    chunk_of makes them): what `precompile` compiles."""
     return [(path.name, names) for path in kernel_sources()
-            for names in file_modules(path.name)]
+            for names in file_modules(path.name)] + \
+        [(filename, (name,)) for filename in sorted(_declared_per_shape)
+         for name in sorted(_declared_per_shape[filename])]
 
 
 def precompile(progress: Callable[[str, tuple[str, ...]], None] | None = None) -> int:
