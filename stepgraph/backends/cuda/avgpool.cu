@@ -9,6 +9,7 @@
 // < 2^31. Shapes and windows: pool.cuh.
 // Templates over the element storage T: float, or unsigned short (bfloat16 bits, bf16.cuh):
 // loaded as float, summed and divided in float, rounded once on store.
+#include "launch_order.cuh"
 #include "bf16.cuh"
 #include "grid.cuh"
 #include "pool.cuh"
@@ -43,6 +44,7 @@ __device__ __forceinline__ void avgpool2d_forward(const T* x, T* y,
 template <typename T>
 __global__ void avgpool2d_forward_kernel(const T* x, T* y,
                                          int count_include_pad, POOL_SHAPE_ARGS) {
+    await_previous_kernel();
     avgpool2d_forward<false>(x, y, count_include_pad, 1, POOL_SHAPE_INIT);
 }
 
@@ -50,6 +52,7 @@ template <typename T>
 __global__ void avgpool2d_forward_nhwc_kernel(const T* x, T* y,
                                               int count_include_pad, int C,
                                               POOL_SHAPE_ARGS) {
+    await_previous_kernel();
     avgpool2d_forward<true>(x, y, count_include_pad, C, POOL_SHAPE_INIT);
 }
 
@@ -60,6 +63,7 @@ template <typename T>
 __global__ void avgpool2d_forward_warp_kernel(const T* x, T* y,
                                               int count_include_pad,
                                               POOL_SHAPE_ARGS) {
+    await_previous_kernel();
     const PoolShape s = POOL_SHAPE_INIT;
     const long long total = (long long)planes * Ho * Wo;
     const int lane = threadIdx.x & 31;
@@ -92,6 +96,7 @@ __global__ void avgpool2d_forward_warp_kernel(const T* x, T* y,
 template <typename T>
 __global__ void __launch_bounds__(32 * GLOBAL_SLICES)
 avgpool2d_forward_global_nhwc_kernel(const T* x, T* y, int pixels, int C) {
+    await_previous_kernel();
     __shared__ float part[GLOBAL_SLICES][33];
     const int c = blockIdx.x * 32 + threadIdx.x;
     const long long n = blockIdx.y;
@@ -134,6 +139,7 @@ __device__ __forceinline__ void avgpool2d_backward(const T* dy, T* dx,
 template <typename T>
 __global__ void avgpool2d_backward_kernel(const T* dy, T* dx,
                                           int count_include_pad, POOL_SHAPE_ARGS) {
+    await_previous_kernel();
     avgpool2d_backward<false>(dy, dx, count_include_pad, 1, POOL_SHAPE_INIT);
 }
 
@@ -141,6 +147,7 @@ template <typename T>
 __global__ void avgpool2d_backward_nhwc_kernel(const T* dy, T* dx,
                                                int count_include_pad, int C,
                                                POOL_SHAPE_ARGS) {
+    await_previous_kernel();
     avgpool2d_backward<true>(dy, dx, count_include_pad, C, POOL_SHAPE_INIT);
 }
 
@@ -167,11 +174,13 @@ __device__ __forceinline__ void avgpool2d_backward_tiling(const T* dy, T* dx, in
 
 template <typename T>
 __global__ void avgpool2d_backward_tiling_kernel(const T* dy, T* dx, POOL_SHAPE_ARGS) {
+    await_previous_kernel();
     avgpool2d_backward_tiling<false>(dy, dx, 1, POOL_SHAPE_INIT);
 }
 
 template <typename T>
 __global__ void avgpool2d_backward_tiling_nhwc_kernel(const T* dy, T* dx, int C,
                                                       POOL_SHAPE_ARGS) {
+    await_previous_kernel();
     avgpool2d_backward_tiling<true>(dy, dx, C, POOL_SHAPE_INIT);
 }

@@ -38,6 +38,7 @@
 #define SCALAR_RDIV 5
 #define SCALAR_POW 6
 
+#include "launch_order.cuh"
 #include "bf16.cuh"
 #include "divide.cuh"
 #include "grid.cuh"
@@ -120,6 +121,7 @@ __device__ __forceinline__ void load_group(const T* p, int off, int s, float v[4
 template <typename T>
 __global__ void binary_forward_kernel(const T* a, const T* b, T* c, long long n, int kind,
                                       int vec) {
+    await_previous_kernel();
     map2_groups(a, b, c, n, vec, [=](float u, float v) { return binary_value(u, v, kind); });
 }
 
@@ -129,6 +131,7 @@ template <typename T, int NDIM>
 __global__ void binary_broadcast_kernel(const T* a, const T* b, T* c, int n, int kind, int vec,
                                         DIM_PARAMS(size), DIVISION_PARAMS(size), DIM_PARAMS(sa),
                                         DIM_PARAMS(sb)) {
+    await_previous_kernel();
     const int size[MAX_DIMS] = DIM_ARRAY(size);
     DIVISION_ARRAYS(size);
     const int stride_a[MAX_DIMS] = DIM_ARRAY(sa);
@@ -157,6 +160,7 @@ __global__ void binary_broadcast_kernel(const T* a, const T* b, T* c, int n, int
 template <typename T>
 __global__ void scalar_forward_kernel(const T* x, T* y, long long n, int kind, float value,
                                       int vec) {
+    await_previous_kernel();
     map_groups(x, y, n, vec, [=](float u) { return scalar_value(u, kind, value); });
 }
 
@@ -165,6 +169,7 @@ __global__ void scalar_forward_kernel(const T* x, T* y, long long n, int kind, f
 template <typename T, int NDIM>
 __global__ void strided_copy_kernel(const T* x, T* y, int n, int vec, DIM_PARAMS(size),
                                     DIVISION_PARAMS(size), DIM_PARAMS(sx)) {
+    await_previous_kernel();
     const int size[MAX_DIMS] = DIM_ARRAY(size);
     DIVISION_ARRAYS(size);
     const int stride_x[MAX_DIMS] = DIM_ARRAY(sx);
@@ -191,6 +196,7 @@ __global__ void strided_copy_kernel(const T* x, T* y, int n, int vec, DIM_PARAMS
 template <typename T, int NDIM>
 __global__ void strided_copy_to_kernel(const T* x, T* y, int n, DIM_PARAMS(size),
                                        DIVISION_PARAMS(size), DIM_PARAMS(sx), DIM_PARAMS(sy)) {
+    await_previous_kernel();
     const int size[MAX_DIMS] = DIM_ARRAY(size);
     DIVISION_ARRAYS(size);
     const int stride_x[MAX_DIMS] = DIM_ARRAY(sx);
@@ -213,6 +219,7 @@ __global__ void strided_copy_to_kernel(const T* x, T* y, int n, DIM_PARAMS(size)
 template <typename T>
 __global__ void __launch_bounds__(TILE * TILE_ROWS)
 transpose_forward_kernel(const T* x, T* y, int batch, int rows, int cols) {
+    await_previous_kernel();
     __shared__ float tile[TILE][TILE + 1];
     const int c0 = blockIdx.x * TILE, r0 = blockIdx.y * TILE;
     const long long plane = (long long)rows * cols;
@@ -239,6 +246,7 @@ transpose_forward_kernel(const T* x, T* y, int batch, int rows, int cols) {
 // Through float as the strided copy, so the group stores what its permutes would.
 template <typename T>
 __global__ void permute_group_kernel(const long long* entries, const int* jobs, int chunk) {
+    await_previous_kernel();
     const PermuteEntry e = permute_entry(entries + jobs[2 * blockIdx.x] * PERMUTE_ENTRY_WIDTH);
     const T* x = (const T*)e.source;
     T* y = (T*)e.destination;

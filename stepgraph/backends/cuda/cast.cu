@@ -4,10 +4,12 @@
 // types before their one rounding. vec 4 (the launcher checks
 // n % 4 == 0 and 16-byte aligned pointers): four elements a thread, one 16-byte and one 8-byte
 // access.
+#include "launch_order.cuh"
 #include "bf16.cuh"
 
 template <typename S, typename D>
 __global__ void cast_forward_kernel(const S* x, D* y, long long n, int vec) {
+    await_previous_kernel();
     const long long stride = (long long)gridDim.x * blockDim.x;
     const long long groups = n / vec;
     for (long long g = blockIdx.x * (long long)blockDim.x + threadIdx.x; g < groups;

@@ -4,6 +4,7 @@
 // the way in and rounded to nearest even on the way out, so NCCL sums them in float32.
 // Multi-tensor launches: one block per (tensor, chunk) job, as the optimizer kernels; entries
 // hold (pointer, elements, offset in the flat buffer).
+#include "launch_order.cuh"
 #include "bf16.cuh"
 
 // flat[offset_t + i] = tensor_t[i] for every tensor t of the bucket.
@@ -33,20 +34,24 @@ __device__ void bucket_unpack(const long long* entries, const int* jobs, const f
 
 extern "C" __global__ void bucket_pack_kernel(const long long* entries, const int* jobs,
                                               float* flat, int chunk) {
+    await_previous_kernel();
     bucket_pack<float>(entries, jobs, flat, chunk);
 }
 
 extern "C" __global__ void bucket_unpack_kernel(const long long* entries, const int* jobs,
                                                 const float* flat, int chunk) {
+    await_previous_kernel();
     bucket_unpack<float>(entries, jobs, flat, chunk);
 }
 
 extern "C" __global__ void bucket_pack_bf16_kernel(const long long* entries, const int* jobs,
                                                    float* flat, int chunk) {
+    await_previous_kernel();
     bucket_pack<unsigned short>(entries, jobs, flat, chunk);
 }
 
 extern "C" __global__ void bucket_unpack_bf16_kernel(const long long* entries, const int* jobs,
                                                      const float* flat, int chunk) {
+    await_previous_kernel();
     bucket_unpack<unsigned short>(entries, jobs, flat, chunk);
 }

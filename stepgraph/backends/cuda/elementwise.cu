@@ -5,6 +5,7 @@
 // the numpy emulation does.
 // Grid-stride loops over groups of 4 elements: a group is one vector access when the launcher
 // says every pointer is 16-byte aligned (`vec`), else 4 scalar accesses; y may alias x.
+#include "launch_order.cuh"
 #include "bf16.cuh"
 #include "grid.cuh"
 #include "elementwise.cuh"
@@ -16,6 +17,7 @@
 template <typename T>
 __global__ void act_forward_kernel(const T* x, T* y, long long n, int kind, float slope,
                                    int vec) {
+    await_previous_kernel();
     map_groups(x, y, n, vec, [=](float z) { return act_value(z, kind, slope); });
 }
 
@@ -23,6 +25,7 @@ __global__ void act_forward_kernel(const T* x, T* y, long long n, int kind, floa
 template <typename T>
 __global__ void act_backward_kernel(const T* dy, const T* saved, T* dx, long long n, int kind,
                                     float slope, int vec) {
+    await_previous_kernel();
     map2_groups(dy, saved, dx, n, vec, [=](float d, float s) {
         return __fmul_rn(d, act_derivative(s, kind, slope));
     });
@@ -30,11 +33,13 @@ __global__ void act_backward_kernel(const T* dy, const T* saved, T* dx, long lon
 
 template <typename T>
 __global__ void add_forward_kernel(const T* a, const T* b, T* c, long long n, int vec) {
+    await_previous_kernel();
     map2_groups(a, b, c, n, vec, [](float u, float v) { return __fadd_rn(u, v); });
 }
 
 template <typename T>
 __global__ void fill_forward_kernel(T* y, long long n, T value) {
+    await_previous_kernel();
     GRID_STRIDE_LOOP(i, n)
         y[i] = value;
 }
@@ -46,6 +51,7 @@ __global__ void dropout_forward_kernel(const T* x, const long long* step, T* y,
                                        unsigned char* mask, long long n,
                                        unsigned long long seed, unsigned int site,
                                        unsigned int threshold, float scale, int vec) {
+    await_previous_kernel();
     const long long t = *step;
     GRID_STRIDE_GROUPS(g, n) {
         const long long i = g << 2;
@@ -75,6 +81,7 @@ __global__ void dropout_forward_kernel(const T* x, const long long* step, T* y,
 template <typename T>
 __global__ void dropout_backward_kernel(const T* dy, const unsigned char* mask, T* dx,
                                         long long n, float scale, int vec) {
+    await_previous_kernel();
     GRID_STRIDE_GROUPS(g, n) {
         const long long i = g << 2;
         if (vec && i + 4 <= n) {
@@ -100,6 +107,7 @@ __global__ void dropout_channel_forward_kernel(const T* x, const long long* step
                                                unsigned char* mask, int n, int plane,
                                                unsigned long long seed, unsigned int site,
                                                unsigned int threshold, float scale) {
+    await_previous_kernel();
     const long long t = *step;
     GRID_STRIDE_LOOP(i, n) {
         const unsigned int m = (unsigned int)i / (unsigned int)plane;
@@ -113,6 +121,7 @@ __global__ void dropout_channel_forward_kernel(const T* x, const long long* step
 template <typename T>
 __global__ void dropout_channel_backward_kernel(const T* dy, const unsigned char* mask, T* dx,
                                                 int n, int plane, float scale) {
+    await_previous_kernel();
     GRID_STRIDE_LOOP(i, n) {
         const float keep = (float)mask[(unsigned int)i / (unsigned int)plane];
         store_from_float(dx, i, __fmul_rn(__fmul_rn(load_as_float(dy, i), keep), scale));
@@ -126,6 +135,7 @@ __global__ void dropout_channel_backward_kernel(const T* dy, const unsigned char
 template <typename T>
 __global__ void linear_bias_act_kernel(const float* acc, const T* bias, T* y, T* z,
                                        long long n, int cols, int kind, float slope) {
+    await_previous_kernel();
     GRID_STRIDE_LOOP(i, n) {
         float v = acc[i];
         if (bias) v = __fadd_rn(v, load_as_float(bias, i % cols));

@@ -15,6 +15,7 @@
 
 // float16 (T = fp16_bits; a model.half()): the lookup moves the table's values, the gradient
 // sums float16 dy rows in float32 in the same order and rounds each sum once on store.
+#include "launch_order.cuh"
 #include "bf16.cuh"
 
 #define FULL_MASK 0xffffffffu
@@ -38,6 +39,7 @@ __device__ __forceinline__ int sort_key(const L* keys, long long i, int V) {
 template <typename L, typename T = float>
 __global__ void embedding_forward_kernel(const T* weight, const L* idx, T* out,
                                          long long n, int V, int C, int vec) {
+    await_previous_kernel();
     const int groups = C / vec;
     const long long total = n * groups;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
@@ -91,6 +93,7 @@ template <typename L, typename T = float>
 __global__ void __launch_bounds__(32 * SCAN_WARPS)
 embedding_backward_scan_kernel(const T* dy, const L* idx, T* dweight, int n, int V,
                                int C, int vec) {
+    await_previous_kernel();
     __shared__ float4 partial[SCAN_WARPS][32];
     const int lane = threadIdx.x, warp = threadIdx.y;
     const int groups = C / vec;
@@ -126,6 +129,7 @@ embedding_backward_scan_kernel(const T* dy, const L* idx, T* dweight, int n, int
 template <typename L>
 __global__ void __launch_bounds__(RADIX)
 embedding_sort_histogram_kernel(const L* keys, int* hist, int n, int V, int shift) {
+    await_previous_kernel();
     __shared__ int counts[RADIX];
     counts[threadIdx.x] = 0;
     __syncthreads();
@@ -141,6 +145,7 @@ embedding_sort_histogram_kernel(const L* keys, int* hist, int n, int V, int shif
 // threads, each scanning a contiguous segment.
 extern "C" __global__ void __launch_bounds__(1024)
 embedding_sort_scan_kernel(int* hist, int m) {
+    await_previous_kernel();
     __shared__ int warp_sums[32];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int per = (m + blockDim.x - 1) / blockDim.x;
@@ -182,6 +187,7 @@ template <typename L>
 __global__ void __launch_bounds__(RADIX)
 embedding_sort_scatter_kernel(const L* keys_in, const int* vals_in, int* keys_out,
                               int* vals_out, const int* hist, int n, int V, int shift) {
+    await_previous_kernel();
     __shared__ int base[RADIX];
     __shared__ int warp_counts[SORT_WARPS][RADIX];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -233,6 +239,7 @@ template <typename T>
 __global__ void embedding_backward_sorted_kernel(const T* dy, const int* keys,
                                                  const int* positions, T* dweight, int n, int V,
                                                  int C, int vec) {
+    await_previous_kernel();
     const int lane = threadIdx.x, groups = C / vec;
     for (int v = blockIdx.x * blockDim.y + threadIdx.y; v < V; v += gridDim.x * blockDim.y) {
         const int lo = lower_bound(keys, n, v), hi = lower_bound(keys, n, v + 1);

@@ -5,6 +5,7 @@
 // good step costs one read of every gradient and no write. guard_advance then
 // decides (the bookkeeping of a guarded step), and the update kernels skip a flagged step.
 
+#include "launch_order.cuh"
 #include "bf16.cuh"
 #include "step.cuh"
 
@@ -76,6 +77,7 @@ extern "C" __global__ void guard_check_kernel(const GuardEntry* entries, const i
                                               int chunk, long long classes,
                                               long long ignore_index, int has_ignore,
                                               int* flags) {
+    await_previous_kernel();
     const int2 job = blocks[blockIdx.x];
     const GuardEntry e = entries[job.x];
     const long long start = (long long)job.y * chunk, end = min(start + chunk, e.n);
@@ -118,6 +120,7 @@ struct CopyEntry {
 // Block k copies chunk blocks[k] = (entry, chunk index) of `chunk` bytes (a multiple of 16).
 extern "C" __global__ void guard_copy_kernel(const CopyEntry* entries, const int2* blocks,
                                              int chunk, const int* flags) {
+    await_previous_kernel();
     if (flags != nullptr && flags[1] == 0) return;
     const int2 job = blocks[blockIdx.x];
     const CopyEntry e = entries[job.x];
@@ -135,6 +138,7 @@ extern "C" __global__ void guard_copy_kernel(const CopyEntry* entries, const int
 extern "C" __global__ void loss_scale_update_kernel(const int* flags, float* scale,
                                                     int* growth_tracker, float growth_factor,
                                                     float backoff_factor, int growth_interval) {
+    await_previous_kernel();
     if (flags[1] != 0) {
         *scale = *scale * backoff_factor;
         *growth_tracker = 0;
@@ -161,6 +165,7 @@ extern "C" __global__ void guard_advance_kernel(int* flags, long long* counters,
                                                 void* history_loss, long long* history_step,
                                                 int* history_flag, long long length, int sticky,
                                                 float* lr, long long* mailbox, int loss_kind) {
+    await_previous_kernel();
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     const int bits = flags[0];
     flags[0] = 0;

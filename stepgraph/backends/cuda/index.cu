@@ -6,9 +6,11 @@
 // in index order: deterministic, no atomics.
 
 // y (outer, D, inner)[:, offset:offset + L, :] = x (outer, L, inner); inner in units U.
+#include "launch_order.cuh"
 template <typename U>
 __global__ void concat_forward_kernel(const U* x, U* y, long long total, int L, long long inner,
                                       int D, int offset) {
+    await_previous_kernel();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         const long long row = i / inner, in = i - row * inner;
@@ -21,6 +23,7 @@ __global__ void concat_forward_kernel(const U* x, U* y, long long total, int L, 
 template <typename T, typename I>
 __global__ void gather_forward_kernel(const T* x, const I* index, T* y, long long total, int K,
                                       long long inner, int N) {
+    await_previous_kernel();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         const long long b = i % inner, o = i / inner / K;
@@ -33,6 +36,7 @@ __global__ void gather_forward_kernel(const T* x, const I* index, T* y, long lon
 template <typename T, typename I>
 __global__ void gather_backward_kernel(const T* dy, const I* index, T* dx, long long total,
                                        int K, long long inner, int N) {
+    await_previous_kernel();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         const long long b = i % inner, row = i / inner, o = row / N, n = row - o * N;
@@ -49,6 +53,7 @@ __global__ void gather_backward_kernel(const T* dy, const I* index, T* dx, long 
 template <typename U>
 __global__ void triangle_forward_kernel(const U* x, U* y, long long total, int R, int C,
                                         int diagonal, int upper) {
+    await_previous_kernel();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         const long long c = i % C, r = (i / C) % R, off = c - r;

@@ -35,6 +35,7 @@
 // backward, their *_loop) is one __device__ body templated on ADD that the layer_norm_* and
 // add_layer_norm_* kernels call, so the two normalise and differentiate with the same
 // arithmetic.
+#include "launch_order.cuh"
 #include "reduce.cuh"
 
 #define LAYER_NORM_MAX_THREADS 512   // threads of a block (layer_norm.py MAX_THREADS)
@@ -171,6 +172,7 @@ template <typename Y, int VEC, int K, typename X = float, typename XI = X>
 __global__ void __launch_bounds__(LAYER_NORM_MAX_THREADS)
 layer_norm_forward_kernel(const XI* x, const X* weight, const X* bias, Y* y,
                           float* mean_out, float* rstd_out, int rows, int C, float eps) {
+    await_previous_kernel();
     layer_norm_forward_rows<false, Y, VEC, K, X, X, XI>(x, nullptr, weight, bias, y, nullptr,
                                                         mean_out, rstd_out, rows, C, eps);
 }
@@ -180,6 +182,7 @@ __global__ void __launch_bounds__(LAYER_NORM_MAX_THREADS)
 add_layer_norm_forward_kernel(const X* a, const B* b, const X* weight, const X* bias, Y* y,
                               X* s_out, float* mean_out, float* rstd_out, int rows, int C,
                               float eps) {
+    await_previous_kernel();
     layer_norm_forward_rows<true, Y, VEC, K, X, B>(a, b, weight, bias, y, s_out, mean_out,
                                                    rstd_out, rows, C, eps);
 }
@@ -291,6 +294,7 @@ __global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BW
 layer_norm_backward_kernel(const DY* dy, const XI* x, const X* weight,
                            const float* mean, const float* rstd, X* dx, H* dx_half,
                            float* partial_w, float* partial_b, int rows, int C) {
+    await_previous_kernel();
     layer_norm_backward_rows<false, DY, VEC, K, X, H, XI>(dy, x, weight, mean, rstd, nullptr,
                                                           dx, dx_half, partial_w, partial_b,
                                                           rows, C);
@@ -301,6 +305,7 @@ __global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BW
 add_layer_norm_backward_kernel(const DY* dy, const X* x, const X* weight, const float* mean,
                                const float* rstd, const X* ds, X* dx, H* dx_half,
                                float* partial_w, float* partial_b, int rows, int C) {
+    await_previous_kernel();
     layer_norm_backward_rows<true, DY, VEC, K, X, H>(dy, x, weight, mean, rstd, ds, dx, dx_half,
                                                      partial_w, partial_b, rows, C);
 }
@@ -359,6 +364,7 @@ template <typename Y, typename X = float, typename XI = X>
 __global__ void __launch_bounds__(1024)
 layer_norm_forward_loop_kernel(const XI* x, const X* weight, const X* bias, Y* y,
                                float* mean_out, float* rstd_out, int rows, int C, float eps) {
+    await_previous_kernel();
     layer_norm_forward_loop_rows<false, Y, X, X, XI>(x, nullptr, weight, bias, y, nullptr,
                                                      mean_out, rstd_out, rows, C, eps);
 }
@@ -368,6 +374,7 @@ __global__ void __launch_bounds__(1024)
 add_layer_norm_forward_loop_kernel(const X* a, const B* b, const X* weight, const X* bias,
                                    Y* y, X* s_out, float* mean_out, float* rstd_out, int rows,
                                    int C, float eps) {
+    await_previous_kernel();
     layer_norm_forward_loop_rows<true, Y, X, B>(a, b, weight, bias, y, s_out, mean_out,
                                                 rstd_out, rows, C, eps);
 }
@@ -422,6 +429,7 @@ __global__ void __launch_bounds__(1024)
 layer_norm_backward_loop_kernel(const DY* dy, const XI* x, const X* weight,
                                 const float* mean, const float* rstd, X* dx, H* dx_half,
                                 float* partial_w, float* partial_b, int rows, int C) {
+    await_previous_kernel();
     layer_norm_backward_loop_rows<false, DY, X, H, XI>(dy, x, weight, mean, rstd, nullptr, dx,
                                                        dx_half, partial_w, partial_b, rows, C);
 }
@@ -432,6 +440,7 @@ add_layer_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight,
                                     const float* mean, const float* rstd, const X* ds, X* dx,
                                     H* dx_half, float* partial_w, float* partial_b, int rows,
                                     int C) {
+    await_previous_kernel();
     layer_norm_backward_loop_rows<true, DY, X, H>(dy, x, weight, mean, rstd, ds, dx, dx_half,
                                                   partial_w, partial_b, rows, C);
 }
@@ -445,6 +454,7 @@ template <typename T>
 __global__ void __launch_bounds__(32 * FINALIZE_LANES)
 layer_norm_grad_finalize_kernel(const float* partial_w, const float* partial_b, T* dweight,
                                 T* dbias, int slots, int C) {
+    await_previous_kernel();
     __shared__ double lanes[FINALIZE_LANES][32];
     const bool first = partial_w && blockIdx.y == 0;
     const float* partial = first ? partial_w : partial_b;
@@ -475,6 +485,7 @@ template <typename Y, int VEC, int K, typename X = float>
 __global__ void __launch_bounds__(LAYER_NORM_MAX_THREADS)
 rms_norm_forward_kernel(const X* x, const X* weight, Y* y, float* rstd_out, int rows, int C,
                         float eps) {
+    await_previous_kernel();
     __shared__ float smem[32];
     const int groups = C / VEC;
     float w[K][VEC];
@@ -516,6 +527,7 @@ template <typename DY, int VEC, int K, typename X = float, typename H = X>
 __global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
 rms_norm_backward_kernel(const DY* dy, const X* x, const X* weight, const float* rstd, X* dx,
                          H* dx_half, float* partial_w, int rows, int C) {
+    await_previous_kernel();
     __shared__ float smem[32];
     __shared__ __align__(16) float red[LAYER_NORM_BLOCK_ROWS_THREADS * K * VEC];
     const int groups = C / VEC;
@@ -571,6 +583,7 @@ template <typename Y, typename X = float>
 __global__ void __launch_bounds__(1024)
 rms_norm_forward_loop_kernel(const X* x, const X* weight, Y* y, float* rstd_out, int rows,
                              int C, float eps) {
+    await_previous_kernel();
     __shared__ float smem[32];
     for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
         const long long row = base + threadIdx.y;
@@ -595,6 +608,7 @@ template <typename DY, typename X = float, typename H = X>
 __global__ void __launch_bounds__(1024)
 rms_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight, const float* rstd,
                               X* dx, H* dx_half, float* partial_w, int rows, int C) {
+    await_previous_kernel();
     __shared__ float smem[32];
     float* pw = partial_w ? partial_w + (long long)blockIdx.x * C : nullptr;
     for (int c = threadIdx.x; c < C; c += blockDim.x)

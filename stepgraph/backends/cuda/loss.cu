@@ -15,6 +15,7 @@
 // ignored: the count is N and the arithmetic that of a plain mean, the same bits). Kernels
 // whose gradients need the count up front read it from `count` (cross_entropy_count_kernel,
 // launcher scratch) or, given null, count the labels in each block.
+#include "launch_order.cuh"
 #include "reduce.cuh"
 
 #define QUIET_NAN __int_as_float(0x7fc00000)
@@ -89,6 +90,7 @@ __device__ __forceinline__ int kept_rows(const int* count, const L* labels, int 
 template <typename L>
 __global__ void __launch_bounds__(1024)
 cross_entropy_count_kernel(const L* labels, int N, long long ignore_index, int* count) {
+    await_previous_kernel();
     __shared__ int ismem[32];
     __shared__ int total;
     const int k = count_kept(labels, N, ignore_index, ismem, &total);
@@ -98,6 +100,7 @@ cross_entropy_count_kernel(const L* labels, int N, long long ignore_index, int* 
 // T: float, or the 16-bit storages (bf16 bits, float16), widened on load, rounded once on store.
 template <typename T>
 __global__ void log_softmax_forward_kernel(const T* x, T* y, int N, int C) {
+    await_previous_kernel();
     __shared__ float smem[32];
     for (long long base = first_row_base(); base < N; base += row_base_stride()) {
         const int row = (int)base + threadIdx.y;
@@ -113,6 +116,7 @@ __global__ void log_softmax_forward_kernel(const T* x, T* y, int N, int C) {
 // dx = dy - exp(y) * sum(dy) per row.
 template <typename T>
 __global__ void log_softmax_backward_kernel(const T* dy, const T* y, T* dx, int N, int C) {
+    await_previous_kernel();
     __shared__ float smem[32];
     for (long long base = first_row_base(); base < N; base += row_base_stride()) {
         const int row = (int)base + threadIdx.y;
@@ -136,6 +140,7 @@ __global__ void __launch_bounds__(1024)
 cross_entropy_forward_kernel(const float* x, const L* labels, float* loss, float* lse,
                              float* rowloss, unsigned int* counter, int N, int C, float eps,
                              float hit, long long ignore_index) {
+    await_previous_kernel();
     __shared__ float smem[32];
     __shared__ double dsmem[32];
     __shared__ int ismem[32];
@@ -188,6 +193,7 @@ __global__ void cross_entropy_backward_kernel(const float* dloss, const float* x
                                               const float* lse, const L* labels, float* dx,
                                               const int* count, int N, int C, float off,
                                               float hit, long long ignore_index) {
+    await_previous_kernel();
     const float scale = *dloss / (float)kept_rows(count, labels, N, ignore_index);
     const long long total = (long long)N * C;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
@@ -221,6 +227,7 @@ __global__ void __launch_bounds__(1024)
 cross_entropy_train_kernel(const X* x, const L* labels, void* loss, D* dx, float* rowloss,
                            unsigned int* counter, const int* count, int N, int C, float eps,
                            float hit, float off, long long ignore_index, int loss_kind) {
+    await_previous_kernel();
     __shared__ float smem[32];
     __shared__ double dsmem[32];
     __shared__ unsigned int last_flag;
@@ -269,6 +276,7 @@ __global__ void __launch_bounds__(1024)
 cross_entropy_train_short_kernel(const X* x, const L* labels, void* loss, D* dx, int N, int C,
                                  float eps, float hit, float off, long long ignore_index,
                                  int loss_kind) {
+    await_previous_kernel();
     __shared__ double dsmem[32];
     const int kept = kept_rows((const int*)nullptr, labels, N, ignore_index);
     const float scale = mean_scale(kept);
@@ -306,6 +314,7 @@ cross_entropy_train_short_kernel(const X* x, const L* labels, void* loss, D* dx,
 template <typename L>
 __global__ void __launch_bounds__(1024)
 nll_loss_forward_kernel(const float* logp, const L* labels, float* loss, int N, int C) {
+    await_previous_kernel();
     __shared__ double dsmem[32];
     double acc = 0.0;
     for (int i = threadIdx.x; i < N; i += blockDim.x)
@@ -318,6 +327,7 @@ nll_loss_forward_kernel(const float* logp, const L* labels, float* loss, int N, 
 template <typename L>
 __global__ void nll_loss_backward_kernel(const float* dloss, const L* labels, float* dx, int N,
                                          int C) {
+    await_previous_kernel();
     const float g = -*dloss / (float)N;
     const long long total = (long long)N * C;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
@@ -333,6 +343,7 @@ __global__ void nll_loss_backward_kernel(const float* dloss, const L* labels, fl
 extern "C" __global__ void __launch_bounds__(1024)
 mse_forward_kernel(const float* pred, const float* target, float* loss, long long n,
                    double* partials, unsigned int* counter) {
+    await_previous_kernel();
     __shared__ double dsmem[32];
     __shared__ unsigned int last_flag;
     double acc = 0.0;
@@ -355,6 +366,7 @@ mse_forward_kernel(const float* pred, const float* target, float* loss, long lon
 // dpred = dloss * 2 * (pred - target) / n, in the numpy reference's order.
 extern "C" __global__ void mse_backward_kernel(const float* dloss, const float* pred,
                                                const float* target, float* dx, long long n) {
+    await_previous_kernel();
     const float two_dloss = *dloss * 2.f;
     const float count = (float)n;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;

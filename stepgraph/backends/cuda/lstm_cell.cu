@@ -3,6 +3,7 @@
 // one thread per (b, j), j < H, reads column j of each block, in float32 throughout (expf,
 // tanhf: the accurate functions, not the __ intrinsics). Grid-stride loops over B * H.
 
+#include "launch_order.cuh"
 __device__ __forceinline__ float lstm_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
 // pre = xg [+ hg]; gates = (sigmoid(i), sigmoid(f), tanh(g), sigmoid(o));
@@ -11,6 +12,7 @@ extern "C" __global__ void lstm_cell_forward_kernel(const float* xg, const float
                                                     const float* c, float* h_out,
                                                     float* c_out, float* gates, int batch,
                                                     int hidden) {
+    await_previous_kernel();
     const long long n = (long long)batch * hidden;
     for (long long k = blockIdx.x * (long long)blockDim.x + threadIdx.x; k < n;
          k += (long long)gridDim.x * blockDim.x) {
@@ -43,6 +45,7 @@ extern "C" __global__ void lstm_cell_backward_kernel(const float* dh1, const flo
                                                      const float* gates, const float* c,
                                                      const float* c_new, float* dpre,
                                                      float* dc_prev, int batch, int hidden) {
+    await_previous_kernel();
     const long long n = (long long)batch * hidden;
     for (long long k = blockIdx.x * (long long)blockDim.x + threadIdx.x; k < n;
          k += (long long)gridDim.x * blockDim.x) {

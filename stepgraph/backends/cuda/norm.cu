@@ -19,6 +19,7 @@
 // once on store; the statistics, the per-channel values (mean, invstd, weight, bias, coef, running
 // statistics, dweight, dbias) and all arithmetic stay float32 / float64, as the NumPy emulation has
 // them.
+#include "launch_order.cuh"
 #include "bf16.cuh"
 #include "reduce.cuh"
 
@@ -283,6 +284,7 @@ __device__ __forceinline__ void stats_planes(const T* x, double* partial, int C,
 template <typename T>
 __global__ void batch_norm_stats_planes_kernel(const T* x, double* partial,
                                                int C, int inner, int total, int per) {
+    await_previous_kernel();
     stats_planes<1>(x, partial, C, inner, total, per);
 }
 
@@ -290,6 +292,7 @@ template <typename T>
 __global__ void batch_norm_stats_planes_vec4_kernel(const T* x, double* partial,
                                                     int C, int inner, int total,
                                                     int per) {
+    await_previous_kernel();
     stats_planes<4>(x, partial, C, inner, total, per);
 }
 
@@ -298,6 +301,7 @@ template <typename T, int V, int R>
 __global__ void __launch_bounds__(COLUMN_TILE * STATS_ROWS, STATS_MIN_BLOCKS)
 batch_norm_stats_columns_kernel(const T* __restrict__ x, double* partial, int N, int C,
                                 int per) {
+    await_previous_kernel();
     double s[V] = {}, q[V] = {};
     walk_column<V, R>(N, C, per, [&](long long at) {
         float v[V];
@@ -327,6 +331,7 @@ extern "C" __global__ void batch_norm_finalize_kernel(const double* partial, int
                                                       float* running_mean, float* running_var,
                                                       long long* tracked, double momentum,
                                                       int cumulative) {
+    await_previous_kernel();
     const bool track = running_mean != nullptr;
     double m = momentum;
     if (track && cumulative) m = 1.0 / (double)(*tracked + 1);
@@ -401,11 +406,13 @@ __device__ __forceinline__ void forward_planes(const T* x, const T* residual, T*
 
 template <typename T, bool NORM_R>
 __global__ void batch_norm_forward_planes_kernel(FORWARD_PLANES_ARGS) {
+    await_previous_kernel();
     forward_planes<1, NORM_R>(FORWARD_PLANES_PASS);
 }
 
 template <typename T, bool NORM_R>
 __global__ void batch_norm_forward_planes_vec4_kernel(FORWARD_PLANES_ARGS) {
+    await_previous_kernel();
     forward_planes<4, NORM_R>(FORWARD_PLANES_PASS);
 }
 
@@ -416,6 +423,7 @@ __global__ void batch_norm_forward_columns_kernel(
     const float* mean, const float* invstd, const float* weight, const float* bias, int relu,
     const float* r_mean, const float* r_invstd, const float* r_weight, const float* r_bias,
     int N, int C, int per) {
+    await_previous_kernel();
     const int c = column_channel<V>(C);
     const ColumnChannels<V> ch(c, mean, invstd, weight, bias);
     const ColumnChannels<V> rch = NORM_R ? ColumnChannels<V>(c, r_mean, r_invstd, r_weight,
@@ -485,12 +493,14 @@ __device__ __forceinline__ void grad_stats_planes(const T* dy, const T* dy2, con
 
 template <typename T, bool SUM>
 __global__ void batch_norm_grad_stats_planes_kernel(GRAD_STATS_PLANES_ARGS) {
+    await_previous_kernel();
     grad_stats_planes<1, SUM>(dy, dy2, x, weight, bias, relu, mean, invstd, partial, C, inner,
                               total, per);
 }
 
 template <typename T, bool SUM>
 __global__ void batch_norm_grad_stats_planes_vec4_kernel(GRAD_STATS_PLANES_ARGS) {
+    await_previous_kernel();
     grad_stats_planes<4, SUM>(dy, dy2, x, weight, bias, relu, mean, invstd, partial, C, inner,
                               total, per);
 }
@@ -502,6 +512,7 @@ batch_norm_grad_stats_columns_kernel(const T* __restrict__ dy, const T* __restri
                                      const float* weight, const float* bias, int relu,
                                      const float* mean, const float* invstd, double* partial,
                                      int N, int C, int per) {
+    await_previous_kernel();
     const ColumnChannels<V> ch(column_channel<V>(C), mean, invstd, weight, bias);
     double s[V] = {}, sx[V] = {};
     walk_column<V, R>(N, C, per, [&](long long at) {
@@ -525,6 +536,7 @@ extern "C" __global__ void batch_norm_grad_finalize_kernel(const double* partial
                                                            const float* weight,
                                                            const float* invstd, float* coef,
                                                            float* dweight, float* dbias) {
+    await_previous_kernel();
     const int c = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     if (c >= C) return;                // whole warps leave: blockDim.x % 32 == 0
     const double2 sums = channel_sums(partial, splits, c);
@@ -570,12 +582,14 @@ __device__ __forceinline__ void backward_planes(const T* dy, const T* dy2, const
 
 template <typename T, bool SUM>
 __global__ void batch_norm_backward_planes_kernel(BACKWARD_PLANES_ARGS) {
+    await_previous_kernel();
     backward_planes<1, SUM>(dy, dy2, x, weight, bias, relu, mean, invstd, coef, dx, C, inner,
                             total, per);
 }
 
 template <typename T, bool SUM>
 __global__ void batch_norm_backward_planes_vec4_kernel(BACKWARD_PLANES_ARGS) {
+    await_previous_kernel();
     backward_planes<4, SUM>(dy, dy2, x, weight, bias, relu, mean, invstd, coef, dx, C, inner,
                             total, per);
 }
@@ -586,6 +600,7 @@ __global__ void batch_norm_backward_columns_kernel(
     const float* weight, const float* bias, int relu, const float* mean, const float* invstd,
     const float* coef, T* __restrict__ dx,
     int N, int C, int per) {
+    await_previous_kernel();
     const int c = column_channel<V>(C);
     const ColumnChannels<V> ch(c, mean, invstd, weight, bias);
     float k[V], a[V], bb[V];

@@ -7,6 +7,7 @@
 // A guarded step (ops/guard.py) moves the counter in guard_advance (guard.cu) instead.
 // model.half(): float16 parameters, gradients and state (update.cuh), and a float16 loss and
 // its history (loss_kind: include/bf16.cuh STORAGE_*).
+#include "launch_order.cuh"
 #include "bf16.cuh"
 #include "permute.cuh"
 #include "step.cuh"
@@ -14,18 +15,21 @@
 
 // step += 1 (int64 scalar state); one thread.
 extern "C" __global__ void step_increment_kernel(long long* step) {
+    await_previous_kernel();
     if (blockIdx.x == 0 && threadIdx.x == 0) *step += 1;
 }
 
 extern "C" __global__ void record_loss_kernel(const void* loss, const long long* step,
                                               void* history_loss, long long* history_step,
                                               long long length, int loss_kind) {
+    await_previous_kernel();
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     record(loss, loss_kind, *step, history_loss, history_step, length);
 }
 
 extern "C" __global__ void lr_schedule_kernel(const long long* step, const float* schedule,
                                               float* lr) {
+    await_previous_kernel();
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     *lr = scheduled_factor(schedule, *step);
 }
@@ -35,6 +39,7 @@ extern "C" __global__ void advance_step_kernel(long long* step, const float* sch
                                                const void* loss, void* history_loss,
                                                long long* history_step, long long length,
                                                float* lr, int loss_kind) {
+    await_previous_kernel();
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     const long long t = *step + 1;
     *step = t;
@@ -51,6 +56,7 @@ extern "C" __global__ void advance_step_kernel(long long* step, const float* sch
 extern "C" __global__ void weight_copies_permute_kernel(const long long* entries,
                                                         const int* jobs, int chunk,
                                                         const int* guard) {
+    await_previous_kernel();
     if (skipped(guard)) return;
     const PermuteEntry e = permute_entry(entries + jobs[2 * blockIdx.x] * PERMUTE_ENTRY_WIDTH);
     const float* p = (const float*)e.source;

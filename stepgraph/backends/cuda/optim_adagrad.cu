@@ -5,6 +5,7 @@
 // nothing when guard_advance skipped it. The update also writes each parameter's weight copy (attrs
 // copies: bf16 with precision="bf16", a channels-last step's transposed float32 conv weight) from
 // the freshly updated float32 value, in the same pass (UpdateEntry.copy).
+#include "launch_order.cuh"
 #include "update.cuh"
 
 struct AdagradScalars {
@@ -29,6 +30,7 @@ extern "C" __global__ void adagrad_update_kernel(const UpdateEntry* entries, con
                                                  int width, const float* norm, int clip,
                                                  double max_norm, const int* guard,
                                                  int maximize) {
+    await_previous_kernel();
     __shared__ AdagradScalars s;
     if (threadIdx.x == 0) {
         const double* h = block_hyper(entries, blocks, hyper, width);

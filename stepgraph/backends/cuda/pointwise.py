@@ -306,6 +306,7 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
     vec = []
     if vectorizable(program, results, shape, input_shapes, dtypes[:k], input_views):
         vec = [f'extern "C" __global__ void {VEC_KERNEL_NAME}({", ".join(params)}, int n) {{',
+               "    await_previous_kernel();",
                *head,
                f"    for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < n / {VEC};"
                " q += gridDim.x * blockDim.x) {",
@@ -345,12 +346,14 @@ def kernel_source(program: tuple[Instr, ...], results: tuple[int, ...], shape: t
                 "        }",
                 "    }"]
     return "\n".join([
+        '#include "launch_order.cuh"',
         *(['#include "bf16.cuh"'] if set(HALF_DTYPES) & set(dtypes) or vec else []),
         '#include "elementwise.cuh"',
         *([_HELPERS] if any(i.op in ("unary", "binary", "scalar") for i in program) else []),
         *([_BYTE_HELPERS] if vec and set(BYTE_DTYPES) & set(dtypes) else []),
         *(['#include "philox.cuh"'] if uses_groups(program) else []),
         f'extern "C" __global__ void {KERNEL_NAME}({", ".join(params)}, int n) {{',
+        "    await_previous_kernel();",
         *head,
         *loop,
         "}",

@@ -52,10 +52,12 @@ def kernel_source(program: tuple[Instr, ...], summed: int, shape: tuple,
                  for j, s in enumerate(epilogue_shapes)]
     stores = [f"out{j}[i] = {e_names[r]};" for j, r in enumerate(results)]
     return "\n".join([
+        '#include "launch_order.cuh"',
         '#include "elementwise.cuh"',
         '#include "reduce.cuh"',
         _HELPERS,
         f'extern "C" __global__ void {KERNEL_NAME}({", ".join(params)}, int rows) {{',
+        "    await_previous_kernel();",
         "    for (long long row = first_row_base() + threadIdx.y; row < rows;"
         " row += row_base_stride()) {",
         "        double acc = 0.0;",

@@ -12,6 +12,7 @@
 
 // With relu (the ReLU after the pool, fused) the forward stores relu(max) and the backward
 // adds only where that output is > 0. Shapes and windows: pool.cuh.
+#include "launch_order.cuh"
 #include "bf16.cuh"
 #include "grid.cuh"
 #include "pool.cuh"
@@ -48,12 +49,14 @@ __device__ __forceinline__ void maxpool2d_forward(const T* x, T* y, int* idx, in
 template <typename T>
 __global__ void maxpool2d_forward_kernel(const T* x, T* y, int* idx, int relu,
                                          POOL_SHAPE_ARGS) {
+    await_previous_kernel();
     maxpool2d_forward<false>(x, y, idx, relu, 1, POOL_SHAPE_INIT);
 }
 
 template <typename T>
 __global__ void maxpool2d_forward_nhwc_kernel(const T* x, T* y, int* idx,
                                               int relu, int C, POOL_SHAPE_ARGS) {
+    await_previous_kernel();
     maxpool2d_forward<true>(x, y, idx, relu, C, POOL_SHAPE_INIT);
 }
 
@@ -90,6 +93,7 @@ template <typename T>
 __global__ void maxpool2d_backward_kernel(const T* dy, const int* idx,
                                           const T* y, T* dx,
                                           POOL_SHAPE_ARGS) {
+    await_previous_kernel();
     maxpool2d_backward<false>(dy, idx, y, dx, 1, POOL_SHAPE_INIT);
 }
 
@@ -97,6 +101,7 @@ template <typename T>
 __global__ void maxpool2d_backward_nhwc_kernel(const T* dy, const int* idx,
                                                const T* y, T* dx, int C,
                                                POOL_SHAPE_ARGS) {
+    await_previous_kernel();
     maxpool2d_backward<true>(dy, idx, y, dx, C, POOL_SHAPE_INIT);
 }
 
@@ -132,6 +137,7 @@ template <typename T>
 __global__ void maxpool2d_backward_tiling_kernel(const T* dy, const int* idx,
                                                  const T* y, T* dx,
                                                  POOL_SHAPE_ARGS) {
+    await_previous_kernel();
     maxpool2d_backward_tiling<false>(dy, idx, y, dx, 1, POOL_SHAPE_INIT);
 }
 
@@ -139,6 +145,7 @@ template <typename T>
 __global__ void maxpool2d_backward_tiling_nhwc_kernel(const T* dy, const int* idx,
                                                       const T* y, T* dx,
                                                       int C, POOL_SHAPE_ARGS) {
+    await_previous_kernel();
     maxpool2d_backward_tiling<true>(dy, idx, y, dx, C, POOL_SHAPE_INIT);
 }
 
@@ -191,6 +198,7 @@ __device__ __forceinline__ void maxpool2d_forward_vec(const T* x, T* y, int* idx
 template <typename T>
 __global__ void maxpool2d_forward_nhwc_vec_kernel(const T* x, T* y, int* idx, int relu, int C,
                                                   POOL_SHAPE_ARGS) {
+    await_previous_kernel();
     maxpool2d_forward_vec(x, y, idx, relu, C, POOL_SHAPE_INIT);
 }
 
@@ -229,6 +237,7 @@ __device__ __forceinline__ void maxpool2d_backward_vec(const T* dy, const int* i
 template <typename T>
 __global__ void maxpool2d_backward_nhwc_vec_kernel(const T* dy, const int* idx, const T* y,
                                                    T* dx, int C, POOL_SHAPE_ARGS) {
+    await_previous_kernel();
     maxpool2d_backward_vec(dy, idx, y, dx, C, POOL_SHAPE_INIT);
 }
 
@@ -271,5 +280,6 @@ template <typename T>
 __global__ void maxpool2d_backward_tiling_nhwc_vec_kernel(const T* dy, const int* idx,
                                                           const T* y, T* dx, int C,
                                                           POOL_SHAPE_ARGS) {
+    await_previous_kernel();
     maxpool2d_backward_tiling_vec(dy, idx, y, dx, C, POOL_SHAPE_INIT);
 }

@@ -14,6 +14,7 @@
 // Templates over the element storage T: float, or unsigned short (bfloat16 bits, bf16.cuh):
 // loaded as float, summed in float, each output rounded once on store. Launchers keep sizes
 // < 2^31 (32-bit index arithmetic).
+#include "launch_order.cuh"
 #include "bf16.cuh"
 #include "grid.cuh"
 
@@ -61,6 +62,7 @@ __device__ __forceinline__ void split5(int g, int D, int H, int W, int& p, int& 
 
 template <typename T>
 __global__ void maxpool3d_forward_kernel(const T* x, T* y, int* idx, POOL3D_SHAPE_ARGS) {
+    await_previous_kernel();
     const Pool3dShape s = POOL3D_SHAPE_INIT;
     const long long total = (long long)s.planes * s.Do * s.Ho * s.Wo;
     GRID_STRIDE_LOOP(g, total) {
@@ -98,6 +100,7 @@ __global__ void maxpool3d_forward_kernel(const T* x, T* y, int* idx, POOL3D_SHAP
 template <typename T>
 __global__ void maxpool3d_backward_kernel(const T* dy, const int* idx, T* dx,
                                           POOL3D_SHAPE_ARGS) {
+    await_previous_kernel();
     const Pool3dShape s = POOL3D_SHAPE_INIT;
     const long long total = (long long)s.planes * s.D * s.H * s.W;
     GRID_STRIDE_LOOP(g, total) {
@@ -138,6 +141,7 @@ __device__ __forceinline__ float avg_divisor(const Pool3dShape& s, int od, int o
 template <typename T>
 __global__ void avgpool3d_forward_kernel(const T* x, T* y, int count_include_pad,
                                          int divisor_override, POOL3D_SHAPE_ARGS) {
+    await_previous_kernel();
     const Pool3dShape s = POOL3D_SHAPE_INIT;
     const long long total = (long long)s.planes * s.Do * s.Ho * s.Wo;
     GRID_STRIDE_LOOP(g, total) {
@@ -159,6 +163,7 @@ __global__ void avgpool3d_forward_kernel(const T* x, T* y, int count_include_pad
 template <typename T>
 __global__ void avgpool3d_backward_kernel(const T* dy, T* dx, int count_include_pad,
                                           int divisor_override, POOL3D_SHAPE_ARGS) {
+    await_previous_kernel();
     const Pool3dShape s = POOL3D_SHAPE_INIT;
     const long long total = (long long)s.planes * s.D * s.H * s.W;
     GRID_STRIDE_LOOP(g, total) {

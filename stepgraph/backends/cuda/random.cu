@@ -3,12 +3,14 @@
 // masks do, and keeps its top 24 bits times 2^-24 (exact in float32): [0, 1).
 // normal: element i takes words 2 (i & 1) and 2 (i & 1) + 1 of counter (i >> 1, ...), and
 // Box-Muller in double (u1 in (0, 1], u2 in [0, 1)) rounded once to float, as rng.normal.
+#include "launch_order.cuh"
 #include "philox.cuh"
 #include "grid.cuh"
 
 // extern "C": launched by their plain names (CuPy looks a kernel up by its symbol).
 extern "C" __global__ void random_uniform_kernel(const long long* step, float* y, long long n,
                                                  unsigned long long seed, unsigned int site) {
+    await_previous_kernel();
     const long long t = *step;
     GRID_STRIDE_GROUPS(g, n) {
         const uint4 w = dropout_words((unsigned long long)g, site, t, seed);
@@ -27,6 +29,7 @@ __device__ __forceinline__ float box_muller(unsigned int a, unsigned int b) {
 // One Philox call gives the two elements of a pair (counter word 0 = i >> 1).
 extern "C" __global__ void random_normal_kernel(const long long* step, float* y, long long n,
                                                 unsigned long long seed, unsigned int site) {
+    await_previous_kernel();
     const long long t = *step;
     GRID_STRIDE_LOOP(pair, (n + 1) >> 1) {
         const uint4 w = dropout_words((unsigned long long)pair, site, t, seed);

@@ -7,6 +7,7 @@
 // short for bfloat16 (bf16.cuh): inputs widened to float, sums in float64, each output
 // rounded to float32 and then to bf16 once, when it is stored (the numpy emulation sums the
 // float32 values and rounds the float32 sum: the two agree but for the order of the sum).
+#include "launch_order.cuh"
 #include "bf16.cuh"
 #include "elementwise.cuh"
 #include "reduce.cuh"
@@ -55,6 +56,7 @@ __device__ __forceinline__ void finish_columns(const double (&acc)[VEC], T* out,
 template <typename T, int VEC>
 __global__ void __launch_bounds__(512)
 reduce_sum_columns_kernel(const T* x, T* y, double* partial, int rows, int cols) {
+    await_previous_kernel();
     x += (long long)blockIdx.z * rows * cols;
     y += (long long)blockIdx.z * cols;
     const int col = (blockIdx.x * COLUMN_TILE + threadIdx.x) * VEC;
@@ -81,6 +83,7 @@ reduce_sum_columns_kernel(const T* x, T* y, double* partial, int rows, int cols)
 template <typename T>
 __global__ void reduce_sum_planes_kernel(const T* x, T* y, double* partial, int outer, int mid,
                                          int inner) {
+    await_previous_kernel();
     __shared__ double smem[32];
     const int b = blockIdx.x, splits = gridDim.y;
     const int da = blockDim.x / inner * splits, dc = blockDim.x % inner;
@@ -109,6 +112,7 @@ __global__ void reduce_sum_planes_kernel(const T* x, T* y, double* partial, int 
 // warps leave the loop on their own (no block barrier inside).
 template <typename T>
 __global__ void reduce_sum_rows_kernel(const T* x, T* y, int rows, int cols) {
+    await_previous_kernel();
     for (long long r = first_row_base() + threadIdx.y; r < rows; r += row_base_stride()) {
         const T* xr = x + r * cols;
         double acc = 0.0;
@@ -128,6 +132,7 @@ __global__ void reduce_sum_rows_kernel(const T* x, T* y, int rows, int cols) {
 template <typename T>
 __global__ void __launch_bounds__(32 * SPLIT_WARPS)
 reduce_sum_splits_kernel(const double* partial, T* y, int mid, int splits) {
+    await_previous_kernel();
     __shared__ double part[SPLIT_WARPS][33];
     const int b = blockIdx.x * 32 + threadIdx.x;
     double acc = 0.0;
@@ -155,6 +160,7 @@ __global__ void reduce_sum_strided_kernel(const T* x, T* y, int n,
                                                      int ks0, int ks1, int ks2, int ks3,
                                                      int rn0, int rn1, int rn2, int rn3,
                                                      int rs0, int rs1, int rs2, int rs3) {
+    await_previous_kernel();
     for (int o = blockIdx.x * blockDim.x + threadIdx.x; o < n; o += gridDim.x * blockDim.x) {
         int q = o;
         const int i3 = q % kn3;
@@ -195,6 +201,7 @@ template <typename T, int VEC>
 __global__ void __launch_bounds__(512)
 act_bias_backward_kernel(const T* dy, const T* saved, T* dz, T* db, double* partial, int rows,
                          int cols, int kind, float slope) {
+    await_previous_kernel();
     const int col = (blockIdx.x * COLUMN_TILE + threadIdx.x) * VEC;
     int r0, r1;
     split_rows(rows, &r0, &r1);
@@ -243,6 +250,7 @@ extern "C" __global__ void global_norm_forward_kernel(const NormEntry* entries,
                                                       const int2* blocks, double* partials,
                                                       unsigned int* counter, float* out,
                                                       int chunk) {
+    await_previous_kernel();
     __shared__ double smem[32];
     __shared__ unsigned int last_flag;
     const int2 job = blocks[blockIdx.x];

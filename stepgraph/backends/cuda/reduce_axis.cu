@@ -7,9 +7,11 @@
 // index order as the NumPy reference's stable sort gives them.
 
 // y[o, b] = max (MAX) or min of x[o, :, b].
+#include "launch_order.cuh"
 template <typename T, bool MAX>
 __global__ void reduce_max_forward_kernel(const T* x, T* y, long long lines, int N,
                                           long long inner) {
+    await_previous_kernel();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < lines;
          i += (long long)gridDim.x * blockDim.x) {
         const T* line = x + (i / inner) * N * inner + i % inner;
@@ -26,6 +28,7 @@ __global__ void reduce_max_forward_kernel(const T* x, T* y, long long lines, int
 template <typename T>
 __global__ void reduce_max_backward_kernel(const T* dy, const T* x, const T* y, T* dx,
                                            long long lines, int N, long long inner) {
+    await_previous_kernel();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < lines;
          i += (long long)gridDim.x * blockDim.x) {
         const long long base = (i / inner) * N * inner + i % inner;
@@ -45,6 +48,7 @@ __global__ void reduce_max_backward_kernel(const T* dy, const T* x, const T* y, 
 // y[r] = max (MAX) or min of the row x[r, :] (N >= 1); a warp per row.
 template <typename T, bool MAX>
 __global__ void reduce_max_rows_kernel(const T* x, T* y, long long rows, int N) {
+    await_previous_kernel();
     const int lane = threadIdx.x & 31;
     const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
     for (long long r = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5; r < rows;
@@ -76,6 +80,7 @@ __device__ __forceinline__ bool before(T a, int ia, T b, int ib, bool largest) {
 template <typename T>
 __global__ void topk_forward_kernel(const T* x, T* values, long long* indices, long long lines,
                                     int N, long long inner, int K, int largest) {
+    await_previous_kernel();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < lines;
          i += (long long)gridDim.x * blockDim.x) {
         const long long o = i / inner, b = i % inner;
@@ -104,6 +109,7 @@ __global__ void topk_forward_kernel(const T* x, T* values, long long* indices, l
 template <typename T>
 __global__ void top1_rows_kernel(const T* x, T* values, long long* indices, long long rows,
                                  int N, int largest) {
+    await_previous_kernel();
     const int lane = threadIdx.x & 31;
     const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
     for (long long r = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5; r < rows;
@@ -129,6 +135,7 @@ __global__ void top1_rows_kernel(const T* x, T* values, long long* indices, long
 template <typename T>
 __global__ void cumsum_forward_kernel(const T* x, T* y, long long lines, int N, long long inner,
                                       int reverse) {
+    await_previous_kernel();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < lines;
          i += (long long)gridDim.x * blockDim.x) {
         const long long base = (i / inner) * N * inner + i % inner;

@@ -7,9 +7,11 @@
 
 // y (outer, L, inner) = x[:, start:start + L * step:step, :] with x (outer, D, inner); inner
 // in units.
+#include "launch_order.cuh"
 template <typename U>
 __global__ void slice_forward_kernel(const U* x, U* y, long long total, int L, long long inner,
                                      int D, int start, int step) {
+    await_previous_kernel();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         const long long row = i / inner, in = i - row * inner;
@@ -23,6 +25,7 @@ __global__ void slice_forward_kernel(const U* x, U* y, long long total, int L, l
 template <typename U>
 __global__ void slice_backward_kernel(const U* dy, U* dx, long long total, int L,
                                       long long inner, int D, int start, int step) {
+    await_previous_kernel();
     const U zero = U();   // value-initialised: all-zero bits, uint4 included
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
@@ -35,6 +38,7 @@ __global__ void slice_backward_kernel(const U* dy, U* dx, long long total, int L
 // y[i] = i.
 template <typename T>
 __global__ void arange_forward_kernel(T* y, long long n) {
+    await_previous_kernel();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x)
         y[i] = (T)i;

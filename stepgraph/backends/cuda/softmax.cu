@@ -8,11 +8,13 @@
 // Templates on the storage T of x, y, dy and dx (one storage a launch): float, or fp16_bits
 // (float16, a model.half()), widened on load, computed in float32 as the float kernels do, and
 // each output rounded once on store.
+#include "launch_order.cuh"
 #include "reduce.cuh"
 
 // y = exp(x - max) / sum(exp(x - max)) per row (the division IEEE-rounded, as numpy's).
 template <typename T>
 __global__ void softmax_forward_kernel(const T* x, T* y, int N, int C) {
+    await_previous_kernel();
     __shared__ float smem[32];
     for (long long base = first_row_base(); base < N; base += row_base_stride()) {
         const int row = (int)base + threadIdx.y;
@@ -29,6 +31,7 @@ __global__ void softmax_forward_kernel(const T* x, T* y, int N, int C) {
 // dx = y * (dy - sum(dy * y)) per row.
 template <typename T>
 __global__ void softmax_backward_kernel(const T* dy, const T* y, T* dx, int N, int C) {
+    await_previous_kernel();
     __shared__ float smem[32];
     for (long long base = first_row_base(); base < N; base += row_base_stride()) {
         const int row = (int)base + threadIdx.y;
@@ -58,6 +61,7 @@ __device__ __forceinline__ int visible_columns(int row, int N, int C, int R, int
 template <typename T>
 __global__ void softmax_scaled_forward_kernel(const T* x, T* y, int N, int C, int R,
                                               float scale, int causal) {
+    await_previous_kernel();
     __shared__ float smem[32];
     for (long long base = first_row_base(); base < N; base += row_base_stride()) {
         const int row = (int)base + threadIdx.y;
@@ -83,6 +87,7 @@ __global__ void softmax_scaled_forward_kernel(const T* x, T* y, int N, int C, in
 template <typename T>
 __global__ void softmax_scaled_backward_kernel(const T* dy, const T* y, T* dx, int N, int C,
                                                int R, float scale, int causal) {
+    await_previous_kernel();
     __shared__ float smem[32];
     for (long long base = first_row_base(); base < N; base += row_base_stride()) {
         const int row = (int)base + threadIdx.y;

@@ -33,6 +33,7 @@
 //               (precision="fp32"; the scheme cuBLAS and CUTLASS call 3xTF32).
 // No explicit instantiations: each kernel a problem needs is compiled on its own
 // (compiler.PER_SHAPE_SOURCES), so a step compiles the few it launches or times, not all.
+#include "launch_order.cuh"
 #include "bf16.cuh"
 #include "philox.cuh"
 
@@ -359,6 +360,7 @@ sdpa_forward_kernel(const T* q, const T* k, const T* v, T* out, float* lse,
                     unsigned int threshold, float drop_scale, int dropout, int vec, int group,
                     const T* mask, long long m_sb, long long m_sh, long long m_sr,
                     long long m_sc) {
+    await_previous_kernel();
     constexpr int TR = BQ / 16, TS = BK / 8, TO = HD / 8;
     constexpr int LQ = HD + 4, LT = BK + 4;
     static_assert(BQ % 32 == 0 && BK % 32 == 0, "tiles of whole 32-row, 32-column steps");
@@ -539,6 +541,7 @@ sdpa_backward_dq_kernel(const T* q, const T* k, const T* v, const T* out, const 
                         unsigned int threshold, float drop_scale, int dropout, int vec,
                         int group, const T* mask, long long m_sb, long long m_sh,
                         long long m_sr, long long m_sc) {
+    await_previous_kernel();
     constexpr int TR = BQ / 16, TS = BK / 8, TO = HD / 8;
     constexpr int LQ = HD + 4, LT = BK + 4;
     static_assert(BQ % 32 == 0 && BK % 32 == 0, "tiles of whole 32-row, 32-column steps");
@@ -636,6 +639,7 @@ sdpa_backward_dkdv_kernel(const T* q, const T* k, const T* v, const T* dout,
                           unsigned int threshold, float drop_scale, int dropout, int vec,
                           int group, const T* mask, long long m_sb, long long m_sh,
                           long long m_sr, long long m_sc) {
+    await_previous_kernel();
     constexpr int TQ = BQ / 16, TK = BK / 16, TS = BK / 8, TO = HD / 8;
     constexpr int LQ = HD + 4, LT = BK + 4;
     static_assert(BK <= BQ, "dk and dv leave through the q and dout tiles");
@@ -763,6 +767,7 @@ sdpa_rows_forward_kernel(float* scores, float* lse, const long long* step, int h
                          unsigned long long seed, unsigned int site, unsigned int threshold,
                          float drop_scale, int dropout, const T* mask, long long m_sb,
                          long long m_sh, long long m_sr, long long m_sc) {
+    await_previous_kernel();
     const int lane = threadIdx.x & 31;
     const long long row = (long long)blockIdx.x * SDPA_ROWS_PER_BLOCK + (threadIdx.x >> 5);
     if (row >= (long long)bh_count * L) return;
@@ -812,6 +817,7 @@ sdpa_rows_backward_kernel(float* scores, float* dscores, const float* lse, const
                           float scale, int causal, unsigned long long seed, unsigned int site,
                           unsigned int threshold, float drop_scale, int dropout, const T* mask,
                           long long m_sb, long long m_sh, long long m_sr, long long m_sc) {
+    await_previous_kernel();
     const int lane = threadIdx.x & 31;
     const long long row = (long long)blockIdx.x * SDPA_ROWS_PER_BLOCK + (threadIdx.x >> 5);
     if (row >= (long long)bh_count * L) return;

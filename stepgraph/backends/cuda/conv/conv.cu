@@ -5,6 +5,7 @@
 // Every kernel handles one chunk of nb samples (pointers already offset to the chunk), is a
 // grid-stride loop over 64-bit indices (col2im: 32-bit ones where they suffice), and writes
 // each element it owns once: no atomics, so results are deterministic.
+#include "launch_order.cuh"
 #include "bf16.cuh"
 
 struct Geometry {
@@ -36,6 +37,7 @@ __global__ void conv2d_im2col_kernel(const T* __restrict__ x, T* __restrict__ co
                                      const T* __restrict__ bias, T* __restrict__ y,
                                      long long n_cols, long long n_bias, int O,
                                      GEOMETRY_PARAMS) {
+    await_previous_kernel();
     const Geometry g = GEOMETRY_INIT;
     const int P = g.Ho * g.Wo;
     const int CK = g.C * g.kh * g.kw;
@@ -60,6 +62,7 @@ template <typename T>
 __global__ void conv2d_grad_weight_gather_kernel(const T* __restrict__ x, const T* __restrict__ dy,
                                                  T* __restrict__ cols_t, T* __restrict__ dy_t,
                                                  int nb, int O, GEOMETRY_PARAMS) {
+    await_previous_kernel();
     const Geometry g = GEOMETRY_INIT;
     const int P = g.Ho * g.Wo;
     const long long Q = (long long)nb * P;
@@ -115,6 +118,7 @@ __device__ __forceinline__ void col2im_pixels(const T* __restrict__ dcols, T* __
 template <typename T>
 __global__ void conv2d_col2im_kernel(const T* __restrict__ dcols, T* __restrict__ dx, int nb,
                                      GEOMETRY_PARAMS) {
+    await_previous_kernel();
     const Geometry g = GEOMETRY_INIT;
     const long long total = (long long)nb * g.C * g.H * g.W;
     const long long stride = (long long)gridDim.x * blockDim.x;
@@ -130,6 +134,7 @@ __global__ void conv2d_col2im_kernel(const T* __restrict__ dcols, T* __restrict_
 template <typename T>
 __global__ void conv2d_bias_act_kernel(T* __restrict__ y, const T* __restrict__ bias,
                                        long long total, int O, int P, int has_bias, int relu) {
+    await_previous_kernel();
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += stride) {
         T v = y[e];
@@ -145,6 +150,7 @@ __global__ void conv2d_bias_act_kernel<unsigned short>(unsigned short* __restric
                                                        const unsigned short* __restrict__ bias,
                                                        long long total, int O, int P,
                                                        int has_bias, int relu) {
+    await_previous_kernel();
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += stride) {
         float v = bf16_to_float(y[e]);
@@ -159,6 +165,7 @@ __global__ void conv2d_bias_act_kernel<fp16_bits>(fp16_bits* __restrict__ y,
                                                   const fp16_bits* __restrict__ bias,
                                                   long long total, int O, int P, int has_bias,
                                                   int relu) {
+    await_previous_kernel();
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += stride) {
         float v = fp16_to_float(y[e]);

@@ -14,6 +14,7 @@
 // and db a fixed per-thread order, a fixed reduction tree, then the splits in order): no
 // atomics, results identical run to run. Offsets are 32-bit ints: conv_depthwise.py launches
 // these only on tensors of at most 2^30 elements.
+#include "launch_order.cuh"
 #include "bf16.cuh"
 
 // The geometry, in the order of conv_depthwise.py's _geometry_args.
@@ -107,6 +108,7 @@ __global__ void __launch_bounds__(256)
 conv2d_depthwise_forward_kernel(const S* __restrict__ x, const S* __restrict__ w,
                                 const S* __restrict__ bias, S* __restrict__ y, int has_bias,
                                 int relu, DEPTHWISE_PARAMS) {
+    await_previous_kernel();
     const int P = Ho * Wo, taps = kh * kw, total = N * C * P;
     for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < total; q += gridDim.x * blockDim.x) {
         const int plane = q / P, p = q - plane * P;          // plane = n*C + c
@@ -126,6 +128,7 @@ __global__ void __launch_bounds__(256)
 conv2d_depthwise_forward_nhwc_kernel(const S* __restrict__ x, const S* __restrict__ w,
                                      const S* __restrict__ bias, S* __restrict__ y,
                                      int has_bias, int relu, DEPTHWISE_PARAMS) {
+    await_previous_kernel();
     __shared__ float ws[MAX_TAPS][LANES];
     const int c = blockIdx.x * LANES + threadIdx.x, lane = threadIdx.x;
     stage_filters(ws, w, c, C, kh * kw);
@@ -148,6 +151,7 @@ template <typename S>
 __global__ void __launch_bounds__(256)
 conv2d_depthwise_grad_input_kernel(const S* __restrict__ dy, const S* __restrict__ w,
                                    S* __restrict__ dx, DEPTHWISE_PARAMS) {
+    await_previous_kernel();
     const int HW = H * W, taps = kh * kw, total = N * C * HW;
     for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < total; q += gridDim.x * blockDim.x) {
         const int plane = q / HW, r = q - plane * HW;
@@ -165,6 +169,7 @@ template <typename S>
 __global__ void __launch_bounds__(256)
 conv2d_depthwise_grad_input_nhwc_kernel(const S* __restrict__ dy, const S* __restrict__ w,
                                         S* __restrict__ dx, DEPTHWISE_PARAMS) {
+    await_previous_kernel();
     __shared__ float ws[MAX_TAPS][LANES];
     const int c = blockIdx.x * LANES + threadIdx.x, lane = threadIdx.x;
     stage_filters(ws, w, c, C, kh * kw);
@@ -262,6 +267,7 @@ __global__ void __launch_bounds__(256)
 conv2d_depthwise_grad_weight_kernel(const S* __restrict__ dy, const S* __restrict__ x,
                                     S* __restrict__ dw, S* __restrict__ db,
                                     float* __restrict__ partial, int taps, DEPTHWISE_PARAMS) {
+    await_previous_kernel();
     __shared__ float warp_sums[MAX_WARPS][TB];
     const int c = blockIdx.x, k0 = blockIdx.y * TB, kk = kh * kw, P = Ho * Wo;
     Tap tap[TB];
@@ -302,6 +308,7 @@ conv2d_depthwise_grad_weight_nhwc_kernel(const S* __restrict__ dy, const S* __re
                                          S* __restrict__ dw, S* __restrict__ db,
                                          float* __restrict__ partial, int taps,
                                          DEPTHWISE_PARAMS) {
+    await_previous_kernel();
     __shared__ float row_sums[ROWS][TB][LANES];
     const int c = blockIdx.x * LANES + threadIdx.x, cc = min(c, C - 1);  // cc: loads only
     const int k0 = blockIdx.y * TB, kk = kh * kw, P = Ho * Wo;
@@ -334,6 +341,7 @@ template <typename S>
 __global__ void conv2d_depthwise_grad_weight_sum_kernel(const float* __restrict__ partial,
                                                         S* __restrict__ dw, S* __restrict__ db,
                                                         int C, int taps, int kk, int splits) {
+    await_previous_kernel();
     const int e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= C * taps) return;
     float v = 0.f;
@@ -359,6 +367,7 @@ conv2d_depthwise_plane_kernel(const S* __restrict__ x, const S* __restrict__ w,
                               const S* __restrict__ bias, S* __restrict__ y, int has_bias,
                               int relu, int flip, int planes, int C, int H, int W, int kh,
                               int kw, int ph, int pw, int Ho, int Wo) {
+    await_previous_kernel();
     extern __shared__ float smem[];
     const int taps = kh * kw, Hp = Ho + kh - 1, Wp = Wo + kw - 1;
     float* ws = smem;

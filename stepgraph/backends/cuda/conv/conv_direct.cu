@@ -7,6 +7,7 @@
 // elements (room for a last block's overshoot and for window offsets left of the image).
 
 // The geometry as plain ints, in the order of conv.cu's GEOMETRY_PARAMS (Geometry.kernel_args).
+#include "launch_order.cuh"
 #define GEOMETRY_PARAMS int C, int H, int W, int kh, int kw, int sh, int sw, int ph, int pw, \
                         int Ho, int Wo
 
@@ -30,6 +31,7 @@ __global__ void __launch_bounds__(256)
 conv2d_direct_forward_kernel(const T* __restrict__ x, const T* __restrict__ w,
                              const T* __restrict__ bias, T* __restrict__ y, int flags,
                              int N, int O, GEOMETRY_PARAMS) {
+    await_previous_kernel();
     __shared__ Pack<T, OB> ws[MAX_TAPS];
     const int CK = C * kh * kw;
     const int o0 = blockIdx.y * OB;
@@ -83,6 +85,7 @@ template <typename T, int CB>
 __global__ void __launch_bounds__(256)
 conv2d_direct_grad_input_kernel(const T* __restrict__ dy, const T* __restrict__ w,
                                 T* __restrict__ dx, int N, int O, GEOMETRY_PARAMS) {
+    await_previous_kernel();
     __shared__ Pack<T, CB> ws[MAX_TAPS];
     const int KK = kh * kw;
     const int c0 = blockIdx.y * CB;
@@ -135,6 +138,7 @@ template <typename T, int OB, int TB>
 __global__ void __launch_bounds__(256)
 conv2d_direct_grad_weight_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                  T* __restrict__ dw, int N, int O, GEOMETRY_PARAMS) {
+    await_previous_kernel();
     // blockIdx.z takes the samples [z * per_split, (z + 1) * per_split): with gridDim.z > 1
     // the block writes its partial sums to dw + z * O * CK, and the sum kernel below adds the
     // splits in order (a few hundred blocks cannot fill the GPU with one long sum each).
@@ -214,6 +218,7 @@ template <typename T>
 __global__ void conv2d_direct_grad_weight_sum_kernel(const T* __restrict__ partial,
                                                      T* __restrict__ dw, int elements,
                                                      int splits) {
+    await_previous_kernel();
     const int e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= elements) return;
     T sum = T(0);

@@ -14,6 +14,7 @@
 // the NumPy emulation. Staging widens S to T once (the shared arrays hold T); an output is
 // rounded to S once, when stored after its whole sum (dw, db: the partial sums stay T and the
 // sum kernel rounds), so bf16 results differ from the emulation's only by the sum order.
+#include "launch_order.cuh"
 #include "bf16.cuh"
 
 template <typename T, int K>
@@ -121,6 +122,7 @@ template <typename S, typename T, int CIN, int HIN, int WIN, int COUT, int KH, i
 __global__ void __launch_bounds__(512)
 conv2d_tiled_kernel(const S* __restrict__ in, const S* __restrict__ w,
                     const S* __restrict__ bias, S* __restrict__ out, int flags) {
+    await_previous_kernel();
     constexpr int KK = KH * KW;
     constexpr int HOUT = HIN + 2 * PH - KH + 1, WOUT = WIN + 2 * PW - KW + 1;
     constexpr int GROUPS = cdiv(COUT, OB), WG = cdiv(WOUT, PX);   // pixel groups per row
@@ -244,6 +246,7 @@ template <typename S, typename T, int C, int H, int W, int O, int KH, int KW, in
 __global__ void __launch_bounds__(512)
 conv2d_tiled_grad_weight_kernel(const S* __restrict__ dy, const S* __restrict__ x,
                                 T* __restrict__ partial) {
+    await_previous_kernel();
     constexpr int KK = KH * KW;
     constexpr int HO = H + 2 * PH - KH + 1, WO = W + 2 * PW - KW + 1;
     constexpr int RPB = cdiv(HO, RB), WD = cdiv(WO, WT) * WT;     // rows; padded dy row
@@ -336,6 +339,7 @@ template <typename S, typename T>
 __global__ void __launch_bounds__(32 * SUM_SLICES)
 conv2d_tiled_grad_weight_sum_kernel(const T* __restrict__ partial, S* __restrict__ dw,
                                     S* __restrict__ db, int weights, int per, int parts) {
+    await_previous_kernel();
     __shared__ T runs[SUM_SLICES][32];
     const int col = threadIdx.x % 32, s = threadIdx.x / 32;
     const int e = blockIdx.x * 32 + col;

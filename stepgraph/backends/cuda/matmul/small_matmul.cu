@@ -10,6 +10,7 @@
 // whatever the storage, so a bf16 linear rounds y and z once each as it stores them, from
 // registers, with no float32 scratch (linear.py's cuBLASLt path needs one where its epilogues
 // fall short).
+#include "launch_order.cuh"
 #include "matmul_epilogue.cuh"
 #include "reduce.cuh"
 
@@ -24,6 +25,7 @@ template <typename S, typename D>
 __global__ void small_matmul_thread_kernel(
         const S* a, const S* b, const D* bias, const D* addend, D* c, D* z, int m, int n, int k,
         long long a_i, long long a_k, long long b_k, long long b_j, int act, float slope) {
+    await_previous_kernel();
     const int total = m * n;
     for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < total;
          idx += gridDim.x * blockDim.x) {
@@ -53,6 +55,7 @@ template <typename S, typename D>
 __global__ void small_matmul_warp_kernel(
         const S* a, const S* b, const D* bias, const D* addend, D* c, D* z, int m, int n, int k,
         long long a_i, long long a_k, long long b_k, long long b_j, int act, float slope) {
+    await_previous_kernel();
     const long long total = (long long)m * n;
     const int lane = threadIdx.x & 31;
     const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;

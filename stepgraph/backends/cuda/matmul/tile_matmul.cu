@@ -2,6 +2,7 @@
 // blocks (small_matmul.py tile_matmul_forward; linear.py times them against cuBLASLt). A file
 // apart from small_matmul.cu's templates: these two kernels alone take ~0.5 s to compile, and
 // every module of a file compiles its plain kernels.
+#include "launch_order.cuh"
 #include "matmul_epilogue.cuh"
 
 // Mid-size GEMMs with few rows (a batch of 128): cuBLASLt's fp32 kernels tile 128 x 128 or
@@ -22,6 +23,7 @@ tile_matmul_kernel(const float* a, const float* b, const float* bias, const floa
                    float* c, float* z, float* partial, int m, int n, int k, int k_split,
                    long long a_i, long long a_k, long long b_k, long long b_j, int act,
                    float slope) {
+    await_previous_kernel();
     __shared__ __align__(16) float as[TILE_K][TILE_M + TILE_PAD];   // as[kk][i]
     __shared__ __align__(16) float bs[TILE_K][TILE_N + TILE_PAD];   // bs[kk][j]
     constexpr int PER_THREAD = TILE_K * TILE_M / TILE_THREADS;     // staged values (4)
@@ -117,6 +119,7 @@ extern "C" __global__ void tile_matmul_finish_kernel(const float* partial, int s
                                                      const float* bias, const float* addend,
                                                      float* c, float* z, int m, int n, int act,
                                                      float slope) {
+    await_previous_kernel();
     const int total = m * n;
     for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < total;
          idx += gridDim.x * blockDim.x) {

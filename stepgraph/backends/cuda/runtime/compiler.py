@@ -42,6 +42,7 @@ from typing import Callable, Iterable
 
 from . import setup_log
 from .ahead import Job, on_device
+from .dependent_launch import Kernel
 
 SOURCE_ROOT = Path(__file__).resolve().parents[1]    # backends/cuda: the families' .cu files
 INCLUDE_DIR = SOURCE_ROOT / "include"                 # the .cuh headers the .cu files share
@@ -329,8 +330,9 @@ def _start_kernel(filename: str, name: str) -> Job:
 
 
 def kernel(filename: str, name: str):
-    """One kernel function of kernel file `filename`; `name` may be a template instantiation."""
-    return _start_kernel(filename, name).result().get_function(name)
+    """One kernel function of kernel file `filename`; `name` may be a template instantiation.
+    A dependent_launch.Kernel: inside a capture it is launched dependently."""
+    return Kernel(_start_kernel(filename, name).result().get_function(name))
 
 
 def prefetch(filenames: Iterable[str], generated: Iterable[tuple[str, str]] = (),
@@ -381,7 +383,7 @@ def _start_generated(source: str) -> Job:
 def generated_kernel(source: str, name: str):
     """Kernel `name` of generated CUDA source (e.g. a fused pointwise program), which may
     include the headers of include/; memoised per source, cached on disk by CuPy."""
-    return _start_generated(source).result().get_function(name)
+    return Kernel(_start_generated(source).result().get_function(name))
 
 
 def compile_to_cubin(path: Path, arch: str = "sm_90",

@@ -27,8 +27,10 @@ from . import compiler
 TIMEOUT_NS = 20_000_000              # the gate opens by itself after 20 ms
 NAME = "hold_until_released"
 SOURCE = r"""
+#include "launch_order.cuh"
 extern "C" __global__ void hold_until_released(const volatile int* released,
                                                long long timeout_ns) {
+    await_previous_kernel();
     unsigned long long start, now;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
     do {
