@@ -100,3 +100,10 @@ def test_arguments_are_packed_as_cupy_packs_them():
     assert packed(None) == bytes(8)                            # a null pointer
     with pytest.raises(TypeError, match="str cannot be passed"):
         packed("x")
+
+
+def test_grids_and_blocks_take_cudas_three_dimensions():
+    from stepgraph.backends.cuda.runtime.dependent_launch import _dims
+
+    assert list(_dims((7,))) == [7, 1, 1] and list(_dims(5)) == [5, 1, 1]
+    assert list(_dims((np.int64(3), 4))) == [3, 4, 1] and list(_dims([2, 3, 4])) == [2, 3, 4]

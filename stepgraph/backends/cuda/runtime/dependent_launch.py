@@ -88,13 +88,19 @@ def _argument(value):
     raise TypeError(f"a kernel argument of type {type(value).__name__} cannot be passed")
 
 
+def _dims(sizes) -> ctypes.Array:
+    """A grid or block (an int, or a tuple of 1-3 ints) as CUDA's three dimensions."""
+    sizes = tuple(sizes) if isinstance(sizes, (tuple, list)) else (sizes,)
+    return (ctypes.c_uint * 3)(*(int(v) for v in sizes + (1,) * (3 - len(sizes))))
+
+
 def launch(raw, grid: tuple, block: tuple, args: tuple, stream, shared_mem: int) -> None:
     """Launch CuPy RawKernel `raw` on `stream` with programmatic stream serialization."""
     lib, attribute = _driver()
     held = [_argument(a) for a in args]
     params = (ctypes.c_void_p * max(1, len(held)))(*[ctypes.addressof(h) for h in held])
-    dims = lambda d: (ctypes.c_uint * 3)(*(tuple(d) + (1, 1, 1))[:3])   # noqa: E731
-    config = _Config(dims(grid), dims(block), shared_mem, stream.ptr, ctypes.pointer(attribute), 1)
+    config = _Config(_dims(grid), _dims(block), int(shared_mem), stream.ptr,
+                     ctypes.pointer(attribute), 1)
     status = lib.cuLaunchKernelEx(ctypes.byref(config), raw.kernel.ptr, params, None)
     if status:
         name = ctypes.c_char_p()
