@@ -1,14 +1,15 @@
 """Programmatic dependent launch of stepgraph's own kernels inside a captured step.
 
 In a CUDA graph each kernel still starts only after the one before it has completed and the
-GPU has noticed: about half a microsecond a launch on an H200, a few percent of a step made of
-hundreds of short kernels. Launched with the attribute CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_
+GPU has noticed. Launched with the attribute CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_
 SERIALIZATION, a kernel may be scheduled while its predecessor's last blocks drain; every
 stepgraph kernel opens with `await_previous_kernel()` (include/launch_order.cuh: PTX
 `griddepcontrol.wait`), which holds it until the kernels before it have completed and their
-writes are visible, so results do not change, bit for bit. Measured on an H200 (a chain of
-memory-bound passes, of one-block kernels, and of the two alternating, each captured): 0.4-0.6
-µs less a launch; triggering the next launch early from inside the kernel gained less.
+writes are visible, so results do not change, bit for bit. Measured on an H200
+(docs/perf-notes.md, 2026-12-02): 0.4-0.6 µs less a launch in captured chains of kernels
+(triggering the next launch early from inside the kernel gained less); inside whole steps,
+where kernels already follow one another closely, torchvision's ResNet-18 file 1-2% faster
+and the other files and workloads timed level.
 
 Only launches made while the stream captures take the attribute (a step's graph and the
 autotuner's timed graphs, which time what the step will run); eager calls keep CuPy's launch.
@@ -54,16 +55,13 @@ def _driver():
     return lib, attribute
 
 
-def enabled_env() -> bool:
-    return os.environ.get(ENV, "1") != "0"
-
-
 @functools.cache
 def supported(device: int) -> bool:
     """Whether GPU `device` takes dependent launches (compute capability 9.0 or later)."""
     import cupy as cp
 
-    return enabled_env() and int(cp.cuda.Device(device).compute_capability) >= 90
+    return os.environ.get(ENV, "1") != "0" and \
+        int(cp.cuda.Device(device).compute_capability) >= 90
 
 
 def _argument(value):
