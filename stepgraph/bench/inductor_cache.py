@@ -22,14 +22,25 @@ version lacks is skipped and named in the returned record.
 The cache JSON file is rewritten whole (read, benchmark, write) by every autotuning process, so
 processes that autotune at once must not share a folder: `jobs` gives each its own copy and
 `merge` folds them back (files by name, the JSON by key).
+
+The folder grows to hundreds of MB (every benchmarked candidate's compiled kernel), too much to
+bring back from one command and into the next. What a later compile needs to skip the
+benchmarking, which is most of max-autotune's time on the conv files, is a few MB:
+`pack_choices` keeps only the choices' timings and the kernels' best configs, written as each
+selection finishes, so even a compile stopped by its command's time limit leaves its progress;
+`unpack_choices` merges them into a folder on the next machine, whose compile then benchmarks
+only the selections not yet made (`python -m stepgraph.bench.inductor_cache pack|unpack`).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
 import sys
+import tarfile
+import tempfile
 from pathlib import Path
 
 # (module, attribute, value): the caches max-autotune consults, on; none of them remote.
@@ -175,3 +186,70 @@ def _fill(have: dict, add: dict) -> None:
             have[key] = value
         elif isinstance(have[key], dict) and isinstance(value, dict):
             _fill(have[key], value)
+
+
+def choice_files(directory: str | os.PathLike) -> list[Path]:
+    """The files of `directory` that hold autotuning results: the choices' timings
+    (cache/<system hash>, read before a selection compiles or benchmarks any candidate) and the
+    pointwise and reduction kernels' best configs (<key>.best_config beside their sources)."""
+    root = Path(directory)
+    return sorted(path for path in root.rglob("*")
+                  if path.is_file() and not path.is_symlink()
+                  and path.relative_to(root).parts[0] not in (".jobs",) + SKIPPED_IN_MERGE
+                  and (path.parent == root / "cache" or path.name.endswith(".best_config")))
+
+
+def pack_choices(directory: str | os.PathLike, tarball: str | os.PathLike) -> tuple[int, int]:
+    """Write `directory`'s choice_files into the gzipped tar `tarball`, paths relative to the
+    folder. Returns (files, bytes of the tarball)."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise FileNotFoundError(f"no compile cache folder {str(root)!r}")
+    files = choice_files(root)
+    with tarfile.open(tarball, "w:gz") as tar:
+        for path in files:
+            tar.add(path, arcname=str(path.relative_to(root)))
+    return len(files), Path(tarball).stat().st_size
+
+
+def unpack_choices(tarball: str | os.PathLike, directory: str | os.PathLike) -> int:
+    """Merge a `pack_choices` tarball into the cache folder `directory` (created): timings by key,
+    the folder's own kept where both have one; best configs it lacks copied. Returns the files
+    written."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        with tarfile.open(tarball) as tar:
+            tar.extractall(scratch, filter="data")
+        return merge(scratch, directory)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m stepgraph.bench.inductor_cache",
+        description="Carry max-autotune's autotuning results between machines: pack a "
+                    "--compile-cache folder's choice timings and best configs into a small "
+                    "tarball, or merge such a tarball into a folder.")
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    pack = verbs.add_parser("pack", help="FOLDER TARBALL")
+    pack.add_argument("folder")
+    pack.add_argument("tarball")
+    unpack = verbs.add_parser("unpack", help="TARBALL FOLDER")
+    unpack.add_argument("tarball")
+    unpack.add_argument("folder")
+    args = parser.parse_args(argv)
+    try:
+        if args.verb == "pack":
+            files, size_bytes = pack_choices(args.folder, args.tarball)
+            print(f"packed {files} files of {args.folder} into {args.tarball} "
+                  f"({size_bytes / 1024:.1f} KiB)")
+        else:
+            written = unpack_choices(args.tarball, args.folder)
+            print(f"merged {args.tarball} into {args.folder}: {written} files written")
+    except (OSError, tarfile.TarError) as error:
+        print(f"inductor_cache {args.verb}: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -315,3 +315,42 @@ def test_the_bench_torch_compile_row_notes_its_cache_use(monkeypatch, hit, note)
         assert sum(n.startswith("Inductor caches") for n in prepared.notes) == 1
     finally:
         prepared.close()
+
+
+def test_the_choices_pack_carries_timings_and_best_configs_only(tmp_path):
+    """pack_choices keeps the autotune timings and the kernels' best configs (not graphs, kernels,
+    locks or job copies); unpack_choices merges them into another folder by key, so a compile
+    on a fresh machine skips the selections already benchmarked."""
+    cache = tmp_path / "cache"
+    for name, text in {"cache/syshash": json.dumps({"system": {"d": 1}, "cache": {
+                           "mm": {"[s1]": {"highest": {"A": 1.0}}}}}),
+                       "fxgraph/ab/entry": "graph", "triton/0/k.cubin": "kernel",
+                       "x7/kernel.py": "source", "x7/key1.best_config": '{"XBLOCK": 64}',
+                       "locks/l.lock": "", ".jobs/0-gpt/x8/key2.best_config": "{}"}.items():
+        (cache / name).parent.mkdir(parents=True, exist_ok=True)
+        (cache / name).write_text(text)
+    assert [p.relative_to(cache).as_posix() for p in inductor_cache.choice_files(cache)] == \
+        ["cache/syshash", "x7/key1.best_config"]
+    files, size_bytes = inductor_cache.pack_choices(cache, tmp_path / "choices.tgz")
+    assert files == 2 and size_bytes == (tmp_path / "choices.tgz").stat().st_size
+
+    other = tmp_path / "other"
+    (other / "cache").mkdir(parents=True)
+    (other / "cache" / "syshash").write_text(json.dumps({"system": {"d": 1}, "cache": {
+        "mm": {"[s1]": {"highest": {"A": 5.0}}, "[s2]": {"highest": {"B": 2.0}}}}}))
+    assert inductor_cache.main(["unpack", str(tmp_path / "choices.tgz"), str(other)]) == 0
+    assert sorted(p.relative_to(other).as_posix() for p in other.rglob("*") if p.is_file()) == \
+        ["cache/syshash", "x7/key1.best_config"]
+    assert json.loads((other / "cache" / "syshash").read_text())["cache"] == {"mm": {
+        "[s1]": {"highest": {"A": 5.0}}, "[s2]": {"highest": {"B": 2.0}}}}
+    assert (other / "x7" / "key1.best_config").read_text() == '{"XBLOCK": 64}'
+    fresh = tmp_path / "fresh"
+    assert inductor_cache.unpack_choices(tmp_path / "choices.tgz", fresh) == 2
+    assert json.loads((fresh / "cache" / "syshash").read_text())["cache"] == {"mm": {
+        "[s1]": {"highest": {"A": 1.0}}}}
+
+
+def test_packing_a_missing_folder_is_an_error(tmp_path, capsys):
+    assert inductor_cache.main(["pack", str(tmp_path / "none"), str(tmp_path / "c.tgz")]) == 1
+    assert "no compile cache folder" in capsys.readouterr().err
+    assert not (tmp_path / "c.tgz").exists()
