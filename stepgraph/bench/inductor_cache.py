@@ -29,7 +29,7 @@ benchmarking, which is most of max-autotune's time on the conv files, is a few M
 `pack_choices` keeps only the choices' timings and the kernels' best configs, written as each
 selection finishes, so even a compile stopped by its command's time limit leaves its progress;
 `unpack_choices` merges them into a folder on the next machine, whose compile then benchmarks
-only the selections not yet made (`python -m stepgraph.bench.inductor_cache pack|unpack`).
+only the selections not yet made (`scripts/compile-choices pack|unpack`).
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ def unpack_choices(tarball: str | os.PathLike, directory: str | os.PathLike) -> 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m stepgraph.bench.inductor_cache",
+        prog="compile-choices",
         description="Carry max-autotune's autotuning results between machines: pack a "
                     "--compile-cache folder's choice timings and best configs into a small "
                     "tarball, or merge such a tarball into a folder.")
@@ -246,10 +246,6 @@ def main(argv: list[str] | None = None) -> int:
             written = unpack_choices(args.tarball, args.folder)
             print(f"merged {args.tarball} into {args.folder}: {written} files written")
     except (OSError, tarfile.TarError) as error:
-        print(f"inductor_cache {args.verb}: {error}", file=sys.stderr)
+        print(f"compile-choices {args.verb}: {error}", file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -350,7 +350,14 @@ def test_the_choices_pack_carries_timings_and_best_configs_only(tmp_path):
         "[s1]": {"highest": {"A": 1.0}}}}
 
 
-def test_packing_a_missing_folder_is_an_error(tmp_path, capsys):
-    assert inductor_cache.main(["pack", str(tmp_path / "none"), str(tmp_path / "c.tgz")]) == 1
-    assert "no compile cache folder" in capsys.readouterr().err
-    assert not (tmp_path / "c.tgz").exists()
+def test_the_choices_script_packs_and_says_what_went_wrong(tmp_path):
+    (tmp_path / "c" / "cache").mkdir(parents=True)
+    (tmp_path / "c" / "cache" / "syshash").write_text("{}")
+    script = str(ROOT / "scripts" / "compile-choices")
+    run = subprocess.run([sys.executable, script, "pack", str(tmp_path / "c"),
+                          str(tmp_path / "c.tgz")], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and "packed 1 files" in run.stdout, run.stderr
+    run = subprocess.run([sys.executable, script, "pack", str(tmp_path / "none"),
+                          str(tmp_path / "n.tgz")], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "no compile cache folder" in run.stderr
+    assert not (tmp_path / "n.tgz").exists()
