@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from stepgraph.bench import inductor_cache
+from stepgraph.bench.peers import PeerTimeout
 from tests.compat.test_compat_bench import ROOT, load_script
 
 SCRIPT = str(ROOT / "scripts" / "compat-bench")
@@ -191,6 +192,23 @@ def test_a_timed_compile_row_says_whether_its_setup_was_warm(monkeypatch, tmp_pa
                        "torch graph": {"step_us": None, "status": "n/a"},
                        "torch compile": vars(m)}}
     assert f"{m.step_us:.1f} (max-autotune, warm cache)" in bench.table([row])
+
+
+def test_a_compile_cut_by_its_time_limit_says_where_its_progress_is(monkeypatch, tmp_path):
+    bench = load_script()
+
+    def cut(s, precision, device, mode):
+        raise PeerTimeout("no result within 1 s (--stage-timeout)")
+    monkeypatch.setattr(bench, "prepare_torch_compile", cut)
+    plain = ["--device", "cpu", "--warmup", "1", "--steps", "1", "--repeats", "1"]
+    m = bench.measure("torch compile", None, "fp32", bench.parse_args(plain), "max-autotune")
+    assert m.status == "failed" and m.notes == []
+    cache = str(tmp_path / "cache")
+    args = bench.parse_args(plain + ["--compile-cache", cache])
+    m = bench.measure("torch compile", None, "fp32", args, "max-autotune")
+    assert m.status == "failed" and "PeerTimeout" in m.error
+    assert m.notes == [f"its benchmarked selections stay in {cache}; "
+                       "scripts/compile-choices pack carries them to another machine"]
 
 
 @pytest.mark.parametrize("hits, misses, verdict", [
