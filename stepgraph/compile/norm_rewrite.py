@@ -12,9 +12,10 @@ add_layer_norm_grad that adds ds to the LayerNorm's dx as it stores it: the `add
 joins the two paths at the residual is gone with it. Matched: an add of two values of one
 shape and float dtype (no broadcasting) whose sum a layer_norm reads as its x (any other
 readers of s keep reading it); the LayerNorm's weight and bias written before the add. Left
-alone: an add of an elementwise node's output that only the add reads (residual dropout),
-which compile/pointwise.py fuses into the add instead. STEPGRAPH_ADD_LAYER_NORM_REWRITE=0 turns
-it off.
+alone: an add of an elementwise node's output as wide as s that only the add reads (float32
+residual dropout: x + dropout(h)), which compile/pointwise.py fuses into the add instead (see
+_pointwise_operand for why a half one is not). STEPGRAPH_ADD_LAYER_NORM_REWRITE=0 turns it
+off.
     Under precision="bf16" (the pass runs after autocast) a float32 residual stream x (GPT's
 embeddings, ViT's cat with the class token) meets the branch's bf16 GEMM output h through a
 cast: add(x, cast(h -> float32)). When only the add reads the cast, add_layer_norm reads h
@@ -102,15 +103,20 @@ def _widening_cast(v: Value, add: Node, producers, users) -> Node | None:
 
 
 def _pointwise_operand(add: Node, producers, users) -> bool:
-    """Whether an operand of `add` comes from an elementwise node that only the add reads
-    (residual dropout: x + dropout(proj(h))), also through a widening cast (_widening_cast):
-    compile/pointwise.py then makes one kernel of the two, which writes s in one pass, and
-    fusing the add into the LayerNorm instead would leave the elementwise node its own pass
-    over memory."""
+    """Whether an operand of `add` comes from an elementwise node that only the add reads, as
+    wide as the sum (float32 residual dropout: x + dropout(proj(h))). compile/pointwise.py
+    then makes one kernel of the two, and fusing the add into the LayerNorm instead would
+    leave the elementwise node its own pass: it would write, and add_layer_norm read back, a
+    value as large as the s the LayerNorm reads back now, for the backward's saving below.
+        A half operand widened by a cast (precision="bf16": the bf16 dropout of the branch's
+    bf16 output, then the cast) is fused all the same. Forward, the dropout's own pass writes
+    a bf16 value that add_layer_norm reads where the LayerNorm read the float32 s back: the
+    same bytes. Backward, the residual gradient's sum dx + ds rides add_layer_norm_grad, and
+    the dropout's gradient pass reads that sum alone, where the pointwise kernel read dx and
+    ds and wrote their sum: one float32 pass over the residual stream fewer a site."""
     for v in add.inputs:
-        cast = _widening_cast(v, add, producers, users)
-        if cast is not None:
-            v, add = cast.inputs[0], cast
+        if _widening_cast(v, add, producers, users) is not None:
+            continue
         p = producers.get(v)
         if p is not None and users.get(v) == [add] and _eligible(p) and \
                 not _linear_activation(p, producers):

@@ -568,31 +568,36 @@ def _casts(graph) -> list:
 
 
 def test_layer_norm_reads_and_writes_bf16_around_the_gemms(monkeypatch):
-    """fuse_layer_norm_casts on a bf16 gpt step: every layer_norm writes its y in bf16 for the
-    GEMM after it and every layer_norm_grad reads that GEMM's bf16 dx (through the views
-    between), no cast left there; three steps give the bits of the graph with the casts."""
+    """fuse_layer_norm_casts on a bf16 gpt step: every LayerNorm (the residual sums' are
+    add_layer_norm: compile/norm_rewrite.py) writes its y in bf16 for the GEMM after it and
+    every LayerNorm gradient reads that GEMM's bf16 dx (through the views between), no cast
+    left there; three steps give the bits of the graph with the casts."""
     from stepgraph.compile.fuse import PASSES, fuse_layer_norm_casts
 
     want = gpt_bf16_run(monkeypatch, tuple(p for p in PASSES if p is not fuse_layer_norm_casts))
     got = gpt_bf16_run(monkeypatch, PASSES)
-    norms = [n for n in got[2].nodes if n.op == "layer_norm"]
-    grads = [n for n in got[2].nodes if n.op == "layer_norm_grad"]
+    norms = [n for n in got[2].nodes if n.op in ("layer_norm", "add_layer_norm")]
+    grads = [n for n in got[2].nodes if n.op in ("layer_norm_grad", "add_layer_norm_grad")]
     assert len(norms) == len(grads) == 5
     assert all(n.outputs[0].dtype == B for n in norms)
     assert all(n.inputs[0].dtype == B and n.outputs[0].dtype == F32 for n in grads)
-    assert not any(n.op.startswith("layer_norm") for c in _casts(got[2])
+    assert not any("layer_norm" in n.op for c in _casts(got[2])
                    for n in [got[2].producers().get(c.inputs[0])] if n is not None)
     assert_same_run(got, want)
 
 
 def test_casts_join_the_pointwise_programs_around_them(monkeypatch):
-    """The casts left in a bf16 gpt step sit between its bf16 dropouts and the float32
-    residual stream: fuse_pointwise takes them into mixed programs (a bf16 dropout, its
-    widening and the float32 residual add; a float32 gradient sum, its rounding and the bf16
-    dropout gradient), so no cast launch is left; the bits are those of the unfused nodes."""
+    """Without the add_layer_norm rewrite (which reads the bf16 dropouts' outputs itself and
+    takes the residual gradient's sum into its backward: tests/unit/test_norm_rewrite_bf16.py)
+    the casts of a bf16 gpt step sit between its bf16 dropouts and the float32 residual
+    stream: fuse_pointwise takes them into mixed programs (a bf16 dropout, its widening and
+    the float32 residual add; a float32 gradient sum, its rounding and the bf16 dropout
+    gradient), so no cast launch is left; the bits are those of the unfused nodes."""
     from stepgraph.compile.fuse import PASSES
+    from stepgraph.compile.norm_rewrite import ADD_LAYER_NORM_SWITCH
     from stepgraph.compile.pointwise import fuse_pointwise
 
+    monkeypatch.setenv(ADD_LAYER_NORM_SWITCH, "0")
     want = gpt_bf16_run(monkeypatch, tuple(p for p in PASSES if p is not fuse_pointwise))
     got = gpt_bf16_run(monkeypatch, PASSES)
     assert len(_casts(want[2])) >= 8 and not _casts(got[2])

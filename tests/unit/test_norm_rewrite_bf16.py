@@ -17,6 +17,7 @@ import stepgraph as sg
 from stepgraph import nn as sgnn
 from stepgraph import optim
 from stepgraph.compile.norm_rewrite import ADD_LAYER_NORM_SWITCH, RMS_NORM_SWITCH
+from stepgraph.models import GPT, GPTConfig, next_token_loss
 from tests.compat.test_compat_models import setup, state, torch_run
 from tests.reference import assert_close_to_reference, assert_state_changes_close
 from tests.unit.test_norm_rewrite import (C, RMS_FORMS, RMS_NEAR_MISSES, _near_miss_net, batches,
@@ -107,16 +108,65 @@ def test_a_widened_branch_read_elsewhere_keeps_its_cast(request):
     assert producer.op == "cast" and producer.inputs[0].dtype == "bfloat16"
 
 
-@pytest.mark.parametrize("kind", ["dropout", "broadcast", "after", "bf16_stream"])
+@pytest.mark.parametrize("kind", ["broadcast", "after", "bf16_stream"])
 def test_bf16_adds_the_pass_leaves_alone(kind, request):
-    """Residual dropout (bf16 dropout, cast, add: the pointwise pass fuses them), a broadcast
-    add, a sum no LayerNorm reads, and a bf16 residual stream (pre_norm_net: x is a GEMM's bf16
-    output, so add(bf16, bf16) -> s reaches the LayerNorm through a cast: the op would have to
-    store s in bf16 and normalise it with float32 weights, which it does not)."""
+    """A broadcast add, a sum no LayerNorm reads, and a bf16 residual stream (pre_norm_net: x
+    is a GEMM's bf16 output, so add(bf16, bf16) -> s reaches the LayerNorm through a cast: the
+    op would have to store s in bf16 and normalise it with float32 weights, which it does
+    not)."""
     data = batches(request.node.name, 1)
     make = pre_norm_net if kind == "bf16_stream" else _near_miss_net(kind)
     step = bf16_step(models(make)[1](), sgnn.functional.cross_entropy, data)
     assert "add_layer_norm" not in op_counts(step)
+
+
+GPT_SIZE = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=32, dropout=0.2)
+
+
+def _gpt_run(start, precision, data, monkeypatch, on: bool):
+    """A two-block nanoGPT (stepgraph.models.GPT, residual dropout 0.2) from the weights
+    `start`, trained on data: (its plan's graph, losses, final state)."""
+    monkeypatch.setenv(ADD_LAYER_NORM_SWITCH, "1" if on else "0")
+    model = GPT(GPT_SIZE)
+    model.load_state_dict(start)
+    step = sg.compile_train_step(model, next_token_loss, optim.SGD(lr=LR, momentum=MOMENTUM),
+                                 example_inputs=data[0], precision=precision)
+    losses = [float(step(*b)) for b in data]
+    graph = step.plan(step.signature).graph      # the plan of this switch's setting
+    return graph, losses, {k: np.asarray(v, np.float64) for k, v in model.state_dict().items()}
+
+
+def _counts(graph) -> dict[str, int]:
+    return {op: sum(n.op == op for n in graph.nodes) for op in {n.op for n in graph.nodes}}
+
+
+def test_bf16_residual_dropout_becomes_add_layer_norm_after_the_dropout(request, monkeypatch):
+    """x + dropout(proj(h)) under bf16 (the bf16 dropout, its widening cast, the float32 add):
+    add_layer_norm reads the dropout's bf16 output, and the residual gradient's sum rides
+    add_layer_norm_grad. The forward is the unfused step's bit for bit (the same Philox masks:
+    the first loss); over the run, losses and every parameter's change are within 4x the
+    unfused bf16 step's own distance from the float32 step (the same masks, no rewrite: its
+    dropout is as wide as the sum)."""
+    gen = np.random.default_rng(abs(hash(request.node.name)) % 2**32)
+    data = [(gen.integers(0, 11, (4, 8)).astype(np.int32),
+             gen.integers(0, 11, (4, 8)).astype(np.int32)) for _ in range(STEPS)]
+    start = {k: np.asarray(v).copy() for k, v in GPT(GPT_SIZE).state_dict().items()}
+    initial = {k: v.astype(np.float64) for k, v in start.items()}
+    graph, fused_losses, fused = _gpt_run(start, "bf16", data, monkeypatch, True)
+    plain_graph, plain_losses, plain = _gpt_run(start, "bf16", data, monkeypatch, False)
+    ref_graph, ref_losses, ref = _gpt_run(start, "fp32", data, monkeypatch, True)
+    counts = _counts(graph)
+    # 2 blocks: each block's two residual sums feed ln_2, the next ln_1 / ln_f; the gradient of
+    # the last sum has no residual term (ln_f alone reads it): a plain layer_norm_grad
+    assert counts.get("add_layer_norm") == 4 and counts.get("add_layer_norm_grad") == 3
+    producers = graph.producers()
+    for n in (n for n in graph.nodes if n.op == "add_layer_norm"):
+        assert n.inputs[1].dtype == "bfloat16" and producers[n.inputs[1]].op == "dropout"
+    assert "add_layer_norm" not in _counts(plain_graph)
+    assert "add_layer_norm" not in _counts(ref_graph)     # float32 dropout: left alone
+    assert fused_losses[0] == plain_losses[0]
+    assert_close_to_reference(fused_losses, ref_losses, plain_losses, "losses")
+    assert_state_changes_close(initial, fused, ref, plain)
 
 
 # ---- RMSNorm ------------------------------------------------------------------------------
