@@ -18,7 +18,8 @@ and where the cast is dx's only reader, dx itself is stored in bf16 (the float32
     layer_norm_grad -> dx -> cast(bf16) -> d16    =>    layer_norm_grad -> d16 (as dx)
 
 Both are the cast's bits: the float32 dx rounded once. add_layer_norm_grad (the residual
-stream's: its dx is also the next block's ds, read in float32) and rms_norm_grad alike.
+stream's: its dx is also the next block's ds, read in float32), rms_norm_grad and
+add_rms_norm_grad alike.
 
 The forward's twin: a LayerNorm that reads a bf16 GEMM or convolution output (ConvNeXt's
 depthwise convolution, a patch embedding) reads it through autocast's cast to float32, and its
@@ -30,7 +31,7 @@ from __future__ import annotations
 from ..ir.graph import BF16, HALF_DTYPES, Graph, Node, Value
 from .rewrite import _copy, _rebuild, sole_reader
 
-NORM_GRADS = ("layer_norm_grad", "add_layer_norm_grad", "rms_norm_grad")
+NORM_GRADS = ("layer_norm_grad", "add_layer_norm_grad", "rms_norm_grad", "add_rms_norm_grad")
 NORM_INPUTS = ("layer_norm",)     # the norms whose kernels read a bf16 x (fuse_norm_input_casts)
 
 

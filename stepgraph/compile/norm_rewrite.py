@@ -25,6 +25,9 @@ once where the unfused one rounded dx and then the sum (as in float32). Left alo
 residual stream (x itself the output of a GEMM: add(bf16, bf16) -> s, then cast(s -> float32)
 for the LayerNorm), since the fused op would have to store s in bf16 yet normalise it with
 float32 weights into a float32 y, which it does not do.
+    An RMSNorm reading the sum (LLaMA-style blocks, after rewrite_rms_norm made it one op)
+is fused alike: add(a, b) -> s; rms_norm(s, [w]) -> y  becomes  add_rms_norm(a, b, [w]) ->
+(y, rstd, s), its backward add_rms_norm_grad.
 
 rewrite_rms_norm: a hand-written RMSNorm (LLaMA's, and F.rms_norm over the last dim, which
 composes the same ops)
@@ -135,9 +138,12 @@ def _linear_activation(node: Node, producers) -> bool:
     return p is not None and p.op == "linear"
 
 
+RESIDUAL_NORMS = ("layer_norm", "rms_norm")     # the norms a residual add fuses into (add_<norm>)
+
+
 def rewrite_add_layer_norm(graph: Graph) -> Graph:
-    """`graph` with each add whose sum a layer_norm reads as add_layer_norm (module
-    docstring); the graph given is not changed."""
+    """`graph` with each add whose sum a layer_norm (rms_norm) reads as add_layer_norm
+    (add_rms_norm) (module docstring); the graph given is not changed."""
     if not enabled(ADD_LAYER_NORM_SWITCH):
         return graph
     producers, users = graph.producers(), graph.consumers()
@@ -145,7 +151,7 @@ def rewrite_add_layer_norm(graph: Graph) -> Graph:
     replace: dict[Node, Node] = {}
     drop: set[Node] = set()
     for ln in graph.nodes:
-        if ln.op != "layer_norm":
+        if ln.op not in RESIDUAL_NORMS:
             continue
         s = ln.inputs[0]
         add = producers.get(s)
@@ -157,7 +163,6 @@ def rewrite_add_layer_norm(graph: Graph) -> Graph:
         if any(v in producers and position[producers[v]] > position[add]
                for v in ln.inputs[1:]):
             continue
-        y, mean, rstd = ln.outputs
         a, b = add.inputs
         widen = _widening_cast(b, add, producers, users) or \
             _widening_cast(a, add, producers, users)
@@ -165,14 +170,13 @@ def rewrite_add_layer_norm(graph: Graph) -> Graph:
             a = b if widen.outputs[0] is a else a
             b = widen.inputs[0]
             drop.add(widen)
-        ins = [a, b, *ln.inputs[1:]]
+        ins, outs, op = [a, b, *ln.inputs[1:]], [*ln.outputs, s], f"add_{ln.op}"
         attrs = dict(ln.attrs)
-        specs = infer_outputs("add_layer_norm", ins, attrs)
-        if specs != [(v.shape, v.dtype) for v in (y, mean, rstd, s)]:
-            raise AssertionError(f"add_layer_norm rewrite: the op gives {specs}, the graph "
-                                 f"{[(v.shape, v.dtype) for v in (y, mean, rstd, s)]}")
-        replace[add] = Node("add_layer_norm", ins, [y, mean, rstd, s], attrs, (),
-                            _join(add.label, ln.label))
+        specs = infer_outputs(op, ins, attrs)
+        if specs != [(v.shape, v.dtype) for v in outs]:
+            raise AssertionError(f"{op} rewrite: the op gives {specs}, the graph "
+                                 f"{[(v.shape, v.dtype) for v in outs]}")
+        replace[add] = Node(op, ins, outs, attrs, (), _join(add.label, ln.label))
         drop.add(ln)
     return _replaced(graph, replace, drop) if replace else graph
 
@@ -488,5 +492,5 @@ def rewrite_layer_norm(graph: Graph, kept: tuple[Value, ...] = ()) -> Graph:
 
 def rewrite_norms(graph: Graph, kept: tuple[Value, ...] = ()) -> Graph:
     """The three rewrites: hand-written LayerNorms and RMSNorms first, then residual adds
-    into their LayerNorm."""
+    into their LayerNorm or RMSNorm."""
     return rewrite_add_layer_norm(rewrite_rms_norm(rewrite_layer_norm(graph, kept), kept))

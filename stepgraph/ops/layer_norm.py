@@ -1,6 +1,6 @@
 """LayerNorm family: normalisation over the last axis and its gradient (PyTorch's
-F.layer_norm with normalized_shape = the last dim); the residual add fused before it
-(add_layer_norm) and RMSNorm (F.rms_norm over the last dim), both made by
+F.layer_norm with normalized_shape = the last dim); RMSNorm (F.rms_norm over the last dim);
+and the residual add fused before either (add_layer_norm, add_rms_norm), all made by
 compile/norm_rewrite.py of what model files write.
 
 x (any rank >= 1) is viewed as (rows, C). The statistics are saved for the backward. The
@@ -154,13 +154,16 @@ def _add_layer_norm(ins, attrs):
     bf16 output and the float32 residual add, folded in by the rewrite); attrs eps, weight,
     bias as layer_norm's. Outputs y, mean, rstd as layer_norm's of s, then s (a.shape,
     a.dtype): the residual stream that the next add and the backward read."""
-    a, b = ins[0], ins[1]
+    _check_residual("add_layer_norm", ins[0], ins[1])
+    return _layer_norm([ins[0], *ins[2:]], attrs) + [(ins[0].shape, ins[0].dtype)]
+
+
+def _check_residual(op: str, a, b) -> None:
+    """A residual add's operands: one shape and dtype, or a float32 a and a half b."""
     widened = a.dtype == "float32" and b.dtype in HALF_DTYPES
-    _need(a.shape == b.shape and (a.dtype == b.dtype or widened), "add_layer_norm",
+    _need(a.shape == b.shape and (a.dtype == b.dtype or widened), op,
           f"a {a.shape} {a.dtype} and b {b.shape} {b.dtype} must match (or a float32 and b "
           f"bfloat16 / float16)")
-    outs = _layer_norm([a, *ins[2:]], attrs)
-    return outs + [(a.shape, a.dtype)]
 
 
 @defop("add_layer_norm_grad")
@@ -176,28 +179,34 @@ def _add_layer_norm_grad(ins, attrs):
     return _layer_norm_grad(ins[:-1], attrs)
 
 
-@vjp("add_layer_norm")
-def _add_layer_norm_vjp(emit, node, dy, wants) -> list:
-    """dy of y and ds of s: one add_layer_norm_grad (layer_norm_grad without ds, ds itself
-    without dy); a's and b's gradient is the same value, cast to b's dtype where b is a
-    widened half (what the folded cast's VJP did)."""
-    weight, bias = bool(node.attrs.get("weight")), bool(node.attrs.get("bias"))
-    y_grad, ds = dy[0], dy[3]
-    b = node.inputs[1]
+def _residual_vjp(emit, node, dy, wants, norm: str, attrs: dict) -> list:
+    """The VJP of add_<norm> (outputs y, its statistics, s): dy of y and ds of s make one
+    add_<norm>_grad (<norm>_grad without ds, ds itself without dy); a's and b's gradient is
+    the same value, cast to b's dtype where b is a widened half (what the folded cast's VJP
+    did). attrs: the gradient op's (weight, [bias])."""
+    y_grad, ds = dy[0], dy[-1]
+    b, s, stats = node.inputs[1], node.outputs[-1], node.outputs[1:-1]
 
     def of_b(g):
         if g.dtype == b.dtype or not wants(1):
             return g if wants(1) else None
         return emit("cast", [g], dtype=b.dtype)[0]
+    params = sum(map(bool, attrs.values()))
     if y_grad is None:
-        return [ds, of_b(ds)] + [None] * (weight + bias)
-    _, mean, rstd, s = node.outputs
-    ins = [y_grad, s] + ([node.inputs[2]] if weight else []) + [mean, rstd]
+        return [ds, of_b(ds)] + [None] * params
+    ins = [y_grad, s] + ([node.inputs[2]] if attrs["weight"] else []) + list(stats)
     if ds is None:
-        grads = emit("layer_norm_grad", ins, weight=weight, bias=bias)
+        grads = emit(f"{norm}_grad", ins, **attrs)
     else:
-        grads = emit("add_layer_norm_grad", ins + [ds], weight=weight, bias=bias)
+        grads = emit(f"add_{norm}_grad", ins + [ds], **attrs)
     return [grads[0], of_b(grads[0]), *grads[1:]]
+
+
+@vjp("add_layer_norm")
+def _add_layer_norm_vjp(emit, node, dy, wants) -> list:
+    return _residual_vjp(emit, node, dy, wants, "layer_norm",
+                         {"weight": bool(node.attrs.get("weight")),
+                          "bias": bool(node.attrs.get("bias"))})
 
 
 @impl("add_layer_norm")
@@ -269,6 +278,11 @@ def _rms_norm_impl(node, ins, outs, ctx):
 
 @impl("rms_norm_grad")
 def _rms_norm_grad_impl(node, ins, outs, ctx):
+    _store_dx(node, outs, _rms_norm_grads(node, ins, outs))
+
+
+def _rms_norm_grads(node, ins, outs) -> np.ndarray:
+    """dweight into outs[1] (when attrs weight); dx returned in float64."""
     weight = bool(node.attrs.get("weight"))
     dy, x = ins[0].astype(np.float64), ins[1].astype(np.float64)
     c = x.shape[-1]
@@ -277,4 +291,45 @@ def _rms_norm_grad_impl(node, ins, outs, ctx):
     g = dy * ins[2].astype(np.float64) if weight else dy
     if weight:
         outs[1][...] = (dy * xhat).reshape(-1, c).sum(axis=0)
-    _store_dx(node, outs, rstd * (g - xhat * (g * xhat).mean(axis=-1, keepdims=True)))
+    return rstd * (g - xhat * (g * xhat).mean(axis=-1, keepdims=True))
+
+
+# ---- residual add + RMSNorm (made only by compile/norm_rewrite.py) -------------------------
+
+@defop("add_rms_norm")
+def _add_rms_norm(ins, attrs):
+    """s = a + b and y = rms_norm(s) in one op, as add_layer_norm is for a LayerNorm (the
+    residual add of a pre-norm block whose sum an RMSNorm reads: LLaMA-style models). ins (a,
+    b, [weight]), a and b as add_layer_norm's; attrs eps, weight as rms_norm's. Outputs y,
+    rstd as rms_norm's of s, then s (a.shape, a.dtype)."""
+    _check_residual("add_rms_norm", ins[0], ins[1])
+    return _rms_norm([ins[0], *ins[2:]], attrs) + [(ins[0].shape, ins[0].dtype)]
+
+
+@defop("add_rms_norm_grad")
+def _add_rms_norm_grad(ins, attrs):
+    """Gradient of add_rms_norm when both y and s have one: ins (dy, s, [weight], rstd, ds),
+    attrs weight. dx = rms_norm_grad's dx of dy plus ds, rounded once to s's dtype; then
+    dweight and the dx_half copy as rms_norm_grad's."""
+    _need(len(ins) >= 4, "add_rms_norm_grad", f"at least 4 inputs, got {len(ins)}")
+    ds, x = ins[-1], ins[1]
+    _need(ds.shape == x.shape, "add_rms_norm_grad", f"ds {ds.shape} vs s {x.shape}")
+    return _rms_norm_grad(ins[:-1], attrs)
+
+
+@vjp("add_rms_norm")
+def _add_rms_norm_vjp(emit, node, dy, wants) -> list:
+    return _residual_vjp(emit, node, dy, wants, "rms_norm",
+                         {"weight": bool(node.attrs.get("weight"))})
+
+
+@impl("add_rms_norm")
+def _add_rms_norm_impl(node, ins, outs, ctx):
+    s = _stored(ins[0].astype(np.float64) + ins[1].astype(np.float64), node.outputs[2].dtype)
+    outs[2][...] = s
+    _rms_norm_impl(node, [s, *ins[2:]], outs[:2], ctx)
+
+
+@impl("add_rms_norm_grad")
+def _add_rms_norm_grad_impl(node, ins, outs, ctx):
+    _store_dx(node, outs, _rms_norm_grads(node, ins[:-1], outs) + ins[-1].astype(np.float64))

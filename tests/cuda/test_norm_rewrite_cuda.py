@@ -1,5 +1,5 @@
-"""The kernels of the ops compile/norm_rewrite.py makes (layer_norm.cu: add_layer_norm and its
-gradient, rms_norm and its gradient) against the numpy backend on fresh random inputs with
+"""The kernels of the ops compile/norm_rewrite.py makes (layer_norm.cu: add_layer_norm, rms_norm,
+add_rms_norm and their gradients) against the numpy backend on fresh random inputs with
 poisoned outputs: float32, a bf16 or float16 y / dy beside float32 x (the casts
 fuse_layer_norm_casts drops), and float16 everywhere (a model.half()); row widths that take
 the float4-register kernels, the one-float kernels and the loop kernels; layer_norm's kernels,
@@ -209,6 +209,56 @@ def test_rms_norm_forward_and_backward_match_numpy(ctx, c, x_dtype, y_dtype, wei
     _compare(got, want, 5 * BOUNDS[x_dtype], "rms_norm_grad")
 
 
+@pytest.mark.parametrize("c", WIDTHS)
+@pytest.mark.parametrize("x_dtype,b_dtype,y_dtype", [
+    ("float32", "float32", "float32"), ("float32", "bfloat16", "bfloat16"),
+    ("float32", "float16", "float32"), ("float16", "float16", "float16")])
+@pytest.mark.parametrize("weight", [True, False])
+def test_add_rms_norm_matches_numpy_and_is_rms_norm_of_its_sum(ctx, c, x_dtype, b_dtype,
+                                                               y_dtype, weight):
+    """add_rms_norm and its gradient against the numpy backend (a half b beside a float32 a
+    widened as loaded); s is the add's rounding of a + b bit for bit; y and rstd are
+    rms_norm's of s bit for bit (one kernel body), and with a float32 x the gradient's dx is
+    rms_norm_grad's dx + ds rounded once."""
+    rng = seeded(f"add_rms_norm {c} {x_dtype} {b_dtype} {y_dtype} {weight}")
+    a, ds = _rand(rng, (ROWS, c), x_dtype), _rand(rng, (ROWS, c), x_dtype)
+    b32 = _rand(rng, (ROWS, c), "float32")
+    b = bf16.to_bits(b32) if b_dtype == "bfloat16" else b32.astype(b_dtype)
+    params = [_rand(rng, (c,), x_dtype)] if weight else []
+    node = make_node("add_rms_norm", [a, b32.astype(x_dtype), *params], eps=1e-6,
+                     weight=weight)
+    node.inputs[1] = _retyped(node.inputs[1], b_dtype)
+    node.outputs[0] = _retyped(node.outputs[0], y_dtype)
+    want = reference(node, [a, b, *params])
+    added = run_cuda(ctx, node, [a, b, *params], layer_norm.IMPLS)
+    bound = BOUNDS[y_dtype if y_dtype != "float32" else x_dtype]
+    _compare(added, want, bound, "add_rms_norm")
+    s = added[2]
+    np.testing.assert_array_equal(s, (a.astype(np.float32) + _wide(b)).astype(x_dtype))
+    plain = make_node("rms_norm", [s, *params], eps=1e-6, weight=weight)
+    plain.outputs[0] = _retyped(plain.outputs[0], y_dtype)
+    got = run_cuda(ctx, plain, [s, *params], layer_norm.IMPLS)
+    for i, what in enumerate(("y", "rstd")):
+        np.testing.assert_array_equal(added[i], got[i], err_msg=what)
+
+    dy = _rand(rng, (ROWS, c), "float32")
+    dy = bf16.to_bits(dy) if y_dtype == "bfloat16" else dy.astype(y_dtype)
+    grad_ins = [dy, s, *params, added[1], ds]
+    grad = make_node("add_rms_norm_grad", [_wide(dy).astype(x_dtype), *grad_ins[1:]],
+                     weight=weight)
+    grad.inputs[0] = _retyped(grad.inputs[0], y_dtype)
+    want = reference(grad, grad_ins)
+    got = run_cuda(ctx, grad, grad_ins, layer_norm.IMPLS)
+    _compare(got, want, 5 * BOUNDS[x_dtype], "add_rms_norm_grad")
+    if x_dtype != "float32":        # a float16 dx is rounded before ds could be added here
+        return
+    plain_grad = make_node("rms_norm_grad", [_wide(dy).astype(x_dtype), *grad_ins[1:-1]],
+                           weight=weight)
+    plain_grad.inputs[0] = _retyped(plain_grad.inputs[0], y_dtype)
+    unfused = run_cuda(ctx, plain_grad, grad_ins[:-1], layer_norm.IMPLS)
+    np.testing.assert_array_equal(got[0], unfused[0] + ds)
+
+
 def test_norm_kernels_handle_zero_rows(ctx):
     """No rows: nothing launched but dweight / dbias written as zeros."""
     x = np.zeros((0, 8), np.float32)
@@ -236,7 +286,10 @@ def test_pre_norm_steps_on_cuda_match_the_cpu(rms, graph):
                                      example_inputs=data[0], device=device,
                                      graph=graph if device == "cuda" else None)
         counts = op_counts(step)
-        assert counts.get("rms_norm" if rms else "add_layer_norm", 0) == 4
+        if rms:       # block 1's first RMSNorm reads no residual sum; the other three do
+            assert counts.get("rms_norm") == 1 and counts.get("add_rms_norm") == 3
+        else:
+            assert counts.get("add_layer_norm") == 4
         losses[device] = [float(step(*b)) for b in data]
         states[device] = {k: np.asarray(v) for k, v in model.state_dict().items()}
     np.testing.assert_allclose(losses["cuda"], losses["cpu"], rtol=1e-4, atol=1e-5)

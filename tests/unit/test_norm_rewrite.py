@@ -268,8 +268,22 @@ def test_hand_written_rms_norm_becomes_one_op_and_trains_like_torch(form, reques
     step = assert_trains_like_torch(lambda t: pre_norm_net(t, rms=form),
                                     batches(request.node.name))
     counts = op_counts(step)
-    assert counts.get("rms_norm") == 4 and counts.get("rms_norm_grad") == 4
+    # block 1's first norm reads the input Linear's output; the other three read residual sums
+    # (add_rms_norm), as the final LayerNorm does (add_layer_norm)
+    assert counts.get("rms_norm") == 1 and counts.get("rms_norm_grad") == 1
+    assert counts.get("add_rms_norm") == 3 and counts.get("add_rms_norm_grad") == 3
+    assert counts.get("add_layer_norm") == 1
     assert "rsqrt" not in [n.attrs.get("kind") for n in step.plan(step.signature).graph.nodes]
+
+
+def test_rms_norms_stay_apart_from_their_residual_adds_with_that_switch_off(request,
+                                                                            monkeypatch):
+    monkeypatch.setenv(ADD_LAYER_NORM_SWITCH, "0")
+    step = assert_trains_like_torch(lambda t: pre_norm_net(t, rms="rsqrt_pow"),
+                                    batches(request.node.name))
+    counts = op_counts(step)
+    assert counts.get("rms_norm") == 4 and counts.get("rms_norm_grad") == 4
+    assert "add_rms_norm" not in counts
 
 
 @pytest.mark.parametrize("form", list(RMS_NEAR_MISSES))

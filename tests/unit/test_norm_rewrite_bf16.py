@@ -200,6 +200,53 @@ def test_bf16_rms_norm_becomes_one_op_and_trains_as_unfused(form, request, monke
     assert_state_changes_close(initial, fused[2], final64, plain[2])
 
 
+def _float32_stream_rms_net(t):
+    """x = x + fc1(rms_norm(x)); x = x + fc2(rms_norm(x)) on a float32 input stream: under
+    bf16 the second norm reads x plus the widened bf16 fc1 output."""
+    nn, F = t.nn, t.nn.functional
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2, self.head = nn.Linear(C, C), nn.Linear(C, C), nn.Linear(C, 5)
+            self.w1 = nn.Parameter(1.0 + 0.1 * t.randn(C))
+            self.w2 = nn.Parameter(1.0 + 0.1 * t.randn(C))
+
+        def forward(self, x):
+            x = x + self.fc1(F.rms_norm(x, (C,), self.w1, 1e-6))
+            x = x + self.fc2(F.rms_norm(x, (C,), self.w2, 1e-6))
+            return self.head(x)
+    return Net
+
+
+def test_bf16_residual_rms_norm_reads_the_bf16_branch_and_trains_as_unfused(request,
+                                                                            monkeypatch):
+    """The residual add before an RMSNorm under bf16 becomes add_rms_norm reading the branch's
+    bf16 output itself; losses and every parameter's change within 4x the unfused bf16 step's
+    own error of torch float64's."""
+    data = batches(request.node.name)
+    tm, ours = models(_float32_stream_rms_net)
+    initial = {k: v.detach().double().numpy() for k, v in tm.state_dict().items()}
+    t64 = copy.deepcopy(tm).double()
+    opt = torch.optim.SGD(t64.parameters(), lr=LR, momentum=MOMENTUM)
+    loss64 = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(t64(torch.tensor(x).double()), torch.tensor(y))
+        loss.backward()
+        opt.step()
+        loss64.append(loss.item())
+    final64 = {k: v.detach().numpy() for k, v in t64.state_dict().items()}
+    ce = sgnn.functional.cross_entropy
+    plain = _run(ours, ce, data, monkeypatch, ADD_LAYER_NORM_SWITCH, False)
+    fused = _run(ours, ce, data, monkeypatch, ADD_LAYER_NORM_SWITCH, True)
+    assert "add_rms_norm" not in plain[0] and plain[0].get("rms_norm") == 2
+    assert fused[0].get("add_rms_norm") == 1 and fused[0].get("rms_norm") == 1
+    assert fused[1][0] == plain[1][0]
+    assert_close_to_reference(fused[1], loss64, plain[1], "losses")
+    assert_state_changes_close(initial, fused[2], final64, plain[2])
+
+
 @pytest.mark.parametrize("form", list(RMS_NEAR_MISSES))
 def test_bf16_rms_norm_near_misses_are_left_alone(form, request):
     data = batches(request.node.name, 1)

@@ -425,7 +425,7 @@ def _fake_memory(node, key, ctx, build, required=True):
         return dict(keys=(Fake((key[1],), "int32"), Fake((key[1],), "int32")),
                     positions=(Fake((key[1],), "int32"), Fake((key[1],), "int32")),
                     hist=Fake((256 * blocks,), "int32"), blocks=blocks)
-    if kind in ("layer_norm_grad", "add_layer_norm_grad", "rms_norm_grad"):
+    if kind in ("layer_norm_grad", "add_layer_norm_grad", "rms_norm_grad", "add_rms_norm_grad"):
         return dict(w=Fake((key[1] * key[2],)) if key[3] else None,
                     b=Fake((key[1] * key[2],)) if key[4] else None)
     if kind == "cross_entropy":
@@ -808,7 +808,7 @@ def test_layer_norm_launch_arguments_match_the_kernels(monkeypatch, c, has_w, ha
 
 
 @pytest.mark.parametrize("c", [33, 384, 8196])
-@pytest.mark.parametrize("op", ["layer_norm", "add_layer_norm", "rms_norm"])
+@pytest.mark.parametrize("op", ["layer_norm", "add_layer_norm", "rms_norm", "add_rms_norm"])
 @pytest.mark.parametrize("half", ["uint16", "float16"])
 @pytest.mark.parametrize("form", ["copy", "alone"])
 def test_norm_grads_store_a_half_dx(monkeypatch, c, op, half, form):
@@ -823,9 +823,10 @@ def test_norm_grads_store_a_half_dx(monkeypatch, c, op, half, form):
     dx, copy = (Fake(x.shape), Fake(x.shape, half)) if form == "copy" else \
         (Fake(x.shape, half), None)
     for dy in (Fake(x.shape), Fake(x.shape, half)):
-        if op == "rms_norm":
+        if op.endswith("rms_norm"):
             layer_norm.rms_norm_backward(None, object(), dy, x, w, stats[1], dx, Fake((c,)),
-                                         dx_half=copy)
+                                         dx_half=copy,
+                                         ds=Fake(x.shape) if op == "add_rms_norm" else None)
         else:
             layer_norm.layer_norm_backward(None, object(), dy, x, w, *stats, dx, Fake((c,)),
                                            ds=Fake(x.shape) if op == "add_layer_norm" else None,
@@ -834,7 +835,7 @@ def test_norm_grads_store_a_half_dx(monkeypatch, c, op, half, form):
     backwards = [(name, args) for _, name, _, _, args in launched if "finalize" not in name]
     assert [name.startswith(f"{op}_backward") and name.endswith(f", float, {ctype}>")
             for name, _ in backwards] == [True, True]
-    dx_at = 5 + (op == "add_layer_norm") - (op == "rms_norm")      # after dy, x, w, stats[, ds]
+    dx_at = 5 + op.startswith("add_") - op.endswith("rms_norm")    # after dy, x, w, stats[, ds]
     for _, args in backwards:      # a null pointer is np.uint64(0); an array a Fake
         assert isinstance(args[dx_at], Fake) == (form == "copy")
         assert args[dx_at + 1] is (copy if form == "copy" else dx)
@@ -865,6 +866,31 @@ def test_layer_norm_reads_a_bf16_x_with_float32_parameters(monkeypatch, c, y, co
     h = "unsigned short" if copy else "float"
     assert names[1].startswith("layer_norm_backward") and \
         names[1].endswith(f", float, {h}, unsigned short>") and f"<{ctype}" in names[1]
+    assert set(names) <= layer_norm.kernel_names()["layer_norm.cu"]
+    _assert_launches_match(launched)
+
+
+@pytest.mark.parametrize("c", [33, 384, 8196])
+@pytest.mark.parametrize("b", ["float32", "uint16", "float16"])   # a widened half b, or not
+@pytest.mark.parametrize("y", ["float32", "uint16"])
+@pytest.mark.parametrize("has_w", [False, True])
+def test_add_rms_norm_launch_arguments_match_the_kernels(monkeypatch, c, b, y, has_w):
+    """add_rms_norm: a, b (float32, or a bf16 / float16 b beside a float32 a), weight, y, s,
+    rstd forward; dy, s, weight, rstd, ds, dx backward, with dweight's finalize when wanted."""
+    from stepgraph.backends.cuda import layer_norm
+
+    launched = _record_launches(monkeypatch, layer_norm)
+    monkeypatch.setattr(layer_norm, "resident_blocks", lambda name, threads: 528)
+    a, rstd, w = Fake((3, 7, c)), Fake((21,)), Fake((c,)) if has_w else None
+    layer_norm.rms_norm_forward(None, a, w, Fake(a.shape, y), rstd, 1e-6, b=Fake(a.shape, b),
+                                s=Fake(a.shape))
+    layer_norm.rms_norm_backward(None, object(), Fake(a.shape, y), a, w, rstd, Fake(a.shape),
+                                 Fake((c,)) if has_w else None, ds=Fake(a.shape))
+    names = [name for _, name, *_ in launched]
+    assert names[0].startswith("add_rms_norm_forward") and names[1].startswith(
+        "add_rms_norm_backward") and len(names) == 2 + has_w
+    btype = {"float32": "", "uint16": ", float, unsigned short", "float16": ", float, fp16_bits"}
+    assert names[0].endswith(f"{btype[b]}>")
     assert set(names) <= layer_norm.kernel_names()["layer_norm.cu"]
     _assert_launches_match(launched)
 

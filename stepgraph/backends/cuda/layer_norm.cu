@@ -34,7 +34,9 @@
 // output) are widened as loaded, exactly as the cast did. Each kind of kernel (forward,
 // backward, their *_loop) is one __device__ body templated on ADD that the layer_norm_* and
 // add_layer_norm_* kernels call, so the two normalise and differentiate with the same
-// arithmetic.
+// arithmetic. The bodies are RMSNorm's too (CENTER false: no mean taken away, no bias, no
+// dbias): rms_norm and add_rms_norm (the residual add before an RMSNorm) are the same
+// kernels' other instantiations.
 #include "launch_order.cuh"
 #include "reduce.cuh"
 
@@ -102,7 +104,9 @@ __device__ __forceinline__ void store_dx(X* dx, H* dx_half, long long i, const f
 
 // y = (s - mean) * rstd [* weight] [+ bias]; mean and rstd (rows,) per row. s is x (ADD
 // false: b and s_out unused; x stored as A) or a + b rounded to X, written to s_out (ADD true).
-template <bool ADD, typename Y, int VEC, int K, typename X, typename B, typename A = X>
+// CENTER false (RMSNorm): mean 0, rstd = 1 / sqrt(mean(s^2) + eps), no bias, mean_out unused.
+template <bool ADD, typename Y, int VEC, int K, typename X, typename B, typename A = X,
+          bool CENTER = true>
 __device__ __forceinline__ void layer_norm_forward_rows(const A* a, const B* b, const X* weight,
                                                         const X* bias, Y* y, X* s_out,
                                                         float* mean_out, float* rstd_out,
@@ -111,7 +115,7 @@ __device__ __forceinline__ void layer_norm_forward_rows(const A* a, const B* b, 
     const int groups = C / VEC;
     float w[K][VEC], bb[K][VEC];
     load_columns<VEC, K>(weight, groups, w);
-    load_columns<VEC, K>(bias, groups, bb);
+    if constexpr (CENTER) load_columns<VEC, K>(bias, groups, bb);
     for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
         const long long row = base + threadIdx.y;
         const bool valid = row < rows;
@@ -133,7 +137,8 @@ __device__ __forceinline__ void layer_norm_forward_rows(const A* a, const B* b, 
                 if constexpr (ADD) storev_from_float<VEC>(s_out, r0 + (long long)g * VEC, v[k]);
             }
         }
-        const float mean = __fdiv_rn(row_sum(s, smem), (float)C);
+        float mean = 0.f;
+        if constexpr (CENTER) mean = __fdiv_rn(row_sum(s, smem), (float)C);
         float q = 0.f;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
@@ -141,7 +146,7 @@ __device__ __forceinline__ void layer_norm_forward_rows(const A* a, const B* b, 
             if (valid && g < groups) {
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
-                    v[k][j] = __fsub_rn(v[k][j], mean);
+                    if constexpr (CENTER) v[k][j] = __fsub_rn(v[k][j], mean);
                     q = __fmaf_rn(v[k][j], v[k][j], q);
                 }
             }
@@ -149,7 +154,7 @@ __device__ __forceinline__ void layer_norm_forward_rows(const A* a, const B* b, 
         const float rstd = inverse_std(__fdiv_rn(row_sum(q, smem), (float)C), eps);
         if (!valid) continue;
         if (threadIdx.x == 0) {
-            mean_out[row] = mean;
+            if constexpr (CENTER) mean_out[row] = mean;
             rstd_out[row] = rstd;
         }
 #pragma unroll
@@ -160,7 +165,7 @@ __device__ __forceinline__ void layer_norm_forward_rows(const A* a, const B* b, 
             for (int j = 0; j < VEC; ++j) {
                 float t = __fmul_rn(v[k][j], rstd);
                 if (weight) t = __fmul_rn(t, w[k][j]);
-                if (bias) t = __fadd_rn(t, bb[k][j]);
+                if (CENTER && bias) t = __fadd_rn(t, bb[k][j]);
                 v[k][j] = t;
             }
             storev_from_float<VEC>(y, r0 + (long long)g * VEC, v[k]);
@@ -185,6 +190,24 @@ add_layer_norm_forward_kernel(const X* a, const B* b, const X* weight, const X* 
     await_previous_kernel();
     layer_norm_forward_rows<true, Y, VEC, K, X, B>(a, b, weight, bias, y, s_out, mean_out,
                                                    rstd_out, rows, C, eps);
+}
+
+template <typename Y, int VEC, int K, typename X = float>
+__global__ void __launch_bounds__(LAYER_NORM_MAX_THREADS)
+rms_norm_forward_kernel(const X* x, const X* weight, Y* y, float* rstd_out, int rows, int C,
+                        float eps) {
+    await_previous_kernel();
+    layer_norm_forward_rows<false, Y, VEC, K, X, X, X, false>(
+        x, nullptr, weight, nullptr, y, nullptr, nullptr, rstd_out, rows, C, eps);
+}
+
+template <typename Y, int VEC, int K, typename X = float, typename B = X>
+__global__ void __launch_bounds__(LAYER_NORM_MAX_THREADS)
+add_rms_norm_forward_kernel(const X* a, const B* b, const X* weight, Y* y, X* s_out,
+                            float* rstd_out, int rows, int C, float eps) {
+    await_previous_kernel();
+    layer_norm_forward_rows<true, Y, VEC, K, X, B, X, false>(
+        a, b, weight, nullptr, y, s_out, nullptr, rstd_out, rows, C, eps);
 }
 
 // The block's row of partial [blocks, C]: acc (this thread's columns, summed over the rows of
@@ -222,8 +245,10 @@ __device__ __forceinline__ void store_block_partial(const float (&acc)[K][VEC], 
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) [+ ds], g = dy [* weight], xhat = (x -
 // mean) * rstd (x: add_layer_norm's s); ds (ADD true) added in float32 before the one store.
 // Block b sums dy * xhat and dy over its rows into row b of partial_w / partial_b [gridDim.x,
-// C] (either null when not wanted).
-template <bool ADD, typename DY, int VEC, int K, typename X, typename H, typename XI = X>
+// C] (either null when not wanted). CENTER false (RMSNorm): xhat = x * rstd, no mean(g)
+// term, no dbias (mean and partial_b unused).
+template <bool ADD, typename DY, int VEC, int K, typename X, typename H, typename XI = X,
+          bool CENTER = true>
 __device__ __forceinline__ void layer_norm_backward_rows(const DY* dy, const XI* x,
                                                          const X* weight, const float* mean,
                                                          const float* rstd, const X* ds, X* dx,
@@ -241,7 +266,7 @@ __device__ __forceinline__ void layer_norm_backward_rows(const DY* dy, const XI*
         const long long row = base + threadIdx.y;
         const bool valid = row < rows;
         const long long r0 = row * C;
-        const float m = valid ? mean[row] : 0.f, r = valid ? rstd[row] : 0.f;
+        const float m = CENTER && valid ? mean[row] : 0.f, r = valid ? rstd[row] : 0.f;
         float d[K][VEC], h[K][VEC];   // dy, then g; x, then xhat
         float sg = 0.f, sgh = 0.f;
 #pragma unroll
@@ -259,16 +284,22 @@ __device__ __forceinline__ void layer_norm_backward_rows(const DY* dy, const XI*
             if (weight) loadv_as_float<VEC>(weight, (long long)g * VEC, w);
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
-                h[k][j] = __fmul_rn(__fsub_rn(h[k][j], m), r);
+                h[k][j] = __fmul_rn(CENTER ? __fsub_rn(h[k][j], m) : h[k][j], r);
                 acc_w[k][j] = __fmaf_rn(d[k][j], h[k][j], acc_w[k][j]);
-                acc_b[k][j] += d[k][j];
+                if constexpr (CENTER) acc_b[k][j] += d[k][j];
                 if (weight) d[k][j] = __fmul_rn(d[k][j], w[j]);
-                sg += d[k][j];
+                if constexpr (CENTER) sg += d[k][j];
                 sgh = __fmaf_rn(d[k][j], h[k][j], sgh);
             }
         }
-        const float2 t = row_sum2(sg, sgh, sums);
-        const float mg = __fdiv_rn(t.x, (float)C), mgh = __fdiv_rn(t.y, (float)C);
+        float mg = 0.f, mgh;
+        if constexpr (CENTER) {
+            const float2 t = row_sum2(sg, sgh, sums);
+            mg = __fdiv_rn(t.x, (float)C);
+            mgh = __fdiv_rn(t.y, (float)C);
+        } else {
+            mgh = __fdiv_rn(row_sum(sgh, reinterpret_cast<float*>(sums)), (float)C);
+        }
         if (!valid) continue;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
@@ -278,7 +309,8 @@ __device__ __forceinline__ void layer_norm_backward_rows(const DY* dy, const XI*
             if constexpr (ADD) loadv_as_float<VEC>(ds, r0 + (long long)g * VEC, e);
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
-                float v = __fmul_rn(r, __fsub_rn(__fsub_rn(d[k][j], mg), __fmul_rn(h[k][j], mgh)));
+                const float centred = CENTER ? __fsub_rn(d[k][j], mg) : d[k][j];
+                float v = __fmul_rn(r, __fsub_rn(centred, __fmul_rn(h[k][j], mgh)));
                 if constexpr (ADD) v = __fadd_rn(v, e[j]);
                 d[k][j] = v;
             }
@@ -286,7 +318,7 @@ __device__ __forceinline__ void layer_norm_backward_rows(const DY* dy, const XI*
         }
     }
     store_block_partial<VEC, K>(acc_w, partial_w, red, groups, C);
-    store_block_partial<VEC, K>(acc_b, partial_b, red, groups, C);
+    if constexpr (CENTER) store_block_partial<VEC, K>(acc_b, partial_b, red, groups, C);
 }
 
 template <typename DY, int VEC, int K, typename X = float, typename H = X, typename XI = X>
@@ -310,9 +342,27 @@ add_layer_norm_backward_kernel(const DY* dy, const X* x, const X* weight, const 
                                                      partial_w, partial_b, rows, C);
 }
 
+template <typename DY, int VEC, int K, typename X = float, typename H = X>
+__global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
+rms_norm_backward_kernel(const DY* dy, const X* x, const X* weight, const float* rstd, X* dx,
+                         H* dx_half, float* partial_w, int rows, int C) {
+    await_previous_kernel();
+    layer_norm_backward_rows<false, DY, VEC, K, X, H, X, false>(
+        dy, x, weight, nullptr, rstd, nullptr, dx, dx_half, partial_w, nullptr, rows, C);
+}
+
+template <typename DY, int VEC, int K, typename X = float, typename H = X>
+__global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
+add_rms_norm_backward_kernel(const DY* dy, const X* x, const X* weight, const float* rstd,
+                             const X* ds, X* dx, H* dx_half, float* partial_w, int rows, int C) {
+    await_previous_kernel();
+    layer_norm_backward_rows<true, DY, VEC, K, X, H, X, false>(
+        dy, x, weight, nullptr, rstd, ds, dx, dx_half, partial_w, nullptr, rows, C);
+}
+
 // The forward for rows of any width: x re-read from global memory for each pass; with ADD,
-// s written in the first pass, then re-read (L1/L2).
-template <bool ADD, typename Y, typename X, typename B, typename A = X>
+// s written in the first pass, then re-read (L1/L2). CENTER as layer_norm_forward_rows's.
+template <bool ADD, typename Y, typename X, typename B, typename A = X, bool CENTER = true>
 __device__ __forceinline__ void layer_norm_forward_loop_rows(const A* a, const B* b,
                                                              const X* weight, const X* bias,
                                                              Y* y, X* s_out, float* mean_out,
@@ -328,33 +378,42 @@ __device__ __forceinline__ void layer_norm_forward_loop_rows(const A* a, const B
             if constexpr (ADD) return load_as_float(s_out, r0 + c);
             else return load_as_float(a, r0 + c);
         };
+        // the x - mean of a column (x itself without CENTER)
+        const auto centred = [&](int c, float mean) {
+            if constexpr (CENTER) return __fsub_rn(xr(c), mean);
+            else return xr(c);
+        };
         float s = 0.f;
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            float v;
-            if constexpr (ADD) {
-                v = stored_as<X>(__fadd_rn(load_as_float(a, r0 + c), load_as_float(b, r0 + c)));
-                store_from_float(s_out, r0 + c, v);
-            } else {
-                v = xr(c);
+        if (ADD || CENTER) {
+            for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+                float v;
+                if constexpr (ADD) {
+                    v = stored_as<X>(__fadd_rn(load_as_float(a, r0 + c),
+                                               load_as_float(b, r0 + c)));
+                    store_from_float(s_out, r0 + c, v);
+                } else {
+                    v = xr(c);
+                }
+                s += v;
             }
-            s += v;
         }
         // each thread re-reads only the columns of s_out it wrote: no barrier needed
-        const float mean = __fdiv_rn(row_sum(s, smem), (float)C);
+        float mean = 0.f;
+        if constexpr (CENTER) mean = __fdiv_rn(row_sum(s, smem), (float)C);
         float q = 0.f;
         for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            const float t = __fsub_rn(xr(c), mean);
+            const float t = centred(c, mean);
             q = __fmaf_rn(t, t, q);
         }
         const float rstd = inverse_std(__fdiv_rn(row_sum(q, smem), (float)C), eps);
         if (cols && threadIdx.x == 0) {
-            mean_out[row] = mean;
+            if constexpr (CENTER) mean_out[row] = mean;
             rstd_out[row] = rstd;
         }
         for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            float t = __fmul_rn(__fsub_rn(xr(c), mean), rstd);
+            float t = __fmul_rn(centred(c, mean), rstd);
             if (weight) t = __fmul_rn(t, load_as_float(weight, c));
-            if (bias) t = __fadd_rn(t, load_as_float(bias, c));
+            if (CENTER && bias) t = __fadd_rn(t, load_as_float(bias, c));
             store_from_float(y, r0 + c, t);
         }
     }
@@ -379,10 +438,29 @@ add_layer_norm_forward_loop_kernel(const X* a, const B* b, const X* weight, cons
                                                 rstd_out, rows, C, eps);
 }
 
+template <typename Y, typename X = float>
+__global__ void __launch_bounds__(1024)
+rms_norm_forward_loop_kernel(const X* x, const X* weight, Y* y, float* rstd_out, int rows,
+                             int C, float eps) {
+    await_previous_kernel();
+    layer_norm_forward_loop_rows<false, Y, X, X, X, false>(x, nullptr, weight, nullptr, y,
+                                                           nullptr, nullptr, rstd_out, rows,
+                                                           C, eps);
+}
+
+template <typename Y, typename X = float, typename B = X>
+__global__ void __launch_bounds__(1024)
+add_rms_norm_forward_loop_kernel(const X* a, const B* b, const X* weight, Y* y, X* s_out,
+                                 float* rstd_out, int rows, int C, float eps) {
+    await_previous_kernel();
+    layer_norm_forward_loop_rows<true, Y, X, B, X, false>(a, b, weight, nullptr, y, s_out,
+                                                          nullptr, rstd_out, rows, C, eps);
+}
+
 // The backward for rows of any width, one row a block (blockDim.y == 1): the block's partial
 // sums accumulate in place in its row of partial_w / partial_b (each element read and written
-// by one thread only); ds added to dx as layer_norm_backward_rows does.
-template <bool ADD, typename DY, typename X, typename H, typename XI = X>
+// by one thread only); ds added to dx and CENTER as layer_norm_backward_rows does.
+template <bool ADD, typename DY, typename X, typename H, typename XI = X, bool CENTER = true>
 __device__ __forceinline__ void layer_norm_backward_loop_rows(const DY* dy, const XI* x,
                                                               const X* weight, const float* mean,
                                                               const float* rstd, const X* ds,
@@ -391,7 +469,7 @@ __device__ __forceinline__ void layer_norm_backward_loop_rows(const DY* dy, cons
                                                               float* partial_b, int rows, int C) {
     __shared__ float2 sums[32];
     float* pw = partial_w ? partial_w + (long long)blockIdx.x * C : nullptr;
-    float* pb = partial_b ? partial_b + (long long)blockIdx.x * C : nullptr;
+    float* pb = CENTER && partial_b ? partial_b + (long long)blockIdx.x * C : nullptr;
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
         if (pw) pw[c] = 0.f;
         if (pb) pb[c] = 0.f;
@@ -400,24 +478,34 @@ __device__ __forceinline__ void layer_norm_backward_loop_rows(const DY* dy, cons
         const long long row = base + threadIdx.y;
         const int cols = row < rows ? C : 0;
         const long long r0 = row * C;
-        const float m = cols ? mean[row] : 0.f, r = cols ? rstd[row] : 0.f;
+        const float m = CENTER && cols ? mean[row] : 0.f, r = cols ? rstd[row] : 0.f;
+        const auto xhat = [&](int c) {
+            const float v = load_as_float(x, r0 + c);
+            return __fmul_rn(CENTER ? __fsub_rn(v, m) : v, r);
+        };
         float sg = 0.f, sgh = 0.f;
         for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            const float h = __fmul_rn(__fsub_rn(load_as_float(x, r0 + c), m), r);
+            const float h = xhat(c);
             const float d = load_as_float(dy, r0 + c);
             const float g = weight ? __fmul_rn(d, load_as_float(weight, c)) : d;
-            sg += g;
+            if constexpr (CENTER) sg += g;
             sgh = __fmaf_rn(g, h, sgh);
             if (pw) pw[c] = __fmaf_rn(d, h, pw[c]);
-            if (pb) pb[c] += d;
+            if (CENTER && pb) pb[c] += d;
         }
-        const float2 t = row_sum2(sg, sgh, sums);
-        const float mg = __fdiv_rn(t.x, (float)C), mgh = __fdiv_rn(t.y, (float)C);
+        float mg = 0.f, mgh;
+        if constexpr (CENTER) {
+            const float2 t = row_sum2(sg, sgh, sums);
+            mg = __fdiv_rn(t.x, (float)C);
+            mgh = __fdiv_rn(t.y, (float)C);
+        } else {
+            mgh = __fdiv_rn(row_sum(sgh, reinterpret_cast<float*>(sums)), (float)C);
+        }
         for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            const float h = __fmul_rn(__fsub_rn(load_as_float(x, r0 + c), m), r);
+            const float h = xhat(c);
             const float d = load_as_float(dy, r0 + c);
             const float g = weight ? __fmul_rn(d, load_as_float(weight, c)) : d;
-            float v = __fmul_rn(r, __fsub_rn(__fsub_rn(g, mg), __fmul_rn(h, mgh)));
+            float v = __fmul_rn(r, __fsub_rn(CENTER ? __fsub_rn(g, mg) : g, __fmul_rn(h, mgh)));
             if constexpr (ADD) v = __fadd_rn(v, load_as_float(ds, r0 + c));
             store_dx<1>(dx, dx_half, r0 + c, &v);
         }
@@ -443,6 +531,27 @@ add_layer_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight,
     await_previous_kernel();
     layer_norm_backward_loop_rows<true, DY, X, H>(dy, x, weight, mean, rstd, ds, dx, dx_half,
                                                   partial_w, partial_b, rows, C);
+}
+
+template <typename DY, typename X = float, typename H = X>
+__global__ void __launch_bounds__(1024)
+rms_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight, const float* rstd,
+                              X* dx, H* dx_half, float* partial_w, int rows, int C) {
+    await_previous_kernel();
+    layer_norm_backward_loop_rows<false, DY, X, H, X, false>(dy, x, weight, nullptr, rstd,
+                                                             nullptr, dx, dx_half, partial_w,
+                                                             nullptr, rows, C);
+}
+
+template <typename DY, typename X = float, typename H = X>
+__global__ void __launch_bounds__(1024)
+add_rms_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight, const float* rstd,
+                                  const X* ds, X* dx, H* dx_half, float* partial_w, int rows,
+                                  int C) {
+    await_previous_kernel();
+    layer_norm_backward_loop_rows<true, DY, X, H, X, false>(dy, x, weight, nullptr, rstd, ds,
+                                                            dx, dx_half, partial_w, nullptr,
+                                                            rows, C);
 }
 
 // dweight[c] = the sum over slots of partial_w[slot, c] (dbias from partial_b alike), in
@@ -472,167 +581,5 @@ layer_norm_grad_finalize_kernel(const float* partial_w, const float* partial_b, 
         double t = lanes[0][threadIdx.x];
         for (int l = 1; l < FINALIZE_LANES; ++l) t += lanes[l][threadIdx.x];
         store_from_float(out, c, (float)t);
-    }
-}
-
-// ---- RMSNorm (rms_norm, compile/norm_rewrite.py) -------------------------------------------
-// y = x * rstd [* weight], rstd = 1 / sqrt(mean(x^2) + eps); backward dx = rstd * (g - xhat *
-// mean(g * xhat)), g = dy [* weight], xhat = x * rstd, and dweight through the same per-block
-// partial sums and finalize as layer_norm's (no bias). Layouts, storages and determinism as
-// layer_norm's kernels.
-
-template <typename Y, int VEC, int K, typename X = float>
-__global__ void __launch_bounds__(LAYER_NORM_MAX_THREADS)
-rms_norm_forward_kernel(const X* x, const X* weight, Y* y, float* rstd_out, int rows, int C,
-                        float eps) {
-    await_previous_kernel();
-    __shared__ float smem[32];
-    const int groups = C / VEC;
-    float w[K][VEC];
-    load_columns<VEC, K>(weight, groups, w);
-    for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
-        const long long row = base + threadIdx.y;
-        const bool valid = row < rows;
-        const long long r0 = row * C;
-        float v[K][VEC];
-        float q = 0.f;
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int g = threadIdx.x + k * blockDim.x;
-            if (valid && g < groups) {
-                loadv_as_float<VEC>(x, r0 + (long long)g * VEC, v[k]);
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) q = __fmaf_rn(v[k][j], v[k][j], q);
-            }
-        }
-        const float rstd = inverse_std(__fdiv_rn(row_sum(q, smem), (float)C), eps);
-        if (!valid) continue;
-        if (threadIdx.x == 0) rstd_out[row] = rstd;
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int g = threadIdx.x + k * blockDim.x;
-            if (g >= groups) continue;
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                float t = __fmul_rn(v[k][j], rstd);
-                if (weight) t = __fmul_rn(t, w[k][j]);
-                v[k][j] = t;
-            }
-            storev_from_float<VEC>(y, r0 + (long long)g * VEC, v[k]);
-        }
-    }
-}
-
-template <typename DY, int VEC, int K, typename X = float, typename H = X>
-__global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
-rms_norm_backward_kernel(const DY* dy, const X* x, const X* weight, const float* rstd, X* dx,
-                         H* dx_half, float* partial_w, int rows, int C) {
-    await_previous_kernel();
-    __shared__ float smem[32];
-    __shared__ __align__(16) float red[LAYER_NORM_BLOCK_ROWS_THREADS * K * VEC];
-    const int groups = C / VEC;
-    float acc_w[K][VEC];
-#pragma unroll
-    for (int k = 0; k < K; ++k)
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) acc_w[k][j] = 0.f;
-    for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
-        const long long row = base + threadIdx.y;
-        const bool valid = row < rows;
-        const long long r0 = row * C;
-        const float r = valid ? rstd[row] : 0.f;
-        float d[K][VEC], h[K][VEC];   // dy, then g; x, then xhat
-        float sgh = 0.f;
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int g = threadIdx.x + k * blockDim.x;
-            if (!valid || g >= groups) continue;
-            loadv_as_float<VEC>(dy, r0 + (long long)g * VEC, d[k]);
-            loadv_as_float<VEC>(x, r0 + (long long)g * VEC, h[k]);
-        }
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int g = threadIdx.x + k * blockDim.x;
-            if (!valid || g >= groups) continue;
-            float w[VEC];
-            if (weight) loadv_as_float<VEC>(weight, (long long)g * VEC, w);
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                h[k][j] = __fmul_rn(h[k][j], r);
-                acc_w[k][j] = __fmaf_rn(d[k][j], h[k][j], acc_w[k][j]);
-                if (weight) d[k][j] = __fmul_rn(d[k][j], w[j]);
-                sgh = __fmaf_rn(d[k][j], h[k][j], sgh);
-            }
-        }
-        const float mgh = __fdiv_rn(row_sum(sgh, smem), (float)C);
-        if (!valid) continue;
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int g = threadIdx.x + k * blockDim.x;
-            if (g >= groups) continue;
-#pragma unroll
-            for (int j = 0; j < VEC; ++j)
-                d[k][j] = __fmul_rn(r, __fsub_rn(d[k][j], __fmul_rn(h[k][j], mgh)));
-            store_dx<VEC>(dx, dx_half, r0 + (long long)g * VEC, d[k]);
-        }
-    }
-    store_block_partial<VEC, K>(acc_w, partial_w, red, groups, C);
-}
-
-template <typename Y, typename X = float>
-__global__ void __launch_bounds__(1024)
-rms_norm_forward_loop_kernel(const X* x, const X* weight, Y* y, float* rstd_out, int rows,
-                             int C, float eps) {
-    await_previous_kernel();
-    __shared__ float smem[32];
-    for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
-        const long long row = base + threadIdx.y;
-        const int cols = row < rows ? C : 0;
-        const X* xr = x + row * C;
-        float q = 0.f;
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            const float t = load_as_float(xr, c);
-            q = __fmaf_rn(t, t, q);
-        }
-        const float rstd = inverse_std(__fdiv_rn(row_sum(q, smem), (float)C), eps);
-        if (cols && threadIdx.x == 0) rstd_out[row] = rstd;
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            float t = __fmul_rn(load_as_float(xr, c), rstd);
-            if (weight) t = __fmul_rn(t, load_as_float(weight, c));
-            store_from_float(y, row * C + c, t);
-        }
-    }
-}
-
-template <typename DY, typename X = float, typename H = X>
-__global__ void __launch_bounds__(1024)
-rms_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight, const float* rstd,
-                              X* dx, H* dx_half, float* partial_w, int rows, int C) {
-    await_previous_kernel();
-    __shared__ float smem[32];
-    float* pw = partial_w ? partial_w + (long long)blockIdx.x * C : nullptr;
-    for (int c = threadIdx.x; c < C; c += blockDim.x)
-        if (pw) pw[c] = 0.f;
-    for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
-        const long long row = base + threadIdx.y;
-        const int cols = row < rows ? C : 0;
-        const long long r0 = row * C;
-        const float r = cols ? rstd[row] : 0.f;
-        float sgh = 0.f;
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            const float h = __fmul_rn(load_as_float(x, r0 + c), r);
-            const float d = load_as_float(dy, r0 + c);
-            const float g = weight ? __fmul_rn(d, load_as_float(weight, c)) : d;
-            sgh = __fmaf_rn(g, h, sgh);
-            if (pw) pw[c] = __fmaf_rn(d, h, pw[c]);
-        }
-        const float mgh = __fdiv_rn(row_sum(sgh, smem), (float)C);
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            const float h = __fmul_rn(load_as_float(x, r0 + c), r);
-            const float d = load_as_float(dy, r0 + c);
-            const float g = weight ? __fmul_rn(d, load_as_float(weight, c)) : d;
-            const float v = __fmul_rn(r, __fsub_rn(g, __fmul_rn(h, mgh)));
-            store_dx<1>(dx, dx_half, r0 + c, &v);
-        }
     }
 }

@@ -1,5 +1,5 @@
-"""Launchers of layer_norm.cu (layer_norm, layer_norm_grad; add_layer_norm, rms_norm and their
-gradients, made by compile/norm_rewrite.py) and their cuda op table.
+"""Launchers of layer_norm.cu (layer_norm, layer_norm_grad; add_layer_norm, rms_norm,
+add_rms_norm and their gradients, made by compile/norm_rewrite.py) and their cuda op table.
 
 x (any rank >= 1) is viewed as (rows, C), normalised over C. A row group of `threads` threads
 (a multiple of 32) handles a row, `rows_per_block` rows a block; each thread keeps K groups of
@@ -48,9 +48,10 @@ from .runtime.launch import (ELEMENT_CTYPES, _aligned, _check, _check_int32, _el
 SOURCE = "layer_norm.cu"
 # bf16 y (forward) or dy (backward) where compile/norm_casts.py fuse_layer_norm_casts dropped a cast
 BF16_OPS = frozenset({"layer_norm", "layer_norm_grad", "add_layer_norm", "add_layer_norm_grad",
-                      "rms_norm", "rms_norm_grad"})
+                      "rms_norm", "rms_norm_grad", "add_rms_norm", "add_rms_norm_grad"})
 # The kernel name prefixes of layer_norm.cu, each with the same templates and layouts.
-KERNEL_OPS = ("layer_norm", "add_layer_norm", "rms_norm")
+KERNEL_OPS = ("layer_norm", "add_layer_norm", "rms_norm", "add_rms_norm")
+ADD_OPS = ("add_layer_norm", "add_rms_norm")    # a half b beside a float32 a (btype)
 FP16_OPS = BF16_OPS
 # (x, y) C types of the forward (x, dx) and (dy) of the backward alike: float32 x with a
 # float32, bf16 or float16 y (a fused cast); a float16 x with float16 everywhere.
@@ -82,10 +83,10 @@ class Layout:
     def kernel(self, direction: str, ctype: str = "float", xtype: str = "float",
                op: str = "layer_norm", btype: str | None = None,
                htype: str | None = None, itype: str | None = None) -> str:
-        """The forward's or backward's kernel of `op` (layer_norm, add_layer_norm, rms_norm)
+        """The forward's or backward's kernel of `op` (KERNEL_OPS)
         for a y (forward) or dy (backward) of C type ctype: float, or unsigned short for bf16
         bits (fuse_layer_norm_casts); and x (weight, bias, dx) of C type xtype: float, or
-        fp16_bits (a float16 model). btype: add_layer_norm's forward's b when it is not
+        fp16_bits (a float16 model). btype: an add_* forward's b when it is not
         xtype (a bf16 or float16 b widened as loaded; None: xtype). htype: a backward's half
         dx copy (None: none). itype: layer_norm's x when it is not xtype (a bf16 x with float32
         parameters; None: xtype)."""
@@ -129,8 +130,9 @@ def kernel_names() -> dict[str, set[str]]:
     for lay in layouts:
         names |= {lay.kernel(d, ctype, xtype, op) for d in ("forward", "backward")
                   for xtype, ctype in IO_CTYPES for op in KERNEL_OPS}
-        names |= {lay.kernel("forward", ctype, "float", "add_layer_norm", btype)
-                  for ctype in ELEMENT_CTYPES.values() for btype in HALF_CTYPES}
+        names |= {lay.kernel("forward", ctype, "float", op, btype)
+                  for ctype in ELEMENT_CTYPES.values() for btype in HALF_CTYPES
+                  for op in ADD_OPS}
         names |= {lay.kernel("backward", ctype, "float", op, htype=htype)
                   for htype in HALF_CTYPES for ctype in ("float", htype) for op in KERNEL_OPS}
         names |= {lay.kernel("forward", ctype, "float", itype=BF16_CTYPE)
@@ -368,31 +370,44 @@ def layer_norm_backward(ctx, node: Node, dy, x, weight, mean, rstd, dx, dweight=
     _finalize(ctx, xtype, blocks, c, partial_w, partial_b, dweight, dbias)
 
 
-def rms_norm_forward(ctx, x, weight, y, rstd, eps: float) -> None:
+def rms_norm_forward(ctx, x, weight, y, rstd, eps: float, b=None, s=None) -> None:
     """y = x * rstd [* weight], rstd = 1 / sqrt(mean(x^2) + eps) (rows,) float32; x and
-    weight float32 (y float32, bf16 or float16) or all float16 with y."""
-    rows, c = _rows("rms_norm input", x, dtype=None)
-    xtype = _norm_input("rms_norm", x, c, weight)
-    _check("rms_norm output", y, dtype=None if xtype == "float" else x.dtype, shape=x.shape)
-    ctype = _element_ctype("rms_norm output", y)
-    _check("rms_norm rstd", rstd)
+    weight float32 (y float32, bf16 or float16) or all float16 with y. With b and s
+    (add_rms_norm): x is a, s = a + b rounded to a's storage is normalised and stored, b as
+    add_layer_norm_forward's."""
+    what = "rms_norm" if b is None else "add_rms_norm"
+    rows, c = _rows(f"{what} input", x, dtype=None)
+    xtype = _norm_input(what, x, c, weight)
+    btype = None
+    if b is not None:
+        _check(f"{what} s", s, x.dtype, shape=x.shape)
+        btype = _element_ctype(f"{what} b", b)
+        _check(f"{what} b", b, x.dtype if xtype != "float" or btype == "float" else None,
+               shape=x.shape)
+    _check(f"{what} output", y, dtype=None if xtype == "float" else x.dtype, shape=x.shape)
+    ctype = _element_ctype(f"{what} output", y)
+    _check(f"{what} rstd", rstd)
     if rstd.size != rows:
-        raise ShapeError(f"rms_norm rstd: expected {rows} values (one a row), got shape "
+        raise ShapeError(f"{what} rstd: expected {rows} values (one a row), got shape "
                          f"{tuple(rstd.shape)}")
     if not rows:
         return
-    lay = row_layout(c, [t for t in (x, y, weight) if t is not None])
-    _launch(ctx, SOURCE, lay.kernel("forward", ctype, xtype, "rms_norm"),
+    lay = row_layout(c, [t for t in (x, b, s, y, weight) if t is not None])
+    operands = (x, _or_null(weight), y) if b is None else (x, b, _or_null(weight), y, s)
+    _launch(ctx, SOURCE, lay.kernel("forward", ctype, xtype, what, btype),
             _row_grid(rows, lay.rows_per_block), lay.block,
-            (x, _or_null(weight), y, rstd, np.int32(rows), np.int32(c), np.float32(eps)))
+            operands + (rstd, np.int32(rows), np.int32(c), np.float32(eps)))
 
 
 def rms_norm_backward(ctx, node: Node, dy, x, weight, rstd, dx, dweight=None,
-                      dx_half=None) -> None:
-    """dx = rstd * (g - xhat * mean(g * xhat)), g = dy [* weight], xhat = x * rstd; dweight =
-    sum over rows of dy * xhat (optional); dx_half as layer_norm_backward's."""
-    what = "rms_norm_grad"
+                      dx_half=None, ds=None) -> None:
+    """dx = rstd * (g - xhat * mean(g * xhat)) [+ ds], g = dy [* weight], xhat = x * rstd;
+    dweight = sum over rows of dy * xhat (optional); ds (add_rms_norm's residual gradient, x
+    the forward's s) and dx_half as layer_norm_backward's."""
+    what = "rms_norm_grad" if ds is None else "add_rms_norm_grad"
     rows, c, ctype, xtype, dx, dx_half = _check_grad(what, dy, x, dx, dx_half)
+    if ds is not None:
+        _check(f"{what} ds", ds, x.dtype, shape=x.shape)
     _check(f"{what} rstd", rstd)
     if rstd.size != rows:
         raise ShapeError(f"{what} rstd: expected {rows} values (one a row), got shape "
@@ -403,12 +418,14 @@ def rms_norm_backward(ctx, node: Node, dy, x, weight, rstd, dx, dweight=None,
     if not rows:
         _zero_grads(ctx, dweight)
         return
-    lay = row_layout(c, [t for t in (dy, x, dx, dx_half, weight) if t is not None])
-    name = lay.kernel("backward", ctype, xtype, "rms_norm", htype=_half_ctype(dx_half))
+    lay = row_layout(c, [t for t in (dy, x, ds, dx, dx_half, weight) if t is not None])
+    name = lay.kernel("backward", ctype, xtype, "rms_norm" if ds is None else "add_rms_norm",
+                      htype=_half_ctype(dx_half))
     blocks, partial_w, _ = _grad_tables(ctx, node, what, name, lay, rows, c, dweight, None)
     _launch(ctx, SOURCE, name, (blocks,), lay.block,
-            (dy, x, _or_null(weight), rstd, _or_null(dx), _or_null(dx_half),
-             _or_null(partial_w), np.int32(rows), np.int32(c)))
+            (dy, x, _or_null(weight), rstd) + (() if ds is None else (ds,))
+            + (_or_null(dx), _or_null(dx_half), _or_null(partial_w), np.int32(rows),
+               np.int32(c)))
     _finalize(ctx, xtype, blocks, c, partial_w, None, dweight, None)
 
 
@@ -439,6 +456,19 @@ def _rms_backward_impl(node: Node, ins, outs, ctx) -> None:
     rms_norm_backward(ctx, node, ins[0], ins[1], weight, ins[-1], dx, dweight, dx_half)
 
 
+def _add_rms_forward_impl(node: Node, ins, outs, ctx) -> None:
+    weight = ins[2] if node.attrs.get("weight") else None
+    rms_norm_forward(ctx, ins[0], weight, outs[0], outs[1], node.attrs["eps"], b=ins[1],
+                     s=outs[2])
+
+
+def _add_rms_backward_impl(node: Node, ins, outs, ctx) -> None:
+    weight = ins[2] if node.attrs.get("weight") else None
+    dx, dweight, _, dx_half = _grad_outputs(node, outs)
+    rms_norm_backward(ctx, node, ins[0], ins[1], weight, ins[-2], dx, dweight, dx_half,
+                      ds=ins[-1])
+
+
 IMPLS: dict[str, Callable] = {
     "layer_norm": _forward_impl,
     "layer_norm_grad": _backward_impl,
@@ -446,4 +476,6 @@ IMPLS: dict[str, Callable] = {
     "add_layer_norm_grad": _add_backward_impl,
     "rms_norm": _rms_forward_impl,
     "rms_norm_grad": _rms_backward_impl,
+    "add_rms_norm": _add_rms_forward_impl,
+    "add_rms_norm_grad": _add_rms_backward_impl,
 }
