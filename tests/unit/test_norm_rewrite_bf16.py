@@ -242,6 +242,9 @@ def test_bf16_residual_rms_norm_reads_the_bf16_branch_and_trains_as_unfused(requ
     fused = _run(ours, ce, data, monkeypatch, ADD_LAYER_NORM_SWITCH, True)
     assert "add_rms_norm" not in plain[0] and plain[0].get("rms_norm") == 2
     assert fused[0].get("add_rms_norm") == 1 and fused[0].get("rms_norm") == 1
+    step = bf16_step(ours(), ce, data)
+    (node,) = [n for n in step.plan(step.signature).graph.nodes if n.op == "add_rms_norm"]
+    assert [v.dtype for v in node.inputs[:2]] == ["float32", "bfloat16"]
     assert fused[1][0] == plain[1][0]
     assert_close_to_reference(fused[1], loss64, plain[1], "losses")
     assert_state_changes_close(initial, fused[2], final64, plain[2])
