@@ -171,6 +171,21 @@ def test_bf16_residual_dropout_becomes_add_layer_norm_after_the_dropout(request,
 
 # ---- RMSNorm ------------------------------------------------------------------------------
 
+def _torch64_run(tm, data) -> tuple[list, dict]:
+    """(losses, final state) of a float64 copy of torch model tm trained on data: the
+    reference of the bf16 RMSNorm steps."""
+    t64 = copy.deepcopy(tm).double()
+    opt = torch.optim.SGD(t64.parameters(), lr=LR, momentum=MOMENTUM)
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(t64(torch.tensor(x).double()), torch.tensor(y))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().numpy() for k, v in t64.state_dict().items()}
+
+
 @pytest.mark.parametrize("form", list(RMS_FORMS))
 def test_bf16_rms_norm_becomes_one_op_and_trains_as_unfused(form, request, monkeypatch):
     """pre_norm_net's x is bf16 (a GEMM's output) under autocast. Fused, the square is taken
@@ -180,16 +195,7 @@ def test_bf16_rms_norm_becomes_one_op_and_trains_as_unfused(form, request, monke
     make = lambda t: pre_norm_net(t, rms=form)    # noqa: E731
     tm, ours = models(make)
     initial = {k: v.detach().double().numpy() for k, v in tm.state_dict().items()}
-    t64 = copy.deepcopy(tm).double()
-    opt = torch.optim.SGD(t64.parameters(), lr=LR, momentum=MOMENTUM)
-    loss64 = []
-    for x, y in data:
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(t64(torch.tensor(x).double()), torch.tensor(y))
-        loss.backward()
-        opt.step()
-        loss64.append(loss.item())
-    final64 = {k: v.detach().numpy() for k, v in t64.state_dict().items()}
+    loss64, final64 = _torch64_run(tm, data)
     ce = sgnn.functional.cross_entropy
     plain = _run(ours, ce, data, monkeypatch, RMS_NORM_SWITCH, False)
     fused = _run(ours, ce, data, monkeypatch, RMS_NORM_SWITCH, True)
@@ -227,16 +233,7 @@ def test_bf16_residual_rms_norm_reads_the_bf16_branch_and_trains_as_unfused(requ
     data = batches(request.node.name)
     tm, ours = models(_float32_stream_rms_net)
     initial = {k: v.detach().double().numpy() for k, v in tm.state_dict().items()}
-    t64 = copy.deepcopy(tm).double()
-    opt = torch.optim.SGD(t64.parameters(), lr=LR, momentum=MOMENTUM)
-    loss64 = []
-    for x, y in data:
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(t64(torch.tensor(x).double()), torch.tensor(y))
-        loss.backward()
-        opt.step()
-        loss64.append(loss.item())
-    final64 = {k: v.detach().numpy() for k, v in t64.state_dict().items()}
+    loss64, final64 = _torch64_run(tm, data)
     ce = sgnn.functional.cross_entropy
     plain = _run(ours, ce, data, monkeypatch, ADD_LAYER_NORM_SWITCH, False)
     fused = _run(ours, ce, data, monkeypatch, ADD_LAYER_NORM_SWITCH, True)

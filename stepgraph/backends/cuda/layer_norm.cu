@@ -86,6 +86,19 @@ __device__ __forceinline__ float2 row_sum2(float a, float b, float2* smem) {
     return r;
 }
 
+// The backward's row means (mean(g), mean(g * xhat)) of the sums sg and sgh; without CENTER
+// (RMSNorm) only the second, mean(g) 0 (sg unused). Every thread of the block calls it.
+template <bool CENTER>
+__device__ __forceinline__ float2 row_means(float sg, float sgh, float2* sums, int C) {
+    if constexpr (CENTER) {
+        const float2 t = row_sum2(sg, sgh, sums);
+        return make_float2(__fdiv_rn(t.x, (float)C), __fdiv_rn(t.y, (float)C));
+    } else {
+        return make_float2(0.f,
+                           __fdiv_rn(row_sum(sgh, reinterpret_cast<float*>(sums)), (float)C));
+    }
+}
+
 // v as a store to X then a load give it back: the rounding of a value stored in X.
 template <typename X>
 __device__ __forceinline__ float stored_as(float v) {
@@ -292,14 +305,8 @@ __device__ __forceinline__ void layer_norm_backward_rows(const DY* dy, const XI*
                 sgh = __fmaf_rn(d[k][j], h[k][j], sgh);
             }
         }
-        float mg = 0.f, mgh;
-        if constexpr (CENTER) {
-            const float2 t = row_sum2(sg, sgh, sums);
-            mg = __fdiv_rn(t.x, (float)C);
-            mgh = __fdiv_rn(t.y, (float)C);
-        } else {
-            mgh = __fdiv_rn(row_sum(sgh, reinterpret_cast<float*>(sums)), (float)C);
-        }
+        const float2 means = row_means<CENTER>(sg, sgh, sums, C);
+        const float mg = means.x, mgh = means.y;
         if (!valid) continue;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
@@ -493,14 +500,8 @@ __device__ __forceinline__ void layer_norm_backward_loop_rows(const DY* dy, cons
             if (pw) pw[c] = __fmaf_rn(d, h, pw[c]);
             if (CENTER && pb) pb[c] += d;
         }
-        float mg = 0.f, mgh;
-        if constexpr (CENTER) {
-            const float2 t = row_sum2(sg, sgh, sums);
-            mg = __fdiv_rn(t.x, (float)C);
-            mgh = __fdiv_rn(t.y, (float)C);
-        } else {
-            mgh = __fdiv_rn(row_sum(sgh, reinterpret_cast<float*>(sums)), (float)C);
-        }
+        const float2 means = row_means<CENTER>(sg, sgh, sums, C);
+        const float mg = means.x, mgh = means.y;
         for (int c = threadIdx.x; c < cols; c += blockDim.x) {
             const float h = xhat(c);
             const float d = load_as_float(dy, r0 + c);
