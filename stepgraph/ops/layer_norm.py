@@ -173,10 +173,16 @@ def _add_layer_norm_grad(ins, attrs):
     residual stream brings: the sum autodiff would add after the LayerNorm's gradient), the
     sum rounded once to s's dtype; dx is the gradient of a and of b. Then dweight, dbias and
     the dx_half copy as layer_norm_grad's."""
-    _need(len(ins) >= 5, "add_layer_norm_grad", f"at least 5 inputs, got {len(ins)}")
+    return _residual_grad("add_layer_norm_grad", ins, attrs, _layer_norm_grad, 5)
+
+
+def _residual_grad(op: str, ins, attrs, norm_grad, least: int) -> list:
+    """The outputs of an add_<norm>_grad: its norm's gradient (norm_grad) of ins without the
+    last, ds, which must have s's shape; at least `least` inputs."""
+    _need(len(ins) >= least, op, f"at least {least} inputs, got {len(ins)}")
     ds, x = ins[-1], ins[1]
-    _need(ds.shape == x.shape, "add_layer_norm_grad", f"ds {ds.shape} vs s {x.shape}")
-    return _layer_norm_grad(ins[:-1], attrs)
+    _need(ds.shape == x.shape, op, f"ds {ds.shape} vs s {x.shape}")
+    return norm_grad(ins[:-1], attrs)
 
 
 def _residual_vjp(emit, node, dy, wants, norm: str, attrs: dict) -> list:
@@ -211,14 +217,20 @@ def _add_layer_norm_vjp(emit, node, dy, wants) -> list:
 
 @impl("add_layer_norm")
 def _add_layer_norm_impl(node, ins, outs, ctx):
-    s = _stored(ins[0].astype(np.float64) + ins[1].astype(np.float64), node.outputs[3].dtype)
-    outs[3][...] = s
-    _layer_norm_impl(node, [s, *ins[2:]], outs[:3], ctx)
+    _residual_impl(node, ins, outs, ctx, _layer_norm_impl)
 
 
 @impl("add_layer_norm_grad")
 def _add_layer_norm_grad_impl(node, ins, outs, ctx):
     _store_dx(node, outs, _layer_norm_grads(node, ins[:-1], outs) + ins[-1].astype(np.float64))
+
+
+def _residual_impl(node, ins, outs, ctx, norm_impl) -> None:
+    """An add_<norm>'s reference: s = a + b as the add stored it (its last output), then the
+    norm's reference (norm_impl) of s into the outputs before it."""
+    s = _stored(ins[0].astype(np.float64) + ins[1].astype(np.float64), node.outputs[-1].dtype)
+    outs[-1][...] = s
+    norm_impl(node, [s, *ins[2:]], outs[:-1], ctx)
 
 
 # ---- RMSNorm (made only by compile/norm_rewrite.py, of the form model files write) ---------
@@ -311,10 +323,7 @@ def _add_rms_norm_grad(ins, attrs):
     """Gradient of add_rms_norm when both y and s have one: ins (dy, s, [weight], rstd, ds),
     attrs weight. dx = rms_norm_grad's dx of dy plus ds, rounded once to s's dtype; then
     dweight and the dx_half copy as rms_norm_grad's."""
-    _need(len(ins) >= 4, "add_rms_norm_grad", f"at least 4 inputs, got {len(ins)}")
-    ds, x = ins[-1], ins[1]
-    _need(ds.shape == x.shape, "add_rms_norm_grad", f"ds {ds.shape} vs s {x.shape}")
-    return _rms_norm_grad(ins[:-1], attrs)
+    return _residual_grad("add_rms_norm_grad", ins, attrs, _rms_norm_grad, 4)
 
 
 @vjp("add_rms_norm")
@@ -325,9 +334,7 @@ def _add_rms_norm_vjp(emit, node, dy, wants) -> list:
 
 @impl("add_rms_norm")
 def _add_rms_norm_impl(node, ins, outs, ctx):
-    s = _stored(ins[0].astype(np.float64) + ins[1].astype(np.float64), node.outputs[2].dtype)
-    outs[2][...] = s
-    _rms_norm_impl(node, [s, *ins[2:]], outs[:2], ctx)
+    _residual_impl(node, ins, outs, ctx, _rms_norm_impl)
 
 
 @impl("add_rms_norm_grad")

@@ -264,10 +264,7 @@ def add_layer_norm_forward(ctx, a, b, weight, bias, y, s, mean, rstd, eps: float
     bf16 or float16 with a float32 a (widened as loaded)."""
     rows, c = _rows("add_layer_norm a", a, dtype=None)
     xtype = _norm_input("add_layer_norm", a, c, weight, bias)
-    _check("add_layer_norm s", s, a.dtype, shape=a.shape)
-    btype = _element_ctype("add_layer_norm b", b)
-    _check("add_layer_norm b", b, a.dtype if xtype != "float" or btype == "float" else None,
-           shape=a.shape)
+    btype = _residual_operands("add_layer_norm", a, b, s, xtype)
     _check("add_layer_norm output", y, dtype=None if xtype == "float" else a.dtype,
            shape=a.shape)
     ctype = _element_ctype("add_layer_norm output", y)
@@ -279,6 +276,16 @@ def add_layer_norm_forward(ctx, a, b, weight, bias, y, s, mean, rstd, eps: float
             _row_grid(rows, lay.rows_per_block), lay.block,
             (a, b, _or_null(weight), _or_null(bias), y, s, mean, rstd, np.int32(rows),
              np.int32(c), np.float32(eps)))
+
+
+def _residual_operands(what: str, a, b, s, xtype: str) -> str:
+    """The C type of an add_* forward's b, after checking s (a's storage and shape) and b (a's
+    shape; a's storage, or a bf16 / float16 b beside a float32 a)."""
+    _check(f"{what} s", s, a.dtype, shape=a.shape)
+    btype = _element_ctype(f"{what} b", b)
+    _check(f"{what} b", b, a.dtype if xtype != "float" or btype == "float" else None,
+           shape=a.shape)
+    return btype
 
 
 def _grad_tables(ctx, node: Node, what: str, name: str, lay: Layout, rows: int, c: int,
@@ -378,12 +385,7 @@ def rms_norm_forward(ctx, x, weight, y, rstd, eps: float, b=None, s=None) -> Non
     what = "rms_norm" if b is None else "add_rms_norm"
     rows, c = _rows(f"{what} input", x, dtype=None)
     xtype = _norm_input(what, x, c, weight)
-    btype = None
-    if b is not None:
-        _check(f"{what} s", s, x.dtype, shape=x.shape)
-        btype = _element_ctype(f"{what} b", b)
-        _check(f"{what} b", b, x.dtype if xtype != "float" or btype == "float" else None,
-               shape=x.shape)
+    btype = None if b is None else _residual_operands(what, x, b, s, xtype)
     _check(f"{what} output", y, dtype=None if xtype == "float" else x.dtype, shape=x.shape)
     ctype = _element_ctype(f"{what} output", y)
     _check(f"{what} rstd", rstd)
