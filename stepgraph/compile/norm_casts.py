@@ -19,7 +19,9 @@ and where the cast is dx's only reader, dx itself is stored in bf16 (the float32
 
 Both are the cast's bits: the float32 dx rounded once. add_layer_norm_grad (the residual
 stream's: its dx is also the next block's ds, read in float32), rms_norm_grad and
-add_rms_norm_grad alike.
+add_rms_norm_grad alike. Where the half copy's only reader is a dropout's gradient (the
+residual branch's dropout, x + dropout(proj(h)): GPT's resid_dropout), the norm gradient
+applies the keep mask to the copy as it stores it, and the dropout_grad's pass goes too.
 
 The forward's twin: a LayerNorm that reads a bf16 GEMM or convolution output (ConvNeXt's
 depthwise convolution, a patch embedding) reads it through autocast's cast to float32, and its
@@ -124,9 +126,27 @@ def fuse_norm_grad_casts(graph: Graph) -> Graph:
             n.outputs = [cast.outputs[0], *n.outputs[1:]]
         else:
             n.attrs["dx_half"] = cast.attrs["dtype"]
-            n.outputs = [*n.outputs, cast.outputs[0]]
+            n.outputs = [*n.outputs, _dropped_half(n, cast.outputs[0], users, outputs, drop)]
         drop.add(cast)
     return _rebuild(graph, [n for n in graph.nodes if n not in drop], {})
+
+
+def _dropped_half(n: Node, half: Value, users, outputs, drop: set) -> Value:
+    """The value norm gradient n stores as its dx_half copy: the half dx itself, or, where an
+    elementwise dropout_grad is its only reader (the residual branch's x + dropout(h) under
+    precision="bf16": ops/layer_norm.py add_layer_norm's VJP), that dropout_grad's output,
+    which n then computes as it stores the copy (attrs dx_half_dropout, its keep mask n's
+    last input; the dropout_grad goes into `drop`). The same bits: the copy rounded once,
+    then times mask and scale rounded once, as the dropout_grad kernel did."""
+    readers = users.get(half, [])
+    grad = readers[0] if len(readers) == 1 else None
+    if grad is None or grad.op != "dropout_grad" or grad.attrs.get("per_channel") or \
+            grad.inputs[0] is not half or half in outputs:
+        return half
+    n.attrs["dx_half_dropout"] = grad.attrs["p"]
+    n.inputs = [*n.inputs, grad.inputs[1]]
+    drop.add(grad)
+    return grad.outputs[0]
 
 
 def fuse_norm_input_casts(graph: Graph) -> Graph:

@@ -105,23 +105,45 @@ def _widening_cast(v: Value, add: Node, producers, users) -> Node | None:
     return p
 
 
+def _dropout_of(v: Value, reader: Node, producers, users) -> Node | None:
+    """The elementwise dropout that wrote `v`, when only `reader` reads v and nothing its
+    keep mask (the forward graph: the backward's dropout_grad comes later, of the fused op's
+    VJP)."""
+    p = producers.get(v)
+    if p is None or p.op != "dropout" or p.attrs.get("per_channel") or \
+            users.get(v) != [reader] or users.get(p.outputs[1]):
+        return None
+    return p
+
+
+def _branch(add: Node, producers, users) -> tuple[Value, Value, Node | None, Node | None]:
+    """(a, b, cast, dropout): the add's operands with b the residual branch's value that
+    add_<norm> reads, and the nodes it folds in on b's way: the widening cast (a half b,
+    _widening_cast) and the dropout before it (x + dropout(proj(h)): nanoGPT's resid_dropout),
+    None where there is none. a + b == b + a bit for bit, so either operand may be b."""
+    for a, b in (add.inputs, add.inputs[::-1]):
+        cast = _widening_cast(b, add, producers, users)
+        v = cast.inputs[0] if cast is not None else b
+        dropout = _dropout_of(v, cast or add, producers, users)
+        if cast is not None or dropout is not None:
+            return a, dropout.inputs[0] if dropout is not None else v, cast, dropout
+    return add.inputs[0], add.inputs[1], None, None
+
+
 def _pointwise_operand(add: Node, producers, users) -> bool:
-    """Whether an operand of `add` comes from an elementwise node that only the add reads, as
-    wide as the sum (float32 residual dropout: x + dropout(proj(h))). compile/pointwise.py
-    then makes one kernel of the two, and fusing the add into the LayerNorm instead would
-    leave the elementwise node its own pass: it would write, and add_layer_norm read back, a
-    value as large as the s the LayerNorm reads back now, for the backward's saving below.
-        A half operand widened by a cast (precision="bf16": the bf16 dropout of the branch's
-    bf16 output, then the cast) is fused all the same. Forward, the dropout's own pass writes
-    a bf16 value that add_layer_norm reads where the LayerNorm read the float32 s back: the
-    same bytes. Backward, the residual gradient's sum dx + ds rides add_layer_norm_grad, and
-    the dropout's gradient pass reads that sum alone, where the pointwise kernel read dx and
-    ds and wrote their sum: one float32 pass over the residual stream fewer a site."""
+    """Whether an operand of `add` comes from an elementwise node other than a dropout (which
+    add_<norm> folds in, _branch) that only the add reads, as wide as the sum.
+    compile/pointwise.py then makes one kernel of the two, and fusing the add into the
+    LayerNorm instead would leave the elementwise node its own pass: it would write, and
+    add_layer_norm read back, a value as large as the s the LayerNorm reads back now. A half
+    operand behind a widening cast is fused all the same (add_layer_norm reads the half value
+    the elementwise node writes, where the LayerNorm read the float32 s back)."""
     for v in add.inputs:
         if _widening_cast(v, add, producers, users) is not None:
             continue
         p = producers.get(v)
         if p is not None and users.get(v) == [add] and _eligible(p) and \
+                _dropout_of(v, add, producers, users) is None and \
                 not _linear_activation(p, producers):
             return True
     return False
@@ -163,15 +185,15 @@ def rewrite_add_layer_norm(graph: Graph) -> Graph:
         if any(v in producers and position[producers[v]] > position[add]
                for v in ln.inputs[1:]):
             continue
-        a, b = add.inputs
-        widen = _widening_cast(b, add, producers, users) or \
-            _widening_cast(a, add, producers, users)
-        if widen is not None:         # the half operand is b (a + b == b + a, bit for bit)
-            a = b if widen.outputs[0] is a else a
-            b = widen.inputs[0]
-            drop.add(widen)
+        a, b, cast, dropout = _branch(add, producers, users)
         ins, outs, op = [a, b, *ln.inputs[1:]], [*ln.outputs, s], f"add_{ln.op}"
         attrs = dict(ln.attrs)
+        if dropout is not None:
+            ins.append(dropout.inputs[1])
+            outs.append(dropout.outputs[1])
+            attrs.update(dropout=dropout.attrs["p"], seed=dropout.attrs["seed"],
+                         site=dropout.attrs["site"])
+        drop.update(n for n in (cast, dropout) if n is not None)
         specs = infer_outputs(op, ins, attrs)
         if specs != [(v.shape, v.dtype) for v in outs]:
             raise AssertionError(f"{op} rewrite: the op gives {specs}, the graph "

@@ -47,16 +47,23 @@ def _broadcast_mask(mask: np.ndarray, like: np.ndarray) -> np.ndarray:
     return mask.reshape(mask.shape + (1,) * (like.ndim - mask.ndim))
 
 
+def dropped(x: np.ndarray, mask: np.ndarray, p: float) -> np.ndarray:
+    """x * mask * float32(1 / (1 - p)) in x's dtype, mask broadcast over planes: the dropout
+    op's and its gradient's arithmetic, which the norms that fold a dropout in
+    (ops/layer_norm.py) share."""
+    return x * _broadcast_mask(mask, x) * x.dtype.type(1.0 / (1.0 - p))
+
+
 @impl("dropout")
 def dropout(node: Node, ins, outs, ctx):
     x, step = ins
     a = node.attrs
     y, mask = outs
     mask[...] = keep_mask(mask.shape, a["p"], a, step)
-    y[...] = x * _broadcast_mask(mask, x) * x.dtype.type(1.0 / (1.0 - a["p"]))
+    y[...] = dropped(x, mask, a["p"])
 
 
 @impl("dropout_grad")
 def dropout_grad(node: Node, ins, outs, ctx):
     dy, mask = ins
-    outs[0][...] = dy * _broadcast_mask(mask, dy) * dy.dtype.type(1.0 / (1.0 - node.attrs["p"]))
+    outs[0][...] = dropped(dy, mask, node.attrs["p"])

@@ -15,6 +15,7 @@ import numpy as np
 from ..backends.numpy.bf16 import round_to
 from ..ir.graph import HALF_DTYPES
 from ..ir.ops import _need, defop, impl, vjp
+from .dropout import dropped, keep_mask
 
 
 def _rows(shape) -> int:
@@ -56,6 +57,7 @@ def _layer_norm_grad(ins, attrs):
     dweight = sum over rows of dy * xhat when attrs weight, dbias = sum over rows of dy when
     attrs bias, then dx rounded to attrs dx_half when given (_dx_half). dx itself may be
     stored in bfloat16 / float16 for a float32 x (compile/norm_casts.py)."""
+    ins = _without_half_mask("layer_norm_grad", ins, attrs)
     dy, x = ins[0], ins[1]
     weight, bias = bool(attrs.get("weight")), bool(attrs.get("bias"))
     _need(len(ins) == 4 + weight, "layer_norm_grad",
@@ -68,7 +70,9 @@ def _layer_norm_grad(ins, attrs):
 def _dx_half(x, attrs) -> list:
     """The normalisation gradients' optional last output: dx rounded to attrs dx_half
     (bfloat16 or float16) as well as stored in x's float32, for the half GEMM that reads it
-    beside a float32 reader (compile/norm_casts.py: the cast it replaces)."""
+    beside a float32 reader (compile/norm_casts.py: the cast it replaces); with attrs
+    dx_half_dropout = p, that copy then goes through the gradient of a dropout of keep mask
+    ins[-1] (compile/norm_casts.py fuse_norm_grad_dropout: the dropout_grad that read it)."""
     half = attrs.get("dx_half")
     if half is None:
         return []
@@ -77,11 +81,28 @@ def _dx_half(x, attrs) -> list:
     return [(x.shape, half)]
 
 
-def _store_dx(node, outs, dx: np.ndarray) -> None:
+def _without_half_mask(op: str, ins, attrs) -> list:
+    """A normalisation gradient's inputs without the keep mask of attrs dx_half_dropout (its
+    last input, a uint8 of dy's shape), after checking it."""
+    if attrs.get("dx_half_dropout") is None:
+        return list(ins)
+    mask = ins[-1]
+    _need(bool(attrs.get("dx_half")) and mask.dtype == "uint8" and mask.shape == ins[0].shape,
+          op, f"dx_half_dropout needs a dx_half copy and a uint8 mask of dy's shape "
+          f"{ins[0].shape}, got {mask!r}")
+    return list(ins[:-1])
+
+
+def _store_dx(node, outs, dx: np.ndarray, ins) -> None:
     """dx into outs[0], and into the dx_half copy (outs[-1]) when the node has one: rounded
-    from the float32 dx, as the cast it replaces rounded it."""
+    from the float32 dx, as the cast it replaces rounded it, then dropped by the keep mask
+    (ins[-1]) where attrs dx_half_dropout folds a dropout's gradient in."""
     outs[0][...] = dx
-    if node.attrs.get("dx_half"):
+    a = node.attrs
+    if a.get("dx_half_dropout") is not None:
+        half = round_to(outs[0], a["dx_half"])
+        outs[-1][...] = dropped(half, ins[-1], a["dx_half_dropout"])
+    elif a.get("dx_half"):
         outs[-1][...] = outs[0]
 
 
@@ -112,7 +133,8 @@ def _layer_norm_impl(node, ins, outs, ctx):
 
 @impl("layer_norm_grad")
 def _layer_norm_grad_impl(node, ins, outs, ctx):
-    _store_dx(node, outs, _layer_norm_grads(node, ins, outs))
+    grads = _without_half_mask(node.op, ins, node.attrs)
+    _store_dx(node, outs, _layer_norm_grads(node, grads, outs), ins)
 
 
 def _layer_norm_grads(node, ins, outs) -> np.ndarray:
@@ -153,9 +175,14 @@ def _add_layer_norm(ins, attrs):
     (precision="bf16": the cast to float32 that autocast put between the residual branch's
     bf16 output and the float32 residual add, folded in by the rewrite); attrs eps, weight,
     bias as layer_norm's. Outputs y, mean, rstd as layer_norm's of s, then s (a.shape,
-    a.dtype): the residual stream that the next add and the backward read."""
+    a.dtype): the residual stream that the next add and the backward read.
+        With attrs dropout = p (and seed, site: compile/norm_rewrite.py folds in the dropout
+    that only the add read, x + dropout(h)), b is first dropped as that dropout op dropped it
+    (the same keep mask and rounding, stored in b's dtype); the step counter (int64 scalar)
+    is then the last input and the uint8 keep mask of b's shape the last output."""
+    ins, mask = _dropout_operands("add_layer_norm", ins, attrs)
     _check_residual("add_layer_norm", ins[0], ins[1])
-    return _layer_norm([ins[0], *ins[2:]], attrs) + [(ins[0].shape, ins[0].dtype)]
+    return _layer_norm([ins[0], *ins[2:]], attrs) + [(ins[0].shape, ins[0].dtype)] + mask
 
 
 def _check_residual(op: str, a, b) -> None:
@@ -164,6 +191,26 @@ def _check_residual(op: str, a, b) -> None:
     _need(a.shape == b.shape and (a.dtype == b.dtype or widened), op,
           f"a {a.shape} {a.dtype} and b {b.shape} {b.dtype} must match (or a float32 and b "
           f"bfloat16 / float16)")
+
+
+def _dropout_operands(op: str, ins, attrs) -> tuple[list, list]:
+    """An add_<norm>'s inputs without the step counter of attrs dropout, and the keep mask's
+    output spec ([] without dropout)."""
+    p = attrs.get("dropout")
+    if p is None:
+        return list(ins), []
+    _need(0.0 < float(p) < 1.0 and "seed" in attrs and "site" in attrs, op,
+          f"dropout needs 0 < p < 1, a seed and a site, got {attrs}")
+    step = ins[-1]
+    _need(step.dtype == "int64" and step.shape == (), op,
+          f"the last input must be the int64 step counter, got {step!r}")
+    return list(ins[:-1]), [(ins[1].shape, "uint8")]
+
+
+def residual_sum(node):
+    """The residual stream s an add_<norm> writes: its last output, or the one before the
+    keep mask of attrs dropout."""
+    return node.outputs[-2 if node.attrs.get("dropout") is not None else -1]
 
 
 @defop("add_layer_norm_grad")
@@ -177,35 +224,45 @@ def _add_layer_norm_grad(ins, attrs):
 
 
 def _residual_grad(op: str, ins, attrs, norm_grad, least: int) -> list:
-    """The outputs of an add_<norm>_grad: its norm's gradient (norm_grad) of ins without the
-    last, ds, which must have s's shape; at least `least` inputs."""
-    _need(len(ins) >= least, op, f"at least {least} inputs, got {len(ins)}")
-    ds, x = ins[-1], ins[1]
+    """The outputs of an add_<norm>_grad: its norm's gradient (norm_grad) of ins without ds,
+    which must have s's shape (the last input, or the one before dx_half_dropout's mask); at
+    least `least` inputs besides that mask."""
+    grads = _without_half_mask(op, ins, attrs)
+    _need(len(grads) >= least, op, f"at least {least} inputs, got {len(grads)}")
+    ds, x = grads[-1], grads[1]
     _need(ds.shape == x.shape, op, f"ds {ds.shape} vs s {x.shape}")
-    return norm_grad(ins[:-1], attrs)
+    return norm_grad(grads[:-1] + list(ins[len(grads):]), attrs)
 
 
 def _residual_vjp(emit, node, dy, wants, norm: str, attrs: dict) -> list:
-    """The VJP of add_<norm> (outputs y, its statistics, s): dy of y and ds of s make one
-    add_<norm>_grad (<norm>_grad without ds, ds itself without dy); a's and b's gradient is
-    the same value, cast to b's dtype where b is a widened half (what the folded cast's VJP
-    did). attrs: the gradient op's (weight, [bias])."""
-    y_grad, ds = dy[0], dy[-1]
-    b, s, stats = node.inputs[1], node.outputs[-1], node.outputs[1:-1]
+    """The VJP of add_<norm> (outputs y, its statistics, s[, mask]): dy of y and ds of s make
+    one add_<norm>_grad (<norm>_grad without ds, ds itself without dy); a's and b's gradient
+    is the same value, cast to b's dtype where b is a widened half (what the folded cast's
+    VJP did), then through dropout_grad where attrs dropout dropped b (the folded dropout's
+    VJP). attrs: the gradient op's (weight, [bias])."""
+    p = node.attrs.get("dropout")
+    at = -2 if p is not None else -1        # s's output
+    y_grad, ds = dy[0], dy[at]
+    b, s, stats = node.inputs[1], node.outputs[at], node.outputs[1:at]
+    step = [] if p is None else [None]
 
     def of_b(g):
-        if g.dtype == b.dtype or not wants(1):
-            return g if wants(1) else None
-        return emit("cast", [g], dtype=b.dtype)[0]
+        if not wants(1):
+            return None
+        if g.dtype != b.dtype:
+            g = emit("cast", [g], dtype=b.dtype)[0]
+        if p is not None:
+            g = emit("dropout_grad", [g, node.outputs[-1]], p=p, per_channel=False)[0]
+        return g
     params = sum(map(bool, attrs.values()))
     if y_grad is None:
-        return [ds, of_b(ds)] + [None] * params
+        return [ds, of_b(ds)] + [None] * params + step
     ins = [y_grad, s] + ([node.inputs[2]] if attrs["weight"] else []) + list(stats)
     if ds is None:
         grads = emit(f"{norm}_grad", ins, **attrs)
     else:
         grads = emit(f"add_{norm}_grad", ins + [ds], **attrs)
-    return [grads[0], of_b(grads[0]), *grads[1:]]
+    return [grads[0], of_b(grads[0]), *grads[1:]] + step
 
 
 @vjp("add_layer_norm")
@@ -222,13 +279,28 @@ def _add_layer_norm_impl(node, ins, outs, ctx):
 
 @impl("add_layer_norm_grad")
 def _add_layer_norm_grad_impl(node, ins, outs, ctx):
-    _store_dx(node, outs, _layer_norm_grads(node, ins[:-1], outs) + ins[-1].astype(np.float64))
+    _residual_grad_impl(node, ins, outs, _layer_norm_grads)
+
+
+def _residual_grad_impl(node, ins, outs, norm_grads) -> None:
+    """An add_<norm>_grad's reference: its norm's dx (norm_grads) plus ds in float64, stored
+    once."""
+    grads = _without_half_mask(node.op, ins, node.attrs)
+    _store_dx(node, outs, norm_grads(node, grads[:-1], outs) + grads[-1].astype(np.float64),
+              ins)
 
 
 def _residual_impl(node, ins, outs, ctx, norm_impl) -> None:
-    """An add_<norm>'s reference: s = a + b as the add stored it (its last output), then the
-    norm's reference (norm_impl) of s into the outputs before it."""
-    s = _stored(ins[0].astype(np.float64) + ins[1].astype(np.float64), node.outputs[-1].dtype)
+    """An add_<norm>'s reference: b dropped as the folded dropout dropped it (attrs dropout;
+    its keep mask into the last output), s = a + b as the add stored it, then the norm's
+    reference (norm_impl) of s into the outputs before s."""
+    p = node.attrs.get("dropout")
+    b = ins[1].astype(np.float64)
+    if p is not None:
+        ins, step, mask, outs = ins[:-1], ins[-1], outs[-1], outs[:-1]
+        mask[...] = keep_mask(mask.shape, p, node.attrs, step)
+        b = _stored(dropped(ins[1], mask, p).astype(np.float64), node.inputs[1].dtype)
+    s = _stored(ins[0].astype(np.float64) + b, residual_sum(node).dtype)
     outs[-1][...] = s
     norm_impl(node, [s, *ins[2:]], outs[:-1], ctx)
 
@@ -258,6 +330,7 @@ def _rms_norm_grad(ins, attrs):
     g = dy * weight (dy without weight); per row dx = rstd * (g - xhat * mean(g * xhat)).
     Outputs dx (x.shape, x.dtype), then dweight = sum over rows of dy * xhat when attrs
     weight, then the dx_half copy as layer_norm_grad's."""
+    ins = _without_half_mask("rms_norm_grad", ins, attrs)
     dy, x = ins[0], ins[1]
     weight = bool(attrs.get("weight"))
     _need(len(ins) == 3 + weight, "rms_norm_grad",
@@ -290,7 +363,8 @@ def _rms_norm_impl(node, ins, outs, ctx):
 
 @impl("rms_norm_grad")
 def _rms_norm_grad_impl(node, ins, outs, ctx):
-    _store_dx(node, outs, _rms_norm_grads(node, ins, outs))
+    grads = _without_half_mask(node.op, ins, node.attrs)
+    _store_dx(node, outs, _rms_norm_grads(node, grads, outs), ins)
 
 
 def _rms_norm_grads(node, ins, outs) -> np.ndarray:
@@ -313,9 +387,10 @@ def _add_rms_norm(ins, attrs):
     """s = a + b and y = rms_norm(s) in one op, as add_layer_norm is for a LayerNorm (the
     residual add of a pre-norm block whose sum an RMSNorm reads: LLaMA-style models). ins (a,
     b, [weight]), a and b as add_layer_norm's; attrs eps, weight as rms_norm's. Outputs y,
-    rstd as rms_norm's of s, then s (a.shape, a.dtype)."""
+    rstd as rms_norm's of s, then s (a.shape, a.dtype); attrs dropout as add_layer_norm's."""
+    ins, mask = _dropout_operands("add_rms_norm", ins, attrs)
     _check_residual("add_rms_norm", ins[0], ins[1])
-    return _rms_norm([ins[0], *ins[2:]], attrs) + [(ins[0].shape, ins[0].dtype)]
+    return _rms_norm([ins[0], *ins[2:]], attrs) + [(ins[0].shape, ins[0].dtype)] + mask
 
 
 @defop("add_rms_norm_grad")
@@ -339,4 +414,4 @@ def _add_rms_norm_impl(node, ins, outs, ctx):
 
 @impl("add_rms_norm_grad")
 def _add_rms_norm_grad_impl(node, ins, outs, ctx):
-    _store_dx(node, outs, _rms_norm_grads(node, ins[:-1], outs) + ins[-1].astype(np.float64))
+    _residual_grad_impl(node, ins, outs, _rms_norm_grads)

@@ -43,7 +43,7 @@ def _wide(a: np.ndarray) -> np.ndarray:
 
 # What outputs hold before a run (NaN of each storage), so an unwritten element shows.
 POISON = {"float32": np.float32(np.nan), "float16": np.float16(np.nan),
-          "bfloat16": np.uint16(0x7FC1)}
+          "bfloat16": np.uint16(0x7FC1), "uint8": np.uint8(7)}
 
 
 def _poisoned(node) -> list[np.ndarray]:
@@ -259,6 +259,57 @@ def test_add_rms_norm_matches_numpy_and_is_rms_norm_of_its_sum(ctx, c, x_dtype, 
     np.testing.assert_array_equal(got[0], unfused[0] + ds)
 
 
+DROP_P = 0.2
+
+
+@pytest.mark.parametrize("c", WIDTHS)
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("b_dtype", ["float32", "bfloat16"])
+def test_add_norms_drop_b_as_the_dropout_op_does(ctx, c, norm, b_dtype):
+    """attrs dropout (compile/norm_rewrite.py: x + dropout(h) read by a norm): the keep mask is
+    the numpy backend's (the dropout op's Philox) bit for bit, s is a + the dropped b rounded
+    as the dropout and the add stored them, bit for bit; y and the statistics as numpy's. The
+    gradient's dx_half copy through the folded dropout_grad: the kernel's own float32 dx
+    rounded to bf16, then times mask and scale rounded again, bit for bit, and as numpy's."""
+    rng = seeded(f"dropped add_{norm} {c} {b_dtype}")
+    a, w, bias, ds = (_rand(rng, shape, "float32") for shape in
+                      ((ROWS, c), (c,), (c,), (ROWS, c)))
+    b32 = _rand(rng, (ROWS, c), "float32")
+    b = bf16.to_bits(b32) if b_dtype == "bfloat16" else b32
+    step = np.array(11, np.int64)
+    params = [w, bias] if norm == "layer_norm" else [w]
+    affine = {"weight": True, "bias": True} if norm == "layer_norm" else {"weight": True}
+    node = make_node(f"add_{norm}", [a, b32, *params, step], eps=1e-5, dropout=DROP_P,
+                     seed=2**33 + 9, site=5, **affine)
+    node.inputs[1] = _retyped(node.inputs[1], b_dtype)
+    node.outputs[0] = _retyped(node.outputs[0], "bfloat16")
+    ins = [a, b, *params, step]
+    want = reference(node, ins)
+    got = run_cuda(ctx, node, ins, layer_norm.IMPLS)
+    mask, s = got[-1], got[-2]
+    np.testing.assert_array_equal(mask, want[-1])
+    assert 0.7 < mask.mean() < 0.9
+    scale = np.float32(1 / (1 - DROP_P))
+    dropped = _wide(b) * mask * scale
+    if b_dtype == "bfloat16":
+        dropped = bf16.round_bf16(dropped)
+    np.testing.assert_array_equal(s, a + dropped)
+    _compare(got[:-1], want[:-1], BOUNDS["bfloat16"], f"add_{norm}")
+
+    dy = bf16.to_bits(_rand(rng, (ROWS, c), "float32"))
+    stats = got[1:-2]
+    grad_ins = [dy, s, w, *stats, ds, mask]
+    grad = make_node(f"add_{norm}_grad", [_wide(dy), s, w, *stats, ds, mask], dx_half="bfloat16",
+                     dx_half_dropout=DROP_P, **affine)
+    grad.inputs[0] = _retyped(grad.inputs[0], "bfloat16")
+    want = reference(grad, grad_ins)
+    got = run_cuda(ctx, grad, grad_ins, layer_norm.IMPLS)
+    _compare(got[:-1], want[:-1], 5 * BOUNDS["float32"], f"add_{norm}_grad")
+    _compare(got[-1:], want[-1:], BOUNDS["bfloat16"], f"add_{norm}_grad dx_half")
+    np.testing.assert_array_equal(
+        got[-1], bf16.to_bits(bf16.round_bf16(got[0]) * mask * scale))
+
+
 def test_norm_kernels_handle_zero_rows(ctx):
     """No rows: nothing launched but dweight / dbias written as zeros."""
     x = np.zeros((0, 8), np.float32)
@@ -295,3 +346,32 @@ def test_pre_norm_steps_on_cuda_match_the_cpu(rms, graph):
     np.testing.assert_allclose(losses["cuda"], losses["cpu"], rtol=1e-4, atol=1e-5)
     for k, v in states["cpu"].items():
         np.testing.assert_allclose(states["cuda"][k], v, rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gpt_with_residual_dropout_on_cuda_matches_the_cpu(precision):
+    """A two-block nanoGPT with residual dropout 0.2 (the dropouts folded into add_layer_norm,
+    their gradients into the norm gradients' bf16 dx copies under bf16), four steps replayed as
+    a CUDA graph against the same steps on the CPU: the same Philox masks on both, so the
+    losses agree to the precision's rounding."""
+    from stepgraph.models import GPT, next_token_loss
+    from tests.unit.test_norm_rewrite_bf16 import GPT_SIZE
+
+    rng = seeded(f"gpt dropout cuda {precision}")
+    data = [(rng.integers(0, 11, (4, 8)).astype(np.int32),
+             rng.integers(0, 11, (4, 8)).astype(np.int32)) for _ in range(4)]
+    start = GPT(GPT_SIZE).state_dict()
+    losses = {}
+    for device in ("cpu", "cuda"):
+        model = GPT(GPT_SIZE)
+        model.load_state_dict(start)
+        step = sg.compile_train_step(model, next_token_loss, optim.SGD(lr=0.05),
+                                     example_inputs=data[0], device=device, precision=precision,
+                                     graph=True if device == "cuda" else None)
+        counts = op_counts(step)
+        assert counts.get("add_layer_norm") == 4
+        if precision == "bf16":
+            assert "dropout_grad" not in counts
+        losses[device] = [float(step(*b)) for b in data]
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    np.testing.assert_allclose(losses["cuda"], losses["cpu"], rtol=tol, atol=tol)

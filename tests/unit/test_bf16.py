@@ -305,10 +305,13 @@ def test_every_value_of_a_train_step_has_its_autocast_dtype(name):
                     n.inputs[0].dtype == n.outputs[1].dtype, n
             elif n.op in ("layer_norm", "layer_norm_grad") and fused:
                 # fuse_layer_norm_casts: y (forward) or dy (backward) may be bf16;
-                # fuse_norm_grad_casts: dx too, or its dx_half copy beside a float32 dx
+                # fuse_norm_grad_casts: dx too, or its dx_half copy beside a float32 dx (and
+                # the uint8 keep mask of a dropout's gradient it applies to the copy)
                 loose = [n.outputs[0]] if n.op == "layer_norm" else [n.inputs[0], n.outputs[0]]
                 if n.attrs.get("dx_half"):
                     loose.append(n.outputs[-1])
+                if n.attrs.get("dx_half_dropout"):
+                    loose.append(n.inputs[-1])
                 assert {v.dtype for v in [*n.inputs, *n.outputs] if v not in loose} == {F32}, n
             elif n.op in ("layer_norm", "layer_norm_grad", "softmax", "softmax_grad",
                           "log_softmax", "log_softmax_grad", "cross_entropy",

@@ -194,7 +194,7 @@ def _near_miss_net(kind: str):
                 h = self.fc(x)
                 if kind == "broadcast":          # (rows, C) + (C,): not a residual sum
                     s = h + self.row
-                elif kind == "dropout":          # the pointwise pass fuses dropout + add
+                elif kind == "dropout":          # folded into add_layer_norm
                     s = x + self.drop(h)
                 else:                            # the sum is normalised by a later LayerNorm
                     s = self.ln(h) + x
@@ -203,11 +203,40 @@ def _near_miss_net(kind: str):
     return make
 
 
-@pytest.mark.parametrize("kind", ["broadcast", "dropout", "after"])
+@pytest.mark.parametrize("kind", ["broadcast", "after"])
 def test_adds_the_pass_leaves_alone(kind, request):
     data = batches(request.node.name, 1)
     counts = op_counts(compiled(models(_near_miss_net(kind))[1](), data))
     assert "add_layer_norm" not in counts and "add_layer_norm_grad" not in counts
+
+
+def _dropout_run(data, monkeypatch, on: bool):
+    monkeypatch.setenv(ADD_LAYER_NORM_SWITCH, "1" if on else "0")
+    model = models(_near_miss_net("dropout"))[1]()
+    step = compiled(model, data)
+    losses = [float(step(*b)) for b in data]
+    graph = step.plan(step.signature).graph      # the plan of this switch's setting
+    return graph, losses, {k: np.asarray(v) for k, v in model.state_dict().items()}
+
+
+def test_residual_dropout_folds_into_add_layer_norm(request, monkeypatch):
+    """x + dropout(h) read by a LayerNorm: add_layer_norm drops h itself (the dropout op's
+    Philox mask and rounding, its step counter the last input and its mask the last output),
+    and its VJP applies the mask to b's gradient. The forward is the unfused step's bit for
+    bit (the first loss, the same masks); the backward rounds dx + ds once where the unfused
+    step rounded dx first: every loss and parameter within float32 rounding of it."""
+    data = batches(request.node.name)
+    graph, losses, state = _dropout_run(data, monkeypatch, True)
+    _, plain_losses, plain_state = _dropout_run(data, monkeypatch, False)
+    (fused,) = [n for n in graph.nodes if n.op == "add_layer_norm"]
+    assert fused.attrs["dropout"] == 0.25 and fused.inputs[-1].dtype == "int64"
+    assert fused.outputs[-1].dtype == "uint8" and fused.outputs[-2].dtype == "float32"
+    assert not [n for n in graph.nodes if n.op == "dropout"]
+    assert graph.producers()[fused.inputs[1]].op in ("linear", "reshape")
+    assert losses[0] == plain_losses[0]
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
+    for k in state:
+        np.testing.assert_allclose(state[k], plain_state[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 def _ln_case(gen, weight: bool, bias: bool):

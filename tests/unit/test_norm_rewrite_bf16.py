@@ -140,13 +140,13 @@ def _counts(graph) -> dict[str, int]:
     return {op: sum(n.op == op for n in graph.nodes) for op in {n.op for n in graph.nodes}}
 
 
-def test_bf16_residual_dropout_becomes_add_layer_norm_after_the_dropout(request, monkeypatch):
+def test_bf16_residual_dropout_folds_into_add_layer_norm(request, monkeypatch):
     """x + dropout(proj(h)) under bf16 (the bf16 dropout, its widening cast, the float32 add):
-    add_layer_norm reads the dropout's bf16 output, and the residual gradient's sum rides
-    add_layer_norm_grad. The forward is the unfused step's bit for bit (the same Philox masks:
-    the first loss); over the run, losses and every parameter's change are within 4x the
-    unfused bf16 step's own distance from the float32 step (the same masks, no rewrite: its
-    dropout is as wide as the sum)."""
+    add_layer_norm reads the GEMM's bf16 output and drops it itself, the residual gradient's
+    sum rides add_layer_norm_grad, and the dropout's gradient rides the norm gradient's bf16
+    dx copy (dx_half_dropout). The forward is the unfused step's bit for bit (the same Philox
+    masks: the first loss); over the run, losses and every parameter's change are within 4x
+    the unfused bf16 step's own distance from the float32 step (the same masks)."""
     gen = np.random.default_rng(abs(hash(request.node.name)) % 2**32)
     data = [(gen.integers(0, 11, (4, 8)).astype(np.int32),
              gen.integers(0, 11, (4, 8)).astype(np.int32)) for _ in range(STEPS)]
@@ -161,9 +161,14 @@ def test_bf16_residual_dropout_becomes_add_layer_norm_after_the_dropout(request,
     assert counts.get("add_layer_norm") == 4 and counts.get("add_layer_norm_grad") == 3
     producers = graph.producers()
     for n in (n for n in graph.nodes if n.op == "add_layer_norm"):
-        assert n.inputs[1].dtype == "bfloat16" and producers[n.inputs[1]].op == "dropout"
+        assert n.inputs[1].dtype == "bfloat16" and n.attrs["dropout"] == 0.2
+        assert producers[n.inputs[1]].op in ("linear", "reshape")
+    # each of the 4 dropped branches' gradients: the bf16 dx copy of the norm gradient of the
+    # sum it was added to (3 add_layer_norm_grad, ln_f's layer_norm_grad)
+    assert "dropout_grad" not in counts
+    assert sum(n.attrs.get("dx_half_dropout") == 0.2 for n in graph.nodes) == 4
     assert "add_layer_norm" not in _counts(plain_graph)
-    assert "add_layer_norm" not in _counts(ref_graph)     # float32 dropout: left alone
+    assert _counts(ref_graph).get("add_layer_norm") == 4     # float32: folded alike
     assert fused_losses[0] == plain_losses[0]
     assert_close_to_reference(fused_losses, ref_losses, plain_losses, "losses")
     assert_state_changes_close(initial, fused, ref, plain)

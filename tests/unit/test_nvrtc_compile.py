@@ -895,6 +895,48 @@ def test_add_rms_norm_launch_arguments_match_the_kernels(monkeypatch, c, b, y, h
     _assert_launches_match(launched)
 
 
+@pytest.mark.parametrize("c", [33, 384, 8196])
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+def test_norms_with_a_folded_dropout_launch_arguments_match_the_kernels(monkeypatch, c, norm):
+    """The dropouts folded into the norms: an add_* forward's dropout of a bf16 b (the step
+    counter, its keep mask, seed, site, threshold and scale after eps), and each backward's
+    dropout of its half dx copy (the mask and scale last)."""
+    import numpy as np
+
+    from stepgraph.backends.cuda import layer_norm
+
+    launched = _record_launches(monkeypatch, layer_norm)
+    monkeypatch.setattr(layer_norm, "resident_blocks", lambda name, threads: 528)
+    a, w, stats = Fake((3, 7, c)), Fake((c,)), [Fake((21,)), Fake((21,))]
+    b, mask = Fake(a.shape, "uint16"), Fake(a.shape, "uint8")
+    drop = layer_norm.BranchDropout(Fake((), "int64"), mask, 0.2, 2**40 + 5, 7)
+    half = (Fake(a.shape, "uint8"), 0.2)
+    if norm == "rms_norm":
+        layer_norm.rms_norm_forward(None, a, w, Fake(a.shape, "uint16"), stats[1], 1e-6, b=b,
+                                    s=Fake(a.shape), dropout=drop)
+        for ds in (None, Fake(a.shape)):
+            layer_norm.rms_norm_backward(None, object(), Fake(a.shape, "uint16"), a, w,
+                                         stats[1], Fake(a.shape), Fake((c,)),
+                                         Fake(a.shape, "uint16"), ds=ds, half_dropout=half)
+    else:
+        layer_norm.add_layer_norm_forward(None, a, b, w, Fake((c,)), Fake(a.shape, "uint16"),
+                                          Fake(a.shape), *stats, 1e-5, drop)
+        for ds in (None, Fake(a.shape)):
+            layer_norm.layer_norm_backward(None, object(), Fake(a.shape, "uint16"), a, w,
+                                           *stats, Fake(a.shape), Fake((c,)), Fake((c,)), ds=ds,
+                                           dx_half=Fake(a.shape, "uint16"), half_dropout=half)
+    kernels = [(name, args) for _, name, _, _, args in launched if "finalize" not in name]
+    assert [name.split("_kernel")[0].rsplit("_loop")[0] for name, _ in kernels] == \
+        [f"add_{norm}_forward", f"{norm}_backward", f"add_{norm}_backward"]
+    forward = kernels[0][1]
+    assert forward[-6] is drop.step and forward[-5] is mask and int(forward[-4]) == 2**40 + 5
+    assert int(forward[-3]) == 7 and float(forward[-1]) == np.float32(1 / 0.8)
+    for _, args in kernels[1:]:
+        assert args[-2] is half[0] and float(args[-1]) == np.float32(1 / 0.8)
+    assert {name for _, name, *_ in launched} <= layer_norm.kernel_names()["layer_norm.cu"]
+    _assert_launches_match(launched)
+
+
 def test_a_bf16_x_is_layer_norms_alone(monkeypatch):
     from stepgraph.backends.cuda import layer_norm
     from stepgraph.errors import ShapeError

@@ -87,7 +87,7 @@ def fill_forward(ctx, y, value) -> None:
                 _grid(y.size), (BLOCK,), (y, np.int64(y.size), scalar))
 
 
-def _dropout_constants(p: float) -> tuple[np.uint32, np.float32]:
+def dropout_constants(p: float) -> tuple[np.uint32, np.float32]:
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
     # As the numpy reference: integer threshold on 24 bits, scale = float32(1 / (1 - p)).
@@ -104,7 +104,7 @@ def dropout_forward(ctx, x, step, y, mask, p: float, seed: int, site: int,
                     per_channel: bool = False) -> None:
     """y = x * mask / (1 - p) with the Philox mask of (seed, site, step) (rng.py); step is the
     int64 device counter. per_channel: mask (N, C), one decision per plane (Dropout2d)."""
-    threshold, scale = _dropout_constants(p)
+    threshold, scale = dropout_constants(p)
     if not 0 <= site < 2**32:
         raise ValueError(f"dropout site must fit in 32 bits, got {site}")
     ctype = _element_ctype("dropout input", x)
@@ -130,7 +130,7 @@ def dropout_forward(ctx, x, step, y, mask, p: float, seed: int, site: int,
 
 def dropout_backward(ctx, dy, mask, dx, p: float, per_channel: bool = False) -> None:
     """dx = dy * mask / (1 - p), the mask broadcast over each plane when per_channel."""
-    _, scale = _dropout_constants(p)
+    _, scale = dropout_constants(p)
     ctype = _element_ctype("dropout_grad dy", dy)
     _check("dropout_grad mask", mask, "uint8", _mask_shape(dy, per_channel))
     _check("dropout_grad dx", dx, dy.dtype, dy.shape)

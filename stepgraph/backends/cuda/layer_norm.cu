@@ -7,7 +7,10 @@
 // strided over the grid; sums of a row group of several warps combine in a fixed order
 // (reduce.cuh row_sum). Templates <VEC, K>: thread x of a row group owns the column groups
 // x + k * blockDim.x, k < K, of VEC floats (float4 loads when VEC is 4), keeps them in registers
-// between the passes, and holds its columns of weight and bias in registers for every row.
+// between the passes; weight and bias are read (L1) where they are applied, and the backward
+// loads every operand of a row (dy, x, ds, a dropout's keep bytes) before its row sums: the
+// kernels are latency-bound at one warp a row, so registers (occupancy) and loads in flight
+// decide their speed (docs/perf-notes.md, 2026-12-02 evening).
 // Rows wider than K * blockDim.x * VEC columns take the *_loop kernels, which re-read x and dy
 // from global memory (L1/L2) and keep the partial sums in global memory.
 // Determinism: each block visits a fixed set of rows; the backward sums dy * xhat and dy of its
@@ -37,7 +40,13 @@
 // arithmetic. The bodies are RMSNorm's too (CENTER false: no mean taken away, no bias, no
 // dbias): rms_norm and add_rms_norm (the residual add before an RMSNorm) are the same
 // kernels' other instantiations.
+// Dropout folded in (compile/norm_rewrite.py, compile/norm_casts.py): an add_* forward may drop
+// b first as the dropout op did (BranchDropout: the same Philox keep mask at b's flat index,
+// philox.cuh, written to mask, and b * keep * scale rounded to B); a backward may store its
+// half dx copy through a dropout's gradient (HalfDropout: the copy rounded to H, then times
+// keep and scale, rounded again: the dropout_grad kernel's arithmetic on the copy it read).
 #include "launch_order.cuh"
+#include "philox.cuh"
 #include "reduce.cuh"
 
 #define LAYER_NORM_MAX_THREADS 512   // threads of a block (layer_norm.py MAX_THREADS)
@@ -51,21 +60,6 @@
 
 __device__ __forceinline__ float inverse_std(float var, float eps) {
     return __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(var, eps)));
-}
-
-// This thread's columns of a (C,) parameter (zeros where it owns none, or p is null).
-template <int VEC, int K, typename X>
-__device__ __forceinline__ void load_columns(const X* p, int groups, float (&v)[K][VEC]) {
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-        const int g = threadIdx.x + k * blockDim.x;
-        if (p && g < groups) {
-            loadv_as_float<VEC>(p, (long long)g * VEC, v[k]);
-        } else {
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) v[k][j] = 0.f;
-        }
-    }
 }
 
 // The row group's sums of a and of b in one exchange (row_sum twice costs two): every thread
@@ -107,28 +101,95 @@ __device__ __forceinline__ float stored_as(float v) {
     return load_as_float(&t, 0);
 }
 
+// An add_* forward's dropout of b (mask null: none); step is the counter's value.
+struct BranchDropout {
+    unsigned char* mask;
+    long long step;
+    unsigned long long seed;
+    unsigned int site, threshold;
+    float scale;
+};
+
+__device__ __forceinline__ BranchDropout branch_dropout(unsigned char* mask, const long long* step,
+                                                        unsigned long long seed,
+                                                        unsigned int site,
+                                                        unsigned int threshold, float scale) {
+    return BranchDropout{mask, mask ? *step : 0, seed, site, threshold, scale};
+}
+
+// The VEC values v of b at flat index i, dropped: one Philox call per group of four elements
+// (i is a multiple of VEC, so a VEC of 4 is one group).
+template <int VEC, typename B>
+__device__ __forceinline__ void drop_branch(const BranchDropout& d, long long i, float* v) {
+    uint4 w = dropout_words((unsigned long long)(i >> 2), d.site, d.step, d.seed);
+    unsigned char keep[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+        const long long e = i + j;
+        if (j > 0 && (e & 3) == 0)
+            w = dropout_words((unsigned long long)(e >> 2), d.site, d.step, d.seed);
+        keep[j] = dropout_keep(philox_word(w, (unsigned int)(e & 3)), d.threshold);
+        v[j] = stored_as<B>(__fmul_rn(__fmul_rn(v[j], (float)keep[j]), d.scale));
+    }
+    if constexpr (VEC == 4) {      // i is a multiple of 4: one aligned 4-byte store
+        *reinterpret_cast<uchar4*>(d.mask + i) = make_uchar4(keep[0], keep[1], keep[2], keep[3]);
+    } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) d.mask[i + j] = keep[j];
+    }
+}
+
+// A backward's dropout of its half dx copy (mask null: none).
+struct HalfDropout {
+    const unsigned char* mask;
+    float scale;
+};
+
+// The keep bytes of VEC (at most 4) elements at i, byte j of the result element i + j's: read
+// with the backward's other loads, before its row sums.
+template <int VEC>
+__device__ __forceinline__ unsigned int keep_bytes(const HalfDropout& drop, long long i) {
+    if (!drop.mask) return 0u;
+    if constexpr (VEC == 4) return *reinterpret_cast<const unsigned int*>(drop.mask + i);
+    unsigned int bits = 0u;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) bits |= (unsigned int)drop.mask[i + j] << (8 * j);
+    return bits;
+}
+
 // A backward's VEC values of dx at element i: into dx and into its half copy dx_half, each
-// where given (either may be null: compile/norm_casts.py).
+// where given (either may be null: compile/norm_casts.py), the copy through `drop` with the
+// keep bytes `keep` (keep_bytes).
 template <int VEC, typename X, typename H>
-__device__ __forceinline__ void store_dx(X* dx, H* dx_half, long long i, const float* v) {
+__device__ __forceinline__ void store_dx(X* dx, H* dx_half, long long i, const float* v,
+                                         const HalfDropout& drop, unsigned int keep) {
     if (dx) storev_from_float<VEC>(dx, i, v);
-    if (dx_half) storev_from_float<VEC>(dx_half, i, v);
+    if (!dx_half) return;
+    if (!drop.mask) {
+        storev_from_float<VEC>(dx_half, i, v);
+        return;
+    }
+    float t[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j)
+        t[j] = __fmul_rn(__fmul_rn(stored_as<H>(v[j]), (float)((keep >> (8 * j)) & 0xFFu)),
+                         drop.scale);
+    storev_from_float<VEC>(dx_half, i, t);
 }
 
 // y = (s - mean) * rstd [* weight] [+ bias]; mean and rstd (rows,) per row. s is x (ADD
-// false: b and s_out unused; x stored as A) or a + b rounded to X, written to s_out (ADD true).
+// false: b and s_out unused; x stored as A) or a + b rounded to X, written to s_out (ADD true;
+// b dropped first by `drop` where its mask is given).
 // CENTER false (RMSNorm): mean 0, rstd = 1 / sqrt(mean(s^2) + eps), no bias, mean_out unused.
 template <bool ADD, typename Y, int VEC, int K, typename X, typename B, typename A = X,
           bool CENTER = true>
 __device__ __forceinline__ void layer_norm_forward_rows(const A* a, const B* b, const X* weight,
                                                         const X* bias, Y* y, X* s_out,
                                                         float* mean_out, float* rstd_out,
-                                                        int rows, int C, float eps) {
+                                                        int rows, int C, float eps,
+                                                        const BranchDropout& drop = {}) {
     __shared__ float smem[32];
     const int groups = C / VEC;
-    float w[K][VEC], bb[K][VEC];
-    load_columns<VEC, K>(weight, groups, w);
-    if constexpr (CENTER) load_columns<VEC, K>(bias, groups, bb);
     for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
         const long long row = base + threadIdx.y;
         const bool valid = row < rows;
@@ -141,7 +202,10 @@ __device__ __forceinline__ void layer_norm_forward_rows(const A* a, const B* b, 
             if (valid && g < groups) {
                 float t[VEC];
                 loadv_as_float<VEC>(a, r0 + (long long)g * VEC, v[k]);
-                if constexpr (ADD) loadv_as_float<VEC>(b, r0 + (long long)g * VEC, t);
+                if constexpr (ADD) {
+                    loadv_as_float<VEC>(b, r0 + (long long)g * VEC, t);
+                    if (drop.mask) drop_branch<VEC, B>(drop, r0 + (long long)g * VEC, t);
+                }
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
                     if constexpr (ADD) v[k][j] = stored_as<X>(__fadd_rn(v[k][j], t[j]));
@@ -174,11 +238,15 @@ __device__ __forceinline__ void layer_norm_forward_rows(const A* a, const B* b, 
         for (int k = 0; k < K; ++k) {
             const int g = threadIdx.x + k * blockDim.x;
             if (g >= groups) continue;
+            // weight and bias from L1 where used: registers held over the row cost occupancy
+            float w[VEC], bb[VEC];
+            if (weight) loadv_as_float<VEC>(weight, (long long)g * VEC, w);
+            if (CENTER && bias) loadv_as_float<VEC>(bias, (long long)g * VEC, bb);
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
                 float t = __fmul_rn(v[k][j], rstd);
-                if (weight) t = __fmul_rn(t, w[k][j]);
-                if (CENTER && bias) t = __fadd_rn(t, bb[k][j]);
+                if (weight) t = __fmul_rn(t, w[j]);
+                if (CENTER && bias) t = __fadd_rn(t, bb[j]);
                 v[k][j] = t;
             }
             storev_from_float<VEC>(y, r0 + (long long)g * VEC, v[k]);
@@ -199,10 +267,13 @@ template <typename Y, int VEC, int K, typename X = float, typename B = X>
 __global__ void __launch_bounds__(LAYER_NORM_MAX_THREADS)
 add_layer_norm_forward_kernel(const X* a, const B* b, const X* weight, const X* bias, Y* y,
                               X* s_out, float* mean_out, float* rstd_out, int rows, int C,
-                              float eps) {
+                              float eps, const long long* step, unsigned char* mask,
+                              unsigned long long seed, unsigned int site,
+                              unsigned int threshold, float scale) {
     await_previous_kernel();
-    layer_norm_forward_rows<true, Y, VEC, K, X, B>(a, b, weight, bias, y, s_out, mean_out,
-                                                   rstd_out, rows, C, eps);
+    layer_norm_forward_rows<true, Y, VEC, K, X, B>(
+        a, b, weight, bias, y, s_out, mean_out, rstd_out, rows, C, eps,
+        branch_dropout(mask, step, seed, site, threshold, scale));
 }
 
 template <typename Y, int VEC, int K, typename X = float>
@@ -217,10 +288,13 @@ rms_norm_forward_kernel(const X* x, const X* weight, Y* y, float* rstd_out, int 
 template <typename Y, int VEC, int K, typename X = float, typename B = X>
 __global__ void __launch_bounds__(LAYER_NORM_MAX_THREADS)
 add_rms_norm_forward_kernel(const X* a, const B* b, const X* weight, Y* y, X* s_out,
-                            float* rstd_out, int rows, int C, float eps) {
+                            float* rstd_out, int rows, int C, float eps, const long long* step,
+                            unsigned char* mask, unsigned long long seed, unsigned int site,
+                            unsigned int threshold, float scale) {
     await_previous_kernel();
     layer_norm_forward_rows<true, Y, VEC, K, X, B, X, false>(
-        a, b, weight, nullptr, y, s_out, nullptr, rstd_out, rows, C, eps);
+        a, b, weight, nullptr, y, s_out, nullptr, rstd_out, rows, C, eps,
+        branch_dropout(mask, step, seed, site, threshold, scale));
 }
 
 // The block's row of partial [blocks, C]: acc (this thread's columns, summed over the rows of
@@ -256,7 +330,8 @@ __device__ __forceinline__ void store_block_partial(const float (&acc)[K][VEC], 
 }
 
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) [+ ds], g = dy [* weight], xhat = (x -
-// mean) * rstd (x: add_layer_norm's s); ds (ADD true) added in float32 before the one store.
+// mean) * rstd (x: add_layer_norm's s); ds (ADD true) added in float32 before the one store
+// (the half copy, where given, through `drop`).
 // Block b sums dy * xhat and dy over its rows into row b of partial_w / partial_b [gridDim.x,
 // C] (either null when not wanted). CENTER false (RMSNorm): xhat = x * rstd, no mean(g)
 // term, no dbias (mean and partial_b unused).
@@ -266,7 +341,8 @@ __device__ __forceinline__ void layer_norm_backward_rows(const DY* dy, const XI*
                                                          const X* weight, const float* mean,
                                                          const float* rstd, const X* ds, X* dx,
                                                          H* dx_half, float* partial_w,
-                                                         float* partial_b, int rows, int C) {
+                                                         float* partial_b, int rows, int C,
+                                                         const HalfDropout& drop) {
     __shared__ float2 sums[32];
     __shared__ __align__(16) float red[LAYER_NORM_BLOCK_ROWS_THREADS * K * VEC];
     const int groups = C / VEC;
@@ -281,6 +357,9 @@ __device__ __forceinline__ void layer_norm_backward_rows(const DY* dy, const XI*
         const long long r0 = row * C;
         const float m = CENTER && valid ? mean[row] : 0.f, r = valid ? rstd[row] : 0.f;
         float d[K][VEC], h[K][VEC];   // dy, then g; x, then xhat
+        // ds and the keep bytes, loaded with dy and x: no load waits after the row sums
+        float e[ADD ? K : 1][VEC];
+        unsigned int keep[K];
         float sg = 0.f, sgh = 0.f;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
@@ -288,6 +367,8 @@ __device__ __forceinline__ void layer_norm_backward_rows(const DY* dy, const XI*
             if (!valid || g >= groups) continue;
             loadv_as_float<VEC>(dy, r0 + (long long)g * VEC, d[k]);
             loadv_as_float<VEC>(x, r0 + (long long)g * VEC, h[k]);
+            if constexpr (ADD) loadv_as_float<VEC>(ds, r0 + (long long)g * VEC, e[k]);
+            keep[k] = keep_bytes<VEC>(drop, r0 + (long long)g * VEC);
         }
 #pragma unroll
         for (int k = 0; k < K; ++k) {
@@ -312,16 +393,14 @@ __device__ __forceinline__ void layer_norm_backward_rows(const DY* dy, const XI*
         for (int k = 0; k < K; ++k) {
             const int g = threadIdx.x + k * blockDim.x;
             if (g >= groups) continue;
-            float e[VEC];
-            if constexpr (ADD) loadv_as_float<VEC>(ds, r0 + (long long)g * VEC, e);
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
                 const float centred = CENTER ? __fsub_rn(d[k][j], mg) : d[k][j];
                 float v = __fmul_rn(r, __fsub_rn(centred, __fmul_rn(h[k][j], mgh)));
-                if constexpr (ADD) v = __fadd_rn(v, e[j]);
+                if constexpr (ADD) v = __fadd_rn(v, e[k][j]);
                 d[k][j] = v;
             }
-            store_dx<VEC>(dx, dx_half, r0 + (long long)g * VEC, d[k]);
+            store_dx<VEC>(dx, dx_half, r0 + (long long)g * VEC, d[k], drop, keep[k]);
         }
     }
     store_block_partial<VEC, K>(acc_w, partial_w, red, groups, C);
@@ -332,39 +411,46 @@ template <typename DY, int VEC, int K, typename X = float, typename H = X, typen
 __global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
 layer_norm_backward_kernel(const DY* dy, const XI* x, const X* weight,
                            const float* mean, const float* rstd, X* dx, H* dx_half,
-                           float* partial_w, float* partial_b, int rows, int C) {
+                           float* partial_w, float* partial_b, int rows, int C,
+                           const unsigned char* half_mask, float half_scale) {
     await_previous_kernel();
     layer_norm_backward_rows<false, DY, VEC, K, X, H, XI>(dy, x, weight, mean, rstd, nullptr,
                                                           dx, dx_half, partial_w, partial_b,
-                                                          rows, C);
+                                                          rows, C, {half_mask, half_scale});
 }
 
 template <typename DY, int VEC, int K, typename X = float, typename H = X>
 __global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
 add_layer_norm_backward_kernel(const DY* dy, const X* x, const X* weight, const float* mean,
                                const float* rstd, const X* ds, X* dx, H* dx_half,
-                               float* partial_w, float* partial_b, int rows, int C) {
+                               float* partial_w, float* partial_b, int rows, int C,
+                               const unsigned char* half_mask, float half_scale) {
     await_previous_kernel();
     layer_norm_backward_rows<true, DY, VEC, K, X, H>(dy, x, weight, mean, rstd, ds, dx, dx_half,
-                                                     partial_w, partial_b, rows, C);
+                                                     partial_w, partial_b, rows, C,
+                                                     {half_mask, half_scale});
 }
 
 template <typename DY, int VEC, int K, typename X = float, typename H = X>
 __global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
 rms_norm_backward_kernel(const DY* dy, const X* x, const X* weight, const float* rstd, X* dx,
-                         H* dx_half, float* partial_w, int rows, int C) {
+                         H* dx_half, float* partial_w, int rows, int C,
+                         const unsigned char* half_mask, float half_scale) {
     await_previous_kernel();
     layer_norm_backward_rows<false, DY, VEC, K, X, H, X, false>(
-        dy, x, weight, nullptr, rstd, nullptr, dx, dx_half, partial_w, nullptr, rows, C);
+        dy, x, weight, nullptr, rstd, nullptr, dx, dx_half, partial_w, nullptr, rows, C,
+        {half_mask, half_scale});
 }
 
 template <typename DY, int VEC, int K, typename X = float, typename H = X>
 __global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
 add_rms_norm_backward_kernel(const DY* dy, const X* x, const X* weight, const float* rstd,
-                             const X* ds, X* dx, H* dx_half, float* partial_w, int rows, int C) {
+                             const X* ds, X* dx, H* dx_half, float* partial_w, int rows, int C,
+                             const unsigned char* half_mask, float half_scale) {
     await_previous_kernel();
     layer_norm_backward_rows<true, DY, VEC, K, X, H, X, false>(
-        dy, x, weight, nullptr, rstd, ds, dx, dx_half, partial_w, nullptr, rows, C);
+        dy, x, weight, nullptr, rstd, ds, dx, dx_half, partial_w, nullptr, rows, C,
+        {half_mask, half_scale});
 }
 
 // The forward for rows of any width: x re-read from global memory for each pass; with ADD,
@@ -374,7 +460,8 @@ __device__ __forceinline__ void layer_norm_forward_loop_rows(const A* a, const B
                                                              const X* weight, const X* bias,
                                                              Y* y, X* s_out, float* mean_out,
                                                              float* rstd_out, int rows, int C,
-                                                             float eps) {
+                                                             float eps,
+                                                             const BranchDropout& drop = {}) {
     __shared__ float smem[32];
     for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
         const long long row = base + threadIdx.y;
@@ -395,8 +482,9 @@ __device__ __forceinline__ void layer_norm_forward_loop_rows(const A* a, const B
             for (int c = threadIdx.x; c < cols; c += blockDim.x) {
                 float v;
                 if constexpr (ADD) {
-                    v = stored_as<X>(__fadd_rn(load_as_float(a, r0 + c),
-                                               load_as_float(b, r0 + c)));
+                    float t = load_as_float(b, r0 + c);
+                    if (drop.mask) drop_branch<1, B>(drop, r0 + c, &t);
+                    v = stored_as<X>(__fadd_rn(load_as_float(a, r0 + c), t));
                     store_from_float(s_out, r0 + c, v);
                 } else {
                     v = xr(c);
@@ -439,10 +527,13 @@ template <typename Y, typename X = float, typename B = X>
 __global__ void __launch_bounds__(1024)
 add_layer_norm_forward_loop_kernel(const X* a, const B* b, const X* weight, const X* bias,
                                    Y* y, X* s_out, float* mean_out, float* rstd_out, int rows,
-                                   int C, float eps) {
+                                   int C, float eps, const long long* step, unsigned char* mask,
+                                   unsigned long long seed, unsigned int site,
+                                   unsigned int threshold, float scale) {
     await_previous_kernel();
-    layer_norm_forward_loop_rows<true, Y, X, B>(a, b, weight, bias, y, s_out, mean_out,
-                                                rstd_out, rows, C, eps);
+    layer_norm_forward_loop_rows<true, Y, X, B>(
+        a, b, weight, bias, y, s_out, mean_out, rstd_out, rows, C, eps,
+        branch_dropout(mask, step, seed, site, threshold, scale));
 }
 
 template <typename Y, typename X = float>
@@ -458,10 +549,14 @@ rms_norm_forward_loop_kernel(const X* x, const X* weight, Y* y, float* rstd_out,
 template <typename Y, typename X = float, typename B = X>
 __global__ void __launch_bounds__(1024)
 add_rms_norm_forward_loop_kernel(const X* a, const B* b, const X* weight, Y* y, X* s_out,
-                                 float* rstd_out, int rows, int C, float eps) {
+                                 float* rstd_out, int rows, int C, float eps,
+                                 const long long* step, unsigned char* mask,
+                                 unsigned long long seed, unsigned int site,
+                                 unsigned int threshold, float scale) {
     await_previous_kernel();
-    layer_norm_forward_loop_rows<true, Y, X, B, X, false>(a, b, weight, nullptr, y, s_out,
-                                                          nullptr, rstd_out, rows, C, eps);
+    layer_norm_forward_loop_rows<true, Y, X, B, X, false>(
+        a, b, weight, nullptr, y, s_out, nullptr, rstd_out, rows, C, eps,
+        branch_dropout(mask, step, seed, site, threshold, scale));
 }
 
 // The backward for rows of any width, one row a block (blockDim.y == 1): the block's partial
@@ -473,7 +568,8 @@ __device__ __forceinline__ void layer_norm_backward_loop_rows(const DY* dy, cons
                                                               const float* rstd, const X* ds,
                                                               X* dx, H* dx_half,
                                                               float* partial_w,
-                                                              float* partial_b, int rows, int C) {
+                                                              float* partial_b, int rows, int C,
+                                                              const HalfDropout& drop) {
     __shared__ float2 sums[32];
     float* pw = partial_w ? partial_w + (long long)blockIdx.x * C : nullptr;
     float* pb = CENTER && partial_b ? partial_b + (long long)blockIdx.x * C : nullptr;
@@ -508,7 +604,7 @@ __device__ __forceinline__ void layer_norm_backward_loop_rows(const DY* dy, cons
             const float g = weight ? __fmul_rn(d, load_as_float(weight, c)) : d;
             float v = __fmul_rn(r, __fsub_rn(CENTER ? __fsub_rn(g, mg) : g, __fmul_rn(h, mgh)));
             if constexpr (ADD) v = __fadd_rn(v, load_as_float(ds, r0 + c));
-            store_dx<1>(dx, dx_half, r0 + c, &v);
+            store_dx<1>(dx, dx_half, r0 + c, &v, drop, keep_bytes<1>(drop, r0 + c));
         }
     }
 }
@@ -517,10 +613,12 @@ template <typename DY, typename X = float, typename H = X, typename XI = X>
 __global__ void __launch_bounds__(1024)
 layer_norm_backward_loop_kernel(const DY* dy, const XI* x, const X* weight,
                                 const float* mean, const float* rstd, X* dx, H* dx_half,
-                                float* partial_w, float* partial_b, int rows, int C) {
+                                float* partial_w, float* partial_b, int rows, int C,
+                                const unsigned char* half_mask, float half_scale) {
     await_previous_kernel();
     layer_norm_backward_loop_rows<false, DY, X, H, XI>(dy, x, weight, mean, rstd, nullptr, dx,
-                                                       dx_half, partial_w, partial_b, rows, C);
+                                                       dx_half, partial_w, partial_b, rows, C,
+                                                       {half_mask, half_scale});
 }
 
 template <typename DY, typename X = float, typename H = X>
@@ -528,31 +626,34 @@ __global__ void __launch_bounds__(1024)
 add_layer_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight,
                                     const float* mean, const float* rstd, const X* ds, X* dx,
                                     H* dx_half, float* partial_w, float* partial_b, int rows,
-                                    int C) {
+                                    int C, const unsigned char* half_mask, float half_scale) {
     await_previous_kernel();
     layer_norm_backward_loop_rows<true, DY, X, H>(dy, x, weight, mean, rstd, ds, dx, dx_half,
-                                                  partial_w, partial_b, rows, C);
+                                                  partial_w, partial_b, rows, C,
+                                                  {half_mask, half_scale});
 }
 
 template <typename DY, typename X = float, typename H = X>
 __global__ void __launch_bounds__(1024)
 rms_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight, const float* rstd,
-                              X* dx, H* dx_half, float* partial_w, int rows, int C) {
+                              X* dx, H* dx_half, float* partial_w, int rows, int C,
+                              const unsigned char* half_mask, float half_scale) {
     await_previous_kernel();
     layer_norm_backward_loop_rows<false, DY, X, H, X, false>(dy, x, weight, nullptr, rstd,
                                                              nullptr, dx, dx_half, partial_w,
-                                                             nullptr, rows, C);
+                                                             nullptr, rows, C,
+                                                             {half_mask, half_scale});
 }
 
 template <typename DY, typename X = float, typename H = X>
 __global__ void __launch_bounds__(1024)
 add_rms_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight, const float* rstd,
                                   const X* ds, X* dx, H* dx_half, float* partial_w, int rows,
-                                  int C) {
+                                  int C, const unsigned char* half_mask, float half_scale) {
     await_previous_kernel();
     layer_norm_backward_loop_rows<true, DY, X, H, X, false>(dy, x, weight, nullptr, rstd, ds,
                                                             dx, dx_half, partial_w, nullptr,
-                                                            rows, C);
+                                                            rows, C, {half_mask, half_scale});
 }
 
 // dweight[c] = the sum over slots of partial_w[slot, c] (dbias from partial_b alike), in

@@ -41,9 +41,10 @@ import numpy as np
 
 from ...errors import ShapeError
 from ...ir.graph import Node
-from .elementwise import fill_forward
-from .runtime.launch import (ELEMENT_CTYPES, _aligned, _check, _check_int32, _element_ctype,
-                             _kernel, _launch, _node_memory, _or_null, _row_grid, _typed)
+from .elementwise import dropout_constants, fill_forward
+from .runtime.launch import (ELEMENT_CTYPES, _aligned, _check, _check_int32, _check_scalar,
+                             _element_ctype, _kernel, _launch, _node_memory, _or_null,
+                             _row_grid, _typed)
 
 SOURCE = "layer_norm.cu"
 # bf16 y (forward) or dy (backward) where compile/norm_casts.py fuse_layer_norm_casts dropped a cast
@@ -237,14 +238,22 @@ def _grad_outputs(node: Node, outs) -> tuple:
     return outs[0], dweight, dbias, rest.pop(0) if a.get("dx_half") else None
 
 
+def _half_mask(node: Node, ins) -> tuple[list, tuple | None]:
+    """A backward's inputs without the keep mask of attrs dx_half_dropout, and its (mask, p)
+    (None without)."""
+    p = node.attrs.get("dx_half_dropout")
+    return (list(ins), None) if p is None else (list(ins[:-1]), (ins[-1], p))
+
+
 def _backward_impl(node: Node, ins, outs, ctx) -> None:
     a = node.attrs
+    ins, half_dropout = _half_mask(node, ins)
     dy, x = ins[0], ins[1]
     weight = ins[2] if a.get("weight") else None
     mean, rstd = ins[-2], ins[-1]
     dx, dweight, dbias, dx_half = _grad_outputs(node, outs)
     layer_norm_backward(ctx, node, dy, x, weight, mean, rstd, dx, dweight, dbias,
-                        dx_half=dx_half)
+                        dx_half=dx_half, half_dropout=half_dropout)
 
 
 # ---- the backwards, add_layer_norm and rms_norm: shared checks and partial-sum tables ----
@@ -258,24 +267,66 @@ def _norm_input(what: str, x, c: int, weight, bias=None) -> str:
     return xtype
 
 
-def add_layer_norm_forward(ctx, a, b, weight, bias, y, s, mean, rstd, eps: float) -> None:
+@dataclass(frozen=True)
+class BranchDropout:
+    """An add_* forward's dropout of b (ops/layer_norm.py attrs dropout): the int64 step
+    counter, the uint8 keep mask it writes (b's shape), and the dropout op's p, seed, site."""
+
+    step: object
+    mask: object
+    p: float
+    seed: int
+    site: int
+
+    def operands(self, what: str, b) -> tuple:
+        """The kernel's trailing arguments, after checking the counter and the mask."""
+        threshold, scale = dropout_constants(self.p)
+        if not 0 <= self.site < 2**32:
+            raise ValueError(f"{what} dropout site must fit in 32 bits, got {self.site}")
+        _check_scalar(f"{what} step", self.step, "int64")
+        _check(f"{what} mask", self.mask, "uint8", shape=b.shape)
+        return (self.step, self.mask, np.uint64(self.seed & (2**64 - 1)), np.uint32(self.site),
+                threshold, scale)
+
+
+NO_DROPOUT = (_or_null(None), _or_null(None), np.uint64(0), np.uint32(0), np.uint32(0),
+              np.float32(0.0))
+
+
+def _dropout_operands(what: str, b, dropout: BranchDropout | None) -> tuple:
+    return NO_DROPOUT if dropout is None else dropout.operands(what, b)
+
+
+def _mask(dropout) -> object | None:
+    """The keep mask a dropout writes or reads (the kernels access it in groups of four: it
+    takes part in the layout's alignment check), None without one."""
+    if dropout is None:
+        return None
+    return dropout.mask if isinstance(dropout, BranchDropout) else dropout[0]
+
+
+def add_layer_norm_forward(ctx, a, b, weight, bias, y, s, mean, rstd, eps: float,
+                           dropout: BranchDropout | None = None) -> None:
     """s = a + b rounded to a's storage; y = layer_norm(s) as layer_norm_forward's; a, b, s,
     weight and bias all float32 (y float32, bf16 or float16) or all float16 with y; b may be
-    bf16 or float16 with a float32 a (widened as loaded)."""
+    bf16 or float16 with a float32 a (widened as loaded). dropout: b dropped first, as the
+    dropout op drops it (its keep mask written)."""
     rows, c = _rows("add_layer_norm a", a, dtype=None)
     xtype = _norm_input("add_layer_norm", a, c, weight, bias)
     btype = _residual_operands("add_layer_norm", a, b, s, xtype)
+    drop = _dropout_operands("add_layer_norm", b, dropout)
     _check("add_layer_norm output", y, dtype=None if xtype == "float" else a.dtype,
            shape=a.shape)
     ctype = _element_ctype("add_layer_norm output", y)
     _check_stats("add_layer_norm", rows, mean, rstd)
     if not rows:
         return
-    lay = row_layout(c, [t for t in (a, b, s, y, weight, bias) if t is not None])
+    lay = row_layout(c, [t for t in (a, b, s, y, weight, bias, _mask(dropout))
+                         if t is not None])
     _launch(ctx, SOURCE, lay.kernel("forward", ctype, xtype, "add_layer_norm", btype),
             _row_grid(rows, lay.rows_per_block), lay.block,
             (a, b, _or_null(weight), _or_null(bias), y, s, mean, rstd, np.int32(rows),
-             np.int32(c), np.float32(eps)))
+             np.int32(c), np.float32(eps)) + drop)
 
 
 def _residual_operands(what: str, a, b, s, xtype: str) -> str:
@@ -341,6 +392,19 @@ def _half_ctype(dx_half) -> str | None:
     return None if dx_half is None else ELEMENT_CTYPES[dx_half.dtype]
 
 
+def _half_dropout(what: str, dx, dx_half, half_dropout) -> tuple:
+    """A backward kernel's trailing (half_mask, half_scale): those of half_dropout's (mask, p),
+    checked against the dx_half copy it drops, or none."""
+    if half_dropout is None:
+        return (_or_null(None), np.float32(0.0))
+    mask, p = half_dropout
+    if dx is None or dx_half is None:
+        raise ShapeError(f"{what}: a dropout of the half dx copy needs the float32 dx and the "
+                         f"copy")
+    _check(f"{what} dx_half mask", mask, "uint8", shape=dx_half.shape)
+    return (mask, dropout_constants(p)[1])
+
+
 def _zero_grads(ctx, *grads) -> None:
     for t in grads:
         if t is not None:
@@ -348,14 +412,16 @@ def _zero_grads(ctx, *grads) -> None:
 
 
 def layer_norm_backward(ctx, node: Node, dy, x, weight, mean, rstd, dx, dweight=None,
-                        dbias=None, ds=None, dx_half=None) -> None:
+                        dbias=None, ds=None, dx_half=None, half_dropout=None) -> None:
     """dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) [+ ds], g = dy [* weight], xhat =
     (x - mean) * rstd; dweight = sum over rows of dy * xhat and dbias = sum of dy (each
     optional). ds: add_layer_norm's residual gradient (x is then the forward's s), added to
     dx by the add_layer_norm kernels. dx_half: dx rounded to bf16 / float16 as well (a half
-    dx alone: in place of the float32 one)."""
+    dx alone: in place of the float32 one). half_dropout: (keep mask, p) of a dropout's
+    gradient the dx_half copy goes through (compile/norm_casts.py)."""
     what = "layer_norm_grad" if ds is None else "add_layer_norm_grad"
     rows, c, ctype, xtype, dx, dx_half = _check_grad(what, dy, x, dx, dx_half, ds is None)
+    drop = _half_dropout(what, dx, dx_half, half_dropout)
     if ds is not None:
         _check(f"{what} ds", ds, x.dtype, shape=x.shape)
     _check_stats(what, rows, mean, rstd)
@@ -365,7 +431,8 @@ def layer_norm_backward(ctx, node: Node, dy, x, weight, mean, rstd, dx, dweight=
     if not rows:
         _zero_grads(ctx, dweight, dbias)
         return
-    lay = row_layout(c, [t for t in (dy, x, ds, dx, dx_half, weight) if t is not None])
+    lay = row_layout(c, [t for t in (dy, x, ds, dx, dx_half, weight, _mask(half_dropout))
+                         if t is not None])
     name = lay.kernel("backward", ctype, xtype, "layer_norm" if ds is None else "add_layer_norm",
                       htype=_half_ctype(dx_half), itype=_input_ctypes(what, x)[1])
     blocks, partial_w, partial_b = _grad_tables(ctx, node, what, name, lay, rows, c, dweight,
@@ -373,15 +440,16 @@ def layer_norm_backward(ctx, node: Node, dy, x, weight, mean, rstd, dx, dweight=
     _launch(ctx, SOURCE, name, (blocks,), lay.block,
             (dy, x, _or_null(weight), mean, rstd) + (() if ds is None else (ds,))
             + (_or_null(dx), _or_null(dx_half), _or_null(partial_w), _or_null(partial_b),
-               np.int32(rows), np.int32(c)))
+               np.int32(rows), np.int32(c)) + drop)
     _finalize(ctx, xtype, blocks, c, partial_w, partial_b, dweight, dbias)
 
 
-def rms_norm_forward(ctx, x, weight, y, rstd, eps: float, b=None, s=None) -> None:
+def rms_norm_forward(ctx, x, weight, y, rstd, eps: float, b=None, s=None,
+                     dropout: BranchDropout | None = None) -> None:
     """y = x * rstd [* weight], rstd = 1 / sqrt(mean(x^2) + eps) (rows,) float32; x and
     weight float32 (y float32, bf16 or float16) or all float16 with y. With b and s
-    (add_rms_norm): x is a, s = a + b rounded to a's storage is normalised and stored, b as
-    add_layer_norm_forward's."""
+    (add_rms_norm): x is a, s = a + b rounded to a's storage is normalised and stored, b (and
+    its dropout) as add_layer_norm_forward's."""
     what = "rms_norm" if b is None else "add_rms_norm"
     rows, c = _rows(f"{what} input", x, dtype=None)
     xtype = _norm_input(what, x, c, weight)
@@ -394,20 +462,22 @@ def rms_norm_forward(ctx, x, weight, y, rstd, eps: float, b=None, s=None) -> Non
                          f"{tuple(rstd.shape)}")
     if not rows:
         return
-    lay = row_layout(c, [t for t in (x, b, s, y, weight) if t is not None])
+    lay = row_layout(c, [t for t in (x, b, s, y, weight, _mask(dropout)) if t is not None])
     operands = (x, _or_null(weight), y) if b is None else (x, b, _or_null(weight), y, s)
+    drop = () if b is None else _dropout_operands(what, b, dropout)
     _launch(ctx, SOURCE, lay.kernel("forward", ctype, xtype, what, btype),
             _row_grid(rows, lay.rows_per_block), lay.block,
-            operands + (rstd, np.int32(rows), np.int32(c), np.float32(eps)))
+            operands + (rstd, np.int32(rows), np.int32(c), np.float32(eps)) + drop)
 
 
 def rms_norm_backward(ctx, node: Node, dy, x, weight, rstd, dx, dweight=None,
-                      dx_half=None, ds=None) -> None:
+                      dx_half=None, ds=None, half_dropout=None) -> None:
     """dx = rstd * (g - xhat * mean(g * xhat)) [+ ds], g = dy [* weight], xhat = x * rstd;
     dweight = sum over rows of dy * xhat (optional); ds (add_rms_norm's residual gradient, x
-    the forward's s) and dx_half as layer_norm_backward's."""
+    the forward's s), dx_half and half_dropout as layer_norm_backward's."""
     what = "rms_norm_grad" if ds is None else "add_rms_norm_grad"
     rows, c, ctype, xtype, dx, dx_half = _check_grad(what, dy, x, dx, dx_half)
+    drop = _half_dropout(what, dx, dx_half, half_dropout)
     if ds is not None:
         _check(f"{what} ds", ds, x.dtype, shape=x.shape)
     _check(f"{what} rstd", rstd)
@@ -420,31 +490,44 @@ def rms_norm_backward(ctx, node: Node, dy, x, weight, rstd, dx, dweight=None,
     if not rows:
         _zero_grads(ctx, dweight)
         return
-    lay = row_layout(c, [t for t in (dy, x, ds, dx, dx_half, weight) if t is not None])
+    lay = row_layout(c, [t for t in (dy, x, ds, dx, dx_half, weight, _mask(half_dropout))
+                         if t is not None])
     name = lay.kernel("backward", ctype, xtype, "rms_norm" if ds is None else "add_rms_norm",
                       htype=_half_ctype(dx_half))
     blocks, partial_w, _ = _grad_tables(ctx, node, what, name, lay, rows, c, dweight, None)
     _launch(ctx, SOURCE, name, (blocks,), lay.block,
             (dy, x, _or_null(weight), rstd) + (() if ds is None else (ds,))
             + (_or_null(dx), _or_null(dx_half), _or_null(partial_w), np.int32(rows),
-               np.int32(c)))
+               np.int32(c)) + drop)
     _finalize(ctx, xtype, blocks, c, partial_w, None, dweight, None)
+
+
+def _branch_dropout(node: Node, ins, outs) -> tuple[list, list, BranchDropout | None]:
+    """An add_* forward's inputs and outputs without the step counter and keep mask of attrs
+    dropout, and that dropout (None without)."""
+    a = node.attrs
+    if a.get("dropout") is None:
+        return list(ins), list(outs), None
+    return list(ins[:-1]), list(outs[:-1]), BranchDropout(ins[-1], outs[-1], a["dropout"],
+                                                          a["seed"], a["site"])
 
 
 def _add_forward_impl(node: Node, ins, outs, ctx) -> None:
     a = node.attrs
+    ins, outs, dropout = _branch_dropout(node, ins, outs)
     rest = list(ins[2:])
     weight = rest.pop(0) if a.get("weight") else None
     bias = rest.pop(0) if a.get("bias") else None
     add_layer_norm_forward(ctx, ins[0], ins[1], weight, bias, outs[0], outs[3], outs[1],
-                           outs[2], a.get("eps", 1e-5))
+                           outs[2], a.get("eps", 1e-5), dropout)
 
 
 def _add_backward_impl(node: Node, ins, outs, ctx) -> None:
+    ins, half_dropout = _half_mask(node, ins)
     weight = ins[2] if node.attrs.get("weight") else None
     dx, dweight, dbias, dx_half = _grad_outputs(node, outs)
     layer_norm_backward(ctx, node, ins[0], ins[1], weight, ins[-3], ins[-2], dx, dweight,
-                        dbias, ds=ins[-1], dx_half=dx_half)
+                        dbias, ds=ins[-1], dx_half=dx_half, half_dropout=half_dropout)
 
 
 def _rms_forward_impl(node: Node, ins, outs, ctx) -> None:
@@ -453,22 +536,26 @@ def _rms_forward_impl(node: Node, ins, outs, ctx) -> None:
 
 
 def _rms_backward_impl(node: Node, ins, outs, ctx) -> None:
+    ins, half_dropout = _half_mask(node, ins)
     weight = ins[2] if node.attrs.get("weight") else None
     dx, dweight, _, dx_half = _grad_outputs(node, outs)
-    rms_norm_backward(ctx, node, ins[0], ins[1], weight, ins[-1], dx, dweight, dx_half)
+    rms_norm_backward(ctx, node, ins[0], ins[1], weight, ins[-1], dx, dweight, dx_half,
+                      half_dropout=half_dropout)
 
 
 def _add_rms_forward_impl(node: Node, ins, outs, ctx) -> None:
+    ins, outs, dropout = _branch_dropout(node, ins, outs)
     weight = ins[2] if node.attrs.get("weight") else None
     rms_norm_forward(ctx, ins[0], weight, outs[0], outs[1], node.attrs["eps"], b=ins[1],
-                     s=outs[2])
+                     s=outs[2], dropout=dropout)
 
 
 def _add_rms_backward_impl(node: Node, ins, outs, ctx) -> None:
+    ins, half_dropout = _half_mask(node, ins)
     weight = ins[2] if node.attrs.get("weight") else None
     dx, dweight, _, dx_half = _grad_outputs(node, outs)
     rms_norm_backward(ctx, node, ins[0], ins[1], weight, ins[-2], dx, dweight, dx_half,
-                      ds=ins[-1])
+                      ds=ins[-1], half_dropout=half_dropout)
 
 
 IMPLS: dict[str, Callable] = {

@@ -55,7 +55,7 @@ from ....ops.attention import group_of, out_perms, seen_inputs
 from ....ops.pointwise import input_views
 from . import attention_composed, attention_cudnn
 from .operands import SOURCE, THREADS, Heads, Problem
-from ..elementwise import _dropout_constants
+from ..elementwise import dropout_constants
 from ..runtime import autotune
 from ..runtime.launch import ELEMENT_CTYPES, _kernel, _node_memory
 
@@ -408,7 +408,7 @@ class Attn:
     def args(self, step, backward: bool) -> tuple:
         """(scale * log2(e) [, scale], causal, seed, site, threshold, drop_scale, dropout)."""
         dropout = self.dropout_p > 0.0
-        threshold, drop_scale = _dropout_constants(self.dropout_p)
+        threshold, drop_scale = dropout_constants(self.dropout_p)
         if dropout:
             if not 0 <= self.site < 2**32:
                 raise ValueError(f"sdpa dropout site must fit in 32 bits, got {self.site}")
