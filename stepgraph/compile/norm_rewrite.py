@@ -11,11 +11,14 @@ reads s back. On the backward side autodiff then hands the fused op's VJP both g
 add_layer_norm_grad that adds ds to the LayerNorm's dx as it stores it: the `add` node that
 joins the two paths at the residual is gone with it. Matched: an add of two values of one
 shape and float dtype (no broadcasting) whose sum a layer_norm reads as its x (any other
-readers of s keep reading it); the LayerNorm's weight and bias written before the add. Left
-alone: an add of an elementwise node's output as wide as s that only the add reads (float32
-residual dropout: x + dropout(h)), which compile/pointwise.py fuses into the add instead (see
-_pointwise_operand for why a half one is not). STEPGRAPH_ADD_LAYER_NORM_REWRITE=0 turns it
-off.
+readers of s keep reading it); the LayerNorm's weight and bias written before the add. The
+residual dropout x + dropout(h) (nanoGPT's resid_dropout), the dropout's output read by the add
+alone, is folded in too: add_layer_norm drops h itself (attrs dropout, seed, site: the dropout
+op's Philox mask and rounding; the step counter its last input, the keep mask its last output),
+and its VJP applies the mask to h's gradient (compile/norm_casts.py folds that into the norm
+gradient's bf16 dx copy under bf16). Left alone: an add of another elementwise node's output as
+wide as s that only the add reads, which compile/pointwise.py fuses into the add instead
+(_pointwise_operand). STEPGRAPH_ADD_LAYER_NORM_REWRITE=0 turns it off.
     Under precision="bf16" (the pass runs after autocast) a float32 residual stream x (GPT's
 embeddings, ViT's cat with the class token) meets the branch's bf16 GEMM output h through a
 cast: add(x, cast(h -> float32)). When only the add reads the cast, add_layer_norm reads h

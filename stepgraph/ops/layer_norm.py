@@ -72,7 +72,7 @@ def _dx_half(x, attrs) -> list:
     (bfloat16 or float16) as well as stored in x's float32, for the half GEMM that reads it
     beside a float32 reader (compile/norm_casts.py: the cast it replaces); with attrs
     dx_half_dropout = p, that copy then goes through the gradient of a dropout of keep mask
-    ins[-1] (compile/norm_casts.py fuse_norm_grad_dropout: the dropout_grad that read it)."""
+    ins[-1] (compile/norm_casts.py fuse_norm_grad_casts: the dropout_grad that read it)."""
     half = attrs.get("dx_half")
     if half is None:
         return []
@@ -207,10 +207,10 @@ def _dropout_operands(op: str, ins, attrs) -> tuple[list, list]:
     return list(ins[:-1]), [(ins[1].shape, "uint8")]
 
 
-def residual_sum(node):
-    """The residual stream s an add_<norm> writes: its last output, or the one before the
-    keep mask of attrs dropout."""
-    return node.outputs[-2 if node.attrs.get("dropout") is not None else -1]
+def _sum_at(node) -> int:
+    """Where an add_<norm>'s residual stream s is among its outputs: last, or before the keep
+    mask of attrs dropout."""
+    return -2 if node.attrs.get("dropout") is not None else -1
 
 
 @defop("add_layer_norm_grad")
@@ -240,8 +240,7 @@ def _residual_vjp(emit, node, dy, wants, norm: str, attrs: dict) -> list:
     is the same value, cast to b's dtype where b is a widened half (what the folded cast's
     VJP did), then through dropout_grad where attrs dropout dropped b (the folded dropout's
     VJP). attrs: the gradient op's (weight, [bias])."""
-    p = node.attrs.get("dropout")
-    at = -2 if p is not None else -1        # s's output
+    p, at = node.attrs.get("dropout"), _sum_at(node)
     y_grad, ds = dy[0], dy[at]
     b, s, stats = node.inputs[1], node.outputs[at], node.outputs[1:at]
     step = [] if p is None else [None]
@@ -300,7 +299,7 @@ def _residual_impl(node, ins, outs, ctx, norm_impl) -> None:
         ins, step, mask, outs = ins[:-1], ins[-1], outs[-1], outs[:-1]
         mask[...] = keep_mask(mask.shape, p, node.attrs, step)
         b = _stored(dropped(ins[1], mask, p).astype(np.float64), node.inputs[1].dtype)
-    s = _stored(ins[0].astype(np.float64) + b, residual_sum(node).dtype)
+    s = _stored(ins[0].astype(np.float64) + b, node.outputs[_sum_at(node)].dtype)
     outs[-1][...] = s
     norm_impl(node, [s, *ins[2:]], outs[:-1], ctx)
 

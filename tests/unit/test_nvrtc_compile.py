@@ -910,7 +910,7 @@ def test_norms_with_a_folded_dropout_launch_arguments_match_the_kernels(monkeypa
     a, w, stats = Fake((3, 7, c)), Fake((c,)), [Fake((21,)), Fake((21,))]
     b, mask = Fake(a.shape, "uint16"), Fake(a.shape, "uint8")
     drop = layer_norm.BranchDropout(Fake((), "int64"), mask, 0.2, 2**40 + 5, 7)
-    half = (Fake(a.shape, "uint8"), 0.2)
+    half = layer_norm.HalfDropout(Fake(a.shape, "uint8"), 0.2)
     if norm == "rms_norm":
         layer_norm.rms_norm_forward(None, a, w, Fake(a.shape, "uint16"), stats[1], 1e-6, b=b,
                                     s=Fake(a.shape), dropout=drop)
@@ -932,7 +932,7 @@ def test_norms_with_a_folded_dropout_launch_arguments_match_the_kernels(monkeypa
     assert forward[-6] is drop.step and forward[-5] is mask and int(forward[-4]) == 2**40 + 5
     assert int(forward[-3]) == 7 and float(forward[-1]) == np.float32(1 / 0.8)
     for _, args in kernels[1:]:
-        assert args[-2] is half[0] and float(args[-1]) == np.float32(1 / 0.8)
+        assert args[-2] is half.mask and float(args[-1]) == np.float32(1 / 0.8)
     assert {name for _, name, *_ in launched} <= layer_norm.kernel_names()["layer_norm.cu"]
     _assert_launches_match(launched)
 

@@ -238,11 +238,11 @@ def _grad_outputs(node: Node, outs) -> tuple:
     return outs[0], dweight, dbias, rest.pop(0) if a.get("dx_half") else None
 
 
-def _half_mask(node: Node, ins) -> tuple[list, tuple | None]:
-    """A backward's inputs without the keep mask of attrs dx_half_dropout, and its (mask, p)
+def _half_mask(node: Node, ins) -> tuple[list, HalfDropout | None]:
+    """A backward's inputs without the keep mask of attrs dx_half_dropout, and that dropout
     (None without)."""
     p = node.attrs.get("dx_half_dropout")
-    return (list(ins), None) if p is None else (list(ins[:-1]), (ins[-1], p))
+    return (list(ins), None) if p is None else (list(ins[:-1]), HalfDropout(ins[-1], p))
 
 
 def _backward_impl(node: Node, ins, outs, ctx) -> None:
@@ -289,6 +289,15 @@ class BranchDropout:
                 threshold, scale)
 
 
+@dataclass(frozen=True)
+class HalfDropout:
+    """A backward's dropout of its half dx copy (ops/layer_norm.py attrs dx_half_dropout): the
+    uint8 keep mask it reads (dy's shape) and p."""
+
+    mask: object
+    p: float
+
+
 NO_DROPOUT = (_or_null(None), _or_null(None), np.uint64(0), np.uint32(0), np.uint32(0),
               np.float32(0.0))
 
@@ -297,12 +306,10 @@ def _dropout_operands(what: str, b, dropout: BranchDropout | None) -> tuple:
     return NO_DROPOUT if dropout is None else dropout.operands(what, b)
 
 
-def _mask(dropout) -> object | None:
+def _mask(dropout: BranchDropout | HalfDropout | None) -> object | None:
     """The keep mask a dropout writes or reads (the kernels access it in groups of four: it
     takes part in the layout's alignment check), None without one."""
-    if dropout is None:
-        return None
-    return dropout.mask if isinstance(dropout, BranchDropout) else dropout[0]
+    return None if dropout is None else dropout.mask
 
 
 def add_layer_norm_forward(ctx, a, b, weight, bias, y, s, mean, rstd, eps: float,
@@ -392,17 +399,16 @@ def _half_ctype(dx_half) -> str | None:
     return None if dx_half is None else ELEMENT_CTYPES[dx_half.dtype]
 
 
-def _half_dropout(what: str, dx, dx_half, half_dropout) -> tuple:
-    """A backward kernel's trailing (half_mask, half_scale): those of half_dropout's (mask, p),
-    checked against the dx_half copy it drops, or none."""
+def _half_dropout(what: str, dx, dx_half, half_dropout: HalfDropout | None) -> tuple:
+    """A backward kernel's trailing (half_mask, half_scale): half_dropout's, checked against
+    the dx_half copy it drops, or none."""
     if half_dropout is None:
         return (_or_null(None), np.float32(0.0))
-    mask, p = half_dropout
     if dx is None or dx_half is None:
         raise ShapeError(f"{what}: a dropout of the half dx copy needs the float32 dx and the "
                          f"copy")
-    _check(f"{what} dx_half mask", mask, "uint8", shape=dx_half.shape)
-    return (mask, dropout_constants(p)[1])
+    _check(f"{what} dx_half mask", half_dropout.mask, "uint8", shape=dx_half.shape)
+    return (half_dropout.mask, dropout_constants(half_dropout.p)[1])
 
 
 def _zero_grads(ctx, *grads) -> None:
@@ -417,8 +423,8 @@ def layer_norm_backward(ctx, node: Node, dy, x, weight, mean, rstd, dx, dweight=
     (x - mean) * rstd; dweight = sum over rows of dy * xhat and dbias = sum of dy (each
     optional). ds: add_layer_norm's residual gradient (x is then the forward's s), added to
     dx by the add_layer_norm kernels. dx_half: dx rounded to bf16 / float16 as well (a half
-    dx alone: in place of the float32 one). half_dropout: (keep mask, p) of a dropout's
-    gradient the dx_half copy goes through (compile/norm_casts.py)."""
+    dx alone: in place of the float32 one). half_dropout: a dropout's gradient the dx_half
+    copy goes through (compile/norm_casts.py)."""
     what = "layer_norm_grad" if ds is None else "add_layer_norm_grad"
     rows, c, ctype, xtype, dx, dx_half = _check_grad(what, dy, x, dx, dx_half, ds is None)
     drop = _half_dropout(what, dx, dx_half, half_dropout)
