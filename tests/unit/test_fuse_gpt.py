@@ -2,9 +2,9 @@
 inputs traces as reshape -> linear -> reshape, and the passes still see through the views: the
 MLP's GELU rides its linear (one node, bias and activation in it) and the GELU's gradient and
 the bias gradient are one act_bias_grad, the other Linears' bias gradients ride their
-weight-gradient matmuls; each residual branch's dropout and the add after it are
-one pointwise node (mask drawn as the dropout op draws it), and so are the backward's gradient
-sum and dropout_grad. On the numpy backend the fused step computes the same bits as unfused."""
+weight-gradient matmuls; the residual branches' dropouts ride the LayerNorms after them and
+the embeddings' dropout and add are one pointwise node (mask drawn as the dropout op draws
+it). On the numpy backend the fused step computes the same bits as unfused."""
 from __future__ import annotations
 
 import numpy as np
@@ -84,22 +84,27 @@ def test_gpt_bias_gradients_ride_the_weight_gradient_matmuls(bias):
         assert n.outputs[0].shape == (dz.shape[1], x.shape[1])
 
 
-def test_gpt_residual_dropout_and_add_are_one_pointwise_node():
+def test_gpt_dropouts_ride_the_layer_norms_and_the_embeddings_add():
+    """Each residual branch's dropout is drawn by the add_layer_norm after it (norm_rewrite);
+    its gradient is a dropout_grad on the norm gradient's db. The embeddings' dropout, which
+    no norm follows, and the add before it are one pointwise node, and so are its gradient
+    and the sum of the first block's two residual gradients."""
     *_, unfused, fused = gpt_graphs()
-    assert ops(unfused).count("dropout") == 1 + 2 * LAYERS
+    for graph in (unfused, fused):
+        folded = [n for n in graph.nodes if n.op == "add_layer_norm"]
+        assert len(folded) == 2 * LAYERS
+        assert all(n.attrs["dropout"] == 0.2 for n in folded)
+        assert len({n.attrs["site"] for n in folded}) == 2 * LAYERS
+        branch_grads = [n for n in graph.nodes if n.op == "dropout_grad"]
+        producers = graph.producers()
+        masks = [producers[n.inputs[1]].op for n in branch_grads]
+        assert masks.count("add_layer_norm") == 2 * LAYERS       # the norms' keep masks
+    assert ops(unfused).count("dropout") == 1
     assert "dropout" not in ops(fused)
-    nodes = [n for n in fused.nodes if n.op == "pointwise"]
-    forward = [n for n in nodes if any(i.op == "dropout_mask" for i in n.attrs["program"])]
-    assert len(forward) == 1 + 2 * LAYERS                       # embeddings + two per block
-    for n in forward:
-        program = [i.op for i in n.attrs["program"]]
-        assert program.count("dropout_mask") == 1 and "binary" in program
-        assert sorted(v.dtype for v in n.outputs) == ["float32", "uint8"]
-    # backward: the residual gradient sum and dropout_grad in one pass, but for the top block
-    # (nothing to add) and the embeddings' (nothing after it but the embedding gradients)
-    backward = [n for n in nodes if [i.op for i in n.attrs["program"]] == ["add", "dropout_grad"]]
-    assert len(backward) == 2 * LAYERS
-    assert ops(fused).count("dropout_grad") == 1
+    programs = [[i.op for i in n.attrs["program"]] for n in fused.nodes if n.op == "pointwise"]
+    forward = [p for p in programs if "dropout_mask" in p]
+    assert len(forward) == 1 and "binary" in forward[0]
+    assert programs.count(["add", "dropout_grad"]) == 1
 
 
 @pytest.mark.parametrize("dropout,bias", [(0.2, True), (0.0, True), (0.2, False)])
