@@ -456,6 +456,7 @@ def _record_launches(monkeypatch, *modules):
                            ("_launch", lambda ctx, filename, name, grid, block, args, *_, **__:
                             launched.append((filename, name, grid, block, args)))):
             monkeypatch.setattr(mod, name, fake, raising=False)
+    monkeypatch.setattr(reduce, "_multiprocessors", lambda: 132)     # an H200's
     return launched
 
 
