@@ -398,6 +398,27 @@ def compile_source_to_cubin(source: str, name: str, arch: str = "sm_90",
     """compile_to_cubin for source text (generated kernels); `name` labels errors."""
     from cupy.cuda import nvrtc
 
+    prog = _nvrtc_program(source, name, name_expressions,
+                          [f"-arch={arch}", "-std=c++17", "-ftz=true"])
+    return nvrtc.getCUBIN(prog)
+
+
+def ptxas_report(filename: str, arch: str = "sm_90",
+                 name_expressions: tuple[str, ...] = ()) -> tuple[str, dict[str, str]]:
+    """ptxas's resource report (-v) for kernel file `filename` compiled for `arch` with the
+    run-time options, and {mangled name: name expression} of the named instantiations."""
+    from cupy.cuda import nvrtc
+
+    prog = _nvrtc_program(source_path(filename).read_text(), filename, name_expressions,
+                          [f"-arch={arch}", *NVRTC_OPTIONS, "--ptxas-options=-v"])
+    return (nvrtc.getProgramLog(prog),
+            {nvrtc.getLoweredName(prog, expr): expr for expr in name_expressions})
+
+
+def _nvrtc_program(source: str, name: str, name_expressions: tuple[str, ...], options: list):
+    """An NVRTC program of `source` with the shared headers, compiled with `options`."""
+    from cupy.cuda import nvrtc
+
     shared = headers()
     prog = nvrtc.createProgram(source, name,
                                [h.read_text().encode() for h in shared],
@@ -405,7 +426,7 @@ def compile_source_to_cubin(source: str, name: str, arch: str = "sm_90",
     for expr in name_expressions:
         nvrtc.addNameExpression(prog, expr)
     try:
-        nvrtc.compileProgram(prog, [f"-arch={arch}", "-std=c++17", "-ftz=true"])
+        nvrtc.compileProgram(prog, options)
     except nvrtc.NVRTCError as err:
         raise RuntimeError(f"{name}: {err}\n{nvrtc.getProgramLog(prog)}") from err
-    return nvrtc.getCUBIN(prog)
+    return prog
