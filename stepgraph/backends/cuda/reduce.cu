@@ -187,6 +187,35 @@ __global__ void reduce_sum_strided_kernel(const T* x, T* y, int n,
 template <typename T> struct is_bf16 { static constexpr bool value = false; };
 template <> struct is_bf16<unsigned short> { static constexpr bool value = true; };
 
+// The rows of one act_bias_backward thread for activation KIND, known at compile time: the
+// kernel switches on its kind once. A switch per element had put an indirect branch (a jump
+// table read from constant memory) before each element's derivative and kept the four
+// elements' arithmetic apart; the bf16 gelu_tanh row is now one block of 154 instructions
+// with its four tanh interleaved (sm_90 SASS, nvdisasm).
+template <int KIND, typename T, int VEC>
+__device__ __forceinline__ void act_bias_rows(const T* dy, const T* saved, T* dz, int r0,
+                                              int r1, int cols, int col, float slope,
+                                              double (&acc)[VEC]) {
+    for (int r = r0 + threadIdx.y; r < r1; r += COLUMN_ROWS) {
+        const long long i = (long long)r * cols + col;
+        float d[VEC], v[VEC];
+        loadv_as_float<VEC>(dy, i, d);
+        if constexpr (KIND == ACT_NONE) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) v[j] = d[j];
+        } else {
+            float x[VEC];
+            loadv_as_float<VEC>(saved, i, x);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j)
+                v[j] = __fmul_rn(d[j], act_derivative<is_bf16<T>::value>(x[j], KIND, slope));
+        }
+        storev_from_float<VEC>(dz, i, v);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) acc[j] += v[j];
+    }
+}
+
 // dz = dy * act'(saved) (kind ACT_NONE: dz = dy) and db = dz summed over rows, in one pass.
 // The (32, 16) column layout of reduce_sum_columns_kernel, each thread owning VEC adjacent
 // columns: VEC 4 moves 4 elements a load (cols % 4 == 0, arrays aligned to 4 elements), which a
@@ -209,25 +238,14 @@ act_bias_backward_kernel(const T* dy, const T* saved, T* dz, T* db, double* part
 #pragma unroll
     for (int j = 0; j < VEC; ++j) acc[j] = 0.0;
     if (col < cols) {
-        for (int r = r0 + threadIdx.y; r < r1; r += COLUMN_ROWS) {
-            const long long i = (long long)r * cols + col;
-            float d[VEC], v[VEC];
-            loadv_as_float<VEC>(dy, i, d);
-            if (kind == ACT_NONE) {
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) v[j] = d[j];
-            } else {
-                float x[VEC];
-                loadv_as_float<VEC>(saved, i, x);
-#pragma unroll
-                for (int j = 0; j < VEC; ++j)
-                    v[j] = __fmul_rn(d[j], act_derivative<is_bf16<T>::value>(x[j], kind,
-                                                                              slope));
-            }
-            storev_from_float<VEC>(dz, i, v);
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) acc[j] += v[j];
+#define ACT_BIAS_ROWS(KIND) \
+    case KIND: act_bias_rows<KIND>(dy, saved, dz, r0, r1, cols, col, slope, acc); break;
+        switch (kind) {
+            ACT_BIAS_ROWS(ACT_NONE) ACT_BIAS_ROWS(ACT_RELU) ACT_BIAS_ROWS(ACT_LEAKY_RELU)
+            ACT_BIAS_ROWS(ACT_SIGMOID) ACT_BIAS_ROWS(ACT_TANH) ACT_BIAS_ROWS(ACT_GELU)
+            ACT_BIAS_ROWS(ACT_GELU_TANH) ACT_BIAS_ROWS(ACT_SILU)
         }
+#undef ACT_BIAS_ROWS
     }
     finish_columns<VEC>(acc, db, partial, col, cols);
 }
