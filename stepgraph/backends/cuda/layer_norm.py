@@ -44,7 +44,7 @@ from ...ir.graph import Node
 from .elementwise import dropout_constants, fill_forward
 from .runtime.launch import (ELEMENT_CTYPES, _aligned, _check, _check_int32, _check_scalar,
                              _element_ctype, _kernel, _launch, _node_memory, _or_null,
-                             _row_grid, _typed)
+                             _row_grid, _typed, sm_count)
 
 SOURCE = "layer_norm.cu"
 # bf16 y (forward) or dy (backward) where compile/norm_casts.py fuse_layer_norm_casts dropped a cast
@@ -147,7 +147,7 @@ def kernel_names() -> dict[str, set[str]]:
 def _resident_blocks(device: int, name: str, threads: int) -> int:
     fn = _kernel(SOURCE, name)
     per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, threads, 0)
-    return max(1, per_sm) * cp.cuda.Device(device).attributes["MultiProcessorCount"]
+    return max(1, per_sm) * sm_count(device)
 
 
 def resident_blocks(name: str, threads: int) -> int:

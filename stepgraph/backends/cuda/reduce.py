@@ -11,7 +11,6 @@ reduce_sum, act_bias_grad and global_norm take float32, bf16 (uint16 bits) or fl
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Callable
 
@@ -25,7 +24,7 @@ from .elementwise import fill_forward
 from .runtime.launch import (BLOCK, ELEMENT_CTYPES, FLOAT_KINDS, UPDATE_CHUNK, _act_code, _aligned,
                              _buffers_key, _check, _check_int32, _check_scalar, _chunk_jobs,
                              _element_ctype, _grid, _launch, _node_memory, _row_grid, _slope,
-                             _typed)
+                             _typed, sm_count)
 
 PLANE_TARGET_BLOCKS = 512     # reduce_sum over planes: split each plane's rows to about this
 # Column sums (bias gradients) split tall inputs' rows to about this many blocks an SM: on an
@@ -51,12 +50,7 @@ FP16_OPS = BF16_OPS
 
 def _multiprocessors() -> int:
     """The current GPU's SM count."""
-    return _sm_count(cp.cuda.runtime.getDevice())
-
-
-@functools.cache
-def _sm_count(device: int) -> int:
-    return cp.cuda.Device(device).attributes["MultiProcessorCount"]
+    return sm_count(cp.cuda.runtime.getDevice())
 
 
 def _column_splits(rows: int, column_blocks: int) -> int:

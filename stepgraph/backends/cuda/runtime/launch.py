@@ -93,6 +93,13 @@ def _check_int32(what: str, n: int) -> None:
         raise ShapeError(f"{what}: {n} elements exceed the kernels' 32-bit indexing")
 
 
+@functools.cache
+def sm_count(device: int) -> int:
+    """GPU `device`'s SM count (launch shapes derived from it are fixed per GPU, so reruns
+    are bit-identical)."""
+    return cp.cuda.Device(device).attributes["MultiProcessorCount"]
+
+
 def _aligned(*arrays, to: int = 16) -> bool:
     return all(a.data.ptr % to == 0 for a in arrays)
 
