@@ -145,8 +145,8 @@ def test_update_guard_and_history_launches(monkeypatch):
                          [flags, Fake((4,), "int64"), Fake((), "int64"), Fake((6,)), loss,
                           history, Fake((16,), "int64"), Fake((16,), "int32")], Fake(()))
     assert [name for _, name, *_ in launched] == [
-        "sgd_update_kernel", "advance_step_kernel", "record_loss_kernel", "guard_check_kernel",
-        "guard_advance_kernel"]
+        "sgd_update_kernel<false>", "advance_step_kernel", "record_loss_kernel",
+        "guard_check_kernel", "guard_advance_kernel"]
     assert [args[-1] for _, _, _, _, args in launched[1:3]] == [2, 2]
     assert launched[4][4][-1] == 2
     _assert_launches_match(launched)

@@ -519,7 +519,7 @@ def test_update_launch_arguments_match_the_kernels(monkeypatch, case, guarded):
         + ([Fake((2,), "int32")] if guarded else [])
     getattr(optim, op)(None, Node(op, [], [], attrs), ins)
     (filename, name, _, _, args), = launched
-    assert (filename, name) == (optim.UPDATE_SOURCES[op], f"{op}_kernel")
+    assert (filename, name) == (optim.UPDATE_SOURCES[op], f"{op}_kernel<false>")
     _assert_launches_match(launched)
     assert args[5] is hyper and args[6] == len(HYPER_COLUMNS[op])    # the device rows
     assert (args[10] is ins[-1]) if guarded else (args[10] == 0)    # the guard flags pointer

@@ -28,7 +28,7 @@ import numpy as np
 
 from ...distributed.group import lookup_group
 from ...errors import CaptureError, ShapeError
-from .runtime.launch import (BLOCK, UPDATE_CHUNK, _buffers_key, _capturing, _check,
+from .runtime.launch import (BLOCK, MULTI_TENSOR_CHUNK, _buffers_key, _capturing, _check,
                              _chunk_jobs, _kernel, _node_memory)
 from .runtime.graph import NCCL_GROUPS_KEY
 from .runtime.side_stream import fork_events, forked, join
@@ -131,11 +131,11 @@ def _issue_all_reduce(nccl, comm, stream, dtype: int, memory: dict, ins: list, o
     if flat:
         buffer, jobs = memory["flat"], memory["jobs"]
         _launch_on(stream, f"bucket_pack{kind}_kernel",
-                   (memory["pack"], jobs, buffer, np.int32(UPDATE_CHUNK)), len(jobs))
+                   (memory["pack"], jobs, buffer, np.int32(MULTI_TENSOR_CHUNK)), len(jobs))
         comm.allReduce(buffer.data.ptr, buffer.data.ptr, buffer.size, dtype, nccl.NCCL_AVG,
                        stream.ptr)
         _launch_on(stream, f"bucket_unpack{kind}_kernel",
-                   (memory["unpack"], jobs, buffer, np.int32(UPDATE_CHUNK)), len(jobs))
+                   (memory["unpack"], jobs, buffer, np.int32(MULTI_TENSOR_CHUNK)), len(jobs))
     elif len(ins) == 1:
         comm.allReduce(ins[0].data.ptr, outs[0].data.ptr, ins[0].size, dtype, nccl.NCCL_AVG,
                        stream.ptr)
@@ -200,7 +200,7 @@ def _check_float32(op: str, arrays) -> None:
 
 def _pack(stream, memory: dict) -> None:
     _launch_on(stream, "bucket_pack_kernel", (memory["table"], memory["jobs"], memory["flat"],
-                                              np.int32(UPDATE_CHUNK)), len(memory["jobs"]))
+                                              np.int32(MULTI_TENSOR_CHUNK)), len(memory["jobs"]))
 
 
 def _copy_on(stream, dst: int, src: int, nbytes: int) -> None:
@@ -258,8 +258,9 @@ def all_gather(ctx, node, ins: list) -> None:
         nccl = _nccl()
         _communicator(group, ctx).allGather(shard.data.ptr, flat.data.ptr, chunk,
                                             nccl.NCCL_FLOAT32, ctx.stream.ptr)
-    _launch_on(ctx.stream, "bucket_unpack_kernel", (memory["table"], memory["jobs"], flat,
-                                                    np.int32(UPDATE_CHUNK)), len(memory["jobs"]))
+    _launch_on(ctx.stream, "bucket_unpack_kernel",
+               (memory["table"], memory["jobs"], flat, np.int32(MULTI_TENSOR_CHUNK)),
+               len(memory["jobs"]))
 
 
 def all_reduce_norm(ctx, node, ins: list, outs: list) -> None:

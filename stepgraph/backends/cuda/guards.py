@@ -18,7 +18,7 @@ import numpy as np
 from ...errors import ShapeError
 from ...ir.graph import Node
 from ...ops.guard import GUARD_GRADS, GUARD_LABELS, GUARD_LOSS, N_COUNTERS, N_FLAGS
-from .runtime.launch import (BLOCK, LABEL_CTYPES, UPDATE_CHUNK, _aligned, _buffers_key,
+from .runtime.launch import (BLOCK, LABEL_CTYPES, MULTI_TENSOR_CHUNK, _aligned, _buffers_key,
                              _check, _check_scalar, _chunk_jobs, _float_kind, _launch,
                              _node_memory, _or_null)
 
@@ -33,11 +33,11 @@ COPY_ENTRY = np.dtype([("src", "<u8"), ("dst", "<u8"), ("n", "<i8"), ("vec", "<i
 BF16_OPS = frozenset({"guard_check"})   # bf16 gradients (KIND 3)
 # float16 gradients and losses (KIND 4); a float16 loss in a float16 history
 FP16_OPS = frozenset({"guard_check", "guard_advance"})
-COPY_CHUNK = UPDATE_CHUNK     # bytes a block copies (the saved state is small: BatchNorm's)
+COPY_CHUNK = MULTI_TENSOR_CHUNK     # bytes a block copies (the saved state is small: BatchNorm's)
 # Elements guard_check_kernel's block reads (a multiple of 8): four 16-byte loads a thread at
-# float32, two at 16 bits. At one load a thread (UPDATE_CHUNK) the check read unet_pad's
+# float32, two at 16 bits. At one load a thread (MULTI_TENSOR_CHUNK) the check read unet_pad's
 # gradients at 1.1-2.3 TB/s, its blocks as long starting as reading.
-GUARD_CHUNK = 4 * UPDATE_CHUNK
+GUARD_CHUNK = 4 * MULTI_TENSOR_CHUNK
 
 
 def kernel_names() -> dict[str, set[str]]:

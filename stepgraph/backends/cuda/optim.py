@@ -190,7 +190,7 @@ GRAD_TRANSPOSED, COPY_TRANSPOSED = 1 << 16, 1 << 17     # include/update.cuh, bi
 # Elements a block of a transposed entry updates, at most (whole slices, at least one): small
 # slices (a 64-channel 3x3 weight's 576) are taken several a block, so that its two
 # synchronisations are paid over about 16 elements a thread.
-SLICED_SPAN = 4 * UPDATE_CHUNK
+SLICED_SPAN = 4096
 
 
 def _slot_positions(node: Node) -> list[int]:
@@ -251,6 +251,13 @@ def _flag(node: Node, name: str) -> np.int32:
     return np.int32(bool(node.attrs.get(name)))
 
 
+def _update_kernel(op: str, sliced: bool) -> str:
+    """The update kernel of `op` for plain chunks or for transposed entries' slices: one path
+    compiled each (include/update.cuh update_chunk's SLICED, which keeps the plain one's
+    registers down)."""
+    return f"{op}_kernel<{str(sliced).lower()}>"
+
+
 def _launch_update(ctx, node: Node, ins: list, flags: tuple) -> None:
     """The node's update kernel over every parameter: one launch for the parameters in plain
     chunks, one for those whose transposed gradient or copy it moves through its shared-memory
@@ -260,10 +267,11 @@ def _launch_update(ctx, node: Node, ins: list, flags: tuple) -> None:
     if not node.attrs["n_params"]:
         return
     tables, args = _update_tables(node, ins, ctx)
-    for jobs, tile in ((tables["plain"], 0), (tables["sliced"], tables["tile"])):
+    for jobs, sliced, tile in ((tables["plain"], False, 0),
+                               (tables["sliced"], True, tables["tile"])):
         if len(jobs):
-            _launch(ctx, UPDATE_SOURCES[node.op], f"{node.op}_kernel", (len(jobs),), (BLOCK,),
-                    (args[0], jobs) + args[1:] + flags, shared_mem=tile)
+            _launch(ctx, UPDATE_SOURCES[node.op], _update_kernel(node.op, sliced), (len(jobs),),
+                    (BLOCK,), (args[0], jobs) + args[1:] + flags, shared_mem=tile)
     _permuted_copies(ctx, node, ins)
 
 
@@ -312,7 +320,8 @@ def kernel_names() -> dict[str, set[str]]:
     """{.cu file: every kernel name these launchers may launch} (as elementwise.py's)."""
     return {"optim.cu": {"advance_step_kernel", "lr_schedule_kernel", "record_loss_kernel",
                          "step_increment_kernel", "weight_copies_permute_kernel"},
-            **{source: {f"{op}_kernel"} for op, source in UPDATE_SOURCES.items()}}
+            **{source: {_update_kernel(op, sliced) for sliced in (False, True)}
+               for op, source in UPDATE_SOURCES.items()}}
 
 
 IMPLS: dict[str, Callable] = {

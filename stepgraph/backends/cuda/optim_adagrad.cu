@@ -24,12 +24,13 @@ __device__ __forceinline__ void adagrad_element(float& p, float g, float& sum,
 }
 
 // hyper row: lr, weight_decay, lr_decay, eps, step_offset.
-extern "C" __global__ void adagrad_update_kernel(const UpdateEntry* entries, const int2* blocks,
-                                                 int chunk, const float* lr,
-                                                 const long long* step, const double* hyper,
-                                                 int width, const float* norm, int clip,
-                                                 double max_norm, const int* guard,
-                                                 int maximize) {
+template <bool SLICED>
+__global__ void adagrad_update_kernel(const UpdateEntry* entries, const int2* blocks,
+                                      int chunk, const float* lr,
+                                      const long long* step, const double* hyper,
+                                      int width, const float* norm, int clip,
+                                      double max_norm, const int* guard,
+                                      int maximize) {
     await_previous_kernel();
     __shared__ AdagradScalars s;
     if (threadIdx.x == 0) {
@@ -45,8 +46,8 @@ extern "C" __global__ void adagrad_update_kernel(const UpdateEntry* entries, con
     }
     __syncthreads();
     if (s.skip) return;
-    update_chunk(entries, blocks, chunk, 1,
-                 [&](float& p, float g, float& sum, float&, float&) {
-                     adagrad_element(p, g, sum, s);
-                 });
+    update_chunk<SLICED>(entries, blocks, chunk, 1,
+                         [&](float& p, float g, float& sum, float&, float&) {
+                             adagrad_element(p, g, sum, s);
+                         });
 }

@@ -35,11 +35,12 @@ __device__ __forceinline__ void adam_element(float& p, float g, float& m, float&
 }
 
 // hyper row: lr, weight_decay, beta1, beta2, eps, step_offset.
-extern "C" __global__ void adam_update_kernel(const UpdateEntry* entries, const int2* blocks,
-                                              int chunk, const float* lr, const long long* step,
-                                              const double* hyper, int width, const float* norm,
-                                              int clip, double max_norm, const int* guard,
-                                              int decoupled, int amsgrad, int maximize) {
+template <bool SLICED>
+__global__ void adam_update_kernel(const UpdateEntry* entries, const int2* blocks,
+                                   int chunk, const float* lr, const long long* step,
+                                   const double* hyper, int width, const float* norm,
+                                   int clip, double max_norm, const int* guard,
+                                   int decoupled, int amsgrad, int maximize) {
     await_previous_kernel();
     __shared__ AdamScalars s;
     if (threadIdx.x == 0) {
@@ -65,8 +66,8 @@ extern "C" __global__ void adam_update_kernel(const UpdateEntry* entries, const 
     }
     __syncthreads();
     if (s.skip) return;
-    update_chunk(entries, blocks, chunk, s.amsgrad ? 7 : 3,
-                 [&](float& p, float g, float& m, float& v, float& vmax) {
-                     adam_element(p, g, m, v, vmax, s);
-                 });
+    update_chunk<SLICED>(entries, blocks, chunk, s.amsgrad ? 7 : 3,
+                         [&](float& p, float g, float& m, float& v, float& vmax) {
+                             adam_element(p, g, m, v, vmax, s);
+                         });
 }

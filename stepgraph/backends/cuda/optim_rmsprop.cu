@@ -38,12 +38,13 @@ __device__ __forceinline__ void rmsprop_element(float& p, float g, float& sq, fl
 
 // hyper row: lr, weight_decay, alpha, eps, momentum. Table slots: s0 square_avg, s1 grad_avg
 // (centered), s2 momentum_buffer (has_buffer: the step was built with momentum).
-extern "C" __global__ void rmsprop_update_kernel(const UpdateEntry* entries, const int2* blocks,
-                                                 int chunk, const float* lr,
-                                                 const long long* step, const double* hyper,
-                                                 int width, const float* norm, int clip,
-                                                 double max_norm, const int* guard,
-                                                 int centered, int has_buffer, int maximize) {
+template <bool SLICED>
+__global__ void rmsprop_update_kernel(const UpdateEntry* entries, const int2* blocks,
+                                      int chunk, const float* lr,
+                                      const long long* step, const double* hyper,
+                                      int width, const float* norm, int clip,
+                                      double max_norm, const int* guard,
+                                      int centered, int has_buffer, int maximize) {
     await_previous_kernel();
     __shared__ RmspropScalars s;
     if (threadIdx.x == 0) {
@@ -63,8 +64,9 @@ extern "C" __global__ void rmsprop_update_kernel(const UpdateEntry* entries, con
     }
     __syncthreads();
     if (s.skip) return;
-    update_chunk(entries, blocks, chunk, 1 | (s.centered ? 2 : 0) | (s.has_momentum ? 4 : 0),
-                 [&](float& p, float g, float& sq, float& ga, float& buf) {
-                     rmsprop_element(p, g, sq, ga, buf, s);
-                 });
+    update_chunk<SLICED>(entries, blocks, chunk,
+                         1 | (s.centered ? 2 : 0) | (s.has_momentum ? 4 : 0),
+                         [&](float& p, float g, float& sq, float& ga, float& buf) {
+                             rmsprop_element(p, g, sq, ga, buf, s);
+                         });
 }

@@ -27,11 +27,12 @@ __device__ __forceinline__ void sgd_element(float& p, float g, float& buf, const
 
 // hyper row: lr, weight_decay, momentum, dampening, step_offset. has_buffer: the step has momentum buffers;
 // a row with momentum 0 then updates as plain SGD and leaves its buffer untouched.
-extern "C" __global__ void sgd_update_kernel(const UpdateEntry* entries, const int2* blocks,
-                                             int chunk, const float* lr, const long long* step,
-                                             const double* hyper, int width, const float* norm,
-                                             int clip, double max_norm, const int* guard,
-                                             int has_buffer, int nesterov, int maximize) {
+template <bool SLICED>
+__global__ void sgd_update_kernel(const UpdateEntry* entries, const int2* blocks,
+                                  int chunk, const float* lr, const long long* step,
+                                  const double* hyper, int width, const float* norm,
+                                  int clip, double max_norm, const int* guard,
+                                  int has_buffer, int nesterov, int maximize) {
     await_previous_kernel();
     __shared__ SgdScalars s;
     if (threadIdx.x == 0) {
@@ -52,8 +53,8 @@ extern "C" __global__ void sgd_update_kernel(const UpdateEntry* entries, const i
     }
     __syncthreads();
     if (s.skip) return;
-    update_chunk(entries, blocks, chunk, s.has_momentum ? 1 : 0,
-                 [&](float& p, float g, float& buf, float&, float&) {
-                     sgd_element(p, g, buf, s);
-                 });
+    update_chunk<SLICED>(entries, blocks, chunk, s.has_momentum ? 1 : 0,
+                         [&](float& p, float g, float& buf, float&, float&) {
+                             sgd_element(p, g, buf, s);
+                         });
 }

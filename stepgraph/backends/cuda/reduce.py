@@ -258,7 +258,7 @@ def act_bias_backward(ctx, node: Node, dy, saved, dz, db, kind: str,
 def _build_norm_tables(tensors) -> dict:
     entries = np.array([(t.data.ptr, t.size, _aligned(t), FLOAT_KINDS[t.dtype])
                         for t in tensors], dtype=np.int64)
-    jobs = _chunk_jobs([t.size for t in tensors])
+    jobs = _chunk_jobs([t.size for t in tensors], UPDATE_CHUNK)
     return dict(entries=cp.asarray(entries), jobs=cp.asarray(jobs),
                 partials=cp.zeros(len(jobs), np.float64), counter=cp.zeros(1, np.uint32))
 

@@ -24,7 +24,13 @@ from . import compiler
 BLOCK = 256                   # threads of a 1-D elementwise block
 MAX_BLOCKS = 8192             # grid-stride loops cover the rest
 MAX_INT = 2**31 - 1           # kernels index (N, C) and NCHW shapes with 32-bit ints
-UPDATE_CHUNK = 1024           # elements per block of a multi-tensor kernel: one float4 per thread
+MULTI_TENSOR_CHUNK = 1024     # elements a block of a multi-tensor copy kernel: one float4 a thread
+# Elements per block of an optimizer update and of the gradient norm: four float4 groups a
+# thread. Their blocks open with a serial prologue (one thread reads the parameter's table row
+# and hyperparameters, then a barrier) that at one group a thread outlasted the loads: on the
+# gpt's 10.8M parameters (H200, bf16) Adam's update took 122 µs at 4,096 against 182 at 1,024,
+# the norm 18 against 38.
+UPDATE_CHUNK = 4096
 ACT_CODES = {"none": -1, "relu": 0, "leaky_relu": 1, "sigmoid": 2, "tanh": 3, "gelu": 4,
              "gelu_tanh": 5, "silu": 6}      # the ACT_* codes of include/elementwise.cuh
 LABEL_CTYPES = {np.dtype("int32"): "int", np.dtype("int64"): "long long"}
@@ -153,7 +159,7 @@ def _buffers_key(arrays) -> tuple:
     return tuple((a.data.ptr, a.size) for a in arrays)
 
 
-def _chunk_jobs(sizes: list[int], chunk: int | list[int] = UPDATE_CHUNK) -> np.ndarray:
+def _chunk_jobs(sizes: list[int], chunk: int | list[int] = MULTI_TENSOR_CHUNK) -> np.ndarray:
     """(tensor, chunk) work items of a multi-tensor kernel, `chunk` elements each, at least
     one per tensor; or, given one chunk a tensor, each tensor's own (0: no work items for
     that tensor, which another launch of the same table takes)."""
