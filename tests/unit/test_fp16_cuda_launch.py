@@ -166,6 +166,7 @@ def test_update_tables_code_the_float16_storages(monkeypatch):
     for mod in (optim, launch):
         monkeypatch.setattr(mod, "_check", dtype_check)
     monkeypatch.setattr(optim.cp, "asarray", np.asarray)
+    monkeypatch.setattr(launch, "current_sm_count", lambda: 132)     # an H200's
     params = [Fake((4,), F16, 0x1000), Fake((4,), ptr=0x2000)]
     grads = [Fake((4,), F16, 0x3000), Fake((4,), "uint16", 0x4000)]
     slots = [[Fake((4,), F16, 0x5000), Fake((4,), ptr=0x6000)]]

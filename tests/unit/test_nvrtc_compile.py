@@ -417,7 +417,7 @@ def _fake_memory(node, key, ctx, build, required=True):
     kind = key[0]
     if kind == "update":        # jobs in plain chunks only: one launch
         return {"entries": Fake((4,), "int64"), "plain": Fake((3, 2)), "sliced": Fake((0, 2)),
-                "tile": 0}
+                "tile": 0, "chunk": 4096}
     if kind in ("guard_check", "guard_save", "guard_restore"):
         return {"entries": Fake((4,), "int64"), "jobs": Fake((3, 2))}
     if kind == "embedding_sort":
@@ -456,7 +456,8 @@ def _record_launches(monkeypatch, *modules):
                            ("_launch", lambda ctx, filename, name, grid, block, args, *_, **__:
                             launched.append((filename, name, grid, block, args)))):
             monkeypatch.setattr(mod, name, fake, raising=False)
-    monkeypatch.setattr(reduce, "_multiprocessors", lambda: 132)     # an H200's
+    for mod in (launch, reduce):
+        monkeypatch.setattr(mod, "current_sm_count", lambda: 132)     # an H200's
     return launched
 
 

@@ -173,6 +173,7 @@ def test_update_tables_mark_the_transposed_entries(monkeypatch):
     monkeypatch.setattr(cuda_optim.cp, "asarray", np.asarray)
     for module in (cuda_optim, launch):
         monkeypatch.setattr(module, "_check", lambda *a, **k: None)
+    monkeypatch.setattr(launch, "current_sm_count", lambda: 132)     # an H200's
     shapes = [(64, 32, 3, 3), (6, 3, 5, 5), (10,), (3, 1024, 3, 3)]
     params = [Fake(s, ptr=0x10000 * (i + 1)) for i, s in enumerate(shapes)]
     grads = [Fake(tuple(s[d] for d in TO_KRSC) if len(s) == 4 else s, "uint16")

@@ -27,9 +27,9 @@ from ...ops.optim import (HYPER_AT, HYPER_COLUMNS, HYPER_DTYPE, NORM_AT, UPDATE_
                           UPDATE_SCALARS, UPDATE_TILE, hyper_rows, update_grad_dims,
                           update_transposes, update_weight_copies)
 from .broadcast import permute_tables
-from .runtime.launch import (BLOCK, FLOAT_KINDS, UPDATE_CHUNK, _aligned, _buffers_key, _check,
+from .runtime.launch import (BLOCK, FLOAT_KINDS, _aligned, _buffers_key, _check,
                              _check_scalar, _chunk_jobs, _element_ctype, _float_kind,
-                             _launch, _node_memory)
+                             _launch, _node_memory, update_chunk)
 from .runtime.update_stream import launch_update, update_join
 
 # update_join runs no kernel: its (held) operands may be of any dtype.
@@ -134,7 +134,7 @@ def _weight_copies(node: Node, ins: list) -> list[tuple[int, Any, Any]]:
 def _build_update_tables(op: str, params, grads, slots, positions, rows, copies,
                          grad_dims=None) -> dict:
     """The update kernels' UpdateEntry rows and their (parameter, block) jobs: `plain`, chunks
-    of UPDATE_CHUNK elements, and `sliced`, the transposed entries' spans of whole slices
+    of `chunk` elements (runtime/launch.py update_chunk), and `sliced`, the transposed entries' spans of whole slices
     (include/update.cuh update_slices), with the shared memory those take. slots: per slot,
     its tensor of each parameter, placed at table slot positions[j] (s0, s1, s2); rows: each
     parameter's hyperparameter row; copies: {parameter index: (its weight copy, whether it holds
@@ -179,9 +179,10 @@ def _build_update_tables(op: str, params, grads, slots, positions, rows, copies,
             tile = max(tile, per * rest * (cols + 1) * 4)
         entries.append(ptrs + [p.size, int(aligned), kinds, rows[i], cols, rest, span])
     sizes, spans = [p.size for p in params], [e[-1] for e in entries]
+    chunk = update_chunk(sum(n for n, s in zip(sizes, spans) if not s))
     return dict(entries=cp.asarray(np.array(entries, dtype=np.int64).reshape(-1, ENTRY_WIDTH)),
-                plain=cp.asarray(_chunk_jobs(sizes, [0 if s else UPDATE_CHUNK for s in spans])),
-                sliced=cp.asarray(_chunk_jobs(sizes, spans)), tile=tile)
+                plain=cp.asarray(_chunk_jobs(sizes, [0 if s else chunk for s in spans])),
+                sliced=cp.asarray(_chunk_jobs(sizes, spans)), tile=tile, chunk=chunk)
 
 
 ENTRY_WIDTH = 13     # include/update.cuh UpdateEntry: 6 pointers, n, aligned, kinds, row, cols,
@@ -226,7 +227,7 @@ def _update_tables(node: Node, ins: list, ctx):
     if node.attrs.get("guard"):
         guard = ins[-1]
         _check(f"{node.op} guard flags", guard, "int32", (2,))
-    return tables, (tables["entries"], np.int32(UPDATE_CHUNK), lr, step, hyper,
+    return tables, (tables["entries"], np.int32(tables["chunk"]), lr, step, hyper,
                     np.int32(width)) + clip + (guard,)
 
 

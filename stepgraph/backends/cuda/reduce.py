@@ -21,10 +21,10 @@ from ...errors import ShapeError
 from ...ir.graph import Node
 from ...ops.shape import contiguous_strides
 from .elementwise import fill_forward
-from .runtime.launch import (BLOCK, ELEMENT_CTYPES, FLOAT_KINDS, UPDATE_CHUNK, _act_code, _aligned,
+from .runtime.launch import (BLOCK, ELEMENT_CTYPES, FLOAT_KINDS, _act_code, _aligned,
                              _buffers_key, _check, _check_int32, _check_scalar, _chunk_jobs,
                              _element_ctype, _grid, _launch, _node_memory, _row_grid, _slope,
-                             _typed, sm_count)
+                             _typed, current_sm_count, update_chunk)
 
 PLANE_TARGET_BLOCKS = 512     # reduce_sum over planes: split each plane's rows to about this
 # Column sums (bias gradients) split tall inputs' rows to about this many blocks an SM: on an
@@ -48,16 +48,11 @@ BF16_OPS = frozenset({"reduce_sum", "act_bias_grad", "global_norm"})
 FP16_OPS = BF16_OPS
 
 
-def _multiprocessors() -> int:
-    """The current GPU's SM count."""
-    return sm_count(cp.cuda.runtime.getDevice())
-
-
 def _column_splits(rows: int, column_blocks: int) -> int:
     """Row splits of a column kernel of `column_blocks` blocks across: about
     COLUMN_BLOCKS_PER_SM blocks an SM for tall inputs, none below COLUMN_SPLIT_ROWS rows per
     split (a second launch would cost more). A fixed number per GPU: reruns are bit-identical."""
-    target = COLUMN_BLOCKS_PER_SM * _multiprocessors()
+    target = COLUMN_BLOCKS_PER_SM * current_sm_count()
     return max(1, min(target // column_blocks, rows // COLUMN_SPLIT_ROWS))
 
 
@@ -258,8 +253,9 @@ def act_bias_backward(ctx, node: Node, dy, saved, dz, db, kind: str,
 def _build_norm_tables(tensors) -> dict:
     entries = np.array([(t.data.ptr, t.size, _aligned(t), FLOAT_KINDS[t.dtype])
                         for t in tensors], dtype=np.int64)
-    jobs = _chunk_jobs([t.size for t in tensors], UPDATE_CHUNK)
-    return dict(entries=cp.asarray(entries), jobs=cp.asarray(jobs),
+    chunk = update_chunk(sum(t.size for t in tensors))
+    jobs = _chunk_jobs([t.size for t in tensors], chunk)
+    return dict(entries=cp.asarray(entries), jobs=cp.asarray(jobs), chunk=chunk,
                 partials=cp.zeros(len(jobs), np.float64), counter=cp.zeros(1, np.uint32))
 
 
@@ -272,7 +268,7 @@ def global_norm_forward(ctx, node: Node, tensors, out) -> None:
     tables = _node_memory(node, key, ctx, lambda: _checked_norm_tables(tensors))
     _launch(ctx, "reduce.cu", "global_norm_forward_kernel", (len(tables["partials"]),), (BLOCK,),
             (tables["entries"], tables["jobs"], tables["partials"], tables["counter"], out,
-             np.int32(UPDATE_CHUNK)))
+             np.int32(tables["chunk"])))
 
 
 def _checked_norm_tables(tensors) -> dict:

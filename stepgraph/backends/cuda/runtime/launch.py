@@ -25,12 +25,15 @@ BLOCK = 256                   # threads of a 1-D elementwise block
 MAX_BLOCKS = 8192             # grid-stride loops cover the rest
 MAX_INT = 2**31 - 1           # kernels index (N, C) and NCHW shapes with 32-bit ints
 MULTI_TENSOR_CHUNK = 1024     # elements a block of a multi-tensor copy kernel: one float4 a thread
-# Elements per block of an optimizer update and of the gradient norm: four float4 groups a
-# thread. Their blocks open with a serial prologue (one thread reads the parameter's table row
-# and hyperparameters, then a barrier) that at one group a thread outlasted the loads: on the
-# gpt's 10.8M parameters (H200, bf16) Adam's update took 122 µs at 4,096 against 182 at 1,024,
-# the norm 18 against 38.
-UPDATE_CHUNK = 4096
+# Elements per block of an optimizer update and of the gradient norm (update_chunk): up to
+# four float4 groups a thread. Their blocks open with a serial prologue (one thread reads the
+# parameter's table row and hyperparameters, then a barrier) that at one group a thread
+# outlasted the loads: on the gpt's 10.8M parameters (H200, bf16) Adam's update took 122 µs at
+# 4,096 against 182 at 1,024, the norm 18 against 38. Small models keep smaller chunks, so
+# that every SM still gets UPDATE_BLOCKS_PER_SM blocks (a thread's groups load one after
+# another: fewer blocks would leave SMs idle).
+UPDATE_CHUNKS = (4096, 2048, 1024)
+UPDATE_BLOCKS_PER_SM = 4      # of 256 threads: what the plain update kernels' registers allow
 ACT_CODES = {"none": -1, "relu": 0, "leaky_relu": 1, "sigmoid": 2, "tanh": 3, "gelu": 4,
              "gelu_tanh": 5, "silu": 6}      # the ACT_* codes of include/elementwise.cuh
 LABEL_CTYPES = {np.dtype("int32"): "int", np.dtype("int64"): "long long"}
@@ -104,6 +107,18 @@ def sm_count(device: int) -> int:
     """GPU `device`'s SM count (launch shapes derived from it are fixed per GPU, so reruns
     are bit-identical)."""
     return cp.cuda.Device(device).attributes["MultiProcessorCount"]
+
+
+def current_sm_count() -> int:
+    """The current GPU's SM count."""
+    return sm_count(cp.cuda.runtime.getDevice())
+
+
+def update_chunk(total: int) -> int:
+    """Elements a block of an optimizer update or gradient norm over `total` elements takes:
+    the largest of UPDATE_CHUNKS that still makes UPDATE_BLOCKS_PER_SM blocks an SM."""
+    target = UPDATE_BLOCKS_PER_SM * current_sm_count()
+    return next((c for c in UPDATE_CHUNKS if total >= c * target), UPDATE_CHUNKS[-1])
 
 
 def _aligned(*arrays, to: int = 16) -> bool:
