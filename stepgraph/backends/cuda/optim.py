@@ -133,14 +133,14 @@ def _weight_copies(node: Node, ins: list) -> list[tuple[int, Any, Any]]:
 
 def _build_update_tables(op: str, params, grads, slots, positions, rows, copies,
                          grad_dims=None) -> dict:
-    """The update kernels' UpdateEntry rows and their (parameter, block) jobs: `plain`, chunks
-    of `chunk` elements (runtime/launch.py update_chunk), and `sliced`, the transposed entries' spans of whole slices
-    (include/update.cuh update_slices), with the shared memory those take. slots: per slot,
-    its tensor of each parameter, placed at table slot positions[j] (s0, s1, s2); rows: each
-    parameter's hyperparameter row; copies: {parameter index: (its weight copy, whether it holds
-    the parameter's slices transposed)}, written by the update itself; grad_dims: per
-    parameter, None or the slice transpose its gradient is given in. A parameter and its
-    state are float32 or all float16; its gradient float32, bf16 bits or float16."""
+    """The update kernels' UpdateEntry rows and their (parameter, block) jobs: `plain`, chunks of
+    `chunk` elements (runtime/launch.py update_chunk), and `sliced`, the transposed entries'
+    spans of whole slices (include/update.cuh update_slices), with the shared memory those take.
+    slots: per slot, its tensor of each parameter, placed at table slot positions[j] (s0, s1,
+    s2); rows: each parameter's hyperparameter row; copies: {parameter index: (its weight copy,
+    whether it holds the parameter's slices transposed)}, written by the update itself;
+    grad_dims: per parameter, None or the slice transpose its gradient is given in. A parameter
+    and its state are float32 or all float16; its gradient float32, bf16 bits or float16."""
     entries, tile = [], 0
     grad_dims = grad_dims or (None,) * len(params)
     for i, (p, g) in enumerate(zip(params, grads)):

@@ -169,8 +169,8 @@ __device__ __forceinline__ void update_slices(const UpdateEntry& e, long long st
 // written back, the others read as 0.
 // SLICED: the launch's jobs are all transposed entries' (optim.py launches the plain and the
 // sliced jobs apart). Each kernel compiles one path only: with both, Adam's update held 84
-// registers a thread (two blocks of 256 an SM) and took 182 µs on the gpt's 10.8M parameters
-// (H200), the plain path alone 51 (four blocks).
+// registers a thread (two blocks of 256 an SM), the plain path alone 51 (four blocks), and on
+// the gpt's 10.8M parameters (H200) took 118 µs against 182 at 1,024 elements a block.
 template <bool SLICED, typename Element>
 __device__ __forceinline__ void update_chunk(const UpdateEntry* entries, const int2* blocks,
                                              int chunk, int slots, Element element) {
