@@ -25,7 +25,8 @@ _I = re.IGNORECASE
 # convolutions, and cuBLAS's split-k kernel says "reduce". Names come from stepgraph's .cu files,
 # cuDNN / cuBLAS(Lt) / CUTLASS, and ATen (at::native::...); inductor's are below.
 RULES: tuple[tuple[str, re.Pattern], ...] = (
-    ("attention", re.compile(r"flash|fmha|sdpa|attention|attn", _I)),
+    # cuDNN's sdpa backward also runs two cudnn::fusion kernels: dot(dO, O) and the dQ GEMM
+    ("attention", re.compile(r"flash|fmha|sdpa|attention|attn|dot_do_o|matmul_dq", _I)),
     # the step's bookkeeping counts as the optimizer's: lr schedule, step counter, loss scale,
     # gradient clipping's global norm, torch's multi-tensor (foreach / fused) launches
     ("optimizer", re.compile(r"sgd|adam|adagrad|rmsprop|lamb_|optimizer|foreach|multi_tensor_"

@@ -104,6 +104,10 @@ NAMES = {
     "float const*, float*)": "copy / layout",
     "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1"
     "_kernel0_0": "attention",
+    "void cudnn::fusion::matmul_dq<true, 64>(void const*, void const*, void*, unsigned int, "
+    "unsigned int)": "attention",
+    "void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*, void const*, "
+    "void*, void*, unsigned int)": "attention",
     # cuBLAS / cuBLASLt / CUTLASS
     "sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize128x128x32_warpgroupsize1x1x1"
     "_execute_segment_k_off_kernel__5x_cublas": "gemm",
