@@ -25,6 +25,7 @@ from stepgraph.ir.graph import Node, Value  # noqa: E402
 from stepgraph.ir.ops import IMPLS as NUMPY_IMPLS  # noqa: E402
 from stepgraph.ops.conv import conv_out  # noqa: E402
 from tests.cuda.helpers import check_replays, random, rel_err  # noqa: E402
+from tests.ops.helpers import assert_close  # noqa: E402
 
 if not conv_cudnn.available():
     pytest.skip(f"cuDNN is not usable: {conv_cudnn.unavailable_reason()}",
@@ -211,17 +212,14 @@ def test_reference_matches_numpy_on_plain_convs():
     rng = np.random.default_rng(4)
     x, w, dy = random(rng, *xs), random(rng, *ws), random(rng, *ys)
     plain = {"stride": cfg[7], "padding": cfg[8]}
-
-    def close(want, got, rtol):
-        # float64 against the float32 ops: relative to the output's scale, since an output
-        # that sums to near zero carries the float32 sums' absolute error (one, -0.009 of
-        # outputs up to 4, came out 5.9e-5 apart relatively with one host's BLAS)
-        np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())
-
-    close(reference("conv2d", cfg, [x, w])[0], _numpy("conv2d", [x, w], [ys], **plain)[0],
-          rtol=1e-5)
-    close(reference("conv2d_grad_weight", cfg, [dy, x])[0],
-          _numpy("conv2d_grad_weight", [dy, x], [ws], weight_shape=ws, **plain)[0], rtol=1e-4)
+    # float64 against the float32 ops, relative to the output's scale (assert_close's floor):
+    # one output of -0.009, among outputs up to 4, came out 5.9e-5 apart relatively with one
+    # host's BLAS
+    assert_close(_numpy("conv2d", [x, w], [ys], **plain)[0],
+                 reference("conv2d", cfg, [x, w])[0], rtol=1e-5, what="conv2d")
+    assert_close(_numpy("conv2d_grad_weight", [dy, x], [ws], weight_shape=ws, **plain)[0],
+                 reference("conv2d_grad_weight", cfg, [dy, x])[0], rtol=1e-4,
+                 what="conv2d_grad_weight")
 
 
 @pytest.mark.parametrize("op", ["conv2d", "conv2d_grad_input", "conv2d_grad_weight"])
