@@ -51,7 +51,7 @@
 
 #define LAYER_NORM_MAX_THREADS 512   // threads of a block (layer_norm.py MAX_THREADS)
 #define LAYER_NORM_BLOCK_ROWS_THREADS 256   // threads of a block of several rows at most
-#define FINALIZE_LANES 8             // slot lanes of a finalize block (layer_norm.py)
+#define FINALIZE_LANES 32            // slot lanes of a finalize block (layer_norm.py)
 // The backward holds dy, xhat and two sums per float of a thread: below 16 floats a thread
 // (row groups of at most 256 threads, layer_norm.py row_layout) it is asked to fit 3 blocks of
 // 256 threads on an SM (at most 80 registers), which keeps enough loads in flight.

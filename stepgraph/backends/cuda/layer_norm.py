@@ -68,7 +68,7 @@ FLOATS_PER_THREAD = 16       # K * VEC at most: dy, xhat, weight and two sums in
 KS = {4: (1, 2, 3, 4), 1: (1, 2, 3, 4, 6, 8, 12, 16)}   # K per VEC the templates exist for
 LOOP_THREADS = 256           # row group of the *_loop kernels (one row a block)
 PARTIAL_MAX = 1 << 21        # floats of one partial-sum table (blocks * C) at most
-FINALIZE_LANES = 8           # slot lanes of a finalize block (FINALIZE_LANES in the .cu)
+FINALIZE_LANES = 32          # slot lanes of a finalize block (FINALIZE_LANES in the .cu)
 
 
 @dataclass(frozen=True)
