@@ -426,8 +426,7 @@ def _fake_memory(node, key, ctx, build, required=True):
                     positions=(Fake((key[1],), "int32"), Fake((key[1],), "int32")),
                     hist=Fake((256 * blocks,), "int32"), blocks=blocks)
     if kind in ("layer_norm_grad", "add_layer_norm_grad", "rms_norm_grad", "add_rms_norm_grad"):
-        return dict(w=Fake((key[1] * key[2],)) if key[3] else None,
-                    b=Fake((key[1] * key[2],)) if key[4] else None)
+        return [Fake((key[1] * key[2],)) if want else None for want in key[3]]   # blocks x C
     if kind == "cross_entropy":
         return dict(counter=Fake((1,), "uint32"), count=Fake((1,), "int32"),
                     rowloss=Fake((key[1],)))
@@ -842,6 +841,65 @@ def test_norm_grads_store_a_half_dx(monkeypatch, c, op, half, form):
         assert isinstance(args[dx_at], Fake) == (form == "copy")
         assert args[dx_at + 1] is (copy if form == "copy" else dx)
     assert {name for _, name, *_ in launched} <= layer_norm.kernel_names()["layer_norm.cu"]
+    _assert_launches_match(launched)
+
+
+@pytest.mark.parametrize("c", [33, 384, 8196])
+@pytest.mark.parametrize("op", ["layer_norm", "add_layer_norm", "rms_norm", "add_rms_norm"])
+@pytest.mark.parametrize("copy", ["float32", "uint16", "float16"])
+def test_norm_grads_sum_the_copy_they_store(monkeypatch, c, op, copy):
+    """compile/norm_casts.py fuse_norm_grad_bias_sums: a backward's dsum, the column sum of the
+    dx copy it stores last (dx_half, else dx), takes a partial table after partial_w and
+    partial_b, and the finalize's last table, stored in the copy's C type."""
+    from stepgraph.backends.cuda import layer_norm
+
+    launched = _record_launches(monkeypatch, layer_norm)
+    monkeypatch.setattr(layer_norm, "resident_blocks", lambda name, threads: 528)
+    x, w, stats = Fake((3, 7, c)), Fake((c,)), [Fake((21,)), Fake((21,))]
+    half = None if copy == "float32" else Fake(x.shape, copy)
+    dsum, ds = Fake((c,), copy), Fake(x.shape) if op.startswith("add_") else None
+    if op.endswith("rms_norm"):
+        layer_norm.rms_norm_backward(None, object(), Fake(x.shape), x, w, stats[1],
+                                     Fake(x.shape), Fake((c,)), dx_half=half, ds=ds, dsum=dsum)
+    else:
+        layer_norm.layer_norm_backward(None, object(), Fake(x.shape), x, w, *stats,
+                                       Fake(x.shape), Fake((c,)), Fake((c,)), ds=ds,
+                                       dx_half=half, dsum=dsum)
+    (_, _, _, _, backward), (_, name, grid, _, args) = launched
+    tables = 3 - op.endswith("rms_norm")
+    at = 7 + op.startswith("add_") - op.endswith("rms_norm")     # the first partial table
+    assert all(isinstance(t, Fake) for t in backward[at:at + tables])
+    stype = {"float32": "", "uint16": ", unsigned short", "float16": ", fp16_bits"}[copy]
+    assert name == f"layer_norm_grad_finalize_kernel<float{stype}>"
+    assert grid == (-(-c // 32), tables) and args[5] is dsum
+    assert {name for _, name, *_ in launched} <= layer_norm.kernel_names()["layer_norm.cu"]
+    _assert_launches_match(launched)
+
+
+@pytest.mark.parametrize("op", ["add_layer_norm", "add_rms_norm"])
+def test_norm_grads_too_wide_for_their_shared_sums_leave_them_to_a_column_kernel(monkeypatch,
+                                                                                 op):
+    """A register kernel of one row lane whose row is wider than its shared table (6,144
+    floats over 384 threads of 16) takes no partial_s: a column sum of the copy follows."""
+    from stepgraph.backends.cuda import layer_norm
+
+    launched = _record_launches(monkeypatch, layer_norm)
+    monkeypatch.setattr(layer_norm, "resident_blocks", lambda name, threads: 528)
+    c = 6144
+    x, w, stats = Fake((3, 7, c)), Fake((c,)), [Fake((21,)), Fake((21,))]
+    half, dsum = Fake(x.shape, "uint16"), Fake((c,), "uint16")
+    if op == "add_rms_norm":
+        layer_norm.rms_norm_backward(None, object(), Fake(x.shape), x, w, stats[1],
+                                     Fake(x.shape), Fake((c,)), dx_half=half, ds=Fake(x.shape),
+                                     dsum=dsum)
+    else:
+        layer_norm.layer_norm_backward(None, object(), Fake(x.shape), x, w, *stats,
+                                       Fake(x.shape), Fake((c,)), Fake((c,)), ds=Fake(x.shape),
+                                       dx_half=half, dsum=dsum)
+    names = [name for _, name, *_ in launched]
+    assert "_loop" not in names[0] and names[1] == "layer_norm_grad_finalize_kernel<float>"
+    assert names[2].startswith("reduce_sum_columns_kernel<unsigned short")
+    assert launched[1][2][1] == 2 - (op == "add_rms_norm") and launched[2][4][:2] == (half, dsum)
     _assert_launches_match(launched)
 
 

@@ -17,6 +17,12 @@
 // rows per thread in registers, adds its row lanes in order through shared memory into the
 // block's own row of partial_w / partial_b [blocks, C], and the finalize adds the blocks' rows
 // in a fixed order, in float64: no atomics anywhere.
+// A backward may also sum the columns of the dx copy it stores last (the half copy where there
+// is one, else dx; partial_s, compile/norm_casts.py fuse_norm_grad_bias_sums: the bias gradient
+// of the Linear that copy is the output gradient of). Those sums run in shared memory, one row
+// per row lane (the launcher asks for them where the block's rows fit it: always with several
+// rows a block), or in the loop kernels' partial rows, and reach the finalize as a third
+// table: still a fixed order.
 // precision="bf16" (compile/norm_casts.py fuse_layer_norm_casts): the forward may write y in bf16
 // (Y, rounded once on store: what the cast to bf16 after it did) and the backward may read dy
 // in bf16 (DY, widened exactly: what the cast to float32 before it did); x, the statistics,
@@ -157,9 +163,35 @@ __device__ __forceinline__ unsigned int keep_bytes(const HalfDropout& drop, long
     return bits;
 }
 
-// A backward's VEC values of dx at element i: into dx and into its half copy dx_half, each
-// where given (either may be null: compile/norm_casts.py), the copy through `drop` with the
-// keep bytes `keep` (keep_bytes).
+// sum[0, VEC) += v as stored in T (sum 16-byte aligned for a VEC of 4).
+template <int VEC, typename T>
+__device__ __forceinline__ void add_stored(float* sum, const float* v) {
+    if constexpr (VEC == 4) {
+        float4 a = *reinterpret_cast<float4*>(sum);
+        a.x += stored_as<T>(v[0]);
+        a.y += stored_as<T>(v[1]);
+        a.z += stored_as<T>(v[2]);
+        a.w += stored_as<T>(v[3]);
+        *reinterpret_cast<float4*>(sum) = a;
+    } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) sum[j] += stored_as<T>(v[j]);
+    }
+}
+
+// The half copy of VEC values v of dx: v, or (a dropout's gradient, `drop`) v rounded to H,
+// times keep and scale, with the keep bytes `keep` (keep_bytes); rounded to H on store.
+template <int VEC, typename H>
+__device__ __forceinline__ void half_copy(const float* v, const HalfDropout& drop,
+                                          unsigned int keep, float* t) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j)
+        t[j] = __fmul_rn(__fmul_rn(stored_as<H>(v[j]), (float)((keep >> (8 * j)) & 0xFFu)),
+                         drop.scale);
+}
+
+// A backward's VEC values v of dx at element i: into dx and into its half copy dx_half, each
+// where given (either may be null: compile/norm_casts.py).
 template <int VEC, typename X, typename H>
 __device__ __forceinline__ void store_dx(X* dx, H* dx_half, long long i, const float* v,
                                          const HalfDropout& drop, unsigned int keep) {
@@ -170,11 +202,44 @@ __device__ __forceinline__ void store_dx(X* dx, H* dx_half, long long i, const f
         return;
     }
     float t[VEC];
-#pragma unroll
-    for (int j = 0; j < VEC; ++j)
-        t[j] = __fmul_rn(__fmul_rn(stored_as<H>(v[j]), (float)((keep >> (8 * j)) & 0xFFu)),
-                         drop.scale);
+    half_copy<VEC, H>(v, drop, keep, t);
     storev_from_float<VEC>(dx_half, i, t);
+}
+
+// The copy store_dx stores last for v (dx_half's where `half`, else dx's), added as stored to
+// the column sums `sum`.
+template <int VEC, typename X, typename H>
+__device__ __forceinline__ void add_stored_copy(float* sum, const float* v, bool half,
+                                                const HalfDropout& drop, unsigned int keep) {
+    if (!half || !drop.mask) {
+        if (half) add_stored<VEC, H>(sum, v);
+        else add_stored<VEC, X>(sum, v);
+        return;
+    }
+    float t[VEC];
+    half_copy<VEC, H>(v, drop, keep, t);
+    add_stored<VEC, H>(sum, t);
+}
+
+// The running column sums of a backward's stored dx copy (partial_s given) in shared memory
+// (red: one row of C per row lane; the launcher passes partial_s only where blockDim.y * C
+// fits), zeroed. Every thread of the block calls it.
+__device__ __forceinline__ void dx_sums_begin(float* red, int C) {
+    for (int c = flat_thread(); c < (int)blockDim.y * C; c += blockDim.x * blockDim.y)
+        red[c] = 0.f;
+    __syncthreads();
+}
+
+// The block's row of partial_s: the row lanes' sums in `red` added in lane order. Every thread
+// of the block calls it.
+__device__ __forceinline__ void dx_sums_end(float* partial_s, const float* red, int C) {
+    __syncthreads();
+    float* out = partial_s + (long long)blockIdx.x * C;
+    for (int c = flat_thread(); c < C; c += blockDim.x * blockDim.y) {
+        float s = red[c];
+        for (int r = 1; r < blockDim.y; ++r) s += red[r * C + c];
+        out[c] = s;
+    }
 }
 
 // y = (s - mean) * rstd [* weight] [+ bias]; mean and rstd (rows,) per row. s is x (ADD
@@ -333,19 +398,18 @@ __device__ __forceinline__ void store_block_partial(const float (&acc)[K][VEC], 
 // mean) * rstd (x: add_layer_norm's s); ds (ADD true) added in float32 before the one store
 // (the half copy, where given, through `drop`).
 // Block b sums dy * xhat and dy over its rows into row b of partial_w / partial_b [gridDim.x,
-// C] (either null when not wanted). CENTER false (RMSNorm): xhat = x * rstd, no mean(g)
-// term, no dbias (mean and partial_b unused).
-template <bool ADD, typename DY, int VEC, int K, typename X, typename H, typename XI = X,
-          bool CENTER = true>
-__device__ __forceinline__ void layer_norm_backward_rows(const DY* dy, const XI* x,
-                                                         const X* weight, const float* mean,
-                                                         const float* rstd, const X* ds, X* dx,
-                                                         H* dx_half, float* partial_w,
-                                                         float* partial_b, int rows, int C,
-                                                         const HalfDropout& drop) {
-    __shared__ float2 sums[32];
-    __shared__ __align__(16) float red[LAYER_NORM_BLOCK_ROWS_THREADS * K * VEC];
+// C], and (SUM) the stored dx copy into row b of partial_s (each null when not wanted). CENTER
+// false (RMSNorm): xhat = x * rstd, no mean(g) term, no dbias (mean and partial_b unused).
+template <bool ADD, typename DY, int VEC, int K, typename X, typename H, typename XI,
+          bool CENTER, bool SUM>
+__device__ __forceinline__ void backward_rows(const DY* dy, const XI* x, const X* weight,
+                                              const float* mean, const float* rstd,
+                                              const X* ds, X* dx, H* dx_half, float* partial_w,
+                                              float* partial_b, float* partial_s, int rows,
+                                              int C, const HalfDropout& drop, float2* sums,
+                                              float* red) {
     const int groups = C / VEC;
+    if constexpr (SUM) dx_sums_begin(red, C);
     float acc_w[K][VEC], acc_b[K][VEC];   // weight is re-read from L1: registers kept for sums
 #pragma unroll
     for (int k = 0; k < K; ++k)
@@ -402,54 +466,89 @@ __device__ __forceinline__ void layer_norm_backward_rows(const DY* dy, const XI*
             }
             store_dx<VEC>(dx, dx_half, r0 + (long long)g * VEC, d[k], drop, keep[k]);
         }
+        if constexpr (!SUM) continue;
+        // after the stores, when h and ds are no longer held: fewer registers at once
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int g = threadIdx.x + k * blockDim.x;
+            if (g < groups)
+                add_stored_copy<VEC, X, H>(red + threadIdx.y * C + g * VEC, d[k], dx_half,
+                                           drop, keep[k]);
+        }
     }
+    if constexpr (SUM) dx_sums_end(partial_s, red, C);
     store_block_partial<VEC, K>(acc_w, partial_w, red, groups, C);
     if constexpr (CENTER) store_block_partial<VEC, K>(acc_b, partial_b, red, groups, C);
+}
+
+// backward_rows, its column sums compiled in only where partial_s is given: the body without
+// them keeps the registers it has (the kernels sit at their 80-register bound).
+template <bool ADD, typename DY, int VEC, int K, typename X, typename H, typename XI = X,
+          bool CENTER = true>
+__device__ __forceinline__ void layer_norm_backward_rows(const DY* dy, const XI* x,
+                                                         const X* weight, const float* mean,
+                                                         const float* rstd, const X* ds, X* dx,
+                                                         H* dx_half, float* partial_w,
+                                                         float* partial_b, float* partial_s,
+                                                         int rows, int C,
+                                                         const HalfDropout& drop) {
+    __shared__ float2 sums[32];
+    __shared__ __align__(16) float red[LAYER_NORM_BLOCK_ROWS_THREADS * K * VEC];
+    if (partial_s)
+        backward_rows<ADD, DY, VEC, K, X, H, XI, CENTER, true>(
+            dy, x, weight, mean, rstd, ds, dx, dx_half, partial_w, partial_b, partial_s, rows,
+            C, drop, sums, red);
+    else
+        backward_rows<ADD, DY, VEC, K, X, H, XI, CENTER, false>(
+            dy, x, weight, mean, rstd, ds, dx, dx_half, partial_w, partial_b, nullptr, rows, C,
+            drop, sums, red);
 }
 
 template <typename DY, int VEC, int K, typename X = float, typename H = X, typename XI = X>
 __global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
 layer_norm_backward_kernel(const DY* dy, const XI* x, const X* weight,
                            const float* mean, const float* rstd, X* dx, H* dx_half,
-                           float* partial_w, float* partial_b, int rows, int C,
-                           const unsigned char* half_mask, float half_scale) {
+                           float* partial_w, float* partial_b, float* partial_s, int rows,
+                           int C, const unsigned char* half_mask, float half_scale) {
     await_previous_kernel();
     layer_norm_backward_rows<false, DY, VEC, K, X, H, XI>(dy, x, weight, mean, rstd, nullptr,
                                                           dx, dx_half, partial_w, partial_b,
-                                                          rows, C, {half_mask, half_scale});
+                                                          partial_s, rows, C,
+                                                          {half_mask, half_scale});
 }
 
 template <typename DY, int VEC, int K, typename X = float, typename H = X>
 __global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
 add_layer_norm_backward_kernel(const DY* dy, const X* x, const X* weight, const float* mean,
                                const float* rstd, const X* ds, X* dx, H* dx_half,
-                               float* partial_w, float* partial_b, int rows, int C,
-                               const unsigned char* half_mask, float half_scale) {
+                               float* partial_w, float* partial_b, float* partial_s, int rows,
+                               int C, const unsigned char* half_mask, float half_scale) {
     await_previous_kernel();
     layer_norm_backward_rows<true, DY, VEC, K, X, H>(dy, x, weight, mean, rstd, ds, dx, dx_half,
-                                                     partial_w, partial_b, rows, C,
+                                                     partial_w, partial_b, partial_s, rows, C,
                                                      {half_mask, half_scale});
 }
 
 template <typename DY, int VEC, int K, typename X = float, typename H = X>
 __global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
 rms_norm_backward_kernel(const DY* dy, const X* x, const X* weight, const float* rstd, X* dx,
-                         H* dx_half, float* partial_w, int rows, int C,
+                         H* dx_half, float* partial_w, float* partial_s, int rows, int C,
                          const unsigned char* half_mask, float half_scale) {
     await_previous_kernel();
     layer_norm_backward_rows<false, DY, VEC, K, X, H, X, false>(
-        dy, x, weight, nullptr, rstd, nullptr, dx, dx_half, partial_w, nullptr, rows, C,
-        {half_mask, half_scale});
+        dy, x, weight, nullptr, rstd, nullptr, dx, dx_half, partial_w, nullptr, partial_s,
+        rows, C, {half_mask, half_scale});
 }
 
 template <typename DY, int VEC, int K, typename X = float, typename H = X>
 __global__ void __launch_bounds__(LAYER_NORM_BWD_THREADS(K * VEC), LAYER_NORM_BWD_BLOCKS(K * VEC))
 add_rms_norm_backward_kernel(const DY* dy, const X* x, const X* weight, const float* rstd,
-                             const X* ds, X* dx, H* dx_half, float* partial_w, int rows, int C,
+                             const X* ds, X* dx, H* dx_half, float* partial_w,
+                             float* partial_s, int rows, int C,
                              const unsigned char* half_mask, float half_scale) {
     await_previous_kernel();
     layer_norm_backward_rows<true, DY, VEC, K, X, H, X, false>(
-        dy, x, weight, nullptr, rstd, ds, dx, dx_half, partial_w, nullptr, rows, C,
+        dy, x, weight, nullptr, rstd, ds, dx, dx_half, partial_w, nullptr, partial_s, rows, C,
         {half_mask, half_scale});
 }
 
@@ -560,22 +659,25 @@ add_rms_norm_forward_loop_kernel(const X* a, const B* b, const X* weight, Y* y, 
 }
 
 // The backward for rows of any width, one row a block (blockDim.y == 1): the block's partial
-// sums accumulate in place in its row of partial_w / partial_b (each element read and written
-// by one thread only); ds added to dx and CENTER as layer_norm_backward_rows does.
+// sums accumulate in place in its row of partial_w / partial_b / partial_s (each element read
+// and written by one thread only); ds added to dx and CENTER as layer_norm_backward_rows does.
 template <bool ADD, typename DY, typename X, typename H, typename XI = X, bool CENTER = true>
 __device__ __forceinline__ void layer_norm_backward_loop_rows(const DY* dy, const XI* x,
                                                               const X* weight, const float* mean,
                                                               const float* rstd, const X* ds,
                                                               X* dx, H* dx_half,
                                                               float* partial_w,
-                                                              float* partial_b, int rows, int C,
+                                                              float* partial_b,
+                                                              float* partial_s, int rows, int C,
                                                               const HalfDropout& drop) {
     __shared__ float2 sums[32];
     float* pw = partial_w ? partial_w + (long long)blockIdx.x * C : nullptr;
     float* pb = CENTER && partial_b ? partial_b + (long long)blockIdx.x * C : nullptr;
+    float* ps = partial_s ? partial_s + (long long)blockIdx.x * C : nullptr;
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
         if (pw) pw[c] = 0.f;
         if (pb) pb[c] = 0.f;
+        if (ps) ps[c] = 0.f;
     }
     for (long long base = first_row_base(); base < rows; base += row_base_stride()) {
         const long long row = base + threadIdx.y;
@@ -604,7 +706,9 @@ __device__ __forceinline__ void layer_norm_backward_loop_rows(const DY* dy, cons
             const float g = weight ? __fmul_rn(d, load_as_float(weight, c)) : d;
             float v = __fmul_rn(r, __fsub_rn(CENTER ? __fsub_rn(g, mg) : g, __fmul_rn(h, mgh)));
             if constexpr (ADD) v = __fadd_rn(v, load_as_float(ds, r0 + c));
-            store_dx<1>(dx, dx_half, r0 + c, &v, drop, keep_bytes<1>(drop, r0 + c));
+            const unsigned int keep = keep_bytes<1>(drop, r0 + c);
+            store_dx<1>(dx, dx_half, r0 + c, &v, drop, keep);
+            if (ps) add_stored_copy<1, X, H>(ps + c, &v, dx_half, drop, keep);
         }
     }
 }
@@ -613,63 +717,69 @@ template <typename DY, typename X = float, typename H = X, typename XI = X>
 __global__ void __launch_bounds__(1024)
 layer_norm_backward_loop_kernel(const DY* dy, const XI* x, const X* weight,
                                 const float* mean, const float* rstd, X* dx, H* dx_half,
-                                float* partial_w, float* partial_b, int rows, int C,
-                                const unsigned char* half_mask, float half_scale) {
+                                float* partial_w, float* partial_b, float* partial_s, int rows,
+                                int C, const unsigned char* half_mask, float half_scale) {
     await_previous_kernel();
     layer_norm_backward_loop_rows<false, DY, X, H, XI>(dy, x, weight, mean, rstd, nullptr, dx,
-                                                       dx_half, partial_w, partial_b, rows, C,
-                                                       {half_mask, half_scale});
+                                                       dx_half, partial_w, partial_b, partial_s,
+                                                       rows, C, {half_mask, half_scale});
 }
 
 template <typename DY, typename X = float, typename H = X>
 __global__ void __launch_bounds__(1024)
 add_layer_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight,
                                     const float* mean, const float* rstd, const X* ds, X* dx,
-                                    H* dx_half, float* partial_w, float* partial_b, int rows,
-                                    int C, const unsigned char* half_mask, float half_scale) {
+                                    H* dx_half, float* partial_w, float* partial_b,
+                                    float* partial_s, int rows, int C,
+                                    const unsigned char* half_mask, float half_scale) {
     await_previous_kernel();
     layer_norm_backward_loop_rows<true, DY, X, H>(dy, x, weight, mean, rstd, ds, dx, dx_half,
-                                                  partial_w, partial_b, rows, C,
+                                                  partial_w, partial_b, partial_s, rows, C,
                                                   {half_mask, half_scale});
 }
 
 template <typename DY, typename X = float, typename H = X>
 __global__ void __launch_bounds__(1024)
 rms_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight, const float* rstd,
-                              X* dx, H* dx_half, float* partial_w, int rows, int C,
-                              const unsigned char* half_mask, float half_scale) {
+                              X* dx, H* dx_half, float* partial_w, float* partial_s, int rows,
+                              int C, const unsigned char* half_mask, float half_scale) {
     await_previous_kernel();
     layer_norm_backward_loop_rows<false, DY, X, H, X, false>(dy, x, weight, nullptr, rstd,
                                                              nullptr, dx, dx_half, partial_w,
-                                                             nullptr, rows, C,
+                                                             nullptr, partial_s, rows, C,
                                                              {half_mask, half_scale});
 }
 
 template <typename DY, typename X = float, typename H = X>
 __global__ void __launch_bounds__(1024)
 add_rms_norm_backward_loop_kernel(const DY* dy, const X* x, const X* weight, const float* rstd,
-                                  const X* ds, X* dx, H* dx_half, float* partial_w, int rows,
-                                  int C, const unsigned char* half_mask, float half_scale) {
+                                  const X* ds, X* dx, H* dx_half, float* partial_w,
+                                  float* partial_s, int rows, int C,
+                                  const unsigned char* half_mask, float half_scale) {
     await_previous_kernel();
     layer_norm_backward_loop_rows<true, DY, X, H, X, false>(dy, x, weight, nullptr, rstd, ds,
                                                             dx, dx_half, partial_w, nullptr,
-                                                            rows, C, {half_mask, half_scale});
+                                                            partial_s, rows, C,
+                                                            {half_mask, half_scale});
 }
 
-// dweight[c] = the sum over slots of partial_w[slot, c] (dbias from partial_b alike), in
-// float64 and a fixed order: lane l of FINALIZE_LANES adds slots l, l + lanes, ... in turn,
-// then the lanes are added in order. Blocks of (32 columns, FINALIZE_LANES); blockIdx.y picks
-// the table: dweight first when it is wanted, then dbias.
-// T: dweight's and dbias's storage (float16 for a float16 x; the sum rounded once).
-template <typename T>
+// dweight[c] = the sum over slots of partial_w[slot, c] (dbias from partial_b, dsum from
+// partial_s alike), in float64 and a fixed order: lane l of FINALIZE_LANES adds slots l,
+// l + lanes, ... in turn, then the lanes are added in order. Blocks of (32 columns,
+// FINALIZE_LANES); blockIdx.y picks the table among those given, in the order dweight, dbias,
+// dsum.
+// T: dweight's and dbias's storage (float16 for a float16 x; the sum rounded once); S: dsum's
+// (the stored dx copy's).
+template <typename T, typename S = T>
 __global__ void __launch_bounds__(32 * FINALIZE_LANES)
-layer_norm_grad_finalize_kernel(const float* partial_w, const float* partial_b, T* dweight,
-                                T* dbias, int slots, int C) {
+layer_norm_grad_finalize_kernel(const float* partial_w, const float* partial_b,
+                                const float* partial_s, T* dweight, T* dbias, S* dsum,
+                                int slots, int C) {
     await_previous_kernel();
     __shared__ double lanes[FINALIZE_LANES][32];
-    const bool first = partial_w && blockIdx.y == 0;
-    const float* partial = first ? partial_w : partial_b;
-    T* out = first ? dweight : dbias;
+    const int w = partial_w != nullptr, b = partial_b != nullptr;
+    const int table = blockIdx.y < w ? 0 : blockIdx.y < w + b ? 1 : 2;
+    const float* partial = table == 0 ? partial_w : table == 1 ? partial_b : partial_s;
     const int c = blockIdx.x * 32 + threadIdx.x;
     double s = 0.0;
     if (c < C) {
@@ -682,6 +792,7 @@ layer_norm_grad_finalize_kernel(const float* partial_w, const float* partial_b, 
     if (threadIdx.y == 0 && c < C) {
         double t = lanes[0][threadIdx.x];
         for (int l = 1; l < FINALIZE_LANES; ++l) t += lanes[l][threadIdx.x];
-        store_from_float(out, c, (float)t);
+        if (table == 2) store_from_float(dsum, c, (float)t);
+        else store_from_float(table == 0 ? dweight : dbias, c, (float)t);
     }
 }

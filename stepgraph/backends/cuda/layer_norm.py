@@ -42,6 +42,7 @@ import numpy as np
 from ...errors import ShapeError
 from ...ir.graph import Node
 from .elementwise import dropout_constants, fill_forward
+from .reduce import reduce_sum_columns
 from .runtime.launch import (ELEMENT_CTYPES, _aligned, _check, _check_int32, _check_scalar,
                              _element_ctype, _kernel, _launch, _node_memory, _or_null,
                              _row_grid, _typed, sm_count)
@@ -125,7 +126,8 @@ def row_layout(c: int, arrays) -> Layout:
 
 def kernel_names() -> dict[str, set[str]]:
     """{.cu file: every kernel name this module may launch} (the NVRTC compile test)."""
-    names = {_typed("layer_norm_grad_finalize_kernel", t) for t in ("float", "fp16_bits")}
+    names = {_finalize_name(t, s) for t in ("float", "fp16_bits") for s in (None, t)}
+    names |= {_finalize_name("float", h) for h in HALF_CTYPES}
     layouts = [Layout(1, 0, LOOP_THREADS, 1)] + [Layout(vec, k, 32, 1)
                                                  for vec, ks in KS.items() for k in ks]
     for lay in layouts:
@@ -230,12 +232,13 @@ def _forward_impl(node: Node, ins, outs, ctx) -> None:
 
 
 def _grad_outputs(node: Node, outs) -> tuple:
-    """(dx, dweight, dbias, dx_half) of a backward's outputs, None where it has none."""
+    """(dx, dweight, dbias, dx_half, dsum) of a backward's outputs, None where it has none."""
     a = node.attrs
     rest = list(outs[1:])
     dweight = rest.pop(0) if a.get("weight") else None
     dbias = rest.pop(0) if a.get("bias") else None
-    return outs[0], dweight, dbias, rest.pop(0) if a.get("dx_half") else None
+    dx_half = rest.pop(0) if a.get("dx_half") else None
+    return outs[0], dweight, dbias, dx_half, rest.pop(0) if a.get("dx_sum") else None
 
 
 def _half_mask(node: Node, ins) -> tuple[list, HalfDropout | None]:
@@ -251,9 +254,9 @@ def _backward_impl(node: Node, ins, outs, ctx) -> None:
     dy, x = ins[0], ins[1]
     weight = ins[2] if a.get("weight") else None
     mean, rstd = ins[-2], ins[-1]
-    dx, dweight, dbias, dx_half = _grad_outputs(node, outs)
+    dx, dweight, dbias, dx_half, dsum = _grad_outputs(node, outs)
     layer_norm_backward(ctx, node, dy, x, weight, mean, rstd, dx, dweight, dbias,
-                        dx_half=dx_half, half_dropout=half_dropout)
+                        dx_half=dx_half, half_dropout=half_dropout, dsum=dsum)
 
 
 # ---- the backwards, add_layer_norm and rms_norm: shared checks and partial-sum tables ----
@@ -347,27 +350,56 @@ def _residual_operands(what: str, a, b, s, xtype: str) -> str:
 
 
 def _grad_tables(ctx, node: Node, what: str, name: str, lay: Layout, rows: int, c: int,
-                 dweight, dbias):
-    """(blocks, partial_w, partial_b) of the backward op `what`'s kernel `name`: its grid and
-    the node's partial-sum tables (None where that gradient is not wanted)."""
+                 *sums) -> tuple:
+    """(blocks, partial tables...) of the backward op `what`'s kernel `name`: its grid and the
+    node's partial-sum table of each of `sums` (dweight, dbias, dsum: None where that sum is
+    not wanted)."""
     blocks = grad_blocks(rows, c, lay, resident_blocks(name, lay.threads * lay.rows_per_block))
-    if dweight is None and dbias is None:
-        return blocks, None, None
-    key = (what, blocks, c, dweight is not None, dbias is not None)
-    tables = _node_memory(node, key, ctx, lambda: dict(
-        w=cp.empty(blocks * c, np.float32) if dweight is not None else None,
-        b=cp.empty(blocks * c, np.float32) if dbias is not None else None))
-    return blocks, tables["w"], tables["b"]
+    wanted = tuple(t is not None for t in sums)
+    tables = _node_memory(node, (what, blocks, c, wanted), ctx, lambda: [
+        cp.empty(blocks * c, np.float32) if want else None for want in wanted])
+    return (blocks, *tables)
 
 
-def _finalize(ctx, xtype: str, blocks: int, c: int, partial_w, partial_b, dweight,
-              dbias) -> None:
-    tables = (partial_w is not None) + (partial_b is not None)
+def _finalize_name(xtype: str, stype: str | None) -> str:
+    """The finalize kernel of dweight and dbias of C type xtype and a dsum of stype (None or
+    xtype: the template's default)."""
+    if stype is None or stype == xtype:
+        return _typed("layer_norm_grad_finalize_kernel", xtype)
+    return f"layer_norm_grad_finalize_kernel<{xtype}, {stype}>"
+
+
+def _finalize(ctx, xtype: str, blocks: int, c: int, partials, dweight, dbias, dsum) -> None:
+    """One launch adding the blocks' rows of each partial table (partial_w, partial_b,
+    partial_s; None where not wanted) into dweight, dbias and dsum."""
+    tables = sum(t is not None for t in partials)
     if tables:
-        _launch(ctx, SOURCE, _typed("layer_norm_grad_finalize_kernel", xtype),
-                (-(-c // 32), tables), (32, FINALIZE_LANES),
-                (_or_null(partial_w), _or_null(partial_b), _or_null(dweight), _or_null(dbias),
-                 np.int32(blocks), np.int32(c)))
+        stype = None if dsum is None else ELEMENT_CTYPES[dsum.dtype]
+        _launch(ctx, SOURCE, _finalize_name(xtype, stype), (-(-c // 32), tables),
+                (32, FINALIZE_LANES), tuple(map(_or_null, (*partials, dweight, dbias, dsum)))
+                + (np.int32(blocks), np.int32(c)))
+
+
+def _sum_inside(lay: Layout, c: int, dsum):
+    """dsum where the backward kernel of `lay` sums its dx copy itself: the loop kernels, and
+    the register kernels whose block's rows fit its shared table (layer_norm.cu
+    dx_sums_begin); else None (_sum_outside takes it)."""
+    if dsum is None or lay.k and lay.rows_per_block * c > ROWS_BLOCK_THREADS * lay.k * lay.vec:
+        return None
+    return dsum
+
+
+def _sum_outside(ctx, node: Node, dsum, inside, dx, dx_half, rows: int, c: int) -> None:
+    """dsum, where the backward kernel did not take it, by a column kernel over the copy."""
+    if dsum is not None and inside is None:
+        reduce_sum_columns(ctx, node, dx_half if dx_half is not None else dx, dsum, rows, c)
+
+
+def _check_sum(what: str, dsum, dx, dx_half, c: int) -> None:
+    """A backward's dsum: (c,) of the stored dx copy's dtype (dx_half's where given)."""
+    if dsum is not None:
+        copy = dx_half if dx_half is not None else dx
+        _check(f"{what} dsum", dsum, copy.dtype, shape=(c,))
 
 
 def _check_grad(what: str, dy, x, dx, dx_half, bf16_x: bool = False
@@ -418,16 +450,20 @@ def _zero_grads(ctx, *grads) -> None:
 
 
 def layer_norm_backward(ctx, node: Node, dy, x, weight, mean, rstd, dx, dweight=None,
-                        dbias=None, ds=None, dx_half=None, half_dropout=None) -> None:
+                        dbias=None, ds=None, dx_half=None, half_dropout=None,
+                        dsum=None) -> None:
     """dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) [+ ds], g = dy [* weight], xhat =
     (x - mean) * rstd; dweight = sum over rows of dy * xhat and dbias = sum of dy (each
     optional). ds: add_layer_norm's residual gradient (x is then the forward's s), added to
     dx by the add_layer_norm kernels. dx_half: dx rounded to bf16 / float16 as well (a half
     dx alone: in place of the float32 one). half_dropout: a dropout's gradient the dx_half
-    copy goes through (compile/norm_casts.py)."""
+    copy goes through (compile/norm_casts.py). dsum: the column sums of the dx copy stored
+    last (dx_half where given, else dx), as stored (compile/norm_casts.py
+    fuse_norm_grad_bias_sums)."""
     what = "layer_norm_grad" if ds is None else "add_layer_norm_grad"
     rows, c, ctype, xtype, dx, dx_half = _check_grad(what, dy, x, dx, dx_half, ds is None)
     drop = _half_dropout(what, dx, dx_half, half_dropout)
+    _check_sum(what, dsum, dx, dx_half, c)
     if ds is not None:
         _check(f"{what} ds", ds, x.dtype, shape=x.shape)
     _check_stats(what, rows, mean, rstd)
@@ -435,19 +471,21 @@ def layer_norm_backward(ctx, node: Node, dy, x, weight, mean, rstd, dx, dweight=
         if t is not None:
             _check(f"{what} {name}", t, _param_dtype(x), shape=(c,))
     if not rows:
-        _zero_grads(ctx, dweight, dbias)
+        _zero_grads(ctx, dweight, dbias, dsum)
         return
     lay = row_layout(c, [t for t in (dy, x, ds, dx, dx_half, weight, _mask(half_dropout))
                          if t is not None])
     name = lay.kernel("backward", ctype, xtype, "layer_norm" if ds is None else "add_layer_norm",
                       htype=_half_ctype(dx_half), itype=_input_ctypes(what, x)[1])
-    blocks, partial_w, partial_b = _grad_tables(ctx, node, what, name, lay, rows, c, dweight,
-                                                dbias)
+    inside = _sum_inside(lay, c, dsum)
+    blocks, *partials = _grad_tables(ctx, node, what, name, lay, rows, c, dweight, dbias,
+                                     inside)
     _launch(ctx, SOURCE, name, (blocks,), lay.block,
             (dy, x, _or_null(weight), mean, rstd) + (() if ds is None else (ds,))
-            + (_or_null(dx), _or_null(dx_half), _or_null(partial_w), _or_null(partial_b),
+            + (_or_null(dx), _or_null(dx_half), *map(_or_null, partials),
                np.int32(rows), np.int32(c)) + drop)
-    _finalize(ctx, xtype, blocks, c, partial_w, partial_b, dweight, dbias)
+    _finalize(ctx, xtype, blocks, c, partials, dweight, dbias, inside)
+    _sum_outside(ctx, node, dsum, inside, dx, dx_half, rows, c)
 
 
 def rms_norm_forward(ctx, x, weight, y, rstd, eps: float, b=None, s=None,
@@ -477,13 +515,14 @@ def rms_norm_forward(ctx, x, weight, y, rstd, eps: float, b=None, s=None,
 
 
 def rms_norm_backward(ctx, node: Node, dy, x, weight, rstd, dx, dweight=None,
-                      dx_half=None, ds=None, half_dropout=None) -> None:
+                      dx_half=None, ds=None, half_dropout=None, dsum=None) -> None:
     """dx = rstd * (g - xhat * mean(g * xhat)) [+ ds], g = dy [* weight], xhat = x * rstd;
     dweight = sum over rows of dy * xhat (optional); ds (add_rms_norm's residual gradient, x
-    the forward's s), dx_half and half_dropout as layer_norm_backward's."""
+    the forward's s), dx_half, half_dropout and dsum as layer_norm_backward's."""
     what = "rms_norm_grad" if ds is None else "add_rms_norm_grad"
     rows, c, ctype, xtype, dx, dx_half = _check_grad(what, dy, x, dx, dx_half)
     drop = _half_dropout(what, dx, dx_half, half_dropout)
+    _check_sum(what, dsum, dx, dx_half, c)
     if ds is not None:
         _check(f"{what} ds", ds, x.dtype, shape=x.shape)
     _check(f"{what} rstd", rstd)
@@ -494,18 +533,21 @@ def rms_norm_backward(ctx, node: Node, dy, x, weight, rstd, dx, dweight=None,
     if dweight is not None:
         _check(f"{what} dweight", dweight, x.dtype, shape=(c,))
     if not rows:
-        _zero_grads(ctx, dweight)
+        _zero_grads(ctx, dweight, dsum)
         return
     lay = row_layout(c, [t for t in (dy, x, ds, dx, dx_half, weight, _mask(half_dropout))
                          if t is not None])
     name = lay.kernel("backward", ctype, xtype, "rms_norm" if ds is None else "add_rms_norm",
                       htype=_half_ctype(dx_half))
-    blocks, partial_w, _ = _grad_tables(ctx, node, what, name, lay, rows, c, dweight, None)
+    inside = _sum_inside(lay, c, dsum)
+    blocks, partial_w, partial_s = _grad_tables(ctx, node, what, name, lay, rows, c, dweight,
+                                                inside)
     _launch(ctx, SOURCE, name, (blocks,), lay.block,
             (dy, x, _or_null(weight), rstd) + (() if ds is None else (ds,))
-            + (_or_null(dx), _or_null(dx_half), _or_null(partial_w), np.int32(rows),
-               np.int32(c)) + drop)
-    _finalize(ctx, xtype, blocks, c, partial_w, None, dweight, None)
+            + (_or_null(dx), _or_null(dx_half), _or_null(partial_w), _or_null(partial_s),
+               np.int32(rows), np.int32(c)) + drop)
+    _finalize(ctx, xtype, blocks, c, (partial_w, None, partial_s), dweight, None, inside)
+    _sum_outside(ctx, node, dsum, inside, dx, dx_half, rows, c)
 
 
 def _branch_dropout(node: Node, ins, outs) -> tuple[list, list, BranchDropout | None]:
@@ -531,9 +573,10 @@ def _add_forward_impl(node: Node, ins, outs, ctx) -> None:
 def _add_backward_impl(node: Node, ins, outs, ctx) -> None:
     ins, half_dropout = _half_mask(node, ins)
     weight = ins[2] if node.attrs.get("weight") else None
-    dx, dweight, dbias, dx_half = _grad_outputs(node, outs)
+    dx, dweight, dbias, dx_half, dsum = _grad_outputs(node, outs)
     layer_norm_backward(ctx, node, ins[0], ins[1], weight, ins[-3], ins[-2], dx, dweight,
-                        dbias, ds=ins[-1], dx_half=dx_half, half_dropout=half_dropout)
+                        dbias, ds=ins[-1], dx_half=dx_half, half_dropout=half_dropout,
+                        dsum=dsum)
 
 
 def _rms_forward_impl(node: Node, ins, outs, ctx) -> None:
@@ -544,9 +587,9 @@ def _rms_forward_impl(node: Node, ins, outs, ctx) -> None:
 def _rms_backward_impl(node: Node, ins, outs, ctx) -> None:
     ins, half_dropout = _half_mask(node, ins)
     weight = ins[2] if node.attrs.get("weight") else None
-    dx, dweight, _, dx_half = _grad_outputs(node, outs)
+    dx, dweight, _, dx_half, dsum = _grad_outputs(node, outs)
     rms_norm_backward(ctx, node, ins[0], ins[1], weight, ins[-1], dx, dweight, dx_half,
-                      half_dropout=half_dropout)
+                      half_dropout=half_dropout, dsum=dsum)
 
 
 def _add_rms_forward_impl(node: Node, ins, outs, ctx) -> None:
@@ -559,9 +602,9 @@ def _add_rms_forward_impl(node: Node, ins, outs, ctx) -> None:
 def _add_rms_backward_impl(node: Node, ins, outs, ctx) -> None:
     ins, half_dropout = _half_mask(node, ins)
     weight = ins[2] if node.attrs.get("weight") else None
-    dx, dweight, _, dx_half = _grad_outputs(node, outs)
+    dx, dweight, _, dx_half, dsum = _grad_outputs(node, outs)
     rms_norm_backward(ctx, node, ins[0], ins[1], weight, ins[-2], dx, dweight, dx_half,
-                      ds=ins[-1], half_dropout=half_dropout)
+                      ds=ins[-1], half_dropout=half_dropout, dsum=dsum)
 
 
 IMPLS: dict[str, Callable] = {
