@@ -23,6 +23,13 @@ add_rms_norm_grad alike. Where the half copy's only reader is a dropout's gradie
 residual branch's dropout, x + dropout(proj(h)): GPT's resid_dropout), the norm gradient
 applies the keep mask to the copy as it stores it, and the dropout_grad's pass goes too.
 
+The Linear whose output the norm's input was (a pre-norm block's residual branch ends in its
+c_proj: x + c_proj(h) is what the next norm reads) has the copy the norm gradient stores as its
+output gradient dz, and that Linear's weight-gradient GEMM took dz's column sum as the bias
+gradient (compile/fuse.py fuse_matmul_bias_grad: cuBLASLt's epilogue or a column-sum kernel,
+one more pass over dz). The norm gradient sums the copy as it stores it instead
+(fuse_norm_grad_bias_sums; its kernels' partial sums beside dweight's, one finalize launch).
+
 The forward's twin: a LayerNorm that reads a bf16 GEMM or convolution output (ConvNeXt's
 depthwise convolution, a patch embedding) reads it through autocast's cast to float32, and its
 gradient reads that float32 copy again. Both read the bf16 value instead, widened as loaded
@@ -147,6 +154,33 @@ def _dropped_half(n: Node, half: Value, users, outputs, drop: set) -> Value:
     n.inputs = [*n.inputs, grad.inputs[1]]
     drop.add(grad)
     return grad.outputs[0]
+
+
+def fuse_norm_grad_bias_sums(graph: Graph) -> Graph:
+    """A Linear's bias gradient summed by the norm gradient that stores the Linear's dz:
+        norm_grad -> d [-> reshape (rows, C)] -> matmul(dz, x, trans_a, bias_grad) -> (dw, db)
+        =>   norm_grad(dx_sum) -> (..., d, db);  matmul(dz, x, trans_a) -> dw
+    where d is the dx copy the norm gradient stores last (its dx_half copy where it has one,
+    else dx) and db is of d's dtype. The same sum of the same stored values, taken while they
+    are in registers: dz is not read again for it."""
+    graph = _copy(graph)
+    producers = graph.producers()
+    for n in graph.nodes:
+        if n.op != "matmul" or not n.attrs.get("bias_grad"):
+            continue
+        dz, db = n.inputs[0], n.outputs[1]
+        view = producers.get(dz)
+        d = view.inputs[0] if view is not None and view.op == "reshape" else dz
+        norm = producers.get(d)
+        if norm is None or norm.op not in NORM_GRADS or norm.attrs.get("dx_sum") or \
+                d is not norm.outputs[-1 if norm.attrs.get("dx_half") else 0] or \
+                d.shape[-1] != dz.shape[-1] or db.dtype != d.dtype:
+            continue
+        norm.attrs["dx_sum"] = True
+        norm.outputs.append(db)
+        n.attrs = {k: v for k, v in n.attrs.items() if k != "bias_grad"}
+        n.outputs = [n.outputs[0]]
+    return graph
 
 
 def fuse_norm_input_casts(graph: Graph) -> Graph:

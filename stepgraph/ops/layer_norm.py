@@ -55,8 +55,9 @@ def _layer_norm_grad(ins, attrs):
     weight, bias as the forward's. xhat = (x - mean) * rstd, g = dy * weight (dy without
     weight); per row dx = rstd * (g - mean(g) - xhat * mean(g * xhat)). Outputs dx, then
     dweight = sum over rows of dy * xhat when attrs weight, dbias = sum over rows of dy when
-    attrs bias, then dx rounded to attrs dx_half when given (_dx_half). dx itself may be
-    stored in bfloat16 / float16 for a float32 x (compile/norm_casts.py)."""
+    attrs bias, then dx rounded to attrs dx_half when given (_dx_half), then the column sum
+    of that copy (or of dx) when attrs dx_sum (_dx_sum). dx itself may be stored in bfloat16
+    / float16 for a float32 x (compile/norm_casts.py)."""
     ins = _without_half_mask("layer_norm_grad", ins, attrs)
     dy, x = ins[0], ins[1]
     weight, bias = bool(attrs.get("weight")), bool(attrs.get("bias"))
@@ -64,7 +65,8 @@ def _layer_norm_grad(ins, attrs):
           f"{4 + weight} inputs for weight={weight}, got {len(ins)}")
     _need(dy.shape == x.shape, "layer_norm_grad", f"dy {dy.shape} vs x {x.shape}")
     c = (x.shape[-1],)
-    return [(x.shape, x.dtype)] + [(c, x.dtype)] * (weight + bias) + _dx_half(x, attrs)
+    return [(x.shape, x.dtype)] + [(c, x.dtype)] * (weight + bias) + _dx_half(x, attrs) + \
+        _dx_sum(x, attrs)
 
 
 def _dx_half(x, attrs) -> list:
@@ -81,6 +83,17 @@ def _dx_half(x, attrs) -> list:
     return [(x.shape, half)]
 
 
+def _dx_sum(x, attrs) -> list:
+    """The normalisation gradients' optional very last output (attrs dx_sum): the sum over
+    rows of the dx copy the node stores last (the dx_half copy, after its dropout, where there
+    is one, else dx), in that copy's dtype: the bias gradient of the Linear whose output the
+    norm's input was (compile/norm_casts.py fuse_norm_grad_bias_sums: the column sum that
+    Linear's weight-gradient GEMM took of the copy it read)."""
+    if not attrs.get("dx_sum"):
+        return []
+    return [((x.shape[-1],), attrs.get("dx_half") or x.dtype)]
+
+
 def _without_half_mask(op: str, ins, attrs) -> list:
     """A normalisation gradient's inputs without the keep mask of attrs dx_half_dropout (its
     last input, a uint8 of dy's shape), after checking it."""
@@ -94,16 +107,24 @@ def _without_half_mask(op: str, ins, attrs) -> list:
 
 
 def _store_dx(node, outs, dx: np.ndarray, ins) -> None:
-    """dx into outs[0], and into the dx_half copy (outs[-1]) when the node has one: rounded
-    from the float32 dx, as the cast it replaces rounded it, then dropped by the keep mask
-    (ins[-1]) where attrs dx_half_dropout folds a dropout's gradient in."""
-    outs[0][...] = dx
+    """dx into outs[0], and into the dx_half copy when the node has one: rounded from the
+    float32 dx, as the cast it replaces rounded it, then dropped by the keep mask (ins[-1])
+    where attrs dx_half_dropout folds a dropout's gradient in; then, with attrs dx_sum, the
+    stored copy's column sum into the last output, summed as reduce_sum sums it."""
     a = node.attrs
+    outs, total = (outs[:-1], outs[-1]) if a.get("dx_sum") else (outs, None)
+    outs[0][...] = dx
     if a.get("dx_half_dropout") is not None:
         half = round_to(outs[0], a["dx_half"])
         outs[-1][...] = dropped(half, ins[-1], a["dx_half_dropout"])
     elif a.get("dx_half"):
         outs[-1][...] = outs[0]
+    if total is not None:       # the copy as stored (the backend rounds a half one after us)
+        at = len(outs) - 1 if a.get("dx_half") else 0
+        copy, dtype = outs[at], node.outputs[at].dtype
+        if dtype in HALF_DTYPES:
+            copy = round_to(copy, dtype)
+        total[...] = copy.reshape(-1, copy.shape[-1]).sum(axis=0)
 
 
 @vjp("layer_norm")
@@ -218,8 +239,8 @@ def _add_layer_norm_grad(ins, attrs):
     """Gradient of add_layer_norm when both y and s have one: ins (dy, s, [weight], mean,
     rstd, ds), attrs weight, bias. dx = layer_norm_grad's dx of dy plus ds (the gradient the
     residual stream brings: the sum autodiff would add after the LayerNorm's gradient), the
-    sum rounded once to s's dtype; dx is the gradient of a and of b. Then dweight, dbias and
-    the dx_half copy as layer_norm_grad's."""
+    sum rounded once to s's dtype; dx is the gradient of a and of b. Then dweight, dbias,
+    the dx_half copy and its column sum as layer_norm_grad's."""
     return _residual_grad("add_layer_norm_grad", ins, attrs, _layer_norm_grad, 5)
 
 
@@ -328,14 +349,15 @@ def _rms_norm_grad(ins, attrs):
     """Gradient of rms_norm. ins (dy, x, [weight when attrs weight], rstd). xhat = x * rstd,
     g = dy * weight (dy without weight); per row dx = rstd * (g - xhat * mean(g * xhat)).
     Outputs dx (x.shape, x.dtype), then dweight = sum over rows of dy * xhat when attrs
-    weight, then the dx_half copy as layer_norm_grad's."""
+    weight, then the dx_half copy and its column sum as layer_norm_grad's."""
     ins = _without_half_mask("rms_norm_grad", ins, attrs)
     dy, x = ins[0], ins[1]
     weight = bool(attrs.get("weight"))
     _need(len(ins) == 3 + weight, "rms_norm_grad",
           f"{3 + weight} inputs for weight={weight}, got {len(ins)}")
     _need(dy.shape == x.shape, "rms_norm_grad", f"dy {dy.shape} vs x {x.shape}")
-    return [(x.shape, x.dtype)] + [((x.shape[-1],), x.dtype)] * weight + _dx_half(x, attrs)
+    return [(x.shape, x.dtype)] + [((x.shape[-1],), x.dtype)] * weight + \
+        _dx_half(x, attrs) + _dx_sum(x, attrs)
 
 
 @vjp("rms_norm")
@@ -396,7 +418,7 @@ def _add_rms_norm(ins, attrs):
 def _add_rms_norm_grad(ins, attrs):
     """Gradient of add_rms_norm when both y and s have one: ins (dy, s, [weight], rstd, ds),
     attrs weight. dx = rms_norm_grad's dx of dy plus ds, rounded once to s's dtype; then
-    dweight and the dx_half copy as rms_norm_grad's."""
+    dweight, the dx_half copy and its column sum as rms_norm_grad's."""
     return _residual_grad("add_rms_norm_grad", ins, attrs, _rms_norm_grad, 4)
 
 

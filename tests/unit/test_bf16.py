@@ -306,9 +306,12 @@ def test_every_value_of_a_train_step_has_its_autocast_dtype(name):
             elif n.op in ("layer_norm", "layer_norm_grad") and fused:
                 # fuse_layer_norm_casts: y (forward) or dy (backward) may be bf16;
                 # fuse_norm_grad_casts: dx too, or its dx_half copy beside a float32 dx (and
-                # the uint8 keep mask of a dropout's gradient it applies to the copy)
+                # the uint8 keep mask of a dropout's gradient it applies to the copy);
+                # fuse_norm_grad_bias_sums: the copy's column sum, a Linear's bias gradient
                 loose = [n.outputs[0]] if n.op == "layer_norm" else [n.inputs[0], n.outputs[0]]
                 if n.attrs.get("dx_half"):
+                    loose.append(n.outputs[-2 if n.attrs.get("dx_sum") else -1])
+                if n.attrs.get("dx_sum"):
                     loose.append(n.outputs[-1])
                 if n.attrs.get("dx_half_dropout"):
                     loose.append(n.inputs[-1])

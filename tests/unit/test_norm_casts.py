@@ -86,3 +86,45 @@ def test_the_convnext_files_block_norms_read_and_store_bf16(monkeypatch):
     assert got[0]["alone"] >= 1
     assert got[0]["bf16 x"] >= 3 and want[0]["bf16 x"] == 0     # a stage's blocks and stem
     assert_same_training(got, want)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_gpt_branch_bias_gradients_are_summed_by_the_norm_gradients(monkeypatch, dropout):
+    """fuse_norm_grad_bias_sums, on the bundled GPT at precision="bf16": each block's attention
+    and MLP c_proj end in the residual add the next norm reads, so their bias gradients are the
+    column sums of the bf16 copies those norm gradients store (through resid_dropout's mask
+    where there is one); the GEMMs keep only c_attn's. The same bits as the GEMMs' sums."""
+    import stepgraph
+    from stepgraph import api, models
+    from stepgraph.compile import fuse as fuse_module
+
+    cfg = models.GPTConfig(vocab_size=17, block_size=16, n_layer=2, n_head=2, n_embd=32,
+                           dropout=dropout, bias=True)
+    rng = np.random.default_rng(3)
+    batches = [(rng.integers(0, 17, (3, 16)), rng.integers(0, 17, (3, 16))) for _ in range(3)]
+
+    initial = models.GPT(cfg).state_dict()
+
+    def train():
+        model = models.GPT(cfg)
+        model.load_state_dict(initial)
+        step = stepgraph.compile_train_step(
+            model, models.next_token_loss, model.configure_optimizers(0.1, 1e-2),
+            example_inputs=batches[0], precision="bf16", seed=5)
+        plan = step.plan(step.signature)
+        losses = [float(step(*b)) for b in batches]
+        return plan, losses, {k: np.asarray(v).copy() for k, v in model.state_dict().items()}
+
+    got = train()
+    without = tuple(p for p in fuse_module.PASSES if p is not norm_casts.fuse_norm_grad_bias_sums)
+    monkeypatch.setattr(api, "fuse", lambda graph: fuse_module.fuse(graph, without))
+    want = train()
+    for plan, sums, joined in ((got[0], 2 * cfg.n_layer, cfg.n_layer),
+                               (want[0], 0, 3 * cfg.n_layer)):
+        steps = [n for i, n in enumerate(plan.steps) if plan.runs(i)]
+        assert sum(bool(n.attrs.get("dx_sum")) for n in steps if n.op in NORM_GRADS) == sums
+        assert sum(bool(n.attrs.get("bias_grad")) for n in steps if n.op == "matmul") == joined
+    dropped = [n for n in got[0].steps if n.attrs.get("dx_sum") and
+               n.attrs.get("dx_half_dropout")]
+    assert len(dropped) == (2 * cfg.n_layer if dropout else 0)
+    assert_same_training(got, want)
