@@ -351,8 +351,9 @@ def test_embedding_launches(monkeypatch, ptr):
         embedding.embedding_backward(None, object(), Fake((5, n // 5, c), F16, ptr), idx,
                                      Fake((v, c), F16, ptr))
     names = [name for _, name, *_ in launched]
-    assert names[:2] == ["embedding_forward_kernel<long long, fp16_bits>",
-                         "embedding_backward_scan_kernel<long long, fp16_bits>"]
+    assert names[:3] == ["embedding_forward_kernel<long long, fp16_bits>",
+                         "embedding_backward_scan_kernel<long long, fp16_bits>",
+                         "embedding_scan_sum_kernel<fp16_bits>"]
     assert names[-1] == "embedding_backward_sorted_kernel<fp16_bits>"
     assert set(names) <= embedding.kernel_names()["embedding.cu"]
     _assert_launches_match(launched)

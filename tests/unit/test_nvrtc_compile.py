@@ -434,6 +434,8 @@ def _fake_memory(node, key, ctx, build, required=True):
         return Fake((1,), "int32")
     if kind == "mse":
         return dict(partials=Fake((key[1],), "float64"), counter=Fake((1,), "uint32"))
+    if kind == "embedding_scan":       # (op, segments, V * C): the segments' sums
+        return Fake((key[1] * key[2],))
     if kind == "reduce_sum":           # (op, planes, splits): the float64 partial sums
         return Fake((key[1] * key[2],), "float64")
     if kind == "batch_norm":           # (op, channels, splits, extra floats per channel)
@@ -455,8 +457,8 @@ def _record_launches(monkeypatch, *modules):
                            ("_launch", lambda ctx, filename, name, grid, block, args, *_, **__:
                             launched.append((filename, name, grid, block, args)))):
             monkeypatch.setattr(mod, name, fake, raising=False)
-    for mod in (launch, reduce):
-        monkeypatch.setattr(mod, "current_sm_count", lambda: 132)     # an H200's
+    for mod in set(modules) | {launch, reduce}:
+        monkeypatch.setattr(mod, "current_sm_count", lambda: 132, raising=False)  # an H200's
     return launched
 
 
@@ -771,8 +773,12 @@ def test_embedding_launch_arguments_match_the_kernels(monkeypatch, idx_dtype, pt
     names = [name for _, name, _, _, _ in launched]
     ctype = "int" if idx_dtype == "int32" else "long long"
     assert names[0] == f"embedding_forward_kernel<{ctype}>"
-    assert names[1] == f"embedding_backward_scan_kernel<{ctype}>"
-    assert names[2:] == [f"embedding_sort_histogram_kernel<{ctype}>",      # 300: two passes
+    # 300 x 1 blocks of 2,500 positions: 4 segments of 768 make 8 an SM of 132, then their sum
+    assert names[1:3] == [f"embedding_backward_scan_kernel<{ctype}>",
+                          "embedding_scan_sum_kernel<float>"]
+    assert launched[1][2] == (v, -(-c // (4 if ptr == 0x7000 else 1) // 32), 4)
+    assert int(launched[1][4][-1]) == 768 and int(launched[2][4][-1]) == 4
+    assert names[3:] == [f"embedding_sort_histogram_kernel<{ctype}>",      # 300: two passes
                          "embedding_sort_scan_kernel", f"embedding_sort_scatter_kernel<{ctype}>",
                          "embedding_sort_histogram_kernel<int>", "embedding_sort_scan_kernel",
                          "embedding_sort_scatter_kernel<int>",

@@ -2,9 +2,11 @@
 // forward: out[i, :] = weight[idx[i], :] for every position i of the flattened indices; an
 // index outside [0, V) gives a row of NaN (a guarded step then skips its update).
 // backward (dweight = the rows of dy summed per index), two ways chosen by the launcher:
-// - scan (small vocabularies): a block per (vocabulary row, column chunk) scans every index;
-//   its 8 warps take interleaved tiles of 32 positions, each warp sums the rows of its matches
-//   in position order, and the warps' partial sums are added in warp order.
+// - scan (small vocabularies): a block per (vocabulary row, column chunk, position segment)
+//   scans the segment's indices; its 8 warps take interleaved tiles of 32 positions, each warp
+//   sums the rows of its matches in position order, and the warps' partial sums are added in
+//   warp order; several segments (the launcher's: enough blocks for the GPU) each write their
+//   sums to a partial table, which embedding_scan_sum_kernel adds in segment order.
 // - sorted: a stable LSD radix sort of (index, position) pairs by index (8 bits a pass:
 //   per-block digit histograms, one exclusive scan, a stable scatter; integer atomics count
 //   in shared memory only, placement follows position order), then a warp per (vocabulary
@@ -86,25 +88,30 @@ __device__ __forceinline__ void store_sum(T* dweight, long long e, const float4&
     else store_from_float(dweight, e, acc.x);
 }
 
-// Scan path. grid (V, column chunks), block (32, SCAN_WARPS). Lane l of a chunk owns columns
-// [(chunk * 32 + l) * vec, + vec). Warp w visits the tiles of 32 positions starting at
-// w * 32, (w + SCAN_WARPS) * 32, ...; within a tile, the matches in position order.
+// Scan path. grid (V, column chunks, position segments), block (32, SCAN_WARPS). Lane l of a
+// chunk owns columns [(chunk * 32 + l) * vec, + vec). Segment z covers positions [z * seg,
+// (z + 1) * seg) (seg a multiple of 32 * SCAN_WARPS); its warp w visits the tiles of 32
+// positions starting at z * seg + w * 32, + SCAN_WARPS * 32, ...; within a tile, the matches
+// in position order. One segment: the sums go to dweight; several: to the segment's row of
+// `sums` [segments, V * C] (float), for embedding_scan_sum_kernel.
 template <typename L, typename T = float>
 __global__ void __launch_bounds__(32 * SCAN_WARPS)
-embedding_backward_scan_kernel(const T* dy, const L* idx, T* dweight, int n, int V,
-                               int C, int vec) {
+embedding_backward_scan_kernel(const T* dy, const L* idx, T* dweight, float* sums, int n,
+                               int V, int C, int vec, int seg) {
     await_previous_kernel();
     __shared__ float4 partial[SCAN_WARPS][32];
     const int lane = threadIdx.x, warp = threadIdx.y;
     const int groups = C / vec;
+    const int start = blockIdx.z * seg, end = min(n, start + seg);
+    float* out = gridDim.z > 1 ? sums + (long long)blockIdx.z * V * C : nullptr;
     for (int v = blockIdx.x; v < V; v += gridDim.x) {
         for (int g0 = blockIdx.y * 32; g0 < groups; g0 += gridDim.y * 32) {
             const int g = g0 + lane;
             const bool mine = g < groups;
             float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-            for (int base = warp * 32; base < n; base += 32 * SCAN_WARPS) {
+            for (int base = start + warp * 32; base < end; base += 32 * SCAN_WARPS) {
                 const int i = base + lane;
-                unsigned int hits = __ballot_sync(FULL_MASK, i < n && idx[i] == (L)v);
+                unsigned int hits = __ballot_sync(FULL_MASK, i < end && idx[i] == (L)v);
                 while (hits) {
                     const long long p = base + __ffs(hits) - 1;
                     hits &= hits - 1;
@@ -117,10 +124,24 @@ embedding_backward_scan_kernel(const T* dy, const L* idx, T* dweight, int n, int
             if (warp == 0 && mine) {
                 float4 total = partial[0][lane];
                 for (int w = 1; w < SCAN_WARPS; ++w) add4(total, partial[w][lane]);
-                store_sum(dweight, ((long long)v * groups + g) * vec, total, vec);
+                const long long e = ((long long)v * groups + g) * vec;
+                if (out) store_sum(out, e, total, vec);
+                else store_sum(dweight, e, total, vec);
             }
             __syncthreads();  // partial is reused by the next chunk
         }
+    }
+}
+
+// dweight[i] = the segments' sums[z * total + i] added in segment order, rounded once to T.
+template <typename T>
+__global__ void embedding_scan_sum_kernel(const float* sums, T* dweight, int total,
+                                          int segments) {
+    await_previous_kernel();
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+        float s = sums[i];
+        for (int z = 1; z < segments; ++z) s += sums[(long long)z * total + i];
+        store_from_float(dweight, i, s);
     }
 }
 
