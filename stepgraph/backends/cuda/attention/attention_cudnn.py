@@ -215,10 +215,15 @@ def reason(p: Problem) -> str | None:
 def _seeds(ctx, attn, step, role: str):
     """The (seed, offset) int64 pair cuDNN's dropout reads, derived on the device from the
     step counter by a one-thread kernel queued now; None without dropout. One buffer per
-    context, node site and role (forward or gradient), made at the first eager call."""
+    context, node site and role (forward, gradient or dump), made at the first eager call.
+    The gradient reads the forward's buffer where there is one: the forward of the same step
+    ran before it (on cuDNN, or the gradient would not follow it there) and wrote the same
+    (seed, site, step) value, so its own launch would only repeat it."""
     if attn.dropout_p == 0.0:
         return None
     table = ctx.extras.setdefault("sdpa_cudnn_seeds", {})
+    if role == "gradient" and (attn.seed, attn.site, "forward") in table:
+        return table[(attn.seed, attn.site, "forward")]
     key = (attn.seed, attn.site, role)
     if key not in table:
         if _capturing(ctx):
