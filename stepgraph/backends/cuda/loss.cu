@@ -360,7 +360,6 @@ mse_forward_kernel(const float* pred, const float* target, float* loss, long lon
         if (threadIdx.x == 0) partials[blockIdx.x] = acc;
         if (!arrive_last(counter, &last_flag)) return;
         acc = 0.0;
-#pragma unroll 8    // loads in flight: the same order of adds
         for (int b = threadIdx.x; b < gridDim.x; b += blockDim.x) acc += __ldcg(partials + b);
         acc = block_sum(acc, dsmem);
     }

@@ -294,7 +294,6 @@ extern "C" __global__ void global_norm_forward_kernel(const NormEntry* entries,
     if (threadIdx.x == 0) partials[blockIdx.x] = acc;
     if (!arrive_last(counter, &last_flag)) return;
     acc = 0.0;
-#pragma unroll 8    // loads in flight: the same order of adds
     for (int k = threadIdx.x; k < gridDim.x; k += blockDim.x) acc += __ldcg(partials + k);
     acc = block_sum(acc, smem);
     if (threadIdx.x == 0) *out = (float)sqrt(acc);
