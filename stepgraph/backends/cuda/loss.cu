@@ -69,7 +69,6 @@ template <typename L>
 __device__ __forceinline__ int count_kept(const L* labels, int N, long long ignore_index,
                                           int* ismem, int* total) {
     int k = 0;
-#pragma unroll 8    // loads in flight, not one round trip an iteration: the same sum
     for (int i = flat_thread(); i < N; i += blockDim.x * blockDim.y)
         k += !ignored(labels, i, ignore_index);
     k = block_sum(k, ismem);
@@ -174,7 +173,6 @@ cross_entropy_forward_kernel(const float* x, const L* labels, float* loss, float
         if (!arrive_last(counter, &last_flag)) return;
         acc = 0.0;
         kept = 0;
-#pragma unroll 4    // loads in flight: the same order of adds
         for (int i = flat_thread(); i < N; i += blockDim.x * blockDim.y) {
             if (ignored(labels, i, ignore_index)) continue;
             ++kept;
@@ -262,7 +260,6 @@ cross_entropy_train_kernel(const X* x, const L* labels, void* loss, D* dx, float
     }
     if (gridDim.x > 1) {
         if (!arrive_last(counter, &last_flag)) return;
-#pragma unroll 8    // loads in flight, not one L2 round trip a row: the same order of adds
         for (int i = flat_thread(); i < N; i += blockDim.x * blockDim.y)
             acc += (double)__ldcg(rowloss + i);
     }
