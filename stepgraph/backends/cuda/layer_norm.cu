@@ -179,8 +179,8 @@ __device__ __forceinline__ void add_stored(float* sum, const float* v) {
     }
 }
 
-// The half copy of VEC values v of dx: v, or (a dropout's gradient, `drop`) v rounded to H,
-// times keep and scale, with the keep bytes `keep` (keep_bytes); rounded to H on store.
+// The half copy of VEC values v of dx through a dropout's gradient `drop`: v rounded to H,
+// times keep (the keep bytes `keep`, keep_bytes) and scale; rounded to H again on store.
 template <int VEC, typename H>
 __device__ __forceinline__ void half_copy(const float* v, const HalfDropout& drop,
                                           unsigned int keep, float* t) {
