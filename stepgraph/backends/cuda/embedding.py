@@ -160,7 +160,7 @@ def _scan_sum_name(vtype: str) -> str:
     return f"embedding_scan_sum_kernel<{vtype}>"
 
 
-def scan_segment(v: int, chunks: int, n: int) -> int:
+def _scan_segment(v: int, chunks: int, n: int) -> int:
     """Positions a segment of the scan path covers: a multiple of a block's round of tiles
     (32 * SCAN_WARPS), short enough that (v, chunks, segments) blocks give every SM
     SCAN_BLOCKS_PER_SM blocks where n allows; all n for one segment."""
@@ -174,7 +174,7 @@ def _scan(ctx, node: Node, dy, idx, dweight, ctype: str, vtype: str, vec: int,
           chunks: int) -> None:
     v, c = dweight.shape
     n = idx.size
-    seg = scan_segment(v, chunks, n)
+    seg = _scan_segment(v, chunks, n)
     segments = -(-n // seg)
     sums = np.uint64(0)
     if segments > 1:
