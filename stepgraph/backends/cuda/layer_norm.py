@@ -356,6 +356,8 @@ def _grad_tables(ctx, node: Node, what: str, name: str, lay: Layout, rows: int, 
     not wanted)."""
     blocks = grad_blocks(rows, c, lay, resident_blocks(name, lay.threads * lay.rows_per_block))
     wanted = tuple(t is not None for t in sums)
+    if not any(wanted):                # no scratch asked of the node
+        return (blocks, *sums)
     tables = _node_memory(node, (what, blocks, c, wanted), ctx, lambda: [
         cp.empty(blocks * c, np.float32) if want else None for want in wanted])
     return (blocks, *tables)
