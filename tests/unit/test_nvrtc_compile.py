@@ -427,9 +427,9 @@ def _fake_memory(node, key, ctx, build, required=True):
                     hist=Fake((256 * blocks,), "int32"), blocks=blocks)
     if kind in ("layer_norm_grad", "add_layer_norm_grad", "rms_norm_grad", "add_rms_norm_grad"):
         return [Fake((key[1] * key[2],)) if want else None for want in key[3]]   # blocks x C
-    if kind == "cross_entropy":
+    if kind == "cross_entropy":        # (op, rows, rowloss, blocks with partials)
         return dict(counter=Fake((1,), "uint32"), count=Fake((1,), "int32"),
-                    rowloss=Fake((key[1],)))
+                    rowloss=Fake((key[1],)), partials=Fake((max(key[3], 1),), "float64"))
     if kind == "cross_entropy_count":
         return Fake((1,), "int32")
     if kind == "mse":
@@ -457,7 +457,7 @@ def _record_launches(monkeypatch, *modules):
                            ("_launch", lambda ctx, filename, name, grid, block, args, *_, **__:
                             launched.append((filename, name, grid, block, args)))):
             monkeypatch.setattr(mod, name, fake, raising=False)
-    for mod in set(modules) | {launch, reduce}:
+    for mod in set(modules) | {launch, elementwise, reduce, loss, optim}:
         monkeypatch.setattr(mod, "current_sm_count", lambda: 132, raising=False)  # an H200's
     return launched
 

@@ -215,16 +215,17 @@ __device__ __forceinline__ float mean_scale(int kept) {
 }
 
 // Fused forward and backward with dloss = 1 (scale = float32(1 / kept)): loss and dlogits in
-// one launch. Several blocks park each row's loss in rowloss (N floats, launcher scratch) and
-// read the kept rows' count from `count`; a single block keeps the losses in registers and
-// may count itself (count null). X, D: float, or bf16 logits (widened as loaded) and dlogits
+// one launch. Each block sums its rows' losses in float64 (a fixed set of rows, a fixed
+// order); several blocks park their sums in partials (gridDim.x doubles, launcher scratch),
+// which the block that arrives last adds in block order, and read the kept rows' count from
+// `count`; a single block may count itself (count null). X, D: float, or bf16 logits (widened as loaded) and dlogits
 // (rounded once as stored) where the casts around the loss were dropped
 // (compile/fuse.py fuse_loss_casts): the same values as the float32 kernel between the casts;
 // or float16 logits and dlogits of a float16 model, whose loss is float16 too (loss_kind:
 // bf16.cuh STORAGE_*, the loss rounded once from float32 as stored).
 template <typename X, typename D, typename L>
 __global__ void __launch_bounds__(1024)
-cross_entropy_train_kernel(const X* x, const L* labels, void* loss, D* dx, float* rowloss,
+cross_entropy_train_kernel(const X* x, const L* labels, void* loss, D* dx, double* partials,
                            unsigned int* counter, const int* count, int N, int C, float eps,
                            float hit, float off, long long ignore_index, int loss_kind) {
     await_previous_kernel();
@@ -242,7 +243,6 @@ cross_entropy_train_kernel(const X* x, const L* labels, void* loss, D* dx, float
         const float mean = eps != 0.f ? row_mean(x + r0, valid ? C : 0, C, smem) : 0.f;
         if (valid && ignored(labels, row, ignore_index)) {
             for (int c = threadIdx.x; c < C; c += blockDim.x) store_from_float(dx, r0 + c, 0.f);
-            if (threadIdx.x == 0 && gridDim.x > 1) rowloss[row] = 0.f;
         } else if (valid) {
             const L label = labels[row];
             for (int c = threadIdx.x; c < C; c += blockDim.x) {
@@ -252,18 +252,19 @@ cross_entropy_train_kernel(const X* x, const L* labels, void* loss, D* dx, float
             }
             if (threadIdx.x == 0) {
                 const float p = picked_logit(x + r0, label, C);
-                const float rl = eps != 0.f ? smoothed_loss(l, p, mean, eps, hit) : l - p;
-                if (gridDim.x > 1) rowloss[row] = rl;
-                else acc += (double)rl;
+                acc += (double)(eps != 0.f ? smoothed_loss(l, p, mean, eps, hit) : l - p);
             }
         }
     }
-    if (gridDim.x > 1) {
-        if (!arrive_last(counter, &last_flag)) return;
-        for (int i = flat_thread(); i < N; i += blockDim.x * blockDim.y)
-            acc += (double)__ldcg(rowloss + i);
-    }
     acc = block_sum(acc, dsmem);
+    if (gridDim.x > 1) {
+        if (flat_thread() == 0) partials[blockIdx.x] = acc;
+        if (!arrive_last(counter, &last_flag)) return;
+        acc = 0.0;
+        for (int b = flat_thread(); b < gridDim.x; b += blockDim.x * blockDim.y)
+            acc += __ldcg(partials + b);
+        acc = block_sum(acc, dsmem);
+    }
     if (flat_thread() == 0) store_either_from_float(loss, loss_kind, 0, (float)(acc / kept));
 }
 

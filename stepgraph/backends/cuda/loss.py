@@ -22,10 +22,14 @@ from ...errors import ShapeError
 from ...ir.graph import Node
 from .runtime.launch import (BLOCK, ELEMENT_CTYPES, LABEL_CTYPES, _check, _check_int32,
                              _check_scalar, _element_ctype, _float_kind, _grid, _launch,
-                             _node_memory, _or_null, _row_block, _row_grid, _typed)
+                             _node_memory, _or_null, _row_block, _row_grid, _typed,
+                             current_sm_count)
 
 SINGLE_BLOCK_ELEMENTS = 1 << 15   # cross-entropy over at most this many logits: one block
 SHORT_ROW = 32                    # cross_entropy_train in one block: a thread per row up to here
+# cross_entropy_train's blocks an SM at most (one wave of 256 threads' blocks, rows grid-strided):
+# a second, partial wave and 2,048 arrivals left gpt bf16's SMs idle over half its 26 us
+TRAIN_BLOCKS_PER_SM = 8
 BF16_OPS = frozenset({"cross_entropy_train", "log_softmax", "log_softmax_grad"})
 FP16_OPS = BF16_OPS
 # (logits, dlogits) storages of the train kernels: float32 and bf16 in any mix, float16 alone
@@ -76,23 +80,28 @@ def log_softmax_backward(ctx, dy, y, dx) -> None:
                 _row_grid(n, block[1]), block, (dy, y, dx, np.int32(n), np.int32(c)))
 
 
-def _loss_layout(node: Node, ctx, n: int, c: int, rowloss: bool):
+def _loss_layout(node: Node, ctx, n: int, c: int, rowloss: bool, partials: bool = False):
     """(grid, block, scratch) of a cross-entropy kernel: one block of 1024 threads for small
-    inputs (no scratch), else one block per 256 threads' rows with the node's scratch."""
+    inputs (no scratch), else one block per 256 threads' rows with the node's scratch (rowloss:
+    n floats; partials: a float64 a block, the blocks then at most one wave)."""
     single = _row_block(c, 1024)
     if n * c <= SINGLE_BLOCK_ELEMENTS or n <= single[1]:
         return (1,), single, None
-    key = ("cross_entropy", n, rowloss)
+    block = _row_block(c, BLOCK)
+    grid = _row_grid(n, block[1])
+    if partials:
+        grid = (min(grid[0], TRAIN_BLOCKS_PER_SM * current_sm_count()),)
+    key = ("cross_entropy", n, rowloss, grid[0] if partials else 0)
 
     def build():
         return dict(counter=cp.zeros(1, np.uint32), count=cp.zeros(1, np.int32),
-                    rowloss=cp.empty(n if rowloss else 1, np.float32))
+                    rowloss=cp.empty(n if rowloss else 1, np.float32),
+                    partials=cp.empty(grid[0] if partials else 1, np.float64))
 
     scratch = _node_memory(node, key, ctx, build, required=False)
     if scratch is None:      # capture without a warm-up: one block is slower, still exact
         return (1,), single, None
-    block = _row_block(c, BLOCK)
-    return _row_grid(n, block[1]), block, scratch
+    return grid, block, scratch
 
 
 def _scratch_args(scratch, fallback) -> tuple:
@@ -192,14 +201,15 @@ def cross_entropy_train(ctx, node: Node, logits, labels, loss, dx,
                 (logits, labels, loss, dx, np.int32(n), np.int32(c)) + smoothing +
                 (ignore, loss_kind))
         return
-    grid, block, scratch = _loss_layout(node, ctx, n, c, rowloss=True)
-    rowloss, counter = _scratch_args(scratch, loss)
+    grid, block, scratch = _loss_layout(node, ctx, n, c, rowloss=False, partials=True)
+    partials, counter = (loss, loss) if scratch is None else \
+        (scratch["partials"], scratch["counter"])
     count = np.uint64(0)        # one block counts the kept rows itself
     if scratch is not None:
         count = scratch["count"]
         _count_kept(ctx, labels, ignore, count)
     _launch(ctx, "loss.cu", _train_loss_name("cross_entropy_train_kernel", *types),
-            grid, block, (logits, labels, loss, dx, rowloss, counter, count, np.int32(n),
+            grid, block, (logits, labels, loss, dx, partials, counter, count, np.int32(n),
                           np.int32(c)) + smoothing + (ignore, loss_kind))
 
 
