@@ -14,10 +14,12 @@ from .softmax import logsumexp
 IGNORE_INDEX = -100
 
 
-def _check_labels(op, logits, labels):
-    _need(len(logits.shape) == 2, op, f"logits must be (batch, classes), got {logits.shape}")
-    _need(labels.shape == (logits.shape[0],), op,
-          f"labels must be ({logits.shape[0]},) for logits {logits.shape}, got {labels.shape}")
+def _check_labels(op, logits, labels, classes_first: bool = False):
+    layout = "(classes, batch)" if classes_first else "(batch, classes)"
+    _need(len(logits.shape) == 2, op, f"logits must be {layout}, got {logits.shape}")
+    rows = logits.shape[1 if classes_first else 0]
+    _need(labels.shape == (rows,), op,
+          f"labels must be ({rows},) for logits {logits.shape}, got {labels.shape}")
     _need(labels.dtype in ("int32", "int64"), op, f"labels must be integers, got {labels.dtype}")
 
 
@@ -46,8 +48,9 @@ def _cross_entropy_train(ins, attrs):
     """Fused forward and backward with dloss = 1: (loss, dlogits) from (logits, labels);
     attrs label_smoothing and ignore_index as cross_entropy's. bf16 logits (compile/fuse.py
     fuse_loss_casts) are widened exactly and give bf16 dlogits, rounded once; the loss is
-    float32."""
-    _check_labels("cross_entropy", *ins)
+    float32. With attrs classes_first the logits and dlogits are stored transposed, (C, N)
+    (compile/logits_layout.py)."""
+    _check_labels("cross_entropy", *ins, classes_first=bool(attrs.get("classes_first")))
     loss_dtype = "float32" if ins[0].dtype == BF16 else ins[0].dtype
     return [((), loss_dtype), (ins[0].shape, ins[0].dtype)]
 
@@ -129,9 +132,12 @@ def cross_entropy_grad(node: Node, ins, outs, ctx):
 @impl("cross_entropy_train")
 def cross_entropy_train(node: Node, ins, outs, ctx):
     logits, labels = ins
+    dlogits = outs[1]
+    if node.attrs.get("classes_first"):   # rows contiguous: the same sums as (N, C) logits
+        logits, dlogits = np.ascontiguousarray(logits.T), dlogits.T
     lse = logsumexp(logits)[:, 0]
     outs[0][...] = _cross_entropy_loss(logits, labels, lse, *_ce_attrs(node))
-    outs[1][...] = _softmax_minus_onehot(logits, lse, labels, logits.dtype.type(1),
+    dlogits[...] = _softmax_minus_onehot(logits, lse, labels, logits.dtype.type(1),
                                          *_ce_attrs(node))
 
 

@@ -214,12 +214,31 @@ __device__ __forceinline__ float mean_scale(int kept) {
     return (float)(1.0 / (double)kept);
 }
 
+// The train kernels' loss, mean over the kept rows of each block's float64 sum acc: several
+// blocks park their sums in partials (gridDim.x doubles, launcher scratch), which the block
+// that arrives last adds in block order. Every thread of the block calls it.
+__device__ __forceinline__ void store_train_loss(double acc, double* partials,
+                                                 unsigned int* counter, int kept, void* loss,
+                                                 int loss_kind) {
+    __shared__ double dsmem[32];
+    __shared__ unsigned int last_flag;
+    acc = block_sum(acc, dsmem);
+    if (gridDim.x > 1) {
+        if (flat_thread() == 0) partials[blockIdx.x] = acc;
+        if (!arrive_last(counter, &last_flag)) return;
+        acc = 0.0;
+        for (int b = flat_thread(); b < gridDim.x; b += blockDim.x * blockDim.y)
+            acc += __ldcg(partials + b);
+        acc = block_sum(acc, dsmem);
+    }
+    if (flat_thread() == 0) store_either_from_float(loss, loss_kind, 0, (float)(acc / kept));
+}
+
 // Fused forward and backward with dloss = 1 (scale = float32(1 / kept)): loss and dlogits in
 // one launch. Each block sums its rows' losses in float64 (a fixed set of rows, a fixed
-// order); several blocks park their sums in partials (gridDim.x doubles, launcher scratch),
-// which the block that arrives last adds in block order, and read the kept rows' count from
-// `count`; a single block may count itself (count null). X, D: float, or bf16 logits (widened as loaded) and dlogits
-// (rounded once as stored) where the casts around the loss were dropped
+// order; store_train_loss), and several blocks read the kept rows' count from `count`; a
+// single block may count itself (count null). X, D: float, or bf16 logits (widened as loaded)
+// and dlogits (rounded once as stored) where the casts around the loss were dropped
 // (compile/fuse.py fuse_loss_casts): the same values as the float32 kernel between the casts;
 // or float16 logits and dlogits of a float16 model, whose loss is float16 too (loss_kind:
 // bf16.cuh STORAGE_*, the loss rounded once from float32 as stored).
@@ -230,8 +249,6 @@ cross_entropy_train_kernel(const X* x, const L* labels, void* loss, D* dx, doubl
                            float hit, float off, long long ignore_index, int loss_kind) {
     await_previous_kernel();
     __shared__ float smem[32];
-    __shared__ double dsmem[32];
-    __shared__ unsigned int last_flag;
     const int kept = kept_rows(count, labels, N, ignore_index);
     const float scale = mean_scale(kept);
     double acc = 0.0;
@@ -256,16 +273,82 @@ cross_entropy_train_kernel(const X* x, const L* labels, void* loss, D* dx, doubl
             }
         }
     }
-    acc = block_sum(acc, dsmem);
-    if (gridDim.x > 1) {
-        if (flat_thread() == 0) partials[blockIdx.x] = acc;
-        if (!arrive_last(counter, &last_flag)) return;
-        acc = 0.0;
-        for (int b = flat_thread(); b < gridDim.x; b += blockDim.x * blockDim.y)
-            acc += __ldcg(partials + b);
-        acc = block_sum(acc, dsmem);
+    store_train_loss(acc, partials, counter, kept, loss, loss_kind);
+}
+
+// Combines the blockDim.y lanes' values of each sample column (threadIdx.x) in lane order
+// with op, in every thread of the block (every thread calls it); share holds 32 x 32 floats.
+template <typename Op>
+__device__ __forceinline__ float lanes_combine(float v, float (*share)[32], Op op) {
+    __syncthreads();  // an earlier call may still be reading share
+    share[threadIdx.y][threadIdx.x] = v;
+    __syncthreads();
+    float r = share[0][threadIdx.x];
+    for (int k = 1; k < blockDim.y; ++k) r = op(r, share[k][threadIdx.x]);
+    return r;
+}
+
+// cross_entropy_train_kernel over logits and dlogits stored classes-first, (C, N)
+// (compile/logits_layout.py: the GEMMs around them then run aligned). A block takes 32
+// samples at a time, one a threadIdx.x, so a warp loads 32 neighbouring values of a class;
+// its blockDim.y lanes take the classes threadIdx.y, threadIdx.y + blockDim.y, ... and their
+// maxima and sums are combined in lane order. Loss, count, scale, partials and dtypes as
+// cross_entropy_train_kernel's.
+template <typename X, typename D, typename L>
+__global__ void __launch_bounds__(256)
+cross_entropy_train_columns_kernel(const X* x, const L* labels, void* loss, D* dx,
+                                   double* partials, unsigned int* counter, const int* count,
+                                   int N, int C, float eps, float hit, float off,
+                                   long long ignore_index, int loss_kind) {
+    await_previous_kernel();
+    __shared__ float share[32][32];
+    const auto max_op = [](float a, float b) { return fmaxf(a, b); };
+    const auto sum_op = [](float a, float b) { return a + b; };
+    const int kept = kept_rows(count, labels, N, ignore_index);
+    const float scale = mean_scale(kept);
+    double acc = 0.0;
+    for (long long base = (long long)blockIdx.x * blockDim.x; base < N;
+         base += (long long)gridDim.x * blockDim.x) {
+        const int row = (int)base + threadIdx.x;
+        const int classes = row < N ? C : 0;      // a sample past N takes part in the combines
+        float m = NEG_INF;
+#pragma unroll 4
+        for (int c = threadIdx.y; c < classes; c += blockDim.y)
+            m = fmaxf(m, load_as_float(x, (long long)c * N + row));
+        m = lanes_combine(m, share, max_op);
+        float s = 0.f;
+#pragma unroll 4
+        for (int c = threadIdx.y; c < classes; c += blockDim.y)
+            s += expf(load_as_float(x, (long long)c * N + row) - m);
+        const float l = m + logf(lanes_combine(s, share, sum_op));
+        float mean = 0.f;
+        if (eps != 0.f) {
+            float t = 0.f;
+            for (int c = threadIdx.y; c < classes; c += blockDim.y)
+                t += load_as_float(x, (long long)c * N + row);
+            mean = lanes_combine(t, share, sum_op) / (float)C;
+        }
+        if (classes == 0) continue;
+        if (ignored(labels, row, ignore_index)) {
+            for (int c = threadIdx.y; c < C; c += blockDim.y)
+                store_from_float(dx, (long long)c * N + row, 0.f);
+            continue;
+        }
+        const L label = labels[row];
+#pragma unroll 4
+        for (int c = threadIdx.y; c < C; c += blockDim.y) {
+            const long long i = (long long)c * N + row;
+            const float g = smoothed_grad(load_as_float(x, i), l, (long long)label == c, off,
+                                          hit);
+            store_from_float(dx, i, __fmul_rn(g, scale));
+        }
+        if (threadIdx.y == 0) {
+            const float p = (label >= 0 && label < C) ? load_as_float(x, (long long)label * N + row)
+                                                      : QUIET_NAN;
+            acc += (double)(eps != 0.f ? smoothed_loss(l, p, mean, eps, hit) : l - p);
+        }
     }
-    if (flat_thread() == 0) store_either_from_float(loss, loss_kind, 0, (float)(acc / kept));
+    store_train_loss(acc, partials, counter, kept, loss, loss_kind);
 }
 
 // cross_entropy_train_kernel for short rows (C <= 32) in one block: a thread per row. A warp

@@ -30,6 +30,9 @@ SHORT_ROW = 32                    # cross_entropy_train in one block: a thread p
 # cross_entropy_train's blocks an SM at most (one wave of 256 threads' blocks, rows grid-strided):
 # a second, partial wave and 2,048 arrivals left gpt bf16's SMs idle over half its 26 us
 TRAIN_BLOCKS_PER_SM = 8
+# lanes a sample of the classes-first train kernel: 32 samples x 8 lanes a block of 256, each
+# lane over C / 8 classes (65: 9), so gpt's 16,384 rows make 512 blocks
+COLUMN_LANES = 8
 BF16_OPS = frozenset({"cross_entropy_train", "log_softmax", "log_softmax_grad"})
 FP16_OPS = BF16_OPS
 # (logits, dlogits) storages of the train kernels: float32 and bf16 in any mix, float16 alone
@@ -37,16 +40,20 @@ TRAIN_CTYPES = [(x, d) for x in ("float", "unsigned short") for d in ("float", "
     + [("fp16_bits", "fp16_bits")]
 
 
-def _check_logits(what: str, x, labels=None, dtype: str | None = "float32") -> tuple[int, int]:
+def _check_logits(what: str, x, labels=None, dtype: str | None = "float32",
+                  classes_first: bool = False) -> tuple[int, int]:
+    """(batch, classes) of logits x, (batch, classes) or, classes_first, (classes, batch)."""
     _check(f"{what} logits", x, dtype=dtype)
     if x.ndim != 2:
-        raise ShapeError(f"{what}: expected (batch, classes), got {tuple(x.shape)}")
+        layout = "(classes, batch)" if classes_first else "(batch, classes)"
+        raise ShapeError(f"{what}: expected {layout}, got {tuple(x.shape)}")
     _check_int32(what, x.size)
+    n, c = x.shape[::-1] if classes_first else x.shape
     if labels is not None:
-        _check(f"{what} labels", labels, dtype=None, shape=(x.shape[0],))
+        _check(f"{what} labels", labels, dtype=None, shape=(n,))
         if labels.dtype not in LABEL_CTYPES:
             raise ShapeError(f"{what} labels: expected int32 or int64, got {labels.dtype}")
-    return x.shape
+    return n, c
 
 
 def _typed_rows(what: str, x) -> tuple[str, int, int]:
@@ -80,15 +87,18 @@ def log_softmax_backward(ctx, dy, y, dx) -> None:
                 _row_grid(n, block[1]), block, (dy, y, dx, np.int32(n), np.int32(c)))
 
 
-def _loss_layout(node: Node, ctx, n: int, c: int, rowloss: bool, partials: bool = False):
+def _loss_layout(node: Node, ctx, n: int, c: int, rowloss: bool, partials: bool = False,
+                 columns: bool = False):
     """(grid, block, scratch) of a cross-entropy kernel: one block of 1024 threads for small
     inputs (no scratch), else one block per 256 threads' rows with the node's scratch (rowloss:
-    n floats; partials: a float64 a block, the blocks then at most one wave)."""
-    single = _row_block(c, 1024)
-    if n * c <= SINGLE_BLOCK_ELEMENTS or n <= single[1]:
+    n floats; partials: a float64 a block, the blocks then at most one wave). columns: the
+    classes-first train kernel's blocks, 32 rows by COLUMN_LANES lanes, alone too."""
+    single = (32, COLUMN_LANES) if columns else _row_block(c, 1024)
+    rows_of = (lambda b: b[0]) if columns else (lambda b: b[1])
+    if n * c <= SINGLE_BLOCK_ELEMENTS or n <= rows_of(single):
         return (1,), single, None
-    block = _row_block(c, BLOCK)
-    grid = _row_grid(n, block[1])
+    block = (32, COLUMN_LANES) if columns else _row_block(c, BLOCK)
+    grid = _row_grid(n, rows_of(block))
     if partials:
         grid = (min(grid[0], TRAIN_BLOCKS_PER_SM * current_sm_count()),)
     key = ("cross_entropy", n, rowloss, grid[0] if partials else 0)
@@ -181,13 +191,16 @@ def _train_loss_name(kernel: str, x: str, d: str, label: str) -> str:
 
 
 def cross_entropy_train(ctx, node: Node, logits, labels, loss, dx,
-                        label_smoothing: float = 0.0, ignore_index: int = -100) -> None:
+                        label_smoothing: float = 0.0, ignore_index: int = -100,
+                        classes_first: bool = False) -> None:
     """Fused forward and backward with dloss = 1: loss and dlogits in one launch (several
     blocks: after a one-block launch counting the rows not ignored, which every block needs
     for the gradients' scale float32(1 / kept)). logits and dlogits float32, or bf16 where
     compile/fuse.py fuse_loss_casts dropped the casts around the loss; or float16 logits,
-    dlogits and loss (a float16 model)."""
-    n, c = _check_logits("cross_entropy_train", logits, labels, dtype=None)
+    dlogits and loss (a float16 model). classes_first: logits and dlogits (C, N)
+    (compile/logits_layout.py)."""
+    n, c = _check_logits("cross_entropy_train", logits, labels, dtype=None,
+                         classes_first=classes_first)
     loss_kind = _float_kind("cross_entropy_train loss", loss)
     _check_scalar("cross_entropy_train loss", loss, loss.dtype.name)
     _check("cross_entropy_train dlogits", dx, dtype=None, shape=logits.shape)
@@ -195,20 +208,23 @@ def cross_entropy_train(ctx, node: Node, logits, labels, loss, dx,
              _element_ctype("cross_entropy_train dlogits", dx), LABEL_CTYPES[labels.dtype])
     smoothing = _smoothing(label_smoothing, c)
     ignore = _ignore(ignore_index)
-    if c <= SHORT_ROW and n * c <= SINGLE_BLOCK_ELEMENTS:
+    if c <= SHORT_ROW and n * c <= SINGLE_BLOCK_ELEMENTS and not classes_first:
         _launch(ctx, "loss.cu", _train_loss_name("cross_entropy_train_short_kernel", *types),
                 (1,), (min(1024, max(32, -(-n // 32) * 32)),),
                 (logits, labels, loss, dx, np.int32(n), np.int32(c)) + smoothing +
                 (ignore, loss_kind))
         return
-    grid, block, scratch = _loss_layout(node, ctx, n, c, rowloss=False, partials=True)
+    grid, block, scratch = _loss_layout(node, ctx, n, c, rowloss=False, partials=True,
+                                        columns=classes_first)
     partials, counter = (loss, loss) if scratch is None else \
         (scratch["partials"], scratch["counter"])
     count = np.uint64(0)        # one block counts the kept rows itself
     if scratch is not None:
         count = scratch["count"]
         _count_kept(ctx, labels, ignore, count)
-    _launch(ctx, "loss.cu", _train_loss_name("cross_entropy_train_kernel", *types),
+    kernel = "cross_entropy_train_columns_kernel" if classes_first else \
+        "cross_entropy_train_kernel"
+    _launch(ctx, "loss.cu", _train_loss_name(kernel, *types),
             grid, block, (logits, labels, loss, dx, partials, counter, count, np.int32(n),
                           np.int32(c)) + smoothing + (ignore, loss_kind))
 
@@ -270,7 +286,8 @@ def kernel_names() -> dict[str, set[str]]:
     """{.cu file: every kernel name these launchers may launch} (as elementwise.py's)."""
     label = ("cross_entropy_count", "cross_entropy_forward", "cross_entropy_backward",
              "nll_loss_forward", "nll_loss_backward")
-    train = ("cross_entropy_train_short_kernel", "cross_entropy_train_kernel")
+    train = ("cross_entropy_train_short_kernel", "cross_entropy_train_kernel",
+             "cross_entropy_train_columns_kernel")
     return {"loss.cu": {"mse_forward_kernel", "mse_backward_kernel"}
             | {_typed(f"log_softmax_{d}_kernel", ctype) for d in ("forward", "backward")
                for ctype in ELEMENT_CTYPES.values()}
@@ -291,7 +308,7 @@ IMPLS: dict[str, Callable] = {
         node, node.attrs.get("ignore_index", -100)),
     "cross_entropy_train": lambda node, ins, outs, ctx: cross_entropy_train(
         ctx, node, ins[0], ins[1], outs[0], outs[1], node.attrs.get("label_smoothing", 0.0),
-        node.attrs.get("ignore_index", -100)),
+        node.attrs.get("ignore_index", -100), bool(node.attrs.get("classes_first"))),
     "nll_loss": lambda node, ins, outs, ctx: nll_loss_forward(ctx, ins[0], ins[1], outs[0]),
     "nll_loss_grad": lambda node, ins, outs, ctx: nll_loss_backward(
         ctx, ins[0], ins[1], outs[0]),
