@@ -25,6 +25,7 @@ from .slice_sums import concat_slice_gradients
 from .concat_slices import read_concat_inputs
 from .layout_chains import collapse_layout_chains
 from .matmul_add import fuse_matmul_add
+from .logits_layout import transpose_unaligned_logits
 from .norm_casts import (fuse_layer_norm_casts, fuse_norm_grad_bias_sums, fuse_norm_grad_casts,
                          fuse_norm_input_casts)
 from .elementwise_reshapes import move_elementwise_before_reshapes
@@ -514,7 +515,8 @@ PASSES = (pack_attention_heads, fuse_product_sums, fuse_cell_grad_sums, concat_s
           fuse_matmul_bias_grad, fuse_matmul_add, fuse_cross_entropy,
           fuse_log_softmax_nll, fuse_loss_casts, fuse_layer_norm_casts, fuse_norm_grad_casts,
           fuse_norm_grad_bias_sums, fuse_norm_input_casts, fuse_step_bookkeeping,
-          fuse_gradient_casts, move_elementwise_before_reshapes, recompute_saved_pointwise,
+          fuse_gradient_casts, move_elementwise_before_reshapes, transpose_unaligned_logits,
+          recompute_saved_pointwise,
           fuse_pointwise, attention_views, read_pointwise_views, fuse_row_sums,
           join_pointwise_results, eliminate_dead_code)
 
