@@ -516,9 +516,8 @@ PASSES = (pack_attention_heads, fuse_product_sums, fuse_cell_grad_sums, concat_s
           fuse_log_softmax_nll, fuse_loss_casts, fuse_layer_norm_casts, fuse_norm_grad_casts,
           fuse_norm_grad_bias_sums, fuse_norm_input_casts, fuse_step_bookkeeping,
           fuse_gradient_casts, move_elementwise_before_reshapes, transpose_unaligned_logits,
-          recompute_saved_pointwise,
-          fuse_pointwise, attention_views, read_pointwise_views, fuse_row_sums,
-          join_pointwise_results, eliminate_dead_code)
+          recompute_saved_pointwise, fuse_pointwise, attention_views, read_pointwise_views,
+          fuse_row_sums, join_pointwise_results, eliminate_dead_code)
 
 
 def fuse(graph: Graph, passes=PASSES) -> Graph:

@@ -16,7 +16,7 @@ Where: cross_entropy_train reads the output of a linear without bias or activati
 no graph output; every reader of dlogits is a matmul without bias_grad (whose sums follow
 the operand's layout), and dlogits is no graph output; N rows make 16-byte aligned rows of
 the transposed layout. The products are the same sums (other GEMM kernels may add them in
-another order); the loss kernel reads a column of C classes a row (backends/cuda/loss.cu).
+another order); the loss kernel reads a column of C classes a sample (backends/cuda/loss.cu).
 """
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ def _gradient_products(graph: Graph, users, dlogits: Value) -> list[Node] | None
 
 
 def transpose_unaligned_logits(graph: Graph) -> Graph:
+    """The heads the module docstring describes, with their logits stored classes-first."""
     graph = _copy(graph)
     users, producers = graph.consumers(), graph.producers()
     subst: dict[Value, Value] = {}
