@@ -103,13 +103,12 @@ class BiasedHead(nn.Module):
         return self.head(self.emb(idx))
 
 
-def head_loss_node(bias: bool, rows: int):
+def head_loss_node(bias: bool, rows: int, loss=losses.cross_entropy):
     model = BiasedHead(65, bias)
     opt = optim.SGD(model.parameters(), lr=0.1)
     x = seeded(f"head-{rows}").integers(0, 65, (rows,))
     signature = signature_of(("x", "y"), (x, x))
-    return loss_node(fuse(build_train_graph(model, losses.cross_entropy, opt, signature,
-                                            seed=1)))
+    return loss_node(fuse(build_train_graph(model, loss, opt, signature, seed=1)))
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -139,3 +138,10 @@ def test_numpy_loss_classes_first_is_the_row_major_one_transposed(eps, ignore):
                               classes_first=True, **attrs)
     np.testing.assert_array_equal(loss_t, loss)
     np.testing.assert_array_equal(dx_t, dx.T)
+
+
+def test_logits_read_elsewhere_stay_row_major():
+    """A loss that also reads the logits (their mean, here) keeps them (N, C) for that reader
+    and for the gradient it adds to dlogits."""
+    loss = lambda out, y: losses.cross_entropy(out, y) + 1e-3 * out.mean()  # noqa: E731
+    assert not head_loss_node(False, 64, loss).attrs.get("classes_first")
