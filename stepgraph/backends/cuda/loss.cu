@@ -27,9 +27,10 @@ __device__ __forceinline__ float row_logsumexp(const X* xr, int cols, float* sme
     return m + logf(row_sum_exp(xr, cols, m, smem));
 }
 
+// The label's logit of a row whose classes lie `stride` elements apart (classes-first: N).
 template <typename X, typename L>
-__device__ __forceinline__ float picked_logit(const X* xr, L label, int C) {
-    return (label >= 0 && label < C) ? load_as_float(xr, label) : QUIET_NAN;
+__device__ __forceinline__ float picked_logit(const X* xr, L label, int C, long long stride = 1) {
+    return (label >= 0 && label < C) ? load_as_float(xr, (long long)label * stride) : QUIET_NAN;
 }
 
 // One row's smoothed loss from lse l, the picked logit p and the row's mean logit.
@@ -343,8 +344,7 @@ cross_entropy_train_columns_kernel(const X* x, const L* labels, void* loss, D* d
             store_from_float(dx, i, __fmul_rn(g, scale));
         }
         if (threadIdx.y == 0) {
-            const float p = (label >= 0 && label < C) ? load_as_float(x, (long long)label * N + row)
-                                                      : QUIET_NAN;
+            const float p = picked_logit(x + row, label, C, N);
             acc += (double)(eps != 0.f ? smoothed_loss(l, p, mean, eps, hit) : l - p);
         }
     }
